@@ -1,0 +1,3 @@
+"""refattn's oracle: golden fixtures, tolerance policy, validation of implementations."""
+
+__all__: list[str] = []

@@ -1,0 +1,15 @@
+"""Named defaults and thresholds of refattn (no magic numbers elsewhere)."""
+
+#: Bits above the target format's precision at which the Ziv loop starts.
+ZIV_GUARD_BITS = 40
+
+#: Largest working precision (bits) of the Ziv loop before an exact fallback is required.
+#: Results that underflow in float64 need about 1100 bits; this leaves ample room.
+ZIV_MAX_PREC = 1 << 14
+
+#: Extra bits mpmath elementary functions are evaluated with before the enclosure is widened
+#: outward by two units in the last place (guards against a last-bit error in libmp).
+ELEMENTARY_GUARD_BITS = 8
+
+#: Default float dtype of exact-path outputs.
+DEFAULT_OUT_DTYPE = "float64"

@@ -1,0 +1,259 @@
+"""Correct rounding of exact real numbers to IEEE-style binary formats, and the Ziv loop.
+
+Every exact-path result in refattn is produced the same way:
+
+1. an *evaluator* computes, at a working precision of ``prec`` bits, a rigorous enclosure
+   ``lo <= x <= hi`` of each exact result ``x`` (endpoints are exact rationals);
+2. both endpoints are rounded to the target format with round-to-nearest, ties-to-even;
+3. where the two roundings agree (bit for bit, sign of zero included) the result is decided;
+   elsewhere the precision is doubled and the evaluator runs again (Ziv's strategy).
+
+Exact rationals are rounded with integer arithmetic only (no host ``libm`` and no double
+rounding through float64 for subnormals), so results are identical on every machine.
+
+Formats (``p`` significand bits including the hidden bit, ``emin``/``emax`` exponent range):
+
+=========  ===  ======  =====
+format       p    emin   emax
+=========  ===  ======  =====
+float64     53   -1022   1023
+float32     24    -126    127
+float16     11     -14     15
+bfloat16     8    -126    127
+=========  ===  ======  =====
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+
+import ml_dtypes
+import numpy as np
+from mpmath import mpf
+from mpmath.libmp import finf, fnan, fninf
+
+from .. import config
+
+__all__ = [
+    "Format",
+    "FORMATS",
+    "format_of",
+    "round_exact",
+    "round_array",
+    "correctly_round",
+    "UndecidedRoundingError",
+]
+
+
+@dataclass(frozen=True)
+class Format:
+    """A binary floating-point format: ``p`` significand bits, exponent range [emin, emax]."""
+
+    name: str
+    p: int
+    emin: int
+    emax: int
+
+    @property
+    def dtype(self) -> np.dtype:
+        if self.name == "bfloat16":
+            return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(self.name)
+
+    @property
+    def unit_roundoff(self) -> float:
+        """u = 2**-p: the relative error bound of one rounding to nearest."""
+        return 2.0**-self.p
+
+    @property
+    def max_finite(self) -> Fraction:
+        return Fraction((1 << self.p) - 1) * Fraction(2) ** (self.emax - self.p + 1)
+
+
+FORMATS = {
+    "float64": Format("float64", 53, -1022, 1023),
+    "float32": Format("float32", 24, -126, 127),
+    "float16": Format("float16", 11, -14, 15),
+    "bfloat16": Format("bfloat16", 8, -126, 127),
+}
+
+
+def format_of(dtype) -> Format:
+    """The :class:`Format` of a NumPy / ml_dtypes floating dtype (or its name)."""
+    if isinstance(dtype, Format):
+        return dtype
+    try:
+        name = np.dtype(dtype).name
+    except TypeError as exc:
+        raise TypeError(f"out_dtype: expected a floating dtype, got {dtype!r}") from exc
+    if name not in FORMATS:
+        raise TypeError(
+            f"out_dtype: expected one of {sorted(FORMATS)}, got dtype {name!r}"
+        )
+    return FORMATS[name]
+
+
+def _as_num_den(x) -> tuple[int, int] | float:
+    """An exact value as (numerator, denominator > 0); a NaN/inf is returned as a float."""
+    if isinstance(x, int):
+        return x, 1
+    if isinstance(x, Fraction):
+        return x.numerator, x.denominator
+    if isinstance(x, mpf):
+        x = x._mpf_
+    if isinstance(x, tuple):  # a raw mpmath value: (sign, man, exp, bc)
+        if x == fnan:
+            return math.nan
+        if x == finf:
+            return math.inf
+        if x == fninf:
+            return -math.inf
+        sign, man, exp, _ = x
+        man = -man if sign else man
+        return (man << exp, 1) if exp >= 0 else (man, 1 << -exp)
+    xf = float(x)
+    if not math.isfinite(xf):
+        return xf
+    return Fraction(xf).as_integer_ratio()
+
+
+def round_exact(x, fmt: Format) -> float:
+    """Round an exact value to ``fmt`` (nearest, ties to even) and return it as a Python float.
+
+    ``x`` may be an ``int``, a :class:`fractions.Fraction`, an ``mpmath.mpf`` (or its raw
+    tuple), or a float (taken at its exact binary value). The returned float holds the rounded
+    value exactly (every supported format embeds in float64); overflow gives +-inf as in IEEE 754
+    (the magnitude rounded with an unbounded exponent exceeds the largest finite value).
+    """
+    nd = _as_num_den(x)
+    if isinstance(nd, float):
+        return nd
+    num, den = nd
+    if num == 0:
+        return 0.0
+    negative = num < 0
+    a = -num if negative else num
+    e = a.bit_length() - den.bit_length()  # floor(log2(a/den)) is e or e - 1
+    if (a << max(0, -e)) < (den << max(0, e)):
+        e -= 1
+    quantum_exp = max(e, fmt.emin) - (fmt.p - 1)
+    if quantum_exp >= 0:
+        d = den << quantum_exp
+        n, r = divmod(a, d)
+    else:
+        d = den
+        n, r = divmod(a << -quantum_exp, den)
+    twice = 2 * r
+    if twice > d or (twice == d and n & 1):
+        n += 1
+    if quantum_exp + n.bit_length() - 1 > fmt.emax:  # IEEE 754 overflow: unbounded-exponent
+        value = math.inf                                  # result exceeds the largest finite
+    else:
+        value = math.ldexp(float(n), quantum_exp)
+    return -value if negative else value
+
+
+def round_array(values: np.ndarray, fmt: Format) -> np.ndarray:
+    """Round an object array of exact values elementwise; returns a float64 array."""
+    values = np.asarray(values, dtype=object)
+    flat = [round_exact(x, fmt) for x in values.ravel()]
+    return np.array(flat, dtype=np.float64).reshape(values.shape)
+
+
+class UndecidedRoundingError(ArithmeticError):
+    """The Ziv loop reached its precision cap without deciding a rounding.
+
+    This happens only when an exact result lies on (or within 2**-max_prec of) a rounding
+    boundary and the evaluator has no exact fallback for it.
+    """
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Elementwise: the two float64 arrays are the same value with the same sign (NaN == NaN)."""
+    both_nan = np.isnan(a) & np.isnan(b)
+    return both_nan | ((a == b) & (np.signbit(a) == np.signbit(b)))
+
+
+Evaluator = Callable[[int], tuple[np.ndarray, np.ndarray]]
+
+
+def correctly_round(
+    evaluate: Evaluator,
+    dtype,
+    *,
+    prec0: int | None = None,
+    max_prec: int | None = None,
+    fallback: Callable[[tuple[int, ...]], object] | None = None,
+    what: str = "result",
+) -> np.ndarray:
+    """Run the Ziv loop: return ``evaluate``'s exact results correctly rounded to ``dtype``.
+
+    Parameters
+    ----------
+    evaluate : callable
+        ``evaluate(prec) -> (lo, hi)``: object (or float) arrays of one shape holding exact
+        enclosures ``lo <= x <= hi`` of every result ``x`` computed with ``prec``-bit working
+        precision. A NaN or infinite result is given as that float in both arrays.
+    dtype : dtype or Format
+        Target format (float64, float32, float16, bfloat16).
+    prec0, max_prec : int, optional
+        First and largest working precision in bits (defaults: ``fmt.p + config.ZIV_GUARD_BITS``
+        and ``config.ZIV_MAX_PREC``). The precision doubles between attempts.
+    fallback : callable, optional
+        ``fallback(index) -> exact value or None`` for elements still undecided at ``max_prec``
+        (results that are exactly a rounding midpoint need an exact evaluation).
+    what : str
+        Name of the result, for error messages.
+
+    Returns
+    -------
+    ndarray of ``dtype``
+
+    Notes
+    -----
+    Elements whose two endpoints round to zeros of opposite sign at ``max_prec`` are returned
+    as +0: this arises from exact cancellation, whose IEEE 754 result under round-to-nearest is
+    +0.
+    """
+    fmt = format_of(dtype)
+    prec = prec0 or fmt.p + config.ZIV_GUARD_BITS
+    max_prec = max_prec or config.ZIV_MAX_PREC
+    result = None
+    undecided = None
+    while True:
+        lo, hi = evaluate(prec)
+        rlo, rhi = round_array(lo, fmt), round_array(hi, fmt)
+        decided = _same_bits(rlo, rhi)
+        if result is None:
+            result = rlo.copy()
+            undecided = ~decided
+        else:
+            newly = undecided & decided
+            result[newly] = rlo[newly]
+            undecided &= ~decided
+        if not undecided.any():
+            break
+        if prec >= max_prec:
+            _settle_at_cap(result, undecided, rlo, rhi, lo, hi, fallback, fmt, what, prec)
+            break
+        prec = min(2 * prec, max_prec)
+    return result.astype(fmt.dtype)
+
+
+def _settle_at_cap(result, undecided, rlo, rhi, lo, hi, fallback, fmt, what, prec):
+    for index in zip(*np.nonzero(undecided)):
+        index = tuple(int(i) for i in index)
+        exact = fallback(index) if fallback is not None else None
+        if exact is not None:
+            result[index] = round_exact(exact, fmt)
+        elif rlo[index] == 0.0 and rhi[index] == 0.0:
+            result[index] = 0.0
+        else:
+            raise UndecidedRoundingError(
+                f"{what}{list(index)}: rounding to {fmt.name} undecided at {prec} bits; "
+                f"enclosure [{float(Fraction(*_as_num_den(lo[index]))):.17g}, "
+                f"{float(Fraction(*_as_num_den(hi[index]))):.17g}] straddles a rounding boundary"
+            )

@@ -1,0 +1,111 @@
+"""Loop-level references written independently of refattn.
+
+Plain Python loops over mpmath numbers at a caller-chosen decimal precision, following
+docs/conventions.md literally. Nothing here imports refattn. Slow by design: use on small
+shapes only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mpmath
+import numpy as np
+
+
+def _exact(x) -> mpmath.mpf:
+    return mpmath.mpf(float(x))
+
+
+def naive_attention(
+    q,
+    k,
+    v,
+    *,
+    scale=None,
+    bias=None,
+    mask=None,
+    causal=False,
+    window=None,
+    align="top_left",
+    softcap=None,
+    alibi_slopes=None,
+    gqa="interleave",
+    dropout_mask=None,
+    dropout_p=0.0,
+    empty_rows="zero",
+    dps=60,
+):
+    """Single-batch attention by loops: q (H, L, D), k (K, S, D), v (K, S, E).
+
+    Returns (out, lse, weights) as nested lists of mpf at ``dps`` decimal digits.
+    bias, mask, dropout_mask must already have shape (H, L, S) (or be None).
+    """
+    q, k, v = (np.asarray(a) for a in (q, k, v))
+    heads, length, dim = q.shape
+    kv_heads, keys, vdim = v.shape
+    group = heads // kv_heads
+    with mpmath.workdps(dps):
+        sc = 1 / mpmath.sqrt(dim) if scale is None else _exact(scale)
+        offset = 0 if align == "top_left" else keys - length
+        out, lse, weights = [], [], []
+        for h in range(heads):
+            g = h // group if gqa == "interleave" else h % kv_heads
+            out_h, lse_h, w_h = [], [], []
+            for i in range(length):
+                scores = {}
+                for j in range(keys):
+                    if mask is not None and not mask[h][i][j]:
+                        continue
+                    if causal and j > i + offset:
+                        continue
+                    if window is not None:
+                        left, right = window
+                        if left is not None and j < i + offset - left:
+                            continue
+                        if right is not None and j > i + offset + right:
+                            continue
+                    if bias is not None and float(bias[h][i][j]) == -math.inf:
+                        continue
+                    s = sc * mpmath.fsum(_exact(q[h, i, d]) * _exact(k[g, j, d]) for d in range(dim))
+                    if softcap is not None:
+                        c = _exact(softcap)
+                        s = c * mpmath.tanh(s / c)
+                    if bias is not None:
+                        s += _exact(bias[h][i][j])
+                    if alibi_slopes is not None:
+                        s -= _exact(alibi_slopes[h]) * abs(i + offset - j)
+                    scores[j] = s
+                if not scores:
+                    fill = mpmath.mpf(0) if empty_rows == "zero" else mpmath.nan
+                    out_h.append([fill] * vdim)
+                    lse_h.append(-mpmath.inf if empty_rows == "zero" else mpmath.nan)
+                    w_h.append([fill] * keys)
+                    continue
+                top = max(scores.values())
+                total = mpmath.fsum(mpmath.exp(s - top) for s in scores.values())
+                row_lse = top + mpmath.log(total)
+                row_w = [mpmath.exp(scores[j] - row_lse) if j in scores else mpmath.mpf(0)
+                         for j in range(keys)]
+                keep_scale = 1 / (1 - _exact(dropout_p))
+                row_out = []
+                for e in range(vdim):
+                    acc = []
+                    for j in scores:
+                        wj = row_w[j]
+                        if dropout_mask is not None:
+                            wj = wj * keep_scale if dropout_mask[h][i][j] else 0
+                        acc.append(wj * _exact(v[g, j, e]))
+                    row_out.append(mpmath.fsum(acc))
+                out_h.append(row_out)
+                lse_h.append(row_lse)
+                w_h.append(row_w)
+            out.append(out_h)
+            lse.append(lse_h)
+            weights.append(w_h)
+        return out, lse, weights
+
+
+def to_float_array(nested) -> np.ndarray:
+    """Nested lists of mpf -> float64 array (each element rounded by mpmath)."""
+    return np.array(nested, dtype=object).astype(float)
