@@ -9,6 +9,15 @@ Every function has two paths: ``precision="float64"`` (fast NumPy, log-space) an
 """
 
 from ._version import __version__
+from .attention import AttentionGrads, attention, attention_vjp
 from .logspace import log_softmax, logsumexp, softmax
 
-__all__ = ["__version__", "logsumexp", "softmax", "log_softmax"]
+__all__ = [
+    "__version__",
+    "attention",
+    "attention_vjp",
+    "AttentionGrads",
+    "logsumexp",
+    "softmax",
+    "log_softmax",
+]

@@ -104,6 +104,8 @@ def _as_num_den(x) -> tuple[int, int] | float:
         return x.numerator, x.denominator
     if isinstance(x, mpf):
         x = x._mpf_
+    if isinstance(x, tuple) and len(x) == 2:  # an exact ratio (numerator, denominator > 0)
+        return x
     if isinstance(x, tuple):  # a raw mpmath value: (sign, man, exp, bc)
         if x == fnan:
             return math.nan
@@ -123,8 +125,8 @@ def _as_num_den(x) -> tuple[int, int] | float:
 def round_exact(x, fmt: Format) -> float:
     """Round an exact value to ``fmt`` (nearest, ties to even) and return it as a Python float.
 
-    ``x`` may be an ``int``, a :class:`fractions.Fraction`, an ``mpmath.mpf`` (or its raw
-    tuple), or a float (taken at its exact binary value). The returned float holds the rounded
+    ``x`` may be an ``int``, a :class:`fractions.Fraction`, a pair ``(numerator, denominator)``
+    of ints with a positive denominator, an ``mpmath.mpf`` (or its raw tuple), or a float (taken at its exact binary value). The returned float holds the rounded
     value exactly (every supported format embeds in float64); overflow gives +-inf as in IEEE 754
     (the magnitude rounded with an unbounded exponent exceeds the largest finite value).
     """
@@ -203,8 +205,10 @@ def correctly_round(
         First and largest working precision in bits (defaults: ``fmt.p + config.ZIV_GUARD_BITS``
         and ``config.ZIV_MAX_PREC``). The precision doubles between attempts.
     fallback : callable, optional
-        ``fallback(index) -> exact value or None`` for elements still undecided at ``max_prec``
-        (results that are exactly a rounding midpoint need an exact evaluation).
+        ``fallback(index) -> exact value or None``: an exact evaluation for elements that are
+        undecided after the first pass and again at ``max_prec`` (a result that is exactly a
+        rounding midpoint can only be settled exactly). It must return a value only when it has
+        proved it exact.
     what : str
         Name of the result, for error messages.
 
@@ -230,6 +234,15 @@ def correctly_round(
         if result is None:
             result = rlo.copy()
             undecided = ~decided
+            if fallback is not None and undecided.any():
+                # Results that are exact rationals (e.g. weights 1/n of a row of equal scores)
+                # may sit on a rounding midpoint: settle those exactly before raising precision.
+                for index in zip(*np.nonzero(undecided)):
+                    index = tuple(int(i) for i in index)
+                    exact = fallback(index)
+                    if exact is not None:
+                        result[index] = round_exact(exact, fmt)
+                        undecided[index] = False
         else:
             newly = undecided & decided
             result[newly] = rlo[newly]

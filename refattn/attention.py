@@ -1,0 +1,359 @@
+"""Scaled dot-product attention, forward and vector-Jacobian product, with pinned semantics.
+
+The semantics are stated once in docs/conventions.md and summarised in
+:func:`attention`'s docstring; every path (``precision="float64"``, ``precision="exact"``,
+``backend="numba"``) implements the same ones.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from . import _checks
+from ._spec import AttentionSpec, canonicalize
+from .logspace import _lse_float64
+
+__all__ = ["attention", "attention_vjp", "AttentionGrads", "BACKENDS"]
+
+BACKENDS = ("numpy", "numba")
+
+
+class AttentionGrads(NamedTuple):
+    """Gradients of attention: dq (..., H, L, D), dk (..., K, S, D), dv (..., K, S, E),
+    dbias (bias's own shape, or None without bias)."""
+
+    dq: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
+    dbias: np.ndarray | None
+
+
+# --------------------------------------------------------------------------------------
+# float64 path
+# --------------------------------------------------------------------------------------
+def _finite(x: np.ndarray) -> np.ndarray:
+    """Non-finite entries replaced by 0 (their effect is accounted for separately)."""
+    return np.where(np.isfinite(x), x, 0.0)
+
+
+class _PlaneF64(NamedTuple):
+    allowed: np.ndarray  # (L, S)
+    kept: np.ndarray  # (L, S): allowed and not dropped
+    raw_scores: np.ndarray  # scale * q.k (L, S), before softcap
+    weights: np.ndarray  # (L, S) pre-dropout, 0 where excluded
+    lse: np.ndarray  # (L,)
+
+
+def _plane_float64(spec: AttentionSpec, b: int, h: int) -> _PlaneF64:
+    g = spec.kv_head[h]
+    q = np.asarray(spec.q[b, h], dtype=np.float64)
+    k = np.asarray(spec.k[b, g], dtype=np.float64)
+    allowed = spec.allowed(b, h)
+    raw = spec.scale_float * (q @ k.T)
+    scores = raw if spec.softcap is None else spec.softcap * np.tanh(raw / spec.softcap)
+    if spec.bias is not None:
+        scores = scores + np.where(allowed, spec.bias[b, h], 0.0)
+    alibi = spec.alibi(h)
+    if alibi is not None:
+        scores = scores + alibi
+    with np.errstate(invalid="ignore", over="ignore"):
+        lse = _lse_float64(scores, allowed)
+        finite_lse = np.where(np.isfinite(lse), lse, 0.0)[:, None]
+        weights = np.where(allowed, np.exp(np.where(allowed, scores, 0.0) - finite_lse), 0.0)
+    nan_rows = np.isnan(lse)
+    weights[nan_rows] = np.where(allowed[nan_rows], np.nan, 0.0)
+    kept = allowed if spec.dropout_mask is None else allowed & spec.dropout_mask[b, h]
+    return _PlaneF64(allowed, kept, raw, weights, lse)
+
+
+def _weighted_values(spec, plane: _PlaneF64, v: np.ndarray) -> np.ndarray:
+    """sum_j keep_ij w_ij v_j / (1 - p) with non-finite values entering only where kept."""
+    scaled = np.where(plane.kept, plane.weights, 0.0) / (1.0 - spec.dropout_p)
+    out = scaled @ _finite(v)
+    bad = ~np.isfinite(v).all(axis=1)
+    if bad.any():
+        with np.errstate(invalid="ignore"):
+            contrib = np.where(plane.kept[:, bad, None], scaled[:, bad, None] * v[None, bad], 0.0)
+        out = out + contrib.sum(axis=1)
+    return out
+
+
+def _empty_rows(spec, plane, out, lse, weights):
+    empty = ~plane.allowed.any(axis=1)
+    if spec.empty_rows == "nan" and empty.any():
+        out[empty] = np.nan
+        lse[empty] = np.nan
+        weights[empty] = np.nan
+    return out, lse, weights
+
+
+def _forward_float64(spec: AttentionSpec, return_weights: bool):
+    batch, heads, _, length, keys, _, vdim = spec.dims
+    out = np.empty((batch, heads, length, vdim))
+    lse = np.empty((batch, heads, length))
+    weights = np.empty((batch, heads, length, keys)) if return_weights else None
+    for b in range(batch):
+        for h in range(heads):
+            plane = _plane_float64(spec, b, h)
+            v = np.asarray(spec.v[b, spec.kv_head[h]], dtype=np.float64)
+            o = _weighted_values(spec, plane, v)
+            w = plane.weights.copy()
+            o, l_, w = _empty_rows(spec, plane, o, plane.lse.copy(), w)
+            out[b, h], lse[b, h] = o, l_
+            if return_weights:
+                weights[b, h] = w
+    return out, lse, weights
+
+
+# --------------------------------------------------------------------------------------
+# public forward
+# --------------------------------------------------------------------------------------
+def attention(
+    q, k, v, *, scale=None, bias=None, mask=None, causal=False, window=None,
+    align="top_left", softcap=None, alibi_slopes=None, gqa="interleave",
+    dropout_mask=None, dropout_p=0.0, empty_rows="zero", return_lse=False,
+    return_weights=False, precision="float64", out_dtype=None, backend="numpy",
+):
+    """Scaled dot-product attention with pinned semantics.
+
+    .. math::
+
+        t_{ij} = s\\, q_i \\cdot k_j, \\quad
+        \\tilde t_{ij} = c \\tanh(t_{ij}/c) + b_{ij} - m_h |i + o - j|, \\quad
+        \\mathrm{lse}_i = \\log \\sum_{j \\in \\mathcal{A}_i} e^{\\tilde t_{ij}}, \\\\
+        w_{ij} = e^{\\tilde t_{ij} - \\mathrm{lse}_i}\\,[j \\in \\mathcal{A}_i], \\quad
+        \\mathrm{out}_i = \\sum_j \\frac{\\kappa_{ij}}{1-p}\\, w_{ij}\\, v_j
+
+    (Vaswani et al. 2017, eq. (1), with the options below; lecture notes 003, "scaled
+    dot-product attention").
+
+    Parameters
+    ----------
+    q : array (..., H, L, D) or (L, D)
+    k : array (..., K, S, D) or (S, D)
+    v : array (..., K, S, E) or (S, E)
+        Any float dtype (float16, bfloat16, float32, float64); leading dims broadcast.
+        H must be a multiple of K.
+    scale : float, optional
+        s; default 1/sqrt(D) (on the exact path the exact irrational number).
+    bias : array broadcastable to (..., H, L, S), optional
+        Added after softcap; -inf excludes a position. NaN/+inf at an allowed position is a
+        ValueError.
+    mask : bool array broadcastable to (..., H, L, S), optional
+        True = attend.
+    causal : bool
+        Allow only j <= i + o.
+    window : (left, right), optional
+        Allow only i + o - left <= j <= i + o + right; None on a side means unbounded.
+    align : {"top_left", "bottom_right"}
+        o = 0 (torch ``is_causal``) or o = S - L (FlashAttention >= 2.1, torch
+        ``causal_lower_right``).
+    softcap : float > 0, optional
+        c: ``c * tanh(t / c)`` on the raw scores, before bias, ALiBi and the mask.
+    alibi_slopes : array (H,), optional
+        m_h: adds ``-m_h * |i + o - j|``.
+    gqa : {"interleave", "tile"}
+        Query head h reads kv head h // (H/K) (torch repeat_interleave, JAX, ONNX) or h % K.
+    dropout_mask : bool array broadcastable to (..., H, L, S), optional
+        kappa: the keep-mask (deterministic dropout); required when dropout_p > 0.
+    dropout_p : float in [0, 1)
+        Kept weights are scaled by 1/(1 - p). lse and returned weights are pre-dropout.
+    empty_rows : {"zero", "nan"}
+        Rows with no allowed key: out 0, lse -inf, weights 0 (torch ``_safe_softmax``, ONNX,
+        FlashAttention), or NaN in all three.
+    return_lse, return_weights : bool
+        Also return lse (..., H, L) and/or weights (..., H, L, S).
+    precision : {"float64", "exact"}
+        "float64": NumPy in float64, log-space, one (L, S) plane at a time (memory O(L*S)).
+        Error bound (outputs): ``|out - exact| <= gamma_{D+4}(s|q||k| + 1) * 2 * nat + gamma_{S+2}
+        * nat`` with ``nat = sum_j w_ij |v_je|``, u = 2**-53 (first term: score rounding
+        through exp; second: the weighted sum). "exact": every element of out, lse and
+        weights is the exact real result rounded once to ``out_dtype`` (Ziv loop).
+    out_dtype : dtype, optional
+        Exact path: float64 (default), float32, float16 or bfloat16. The float64 path
+        returns float64.
+    backend : {"numpy", "numba"}
+        "numba" runs the deterministic Numba CPU kernels (float64 path only; float32 inputs
+        compute in float32).
+
+    Returns
+    -------
+    out : (..., H, L, E), or a tuple (out, lse), (out, weights), (out, lse, weights).
+
+    Notes
+    -----
+    Excluded positions are removed from every sum, so NaN or Inf in a masked key, value or
+    bias never reaches the output. NaN (or Inf) in q, or in k at an allowed position, makes
+    the rows it touches NaN; a NaN value at a kept position makes that output element NaN.
+
+    Examples
+    --------
+    >>> import numpy as np, refattn
+    >>> q = np.array([[1.0, 0.0]]); k = np.array([[1.0, 0.0], [0.0, 1.0]])
+    >>> v = np.array([[1.0], [3.0]])
+    >>> refattn.attention(q, k, v, scale=0.0).tolist()
+    [[2.0]]
+    >>> refattn.attention(q, k, v, causal=True).tolist()
+    [[1.0]]
+    """
+    _checks.precision(precision)
+    _checks.choice(backend, "backend", BACKENDS)
+    spec = canonicalize(
+        q, k, v, scale=scale, bias=bias, mask=mask, causal=causal, window=window,
+        align=align, softcap=softcap, alibi_slopes=alibi_slopes, gqa=gqa,
+        dropout_mask=dropout_mask, dropout_p=dropout_p, empty_rows=empty_rows,
+    )
+    if precision == "exact":
+        if backend != "numpy":
+            raise ValueError("backend: the exact path has a single implementation; use 'numpy'")
+        from .exact.attention import exact_forward
+
+        out, lse, weights = exact_forward(
+            spec, _checks.out_dtype(out_dtype), return_lse=return_lse,
+            return_weights=return_weights)
+    elif backend == "numba":
+        if return_weights:
+            raise NotImplementedError("return_weights: the numba kernels stream over keys and "
+                                      "never form the weights; use backend='numpy'")
+        from . import kernels
+
+        out, lse = kernels.attention(spec, return_lse=True)
+        weights = None
+    else:
+        out, lse, weights = _forward_float64(spec, return_weights)
+    results = [spec.unflatten(out)]
+    if return_lse:
+        results.append(spec.unflatten(lse))
+    if return_weights:
+        results.append(spec.unflatten(weights))
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+# --------------------------------------------------------------------------------------
+# vector-Jacobian product
+# --------------------------------------------------------------------------------------
+def _reduce_to(grad: np.ndarray, shape: tuple) -> np.ndarray:
+    """Sum a broadcast gradient back to the argument's shape."""
+    extra = grad.ndim - len(shape)
+    grad = grad.sum(axis=tuple(range(extra))) if extra else grad
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
+    return grad.sum(axis=axes, keepdims=True) if axes else grad
+
+
+def _check_cotangent(spec: AttentionSpec, grad, name: str, tail_shape: tuple):
+    grad = _checks.as_float64(_checks.float_array(grad, name))
+    expected = spec.batch_shape + tail_shape if not spec.single_head else tail_shape[1:]
+    if grad.shape != expected:
+        raise ValueError(f"{name}: expected shape {expected} (the output's), got {grad.shape}")
+    return grad.reshape((-1,) + tail_shape)
+
+
+def _vjp_float64(spec: AttentionSpec, grad_out: np.ndarray, grad_lse):
+    batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
+    dq = np.zeros((batch, heads, length, dim))
+    dk = np.zeros((batch, kv_heads, keys, dim))
+    dv = np.zeros((batch, kv_heads, keys, vdim))
+    dbias = np.zeros((batch, heads, length, keys)) if spec.bias is not None else None
+    keep = 1.0 / (1.0 - spec.dropout_p)
+    for b in range(batch):
+        for h in range(heads):
+            g = spec.kv_head[h]
+            plane = _plane_float64(spec, b, h)
+            q = _finite(np.asarray(spec.q[b, h], np.float64))
+            k = _finite(np.asarray(spec.k[b, g], np.float64))
+            v = np.asarray(spec.v[b, g], np.float64)
+            do = grad_out[b, h]
+            kept_w = np.where(plane.kept, plane.weights, 0.0) * keep
+            dv[b, g] += kept_w.T @ do
+            with np.errstate(invalid="ignore"):
+                dp = np.where(plane.kept, do @ _finite(v).T, 0.0) * keep
+                bad = ~np.isfinite(v).all(axis=1)
+                if bad.any():  # a non-finite kept value poisons the rows that keep it
+                    dp[:, bad] = np.where(plane.kept[:, bad], do @ v[bad].T, 0.0) * keep
+                delta = (plane.weights * dp).sum(axis=1, keepdims=True)
+                ds = plane.weights * (dp - delta)
+                if grad_lse is not None:
+                    ds = ds + plane.weights * grad_lse[b, h][:, None]
+                ds = np.where(plane.allowed, ds, 0.0)
+            if dbias is not None:
+                dbias[b, h] = ds
+            if spec.softcap is not None:
+                ds = ds * (1.0 - np.tanh(plane.raw_scores / spec.softcap) ** 2)
+            ds = np.where(plane.allowed, ds, 0.0) * spec.scale_float
+            dq[b, h] = ds @ k
+            dk[b, g] += ds.T @ q
+    return dq, dk, dv, dbias
+
+
+def attention_vjp(
+    q, k, v, grad_out, *, grad_lse=None, scale=None, bias=None, mask=None, causal=False,
+    window=None, align="top_left", softcap=None, alibi_slopes=None, gqa="interleave",
+    dropout_mask=None, dropout_p=0.0, empty_rows="zero", precision="float64",
+    out_dtype=None, backend="numpy",
+) -> AttentionGrads:
+    """Vector-Jacobian product of :func:`attention` (its backward pass).
+
+    With ``P = w`` the pre-dropout weights, ``P' = kappa * P / (1 - p)`` and cotangents
+    ``dO`` (of out) and ``g`` (of lse):
+
+    .. math::
+
+        dV = P'^T dO, \\quad dP'_{ij} = dO_i \\cdot v_j, \\quad
+        dP_{ij} = \\frac{\\kappa_{ij}}{1-p} dP'_{ij}, \\quad
+        \\Delta_i = \\sum_j P_{ij} dP_{ij} = dO_i \\cdot \\mathrm{out}_i, \\\\
+        dS_{ij} = P_{ij}(dP_{ij} - \\Delta_i + g_i), \\quad
+        dT_{ij} = dS_{ij} (1 - \\tanh^2(t_{ij}/c)), \\quad
+        dQ = s\\, dT\\, K, \\quad dK = s\\, dT^T Q, \\quad d\\mathrm{bias} = dS.
+
+    Parameters
+    ----------
+    q, k, v, and every keyword
+        As in :func:`attention`.
+    grad_out : array, the shape of attention's output
+        dO.
+    grad_lse : array (..., H, L), optional
+        g, the cotangent of lse.
+    precision : {"float64", "exact"}
+        "exact": every gradient element is the exact value rounded once to ``out_dtype``.
+
+    Returns
+    -------
+    AttentionGrads
+        (dq, dk, dv, dbias). dk and dv sum over the G query heads sharing a kv head; dbias
+        has bias's own shape (summed over its broadcast dimensions) and is None without bias.
+        Empty rows contribute zero gradients. ALiBi slopes, masks and the dropout mask get no
+        gradient.
+
+    Examples
+    --------
+    >>> import numpy as np, refattn
+    >>> q = np.zeros((1, 2)); k = np.zeros((2, 2)); v = np.array([[1.0], [3.0]])
+    >>> refattn.attention_vjp(q, k, v, np.ones((1, 1))).dv.tolist()
+    [[0.5], [0.5]]
+    """
+    _checks.precision(precision)
+    _checks.choice(backend, "backend", BACKENDS)
+    spec = canonicalize(
+        q, k, v, scale=scale, bias=bias, mask=mask, causal=causal, window=window,
+        align=align, softcap=softcap, alibi_slopes=alibi_slopes, gqa=gqa,
+        dropout_mask=dropout_mask, dropout_p=dropout_p, empty_rows=empty_rows,
+    )
+    _, heads, _, length, _, _, vdim = spec.dims
+    do = _check_cotangent(spec, grad_out, "grad_out", (heads, length, vdim))
+    dl = None if grad_lse is None else _check_cotangent(spec, grad_lse, "grad_lse",
+                                                        (heads, length))
+    if precision == "exact":
+        from .exact.attention_vjp import exact_vjp
+
+        dq, dk, dv, dbias = exact_vjp(spec, do, dl, _checks.out_dtype(out_dtype))
+    elif backend == "numba":
+        from . import kernels
+
+        dq, dk, dv, dbias = kernels.attention_vjp(spec, do, dl)
+    else:
+        dq, dk, dv, dbias = _vjp_float64(spec, do, dl)
+    if dbias is not None and dbias.ndim == 4:
+        dbias = _reduce_to(dbias.reshape(spec.batch_shape + dbias.shape[1:]), spec.bias_shape)
+    return AttentionGrads(spec.unflatten(dq), spec.unflatten(dk), spec.unflatten(dv), dbias)

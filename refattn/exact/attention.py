@@ -1,0 +1,373 @@
+"""Exact scaled dot-product attention: enclosures at a working precision, rounded by the Ziv loop.
+
+How an enclosure is computed for one (batch, head) plane at working precision P bits:
+
+1. q, k, v, bias and ALiBi slopes are taken at their exact binary values as integers times a
+   shared power of two (:func:`refattn.exact._fixed.to_fixed`); every dot product ``q_i . k_j``
+   is an exact integer (object matmul), so no rounding happens before the scale.
+2. The score ``t_ij = scale * (q_i . k_j)`` [softcap] ``+ bias_ij + alibi_ij`` is enclosed in
+   [t_lo, t_hi] (exact when the scale is dyadic and there is no softcap; 1/sqrt(D) is enclosed
+   by directed-rounding square root and division).
+3. With the row shift ``m_i = max_j t_hi`` (any exact number works; this one keeps every
+   ``exp(t - m) <= 1``), ``e_ij = exp(t_ij - m_i)`` is enclosed with directed rounding and
+   turned into fixed-point integers ``E_lo <= 2**P e <= E_hi``.
+4. ``Z_i = sum_j E_ij`` and ``N_ie = sum_j keep_ij E_ij v_je`` are exact integer sums of the
+   enclosures (midpoint-radius form: two object matmuls), so
+   ``out_ie = N_ie / Z_i * 2**e_v / (1 - p)`` is enclosed by exact rationals;
+   ``lse_i = m_i + log(Z_i 2**-P)`` and ``w_ij = exp(t_ij - lse_i)`` by directed rounding.
+
+The widths shrink like ``S * 2**-P`` relative to the natural scale ``sum_j w_ij |v_je|``;
+the Ziv loop doubles P until every rounding is decided.
+
+Exact ties (results that are rationals, possibly on a rounding midpoint) are settled by
+:meth:`ExactForward.exact_value`: when every allowed score of a row is equal the weights are
+exactly 1/n; when groups of equal scores all have the same mean value the output equals that
+mean; a single allowed key with a rational score has lse equal to that score. By the
+Lindemann-Weierstrass theorem every other output is irrational, so the loop terminates.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+from mpmath.libmp import (
+    from_man_exp,
+    mpf_add,
+    mpf_cmp,
+    mpf_div,
+    mpf_mul,
+    mpf_sub,
+    round_ceiling,
+    round_floor,
+)
+
+from .. import config
+from .._spec import AttentionSpec
+from . import _fixed as F
+from .rounding import correctly_round
+
+__all__ = ["ExactForward", "exact_forward"]
+
+_NAN = float("nan")
+
+
+def _scale_bounds(spec: AttentionSpec, prec: int):
+    exact = spec.scale_exact
+    if isinstance(exact, tuple):
+        return F.invsqrt_bounds(exact[1], prec)
+    num, den = exact.numerator, exact.denominator
+    if den & (den - 1) == 0:  # dyadic: exact
+        value = from_man_exp(num, -(den.bit_length() - 1))
+        return value, value
+    work = prec + config.ELEMENTARY_GUARD_BITS
+    n, d = from_man_exp(num, 0), from_man_exp(den, 0)
+    return mpf_div(n, d, work, round_floor), mpf_div(n, d, work, round_ceiling)
+
+
+class _Plane:
+    """Exact, precision-independent data of one (batch, query head) plane."""
+
+    def __init__(self, spec: AttentionSpec, b: int, h: int):
+        g = int(spec.kv_head[h])
+        self.allowed = spec.allowed(b, h)
+        q = F.to_fixed(spec.q[b, h])
+        k = F.to_fixed(spec.k[b, g])
+        self.v = F.to_fixed(spec.v[b, g])
+        # float values kept only when some are non-finite (needed for NaN/inf bookkeeping)
+        self.v_raw = np.asarray(spec.v[b, g], np.float64) if self.v.nonfinite.any() else None
+        self.kept = self.allowed.copy()
+        if spec.dropout_mask is not None:
+            self.kept &= spec.dropout_mask[b, h]
+        has_keys = self.allowed.any(axis=1)
+        self.empty = ~has_keys
+        self.nan_rows = (q.nonfinite.any(axis=1) & has_keys) | (
+            self.allowed & k.nonfinite.any(axis=1)[None, :]
+        ).any(axis=1)
+        self.dot = q.ints @ k.ints.T
+        self.dot_exp = q.exp + k.exp
+        self.add, self.add_exp = self._additive(spec, b, h)
+
+    @staticmethod
+    def _additive(spec, b, h):
+        """Exact bias + ALiBi as (ints (L, S), exp), or (None, 0)."""
+        terms = []
+        if spec.bias is not None:
+            bias = F.to_fixed(spec.bias[b, h])  # -inf (excluded) becomes 0
+            terms.append((bias.ints, bias.exp))
+        if spec.alibi_slopes is not None:
+            slope = F.to_fixed(spec.alibi_slopes[h : h + 1])
+            _, _, _, length, keys, _, _ = spec.dims
+            dist = np.abs(np.arange(length)[:, None] + spec.offset - np.arange(keys)[None, :])
+            terms.append((-int(slope.ints[0]) * dist.astype(object), slope.exp))
+        if not terms:
+            return None, 0
+        base = min(exp for _, exp in terms)
+        total = sum(np.left_shift(ints, exp - base) for ints, exp in terms)
+        return total, base
+
+
+class ExactForward:
+    """Enclosures of out, lse and weights of one attention call, cached per precision."""
+
+    def __init__(self, spec: AttentionSpec):
+        self.spec = spec
+        batch, heads, *_ = spec.dims
+        self.planes = {(b, h): _Plane(spec, b, h) for b in range(batch) for h in range(heads)}
+        self._cache: dict[int, dict] = {}
+
+    # -- scores -------------------------------------------------------------------------
+    def _scores(self, plane: _Plane, prec: int):
+        """Enclosures (t_lo, t_hi) as lists of rows of raw mpfs (None where excluded)."""
+        spec = self.spec
+        work = prec + config.ELEMENTARY_GUARD_BITS
+        s_lo, s_hi = _scale_bounds(spec, prec)
+        cap = None if spec.softcap is None else F.raw(*_dyadic(spec.softcap))
+        t_lo, t_hi = [], []
+        length, keys = plane.allowed.shape
+        for i in range(length):
+            row_lo, row_hi = [None] * keys, [None] * keys
+            if plane.nan_rows[i]:
+                t_lo.append(row_lo)
+                t_hi.append(row_hi)
+                continue
+            for j in np.flatnonzero(plane.allowed[i]):
+                x = from_man_exp(int(plane.dot[i, j]), plane.dot_exp)
+                a = mpf_mul(x, s_lo, work, round_floor)
+                b = mpf_mul(x, s_hi, work, round_ceiling)
+                if mpf_cmp(a, b) > 0:  # x < 0 or a negative scale: swap the products
+                    a = mpf_mul(x, s_hi, work, round_floor)
+                    b = mpf_mul(x, s_lo, work, round_ceiling)
+                if cap is not None:
+                    a, b = _softcap(a, b, cap, work)
+                if plane.add is not None:
+                    extra = from_man_exp(int(plane.add[i, j]), plane.add_exp)
+                    a = mpf_add(a, extra, work, round_floor)
+                    b = mpf_add(b, extra, work, round_ceiling)
+                row_lo[j], row_hi[j] = a, b
+            t_lo.append(row_lo)
+            t_hi.append(row_hi)
+        return t_lo, t_hi
+
+    # -- one precision ------------------------------------------------------------------
+    def at(self, prec: int) -> dict:
+        """Enclosures at ``prec`` bits: {"out": (lo, hi), "lse": (lo, hi), "rows": ...}."""
+        if prec not in self._cache:
+            self._cache = {prec: self._evaluate(prec)}
+        return self._cache[prec]
+
+    def _evaluate(self, prec: int) -> dict:
+        spec = self.spec
+        batch, heads, _, length, keys, _, vdim = spec.dims
+        out_lo = np.empty((batch, heads, length, vdim), dtype=object)
+        out_hi = np.empty_like(out_lo)
+        lse_lo = np.empty((batch, heads, length), dtype=object)
+        lse_hi = np.empty_like(lse_lo)
+        state = {}
+        for (b, h), plane in self.planes.items():
+            t_lo, t_hi = self._scores(plane, prec)
+            ex = self._exponentials(plane, t_lo, t_hi, prec)
+            state[b, h] = (t_lo, t_hi, ex)
+            self._outputs(plane, ex, prec, out_lo[b, h], out_hi[b, h])
+            self._lse(plane, ex, prec, lse_lo[b, h], lse_hi[b, h])
+        return {"out": (out_lo, out_hi), "lse": (lse_lo, lse_hi), "state": state}
+
+    def _exponentials(self, plane, t_lo, t_hi, prec):
+        """Row shifts m_i and fixed-point enclosures E_lo, E_hi (object (L, S))."""
+        work = prec + config.ELEMENTARY_GUARD_BITS
+        length, keys = plane.allowed.shape
+        e_lo = np.zeros((length, keys), dtype=object)
+        e_hi = np.zeros((length, keys), dtype=object)
+        shifts = [None] * length
+        for i in range(length):
+            cols = [j for j in range(keys) if t_hi[i][j] is not None]
+            if not cols:
+                continue
+            top = t_hi[i][cols[0]]
+            for j in cols[1:]:
+                if mpf_cmp(t_hi[i][j], top) > 0:
+                    top = t_hi[i][j]
+            shifts[i] = top
+            for j in cols:
+                lo, hi = F.exp_bounds(
+                    mpf_sub(t_lo[i][j], top, work, round_floor),
+                    mpf_sub(t_hi[i][j], top, work, round_ceiling),
+                    prec,
+                )
+                e_lo[i, j] = F.floor_scaled(lo, prec)
+                e_hi[i, j] = F.ceil_scaled(hi, prec)
+        return shifts, e_lo, e_hi
+
+    def _outputs(self, plane, ex, prec, out_lo, out_hi):
+        spec = self.spec
+        _, e_lo, e_hi = ex
+        kept = plane.kept
+        mid2 = np.where(kept, e_lo + e_hi, 0) @ plane.v.ints
+        rad2 = np.where(kept, e_hi - e_lo, 0) @ np.abs(plane.v.ints)
+        z_lo, z_hi = e_lo.sum(axis=1), e_hi.sum(axis=1)
+        keep = spec.keep_scale
+        num_scale = keep.numerator << max(plane.v.exp, 0)
+        den_scale = 2 * keep.denominator << max(-plane.v.exp, 0)
+        bad_v = self._nonfinite_contributions(plane)
+        for i in range(plane.allowed.shape[0]):
+            if plane.nan_rows[i] or (plane.empty[i] and spec.empty_rows == "nan"):
+                out_lo[i, :] = out_hi[i, :] = _NAN
+                continue
+            if plane.empty[i]:
+                out_lo[i, :] = out_hi[i, :] = 0
+                continue
+            for e in range(out_lo.shape[1]):
+                if bad_v is not None and not np.isnan(bad_v[i, e]) and bad_v[i, e] != 0:
+                    out_lo[i, e] = out_hi[i, e] = bad_v[i, e]
+                    continue
+                if bad_v is not None and np.isnan(bad_v[i, e]):
+                    out_lo[i, e] = out_hi[i, e] = _NAN
+                    continue
+                n_lo, n_hi = mid2[i, e] - rad2[i, e], mid2[i, e] + rad2[i, e]
+                out_lo[i, e] = (n_lo * num_scale, den_scale * (z_hi[i] if n_lo >= 0 else z_lo[i]))
+                out_hi[i, e] = (n_hi * num_scale, den_scale * (z_lo[i] if n_hi >= 0 else z_hi[i]))
+
+    def _nonfinite_contributions(self, plane):
+        """Per (row, column) the effect of non-finite values at kept positions, or None.
+
+        0 where there is none, +-inf where only infinities of one sign reach the element, NaN
+        where a NaN (or infinities of both signs) does; weights are positive in exact
+        arithmetic, so an infinity times its weight stays infinite.
+        """
+        bad = plane.v.nonfinite
+        if not bad.any():
+            return None
+        raw_v = plane.v_raw
+        length = plane.allowed.shape[0]
+        effect = np.zeros((length, bad.shape[1]))
+        for j in np.flatnonzero(bad.any(axis=1)):
+            rows = plane.kept[:, j]
+            with np.errstate(invalid="ignore"):
+                effect[rows] = effect[rows] + np.where(bad[j], raw_v[j], 0.0)
+        return effect
+
+    def _lse(self, plane, ex, prec, lse_lo, lse_hi):
+        shifts, e_lo, e_hi = ex
+        z_lo, z_hi = e_lo.sum(axis=1), e_hi.sum(axis=1)
+        work = prec + config.ELEMENTARY_GUARD_BITS
+        for i in range(plane.allowed.shape[0]):
+            if plane.nan_rows[i] or (plane.empty[i] and self.spec.empty_rows == "nan"):
+                lse_lo[i] = lse_hi[i] = _NAN
+                continue
+            if plane.empty[i]:
+                lse_lo[i] = lse_hi[i] = -np.inf
+                continue
+            lo, hi = F.log_bounds(from_man_exp(int(z_lo[i]), -prec),
+                                  from_man_exp(int(z_hi[i]), -prec), prec)
+            lse_lo[i] = mpf_add(shifts[i], lo, work, round_floor)
+            lse_hi[i] = mpf_add(shifts[i], hi, work, round_ceiling)
+
+    def weights(self, prec: int):
+        """Enclosures of the (pre-dropout) weights w_ij = exp(t_ij - lse_i)."""
+        spec = self.spec
+        batch, heads, _, length, keys, _, _ = spec.dims
+        got = self.at(prec)
+        lse_lo, lse_hi = got["lse"]
+        w_lo = np.zeros((batch, heads, length, keys), dtype=object)
+        w_hi = np.zeros_like(w_lo)
+        work = prec + config.ELEMENTARY_GUARD_BITS
+        for (b, h), plane in self.planes.items():
+            t_lo, t_hi, _ = got["state"][b, h]
+            for i in range(length):
+                if plane.nan_rows[i] or (plane.empty[i] and spec.empty_rows == "nan"):
+                    w_lo[b, h, i] = w_hi[b, h, i] = np.where(
+                        plane.allowed[i] | plane.empty[i], _NAN, 0.0)
+                    continue
+                for j in np.flatnonzero(plane.allowed[i]):
+                    lo, hi = F.exp_bounds(
+                        mpf_sub(t_lo[i][j], lse_hi[b, h, i], work, round_floor),
+                        mpf_sub(t_hi[i][j], lse_lo[b, h, i], work, round_ceiling),
+                        prec,
+                    )
+                    w_lo[b, h, i, j], w_hi[b, h, i, j] = lo, hi
+        return w_lo, w_hi
+
+    # -- exact ties -----------------------------------------------------------------------
+    def _score_key(self, plane: _Plane, i: int, j: int):
+        """A key equal for two keys exactly when their scores are equal (see module doc)."""
+        spec = self.spec
+        exact_scale = spec.scale_exact
+        add = 0 if plane.add is None else int(plane.add[i, j])
+        if isinstance(exact_scale, Fraction) and spec.softcap is None:
+            return (exact_scale * Fraction(int(plane.dot[i, j])) * Fraction(2) ** plane.dot_exp
+                    + Fraction(add) * Fraction(2) ** plane.add_exp)
+        return (int(plane.dot[i, j]), add)
+
+    def _groups(self, plane: _Plane, i: int) -> list[list[int]]:
+        groups: dict = {}
+        for j in np.flatnonzero(plane.allowed[i]):
+            groups.setdefault(self._score_key(plane, i, j), []).append(int(j))
+        return list(groups.values())
+
+    def _exact_score(self, plane: _Plane, i: int, j: int):
+        """The score as a Fraction when it is rational, else None."""
+        spec = self.spec
+        dot = int(plane.dot[i, j])
+        add = Fraction(0 if plane.add is None else int(plane.add[i, j])) * Fraction(2) ** (
+            plane.add_exp)
+        if dot == 0:
+            return add  # softcap(0) = 0 and the scale drops out
+        if spec.softcap is not None or isinstance(spec.scale_exact, tuple):
+            return None
+        return spec.scale_exact * dot * Fraction(2) ** plane.dot_exp + add
+
+    def exact_value(self, name: str, index: tuple):
+        """The exact value of one result element when it is provably rational, else None."""
+        b, h, i = index[:3]
+        plane = self.planes[b, h]
+        if plane.nan_rows[i] or plane.empty[i]:
+            return None
+        groups = self._groups(plane, i)
+        if name == "lse":
+            if len(groups) == 1 and len(groups[0]) == 1:
+                return self._exact_score(plane, i, groups[0][0])
+            return None
+        if name == "weights":
+            j = index[3]
+            return Fraction(1, len(groups[0])) if len(groups) == 1 and plane.allowed[i, j] \
+                else None
+        e = index[3]
+        column = plane.v.ints[:, e]
+        means = set()
+        for members in groups:
+            kept = [j for j in members if plane.kept[i, j]]
+            means.add(Fraction(sum(int(column[j]) for j in kept), len(members)))
+            if len(means) > 1:
+                return None
+        (mean,) = means
+        return mean * Fraction(2) ** plane.v.exp * self.spec.keep_scale
+
+
+def _dyadic(x: float) -> tuple[int, int]:
+    num, den = Fraction(x).as_integer_ratio()
+    return num, -(den.bit_length() - 1)
+
+
+def _softcap(lo, hi, cap, work):
+    """Enclosure of c * tanh(t / c) over [lo, hi] (c > 0: increasing)."""
+    a, b = F.tanh_bounds(
+        mpf_div(lo, cap, work, round_floor), mpf_div(hi, cap, work, round_ceiling), work)
+    return mpf_mul(a, cap, work, round_floor), mpf_mul(b, cap, work, round_ceiling)
+
+
+def exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_weights=False):
+    """Correctly rounded (out, lse, weights) in the flat (B, H, ...) layout."""
+    engine = ExactForward(spec)
+    out = correctly_round(
+        lambda p: engine.at(p)["out"], out_dtype,
+        fallback=lambda ix: engine.exact_value("out", ix), what="out")
+    lse = weights = None
+    if return_lse:
+        lse = correctly_round(
+            lambda p: engine.at(p)["lse"], out_dtype,
+            fallback=lambda ix: engine.exact_value("lse", ix), what="lse")
+    if return_weights:
+        weights = correctly_round(
+            engine.weights, out_dtype,
+            fallback=lambda ix: engine.exact_value("weights", ix), what="weights")
+    return out, lse, weights
