@@ -1,0 +1,977 @@
+"""Gaussian-mixture attention of Movellan & Gabbur, "Probabilistic Transformers".
+
+A database of S memory units u, each with a key xi_u (D,) and an expected value mu_u (E,),
+generates query/value pairs (eqs. (1), (6)-(8))
+
+.. math::
+
+    p(q, v) = \\sum_u p(u)\\,\\mathcal N(q;\\,\\xi_u, \\alpha_u^{-1} I_D)\\,
+              \\mathcal N(v;\\,\\mu_u, \\beta_u^{-1} I_E).
+
+Attention is MAP inference of v given q by EM (eqs. (2)-(5), (13)-(14)); inference-time
+adaptation of the keys (eqs. (25)-(29)) and of the unit priors (eqs. (30)-(34)) is EM over the
+batch of queries. Equation numbers are those of the source (seed 000).
+
+Every function has ``precision="float64"`` (NumPy, log-space: every exponential is of a
+max-shifted score) and ``precision="exact"`` (each output element the exact value of the stated
+finite computation -- ``iters`` EM iterations -- rounded once to ``out_dtype`` by a Ziv loop over
+interval enclosures).
+
+Pinned readings (see each function for details):
+
+* alpha_u, beta_u may differ per unit (an extension of the paper's scalars); the Gaussian
+  normalisers ``(D/2) log alpha_u`` and ``(E/2) log beta_u`` then enter the E-step (eq. (5)),
+  of which eq. (14) is the equal-precision case where they cancel.
+* ``v_init=None``: the first E-step uses w_u = p(u | q) (eq. (5) with the value likelihood
+  marginalised out), i.e. eq. (14) with no beta term. The prior keeps its own factors: with
+  ``prior="magnitude"`` the prior of eq. (15) contains ``exp(beta_u ||mu_u||^2 / 2)``.
+* ``adapt_keys(form="paper")`` is eqs. (28)-(29) as printed; ``form="map"`` counts the Gaussian
+  key prior (25) once instead of once per unit of responsibility.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import NamedTuple
+
+import numpy as np
+from mpmath import iv
+
+from . import _checks
+from .exact import intervals as I
+from .exact.rounding import correctly_round
+
+__all__ = ["attention", "log_posterior", "adapt_keys", "adapt_priors", "GMMResult"]
+
+PRIORS = ("uniform", "magnitude")
+KEY_FORMS = ("paper", "map")
+PRIOR_FORMS = ("paper", "map")
+
+
+class GMMResult(NamedTuple):
+    """Result of :func:`attention` with ``return_trace=True``.
+
+    values : (..., L, E) the final value estimates v_T.
+    trace : (..., L, iters) log p(v_t | q) after iteration t (NaN after a row stopped on tol).
+    iterations : (..., L) int, iterations performed per row.
+    """
+
+    values: np.ndarray
+    trace: np.ndarray
+    iterations: np.ndarray
+
+
+# --------------------------------------------------------------------------------------------
+# Number systems for the exact path. The same row evaluator runs on rigorous intervals (the Ziv
+# loop) and on exact rationals (the loop's fallback for results that may sit exactly on a
+# rounding boundary: this happens only when every softmax of the computation is a tie, so its
+# weights are exactly 1/n). The rational system raises _NotRational as soon as a transcendental
+# value would be needed.
+# --------------------------------------------------------------------------------------------
+
+
+class _NotRational(Exception):
+    """The requested exact value is not a rational computable from the inputs."""
+
+
+class _IntervalOps:
+    rational = False
+
+    @staticmethod
+    def array(x) -> np.ndarray:
+        return I.to_intervals(x)
+
+    @staticmethod
+    def scalar(x):
+        return I.point(float(x))
+
+    @staticmethod
+    def exp(x):
+        return I.exp(x)
+
+    @staticmethod
+    def log(x):
+        return I.log(x)
+
+    @staticmethod
+    def log_2pi():
+        return I.log(2 * iv.pi)
+
+    @staticmethod
+    def lse(terms):
+        """log sum exp over the non-None terms (None = excluded); None if all excluded."""
+        present = [t for t in terms if t is not None]
+        if not present:
+            return None
+        top = max(present, key=lambda t: float(t.mid))
+        total = sum(I.exp(t - top) for t in present)
+        return top + I.log(total)
+
+    @classmethod
+    def softmax(cls, terms):
+        lse = cls.lse(terms)
+        if lse is None:
+            return [0] * len(terms)
+        return [0 if t is None else I.exp(t - lse) for t in terms]
+
+
+class _RationalOps:
+    rational = True
+
+    @staticmethod
+    def array(x) -> np.ndarray:
+        x = np.asarray(x, dtype=np.float64)
+        out = np.empty(x.shape, dtype=object)
+        for index, value in np.ndenumerate(x):
+            if not math.isfinite(value):
+                raise _NotRational
+            out[index] = Fraction(value)
+        return out
+
+    @staticmethod
+    def scalar(x):
+        if not math.isfinite(float(x)):
+            raise _NotRational
+        return Fraction(float(x))
+
+    @staticmethod
+    def exp(x):
+        if x != 0:
+            raise _NotRational
+        return Fraction(1)
+
+    @staticmethod
+    def log(x):
+        if x != 1:
+            raise _NotRational
+        return Fraction(0)
+
+    @staticmethod
+    def log_2pi():
+        raise _NotRational
+
+    @staticmethod
+    def lse(terms):
+        present = [t for t in terms if t is not None]
+        if not present:
+            return None
+        if len(present) > 1:
+            raise _NotRational  # log(n) is irrational for n >= 2
+        return present[0]
+
+    @staticmethod
+    def softmax(terms):
+        present = [t for t in terms if t is not None]
+        if not present:
+            return [0] * len(terms)
+        if any(t != present[0] for t in present):
+            raise _NotRational  # distinct scores: the weights are transcendental
+        share = Fraction(1, len(present))
+        return [0 if t is None else share for t in terms]
+
+
+INTERVAL = _IntervalOps()
+RATIONAL = _RationalOps()
+
+
+def exact_rows(rows, evaluate_row, dtype, what):
+    """Correctly round ``evaluate_row(ops, row) -> list`` for every row (one flat Ziv loop).
+
+    Entries of the returned list are numbers of ``ops`` (intervals or Fractions), Python
+    ints/floats (exact, NaN allowed) or None (rational mode only: "not rational").
+    """
+
+    def evaluate(prec):
+        with I.workprec(prec):
+            values = [evaluate_row(INTERVAL, row) for row in rows]
+        table = np.empty((len(rows), len(values[0]) if values else 0), dtype=object)
+        for r, row_values in enumerate(values):
+            for c, value in enumerate(row_values):
+                table[r, c] = value
+        return I.endpoints(table)
+
+    cache = {}
+
+    def fallback(index):
+        r, c = index
+        if r not in cache:
+            try:
+                cache[r] = evaluate_row(RATIONAL, rows[r])
+            except _NotRational:
+                cache[r] = None
+        row_values = cache[r]
+        return None if row_values is None else row_values[c]
+
+    if not rows:
+        return np.empty((0, 0), dtype=_checks.out_dtype(dtype))
+    return correctly_round(evaluate, dtype, fallback=fallback, what=what)
+
+
+def dot(x, y):
+    """Sum of elementwise products of two 1-D object arrays (intervals or Fractions)."""
+    return sum((a * b for a, b in zip(x, y, strict=False)), 0)
+
+
+def sqdist(x, y):
+    return sum(((a - b) * (a - b) for a, b in zip(x, y, strict=False)), 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+
+def unit_parameter(value, name, batch, units, *, allow_zero=False, allow_inf=False):
+    """A precision/strength given as a scalar or a per-unit array (..., S).
+
+    Returns (array float64 of shape batch + (S,), input array at exact values, varies) where
+    ``varies`` says whether the value differs between units of one batch element.
+    """
+    if np.ndim(value) == 0 and not isinstance(value, np.ndarray):
+        if isinstance(value, bool) or not isinstance(value, int | float | np.floating | np.integer):
+            raise TypeError(f"{name}: expected a real number or a float array (..., S), "
+                            f"got {value!r}")
+        arr = np.asarray(float(value))
+    else:
+        arr = _checks.float_array(value, name)
+    wide = _checks.as_float64(arr)
+    bad = np.isnan(wide) | (wide < 0) | (~allow_zero & (wide == 0))
+    bad |= np.isinf(wide) & (not allow_inf)
+    if bad.any():
+        need = ">= 0" if allow_zero else "> 0"
+        worst = wide[bad].ravel()[0]
+        raise ValueError(f"{name}: expected values {need}{'' if allow_inf else ' and finite'}, "
+                         f"got {worst!r} (shape {wide.shape})")
+    if wide.ndim:
+        wide = _checks.broadcast(wide, batch + (units,), name, "(..., S)")
+    wide = np.broadcast_to(wide, batch + (units,))
+    varies = bool(units > 1 and (wide != wide[..., :1]).any())
+    return wide, varies
+
+
+def batch_of(shapes_and_names, ranks):
+    """Broadcast the leading (batch) dimensions of several arrays, naming them on failure."""
+    leading = []
+    for (_name, arr), rank in zip(shapes_and_names, ranks, strict=False):
+        leading.append(arr.shape[: arr.ndim - rank])
+    try:
+        return np.broadcast_shapes(*leading)
+    except ValueError:
+        described = ", ".join(f"{n} {a.shape}" for (n, a) in shapes_and_names)
+        raise ValueError(f"leading (batch) dimensions do not broadcast: {described}") from None
+
+
+def finite_input(x, name, ndim):
+    arr = _checks.float_array(x, name, ndim_min=ndim)
+    if not np.isfinite(_checks.as_float64(arr)).all():
+        raise ValueError(f"{name}: expected finite values (shape {arr.shape}, dtype "
+                         f"{arr.dtype.name}); NaN/Inf found")
+    return arr
+
+
+def _iters(value, name="iters"):
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    return int(value)
+
+
+def _log_prior(prior, batch, units):
+    """(kind, log p(u) float64 array or None). An array prior may be -inf (unit excluded)."""
+    if isinstance(prior, str):
+        return _checks.choice(prior, "prior", PRIORS), None
+    arr = _checks.float_array(prior, "prior", ndim_min=1)
+    wide = _checks.as_float64(arr)
+    if np.isnan(wide).any() or np.isposinf(wide).any():
+        raise ValueError(f"prior: log p(u) must not contain NaN or +inf (shape {wide.shape})")
+    wide = _checks.broadcast(wide, batch + (units,), "prior", "(..., S)")
+    if np.isneginf(wide).all(axis=-1).any():
+        raise ValueError("prior: log p(u) is -inf for every unit of some batch element "
+                         "(no unit can explain the query)")
+    return "array", wide
+
+
+class _Model(NamedTuple):
+    """Validated GMM inputs broadcast to a common batch: q (B..., L, D), keys (B..., S, D)..."""
+
+    q: np.ndarray
+    keys: np.ndarray
+    values: np.ndarray | None
+    alpha: np.ndarray
+    alpha_varies: bool
+    beta: np.ndarray
+    beta_varies: bool
+    kind: str
+    log_prior: np.ndarray | None
+
+
+def _model(q, keys, values, alpha, beta, prior, *, need_values=True):
+    q = finite_input(q, "q", 2)
+    keys = finite_input(keys, "keys", 2)
+    arrays = [("q", q), ("keys", keys)]
+    if need_values:
+        values = finite_input(values, "values", 2)
+        arrays.append(("values", values))
+        if values.shape[-2] != keys.shape[-2]:
+            raise ValueError(f"values: expected S = {keys.shape[-2]} rows (as keys "
+                             f"{keys.shape}), got shape {values.shape}")
+    if q.shape[-1] != keys.shape[-1]:
+        raise ValueError(f"keys: expected feature size D = {q.shape[-1]} (as q {q.shape}), "
+                         f"got shape {keys.shape}")
+    batch = batch_of(arrays, [2] * len(arrays))
+    units = keys.shape[-2]
+    alpha_w, alpha_varies = unit_parameter(alpha, "alpha", batch, units)
+    beta_w, beta_varies = unit_parameter(beta, "beta", batch, units, allow_zero=True)
+    if beta_varies and (beta_w == 0).any():
+        raise ValueError("beta: per-unit value precisions must all be > 0 (the normaliser "
+                         "beta_u^(E/2) of eq. (8) is needed when they differ)")
+    kind, log_prior = _log_prior(prior, batch, units)
+    lengths = q.shape[-2]
+
+    def grow(a, rank_shape):
+        return np.broadcast_to(a, batch + rank_shape)
+
+    return _Model(
+        grow(q, (lengths, q.shape[-1])), grow(keys, keys.shape[-2:]),
+        grow(values, values.shape[-2:]) if need_values else None,
+        alpha_w, alpha_varies, beta_w, beta_varies, kind, log_prior,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Float64 building blocks (log-space)
+# --------------------------------------------------------------------------------------------
+
+
+def _sqdist64(x, y):
+    """||x_i - y_u||^2, (..., L, S), from the differences (no cancellation of large norms)."""
+    diff = x[..., :, None, :] - y[..., None, :, :]
+    return np.einsum("...lsd,...lsd->...ls", diff, diff)
+
+
+def _query_logits64(m: _Model, q, keys):
+    """log p(u) + log p(q | u) up to terms constant over u: (..., L, S)."""
+    alpha = m.alpha[..., None, :]
+    dim = q.shape[-1]
+    if m.kind == "magnitude":
+        # eq. (15) x eq. (7): alpha xi.q - alpha/2 ||q||^2 + beta/2 ||mu||^2 (eqs. (17)-(18))
+        logits = alpha * np.einsum("...ld,...sd->...ls", q, keys)
+        if m.values is not None:
+            norms = np.einsum("...se,...se->...s", m.values, m.values)
+            logits = logits + (m.beta * norms / 2)[..., None, :]
+        if m.alpha_varies:
+            logits = logits - alpha / 2 * np.einsum("...ld,...ld->...l", q, q)[..., None]
+    else:
+        logits = -alpha / 2 * _sqdist64(q, keys)
+        if m.kind == "array":
+            logits = logits + m.log_prior[..., None, :]
+    if m.alpha_varies:
+        logits = logits + dim / 2 * np.log(alpha)
+    return logits
+
+
+def _value_logits64(m: _Model, v):
+    """log p(v | u) up to terms constant over u: (..., L, S)."""
+    beta = m.beta[..., None, :]
+    logits = -beta / 2 * _sqdist64(v, m.values)
+    if m.beta_varies:
+        logits = logits + v.shape[-1] / 2 * np.log(beta)
+    return logits
+
+
+def _lse64(x):
+    return _lse_where(x, np.isfinite(x) | np.isnan(x))
+
+
+def _lse_where(x, where):
+    from .logspace import logsumexp
+
+    return logsumexp(x, axis=-1, where=where)
+
+
+def _softmax64(x):
+    from .logspace import softmax
+
+    return softmax(x, axis=-1, where=~np.isneginf(x))
+
+
+def _value_constant(m: _Model, dim_v):
+    """(E/2) log beta - (E/2) log 2 pi when beta is equal across units (else the beta part is
+    already in the logits)."""
+    const = -dim_v / 2 * math.log(2 * math.pi)
+    if not m.beta_varies:
+        const = const + dim_v / 2 * np.log(m.beta[..., :1])  # (..., 1)
+    return const
+
+
+def _log_posterior64(m: _Model, a, v):
+    """log p(v | q) = lse(a + b(v)) - lse(a) + const (eq. (1) with (6)-(8))."""
+    b = _value_logits64(m, v)
+    return _lse64(a + b) - _lse64(a) + _value_constant(m, v.shape[-1])
+
+
+def _attention64(m: _Model, v_init, iters, tol, want_trace):
+    a = _query_logits64(m, m.q, m.keys)
+    v = None if v_init is None else _checks.as_float64(v_init)
+    shape = a.shape[:-1]
+    active = np.ones(shape, dtype=bool)
+    done = np.zeros(shape, dtype=np.int64)
+    trace = np.full(shape + (iters,), np.nan) if want_trace else None
+    for t in range(iters):
+        logits = a if v is None else a + _value_logits64(m, v)
+        new = _softmax64(logits) @ m.values
+        if v is not None:
+            new = np.where(active[..., None], new, v)
+        if tol is not None and v is not None:
+            settled = np.max(np.abs(new - v), axis=-1) <= tol
+        else:
+            settled = np.zeros(shape, dtype=bool)
+        done += active
+        if want_trace:
+            trace[..., t] = np.where(active, _log_posterior64(m, a, new), np.nan)
+        v = new
+        active &= ~settled
+        if not active.any():
+            break
+    return v, trace, done
+
+
+# --------------------------------------------------------------------------------------------
+# Exact rows
+# --------------------------------------------------------------------------------------------
+
+
+class _ExactModel(NamedTuple):
+    q: np.ndarray
+    keys: np.ndarray
+    values: np.ndarray | None
+    alpha: np.ndarray
+    beta: np.ndarray
+    log_prior: np.ndarray | None
+    alpha_log: list | None
+    beta_log: list | None
+
+
+def _exact_model(ops, m: _Model, b):
+    """Inputs of batch element b in the number system ``ops`` (cached per precision by caller)."""
+    q, keys = ops.array(m.q[b]), ops.array(m.keys[b])
+    values = None if m.values is None else ops.array(m.values[b])
+    alpha, beta = ops.array(m.alpha[b]), ops.array(m.beta[b])
+    log_prior = None
+    if m.log_prior is not None:
+        log_prior = [None if np.isneginf(x) else ops.scalar(x) for x in m.log_prior[b]]
+    alpha_log = [ops.log(a) for a in alpha] if m.alpha_varies else None
+    beta_log = [ops.log(x) for x in beta] if m.beta_varies else None
+    return _ExactModel(q, keys, values, alpha, beta, log_prior, alpha_log, beta_log)
+
+
+def _query_logits_exact(m: _Model, x: _ExactModel, qrow):
+    """Exact twin of :func:`_query_logits64` for one query row: list over units (None =
+    excluded by a -inf prior)."""
+    dim = len(qrow)
+    out = []
+    for u in range(len(x.keys)):
+        alpha = x.alpha[u]
+        if m.kind == "magnitude":
+            logit = alpha * dot(x.keys[u], qrow)
+            if x.values is not None:
+                logit = logit + x.beta[u] * dot(x.values[u], x.values[u]) / 2
+            if m.alpha_varies:
+                logit = logit - alpha * dot(qrow, qrow) / 2
+        else:
+            if m.kind == "array" and x.log_prior[u] is None:
+                out.append(None)
+                continue
+            logit = -alpha * sqdist(qrow, x.keys[u]) / 2
+            if m.kind == "array":
+                logit = logit + x.log_prior[u]
+        if m.alpha_varies:
+            logit = logit + x.alpha_log[u] * dim / 2
+        out.append(logit)
+    return out
+
+
+def _value_logits_exact(m: _Model, x: _ExactModel, v):
+    out = []
+    for u in range(len(x.values)):
+        logit = -x.beta[u] * sqdist(v, x.values[u]) / 2
+        if m.beta_varies:
+            logit = logit + x.beta_log[u] * len(v) / 2
+        out.append(logit)
+    return out
+
+
+def _log_posterior_exact(ops, m: _Model, x: _ExactModel, a, v):
+    b = _value_logits_exact(m, x, v)
+    joint = ops.lse([None if s is None else s + t for s, t in zip(a, b, strict=False)])
+    marginal = ops.lse(a)
+    dim_v = len(v)
+    const = -ops.log_2pi() * dim_v / 2
+    if not m.beta_varies:
+        const = const + ops.log(x.beta[0]) * dim_v / 2
+    return joint - marginal + const
+
+
+def _mix(weights, values):
+    """sum_u w_u mu_u, an object vector (E,)."""
+    dim_v = values.shape[1]
+    return np.array([sum((w * values[u, e] for u, w in enumerate(weights) if w != 0), 0)
+                     for e in range(dim_v)], dtype=object)
+
+
+def _attention_row_exact(ops, m: _Model, v_init, iters, want_trace, row):
+    b, i = row
+    x = _exact_model(ops, m, b)
+    a = _query_logits_exact(m, x, x.q[i])
+    v = None if v_init is None else ops.array(v_init[b][i])
+    trace = []
+    for _ in range(iters):
+        if v is None:
+            logits = a
+        else:
+            vb = _value_logits_exact(m, x, v)
+            logits = [None if s is None else s + t for s, t in zip(a, vb, strict=False)]
+        v = _mix(ops.softmax(logits), x.values)
+        if want_trace:
+            try:
+                trace.append(_log_posterior_exact(ops, m, x, a, v))
+            except _NotRational:
+                trace.append(None)
+    return list(v) + trace
+
+
+def _batch_rows(batch, length):
+    return [(b, i) for b in np.ndindex(*batch) for i in range(length)]
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------
+
+
+def attention(q, keys, values, *, alpha, beta=0.0, prior="uniform", v_init=None, iters=1,
+              tol=None, return_trace=False, precision="float64", out_dtype=None):
+    """Gaussian-mixture attention: MAP value inference by EM (Movellan & Gabbur eqs. (13)-(14)).
+
+    For each query q_i the value estimate is refined ``iters`` times by
+
+    .. math::
+
+        v_{t+1} = \\sum_u w_u \\mu_u \\quad (13), \\qquad
+        w_u \\propto p(u)\\, e^{-\\frac{\\alpha_u}{2}\\|q - \\xi_u\\|^2}
+                 e^{-\\frac{\\beta_u}{2}\\|v_t - \\mu_u\\|^2}\\,
+                 \\alpha_u^{D/2} \\beta_u^{E/2} \\quad (14),
+
+    the normalisers alpha_u^(D/2) beta_u^(E/2) (eqs. (7)-(8)) cancelling when the precisions
+    are equal across units, which is the paper's case. With ``prior="magnitude"``
+    (eqs. (15)-(16)) the weights take the inner-product form
+    ``w_u ∝ exp(alpha xi_u.q + beta mu_u.v_t)`` (eqs. (17)-(18)) and beta = 0 gives softmax
+    attention with scale alpha (eqs. (19)-(20)).
+
+    Parameters
+    ----------
+    q : array (..., L, D)
+        Queries.
+    keys : array (..., S, D)
+        Unit keys xi_u.
+    values : array (..., S, E)
+        Expected values mu_u.
+    alpha : float or array (..., S)
+        Query precisions alpha_u > 0 (eq. (7)).
+    beta : float or array (..., S)
+        Value precisions beta_u >= 0 (eq. (8)); per-unit values that differ must be > 0.
+    prior : {"uniform", "magnitude"} or array (..., S)
+        p(u): uniform; eq. (15) ``p(u) ∝ exp(alpha_u ||xi_u||^2/2 + beta_u ||mu_u||^2/2)``; or
+        an array of log p(u) (normalisation not needed: the posterior does not depend on it;
+        -inf excludes a unit).
+    v_init : array (..., L, E), optional
+        v_0. None (default): the first E-step has **no beta term**: w_u = p(u | q), the
+        value likelihood marginalised out (this makes the first iterate plain attention).
+    iters : int >= 1
+        EM iterations (the maximum when ``tol`` is given).
+    tol : float, optional
+        float64 path only: a row stops once ``max_e |v_{t+1} - v_t| <= tol`` (its later trace
+        entries are NaN). Each row stops on its own residual, never on a batch-global one.
+    return_trace : bool
+        Also return log p(v_t | q) after every iteration (needs beta > 0; see
+        :func:`log_posterior`), as a :class:`GMMResult`.
+    precision : {"float64", "exact"}
+    out_dtype : dtype, optional
+        Exact path: float64 (default), float32, float16, bfloat16.
+
+    Returns
+    -------
+    values (..., L, E), or GMMResult(values, trace (..., L, iters), iterations (..., L)).
+
+    Notes
+    -----
+    The exact path returns the exact value of ``iters`` EM iterations (not of the fixed
+    point), every element rounded once. EM never decreases log p(v_t | q) (eq. (3): Dempster,
+    Laird & Rubin), so the trace is non-decreasing from t = 1 on (and from t = 0 when v_init is
+    given). The float64 path forms every weight as ``exp(logit - lse)`` with a max-shifted lse,
+    so no weight underflows to 0/0 however negative the logits are; its error is bounded
+    by :func:`oracle.tolerance.mixture_bound`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn import gmm
+    >>> q = np.array([[0.0, 1.0]]); keys = np.array([[0.0, 1.0], [1.0, 0.0]])
+    >>> values = np.array([[1.0], [0.0]])
+    >>> gmm.attention(q, keys, values, alpha=1.0).round(6).tolist()
+    [[0.731059]]
+    """
+    precision = _checks.precision(precision)
+    m = _model(q, keys, values, alpha, beta, prior)
+    iters = _iters(iters)
+    if tol is not None:
+        if precision == "exact":
+            raise ValueError("tol: the exact path evaluates exactly `iters` iterations; "
+                             "pass tol=None")
+        tol = _checks.real_scalar(tol, "tol")
+        if tol < 0:
+            raise ValueError(f"tol: expected a number >= 0, got {tol}")
+    if return_trace and (m.beta == 0).any():
+        raise ValueError("return_trace: log p(v | q) needs beta > 0 (beta = 0 makes p(v | u) "
+                         "improper); pass beta > 0 or return_trace=False")
+    if v_init is not None:
+        v_init = finite_input(v_init, "v_init", 2)
+        want = m.q.shape[:-1] + (m.values.shape[-1],)
+        v_init = _checks.broadcast(v_init, want, "v_init", "(..., L, E)")
+    if precision == "float64":
+        v, trace, done = _attention64(m, v_init, iters, tol, return_trace)
+        return GMMResult(v, trace, done) if return_trace else v
+    batch, length, dim_v = m.q.shape[:-2], m.q.shape[-2], m.values.shape[-1]
+    rows = _batch_rows(batch, length)
+    table = exact_rows(
+        rows, lambda ops, row: _attention_row_exact(ops, m, v_init, iters, return_trace, row),
+        _checks.out_dtype(out_dtype), "gmm.attention")
+    values_out = table[:, :dim_v].reshape(batch + (length, dim_v))
+    if not return_trace:
+        return values_out
+    trace = table[:, dim_v:].reshape(batch + (length, iters))
+    return GMMResult(values_out, trace, np.full(batch + (length,), iters, dtype=np.int64))
+
+
+def log_posterior(v, q, keys, values, *, alpha, beta, prior="uniform", precision="float64",
+                  out_dtype=None):
+    """log p(v | q) of the Gaussian mixture, eqs. (1), (6)-(8), (15)-(16); the EM objective.
+
+    .. math::
+
+        \\log p(v \\mid q) = \\log \\sum_u p(u) p(q|u) p(v|u) - \\log \\sum_u p(u) p(q|u)
+
+    The stated constant is zero: this is the normalised density of v (including
+    ``-(E/2) log 2 pi`` and ``(E/2) log beta_u``). It does not depend on the normalisation of
+    p(u) or on the query normaliser, which cancel.
+
+    Parameters
+    ----------
+    v : array (..., L, E)
+    q, keys, values, alpha, prior : as :func:`attention`.
+    beta : float or array (..., S), > 0
+    precision, out_dtype : as :func:`attention`.
+
+    Returns
+    -------
+    array (..., L)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn import gmm
+    >>> one = np.ones((1, 1))
+    >>> round(float(gmm.log_posterior(one, one, one, one, alpha=1.0, beta=1.0)[0]), 6)
+    -0.918939
+    """
+    precision = _checks.precision(precision)
+    m = _model(q, keys, values, alpha, beta, prior)
+    if (m.beta == 0).any():
+        raise ValueError("beta: log p(v | q) needs beta > 0 (beta = 0 is improper)")
+    v = finite_input(v, "v", 2)
+    v = _checks.broadcast(v, m.q.shape[:-1] + (m.values.shape[-1],), "v", "(..., L, E)")
+    if precision == "float64":
+        return _log_posterior64(m, _query_logits64(m, m.q, m.keys), _checks.as_float64(v))
+
+    def row_value(ops, row):
+        b, i = row
+        x = _exact_model(ops, m, b)
+        return [_log_posterior_exact(ops, m, x, _query_logits_exact(m, x, x.q[i]),
+                                     ops.array(v[b][i]))]
+
+    batch, length = m.q.shape[:-2], m.q.shape[-2]
+    table = exact_rows(_batch_rows(batch, length), row_value, _checks.out_dtype(out_dtype),
+                       "gmm.log_posterior")
+    return table.reshape(batch + (length,))
+
+
+# --------------------------------------------------------------------------------------------
+# Inference-time adaptation
+# --------------------------------------------------------------------------------------------
+
+
+def _responsibilities64(m: _Model, keys, log_prior_now):
+    """log w^i_k = log p(u_k | q_i) (eq. (23)), (..., L, S)."""
+    if log_prior_now is not None:
+        m = m._replace(kind="array", log_prior=log_prior_now)
+    logits = _query_logits64(m, m.q, keys)
+    from .logspace import log_softmax
+
+    return log_softmax(logits, axis=-1, where=~np.isneginf(logits))
+
+
+def _keys_update64(m: _Model, keys0, keys, gamma, form):
+    """One M-step of eqs. (28)-(29) ("paper") or the once-counted MAP form ("map")."""
+    log_w = _responsibilities64(m, keys, None)
+    log_total = _lse_where(np.swapaxes(log_w, -1, -2), ~np.isneginf(np.swapaxes(log_w, -1, -2)))
+    responsible = np.isfinite(log_total)
+    safe_total = np.where(responsible, log_total, 0.0)
+    share = np.exp(np.where(np.isneginf(log_w), -np.inf, log_w - safe_total[..., None, :]))
+    q_bar = np.einsum("...ls,...ld->...sd", share, _checks.as_float64(m.q))  # eq. (29)
+    alpha, gam = m.alpha[..., None], gamma[..., None]
+    total = np.exp(log_total)[..., None]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        if form == "paper":
+            new = (gam * keys0 + alpha * q_bar) / (alpha + gam)  # eq. (28)
+        else:
+            new = (gam * keys0 + alpha * total * q_bar) / (gam + alpha * total)
+    new = np.where(np.isinf(gam), keys0, new)
+    return np.where(responsible[..., None], new, keys)
+
+
+def _check_gamma(gamma, batch, units):
+    return unit_parameter(gamma, "gamma", batch, units, allow_zero=True, allow_inf=True)[0]
+
+
+def adapt_keys(queries, keys0, *, alpha, gamma, prior="uniform", iters=1, form="paper",
+               precision="float64", out_dtype=None):
+    """Inference-time MAP adaptation of the keys to a batch of queries (eqs. (21)-(29)).
+
+    E-step (eq. (23)) with the current keys xi^t, then the M-step with the Gaussian key prior
+    of eq. (25) centred on the **initial** keys xi^0 (not on xi^t):
+
+    .. math::
+
+        \\text{"paper"}:\\ \\xi_k^{t+1} = \\frac{\\gamma}{\\alpha + \\gamma}\\xi_k^0
+            + \\frac{\\alpha}{\\alpha + \\gamma}\\bar q_k \\ \\ (28), \\qquad
+            \\bar q_k = \\frac{\\sum_i w_k^i q_i}{\\sum_i w_k^i} \\ \\ (29)
+
+        \\text{"map"}:\\ \\xi_k^{t+1} = \\frac{\\gamma \\xi_k^0 + \\alpha \\sum_i w_k^i q_i}
+            {\\gamma + \\alpha \\sum_i w_k^i}
+
+    Eq. (28) solves eq. (26), whose prior term sits inside the sum over queries: the log-prior
+    is counted once per unit of responsibility W_k = sum_i w_k^i. The MAP form counts it once,
+    as eq. (24) with a parameter prior p(lambda) would. They **coincide when W_k = 1**, when
+    gamma = 0 and when gamma = inf. **gamma -> 0** (uninformative prior) gives xi_k = q̄_k in
+    both forms: with ``prior="magnitude"`` this is the Double Normalized Attention (DNA) of Ding
+    et al. (2020), the case the paper names. gamma = inf returns xi^0 exactly.
+
+    Parameters
+    ----------
+    queries : array (..., L, D)
+    keys0 : array (..., S, D)
+        Initial keys xi^0 (also the prior's centre).
+    alpha : float or array (..., S), > 0
+    gamma : float or array (..., S), >= 0, inf allowed
+        Key-prior precision of eq. (25).
+    prior : {"uniform", "magnitude"} or array (..., S) of log p(u)
+        Unit prior of the E-step. "magnitude" is ``p(u) ∝ exp(alpha ||xi^t_u||^2 / 2)`` (eq.
+        (15) without values) evaluated at the current keys; the M-step, as eqs. (26)-(28),
+        does not differentiate the prior.
+    iters : int >= 1
+    form : {"paper", "map"}
+    precision, out_dtype : as :func:`attention`.
+
+    Returns
+    -------
+    array (..., S, D): xi^iters. A unit with no responsibility at all (W_k = 0 exactly, only
+    possible with a -inf log prior) keeps its key.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn import gmm
+    >>> queries = np.array([[2.0, 0.0]]); keys0 = np.array([[0.0, 0.0]])
+    >>> gmm.adapt_keys(queries, keys0, alpha=1.0, gamma=1.0).tolist()
+    [[1.0, 0.0]]
+    """
+    precision = _checks.precision(precision)
+    form = _checks.choice(form, "form", KEY_FORMS)
+    m = _model(queries, keys0, None, alpha, 0.0, prior, need_values=False)
+    iters = _iters(iters)
+    batch, units = m.keys.shape[:-2], m.keys.shape[-2]
+    gamma = _check_gamma(gamma, batch, units)
+    if precision == "float64":
+        keys0_w = _checks.as_float64(m.keys)
+        keys = keys0_w
+        for _ in range(iters):
+            keys = _keys_update64(m, keys0_w, keys, gamma, form)
+        return keys
+
+    def row_keys(ops, b):
+        return _adapt_keys_exact(ops, m, gamma, form, iters, b)
+
+    rows = list(np.ndindex(*batch))
+    table = exact_rows(rows, row_keys, _checks.out_dtype(out_dtype), "gmm.adapt_keys")
+    return table.reshape(batch + m.keys.shape[-2:])
+
+
+def _adapt_keys_exact(ops, m: _Model, gamma, form, iters, b):
+    x = _exact_model(ops, m, b)
+    keys0 = x.keys
+    keys = keys0.copy()
+    units, dim = keys.shape
+    for _ in range(iters):
+        xt = x._replace(keys=keys)
+        weights = [ops.softmax(_query_logits_exact(m, xt, qrow)) for qrow in x.q]
+        new = keys.copy()
+        for k in range(units):
+            if math.isinf(gamma[b][k]):
+                continue  # the limit gamma -> inf: the prior pins the key at xi^0
+            total = sum((w[k] for w in weights), 0)
+            if _is_zero(total):
+                continue  # no responsibility (a -inf prior): the key is unchanged
+            g, a = ops.scalar(gamma[b][k]), x.alpha[k]
+            for d in range(dim):
+                weighted = sum((w[k] * x.q[i][d] for i, w in enumerate(weights)), 0)
+                if form == "paper":
+                    new[k, d] = (g * keys0[k, d] + a * (weighted / total)) / (a + g)
+                else:
+                    new[k, d] = (g * keys0[k, d] + a * weighted) / (g + a * total)
+        keys = new
+    return list(keys.ravel())
+
+
+def _check_pi0(pi0, batch, units):
+    arr = _checks.float_array(pi0, "pi0", ndim_min=1)
+    wide = _checks.as_float64(arr)
+    if wide.shape[-1] != units:
+        raise ValueError(f"pi0: expected S = {units} entries on the last axis, "
+                         f"got shape {wide.shape}")
+    if not np.isfinite(wide).all() or (wide < 0).any():
+        raise ValueError(f"pi0: expected a distribution over units (finite, >= 0), got "
+                         f"min {np.nanmin(wide)!r} (shape {wide.shape})")
+    sums = wide.sum(axis=-1)
+    slack = units * np.finfo(arr.dtype if arr.dtype.itemsize >= 4 else np.float32).eps
+    if arr.dtype.name in ("float16", "bfloat16"):
+        slack = units * 2.0 ** -7
+    if (np.abs(sums - 1) > slack).any():
+        worst = sums.ravel()[np.argmax(np.abs(sums - 1).ravel())]
+        raise ValueError(f"pi0: expected a distribution over units (sum 1 within {slack:.3g}), "
+                         f"got a sum of {worst!r} (shape {wide.shape})")
+    return _checks.broadcast(wide, batch + (units,), "pi0", "(..., S)")
+
+
+def _check_eta(eta, pi0):
+    if np.ndim(eta) == 0 and not isinstance(eta, np.ndarray):
+        value = _checks.real_scalar(eta, "eta")
+        if value < 0:
+            raise ValueError(f"eta: expected a concentration >= 0, got {value}")
+        return "scaled", value
+    arr = _checks.as_float64(_checks.float_array(eta, "eta", ndim_min=1))
+    if not np.isfinite(arr).all() or (arr < 0).any():
+        raise ValueError(f"eta: expected finite Dirichlet parameters >= 0, shape {arr.shape}")
+    return "array", _checks.broadcast(arr, pi0.shape, "eta", "(..., S)")
+
+
+def adapt_priors(queries, keys, *, alpha, eta, pi0, iters=1, form="paper",
+                 precision="float64", out_dtype=None):
+    """Inference-time adaptation of the unit priors pi with a Dirichlet prior (eqs. (30)-(34)).
+
+    .. math::
+
+        \\pi_k^{t+1} = \\frac{\\bar w_k (1 + \\eta_k)}{\\sum_j \\bar w_j (1 + \\eta_j)} \\ \\ (33),
+        \\qquad \\bar w_j = \\sum_i w_j^i \\ \\ (34)
+
+    with w_j^i = p(u_j | q_i, pi^t) (eq. (23), Gaussian query likelihood of precision alpha).
+    ``form="map"`` is the once-counted Dirichlet MAP ``pi_k ∝ w̄_k + eta_k``: eq. (31) as
+    printed multiplies the log-prior eta_k log pi_k by the responsibilities, like eq. (26).
+
+    Parameters
+    ----------
+    queries : array (..., L, D)
+    keys : array (..., S, D)
+    alpha : float or array (..., S), > 0
+    eta : float or array (..., S), >= 0
+        A scalar is the constant of the paper's ``eta ∝ pi^0``: eta_k = eta * pi0_k. An array
+        is eta itself.
+    pi0 : array (..., S)
+        Initial priors: a distribution (>= 0, summing to 1 within S units of its dtype's
+        epsilon); it is used normalised exactly.
+    iters : int >= 1
+    form : {"paper", "map"}
+    precision, out_dtype : as :func:`attention`.
+
+    Returns
+    -------
+    array (..., S): pi^iters.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn import gmm
+    >>> queries = np.array([[0.0], [0.0], [5.0]]); keys = np.array([[0.0], [5.0]])
+    >>> gmm.adapt_priors(queries, keys, alpha=100.0, eta=0.0, pi0=np.array([0.5, 0.5])).round(
+    ...     6).tolist()
+    [0.666667, 0.333333]
+    """
+    precision = _checks.precision(precision)
+    form = _checks.choice(form, "form", PRIOR_FORMS)
+    m = _model(queries, keys, None, alpha, 0.0, "uniform", need_values=False)
+    iters = _iters(iters)
+    batch, units = m.keys.shape[:-2], m.keys.shape[-2]
+    pi0 = _check_pi0(pi0, batch, units)
+    eta_kind, eta_value = _check_eta(eta, pi0)
+    if precision == "float64":
+        pi = pi0 / pi0.sum(axis=-1, keepdims=True)
+        eta_arr = eta_value * pi if eta_kind == "scaled" else eta_value
+        for _ in range(iters):
+            with np.errstate(divide="ignore"):
+                log_w = _responsibilities64(m, m.keys, np.log(pi))
+            w_bar = np.exp(_lse_where(np.swapaxes(log_w, -1, -2),
+                                      ~np.isneginf(np.swapaxes(log_w, -1, -2))))
+            mass = w_bar * (1 + eta_arr) if form == "paper" else w_bar + eta_arr
+            pi = mass / mass.sum(axis=-1, keepdims=True)
+        return pi
+
+    def row_priors(ops, b):
+        return _adapt_priors_exact(ops, m, pi0[b], eta_kind, eta_value, form, iters, b)
+
+    rows = list(np.ndindex(*batch))
+    table = exact_rows(rows, row_priors, _checks.out_dtype(out_dtype), "gmm.adapt_priors")
+    return table.reshape(batch + (units,))
+
+
+def _adapt_priors_exact(ops, m: _Model, pi0_row, eta_kind, eta_value, form, iters, b):
+    x = _exact_model(ops, m, b)
+    raw = ops.array(pi0_row)
+    total0 = sum(raw, 0)
+    pi = [p / total0 for p in raw]
+    if eta_kind == "scaled":
+        eta = [ops.scalar(eta_value) * p for p in pi]
+    else:
+        eta = list(ops.array(eta_value[b]))
+    units = len(pi)
+    for _ in range(iters):
+        log_pi = [None if _is_zero(p) else ops.log(p) for p in pi]
+        m_arr = m._replace(kind="array")
+        weights = []
+        for qrow in x.q:
+            xt = x._replace(log_prior=log_pi)
+            weights.append(ops.softmax(_query_logits_exact(m_arr, xt, qrow)))
+        w_bar = [sum((w[k] for w in weights), 0) for k in range(units)]
+        if form == "paper":
+            mass = [w_bar[k] * (1 + eta[k]) for k in range(units)]
+        else:
+            mass = [w_bar[k] + eta[k] for k in range(units)]
+        norm = sum(mass, 0)
+        pi = [x_ / norm for x_ in mass]
+    return pi
+
+
+def _is_zero(x):
+    """x is exactly zero (an int/Fraction 0 or the point interval [0, 0])."""
+    if isinstance(x, iv.mpf):
+        lo, hi = x._mpi_
+        return not lo[1] and not hi[1]  # zero mantissas
+    return x == 0
