@@ -1,0 +1,258 @@
+"""Interval twins of the transformer pieces (the exact path of :mod:`refattn.transformer`).
+
+Everything here works on object arrays of ``mpmath.iv.mpf`` at the working precision set by
+:func:`refattn.exact.intervals.workprec`, and returns rigorous enclosures of the exact real
+results. :mod:`refattn.transformer` composes them and rounds *once* at the end with the Ziv
+loop (:func:`refattn.exact.rounding.correctly_round`): the exact path of a whole encoder block
+is the exact real value of the block, not a chain of correctly rounded pieces.
+
+Why an own interval attention here rather than ``refattn.attention(precision="exact")``: that
+function returns correctly rounded *outputs*; composing rounded outputs would round more than
+once. :func:`attention` below encloses the same pinned semantics (docs/conventions.md) on
+interval inputs, so projections, attention and the output projection stay one exact chain.
+It is written for the small shapes of the exact path (Python loops over rows).
+
+Shape letters as in :mod:`refattn`; M is the model width (the last axis of ``x``).
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+from mpmath import iv, mpf
+from mpmath.libmp import (
+    from_man_exp,
+    fzero,
+    mpf_add,
+    mpf_sign,
+    mpf_sub,
+    round_ceiling,
+    round_floor,
+)
+
+from .. import config
+from . import intervals as I
+
+__all__ = [
+    "linear",
+    "relu",
+    "gelu",
+    "layer_norm",
+    "rational_layer_norm",
+    "sin",
+    "cos",
+    "positions",
+    "attention",
+]
+
+_ZERO = iv.mpf(0)
+
+
+def _object(shape, values) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out.reshape(shape)
+
+
+def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """Enclosure of ``x @ W + b`` (x (..., L, M), W (M, P), b (P,)), all object arrays."""
+    out = np.matmul(x, weight)
+    return out if bias is None else out + bias
+
+
+def _relu_scalar(x):
+    lo, hi = x._mpi_
+    if mpf_sign(lo) >= 0:
+        return x
+    if mpf_sign(hi) <= 0:
+        return _ZERO
+    return iv.make_mpf((fzero, hi))
+
+
+def relu(x: np.ndarray) -> np.ndarray:
+    """Enclosure of ``max(x, 0)`` (exact: no rounding is involved)."""
+    return _object(x.shape, [_relu_scalar(v) for v in x.ravel()])
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """Enclosure of the exact-erf GELU ``x/2 (1 + erf(x / sqrt 2))`` (Hendrycks & Gimpel)."""
+    root2 = I.sqrt(I.point(2))
+    return x * (1 + I.erf(x / root2)) / 2
+
+
+def _nonnegative(x):
+    """Clip an interval known to enclose a non-negative number at 0 from below."""
+    lo, hi = x._mpi_
+    return x if mpf_sign(lo) >= 0 else iv.make_mpf((fzero, hi))
+
+
+def layer_norm(x: np.ndarray, gamma, beta, eps) -> np.ndarray:
+    """Enclosure of layer normalisation over the last axis of an interval array.
+
+    ``gamma``/``beta`` are object arrays of shape (M,) or None; ``eps`` an exact value.
+    The variance is the biased one (divide by M), as in the notes (lecture 17, "Other layers").
+    """
+    width = x.shape[-1]
+    mean = x.sum(axis=-1, keepdims=True) / width
+    centred = x - mean
+    var = (centred**2).sum(axis=-1, keepdims=True) / width
+    var = _object(var.shape, [_nonnegative(v) for v in var.ravel()])
+    out = centred / I.sqrt(var + I.point(eps))
+    if gamma is not None:
+        out = out * gamma
+    if beta is not None:
+        out = out + beta
+    return out
+
+
+def rational_layer_norm(row: np.ndarray, gamma, beta, eps) -> list:
+    """Enclosure of layer norm of one row of exact float values (a 1-D float64 array).
+
+    Mean, centred values and the biased variance are computed exactly as rationals, so only
+    the square root and the final division and product are interval operations: an exactly
+    zero centred value gives an exact zero (no Ziv loop stalls on constant rows).
+    Non-finite entries give a NaN row (as ``0/0`` or ``inf - inf`` would in IEEE arithmetic);
+    a constant row with ``eps == 0`` is ``0/0``, also NaN.
+    """
+    if not np.isfinite(row).all():
+        return [np.nan] * len(row)
+    exact = [Fraction(float(v)) for v in row]
+    mean = sum(exact) / len(exact)
+    centred = [v - mean for v in exact]
+    var = sum(c * c for c in centred) / len(exact) + Fraction(float(eps))
+    if var == 0:
+        return [np.nan] * len(row)
+    inv_sigma = 1 / I.sqrt(I.point(var))
+    out = []
+    for j, c in enumerate(centred):
+        y = I.point(c) * inv_sigma
+        if gamma is not None:
+            y = y * gamma[j]
+        if beta is not None:
+            y = y + beta[j]
+        out.append(y)
+    return out
+
+
+def _widen(raw, prec: int, down: bool):
+    _, man, exp, bc = raw
+    if man == 0:
+        return raw
+    ulp2 = from_man_exp(1, exp + bc - prec + 1)
+    return (mpf_sub if down else mpf_add)(raw, ulp2, prec, round_floor if down else round_ceiling)
+
+
+def _trig(fn, x):
+    """``iv.sin``/``iv.cos`` at extra precision, widened outward by two ulp of the working
+    precision (the same guard :mod:`refattn.exact.intervals` applies to its functions)."""
+    prec = iv.prec
+    with I.workprec(prec + config.ELEMENTARY_GUARD_BITS):
+        y = fn(x)
+    lo, hi = y._mpi_
+    return iv.make_mpf((_widen(lo, prec, True), _widen(hi, prec, False)))
+
+
+def sin(x):
+    """Enclosure of sin over an interval (scalar)."""
+    return _trig(iv.sin, x)
+
+
+def cos(x):
+    """Enclosure of cos over an interval (scalar)."""
+    return _trig(iv.cos, x)
+
+
+def positions(length: int, dim: int, base, layout: str) -> np.ndarray:
+    """Enclosure of the sinusoidal table, shape (length, dim).
+
+    The angle ``pos / base^(2i/dim)`` is evaluated as ``pos * exp(-(2i/dim) log(base))`` with
+    the exponent ``2i/dim`` an exact rational; ``base`` is taken at its exact binary value.
+    """
+    half = dim // 2
+    log_base = I.log(I.point(base))
+    inv_freq = [I.exp(-(I.point(Fraction(2 * i, dim))) * log_base) if i else iv.mpf(1)
+                for i in range(half)]
+    table = np.empty((length, dim), dtype=object)
+    for pos in range(length):
+        for i, freq in enumerate(inv_freq):
+            angle = freq * pos
+            sin_col, cos_col = (2 * i, 2 * i + 1) if layout == "interleave" else (i, half + i)
+            table[pos, sin_col] = sin(angle)
+            table[pos, cos_col] = cos(angle)
+    return table
+
+
+def _scale_interval(spec):
+    exact = spec.scale_exact
+    if isinstance(exact, tuple):  # ("invsqrt", D): 1/sqrt(D) is irrational
+        return 1 / I.sqrt(I.point(exact[1]))
+    return I.point(exact)
+
+
+def _flat(arr: np.ndarray, batch_shape: tuple) -> np.ndarray:
+    tail = arr.shape[-3:]
+    return np.broadcast_to(arr, batch_shape + tail).reshape((-1,) + tail)
+
+
+def attention(q, k, v, spec) -> np.ndarray:
+    """Enclosure of scaled dot-product attention (docs/conventions.md, steps 1-7).
+
+    Parameters
+    ----------
+    q, k, v : object arrays (..., H, L, D), (..., K, S, D), (..., K, S, E) of intervals
+    spec : refattn._spec.AttentionSpec
+        The validated keywords, from :func:`refattn._spec.canonicalize` called on arrays of
+        the same shapes (allowed set, bias, ALiBi, GQA head map, dropout, empty rows).
+
+    Returns
+    -------
+    object array ``spec.batch_shape + (H, L, E)``
+
+    Notes
+    -----
+    Row i of head h: ``out_i = sum_j e_j keep_j v_j / ((1 - p) sum_j e_j)`` over the allowed j,
+    with ``e_j = exp(t_j - t_top)`` (the shift by the largest logit only keeps the intervals
+    small; it cancels exactly in the real quotient).
+    """
+    batch_shape = spec.batch_shape
+    q, k, v = (_flat(a, batch_shape) for a in (q, k, v))
+    batch, heads, length, _ = q.shape
+    vdim = v.shape[-1]
+    out = np.empty((batch, heads, length, vdim), dtype=object)
+    scale = _scale_interval(spec)
+    cap = None if spec.softcap is None else I.point(spec.softcap)
+    keep_scale = None if spec.dropout_mask is None else I.point(spec.keep_scale)
+    for b in range(batch):
+        for h in range(heads):
+            g = int(spec.kv_head[h])
+            scores = np.matmul(q[b, h], k[b, g].T) * scale
+            allowed = spec.allowed(b, h)
+            slope = None if spec.alibi_slopes is None else I.point(spec.alibi_slopes[h])
+            for i in range(length):
+                row = np.flatnonzero(allowed[i])
+                if row.size == 0:
+                    fill = _ZERO if spec.empty_rows == "zero" else np.nan
+                    out[b, h, i] = [fill] * vdim
+                    continue
+                logits = []
+                for j in row:
+                    t = scores[i, j]
+                    if cap is not None:
+                        t = cap * I.tanh(t / cap)
+                    if spec.bias is not None:
+                        t = t + I.point(spec.bias[b, h, i, j])
+                    if slope is not None:  # exact, not spec.alibi's rounded float64 product
+                        t = t - slope * abs(i + spec.offset - int(j))
+                    logits.append(t)
+                top = max(range(len(logits)), key=lambda n: mpf(logits[n]._mpi_[1]))
+                weights = [iv.mpf(1) if n == top else I.exp(t - logits[top])
+                           for n, t in enumerate(logits)]
+                total = sum(weights)
+                if keep_scale is not None:
+                    keep = spec.dropout_mask[b, h, i]
+                    weights = [w * keep_scale if keep[j] else _ZERO
+                               for w, j in zip(weights, row, strict=True)]
+                acc = sum(v[b, g, j] * w for w, j in zip(weights, row, strict=True))
+                out[b, h, i] = list(acc / total)
+    return out.reshape(batch_shape + out.shape[1:])

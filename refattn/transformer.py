@@ -1,0 +1,1037 @@
+"""Transformer pieces from the lecture notes: multi-head attention, layer norm, sinusoidal
+positions, feed-forward, encoder and decoder blocks (float64 and exact paths).
+
+Sources (``../shared/seeds``; the notes carry no equation numbers, so sections are cited):
+
+* [L17] lecture 17 notes (003): "Multihead attention", "Masked Multi-head attention",
+  "Other layers" (layer normalization, positional embedding).
+* [AMT] "Attention Mechanisms and the Transformer" (004): "Self-Attention" (the multi-head
+  display ``q_i^r = W_q^r x_i, ..., y_i = W_y concat[y_i^1, y_i^2, ...]``) and "Transformers"
+  (the Transformer block, Figure 2).
+
+Shape letters as in :mod:`refattn`, plus M (model width, the last axis of ``x``), N (width of
+the key/value source ``x_kv`` or ``memory``), P (output width of ``W_O``), F (hidden width of
+the feed-forward layer).
+
+Conventions pinned here (see also :func:`multihead_attention`):
+
+* Row vectors: ``x`` is (..., L, M) and a projection is ``x @ W + b`` with ``W`` (M, P). The
+  notes' column form ``q = W_q x`` is ``W = W_q^T`` here (torch's ``nn.Linear`` stores the
+  same ``W_q`` as ``weight`` and computes ``x @ weight.T``).
+* Head split: head h of a projection is its columns ``h*D:(h+1)*D`` (torch
+  ``nn.MultiheadAttention``, the notes' "concat"): heads are contiguous column blocks.
+* Exact path: every output element is the exact real value of the *whole* composition
+  (projections, attention, residuals, norms, feed-forward) rounded once to ``out_dtype``.
+  It requires finite inputs and parameters and is meant for small shapes (Python loops over
+  intervals; an encoder block with L=4, M=8 takes about a second).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+from dataclasses import dataclass, fields, replace
+
+import numpy as np
+import scipy.special
+
+from . import _checks
+from ._spec import canonicalize
+from .exact import intervals as I
+from .exact import transformer as X
+from .exact.rounding import correctly_round
+
+__all__ = [
+    "AttentionParams",
+    "FeedForwardParams",
+    "NormParams",
+    "EncoderParams",
+    "DecoderParams",
+    "multihead_attention",
+    "layer_norm",
+    "sinusoidal_positions",
+    "feed_forward",
+    "encoder_block",
+    "decoder_block",
+    "float64_error_bound",
+    "random_attention_params",
+    "random_encoder_params",
+    "random_decoder_params",
+]
+
+#: Set by :func:`float64_error_bound`: the float64 path returns its error bound instead.
+_BOUND_MODE = contextvars.ContextVar("refattn_transformer_bound", default=False)
+
+ACTIVATIONS = ("relu", "gelu")
+NORMS = ("post", "pre")
+LAYOUTS = ("interleave", "concat")
+ATTENTION_KEYWORDS = (
+    "scale", "bias", "mask", "causal", "window", "align", "softcap", "alibi_slopes", "gqa",
+    "dropout_mask", "dropout_p", "empty_rows",
+)
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    """Weights of one multi-head attention layer ([AMT] "Self-Attention", multi-head display).
+
+    Attributes
+    ----------
+    W_Q : (M, H*D)    W_K : (N, K*D)    W_V : (N, K*E)    W_O : (H*E, P)
+    b_Q : (H*D,) or None, b_K : (K*D,), b_V : (K*E,), b_O : (P,)
+    num_heads : int, H
+    num_kv_heads : int or None, K (None: K = H)
+    """
+
+    W_Q: np.ndarray
+    W_K: np.ndarray
+    W_V: np.ndarray
+    W_O: np.ndarray
+    b_Q: np.ndarray | None = None
+    b_K: np.ndarray | None = None
+    b_V: np.ndarray | None = None
+    b_O: np.ndarray | None = None
+    num_heads: int = 1
+    num_kv_heads: int | None = None
+
+
+@dataclass(frozen=True)
+class FeedForwardParams:
+    """Position-wise feed-forward ``act(x @ W1 + b1) @ W2 + b2``: W1 (M, F), W2 (F, M)."""
+
+    W1: np.ndarray
+    b1: np.ndarray | None
+    W2: np.ndarray
+    b2: np.ndarray | None
+    activation: str = "relu"
+
+
+@dataclass(frozen=True)
+class NormParams:
+    """Layer-norm gain ``gamma`` (M,), shift ``beta`` (M,) (None: 1 and 0) and ``eps``."""
+
+    gamma: np.ndarray | None = None
+    beta: np.ndarray | None = None
+    eps: float = 1e-5
+
+
+@dataclass(frozen=True)
+class EncoderParams:
+    """One encoder block: self-attention, feed-forward, and the two layer norms."""
+
+    attn: AttentionParams
+    ffn: FeedForwardParams
+    norm1: NormParams
+    norm2: NormParams
+
+
+@dataclass(frozen=True)
+class DecoderParams:
+    """One decoder block: masked self-attention, cross-attention, feed-forward, three norms."""
+
+    self_attn: AttentionParams
+    cross_attn: AttentionParams
+    ffn: FeedForwardParams
+    norm1: NormParams
+    norm2: NormParams
+    norm3: NormParams
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _matrix(value, name, rows=None):
+    arr = _checks.float_array(value, name)
+    if arr.ndim != 2:
+        raise ValueError(f"{name}: expected a 2-D weight matrix, got shape {arr.shape}")
+    if rows is not None and arr.shape[0] != rows:
+        raise ValueError(
+            f"{name}: expected {rows} rows (the width of its input), got shape {arr.shape}"
+        )
+    return arr
+
+
+def _vector(value, name, size):
+    if value is None:
+        return None
+    arr = _checks.float_array(value, name)
+    if arr.shape not in ((size,), ()):
+        raise ValueError(f"{name}: expected shape ({size},) or (), got shape {arr.shape}")
+    return arr
+
+
+def _count(value, name):
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return int(value)
+
+
+def _heads_of(cols, heads, name, what):
+    if cols % heads:
+        raise ValueError(
+            f"{name}: {cols} columns do not split into {heads} heads ({what} = columns / heads)"
+        )
+    return cols // heads
+
+
+def _check_attention(x_q, x_kv, p: AttentionParams) -> AttentionParams:
+    """Validate shapes; returns the params with arrays (input dtypes kept)."""
+    heads = _count(p.num_heads, "num_heads")
+    kv_heads = heads if p.num_kv_heads is None else _count(p.num_kv_heads, "num_kv_heads")
+    if heads % kv_heads:
+        raise ValueError(
+            f"num_heads: {heads} is not a multiple of num_kv_heads {kv_heads} (GQA needs H % K "
+            "== 0)"
+        )
+    W_Q = _matrix(p.W_Q, "W_Q", x_q.shape[-1])
+    W_K = _matrix(p.W_K, "W_K", x_kv.shape[-1])
+    W_V = _matrix(p.W_V, "W_V", x_kv.shape[-1])
+    dim = _heads_of(W_Q.shape[1], heads, "W_Q", "D")
+    if W_K.shape[1] != kv_heads * dim:
+        raise ValueError(
+            f"W_K: expected {kv_heads * dim} columns (num_kv_heads {kv_heads} x D {dim} from "
+            f"W_Q {W_Q.shape}), got shape {W_K.shape}"
+        )
+    vdim = _heads_of(W_V.shape[1], kv_heads, "W_V", "E")
+    W_O = _matrix(p.W_O, "W_O", heads * vdim)
+    return AttentionParams(
+        W_Q, W_K, W_V, W_O,
+        _vector(p.b_Q, "b_Q", W_Q.shape[1]), _vector(p.b_K, "b_K", W_K.shape[1]),
+        _vector(p.b_V, "b_V", W_V.shape[1]), _vector(p.b_O, "b_O", W_O.shape[1]),
+        heads, kv_heads,
+    )
+
+
+def _check_ffn(x, p: FeedForwardParams) -> FeedForwardParams:
+    _checks.choice(p.activation, "activation", ACTIVATIONS)
+    W1 = _matrix(p.W1, "W1", x.shape[-1])
+    W2 = _matrix(p.W2, "W2", W1.shape[1])
+    return FeedForwardParams(
+        W1, _vector(p.b1, "b1", W1.shape[1]), W2, _vector(p.b2, "b2", W2.shape[1]), p.activation
+    )
+
+
+def _check_norm(width, p: NormParams, prefix="") -> NormParams:
+    eps = _checks.real_scalar(p.eps, prefix + "eps")
+    if eps < 0:
+        raise ValueError(f"{prefix}eps: expected eps >= 0, got {eps!r}")
+    return NormParams(
+        _vector(p.gamma, prefix + "gamma", width), _vector(p.beta, prefix + "beta", width), eps
+    )
+
+
+def _input(x, name, ndim_min=2):
+    return _checks.float_array(x, name, ndim_min=ndim_min)
+
+
+def _attention_keywords(kwargs: dict) -> dict:
+    unknown = sorted(set(kwargs) - set(ATTENTION_KEYWORDS))
+    if unknown:
+        raise TypeError(
+            f"{unknown[0]}: not an attention keyword accepted here; expected some of "
+            f"{list(ATTENTION_KEYWORDS)}"
+        )
+    return kwargs
+
+
+def _require_finite(arrays: dict) -> None:
+    for name, arr in arrays.items():
+        if arr is not None and not np.isfinite(_checks.as_float64(arr)).all():
+            raise ValueError(
+                f"{name}: the exact path needs finite values (shape {arr.shape}, dtype "
+                f"{arr.dtype.name}); NaN/Inf are only supported on the float64 path"
+            )
+
+
+def _arrays_of(obj, prefix="") -> dict:
+    """Named arrays of a params dataclass (nested), for finiteness checks and conversion."""
+    out = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, np.ndarray):
+            out[prefix + f.name] = value
+        elif hasattr(value, "__dataclass_fields__"):
+            out.update(_arrays_of(value, prefix + f.name + "."))
+    return out
+
+
+def _convert(obj, fn):
+    """The params dataclass with every array replaced by ``fn(array)`` (nested)."""
+    changes = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, np.ndarray):
+            changes[f.name] = fn(value)
+        elif hasattr(value, "__dataclass_fields__"):
+            changes[f.name] = _convert(value, fn)
+    return replace(obj, **changes)
+
+
+# ----------------------------------------------------------------------------- two backends
+
+
+def _split_heads(x, heads):
+    """(..., L, heads*D) -> (..., heads, L, D): head h is columns h*D:(h+1)*D."""
+    if isinstance(x, _Tracked):
+        return x.map(lambda a: _split_heads(a, heads))
+    return np.moveaxis(x.reshape(x.shape[:-1] + (heads, -1)), -2, -3)
+
+
+def _merge_heads(x):
+    """(..., H, L, E) -> (..., L, H*E), head 0 first (the notes' concat)."""
+    if isinstance(x, _Tracked):
+        return x.map(_merge_heads)
+    x = np.moveaxis(x, -3, -2)
+    return x.reshape(x.shape[:-2] + (-1,))
+
+
+class _Float64:
+    """The float64 path: NumPy in float64, attention by :func:`refattn.attention`."""
+
+    @staticmethod
+    def linear(x, W, b):
+        out = x @ W
+        return out if b is None else out + b
+
+    @staticmethod
+    def activation(x, name):
+        if name == "relu":
+            return np.maximum(x, 0.0)
+        return 0.5 * x * (1.0 + scipy.special.erf(x / math.sqrt(2.0)))
+
+    @staticmethod
+    def layer_norm(x, p: NormParams):
+        mean = x.mean(axis=-1, keepdims=True)
+        centred = x - mean
+        var = (centred * centred).mean(axis=-1, keepdims=True)
+        with np.errstate(invalid="ignore", divide="ignore"):  # eps = 0, constant row: 0/0
+            out = centred / np.sqrt(var + p.eps)
+        if p.gamma is not None:
+            out = out * p.gamma
+        return out if p.beta is None else out + p.beta
+
+    @staticmethod
+    def attention(q, k, v, kwargs):
+        from .attention import attention  # the lead's module; imported late (import order)
+
+        return attention(q, k, v, **kwargs, precision="float64")
+
+
+class _Intervals:
+    """The exact path: enclosures at the working precision (:mod:`refattn.exact.transformer`)."""
+
+    @staticmethod
+    def linear(x, W, b):
+        return X.linear(x, W, b)
+
+    @staticmethod
+    def activation(x, name):
+        return X.relu(x) if name == "relu" else X.gelu(x)
+
+    @staticmethod
+    def layer_norm(x, p: NormParams):
+        return X.layer_norm(x, p.gamma, p.beta, p.eps)
+
+    @staticmethod
+    def attention(q, k, v, kwargs):
+        shapes = [np.broadcast_to(np.float64(0.0), a.shape) for a in (q, k, v)]
+        spec = canonicalize(*shapes, **kwargs)  # same validation as refattn.attention
+        return X.attention(q, k, v, spec)
+
+
+class _Tracked:
+    """A float64 value and a first-order bound on its distance to the exact value."""
+
+    __array_ufunc__ = None  # keep NumPy from broadcasting into an object array
+
+    def __init__(self, val, err):
+        self.val, self.err = val, err
+
+    def __add__(self, other):
+        val = self.val + other.val
+        return _Tracked(val, self.err + other.err + _U * np.abs(val))
+
+    def map(self, fn):
+        return _Tracked(fn(self.val), fn(self.err))
+
+
+_U = 2.0**-53  # unit roundoff of float64
+
+
+def _gamma(n):
+    return n * _U / (1 - n * _U)
+
+
+#: max |GELU'(x)| = max (Phi(x) + x phi(x)) <= 1 + phi(1) = 1 + 1/sqrt(2 pi e).
+_GELU_LIPSCHITZ = 1 + 1 / math.sqrt(2 * math.pi * math.e)
+
+
+class _Bounds:
+    """First-order forward error analysis of the float64 path (see :func:`float64_error_bound`).
+
+    Each op returns the float64 value and ``err`` = (error propagated from the inputs' errors)
+    + (this op's rounding errors), with Higham's gamma_n = n u / (1 - n u) for n roundings.
+    """
+
+    @staticmethod
+    def linear(x, W, b):
+        width = W.shape[0] + (b is not None)  # dot product of M terms (+ the bias add)
+        val = _Float64.linear(x.val, W, b)
+        size = np.abs(x.val) @ np.abs(W) + (0.0 if b is None else np.abs(b))
+        return _Tracked(val, x.err @ np.abs(W) + _gamma(width) * size)
+
+    @staticmethod
+    def activation(x, name):
+        val = _Float64.activation(x.val, name)
+        if name == "relu":  # exact, 1-Lipschitz
+            return _Tracked(val, x.err)
+        # x/sqrt2 (2 roundings; erf' * |x| u <= u), erf (4 units), 1 + , *x, *0.5: gamma_8 |x|
+        return _Tracked(val, _GELU_LIPSCHITZ * x.err + _gamma(8) * np.abs(x.val))
+
+    @staticmethod
+    def layer_norm(x, p: NormParams):
+        width = x.val.shape[-1]
+        val = _Float64.layer_norm(x.val, p)
+        gain = 1.0 if p.gamma is None else np.abs(p.gamma)
+        centred = x.val - x.val.mean(axis=-1, keepdims=True)
+        sigma = np.sqrt((centred**2).mean(axis=-1, keepdims=True) + p.eps)
+        normed = np.abs(centred) / sigma
+        # propagated: dy = g/sigma (dx - mean dx - yhat mean(yhat dx))
+        mean_err = x.err.mean(axis=-1, keepdims=True)
+        proj_err = (normed * x.err).mean(axis=-1, keepdims=True)
+        propagated = gain / sigma * (x.err + mean_err + normed * proj_err)
+        # rounding: mean gamma_{M+1} mean|x|; centring u|c|; variance gamma_{M+4} (relative);
+        # sigma: half the variance's relative error + gamma_2; divide, gain, shift: 3 units
+        mean_round = _gamma(width + 1) * np.abs(x.val).mean(axis=-1, keepdims=True)
+        var = (centred**2).mean(axis=-1, keepdims=True)
+        sigma_rel = 0.5 * _gamma(width + 4) * var / sigma**2 + _gamma(2)
+        rounding = gain * ((mean_round + _U * np.abs(centred)) / sigma
+                           + normed * (sigma_rel + _gamma(2))) + _U * np.abs(val)
+        return _Tracked(val, propagated + rounding)
+
+    @staticmethod
+    def attention(q, k, v, kwargs):
+        spec = canonicalize(q.val, k.val, v.val, **kwargs)
+        errs = canonicalize(q.err, k.err, v.err, **kwargs)  # same flattening of the errors
+        out = _Float64.attention(q.val, k.val, v.val, kwargs)
+        err = np.zeros(spec.batch_shape + spec.q.shape[1:3] + (spec.v.shape[-1],))
+        flat = err.reshape((-1,) + err.shape[-3:])
+        for b in range(spec.q.shape[0]):
+            for h in range(spec.q.shape[1]):
+                flat[b, h] = _attention_plane_bound(spec, errs, b, h)
+        return _Tracked(out, err)
+
+
+def _attention_plane_bound(spec, errs, b, h):
+    """Bound of one (L, E) plane: refattn.attention's own bound (its docstring), widened by
+    the score terms |t| + |lse| (bias, ALiBi, softcap roundings), plus the propagated input
+    errors: a score error e_ij moves the weight by w_ij (e_ij + max_k e_ik)."""
+    g = spec.kv_head[h]
+    q, k, v = spec.q[b, h], spec.k[b, g], spec.v[b, g]
+    dq, dk, dv = errs.q[b, h], errs.k[b, g], errs.v[b, g]
+    length, dim = q.shape
+    keys = k.shape[0]
+    allowed = spec.allowed(b, h)
+    scale = abs(spec.scale_float)
+    raw = scale * (q @ k.T)
+    scores = raw if spec.softcap is None else spec.softcap * np.tanh(raw / spec.softcap)
+    if spec.bias is not None:
+        scores = scores + np.where(allowed, spec.bias[b, h], 0.0)
+    if spec.alibi_slopes is not None:
+        scores = scores + spec.alibi(h)
+    lse = _lse(scores, allowed)
+    finite_lse = np.where(np.isfinite(lse), lse, 0.0)[:, None]
+    weights = np.where(allowed, np.exp(np.where(allowed, scores, 0.0) - finite_lse), 0.0)
+    if spec.dropout_mask is not None:
+        weights = np.where(spec.dropout_mask[b, h], weights, 0.0) / (1.0 - spec.dropout_p)
+    magnitude = scale * (np.abs(q) @ np.abs(k).T)
+    own = 2 * _gamma(dim + 6) * (magnitude + np.abs(np.where(allowed, scores, 0.0))
+                                 + np.abs(finite_lse) + 1)
+    propagated = scale * (dq @ np.abs(k).T + np.abs(q) @ dk.T)
+    propagated = np.where(allowed, propagated, 0.0)
+    relative = own + propagated + propagated.max(axis=1, keepdims=True)
+    return (weights * relative) @ np.abs(v) + weights @ dv + _gamma(keys + 3) * (
+        weights @ np.abs(v))
+
+
+def _lse(scores, allowed):
+    from .logspace import _lse_float64
+
+    with np.errstate(invalid="ignore", over="ignore"):
+        return _lse_float64(scores, allowed)
+
+
+def _mha(ops, x_q, x_kv, p: AttentionParams, kwargs):
+    q = _split_heads(ops.linear(x_q, p.W_Q, p.b_Q), p.num_heads)
+    k = _split_heads(ops.linear(x_kv, p.W_K, p.b_K), p.num_kv_heads)
+    v = _split_heads(ops.linear(x_kv, p.W_V, p.b_V), p.num_kv_heads)
+    return ops.linear(_merge_heads(ops.attention(q, k, v, kwargs)), p.W_O, p.b_O)
+
+
+def _ffn(ops, x, p: FeedForwardParams):
+    return ops.linear(ops.activation(ops.linear(x, p.W1, p.b1), p.activation), p.W2, p.b2)
+
+
+def _encoder(ops, x, p: EncoderParams, norm, kwargs):
+    def attend(h):
+        return _mha(ops, h, h, p.attn, kwargs)
+
+    if norm == "post":
+        h = ops.layer_norm(x + attend(x), p.norm1)
+        return ops.layer_norm(h + _ffn(ops, h, p.ffn), p.norm2)
+    h = x + attend(ops.layer_norm(x, p.norm1))
+    return h + _ffn(ops, ops.layer_norm(h, p.norm2), p.ffn)
+
+
+def _decoder(ops, x, memory, p: DecoderParams, norm, self_kwargs, cross_kwargs):
+    def self_attend(h):
+        return _mha(ops, h, h, p.self_attn, self_kwargs)
+
+    def cross_attend(h):
+        return _mha(ops, h, memory, p.cross_attn, cross_kwargs)
+
+    if norm == "post":
+        h = ops.layer_norm(x + self_attend(x), p.norm1)
+        h = ops.layer_norm(h + cross_attend(h), p.norm2)
+        return ops.layer_norm(h + _ffn(ops, h, p.ffn), p.norm3)
+    h = x + self_attend(ops.layer_norm(x, p.norm1))
+    h = h + cross_attend(ops.layer_norm(h, p.norm2))
+    return h + _ffn(ops, ops.layer_norm(h, p.norm3), p.ffn)
+
+
+def _run(chain, inputs: dict, params, precision, out_dtype, what):
+    """Evaluate ``chain(ops, *inputs, params)`` on the chosen path.
+
+    float64: inputs and params widened to float64. exact: converted to point intervals once,
+    the chain enclosed at each working precision, rounded once by the Ziv loop.
+    """
+    precision = _checks.precision(precision)
+    if precision == "float64":
+        args = [_checks.as_float64(a) for a in inputs.values()]
+        params64 = _convert(params, _checks.as_float64)
+        if _BOUND_MODE.get():
+            zero = [_Tracked(a, np.zeros_like(a)) for a in args]
+            return chain(_Bounds, *zero, params64).err
+        return chain(_Float64, *args, params64)
+    dtype = _checks.out_dtype(out_dtype)
+    _require_finite(inputs)
+    _require_finite(_arrays_of(params))
+    args = [I.to_intervals(a) for a in inputs.values()]
+    params_iv = _convert(params, I.to_intervals)
+
+    def evaluate(prec):
+        with I.workprec(prec):
+            return I.endpoints(chain(_Intervals, *args, params_iv))
+
+    return correctly_round(evaluate, dtype, what=what)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def multihead_attention(
+    x_q, x_kv, W_Q, W_K, W_V, W_O, *, b_Q=None, b_K=None, b_V=None, b_O=None, num_heads,
+    num_kv_heads=None, precision="float64", out_dtype=None, **attention_kwargs,
+):
+    """Multi-head (self or cross) attention, [L17] "Multihead attention", [AMT] "Self-Attention".
+
+    .. math::
+
+        \\mathrm{multihead}(x_q, x_{kv}) = \\mathrm{concat}(\\mathrm{head}_0, \\dots,
+            \\mathrm{head}_{H-1})\\, W_O + b_O, \\qquad
+        \\mathrm{head}_h = \\mathrm{attention}(x_q W_Q^{(h)} + b_Q^{(h)},\\;
+            x_{kv} W_K^{(g(h))} + b_K^{(g(h))},\\; x_{kv} W_V^{(g(h))} + b_V^{(g(h))})
+
+    where ``W^{(h)}`` is the column block ``h*D:(h+1)*D`` (``h*E:(h+1)*E`` for values) and
+    ``g(h)`` the kv head of query head h (``gqa``, as in :func:`refattn.attention`).
+
+    Parameters
+    ----------
+    x_q : (..., L, M) float array
+        Queries' source. ``x_kv``: (..., S, N), or None for self-attention (``x_kv = x_q``).
+        Leading dims broadcast.
+    W_Q, W_K, W_V, W_O : (M, H*D), (N, K*D), (N, K*E), (H*E, P) float arrays
+    b_Q, b_K, b_V, b_O : (H*D,), (K*D,), (K*E,), (P,) float arrays, optional
+    num_heads, num_kv_heads : int
+        H and K (default K = H; K < H is GQA, K = 1 is MQA).
+    precision : {"float64", "exact"}
+    out_dtype : dtype, optional
+        Exact path only: float64 (default), float32, float16, bfloat16.
+    **attention_kwargs
+        Any of ``scale, bias, mask, causal, window, align, softcap, alibi_slopes, gqa,
+        dropout_mask, dropout_p, empty_rows`` with the meaning of :func:`refattn.attention`;
+        ``bias``/``mask`` broadcast to (..., H, L, S). The default scale is ``1/sqrt(D)``
+        with D the *per-head* width ([L17]'s ``sqrt(d_k)``).
+
+    Returns
+    -------
+    (..., L, P) ndarray
+
+    Notes
+    -----
+    The float64 path projects with BLAS matmuls and calls :func:`refattn.attention`; its
+    error is bounded by :func:`oracle.tolerance.mha_error_bound`. The exact path encloses
+    the whole chain (see :mod:`refattn.exact.transformer`) and rounds once.
+    [L17]'s masked attention ``softmax((Q^T K + M)/sqrt(d_k))`` with ``M`` in {0, -inf} is
+    ``mask=`` here (``bias=-inf`` is the same): excluded keys are removed from the sums.
+
+    Examples
+    --------
+    >>> import numpy as np, refattn.transformer as T
+    >>> x = np.eye(2)
+    >>> out = T.multihead_attention(x, x, np.eye(2), np.eye(2), np.eye(2), np.eye(2),
+    ...                             num_heads=2)
+    >>> np.round(out, 4).tolist()
+    [[0.5, 0.5], [0.5, 0.5]]
+    """
+    x_q = _input(x_q, "x_q")
+    x_kv = x_q if x_kv is None else _input(x_kv, "x_kv")
+    params = _check_attention(
+        x_q, x_kv, AttentionParams(W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, num_heads,
+                                   num_kv_heads))
+    kwargs = _attention_keywords(attention_kwargs)
+
+    def chain(ops, xq, xkv, p):
+        return _mha(ops, xq, xkv, p, kwargs)
+
+    return _run(chain, {"x_q": x_q, "x_kv": x_kv}, params, precision, out_dtype,
+                "multihead_attention")
+
+
+def layer_norm(x, *, gamma=None, beta=None, eps=1e-5, axis=-1, precision="float64",
+               out_dtype=None):
+    """Layer normalisation, [L17] "Other layers": ``h_i <- g/sigma (h_i - mu)``.
+
+    .. math::
+
+        y_i = \\gamma_i \\frac{x_i - \\mu}{\\sqrt{\\sigma^2 + \\epsilon}} + \\beta_i, \\qquad
+        \\mu = \\frac1M \\sum_i x_i, \\quad \\sigma^2 = \\frac1M \\sum_i (x_i - \\mu)^2
+
+    Parameters
+    ----------
+    x : float array, normalised along ``axis`` (width M)
+    gamma, beta : (M,) float arrays, optional
+        Gain (the notes' ``g``) and shift (not in the notes; torch/Vaswani). None: 1 and 0.
+    eps : float >= 0
+        Added to the variance inside the square root (torch ``nn.LayerNorm``), taken at its
+        exact binary (float64) value. ``eps=0`` is the notes' formula exactly.
+    axis : int
+    precision, out_dtype : as :func:`multihead_attention`
+
+    Notes
+    -----
+    The variance is the *biased* one (divide by M, the notes' ``1/H``; torch's LayerNorm too).
+    Rows with a NaN or Inf give a NaN row on both paths (``inf - inf``); a constant row with
+    ``eps=0`` is ``0/0`` = NaN. The float64 path is the two-pass formula (mean, then the
+    centred second moment); its error bound is :func:`oracle.tolerance.layer_norm_error_bound`.
+    It overflows for |x| above about 1e154 (the squares); the exact path does not.
+    The exact path computes the mean and variance as exact rationals: only the square root
+    is enclosed.
+
+    Examples
+    --------
+    >>> import numpy as np, refattn.transformer as T
+    >>> T.layer_norm(np.array([1.0, 3.0]), eps=0.0).tolist()
+    [-1.0, 1.0]
+    >>> T.layer_norm(np.array([1.0, 2.0, 4.0]), precision="exact", out_dtype="float16").dtype
+    dtype('float16')
+    """
+    x = _checks.float_array(x, "x", ndim_min=1)
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis: {axis} is out of range for x of shape {x.shape}")
+    moved = np.moveaxis(x, axis, -1)
+    p = _check_norm(moved.shape[-1], NormParams(gamma, beta, eps))
+    precision = _checks.precision(precision)
+    if precision == "float64":
+        x64, p64 = _checks.as_float64(moved), _convert(p, _checks.as_float64)
+        if _BOUND_MODE.get():
+            out = _Bounds.layer_norm(_Tracked(x64, np.zeros_like(x64)), p64).err
+        else:
+            out = _Float64.layer_norm(x64, p64)
+        return np.moveaxis(out, -1, axis)
+    dtype = _checks.out_dtype(out_dtype)
+    _require_finite({"gamma": p.gamma, "beta": p.beta})
+    rows = _checks.as_float64(moved).reshape(-1, moved.shape[-1])
+    gamma_iv = None if p.gamma is None else np.broadcast_to(I.to_intervals(p.gamma), rows.shape[1:])
+    beta_iv = None if p.beta is None else np.broadcast_to(I.to_intervals(p.beta), rows.shape[1:])
+
+    def evaluate(prec):
+        with I.workprec(prec):
+            out = [X.rational_layer_norm(r, gamma_iv, beta_iv, p.eps) for r in rows]
+        return I.endpoints(np.array(out, dtype=object).reshape(rows.shape))
+
+    out = correctly_round(evaluate, dtype, what="layer_norm")
+    return np.moveaxis(out.reshape(moved.shape), -1, axis)
+
+
+def sinusoidal_positions(length, dim, base=10000, layout="interleave", *, precision="float64",
+                         out_dtype=None):
+    """Sinusoidal position table, [L17] "Other layers" (positional embedding; Vaswani 2017).
+
+    .. math::
+
+        PE_{pos, 2i} = \\sin(pos / b^{2i/d}), \\qquad PE_{pos, 2i+1} = \\cos(pos / b^{2i/d})
+
+    Parameters
+    ----------
+    length : int >= 0
+        Positions 0 .. length-1.
+    dim : even int >= 2
+        d (odd widths are rejected: the notes pair every sine with a cosine).
+    base : float > 0
+        b, taken at its exact binary value (default 10000).
+    layout : {"interleave", "concat"}
+        "interleave": sine of frequency i at column 2i, cosine at 2i+1 (the notes, Vaswani).
+        "concat": all sines (columns 0..d/2-1) then all cosines (d/2..d-1), as in
+        tensor2tensor and several other implementations.
+    precision, out_dtype : as :func:`multihead_attention`
+
+    Returns
+    -------
+    (length, dim) ndarray
+
+    Notes
+    -----
+    float64 path: ``angle = pos * base**(-(2i/d))`` with NumPy's pow, then sin/cos; its
+    error bound is :func:`oracle.tolerance.positions_error_bound` (grows with pos).
+    Exact path: the angles ``pos * exp(-(2i/d) log b)`` are exact reals (2i/d an exact
+    rational), and each sin/cos is rounded once.
+
+    Examples
+    --------
+    >>> import refattn.transformer as T
+    >>> T.sinusoidal_positions(2, 2).tolist()
+    [[0.0, 1.0], [0.8414709848078965, 0.5403023058681398]]
+    """
+    length = _nonnegative_int(length, "length")
+    dim = _nonnegative_int(dim, "dim")
+    if dim < 2 or dim % 2:
+        raise ValueError(f"dim: expected an even width >= 2 (sine/cosine pairs), got {dim}")
+    base = _checks.real_scalar(base, "base", positive=True)
+    _checks.choice(layout, "layout", LAYOUTS)
+    precision = _checks.precision(precision)
+    if precision == "float64":
+        if _BOUND_MODE.get():
+            return _positions_bound(length, dim, base, layout)
+        return _positions_float64(length, dim, base, layout)
+    dtype = _checks.out_dtype(out_dtype)
+
+    def evaluate(prec):
+        with I.workprec(prec):
+            return I.endpoints(X.positions(length, dim, base, layout))
+
+    return correctly_round(evaluate, dtype, what="sinusoidal_positions")
+
+
+def _nonnegative_int(value, name):
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+        raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
+    return int(value)
+
+
+def _positions_bound(length, dim, base, layout):
+    """|error| <= angle (gamma_3 + (2i/d) |log b| u) + gamma_2: the exponent 2i/d rounded once
+    (its error times log b moves the power), pow and the product (one unit each, pow taken
+    as within one ulp), sin/cos within one ulp."""
+    half = dim // 2
+    exponent = 2.0 * np.arange(half) / dim
+    angle = np.arange(length, dtype=np.float64)[:, None] * np.power(base, -exponent)
+    err = angle * (_gamma(3) + exponent * abs(math.log(base)) * _U) + _gamma(2)
+    return _positions_layout(err, err, layout)
+
+
+def _positions_layout(sines, cosines, layout):
+    length, half = sines.shape
+    table = np.empty((length, 2 * half))
+    sin_cols, cos_cols = ((slice(0, None, 2), slice(1, None, 2)) if layout == "interleave"
+                          else (slice(0, half), slice(half, None)))
+    table[:, sin_cols] = sines
+    table[:, cos_cols] = cosines
+    return table
+
+
+def _positions_float64(length, dim, base, layout):
+    half = dim // 2
+    inv_freq = np.power(base, -(2.0 * np.arange(half)) / dim)
+    angle = np.arange(length, dtype=np.float64)[:, None] * inv_freq
+    return _positions_layout(np.sin(angle), np.cos(angle), layout)
+
+
+def feed_forward(x, W1, b1, W2, b2, activation="relu", *, precision="float64", out_dtype=None):
+    """Position-wise feed-forward ([AMT] "Transformers": "a set of standard MLPs").
+
+    .. math:: \\mathrm{FFN}(x) = \\mathrm{act}(x W_1 + b_1) W_2 + b_2
+
+    Parameters
+    ----------
+    x : (..., L, M) float array
+    W1, b1, W2, b2 : (M, F), (F,) or None, (F, P), (P,) or None
+    activation : {"relu", "gelu"}
+        "gelu" is the exact-erf form ``x/2 (1 + erf(x/sqrt 2))`` (torch ``approximate="none"``),
+        *not* the tanh approximation.
+    precision, out_dtype : as :func:`multihead_attention`
+
+    Examples
+    --------
+    >>> import numpy as np, refattn.transformer as T
+    >>> T.feed_forward(np.array([[1.0, -1.0]]), np.eye(2), None, np.eye(2), None).tolist()
+    [[1.0, 0.0]]
+    """
+    x = _input(x, "x", ndim_min=1)
+    params = _check_ffn(x, FeedForwardParams(W1, b1, W2, b2, activation))
+    return _run(_ffn, {"x": x}, params, precision, out_dtype, "feed_forward")
+
+
+def encoder_block(x, params: EncoderParams, *, norm="post", mask=None, precision="float64",
+                  out_dtype=None, **attention_kwargs):
+    """One Transformer encoder block ([AMT] "Transformers", Figure 2; Vaswani 2017).
+
+    .. math::
+
+        \\text{post:}\\; h = \\mathrm{LN}_1(x + \\mathrm{MHA}(x)),\\;
+            y = \\mathrm{LN}_2(h + \\mathrm{FFN}(h)) \\qquad
+        \\text{pre:}\\; h = x + \\mathrm{MHA}(\\mathrm{LN}_1(x)),\\;
+            y = h + \\mathrm{FFN}(\\mathrm{LN}_2(h))
+
+    Parameters
+    ----------
+    x : (..., L, M) float array
+    params : EncoderParams
+        ``attn`` maps width M to M (P = M), ``ffn`` M -> F -> M.
+    norm : {"post", "pre"}
+        "post" (default) is the lectures' and Vaswani's block. "pre" (GPT-2 style) adds no
+        final norm: in pre-LN stacks that norm follows the last block, not each block.
+    mask : bool array broadcastable to (..., H, L, L), optional (True = attend)
+    precision, out_dtype : as :func:`multihead_attention`
+    **attention_kwargs
+        Further keywords for the self-attention (as :func:`multihead_attention`).
+
+    Notes
+    -----
+    No dropout (inference). The exact path is the exact value of the whole block, rounded
+    once.
+
+    Examples
+    --------
+    >>> import numpy as np, refattn.transformer as T
+    >>> p = T.random_encoder_params(4, 2, 8, seed=0)
+    >>> T.encoder_block(np.ones((3, 4)), p).shape
+    (3, 4)
+    """
+    x = _input(x, "x")
+    _checks.choice(norm, "norm", NORMS)
+    params = _check_encoder(x, params)
+    kwargs = _attention_keywords(dict(attention_kwargs, mask=mask))
+
+    def chain(ops, h, p):
+        return _encoder(ops, h, p, norm, kwargs)
+
+    return _run(chain, {"x": x}, params, precision, out_dtype, "encoder_block")
+
+
+def _check_encoder(x, p):
+    if not isinstance(p, EncoderParams):
+        raise TypeError(f"params: expected an EncoderParams, got {type(p).__name__}")
+    width = x.shape[-1]
+    attn = _check_attention(x, x, p.attn)
+    _check_model_width(attn.W_O, width, "params.attn.W_O")
+    ffn = _check_ffn(x, p.ffn)
+    _check_model_width(ffn.W2, width, "params.ffn.W2")
+    return EncoderParams(attn, ffn, _check_norm(width, p.norm1, "params.norm1."),
+                         _check_norm(width, p.norm2, "params.norm2."))
+
+
+def _check_model_width(W, width, name):
+    if W.shape[1] != width:
+        raise ValueError(
+            f"{name}: a residual block needs output width M = {width}, got shape {W.shape}"
+        )
+
+
+def decoder_block(x, memory, params: DecoderParams, *, norm="post", self_mask=None,
+                  memory_mask=None, precision="float64", out_dtype=None):
+    """One Transformer decoder block ([L17] "Masked Multi-head attention"; Vaswani 2017).
+
+    .. math::
+
+        \\text{post:}\\; h_1 = \\mathrm{LN}_1(x + \\mathrm{MHA}_{causal}(x, x)),\\;
+        h_2 = \\mathrm{LN}_2(h_1 + \\mathrm{MHA}(h_1, m)),\\;
+        y = \\mathrm{LN}_3(h_2 + \\mathrm{FFN}(h_2))
+
+    ("pre": ``h_1 = x + MHA_causal(LN_1 x)``, ``h_2 = h_1 + MHA(LN_2 h_1, m)``,
+    ``y = h_2 + FFN(LN_3 h_2)``; the memory m is not normalised by the block.)
+
+    Parameters
+    ----------
+    x : (..., L, M) float array
+    memory : (..., S, N) float array (the encoder output)
+    params : DecoderParams
+    norm : {"post", "pre"}
+    self_mask : bool array broadcastable to (..., H, L, L), optional
+        Combined (AND) with the causal mask ``j <= i`` (top-left aligned), which is always on.
+    memory_mask : bool array broadcastable to (..., H, L, S), optional
+    precision, out_dtype : as :func:`multihead_attention`
+
+    Examples
+    --------
+    >>> import numpy as np, refattn.transformer as T
+    >>> p = T.random_decoder_params(4, 2, 8, seed=0)
+    >>> T.decoder_block(np.ones((3, 4)), np.ones((5, 4)), p).shape
+    (3, 4)
+    """
+    x = _input(x, "x")
+    memory = _input(memory, "memory")
+    _checks.choice(norm, "norm", NORMS)
+    params = _check_decoder(x, memory, params)
+    self_kwargs = {"mask": self_mask, "causal": True}
+    cross_kwargs = {"mask": memory_mask}
+
+    def chain(ops, h, m, p):
+        return _decoder(ops, h, m, p, norm, self_kwargs, cross_kwargs)
+
+    return _run(chain, {"x": x, "memory": memory}, params, precision, out_dtype,
+                "decoder_block")
+
+
+def _check_decoder(x, memory, p):
+    if not isinstance(p, DecoderParams):
+        raise TypeError(f"params: expected a DecoderParams, got {type(p).__name__}")
+    width = x.shape[-1]
+    self_attn = _check_attention(x, x, p.self_attn)
+    _check_model_width(self_attn.W_O, width, "params.self_attn.W_O")
+    cross_attn = _check_attention(x, memory, p.cross_attn)
+    _check_model_width(cross_attn.W_O, width, "params.cross_attn.W_O")
+    ffn = _check_ffn(x, p.ffn)
+    _check_model_width(ffn.W2, width, "params.ffn.W2")
+    norms = [_check_norm(width, getattr(p, n), f"params.{n}.") for n in ("norm1", "norm2",
+                                                                           "norm3")]
+    return DecoderParams(self_attn, cross_attn, ffn, *norms)
+
+
+def float64_error_bound(function, *args, **kwargs) -> np.ndarray:
+    """A priori bound on the float64 path's error: ``|function(*args, **kwargs) - exact|``.
+
+    ``function`` is one of :func:`multihead_attention`, :func:`layer_norm`,
+    :func:`sinusoidal_positions`, :func:`feed_forward`, :func:`encoder_block`,
+    :func:`decoder_block`, called with the same arguments (``precision`` must be "float64").
+    Returns an array of the output's shape.
+
+    Notes
+    -----
+    Running (first-order) forward error analysis along the same composition: every stage
+    maps the bound on its inputs' errors through its Lipschitz constants and adds its own
+    rounding errors as ``gamma_n = n u / (1 - n u)`` (Higham, *Accuracy and Stability*,
+    Lemma 3.1; u = 2**-53) times the magnitudes involved:
+
+    * ``x @ W + b``: ``err @ |W| + gamma_{M+1} (|x| @ |W| + |b|)`` (any summation order);
+    * relu: the error passes; GELU: ``(1 + 1/sqrt(2 pi e)) err + gamma_8 |x|``;
+    * residual add: both errors plus ``u |sum|``;
+    * layer norm: ``|g|/sigma (e_i + mean e + |yhat_i| mean(|yhat| e))`` propagated, plus the
+      mean, centring, variance, square-root and scaling roundings;
+    * attention: :func:`refattn.attention`'s stated bound (with the score magnitude widened by
+      ``|t| + |lse|`` to cover bias, ALiBi and softcap roundings) plus the propagated score
+      errors ``s (e_q |k| + |q| e_k)`` (a weight moves by ``w_ij (e_ij + max_k e_ik)``) and
+      ``w @ e_v``;
+    * positions: ``angle (gamma_3 + (2i/d) |log b| u) + gamma_2``.
+
+    Second-order terms (products of two errors, O(u^2)) are dropped; NaN/Inf inputs give a
+    NaN bound.
+
+    Examples
+    --------
+    >>> import numpy as np, refattn.transformer as T
+    >>> bool(T.float64_error_bound(T.layer_norm, np.array([1.0, 2.0])).max() < 1e-14)
+    True
+    """
+    if kwargs.get("precision", "float64") != "float64":
+        raise ValueError("precision: float64_error_bound bounds the float64 path only")
+    token = _BOUND_MODE.set(True)
+    try:
+        return function(*args, **kwargs)
+    finally:
+        _BOUND_MODE.reset(token)
+
+
+# ----------------------------------------------------------------------------- random params
+
+
+def _normal(rng, shape, std, dtype):
+    return (rng.standard_normal(shape) * std).astype(dtype)
+
+
+def random_attention_params(model_dim, num_heads, *, seed, num_kv_heads=None, head_dim=None,
+                            kv_dim=None, out_dim=None, bias=True, dtype="float64"):
+    """Random :class:`AttentionParams`: weights N(0, 1/fan_in), biases N(0, 0.1^2).
+
+    ``head_dim`` D = E defaults to ``model_dim // num_heads``; ``kv_dim`` N and ``out_dim`` P
+    default to ``model_dim``. Values are drawn in float64 and cast to ``dtype`` (the cast
+    values are then the exact inputs of the exact path).
+    """
+    rng = np.random.default_rng(seed)
+    kv_heads = num_kv_heads or num_heads
+    dim = head_dim or max(1, model_dim // num_heads)
+    kv_dim = kv_dim or model_dim
+    out_dim = out_dim or model_dim
+
+    def b(n):
+        return _normal(rng, (n,), 0.1, dtype) if bias else None
+
+    return AttentionParams(
+        W_Q=_normal(rng, (model_dim, num_heads * dim), model_dim**-0.5, dtype),
+        W_K=_normal(rng, (kv_dim, kv_heads * dim), kv_dim**-0.5, dtype),
+        W_V=_normal(rng, (kv_dim, kv_heads * dim), kv_dim**-0.5, dtype),
+        W_O=_normal(rng, (num_heads * dim, out_dim), (num_heads * dim) ** -0.5, dtype),
+        b_Q=b(num_heads * dim), b_K=b(kv_heads * dim), b_V=b(kv_heads * dim), b_O=b(out_dim),
+        num_heads=num_heads, num_kv_heads=kv_heads,
+    )
+
+
+def _random_ffn(rng, model_dim, ffn_dim, activation, dtype):
+    return FeedForwardParams(
+        W1=_normal(rng, (model_dim, ffn_dim), model_dim**-0.5, dtype),
+        b1=_normal(rng, (ffn_dim,), 0.1, dtype),
+        W2=_normal(rng, (ffn_dim, model_dim), ffn_dim**-0.5, dtype),
+        b2=_normal(rng, (model_dim,), 0.1, dtype),
+        activation=activation,
+    )
+
+
+def _random_norm(rng, model_dim, dtype):
+    return NormParams(gamma=(1 + _normal(rng, (model_dim,), 0.1, "float64")).astype(dtype),
+                      beta=_normal(rng, (model_dim,), 0.1, dtype))
+
+
+def random_encoder_params(model_dim, num_heads, ffn_dim, *, seed, num_kv_heads=None,
+                          activation="relu", dtype="float64"):
+    """Random :class:`EncoderParams` (see :func:`random_attention_params`); gamma ~ 1 +
+    N(0, 0.1^2), beta ~ N(0, 0.1^2), eps = 1e-5. Deterministic in ``seed``."""
+    rng = np.random.default_rng(seed)
+    seeds = rng.integers(0, 2**32, size=2)
+    return EncoderParams(
+        attn=random_attention_params(model_dim, num_heads, seed=int(seeds[0]),
+                                     num_kv_heads=num_kv_heads, dtype=dtype),
+        ffn=_random_ffn(rng, model_dim, ffn_dim, activation, dtype),
+        norm1=_random_norm(rng, model_dim, dtype),
+        norm2=_random_norm(rng, model_dim, dtype),
+    )
+
+
+def random_decoder_params(model_dim, num_heads, ffn_dim, *, seed, memory_dim=None,
+                          num_kv_heads=None, activation="relu", dtype="float64"):
+    """Random :class:`DecoderParams`; ``memory_dim`` N (default ``model_dim``)."""
+    rng = np.random.default_rng(seed)
+    seeds = rng.integers(0, 2**32, size=2)
+    return DecoderParams(
+        self_attn=random_attention_params(model_dim, num_heads, seed=int(seeds[0]),
+                                          num_kv_heads=num_kv_heads, dtype=dtype),
+        cross_attn=random_attention_params(model_dim, num_heads, seed=int(seeds[1]),
+                                           num_kv_heads=num_kv_heads,
+                                           kv_dim=memory_dim or model_dim, dtype=dtype),
+        ffn=_random_ffn(rng, model_dim, ffn_dim, activation, dtype),
+        norm1=_random_norm(rng, model_dim, dtype),
+        norm2=_random_norm(rng, model_dim, dtype),
+        norm3=_random_norm(rng, model_dim, dtype),
+    )
