@@ -1,0 +1,337 @@
+"""Exact vector-Jacobian product of attention (enclosures + Ziv loop).
+
+At working precision P the forward engine (:mod:`refattn.exact.attention`) gives fixed-point
+enclosures of ``e_ij = exp(t_ij - m_i)`` and of ``Z_i``; the weights are enclosed as
+``P_ij in [floor(2**P E_lo / Z_hi), ceil(2**P E_hi / Z_lo)] * 2**-P``. Everything after that is
+linear or a product of enclosures, carried in midpoint-radius ("ball") form on exact integers:
+
+* ``dP''_ij = dO_i . v_j`` exactly (integer matmul), ``dP = keep dP'' / (1 - p)``;
+* ``Delta_i = sum_j P_ij dP_ij`` and ``T_ij = dP_ij - Delta_i + g_i`` as balls;
+* ``dS = P * T`` (ball product), the softcap factor ``1 - tanh^2(t/c)`` as a ball;
+* ``dQ = s dT K``, ``dK = s dT^T Q``, ``dV = P'^T dO`` as ball matmuls (sums over the query
+  heads of a kv group are exact), then the scale ``s`` (an interval when irrational).
+
+Every enclosure endpoint is an exact rational, rounded by the Ziv loop. Rows whose allowed
+scores are all equal have rational weights 1/n; gradient elements that depend only on such
+rows are settled exactly when their rounding is a tie (:meth:`ExactVJP.exact_value`).
+
+Non-finite inputs: when q, k, v, bias or the cotangents contain NaN or Inf, the positions of
+non-finite gradients are those of the float64 path (which follows the same exclusion rules);
+all finite elements are exact.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+from mpmath.libmp import from_man_exp, mpf_div, mpf_mul, round_ceiling, round_floor
+
+from .. import config
+from .._spec import AttentionSpec
+from . import _fixed as F
+from .attention import ExactForward, _scale_bounds
+from .rounding import correctly_round
+
+__all__ = ["exact_vjp"]
+
+
+def _ball_from_bounds(lo, hi):
+    """(mid2, rad2) with value in [(mid2 - rad2)/2, (mid2 + rad2)/2]."""
+    return lo + hi, hi - lo
+
+
+def _ball_mul(m1, r1, m2, r2):
+    """Product of balls given as (mid2, rad2) pairs: returns (mid4, rad4) (scale 1/4)."""
+    return m1 * m2, np.abs(m1) * r2 + r1 * np.abs(m2) + r1 * r2
+
+
+class ExactVJP:
+    """Enclosures of (dq, dk, dv, dbias) at a working precision, cached per precision."""
+
+    def __init__(self, spec: AttentionSpec, grad_out: np.ndarray, grad_lse):
+        self.spec = spec
+        self.forward = ExactForward(spec)
+        self.do = F.to_fixed(grad_out)  # (B, H, L, E)
+        self.g = None if grad_lse is None else F.to_fixed(grad_lse)  # (B, H, L)
+        self.q = F.to_fixed(spec.q)
+        self.k = F.to_fixed(spec.k)
+        self.v = F.to_fixed(spec.v)
+        self._cache: dict[int, dict] = {}
+
+    # ------------------------------------------------------------------------------------
+    def at(self, prec: int) -> dict:
+        if prec not in self._cache:
+            self._cache = {prec: self._evaluate(prec)}
+        return self._cache[prec]
+
+    def _weights(self, b, h, prec):
+        """Fixed-point bounds (scale 2**-prec) of the pre-dropout weights of one plane."""
+        got = self.forward.at(prec)["state"][b, h]
+        _, _, (_, e_lo, e_hi) = got
+        z_lo, z_hi = e_lo.sum(axis=1), e_hi.sum(axis=1)
+        z_lo = np.where(z_lo == 0, 1, z_lo)[:, None]  # empty/NaN rows: E == 0, so P == 0
+        z_hi = np.where(z_hi == 0, 1, z_hi)[:, None]
+        p_lo = np.left_shift(e_lo, prec) // z_hi
+        p_hi = -(np.left_shift(-e_hi, prec) // z_lo)
+        return p_lo, p_hi
+
+    def _softcap_factor(self, b, h, prec):
+        """Fixed-point bounds (scale 2**-prec) of 1 - tanh^2(t/c), or None without softcap."""
+        spec = self.spec
+        if spec.softcap is None:
+            return None
+        plane = self.forward.planes[b, h]
+        work = prec + config.ELEMENTARY_GUARD_BITS
+        s_lo, s_hi = _scale_bounds(spec, prec)
+        cap_num, cap_den = Fraction(spec.softcap).as_integer_ratio()
+        cap = from_man_exp(cap_num, -(cap_den.bit_length() - 1))
+        length, keys = plane.allowed.shape
+        f_lo = np.zeros((length, keys), dtype=object)
+        f_hi = np.zeros((length, keys), dtype=object)
+        one = 1 << prec
+        for i, j in zip(*np.nonzero(plane.allowed), strict=True):
+            x = from_man_exp(int(plane.dot[i, j]), plane.dot_exp)
+            a, c = sorted(
+                (mpf_mul(x, s_lo, work, round_floor), mpf_mul(x, s_hi, work, round_ceiling)),
+                key=lambda r: F.floor_scaled(r, work))
+            t_lo, t_hi = F.tanh_bounds(mpf_div(a, cap, work, round_floor),
+                                       mpf_div(c, cap, work, round_ceiling), prec)
+            th_lo, th_hi = F.floor_scaled(t_lo, prec), F.ceil_scaled(t_hi, prec)
+            sq_hi = max(th_lo * th_lo, th_hi * th_hi)
+            sq_lo = 0 if th_lo <= 0 <= th_hi else min(th_lo * th_lo, th_hi * th_hi)
+            # 1 - th^2 in scale 2**-2prec, taken back to 2**-prec outward
+            f_lo[i, j] = ((one << prec) - sq_hi) >> prec
+            f_hi[i, j] = -((sq_lo - (one << prec)) >> prec)
+        return f_lo, f_hi
+
+    def _evaluate(self, prec: int) -> dict:
+        spec = self.spec
+        batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
+        keep = spec.keep_scale
+        do, v, q, k = self.do, self.v, self.q, self.k
+        # dq (B,H,L,D), dk (B,K,S,D), dv (B,K,S,E) as (mid, rad) ints with shared exponents
+        dq_mid = np.zeros((batch, heads, length, dim), dtype=object)
+        dq_rad = np.zeros_like(dq_mid)
+        dk_mid = np.zeros((batch, kv_heads, keys, dim), dtype=object)
+        dk_rad = np.zeros_like(dk_mid)
+        dv_mid = np.zeros((batch, kv_heads, keys, vdim), dtype=object)
+        dv_rad = np.zeros_like(dv_mid)
+        ds_mid = np.zeros((batch, heads, length, keys), dtype=object)
+        ds_rad = np.zeros_like(ds_mid)
+        # exponent bookkeeping: P ints carry 2**-prec; dP'' carries 2**(e_do + e_v)
+        e_x = do.exp + v.exp
+        e_g = self.g.exp if self.g is not None else e_x
+        c = min(e_x - prec, e_g)
+        for b in range(batch):
+            for h in range(heads):
+                g = int(spec.kv_head[h])
+                plane = self.forward.planes[b, h]
+                kept = plane.kept
+                p_lo, p_hi = self._weights(b, h, prec)
+                pm, pr = _ball_from_bounds(p_lo, p_hi)  # P in (pm +- pr)/2 * 2**-prec
+                dpk = np.where(kept, do.ints[b, h] @ v.ints[b, g].T, 0)  # exact, 2**e_x
+                # dv: keep/(1-p) * P^T dO  -> (mid2, rad2) * 2**(e_do - prec) * keep
+                dv_mid[b, g] += np.where(kept, pm, 0).T @ do.ints[b, h]
+                dv_rad[b, g] += np.where(kept, pr, 0).T @ np.abs(do.ints[b, h])
+                # Delta_i = keep * sum_j P_ij dP''_ij: (mid2, rad2) * 2**(e_x - prec) * keep
+                delta_m = (pm * dpk).sum(axis=1)
+                delta_r = (pr * np.abs(dpk)).sum(axis=1)
+                # T = keep (dP'' - Delta) + g, as kd * T * 2**-c (mid2, rad2)
+                shift_x = e_x - prec - c
+                t_mid = keep.numerator * np.left_shift(
+                    2 * np.left_shift(dpk, prec) - delta_m[:, None], shift_x)
+                t_rad = keep.numerator * np.left_shift(
+                    np.broadcast_to(delta_r[:, None], dpk.shape), shift_x)
+                if self.g is not None:
+                    g_row = np.left_shift(self.g.ints[b, h], e_g - c)[:, None]
+                    t_mid = t_mid + 2 * keep.denominator * g_row
+                # dS = P * T: scale 2**(c - prec) / (4 kd)
+                m4, r4 = _ball_mul(pm, pr, t_mid, t_rad)
+                m4 = np.where(plane.allowed, m4, 0)
+                r4 = np.where(plane.allowed, r4, 0)
+                ds_mid[b, h], ds_rad[b, h] = m4, r4
+                factor = self._softcap_factor(b, h, prec)
+                if factor is not None:  # dT = dS * f, taken back to dS's resolution
+                    fm, fr = _ball_from_bounds(*factor)
+                    m4, r4 = _halve_scale(*_ball_mul(m4, r4, fm, fr), prec + 1)
+                dq_mid[b, h] = m4 @ k.ints[b, g]
+                dq_rad[b, h] = r4 @ np.abs(k.ints[b, g])
+                dk_mid[b, g] += m4.T @ q.ints[b, h]
+                dk_rad[b, g] += r4.T @ np.abs(q.ints[b, h])
+        scale_lo, scale_hi = _scale_bounds(spec, prec)
+        ds_scale = (Fraction(2) ** (c - prec)) / (4 * keep.denominator)
+        # with softcap, dT's (mid2, rad2) form carries one more factor 1/2 (see _halve_scale)
+        dt_scale = ds_scale / 2 if spec.softcap is not None else ds_scale
+        return {
+            "dq": _scaled_bounds(dq_mid, dq_rad, dt_scale * Fraction(2) ** k.exp,
+                                 (scale_lo, scale_hi)),
+            "dk": _scaled_bounds(dk_mid, dk_rad, dt_scale * Fraction(2) ** q.exp,
+                                 (scale_lo, scale_hi)),
+            "dv": _scaled_bounds(dv_mid, dv_rad, keep * Fraction(2) ** (do.exp - prec) / 2,
+                                 None),
+            "ds": (ds_mid, ds_rad, ds_scale),
+        }
+
+    def dbias(self, prec: int):
+        """Enclosures of dbias summed to the caller's bias shape."""
+        spec = self.spec
+        ds_mid, ds_rad, ds_scale = self.at(prec)["ds"]
+        full = spec.batch_shape + ds_mid.shape[1:]
+        mid = _reduce_to(ds_mid.reshape(full), spec.bias_shape)
+        rad = _reduce_to(ds_rad.reshape(full), spec.bias_shape)
+        return _scaled_bounds(mid, rad, ds_scale, None)
+
+    # ------------------------------------------------------------------------------------
+    def _rational_row(self, b, h, i):
+        """Exact dS row (list of Fractions) when row i's weights are rational, else None."""
+        forward = self.forward
+        plane = forward.planes[b, h]
+        if plane.nan_rows[i] or plane.empty[i]:
+            return [Fraction(0)] * plane.allowed.shape[1]
+        groups = forward._groups(plane, i)
+        if len(groups) != 1:
+            return None
+        n = len(groups[0])
+        spec = self.spec
+        keep = spec.keep_scale
+        g = int(spec.kv_head[h])
+        weight = Fraction(1, n)
+        dpp = [Fraction(int(x)) * Fraction(2) ** (self.do.exp + self.v.exp) * keep
+               if plane.kept[i, j] else Fraction(0)
+               for j, x in enumerate(self.do.ints[b, h, i] @ self.v.ints[b, g].T)]
+        delta = sum(weight * dpp[j] for j in groups[0])
+        g_i = 0 if self.g is None else Fraction(int(self.g.ints[b, h, i])) * Fraction(2) ** (
+            self.g.exp)
+        return [weight * (dpp[j] - delta + g_i) if plane.allowed[i, j] else Fraction(0)
+                for j in range(len(dpp))]
+
+    def exact_value(self, name: str, index: tuple):
+        """Exact value of a gradient element when every row it depends on has rational
+        weights (all allowed scores equal), else None."""
+        spec = self.spec
+        if name == "dbias" or (spec.softcap is not None and name in ("dq", "dk")):
+            return None  # reductions over broadcast bias / transcendental softcap factor
+        if name == "dq":
+            b, h, i, d = index
+            row = self._rational_row(b, h, i)
+            if row is None:
+                return None
+            g = int(spec.kv_head[h])
+            total = sum(r * int(x) for r, x in zip(row, self.k.ints[b, g, :, d], strict=True))
+            return self._times_scale(total * Fraction(2) ** self.k.exp)
+        b, g, j, col = index
+        total = Fraction(0)
+        for h in np.flatnonzero(spec.kv_head == g):
+            plane = self.forward.planes[b, int(h)]
+            for i in np.flatnonzero(plane.allowed[:, j]):
+                if name == "dv":
+                    if not plane.kept[i, j]:
+                        continue
+                    groups = self.forward._groups(plane, int(i))
+                    if len(groups) != 1:
+                        return None
+                    total += (Fraction(1, len(groups[0])) * spec.keep_scale
+                              * int(self.do.ints[b, h, i, col]) * Fraction(2) ** self.do.exp)
+                else:
+                    row = self._rational_row(b, int(h), int(i))
+                    if row is None:
+                        return None
+                    total += row[j] * int(self.q.ints[b, h, i, col]) * Fraction(2) ** self.q.exp
+        return total if name == "dv" else self._times_scale(total)
+
+    def _times_scale(self, value: Fraction):
+        exact = self.spec.scale_exact
+        if value == 0:
+            return Fraction(0)
+        return value * exact if isinstance(exact, Fraction) else None
+
+
+def _halve_scale(mid, rad, bits):
+    """Enclose [mid - rad, mid + rad] / 2**bits by integers [lo, hi], returned in
+    (mid2, rad2) = (lo + hi, hi - lo) form, which represents the value times 2."""
+    lo = (mid - rad) >> bits
+    hi = -((-(mid + rad)) >> bits)
+    return lo + hi, hi - lo
+
+
+def _reduce_to(array: np.ndarray, shape: tuple) -> np.ndarray:
+    extra = array.ndim - len(shape)
+    if extra:
+        array = array.sum(axis=tuple(range(extra)))
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and array.shape[i] != 1)
+    return array.sum(axis=axes, keepdims=True) if axes else array
+
+
+def _scaled_bounds(mid, rad, factor: Fraction, scale_bounds):
+    """Exact (lo, hi) object arrays of (mid -+ rad) * factor [* scale interval]."""
+    lo = np.empty(mid.shape, dtype=object)
+    hi = np.empty(mid.shape, dtype=object)
+    num, den = factor.numerator, factor.denominator
+    if scale_bounds is not None:
+        (s_lo_num, s_lo_den), (s_hi_num, s_hi_den) = (_raw_ratio(s) for s in scale_bounds)
+    for index in np.ndindex(mid.shape):
+        m, r = mid[index], rad[index]
+        a, b = (m - r) * num, (m + r) * num
+        if scale_bounds is None:
+            lo[index], hi[index] = (a, den), (b, den)
+            continue
+        # scale interval [s_lo, s_hi]: pick the endpoint products that bound the range
+        cands = [(a * s_lo_num, den * s_lo_den), (a * s_hi_num, den * s_hi_den),
+                 (b * s_lo_num, den * s_lo_den), (b * s_hi_num, den * s_hi_den)]
+        lo[index] = min(cands, key=_ratio_key)
+        hi[index] = max(cands, key=_ratio_key)
+    return lo, hi
+
+
+def _ratio_key(pair):
+    return Fraction(*pair)
+
+
+def _raw_ratio(raw):
+    sign, man, exp, _ = raw
+    man = -man if sign else man
+    return (man << exp, 1) if exp >= 0 else (man, 1 << -exp)
+
+
+def exact_vjp(spec: AttentionSpec, grad_out, grad_lse, out_dtype):
+    """Correctly rounded (dq, dk, dv, dbias) in the flat layout (dbias in bias's shape)."""
+    engine = ExactVJP(spec, grad_out, grad_lse)
+    results = {}
+    for name in ("dq", "dk", "dv"):
+        results[name] = correctly_round(
+            lambda p, name=name: engine.at(p)[name], out_dtype,
+            fallback=lambda ix, name=name: engine.exact_value(name, ix), what=name)
+    dbias = None
+    if spec.bias is not None:
+        dbias = correctly_round(engine.dbias, out_dtype, what="dbias")
+    dq, dk, dv = results["dq"], results["dk"], results["dv"]
+    if _has_nonfinite(spec, grad_out, grad_lse):
+        dq, dk, dv, dbias = _nonfinite_pattern(spec, grad_out, grad_lse, dq, dk, dv, dbias)
+    return dq, dk, dv, dbias
+
+
+def _has_nonfinite(spec, grad_out, grad_lse) -> bool:
+    arrays = [spec.q, spec.k, spec.v, grad_out] + ([grad_lse] if grad_lse is not None else [])
+    if spec.bias is not None:
+        arrays.append(np.where(np.isneginf(spec.bias), 0.0, spec.bias))
+    return any(not np.isfinite(np.asarray(a, dtype=np.float64)).all() for a in arrays)
+
+
+def _nonfinite_pattern(spec, grad_out, grad_lse, dq, dk, dv, dbias):
+    from ..attention import _reduce_to as reduce_f64
+    from ..attention import _vjp_float64
+
+    ref = _vjp_float64(spec, grad_out, grad_lse)
+    fixed = []
+    for exact, approx in zip((dq, dk, dv), ref[:3], strict=True):
+        exact = exact.copy()
+        bad = ~np.isfinite(approx)
+        exact[bad] = approx[bad].astype(exact.dtype)
+        fixed.append(exact)
+    if dbias is not None:
+        approx = reduce_f64(ref[3].reshape(spec.batch_shape + ref[3].shape[1:]), spec.bias_shape)
+        dbias = dbias.copy()
+        bad = ~np.isfinite(approx)
+        dbias[bad] = approx[bad].astype(dbias.dtype)
+    return (*fixed, dbias)
