@@ -1,0 +1,545 @@
+"""Transformer-MGK and Transformer-MLK: attention with a mixture of Gaussian keys per position.
+
+Nguyen, Nguyen, Le, Nguyen, Tran, Baraniuk, Ho & Osher, "Improving Transformers with
+Probabilistic Attention Keys", ICML 2022 (seed 001, a set of notes on the paper). The notes
+number no equation; refattn cites their displays in order of appearance:
+
+* (N1) the mixture ``p(q_i) = sum_j pi_j N(q_i | k_j, sigma^2 I)``;
+* (N2) the posterior ``p(t_j = 1 | q_i)`` (the attention weight);
+* (N5) the Gaussian-kernel MGK posterior, (N6) the MGK output ``h_i = sum_j P(t_j|q_i) v_j``;
+* (N7) the E-step, (N8) the hard (max) assignment.
+
+**Sign pinned.** The notes print the MGK exponents as ``exp(||q_i - k_jr||^2 / 2 sigma^2)``
+without the minus sign (N5)-(N8). A Gaussian density ``N(q | k, sigma^2)`` has
+``exp(-||q - k||^2 / (2 sigma^2))`` and that is what refattn computes; the printed sign would make
+far keys win. Scores are log-space throughout:
+
+.. math::
+
+    s_{ij} = \\operatorname{lse}_r\\Big(\\log \\pi_{jr}
+              - \\frac{\\|q_i - k_{jr}\\|^2}{2\\sigma^2_{jr}}\\Big) \\ \\text{(soft)},\\qquad
+    s_{ij} = \\max_r\\Big(- \\frac{\\|q_i - k_{jr}\\|^2}{2\\sigma^2_{jr}}\\Big) \\ \\text{(hard)},
+
+then ``h_i = sum_j softmax_j(s_ij) v_j`` over the allowed keys. The public transformer-mgk code
+forms ``sum_r pi exp(.)`` directly and returns 0/0 = NaN (or 0) once every exponential of a row
+underflows; here every exponential is of a max-shifted score.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+from mpmath import iv, mp
+
+from . import _checks
+from .gmm import _is_zero, _NotRational, dot, exact_rows, sqdist
+from .logspace import log_softmax, logsumexp, softmax
+from .masks import allowed_mask
+
+__all__ = ["attention", "em_update_pi", "linear_attention", "EMResult", "MODES",
+           "FEATURE_MAPS"]
+
+MODES = ("soft", "hard")
+FEATURE_MAPS = ("elu+1",)
+
+
+class EMResult(NamedTuple):
+    """Result of :func:`em_update_pi`.
+
+    pi : (..., S, R) the updated mixture weights.
+    responsibilities : (..., L, S, R) p(t_j = 1, z_r = 1 | q_i) (0 at excluded (i, j)).
+    """
+
+    pi: np.ndarray
+    responsibilities: np.ndarray
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+
+def _inputs(q, keys, v):
+    q = _checks.float_array(q, "q", ndim_min=2)
+    keys = _checks.float_array(keys, "keys", ndim_min=3)
+    if keys.shape[-1] != q.shape[-1]:
+        raise ValueError(f"keys: expected shape (..., S, R, D) with D = {q.shape[-1]} (as q "
+                         f"{q.shape}), got {keys.shape}")
+    arrays = [q.shape[:-2], keys.shape[:-3]]
+    if v is not None:
+        v = _checks.float_array(v, "v", ndim_min=2)
+        if v.shape[-2] != keys.shape[-3]:
+            raise ValueError(f"v: expected S = {keys.shape[-3]} rows (as keys {keys.shape}), "
+                             f"got shape {v.shape}")
+        arrays.append(v.shape[:-2])
+    try:
+        batch = np.broadcast_shapes(*arrays)
+    except ValueError:
+        raise ValueError(
+            f"leading (batch) dimensions do not broadcast: q {q.shape}, keys {keys.shape}"
+            + ("" if v is None else f", v {v.shape}")) from None
+    q = np.broadcast_to(q, batch + q.shape[-2:])
+    keys = np.broadcast_to(keys, batch + keys.shape[-3:])
+    if v is not None:
+        v = np.broadcast_to(v, batch + v.shape[-2:])
+    return q, keys, v, batch
+
+
+def _sigma2(sigma2, shape):
+    """(array float64 broadcast to (..., S, R), varies over (S, R))."""
+    if np.ndim(sigma2) == 0 and not isinstance(sigma2, np.ndarray):
+        wide = np.asarray(_checks.real_scalar(sigma2, "sigma2"))
+    else:
+        wide = _checks.as_float64(_checks.float_array(sigma2, "sigma2"))
+    if not np.isfinite(wide).all() or (wide <= 0).any():
+        raise ValueError(f"sigma2: expected finite variances > 0, got min "
+                         f"{np.nanmin(wide)!r} (shape {wide.shape})")
+    wide = _checks.broadcast(wide, shape, "sigma2", "(..., S, R)")
+    flat = wide.reshape(shape[:-2] + (-1,))
+    return wide, bool(flat.shape[-1] > 1 and (flat != flat[..., :1]).any())
+
+
+def _distribution_slack(dtype, count):
+    """Tolerance on sum(pi) = 1: ``count`` roundings of the input's own format."""
+    eps = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}.get(np.dtype(dtype).name)
+    return count * (eps if eps is not None else float(np.finfo(dtype).eps))
+
+
+def _log_pi(log_pi, shape):
+    """log pi_jr, broadcast to (..., S, R); each key's mixture must be a distribution."""
+    components = shape[-1]
+    if log_pi is None:
+        return np.full(shape, -math.log(components)), np.float64
+    arr = _checks.float_array(log_pi, "log_pi", ndim_min=2)
+    wide = _checks.as_float64(arr)
+    if np.isnan(wide).any() or np.isposinf(wide).any():
+        raise ValueError(f"log_pi: NaN or +inf found (shape {wide.shape}); expected log "
+                         "mixture weights")
+    wide = _checks.broadcast(wide, shape, "log_pi", "(..., S, R)")
+    totals = logsumexp(wide, axis=-1)
+    slack = _distribution_slack(arr.dtype, components + 2)
+    if not (np.abs(totals) <= slack).all():
+        worst = totals.ravel()[np.argmax(np.abs(totals).ravel())]
+        raise ValueError(f"log_pi: each key's weights must be a distribution over R = "
+                         f"{components} components (logsumexp 0 within {slack:.3g}); got a "
+                         f"logsumexp of {worst!r}")
+    return wide, arr.dtype
+
+
+def _pi(pi, shape):
+    arr = _checks.float_array(pi, "pi", ndim_min=2)
+    wide = _checks.as_float64(arr)
+    if not np.isfinite(wide).all() or (wide < 0).any():
+        raise ValueError(f"pi: expected mixture weights >= 0 and finite (shape {wide.shape})")
+    wide = _checks.broadcast(wide, shape, "pi", "(..., S, R)")
+    sums = wide.sum(axis=-1)
+    slack = _distribution_slack(arr.dtype, shape[-1] + 1)
+    if not (np.abs(sums - 1) <= slack).all():
+        worst = sums.ravel()[np.argmax(np.abs(sums - 1).ravel())]
+        raise ValueError(f"pi: each key's weights must sum to 1 over R = {shape[-1]} "
+                         f"components (within {slack:.3g}); got a sum of {worst!r}")
+    return wide
+
+
+# --------------------------------------------------------------------------------------------
+# Scores
+# --------------------------------------------------------------------------------------------
+
+
+def _component_terms64(q, keys, log_pi, sigma2, sigma_varies, mode, normalized):
+    """Per-component log terms (..., L, S, R), up to terms constant over (j, r)."""
+    diff = q[..., :, None, None, :] - keys[..., None, :, :, :]
+    terms = -np.einsum("...lsrd,...lsrd->...lsr", diff, diff) / (2 * sigma2[..., None, :, :])
+    if mode == "soft":
+        terms = terms + log_pi[..., None, :, :]
+    if normalized and sigma_varies:
+        terms = terms - q.shape[-1] / 2 * np.log(2 * math.pi * sigma2[..., None, :, :])
+    return terms
+
+
+def _scores64(terms, mode):
+    if mode == "hard":
+        return terms.max(axis=-1)
+    return logsumexp(terms, axis=-1, where=~np.isneginf(terms))
+
+
+class _Symbolic:
+    """Rational mode: lse_r of rational terms, compared (not computed) as a multiset.
+
+    Two soft scores are exactly equal when their component terms agree as multisets, which is
+    all the rational fallback needs to certify a tie of the softmax over keys.
+    """
+
+    def __init__(self, terms):
+        self.terms = tuple(sorted(terms))
+
+    def __eq__(self, other):
+        return isinstance(other, _Symbolic) and self.terms == other.terms
+
+    def __ne__(self, other):
+        return not self == other
+
+    __hash__ = None
+
+
+def _iv_max(values):
+    """Enclosure of max_r x_r from enclosures of the x_r."""
+    lo = max(mp.make_mpf(x._mpi_[0]) for x in values)
+    hi = max(mp.make_mpf(x._mpi_[1]) for x in values)
+    return iv.mpf([lo, hi])
+
+
+def _component_terms_exact(ops, qrow, kj, log_pi_j, sig_j, sig_log_j, mode, normalized,
+                           sigma_varies):
+    terms = []
+    for r in range(len(kj)):
+        if mode == "soft" and log_pi_j[r] is None:
+            continue
+        term = -sqdist(qrow, kj[r]) / (2 * sig_j[r])
+        if mode == "soft":
+            term = term + log_pi_j[r]
+        if normalized and sigma_varies:
+            term = term - sig_log_j[r] * len(qrow) / 2
+        terms.append(term)
+    return terms
+
+
+def _key_score(ops, terms, mode):
+    if mode == "hard":
+        return max(terms) if ops.rational else _iv_max(terms)
+    if ops.rational:
+        return terms[0] if len(terms) == 1 else _Symbolic(terms)
+    return ops.lse(terms)
+
+
+class _ExactInputs(NamedTuple):
+    q: np.ndarray
+    keys: np.ndarray
+    log_pi: list
+    sigma2: np.ndarray
+    sigma_log: np.ndarray | None
+
+
+def _exact_inputs(ops, q, keys, log_pi, sigma2, sigma_varies, normalized, b):
+    sig = ops.array(sigma2[b])
+    sig_log = None
+    if normalized and sigma_varies:
+        if ops.rational:
+            raise _NotRational  # log(2 pi sigma2) is transcendental
+        sig_log = np.array([[ops.log(2 * iv.pi * s) for s in row] for row in sig], dtype=object)
+    lp = [[None if np.isneginf(x) else ops.scalar(x) for x in row] for row in log_pi[b]]
+    return _ExactInputs(ops.array(q[b]), ops.array(keys[b]), lp, sig, sig_log)
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------
+
+
+def _row_poisoned(q, keys, v, allowed):
+    """(..., L): rows with a non-finite q, or a non-finite allowed key/value."""
+    bad_key = ~np.isfinite(keys).all(axis=(-1, -2))  # (..., S)
+    bad = bad_key
+    if v is not None:
+        bad = bad | ~np.isfinite(v).all(axis=-1)
+    return ~np.isfinite(q).all(axis=-1) | (allowed & bad[..., None, :]).any(axis=-1)
+
+
+def _clean(x):
+    return np.where(np.isfinite(x), x, 0.0)
+
+
+def attention(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=False, mask=None,
+              causal=False, window=None, align="top_left", precision="float64", out_dtype=None):
+    """Transformer-MGK attention (Nguyen et al. 2022; notes (N5)-(N6), hard form (N8)).
+
+    .. math::
+
+        h_i = \\sum_j \\frac{e^{s_{ij}}}{\\sum_{j' \\in A_i} e^{s_{ij'}}} v_j,\\qquad
+        s_{ij} = \\log \\sum_r \\pi_{jr}\\,
+            e^{-\\|q_i - k_{jr}\\|^2 / (2\\sigma^2_{jr})}
+
+    (soft; the exponent's minus sign is pinned, the notes omit it), ``s_ij = max_r(-||q_i -
+    k_jr||^2 / (2 sigma2_jr))`` for ``mode="hard"`` (pi ignored, as the notes' (N8) says).
+    ``normalized=True`` adds the Gaussian constant ``-(D/2) log(2 pi sigma2_jr)`` to every
+    component (it cancels in the softmax unless sigma2 differs between components).
+
+    Parameters
+    ----------
+    q : array (..., L, D)
+    keys : array (..., S, R, D)
+        R Gaussian means per key position.
+    v : array (..., S, E)
+    log_pi : array (..., S, R), optional
+        Log mixture weights; each key's must be a distribution (logsumexp over R equal to 0
+        within R+2 roundings of its dtype; used as given). Default uniform, -log R. -inf turns
+        a component off.
+    sigma2 : float or array (..., S, R), > 0
+    mode : {"soft", "hard"}
+    normalized : bool
+    mask, causal, window, align
+        The allowed set, exactly as :func:`refattn.attention` (:func:`refattn.masks.allowed_mask`);
+        excluded positions are removed from every sum. A row with no allowed key gives 0.
+        A NaN/Inf in an excluded key or value never reaches the output; one in an allowed key,
+        value, or in q makes the row NaN.
+    precision : {"float64", "exact"}
+    out_dtype : dtype, optional (exact path)
+
+    Returns
+    -------
+    array (..., L, E)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn import mgk
+    >>> q = np.zeros((1, 1)); keys = np.array([[[0.0]], [[2.0]]]); v = np.array([[1.0], [0.0]])
+    >>> mgk.attention(q, keys, v, sigma2=1.0).round(6).tolist()  # weights 1 : e^-2
+    [[0.880797]]
+    """
+    precision = _checks.precision(precision)
+    mode = _checks.choice(mode, "mode", MODES)
+    q, keys, v, batch = _inputs(q, keys, v)
+    comp_shape = batch + keys.shape[-3:-1]
+    sigma2, sigma_varies = _sigma2(sigma2, comp_shape)
+    log_pi, _ = _log_pi(log_pi, comp_shape)
+    length, units = q.shape[-2], keys.shape[-3]
+    allowed = np.broadcast_to(
+        allowed_mask(length, units, mask=mask, causal=causal, window=window, align=align),
+        batch + (length, units))
+    q64, keys64, v64 = (_checks.as_float64(a) for a in (q, keys, v))
+    poisoned = _row_poisoned(q64, keys64, v64, allowed)
+    if precision == "float64":
+        terms = _component_terms64(_clean(q64), _clean(keys64), log_pi, sigma2, sigma_varies,
+                                   mode, normalized)
+        scores = _scores64(terms, mode)
+        weights = softmax(scores, axis=-1, where=allowed & ~np.isneginf(scores))
+        out = weights @ _clean(v64)
+        return np.where(poisoned[..., None], np.nan, out)
+
+    clean_keys = _clean(keys64)
+
+    def row_out(ops, row):
+        b, i = row
+        if poisoned[b][i]:
+            return [math.nan] * v.shape[-1]
+        x = _exact_inputs(ops, q, clean_keys, log_pi, sigma2, sigma_varies, normalized, b)
+        scores = []
+        for j in range(units):
+            if not allowed[b][i][j]:
+                scores.append(None)
+                continue
+            terms = _component_terms_exact(ops, x.q[i], x.keys[j], x.log_pi[j], x.sigma2[j],
+                                           None if x.sigma_log is None else x.sigma_log[j],
+                                           mode, normalized, sigma_varies)
+            scores.append(_key_score(ops, terms, mode) if terms else None)
+        weights = ops.softmax(scores)
+        values = ops.array(np.where(allowed[b][i][:, None], v[b], 0.0))
+        return [sum((w * values[j, e] for j, w in enumerate(weights) if not _is_zero(w)), 0)
+                for e in range(v.shape[-1])]
+
+    rows = [(b, i) for b in np.ndindex(*batch) for i in range(length)]
+    table = exact_rows(rows, row_out, _checks.out_dtype(out_dtype), "mgk.attention")
+    return table.reshape(batch + (length, v.shape[-1]))
+
+
+def em_update_pi(q, keys, *, log_pi, sigma2, mask=None, precision="float64", out_dtype=None):
+    """One EM step for the mixture weights pi of Transformer-MGK (notes (N7)).
+
+    E-step: the joint responsibility of key j and its component r for query i (uniform key
+    prior, the minus sign of the Gaussian exponent pinned),
+
+    .. math::
+
+        \\rho_{ijr} = p(t_j = 1, z_r = 1 \\mid q_i) =
+            \\frac{\\pi_{jr} \\mathcal N(q_i \\mid k_{jr}, \\sigma^2_{jr})}
+                 {\\sum_{j' \\in A_i} \\sum_{r'} \\pi_{j'r'}
+                  \\mathcal N(q_i \\mid k_{j'r'}, \\sigma^2_{j'r'})};
+
+    M-step (maximising the expected complete log-likelihood subject to sum_r pi_jr = 1):
+
+    .. math:: \\pi^{new}_{jr} = \\frac{\\sum_i \\rho_{ijr}}{\\sum_i \\sum_{r'} \\rho_{ijr'}} .
+
+    The Gaussian normaliser ``(2 pi sigma2_jr)^(-D/2)`` is included (it is part of N). A key
+    that no query may attend (all its (i, j) excluded) keeps its pi.
+
+    Parameters
+    ----------
+    q : array (..., L, D)
+    keys : array (..., S, R, D)
+    log_pi : array (..., S, R)
+        Current log weights (each key's a distribution).
+    sigma2 : float or array (..., S, R), > 0
+    mask : bool array broadcastable to (..., L, S), optional
+    precision, out_dtype : as :func:`attention`.
+
+    Returns
+    -------
+    EMResult(pi (..., S, R), responsibilities (..., L, S, R))
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn import mgk
+    >>> q = np.array([[0.0], [0.0]]); keys = np.array([[[0.0], [50.0]]])
+    >>> res = mgk.em_update_pi(q, keys, log_pi=np.log(np.array([[0.5, 0.5]])), sigma2=1.0)
+    >>> res.pi.tolist()
+    [[1.0, 0.0]]
+    """
+    precision = _checks.precision(precision)
+    q, keys, _, batch = _inputs(q, keys, None)
+    comp_shape = batch + keys.shape[-3:-1]
+    sigma2, sigma_varies = _sigma2(sigma2, comp_shape)
+    log_pi, _ = _log_pi(log_pi, comp_shape)
+    for name, arr in (("q", q), ("keys", keys)):
+        if not np.isfinite(_checks.as_float64(arr)).all():
+            raise ValueError(f"{name}: expected finite values (shape {arr.shape})")
+    length, units, comps = q.shape[-2], keys.shape[-3], keys.shape[-2]
+    allowed = np.broadcast_to(allowed_mask(length, units, mask=mask), batch + (length, units))
+    if precision == "float64":
+        terms = _component_terms64(_checks.as_float64(q), _checks.as_float64(keys), log_pi,
+                                   sigma2, sigma_varies, "soft", True)
+        flat = terms.reshape(terms.shape[:-2] + (-1,))
+        where = (np.repeat(allowed, comps, axis=-1)) & ~np.isneginf(flat)
+        log_resp = log_softmax(flat, axis=-1, where=where).reshape(terms.shape)
+        col = np.moveaxis(log_resp, -3, -1)  # (..., S, R, L)
+        log_num = logsumexp(col, axis=-1, where=~np.isneginf(col))  # (..., S, R)
+        log_den = logsumexp(log_num, axis=-1, where=~np.isneginf(log_num))  # (..., S)
+        keep = np.isneginf(log_den)[..., None]
+        with np.errstate(invalid="ignore"):
+            pi = np.where(keep, np.exp(log_pi), np.exp(log_num - np.where(keep, 0.0,
+                                                                          log_den[..., None])))
+        return EMResult(pi, np.exp(log_resp))
+
+    def batch_out(ops, b):
+        x = _exact_inputs(ops, q, keys, log_pi, sigma2, sigma_varies, True, b)
+        resp = []
+        for i in range(length):
+            flat = []
+            for j in range(units):
+                for r in range(comps):
+                    if not allowed[b][i][j] or x.log_pi[j][r] is None:
+                        flat.append(None)
+                        continue
+                    term = -sqdist(x.q[i], x.keys[j][r]) / (2 * x.sigma2[j][r])
+                    term = term + x.log_pi[j][r]
+                    if sigma_varies:  # the Gaussian normaliser cancels when sigma2 is shared
+                        term = term - x.sigma_log[j][r] * q.shape[-1] / 2
+                    flat.append(term)
+            resp.append(ops.softmax(flat))
+        pi = []
+        for j in range(units):
+            den = sum((resp[i][j * comps + r] for i in range(length) for r in range(comps)), 0)
+            for r in range(comps):
+                if _is_zero(den):
+                    pi.append(ops.exp(ops.scalar(log_pi[b][j][r]))
+                              if not np.isneginf(log_pi[b][j][r]) else 0)
+                    continue
+                pi.append(sum((resp[i][j * comps + r] for i in range(length)), 0) / den)
+        return pi + [w for row in resp for w in row]
+
+    rows = list(np.ndindex(*batch))
+    table = exact_rows(rows, batch_out, _checks.out_dtype(out_dtype), "mgk.em_update_pi")
+    n_pi = units * comps
+    return EMResult(table[:, :n_pi].reshape(comp_shape),
+                    table[:, n_pi:].reshape(batch + (length, units, comps)))
+
+
+def _elu1_64(x):
+    return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
+
+
+def _elu1_exact(ops, x_float, x):
+    """phi(x) = elu(x) + 1: x + 1 for x > 0, exp(x) otherwise (branch on the exact input)."""
+    return x + 1 if x_float > 0 else ops.exp(x)
+
+
+def linear_attention(q, keys, v, *, pi, feature_map="elu+1", causal=False, precision="float64",
+                     out_dtype=None):
+    """Transformer-MLK: linear attention with a mixture of linear keys (Nguyen et al. 2022).
+
+    .. math::
+
+        h_i = \\frac{\\phi(q_i)^\\top \\sum_{j \\in A_i} \\big(\\sum_r \\pi_{jr}
+                \\phi(k_{jr})\\big) v_j^\\top}
+               {\\phi(q_i)^\\top \\sum_{j \\in A_i} \\sum_r \\pi_{jr} \\phi(k_{jr})},
+        \\qquad \\phi(x) = \\operatorname{elu}(x) + 1 .
+
+    The mixture is formed **after** the feature map: MLK replaces each Gaussian kernel of the
+    soft MGK posterior (N5) by the linear kernel ``phi(q).phi(k_jr)``, and the mixture of
+    kernels ``sum_r pi_jr phi(q).phi(k_jr)`` equals ``phi(q).(sum_r pi_jr phi(k_jr))`` by
+    linearity, whereas ``phi(sum_r pi_jr k_jr)`` would be the kernel of a single averaged key
+    (phi is not linear).
+
+    Parameters
+    ----------
+    q : array (..., L, D)
+    keys : array (..., S, R, D)
+    v : array (..., S, E)
+    pi : array (..., S, R)
+        Mixture weights (>= 0, each key's summing to 1 within R+1 roundings of its dtype).
+    feature_map : {"elu+1"}
+    causal : bool
+        A_i = {j <= i} (top-left alignment, as :func:`refattn.attention`); otherwise all j.
+    precision, out_dtype : as :func:`attention`.
+
+    Returns
+    -------
+    array (..., L, E). With causal=True, row i equals the non-causal output of row i on the
+    prefix q[:i+1], keys[:i+1], v[:i+1] (bit for bit on the exact path).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn import mgk
+    >>> q = np.zeros((1, 1)); keys = np.array([[[0.0]], [[1.0]]]); v = np.array([[0.0], [3.0]])
+    >>> mgk.linear_attention(q, keys, v, pi=np.ones((2, 1))).tolist()  # phi = 1 and 2
+    [[2.0]]
+    """
+    precision = _checks.precision(precision)
+    _checks.choice(feature_map, "feature_map", FEATURE_MAPS)
+    q, keys, v, batch = _inputs(q, keys, v)
+    pi = _pi(pi, batch + keys.shape[-3:-1])
+    for name, arr in (("q", q), ("keys", keys), ("v", v)):
+        if not np.isfinite(_checks.as_float64(arr)).all():
+            raise ValueError(f"{name}: expected finite values (shape {arr.shape})")
+    length, units = q.shape[-2], keys.shape[-3]
+    if precision == "float64":
+        phi_q = _elu1_64(_checks.as_float64(q))
+        mixed = np.einsum("...sr,...srd->...sd", pi, _elu1_64(_checks.as_float64(keys)))
+        outer = mixed[..., :, :, None] * _checks.as_float64(v)[..., :, None, :]  # (..., S, D, E)
+        if causal:
+            states = np.cumsum(outer, axis=-3)
+            norms = np.cumsum(mixed, axis=-2)
+            last = np.minimum(np.arange(length), units - 1)
+            states, norms = states[..., last, :, :], norms[..., last, :]
+            num = np.einsum("...ld,...lde->...le", phi_q, states)
+            den = np.einsum("...ld,...ld->...l", phi_q, norms)
+        else:
+            num = phi_q @ outer.sum(axis=-3)
+            den = phi_q @ mixed.sum(axis=-2)
+        return num / den[..., None]
+
+    def row_out(ops, row):
+        b, i = row
+        qf = _checks.as_float64(q[b][i])
+        phi_q = [_elu1_exact(ops, f, x) for f, x in zip(qf, ops.array(qf), strict=False)]
+        keys_f = _checks.as_float64(keys[b])
+        keys_x, pi_x, v_x = ops.array(keys_f), ops.array(pi[b]), ops.array(v[b])
+        stop = min(i, units - 1) + 1 if causal else units
+        num = [0] * v.shape[-1]
+        den = 0
+        for j in range(stop):
+            mixed = [sum((pi_x[j][r] * _elu1_exact(ops, keys_f[j, r, d], keys_x[j, r, d])
+                          for r in range(keys.shape[-2])), 0) for d in range(q.shape[-1])]
+            kernel = dot(phi_q, mixed)
+            den = den + kernel
+            num = [n + kernel * v_x[j][e] for e, n in enumerate(num)]
+        return [n / den for n in num]
+
+    rows = [(b, i) for b in np.ndindex(*batch) for i in range(length)]
+    table = exact_rows(rows, row_out, _checks.out_dtype(out_dtype), "mgk.linear_attention")
+    return table.reshape(batch + (length, v.shape[-1]))
+
