@@ -659,3 +659,29 @@ def threshold(baseline_error, floor, dtype, *, k=K_FORWARD) -> Threshold:
     worst = float(errors.max()) if errors.size else 0.0
     baseline = worst if math.isfinite(worst) else None
     return Threshold(float(k), baseline, floor, unit_roundoff(dtype))
+
+
+# ----------------------------------------------------------------------------- fixed points
+# (refattn.fixedpoint / refattn.meanfield; appended by the fixed-point / mean-field area)
+
+
+def fixed_point_forward_bound(residual_norm, inverse_norm, rounding_scale, n, dtype="float64"):
+    """Bound on ``||z - z*||`` for an iterate ``z`` of a map ``f`` with fixed point ``z*``.
+
+    For an affine map ``f(z) = A z + b`` the identity ``z - z* = (I - A)^{-1} (z - f(z))`` gives
+    ``||z - z*|| <= ||(I - A)^{-1}|| ||f(z) - z||``; for a contraction with Lipschitz constant
+    ``q`` the same holds with ``1 / (1 - q)`` in place of ``||(I - A)^{-1}||``. The residual
+    is measured with a *computed* ``f``, whose rounding error is at most
+    ``gamma_n * rounding_scale`` (``rounding_scale`` the norm of the sum of the absolute values
+    of the terms of ``f``, ``n`` the number of roundings per entry), so
+
+    .. math:: \\lVert z - z^* \\rVert \\le \\kappa \\big(\\lVert \\tilde f(z) - z \\rVert
+              + \\gamma_n\\, s\\big).
+
+    >>> bool(fixed_point_forward_bound(0.0, 2.0, 1.0, 3) == 2 * gamma(3))
+    True
+    """
+    return float(inverse_norm) * (float(residual_norm) + gamma(n, dtype) * float(rounding_scale))
+
+
+__all__ += ["fixed_point_forward_bound"]
