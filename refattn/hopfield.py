@@ -1,0 +1,247 @@
+"""Modern (continuous) Hopfield networks: energy and retrieval.
+
+Ramsauer et al., "Hopfield Networks is All You Need" (arXiv:2008.02217, 2020; reference [3] of
+seed 000), eq. (2) (energy) and eq. (3) (update). refattn stores patterns as the **rows** of X
+(S, D) (the paper's X is D x N, columns), and a batch of L states as the rows of xi (L, D):
+
+.. math::
+
+    E(\\xi) = \\tfrac12 \\xi^\\top\\xi - \\beta^{-1}\\log\\sum_{j=1}^{S} e^{\\beta x_j^\\top \\xi}
+              \\;\\big[+\\ \\beta^{-1}\\log S + \\tfrac12 M^2\\big] \\quad (2), \\qquad
+    \\xi^{new} = X^\\top \\operatorname{softmax}(\\beta X \\xi) \\quad (3),
+
+with M = max_j ||x_j||. The bracketed constant is the paper's; it makes 0 <= E <= 2 M^2 and is
+added only with ``constant=True``. One update (3) is ``refattn.attention(xi, X, X,
+scale=beta)``; the update never increases E (the paper's Theorem 1, a concave-convex procedure).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+from mpmath import iv, mp
+
+from . import _checks
+from .gmm import _is_zero, dot, exact_rows, finite_input
+from .logspace import logsumexp
+
+__all__ = ["energy", "retrieve", "RetrieveResult"]
+
+
+class RetrieveResult(NamedTuple):
+    """Result of :func:`retrieve` with ``return_trace=True``.
+
+    states : (..., L, D) the retrieved states.
+    energy : (..., L, steps + 1) E(xi^t) for t = 0..steps (NaN after a row stopped on tol).
+    steps : (..., L) int, updates performed per row.
+    """
+
+    states: np.ndarray
+    energy: np.ndarray
+    steps: np.ndarray
+
+
+def _inputs(xi, patterns, beta):
+    xi = finite_input(xi, "xi", 2)
+    patterns = finite_input(patterns, "X", 2)
+    if xi.shape[-1] != patterns.shape[-1]:
+        raise ValueError(f"X: expected patterns of size D = {xi.shape[-1]} (as xi {xi.shape}), "
+                         f"got shape {patterns.shape}")
+    if patterns.shape[-2] == 0:
+        raise ValueError("X: expected at least one stored pattern (S >= 1)")
+    beta = _checks.real_scalar(beta, "beta", positive=True)
+    try:
+        batch = np.broadcast_shapes(xi.shape[:-2], patterns.shape[:-2])
+    except ValueError:
+        raise ValueError(f"leading (batch) dimensions do not broadcast: xi {xi.shape}, "
+                         f"X {patterns.shape}") from None
+    return (np.broadcast_to(xi, batch + xi.shape[-2:]),
+            np.broadcast_to(patterns, batch + patterns.shape[-2:]), beta, batch)
+
+
+def _energy64(xi, patterns, beta, constant):
+    scores = beta * (xi @ np.swapaxes(patterns, -1, -2))
+    value = 0.5 * np.einsum("...ld,...ld->...l", xi, xi) - logsumexp(scores, axis=-1) / beta
+    if constant:
+        norms = np.einsum("...sd,...sd->...s", patterns, patterns).max(axis=-1)
+        value = value + (np.log(patterns.shape[-2]) / beta + 0.5 * norms)[..., None]
+    return value
+
+
+def _energy_exact(ops, state, patterns, beta, constant):
+    scores = [beta * dot(x, state) for x in patterns]
+    value = dot(state, state) / 2 - ops.lse(scores) / beta
+    if constant:
+        value = value + ops.log(ops.scalar(len(patterns))) / beta
+        value = value + max_norm2(ops, patterns) / 2
+    return value
+
+
+def max_norm2(ops, patterns):
+    """M^2 = max_j ||x_j||^2 (an enclosure of the max on the interval path)."""
+    norms = [dot(x, x) for x in patterns]
+    if ops.rational:
+        return max(norms)
+    lo = max(mp.make_mpf(n._mpi_[0]) for n in norms)
+    hi = max(mp.make_mpf(n._mpi_[1]) for n in norms)
+    return iv.mpf([lo, hi])
+
+
+def energy(xi, X, *, beta, constant=False, precision="float64", out_dtype=None):
+    """Energy of the continuous modern Hopfield network, Ramsauer et al. eq. (2).
+
+    .. math::
+
+        E(\\xi) = \\tfrac12\\,\\xi\\cdot\\xi
+                  - \\beta^{-1}\\operatorname{lse}_j(\\beta\\, x_j\\cdot\\xi)
+                  \\;[+\\ \\beta^{-1}\\log S + \\tfrac12 \\max_j \\|x_j\\|^2]
+
+    Parameters
+    ----------
+    xi : array (..., L, D)
+        States, one per row.
+    X : array (..., S, D)
+        Stored patterns, one per row.
+    beta : float > 0
+        Inverse temperature.
+    constant : bool
+        Add the paper's constant ``log(S)/beta + M^2/2`` (default: the stated constant is 0).
+    precision : {"float64", "exact"}
+    out_dtype : dtype, optional (exact path)
+
+    Returns
+    -------
+    array (..., L)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn import hopfield
+    >>> float(hopfield.energy(np.array([[1.0, 0.0]]), np.array([[1.0, 0.0]]), beta=1.0)[0])
+    -0.5
+    """
+    precision = _checks.precision(precision)
+    xi, patterns, beta, batch = _inputs(xi, X, beta)
+    if precision == "float64":
+        return _energy64(_checks.as_float64(xi), _checks.as_float64(patterns), beta, constant)
+
+    def row_energy(ops, row):
+        b, i = row
+        return [_energy_exact(ops, ops.array(xi[b][i]), ops.array(patterns[b]),
+                              ops.scalar(beta), constant)]
+
+    length = xi.shape[-2]
+    rows = [(b, i) for b in np.ndindex(*batch) for i in range(length)]
+    table = exact_rows(rows, row_energy, _checks.out_dtype(out_dtype), "hopfield.energy")
+    return table.reshape(batch + (length,))
+
+
+def _update_exact(ops, state, patterns, beta):
+    weights = ops.softmax([beta * dot(x, state) for x in patterns])
+    dim = len(state)
+    return np.array([sum((w * patterns[j][d] for j, w in enumerate(weights)
+                          if not _is_zero(w)), 0) for d in range(dim)], dtype=object)
+
+
+def retrieve(xi, X, *, beta, steps=1, tol=None, return_trace=False, precision="float64",
+             out_dtype=None):
+    """Retrieve stored patterns by the update rule of Ramsauer et al. eq. (3).
+
+    .. math:: \\xi^{t+1} = X^\\top \\operatorname{softmax}(\\beta X \\xi^t)
+
+    applied ``steps`` times to every state (row of xi) independently. One step is
+    ``refattn.attention(xi, X, X, scale=beta)`` (bit for bit on the exact path).
+
+    Parameters
+    ----------
+    xi : array (..., L, D)
+        Initial states, one per row.
+    X : array (..., S, D)
+        Stored patterns, one per row.
+    beta : float > 0
+    steps : int >= 1
+        Updates (the maximum when ``tol`` is given).
+    tol : float, optional
+        float64 path only: a row stops once ``max_d |xi^{t+1} - xi^t| <= tol`` (per row).
+    return_trace : bool
+        Also return the energies E(xi^t), t = 0..steps, of the iterates (exact path: of the
+        exact iterates, each rounded once), as a :class:`RetrieveResult`.
+    precision : {"float64", "exact"}
+        The exact path returns the exact value of ``steps`` updates (not of the fixed point).
+    out_dtype : dtype, optional (exact path)
+
+    Returns
+    -------
+    states (..., L, D), or RetrieveResult(states, energy, steps).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn import hopfield
+    >>> X = np.array([[1.0, 0.0], [0.0, 1.0]])
+    >>> hopfield.retrieve(np.array([[3.0, 0.0]]), X, beta=8.0, steps=2).round(3).tolist()
+    [[1.0, 0.0]]
+    """
+    precision = _checks.precision(precision)
+    xi, patterns, beta, batch = _inputs(xi, X, beta)
+    if isinstance(steps, bool) or not isinstance(steps, int | np.integer) or steps < 1:
+        raise ValueError(f"steps: expected an int >= 1, got {steps!r}")
+    if tol is not None:
+        if precision == "exact":
+            raise ValueError("tol: the exact path evaluates exactly `steps` updates; "
+                             "pass tol=None")
+        tol = _checks.real_scalar(tol, "tol")
+        if tol < 0:
+            raise ValueError(f"tol: expected a number >= 0, got {tol}")
+    if precision == "float64":
+        return _retrieve64(_checks.as_float64(xi), _checks.as_float64(patterns), beta, steps,
+                           tol, return_trace)
+    length, dim = xi.shape[-2:]
+
+    def row_states(ops, row):
+        b, i = row
+        pats, beta_x = ops.array(patterns[b]), ops.scalar(beta)
+        state = ops.array(xi[b][i])
+        energies = [_energy_exact(ops, state, pats, beta_x, False)] if return_trace else []
+        for _ in range(steps):
+            state = _update_exact(ops, state, pats, beta_x)
+            if return_trace:
+                energies.append(_energy_exact(ops, state, pats, beta_x, False))
+        return list(state) + energies
+
+    rows = [(b, i) for b in np.ndindex(*batch) for i in range(length)]
+    table = exact_rows(rows, row_states, _checks.out_dtype(out_dtype), "hopfield.retrieve")
+    states = table[:, :dim].reshape(batch + (length, dim))
+    if not return_trace:
+        return states
+    return RetrieveResult(states, table[:, dim:].reshape(batch + (length, steps + 1)),
+                          np.full(batch + (length,), steps, dtype=np.int64))
+
+
+def _retrieve64(xi, patterns, beta, steps, tol, want_trace):
+    from .attention import attention
+
+    shape = xi.shape[:-1]
+    active = np.ones(shape, dtype=bool)
+    done = np.zeros(shape, dtype=np.int64)
+    trace = np.full(shape + (steps + 1,), np.nan) if want_trace else None
+    if want_trace:
+        trace[..., 0] = _energy64(xi, patterns, beta, False)
+    state = xi
+    for t in range(steps):
+        new = attention(state, patterns, patterns, scale=beta)
+        new = np.where(active[..., None], new, state)
+        done += active
+        if want_trace:
+            trace[..., t + 1] = np.where(active, _energy64(new, patterns, beta, False), np.nan)
+        if tol is not None:
+            settled = np.max(np.abs(new - state), axis=-1) <= tol
+        else:
+            settled = np.zeros(shape, dtype=bool)
+        state = new
+        active &= ~settled
+        if not active.any():
+            break
+    return RetrieveResult(state, trace, done) if want_trace else state
+
