@@ -1,18 +1,106 @@
-"""The case catalogue of the oracle (API skeleton; the catalogue follows)."""
+"""The case catalogue of the oracle: named cases in suites, and their inputs.
+
+A :class:`Case` is a complete, JSON-serialisable description of one attention problem: its
+shapes (in the shape letters of docs/conventions.md), the dtype of its inputs, the scalar
+keywords of :func:`refattn.attention`, a *recipe* for the inputs, and a seed. The catalogue is
+a pure function of this module's source: names are stable (they never depend on catalogue
+order) and each case's seed is derived from its name.
+
+Suites
+------
+``"smoke"`` (a handful of tiny cases, < 30 s to generate), ``"default"`` (every option of
+``refattn.attention`` and ``refattn.attention_vjp``, every dtype, the adversarial inputs;
+a few minutes on 2 cores) and ``"full"`` (every conformance case in all four dtypes plus
+larger shapes). smoke is a subset of default, which is a subset of full.
+
+Categories
+----------
+``"conformance"``: the pinned semantics; a peer that disagrees is wrong or uses another
+convention. ``"robustness"``: NaN/Inf poison at *excluded* key, value or bias positions;
+refattn guarantees the poison never reaches the output, peers legitimately differ (many
+compute ``0 * NaN``), so these cases fail a validation only under ``--strict``.
+
+Inputs (:func:`make_inputs`)
+----------------------------
+q (batch, H, L, D), k (batch, K, S, D), v (batch, K, S, E) in the case dtype, plus, as the
+recipe asks: ``mask`` (bool; (batch, 1, 1, S) for padding, (batch, H, L, S) otherwise),
+``bias`` (case dtype; (batch, H, L, S), or (1, 1, L, S) when ``bias_shape="broadcast"``),
+``dropout_mask`` (bool keep-mask, (batch, H, L, S)), ``alibi_slopes`` (case dtype, (H,)),
+``grad_out`` (batch, H, L, E) and ``grad_lse`` (batch, H, L) for gradient cases.
+
+Random numbers come from :mod:`oracle._seeding` (SplitMix64 in counter mode keyed by
+sha256(seed, array name); Irwin-Hall Gaussians from integer sums; no ``numpy.random``
+Generator, no libm): the float64 values are bit-identical on every machine and NumPy
+version, and are rounded once to the case dtype.
+
+Recipe keys (``Case.recipe``)
+-----------------------------
+``qkv``: how q, k, v are built --
+
+* ``"gaussian"``: i.i.d. Gaussian with standard deviation ``sigma`` (q, k) and 1 (v);
+* ``"gap"``: logit gaps > 40: q_i0 = +-A, one key per sign has k_j0 = +-A, every other key
+  k_j0 = 0 and small Gaussian noise elsewhere, so each row's top score exceeds the rest by
+  about scale * A**2 >= 48 (overflows ``exp`` without the max shift in half precision);
+* ``"ties"``: three identical keys k_j = B e_0 and q_i0 = A > 0 make a three-way exact tie
+  at each row's maximum (other keys: |k_j0| <= B/2, small noise);
+* ``"ascending"`` / ``"descending"``: k_j = t_j e_0 on a dyadic ramp, q_i0 in [1, 2): every
+  row's scores are monotone in j (non-strictly once rounded to a narrow dtype);
+* ``"cancel"``: keys in identical pairs, values in opposite pairs v_{2m+1} = -v_{2m}(1 + eps)
+  with eps ~ 2**-(p/2) of the dtype: outputs nearly cancel (sum_j w_j |v_j| >> |out|).
+
+``sigma`` (q/k scale), ``mask`` ("padding" | "random" | "empty-rows"), ``bias`` ("gaussian" |
+"neginf", the latter with -inf entries and one all -inf row per head), ``bias_shape``
+("full" | "broadcast"), ``alibi`` (power-of-two slopes 2**-(1 + 8h // H)), ``dropout``
+(keep-mask drawn with P(keep) = 1 - dropout_p), ``poison`` ("nan" | "inf": written into every
+key/value position that no query may attend and into every excluded bias position),
+``grad_lse`` (a cotangent for lse too).
+
+Extension point
+---------------
+Variant suites (GMM, MGK, mean-field attention, ...) register themselves with
+:func:`register_suite`; their cases set ``Case.function`` to the refattn function whose exact
+path gives the truth, and ``oracle.golden`` dispatches on it (``golden.TRUTH_BUILDERS``).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["Shapes", "Case", "SUITES", "CATEGORIES", "DTYPES", "suite", "get", "make_inputs"]
+from refattn.exact.rounding import format_of
+
+from . import _seeding
+
+__all__ = [
+    "Shapes",
+    "Case",
+    "SUITES",
+    "CATEGORIES",
+    "DTYPES",
+    "OPTION_NAMES",
+    "suite",
+    "get",
+    "make_inputs",
+    "register_suite",
+]
 
 SUITES = ("smoke", "default", "full")
 CATEGORIES = ("conformance", "robustness")
 DTYPES = ("float64", "float32", "float16", "bfloat16")
+#: keywords of refattn.attention / attention_vjp the catalogue must exercise
+OPTION_NAMES = (
+    "scale", "bias", "mask", "causal", "window", "align", "softcap", "alibi_slopes", "gqa",
+    "dropout_mask", "dropout_p", "empty_rows", "grad_out", "grad_lse",
+)
+_DTYPE_TAGS = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+_ARRAY_OPTIONS = ("mask", "bias", "dropout_mask", "alibi_slopes")
 
 
 class Shapes(NamedTuple):
@@ -26,15 +114,39 @@ class Shapes(NamedTuple):
     D: int
     E: int
 
+    def tag(self) -> str:
+        """Readable shape part of a case name, e.g. ``B2H8K2-L37S64-D16E8``."""
+        batch = f"B{self.batch}" if self.batch != 1 else ""
+        return f"{batch}H{self.H}K{self.K}-L{self.L}S{self.S}-D{self.D}E{self.E}"
+
 
 @dataclass(frozen=True, eq=True)
 class Case:
     """One named case: everything needed to rebuild its inputs and its truth.
 
-    ``options`` holds the scalar keywords of ``refattn.attention`` (scale, causal, window,
-    align, softcap, gqa, empty_rows, dropout_p); array-valued options (bias, mask,
-    dropout_mask, alibi_slopes) and grad_out/grad_lse are generated by :func:`make_inputs`
-    from ``recipe``.
+    Attributes
+    ----------
+    name : str
+        Unique, stable, readable: ``<tag>-<shapes>-<dtype>``.
+    suites : tuple of str
+        Suites the case belongs to (smoke is within default, default within full).
+    category : {"conformance", "robustness"}
+    dtype : {"float64", "float32", "float16", "bfloat16"}
+        Dtype of the floating inputs and of the rounded truth ``out``.
+    shapes : Shapes
+    options : mapping
+        Scalar keywords of ``refattn.attention`` (scale, causal, window, align, softcap, gqa,
+        empty_rows, dropout_p); array keywords come from :func:`make_inputs`.
+    recipe : mapping
+        How the inputs are built (see the module docstring).
+    seed : int
+        Derived from the name (sha256), so renumbering the catalogue changes nothing.
+    grads : bool
+        The fixture also holds the exact gradients (refattn.attention_vjp).
+    description : str
+        One line.
+    function : str
+        The refattn function whose exact path is the truth ("attention"; variants add more).
     """
 
     name: str
@@ -47,30 +159,573 @@ class Case:
     seed: int = 0
     grads: bool = False
     description: str = ""
+    function: str = "attention"
 
     def __hash__(self) -> int:
         return hash(self.name)
 
     def spec(self) -> dict:
-        """JSON-ready description (sorted keys, lists for tuples)."""
-        raise NotImplementedError
+        """JSON-ready description (tuples as lists); inverse of :meth:`from_spec`."""
+        return {
+            "name": self.name,
+            "suites": list(self.suites),
+            "category": self.category,
+            "dtype": self.dtype,
+            "shapes": dict(self.shapes._asdict()),
+            "options": {k: _jsonable(v) for k, v in sorted(self.options.items())},
+            "recipe": {k: _jsonable(v) for k, v in sorted(self.recipe.items())},
+            "seed": self.seed,
+            "grads": self.grads,
+            "description": self.description,
+            "function": self.function,
+        }
+
+    def spec_json(self) -> str:
+        """Canonical JSON of :meth:`spec` (sorted keys, no whitespace variation)."""
+        return json.dumps(self.spec(), sort_keys=True, separators=(",", ":"), allow_nan=False)
 
     @classmethod
     def from_spec(cls, spec: Mapping) -> Case:
-        """Inverse of :meth:`spec`."""
-        raise NotImplementedError
+        """Rebuild a case from :meth:`spec` output (or its JSON, parsed)."""
+        options = dict(spec.get("options", {}))
+        if options.get("window") is not None:
+            options["window"] = tuple(options["window"])
+        return cls(
+            name=spec["name"],
+            suites=tuple(spec["suites"]),
+            category=spec["category"],
+            dtype=spec["dtype"],
+            shapes=Shapes(**spec["shapes"]),
+            options=options,
+            recipe=dict(spec.get("recipe", {})),
+            seed=int(spec["seed"]),
+            grads=bool(spec.get("grads", False)),
+            description=spec.get("description", ""),
+            function=spec.get("function", "attention"),
+        )
+
+
+def _jsonable(value):
+    if isinstance(value, tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not np.isfinite(value):
+        raise ValueError(f"case spec: non-finite value {value!r} is not JSON")
+    return value
+
+
+def seed_of(name: str) -> int:
+    """The seed of a case: the first 8 bytes of sha256(name), little endian, as an int."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
+
+
+# ---------------------------------------------------------------------------------------------
+# The catalogue
+# ---------------------------------------------------------------------------------------------
+
+_ALL = DTYPES
+_BASE = Shapes(1, 2, 2, 8, 16, 16, 16)
+_SMALL = Shapes(1, 2, 2, 5, 7, 8, 8)
+_GRAD = Shapes(1, 2, 2, 6, 8, 8, 8)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """A catalogue row: one case per dtype, member of the suites its dtypes say."""
+
+    tag: str
+    shapes: Shapes
+    description: str
+    smoke: tuple[str, ...] = ()
+    default: tuple[str, ...] = ("float32",)
+    full: tuple[str, ...] = _ALL
+    options: Mapping[str, Any] = field(default_factory=dict)
+    recipe: Mapping[str, Any] = field(default_factory=dict)
+    grads: bool = False
+    category: str = "conformance"
+
+
+def _entries() -> list[_Entry]:
+    e = _Entry
+    gauss = {"qkv": "gaussian", "sigma": 1.0}
+    rows = [
+        # --- smoke: one tiny case per headline feature --------------------------------------
+        e("basic", _SMALL, "Gaussian q, k, v; no options", smoke=_ALL, default=_ALL,
+          recipe=gauss),
+        e("causal-br", Shapes(1, 2, 2, 4, 7, 8, 8), "causal, bottom_right alignment, L < S",
+          smoke=("float32",), default=("float32", "float16"),
+          options={"causal": True, "align": "bottom_right"}, recipe=gauss),
+        e("gqa-interleave", Shapes(1, 4, 2, 5, 6, 8, 8), "GQA, query head h reads kv head h//G",
+          smoke=("float32",), options={"gqa": "interleave"}, recipe=gauss),
+        e("mask-empty-rows", Shapes(1, 2, 2, 6, 7, 8, 8),
+          "random mask with fully masked rows, empty_rows='zero'", smoke=("float32",),
+          default=_ALL, options={"empty_rows": "zero"}, recipe={**gauss, "mask": "empty-rows"}),
+        e("grad-bias", Shapes(1, 2, 2, 4, 5, 8, 8), "gradients incl. dbias", smoke=("float64",),
+          default=("float64", "float32"), options={}, recipe={**gauss, "bias": "gaussian"},
+          grads=True),
+        # --- shapes ---------------------------------------------------------------------------
+        e("basic", _BASE, "Gaussian q, k, v; no options", default=_ALL, recipe=gauss),
+        e("l-gt-s", Shapes(1, 2, 2, 16, 6, 16, 16), "more queries than keys", recipe=gauss),
+        e("l-lt-s", Shapes(1, 2, 2, 3, 33, 16, 16), "fewer queries than keys", recipe=gauss),
+        e("d-ne-e", Shapes(1, 2, 2, 8, 12, 16, 8), "value dim smaller than key dim",
+          recipe=gauss),
+        e("d-ne-e", Shapes(1, 2, 2, 8, 12, 8, 24), "value dim larger than key dim",
+          recipe=gauss),
+        e("decode", Shapes(1, 4, 4, 1, 96, 16, 16), "single-token decode (L = 1)",
+          default=("float32", "bfloat16"), recipe=gauss),
+        e("long", Shapes(1, 1, 1, 1, 4096, 4, 4), "decode over S = 4096 keys",
+          default=("float32",), recipe=gauss),
+        e("long-causal-br", Shapes(1, 2, 1, 2, 4096, 4, 4),
+          "MQA decode of 2 tokens over S = 4096, causal bottom_right", default=(),
+          options={"causal": True, "align": "bottom_right", "gqa": "interleave"}, recipe=gauss),
+        e("batch", Shapes(3, 2, 2, 4, 6, 8, 8), "three batch entries", recipe=gauss),
+        e("scale", _BASE, "explicit dyadic scale 1/8", options={"scale": 0.125}, recipe=gauss),
+        e("scale", Shapes(1, 2, 2, 8, 16, 16, 8), "explicit non-dyadic scale 0.3",
+          options={"scale": 0.3}, recipe=gauss),
+        # --- GQA / MQA ------------------------------------------------------------------------
+        e("gqa-interleave", Shapes(1, 8, 2, 6, 10, 8, 8), "GQA H=8, K=2, interleave",
+          default=("float32", "float16"), options={"gqa": "interleave"}, recipe=gauss),
+        e("gqa-tile", Shapes(1, 8, 2, 6, 10, 8, 8), "GQA H=8, K=2, tile (h % K)",
+          default=("float32", "bfloat16"), options={"gqa": "tile"}, recipe=gauss),
+        e("mqa-interleave", Shapes(1, 4, 1, 6, 10, 8, 8), "MQA (K = 1), interleave",
+          options={"gqa": "interleave"}, recipe=gauss),
+        e("mqa-tile", Shapes(1, 4, 1, 6, 10, 8, 8), "MQA (K = 1), tile",
+          options={"gqa": "tile"}, recipe=gauss),
+        # --- causal and windows ---------------------------------------------------------------
+        e("causal-tl", Shapes(1, 2, 2, 12, 12, 8, 8), "causal, top_left, L = S",
+          default=("float64", "float32"), options={"causal": True, "align": "top_left"},
+          recipe=gauss),
+        e("causal-tl", Shapes(1, 2, 2, 6, 16, 8, 8), "causal, top_left, L < S",
+          options={"causal": True, "align": "top_left"}, recipe=gauss),
+        e("causal-br", Shapes(1, 2, 2, 6, 16, 8, 8), "causal, bottom_right, L < S",
+          default=("float32", "bfloat16"), options={"causal": True, "align": "bottom_right"},
+          recipe=gauss),
+        e("causal-tl", Shapes(1, 2, 2, 12, 5, 8, 8), "causal, top_left, L > S",
+          options={"causal": True, "align": "top_left"}, recipe=gauss),
+        e("causal-br-empty", Shapes(1, 2, 2, 12, 5, 8, 8),
+          "causal bottom_right with L > S: the first L - S rows are empty (zero)",
+          options={"causal": True, "align": "bottom_right", "empty_rows": "zero"},
+          recipe=gauss),
+        e("causal-br-empty-nan", Shapes(1, 2, 2, 12, 5, 8, 8),
+          "causal bottom_right with L > S, empty_rows='nan'",
+          options={"causal": True, "align": "bottom_right", "empty_rows": "nan"},
+          recipe=gauss),
+        e("window-both", Shapes(1, 2, 2, 10, 10, 8, 8), "window (3, 2), top_left",
+          options={"window": (3, 2), "align": "top_left"}, recipe=gauss),
+        e("window-both-br", Shapes(1, 2, 2, 5, 14, 8, 8), "window (2, 2), bottom_right, L < S",
+          options={"window": (2, 2), "align": "bottom_right"}, recipe=gauss),
+        e("window-left", Shapes(1, 2, 2, 6, 12, 8, 8), "window (4, None), bottom_right",
+          options={"window": (4, None), "align": "bottom_right"}, recipe=gauss),
+        e("window-right", Shapes(1, 2, 2, 8, 8, 8, 8), "window (None, 1), top_left",
+          options={"window": (None, 1), "align": "top_left"}, recipe=gauss),
+        e("window-causal", Shapes(1, 2, 2, 9, 9, 8, 8), "causal with a left window of 3",
+          options={"causal": True, "window": (3, None), "align": "top_left"}, recipe=gauss),
+        # --- softcap, ALiBi, bias -------------------------------------------------------------
+        e("softcap", _BASE, "softcap 5 on logits of scale ~8", default=_ALL,
+          options={"softcap": 5.0}, recipe={"qkv": "gaussian", "sigma": 2.0}),
+        e("softcap-bias", Shapes(1, 2, 2, 6, 10, 8, 8),
+          "softcap 4 then bias (order matters: softcap before bias)",
+          options={"softcap": 4.0}, recipe={"qkv": "gaussian", "sigma": 2.0, "bias": "gaussian"}),
+        e("softcap-mask", Shapes(1, 2, 2, 6, 10, 8, 8), "softcap with a random mask",
+          options={"softcap": 3.0}, recipe={"qkv": "gaussian", "sigma": 2.0, "mask": "random"}),
+        e("alibi", Shapes(1, 4, 4, 8, 12, 8, 8), "ALiBi slopes, causal, bottom_right",
+          options={"causal": True, "align": "bottom_right"}, recipe={**gauss, "alibi": True}),
+        e("alibi-tl", Shapes(1, 4, 2, 8, 12, 8, 8), "ALiBi without causal, top_left, GQA",
+          options={"align": "top_left", "gqa": "interleave"}, recipe={**gauss, "alibi": True}),
+        e("bias", _BASE, "Gaussian additive bias (batch, H, L, S)", default=("float32", "float16"),
+          recipe={**gauss, "bias": "gaussian"}),
+        e("bias-bcast", Shapes(2, 2, 2, 6, 10, 8, 8), "bias broadcast from (1, 1, L, S)",
+          recipe={**gauss, "bias": "gaussian", "bias_shape": "broadcast"}),
+        e("bias-neginf", Shapes(1, 2, 2, 6, 10, 8, 8),
+          "bias with -inf entries and one all -inf row per head (empty rows)",
+          options={"empty_rows": "zero"}, recipe={**gauss, "bias": "neginf"}),
+        # --- masks, empty rows ----------------------------------------------------------------
+        e("mask-padding", Shapes(2, 2, 2, 6, 12, 8, 8), "padding mask (batch, 1, 1, S)",
+          default=("float32", "bfloat16"), recipe={**gauss, "mask": "padding"}),
+        e("mask-random", Shapes(1, 2, 2, 8, 12, 8, 8), "random mask, P(attend) = 3/4",
+          recipe={**gauss, "mask": "random"}),
+        e("mask-empty-rows-nan", Shapes(1, 2, 2, 6, 7, 8, 8),
+          "random mask with fully masked rows, empty_rows='nan'",
+          options={"empty_rows": "nan"}, recipe={**gauss, "mask": "empty-rows"}),
+        # --- dropout --------------------------------------------------------------------------
+        e("dropout", _BASE, "dropout keep-mask, p = 1/4", default=("float32", "float16"),
+          options={"dropout_p": 0.25}, recipe={**gauss, "dropout": True}),
+        e("dropout-causal", Shapes(1, 2, 2, 8, 8, 8, 8), "dropout p = 0.1 with causal",
+          options={"dropout_p": 0.1, "causal": True, "align": "top_left"},
+          recipe={**gauss, "dropout": True}),
+        # --- input distributions --------------------------------------------------------------
+        e("gauss-s0.25", _BASE, "small logits (sigma 1/4)",
+          recipe={"qkv": "gaussian", "sigma": 0.25}),
+        e("gauss-s4", _BASE, "large logits (sigma 4)", default=("float32", "float16"),
+          recipe={"qkv": "gaussian", "sigma": 4.0}),
+        e("gauss-s8", Shapes(1, 2, 2, 8, 16, 32, 16), "very large logits (sigma 8, D = 32)",
+          default=(), recipe={"qkv": "gaussian", "sigma": 8.0}),
+        # --- adversarial ----------------------------------------------------------------------
+        e("gap", _BASE, "logit gaps > 40 (overflow without max shift)", default=_ALL,
+          recipe={"qkv": "gap"}),
+        e("ties", _BASE, "three-way exact ties at the row maximum",
+          default=("float32", "float16"), recipe={"qkv": "ties"}),
+        e("ascending", _BASE, "scores ascending along keys", recipe={"qkv": "ascending"}),
+        e("descending", _BASE, "scores descending along keys", recipe={"qkv": "descending"}),
+        e("cancel", _BASE, "near-cancelling outputs (paired keys, opposite values)",
+          default=_ALL, recipe={"qkv": "cancel"}),
+        e("gap-causal", Shapes(1, 2, 2, 8, 8, 16, 16), "logit gaps with causal top_left",
+          options={"causal": True, "align": "top_left"}, recipe={"qkv": "gap"}),
+        # --- robustness: poison at excluded positions -----------------------------------------
+        e("poison-nan-padding", Shapes(2, 2, 2, 5, 10, 8, 8),
+          "NaN in k, v and bias at padded (masked) keys", smoke=("float32",),
+          default=("float32", "float16"), category="robustness",
+          recipe={**gauss, "mask": "padding", "bias": "gaussian", "poison": "nan"}),
+        e("poison-inf-padding", Shapes(2, 2, 2, 5, 10, 8, 8),
+          "+-Inf in k, v and bias at padded (masked) keys", category="robustness",
+          recipe={**gauss, "mask": "padding", "bias": "gaussian", "poison": "inf"}),
+        e("poison-nan-causal", Shapes(1, 2, 2, 8, 8, 8, 8),
+          "NaN in the bias above the causal diagonal", category="robustness",
+          options={"causal": True, "align": "top_left"},
+          recipe={**gauss, "bias": "gaussian", "poison": "nan"}),
+        e("poison-inf-window", Shapes(1, 2, 2, 8, 10, 8, 8),
+          "+-Inf in the bias outside a (2, 1) window", category="robustness",
+          options={"window": (2, 1), "align": "bottom_right"},
+          recipe={**gauss, "bias": "gaussian", "poison": "inf"}),
+        # --- gradients ------------------------------------------------------------------------
+        e("grad-basic", _GRAD, "gradients dq, dk, dv", default=("float64", "float32"),
+          recipe=gauss, grads=True),
+        e("grad-bias-bcast", _GRAD, "dbias summed over broadcast dimensions",
+          recipe={**gauss, "bias": "gaussian", "bias_shape": "broadcast"}, grads=True),
+        e("grad-gqa", Shapes(1, 4, 2, 5, 8, 8, 8), "dk, dv summed over the query heads of a group",
+          options={"gqa": "interleave"}, recipe=gauss, grads=True),
+        e("grad-gqa-tile", Shapes(1, 4, 2, 5, 8, 8, 8), "gradients under gqa='tile'",
+          default=("float64",), options={"gqa": "tile"}, recipe=gauss, grads=True),
+        e("grad-causal-br", Shapes(1, 2, 2, 4, 8, 8, 8), "gradients, causal bottom_right",
+          options={"causal": True, "align": "bottom_right"}, recipe=gauss, grads=True),
+        e("grad-window", _GRAD, "gradients, window (2, 1)",
+          options={"window": (2, 1), "align": "top_left"}, recipe=gauss, grads=True),
+        e("grad-softcap", _GRAD, "softcap derivative",
+          options={"softcap": 4.0}, recipe={"qkv": "gaussian", "sigma": 2.0}, grads=True),
+        e("grad-alibi", Shapes(1, 4, 4, 5, 8, 8, 8), "gradients with ALiBi",
+          options={"causal": True, "align": "top_left"}, recipe={**gauss, "alibi": True},
+          grads=True),
+        e("grad-dropout", _GRAD, "dropout derivative (keep-mask, p = 1/4)",
+          options={"dropout_p": 0.25}, recipe={**gauss, "dropout": True}, grads=True),
+        e("grad-lse", _GRAD, "cotangent of lse too (grad_lse)",
+          recipe={**gauss, "grad_lse": True}, grads=True),
+        e("grad-empty-rows", Shapes(1, 2, 2, 6, 7, 8, 8), "zero gradients of empty rows",
+          options={"empty_rows": "zero"}, recipe={**gauss, "mask": "empty-rows"}, grads=True),
+        e("grad-gap", _GRAD, "gradients with logit gaps > 40", default=("float64",),
+          recipe={"qkv": "gap"}, grads=True),
+        e("grad-cancel", _GRAD, "gradients of near-cancelling outputs", default=("float64",),
+          recipe={"qkv": "cancel"}, grads=True),
+        # --- full only: larger shapes ---------------------------------------------------------
+        e("basic", Shapes(2, 4, 2, 32, 48, 32, 32), "larger GQA problem", default=(),
+          options={"gqa": "interleave"}, recipe=gauss),
+        e("causal-br", Shapes(1, 4, 4, 24, 64, 16, 16), "larger causal bottom_right", default=(),
+          options={"causal": True, "align": "bottom_right"}, recipe=gauss),
+        e("grad-basic", Shapes(1, 4, 2, 12, 24, 16, 16), "larger gradient case", default=(),
+          options={"gqa": "interleave"}, recipe={**gauss, "bias": "gaussian"}, grads=True),
+    ]
+    return rows
+
+
+def _expand(entry: _Entry) -> list[Case]:
+    cases = []
+    for dtype in DTYPES:
+        in_smoke = dtype in entry.smoke
+        in_default = in_smoke or dtype in entry.default
+        in_full = in_default or dtype in entry.full
+        suites = tuple(s for s, member in zip(SUITES, (in_smoke, in_default, in_full)) if member)
+        if not suites:
+            continue
+        name = f"{entry.tag}-{entry.shapes.tag()}-{_DTYPE_TAGS[dtype]}"
+        cases.append(Case(
+            name=name, suites=suites, category=entry.category, dtype=dtype, shapes=entry.shapes,
+            options=dict(entry.options), recipe=dict(entry.recipe), seed=seed_of(name),
+            grads=entry.grads, description=entry.description,
+        ))
+    return cases
+
+
+_CATALOGUE: dict[str, Case] | None = None
+_EXTRA_SUITES: dict[str, Callable[[], Iterable[Case]]] = {}
+
+
+def _catalogue() -> dict[str, Case]:
+    global _CATALOGUE
+    if _CATALOGUE is None:
+        catalogue: dict[str, Case] = {}
+        for entry in _entries():
+            for case in _expand(entry):
+                if case.name in catalogue:
+                    raise RuntimeError(f"oracle.cases: duplicate case name {case.name!r}")
+                catalogue[case.name] = case
+        _CATALOGUE = catalogue
+    return _CATALOGUE
+
+
+def register_suite(name: str, factory: Callable[[], Iterable[Case]]) -> None:
+    """Register a further suite (the variants' extension point).
+
+    ``factory()`` returns the suite's cases; their names must not collide with the
+    attention catalogue. Registration is idempotent for the same factory.
+    """
+    if name in SUITES:
+        raise ValueError(f"register_suite: name {name!r} is a built-in suite")
+    _EXTRA_SUITES[name] = factory
 
 
 def suite(name: str) -> list[Case]:
-    """The cases of suite ``name`` (one of SUITES), in catalogue order."""
-    raise NotImplementedError
+    """The cases of suite ``name``, in catalogue order.
+
+    Examples
+    --------
+    >>> from oracle import cases
+    >>> smoke = cases.suite("smoke")
+    >>> all(c.name in {d.name for d in cases.suite("default")} for c in smoke)
+    True
+    """
+    if name in _EXTRA_SUITES:
+        return list(_EXTRA_SUITES[name]())
+    if name not in SUITES:
+        known = list(SUITES) + sorted(_EXTRA_SUITES)
+        raise ValueError(f"suite: expected one of {known}, got {name!r}")
+    return [c for c in _catalogue().values() if name in c.suites]
 
 
 def get(name: str) -> Case:
-    """The case called ``name``."""
-    raise NotImplementedError
+    """The case called ``name`` (searching registered suites too)."""
+    catalogue = _catalogue()
+    if name in catalogue:
+        return catalogue[name]
+    for factory in _EXTRA_SUITES.values():
+        for case in factory():
+            if case.name == name:
+                return case
+    raise KeyError(f"get: no case named {name!r}")
 
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------------
 
 def make_inputs(case: Case) -> dict[str, np.ndarray]:
-    """Inputs of ``case``: q, k, v in the case dtype plus mask/bias/... as the case needs."""
-    raise NotImplementedError
+    """Inputs of ``case``, bit-identical on every machine and NumPy version.
+
+    Returns q, k, v in the case dtype and, as the recipe asks, mask, bias, dropout_mask,
+    alibi_slopes, grad_out, grad_lse (see the module docstring for shapes and construction).
+
+    Examples
+    --------
+    >>> from oracle import cases
+    >>> inputs = cases.make_inputs(cases.get("basic-H2K2-L5S7-D8E8-f32"))
+    >>> sorted(inputs), inputs["q"].shape, inputs["q"].dtype.name
+    (['k', 'q', 'v'], (1, 2, 5, 8), 'float32')
+    """
+    recipe = case.recipe
+    n = case.shapes
+    stream = _Streams(case.seed)
+    q, k, v = _QKV[recipe.get("qkv", "gaussian")](stream, n, case.dtype, case.options,
+                                                     float(recipe.get("sigma", 1.0)))
+    inputs = {"q": q, "k": k, "v": v}
+    if recipe.get("mask"):
+        inputs["mask"] = _MASKS[recipe["mask"]](stream, n)
+    if recipe.get("bias"):
+        inputs["bias"] = _bias(stream, n, case.dtype, recipe)
+    if recipe.get("alibi"):
+        slopes = np.ldexp(1.0, -(1 + (8 * np.arange(n.H)) // n.H))
+        inputs["alibi_slopes"] = _seeding.to_dtype(slopes, case.dtype)
+    if recipe.get("dropout"):
+        keep = 1 - Fraction(case.options.get("dropout_p", 0.0))
+        inputs["dropout_mask"] = stream.bernoulli("dropout_mask", (n.batch, n.H, n.L, n.S), keep)
+    if recipe.get("poison"):
+        _poison(inputs, case, recipe["poison"])
+    if case.grads:
+        inputs["grad_out"] = _seeding.to_dtype(
+            stream.gaussian("grad_out", (n.batch, n.H, n.L, n.E)), case.dtype)
+        if recipe.get("grad_lse"):
+            inputs["grad_lse"] = _seeding.to_dtype(
+                stream.gaussian("grad_lse", (n.batch, n.H, n.L)), case.dtype)
+    return inputs
+
+
+class _Streams:
+    """Named random streams of one seed (one stream per array, see oracle._seeding)."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def gaussian(self, name, shape):
+        return _seeding.gaussian(_seeding.stream_key(self.seed, name), shape)
+
+    def uniform(self, name, shape):
+        return _seeding.uniform(_seeding.stream_key(self.seed, name), shape)
+
+    def bernoulli(self, name, shape, p):
+        return _seeding.bernoulli(_seeding.stream_key(self.seed, name), shape, p)
+
+
+def _scale(n: Shapes, options) -> float:
+    return float(options.get("scale") or 1 / np.sqrt(n.D))
+
+
+def _qkv_gaussian(stream, n, dtype, options, sigma):
+    q = sigma * stream.gaussian("q", (n.batch, n.H, n.L, n.D))
+    k = sigma * stream.gaussian("k", (n.batch, n.K, n.S, n.D))
+    v = stream.gaussian("v", (n.batch, n.K, n.S, n.E))
+    return tuple(_seeding.to_dtype(x, dtype) for x in (q, k, v))
+
+
+def _qkv_gap(stream, n, dtype, options, sigma):
+    # the smallest power of two A with A**2 * scale >= 48: the top key wins by >= 48 - noise
+    amplitude = 1.0
+    while amplitude * amplitude * _scale(n, options) < 48:
+        amplitude *= 2
+    q = 0.25 * stream.gaussian("q", (n.batch, n.H, n.L, n.D))
+    k = 0.25 * stream.gaussian("k", (n.batch, n.K, n.S, n.D))
+    v = stream.gaussian("v", (n.batch, n.K, n.S, n.E))
+    sign = np.where(stream.uniform("sign", (n.batch, n.H, n.L)) < 0.5, -1.0, 1.0)
+    q[..., 0] = amplitude * sign
+    k[..., 0] = 0.0
+    plus, minus = _two_positions(stream, n)
+    for b in range(n.batch):
+        for g in range(n.K):
+            k[b, g, plus[b, g], 0] = amplitude
+            k[b, g, minus[b, g], 0] = -amplitude
+    return tuple(_seeding.to_dtype(x, dtype) for x in (q, k, v))
+
+
+def _two_positions(stream, n):
+    draws = (stream.uniform("positions", (n.batch, n.K, 2)) * n.S).astype(np.int64)
+    plus = draws[..., 0]
+    minus = np.where(draws[..., 1] == plus, (plus + 1) % n.S, draws[..., 1])
+    return plus, minus
+
+
+def _qkv_ties(stream, n, dtype, options, sigma):
+    q = 0.25 * stream.gaussian("q", (n.batch, n.H, n.L, n.D))
+    k = 0.25 * stream.gaussian("k", (n.batch, n.K, n.S, n.D))
+    v = stream.gaussian("v", (n.batch, n.K, n.S, n.E))
+    q[..., 0] = 4.0
+    k[..., 0] = 4.0 * (stream.uniform("k0", (n.batch, n.K, n.S)) - 0.5)
+    order = np.argsort(stream.uniform("tie_positions", (n.batch, n.K, n.S)), axis=-1,
+                       kind="stable")
+    for b in range(n.batch):
+        for g in range(n.K):
+            for j in order[b, g, :3]:
+                k[b, g, j, :] = 0.0
+                k[b, g, j, 0] = 8.0
+    return tuple(_seeding.to_dtype(x, dtype) for x in (q, k, v))
+
+
+def _qkv_ramp(descending):
+    def build(stream, n, dtype, options, sigma):
+        q = stream.gaussian("q", (n.batch, n.H, n.L, n.D))
+        q[..., 0] = 1.0 + stream.uniform("q0", (n.batch, n.H, n.L))
+        v = stream.gaussian("v", (n.batch, n.K, n.S, n.E))
+        # scores span 16 to 32 across the keys: step = 2**floor(log2(16 / (scale * S)))
+        step = math.ldexp(1.0, math.frexp(16 / (_scale(n, options) * n.S))[1] - 1)
+        ramp = (np.arange(n.S) - n.S // 2) * step
+        k = np.zeros((n.batch, n.K, n.S, n.D))
+        k[..., 0] = -ramp if descending else ramp
+        return tuple(_seeding.to_dtype(x, dtype) for x in (q, k, v))
+    return build
+
+
+def _qkv_cancel(stream, n, dtype, options, sigma):
+    q, k, v = _qkv_gaussian(stream, n, "float64", options, sigma)
+    pairs = n.S // 2
+    k[:, :, 1:2 * pairs:2] = k[:, :, 0:2 * pairs:2]
+    eps = 2.0 ** -(format_of(dtype).p // 2)
+    wiggle = 1 + eps * (2 * stream.uniform("wiggle", (n.batch, n.K, pairs, n.E)) - 1)
+    v = _seeding.to_dtype(v, dtype).astype(np.float64)
+    v[:, :, 1:2 * pairs:2] = -v[:, :, 0:2 * pairs:2] * wiggle
+    return tuple(_seeding.to_dtype(x, dtype) for x in (q, k, v))
+
+
+_QKV = {
+    "gaussian": _qkv_gaussian,
+    "gap": _qkv_gap,
+    "ties": _qkv_ties,
+    "ascending": _qkv_ramp(False),
+    "descending": _qkv_ramp(True),
+    "cancel": _qkv_cancel,
+}
+
+
+def _mask_padding(stream, n):
+    # valid lengths in [1, S], the last batch entry unpadded
+    lengths = 1 + (stream.uniform("lengths", (n.batch,)) * n.S).astype(np.int64)
+    lengths[-1] = n.S
+    lengths[0] = min(lengths[0], max(1, n.S - 3))  # at least three padded keys somewhere
+    return (np.arange(n.S) < lengths[:, None]).reshape(n.batch, 1, 1, n.S)
+
+
+def _mask_random(stream, n):
+    return stream.bernoulli("mask", (n.batch, n.H, n.L, n.S), Fraction(3, 4))
+
+
+def _mask_empty_rows(stream, n):
+    mask = _mask_random(stream, n)
+    mask[:, :, 1::3, :] = False  # every third row of every head has no allowed key
+    return mask
+
+
+_MASKS = {"padding": _mask_padding, "random": _mask_random, "empty-rows": _mask_empty_rows}
+
+
+def _bias(stream, n, dtype, recipe):
+    shape = (1, 1, n.L, n.S) if recipe.get("bias_shape") == "broadcast" else (
+        n.batch, n.H, n.L, n.S)
+    bias = stream.gaussian("bias", shape)
+    if recipe["bias"] == "neginf":
+        bias[stream.bernoulli("bias_neginf", shape, Fraction(1, 4))] = -np.inf
+        bias[..., min(2, n.L - 1), :] = -np.inf
+    return _seeding.to_dtype(bias, dtype)
+
+
+def allowed_positions(case: Case, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Boolean (batch, H, L, S): positions a query may attend (docs/conventions.md).
+
+    mask AND causal AND window AND finite bias, computed from the case's own options; used
+    to place poison and by tests.
+    """
+    n = case.shapes
+    opts = case.options
+    allowed = np.ones((n.batch, n.H, n.L, n.S), dtype=bool)
+    if "mask" in inputs:
+        allowed &= inputs["mask"]
+    offset = n.S - n.L if opts.get("align", "top_left") == "bottom_right" else 0
+    i = np.arange(n.L)[:, None] + offset
+    j = np.arange(n.S)[None, :]
+    if opts.get("causal"):
+        allowed &= j <= i
+    if opts.get("window") is not None:
+        left, right = opts["window"]
+        if left is not None:
+            allowed &= j >= i - left
+        if right is not None:
+            allowed &= j <= i + right
+    if "bias" in inputs:
+        allowed &= inputs["bias"].astype(np.float64) != -np.inf
+    return allowed
+
+
+def _poison(inputs, case, kind):
+    n = case.shapes
+    allowed = allowed_positions(case, inputs)
+    if "bias" in inputs:
+        # NaN or +Inf (legal only where excluded); -Inf would merely re-exclude the position
+        bias = np.broadcast_to(inputs["bias"], allowed.shape).copy()
+        bias[~allowed] = np.nan if kind == "nan" else np.inf
+        inputs["bias"] = bias
+    heads = np.arange(n.H)
+    group = n.H // n.K
+    tile = case.options.get("gqa", "interleave") == "tile"
+    kv_of = heads % n.K if tile else heads // group
+    # a key/value position is poisonable when no query of any head reading it may attend
+    used = np.zeros((n.batch, n.K, n.S), dtype=bool)
+    for h in heads:
+        used[:, kv_of[h]] |= allowed[:, h].any(axis=1)
+    for name in ("k", "v"):
+        array = inputs[name].copy()
+        array[~used] = np.nan if kind == "nan" else np.inf
+        if kind == "inf":
+            array[~used, ::2] = -np.inf
+        inputs[name] = array

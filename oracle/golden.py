@@ -1,53 +1,555 @@
-"""Golden fixtures: exact truths of the case catalogue on disk (API skeleton)."""
+"""Golden fixtures: the exact truths of the case catalogue, on disk and in memory.
+
+:func:`build` computes one :class:`Fixture` (inputs from :func:`oracle.cases.make_inputs`,
+truth from refattn's exact path: every element the exact real result rounded once to the case
+dtype, and once to float64, by a Ziv loop). :func:`generate` writes a suite as one ``.npz`` per
+case plus ``manifest.json``; :func:`verify` checks a directory; :func:`load` yields fixtures.
+
+File format (schema version 1)
+------------------------------
+``<case name>.npz`` -- a ZIP archive (stored, no compression) of ``.npy`` (format 1.0) members,
+readable by ``numpy.load(path, allow_pickle=False)`` or any npy reader:
+
+* ``inputs/<name>``: q, k, v and, as the case needs, mask, bias, dropout_mask, alibi_slopes,
+  grad_out, grad_lse;
+* ``truth/<name>``: out, out_f64, lse, lse_f64 and, for gradient cases, dq, dk, dv (dbias when
+  the case has a bias) with their ``_f64`` twins. ``out``/``lse``/``d*`` are in the case dtype;
+* ``case``: the case spec (0-d unicode array holding JSON, see :meth:`oracle.cases.Case.spec`);
+* ``options``: the scalar keywords to pass to an implementation (0-d unicode array of JSON);
+  the array keywords (mask, bias, dropout_mask, alibi_slopes) are the ``inputs/`` members;
+* ``meta``: JSON with the schema version, the truth kind and ``bfloat16``, the list of members
+  stored as their uint16 bit patterns (npy has no bfloat16 type; view them as
+  ``ml_dtypes.bfloat16``, which :func:`load` does).
+
+Bytes are a pure function of the case: members are sorted, every ZIP date is 1980-01-01, the npy
+headers are written here (not by the installed NumPy), JSON has sorted keys and Python's
+shortest float repr. Regeneration therefore gives the same sha256 on every run, worker count
+and machine.
+
+``manifest.json``: ``schema_version``, ``generator``, ``refattn_version``, ``suite``,
+``truth_kind`` and ``cases``: one entry per case in catalogue order with ``name``, ``spec``,
+``seed``, ``dtype``, ``category``, ``file``, ``sha256``, ``truth_kind``.
+
+Atomicity and resume: every file is written to a temporary file in the same directory and
+moved into place with ``os.replace``; progress is recorded in ``manifest.partial.json`` (also
+atomic) and ``manifest.json`` is written last. A rerun after an interruption skips every case
+whose file exists with the recorded sha256 and spec, and computes the rest.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+import hashlib
+import io
+import json
+import multiprocessing
+import os
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
+import refattn
+
+from . import cases as _cases
+from ._progress import Progress
 from .cases import Case
 
-__all__ = ["Fixture", "SCHEMA_VERSION", "build", "generate", "verify", "load"]
+__all__ = [
+    "Fixture",
+    "SCHEMA_VERSION",
+    "TRUTH_KIND",
+    "TRUTH_BUILDERS",
+    "MANIFEST",
+    "build",
+    "generate",
+    "verify",
+    "load",
+    "sha256_of",
+]
 
 SCHEMA_VERSION = 1
+TRUTH_KIND = "exact-ziv"
+MANIFEST = "manifest.json"
+PARTIAL_MANIFEST = "manifest.partial.json"
+GENERATOR = "oracle.golden"
+_ZIP_DATE = (1980, 1, 1, 0, 0, 0)
+_TMP_SUFFIX = ".tmp"
+_ARRAY_OPTIONS = ("mask", "bias", "dropout_mask", "alibi_slopes")
 
 
 @dataclass
 class Fixture:
     """One case with its inputs and its truth.
 
-    ``options`` are the keywords to pass to an implementation besides q, k, v (arrays such as
-    mask and bias included). ``truth`` holds "out", "out_f64", "lse", "lse_f64" and, for
-    grads cases, "dq", "dk", "dv", "dbias" and their "_f64" twins.
+    Attributes
+    ----------
+    case : Case
+    inputs : dict of str to ndarray
+        q, k, v (case dtype) and mask, bias, dropout_mask, alibi_slopes, grad_out, grad_lse as
+        the case needs.
+    options : dict
+        Keywords to pass to an implementation besides q, k, v: the case's scalar options plus
+        its array options (the same objects as in ``inputs``).
+    truth : dict of str to ndarray
+        "out", "lse" in the case dtype and "out_f64", "lse_f64" (the exact values rounded to
+        float64); for gradient cases "dq", "dk", "dv" and, with a bias, "dbias", each with a
+        "_f64" twin.
+    truth_kind : str
+        "exact-ziv": correctly rounded by refattn's exact path.
     """
 
     case: Case
     inputs: dict[str, np.ndarray]
     options: dict[str, Any]
     truth: dict[str, np.ndarray]
-    truth_kind: str = "exact-ziv"
+    truth_kind: str = TRUTH_KIND
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.case.name
+
+
+# ---------------------------------------------------------------------------------------------
+# Truth
+# ---------------------------------------------------------------------------------------------
+
+def _call_options(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    options = dict(case.options)
+    for name in _ARRAY_OPTIONS:
+        if name in inputs:
+            options[name] = inputs[name]
+    return options
+
+
+def _attention_truth(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Exact forward (and backward) of refattn.attention, rounded to the case dtype and f64."""
+    attention, attention_vjp = _exact_functions()
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    options = _call_options(case, inputs)
+    truth: dict[str, np.ndarray] = {}
+    dtypes = [case.dtype] if case.dtype == "float64" else [case.dtype, "float64"]
+    for dtype in dtypes:
+        suffix = "" if dtype == case.dtype else "_f64"
+        out, lse = attention(q, k, v, **options, return_lse=True, precision="exact",
+                             out_dtype=dtype)
+        truth["out" + suffix], truth["lse" + suffix] = out, lse
+        if case.grads:
+            grads = attention_vjp(q, k, v, inputs["grad_out"], grad_lse=inputs.get("grad_lse"),
+                                  **options, precision="exact", out_dtype=dtype)
+            for name in ("dq", "dk", "dv", "dbias"):
+                value = getattr(grads, name)
+                if value is not None:
+                    truth[name + suffix] = value
+    if case.dtype == "float64":
+        for name in list(truth):
+            truth[name + "_f64"] = truth[name]
+    return truth
+
+
+def _exact_functions():
+    # imported lazily: spawn workers and `refattn-oracle verify` need not pay for it
+    from refattn.attention import attention, attention_vjp
+
+    return attention, attention_vjp
+
+
+#: function name (Case.function) -> truth builder(case, inputs) -> dict of truth arrays.
+#: The variants' extension point: register the exact builder of each new function here.
+TRUTH_BUILDERS: dict[str, Callable[[Case, Mapping[str, np.ndarray]], dict[str, np.ndarray]]] = {
+    "attention": _attention_truth,
+}
 
 
 def build(case: Case) -> Fixture:
-    """Compute the fixture of ``case`` in memory (the exact path)."""
-    raise NotImplementedError
+    """Compute the fixture of ``case`` in memory with refattn's exact path.
+
+    Examples
+    --------
+    >>> from oracle import cases, golden
+    >>> fixture = golden.build(cases.get("basic-H2K2-L5S7-D8E8-f32"))
+    >>> fixture.truth["out"].dtype.name, fixture.truth["out_f64"].shape
+    ('float32', (1, 2, 5, 8))
+    """
+    if case.function not in TRUTH_BUILDERS:
+        raise ValueError(f"build: no truth builder for function {case.function!r} "
+                         f"(known: {sorted(TRUTH_BUILDERS)})")
+    inputs = _cases.make_inputs(case)
+    truth = TRUTH_BUILDERS[case.function](case, inputs)
+    return Fixture(case=case, inputs=inputs, options=_call_options(case, inputs), truth=truth)
+
+
+# ---------------------------------------------------------------------------------------------
+# Deterministic npz
+# ---------------------------------------------------------------------------------------------
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    """npy format 1.0 bytes with a header written here (independent of NumPy's writer)."""
+    array = np.asarray(array)
+    if array.dtype.kind not in "biufU":
+        raise TypeError(f"npz member: unsupported dtype {array.dtype} (no pickled objects)")
+    dtype = array.dtype.newbyteorder("<") if array.dtype.itemsize > 1 else array.dtype
+    array = np.asarray(array, dtype=dtype, order="C")
+    shape = repr(tuple(int(n) for n in array.shape))
+    header = f"{{'descr': '{dtype.str}', 'fortran_order': False, 'shape': {shape}, }}"
+    # magic (6) + version (2) + header length (2) + header + padding + "\n" = multiple of 64
+    pad = -(10 + len(header) + 1) % 64
+    header_bytes = (header + " " * pad + "\n").encode("latin1")
+    prefix = b"\x93NUMPY\x01\x00" + len(header_bytes).to_bytes(2, "little")
+    return prefix + header_bytes + array.tobytes(order="C")
+
+
+def _json_member(value) -> np.ndarray:
+    return np.array(json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False))
+
+
+def _npz_bytes(members: Mapping[str, np.ndarray]) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_STORED) as archive:
+        for name in sorted(members):
+            info = zipfile.ZipInfo(name + ".npy", date_time=_ZIP_DATE)
+            info.compress_type = zipfile.ZIP_STORED
+            info.create_system = 3
+            info.external_attr = 0o644 << 16
+            archive.writestr(info, _npy_bytes(members[name]))
+    return buffer.getvalue()
+
+
+def _storable(array: np.ndarray) -> tuple[np.ndarray, bool]:
+    array = np.asarray(array)
+    if array.dtype == np.dtype(ml_dtypes.bfloat16):
+        return array.view(np.uint16), True
+    return array, False
+
+
+def fixture_bytes(fixture: Fixture) -> bytes:
+    """The exact bytes of a fixture's .npz file."""
+    members: dict[str, np.ndarray] = {}
+    bfloat16 = []
+    for group, arrays in (("inputs", fixture.inputs), ("truth", fixture.truth)):
+        for name, array in arrays.items():
+            key = f"{group}/{name}"
+            members[key], is_bf16 = _storable(array)
+            if is_bf16:
+                bfloat16.append(key)
+    members["case"] = _json_member(fixture.case.spec())
+    members["options"] = _json_member(fixture.case.spec()["options"])
+    members["meta"] = _json_member({
+        "schema_version": SCHEMA_VERSION,
+        "truth_kind": fixture.truth_kind,
+        "bfloat16": sorted(bfloat16),
+    })
+    return _npz_bytes(members)
+
+
+def sha256_of(path) -> str:
+    """Hex sha256 of a file."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file in the same directory + os.replace."""
+    handle = tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.",
+                                         suffix=_TMP_SUFFIX, delete=False)
+    try:
+        with handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(handle.name, path)
+    except BaseException:
+        Path(handle.name).unlink(missing_ok=True)
+        raise
+
+
+def _json_bytes(value) -> bytes:
+    return (json.dumps(value, sort_keys=True, indent=1, allow_nan=False) + "\n").encode()
+
+
+# ---------------------------------------------------------------------------------------------
+# generate
+# ---------------------------------------------------------------------------------------------
+
+def _entry(case: Case, file_name: str, sha: str) -> dict:
+    return {
+        "name": case.name, "spec": case.spec(), "seed": case.seed, "dtype": case.dtype,
+        "category": case.category, "file": file_name, "sha256": sha, "truth_kind": TRUTH_KIND,
+    }
+
+
+def _manifest(suite_name: str, entries: list[dict]) -> dict:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "generator": GENERATOR,
+        "refattn_version": refattn.__version__,
+        "suite": suite_name,
+        "truth_kind": TRUTH_KIND,
+        "cases": entries,
+    }
+
+
+def _work(spec_json: str, out_dir: str) -> tuple[str, str]:
+    """Build one case and write its file atomically; return (name, sha256). Runs in workers."""
+    case = Case.from_spec(json.loads(spec_json))
+    data = fixture_bytes(build(case))
+    _write_atomic(Path(out_dir) / f"{case.name}.npz", data)
+    return case.name, hashlib.sha256(data).hexdigest()
+
+
+def _previous_entries(out: Path) -> dict[str, dict]:
+    entries: dict[str, dict] = {}
+    for name in (MANIFEST, PARTIAL_MANIFEST):
+        try:
+            manifest = json.loads((out / name).read_text())
+        except (FileNotFoundError, ValueError):
+            continue
+        if manifest.get("schema_version") != SCHEMA_VERSION:
+            continue
+        for entry in manifest.get("cases", []):
+            entries.setdefault(entry.get("name"), entry)
+    return entries
+
+
+def _is_done(case: Case, entry: dict | None, out: Path) -> bool:
+    if entry is None or entry.get("spec") != case.spec():
+        return False
+    path = out / f"{case.name}.npz"
+    return path.is_file() and sha256_of(path) == entry.get("sha256")
+
+
+def _select(suite: str, dtypes, cases) -> list[Case]:
+    selected = list(cases) if cases is not None else _cases.suite(suite)
+    if dtypes is not None:
+        wanted = {np.dtype(d).name if d != "bfloat16" else d for d in dtypes}
+        unknown = wanted - set(_cases.DTYPES)
+        if unknown:
+            raise ValueError(f"dtypes: expected a subset of {_cases.DTYPES}, got {sorted(unknown)}")
+        selected = [c for c in selected if c.dtype in wanted]
+    names = [c.name for c in selected]
+    if len(set(names)) != len(names):
+        raise ValueError("cases: case names must be unique")
+    return selected
 
 
 def generate(suite: str, out_dir, *, dtypes: Iterable[str] | None = None, workers: int = 1,
              progress: bool = True, cases: Iterable[Case] | None = None) -> Path:
-    """Write one .npz per case and manifest.json into ``out_dir``; return its path."""
-    raise NotImplementedError
+    """Write one .npz per case and ``manifest.json`` into ``out_dir``; return the directory.
+
+    Parameters
+    ----------
+    suite : str
+        Suite name (recorded in the manifest; selects the cases unless ``cases`` is given).
+    out_dir : path
+        Created if missing. Files of an interrupted run are reused when their sha256 and spec
+        match the partial manifest.
+    dtypes : iterable of str, optional
+        Keep only cases of these dtypes.
+    workers : int
+        Processes (spawn) computing cases in parallel; the output does not depend on it.
+    progress : bool
+        Progress bar on stderr.
+    cases : iterable of Case, optional
+        Explicit cases instead of the suite's.
+
+    Returns
+    -------
+    Path of ``out_dir``.
+    """
+    selected = _select(suite, dtypes, cases)
+    if not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers: expected an int >= 1, got {workers!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(f".*{_TMP_SUFFIX}"):
+        stale.unlink()
+    previous = _previous_entries(out)
+    done: dict[str, dict] = {}
+    for case in selected:
+        if _is_done(case, previous.get(case.name), out):
+            done[case.name] = previous[case.name]
+    todo = [c for c in selected if c.name not in done]
+    if todo:
+        (out / MANIFEST).unlink(missing_ok=True)
+    by_name = {c.name: c for c in selected}
+
+    def record(name: str, sha: str) -> None:
+        done[name] = _entry(by_name[name], f"{name}.npz", sha)
+        entries = [done[c.name] for c in selected if c.name in done]
+        _write_atomic(out / PARTIAL_MANIFEST, _json_bytes(_manifest(suite, entries)))
+
+    with Progress(len(selected), f"generate {suite}", enabled=progress) as bar:
+        bar.advance(n=len(selected) - len(todo))
+        for name, sha in _run(todo, out, workers):
+            record(name, sha)
+            bar.advance(name)
+    entries = [done[c.name] for c in selected]
+    _write_atomic(out / MANIFEST, _json_bytes(_manifest(suite, entries)))
+    (out / PARTIAL_MANIFEST).unlink(missing_ok=True)
+    return out
+
+
+def _run(todo: list[Case], out: Path, workers: int) -> Iterator[tuple[str, str]]:
+    specs = [c.spec_json() for c in todo]
+    if workers == 1 or len(todo) <= 1:
+        for spec in specs:
+            yield _work(spec, str(out))
+        return
+    context = multiprocessing.get_context("spawn")
+    # most expensive first keeps the workers busy to the end; order does not affect the output
+    specs.sort(key=lambda s: -_cost(Case.from_spec(json.loads(s))))
+    with context.Pool(workers) as pool:
+        yield from pool.imap_unordered(_star_work, [(s, str(out)) for s in specs])
+
+
+def _star_work(args):
+    return _work(*args)
+
+
+def _cost(case: Case) -> int:
+    n = case.shapes
+    cost = n.batch * n.H * n.L * n.S * (n.D + n.E)
+    return cost * (4 if case.grads else 1) * (1 if case.dtype == "float64" else 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# verify and load
+# ---------------------------------------------------------------------------------------------
+
+_REQUIRED_ENTRY = ("name", "spec", "seed", "dtype", "category", "file", "sha256", "truth_kind")
 
 
 def verify(directory) -> list[str]:
-    """Problems found in a fixture directory (empty list = valid)."""
-    raise NotImplementedError
+    """Problems found in a fixture directory (an empty list means it is valid).
+
+    Checks the manifest schema, every file's sha256, missing and extra files, each file's
+    members (inputs, truth and grads as its spec says) and that it loads without pickle.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> from oracle import golden
+    >>> golden.verify(tempfile.mkdtemp())[0].startswith("manifest.json")
+    True
+    """
+    root = Path(directory)
+    try:
+        manifest = json.loads((root / MANIFEST).read_text())
+    except FileNotFoundError:
+        return [f"{MANIFEST}: missing in {root}"]
+    except ValueError as exc:
+        return [f"{MANIFEST}: not valid JSON ({exc})"]
+    problems = _schema_problems(manifest)
+    if problems:
+        return problems
+    listed = set()
+    for entry in manifest["cases"]:
+        listed.add(entry["file"])
+        problems += _entry_problems(root, entry)
+    for path in sorted(root.iterdir()):
+        if path.name != MANIFEST and path.name not in listed:
+            problems.append(f"{path.name}: extra file not listed in {MANIFEST}")
+    return problems
 
 
-def load(directory, *, names: Iterable[str] | None = None) -> Iterator[Fixture]:
-    """Yield the fixtures stored in ``directory`` (all, or those in ``names``)."""
-    raise NotImplementedError
+def _schema_problems(manifest) -> list[str]:
+    if not isinstance(manifest, dict):
+        return [f"{MANIFEST}: expected a JSON object"]
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        return [f"{MANIFEST}: schema_version {manifest.get('schema_version')!r}, "
+                f"expected {SCHEMA_VERSION}"]
+    problems = [f"{MANIFEST}: missing key {key!r}"
+                for key in ("generator", "refattn_version", "suite", "truth_kind", "cases")
+                if key not in manifest]
+    if problems:
+        return problems
+    names = []
+    for index, entry in enumerate(manifest["cases"]):
+        missing = [k for k in _REQUIRED_ENTRY if k not in entry]
+        if missing:
+            problems.append(f"{MANIFEST}: case #{index} lacks {missing}")
+            continue
+        names.append(entry["name"])
+        try:
+            case = Case.from_spec(entry["spec"])
+        except (KeyError, TypeError, ValueError) as exc:
+            problems.append(f"{entry['name']}: invalid spec ({exc!r})")
+            continue
+        if case.name != entry["name"] or case.seed != entry["seed"]:
+            problems.append(f"{entry['name']}: spec name/seed disagree with the entry")
+    if len(set(names)) != len(names):
+        problems.append(f"{MANIFEST}: duplicate case names")
+    return problems
+
+
+def _entry_problems(root: Path, entry: dict) -> list[str]:
+    path = root / entry["file"]
+    if not path.is_file():
+        return [f"{entry['file']}: missing (case {entry['name']})"]
+    sha = sha256_of(path)
+    if sha != entry["sha256"]:
+        return [f"{entry['file']}: sha256 {sha} != manifest {entry['sha256']}"]
+    try:
+        fixture = _read_fixture(path)
+    except Exception as exc:  # a corrupt archive may raise anything numpy/zipfile raises
+        return [f"{entry['file']}: unreadable ({exc!r})"]
+    if fixture.case.spec() != entry["spec"]:
+        return [f"{entry['file']}: embedded case spec differs from the manifest"]
+    required = ["q", "k", "v"], ["out", "out_f64", "lse", "lse_f64"]
+    if fixture.case.grads:
+        required[1].extend(["dq", "dk", "dv", "dq_f64", "dk_f64", "dv_f64"])
+    missing = [f"inputs/{n}" for n in required[0] if n not in fixture.inputs]
+    missing += [f"truth/{n}" for n in required[1] if n not in fixture.truth]
+    return [f"{entry['file']}: missing members {missing}"] if missing else []
+
+
+def _read_fixture(path: Path) -> Fixture:
+    with np.load(path, allow_pickle=False) as archive:
+        members = {name: archive[name] for name in archive.files}
+    meta = json.loads(str(members.pop("meta")))
+    case = Case.from_spec(json.loads(str(members.pop("case"))))
+    members.pop("options")
+    for key in meta.get("bfloat16", []):
+        members[key] = members[key].view(ml_dtypes.bfloat16)
+    inputs = {k.split("/", 1)[1]: a for k, a in members.items() if k.startswith("inputs/")}
+    truth = {k.split("/", 1)[1]: a for k, a in members.items() if k.startswith("truth/")}
+    return Fixture(case=case, inputs=inputs, options=_call_options(case, inputs), truth=truth,
+                   truth_kind=meta.get("truth_kind", TRUTH_KIND))
+
+
+def load(directory, *, names: Iterable[str] | None = None, check: bool = True
+         ) -> Iterator[Fixture]:
+    """Yield the fixtures stored in ``directory`` (all, or those in ``names``) in manifest order.
+
+    Parameters
+    ----------
+    directory : path
+        A directory written by :func:`generate`.
+    names : iterable of str, optional
+        Case names to load; an unknown name is a KeyError.
+    check : bool
+        Compare each file's sha256 with the manifest (ValueError on mismatch).
+    """
+    root = Path(directory)
+    manifest = json.loads((root / MANIFEST).read_text())
+    entries = manifest["cases"]
+    if names is not None:
+        wanted = list(names)
+        known = {e["name"] for e in entries}
+        unknown = [n for n in wanted if n not in known]
+        if unknown:
+            raise KeyError(f"load: no case named {unknown} in {root / MANIFEST}")
+        entries = [e for e in entries if e["name"] in set(wanted)]
+    for entry in entries:
+        path = root / entry["file"]
+        if check and sha256_of(path) != entry["sha256"]:
+            raise ValueError(f"load: {path} does not match its sha256 in {MANIFEST}")
+        yield _read_fixture(path)
