@@ -304,10 +304,10 @@ class _Float64:
 
     @staticmethod
     def layer_norm(x, p: NormParams):
-        mean = x.mean(axis=-1, keepdims=True)
-        centred = x - mean
-        var = (centred * centred).mean(axis=-1, keepdims=True)
-        with np.errstate(invalid="ignore", divide="ignore"):  # eps = 0, constant row: 0/0
+        with np.errstate(invalid="ignore", divide="ignore"):  # inf - inf; 0/0 (eps = 0)
+            mean = x.mean(axis=-1, keepdims=True)
+            centred = x - mean
+            var = (centred * centred).mean(axis=-1, keepdims=True)
             out = centred / np.sqrt(var + p.eps)
         if p.gamma is not None:
             out = out * p.gamma
@@ -581,11 +581,11 @@ def multihead_attention(
     Examples
     --------
     >>> import numpy as np, refattn.transformer as T
-    >>> x = np.eye(2)
-    >>> out = T.multihead_attention(x, x, np.eye(2), np.eye(2), np.eye(2), np.eye(2),
-    ...                             num_heads=2)
-    >>> np.round(out, 4).tolist()
+    >>> x, eye = np.eye(2), np.eye(2)
+    >>> T.multihead_attention(x, None, eye, eye, eye, eye, num_heads=1, scale=0.0).tolist()
     [[0.5, 0.5], [0.5, 0.5]]
+    >>> np.round(T.multihead_attention(x, None, eye, eye, eye, eye, num_heads=2), 4).tolist()
+    [[0.7311, 0.5], [0.5, 0.7311]]
     """
     x_q = _input(x_q, "x_q")
     x_kv = x_q if x_kv is None else _input(x_kv, "x_kv")

@@ -45,3 +45,25 @@ def weak_vector_couplings(draw, max_sites=4, max_dim=3, strength=0.5):
     norm = _np.linalg.norm(J.transpose(0, 2, 1, 3).reshape(n * d, n * d), 2)
     J *= strength * scale / norm
     return rng.standard_normal((n, d)), J
+
+
+# ---------------------------------------------------------------------------------------------
+# transformer pieces (refattn.transformer)
+# ---------------------------------------------------------------------------------------------
+
+
+@_st.composite
+def position_shifts(draw):
+    """(pos, shift, dim, base, layout) for the sinusoidal rotation property."""
+    pos = draw(_st.integers(0, 300))
+    shift = draw(_st.integers(0, 300))
+    dim = 2 * draw(_st.integers(1, 4))
+    base = draw(_st.sampled_from([10000.0, 500.0, 2.0, 1.5]))
+    layout = draw(_st.sampled_from(["interleave", "concat"]))
+    return pos, shift, dim, base, layout
+
+
+@_st.composite
+def head_layouts(draw):
+    """(num_heads, head_dim, seed) for small exact multi-head attention cases."""
+    return (draw(_st.integers(1, 3)), draw(_st.integers(1, 2)), draw(_st.integers(0, 2**16)))
