@@ -335,11 +335,28 @@ class _Intervals:
     def layer_norm(x, p: NormParams):
         return X.layer_norm(x, p.gamma, p.beta, p.eps)
 
-    @staticmethod
-    def attention(q, k, v, kwargs):
+    def __init__(self):
+        self.nan_rows = []
+
+    def attention(self, q, k, v, kwargs):
         shapes = [np.broadcast_to(np.float64(0.0), a.shape) for a in (q, k, v)]
         spec = canonicalize(*shapes, **kwargs)  # same validation as refattn.attention
+        if spec.empty_rows == "nan":
+            # NaN cannot live in an interval ([-inf, inf] would never round): compute empty
+            # rows as zeros and poison them at the end. Within one block a NaN query row only
+            # reaches its own output row (W_O, residual, norm and FFN act row by row).
+            spec = replace(spec, empty_rows="zero")
+            empty = np.zeros(spec.q.shape[:3], dtype=bool)
+            for b in range(empty.shape[0]):
+                for h in range(empty.shape[1]):
+                    empty[b, h] = ~spec.allowed(b, h).any(axis=1)
+            self.nan_rows.append(empty.any(axis=1).reshape(spec.batch_shape + (-1,)))
         return X.attention(q, k, v, spec)
+
+    def poison(self, out):
+        for rows in self.nan_rows:
+            out[np.broadcast_to(rows, out.shape[:-1])] = np.nan
+        return out
 
 
 class _Tracked:
@@ -523,8 +540,10 @@ def _run(chain, inputs: dict, params, precision, out_dtype, what):
     params_iv = _convert(params, I.to_intervals)
 
     def evaluate(prec):
+        ops = _Intervals()
         with I.workprec(prec):
-            return I.endpoints(chain(_Intervals, *args, params_iv))
+            out = chain(ops, *args, params_iv)
+        return I.endpoints(ops.poison(out))
 
     return correctly_round(evaluate, dtype, what=what)
 

@@ -256,6 +256,32 @@ def test_positions_exact_correctly_rounded(dtype, layout):
         assert_same_bits(got, want, f"sinusoidal_positions({length}, {dim}, {base}, {layout})")
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_mha_exact_low_precision_inputs_and_large_gaps(rng, dtype):
+    """float16/bfloat16 inputs and weights taken at their exact values; scores with logit
+    gaps above 40 (x scaled by 8)."""
+    p = T.random_attention_params(4, 2, seed=13, dtype=_dtype(dtype))
+    x = (rng.standard_normal((3, 4)) * 8).astype(_dtype(dtype))
+    got = _mha_call(x, None, p, precision="exact", out_dtype=dtype)
+    wide = T.AttentionParams(*(None if a is None else np.asarray(a, dtype=np.float64)
+                               for a in (p.W_Q, p.W_K, p.W_V, p.W_O, p.b_Q, p.b_K, p.b_V,
+                                         p.b_O)), num_heads=2)
+    x64 = x.astype(np.float64)
+    with mpmath.workdps(DPS):
+        want = ref_mha(mp_array(x64), mp_array(x64), wide, np.ones((3, 3), dtype=bool))
+    assert_same_bits(got, expected_bits(want, dtype), f"MHA of {dtype} inputs, large gaps")
+
+
+def test_layer_norm_exact_extreme_magnitudes():
+    """Rows near overflow and underflow: the exact path is still correctly rounded (the
+    float64 path's squares overflow above ~1e154, documented)."""
+    x = np.array([[1e300, -3e299, 7e299], [1e-300, 5e-301, -2e-300], [1e-320, 0.0, 3e-321]])
+    got = T.layer_norm(x, eps=0.0, precision="exact")
+    with mpmath.workdps(DPS):
+        want = expected_bits(ref_layer_norm(mp_array(x), T.NormParams(eps=0.0)), "float64")
+    assert_same_bits(got, want, "layer_norm exact, extreme magnitudes")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mha_exact_correctly_rounded(mha_case, dtype):
     x_q, x_kv, p = mha_case
@@ -430,11 +456,30 @@ def test_mha_one_head_identity_is_attention(rng, precision):
     projections are exact, so both paths compute the same thing)."""
     x, memory = rng.standard_normal((3, 4)), rng.standard_normal((5, 4))
     eye = np.eye(4)
-    for kwargs in ({}, {"causal": True, "align": "bottom_right"}, {"softcap": 2.0}):
+    mask = np.array([[True, False, True, True, False]] * 2 + [[False] * 5])  # row 2 empty
+    bias = np.where(rng.random((3, 5)) < 0.3, -np.inf, rng.standard_normal((3, 5)))
+    for kwargs in ({}, {"causal": True, "align": "bottom_right"}, {"softcap": 2.0},
+                   {"mask": mask, "bias": bias, "alibi_slopes": np.array([0.375])},
+                   {"window": (1, 0), "scale": 0.3, "empty_rows": "nan", "mask": mask},
+                   {"dropout_mask": rng.random((3, 5)) < 0.6, "dropout_p": 0.25}):
         got = T.multihead_attention(x, memory, eye, eye, eye, eye, num_heads=1,
                                     precision=precision, **kwargs)
         want = attention(x, memory, memory, precision=precision, **kwargs)
         assert_same_bits(got, want, f"one-head identity MHA {kwargs}, {precision}")
+
+
+@pytest.mark.parametrize("gqa", ["interleave", "tile"])
+def test_mha_identity_heads_are_attention_heads(rng, gqa):
+    """H=4, K=2 with identity-like projections: head h of MHA is refattn.attention on columns
+    h*D:(h+1)*D (the documented head split), bit for bit on the exact path."""
+    x, memory = rng.standard_normal((3, 8)), rng.standard_normal((4, 4))
+    eye8, eye4 = np.eye(8), np.eye(4)
+    got = T.multihead_attention(x, memory, eye8, eye4, eye4, np.eye(8)[:, :8], num_heads=4,
+                                num_kv_heads=2, gqa=gqa, precision="exact")
+    q = x.reshape(3, 4, 2).transpose(1, 0, 2)
+    kv = memory.reshape(4, 2, 2).transpose(1, 0, 2)
+    heads = attention(q, kv, kv, gqa=gqa, precision="exact")
+    assert_same_bits(got, heads.transpose(1, 0, 2).reshape(3, 8), f"head split, gqa={gqa}")
 
 
 def test_mha_gqa_equals_repeated_kv_heads(mha_case):
@@ -516,6 +561,18 @@ def test_encoder_zero_ffn_matches_attention_sublayer(rng, encoder_params):
         h = ref_layer_norm(mp_array(x) + ref_mha(mp_array(x), mp_array(x), a,
                                                  np.ones((3, 3), dtype=bool)), p.norm1)
     assert_same_bits(got, expected_bits(h, "float64"), "zero-FFN encoder == LN1(x + MHA x)")
+
+
+def test_encoder_empty_rows_nan(rng, encoder_params):
+    """empty_rows="nan": a query row with no allowed key is NaN in the block output on both
+    paths (the exact path poisons it after the interval chain); other rows stay finite."""
+    x = rng.standard_normal((3, 4))
+    mask = np.array([[True, True, False], [False, False, False], [True, False, True]])
+    for precision in ("float64", "exact"):
+        out = T.encoder_block(x, encoder_params, mask=mask, empty_rows="nan",
+                              precision=precision)
+        assert np.isnan(out[1]).all() and np.isfinite(out[[0, 2]]).all(), (
+            f"{precision}: NaN pattern {np.isnan(out).astype(int).tolist()}")
 
 
 def test_decoder_is_causal(rng):
