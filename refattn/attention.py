@@ -51,14 +51,14 @@ def _plane_float64(spec: AttentionSpec, b: int, h: int) -> _PlaneF64:
     q = np.asarray(spec.q[b, h], dtype=np.float64)
     k = np.asarray(spec.k[b, g], dtype=np.float64)
     allowed = spec.allowed(b, h)
-    raw = spec.scale_float * (q @ k.T)
-    scores = raw if spec.softcap is None else spec.softcap * np.tanh(raw / spec.softcap)
-    if spec.bias is not None:
-        scores = scores + np.where(allowed, spec.bias[b, h], 0.0)
-    alibi = spec.alibi(h)
-    if alibi is not None:
-        scores = scores + alibi
-    with np.errstate(invalid="ignore", over="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):  # poison at excluded keys is dropped
+        raw = spec.scale_float * (q @ k.T)
+        scores = raw if spec.softcap is None else spec.softcap * np.tanh(raw / spec.softcap)
+        if spec.bias is not None:
+            scores = scores + np.where(allowed, spec.bias[b, h], 0.0)
+        alibi = spec.alibi(h)
+        if alibi is not None:
+            scores = scores + alibi
         lse = _lse_float64(scores, allowed)
         finite_lse = np.where(np.isfinite(lse), lse, 0.0)[:, None]
         weights = np.where(allowed, np.exp(np.where(allowed, scores, 0.0) - finite_lse), 0.0)
@@ -71,7 +71,8 @@ def _plane_float64(spec: AttentionSpec, b: int, h: int) -> _PlaneF64:
 def _weighted_values(spec, plane: _PlaneF64, v: np.ndarray) -> np.ndarray:
     """sum_j keep_ij w_ij v_j / (1 - p) with non-finite values entering only where kept."""
     scaled = np.where(plane.kept, plane.weights, 0.0) / (1.0 - spec.dropout_p)
-    out = scaled @ _finite(v)
+    with np.errstate(invalid="ignore"):  # NaN weights of NaN rows
+        out = scaled @ _finite(v)
     bad = ~np.isfinite(v).all(axis=1)
     if bad.any():
         with np.errstate(invalid="ignore"):

@@ -1,0 +1,176 @@
+"""A-priori error bounds of refattn's float64 path (running-error style, evaluated per element).
+
+With ``u = 2**-53`` and Higham's ``gamma_n = n u / (1 - n u)`` (Higham, *Accuracy and Stability
+of Numerical Algorithms*, 2nd ed., Lemma 3.1 and eq. (3.5) for inner products):
+
+Scores. ``fl(q . k)`` errs by at most ``gamma_D |q|.|k|``; the scale, softcap (tanh is
+1-Lipschitz; its evaluation and the two scalings add a few u of ``c``), bias and ALiBi
+additions add a few roundings of the running value:
+
+.. math::
+
+    \\delta_{ij} \\le \\gamma_{D+2} |s| (|q_i| \\cdot |k_j|)
+        + \\gamma_4 (|\\tilde t_{ij}| + |b_{ij}| + |a_{ij}| + c).
+
+lse. The max-shifted log1p form is backward stable (Blanchard, Higham & Higham 2021,
+Theorem 4.2): perturbing every score by at most ``delta_i = max_j delta_ij`` moves lse by at most
+``delta_i``, and the evaluation adds ``gamma_{S+3}`` (sum of S exponentials, log1p) plus one
+rounding of the result:
+
+.. math:: |\\widehat{\\mathrm{lse}}_i - \\mathrm{lse}_i| \\le \\Delta_i
+    = \\delta_i + \\gamma_{S+3} + u |\\mathrm{lse}_i| .
+
+Weights. ``w_ij = exp(t_ij - lse_i)`` has relative error at most
+``rho_ij = delta_ij + Delta_i + gamma_2 (1 + |t_ij - lse_i|)`` (to first order; the bounds
+below multiply by ``1 + max rho`` to cover the second-order term).
+
+Outputs. The weighted sum of S terms (and the dropout scale) adds ``gamma_{S+2}``:
+
+.. math:: |\\widehat{\\mathrm{out}}_{ie} - \\mathrm{out}_{ie}| \\le
+    \\sum_j \\kappa'_{ij} w_{ij} |v_{je}| (\\rho_{ij} + \\gamma_{S+2}).
+
+The same bookkeeping is carried through the vjp (see :func:`float64_vjp_bound`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._spec import canonicalize
+
+__all__ = ["UNIT_ROUNDOFF", "gamma", "float64_forward_bound", "float64_vjp_bound"]
+
+UNIT_ROUNDOFF = 2.0**-53
+
+
+def gamma(n: int) -> float:
+    """gamma_n = n u / (1 - n u) for float64."""
+    nu = n * UNIT_ROUNDOFF
+    return nu / (1 - nu)
+
+
+def _score_terms(spec, b, h):
+    """(scores, allowed, delta) for one plane, in float64 (exact-path-free)."""
+    g = spec.kv_head[h]
+    q = np.asarray(spec.q[b, h], np.float64)
+    k = np.asarray(spec.k[b, g], np.float64)
+    dim = q.shape[-1]
+    allowed = spec.allowed(b, h)
+    raw = spec.scale_float * (q @ k.T)
+    scores = raw if spec.softcap is None else spec.softcap * np.tanh(raw / spec.softcap)
+    extra = np.zeros_like(scores)
+    if spec.bias is not None:
+        bias = np.where(allowed, spec.bias[b, h], 0.0)
+        scores = scores + bias
+        extra += np.abs(bias)
+    alibi = spec.alibi(h)
+    if alibi is not None:
+        scores = scores + alibi
+        extra += np.abs(alibi)
+    cap = 0.0 if spec.softcap is None else spec.softcap
+    delta = gamma(dim + 2) * abs(spec.scale_float) * (np.abs(q) @ np.abs(k).T) + gamma(4) * (
+        np.abs(scores) + extra + cap)
+    return scores, allowed, np.where(allowed, delta, 0.0), raw
+
+
+def _weights(scores, allowed, delta):
+    keys = scores.shape[-1]
+    masked = np.where(allowed, scores, -np.inf)
+    top = masked.max(axis=1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0.0)
+    with np.errstate(divide="ignore"):  # empty rows: lse = -inf, no weights
+        lse = top[:, 0] + np.log(np.where(allowed, np.exp(masked - top), 0.0).sum(axis=1))
+    finite = np.isfinite(lse)
+    lse_err = np.where(finite, delta.max(axis=1) + gamma(keys + 3) + UNIT_ROUNDOFF * np.abs(
+        np.where(finite, lse, 0.0)), 0.0)
+    safe = np.where(finite, lse, 0.0)[:, None]
+    w = np.where(allowed, np.exp(np.where(allowed, scores, 0.0) - safe), 0.0)
+    rho = delta + lse_err[:, None] + gamma(2) * (1 + np.abs(scores - safe))
+    rho = np.where(allowed, rho, 0.0)
+    second_order = 1 + rho.max(initial=0.0)
+    return w, rho * second_order, lse_err * second_order
+
+
+def float64_forward_bound(q, k, v, **options):
+    """Per-element bounds (out_bound (..., H, L, E), lse_bound (..., H, L)) of the float64 path.
+
+    Parameters
+    ----------
+    q, k, v, **options
+        As :func:`refattn.attention` (precision / return flags are ignored).
+
+    Returns
+    -------
+    out_bound, lse_bound : ndarrays
+        ``|float64 - exact| <= bound`` elementwise for finite inputs (see the module notes).
+    """
+    options = {k_: v_ for k_, v_ in options.items()
+               if k_ not in ("precision", "out_dtype", "return_lse", "return_weights", "backend")}
+    spec = canonicalize(q, k, v, **options)
+    batch, heads, _, length, keys, _, vdim = spec.dims
+    out_b = np.zeros((batch, heads, length, vdim))
+    lse_b = np.zeros((batch, heads, length))
+    keep = 1.0 / (1.0 - spec.dropout_p)
+    for b in range(batch):
+        for h in range(heads):
+            scores, allowed, delta, _ = _score_terms(spec, b, h)
+            w, rho, lse_err = _weights(scores, allowed, delta)
+            kept = allowed if spec.dropout_mask is None else allowed & spec.dropout_mask[b, h]
+            wk = np.where(kept, w, 0.0) * keep
+            v_abs = np.abs(np.asarray(spec.v[b, spec.kv_head[h]], np.float64))
+            out_b[b, h] = (wk * (rho + gamma(keys + 2))) @ v_abs
+            lse_b[b, h] = lse_err
+    return spec.unflatten(out_b), spec.unflatten(lse_b)
+
+
+def float64_vjp_bound(q, k, v, grad_out, *, grad_lse=None, **options):
+    """Per-element bounds (dq, dk, dv, dbias-plane) of :func:`refattn.attention_vjp`'s float64
+    path, from the same bookkeeping as :func:`float64_forward_bound`:
+
+    ``|dP err| <= gamma_{E} |dO|.|v|``, ``|Delta err| <= sum_j w (rho + gamma_{S+E+2})|dO||v|``,
+    ``|dS err| <= w rho (|dP| + |Delta| + |g|) + w (|dP err| + |Delta err| + gamma_3 (|dP| +
+    |Delta| + |g|))``, softcap factor ``|1 - tanh^2| err <= 2 delta_raw / c + gamma_4``, and the
+    final products ``s dT K`` / ``s dT^T Q`` / ``P'^T dO`` add ``gamma_{S+2}`` / ``gamma_{L+2}``
+    (``gamma_{G L + 2}`` summed over a kv group). dbias is returned per (..., H, L, S) plane.
+    """
+    options = {k_: v_ for k_, v_ in options.items()
+               if k_ not in ("precision", "out_dtype", "backend")}
+    spec = canonicalize(q, k, v, **options)
+    batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
+    do_all = np.asarray(grad_out, np.float64).reshape(batch, heads, length, vdim)
+    g_all = None if grad_lse is None else np.asarray(grad_lse, np.float64).reshape(
+        batch, heads, length)
+    group = heads // kv_heads
+    bounds = [np.zeros((batch, heads, length, dim)), np.zeros((batch, kv_heads, keys, dim)),
+              np.zeros((batch, kv_heads, keys, vdim)), np.zeros((batch, heads, length, keys))]
+    keep = 1.0 / (1.0 - spec.dropout_p)
+    for b in range(batch):
+        for h in range(heads):
+            g = spec.kv_head[h]
+            scores, allowed, delta, raw = _score_terms(spec, b, h)
+            w, rho, _ = _weights(scores, allowed, delta)
+            kept = allowed if spec.dropout_mask is None else allowed & spec.dropout_mask[b, h]
+            q_ = np.abs(np.asarray(spec.q[b, h], np.float64))
+            k_ = np.abs(np.asarray(spec.k[b, g], np.float64))
+            v_ = np.abs(np.asarray(spec.v[b, g], np.float64))
+            do = np.abs(do_all[b, h])
+            wk = np.where(kept, w, 0.0) * keep
+            bounds[2][b, g] += (wk * (rho + gamma(group * length + 2))).T @ do
+            dp_abs = np.where(kept, do @ v_.T, 0.0) * keep
+            dp_err = gamma(vdim + 2) * dp_abs
+            delta_abs = (w * dp_abs).sum(axis=1, keepdims=True)
+            delta_err = (w * (rho + gamma(keys + vdim + 2)) * dp_abs).sum(axis=1, keepdims=True)
+            g_abs = 0.0 if g_all is None else np.abs(g_all[b, h])[:, None]
+            inner = dp_abs + delta_abs + g_abs
+            ds_abs = w * inner
+            ds_err = np.where(allowed, w * rho * inner + w * (dp_err + delta_err + gamma(3) * inner),
+                              0.0)
+            bounds[3][b, h] = ds_err
+            if spec.softcap is not None:
+                delta_raw = gamma(dim + 2) * abs(spec.scale_float) * (q_ @ k_.T)
+                factor_err = 2 * delta_raw / spec.softcap + gamma(4)
+                ds_err = ds_err + ds_abs * factor_err
+            s = abs(spec.scale_float)
+            bounds[0][b, h] = s * (ds_err @ k_ + gamma(keys + 2) * ds_abs @ k_)
+            bounds[1][b, g] += s * (ds_err.T @ q_ + gamma(group * length + 2) * ds_abs.T @ q_)
+    return tuple(spec.unflatten(x) for x in bounds)
