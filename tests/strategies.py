@@ -67,3 +67,146 @@ def position_shifts(draw):
 def head_layouts(draw):
     """(num_heads, head_dim, seed) for small exact multi-head attention cases."""
     return (draw(_st.integers(1, 3)), draw(_st.integers(1, 2)), draw(_st.integers(0, 2**16)))
+
+
+# ------------------------------------------------------------------------------ attention
+# (refattn.attention / refattn.attention_vjp; the lead's section)
+
+
+@_st.composite
+def attention_cases(draw, *, max_len=6, max_dim=5, dtypes=("float64",), options=True,
+                    allow_empty=True):
+    """(q, k, v, options): small attention problems covering every option.
+
+    Inputs come from a drawn seed (fast, reproducible); the drawn flags choose shapes (GQA,
+    L != S both ways, D != E), input scale (up to logit gaps > 40), adversarial structure
+    (ties at the max, duplicated keys), masks with fully masked rows, -inf bias, causal/window
+    in both alignments, softcap, ALiBi and deterministic dropout.
+    """
+    kv_heads = draw(_st.sampled_from([1, 2]))
+    heads = kv_heads * draw(_st.sampled_from([1, 2]))
+    length = draw(_st.integers(1, max_len))
+    keys = draw(_st.integers(1, max_len))
+    dim = draw(_st.integers(1, max_dim))
+    vdim = draw(_st.integers(1, max_dim))
+    dtype = draw(_st.sampled_from(dtypes))
+    seed = draw(_st.integers(0, 2**32 - 1))
+    input_scale = draw(_st.sampled_from([0.0, 0.5, 1.0, 4.0, 16.0]))
+    rng = _np.random.default_rng(seed)
+    q = rng.standard_normal((heads, length, dim)) * input_scale
+    k = rng.standard_normal((kv_heads, keys, dim))
+    v = rng.standard_normal((kv_heads, keys, vdim))
+    if draw(_st.booleans()):  # ties: duplicated keys give equal scores
+        k[:, -1] = k[:, 0]
+    opts = {}
+    if options:
+        if draw(_st.booleans()):
+            opts["causal"] = True
+        if draw(_st.booleans()):
+            opts["align"] = "bottom_right"
+        if draw(_st.booleans()):
+            opts["window"] = (draw(_st.one_of(_st.none(), _st.integers(0, 3))),
+                              draw(_st.one_of(_st.none(), _st.integers(0, 3))))
+        if draw(_st.booleans()):
+            mask = rng.random((heads, length, keys)) < 0.7
+            if allow_empty and draw(_st.booleans()):
+                mask[0, 0] = False
+            opts["mask"] = mask
+        if draw(_st.booleans()):
+            bias = rng.standard_normal((length, keys))
+            bias[rng.random((length, keys)) < 0.2] = -_np.inf
+            opts["bias"] = bias
+        if draw(_st.booleans()):
+            opts["softcap"] = draw(_st.sampled_from([0.5, 2.0, 30.0]))
+        if draw(_st.booleans()):
+            opts["alibi_slopes"] = 2.0 ** -rng.integers(0, 4, heads).astype(float)
+        if draw(_st.booleans()):
+            opts["dropout_mask"] = rng.random((heads, length, keys)) < 0.8
+            opts["dropout_p"] = draw(_st.sampled_from([0.0, 0.25, 0.5]))
+        if draw(_st.booleans()):
+            opts["gqa"] = "tile"
+        if draw(_st.booleans()):
+            opts["scale"] = draw(_st.sampled_from([0.3, 1.0, -0.5]))
+    cast = _np.dtype(dtype) if dtype != "bfloat16" else __import__("ml_dtypes").bfloat16
+    return q.astype(cast), k.astype(cast), v.astype(cast), opts
+
+
+# ----------------------------------------------------------------------------- seed mechanisms
+# (refattn.gmm / refattn.mgk / refattn.hopfield)
+
+MIXTURE_STYLES = ("normal", "ties", "zeros", "dyadic", "wide")
+
+
+def _mixture_array(rng, style, shape, spread=1.0):
+    """Test data of one style: ties repeat the first row, dyadic values have few bits."""
+    if style == "dyadic":
+        return rng.integers(-8, 9, shape) / 4.0
+    data = rng.standard_normal(shape) * (8.0 if style == "wide" else spread)
+    if style == "zeros":
+        data[...] = 0.0
+    if style == "ties" and len(shape) >= 2:
+        data[..., 1:, :] = data[..., :1, :]
+    return data
+
+
+@_st.composite
+def mixture_problems(draw, max_length=3, max_units=4, max_dim=3, max_vdim=2, batched=True):
+    """(q (..., L, D), keys (..., S, D), values (..., S, E), style) with an optional batch axis
+    of 2; styles: normal, ties (equal keys), zeros (q = keys = 0), dyadic, wide (|x| ~ 8)."""
+    rng = _np.random.default_rng(draw(_st.integers(0, 2**32 - 1)))
+    style = draw(_st.sampled_from(MIXTURE_STYLES))
+    batch = (2,) if batched and draw(_st.booleans()) else ()
+    length = draw(_st.integers(1, max_length))
+    units = draw(_st.integers(1, max_units))
+    dim = draw(_st.integers(1, max_dim))
+    vdim = draw(_st.integers(1, max_vdim))
+    q = _mixture_array(rng, "zeros" if style == "zeros" else
+                       ("normal" if style == "ties" else style), batch + (length, dim))
+    keys = _mixture_array(rng, style, batch + (units, dim))
+    values = _mixture_array(rng, "dyadic" if style in ("dyadic", "zeros") else "normal",
+                            batch + (units, vdim))
+    return q, keys, values, style
+
+
+@_st.composite
+def unit_parameters(draw, units, low=0.25, high=2.0, batch=()):
+    """A precision as a scalar or a per-unit array (..., S) in [low, high]."""
+    if draw(_st.booleans()):
+        return draw(_st.sampled_from([low, 1.0, high, 0.5 * (low + high)]))
+    rng = _np.random.default_rng(draw(_st.integers(0, 2**32 - 1)))
+    return rng.uniform(low, high, batch + (units,))
+
+
+@_st.composite
+def mgk_problems(draw, max_length=3, max_keys=4, max_components=3, max_dim=2, max_vdim=2):
+    """(q (L, D), keys (S, R, D), v (S, E), options) for refattn.mgk.attention: log_pi,
+    sigma2 (scalar or per component), and the allowed-set options (mask, causal, window,
+    align)."""
+    rng = _np.random.default_rng(draw(_st.integers(0, 2**32 - 1)))
+    style = draw(_st.sampled_from(MIXTURE_STYLES))
+    length = draw(_st.integers(1, max_length))
+    keys_n = draw(_st.integers(1, max_keys))
+    comps = draw(_st.integers(1, max_components))
+    dim = draw(_st.integers(1, max_dim))
+    vdim = draw(_st.integers(1, max_vdim))
+    q = _mixture_array(rng, "normal" if style == "ties" else style, (length, dim))
+    keys = _mixture_array(rng, style, (keys_n, comps, dim))
+    v = _mixture_array(rng, "normal", (keys_n, vdim))
+    opts = {}
+    if draw(_st.booleans()):
+        weights = rng.uniform(0.05, 1.0, (keys_n, comps))
+        opts["log_pi"] = _np.log(weights / weights.sum(axis=-1, keepdims=True))
+    if draw(_st.booleans()):
+        opts["sigma2"] = rng.uniform(0.25, 2.0, (keys_n, comps))
+    elif draw(_st.booleans()):
+        opts["sigma2"] = draw(_st.sampled_from([0.5, 2.0]))
+    if draw(_st.booleans()):
+        opts["causal"] = True
+    if draw(_st.booleans()):
+        opts["align"] = "bottom_right"
+    if draw(_st.booleans()):
+        opts["window"] = (draw(_st.one_of(_st.none(), _st.integers(0, 2))),
+                          draw(_st.one_of(_st.none(), _st.integers(0, 2))))
+    if draw(_st.booleans()):
+        opts["mask"] = rng.random((length, keys_n)) < 0.7
+    return q, keys, v, opts
