@@ -1,3 +1,49 @@
-"""refattn's oracle: golden fixtures, tolerance policy, validation of implementations."""
+"""refattn's oracle: golden fixtures, tolerance policy, validation of implementations.
 
-__all__: list[str] = []
+* :func:`generate` / :func:`verify` / :func:`load` / :func:`build` -- golden fixtures
+  (:mod:`oracle.golden`) of the case catalogue (:mod:`oracle.cases`, :func:`suite`).
+* :func:`validate` -- run an implementation on a suite or a fixture directory and get a
+  :class:`Report` (:mod:`oracle.validate`), judged by the one tolerance policy
+  (:mod:`oracle.tolerance`) and with convention diagnosis (:mod:`oracle.diagnose`).
+* Command line: ``refattn-oracle`` (:mod:`oracle.cli`); pytest: ``pytest --pyargs oracle
+  --refattn-impl module:function`` (:mod:`oracle.pytest_plugin`).
+
+Names are imported lazily (PEP 562) so that importing ``oracle`` -- which pytest does for
+the plugin in every run once refattn is installed -- stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["validate", "Report", "CaseResult", "check_fixture", "generate", "verify", "load",
+           "build", "Fixture", "Case", "suite", "tolerance"]
+
+_LAZY = {
+    "validate": ("oracle.validate", "validate"),
+    "Report": ("oracle.validate", "Report"),
+    "CaseResult": ("oracle.validate", "CaseResult"),
+    "check_fixture": ("oracle.validate", "check_fixture"),
+    "generate": ("oracle.golden", "generate"),
+    "verify": ("oracle.golden", "verify"),
+    "load": ("oracle.golden", "load"),
+    "build": ("oracle.golden", "build"),
+    "Fixture": ("oracle.golden", "Fixture"),
+    "Case": ("oracle.cases", "Case"),
+    "suite": ("oracle.cases", "suite"),
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        module, attribute = _LAZY[name]
+        value = getattr(importlib.import_module(module), attribute)
+        globals()[name] = value
+        return value
+    if name == "tolerance":
+        return importlib.import_module("oracle.tolerance")
+    raise AttributeError(f"module 'oracle' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -46,6 +46,7 @@ import importlib
 import math
 import sys
 import time
+import types
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -627,3 +628,15 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
     return Report(_impl_name(fn, spec), dtype, label, strict, results,
                   time.perf_counter() - start, grads)
 
+
+
+class _CallableModule(types.ModuleType):
+    """``oracle.validate`` is both this module and the function: importing the submodule
+    (``from oracle.validate import Report``) rebinds the package attribute to the module, so
+    the module forwards calls to :func:`validate`."""
+
+    def __call__(self, impl, **kwargs) -> Report:
+        return validate(impl, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

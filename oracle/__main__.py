@@ -1,0 +1,7 @@
+"""``python -m oracle`` is ``refattn-oracle``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

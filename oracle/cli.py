@@ -1,0 +1,175 @@
+"""``refattn-oracle``: generate and verify golden fixtures, validate implementations.
+
+Commands::
+
+    refattn-oracle generate --suite NAME --out DIR [--dtype D ...] [--workers N]
+    refattn-oracle verify DIR
+    refattn-oracle validate (--adapter NAME | --impl module:function)
+                            (--suite NAME | --fixtures DIR) [--dtype D] [--case PATTERN ...]
+                            [--json F] [--junit F] [--html F] [--strict] [--grads]
+    refattn-oracle list [suites | cases --suite NAME | adapters]
+
+``validate`` exits with 0 only when no case fails (robustness cases count only with
+``--strict``), 1 when some case fails and 2 on a usage error (bad ``--impl`` path, unknown
+adapter or suite, missing directory). Progress goes to stderr, the summary to stdout.
+
+Examples
+--------
+>>> main(["list", "suites"])  # doctest: +ELLIPSIS
+smoke ...
+0
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+__all__ = ["main", "build_parser"]
+
+_DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="refattn-oracle",
+        description="Golden fixtures for attention and validation of implementations against "
+                    "refattn's exact truth.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="write one .npz per case and manifest.json")
+    gen.add_argument("--suite", default="default", help="suite name (default: %(default)s)")
+    gen.add_argument("--out", required=True, help="output directory")
+    gen.add_argument("--dtype", action="append", choices=_DTYPES,
+                     help="only these dtypes (repeatable; default: all)")
+    gen.add_argument("--workers", type=int, default=1, help="worker processes")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    ver = sub.add_parser("verify", help="check the sha256 of every fixture in DIR")
+    ver.add_argument("directory")
+
+    val = sub.add_parser("validate", help="validate an implementation")
+    who = val.add_mutually_exclusive_group(required=True)
+    who.add_argument("--adapter", help="adapter name (see `refattn-oracle list adapters`)")
+    who.add_argument("--impl", help="module:function of impl(q, k, v, **options)")
+    src = val.add_mutually_exclusive_group()
+    src.add_argument("--suite", help="suite built in memory (default: smoke)")
+    src.add_argument("--fixtures", help="directory written by `refattn-oracle generate`")
+    val.add_argument("--dtype", default="float32", choices=(*_DTYPES, "all"),
+                     help="implementation dtype (default: %(default)s)")
+    val.add_argument("--case", action="append", metavar="PATTERN",
+                     help="only cases matching this fnmatch pattern (repeatable)")
+    val.add_argument("--json", metavar="FILE", help="write a JSON report")
+    val.add_argument("--junit", metavar="FILE", help="write a JUnit XML report")
+    val.add_argument("--html", metavar="FILE", help="write an HTML report (plots need "
+                                                    "refattn[plot])")
+    val.add_argument("--strict", action="store_true", help="robustness failures fail the run")
+    val.add_argument("--grads", action="store_true", help="also check impl.vjp")
+    val.add_argument("--quiet", action="store_true", help="no progress bar, failures only")
+
+    lst = sub.add_parser("list", help="list suites, cases or adapters")
+    lst.add_argument("what", nargs="?", default="suites", choices=("suites", "cases", "adapters"))
+    lst.add_argument("--suite", default="default")
+    lst.add_argument("--dtype", choices=_DTYPES)
+    return parser
+
+
+def _err(message) -> int:
+    print(f"refattn-oracle: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _generate(args) -> int:
+    from . import golden
+
+    path = golden.generate(args.suite, args.out, dtypes=args.dtype, workers=args.workers,
+                           progress=not args.quiet)
+    print(f"fixtures written to {path}")
+    return 0
+
+
+def _verify(args) -> int:
+    from . import golden
+
+    problems = golden.verify(args.directory)
+    for problem in problems:
+        print(problem)
+    print("OK" if not problems else f"{len(problems)} problem(s)")
+    return 0 if not problems else 1
+
+
+def _validate(args) -> int:
+    from pathlib import Path
+
+    from . import validate as V
+
+    spec = args.impl if args.impl else args.adapter
+    if args.impl and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # console scripts do not put the cwd on sys.path
+    try:
+        V.resolve_impl(spec)
+    except (ImportError, AttributeError, TypeError, ValueError, KeyError) as err:
+        return _err(str(err).strip('"'))
+    if args.fixtures is not None and not Path(args.fixtures).is_dir():
+        return _err(f"--fixtures {args.fixtures}: no such directory "
+                    f"(write one with `refattn-oracle generate --out {args.fixtures}`)")
+    try:
+        report = V.validate(spec, suite=args.suite, fixtures=args.fixtures,
+                            dtype=None if args.dtype == "all" else args.dtype,
+                            grads=args.grads, strict=args.strict, progress=not args.quiet,
+                            cases=args.case)
+    except (KeyError, ValueError) as err:
+        return _err(str(err).strip('"'))
+    print(report.summary() if not args.quiet else
+          "\n".join(r.explain() for r in report.failures) or "no failures")
+    if args.json:
+        report.to_json(args.json)
+    if args.junit:
+        report.to_junit(args.junit)
+    if args.html:
+        from .report import PLOT_HINT, _matplotlib
+
+        report.to_html(args.html)
+        if _matplotlib() is None:
+            print(f"refattn-oracle: {PLOT_HINT}", file=sys.stderr)
+    if not report.results:
+        print("refattn-oracle: warning: no case matched", file=sys.stderr)
+    return 0 if report.passed else 1
+
+
+def _list(args) -> int:
+    from . import cases
+
+    if args.what == "suites":
+        for name in cases.SUITES:
+            print(f"{name} {len(cases.suite(name))} cases")
+    elif args.what == "cases":
+        for case in cases.suite(args.suite):
+            if args.dtype is None or case.dtype == args.dtype:
+                grads = " grads" if case.grads else ""
+                print(f"{case.name}  [{case.category}{grads}]  {case.description}")
+    else:
+        from . import adapters
+
+        usable = set(adapters.available())
+        for name in adapters.names():
+            print(f"{name}  {'available' if name in usable else 'not installed'}")
+    return 0
+
+
+def main(argv=None) -> int:
+    """Entry point of ``refattn-oracle`` (returns the exit code)."""
+    args = build_parser().parse_args(argv)
+    handler = {"generate": _generate, "verify": _verify, "validate": _validate,
+               "list": _list}[args.command]
+    try:
+        return handler(args)
+    except FileNotFoundError as err:
+        return _err(str(err))
+    except KeyboardInterrupt:
+        return _err("interrupted")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

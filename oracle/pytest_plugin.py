@@ -1,0 +1,84 @@
+"""pytest plugin of the oracle: one test per case against your implementation.
+
+Usage (the plugin is registered by the ``pytest11`` entry point ``refattn_oracle`` when refattn
+is installed; from a source checkout add ``-p oracle.pytest_plugin``)::
+
+    pytest --pyargs oracle --refattn-impl mypkg.attn:attention [--refattn-suite default]
+           [--refattn-fixtures DIR] [--refattn-dtype float16] [--refattn-skips FILE]
+           [--refattn-xfails FILE] [--refattn-strict] [--refattn-grads]
+
+Each option has an environment twin (``REFATTN_IMPL``, ``REFATTN_SUITE``, ``REFATTN_FIXTURES``,
+``REFATTN_DTYPE``, ``REFATTN_SKIPS``, ``REFATTN_XFAILS``). ``--refattn-impl`` takes
+``module:function`` or an adapter name. Test ids are the case names; a failure shows the worst
+element, the threshold, the diagnosis and a one-line reproduction. Unsupported cases
+(NotImplementedError) are skipped; robustness failures xfail unless ``--refattn-strict``.
+
+Skip/xfail files (like array-api-tests): one fnmatch pattern over case names per line, ``#``
+starts a comment.
+
+The plugin is inert unless an implementation is given: it only adds command-line options and
+a report-header line; the tests live in :mod:`oracle.test_conformance`, which pytest collects
+only when asked to (``--pyargs oracle`` or a path inside the package), never from a project's
+own ``testpaths``.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["settings", "read_patterns"]
+
+_OPTIONS = {
+    # name: (environment variable, default, help)
+    "impl": ("REFATTN_IMPL", None, "implementation under test: module:function or an adapter "
+                                   "name"),
+    "suite": ("REFATTN_SUITE", None, "suite built in memory (default: smoke)"),
+    "fixtures": ("REFATTN_FIXTURES", None, "fixture directory from `refattn-oracle generate`"),
+    "dtype": ("REFATTN_DTYPE", "float32", "implementation dtype, or 'all'"),
+    "skips": ("REFATTN_SKIPS", None, "file of case-name patterns to skip"),
+    "xfails": ("REFATTN_XFAILS", None, "file of case-name patterns expected to fail"),
+}
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("refattn-oracle", "refattn oracle conformance tests")
+    for name, (env, default, text) in _OPTIONS.items():
+        group.addoption(f"--refattn-{name}", dest=f"refattn_{name}", default=None,
+                        help=f"{text} (env {env}; default {default})")
+    group.addoption("--refattn-strict", dest="refattn_strict", action="store_true",
+                    default=False, help="robustness failures fail instead of xfail")
+    group.addoption("--refattn-grads", dest="refattn_grads", action="store_true",
+                    default=False, help="also check impl.vjp on gradient cases")
+
+
+def settings(config) -> dict | None:
+    """The plugin's settings from options and environment; None when no impl is given."""
+    values = {}
+    for name, (env, default, _) in _OPTIONS.items():
+        value = config.getoption(f"refattn_{name}", default=None)
+        values[name] = value if value is not None else os.environ.get(env, default)
+    if not values["impl"]:
+        return None
+    values["strict"] = bool(config.getoption("refattn_strict", default=False))
+    values["grads"] = bool(config.getoption("refattn_grads", default=False))
+    if values["dtype"] == "all":
+        values["dtype"] = None
+    return values
+
+
+def read_patterns(path) -> list[str]:
+    """Patterns of a skip/xfail file (blank lines and ``#`` comments ignored)."""
+    if not path:
+        return []
+    with open(path, encoding="utf-8") as handle:
+        lines = (line.split("#", 1)[0].strip() for line in handle)
+        return [line for line in lines if line]
+
+
+def pytest_report_header(config):
+    values = settings(config)
+    if values is None:
+        return None
+    source = f"fixtures {values['fixtures']}" if values["fixtures"] else \
+        f"suite {values['suite'] or 'smoke'}"
+    return f"refattn-oracle: impl {values['impl']}, {source}, dtype {values['dtype'] or 'all'}"
