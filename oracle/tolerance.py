@@ -685,3 +685,25 @@ def fixed_point_forward_bound(residual_norm, inverse_norm, rounding_scale, n, dt
 
 
 __all__ += ["fixed_point_forward_bound"]
+
+
+# ----------------------------------------------------------------------------- transformer pieces
+# (refattn.transformer; appended by the transformer area)
+
+
+def transformer_forward_bound(function, *args, **kwargs) -> np.ndarray:
+    """A-priori bound on ``|function(*args, **kwargs) - exact|`` for the float64 path of a
+    :mod:`refattn.transformer` function (multihead_attention, layer_norm, sinusoidal_positions,
+    feed_forward, encoder_block, decoder_block), elementwise.
+
+    Running first-order forward error analysis along the same composition, every rounding
+    counted as :func:`gamma` of its operation count (the derivation, stage by stage, is in
+    :func:`refattn.transformer.float64_error_bound`). Tests add half an :func:`ulp` of the
+    exact value (the exact path's own rounding).
+    """
+    from refattn.transformer import float64_error_bound
+
+    return float64_error_bound(function, *args, **kwargs)
+
+
+__all__ += ["transformer_forward_bound"]

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import refattn.transformer as T
-from oracle.tolerance import gamma, ulp
+from oracle.tolerance import gamma, transformer_forward_bound, ulp
 from refattn.attention import attention
 from tests.strategies import head_layouts, position_shifts
 
@@ -339,8 +339,14 @@ def test_decoder_exact_correctly_rounded(rng, dtype):
 def _bounded(function, *args, case, **kwargs):
     got = function(*args, **kwargs)
     exact = function(*args, precision="exact", **kwargs)
-    bound = T.float64_error_bound(function, *args, **kwargs)
+    bound = transformer_forward_bound(function, *args, **kwargs)
     assert_within(got, exact, bound, case)
+
+
+def test_bound_uses_the_tolerance_policy_gamma():
+    """refattn.transformer cannot import oracle; its gamma_n must be oracle.tolerance.gamma."""
+    for n in (1, 7, 64, 4099):
+        assert T._gamma(n) == gamma(n, "float64"), f"gamma_{n}: {T._gamma(n)} != {gamma(n)}"
 
 
 def test_float64_layer_norm_within_bound(rows, rng):
@@ -386,7 +392,7 @@ def test_layer_norm_moments(rows):
     no gain/shift the output rows have mean 0 and (biased) variance 1 up to the bound."""
     finite_rows = rows[[0, 2, 3]]
     y = T.layer_norm(finite_rows, eps=0.0)
-    err = T.float64_error_bound(T.layer_norm, finite_rows, eps=0.0)
+    err = transformer_forward_bound(T.layer_norm, finite_rows, eps=0.0)
     width = y.shape[-1]
     mean_tol = err.mean(axis=-1) + gamma(width, "float64") * np.abs(y).mean(axis=-1)
     assert (np.abs(y.mean(axis=-1)) <= mean_tol).all(), (
@@ -519,7 +525,7 @@ def test_mha_batch_and_broadcast(rng, encoder_params):
     batched = _mha_call(x, None, p)
     for b in range(2):
         single = _mha_call(x[b], None, p)
-        assert_within(batched[b], single, T.float64_error_bound(_mha_call, x[b], None, p),
+        assert_within(batched[b], single, transformer_forward_bound(_mha_call, x[b], None, p),
                       f"batch element {b}")
     shared = _mha_call(x, x[0], p, precision="exact")
     assert_same_bits(shared[0], _mha_call(x[0], None, p, precision="exact"),
@@ -544,7 +550,7 @@ def test_encoder_with_zero_sublayers_is_layer_norm(rng, encoder_params):
     pre = T.encoder_block(x, zero, norm="pre", precision="exact")
     assert_same_bits(pre, x, "pre-LN encoder with zero sublayers")
     f64 = T.encoder_block(x, zero)
-    assert_within(f64, want, T.float64_error_bound(T.encoder_block, x, zero),
+    assert_within(f64, want, transformer_forward_bound(T.encoder_block, x, zero),
                   "post-LN zero sublayers, float64")
 
 
