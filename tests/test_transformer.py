@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import head_layouts, position_shifts
 
 import refattn.transformer as T
 from oracle.tolerance import gamma, transformer_forward_bound, ulp
 from refattn.attention import attention
-from tests.strategies import head_layouts, position_shifts
 
 DTYPES = ["float64", "float32", "float16", "bfloat16"]
 FORMAT = {"float64": (53, -1022), "float32": (24, -126), "float16": (11, -14),
