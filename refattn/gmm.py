@@ -22,6 +22,8 @@ Pinned readings (see each function for details):
 * alpha_u, beta_u may differ per unit (an extension of the paper's scalars); the Gaussian
   normalisers ``(D/2) log alpha_u`` and ``(E/2) log beta_u`` then enter the E-step (eq. (5)),
   of which eq. (14) is the equal-precision case where they cancel.
+* Per-unit beta: the M-step solves eq. (12), ``v = sum w_u beta_u mu_u / sum w_u beta_u``;
+  eq. (13) is its equal-beta case.
 * ``v_init=None``: the first E-step uses w_u = p(u | q) (eq. (5) with the value likelihood
   marginalised out), i.e. eq. (14) with no beta term. The prior keeps its own factors: with
   ``prior="magnitude"`` the prior of eq. (15) contains ``exp(beta_u ||mu_u||^2 / 2)``.
@@ -236,11 +238,14 @@ def unit_parameter(value, name, batch, units, *, allow_zero=False, allow_inf=Fal
     else:
         arr = _checks.float_array(value, name)
     wide = _checks.as_float64(arr)
-    bad = np.isnan(wide) | (wide < 0) | (~allow_zero & (wide == 0))
-    bad |= np.isinf(wide) & (not allow_inf)
+    bad = np.isnan(wide) | (wide < 0)
+    if not allow_zero:
+        bad |= wide == 0
+    if not allow_inf:
+        bad |= np.isinf(wide)
     if bad.any():
         need = ">= 0" if allow_zero else "> 0"
-        worst = wide[bad].ravel()[0]
+        worst = np.atleast_1d(wide)[np.atleast_1d(bad)][0]
         raise ValueError(f"{name}: expected values {need}{'' if allow_inf else ' and finite'}, "
                          f"got {worst!r} (shape {wide.shape})")
     if wide.ndim:
@@ -419,6 +424,8 @@ def _attention64(m: _Model, v_init, iters, tol, want_trace):
     trace = np.full(shape + (iters,), np.nan) if want_trace else None
     for t in range(iters):
         logits = a if v is None else a + _value_logits64(m, v)
+        if m.beta_varies:  # eq. (12) with per-unit beta: weights w_u beta_u / sum w beta
+            logits = logits + np.log(m.beta)[..., None, :]
         new = _softmax64(logits) @ m.values
         if v is not None:
             new = np.where(active[..., None], new, v)
@@ -531,6 +538,9 @@ def _attention_row_exact(ops, m: _Model, v_init, iters, want_trace, row):
         else:
             vb = _value_logits_exact(m, x, v)
             logits = [None if s is None else s + t for s, t in zip(a, vb, strict=False)]
+        if m.beta_varies:  # eq. (12) with per-unit beta: weights w_u beta_u / sum w beta
+            logits = [None if s is None else s + t for s, t in zip(logits, x.beta_log,
+                                                                   strict=True)]
         v = _mix(ops.softmax(logits), x.values)
         if want_trace:
             try:
@@ -563,8 +573,11 @@ def attention(q, keys, values, *, alpha, beta=0.0, prior="uniform", v_init=None,
                  \\alpha_u^{D/2} \\beta_u^{E/2} \\quad (14),
 
     the normalisers alpha_u^(D/2) beta_u^(E/2) (eqs. (7)-(8)) cancelling when the precisions
-    are equal across units, which is the paper's case. With ``prior="magnitude"``
-    (eqs. (15)-(16)) the weights take the inner-product form
+    are equal across units, which is the paper's case. With per-unit beta the M-step is the
+    root of eq. (12), ``beta_u`` inside the sum:
+    ``v_{t+1} = sum_u w_u beta_u mu_u / sum_u w_u beta_u`` (eq. (13) needs equal beta; the
+    unweighted mean would not be an EM step and can decrease log p(v | q)).
+    With ``prior="magnitude"`` (eqs. (15)-(16)) the weights take the inner-product form
     ``w_u ∝ exp(alpha xi_u.q + beta mu_u.v_t)`` (eqs. (17)-(18)) and beta = 0 gives softmax
     attention with scale alpha (eqs. (19)-(20)).
 

@@ -1,0 +1,691 @@
+"""Tests of refattn.gmm (Movellan & Gabbur): EM attention, log posterior, key/prior adaptation.
+
+Truth is a loop-level mpmath evaluation written here from the paper's equations (60 digits,
+independent of refattn); the exact path must equal it rounded once, the float64 path must lie
+within the documented first-order bounds of oracle.tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mpmath
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oracle.tolerance import iterated_bound, logit_lse_bound, mixture_bound
+from refattn import gmm
+from refattn.attention import attention
+from refattn.exact.rounding import FORMATS, round_exact
+from tests.strategies import mixture_problems, unit_parameters
+
+DPS = 60
+
+
+# --------------------------------------------------------------------------------------------
+# Loop-level mpmath references (single batch element)
+# --------------------------------------------------------------------------------------------
+
+
+def _mp(x):
+    return mpmath.mpf(float(x))
+
+
+def _per_unit(value, units):
+    arr = np.broadcast_to(np.asarray(value, dtype=np.float64), (units,))
+    return [_mp(x) for x in arr]
+
+
+def _sq(x, y):
+    return mpmath.fsum((_mp(a) - _mp(b)) ** 2 for a, b in zip(x, y, strict=True))
+
+
+def _sq_mp(x, y):
+    return mpmath.fsum((a - _mp(b)) ** 2 for a, b in zip(x, y, strict=True))
+
+
+def _lse(terms):
+    terms = [t for t in terms if t != -mpmath.inf]
+    top = max(terms)
+    return top + mpmath.log(mpmath.fsum(mpmath.exp(t - top) for t in terms))
+
+
+def _naive_log_prior(prior, keys, values, alpha, beta):
+    units = len(keys)
+    if isinstance(prior, str) and prior == "uniform":
+        return [mpmath.mpf(0)] * units
+    if isinstance(prior, str):  # magnitude, eq. (15) up to log k
+        return [alpha[u] / 2 * _sq(keys[u], 0 * keys[u])
+                + beta[u] / 2 * _sq(values[u], 0 * values[u]) for u in range(units)]
+    return [-mpmath.inf if np.isneginf(x) else _mp(x) for x in prior]
+
+
+def _naive_query_terms(q_row, keys, values, alpha, beta, prior):
+    """log p(u) + log p(q | u) with the full Gaussian normaliser, eq. (7)."""
+    dim = len(q_row)
+    log_p = _naive_log_prior(prior, keys, values, alpha, beta)
+    return [log_p[u] + dim / mpmath.mpf(2) * mpmath.log(alpha[u] / (2 * mpmath.pi))
+            - alpha[u] / 2 * _sq(q_row, keys[u]) for u in range(len(keys))]
+
+
+def _naive_value_terms(v, values, beta):
+    dim_v = len(v)
+    return [dim_v / mpmath.mpf(2) * mpmath.log(beta[u] / (2 * mpmath.pi))
+            - beta[u] / 2 * _sq_mp(v, values[u]) for u in range(len(values))]
+
+
+def naive_gmm(q, keys, values, *, alpha, beta, prior="uniform", v_init=None, iters=1):
+    """Eqs. (13)-(14) for every query row, with v_init None -> w = p(u | q). Returns
+    (values list of lists, trace list of lists) of mpf; trace only where beta > 0."""
+    units = len(keys)
+    with mpmath.workdps(DPS):
+        alpha_u, beta_u = _per_unit(alpha, units), _per_unit(beta, units)
+        out, traces = [], []
+        for i, q_row in enumerate(q):
+            a = _naive_query_terms(q_row, keys, values, alpha_u, beta_u, prior)
+            v = None if v_init is None else [_mp(x) for x in v_init[i]]
+            trace = []
+            for _ in range(iters):
+                if v is None or all(b == 0 for b in beta_u):
+                    logits = a
+                else:
+                    logits = [s + t for s, t in zip(a, _naive_value_terms(v, values, beta_u),
+                                                    strict=True)]
+                norm = _lse(logits)
+                weights = [mpmath.exp(s - norm) for s in logits]
+                if len(set(beta_u)) > 1:  # the root of eq. (12) with per-unit beta
+                    weights = [w * b for w, b in zip(weights, beta_u, strict=True)]
+                total = mpmath.fsum(weights)
+                v = [mpmath.fsum(weights[u] * _mp(values[u][e]) for u in range(units)) / total
+                     for e in range(values.shape[1])]
+                if all(b > 0 for b in beta_u):
+                    joint = [s + t for s, t in zip(a, _naive_value_terms(v, values, beta_u),
+                                                   strict=True)]
+                    trace.append(_lse(joint) - _lse(a))
+            out.append(v)
+            traces.append(trace)
+        return out, traces
+
+
+def naive_adapt_keys(queries, keys0, *, alpha, gamma, prior, iters, form):
+    units, dim = keys0.shape
+    with mpmath.workdps(DPS):
+        alpha_u = _per_unit(alpha, units)
+        gamma_u = np.broadcast_to(np.asarray(gamma, dtype=np.float64), (units,))
+        xi0 = [[_mp(x) for x in row] for row in keys0]
+        xi = [row[:] for row in xi0]
+        for _ in range(iters):
+            weights = []
+            for q_row in queries:
+                log_p = ([alpha_u[u] / 2 * mpmath.fsum(x * x for x in xi[u]) for u in range(units)]
+                         if prior == "magnitude" else [mpmath.mpf(0)] * units)
+                logits = [log_p[u] + dim / mpmath.mpf(2) * mpmath.log(alpha_u[u])
+                          - alpha_u[u] / 2 * _sq_mp(xi[u], q_row) for u in range(units)]
+                norm = _lse(logits)
+                weights.append([mpmath.exp(s - norm) for s in logits])
+            new = []
+            for k in range(units):
+                if math.isinf(gamma_u[k]):
+                    new.append(xi0[k][:])
+                    continue
+                g, a = _mp(gamma_u[k]), alpha_u[k]
+                total = mpmath.fsum(w[k] for w in weights)
+                sums = [mpmath.fsum(w[k] * _mp(q[d]) for w, q in zip(weights, queries, strict=True))
+                        for d in range(dim)]
+                if form == "paper":
+                    new.append([(g * xi0[k][d] + a * sums[d] / total) / (a + g)
+                                for d in range(dim)])
+                else:
+                    new.append([(g * xi0[k][d] + a * sums[d]) / (g + a * total)
+                                for d in range(dim)])
+            xi = new
+        return xi
+
+
+def naive_adapt_priors(queries, keys, *, alpha, eta, pi0, iters, form):
+    units, dim = keys.shape
+    with mpmath.workdps(DPS):
+        alpha_u = _per_unit(alpha, units)
+        pi = [_mp(p) for p in pi0]
+        total0 = mpmath.fsum(pi)
+        pi = [p / total0 for p in pi]
+        eta_u = ([_mp(eta) * p for p in pi] if np.ndim(eta) == 0 else [_mp(e) for e in eta])
+        for _ in range(iters):
+            w_bar = [mpmath.mpf(0)] * units
+            for q_row in queries:
+                logits = [(mpmath.log(pi[u]) if pi[u] > 0 else -mpmath.inf)
+                          + dim / mpmath.mpf(2) * mpmath.log(alpha_u[u])
+                          - alpha_u[u] / 2 * _sq(q_row, keys[u]) for u in range(units)]
+                norm = _lse(logits)
+                w_bar = [w_bar[u] + (mpmath.exp(logits[u] - norm) if logits[u] != -mpmath.inf
+                                     else 0) for u in range(units)]
+            mass = ([w_bar[k] * (1 + eta_u[k]) for k in range(units)] if form == "paper"
+                    else [w_bar[k] + eta_u[k] for k in range(units)])
+            norm = mpmath.fsum(mass)
+            pi = [m / norm for m in mass]
+        return pi
+
+
+def _rounded(nested, dtype="float64"):
+    fmt = FORMATS[dtype]
+    arr = np.array(nested, dtype=object)
+    return np.vectorize(lambda x: round_exact(x, fmt), otypes=[np.float64])(arr)
+
+
+# --------------------------------------------------------------------------------------------
+# Assertion helpers
+# --------------------------------------------------------------------------------------------
+
+
+def assert_same_bits(case, value, truth):
+    __tracebackhide__ = True
+    value = np.asarray(value, dtype=np.float64)
+    truth = np.asarray(truth, dtype=np.float64)
+    same = (value == truth) & (np.signbit(value) == np.signbit(truth))
+    same |= np.isnan(value) & np.isnan(truth)
+    if not same.all():
+        index = tuple(int(i) for i in np.argwhere(~same)[0])
+        raise AssertionError(f"{case}: element {list(index)} is {value[index]!r}, correctly "
+                             f"rounded truth {truth[index]!r} (threshold: bit for bit)")
+
+
+def assert_within(case, value, truth, bound):
+    __tracebackhide__ = True
+    value = np.asarray(value, dtype=np.float64)
+    truth = np.asarray(truth, dtype=np.float64)
+    error = np.abs(value - truth)
+    excess = np.where(np.isnan(error), np.inf, error - bound)
+    index = np.unravel_index(int(np.argmax(excess)), excess.shape)
+    if excess[index] > 0:
+        raise AssertionError(f"{case}: element {list(index)} is {value[index]!r}, exact "
+                             f"{truth[index]!r}, error {error[index]:.3e} > bound {bound:.3e}")
+
+
+# --------------------------------------------------------------------------------------------
+# Problem builders
+# --------------------------------------------------------------------------------------------
+
+
+def _first(x):
+    """The first batch element of a (possibly batched) problem."""
+    return x[0] if x.ndim == 3 else x
+
+
+def _term_scale(q, keys, values, alpha, beta, prior):
+    """Sum of |terms| of any logit of the float64 path (a generous a-priori scale)."""
+    alpha_max = float(np.max(alpha))
+    beta_max = float(np.max(beta))
+    reach = np.abs(q).max() + np.abs(keys).max()
+    vreach = 2 * np.abs(values).max() + 1
+    scale = alpha_max * q.shape[-1] * reach**2 + beta_max * values.shape[-1] * vreach**2
+    scale += q.shape[-1] * abs(math.log(np.min(alpha))) + q.shape[-1] * abs(math.log(alpha_max))
+    if np.min(beta) > 0:
+        scale += values.shape[-1] * (abs(math.log(np.min(beta))) + abs(math.log(beta_max)) + 2)
+    if not isinstance(prior, str):
+        scale += np.abs(prior[np.isfinite(prior)]).max(initial=0.0)
+    return float(scale)
+
+
+@st.composite
+def gmm_cases(draw, max_iters=3, need_trace=False, batched=True):
+    q, keys, values, style = draw(mixture_problems(batched=batched))
+    units = keys.shape[-2]
+    batch = keys.shape[:-2]
+    alpha = draw(unit_parameters(units, batch=batch))
+    beta = draw(unit_parameters(units, low=0.05, high=0.5, batch=batch))
+    if not need_trace and draw(st.booleans()):
+        beta = 0.0
+    prior = draw(st.sampled_from(["uniform", "magnitude", "array"]))
+    if prior == "array":
+        rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+        prior = rng.standard_normal(batch + (units,))
+        if units > 1 and draw(st.booleans()):
+            prior[..., -1] = -np.inf
+    v_init = None
+    if draw(st.booleans()) and np.max(beta) > 0:
+        v_init = np.zeros(q.shape[:-1] + (values.shape[-1],)) + values[..., :1, :]
+    iters = draw(st.integers(1, max_iters))
+    return dict(q=q, keys=keys, values=values, alpha=alpha, beta=beta, prior=prior,
+                v_init=v_init, iters=iters, style=style)
+
+
+def _call(case, **extra):
+    kwargs = {k: case[k] for k in ("alpha", "beta", "prior", "v_init", "iters")}
+    kwargs.update(extra)
+    return gmm.attention(case["q"], case["keys"], case["values"], **kwargs)
+
+
+def _naive_case(case):
+    """naive_gmm on every batch element (batch axis of length 0 or 1 level)."""
+    q = case["q"]
+    if q.ndim == 2:
+        return naive_gmm(q, case["keys"], case["values"], alpha=case["alpha"], beta=case["beta"],
+                         prior=case["prior"], v_init=case["v_init"], iters=case["iters"])
+    outs, traces = [], []
+    for b in range(q.shape[0]):
+        def pick(x, b=b):
+            return x if np.ndim(x) == 0 or isinstance(x, str) else x[b]
+        out, trace = naive_gmm(q[b], case["keys"][b], case["values"][b],
+                               alpha=pick(case["alpha"]), beta=pick(case["beta"]),
+                               prior=pick(case["prior"]),
+                               v_init=None if case["v_init"] is None else case["v_init"][b],
+                               iters=case["iters"])
+        outs.append(out)
+        traces.append(trace)
+    return outs, traces
+
+
+# --------------------------------------------------------------------------------------------
+# attention: exact path == mpmath truth rounded once
+# --------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=15)
+@given(case=gmm_cases())
+def test_exact_is_correctly_rounded(case):
+    out = _call(case, precision="exact")
+    truth, _ = _naive_case(case)
+    assert_same_bits(f"gmm.attention exact ({case['style']}, prior "
+                     f"{case['prior'] if isinstance(case['prior'], str) else 'array'}, iters "
+                     f"{case['iters']})", out, _rounded(truth))
+
+
+@settings(max_examples=8)
+@given(case=gmm_cases(need_trace=True, batched=False))
+def test_exact_trace_is_correctly_rounded(case):
+    res = _call(case, precision="exact", return_trace=True)
+    _, trace = _naive_case(case)
+    assert_same_bits("gmm.attention exact trace", res.trace, _rounded(trace))
+    assert (res.iterations == case["iters"]).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_exact_out_dtypes(dtype, rng):
+    q, keys, values = rng.standard_normal((2, 3)), rng.standard_normal((4, 3)), \
+        rng.standard_normal((4, 2))
+    out = gmm.attention(q, keys, values, alpha=0.7, beta=0.3, iters=2, precision="exact",
+                        out_dtype=dtype)
+    assert out.dtype == FORMATS[dtype].dtype
+    truth, _ = naive_gmm(q, keys, values, alpha=0.7, beta=0.3, iters=2)
+    assert_same_bits(f"gmm.attention exact out_dtype={dtype}", out.astype(np.float64),
+                     _rounded(truth, dtype))
+
+
+def test_exact_takes_inputs_at_their_binary_value(rng):
+    """float16 inputs are the same numbers as their float64 widening on the exact path."""
+    q = rng.standard_normal((2, 2)).astype(np.float16)
+    keys = rng.standard_normal((3, 2)).astype(np.float16)
+    values = rng.standard_normal((3, 2)).astype(np.float16)
+    narrow = gmm.attention(q, keys, values, alpha=1.0, precision="exact")
+    wide = gmm.attention(*(x.astype(np.float64) for x in (q, keys, values)), alpha=1.0,
+                         precision="exact")
+    assert_same_bits("gmm.attention float16 inputs", narrow, wide)
+
+
+# --------------------------------------------------------------------------------------------
+# attention: float64 path within its bound
+# --------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=20)
+@given(case=gmm_cases(max_iters=1))
+def test_float64_within_bound_one_iteration(case):
+    fast = _call(case)
+    exact = _call(case, precision="exact")
+    scale = _term_scale(case["q"], case["keys"], case["values"], case["alpha"], case["beta"],
+                        case["prior"])
+    bound = mixture_bound(scale, case["keys"].shape[-2], case["q"].shape[-1]
+                          + case["values"].shape[-1], np.abs(case["values"]).max())
+    assert_within(f"gmm.attention float64 ({case['style']})", fast, exact, bound)
+
+
+@settings(max_examples=10)
+@given(case=gmm_cases(max_iters=3, need_trace=True))
+def test_float64_within_bound_iterated(case):
+    fast = _call(case)
+    exact = _call(case, precision="exact")
+    scale = _term_scale(case["q"], case["keys"], case["values"], case["alpha"], case["beta"],
+                        case["prior"])
+    values = case["values"]
+    step = mixture_bound(scale, values.shape[-2], case["q"].shape[-1] + values.shape[-1],
+                         np.abs(values).max())
+    diameter = np.ptp(values, axis=-2).max() ** 2 * values.shape[-1]
+    lipschitz = 1 + float(np.max(case["beta"])) * diameter
+    bound = iterated_bound(step, lipschitz, case["iters"])
+    assert_within(f"gmm.attention float64 iters={case['iters']}", fast, exact, bound)
+
+
+# --------------------------------------------------------------------------------------------
+# attention: properties
+# --------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=15)
+@given(problem=mixture_problems(), alpha=st.sampled_from([0.125, 0.7, 1.0, 3.0]))
+def test_magnitude_prior_beta0_is_softmax_attention_bit_for_bit(problem, alpha):
+    """Eqs. (15)-(20): p(u) ∝ exp(alpha ||xi_u||^2 / 2), beta = 0, one iteration is
+    refattn.attention(q, keys, values, scale=alpha); both exact paths round the same real."""
+    q, keys, values, style = problem
+    ours = gmm.attention(q, keys, values, alpha=alpha, prior="magnitude", precision="exact")
+    theirs = attention(q, keys, values, scale=alpha, precision="exact")
+    assert_same_bits(f"gmm magnitude vs attention ({style}, alpha={alpha})", ours, theirs)
+
+
+@settings(max_examples=15)
+@given(case=gmm_cases(max_iters=6, need_trace=True))
+def test_em_trace_never_decreases_float64(case):
+    res = _call(case, return_trace=True)
+    scale = _term_scale(case["q"], case["keys"], case["values"], case["alpha"], case["beta"],
+                        case["prior"])
+    slack = 4 * logit_lse_bound(scale, case["keys"].shape[-2], case["q"].shape[-1]
+                                + case["values"].shape[-1], scale)
+    steps = np.diff(res.trace, axis=-1)
+    worst = np.unravel_index(int(np.argmin(steps)), steps.shape) if steps.size else None
+    assert worst is None or steps[worst] >= -slack, (
+        f"gmm EM trace decreased at {list(worst)}: step {steps[worst]!r} < -{slack:.3e}")
+    if case["v_init"] is not None:
+        start = gmm.log_posterior(np.broadcast_to(case["v_init"], res.values.shape), case["q"],
+                                  case["keys"], case["values"], alpha=case["alpha"],
+                                  beta=case["beta"], prior=case["prior"])
+        assert (res.trace[..., 0] >= start - slack).all(), "first EM step decreased log p(v|q)"
+
+
+@settings(max_examples=6)
+@given(case=gmm_cases(max_iters=4, need_trace=True, batched=False))
+def test_em_trace_never_decreases_exact(case):
+    """Rounding is monotone, so the correctly rounded trace of a non-decreasing sequence is
+    non-decreasing with no slack at all."""
+    res = _call(case, precision="exact", return_trace=True)
+    steps = np.diff(res.trace, axis=-1)
+    assert (steps >= 0).all(), f"exact EM trace decreased: {res.trace.tolist()}"
+
+
+def test_first_e_step_has_no_beta_term(rng):
+    """v_init=None: v_1 does not depend on beta (uniform prior), and equals plain EM from a
+    v_0 with beta -> 0."""
+    q, keys, values = rng.standard_normal((2, 3)), rng.standard_normal((4, 3)), \
+        rng.standard_normal((4, 2))
+    small = gmm.attention(q, keys, values, alpha=1.0, beta=0.1, precision="exact")
+    large = gmm.attention(q, keys, values, alpha=1.0, beta=7.0, precision="exact")
+    none = gmm.attention(q, keys, values, alpha=1.0, beta=0.0, precision="exact")
+    assert_same_bits("v_1 with beta=0.1 vs beta=7", small, large)
+    assert_same_bits("v_1 with beta=0.1 vs beta=0", small, none)
+
+
+def test_excluded_unit_is_removed(rng):
+    """A -inf log prior removes the unit exactly: same result as without it."""
+    q, keys, values = rng.standard_normal((2, 3)), rng.standard_normal((4, 3)), \
+        rng.standard_normal((4, 2))
+    prior = np.array([0.3, -0.2, 0.1, -np.inf])
+    full = gmm.attention(q, keys, values, alpha=1.0, beta=0.5, prior=prior, iters=2,
+                         precision="exact")
+    cut = gmm.attention(q, keys[:3], values[:3], alpha=1.0, beta=0.5, prior=prior[:3], iters=2,
+                        precision="exact")
+    assert_same_bits("-inf prior unit vs removed unit", full, cut)
+
+
+def test_batch_matches_loop(rng):
+    q, keys, values = rng.standard_normal((2, 2, 3)), rng.standard_normal((2, 3, 3)), \
+        rng.standard_normal((2, 3, 2))
+    alpha = rng.uniform(0.5, 2.0, (2, 3))
+    batched = gmm.attention(q, keys, values, alpha=alpha, beta=0.2, iters=2, precision="exact")
+    for b in range(2):
+        single = gmm.attention(q[b], keys[b], values[b], alpha=alpha[b], beta=0.2, iters=2,
+                               precision="exact")
+        assert_same_bits(f"batch element {b}", batched[b], single)
+
+
+def test_underflowing_scores_stay_finite(rng):
+    """Scores ~ -1e4: a direct sum of exponentials is 0/0 (NaN), the log-space path is not."""
+    q = rng.standard_normal((2, 2)) + 70.0
+    keys = rng.standard_normal((3, 2))
+    values = rng.standard_normal((3, 2))
+    with np.errstate(all="ignore"):
+        raw = np.exp(-1.0 / 2 * ((q[:, None, :] - keys[None]) ** 2).sum(-1))
+        naive_out = (raw @ values) / raw.sum(-1, keepdims=True)
+    assert np.isnan(naive_out).all(), "premise: the unshifted formula underflows"
+    fast = gmm.attention(q, keys, values, alpha=1.0)
+    exact = gmm.attention(q, keys, values, alpha=1.0, precision="exact")
+    truth, _ = naive_gmm(q, keys, values, alpha=1.0, beta=0.0)
+    assert_same_bits("gmm exact at scores ~ -1e4", exact, _rounded(truth))
+    scale = _term_scale(q, keys, values, 1.0, 0.0, "uniform")
+    assert_within("gmm float64 at scores ~ -1e4", fast, exact,
+                  mixture_bound(scale, 3, 2, np.abs(values).max()))
+
+
+def test_tol_stops_rows_independently(rng):
+    q = np.array([[0.0, 0.0], [3.0, -2.0]])
+    keys = rng.standard_normal((3, 2))
+    values = np.array([[1.0], [1.0], [1.0]])  # every row converges at once ...
+    values = np.concatenate([values, rng.standard_normal((3, 1))], axis=-1)
+    res = gmm.attention(q, keys, values, alpha=1.0, beta=0.5, iters=50, tol=1e-12,
+                        return_trace=True)
+    assert (res.iterations < 50).all(), f"rows did not stop: {res.iterations}"
+    for i, count in enumerate(res.iterations):
+        assert np.isfinite(res.trace[i, :count]).all()
+        assert np.isnan(res.trace[i, count:]).all(), f"row {i}: trace not NaN after stop"
+
+
+def test_log_posterior_exact_and_float64(rng):
+    q, keys, values = rng.standard_normal((3, 2)), rng.standard_normal((4, 2)), \
+        rng.standard_normal((4, 2))
+    v = rng.standard_normal((3, 2))
+    alpha, beta = np.array([0.5, 1.0, 2.0, 1.5]), 0.75
+    exact = gmm.log_posterior(v, q, keys, values, alpha=alpha, beta=beta, precision="exact")
+    with mpmath.workdps(DPS):
+        a_u, b_u = _per_unit(alpha, 4), _per_unit(beta, 4)
+        truth = []
+        for i in range(3):
+            a = _naive_query_terms(q[i], keys, values, a_u, b_u, "uniform")
+            b = _naive_value_terms([_mp(x) for x in v[i]], values, b_u)
+            truth.append(_lse([s + t for s, t in zip(a, b, strict=True)]) - _lse(a))
+    assert_same_bits("gmm.log_posterior exact", exact, _rounded(truth))
+    fast = gmm.log_posterior(v, q, keys, values, alpha=alpha, beta=beta)
+    scale = _term_scale(q, keys, values, alpha, beta, "uniform") + np.abs(v).max() ** 2 * 4
+    assert_within("gmm.log_posterior float64", fast, exact,
+                  2 * logit_lse_bound(scale, 4, 4, scale))
+
+
+# --------------------------------------------------------------------------------------------
+# adapt_keys
+# --------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=10)
+@given(problem=mixture_problems(batched=False), gamma=st.sampled_from([0.0, 0.5, 3.0]),
+       form=st.sampled_from(["paper", "map"]), prior=st.sampled_from(["uniform", "magnitude"]),
+       iters=st.integers(1, 2))
+def test_adapt_keys_exact_and_float64(problem, gamma, form, prior, iters):
+    q, keys, _, style = problem
+    exact = gmm.adapt_keys(q, keys, alpha=0.8, gamma=gamma, prior=prior, iters=iters, form=form,
+                           precision="exact")
+    truth = naive_adapt_keys(q, keys, alpha=0.8, gamma=gamma, prior=prior, iters=iters,
+                             form=form)
+    assert_same_bits(f"adapt_keys exact ({style}, {form}, gamma={gamma})", exact,
+                     _rounded(truth))
+    if iters == 1:
+        fast = gmm.adapt_keys(q, keys, alpha=0.8, gamma=gamma, prior=prior, form=form)
+        scale = _term_scale(q, keys, keys, 0.8, 0.0, "uniform")
+        magnitude = np.abs(q).max() + np.abs(keys).max()
+        bound = mixture_bound(scale, q.shape[0] + keys.shape[0], q.shape[1], magnitude)
+        if form == "map":
+            bound *= q.shape[0] + 1  # sum_i w q_i / (gamma + alpha W): W up to L
+        assert_within(f"adapt_keys float64 ({style}, {form})", fast, exact, bound)
+
+
+def test_gamma_infinity_leaves_keys_unchanged(rng):
+    q, keys = rng.standard_normal((4, 3)), rng.standard_normal((2, 3))
+    for form in ("paper", "map"):
+        for precision in ("float64", "exact"):
+            out = gmm.adapt_keys(q, keys, alpha=1.0, gamma=np.inf, form=form, iters=3,
+                                 precision=precision)
+            assert_same_bits(f"gamma=inf ({form}, {precision})", out, keys)
+
+
+@pytest.mark.parametrize("form", ["paper", "map"])
+def test_gamma_large_approaches_keys(form, rng):
+    """|xi - xi0| <= alpha / (alpha + gamma) |q̄ - xi0| (paper) and the map form's smaller
+    share: the deviation vanishes like 1/gamma."""
+    q, keys = rng.standard_normal((4, 3)), rng.standard_normal((2, 3))
+    reach = np.abs(q).max() + np.abs(keys).max()
+    for gamma in (1e2, 1e6, 1e12):
+        out = gmm.adapt_keys(q, keys, alpha=1.0, gamma=gamma, form=form, precision="exact")
+        share = q.shape[0] / (1.0 + gamma) if form == "map" else 1.0 / (1.0 + gamma)
+        deviation = np.abs(out - keys).max()
+        assert deviation <= share * reach * (1 + mixture_bound(0.0, 1, 0, 1.0)), (
+            f"gamma={gamma} ({form}): deviation {deviation:.3e} > {share * reach:.3e}")
+
+
+def test_key_forms_coincide(rng):
+    """gamma = 0 (both forms give q̄: DNA) and W_k = 1 (one unit, one query)."""
+    q, keys = rng.standard_normal((3, 2)), rng.standard_normal((2, 2))
+    paper = gmm.adapt_keys(q, keys, alpha=1.0, gamma=0.0, form="paper", precision="exact")
+    mapped = gmm.adapt_keys(q, keys, alpha=1.0, gamma=0.0, form="map", precision="exact")
+    assert_same_bits("gamma=0: paper vs map", paper, mapped)
+    one_q, one_key = q[:1], keys[:1]
+    paper = gmm.adapt_keys(one_q, one_key, alpha=1.0, gamma=2.5, form="paper", precision="exact")
+    mapped = gmm.adapt_keys(one_q, one_key, alpha=1.0, gamma=2.5, form="map", precision="exact")
+    assert_same_bits("W=1: paper vs map", paper, mapped)
+    differ = gmm.adapt_keys(q, keys, alpha=1.0, gamma=2.5, form="paper")
+    assert not np.allclose(differ, gmm.adapt_keys(q, keys, alpha=1.0, gamma=2.5, form="map"),
+                           rtol=0, atol=mixture_bound(1.0, 5, 2, 1.0)), "forms should differ"
+
+
+def test_gamma_zero_magnitude_is_dna(rng):
+    """gamma -> 0 with the magnitude prior: xi_k = sum_i w_k^i q_i / sum_i w_k^i with
+    w^i = softmax_k(alpha xi_k . q_i) (Ding et al.'s double-normalised attention)."""
+    q, keys = rng.standard_normal((3, 2)), rng.standard_normal((2, 2))
+    out = gmm.adapt_keys(q, keys, alpha=0.9, gamma=0.0, prior="magnitude", precision="exact")
+    with mpmath.workdps(DPS):
+        scores = [[_mp(0.9) * mpmath.fsum(_mp(a) * _mp(b) for a, b in zip(qi, k, strict=True))
+                   for k in keys] for qi in q]
+        weights = [[mpmath.exp(s - _lse(row)) for s in row] for row in scores]
+        truth = [[mpmath.fsum(weights[i][k] * _mp(q[i][d]) for i in range(3))
+                  / mpmath.fsum(weights[i][k] for i in range(3)) for d in range(2)]
+                 for k in range(2)]
+    assert_same_bits("gamma=0 magnitude vs DNA", out, _rounded(truth))
+
+
+# --------------------------------------------------------------------------------------------
+# adapt_priors
+# --------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=10)
+@given(problem=mixture_problems(batched=False), eta=st.sampled_from([0.0, 1.0, 10.0]),
+       form=st.sampled_from(["paper", "map"]), iters=st.integers(1, 2))
+def test_adapt_priors_exact_and_float64(problem, eta, form, iters):
+    q, keys, _, style = problem
+    units = keys.shape[0]
+    pi0 = np.full(units, 1.0 / units)
+    exact = gmm.adapt_priors(q, keys, alpha=0.8, eta=eta, pi0=pi0, iters=iters, form=form,
+                             precision="exact")
+    truth = naive_adapt_priors(q, keys, alpha=0.8, eta=eta, pi0=pi0, iters=iters, form=form)
+    assert_same_bits(f"adapt_priors exact ({style}, {form}, eta={eta})", exact, _rounded(truth))
+    fast = gmm.adapt_priors(q, keys, alpha=0.8, eta=eta, pi0=pi0, iters=iters, form=form)
+    scale = _term_scale(q, keys, keys, 0.8, 0.0, "uniform") + 2 * abs(math.log(units) + 1)
+    bound = iterated_bound(mixture_bound(scale, q.shape[0] + units, q.shape[1], 2.0), 2, iters)
+    assert_within(f"adapt_priors float64 ({style}, {form})", fast, exact, bound)
+    assert abs(fast.sum() - 1) <= mixture_bound(0.0, units, 0, 1.0)
+
+
+def test_eta_scalar_means_proportional_to_pi0(rng):
+    q, keys = rng.standard_normal((3, 2)), rng.standard_normal((2, 2))
+    pi0 = np.array([0.25, 0.75])
+    scalar = gmm.adapt_priors(q, keys, alpha=1.0, eta=4.0, pi0=pi0, precision="exact")
+    array = gmm.adapt_priors(q, keys, alpha=1.0, eta=4.0 * pi0, pi0=pi0, precision="exact")
+    assert_same_bits("eta=4 vs eta=4*pi0", scalar, array)
+
+
+def test_map_form_large_eta_recovers_pi0(rng):
+    q, keys = rng.standard_normal((3, 2)), rng.standard_normal((2, 2))
+    pi0 = np.array([0.25, 0.75])
+    out = gmm.adapt_priors(q, keys, alpha=1.0, eta=1e15, pi0=pi0, form="map")
+    assert_within("map form, eta=1e15", out, pi0, 4 * q.shape[0] / 1e15 + mixture_bound(
+        0.0, 2, 0, 1.0))
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(20260322)
+
+
+@pytest.fixture
+def small(rng):
+    return rng.standard_normal((2, 3)), rng.standard_normal((4, 3)), rng.standard_normal((4, 2))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(alpha=0.0), "alpha"),
+    (dict(alpha=-1.0), "alpha"),
+    (dict(alpha=np.array([1.0, 1.0, np.nan, 1.0])), "alpha"),
+    (dict(alpha=1.0, beta=-0.5), "beta"),
+    (dict(alpha=1.0, beta=np.array([0.0, 1.0, 1.0, 1.0])), "beta"),
+    (dict(alpha=np.ones(3)), "alpha"),
+    (dict(alpha=1.0, prior="gauss"), "prior"),
+    (dict(alpha=1.0, prior=np.array([0.0, np.nan, 0.0, 0.0])), "prior"),
+    (dict(alpha=1.0, prior=np.full(4, -np.inf)), "prior"),
+    (dict(alpha=1.0, iters=0), "iters"),
+    (dict(alpha=1.0, tol=1e-3, precision="exact"), "tol"),
+    (dict(alpha=1.0, return_trace=True), "return_trace"),
+    (dict(alpha=1.0, beta=1.0, v_init=np.zeros((3, 2))), "v_init"),
+    (dict(alpha=1.0, precision="double"), "precision"),
+])
+def test_attention_rejects(small, kwargs, match):
+    q, keys, values = small
+    with pytest.raises((TypeError, ValueError), match=match):
+        gmm.attention(q, keys, values, **kwargs)
+
+
+def test_shape_mismatches(small):
+    q, keys, values = small
+    with pytest.raises(ValueError, match="keys"):
+        gmm.attention(q, keys[:, :2], values, alpha=1.0)
+    with pytest.raises(ValueError, match="values"):
+        gmm.attention(q, keys, values[:3], alpha=1.0)
+    with pytest.raises(ValueError, match="batch"):
+        gmm.attention(np.stack([q, q, q]), np.stack([keys, keys]), values, alpha=1.0)
+    with pytest.raises(TypeError, match="q"):
+        gmm.attention(q.astype(int), keys, values, alpha=1.0)
+    with pytest.raises(ValueError, match="q"):
+        gmm.attention(np.full_like(q, np.nan), keys, values, alpha=1.0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(eta=1.0, pi0=np.array([0.5, 0.6, -0.1, 0.0])), "pi0"),
+    (dict(eta=1.0, pi0=np.array([0.5, 0.4, 0.0, 0.0])), "pi0"),
+    (dict(eta=1.0, pi0=np.full(3, 1 / 3)), "pi0"),
+    (dict(eta=-1.0, pi0=np.full(4, 0.25)), "eta"),
+    (dict(eta=np.array([1.0, -1.0, 0.0, 0.0]), pi0=np.full(4, 0.25)), "eta"),
+    (dict(eta=1.0, pi0=np.full(4, 0.25), form="bayes"), "form"),
+])
+def test_adapt_priors_rejects(small, kwargs, match):
+    q, keys, _ = small
+    with pytest.raises((TypeError, ValueError), match=match):
+        gmm.adapt_priors(q, keys, alpha=1.0, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(gamma=-1.0), "gamma"),
+    (dict(gamma=np.nan), "gamma"),
+    (dict(gamma=1.0, form="exactish"), "form"),
+    (dict(gamma=1.0, alpha=0.0), "alpha"),
+])
+def test_adapt_keys_rejects(small, kwargs, match):
+    q, keys, _ = small
+    kwargs.setdefault("alpha", 1.0)
+    with pytest.raises((TypeError, ValueError), match=match):
+        gmm.adapt_keys(q, keys, **kwargs)
+
+
+def test_log_posterior_needs_positive_beta(small):
+    q, keys, values = small
+    with pytest.raises(ValueError, match="beta"):
+        gmm.log_posterior(np.zeros((2, 2)), q, keys, values, alpha=1.0, beta=0.0)
