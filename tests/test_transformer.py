@@ -169,9 +169,14 @@ def ref_encoder(x, p: T.EncoderParams, norm):
     return h + ref_ffn(ref_layer_norm(h, p.norm2), p.ffn)
 
 
-def ref_decoder(x, memory, p: T.DecoderParams):
+def ref_decoder(x, memory, p: T.DecoderParams, norm="post"):
     causal = np.tril(np.ones((x.shape[0], x.shape[0]), dtype=bool))
     full = np.ones((x.shape[0], memory.shape[0]), dtype=bool)
+    if norm == "pre":
+        n1 = ref_layer_norm(x, p.norm1)
+        h = x + ref_mha(n1, n1, p.self_attn, causal)
+        h = h + ref_mha(ref_layer_norm(h, p.norm2), memory, p.cross_attn, full)
+        return h + ref_ffn(ref_layer_norm(h, p.norm3), p.ffn)
     h = ref_layer_norm(x + ref_mha(x, x, p.self_attn, causal), p.norm1)
     h = ref_layer_norm(h + ref_mha(h, memory, p.cross_attn, full), p.norm2)
     return ref_layer_norm(h + ref_ffn(h, p.ffn), p.norm3)
@@ -323,14 +328,25 @@ def test_encoder_exact_correctly_rounded(rng, norm, activation):
     assert_same_bits(got, want, f"encoder_block norm={norm}, {activation}")
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float16"])
-def test_decoder_exact_correctly_rounded(rng, dtype):
+@pytest.mark.parametrize("norm,dtype", [("post", "float64"), ("post", "float16"),
+                                        ("pre", "float32"), ("pre", "bfloat16")])
+def test_decoder_exact_correctly_rounded(rng, norm, dtype):
     p = T.random_decoder_params(4, 2, 6, seed=9, memory_dim=3, num_kv_heads=1)
     x, memory = rng.standard_normal((3, 4)), rng.standard_normal((2, 3))
-    got = T.decoder_block(x, memory, p, precision="exact", out_dtype=dtype)
+    got = T.decoder_block(x, memory, p, norm=norm, precision="exact", out_dtype=dtype)
     with mpmath.workdps(DPS):
-        want = expected_bits(ref_decoder(mp_array(x), mp_array(memory), p), dtype)
-    assert_same_bits(got, want, f"decoder_block post, {dtype}")
+        want = expected_bits(ref_decoder(mp_array(x), mp_array(memory), p, norm), dtype)
+    assert_same_bits(got, want, f"decoder_block {norm}, {dtype}")
+
+
+def test_encoder_exact_larger_gqa(rng):
+    """A larger block (L=6, M=8, H=4, K=2, F=16, batch of 2) against the mpmath loops."""
+    p = T.random_encoder_params(8, 4, 16, seed=21, num_kv_heads=2, activation="gelu")
+    x = rng.standard_normal((2, 6, 8))
+    got = T.encoder_block(x, p, precision="exact")
+    with mpmath.workdps(DPS):
+        want = np.stack([ref_encoder(mp_array(x[b]), p, "post") for b in range(2)])
+    assert_same_bits(got, expected_bits(want, "float64"), "encoder L=6 M=8 H=4 K=2, batch 2")
 
 
 # ----------------------------------------------------------------------------- float64 vs exact
@@ -369,6 +385,16 @@ def test_float64_positions_within_bound():
 def test_float64_mha_within_bound(mha_case, kwargs):
     x_q, x_kv, p = mha_case
     _bounded(_mha_call, x_q, x_kv, p, case=f"multihead_attention {kwargs}", **kwargs)
+
+
+@given(head_layouts(), st.booleans(), st.sampled_from([0.5, 4.0]))
+def test_float64_mha_within_bound_random_layouts(case, mqa, input_scale):
+    heads, dim, seed = case
+    rng = np.random.default_rng(seed)
+    p = T.random_attention_params(3, heads, seed=seed, head_dim=dim,
+                                  num_kv_heads=1 if mqa else heads)
+    x_q, x_kv = rng.standard_normal((2, 3)) * input_scale, rng.standard_normal((4, 3))
+    _bounded(_mha_call, x_q, x_kv, p, case=f"MHA H={heads} D={dim} mqa={mqa} seed={seed}")
 
 
 def test_float64_blocks_within_bound(rng):
