@@ -348,13 +348,17 @@ def attention_vjp(
     if precision == "exact":
         from .exact.attention_vjp import exact_vjp
 
+        # the exact path reduces dbias to bias's shape itself (the sum is part of the exact
+        # value that is rounded once)
         dq, dk, dv, dbias = exact_vjp(spec, do, dl, _checks.out_dtype(out_dtype))
-    elif backend == "numba":
-        from . import kernels
-
-        dq, dk, dv, dbias = kernels.attention_vjp(spec, do, dl)
     else:
-        dq, dk, dv, dbias = _vjp_float64(spec, do, dl)
-    if dbias is not None and dbias.ndim == 4:
-        dbias = _reduce_to(dbias.reshape(spec.batch_shape + dbias.shape[1:]), spec.bias_shape)
+        if backend == "numba":
+            from . import kernels
+
+            dq, dk, dv, dbias = kernels.attention_vjp(spec, do, dl)
+        else:
+            dq, dk, dv, dbias = _vjp_float64(spec, do, dl)
+        if dbias is not None and dbias.shape != spec.bias_shape:
+            dbias = _reduce_to(dbias.reshape(spec.batch_shape + dbias.shape[1:]),
+                               spec.bias_shape)
     return AttentionGrads(spec.unflatten(dq), spec.unflatten(dk), spec.unflatten(dv), dbias)

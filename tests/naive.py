@@ -14,7 +14,8 @@ import numpy as np
 
 
 def _exact(x) -> mpmath.mpf:
-    return mpmath.mpf(float(x))
+    """An input element at its exact value (mpf inputs pass through, for finite differences)."""
+    return x if isinstance(x, mpmath.mpf) else mpmath.mpf(float(x))
 
 
 def naive_attention(
@@ -65,7 +66,7 @@ def naive_attention(
                             continue
                         if right is not None and j > i + offset + right:
                             continue
-                    if bias is not None and float(bias[h][i][j]) == -math.inf:
+                    if bias is not None and bias[h][i][j] == -math.inf:
                         continue
                     s = sc * mpmath.fsum(_exact(q[h, i, d]) * _exact(k[g, j, d]) for d in range(dim))
                     if softcap is not None:

@@ -58,6 +58,7 @@ class ExactVJP:
         self.k = F.to_fixed(spec.k)
         self.v = F.to_fixed(spec.v)
         self._cache: dict[int, dict] = {}
+        self._rows: dict[tuple, list | None] = {}
 
     # ------------------------------------------------------------------------------------
     def at(self, prec: int) -> dict:
@@ -185,6 +186,12 @@ class ExactVJP:
     # ------------------------------------------------------------------------------------
     def _rational_row(self, b, h, i):
         """Exact dS row (list of Fractions) when row i's weights are rational, else None."""
+        key = (b, h, i)
+        if key not in self._rows:
+            self._rows[key] = self._compute_rational_row(b, h, i)
+        return self._rows[key]
+
+    def _compute_rational_row(self, b, h, i):
         forward = self.forward
         plane = forward.planes[b, h]
         if plane.nan_rows[i] or plane.empty[i]:
@@ -210,8 +217,10 @@ class ExactVJP:
         """Exact value of a gradient element when every row it depends on has rational
         weights (all allowed scores equal), else None."""
         spec = self.spec
-        if name == "dbias" or (spec.softcap is not None and name in ("dq", "dk")):
-            return None  # reductions over broadcast bias / transcendental softcap factor
+        if name == "dbias":
+            return self._dbias_exact(index)
+        if spec.softcap is not None and name in ("dq", "dk"):
+            return None  # the softcap factor 1 - tanh^2 is transcendental
         if name == "dq":
             b, h, i, d = index
             row = self._rational_row(b, h, i)
@@ -239,6 +248,28 @@ class ExactVJP:
                         return None
                     total += row[j] * int(self.q.ints[b, h, i, col]) * Fraction(2) ** self.q.exp
         return total if name == "dv" else self._times_scale(total)
+
+    def _dbias_exact(self, index: tuple):
+        """dbias element = sum of dS over the (batch, head, row, key) positions it reduces."""
+        spec = self.spec
+        _, heads, _, length, keys, _, _ = spec.dims
+        full = spec.batch_shape + (heads, length, keys)
+        shape = spec.bias_shape
+        offset = len(full) - len(shape)
+        total = Fraction(0)
+        for position in np.ndindex(full):
+            projected = tuple(0 if shape[d] == 1 else position[offset + d]
+                              for d in range(len(shape)))
+            if projected != index:
+                continue
+            batch_index = position[: len(spec.batch_shape)]
+            b = int(np.ravel_multi_index(batch_index, spec.batch_shape)) if batch_index else 0
+            h, i, j = position[-3:]
+            row = self._rational_row(b, h, i)
+            if row is None:
+                return None
+            total += row[j]
+        return total
 
     def _times_scale(self, value: Fraction):
         exact = self.spec.scale_exact
@@ -304,7 +335,8 @@ def exact_vjp(spec: AttentionSpec, grad_out, grad_lse, out_dtype):
             fallback=lambda ix, name=name: engine.exact_value(name, ix), what=name)
     dbias = None
     if spec.bias is not None:
-        dbias = correctly_round(engine.dbias, out_dtype, what="dbias")
+        dbias = correctly_round(engine.dbias, out_dtype, what="dbias",
+                                fallback=lambda ix: engine.exact_value("dbias", ix))
     dq, dk, dv = results["dq"], results["dk"], results["dv"]
     if _has_nonfinite(spec, grad_out, grad_lse):
         dq, dk, dv, dbias = _nonfinite_pattern(spec, grad_out, grad_lse, dq, dk, dv, dbias)
