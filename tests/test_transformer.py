@@ -514,6 +514,21 @@ def test_mha_identity_heads_are_attention_heads(rng, gqa):
     assert_same_bits(got, heads.transpose(1, 0, 2).reshape(3, 8), f"head split, gqa={gqa}")
 
 
+def test_mha_masked_poison_never_reaches_output(mha_case):
+    """NaN/Inf in masked rows of x_kv (float64 path): the output equals attention over the
+    remaining rows (conventions: excluded positions are removed from every sum)."""
+    x_q, x_kv, p = mha_case
+    poisoned = x_kv.copy()
+    poisoned[1] = np.nan
+    poisoned[3, 0] = np.inf
+    keep = np.array([True, False, True, False, True])
+    got = _mha_call(x_q, poisoned, p, mask=keep)
+    clean = x_kv[keep]
+    exact = _mha_call(x_q, clean, p, precision="exact")
+    bound = transformer_forward_bound(_mha_call, x_q, clean, p)
+    assert_within(got, exact, bound, "MHA with NaN/Inf in masked memory rows")
+
+
 def test_mha_gqa_equals_repeated_kv_heads(mha_case):
     """GQA (K=1) == full multi-head with the kv projection columns repeated (exact path: the
     same real function, so the same bits)."""
