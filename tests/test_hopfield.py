@@ -1,0 +1,172 @@
+"""Tests of refattn.hopfield (Ramsauer et al. 2020, eqs. (2)-(3)): energy and retrieval.
+
+Truth is a loop-level mpmath evaluation written here (60 digits), independent of refattn.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mpmath
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oracle.tolerance import logit_lse_bound, mixture_bound
+from refattn import hopfield
+from refattn.attention import attention
+from tests.strategies import mixture_problems
+from tests.test_gmm import DPS, _lse, _mp, _rounded, assert_same_bits, assert_within
+
+
+def _dot(x, y):
+    return mpmath.fsum(a * b for a, b in zip(x, y, strict=True))
+
+
+def naive_energy(state, patterns, beta, constant=False):
+    beta = _mp(beta)
+    scores = [beta * _dot(x, state) for x in patterns]
+    value = _dot(state, state) / 2 - _lse(scores) / beta
+    if constant:
+        value += mpmath.log(len(patterns)) / beta + max(_dot(x, x) for x in patterns) / 2
+    return value
+
+
+def naive_retrieve(xi, X, beta, steps):
+    """States and energies E(xi^0..xi^steps) per row, as mpf."""
+    with mpmath.workdps(DPS):
+        patterns = [[_mp(a) for a in row] for row in X]
+        states, energies = [], []
+        for row in xi:
+            state = [_mp(a) for a in row]
+            trace = [naive_energy(state, patterns, beta)]
+            for _ in range(steps):
+                scores = [_mp(beta) * _dot(x, state) for x in patterns]
+                norm = _lse(scores)
+                weights = [mpmath.exp(s - norm) for s in scores]
+                state = [mpmath.fsum(w * x[d] for w, x in zip(weights, patterns, strict=True))
+                         for d in range(len(state))]
+                trace.append(naive_energy(state, patterns, beta))
+            states.append(state)
+            energies.append(trace)
+        return states, energies
+
+
+def _energy_bound(xi, X, beta):
+    scale = beta * xi.shape[-1] * np.abs(xi).max() * np.abs(X).max()
+    return (logit_lse_bound(scale, X.shape[-2], xi.shape[-1], scale + math.log(X.shape[-2]))
+            / beta + logit_lse_bound(xi.shape[-1] * np.abs(xi).max() ** 2, 1, xi.shape[-1]))
+
+
+@settings(max_examples=20)
+@given(problem=mixture_problems(batched=False), beta=st.sampled_from([0.25, 1.0, 4.0]),
+       constant=st.booleans())
+def test_energy_exact_and_float64(problem, beta, constant):
+    xi, X, _, style = problem
+    exact = hopfield.energy(xi, X, beta=beta, constant=constant, precision="exact")
+    with mpmath.workdps(DPS):
+        patterns = [[_mp(a) for a in row] for row in X]
+        truth = [naive_energy([_mp(a) for a in row], patterns, beta, constant) for row in xi]
+    assert_same_bits(f"hopfield.energy exact ({style}, beta={beta})", exact, _rounded(truth))
+    fast = hopfield.energy(xi, X, beta=beta, constant=constant)
+    bound = _energy_bound(xi, X, beta) + (logit_lse_bound(np.abs(X).max() ** 2 * X.shape[-1]
+                                                          + 1, 1, X.shape[-1]) if constant else 0)
+    assert_within(f"hopfield.energy float64 ({style})", fast, exact, bound)
+
+
+def test_energy_constant_makes_it_nonnegative(rng):
+    """With the paper's constant 0 <= E <= 2 M^2 (Ramsauer et al., Lemma A1)."""
+    xi = rng.standard_normal((5, 3))
+    X = rng.standard_normal((4, 3))
+    xi = xi / np.linalg.norm(xi, axis=-1, keepdims=True) * np.linalg.norm(X, axis=-1).max()
+    energy = hopfield.energy(xi, X, beta=2.0, constant=True, precision="exact")
+    assert (energy >= 0).all(), f"negative energy with the constant: {energy}"
+
+
+@settings(max_examples=20)
+@given(problem=mixture_problems(), beta=st.sampled_from([0.125, 1.0, 3.0]))
+def test_one_step_is_attention_bit_for_bit(problem, beta):
+    xi, X, _, style = problem
+    ours = hopfield.retrieve(xi, X, beta=beta, precision="exact")
+    theirs = attention(xi, X, X, scale=beta, precision="exact")
+    assert_same_bits(f"retrieve 1 step vs attention (exact, {style})", ours, theirs)
+    assert_same_bits(f"retrieve 1 step vs attention (float64, {style})",
+                     hopfield.retrieve(xi, X, beta=beta), attention(xi, X, X, scale=beta))
+
+
+@settings(max_examples=12)
+@given(problem=mixture_problems(batched=False), beta=st.sampled_from([0.5, 2.0]),
+       steps=st.integers(1, 3))
+def test_retrieve_exact_is_correctly_rounded(problem, beta, steps):
+    xi, X, _, style = problem
+    res = hopfield.retrieve(xi, X, beta=beta, steps=steps, return_trace=True, precision="exact")
+    states, energies = naive_retrieve(xi, X, beta, steps)
+    assert_same_bits(f"retrieve exact states ({style}, steps={steps})", res.states,
+                     _rounded(states))
+    assert_same_bits(f"retrieve exact energies ({style}, steps={steps})", res.energy,
+                     _rounded(energies))
+
+
+@settings(max_examples=12)
+@given(problem=mixture_problems(batched=False), beta=st.sampled_from([0.5, 2.0, 8.0]),
+       steps=st.integers(1, 5))
+def test_energy_never_increases(problem, beta, steps):
+    """Theorem 1 of Ramsauer et al.: exact energies of exact iterates, rounded once, are
+    non-increasing with no slack (rounding is monotone); float64 within its bound."""
+    xi, X, _, style = problem
+    exact = hopfield.retrieve(xi, X, beta=beta, steps=steps, return_trace=True,
+                              precision="exact")
+    steps_exact = np.diff(exact.energy, axis=-1)
+    assert (steps_exact <= 0).all(), f"exact energy increased ({style}): {exact.energy}"
+    fast = hopfield.retrieve(xi, X, beta=beta, steps=steps, return_trace=True)
+    slack = 2 * _energy_bound(np.concatenate([xi, X]), X, beta)
+    worst = float(np.diff(fast.energy, axis=-1).max())
+    assert worst <= slack, f"float64 energy increased by {worst:.3e} > {slack:.3e} ({style})"
+
+
+def test_retrieve_converges_to_a_stored_pattern(rng):
+    X = rng.standard_normal((4, 8)) * 3
+    xi = X[[1, 3]] + 0.1 * rng.standard_normal((2, 8))
+    res = hopfield.retrieve(xi, X, beta=4.0, steps=20, tol=0.0, return_trace=True)
+    assert_within("retrieval of stored patterns", res.states, X[[1, 3]],
+                  mixture_bound(0.0, 4, 0, np.abs(X).max()))
+    assert (res.steps < 20).all(), f"tol=0 should stop at an exact fixed point: {res.steps}"
+    for i, count in enumerate(res.steps):
+        assert np.isnan(res.energy[i, count + 1:]).all()
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(20260324)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(beta=0.0), "beta"),
+    (dict(beta=-1.0), "beta"),
+    (dict(beta=math.inf), "beta"),
+    (dict(beta=1.0, steps=0), "steps"),
+    (dict(beta=1.0, tol=1e-6, precision="exact"), "tol"),
+    (dict(beta=1.0, tol=-1.0), "tol"),
+    (dict(beta=1.0, precision="quad"), "precision"),
+])
+def test_retrieve_rejects(rng, kwargs, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        hopfield.retrieve(rng.standard_normal((2, 3)), rng.standard_normal((4, 3)), **kwargs)
+
+
+def test_shape_errors(rng):
+    with pytest.raises(ValueError, match="X"):
+        hopfield.energy(rng.standard_normal((2, 3)), rng.standard_normal((4, 2)), beta=1.0)
+    with pytest.raises(ValueError, match="X"):
+        hopfield.retrieve(rng.standard_normal((2, 3)), np.zeros((0, 3)), beta=1.0)
+    with pytest.raises(ValueError, match="batch"):
+        hopfield.retrieve(rng.standard_normal((3, 2, 3)), rng.standard_normal((2, 4, 3)),
+                          beta=1.0)
+    with pytest.raises(ValueError, match="xi"):
+        hopfield.energy(np.full((2, 3), np.nan), rng.standard_normal((4, 3)), beta=1.0)
