@@ -14,6 +14,8 @@ label                              alternative
 ``softcap after mask``             excluded positions enter tanh as -inf and come out as ``-c``:
                                    they stay in the softmax with weight ``~exp(-c)``
 ``empty_rows='nan'`` (etc.)        fully-masked rows NaN instead of 0 (pytorch #103749)
+``fully masked rows average ...``  masking by ``finfo.min`` instead of removing: a row with
+                                   no allowed key averages every value (JAX, many kernels)
 ``mask polarity inverted``         True = masked out
 ``dropout without 1/(1-p)``        kept weights not rescaled
 ``dropout_mask polarity inverted`` True = dropped
@@ -130,6 +132,9 @@ def alternatives(options, *, H, K, L, S, D, E, has_empty, has_excluded) -> list[
         other = "nan" if (options.get("empty_rows") or "zero") == "zero" else "zero"
         found.append(Alternative(f"empty_rows={other!r}", frozenset({"empty_rows"}),
                                  _set(empty_rows=other)))
+        found.append(Alternative("fully masked rows average every value (masking by a large "
+                                 "finite negative such as finfo.min)",
+                                 frozenset({"empty_rows"}), _extra(empty_uniform=True)))
     if options.get("mask") is not None:
         inverted = ~np.asarray(options["mask"], dtype=bool)
         found.append(Alternative("mask polarity inverted (True = masked out)",
@@ -165,8 +170,17 @@ def _alternative_out(q, k, v, options, extras):
     if options.get("dropout_mask") is not None:
         keep = np.asarray(options["dropout_mask"], dtype=bool)
         dropped = np.where(keep, result.weights, 0) / (1 - (options.get("dropout_p") or 0.0))
+    out = result.out * factor
     scale = tol.output_scale(dropped * factor, v, gqa=options.get("gqa"))
-    return result.out * factor, scale
+    if extras.get("empty_uniform"):
+        empty = ~np.broadcast_to(result.allowed, result.weights.shape).any(axis=-1)
+        uniform = np.full(result.weights.shape, 1.0 / result.weights.shape[-1])
+        flat = tol.textbook_attention(q, k, v, dtype="float64", gqa=options.get("gqa"),
+                                      scale=0.0).out
+        out = np.where(empty[..., None], flat, out)
+        scale = np.where(empty[..., None],
+                         tol.output_scale(uniform, v, gqa=options.get("gqa")), scale)
+    return out, scale
 
 
 def _fits(out, truth, scale, limit, dtype) -> bool:

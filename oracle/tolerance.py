@@ -557,6 +557,8 @@ def output_scale(weights, v, *, gqa="interleave") -> np.ndarray:
     ``weights`` are the float64 post-dropout weights (..., H, L, S); v (..., K, S, E).
     """
     w = _finite_abs(weights)
+    if w.ndim == 2:  # a single head: (L, S) weights, (S, E) values
+        return w @ _finite_abs(v)
     v3 = _heads(v, "v")
     return np.matmul(w, _expand_kv(_finite_abs(v3), w.shape[-3], gqa or "interleave"))
 

@@ -518,12 +518,32 @@ def _diagnosis(ctx, fixture, out, checks) -> list[str]:
                                dtype=ctx.dtype)
     if found or check.passed:
         return found
+    precision = _lower_precision(ctx, check)
+    if precision:
+        return [precision]
     poisoned = any(not np.isfinite(np.asarray(x, dtype=np.float64)).all()
                    for name, x in {**fixture.inputs, **ctx.options}.items()
                    if isinstance(x, np.ndarray) and x.dtype.kind == "f")
     errors = check.errors if check.errors is not None else np.zeros(out.shape)
     return _diagnose.describe_failure(out, truth, errors, np.broadcast_to(limit, out.shape),
                                       inputs_poisoned=poisoned)
+
+
+def _lower_precision(ctx, check) -> str | None:
+    """"accuracy of <narrower dtype>" when every error fits that dtype's own threshold."""
+    if check.errors is None or not np.isfinite(check.errors).all():
+        return None
+    narrower = {"float64": ("float32",), "float32": ("bfloat16", "float16")}
+    for dtype in narrower.get(ctx.dtype, ()):
+        floor = tol.forward_floors(dtype, **ctx.sizes, magnitude=ctx.magnitude,
+                                   allowed=np.broadcast_to(ctx.exact64.allowed,
+                                                           ctx.magnitude.shape),
+                                   count=check.size)["out"]
+        limit = tol.K_FORWARD * float(np.max(floor)) + tol.unit_roundoff(dtype)
+        if check.max_error <= limit:
+            return (f"errors fit {dtype} accuracy (max {check.max_error:.3g} <= {limit:.3g}): "
+                    f"the implementation seems to compute in {dtype}")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
