@@ -141,7 +141,9 @@ def relative_residual(fz, z, *, state_ndim: int = 1) -> np.ndarray:
 
 
 def _norms(g, fz):
-    return np.linalg.norm(g, axis=-1), np.linalg.norm(fz, axis=-1)
+    # a diverging sample overflows to inf here and is then frozen as failed
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.linalg.norm(g, axis=-1), np.linalg.norm(fz, axis=-1)
 
 
 def _ratio(num, den):
@@ -327,7 +329,7 @@ def _report(result, on_fail, tol, atol, max_iter, what):
     if not failed.any() or on_fail == "return":
         return
     final = np.where(failed, np.nan_to_num(result.residual, nan=np.inf), -np.inf)
-    worst = np.unravel_index(int(np.argmax(final)), final.shape)
+    worst = tuple(int(i) for i in np.unravel_index(int(np.argmax(final)), final.shape))
     message = (
         f"{what}: {int(failed.sum())} of {failed.size} samples did not converge within "
         f"max_iter={max_iter} (tol={tol:g}, atol={atol:g}); worst sample {list(worst)} has "
