@@ -8,6 +8,7 @@ within the documented first-order bounds of oracle.tolerance.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import mpmath
 import numpy as np
@@ -30,7 +31,21 @@ DPS = 60
 
 
 def _mp(x):
+    """An mpf holding the exact value of a float / int, or a Fraction rounded at DPS."""
+    if isinstance(x, Fraction):
+        return mpmath.mpf(x.numerator) / x.denominator
+    if isinstance(x, mpmath.mpf):
+        return x
     return mpmath.mpf(float(x))
+
+
+def _q(x):
+    """The exact Fraction of a float input or a Fraction (None for an mpf: not exact)."""
+    if isinstance(x, Fraction):
+        return x
+    if isinstance(x, mpmath.mpf):
+        return None
+    return Fraction(float(x))
 
 
 def _per_unit(value, units):
@@ -42,14 +57,54 @@ def _sq(x, y):
     return mpmath.fsum((_mp(a) - _mp(b)) ** 2 for a, b in zip(x, y, strict=True))
 
 
-def _sq_mp(x, y):
-    return mpmath.fsum((a - _mp(b)) ** 2 for a, b in zip(x, y, strict=True))
-
 
 def _lse(terms):
     terms = [t for t in terms if t != -mpmath.inf]
     top = max(terms)
     return top + mpmath.log(mpmath.fsum(mpmath.exp(t - top) for t in terms))
+
+
+def _weights(logits):
+    """Softmax weights; exactly Fraction(1, n) when every present logit is the same number
+    (a tie: the exact results may then sit on a rounding midpoint, which a 60-digit
+    approximation of 1/n cannot settle)."""
+    present = [s for s in logits if s != -mpmath.inf]
+    if all(s == present[0] for s in present):
+        share = Fraction(1, len(present))
+        return [Fraction(0) if s == -mpmath.inf else share for s in logits]
+    top = max(present)
+    raw = [mpmath.mpf(0) if s == -mpmath.inf else mpmath.exp(s - top) for s in logits]
+    total = mpmath.fsum(raw)
+    return [r / total for r in raw]
+
+
+def _sum(terms):
+    """Exact Fraction sum when every term is exact, else an mpf sum."""
+    terms = list(terms)
+    exact = [_q(t) for t in terms]
+    if all(t is not None for t in exact):
+        return sum(exact, Fraction(0))
+    return mpmath.fsum(_mp(t) for t in terms)
+
+
+def _mul(*factors):
+    exact = [_q(f) for f in factors]
+    if all(f is not None for f in exact):
+        out = Fraction(1)
+        for f in exact:
+            out *= f
+        return out
+    out = mpmath.mpf(1)
+    for f in factors:
+        out *= _mp(f)
+    return out
+
+
+def _div(a, b):
+    qa, qb = _q(a), _q(b)
+    if qa is not None and qb is not None:
+        return qa / qb
+    return _mp(a) / _mp(b)
 
 
 def _naive_log_prior(prior, keys, values, alpha, beta):
@@ -73,19 +128,20 @@ def _naive_query_terms(q_row, keys, values, alpha, beta, prior):
 def _naive_value_terms(v, values, beta):
     dim_v = len(v)
     return [dim_v / mpmath.mpf(2) * mpmath.log(beta[u] / (2 * mpmath.pi))
-            - beta[u] / 2 * _sq_mp(v, values[u]) for u in range(len(values))]
+            - beta[u] / 2 * _sq(v, values[u]) for u in range(len(values))]
 
 
 def naive_gmm(q, keys, values, *, alpha, beta, prior="uniform", v_init=None, iters=1):
     """Eqs. (13)-(14) for every query row, with v_init None -> w = p(u | q). Returns
     (values list of lists, trace list of lists) of mpf; trace only where beta > 0."""
     units = len(keys)
+    beta_in = np.broadcast_to(np.asarray(beta, dtype=np.float64), (units,))
     with mpmath.workdps(DPS):
         alpha_u, beta_u = _per_unit(alpha, units), _per_unit(beta, units)
         out, traces = [], []
         for i, q_row in enumerate(q):
             a = _naive_query_terms(q_row, keys, values, alpha_u, beta_u, prior)
-            v = None if v_init is None else [_mp(x) for x in v_init[i]]
+            v = None if v_init is None else list(v_init[i])
             trace = []
             for _ in range(iters):
                 if v is None or all(b == 0 for b in beta_u):
@@ -93,12 +149,11 @@ def naive_gmm(q, keys, values, *, alpha, beta, prior="uniform", v_init=None, ite
                 else:
                     logits = [s + t for s, t in zip(a, _naive_value_terms(v, values, beta_u),
                                                     strict=True)]
-                norm = _lse(logits)
-                weights = [mpmath.exp(s - norm) for s in logits]
+                weights = _weights(logits)
                 if len(set(beta_u)) > 1:  # the root of eq. (12) with per-unit beta
-                    weights = [w * b for w, b in zip(weights, beta_u, strict=True)]
-                total = mpmath.fsum(weights)
-                v = [mpmath.fsum(weights[u] * _mp(values[u][e]) for u in range(units)) / total
+                    weights = [_mul(w, b) for w, b in zip(weights, beta_in, strict=True)]
+                total = _sum(weights)
+                v = [_div(_sum(_mul(weights[u], values[u][e]) for u in range(units)), total)
                      for e in range(values.shape[1])]
                 if all(b > 0 for b in beta_u):
                     joint = [s + t for s, t in zip(a, _naive_value_terms(v, values, beta_u),
@@ -113,33 +168,34 @@ def naive_adapt_keys(queries, keys0, *, alpha, gamma, prior, iters, form):
     units, dim = keys0.shape
     with mpmath.workdps(DPS):
         alpha_u = _per_unit(alpha, units)
+        alpha_in = np.broadcast_to(np.asarray(alpha, dtype=np.float64), (units,))
         gamma_u = np.broadcast_to(np.asarray(gamma, dtype=np.float64), (units,))
-        xi0 = [[_mp(x) for x in row] for row in keys0]
+        xi0 = [list(row) for row in keys0]
         xi = [row[:] for row in xi0]
         for _ in range(iters):
             weights = []
             for q_row in queries:
-                log_p = ([alpha_u[u] / 2 * mpmath.fsum(x * x for x in xi[u]) for u in range(units)]
+                log_p = ([alpha_u[u] / 2 * mpmath.fsum(_mp(x) ** 2 for x in xi[u])
+                          for u in range(units)]
                          if prior == "magnitude" else [mpmath.mpf(0)] * units)
                 logits = [log_p[u] + dim / mpmath.mpf(2) * mpmath.log(alpha_u[u])
-                          - alpha_u[u] / 2 * _sq_mp(xi[u], q_row) for u in range(units)]
-                norm = _lse(logits)
-                weights.append([mpmath.exp(s - norm) for s in logits])
+                          - alpha_u[u] / 2 * _sq(xi[u], q_row) for u in range(units)]
+                weights.append(_weights(logits))
             new = []
             for k in range(units):
                 if math.isinf(gamma_u[k]):
                     new.append(xi0[k][:])
                     continue
-                g, a = _mp(gamma_u[k]), alpha_u[k]
-                total = mpmath.fsum(w[k] for w in weights)
-                sums = [mpmath.fsum(w[k] * _mp(q[d]) for w, q in zip(weights, queries, strict=True))
+                g, a = gamma_u[k], alpha_in[k]
+                total = _sum(w[k] for w in weights)
+                sums = [_sum(_mul(w[k], q[d]) for w, q in zip(weights, queries, strict=True))
                         for d in range(dim)]
                 if form == "paper":
-                    new.append([(g * xi0[k][d] + a * sums[d] / total) / (a + g)
-                                for d in range(dim)])
+                    new.append([_div(_sum([_mul(g, xi0[k][d]), _mul(a, _div(sums[d], total))]),
+                                     _sum([a, g])) for d in range(dim)])
                 else:
-                    new.append([(g * xi0[k][d] + a * sums[d]) / (g + a * total)
-                                for d in range(dim)])
+                    new.append([_div(_sum([_mul(g, xi0[k][d]), _mul(a, sums[d])]),
+                                     _sum([g, _mul(a, total)])) for d in range(dim)])
             xi = new
         return xi
 
@@ -148,23 +204,21 @@ def naive_adapt_priors(queries, keys, *, alpha, eta, pi0, iters, form):
     units, dim = keys.shape
     with mpmath.workdps(DPS):
         alpha_u = _per_unit(alpha, units)
-        pi = [_mp(p) for p in pi0]
-        total0 = mpmath.fsum(pi)
-        pi = [p / total0 for p in pi]
-        eta_u = ([_mp(eta) * p for p in pi] if np.ndim(eta) == 0 else [_mp(e) for e in eta])
+        total0 = _sum(pi0)
+        pi = [_div(p, total0) for p in pi0]
+        eta_u = [_mul(eta, p) for p in pi] if np.ndim(eta) == 0 else list(eta)
         for _ in range(iters):
-            w_bar = [mpmath.mpf(0)] * units
+            w_bar = [Fraction(0)] * units
             for q_row in queries:
-                logits = [(mpmath.log(pi[u]) if pi[u] > 0 else -mpmath.inf)
+                logits = [(mpmath.log(_mp(pi[u])) if pi[u] > 0 else -mpmath.inf)
                           + dim / mpmath.mpf(2) * mpmath.log(alpha_u[u])
                           - alpha_u[u] / 2 * _sq(q_row, keys[u]) for u in range(units)]
-                norm = _lse(logits)
-                w_bar = [w_bar[u] + (mpmath.exp(logits[u] - norm) if logits[u] != -mpmath.inf
-                                     else 0) for u in range(units)]
-            mass = ([w_bar[k] * (1 + eta_u[k]) for k in range(units)] if form == "paper"
-                    else [w_bar[k] + eta_u[k] for k in range(units)])
-            norm = mpmath.fsum(mass)
-            pi = [m / norm for m in mass]
+                weights = _weights(logits)
+                w_bar = [_sum([w_bar[u], weights[u]]) for u in range(units)]
+            mass = ([_mul(w_bar[k], _sum([1, eta_u[k]])) for k in range(units)]
+                    if form == "paper" else [_sum([w_bar[k], eta_u[k]]) for k in range(units)])
+            norm = _sum(mass)
+            pi = [_div(m, norm) for m in mass]
         return pi
 
 
@@ -561,9 +615,9 @@ def test_gamma_zero_magnitude_is_dna(rng):
     with mpmath.workdps(DPS):
         scores = [[_mp(0.9) * mpmath.fsum(_mp(a) * _mp(b) for a, b in zip(qi, k, strict=True))
                    for k in keys] for qi in q]
-        weights = [[mpmath.exp(s - _lse(row)) for s in row] for row in scores]
-        truth = [[mpmath.fsum(weights[i][k] * _mp(q[i][d]) for i in range(3))
-                  / mpmath.fsum(weights[i][k] for i in range(3)) for d in range(2)]
+        weights = [_weights(row) for row in scores]
+        truth = [[_div(_sum(_mul(weights[i][k], q[i][d]) for i in range(3)),
+                       _sum(weights[i][k] for i in range(3))) for d in range(2)]
                  for k in range(2)]
     assert_same_bits("gamma=0 magnitude vs DNA", out, _rounded(truth))
 

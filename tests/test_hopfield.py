@@ -17,7 +17,17 @@ from oracle.tolerance import logit_lse_bound, mixture_bound
 from refattn import hopfield
 from refattn.attention import attention
 from tests.strategies import mixture_problems
-from tests.test_gmm import DPS, _lse, _mp, _rounded, assert_same_bits, assert_within
+from tests.test_gmm import (
+    DPS,
+    _lse,
+    _mp,
+    _mul,
+    _rounded,
+    _sum,
+    _weights,
+    assert_same_bits,
+    assert_within,
+)
 
 
 def _dot(x, y):
@@ -39,15 +49,14 @@ def naive_retrieve(xi, X, beta, steps):
         patterns = [[_mp(a) for a in row] for row in X]
         states, energies = [], []
         for row in xi:
-            state = [_mp(a) for a in row]
-            trace = [naive_energy(state, patterns, beta)]
+            state = list(row)
+            trace = [naive_energy([_mp(a) for a in state], patterns, beta)]
             for _ in range(steps):
-                scores = [_mp(beta) * _dot(x, state) for x in patterns]
-                norm = _lse(scores)
-                weights = [mpmath.exp(s - norm) for s in scores]
-                state = [mpmath.fsum(w * x[d] for w, x in zip(weights, patterns, strict=True))
+                scores = [_mp(beta) * _dot(x, [_mp(a) for a in state]) for x in patterns]
+                weights = _weights(scores)
+                state = [_sum(_mul(w, x[d]) for w, x in zip(weights, X, strict=True))
                          for d in range(len(state))]
-                trace.append(naive_energy(state, patterns, beta))
+                trace.append(naive_energy([_mp(a) for a in state], patterns, beta))
             states.append(state)
             energies.append(trace)
         return states, energies

@@ -18,7 +18,18 @@ from oracle.tolerance import mixture_bound, ratio_bound
 from refattn import mgk
 from refattn.attention import attention
 from tests.strategies import mgk_problems
-from tests.test_gmm import DPS, _lse, _mp, _rounded, assert_same_bits, assert_within
+from tests.test_gmm import (
+    DPS,
+    _div,
+    _lse,
+    _mp,
+    _mul,
+    _rounded,
+    _sum,
+    _weights,
+    assert_same_bits,
+    assert_within,
+)
 
 # --------------------------------------------------------------------------------------------
 # Loop-level references
@@ -77,9 +88,9 @@ def naive_mgk(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=Fa
             if not scores:
                 out.append([mpmath.mpf(0)] * v.shape[1])
                 continue
-            norm = _lse(list(scores.values()))
-            out.append([mpmath.fsum(mpmath.exp(s - norm) * _mp(v[j][e])
-                                    for j, s in scores.items()) for e in range(v.shape[1])])
+            weights = dict(zip(scores, _weights(list(scores.values())), strict=True))
+            out.append([_sum(_mul(w, v[j][e]) for j, w in weights.items())
+                        for e in range(v.shape[1])])
         return out
 
 
@@ -95,13 +106,12 @@ def naive_em(q, keys, *, log_pi, sigma2, mask=None):
                      for j in range(units) for r in range(comps) if allowed[i, j]}
             if not terms:
                 continue
-            norm = _lse(list(terms.values()))
-            for (j, r), t in terms.items():
-                resp[i][j][r] = mpmath.exp(t - norm)
+            for (j, r), w in zip(terms, _weights(list(terms.values())), strict=True):
+                resp[i][j][r] = w
         pi = []
         for j in range(units):
-            den = mpmath.fsum(resp[i][j][r] for i in range(length) for r in range(comps))
-            pi.append([mpmath.fsum(resp[i][j][r] for i in range(length)) / den if den else
+            den = _sum(resp[i][j][r] for i in range(length) for r in range(comps))
+            pi.append([_div(_sum(resp[i][j][r] for i in range(length)), den) if den else
                        mpmath.exp(_mp(log_pi[j][r])) for r in range(comps)])
         return pi, resp
 
