@@ -6,11 +6,13 @@ number no equation; refattn cites their displays in order of appearance:
 
 * (N1) the mixture ``p(q_i) = sum_j pi_j N(q_i | k_j, sigma^2 I)``;
 * (N2) the posterior ``p(t_j = 1 | q_i)`` (the attention weight);
-* (N5) the Gaussian-kernel MGK posterior, (N6) the MGK output ``h_i = sum_j P(t_j|q_i) v_j``;
-* (N7) the E-step, (N8) the hard (max) assignment.
+* (N3) its normalised-inner-product form; (N4) the per-key mixture over components r;
+* (N5) the MGK posterior in inner-product form, (N6) its Gaussian-kernel relaxation;
+* (N7) the MGK output ``h_i = sum_j P(t_j = 1 | q_i) v_j``;
+* (N8) the E-step, (N9) the hard (max) assignment.
 
 **Sign pinned.** The notes print the MGK exponents as ``exp(||q_i - k_jr||^2 / 2 sigma^2)``
-without the minus sign (N5)-(N8). A Gaussian density ``N(q | k, sigma^2)`` has
+without the minus sign (N6)-(N9). A Gaussian density ``N(q | k, sigma^2)`` has
 ``exp(-||q - k||^2 / (2 sigma^2))`` and that is what refattn computes; the printed sign would make
 far keys win. Scores are log-space throughout:
 
@@ -253,7 +255,7 @@ def _clean(x):
 
 def attention(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=False, mask=None,
               causal=False, window=None, align="top_left", precision="float64", out_dtype=None):
-    """Transformer-MGK attention (Nguyen et al. 2022; notes (N5)-(N6), hard form (N8)).
+    """Transformer-MGK attention (Nguyen et al. 2022; notes (N6)-(N7), hard form (N9)).
 
     .. math::
 
@@ -262,7 +264,7 @@ def attention(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=Fa
             e^{-\\|q_i - k_{jr}\\|^2 / (2\\sigma^2_{jr})}
 
     (soft; the exponent's minus sign is pinned, the notes omit it), ``s_ij = max_r(-||q_i -
-    k_jr||^2 / (2 sigma2_jr))`` for ``mode="hard"`` (pi ignored, as the notes' (N8) says).
+    k_jr||^2 / (2 sigma2_jr))`` for ``mode="hard"`` (pi ignored, as the notes' (N9) says).
     ``normalized=True`` adds the Gaussian constant ``-(D/2) log(2 pi sigma2_jr)`` to every
     component (it cancels in the softmax unless sigma2 differs between components).
 
@@ -306,9 +308,9 @@ def attention(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=Fa
     sigma2, sigma_varies = _sigma2(sigma2, comp_shape)
     log_pi, _ = _log_pi(log_pi, comp_shape)
     length, units = q.shape[-2], keys.shape[-3]
-    allowed = np.broadcast_to(
+    allowed = _checks.broadcast(
         allowed_mask(length, units, mask=mask, causal=causal, window=window, align=align),
-        batch + (length, units))
+        batch + (length, units), "mask", "(..., L, S) of q and keys")
     q64, keys64, v64 = (_checks.as_float64(a) for a in (q, keys, v))
     poisoned = _row_poisoned(q64, keys64, v64, allowed)
     if precision == "float64":
@@ -346,7 +348,7 @@ def attention(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=Fa
 
 
 def em_update_pi(q, keys, *, log_pi, sigma2, mask=None, precision="float64", out_dtype=None):
-    """One EM step for the mixture weights pi of Transformer-MGK (notes (N7)).
+    """One EM step for the mixture weights pi of Transformer-MGK (notes (N8)).
 
     E-step: the joint responsibility of key j and its component r for query i (uniform key
     prior, the minus sign of the Gaussian exponent pinned),
@@ -358,7 +360,10 @@ def em_update_pi(q, keys, *, log_pi, sigma2, mask=None, precision="float64", out
                  {\\sum_{j' \\in A_i} \\sum_{r'} \\pi_{j'r'}
                   \\mathcal N(q_i \\mid k_{j'r'}, \\sigma^2_{j'r'})};
 
-    M-step (maximising the expected complete log-likelihood subject to sum_r pi_jr = 1):
+    (the notes' (N8) prints a sum over r in the numerator and no minus sign; refattn reads it
+    as the standard E-step of the two-level mixture, key prior uniform as in (N2)). M-step
+    (maximising the expected complete log-likelihood subject to sum_r pi_jr = 1; the notes
+    learn pi by gradient descent instead):
 
     .. math:: \\pi^{new}_{jr} = \\frac{\\sum_i \\rho_{ijr}}{\\sum_i \\sum_{r'} \\rho_{ijr'}} .
 
@@ -397,7 +402,8 @@ def em_update_pi(q, keys, *, log_pi, sigma2, mask=None, precision="float64", out
         if not np.isfinite(_checks.as_float64(arr)).all():
             raise ValueError(f"{name}: expected finite values (shape {arr.shape})")
     length, units, comps = q.shape[-2], keys.shape[-3], keys.shape[-2]
-    allowed = np.broadcast_to(allowed_mask(length, units, mask=mask), batch + (length, units))
+    allowed = _checks.broadcast(allowed_mask(length, units, mask=mask), batch + (length, units),
+                                "mask", "(..., L, S) of q and keys")
     if precision == "float64":
         terms = _component_terms64(_checks.as_float64(q), _checks.as_float64(keys), log_pi,
                                    sigma2, sigma_varies, "soft", True)
@@ -468,7 +474,7 @@ def linear_attention(q, keys, v, *, pi, feature_map="elu+1", causal=False, preci
         \\qquad \\phi(x) = \\operatorname{elu}(x) + 1 .
 
     The mixture is formed **after** the feature map: MLK replaces each Gaussian kernel of the
-    soft MGK posterior (N5) by the linear kernel ``phi(q).phi(k_jr)``, and the mixture of
+    soft MGK posterior (N6) by the linear kernel ``phi(q).phi(k_jr)``, and the mixture of
     kernels ``sum_r pi_jr phi(q).phi(k_jr)`` equals ``phi(q).(sum_r pi_jr phi(k_jr))`` by
     linearity, whereas ``phi(sum_r pi_jr k_jr)`` would be the kernel of a single averaged key
     (phi is not linear).
