@@ -395,12 +395,17 @@ def adaptive_tap(
         Stopping rule of :func:`refattn.fixedpoint.solve` on the joint state ``(m, V)`` (the
         relative residual is taken over the concatenated ``m`` and ``V`` of each sample).
     precision : {"float64", "exact"}
-        "float64": iterate from ``m = 0, V = 0``. "exact" (``response="site"`` only): the fixed
+        "float64": iterate from ``m = 0, V = 0``. "exact", ``response="site"``: the fixed
         point in closed form, ``m = (P - J)^{-1} x``, ``chi_ii = [(P - J)^{-1}]_ii``,
         ``V_i = P_i - chi_ii^{-1}`` (``P = Sigma^{-1}``), computed in exact rational arithmetic
         and rounded once to ``out_dtype``; this is the unique solution of the fixed-point
         equations whenever ``P - J`` and every ``chi_ii`` are invertible (ValueError otherwise),
-        whether or not the float64 iteration reaches it.
+        whether or not the float64 iteration reaches it. "exact", ``response="prior"``: the
+        means are the same closed form and ``chi_ii = Sigma_i`` exactly; the cavity variances
+        solve ``P_i [(P + V - J)^{-1}]_ii = I``, a nonlinear system whose zero near the float64
+        result is certified by a Krawczyk test in interval arithmetic (unique in a box around
+        it; other solutions elsewhere are not excluded), inside the Ziv loop. Limited to
+        ``N d <= 12`` (dense test in ``(N d)^2 + N d^2`` unknowns: about 10 s at the limit).
     out_dtype : dtype, optional
         Exact path only.
     **solver_options
@@ -435,12 +440,21 @@ def adaptive_tap(
     J = _diagonal(_couplings(J, n, d), diagonal, ("error", "zero"))
     P = _prior_blocks(prior_precision, n, d)
     batch = _batch((x, 2), (J, 4))
-    if precision == "exact":
-        if response != "site":
-            raise NotImplementedError(
-                "adaptive_tap: the exact path is implemented for response='site' only")
-        return _adaptive_tap_exact(x, J, P, batch, _checks.out_dtype(out_dtype))
     options = _solver_options(solver_options)
+    if precision == "exact" and response == "site":
+        return _adaptive_tap_exact(x, J, P, batch, _checks.out_dtype(out_dtype))
+    if precision == "exact" and n * d > _PRIOR_EXACT_MAX_SIZE:
+        raise ValueError(f"adaptive_tap: the exact path with response='prior' certifies "
+                         f"N d <= {_PRIOR_EXACT_MAX_SIZE} unknown blocks, got N d = {n * d}")
+    result = _adaptive_tap_float(x, J, P, batch, response, tol, max_iter, options)
+    if precision == "exact":
+        return _adaptive_tap_prior_exact(result.cavity_var, x, J, P, batch,
+                                         _checks.out_dtype(out_dtype))
+    return result
+
+
+def _adaptive_tap_float(x, J, P, batch, response, tol, max_iter, options):
+    n, d = x.shape[-2:]
     size = int(np.prod(batch, dtype=int))
     xb = np.broadcast_to(x, (*batch, n, d)).reshape(size, n, d)
     Jb = np.broadcast_to(J, (*batch, n, n, d, d)).reshape(size, n, n, d, d)
@@ -472,13 +486,14 @@ def adaptive_tap(
     )
 
 
-def _adaptive_tap_exact(x, J, P, batch, dtype):
-    """Closed-form fixed point (response="site") in exact rational arithmetic."""
+def _site_closed_form(x, J, P, batch):
+    """Exact (means, V, chi_ii) of the response="site" fixed point per sample (Fractions):
+    m = (P - J)^{-1} x, chi_ii = [(P - J)^{-1}]_ii, V_i = P_i - chi_ii^{-1}."""
     n, d = x.shape[-2:]
     xs = np.broadcast_to(_fractions(x, "x"), (*batch, n, d)).reshape(-1, n * d)
     Js = np.broadcast_to(_fractions(J, "J"), (*batch, n, n, d, d)).reshape(-1, n, n, d, d)
-    Pbig = _block_diag(_fractions(P, "prior_precision")[None])[0]
     Pf = _fractions(P, "prior_precision")
+    Pbig = _block_diag(Pf[None])[0]
     system = None
     means, cavity, chis = [], [], []
     for xb, Jb in zip(xs, Js, strict=True):
@@ -489,14 +504,134 @@ def _adaptive_tap_exact(x, J, P, batch, dtype):
                         for i, block in enumerate(chi_diag)]
             system = chi, chi_diag, Pf - np.stack(inverses)
         chi, chi_diag, V = system
-        means.append(chi.dot(xb))
+        means.append(chi.dot(xb).reshape(n, d))
         cavity.append(V)
         chis.append(chi_diag)
+    return np.array(means, dtype=object), np.array(cavity, dtype=object), \
+        np.array(chis, dtype=object)
+
+
+def _adaptive_tap_exact(x, J, P, batch, dtype):
+    """Closed-form fixed point (response="site") in exact rational arithmetic."""
+    n, d = x.shape[-2:]
+    means, cavity, chis = _site_closed_form(x, J, P, batch)
     return _exact_result(
         batch,
-        _round(np.array(means, dtype=object), dtype, "means").reshape(*batch, n, d),
-        _round(np.array(cavity, dtype=object), dtype, "cavity_var").reshape(*batch, n, d, d),
-        _round(np.array(chis, dtype=object), dtype, "chi_diag").reshape(*batch, n, d, d),
+        _round(means, dtype, "means").reshape(*batch, n, d),
+        _round(cavity, dtype, "cavity_var").reshape(*batch, n, d, d),
+        _round(chis, dtype, "chi_diag").reshape(*batch, n, d, d),
+    )
+
+
+# Exact path of adaptive_tap with response="prior": the means are the closed form
+# (P - J)^{-1} x and chi_ii = Sigma_i = P_i^{-1} exactly (the fixed point of eq. (11) with
+# Lambda_i = V_i + P_i); the cavity variances solve the nonlinear system, with
+# D = N d, unknowns V_i (N d^2, index i d^2 + a d + b) and Y = (P + V - J)^{-1} (D^2, index
+# N d^2 + r D + s):
+#   E2 = (P + V - J) Y - I      (D^2 equations, eqs. (8), (22))
+#   E3 = P_i Y_ii - I           (N d^2 equations, eq. (11): chi_ii = (Lambda_i - V_i)^{-1})
+
+#: Largest N d of the certified exact path of adaptive_tap(response="prior"): the Krawczyk
+#: test is dense in (N d)^2 + N d^2 unknowns.
+_PRIOR_EXACT_MAX_SIZE = 12
+
+
+class _TapPriorProblem:
+    def __init__(self, J, P):
+        n, d = P.shape[:2]
+        self.n, self.d, self.size = n, d, n * d
+        self.J = _big(J[None])[0].tolist()
+        self.P = P.tolist()
+        self.offset = n * d * d
+        # structural nonzeros of P + V - J in each row: the diagonal block and J's nonzeros
+        self.support = [[t for t in range(n * d) if t // d == r // d or self.J[r][t] != 0]
+                        for r in range(n * d)]
+
+    def _blocks(self, u, ops):
+        d, D = self.d, self.size
+        J = [[ops.num(v) for v in row] for row in self.J]
+        P = [[[ops.num(v) for v in row] for row in site] for site in self.P]
+        V = lambda i, a, b: u[i * d * d + a * d + b]  # noqa: E731
+        Y = lambda r, s: u[self.offset + r * D + s]  # noqa: E731
+
+        def A(r, t):
+            i, a, b = r // d, r % d, t % d
+            diagonal = P[i][a][b] + V(i, a, b) if t // d == i else 0
+            return diagonal - J[r][t]
+
+        return P, Y, A
+
+    def residual(self, u, ops):
+        n, d, D = self.n, self.d, self.size
+        P, Y, A = self._blocks(u, ops)
+        out = [sum(A(r, t) * Y(t, s) for t in self.support[r]) - (1 if r == s else 0)
+               for r in range(D) for s in range(D)]
+        out.extend(sum(P[i][a][b] * Y(i * d + b, i * d + c) for b in range(d))
+                   - (1 if a == c else 0)
+                   for i in range(n) for a in range(d) for c in range(d))
+        return out
+
+    def jacobian(self, u, ops):
+        n, d, D = self.n, self.d, self.size
+        P, Y, A = self._blocks(u, ops)
+        entries = []
+        for r in range(D):
+            i, a = divmod(r, d)
+            for s in range(D):
+                row = r * D + s
+                entries.extend((row, self.offset + t * D + s, A(r, t)) for t in self.support[r])
+                entries.extend((row, i * d * d + a * d + b, Y(i * d + b, s)) for b in range(d))
+        for i in range(n):
+            for a in range(d):
+                for c in range(d):
+                    row = D * D + i * d * d + a * d + c
+                    entries.extend((row, self.offset + (i * d + b) * D + i * d + c, P[i][a][b])
+                                   for b in range(d))
+        return entries
+
+
+def _adaptive_tap_prior_exact(V, x, J, P, batch, dtype):
+    """Means and chi_ii in closed form; V certified by the Krawczyk test."""
+    n, d = x.shape[-2:]
+    size = int(np.prod(batch, dtype=int))
+    means, _, _ = _site_closed_form(x, J, P, batch)  # the means do not depend on V
+    sigma = np.stack([_exact_inverse(block, f"prior_precision (site {i})")
+                      for i, block in enumerate(_fractions(P, "prior_precision"))])
+    Js = np.broadcast_to(J, (*batch, n, n, d, d)).reshape(size, n, n, d, d)
+    Vs = V.reshape(size, n, d, d)
+    certifiers = []
+    for b in range(size):
+        if b == 0 or J.ndim > 4:  # V depends on J only: a shared J is certified once
+            Pbig, Vbig = _block_diag(P[None])[0], _block_diag(Vs[b:b + 1])[0]
+            Y = np.linalg.inv(Pbig + Vbig - _big(Js[b:b + 1])[0])
+            u0 = np.concatenate([Vs[b].ravel(), Y.ravel()])
+            certifiers.append(_Krawczyk(_TapPriorProblem(Js[b], P), u0, range(len(u0)),
+                                        "adaptive_tap"))
+    isolated = _isolated_sites(Js, scalar=False)
+    means_flat, block = means.reshape(size, -1), n * d * d
+
+    def evaluate(prec):
+        boxes = [c.enclose(prec)[:block] for c in certifiers]
+        rows = [list(means_flat[b]) + boxes[min(b, len(boxes) - 1)] + list(sigma.ravel())
+                for b in range(size)]
+        return I.endpoints(np.array(rows, dtype=object))
+
+    def exact_zero(index):
+        b, k = index
+        k -= n * d
+        if 0 <= k < block and isolated[b, k // (d * d)]:
+            return 0  # an isolated site has chi_ii = (P_i + V_i)^{-1} = P_i^{-1}: V_i = 0
+        return None
+
+    out = correctly_round(evaluate, dtype, max_prec=_CERTIFIED_MAX_PREC, fallback=exact_zero,
+                          what="adaptive_tap")
+    iterations = np.array([certifiers[min(b, len(certifiers) - 1)].steps for b in range(size)])
+    return _exact_result(
+        batch,
+        out[:, : n * d].reshape(*batch, n, d),
+        out[:, n * d: n * d + block].reshape(*batch, n, d, d),
+        out[:, n * d + block:].reshape(*batch, n, d, d),
+        iterations=iterations.reshape(batch),
     )
 
 
@@ -597,7 +732,7 @@ def ising_tap(
     m, V = res.z[:, :n], res.z[:, n:]
     if precision == "exact":
         dtype = _checks.out_dtype(out_dtype)
-        return _ising_exact(m, V, Jb, xb, batch, dtype, res.converged)
+        return _ising_exact(m, V, Jb, xb, batch, dtype)
     _, _, chi_diag = _ising_update(m, V, Jb, xb)
     return MeanFieldResult(
         means=m.reshape(*batch, n),
@@ -610,118 +745,65 @@ def ising_tap(
     )
 
 
-# Exact path of ising_tap: unknowns u = (m_i, Lambda_i, Y_pl) with Y = (Lambda - J)^{-1}, laid
-# out as m -> [0, N), Lambda -> [N, 2N), Y_pl -> 2N + p N + l; equations E1 (N), E2 (N^2),
-# E3 (N) in the same order. The same generic code runs on floats (the preconditioner), mpf
-# (the chord refinement) and intervals (the Krawczyk test).
-
-#: Largest working precision of the exact ising_tap Ziv loop (an exact zero that no structural
-#: rule proves would otherwise double the precision up to config.ZIV_MAX_PREC).
-_ISING_MAX_PREC = 4096
-
-
-def _ising_residual(u, J, x, tanh, n):
-    m, lam, Y = u[:n], u[n:2 * n], u[2 * n:]
-    out = []
-    for i in range(n):
-        s = sum(J[i][j] * m[j] for j in range(n)) - lam[i] * m[i] + m[i] / (1 - m[i] * m[i])
-        out.append(m[i] - tanh(s + x[i]))
-    for k in range(n):
-        for l in range(n):
-            coupled = sum(J[k][p] * Y[p * n + l] for p in range(n))
-            out.append(lam[k] * Y[k * n + l] - coupled - (1 if k == l else 0))
-    out.extend(Y[i * n + i] - (1 - m[i] * m[i]) for i in range(n))
-    return out
+# ----------------------------------------------------------------------------- certification
+# A zero of a square system G(u) = 0 near a float64 approximation is certified with the
+# Krawczyk operator (Krawczyk 1969; Rump 1983): with C ~ G'(u0)^{-1} (float64), a box X
+# around the refined midpoint u and
+#     K(X) = u - C G(u) + (I - C G'(X)) (X - u),
+# K(X) inside the interior of X proves that G has exactly one zero in X, and it lies in K(X).
+# G'(X) is an interval enclosure of the Jacobian over the whole box. Problems supply
+# residual(u, ops) and jacobian(u, ops) (a sparse list of (row, column, value)) written with
+# + - * / and ops.tanh only, so the same code runs on floats (the preconditioner), mpf (the
+# chord refinement) and intervals (the test).
 
 
-def _ising_jacobian(u, J, x, tanh, n, nonzero):
-    """Sparse Jacobian of :func:`_ising_residual`: a list of (row, column, value)."""
-    m, lam, Y = u[:n], u[n:2 * n], u[2 * n:]
-    entries = []
-    for i in range(n):
-        c = 1 - m[i] * m[i]
-        s = sum(J[i][j] * m[j] for j in range(n)) - lam[i] * m[i] + m[i] / c + x[i]
-        t = tanh(s)
-        slope = 1 - t * t
-        entries.extend((i, j, -slope * J[i][j]) for j in range(n) if nonzero[i][j])
-        entries.append((i, i, 1 - slope * ((1 + m[i] * m[i]) / (c * c) - lam[i])))
-        entries.append((i, n + i, slope * m[i]))
-    for k in range(n):
-        for l in range(n):
-            row = n + k * n + l
-            entries.append((row, n + k, Y[k * n + l]))
-            entries.extend((row, 2 * n + p * n + l, (lam[k] if p == k else 0) - J[k][p])
-                           for p in range(n) if p == k or nonzero[k][p])
-    for i in range(n):
-        entries.append((n + n * n + i, i, 2 * m[i]))
-        entries.append((n + n * n + i, 2 * n + i * n + i, 1))
-    return entries
+@dataclass(frozen=True)
+class _Ops:
+    num: Callable
+    tanh: Callable
 
 
-class _IsingCertifier:
-    """Certified enclosure of one sample's binary-spin TAP fixed point (Krawczyk test)."""
+_FLOAT_OPS = _Ops(float, math.tanh)
+_MP_OPS = _Ops(mpf, mp.tanh)
+_IV_OPS = _Ops(I.point, I.tanh)
 
-    def __init__(self, m, V, J, x):
-        n = len(x)
-        self.n, self.Jf, self.xf = n, J, x
-        self.nonzero = (J != 0).tolist()
-        self.free_m = bool((x != 0).any())  # x = 0: m = 0 exactly, certify (Lambda, Y) only
-        if not self.free_m:
-            m = np.zeros(n)
-        c = 1 - m * m
-        lam = V + 1 / c
-        Y = np.linalg.inv(np.diag(lam) - J)
-        self.u0 = [float(v) for v in np.concatenate([m, lam, Y.ravel()])]
-        self.free = list(range(0 if self.free_m else n, 2 * n + n * n))
-        self.rows = self.free  # equation k pairs with unknown k (E1 with m, E2/E3 with Lambda, Y)
-        jac = self._dense(_ising_jacobian(self.u0, J.tolist(), x.tolist(), math.tanh, n,
-                                          self.nonzero), float)
+
+def _strictly_inside(inner, outer):
+    (a, b), (c, d) = inner._mpi_, outer._mpi_
+    return mpf_lt(c, a) and mpf_lt(b, d)
+
+
+class _Krawczyk:
+    """Certified enclosure of the zero of ``problem`` near ``u0`` (free unknowns ``free``)."""
+
+    def __init__(self, problem, u0, free, what):
+        self.problem, self.free, self.what = problem, list(free), what
+        self.rows = self.free  # equation k is paired with unknown k (a square system)
+        self.u0, self.u, self.steps = [float(v) for v in u0], None, 0
+        jac = np.zeros((len(self.free),) * 2)
+        for row, col, value in self._entries(problem.jacobian(self.u0, _FLOAT_OPS)):
+            jac[row, col] += value
         if not np.isfinite(jac).all() or np.linalg.cond(jac) > 1 / np.finfo(np.float64).eps:
-            raise ArithmeticError("ising_tap: the fixed point is not isolated (singular Jacobian "
-                                  "of the TAP equations); the exact path cannot certify it")
+            raise ArithmeticError(f"{what}: the fixed point is not isolated (singular Jacobian "
+                                  f"of the fixed-point equations); the exact path cannot "
+                                  f"certify it")
         self.C = np.linalg.inv(jac)
-        self.u, self.steps = None, 0
 
-    def _dense(self, entries, kind):
+    def _entries(self, entries):
+        """Restrict (row, column, value) entries to the free unknowns, renumbered."""
         index = {v: k for k, v in enumerate(self.free)}
         rows = {v: k for k, v in enumerate(self.rows)}
-        size = len(self.free)
-        dense = np.zeros((size, size), dtype=kind)
-        if kind is object:
-            dense[...] = iv.mpf(0)
-        for row, col, value in entries:
-            if row in rows and col in index:
-                dense[rows[row], index[col]] += value
-        return dense
-
-    def _identity_minus(self, C, entries):
-        """I - C G'(X) with the sparse Jacobian enclosure G'(X) (O(size * nnz) operations)."""
-        index = {v: k for k, v in enumerate(self.free)}
-        rows = {v: k for k, v in enumerate(self.rows)}
-        size = len(self.free)
-        out = np.empty((size, size), dtype=object)
-        out[...] = iv.mpf(0)
-        for k in range(size):
-            out[k, k] = iv.mpf(1)
-        for row, col, value in entries:
-            if row in rows and col in index:
-                out[:, index[col]] -= C[:, rows[row]] * value
-        return out
-
-    def _args(self, convert):
-        return ([[convert(v) for v in row] for row in self.Jf.tolist()],
-                [convert(v) for v in self.xf.tolist()])
+        return [(rows[r], index[c], v) for r, c, v in entries if r in rows and c in index]
 
     def refine(self, prec):
         """Chord iterations u <- u - C G(u) in mpf arithmetic until the step is below 2**-prec
         (relative), at 32 guard bits so rounding noise stays far below the threshold."""
         with mp.workprec(prec + 32):
-            J, x = self._args(mpf)
             u = [mpf(v) for v in (self.u0 if self.u is None else self.u)]
             C = [[mpf(float(c)) for c in row] for row in self.C]
             threshold = max(1, max(abs(v) for v in u)) * mpf(2) ** (-prec)
             for self.steps in range(1, prec + 1):  # noqa: B007  (the count is reported)
-                g = _ising_residual(u, J, x, mp.tanh, self.n)
+                g = self.problem.residual(u, _MP_OPS)
                 g = [g[r] for r in self.rows]
                 step = [mp.fsum(c * v for c, v in zip(row, g, strict=True)) for row in C]
                 for k, var in enumerate(self.free):
@@ -731,14 +813,12 @@ class _IsingCertifier:
             self.u = u
 
     def enclose(self, prec):
-        """Krawczyk test at ``prec`` bits; returns interval (means, cavity_var, chi_diag)."""
+        """Krawczyk test at ``prec`` bits; returns the certified box (a list of intervals)."""
         self.refine(prec + 8)
-        n = self.n
         with I.workprec(prec):
-            J, x = self._args(I.point)
             point = [iv.mpf(v) for v in self.u]
             C = np.array([[I.point(float(c)) for c in row] for row in self.C], dtype=object)
-            g = _ising_residual(point, J, x, I.tanh, n)
+            g = self.problem.residual(point, _IV_OPS)
             delta = C.dot(np.array([g[r] for r in self.rows], dtype=object))
             scale = max([1] + [abs(float(v)) for v in self.u])
             radius = 4 * (max(abs(float(d.b)) + abs(float(d.a)) for d in delta)
@@ -746,46 +826,134 @@ class _IsingCertifier:
             box = list(point)
             for var in self.free:
                 box[var] = point[var] + iv.mpf([-radius, radius])
-            contraction = self._identity_minus(C, _ising_jacobian(box, J, x, I.tanh, n,
-                                                                  self.nonzero))
+            contraction = self._identity_minus(C, self.problem.jacobian(box, _IV_OPS))
             offsets = np.array([box[v] - point[v] for v in self.free], dtype=object)
             krawczyk = np.array([point[v] for v in self.free], dtype=object) - delta \
                 + contraction.dot(offsets)
             for k, var in enumerate(self.free):
                 if not _strictly_inside(krawczyk[k], box[var]):
                     raise ArithmeticError(
-                        f"ising_tap: Krawczyk certification failed at {prec} bits (unknown "
+                        f"{self.what}: Krawczyk certification failed at {prec} bits (unknown "
                         f"{var}); the float64 iterate may not be near an isolated fixed point")
                 box[var] = krawczyk[k]
-            m, lam, Y = box[:n], box[n:2 * n], box[2 * n:]
-            V = [lam[i] - 1 / (1 - m[i] * m[i]) for i in range(n)]
-            return m + V + [Y[i * n + i] for i in range(n)]
+            return box
+
+    def _identity_minus(self, C, entries):
+        """I - C G'(X) from the sparse Jacobian enclosure (O(size * nnz) operations)."""
+        size = len(self.free)
+        out = np.empty((size, size), dtype=object)
+        out[...] = iv.mpf(0)
+        for k in range(size):
+            out[k, k] = iv.mpf(1)
+        for row, col, value in self._entries(entries):
+            out[:, col] -= C[:, row] * value
+        return out
 
 
-def _strictly_inside(inner, outer):
-    (a, b), (c, d) = inner._mpi_, outer._mpi_
-    return mpf_lt(c, a) and mpf_lt(b, d)
+def _isolated_sites(J, scalar):
+    """Sites with no coupling in or out (their cavity variance is exactly 0)."""
+    axes = (-1,) if scalar else (-3, -2, -1)
+    rows = (J != 0).any(axis=axes)
+    cols = (np.swapaxes(J, -1, -2) != 0).any(axis=(-1,)) if scalar else \
+        (np.swapaxes(J, -3, -4) != 0).any(axis=axes)
+    return ~(rows | cols)
 
 
-def _ising_exact(m, V, J, x, batch, dtype, converged):
+# Exact path of ising_tap: unknowns u = (m_i, Lambda_i, Y_pl) with Y = (Lambda - J)^{-1}, laid
+# out as m -> [0, N), Lambda -> [N, 2N), Y_pl -> 2N + p N + l; equations E1 (N), E2 (N^2),
+# E3 (N) in the same order:
+#   E1_i = m_i - tanh(sum_j J_ij m_j - (Lambda_i - 1/(1 - m_i^2)) m_i + x_i)   (eqs. (14), (10))
+#   E2   = (Lambda - J) Y - I                                                  (eq. (8))
+#   E3_i = Y_ii - (1 - m_i^2)                                                  (eq. (11))
+
+#: Largest working precision of the exact Ziv loops of the nonlinear fixed points (an exact
+#: zero that no structural rule proves would otherwise double the precision up to
+#: config.ZIV_MAX_PREC).
+_CERTIFIED_MAX_PREC = 4096
+
+
+class _IsingProblem:
+    def __init__(self, J, x):
+        self.n, self.J, self.x = len(x), J.tolist(), x.tolist()
+        self.nonzero = (J != 0).tolist()
+
+    def residual(self, u, ops):
+        n, J, x = self.n, [[ops.num(v) for v in row] for row in self.J], \
+            [ops.num(v) for v in self.x]
+        m, lam, Y = u[:n], u[n:2 * n], u[2 * n:]
+        out = []
+        for i in range(n):
+            s = sum(J[i][j] * m[j] for j in range(n)) - lam[i] * m[i] + m[i] / (1 - m[i] * m[i])
+            out.append(m[i] - ops.tanh(s + x[i]))
+        for k in range(n):
+            for l in range(n):
+                coupled = sum(J[k][p] * Y[p * n + l] for p in range(n))
+                out.append(lam[k] * Y[k * n + l] - coupled - (1 if k == l else 0))
+        out.extend(Y[i * n + i] - (1 - m[i] * m[i]) for i in range(n))
+        return out
+
+    def jacobian(self, u, ops):
+        n, J, x, nonzero = self.n, [[ops.num(v) for v in row] for row in self.J], \
+            [ops.num(v) for v in self.x], self.nonzero
+        m, lam, Y = u[:n], u[n:2 * n], u[2 * n:]
+        entries = []
+        for i in range(n):
+            c = 1 - m[i] * m[i]
+            t = ops.tanh(sum(J[i][j] * m[j] for j in range(n)) - lam[i] * m[i] + m[i] / c + x[i])
+            slope = 1 - t * t
+            entries.extend((i, j, -slope * J[i][j]) for j in range(n) if nonzero[i][j])
+            entries.append((i, i, 1 - slope * ((1 + m[i] * m[i]) / (c * c) - lam[i])))
+            entries.append((i, n + i, slope * m[i]))
+        for k in range(n):
+            for l in range(n):
+                row = n + k * n + l
+                entries.append((row, n + k, Y[k * n + l]))
+                entries.extend((row, 2 * n + p * n + l, (lam[k] if p == k else 0) - J[k][p])
+                               for p in range(n) if p == k or nonzero[k][p])
+        for i in range(n):
+            entries.append((n + n * n + i, i, 2 * m[i]))
+            entries.append((n + n * n + i, 2 * n + i * n + i, 1))
+        return entries
+
+
+def _ising_certifier(m, V, J, x):
+    n = len(x)
+    free_m = bool((x != 0).any())  # x = 0: m = 0 is an exact solution; certify (Lambda, Y)
+    m = m if free_m else np.zeros(n)
+    lam = V + 1 / (1 - m * m)
+    u0 = np.concatenate([m, lam, np.linalg.inv(np.diag(lam) - J).ravel()])
+    return _Krawczyk(_IsingProblem(J, x), u0, range(0 if free_m else n, 2 * n + n * n),
+                     "ising_tap")
+
+
+def _ising_outputs(box, n):
+    m, lam, Y = box[:n], box[n:2 * n], box[2 * n:]
+    return m + [lam[i] - 1 / (1 - m[i] * m[i]) for i in range(n)] + \
+        [Y[i * n + i] for i in range(n)]
+
+
+def _ising_exact(m, V, J, x, batch, dtype):
     """Correctly rounded (means, cavity_var, chi_diag) of the certified fixed points."""
     n = x.shape[-1]
-    certifiers = [_IsingCertifier(mb, Vb, Jb, xb) for mb, Vb, Jb, xb in
+    certifiers = [_ising_certifier(mb, Vb, Jb, xb) for mb, Vb, Jb, xb in
                   zip(m, V, J, x, strict=True)]
+    isolated = _isolated_sites(J, scalar=True)
 
     def evaluate(prec):
-        return I.endpoints(np.array([c.enclose(prec) for c in certifiers], dtype=object))
+        boxes = [c.enclose(prec) for c in certifiers]
+        with I.workprec(prec):  # V_i = Lambda_i - 1/(1 - m_i^2) on the certified box
+            outputs = [_ising_outputs(box, n) for box in boxes]
+        return I.endpoints(np.array(outputs, dtype=object))
 
     def exact_zero(index):
-        # a site without couplings has V_i = 0 (chi_ii = 1 / Lambda_i) and, if x_i = 0, m_i = 0
+        # an isolated site has V_i = 0 (chi_ii = 1 / Lambda_i) and, if x_i = 0, m_i = 0
         b, k = index
-        site = k % n
-        isolated = not (J[b, site] != 0).any() and not (J[b, :, site] != 0).any()
-        if isolated and (k // n == 1 or (k // n == 0 and x[b, site] == 0)):
+        kind, site = divmod(k, n)
+        if isolated[b, site] and (kind == 1 or (kind == 0 and x[b, site] == 0)):
             return 0
         return None
 
-    out = correctly_round(evaluate, dtype, max_prec=_ISING_MAX_PREC, fallback=exact_zero,
+    out = correctly_round(evaluate, dtype, max_prec=_CERTIFIED_MAX_PREC, fallback=exact_zero,
                           what="ising_tap").reshape(len(certifiers), 3, n)
     iterations = np.array([c.steps for c in certifiers], dtype=int)
     return _exact_result(batch, *(out[:, k].reshape(*batch, n) for k in range(3)),
@@ -920,10 +1088,6 @@ def _deq_linear_exact(x, J, batch, dtype):
     return _exact_result(batch, z, None, None)
 
 
-#: Largest working precision of the exact deq_attention Ziv loop with a correction.
-_DEQ_MAX_PREC = 4096
-
-
 def _upper(value):
     """Exact upper bound of |value| for an interval (or exact number) as an mpf."""
     value = value if isinstance(value, iv.mpf) else I.point(value)
@@ -969,7 +1133,7 @@ def _deq_contraction_exact(res, x, J, correction, lipschitz, dtype):
                                   for b in range(size)], dtype=object)
         return I.endpoints(enclosure)
 
-    z = correctly_round(evaluate, dtype, max_prec=_DEQ_MAX_PREC, what="deq_attention")
+    z = correctly_round(evaluate, dtype, max_prec=_CERTIFIED_MAX_PREC, what="deq_attention")
     return _exact_result(batch, z.reshape(*batch, n, d), None, None,
                          iterations=np.full(batch, state["iterations"]))
 

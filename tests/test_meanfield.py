@@ -335,6 +335,54 @@ def test_adaptive_tap_exact_against_mpmath(rng):
                        bound * np.sqrt(2) + gamma(1) * np.linalg.norm(res.means))
 
 
+def test_adaptive_tap_prior_reading_exact_against_mpmath(rng):
+    n, d = 2, 2
+    J = _couplings(rng, n, d, 0.6, symmetric=False)
+    x = rng.standard_normal((2, n, d))
+    P = np.array([[2.0, 0.5], [0.5, 1.0]])
+    res = adaptive_tap(x, J, prior_precision=P, response="prior", precision="exact")
+    with mpmath.workdps(DPS):
+        Pm, Jm = mpmath.matrix(np.kron(np.eye(n), P).tolist()), mpmath.matrix(_big(J).tolist())
+        sigma = mpmath.matrix(P.tolist()) ** -1
+
+        def equations(*v):
+            V = mpmath.zeros(n * d, n * d)
+            for i in range(n):
+                for a in range(d):
+                    for b in range(d):
+                        V[i * d + a, i * d + b] = v[i * d * d + a * d + b]
+            chi = (Pm + V - Jm) ** -1
+            return [chi[i * d + a, i * d + b] - sigma[a, b]
+                    for i in range(n) for a in range(d) for b in range(d)]
+
+        root = mpmath.findroot(equations, [mpmath.mpf(float(v)) for v in
+                                           res.cavity_var[0].ravel()],
+                               tol=mpmath.mpf(10) ** (-2 * DPS + 10))
+        V = np.array([root[k] for k in range(n * d * d)], dtype=object).reshape(n, d, d)
+        sigma = np.array(sigma.tolist(), dtype=object)
+    means = _mp_solve(np.kron(np.eye(n), P), _big(J), x[1].ravel()).reshape(n, d)
+    for b in range(2):
+        _assert_rounded(f"prior-reading V, sample {b}", res.cavity_var[b], V)
+        for i in range(n):
+            _assert_rounded(f"prior-reading chi_ii = Sigma, site {i}", res.chi_diag[b, i], sigma)
+    _assert_rounded("prior-reading means", res.means[1], means)
+    with pytest.raises(ValueError, match="N d <= 12"):
+        adaptive_tap(np.zeros((7, 2)), np.zeros((7, 7, 2, 2)), response="prior",
+                     precision="exact")
+
+
+def test_adaptive_tap_exact_out_dtype_float32(rng):
+    n, d = 3, 2
+    J = _couplings(rng, n, d, 0.5)
+    x = rng.standard_normal((n, d))
+    res = adaptive_tap(x, J, precision="exact", out_dtype=np.float32)
+    wide = adaptive_tap(x, J, precision="exact")
+    assert res.means.dtype == np.float32 and res.cavity_var.dtype == np.float32
+    # rounding the float64 result again may differ from one rounding only within half an ulp
+    _assert_bound("float32 exact means", res.means, wide.means,
+                  ulp(wide.means, "float32") / 2 + ulp(wide.means, "float64"))
+
+
 def test_adaptive_tap_batch_samples_are_independent(rng):
     n, d = 3, 2
     J = np.stack([_couplings(rng, n, d, 0.1), _couplings(rng, n, d, 0.6)])
@@ -381,7 +429,6 @@ def test_adaptive_tap_nonconvergence_reports_residual(rng):
         ({"prior_precision": np.ones((3,))}, ValueError, "prior_precision: expected a scalar"),
         ({"response": "cavity"}, ValueError, "response"),
         ({"diagonal": "keep"}, ValueError, "diagonal"),
-        ({"precision": "exact", "response": "prior"}, NotImplementedError, "site"),
         ({"solver": "x"}, TypeError, "unexpected keyword"),
     ],
 )
@@ -614,3 +661,30 @@ def test_deq_exact_needs_a_contraction_certificate(rng):
         deq_attention(x, J, _half_tanh, precision="exact", lipschitz=1.0)
     with pytest.raises(TypeError, match="correction"):
         deq_attention(x, J, correction=3.0)
+
+
+# ----------------------------------------------------------------------------- larger sizes
+
+
+@pytest.mark.slow
+def test_exact_paths_at_the_documented_sizes(rng):
+    # N = 8, d = 4: closed forms (adaptive TAP "site", DEQ without correction) and the
+    # certified binary-spin TAP at N = 8; each against its float64 result
+    n, d = 8, 4
+    J = _couplings(rng, n, d, 0.5)
+    x = rng.standard_normal((n, d))
+    exact = adaptive_tap(x, J, precision="exact")
+    approx = adaptive_tap(x, J)
+    P = np.broadcast_to(np.eye(d), (n, d, d))
+    _assert_norm_bound("N=8 d=4 adaptive TAP", approx.means, exact.means,
+                       _tap_means_bound(approx, x, J, P) + gamma(1) * np.linalg.norm(exact.means))
+    deq = deq_attention(x, J, precision="exact")
+    assert np.array_equal(deq.means, exact.means)  # both are (I - J)^{-1} x rounded once
+    spins = rng.standard_normal((n, n)) / np.sqrt(n) * 0.5
+    spins = (spins + spins.T) / 2
+    np.fill_diagonal(spins, 0.0)
+    fields = rng.standard_normal(n)
+    res = ising_tap(fields, spins, precision="exact")
+    m, V, chi = _mp_ising(fields, spins, res.means, res.cavity_var)
+    _assert_rounded("N=8 ising means", res.means, m)
+    _assert_rounded("N=8 ising V", res.cavity_var, V)
