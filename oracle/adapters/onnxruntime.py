@@ -15,9 +15,10 @@ Measured behaviour passed through unchanged (onnxruntime 1.31.1):
 
 * fully masked rows give 0 in float32 and float16 (the kernel) but NaN in float64 (the
   function expansion has no zero-row guard);
-* float64 uses the default scale 1/sqrt(D) rounded to float32 (float32-sized errors unless
-  1/sqrt(D) is a float32, e.g. D = 16) and ignores ``nonpad_kv_seqlen`` in the causal
-  frontier, so ``align="bottom_right"`` with L != S comes out top-left.
+* float64 multiplies Q and K by sqrt(scale) held as a float32 (float32-sized errors unless
+  sqrt(scale) is a float32: D = 16 gives sqrt(1/4) = 1/2 and is float64-accurate, D = 8 and
+  D = 64 are not) and ignores ``nonpad_kv_seqlen`` in the causal frontier, so
+  ``align="bottom_right"`` with L != S comes out top-left.
 
 Examples
 --------
