@@ -163,8 +163,8 @@ def softmax(x, axis=-1, where=None, *, precision="float64", out_dtype=None):
 
     Parameters and paths as :func:`logsumexp`. Excluded entries and slices with no included
     entry give 0. The float64 path computes ``exp(x_j - lse)`` with the log1p-form lse
-    (Blanchard, Higham & Higham 2021, Algorithm 5.2), whose relative error per entry is a few
-    units of 2**-53 times ``1 + |x_j - lse|``.
+    (Blanchard, Higham & Higham 2021, Algorithm 5.2); the relative error per entry is at most
+    ``gamma_{n+5} + u (|lse| + |x_j - lse|)`` (u = 2**-53, n entries).
 
     Examples
     --------

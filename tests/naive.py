@@ -86,8 +86,10 @@ def naive_attention(
                 top = max(scores.values())
                 total = mpmath.fsum(mpmath.exp(s - top) for s in scores.values())
                 row_lse = top + mpmath.log(total)
-                row_w = [mpmath.exp(scores[j] - row_lse) if j in scores else mpmath.mpf(0)
-                         for j in range(keys)]
+                # w_j = 1 / sum_k e^{s_k - s_j}: exactly 1/n for n equal scores (exp(0) == 1),
+                # so outputs that are exact rounding ties stay exact in the reference
+                row_w = [1 / mpmath.fsum(mpmath.exp(s - scores[j]) for s in scores.values())
+                         if j in scores else mpmath.mpf(0) for j in range(keys)]
                 keep_scale = 1 / (1 - _exact(dropout_p))
                 row_out = []
                 for e in range(vdim):
@@ -195,3 +197,35 @@ def round_nested(nested, dtype) -> np.ndarray:
     arr = np.array(nested, dtype=object)
     flat = [round_to_dtype(x, dtype) for x in arr.ravel()]
     return np.array(flat, dtype=np.float64).reshape(arr.shape)
+
+
+def round_stable(compute, dtype, spread=0.0):
+    """Round ``compute(dps)`` (nested mpf) to ``dtype`` with enough digits for the data.
+
+    ``spread`` bounds the range of the exponents involved (e.g. max - min score): a term
+    ``e**-spread`` can still move a result that lies near a rounding midpoint, so the
+    reference works with ``60 + spread / ln(10)`` digits, and confirms the bits at twice that.
+    """
+    digits = 60 + int(math.ceil(float(spread) / math.log(10)))
+    first = round_nested(compute(digits), dtype)
+    second = round_nested(compute(2 * digits), dtype)
+    same = np.array_equal(first, second, equal_nan=True) and np.array_equal(
+        np.signbit(first), np.signbit(second))
+    assert same, f"reference rounding differs between {digits} and {2 * digits} digits"
+    return first
+
+
+def score_spread(q, k, *, scale=None, bias=None, alibi_slopes=None, **_):
+    """A bound on max - min of the finite attention scores (for :func:`round_stable`)."""
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    s = 1 / math.sqrt(q.shape[-1]) if scale is None else abs(float(scale))
+    qn = np.abs(np.where(np.isfinite(q), q, 0)).sum(axis=-1).max(initial=0)
+    kn = np.abs(np.where(np.isfinite(k), k, 0)).max(initial=0)
+    spread = 2 * s * qn * kn
+    if bias is not None:
+        b = np.asarray(bias, dtype=np.float64)
+        spread += 2 * np.abs(np.where(np.isfinite(b), b, 0)).max(initial=0)
+    if alibi_slopes is not None:
+        spread += 2 * np.abs(alibi_slopes).max() * (q.shape[-2] + k.shape[-2])
+    return spread

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from naive import naive_attention, round_nested
+from naive import naive_attention, round_stable, score_spread
 from strategies import attention_cases
 
 import refattn
@@ -51,14 +51,17 @@ def assert_within(got, truth, bound, *, what, case=""):
                     f"(got {got[index]!r}, truth {truth[index]!r}) {case}")
 
 
-def _naive(q, k, v, opts):
+def _naive(q, k, v, opts, dtype):
+    """(out, lse, weights) of the loop reference, rounded to ``dtype`` at a stable precision."""
     heads, length = q.shape[0], q.shape[1]
     keys = k.shape[1]
     full = dict(opts)
     for name in ("mask", "bias", "dropout_mask"):
         if name in full:
             full[name] = np.broadcast_to(full[name], (heads, length, keys))
-    return naive_attention(q, k, v, dps=60, **full)
+    spread = score_spread(q, k, **full)
+    return tuple(round_stable(lambda dps, n=n: naive_attention(q, k, v, dps=dps, **full)[n],
+                              dtype, spread) for n in range(3))
 
 
 # ----------------------------------------------------------------------------------------
@@ -72,11 +75,11 @@ def test_exact_path_is_correctly_rounded(dtype, data):
         q, k, v, precision="exact", out_dtype=_dtype(dtype), return_lse=True,
         return_weights=True, **opts)
     assert out.dtype == _dtype(dtype)
-    n_out, n_lse, n_w = _naive(q, k, v, opts)
+    n_out, n_lse, n_w = _naive(q, k, v, opts, _dtype(dtype))
     case = f"dtype={dtype} shapes={q.shape},{k.shape},{v.shape} options={sorted(opts)}"
-    assert_same_bits(out, round_nested(n_out, _dtype(dtype)), what="out", case=case)
-    assert_same_bits(lse, round_nested(n_lse, _dtype(dtype)), what="lse", case=case)
-    assert_same_bits(weights, round_nested(n_w, _dtype(dtype)), what="weights", case=case)
+    assert_same_bits(out, n_out, what="out", case=case)
+    assert_same_bits(lse, n_lse, what="lse", case=case)
+    assert_same_bits(weights, n_w, what="weights", case=case)
 
 
 ADVERSARIAL = {
@@ -108,9 +111,9 @@ def test_exact_path_adversarial(name, dtype):
     mask[0, -1] = False  # one fully masked row in every case
     out, lse = refattn.attention(q, k, v, mask=mask, precision="exact",
                                  out_dtype=_dtype(dtype), return_lse=True)
-    n_out, n_lse, _ = _naive(q, k, v, {"mask": mask})
-    assert_same_bits(out, round_nested(n_out, _dtype(dtype)), what="out", case=name)
-    assert_same_bits(lse, round_nested(n_lse, _dtype(dtype)), what="lse", case=name)
+    n_out, n_lse, _ = _naive(q, k, v, {"mask": mask}, _dtype(dtype))
+    assert_same_bits(out, n_out, what="out", case=name)
+    assert_same_bits(lse, n_lse, what="lse", case=name)
 
 
 def test_tie_midpoint_rounds_to_even():
