@@ -109,7 +109,7 @@ Natural scales of the other quantities (first-order perturbation bounds, :func:`
   (backward is the forward's perturbations propagated through ``dS = P (dP - Delta)`` plus
   the three backward matmuls):
   ``F_grad = 4 delta_s A + gamma~_E + gamma~_D + 2 gamma~_S + 2 gamma~_{LG} + 8u_a + 4u``
-  with ``A = max_i A_i``.
+  (``+ 2(u_a + u)`` with dropout) with ``A = max_i A_i``.
 * ``u_out`` -- one rounding of the output dtype (the truth is the exact value rounded once; an
   implementation that is correct up to its final rounding may land one rounding away).
 
