@@ -2,15 +2,27 @@
 
 Shape letters (used in every docstring; see docs/conventions.md):
 B batch, H query heads, K key/value heads, G = H/K group size, L query length, S key length,
-D query/key dim, E value dim, R mixture components, N spins (sites), d spin dimension.
+D query/key dim, E value dim, R mixture components, N spins (sites), d spin dimension;
+transformer pieces add M model width, N memory width, P output width, F feed-forward width.
 
 Every function has two paths: ``precision="float64"`` (fast NumPy, log-space) and
 ``precision="exact"`` (every output element the exact result rounded once to ``out_dtype``).
 """
 
 from ._version import __version__
+from . import bounds, fixedpoint, gmm, hopfield, masks, meanfield, mgk, transformer
 from .attention import AttentionGrads, attention, attention_vjp
+from .exact.rounding import UndecidedRoundingError
 from .logspace import log_softmax, logsumexp, softmax
+from .masks import allowed_mask
+from .transformer import (
+    decoder_block,
+    encoder_block,
+    feed_forward,
+    layer_norm,
+    multihead_attention,
+    sinusoidal_positions,
+)
 
 __all__ = [
     "__version__",
@@ -20,4 +32,21 @@ __all__ = [
     "logsumexp",
     "softmax",
     "log_softmax",
+    "allowed_mask",
+    "multihead_attention",
+    "layer_norm",
+    "sinusoidal_positions",
+    "feed_forward",
+    "encoder_block",
+    "decoder_block",
+    "UndecidedRoundingError",
+    # submodules: the probabilistic variants and the error bounds
+    "gmm",
+    "mgk",
+    "hopfield",
+    "fixedpoint",
+    "meanfield",
+    "transformer",
+    "masks",
+    "bounds",
 ]
