@@ -683,8 +683,9 @@ def ising_tap(
         As :func:`adaptive_tap`.
     precision : {"float64", "exact"}
         "exact": a certified enclosure of the exact fixed point (Krawczyk test in interval
-        arithmetic around a high-precision Newton solution, inside the Ziv loop), rounded once to
-        ``out_dtype``; see Notes. Small N only.
+        arithmetic around a high-precision chord-Newton refinement of the float64 result,
+        inside the Ziv loop), rounded once to ``out_dtype``; see Notes. Sized for small N
+        (N = 8 takes about a second).
     out_dtype : dtype, optional
 
     Returns
@@ -698,9 +699,13 @@ def ising_tap(
     J)^{-1}`` carried as unknowns: ``m_i - tanh(sum_j J_ij m_j - (Lambda_i - 1/(1 - m_i^2)) m_i
     + x_i)``, ``(Lambda - J) Y - I`` and ``Y_ii - (1 - m_i^2)`` (``V_i = Lambda_i - 1/(1 -
     m_i^2)``). The Krawczyk operator proves a unique zero in a box around the float64 solution
-    refined by Newton's method; the enclosure is certified (no assumption beyond correct
-    interval arithmetic). Only the zero inside the box is certified: the TAP equations may have
-    other solutions, and the exact path returns the one the float64 iteration reached.
+    refined by chord-Newton steps in mpmath; the enclosure is certified (no assumption beyond
+    correct interval arithmetic). Only the zero inside the box is certified: the TAP equations
+    may have other solutions, and the exact path returns the one the float64 iteration reached.
+    Exact zeros are proved structurally: ``x = 0`` gives ``m = 0`` exactly (the reduced system
+    in ``(Lambda, Y)`` is certified), and a site without couplings has ``V_i = 0`` (and
+    ``m_i = 0`` when ``x_i = 0``). Any other exact zero or rounding tie cannot be decided and
+    raises :class:`refattn.exact.rounding.UndecidedRoundingError` at 4096 bits.
 
     Examples
     --------
@@ -1025,7 +1030,10 @@ def deq_attention(
     ``||z* - T(z_k)||_inf <= q / (1 - q) ||T(z_k) - z_k||_inf``. ``z_k`` is refined by
     iterating ``T`` at the working precision and ``T(z_k)`` is enclosed in interval
     arithmetic. Certified under two assumptions stated by the caller: ``L`` bounds the
-    Lipschitz constant and the interval evaluation of ``f`` encloses ``f``.
+    Lipschitz constant and the interval evaluation of ``f`` encloses ``f``. The refinement
+    starts from the float64 fixed point (so that solve must succeed first); an exact zero in
+    the result is not decidable by this bound unless ``T(z_k) = z_k`` exactly, and raises
+    :class:`refattn.exact.rounding.UndecidedRoundingError` at 4096 bits.
 
     Examples
     --------
