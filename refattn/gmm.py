@@ -795,6 +795,14 @@ def adapt_keys(queries, keys0, *, alpha, gamma, prior="uniform", iters=1, form="
     form : {"paper", "map"}
     precision, out_dtype : as :func:`attention`.
 
+    Notes
+    -----
+    float64: responsibilities are log-softmax values and ``q̄_k`` is formed as
+    ``sum_i exp(log w_ik - log W_k) q_i`` with ``log W_k`` a max-shifted lse, so no unit's
+    responsibility underflows to 0/0; one iteration errs by at most
+    :func:`oracle.tolerance.mixture_bound` (n = L + S, values max|q| + max|xi^0|) in the
+    "paper" form, times L + 1 in the "map" form.
+
     Returns
     -------
     array (..., S, D): xi^iters. A unit with no responsibility at all (W_k = 0 exactly, only
@@ -918,6 +926,12 @@ def adapt_priors(queries, keys, *, alpha, eta, pi0, iters=1, form="paper",
     Returns
     -------
     array (..., S): pi^iters.
+
+    Notes
+    -----
+    The paper's form does not tend to pi^0 as eta -> inf (it tends to ``w̄ * pi0``
+    renormalised); the "map" form does. float64: w̄_k is ``exp(lse_i log w_ik)``, each
+    iteration within :func:`oracle.tolerance.mixture_bound` (n = L + S, value scale 2).
 
     Examples
     --------

@@ -293,6 +293,12 @@ def attention(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=Fa
     -------
     array (..., L, E)
 
+    Notes
+    -----
+    float64 error: every component term is a sum of D + 3 roundings, so with ``T`` the largest
+    sum of absolute terms of a score, ``|out - exact| <= max|v| (4 gamma_{D+2} T +
+    gamma_{3SR+10})`` to first order (:func:`oracle.tolerance.mixture_bound` with n = S R).
+
     Examples
     --------
     >>> import numpy as np
@@ -495,6 +501,13 @@ def linear_attention(q, keys, v, *, pi, feature_map="elu+1", causal=False, preci
     -------
     array (..., L, E). With causal=True, row i equals the non-causal output of row i on the
     prefix q[:i+1], keys[:i+1], v[:i+1] (bit for bit on the exact path).
+
+    Notes
+    -----
+    float64 error: numerator and denominator are sums of non-negative kernels times values,
+    each kernel with relative error gamma_n, n = D + R + S + 4, so the quotient (a convex
+    combination of the v_j) errs by at most ``2 gamma_{2n+2} max|v|``
+    (:func:`oracle.tolerance.ratio_bound`).
 
     Examples
     --------
