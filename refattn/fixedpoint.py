@@ -1,7 +1,7 @@
 """Batched fixed-point solver with a per-sample stopping rule (Picard and Anderson mixing).
 
 Deep implicit attention (Bal 2021, "Deep Implicit Attention", section 3; source document
-``002`` in ``docs/`` / the seeds) computes attention as the fixed point ``z* = f(z*)`` of a
+``002`` of the seeds) computes attention as the fixed point ``z* = f(z*)`` of a
 mean-field update, found by Anderson acceleration as in deep equilibrium models. This module
 is refattn's solver for such fixed points.
 
