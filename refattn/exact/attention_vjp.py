@@ -307,16 +307,14 @@ def _scaled_bounds(mid, rad, factor: Fraction, scale_bounds):
         if scale_bounds is None:
             lo[index], hi[index] = (a, den), (b, den)
             continue
-        # scale interval [s_lo, s_hi]: pick the endpoint products that bound the range
-        cands = [(a * s_lo_num, den * s_lo_den), (a * s_hi_num, den * s_hi_den),
-                 (b * s_lo_num, den * s_lo_den), (b * s_hi_num, den * s_hi_den)]
-        lo[index] = min(cands, key=_ratio_key)
-        hi[index] = max(cands, key=_ratio_key)
+        # the scale interval [s_lo, s_hi] never contains 0 in its interior (1/sqrt(D) > 0, a
+        # user scale is a point), so the bounding endpoint products follow from the signs
+        lo[index] = (a * s_lo_num, den * s_lo_den) if a >= 0 else (a * s_hi_num, den * s_hi_den)
+        hi[index] = (b * s_hi_num, den * s_hi_den) if b >= 0 else (b * s_lo_num, den * s_lo_den)
+        if s_hi_num < 0:  # a negative (point) scale: the two endpoints are equal anyway
+            lo[index], hi[index] = (a * s_lo_num, den * s_lo_den), (b * s_lo_num, den * s_lo_den)
+            lo[index], hi[index] = hi[index], lo[index]
     return lo, hi
-
-
-def _ratio_key(pair):
-    return Fraction(*pair)
 
 
 def _raw_ratio(raw):
