@@ -584,6 +584,23 @@ def test_deq_without_correction_is_linear_solve(rng):
                            bound + gamma(1) * np.linalg.norm(exact.means[b]))
 
 
+@given(case=weak_vector_couplings(strength=0.9))
+def test_deq_fixed_point_property(case):
+    # z = J z - f(z) + x with f = z / 4: the fixed point solves (5/4 I - J) z = x
+    x, J = case
+    n, d = x.shape
+    res = deq_attention(x, J, lambda z: z * 0.25)
+    A = _big(J) - 0.25 * np.eye(n * d)
+    z = res.means.ravel()
+    residual = np.linalg.norm(A @ z + x.ravel() - z)
+    scale = np.linalg.norm(np.abs(_big(J)) @ np.abs(z) + 0.25 * np.abs(z) + np.abs(x.ravel()))
+    truth = np.linalg.solve(np.eye(n * d) - A, x.ravel())
+    solve_error = np.linalg.cond(np.eye(n * d) - A) * gamma(n * d) * np.linalg.norm(truth)
+    bound = fixed_point_forward_bound(residual, np.linalg.norm(np.linalg.inv(np.eye(n * d) - A),
+                                                               2), scale, n * d + 2)
+    _assert_norm_bound("deq linear correction", z, truth, bound + solve_error)
+
+
 def _half_tanh(z):
     if z.dtype == object:  # the exact path passes interval arrays
         return I.tanh(z) * 0.5
