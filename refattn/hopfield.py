@@ -1,7 +1,9 @@
 """Modern (continuous) Hopfield networks: energy and retrieval.
 
 Ramsauer et al., "Hopfield Networks is All You Need" (arXiv:2008.02217, 2020; reference [3] of
-seed 000), eq. (2) (energy) and eq. (3) (update). refattn stores patterns as the **rows** of X
+seed 000): the energy ("E") and update rule ("U") of its introduction. The seeds hold no copy
+of that paper, so refattn labels the two displays (E) and (U) instead of citing equation
+numbers it cannot check. refattn stores patterns as the **rows** of X
 (S, D) (the paper's X is D x N, columns), and a batch of L states as the rows of xi (L, D):
 
 .. math::
@@ -11,7 +13,7 @@ seed 000), eq. (2) (energy) and eq. (3) (update). refattn stores patterns as the
     \\xi^{new} = X^\\top \\operatorname{softmax}(\\beta X \\xi) \\quad (3),
 
 with M = max_j ||x_j||. The bracketed constant is the paper's; it makes 0 <= E <= 2 M^2 and is
-added only with ``constant=True``. One update (3) is ``refattn.attention(xi, X, X,
+added only with ``constant=True``. One update (U) is ``refattn.attention(xi, X, X,
 scale=beta)``; the update never increases E (the paper's Theorem 1, a concave-convex procedure).
 """
 
@@ -89,7 +91,7 @@ def max_norm2(ops, patterns):
 
 
 def energy(xi, X, *, beta, constant=False, precision="float64", out_dtype=None):
-    """Energy of the continuous modern Hopfield network, Ramsauer et al. eq. (2).
+    """Energy of the continuous modern Hopfield network, Ramsauer et al. (E).
 
     .. math::
 
@@ -152,7 +154,7 @@ def _update_exact(ops, state, patterns, beta):
 
 def retrieve(xi, X, *, beta, steps=1, tol=None, return_trace=False, precision="float64",
              out_dtype=None):
-    """Retrieve stored patterns by the update rule of Ramsauer et al. eq. (3).
+    """Retrieve stored patterns by the update rule of Ramsauer et al. (U).
 
     .. math:: \\xi^{t+1} = X^\\top \\operatorname{softmax}(\\beta X \\xi^t)
 
