@@ -9,8 +9,8 @@ numbers it cannot check. refattn stores patterns as the **rows** of X
 .. math::
 
     E(\\xi) = \\tfrac12 \\xi^\\top\\xi - \\beta^{-1}\\log\\sum_{j=1}^{S} e^{\\beta x_j^\\top \\xi}
-              \\;\\big[+\\ \\beta^{-1}\\log S + \\tfrac12 M^2\\big] \\quad (2), \\qquad
-    \\xi^{new} = X^\\top \\operatorname{softmax}(\\beta X \\xi) \\quad (3),
+              \\;\\big[+\\ \\beta^{-1}\\log S + \\tfrac12 M^2\\big] \\quad (E), \\qquad
+    \\xi^{new} = X^\\top \\operatorname{softmax}(\\beta X \\xi) \\quad (U),
 
 with M = max_j ||x_j||. The bracketed constant is the paper's; it makes 0 <= E <= 2 M^2 and is
 added only with ``constant=True``. One update (U) is ``refattn.attention(xi, X, X,
