@@ -1,5 +1,8 @@
 """Adapter for ``jax.nn.dot_product_attention`` (the ``xla`` implementation, on the CPU).
 
+The call runs eagerly (op by op), not under ``jax.jit``: jit-compiled float16 fails on the
+CPU in jax 0.10 (see ``_attend``).
+
 Option mapping (refattn -> JAX; JAX's layout is (B, L, H, D), the adapter transposes):
 
 =================  ==================================================================
@@ -81,22 +84,7 @@ class JaxDotProductAttention(Adapter):
             wide = length + keys
             window = tuple(wide if side is None else side for side in spec.window)
         mask = None if spec.mask is None else jnp.asarray(spec.mask)
-        result = jax.nn.dot_product_attention(
-            jnp.swapaxes(q, 1, 2),
-            jnp.swapaxes(k, 1, 2),
-            jnp.swapaxes(v, 1, 2),
-            bias=bias,
-            mask=mask,
-            scale=spec.scale,
-            is_causal=spec.causal,
-            local_window_size=window,
-            implementation="xla",
-            return_residual=return_lse,
-        )
-        if return_lse:
-            out, lse = result
-            return jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2)
-        return jnp.swapaxes(result, 1, 2), None
+        return _attend(q, k, v, bias, mask, spec.scale, spec.causal, window, return_lse)
 
     def _forward(self, spec, return_lse):
         self._check(spec, return_lse)
@@ -144,3 +132,28 @@ class JaxDotProductAttention(Adapter):
         _, pullback = jax.vjp(forward, *primals)
         grads = pullback(jnp.asarray(np.asarray(grad_out)))
         return tuple(None if g is None else np.asarray(g) for g in grads)
+
+
+def _attend(q, k, v, bias, mask, scale, is_causal, window, return_lse):
+    """jax.nn.dot_product_attention in the (B, H, L, D) layout, run eagerly.
+
+    Not under ``jax.jit``: jax 0.10 then fails for float16 on the CPU ("The precision
+    'F16_F16_F32' is not supported by dot_general on CPU"), because the function's own
+    fallback (a try/except around the einsum) only catches errors raised eagerly.
+    """
+    result = jax.nn.dot_product_attention(
+        jnp.swapaxes(q, 1, 2),
+        jnp.swapaxes(k, 1, 2),
+        jnp.swapaxes(v, 1, 2),
+        bias=bias,
+        mask=mask,
+        scale=scale,
+        is_causal=is_causal,
+        local_window_size=window,
+        implementation="xla",
+        return_residual=return_lse,
+    )
+    if return_lse:
+        out, lse = result
+        return jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2)
+    return jnp.swapaxes(result, 1, 2), None
