@@ -378,24 +378,40 @@ def test_onnx_softcap_applies_before_bias(peer):
     assert_within(f"{peer} softcap with bias", impl(q, k, v, **options), out, out_bound)
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("peer", ["torch", "jax", "refattn-float64"])
 @pytest.mark.parametrize("case", ["bias", "gqa", "causal-mask"])
-def test_vjp_matches_refattn(peer, case):
-    """Adapter gradients against refattn's exact vjp (float64 inputs, float64 peers)."""
+def test_vjp_matches_refattn(peer, case, dtype):
+    """Adapter gradients against refattn's exact vjp, in the input dtype."""
     from refattn.attention import attention_vjp
 
     impl = _adapter(peer)
-    q, k, v, options = make_case(case, "float64")
+    q, k, v, options = make_case(case, dtype)
     grad_out = np.random.default_rng(7).standard_normal(q.shape[:-1] + (v.shape[-1],))
+    grad_out = grad_out.astype(dtype)
     exact = attention_vjp(q, k, v, grad_out, precision="exact", **options)
     got = impl.vjp(q, k, v, grad_out, **options)
+    for name, g in zip(("dq", "dk", "dv", "dbias"), got, strict=True):
+        assert g is None or g.dtype == np.dtype(dtype), f"{peer} {case}: {name} dtype {g.dtype}"
     # JAX's float32 softmax bounds its gradients at float32 accuracy.
-    bounds = gradient_threshold(
-        q, k, v, grad_out, options, "float32" if peer == "jax" else "float64"
-    )
+    bounds = gradient_threshold(q, k, v, grad_out, options, _JUDGED_AT.get((peer, dtype), dtype))
     for name, g, e in zip(("dq", "dk", "dv", "dbias"), got, exact, strict=True):
         if e is None:
             assert g is None, f"{peer} {case}: {name} should be None"
             continue
         assert g.shape == e.shape, f"{peer} {case}: {name} shape {g.shape} != {e.shape}"
         assert_within(f"{peer} vjp {case} {name}", g, e, bounds[name])
+
+
+def test_refattn_exact_adapter_is_the_truth():
+    """The refattn-exact adapter returns the correctly rounded result itself (zero error)."""
+    from refattn.attention import attention
+
+    impl = adapters.get("refattn-exact")
+    for dtype in DTYPES:
+        q, k, v, options = make_case("mask-bias", dtype)
+        truth = attention(q, k, v, precision="exact", out_dtype=dtype, **options)
+        got = impl(q, k, v, **options)
+        assert got.dtype == _dtype(dtype), f"refattn-exact {dtype}: dtype {got.dtype}"
+        mismatch = np.flatnonzero(got.astype(np.float64) != truth.astype(np.float64))
+        assert mismatch.size == 0, f"refattn-exact {dtype}: elements {mismatch[:5]} differ"
