@@ -96,8 +96,8 @@ ADVERSARIAL = {
     "near-cancelling": lambda rng: (rng.standard_normal((1, 2, 3)) * 1e-3,
                                     rng.standard_normal((1, 4, 3)),
                                     np.array([[1.0], [-1.0], [1.0 + 2.0**-40], [-1.0]])[None]),
-    # ascending score order with huge values (scores ~ 1e4)
-    "huge-scores": lambda rng: (np.full((1, 2, 2), 100.0), np.linspace(-100, 100, 6)[None, :,
+    # ascending score order, large scores (|t| up to ~1400: gaps of hundreds between keys)
+    "huge-scores": lambda rng: (np.full((1, 2, 2), 10.0), np.linspace(-100, 100, 6)[None, :,
                                 None].repeat(2, axis=2), rng.standard_normal((1, 6, 2))),
 }
 
