@@ -1,0 +1,85 @@
+"""Thin wrappers from an :class:`~refattn._spec.AttentionSpec` to the kernels.
+
+The kernels (:mod:`refattn.kernels.numba_cpu`, :mod:`refattn.kernels.cuda`) are loops over one
+work unit; these wrappers own the choice of compute dtype and the return conventions that
+:func:`refattn.attention` and :func:`refattn.attention_vjp` expect for ``backend="numba"``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["attention", "attention_vjp", "compute_dtype"]
+
+
+def compute_dtype(dtype) -> np.dtype:
+    """float64 inputs compute in float64; float32, float16 and bfloat16 compute in float32.
+
+    Examples
+    --------
+    >>> compute_dtype(np.float16)
+    dtype('float32')
+    """
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def _dtype(spec, dtype):
+    if dtype is None:
+        return compute_dtype(spec.q.dtype)
+    dtype = np.dtype(dtype)
+    if dtype not in (np.float64, np.float32):
+        raise ValueError(f"dtype: the kernels compute in float64 or float32, got {dtype}")
+    return dtype
+
+
+def attention(spec, *, return_lse: bool = False, dtype=None):
+    """Forward attention of ``spec`` by the Numba CPU kernel.
+
+    Parameters
+    ----------
+    spec : AttentionSpec
+        From :func:`refattn._spec.canonicalize` (flat batch: q (B, H, L, D), ...).
+    return_lse : bool
+        Also return the log-sum-exp (B, H, L) of the final scores (pre-dropout).
+    dtype : {None, float64, float32}
+        Compute dtype; default :func:`compute_dtype` of q's dtype. Outputs have this dtype.
+
+    Returns
+    -------
+    out : ndarray (B, H, L, E), and lse : ndarray (B, H, L) when ``return_lse``.
+
+    Examples
+    --------
+    >>> from refattn._spec import canonicalize
+    >>> q = k = v = np.ones((1, 1, 2, 8))
+    >>> attention(canonicalize(q, k, v, causal=True))[0, 0, :, 0].tolist()
+    [1.0, 1.0]
+    """
+    from . import numba_cpu
+
+    out, lse = numba_cpu.forward(spec, _dtype(spec, dtype))
+    return (out, lse) if return_lse else out
+
+
+def attention_vjp(spec, grad_out, grad_lse=None, *, dtype=None):
+    """Vector-Jacobian product of attention by the Numba CPU kernels.
+
+    Parameters
+    ----------
+    spec : AttentionSpec
+    grad_out : ndarray (B, H, L, E)
+        Cotangent of the output.
+    grad_lse : ndarray (B, H, L), optional
+        Cotangent of the log-sum-exp.
+    dtype : {None, float64, float32}
+        Compute dtype (default from q's dtype).
+
+    Returns
+    -------
+    (dq, dk, dv, dbias): dq (B, H, L, D), dk (B, K, S, D), dv (B, K, S, E) summed over the
+    query heads sharing a kv head; dbias (B, H, L, S) or None without bias (the caller sums
+    it back to the bias's own shape). Empty rows have zero gradients.
+    """
+    from . import numba_cpu
+
+    return numba_cpu.backward(spec, grad_out, grad_lse, _dtype(spec, dtype))

@@ -1,0 +1,1063 @@
+"""Deterministic Numba CPU kernels for scaled dot-product attention (forward and backward).
+
+The kernels implement exactly the semantics of docs/conventions.md (the order scores ->
+softcap -> + bias -> + ALiBi -> allowed set -> softmax -> dropout -> @ v) by streaming over
+key blocks with the online softmax of Milakov & Gimelshein (2018), eq. (4)-(5):
+
+.. math::
+
+    m^{(t)} = \\max(m^{(t-1)}, \\max_j s_j), \\qquad
+    \\ell^{(t)} = \\ell^{(t-1)} e^{m^{(t-1)} - m^{(t)}} + \\sum_j e^{s_j - m^{(t)}},
+
+    o^{(t)} = o^{(t-1)} e^{m^{(t-1)} - m^{(t)}} + \\sum_j e^{s_j - m^{(t)}} v_j ,
+
+so no (L, S) matrix is ever formed: the working memory of a work unit is a few
+``BLOCK_Q x BLOCK_K`` tiles and the whole call needs O(L*E + S*D) memory.
+
+Determinism
+-----------
+Work is split into units (batch, head, query block) for the forward pass and
+(batch, head, query chunk) for the backward pass, run with ``prange``. Each unit writes only
+its own outputs and computes every reduction in an order fixed by the shapes alone, so the
+results are bit-identical for any number of threads and any run. ``fastmath`` is off; products
+that are accumulated use ``llvm.fma`` explicitly (one rounding, the same on every machine).
+
+The reduction orders are:
+
+* scores ``q_i . k_j``: sequential over the D axis (one fused multiply-add per term);
+* ``sum_j p_ij v_j``, ``dq``, ``dk``, ``dv``: sequential over keys (queries) within a block,
+  blocks in increasing order;
+* the softmax normaliser of a block: ``W`` lane-wise partial sums (lane ``w`` sums the keys
+  ``j = w mod W`` of the block in increasing order), then the lanes in increasing order. ``W``
+  is 8 (float64) or 16 (float32), so a 64-byte vector holds one partial sum per lane;
+* dk, dv partials of the query chunks and of the query heads sharing a kv head: added in
+  increasing (head, chunk) order.
+
+Vectorisation is across independent outputs only (SIMD lanes over keys or value columns in
+4-row x 2-vector register tiles); no reduction is re-associated by the compiler.
+
+Precision
+---------
+float64 inputs compute in float64; float32, float16 and bfloat16 inputs compute in float32
+(float32 accumulation). The optional terms (softcap, bias, ALiBi) are evaluated in float64
+and rounded once to the compute dtype. ``exp`` is a polynomial kernel accurate to about one
+ulp (:func:`exp_float64`, :func:`exp_float32`).
+
+Conventions pinned here
+-----------------------
+* A score equal to -inf after softcap/bias/ALiBi is treated as an excluded position (its
+  weight is zero and its value row is not read); this only differs from the NumPy path
+  when q . k overflows to -inf.
+* Backward: dq is final per unit; dk, dv are summed over query chunks and query heads in a
+  fixed order; dbias is returned as a full (B, H, L, S) array (only when bias is given).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+__all__ = [
+    "BLOCK_Q",
+    "BLOCK_K",
+    "compute_dtype",
+    "forward",
+    "backward",
+    "exp_float64",
+    "exp_float32",
+]
+
+#: Query rows per work unit / tile (a multiple of the 4-row register tile).
+BLOCK_Q = 64
+#: Keys per streamed block (a multiple of two 64-byte vectors of either dtype).
+BLOCK_K = 64
+#: Rows of the register tile of the micro-kernels.
+_TILE_ROWS = 4
+#: Minimum number of backward work units (shape-derived, never thread-derived).
+_MIN_BACKWARD_UNITS = 8
+
+_JIT = not numba.config.DISABLE_JIT
+_OPTS = dict(fastmath=False, boundscheck=False, cache=True, nogil=True)
+
+
+def compute_dtype(dtype) -> np.dtype:
+    """Compute dtype of the kernels for an input dtype: float64 stays, all else is float32."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+# --------------------------------------------------------------------------------------
+# SIMD building blocks: a 64-byte vector type and llvm.fma, with pure-Python twins that run
+# under NUMBA_DISABLE_JIT=1 (there the kernel bodies are plain Python and use these).
+# --------------------------------------------------------------------------------------
+if _JIT:
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.core.extending import intrinsic, models, register_model
+
+    class _Vec(types.Type):
+        """64 bytes of one float dtype as an LLVM vector (8 x float64 or 16 x float32)."""
+
+        def __init__(self, dtype):
+            self.dtype = dtype
+            self.width = 64 // (dtype.bitwidth // 8)
+            super().__init__(name=f"RefattnVec({dtype}x{self.width})")
+
+    @register_model(_Vec)
+    class _VecModel(models.PrimitiveModel):
+        def __init__(self, dmm, fe_type):
+            element = dmm.lookup(fe_type.dtype).get_value_type()
+            super().__init__(dmm, fe_type, ir.VectorType(element, fe_type.width))
+
+    def _element_pointer(context, builder, arrty, arr, start):
+        ary = context.make_array(arrty)(context, builder, arr)
+        return builder.gep(ary.data, [start])
+
+    def _splat(builder, vtype, scalar):
+        undef = ir.Constant(vtype, ir.Undefined)
+        one = builder.insert_element(undef, scalar, ir.Constant(ir.IntType(32), 0))
+        zeros = ir.Constant(ir.VectorType(ir.IntType(32), vtype.count), [0] * vtype.count)
+        return builder.shuffle_vector(one, undef, zeros)
+
+    def _llvm_name(vtype):
+        bits = 64 if isinstance(vtype.element, ir.DoubleType) else 32
+        return f"v{vtype.count}f{bits}"
+
+    @intrinsic
+    def _vload(typingctx, arr, start):
+        vt = _Vec(arr.dtype)
+
+        def codegen(context, builder, sig, args):
+            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1])
+            lt = context.get_value_type(vt)
+            return builder.load(builder.bitcast(ptr, lt.as_pointer()), align=1)
+
+        return vt(arr, start), codegen
+
+    @intrinsic
+    def _vstore(typingctx, arr, start, x):
+        def codegen(context, builder, sig, args):
+            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1])
+            lt = context.get_value_type(sig.args[2])
+            builder.store(args[2], builder.bitcast(ptr, lt.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return types.none(arr, start, x), codegen
+
+    @intrinsic
+    def _vzero(typingctx, arr):
+        vt = _Vec(arr.dtype)
+
+        def codegen(context, builder, sig, args):
+            lt = context.get_value_type(vt)
+            return ir.Constant(lt, [ir.Constant(lt.element, 0.0)] * lt.count)
+
+        return vt(arr), codegen
+
+    @intrinsic
+    def _vfma(typingctx, a, x, y):
+        """a * x + y lane-wise, rounded once (a is a scalar, broadcast)."""
+
+        def codegen(context, builder, sig, args):
+            lt = context.get_value_type(sig.args[1])
+            fnty = ir.FunctionType(lt, [lt] * 3)
+            fn = cgutils.get_or_insert_function(builder.module, fnty,
+                                                f"llvm.fma.{_llvm_name(lt)}")
+            return builder.call(fn, [_splat(builder, lt, args[0]), args[1], args[2]])
+
+        return x(a, x, y), codegen
+
+    @intrinsic
+    def _vadd(typingctx, x, y):
+        def codegen(context, builder, sig, args):
+            return builder.fadd(args[0], args[1])
+
+        return x(x, y), codegen
+
+    @intrinsic
+    def _vmax(typingctx, x, y):
+        """Lane-wise maxnum (a NaN lane yields the other operand, like ``max`` skipping NaN)."""
+
+        def codegen(context, builder, sig, args):
+            lt = context.get_value_type(sig.args[0])
+            fnty = ir.FunctionType(lt, [lt] * 2)
+            fn = cgutils.get_or_insert_function(builder.module, fnty,
+                                                f"llvm.maxnum.{_llvm_name(lt)}")
+            return builder.call(fn, args)
+
+        return x(x, y), codegen
+
+    @intrinsic
+    def _vlane(typingctx, x, index):
+        def codegen(context, builder, sig, args):
+            return builder.extract_element(args[0], args[1])
+
+        return x.dtype(x, index), codegen
+
+    @intrinsic
+    def _fma(typingctx, a, b, c):
+        if not (a == b == c and isinstance(a, types.Float)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            lt = context.get_value_type(sig.return_type)
+            fnty = ir.FunctionType(lt, [lt] * 3)
+            bits = 64 if isinstance(lt, ir.DoubleType) else 32
+            fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.fma.f{bits}")
+            return builder.call(fn, args)
+
+        return a(a, b, c), codegen
+
+    @intrinsic
+    def _as_float(typingctx, n):
+        ft = types.float64 if n.bitwidth == 64 else types.float32
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], context.get_value_type(ft))
+
+        return ft(n), codegen
+
+else:  # pragma: no cover - exercised by the NUMBA_DISABLE_JIT=1 test tier
+
+    def _vload(arr, start):
+        width = 64 // arr.itemsize
+        return arr[start:start + width].copy()
+
+    def _vstore(arr, start, x):
+        arr[start:start + x.size] = x
+
+    def _vzero(arr):
+        return np.zeros(64 // arr.itemsize, arr.dtype)
+
+    def _vfma(a, x, y):
+        # Not fused here: this twin exists to cover the kernel bodies, not to be bit-exact.
+        return (a * x + y).astype(x.dtype)
+
+    def _vadd(x, y):
+        return x + y
+
+    def _vmax(x, y):
+        return np.fmax(x, y)
+
+    def _vlane(x, index):
+        return x[index]
+
+    def _fma(a, b, c):
+        return type(a)(a * b + c)
+
+    def _as_float(n):
+        return n.view(np.float64 if n.dtype == np.int64 else np.float32)
+
+
+@njit(**_OPTS)
+def _width(arr):
+    """Lanes of a 64-byte vector of arr's dtype (8 float64 or 16 float32)."""
+    return 64 // arr.itemsize
+
+
+# --------------------------------------------------------------------------------------
+# exp: branch-free so that loops over it vectorise (libm's exp is a scalar call)
+# --------------------------------------------------------------------------------------
+_LOG2E_64 = np.float64(1.4426950408889634)
+_LN2_HI_64 = np.float64(6.93147180369123816490e-01)  # 32 significant bits: n * hi is exact
+_LN2_LO_64 = np.float64(1.90821492927058770002e-10)
+_INV_FACT_64 = tuple(np.float64(1.0 / math.factorial(i)) for i in range(14))
+
+_LOG2E_32 = np.float32(1.44269504)
+_LN2_HI_32 = np.float32(0.693359375)  # 9 significant bits: n * hi is exact
+_LN2_LO_32 = np.float32(-2.12194440e-4)
+_INV_FACT_32 = tuple(np.float32(1.0 / math.factorial(i)) for i in range(9))
+
+
+@njit(**_OPTS)
+def exp_float64(x):
+    """exp(x) for float64 to about one ulp, branch-free (Cody-Waite reduction + Taylor(13)).
+
+    x = n ln2 + r with |r| <= ln2/2 (two-constant reduction, exact for |n| <= 2**20), then
+    exp(r) by Horner with fused multiply-adds; the truncation error r**14/14! < 5e-18 is far
+    below u = 2**-53. 2**n is applied as two exact power-of-two factors so that results in
+    the subnormal range are rounded once.
+
+    Examples
+    --------
+    >>> float(exp_float64(np.float64(1.0))) == math.exp(1.0)
+    True
+    """
+    t = np.floor(x * _LOG2E_64 + np.float64(0.5))
+    t = min(max(t, np.float64(-1100.0)), np.float64(1100.0))
+    r = _fma(-t, _LN2_HI_64, x)
+    r = _fma(-t, _LN2_LO_64, r)
+    p = _INV_FACT_64[13]
+    p = _fma(p, r, _INV_FACT_64[12])
+    p = _fma(p, r, _INV_FACT_64[11])
+    p = _fma(p, r, _INV_FACT_64[10])
+    p = _fma(p, r, _INV_FACT_64[9])
+    p = _fma(p, r, _INV_FACT_64[8])
+    p = _fma(p, r, _INV_FACT_64[7])
+    p = _fma(p, r, _INV_FACT_64[6])
+    p = _fma(p, r, _INV_FACT_64[5])
+    p = _fma(p, r, _INV_FACT_64[4])
+    p = _fma(p, r, _INV_FACT_64[3])
+    p = _fma(p, r, _INV_FACT_64[2])
+    p = _fma(p, r, _INV_FACT_64[1])
+    p = _fma(p, r, _INV_FACT_64[0])
+    t = t if t == t else np.float64(0.0)
+    n = np.int64(t)
+    half = n >> np.int64(1)
+    rest = n - half
+    one_bits = np.int64(1023)
+    res = p * _as_float((half + one_bits) << np.int64(52))
+    res = res * _as_float((rest + one_bits) << np.int64(52))
+    res = np.float64(0.0) if x < np.float64(-746.0) else res
+    res = np.float64(np.inf) if x > np.float64(710.0) else res
+    return res if x == x else x
+
+
+@njit(**_OPTS)
+def exp_float32(x):
+    """exp(x) for float32 to about one ulp, branch-free (Cody-Waite reduction + Taylor(8)).
+
+    Examples
+    --------
+    >>> abs(float(exp_float32(np.float32(1.0))) - math.exp(1.0)) < 3e-7
+    True
+    """
+    t = np.floor(x * _LOG2E_32 + np.float32(0.5))
+    t = min(max(t, np.float32(-200.0)), np.float32(200.0))
+    r = _fma(-t, _LN2_HI_32, x)
+    r = _fma(-t, _LN2_LO_32, r)
+    p = _INV_FACT_32[8]
+    p = _fma(p, r, _INV_FACT_32[7])
+    p = _fma(p, r, _INV_FACT_32[6])
+    p = _fma(p, r, _INV_FACT_32[5])
+    p = _fma(p, r, _INV_FACT_32[4])
+    p = _fma(p, r, _INV_FACT_32[3])
+    p = _fma(p, r, _INV_FACT_32[2])
+    p = _fma(p, r, _INV_FACT_32[1])
+    p = _fma(p, r, _INV_FACT_32[0])
+    t = t if t == t else np.float32(0.0)
+    n = np.int32(t)
+    half = n >> np.int32(1)
+    rest = n - half
+    one_bits = np.int32(127)
+    # numba widens int32 arithmetic to int64: narrow again before the bit cast
+    res = p * _as_float(np.int32((half + one_bits) << np.int32(23)))
+    res = res * _as_float(np.int32((rest + one_bits) << np.int32(23)))
+    res = np.float32(0.0) if x < np.float32(-104.0) else res
+    res = np.float32(np.inf) if x > np.float32(89.0) else res
+    return res if x == x else x
+
+
+if _JIT:
+    from numba.core.extending import overload
+
+    def _exp(x):  # dispatched on the compute dtype below
+        raise NotImplementedError
+
+    @overload(_exp)
+    def _exp_overload(x):
+        if x == types.float64:
+            return lambda x: exp_float64(x)
+        if x == types.float32:
+            return lambda x: exp_float32(x)
+        return None
+
+else:  # pragma: no cover
+
+    def _exp(x):
+        with np.errstate(all="ignore"):
+            return exp_float64(x) if isinstance(x, np.float64 | float) else exp_float32(x)
+
+
+# --------------------------------------------------------------------------------------
+# micro-kernels: C[r, c:c+2W] += sum_x A(x, r) * Bm[x, c:c+2W], a 4 x 2W register tile,
+# x sequential (the fixed reduction order), lanes = independent outputs.
+# --------------------------------------------------------------------------------------
+@njit(**_OPTS)
+def _tile_t(a, bm, count, row, col, out):
+    """out[row:row+4, col:col+2W] += a[:count, row:row+4].T @ bm[:count, col:col+2W]."""
+    width = _width(bm)
+    col2 = col + width
+    o0, o1, o2, o3 = out[row], out[row + 1], out[row + 2], out[row + 3]
+    c00, c01 = _vload(o0, col), _vload(o0, col2)
+    c10, c11 = _vload(o1, col), _vload(o1, col2)
+    c20, c21 = _vload(o2, col), _vload(o2, col2)
+    c30, c31 = _vload(o3, col), _vload(o3, col2)
+    for x in range(count):
+        brow = bm[x]
+        b0, b1 = _vload(brow, col), _vload(brow, col2)
+        arow = a[x]
+        a0, a1, a2, a3 = arow[row], arow[row + 1], arow[row + 2], arow[row + 3]
+        c00, c01 = _vfma(a0, b0, c00), _vfma(a0, b1, c01)
+        c10, c11 = _vfma(a1, b0, c10), _vfma(a1, b1, c11)
+        c20, c21 = _vfma(a2, b0, c20), _vfma(a2, b1, c21)
+        c30, c31 = _vfma(a3, b0, c30), _vfma(a3, b1, c31)
+    _vstore(o0, col, c00)
+    _vstore(o0, col2, c01)
+    _vstore(o1, col, c10)
+    _vstore(o1, col2, c11)
+    _vstore(o2, col, c20)
+    _vstore(o2, col2, c21)
+    _vstore(o3, col, c30)
+    _vstore(o3, col2, c31)
+
+
+@njit(**_OPTS)
+def _tile_n(a, bm, count, row, col, out):
+    """out[row:row+4, col:col+2W] += a[row:row+4, :count] @ bm[:count, col:col+2W]."""
+    width = _width(bm)
+    col2 = col + width
+    o0, o1, o2, o3 = out[row], out[row + 1], out[row + 2], out[row + 3]
+    r0, r1, r2, r3 = a[row], a[row + 1], a[row + 2], a[row + 3]
+    c00, c01 = _vload(o0, col), _vload(o0, col2)
+    c10, c11 = _vload(o1, col), _vload(o1, col2)
+    c20, c21 = _vload(o2, col), _vload(o2, col2)
+    c30, c31 = _vload(o3, col), _vload(o3, col2)
+    for x in range(count):
+        brow = bm[x]
+        b0, b1 = _vload(brow, col), _vload(brow, col2)
+        a0, a1, a2, a3 = r0[x], r1[x], r2[x], r3[x]
+        c00, c01 = _vfma(a0, b0, c00), _vfma(a0, b1, c01)
+        c10, c11 = _vfma(a1, b0, c10), _vfma(a1, b1, c11)
+        c20, c21 = _vfma(a2, b0, c20), _vfma(a2, b1, c21)
+        c30, c31 = _vfma(a3, b0, c30), _vfma(a3, b1, c31)
+    _vstore(o0, col, c00)
+    _vstore(o0, col2, c01)
+    _vstore(o1, col, c10)
+    _vstore(o1, col2, c11)
+    _vstore(o2, col, c20)
+    _vstore(o2, col2, c21)
+    _vstore(o3, col, c30)
+    _vstore(o3, col2, c31)
+
+
+@njit(**_OPTS)
+def _matmul_t(a, bm, count, rows, cols, out):
+    """out[:rows, :cols] += a[:count, :rows].T @ bm[:count, :cols] (rows % 4 == 0)."""
+    step = 2 * _width(bm)
+    for row in range(0, rows, _TILE_ROWS):
+        for col in range(0, cols, step):
+            _tile_t(a, bm, count, row, col, out)
+
+
+@njit(**_OPTS)
+def _matmul_n(a, bm, count, rows, cols, out):
+    """out[:rows, :cols] += a[:rows, :count] @ bm[:count, :cols] (rows % 4 == 0)."""
+    step = 2 * _width(bm)
+    for row in range(0, rows, _TILE_ROWS):
+        for col in range(0, cols, step):
+            _tile_n(a, bm, count, row, col, out)
+
+
+@njit(**_OPTS)
+def _row_sum(row, count):
+    """sum(row[:count]) in the documented lane order (row padded with zeros to a vector)."""
+    width = _width(row)
+    acc = _vzero(row)
+    for c in range(0, count, width):
+        acc = _vadd(acc, _vload(row, c))
+    total = _vlane(acc, 0)
+    for w in range(1, width):
+        total = total + _vlane(acc, w)
+    return total
+
+
+@njit(**_OPTS)
+def _row_max(row, count):
+    """max(row[:count]) ignoring NaN (-inf when all are -inf or NaN); order-free."""
+    width = _width(row)
+    acc = _vload(row, 0)
+    for c in range(width, count, width):
+        acc = _vmax(acc, _vload(row, c))
+    best = _vlane(acc, 0)
+    for w in range(1, width):
+        lane = _vlane(acc, w)
+        best = lane if lane > best or best != best else best
+    return best
+
+
+# --------------------------------------------------------------------------------------
+# shared pieces of forward and backward
+# --------------------------------------------------------------------------------------
+@njit(**_OPTS)
+def _row_range(i, keys, offset, causal, left, right):
+    """Structural allowed keys [lo, hi] of query row i (lo > hi: none)."""
+    diag = i + offset
+    lo = 0
+    hi = keys - 1
+    if causal:
+        hi = min(hi, diag)
+    if left >= 0:
+        lo = max(lo, diag - left)
+    if right >= 0:
+        hi = min(hi, diag + right)
+    return lo, hi
+
+
+@njit(**_OPTS)
+def _load_rows_t(src, start, count, out):
+    """out[:, :count] = src[start:start+count].T; the remaining columns are zeroed."""
+    width = out.shape[0]
+    pad = out.shape[1]
+    for x in range(width):
+        orow = out[x]
+        for c in range(count):
+            orow[c] = src[start + c, x]
+        for c in range(count, pad):
+            orow[c] = 0
+
+
+@njit(**_OPTS)
+def _load_rows(src, start, count, out, zero_nonfinite=False):
+    """out[:count, :F] = src[start:start+count]; padding rows/columns are zeroed; returns
+    whether every loaded value is finite (with ``zero_nonfinite`` non-finite values are
+    stored as 0)."""
+    feats = src.shape[1]
+    finite = True
+    for c in range(count):
+        orow = out[c]
+        srow = src[start + c]
+        for x in range(feats):
+            value = srow[x]
+            ok = math.isfinite(value)
+            orow[x] = value if ok or not zero_nonfinite else 0
+            finite &= ok
+        for x in range(feats, out.shape[1]):
+            orow[x] = 0
+    for c in range(count, out.shape[0]):
+        out[c, :] = 0
+    return finite
+
+
+@njit(**_OPTS)
+def _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr, mask, mstr,
+                   slopes, deriv):
+    """Turn raw q.k tile into final scores in place; -inf marks excluded positions.
+
+    Returns True when the tile has no excluded position (the fast paths may then skip
+    per-element checks). ``deriv`` receives d(softcap)/d(raw) when softcap is active.
+    """
+    keys, offset = dims[4], opts[0]
+    causal, left, right = opts[1] != 0, opts[2], opts[3]
+    has_softcap, has_bias, has_mask, has_alibi = opts[4] != 0, opts[5] != 0, opts[6] != 0, \
+        opts[7] != 0
+    scale, cap = fopts[0], fopts[1]
+    neg_inf = fopts[3]
+    lo_first, hi_first = _row_range(r0, keys, offset, causal, left, right)
+    lo_last, hi_last = _row_range(r0 + nr - 1, keys, offset, causal, left, right)
+    full = lo_last <= c0 and hi_first >= c0 + nc - 1
+    general = has_softcap or has_bias or has_mask or has_alibi
+    width = s.shape[1]
+    if not general:
+        for r in range(nr):
+            row = s[r]
+            lo, hi = _row_range(r0 + r, keys, offset, causal, left, right)
+            jl = lo - c0
+            jh = hi - c0
+            for c in range(width):
+                scaled = row[c] * scale
+                row[c] = scaled if (c >= jl and c <= jh and c < nc) else neg_inf
+        return full
+    slope = slopes[h] if has_alibi else 0.0
+    clean = True
+    for r in range(nr):
+        i = r0 + r
+        row = s[r]
+        lo, hi = _row_range(i, keys, offset, causal, left, right)
+        for c in range(width):
+            j = c0 + c
+            allowed = c < nc and j >= lo and j <= hi
+            if allowed and has_mask:
+                allowed = mask[mstr[0] * b + mstr[1] * h + mstr[2] * i + mstr[3] * j] != 0
+            t = -np.inf
+            if allowed:
+                t = row[c] * scale
+                if has_softcap:
+                    th = math.tanh(t / cap)
+                    t = cap * th
+                    deriv[r, c] = 1.0 - th * th
+                if has_bias:
+                    bv = bias[bstr[0] * b + bstr[1] * h + bstr[2] * i + bstr[3] * j]
+                    if bv == -np.inf:
+                        allowed = False
+                        t = -np.inf
+                    else:
+                        t = t + bv
+                if allowed and has_alibi:
+                    t = t - slope * abs(i + offset - j)
+            clean &= allowed or c >= nc
+            row[c] = t
+    return clean
+
+
+@njit(**_OPTS)
+def _dropout_weights(p, pd, nr, nc, r0, c0, b, h, drop, dstr):
+    for r in range(nr):
+        i = r0 + r
+        for c in range(nc):
+            keep = drop[dstr[0] * b + dstr[1] * h + dstr[2] * i + dstr[3] * (c0 + c)] != 0
+            pd[r, c] = p[r, c] if keep else 0
+
+
+# --------------------------------------------------------------------------------------
+# forward
+# --------------------------------------------------------------------------------------
+@njit(**_OPTS)
+def _forward_unit(q, k, v, kv_head, unit, nqb, dims, opts, fopts, bias, bstr, mask, mstr,
+                  drop, dstr, slopes, out, lse):
+    heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
+    b = unit // (heads * nqb)
+    h = (unit // nqb) % heads
+    r0 = (unit % nqb) * BLOCK_Q
+    nr = min(BLOCK_Q, length - r0)
+    g = kv_head[h]
+    dt = q.dtype
+    width = _width(q)
+    epad = max(2 * width, -(-vdim // (2 * width)) * 2 * width)
+    q_t = np.empty((dim, BLOCK_Q), dt)
+    k_t = np.empty((dim, BLOCK_K), dt)
+    v_blk = np.empty((BLOCK_K, epad), dt)
+    s = np.empty((BLOCK_Q, BLOCK_K), dt)
+    p = np.zeros((BLOCK_Q, BLOCK_K), dt)
+    pd = np.zeros((BLOCK_Q, BLOCK_K), dt)
+    deriv = np.empty((BLOCK_Q, BLOCK_K), dt)
+    acc = np.zeros((BLOCK_Q, epad), dt)
+    m = np.full(BLOCK_Q, -np.inf, dt)
+    total = np.zeros(BLOCK_Q, dt)
+    _load_rows_t(q[b, h], r0, nr, q_t)
+    causal, left, right = opts[1] != 0, opts[2], opts[3]
+    has_drop = opts[8] != 0
+    lo_first, _ = _row_range(r0, keys, opts[0], causal, left, right)
+    _, hi_last = _row_range(r0 + nr - 1, keys, opts[0], causal, left, right)
+    kk, vv = k[b, g], v[b, g]
+    first = max(lo_first, 0) // BLOCK_K * BLOCK_K
+    for c0 in range(first, min(hi_last + 1, keys), BLOCK_K):
+        nc = min(BLOCK_K, keys - c0)
+        _load_rows_t(kk, c0, nc, k_t)
+        v_finite = _load_rows(vv, c0, nc, v_blk)
+        s[:, :] = 0
+        _matmul_t(q_t, k_t, dim, BLOCK_Q, BLOCK_K, s)
+        clean = _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr, mask,
+                               mstr, slopes, deriv)
+        for r in range(nr):
+            row = s[r]
+            prow = p[r]
+            m_old = m[r]
+            m_new = max(m_old, _row_max(row, BLOCK_K))
+            if m_new == -np.inf:
+                prow[:] = 0
+                continue
+            for c in range(BLOCK_K):
+                prow[c] = _exp(row[c] - m_new)
+            if m_new != m_old:
+                alpha = _exp(m_old - m_new)
+                total[r] = total[r] * alpha
+                arow = acc[r]
+                for e in range(epad):
+                    arow[e] = arow[e] * alpha
+                m[r] = m_new
+            total[r] = total[r] + _row_sum(prow, BLOCK_K)
+        weights = p
+        if has_drop:
+            _dropout_weights(p, pd, nr, nc, r0, c0, b, h, drop, dstr)
+            weights = pd
+        if v_finite or (clean and not has_drop):
+            _matmul_n(weights, v_blk, nc, BLOCK_Q, epad, acc)
+        else:
+            # a non-finite value row may only reach the rows that keep it
+            for r in range(nr):
+                for c in range(nc):
+                    if s[r, c] == -np.inf:
+                        continue
+                    j = c0 + c
+                    if has_drop and drop[dstr[0] * b + dstr[1] * h + dstr[2] * (r0 + r) +
+                                         dstr[3] * j] == 0:
+                        continue
+                    w = weights[r, c]
+                    for e in range(vdim):
+                        acc[r, e] = _fma(w, v_blk[c, e], acc[r, e])
+    keep_scale = fopts[2]
+    nan_rows = opts[9] != 0
+    for r in range(nr):
+        i = r0 + r
+        orow = out[b, h, i]
+        if m[r] == -np.inf:
+            fill = np.nan if nan_rows else 0.0
+            for e in range(vdim):
+                orow[e] = fill
+            lse[b, h, i] = np.nan if nan_rows else -np.inf
+            continue
+        inv = keep_scale / total[r]
+        arow = acc[r]
+        for e in range(vdim):
+            orow[e] = arow[e] * inv
+        lse[b, h, i] = m[r] + math.log(total[r])
+
+
+@njit(parallel=True, **_OPTS)
+def _forward(q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes,
+             out, lse):
+    batch, heads, length = dims[0], dims[1], dims[2]
+    nqb = -(-length // BLOCK_Q)
+    for unit in prange(batch * heads * nqb):
+        _forward_unit(q, k, v, kv_head, unit, nqb, dims, opts, fopts, bias, bstr, mask, mstr,
+                      drop, dstr, slopes, out, lse)
+
+
+# --------------------------------------------------------------------------------------
+# backward
+# --------------------------------------------------------------------------------------
+@njit(**_OPTS)
+def _backward_unit(q, k, v, kv_head, grad_out, lse, delta, unit, nchunks, dims, opts, fopts,
+                   bias, bstr, mask, mstr, drop, dstr, slopes, dq, dk_part, dv_part, dbias):
+    heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
+    nqb = -(-length // BLOCK_Q)
+    b = unit // (heads * nchunks)
+    h = (unit // nchunks) % heads
+    chunk = unit % nchunks
+    per_chunk = -(-nqb // nchunks)
+    g = kv_head[h]
+    dt = q.dtype
+    width = _width(q)
+    dpad = max(2 * width, -(-dim // (2 * width)) * 2 * width)
+    epad = max(2 * width, -(-vdim // (2 * width)) * 2 * width)
+    q_t = np.empty((dim, BLOCK_Q), dt)
+    q_blk = np.empty((BLOCK_Q, dpad), dt)
+    do_t = np.empty((vdim, BLOCK_Q), dt)
+    do_blk = np.empty((BLOCK_Q, epad), dt)
+    k_t = np.empty((dim, BLOCK_K), dt)
+    k_blk = np.empty((BLOCK_K, dpad), dt)
+    v_t = np.empty((vdim, BLOCK_K), dt)
+    s = np.empty((BLOCK_Q, BLOCK_K), dt)
+    dp = np.empty((BLOCK_Q, BLOCK_K), dt)
+    p = np.zeros((BLOCK_Q, BLOCK_K), dt)
+    ds = np.zeros((BLOCK_Q, BLOCK_K), dt)
+    deriv = np.empty((BLOCK_Q, BLOCK_K), dt)
+    dq_acc = np.empty((BLOCK_Q, dpad), dt)
+    causal, left, right = opts[1] != 0, opts[2], opts[3]
+    has_softcap, has_bias, has_drop = opts[4] != 0, opts[5] != 0, opts[8] != 0
+    scale, keep_scale = fopts[0], fopts[2]
+    dk_out, dv_out = dk_part[b, h, chunk], dv_part[b, h, chunk]
+    kk, vv = k[b, g], v[b, g]
+    for qb in range(chunk * per_chunk, min(nqb, (chunk + 1) * per_chunk)):
+        r0 = qb * BLOCK_Q
+        nr = min(BLOCK_Q, length - r0)
+        _load_rows_t(q[b, h], r0, nr, q_t)
+        # a non-finite q or k at an allowed position already makes dS non-finite there;
+        # zeroing it here keeps it out of the rows/keys that exclude it (0 * NaN)
+        _load_rows(q[b, h], r0, nr, q_blk, True)
+        _load_rows_t(grad_out[b, h], r0, nr, do_t)
+        _load_rows(grad_out[b, h], r0, nr, do_blk)
+        for r in range(nr):
+            if lse[b, h, r0 + r] == -np.inf:  # empty row: zero gradients
+                q_blk[r, :] = 0
+                do_blk[r, :] = 0
+                q_t[:, r] = 0
+                do_t[:, r] = 0
+        dq_acc[:, :] = 0
+        lo_first, _ = _row_range(r0, keys, opts[0], causal, left, right)
+        _, hi_last = _row_range(r0 + nr - 1, keys, opts[0], causal, left, right)
+        first = max(lo_first, 0) // BLOCK_K * BLOCK_K
+        for c0 in range(first, min(hi_last + 1, keys), BLOCK_K):
+            nc = min(BLOCK_K, keys - c0)
+            _load_rows_t(kk, c0, nc, k_t)
+            _load_rows(kk, c0, nc, k_blk, True)
+            _load_rows_t(vv, c0, nc, v_t)
+            s[:, :] = 0
+            _matmul_t(q_t, k_t, dim, BLOCK_Q, BLOCK_K, s)
+            _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr, mask, mstr,
+                           slopes, deriv)
+            dp[:, :] = 0
+            _matmul_t(do_t, v_t, vdim, BLOCK_Q, BLOCK_K, dp)
+            for r in range(nr):
+                i = r0 + r
+                row_lse = lse[b, h, i]
+                srow, prow, dsrow, dprow = s[r], p[r], ds[r], dp[r]
+                if row_lse == -np.inf:
+                    prow[:] = 0
+                    dsrow[:] = 0
+                    continue
+                d_i = delta[b, h, i]
+                for c in range(BLOCK_K):
+                    prob = _exp(srow[c] - row_lse)
+                    prow[c] = prob
+                    grad = prob * (dprow[c] * keep_scale - d_i)
+                    dsrow[c] = grad if srow[c] != -np.inf else 0
+                if has_drop:
+                    for c in range(nc):
+                        j = c0 + c
+                        if drop[dstr[0] * b + dstr[1] * h + dstr[2] * i + dstr[3] * j] == 0:
+                            dsrow[c] = (0 - prow[c] * d_i) if srow[c] != -np.inf else 0
+                            prow[c] = 0
+                        else:
+                            prow[c] = prow[c] * keep_scale
+                else:
+                    for c in range(BLOCK_K):
+                        prow[c] = prow[c] * keep_scale
+                if has_bias:
+                    for c in range(nc):
+                        dbias[b, h, i, c0 + c] = dsrow[c]
+                if has_softcap:
+                    for c in range(nc):
+                        if srow[c] != -np.inf:
+                            dsrow[c] = dsrow[c] * deriv[r, c]
+                for c in range(BLOCK_K):
+                    dsrow[c] = dsrow[c] * scale
+            _matmul_n(ds, k_blk, nc, BLOCK_Q, dpad, dq_acc)
+            _matmul_t(ds, q_blk, nr, BLOCK_K, dpad, dk_out[c0:c0 + BLOCK_K])
+            _matmul_t(p, do_blk, nr, BLOCK_K, epad, dv_out[c0:c0 + BLOCK_K])
+        for r in range(nr):
+            dq[b, h, r0 + r, :] = dq_acc[r, :dim]
+
+
+@njit(parallel=True, **_OPTS)
+def _backward(q, k, v, kv_head, grad_out, lse, delta, nchunks, dims, opts, fopts, bias, bstr,
+              mask, mstr, drop, dstr, slopes, dq, dk_part, dv_part, dbias):
+    batch, heads = dims[0], dims[1]
+    for unit in prange(batch * heads * nchunks):
+        _backward_unit(q, k, v, kv_head, grad_out, lse, delta, unit, nchunks, dims, opts, fopts,
+                       bias, bstr, mask, mstr, drop, dstr, slopes, dq, dk_part, dv_part, dbias)
+
+
+@njit(parallel=True, **_OPTS)
+def _delta(grad_out, out, grad_lse, has_grad_lse, delta):
+    """delta_i = dO_i . O_i - dlse_i, sequential over E (FlashAttention-2, Alg. 2 line 4)."""
+    batch, heads, length, vdim = out.shape
+    for bh in prange(batch * heads):
+        b, h = bh // heads, bh % heads
+        for i in range(length):
+            delta[b, h, i] = 0
+            for e in range(vdim):
+                delta[b, h, i] = _fma(grad_out[b, h, i, e], out[b, h, i, e], delta[b, h, i])
+            if has_grad_lse:
+                delta[b, h, i] = delta[b, h, i] - grad_lse[b, h, i]
+
+
+@njit(parallel=True, **_OPTS)
+def _reduce_parts(part, kv_head, kv_heads, feats, result):
+    """result[b, g] = sum over (h with kv_head[h] == g, chunk) in increasing order."""
+    batch, heads, nchunks, keys = part.shape[0], part.shape[1], part.shape[2], result.shape[2]
+    for bg in prange(batch * kv_heads):
+        b, g = bg // kv_heads, bg % kv_heads
+        for h in range(heads):
+            if kv_head[h] != g:
+                continue
+            for chunk in range(nchunks):
+                for j in range(keys):
+                    for x in range(feats):
+                        result[b, g, j, x] += part[b, h, chunk, j, x]
+
+
+# --------------------------------------------------------------------------------------
+# wrappers: own shapes, dtypes, padding and allocation
+# --------------------------------------------------------------------------------------
+def _plane(view):
+    """A (B, H, L, S) view as (1-D contiguous data, element strides); (dummy, zeros) for None."""
+    if view is None:
+        return np.zeros(1, np.float64), np.zeros(4, np.int64)
+    compact = view[tuple(slice(0, 1) if st == 0 else slice(None) for st in view.strides)]
+    data = np.require(compact, requirements=["C", "W"])
+    if data.dtype == np.bool_:
+        data = data.view(np.uint8)
+    strides = np.array([0 if st == 0 else ds // data.itemsize
+                        for st, ds in zip(view.strides, data.strides, strict=True)], np.int64)
+    return data.reshape(-1), strides
+
+
+def _arguments(spec, dtype):
+    batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
+    left, right = (-1, -1) if spec.window is None else (
+        -1 if spec.window[0] is None else spec.window[0],
+        -1 if spec.window[1] is None else spec.window[1])
+    dims = np.array([batch, heads, length, kv_heads, keys, dim, vdim], np.int64)
+    opts = np.array([spec.offset, spec.causal, left, right, spec.softcap is not None,
+                     spec.bias is not None, spec.mask is not None, spec.alibi_slopes is not None,
+                     spec.dropout_mask is not None, spec.empty_rows == "nan"], np.int64)
+    fopts = np.array([spec.scale_float, spec.softcap or 1.0, 1.0 / (1.0 - spec.dropout_p),
+                      -np.inf], dtype)
+    bias, bstr = _plane(spec.bias)
+    mask, mstr = _plane(spec.mask)
+    drop, dstr = _plane(spec.dropout_mask)
+    if mask.dtype != np.uint8:
+        mask = mask.astype(np.uint8)
+    if drop.dtype != np.uint8:
+        drop = drop.astype(np.uint8)
+    slopes = np.zeros(1) if spec.alibi_slopes is None else np.require(
+        spec.alibi_slopes, np.float64, ["C", "W"])
+    q, k, v = (np.require(a, dtype, ["C", "W"]) for a in (spec.q, spec.k, spec.v))
+    kv_head = np.require(spec.kv_head, np.int64, ["C", "W"])
+    return q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes
+
+
+def forward(spec, dtype=None):
+    """Run the forward kernel: returns out (B, H, L, E) and lse (B, H, L) in the compute dtype.
+
+    Parameters
+    ----------
+    spec : refattn._spec.AttentionSpec
+    dtype : float dtype, optional
+        Compute dtype (default :func:`compute_dtype` of q's dtype).
+    """
+    dtype = compute_dtype(spec.q.dtype) if dtype is None else np.dtype(dtype)
+    return _run_forward(spec, _arguments(spec, dtype), dtype)
+
+
+def _run_forward(spec, args, dtype):
+    batch, heads, _, length, _, _, vdim = spec.dims
+    out = np.empty((batch, heads, length, vdim), dtype)
+    lse = np.empty((batch, heads, length), dtype)
+    if lse.size:
+        _forward(*args, out, lse)
+    return out, lse
+
+
+def backward_chunks(batch: int, heads: int, length: int) -> int:
+    """Query chunks per (batch, head) of the backward pass (a function of the shape only)."""
+    nqb = -(-length // BLOCK_Q)
+    return max(1, min(nqb, -(-_MIN_BACKWARD_UNITS // max(1, batch * heads))))
+
+
+def backward(spec, grad_out, grad_lse=None, dtype=None):
+    """Run the backward kernel: (dq, dk, dv, dbias) with dbias (B, H, L, S) or None.
+
+    ``grad_out`` is (B, H, L, E), ``grad_lse`` (B, H, L) or None; both float arrays.
+    """
+    dtype = compute_dtype(spec.q.dtype) if dtype is None else np.dtype(dtype)
+    args = _arguments(spec, dtype)
+    q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes = args
+    batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
+    # the backward pass needs lse = -inf on empty rows whatever empty_rows says (a NaN lse
+    # then only marks rows poisoned by NaN inputs, whose gradients are NaN)
+    zero_rows = opts.copy()
+    zero_rows[9] = 0
+    out, lse = _run_forward(spec, args[:5] + (zero_rows,) + args[6:], dtype)
+    grad_out = np.ascontiguousarray(grad_out, dtype)
+    has_glse = grad_lse is not None
+    glse = np.ascontiguousarray(grad_lse, dtype) if has_glse else np.zeros((1, 1, 1), dtype)
+    delta = np.empty((batch, heads, length), dtype)
+    if delta.size:
+        _delta(grad_out, out, glse, has_glse, delta)
+    width = 64 // dtype.itemsize
+    dpad = max(2 * width, -(-dim // (2 * width)) * 2 * width)
+    epad = max(2 * width, -(-vdim // (2 * width)) * 2 * width)
+    kpad = -(-keys // BLOCK_K) * BLOCK_K
+    nchunks = backward_chunks(batch, heads, length)
+    dq = np.zeros((batch, heads, length, dim), dtype)
+    dk_part = np.zeros((batch, heads, nchunks, kpad, dpad), dtype)
+    dv_part = np.zeros((batch, heads, nchunks, kpad, epad), dtype)
+    dbias = np.zeros((batch, heads, length, keys), dtype) if spec.bias is not None else None
+    if length and keys:
+        _backward(q, k, v, kv_head, grad_out, lse, delta, nchunks, dims, opts, fopts, bias,
+                  bstr, mask, mstr, drop, dstr, slopes, dq, dk_part, dv_part,
+                  dbias if dbias is not None else np.zeros((1, 1, 1, 1), dtype))
+    dk = np.zeros((batch, kv_heads, keys, dim), dtype)
+    dv = np.zeros((batch, kv_heads, keys, vdim), dtype)
+    if dk.size:
+        _reduce_parts(dk_part, kv_head, kv_heads, dim, dk)
+    if dv.size:
+        _reduce_parts(dv_part, kv_head, kv_heads, vdim, dv)
+    return dq, dk, dv, dbias
+
+
+# --------------------------------------------------------------------------------------
+# a-priori error bounds (used by the tests; they materialise (L, S) planes: small shapes)
+# --------------------------------------------------------------------------------------
+def _gamma(n, dtype):
+    from oracle.tolerance import gamma
+
+    return gamma(n, np.dtype(dtype).name)
+
+
+def _planes(spec, weights):
+    """Score magnitudes A_i (B, H, L), allowed planes and post-dropout |weights|."""
+    batch, heads, _, length, keys, _, _ = spec.dims
+    mags = np.zeros((batch, heads, length))
+    dropped = np.abs(np.nan_to_num(weights, nan=0.0))
+    for b in range(batch):
+        for h in range(heads):
+            g = spec.kv_head[h]
+            q = np.abs(np.nan_to_num(np.asarray(spec.q[b, h], np.float64), posinf=0, neginf=0))
+            k = np.abs(np.nan_to_num(np.asarray(spec.k[b, g], np.float64), posinf=0, neginf=0))
+            mag = abs(spec.scale_float) * (q @ k.T)
+            if spec.bias is not None:
+                bias = np.asarray(spec.bias[b, h], np.float64)
+                mag = mag + np.where(np.isfinite(bias), np.abs(bias), 0.0)
+            alibi = spec.alibi(h)
+            if alibi is not None:
+                mag = mag + np.abs(alibi)
+            allowed = spec.allowed(b, h)
+            mags[b, h] = np.where(allowed, mag, 0.0).max(axis=1, initial=0.0)
+            if spec.dropout_mask is not None:
+                dropped[b, h] = dropped[b, h] * spec.dropout_mask[b, h] / (1 - spec.dropout_p)
+    return mags, dropped
+
+
+def forward_error_bound(spec, weights, dtype=np.float64):
+    """Bound on |out - exact| (B, H, L, E) and |lse - exact| (B, H, L) of :func:`forward`.
+
+    .. math::
+
+        |\\Delta o_{ie}| \\le \\bigl(2\\gamma_{D+4}(A_i + 1) + \\gamma_{S + n_b + 8}\\bigr)
+            \\sum_j \\tilde w_{ij} |v_{je}|, \\qquad
+        |\\Delta \\mathrm{lse}_i| \\le \\gamma_{D+4}(2A_i + 1) + \\gamma_{S + n_b + 8}
+            + \\gamma_2 |\\mathrm{lse}_i|
+
+    with A_i = max over allowed j of ``|scale| |q_i|.|k_j| + |bias_ij| + |alibi_ij|`` (each
+    score has absolute error <= gamma_{D+4} A_i: D fused multiply-adds, the scale, softcap,
+    bias and ALiBi roundings; the softmax weights then have relative error <= 2 gamma_{D+4}
+    (A_i + 1) through exp), n_b the number of key blocks (one rescaling each), the 8 covering
+    exp (about one ulp), the normalisation and dropout scaling; ``w~`` the post-dropout
+    weights. gamma is Higham's gamma_n in the compute ``dtype`` (:func:`oracle.tolerance.gamma`).
+
+    ``weights`` are the float64 pre-dropout weights (B, H, L, S) of the NumPy path.
+    """
+    mags, dropped = _planes(spec, weights)
+    _, _, _, _, keys, dim, _ = spec.dims
+    n_blocks = -(-keys // BLOCK_K)
+    g_score, g_sum = _gamma(dim + 4, dtype), _gamma(keys + n_blocks + 8, dtype)
+    v = np.abs(np.nan_to_num(np.asarray(spec.v, np.float64), nan=0.0, posinf=0, neginf=0))
+    nat = np.matmul(dropped, v[:, spec.kv_head])
+    out = (2 * g_score * (mags + 1) + g_sum)[..., None] * nat
+    lse_mag = np.abs(np.nan_to_num(np.log(np.maximum(mags, 1.0)), nan=0.0))
+    lse = g_score * (2 * mags + 1) + g_sum + _gamma(2, dtype) * (lse_mag + mags + 1)
+    return out, lse
+
+
+def backward_error_bound(spec, weights, grad_out, grad_lse=None, dtype=np.float64):
+    """Bound on |dq|, |dk|, |dv|, |dbias| errors of :func:`backward` (shapes of the grads).
+
+    Each gradient is a sum of products of the weights (relative error <= 2 gamma_{D+4}(A+1)),
+    dP = dO . v (gamma_E), delta = dO . out (gamma_E plus the forward error), q or k (exact)
+    and the scale; summed over S keys (dq), L*G query rows and chunks (dk, dv). Hence
+
+    .. math::
+
+        |\\Delta g| \\le \\bigl(4\\gamma_{D+4}(A+1) + 2\\gamma_E + \\gamma_D + 2\\gamma_S
+            + 2\\gamma_{L G + c} + \\gamma_{16}\\bigr)\\, \\hat g
+
+    with A = max_i A_i and ``g_hat`` the natural scale of the gradient (the same sums over
+    absolute values, :func:`oracle.tolerance.grad_scales`).
+    """
+    from oracle.tolerance import grad_scales
+
+    mags, dropped = _planes(spec, weights)
+    batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
+    group = heads // kv_heads
+    chunks = backward_chunks(batch, heads, length)
+    big = float(mags.max(initial=0.0))
+    theta = (4 * _gamma(dim + 4, dtype) * (big + 1) + 2 * _gamma(max(vdim, 1), dtype)
+             + _gamma(dim, dtype) + 2 * _gamma(keys + 8, dtype)
+             + 2 * _gamma(length * group + chunks + 8, dtype) + _gamma(16, dtype))
+    pre = np.abs(np.nan_to_num(weights, nan=0.0))
+    if spec.bias is not None:
+        bias = np.asarray(spec.bias, np.float64)
+    else:
+        bias = None
+    scales = grad_scales(np.asarray(spec.q, np.float64), np.asarray(spec.k, np.float64),
+                         np.asarray(spec.v, np.float64), grad_out, pre, dropped,
+                         grad_lse=grad_lse, scale=spec.scale_float, bias=bias, gqa=spec.gqa)
+    bounds = {name: theta * value for name, value in scales.items()}
+    return bounds["dq"], bounds["dk"], bounds["dv"], bounds.get("dbias")
