@@ -34,6 +34,8 @@ CASES = {
     "scale": ({}, {"scale": 0.25}),
     "causal": ({}, {"causal": True}),
     "causal-bottom-right": ({}, {"causal": True, "align": "bottom_right"}),
+    # L > S: the first L - S rows have no allowed key (out 0 under empty_rows="zero").
+    "causal-bottom-right-long": ({"L": 9}, {"causal": True, "align": "bottom_right"}),
     "mask": ({}, {"mask": "random"}),
     "bias": ({}, {"bias": "gaussian"}),
     "mask-bias": ({}, {"mask": "random", "bias": "gaussian"}),
@@ -51,7 +53,7 @@ CASES = {
 # Options each adapter lacks (the documented contract of oracle.adapters).
 _UNSUPPORTED = {
     "torch": {"window", "window-left", "softcap", "lse"},
-    "jax": {"softcap", "value-dim", "causal-bottom-right"},
+    "jax": {"softcap", "value-dim", "causal-bottom-right", "causal-bottom-right-long"},
     "onnxruntime": {"window", "window-left", "lse"},
     "onnx-reference": {"lse"},
     "refattn-float64": set(),
@@ -64,11 +66,8 @@ _UNSUPPORTED = {
 # ignores nonpad_kv_seqlen in the causal frontier (bottom_right comes out top_left).
 _JUDGED_AT = {("jax", "float64"): "float32", ("onnxruntime", "float64"): "float32"}
 _KNOWN_WRONG = {
-    (
-        "onnxruntime",
-        "causal-bottom-right",
-        "float64",
-    ): "onnxruntime float64 ignores nonpad_kv_seqlen: causal is top-left"
+    ("onnxruntime", case, "float64"): "onnxruntime float64 ignores nonpad_kv_seqlen: top-left"
+    for case in ("causal-bottom-right", "causal-bottom-right-long")
 }
 
 
@@ -190,9 +189,11 @@ def assert_within(name, got, truth, bound):
     got = np.asarray(got, np.float64)
     truth = np.asarray(truth, np.float64)
     bound = np.broadcast_to(bound, truth.shape)
-    err = np.abs(got - truth)
-    err = np.where(np.isnan(err), np.inf, err)
-    excess = err / bound
+    with np.errstate(invalid="ignore", divide="ignore"):
+        same = (got == truth) | (np.isnan(got) & np.isnan(truth))  # also -inf lse of empty rows
+        err = np.where(same, 0.0, np.abs(got - truth))
+        err = np.where(np.isnan(err), np.inf, err)
+        excess = np.where(err == 0, 0.0, err / bound)
     worst = np.unravel_index(np.argmax(excess), excess.shape)
     assert excess[worst] <= 1, (
         f"{name}: worst element {worst}: value {got[worst]!r}, truth {truth[worst]!r}, "
@@ -321,7 +322,7 @@ def test_fully_masked_rows_pass_through(peer):
     q, k, v, _ = make_case("plain", "float32")
     mask = np.ones((1, 1, 5, 7), bool)
     mask[..., 2, :] = False
-    row = impl(q, k, v, mask=mask, empty_rows="nan")[0, :, 2]
+    row = impl(q, k, v, mask=mask)[0, :, 2]
     expected = {
         "zero": np.zeros_like(row),
         "uniform weights over all keys (mean of v)": np.asarray(v, np.float64)[0].mean(1),
@@ -329,6 +330,18 @@ def test_fully_masked_rows_pass_through(peer):
     want = expected[impl.fully_masked_rows]
     bound = gamma(7 + 8, "float32") * np.abs(np.asarray(v, np.float64)[0]).mean(1)
     assert_within(f"{peer} empty row ({impl.fully_masked_rows})", row, want, bound)
+
+
+@pytest.mark.parametrize("peer", ["torch", "jax", "onnxruntime", "onnx-reference"])
+def test_empty_rows_nan_declined_only_with_empty_rows(peer):
+    """No peer can be asked for NaN rows: declined when a row is empty, harmless otherwise."""
+    impl = _adapter(peer)
+    q, k, v, _ = make_case("plain", "float32")
+    mask = np.ones((1, 1, 5, 7), bool)
+    assert impl(q, k, v, mask=mask, empty_rows="nan").shape == (1, 2, 5, 8)
+    mask[..., 3, :] = False
+    with pytest.raises(NotImplementedError, match="empty_rows"):
+        impl(q, k, v, mask=mask, empty_rows="nan")
 
 
 def test_onnxruntime_float64_empty_rows_are_nan():

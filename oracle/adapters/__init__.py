@@ -14,7 +14,11 @@ Rules every adapter follows (the oracle must see the peer's real behaviour):
   Where the peer's convention differs from refattn's (fully masked rows, softcap order, float
   precision of the softmax) nothing is corrected: the oracle judges and diagnoses the output.
 * ``empty_rows`` is not an option of any peer: it names what the *truth* does with rows that
-  have no allowed key. Adapters accept both values and pass the problem through unchanged.
+  have no allowed key. ``"zero"`` (the pinned convention) is passed through unchanged, so the
+  oracle sees what the peer really does with such rows (JAX averages every value, onnxruntime
+  float64 gives NaN). ``"nan"`` is an alternative no peer can be asked for: when the problem
+  has a row with no allowed key the call raises NotImplementedError (without one, the value
+  changes nothing and the call proceeds).
 * A value is never rounded on its way to the peer. An option whose value the peer can only
   take in a narrower format (ONNX's 32-bit ``scale`` and ``softcap`` attributes, a float bias
   in another dtype than q) is passed when it converts exactly and is unsupported otherwise.
@@ -211,7 +215,14 @@ class Adapter:
                 f"{self.name}: q, k, v must share one dtype, got "
                 f"{[np.asarray(a).dtype.name for a in (q, k, v)]}"
             )
-        return canonicalize(q, k, v, **options), return_lse
+        spec = canonicalize(q, k, v, **options)
+        if spec.empty_rows == "nan" and has_empty_rows(spec):
+            self.unsupported(
+                "empty_rows",
+                "nan",
+                f"no option for rows without an allowed key (its own: {self.fully_masked_rows})",
+            )
+        return spec, return_lse
 
     def unsupported(self, option: str, value, why: str):
         """Raise NotImplementedError naming the option, its value and the peer."""
@@ -222,6 +233,14 @@ class Adapter:
 
     def __repr__(self) -> str:
         return f"<oracle adapter {self.name!r}: {self.peer}>"
+
+
+def has_empty_rows(spec) -> bool:
+    """Whether some query row of the canonical spec has no allowed key."""
+    batch, heads = spec.q.shape[:2]
+    return any(
+        not spec.allowed(b, h).any(axis=-1).all() for b in range(batch) for h in range(heads)
+    )
 
 
 def alignment_matters(spec) -> bool:
