@@ -1,7 +1,7 @@
 """Adapter for ``jax.nn.dot_product_attention`` (the ``xla`` implementation, on the CPU).
 
-The call runs eagerly (op by op), not under ``jax.jit``: jit-compiled float16 fails on the
-CPU in jax 0.10 (see ``_attend``).
+The call runs under ``jax.jit``, as JAX programs run it, except float16, which runs eagerly:
+jit-compiled float16 fails on the CPU in jax 0.10 (see ``_attend``).
 
 Option mapping (refattn -> JAX; JAX's layout is (B, L, H, D), the adapter transposes):
 
@@ -84,7 +84,9 @@ class JaxDotProductAttention(Adapter):
             wide = length + keys
             window = tuple(wide if side is None else side for side in spec.window)
         mask = None if spec.mask is None else jnp.asarray(spec.mask)
-        return _attend(q, k, v, bias, mask, spec.scale, spec.causal, window, return_lse)
+        # float16 runs eagerly: jax 0.10's own fallback for it only works outside jit.
+        attend = _attend if q.dtype == jnp.float16 else _attend_jit
+        return attend(q, k, v, bias, mask, spec.scale, spec.causal, window, return_lse)
 
     def _forward(self, spec, return_lse):
         self._check(spec, return_lse)
@@ -135,11 +137,12 @@ class JaxDotProductAttention(Adapter):
 
 
 def _attend(q, k, v, bias, mask, scale, is_causal, window, return_lse):
-    """jax.nn.dot_product_attention in the (B, H, L, D) layout, run eagerly.
+    """jax.nn.dot_product_attention in the (B, H, L, D) layout.
 
-    Not under ``jax.jit``: jax 0.10 then fails for float16 on the CPU ("The precision
-    'F16_F16_F32' is not supported by dot_general on CPU"), because the function's own
-    fallback (a try/except around the einsum) only catches errors raised eagerly.
+    Run under ``jax.jit`` (:data:`_attend_jit`) except for float16: jit-compiled, jax 0.10
+    fails for float16 on the CPU ("The precision 'F16_F16_F32' is not supported by
+    dot_general on CPU") because the function's own fallback (a try/except around the
+    einsum) only catches errors raised eagerly.
     """
     result = jax.nn.dot_product_attention(
         jnp.swapaxes(q, 1, 2),
@@ -157,3 +160,7 @@ def _attend(q, k, v, bias, mask, scale, is_causal, window, return_lse):
         out, lse = result
         return jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2)
     return jnp.swapaxes(result, 1, 2), None
+
+
+#: The jit-compiled call (one compilation per shapes, dtype and options; static options).
+_attend_jit = jax.jit(_attend, static_argnums=(5, 6, 7, 8))
