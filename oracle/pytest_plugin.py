@@ -1,7 +1,8 @@
 """pytest plugin of the oracle: one test per case against your implementation.
 
 Usage (the plugin is registered by the ``pytest11`` entry point ``refattn_oracle`` when refattn
-is installed; from a source checkout add ``-p oracle.pytest_plugin``)::
+is installed; from a source checkout that is not installed add ``-p oracle.pytest_plugin``, but
+never both: pluggy refuses to register one module under two names)::
 
     pytest --pyargs oracle --refattn-impl mypkg.attn:attention [--refattn-suite default]
            [--refattn-fixtures DIR] [--refattn-dtype float16] [--refattn-skips FILE]

@@ -169,6 +169,15 @@ def test_cli_generate_verify_validate_fixtures(tmp_path, capsys):
     assert "basic-" in capsys.readouterr().out
 
 
+def _plugin_args():
+    """``-p oracle.pytest_plugin`` from a checkout; nothing once the pytest11 entry point is
+    installed (registering the module twice is an error in pluggy)."""
+    from importlib.metadata import entry_points
+
+    installed = any(ep.name == "refattn_oracle" for ep in entry_points(group="pytest11"))
+    return [] if installed else ["-p", "oracle.pytest_plugin"]
+
+
 def _pytest(*args, cwd=ROOT):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     env.pop("REFATTN_IMPL", None)
@@ -178,8 +187,7 @@ def _pytest(*args, cwd=ROOT):
 
 @pytest.mark.slow
 def test_pytest_plugin(tmp_path):
-    base = ["-p", "oracle.pytest_plugin", "--pyargs", "oracle", "-q", "--refattn-suite",
-            "smoke"]
+    base = [*_plugin_args(), "--pyargs", "oracle", "-q", "--refattn-suite", "smoke"]
     inert = _pytest(*base)
     assert inert.returncode == 0 and "1 skipped" in inert.stdout, inert.stdout
     good = _pytest(*base, "--refattn-impl", "broken_impls:textbook")
@@ -199,5 +207,5 @@ def test_pytest_plugin(tmp_path):
 @pytest.mark.slow
 def test_pytest_plugin_is_inert_in_other_runs(tmp_path):
     (tmp_path / "test_one.py").write_text("def test_one():\n    assert True\n")
-    run = _pytest("-p", "oracle.pytest_plugin", "-q", str(tmp_path), cwd=tmp_path)
+    run = _pytest(*_plugin_args(), "-q", str(tmp_path), cwd=tmp_path)
     assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout
