@@ -44,6 +44,7 @@ CASES = {
     "mqa": ({"H": 4, "K": 1}, {"causal": True}),
     "window": ({}, {"window": (2, 1)}),
     "window-left": ({}, {"window": (1, None)}),
+    "window-bottom-right": ({}, {"window": (None, 1), "align": "bottom_right"}),
     "softcap": ({}, {"softcap": 2.0}),
     "lse": ({}, {"return_lse": True}),
     "value-dim": ({"E": 6}, {}),
@@ -52,9 +53,15 @@ CASES = {
 
 # Options each adapter lacks (the documented contract of oracle.adapters).
 _UNSUPPORTED = {
-    "torch": {"window", "window-left", "softcap", "lse"},
-    "jax": {"softcap", "value-dim", "causal-bottom-right", "causal-bottom-right-long"},
-    "onnxruntime": {"window", "window-left", "lse"},
+    "torch": {"window", "window-left", "window-bottom-right", "softcap", "lse"},
+    "jax": {
+        "softcap",
+        "value-dim",
+        "causal-bottom-right",
+        "causal-bottom-right-long",
+        "window-bottom-right",
+    },
+    "onnxruntime": {"window", "window-left", "window-bottom-right", "lse"},
     "onnx-reference": {"lse"},
     "refattn-float64": set(),
 }

@@ -116,6 +116,22 @@ def names() -> list[str]:
     return list(_REGISTRY)
 
 
+def _load(name: str):
+    """The adapter class of ``name`` (imports the peer)."""
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown adapter {name!r}; known: {', '.join(_REGISTRY)}")
+    entry = _REGISTRY[name]
+    try:
+        module = importlib.import_module(entry.module)
+    except ImportError as err:
+        hint = f"pip install refattn[{entry.extra}]" if entry.extra else "reinstall refattn"
+        raise ImportError(
+            f"adapter {name!r} needs {entry.peer}, which does not import here ({err}); "
+            f"install it with: {hint}"
+        ) from err
+    return getattr(module, entry.attribute)
+
+
 def get(name: str):
     """The adapter called ``name`` (one instance per process).
 
@@ -126,28 +142,17 @@ def get(name: str):
     ImportError
         The peer is not installed; the message says which pip extra installs it.
     """
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown adapter {name!r}; known: {', '.join(_REGISTRY)}")
     if name not in _INSTANCES:
-        entry = _REGISTRY[name]
-        try:
-            module = importlib.import_module(entry.module)
-        except ImportError as err:
-            hint = f"pip install refattn[{entry.extra}]" if entry.extra else "reinstall refattn"
-            raise ImportError(
-                f"adapter {name!r} needs {entry.peer}, which does not import here ({err}); "
-                f"install it with: {hint}"
-            ) from err
-        _INSTANCES[name] = getattr(module, entry.attribute)()
+        _INSTANCES[name] = _load(name)()
     return _INSTANCES[name]
 
 
 def available() -> list[str]:
-    """Names of the adapters whose peer imports on this machine."""
+    """Names of the adapters whose peer imports on this machine (none is instantiated)."""
     found = []
     for name in _REGISTRY:
         try:
-            get(name)
+            _load(name)
         except ImportError:
             continue
         found.append(name)
