@@ -49,6 +49,7 @@ __all__ = ["attention", "log_posterior", "adapt_keys", "adapt_priors", "GMMResul
 PRIORS = ("uniform", "magnitude")
 KEY_FORMS = ("paper", "map")
 PRIOR_FORMS = ("paper", "map")
+BACKENDS = ("numpy", "numba")
 
 
 class GMMResult(NamedTuple):
@@ -560,7 +561,8 @@ def _batch_rows(batch, length):
 
 
 def attention(q, keys, values, *, alpha, beta=0.0, prior="uniform", v_init=None, iters=1,
-              tol=None, return_trace=False, precision="float64", out_dtype=None):
+              tol=None, return_trace=False, precision="float64", out_dtype=None,
+              backend="numpy"):
     """Gaussian-mixture attention: MAP value inference by EM (Movellan & Gabbur eqs. (13)-(14)).
 
     For each query q_i the value estimate is refined ``iters`` times by
@@ -611,6 +613,10 @@ def attention(q, keys, values, *, alpha, beta=0.0, prior="uniform", v_init=None,
     precision : {"float64", "exact"}
     out_dtype : dtype, optional
         Exact path: float64 (default), float32, float16, bfloat16.
+    backend : {"numpy", "numba"}
+        float64 path only: "numba" runs the deterministic kernel
+        :func:`refattn.kernels.variants.gmm_attention` (same operations, sequential sums;
+        within the same error bound, bit-identical for any thread count).
 
     Returns
     -------
@@ -635,6 +641,9 @@ def attention(q, keys, values, *, alpha, beta=0.0, prior="uniform", v_init=None,
     [[0.731059]]
     """
     precision = _checks.precision(precision)
+    if _checks.choice(backend, "backend", BACKENDS) == "numba" and precision != "float64":
+        raise ValueError("backend: 'numba' runs the float64 path only; pass "
+                         "precision='float64' or backend='numpy'")
     m = _model(q, keys, values, alpha, beta, prior)
     iters = _iters(iters)
     if tol is not None:
@@ -651,6 +660,11 @@ def attention(q, keys, values, *, alpha, beta=0.0, prior="uniform", v_init=None,
         v_init = finite_input(v_init, "v_init", 2)
         want = m.q.shape[:-1] + (m.values.shape[-1],)
         v_init = _checks.broadcast(v_init, want, "v_init", "(..., L, E)")
+    if precision == "float64" and backend == "numba":
+        from .kernels.variants import gmm_attention
+
+        v, trace, done = gmm_attention(m, v_init, iters, tol, return_trace)
+        return GMMResult(v, trace, done) if return_trace else v
     if precision == "float64":
         v, trace, done = _attention64(m, v_init, iters, tol, return_trace)
         return GMMResult(v, trace, done) if return_trace else v

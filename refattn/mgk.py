@@ -44,6 +44,7 @@ __all__ = ["attention", "em_update_pi", "linear_attention", "EMResult", "MODES",
            "FEATURE_MAPS"]
 
 MODES = ("soft", "hard")
+BACKENDS = ("numpy", "numba")
 FEATURE_MAPS = ("elu+1",)
 
 
@@ -254,7 +255,8 @@ def _clean(x):
 
 
 def attention(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=False, mask=None,
-              causal=False, window=None, align="top_left", precision="float64", out_dtype=None):
+              causal=False, window=None, align="top_left", precision="float64", out_dtype=None,
+              backend="numpy"):
     """Transformer-MGK attention (Nguyen et al. 2022; notes (N6)-(N7), hard form (N9)).
 
     .. math::
@@ -288,6 +290,10 @@ def attention(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=Fa
         value, or in q makes the row NaN.
     precision : {"float64", "exact"}
     out_dtype : dtype, optional (exact path)
+    backend : {"numpy", "numba"}
+        float64 path only: "numba" runs the deterministic streaming kernel
+        :func:`refattn.kernels.variants.mgk_attention` (no (L, S, R) array; same operations,
+        sequential sums; within the same error bound, bit-identical for any thread count).
 
     Returns
     -------
@@ -309,10 +315,19 @@ def attention(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=Fa
     """
     precision = _checks.precision(precision)
     mode = _checks.choice(mode, "mode", MODES)
+    if _checks.choice(backend, "backend", BACKENDS) == "numba" and precision != "float64":
+        raise ValueError("backend: 'numba' runs the float64 path only; pass "
+                         "precision='float64' or backend='numpy'")
     q, keys, v, batch = _inputs(q, keys, v)
     comp_shape = batch + keys.shape[-3:-1]
     sigma2, sigma_varies = _sigma2(sigma2, comp_shape)
     log_pi, _ = _log_pi(log_pi, comp_shape)
+    if backend == "numba":
+        from .kernels.variants import mgk_attention
+
+        return mgk_attention(q, keys, v, log_pi=log_pi, sigma2=sigma2, sigma_varies=sigma_varies,
+                             mode=mode, normalized=normalized, mask=mask, causal=causal,
+                             window=window, align=align)
     length, units = q.shape[-2], keys.shape[-3]
     allowed = _checks.broadcast(
         allowed_mask(length, units, mask=mask, causal=causal, window=window, align=align),

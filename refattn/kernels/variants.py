@@ -1,0 +1,528 @@
+"""Deterministic Numba CPU kernels for the hot loops of the probabilistic variants.
+
+Two kernels, selected with ``backend="numba"`` on the float64 path of
+
+* :func:`refattn.gmm.attention` -- the EM iteration of Movellan & Gabbur (seed 000), eqs.
+  (13)-(14) (uniform or array prior) and (17)-(18) (``prior="magnitude"``): per query row the
+  query logits ``a_u`` once, then ``iters`` times the value logits, a log-space softmax over
+  the units and the value update
+
+  .. math::
+
+      a_u = \\log p(u) - \\tfrac{\\alpha_u}{2}\\|q - \\xi_u\\|^2 + \\tfrac{D}{2}\\log\\alpha_u,
+      \\qquad
+      v_{t+1} = \\sum_u \\operatorname{softmax}_u\\big(a_u - \\tfrac{\\beta_u}{2}
+          \\|v_t - \\mu_u\\|^2 + \\ldots\\big)\\,\\mu_u \\quad (13)\\text{-}(14);
+
+* :func:`refattn.mgk.attention` -- Transformer-MGK (seed 001, displays (N6)-(N7), hard form
+  (N9)): per query row and key the max-shifted ``lse`` over the R components, then the masked
+  log-space softmax over the keys and the weighted values
+
+  .. math::
+
+      s_{ij} = \\operatorname{lse}_r\\Big(\\log\\pi_{jr}
+          - \\frac{\\|q_i - k_{jr}\\|^2}{2\\sigma^2_{jr}}\\Big), \\qquad
+      h_i = \\sum_{j \\in A_i} e^{s_{ij} - \\operatorname{lse}_{j' \\in A_i} s_{ij'}}\\, v_j .
+
+Both compute exactly the operations of the NumPy float64 path, term for term in the same
+order (the per-unit constants are even formed by the same NumPy expressions in the wrappers);
+only the order of the *sums* differs (sequential here, pairwise/BLAS in NumPy), so the kernels
+lie within the float64 path's documented bound of :func:`oracle.tolerance.mixture_bound`.
+
+Numerics and determinism
+------------------------
+* Log-space: every exponential is ``exp(x - top)`` or ``exp(x - lse)`` with ``top`` the
+  largest included term and ``lse = top + log1p(sum_{j != top} exp(x_j - top))`` (the
+  Blanchard-Higham form of :func:`refattn.logspace.logsumexp`); an exponential of an unshifted
+  score is never formed.
+* Work is split over independent query rows (``prange`` over batch x L); each row is computed
+  by one thread from start to end, every reduction in an order fixed by the shapes alone
+  (squared distances and dot products sequential over D or E, sums over units/keys/components
+  in increasing index). ``fastmath`` is off, so the compiler may not re-associate or contract;
+  SIMD lanes run over independent outputs only (units, key components, value columns).
+  Results are therefore bit-identical for any thread count and any run.
+* Memory: MGK streams over key blocks of :data:`KEY_BLOCK` keys; per row it keeps the scores
+  of its keys (S floats) and one block of component distances, so a call needs
+  O(L*E + S*R*D) memory plus O(S) per thread: no (L, S) or (L, S, R) array is formed (the
+  mask, when given, is the caller's own (..., L, S) array). GMM keeps the S query logits of
+  the row being processed.
+* Masked keys (MGK) are never read in any sum: a NaN/Inf in an excluded key or value never
+  reaches the output; one in an allowed key, value or in q makes the row NaN (the NumPy
+  path's rule).
+
+Conventions pinned here
+-----------------------
+* A logit equal to -inf (a -inf log prior, or a squared distance that overflows) is an
+  excluded unit/key, as on the NumPy path.
+* A query row with no included key or unit gives +0.
+
+numba is imported when this module is imported; :mod:`refattn.gmm` and :mod:`refattn.mgk`
+import it only when ``backend="numba"`` is requested, so ``import refattn`` stays light.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+try:
+    import numba
+    from numba import njit, prange
+except ImportError as error:  # pragma: no cover - numba is a core dependency
+    raise ImportError("refattn.kernels.variants needs numba (pip install numba); "
+                      "use backend='numpy' without it") from error
+
+from .. import _checks
+from ..masks import check_window, offset_of
+
+__all__ = ["KEY_BLOCK", "UNIT_BLOCK", "mgk_attention", "gmm_attention", "mgk_flops",
+           "gmm_flops"]
+
+#: Keys per streamed MGK block (the block's R * KEY_BLOCK distances stay in L1).
+KEY_BLOCK = 64
+#: Units per block of the GMM logits.
+UNIT_BLOCK = 256
+
+_OPTS = dict(fastmath=False, boundscheck=False, cache=True, nogil=True)
+_JIT = not numba.config.DISABLE_JIT
+
+
+# --------------------------------------------------------------------------------------------
+# Shared log-space pieces
+# --------------------------------------------------------------------------------------------
+
+
+@njit(**_OPTS)
+def _top(x, n, skip_posinf):
+    """(index, value) of the first largest included entry of x[:n]; index -1 if none.
+
+    -inf is always excluded (a removed unit/key); +inf too when ``skip_posinf``.
+    """
+    index = -1
+    top = -math.inf
+    for j in range(n):
+        s = x[j]
+        if s == -math.inf or (skip_posinf and s == math.inf):
+            continue
+        if index < 0 or s > top:
+            index = j
+            top = s
+    return index, top
+
+
+@njit(**_OPTS)
+def _lse(x, n, skip_posinf):
+    """Max-shifted log1p-form logsumexp of the included entries of x[:n] (-inf if none)."""
+    index, top = _top(x, n, skip_posinf)
+    if index < 0:
+        return -math.inf
+    total = 0.0
+    for j in range(n):
+        s = x[j]
+        if j == index or s == -math.inf or (skip_posinf and s == math.inf):
+            continue
+        total += math.exp(s - top)
+    return top + math.log1p(total)
+
+
+# --------------------------------------------------------------------------------------------
+# MGK
+# --------------------------------------------------------------------------------------------
+
+
+@njit(**_OPTS)
+def _key_range(i, S, causal, left, right, offset):
+    """[lo, hi) of the keys the causal/window structure allows row i (-1 = unbounded side)."""
+    diag = i + offset
+    lo = 0
+    hi = S
+    if causal:
+        hi = min(hi, diag + 1)
+    if left >= 0:
+        lo = max(lo, diag - left)
+    if right >= 0:
+        hi = min(hi, diag + right + 1)
+    return lo, max(lo, hi)
+
+
+@njit(**_OPTS)
+def _mgk_key_score(dist, first, j, b, two_sigma2, log_pi, norm, hard, use_norm, terms):
+    """s_ij from the R squared distances dist[first:first+R] of key j (the NumPy term order:
+    -dist / (2 sigma2), + log pi (soft), - (D/2) log(2 pi sigma2) (normalized, varying))."""
+    R = terms.shape[0]
+    for r in range(R):
+        c = j * R + r
+        t = -dist[first + r] / two_sigma2[b, c]
+        if not hard:
+            t = t + log_pi[b, c]
+        if use_norm:
+            t = t - norm[b, c]
+        terms[r] = t
+    if hard:
+        best = terms[0]
+        for r in range(1, R):
+            if terms[r] > best:
+                best = terms[r]
+        return best
+    return _lse(terms, R, False)
+
+
+@njit(**_OPTS)
+def _mgk_row(b, i, q, keys_t, two_sigma2, log_pi, norm, v, bad_q, bad_key, mask, has_mask,
+             causal, left, right, offset, hard, use_norm, out):
+    D = q.shape[2]
+    S = v.shape[1]
+    E = v.shape[2]
+    R = keys_t.shape[2] // S
+    orow = out[b, i]
+    lo, hi = _key_range(i, S, causal, left, right, offset)
+    poisoned = bad_q[b, i]
+    for j in range(lo, hi):
+        if bad_key[b, j] and (not has_mask or mask[b, i, j]):
+            poisoned = True
+    if poisoned:
+        for e in range(E):
+            orow[e] = math.nan
+        return
+    scores = np.empty(hi - lo)
+    dist = np.empty(KEY_BLOCK * R)
+    terms = np.empty(R)
+    qrow = q[b, i]
+    for j0 in range(lo, hi, KEY_BLOCK):
+        j1 = min(j0 + KEY_BLOCK, hi)
+        c0 = j0 * R
+        count = (j1 - j0) * R
+        for c in range(count):
+            dist[c] = 0.0
+        for d in range(D):
+            qd = qrow[d]
+            krow = keys_t[b, d]
+            # lanes over independent components; each dist[c] sums d = 0, 1, ... in order
+            for c in range(count):
+                diff = qd - krow[c0 + c]
+                dist[c] += diff * diff
+        for j in range(j0, j1):
+            if has_mask and not mask[b, i, j]:
+                scores[j - lo] = -math.inf
+                continue
+            scores[j - lo] = _mgk_key_score(dist, (j - j0) * R, j, b, two_sigma2, log_pi, norm,
+                                            hard, use_norm, terms)
+    n = hi - lo
+    lse = _lse(scores, n, False)
+    if lse == -math.inf:
+        return  # no allowed key: the row stays +0
+    for k in range(n):
+        s = scores[k]
+        if s == -math.inf:
+            continue
+        weight = math.exp(s - lse)
+        vrow = v[b, lo + k]
+        for e in range(E):
+            orow[e] += weight * vrow[e]
+
+
+@njit(parallel=True, **_OPTS)
+def _mgk_kernel(q, keys_t, two_sigma2, log_pi, norm, v, bad_q, bad_key, mask, has_mask, causal,
+                left, right, offset, hard, use_norm, out):
+    B, L = q.shape[0], q.shape[1]
+    for n in prange(B * L):
+        b = n // L
+        _mgk_row(b, n - b * L, q, keys_t, two_sigma2, log_pi, norm, v, bad_q, bad_key, mask,
+                 has_mask, causal, left, right, offset, hard, use_norm, out)
+
+
+def _flat(x, tail):
+    """float64, C-contiguous, writeable, batch flattened: shape (B,) + tail."""
+    return np.array(np.reshape(_checks.as_float64(x), (-1,) + tuple(tail)), dtype=np.float64,
+                    order="C")
+
+
+def _clean(x):
+    return np.where(np.isfinite(x), x, 0.0)
+
+
+def mgk_attention(q, keys, v, *, log_pi, sigma2, sigma_varies, mode="soft", normalized=False,
+                  mask=None, causal=False, window=None, align="top_left"):
+    """The Numba kernel of :func:`refattn.mgk.attention` (float64; same semantics).
+
+    Called by ``refattn.mgk.attention(..., backend="numba")`` after its validation.
+
+    Parameters
+    ----------
+    q : array (B..., L, D)
+    keys : array (B..., S, R, D)
+    v : array (B..., S, E)
+        Already broadcast to one batch shape B... (any float dtype; taken at exact value).
+    log_pi, sigma2 : float64 arrays (B..., S, R)
+        Validated log mixture weights and variances.
+    sigma_varies : bool
+        sigma2 differs between components (the Gaussian constant is then kept).
+    mode, normalized, mask, causal, window, align
+        As :func:`refattn.mgk.attention`.
+
+    Returns
+    -------
+    float64 array (B..., L, E)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> q = np.zeros((1, 1)); keys = np.array([[[0.0]], [[2.0]]]); v = np.array([[1.0], [0.0]])
+    >>> pi = np.zeros((2, 1)); s2 = np.ones((2, 1))
+    >>> mgk_attention(q, keys, v, log_pi=pi, sigma2=s2, sigma_varies=False).round(6).tolist()
+    [[0.880797]]
+    """
+    batch = q.shape[:-2]
+    L, D = q.shape[-2:]
+    S, R = keys.shape[-3:-1]
+    E = v.shape[-1]
+    q64 = _flat(q, (L, D))
+    keys64 = _flat(keys, (S, R, D))
+    v64 = _flat(v, (S, E))
+    bad_q = ~np.isfinite(q64).all(axis=-1)
+    bad_key = ~np.isfinite(keys64).all(axis=(-1, -2)) | ~np.isfinite(v64).all(axis=-1)
+    # (B, D, S*R): component c = j R + r contiguous, so the distance lanes load contiguously
+    keys_t = np.ascontiguousarray(np.swapaxes(_clean(keys64).reshape(-1, S * R, D), -1, -2))
+    sigma2 = np.broadcast_to(sigma2, batch + (S, R))
+    two_sigma2 = _flat(2 * sigma2, (S * R,))
+    log_pi = _flat(np.broadcast_to(log_pi, batch + (S, R)), (S * R,))
+    use_norm = bool(normalized and sigma_varies)
+    norm = (_flat(D / 2 * np.log(2 * math.pi * sigma2), (S * R,)) if use_norm
+            else np.zeros((1, 1)))
+    offset = offset_of(align, L, S)
+    left, right = check_window(window) or (None, None)
+    if mask is None:
+        mask_arr, has_mask = np.ones((1, 1, 1), dtype=np.bool_), False
+    else:
+        mask_arr = _checks.broadcast(_checks.bool_array(mask, "mask"), batch + (L, S), "mask",
+                                     "(..., L, S) of q and keys")
+        mask_arr, has_mask = np.array(mask_arr.reshape(-1, L, S), order="C"), True
+    out = np.zeros((q64.shape[0], L, E))
+    _mgk_kernel(_clean(q64), keys_t, two_sigma2, log_pi, norm, _clean(v64), bad_q, bad_key,
+                mask_arr, has_mask, bool(causal), -1 if left is None else left,
+                -1 if right is None else right, offset, mode == "hard", use_norm, out)
+    return out.reshape(batch + (L, E))
+
+
+def mgk_flops(L, S, R, D, E, B=1):
+    """Arithmetic count of one MGK forward: 3 flops per (i, j, r, d) for the squared distance,
+    2 per (i, j, e) for the weighted values (exponentials and logs not counted)."""
+    return float(B) * L * S * (3 * R * D + 2 * E)
+
+
+# --------------------------------------------------------------------------------------------
+# GMM
+# --------------------------------------------------------------------------------------------
+
+
+@njit(**_OPTS)
+def _gmm_query_logits(b, qrow, keys_t, coef_a, add1, half_alpha, add2, magnitude, has_add1,
+                      sub_qq, has_add2, acc, a):
+    """a_u of eqs. (14)/(17): coef_a * (||q - xi||^2 or q . xi) [+ add1] [- alpha/2 ||q||^2]
+    [+ (D/2) log alpha], the NumPy path's order."""
+    D = qrow.shape[0]
+    S = a.shape[0]
+    qq = 0.0
+    if sub_qq:
+        for d in range(D):
+            qq += qrow[d] * qrow[d]
+    for u0 in range(0, S, UNIT_BLOCK):
+        count = min(UNIT_BLOCK, S - u0)
+        for u in range(count):
+            acc[u] = 0.0
+        for d in range(D):
+            qd = qrow[d]
+            krow = keys_t[b, d]
+            if magnitude:
+                for u in range(count):
+                    acc[u] += qd * krow[u0 + u]
+            else:
+                for u in range(count):
+                    diff = qd - krow[u0 + u]
+                    acc[u] += diff * diff
+        for u in range(count):
+            x = coef_a[b, u0 + u] * acc[u]
+            if has_add1:
+                x = x + add1[b, u0 + u]
+            if sub_qq:
+                x = x - half_alpha[b, u0 + u] * qq
+            if has_add2:
+                x = x + add2[b, u0 + u]
+            a[u0 + u] = x
+
+
+@njit(**_OPTS)
+def _gmm_value_logits(b, vrow, values_t, coef_b, add3, has_add3, a, acc, out):
+    """out_u = a_u + (-beta_u/2 ||v - mu_u||^2 [+ (E/2) log beta_u]) (eq. (14))."""
+    E = vrow.shape[0]
+    S = a.shape[0]
+    for u0 in range(0, S, UNIT_BLOCK):
+        count = min(UNIT_BLOCK, S - u0)
+        for u in range(count):
+            acc[u] = 0.0
+        for e in range(E):
+            ve = vrow[e]
+            mrow = values_t[b, e]
+            for u in range(count):
+                diff = ve - mrow[u0 + u]
+                acc[u] += diff * diff
+        for u in range(count):
+            x = coef_b[b, u0 + u] * acc[u]
+            if has_add3:
+                x = x + add3[b, u0 + u]
+            out[u0 + u] = a[u0 + u] + x
+
+
+@njit(**_OPTS)
+def _gmm_row(b, i, q, keys_t, values, values_t, coef_a, add1, half_alpha, add2, coef_b, add3,
+             add4, magnitude, has_add1, sub_qq, has_add2, has_add3, has_add4, v_init, has_init,
+             iters, tol, has_tol, want_trace, trace_const, out, trace, done):
+    S = values.shape[1]
+    E = values.shape[2]
+    a = np.empty(S)
+    logits = np.empty(S)
+    acc = np.empty(min(S, UNIT_BLOCK))
+    v = np.zeros(E)
+    new = np.empty(E)
+    _gmm_query_logits(b, q[b, i], keys_t, coef_a, add1, half_alpha, add2, magnitude, has_add1,
+                      sub_qq, has_add2, acc, a)
+    have_v = has_init
+    if has_init:
+        for e in range(E):
+            v[e] = v_init[b, i, e]
+    lse_a = _lse(a, S, True) if want_trace else 0.0
+    for t in range(iters):
+        if have_v:
+            _gmm_value_logits(b, v, values_t, coef_b, add3, has_add3, a, acc, logits)
+        else:  # eq. (14) with the value likelihood marginalised out: w_u = p(u | q)
+            for u in range(S):
+                logits[u] = a[u]
+        if has_add4:  # per-unit beta: M-step weights w_u beta_u (eq. (12))
+            for u in range(S):
+                logits[u] = logits[u] + add4[b, u]
+        for e in range(E):
+            new[e] = 0.0
+        lse = _lse(logits, S, False)
+        if lse != -math.inf:
+            for u in range(S):
+                s = logits[u]
+                if s == -math.inf:
+                    continue
+                weight = math.exp(s - lse)
+                mrow = values[b, u]
+                for e in range(E):
+                    new[e] += weight * mrow[e]
+        settled = False
+        if has_tol and have_v:
+            settled = True
+            for e in range(E):
+                if not abs(new[e] - v[e]) <= tol:
+                    settled = False
+        done[b, i] += 1
+        if want_trace:  # log p(v | q) = lse(a + b(v)) - lse(a) + const
+            _gmm_value_logits(b, new, values_t, coef_b, add3, has_add3, a, acc, logits)
+            trace[b, i, t] = _lse(logits, S, True) - lse_a + trace_const[b]
+        for e in range(E):
+            v[e] = new[e]
+        have_v = True
+        if settled:
+            break
+    for e in range(E):
+        out[b, i, e] = v[e]
+
+
+@njit(parallel=True, **_OPTS)
+def _gmm_kernel(q, keys_t, values, values_t, coef_a, add1, half_alpha, add2, coef_b, add3, add4,
+                magnitude, has_add1, sub_qq, has_add2, has_add3, has_add4, v_init, has_init,
+                iters, tol, has_tol, want_trace, trace_const, out, trace, done):
+    B, L = q.shape[0], q.shape[1]
+    for n in prange(B * L):
+        b = n // L
+        _gmm_row(b, n - b * L, q, keys_t, values, values_t, coef_a, add1, half_alpha, add2,
+                 coef_b, add3, add4, magnitude, has_add1, sub_qq, has_add2, has_add3, has_add4,
+                 v_init, has_init, iters, tol, has_tol, want_trace, trace_const, out, trace,
+                 done)
+
+
+def _per_unit(x, batch, S):
+    return _flat(np.broadcast_to(x, batch + (S,)), (S,))
+
+
+def gmm_attention(model, v_init, iters, tol, want_trace):
+    """The Numba kernel of :func:`refattn.gmm.attention` (float64; same semantics).
+
+    Called by ``refattn.gmm.attention(..., backend="numba")`` with its validated model (the
+    inputs broadcast to one batch shape, the per-unit precisions and the prior).
+
+    Parameters
+    ----------
+    model : refattn.gmm's validated model
+        Fields q (B..., L, D), keys (B..., S, D), values (B..., S, E), alpha, beta (B..., S),
+        alpha_varies, beta_varies, kind ("uniform", "magnitude", "array"), log_prior.
+    v_init : array (B..., L, E) or None
+    iters : int >= 1
+    tol : float or None
+    want_trace : bool
+
+    Returns
+    -------
+    (values (B..., L, E), trace (B..., L, iters) or None, iterations (B..., L) int64), as the
+    NumPy path's ``_attention64``.
+    """
+    m = model
+    batch = m.q.shape[:-2]
+    L, D = m.q.shape[-2:]
+    S, E = m.values.shape[-2:]
+    q64 = _flat(m.q, (L, D))
+    keys64 = _flat(m.keys, (S, D))
+    values = _flat(m.values, (S, E))
+    keys_t = np.ascontiguousarray(np.swapaxes(keys64, -1, -2))
+    values_t = np.ascontiguousarray(np.swapaxes(values, -1, -2))
+    alpha, beta = m.alpha, m.beta
+    magnitude = m.kind == "magnitude"
+    dummy = np.zeros((1, 1))
+    # the per-unit constants by the NumPy path's own expressions (refattn.gmm._query_logits64)
+    coef_a = _per_unit(alpha if magnitude else -alpha / 2, batch, S)
+    add1 = dummy
+    if magnitude:
+        add1 = _per_unit(beta * np.einsum("...se,...se->...s", m.values, m.values) / 2, batch, S)
+    elif m.kind == "array":
+        add1 = _per_unit(m.log_prior, batch, S)
+    sub_qq = bool(magnitude and m.alpha_varies)
+    half_alpha = _per_unit(alpha / 2, batch, S) if sub_qq else dummy
+    add2 = _per_unit(D / 2 * np.log(alpha), batch, S) if m.alpha_varies else dummy
+    coef_b = _per_unit(-beta / 2, batch, S)
+    add3 = add4 = dummy
+    if m.beta_varies:
+        add3 = _per_unit(E / 2 * np.log(beta), batch, S)
+        add4 = _per_unit(np.log(beta), batch, S)
+    trace_const = dummy[0]
+    if want_trace:
+        const = -E / 2 * math.log(2 * math.pi)
+        if not m.beta_varies:
+            const = const + E / 2 * np.log(beta[..., :1])
+        trace_const = _flat(np.broadcast_to(const, batch + (1,)), ())
+    has_init = v_init is not None
+    init = _flat(v_init, (L, E)) if has_init else np.zeros((1, 1, 1))
+    B = q64.shape[0]
+    out = np.empty((B, L, E))
+    trace = np.full((B, L, iters) if want_trace else (1, 1, 1), np.nan)
+    done = np.zeros((B, L), dtype=np.int64)
+    _gmm_kernel(q64, keys_t, values, values_t, coef_a, add1, half_alpha, add2, coef_b, add3,
+                add4, magnitude, m.kind != "uniform", sub_qq, bool(m.alpha_varies),
+                bool(m.beta_varies), bool(m.beta_varies), init, has_init, int(iters),
+                0.0 if tol is None else float(tol), tol is not None, bool(want_trace),
+                trace_const, out, trace, done)
+    return (out.reshape(batch + (L, E)),
+            trace.reshape(batch + (L, iters)) if want_trace else None,
+            done.reshape(batch + (L,)))
+
+
+def gmm_flops(L, S, D, E, iters, B=1, trace=False):
+    """Arithmetic count of one GMM forward: 3 flops per (i, u, d) for the query logits, per
+    iteration 3 per (i, u, e) for the value logits and 2 per (i, u, e) for the value update
+    (exponentials and logs not counted; the first iteration without v_init has no value
+    logits, the count assumes it has them)."""
+    per_iter = 5 * E + (3 * E if trace else 0)
+    return float(B) * L * S * (3 * D + iters * per_iter)
