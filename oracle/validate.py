@@ -523,6 +523,15 @@ def _diagnosis(ctx, fixture, out, checks) -> list[str]:
         if found:
             return found
     precisions = {_lower_precision(ctx, c) for c in failing}
+    if out_failed:
+        for dtype in _NARROWER.get(ctx.dtype, ()):
+            # a convention mismatch seen through a narrower working precision
+            limit = _narrower_limit(ctx, "out", dtype, check.size)
+            found = _diagnose.diagnose(ctx.q, ctx.k, ctx.v, ctx.options, out, limit=limit,
+                                       dtype=ctx.dtype)
+            if found:
+                return [f"{label} (at {dtype} accuracy: the implementation seems to compute "
+                        f"in {dtype})" for label in found]
     if len(precisions) == 1 and None not in precisions:
         dtype = precisions.pop()
         worst = max(c.max_error for c in failing)
@@ -538,20 +547,26 @@ def _diagnosis(ctx, fixture, out, checks) -> list[str]:
     return _diagnose.describe_failure(out, truth, errors, limit, inputs_poisoned=poisoned)
 
 
+_NARROWER = {"float64": ("float32",), "float32": ("bfloat16", "float16")}
+
+
+def _narrower_limit(ctx, key, dtype, count) -> float:
+    """k F + u of ``dtype`` for quantity ``key`` ("out", "lse" or "grad") of this case."""
+    k = tol.K_BACKWARD if key == "grad" else tol.K_FORWARD
+    floors = tol.forward_floors(dtype, **ctx.sizes, magnitude=ctx.magnitude,
+                                allowed=np.broadcast_to(ctx.exact64.allowed,
+                                                        ctx.magnitude.shape),
+                                count=count)
+    return k * float(np.max(floors[key])) + tol.unit_roundoff(dtype)
+
+
 def _lower_precision(ctx, check) -> str | None:
     """The narrower dtype whose own floor (T5) covers every error of ``check``, if any."""
     if check.errors is None or not np.isfinite(check.errors).all():
         return None
-    narrower = {"float64": ("float32",), "float32": ("bfloat16", "float16")}
     key = check.quantity if check.quantity in ("out", "lse") else "grad"
-    k = tol.K_FORWARD if key != "grad" else tol.K_BACKWARD
-    for dtype in narrower.get(ctx.dtype, ()):
-        floors = tol.forward_floors(dtype, **ctx.sizes, magnitude=ctx.magnitude,
-                                    allowed=np.broadcast_to(ctx.exact64.allowed,
-                                                            ctx.magnitude.shape),
-                                    count=check.size)
-        limit = k * float(np.max(floors[key])) + tol.unit_roundoff(dtype)
-        if check.max_error <= limit:
+    for dtype in _NARROWER.get(ctx.dtype, ()):
+        if check.max_error <= _narrower_limit(ctx, key, dtype, check.size):
             return dtype
     return None
 
