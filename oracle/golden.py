@@ -46,7 +46,7 @@ import os
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +108,6 @@ class Fixture:
     options: dict[str, Any]
     truth: dict[str, np.ndarray]
     truth_kind: str = TRUTH_KIND
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
