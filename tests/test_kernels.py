@@ -163,7 +163,8 @@ def test_backward_matches_float64(name, dtype):
     ct = refattn.kernels.compute_dtype(dtype)
     kernel = numba_cpu.backward_error_bound(spec, weights, grad_out, grad_lse, ct)
     own = numba_cpu.backward_error_bound(spec, weights, grad_out, grad_lse, np.float64)
-    for what, value, truth, b1, b2 in zip(("dq", "dk", "dv", "dbias"), got, ref, kernel, own, strict=True):
+    names = ("dq", "dk", "dv", "dbias")
+    for what, value, truth, b1, b2 in zip(names, got, ref, kernel, own, strict=True):
         if truth is None:
             assert value is None, f"{name}: {what} should be None without bias"
             continue

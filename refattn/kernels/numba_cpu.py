@@ -914,26 +914,34 @@ def _run_forward(spec, args, dtype):
     return out, lse
 
 
+def saved_forward(spec, dtype=None):
+    """(out, lse) as the backward pass needs them: lse = -inf on empty rows whatever
+    ``empty_rows`` says (a NaN lse then only marks rows poisoned by NaN inputs)."""
+    dtype = compute_dtype(spec.q.dtype) if dtype is None else np.dtype(dtype)
+    args = _arguments(spec, dtype)
+    zero_rows = args[5].copy()
+    zero_rows[9] = 0
+    return _run_forward(spec, args[:5] + (zero_rows,) + args[6:], dtype)
+
+
 def backward_chunks(batch: int, heads: int, length: int) -> int:
     """Query chunks per (batch, head) of the backward pass (a function of the shape only)."""
     nqb = -(-length // BLOCK_Q)
     return max(1, min(nqb, -(-_MIN_BACKWARD_UNITS // max(1, batch * heads))))
 
 
-def backward(spec, grad_out, grad_lse=None, dtype=None):
+def backward(spec, grad_out, grad_lse=None, dtype=None, *, saved=None):
     """Run the backward kernel: (dq, dk, dv, dbias) with dbias (B, H, L, S) or None.
 
     ``grad_out`` is (B, H, L, E), ``grad_lse`` (B, H, L) or None; both float arrays.
+    ``saved``: the (out, lse) of :func:`saved_forward` for this spec and dtype, when the
+    caller kept them (otherwise the forward is re-run first).
     """
     dtype = compute_dtype(spec.q.dtype) if dtype is None else np.dtype(dtype)
     args = _arguments(spec, dtype)
     q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes = args
     batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
-    # the backward pass needs lse = -inf on empty rows whatever empty_rows says (a NaN lse
-    # then only marks rows poisoned by NaN inputs, whose gradients are NaN)
-    zero_rows = opts.copy()
-    zero_rows[9] = 0
-    out, lse = _run_forward(spec, args[:5] + (zero_rows,) + args[6:], dtype)
+    out, lse = saved_forward(spec, dtype) if saved is None else saved
     grad_out = np.ascontiguousarray(grad_out, dtype)
     has_glse = grad_lse is not None
     glse = np.ascontiguousarray(grad_lse, dtype) if has_glse else np.zeros((1, 1, 1), dtype)
@@ -995,7 +1003,7 @@ def _planes(spec, weights):
     return mags, dropped
 
 
-def forward_error_bound(spec, weights, dtype=np.float64):
+def forward_error_bound(spec, weights, dtype=np.float64, rescalings=None):
     """Bound on |out - exact| (B, H, L, E) and |lse - exact| (B, H, L) of :func:`forward`.
 
     .. math::
@@ -1012,11 +1020,12 @@ def forward_error_bound(spec, weights, dtype=np.float64):
     exp (about one ulp), the normalisation and dropout scaling; ``w~`` the post-dropout
     weights. gamma is Higham's gamma_n in the compute ``dtype`` (:func:`oracle.tolerance.gamma`).
 
-    ``weights`` are the float64 pre-dropout weights (B, H, L, S) of the NumPy path.
+    ``weights`` are the float64 pre-dropout weights (B, H, L, S) of the NumPy path;
+    ``rescalings`` overrides n_b (the CUDA kernels rescale once per key: n_b = S).
     """
     mags, dropped = _planes(spec, weights)
     _, _, _, _, keys, dim, _ = spec.dims
-    n_blocks = -(-keys // BLOCK_K)
+    n_blocks = -(-keys // BLOCK_K) if rescalings is None else rescalings
     g_score, g_sum = _gamma(dim + 4, dtype), _gamma(keys + n_blocks + 8, dtype)
     v = np.abs(np.nan_to_num(np.asarray(spec.v, np.float64), nan=0.0, posinf=0, neginf=0))
     nat = np.matmul(dropped, v[:, spec.kv_head])

@@ -1,0 +1,405 @@
+"""numba.cuda attention kernels: flash-style forward and deterministic backward.
+
+Same semantics as :mod:`refattn.kernels.numba_cpu` (docs/conventions.md). One thread owns one
+query row (forward, dq) or one key (dk, dv); key/value (or query/grad) tiles of
+``TILE`` rows are staged in shared memory by the whole block, and the forward keeps the
+online-softmax state of its row (Milakov & Gimelshein 2018, eq. (4)-(5), applied key by key)
+in registers and local memory:
+
+.. math::
+
+    m \\leftarrow \\max(m, t_j), \\quad
+    \\ell \\leftarrow \\ell e^{m_{old} - m} + e^{t_j - m}, \\quad
+    o \\leftarrow o\\, e^{m_{old} - m} + \\kappa_j e^{t_j - m} v_j / (1-p).
+
+Every reduction runs sequentially in one thread (keys in increasing order for the forward and
+dq; query rows in increasing order for dk and dv; query heads of a kv group in increasing order
+on the host), so results are deterministic and independent of the launch configuration. Excluded
+positions are skipped, never multiplied by zero, so NaN/Inf poison there cannot reach outputs.
+
+The module imports without a GPU; the kernels compile on first use and raise a RuntimeError
+that says what to do when neither a CUDA device nor the simulator
+(``NUMBA_ENABLE_CUDASIM=1``, set before numba is imported) is available.
+
+Examples
+--------
+>>> from refattn.kernels import cuda  # doctest: +SKIP
+>>> out, lse = cuda.attention(spec, return_lse=True)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+try:  # numba's CUDA target imports without a GPU; kernels need it as a module global
+    from numba import cuda
+except ImportError:  # pragma: no cover
+    cuda = None
+
+__all__ = ["available", "attention", "attention_vjp", "MAX_FEATURES", "TILE"]
+
+#: Rows of K/V (forward, dq) or Q/dO (dk, dv) staged in shared memory per step.
+TILE = 16
+#: Largest D and E the kernels take (local and shared arrays have static sizes).
+MAX_FEATURES = 128
+#: Threads per block (query rows or keys per block) unless the caller says otherwise.
+THREADS = 64
+
+_KERNELS: dict = {}
+
+
+def available() -> bool:
+    """True when a CUDA device or the numba.cuda simulator can run the kernels."""
+    return cuda is not None and bool(cuda.is_available())
+
+
+def _require_cuda():
+    if cuda is None:  # pragma: no cover
+        raise RuntimeError("refattn.kernels.cuda needs numba's CUDA target; install "
+                           "numba-cuda (pip install refattn[cuda])")
+    if not cuda.is_available():
+        raise RuntimeError(
+            "refattn.kernels.cuda: no CUDA device is available (numba.cuda.is_available() is "
+            "False). Install an NVIDIA driver and the CUDA toolkit (pip install "
+            "refattn[cuda]), or run on the simulator with NUMBA_ENABLE_CUDASIM=1 set before "
+            "numba is imported; the CPU kernels are backend='numba'.")
+    return cuda
+
+
+def _kernels(dtype):
+    """Compile (once per dtype) and return the forward, dq and dkv kernels."""
+    key = np.dtype(dtype).name
+    if key not in _KERNELS:
+        _require_cuda()
+        _KERNELS[key] = _build(np.dtype(dtype))
+    return _KERNELS[key]
+
+
+def _build(dtype):
+    import numba
+
+    nb_dtype = numba.float64 if dtype == np.float64 else numba.float32
+    tile, width = TILE, MAX_FEATURES
+
+    @cuda.jit(device=True)
+    def row_range(i, keys, offset, causal, left, right):
+        diag = i + offset
+        lo = 0
+        hi = keys - 1
+        if causal:
+            hi = min(hi, diag)
+        if left >= 0:
+            lo = max(lo, diag - left)
+        if right >= 0:
+            hi = min(hi, diag + right)
+        return lo, hi
+
+    @cuda.jit(device=True)
+    def score(qrow, ks, jj, dim, b, h, i, j, opts, fopts, bias, bstr, mask, mstr, slopes):
+        """(allowed, final score, d softcap / d raw) of position (i, j)."""
+        if opts[6] != 0 and mask[mstr[0] * b + mstr[1] * h + mstr[2] * i + mstr[3] * j] == 0:
+            return False, 0.0, 0.0
+        bv = 0.0
+        if opts[5] != 0:
+            bv = bias[bstr[0] * b + bstr[1] * h + bstr[2] * i + bstr[3] * j]
+            if bv == -math.inf:
+                return False, 0.0, 0.0
+        acc = nb_dtype(0.0)
+        for d in range(dim):
+            acc += qrow[d] * ks[jj, d]
+        t = acc * fopts[0]
+        deriv = 1.0
+        if opts[4] != 0:
+            th = math.tanh(t / fopts[1])
+            t = fopts[1] * th
+            deriv = 1.0 - th * th
+        t = t + bv
+        if opts[7] != 0:
+            t = t - slopes[h] * abs(i + opts[0] - j)
+        return True, t, deriv
+
+    @cuda.jit(device=True)
+    def kept(b, h, i, j, opts, drop, dstr):
+        return opts[8] == 0 or drop[dstr[0] * b + dstr[1] * h + dstr[2] * i + dstr[3] * j] != 0
+
+    @cuda.jit
+    def forward(q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr,
+                slopes, out, lse):
+        heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
+        bh = cuda.blockIdx.y
+        b = bh // heads
+        h = bh % heads
+        g = kv_head[h]
+        tx = cuda.threadIdx.x
+        i = cuda.blockIdx.x * cuda.blockDim.x + tx
+        ks = cuda.shared.array((tile, width), nb_dtype)
+        vs = cuda.shared.array((tile, width), nb_dtype)
+        qrow = cuda.local.array(width, nb_dtype)
+        acc = cuda.local.array(width, nb_dtype)
+        active = i < length
+        lo, hi = 0, -1
+        if active:
+            lo, hi = row_range(i, keys, opts[0], opts[1] != 0, opts[2], opts[3])
+            for d in range(dim):
+                qrow[d] = q[b, h, i, d]
+            for e in range(vdim):
+                acc[e] = 0.0
+        m = -math.inf
+        total = 0.0
+        for c0 in range(0, keys, tile):
+            for x in range(tx, tile * width, cuda.blockDim.x):
+                jj = x // width
+                d = x % width
+                if c0 + jj < keys and d < dim:
+                    ks[jj, d] = k[b, g, c0 + jj, d]
+                if c0 + jj < keys and d < vdim:
+                    vs[jj, d] = v[b, g, c0 + jj, d]
+            cuda.syncthreads()
+            if active:
+                for jj in range(min(tile, keys - c0)):
+                    j = c0 + jj
+                    if j < lo or j > hi:
+                        continue
+                    ok, t, _ = score(qrow, ks, jj, dim, b, h, i, j, opts, fopts, bias, bstr,
+                                     mask, mstr, slopes)
+                    if not ok or t == -math.inf:
+                        continue
+                    if t > m:
+                        alpha = math.exp(m - t)
+                        total = total * alpha
+                        for e in range(vdim):
+                            acc[e] = acc[e] * alpha
+                        m = t
+                    p = math.exp(t - m)
+                    total += p
+                    if kept(b, h, i, j, opts, drop, dstr):
+                        for e in range(vdim):
+                            acc[e] += p * vs[jj, e]
+            cuda.syncthreads()
+        if active:
+            if total == 0.0:
+                fill = math.nan if opts[9] != 0 else 0.0
+                for e in range(vdim):
+                    out[b, h, i, e] = fill
+                lse[b, h, i] = math.nan if opts[9] != 0 else -math.inf
+            else:
+                inv = fopts[2] / total
+                for e in range(vdim):
+                    out[b, h, i, e] = acc[e] * inv
+                lse[b, h, i] = m + math.log(total)
+
+    @cuda.jit
+    def grad_q(q, k, v, kv_head, grad_out, lse, delta, dims, opts, fopts, bias, bstr, mask,
+               mstr, drop, dstr, slopes, dq, dbias):
+        heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
+        bh = cuda.blockIdx.y
+        b = bh // heads
+        h = bh % heads
+        g = kv_head[h]
+        tx = cuda.threadIdx.x
+        i = cuda.blockIdx.x * cuda.blockDim.x + tx
+        ks = cuda.shared.array((tile, width), nb_dtype)
+        vs = cuda.shared.array((tile, width), nb_dtype)
+        qrow = cuda.local.array(width, nb_dtype)
+        dorow = cuda.local.array(width, nb_dtype)
+        dqrow = cuda.local.array(width, nb_dtype)
+        active = i < length
+        lo, hi = 0, -1
+        row_lse = -math.inf
+        d_i = 0.0
+        if active:
+            row_lse = lse[b, h, i]
+            d_i = delta[b, h, i]
+            lo, hi = row_range(i, keys, opts[0], opts[1] != 0, opts[2], opts[3])
+            for d in range(dim):
+                qrow[d] = q[b, h, i, d]
+                dqrow[d] = 0.0
+            for e in range(vdim):
+                dorow[e] = grad_out[b, h, i, e]
+        for c0 in range(0, keys, tile):
+            for x in range(tx, tile * width, cuda.blockDim.x):
+                jj = x // width
+                d = x % width
+                if c0 + jj < keys and d < dim:
+                    ks[jj, d] = k[b, g, c0 + jj, d]
+                if c0 + jj < keys and d < vdim:
+                    vs[jj, d] = v[b, g, c0 + jj, d]
+            cuda.syncthreads()
+            if active and row_lse != -math.inf:
+                for jj in range(min(tile, keys - c0)):
+                    j = c0 + jj
+                    if j < lo or j > hi:
+                        continue
+                    ok, t, deriv = score(qrow, ks, jj, dim, b, h, i, j, opts, fopts, bias, bstr,
+                                         mask, mstr, slopes)
+                    if not ok or t == -math.inf:
+                        continue
+                    p = math.exp(t - row_lse)
+                    dp = 0.0
+                    if kept(b, h, i, j, opts, drop, dstr):
+                        for e in range(vdim):
+                            dp += dorow[e] * vs[jj, e]
+                        dp = dp * fopts[2]
+                    ds = p * (dp - d_i)
+                    if opts[5] != 0:
+                        dbias[b, h, i, j] = ds
+                    ds = ds * deriv * fopts[0]
+                    for d in range(dim):
+                        dqrow[d] += ds * ks[jj, d]
+            cuda.syncthreads()
+        if active:
+            for d in range(dim):
+                dq[b, h, i, d] = dqrow[d]
+
+    @cuda.jit
+    def grad_kv(q, k, v, kv_head, grad_out, lse, delta, dims, opts, fopts, bias, bstr, mask,
+                mstr, drop, dstr, slopes, dk_part, dv_part):
+        heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
+        bh = cuda.blockIdx.y
+        b = bh // heads
+        h = bh % heads
+        g = kv_head[h]
+        tx = cuda.threadIdx.x
+        j = cuda.blockIdx.x * cuda.blockDim.x + tx
+        qs = cuda.shared.array((tile, width), nb_dtype)
+        dos = cuda.shared.array((tile, width), nb_dtype)
+        krow = cuda.local.array(width, nb_dtype)
+        vrow = cuda.local.array(width, nb_dtype)
+        dkrow = cuda.local.array(width, nb_dtype)
+        dvrow = cuda.local.array(width, nb_dtype)
+        ktile = cuda.local.array((1, width), nb_dtype)
+        active = j < keys
+        if active:
+            for d in range(dim):
+                krow[d] = k[b, g, j, d]
+                ktile[0, d] = krow[d]
+                dkrow[d] = 0.0
+            for e in range(vdim):
+                vrow[e] = v[b, g, j, e]
+                dvrow[e] = 0.0
+        for r0 in range(0, length, tile):
+            for x in range(tx, tile * width, cuda.blockDim.x):
+                rr = x // width
+                d = x % width
+                if r0 + rr < length and d < dim:
+                    qs[rr, d] = q[b, h, r0 + rr, d]
+                if r0 + rr < length and d < vdim:
+                    dos[rr, d] = grad_out[b, h, r0 + rr, d]
+            cuda.syncthreads()
+            if active:
+                for rr in range(min(tile, length - r0)):
+                    i = r0 + rr
+                    row_lse = lse[b, h, i]
+                    if row_lse == -math.inf:
+                        continue
+                    lo, hi = row_range(i, keys, opts[0], opts[1] != 0, opts[2], opts[3])
+                    if j < lo or j > hi:
+                        continue
+                    # score(q_i, k_j): the same expression and order as in forward / grad_q
+                    qrow = qs[rr]
+                    ok, t, deriv = score(qrow, ktile, 0, dim, b, h, i, j, opts, fopts, bias,
+                                         bstr, mask, mstr, slopes)
+                    if not ok or t == -math.inf:
+                        continue
+                    p = math.exp(t - row_lse)
+                    dp = 0.0
+                    if kept(b, h, i, j, opts, drop, dstr):
+                        w = p * fopts[2]
+                        for e in range(vdim):
+                            dp += dos[rr, e] * vrow[e]
+                            dvrow[e] += w * dos[rr, e]
+                        dp = dp * fopts[2]
+                    ds = p * (dp - delta[b, h, i]) * deriv * fopts[0]
+                    for d in range(dim):
+                        dkrow[d] += ds * qs[rr, d]
+            cuda.syncthreads()
+        if active:
+            for d in range(dim):
+                dk_part[b, h, j, d] = dkrow[d]
+            for e in range(vdim):
+                dv_part[b, h, j, e] = dvrow[e]
+
+    return forward, grad_q, grad_kv
+
+
+def _prepare(spec, dtype):
+    from . import numba_cpu
+
+    dtype = numba_cpu.compute_dtype(spec.q.dtype) if dtype is None else np.dtype(dtype)
+    _, _, _, _, _, dim, vdim = spec.dims
+    if max(dim, vdim) > MAX_FEATURES:
+        raise ValueError(f"q/v: the CUDA kernels take D, E <= {MAX_FEATURES}, got D={dim}, "
+                         f"E={vdim}")
+    return dtype, numba_cpu._arguments(spec, dtype)
+
+
+def _launch(kernel, rows, batch_heads, threads, *args):
+    blocks = (max(1, -(-rows // threads)), max(1, batch_heads))
+    kernel[blocks, threads](*args)
+
+
+def attention(spec, *, return_lse=False, dtype=None, threads=THREADS):
+    """Forward attention of ``spec`` on the GPU; returns out (B, H, L, E) [, lse (B, H, L)].
+
+    ``dtype``: compute dtype (default float64 for float64 inputs, else float32);
+    ``threads``: query rows per block.
+    """
+    dtype, args = _prepare(spec, dtype)
+    _require_cuda()
+    forward, _, _ = _kernels(dtype)
+    batch, heads, _, length, _, _, vdim = spec.dims
+    out = cuda.device_array((batch, heads, length, vdim), dtype)
+    lse = cuda.device_array((batch, heads, length), dtype)
+    if length and batch * heads:
+        device_args = [cuda.to_device(a) for a in args]
+        _launch(forward, length, batch * heads, threads, *device_args, out, lse)
+    out, lse = out.copy_to_host(), lse.copy_to_host()
+    return (out, lse) if return_lse else out
+
+
+def attention_vjp(spec, grad_out, grad_lse=None, *, dtype=None, threads=THREADS):
+    """(dq, dk, dv, dbias) of attention on the GPU; dbias (B, H, L, S) or None.
+
+    dk, dv are summed over the query heads of each kv group on the host in increasing head
+    order (deterministic); empty rows have zero gradients.
+    """
+    dtype, args = _prepare(spec, dtype)
+    _require_cuda()
+    forward, grad_q, grad_kv = _kernels(dtype)
+    batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
+    opts = args[5].copy()
+    opts[9] = 0  # the backward needs lse = -inf on empty rows
+    device_args = [cuda.to_device(a) for a in args[:5]] + [cuda.to_device(opts)] + \
+        [cuda.to_device(a) for a in args[6:]]
+    out = cuda.device_array((batch, heads, length, vdim), dtype)
+    lse = cuda.device_array((batch, heads, length), dtype)
+    dq = cuda.to_device(np.zeros((batch, heads, length, dim), dtype))
+    dk_part = cuda.to_device(np.zeros((batch, heads, keys, dim), dtype))
+    dv_part = cuda.to_device(np.zeros((batch, heads, keys, vdim), dtype))
+    dbias_shape = (batch, heads, length, keys) if spec.bias is not None else (1, 1, 1, 1)
+    dbias = cuda.to_device(np.zeros(dbias_shape, dtype))
+    if length and keys and batch * heads:
+        _launch(forward, length, batch * heads, threads, *device_args, out, lse)
+        host_out = out.copy_to_host()
+        grad_out = np.ascontiguousarray(grad_out, dtype)
+        delta = np.zeros((batch, heads, length), dtype)
+        for e in range(vdim):  # sequential over E: a fixed order
+            delta += grad_out[..., e] * host_out[..., e]
+        if grad_lse is not None:
+            delta -= np.asarray(grad_lse, dtype)
+        q, k, v, kv_head = device_args[:4]
+        rest = device_args[4:]
+        grad_dev, delta_dev = cuda.to_device(grad_out), cuda.to_device(delta)
+        _launch(grad_q, length, batch * heads, threads, q, k, v, kv_head, grad_dev, lse,
+                delta_dev, *rest, dq, dbias)
+        _launch(grad_kv, keys, batch * heads, threads, q, k, v, kv_head, grad_dev, lse,
+                delta_dev, *rest, dk_part, dv_part)
+    dk_part, dv_part = dk_part.copy_to_host(), dv_part.copy_to_host()
+    dk = np.zeros((batch, kv_heads, keys, dim), dtype)
+    dv = np.zeros((batch, kv_heads, keys, vdim), dtype)
+    for h in range(heads):  # increasing head order within each kv group
+        dk[:, spec.kv_head[h]] += dk_part[:, h]
+        dv[:, spec.kv_head[h]] += dv_part[:, h]
+    return dq.copy_to_host(), dk, dv, (dbias.copy_to_host() if spec.bias is not None else None)

@@ -1,0 +1,149 @@
+"""Tests of the numba.cuda attention kernels (refattn.kernels.cuda) on the CUDA simulator.
+
+The simulator must be enabled before numba is imported, so when this process has neither a
+GPU nor NUMBA_ENABLE_CUDASIM=1, :func:`test_cuda_kernels_under_simulator` re-runs this file in
+a subprocess with NUMBA_ENABLE_CUDASIM=1 (tiny grids: the simulator runs one Python thread
+per CUDA thread). On a machine with a GPU the same tests run on the device.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import refattn
+from refattn._spec import canonicalize
+from refattn.kernels import cuda as kcuda
+from refattn.kernels import numba_cpu
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_kernels import assert_within  # noqa: E402
+
+needs_cuda = pytest.mark.skipif(not kcuda.available(),
+                                reason="no CUDA device and NUMBA_ENABLE_CUDASIM is not set")
+_B, _H = 1, 2
+
+
+def _inputs(name, seed=0):
+    rng = np.random.default_rng(seed)
+    H, K, L, S, D, E = _H, _H, 6, 19, 3, 2
+    if name == "gqa_tile":
+        H, K = 4, 2
+    q = rng.standard_normal((_B, H, L, D))
+    k = rng.standard_normal((_B, K, S, D))
+    v = rng.standard_normal((_B, K, S, E))
+    mask = rng.random((_B, H, L, S)) > 0.3
+    mask[:, :, 2] = False
+    opts = {
+        "plain": {},
+        "gqa_tile": {"gqa": "tile", "causal": True},
+        "window": {"window": (3, 1), "align": "bottom_right"},
+        "everything": {"mask": mask, "bias": rng.standard_normal((L, S)), "softcap": 2.0,
+                       "causal": True, "align": "bottom_right",
+                       "alibi_slopes": np.array([0.5, 0.25]), "empty_rows": "nan",
+                       "dropout_mask": rng.random((_B, H, L, S)) > 0.2, "dropout_p": 0.2},
+    }[name]
+    return q, k, v, opts, rng.standard_normal((_B, H, L, E)), rng.standard_normal((_B, H, L))
+
+
+CASES = ["plain", "gqa_tile", "window", "everything"]
+
+
+@pytest.mark.cudasim
+@needs_cuda
+@pytest.mark.parametrize("name", CASES)
+def test_cuda_forward_matches_float64(name):
+    q, k, v, opts, _, _ = _inputs(name)
+    spec = canonicalize(q, k, v, **opts)
+    out, lse = kcuda.attention(spec, return_lse=True, threads=4)
+    ref_out, ref_lse, weights = refattn.attention(q, k, v, return_lse=True,
+                                                  return_weights=True, **opts)
+    keys = spec.dims[4]
+    ob, lb = numba_cpu.forward_error_bound(spec, weights, np.float64, rescalings=keys)
+    ob2, lb2 = numba_cpu.forward_error_bound(spec, weights, np.float64)
+    assert_within(name, "out", out, ref_out, ob + ob2)
+    assert_within(name, "lse", lse, ref_lse, lb + lb2)
+
+
+@pytest.mark.cudasim
+@needs_cuda
+@pytest.mark.parametrize("name", CASES)
+def test_cuda_backward_matches_float64(name):
+    q, k, v, opts, grad_out, grad_lse = _inputs(name)
+    spec = canonicalize(q, k, v, **opts)
+    got = kcuda.attention_vjp(spec, grad_out, grad_lse, threads=4)
+    ref = refattn.attention_vjp(q, k, v, grad_out, grad_lse=grad_lse, **opts)
+    _, _, weights = refattn.attention(q, k, v, return_lse=True, return_weights=True, **opts)
+    bounds = numba_cpu.backward_error_bound(spec, weights, grad_out, grad_lse)
+    for what, value, truth, bound in zip(("dq", "dk", "dv", "dbias"), got, ref, bounds,
+                                         strict=True):
+        if truth is None:
+            assert value is None, f"{name}: {what} should be None without bias"
+            continue
+        if what == "dbias":
+            value, bound = value.sum(axis=(0, 1)), bound.sum(axis=(0, 1))
+        assert_within(name, what, value, spec.unflatten(truth) if what != "dbias" else truth,
+                      2 * bound)
+
+
+@pytest.mark.cudasim
+@needs_cuda
+def test_cuda_poison_at_excluded_positions_is_invisible():
+    q, k, v, opts, grad_out, _ = _inputs("everything", seed=3)
+    opts = opts | {"dropout_mask": None, "dropout_p": 0.0, "window": (1, 1)}
+    spec = canonicalize(q, k, v, **opts)
+    clean = kcuda.attention(spec, return_lse=True, threads=4)
+    excluded = ~spec.allowed(0, 0).any(axis=0)  # keys no row of head 0 may see
+    keys = np.flatnonzero(excluded)
+    assert keys.size, "the case must exclude some key for every row"
+    pk, pv = k.copy(), v.copy()
+    pk[0, 0, keys] = np.nan
+    pv[0, 0, keys] = np.inf
+    dirty = kcuda.attention(canonicalize(q, pk, pv, **opts), return_lse=True, threads=4)
+    for what, a, b in zip(("out", "lse"), dirty, clean, strict=True):
+        assert np.array_equal(a[:, 0], b[:, 0], equal_nan=True), (
+            f"poison in excluded keys {keys} of head 0 changed {what}")
+
+
+@pytest.mark.cudasim
+@needs_cuda
+def test_cuda_is_deterministic_across_launch_shapes():
+    q, k, v, opts, grad_out, grad_lse = _inputs("everything", seed=5)
+    spec = canonicalize(q, k, v, **opts)
+    a = kcuda.attention(spec, return_lse=True, threads=4)
+    b = kcuda.attention(spec, return_lse=True, threads=8)
+    for what, x, y in zip(("out", "lse"), a, b, strict=True):
+        assert np.array_equal(x, y, equal_nan=True), f"{what} depends on threads per block"
+
+
+def test_missing_cuda_says_what_to_do():
+    if kcuda.available():
+        pytest.skip("CUDA (or the simulator) is available here")
+    spec = canonicalize(np.ones((2, 3)), np.ones((2, 3)), np.ones((2, 3)))
+    with pytest.raises(RuntimeError, match="NUMBA_ENABLE_CUDASIM=1"):
+        kcuda.attention(spec)
+
+
+def test_too_wide_features_are_rejected():
+    wide = np.ones((2, kcuda.MAX_FEATURES + 1))
+    with pytest.raises(ValueError, match="D, E <="):
+        kcuda.attention(canonicalize(wide, wide, wide))
+
+
+@pytest.mark.cudasim
+def test_cuda_kernels_under_simulator():
+    if kcuda.available():
+        pytest.skip("the cudasim tests run in this process")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-W",
+           "error", "-m", "cudasim", "-k", "not under_simulator"]
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"cudasim run failed:\n{done.stdout[-4000:]}"
+    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], (
+        f"cudasim run did not run the kernels:\n{done.stdout[-2000:]}")

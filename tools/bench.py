@@ -1,0 +1,245 @@
+#!/usr/bin/env python
+"""Benchmark refattn's attention paths: NumPy float64 path vs Numba kernels vs torch SDPA.
+
+Every ratio is measured in the same run (the machine may be shared: absolute figures move,
+ratios much less). Throughput counts 4*B*H*L*S*D flops for the forward (the two products
+q k^T and w v; softmax and masking are not counted, causal masks are not discounted) and
+10*B*H*L*S*D for the backward (five products; the vjp call also re-runs the forward, which
+its time includes).
+
+Examples::
+
+    python tools/bench.py                         # L in 512 1024 4096 16384 + decode, both dtypes
+    python tools/bench.py --lengths 1024 --dtypes float64 --backward
+    python tools/bench.py --long                  # also L = 65536, one head, peak memory
+    python tools/bench.py --json bench.json --plot bench.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import refattn  # noqa: E402
+from refattn._spec import canonicalize  # noqa: E402
+from refattn.kernels import numba_cpu  # noqa: E402
+
+
+def _best(fn, repeat: int, budget: float) -> float:
+    """Best wall time of up to ``repeat`` calls (stops early once ``budget`` seconds pass)."""
+    times = []
+    start = time.perf_counter()
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if time.perf_counter() - start > budget:
+            break
+    return min(times)
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def _inputs(batch, heads, length, keys, dim, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, heads, length, dim)).astype(dtype)
+    k = rng.standard_normal((batch, heads, keys, dim)).astype(dtype)
+    v = rng.standard_normal((batch, heads, keys, dim)).astype(dtype)
+    return q, k, v
+
+
+def bench_shape(name, batch, heads, length, keys, dim, dtype, args, torch):
+    """Time one shape on every path; returns a JSON-ready row."""
+    q, k, v = _inputs(batch, heads, length, keys, dim, dtype)
+    flops = 4.0 * batch * heads * length * keys * dim
+    spec = canonicalize(q, k, v)
+    numba_cpu.forward(spec)  # compile / warm
+    row = {"shape": name, "B": batch, "H": heads, "L": length, "S": keys, "D": dim,
+           "dtype": np.dtype(dtype).name, "flops_forward": flops}
+    row["numba_s"] = _best(lambda: numba_cpu.forward(spec), args.repeat, args.budget)
+    if torch is not None:
+        tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        sdpa(tq, tk, tv)
+        row["torch_s"] = _best(lambda: sdpa(tq, tk, tv), args.repeat, args.budget)
+    if length * keys <= args.numpy_max_plane:
+        row["numpy_s"] = _best(lambda: refattn.attention(q, k, v), args.repeat, args.budget)
+    if args.backward:
+        grad = np.random.default_rng(1).standard_normal((batch, heads, length, dim))
+        numba_cpu.backward(spec, grad)
+        row["numba_backward_s"] = _best(lambda: numba_cpu.backward(spec, grad), args.repeat,
+                                        args.budget)
+        if torch is not None:
+            tq, tk, tv = (torch.from_numpy(a).requires_grad_() for a in (q, k, v))
+            tg = torch.from_numpy(grad.astype(dtype))
+
+            def torch_vjp():
+                out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)
+                torch.autograd.grad(out, (tq, tk, tv), tg)
+
+            torch_vjp()
+            row["torch_backward_s"] = _best(torch_vjp, args.repeat, args.budget)
+    for path in ("numba", "torch", "numpy"):
+        if f"{path}_s" in row:
+            row[f"{path}_gflops"] = flops / row[f"{path}_s"] / 1e9
+    if "torch_s" in row:
+        row["numba_over_torch"] = row["torch_s"] / row["numba_s"]
+    if "numpy_s" in row:
+        row["numba_over_numpy"] = row["numpy_s"] / row["numba_s"]
+    if "numba_backward_s" in row:
+        row["backward_over_forward"] = row["numba_backward_s"] / row["numba_s"]
+        row["numba_backward_gflops"] = 2.5 * flops / row["numba_backward_s"] / 1e9
+    if "torch_backward_s" in row:
+        row["numba_backward_over_torch"] = row["torch_backward_s"] / row["numba_backward_s"]
+    return row
+
+
+_LONG_SCRIPT = """
+import resource, sys, time, numpy as np
+sys.path.insert(0, {root!r})
+from refattn._spec import canonicalize
+from refattn.kernels import numba_cpu
+small = canonicalize(*(np.ones((1, 1, 4, {dim})) for _ in range(3)))
+numba_cpu.forward(small)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((1, 1, {length}, {dim})) for _ in range(3))
+t0 = time.perf_counter()
+out, lse = numba_cpu.forward(canonicalize(q, k, v))
+elapsed = time.perf_counter() - t0
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(elapsed, peak * 1024, base * 1024, bool(np.isfinite(out).all()))
+"""
+
+
+def bench_long(length: int, dim: int) -> dict:
+    """L = S = ``length``, one head, float64 forward in a fresh process: time and peak RSS."""
+    script = _LONG_SCRIPT.format(root=str(ROOT), length=length, dim=dim)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=True)
+    elapsed, peak, base, finite = done.stdout.split()
+    flops = 4.0 * length * length * dim
+    return {"shape": f"long L={length}", "B": 1, "H": 1, "L": length, "S": length, "D": dim,
+            "dtype": "float64", "numba_s": float(elapsed),
+            "numba_gflops": flops / float(elapsed) / 1e9,
+            "peak_rss_bytes": int(peak), "rss_before_bytes": int(base),
+            "finite": finite == "True"}
+
+
+def _fmt(row, key, spec="{:8.1f}"):
+    return spec.format(row[key]) if key in row else " " * (len(spec.format(0.0)))
+
+
+def print_row(row):
+    line = (f"{row['shape']:>18} {row['dtype']:>8}  numba {_fmt(row, 'numba_gflops')}  "
+            f"torch {_fmt(row, 'torch_gflops')}  numpy {_fmt(row, 'numpy_gflops')} GFLOP/s"
+            f"  numba/torch {_fmt(row, 'numba_over_torch', '{:5.2f}')}"
+            f"  numba/numpy {_fmt(row, 'numba_over_numpy', '{:6.1f}')}")
+    if "backward_over_forward" in row:
+        line += (f"  bwd/fwd {row['backward_over_forward']:.2f}"
+                 f"  bwd {row['numba_backward_gflops']:.1f} GFLOP/s")
+        if "numba_backward_over_torch" in row:
+            line += f" (vs torch {row['numba_backward_over_torch']:.2f})"
+    if "peak_rss_bytes" in row:
+        line += (f"  {row['numba_s']:.1f} s, peak RSS {row['peak_rss_bytes'] / 2**30:.2f} GiB "
+                 f"(before {row['rss_before_bytes'] / 2**30:.2f} GiB)")
+    print(line, flush=True)
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, dtype in zip(axes, ("float64", "float32"), strict=True):
+        sel = [r for r in rows if r["dtype"] == dtype and r["L"] > 1 and r["H"] > 1]
+        for path_name in ("numba", "torch", "numpy"):
+            pts = [(r["L"], r[f"{path_name}_gflops"]) for r in sel if f"{path_name}_gflops" in r]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=path_name)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"forward {dtype}")
+        ax.set_xlabel("L = S")
+        ax.legend()
+    axes[0].set_ylabel("GFLOP/s")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 4096, 16384],
+                        help="L = S values (batch 1, --heads heads)")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=64, help="D = E")
+    parser.add_argument("--dtypes", nargs="+", default=["float64", "float32"])
+    parser.add_argument("--decode-keys", type=int, default=4096,
+                        help="S of the decode shape (L = 1); 0 skips it")
+    parser.add_argument("--backward", action="store_true", help="also time the vjp")
+    parser.add_argument("--long", type=int, nargs="?", const=65536, default=0,
+                        help="also run L = S = LONG (default 65536), one head, float64, "
+                             "in a fresh process and report its peak RSS")
+    parser.add_argument("--repeat", type=int, default=5, help="best of this many calls")
+    parser.add_argument("--budget", type=float, default=20.0,
+                        help="stop repeating a measurement after this many seconds")
+    parser.add_argument("--numpy-max-plane", type=int, default=4096 * 4096,
+                        help="skip the NumPy path (which forms L x S planes) above this L*S")
+    parser.add_argument("--json", type=Path, help="write the rows and machine info here")
+    parser.add_argument("--plot", type=Path, help="write a GFLOP/s plot (needs matplotlib)")
+    args = parser.parse_args(argv)
+    torch = _torch()
+    threads = int(os.environ.get("NUMBA_NUM_THREADS", os.cpu_count() or 1))
+    import numba
+
+    if torch is not None:
+        torch.set_num_threads(numba.get_num_threads())
+    print(f"refattn bench: {platform.processor() or platform.machine()}, "
+          f"numba {numba.__version__} ({numba.get_num_threads()} threads), "
+          f"torch {torch.__version__ if torch else 'absent'}", flush=True)
+    rows = []
+    for dtype in args.dtypes:
+        for length in args.lengths:
+            rows.append(bench_shape(f"B1 H{args.heads} L{length}", 1, args.heads, length,
+                                    length, args.dim, dtype, args, torch))
+            print_row(rows[-1])
+        if args.decode_keys:
+            rows.append(bench_shape(f"decode L1 S{args.decode_keys}", 1, args.heads, 1,
+                                    args.decode_keys, args.dim, dtype, args, torch))
+            print_row(rows[-1])
+    if args.long:
+        rows.append(bench_long(args.long, args.dim))
+        print_row(rows[-1])
+    if args.json:
+        info = {"threads": threads, "numba": numba.__version__,
+                "torch": torch.__version__ if torch else None, "machine": platform.machine(),
+                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        args.json.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
