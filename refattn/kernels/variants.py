@@ -165,7 +165,20 @@ def _mgk_key_score(dist, first, j, b, two_sigma2, log_pi, norm, hard, use_norm, 
             if terms[r] > best:
                 best = terms[r]
         return best
-    return _lse(terms, R, False)
+    # _lse(terms, R, False) written out: this runs once per (row, key)
+    index = -1
+    top = -math.inf
+    for r in range(R):
+        if terms[r] != -math.inf and (index < 0 or terms[r] > top):
+            index = r
+            top = terms[r]
+    if index < 0:
+        return -math.inf
+    total = 0.0
+    for r in range(R):
+        if r != index and terms[r] != -math.inf:
+            total += math.exp(terms[r] - top)
+    return top + math.log1p(total)
 
 
 @njit(**_OPTS)
@@ -197,10 +210,12 @@ def _mgk_row(b, i, q, keys_t, two_sigma2, log_pi, norm, v, bad_q, bad_key, mask,
             dist[c] = 0.0
         for d in range(D):
             qd = qrow[d]
-            krow = keys_t[b, d]
-            # lanes over independent components; each dist[c] sums d = 0, 1, ... in order
+            # a slice indexed from 0: numba then knows no index is negative and emits no
+            # wrap-around select, so LLVM vectorises the lanes (independent components; each
+            # dist[c] still sums d = 0, 1, ... in order)
+            krow = keys_t[b, d, c0:c0 + count]
             for c in range(count):
-                diff = qd - krow[c0 + c]
+                diff = qd - krow[c]
                 dist[c] += diff * diff
         for j in range(j0, j1):
             if has_mask and not mask[b, i, j]:
@@ -333,23 +348,24 @@ def _gmm_query_logits(b, qrow, keys_t, coef_a, add1, half_alpha, add2, magnitude
             acc[u] = 0.0
         for d in range(D):
             qd = qrow[d]
-            krow = keys_t[b, d]
+            krow = keys_t[b, d, u0:u0 + count]  # slice from 0: vectorisable (see _mgk_row)
             if magnitude:
                 for u in range(count):
-                    acc[u] += qd * krow[u0 + u]
+                    acc[u] += qd * krow[u]
             else:
                 for u in range(count):
-                    diff = qd - krow[u0 + u]
+                    diff = qd - krow[u]
                     acc[u] += diff * diff
         for u in range(count):
-            x = coef_a[b, u0 + u] * acc[u]
+            k = u0 + u
+            x = coef_a[b, k] * acc[u]
             if has_add1:
-                x = x + add1[b, u0 + u]
+                x = x + add1[b, k]
             if sub_qq:
-                x = x - half_alpha[b, u0 + u] * qq
+                x = x - half_alpha[b, k] * qq
             if has_add2:
-                x = x + add2[b, u0 + u]
-            a[u0 + u] = x
+                x = x + add2[b, k]
+            a[k] = x
 
 
 @njit(**_OPTS)
@@ -363,15 +379,16 @@ def _gmm_value_logits(b, vrow, values_t, coef_b, add3, has_add3, a, acc, out):
             acc[u] = 0.0
         for e in range(E):
             ve = vrow[e]
-            mrow = values_t[b, e]
+            mrow = values_t[b, e, u0:u0 + count]
             for u in range(count):
-                diff = ve - mrow[u0 + u]
+                diff = ve - mrow[u]
                 acc[u] += diff * diff
         for u in range(count):
-            x = coef_b[b, u0 + u] * acc[u]
+            k = u0 + u
+            x = coef_b[b, k] * acc[u]
             if has_add3:
-                x = x + add3[b, u0 + u]
-            out[u0 + u] = a[u0 + u] + x
+                x = x + add3[b, k]
+            out[k] = a[k] + x
 
 
 @njit(**_OPTS)
