@@ -435,3 +435,24 @@ def test_refattn_exact_adapter_is_the_truth():
         assert got.dtype == _dtype(dtype), f"refattn-exact {dtype}: dtype {got.dtype}"
         mismatch = np.flatnonzero(got.astype(np.float64) != truth.astype(np.float64))
         assert mismatch.size == 0, f"refattn-exact {dtype}: elements {mismatch[:5]} differ"
+
+
+def test_measure_peers_tool_writes_json(tmp_path, capsys):
+    """tools/measure_peers.py runs end to end on a tiny shape and reports the control exactly."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "measure_peers.py"
+    spec = importlib.util.spec_from_file_location("measure_peers", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "peers.json"
+    argv = ["--shape", "1", "1", "4", "6", "8", "8", "--sigmas", "1", "--dtypes", "float32"]
+    argv += ["--peers", "refattn-float64", "numpy-textbook", "--repeats", "1", "--json", str(out)]
+    assert tool.main(argv) == 0
+    rows = {row["peer"]: row for row in json.loads(out.read_text())["rows"]}
+    control = rows["refattn-float64"]
+    assert control["correct"] == 1.0 and control["ulp_max"] == 0, f"control row: {control}"
+    assert 0 <= rows["numpy-textbook"]["correct"] <= 1
+    assert "refattn-float64" in capsys.readouterr().out
