@@ -269,3 +269,14 @@ def test_register_suite_extension_point():
             cases.register_suite("default", list)
     finally:
         cases._EXTRA_SUITES.pop("variants", None)
+
+
+# Fixtures on disk are named and seeded by their case: renaming or changing a released case
+# orphans them. The smoke suite is pinned; a deliberate change updates this digest.
+_PINNED_SMOKE = "8edccea40a918d85fa09c553f25444ac3a16d08da1277fb338fd755f1ae12f5a"
+
+
+def test_smoke_specs_pinned():
+    specs = "\n".join(c.spec_json() for c in cases.suite("smoke"))
+    got = hashlib.sha256(specs.encode()).hexdigest()
+    assert got == _PINNED_SMOKE, f"smoke case specs changed: sha256 {got} != {_PINNED_SMOKE}"
