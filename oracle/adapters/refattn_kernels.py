@@ -1,0 +1,97 @@
+"""refattn's own fast kernels as implementations under test.
+
+``refattn-numba`` runs the deterministic Numba CPU kernels (:mod:`refattn.kernels.numba_cpu`):
+float64 cases compute in float64, every other dtype in float32 (float32 accumulation); the
+result is rounded once to the case dtype. ``refattn-cuda`` runs the numba.cuda kernels
+(:mod:`refattn.kernels.cuda`) the same way; on a machine without a GPU it needs
+``NUMBA_ENABLE_CUDASIM=1`` (set before numba is imported) and is slow, so use it on the smoke
+suite there. A GPU run of the oracle is one command::
+
+    refattn-oracle validate --adapter refattn-cuda --suite default --dtype float32 --grads
+
+Both support every option of :func:`refattn.attention` except ``return_weights`` and expose
+``.vjp(q, k, v, grad_out, grad_lse=None, **options) -> (dq, dk, dv, dbias)``.
+
+Examples
+--------
+>>> import numpy as np
+>>> from oracle.adapters.refattn_kernels import RefattnNumba
+>>> q = np.array([[1.0, 0.0]]); k = np.array([[1.0, 0.0], [0.0, 1.0]]); v = np.array([[1.0], [3.0]])
+>>> RefattnNumba()(q, k, v, causal=True).tolist()
+[[1.0]]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import OPTION_NAMES, Adapter
+from .refattn_numpy import round_to
+
+__all__ = ["RefattnNumba", "RefattnCuda"]
+
+
+class _KernelAdapter(Adapter):
+    fully_masked_rows = "as empty_rows asks"
+
+    def _module(self):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _forward(self, spec, return_lse):
+        out, lse = self._module().attention(spec, return_lse=True)
+        dtype = spec.q.dtype
+        return round_to(out, dtype), round_to(lse, dtype) if return_lse else None
+
+    def vjp(self, q, k, v, grad_out, grad_lse=None, **options):
+        """(dq, dk, dv, dbias) in the input dtype; dbias has bias's own shape (or None)."""
+        from refattn.attention import _check_cotangent, _reduce_to
+
+        unknown = sorted(set(options) - set(OPTION_NAMES))
+        if unknown:
+            raise TypeError(f"{self.name}: unknown option(s) {unknown}")
+        options = dict(options)
+        options.pop("return_lse", None)
+        spec, _ = self._canonical(q, k, v, options)
+        _, heads, _, length, _, _, vdim = spec.dims
+        do = _check_cotangent(spec, grad_out, "grad_out", (heads, length, vdim))
+        dl = None if grad_lse is None else _check_cotangent(spec, grad_lse, "grad_lse",
+                                                            (heads, length))
+        dq, dk, dv, dbias = self._module().attention_vjp(spec, do, dl)
+        if dbias is not None:
+            dbias = _reduce_to(np.asarray(dbias, np.float64).reshape(
+                spec.batch_shape + dbias.shape[1:]), spec.bias_shape)
+        dtype = spec.q.dtype
+        return (round_to(spec.unflatten(dq), dtype), round_to(spec.unflatten(dk), dtype),
+                round_to(spec.unflatten(dv), dtype), round_to(dbias, dtype))
+
+
+class RefattnNumba(_KernelAdapter):
+    """refattn.kernels (Numba CPU), rounded once to the case dtype."""
+
+    name = "refattn-numba"
+    peer = "refattn Numba CPU kernels"
+
+    def _module(self):
+        from refattn import kernels
+
+        return kernels
+
+
+class RefattnCuda(_KernelAdapter):
+    """refattn.kernels.cuda (numba.cuda; the simulator when NUMBA_ENABLE_CUDASIM=1)."""
+
+    name = "refattn-cuda"
+    peer = "refattn numba.cuda kernels"
+
+    def __init__(self):
+        from refattn.kernels import cuda
+
+        if not cuda.available():
+            raise ImportError("no CUDA device (numba.cuda.is_available() is False); set "
+                              "NUMBA_ENABLE_CUDASIM=1 before numba is imported to use the "
+                              "simulator")
+
+    def _module(self):
+        from refattn.kernels import cuda
+
+        return cuda
