@@ -304,25 +304,39 @@ def _work(spec_json: str, out_dir: str) -> tuple[str, str]:
     return case.name, hashlib.sha256(data).hexdigest()
 
 
-def _previous_entries(out: Path) -> dict[str, dict]:
-    entries: dict[str, dict] = {}
+def _previous_entries(out: Path) -> dict[str, list[dict]]:
+    entries: dict[str, list[dict]] = {}
     for name in (MANIFEST, PARTIAL_MANIFEST):
         try:
             manifest = json.loads((out / name).read_text())
         except (FileNotFoundError, ValueError):
             continue
-        if manifest.get("schema_version") != SCHEMA_VERSION:
+        if not isinstance(manifest, dict) or manifest.get("schema_version") != SCHEMA_VERSION:
             continue
         for entry in manifest.get("cases", []):
-            entries.setdefault(entry.get("name"), entry)
+            if isinstance(entry, dict):
+                entries.setdefault(entry.get("name"), []).append(entry)
     return entries
 
 
-def _is_done(case: Case, entry: dict | None, out: Path) -> bool:
-    if entry is None or entry.get("spec") != case.spec():
-        return False
+def _reusable(case: Case, candidates: list[dict], out: Path) -> dict | None:
+    """The recorded entry whose spec is the case's and whose sha256 the file on disk has."""
     path = out / f"{case.name}.npz"
-    return path.is_file() and sha256_of(path) == entry.get("sha256")
+    matching = [e for e in candidates if e.get("spec") == case.spec()]
+    if not matching or not path.is_file():
+        return None
+    sha = sha256_of(path)
+    return next((e for e in matching if e.get("sha256") == sha), None)
+
+
+def _remove_unselected(out: Path, previous: dict[str, list[dict]], selected: list[Case]):
+    """Delete fixture files an earlier run recorded that the current selection drops."""
+    keep = {f"{c.name}.npz" for c in selected}
+    for entries in previous.values():
+        for entry in entries:
+            file_name = str(entry.get("file", ""))
+            if file_name.endswith(".npz") and "/" not in file_name and file_name not in keep:
+                (out / file_name).unlink(missing_ok=True)
 
 
 def _select(suite: str, dtypes, cases) -> list[Case]:
@@ -348,8 +362,9 @@ def generate(suite: str, out_dir, *, dtypes: Iterable[str] | None = None, worker
     suite : str
         Suite name (recorded in the manifest; selects the cases unless ``cases`` is given).
     out_dir : path
-        Created if missing. Files of an interrupted run are reused when their sha256 and spec
-        match the partial manifest.
+        Created if missing. Files of an earlier or interrupted run are reused when their
+        sha256 and spec match its (partial) manifest; files that run recorded for cases no
+        longer selected are removed, other files are left alone.
     dtypes : iterable of str, optional
         Keep only cases of these dtypes.
     workers : int
@@ -371,10 +386,12 @@ def generate(suite: str, out_dir, *, dtypes: Iterable[str] | None = None, worker
     for stale in out.glob(f".*{_TMP_SUFFIX}"):
         stale.unlink()
     previous = _previous_entries(out)
+    _remove_unselected(out, previous, selected)
     done: dict[str, dict] = {}
     for case in selected:
-        if _is_done(case, previous.get(case.name), out):
-            done[case.name] = previous[case.name]
+        entry = _reusable(case, previous.get(case.name, []), out)
+        if entry is not None:
+            done[case.name] = entry
     todo = [c for c in selected if c.name not in done]
     if todo:
         (out / MANIFEST).unlink(missing_ok=True)

@@ -239,6 +239,17 @@ def test_dtype_filter_and_bad_arguments(tmp_path, some_cases):
                           progress=False)
     names = [e["name"] for e in json.loads((out / golden.MANIFEST).read_text())["cases"]]
     assert names == [c.name for c in some_cases if c.dtype == "float32"]
+    assert golden.verify(out) == []
+
+
+def test_regenerating_a_subset_drops_stale_files(tmp_path, reference_dir, some_cases):
+    out = _copy(reference_dir, tmp_path / "subset")
+    (out / "notes.txt").write_text("user file")
+    golden.generate("smoke", out, cases=some_cases, dtypes=["float32"], progress=False)
+    kept = sorted(p.name for p in out.glob("*.npz"))
+    assert kept == sorted(f"{c.name}.npz" for c in some_cases if c.dtype == "float32"), kept
+    assert (out / "notes.txt").exists(), "generate removed a file it did not write"
+    assert golden.verify(out) == [f"notes.txt: extra file not listed in {golden.MANIFEST}"]
     with pytest.raises(ValueError, match="dtypes"):
         golden.generate("smoke", tmp_path / "x", cases=some_cases, dtypes=["int8"])
     with pytest.raises(ValueError, match="workers"):
