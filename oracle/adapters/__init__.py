@@ -29,18 +29,17 @@ Rules every adapter follows (the oracle must see the peer's real behaviour):
   the batch to one axis (via :func:`refattn._spec.canonicalize`, which also validates every
   option exactly as :func:`refattn.attention` does) and restore it on the way out.
 
-Adapters (:func:`get` by name, :func:`available` for the importable ones):
+Adapters (:func:`get` by name, :func:`available` for the importable ones; pip extra):
 
-==================  ==========================================  ======================
-name                peer                                        extra
-==================  ==========================================  ======================
-``torch``           torch.nn.functional.scaled_dot_product_attention  ``refattn[torch]``
-``jax``             jax.nn.dot_product_attention (xla)          ``refattn[jax]``
-``onnxruntime``     ONNX ``Attention`` node (opset 24) in onnxruntime  ``refattn[onnx]``
-``onnx-reference``  ONNX ``Attention`` node in onnx.reference   ``refattn[onnx]``
-``refattn-float64`` refattn.attention(precision="float64")      (none)
-``refattn-exact``   refattn.attention(precision="exact")        (none)
-==================  ==========================================  ======================
+* ``torch``: torch.nn.functional.scaled_dot_product_attention on the CPU (``refattn[torch]``);
+* ``jax``: jax.nn.dot_product_attention, xla implementation (``refattn[jax]``);
+* ``onnxruntime``: an ONNX ``Attention`` node (opset 24) in onnxruntime (``refattn[onnx]``);
+* ``onnx-reference``: an ONNX ``Attention`` node (newest opset) in onnx.reference
+  (``refattn[onnx]``);
+* ``refattn-float64`` / ``refattn-exact``: refattn.attention's own paths (no extra).
+
+Each peer module's docstring has its option table and the peer behaviour measured against the
+exact path (run ``tools/measure_peers.py`` for the accuracy figures).
 
 Examples
 --------

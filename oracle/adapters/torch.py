@@ -14,16 +14,18 @@ mask and bias      ``attn_mask = where(mask, bias, -inf)`` (torch takes one attn
 causal, top_left   ``is_causal=True``
 causal, bottom     ``attn_mask=torch.nn.attention.bias.causal_lower_right(L, S)``
 causal + mask/bias torch forbids is_causal with attn_mask: the causal set is materialised as
-                   a bool ``tril`` (diagonal 0 or S - L) and intersected with the mask, which
-                   is how torch's documentation combines them
+                   a bool ``tril`` (diagonal 0 or S - L, the set torch itself builds for
+                   is_causal / causal_lower_right) and intersected with the mask
 gqa interleave     ``enable_gqa=True`` (torch repeats kv heads with repeat_interleave)
 =================  ==================================================================
 
 Unsupported (NotImplementedError): softcap, window, return_lse (SDPA returns no lse), ALiBi,
 dropout (torch draws its own random mask), ``gqa="tile"``.
 
-Measured behaviour passed through unchanged: fully masked rows give 0 (torch's math path uses
-``_safe_softmax``) in float64, float32, float16 and bfloat16.
+Measured behaviour passed through unchanged (torch 2.13.0+cpu): fully masked rows give 0
+(torch's math path uses ``_safe_softmax``) in float64, float32, float16 and bfloat16, also for
+``causal_lower_right`` with L > S, where torch warns that the output "will produce NaNs" (the
+adapter silences that warning; the oracle judges the output).
 
 ``.vjp`` differentiates the same call with autograd: bias is a leaf of its own shape,
 broadcast inside torch, so dbias is torch's own reduction over the broadcast dimensions.
