@@ -23,8 +23,10 @@ Unsupported (NotImplementedError): softcap, ALiBi, dropout, ``gqa="tile"``, E !=
 
 Measured behaviour passed through unchanged (``jax`` 0.10):
 
-* masked logits are replaced by a large negative number, not removed: a fully masked row
-  gets *uniform* weights over all S keys (out = mean of v, lse = log S + that number);
+* masked logits are replaced by a large negative number, not removed: a row whose every key
+  is masked (mask, causal, window) gets *uniform* weights over all S keys (out = mean of v,
+  lse = log S + that number), while a row excluded only by a -inf bias gives NaN (the bias
+  is added, not masked);
 * the softmax (and lse) is always computed in float32, for float64 inputs too, so float64
   results carry float32-sized errors;
 * float64 needs ``jax_enable_x64``: constructing this adapter turns it on for the process.
