@@ -37,6 +37,22 @@ class _KernelAdapter(Adapter):
     def _module(self):  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def _canonical(self, q, k, v, options):
+        """As :meth:`Adapter._canonical`, but empty_rows="nan" is supported (not a peer)."""
+        from refattn._spec import canonicalize
+
+        unknown = sorted(set(options) - set(OPTION_NAMES))
+        if unknown:
+            raise TypeError(f"{self.name}: unknown option(s) {unknown}; an adapter takes "
+                            f"{', '.join(OPTION_NAMES)}")
+        options = dict(options)
+        return_lse = bool(options.pop("return_lse", False))
+        dtypes = {np.asarray(a).dtype for a in (q, k, v)}
+        if len(dtypes) != 1:
+            raise TypeError(f"{self.name}: q, k, v must share one dtype, got "
+                            f"{[np.asarray(a).dtype.name for a in (q, k, v)]}")
+        return canonicalize(q, k, v, **options), return_lse
+
     def _forward(self, spec, return_lse):
         out, lse = self._module().attention(spec, return_lse=True)
         dtype = spec.q.dtype
