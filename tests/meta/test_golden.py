@@ -254,3 +254,21 @@ def test_regenerating_a_subset_drops_stale_files(tmp_path, reference_dir, some_c
         golden.generate("smoke", tmp_path / "x", cases=some_cases, dtypes=["int8"])
     with pytest.raises(ValueError, match="workers"):
         golden.generate("smoke", tmp_path / "y", cases=some_cases, workers=0)
+
+
+def test_progress_bar_log_mode():
+    import io
+
+    from oracle._progress import Progress
+
+    stream = io.StringIO()
+    with Progress(40, "gen", stream=stream) as bar:
+        for index in range(40):
+            bar.advance(f"case-{index}")
+    lines = stream.getvalue().splitlines()
+    # a non-terminal stream gets the first step and one line per tenth, the last one complete
+    assert len(lines) == 11 and lines[-1].startswith("gen [") and "40/40" in lines[-1], lines
+    quiet = io.StringIO()
+    with Progress(3, "gen", stream=quiet, enabled=False) as bar:
+        bar.advance()
+    assert quiet.getvalue() == ""
