@@ -36,6 +36,12 @@ the opset-23 diagram puts softcap before the mask add; implementations have diff
 fully-masked-row guard (the spec's errata: a zero row), the default scale applied as
 ``Q*sqrt(scale)`` and ``K*sqrt(scale)`` (two roundings in the input dtype).
 
+Measured (onnx 1.23.2, onnxruntime 1.31.1): both peers cap before the bias (refattn's order,
+so #7865 no longer shows here) and give zero rows where every key is excluded (onnxruntime
+float64 excepted: NaN, see :mod:`oracle.adapters.onnxruntime`). onnx.reference takes
+``sqrt(scale)`` of the float32 ``scale`` attribute in float32, so a float64 model with an
+explicit scale has float32-sized score errors (the default scale is computed in float64).
+
 Examples
 --------
 >>> import numpy as np
