@@ -36,7 +36,9 @@ Adapters (:func:`get` by name, :func:`available` for the importable ones; pip ex
 * ``onnxruntime``: an ONNX ``Attention`` node (opset 24) in onnxruntime (``refattn[onnx]``);
 * ``onnx-reference``: an ONNX ``Attention`` node (newest opset) in onnx.reference
   (``refattn[onnx]``);
-* ``refattn-float64`` / ``refattn-exact``: refattn.attention's own paths (no extra).
+* ``refattn-float64`` / ``refattn-exact``: refattn.attention's own paths (no extra);
+* ``refattn-numba`` / ``refattn-cuda``: refattn's kernels (:mod:`oracle.adapters.refattn_kernels`;
+  ``refattn[cuda]``, or ``NUMBA_ENABLE_CUDASIM=1`` for the simulator).
 
 Each peer module's docstring has its option table and the peer behaviour measured against the
 exact path (run ``tools/measure_peers.py`` for the accuracy figures).
@@ -92,6 +94,7 @@ class _Entry:
     attribute: str
     peer: str  # the top-level package that must import
     extra: str | None  # pip extra of refattn that installs it
+    probe: bool = False  # available() must construct it (construction checks a device)
 
 
 _REGISTRY = {
@@ -105,6 +108,10 @@ _REGISTRY = {
     ),
     "refattn-float64": _Entry("oracle.adapters.refattn_numpy", "RefattnFloat64", "refattn", None),
     "refattn-exact": _Entry("oracle.adapters.refattn_numpy", "RefattnExact", "refattn", None),
+    "refattn-numba": _Entry("oracle.adapters.refattn_kernels", "RefattnNumba", "numba", None),
+    "refattn-cuda": _Entry(
+        "oracle.adapters.refattn_kernels", "RefattnCuda", "numba.cuda", "cuda", probe=True
+    ),
 }
 
 _INSTANCES: dict[str, object] = {}
@@ -147,11 +154,15 @@ def get(name: str):
 
 
 def available() -> list[str]:
-    """Names of the adapters whose peer imports on this machine (none is instantiated)."""
+    """Names of the adapters whose peer imports on this machine.
+
+    Only adapters whose construction checks for a device (refattn-cuda) are constructed here;
+    the others are imported only (constructing the jax adapter turns on jax_enable_x64).
+    """
     found = []
-    for name in _REGISTRY:
+    for name, entry in _REGISTRY.items():
         try:
-            _load(name)
+            get(name) if entry.probe else _load(name)
         except ImportError:
             continue
         found.append(name)
