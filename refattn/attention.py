@@ -168,10 +168,15 @@ def attention(
         Also return lse (..., H, L) and/or weights (..., H, L, S).
     precision : {"float64", "exact"}
         "float64": NumPy in float64, log-space, one (L, S) plane at a time (memory O(L*S)).
-        Error bound (outputs): ``|out - exact| <= gamma_{D+4}(s|q||k| + 1) * 2 * nat + gamma_{S+2}
-        * nat`` with ``nat = sum_j w_ij |v_je|``, u = 2**-53 (first term: score rounding
-        through exp; second: the weighted sum). "exact": every element of out, lse and
-        weights is the exact real result rounded once to ``out_dtype`` (Ziv loop).
+        A-priori bound (u = 2**-53, gamma_n = nu/(1-nu); derivation in :mod:`refattn.bounds`,
+        evaluated per element by ``refattn.bounds.float64_forward_bound``): with score errors
+        ``delta_ij <= gamma_{D+2} |s| |q_i|.|k_j| + gamma_4 (|t~_ij| + |b_ij| + |alibi_ij| + c)``,
+        ``Delta_i = max_j delta_ij + gamma_{S+3} + u |lse_i|`` and
+        ``rho_ij = delta_ij + Delta_i + gamma_2 (1 + |t~_ij - lse_i|)``:
+        ``|out_ie - exact| <= sum_j kappa'_ij w_ij |v_je| (rho_ij + gamma_{S+2})`` and
+        ``|lse_i - exact| <= Delta_i`` (to first order; the code covers the second).
+        "exact": every element of out, lse and weights is the exact real result rounded once
+        to ``out_dtype`` (Ziv loop).
     out_dtype : dtype, optional
         Exact path: float64 (default), float32, float16 or bfloat16. The float64 path
         returns float64.
