@@ -24,27 +24,40 @@ Two kernels, selected with ``backend="numba"`` on the float64 path of
           - \\frac{\\|q_i - k_{jr}\\|^2}{2\\sigma^2_{jr}}\\Big), \\qquad
       h_i = \\sum_{j \\in A_i} e^{s_{ij} - \\operatorname{lse}_{j' \\in A_i} s_{ij'}}\\, v_j .
 
-Both compute exactly the operations of the NumPy float64 path, term for term in the same
-order (the per-unit constants are even formed by the same NumPy expressions in the wrappers);
-only the order of the *sums* differs (sequential here, pairwise/BLAS in NumPy), so the kernels
-lie within the float64 path's documented bound of :func:`oracle.tolerance.mixture_bound`.
+Scores and logits are formed by exactly the operations of the NumPy float64 path, term for
+term in the same order (the per-unit constants even by the same NumPy expressions, in the
+wrappers); only the order of the *sums* differs (sequential here, pairwise/BLAS in NumPy). The
+softmax and the weighted sum use the streaming form
+
+.. math::
+
+    \\sum_j w_j v_j = \\frac{\\sum_j e^{s_j - m} v_j}{1 + \\sum_{j \\ne j^*} e^{s_j - m}},
+    \\qquad m = s_{j^*} = \\max_j s_j,
+
+one exponential per key/unit (the NumPy path forms ``exp(s_j - lse)``). Every weight still
+carries one rounding of the subtraction and one of the exponential, at most ``u`` absolute
+each (``w |s - m| <= 1/e``), and the two sums of n terms ``gamma_n``, so the kernels lie within
+the NumPy path's documented bound, :func:`oracle.tolerance.mixture_bound` (per EM step for
+GMM), of the exact result.
 
 Numerics and determinism
 ------------------------
-* Log-space: every exponential is ``exp(x - top)`` or ``exp(x - lse)`` with ``top`` the
-  largest included term and ``lse = top + log1p(sum_{j != top} exp(x_j - top))`` (the
-  Blanchard-Higham form of :func:`refattn.logspace.logsumexp`); an exponential of an unshifted
-  score is never formed.
-* Work is split over independent query rows (``prange`` over batch x L); each row is computed
-  by one thread from start to end, every reduction in an order fixed by the shapes alone
-  (squared distances and dot products sequential over D or E, sums over units/keys/components
-  in increasing index). ``fastmath`` is off, so the compiler may not re-associate or contract;
-  SIMD lanes run over independent outputs only (units, key components, value columns).
-  Results are therefore bit-identical for any thread count and any run.
-* Memory: MGK streams over key blocks of :data:`KEY_BLOCK` keys; per row it keeps the scores
-  of its keys (S floats) and one block of component distances, so a call needs
-  O(L*E + S*R*D) memory plus O(S) per thread: no (L, S) or (L, S, R) array is formed (the
-  mask, when given, is the caller's own (..., L, S) array). GMM keeps the S query logits of
+* Log-space: every exponential is ``exp(x - top)`` with ``top`` the largest included term;
+  the lse over components (MGK) and of the GMM trace is ``top + log1p(sum_{j != top}
+  exp(x_j - top))`` (the Blanchard-Higham form of :func:`refattn.logspace.logsumexp`). An
+  exponential of an unshifted score is never formed.
+* Work units are fixed by the shapes alone: ``prange`` over (batch, block of
+  :data:`ROW_BLOCK` query rows) for MGK, over (batch, row) for GMM. Every row is computed by
+  one thread from start to end, every reduction in an order fixed by the shapes (squared
+  distances and dot products sequential over D or E; sums over components, keys and units in
+  increasing index). ``fastmath`` is off, so the compiler may neither re-associate nor
+  contract; SIMD lanes run over independent outputs only (key components, units, value
+  columns). Results are therefore bit-identical for any thread count and any run.
+* Memory: MGK streams over key blocks of :data:`KEY_BLOCK` keys (each block serves all the
+  rows of a unit while it is in cache); per row it keeps the scores of its keys (S floats)
+  and one block of component distances, so a call needs O(L*E + S*R*D) memory plus
+  O(ROW_BLOCK * S) per thread: no (L, S) or (L, S, R) array is formed (the mask, when given,
+  is the caller's own (..., L, S) array). GMM keeps the S query logits of
   the row being processed.
 * Masked keys (MGK) are never read in any sum: a NaN/Inf in an excluded key or value never
   reaches the output; one in an allowed key, value or in q makes the row NaN (the NumPy
@@ -76,11 +89,13 @@ except ImportError as error:  # pragma: no cover - numba is a core dependency
 from .. import _checks
 from ..masks import check_window, offset_of
 
-__all__ = ["KEY_BLOCK", "UNIT_BLOCK", "mgk_attention", "gmm_attention", "mgk_flops",
+__all__ = ["KEY_BLOCK", "ROW_BLOCK", "UNIT_BLOCK", "mgk_attention", "gmm_attention", "mgk_flops",
            "gmm_flops"]
 
 #: Keys per streamed MGK block (the block's R * KEY_BLOCK distances stay in L1).
 KEY_BLOCK = 64
+#: Query rows per MGK work unit (they share every key and value block).
+ROW_BLOCK = 16
 #: Units per block of the GMM logits.
 UNIT_BLOCK = 256
 
@@ -126,6 +141,37 @@ def _lse(x, n, skip_posinf):
     return top + math.log1p(total)
 
 
+@njit(**_OPTS)
+def _softmax_mix(x, n, rows, out):
+    """out = sum_j softmax(x)_j rows[j] over the included j < n (x_j > -inf); +0 if none.
+
+    ``w_j = exp(x_j - top) / Z`` with ``Z = 1 + sum_{j != top} exp(x_j - top)`` (the top's
+    exponential is exactly 1): one exponential per entry, the weighted rows summed in index
+    order, one division per output element at the end.
+    """
+    E = out.shape[0]
+    for e in range(E):
+        out[e] = 0.0
+    index, top = _top(x, n, False)
+    if index < 0:
+        return
+    total = 0.0
+    for j in range(n):
+        s = x[j]
+        if s == -math.inf:
+            continue
+        weight = 1.0
+        if j != index:
+            weight = math.exp(s - top)
+            total += weight
+        row = rows[j]
+        for e in range(E):  # lanes over independent value columns
+            out[e] += weight * row[e]
+    scale = 1.0 + total
+    for e in range(E):
+        out[e] = out[e] / scale
+
+
 # --------------------------------------------------------------------------------------------
 # MGK
 # --------------------------------------------------------------------------------------------
@@ -146,7 +192,7 @@ def _key_range(i, S, causal, left, right, offset):
     return lo, max(lo, hi)
 
 
-@njit(**_OPTS)
+@njit(inline="always", **_OPTS)  # called per (row, key): a call would cost more than the work
 def _mgk_key_score(dist, first, j, b, two_sigma2, log_pi, norm, hard, use_norm, terms):
     """s_ij from the R squared distances dist[first:first+R] of key j (the NumPy term order:
     -dist / (2 sigma2), + log pi (soft), - (D/2) log(2 pi sigma2) (normalized, varying))."""
@@ -182,69 +228,105 @@ def _mgk_key_score(dist, first, j, b, two_sigma2, log_pi, norm, hard, use_norm, 
 
 
 @njit(**_OPTS)
-def _mgk_row(b, i, q, keys_t, two_sigma2, log_pi, norm, v, bad_q, bad_key, mask, has_mask,
-             causal, left, right, offset, hard, use_norm, out):
+def _mgk_rows(b, i0, i1, q, keys_t, two_sigma2, log_pi, norm, v, bad_q, bad_key, mask, has_mask,
+              causal, left, right, offset, hard, use_norm, out):
+    """Rows i0 <= i < i1 of batch element b, one key block at a time for all the rows, so a
+    block of keys (and then of values) is loaded once per row block, not once per row. Every
+    row still does exactly the operations, in exactly the order, of a row on its own."""
     D = q.shape[2]
     S = v.shape[1]
     E = v.shape[2]
     R = keys_t.shape[2] // S
-    orow = out[b, i]
-    lo, hi = _key_range(i, S, causal, left, right, offset)
-    poisoned = bad_q[b, i]
-    for j in range(lo, hi):
-        if bad_key[b, j] and (not has_mask or mask[b, i, j]):
-            poisoned = True
-    if poisoned:
+    rows = i1 - i0
+    lo = np.empty(rows, dtype=np.int64)
+    hi = np.empty(rows, dtype=np.int64)
+    live = np.zeros(rows, dtype=np.bool_)
+    block_lo, block_hi = S, 0
+    for r in range(rows):
+        i = i0 + r
+        lo[r], hi[r] = _key_range(i, S, causal, left, right, offset)
+        poisoned = bad_q[b, i]
+        for j in range(lo[r], hi[r]):
+            if bad_key[b, j] and (not has_mask or mask[b, i, j]):
+                poisoned = True
+        orow = out[b, i]
         for e in range(E):
-            orow[e] = math.nan
-        return
-    scores = np.empty(hi - lo)
+            orow[e] = math.nan if poisoned else 0.0
+        if not poisoned and lo[r] < hi[r]:
+            live[r] = True
+            block_lo = min(block_lo, lo[r])
+            block_hi = max(block_hi, hi[r])
+    scores = np.empty((rows, S))
     dist = np.empty(KEY_BLOCK * R)
     terms = np.empty(R)
-    qrow = q[b, i]
-    for j0 in range(lo, hi, KEY_BLOCK):
-        j1 = min(j0 + KEY_BLOCK, hi)
-        c0 = j0 * R
-        count = (j1 - j0) * R
-        for c in range(count):
-            dist[c] = 0.0
-        for d in range(D):
-            qd = qrow[d]
-            # a slice indexed from 0: numba then knows no index is negative and emits no
-            # wrap-around select, so LLVM vectorises the lanes (independent components; each
-            # dist[c] still sums d = 0, 1, ... in order)
-            krow = keys_t[b, d, c0:c0 + count]
-            for c in range(count):
-                diff = qd - krow[c]
-                dist[c] += diff * diff
-        for j in range(j0, j1):
-            if has_mask and not mask[b, i, j]:
-                scores[j - lo] = -math.inf
+    for j0 in range(block_lo, block_hi, KEY_BLOCK):
+        for r in range(rows):
+            start, stop = max(j0, lo[r]), min(j0 + KEY_BLOCK, hi[r])
+            if not live[r] or start >= stop:
                 continue
-            scores[j - lo] = _mgk_key_score(dist, (j - j0) * R, j, b, two_sigma2, log_pi, norm,
-                                            hard, use_norm, terms)
-    n = hi - lo
-    lse = _lse(scores, n, False)
-    if lse == -math.inf:
-        return  # no allowed key: the row stays +0
-    for k in range(n):
-        s = scores[k]
-        if s == -math.inf:
-            continue
-        weight = math.exp(s - lse)
-        vrow = v[b, lo + k]
-        for e in range(E):
-            orow[e] += weight * vrow[e]
+            i = i0 + r
+            qrow = q[b, i]
+            c0 = start * R
+            count = (stop - start) * R
+            for c in range(count):
+                dist[c] = 0.0
+            for d in range(D):
+                qd = qrow[d]
+                # a slice indexed from 0: numba then knows no index is negative and emits no
+                # wrap-around select, so LLVM vectorises the lanes (independent components;
+                # each dist[c] still sums d = 0, 1, ... in order)
+                krow = keys_t[b, d, c0:c0 + count]
+                for c in range(count):
+                    diff = qd - krow[c]
+                    dist[c] += diff * diff
+            for j in range(start, stop):
+                if has_mask and not mask[b, i, j]:
+                    scores[r, j] = -math.inf
+                    continue
+                scores[r, j] = _mgk_key_score(dist, (j - start) * R, j, b, two_sigma2, log_pi,
+                                              norm, hard, use_norm, terms)
+    # softmax over the keys and the weighted values (_softmax_mix, value blocks shared by the
+    # rows): w_j = exp(s_j - top) / (1 + sum_{j != top} exp(s_j - top)), index order
+    top_index = np.full(rows, -1, dtype=np.int64)
+    top = np.empty(rows)
+    total = np.zeros(rows)
+    for r in range(rows):
+        if live[r]:
+            top_index[r], top[r] = _top(scores[r, lo[r]:hi[r]], hi[r] - lo[r], False)
+    for j0 in range(block_lo, block_hi, KEY_BLOCK):
+        for r in range(rows):
+            if top_index[r] < 0:
+                continue
+            orow = out[b, i0 + r]
+            for j in range(max(j0, lo[r]), min(j0 + KEY_BLOCK, hi[r])):
+                s = scores[r, j]
+                if s == -math.inf:
+                    continue
+                weight = 1.0
+                if j - lo[r] != top_index[r]:
+                    weight = math.exp(s - top[r])
+                    total[r] += weight
+                vrow = v[b, j]
+                for e in range(E):  # lanes over independent value columns
+                    orow[e] += weight * vrow[e]
+    for r in range(rows):
+        if top_index[r] >= 0:
+            orow = out[b, i0 + r]
+            scale = 1.0 + total[r]
+            for e in range(E):
+                orow[e] = orow[e] / scale
 
 
 @njit(parallel=True, **_OPTS)
 def _mgk_kernel(q, keys_t, two_sigma2, log_pi, norm, v, bad_q, bad_key, mask, has_mask, causal,
                 left, right, offset, hard, use_norm, out):
     B, L = q.shape[0], q.shape[1]
-    for n in prange(B * L):
-        b = n // L
-        _mgk_row(b, n - b * L, q, keys_t, two_sigma2, log_pi, norm, v, bad_q, bad_key, mask,
-                 has_mask, causal, left, right, offset, hard, use_norm, out)
+    blocks = (L + ROW_BLOCK - 1) // ROW_BLOCK
+    for n in prange(B * blocks):  # work units fixed by the shapes alone, never by threads
+        b = n // blocks
+        i0 = (n - b * blocks) * ROW_BLOCK
+        _mgk_rows(b, i0, min(i0 + ROW_BLOCK, L), q, keys_t, two_sigma2, log_pi, norm, v, bad_q,
+                  bad_key, mask, has_mask, causal, left, right, offset, hard, use_norm, out)
 
 
 def _flat(x, tail):
@@ -418,18 +500,7 @@ def _gmm_row(b, i, q, keys_t, values, values_t, coef_a, add1, half_alpha, add2, 
         if has_add4:  # per-unit beta: M-step weights w_u beta_u (eq. (12))
             for u in range(S):
                 logits[u] = logits[u] + add4[b, u]
-        for e in range(E):
-            new[e] = 0.0
-        lse = _lse(logits, S, False)
-        if lse != -math.inf:
-            for u in range(S):
-                s = logits[u]
-                if s == -math.inf:
-                    continue
-                weight = math.exp(s - lse)
-                mrow = values[b, u]
-                for e in range(E):
-                    new[e] += weight * mrow[e]
+        _softmax_mix(logits, S, values[b], new)
         settled = False
         if has_tol and have_v:
             settled = True
