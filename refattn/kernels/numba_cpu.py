@@ -34,7 +34,7 @@ The reduction orders are:
   increasing (head, chunk) order.
 
 Vectorisation is across independent outputs only (SIMD lanes over keys or value columns in
-4-row x 2-vector register tiles); no reduction is re-associated by the compiler.
+8-row x 2-vector register tiles); no reduction is re-associated by the compiler.
 
 Precision
 ---------
@@ -70,12 +70,12 @@ __all__ = [
     "exp_float32",
 ]
 
-#: Query rows per work unit / tile (a multiple of the 4-row register tile).
+#: Query rows per work unit / tile (a multiple of the 8-row register tile).
 BLOCK_Q = 64
 #: Keys per streamed block (a multiple of two 64-byte vectors of either dtype).
 BLOCK_K = 64
 #: Rows of the register tile of the micro-kernels.
-_TILE_ROWS = 4
+_TILE_ROWS = 8
 #: Minimum number of backward work units (shape-derived, never thread-derived).
 _MIN_BACKWARD_UNITS = 8
 
@@ -373,28 +373,44 @@ else:  # pragma: no cover
 
 
 # --------------------------------------------------------------------------------------
-# micro-kernels: C[r, c:c+2W] += sum_x A(x, r) * Bm[x, c:c+2W], a 4 x 2W register tile,
+# micro-kernels: C[r, c:c+2W] += sum_x A(x, r) * Bm[x, c:c+2W], an 8 x 2W register tile,
 # x sequential (the fixed reduction order), lanes = independent outputs.
 # --------------------------------------------------------------------------------------
 @njit(**_OPTS)
 def _tile_t(a, bm, count, row, col, out):
-    """out[row:row+4, col:col+2W] += a[:count, row:row+4].T @ bm[:count, col:col+2W]."""
+    """out[row:row+8, col:col+2W] += a[:count, row:row+8].T @ bm[:count, col:col+2W]."""
     width = _width(bm)
     col2 = col + width
     o0, o1, o2, o3 = out[row], out[row + 1], out[row + 2], out[row + 3]
+    o4, o5, o6, o7 = out[row + 4], out[row + 5], out[row + 6], out[row + 7]
     c00, c01 = _vload(o0, col), _vload(o0, col2)
     c10, c11 = _vload(o1, col), _vload(o1, col2)
     c20, c21 = _vload(o2, col), _vload(o2, col2)
     c30, c31 = _vload(o3, col), _vload(o3, col2)
+    c40, c41 = _vload(o4, col), _vload(o4, col2)
+    c50, c51 = _vload(o5, col), _vload(o5, col2)
+    c60, c61 = _vload(o6, col), _vload(o6, col2)
+    c70, c71 = _vload(o7, col), _vload(o7, col2)
     for x in range(count):
         brow = bm[x]
         b0, b1 = _vload(brow, col), _vload(brow, col2)
         arow = a[x]
-        a0, a1, a2, a3 = arow[row], arow[row + 1], arow[row + 2], arow[row + 3]
+        a0 = arow[row]
         c00, c01 = _vfma(a0, b0, c00), _vfma(a0, b1, c01)
+        a1 = arow[row + 1]
         c10, c11 = _vfma(a1, b0, c10), _vfma(a1, b1, c11)
+        a2 = arow[row + 2]
         c20, c21 = _vfma(a2, b0, c20), _vfma(a2, b1, c21)
+        a3 = arow[row + 3]
         c30, c31 = _vfma(a3, b0, c30), _vfma(a3, b1, c31)
+        a4 = arow[row + 4]
+        c40, c41 = _vfma(a4, b0, c40), _vfma(a4, b1, c41)
+        a5 = arow[row + 5]
+        c50, c51 = _vfma(a5, b0, c50), _vfma(a5, b1, c51)
+        a6 = arow[row + 6]
+        c60, c61 = _vfma(a6, b0, c60), _vfma(a6, b1, c61)
+        a7 = arow[row + 7]
+        c70, c71 = _vfma(a7, b0, c70), _vfma(a7, b1, c71)
     _vstore(o0, col, c00)
     _vstore(o0, col2, c01)
     _vstore(o1, col, c10)
@@ -403,27 +419,52 @@ def _tile_t(a, bm, count, row, col, out):
     _vstore(o2, col2, c21)
     _vstore(o3, col, c30)
     _vstore(o3, col2, c31)
+    _vstore(o4, col, c40)
+    _vstore(o4, col2, c41)
+    _vstore(o5, col, c50)
+    _vstore(o5, col2, c51)
+    _vstore(o6, col, c60)
+    _vstore(o6, col2, c61)
+    _vstore(o7, col, c70)
+    _vstore(o7, col2, c71)
 
 
 @njit(**_OPTS)
 def _tile_n(a, bm, count, row, col, out):
-    """out[row:row+4, col:col+2W] += a[row:row+4, :count] @ bm[:count, col:col+2W]."""
+    """out[row:row+8, col:col+2W] += a[row:row+8, :count] @ bm[:count, col:col+2W]."""
     width = _width(bm)
     col2 = col + width
     o0, o1, o2, o3 = out[row], out[row + 1], out[row + 2], out[row + 3]
+    o4, o5, o6, o7 = out[row + 4], out[row + 5], out[row + 6], out[row + 7]
     r0, r1, r2, r3 = a[row], a[row + 1], a[row + 2], a[row + 3]
+    r4, r5, r6, r7 = a[row + 4], a[row + 5], a[row + 6], a[row + 7]
     c00, c01 = _vload(o0, col), _vload(o0, col2)
     c10, c11 = _vload(o1, col), _vload(o1, col2)
     c20, c21 = _vload(o2, col), _vload(o2, col2)
     c30, c31 = _vload(o3, col), _vload(o3, col2)
+    c40, c41 = _vload(o4, col), _vload(o4, col2)
+    c50, c51 = _vload(o5, col), _vload(o5, col2)
+    c60, c61 = _vload(o6, col), _vload(o6, col2)
+    c70, c71 = _vload(o7, col), _vload(o7, col2)
     for x in range(count):
         brow = bm[x]
         b0, b1 = _vload(brow, col), _vload(brow, col2)
-        a0, a1, a2, a3 = r0[x], r1[x], r2[x], r3[x]
+        a0 = r0[x]
         c00, c01 = _vfma(a0, b0, c00), _vfma(a0, b1, c01)
+        a1 = r1[x]
         c10, c11 = _vfma(a1, b0, c10), _vfma(a1, b1, c11)
+        a2 = r2[x]
         c20, c21 = _vfma(a2, b0, c20), _vfma(a2, b1, c21)
+        a3 = r3[x]
         c30, c31 = _vfma(a3, b0, c30), _vfma(a3, b1, c31)
+        a4 = r4[x]
+        c40, c41 = _vfma(a4, b0, c40), _vfma(a4, b1, c41)
+        a5 = r5[x]
+        c50, c51 = _vfma(a5, b0, c50), _vfma(a5, b1, c51)
+        a6 = r6[x]
+        c60, c61 = _vfma(a6, b0, c60), _vfma(a6, b1, c61)
+        a7 = r7[x]
+        c70, c71 = _vfma(a7, b0, c70), _vfma(a7, b1, c71)
     _vstore(o0, col, c00)
     _vstore(o0, col2, c01)
     _vstore(o1, col, c10)
@@ -432,11 +473,19 @@ def _tile_n(a, bm, count, row, col, out):
     _vstore(o2, col2, c21)
     _vstore(o3, col, c30)
     _vstore(o3, col2, c31)
+    _vstore(o4, col, c40)
+    _vstore(o4, col2, c41)
+    _vstore(o5, col, c50)
+    _vstore(o5, col2, c51)
+    _vstore(o6, col, c60)
+    _vstore(o6, col2, c61)
+    _vstore(o7, col, c70)
+    _vstore(o7, col2, c71)
 
 
 @njit(**_OPTS)
 def _matmul_t(a, bm, count, rows, cols, out):
-    """out[:rows, :cols] += a[:count, :rows].T @ bm[:count, :cols] (rows % 4 == 0)."""
+    """out[:rows, :cols] += a[:count, :rows].T @ bm[:count, :cols] (rows % 8 == 0)."""
     step = 2 * _width(bm)
     for row in range(0, rows, _TILE_ROWS):
         for col in range(0, cols, step):
@@ -445,7 +494,7 @@ def _matmul_t(a, bm, count, rows, cols, out):
 
 @njit(**_OPTS)
 def _matmul_n(a, bm, count, rows, cols, out):
-    """out[:rows, :cols] += a[:rows, :count] @ bm[:count, :cols] (rows % 4 == 0)."""
+    """out[:rows, :cols] += a[:rows, :count] @ bm[:count, :cols] (rows % 8 == 0)."""
     step = 2 * _width(bm)
     for row in range(0, rows, _TILE_ROWS):
         for col in range(0, cols, step):
