@@ -13,7 +13,7 @@ import numpy as np
 
 from . import _checks
 from ._spec import AttentionSpec, canonicalize
-from .logspace import _lse_float64
+from .logspace import _softmax_float64
 
 __all__ = ["attention", "attention_vjp", "AttentionGrads", "BACKENDS"]
 
@@ -59,11 +59,12 @@ def _plane_float64(spec: AttentionSpec, b: int, h: int) -> _PlaneF64:
         alibi = spec.alibi(h)
         if alibi is not None:
             scores = scores + alibi
-        lse = _lse_float64(scores, allowed)
-        finite_lse = np.where(np.isfinite(lse), lse, 0.0)[:, None]
-        weights = np.where(allowed, np.exp(np.where(allowed, scores, 0.0) - finite_lse), 0.0)
-    nan_rows = np.isnan(lse)
-    weights[nan_rows] = np.where(allowed[nan_rows], np.nan, 0.0)
+        lse, weights = _softmax_float64(np.where(allowed, scores, 0.0), allowed)
+    # an infinite score (Inf in q or in an allowed key) makes its row NaN, as on the exact path
+    bad = (np.isinf(scores) & allowed).any(axis=1)
+    if bad.any():
+        lse[bad] = np.nan
+        weights[bad] = np.where(allowed[bad], np.nan, 0.0)
     kept = allowed if spec.dropout_mask is None else allowed & spec.dropout_mask[b, h]
     return _PlaneF64(allowed, kept, raw, weights, lse)
 
@@ -172,7 +173,8 @@ def attention(
         evaluated per element by ``refattn.bounds.float64_forward_bound``): with score errors
         ``delta_ij <= gamma_{D+2} |s| |q_i|.|k_j| + gamma_4 (|t~_ij| + |b_ij| + |alibi_ij| + c)``,
         ``Delta_i = max_j delta_ij + gamma_{S+3} + u |lse_i|`` and
-        ``rho_ij = delta_ij + Delta_i + gamma_2 (1 + |t~_ij - lse_i|)``:
+        ``rho_ij = e_ij + sum_k w_ik e_ik + gamma_{S+2}`` with
+        ``e_ij = delta_ij + gamma_2 (1 + |t~_ij - m_i|)`` (m_i the row max):
         ``|out_ie - exact| <= sum_j kappa'_ij w_ij |v_je| (rho_ij + gamma_{S+2})`` and
         ``|lse_i - exact| <= Delta_i`` (to first order; the code covers the second).
         "exact": every element of out, lse and weights is the exact real result rounded once

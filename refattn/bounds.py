@@ -20,9 +20,14 @@ rounding of the result:
 .. math:: |\\widehat{\\mathrm{lse}}_i - \\mathrm{lse}_i| \\le \\Delta_i
     = \\delta_i + \\gamma_{S+3} + u |\\mathrm{lse}_i| .
 
-Weights. ``w_ij = exp(t_ij - lse_i)`` has relative error at most
-``rho_ij = delta_ij + Delta_i + gamma_2 (1 + |t_ij - lse_i|)`` (to first order; the bounds
-below multiply by ``1 + max rho`` to cover the second-order term).
+Weights. ``w_ij = e^{t_ij - m_i} / (1 + s_i)`` (m_i the row max, s_i the rest of the sum)
+has relative error at most
+
+.. math:: \\rho_{ij} = \\epsilon_{ij} + \\sum_k w_{ik} \\epsilon_{ik} + \\gamma_{S+2}, \\qquad
+    \\epsilon_{ij} = \\delta_{ij} + \\gamma_2 (1 + |t_{ij} - m_i|)
+
+(numerator, then the normaliser as a weighted mean of its terms' errors; to first order, the
+bounds below multiply by ``1 + max rho`` to cover the second-order term).
 
 Outputs. The weighted sum of S terms (and the dropout scale) adds ``gamma_{S+2}``:
 
@@ -74,18 +79,23 @@ def _score_terms(spec, b, h):
 
 
 def _weights(scores, allowed, delta):
+    """(weights, rho, lse error) of one plane; see the module notes."""
     keys = scores.shape[-1]
     masked = np.where(allowed, scores, -np.inf)
     top = masked.max(axis=1, keepdims=True)
     top = np.where(np.isfinite(top), top, 0.0)
+    terms = np.where(allowed, np.exp(np.where(allowed, scores, 0.0) - top), 0.0)
+    total = terms.sum(axis=1, keepdims=True)
+    w = np.where(total > 0, terms / np.where(total > 0, total, 1.0), 0.0)
     with np.errstate(divide="ignore"):  # empty rows: lse = -inf, no weights
-        lse = top[:, 0] + np.log(np.where(allowed, np.exp(masked - top), 0.0).sum(axis=1))
+        lse = top[:, 0] + np.log(total[:, 0])
     finite = np.isfinite(lse)
     lse_err = np.where(finite, delta.max(axis=1) + gamma(keys + 3) + UNIT_ROUNDOFF * np.abs(
         np.where(finite, lse, 0.0)), 0.0)
-    safe = np.where(finite, lse, 0.0)[:, None]
-    w = np.where(allowed, np.exp(np.where(allowed, scores, 0.0) - safe), 0.0)
-    rho = delta + lse_err[:, None] + gamma(2) * (1 + np.abs(scores - safe))
+    # w = e^{t - m} / (1 + s): the numerator errs by delta + gamma_2 (1 + |t - m|), the
+    # denominator by the p-weighted mean of the same plus gamma_{S+2} (sum and division)
+    own = np.where(allowed, delta + gamma(2) * (1 + np.abs(scores - top)), 0.0)
+    rho = own + (w * own).sum(axis=1, keepdims=True) + gamma(keys + 2)
     rho = np.where(allowed, rho, 0.0)
     second_order = 1 + rho.max(initial=0.0)
     return w, rho * second_order, lse_err * second_order

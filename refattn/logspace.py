@@ -37,18 +37,38 @@ def _prepare(x, axis, where):
     return x, np.asarray(allowed)
 
 
-def _lse_float64(x: np.ndarray, allowed: np.ndarray) -> np.ndarray:
-    """Row-wise lse over the last axis (float64, Blanchard-Higham log1p form)."""
+def _softmax_float64(x: np.ndarray, allowed: np.ndarray):
+    """Row-wise (lse, weights) over the last axis in float64.
+
+    With m the row max (over allowed entries) and s = sum_{j != argmax} e^{x_j - m}:
+    lse = m + log1p(s) (Blanchard, Higham & Higham 2021, Algorithm 4.1) and the weights are
+    e^{x_j - m} / (1 + s) (their Algorithm 5.2 shifts by lse instead; dividing keeps the
+    weights' error proportional to |x_j - m| rather than to |lse|). Excluded entries weigh 0;
+    rows with a NaN entry give NaN; empty rows give lse -inf and weights 0.
+    """
     masked = np.where(allowed, x, -np.inf)
     top_index = np.argmax(masked, axis=-1)[..., None]
     top = np.take_along_axis(masked, top_index, axis=-1)
     finite_top = np.where(np.isfinite(top), top, 0.0)
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):
         terms = np.where(allowed, np.exp(masked - finite_top), 0.0)
     np.put_along_axis(terms, top_index, 0.0, axis=-1)  # the max term is the "1" of log1p
-    lse = top[..., 0] + np.log1p(terms.sum(axis=-1))
-    has_nan = (np.isnan(x) & allowed).any(axis=-1)
-    return np.where(has_nan, np.nan, lse)
+    rest = terms.sum(axis=-1)
+    lse = top[..., 0] + np.log1p(rest)
+    np.put_along_axis(terms, top_index, np.where(np.isfinite(top), 1.0, 0.0), axis=-1)
+    with np.errstate(invalid="ignore"):
+        weights = terms / (1.0 + rest)[..., None]
+    has_nan = (np.isnan(x) & allowed).any(axis=-1) | np.isnan(lse)
+    lse = np.where(has_nan, np.nan, lse)
+    weights = np.where(has_nan[..., None] & allowed, np.nan, weights)
+    posinf = np.isposinf(top[..., 0])
+    weights = np.where(posinf[..., None] & allowed, np.nan, weights)
+    return lse, weights
+
+
+def _lse_float64(x: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """Row-wise lse over the last axis (float64, Blanchard-Higham log1p form)."""
+    return _softmax_float64(x, allowed)[0]
 
 
 def _exact_rows(x, allowed, fn, out_dtype, what):
@@ -142,13 +162,14 @@ def _softmax(x, axis, where, precision, out_dtype, log: bool):
     precision = _checks.precision(precision)
     x2, allowed = _prepare(x, axis, where)
     if precision == "float64":
-        lse = _lse_float64(x2, allowed)[..., None]
-        finite = np.where(np.isfinite(lse), lse, 0.0)
-        with np.errstate(invalid="ignore"):
-            shifted = np.where(allowed, x2 - finite, -np.inf)
-            shifted = np.where(np.isnan(lse) | np.isposinf(lse), np.nan, shifted)
-            shifted = np.where(np.isneginf(lse), -np.inf, shifted)
-        result = shifted if log else np.exp(shifted)
+        lse, weights = _softmax_float64(x2, allowed)
+        if log:
+            finite = np.where(np.isfinite(lse), lse, 0.0)[..., None]
+            with np.errstate(invalid="ignore"):
+                result = np.where(allowed, x2 - finite, -np.inf)
+                result = np.where((np.isnan(lse) | np.isposinf(lse))[..., None], np.nan, result)
+        else:
+            result = weights
     else:
         dtype = _checks.out_dtype(out_dtype)
         result = _exact_rows(
@@ -162,9 +183,11 @@ def softmax(x, axis=-1, where=None, *, precision="float64", out_dtype=None):
     """Softmax along ``axis`` over the entries in ``where``: ``exp(x_j - lse(x))``.
 
     Parameters and paths as :func:`logsumexp`. Excluded entries and slices with no included
-    entry give 0. The float64 path computes ``exp(x_j - lse)`` with the log1p-form lse
-    (Blanchard, Higham & Higham 2021, Algorithm 5.2); the relative error per entry is at most
-    ``gamma_{n+5} + u (|lse| + |x_j - lse|)`` (u = 2**-53, n entries).
+    entry give 0. The float64 path computes ``e^{x_j - m} / (1 + s)`` with m the max and
+    ``s = sum_{k != argmax} e^{x_k - m}`` (the denominator of the log1p-form lse, Blanchard,
+    Higham & Higham 2021); the relative error per entry is at most
+    ``gamma_{n+3} + u (|x_j - m| + sum_k p_k |x_k - m|)`` to first order (u = 2**-53,
+    n entries), free of the ``u |lse|`` that shifting by lse would add.
 
     Examples
     --------
