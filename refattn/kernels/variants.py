@@ -257,34 +257,53 @@ def _mgk_rows(b, i0, i1, q, keys_t, two_sigma2, log_pi, norm, v, bad_q, bad_key,
             block_lo = min(block_lo, lo[r])
             block_hi = max(block_hi, hi[r])
     scores = np.empty((rows, S))
-    dist = np.empty(KEY_BLOCK * R)
+    # four rows share every key load (the distance loop is bound by loads and stores)
+    dist0, dist1 = np.empty(KEY_BLOCK * R), np.empty(KEY_BLOCK * R)
+    dist2, dist3 = np.empty(KEY_BLOCK * R), np.empty(KEY_BLOCK * R)
     terms = np.empty(R)
     for j0 in range(block_lo, block_hi, KEY_BLOCK):
-        for r in range(rows):
-            start, stop = max(j0, lo[r]), min(j0 + KEY_BLOCK, hi[r])
-            if not live[r] or start >= stop:
+        for g in range(0, rows, 4):
+            start, stop = j0 + KEY_BLOCK, j0
+            for r in range(g, min(g + 4, rows)):
+                if live[r]:
+                    start = min(start, max(j0, lo[r]))
+                    stop = max(stop, min(j0 + KEY_BLOCK, hi[r]))
+            if start >= stop:
                 continue
-            i = i0 + r
-            qrow = q[b, i]
+            # rows past the end of the block repeat the last row (computed, never used)
+            q0, q1 = q[b, i0 + g], q[b, i0 + min(g + 1, rows - 1)]
+            q2, q3 = q[b, i0 + min(g + 2, rows - 1)], q[b, i0 + min(g + 3, rows - 1)]
             c0 = start * R
             count = (stop - start) * R
             for c in range(count):
-                dist[c] = 0.0
+                dist0[c] = 0.0
+                dist1[c] = 0.0
+                dist2[c] = 0.0
+                dist3[c] = 0.0
             for d in range(D):
-                qd = qrow[d]
+                x0, x1, x2, x3 = q0[d], q1[d], q2[d], q3[d]
                 # a slice indexed from 0: numba then knows no index is negative and emits no
                 # wrap-around select, so LLVM vectorises the lanes (independent components;
-                # each dist[c] still sums d = 0, 1, ... in order)
+                # each dist[c] still sums d = 0, 1, ... in order, whatever the row grouping)
                 krow = keys_t[b, d, c0:c0 + count]
                 for c in range(count):
-                    diff = qd - krow[c]
-                    dist[c] += diff * diff
-            for j in range(start, stop):
-                if has_mask and not mask[b, i, j]:
-                    scores[r, j] = -math.inf
+                    k = krow[c]
+                    y0, y1, y2, y3 = x0 - k, x1 - k, x2 - k, x3 - k
+                    dist0[c] += y0 * y0
+                    dist1[c] += y1 * y1
+                    dist2[c] += y2 * y2
+                    dist3[c] += y3 * y3
+            for r in range(g, min(g + 4, rows)):
+                if not live[r]:
                     continue
-                scores[r, j] = _mgk_key_score(dist, (j - start) * R, j, b, two_sigma2, log_pi,
-                                              norm, hard, use_norm, terms)
+                dist = (dist0, dist1, dist2, dist3)[r - g]
+                i = i0 + r
+                for j in range(max(j0, lo[r]), min(j0 + KEY_BLOCK, hi[r])):
+                    if has_mask and not mask[b, i, j]:
+                        scores[r, j] = -math.inf
+                        continue
+                    scores[r, j] = _mgk_key_score(dist, (j - start) * R, j, b, two_sigma2,
+                                                  log_pi, norm, hard, use_norm, terms)
     # softmax over the keys and the weighted values (_softmax_mix, value blocks shared by the
     # rows): w_j = exp(s_j - top) / (1 + sum_{j != top} exp(s_j - top)), index order
     top_index = np.full(rows, -1, dtype=np.int64)
