@@ -14,13 +14,15 @@ For each: the best-of-N wall time of both backends, GFLOP/s by the arithmetic co
 (exponentials and logs not counted; the causal count is the full one, so its GFLOP/s is
 "effective"), the speedup, the traced peak memory of the NumPy path (tracemalloc; the Numba
 kernel's own scratch is O(S) per thread and not traced), the largest difference between
-the two outputs and the number of Numba threads. Compilation happens before timing.
+the two outputs, the process CPU times (on a loaded machine the wall time includes waiting for a
+CPU), the number of Numba threads and the load average. Compilation happens before timing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -36,12 +38,14 @@ from refattn.kernels.variants import gmm_flops, mgk_flops  # noqa: E402
 
 
 def _best(fn, repeat):
-    best, out = np.inf, None
+    """(best wall time, best process CPU time, output) of ``repeat`` runs."""
+    best, best_cpu, out = np.inf, np.inf, None
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = fn()
         best = min(best, time.perf_counter() - t0)
-    return best, out
+        best_cpu = min(best_cpu, time.process_time() - c0)
+    return best, best_cpu, out
 
 
 def _peak(fn):
@@ -54,18 +58,19 @@ def _peak(fn):
 
 def _measure(name, call, flops, repeat, numpy_too):
     call("numba")  # compile (or load the cache) and warm up
-    t_numba, out_numba = _best(lambda: call("numba"), repeat)
-    row = {"case": name, "numba_s": t_numba, "numba_gflops": flops / t_numba / 1e9,
-           "flops": flops}
-    line = f"{name:44s} numba {t_numba * 1e3:9.1f} ms {row['numba_gflops']:6.2f} GFLOP/s"
+    t_numba, cpu_numba, out_numba = _best(lambda: call("numba"), repeat)
+    row = {"case": name, "numba_s": t_numba, "numba_cpu_s": cpu_numba,
+           "numba_gflops": flops / t_numba / 1e9, "flops": flops}
+    line = (f"{name:40s} numba {t_numba * 1e3:7.1f} ms (cpu {cpu_numba * 1e3:7.1f}) "
+            f"{row['numba_gflops']:5.2f} GFLOP/s")
     if numpy_too:
-        t_numpy, out_numpy = _best(lambda: call("numpy"), repeat)
-        row.update(numpy_s=t_numpy, numpy_gflops=flops / t_numpy / 1e9,
+        t_numpy, cpu_numpy, out_numpy = _best(lambda: call("numpy"), repeat)
+        row.update(numpy_s=t_numpy, numpy_cpu_s=cpu_numpy, numpy_gflops=flops / t_numpy / 1e9,
                    speedup=t_numpy / t_numba, numpy_peak_bytes=_peak(lambda: call("numpy")),
                    max_abs_diff=float(np.max(np.abs(out_numba - out_numpy))))
-        line += (f" | numpy {t_numpy * 1e3:9.1f} ms {row['numpy_gflops']:6.2f} GFLOP/s"
-                 f" (peak {row['numpy_peak_bytes'] / 2**20:7.1f} MiB) | speedup "
-                 f"{row['speedup']:5.1f}x | max|diff| {row['max_abs_diff']:.1e}")
+        line += (f" | numpy {t_numpy * 1e3:7.1f} ms {row['numpy_gflops']:5.2f} GFLOP/s"
+                 f" (peak {row['numpy_peak_bytes'] / 2**20:6.1f} MiB) | speedup "
+                 f"{row['speedup']:4.1f}x | max|diff| {row['max_abs_diff']:.1e}")
     print(line, flush=True)
     return row
 
@@ -105,8 +110,11 @@ def main(argv=None):
             gmm_flops(n, n, D, E, iters), args.repeat, not args.no_numpy))
     meta = {"numba_threads": numba.get_num_threads(), "numba": numba.__version__,
             "numpy": np.__version__, "machine": platform.machine(),
-            "processor": platform.processor()}
-    print(f"numba {meta['numba']} with {meta['numba_threads']} threads, numpy {meta['numpy']}")
+            "processor": platform.processor(), "cpus": os.cpu_count(),
+            "load_average_1min": os.getloadavg()[0]}
+    print(f"numba {meta['numba']} with {meta['numba_threads']} threads, numpy {meta['numpy']}, "
+          f"{meta['cpus']} CPUs, load average {meta['load_average_1min']:.1f} (wall times "
+          f"include waiting for the CPU on a loaded machine; cpu = process CPU time)")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"meta": meta, "results": rows}, fh, indent=2, sort_keys=True)
