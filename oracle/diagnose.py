@@ -51,7 +51,8 @@ import numpy as np
 
 from . import tolerance as tol
 
-__all__ = ["Alternative", "alternatives", "diagnose", "describe_failure"]
+__all__ = ["Alternative", "alternatives", "diagnose", "describe_failure",
+           "storage_accumulation_attention"]
 
 
 @dataclass(frozen=True)
@@ -248,3 +249,43 @@ def describe_failure(value, truth, errors, limit, *, inputs_poisoned=False) -> l
         notes.append(f"{int(bad.sum())} of {bad.size} elements over the threshold, "
                      f"in {int(rows.sum())} of {rows.size} rows")
     return notes
+
+
+def storage_accumulation_attention(q, k, v, options, dtype,
+                                   sums=("normaliser", "values")) -> np.ndarray:
+    """Attention whose softmax normaliser and ``weights @ v`` are summed key by key *in the
+    storage dtype* (no float32 accumulator), the rest as the textbook baseline.
+
+    ``sums`` names which sums are accumulated in the storage dtype (the others in float32).
+    The model of a half-precision implementation that accumulates in its own format; a
+    failing output that is no worse than this is diagnosed as such.
+    """
+    from refattn.exact.rounding import format_of
+
+    store = format_of(dtype).dtype
+    o = {name: options.get(name) for name in tol._OPTION_NAMES}
+    scores, allowed, _ = tol._scores(
+        q, k, v, dtype, o["scale"], o["bias"], o["mask"], bool(o["causal"]), o["window"],
+        o["align"] or "top_left", o["softcap"], o["alibi_slopes"], o["gqa"] or "interleave",
+        "before_bias", None)
+    with np.errstate(all="ignore"):
+        masked = np.where(allowed, scores, -np.inf)
+        top = masked.max(axis=-1, keepdims=True)
+        terms = np.where(allowed, np.exp(masked - np.where(np.isfinite(top), top, 0)), 0)
+        terms = terms.astype(store)
+        if "normaliser" in sums:
+            total = np.add.accumulate(terms, axis=-1, dtype=store)[..., -1:]
+        else:
+            total = terms.astype(np.float32).sum(axis=-1, keepdims=True)
+        weights = (terms / total).astype(store)
+        if o["dropout_mask"] is not None:
+            keep = np.asarray(o["dropout_mask"], dtype=bool)
+            weights = (np.where(keep, weights, 0) / (1 - (o["dropout_p"] or 0.0))).astype(store)
+        v_h = np.asarray(v)[None] if np.ndim(v) == 2 else tol._expand_kv(
+            np.asarray(v), weights.shape[-3], o["gqa"] or "interleave")
+        if "values" in sums:
+            products = (weights[..., :, :, None] * v_h[..., None, :, :]).astype(store)
+            out = np.add.accumulate(products, axis=-2, dtype=store)[..., -1, :]
+        else:
+            out = np.matmul(weights.astype(np.float32), v_h.astype(np.float32)).astype(store)
+    return out[0] if np.ndim(q) == 2 else out

@@ -109,12 +109,47 @@ Natural scales of the other quantities (first-order perturbation bounds, :func:`
   (backward is the forward's perturbations propagated through ``dS = P (dP - Delta)`` plus
   the three backward matmuls):
   ``F_grad = 4 delta_s A + gamma~_E + gamma~_D + 2 gamma~_S + 2 gamma~_{LG} + 8u_a + 4u``
-  (``+ 2(u_a + u)`` with dropout) with ``A = max_i A_i``.
+  (``+ 2(u_a + u)`` with dropout) with ``A = max_i A_i``. (T5) is a per-row worst case; it
+  is the floor of the gradients and of the diagnosis "computes in a narrower dtype".
+
+  *Element-wise floor of out and lse (T6, the one used for them).* (T5) charges every score
+  its worst error, which in float16/bfloat16 (``delta_s A ~ 1e-2``) is two orders of magnitude
+  above what any correct implementation shows. The first-order effect of score errors on
+  one element is exact and linear: with ``d_ij = keep_ij/(1-p)`` (1 without dropout),
+
+  .. math::
+
+      \\delta o_{ie} = \\sum_j c_{ije} \\, \\delta t_{ij}, \\qquad
+      c_{ije} = p_{ij} (d_{ij} v_{je} - o_{ie}),                    \\qquad (T6a)
+
+  (softmax shift invariance removes the mean of ``delta t``). Split ``delta t`` into a
+  *coherent* part -- the scale rounded once to the dtype multiplies every ``s_ij =
+  scale q_i.k_j`` by the same ``1 + eps``, ``|eps| <= u`` -- whose effect is exactly
+  ``u |sum_j c_ije s_ij|`` (``u sum_j |c_ije s_ij|`` with softcap, whose derivative varies
+  with j), and *independent* parts (dot-product, product and storage roundings,
+  ``|delta t_ij| <= delta_ind a_ij`` with ``delta_ind = gamma~_D + 2u_a + n_st u``), bounded
+  and mean-zero under the model of (T3). Hoeffding's inequality bounds their sum by
+  ``lambda sqrt(sum_j c_ije^2 a_ij^2) delta_ind`` with probability ``1 - 2exp(-lambda^2/2)``
+  (``lambda`` again from the union bound over the case's elements); it is capped by the
+  worst case ``delta_ind sum_j |c_ije| a_ij``. A factor ``1 + (delta_ind + u) A_i`` covers the
+  second-order terms of ``exp``. Normalised by (T1):
+
+  .. math::
+
+      F_{out,ie} = \\frac{(1 + (\\delta_{ind}+u)A_i)\\,\\big(\\min(\\lambda R_{ie}, W_{ie})
+                   \\delta_{ind} + u C_{ie}\\big)}{s_{ie}}
+                   + 2\\tilde\\gamma_S + 4u_a + 2u\\,(+u_a+u)            \\qquad (T6)
+
+  with ``R = sqrt(sum_j c^2 a^2)``, ``W = sum_j |c| a`` (bounded above by
+  ``sum_j p a (d |v| + |o|)``) and ``C`` the coherent sum. lse is the same with
+  ``c_ij = p_ij`` (``delta lse = sum_j p_ij delta t_ij``), normalised by its scale, plus
+  ``gamma~_S + 3u_a + u``. All of it is computed in float64 from the truth weights
+  (:func:`output_floor`, :func:`lse_floor`).
 * ``u_out`` -- one rounding of the output dtype (the truth is the exact value rounded once; an
   implementation that is correct up to its final rounding may land one rounding away).
 
-A case passes when every checked element satisfies ``epsilon <= T`` (T per row for the forward
-output, where ``F_out,i`` depends on ``A_i``). The worst element reported is the one with the
+A case passes when every checked element satisfies ``epsilon <= T`` (T per element for out
+and lse, (T6); per case for gradients). The worst element reported is the one with the
 largest ratio ``epsilon / T``.
 """
 
@@ -147,6 +182,9 @@ __all__ = [
     "Threshold",
     "threshold",
     "forward_floors",
+    "output_floor",
+    "lse_floor",
+    "scaled_dots",
     "textbook_attention",
     "textbook_attention_vjp",
     "Textbook",
@@ -621,6 +659,75 @@ def forward_floors(dtype, *, D, S, L, E, G, magnitude, allowed, n_stored=1, drop
     grad = (4 * delta_s * A + pg(E) + pg(D) + 2 * pg(S) + 2 * pg(max(L * G, 1)) + 8 * ua
             + 4 * u + 2 * drop)
     return {"out": out[..., None], "lse": lse, "grad": grad}
+
+
+def _lambda(count) -> float:
+    """Hoeffding's lambda: ``2 count exp(-lambda^2 / 2) = FAILURE_PROBABILITY``."""
+    return math.sqrt(2 * math.log(2 * max(int(count), 1) / FAILURE_PROBABILITY))
+
+
+def scaled_dots(q, k, *, scale=None, gqa="interleave", **_ignored) -> np.ndarray:
+    """Signed ``s_ij = scale (q_i . k_j)`` in float64, (..., H, L, S) (poison counts as 0)."""
+    q3, k3 = _heads(q, "q"), _heads(k, "k")
+    k_h = _expand_kv(k3, q3.shape[-3], gqa or "interleave")
+    clean = [np.where(np.isfinite(x), x, 0.0).astype(np.float64) for x in (q3, k_h)]
+    return _scale_value(scale, q3.shape[-1]) * np.matmul(clean[0], np.swapaxes(clean[1], -1, -2))
+
+
+def _score_terms(dtype, count, D, n_stored):
+    acc = accumulation_dtype(dtype)
+    u, ua = unit_roundoff(dtype), unit_roundoff(acc)
+    independent = probabilistic_gamma(D, acc, count=count) + 2 * ua + n_stored * u
+    return u, ua, independent, _lambda(count), acc
+
+
+def output_floor(dtype, *, weights, dropped, magnitude, dots, v, out, D, S, n_stored=1,
+                 softcap=False, dropout=False, gqa="interleave", count=1) -> np.ndarray:
+    """Element-wise floor (T6) of the output, (..., H, L, E), normalised by (T1).
+
+    See the module docstring for the derivation.
+
+    ``weights`` p and ``dropped`` (p times keep/(1-p)) are the float64 truth weights,
+    ``magnitude`` a (:func:`score_magnitude`), ``dots`` the signed scaled dot products
+    (:func:`scaled_dots`), ``out`` the float64 truth.
+    """
+    u, ua, delta, lam, acc = _score_terms(dtype, count, D, n_stored)
+    p = _finite_abs(weights)
+    d = np.divide(_finite_abs(dropped), p, out=np.zeros_like(p), where=p > 0)
+    v_h = v if np.ndim(v) == 2 else _expand_kv(_heads(v, "v"), p.shape[-3], gqa or "interleave")
+    v_h = np.where(np.isfinite(v_h), v_h, 0.0).astype(np.float64)
+    o = np.where(np.isfinite(out), out, 0.0)
+    pa = p * magnitude
+    w2 = pa * pa
+    spread = (w2 * d * d) @ (v_h * v_h) - 2 * o * ((w2 * d) @ v_h) + o * o * w2.sum(-1)[..., None]
+    worst = (pa * d) @ np.abs(v_h) + np.abs(o) * pa.sum(-1)[..., None]
+    independent = delta * np.minimum(lam * np.sqrt(np.maximum(spread, 0.0)), worst)
+    ps = p * dots
+    if softcap:
+        coherent = (np.abs(ps) * d) @ np.abs(v_h) + np.abs(o) * np.abs(ps).sum(-1)[..., None]
+    else:
+        coherent = np.abs((ps * d) @ v_h - o * ps.sum(-1)[..., None])
+    rows = (np.where(p > 0, magnitude, 0.0)).max(axis=-1)[..., None]
+    second_order = 1 + delta * rows + u * rows
+    scale = np.maximum(output_scale(dropped, v, gqa=gqa), _tiny(dtype))
+    drop = (ua + u) if dropout else 0.0
+    first = (independent + u * coherent) * second_order / scale
+    return first + 2 * probabilistic_gamma(S, acc, count=count) + 4 * ua + 2 * u + drop
+
+
+def lse_floor(dtype, *, weights, magnitude, dots, lse, D, S, n_stored=1, softcap=False,
+              count=1) -> np.ndarray:
+    """Element-wise floor (T6) of lse, (..., H, L), normalised by :func:`lse_scale`."""
+    u, ua, delta, lam, acc = _score_terms(dtype, count, D, n_stored)
+    p = _finite_abs(weights)
+    pa = p * magnitude
+    independent = delta * np.minimum(lam * np.sqrt((pa * pa).sum(-1)), pa.sum(-1))
+    ps = p * dots
+    coherent = np.abs(ps).sum(-1) if softcap else np.abs(ps.sum(-1))
+    rows = (np.where(p > 0, magnitude, 0.0)).max(axis=-1)
+    first = (independent + u * coherent) * (1 + delta * rows + u * rows)
+    return (first / lse_scale(lse, weights, magnitude) + probabilistic_gamma(S, acc, count=count)
+            + 3 * ua + u)
 
 
 @dataclass

@@ -401,20 +401,45 @@ class _Context:
             floors["out"], floors["lse"] = floors["out"][0], floors["lse"][0]
         return floors
 
+    def _element_args(self, count):
+        def heads(x):
+            return x[None] if self.single else x
+
+        n_stored = 1 + (self.options.get("softcap") is not None) + (
+            self.options.get("bias") is not None or self.options.get("alibi_slopes") is not None)
+        return dict(weights=heads(self.exact64.weights), magnitude=self.magnitude,
+                    dots=tol.scaled_dots(self.q, self.k, **self.options),
+                    D=self.sizes["D"], S=self.sizes["S"], n_stored=int(n_stored),
+                    softcap=self.options.get("softcap") is not None, count=count), heads
+
+    def output_floor(self, truth, count):
+        """Element-wise floor (T6) of the output."""
+        args, heads = self._element_args(count)
+        floor = tol.output_floor(self.dtype, **args, dropped=heads(self.dropped), v=self.v,
+                                 out=heads(truth), gqa=self.options.get("gqa"),
+                                 dropout=self.options.get("dropout_mask") is not None)
+        return floor[0] if self.single else floor
+
+    def lse_floor(self, truth, count):
+        """Element-wise floor (T6) of lse."""
+        args, heads = self._element_args(count)
+        floor = tol.lse_floor(self.dtype, **args, lse=heads(truth))
+        return floor[0] if self.single else floor
+
 
 def _check_forward(ctx, fixture, out, lse, checks):
     truth_out = _truth(fixture, "out")
     out, problem = _shape_check("out", out, truth_out)
     if problem:
         return problem
-    floors = ctx.floors(truth_out.size)
     base = tol.textbook_attention(ctx.q, ctx.k, ctx.v, dtype=ctx.dtype, **ctx.options)
     scale = tol.output_scale(ctx.dropped, ctx.v, gqa=ctx.options.get("gqa"))
     if ctx.single:
         scale = scale[0]
     base_err = _finite_part(tol.normalised_error(base.out, truth_out, scale, ctx.dtype),
                             truth_out)
-    threshold = tol.threshold(base_err, floors["out"], ctx.dtype, k=tol.K_FORWARD)
+    threshold = tol.threshold(base_err, ctx.output_floor(truth_out, truth_out.size),
+                              ctx.dtype, k=tol.K_FORWARD)
     checks["out"] = _judge("out", out, truth_out, scale, threshold, ctx.dtype)
     truth_lse = _truth(fixture, "lse")
     if lse is not None and truth_lse is not None:
@@ -426,7 +451,8 @@ def _check_forward(ctx, fixture, out, lse, checks):
         lscale = tol.lse_scale(truth_lse, weights, magnitude)
         base_err = _finite_part(tol.normalised_error(base.lse, truth_lse, lscale, ctx.dtype),
                                 truth_lse)
-        threshold = tol.threshold(base_err, floors["lse"], ctx.dtype, k=tol.K_FORWARD)
+        threshold = tol.threshold(base_err, ctx.lse_floor(truth_lse, truth_lse.size),
+                                  ctx.dtype, k=tol.K_FORWARD)
         checks["lse"] = _judge("lse", lse, truth_lse, lscale, threshold, ctx.dtype)
     return None
 
@@ -537,6 +563,11 @@ def _diagnosis(ctx, fixture, out, checks) -> list[str]:
         worst = max(c.max_error for c in failing)
         return [f"errors fit {dtype} accuracy (max normalised error {worst:.3g}): the "
                 f"implementation seems to compute in {dtype}"]
+    if out_failed and tol.accumulation_dtype(ctx.dtype) != np.dtype(ctx.dtype) \
+            and np.isfinite(check.errors).all():
+        found = _storage_accumulation(ctx, out, truth, check)
+        if found:
+            return [found]
     if not out_failed:
         return []
     poisoned = any(not np.isfinite(np.asarray(x, dtype=np.float64)).all()
@@ -545,6 +576,27 @@ def _diagnosis(ctx, fixture, out, checks) -> list[str]:
     errors = check.errors if check.errors is not None else np.zeros(out.shape)
     limit = np.broadcast_to(np.asarray(check.threshold.value), out.shape)
     return _diagnose.describe_failure(out, truth, errors, limit, inputs_poisoned=poisoned)
+
+
+def _storage_accumulation(ctx, out, truth, check) -> str | None:
+    """Half types: does the output match a textbook that sums in the storage dtype?"""
+    scale = tol.output_scale(ctx.dropped, ctx.v, gqa=ctx.options.get("gqa"))
+    scale = scale[0] if ctx.single else scale
+    fits = []
+    for sums, what in ((("normaliser",), "the softmax normaliser"),
+                       (("values",), "weights @ v"),
+                       (("normaliser", "values"), "the softmax normaliser and weights @ v")):
+        model = _diagnose.storage_accumulation_attention(ctx.q, ctx.k, ctx.v, ctx.options,
+                                                         ctx.dtype, sums=sums)
+        model_error = float(np.max(tol.normalised_error(model, truth, scale, ctx.dtype)))
+        if check.max_error <= tol.K_FORWARD * model_error + tol.unit_roundoff(ctx.dtype):
+            distance = float(np.max(tol.normalised_error(out, model, scale, ctx.dtype)))
+            fits.append((distance, what, model_error))
+    if not fits:
+        return None
+    _, what, model_error = min(fits)  # the model closest to the output names the sum
+    return (f"errors consistent with accumulating {what} in {ctx.dtype} (no float32 "
+            f"accumulator; such a textbook has normalised error {model_error:.3g} here)")
 
 
 _NARROWER = {"float64": ("float32",), "float32": ("bfloat16", "float16")}

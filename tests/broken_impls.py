@@ -176,6 +176,7 @@ BROKEN = {
                                  "dropout without the 1/(1-p) rescale"),
     "nan_rows": Broken(nan_rows, ("mask-empty-rows-H*-f32",), "empty_rows='nan'"),
     "corrupted_element": Broken(corrupted_element, ("long-*-f32",), None),
-    "half_accumulation": Broken(half_accumulation, ("positive-long-*-f16",), None),
+    "half_accumulation": Broken(half_accumulation, ("positive-long-*-f16",),
+                                "accumulating weights @ v in float16"),
     "inverted_mask": Broken(inverted_mask, ("mask-random-*-f32",), "mask polarity inverted"),
 }

@@ -188,3 +188,32 @@ def test_existing_helpers_unchanged():
     assert tol.unit_roundoff("float32") == 2.0**-24
     assert tol.ulp(1.0, "float16") == 2.0**-10
     assert tol.ulp_distance(1.0 + 2.0**-9, 1.0, "float16") == 2.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_element_floor_covers_the_textbook_and_is_below_the_row_floor(rng, dtype):
+    """(T6) bounds the error of the textbook algorithm it models (any seed), and is tighter
+    than the per-row worst case (T5)."""
+    from refattn.attention import attention
+
+    store = format_of(dtype).dtype
+    H, L, S, D, E = 2, 4, 256, 16, 8
+    for sigma in (0.5, 2.0):
+        q = (sigma * rng.standard_normal((H, L, D))).astype(store)
+        k = (sigma * rng.standard_normal((H, S, D))).astype(store)
+        v = rng.standard_normal((H, S, E)).astype(store)
+        out, _, weights = attention(q, k, v, return_lse=True, return_weights=True,
+                                    precision="exact")
+        base = tol.textbook_attention(q, k, v)
+        magnitude = tol.score_magnitude(q, k)
+        floor = tol.output_floor(dtype, weights=weights, dropped=weights, magnitude=magnitude,
+                                 dots=tol.scaled_dots(q, k), v=v, out=out, D=D, S=S,
+                                 count=out.size)
+        err = tol.normalised_error(base.out, out, tol.output_scale(weights, v), dtype)
+        limit = floor + tol.unit_roundoff(dtype)
+        worst = np.unravel_index(np.argmax(err / limit), err.shape)
+        assert np.all(err <= limit), (dtype, sigma, worst, base.out[worst], out[worst],
+                                      limit[worst])
+        rows = tol.forward_floors(dtype, D=D, S=S, L=L, E=E, G=1, magnitude=magnitude,
+                                  allowed=np.ones(weights.shape, bool), count=out.size)["out"]
+        assert np.all(floor <= rows), (dtype, sigma, float(floor.max()), float(rows.max()))
