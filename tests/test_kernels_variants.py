@@ -332,6 +332,21 @@ def test_gmm_backend_errors(rng):
         gmm.attention(q, keys, values, alpha=1.0, backend="torch")
 
 
+@pytest.mark.skipif(JITLESS, reason="compiled dispatchers only")
+def test_kernels_compile_without_fastmath():
+    """fastmath would let LLVM re-associate the reductions (thread-independent but not the
+    stated order) and contract a*b+c; every kernel must be compiled with it off."""
+    from refattn.kernels import variants
+
+    kernels = [getattr(variants, name) for name in dir(variants) if name.startswith("_")
+               and hasattr(getattr(variants, name), "targetoptions")]
+    assert len(kernels) >= 8, f"expected the jitted kernels, found {kernels}"
+    for kernel in kernels:
+        assert kernel.targetoptions.get("fastmath") is False, (
+            f"{kernel.py_func.__name__}: fastmath={kernel.targetoptions.get('fastmath')!r}, "
+            "expected False")
+
+
 # --------------------------------------------------------------------------------------------
 # Tiers in subprocesses: thread counts, NUMBA_DISABLE_JIT
 # --------------------------------------------------------------------------------------------

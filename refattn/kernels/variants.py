@@ -626,10 +626,11 @@ def gmm_attention(model, v_init, iters, tol, want_trace):
             done.reshape(batch + (L,)))
 
 
-def gmm_flops(L, S, D, E, iters, B=1, trace=False):
-    """Arithmetic count of one GMM forward: 3 flops per (i, u, d) for the query logits, per
-    iteration 3 per (i, u, e) for the value logits and 2 per (i, u, e) for the value update
-    (exponentials and logs not counted; the first iteration without v_init has no value
-    logits, the count assumes it has them)."""
-    per_iter = 5 * E + (3 * E if trace else 0)
-    return float(B) * L * S * (3 * D + iters * per_iter)
+def gmm_flops(L, S, D, E, iters, B=1, trace=False, v_init=False):
+    """Arithmetic count of one GMM forward: 3 flops per (i, u, d) for the query logits; per
+    iteration 3 per (i, u, e) for the value logits (not in the first iteration without
+    ``v_init``: it uses w_u = p(u | q)), 2 per (i, u, e) for the value update, and 3 more per
+    (i, u, e) with ``trace`` (exponentials and logs not counted)."""
+    logit_iters = iters if v_init else iters - 1
+    per_row_unit = 3 * D + 3 * E * logit_iters + 2 * E * iters + (3 * E * iters if trace else 0)
+    return float(B) * L * S * per_row_unit
