@@ -197,6 +197,19 @@ def test_small_mgk_underflowing_scores_stay_finite(rng):
     assert_within("mgk numba at scores ~ -1e4", fast, ref, 2 * mgk_bound(q, keys, v, {}))
 
 
+def test_small_mgk_broadcast_batch(rng):
+    """q batched, keys/v/log_pi shared, sigma2 per batch element, mask (L, S) shared."""
+    q = rng.standard_normal((2, 3, 5, 2))
+    keys, v = rng.standard_normal((6, 2, 2)), rng.standard_normal((6, 3))
+    weights = rng.uniform(0.1, 1.0, (6, 2))
+    opts = dict(log_pi=np.log(weights / weights.sum(-1, keepdims=True)), normalized=True,
+                sigma2=rng.uniform(0.5, 2.0, (3, 6, 2)), mask=rng.random((5, 6)) < 0.7)
+    fast = mgk.attention(q, keys, v, backend="numba", **opts)
+    ref = mgk.attention(q, keys, v, **opts)
+    assert fast.shape == ref.shape == (2, 3, 5, 3)
+    assert_within("mgk numba broadcast batch", fast, ref, 2 * mgk_bound(q, keys, v, opts))
+
+
 def test_mgk_backend_errors(rng):
     q, keys, v = rng.standard_normal((2, 2)), rng.standard_normal((3, 1, 2)), \
         rng.standard_normal((3, 2))
