@@ -80,7 +80,6 @@ import math
 import numpy as np
 
 try:
-    import numba
     from numba import njit, prange
 except ImportError as error:  # pragma: no cover - numba is a core dependency
     raise ImportError("refattn.kernels.variants needs numba (pip install numba); "
@@ -100,7 +99,6 @@ ROW_BLOCK = 16
 UNIT_BLOCK = 256
 
 _OPTS = dict(fastmath=False, boundscheck=False, cache=True, nogil=True)
-_JIT = not numba.config.DISABLE_JIT
 
 
 # --------------------------------------------------------------------------------------------
