@@ -20,7 +20,6 @@ __all__ = ["validate", "Report", "CaseResult", "check_fixture", "generate", "ver
            "build", "Fixture", "Case", "suite", "tolerance"]
 
 _LAZY = {
-    "validate": ("oracle.validate", "validate"),
     "Report": ("oracle.validate", "Report"),
     "CaseResult": ("oracle.validate", "CaseResult"),
     "check_fixture": ("oracle.validate", "check_fixture"),
@@ -40,8 +39,9 @@ def __getattr__(name):
         value = getattr(importlib.import_module(module), attribute)
         globals()[name] = value
         return value
-    if name == "tolerance":
-        return importlib.import_module("oracle.tolerance")
+    if name in ("tolerance", "validate"):
+        # oracle.validate is the module, callable as the function (see oracle.validate)
+        return importlib.import_module(f"oracle.{name}")
     raise AttributeError(f"module 'oracle' has no attribute {name!r}")
 
 

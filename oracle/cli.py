@@ -102,7 +102,7 @@ def _verify(args) -> int:
 def _validate(args) -> int:
     from pathlib import Path
 
-    from . import validate as V
+    from . import validate as V  # the module (callable), see oracle/__init__.py
 
     spec = args.impl if args.impl else args.adapter
     if args.impl and os.getcwd() not in sys.path:

@@ -209,3 +209,12 @@ def test_pytest_plugin_is_inert_in_other_runs(tmp_path):
     (tmp_path / "test_one.py").write_text("def test_one():\n    assert True\n")
     run = _pytest(*_plugin_args(), "-q", str(tmp_path), cwd=tmp_path)
     assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout
+
+
+def test_python_m_oracle_in_a_fresh_interpreter():
+    """`python -m oracle` (= refattn-oracle) with nothing imported beforehand."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    run = subprocess.run([sys.executable, "-m", "oracle", "validate", "--impl",
+                          "broken_impls:missing_scale", "--suite", "smoke", "--quiet"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and "matches no scale" in run.stdout, (run.stdout, run.stderr)
