@@ -481,6 +481,10 @@ def _catalogue() -> dict[str, Case]:
     return _CATALOGUE
 
 
+#: Case.function -> inputs builder(case) for the variants' cases (oracle.variant_cases)
+INPUT_BUILDERS: dict[str, Callable[[Case], dict[str, np.ndarray]]] = {}
+
+
 def register_suite(name: str, factory: Callable[[], Iterable[Case]]) -> None:
     """Register a further suite (the variants' extension point).
 
@@ -539,6 +543,8 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
     >>> sorted(inputs), inputs["q"].shape, inputs["q"].dtype.name
     (['k', 'q', 'v'], (1, 2, 5, 8), 'float32')
     """
+    if case.function != "attention":
+        return INPUT_BUILDERS[case.function](case)
     recipe = case.recipe
     n = case.shapes
     stream = _Streams(case.seed)
@@ -750,3 +756,6 @@ def _poison(inputs, case, kind):
         if kind == "inf":
             array[~used, ::2] = -np.inf
         inputs[name] = array
+
+
+from . import variant_cases as _variant_cases  # noqa: E402,F401  (registers the variant suites)

@@ -56,6 +56,7 @@ import numpy as np
 import refattn
 
 from . import cases as _cases
+from . import variant_cases as _variant_cases
 from ._progress import Progress
 from .cases import Case
 
@@ -162,6 +163,7 @@ def _exact_functions():
 #: The variants' extension point: register the exact builder of each new function here.
 TRUTH_BUILDERS: dict[str, Callable[[Case, Mapping[str, np.ndarray]], dict[str, np.ndarray]]] = {
     "attention": _attention_truth,
+    **_variant_cases.TRUTH_BUILDERS,
 }
 
 
@@ -520,7 +522,9 @@ def _entry_problems(root: Path, entry: dict) -> list[str]:
     if fixture.case.spec() != entry["spec"]:
         return [f"{entry['file']}: embedded case spec differs from the manifest"]
     required = ["q", "k", "v"], ["out", "out_f64", "lse", "lse_f64"]
-    if fixture.case.grads:
+    if fixture.case.function != "attention":
+        required = _variant_cases.required_members(fixture.case)
+    elif fixture.case.grads:
         required[1].extend(["dq", "dk", "dv", "dq_f64", "dk_f64", "dv_f64"])
     missing = [f"inputs/{n}" for n in required[0] if n not in fixture.inputs]
     missing += [f"truth/{n}" for n in required[1] if n not in fixture.truth]

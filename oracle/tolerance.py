@@ -875,3 +875,46 @@ def transformer_forward_bound(function, *args, **kwargs) -> np.ndarray:
 
 
 __all__ += ["transformer_forward_bound"]
+
+
+# ----------------------------------------------------------------------------- variant fixtures
+# (oracle.variant_cases: judging implementations of refattn's probabilistic variants)
+
+
+def variant_floor(dtype, *, condition, n, n_stored) -> float:
+    """Floor ``F`` of (T2) for a variant output (gmm, mgk, hopfield, meanfield), normalised.
+
+    A variant implementation is judged like attention: normalised error (T1) against the
+    exact truth, threshold ``T = max(k E_base, F) + u_out`` (T2) with ``k =``
+    :data:`K_FORWARD`. The *baseline* ``E_base`` is refattn's float64 path evaluated on the
+    case's inputs (exact in float64) and rounded once to the case dtype
+    (:func:`oracle.variant_cases.baseline`): for float64 cases it carries the case's real
+    difficulty (conditioning, the stopping rule of a fixed-point solver) with no model. For the
+    narrower dtypes that baseline is almost always the correctly rounded truth itself
+    (``E_base ~ 0``), which no implementation computing *in* that dtype can match, so the
+    floor carries the rounding errors of such an implementation:
+
+    .. math::
+
+        F = c \\,\\big(\\gamma_n(u_a) + n_{st}\\, u\\big)                    \\qquad (V1)
+
+    ``gamma_n(u_a)`` is Higham's worst-case bound for the ``n`` successive roundings of the
+    variant's longest chain of operations in the accumulation dtype ``u_a``
+    (:func:`accumulation_dtype`: float32 for the half types); ``n_st u`` covers the
+    intermediates an implementation stores in the case dtype (logits, weights, iterates: a
+    relative ``u`` each); ``c`` is the case's relative condition factor
+    (:func:`oracle.variant_cases.condition`: ``1 + 2A`` per step for a softmax mixture with
+    logit terms of magnitude ``A``, as in (T5); the condition number of the linear system for
+    the mean-field fixed points). The worst-case ``gamma_n`` (not the probabilistic (T3)) is
+    used because the variants' operation counts are small (n < 200) and their own float64
+    bounds (:func:`mixture_bound`, :func:`ratio_bound`) are stated with it.
+
+    >>> bool(variant_floor("float64", condition=1.0, n=3, n_stored=0) == gamma(3))
+    True
+    """
+    u = unit_roundoff(dtype)
+    u_a = accumulation_dtype(dtype)
+    return float(condition) * (gamma(int(n), u_a) + int(n_stored) * u)
+
+
+__all__ += ["variant_floor"]

@@ -1,0 +1,726 @@
+"""Golden-fixture suites of refattn's probabilistic attention variants, and their judge.
+
+Registers two suites with :func:`oracle.cases.register_suite`:
+
+* ``"variants-smoke"`` -- one tiny case per variant function (float64 and float32), a few
+  seconds to generate;
+* ``"variants-default"`` -- every variant function with its options (GMM iterations, priors,
+  per-unit precisions, key/prior adaptation forms; MGK soft/hard/normalised with masks, causal
+  and windows; MLK linear attention; Hopfield retrieval and energy; the mean-field updates and
+  fixed points), each in the four dtypes. variants-smoke is a subset of variants-default.
+
+Each :class:`oracle.cases.Case` names in ``function`` the refattn function whose exact path
+gives its truth (``"gmm.attention"``, ``"gmm.adapt_keys"``, ``"gmm.adapt_priors"``,
+``"mgk.attention"``, ``"mgk.linear_attention"``, ``"hopfield.retrieve"``,
+``"hopfield.energy"``, ``"meanfield.naive_step"``, ``"meanfield.adaptive_tap"``,
+``"meanfield.ising_tap"``, ``"meanfield.deq_attention"``, see :data:`FUNCTIONS`). Names are
+``<function tag>-<case tag>-<sizes>-<dtype>``, e.g. ``gmm-iters3-H2-L6S10-D8E8-f32``, all
+starting with ``gmm-``, ``mgk-``, ``mlk-``, ``hopfield-`` or ``meanfield-`` so they never
+collide with the attention catalogue.
+
+Sizes
+-----
+``Case.shapes`` reuses the attention shape letters: batch, H (heads, also the number of kv
+heads K), L (queries / states / sites N), S (units, keys, stored patterns; S = L = N for the
+mean-field cases), D (query/key dimension, spin dimension d), E (value dimension). The number
+R of MGK components per key is ``recipe["R"]``.
+
+Inputs (:func:`make_inputs`)
+----------------------------
+Built from :mod:`oracle._seeding` like the attention cases (SplitMix64 per named array,
+Irwin-Hall Gaussians, one rounding to the case dtype; machine- and NumPy-independent). Any
+normalisation uses powers of two (exact) or ``math.fsum`` (correctly rounded), never a
+NumPy reduction whose summation order could vary. Distributions (``pi0``, ``pi``,
+``log_pi``) are formed in float64 and rounded once; they sum to 1 within the few roundings
+the variants accept. Coupling matrices are scaled by a power of two so that the max row sum of
+``|J|`` is at most 1/2 (a contraction: every fixed point exists and is unique) with zero
+diagonal blocks unless the case keeps them.
+
+Truth (:data:`TRUTH_BUILDERS`)
+------------------------------
+The function's exact path (``precision="exact"``): every element the exact real result
+rounded once, to the case dtype (``truth/<output>``) and to float64 (``truth/<output>_f64``).
+Iterative functions: the exact value of the stated number of iterations (gmm, hopfield), or
+the closed-form / certified fixed point (mean-field; see each function's docstring).
+Outputs are ``out`` for single-array functions, ``means``, ``cavity_var``, ``chi_diag`` for
+``adaptive_tap`` and ``ising_tap`` and ``means`` for ``deq_attention`` (its correction is
+None).
+
+Calling convention of an implementation under test (:func:`check_fixture`)
+--------------------------------------------------------------------------
+``impl(**inputs, **options)``: every array argument is in ``fixture.inputs`` under the refattn
+function's parameter name (case dtype; ``ml_dtypes.bfloat16`` for bfloat16), every scalar
+keyword in ``fixture.case.options`` (the npz member ``options``). It returns the single output
+array, a tuple of the outputs in the order of :data:`FUNCTIONS` ``[function].outputs``, a
+mapping from output names, or an object with those attributes (a
+:class:`refattn.meanfield.MeanFieldResult`). NotImplementedError gives the verdict
+"unsupported", any other exception "error".
+
+Judging
+-------
+Every output element's normalised error (T1 of :mod:`oracle.tolerance`) uses the natural scale
+of its function (:func:`natural_scale`): the largest ``|v_je|`` of its column for the
+mixtures (a convex combination of the values), the largest of the averaged quantities for the
+key adaptation, 1 for priors (a distribution), the sum of the magnitudes of the energy's terms,
+``sum |J m| + |x|`` for the naive step and the largest ``|truth|`` of the sample for the
+fixed points. The threshold is (T2) with the baseline rule and the floor
+:func:`oracle.tolerance.variant_floor` (V1), see there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from . import _seeding
+from .cases import DTYPES, Case, Shapes, register_suite, seed_of
+
+__all__ = [
+    "SUITES",
+    "FUNCTIONS",
+    "Function",
+    "TRUTH_BUILDERS",
+    "variant_cases",
+    "make_inputs",
+    "truth",
+    "required_members",
+    "call_refattn",
+    "float64_path",
+    "baseline",
+    "outputs_of",
+    "natural_scale",
+    "condition",
+    "check_fixture",
+]
+
+SUITES = ("variants-smoke", "variants-default")
+_DTYPE_TAGS = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+@dataclass(frozen=True)
+class Function:
+    """A variant function: its module attribute, array inputs, outputs and floor sizes.
+
+    ``n_roundings(case)`` is ``n`` and ``n_stored`` the stored stages of (V1) in
+    :func:`oracle.tolerance.variant_floor`.
+    """
+
+    module: str
+    attribute: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    n_roundings: Callable[[Case], int]
+    n_stored: int
+
+
+def _mixture_n(case: Case) -> int:
+    # logits: a dot product of D (+E) terms; max-shifted lse and the weighted sum of S (R) terms
+    n = case.shapes
+    return n.D + n.E + 3 * n.S * int(case.recipe.get("R", 1)) + 12
+
+
+FUNCTIONS: dict[str, Function] = {
+    "gmm.attention": Function("refattn.gmm", "attention", ("q", "keys", "values"), ("out",),
+                              _mixture_n, 3),
+    "gmm.adapt_keys": Function("refattn.gmm", "adapt_keys", ("queries", "keys0"), ("out",),
+                               lambda c: c.shapes.D + 3 * (c.shapes.L + c.shapes.S) + 12, 3),
+    "gmm.adapt_priors": Function("refattn.gmm", "adapt_priors", ("queries", "keys", "pi0"),
+                                 ("out",),
+                                 lambda c: c.shapes.D + 3 * (c.shapes.L + c.shapes.S) + 12, 3),
+    "mgk.attention": Function("refattn.mgk", "attention", ("q", "keys", "v"), ("out",),
+                              _mixture_n, 3),
+    "mgk.linear_attention": Function(
+        "refattn.mgk", "linear_attention", ("q", "keys", "v", "pi"), ("out",),
+        lambda c: 2 * (c.shapes.D + int(c.recipe.get("R", 1)) + c.shapes.S + 4) + 2, 3),
+    "hopfield.retrieve": Function("refattn.hopfield", "retrieve", ("xi", "X"), ("out",),
+                                  _mixture_n, 3),
+    "hopfield.energy": Function("refattn.hopfield", "energy", ("xi", "X"), ("out",),
+                                lambda c: c.shapes.D + c.shapes.S + 6, 2),
+    "meanfield.naive_step": Function("refattn.meanfield", "naive_step", ("m", "J", "x"),
+                                     ("out",), lambda c: c.shapes.L * c.shapes.D + 1, 0),
+    "meanfield.adaptive_tap": Function("refattn.meanfield", "adaptive_tap", ("x", "J"),
+                                       ("means", "cavity_var", "chi_diag"),
+                                       lambda c: 3 * c.shapes.L * c.shapes.D, 2),
+    "meanfield.ising_tap": Function("refattn.meanfield", "ising_tap", ("x", "J"),
+                                    ("means", "cavity_var", "chi_diag"),
+                                    lambda c: 3 * c.shapes.L + 8, 2),
+    "meanfield.deq_attention": Function("refattn.meanfield", "deq_attention", ("x", "J"),
+                                        ("means",), lambda c: 3 * c.shapes.L * c.shapes.D, 2),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The catalogue
+# ---------------------------------------------------------------------------------------------
+
+_ALL = DTYPES
+_SMOKE = ("float64", "float32")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    function: str
+    tag: str
+    shapes: Shapes
+    description: str
+    smoke: tuple[str, ...] = ()
+    default: tuple[str, ...] = _ALL
+    options: Mapping[str, Any] = field(default_factory=dict)
+    recipe: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _mix(batch, H, L, S, D, E):
+    return Shapes(batch, H, H, L, S, D, E)
+
+
+def _sites(batch, N, d):
+    return Shapes(batch, 1, 1, N, N, d, d)
+
+
+def _entries() -> list[_Entry]:
+    e = _Entry
+    small = _mix(1, 2, 4, 6, 4, 4)
+    mix = _mix(1, 2, 6, 10, 8, 8)
+    return [
+        # --- GMM attention (Movellan & Gabbur eqs. (13)-(14)) ----------------------------------
+        e("gmm.attention", "gmm-basic", small, "one EM step, uniform prior (plain attention)",
+          smoke=_SMOKE, options={"alpha": 0.5, "beta": 0.5, "iters": 1}),
+        e("gmm.attention", "gmm-iters3", mix, "three EM steps, scalar alpha and beta",
+          options={"alpha": 0.25, "beta": 0.5, "iters": 3}),
+        e("gmm.attention", "gmm-magnitude", mix, "magnitude prior (eqs. (15)-(18)), two steps",
+          options={"alpha": 0.125, "beta": 0.25, "prior": "magnitude", "iters": 2}),
+        e("gmm.attention", "gmm-prior-array", mix, "log prior array, v_init, two steps",
+          options={"alpha": 0.25, "beta": 0.5, "iters": 2},
+          recipe={"prior": True, "v_init": True}),
+        e("gmm.attention", "gmm-per-unit", mix, "per-unit alpha and beta arrays (root of eq. "
+          "(12)), two steps", recipe={"alpha": True, "beta": True}, options={"iters": 2}),
+        e("gmm.adapt_keys", "gmm-adapt-keys", small, "key adaptation, paper form (eq. (28))",
+          smoke=_SMOKE, options={"alpha": 0.5, "gamma": 1.0, "iters": 1, "form": "paper"}),
+        e("gmm.adapt_keys", "gmm-adapt-keys-map", mix, "key adaptation, MAP form, magnitude "
+          "prior, two iterations", options={"alpha": 0.25, "gamma": 0.5, "iters": 2,
+                                             "form": "map", "prior": "magnitude"}),
+        e("gmm.adapt_priors", "gmm-adapt-priors", small, "Dirichlet prior adaptation, paper form "
+          "(eq. (33))", smoke=_SMOKE,
+          options={"alpha": 0.5, "eta": 1.0, "iters": 1, "form": "paper"}),
+        e("gmm.adapt_priors", "gmm-adapt-priors-map", mix, "prior adaptation, MAP form, three "
+          "iterations", options={"alpha": 0.25, "eta": 2.0, "iters": 3, "form": "map"}),
+        # --- MGK / MLK (Nguyen et al. 2022) ---------------------------------------------------
+        e("mgk.attention", "mgk-soft", small, "soft MGK, R = 2, uniform pi", smoke=_SMOKE,
+          options={"sigma2": 2.0}, recipe={"R": 2}),
+        e("mgk.attention", "mgk-soft-logpi", mix, "soft MGK, R = 2, log_pi array, sigma2 = 4",
+          default=("float64",), options={"sigma2": 4.0}, recipe={"R": 2, "log_pi": True}),
+        e("mgk.attention", "mgk-hard", mix, "hard MGK (N9), R = 2",
+          options={"sigma2": 2.0, "mode": "hard"}, recipe={"R": 2}),
+        e("mgk.attention", "mgk-normalized", mix, "normalized soft MGK, sigma2 per component",
+          options={"normalized": True}, recipe={"R": 2, "sigma2": True}),
+        e("mgk.attention", "mgk-mask", mix, "soft MGK with a random mask (some empty rows)",
+          options={"sigma2": 2.0}, recipe={"R": 2, "mask": True}),
+        e("mgk.attention", "mgk-causal-br", _mix(1, 2, 5, 9, 8, 8),
+          "soft MGK, causal bottom_right, L < S",
+          options={"sigma2": 2.0, "causal": True, "align": "bottom_right"}, recipe={"R": 2}),
+        e("mgk.attention", "mgk-window", mix, "hard MGK, window (3, 1), top_left",
+          options={"sigma2": 2.0, "mode": "hard", "window": (3, 1)}, recipe={"R": 3}),
+        e("mgk.linear_attention", "mlk-basic", small, "linear MLK attention, R = 2",
+          smoke=_SMOKE, recipe={"R": 2}),
+        e("mgk.linear_attention", "mlk-causal", mix, "causal linear MLK attention, R = 3",
+          options={"causal": True}, recipe={"R": 3}),
+        # --- Hopfield (Ramsauer et al.) -------------------------------------------------------
+        e("hopfield.retrieve", "hopfield-retrieve", small, "one retrieval update",
+          smoke=_SMOKE, options={"beta": 0.5, "steps": 1}),
+        e("hopfield.retrieve", "hopfield-retrieve-steps3", mix, "three updates, beta 1/4",
+          options={"beta": 0.25, "steps": 3}),
+        e("hopfield.energy", "hopfield-energy", small, "energy (E), constant 0", smoke=_SMOKE,
+          options={"beta": 0.5}),
+        e("hopfield.energy", "hopfield-energy-constant", mix, "energy with the paper's constant",
+          options={"beta": 2.0, "constant": True}),
+        # --- mean field (Bal 2021) ------------------------------------------------------------
+        e("meanfield.naive_step", "meanfield-naive", _sites(2, 4, 2), "one naive update "
+          "(eq. (23) without correction), self-couplings kept", smoke=_SMOKE,
+          recipe={"diagonal": True}),
+        e("meanfield.adaptive_tap", "meanfield-atap", _sites(2, 4, 2), "adaptive TAP, Gaussian "
+          "prior, site reading", smoke=_SMOKE),
+        e("meanfield.adaptive_tap", "meanfield-atap-prior", _sites(1, 3, 2), "adaptive TAP with "
+          "a prior precision matrix", recipe={"prior_precision": True}),
+        e("meanfield.ising_tap", "meanfield-ising", _sites(2, 5, 1), "binary-spin TAP",
+          smoke=_SMOKE),
+        e("meanfield.deq_attention", "meanfield-deq", _sites(2, 4, 2), "deep implicit attention "
+          "fixed point without correction", smoke=_SMOKE),
+        e("meanfield.deq_attention", "meanfield-deq-keep", _sites(1, 5, 2), "DEQ fixed point, "
+          "self-couplings kept (diagonal='keep')", options={"diagonal": "keep"},
+          recipe={"diagonal": True}),
+    ]
+
+
+def _tag(shapes: Shapes, function: str) -> str:
+    batch = f"B{shapes.batch}" if shapes.batch != 1 else ""
+    if function.startswith("meanfield."):
+        return f"{batch}N{shapes.L}d{shapes.D}"
+    return f"{batch}H{shapes.H}-L{shapes.L}S{shapes.S}-D{shapes.D}E{shapes.E}"
+
+
+def _expand(entry: _Entry) -> list[Case]:
+    out = []
+    for dtype in DTYPES:
+        in_smoke = dtype in entry.smoke
+        in_default = in_smoke or dtype in entry.default
+        suites = tuple(s for s, member in zip(SUITES, (in_smoke, in_default), strict=True)
+                       if member)
+        if not suites:
+            continue
+        name = f"{entry.tag}-{_tag(entry.shapes, entry.function)}-{_DTYPE_TAGS[dtype]}"
+        out.append(Case(name=name, suites=suites, category="conformance", dtype=dtype,
+                        shapes=entry.shapes, options=dict(entry.options),
+                        recipe=dict(entry.recipe), seed=seed_of(name),
+                        description=entry.description, function=entry.function))
+    return out
+
+
+_CATALOGUE: list[Case] | None = None
+
+
+def variant_cases() -> list[Case]:
+    """Every variant case (both suites), in catalogue order; names are unique."""
+    global _CATALOGUE
+    if _CATALOGUE is None:
+        catalogue = [c for entry in _entries() for c in _expand(entry)]
+        names = [c.name for c in catalogue]
+        if len(set(names)) != len(names):
+            raise RuntimeError("oracle.variant_cases: duplicate case names")
+        _CATALOGUE = catalogue
+    return list(_CATALOGUE)
+
+
+def _suite_factory(name):
+    def factory():
+        return [c for c in variant_cases() if name in c.suites]
+    return factory
+
+
+for _name in SUITES:
+    register_suite(_name, _suite_factory(_name))
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------------
+
+class _Streams:
+    def __init__(self, seed):
+        self.seed = seed
+
+    def gaussian(self, name, shape):
+        return _seeding.gaussian(_seeding.stream_key(self.seed, name), shape)
+
+    def uniform(self, name, shape):
+        return _seeding.uniform(_seeding.stream_key(self.seed, name), shape)
+
+    def bernoulli(self, name, shape, p):
+        return _seeding.bernoulli(_seeding.stream_key(self.seed, name), shape, p)
+
+
+def _distribution(stream, name, shape) -> np.ndarray:
+    """Dyadic distributions over the last axis that sum to exactly 1 in every dtype.
+
+    Integer weights c in [1, 4] for all but the last entry, the last ``2**m - sum`` (>= 1,
+    < 2**(m-1) + 1: at most 7 significant bits, exact in bfloat16), divided by ``2**m``. A
+    rounded float distribution would not sum to 1 within the few roundings the variants
+    accept once upcast to the float64 of the baseline.
+    """
+    counts = 1 + (stream.uniform(name, shape) * 4).astype(np.int64)
+    head = counts[..., :-1].sum(axis=-1)  # integer sums: exact, order-independent
+    m = int(head.max()).bit_length() + 1 if shape[-1] > 1 else 0
+    counts[..., -1] = (1 << m) - head
+    return np.ldexp(counts.astype(np.float64), -m)
+
+
+def _couplings(stream, shape, keep_diagonal):
+    """Couplings with max row sum of |J| in (1/4, 1/2]: a power-of-two scale (exact)."""
+    N, d = shape[0], shape[2] if len(shape) == 4 else 1
+    J = stream.gaussian("J", shape)
+    if not keep_diagonal:
+        J[np.arange(N), np.arange(N)] = 0.0
+    big = np.swapaxes(J, 1, 2).reshape(N * d, N * d) if len(shape) == 4 else J
+    row = max(math.fsum(np.abs(r)) for r in big)
+    return np.ldexp(J, -(math.frexp(row)[1] + 1))
+
+
+def _inputs64(case: Case) -> dict[str, np.ndarray]:
+    n, recipe, fn = case.shapes, case.recipe, case.function
+    st = _Streams(case.seed)
+    b, H, L, S, D, E = n.batch, n.H, n.L, n.S, n.D, n.E
+    R = int(recipe.get("R", 1))
+    out: dict[str, np.ndarray] = {}
+    if fn == "gmm.attention":
+        out["q"] = st.gaussian("q", (b, H, L, D))
+        out["keys"] = st.gaussian("keys", (b, H, S, D))
+        out["values"] = st.gaussian("values", (b, H, S, E))
+        if recipe.get("alpha"):
+            out["alpha"] = 0.125 + 0.375 * st.uniform("alpha", (b, H, S))
+        if recipe.get("beta"):
+            out["beta"] = 0.25 + 0.75 * st.uniform("beta", (b, H, S))
+        if recipe.get("prior"):
+            out["prior"] = st.gaussian("prior", (b, H, S))
+        if recipe.get("v_init"):
+            out["v_init"] = st.gaussian("v_init", (b, H, L, E))
+    elif fn == "gmm.adapt_keys":
+        out["queries"] = st.gaussian("queries", (b, H, L, D))
+        out["keys0"] = st.gaussian("keys0", (b, H, S, D))
+    elif fn == "gmm.adapt_priors":
+        out["queries"] = st.gaussian("queries", (b, H, L, D))
+        out["keys"] = st.gaussian("keys", (b, H, S, D))
+        out["pi0"] = _distribution(st, "pi0", (b, H, S))
+    elif fn in ("mgk.attention", "mgk.linear_attention"):
+        out["q"] = st.gaussian("q", (b, H, L, D))
+        out["keys"] = st.gaussian("keys", (b, H, S, R, D))
+        out["v"] = st.gaussian("v", (b, H, S, E))
+        if fn == "mgk.linear_attention":
+            out["pi"] = _distribution(st, "pi", (b, H, S, R))
+        if recipe.get("log_pi"):
+            # float64 cases only: a rounded log_pi is a distribution only within its own dtype's
+            # roundings, which the float64 baseline's check (float64 roundings) rejects
+            # (mpmath, not libm: the same bits on every machine)
+            import mpmath
+
+            pi = _distribution(st, "pi", (b, H, S, R))
+            out["log_pi"] = np.vectorize(lambda p: float(mpmath.log(mpmath.mpf(p))),
+                                         otypes=[np.float64])(pi)
+        if recipe.get("sigma2"):
+            out["sigma2"] = np.ldexp(1.0, (st.uniform("sigma2", (b, H, S, R)) * 4).astype(int)
+                                     - 1)
+        if recipe.get("mask"):
+            mask = st.bernoulli("mask", (b, H, L, S), Fraction(3, 4))
+            mask[:, :, 1::4, :] = False  # every fourth row empty: its output is 0
+            out["mask"] = mask
+    elif fn in ("hopfield.retrieve", "hopfield.energy"):
+        out["xi"] = st.gaussian("xi", (b, H, L, D))
+        out["X"] = st.gaussian("X", (b, H, S, D))
+    elif fn == "meanfield.naive_step":
+        out["m"] = st.gaussian("m", (b, L, D))
+        out["J"] = _couplings(st, (L, L, D, D), keep_diagonal=True)
+        out["x"] = st.gaussian("x", (b, L, D))
+    elif fn in ("meanfield.adaptive_tap", "meanfield.deq_attention"):
+        out["x"] = st.gaussian("x", (b, L, D))
+        out["J"] = _couplings(st, (L, L, D, D), keep_diagonal=bool(recipe.get("diagonal")))
+        if recipe.get("prior_precision"):
+            # symmetric positive definite, dyadic entries (exact in every dtype)
+            out["prior_precision"] = np.diag(np.full(D, 2.0)) + np.ldexp(
+                np.ones((D, D)) - np.eye(D), -1)
+    elif fn == "meanfield.ising_tap":
+        out["x"] = st.gaussian("x", (b, L))
+        J = _couplings(st, (L, L), keep_diagonal=False)
+        out["J"] = np.ldexp(J + J.T, -1)  # symmetric, same row-sum bound
+    else:
+        raise ValueError(f"make_inputs: unknown variant function {fn!r}")
+    return out
+
+
+_BOOL_INPUTS = ("mask",)
+
+
+def make_inputs(case: Case) -> dict[str, np.ndarray]:
+    """Inputs of a variant case (refattn parameter names), bit-identical on every machine.
+
+    Examples
+    --------
+    >>> from oracle import cases
+    >>> inputs = cases.make_inputs(cases.get("mgk-soft-H2-L4S6-D4E4-f32"))
+    >>> sorted(inputs), inputs["keys"].shape, inputs["keys"].dtype.name
+    (['keys', 'q', 'v'], (1, 2, 6, 2, 4), 'float32')
+    """
+    raw = _inputs64(case)
+    return {name: (x if name in _BOOL_INPUTS else _seeding.to_dtype(x, case.dtype))
+            for name, x in raw.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Truth
+# ---------------------------------------------------------------------------------------------
+
+def _function(case: Case):
+    import importlib
+
+    spec = FUNCTIONS[case.function]
+    return getattr(importlib.import_module(spec.module), spec.attribute)
+
+
+def outputs_of(case: Case, result) -> dict[str, Any]:
+    """The named outputs of a result: an array, tuple, mapping or object with attributes."""
+    names = FUNCTIONS[case.function].outputs
+    if isinstance(result, Mapping):
+        return {n: result[n] for n in names if n in result}
+    if isinstance(result, (tuple, list)):
+        return dict(zip(names, result, strict=False))
+    if all(hasattr(result, n) for n in names):
+        return {n: getattr(result, n) for n in names}
+    return {names[0]: result}
+
+
+def call_refattn(case: Case, inputs: Mapping[str, np.ndarray], **extra) -> dict[str, Any]:
+    """Run the case's refattn function on ``inputs`` with the case options and ``extra``."""
+    result = _function(case)(**inputs, **dict(case.options), **extra)
+    return outputs_of(case, result)
+
+
+def truth(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Exact outputs rounded to the case dtype and (``_f64``) to float64."""
+    result: dict[str, np.ndarray] = {}
+    dtypes = [case.dtype] if case.dtype == "float64" else [case.dtype, "float64"]
+    for dtype in dtypes:
+        suffix = "" if dtype == case.dtype else "_f64"
+        for name, value in call_refattn(case, inputs, precision="exact",
+                                        out_dtype=dtype).items():
+            result[name + suffix] = np.asarray(value)
+    if case.dtype == "float64":
+        for name in list(result):
+            result[name + "_f64"] = result[name]
+    return result
+
+
+#: Case.function -> truth builder; merged into :data:`oracle.golden.TRUTH_BUILDERS`.
+TRUTH_BUILDERS = {name: truth for name in FUNCTIONS}
+#: Case.function -> inputs builder; merged into :data:`oracle.cases.INPUT_BUILDERS`.
+INPUT_BUILDERS = {name: make_inputs for name in FUNCTIONS}
+
+
+def required_members(case: Case) -> tuple[list[str], list[str]]:
+    """(inputs, truth) member names a fixture file of ``case`` must hold (for verify)."""
+    spec = FUNCTIONS[case.function]
+    return list(spec.inputs), [n + s for n in spec.outputs for s in ("", "_f64")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Judging an implementation
+# ---------------------------------------------------------------------------------------------
+
+def _f64(x):
+    return np.asarray(x).astype(np.float64)
+
+
+def _per_unit(value, shape):
+    return np.broadcast_to(_f64(value), shape)
+
+
+def natural_scale(case: Case, inputs: Mapping[str, np.ndarray], name: str,
+                  truth64: np.ndarray) -> np.ndarray:
+    """The denominator of (T1) for output ``name`` of ``case`` (see the module docstring)."""
+    fn = case.function
+    x = {k: _f64(v) for k, v in inputs.items()}
+    if fn in ("gmm.attention", "mgk.attention", "mgk.linear_attention"):
+        values = x["values"] if fn == "gmm.attention" else x["v"]
+        return np.broadcast_to(np.abs(values).max(axis=-2, keepdims=True), truth64.shape)
+    if fn == "hopfield.retrieve":
+        return np.broadcast_to(np.abs(x["X"]).max(axis=-2, keepdims=True), truth64.shape)
+    if fn == "gmm.adapt_keys":
+        reach = np.maximum(np.abs(x["queries"]).max(axis=-2, keepdims=True),
+                           np.abs(x["keys0"]).max(axis=-2, keepdims=True))
+        return np.broadcast_to(reach, truth64.shape)
+    if fn == "gmm.adapt_priors":
+        return np.ones_like(truth64)
+    if fn == "hopfield.energy":
+        xi, X, beta = x["xi"], x["X"], float(case.options["beta"])
+        dots = np.abs(xi[..., :, None, :] * X[..., None, :, :]).sum(-1).max(-1)
+        scale = 0.5 * (xi * xi).sum(-1) + dots + math.log(X.shape[-2]) / beta
+        if case.options.get("constant"):
+            scale = scale + 0.5 * (X * X).sum(-1).max(-1, keepdims=True)
+        return np.broadcast_to(scale, truth64.shape)
+    if fn == "meanfield.naive_step":
+        terms = np.abs(np.einsum("ijab,...jb->...ijab", x["J"], x["m"])).sum(axis=(-3, -1))
+        return terms + np.abs(x["x"])
+    # fixed points: the largest magnitude of the output in each sample (cavity variances
+    # are a difference Lambda - 1/chi: their scale includes the prior precision's)
+    axes = tuple(range(1, truth64.ndim))
+    scale = np.abs(truth64).max(axis=axes, keepdims=True) if axes else np.abs(truth64)
+    if name == "cavity_var":
+        prior = x.get("prior_precision")
+        scale = scale + (1.0 if prior is None else float(np.abs(prior).max()))
+    if fn == "meanfield.ising_tap" and name in ("means", "chi_diag"):
+        scale = np.maximum(scale, 1.0)  # |m| <= 1, chi_ii = 1 - m^2 <= 1
+    return np.broadcast_to(scale, truth64.shape)
+
+
+def _sq_terms(a, b, weight):
+    """weight/2 * sum_d (a_d - b_d)^2 for every (row of a, row of b)."""
+    diff = a[..., :, None, :] - b[..., None, :, :]
+    return 0.5 * weight * (diff * diff).sum(-1)
+
+
+def _big(J):
+    n, _, d, _ = J.shape
+    return np.swapaxes(J, 1, 2).reshape(n * d, n * d)
+
+
+def _kappa(A):
+    return float(np.linalg.norm(A, np.inf) * np.linalg.norm(np.linalg.inv(A), np.inf))
+
+
+def condition(case: Case, inputs: Mapping[str, np.ndarray],
+              truth64: Mapping[str, np.ndarray]) -> float:
+    """Relative condition factor ``c`` of (V1): how much the case amplifies rounding errors.
+
+    Mixtures: ``1 + 2A`` per step, with ``A`` the largest magnitude of a logit's terms (a
+    logit perturbed by a relative ``delta`` moves a softmax weight by ``2 delta A``
+    relative, as in (T5)), summed over the iterations; linear attention: 2 (a ratio of positive
+    sums); linear systems: the infinity-norm condition number of ``P - J`` (of ``Lambda - J``
+    for the binary spins); the naive step and the energy: 1 (their scales already sum the
+    terms' magnitudes).
+    """
+    fn, opts = case.function, case.options
+    x = {k: _f64(v) for k, v in inputs.items()}
+    if fn == "gmm.attention":
+        q, keys, values = x["q"], x["keys"], x["values"]
+        S, E = keys.shape[-2], values.shape[-1]
+        alpha = _per_unit(x.get("alpha", opts.get("alpha", 1.0)), keys.shape[:-1])
+        beta = _per_unit(x.get("beta", opts.get("beta", 0.0)), keys.shape[:-1])
+        A = _sq_terms(q, keys, alpha[..., None, :])
+        A = A + 0.5 * beta[..., None, :] * E * (2 * np.abs(values).max()) ** 2
+        if opts.get("prior") == "magnitude":
+            A = A + 0.5 * (alpha * (keys * keys).sum(-1) + beta * (values * values).sum(-1))[
+                ..., None, :]
+        if "prior" in x:
+            A = A + np.abs(x["prior"])[..., None, :]
+        return int(opts.get("iters", 1)) * (1 + 2 * float(A.max()) + math.log(S))
+    if fn == "gmm.adapt_keys":
+        q, keys = x["queries"], x["keys0"]
+        A = float(_sq_terms(q, keys, float(opts["alpha"])).max())
+        if opts.get("prior") == "magnitude":
+            A += 0.5 * float(opts["alpha"]) * float((keys * keys).sum(-1).max())
+        factor = q.shape[-2] + 1 if opts.get("form") == "map" else 1
+        return int(opts.get("iters", 1)) * factor * (1 + 2 * A)
+    if fn == "gmm.adapt_priors":
+        q, keys, pi0 = x["queries"], x["keys"], x["pi0"]
+        A = float(_sq_terms(q, keys, float(opts["alpha"])).max())
+        A += float(np.abs(np.log(pi0)).max())
+        return int(opts.get("iters", 1)) * (1 + 2 * A)
+    if fn == "mgk.attention":
+        q, keys = x["q"], x["keys"]
+        s2 = _per_unit(x.get("sigma2", opts.get("sigma2", 1.0)), keys.shape[:-1])
+        diff = q[..., :, None, None, :] - keys[..., None, :, :, :]
+        A = (diff * diff).sum(-1) / (2 * s2[..., None, :, :])
+        if opts.get("normalized"):
+            A = A + 0.5 * q.shape[-1] * np.abs(np.log(2 * np.pi * s2))[..., None, :, :]
+        if "log_pi" in x:
+            A = A + np.abs(x["log_pi"])[..., None, :, :]
+        return 1 + 2 * float(A.max()) + math.log(keys.shape[-2])
+    if fn == "mgk.linear_attention":
+        return 2.0
+    if fn == "hopfield.retrieve":
+        xi, X, beta = x["xi"], x["X"], float(opts["beta"])
+        reach = max(float(np.abs(xi).max()), float(np.abs(X).max()))
+        A = beta * X.shape[-1] * reach * float(np.abs(X).max())
+        lipschitz = beta * float((X * X).sum(-1).max())
+        steps = int(opts.get("steps", 1))
+        return (1 + 2 * A) * sum(max(lipschitz, 1.0) ** t for t in range(steps))
+    if fn in ("hopfield.energy", "meanfield.naive_step"):
+        return 1.0
+    if fn in ("meanfield.adaptive_tap", "meanfield.deq_attention"):
+        J = x["J"]
+        N, d = J.shape[0], J.shape[2]
+        if fn == "meanfield.deq_attention" or "prior_precision" not in x:
+            P = np.eye(N * d)
+        else:
+            P = np.kron(np.eye(N), x["prior_precision"])
+        return _kappa(P - _big(J))
+    if fn == "meanfield.ising_tap":
+        m, V = truth64["means"], truth64["cavity_var"]
+        lam = V + 1 / (1 - m * m)
+        return max(_kappa(np.diag(row) - x["J"]) for row in lam.reshape(-1, lam.shape[-1]))
+    raise ValueError(f"condition: unknown variant function {fn!r}")
+
+
+def float64_path(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """refattn's float64 path on ``inputs`` (taken exactly in float64), as named outputs.
+
+    ``mgk.linear_attention`` without ``causal`` is evaluated one (batch, head) slice at a time:
+    its float64 path mis-broadcasts leading batch dimensions (``phi_q @ mixed.sum(-2)``).
+    """
+    raw = {k: (v if k in _BOOL_INPUTS else _f64(v)) for k, v in inputs.items()}
+    if case.function == "mgk.linear_attention" and not case.options.get("causal"):
+        lead = raw["q"].shape[:-2]
+        slices = [call_refattn(case, {k: v[index] for k, v in raw.items()})["out"]
+                  for index in np.ndindex(*lead)]
+        return {"out": np.stack(slices).reshape(*lead, *slices[0].shape)}
+    return {name: _f64(value) for name, value in call_refattn(case, raw).items()}
+
+
+def baseline(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The baseline of the rule (T2): refattn's float64 path on the case's inputs (exact in
+    float64), each output rounded once to the case dtype."""
+    return {name: _f64(_seeding.to_dtype(value, case.dtype))
+            for name, value in float64_path(case, inputs).items()}
+
+
+def _copy(x):
+    return np.copy(x) if isinstance(x, np.ndarray) else x
+
+
+def check_fixture(impl, fixture, *, reproduce=""):
+    """Run a variant implementation on one fixture and judge it; returns a CaseResult.
+
+    ``impl(**fixture.inputs, **fixture.case.options)`` (see the module docstring). Each
+    output is judged by (T1)/(T2) with the floor (V1) of :func:`oracle.tolerance.variant_floor`.
+    """
+    import time
+
+    from . import tolerance as tol
+    from . import validate as V
+
+    case = fixture.case
+    result = V.CaseResult(case.name, case.category, case.dtype, "pass", reproduce=reproduce,
+                          description=case.description)
+    start = time.perf_counter()
+    try:
+        produced = impl(**{k: _copy(v) for k, v in fixture.inputs.items()},
+                        **{k: _copy(v) for k, v in case.options.items()})
+        outputs = outputs_of(case, produced)
+        truths = {n: _f64(fixture.truth[n + "_f64"]) for n in FUNCTIONS[case.function].outputs}
+        base = baseline(case, fixture.inputs)
+        cond = condition(case, fixture.inputs, truths)
+        spec = FUNCTIONS[case.function]
+        floor = tol.variant_floor(case.dtype, condition=cond, n=spec.n_roundings(case),
+                                  n_stored=spec.n_stored)
+        problems = []
+        with np.errstate(all="ignore"):
+            for name, truth64 in truths.items():
+                if name not in outputs or outputs[name] is None:
+                    problems.append(f"{name}: not returned")
+                    continue
+                value = V._as_float64(outputs[name])
+                if value.shape != truth64.shape:
+                    problems.append(f"{name} has shape {value.shape}, expected {truth64.shape}")
+                    continue
+                scale = natural_scale(case, fixture.inputs, name, truth64)
+                base_err = np.where(np.isfinite(truth64), tol.normalised_error(
+                    base[name], truth64, scale, case.dtype), 0.0)
+                threshold = tol.threshold(base_err, floor, case.dtype, k=tol.K_FORWARD)
+                result.checks[name] = V._judge(name, value, truth64, scale, threshold,
+                                               case.dtype)
+        failing = [c for c in result.checks.values() if not c.passed]
+        if problems or failing:
+            result.verdict = "fail"
+            result.message = "; ".join(problems + [
+                f"{c.quantity}: {c.n_failed} of {c.size} elements over the threshold"
+                for c in failing])
+    except NotImplementedError as err:
+        result.verdict, result.message = "unsupported", str(err) or "NotImplementedError"
+        result.checks = {}
+    except Exception as err:  # noqa: BLE001 - any other exception is the verdict "error"
+        result.verdict, result.message = "error", f"{type(err).__name__}: {err}"
+        result.checks = {}
+    result.seconds = time.perf_counter() - start
+    if result.verdict == "pass":
+        result.reproduce = ""
+    return result
+
+
+def _register_inputs():
+    from . import cases as _cases
+
+    _cases.INPUT_BUILDERS.update(INPUT_BUILDERS)
+
+
+_register_inputs()
