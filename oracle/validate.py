@@ -14,6 +14,9 @@ bfloat16) and :func:`refattn.attention`'s keyword names. The oracle first adds
 raises NotImplementedError for it is called again without it and its lse is not checked. It
 returns ``out`` or ``(out, lse)``. Gradients (``grads=True``, cases that carry them) come from
 ``impl.vjp(q, k, v, grad_out, [grad_lse=...,] **options) -> (dq, dk, dv[, dbias])``.
+Variant cases (``Case.function`` other than "attention", suites "variants-smoke" and
+"variants-default") call ``impl(**inputs, **options)`` with the refattn function's parameter
+names and are judged by :func:`oracle.variant_cases.check_fixture`.
 
 Verdicts
 --------
@@ -633,8 +636,6 @@ def _select(items, dtype, cases):
 
     for item in items:
         case = item.case if hasattr(item, "case") else item
-        if getattr(case, "function", "attention") != "attention":
-            continue  # variant suites have their own calling conventions
         if dtype is not None and case.dtype != dtype:
             continue
         if cases and not any(fnmatch.fnmatchcase(case.name, p) for p in cases):
@@ -721,7 +722,13 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
             fixture = golden.build(item) if not hasattr(item, "truth") else item
             repro = _reproduce_cmd(spec, source_flag, fixture.case.dtype, fixture.case.name,
                                    grads, strict)
-            result = check_fixture(fn, fixture, grads=grads, diagnose=diagnose, reproduce=repro)
+            if fixture.case.function != "attention":
+                # variant cases: impl(**inputs, **options), see oracle.variant_cases
+                from .variant_cases import check_fixture as check_variant
+                result = check_variant(fn, fixture, reproduce=repro)
+            else:
+                result = check_fixture(fn, fixture, grads=grads, diagnose=diagnose,
+                                       reproduce=repro)
             results.append(result)
             bar.advance(f"{result.name}: {result.verdict}")
     return Report(_impl_name(fn, spec), dtype, label, strict, results,

@@ -14,9 +14,13 @@ gives its truth (``"gmm.attention"``, ``"gmm.adapt_keys"``, ``"gmm.adapt_priors"
 ``"mgk.attention"``, ``"mgk.linear_attention"``, ``"hopfield.retrieve"``,
 ``"hopfield.energy"``, ``"meanfield.naive_step"``, ``"meanfield.adaptive_tap"``,
 ``"meanfield.ising_tap"``, ``"meanfield.deq_attention"``, see :data:`FUNCTIONS`). Names are
-``<function tag>-<case tag>-<sizes>-<dtype>``, e.g. ``gmm-iters3-H2-L6S10-D8E8-f32``, all
-starting with ``gmm-``, ``mgk-``, ``mlk-``, ``hopfield-`` or ``meanfield-`` so they never
-collide with the attention catalogue.
+``<prefix>-<case tag>-<sizes>-<dtype>``, e.g. ``gmm-attn-iters3-H2-L6S10-D8E8-f32``; the
+prefix names the function, so ``--case 'mgk-*'`` (or ``validate(..., cases=["mgk-*"])``)
+selects one function's cases: ``gmm-attn`` (gmm.attention), ``gmm-keys`` (adapt_keys),
+``gmm-priors`` (adapt_priors), ``mgk`` (mgk.attention), ``mlk`` (linear_attention),
+``hopfield-retrieve``, ``hopfield-energy``, ``meanfield-naive``, ``meanfield-atap``
+(adaptive_tap), ``meanfield-ising``, ``meanfield-deq`` (:data:`PREFIXES`). No name collides
+with the attention catalogue.
 
 Sizes
 -----
@@ -83,6 +87,7 @@ from .cases import DTYPES, Case, Shapes, register_suite, seed_of
 __all__ = [
     "SUITES",
     "FUNCTIONS",
+    "PREFIXES",
     "Function",
     "TRUTH_BUILDERS",
     "variant_cases",
@@ -154,6 +159,16 @@ FUNCTIONS: dict[str, Function] = {
 }
 
 
+#: Case-name prefix of each function's cases (``f"{prefix}-*"`` selects exactly them).
+PREFIXES = {
+    "gmm.attention": "gmm-attn", "gmm.adapt_keys": "gmm-keys", "gmm.adapt_priors": "gmm-priors",
+    "mgk.attention": "mgk", "mgk.linear_attention": "mlk",
+    "hopfield.retrieve": "hopfield-retrieve", "hopfield.energy": "hopfield-energy",
+    "meanfield.naive_step": "meanfield-naive", "meanfield.adaptive_tap": "meanfield-atap",
+    "meanfield.ising_tap": "meanfield-ising", "meanfield.deq_attention": "meanfield-deq",
+}
+
+
 # ---------------------------------------------------------------------------------------------
 # The catalogue
 # ---------------------------------------------------------------------------------------------
@@ -188,26 +203,26 @@ def _entries() -> list[_Entry]:
     mix = _mix(1, 2, 6, 10, 8, 8)
     return [
         # --- GMM attention (Movellan & Gabbur eqs. (13)-(14)) ----------------------------------
-        e("gmm.attention", "gmm-basic", small, "one EM step, uniform prior (plain attention)",
+        e("gmm.attention", "gmm-attn-basic", small, "one EM step, uniform prior (plain attention)",
           smoke=_SMOKE, options={"alpha": 0.5, "beta": 0.5, "iters": 1}),
-        e("gmm.attention", "gmm-iters3", mix, "three EM steps, scalar alpha and beta",
+        e("gmm.attention", "gmm-attn-iters3", mix, "three EM steps, scalar alpha and beta",
           options={"alpha": 0.25, "beta": 0.5, "iters": 3}),
-        e("gmm.attention", "gmm-magnitude", mix, "magnitude prior (eqs. (15)-(18)), two steps",
+        e("gmm.attention", "gmm-attn-magnitude", mix, "magnitude prior (eqs. (15)-(18)), two steps",
           options={"alpha": 0.125, "beta": 0.25, "prior": "magnitude", "iters": 2}),
-        e("gmm.attention", "gmm-prior-array", mix, "log prior array, v_init, two steps",
+        e("gmm.attention", "gmm-attn-prior-array", mix, "log prior array, v_init, two steps",
           options={"alpha": 0.25, "beta": 0.5, "iters": 2},
           recipe={"prior": True, "v_init": True}),
-        e("gmm.attention", "gmm-per-unit", mix, "per-unit alpha and beta arrays (root of eq. "
+        e("gmm.attention", "gmm-attn-per-unit", mix, "per-unit alpha and beta arrays (root of eq. "
           "(12)), two steps", recipe={"alpha": True, "beta": True}, options={"iters": 2}),
-        e("gmm.adapt_keys", "gmm-adapt-keys", small, "key adaptation, paper form (eq. (28))",
+        e("gmm.adapt_keys", "gmm-keys", small, "key adaptation, paper form (eq. (28))",
           smoke=_SMOKE, options={"alpha": 0.5, "gamma": 1.0, "iters": 1, "form": "paper"}),
-        e("gmm.adapt_keys", "gmm-adapt-keys-map", mix, "key adaptation, MAP form, magnitude "
+        e("gmm.adapt_keys", "gmm-keys-map", mix, "key adaptation, MAP form, magnitude "
           "prior, two iterations", options={"alpha": 0.25, "gamma": 0.5, "iters": 2,
                                              "form": "map", "prior": "magnitude"}),
-        e("gmm.adapt_priors", "gmm-adapt-priors", small, "Dirichlet prior adaptation, paper form "
+        e("gmm.adapt_priors", "gmm-priors", small, "Dirichlet prior adaptation, paper form "
           "(eq. (33))", smoke=_SMOKE,
           options={"alpha": 0.5, "eta": 1.0, "iters": 1, "form": "paper"}),
-        e("gmm.adapt_priors", "gmm-adapt-priors-map", mix, "prior adaptation, MAP form, three "
+        e("gmm.adapt_priors", "gmm-priors-map", mix, "prior adaptation, MAP form, three "
           "iterations", options={"alpha": 0.25, "eta": 2.0, "iters": 3, "form": "map"}),
         # --- MGK / MLK (Nguyen et al. 2022) ---------------------------------------------------
         e("mgk.attention", "mgk-soft", small, "soft MGK, R = 2, uniform pi", smoke=_SMOKE,

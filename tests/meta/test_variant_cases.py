@@ -1,0 +1,361 @@
+"""Meta tests of the variant suites (oracle.variant_cases): catalogue, truths, bytes, judge."""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import time
+
+import mpmath
+import numpy as np
+import pytest
+
+from oracle import cases, golden
+from oracle import validate as V
+from oracle import variant_cases as vc
+from oracle.tolerance import textbook_attention
+from refattn import gmm, hopfield, meanfield, mgk
+from tests.test_gmm import (
+    DPS,
+    _rounded,
+    assert_same_bits,
+    naive_adapt_keys,
+    naive_adapt_priors,
+    naive_gmm,
+)
+from tests.test_hopfield import naive_energy, naive_retrieve
+from tests.test_meanfield import _fraction_naive_step, _mp_inverse, _mp_ising, _mp_solve
+from tests.test_mgk import naive_linear, naive_mgk
+
+SMOKE = "variants-smoke"
+DEFAULT = "variants-default"
+
+
+# ----------------------------------------------------------------------------- catalogue
+
+
+def test_names_unique_prefixed_and_disjoint_from_attention():
+    default = cases.suite(DEFAULT)
+    names = [c.name for c in default]
+    assert len(set(names)) == len(names), "variants-default: duplicate case names"
+    attention = {c.name for c in cases.suite("full")}
+    clash = sorted(set(names) & attention)
+    assert not clash, f"variant names collide with the attention catalogue: {clash}"
+    smoke = {c.name for c in cases.suite(SMOKE)}
+    assert smoke <= set(names), f"smoke not within default: {sorted(smoke - set(names))}"
+    for case in default:
+        prefix = vc.PREFIXES[case.function]
+        assert fnmatch.fnmatchcase(case.name, f"{prefix}-*"), (case.name, prefix)
+        others = [p for f, p in vc.PREFIXES.items()
+                  if f != case.function and fnmatch.fnmatchcase(case.name, f"{p}-*")]
+        assert not others, f"{case.name}: also matched by prefixes {others}"
+
+
+def test_every_variant_function_covered_in_every_dtype():
+    seen = {(c.function, c.dtype) for c in cases.suite(DEFAULT)}
+    missing = [(f, d) for f in vc.FUNCTIONS for d in cases.DTYPES if (f, d) not in seen]
+    assert not missing, f"variants-default lacks {missing}"
+    smoke_functions = {c.function for c in cases.suite(SMOKE)}
+    assert smoke_functions == set(vc.FUNCTIONS), set(vc.FUNCTIONS) - smoke_functions
+
+
+def test_specs_round_trip_and_get():
+    for case in cases.suite(DEFAULT):
+        again = cases.Case.from_spec(json.loads(case.spec_json()))
+        assert again == case and again.spec() == case.spec(), case.name
+    name = cases.suite(SMOKE)[0].name
+    assert cases.get(name).name == name
+
+
+# ----------------------------------------------------------------------------- truths
+
+
+def _slices(lead):
+    return list(np.ndindex(*lead))
+
+
+def _reference(case, inputs):
+    """Independent mpmath/Fraction evaluation (the variants' own test references), rounded
+    to the case dtype, as {output: float64 array}."""
+    x = {k: (v if v.dtype == bool else np.asarray(v).astype(np.float64))
+         for k, v in inputs.items()}
+    o, fn, dtype = case.options, case.function, case.dtype
+    if fn.startswith("meanfield."):
+        return _meanfield_reference(case, x)
+    lead = next(iter(x.values())).shape[:2]
+    out = []
+    for index in _slices(lead):
+        s = {k: v[index] for k, v in x.items()}
+        if fn == "gmm.attention":
+            values, _ = naive_gmm(s["q"], s["keys"], s["values"], alpha=s.get("alpha", o.get(
+                "alpha")), beta=s.get("beta", o.get("beta", 0.0)), prior=s.get(
+                "prior", o.get("prior", "uniform")), v_init=s.get("v_init"),
+                iters=o.get("iters", 1))
+        elif fn == "gmm.adapt_keys":
+            values = naive_adapt_keys(s["queries"], s["keys0"], alpha=o["alpha"],
+                                      gamma=o["gamma"], prior=o.get("prior", "uniform"),
+                                      iters=o["iters"], form=o["form"])
+        elif fn == "gmm.adapt_priors":
+            values = naive_adapt_priors(s["queries"], s["keys"], alpha=o["alpha"], eta=o["eta"],
+                                        pi0=list(s["pi0"]), iters=o["iters"], form=o["form"])
+        elif fn == "mgk.attention":
+            values = naive_mgk(s["q"], s["keys"], s["v"], log_pi=s.get("log_pi"),
+                               sigma2=s.get("sigma2", o.get("sigma2", 1.0)),
+                               mode=o.get("mode", "soft"), normalized=o.get("normalized", False),
+                               mask=s.get("mask"), causal=o.get("causal", False),
+                               window=o.get("window"), align=o.get("align", "top_left"))
+        elif fn == "mgk.linear_attention":
+            values = naive_linear(s["q"], s["keys"], s["v"], pi=s["pi"],
+                                  causal=o.get("causal", False))
+        elif fn == "hopfield.retrieve":
+            values, _ = naive_retrieve(s["xi"], s["X"], o["beta"], o["steps"])
+        elif fn == "hopfield.energy":
+            with mpmath.workdps(DPS):
+                patterns = [[mpmath.mpf(float(a)) for a in row] for row in s["X"]]
+                values = [naive_energy([mpmath.mpf(float(a)) for a in row], patterns,
+                                       o["beta"], o.get("constant", False)) for row in s["xi"]]
+        out.append(_rounded(values, dtype))
+    result = np.stack(out)
+    return {"out": result.reshape(*lead, *result.shape[1:])}
+
+
+def _big(J):
+    n, _, d, _ = J.shape
+    return np.swapaxes(J, 1, 2).reshape(n * d, n * d)
+
+
+def _meanfield_reference(case, x):
+    fn, dtype = case.function, case.dtype
+    if fn == "meanfield.naive_step":
+        exact = [_fraction_naive_step(m, x["J"], xb) for m, xb in zip(x["m"], x["x"],
+                                                                      strict=True)]
+        return {"out": _rounded(exact, dtype)}
+    if fn == "meanfield.ising_tap":
+        res = meanfield.ising_tap(x["x"], x["J"])  # the root near the float64 solution
+        outs = [_mp_ising(xb, x["J"], m0, v0) for xb, m0, v0 in
+                zip(x["x"], res.means, res.cavity_var, strict=True)]
+        return {name: _rounded([o[k].tolist() for o in outs], dtype)
+                for k, name in enumerate(("means", "cavity_var", "chi_diag"))}
+    J = x["J"]
+    N, d = J.shape[0], J.shape[2]
+    prior = x.get("prior_precision", np.eye(d))
+    P = np.kron(np.eye(N), prior)
+    means = [_mp_solve(P, _big(J), xb.ravel()).reshape(N, d).tolist() for xb in x["x"]]
+    result = {"means": _rounded(means, dtype)}
+    if fn == "meanfield.adaptive_tap":
+        chi = _mp_inverse(P, _big(J))
+        with mpmath.workdps(DPS):
+            blocks = [chi[i * d:(i + 1) * d, i * d:(i + 1) * d] for i in range(N)]
+            cavity = [(mpmath.matrix(prior.tolist()) - mpmath.matrix(b.tolist()) ** -1).tolist()
+                      for b in blocks]
+        batch = x["x"].shape[0]
+        result["chi_diag"] = _rounded([[b.tolist() for b in blocks]] * batch, dtype)
+        result["cavity_var"] = _rounded([cavity] * batch, dtype)
+    return result
+
+
+def _reference_cases():
+    # every smoke case, plus one default case per function/option family in float32/bfloat16
+    chosen = list(cases.suite(SMOKE))
+    seen = set()
+    for case in cases.suite(DEFAULT):
+        family = case.name.rsplit("-", 1)[0]
+        if case.dtype in ("float32", "bfloat16") and family not in seen and case not in chosen:
+            seen.add(family)
+            chosen.append(case)
+    return chosen
+
+
+@pytest.mark.parametrize("case", _reference_cases(), ids=lambda c: c.name)
+def test_truth_equals_independent_reference(case):
+    fixture = golden.build(case)
+    reference = _reference(case, fixture.inputs)
+    assert set(reference) == set(vc.FUNCTIONS[case.function].outputs), case.name
+    for name, expected in reference.items():
+        stored = fixture.truth[name]
+        assert np.dtype(stored.dtype).name == case.dtype, (case.name, name, stored.dtype)
+        assert_same_bits(f"{case.name} truth/{name}", np.asarray(stored).astype(np.float64),
+                         expected)
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def _shas(directory):
+    manifest = json.loads((directory / golden.MANIFEST).read_text())
+    return {e["name"]: e["sha256"] for e in manifest["cases"]}
+
+
+def test_generate_is_deterministic_verifies_and_loads(tmp_path, capsys):
+    start = time.perf_counter()
+    first = golden.generate(SMOKE, tmp_path / "a", progress=False)
+    seconds = time.perf_counter() - start
+    second = golden.generate(SMOKE, tmp_path / "b", progress=False, workers=2)
+    shas = _shas(first)
+    assert shas == _shas(second), "regeneration changed some sha256"
+    for name in shas:
+        a, b = (first / f"{name}.npz").read_bytes(), (second / f"{name}.npz").read_bytes()
+        assert hashlib.sha256(a).hexdigest() == shas[name] and a == b, name
+    assert golden.verify(first) == []
+    loaded = {f.name: f for f in golden.load(first)}
+    assert sorted(loaded) == sorted(c.name for c in cases.suite(SMOKE))
+    for case in cases.suite(SMOKE):
+        built = golden.build(case)
+        fixture = loaded[case.name]
+        assert fixture.case == case and fixture.case.function == case.function
+        for group in ("inputs", "truth"):
+            ours, theirs = getattr(built, group), getattr(fixture, group)
+            assert sorted(ours) == sorted(theirs), (case.name, group)
+            for key in ours:
+                assert ours[key].dtype == theirs[key].dtype, (case.name, key)
+                assert ours[key].tobytes() == theirs[key].tobytes(), (case.name, key)
+    with capsys.disabled():
+        print(f"\n[variants-smoke: {len(shas)} cases generated in {seconds:.2f} s]")
+
+
+def test_verify_names_a_missing_truth_member(tmp_path):
+    case = next(c for c in cases.suite(SMOKE) if c.function == "meanfield.adaptive_tap")
+    out = golden.generate(SMOKE, tmp_path, progress=False, cases=[case])
+    fixture = golden.build(case)
+    del fixture.truth["chi_diag_f64"]
+    path = out / f"{case.name}.npz"
+    path.write_bytes(golden.fixture_bytes(fixture))
+    manifest = json.loads((out / golden.MANIFEST).read_text())
+    manifest["cases"][0]["sha256"] = golden.sha256_of(path)
+    (out / golden.MANIFEST).write_text(json.dumps(manifest))
+    problems = golden.verify(out)
+    assert problems and "truth/chi_diag_f64" in problems[0], problems
+
+
+@pytest.mark.slow
+def test_default_generation_is_deterministic(tmp_path, capsys):
+    start = time.perf_counter()
+    first = golden.generate(DEFAULT, tmp_path / "a", progress=False, workers=2)
+    seconds = time.perf_counter() - start
+    second = golden.generate(DEFAULT, tmp_path / "b", progress=False, workers=1)
+    assert _shas(first) == _shas(second)
+    assert golden.verify(first) == []
+    with capsys.disabled():
+        print(f"\n[variants-default: {len(_shas(first))} cases generated in {seconds:.2f} s "
+              f"on 2 workers]")
+
+
+# ----------------------------------------------------------------------------- judge
+
+
+def _linear_attention_slices(q, keys, v, pi, **options):
+    # refattn's non-causal float64 linear_attention mis-broadcasts batch dimensions: one
+    # (batch, head) slice at a time
+    lead = q.shape[:-2]
+    rows = [mgk.linear_attention(q[i], keys[i], v[i], pi=pi[i], **options)
+            for i in np.ndindex(*lead)]
+    return np.stack(rows).reshape(*lead, *rows[0].shape)
+
+
+REFATTN64 = {
+    "gmm.attention": gmm.attention, "gmm.adapt_keys": gmm.adapt_keys,
+    "gmm.adapt_priors": gmm.adapt_priors, "mgk.attention": mgk.attention,
+    "mgk.linear_attention": _linear_attention_slices, "hopfield.retrieve": hopfield.retrieve,
+    "hopfield.energy": hopfield.energy, "meanfield.naive_step": meanfield.naive_step,
+    "meanfield.adaptive_tap": meanfield.adaptive_tap, "meanfield.ising_tap": meanfield.ising_tap,
+    "meanfield.deq_attention": meanfield.deq_attention,
+}
+
+
+def _only(suite, function, dtypes=None):
+    return [c for c in cases.suite(suite) if c.function == function
+            and (dtypes is None or c.dtype in dtypes)]
+
+
+def _explain(report):
+    return "\n".join(r.explain() for r in report.results if r.verdict != "pass")
+
+
+@pytest.mark.parametrize("function", sorted(vc.FUNCTIONS))
+def test_refattn_float64_paths_pass_smoke(function):
+    report = V.validate(REFATTN64[function], suite=_only(SMOKE, function), dtype=None,
+                        progress=False)
+    assert report.results and report.passed, _explain(report)
+    assert all(r.verdict == "pass" and r.checks for r in report.results), _explain(report)
+
+
+def test_validate_by_name_runs_variant_suite():
+    report = V.validate(mgk.attention, suite=SMOKE, dtype="float32", cases=["mgk-*"],
+                        progress=False)
+    assert [r.name for r in report.results] == [c.name for c in _only(SMOKE, "mgk.attention",
+                                                                      ("float32",))]
+    assert report.passed, _explain(report)
+
+
+def _textbook_retrieve(xi, X, *, beta, steps):
+    # a genuine low-precision implementation: steps x textbook attention in the input dtype
+    # (float32 accumulation for half types, every stage stored in the dtype)
+    for _ in range(steps):
+        xi = textbook_attention(xi, X, X, scale=beta).out
+    return xi
+
+
+def test_low_precision_textbook_passes_in_every_dtype():
+    report = V.validate(_textbook_retrieve, suite=_only(DEFAULT, "hopfield.retrieve"),
+                        dtype=None, progress=False)
+    assert len(report.results) == 8 and report.passed, _explain(report)
+
+
+def _mgk_numpy(q, keys, v, *, sigma2=1.0, sign=-1.0):
+    q, keys, v = (np.asarray(a).astype(np.float64) for a in (q, keys, v))
+    diff = q[..., :, None, None, :] - keys[..., None, :, :, :]
+    comps = sign * (diff * diff).sum(-1) / (2 * sigma2) - np.log(keys.shape[-2])
+    top = comps.max(-1, keepdims=True)
+    scores = (top + np.log(np.exp(comps - top).sum(-1, keepdims=True)))[..., 0]
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    return (weights / weights.sum(-1, keepdims=True)) @ v
+
+
+def _deq_transposed(x, J, **options):
+    return meanfield.deq_attention(x, np.swapaxes(np.swapaxes(J, 0, 1), 2, 3), **options)
+
+
+BROKEN = [
+    ("mgk without the minus sign", "mgk.attention",
+     lambda q, keys, v, sigma2: _mgk_numpy(q, keys, v, sigma2=sigma2, sign=1.0),
+     lambda q, keys, v, sigma2: _mgk_numpy(q, keys, v, sigma2=sigma2)),
+    ("gmm with beta ignored", "gmm.attention",
+     lambda **kw: gmm.attention(**{**kw, "beta": 0.0}), gmm.attention),
+    ("hopfield with beta squared", "hopfield.retrieve",
+     lambda xi, X, beta, steps: hopfield.retrieve(xi, X, beta=beta * beta, steps=steps),
+     hopfield.retrieve),
+    ("deq with J_ji for J_ij", "meanfield.deq_attention", _deq_transposed,
+     meanfield.deq_attention),
+]
+
+
+@pytest.mark.parametrize("label, function, broken, correct", BROKEN, ids=[b[0] for b in BROKEN])
+def test_broken_variant_fails(label, function, broken, correct):
+    chosen = [c for c in _only(DEFAULT, function, ("float64", "float32"))
+              if set(c.recipe) <= {"R"} and c.options.get("mode", "soft") == "soft"
+              and not c.options.get("causal") and c.options.get("window") is None][:2]
+    if function == "gmm.attention":  # beta only acts from the second EM step on
+        chosen = [c for c in _only(DEFAULT, function, ("float64", "float32"))
+                  if c.options.get("iters", 1) > 1 and not c.recipe]
+    assert chosen, f"no case for {label}"
+    good = V.validate(correct, suite=chosen, dtype=None, progress=False)
+    assert good.passed, f"the correct twin of {label} fails:\n{_explain(good)}"
+    bad = V.validate(broken, suite=chosen, dtype=None, progress=False)
+    verdicts = {r.name: r.verdict for r in bad.results}
+    assert all(v == "fail" for v in verdicts.values()), f"{label}: {verdicts}"
+    worst = bad.results[0].worst
+    assert worst is not None and worst.error > worst.threshold, bad.results[0].explain()
+
+
+def test_unsupported_and_error_verdicts():
+    chosen = _only(SMOKE, "hopfield.energy", ("float32",))
+
+    def unsupported(**kw):
+        raise NotImplementedError("no energy here")
+
+    report = V.validate(unsupported, suite=chosen, dtype=None, progress=False)
+    assert [r.verdict for r in report.results] == ["unsupported"] and report.passed
+    report = V.validate(lambda **kw: np.zeros(3), suite=chosen, dtype=None, progress=False)
+    assert [r.verdict for r in report.results] == ["fail"], _explain(report)
+    assert "shape" in report.results[0].message
