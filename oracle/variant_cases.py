@@ -579,31 +579,40 @@ def condition(case: Case, inputs: Mapping[str, np.ndarray],
 
     Mixtures: ``1 + 2A`` per step, with ``A`` the largest magnitude of a logit's terms (a
     logit perturbed by a relative ``delta`` moves a softmax weight by ``2 delta A``
-    relative, as in (T5)), summed over the iterations; linear attention: 2 (a ratio of positive
-    sums); linear systems: the infinity-norm condition number of ``P - J`` (of ``Lambda - J``
-    for the binary spins); the naive step and the energy: 1 (their scales already sum the
-    terms' magnitudes).
+    relative, as in (T5)), summed over the iterations; iterates are bounded through the convex
+    hull they lie in (of the values, keys/queries or patterns), and Hopfield steps multiply
+    by the update's Lipschitz bound ``beta diam(X)^2 / 4`` (when above 1); linear attention:
+    2 (a ratio of positive sums); linear systems: the infinity-norm condition number of
+    ``P - J`` (of ``Lambda - J`` for the binary spins); the naive step and the energy: 1
+    (their scales already sum the terms' magnitudes).
     """
     fn, opts = case.function, case.options
     x = {k: _f64(v) for k, v in inputs.items()}
     if fn == "gmm.attention":
         q, keys, values = x["q"], x["keys"], x["values"]
-        S, E = keys.shape[-2], values.shape[-1]
         alpha = _per_unit(x.get("alpha", opts.get("alpha", 1.0)), keys.shape[:-1])
         beta = _per_unit(x.get("beta", opts.get("beta", 0.0)), keys.shape[:-1])
         A = _sq_terms(q, keys, alpha[..., None, :])
-        A = A + 0.5 * beta[..., None, :] * E * (2 * np.abs(values).max()) ** 2
         if opts.get("prior") == "magnitude":
             A = A + 0.5 * (alpha * (keys * keys).sum(-1) + beta * (values * values).sum(-1))[
                 ..., None, :]
         if "prior" in x:
             A = A + np.abs(x["prior"])[..., None, :]
-        return int(opts.get("iters", 1)) * (1 + 2 * float(A.max()) + math.log(S))
+        # every iterate v_t lies in the convex hull of the values (and v_init), where the
+        # convex ||v - mu_u||^2 is largest at a vertex
+        hull = values if "v_init" not in x else np.concatenate([values, x["v_init"]], -2)
+        value_term = float((beta[..., None, :] * _sq_terms(hull, values, 1.0)).max())
+        first = float(A.max()) + (value_term if "v_init" in x else 0.0)
+        later = float(A.max()) + value_term
+        iters = int(opts.get("iters", 1))
+        return (1 + 2 * first) + (iters - 1) * (1 + 2 * later)
     if fn == "gmm.adapt_keys":
         q, keys = x["queries"], x["keys0"]
-        A = float(_sq_terms(q, keys, float(opts["alpha"])).max())
+        # the keys stay in the convex hull of keys0 and the queries
+        hull = np.concatenate([keys, q], -2)
+        A = float(_sq_terms(q, hull, float(opts["alpha"])).max())
         if opts.get("prior") == "magnitude":
-            A += 0.5 * float(opts["alpha"]) * float((keys * keys).sum(-1).max())
+            A += 0.5 * float(opts["alpha"]) * float((hull * hull).sum(-1).max())
         factor = q.shape[-2] + 1 if opts.get("form") == "map" else 1
         return int(opts.get("iters", 1)) * factor * (1 + 2 * A)
     if fn == "gmm.adapt_priors":
@@ -625,9 +634,13 @@ def condition(case: Case, inputs: Mapping[str, np.ndarray],
         return 2.0
     if fn == "hopfield.retrieve":
         xi, X, beta = x["xi"], x["X"], float(opts["beta"])
-        reach = max(float(np.abs(xi).max()), float(np.abs(X).max()))
-        A = beta * X.shape[-1] * reach * float(np.abs(X).max())
-        lipschitz = beta * float((X * X).sum(-1).max())
+        # iterates after the first lie in the convex hull of the patterns, where the convex
+        # sum_d |x_jd y_d| is largest at a vertex
+        hull = np.concatenate([xi, X], -2)
+        A = beta * float(np.abs(X[..., :, None, :] * hull[..., None, :, :]).sum(-1).max())
+        # Lipschitz constant of xi -> X^T softmax(beta X xi): beta times the largest
+        # covariance of a distribution on the patterns, at most diam^2 / 4
+        lipschitz = beta * float(_sq_terms(X, X, 1.0).max()) / 2
         steps = int(opts.get("steps", 1))
         return (1 + 2 * A) * sum(max(lipschitz, 1.0) ** t for t in range(steps))
     if fn in ("hopfield.energy", "meanfield.naive_step"):
