@@ -68,6 +68,24 @@ def test_specs_round_trip_and_get():
     assert cases.get(name).name == name
 
 
+#: sha256 over every variants-default input (name, dtype, shape, bytes); computed once on
+#: x86-64 Linux. The inputs are built from integers and correctly rounded operations only, so
+#: this must hold on every machine and NumPy version; a deliberate catalogue change updates it.
+PINNED_INPUTS_SHA256 = "fe4388d2af4a9683242000c8daa3db03c296ec6611eaf72f696fb887c397af74"
+
+
+def test_inputs_are_pinned():
+    digest = hashlib.sha256()
+    for case in cases.suite(DEFAULT):
+        for name, x in sorted(cases.make_inputs(case).items()):
+            for part in (case.name, name, str(x.dtype), repr(x.shape)):
+                digest.update(part.encode())
+            digest.update(x.tobytes())
+    assert digest.hexdigest() == PINNED_INPUTS_SHA256, (
+        f"variants-default inputs changed: sha256 {digest.hexdigest()}, pinned "
+        f"{PINNED_INPUTS_SHA256}")
+
+
 # ----------------------------------------------------------------------------- truths
 
 
