@@ -320,14 +320,27 @@ def test_low_precision_textbook_passes_in_every_dtype():
     assert len(report.results) == 8 and report.passed, _explain(report)
 
 
-def _mgk_numpy(q, keys, v, *, sigma2=1.0, sign=-1.0):
-    q, keys, v = (np.asarray(a).astype(np.float64) for a in (q, keys, v))
+def _mgk_numpy(q, keys, v, *, sigma2=1.0, sign=-1.0, dtype=np.float64):
+    q, keys, v = (np.asarray(a).astype(dtype) for a in (q, keys, v))
+    sigma2, log_r = dtype(sigma2), dtype(np.log(keys.shape[-2]))
     diff = q[..., :, None, None, :] - keys[..., None, :, :, :]
-    comps = sign * (diff * diff).sum(-1) / (2 * sigma2) - np.log(keys.shape[-2])
+    comps = dtype(sign) * (diff * diff).sum(-1) / (dtype(2) * sigma2) - log_r
     top = comps.max(-1, keepdims=True)
     scores = (top + np.log(np.exp(comps - top).sum(-1, keepdims=True)))[..., 0]
     weights = np.exp(scores - scores.max(-1, keepdims=True))
     return (weights / weights.sum(-1, keepdims=True)) @ v
+
+
+def test_float32_arithmetic_mgk_passes():
+    # an honest implementation computing everything in float32 is no false alarm
+    chosen = [c for c in _only(DEFAULT, "mgk.attention", ("float32",))
+              if set(c.recipe) <= {"R"} and set(c.options) == {"sigma2"}]
+    assert chosen
+    report = V.validate(lambda **kw: _mgk_numpy(**kw, dtype=np.float32), suite=chosen,
+                        dtype=None, progress=False)
+    assert report.passed, _explain(report)
+    worst = max(r.worst.error / r.worst.threshold for r in report.results)
+    assert worst > 0, "float32 arithmetic should not be exact"
 
 
 def _deq_transposed(x, J, **options):
