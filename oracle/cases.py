@@ -84,6 +84,7 @@ __all__ = [
     "Shapes",
     "Case",
     "SUITES",
+    "suite_names",
     "CATEGORIES",
     "DTYPES",
     "OPTION_NAMES",
@@ -496,6 +497,18 @@ def register_suite(name: str, factory: Callable[[], Iterable[Case]]) -> None:
     _EXTRA_SUITES[name] = factory
 
 
+def suite_names() -> list[str]:
+    """Every suite: the built-in ones, then the registered ones (the variants) by name.
+
+    Examples
+    --------
+    >>> from oracle import cases
+    >>> cases.suite_names()[:3]
+    ['smoke', 'default', 'full']
+    """
+    return list(SUITES) + sorted(_EXTRA_SUITES)
+
+
 def suite(name: str) -> list[Case]:
     """The cases of suite ``name``, in catalogue order.
 
@@ -509,8 +522,7 @@ def suite(name: str) -> list[Case]:
     if name in _EXTRA_SUITES:
         return list(_EXTRA_SUITES[name]())
     if name not in SUITES:
-        known = list(SUITES) + sorted(_EXTRA_SUITES)
-        raise ValueError(f"suite: expected one of {known}, got {name!r}")
+        raise ValueError(f"suite: expected one of {suite_names()}, got {name!r}")
     return [c for c in _catalogue().values() if name in c.suites]
 
 

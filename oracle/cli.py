@@ -142,7 +142,7 @@ def _list(args) -> int:
     from . import cases
 
     if args.what == "suites":
-        for name in cases.SUITES:
+        for name in cases.suite_names():
             print(f"{name} {len(cases.suite(name))} cases")
     elif args.what == "cases":
         for case in cases.suite(args.suite):

@@ -349,6 +349,13 @@ def _model(q, keys, values, alpha, beta, prior, *, need_values=True):
 # --------------------------------------------------------------------------------------------
 
 
+def _float64(m: _Model) -> _Model:
+    """The model with its arrays widened (exactly) to float64, for the float64 path: einsum
+    and matmul do not take float16 / bfloat16 inputs uniformly."""
+    return m._replace(q=_checks.as_float64(m.q), keys=_checks.as_float64(m.keys),
+                      values=None if m.values is None else _checks.as_float64(m.values))
+
+
 def _sqdist64(x, y):
     """||x_i - y_u||^2, (..., L, S), from the differences (no cancellation of large norms)."""
     diff = x[..., :, None, :] - y[..., None, :, :]
@@ -660,6 +667,8 @@ def attention(q, keys, values, *, alpha, beta=0.0, prior="uniform", v_init=None,
         v_init = finite_input(v_init, "v_init", 2)
         want = m.q.shape[:-1] + (m.values.shape[-1],)
         v_init = _checks.broadcast(v_init, want, "v_init", "(..., L, E)")
+    if precision == "float64":
+        m = _float64(m)
     if precision == "float64" and backend == "numba":
         from .kernels.variants import gmm_attention
 
@@ -718,6 +727,7 @@ def log_posterior(v, q, keys, values, *, alpha, beta, prior="uniform", precision
     v = finite_input(v, "v", 2)
     v = _checks.broadcast(v, m.q.shape[:-1] + (m.values.shape[-1],), "v", "(..., L, E)")
     if precision == "float64":
+        m = _float64(m)
         return _log_posterior64(m, _query_logits64(m, m.q, m.keys), _checks.as_float64(v))
 
     def row_value(ops, row):
@@ -837,7 +847,8 @@ def adapt_keys(queries, keys0, *, alpha, gamma, prior="uniform", iters=1, form="
     batch, units = m.keys.shape[:-2], m.keys.shape[-2]
     gamma = _check_gamma(gamma, batch, units)
     if precision == "float64":
-        keys0_w = _checks.as_float64(m.keys)
+        m = _float64(m)
+        keys0_w = m.keys
         keys = keys0_w
         for _ in range(iters):
             keys = _keys_update64(m, keys0_w, keys, gamma, form)
@@ -964,6 +975,7 @@ def adapt_priors(queries, keys, *, alpha, eta, pi0, iters=1, form="paper",
     pi0 = _check_pi0(pi0, batch, units)
     eta_kind, eta_value = _check_eta(eta, pi0)
     if precision == "float64":
+        m = _float64(m)
         pi = pi0 / pi0.sum(axis=-1, keepdims=True)
         eta_arr = eta_value * pi if eta_kind == "scaled" else eta_value
         for _ in range(iters):

@@ -553,7 +553,7 @@ def linear_attention(q, keys, v, *, pi, feature_map="elu+1", causal=False, preci
             den = np.einsum("...ld,...ld->...l", phi_q, norms)
         else:
             num = phi_q @ outer.sum(axis=-3)
-            den = phi_q @ mixed.sum(axis=-2)
+            den = np.einsum("...ld,...d->...l", phi_q, mixed.sum(axis=-2))
         return num / den[..., None]
 
     def row_out(ops, row):

@@ -754,3 +754,20 @@ def test_exact_tie_on_a_rounding_midpoint():
         out = gmm.attention(q, keys, values, alpha=1.0, beta=beta, iters=iters,
                             precision="exact")
         assert_same_bits(f"midpoint tie, iters={iters}", out, np.array([[0.5]]))
+
+
+@pytest.mark.parametrize("prior", ["uniform", "magnitude"])
+def test_float64_path_takes_half_precision_inputs(prior):
+    """float16/bfloat16 inputs are widened exactly: the float64 path equals its run on the
+    same values given as float64."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(13)
+    q, keys, values = (rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
+                       for shape in ((2, 3, 4), (2, 5, 4), (2, 5, 3)))
+    wide = [a.astype(np.float64) for a in (q, keys, values)]
+    np.testing.assert_array_equal(gmm.attention(q, keys, values, alpha=1.0, prior=prior),
+                                  gmm.attention(*wide, alpha=1.0, prior=prior))
+    np.testing.assert_array_equal(gmm.adapt_keys(q.astype(np.float16), keys, alpha=1.0,
+                                                 gamma=1.0),
+                                  gmm.adapt_keys(wide[0], wide[1], alpha=1.0, gamma=1.0))

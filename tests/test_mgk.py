@@ -428,3 +428,16 @@ def test_exact_tie_on_a_rounding_midpoint():
     for mode in ("soft", "hard"):
         out = mgk.attention(q, keys, v, mode=mode, precision="exact")
         assert_same_bits(f"midpoint tie ({mode})", out, np.array([[0.5]]))
+
+
+def test_linear_attention_with_batch_dims_equals_per_slice():
+    """Non-causal MLK with leading batch dimensions (the normaliser's contraction once
+    treated the batch axis as a matrix axis)."""
+    rng = np.random.default_rng(12)
+    q = rng.standard_normal((2, 3, 4))
+    keys = rng.standard_normal((2, 5, 2, 4))
+    v = rng.standard_normal((2, 5, 3))
+    pi = np.full((2, 5, 2), 0.5)
+    batched = mgk.linear_attention(q, keys, v, pi=pi)
+    sliced = np.stack([mgk.linear_attention(q[b], keys[b], v[b], pi=pi[b]) for b in range(2)])
+    np.testing.assert_array_equal(batched, sliced)

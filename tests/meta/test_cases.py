@@ -280,3 +280,13 @@ def test_smoke_specs_pinned():
     specs = "\n".join(c.spec_json() for c in cases.suite("smoke"))
     got = hashlib.sha256(specs.encode()).hexdigest()
     assert got == _PINNED_SMOKE, f"smoke case specs changed: sha256 {got} != {_PINNED_SMOKE}"
+
+
+def test_suite_names_lists_registered_suites():
+    from oracle import cases
+
+    names = cases.suite_names()
+    assert names[:3] == list(cases.SUITES)
+    assert "variants-default" in names and "variants-smoke" in names
+    for name in names:
+        assert cases.suite(name), name
