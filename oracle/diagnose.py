@@ -216,17 +216,25 @@ def diagnose(q, k, v, options, out, *, limit, dtype, max_pairs=True) -> list[str
         limit = limit[..., 0, :, :]
     found = []
     with np.errstate(all="ignore"):
+        finite = np.isfinite(_alternative_out(q, k, v, dict(options), {})[0])
+
+        def explains(opts, extras):
+            alt_out, scale = _alternative_out(q, k, v, opts, extras)
+            # an alternative that is NaN where the truth is finite only "explains" leaked poison
+            # by admitting a poisoned (excluded) position: that is not a convention
+            if alt_out.shape == finite.shape and (~np.isfinite(alt_out) & finite).any():
+                return False
+            return _fits(out, alt_out, scale, limit, dtype)
+
         for alt in candidates:
-            opts, extras = alt.apply(dict(options), {})
-            if _fits(out, *_alternative_out(q, k, v, opts, extras), limit, dtype):
+            if explains(*alt.apply(dict(options), {})):
                 found.append(f"matches {alt.label}")
         if found or not max_pairs:
             return found
         for first, second in itertools.combinations(candidates, 2):
             if first.keys & second.keys:
                 continue
-            opts, extras = second.apply(*first.apply(dict(options), {}))
-            if _fits(out, *_alternative_out(q, k, v, opts, extras), limit, dtype):
+            if explains(*second.apply(*first.apply(dict(options), {}))):
                 found.append(f"matches {first.label} + {second.label}")
     return found
 

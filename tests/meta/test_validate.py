@@ -218,3 +218,31 @@ def test_python_m_oracle_in_a_fresh_interpreter():
                           "broken_impls:missing_scale", "--suite", "smoke", "--quiet"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 1 and "matches no scale" in run.stdout, (run.stdout, run.stderr)
+
+
+def test_leaked_poison_is_not_diagnosed_as_a_convention():
+    """A dense implementation (scores + -inf at excluded positions, then weights @ v) leaks
+    NaN from excluded keys; no alternative convention may "explain" that by admitting the
+    poisoned key."""
+    from oracle import validate
+
+    def dense(q, k, v, *, causal=False, window=None, align="top_left", mask=None, bias=None,
+              scale=None, return_lse=False, **options):
+        import refattn
+
+        allowed = refattn.allowed_mask(q.shape[-2], k.shape[-2], mask=mask, bias=bias,
+                                       causal=causal, window=window, align=align)
+        q64, k64, v64 = (np.asarray(a, np.float64) for a in (q, k, v))
+        s = (q64 @ np.swapaxes(k64, -1, -2)) * (scale or q.shape[-1] ** -0.5)
+        with np.errstate(all="ignore"):
+            s = s + np.where(allowed, 0.0, -np.inf) + (0.0 if bias is None else bias)
+            w = np.exp(s - s.max(axis=-1, keepdims=True))
+            out = (w / w.sum(axis=-1, keepdims=True)) @ v64
+        return out.astype(q.dtype)
+
+    report = validate(dense, suite="default", dtype="float32", cases=["poison-nan-causal-*"],
+                      progress=False)
+    (result,) = report.results
+    assert result.verdict == "fail"
+    assert not any("matches" in d for d in result.diagnosis), result.diagnosis
+    assert any("poison" in d for d in result.diagnosis), result.diagnosis
