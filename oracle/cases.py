@@ -559,7 +559,7 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
         return INPUT_BUILDERS[case.function](case)
     recipe = case.recipe
     n = case.shapes
-    stream = _Streams(case.seed)
+    stream = Streams(case.seed)
     q, k, v = _QKV[recipe.get("qkv", "gaussian")](stream, n, case.dtype, case.options,
                                                      float(recipe.get("sigma", 1.0)))
     inputs = {"q": q, "k": k, "v": v}
@@ -584,7 +584,7 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
     return inputs
 
 
-class _Streams:
+class Streams:
     """Named random streams of one seed (one stream per array, see oracle._seeding)."""
 
     def __init__(self, seed: int):

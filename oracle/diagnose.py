@@ -217,12 +217,18 @@ def diagnose(q, k, v, options, out, *, limit, dtype, max_pairs=True) -> list[str
     found = []
     with np.errstate(all="ignore"):
         finite = np.isfinite(_alternative_out(q, k, v, dict(options), {})[0])
+        bias = options.get("bias")
+        poisoned = not all(np.isfinite(np.asarray(a, np.float64)).all() for a in (q, k, v)) or (
+            bias is not None and np.isnan(np.asarray(bias, np.float64)).any()
+            or bias is not None and np.isposinf(np.asarray(bias, np.float64)).any())
 
         def explains(opts, extras):
             alt_out, scale = _alternative_out(q, k, v, opts, extras)
-            # an alternative that is NaN where the truth is finite only "explains" leaked poison
-            # by admitting a poisoned (excluded) position: that is not a convention
-            if alt_out.shape == finite.shape and (~np.isfinite(alt_out) & finite).any():
+            # with poisoned inputs, an alternative that is NaN where the truth is finite only
+            # "explains" leaked poison by admitting a poisoned (excluded) position: that is
+            # not a convention
+            if poisoned and alt_out.shape == finite.shape and (
+                    ~np.isfinite(alt_out) & finite).any():
                 return False
             return _fits(out, alt_out, scale, limit, dtype)
 

@@ -498,9 +498,15 @@ def check_fixture(impl, fixture, *, grads=False, diagnose=True, reproduce="") ->
     case = fixture.case
     result = CaseResult(case.name, case.category, case.dtype, "pass", reproduce=reproduce,
                         description=getattr(case, "description", ""))
+    return run_guarded(result, lambda: _run_checks(impl, fixture, grads, diagnose, result))
+
+
+def run_guarded(result, check) -> CaseResult:
+    """Run ``check()`` filling ``result``; NotImplementedError makes the verdict "unsupported"
+    (never "pass"), any other exception "error"; times the run."""
     start = time.perf_counter()
     try:
-        _run_checks(impl, fixture, grads, diagnose, result)
+        check()
     except NotImplementedError as err:
         result.verdict, result.message = "unsupported", str(err) or "NotImplementedError"
         result.checks = {}

@@ -92,7 +92,7 @@ from typing import Any
 import numpy as np
 
 from . import _seeding
-from .cases import DTYPES, Case, Shapes, register_suite, seed_of
+from .cases import DTYPES, Case, Shapes, Streams, register_suite, seed_of
 
 __all__ = [
     "SUITES",
@@ -334,20 +334,6 @@ for _name in SUITES:
 # Inputs
 # ---------------------------------------------------------------------------------------------
 
-class _Streams:
-    def __init__(self, seed):
-        self.seed = seed
-
-    def gaussian(self, name, shape):
-        return _seeding.gaussian(_seeding.stream_key(self.seed, name), shape)
-
-    def uniform(self, name, shape):
-        return _seeding.uniform(_seeding.stream_key(self.seed, name), shape)
-
-    def bernoulli(self, name, shape, p):
-        return _seeding.bernoulli(_seeding.stream_key(self.seed, name), shape, p)
-
-
 def _distribution(stream, name, shape) -> np.ndarray:
     """Dyadic distributions over the last axis that sum to exactly 1 in every dtype.
 
@@ -376,7 +362,7 @@ def _couplings(stream, shape, keep_diagonal):
 
 def _inputs64(case: Case) -> dict[str, np.ndarray]:
     n, recipe, fn = case.shapes, case.recipe, case.function
-    st = _Streams(case.seed)
+    st = Streams(case.seed)
     b, H, L, S, D, E = n.batch, n.H, n.L, n.S, n.D, n.E
     R = int(recipe.get("R", 1))
     out: dict[str, np.ndarray] = {}
@@ -702,16 +688,13 @@ def check_fixture(impl, fixture, *, reproduce=""):
     ``impl(**fixture.inputs, **fixture.case.options)`` (see the module docstring). Each
     output is judged by (T1)/(T2) with the floor (V1) of :func:`oracle.tolerance.variant_floor`.
     """
-    import time
-
     from . import tolerance as tol
     from . import validate as V
 
     case = fixture.case
     result = V.CaseResult(case.name, case.category, case.dtype, "pass", reproduce=reproduce,
                           description=case.description)
-    start = time.perf_counter()
-    try:
+    def check():
         produced = impl(**{k: _copy(v) for k, v in fixture.inputs.items()},
                         **{k: _copy(v) for k, v in case.options.items()})
         outputs = outputs_of(case, produced)
@@ -743,16 +726,7 @@ def check_fixture(impl, fixture, *, reproduce=""):
             result.message = "; ".join(problems + [
                 f"{c.quantity}: {c.n_failed} of {c.size} elements over the threshold"
                 for c in failing])
-    except NotImplementedError as err:
-        result.verdict, result.message = "unsupported", str(err) or "NotImplementedError"
-        result.checks = {}
-    except Exception as err:  # noqa: BLE001 - any other exception is the verdict "error"
-        result.verdict, result.message = "error", f"{type(err).__name__}: {err}"
-        result.checks = {}
-    result.seconds = time.perf_counter() - start
-    if result.verdict == "pass":
-        result.reproduce = ""
-    return result
+    return V.run_guarded(result, check)
 
 
 def _register_inputs():
