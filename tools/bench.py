@@ -1,11 +1,12 @@
 #!/usr/bin/env python
 """Benchmark refattn's attention paths: NumPy float64 path vs Numba kernels vs torch SDPA.
 
-Every ratio is measured in the same run (the machine may be shared: absolute figures move,
-ratios much less). Throughput counts 4*B*H*L*S*D flops for the forward (the two products
-q k^T and w v; softmax and masking are not counted, causal masks are not discounted) and
-10*B*H*L*S*D for the backward (five products; the vjp call also re-runs the forward, which
-its time includes).
+Every ratio is measured in the same run, with the paths' calls interleaved (the machine may
+be shared: absolute figures move, ratios much less). Throughput counts 4*B*H*L*S*D flops for
+the forward (the two products q k^T and w v; softmax and masking are not counted, causal masks
+are not discounted) and 10*B*H*L*S*D for the backward (five products). "vjp" is the whole
+``attention_vjp`` call, which re-runs the forward first; "backward pass alone" reuses a saved
+forward (out, lse), as a training step would.
 
 Examples::
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -50,6 +52,21 @@ def _best(fn, repeat: int, budget: float) -> float:
     return min(times)
 
 
+def _race(fns: dict, repeat: int, budget: float) -> dict:
+    """Best wall time of each function, calls interleaved round-robin so that a change of
+    machine load hits every path alike (the ratios stay fair on a shared machine)."""
+    best = {name: math.inf for name in fns}
+    start = time.perf_counter()
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+        if time.perf_counter() - start > budget:
+            break
+    return best
+
+
 def _torch():
     try:
         import torch
@@ -74,19 +91,24 @@ def bench_shape(name, batch, heads, length, keys, dim, dtype, args, torch):
     numba_cpu.forward(spec)  # compile / warm
     row = {"shape": name, "B": batch, "H": heads, "L": length, "S": keys, "D": dim,
            "dtype": np.dtype(dtype).name, "flops_forward": flops}
-    row["numba_s"] = _best(lambda: numba_cpu.forward(spec), args.repeat, args.budget)
+    fns = {"numba": lambda: numba_cpu.forward(spec)}
     if torch is not None:
         tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
         sdpa = torch.nn.functional.scaled_dot_product_attention
         sdpa(tq, tk, tv)
-        row["torch_s"] = _best(lambda: sdpa(tq, tk, tv), args.repeat, args.budget)
+        fns["torch"] = lambda: sdpa(tq, tk, tv)
     if length * keys <= args.numpy_max_plane:
-        row["numpy_s"] = _best(lambda: refattn.attention(q, k, v), args.repeat, args.budget)
+        fns["numpy"] = lambda: refattn.attention(q, k, v)
+    for name, seconds in _race(fns, args.repeat, args.budget).items():
+        row[f"{name}_s"] = seconds
     if args.backward:
         grad = np.random.default_rng(1).standard_normal((batch, heads, length, dim))
         numba_cpu.backward(spec, grad)
         row["numba_backward_s"] = _best(lambda: numba_cpu.backward(spec, grad), args.repeat,
                                         args.budget)
+        saved = numba_cpu.saved_forward(spec)
+        row["numba_backward_pass_s"] = _best(
+            lambda: numba_cpu.backward(spec, grad, saved=saved), args.repeat, args.budget)
         if torch is not None:
             tq, tk, tv = (torch.from_numpy(a).requires_grad_() for a in (q, k, v))
             tg = torch.from_numpy(grad.astype(dtype))
@@ -106,6 +128,7 @@ def bench_shape(name, batch, heads, length, keys, dim, dtype, args, torch):
         row["numba_over_numpy"] = row["numpy_s"] / row["numba_s"]
     if "numba_backward_s" in row:
         row["backward_over_forward"] = row["numba_backward_s"] / row["numba_s"]
+        row["backward_pass_over_forward"] = row["numba_backward_pass_s"] / row["numba_s"]
         row["numba_backward_gflops"] = 2.5 * flops / row["numba_backward_s"] / 1e9
     if "torch_backward_s" in row:
         row["numba_backward_over_torch"] = row["torch_backward_s"] / row["numba_backward_s"]
@@ -117,16 +140,27 @@ import resource, sys, time, numpy as np
 sys.path.insert(0, {root!r})
 from refattn._spec import canonicalize
 from refattn.kernels import numba_cpu
+def high_water():
+    # VmHWM after "5 > clear_refs" is the peak since the reset (Linux); else ru_maxrss
+    try:
+        with open("/proc/self/status") as f:
+            return int(next(x for x in f if x.startswith("VmHWM")).split()[1]) * 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 small = canonicalize(*(np.ones((1, 1, 4, {dim})) for _ in range(3)))
-numba_cpu.forward(small)
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+numba_cpu.forward(small)  # compile (or load the cache) before measuring
+try:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+except OSError:
+    pass
+base = high_water()
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, 1, {length}, {dim})) for _ in range(3))
 t0 = time.perf_counter()
 out, lse = numba_cpu.forward(canonicalize(q, k, v))
 elapsed = time.perf_counter() - t0
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(elapsed, peak * 1024, base * 1024, bool(np.isfinite(out).all()))
+print(elapsed, high_water(), base, bool(np.isfinite(out).all()))
 """
 
 
@@ -154,13 +188,14 @@ def print_row(row):
             f"  numba/torch {_fmt(row, 'numba_over_torch', '{:5.2f}')}"
             f"  numba/numpy {_fmt(row, 'numba_over_numpy', '{:6.1f}')}")
     if "backward_over_forward" in row:
-        line += (f"  bwd/fwd {row['backward_over_forward']:.2f}"
+        line += (f"  vjp/fwd {row['backward_over_forward']:.2f}"
+                 f" (backward pass alone {row['backward_pass_over_forward']:.2f})"
                  f"  bwd {row['numba_backward_gflops']:.1f} GFLOP/s")
         if "numba_backward_over_torch" in row:
             line += f" (vs torch {row['numba_backward_over_torch']:.2f})"
     if "peak_rss_bytes" in row:
         line += (f"  {row['numba_s']:.1f} s, peak RSS {row['peak_rss_bytes'] / 2**30:.2f} GiB "
-                 f"(before {row['rss_before_bytes'] / 2**30:.2f} GiB)")
+                 f"(before the inputs: {row['rss_before_bytes'] / 2**30:.2f} GiB)")
     print(line, flush=True)
 
 

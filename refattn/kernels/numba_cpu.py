@@ -662,6 +662,7 @@ def _forward_unit(q, k, v, kv_head, unit, nqb, dims, opts, fopts, bias, bstr, ma
     h = (unit // nqb) % heads
     r0 = (unit % nqb) * BLOCK_Q
     nr = min(BLOCK_Q, length - r0)
+    rows = -(-nr // _TILE_ROWS) * _TILE_ROWS  # short blocks (decode: L = 1) skip dead rows
     g = kv_head[h]
     dt = q.dtype
     width = _width(q)
@@ -687,8 +688,8 @@ def _forward_unit(q, k, v, kv_head, unit, nqb, dims, opts, fopts, bias, bstr, ma
         nc = min(BLOCK_K, keys - c0)
         _load_rows_t(kk, c0, nc, k_t)
         v_finite = _load_rows(vv, c0, nc, v_blk)
-        s[:, :] = 0
-        _matmul_t(q_t, k_t, dim, BLOCK_Q, BLOCK_K, s)
+        s[:rows, :] = 0
+        _matmul_t(q_t, k_t, dim, rows, BLOCK_K, s)
         clean = _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr, mask,
                                mstr, slopes, deriv)
         for r in range(nr):
@@ -714,7 +715,7 @@ def _forward_unit(q, k, v, kv_head, unit, nqb, dims, opts, fopts, bias, bstr, ma
             _dropout_weights(p, pd, nr, nc, r0, c0, b, h, drop, dstr)
             weights = pd
         if v_finite or (clean and not has_drop):
-            _matmul_n(weights, v_blk, nc, BLOCK_Q, epad, acc)
+            _matmul_n(weights, v_blk, nc, rows, epad, acc)
         else:
             # a non-finite value row may only reach the rows that keep it
             for r in range(nr):
@@ -794,6 +795,7 @@ def _backward_unit(q, k, v, kv_head, grad_out, lse, delta, unit, nchunks, dims, 
     for qb in range(chunk * per_chunk, min(nqb, (chunk + 1) * per_chunk)):
         r0 = qb * BLOCK_Q
         nr = min(BLOCK_Q, length - r0)
+        rows = -(-nr // _TILE_ROWS) * _TILE_ROWS
         _load_rows_t(q[b, h], r0, nr, q_t)
         # a non-finite q or k at an allowed position already makes dS non-finite there;
         # zeroing it here keeps it out of the rows/keys that exclude it (0 * NaN)
@@ -815,12 +817,12 @@ def _backward_unit(q, k, v, kv_head, grad_out, lse, delta, unit, nchunks, dims, 
             _load_rows_t(kk, c0, nc, k_t)
             _load_rows(kk, c0, nc, k_blk, True)
             _load_rows_t(vv, c0, nc, v_t)
-            s[:, :] = 0
-            _matmul_t(q_t, k_t, dim, BLOCK_Q, BLOCK_K, s)
+            s[:rows, :] = 0
+            _matmul_t(q_t, k_t, dim, rows, BLOCK_K, s)
             _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr, mask, mstr,
                            slopes, deriv)
-            dp[:, :] = 0
-            _matmul_t(do_t, v_t, vdim, BLOCK_Q, BLOCK_K, dp)
+            dp[:rows, :] = 0
+            _matmul_t(do_t, v_t, vdim, rows, BLOCK_K, dp)
             for r in range(nr):
                 i = r0 + r
                 row_lse = lse[b, h, i]
@@ -855,7 +857,7 @@ def _backward_unit(q, k, v, kv_head, grad_out, lse, delta, unit, nchunks, dims, 
                             dsrow[c] = dsrow[c] * deriv[r, c]
                 for c in range(BLOCK_K):
                     dsrow[c] = dsrow[c] * scale
-            _matmul_n(ds, k_blk, nc, BLOCK_Q, dpad, dq_acc)
+            _matmul_n(ds, k_blk, nc, rows, dpad, dq_acc)
             _matmul_t(ds, q_blk, nr, BLOCK_K, dpad, dk_out[c0:c0 + BLOCK_K])
             _matmul_t(p, do_blk, nr, BLOCK_K, epad, dv_out[c0:c0 + BLOCK_K])
         for r in range(nr):
