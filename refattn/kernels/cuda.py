@@ -3,7 +3,7 @@
 Same semantics as :mod:`refattn.kernels.numba_cpu` (docs/conventions.md). One thread owns one
 query row (forward, dq) or one key (dk, dv); key/value (or query/grad) tiles of
 ``TILE`` rows are staged in shared memory by the whole block, and the forward keeps the
-online-softmax state of its row (Milakov & Gimelshein 2018, eq. (4)-(5), applied key by key)
+online-softmax state of its row (Milakov & Gimelshein 2018, Algorithm 3, applied key by key)
 in registers and local memory:
 
 .. math::

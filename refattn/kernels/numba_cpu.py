@@ -2,7 +2,7 @@
 
 The kernels implement exactly the semantics of docs/conventions.md (the order scores ->
 softcap -> + bias -> + ALiBi -> allowed set -> softmax -> dropout -> @ v) by streaming over
-key blocks with the online softmax of Milakov & Gimelshein (2018), eq. (4)-(5):
+key blocks with the online softmax of Milakov & Gimelshein (2018, Algorithm 3), per block:
 
 .. math::
 
@@ -875,7 +875,7 @@ def _backward(q, k, v, kv_head, grad_out, lse, delta, nchunks, dims, opts, fopts
 
 @njit(parallel=True, **_OPTS)
 def _delta(grad_out, out, grad_lse, has_grad_lse, delta):
-    """delta_i = dO_i . O_i - dlse_i, sequential over E (FlashAttention-2, Alg. 2 line 4)."""
+    """delta_i = dO_i . O_i - dlse_i, sequential over E (FlashAttention-2, Algorithm 2)."""
     batch, heads, length, vdim = out.shape
     for bh in prange(batch * heads):
         b, h = bh // heads, bh % heads
@@ -946,11 +946,23 @@ def _arguments(spec, dtype):
 def forward(spec, dtype=None):
     """Run the forward kernel: returns out (B, H, L, E) and lse (B, H, L) in the compute dtype.
 
+    Streams over key blocks with the online softmax (module docstring; Milakov &
+    Gimelshein 2018, Algorithm 3); memory O(L*E + S*D).
+
     Parameters
     ----------
     spec : refattn._spec.AttentionSpec
     dtype : float dtype, optional
         Compute dtype (default :func:`compute_dtype` of q's dtype).
+
+    Examples
+    --------
+    >>> from refattn._spec import canonicalize
+    >>> q = np.zeros((1, 1, 1, 4)); k = np.zeros((1, 1, 2, 4))
+    >>> v = np.array([[[[1.0], [3.0]]]])
+    >>> out, lse = forward(canonicalize(q, k, v))
+    >>> out.ravel().tolist(), bool(np.isclose(lse.item(), np.log(2.0)))
+    ([2.0], True)
     """
     dtype = compute_dtype(spec.q.dtype) if dtype is None else np.dtype(dtype)
     return _run_forward(spec, _arguments(spec, dtype), dtype)
@@ -984,9 +996,36 @@ def backward_chunks(batch: int, heads: int, length: int) -> int:
 def backward(spec, grad_out, grad_lse=None, dtype=None, *, saved=None):
     """Run the backward kernel: (dq, dk, dv, dbias) with dbias (B, H, L, S) or None.
 
-    ``grad_out`` is (B, H, L, E), ``grad_lse`` (B, H, L) or None; both float arrays.
-    ``saved``: the (out, lse) of :func:`saved_forward` for this spec and dtype, when the
-    caller kept them (otherwise the forward is re-run first).
+    With ``P`` the weights, ``z`` the dropout factors and ``delta_i = dO_i . O_i - dlse_i``
+    (FlashAttention-2, Dao 2023, Alg. 2):
+
+    .. math::
+
+        dP_{ij} = z_{ij}\\, dO_i \\cdot v_j, \\quad dS_{ij} = P_{ij}(dP_{ij} - \\delta_i),
+        \\quad dq_i = s \\sum_j c'_{ij} dS_{ij} k_j, \\quad
+        dk_j = s \\sum_i c'_{ij} dS_{ij} q_i, \\quad dv_j = \\sum_i z_{ij} P_{ij} dO_i
+
+    (c' the softcap derivative, 1 without softcap; dbias = dS on allowed positions).
+
+    Parameters
+    ----------
+    spec : refattn._spec.AttentionSpec
+    grad_out : array (B, H, L, E)
+    grad_lse : array (B, H, L), optional
+    dtype : float dtype, optional
+        Compute dtype (default :func:`compute_dtype` of q's dtype).
+    saved : (out, lse), optional
+        :func:`saved_forward` of this spec and dtype, when the caller kept it (otherwise
+        the forward is re-run first).
+
+    Examples
+    --------
+    >>> from refattn._spec import canonicalize
+    >>> q = np.zeros((1, 1, 1, 4)); k = np.zeros((1, 1, 2, 4))
+    >>> v = np.array([[[[1.0], [3.0]]]])
+    >>> dq, dk, dv, dbias = backward(canonicalize(q, k, v), np.ones((1, 1, 1, 1)))
+    >>> dv.ravel().tolist(), dbias is None
+    ([0.5, 0.5], True)
     """
     dtype = compute_dtype(spec.q.dtype) if dtype is None else np.dtype(dtype)
     args = _arguments(spec, dtype)
