@@ -484,21 +484,61 @@ def _tile_n(a, bm, count, row, col, out):
 
 
 @njit(**_OPTS)
+def _row_t(a, bm, count, row, col, out):
+    """One row of :func:`_tile_t` (the same operations, so the same bits per element)."""
+    width = _width(bm)
+    col2 = col + width
+    orow = out[row]
+    c0, c1 = _vload(orow, col), _vload(orow, col2)
+    for x in range(count):
+        brow = bm[x]
+        ax = a[x, row]
+        c0, c1 = _vfma(ax, _vload(brow, col), c0), _vfma(ax, _vload(brow, col2), c1)
+    _vstore(orow, col, c0)
+    _vstore(orow, col2, c1)
+
+
+@njit(**_OPTS)
+def _row_n(a, bm, count, row, col, out):
+    """One row of :func:`_tile_n` (the same operations, so the same bits per element)."""
+    width = _width(bm)
+    col2 = col + width
+    orow, arow = out[row], a[row]
+    c0, c1 = _vload(orow, col), _vload(orow, col2)
+    for x in range(count):
+        brow = bm[x]
+        ax = arow[x]
+        c0, c1 = _vfma(ax, _vload(brow, col), c0), _vfma(ax, _vload(brow, col2), c1)
+    _vstore(orow, col, c0)
+    _vstore(orow, col2, c1)
+
+
+@njit(**_OPTS)
 def _matmul_t(a, bm, count, rows, cols, out):
-    """out[:rows, :cols] += a[:count, :rows].T @ bm[:count, :cols] (rows % 8 == 0)."""
+    """out[:rows, :cols] += a[:count, :rows].T @ bm[:count, :cols]; 8-row tiles, then rows
+    one at a time (a decode step has one query row)."""
     step = 2 * _width(bm)
-    for row in range(0, rows, _TILE_ROWS):
+    full = rows - rows % _TILE_ROWS
+    for row in range(0, full, _TILE_ROWS):
         for col in range(0, cols, step):
             _tile_t(a, bm, count, row, col, out)
+    for row in range(full, rows):
+        for col in range(0, cols, step):
+            _row_t(a, bm, count, row, col, out)
 
 
 @njit(**_OPTS)
 def _matmul_n(a, bm, count, rows, cols, out):
-    """out[:rows, :cols] += a[:rows, :count] @ bm[:count, :cols] (rows % 8 == 0)."""
+    """out[:rows, :cols] += a[:rows, :count] @ bm[:count, :cols]; 8-row tiles, then rows
+    one at a time."""
     step = 2 * _width(bm)
-    for row in range(0, rows, _TILE_ROWS):
+    full = rows - rows % _TILE_ROWS
+    for row in range(0, full, _TILE_ROWS):
         for col in range(0, cols, step):
             _tile_n(a, bm, count, row, col, out)
+    for row in range(full, rows):
+        for col in range(0, cols, step):
+            _row_n(a, bm, count, row, col, out)
 
 
 @njit(**_OPTS)
@@ -662,7 +702,7 @@ def _forward_unit(q, k, v, kv_head, unit, nqb, dims, opts, fopts, bias, bstr, ma
     h = (unit // nqb) % heads
     r0 = (unit % nqb) * BLOCK_Q
     nr = min(BLOCK_Q, length - r0)
-    rows = -(-nr // _TILE_ROWS) * _TILE_ROWS  # short blocks (decode: L = 1) skip dead rows
+    rows = nr  # short blocks (decode: L = 1) compute their live rows only
     g = kv_head[h]
     dt = q.dtype
     width = _width(q)
@@ -795,7 +835,7 @@ def _backward_unit(q, k, v, kv_head, grad_out, lse, delta, unit, nchunks, dims, 
     for qb in range(chunk * per_chunk, min(nqb, (chunk + 1) * per_chunk)):
         r0 = qb * BLOCK_Q
         nr = min(BLOCK_Q, length - r0)
-        rows = -(-nr // _TILE_ROWS) * _TILE_ROWS
+        rows = nr
         _load_rows_t(q[b, h], r0, nr, q_t)
         # a non-finite q or k at an allowed position already makes dS non-finite there;
         # zeroing it here keeps it out of the rows/keys that exclude it (0 * NaN)
