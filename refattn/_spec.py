@@ -137,7 +137,8 @@ def _check_core_shapes(q, k, v):
 
 def _flat(arr: np.ndarray, batch_shape: tuple, tail: tuple) -> np.ndarray:
     full = np.broadcast_to(arr, batch_shape + tail)
-    return full.reshape((-1,) + tail) if batch_shape else full[None]
+    # an explicit batch size: reshape(-1, ...) is ambiguous when a trailing size is 0
+    return full.reshape((int(np.prod(batch_shape)),) + tail) if batch_shape else full[None]
 
 
 def _plane_array(value, name, batch_shape, plane, kind):

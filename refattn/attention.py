@@ -255,7 +255,7 @@ def _check_cotangent(spec: AttentionSpec, grad, name: str, tail_shape: tuple):
     expected = spec.batch_shape + tail_shape if not spec.single_head else tail_shape[1:]
     if grad.shape != expected:
         raise ValueError(f"{name}: expected shape {expected} (the output's), got {grad.shape}")
-    return grad.reshape((-1,) + tail_shape)
+    return grad.reshape((spec.q.shape[0],) + tail_shape)
 
 
 def _vjp_float64(spec: AttentionSpec, grad_out: np.ndarray, grad_lse):

@@ -46,6 +46,8 @@ def _softmax_float64(x: np.ndarray, allowed: np.ndarray):
     weights' error proportional to |x_j - m| rather than to |lse|). Excluded entries weigh 0;
     rows with a NaN entry give NaN; empty rows give lse -inf and weights 0.
     """
+    if x.shape[-1] == 0:  # no entries at all: every row is empty
+        return np.full(x.shape[:-1], -np.inf), np.zeros(x.shape)
     masked = np.where(allowed, x, -np.inf)
     top_index = np.argmax(masked, axis=-1)[..., None]
     top = np.take_along_axis(masked, top_index, axis=-1)

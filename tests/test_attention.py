@@ -403,3 +403,20 @@ def test_bad_input_is_named(changes, error, message):
     q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
     with pytest.raises(error, match=message):
         refattn.attention(q, k, v, **args)
+
+
+@pytest.mark.parametrize("precision", ["float64", "exact"])
+@pytest.mark.parametrize("shapes", [((0, 4), (3, 4), (3, 2)), ((2, 4), (0, 4), (0, 2)),
+                                    ((2, 4), (3, 4), (3, 0)),
+                                    ((2, 2, 3, 4), (2, 1, 0, 4), (2, 1, 0, 5))],
+                         ids=["L0", "S0", "E0", "batched-S0"])
+def test_zero_sizes(shapes, precision):
+    """Zero-size axes: S = 0 makes every row empty (out 0, lse -inf); the vjp has the
+    arguments' shapes."""
+    q, k, v = (np.zeros(s) for s in shapes)
+    out, lse = refattn.attention(q, k, v, precision=precision, return_lse=True)
+    assert out.shape == q.shape[:-1] + v.shape[-1:] and lse.shape == q.shape[:-1]
+    if k.shape[-2] == 0:
+        assert (out == 0).all() and (lse == -np.inf).all()
+    grads = refattn.attention_vjp(q, k, v, np.zeros(out.shape), precision=precision)
+    assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
