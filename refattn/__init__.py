@@ -9,8 +9,8 @@ Every function has two paths: ``precision="float64"`` (fast NumPy, log-space) an
 ``precision="exact"`` (every output element the exact result rounded once to ``out_dtype``).
 """
 
-from ._version import __version__
 from . import bounds, fixedpoint, gmm, hopfield, masks, meanfield, mgk, transformer
+from ._version import __version__
 from .attention import AttentionGrads, attention, attention_vjp
 from .exact.rounding import UndecidedRoundingError
 from .logspace import log_softmax, logsumexp, softmax

@@ -1,4 +1,4 @@
-"""Input validation in one place: every message names the argument, what it got and what it needs."""
+"""Input validation in one place: each message names the argument, what it got, what it needs."""
 
 from __future__ import annotations
 

@@ -173,8 +173,8 @@ def float64_vjp_bound(q, k, v, grad_out, *, grad_lse=None, **options):
             g_abs = 0.0 if g_all is None else np.abs(g_all[b, h])[:, None]
             inner = dp_abs + delta_abs + g_abs
             ds_abs = w * inner
-            ds_err = np.where(allowed, w * rho * inner + w * (dp_err + delta_err + gamma(3) * inner),
-                              0.0)
+            ds_err = np.where(
+                allowed, w * rho * inner + w * (dp_err + delta_err + gamma(3) * inner), 0.0)
             bounds[3][b, h] = ds_err
             if spec.softcap is not None:
                 delta_raw = gamma(dim + 2) * abs(spec.scale_float) * (q_ @ k_.T)

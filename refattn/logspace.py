@@ -80,7 +80,7 @@ def _exact_rows(x, allowed, fn, out_dtype, what):
 
     def evaluate(prec):
         with I.workprec(prec):
-            results = [fn(I.to_intervals(r), m, r) for r, m in zip(rows, masks)]
+            results = [fn(I.to_intervals(r), m, r) for r, m in zip(rows, masks, strict=True)]
         return I.endpoints(np.array(results, dtype=object).reshape(rows.shape[0], -1))
 
     return correctly_round(evaluate, out_dtype, what=what)

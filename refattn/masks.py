@@ -35,7 +35,7 @@ def check_window(window):
     if not isinstance(window, tuple | list) or len(window) != 2:
         raise ValueError(f"window: expected a pair (left, right), got {window!r}")
     sides = []
-    for name, side in zip(("left", "right"), window):
+    for name, side in zip(("left", "right"), window, strict=True):
         if side is None:
             sides.append(None)
             continue

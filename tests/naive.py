@@ -68,7 +68,8 @@ def naive_attention(
                             continue
                     if bias is not None and bias[h][i][j] == -math.inf:
                         continue
-                    s = sc * mpmath.fsum(_exact(q[h, i, d]) * _exact(k[g, j, d]) for d in range(dim))
+                    s = sc * mpmath.fsum(_exact(q[h, i, d]) * _exact(k[g, j, d])
+                                         for d in range(dim))
                     if softcap is not None:
                         c = _exact(softcap)
                         s = c * mpmath.tanh(s / c)

@@ -126,9 +126,10 @@ def round_exact(x, fmt: Format) -> float:
     """Round an exact value to ``fmt`` (nearest, ties to even) and return it as a Python float.
 
     ``x`` may be an ``int``, a :class:`fractions.Fraction`, a pair ``(numerator, denominator)``
-    of ints with a positive denominator, an ``mpmath.mpf`` (or its raw tuple), or a float (taken at its exact binary value). The returned float holds the rounded
-    value exactly (every supported format embeds in float64); overflow gives +-inf as in IEEE 754
-    (the magnitude rounded with an unbounded exponent exceeds the largest finite value).
+    of ints with a positive denominator, an ``mpmath.mpf`` (or its raw tuple), or a float (taken
+    at its exact binary value). The returned float holds the rounded value exactly (every
+    supported format embeds in float64); overflow gives +-inf as in IEEE 754 (the magnitude
+    rounded with an unbounded exponent exceeds the largest finite value).
     """
     nd = _as_num_den(x)
     if isinstance(nd, float):
@@ -237,7 +238,7 @@ def correctly_round(
             if fallback is not None and undecided.any():
                 # Results that are exact rationals (e.g. weights 1/n of a row of equal scores)
                 # may sit on a rounding midpoint: settle those exactly before raising precision.
-                for index in zip(*np.nonzero(undecided)):
+                for index in zip(*np.nonzero(undecided), strict=True):
                     index = tuple(int(i) for i in index)
                     exact = fallback(index)
                     if exact is not None:
@@ -257,7 +258,7 @@ def correctly_round(
 
 
 def _settle_at_cap(result, undecided, rlo, rhi, lo, hi, fallback, fmt, what, prec):
-    for index in zip(*np.nonzero(undecided)):
+    for index in zip(*np.nonzero(undecided), strict=True):
         index = tuple(int(i) for i in index)
         exact = fallback(index) if fallback is not None else None
         if exact is not None:
