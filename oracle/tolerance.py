@@ -293,18 +293,12 @@ def allowed_positions(L, S, *, mask=None, bias=None, causal=False, window=None,
     >>> allowed_positions(2, 3, causal=True, align="bottom_right").astype(int).tolist()
     [[1, 1, 0], [1, 1, 1]]
     """
-    offset = 0 if align == "top_left" else S - L
-    rows = np.arange(L)[:, None] + offset
-    cols = np.arange(S)[None, :]
-    allowed = np.ones((L, S), dtype=bool)
-    if causal:
-        allowed &= cols <= rows
-    if window is not None:
-        left, right = window
-        if left is not None:
-            allowed &= cols >= rows - left
-        if right is not None:
-            allowed &= cols <= rows + right
+    # the one definition of the rule; unvalidated, since the diagnosis alternatives use
+    # out-of-range windows (e.g. "causal admits one key past the diagonal")
+    from refattn.masks import offset_of, structural_mask
+
+    allowed = structural_mask(range(L), range(S), causal=causal, window=window,
+                              offset=offset_of(align, L, S))
     if mask is not None:
         allowed = allowed & np.asarray(mask, dtype=bool)
     if bias is not None:
