@@ -67,6 +67,22 @@ def real_scalar(value, name: str, *, positive: bool = False, allow_none: bool = 
     return value
 
 
+def iteration_tol(tol, precision: str, counted: str):
+    """Validate an early-stopping tolerance of an iterative float64 path.
+
+    ``counted`` names what the exact path evaluates instead (e.g. "`iters` iterations"): the
+    exact path computes exactly that finite computation, so it takes no tolerance.
+    """
+    if tol is None:
+        return None
+    if precision == "exact":
+        raise ValueError(f"tol: the exact path evaluates exactly {counted}; pass tol=None")
+    tol = real_scalar(tol, "tol")
+    if tol < 0:
+        raise ValueError(f"tol: expected a number >= 0, got {tol}")
+    return tol
+
+
 def broadcast(arr: np.ndarray, shape: tuple, name: str, target: str) -> np.ndarray:
     """Broadcast ``arr`` to ``shape`` or raise naming both shapes."""
     try:

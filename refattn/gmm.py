@@ -653,13 +653,7 @@ def attention(q, keys, values, *, alpha, beta=0.0, prior="uniform", v_init=None,
                          "precision='float64' or backend='numpy'")
     m = _model(q, keys, values, alpha, beta, prior)
     iters = _iters(iters)
-    if tol is not None:
-        if precision == "exact":
-            raise ValueError("tol: the exact path evaluates exactly `iters` iterations; "
-                             "pass tol=None")
-        tol = _checks.real_scalar(tol, "tol")
-        if tol < 0:
-            raise ValueError(f"tol: expected a number >= 0, got {tol}")
+    tol = _checks.iteration_tol(tol, precision, "`iters` iterations")
     if return_trace and (m.beta == 0).any():
         raise ValueError("return_trace: log p(v | q) needs beta > 0 (beta = 0 makes p(v | u) "
                          "improper); pass beta > 0 or return_trace=False")

@@ -195,13 +195,7 @@ def retrieve(xi, X, *, beta, steps=1, tol=None, return_trace=False, precision="f
     xi, patterns, beta, batch = _inputs(xi, X, beta)
     if isinstance(steps, bool) or not isinstance(steps, int | np.integer) or steps < 1:
         raise ValueError(f"steps: expected an int >= 1, got {steps!r}")
-    if tol is not None:
-        if precision == "exact":
-            raise ValueError("tol: the exact path evaluates exactly `steps` updates; "
-                             "pass tol=None")
-        tol = _checks.real_scalar(tol, "tol")
-        if tol < 0:
-            raise ValueError(f"tol: expected a number >= 0, got {tol}")
+    tol = _checks.iteration_tol(tol, precision, "`steps` updates")
     if precision == "float64":
         return _retrieve64(_checks.as_float64(xi), _checks.as_float64(patterns), beta, steps,
                            tol, return_trace)
