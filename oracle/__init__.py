@@ -1,10 +1,12 @@
 """refattn's oracle: golden fixtures, tolerance policy, validation of implementations.
 
 * :func:`generate` / :func:`verify` / :func:`load` / :func:`build` -- golden fixtures
-  (:mod:`oracle.golden`) of the case catalogue (:mod:`oracle.cases`, :func:`suite`).
+  (:mod:`oracle.golden`) of the case catalogue (:mod:`oracle.catalogue`, :func:`suite`).
 * :func:`validate` -- run an implementation on a suite or a fixture directory and get a
-  :class:`Report` (:mod:`oracle.validate`), judged by the one tolerance policy
-  (:mod:`oracle.tolerance`) and with convention diagnosis (:mod:`oracle.diagnose`).
+  :class:`Report` (:mod:`oracle.validate`, :mod:`oracle.results`); every fixture is judged by
+  :func:`check_fixture` (:mod:`oracle.judge`) under the one tolerance policy
+  (:mod:`oracle.tolerance`, against the textbook baseline of :mod:`oracle.baseline`) with
+  convention diagnosis (:mod:`oracle.diagnose`).
 * Command line: ``refattn-oracle`` (:mod:`oracle.cli`); pytest: ``pytest --pyargs oracle
   --refattn-impl module:function`` (:mod:`oracle.pytest_plugin`).
 
@@ -20,16 +22,16 @@ __all__ = ["validate", "Report", "CaseResult", "check_fixture", "generate", "ver
            "build", "Fixture", "Case", "suite", "tolerance"]
 
 _LAZY = {
-    "Report": ("oracle.validate", "Report"),
-    "CaseResult": ("oracle.validate", "CaseResult"),
-    "check_fixture": ("oracle.validate", "check_fixture"),
+    "Report": ("oracle.results", "Report"),
+    "CaseResult": ("oracle.results", "CaseResult"),
+    "check_fixture": ("oracle.judge", "check_fixture"),
     "generate": ("oracle.golden", "generate"),
     "verify": ("oracle.golden", "verify"),
     "load": ("oracle.golden", "load"),
     "build": ("oracle.golden", "build"),
     "Fixture": ("oracle.golden", "Fixture"),
-    "Case": ("oracle.cases", "Case"),
-    "suite": ("oracle.cases", "suite"),
+    "Case": ("oracle.catalogue", "Case"),
+    "suite": ("oracle.catalogue", "suite"),
 }
 
 

@@ -26,10 +26,9 @@ import argparse
 import os
 import sys
 
+from .catalogue.names import DTYPES
+
 __all__ = ["main", "build_parser"]
-
-_DTYPES = ("float64", "float32", "float16", "bfloat16")
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -41,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="write one .npz per case and manifest.json")
     gen.add_argument("--suite", default="default", help="suite name (default: %(default)s)")
     gen.add_argument("--out", required=True, help="output directory")
-    gen.add_argument("--dtype", action="append", choices=_DTYPES,
+    gen.add_argument("--dtype", action="append", choices=DTYPES,
                      help="only these dtypes (repeatable; default: all)")
     gen.add_argument("--workers", type=int, default=1, help="worker processes")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -56,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = val.add_mutually_exclusive_group()
     src.add_argument("--suite", help="suite built in memory (default: smoke)")
     src.add_argument("--fixtures", help="directory written by `refattn-oracle generate`")
-    val.add_argument("--dtype", default="float32", choices=(*_DTYPES, "all"),
+    val.add_argument("--dtype", default="float32", choices=(*DTYPES, "all"),
                      help="implementation dtype (default: %(default)s)")
     val.add_argument("--case", action="append", metavar="PATTERN",
                      help="only cases matching this fnmatch pattern (repeatable)")
@@ -71,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     lst = sub.add_parser("list", help="list suites, cases or adapters")
     lst.add_argument("what", nargs="?", default="suites", choices=("suites", "cases", "adapters"))
     lst.add_argument("--suite", default="default")
-    lst.add_argument("--dtype", choices=_DTYPES)
+    lst.add_argument("--dtype", choices=DTYPES)
     return parser
 
 
@@ -128,10 +127,10 @@ def _validate(args) -> int:
     if args.junit:
         report.to_junit(args.junit)
     if args.html:
-        from .report import PLOT_HINT, _matplotlib
+        from .report import PLOT_HINT, plotting_available
 
         report.to_html(args.html)
-        if _matplotlib() is None:
+        if not plotting_available():
             print(f"refattn-oracle: {PLOT_HINT}", file=sys.stderr)
     if not report.results:
         print("refattn-oracle: warning: no case matched", file=sys.stderr)
@@ -139,13 +138,13 @@ def _validate(args) -> int:
 
 
 def _list(args) -> int:
-    from . import cases
+    from . import catalogue
 
     if args.what == "suites":
-        for name in cases.suite_names():
-            print(f"{name} {len(cases.suite(name))} cases")
+        for name in catalogue.suite_names():
+            print(f"{name} {len(catalogue.suite(name))} cases")
     elif args.what == "cases":
-        for case in cases.suite(args.suite):
+        for case in catalogue.suite(args.suite):
             if args.dtype is None or case.dtype == args.dtype:
                 grads = " grads" if case.grads else ""
                 print(f"{case.name}  [{case.category}{grads}]  {case.description}")

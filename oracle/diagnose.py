@@ -28,7 +28,7 @@ label                              alternative
 
 Single alternatives are tried first; when none fits, pairs (lowerings often get several wrong
 at once, tracel-ai/burn #5783). The alternatives are evaluated by
-:func:`oracle.tolerance.textbook_attention` in float64, whose own error is at most the float64
+:func:`oracle.baseline.textbook_attention` in float64, whose own error is at most the float64
 floor of (T5); that floor is added to the case threshold.
 
 Examples
@@ -50,9 +50,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import tolerance as tol
+from .baseline import textbook_attention
 
-__all__ = ["Alternative", "alternatives", "diagnose", "describe_failure",
-           "storage_accumulation_attention"]
+__all__ = ["Alternative", "alternatives", "diagnose", "describe_failure"]
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ def alternatives(options, *, H, K, L, S, D, E, has_empty, has_excluded) -> list[
 
 
 def _alternative_out(q, k, v, options, extras):
-    result = tol.textbook_attention(q, k, v, dtype="float64",
+    result = textbook_attention(q, k, v, dtype="float64",
                                     softcap_order=extras.get("softcap_order", "before_bias"),
                                     **options)
     factor = extras.get("out_factor", 1.0)
@@ -176,7 +176,7 @@ def _alternative_out(q, k, v, options, extras):
     if extras.get("empty_uniform"):
         empty = ~np.broadcast_to(result.allowed, result.weights.shape).any(axis=-1)
         uniform = np.full(result.weights.shape, 1.0 / result.weights.shape[-1])
-        flat = tol.textbook_attention(q, k, v, dtype="float64", gqa=options.get("gqa"),
+        flat = textbook_attention(q, k, v, dtype="float64", gqa=options.get("gqa"),
                                       scale=0.0).out
         out = np.where(empty[..., None], flat, out)
         scale = np.where(empty[..., None],
@@ -202,7 +202,7 @@ def diagnose(q, k, v, options, out, *, limit, dtype, max_pairs=True) -> list[str
     q3 = q if np.ndim(q) > 2 else np.asarray(q)[None]
     H, L, D = np.shape(q3)[-3:]
     K, S, E = np.shape(k)[-3] if np.ndim(k) > 2 else 1, np.shape(k)[-2], np.shape(v)[-1]
-    base = tol.textbook_attention(q, k, v, dtype="float64", **options)
+    base = textbook_attention(q, k, v, dtype="float64", **options)
     allowed = np.broadcast_to(base.allowed, base.weights.shape)
     has_empty = bool((~allowed.any(axis=-1)).any())
     has_excluded = bool((~allowed).any())
@@ -263,43 +263,3 @@ def describe_failure(value, truth, errors, limit, *, inputs_poisoned=False) -> l
         notes.append(f"{int(bad.sum())} of {bad.size} elements over the threshold, "
                      f"in {int(rows.sum())} of {rows.size} rows")
     return notes
-
-
-def storage_accumulation_attention(q, k, v, options, dtype,
-                                   sums=("normaliser", "values")) -> np.ndarray:
-    """Attention whose softmax normaliser and ``weights @ v`` are summed key by key *in the
-    storage dtype* (no float32 accumulator), the rest as the textbook baseline.
-
-    ``sums`` names which sums are accumulated in the storage dtype (the others in float32).
-    The model of a half-precision implementation that accumulates in its own format; a
-    failing output that is no worse than this is diagnosed as such.
-    """
-    from refattn.exact.rounding import format_of
-
-    store = format_of(dtype).dtype
-    o = {name: options.get(name) for name in tol._OPTION_NAMES}
-    scores, allowed, _ = tol._scores(
-        q, k, v, dtype, o["scale"], o["bias"], o["mask"], bool(o["causal"]), o["window"],
-        o["align"] or "top_left", o["softcap"], o["alibi_slopes"], o["gqa"] or "interleave",
-        "before_bias", None)
-    with np.errstate(all="ignore"):
-        masked = np.where(allowed, scores, -np.inf)
-        top = masked.max(axis=-1, keepdims=True)
-        terms = np.where(allowed, np.exp(masked - np.where(np.isfinite(top), top, 0)), 0)
-        terms = terms.astype(store)
-        if "normaliser" in sums:
-            total = np.add.accumulate(terms, axis=-1, dtype=store)[..., -1:]
-        else:
-            total = terms.astype(np.float32).sum(axis=-1, keepdims=True)
-        weights = (terms / total).astype(store)
-        if o["dropout_mask"] is not None:
-            keep = np.asarray(o["dropout_mask"], dtype=bool)
-            weights = (np.where(keep, weights, 0) / (1 - (o["dropout_p"] or 0.0))).astype(store)
-        v_h = np.asarray(v)[None] if np.ndim(v) == 2 else tol._expand_kv(
-            np.asarray(v), weights.shape[-3], o["gqa"] or "interleave")
-        if "values" in sums:
-            products = (weights[..., :, :, None] * v_h[..., None, :, :]).astype(store)
-            out = np.add.accumulate(products, axis=-2, dtype=store)[..., -1, :]
-        else:
-            out = np.matmul(weights.astype(np.float32), v_h.astype(np.float32)).astype(store)
-    return out[0] if np.ndim(q) == 2 else out

@@ -1,6 +1,6 @@
 """Golden fixtures: the exact truths of the case catalogue, on disk and in memory.
 
-:func:`build` computes one :class:`Fixture` (inputs from :func:`oracle.cases.make_inputs`,
+:func:`build` computes one :class:`Fixture` (inputs from :func:`oracle.catalogue.make_inputs`,
 truth from refattn's exact path: every element the exact real result rounded once to the case
 dtype, and once to float64, by a Ziv loop). :func:`generate` writes a suite as one ``.npz`` per
 case plus ``manifest.json``; :func:`verify` checks a directory; :func:`load` yields fixtures.
@@ -14,7 +14,7 @@ readable by ``numpy.load(path, allow_pickle=False)`` or any npy reader:
   grad_out, grad_lse;
 * ``truth/<name>``: out, out_f64, lse, lse_f64 and, for gradient cases, dq, dk, dv (dbias when
   the case has a bias) with their ``_f64`` twins. ``out``/``lse``/``d*`` are in the case dtype;
-* ``case``: the case spec (0-d unicode array holding JSON, see :meth:`oracle.cases.Case.spec`);
+* ``case``: the case spec (0-d unicode array holding JSON, see :meth:`oracle.catalogue.Case.spec`);
 * ``options``: the scalar keywords to pass to an implementation (0-d unicode array of JSON);
   the array keywords (mask, bias, dropout_mask, alibi_slopes) are the ``inputs/`` members;
 * ``meta``: JSON with the schema version, the truth kind and ``bfloat16``, the list of members
@@ -55,10 +55,11 @@ import numpy as np
 
 import refattn
 
-from . import cases as _cases
-from . import variant_cases as _variant_cases
+from . import catalogue
 from ._progress import Progress
-from .cases import Case
+from .catalogue import variants
+from .catalogue.case import Case
+from .catalogue.names import ARRAY_OPTIONS, DTYPES
 
 __all__ = [
     "Fixture",
@@ -80,7 +81,6 @@ PARTIAL_MANIFEST = "manifest.partial.json"
 GENERATOR = "oracle.golden"
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 _TMP_SUFFIX = ".tmp"
-_ARRAY_OPTIONS = ("mask", "bias", "dropout_mask", "alibi_slopes")
 
 
 @dataclass
@@ -121,7 +121,7 @@ class Fixture:
 
 def _call_options(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
     options = dict(case.options)
-    for name in _ARRAY_OPTIONS:
+    for name in ARRAY_OPTIONS:
         if name in inputs:
             options[name] = inputs[name]
     return options
@@ -163,7 +163,7 @@ def _exact_functions():
 #: The variants' extension point: register the exact builder of each new function here.
 TRUTH_BUILDERS: dict[str, Callable[[Case, Mapping[str, np.ndarray]], dict[str, np.ndarray]]] = {
     "attention": _attention_truth,
-    **_variant_cases.TRUTH_BUILDERS,
+    **variants.TRUTH_BUILDERS,
 }
 
 
@@ -172,15 +172,15 @@ def build(case: Case) -> Fixture:
 
     Examples
     --------
-    >>> from oracle import cases, golden
-    >>> fixture = golden.build(cases.get("basic-H2K2-L5S7-D8E8-f32"))
+    >>> from oracle import catalogue, golden
+    >>> fixture = golden.build(catalogue.get("basic-H2K2-L5S7-D8E8-f32"))
     >>> fixture.truth["out"].dtype.name, fixture.truth["out_f64"].shape
     ('float32', (1, 2, 5, 8))
     """
     if case.function not in TRUTH_BUILDERS:
         raise ValueError(f"build: no truth builder for function {case.function!r} "
                          f"(known: {sorted(TRUTH_BUILDERS)})")
-    inputs = _cases.make_inputs(case)
+    inputs = catalogue.make_inputs(case)
     truth = TRUTH_BUILDERS[case.function](case, inputs)
     return Fixture(case=case, inputs=inputs, options=_call_options(case, inputs), truth=truth)
 
@@ -342,12 +342,12 @@ def _remove_unselected(out: Path, previous: dict[str, list[dict]], selected: lis
 
 
 def _select(suite: str, dtypes, cases) -> list[Case]:
-    selected = list(cases) if cases is not None else _cases.suite(suite)
+    selected = list(cases) if cases is not None else catalogue.suite(suite)
     if dtypes is not None:
         wanted = {np.dtype(d).name if d != "bfloat16" else d for d in dtypes}
-        unknown = wanted - set(_cases.DTYPES)
+        unknown = wanted - set(DTYPES)
         if unknown:
-            raise ValueError(f"dtypes: expected a subset of {_cases.DTYPES}, got {sorted(unknown)}")
+            raise ValueError(f"dtypes: expected a subset of {DTYPES}, got {sorted(unknown)}")
         selected = [c for c in selected if c.dtype in wanted]
     names = [c.name for c in selected]
     if len(set(names)) != len(names):
@@ -523,7 +523,7 @@ def _entry_problems(root: Path, entry: dict) -> list[str]:
         return [f"{entry['file']}: embedded case spec differs from the manifest"]
     required = ["q", "k", "v"], ["out", "out_f64", "lse", "lse_f64"]
     if fixture.case.function != "attention":
-        required = _variant_cases.required_members(fixture.case)
+        required = variants.required_members(fixture.case)
     elif fixture.case.grads:
         required[1].extend(["dq", "dk", "dv", "dq_f64", "dk_f64", "dv_f64"])
     missing = [f"inputs/{n}" for n in required[0] if n not in fixture.inputs]

@@ -9,7 +9,7 @@ The HTML report draws error heatmaps and histograms with matplotlib, an optional
 
 Examples
 --------
->>> from oracle.validate import Report, CaseResult
+>>> from oracle.results import Report, CaseResult
 >>> report = Report("demo", "float32", "suite smoke", False,
 ...                 [CaseResult("basic-f32", "conformance", "float32", "pass")])
 >>> print(summary_table(report).splitlines()[0])
@@ -28,9 +28,16 @@ from xml.etree import ElementTree as ET
 
 import numpy as np
 
-__all__ = ["summary_table", "to_dict", "to_json", "to_junit", "to_html", "PLOT_HINT"]
+__all__ = ["summary_table", "to_dict", "to_json", "to_junit", "to_html", "PLOT_HINT",
+           "ROBUSTNESS_NOTE", "plotting_available"]
 
 PLOT_HINT = "install matplotlib for error heatmaps and histograms: pip install refattn[plot]"
+
+ROBUSTNESS_NOTE = (
+    "Robustness cases put NaN/Inf into key, value or bias positions that no query may attend. "
+    "refattn guarantees such poison never reaches the output; peers legitimately differ "
+    "(0 * NaN = NaN in a dense weights @ v), so these cases fail a run only with --strict."
+)
 
 
 def _ratio_text(result) -> str:
@@ -74,8 +81,6 @@ def summary_table(report, *, details=True) -> str:
         if sum(counts.values()):
             lines.append(f"{category}: " + ", ".join(f"{n} {v}" for v, n in counts.items()))
     if any(r.category == "robustness" for r in report.results):
-        from .validate import ROBUSTNESS_NOTE
-
         lines.append(f"note: {ROBUSTNESS_NOTE}" + (" (strict: on)" if report.strict else ""))
     lines.append(f"time: {report.seconds:.2f} s")
     if details:
@@ -141,6 +146,11 @@ def to_junit(report, path=None) -> str:
     suite.set("skipped", str(n_skip))
     ET.indent(suite)
     return _write(ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n", path)
+
+
+def plotting_available() -> bool:
+    """Whether the HTML report can draw its plots (matplotlib is installed)."""
+    return _matplotlib() is not None
 
 
 def _matplotlib():

@@ -14,15 +14,14 @@ from oracle.pytest_plugin import read_patterns, settings
 
 
 def _items(values):
-    from oracle import cases as cases_mod
-    from oracle import golden
+    from oracle import catalogue, golden
 
     dtype = values["dtype"]
     if values["fixtures"]:
         found = list(golden.load(values["fixtures"]))
         source_flag = f"--fixtures {values['fixtures']}"
     else:
-        found = cases_mod.suite(values["suite"] or "smoke")
+        found = catalogue.suite(values["suite"] or "smoke")
         source_flag = f"--suite {values['suite'] or 'smoke'}"
     chosen = []
     for item in found:
@@ -66,7 +65,8 @@ def pytest_generate_tests(metafunc):
 
 def test_case(oracle_item, request):
     from oracle import golden
-    from oracle.validate import _reproduce_cmd, check_fixture, resolve_impl
+    from oracle.judge import check_fixture
+    from oracle.validate import reproduce_command, resolve_impl
 
     __tracebackhide__ = True
     values = settings(request.config)
@@ -74,7 +74,7 @@ def test_case(oracle_item, request):
     fixture = item if hasattr(item, "truth") else golden.build(item)
     impl, spec = resolve_impl(values["impl"])
     spec = spec or values["impl"]
-    repro = _reproduce_cmd(spec, source_flag, fixture.case.dtype, fixture.case.name,
+    repro = reproduce_command(spec, source_flag, fixture.case.dtype, fixture.case.name,
                            values["grads"], values["strict"])
     result = check_fixture(impl, fixture, grads=values["grads"], reproduce=repro)
     if result.verdict == "unsupported":

@@ -8,8 +8,8 @@ conditioning; nothing is a guessed literal.
   ``n`` successive roundings (Higham, *Accuracy and Stability of Numerical Algorithms*, Lemma 3.1).
 * :func:`ulp` / :func:`ulp_distance` -- units in the last place of a format.
 
-Judging an attention implementation (used by :func:`oracle.validate`)
-======================================================================
+Judging an attention implementation (used by :mod:`oracle.judge`)
+==================================================================
 
 Notation: ``u`` is the unit roundoff of the implementation dtype (the case dtype, which is also
 the storage and output dtype), ``u_a`` that of the *accumulation* dtype (float32 for float16 and
@@ -58,12 +58,13 @@ Natural scales of the other quantities (first-order perturbation bounds, :func:`
     T = \\max(k \\, E_{base},\\; F) + u_{out}                              \\qquad (T2)
 
 * ``E_base`` -- the *baseline rule* (FlashAttention's test rule, generalised): the oracle runs a
-  textbook implementation in the case dtype (:func:`textbook_attention`; half types accumulate
-  matmuls and the softmax in float32 but store scores, weights and outputs in the half type,
-  like PyTorch's math path) and measures its largest normalised error (T1) against the exact
-  truth on *this* case. ``E_base`` therefore carries the case's real difficulty (score range,
-  length, cancellation) without any model. Elements where the baseline is NaN/Inf but the
-  truth is finite (poison cases) make the rule void; then ``E_base = 0`` and ``F`` decides.
+  textbook implementation in the case dtype (:func:`oracle.baseline.textbook_attention`; half
+  types accumulate matmuls and the softmax in float32 but store scores, weights and outputs in
+  the half type, like PyTorch's math path) and measures its largest normalised error (T1)
+  against the exact truth on *this* case. ``E_base`` therefore carries the case's real
+  difficulty (score range, length, cancellation) without any model. Elements where the baseline
+  is NaN/Inf but the truth is finite (poison cases) make the rule void; then ``E_base = 0`` and
+  ``F`` decides.
 * ``k`` -- :data:`K_FORWARD` = 2 for out and lse (FlashAttention's factor: two algorithms that
   both round correctly at each step differ in error by their summation order; a factor 2 covers a
   blocked/online softmax against a two-pass one), :data:`K_BACKWARD` = 3 for gradients (the
@@ -157,11 +158,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
 from refattn.exact.rounding import format_of
+
+from .heads import alibi_bias, expand_kv, fold_kv, resolve_scale, sum_to_shape, with_heads
 
 __all__ = [
     "unit_roundoff",
@@ -185,9 +187,13 @@ __all__ = [
     "output_floor",
     "lse_floor",
     "scaled_dots",
-    "textbook_attention",
-    "textbook_attention_vjp",
-    "Textbook",
+    "variant_floor",
+    "fixed_point_forward_bound",
+    "logit_lse_bound",
+    "mixture_bound",
+    "iterated_bound",
+    "ratio_bound",
+    "transformer_forward_bound",
 ]
 
 #: Baseline factor for out and lse (FlashAttention's rule; see the module docstring).
@@ -232,7 +238,7 @@ def ulp_distance(value, truth, dtype) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
-# Judging attention implementations (the derivation is in the module docstring).
+# Judging attention implementations (the derivation is in the module docstring)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -306,258 +312,6 @@ def allowed_positions(L, S, *, mask=None, bias=None, causal=False, window=None,
     return allowed
 
 
-def _heads(x, name):
-    x = np.asarray(x)
-    if x.ndim < 2:
-        raise ValueError(f"{name}: expected at least 2 dimensions, got shape {x.shape}")
-    return x if x.ndim > 2 else x[None]
-
-
-def _expand_kv(x, H, gqa):
-    """(..., K, S, .) -> (..., H, S, .): query head h reads kv head h // G or h % K."""
-    K = x.shape[-3]
-    if H % K:
-        raise ValueError(f"H={H} is not a multiple of K={K}")
-    if gqa == "interleave":
-        return np.repeat(x, H // K, axis=-3)
-    if gqa == "tile":
-        return np.concatenate([x] * (H // K), axis=-3)
-    raise ValueError(f"gqa: expected 'interleave' or 'tile', got {gqa!r}")
-
-
-def _fold_kv(x, K, gqa):
-    """Inverse of :func:`_expand_kv` for gradients: sum the heads sharing a kv head."""
-    H = x.shape[-3]
-    G = H // K
-    if gqa == "interleave":
-        return x.reshape(*x.shape[:-3], K, G, *x.shape[-2:]).sum(axis=-3)
-    return x.reshape(*x.shape[:-3], G, K, *x.shape[-2:]).sum(axis=-4)
-
-
-def _sum_to_shape(x, shape):
-    """Sum ``x`` over the dimensions that broadcasting added or stretched to reach its shape."""
-    shape = tuple(shape)
-    extra = x.ndim - len(shape)
-    if extra > 0:
-        x = x.sum(axis=tuple(range(extra)))
-    axes = tuple(i for i, (a, b) in enumerate(zip(x.shape, shape, strict=True))
-            if b == 1 and a != 1)
-    if axes:
-        x = x.sum(axis=axes, keepdims=True)
-    return x.reshape(shape)
-
-
-def _alibi(slopes, L, S, align):
-    offset = 0 if align == "top_left" else S - L
-    dist = np.abs(np.arange(L)[:, None] + offset - np.arange(S)[None, :]).astype(np.float64)
-    slopes = np.asarray(slopes, dtype=np.float64)
-    return -slopes[..., None, None] * dist
-
-
-def _scale_value(scale, D):
-    return 1.0 / math.sqrt(D) if scale is None else float(scale)
-
-
-class Textbook(NamedTuple):
-    """Result of :func:`textbook_attention`: out (..., H, L, E), lse (..., H, L), weights
-    (..., H, L, S) pre-dropout, ``allowed`` the allowed set used."""
-
-    out: np.ndarray
-    lse: np.ndarray
-    weights: np.ndarray
-    allowed: np.ndarray
-
-
-_OPTION_NAMES = ("scale", "bias", "mask", "causal", "window", "align", "softcap",
-                 "alibi_slopes", "gqa", "dropout_mask", "dropout_p", "empty_rows")
-
-
-def _scores(q, k, v, dtype, scale, bias, mask, causal, window, align, softcap, alibi_slopes,
-            gqa, softcap_order, allowed):
-    """Final scores in the accumulation dtype (rounded through ``dtype`` at each stored stage),
-    the allowed set and the pre-softcap capped scores (for the softcap derivative)."""
-    acc = accumulation_dtype(dtype)
-    store = format_of(dtype).dtype
-
-    def stored(x):
-        return np.asarray(x, dtype=acc).astype(store).astype(acc)
-
-    q, k, v = _heads(q, "q"), _heads(k, "k"), _heads(v, "v")
-    H, L, D = q.shape[-3:]
-    S = k.shape[-2]
-    k_h = _expand_kv(k, H, gqa).astype(acc)
-    k_h = np.where(np.isfinite(k_h), k_h, 0)  # poison reaches only excluded scores
-    poisoned_k = ~np.isfinite(_expand_kv(k, H, gqa)).all(axis=-1)
-    with np.errstate(all="ignore"):
-        raw = np.matmul(q.astype(acc), np.swapaxes(k_h, -1, -2))
-        raw = np.where(poisoned_k[..., None, :], np.nan, raw)
-        scores = stored(raw * acc.type(_scale_value(scale, D)))
-    if allowed is None:
-        allowed = allowed_positions(L, S, mask=mask, bias=bias, causal=causal, window=window,
-                                    align=align)
-    additive = np.zeros((), dtype=acc)
-    if bias is not None:
-        additive = np.where(np.asarray(bias) == -np.inf, 0, np.asarray(bias, dtype=np.float64))
-    if alibi_slopes is not None:
-        additive = additive + _alibi(alibi_slopes, L, S, align)
-    has_additive = bias is not None or alibi_slopes is not None
-    capped = None
-    with np.errstate(all="ignore"):
-        if softcap is not None and softcap_order == "before_bias":
-            c = acc.type(softcap)
-            capped = stored(c * np.tanh(scores / c))
-            scores = capped
-        if has_additive:
-            scores = stored(scores + np.asarray(additive, dtype=np.float64).astype(acc))
-        if softcap is not None and softcap_order == "after_bias":
-            c = acc.type(softcap)
-            capped = stored(c * np.tanh(scores / c))
-            scores = capped
-        if softcap is not None and softcap_order == "after_mask":
-            c = acc.type(softcap)
-            scores = stored(c * np.tanh(np.where(allowed, scores, -np.inf) / c))
-            allowed = np.ones_like(allowed)
-    return scores, np.broadcast_to(allowed, scores.shape), capped
-
-
-def _softmax(scores, allowed, empty_rows, acc):
-    masked = np.where(allowed, scores, -np.inf)
-    top = masked.max(axis=-1, keepdims=True)
-    empty = ~allowed.any(axis=-1)
-    top = np.where(np.isfinite(top), top, 0)
-    with np.errstate(all="ignore"):
-        terms = np.where(allowed, np.exp(masked - top), 0)
-        total = terms.sum(axis=-1, keepdims=True)
-        weights = terms / total
-        lse = (top + np.log(total))[..., 0]
-    fill = 0 if empty_rows == "zero" else np.nan
-    weights = np.where(empty[..., None], fill, weights).astype(acc)
-    lse = np.where(empty, -np.inf if empty_rows == "zero" else np.nan, lse).astype(acc)
-    return weights, lse
-
-
-def _weights_at_v(weights, v, acc):
-    """``weights @ v`` where a NaN/Inf value reaches only the rows that give it weight."""
-    bad = ~np.isfinite(v)
-    clean = np.where(bad, 0, v).astype(acc)
-    with np.errstate(all="ignore"):
-        out = np.matmul(weights, clean)
-        hit = np.matmul((weights != 0).astype(acc), bad.astype(acc)) > 0
-    return np.where(hit, np.nan, out)
-
-
-def textbook_attention(q, k, v, *, dtype=None, softcap_order="before_bias", allowed=None,
-                       **options) -> Textbook:
-    """Textbook attention in ``dtype`` (the baseline of rule (T2) and the diagnosis engine).
-
-    Two-pass max-shifted softmax; matmuls and the softmax accumulate in
-    :func:`accumulation_dtype` (float32 for half types) and every stored stage (scores, capped
-    scores, biased scores, weights, dropped weights, out, lse) is rounded to ``dtype``, like
-    PyTorch's math path. ``dtype=None`` means q's dtype; "float64" gives an accurate float64
-    evaluation (used for natural scales). ``options`` are refattn.attention's keywords.
-    ``softcap_order`` ("before_bias" pinned, "after_bias", "after_mask") and ``allowed``
-    (an explicit allowed set) exist for the convention diagnosis.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> q = k = v = np.eye(2)
-    >>> r = textbook_attention(q, k, v, scale=0.0)
-    >>> r.out.tolist(), r.lse.round(4).tolist()
-    ([[0.5, 0.5], [0.5, 0.5]], [0.6931, 0.6931])
-    """
-    unknown = set(options) - set(_OPTION_NAMES)
-    if unknown:
-        raise TypeError(f"textbook_attention: unknown options {sorted(unknown)}")
-    opt = {name: options.get(name) for name in _OPTION_NAMES}
-    dtype = np.asarray(q).dtype if dtype is None else dtype
-    store = format_of(dtype).dtype
-    acc = accumulation_dtype(dtype)
-    squeeze = np.asarray(q).ndim == 2
-    scores, allowed, _ = _scores(
-        q, k, v, dtype, opt["scale"], opt["bias"], opt["mask"], bool(opt["causal"]),
-        opt["window"], opt["align"] or "top_left", opt["softcap"], opt["alibi_slopes"],
-        opt["gqa"] or "interleave", softcap_order, allowed)
-    weights, lse = _softmax(scores, allowed, opt["empty_rows"] or "zero", acc)
-    weights = weights.astype(store).astype(acc)
-    dropped = _dropped(weights, opt["dropout_mask"], opt["dropout_p"] or 0.0, acc, store)
-    H = scores.shape[-3]
-    v_h = _expand_kv(_heads(v, "v"), H, opt["gqa"] or "interleave")
-    out = _weights_at_v(dropped, v_h, acc)
-    result = Textbook(out.astype(store), lse.astype(store), weights.astype(store), allowed)
-    if squeeze:
-        result = Textbook(*(x[..., 0, :, :] if x.ndim >= 3 and i != 1 else x[..., 0, :]
-                            for i, x in enumerate(result)))
-    return result
-
-
-def _dropped(weights, dropout_mask, dropout_p, acc, store):
-    if dropout_mask is None:
-        return weights
-    keep = np.asarray(dropout_mask, dtype=bool)
-    rescale = acc.type(1) / (acc.type(1) - acc.type(dropout_p))
-    return (np.where(keep, weights, 0) * rescale).astype(store).astype(acc)
-
-
-def textbook_attention_vjp(q, k, v, grad_out, *, grad_lse=None, dtype=None, **options):
-    """Textbook backward in ``dtype`` (float32 accumulation for half types): (dq, dk, dv, dbias).
-
-    ``Delta_i = sum_j P_ij dP_ij``; ``dS = P (dP - Delta + grad_lse)``; softcap's derivative
-    ``1 - (t/c)^2``; dk, dv folded over the heads sharing a kv head and every gradient summed
-    to its input's shape. Empty rows get zero gradients.
-    """
-    opt = {name: options.get(name) for name in _OPTION_NAMES}
-    unknown = set(options) - set(_OPTION_NAMES)
-    if unknown:
-        raise TypeError(f"textbook_attention_vjp: unknown options {sorted(unknown)}")
-    dtype = np.asarray(q).dtype if dtype is None else dtype
-    store = format_of(dtype).dtype
-    acc = accumulation_dtype(dtype)
-    gqa = opt["gqa"] or "interleave"
-
-    def stored(x):
-        return np.asarray(x, dtype=acc).astype(store).astype(acc)
-
-    q3, k3, v3 = _heads(q, "q"), _heads(k, "k"), _heads(v, "v")
-    H, D = q3.shape[-3], q3.shape[-1]
-    K = k3.shape[-3]
-    scores, allowed, capped = _scores(
-        q, k, v, dtype, opt["scale"], opt["bias"], opt["mask"], bool(opt["causal"]),
-        opt["window"], opt["align"] or "top_left", opt["softcap"], opt["alibi_slopes"], gqa,
-        "before_bias", None)
-    weights, _ = _softmax(scores, allowed, "zero", acc)
-    weights = stored(weights)
-    dO = _heads(grad_out, "grad_out").astype(acc)
-    k_h = _expand_kv(k3, H, gqa).astype(acc)
-    v_h = _expand_kv(v3, H, gqa).astype(acc)
-    with np.errstate(all="ignore"):
-        dP = stored(np.matmul(dO, np.swapaxes(v_h, -1, -2)))
-        if opt["dropout_mask"] is not None:
-            keep = np.asarray(opt["dropout_mask"], dtype=bool)
-            rescale = acc.type(1) / (acc.type(1) - acc.type(opt["dropout_p"] or 0.0))
-            dP = stored(np.where(keep, dP, 0) * rescale)
-        delta = (weights * dP).sum(axis=-1, keepdims=True)
-        dS = dP - delta
-        if grad_lse is not None:
-            dS = dS + np.asarray(grad_lse, dtype=acc)[..., None]
-        dS = stored(weights * dS)
-        dS_raw = dS
-        if opt["softcap"] is not None:
-            c = acc.type(opt["softcap"])
-            dS_raw = stored(dS * (1 - (capped / c) ** 2))
-        s = acc.type(_scale_value(opt["scale"], D))
-        dq = np.matmul(dS_raw, k_h) * s
-        dk = _fold_kv(np.matmul(np.swapaxes(dS_raw, -1, -2), q3.astype(acc)) * s, K, gqa)
-        dropped = _dropped(weights, opt["dropout_mask"], opt["dropout_p"] or 0.0, acc, store)
-        dv = _fold_kv(np.matmul(np.swapaxes(dropped, -1, -2), dO), K, gqa)
-    dbias = None
-    if opt["bias"] is not None:
-        dbias = _sum_to_shape(dS, np.shape(opt["bias"])).astype(store)
-    return (_sum_to_shape(dq, np.shape(q)).astype(store),
-            _sum_to_shape(dk, np.shape(k)).astype(store),
-            _sum_to_shape(dv, np.shape(v)).astype(store), dbias)
-
-
 def _finite_abs(x):
     x = np.asarray(x, dtype=np.float64)
     return np.where(np.isfinite(x), np.abs(x), 0.0)
@@ -570,16 +324,16 @@ def score_magnitude(q, k, *, scale=None, bias=None, alibi_slopes=None, gqa="inte
     The magnitude of every term that makes up score ``t_ij``: the rounding errors of the score
     are proportional to it (T4). Non-finite inputs (poison) count as 0.
     """
-    q3, k3 = _heads(q, "q"), _heads(k, "k")
+    q3, k3 = with_heads(q, "q"), with_heads(k, "k")
     H, L, D = q3.shape[-3:]
     S = k3.shape[-2]
-    k_h = _expand_kv(k3, H, gqa or "interleave")
-    a = abs(_scale_value(scale, D)) * np.matmul(_finite_abs(q3), np.swapaxes(_finite_abs(k_h),
+    k_h = expand_kv(k3, H, gqa or "interleave")
+    a = abs(resolve_scale(scale, D)) * np.matmul(_finite_abs(q3), np.swapaxes(_finite_abs(k_h),
                                                                             -1, -2))
     if bias is not None:
         a = a + _finite_abs(bias)
     if alibi_slopes is not None:
-        a = a + np.abs(_alibi(alibi_slopes, L, S, align or "top_left"))
+        a = a + np.abs(alibi_bias(alibi_slopes, L, S, align or "top_left"))
     return a
 
 
@@ -591,8 +345,8 @@ def output_scale(weights, v, *, gqa="interleave") -> np.ndarray:
     w = _finite_abs(weights)
     if w.ndim == 2:  # a single head: (L, S) weights, (S, E) values
         return w @ _finite_abs(v)
-    v3 = _heads(v, "v")
-    return np.matmul(w, _expand_kv(_finite_abs(v3), w.shape[-3], gqa or "interleave"))
+    v3 = with_heads(v, "v")
+    return np.matmul(w, expand_kv(_finite_abs(v3), w.shape[-3], gqa or "interleave"))
 
 
 def lse_scale(lse, weights, magnitude) -> np.ndarray:
@@ -609,24 +363,24 @@ def grad_scales(q, k, v, grad_out, weights, dropped, *, grad_lse=None, scale=Non
     array without dropout).
     """
     gqa = gqa or "interleave"
-    q3, k3, v3 = _heads(q, "q"), _heads(k, "k"), _heads(v, "v")
+    q3, k3, v3 = with_heads(q, "q"), with_heads(k, "k"), with_heads(v, "v")
     H, D = q3.shape[-3], q3.shape[-1]
     K = k3.shape[-3]
     p = _finite_abs(weights)
-    dO = _finite_abs(_heads(grad_out, "grad_out"))
+    dO = _finite_abs(with_heads(grad_out, "grad_out"))
     rescale = np.divide(_finite_abs(dropped), p, out=np.ones_like(p), where=p > 0)
-    dP = np.matmul(dO, np.swapaxes(_expand_kv(_finite_abs(v3), H, gqa), -1, -2)) * rescale
+    dP = np.matmul(dO, np.swapaxes(expand_kv(_finite_abs(v3), H, gqa), -1, -2)) * rescale
     delta = (p * dP).sum(axis=-1, keepdims=True)
     g_lse = 0.0 if grad_lse is None else _finite_abs(grad_lse)[..., None]
     g = p * (dP + delta + g_lse)
-    s = abs(_scale_value(scale, D))
-    dq = s * np.matmul(g, _expand_kv(_finite_abs(k3), H, gqa))
-    dk = _fold_kv(s * np.matmul(np.swapaxes(g, -1, -2), _finite_abs(q3)), K, gqa)
-    dv = _fold_kv(np.matmul(np.swapaxes(_finite_abs(dropped), -1, -2), dO), K, gqa)
-    scales = {"dq": _sum_to_shape(dq, np.shape(q)), "dk": _sum_to_shape(dk, np.shape(k)),
-              "dv": _sum_to_shape(dv, np.shape(v))}
+    s = abs(resolve_scale(scale, D))
+    dq = s * np.matmul(g, expand_kv(_finite_abs(k3), H, gqa))
+    dk = fold_kv(s * np.matmul(np.swapaxes(g, -1, -2), _finite_abs(q3)), K, gqa)
+    dv = fold_kv(np.matmul(np.swapaxes(_finite_abs(dropped), -1, -2), dO), K, gqa)
+    scales = {"dq": sum_to_shape(dq, np.shape(q)), "dk": sum_to_shape(dk, np.shape(k)),
+              "dv": sum_to_shape(dv, np.shape(v))}
     if bias is not None:
-        scales["dbias"] = _sum_to_shape(g, np.shape(bias))
+        scales["dbias"] = sum_to_shape(g, np.shape(bias))
     return scales
 
 
@@ -662,10 +416,10 @@ def _lambda(count) -> float:
 
 def scaled_dots(q, k, *, scale=None, gqa="interleave", **_ignored) -> np.ndarray:
     """Signed ``s_ij = scale (q_i . k_j)`` in float64, (..., H, L, S) (poison counts as 0)."""
-    q3, k3 = _heads(q, "q"), _heads(k, "k")
-    k_h = _expand_kv(k3, q3.shape[-3], gqa or "interleave")
+    q3, k3 = with_heads(q, "q"), with_heads(k, "k")
+    k_h = expand_kv(k3, q3.shape[-3], gqa or "interleave")
     clean = [np.where(np.isfinite(x), x, 0.0).astype(np.float64) for x in (q3, k_h)]
-    return _scale_value(scale, q3.shape[-1]) * np.matmul(clean[0], np.swapaxes(clean[1], -1, -2))
+    return resolve_scale(scale, q3.shape[-1]) * np.matmul(clean[0], np.swapaxes(clean[1], -1, -2))
 
 
 def _score_terms(dtype, count, D, n_stored):
@@ -688,7 +442,7 @@ def output_floor(dtype, *, weights, dropped, magnitude, dots, v, out, D, S, n_st
     u, ua, delta, lam, acc = _score_terms(dtype, count, D, n_stored)
     p = _finite_abs(weights)
     d = np.divide(_finite_abs(dropped), p, out=np.zeros_like(p), where=p > 0)
-    v_h = v if np.ndim(v) == 2 else _expand_kv(_heads(v, "v"), p.shape[-3], gqa or "interleave")
+    v_h = v if np.ndim(v) == 2 else expand_kv(with_heads(v, "v"), p.shape[-3], gqa or "interleave")
     v_h = np.where(np.isfinite(v_h), v_h, 0.0).astype(np.float64)
     o = np.where(np.isfinite(out), out, 0.0)
     pa = p * magnitude
@@ -764,8 +518,11 @@ def threshold(baseline_error, floor, dtype, *, k=K_FORWARD) -> Threshold:
     return Threshold(float(k), baseline, floor, unit_roundoff(dtype))
 
 
-# ----------------------------------------------------------------------------- fixed points
-# (refattn.fixedpoint / refattn.meanfield; appended by the fixed-point / mean-field area)
+# ---------------------------------------------------------------------------------------------
+# A-priori error bounds of refattn's float64 paths used by the tests: fixed points
+# (refattn.fixedpoint, refattn.meanfield), seed mechanisms (refattn.gmm, refattn.mgk,
+# refattn.hopfield) and transformer pieces (refattn.transformer).
+# ---------------------------------------------------------------------------------------------
 
 
 def fixed_point_forward_bound(residual_norm, inverse_norm, rounding_scale, n, dtype="float64"):
@@ -785,13 +542,6 @@ def fixed_point_forward_bound(residual_norm, inverse_norm, rounding_scale, n, dt
     True
     """
     return float(inverse_norm) * (float(residual_norm) + gamma(n, dtype) * float(rounding_scale))
-
-
-__all__ += ["fixed_point_forward_bound"]
-
-
-# ----------------------------------------------------------------------------- seed mechanisms
-# (refattn.gmm / refattn.mgk / refattn.hopfield; appended by the seed-mechanism area)
 
 
 def logit_lse_bound(term_scale, n, dim, lse_magnitude=0.0, dtype="float64"):
@@ -846,13 +596,6 @@ def ratio_bound(n_terms, value_scale, dtype="float64"):
     return float(value_scale) * 2 * gamma(2 * int(n_terms) + 2, dtype)
 
 
-__all__ += ["logit_lse_bound", "mixture_bound", "iterated_bound", "ratio_bound"]
-
-
-# ----------------------------------------------------------------------------- transformer pieces
-# (refattn.transformer; appended by the transformer area)
-
-
 def transformer_forward_bound(function, *args, **kwargs) -> np.ndarray:
     """A-priori bound on ``|function(*args, **kwargs) - exact|`` for the float64 path of a
     :mod:`refattn.transformer` function (multihead_attention, layer_norm, sinusoidal_positions,
@@ -868,11 +611,9 @@ def transformer_forward_bound(function, *args, **kwargs) -> np.ndarray:
     return float64_error_bound(function, *args, **kwargs)
 
 
-__all__ += ["transformer_forward_bound"]
-
-
-# ----------------------------------------------------------------------------- variant fixtures
-# (oracle.variant_cases: judging implementations of refattn's probabilistic variants)
+# ---------------------------------------------------------------------------------------------
+# Judging variant implementations (gmm, mgk, hopfield, meanfield fixtures)
+# ---------------------------------------------------------------------------------------------
 
 
 def variant_floor(dtype, *, condition, n, n_stored) -> float:
@@ -882,7 +623,7 @@ def variant_floor(dtype, *, condition, n, n_stored) -> float:
     exact truth, threshold ``T = max(k E_base, F) + u_out`` (T2) with ``k =``
     :data:`K_FORWARD`. The *baseline* ``E_base`` is refattn's float64 path evaluated on the
     case's inputs (exact in float64) and rounded once to the case dtype
-    (:func:`oracle.variant_cases.baseline`): for float64 cases it carries the case's real
+    (:func:`oracle.baseline.variant_baseline`): for float64 cases it carries the case's real
     difficulty (conditioning, the stopping rule of a fixed-point solver) with no model. For the
     narrower dtypes that baseline is almost always the correctly rounded truth itself
     (``E_base ~ 0``), which no implementation computing *in* that dtype can match, so the
@@ -897,7 +638,7 @@ def variant_floor(dtype, *, condition, n, n_stored) -> float:
     (:func:`accumulation_dtype`: float32 for the half types); ``n_st u`` covers the
     intermediates an implementation stores in the case dtype (logits, weights, iterates: a
     relative ``u`` each); ``c`` is the case's relative condition factor
-    (:func:`oracle.variant_cases.condition`: ``1 + 2A`` per step for a softmax mixture with
+    (:func:`oracle.variant_scales.condition`: ``1 + 2A`` per step for a softmax mixture with
     logit terms of magnitude ``A``, as in (T5); the condition number of the linear system for
     the mean-field fixed points). The worst-case ``gamma_n`` (not the probabilistic (T3)) is
     used because the variants' operation counts are small (n < 200) and their own float64
@@ -910,5 +651,3 @@ def variant_floor(dtype, *, condition, n, n_stored) -> float:
     u_a = accumulation_dtype(dtype)
     return float(condition) * (gamma(int(n), u_a) + int(n_stored) * u)
 
-
-__all__ += ["variant_floor"]

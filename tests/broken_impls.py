@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from oracle.tolerance import accumulation_dtype, allowed_positions, textbook_attention
+from oracle.baseline import textbook_attention
+from oracle.tolerance import accumulation_dtype, allowed_positions
 
 __all__ = ["BROKEN", "Broken", "textbook"]
 

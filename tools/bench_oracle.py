@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oracle import cases, golden  # noqa: E402
+from oracle import catalogue, golden  # noqa: E402
 
 
 def _size(directory: Path) -> int:
@@ -37,7 +37,7 @@ def bench_generate(suite: str, workers: int, keep: bool) -> dict:
     golden.generate(suite, out, workers=workers, progress=False)
     seconds = time.perf_counter() - start
     problems = golden.verify(out)
-    figures = {"suite": suite, "workers": workers, "cases": len(cases.suite(suite)),
+    figures = {"suite": suite, "workers": workers, "cases": len(catalogue.suite(suite)),
                "seconds": seconds, "bytes": _size(out), "problems": len(problems), "dir": out}
     if not keep:
         shutil.rmtree(out)
@@ -47,7 +47,7 @@ def bench_generate(suite: str, workers: int, keep: bool) -> dict:
 def slowest(suite: str, count: int) -> list[tuple[float, str]]:
     """The ``count`` most expensive cases of ``suite`` (build time, name)."""
     timings = []
-    for case in cases.suite(suite):
+    for case in catalogue.suite(suite):
         start = time.perf_counter()
         golden.build(case)
         timings.append((time.perf_counter() - start, case.name))
@@ -56,7 +56,7 @@ def slowest(suite: str, count: int) -> list[tuple[float, str]]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--suite", action="append", choices=cases.SUITES,
+    parser.add_argument("--suite", action="append", choices=catalogue.SUITES,
                         help="suite to time (repeatable; default: smoke and default)")
     parser.add_argument("--workers", type=int, action="append",
                         help="worker processes (repeatable; default: 1 and 2)")

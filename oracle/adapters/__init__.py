@@ -61,6 +61,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..catalogue.names import ATTENTION_OPTIONS
+
 __all__ = [
     "Adapter",
     "OPTION_NAMES",
@@ -71,21 +73,7 @@ __all__ = [
 ]
 
 #: The keyword names of refattn.attention an adapter accepts (the oracle's calling convention).
-OPTION_NAMES = (
-    "scale",
-    "bias",
-    "mask",
-    "causal",
-    "window",
-    "align",
-    "softcap",
-    "alibi_slopes",
-    "gqa",
-    "dropout_mask",
-    "dropout_p",
-    "empty_rows",
-    "return_lse",
-)
+OPTION_NAMES = (*ATTENTION_OPTIONS, "return_lse")
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from oracle import cases, golden
-from oracle.cases import Case, Shapes
+from oracle import catalogue, golden
+from oracle.catalogue import Case, Shapes
 from oracle.golden import Fixture
 from oracle.validate import validate
 
@@ -20,7 +20,7 @@ from broken_impls import BROKEN, textbook  # noqa: E402
 
 
 def _build(patterns=None):
-    chosen = [case for case in cases.suite("default") if case.function == "attention"]
+    chosen = [case for case in catalogue.suite("default") if case.function == "attention"]
     if patterns is not None:
         chosen = [case for case in chosen
                   if any(fnmatch.fnmatchcase(case.name, p) for p in patterns)]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from naive import naive_attention, round_nested
 
-from oracle import cases, golden
+from oracle import catalogue, golden
 
 # cheap cases touching every stored member kind: bfloat16 bits, bool masks, grads with dbias
 _NAMES = (
@@ -25,7 +25,7 @@ _NAMES = (
 
 @pytest.fixture(scope="module")
 def some_cases():
-    return [cases.get(name) for name in _NAMES]
+    return [catalogue.get(name) for name in _NAMES]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def _assert_identical_dirs(first: Path, second: Path):
                                   "mask-empty-rows-H2K2-L6S7-D8E8-f16"])
 def test_truth_matches_independent_naive_reference(name):
     """The stored truth equals tests/naive.py at 60 digits rounded once to the dtype."""
-    case = cases.get(name)
+    case = catalogue.get(name)
     fixture = golden.build(case)
     n = case.shapes
     for b in range(n.batch):
@@ -93,7 +93,7 @@ def test_build_contents(some_cases):
 
 
 def test_poison_never_reaches_truth():
-    fixture = golden.build(cases.get("poison-nan-padding-B2H2K2-L5S10-D8E8-f32"))
+    fixture = golden.build(catalogue.get("poison-nan-padding-B2H2K2-L5S10-D8E8-f32"))
     assert np.isnan(fixture.inputs["k"].astype(np.float64)).any()
     assert np.isfinite(fixture.truth["out"]).all(), "poison reached the exact output"
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from oracle import baseline
 from oracle import tolerance as tol
 from refattn.exact.rounding import format_of
 
@@ -111,7 +112,7 @@ def _make(rng, options, dtype="float64"):
 def test_textbook_float64_matches_naive(rng, name):
     q, k, v, options = _make(rng, OPTION_SETS[name])
     out, lse, weights = (to_float_array(x) for x in naive_attention(q, k, v, **options))
-    result = tol.textbook_attention(q, k, v, dtype="float64", **options)
+    result = baseline.textbook_attention(q, k, v, dtype="float64", **options)
     allowed = np.broadcast_to(result.allowed, result.weights.shape)
     magnitude = tol.score_magnitude(q, k, **options)
     floors = tol.forward_floors("float64", D=5, S=6, L=3, E=3, G=2, magnitude=magnitude,
@@ -133,7 +134,7 @@ def test_textbook_float64_matches_naive(rng, name):
 def test_textbook_half_types_round_to_dtype(rng, dtype):
     q, k, v, options = _make(rng, {}, dtype="float32")
     fmt_dtype = format_of(dtype).dtype
-    result = tol.textbook_attention(q.astype(fmt_dtype), k.astype(fmt_dtype),
+    result = baseline.textbook_attention(q.astype(fmt_dtype), k.astype(fmt_dtype),
                                     v.astype(fmt_dtype), **options)
     assert result.out.dtype == fmt_dtype and result.lse.dtype == fmt_dtype, result.out.dtype
 
@@ -145,7 +146,7 @@ def test_textbook_vjp_matches_refattn(rng):
     options.update(softcap=3.0, causal=True, align="bottom_right", gqa="tile")
     grad_out = rng.standard_normal((4, 3, 3))
     grad_lse = rng.standard_normal((4, 3))
-    ours = tol.textbook_attention_vjp(q, k, v, grad_out, grad_lse=grad_lse, dtype="float64",
+    ours = baseline.textbook_attention_vjp(q, k, v, grad_out, grad_lse=grad_lse, dtype="float64",
                                       **options)
     theirs = attention_vjp(q, k, v, grad_out, grad_lse=grad_lse, **options)
     _, _, weights = attention(q, k, v, return_lse=True, return_weights=True, **options)
@@ -204,7 +205,7 @@ def test_element_floor_covers_the_textbook_and_is_below_the_row_floor(rng, dtype
         v = rng.standard_normal((H, S, E)).astype(store)
         out, _, weights = attention(q, k, v, return_lse=True, return_weights=True,
                                     precision="exact")
-        base = tol.textbook_attention(q, k, v)
+        base = baseline.textbook_attention(q, k, v)
         magnitude = tol.score_magnitude(q, k)
         floor = tol.output_floor(dtype, weights=weights, dropped=weights, magnitude=magnitude,
                                  dots=tol.scaled_dots(q, k), v=v, out=out, D=D, S=S,

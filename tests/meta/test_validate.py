@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 import oracle
-from oracle import cases, golden
+from oracle import catalogue, golden
 from oracle.cli import main
-from oracle.validate import Report, check_fixture, resolve_impl, validate
+from oracle.judge import check_fixture
+from oracle.results import Report
+from oracle.validate import resolve_impl, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -24,7 +26,7 @@ from broken_impls import missing_scale, textbook  # noqa: E402
 
 @pytest.fixture(scope="module")
 def smoke():
-    return [golden.build(case) for case in cases.suite("smoke")
+    return [golden.build(case) for case in catalogue.suite("smoke")
             if case.function == "attention"]
 
 

@@ -1,4 +1,4 @@
-"""Meta tests of the variant suites (oracle.variant_cases): catalogue, truths, bytes, judge."""
+"""Meta tests of the variant suites (oracle.catalogue.variants): catalogue, truths, bytes, judge."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import mpmath
 import numpy as np
 import pytest
 
-from oracle import cases, golden
+from oracle import catalogue, golden
 from oracle import validate as V
-from oracle import variant_cases as vc
-from oracle.tolerance import textbook_attention
+from oracle.baseline import textbook_attention
+from oracle.catalogue import variants as vc
 from refattn import gmm, hopfield, meanfield, mgk
 from tests.test_gmm import (
     DPS,
@@ -36,13 +36,13 @@ DEFAULT = "variants-default"
 
 
 def test_names_unique_prefixed_and_disjoint_from_attention():
-    default = cases.suite(DEFAULT)
+    default = catalogue.suite(DEFAULT)
     names = [c.name for c in default]
     assert len(set(names)) == len(names), "variants-default: duplicate case names"
-    attention = {c.name for c in cases.suite("full")}
+    attention = {c.name for c in catalogue.suite("full")}
     clash = sorted(set(names) & attention)
     assert not clash, f"variant names collide with the attention catalogue: {clash}"
-    smoke = {c.name for c in cases.suite(SMOKE)}
+    smoke = {c.name for c in catalogue.suite(SMOKE)}
     assert smoke <= set(names), f"smoke not within default: {sorted(smoke - set(names))}"
     for case in default:
         prefix = vc.PREFIXES[case.function]
@@ -53,19 +53,19 @@ def test_names_unique_prefixed_and_disjoint_from_attention():
 
 
 def test_every_variant_function_covered_in_every_dtype():
-    seen = {(c.function, c.dtype) for c in cases.suite(DEFAULT)}
-    missing = [(f, d) for f in vc.FUNCTIONS for d in cases.DTYPES if (f, d) not in seen]
+    seen = {(c.function, c.dtype) for c in catalogue.suite(DEFAULT)}
+    missing = [(f, d) for f in vc.FUNCTIONS for d in catalogue.DTYPES if (f, d) not in seen]
     assert not missing, f"variants-default lacks {missing}"
-    smoke_functions = {c.function for c in cases.suite(SMOKE)}
+    smoke_functions = {c.function for c in catalogue.suite(SMOKE)}
     assert smoke_functions == set(vc.FUNCTIONS), set(vc.FUNCTIONS) - smoke_functions
 
 
 def test_specs_round_trip_and_get():
-    for case in cases.suite(DEFAULT):
-        again = cases.Case.from_spec(json.loads(case.spec_json()))
+    for case in catalogue.suite(DEFAULT):
+        again = catalogue.Case.from_spec(json.loads(case.spec_json()))
         assert again == case and again.spec() == case.spec(), case.name
-    name = cases.suite(SMOKE)[0].name
-    assert cases.get(name).name == name
+    name = catalogue.suite(SMOKE)[0].name
+    assert catalogue.get(name).name == name
 
 
 #: sha256 over every variants-default input (name, dtype, shape, bytes); computed once on
@@ -76,8 +76,8 @@ PINNED_INPUTS_SHA256 = "fe4388d2af4a9683242000c8daa3db03c296ec6611eaf72f696fb887
 
 def test_inputs_are_pinned():
     digest = hashlib.sha256()
-    for case in cases.suite(DEFAULT):
-        for name, x in sorted(cases.make_inputs(case).items()):
+    for case in catalogue.suite(DEFAULT):
+        for name, x in sorted(catalogue.make_inputs(case).items()):
             for part in (case.name, name, str(x.dtype), repr(x.shape)):
                 digest.update(part.encode())
             digest.update(x.tobytes())
@@ -175,9 +175,9 @@ def _meanfield_reference(case, x):
 
 def _reference_cases():
     # every smoke case, plus one default case per function/option family in float32/bfloat16
-    chosen = list(cases.suite(SMOKE))
+    chosen = list(catalogue.suite(SMOKE))
     seen = set()
-    for case in cases.suite(DEFAULT):
+    for case in catalogue.suite(DEFAULT):
         family = case.name.rsplit("-", 1)[0]
         if case.dtype in ("float32", "bfloat16") and family not in seen and case not in chosen:
             seen.add(family)
@@ -217,8 +217,8 @@ def test_generate_is_deterministic_verifies_and_loads(tmp_path, capsys):
         assert hashlib.sha256(a).hexdigest() == shas[name] and a == b, name
     assert golden.verify(first) == []
     loaded = {f.name: f for f in golden.load(first)}
-    assert sorted(loaded) == sorted(c.name for c in cases.suite(SMOKE))
-    for case in cases.suite(SMOKE):
+    assert sorted(loaded) == sorted(c.name for c in catalogue.suite(SMOKE))
+    for case in catalogue.suite(SMOKE):
         built = golden.build(case)
         fixture = loaded[case.name]
         assert fixture.case == case and fixture.case.function == case.function
@@ -233,7 +233,7 @@ def test_generate_is_deterministic_verifies_and_loads(tmp_path, capsys):
 
 
 def test_verify_names_a_missing_truth_member(tmp_path):
-    case = next(c for c in cases.suite(SMOKE) if c.function == "meanfield.adaptive_tap")
+    case = next(c for c in catalogue.suite(SMOKE) if c.function == "meanfield.adaptive_tap")
     out = golden.generate(SMOKE, tmp_path, progress=False, cases=[case])
     fixture = golden.build(case)
     del fixture.truth["chi_diag_f64"]
@@ -282,7 +282,7 @@ REFATTN64 = {
 
 
 def _only(suite, function, dtypes=None):
-    return [c for c in cases.suite(suite) if c.function == function
+    return [c for c in catalogue.suite(suite) if c.function == function
             and (dtypes is None or c.dtype in dtypes)]
 
 

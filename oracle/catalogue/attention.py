@@ -1,10 +1,10 @@
-"""The case catalogue of the oracle: named cases in suites, and their inputs.
+"""The attention cases of the catalogue (suites smoke, default, full) and their inputs.
 
-A :class:`Case` is a complete, JSON-serialisable description of one attention problem: its
-shapes (in the shape letters of docs/conventions.md), the dtype of its inputs, the scalar
-keywords of :func:`refattn.attention`, a *recipe* for the inputs, and a seed. The catalogue is
-a pure function of this module's source: names are stable (they never depend on catalogue
-order) and each case's seed is derived from its name.
+A :class:`~oracle.catalogue.case.Case` is a complete, JSON-serialisable description of one
+attention problem: its shapes (in the shape letters of docs/conventions.md), the dtype of its
+inputs, the scalar keywords of :func:`refattn.attention`, a *recipe* for the inputs, and a
+seed. The catalogue is a pure function of this module's source: names are stable (they never
+depend on catalogue order) and each case's seed is derived from its name.
 
 Suites
 ------
@@ -30,7 +30,7 @@ recipe asks: ``mask`` (bool; (batch, 1, 1, S) for padding, (batch, H, L, S) othe
 ``dropout_mask`` (bool keep-mask, (batch, H, L, S)), ``alibi_slopes`` (case dtype, (H,)),
 ``grad_out`` (batch, H, L, E) and ``grad_lse`` (batch, H, L) for gradient cases.
 
-Random numbers come from :mod:`oracle._seeding` (SplitMix64 in counter mode keyed by
+Random numbers come from :mod:`oracle.catalogue.seeding` (SplitMix64 in counter mode keyed by
 sha256(seed, array name); Irwin-Hall Gaussians from integer sums; no ``numpy.random``
 Generator, no libm): the float64 values are bit-identical on every machine and NumPy
 version, and are rounded once to the case dtype.
@@ -56,169 +56,30 @@ Recipe keys (``Case.recipe``)
 (keep-mask drawn with P(keep) = 1 - dropout_p), ``poison`` ("nan" | "inf": written into every
 key/value position that no query may attend and into every excluded bias position),
 ``grad_lse`` (a cotangent for lse too).
-
-Extension point
----------------
-Variant suites (GMM, MGK, mean-field attention, ...) register themselves with
-:func:`register_suite`; their cases set ``Case.function`` to the refattn function whose exact
-path gives the truth, and ``oracle.golden`` dispatches on it (``golden.TRUTH_BUILDERS``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from refattn.exact.rounding import format_of
+from refattn.masks import allowed_mask
 
-from . import _seeding
+from . import seeding
+from .case import Case, Shapes, seed_of
+from .names import DTYPE_TAGS, DTYPES
+from .seeding import Streams
 
-__all__ = [
-    "Shapes",
-    "Case",
-    "SUITES",
-    "suite_names",
-    "CATEGORIES",
-    "DTYPES",
-    "OPTION_NAMES",
-    "suite",
-    "get",
-    "make_inputs",
-    "register_suite",
-]
+__all__ = ["SUITES", "attention_cases", "make_inputs", "allowed_positions"]
 
+#: The attention suites: smoke within default within full.
 SUITES = ("smoke", "default", "full")
-CATEGORIES = ("conformance", "robustness")
-DTYPES = ("float64", "float32", "float16", "bfloat16")
-#: keywords of refattn.attention / attention_vjp the catalogue must exercise
-OPTION_NAMES = (
-    "scale", "bias", "mask", "causal", "window", "align", "softcap", "alibi_slopes", "gqa",
-    "dropout_mask", "dropout_p", "empty_rows", "grad_out", "grad_lse",
-)
-_DTYPE_TAGS = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-_ARRAY_OPTIONS = ("mask", "bias", "dropout_mask", "alibi_slopes")
-
-
-class Shapes(NamedTuple):
-    """Sizes of one case: q (batch, H, L, D), k (batch, K, S, D), v (batch, K, S, E)."""
-
-    batch: int
-    H: int
-    K: int
-    L: int
-    S: int
-    D: int
-    E: int
-
-    def tag(self) -> str:
-        """Readable shape part of a case name, e.g. ``B2H8K2-L37S64-D16E8``."""
-        batch = f"B{self.batch}" if self.batch != 1 else ""
-        return f"{batch}H{self.H}K{self.K}-L{self.L}S{self.S}-D{self.D}E{self.E}"
-
-
-@dataclass(frozen=True, eq=True)
-class Case:
-    """One named case: everything needed to rebuild its inputs and its truth.
-
-    Attributes
-    ----------
-    name : str
-        Unique, stable, readable: ``<tag>-<shapes>-<dtype>``.
-    suites : tuple of str
-        Suites the case belongs to (smoke is within default, default within full).
-    category : {"conformance", "robustness"}
-    dtype : {"float64", "float32", "float16", "bfloat16"}
-        Dtype of the floating inputs and of the rounded truth ``out``.
-    shapes : Shapes
-    options : mapping
-        Scalar keywords of ``refattn.attention`` (scale, causal, window, align, softcap, gqa,
-        empty_rows, dropout_p); array keywords come from :func:`make_inputs`.
-    recipe : mapping
-        How the inputs are built (see the module docstring).
-    seed : int
-        Derived from the name (sha256), so renumbering the catalogue changes nothing.
-    grads : bool
-        The fixture also holds the exact gradients (refattn.attention_vjp).
-    description : str
-        One line.
-    function : str
-        The refattn function whose exact path is the truth ("attention"; variants add more).
-    """
-
-    name: str
-    suites: tuple[str, ...]
-    category: str
-    dtype: str
-    shapes: Shapes
-    options: Mapping[str, Any] = field(default_factory=dict)
-    recipe: Mapping[str, Any] = field(default_factory=dict)
-    seed: int = 0
-    grads: bool = False
-    description: str = ""
-    function: str = "attention"
-
-    def __hash__(self) -> int:
-        return hash(self.name)
-
-    def spec(self) -> dict:
-        """JSON-ready description (tuples as lists); inverse of :meth:`from_spec`."""
-        return {
-            "name": self.name,
-            "suites": list(self.suites),
-            "category": self.category,
-            "dtype": self.dtype,
-            "shapes": dict(self.shapes._asdict()),
-            "options": {k: _jsonable(v) for k, v in sorted(self.options.items())},
-            "recipe": {k: _jsonable(v) for k, v in sorted(self.recipe.items())},
-            "seed": self.seed,
-            "grads": self.grads,
-            "description": self.description,
-            "function": self.function,
-        }
-
-    def spec_json(self) -> str:
-        """Canonical JSON of :meth:`spec` (sorted keys, no whitespace variation)."""
-        return json.dumps(self.spec(), sort_keys=True, separators=(",", ":"), allow_nan=False)
-
-    @classmethod
-    def from_spec(cls, spec: Mapping) -> Case:
-        """Rebuild a case from :meth:`spec` output (or its JSON, parsed)."""
-        options = dict(spec.get("options", {}))
-        if options.get("window") is not None:
-            options["window"] = tuple(options["window"])
-        return cls(
-            name=spec["name"],
-            suites=tuple(spec["suites"]),
-            category=spec["category"],
-            dtype=spec["dtype"],
-            shapes=Shapes(**spec["shapes"]),
-            options=options,
-            recipe=dict(spec.get("recipe", {})),
-            seed=int(spec["seed"]),
-            grads=bool(spec.get("grads", False)),
-            description=spec.get("description", ""),
-            function=spec.get("function", "attention"),
-        )
-
-
-def _jsonable(value):
-    if isinstance(value, tuple):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float) and not np.isfinite(value):
-        raise ValueError(f"case spec: non-finite value {value!r} is not JSON")
-    return value
-
-
-def seed_of(name: str) -> int:
-    """The seed of a case: the first 8 bytes of sha256(name), little endian, as an int."""
-    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -456,7 +317,7 @@ def _expand(entry: _Entry) -> list[Case]:
         suites = tuple(s for s, member in membership if member)
         if not suites:
             continue
-        name = f"{entry.tag}-{entry.shapes.tag()}-{_DTYPE_TAGS[dtype]}"
+        name = f"{entry.tag}-{entry.shapes.tag()}-{DTYPE_TAGS[dtype]}"
         cases.append(Case(
             name=name, suites=suites, category=entry.category, dtype=dtype, shapes=entry.shapes,
             options=dict(entry.options), recipe=dict(entry.recipe), seed=seed_of(name),
@@ -466,76 +327,20 @@ def _expand(entry: _Entry) -> list[Case]:
 
 
 _CATALOGUE: dict[str, Case] | None = None
-_EXTRA_SUITES: dict[str, Callable[[], Iterable[Case]]] = {}
 
 
-def _catalogue() -> dict[str, Case]:
+def attention_cases() -> dict[str, Case]:
+    """Every attention case (all three suites) by name, in catalogue order."""
     global _CATALOGUE
     if _CATALOGUE is None:
         catalogue: dict[str, Case] = {}
         for entry in _entries():
             for case in _expand(entry):
                 if case.name in catalogue:
-                    raise RuntimeError(f"oracle.cases: duplicate case name {case.name!r}")
+                    raise RuntimeError(f"oracle.catalogue: duplicate case name {case.name!r}")
                 catalogue[case.name] = case
         _CATALOGUE = catalogue
     return _CATALOGUE
-
-
-#: Case.function -> inputs builder(case) for the variants' cases (oracle.variant_cases)
-INPUT_BUILDERS: dict[str, Callable[[Case], dict[str, np.ndarray]]] = {}
-
-
-def register_suite(name: str, factory: Callable[[], Iterable[Case]]) -> None:
-    """Register a further suite (the variants' extension point).
-
-    ``factory()`` returns the suite's cases; their names must not collide with the
-    attention catalogue. Registration is idempotent for the same factory.
-    """
-    if name in SUITES:
-        raise ValueError(f"register_suite: name {name!r} is a built-in suite")
-    _EXTRA_SUITES[name] = factory
-
-
-def suite_names() -> list[str]:
-    """Every suite: the built-in ones, then the registered ones (the variants) by name.
-
-    Examples
-    --------
-    >>> from oracle import cases
-    >>> cases.suite_names()[:3]
-    ['smoke', 'default', 'full']
-    """
-    return list(SUITES) + sorted(_EXTRA_SUITES)
-
-
-def suite(name: str) -> list[Case]:
-    """The cases of suite ``name``, in catalogue order.
-
-    Examples
-    --------
-    >>> from oracle import cases
-    >>> smoke = cases.suite("smoke")
-    >>> all(c.name in {d.name for d in cases.suite("default")} for c in smoke)
-    True
-    """
-    if name in _EXTRA_SUITES:
-        return list(_EXTRA_SUITES[name]())
-    if name not in SUITES:
-        raise ValueError(f"suite: expected one of {suite_names()}, got {name!r}")
-    return [c for c in _catalogue().values() if name in c.suites]
-
-
-def get(name: str) -> Case:
-    """The case called ``name`` (searching registered suites too)."""
-    catalogue = _catalogue()
-    if name in catalogue:
-        return catalogue[name]
-    for factory in _EXTRA_SUITES.values():
-        for case in factory():
-            if case.name == name:
-                return case
-    raise KeyError(f"get: no case named {name!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -550,13 +355,11 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
 
     Examples
     --------
-    >>> from oracle import cases
-    >>> inputs = cases.make_inputs(cases.get("basic-H2K2-L5S7-D8E8-f32"))
+    >>> from oracle import catalogue
+    >>> inputs = make_inputs(catalogue.get("basic-H2K2-L5S7-D8E8-f32"))
     >>> sorted(inputs), inputs["q"].shape, inputs["q"].dtype.name
     (['k', 'q', 'v'], (1, 2, 5, 8), 'float32')
     """
-    if case.function != "attention":
-        return INPUT_BUILDERS[case.function](case)
     recipe = case.recipe
     n = case.shapes
     stream = Streams(case.seed)
@@ -569,35 +372,19 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
         inputs["bias"] = _bias(stream, n, case.dtype, recipe)
     if recipe.get("alibi"):
         slopes = np.ldexp(1.0, -(1 + (8 * np.arange(n.H)) // n.H))
-        inputs["alibi_slopes"] = _seeding.to_dtype(slopes, case.dtype)
+        inputs["alibi_slopes"] = seeding.to_dtype(slopes, case.dtype)
     if recipe.get("dropout"):
         keep = 1 - Fraction(case.options.get("dropout_p", 0.0))
         inputs["dropout_mask"] = stream.bernoulli("dropout_mask", (n.batch, n.H, n.L, n.S), keep)
     if recipe.get("poison"):
         _poison(inputs, case, recipe["poison"])
     if case.grads:
-        inputs["grad_out"] = _seeding.to_dtype(
+        inputs["grad_out"] = seeding.to_dtype(
             stream.gaussian("grad_out", (n.batch, n.H, n.L, n.E)), case.dtype)
         if recipe.get("grad_lse"):
-            inputs["grad_lse"] = _seeding.to_dtype(
+            inputs["grad_lse"] = seeding.to_dtype(
                 stream.gaussian("grad_lse", (n.batch, n.H, n.L)), case.dtype)
     return inputs
-
-
-class Streams:
-    """Named random streams of one seed (one stream per array, see oracle._seeding)."""
-
-    def __init__(self, seed: int):
-        self.seed = seed
-
-    def gaussian(self, name, shape):
-        return _seeding.gaussian(_seeding.stream_key(self.seed, name), shape)
-
-    def uniform(self, name, shape):
-        return _seeding.uniform(_seeding.stream_key(self.seed, name), shape)
-
-    def bernoulli(self, name, shape, p):
-        return _seeding.bernoulli(_seeding.stream_key(self.seed, name), shape, p)
 
 
 def _scale(n: Shapes, options) -> float:
@@ -608,7 +395,7 @@ def _qkv_gaussian(stream, n, dtype, options, sigma):
     q = sigma * stream.gaussian("q", (n.batch, n.H, n.L, n.D))
     k = sigma * stream.gaussian("k", (n.batch, n.K, n.S, n.D))
     v = stream.gaussian("v", (n.batch, n.K, n.S, n.E))
-    return tuple(_seeding.to_dtype(x, dtype) for x in (q, k, v))
+    return tuple(seeding.to_dtype(x, dtype) for x in (q, k, v))
 
 
 def _qkv_gap(stream, n, dtype, options, sigma):
@@ -627,7 +414,7 @@ def _qkv_gap(stream, n, dtype, options, sigma):
         for g in range(n.K):
             k[b, g, plus[b, g], 0] = amplitude
             k[b, g, minus[b, g], 0] = -amplitude
-    return tuple(_seeding.to_dtype(x, dtype) for x in (q, k, v))
+    return tuple(seeding.to_dtype(x, dtype) for x in (q, k, v))
 
 
 def _two_positions(stream, n):
@@ -650,7 +437,7 @@ def _qkv_ties(stream, n, dtype, options, sigma):
             for j in order[b, g, :3]:
                 k[b, g, j, :] = 0.0
                 k[b, g, j, 0] = 8.0
-    return tuple(_seeding.to_dtype(x, dtype) for x in (q, k, v))
+    return tuple(seeding.to_dtype(x, dtype) for x in (q, k, v))
 
 
 def _qkv_ramp(descending):
@@ -663,7 +450,7 @@ def _qkv_ramp(descending):
         ramp = (np.arange(n.S) - n.S // 2) * step
         k = np.zeros((n.batch, n.K, n.S, n.D))
         k[..., 0] = -ramp if descending else ramp
-        return tuple(_seeding.to_dtype(x, dtype) for x in (q, k, v))
+        return tuple(seeding.to_dtype(x, dtype) for x in (q, k, v))
     return build
 
 
@@ -673,9 +460,9 @@ def _qkv_cancel(stream, n, dtype, options, sigma):
     k[:, :, 1:2 * pairs:2] = k[:, :, 0:2 * pairs:2]
     eps = 2.0 ** -(format_of(dtype).p // 2)
     wiggle = 1 + eps * (2 * stream.uniform("wiggle", (n.batch, n.K, pairs, n.E)) - 1)
-    v = _seeding.to_dtype(v, dtype).astype(np.float64)
+    v = seeding.to_dtype(v, dtype).astype(np.float64)
     v[:, :, 1:2 * pairs:2] = -v[:, :, 0:2 * pairs:2] * wiggle
-    return tuple(_seeding.to_dtype(x, dtype) for x in (q, k, v))
+    return tuple(seeding.to_dtype(x, dtype) for x in (q, k, v))
 
 
 _QKV = {
@@ -716,34 +503,21 @@ def _bias(stream, n, dtype, recipe):
     if recipe["bias"] == "neginf":
         bias[stream.bernoulli("bias_neginf", shape, Fraction(1, 4))] = -np.inf
         bias[..., min(2, n.L - 1), :] = -np.inf
-    return _seeding.to_dtype(bias, dtype)
+    return seeding.to_dtype(bias, dtype)
 
 
 def allowed_positions(case: Case, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
-    """Boolean (batch, H, L, S): positions a query may attend (docs/conventions.md).
+    """Boolean (batch, H, L, S): positions a query may attend (:mod:`refattn.masks`' rule).
 
     mask AND causal AND window AND finite bias, computed from the case's own options; used
     to place poison and by tests.
     """
     n = case.shapes
     opts = case.options
-    allowed = np.ones((n.batch, n.H, n.L, n.S), dtype=bool)
-    if "mask" in inputs:
-        allowed &= inputs["mask"]
-    offset = n.S - n.L if opts.get("align", "top_left") == "bottom_right" else 0
-    i = np.arange(n.L)[:, None] + offset
-    j = np.arange(n.S)[None, :]
-    if opts.get("causal"):
-        allowed &= j <= i
-    if opts.get("window") is not None:
-        left, right = opts["window"]
-        if left is not None:
-            allowed &= j >= i - left
-        if right is not None:
-            allowed &= j <= i + right
-    if "bias" in inputs:
-        allowed &= inputs["bias"].astype(np.float64) != -np.inf
-    return allowed
+    rule = allowed_mask(n.L, n.S, mask=inputs.get("mask"), bias=inputs.get("bias"),
+                        causal=bool(opts.get("causal")), window=opts.get("window"),
+                        align=opts.get("align", "top_left"))
+    return np.ones((n.batch, n.H, n.L, n.S), dtype=bool) & rule
 
 
 def _poison(inputs, case, kind):
@@ -769,5 +543,3 @@ def _poison(inputs, case, kind):
             array[~used, ::2] = -np.inf
         inputs[name] = array
 
-
-from . import variant_cases as _variant_cases  # noqa: E402,F401  (registers the variant suites)

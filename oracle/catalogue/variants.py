@@ -1,6 +1,6 @@
-"""Golden-fixture suites of refattn's probabilistic attention variants, and their judge.
+"""The variant cases of the catalogue: refattn's probabilistic attention variants.
 
-Registers two suites with :func:`oracle.cases.register_suite`:
+Two suites (listed by :mod:`oracle.catalogue.registry`):
 
 * ``"variants-smoke"`` -- one tiny case per variant function in float64 and float32 (22
   cases, about 1 s of computation);
@@ -12,14 +12,14 @@ Registers two suites with :func:`oracle.cases.register_suite`:
 
 Examples
 --------
->>> from oracle import validate
+>>> from oracle.validate import validate
 >>> from refattn import mgk
->>> report = validate.validate(mgk.attention, suite="variants-smoke", dtype="float32",
+>>> report = validate(mgk.attention, suite="variants-smoke", dtype="float32",
 ...                            cases=["mgk-*"], progress=False)
 >>> report.passed, [r.verdict for r in report.results]
 (True, ['pass'])
 
-Each :class:`oracle.cases.Case` names in ``function`` the refattn function whose exact path
+Each :class:`oracle.catalogue.Case` names in ``function`` the refattn function whose exact path
 gives its truth (``"gmm.attention"``, ``"gmm.adapt_keys"``, ``"gmm.adapt_priors"``,
 ``"mgk.attention"``, ``"mgk.linear_attention"``, ``"hopfield.retrieve"``,
 ``"hopfield.energy"``, ``"meanfield.naive_step"``, ``"meanfield.adaptive_tap"``,
@@ -41,7 +41,7 @@ R of MGK components per key is ``recipe["R"]``.
 
 Inputs (:func:`make_inputs`)
 ----------------------------
-Built from :mod:`oracle._seeding` like the attention cases (SplitMix64 per named array,
+Built from :mod:`oracle.catalogue.seeding` like the attention cases (SplitMix64 per named array,
 Irwin-Hall Gaussians, one rounding to the case dtype; machine- and NumPy-independent). Any
 normalisation uses powers of two (exact) or ``math.fsum`` (correctly rounded), never a
 NumPy reduction whose summation order could vary. Distributions (``pi0``, ``pi``,
@@ -60,8 +60,8 @@ Outputs are ``out`` for single-array functions, ``means``, ``cavity_var``, ``chi
 ``adaptive_tap`` and ``ising_tap`` and ``means`` for ``deq_attention`` (its correction is
 None).
 
-Calling convention of an implementation under test (:func:`check_fixture`)
---------------------------------------------------------------------------
+Calling convention of an implementation under test (:func:`oracle.judge.check_fixture`)
+--------------------------------------------------------------------------------------
 ``impl(**inputs, **options)``: every array argument is in ``fixture.inputs`` under the refattn
 function's parameter name (case dtype; ``ml_dtypes.bfloat16`` for bfloat16), every scalar
 keyword in ``fixture.case.options`` (the npz member ``options``). It returns the single output
@@ -72,13 +72,9 @@ mapping from output names, or an object with those attributes (a
 
 Judging
 -------
-Every output element's normalised error (T1 of :mod:`oracle.tolerance`) uses the natural scale
-of its function (:func:`natural_scale`): the largest ``|v_je|`` of its column for the
-mixtures (a convex combination of the values), the largest of the averaged quantities for the
-key adaptation, 1 for priors (a distribution), the sum of the magnitudes of the energy's terms,
-``sum |J m| + |x|`` for the naive step and the largest ``|truth|`` of the sample for the
-fixed points. The threshold is (T2) with the baseline rule and the floor
-:func:`oracle.tolerance.variant_floor` (V1), see there.
+Like attention: normalised error (T1 of :mod:`oracle.tolerance`) by the natural scale of the
+function (:func:`oracle.variant_scales.natural_scale`), threshold (T2) with the baseline rule
+and the floor :func:`oracle.tolerance.variant_floor` (V1); see :mod:`oracle.variant_scales`.
 """
 
 from __future__ import annotations
@@ -91,8 +87,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _seeding
-from .cases import DTYPES, Case, Shapes, Streams, register_suite, seed_of
+from . import seeding
+from .case import Case, Shapes, seed_of
+from .names import DTYPE_TAGS, DTYPES
+from .seeding import Streams
 
 __all__ = [
     "SUITES",
@@ -105,16 +103,13 @@ __all__ = [
     "truth",
     "required_members",
     "call_refattn",
-    "float64_path",
-    "baseline",
     "outputs_of",
-    "natural_scale",
-    "condition",
-    "check_fixture",
+    "INPUT_BUILDERS",
+    "BOOL_INPUTS",
 ]
 
+#: The variant suites: variants-smoke within variants-default.
 SUITES = ("variants-smoke", "variants-default")
-_DTYPE_TAGS = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -297,7 +292,7 @@ def _expand(entry: _Entry) -> list[Case]:
                        if member)
         if not suites:
             continue
-        name = f"{entry.tag}-{_tag(entry.shapes, entry.function)}-{_DTYPE_TAGS[dtype]}"
+        name = f"{entry.tag}-{_tag(entry.shapes, entry.function)}-{DTYPE_TAGS[dtype]}"
         out.append(Case(name=name, suites=suites, category="conformance", dtype=dtype,
                         shapes=entry.shapes, options=dict(entry.options),
                         recipe=dict(entry.recipe), seed=seed_of(name),
@@ -315,19 +310,9 @@ def variant_cases() -> list[Case]:
         catalogue = [c for entry in _entries() for c in _expand(entry)]
         names = [c.name for c in catalogue]
         if len(set(names)) != len(names):
-            raise RuntimeError("oracle.variant_cases: duplicate case names")
+            raise RuntimeError("oracle.catalogue: duplicate variant case names")
         _CATALOGUE = catalogue
     return list(_CATALOGUE)
-
-
-def _suite_factory(name):
-    def factory():
-        return [c for c in variant_cases() if name in c.suites]
-    return factory
-
-
-for _name in SUITES:
-    register_suite(_name, _suite_factory(_name))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,7 +415,8 @@ def _inputs64(case: Case) -> dict[str, np.ndarray]:
     return out
 
 
-_BOOL_INPUTS = ("mask",)
+#: The boolean inputs (kept as they are; every other input is a float array).
+BOOL_INPUTS = ("mask",)
 
 
 def make_inputs(case: Case) -> dict[str, np.ndarray]:
@@ -438,13 +424,13 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
 
     Examples
     --------
-    >>> from oracle import cases
-    >>> inputs = cases.make_inputs(cases.get("mgk-soft-H2-L4S6-D4E4-f32"))
+    >>> from oracle import catalogue
+    >>> inputs = make_inputs(catalogue.get("mgk-soft-H2-L4S6-D4E4-f32"))
     >>> sorted(inputs), inputs["keys"].shape, inputs["keys"].dtype.name
     (['keys', 'q', 'v'], (1, 2, 6, 2, 4), 'float32')
     """
     raw = _inputs64(case)
-    return {name: (x if name in _BOOL_INPUTS else _seeding.to_dtype(x, case.dtype))
+    return {name: (x if name in BOOL_INPUTS else seeding.to_dtype(x, case.dtype))
             for name, x in raw.items()}
 
 
@@ -494,7 +480,7 @@ def truth(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]
 
 #: Case.function -> truth builder; merged into :data:`oracle.golden.TRUTH_BUILDERS`.
 TRUTH_BUILDERS = {name: truth for name in FUNCTIONS}
-#: Case.function -> inputs builder; merged into :data:`oracle.cases.INPUT_BUILDERS`.
+#: Case.function -> inputs builder; merged into :data:`oracle.catalogue.INPUT_BUILDERS`.
 INPUT_BUILDERS = {name: make_inputs for name in FUNCTIONS}
 
 
@@ -502,237 +488,3 @@ def required_members(case: Case) -> tuple[list[str], list[str]]:
     """(inputs, truth) member names a fixture file of ``case`` must hold (for verify)."""
     spec = FUNCTIONS[case.function]
     return list(spec.inputs), [n + s for n in spec.outputs for s in ("", "_f64")]
-
-
-# ---------------------------------------------------------------------------------------------
-# Judging an implementation
-# ---------------------------------------------------------------------------------------------
-
-def _f64(x):
-    return np.asarray(x).astype(np.float64)
-
-
-def _per_unit(value, shape):
-    return np.broadcast_to(_f64(value), shape)
-
-
-def natural_scale(case: Case, inputs: Mapping[str, np.ndarray], name: str,
-                  truth64: np.ndarray) -> np.ndarray:
-    """The denominator of (T1) for output ``name`` of ``case`` (see the module docstring)."""
-    fn = case.function
-    x = {k: _f64(v) for k, v in inputs.items()}
-    if fn in ("gmm.attention", "mgk.attention", "mgk.linear_attention"):
-        values = x["values"] if fn == "gmm.attention" else x["v"]
-        return np.broadcast_to(np.abs(values).max(axis=-2, keepdims=True), truth64.shape)
-    if fn == "hopfield.retrieve":
-        return np.broadcast_to(np.abs(x["X"]).max(axis=-2, keepdims=True), truth64.shape)
-    if fn == "gmm.adapt_keys":
-        reach = np.maximum(np.abs(x["queries"]).max(axis=-2, keepdims=True),
-                           np.abs(x["keys0"]).max(axis=-2, keepdims=True))
-        return np.broadcast_to(reach, truth64.shape)
-    if fn == "gmm.adapt_priors":
-        return np.ones_like(truth64)
-    if fn == "hopfield.energy":
-        xi, X, beta = x["xi"], x["X"], float(case.options["beta"])
-        dots = np.abs(xi[..., :, None, :] * X[..., None, :, :]).sum(-1).max(-1)
-        scale = 0.5 * (xi * xi).sum(-1) + dots + math.log(X.shape[-2]) / beta
-        if case.options.get("constant"):
-            scale = scale + 0.5 * (X * X).sum(-1).max(-1, keepdims=True)
-        return np.broadcast_to(scale, truth64.shape)
-    if fn == "meanfield.naive_step":
-        terms = np.abs(np.einsum("ijab,...jb->...ijab", x["J"], x["m"])).sum(axis=(-3, -1))
-        return terms + np.abs(x["x"])
-    # fixed points: the largest magnitude of the output in each sample (cavity variances
-    # are a difference Lambda - 1/chi: their scale includes the prior precision's)
-    axes = tuple(range(1, truth64.ndim))
-    scale = np.abs(truth64).max(axis=axes, keepdims=True) if axes else np.abs(truth64)
-    if name == "cavity_var":
-        prior = x.get("prior_precision")
-        scale = scale + (1.0 if prior is None else float(np.abs(prior).max()))
-    if fn == "meanfield.ising_tap" and name in ("means", "chi_diag"):
-        scale = np.maximum(scale, 1.0)  # |m| <= 1, chi_ii = 1 - m^2 <= 1
-    return np.broadcast_to(scale, truth64.shape)
-
-
-def _sq_terms(a, b, weight):
-    """weight/2 * sum_d (a_d - b_d)^2 for every (row of a, row of b)."""
-    diff = a[..., :, None, :] - b[..., None, :, :]
-    return 0.5 * weight * (diff * diff).sum(-1)
-
-
-def _big(J):
-    n, _, d, _ = J.shape
-    return np.swapaxes(J, 1, 2).reshape(n * d, n * d)
-
-
-def _kappa(A):
-    return float(np.linalg.norm(A, np.inf) * np.linalg.norm(np.linalg.inv(A), np.inf))
-
-
-def condition(case: Case, inputs: Mapping[str, np.ndarray],
-              truth64: Mapping[str, np.ndarray]) -> float:
-    """Relative condition factor ``c`` of (V1): how much the case amplifies rounding errors.
-
-    Mixtures: ``1 + 2A`` per step, with ``A`` the largest magnitude of a logit's terms (a
-    logit perturbed by a relative ``delta`` moves a softmax weight by ``2 delta A``
-    relative, as in (T5)), summed over the iterations; iterates are bounded through the convex
-    hull they lie in (of the values, keys/queries or patterns), and Hopfield steps multiply
-    by the update's Lipschitz bound ``beta diam(X)^2 / 4`` (when above 1); linear attention:
-    2 (a ratio of positive sums); linear systems: the infinity-norm condition number of
-    ``P - J`` (of ``Lambda - J`` for the binary spins); the naive step and the energy: 1
-    (their scales already sum the terms' magnitudes).
-    """
-    fn, opts = case.function, case.options
-    x = {k: _f64(v) for k, v in inputs.items()}
-    if fn == "gmm.attention":
-        q, keys, values = x["q"], x["keys"], x["values"]
-        alpha = _per_unit(x.get("alpha", opts.get("alpha", 1.0)), keys.shape[:-1])
-        beta = _per_unit(x.get("beta", opts.get("beta", 0.0)), keys.shape[:-1])
-        A = _sq_terms(q, keys, alpha[..., None, :])
-        if opts.get("prior") == "magnitude":
-            A = A + 0.5 * (alpha * (keys * keys).sum(-1) + beta * (values * values).sum(-1))[
-                ..., None, :]
-        if "prior" in x:
-            A = A + np.abs(x["prior"])[..., None, :]
-        # every iterate v_t lies in the convex hull of the values (and v_init), where the
-        # convex ||v - mu_u||^2 is largest at a vertex
-        hull = values if "v_init" not in x else np.concatenate([values, x["v_init"]], -2)
-        value_term = float((beta[..., None, :] * _sq_terms(hull, values, 1.0)).max())
-        first = float(A.max()) + (value_term if "v_init" in x else 0.0)
-        later = float(A.max()) + value_term
-        iters = int(opts.get("iters", 1))
-        return (1 + 2 * first) + (iters - 1) * (1 + 2 * later)
-    if fn == "gmm.adapt_keys":
-        q, keys = x["queries"], x["keys0"]
-        # the keys stay in the convex hull of keys0 and the queries
-        hull = np.concatenate([keys, q], -2)
-        A = float(_sq_terms(q, hull, float(opts["alpha"])).max())
-        if opts.get("prior") == "magnitude":
-            A += 0.5 * float(opts["alpha"]) * float((hull * hull).sum(-1).max())
-        factor = q.shape[-2] + 1 if opts.get("form") == "map" else 1
-        return int(opts.get("iters", 1)) * factor * (1 + 2 * A)
-    if fn == "gmm.adapt_priors":
-        q, keys, pi0 = x["queries"], x["keys"], x["pi0"]
-        A = float(_sq_terms(q, keys, float(opts["alpha"])).max())
-        A += float(np.abs(np.log(pi0)).max())
-        return int(opts.get("iters", 1)) * (1 + 2 * A)
-    if fn == "mgk.attention":
-        q, keys = x["q"], x["keys"]
-        s2 = _per_unit(x.get("sigma2", opts.get("sigma2", 1.0)), keys.shape[:-1])
-        diff = q[..., :, None, None, :] - keys[..., None, :, :, :]
-        A = (diff * diff).sum(-1) / (2 * s2[..., None, :, :])
-        if opts.get("normalized"):
-            A = A + 0.5 * q.shape[-1] * np.abs(np.log(2 * np.pi * s2))[..., None, :, :]
-        if "log_pi" in x:
-            A = A + np.abs(x["log_pi"])[..., None, :, :]
-        return 1 + 2 * float(A.max()) + math.log(keys.shape[-2])
-    if fn == "mgk.linear_attention":
-        return 2.0
-    if fn == "hopfield.retrieve":
-        xi, X, beta = x["xi"], x["X"], float(opts["beta"])
-        # iterates after the first lie in the convex hull of the patterns, where the convex
-        # sum_d |x_jd y_d| is largest at a vertex
-        hull = np.concatenate([xi, X], -2)
-        A = beta * float(np.abs(X[..., :, None, :] * hull[..., None, :, :]).sum(-1).max())
-        # Lipschitz constant of xi -> X^T softmax(beta X xi): beta times the largest
-        # covariance of a distribution on the patterns, at most diam^2 / 4
-        lipschitz = beta * float(_sq_terms(X, X, 1.0).max()) / 2
-        steps = int(opts.get("steps", 1))
-        return (1 + 2 * A) * sum(max(lipschitz, 1.0) ** t for t in range(steps))
-    if fn in ("hopfield.energy", "meanfield.naive_step"):
-        return 1.0
-    if fn in ("meanfield.adaptive_tap", "meanfield.deq_attention"):
-        J = x["J"]
-        N, d = J.shape[0], J.shape[2]
-        if fn == "meanfield.deq_attention" or "prior_precision" not in x:
-            P = np.eye(N * d)
-        else:
-            P = np.kron(np.eye(N), x["prior_precision"])
-        return _kappa(P - _big(J))
-    if fn == "meanfield.ising_tap":
-        m, V = truth64["means"], truth64["cavity_var"]
-        lam = V + 1 / (1 - m * m)
-        return max(_kappa(np.diag(row) - x["J"]) for row in lam.reshape(-1, lam.shape[-1]))
-    raise ValueError(f"condition: unknown variant function {fn!r}")
-
-
-def float64_path(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """refattn's float64 path on ``inputs`` (taken exactly in float64), as named outputs.
-
-    ``mgk.linear_attention`` without ``causal`` is evaluated one (batch, head) slice at a time:
-    its float64 path mis-broadcasts leading batch dimensions (``phi_q @ mixed.sum(-2)``).
-    """
-    raw = {k: (v if k in _BOOL_INPUTS else _f64(v)) for k, v in inputs.items()}
-    if case.function == "mgk.linear_attention" and not case.options.get("causal"):
-        lead = raw["q"].shape[:-2]
-        slices = [call_refattn(case, {k: v[index] for k, v in raw.items()})["out"]
-                  for index in np.ndindex(*lead)]
-        return {"out": np.stack(slices).reshape(*lead, *slices[0].shape)}
-    return {name: _f64(value) for name, value in call_refattn(case, raw).items()}
-
-
-def baseline(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The baseline of the rule (T2): refattn's float64 path on the case's inputs (exact in
-    float64), each output rounded once to the case dtype."""
-    return {name: _f64(_seeding.to_dtype(value, case.dtype))
-            for name, value in float64_path(case, inputs).items()}
-
-
-def _copy(x):
-    return np.copy(x) if isinstance(x, np.ndarray) else x
-
-
-def check_fixture(impl, fixture, *, reproduce=""):
-    """Run a variant implementation on one fixture and judge it; returns a CaseResult.
-
-    ``impl(**fixture.inputs, **fixture.case.options)`` (see the module docstring). Each
-    output is judged by (T1)/(T2) with the floor (V1) of :func:`oracle.tolerance.variant_floor`.
-    """
-    from . import tolerance as tol
-    from . import validate as V
-
-    case = fixture.case
-    result = V.CaseResult(case.name, case.category, case.dtype, "pass", reproduce=reproduce,
-                          description=case.description)
-    def check():
-        produced = impl(**{k: _copy(v) for k, v in fixture.inputs.items()},
-                        **{k: _copy(v) for k, v in case.options.items()})
-        outputs = outputs_of(case, produced)
-        truths = {n: _f64(fixture.truth[n + "_f64"]) for n in FUNCTIONS[case.function].outputs}
-        base = baseline(case, fixture.inputs)
-        cond = condition(case, fixture.inputs, truths)
-        spec = FUNCTIONS[case.function]
-        floor = tol.variant_floor(case.dtype, condition=cond, n=spec.n_roundings(case),
-                                  n_stored=spec.n_stored)
-        problems = []
-        with np.errstate(all="ignore"):
-            for name, truth64 in truths.items():
-                if name not in outputs or outputs[name] is None:
-                    problems.append(f"{name}: not returned")
-                    continue
-                value = V._as_float64(outputs[name])
-                if value.shape != truth64.shape:
-                    problems.append(f"{name} has shape {value.shape}, expected {truth64.shape}")
-                    continue
-                scale = natural_scale(case, fixture.inputs, name, truth64)
-                base_err = np.where(np.isfinite(truth64), tol.normalised_error(
-                    base[name], truth64, scale, case.dtype), 0.0)
-                threshold = tol.threshold(base_err, floor, case.dtype, k=tol.K_FORWARD)
-                result.checks[name] = V._judge(name, value, truth64, scale, threshold,
-                                               case.dtype)
-        failing = [c for c in result.checks.values() if not c.passed]
-        if problems or failing:
-            result.verdict = "fail"
-            result.message = "; ".join(problems + [
-                f"{c.quantity}: {c.n_failed} of {c.size} elements over the threshold"
-                for c in failing])
-    return V.run_guarded(result, check)
-
-
-def _register_inputs():
-    from . import cases as _cases
-
-    _cases.INPUT_BUILDERS.update(INPUT_BUILDERS)
-
-
-_register_inputs()

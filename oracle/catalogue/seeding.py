@@ -35,7 +35,7 @@ import numpy as np
 
 from refattn.exact.rounding import format_of, round_array
 
-__all__ = ["stream_key", "raw", "uniform", "gaussian", "bernoulli", "to_dtype"]
+__all__ = ["stream_key", "raw", "uniform", "gaussian", "bernoulli", "to_dtype", "Streams"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -87,3 +87,19 @@ def to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
         # integer-only rounder instead, then the cast is exact
         return round_array(np.asarray(x, dtype=object), fmt).astype(fmt.dtype)
     return np.asarray(x, dtype=np.float64).astype(fmt.dtype)
+
+
+class Streams:
+    """Named random streams of one seed (one stream per array, see this module)."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def gaussian(self, name, shape):
+        return gaussian(stream_key(self.seed, name), shape)
+
+    def uniform(self, name, shape):
+        return uniform(stream_key(self.seed, name), shape)
+
+    def bernoulli(self, name, shape, p):
+        return bernoulli(stream_key(self.seed, name), shape, p)

@@ -1,0 +1,291 @@
+"""The textbook attention the tolerance policy compares against (the baseline of rule (T2)).
+
+* :func:`textbook_attention` / :func:`textbook_attention_vjp` -- two-pass max-shifted softmax
+  attention and its backward in a case dtype, with float32 accumulation for the half types and
+  every stored stage rounded to the dtype (PyTorch's math path). In float64 they are also the
+  accurate evaluation behind the natural scales and the convention diagnosis
+  (:mod:`oracle.diagnose`).
+* :func:`storage_accumulation_attention` -- the same with sums accumulated in the storage
+  dtype: the model of a half-precision implementation without a float32 accumulator.
+* :func:`variant_baseline` -- the baseline of the variant fixtures: refattn's float64 path on
+  the case's inputs, rounded once to the case dtype (:func:`variant_float64_path`).
+
+The judging policy itself (errors, floors, thresholds) is :mod:`oracle.tolerance`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import numpy as np
+
+from refattn.exact.rounding import format_of
+
+from .catalogue import seeding
+from .catalogue.case import Case
+from .catalogue.names import ATTENTION_OPTIONS
+from .catalogue.variants import BOOL_INPUTS, call_refattn
+from .heads import alibi_bias, expand_kv, fold_kv, resolve_scale, sum_to_shape, with_heads
+from .tolerance import accumulation_dtype, allowed_positions
+
+__all__ = [
+    "Textbook",
+    "textbook_attention",
+    "textbook_attention_vjp",
+    "storage_accumulation_attention",
+    "variant_float64_path",
+    "variant_baseline",
+]
+
+
+class Textbook(NamedTuple):
+    """Result of :func:`textbook_attention`: out (..., H, L, E), lse (..., H, L), weights
+    (..., H, L, S) pre-dropout, ``allowed`` the allowed set used."""
+
+    out: np.ndarray
+    lse: np.ndarray
+    weights: np.ndarray
+    allowed: np.ndarray
+
+
+def _scores(q, k, v, dtype, scale, bias, mask, causal, window, align, softcap, alibi_slopes,
+            gqa, softcap_order, allowed):
+    """Final scores in the accumulation dtype (rounded through ``dtype`` at each stored stage),
+    the allowed set and the pre-softcap capped scores (for the softcap derivative)."""
+    acc = accumulation_dtype(dtype)
+    store = format_of(dtype).dtype
+
+    def stored(x):
+        return np.asarray(x, dtype=acc).astype(store).astype(acc)
+
+    q, k, v = with_heads(q, "q"), with_heads(k, "k"), with_heads(v, "v")
+    H, L, D = q.shape[-3:]
+    S = k.shape[-2]
+    k_h = expand_kv(k, H, gqa).astype(acc)
+    k_h = np.where(np.isfinite(k_h), k_h, 0)  # poison reaches only excluded scores
+    poisoned_k = ~np.isfinite(expand_kv(k, H, gqa)).all(axis=-1)
+    with np.errstate(all="ignore"):
+        raw = np.matmul(q.astype(acc), np.swapaxes(k_h, -1, -2))
+        raw = np.where(poisoned_k[..., None, :], np.nan, raw)
+        scores = stored(raw * acc.type(resolve_scale(scale, D)))
+    if allowed is None:
+        allowed = allowed_positions(L, S, mask=mask, bias=bias, causal=causal, window=window,
+                                    align=align)
+    additive = np.zeros((), dtype=acc)
+    if bias is not None:
+        additive = np.where(np.asarray(bias) == -np.inf, 0, np.asarray(bias, dtype=np.float64))
+    if alibi_slopes is not None:
+        additive = additive + alibi_bias(alibi_slopes, L, S, align)
+    has_additive = bias is not None or alibi_slopes is not None
+    capped = None
+    with np.errstate(all="ignore"):
+        if softcap is not None and softcap_order == "before_bias":
+            c = acc.type(softcap)
+            capped = stored(c * np.tanh(scores / c))
+            scores = capped
+        if has_additive:
+            scores = stored(scores + np.asarray(additive, dtype=np.float64).astype(acc))
+        if softcap is not None and softcap_order == "after_bias":
+            c = acc.type(softcap)
+            capped = stored(c * np.tanh(scores / c))
+            scores = capped
+        if softcap is not None and softcap_order == "after_mask":
+            c = acc.type(softcap)
+            scores = stored(c * np.tanh(np.where(allowed, scores, -np.inf) / c))
+            allowed = np.ones_like(allowed)
+    return scores, np.broadcast_to(allowed, scores.shape), capped
+
+
+def _softmax(scores, allowed, empty_rows, acc):
+    masked = np.where(allowed, scores, -np.inf)
+    top = masked.max(axis=-1, keepdims=True)
+    empty = ~allowed.any(axis=-1)
+    top = np.where(np.isfinite(top), top, 0)
+    with np.errstate(all="ignore"):
+        terms = np.where(allowed, np.exp(masked - top), 0)
+        total = terms.sum(axis=-1, keepdims=True)
+        weights = terms / total
+        lse = (top + np.log(total))[..., 0]
+    fill = 0 if empty_rows == "zero" else np.nan
+    weights = np.where(empty[..., None], fill, weights).astype(acc)
+    lse = np.where(empty, -np.inf if empty_rows == "zero" else np.nan, lse).astype(acc)
+    return weights, lse
+
+
+def _weights_at_v(weights, v, acc):
+    """``weights @ v`` where a NaN/Inf value reaches only the rows that give it weight."""
+    bad = ~np.isfinite(v)
+    clean = np.where(bad, 0, v).astype(acc)
+    with np.errstate(all="ignore"):
+        out = np.matmul(weights, clean)
+        hit = np.matmul((weights != 0).astype(acc), bad.astype(acc)) > 0
+    return np.where(hit, np.nan, out)
+
+
+def textbook_attention(q, k, v, *, dtype=None, softcap_order="before_bias", allowed=None,
+                       **options) -> Textbook:
+    """Textbook attention in ``dtype`` (the baseline of rule (T2) and the diagnosis engine).
+
+    Two-pass max-shifted softmax; matmuls and the softmax accumulate in
+    :func:`accumulation_dtype` (float32 for half types) and every stored stage (scores, capped
+    scores, biased scores, weights, dropped weights, out, lse) is rounded to ``dtype``, like
+    PyTorch's math path. ``dtype=None`` means q's dtype; "float64" gives an accurate float64
+    evaluation (used for natural scales). ``options`` are refattn.attention's keywords.
+    ``softcap_order`` ("before_bias" pinned, "after_bias", "after_mask") and ``allowed``
+    (an explicit allowed set) exist for the convention diagnosis.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> q = k = v = np.eye(2)
+    >>> r = textbook_attention(q, k, v, scale=0.0)
+    >>> r.out.tolist(), r.lse.round(4).tolist()
+    ([[0.5, 0.5], [0.5, 0.5]], [0.6931, 0.6931])
+    """
+    unknown = set(options) - set(ATTENTION_OPTIONS)
+    if unknown:
+        raise TypeError(f"textbook_attention: unknown options {sorted(unknown)}")
+    opt = {name: options.get(name) for name in ATTENTION_OPTIONS}
+    dtype = np.asarray(q).dtype if dtype is None else dtype
+    store = format_of(dtype).dtype
+    acc = accumulation_dtype(dtype)
+    squeeze = np.asarray(q).ndim == 2
+    scores, allowed, _ = _scores(
+        q, k, v, dtype, opt["scale"], opt["bias"], opt["mask"], bool(opt["causal"]),
+        opt["window"], opt["align"] or "top_left", opt["softcap"], opt["alibi_slopes"],
+        opt["gqa"] or "interleave", softcap_order, allowed)
+    weights, lse = _softmax(scores, allowed, opt["empty_rows"] or "zero", acc)
+    weights = weights.astype(store).astype(acc)
+    dropped = _dropped(weights, opt["dropout_mask"], opt["dropout_p"] or 0.0, acc, store)
+    H = scores.shape[-3]
+    v_h = expand_kv(with_heads(v, "v"), H, opt["gqa"] or "interleave")
+    out = _weights_at_v(dropped, v_h, acc)
+    result = Textbook(out.astype(store), lse.astype(store), weights.astype(store), allowed)
+    if squeeze:
+        result = Textbook(*(x[..., 0, :, :] if x.ndim >= 3 and i != 1 else x[..., 0, :]
+                            for i, x in enumerate(result)))
+    return result
+
+
+def _dropped(weights, dropout_mask, dropout_p, acc, store):
+    if dropout_mask is None:
+        return weights
+    keep = np.asarray(dropout_mask, dtype=bool)
+    rescale = acc.type(1) / (acc.type(1) - acc.type(dropout_p))
+    return (np.where(keep, weights, 0) * rescale).astype(store).astype(acc)
+
+
+def textbook_attention_vjp(q, k, v, grad_out, *, grad_lse=None, dtype=None, **options):
+    """Textbook backward in ``dtype`` (float32 accumulation for half types): (dq, dk, dv, dbias).
+
+    ``Delta_i = sum_j P_ij dP_ij``; ``dS = P (dP - Delta + grad_lse)``; softcap's derivative
+    ``1 - (t/c)^2``; dk, dv folded over the heads sharing a kv head and every gradient summed
+    to its input's shape. Empty rows get zero gradients.
+    """
+    opt = {name: options.get(name) for name in ATTENTION_OPTIONS}
+    unknown = set(options) - set(ATTENTION_OPTIONS)
+    if unknown:
+        raise TypeError(f"textbook_attention_vjp: unknown options {sorted(unknown)}")
+    dtype = np.asarray(q).dtype if dtype is None else dtype
+    store = format_of(dtype).dtype
+    acc = accumulation_dtype(dtype)
+    gqa = opt["gqa"] or "interleave"
+
+    def stored(x):
+        return np.asarray(x, dtype=acc).astype(store).astype(acc)
+
+    q3, k3, v3 = with_heads(q, "q"), with_heads(k, "k"), with_heads(v, "v")
+    H, D = q3.shape[-3], q3.shape[-1]
+    K = k3.shape[-3]
+    scores, allowed, capped = _scores(
+        q, k, v, dtype, opt["scale"], opt["bias"], opt["mask"], bool(opt["causal"]),
+        opt["window"], opt["align"] or "top_left", opt["softcap"], opt["alibi_slopes"], gqa,
+        "before_bias", None)
+    weights, _ = _softmax(scores, allowed, "zero", acc)
+    weights = stored(weights)
+    dO = with_heads(grad_out, "grad_out").astype(acc)
+    k_h = expand_kv(k3, H, gqa).astype(acc)
+    v_h = expand_kv(v3, H, gqa).astype(acc)
+    with np.errstate(all="ignore"):
+        dP = stored(np.matmul(dO, np.swapaxes(v_h, -1, -2)))
+        if opt["dropout_mask"] is not None:
+            keep = np.asarray(opt["dropout_mask"], dtype=bool)
+            rescale = acc.type(1) / (acc.type(1) - acc.type(opt["dropout_p"] or 0.0))
+            dP = stored(np.where(keep, dP, 0) * rescale)
+        delta = (weights * dP).sum(axis=-1, keepdims=True)
+        dS = dP - delta
+        if grad_lse is not None:
+            dS = dS + np.asarray(grad_lse, dtype=acc)[..., None]
+        dS = stored(weights * dS)
+        dS_raw = dS
+        if opt["softcap"] is not None:
+            c = acc.type(opt["softcap"])
+            dS_raw = stored(dS * (1 - (capped / c) ** 2))
+        s = acc.type(resolve_scale(opt["scale"], D))
+        dq = np.matmul(dS_raw, k_h) * s
+        dk = fold_kv(np.matmul(np.swapaxes(dS_raw, -1, -2), q3.astype(acc)) * s, K, gqa)
+        dropped = _dropped(weights, opt["dropout_mask"], opt["dropout_p"] or 0.0, acc, store)
+        dv = fold_kv(np.matmul(np.swapaxes(dropped, -1, -2), dO), K, gqa)
+    dbias = None
+    if opt["bias"] is not None:
+        dbias = sum_to_shape(dS, np.shape(opt["bias"])).astype(store)
+    return (sum_to_shape(dq, np.shape(q)).astype(store),
+            sum_to_shape(dk, np.shape(k)).astype(store),
+            sum_to_shape(dv, np.shape(v)).astype(store), dbias)
+
+
+def storage_accumulation_attention(q, k, v, options, dtype,
+                                   sums=("normaliser", "values")) -> np.ndarray:
+    """Attention whose softmax normaliser and ``weights @ v`` are summed key by key *in the
+    storage dtype* (no float32 accumulator), the rest as the textbook baseline.
+
+    ``sums`` names which sums are accumulated in the storage dtype (the others in float32).
+    The model of a half-precision implementation that accumulates in its own format; a
+    failing output that is no worse than this is diagnosed as such.
+    """
+    store = format_of(dtype).dtype
+    o = {name: options.get(name) for name in ATTENTION_OPTIONS}
+    scores, allowed, _ = _scores(
+        q, k, v, dtype, o["scale"], o["bias"], o["mask"], bool(o["causal"]), o["window"],
+        o["align"] or "top_left", o["softcap"], o["alibi_slopes"], o["gqa"] or "interleave",
+        "before_bias", None)
+    with np.errstate(all="ignore"):
+        masked = np.where(allowed, scores, -np.inf)
+        top = masked.max(axis=-1, keepdims=True)
+        terms = np.where(allowed, np.exp(masked - np.where(np.isfinite(top), top, 0)), 0)
+        terms = terms.astype(store)
+        if "normaliser" in sums:
+            total = np.add.accumulate(terms, axis=-1, dtype=store)[..., -1:]
+        else:
+            total = terms.astype(np.float32).sum(axis=-1, keepdims=True)
+        weights = (terms / total).astype(store)
+        if o["dropout_mask"] is not None:
+            keep = np.asarray(o["dropout_mask"], dtype=bool)
+            weights = (np.where(keep, weights, 0) / (1 - (o["dropout_p"] or 0.0))).astype(store)
+        v_h = np.asarray(v)[None] if np.ndim(v) == 2 else expand_kv(
+            np.asarray(v), weights.shape[-3], o["gqa"] or "interleave")
+        if "values" in sums:
+            products = (weights[..., :, :, None] * v_h[..., None, :, :]).astype(store)
+            out = np.add.accumulate(products, axis=-2, dtype=store)[..., -1, :]
+        else:
+            out = np.matmul(weights.astype(np.float32), v_h.astype(np.float32)).astype(store)
+    return out[0] if np.ndim(q) == 2 else out
+
+
+def variant_float64_path(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """refattn's float64 path on ``inputs`` (taken exactly in float64), as named outputs."""
+    raw = {name: (value if name in BOOL_INPUTS else _float64(value))
+           for name, value in inputs.items()}
+    return {name: _float64(value) for name, value in call_refattn(case, raw).items()}
+
+
+def variant_baseline(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The baseline of the rule (T2) for a variant case: refattn's float64 path on the case's
+    inputs (exact in float64), each output rounded once to the case dtype."""
+    return {name: _float64(seeding.to_dtype(value, case.dtype))
+            for name, value in variant_float64_path(case, inputs).items()}
+
+
+def _float64(x):
+    return np.asarray(x).astype(np.float64)

@@ -1,0 +1,446 @@
+"""The one judge of the oracle: run an implementation on a fixture, judge every output.
+
+Attention fixtures and variant fixtures go through :func:`check_fixture`; each output
+element's normalised error (T1 of :mod:`oracle.tolerance`) is compared with its threshold
+(T2), computed from the textbook baseline (:mod:`oracle.baseline`) and the a-priori floor, and
+every quantity becomes one :class:`~oracle.results.Check` of a
+:class:`~oracle.results.CaseResult`. Failing attention outputs are diagnosed
+(:mod:`oracle.diagnose`).
+
+Calling conventions
+-------------------
+Attention: ``impl(q, k, v, **options)`` with NumPy arrays of the case dtype
+(``ml_dtypes.bfloat16`` for bfloat16) and :func:`refattn.attention`'s keyword names. The
+oracle first adds ``return_lse=True``; an implementation that rejects that keyword (TypeError
+naming it) or raises NotImplementedError for it is called again without it and its lse is not
+checked. It returns ``out`` or ``(out, lse)``. Gradients (``grads=True``, cases that carry
+them) come from ``impl.vjp(q, k, v, grad_out, [grad_lse=...,] **options) -> (dq, dk, dv[,
+dbias])``. Variants: ``impl(**inputs, **options)`` with the refattn function's parameter names
+(see :mod:`oracle.catalogue.variants`).
+
+Verdicts
+--------
+``pass`` / ``fail`` (some element over its threshold, a wrong shape, NaN where the truth is
+finite...) / ``unsupported`` (the implementation raised NotImplementedError: never a pass) /
+``error`` (any other exception; the message is kept).
+
+Examples
+--------
+>>> import numpy as np
+>>> from oracle.golden import Fixture
+>>> from oracle.catalogue import Case, Shapes
+>>> rng = np.random.default_rng(0)
+>>> q, k, v = (rng.standard_normal((1, 1, 3, 4)) for _ in range(3))
+>>> from refattn.attention import attention
+>>> truth = attention(q, k, v, precision="exact", return_lse=True)
+>>> case = Case("demo", ("smoke",), "conformance", "float64", Shapes(1, 1, 1, 3, 3, 4, 4))
+>>> fx = Fixture(case, {"q": q, "k": k, "v": v}, {}, {"out": truth[0], "lse": truth[1]})
+>>> check_fixture(lambda q, k, v, **o: attention(q, k, v, **o), fx).verdict
+'pass'
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from . import diagnose as _diagnose
+from . import tolerance as tol
+from .baseline import (
+    storage_accumulation_attention,
+    textbook_attention,
+    textbook_attention_vjp,
+    variant_baseline,
+)
+from .catalogue.variants import FUNCTIONS, outputs_of
+from .results import CaseResult, Check, Worst
+from .variant_scales import condition, natural_scale
+
+__all__ = ["check_fixture", "run_guarded"]
+
+_GRADS = ("dq", "dk", "dv", "dbias")
+
+
+def _call(impl, q, k, v, options):
+    """Run the forward; returns (out, lse or None)."""
+    copies = {name: np.copy(x) if isinstance(x, np.ndarray) else x
+              for name, x in options.items()}
+    try:
+        result = impl(np.copy(q), np.copy(k), np.copy(v), **copies, return_lse=True)
+    except (TypeError, NotImplementedError) as err:
+        if "return_lse" not in str(err) and "lse" not in str(err):
+            raise
+        result = impl(np.copy(q), np.copy(k), np.copy(v), **copies)
+    if isinstance(result, (tuple, list)):
+        out = result[0]
+        lse = result[1] if len(result) > 1 else None
+    else:
+        out, lse = result, None
+    return _as_float64(out), None if lse is None else _as_float64(lse)
+
+
+def _as_float64(x):
+    if hasattr(x, "detach"):  # a torch tensor handed back as is
+        x = x.detach().float().cpu().numpy() if "bfloat16" in str(x.dtype) else x.detach().cpu()
+    return np.asarray(x).astype(np.float64)
+
+
+def _judge(quantity, value, truth, scale, threshold, dtype) -> Check:
+    errors = tol.normalised_error(value, truth, scale, dtype)
+    limit = np.broadcast_to(np.asarray(threshold.value, dtype=np.float64), errors.shape)
+    over = errors > limit
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(errors == 0, 0.0, errors / limit)
+    flat = int(np.argmax(ratio)) if ratio.size else 0
+    index = np.unravel_index(flat, errors.shape) if errors.size else ()
+    index = tuple(int(i) for i in index)
+    worst = Worst(quantity, index,
+                  float(value[index]) if value.size else math.nan,
+                  float(truth[index]) if truth.size else math.nan,
+                  float(errors[index]) if errors.size else 0.0,
+                  float(tol.ulp_distance(value[index], truth[index], dtype))
+                  if value.size else 0.0,
+                  float(limit[index]) if limit.size else 0.0)
+    passed = not over.any()
+    return Check(quantity, passed, float(errors.max()) if errors.size else 0.0,
+                 int(over.sum()), int(errors.size), threshold, worst,
+                 None if passed else errors)
+
+
+def _shape_check(quantity, value, truth):
+    if value.shape == truth.shape:
+        return value, None
+    if value.size == truth.size and quantity == "lse":
+        return value.reshape(truth.shape), None
+    return value, (f"{quantity} has shape {value.shape}, expected {truth.shape}")
+
+
+def _truth(fixture, name):
+    truth = fixture.truth
+    if f"{name}_f64" in truth:
+        return np.asarray(truth[f"{name}_f64"], dtype=np.float64)
+    if name in truth and truth[name] is not None:
+        return np.asarray(truth[name]).astype(np.float64)
+    return None
+
+
+class _Context:
+    """Float64 weights, magnitudes and floors of one fixture (shared by every check)."""
+
+    def __init__(self, fixture):
+        inputs, options = fixture.inputs, fixture.options
+        self.q, self.k, self.v = inputs["q"], inputs["k"], inputs["v"]
+        self.options = {n: x for n, x in options.items() if n != "return_lse"}
+        self.dtype = fixture.case.dtype
+        self.exact64 = textbook_attention(self.q, self.k, self.v, dtype="float64",
+                                              **self.options)
+        weights = self.exact64.weights
+        self.dropped = weights
+        if self.options.get("dropout_mask") is not None:
+            keep = np.asarray(self.options["dropout_mask"], dtype=bool)
+            self.dropped = np.where(keep, weights, 0) / (1 - (self.options.get("dropout_p")
+                                                              or 0.0))
+        self.magnitude = tol.score_magnitude(self.q, self.k, **self.options)
+        q3 = self.q if np.ndim(self.q) > 2 else np.asarray(self.q)[None]
+        H, L, D = q3.shape[-3:]
+        k3 = self.k if np.ndim(self.k) > 2 else np.asarray(self.k)[None]
+        K, S = k3.shape[-3], k3.shape[-2]
+        self.sizes = dict(D=D, S=S, L=L, E=np.shape(self.v)[-1], G=max(H // K, 1))
+        self.single = np.ndim(self.q) == 2
+
+    def floors(self, count):
+        n_stored = 1 + (self.options.get("softcap") is not None) + (
+            self.options.get("bias") is not None or self.options.get("alibi_slopes") is not None)
+        allowed = np.broadcast_to(self.exact64.allowed, self.exact64.weights.shape) \
+            if not self.single else np.broadcast_to(self.exact64.allowed,
+                                                    self.magnitude.shape)
+        floors = tol.forward_floors(
+            self.dtype, **self.sizes, magnitude=self.magnitude, allowed=allowed,
+            n_stored=int(n_stored), dropout=self.options.get("dropout_mask") is not None,
+            count=count)
+        if self.single:
+            floors["out"], floors["lse"] = floors["out"][0], floors["lse"][0]
+        return floors
+
+    def _element_args(self, count):
+        def heads(x):
+            return x[None] if self.single else x
+
+        n_stored = 1 + (self.options.get("softcap") is not None) + (
+            self.options.get("bias") is not None or self.options.get("alibi_slopes") is not None)
+        return dict(weights=heads(self.exact64.weights), magnitude=self.magnitude,
+                    dots=tol.scaled_dots(self.q, self.k, **self.options),
+                    D=self.sizes["D"], S=self.sizes["S"], n_stored=int(n_stored),
+                    softcap=self.options.get("softcap") is not None, count=count), heads
+
+    def output_floor(self, truth, count):
+        """Element-wise floor (T6) of the output."""
+        args, heads = self._element_args(count)
+        floor = tol.output_floor(self.dtype, **args, dropped=heads(self.dropped), v=self.v,
+                                 out=heads(truth), gqa=self.options.get("gqa"),
+                                 dropout=self.options.get("dropout_mask") is not None)
+        return floor[0] if self.single else floor
+
+    def lse_floor(self, truth, count):
+        """Element-wise floor (T6) of lse."""
+        args, heads = self._element_args(count)
+        floor = tol.lse_floor(self.dtype, **args, lse=heads(truth))
+        return floor[0] if self.single else floor
+
+
+def _check_forward(ctx, fixture, out, lse, checks):
+    truth_out = _truth(fixture, "out")
+    out, problem = _shape_check("out", out, truth_out)
+    if problem:
+        return problem
+    base = textbook_attention(ctx.q, ctx.k, ctx.v, dtype=ctx.dtype, **ctx.options)
+    scale = tol.output_scale(ctx.dropped, ctx.v, gqa=ctx.options.get("gqa"))
+    if ctx.single:
+        scale = scale[0]
+    base_err = _finite_part(tol.normalised_error(base.out, truth_out, scale, ctx.dtype),
+                            truth_out)
+    threshold = tol.threshold(base_err, ctx.output_floor(truth_out, truth_out.size),
+                              ctx.dtype, k=tol.K_FORWARD)
+    checks["out"] = _judge("out", out, truth_out, scale, threshold, ctx.dtype)
+    truth_lse = _truth(fixture, "lse")
+    if lse is not None and truth_lse is not None:
+        lse, problem = _shape_check("lse", lse, truth_lse)
+        if problem:
+            return problem
+        weights = ctx.exact64.weights
+        magnitude = ctx.magnitude[0] if ctx.single else ctx.magnitude
+        lscale = tol.lse_scale(truth_lse, weights, magnitude)
+        base_err = _finite_part(tol.normalised_error(base.lse, truth_lse, lscale, ctx.dtype),
+                                truth_lse)
+        threshold = tol.threshold(base_err, ctx.lse_floor(truth_lse, truth_lse.size),
+                                  ctx.dtype, k=tol.K_FORWARD)
+        checks["lse"] = _judge("lse", lse, truth_lse, lscale, threshold, ctx.dtype)
+    return None
+
+
+def _finite_part(errors, truth):
+    """Baseline errors where the truth is finite (a NaN truth says nothing about accuracy)."""
+    return np.where(np.isfinite(truth), errors, 0.0)
+
+
+def _check_grads(ctx, fixture, impl, checks):
+    inputs = fixture.inputs
+    grad_out, grad_lse = inputs.get("grad_out"), inputs.get("grad_lse")
+    extra = {} if grad_lse is None else {"grad_lse": np.copy(grad_lse)}
+    options = {n: np.copy(x) if isinstance(x, np.ndarray) else x
+               for n, x in ctx.options.items()}
+    result = impl.vjp(np.copy(ctx.q), np.copy(ctx.k), np.copy(ctx.v), np.copy(grad_out),
+                      **extra, **options)
+    result = tuple(result)
+    scales = tol.grad_scales(ctx.q, ctx.k, ctx.v, grad_out, ctx.exact64.weights, ctx.dropped,
+                             grad_lse=grad_lse, **ctx.options)
+    base = textbook_attention_vjp(ctx.q, ctx.k, ctx.v, grad_out, grad_lse=grad_lse,
+                                      dtype=ctx.dtype, **ctx.options)
+    floor = ctx.floors(sum(np.size(r) for r in result if r is not None))["grad"]
+    for position, name in enumerate(_GRADS):
+        truth = _truth(fixture, name)
+        if truth is None or position >= len(result) or result[position] is None:
+            continue
+        value, problem = _shape_check(name, _as_float64(result[position]), truth)
+        if problem:
+            return problem
+        base_err = _finite_part(tol.normalised_error(base[position], truth, scales[name],
+                                                     ctx.dtype), truth)
+        threshold = tol.threshold(base_err, floor, ctx.dtype, k=tol.K_BACKWARD)
+        checks[name] = _judge(name, value, truth, scales[name], threshold, ctx.dtype)
+    return None
+
+
+def check_fixture(impl, fixture, *, grads=False, diagnose=True, reproduce="") -> CaseResult:
+    """Run ``impl`` on one fixture and judge it (see the module docstring for verdicts).
+
+    Attention fixtures call ``impl(q, k, v, **options)`` (and ``impl.vjp`` with ``grads``);
+    variant fixtures (``Case.function`` other than "attention") call
+    ``impl(**inputs, **options)`` and ignore ``grads`` and ``diagnose``.
+    """
+    case = fixture.case
+    if case.function != "attention":
+        return _check_variant(impl, fixture, reproduce)
+    result = CaseResult(case.name, case.category, case.dtype, "pass", reproduce=reproduce,
+                        description=getattr(case, "description", ""))
+    return run_guarded(result, lambda: _run_checks(impl, fixture, grads, diagnose, result))
+
+
+def run_guarded(result, check) -> CaseResult:
+    """Run ``check()`` filling ``result``; NotImplementedError makes the verdict "unsupported"
+    (never "pass"), any other exception "error"; times the run."""
+    start = time.perf_counter()
+    try:
+        check()
+    except NotImplementedError as err:
+        result.verdict, result.message = "unsupported", str(err) or "NotImplementedError"
+        result.checks = {}
+    except Exception as err:  # noqa: BLE001 - any other exception is the verdict "error"
+        result.verdict, result.message = "error", f"{type(err).__name__}: {err}"
+        result.checks = {}
+    result.seconds = time.perf_counter() - start
+    if result.verdict == "pass":
+        result.reproduce = ""
+    return result
+
+
+def _run_checks(impl, fixture, grads, diagnose, result):
+    inputs = fixture.inputs
+    options = {n: x for n, x in fixture.options.items() if n != "return_lse"}
+    out, lse = _call(impl, inputs["q"], inputs["k"], inputs["v"], options)
+    ctx = _Context(fixture)
+    with np.errstate(all="ignore"):
+        problem = _check_forward(ctx, fixture, out, lse, result.checks)
+        notes = []
+        if problem is None and grads and _truth(fixture, "dq") is not None:
+            if hasattr(impl, "vjp"):
+                problem = _check_grads(ctx, fixture, impl, result.checks)
+            else:
+                notes.append("gradients not checked: the implementation has no .vjp")
+    failing = [c for c in result.checks.values() if not c.passed]
+    if problem or failing:
+        result.verdict = "fail"
+        result.message = problem or "; ".join(
+            f"{c.quantity}: {c.n_failed} of {c.size} elements over the threshold"
+            for c in failing)
+        if diagnose:
+            result.diagnosis = _diagnosis(ctx, fixture, out, result.checks)
+    result.message = "; ".join(x for x in [result.message, *notes] if x)
+
+
+def _diagnosis(ctx, fixture, out, checks) -> list[str]:
+    """Named alternatives that explain a failing output; else a narrower working precision
+    that explains every failing quantity; else plain observations."""
+    check = checks.get("out")
+    truth = _truth(fixture, "out")
+    failing = [c for c in checks.values() if not c.passed]
+    if not failing:
+        return []
+    out_failed = check is not None and not check.passed and out.shape == truth.shape
+    if out_failed:
+        found = _diagnose.diagnose(ctx.q, ctx.k, ctx.v, ctx.options, out,
+                                   limit=np.asarray(check.threshold.value), dtype=ctx.dtype)
+        if found:
+            return found
+    precisions = {_lower_precision(ctx, c) for c in failing}
+    if out_failed:
+        for dtype in _NARROWER.get(ctx.dtype, ()):
+            # a convention mismatch seen through a narrower working precision
+            limit = _narrower_limit(ctx, "out", dtype, check.size)
+            found = _diagnose.diagnose(ctx.q, ctx.k, ctx.v, ctx.options, out, limit=limit,
+                                       dtype=ctx.dtype)
+            if found:
+                return [f"{label} (at {dtype} accuracy: the implementation seems to compute "
+                        f"in {dtype})" for label in found]
+    if len(precisions) == 1 and None not in precisions:
+        dtype = precisions.pop()
+        worst = max(c.max_error for c in failing)
+        return [f"errors fit {dtype} accuracy (max normalised error {worst:.3g}): the "
+                f"implementation seems to compute in {dtype}"]
+    if out_failed and tol.accumulation_dtype(ctx.dtype) != np.dtype(ctx.dtype) \
+            and np.isfinite(check.errors).all():
+        found = _storage_accumulation(ctx, out, truth, check)
+        if found:
+            return [found]
+    if not out_failed:
+        return []
+    poisoned = any(not np.isfinite(np.asarray(x, dtype=np.float64)).all()
+                   for x in {**fixture.inputs, **ctx.options}.values()
+                   if isinstance(x, np.ndarray) and x.dtype.kind == "f")
+    errors = check.errors if check.errors is not None else np.zeros(out.shape)
+    limit = np.broadcast_to(np.asarray(check.threshold.value), out.shape)
+    return _diagnose.describe_failure(out, truth, errors, limit, inputs_poisoned=poisoned)
+
+
+def _storage_accumulation(ctx, out, truth, check) -> str | None:
+    """Half types: does the output match a textbook that sums in the storage dtype?"""
+    scale = tol.output_scale(ctx.dropped, ctx.v, gqa=ctx.options.get("gqa"))
+    scale = scale[0] if ctx.single else scale
+    fits = []
+    for sums, what in ((("normaliser",), "the softmax normaliser"),
+                       (("values",), "weights @ v"),
+                       (("normaliser", "values"), "the softmax normaliser and weights @ v")):
+        model = storage_accumulation_attention(ctx.q, ctx.k, ctx.v, ctx.options,
+                                                         ctx.dtype, sums=sums)
+        model_error = float(np.max(tol.normalised_error(model, truth, scale, ctx.dtype)))
+        if check.max_error <= tol.K_FORWARD * model_error + tol.unit_roundoff(ctx.dtype):
+            distance = float(np.max(tol.normalised_error(out, model, scale, ctx.dtype)))
+            fits.append((distance, what, model_error))
+    if not fits:
+        return None
+    _, what, model_error = min(fits)  # the model closest to the output names the sum
+    return (f"errors consistent with accumulating {what} in {ctx.dtype} (no float32 "
+            f"accumulator; such a textbook has normalised error {model_error:.3g} here)")
+
+
+_NARROWER = {"float64": ("float32",), "float32": ("bfloat16", "float16")}
+
+
+def _narrower_limit(ctx, key, dtype, count) -> float:
+    """k F + u of ``dtype`` for quantity ``key`` ("out", "lse" or "grad") of this case."""
+    k = tol.K_BACKWARD if key == "grad" else tol.K_FORWARD
+    floors = tol.forward_floors(dtype, **ctx.sizes, magnitude=ctx.magnitude,
+                                allowed=np.broadcast_to(ctx.exact64.allowed,
+                                                        ctx.magnitude.shape),
+                                count=count)
+    return k * float(np.max(floors[key])) + tol.unit_roundoff(dtype)
+
+
+def _lower_precision(ctx, check) -> str | None:
+    """The narrower dtype whose own floor (T5) covers every error of ``check``, if any."""
+    if check.errors is None or not np.isfinite(check.errors).all():
+        return None
+    key = check.quantity if check.quantity in ("out", "lse") else "grad"
+    for dtype in _NARROWER.get(ctx.dtype, ()):
+        if check.max_error <= _narrower_limit(ctx, key, dtype, check.size):
+            return dtype
+    return None
+
+
+def _copy(x):
+    return np.copy(x) if isinstance(x, np.ndarray) else x
+
+
+def _check_variant(impl, fixture, reproduce):
+    """Run a variant implementation on one fixture and judge each output by (T1)/(T2) with
+    the floor (V1) of :func:`oracle.tolerance.variant_floor`."""
+    case = fixture.case
+    result = CaseResult(case.name, case.category, case.dtype, "pass", reproduce=reproduce,
+                          description=case.description)
+
+    def check():
+        produced = impl(**{k: _copy(v) for k, v in fixture.inputs.items()},
+                        **{k: _copy(v) for k, v in case.options.items()})
+        outputs = outputs_of(case, produced)
+        truths = {n: _as_float64(fixture.truth[n + "_f64"])
+                  for n in FUNCTIONS[case.function].outputs}
+        base = variant_baseline(case, fixture.inputs)
+        cond = condition(case, fixture.inputs, truths)
+        spec = FUNCTIONS[case.function]
+        floor = tol.variant_floor(case.dtype, condition=cond, n=spec.n_roundings(case),
+                                  n_stored=spec.n_stored)
+        problems = []
+        with np.errstate(all="ignore"):
+            for name, truth64 in truths.items():
+                if name not in outputs or outputs[name] is None:
+                    problems.append(f"{name}: not returned")
+                    continue
+                value = _as_float64(outputs[name])
+                if value.shape != truth64.shape:
+                    problems.append(f"{name} has shape {value.shape}, expected {truth64.shape}")
+                    continue
+                scale = natural_scale(case, fixture.inputs, name, truth64)
+                base_err = np.where(np.isfinite(truth64), tol.normalised_error(
+                    base[name], truth64, scale, case.dtype), 0.0)
+                threshold = tol.threshold(base_err, floor, case.dtype, k=tol.K_FORWARD)
+                result.checks[name] = _judge(name, value, truth64, scale, threshold,
+                                               case.dtype)
+        failing = [c for c in result.checks.values() if not c.passed]
+        if problems or failing:
+            result.verdict = "fail"
+            result.message = "; ".join(problems + [
+                f"{c.quantity}: {c.n_failed} of {c.size} elements over the threshold"
+                for c in failing])
+    return run_guarded(result, check)
