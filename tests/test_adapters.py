@@ -12,6 +12,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import assert_within
 
 from oracle import adapters
 from oracle.tolerance import gamma
@@ -190,24 +191,6 @@ def gradient_threshold(q, k, v, grad_out, options, dtype):
     return {name: factor * value for name, value in natural.items()}
 
 
-def assert_within(name, got, truth, bound):
-    """Every element within its bound; the message names the worst element."""
-    __tracebackhide__ = True
-    got = np.asarray(got, np.float64)
-    truth = np.asarray(truth, np.float64)
-    bound = np.broadcast_to(bound, truth.shape)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        same = (got == truth) | (np.isnan(got) & np.isnan(truth))  # also -inf lse of empty rows
-        err = np.where(same, 0.0, np.abs(got - truth))
-        err = np.where(np.isnan(err), np.inf, err)
-        excess = np.where(err == 0, 0.0, err / bound)
-    worst = np.unravel_index(np.argmax(excess), excess.shape)
-    assert excess[worst] <= 1, (
-        f"{name}: worst element {worst}: value {got[worst]!r}, truth {truth[worst]!r}, "
-        f"error {err[worst]:.3e} > threshold {bound[worst]:.3e}"
-    )
-
-
 @pytest.fixture(scope="module")
 def truths():
     """Exact results per (case, dtype), computed once per module."""
@@ -248,10 +231,10 @@ def test_agrees_with_exact_or_declines(peer, case, dtype, truths, request):
     if options.get("return_lse"):
         result, got_lse = result
         assert got_lse.dtype == _dtype(dtype), f"{label}: lse dtype {got_lse.dtype}"
-        assert_within(f"{label} (lse)", got_lse, lse, lse_bound)
+        assert_within(got_lse, lse, lse_bound, what=f"{label} (lse)")
     assert result.dtype == _dtype(dtype), f"{label}: output dtype {result.dtype}"
     assert result.shape == out.shape, f"{label}: shape {result.shape} != {out.shape}"
-    assert_within(label, result, out, out_bound)
+    assert_within(result, out, out_bound, what=label)
 
 
 @pytest.mark.parametrize(
@@ -336,7 +319,7 @@ def test_fully_masked_rows_pass_through(peer):
     }
     want = expected[impl.fully_masked_rows]
     bound = gamma(7 + 8, "float32") * np.abs(np.asarray(v, np.float64)[0]).mean(1)
-    assert_within(f"{peer} empty row ({impl.fully_masked_rows})", row, want, bound)
+    assert_within(row, want, bound, what=f"{peer} empty row ({impl.fully_masked_rows})")
 
 
 @pytest.mark.parametrize("peer", ["torch", "jax", "onnxruntime", "onnx-reference"])
@@ -395,7 +378,7 @@ def test_onnx_softcap_applies_before_bias(peer):
     options["softcap"] = 1.0
     out, lse, natural = _truth(q, k, v, options)
     out_bound, _ = agreement_threshold(q, k, v, options, natural, lse, "float32")
-    assert_within(f"{peer} softcap with bias", impl(q, k, v, **options), out, out_bound)
+    assert_within(impl(q, k, v, **options), out, out_bound, what=f"{peer} softcap with bias")
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
@@ -420,7 +403,7 @@ def test_vjp_matches_refattn(peer, case, dtype):
             assert g is None, f"{peer} {case}: {name} should be None"
             continue
         assert g.shape == e.shape, f"{peer} {case}: {name} shape {g.shape} != {e.shape}"
-        assert_within(f"{peer} vjp {case} {name}", g, e, bounds[name])
+        assert_within(g, e, bounds[name], what=f"{peer} vjp {case} {name}")
 
 
 def test_refattn_exact_adapter_is_the_truth():

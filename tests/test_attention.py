@@ -6,9 +6,11 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import assert_same_bits, assert_within
 from hypothesis import given
 from hypothesis import strategies as st
-from naive import naive_attention, round_stable, score_spread
+from naive.attention import naive_attention, score_spread
+from naive.rounding import round_stable
 from strategies import attention_cases
 
 import refattn
@@ -20,35 +22,6 @@ DTYPES = ("float64", "float32", "float16", "bfloat16")
 
 def _dtype(name):
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
-
-
-def assert_same_bits(got, want, *, what, case=""):
-    """Bit equality (NaN == NaN, signed zeros distinguished) with a diagnosis of the worst."""
-    __tracebackhide__ = True
-    got = np.asarray(got, dtype=np.float64)
-    want = np.asarray(want, dtype=np.float64)
-    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape} {case}"
-    same = (np.isnan(got) & np.isnan(want)) | (
-        (got == want) & (np.signbit(got) == np.signbit(want)))
-    if not same.all():
-        index = tuple(int(i) for i in np.argwhere(~same)[0])
-        pytest.fail(f"{what}: {int((~same).sum())} of {same.size} elements differ; first at "
-                    f"{index}: got {got[index]!r}, truth {want[index]!r} {case}")
-
-
-def assert_within(got, truth, bound, *, what, case=""):
-    """|got - truth| <= bound elementwise (NaN positions must agree)."""
-    __tracebackhide__ = True
-    got, truth, bound = (np.asarray(a, dtype=np.float64) for a in (got, truth, bound))
-    nan_ok = np.isnan(got) == np.isnan(truth)
-    assert nan_ok.all(), f"{what}: NaN pattern differs {case}"
-    with np.errstate(invalid="ignore"):
-        err = np.where(np.isfinite(truth), np.abs(got - truth), 0.0)
-    excess = err - bound
-    if (excess > 0).any():
-        index = tuple(int(i) for i in np.unravel_index(np.argmax(excess), excess.shape))
-        pytest.fail(f"{what}: error {err[index]:.3e} > bound {bound[index]:.3e} at {index} "
-                    f"(got {got[index]!r}, truth {truth[index]!r}) {case}")
 
 
 def _naive(q, k, v, opts, dtype):

@@ -6,10 +6,10 @@ from __future__ import annotations
 import mpmath
 import numpy as np
 import pytest
+from helpers import assert_within
 from hypothesis import given
-from naive import naive_attention
+from naive.attention import naive_attention
 from strategies import attention_cases
-from test_attention import assert_within
 
 import refattn
 from oracle.tolerance import ulp

@@ -16,6 +16,7 @@ from refattn.fixedpoint import (
     relative_residual,
     solve,
 )
+from tests.helpers import assert_norm_within
 from tests.strategies import contractive_affine_maps
 
 METHODS = ["anderson", "picard"]
@@ -23,22 +24,6 @@ METHODS = ["anderson", "picard"]
 
 def _affine(A, b):
     return lambda z: np.einsum("bij,bj->bi", A, z) + b
-
-
-def _assert_within(case, value, truth, bounds):
-    """Per-sample 2-norm error <= bound; names the worst sample and element."""
-    __tracebackhide__ = True
-    errors = np.linalg.norm((value - truth).reshape(len(value), -1), axis=-1)
-    excess = errors - np.asarray(bounds)
-    worst = int(np.argmax(excess))
-    if excess[worst] > 0:
-        element = np.unravel_index(int(np.argmax(np.abs(value[worst] - truth[worst]))),
-                                   value[worst].shape)
-        raise AssertionError(
-            f"{case}: sample {worst} error {errors[worst]:.3e} > bound {bounds[worst]:.3e}; "
-            f"worst element {list(element)}: value {value[worst][element]!r}, "
-            f"truth {truth[worst][element]!r}"
-        )
 
 
 def _affine_bounds(A, b, z):
@@ -63,7 +48,7 @@ def test_affine_map_known_solution(method, maps):
     cond = np.linalg.cond(np.eye(A.shape[-1]) - A)
     solve_error = cond * unit_roundoff("float64") * np.linalg.norm(truth, axis=-1) * A.shape[-1]
     bounds = np.array(_affine_bounds(A, b, res.z)) + solve_error
-    _assert_within(f"{method} affine", res.z, truth, bounds)
+    assert_norm_within(res.z, truth, bounds, what=f"{method} affine", per_sample=True)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -98,8 +83,8 @@ def test_anderson_and_picard_agree_on_a_contraction():
         scale = np.linalg.norm(np.abs(0.5 * np.cos(res.z)) + np.abs(0.3 * res.z) + 1.0, axis=-1)
         bounds.append([fixed_point_forward_bound(r, 1 / (1 - q), s, 4) for r, s in
                        zip(residual, scale, strict=True)])
-    _assert_within("anderson vs picard", anderson.z, picard.z,
-                   np.array(bounds[0]) + np.array(bounds[1]))
+    assert_norm_within(anderson.z, picard.z, np.array(bounds[0]) + np.array(bounds[1]),
+                       what="anderson vs picard", per_sample=True)
     assert (anderson.iterations < picard.iterations).all(), (
         f"Anderson should need fewer updates: {anderson.iterations} vs {picard.iterations}")
 
@@ -221,7 +206,8 @@ def test_state_ndim_and_batch_shapes():
     scale = np.linalg.norm((0.5 * np.abs(res.z) + 1.0).reshape(6, -1), axis=-1)
     bounds = [fixed_point_forward_bound(r, 2.0, s, 2)
               for r, s in zip(residual, scale, strict=True)]
-    _assert_within("state_ndim=2", res.z.reshape(6, 4, 5), np.full((6, 4, 5), 2.0), bounds)
+    assert_norm_within(res.z.reshape(6, 4, 5), np.full((6, 4, 5), 2.0), bounds, what="state_ndim=2",
+                       per_sample=True)
 
 
 @pytest.mark.parametrize(

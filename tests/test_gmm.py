@@ -8,7 +8,6 @@ within the documented first-order bounds of oracle.tolerance.
 from __future__ import annotations
 
 import math
-from fractions import Fraction
 
 import mpmath
 import numpy as np
@@ -19,243 +18,19 @@ from hypothesis import strategies as st
 from oracle.tolerance import iterated_bound, logit_lse_bound, mixture_bound
 from refattn import gmm
 from refattn.attention import attention
-from refattn.exact.rounding import FORMATS, round_exact
+from refattn.exact.rounding import FORMATS
+from tests.helpers import assert_same_bits, assert_within
+from tests.naive.gmm import (
+    DPS,
+    naive_adapt_keys,
+    naive_adapt_priors,
+    naive_gmm,
+    naive_query_terms,
+    naive_value_terms,
+)
+from tests.naive.mp import exact_div, exact_mul, exact_sum, lse, mp, per_unit, softmax_weights
+from tests.naive.rounding import round_nested
 from tests.strategies import mixture_problems, unit_parameters
-
-DPS = 60
-
-
-# --------------------------------------------------------------------------------------------
-# Loop-level mpmath references (single batch element)
-# --------------------------------------------------------------------------------------------
-
-
-def _mp(x):
-    """An mpf holding the exact value of a float / int, or a Fraction rounded at DPS."""
-    if isinstance(x, Fraction):
-        return mpmath.mpf(x.numerator) / x.denominator
-    if isinstance(x, mpmath.mpf):
-        return x
-    return mpmath.mpf(float(x))
-
-
-def _q(x):
-    """The exact Fraction of a float input or a Fraction (None for an mpf: not exact)."""
-    if isinstance(x, Fraction):
-        return x
-    if isinstance(x, mpmath.mpf):
-        return None
-    return Fraction(float(x))
-
-
-def _per_unit(value, units):
-    arr = np.broadcast_to(np.asarray(value, dtype=np.float64), (units,))
-    return [_mp(x) for x in arr]
-
-
-def _sq(x, y):
-    return mpmath.fsum((_mp(a) - _mp(b)) ** 2 for a, b in zip(x, y, strict=True))
-
-
-
-def _lse(terms):
-    terms = [t for t in terms if t != -mpmath.inf]
-    top = max(terms)
-    return top + mpmath.log(mpmath.fsum(mpmath.exp(t - top) for t in terms))
-
-
-def _weights(logits):
-    """Softmax weights; exactly Fraction(1, n) when every present logit is the same number
-    (a tie: the exact results may then sit on a rounding midpoint, which a 60-digit
-    approximation of 1/n cannot settle)."""
-    present = [s for s in logits if s != -mpmath.inf]
-    if all(s == present[0] for s in present):
-        share = Fraction(1, len(present))
-        return [Fraction(0) if s == -mpmath.inf else share for s in logits]
-    top = max(present)
-    raw = [mpmath.mpf(0) if s == -mpmath.inf else mpmath.exp(s - top) for s in logits]
-    total = mpmath.fsum(raw)
-    return [r / total for r in raw]
-
-
-def _sum(terms):
-    """Exact Fraction sum when every term is exact, else an mpf sum."""
-    terms = list(terms)
-    exact = [_q(t) for t in terms]
-    if all(t is not None for t in exact):
-        return sum(exact, Fraction(0))
-    return mpmath.fsum(_mp(t) for t in terms)
-
-
-def _mul(*factors):
-    exact = [_q(f) for f in factors]
-    if all(f is not None for f in exact):
-        out = Fraction(1)
-        for f in exact:
-            out *= f
-        return out
-    out = mpmath.mpf(1)
-    for f in factors:
-        out *= _mp(f)
-    return out
-
-
-def _div(a, b):
-    qa, qb = _q(a), _q(b)
-    if qa is not None and qb is not None:
-        return qa / qb
-    return _mp(a) / _mp(b)
-
-
-def _naive_log_prior(prior, keys, values, alpha, beta):
-    units = len(keys)
-    if isinstance(prior, str) and prior == "uniform":
-        return [mpmath.mpf(0)] * units
-    if isinstance(prior, str):  # magnitude, eq. (15) up to log k
-        return [alpha[u] / 2 * _sq(keys[u], 0 * keys[u])
-                + beta[u] / 2 * _sq(values[u], 0 * values[u]) for u in range(units)]
-    return [-mpmath.inf if np.isneginf(x) else _mp(x) for x in prior]
-
-
-def _naive_query_terms(q_row, keys, values, alpha, beta, prior):
-    """log p(u) + log p(q | u) with the full Gaussian normaliser, eq. (7)."""
-    dim = len(q_row)
-    log_p = _naive_log_prior(prior, keys, values, alpha, beta)
-    return [log_p[u] + dim / mpmath.mpf(2) * mpmath.log(alpha[u] / (2 * mpmath.pi))
-            - alpha[u] / 2 * _sq(q_row, keys[u]) for u in range(len(keys))]
-
-
-def _naive_value_terms(v, values, beta):
-    dim_v = len(v)
-    return [dim_v / mpmath.mpf(2) * mpmath.log(beta[u] / (2 * mpmath.pi))
-            - beta[u] / 2 * _sq(v, values[u]) for u in range(len(values))]
-
-
-def naive_gmm(q, keys, values, *, alpha, beta, prior="uniform", v_init=None, iters=1):
-    """Eqs. (13)-(14) for every query row, with v_init None -> w = p(u | q). Returns
-    (values list of lists, trace list of lists) of mpf; trace only where beta > 0."""
-    units = len(keys)
-    beta_in = np.broadcast_to(np.asarray(beta, dtype=np.float64), (units,))
-    with mpmath.workdps(DPS):
-        alpha_u, beta_u = _per_unit(alpha, units), _per_unit(beta, units)
-        out, traces = [], []
-        for i, q_row in enumerate(q):
-            a = _naive_query_terms(q_row, keys, values, alpha_u, beta_u, prior)
-            v = None if v_init is None else list(v_init[i])
-            trace = []
-            for _ in range(iters):
-                if v is None or all(b == 0 for b in beta_u):
-                    logits = a
-                else:
-                    logits = [s + t for s, t in zip(a, _naive_value_terms(v, values, beta_u),
-                                                    strict=True)]
-                weights = _weights(logits)
-                if len(set(beta_u)) > 1:  # the root of eq. (12) with per-unit beta
-                    weights = [_mul(w, b) for w, b in zip(weights, beta_in, strict=True)]
-                total = _sum(weights)
-                v = [_div(_sum(_mul(weights[u], values[u][e]) for u in range(units)), total)
-                     for e in range(values.shape[1])]
-                if all(b > 0 for b in beta_u):
-                    joint = [s + t for s, t in zip(a, _naive_value_terms(v, values, beta_u),
-                                                   strict=True)]
-                    trace.append(_lse(joint) - _lse(a))
-            out.append(v)
-            traces.append(trace)
-        return out, traces
-
-
-def naive_adapt_keys(queries, keys0, *, alpha, gamma, prior, iters, form):
-    units, dim = keys0.shape
-    with mpmath.workdps(DPS):
-        alpha_u = _per_unit(alpha, units)
-        alpha_in = np.broadcast_to(np.asarray(alpha, dtype=np.float64), (units,))
-        gamma_u = np.broadcast_to(np.asarray(gamma, dtype=np.float64), (units,))
-        xi0 = [list(row) for row in keys0]
-        xi = [row[:] for row in xi0]
-        for _ in range(iters):
-            weights = []
-            for q_row in queries:
-                log_p = ([alpha_u[u] / 2 * mpmath.fsum(_mp(x) ** 2 for x in xi[u])
-                          for u in range(units)]
-                         if prior == "magnitude" else [mpmath.mpf(0)] * units)
-                logits = [log_p[u] + dim / mpmath.mpf(2) * mpmath.log(alpha_u[u])
-                          - alpha_u[u] / 2 * _sq(xi[u], q_row) for u in range(units)]
-                weights.append(_weights(logits))
-            new = []
-            for k in range(units):
-                if math.isinf(gamma_u[k]):
-                    new.append(xi0[k][:])
-                    continue
-                g, a = gamma_u[k], alpha_in[k]
-                total = _sum(w[k] for w in weights)
-                sums = [_sum(_mul(w[k], q[d]) for w, q in zip(weights, queries, strict=True))
-                        for d in range(dim)]
-                if form == "paper":
-                    new.append([_div(_sum([_mul(g, xi0[k][d]), _mul(a, _div(sums[d], total))]),
-                                     _sum([a, g])) for d in range(dim)])
-                else:
-                    new.append([_div(_sum([_mul(g, xi0[k][d]), _mul(a, sums[d])]),
-                                     _sum([g, _mul(a, total)])) for d in range(dim)])
-            xi = new
-        return xi
-
-
-def naive_adapt_priors(queries, keys, *, alpha, eta, pi0, iters, form):
-    units, dim = keys.shape
-    with mpmath.workdps(DPS):
-        alpha_u = _per_unit(alpha, units)
-        total0 = _sum(pi0)
-        pi = [_div(p, total0) for p in pi0]
-        eta_u = [_mul(eta, p) for p in pi] if np.ndim(eta) == 0 else list(eta)
-        for _ in range(iters):
-            w_bar = [Fraction(0)] * units
-            for q_row in queries:
-                logits = [(mpmath.log(_mp(pi[u])) if pi[u] > 0 else -mpmath.inf)
-                          + dim / mpmath.mpf(2) * mpmath.log(alpha_u[u])
-                          - alpha_u[u] / 2 * _sq(q_row, keys[u]) for u in range(units)]
-                weights = _weights(logits)
-                w_bar = [_sum([w_bar[u], weights[u]]) for u in range(units)]
-            mass = ([_mul(w_bar[k], _sum([1, eta_u[k]])) for k in range(units)]
-                    if form == "paper" else [_sum([w_bar[k], eta_u[k]]) for k in range(units)])
-            norm = _sum(mass)
-            pi = [_div(m, norm) for m in mass]
-        return pi
-
-
-def _rounded(nested, dtype="float64"):
-    fmt = FORMATS[dtype]
-    arr = np.array(nested, dtype=object)
-    return np.vectorize(lambda x: round_exact(x, fmt), otypes=[np.float64])(arr)
-
-
-# --------------------------------------------------------------------------------------------
-# Assertion helpers
-# --------------------------------------------------------------------------------------------
-
-
-def assert_same_bits(case, value, truth):
-    __tracebackhide__ = True
-    value = np.asarray(value, dtype=np.float64)
-    truth = np.asarray(truth, dtype=np.float64)
-    same = (value == truth) & (np.signbit(value) == np.signbit(truth))
-    same |= np.isnan(value) & np.isnan(truth)
-    if not same.all():
-        index = tuple(int(i) for i in np.argwhere(~same)[0])
-        raise AssertionError(f"{case}: element {list(index)} is {value[index]!r}, correctly "
-                             f"rounded truth {truth[index]!r} (threshold: bit for bit)")
-
-
-def assert_within(case, value, truth, bound):
-    __tracebackhide__ = True
-    value = np.asarray(value, dtype=np.float64)
-    truth = np.asarray(truth, dtype=np.float64)
-    error = np.abs(value - truth)
-    excess = np.where(np.isnan(error), np.inf, error - bound)
-    index = np.unravel_index(int(np.argmax(excess)), excess.shape)
-    if excess[index] > 0:
-        raise AssertionError(f"{case}: element {list(index)} is {value[index]!r}, exact "
-                             f"{truth[index]!r}, error {error[index]:.3e} > bound {bound:.3e}")
-
 
 # --------------------------------------------------------------------------------------------
 # Problem builders
@@ -341,9 +116,9 @@ def _naive_case(case):
 def test_exact_is_correctly_rounded(case):
     out = _call(case, precision="exact")
     truth, _ = _naive_case(case)
-    assert_same_bits(f"gmm.attention exact ({case['style']}, prior "
+    assert_same_bits(out, round_nested(truth), what=f"gmm.attention exact ({case['style']}, prior "
                      f"{case['prior'] if isinstance(case['prior'], str) else 'array'}, iters "
-                     f"{case['iters']})", out, _rounded(truth))
+                     f"{case['iters']})")
 
 
 @settings(max_examples=20)
@@ -351,7 +126,7 @@ def test_exact_is_correctly_rounded(case):
 def test_exact_trace_is_correctly_rounded(case):
     res = _call(case, precision="exact", return_trace=True)
     _, trace = _naive_case(case)
-    assert_same_bits("gmm.attention exact trace", res.trace, _rounded(trace))
+    assert_same_bits(res.trace, round_nested(trace), what="gmm.attention exact trace")
     assert (res.iterations == case["iters"]).all()
 
 
@@ -363,8 +138,8 @@ def test_exact_out_dtypes(dtype, rng):
                         out_dtype=dtype)
     assert out.dtype == FORMATS[dtype].dtype
     truth, _ = naive_gmm(q, keys, values, alpha=0.7, beta=0.3, iters=2)
-    assert_same_bits(f"gmm.attention exact out_dtype={dtype}", out.astype(np.float64),
-                     _rounded(truth, dtype))
+    assert_same_bits(out.astype(np.float64), round_nested(truth, dtype),
+                     what=f"gmm.attention exact out_dtype={dtype}")
 
 
 def test_exact_takes_inputs_at_their_binary_value(rng):
@@ -375,7 +150,7 @@ def test_exact_takes_inputs_at_their_binary_value(rng):
     narrow = gmm.attention(q, keys, values, alpha=1.0, precision="exact")
     wide = gmm.attention(*(x.astype(np.float64) for x in (q, keys, values)), alpha=1.0,
                          precision="exact")
-    assert_same_bits("gmm.attention float16 inputs", narrow, wide)
+    assert_same_bits(narrow, wide, what="gmm.attention float16 inputs")
 
 
 # --------------------------------------------------------------------------------------------
@@ -392,7 +167,7 @@ def test_float64_within_bound_one_iteration(case):
                         case["prior"])
     bound = mixture_bound(scale, case["keys"].shape[-2], case["q"].shape[-1]
                           + case["values"].shape[-1], np.abs(case["values"]).max())
-    assert_within(f"gmm.attention float64 ({case['style']})", fast, exact, bound)
+    assert_within(fast, exact, bound, what=f"gmm.attention float64 ({case['style']})")
 
 
 @settings(max_examples=30)
@@ -408,7 +183,7 @@ def test_float64_within_bound_iterated(case):
     diameter = np.ptp(values, axis=-2).max() ** 2 * values.shape[-1]
     lipschitz = 1 + float(np.max(case["beta"])) * diameter
     bound = iterated_bound(step, lipschitz, case["iters"])
-    assert_within(f"gmm.attention float64 iters={case['iters']}", fast, exact, bound)
+    assert_within(fast, exact, bound, what=f"gmm.attention float64 iters={case['iters']}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -424,7 +199,7 @@ def test_magnitude_prior_beta0_is_softmax_attention_bit_for_bit(problem, alpha):
     q, keys, values, style = problem
     ours = gmm.attention(q, keys, values, alpha=alpha, prior="magnitude", precision="exact")
     theirs = attention(q, keys, values, scale=alpha, precision="exact")
-    assert_same_bits(f"gmm magnitude vs attention ({style}, alpha={alpha})", ours, theirs)
+    assert_same_bits(ours, theirs, what=f"gmm magnitude vs attention ({style}, alpha={alpha})")
 
 
 @settings(max_examples=40)
@@ -464,8 +239,8 @@ def test_first_e_step_has_no_beta_term(rng):
     small = gmm.attention(q, keys, values, alpha=1.0, beta=0.1, precision="exact")
     large = gmm.attention(q, keys, values, alpha=1.0, beta=7.0, precision="exact")
     none = gmm.attention(q, keys, values, alpha=1.0, beta=0.0, precision="exact")
-    assert_same_bits("v_1 with beta=0.1 vs beta=7", small, large)
-    assert_same_bits("v_1 with beta=0.1 vs beta=0", small, none)
+    assert_same_bits(small, large, what="v_1 with beta=0.1 vs beta=7")
+    assert_same_bits(small, none, what="v_1 with beta=0.1 vs beta=0")
 
 
 def test_excluded_unit_is_removed(rng):
@@ -477,7 +252,7 @@ def test_excluded_unit_is_removed(rng):
                          precision="exact")
     cut = gmm.attention(q, keys[:3], values[:3], alpha=1.0, beta=0.5, prior=prior[:3], iters=2,
                         precision="exact")
-    assert_same_bits("-inf prior unit vs removed unit", full, cut)
+    assert_same_bits(full, cut, what="-inf prior unit vs removed unit")
 
 
 def test_batch_matches_loop(rng):
@@ -488,7 +263,7 @@ def test_batch_matches_loop(rng):
     for b in range(2):
         single = gmm.attention(q[b], keys[b], values[b], alpha=alpha[b], beta=0.2, iters=2,
                                precision="exact")
-        assert_same_bits(f"batch element {b}", batched[b], single)
+        assert_same_bits(batched[b], single, what=f"batch element {b}")
 
 
 def test_underflowing_scores_stay_finite(rng):
@@ -503,10 +278,10 @@ def test_underflowing_scores_stay_finite(rng):
     fast = gmm.attention(q, keys, values, alpha=1.0)
     exact = gmm.attention(q, keys, values, alpha=1.0, precision="exact")
     truth, _ = naive_gmm(q, keys, values, alpha=1.0, beta=0.0)
-    assert_same_bits("gmm exact at scores ~ -1e4", exact, _rounded(truth))
+    assert_same_bits(exact, round_nested(truth), what="gmm exact at scores ~ -1e4")
     scale = _term_scale(q, keys, values, 1.0, 0.0, "uniform")
-    assert_within("gmm float64 at scores ~ -1e4", fast, exact,
-                  mixture_bound(scale, 3, 2, np.abs(values).max()))
+    assert_within(fast, exact, mixture_bound(scale, 3, 2, np.abs(values).max()),
+                  what="gmm float64 at scores ~ -1e4")
 
 
 def test_tol_stops_rows_independently(rng):
@@ -529,17 +304,17 @@ def test_log_posterior_exact_and_float64(rng):
     alpha, beta = np.array([0.5, 1.0, 2.0, 1.5]), 0.75
     exact = gmm.log_posterior(v, q, keys, values, alpha=alpha, beta=beta, precision="exact")
     with mpmath.workdps(DPS):
-        a_u, b_u = _per_unit(alpha, 4), _per_unit(beta, 4)
+        a_u, b_u = per_unit(alpha, 4), per_unit(beta, 4)
         truth = []
         for i in range(3):
-            a = _naive_query_terms(q[i], keys, values, a_u, b_u, "uniform")
-            b = _naive_value_terms([_mp(x) for x in v[i]], values, b_u)
-            truth.append(_lse([s + t for s, t in zip(a, b, strict=True)]) - _lse(a))
-    assert_same_bits("gmm.log_posterior exact", exact, _rounded(truth))
+            a = naive_query_terms(q[i], keys, values, a_u, b_u, "uniform")
+            b = naive_value_terms([mp(x) for x in v[i]], values, b_u)
+            truth.append(lse([s + t for s, t in zip(a, b, strict=True)]) - lse(a))
+    assert_same_bits(exact, round_nested(truth), what="gmm.log_posterior exact")
     fast = gmm.log_posterior(v, q, keys, values, alpha=alpha, beta=beta)
     scale = _term_scale(q, keys, values, alpha, beta, "uniform") + np.abs(v).max() ** 2 * 4
-    assert_within("gmm.log_posterior float64", fast, exact,
-                  2 * logit_lse_bound(scale, 4, 4, scale))
+    assert_within(fast, exact, 2 * logit_lse_bound(scale, 4, 4, scale),
+                  what="gmm.log_posterior float64")
 
 
 # --------------------------------------------------------------------------------------------
@@ -557,8 +332,8 @@ def test_adapt_keys_exact_and_float64(problem, gamma, form, prior, iters):
                            precision="exact")
     truth = naive_adapt_keys(q, keys, alpha=0.8, gamma=gamma, prior=prior, iters=iters,
                              form=form)
-    assert_same_bits(f"adapt_keys exact ({style}, {form}, gamma={gamma})", exact,
-                     _rounded(truth))
+    assert_same_bits(exact, round_nested(truth),
+                     what=f"adapt_keys exact ({style}, {form}, gamma={gamma})")
     if iters == 1:
         fast = gmm.adapt_keys(q, keys, alpha=0.8, gamma=gamma, prior=prior, form=form)
         scale = _term_scale(q, keys, keys, 0.8, 0.0, "uniform")
@@ -566,7 +341,7 @@ def test_adapt_keys_exact_and_float64(problem, gamma, form, prior, iters):
         bound = mixture_bound(scale, q.shape[0] + keys.shape[0], q.shape[1], magnitude)
         if form == "map":
             bound *= q.shape[0] + 1  # sum_i w q_i / (gamma + alpha W): W up to L
-        assert_within(f"adapt_keys float64 ({style}, {form})", fast, exact, bound)
+        assert_within(fast, exact, bound, what=f"adapt_keys float64 ({style}, {form})")
 
 
 def test_gamma_infinity_leaves_keys_unchanged(rng):
@@ -575,7 +350,7 @@ def test_gamma_infinity_leaves_keys_unchanged(rng):
         for precision in ("float64", "exact"):
             out = gmm.adapt_keys(q, keys, alpha=1.0, gamma=np.inf, form=form, iters=3,
                                  precision=precision)
-            assert_same_bits(f"gamma=inf ({form}, {precision})", out, keys)
+            assert_same_bits(out, keys, what=f"gamma=inf ({form}, {precision})")
 
 
 @pytest.mark.parametrize("form", ["paper", "map"])
@@ -597,11 +372,11 @@ def test_key_forms_coincide(rng):
     q, keys = rng.standard_normal((3, 2)), rng.standard_normal((2, 2))
     paper = gmm.adapt_keys(q, keys, alpha=1.0, gamma=0.0, form="paper", precision="exact")
     mapped = gmm.adapt_keys(q, keys, alpha=1.0, gamma=0.0, form="map", precision="exact")
-    assert_same_bits("gamma=0: paper vs map", paper, mapped)
+    assert_same_bits(paper, mapped, what="gamma=0: paper vs map")
     one_q, one_key = q[:1], keys[:1]
     paper = gmm.adapt_keys(one_q, one_key, alpha=1.0, gamma=2.5, form="paper", precision="exact")
     mapped = gmm.adapt_keys(one_q, one_key, alpha=1.0, gamma=2.5, form="map", precision="exact")
-    assert_same_bits("W=1: paper vs map", paper, mapped)
+    assert_same_bits(paper, mapped, what="W=1: paper vs map")
     differ = gmm.adapt_keys(q, keys, alpha=1.0, gamma=2.5, form="paper")
     gap = np.abs(differ - gmm.adapt_keys(q, keys, alpha=1.0, gamma=2.5, form="map")).max()
     assert gap > mixture_bound(1.0, 5, 2, 1.0), "forms should differ beyond rounding"
@@ -613,13 +388,13 @@ def test_gamma_zero_magnitude_is_dna(rng):
     q, keys = rng.standard_normal((3, 2)), rng.standard_normal((2, 2))
     out = gmm.adapt_keys(q, keys, alpha=0.9, gamma=0.0, prior="magnitude", precision="exact")
     with mpmath.workdps(DPS):
-        scores = [[_mp(0.9) * mpmath.fsum(_mp(a) * _mp(b) for a, b in zip(qi, k, strict=True))
+        scores = [[mp(0.9) * mpmath.fsum(mp(a) * mp(b) for a, b in zip(qi, k, strict=True))
                    for k in keys] for qi in q]
-        weights = [_weights(row) for row in scores]
-        truth = [[_div(_sum(_mul(weights[i][k], q[i][d]) for i in range(3)),
-                       _sum(weights[i][k] for i in range(3))) for d in range(2)]
+        weights = [softmax_weights(row) for row in scores]
+        truth = [[exact_div(exact_sum(exact_mul(weights[i][k], q[i][d]) for i in range(3)),
+                       exact_sum(weights[i][k] for i in range(3))) for d in range(2)]
                  for k in range(2)]
-    assert_same_bits("gamma=0 magnitude vs DNA", out, _rounded(truth))
+    assert_same_bits(out, round_nested(truth), what="gamma=0 magnitude vs DNA")
 
 
 # --------------------------------------------------------------------------------------------
@@ -637,11 +412,12 @@ def test_adapt_priors_exact_and_float64(problem, eta, form, iters):
     exact = gmm.adapt_priors(q, keys, alpha=0.8, eta=eta, pi0=pi0, iters=iters, form=form,
                              precision="exact")
     truth = naive_adapt_priors(q, keys, alpha=0.8, eta=eta, pi0=pi0, iters=iters, form=form)
-    assert_same_bits(f"adapt_priors exact ({style}, {form}, eta={eta})", exact, _rounded(truth))
+    assert_same_bits(exact, round_nested(truth),
+                     what=f"adapt_priors exact ({style}, {form}, eta={eta})")
     fast = gmm.adapt_priors(q, keys, alpha=0.8, eta=eta, pi0=pi0, iters=iters, form=form)
     scale = _term_scale(q, keys, keys, 0.8, 0.0, "uniform") + 2 * abs(math.log(units) + 1)
     bound = iterated_bound(mixture_bound(scale, q.shape[0] + units, q.shape[1], 2.0), 2, iters)
-    assert_within(f"adapt_priors float64 ({style}, {form})", fast, exact, bound)
+    assert_within(fast, exact, bound, what=f"adapt_priors float64 ({style}, {form})")
     assert abs(fast.sum() - 1) <= mixture_bound(0.0, units, 0, 1.0)
 
 
@@ -650,15 +426,16 @@ def test_eta_scalar_means_proportional_to_pi0(rng):
     pi0 = np.array([0.25, 0.75])
     scalar = gmm.adapt_priors(q, keys, alpha=1.0, eta=4.0, pi0=pi0, precision="exact")
     array = gmm.adapt_priors(q, keys, alpha=1.0, eta=4.0 * pi0, pi0=pi0, precision="exact")
-    assert_same_bits("eta=4 vs eta=4*pi0", scalar, array)
+    assert_same_bits(scalar, array, what="eta=4 vs eta=4*pi0")
 
 
 def test_map_form_large_eta_recovers_pi0(rng):
     q, keys = rng.standard_normal((3, 2)), rng.standard_normal((2, 2))
     pi0 = np.array([0.25, 0.75])
     out = gmm.adapt_priors(q, keys, alpha=1.0, eta=1e15, pi0=pi0, form="map")
-    assert_within("map form, eta=1e15", out, pi0, 4 * q.shape[0] / 1e15 + mixture_bound(
-        0.0, 2, 0, 1.0))
+    assert_within(out, pi0, 4 * q.shape[0] / 1e15 + mixture_bound(
+        0.0, 2, 0, 1.0),
+                  what="map form, eta=1e15")
 
 
 # --------------------------------------------------------------------------------------------
@@ -753,7 +530,7 @@ def test_exact_tie_on_a_rounding_midpoint():
     for iters, beta in ((1, 0.0), (3, 1.0)):
         out = gmm.attention(q, keys, values, alpha=1.0, beta=beta, iters=iters,
                             precision="exact")
-        assert_same_bits(f"midpoint tie, iters={iters}", out, np.array([[0.5]]))
+        assert_same_bits(out, np.array([[0.5]]), what=f"midpoint tie, iters={iters}")
 
 
 @pytest.mark.parametrize("prior", ["uniform", "magnitude"])

@@ -16,50 +16,12 @@ from hypothesis import strategies as st
 from oracle.tolerance import logit_lse_bound, mixture_bound
 from refattn import hopfield
 from refattn.attention import attention
+from tests.helpers import assert_same_bits, assert_within
+from tests.naive.gmm import DPS
+from tests.naive.hopfield import naive_energy, naive_retrieve
+from tests.naive.mp import mp
+from tests.naive.rounding import round_nested
 from tests.strategies import mixture_problems
-from tests.test_gmm import (
-    DPS,
-    _lse,
-    _mp,
-    _mul,
-    _rounded,
-    _sum,
-    _weights,
-    assert_same_bits,
-    assert_within,
-)
-
-
-def _dot(x, y):
-    return mpmath.fsum(a * b for a, b in zip(x, y, strict=True))
-
-
-def naive_energy(state, patterns, beta, constant=False):
-    beta = _mp(beta)
-    scores = [beta * _dot(x, state) for x in patterns]
-    value = _dot(state, state) / 2 - _lse(scores) / beta
-    if constant:
-        value += mpmath.log(len(patterns)) / beta + max(_dot(x, x) for x in patterns) / 2
-    return value
-
-
-def naive_retrieve(xi, X, beta, steps):
-    """States and energies E(xi^0..xi^steps) per row, as mpf."""
-    with mpmath.workdps(DPS):
-        patterns = [[_mp(a) for a in row] for row in X]
-        states, energies = [], []
-        for row in xi:
-            state = list(row)
-            trace = [naive_energy([_mp(a) for a in state], patterns, beta)]
-            for _ in range(steps):
-                scores = [_mp(beta) * _dot(x, [_mp(a) for a in state]) for x in patterns]
-                weights = _weights(scores)
-                state = [_sum(_mul(w, x[d]) for w, x in zip(weights, X, strict=True))
-                         for d in range(len(state))]
-                trace.append(naive_energy([_mp(a) for a in state], patterns, beta))
-            states.append(state)
-            energies.append(trace)
-        return states, energies
 
 
 def _energy_bound(xi, X, beta):
@@ -75,13 +37,14 @@ def test_energy_exact_and_float64(problem, beta, constant):
     xi, X, _, style = problem
     exact = hopfield.energy(xi, X, beta=beta, constant=constant, precision="exact")
     with mpmath.workdps(DPS):
-        patterns = [[_mp(a) for a in row] for row in X]
-        truth = [naive_energy([_mp(a) for a in row], patterns, beta, constant) for row in xi]
-    assert_same_bits(f"hopfield.energy exact ({style}, beta={beta})", exact, _rounded(truth))
+        patterns = [[mp(a) for a in row] for row in X]
+        truth = [naive_energy([mp(a) for a in row], patterns, beta, constant) for row in xi]
+    assert_same_bits(exact, round_nested(truth),
+                     what=f"hopfield.energy exact ({style}, beta={beta})")
     fast = hopfield.energy(xi, X, beta=beta, constant=constant)
     bound = _energy_bound(xi, X, beta) + (logit_lse_bound(np.abs(X).max() ** 2 * X.shape[-1]
                                                           + 1, 1, X.shape[-1]) if constant else 0)
-    assert_within(f"hopfield.energy float64 ({style})", fast, exact, bound)
+    assert_within(fast, exact, bound, what=f"hopfield.energy float64 ({style})")
 
 
 def test_energy_constant_makes_it_nonnegative(rng):
@@ -99,9 +62,9 @@ def test_one_step_is_attention_bit_for_bit(problem, beta):
     xi, X, _, style = problem
     ours = hopfield.retrieve(xi, X, beta=beta, precision="exact")
     theirs = attention(xi, X, X, scale=beta, precision="exact")
-    assert_same_bits(f"retrieve 1 step vs attention (exact, {style})", ours, theirs)
-    assert_same_bits(f"retrieve 1 step vs attention (float64, {style})",
-                     hopfield.retrieve(xi, X, beta=beta), attention(xi, X, X, scale=beta))
+    assert_same_bits(ours, theirs, what=f"retrieve 1 step vs attention (exact, {style})")
+    assert_same_bits(hopfield.retrieve(xi, X, beta=beta), attention(xi, X, X, scale=beta),
+                     what=f"retrieve 1 step vs attention (float64, {style})")
 
 
 @settings(max_examples=25)
@@ -111,10 +74,10 @@ def test_retrieve_exact_is_correctly_rounded(problem, beta, steps):
     xi, X, _, style = problem
     res = hopfield.retrieve(xi, X, beta=beta, steps=steps, return_trace=True, precision="exact")
     states, energies = naive_retrieve(xi, X, beta, steps)
-    assert_same_bits(f"retrieve exact states ({style}, steps={steps})", res.states,
-                     _rounded(states))
-    assert_same_bits(f"retrieve exact energies ({style}, steps={steps})", res.energy,
-                     _rounded(energies))
+    assert_same_bits(res.states, round_nested(states),
+                     what=f"retrieve exact states ({style}, steps={steps})")
+    assert_same_bits(res.energy, round_nested(energies),
+                     what=f"retrieve exact energies ({style}, steps={steps})")
 
 
 @settings(max_examples=25)
@@ -138,8 +101,8 @@ def test_retrieve_converges_to_a_stored_pattern(rng):
     X = rng.standard_normal((4, 8)) * 3
     xi = X[[1, 3]] + 0.1 * rng.standard_normal((2, 8))
     res = hopfield.retrieve(xi, X, beta=4.0, steps=20, tol=0.0, return_trace=True)
-    assert_within("retrieval of stored patterns", res.states, X[[1, 3]],
-                  mixture_bound(0.0, 4, 0, np.abs(X).max()))
+    assert_within(res.states, X[[1, 3]], mixture_bound(0.0, 4, 0, np.abs(X).max()),
+                  what="retrieval of stored patterns")
     assert (res.steps < 20).all(), f"tol=0 should stop at an exact fixed point: {res.steps}"
     for i, count in enumerate(res.steps):
         assert np.isnan(res.energy[i, count + 1:]).all()
@@ -184,4 +147,4 @@ def test_shape_errors(rng):
 def test_exact_tie_on_a_rounding_midpoint():
     X = np.array([[1.0, 2.0**-53], [2.0**-53, 1.0]])
     out = hopfield.retrieve(np.zeros((1, 2)), X, beta=1.0, steps=2, precision="exact")
-    assert_same_bits("midpoint tie, 2 steps", out, np.array([[0.5, 0.5]]))
+    assert_same_bits(out, np.array([[0.5, 0.5]]), what="midpoint tie, 2 steps")

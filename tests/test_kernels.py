@@ -23,6 +23,7 @@ from pathlib import Path
 import mpmath
 import numpy as np
 import pytest
+from helpers import assert_within
 
 import refattn
 from oracle.tolerance import ulp_distance
@@ -96,35 +97,6 @@ def _build(name, dtype, seed=0):
     return q, k, v, opts, grad_out, grad_lse
 
 
-def assert_within(name, what, value, truth, bound):
-    """|value - truth| <= bound elementwise, NaN exactly where truth is NaN, infs equal."""
-    __tracebackhide__ = True
-    value = np.asarray(value, np.float64)
-    truth = np.asarray(truth, np.float64)
-    bound = np.broadcast_to(np.asarray(bound, np.float64), truth.shape)
-    assert value.shape == truth.shape, f"{name} {what}: shape {value.shape} != {truth.shape}"
-    nan_v, nan_t = np.isnan(value), np.isnan(truth)
-    if not np.array_equal(nan_v, nan_t):
-        idx = tuple(np.argwhere(nan_v != nan_t)[0])
-        raise AssertionError(f"{name} {what}: NaN pattern differs at {idx}: "
-                             f"value {value[idx]}, truth {truth[idx]}")
-    inf = np.isinf(truth) | np.isinf(value)
-    if not np.array_equal(value[inf], truth[inf]):
-        idx = tuple(np.argwhere(inf & (value != truth))[0])
-        raise AssertionError(f"{name} {what}: infinity differs at {idx}: "
-                             f"value {value[idx]}, truth {truth[idx]}")
-    finite = ~(nan_t | inf)
-    with np.errstate(invalid="ignore"):
-        err = np.where(finite, np.abs(value - truth), 0.0)
-        excess = np.where(finite, err - bound, -np.inf)
-    if excess.size and excess.max() > 0:
-        idx = tuple(np.unravel_index(np.argmax(excess), excess.shape))
-        raise AssertionError(
-            f"{name} {what}: |error| {err[idx]:.3e} > bound {bound[idx]:.3e} at {idx} "
-            f"(value {value[idx]!r}, truth {truth[idx]!r}); reproduce: "
-            f"pytest tests/test_kernels.py -k {name}")
-
-
 def _reference(q, k, v, opts):
     return refattn.attention(q, k, v, return_lse=True, return_weights=True, **opts)
 
@@ -148,8 +120,8 @@ def test_forward_matches_float64(name, dtype):
     spec = canonicalize(q, k, v, **opts)
     out_bound, lse_bound = _forward_bounds(spec, weights, dtype)
     assert out.dtype == refattn.kernels.compute_dtype(dtype), f"{name}: out dtype {out.dtype}"
-    assert_within(name, "out", out, ref_out, out_bound)
-    assert_within(name, "lse", lse, ref_lse, lse_bound)
+    assert_within(out, ref_out, out_bound, what="out", case=name)
+    assert_within(lse, ref_lse, lse_bound, what="lse", case=name)
 
 
 @pytest.mark.parametrize("name, dtype", DTYPE_CASES)
@@ -171,7 +143,7 @@ def test_backward_matches_float64(name, dtype):
         if what == "dbias":  # summed back to the bias's own shape, like the gradient
             bound = bound.reshape(bound.shape[1:]) if bound.shape[0] == 1 else bound
             bound = bound.sum(axis=tuple(range(bound.ndim - truth.ndim)))
-        assert_within(name, what, value, truth, bound)
+        assert_within(value, truth, bound, what=what, case=name)
 
 
 def test_empty_rows_have_zero_gradients():

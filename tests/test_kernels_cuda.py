@@ -23,7 +23,7 @@ from refattn.kernels import numba_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_kernels import assert_within  # noqa: E402
+from helpers import assert_within  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not kcuda.available(),
                                 reason="no CUDA device and NUMBA_ENABLE_CUDASIM is not set")
@@ -67,8 +67,8 @@ def test_cuda_forward_matches_float64(name):
     keys = spec.dims[4]
     ob, lb = numba_cpu.forward_error_bound(spec, weights, np.float64, rescalings=keys)
     ob2, lb2 = numba_cpu.forward_error_bound(spec, weights, np.float64)
-    assert_within(name, "out", out, ref_out, ob + ob2)
-    assert_within(name, "lse", lse, ref_lse, lb + lb2)
+    assert_within(out, ref_out, ob + ob2, what="out", case=name)
+    assert_within(lse, ref_lse, lb + lb2, what="lse", case=name)
 
 
 @pytest.mark.cudasim
@@ -88,8 +88,8 @@ def test_cuda_backward_matches_float64(name):
             continue
         if what == "dbias":
             value, bound = value.sum(axis=(0, 1)), bound.sum(axis=(0, 1))
-        assert_within(name, what, value, spec.unflatten(truth) if what != "dbias" else truth,
-                      2 * bound)
+        assert_within(value, spec.unflatten(truth) if what != "dbias" else truth, 2 * bound,
+                      what=what, case=name)
 
 
 @pytest.mark.cudasim

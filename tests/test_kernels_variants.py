@@ -27,8 +27,9 @@ from hypothesis import strategies as st
 
 from oracle.tolerance import gamma, iterated_bound, logit_lse_bound, mixture_bound
 from refattn import gmm, mgk
+from tests.helpers import assert_same_bits, assert_within
 from tests.test_gmm import _term_scale as gmm_term_scale
-from tests.test_gmm import assert_same_bits, assert_within, gmm_cases
+from tests.test_gmm import gmm_cases
 from tests.test_mgk import _term_scale as mgk_term_scale
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,8 +125,8 @@ def test_mgk_kernel_matches_numpy_path(case):
     fast = mgk.attention(q, keys, v, backend="numba", **opts)
     ref = mgk.attention(q, keys, v, **opts)
     assert fast.shape == ref.shape and fast.dtype == np.float64
-    assert_within(f"mgk numba vs numpy ({_mgk_name(opts)}, R={keys.shape[-2]})", fast, ref,
-                  2 * mgk_bound(q, keys, v, opts))
+    assert_within(fast, ref, 2 * mgk_bound(q, keys, v, opts),
+                  what=f"mgk numba vs numpy ({_mgk_name(opts)}, R={keys.shape[-2]})")
 
 
 @pytest.mark.skipif(JITLESS, reason="hypothesis sweep: compiled tier only")
@@ -135,8 +136,8 @@ def test_mgk_kernel_within_bound_of_exact(case):
     q, keys, v, opts = case
     fast = mgk.attention(q, keys, v, backend="numba", **opts)
     exact = mgk.attention(q, keys, v, precision="exact", **opts)
-    assert_within(f"mgk numba vs exact ({_mgk_name(opts)}, R={keys.shape[-2]})", fast, exact,
-                  mgk_bound(q, keys, v, opts))
+    assert_within(fast, exact, mgk_bound(q, keys, v, opts),
+                  what=f"mgk numba vs exact ({_mgk_name(opts)}, R={keys.shape[-2]})")
 
 
 @pytest.mark.parametrize("comps", [1, 2, 4])
@@ -151,8 +152,8 @@ def test_small_mgk_streams_over_key_blocks(comps, options, rng):
     opts = dict(options, sigma2=rng.uniform(0.5, 2.0, (units, comps)), normalized=True)
     fast = mgk.attention(q, keys, v, backend="numba", **opts)
     ref = mgk.attention(q, keys, v, **opts)
-    assert_within(f"mgk numba vs numpy, S={units}, R={comps}, {options}", fast, ref,
-                  2 * mgk_bound(q, keys, v, opts))
+    assert_within(fast, ref, 2 * mgk_bound(q, keys, v, opts),
+                  what=f"mgk numba vs numpy, S={units}, R={comps}, {options}")
 
 
 def test_small_mgk_masked_poison_never_reaches_output(rng):
@@ -168,7 +169,7 @@ def test_small_mgk_masked_poison_never_reaches_output(rng):
     full = mgk.attention(q, poisoned_keys, poisoned_v, mask=mask, backend="numba")
     keep = [0, 1, 3]
     cut = mgk.attention(q[:1], keys[keep], v[keep], backend="numba")
-    assert_same_bits("masked NaN/Inf keys vs removed keys (row 0)", full[:1], cut)
+    assert_same_bits(full[:1], cut, what="masked NaN/Inf keys vs removed keys (row 0)")
     assert np.isnan(full[1:]).all(), f"an allowed Inf key must poison its rows: {full}"
     nan_q = q.copy()
     nan_q[1, 0] = np.nan
@@ -184,7 +185,7 @@ def test_small_mgk_empty_rows_are_positive_zero(rng):
     assert (out[[0, 2]] == 0).all() and not np.signbit(out[[0, 2]]).any(), f"{out}"
     out = mgk.attention(q, keys, v, window=(0, 0), align="bottom_right", backend="numba")
     ref = mgk.attention(q, keys, v, window=(0, 0), align="bottom_right")
-    assert_same_bits("single-key rows (weight exactly 1)", out, ref)
+    assert_same_bits(out, ref, what="single-key rows (weight exactly 1)")
 
 
 def test_small_mgk_underflowing_scores_stay_finite(rng):
@@ -194,7 +195,7 @@ def test_small_mgk_underflowing_scores_stay_finite(rng):
     fast = mgk.attention(q, keys, v, backend="numba")
     ref = mgk.attention(q, keys, v)
     assert np.isfinite(fast).all(), f"{fast}"
-    assert_within("mgk numba at scores ~ -1e4", fast, ref, 2 * mgk_bound(q, keys, v, {}))
+    assert_within(fast, ref, 2 * mgk_bound(q, keys, v, {}), what="mgk numba at scores ~ -1e4")
 
 
 def test_small_mgk_broadcast_batch(rng):
@@ -207,7 +208,7 @@ def test_small_mgk_broadcast_batch(rng):
     fast = mgk.attention(q, keys, v, backend="numba", **opts)
     ref = mgk.attention(q, keys, v, **opts)
     assert fast.shape == ref.shape == (2, 3, 5, 3)
-    assert_within("mgk numba broadcast batch", fast, ref, 2 * mgk_bound(q, keys, v, opts))
+    assert_within(fast, ref, 2 * mgk_bound(q, keys, v, opts), what="mgk numba broadcast batch")
 
 
 def test_mgk_backend_errors(rng):
@@ -254,8 +255,8 @@ def test_gmm_kernel_matches_numpy_path(case):
     fast = _gmm_call(case, backend="numba")
     ref = _gmm_call(case)
     bound, _ = gmm_bound(case)
-    assert_within(f"gmm numba vs numpy ({case['style']}, iters={case['iters']})", fast, ref,
-                  2 * bound)
+    assert_within(fast, ref, 2 * bound,
+                  what=f"gmm numba vs numpy ({case['style']}, iters={case['iters']})")
 
 
 @pytest.mark.skipif(JITLESS, reason="hypothesis sweep: compiled tier only")
@@ -265,8 +266,8 @@ def test_gmm_kernel_within_bound_of_exact(case):
     fast = _gmm_call(case, backend="numba")
     exact = _gmm_call(case, precision="exact")
     bound, _ = gmm_bound(case)
-    assert_within(f"gmm numba vs exact ({case['style']}, iters={case['iters']})", fast, exact,
-                  bound)
+    assert_within(fast, exact, bound,
+                  what=f"gmm numba vs exact ({case['style']}, iters={case['iters']})")
 
 
 @pytest.mark.skipif(JITLESS, reason="hypothesis sweep: compiled tier only")
@@ -284,8 +285,8 @@ def test_gmm_kernel_trace_is_log_posterior_of_its_iterates(case):
     units, dims = case["keys"].shape[-2], case["q"].shape[-1] + case["values"].shape[-1]
     magnitude = scale + math.log(units) + float(np.abs(post).max())
     bound = 4 * logit_lse_bound(scale, units, dims, magnitude) + gamma(3) * magnitude
-    assert_within("gmm numba trace[-1] vs log_posterior(values)", res.trace[..., -1], post,
-                  bound)
+    assert_within(res.trace[..., -1], post, bound,
+                  what="gmm numba trace[-1] vs log_posterior(values)")
     assert res.trace.shape == ref.trace.shape
 
 
@@ -306,8 +307,8 @@ def test_small_gmm_streams_over_unit_blocks(prior, per_unit, rng):
     res = _gmm_call(case, backend="numba", return_trace=True)
     ref = _gmm_call(case, return_trace=True)
     bound, _ = gmm_bound(case)
-    assert_within(f"gmm numba vs numpy, S={units}, {prior}, per-unit={per_unit}", res.values,
-                  ref.values, 2 * bound)
+    assert_within(res.values, ref.values, 2 * bound,
+                  what=f"gmm numba vs numpy, S={units}, {prior}, per-unit={per_unit}")
     assert (res.iterations == 3).all() and np.isfinite(res.trace).all()
 
 
@@ -333,7 +334,7 @@ def test_small_gmm_v_init_and_batch(rng):
     fast = _gmm_call(case, backend="numba")
     ref = _gmm_call(case)
     bound, _ = gmm_bound(case)
-    assert_within("gmm numba v_init, batched", fast, ref, 2 * bound)
+    assert_within(fast, ref, 2 * bound, what="gmm numba v_init, batched")
 
 
 def test_gmm_backend_errors(rng):

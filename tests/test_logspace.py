@@ -7,10 +7,10 @@ import ml_dtypes
 import mpmath
 import numpy as np
 import pytest
+from helpers import assert_same_bits, assert_within
 from hypothesis import given
 from hypothesis import strategies as st
-from naive import round_stable
-from test_attention import assert_same_bits, assert_within
+from naive.rounding import round_stable
 
 import refattn
 from refattn.bounds import UNIT_ROUNDOFF, gamma

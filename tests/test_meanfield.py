@@ -1,6 +1,6 @@
 """Tests of refattn.meanfield (Bal 2021): naive step, vector adaptive TAP, binary-spin TAP, DEQ
 attention; float64 against closed forms and the exact path, exact path against independent
-mpmath computations (tests/naive.py style: written here without refattn)."""
+mpmath computations (the twins of tests/naive/meanfield.py, written without refattn)."""
 
 from __future__ import annotations
 
@@ -15,15 +15,14 @@ from oracle.tolerance import fixed_point_forward_bound, gamma, ulp, unit_roundof
 from refattn.exact import intervals as I
 from refattn.fixedpoint import NotConvergedError
 from refattn.meanfield import adaptive_tap, deq_attention, ising_tap, naive_step
+from tests.helpers import assert_norm_within, assert_same_bits, assert_within
+from tests.naive.meanfield import DPS, exact_naive_step, mp_inverse, mp_ising, mp_solve
 from tests.strategies import weak_vector_couplings
 
 try:
     from refattn.attention import attention
 except ImportError:  # pragma: no cover - the lead's module lands separately
     attention = None
-
-DPS = 50
-
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -33,57 +32,10 @@ def _big(J):
     return np.swapaxes(J, -3, -2).reshape(*J.shape[:-4], n * d, n * d)
 
 
-def _assert_bound(case, value, truth, bound):
-    """Elementwise |value - truth| <= bound; names the worst element."""
-    __tracebackhide__ = True
-    value, truth = np.asarray(value, dtype=np.float64), np.asarray(truth, dtype=np.float64)
-    excess = np.abs(value - truth) - np.broadcast_to(bound, value.shape)
-    worst = np.unravel_index(int(np.argmax(excess)), value.shape)
-    if excess[worst] > 0:
-        raise AssertionError(
-            f"{case}: element {list(worst)} value {value[worst]!r} truth {truth[worst]!r} "
-            f"error {abs(value[worst] - truth[worst]):.3e} > bound "
-            f"{np.broadcast_to(bound, value.shape)[worst]:.3e}")
-
-
-def _assert_norm_bound(case, value, truth, bound):
-    __tracebackhide__ = True
-    error = float(np.linalg.norm(np.asarray(value) - np.asarray(truth)))
-    if error > bound:
-        worst = np.unravel_index(int(np.argmax(np.abs(value - truth))), np.shape(value))
-        raise AssertionError(f"{case}: 2-norm error {error:.3e} > bound {bound:.3e}; worst "
-                             f"element {list(worst)} value {value[worst]!r} truth {truth[worst]!r}")
-
-
-def _assert_rounded(case, value, truth_mp):
-    """value is truth (an mpf array at DPS digits) rounded to nearest float64."""
-    __tracebackhide__ = True
+def _nearest_float64(truth_mp):
+    """The float64 nearest to each element of an mpf array (given at DPS digits)."""
     with mpmath.workdps(DPS):
-        expected = np.vectorize(lambda t: float(mpmath.mpf(t)), otypes=[float])(truth_mp)
-    mismatch = ~((value == expected) & (np.signbit(value) == np.signbit(expected)))
-    if mismatch.any():
-        worst = tuple(np.argwhere(mismatch)[0])
-        raise AssertionError(f"{case}: element {list(worst)} is {value[worst]!r}, the correctly "
-                             f"rounded truth is {expected[worst]!r} ({truth_mp[worst]})")
-
-
-def _mp_matrix(P, J):
-    """P - J at DPS digits, both float matrices taken exactly (no float subtraction)."""
-    return mpmath.matrix(P.tolist()) - mpmath.matrix(J.tolist())
-
-
-def _mp_solve(P, J, rhs):
-    """Solve (P - J) y = rhs (float arrays taken exactly) at DPS digits."""
-    with mpmath.workdps(DPS):
-        y = mpmath.lu_solve(_mp_matrix(P, J), mpmath.matrix([float(v) for v in rhs]))
-        return np.array([y[i] for i in range(len(rhs))], dtype=object)
-
-
-def _mp_inverse(P, J):
-    with mpmath.workdps(DPS):
-        inv = _mp_matrix(P, J) ** -1
-        return np.array([[inv[i, j] for j in range(inv.cols)] for i in range(inv.rows)],
-                        dtype=object)
+        return np.vectorize(lambda t: float(mpmath.mpf(t)), otypes=[float])(truth_mp)
 
 
 @pytest.fixture
@@ -102,24 +54,17 @@ def _couplings(rng, n, d, strength, symmetric=True):
 # ----------------------------------------------------------------------------- naive step
 
 
-def _fraction_naive_step(m, J, x):
-    n, d = m.shape
-    return [[sum((Fraction(float(J[i, j, a, b])) * Fraction(float(m[j, b]))
-                  for j in range(n) for b in range(d)), Fraction(float(x[i, a])))
-             for a in range(d)] for i in range(n)]
-
-
 @given(case=weak_vector_couplings())
 def test_naive_step_exact_is_correctly_rounded_and_float64_within_gamma(case):
     x, J = case
     m = np.tanh(x[::-1] * 3.0)
     exact = naive_step(m, J, x, precision="exact")
-    truth = _fraction_naive_step(m, J, x)
+    truth = exact_naive_step(m, J, x)
     expected = np.array([[float(v) for v in row] for row in truth])  # Fraction -> float: RN
     assert np.array_equal(exact, expected), "naive_step exact is not the rounded exact sum"
     n, d = x.shape
     bound = gamma(n * d + 1) * (np.einsum("ijab,jb->ia", np.abs(J), np.abs(m)) + np.abs(x))
-    _assert_bound("naive_step float64", naive_step(m, J, x), expected, bound)
+    assert_within(naive_step(m, J, x), expected, bound, what="naive_step float64")
 
 
 def test_naive_step_exact_float32_half_ulp(rng):
@@ -129,7 +74,7 @@ def test_naive_step_exact_float32_half_ulp(rng):
     out = naive_step(m.astype(np.float32), J.astype(np.float32), x.astype(np.float32),
                      precision="exact", out_dtype=np.float32)
     assert out.dtype == np.float32
-    truth = _fraction_naive_step(m.astype(np.float32), J.astype(np.float32),
+    truth = exact_naive_step(m.astype(np.float32), J.astype(np.float32),
                                  x.astype(np.float32))
     for (i, a), value in np.ndenumerate(out):
         error = abs(Fraction(float(value)) - truth[i][a])
@@ -178,7 +123,7 @@ def test_softmax_attention_plus_residual_is_one_naive_step(rng):
     nat = weights @ value_size
     weight_error = gamma(d + 4) * 2 * (score_size.max(axis=-1, keepdims=True) + 1)
     bound = 2 * (weight_error * nat + gamma(N * d + d + 2) * (nat + np.abs(X)))
-    _assert_bound("attention + X vs naive_step", step, out, bound)
+    assert_within(step, out, bound, what="attention + X vs naive_step")
     # exact path: attention's exact output + X differs from the exact naive step on the
     # exactly rounded weights by the weight rounding, u |w| |X W_V|, and three roundings
     exact_weights = refattn_softmax_exact(X @ WQ, X @ WK)
@@ -187,7 +132,7 @@ def test_softmax_attention_plus_residual_is_one_naive_step(rng):
     exact_attn = attention(X @ WQ, X @ WK, X @ WV, precision="exact")
     bound = gamma(1) * exact_weights @ value_size + gamma(3) * (nat + np.abs(X)) \
         + gamma(d) * nat
-    _assert_bound("exact attention + X vs exact naive_step", exact_step, exact_attn + X, bound)
+    assert_within(exact_step, exact_attn + X, bound, what="exact attention + X vs exact naive_step")
 
 
 def refattn_softmax_exact(q, k):
@@ -258,8 +203,8 @@ def test_gaussian_prior_means_are_linear_solve(response, method, damping, case):
     truth = np.linalg.solve(np.eye(n * d) - _big(J), x.ravel()).reshape(n, d)
     solve_error = np.linalg.cond(np.eye(n * d) - _big(J)) * gamma(n * d) * np.linalg.norm(truth)
     P = np.broadcast_to(np.eye(d), (n, d, d))
-    _assert_norm_bound(f"{response}/{method} means vs (I - J)^-1 x", res.means, truth,
-                       _tap_means_bound(res, x, J, P) + solve_error)
+    assert_norm_within(res.means, truth, _tap_means_bound(res, x, J, P) + solve_error,
+                       what=f"{response}/{method} means vs (I - J)^-1 x")
 
 
 @pytest.mark.parametrize(
@@ -279,8 +224,8 @@ def test_prior_precision_forms(rng, prior):
         Pbig[i * d:(i + 1) * d, i * d:(i + 1) * d] = P[i]
     truth = np.linalg.solve(Pbig - _big(J), x.ravel()).reshape(n, d)
     solve_error = np.linalg.cond(Pbig - _big(J)) * gamma(n * d) * np.linalg.norm(truth)
-    _assert_norm_bound("means vs (P - J)^-1 x", res.means, truth,
-                       _tap_means_bound(res, x, J, P) + solve_error)
+    assert_norm_within(res.means, truth, _tap_means_bound(res, x, J, P) + solve_error,
+                       what="means vs (P - J)^-1 x")
 
 
 def test_site_reading_gives_exact_gaussian_marginals(rng):
@@ -293,9 +238,9 @@ def test_site_reading_gives_exact_gaussian_marginals(rng):
     for i in range(n):
         block = chi[i * d:(i + 1) * d, i * d:(i + 1) * d]
         bound = cond ** 2 * gamma(4 * n * d) * np.abs(block).max()
-        _assert_bound(f"chi_ii site {i}", res.chi_diag[i], block, bound)
+        assert_within(res.chi_diag[i], block, bound, what=f"chi_ii site {i}")
         site_variance = np.linalg.inv(np.eye(d) - res.cavity_var[i])
-        _assert_bound(f"(Sigma^-1 - V_i)^-1 site {i}", site_variance, block, bound)
+        assert_within(site_variance, block, bound, what=f"(Sigma^-1 - V_i)^-1 site {i}")
 
 
 def test_prior_reading_pins_chi_ii_to_the_prior_covariance(rng):
@@ -306,8 +251,9 @@ def test_prior_reading_pins_chi_ii_to_the_prior_covariance(rng):
     res = adaptive_tap(x, J, prior_precision=P, response="prior", tol=1e-14)
     cond = np.linalg.cond(np.eye(n * d) - _big(J))
     for i in range(n):
-        _assert_bound(f"chi_ii site {i} vs Sigma", res.chi_diag[i], np.linalg.inv(P),
-                      cond ** 2 * gamma(4 * n * d) * np.abs(np.linalg.inv(P)).max())
+        assert_within(res.chi_diag[i], np.linalg.inv(P),
+                      cond ** 2 * gamma(4 * n * d) * np.abs(np.linalg.inv(P)).max(),
+                      what=f"chi_ii site {i} vs Sigma")
 
 
 def test_adaptive_tap_exact_against_mpmath(rng):
@@ -317,24 +263,25 @@ def test_adaptive_tap_exact_against_mpmath(rng):
     P = np.array([[2.0, 0.5], [0.5, 1.0]])
     res = adaptive_tap(x, J, prior_precision=P, precision="exact")
     Pbig = np.kron(np.eye(n), P)
-    chi = _mp_inverse(Pbig, _big(J))
+    chi = mp_inverse(Pbig, _big(J))
     with mpmath.workdps(DPS):
         means = np.array([chi.dot(np.array([mpmath.mpf(float(v)) for v in xb.ravel()],
                                            dtype=object)) for xb in x], dtype=object)
         blocks = [chi[i * d:(i + 1) * d, i * d:(i + 1) * d] for i in range(n)]
         cavity = [np.array((mpmath.matrix(P.tolist()) - mpmath.matrix(b.tolist()) ** -1)
                            .tolist(), dtype=object) for b in blocks]
-    _assert_rounded("exact means", res.means, means.reshape(2, n, d))
+    assert_same_bits(res.means, _nearest_float64(means.reshape(2, n, d)), what="exact means")
     for i in range(n):
-        _assert_rounded(f"exact chi_ii {i}", res.chi_diag[1, i], blocks[i])
-        _assert_rounded(f"exact V_{i}", res.cavity_var[0, i], cavity[i])
+        assert_same_bits(res.chi_diag[1, i], _nearest_float64(blocks[i]), what=f"exact chi_ii {i}")
+        assert_same_bits(res.cavity_var[0, i], _nearest_float64(cavity[i]), what=f"exact V_{i}")
     assert res.converged.all() and res.precision == "exact" and res.residuals.shape == (2, 0)
     float_res = adaptive_tap(x, J, prior_precision=P)
     bound = max(_tap_means_bound(
         type("R", (), {"means": float_res.means[b], "cavity_var": float_res.cavity_var[b]}),
         x[b], J, np.broadcast_to(P, (n, d, d))) for b in range(2))
-    _assert_norm_bound("float64 vs exact means", float_res.means, res.means,
-                       bound * np.sqrt(2) + gamma(1) * np.linalg.norm(res.means))
+    assert_norm_within(float_res.means, res.means,
+                       bound * np.sqrt(2) + gamma(1) * np.linalg.norm(res.means),
+                       what="float64 vs exact means")
 
 
 def test_adaptive_tap_prior_reading_exact_against_mpmath(rng):
@@ -362,12 +309,14 @@ def test_adaptive_tap_prior_reading_exact_against_mpmath(rng):
                                tol=mpmath.mpf(10) ** (-2 * DPS + 10))
         V = np.array([root[k] for k in range(n * d * d)], dtype=object).reshape(n, d, d)
         sigma = np.array(sigma.tolist(), dtype=object)
-    means = _mp_solve(np.kron(np.eye(n), P), _big(J), x[1].ravel()).reshape(n, d)
+    means = mp_solve(np.kron(np.eye(n), P), _big(J), x[1].ravel()).reshape(n, d)
     for b in range(2):
-        _assert_rounded(f"prior-reading V, sample {b}", res.cavity_var[b], V)
+        assert_same_bits(res.cavity_var[b], _nearest_float64(V),
+                         what=f"prior-reading V, sample {b}")
         for i in range(n):
-            _assert_rounded(f"prior-reading chi_ii = Sigma, site {i}", res.chi_diag[b, i], sigma)
-    _assert_rounded("prior-reading means", res.means[1], means)
+            assert_same_bits(res.chi_diag[b, i], _nearest_float64(sigma),
+                             what=f"prior-reading chi_ii = Sigma, site {i}")
+    assert_same_bits(res.means[1], _nearest_float64(means), what="prior-reading means")
     with pytest.raises(ValueError, match="N d <= 12"):
         adaptive_tap(np.zeros((7, 2)), np.zeros((7, 7, 2, 2)), response="prior",
                      precision="exact")
@@ -381,8 +330,9 @@ def test_adaptive_tap_exact_out_dtype_float32(rng):
     wide = adaptive_tap(x, J, precision="exact")
     assert res.means.dtype == np.float32 and res.cavity_var.dtype == np.float32
     # rounding the float64 result again may differ from one rounding only within half an ulp
-    _assert_bound("float32 exact means", res.means, wide.means,
-                  ulp(wide.means, "float32") / 2 + ulp(wide.means, "float64"))
+    assert_within(res.means, wide.means,
+                  ulp(wide.means, "float32") / 2 + ulp(wide.means, "float64"),
+                  what="float32 exact means")
 
 
 def test_adaptive_tap_batch_samples_are_independent(rng):
@@ -412,7 +362,8 @@ def test_undamped_picard_on_tap_can_diverge_where_damping_converges(rng):
     solve_error = np.linalg.cond(np.eye(n * d) - _big(J)) * gamma(n * d) * np.linalg.norm(truth)
     P = np.broadcast_to(np.eye(d), (n, d, d))
     for name, res in (("damped picard", damped), ("anderson", anderson)):
-        _assert_norm_bound(name, res.means, truth, _tap_means_bound(res, x, J, P) + solve_error)
+        assert_norm_within(res.means, truth, _tap_means_bound(res, x, J, P) + solve_error,
+                           what=name)
 
 
 def test_adaptive_tap_nonconvergence_reports_residual(rng):
@@ -458,28 +409,6 @@ def test_nonzero_diagonal_blocks(rng):
 # ----------------------------------------------------------------------------- binary spins
 
 
-def _mp_ising(x, J, m0, V0):
-    """TAP fixed point (m, V, chi_ii) by mpmath findroot on the equations as printed."""
-    n = len(x)
-    with mpmath.workdps(DPS):
-        Jm = mpmath.matrix(J.tolist())
-        xs = [mpmath.mpf(float(v)) for v in x]
-
-        def equations(*u):
-            m, V = u[:n], u[n:]
-            lam = mpmath.diag([V[i] + 1 / (1 - m[i] ** 2) for i in range(n)])
-            chi = (lam - Jm) ** -1
-            return ([m[i] - mpmath.tanh(mpmath.fsum(Jm[i, j] * m[j] for j in range(n))
-                                        - V[i] * m[i] + xs[i]) for i in range(n)]
-                    + [chi[i, i] - (1 - m[i] ** 2) for i in range(n)])
-
-        root = mpmath.findroot(equations, [mpmath.mpf(float(v)) for v in (*m0, *V0)],
-                               tol=mpmath.mpf(10) ** (-2 * DPS + 10))
-        m, V = [root[i] for i in range(n)], [root[n + i] for i in range(n)]
-        return (np.array(m, dtype=object), np.array(V, dtype=object),
-                np.array([1 - v ** 2 for v in m], dtype=object))
-
-
 @pytest.fixture
 def ising_case(rng):
     n = 4
@@ -493,10 +422,10 @@ def test_ising_exact_against_mpmath(ising_case):
     x, J = ising_case
     res = ising_tap(x, J, precision="exact")
     for b in range(2):
-        m, V, chi = _mp_ising(x[b], J, res.means[b], res.cavity_var[b])
-        _assert_rounded(f"ising means {b}", res.means[b], m)
-        _assert_rounded(f"ising V {b}", res.cavity_var[b], V)
-        _assert_rounded(f"ising chi_ii {b}", res.chi_diag[b], chi)
+        m, V, chi = mp_ising(x[b], J, res.means[b], res.cavity_var[b])
+        assert_same_bits(res.means[b], _nearest_float64(m), what=f"ising means {b}")
+        assert_same_bits(res.cavity_var[b], _nearest_float64(V), what=f"ising V {b}")
+        assert_same_bits(res.chi_diag[b], _nearest_float64(chi), what=f"ising chi_ii {b}")
 
 
 def _ising_map(state, J, x):
@@ -528,8 +457,8 @@ def test_ising_float64_close_to_exact(ising_case):
         scale = np.linalg.norm(image) * np.linalg.cond(np.diag(lam) - J)
         bound = fixed_point_forward_bound(np.linalg.norm(image - z), amplification, scale,
                                           4 * n ** 2)
-        _assert_norm_bound(f"ising float64 (m, V) sample {b}", z, truth,
-                           bound + gamma(1) * np.linalg.norm(truth))
+        assert_norm_within(z, truth, bound + gamma(1) * np.linalg.norm(truth),
+                           what=f"ising float64 (m, V) sample {b}")
 
 
 def test_ising_uncoupled_is_tanh(rng):
@@ -538,12 +467,13 @@ def test_ising_uncoupled_is_tanh(rng):
     res = ising_tap(x, J, precision="exact")
     with mpmath.workdps(DPS):
         tanh = np.array([mpmath.tanh(mpmath.mpf(float(v))) for v in x], dtype=object)
-        _assert_rounded("uncoupled means", res.means, tanh)
-        _assert_rounded("uncoupled chi", res.chi_diag,
-                        np.array([1 - t ** 2 for t in tanh], dtype=object))
+        assert_same_bits(res.means, _nearest_float64(tanh), what="uncoupled means")
+        assert_same_bits(res.chi_diag,
+                         _nearest_float64(np.array([1 - t ** 2 for t in tanh], dtype=object)),
+                         what="uncoupled chi")
     assert np.array_equal(res.cavity_var, np.zeros(3))  # isolated sites: V_i = 0 exactly
     approx = ising_tap(x, J)
-    _assert_bound("uncoupled float64", approx.means, np.tanh(x), gamma(4) * np.abs(np.tanh(x)))
+    assert_within(approx.means, np.tanh(x), gamma(4) * np.abs(np.tanh(x)), what="uncoupled float64")
 
 
 def test_ising_zero_field_gives_exact_zero_means():
@@ -551,8 +481,8 @@ def test_ising_zero_field_gives_exact_zero_means():
     res = ising_tap(np.zeros(3), J, precision="exact")
     assert np.array_equal(res.means, np.zeros(3)) and not np.signbit(res.means).any()
     assert res.cavity_var[2] == 0.0 and res.cavity_var[0] > 0
-    _, V, _ = _mp_ising(np.zeros(3), J, np.zeros(3), res.cavity_var)
-    _assert_rounded("zero-field V", res.cavity_var, V)
+    _, V, _ = mp_ising(np.zeros(3), J, np.zeros(3), res.cavity_var)
+    assert_same_bits(res.cavity_var, _nearest_float64(V), what="zero-field V")
 
 
 def test_ising_bad_input():
@@ -572,16 +502,18 @@ def test_deq_without_correction_is_linear_solve(rng):
     res = deq_attention(x, J)
     exact = deq_attention(x, J, precision="exact")
     for b in range(3):
-        truth = _mp_solve(np.eye(n * d), _big(J), x[b].ravel())
-        _assert_rounded(f"deq exact sample {b}", exact.means[b], truth.reshape(n, d))
+        truth = mp_solve(np.eye(n * d), _big(J), x[b].ravel())
+        assert_same_bits(exact.means[b], _nearest_float64(truth.reshape(n, d)),
+                         what=f"deq exact sample {b}")
         A = _big(J)
         residual = np.linalg.norm(A @ res.means[b].ravel() + x[b].ravel()
                                   - res.means[b].ravel())
         scale = np.linalg.norm(np.abs(A) @ np.abs(res.means[b].ravel()) + np.abs(x[b].ravel()))
         bound = fixed_point_forward_bound(residual, np.linalg.norm(np.linalg.inv(
             np.eye(n * d) - A), 2), scale, n * d + 1)
-        _assert_norm_bound(f"deq float64 sample {b}", res.means[b], exact.means[b],
-                           bound + gamma(1) * np.linalg.norm(exact.means[b]))
+        assert_norm_within(res.means[b], exact.means[b],
+                           bound + gamma(1) * np.linalg.norm(exact.means[b]),
+                           what=f"deq float64 sample {b}")
 
 
 @given(case=weak_vector_couplings(strength=0.9))
@@ -598,7 +530,7 @@ def test_deq_fixed_point_property(case):
     solve_error = np.linalg.cond(np.eye(n * d) - A) * gamma(n * d) * np.linalg.norm(truth)
     bound = fixed_point_forward_bound(residual, np.linalg.norm(np.linalg.inv(np.eye(n * d) - A),
                                                                2), scale, n * d + 2)
-    _assert_norm_bound("deq linear correction", z, truth, bound + solve_error)
+    assert_norm_within(z, truth, bound + solve_error, what="deq linear correction")
 
 
 def _half_tanh(z):
@@ -614,8 +546,9 @@ def test_deq_with_corrections_exact_against_mpmath(rng):
     J *= 0.4 / np.abs(J).sum(axis=(1, 3)).max()  # ||J||_inf = 0.4
     x = rng.standard_normal((n, d))
     linear = deq_attention(x, J, lambda z: z * 0.25, precision="exact", lipschitz=0.25)
-    truth = _mp_solve(1.25 * np.eye(n * d), _big(J), x.ravel())
-    _assert_rounded("deq linear correction", linear.means, truth.reshape(n, d))
+    truth = mp_solve(1.25 * np.eye(n * d), _big(J), x.ravel())
+    assert_same_bits(linear.means, _nearest_float64(truth.reshape(n, d)),
+                     what="deq linear correction")
     res = deq_attention(x, J, _half_tanh, precision="exact", lipschitz=0.5)
     with mpmath.workdps(DPS):
         A = mpmath.matrix(_big(J).tolist())
@@ -628,15 +561,15 @@ def test_deq_with_corrections_exact_against_mpmath(rng):
         root = mpmath.findroot(equations, [mpmath.mpf(float(v)) for v in res.means.ravel()],
                                tol=mpmath.mpf(10) ** (-2 * DPS + 10))
         truth = np.array([root[i] for i in range(n * d)], dtype=object).reshape(n, d)
-    _assert_rounded("deq tanh correction", res.means, truth)
+    assert_same_bits(res.means, _nearest_float64(truth), what="deq tanh correction")
     approx = deq_attention(x, J, _half_tanh)
     image = np.einsum("ijab,jb->ia", J, approx.means) - _half_tanh(approx.means) + x
     scale = np.linalg.norm(np.einsum("ijab,jb->ia", np.abs(J), np.abs(approx.means))
                            + np.abs(_half_tanh(approx.means)) + np.abs(x))
     bound = fixed_point_forward_bound(np.linalg.norm(image - approx.means), 1 / (1 - 0.9),
                                       scale * np.sqrt(n * d), n * d + 3)
-    _assert_norm_bound("deq tanh float64", approx.means, res.means,
-                       bound + gamma(1) * np.linalg.norm(res.means))
+    assert_norm_within(approx.means, res.means, bound + gamma(1) * np.linalg.norm(res.means),
+                       what="deq tanh float64")
 
 
 def test_deq_softmax_couplings_keep_the_diagonal(rng):
@@ -649,15 +582,17 @@ def test_deq_softmax_couplings_keep_the_diagonal(rng):
         deq_attention(X, J)
     res = deq_attention(X, J, diagonal="keep")
     exact = deq_attention(X, J, diagonal="keep", precision="exact")
-    truth = _mp_solve(np.eye(N * d), _big(J), X.ravel())
-    _assert_rounded("deq softmax couplings", exact.means, truth.reshape(N, d))
+    truth = mp_solve(np.eye(N * d), _big(J), X.ravel())
+    assert_same_bits(exact.means, _nearest_float64(truth.reshape(N, d)),
+                     what="deq softmax couplings")
     amplification = np.linalg.norm(np.linalg.inv(np.eye(N * d) - _big(J)), 2)
     image = np.einsum("ijab,jb->ia", J, res.means) + X
     scale = np.linalg.norm(np.einsum("ijab,jb->ia", np.abs(J), np.abs(res.means)) + np.abs(X))
-    _assert_norm_bound("deq softmax float64", res.means, exact.means,
+    assert_norm_within(res.means, exact.means,
                        fixed_point_forward_bound(np.linalg.norm(image - res.means),
                                                  amplification, scale, N * d + 1)
-                       + gamma(1) * np.linalg.norm(exact.means))
+                       + gamma(1) * np.linalg.norm(exact.means),
+                       what="deq softmax float64")
 
 
 def test_deq_per_sample_iterations_and_z0(rng):
@@ -695,8 +630,9 @@ def test_exact_paths_at_the_documented_sizes(rng):
     exact = adaptive_tap(x, J, precision="exact")
     approx = adaptive_tap(x, J)
     P = np.broadcast_to(np.eye(d), (n, d, d))
-    _assert_norm_bound("N=8 d=4 adaptive TAP", approx.means, exact.means,
-                       _tap_means_bound(approx, x, J, P) + gamma(1) * np.linalg.norm(exact.means))
+    assert_norm_within(approx.means, exact.means,
+                       _tap_means_bound(approx, x, J, P) + gamma(1) * np.linalg.norm(exact.means),
+                       what="N=8 d=4 adaptive TAP")
     deq = deq_attention(x, J, precision="exact")
     assert np.array_equal(deq.means, exact.means)  # both are (I - J)^{-1} x rounded once
     spins = rng.standard_normal((n, n)) / np.sqrt(n) * 0.5
@@ -704,6 +640,6 @@ def test_exact_paths_at_the_documented_sizes(rng):
     np.fill_diagonal(spins, 0.0)
     fields = rng.standard_normal(n)
     res = ising_tap(fields, spins, precision="exact")
-    m, V, chi = _mp_ising(fields, spins, res.means, res.cavity_var)
-    _assert_rounded("N=8 ising means", res.means, m)
-    _assert_rounded("N=8 ising V", res.cavity_var, V)
+    m, V, chi = mp_ising(fields, spins, res.means, res.cavity_var)
+    assert_same_bits(res.means, _nearest_float64(m), what="N=8 ising means")
+    assert_same_bits(res.cavity_var, _nearest_float64(V), what="N=8 ising V")

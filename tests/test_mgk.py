@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 
-import mpmath
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -17,125 +16,14 @@ from hypothesis import strategies as st
 from oracle.tolerance import mixture_bound, ratio_bound
 from refattn import mgk
 from refattn.attention import attention
+from tests.helpers import assert_same_bits, assert_within
+from tests.naive.mgk import naive_em, naive_linear, naive_mgk
+from tests.naive.rounding import round_nested
 from tests.strategies import mgk_problems
-from tests.test_gmm import (
-    DPS,
-    _div,
-    _lse,
-    _mp,
-    _mul,
-    _rounded,
-    _sum,
-    _weights,
-    assert_same_bits,
-    assert_within,
-)
 
 # --------------------------------------------------------------------------------------------
 # Loop-level references
 # --------------------------------------------------------------------------------------------
-
-
-def naive_allowed(length, keys, *, mask=None, causal=False, window=None, align="top_left"):
-    offset = 0 if align == "top_left" else keys - length
-    out = np.zeros((length, keys), dtype=bool)
-    for i in range(length):
-        for j in range(keys):
-            ok = mask is None or bool(mask[i][j])
-            if causal and j > i + offset:
-                ok = False
-            if window is not None:
-                left, right = window
-                if left is not None and j < i + offset - left:
-                    ok = False
-                if right is not None and j > i + offset + right:
-                    ok = False
-            out[i, j] = ok
-    return out
-
-
-def _component(q_row, k, s2, log_p, mode, normalized):
-    dim = len(q_row)
-    term = -mpmath.fsum((_mp(a) - _mp(b)) ** 2 for a, b in zip(q_row, k, strict=True)) / (2 * s2)
-    if normalized:
-        term -= dim / mpmath.mpf(2) * mpmath.log(2 * mpmath.pi * s2)
-    if mode == "soft":
-        term += log_p
-    return term
-
-
-def naive_mgk(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=False, mask=None,
-              causal=False, window=None, align="top_left"):
-    length, (units, comps) = len(q), keys.shape[:2]
-    allowed = naive_allowed(length, units, mask=mask, causal=causal, window=window, align=align)
-    s2 = np.broadcast_to(np.asarray(sigma2, dtype=np.float64), (units, comps))
-    with mpmath.workdps(DPS):
-        out = []
-        for i in range(length):
-            scores = {}
-            for j in range(units):
-                if not allowed[i, j]:
-                    continue
-                terms = []
-                for r in range(comps):
-                    log_p = (-mpmath.log(comps) if log_pi is None else
-                             (-mpmath.inf if np.isneginf(log_pi[j][r]) else _mp(log_pi[j][r])))
-                    if mode == "soft" and log_p == -mpmath.inf:
-                        continue
-                    terms.append(_component(q[i], keys[j][r], _mp(s2[j][r]), log_p, mode,
-                                            normalized))
-                scores[j] = _lse(terms) if mode == "soft" else max(terms)
-            if not scores:
-                out.append([mpmath.mpf(0)] * v.shape[1])
-                continue
-            weights = dict(zip(scores, _weights(list(scores.values())), strict=True))
-            out.append([_sum(_mul(w, v[j][e]) for j, w in weights.items())
-                        for e in range(v.shape[1])])
-        return out
-
-
-def naive_em(q, keys, *, log_pi, sigma2, mask=None):
-    length, (units, comps) = len(q), keys.shape[:2]
-    allowed = naive_allowed(length, units, mask=mask)
-    s2 = np.broadcast_to(np.asarray(sigma2, dtype=np.float64), (units, comps))
-    with mpmath.workdps(DPS):
-        resp = [[[mpmath.mpf(0)] * comps for _ in range(units)] for _ in range(length)]
-        for i in range(length):
-            terms = {(j, r): _component(q[i], keys[j][r], _mp(s2[j][r]), _mp(log_pi[j][r]),
-                                        "soft", True)
-                     for j in range(units) for r in range(comps) if allowed[i, j]}
-            if not terms:
-                continue
-            for (j, r), w in zip(terms, _weights(list(terms.values())), strict=True):
-                resp[i][j][r] = w
-        pi = []
-        for j in range(units):
-            den = _sum(resp[i][j][r] for i in range(length) for r in range(comps))
-            pi.append([_div(_sum(resp[i][j][r] for i in range(length)), den) if den else
-                       mpmath.exp(_mp(log_pi[j][r])) for r in range(comps)])
-        return pi, resp
-
-
-def _phi(x):
-    x = _mp(x)
-    return x + 1 if x > 0 else mpmath.exp(x)
-
-
-def naive_linear(q, keys, v, *, pi, causal=False):
-    units, comps, dim = keys.shape
-    with mpmath.workdps(DPS):
-        mixed = [[mpmath.fsum(_mp(pi[j][r]) * _phi(keys[j][r][d]) for r in range(comps))
-                  for d in range(dim)] for j in range(units)]
-        out = []
-        for i in range(len(q)):
-            phi_q = [_phi(x) for x in q[i]]
-            stop = min(i, units - 1) + 1 if causal else units
-            kernels = [mpmath.fsum(a * b for a, b in zip(phi_q, mixed[j], strict=True))
-                       for j in range(stop)]
-            den = mpmath.fsum(kernels)
-            out.append([mpmath.fsum(kernels[j] * _mp(v[j][e]) for j in range(stop)) / den
-                        for e in range(v.shape[1])])
-        return out
 
 
 def _term_scale(q, keys, opts):
@@ -161,8 +49,8 @@ def test_exact_is_correctly_rounded(problem, mode, normalized):
     q, keys, v, opts = problem
     out = mgk.attention(q, keys, v, mode=mode, normalized=normalized, precision="exact", **opts)
     truth = naive_mgk(q, keys, v, mode=mode, normalized=normalized, **opts)
-    assert_same_bits(f"mgk.attention exact ({mode}, normalized={normalized}, {sorted(opts)})",
-                     out, _rounded(truth))
+    assert_same_bits(out, round_nested(truth),
+                     what=f"mgk.attention exact ({mode}, normalized={normalized}, {sorted(opts)})")
 
 
 @settings(max_examples=50)
@@ -175,7 +63,7 @@ def test_float64_within_bound(problem, mode, normalized):
                           **opts)
     bound = mixture_bound(_term_scale(q, keys, opts), keys.shape[0] * keys.shape[1],
                           q.shape[-1] + 2, np.abs(v).max())
-    assert_within(f"mgk.attention float64 ({mode})", fast, exact, bound)
+    assert_within(fast, exact, bound, what=f"mgk.attention float64 ({mode})")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -183,8 +71,8 @@ def test_exact_out_dtype(dtype, rng):
     q, keys, v = rng.standard_normal((2, 2)), rng.standard_normal((3, 2, 2)), \
         rng.standard_normal((3, 2))
     out = mgk.attention(q, keys, v, sigma2=0.7, precision="exact", out_dtype=dtype)
-    assert_same_bits(f"mgk exact out_dtype={dtype}", out.astype(np.float64),
-                     _rounded(naive_mgk(q, keys, v, sigma2=0.7), dtype))
+    assert_same_bits(out.astype(np.float64), round_nested(naive_mgk(q, keys, v, sigma2=0.7), dtype),
+                     what=f"mgk exact out_dtype={dtype}")
 
 
 @settings(max_examples=20)
@@ -204,11 +92,11 @@ def test_single_component_is_softmax_attention(seed, length, units, sigma_exp, c
                          precision="exact")
     bias = np.broadcast_to(-(k * k).sum(-1) / (2 * sigma2), (length, units))
     plain = attention(q, k, v, scale=1 / sigma2, bias=bias, causal=causal, precision="exact")
-    assert_same_bits("R=1 soft vs hard (exact)", soft, hard)
-    assert_same_bits("R=1 soft vs attention (exact)", soft, plain)
+    assert_same_bits(soft, hard, what="R=1 soft vs hard (exact)")
+    assert_same_bits(soft, plain, what="R=1 soft vs attention (exact)")
     soft64 = mgk.attention(q, k[:, None, :], v, sigma2=sigma2, causal=causal)
     hard64 = mgk.attention(q, k[:, None, :], v, sigma2=sigma2, mode="hard", causal=causal)
-    assert_same_bits("R=1 soft vs hard (float64)", soft64, hard64)
+    assert_same_bits(soft64, hard64, what="R=1 soft vs hard (float64)")
 
 
 def test_masked_key_is_removed_and_poison_ignored(rng):
@@ -222,7 +110,7 @@ def test_masked_key_is_removed_and_poison_ignored(rng):
     for precision in ("float64", "exact"):
         full = mgk.attention(q, poisoned_keys, poisoned_v, mask=mask, precision=precision)
         cut = mgk.attention(q, keys[[0, 1, 3]], v[[0, 1, 3]], precision=precision)
-        assert_same_bits(f"masked NaN key vs removed key ({precision})", full, cut)
+        assert_same_bits(full, cut, what=f"masked NaN key vs removed key ({precision})")
     allowed_nan = mgk.attention(q, poisoned_keys, poisoned_v)
     assert np.isnan(allowed_nan).all(), "NaN in an allowed key must reach its rows"
 
@@ -249,9 +137,9 @@ def test_underflowing_scores_stay_finite(rng):
     assert np.isnan(public).all(), "premise: the direct formula underflows"
     fast = mgk.attention(q, keys, v)
     exact = mgk.attention(q, keys, v, precision="exact")
-    assert_same_bits("mgk exact at scores ~ -1e4", exact, _rounded(naive_mgk(q, keys, v)))
-    assert_within("mgk float64 at scores ~ -1e4", fast, exact,
-                  mixture_bound(_term_scale(q, keys, {}), 6, 4, np.abs(v).max()))
+    assert_same_bits(exact, round_nested(naive_mgk(q, keys, v)), what="mgk exact at scores ~ -1e4")
+    assert_within(fast, exact, mixture_bound(_term_scale(q, keys, {}), 6, 4, np.abs(v).max()),
+                  what="mgk float64 at scores ~ -1e4")
 
 
 def test_sign_of_exponent_is_pinned(rng):
@@ -277,15 +165,15 @@ def test_em_update_pi(problem):
     exact = mgk.em_update_pi(q, keys, log_pi=log_pi, sigma2=sigma2, mask=mask,
                              precision="exact")
     pi, resp = naive_em(q, keys, log_pi=log_pi, sigma2=sigma2, mask=mask)
-    assert_same_bits("em_update_pi exact pi", exact.pi, _rounded(pi))
-    assert_same_bits("em_update_pi exact responsibilities", exact.responsibilities,
-                     _rounded(resp))
+    assert_same_bits(exact.pi, round_nested(pi), what="em_update_pi exact pi")
+    assert_same_bits(exact.responsibilities, round_nested(resp),
+                     what="em_update_pi exact responsibilities")
     fast = mgk.em_update_pi(q, keys, log_pi=log_pi, sigma2=sigma2, mask=mask)
     scale = _term_scale(q, keys, dict(opts, log_pi=log_pi))
     bound = mixture_bound(scale, units * comps + len(q), q.shape[-1] + 2, 2.0)
-    assert_within("em_update_pi float64 pi", fast.pi, exact.pi, bound)
-    assert_within("em_update_pi float64 responsibilities", fast.responsibilities,
-                  exact.responsibilities, bound)
+    assert_within(fast.pi, exact.pi, bound, what="em_update_pi float64 pi")
+    assert_within(fast.responsibilities, exact.responsibilities, bound,
+                  what="em_update_pi float64 responsibilities")
 
 
 def test_em_update_pi_moves_weight_to_the_explaining_component():
@@ -313,12 +201,12 @@ def linear_problems(draw):
 def test_linear_attention_exact_and_float64(problem, causal):
     q, keys, v, pi = problem
     exact = mgk.linear_attention(q, keys, v, pi=pi, causal=causal, precision="exact")
-    assert_same_bits(f"linear_attention exact (causal={causal})", exact,
-                     _rounded(naive_linear(q, keys, v, pi=pi, causal=causal)))
+    assert_same_bits(exact, round_nested(naive_linear(q, keys, v, pi=pi, causal=causal)),
+                     what=f"linear_attention exact (causal={causal})")
     fast = mgk.linear_attention(q, keys, v, pi=pi, causal=causal)
     n_terms = q.shape[-1] + keys.shape[1] + keys.shape[0] + 4
-    assert_within(f"linear_attention float64 (causal={causal})", fast, exact,
-                  ratio_bound(n_terms, np.abs(v).max()))
+    assert_within(fast, exact, ratio_bound(n_terms, np.abs(v).max()),
+                  what=f"linear_attention float64 (causal={causal})")
 
 
 @settings(max_examples=25)
@@ -332,11 +220,11 @@ def test_causal_linear_attention_prefix_property(problem):
     for i in range(length):
         prefix = mgk.linear_attention(q[: i + 1], keys[: i + 1], v[: i + 1], pi=pi[: i + 1],
                                       precision="exact")
-        assert_same_bits(f"causal prefix row {i} (exact)", causal[i], prefix[i])
+        assert_same_bits(causal[i], prefix[i], what=f"causal prefix row {i} (exact)")
         prefix64 = mgk.linear_attention(q[: i + 1], keys[: i + 1], v[: i + 1], pi=pi[: i + 1])
         n_terms = q.shape[-1] + keys.shape[1] + i + 5
-        assert_within(f"causal prefix row {i} (float64)", causal64[i], prefix64[i],
-                      2 * ratio_bound(n_terms, np.abs(v).max()))
+        assert_within(causal64[i], prefix64[i], 2 * ratio_bound(n_terms, np.abs(v).max()),
+                      what=f"causal prefix row {i} (float64)")
 
 
 def test_mixture_is_formed_after_the_feature_map(rng):
@@ -345,7 +233,7 @@ def test_mixture_is_formed_after_the_feature_map(rng):
         rng.standard_normal((3, 2))
     one = mgk.linear_attention(q, keys, v, pi=np.tile([1.0, 0.0], (3, 1)), precision="exact")
     first = mgk.linear_attention(q, keys[:, :1], v, pi=np.ones((3, 1)), precision="exact")
-    assert_same_bits("pi=(1,0) vs the first component", one, first)
+    assert_same_bits(one, first, what="pi=(1,0) vs the first component")
     half = mgk.linear_attention(q, keys, v, pi=np.full((3, 2), 0.5))
     averaged = mgk.linear_attention(q, keys.mean(1, keepdims=True), v, pi=np.ones((3, 1)))
     assert np.abs(half - averaged).max() > ratio_bound(16, np.abs(v).max())
@@ -427,7 +315,7 @@ def test_exact_tie_on_a_rounding_midpoint():
     v = np.array([[1.0], [2.0**-53]])
     for mode in ("soft", "hard"):
         out = mgk.attention(q, keys, v, mode=mode, precision="exact")
-        assert_same_bits(f"midpoint tie ({mode})", out, np.array([[0.5]]))
+        assert_same_bits(out, np.array([[0.5]]), what=f"midpoint tie ({mode})")
 
 
 def test_linear_attention_with_batch_dims_equals_per_slice():

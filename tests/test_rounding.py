@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from naive import round_to_dtype
+from naive.rounding import round_to_dtype
 
 from refattn.exact import intervals as I
 from refattn.exact.rounding import (

@@ -10,12 +10,13 @@ import ml_dtypes
 import mpmath
 import numpy as np
 import pytest
+from helpers import assert_same_bits, assert_within
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import head_layouts, position_shifts
 
 import refattn.transformer as T
-from oracle.tolerance import gamma, transformer_forward_bound, ulp
+from oracle.tolerance import gamma, transformer_forward_bound
 from refattn.attention import attention
 
 DTYPES = ["float64", "float32", "float16", "bfloat16"]
@@ -47,36 +48,6 @@ def round_mp(x, name) -> float:
 def expected_bits(truth, name) -> np.ndarray:
     flat = [round_mp(v, name) for v in np.asarray(truth, dtype=object).ravel()]
     return np.array(flat, dtype=np.float64).reshape(np.shape(truth)).astype(_dtype(name))
-
-
-def assert_same_bits(got, want, case):
-    __tracebackhide__ = True
-    assert got.dtype == want.dtype, f"{case}: dtype {got.dtype} != {want.dtype}"
-    a = np.asarray(got, dtype=np.float64)
-    b = np.asarray(want, dtype=np.float64)
-    same = ((a == b) & (np.signbit(a) == np.signbit(b))) | (np.isnan(a) & np.isnan(b))
-    if not same.all():
-        index = tuple(int(i) for i in np.argwhere(~same)[0])
-        raise AssertionError(
-            f"{case}: {int((~same).sum())} of {same.size} elements not correctly rounded; "
-            f"first at {index}: got {a[index]!r}, correctly rounded {b[index]!r} "
-            f"(threshold: bit-for-bit)"
-        )
-
-
-def assert_within(got, exact, bound, case):
-    """|got - exact| <= bound + half an ulp of the (correctly rounded) exact value."""
-    __tracebackhide__ = True
-    got, exact = np.asarray(got, dtype=np.float64), np.asarray(exact, dtype=np.float64)
-    threshold = bound + 0.5 * ulp(exact, "float64")
-    err = np.abs(got - exact)
-    ratio = err / threshold
-    worst = np.unravel_index(np.argmax(ratio), ratio.shape)
-    assert (err <= threshold).all(), (
-        f"{case}: float64 path outside its bound at {tuple(map(int, worst))}: value "
-        f"{got[worst]!r}, exact {exact[worst]!r}, error {err[worst]:.3g}, threshold "
-        f"{threshold[worst]:.3g}"
-    )
 
 
 def mp_array(a) -> np.ndarray:
@@ -237,7 +208,7 @@ def test_layer_norm_exact_correctly_rounded(rows, rng, dtype):
                        precision="exact", out_dtype=dtype)
     with mpmath.workdps(DPS):
         want = expected_bits(ref_layer_norm(mp_array(rows), norm), dtype)
-    assert_same_bits(got, want, f"layer_norm exact, out_dtype={dtype}")
+    assert_same_bits(got, want, what=f"layer_norm exact, out_dtype={dtype}", check_dtype=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -247,7 +218,7 @@ def test_layer_norm_exact_low_precision_inputs(rng, dtype):
     with mpmath.workdps(DPS):
         want = expected_bits(ref_layer_norm(mp_array(x.astype(np.float64)),
                                             T.NormParams(eps=0.0)), dtype)
-    assert_same_bits(got, want, f"layer_norm exact of {dtype} inputs, eps=0")
+    assert_same_bits(got, want, what=f"layer_norm exact of {dtype} inputs, eps=0", check_dtype=True)
 
 
 @pytest.mark.parametrize("layout", ["interleave", "concat"])
@@ -258,7 +229,8 @@ def test_positions_exact_correctly_rounded(dtype, layout):
                                      out_dtype=dtype)
         with mpmath.workdps(DPS):
             want = expected_bits(ref_positions(length, dim, base, layout), dtype)
-        assert_same_bits(got, want, f"sinusoidal_positions({length}, {dim}, {base}, {layout})")
+        assert_same_bits(got, want, what=f"sinusoidal_positions({length}, {dim}, {base}, {layout})",
+                         check_dtype=True)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -274,7 +246,8 @@ def test_mha_exact_low_precision_inputs_and_large_gaps(rng, dtype):
     x64 = x.astype(np.float64)
     with mpmath.workdps(DPS):
         want = ref_mha(mp_array(x64), mp_array(x64), wide, np.ones((3, 3), dtype=bool))
-    assert_same_bits(got, expected_bits(want, dtype), f"MHA of {dtype} inputs, large gaps")
+    assert_same_bits(got, expected_bits(want, dtype), what=f"MHA of {dtype} inputs, large gaps",
+                     check_dtype=True)
 
 
 def test_layer_norm_exact_extreme_magnitudes():
@@ -284,7 +257,7 @@ def test_layer_norm_exact_extreme_magnitudes():
     got = T.layer_norm(x, eps=0.0, precision="exact")
     with mpmath.workdps(DPS):
         want = expected_bits(ref_layer_norm(mp_array(x), T.NormParams(eps=0.0)), "float64")
-    assert_same_bits(got, want, "layer_norm exact, extreme magnitudes")
+    assert_same_bits(got, want, what="layer_norm exact, extreme magnitudes", check_dtype=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -293,7 +266,8 @@ def test_mha_exact_correctly_rounded(mha_case, dtype):
     got = _mha_call(x_q, x_kv, p, precision="exact", out_dtype=dtype)
     with mpmath.workdps(DPS):
         want = ref_mha(mp_array(x_q), mp_array(x_kv), p, np.ones((3, 5), dtype=bool))
-    assert_same_bits(got, expected_bits(want, dtype), f"cross MHA (H=2, K=1), {dtype}")
+    assert_same_bits(got, expected_bits(want, dtype), what=f"cross MHA (H=2, K=1), {dtype}",
+                     check_dtype=True)
 
 
 def test_mha_exact_causal_self(encoder_params, rng):
@@ -302,7 +276,7 @@ def test_mha_exact_causal_self(encoder_params, rng):
     with mpmath.workdps(DPS):
         want = ref_mha(mp_array(x), mp_array(x), encoder_params.attn,
                        np.tril(np.ones((4, 4), dtype=bool)))
-    assert_same_bits(got, expected_bits(want, "float64"), "causal self MHA")
+    assert_same_bits(got, expected_bits(want, "float64"), what="causal self MHA", check_dtype=True)
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
@@ -314,7 +288,7 @@ def test_feed_forward_exact_correctly_rounded(rng, activation, dtype):
                          out_dtype=dtype)
     with mpmath.workdps(DPS):
         want = expected_bits(ref_ffn(mp_array(x), p), dtype)
-    assert_same_bits(got, want, f"feed_forward {activation}, {dtype}")
+    assert_same_bits(got, want, what=f"feed_forward {activation}, {dtype}", check_dtype=True)
 
 
 @pytest.mark.parametrize("norm", ["post", "pre"])
@@ -325,7 +299,7 @@ def test_encoder_exact_correctly_rounded(rng, norm, activation):
     got = T.encoder_block(x, p, norm=norm, precision="exact")
     with mpmath.workdps(DPS):
         want = expected_bits(ref_encoder(mp_array(x), p, norm), "float64")
-    assert_same_bits(got, want, f"encoder_block norm={norm}, {activation}")
+    assert_same_bits(got, want, what=f"encoder_block norm={norm}, {activation}", check_dtype=True)
 
 
 @pytest.mark.parametrize("norm,dtype", [("post", "float64"), ("post", "float16"),
@@ -336,7 +310,7 @@ def test_decoder_exact_correctly_rounded(rng, norm, dtype):
     got = T.decoder_block(x, memory, p, norm=norm, precision="exact", out_dtype=dtype)
     with mpmath.workdps(DPS):
         want = expected_bits(ref_decoder(mp_array(x), mp_array(memory), p, norm), dtype)
-    assert_same_bits(got, want, f"decoder_block {norm}, {dtype}")
+    assert_same_bits(got, want, what=f"decoder_block {norm}, {dtype}", check_dtype=True)
 
 
 def test_encoder_exact_larger_gqa(rng):
@@ -346,7 +320,8 @@ def test_encoder_exact_larger_gqa(rng):
     got = T.encoder_block(x, p, precision="exact")
     with mpmath.workdps(DPS):
         want = np.stack([ref_encoder(mp_array(x[b]), p, "post") for b in range(2)])
-    assert_same_bits(got, expected_bits(want, "float64"), "encoder L=6 M=8 H=4 K=2, batch 2")
+    assert_same_bits(got, expected_bits(want, "float64"), what="encoder L=6 M=8 H=4 K=2, batch 2",
+                     check_dtype=True)
 
 
 # ----------------------------------------------------------------------------- float64 vs exact
@@ -356,7 +331,7 @@ def _bounded(function, *args, case, **kwargs):
     got = function(*args, **kwargs)
     exact = function(*args, precision="exact", **kwargs)
     bound = transformer_forward_bound(function, *args, **kwargs)
-    assert_within(got, exact, bound, case)
+    assert_within(got, exact, bound, what=case, ulps=0.5)
 
 
 def test_bound_uses_the_tolerance_policy_gamma():
@@ -438,7 +413,7 @@ def test_layer_norm_exact_affine_invariance(power, shift, dtype):
         return  # the transformed input is not exact: nothing to compare
     a = T.layer_norm(x, eps=0.0, precision="exact", out_dtype=dtype)
     b = T.layer_norm(moved, eps=0.0, precision="exact", out_dtype=dtype)
-    assert_same_bits(b, a, f"LN(2^{power} x + {shift}) vs LN(x), {dtype}")
+    assert_same_bits(b, a, what=f"LN(2^{power} x + {shift}) vs LN(x), {dtype}", check_dtype=True)
 
 
 def test_layer_norm_constant_and_nonfinite_rows():
@@ -497,7 +472,8 @@ def test_mha_one_head_identity_is_attention(rng, precision):
         got = T.multihead_attention(x, memory, eye, eye, eye, eye, num_heads=1,
                                     precision=precision, **kwargs)
         want = attention(x, memory, memory, precision=precision, **kwargs)
-        assert_same_bits(got, want, f"one-head identity MHA {kwargs}, {precision}")
+        assert_same_bits(got, want, what=f"one-head identity MHA {kwargs}, {precision}",
+                         check_dtype=True)
 
 
 @pytest.mark.parametrize("gqa", ["interleave", "tile"])
@@ -511,7 +487,8 @@ def test_mha_identity_heads_are_attention_heads(rng, gqa):
     q = x.reshape(3, 4, 2).transpose(1, 0, 2)
     kv = memory.reshape(4, 2, 2).transpose(1, 0, 2)
     heads = attention(q, kv, kv, gqa=gqa, precision="exact")
-    assert_same_bits(got, heads.transpose(1, 0, 2).reshape(3, 8), f"head split, gqa={gqa}")
+    assert_same_bits(got, heads.transpose(1, 0, 2).reshape(3, 8), what=f"head split, gqa={gqa}",
+                     check_dtype=True)
 
 
 def test_mha_masked_poison_never_reaches_output(mha_case):
@@ -526,7 +503,7 @@ def test_mha_masked_poison_never_reaches_output(mha_case):
     clean = x_kv[keep]
     exact = _mha_call(x_q, clean, p, precision="exact")
     bound = transformer_forward_bound(_mha_call, x_q, clean, p)
-    assert_within(got, exact, bound, "MHA with NaN/Inf in masked memory rows")
+    assert_within(got, exact, bound, what="MHA with NaN/Inf in masked memory rows", ulps=0.5)
 
 
 def test_mha_gqa_equals_repeated_kv_heads(mha_case):
@@ -537,7 +514,7 @@ def test_mha_gqa_equals_repeated_kv_heads(mha_case):
                    b_V=np.tile(p.b_V, 2), num_kv_heads=2)
     a = _mha_call(x_q, x_kv, p, precision="exact")
     b = _mha_call(x_q, x_kv, full, precision="exact")
-    assert_same_bits(a, b, "GQA K=1 vs repeated kv heads")
+    assert_same_bits(a, b, what="GQA K=1 vs repeated kv heads", check_dtype=True)
 
 
 @given(head_layouts())
@@ -554,10 +531,10 @@ def test_mha_head_permutation_and_key_permutation(case):
                        W_O=p.W_O[cols], b_Q=p.b_Q[cols], b_K=p.b_K[cols], b_V=p.b_V[cols])
     base = _mha_call(x_q, x_kv, p, precision="exact")
     assert_same_bits(_mha_call(x_q, x_kv, permuted, precision="exact"), base,
-                     f"head permutation {perm.tolist()}")
+                     what=f"head permutation {perm.tolist()}", check_dtype=True)
     keys = rng.permutation(3)
     assert_same_bits(_mha_call(x_q, x_kv[keys], p, precision="exact"), base,
-                     f"key permutation {keys.tolist()}")
+                     what=f"key permutation {keys.tolist()}", check_dtype=True)
 
 
 def test_mha_batch_and_broadcast(rng, encoder_params):
@@ -567,10 +544,10 @@ def test_mha_batch_and_broadcast(rng, encoder_params):
     for b in range(2):
         single = _mha_call(x[b], None, p)
         assert_within(batched[b], single, transformer_forward_bound(_mha_call, x[b], None, p),
-                      f"batch element {b}")
+                      what=f"batch element {b}", ulps=0.5)
     shared = _mha_call(x, x[0], p, precision="exact")
     assert_same_bits(shared[0], _mha_call(x[0], None, p, precision="exact"),
-                     "x_kv broadcast over the batch")
+                     what="x_kv broadcast over the batch", check_dtype=True)
 
 
 def test_encoder_with_zero_sublayers_is_layer_norm(rng, encoder_params):
@@ -587,12 +564,12 @@ def test_encoder_with_zero_sublayers_is_layer_norm(rng, encoder_params):
     )
     got = T.encoder_block(x, zero, precision="exact")
     want = T.layer_norm(x, gamma=p.norm2.gamma, beta=p.norm2.beta, eps=0.0, precision="exact")
-    assert_same_bits(got, want, "post-LN encoder with zero sublayers")
+    assert_same_bits(got, want, what="post-LN encoder with zero sublayers", check_dtype=True)
     pre = T.encoder_block(x, zero, norm="pre", precision="exact")
-    assert_same_bits(pre, x, "pre-LN encoder with zero sublayers")
+    assert_same_bits(pre, x, what="pre-LN encoder with zero sublayers", check_dtype=True)
     f64 = T.encoder_block(x, zero)
     assert_within(f64, want, transformer_forward_bound(T.encoder_block, x, zero),
-                  "post-LN zero sublayers, float64")
+                  what="post-LN zero sublayers, float64", ulps=0.5)
 
 
 def test_encoder_zero_ffn_matches_attention_sublayer(rng, encoder_params):
@@ -607,7 +584,8 @@ def test_encoder_zero_ffn_matches_attention_sublayer(rng, encoder_params):
     with mpmath.workdps(DPS):
         h = ref_layer_norm(mp_array(x) + ref_mha(mp_array(x), mp_array(x), a,
                                                  np.ones((3, 3), dtype=bool)), p.norm1)
-    assert_same_bits(got, expected_bits(h, "float64"), "zero-FFN encoder == LN1(x + MHA x)")
+    assert_same_bits(got, expected_bits(h, "float64"), what="zero-FFN encoder == LN1(x + MHA x)",
+                     check_dtype=True)
 
 
 def test_encoder_empty_rows_nan(rng, encoder_params):
@@ -630,7 +608,8 @@ def test_decoder_is_causal(rng):
     changed[2:] = rng.standard_normal((2, 4))
     a = T.decoder_block(x, memory, p, precision="exact")
     b = T.decoder_block(changed, memory, p, precision="exact")
-    assert_same_bits(a[:2], b[:2], "decoder rows 0-1 after changing rows 2-3")
+    assert_same_bits(a[:2], b[:2], what="decoder rows 0-1 after changing rows 2-3",
+                     check_dtype=True)
     assert not np.array_equal(a[2:], b[2:]), "decoder rows 2-3 should change"
 
 
@@ -642,7 +621,8 @@ def test_decoder_memory_mask_empty_row(rng):
     mask = np.array([[False] * 3, [True] * 3])
     got = T.decoder_block(x, memory, p, memory_mask=mask, precision="exact")
     other = T.decoder_block(x, memory * 7, p, memory_mask=mask, precision="exact")
-    assert_same_bits(got[0], other[0], "row 0 ignores the (fully masked) memory")
+    assert_same_bits(got[0], other[0], what="row 0 ignores the (fully masked) memory",
+                     check_dtype=True)
 
 
 # ----------------------------------------------------------------------------- bad input

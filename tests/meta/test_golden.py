@@ -9,7 +9,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from naive import naive_attention, round_nested
+from naive.attention import naive_attention
+from naive.rounding import round_nested
 
 from oracle import catalogue, golden
 
@@ -55,7 +56,7 @@ def _assert_identical_dirs(first: Path, second: Path):
 @pytest.mark.parametrize("name", ["causal-br-H2K2-L4S7-D8E8-f32",
                                   "mask-empty-rows-H2K2-L6S7-D8E8-f16"])
 def test_truth_matches_independent_naive_reference(name):
-    """The stored truth equals tests/naive.py at 60 digits rounded once to the dtype."""
+    """The stored truth equals tests/naive/attention.py at 60 digits rounded once to the dtype."""
     case = catalogue.get(name)
     fixture = golden.build(case)
     n = case.shapes

@@ -16,17 +16,12 @@ from oracle import validate as V
 from oracle.baseline import textbook_attention
 from oracle.catalogue import variants as vc
 from refattn import gmm, hopfield, meanfield, mgk
-from tests.test_gmm import (
-    DPS,
-    _rounded,
-    assert_same_bits,
-    naive_adapt_keys,
-    naive_adapt_priors,
-    naive_gmm,
-)
-from tests.test_hopfield import naive_energy, naive_retrieve
-from tests.test_meanfield import _fraction_naive_step, _mp_inverse, _mp_ising, _mp_solve
-from tests.test_mgk import naive_linear, naive_mgk
+from tests.helpers import assert_same_bits
+from tests.naive.gmm import DPS, naive_adapt_keys, naive_adapt_priors, naive_gmm
+from tests.naive.hopfield import naive_energy, naive_retrieve
+from tests.naive.meanfield import exact_naive_step, mp_inverse, mp_ising, mp_solve
+from tests.naive.mgk import naive_linear, naive_mgk
+from tests.naive.rounding import round_nested
 
 SMOKE = "variants-smoke"
 DEFAULT = "variants-default"
@@ -133,7 +128,7 @@ def _reference(case, inputs):
                 patterns = [[mpmath.mpf(float(a)) for a in row] for row in s["X"]]
                 values = [naive_energy([mpmath.mpf(float(a)) for a in row], patterns,
                                        o["beta"], o.get("constant", False)) for row in s["xi"]]
-        out.append(_rounded(values, dtype))
+        out.append(round_nested(values, dtype))
     result = np.stack(out)
     return {"out": result.reshape(*lead, *result.shape[1:])}
 
@@ -146,30 +141,30 @@ def _big(J):
 def _meanfield_reference(case, x):
     fn, dtype = case.function, case.dtype
     if fn == "meanfield.naive_step":
-        exact = [_fraction_naive_step(m, x["J"], xb) for m, xb in zip(x["m"], x["x"],
+        exact = [exact_naive_step(m, x["J"], xb) for m, xb in zip(x["m"], x["x"],
                                                                       strict=True)]
-        return {"out": _rounded(exact, dtype)}
+        return {"out": round_nested(exact, dtype)}
     if fn == "meanfield.ising_tap":
         res = meanfield.ising_tap(x["x"], x["J"])  # the root near the float64 solution
-        outs = [_mp_ising(xb, x["J"], m0, v0) for xb, m0, v0 in
+        outs = [mp_ising(xb, x["J"], m0, v0) for xb, m0, v0 in
                 zip(x["x"], res.means, res.cavity_var, strict=True)]
-        return {name: _rounded([o[k].tolist() for o in outs], dtype)
+        return {name: round_nested([o[k].tolist() for o in outs], dtype)
                 for k, name in enumerate(("means", "cavity_var", "chi_diag"))}
     J = x["J"]
     N, d = J.shape[0], J.shape[2]
     prior = x.get("prior_precision", np.eye(d))
     P = np.kron(np.eye(N), prior)
-    means = [_mp_solve(P, _big(J), xb.ravel()).reshape(N, d).tolist() for xb in x["x"]]
-    result = {"means": _rounded(means, dtype)}
+    means = [mp_solve(P, _big(J), xb.ravel()).reshape(N, d).tolist() for xb in x["x"]]
+    result = {"means": round_nested(means, dtype)}
     if fn == "meanfield.adaptive_tap":
-        chi = _mp_inverse(P, _big(J))
+        chi = mp_inverse(P, _big(J))
         with mpmath.workdps(DPS):
             blocks = [chi[i * d:(i + 1) * d, i * d:(i + 1) * d] for i in range(N)]
             cavity = [(mpmath.matrix(prior.tolist()) - mpmath.matrix(b.tolist()) ** -1).tolist()
                       for b in blocks]
         batch = x["x"].shape[0]
-        result["chi_diag"] = _rounded([[b.tolist() for b in blocks]] * batch, dtype)
-        result["cavity_var"] = _rounded([cavity] * batch, dtype)
+        result["chi_diag"] = round_nested([[b.tolist() for b in blocks]] * batch, dtype)
+        result["cavity_var"] = round_nested([cavity] * batch, dtype)
     return result
 
 
@@ -193,8 +188,8 @@ def test_truth_equals_independent_reference(case):
     for name, expected in reference.items():
         stored = fixture.truth[name]
         assert np.dtype(stored.dtype).name == case.dtype, (case.name, name, stored.dtype)
-        assert_same_bits(f"{case.name} truth/{name}", np.asarray(stored).astype(np.float64),
-                         expected)
+        assert_same_bits(np.asarray(stored).astype(np.float64), expected,
+                         what=f"{case.name} truth/{name}")
 
 
 # ----------------------------------------------------------------------------- files

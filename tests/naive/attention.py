@@ -1,8 +1,7 @@
-"""Loop-level references written independently of refattn.
+"""Loop twin of refattn.attention: plain Python loops over mpmath numbers.
 
-Plain Python loops over mpmath numbers at a caller-chosen decimal precision, following
-docs/conventions.md literally. Nothing here imports refattn. Slow by design: use on small
-shapes only.
+At a caller-chosen decimal precision, following docs/conventions.md literally. Nothing here
+imports refattn. Slow by design: use on small shapes only.
 """
 
 from __future__ import annotations
@@ -11,6 +10,8 @@ import math
 
 import mpmath
 import numpy as np
+
+__all__ = ["naive_attention", "score_spread"]
 
 
 def _exact(x) -> mpmath.mpf:
@@ -108,112 +109,6 @@ def naive_attention(
             lse.append(lse_h)
             weights.append(w_h)
         return out, lse, weights
-
-
-def to_float_array(nested) -> np.ndarray:
-    """Nested lists of mpf -> float64 array (each element rounded by mpmath)."""
-    return np.array(nested, dtype=object).astype(float)
-
-
-# ----------------------------------------------------------------------------------------
-# Independent rounding of an exact value to a dtype (candidate search, no refattn code)
-# ----------------------------------------------------------------------------------------
-_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def _neighbours(x, dtype):
-    dtype = np.dtype(dtype)
-    bits = np.array([x], dtype=dtype).view(_UINT[dtype.itemsize])[0]
-    out = []
-    limit = 1 << (8 * dtype.itemsize)
-    for step in (-1, 0, 1):
-        pattern = int(bits) + step
-        if not 0 <= pattern < limit:
-            continue
-        candidate = np.array([pattern], dtype=_UINT[dtype.itemsize]).view(dtype)[0]
-        if np.isfinite(candidate):
-            out.append(candidate)
-    # across zero the neighbour of +0 downward is the smallest negative subnormal
-    out.append(-np.array([x], dtype=dtype)[0])
-    return out
-
-
-def round_to_dtype(value, dtype):
-    """Nearest value of ``dtype`` to an exact Fraction/int/mpf (ties to even), as float64.
-
-    Python's ``float(Fraction)`` is correctly rounded to float64; for narrower dtypes the
-    candidates around a first guess are compared exactly.
-    """
-    from fractions import Fraction
-
-    if isinstance(value, mpmath.mpf):
-        if mpmath.isnan(value):
-            return math.nan
-        if mpmath.isinf(value):
-            return math.inf if value > 0 else -math.inf
-        sign, man, exp, _ = value._mpf_  # (mpf.man_exp drops the sign)
-        value = (-1) ** sign * Fraction(int(man)) * Fraction(2) ** int(exp) if man else \
-            Fraction(0)
-    value = Fraction(value)
-    dtype = np.dtype(dtype)
-    if value == 0:
-        return 0.0
-    try:
-        guess = float(value)
-    except OverflowError:
-        guess = math.inf if value > 0 else -math.inf
-    if dtype == np.float64:
-        return guess
-    with np.errstate(over="ignore"):
-        first = np.array([guess]).astype(dtype)[0]
-    if not np.isfinite(first):
-        first = np.array([math.copysign(float(_max_finite(dtype)), guess)]).astype(dtype)[0]
-    best = None
-    for cand in _neighbours(first, dtype):
-        dist = abs(Fraction(float(cand)) - value)
-        even = int(np.array([cand], dtype=dtype).view(_UINT[dtype.itemsize])[0]) % 2 == 0
-        key = (dist, not even)
-        if best is None or key < best[0]:
-            best = (key, float(cand))
-    top = _max_finite(dtype)
-    half_ulp = (top - Fraction(float(_neighbours(np.array([float(top)]).astype(dtype)[0],
-                                                  dtype)[0]))) / 2
-    if abs(value) >= top + half_ulp:
-        return math.inf if value > 0 else -math.inf
-    return best[1]
-
-
-def _max_finite(dtype):
-    from fractions import Fraction
-
-    import ml_dtypes
-
-    info = ml_dtypes.finfo(dtype) if np.dtype(dtype).kind == "V" or np.dtype(dtype).name == \
-        "bfloat16" else np.finfo(dtype)
-    return Fraction(float(info.max))
-
-
-def round_nested(nested, dtype) -> np.ndarray:
-    """Round nested lists of mpf (from :func:`naive_attention`) to ``dtype`` elementwise."""
-    arr = np.array(nested, dtype=object)
-    flat = [round_to_dtype(x, dtype) for x in arr.ravel()]
-    return np.array(flat, dtype=np.float64).reshape(arr.shape)
-
-
-def round_stable(compute, dtype, spread=0.0):
-    """Round ``compute(dps)`` (nested mpf) to ``dtype`` with enough digits for the data.
-
-    ``spread`` bounds the range of the exponents involved (e.g. max - min score): a term
-    ``e**-spread`` can still move a result that lies near a rounding midpoint, so the
-    reference works with ``60 + spread / ln(10)`` digits, and confirms the bits at twice that.
-    """
-    digits = 60 + int(math.ceil(float(spread) / math.log(10)))
-    first = round_nested(compute(digits), dtype)
-    second = round_nested(compute(2 * digits), dtype)
-    same = np.array_equal(first, second, equal_nan=True) and np.array_equal(
-        np.signbit(first), np.signbit(second))
-    assert same, f"reference rounding differs between {digits} and {2 * digits} digits"
-    return first
 
 
 def score_spread(q, k, *, scale=None, bias=None, alibi_slopes=None, **_):

@@ -1,0 +1,147 @@
+"""The assertion helpers of the test suite: one NaN/Inf rule, one failure message shape.
+
+Every helper takes ``(value, truth, ...)`` in that order, hides its own frame from the
+traceback (``__tracebackhide__``) and, on failure, names what was compared (``what``, and the
+``case``), the index of the worst element, its value, its truth, its error in ulp of ``dtype``
+at the truth, the threshold, and a one-line reproduction (the pytest node id of the running
+test).
+
+The NaN/Inf rule (the same for every helper): an element *agrees* when value and truth are both
+NaN or are equal (equal infinities included); any other element's error is
+``|value - truth|``, +inf when either side is NaN or infinite, and fails unless it is within the
+threshold. An infinite error always fails: NaN against a number, a number against an
+infinity and opposite infinities are never excused, whatever the threshold.
+
+Thresholds come from the caller (oracle.tolerance or refattn's bounds), never from here.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from oracle.tolerance import ulp, ulp_distance
+
+__all__ = ["assert_same_bits", "assert_within", "assert_norm_within", "elementwise_error",
+           "reproduction"]
+
+
+def reproduction() -> str:
+    """``python -m pytest '<node id>'`` of the test now running ("" outside pytest)."""
+    current = os.environ.get("PYTEST_CURRENT_TEST", "")
+    node = current.rsplit(" (", 1)[0]
+    return f"python -m pytest '{node}'" if node else ""
+
+
+def elementwise_error(value, truth) -> np.ndarray:
+    """``|value - truth|`` under the module's NaN/Inf rule: 0 where they agree, +inf where one
+    side is NaN or infinite and they do not."""
+    value = np.asarray(value, dtype=np.float64)
+    truth = np.asarray(truth, dtype=np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        agree = (value == truth) | (np.isnan(value) & np.isnan(truth))
+        error = np.abs(value - truth)
+    error = np.where(np.isfinite(value) & np.isfinite(truth), error, np.inf)
+    return np.where(agree, 0.0, error)
+
+
+def _label(what, case) -> str:
+    return f"{what} [{case}]" if case else str(what)
+
+
+def _fail(lines):
+    __tracebackhide__ = True
+    repro = reproduction()
+    raise AssertionError("\n  ".join([*lines, *([f"reproduce: {repro}"] if repro else [])]))
+
+
+def _element(name, index, value, truth, dtype) -> str:
+    v, t = float(value[index]), float(truth[index])
+    ulps = float(ulp_distance(v, t, dtype))
+    return (f"worst element {name}[{', '.join(map(str, index))}]: value {v!r}, truth {t!r}, "
+            f"{ulps:.3g} ulp of {dtype}")
+
+
+def _arrays(value, truth, label):
+    __tracebackhide__ = True
+    value = np.asarray(value, dtype=np.float64)
+    truth = np.asarray(truth, dtype=np.float64)
+    if value.shape != truth.shape:
+        _fail([f"{label}: shape {value.shape}, truth has shape {truth.shape}"])
+    return value, truth
+
+
+def assert_same_bits(value, truth, *, what, case="", check_dtype=False):
+    """Bit-for-bit equality: equal values with equal signs (``-0.0 != 0.0``), NaN == NaN.
+
+    ``check_dtype`` also requires ``value.dtype == truth.dtype`` (both arrays).
+    """
+    __tracebackhide__ = True
+    label = _label(what, case)
+    if check_dtype and np.asarray(value).dtype != np.asarray(truth).dtype:
+        _fail([f"{label}: dtype {np.asarray(value).dtype}, truth has dtype "
+               f"{np.asarray(truth).dtype}"])
+    value, truth = _arrays(value, truth, label)
+    same = ((value == truth) & (np.signbit(value) == np.signbit(truth))) | (
+        np.isnan(value) & np.isnan(truth))
+    if not same.all():
+        index = tuple(int(i) for i in np.argwhere(~same)[0])
+        _fail([f"{label}: {int((~same).sum())} of {same.size} elements differ "
+               f"(threshold: bit for bit)",
+               "first " + _element(str(what), index, value, truth, "float64")])
+
+
+def assert_within(value, truth, bound, *, what, case="", ulps=0.0, dtype="float64"):
+    """Every element within its threshold: ``error <= bound + ulps * ulp(truth, dtype)``.
+
+    ``bound`` is a scalar or an array broadcastable to the truth; the error follows the
+    module's NaN/Inf rule. The message reports the element with the largest error/threshold.
+    """
+    __tracebackhide__ = True
+    label = _label(what, case)
+    value, truth = _arrays(value, truth, label)
+    threshold = np.broadcast_to(np.asarray(bound, dtype=np.float64), truth.shape)
+    if ulps:
+        threshold = threshold + ulps * ulp(np.where(np.isfinite(truth), truth, 0.0), dtype)
+    error = elementwise_error(value, truth)
+    over = ~(error <= threshold) | np.isinf(error)
+    if over.any():
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(over, error / threshold, 0.0)
+        ratio = np.where(np.isnan(ratio), np.inf, ratio)
+        index = tuple(int(i) for i in np.unravel_index(int(np.argmax(ratio)), ratio.shape))
+        _fail([f"{label}: {int(over.sum())} of {over.size} elements over the threshold",
+               _element(str(what), index, value, truth, dtype),
+               f"error {error[index]:.3e} > threshold {threshold[index]:.3e}"])
+
+
+def assert_norm_within(value, truth, bound, *, what, case="", per_sample=False):
+    """``||value - truth||_2 <= bound``; with ``per_sample`` one norm per index of axis 0
+    (``bound`` then a scalar or one bound per sample).
+
+    NaN or Inf disagreements make the norm +inf (the module's rule). The message names the
+    worst sample and its worst element.
+    """
+    __tracebackhide__ = True
+    label = _label(what, case)
+    value, truth = _arrays(value, truth, label)
+    error = elementwise_error(value, truth)
+    rows = error.reshape(len(error), -1) if per_sample else error.reshape(1, -1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        norms = np.sqrt((rows * rows).sum(axis=-1))
+    norms = np.where(np.isnan(norms), np.inf, norms)
+    limits = np.broadcast_to(np.asarray(bound, dtype=np.float64), norms.shape)
+    over = ~(norms <= limits) | np.isinf(norms)
+    if over.any():
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(over, norms / limits, 0.0)
+        sample = int(np.argmax(np.where(np.isnan(ratio), np.inf, ratio)))
+        flat = int(np.argmax(rows[sample]))
+        shape = value.shape[1:] if per_sample else value.shape
+        index = ((sample,) if per_sample else ()) + tuple(
+            int(i) for i in np.unravel_index(flat, shape))
+        where = f"sample {sample}: " if per_sample else ""
+        _fail([f"{label}: {where}2-norm error {norms[sample]:.3e} > bound "
+               f"{limits[sample]:.3e}",
+               _element(str(what), index, value, truth, "float64")])

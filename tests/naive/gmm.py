@@ -1,0 +1,150 @@
+"""Loop twins of refattn.gmm (Movellan & Gabbur): EM attention, key and prior adaptation.
+
+Loop-level mpmath evaluations written from the paper's equations at :data:`DPS` digits, one
+batch element at a time; nothing here imports refattn.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import mpmath
+import numpy as np
+
+from .mp import (
+    exact_div,
+    exact_mul,
+    exact_sum,
+    lse,
+    mp,
+    per_unit,
+    softmax_weights,
+    squared_distance,
+)
+
+__all__ = ["DPS", "naive_gmm", "naive_adapt_keys", "naive_adapt_priors", "naive_log_prior",
+           "naive_query_terms", "naive_value_terms"]
+
+#: Decimal digits of the twins' mpmath evaluations.
+DPS = 60
+
+
+def naive_log_prior(prior, keys, values, alpha, beta):
+    units = len(keys)
+    if isinstance(prior, str) and prior == "uniform":
+        return [mpmath.mpf(0)] * units
+    if isinstance(prior, str):  # magnitude, eq. (15) up to log k
+        return [alpha[u] / 2 * squared_distance(keys[u], 0 * keys[u])
+                + beta[u] / 2 * squared_distance(values[u], 0 * values[u]) for u in range(units)]
+    return [-mpmath.inf if np.isneginf(x) else mp(x) for x in prior]
+
+
+def naive_query_terms(q_row, keys, values, alpha, beta, prior):
+    """log p(u) + log p(q | u) with the full Gaussian normaliser, eq. (7)."""
+    dim = len(q_row)
+    log_p = naive_log_prior(prior, keys, values, alpha, beta)
+    return [log_p[u] + dim / mpmath.mpf(2) * mpmath.log(alpha[u] / (2 * mpmath.pi))
+            - alpha[u] / 2 * squared_distance(q_row, keys[u]) for u in range(len(keys))]
+
+
+def naive_value_terms(v, values, beta):
+    dim_v = len(v)
+    return [dim_v / mpmath.mpf(2) * mpmath.log(beta[u] / (2 * mpmath.pi))
+            - beta[u] / 2 * squared_distance(v, values[u]) for u in range(len(values))]
+
+
+def naive_gmm(q, keys, values, *, alpha, beta, prior="uniform", v_init=None, iters=1):
+    """Eqs. (13)-(14) for every query row, with v_init None -> w = p(u | q). Returns
+    (values list of lists, trace list of lists) of mpf; trace only where beta > 0."""
+    units = len(keys)
+    beta_in = np.broadcast_to(np.asarray(beta, dtype=np.float64), (units,))
+    with mpmath.workdps(DPS):
+        alpha_u, beta_u = per_unit(alpha, units), per_unit(beta, units)
+        out, traces = [], []
+        for i, q_row in enumerate(q):
+            a = naive_query_terms(q_row, keys, values, alpha_u, beta_u, prior)
+            v = None if v_init is None else list(v_init[i])
+            trace = []
+            for _ in range(iters):
+                if v is None or all(b == 0 for b in beta_u):
+                    logits = a
+                else:
+                    logits = [s + t for s, t in zip(a, naive_value_terms(v, values, beta_u),
+                                                    strict=True)]
+                weights = softmax_weights(logits)
+                if len(set(beta_u)) > 1:  # the root of eq. (12) with per-unit beta
+                    weights = [exact_mul(w, b) for w, b in zip(weights, beta_in, strict=True)]
+                total = exact_sum(weights)
+                v = [exact_div(exact_sum(exact_mul(weights[u], values[u][e])
+                                         for u in range(units)), total)
+                     for e in range(values.shape[1])]
+                if all(b > 0 for b in beta_u):
+                    joint = [s + t for s, t in zip(a, naive_value_terms(v, values, beta_u),
+                                                   strict=True)]
+                    trace.append(lse(joint) - lse(a))
+            out.append(v)
+            traces.append(trace)
+        return out, traces
+
+
+def naive_adapt_keys(queries, keys0, *, alpha, gamma, prior, iters, form):
+    units, dim = keys0.shape
+    with mpmath.workdps(DPS):
+        alpha_u = per_unit(alpha, units)
+        alpha_in = np.broadcast_to(np.asarray(alpha, dtype=np.float64), (units,))
+        gamma_u = np.broadcast_to(np.asarray(gamma, dtype=np.float64), (units,))
+        xi0 = [list(row) for row in keys0]
+        xi = [row[:] for row in xi0]
+        for _ in range(iters):
+            weights = []
+            for q_row in queries:
+                log_p = ([alpha_u[u] / 2 * mpmath.fsum(mp(x) ** 2 for x in xi[u])
+                          for u in range(units)]
+                         if prior == "magnitude" else [mpmath.mpf(0)] * units)
+                logits = [log_p[u] + dim / mpmath.mpf(2) * mpmath.log(alpha_u[u])
+                          - alpha_u[u] / 2 * squared_distance(xi[u], q_row) for u in range(units)]
+                weights.append(softmax_weights(logits))
+            new = []
+            for k in range(units):
+                if math.isinf(gamma_u[k]):
+                    new.append(xi0[k][:])
+                    continue
+                g, a = gamma_u[k], alpha_in[k]
+                total = exact_sum(w[k] for w in weights)
+                sums = [exact_sum(exact_mul(w[k], q[d])
+                                  for w, q in zip(weights, queries, strict=True))
+                        for d in range(dim)]
+                if form == "paper":
+                    new.append([exact_div(exact_sum([exact_mul(g, xi0[k][d]),
+                                                     exact_mul(a, exact_div(sums[d], total))]),
+                                          exact_sum([a, g])) for d in range(dim)])
+                else:
+                    new.append([exact_div(exact_sum([exact_mul(g, xi0[k][d]),
+                                                     exact_mul(a, sums[d])]),
+                                          exact_sum([g, exact_mul(a, total)]))
+                                for d in range(dim)])
+            xi = new
+        return xi
+
+
+def naive_adapt_priors(queries, keys, *, alpha, eta, pi0, iters, form):
+    units, dim = keys.shape
+    with mpmath.workdps(DPS):
+        alpha_u = per_unit(alpha, units)
+        total0 = exact_sum(pi0)
+        pi = [exact_div(p, total0) for p in pi0]
+        eta_u = [exact_mul(eta, p) for p in pi] if np.ndim(eta) == 0 else list(eta)
+        for _ in range(iters):
+            w_bar = [Fraction(0)] * units
+            for q_row in queries:
+                logits = [(mpmath.log(mp(pi[u])) if pi[u] > 0 else -mpmath.inf)
+                          + dim / mpmath.mpf(2) * mpmath.log(alpha_u[u])
+                          - alpha_u[u] / 2 * squared_distance(q_row, keys[u]) for u in range(units)]
+                weights = softmax_weights(logits)
+                w_bar = [exact_sum([w_bar[u], weights[u]]) for u in range(units)]
+            mass = ([exact_mul(w_bar[k], exact_sum([1, eta_u[k]])) for k in range(units)]
+                    if form == "paper" else [exact_sum([w_bar[k], eta_u[k]]) for k in range(units)])
+            norm = exact_sum(mass)
+            pi = [exact_div(m, norm) for m in mass]
+        return pi

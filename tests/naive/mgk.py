@@ -1,0 +1,117 @@
+"""Loop twins of refattn.mgk (Nguyen et al. 2022): MGK attention, its EM update, linear MLK.
+
+Loop-level mpmath evaluations at :data:`~naive.gmm.DPS` digits, one batch element at a time;
+nothing here imports refattn.
+"""
+
+from __future__ import annotations
+
+import mpmath
+import numpy as np
+
+from .gmm import DPS
+from .mp import exact_div, exact_mul, exact_sum, lse, mp, softmax_weights
+
+__all__ = ["naive_allowed", "naive_mgk", "naive_em", "naive_linear"]
+
+
+def naive_allowed(length, keys, *, mask=None, causal=False, window=None, align="top_left"):
+    offset = 0 if align == "top_left" else keys - length
+    out = np.zeros((length, keys), dtype=bool)
+    for i in range(length):
+        for j in range(keys):
+            ok = mask is None or bool(mask[i][j])
+            if causal and j > i + offset:
+                ok = False
+            if window is not None:
+                left, right = window
+                if left is not None and j < i + offset - left:
+                    ok = False
+                if right is not None and j > i + offset + right:
+                    ok = False
+            out[i, j] = ok
+    return out
+
+
+def _component(q_row, k, s2, log_p, mode, normalized):
+    dim = len(q_row)
+    term = -mpmath.fsum((mp(a) - mp(b)) ** 2 for a, b in zip(q_row, k, strict=True)) / (2 * s2)
+    if normalized:
+        term -= dim / mpmath.mpf(2) * mpmath.log(2 * mpmath.pi * s2)
+    if mode == "soft":
+        term += log_p
+    return term
+
+
+def naive_mgk(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=False, mask=None,
+              causal=False, window=None, align="top_left"):
+    length, (units, comps) = len(q), keys.shape[:2]
+    allowed = naive_allowed(length, units, mask=mask, causal=causal, window=window, align=align)
+    s2 = np.broadcast_to(np.asarray(sigma2, dtype=np.float64), (units, comps))
+    with mpmath.workdps(DPS):
+        out = []
+        for i in range(length):
+            scores = {}
+            for j in range(units):
+                if not allowed[i, j]:
+                    continue
+                terms = []
+                for r in range(comps):
+                    log_p = (-mpmath.log(comps) if log_pi is None else
+                             (-mpmath.inf if np.isneginf(log_pi[j][r]) else mp(log_pi[j][r])))
+                    if mode == "soft" and log_p == -mpmath.inf:
+                        continue
+                    terms.append(_component(q[i], keys[j][r], mp(s2[j][r]), log_p, mode,
+                                            normalized))
+                scores[j] = lse(terms) if mode == "soft" else max(terms)
+            if not scores:
+                out.append([mpmath.mpf(0)] * v.shape[1])
+                continue
+            weights = dict(zip(scores, softmax_weights(list(scores.values())), strict=True))
+            out.append([exact_sum(exact_mul(w, v[j][e]) for j, w in weights.items())
+                        for e in range(v.shape[1])])
+        return out
+
+
+def naive_em(q, keys, *, log_pi, sigma2, mask=None):
+    length, (units, comps) = len(q), keys.shape[:2]
+    allowed = naive_allowed(length, units, mask=mask)
+    s2 = np.broadcast_to(np.asarray(sigma2, dtype=np.float64), (units, comps))
+    with mpmath.workdps(DPS):
+        resp = [[[mpmath.mpf(0)] * comps for _ in range(units)] for _ in range(length)]
+        for i in range(length):
+            terms = {(j, r): _component(q[i], keys[j][r], mp(s2[j][r]), mp(log_pi[j][r]),
+                                        "soft", True)
+                     for j in range(units) for r in range(comps) if allowed[i, j]}
+            if not terms:
+                continue
+            for (j, r), w in zip(terms, softmax_weights(list(terms.values())), strict=True):
+                resp[i][j][r] = w
+        pi = []
+        for j in range(units):
+            den = exact_sum(resp[i][j][r] for i in range(length) for r in range(comps))
+            pi.append([exact_div(exact_sum(resp[i][j][r] for i in range(length)), den) if den else
+                       mpmath.exp(mp(log_pi[j][r])) for r in range(comps)])
+        return pi, resp
+
+
+def _phi(x):
+    x = mp(x)
+    return x + 1 if x > 0 else mpmath.exp(x)
+
+
+def naive_linear(q, keys, v, *, pi, causal=False):
+    units, comps, dim = keys.shape
+    with mpmath.workdps(DPS):
+        mixed = [[mpmath.fsum(mp(pi[j][r]) * _phi(keys[j][r][d]) for r in range(comps))
+                  for d in range(dim)] for j in range(units)]
+        out = []
+        for i in range(len(q)):
+            phi_q = [_phi(x) for x in q[i]]
+            stop = min(i, units - 1) + 1 if causal else units
+            kernels = [mpmath.fsum(a * b for a, b in zip(phi_q, mixed[j], strict=True))
+                       for j in range(stop)]
+            den = mpmath.fsum(kernels)
+            out.append([mpmath.fsum(kernels[j] * mp(v[j][e]) for j in range(stop)) / den
+                        for e in range(v.shape[1])])
+        return out

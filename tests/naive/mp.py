@@ -1,0 +1,98 @@
+"""mpmath arithmetic shared by the naive twins of the variants (no refattn code).
+
+Exact where possible: inputs are taken at their exact binary values, sums and products of exact
+numbers stay exact Fractions, anything else is an mpf at the caller's ``mpmath.workdps``.
+
+Examples
+--------
+>>> exact_sum([0.1, 0.2]) == exact_fraction(0.1) + exact_fraction(0.2)
+True
+>>> [float(w) for w in softmax_weights([mp(1), mp(1)])]
+[0.5, 0.5]
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import mpmath
+import numpy as np
+
+__all__ = ["mp", "exact_fraction", "per_unit", "squared_distance", "lse", "softmax_weights",
+           "exact_sum", "exact_mul", "exact_div"]
+
+
+def mp(x):
+    """An mpf holding the exact value of a float / int, or a Fraction rounded at DPS."""
+    if isinstance(x, Fraction):
+        return mpmath.mpf(x.numerator) / x.denominator
+    if isinstance(x, mpmath.mpf):
+        return x
+    return mpmath.mpf(float(x))
+
+
+def exact_fraction(x):
+    """The exact Fraction of a float input or a Fraction (None for an mpf: not exact)."""
+    if isinstance(x, Fraction):
+        return x
+    if isinstance(x, mpmath.mpf):
+        return None
+    return Fraction(float(x))
+
+
+def per_unit(value, units):
+    arr = np.broadcast_to(np.asarray(value, dtype=np.float64), (units,))
+    return [mp(x) for x in arr]
+
+
+def squared_distance(x, y):
+    return mpmath.fsum((mp(a) - mp(b)) ** 2 for a, b in zip(x, y, strict=True))
+
+
+def lse(terms):
+    terms = [t for t in terms if t != -mpmath.inf]
+    top = max(terms)
+    return top + mpmath.log(mpmath.fsum(mpmath.exp(t - top) for t in terms))
+
+
+def softmax_weights(logits):
+    """Softmax weights; exactly Fraction(1, n) when every present logit is the same number
+    (a tie: the exact results may then sit on a rounding midpoint, which a 60-digit
+    approximation of 1/n cannot settle)."""
+    present = [s for s in logits if s != -mpmath.inf]
+    if all(s == present[0] for s in present):
+        share = Fraction(1, len(present))
+        return [Fraction(0) if s == -mpmath.inf else share for s in logits]
+    top = max(present)
+    raw = [mpmath.mpf(0) if s == -mpmath.inf else mpmath.exp(s - top) for s in logits]
+    total = mpmath.fsum(raw)
+    return [r / total for r in raw]
+
+
+def exact_sum(terms):
+    """Exact Fraction sum when every term is exact, else an mpf sum."""
+    terms = list(terms)
+    exact = [exact_fraction(t) for t in terms]
+    if all(t is not None for t in exact):
+        return sum(exact, Fraction(0))
+    return mpmath.fsum(mp(t) for t in terms)
+
+
+def exact_mul(*factors):
+    exact = [exact_fraction(f) for f in factors]
+    if all(f is not None for f in exact):
+        out = Fraction(1)
+        for f in exact:
+            out *= f
+        return out
+    out = mpmath.mpf(1)
+    for f in factors:
+        out *= mp(f)
+    return out
+
+
+def exact_div(a, b):
+    qa, qb = exact_fraction(a), exact_fraction(b)
+    if qa is not None and qb is not None:
+        return qa / qb
+    return mp(a) / mp(b)
