@@ -210,3 +210,38 @@ def mgk_problems(draw, max_length=3, max_keys=4, max_components=3, max_dim=2, ma
     if draw(_st.booleans()):
         opts["mask"] = rng.random((length, keys_n)) < 0.7
     return q, keys, v, opts
+
+
+@_st.composite
+def gmm_cases(draw, max_iters=3, need_trace=False, batched=True):
+    """Keyword dict of one refattn.gmm.attention call (q, keys, values, alpha, beta, prior,
+    v_init, iters) plus the input ``style``; ``need_trace`` keeps beta > 0."""
+    q, keys, values, style = draw(mixture_problems(batched=batched))
+    units = keys.shape[-2]
+    batch = keys.shape[:-2]
+    alpha = draw(unit_parameters(units, batch=batch))
+    beta = draw(unit_parameters(units, low=0.05, high=0.5, batch=batch))
+    if not need_trace and draw(_st.booleans()):
+        beta = 0.0
+    prior = draw(_st.sampled_from(["uniform", "magnitude", "array"]))
+    if prior == "array":
+        rng = _np.random.default_rng(draw(_st.integers(0, 2**32 - 1)))
+        prior = rng.standard_normal(batch + (units,))
+        if units > 1 and draw(_st.booleans()):
+            prior[..., -1] = -_np.inf
+    v_init = None
+    if draw(_st.booleans()) and _np.max(beta) > 0:
+        v_init = _np.zeros(q.shape[:-1] + (values.shape[-1],)) + values[..., :1, :]
+    iters = draw(_st.integers(1, max_iters))
+    return dict(q=q, keys=keys, values=values, alpha=alpha, beta=beta, prior=prior,
+                v_init=v_init, iters=iters, style=style)
+
+
+@_st.composite
+def linear_problems(draw):
+    """(q, keys, v, pi) for refattn.mgk.linear_attention: an mgk problem with a strictly
+    positive component distribution pi (S, R)."""
+    q, keys, v, _ = draw(mgk_problems())
+    rng = _np.random.default_rng(draw(_st.integers(0, 2**32 - 1)))
+    pi = rng.uniform(0.0, 1.0, keys.shape[:2]) + 1e-3
+    return q, keys, v, pi / pi.sum(-1, keepdims=True)

@@ -1,6 +1,6 @@
 """Tests of refattn.gmm (Movellan & Gabbur): EM attention, log posterior, key/prior adaptation.
 
-Truth is a loop-level mpmath evaluation written here from the paper's equations (60 digits,
+Truth is the loop-level mpmath twin of tests/naive/gmm.py, from the paper's equations (60 digits,
 independent of refattn); the exact path must equal it rounded once, the float64 path must lie
 within the documented first-order bounds of oracle.tolerance.
 """
@@ -30,7 +30,8 @@ from tests.naive.gmm import (
 )
 from tests.naive.mp import exact_div, exact_mul, exact_sum, lse, mp, per_unit, softmax_weights
 from tests.naive.rounding import round_nested
-from tests.strategies import mixture_problems, unit_parameters
+from tests.registry import gmm_term_scale
+from tests.strategies import gmm_cases, mixture_problems
 
 # --------------------------------------------------------------------------------------------
 # Problem builders
@@ -42,90 +43,24 @@ def _first(x):
     return x[0] if x.ndim == 3 else x
 
 
-def _term_scale(q, keys, values, alpha, beta, prior):
-    """Sum of |terms| of any logit of the float64 path (a generous a-priori scale)."""
-    alpha_max = float(np.max(alpha))
-    beta_max = float(np.max(beta))
-    reach = np.abs(q).max() + np.abs(keys).max()
-    vreach = 2 * np.abs(values).max() + 1
-    scale = alpha_max * q.shape[-1] * reach**2 + beta_max * values.shape[-1] * vreach**2
-    scale += q.shape[-1] * abs(math.log(np.min(alpha))) + q.shape[-1] * abs(math.log(alpha_max))
-    if np.min(beta) > 0:
-        scale += values.shape[-1] * (abs(math.log(np.min(beta))) + abs(math.log(beta_max)) + 2)
-    if not isinstance(prior, str):
-        scale += np.abs(prior[np.isfinite(prior)]).max(initial=0.0)
-    return float(scale)
-
-
-@st.composite
-def gmm_cases(draw, max_iters=3, need_trace=False, batched=True):
-    q, keys, values, style = draw(mixture_problems(batched=batched))
-    units = keys.shape[-2]
-    batch = keys.shape[:-2]
-    alpha = draw(unit_parameters(units, batch=batch))
-    beta = draw(unit_parameters(units, low=0.05, high=0.5, batch=batch))
-    if not need_trace and draw(st.booleans()):
-        beta = 0.0
-    prior = draw(st.sampled_from(["uniform", "magnitude", "array"]))
-    if prior == "array":
-        rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-        prior = rng.standard_normal(batch + (units,))
-        if units > 1 and draw(st.booleans()):
-            prior[..., -1] = -np.inf
-    v_init = None
-    if draw(st.booleans()) and np.max(beta) > 0:
-        v_init = np.zeros(q.shape[:-1] + (values.shape[-1],)) + values[..., :1, :]
-    iters = draw(st.integers(1, max_iters))
-    return dict(q=q, keys=keys, values=values, alpha=alpha, beta=beta, prior=prior,
-                v_init=v_init, iters=iters, style=style)
-
-
 def _call(case, **extra):
     kwargs = {k: case[k] for k in ("alpha", "beta", "prior", "v_init", "iters")}
     kwargs.update(extra)
     return gmm.attention(case["q"], case["keys"], case["values"], **kwargs)
 
 
-def _naive_case(case):
-    """naive_gmm on every batch element (batch axis of length 0 or 1 level)."""
-    q = case["q"]
-    if q.ndim == 2:
-        return naive_gmm(q, case["keys"], case["values"], alpha=case["alpha"], beta=case["beta"],
-                         prior=case["prior"], v_init=case["v_init"], iters=case["iters"])
-    outs, traces = [], []
-    for b in range(q.shape[0]):
-        def pick(x, b=b):
-            return x if np.ndim(x) == 0 or isinstance(x, str) else x[b]
-        out, trace = naive_gmm(q[b], case["keys"][b], case["values"][b],
-                               alpha=pick(case["alpha"]), beta=pick(case["beta"]),
-                               prior=pick(case["prior"]),
-                               v_init=None if case["v_init"] is None else case["v_init"][b],
-                               iters=case["iters"])
-        outs.append(out)
-        traces.append(trace)
-    return outs, traces
-
-
 # --------------------------------------------------------------------------------------------
-# attention: exact path == mpmath truth rounded once
+# attention: exact path == mpmath truth rounded once (random cases: tests/test_registry.py)
 # --------------------------------------------------------------------------------------------
-
-
-@settings(max_examples=40)
-@given(case=gmm_cases())
-def test_exact_is_correctly_rounded(case):
-    out = _call(case, precision="exact")
-    truth, _ = _naive_case(case)
-    assert_same_bits(out, round_nested(truth), what=f"gmm.attention exact ({case['style']}, prior "
-                     f"{case['prior'] if isinstance(case['prior'], str) else 'array'}, iters "
-                     f"{case['iters']})")
 
 
 @settings(max_examples=20)
 @given(case=gmm_cases(need_trace=True, batched=False))
 def test_exact_trace_is_correctly_rounded(case):
     res = _call(case, precision="exact", return_trace=True)
-    _, trace = _naive_case(case)
+    _, trace = naive_gmm(case["q"], case["keys"], case["values"], alpha=case["alpha"],
+                         beta=case["beta"], prior=case["prior"], v_init=case["v_init"],
+                         iters=case["iters"])
     assert_same_bits(res.trace, round_nested(trace), what="gmm.attention exact trace")
     assert (res.iterations == case["iters"]).all()
 
@@ -154,20 +89,8 @@ def test_exact_takes_inputs_at_their_binary_value(rng):
 
 
 # --------------------------------------------------------------------------------------------
-# attention: float64 path within its bound
+# attention: float64 path within its bound (one iteration: tests/test_registry.py)
 # --------------------------------------------------------------------------------------------
-
-
-@settings(max_examples=20)
-@given(case=gmm_cases(max_iters=1))
-def test_float64_within_bound_one_iteration(case):
-    fast = _call(case)
-    exact = _call(case, precision="exact")
-    scale = _term_scale(case["q"], case["keys"], case["values"], case["alpha"], case["beta"],
-                        case["prior"])
-    bound = mixture_bound(scale, case["keys"].shape[-2], case["q"].shape[-1]
-                          + case["values"].shape[-1], np.abs(case["values"]).max())
-    assert_within(fast, exact, bound, what=f"gmm.attention float64 ({case['style']})")
 
 
 @settings(max_examples=30)
@@ -175,7 +98,7 @@ def test_float64_within_bound_one_iteration(case):
 def test_float64_within_bound_iterated(case):
     fast = _call(case)
     exact = _call(case, precision="exact")
-    scale = _term_scale(case["q"], case["keys"], case["values"], case["alpha"], case["beta"],
+    scale = gmm_term_scale(case["q"], case["keys"], case["values"], case["alpha"], case["beta"],
                         case["prior"])
     values = case["values"]
     step = mixture_bound(scale, values.shape[-2], case["q"].shape[-1] + values.shape[-1],
@@ -206,7 +129,7 @@ def test_magnitude_prior_beta0_is_softmax_attention_bit_for_bit(problem, alpha):
 @given(case=gmm_cases(max_iters=6, need_trace=True))
 def test_em_trace_never_decreases_float64(case):
     res = _call(case, return_trace=True)
-    scale = _term_scale(case["q"], case["keys"], case["values"], case["alpha"], case["beta"],
+    scale = gmm_term_scale(case["q"], case["keys"], case["values"], case["alpha"], case["beta"],
                         case["prior"])
     slack = 4 * logit_lse_bound(scale, case["keys"].shape[-2], case["q"].shape[-1]
                                 + case["values"].shape[-1], scale)
@@ -279,7 +202,7 @@ def test_underflowing_scores_stay_finite(rng):
     exact = gmm.attention(q, keys, values, alpha=1.0, precision="exact")
     truth, _ = naive_gmm(q, keys, values, alpha=1.0, beta=0.0)
     assert_same_bits(exact, round_nested(truth), what="gmm exact at scores ~ -1e4")
-    scale = _term_scale(q, keys, values, 1.0, 0.0, "uniform")
+    scale = gmm_term_scale(q, keys, values, 1.0, 0.0, "uniform")
     assert_within(fast, exact, mixture_bound(scale, 3, 2, np.abs(values).max()),
                   what="gmm float64 at scores ~ -1e4")
 
@@ -312,7 +235,7 @@ def test_log_posterior_exact_and_float64(rng):
             truth.append(lse([s + t for s, t in zip(a, b, strict=True)]) - lse(a))
     assert_same_bits(exact, round_nested(truth), what="gmm.log_posterior exact")
     fast = gmm.log_posterior(v, q, keys, values, alpha=alpha, beta=beta)
-    scale = _term_scale(q, keys, values, alpha, beta, "uniform") + np.abs(v).max() ** 2 * 4
+    scale = gmm_term_scale(q, keys, values, alpha, beta, "uniform") + np.abs(v).max() ** 2 * 4
     assert_within(fast, exact, 2 * logit_lse_bound(scale, 4, 4, scale),
                   what="gmm.log_posterior float64")
 
@@ -336,7 +259,7 @@ def test_adapt_keys_exact_and_float64(problem, gamma, form, prior, iters):
                      what=f"adapt_keys exact ({style}, {form}, gamma={gamma})")
     if iters == 1:
         fast = gmm.adapt_keys(q, keys, alpha=0.8, gamma=gamma, prior=prior, form=form)
-        scale = _term_scale(q, keys, keys, 0.8, 0.0, "uniform")
+        scale = gmm_term_scale(q, keys, keys, 0.8, 0.0, "uniform")
         magnitude = np.abs(q).max() + np.abs(keys).max()
         bound = mixture_bound(scale, q.shape[0] + keys.shape[0], q.shape[1], magnitude)
         if form == "map":
@@ -415,7 +338,7 @@ def test_adapt_priors_exact_and_float64(problem, eta, form, iters):
     assert_same_bits(exact, round_nested(truth),
                      what=f"adapt_priors exact ({style}, {form}, eta={eta})")
     fast = gmm.adapt_priors(q, keys, alpha=0.8, eta=eta, pi0=pi0, iters=iters, form=form)
-    scale = _term_scale(q, keys, keys, 0.8, 0.0, "uniform") + 2 * abs(math.log(units) + 1)
+    scale = gmm_term_scale(q, keys, keys, 0.8, 0.0, "uniform") + 2 * abs(math.log(units) + 1)
     bound = iterated_bound(mixture_bound(scale, q.shape[0] + units, q.shape[1], 2.0), 2, iters)
     assert_within(fast, exact, bound, what=f"adapt_priors float64 ({style}, {form})")
     assert abs(fast.sum() - 1) <= mixture_bound(0.0, units, 0, 1.0)

@@ -28,9 +28,8 @@ from hypothesis import strategies as st
 from oracle.tolerance import gamma, iterated_bound, logit_lse_bound, mixture_bound
 from refattn import gmm, mgk
 from tests.helpers import assert_same_bits, assert_within
-from tests.test_gmm import _term_scale as gmm_term_scale
-from tests.test_gmm import gmm_cases
-from tests.test_mgk import _term_scale as mgk_term_scale
+from tests.registry import gmm_term_scale, mgk_term_scale
+from tests.strategies import gmm_cases
 
 ROOT = Path(__file__).resolve().parents[1]
 JITLESS = os.environ.get("NUMBA_DISABLE_JIT") == "1"

@@ -1,6 +1,6 @@
 """Tests of refattn.mgk (Transformer-MGK / MLK, Nguyen et al. 2022).
 
-Truth is a loop-level mpmath evaluation written here (60 digits, the Gaussian exponent with its
+Truth is the loop-level mpmath twin of tests/naive/mgk.py (60 digits, the Gaussian exponent with its
 minus sign, the allowed set from docs/conventions.md), independent of refattn.
 """
 
@@ -17,53 +17,15 @@ from oracle.tolerance import mixture_bound, ratio_bound
 from refattn import mgk
 from refattn.attention import attention
 from tests.helpers import assert_same_bits, assert_within
-from tests.naive.mgk import naive_em, naive_linear, naive_mgk
+from tests.naive.mgk import naive_em, naive_mgk
 from tests.naive.rounding import round_nested
-from tests.strategies import mgk_problems
+from tests.registry import mgk_term_scale
+from tests.strategies import linear_problems, mgk_problems
 
 # --------------------------------------------------------------------------------------------
-# Loop-level references
+# attention (random cases, exact vs the naive twin and float64 vs its bound, and the same for
+# linear_attention: tests/test_registry.py)
 # --------------------------------------------------------------------------------------------
-
-
-def _term_scale(q, keys, opts):
-    s2 = np.asarray(opts.get("sigma2", 1.0))
-    reach = (np.abs(q).max() + np.abs(keys).max()) ** 2 * q.shape[-1]
-    scale = reach / (2 * s2.min())
-    scale += q.shape[-1] * (abs(math.log(2 * math.pi * s2.min()))
-                            + abs(math.log(2 * math.pi * s2.max())))
-    if "log_pi" in opts:
-        scale += np.abs(opts["log_pi"]).max()
-    return float(scale + math.log(keys.shape[-2]))
-
-
-# --------------------------------------------------------------------------------------------
-# attention
-# --------------------------------------------------------------------------------------------
-
-
-@settings(max_examples=50)
-@given(problem=mgk_problems(), mode=st.sampled_from(["soft", "hard"]),
-       normalized=st.booleans())
-def test_exact_is_correctly_rounded(problem, mode, normalized):
-    q, keys, v, opts = problem
-    out = mgk.attention(q, keys, v, mode=mode, normalized=normalized, precision="exact", **opts)
-    truth = naive_mgk(q, keys, v, mode=mode, normalized=normalized, **opts)
-    assert_same_bits(out, round_nested(truth),
-                     what=f"mgk.attention exact ({mode}, normalized={normalized}, {sorted(opts)})")
-
-
-@settings(max_examples=50)
-@given(problem=mgk_problems(), mode=st.sampled_from(["soft", "hard"]),
-       normalized=st.booleans())
-def test_float64_within_bound(problem, mode, normalized):
-    q, keys, v, opts = problem
-    fast = mgk.attention(q, keys, v, mode=mode, normalized=normalized, **opts)
-    exact = mgk.attention(q, keys, v, mode=mode, normalized=normalized, precision="exact",
-                          **opts)
-    bound = mixture_bound(_term_scale(q, keys, opts), keys.shape[0] * keys.shape[1],
-                          q.shape[-1] + 2, np.abs(v).max())
-    assert_within(fast, exact, bound, what=f"mgk.attention float64 ({mode})")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -138,7 +100,7 @@ def test_underflowing_scores_stay_finite(rng):
     fast = mgk.attention(q, keys, v)
     exact = mgk.attention(q, keys, v, precision="exact")
     assert_same_bits(exact, round_nested(naive_mgk(q, keys, v)), what="mgk exact at scores ~ -1e4")
-    assert_within(fast, exact, mixture_bound(_term_scale(q, keys, {}), 6, 4, np.abs(v).max()),
+    assert_within(fast, exact, mixture_bound(mgk_term_scale(q, keys, {}), 6, 4, np.abs(v).max()),
                   what="mgk float64 at scores ~ -1e4")
 
 
@@ -169,7 +131,7 @@ def test_em_update_pi(problem):
     assert_same_bits(exact.responsibilities, round_nested(resp),
                      what="em_update_pi exact responsibilities")
     fast = mgk.em_update_pi(q, keys, log_pi=log_pi, sigma2=sigma2, mask=mask)
-    scale = _term_scale(q, keys, dict(opts, log_pi=log_pi))
+    scale = mgk_term_scale(q, keys, dict(opts, log_pi=log_pi))
     bound = mixture_bound(scale, units * comps + len(q), q.shape[-1] + 2, 2.0)
     assert_within(fast.pi, exact.pi, bound, what="em_update_pi float64 pi")
     assert_within(fast.responsibilities, exact.responsibilities, bound,
@@ -186,27 +148,6 @@ def test_em_update_pi_moves_weight_to_the_explaining_component():
 # --------------------------------------------------------------------------------------------
 # linear_attention (MLK)
 # --------------------------------------------------------------------------------------------
-
-
-@st.composite
-def linear_problems(draw):
-    q, keys, v, _ = draw(mgk_problems())
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    pi = rng.uniform(0.0, 1.0, keys.shape[:2]) + 1e-3
-    return q, keys, v, pi / pi.sum(-1, keepdims=True)
-
-
-@settings(max_examples=40)
-@given(problem=linear_problems(), causal=st.booleans())
-def test_linear_attention_exact_and_float64(problem, causal):
-    q, keys, v, pi = problem
-    exact = mgk.linear_attention(q, keys, v, pi=pi, causal=causal, precision="exact")
-    assert_same_bits(exact, round_nested(naive_linear(q, keys, v, pi=pi, causal=causal)),
-                     what=f"linear_attention exact (causal={causal})")
-    fast = mgk.linear_attention(q, keys, v, pi=pi, causal=causal)
-    n_terms = q.shape[-1] + keys.shape[1] + keys.shape[0] + 4
-    assert_within(fast, exact, ratio_bound(n_terms, np.abs(v).max()),
-                  what=f"linear_attention float64 (causal={causal})")
 
 
 @settings(max_examples=25)

@@ -1,0 +1,186 @@
+"""The table the tests parametrise over: per refattn function, its fast path, exact path,
+naive twin, a-priori bound and input strategy.
+
+Each :class:`Entry` works on a *case*, the keyword dict drawn from its ``strategy``:
+
+* ``fast(case)`` -- the float64 path; ``exact(case)`` -- the exact path (correctly rounded);
+* ``naive(case)`` -- the independent loop twin (:mod:`naive`), rounded once to float64;
+* ``bound(case)`` -- the documented a-priori bound on ``|fast - exact|`` (from
+  oracle.tolerance / refattn's bounds, never a literal);
+* ``strategy()`` / ``bound_strategy()`` -- hypothesis strategies of cases for the exactness and
+  the bound checks, with ``examples`` = (exactness, bound) example counts.
+
+``tests/test_registry.py`` runs every entry: exact == rounded twin bit for bit, fast within
+its bound of exact (one failure names the function: tests are parametrised by entry).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from hypothesis import strategies as st
+
+from oracle.tolerance import mixture_bound, ratio_bound
+from refattn import gmm, mgk
+from tests.naive.gmm import naive_gmm
+from tests.naive.mgk import naive_linear, naive_mgk
+from tests.naive.rounding import round_nested
+from tests.strategies import gmm_cases, linear_problems, mgk_problems
+
+__all__ = ["Entry", "REGISTRY", "gmm_term_scale", "mgk_term_scale"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One row of the table (see the module docstring)."""
+
+    name: str
+    fast: Callable[[dict], np.ndarray]
+    exact: Callable[[dict], np.ndarray]
+    naive: Callable[[dict], np.ndarray]
+    bound: Callable[[dict], float]
+    strategy: Callable[[], st.SearchStrategy]
+    label: Callable[[dict], str]
+    examples: tuple[int, int]
+    bound_strategy: Callable[[], st.SearchStrategy] | None = None
+
+
+# ----------------------------------------------------------------------------- gmm.attention
+
+def gmm_term_scale(q, keys, values, alpha, beta, prior):
+    """Sum of |terms| of any logit of the float64 path (a generous a-priori scale)."""
+    alpha_max = float(np.max(alpha))
+    beta_max = float(np.max(beta))
+    reach = np.abs(q).max() + np.abs(keys).max()
+    vreach = 2 * np.abs(values).max() + 1
+    scale = alpha_max * q.shape[-1] * reach**2 + beta_max * values.shape[-1] * vreach**2
+    scale += q.shape[-1] * abs(math.log(np.min(alpha))) + q.shape[-1] * abs(math.log(alpha_max))
+    if np.min(beta) > 0:
+        scale += values.shape[-1] * (abs(math.log(np.min(beta))) + abs(math.log(beta_max)) + 2)
+    if not isinstance(prior, str):
+        scale += np.abs(prior[np.isfinite(prior)]).max(initial=0.0)
+    return float(scale)
+
+
+_GMM_KEYS = ("alpha", "beta", "prior", "v_init", "iters")
+
+
+def _gmm_fast(case, **extra):
+    kwargs = {k: case[k] for k in _GMM_KEYS}
+    return gmm.attention(case["q"], case["keys"], case["values"], **kwargs, **extra)
+
+
+def _gmm_naive(case):
+    """naive_gmm on every batch element (batch axis of length 0 or 1 level)."""
+    q = case["q"]
+    if q.ndim == 2:
+        out, _ = naive_gmm(q, case["keys"], case["values"], alpha=case["alpha"],
+                           beta=case["beta"], prior=case["prior"], v_init=case["v_init"],
+                           iters=case["iters"])
+        return round_nested(out)
+    outs = []
+    for b in range(q.shape[0]):
+        def pick(x, b=b):
+            return x if np.ndim(x) == 0 or isinstance(x, str) else x[b]
+        out, _ = naive_gmm(q[b], case["keys"][b], case["values"][b], alpha=pick(case["alpha"]),
+                           beta=pick(case["beta"]), prior=pick(case["prior"]),
+                           v_init=None if case["v_init"] is None else case["v_init"][b],
+                           iters=case["iters"])
+        outs.append(out)
+    return round_nested(outs)
+
+
+def _gmm_bound(case):
+    scale = gmm_term_scale(case["q"], case["keys"], case["values"], case["alpha"], case["beta"],
+                           case["prior"])
+    return mixture_bound(scale, case["keys"].shape[-2], case["q"].shape[-1]
+                         + case["values"].shape[-1], np.abs(case["values"]).max())
+
+
+def _gmm_label(case):
+    prior = case["prior"] if isinstance(case["prior"], str) else "array"
+    return f"{case['style']}, prior {prior}, iters {case['iters']}"
+
+
+# ----------------------------------------------------------------------------- mgk.attention
+
+def mgk_term_scale(q, keys, opts):
+    """Sum of |terms| of any MGK logit of the float64 path (a generous a-priori scale)."""
+    s2 = np.asarray(opts.get("sigma2", 1.0))
+    reach = (np.abs(q).max() + np.abs(keys).max()) ** 2 * q.shape[-1]
+    scale = reach / (2 * s2.min())
+    scale += q.shape[-1] * (abs(math.log(2 * math.pi * s2.min()))
+                            + abs(math.log(2 * math.pi * s2.max())))
+    if "log_pi" in opts:
+        scale += np.abs(opts["log_pi"]).max()
+    return float(scale + math.log(keys.shape[-2]))
+
+
+@st.composite
+def _mgk_cases(draw):
+    q, keys, v, opts = draw(mgk_problems())
+    return dict(q=q, keys=keys, v=v, opts=opts, mode=draw(st.sampled_from(["soft", "hard"])),
+                normalized=draw(st.booleans()))
+
+
+def _mgk_fast(case, **extra):
+    return mgk.attention(case["q"], case["keys"], case["v"], mode=case["mode"],
+                         normalized=case["normalized"], **case["opts"], **extra)
+
+
+def _mgk_naive(case):
+    return round_nested(naive_mgk(case["q"], case["keys"], case["v"], mode=case["mode"],
+                                  normalized=case["normalized"], **case["opts"]))
+
+
+def _mgk_bound(case):
+    q, keys = case["q"], case["keys"]
+    return mixture_bound(mgk_term_scale(q, keys, case["opts"]), keys.shape[0] * keys.shape[1],
+                         q.shape[-1] + 2, np.abs(case["v"]).max())
+
+
+# ----------------------------------------------------------------------------- mgk.linear_attention
+
+
+@st.composite
+def _linear_cases(draw):
+    q, keys, v, pi = draw(linear_problems())
+    return dict(q=q, keys=keys, v=v, pi=pi, causal=draw(st.booleans()))
+
+
+def _linear_fast(case, **extra):
+    return mgk.linear_attention(case["q"], case["keys"], case["v"], pi=case["pi"],
+                                causal=case["causal"], **extra)
+
+
+def _linear_naive(case):
+    return round_nested(naive_linear(case["q"], case["keys"], case["v"], pi=case["pi"],
+                                     causal=case["causal"]))
+
+
+def _linear_bound(case):
+    q, keys = case["q"], case["keys"]
+    n_terms = q.shape[-1] + keys.shape[1] + keys.shape[0] + 4
+    return ratio_bound(n_terms, np.abs(case["v"]).max())
+
+
+# ----------------------------------------------------------------------------- the table
+
+REGISTRY: dict[str, Entry] = {e.name: e for e in [
+    Entry("gmm.attention", fast=_gmm_fast,
+          exact=lambda case: _gmm_fast(case, precision="exact"), naive=_gmm_naive,
+          bound=_gmm_bound, strategy=gmm_cases, label=_gmm_label, examples=(40, 20),
+          bound_strategy=lambda: gmm_cases(max_iters=1)),
+    Entry("mgk.attention", fast=_mgk_fast,
+          exact=lambda case: _mgk_fast(case, precision="exact"), naive=_mgk_naive,
+          bound=_mgk_bound, strategy=_mgk_cases,
+          label=lambda c: f"{c['mode']}, normalized={c['normalized']}, {sorted(c['opts'])}",
+          examples=(50, 50)),
+    Entry("mgk.linear_attention", fast=_linear_fast,
+          exact=lambda case: _linear_fast(case, precision="exact"), naive=_linear_naive,
+          bound=_linear_bound, strategy=_linear_cases,
+          label=lambda c: f"causal={c['causal']}", examples=(40, 40)),
+]}
