@@ -54,9 +54,10 @@ class Case:
     shapes : Shapes
     options : mapping
         Scalar keywords of ``refattn.attention`` (scale, causal, window, align, softcap, gqa,
-        empty_rows, dropout_p); array keywords come from :func:`make_inputs`.
+        empty_rows, dropout_p); array keywords come from :func:`oracle.catalogue.make_inputs`.
     recipe : mapping
-        How the inputs are built (see the module docstring).
+        How the inputs are built (see :mod:`oracle.catalogue.attention` and
+        :mod:`oracle.catalogue.variants`).
     seed : int
         Derived from the name (sha256), so renumbering the catalogue changes nothing.
     grads : bool

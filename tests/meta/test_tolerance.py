@@ -1,4 +1,5 @@
-"""The tolerance policy (oracle.tolerance): errors, scales, floors, thresholds, the baseline."""
+"""The tolerance policy (oracle.tolerance): errors, scales, floors, thresholds; and the
+textbook baseline it compares against (oracle.baseline)."""
 
 from __future__ import annotations
 
@@ -136,7 +137,7 @@ def test_textbook_half_types_round_to_dtype(rng, dtype):
     q, k, v, options = _make(rng, {}, dtype="float32")
     fmt_dtype = format_of(dtype).dtype
     result = baseline.textbook_attention(q.astype(fmt_dtype), k.astype(fmt_dtype),
-                                    v.astype(fmt_dtype), **options)
+                                         v.astype(fmt_dtype), **options)
     assert result.out.dtype == fmt_dtype and result.lse.dtype == fmt_dtype, result.out.dtype
 
 
@@ -147,8 +148,8 @@ def test_textbook_vjp_matches_refattn(rng):
     options.update(softcap=3.0, causal=True, align="bottom_right", gqa="tile")
     grad_out = rng.standard_normal((4, 3, 3))
     grad_lse = rng.standard_normal((4, 3))
-    ours = baseline.textbook_attention_vjp(q, k, v, grad_out, grad_lse=grad_lse, dtype="float64",
-                                      **options)
+    ours = baseline.textbook_attention_vjp(q, k, v, grad_out, grad_lse=grad_lse,
+                                           dtype="float64", **options)
     theirs = attention_vjp(q, k, v, grad_out, grad_lse=grad_lse, **options)
     _, _, weights = attention(q, k, v, return_lse=True, return_weights=True, **options)
     dropped = np.where(options["dropout_mask"], weights, 0) / (1 - options["dropout_p"])
