@@ -20,17 +20,20 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import mpmath
 import numpy as np
 from hypothesis import strategies as st
 
-from oracle.tolerance import mixture_bound, ratio_bound
-from refattn import gmm, mgk
-from tests.naive.gmm import naive_gmm
+from oracle.tolerance import logit_lse_bound, mixture_bound, ratio_bound
+from refattn import gmm, hopfield, mgk
+from tests.naive.gmm import DPS, naive_gmm
+from tests.naive.hopfield import naive_energy
 from tests.naive.mgk import naive_linear, naive_mgk
+from tests.naive.mp import mp
 from tests.naive.rounding import round_nested
-from tests.strategies import gmm_cases, linear_problems, mgk_problems
+from tests.strategies import gmm_cases, linear_problems, mgk_problems, mixture_problems
 
-__all__ = ["Entry", "REGISTRY", "gmm_term_scale", "mgk_term_scale"]
+__all__ = ["Entry", "REGISTRY", "gmm_term_scale", "mgk_term_scale", "hopfield_energy_bound"]
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,42 @@ def _linear_bound(case):
     return ratio_bound(n_terms, np.abs(case["v"]).max())
 
 
+# ----------------------------------------------------------------------------- hopfield.energy
+
+def hopfield_energy_bound(xi, X, beta):
+    """A-priori bound of the float64 energy without the constant (two lse evaluations)."""
+    scale = beta * xi.shape[-1] * np.abs(xi).max() * np.abs(X).max()
+    return (logit_lse_bound(scale, X.shape[-2], xi.shape[-1], scale + math.log(X.shape[-2]))
+            / beta + logit_lse_bound(xi.shape[-1] * np.abs(xi).max() ** 2, 1, xi.shape[-1]))
+
+
+@st.composite
+def _energy_cases(draw):
+    xi, X, _, style = draw(mixture_problems(batched=False))
+    return dict(xi=xi, X=X, style=style, beta=draw(st.sampled_from([0.25, 1.0, 4.0])),
+                constant=draw(st.booleans()))
+
+
+def _energy_fast(case, **extra):
+    return hopfield.energy(case["xi"], case["X"], beta=case["beta"], constant=case["constant"],
+                           **extra)
+
+
+def _energy_naive(case):
+    with mpmath.workdps(DPS):
+        patterns = [[mp(a) for a in row] for row in case["X"]]
+        truth = [naive_energy([mp(a) for a in row], patterns, case["beta"], case["constant"])
+                 for row in case["xi"]]
+    return round_nested(truth)
+
+
+def _energy_bound(case):
+    xi, X = case["xi"], case["X"]
+    constant = (logit_lse_bound(np.abs(X).max() ** 2 * X.shape[-1] + 1, 1, X.shape[-1])
+                if case["constant"] else 0)
+    return hopfield_energy_bound(xi, X, case["beta"]) + constant
+
+
 # ----------------------------------------------------------------------------- the table
 
 REGISTRY: dict[str, Entry] = {e.name: e for e in [
@@ -183,4 +222,9 @@ REGISTRY: dict[str, Entry] = {e.name: e for e in [
           exact=lambda case: _linear_fast(case, precision="exact"), naive=_linear_naive,
           bound=_linear_bound, strategy=_linear_cases,
           label=lambda c: f"causal={c['causal']}", examples=(40, 40)),
+    Entry("hopfield.energy", fast=_energy_fast,
+          exact=lambda case: _energy_fast(case, precision="exact"), naive=_energy_naive,
+          bound=_energy_bound, strategy=_energy_cases,
+          label=lambda c: f"{c['style']}, beta={c['beta']}, constant={c['constant']}",
+          examples=(40, 40)),
 ]}

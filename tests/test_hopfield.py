@@ -1,50 +1,27 @@
 """Tests of refattn.hopfield (Ramsauer et al. 2020, eqs. (2)-(3)): energy and retrieval.
 
-Truth is a loop-level mpmath evaluation written here (60 digits), independent of refattn.
+Truth is the loop-level mpmath twin of tests/naive/hopfield.py (60 digits), independent of
+refattn; the random energy cases (exact vs the twin, float64 vs its bound) are in
+tests/test_registry.py.
 """
 
 from __future__ import annotations
 
 import math
 
-import mpmath
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oracle.tolerance import logit_lse_bound, mixture_bound
+from oracle.tolerance import mixture_bound
 from refattn import hopfield
 from refattn.attention import attention
 from tests.helpers import assert_same_bits, assert_within
-from tests.naive.gmm import DPS
-from tests.naive.hopfield import naive_energy, naive_retrieve
-from tests.naive.mp import mp
+from tests.naive.hopfield import naive_retrieve
 from tests.naive.rounding import round_nested
+from tests.registry import hopfield_energy_bound
 from tests.strategies import mixture_problems
-
-
-def _energy_bound(xi, X, beta):
-    scale = beta * xi.shape[-1] * np.abs(xi).max() * np.abs(X).max()
-    return (logit_lse_bound(scale, X.shape[-2], xi.shape[-1], scale + math.log(X.shape[-2]))
-            / beta + logit_lse_bound(xi.shape[-1] * np.abs(xi).max() ** 2, 1, xi.shape[-1]))
-
-
-@settings(max_examples=40)
-@given(problem=mixture_problems(batched=False), beta=st.sampled_from([0.25, 1.0, 4.0]),
-       constant=st.booleans())
-def test_energy_exact_and_float64(problem, beta, constant):
-    xi, X, _, style = problem
-    exact = hopfield.energy(xi, X, beta=beta, constant=constant, precision="exact")
-    with mpmath.workdps(DPS):
-        patterns = [[mp(a) for a in row] for row in X]
-        truth = [naive_energy([mp(a) for a in row], patterns, beta, constant) for row in xi]
-    assert_same_bits(exact, round_nested(truth),
-                     what=f"hopfield.energy exact ({style}, beta={beta})")
-    fast = hopfield.energy(xi, X, beta=beta, constant=constant)
-    bound = _energy_bound(xi, X, beta) + (logit_lse_bound(np.abs(X).max() ** 2 * X.shape[-1]
-                                                          + 1, 1, X.shape[-1]) if constant else 0)
-    assert_within(fast, exact, bound, what=f"hopfield.energy float64 ({style})")
 
 
 def test_energy_constant_makes_it_nonnegative(rng):
@@ -92,7 +69,7 @@ def test_energy_never_increases(problem, beta, steps):
     steps_exact = np.diff(exact.energy, axis=-1)
     assert (steps_exact <= 0).all(), f"exact energy increased ({style}): {exact.energy}"
     fast = hopfield.retrieve(xi, X, beta=beta, steps=steps, return_trace=True)
-    slack = 2 * _energy_bound(np.concatenate([xi, X]), X, beta)
+    slack = 2 * hopfield_energy_bound(np.concatenate([xi, X]), X, beta)
     worst = float(np.diff(fast.energy, axis=-1).max())
     assert worst <= slack, f"float64 energy increased by {worst:.3e} > {slack:.3e} ({style})"
 
