@@ -5,6 +5,7 @@ and docs/conventions.md, never from refattn's code: no module here imports refat
 design, for small shapes.
 
 * :mod:`naive.attention` -- attention (out, lse, weights) and a score-spread bound;
+* :mod:`naive.logspace` -- logsumexp, softmax, log_softmax of masked rows;
 * :mod:`naive.rounding` -- rounding an exact value to a dtype (candidate search);
 * :mod:`naive.mp` -- the exact/mpmath arithmetic the variant twins share;
 * :mod:`naive.gmm`, :mod:`naive.mgk`, :mod:`naive.hopfield`, :mod:`naive.meanfield` -- the
