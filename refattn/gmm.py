@@ -636,7 +636,7 @@ def attention(q, keys, values, *, alpha, beta=0.0, prior="uniform", v_init=None,
     Laird & Rubin), so the trace is non-decreasing from t = 1 on (and from t = 0 when v_init is
     given). The float64 path forms every weight as ``exp(logit - lse)`` with a max-shifted lse,
     so no weight underflows to 0/0 however negative the logits are; its error is bounded
-    by :func:`oracle.tolerance.mixture_bound`.
+    by :func:`refattn.bounds.mixture_bound`.
 
     Examples
     --------
@@ -818,7 +818,7 @@ def adapt_keys(queries, keys0, *, alpha, gamma, prior="uniform", iters=1, form="
     float64: responsibilities are log-softmax values and ``q̄_k`` is formed as
     ``sum_i exp(log w_ik - log W_k) q_i`` with ``log W_k`` a max-shifted lse, so no unit's
     responsibility underflows to 0/0; one iteration errs by at most
-    :func:`oracle.tolerance.mixture_bound` (n = L + S, values max|q| + max|xi^0|) in the
+    :func:`refattn.bounds.mixture_bound` (n = L + S, values max|q| + max|xi^0|) in the
     "paper" form, times L + 1 in the "map" form.
 
     Returns
@@ -950,7 +950,7 @@ def adapt_priors(queries, keys, *, alpha, eta, pi0, iters=1, form="paper",
     -----
     The paper's form does not tend to pi^0 as eta -> inf (it tends to ``w̄ * pi0``
     renormalised); the "map" form does. float64: w̄_k is ``exp(lse_i log w_ik)``, each
-    iteration within :func:`oracle.tolerance.mixture_bound` (n = L + S, value scale 2).
+    iteration within :func:`refattn.bounds.mixture_bound` (n = L + S, value scale 2).
 
     Examples
     --------

@@ -119,7 +119,7 @@ def energy(xi, X, *, beta, constant=False, precision="float64", out_dtype=None):
     Notes
     -----
     float64 error: ``|dE| <= gamma_{D+2} ||xi||^2 / 2 + dlse / beta`` with ``dlse`` the lse bound
-    of :func:`oracle.tolerance.logit_lse_bound` for logits ``beta x_j . xi`` (term scale
+    of :func:`refattn.bounds.logit_lse_bound` for logits ``beta x_j . xi`` (term scale
     ``beta D max|x| max|xi|``).
 
     Examples

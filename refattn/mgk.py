@@ -303,7 +303,7 @@ def attention(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=Fa
     -----
     float64 error: every component term is a sum of D + 3 roundings, so with ``T`` the largest
     sum of absolute terms of a score, ``|out - exact| <= max|v| (4 gamma_{D+2} T +
-    gamma_{3SR+10})`` to first order (:func:`oracle.tolerance.mixture_bound` with n = S R).
+    gamma_{3SR+10})`` to first order (:func:`refattn.bounds.mixture_bound` with n = S R).
 
     Examples
     --------
@@ -522,7 +522,7 @@ def linear_attention(q, keys, v, *, pi, feature_map="elu+1", causal=False, preci
     float64 error: numerator and denominator are sums of non-negative kernels times values,
     each kernel with relative error gamma_n, n = D + R + S + 4, so the quotient (a convex
     combination of the v_j) errs by at most ``2 gamma_{2n+2} max|v|``
-    (:func:`oracle.tolerance.ratio_bound`).
+    (:func:`refattn.bounds.ratio_bound`).
 
     Examples
     --------
