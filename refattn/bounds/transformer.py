@@ -66,7 +66,7 @@ class TrackedOps:
         return Tracked(val, _GELU_LIPSCHITZ * x.err + gamma(8) * np.abs(x.val))
 
     @staticmethod
-    def layer_norm(x, p: NormParams):
+    def layer_norm(x, p):
         width = x.val.shape[-1]
         val = Float64Ops.layer_norm(x.val, p)
         gain = 1.0 if p.gamma is None else np.abs(p.gamma)

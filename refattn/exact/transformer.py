@@ -281,7 +281,7 @@ class IntervalOps:
         return relu(x) if name == "relu" else gelu(x)
 
     @staticmethod
-    def layer_norm(x, p: NormParams):
+    def layer_norm(x, p):
         return layer_norm(x, p.gamma, p.beta, p.eps)
 
     @staticmethod
