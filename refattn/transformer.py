@@ -379,7 +379,7 @@ class Composition(NamedTuple):
     ``chain(ops, *inputs.values(), params)`` evaluates it over the operations ``ops``
     (``linear``, ``activation``, ``layer_norm``, ``attention``, ``positions``, and ``+`` of
     values): :class:`Float64Ops` (the float64 path), the exact path's enclosures
-    (:class:`refattn.exact.transformer.IntervalOps`), or error-tracking operations
+    (:class:`refattn.exact.transformer.EnclosureOps`), or error-tracking operations
     (:func:`refattn.bounds.transformer_forward_bound`). ``finish`` maps the chain's value to
     the returned array.
     """

@@ -47,7 +47,7 @@ __all__ = [
     "cos",
     "positions",
     "attention",
-    "IntervalOps",
+    "EnclosureOps",
     "round_composition",
     "round_layer_norm",
     "round_positions",
@@ -268,7 +268,7 @@ def attention(q, k, v, spec) -> np.ndarray:
 # ----------------------------------------------------------------------------- rounded once
 
 
-class IntervalOps:
+class EnclosureOps:
     """The operations of the exact path: enclosures at the working precision (the operations
     of a :class:`refattn.transformer.Composition`)."""
 
@@ -314,7 +314,7 @@ class IntervalOps:
 
 def round_composition(chain, inputs, params, dtype, what, *, map_params):
     """``chain(ops, *inputs, params)`` (a :class:`refattn.transformer.Composition`) enclosed
-    over :class:`IntervalOps` at each working precision and rounded once to ``dtype``.
+    over :class:`EnclosureOps` at each working precision and rounded once to ``dtype``.
 
     ``inputs`` are finite float arrays, ``params`` a (nested) parameter dataclass converted
     by ``map_params(params, fn)``.
@@ -323,7 +323,7 @@ def round_composition(chain, inputs, params, dtype, what, *, map_params):
     params_iv = map_params(params, I.to_intervals)
 
     def evaluate(prec):
-        ops = IntervalOps()
+        ops = EnclosureOps()
         with I.workprec(prec):
             out = chain(ops, *args, params_iv)
         return I.endpoints(ops.poison(out))
