@@ -161,9 +161,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refattn.exact.rounding import format_of
-
-# ------------------------------------------------------------------------ library bounds
 # The a-priori error bounds of refattn's own paths live in refattn.bounds (the library does not
 # depend on its oracle); they are re-exported here for the judging policy and the tests.
 from refattn._broadcast import reduce_to as _sum_to_shape
@@ -178,7 +175,7 @@ from refattn.bounds import (
     transformer_forward_bound,
     unit_roundoff,
 )
-# ------------------------------------------------------------------------ end library bounds
+from refattn.exact.rounding import format_of
 
 __all__ = [
     "unit_roundoff",

@@ -230,7 +230,8 @@ def _mha_call(x_q, x_kv, p, function=T.multihead_attention, **kw):
 
 
 def _mha_bound(x_q, x_kv, p, **kw):
-    return _mha_call(x_q, x_kv, p, partial(transformer_forward_bound, T.multihead_attention), **kw)
+    bound = partial(transformer_forward_bound, T.multihead_attention)
+    return _mha_call(x_q, x_kv, p, bound, **kw)
 
 
 # ----------------------------------------------------------------------------- exact path
@@ -361,14 +362,16 @@ def test_encoder_exact_larger_gqa(rng):
 def _bounded(function, *args, case, **kwargs):
     got = function(*args, **kwargs)
     exact = function(*args, precision="exact", **kwargs)
-    bound_of = _mha_bound if function is _mha_call else partial(transformer_forward_bound, function)
+    bound_of = (_mha_bound if function is _mha_call
+                else partial(transformer_forward_bound, function))
     assert_within(got, exact, bound_of(*args, **kwargs), case)
 
 
 def test_bound_uses_the_tolerance_policy_gamma():
     """The transformer bound's gamma_n is the one of refattn.bounds, oracle.tolerance's."""
     for n in (1, 7, 64, 4099):
-        assert bounds.gamma(n) == gamma(n, "float64"), f"gamma_{n}: {bounds.gamma(n)} != {gamma(n)}"
+        assert bounds.gamma(n) == gamma(n, "float64"), (
+            f"gamma_{n}: {bounds.gamma(n)} != {gamma(n)}")
 
 
 def test_float64_layer_norm_within_bound(rows, rng):

@@ -1,5 +1,6 @@
 """A-priori error bound of an iterate of a fixed-point map (:mod:`refattn.fixedpoint`,
-:mod:`refattn.meanfield`, the deep-equilibrium attention of :func:`refattn.meanfield.deq_attention`).
+:mod:`refattn.meanfield`, the deep-equilibrium attention of
+:func:`refattn.meanfield.deq_attention`).
 """
 
 from __future__ import annotations

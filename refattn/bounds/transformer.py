@@ -22,7 +22,12 @@ __all__ = ["Tracked", "TrackedOps", "transformer_forward_bound"]
 
 
 class Tracked:
-    """A float64 value and a first-order bound on its distance to the exact value."""
+    """A float64 value and a first-order bound on its distance to the exact value.
+
+    >>> t = Tracked(np.array([1.0]), np.array([0.0])) + Tracked(np.array([2.0]), np.array([0.0]))
+    >>> t.val.tolist(), bool(t.err[0] == 3 * UNIT_ROUNDOFF)
+    ([3.0], True)
+    """
 
     __array_ufunc__ = None  # keep NumPy from broadcasting into an object array
 
@@ -154,8 +159,9 @@ def transformer_forward_bound(function, *args, **kwargs) -> np.ndarray:
     """A priori bound on the float64 path's error: ``|function(*args, **kwargs) - exact|``.
 
     ``function`` is one of :func:`refattn.transformer.multihead_attention`, ``layer_norm``,
-    ``sinusoidal_positions``, ``feed_forward``, ``encoder_block``, ``decoder_block``, called with the same arguments (``precision`` must be "float64").
-    Returns an array of the output's shape.
+    ``sinusoidal_positions``, ``feed_forward``, ``encoder_block``, ``decoder_block``, called
+    with the same arguments (``precision`` must be "float64"). Returns an array of the
+    output's shape.
 
     Notes
     -----
@@ -169,10 +175,10 @@ def transformer_forward_bound(function, *args, **kwargs) -> np.ndarray:
     * residual add: both errors plus ``u |sum|``;
     * layer norm: ``|g|/sigma (e_i + mean e + |yhat_i| mean(|yhat| e))`` propagated, plus the
       mean, centring, variance, square-root and scaling roundings;
-    * attention: :func:`refattn.bounds.float64_forward_bound`'s bookkeeping (with the score magnitude widened by
-      ``|t| + |lse|`` to cover bias, ALiBi and softcap roundings) plus the propagated score
-      errors ``s (e_q |k| + |q| e_k)`` (a weight moves by ``w_ij (e_ij + max_k e_ik)``) and
-      ``w @ e_v``;
+    * attention: :func:`refattn.bounds.float64_forward_bound`'s bookkeeping (with the score
+      magnitude widened by ``|t| + |lse|`` to cover bias, ALiBi and softcap roundings) plus
+      the propagated score errors ``s (e_q |k| + |q| e_k)`` (a weight moves by
+      ``w_ij (e_ij + max_k e_ik)``) and ``w @ e_v``;
     * positions: ``angle (gamma_3 + (2i/d) |log b| u) + gamma_2``.
 
     The composition is :func:`refattn.transformer.composition`: the same validation and the
