@@ -373,6 +373,10 @@ def _decoder(ops, x, memory, p: DecoderParams, norm, self_kwargs, cross_kwargs):
     return h + _ffn(ops, ops.layer_norm(h, p.norm3), p.ffn)
 
 
+def _unchanged(out):
+    return out
+
+
 class Composition(NamedTuple):
     """A validated call of one of this module's functions as a composition of operations.
 
@@ -388,7 +392,7 @@ class Composition(NamedTuple):
     inputs: dict
     params: object
     what: str
-    finish: Callable = lambda out: out
+    finish: Callable = _unchanged
 
 
 def _float64(plan: Composition) -> Composition:
