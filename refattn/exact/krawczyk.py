@@ -3,7 +3,9 @@
 A zero of a square system G(u) = 0 near a float64 approximation is certified with the
 Krawczyk operator (Krawczyk 1969; Rump 1983): with C ~ G'(u0)^{-1} (float64), a box X
 around the refined midpoint u and
-    K(X) = u - C G(u) + (I - C G'(X)) (X - u),
+
+.. math:: K(X) = u - C\,G(u) + (I - C\,G'(X))\,(X - u),
+
 K(X) inside the interior of X proves that G has exactly one zero in X, and it lies in K(X).
 G'(X) is an interval enclosure of the Jacobian over the whole box. Problems supply
 residual(u, ops) and jacobian(u, ops) (a sparse list of (row, column, value)) written with
