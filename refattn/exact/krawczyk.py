@@ -4,7 +4,7 @@ A zero of a square system G(u) = 0 near a float64 approximation is certified wit
 Krawczyk operator (Krawczyk 1969; Rump 1983): with C ~ G'(u0)^{-1} (float64), a box X
 around the refined midpoint u and
 
-.. math:: K(X) = u - C\,G(u) + (I - C\,G'(X))\,(X - u),
+.. math:: K(X) = u - C\\,G(u) + (I - C\\,G'(X))\\,(X - u),
 
 K(X) inside the interior of X proves that G has exactly one zero in X, and it lies in K(X).
 G'(X) is an interval enclosure of the Jacobian over the whole box. Problems supply
