@@ -20,13 +20,14 @@ from typing import NamedTuple
 
 import numpy as np
 
+from refattn._broadcast import expand_kv, fold_kv, reduce_to
 from refattn.exact.rounding import format_of
 
 from .catalogue import seeding
 from .catalogue.case import Case
 from .catalogue.names import ATTENTION_OPTIONS
 from .catalogue.variants import BOOL_INPUTS, call_refattn
-from .heads import alibi_bias, expand_kv, fold_kv, resolve_scale, sum_to_shape, with_heads
+from .heads import alibi_bias, resolve_scale, with_heads
 from .tolerance import accumulation_dtype, allowed_positions
 
 __all__ = [
@@ -229,10 +230,10 @@ def textbook_attention_vjp(q, k, v, grad_out, *, grad_lse=None, dtype=None, **op
         dv = fold_kv(np.matmul(np.swapaxes(dropped, -1, -2), dO), K, gqa)
     dbias = None
     if opt["bias"] is not None:
-        dbias = sum_to_shape(dS, np.shape(opt["bias"])).astype(store)
-    return (sum_to_shape(dq, np.shape(q)).astype(store),
-            sum_to_shape(dk, np.shape(k)).astype(store),
-            sum_to_shape(dv, np.shape(v)).astype(store), dbias)
+        dbias = reduce_to(dS, np.shape(opt["bias"])).astype(store)
+    return (reduce_to(dq, np.shape(q)).astype(store),
+            reduce_to(dk, np.shape(k)).astype(store),
+            reduce_to(dv, np.shape(v)).astype(store), dbias)
 
 
 def storage_accumulation_attention(q, k, v, options, dtype,

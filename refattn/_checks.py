@@ -107,3 +107,12 @@ def out_dtype(value, default="float64") -> np.dtype:
 
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def finite_array(x, name: str, ndim: int) -> np.ndarray:
+    """A float array of at least ``ndim`` dims with finite values only (named on failure)."""
+    arr = float_array(x, name, ndim_min=ndim)
+    if not np.isfinite(as_float64(arr)).all():
+        raise ValueError(f"{name}: expected finite values (shape {arr.shape}, dtype "
+                         f"{arr.dtype.name}); NaN/Inf found")
+    return arr

@@ -17,7 +17,7 @@ import numpy as np
 from . import _checks
 from .masks import check_window, offset_of, structural_mask
 
-__all__ = ["AttentionSpec", "canonicalize", "GQA_MODES", "EMPTY_ROWS"]
+__all__ = ["AttentionSpec", "canonicalize", "check_cotangent", "GQA_MODES", "EMPTY_ROWS"]
 
 GQA_MODES = ("interleave", "tile")
 EMPTY_ROWS = ("zero", "nan")
@@ -233,3 +233,13 @@ def _check_bias_values(spec: AttentionSpec) -> None:
                         f"bias: {plane[i, j]} at an allowed position (batch {b}, head {h}, "
                         f"row {i}, key {j}); NaN/+inf bias is only allowed where masked"
                     )
+
+
+def check_cotangent(spec: AttentionSpec, grad, name: str, tail_shape: tuple) -> np.ndarray:
+    """A cotangent (``grad_out`` or ``grad_lse``) checked against the output's shape and
+    flattened like the spec: (B, *tail_shape), float64."""
+    grad = _checks.as_float64(_checks.float_array(grad, name))
+    expected = spec.batch_shape + tail_shape if not spec.single_head else tail_shape[1:]
+    if grad.shape != expected:
+        raise ValueError(f"{name}: expected shape {expected} (the output's), got {grad.shape}")
+    return grad.reshape((spec.q.shape[0],) + tail_shape)

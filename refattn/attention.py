@@ -12,8 +12,9 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _checks
-from ._spec import AttentionSpec, canonicalize
-from .logspace import _softmax_float64
+from ._broadcast import reduce_to
+from ._spec import AttentionSpec, canonicalize, check_cotangent
+from .logspace import masked_softmax
 
 __all__ = ["attention", "attention_vjp", "AttentionGrads", "BACKENDS"]
 
@@ -59,7 +60,7 @@ def _plane_float64(spec: AttentionSpec, b: int, h: int) -> _PlaneF64:
         alibi = spec.alibi(h)
         if alibi is not None:
             scores = scores + alibi
-        lse, weights = _softmax_float64(np.where(allowed, scores, 0.0), allowed)
+        lse, weights = masked_softmax(np.where(allowed, scores, 0.0), allowed)
     # an infinite score (Inf in q or in an allowed key) makes its row NaN, as on the exact path
     bad = (np.isinf(scores) & allowed).any(axis=1)
     if bad.any():
@@ -242,22 +243,6 @@ def attention(
 # --------------------------------------------------------------------------------------
 # vector-Jacobian product
 # --------------------------------------------------------------------------------------
-def _reduce_to(grad: np.ndarray, shape: tuple) -> np.ndarray:
-    """Sum a broadcast gradient back to the argument's shape."""
-    extra = grad.ndim - len(shape)
-    grad = grad.sum(axis=tuple(range(extra))) if extra else grad
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
-    return grad.sum(axis=axes, keepdims=True) if axes else grad
-
-
-def _check_cotangent(spec: AttentionSpec, grad, name: str, tail_shape: tuple):
-    grad = _checks.as_float64(_checks.float_array(grad, name))
-    expected = spec.batch_shape + tail_shape if not spec.single_head else tail_shape[1:]
-    if grad.shape != expected:
-        raise ValueError(f"{name}: expected shape {expected} (the output's), got {grad.shape}")
-    return grad.reshape((spec.q.shape[0],) + tail_shape)
-
-
 def _vjp_float64(spec: AttentionSpec, grad_out: np.ndarray, grad_lse):
     batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
     dq = np.zeros((batch, heads, length, dim))
@@ -349,8 +334,8 @@ def attention_vjp(
         dropout_mask=dropout_mask, dropout_p=dropout_p, empty_rows=empty_rows,
     )
     _, heads, _, length, _, _, vdim = spec.dims
-    do = _check_cotangent(spec, grad_out, "grad_out", (heads, length, vdim))
-    dl = None if grad_lse is None else _check_cotangent(spec, grad_lse, "grad_lse",
+    do = check_cotangent(spec, grad_out, "grad_out", (heads, length, vdim))
+    dl = None if grad_lse is None else check_cotangent(spec, grad_lse, "grad_lse",
                                                         (heads, length))
     if precision == "exact":
         from .exact.attention_vjp import exact_vjp
@@ -358,6 +343,8 @@ def attention_vjp(
         # the exact path reduces dbias to bias's shape itself (the sum is part of the exact
         # value that is rounded once)
         dq, dk, dv, dbias = exact_vjp(spec, do, dl, _checks.out_dtype(out_dtype))
+        if _has_nonfinite(spec, do, dl):
+            dq, dk, dv, dbias = _nonfinite_pattern(spec, do, dl, dq, dk, dv, dbias)
     else:
         if backend == "numba":
             from . import kernels
@@ -366,6 +353,31 @@ def attention_vjp(
         else:
             dq, dk, dv, dbias = _vjp_float64(spec, do, dl)
         if dbias is not None and dbias.shape != spec.bias_shape:
-            dbias = _reduce_to(dbias.reshape(spec.batch_shape + dbias.shape[1:]),
-                               spec.bias_shape)
+            dbias = reduce_to(dbias.reshape(spec.batch_shape + dbias.shape[1:]),
+                              spec.bias_shape)
     return AttentionGrads(spec.unflatten(dq), spec.unflatten(dk), spec.unflatten(dv), dbias)
+
+
+def _has_nonfinite(spec, grad_out, grad_lse) -> bool:
+    arrays = [spec.q, spec.k, spec.v, grad_out] + ([grad_lse] if grad_lse is not None else [])
+    if spec.bias is not None:
+        arrays.append(np.where(np.isneginf(spec.bias), 0.0, spec.bias))
+    return any(not np.isfinite(np.asarray(a, dtype=np.float64)).all() for a in arrays)
+
+
+def _nonfinite_pattern(spec, grad_out, grad_lse, dq, dk, dv, dbias):
+    """The exact gradients with the NaN/Inf entries of the float64 path's (IEEE propagation
+    of non-finite inputs; the exact engine encloses the finite values)."""
+    ref = _vjp_float64(spec, grad_out, grad_lse)
+    fixed = []
+    for exact, approx in zip((dq, dk, dv), ref[:3], strict=True):
+        exact = exact.copy()
+        bad = ~np.isfinite(approx)
+        exact[bad] = approx[bad].astype(exact.dtype)
+        fixed.append(exact)
+    if dbias is not None:
+        approx = reduce_to(ref[3].reshape(spec.batch_shape + ref[3].shape[1:]), spec.bias_shape)
+        dbias = dbias.copy()
+        bad = ~np.isfinite(approx)
+        dbias[bad] = approx[bad].astype(dbias.dtype)
+    return (*fixed, dbias)

@@ -34,15 +34,12 @@ Pinned readings (see each function for details):
 from __future__ import annotations
 
 import math
-from fractions import Fraction
 from typing import NamedTuple
 
 import numpy as np
-from mpmath import iv
 
 from . import _checks
-from .exact import intervals as I
-from .exact.rounding import correctly_round
+from .exact import gmm as exact
 
 __all__ = ["attention", "log_posterior", "adapt_keys", "adapt_priors", "GMMResult"]
 
@@ -63,161 +60,6 @@ class GMMResult(NamedTuple):
     values: np.ndarray
     trace: np.ndarray
     iterations: np.ndarray
-
-
-# --------------------------------------------------------------------------------------------
-# Number systems for the exact path. The same row evaluator runs on rigorous intervals (the Ziv
-# loop) and on exact rationals (the loop's fallback for results that may sit exactly on a
-# rounding boundary: this happens only when every softmax of the computation is a tie, so its
-# weights are exactly 1/n). The rational system raises _NotRational as soon as a transcendental
-# value would be needed.
-# --------------------------------------------------------------------------------------------
-
-
-class _NotRational(Exception):
-    """The requested exact value is not a rational computable from the inputs."""
-
-
-class _IntervalOps:
-    rational = False
-
-    @staticmethod
-    def array(x) -> np.ndarray:
-        return I.to_intervals(x)
-
-    @staticmethod
-    def scalar(x):
-        return I.point(float(x))
-
-    @staticmethod
-    def exp(x):
-        return I.exp(x)
-
-    @staticmethod
-    def log(x):
-        return I.log(x)
-
-    @staticmethod
-    def log_2pi():
-        return I.log(2 * iv.pi)
-
-    @staticmethod
-    def lse(terms):
-        """log sum exp over the non-None terms (None = excluded); None if all excluded."""
-        present = [t for t in terms if t is not None]
-        if not present:
-            return None
-        top = max(present, key=lambda t: float(t.mid))
-        total = sum(I.exp(t - top) for t in present)
-        return top + I.log(total)
-
-    @classmethod
-    def softmax(cls, terms):
-        lse = cls.lse(terms)
-        if lse is None:
-            return [0] * len(terms)
-        return [0 if t is None else I.exp(t - lse) for t in terms]
-
-
-class _RationalOps:
-    rational = True
-
-    @staticmethod
-    def array(x) -> np.ndarray:
-        x = np.asarray(x, dtype=np.float64)
-        out = np.empty(x.shape, dtype=object)
-        for index, value in np.ndenumerate(x):
-            if not math.isfinite(value):
-                raise _NotRational
-            out[index] = Fraction(value)
-        return out
-
-    @staticmethod
-    def scalar(x):
-        if not math.isfinite(float(x)):
-            raise _NotRational
-        return Fraction(float(x))
-
-    @staticmethod
-    def exp(x):
-        if x != 0:
-            raise _NotRational
-        return Fraction(1)
-
-    @staticmethod
-    def log(x):
-        if x != 1:
-            raise _NotRational
-        return Fraction(0)
-
-    @staticmethod
-    def log_2pi():
-        raise _NotRational
-
-    @staticmethod
-    def lse(terms):
-        present = [t for t in terms if t is not None]
-        if not present:
-            return None
-        if len(present) > 1:
-            raise _NotRational  # log(n) is irrational for n >= 2
-        return present[0]
-
-    @staticmethod
-    def softmax(terms):
-        present = [t for t in terms if t is not None]
-        if not present:
-            return [0] * len(terms)
-        if any(t != present[0] for t in present):
-            raise _NotRational  # distinct scores: the weights are transcendental
-        share = Fraction(1, len(present))
-        return [0 if t is None else share for t in terms]
-
-
-INTERVAL = _IntervalOps()
-RATIONAL = _RationalOps()
-
-
-def exact_rows(rows, evaluate_row, dtype, what):
-    """Correctly round ``evaluate_row(ops, row) -> list`` for every row (one flat Ziv loop).
-
-    Entries of the returned list are numbers of ``ops`` (intervals or Fractions), Python
-    ints/floats (exact, NaN allowed) or None (rational mode only: "not rational").
-    """
-
-    def evaluate(prec):
-        with I.workprec(prec):
-            values = [evaluate_row(INTERVAL, row) for row in rows]
-        table = np.empty((len(rows), len(values[0]) if values else 0), dtype=object)
-        for r, row_values in enumerate(values):
-            for c, value in enumerate(row_values):
-                table[r, c] = value
-        return I.endpoints(table)
-
-    cache = {}
-
-    def fallback(index):
-        r, c = index
-        if r not in cache:
-            try:
-                cache[r] = evaluate_row(RATIONAL, rows[r])
-            except _NotRational:
-                cache[r] = None
-        row_values = cache[r]
-        return None if row_values is None else row_values[c]
-
-    if not rows:
-        return np.empty((0, 0), dtype=_checks.out_dtype(dtype))
-    return correctly_round(evaluate, dtype, fallback=fallback, what=what)
-
-
-def dot(x, y):
-    """Sum of elementwise products of two 1-D object arrays (intervals or Fractions)."""
-    return sum((a * b for a, b in zip(x, y, strict=False)), 0)
-
-
-def sqdist(x, y):
-    return sum(((a - b) * (a - b) for a, b in zip(x, y, strict=False)), 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,14 +110,6 @@ def batch_of(shapes_and_names, ranks):
         raise ValueError(f"leading (batch) dimensions do not broadcast: {described}") from None
 
 
-def finite_input(x, name, ndim):
-    arr = _checks.float_array(x, name, ndim_min=ndim)
-    if not np.isfinite(_checks.as_float64(arr)).all():
-        raise ValueError(f"{name}: expected finite values (shape {arr.shape}, dtype "
-                         f"{arr.dtype.name}); NaN/Inf found")
-    return arr
-
-
 def _iters(value, name="iters"):
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
         raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
@@ -312,11 +146,11 @@ class _Model(NamedTuple):
 
 
 def _model(q, keys, values, alpha, beta, prior, *, need_values=True):
-    q = finite_input(q, "q", 2)
-    keys = finite_input(keys, "keys", 2)
+    q = _checks.finite_array(q, "q", 2)
+    keys = _checks.finite_array(keys, "keys", 2)
     arrays = [("q", q), ("keys", keys)]
     if need_values:
-        values = finite_input(values, "values", 2)
+        values = _checks.finite_array(values, "values", 2)
         arrays.append(("values", values))
         if values.shape[-2] != keys.shape[-2]:
             raise ValueError(f"values: expected S = {keys.shape[-2]} rows (as keys "
@@ -452,117 +286,6 @@ def _attention64(m: _Model, v_init, iters, tol, want_trace):
 
 
 # --------------------------------------------------------------------------------------------
-# Exact rows
-# --------------------------------------------------------------------------------------------
-
-
-class _ExactModel(NamedTuple):
-    q: np.ndarray
-    keys: np.ndarray
-    values: np.ndarray | None
-    alpha: np.ndarray
-    beta: np.ndarray
-    log_prior: np.ndarray | None
-    alpha_log: list | None
-    beta_log: list | None
-
-
-def _exact_model(ops, m: _Model, b):
-    """Inputs of batch element b in the number system ``ops`` (cached per precision by caller)."""
-    q, keys = ops.array(m.q[b]), ops.array(m.keys[b])
-    values = None if m.values is None else ops.array(m.values[b])
-    alpha, beta = ops.array(m.alpha[b]), ops.array(m.beta[b])
-    log_prior = None
-    if m.log_prior is not None:
-        log_prior = [None if np.isneginf(x) else ops.scalar(x) for x in m.log_prior[b]]
-    alpha_log = [ops.log(a) for a in alpha] if m.alpha_varies else None
-    beta_log = [ops.log(x) for x in beta] if m.beta_varies else None
-    return _ExactModel(q, keys, values, alpha, beta, log_prior, alpha_log, beta_log)
-
-
-def _query_logits_exact(m: _Model, x: _ExactModel, qrow):
-    """Exact twin of :func:`_query_logits64` for one query row: list over units (None =
-    excluded by a -inf prior)."""
-    dim = len(qrow)
-    out = []
-    for u in range(len(x.keys)):
-        alpha = x.alpha[u]
-        if m.kind == "magnitude":
-            logit = alpha * dot(x.keys[u], qrow)
-            if x.values is not None:
-                logit = logit + x.beta[u] * dot(x.values[u], x.values[u]) / 2
-            if m.alpha_varies:
-                logit = logit - alpha * dot(qrow, qrow) / 2
-        else:
-            if m.kind == "array" and x.log_prior[u] is None:
-                out.append(None)
-                continue
-            logit = -alpha * sqdist(qrow, x.keys[u]) / 2
-            if m.kind == "array":
-                logit = logit + x.log_prior[u]
-        if m.alpha_varies:
-            logit = logit + x.alpha_log[u] * dim / 2
-        out.append(logit)
-    return out
-
-
-def _value_logits_exact(m: _Model, x: _ExactModel, v):
-    out = []
-    for u in range(len(x.values)):
-        logit = -x.beta[u] * sqdist(v, x.values[u]) / 2
-        if m.beta_varies:
-            logit = logit + x.beta_log[u] * len(v) / 2
-        out.append(logit)
-    return out
-
-
-def _log_posterior_exact(ops, m: _Model, x: _ExactModel, a, v):
-    b = _value_logits_exact(m, x, v)
-    joint = ops.lse([None if s is None else s + t for s, t in zip(a, b, strict=False)])
-    marginal = ops.lse(a)
-    dim_v = len(v)
-    const = -ops.log_2pi() * dim_v / 2
-    if not m.beta_varies:
-        const = const + ops.log(x.beta[0]) * dim_v / 2
-    return joint - marginal + const
-
-
-def _mix(weights, values):
-    """sum_u w_u mu_u, an object vector (E,)."""
-    dim_v = values.shape[1]
-    return np.array([sum((w * values[u, e] for u, w in enumerate(weights) if w != 0), 0)
-                     for e in range(dim_v)], dtype=object)
-
-
-def _attention_row_exact(ops, m: _Model, v_init, iters, want_trace, row):
-    b, i = row
-    x = _exact_model(ops, m, b)
-    a = _query_logits_exact(m, x, x.q[i])
-    v = None if v_init is None else ops.array(v_init[b][i])
-    trace = []
-    for _ in range(iters):
-        if v is None:
-            logits = a
-        else:
-            vb = _value_logits_exact(m, x, v)
-            logits = [None if s is None else s + t for s, t in zip(a, vb, strict=False)]
-        if m.beta_varies:  # eq. (12) with per-unit beta: weights w_u beta_u / sum w beta
-            logits = [None if s is None else s + t for s, t in zip(logits, x.beta_log,
-                                                                   strict=True)]
-        v = _mix(ops.softmax(logits), x.values)
-        if want_trace:
-            try:
-                trace.append(_log_posterior_exact(ops, m, x, a, v))
-            except _NotRational:
-                trace.append(None)
-    return list(v) + trace
-
-
-def _batch_rows(batch, length):
-    return [(b, i) for b in np.ndindex(*batch) for i in range(length)]
-
-
-# --------------------------------------------------------------------------------------------
 # Public functions
 # --------------------------------------------------------------------------------------------
 
@@ -636,7 +359,7 @@ def attention(q, keys, values, *, alpha, beta=0.0, prior="uniform", v_init=None,
     Laird & Rubin), so the trace is non-decreasing from t = 1 on (and from t = 0 when v_init is
     given). The float64 path forms every weight as ``exp(logit - lse)`` with a max-shifted lse,
     so no weight underflows to 0/0 however negative the logits are; its error is bounded
-    by :func:`oracle.tolerance.mixture_bound`.
+    by :func:`refattn.bounds.mixture_bound`.
 
     Examples
     --------
@@ -658,7 +381,7 @@ def attention(q, keys, values, *, alpha, beta=0.0, prior="uniform", v_init=None,
         raise ValueError("return_trace: log p(v | q) needs beta > 0 (beta = 0 makes p(v | u) "
                          "improper); pass beta > 0 or return_trace=False")
     if v_init is not None:
-        v_init = finite_input(v_init, "v_init", 2)
+        v_init = _checks.finite_array(v_init, "v_init", 2)
         want = m.q.shape[:-1] + (m.values.shape[-1],)
         v_init = _checks.broadcast(v_init, want, "v_init", "(..., L, E)")
     if precision == "float64":
@@ -671,16 +394,11 @@ def attention(q, keys, values, *, alpha, beta=0.0, prior="uniform", v_init=None,
     if precision == "float64":
         v, trace, done = _attention64(m, v_init, iters, tol, return_trace)
         return GMMResult(v, trace, done) if return_trace else v
-    batch, length, dim_v = m.q.shape[:-2], m.q.shape[-2], m.values.shape[-1]
-    rows = _batch_rows(batch, length)
-    table = exact_rows(
-        rows, lambda ops, row: _attention_row_exact(ops, m, v_init, iters, return_trace, row),
-        _checks.out_dtype(out_dtype), "gmm.attention")
-    values_out = table[:, :dim_v].reshape(batch + (length, dim_v))
+    values_out, trace = exact.attention(m, v_init, iters, return_trace,
+                                        _checks.out_dtype(out_dtype))
     if not return_trace:
         return values_out
-    trace = table[:, dim_v:].reshape(batch + (length, iters))
-    return GMMResult(values_out, trace, np.full(batch + (length,), iters, dtype=np.int64))
+    return GMMResult(values_out, trace, np.full(trace.shape[:-1], iters, dtype=np.int64))
 
 
 def log_posterior(v, q, keys, values, *, alpha, beta, prior="uniform", precision="float64",
@@ -718,22 +436,12 @@ def log_posterior(v, q, keys, values, *, alpha, beta, prior="uniform", precision
     m = _model(q, keys, values, alpha, beta, prior)
     if (m.beta == 0).any():
         raise ValueError("beta: log p(v | q) needs beta > 0 (beta = 0 is improper)")
-    v = finite_input(v, "v", 2)
+    v = _checks.finite_array(v, "v", 2)
     v = _checks.broadcast(v, m.q.shape[:-1] + (m.values.shape[-1],), "v", "(..., L, E)")
     if precision == "float64":
         m = _float64(m)
         return _log_posterior64(m, _query_logits64(m, m.q, m.keys), _checks.as_float64(v))
-
-    def row_value(ops, row):
-        b, i = row
-        x = _exact_model(ops, m, b)
-        return [_log_posterior_exact(ops, m, x, _query_logits_exact(m, x, x.q[i]),
-                                     ops.array(v[b][i]))]
-
-    batch, length = m.q.shape[:-2], m.q.shape[-2]
-    table = exact_rows(_batch_rows(batch, length), row_value, _checks.out_dtype(out_dtype),
-                       "gmm.log_posterior")
-    return table.reshape(batch + (length,))
+    return exact.log_posterior(m, v, _checks.out_dtype(out_dtype))
 
 
 # --------------------------------------------------------------------------------------------
@@ -818,7 +526,7 @@ def adapt_keys(queries, keys0, *, alpha, gamma, prior="uniform", iters=1, form="
     float64: responsibilities are log-softmax values and ``q̄_k`` is formed as
     ``sum_i exp(log w_ik - log W_k) q_i`` with ``log W_k`` a max-shifted lse, so no unit's
     responsibility underflows to 0/0; one iteration errs by at most
-    :func:`oracle.tolerance.mixture_bound` (n = L + S, values max|q| + max|xi^0|) in the
+    :func:`refattn.bounds.mixture_bound` (n = L + S, values max|q| + max|xi^0|) in the
     "paper" form, times L + 1 in the "map" form.
 
     Returns
@@ -847,39 +555,7 @@ def adapt_keys(queries, keys0, *, alpha, gamma, prior="uniform", iters=1, form="
         for _ in range(iters):
             keys = _keys_update64(m, keys0_w, keys, gamma, form)
         return keys
-
-    def row_keys(ops, b):
-        return _adapt_keys_exact(ops, m, gamma, form, iters, b)
-
-    rows = list(np.ndindex(*batch))
-    table = exact_rows(rows, row_keys, _checks.out_dtype(out_dtype), "gmm.adapt_keys")
-    return table.reshape(batch + m.keys.shape[-2:])
-
-
-def _adapt_keys_exact(ops, m: _Model, gamma, form, iters, b):
-    x = _exact_model(ops, m, b)
-    keys0 = x.keys
-    keys = keys0.copy()
-    units, dim = keys.shape
-    for _ in range(iters):
-        xt = x._replace(keys=keys)
-        weights = [ops.softmax(_query_logits_exact(m, xt, qrow)) for qrow in x.q]
-        new = keys.copy()
-        for k in range(units):
-            if math.isinf(gamma[b][k]):
-                continue  # the limit gamma -> inf: the prior pins the key at xi^0
-            total = sum((w[k] for w in weights), 0)
-            if _is_zero(total):
-                continue  # no responsibility (a -inf prior): the key is unchanged
-            g, a = ops.scalar(gamma[b][k]), x.alpha[k]
-            for d in range(dim):
-                weighted = sum((w[k] * x.q[i][d] for i, w in enumerate(weights)), 0)
-                if form == "paper":
-                    new[k, d] = (g * keys0[k, d] + a * (weighted / total)) / (a + g)
-                else:
-                    new[k, d] = (g * keys0[k, d] + a * weighted) / (g + a * total)
-        keys = new
-    return list(keys.ravel())
+    return exact.adapt_keys(m, gamma, form, iters, _checks.out_dtype(out_dtype))
 
 
 def _check_pi0(pi0, batch, units):
@@ -950,7 +626,7 @@ def adapt_priors(queries, keys, *, alpha, eta, pi0, iters=1, form="paper",
     -----
     The paper's form does not tend to pi^0 as eta -> inf (it tends to ``w̄ * pi0``
     renormalised); the "map" form does. float64: w̄_k is ``exp(lse_i log w_ik)``, each
-    iteration within :func:`oracle.tolerance.mixture_bound` (n = L + S, value scale 2).
+    iteration within :func:`refattn.bounds.mixture_bound` (n = L + S, value scale 2).
 
     Examples
     --------
@@ -980,45 +656,5 @@ def adapt_priors(queries, keys, *, alpha, eta, pi0, iters=1, form="paper",
             mass = w_bar * (1 + eta_arr) if form == "paper" else w_bar + eta_arr
             pi = mass / mass.sum(axis=-1, keepdims=True)
         return pi
-
-    def row_priors(ops, b):
-        return _adapt_priors_exact(ops, m, pi0[b], eta_kind, eta_value, form, iters, b)
-
-    rows = list(np.ndindex(*batch))
-    table = exact_rows(rows, row_priors, _checks.out_dtype(out_dtype), "gmm.adapt_priors")
-    return table.reshape(batch + (units,))
-
-
-def _adapt_priors_exact(ops, m: _Model, pi0_row, eta_kind, eta_value, form, iters, b):
-    x = _exact_model(ops, m, b)
-    raw = ops.array(pi0_row)
-    total0 = sum(raw, 0)
-    pi = [p / total0 for p in raw]
-    if eta_kind == "scaled":
-        eta = [ops.scalar(eta_value) * p for p in pi]
-    else:
-        eta = list(ops.array(eta_value[b]))
-    units = len(pi)
-    for _ in range(iters):
-        log_pi = [None if _is_zero(p) else ops.log(p) for p in pi]
-        m_arr = m._replace(kind="array")
-        weights = []
-        for qrow in x.q:
-            xt = x._replace(log_prior=log_pi)
-            weights.append(ops.softmax(_query_logits_exact(m_arr, xt, qrow)))
-        w_bar = [sum((w[k] for w in weights), 0) for k in range(units)]
-        if form == "paper":
-            mass = [w_bar[k] * (1 + eta[k]) for k in range(units)]
-        else:
-            mass = [w_bar[k] + eta[k] for k in range(units)]
-        norm = sum(mass, 0)
-        pi = [x_ / norm for x_ in mass]
-    return pi
-
-
-def _is_zero(x):
-    """x is exactly zero (an int/Fraction 0 or the point interval [0, 0])."""
-    if isinstance(x, iv.mpf):
-        lo, hi = x._mpi_
-        return not lo[1] and not hi[1]  # zero mantissas
-    return x == 0
+    return exact.adapt_priors(m, pi0, eta_kind, eta_value, form, iters,
+                              _checks.out_dtype(out_dtype))

@@ -22,10 +22,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from mpmath import iv, mp
 
 from . import _checks
-from .gmm import _is_zero, dot, exact_rows, finite_input
+from .exact import hopfield as exact
 from .logspace import logsumexp
 
 __all__ = ["energy", "retrieve", "RetrieveResult"]
@@ -45,8 +44,8 @@ class RetrieveResult(NamedTuple):
 
 
 def _inputs(xi, patterns, beta):
-    xi = finite_input(xi, "xi", 2)
-    patterns = finite_input(patterns, "X", 2)
+    xi = _checks.finite_array(xi, "xi", 2)
+    patterns = _checks.finite_array(patterns, "X", 2)
     if xi.shape[-1] != patterns.shape[-1]:
         raise ValueError(f"X: expected patterns of size D = {xi.shape[-1]} (as xi {xi.shape}), "
                          f"got shape {patterns.shape}")
@@ -69,25 +68,6 @@ def _energy64(xi, patterns, beta, constant):
         norms = np.einsum("...sd,...sd->...s", patterns, patterns).max(axis=-1)
         value = value + (np.log(patterns.shape[-2]) / beta + 0.5 * norms)[..., None]
     return value
-
-
-def _energy_exact(ops, state, patterns, beta, constant):
-    scores = [beta * dot(x, state) for x in patterns]
-    value = dot(state, state) / 2 - ops.lse(scores) / beta
-    if constant:
-        value = value + ops.log(ops.scalar(len(patterns))) / beta
-        value = value + max_norm2(ops, patterns) / 2
-    return value
-
-
-def max_norm2(ops, patterns):
-    """M^2 = max_j ||x_j||^2 (an enclosure of the max on the interval path)."""
-    norms = [dot(x, x) for x in patterns]
-    if ops.rational:
-        return max(norms)
-    lo = max(mp.make_mpf(n._mpi_[0]) for n in norms)
-    hi = max(mp.make_mpf(n._mpi_[1]) for n in norms)
-    return iv.mpf([lo, hi])
 
 
 def energy(xi, X, *, beta, constant=False, precision="float64", out_dtype=None):
@@ -119,7 +99,7 @@ def energy(xi, X, *, beta, constant=False, precision="float64", out_dtype=None):
     Notes
     -----
     float64 error: ``|dE| <= gamma_{D+2} ||xi||^2 / 2 + dlse / beta`` with ``dlse`` the lse bound
-    of :func:`oracle.tolerance.logit_lse_bound` for logits ``beta x_j . xi`` (term scale
+    of :func:`refattn.bounds.logit_lse_bound` for logits ``beta x_j . xi`` (term scale
     ``beta D max|x| max|xi|``).
 
     Examples
@@ -134,22 +114,7 @@ def energy(xi, X, *, beta, constant=False, precision="float64", out_dtype=None):
     if precision == "float64":
         return _energy64(_checks.as_float64(xi), _checks.as_float64(patterns), beta, constant)
 
-    def row_energy(ops, row):
-        b, i = row
-        return [_energy_exact(ops, ops.array(xi[b][i]), ops.array(patterns[b]),
-                              ops.scalar(beta), constant)]
-
-    length = xi.shape[-2]
-    rows = [(b, i) for b in np.ndindex(*batch) for i in range(length)]
-    table = exact_rows(rows, row_energy, _checks.out_dtype(out_dtype), "hopfield.energy")
-    return table.reshape(batch + (length,))
-
-
-def _update_exact(ops, state, patterns, beta):
-    weights = ops.softmax([beta * dot(x, state) for x in patterns])
-    dim = len(state)
-    return np.array([sum((w * patterns[j][d] for j, w in enumerate(weights)
-                          if not _is_zero(w)), 0) for d in range(dim)], dtype=object)
+    return exact.energy(xi, patterns, beta, constant, _checks.out_dtype(out_dtype))
 
 
 def retrieve(xi, X, *, beta, steps=1, tol=None, return_trace=False, precision="float64",
@@ -199,26 +164,11 @@ def retrieve(xi, X, *, beta, steps=1, tol=None, return_trace=False, precision="f
     if precision == "float64":
         return _retrieve64(_checks.as_float64(xi), _checks.as_float64(patterns), beta, steps,
                            tol, return_trace)
-    length, dim = xi.shape[-2:]
-
-    def row_states(ops, row):
-        b, i = row
-        pats, beta_x = ops.array(patterns[b]), ops.scalar(beta)
-        state = ops.array(xi[b][i])
-        energies = [_energy_exact(ops, state, pats, beta_x, False)] if return_trace else []
-        for _ in range(steps):
-            state = _update_exact(ops, state, pats, beta_x)
-            if return_trace:
-                energies.append(_energy_exact(ops, state, pats, beta_x, False))
-        return list(state) + energies
-
-    rows = [(b, i) for b in np.ndindex(*batch) for i in range(length)]
-    table = exact_rows(rows, row_states, _checks.out_dtype(out_dtype), "hopfield.retrieve")
-    states = table[:, :dim].reshape(batch + (length, dim))
+    states, energies = exact.retrieve(xi, patterns, beta, steps, return_trace,
+                                      _checks.out_dtype(out_dtype))
     if not return_trace:
         return states
-    return RetrieveResult(states, table[:, dim:].reshape(batch + (length, steps + 1)),
-                          np.full(batch + (length,), steps, dtype=np.int64))
+    return RetrieveResult(states, energies, np.full(states.shape[:-1], steps, dtype=np.int64))
 
 
 def _retrieve64(xi, patterns, beta, steps, tol, want_trace):

@@ -17,10 +17,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import _checks
-from .exact import intervals as I
-from .exact.rounding import correctly_round
+from .exact import logspace as exact
 
-__all__ = ["logsumexp", "softmax", "log_softmax"]
+__all__ = ["logsumexp", "softmax", "log_softmax", "masked_logsumexp", "masked_softmax"]
 
 
 def _prepare(x, axis, where):
@@ -37,14 +36,22 @@ def _prepare(x, axis, where):
     return x, np.asarray(allowed)
 
 
-def _softmax_float64(x: np.ndarray, allowed: np.ndarray):
-    """Row-wise (lse, weights) over the last axis in float64.
+def masked_softmax(x: np.ndarray, allowed: np.ndarray):
+    """Row-wise (lse, weights) over the last axis in float64: the float64 path of
+    :func:`softmax` and :func:`logsumexp` on a float64 ``x`` and a bool ``allowed`` of its
+    shape (no validation).
 
     With m the row max (over allowed entries) and s = sum_{j != argmax} e^{x_j - m}:
     lse = m + log1p(s) (Blanchard, Higham & Higham 2021, Algorithm 4.1) and the weights are
     e^{x_j - m} / (1 + s) (their Algorithm 5.2 shifts by lse instead; dividing keeps the
     weights' error proportional to |x_j - m| rather than to |lse|). Excluded entries weigh 0;
     rows with a NaN entry give NaN; empty rows give lse -inf and weights 0.
+
+    Examples
+    --------
+    >>> lse, w = masked_softmax(np.array([[0.0, 0.0, 7.0]]), np.array([[True, True, False]]))
+    >>> float(lse[0]), w.tolist()
+    (0.6931471805599453, [[0.5, 0.5, 0.0]])
     """
     if x.shape[-1] == 0:  # no entries at all: every row is empty
         return np.full(x.shape[:-1], -np.inf), np.zeros(x.shape)
@@ -68,39 +75,14 @@ def _softmax_float64(x: np.ndarray, allowed: np.ndarray):
     return lse, weights
 
 
-def _lse_float64(x: np.ndarray, allowed: np.ndarray) -> np.ndarray:
-    """Row-wise lse over the last axis (float64, Blanchard-Higham log1p form)."""
-    return _softmax_float64(x, allowed)[0]
+def masked_logsumexp(x: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """Row-wise lse over the last axis (float64, Blanchard-Higham log1p form), as
+    :func:`masked_softmax`.
 
-
-def _exact_rows(x, allowed, fn, out_dtype, what):
-    """Run ``fn(row_intervals, row_allowed) -> intervals`` per row under the Ziv loop."""
-    rows = x.reshape(-1, x.shape[-1])
-    masks = allowed.reshape(rows.shape)
-
-    def evaluate(prec):
-        with I.workprec(prec):
-            results = [fn(I.to_intervals(r), m, r) for r, m in zip(rows, masks, strict=True)]
-        return I.endpoints(np.array(results, dtype=object).reshape(rows.shape[0], -1))
-
-    return correctly_round(evaluate, out_dtype, what=what)
-
-
-def _lse_intervals(row, allowed, raw):
-    """Enclosure of lse over the allowed entries of one row (NaN / +-inf handled exactly)."""
-    if not allowed.any():
-        return -np.inf
-    vals = raw[allowed]
-    if np.isnan(vals).any():
-        return np.nan
-    if np.isposinf(vals).any():
-        return np.inf
-    finite = allowed & np.isfinite(raw)
-    if not finite.any():
-        return -np.inf
-    top = row[np.flatnonzero(finite)[np.argmax(raw[finite])]]
-    total = sum(I.exp(row[j] - top) for j in np.flatnonzero(finite))
-    return top + I.log(total)
+    >>> masked_logsumexp(np.array([[1.0, 5.0]]), np.array([[True, False]])).tolist()
+    [1.0]
+    """
+    return masked_softmax(x, allowed)[0]
 
 
 def logsumexp(x, axis=-1, where=None, *, precision="float64", out_dtype=None):
@@ -138,33 +120,15 @@ def logsumexp(x, axis=-1, where=None, *, precision="float64", out_dtype=None):
     precision = _checks.precision(precision)
     x2, allowed = _prepare(x, axis, where)
     if precision == "float64":
-        return _lse_float64(x2, allowed)
-    dtype = _checks.out_dtype(out_dtype)
-    out = _exact_rows(x2, allowed, lambda r, m, raw: [_lse_intervals(r, m, raw)], dtype, "lse")
-    return out.reshape(x2.shape[:-1])
-
-
-def _softmax_intervals(row, allowed, raw, log: bool):
-    lse = _lse_intervals(row, allowed, raw)
-    empty = -np.inf if log else 0.0
-    out = []
-    for j in range(len(row)):
-        if not allowed[j]:
-            out.append(empty)
-        elif not isinstance(lse, I.iv.mpf):  # lse is NaN, +inf or -inf
-            out.append(np.nan if np.isnan(lse) or np.isposinf(lse) else empty)
-        elif np.isneginf(raw[j]):
-            out.append(empty)
-        else:
-            out.append(row[j] - lse if log else I.exp(row[j] - lse))
-    return out
+        return masked_logsumexp(x2, allowed)
+    return exact.logsumexp(x2, allowed, _checks.out_dtype(out_dtype))
 
 
 def _softmax(x, axis, where, precision, out_dtype, log: bool):
     precision = _checks.precision(precision)
     x2, allowed = _prepare(x, axis, where)
     if precision == "float64":
-        lse, weights = _softmax_float64(x2, allowed)
+        lse, weights = masked_softmax(x2, allowed)
         if log:
             finite = np.where(np.isfinite(lse), lse, 0.0)[..., None]
             with np.errstate(invalid="ignore"):
@@ -173,11 +137,7 @@ def _softmax(x, axis, where, precision, out_dtype, log: bool):
         else:
             result = weights
     else:
-        dtype = _checks.out_dtype(out_dtype)
-        result = _exact_rows(
-            x2, allowed, lambda r, m, raw: _softmax_intervals(r, m, raw, log), dtype,
-            "log_softmax" if log else "softmax",
-        ).reshape(x2.shape)
+        result = exact.softmax(x2, allowed, _checks.out_dtype(out_dtype), log=log)
     return np.moveaxis(result, -1, axis)
 
 

@@ -47,20 +47,15 @@ Pinned readings (each also stated where it is used)
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from fractions import Fraction
 
 import numpy as np
-from mpmath import mp, mpf
-from mpmath.libmp import mpf_lt
 
 from . import _checks
 from . import fixedpoint as fp
-from .exact import intervals as I
-from .exact.intervals import iv
-from .exact.rounding import correctly_round
+from ._blocks import big, block_diag, diag_blocks
+from .exact import meanfield as exact
 
 __all__ = [
     "MeanFieldResult",
@@ -196,69 +191,6 @@ def _solver_options(options):
     return options
 
 
-def _big(blocks):
-    """(B, N, N, d, d) couplings -> (B, N d, N d) with row (i, alpha) and column (j, beta)."""
-    b, n, _, d, _ = blocks.shape
-    return blocks.transpose(0, 1, 3, 2, 4).reshape(b, n * d, n * d)
-
-
-def _block_diag(blocks):
-    """(B, N, d, d) site blocks -> (B, N d, N d) block-diagonal matrix (float or exact)."""
-    b, n, d, _ = blocks.shape
-    out = np.zeros((b, n, d, n, d), dtype=blocks.dtype)
-    if blocks.dtype == object:
-        out[...] = Fraction(0)
-    for i in range(n):
-        out[:, i, :, i, :] = blocks[:, i]
-    return out.reshape(b, n * d, n * d)
-
-
-def _diag_blocks(matrix, n, d):
-    """Diagonal d x d blocks of (B, N d, N d) matrices -> (B, N, d, d)."""
-    blocks = matrix.reshape(matrix.shape[0], n, d, n, d)
-    return np.stack([blocks[:, i, :, i, :] for i in range(n)], axis=1)
-
-
-# ----------------------------------------------------------------------------- exact helpers
-
-
-def _fractions(array, name):
-    """Exact rational values of a finite float array (object array of Fraction)."""
-    array = np.asarray(array, dtype=np.float64)
-    if not np.isfinite(array).all():
-        raise ValueError(f"{name}: the exact path needs finite inputs (shape {array.shape})")
-    flat = np.empty(array.size, dtype=object)
-    flat[:] = [Fraction(v) for v in array.ravel().tolist()]
-    return flat.reshape(array.shape)
-
-
-def _round(values, dtype, what):
-    """Round exact rationals once to ``dtype`` (they are their own enclosure)."""
-    values = np.asarray(values, dtype=object)
-    return correctly_round(lambda prec: (values, values), dtype, what=what)
-
-
-def _exact_inverse(matrix, what):
-    """Inverse of a square object matrix of Fractions by Gauss-Jordan elimination."""
-    n = matrix.shape[0]
-    rows = [list(matrix[i]) + [Fraction(int(i == j)) for j in range(n)] for i in range(n)]
-    for col in range(n):
-        pivot = next((r for r in range(col, n) if rows[r][col] != 0), None)
-        if pivot is None:
-            raise ValueError(f"{what} is singular; the fixed point does not exist")
-        rows[col], rows[pivot] = rows[pivot], rows[col]
-        inverse_pivot = 1 / rows[col][col]
-        rows[col] = [v * inverse_pivot for v in rows[col]]
-        for r in range(n):
-            factor = rows[r][col]
-            if r != col and factor != 0:
-                rows[r] = [v - factor * w for v, w in zip(rows[r], rows[col], strict=True)]
-    out = np.empty((n, n), dtype=object)
-    for i in range(n):
-        out[i, :] = rows[i][n:]
-    return out
-
-
 def _exact_result(batch, means, cavity_var, chi_diag, iterations=None):
     return MeanFieldResult(
         means=means,
@@ -322,12 +254,7 @@ def naive_step(m, J, x, *, precision="float64", out_dtype=None):
     batch = _batch((m, 2), (J, 4), (x, 2))
     if precision == "float64":
         return np.einsum("...ijxy,...jy->...ix", J, m) + x
-    dtype = _checks.out_dtype(out_dtype)
-    mb = np.broadcast_to(_fractions(m, "m"), (*batch, n, d)).reshape(-1, n * d, 1)
-    Jb = _big(np.broadcast_to(_fractions(J, "J"), (*batch, n, n, d, d)).reshape(-1, n, n, d, d))
-    xb = np.broadcast_to(_fractions(x, "x"), (*batch, n, d)).reshape(-1, n * d, 1)
-    exact = np.matmul(Jb, mb) + xb
-    return _round(exact, dtype, "naive_step").reshape(*batch, n, d)
+    return exact.naive_step(m, J, x, batch, _checks.out_dtype(out_dtype))
 
 
 # ----------------------------------------------------------------------------- adaptive TAP
@@ -339,8 +266,8 @@ def _tap_update(m, V, J, x, P, response):
     cavity = np.einsum("bijxy,bjy->bix", J, m) - np.einsum("bixy,biy->bix", V, m)
     means = np.linalg.solve(P - V, (cavity + x)[..., None])[..., 0]
     lam = P + V if response == "prior" else np.broadcast_to(P, V.shape)
-    chi = np.linalg.inv(_block_diag(lam) - _big(J))
-    chi_diag = _diag_blocks(chi, n, d)
+    chi = np.linalg.inv(block_diag(lam) - big(J))
+    chi_diag = diag_blocks(chi, n, d)
     return means, lam - np.linalg.inv(chi_diag), chi_diag
 
 
@@ -442,14 +369,17 @@ def adaptive_tap(
     batch = _batch((x, 2), (J, 4))
     options = _solver_options(solver_options)
     if precision == "exact" and response == "site":
-        return _adaptive_tap_exact(x, J, P, batch, _checks.out_dtype(out_dtype))
-    if precision == "exact" and n * d > _PRIOR_EXACT_MAX_SIZE:
+        return _exact_result(batch, *exact.adaptive_tap_site(x, J, P, batch,
+                                                             _checks.out_dtype(out_dtype)))
+    if precision == "exact" and n * d > exact.PRIOR_EXACT_MAX_SIZE:
         raise ValueError(f"adaptive_tap: the exact path with response='prior' certifies "
-                         f"N d <= {_PRIOR_EXACT_MAX_SIZE} unknown blocks, got N d = {n * d}")
+                         f"N d <= {exact.PRIOR_EXACT_MAX_SIZE} unknown blocks, got N d = "
+                         f"{n * d}")
     result = _adaptive_tap_float(x, J, P, batch, response, tol, max_iter, options)
     if precision == "exact":
-        return _adaptive_tap_prior_exact(result.cavity_var, x, J, P, batch,
-                                         _checks.out_dtype(out_dtype))
+        *outputs, iterations = exact.adaptive_tap_prior(result.cavity_var, x, J, P, batch,
+                                                        _checks.out_dtype(out_dtype))
+        return _exact_result(batch, *outputs, iterations=iterations)
     return result
 
 
@@ -483,155 +413,6 @@ def _adaptive_tap_float(x, J, P, batch, response, tol, max_iter, options):
         residuals=res.residuals.reshape(*batch, -1),
         converged=res.converged.reshape(batch),
         precision="float64",
-    )
-
-
-def _site_closed_form(x, J, P, batch):
-    """Exact (means, V, chi_ii) of the response="site" fixed point per sample (Fractions):
-    m = (P - J)^{-1} x, chi_ii = [(P - J)^{-1}]_ii, V_i = P_i - chi_ii^{-1}."""
-    n, d = x.shape[-2:]
-    xs = np.broadcast_to(_fractions(x, "x"), (*batch, n, d)).reshape(-1, n * d)
-    Js = np.broadcast_to(_fractions(J, "J"), (*batch, n, n, d, d)).reshape(-1, n, n, d, d)
-    Pf = _fractions(P, "prior_precision")
-    Pbig = _block_diag(Pf[None])[0]
-    system = None
-    means, cavity, chis = [], [], []
-    for xb, Jb in zip(xs, Js, strict=True):
-        if system is None or J.ndim > 4:  # a shared (unbatched) J is solved once
-            chi = _exact_inverse(Pbig - _big(Jb[None])[0], "Sigma^-1 - J")
-            chi_diag = _diag_blocks(chi[None], n, d)[0]
-            inverses = [_exact_inverse(block, f"chi_ii (site {i})")
-                        for i, block in enumerate(chi_diag)]
-            system = chi, chi_diag, Pf - np.stack(inverses)
-        chi, chi_diag, V = system
-        means.append(chi.dot(xb).reshape(n, d))
-        cavity.append(V)
-        chis.append(chi_diag)
-    return np.array(means, dtype=object), np.array(cavity, dtype=object), \
-        np.array(chis, dtype=object)
-
-
-def _adaptive_tap_exact(x, J, P, batch, dtype):
-    """Closed-form fixed point (response="site") in exact rational arithmetic."""
-    n, d = x.shape[-2:]
-    means, cavity, chis = _site_closed_form(x, J, P, batch)
-    return _exact_result(
-        batch,
-        _round(means, dtype, "means").reshape(*batch, n, d),
-        _round(cavity, dtype, "cavity_var").reshape(*batch, n, d, d),
-        _round(chis, dtype, "chi_diag").reshape(*batch, n, d, d),
-    )
-
-
-# Exact path of adaptive_tap with response="prior": the means are the closed form
-# (P - J)^{-1} x and chi_ii = Sigma_i = P_i^{-1} exactly (the fixed point of eq. (11) with
-# Lambda_i = V_i + P_i); the cavity variances solve the nonlinear system, with
-# D = N d, unknowns V_i (N d^2, index i d^2 + a d + b) and Y = (P + V - J)^{-1} (D^2, index
-# N d^2 + r D + s):
-#   E2 = (P + V - J) Y - I      (D^2 equations, eqs. (8), (22))
-#   E3 = P_i Y_ii - I           (N d^2 equations, eq. (11): chi_ii = (Lambda_i - V_i)^{-1})
-
-#: Largest N d of the certified exact path of adaptive_tap(response="prior"): the Krawczyk
-#: test is dense in (N d)^2 + N d^2 unknowns.
-_PRIOR_EXACT_MAX_SIZE = 12
-
-
-class _TapPriorProblem:
-    def __init__(self, J, P):
-        n, d = P.shape[:2]
-        self.n, self.d, self.size = n, d, n * d
-        self.J = _big(J[None])[0].tolist()
-        self.P = P.tolist()
-        self.offset = n * d * d
-        # structural nonzeros of P + V - J in each row: the diagonal block and J's nonzeros
-        self.support = [[t for t in range(n * d) if t // d == r // d or self.J[r][t] != 0]
-                        for r in range(n * d)]
-
-    def _blocks(self, u, ops):
-        d, D = self.d, self.size
-        J = [[ops.num(v) for v in row] for row in self.J]
-        P = [[[ops.num(v) for v in row] for row in site] for site in self.P]
-        V = lambda i, a, b: u[i * d * d + a * d + b]  # noqa: E731
-        Y = lambda r, s: u[self.offset + r * D + s]  # noqa: E731
-
-        def A(r, t):
-            i, a, b = r // d, r % d, t % d
-            diagonal = P[i][a][b] + V(i, a, b) if t // d == i else 0
-            return diagonal - J[r][t]
-
-        return P, Y, A
-
-    def residual(self, u, ops):
-        n, d, D = self.n, self.d, self.size
-        P, Y, A = self._blocks(u, ops)
-        out = [sum(A(r, t) * Y(t, s) for t in self.support[r]) - (1 if r == s else 0)
-               for r in range(D) for s in range(D)]
-        out.extend(sum(P[i][a][b] * Y(i * d + b, i * d + c) for b in range(d))
-                   - (1 if a == c else 0)
-                   for i in range(n) for a in range(d) for c in range(d))
-        return out
-
-    def jacobian(self, u, ops):
-        n, d, D = self.n, self.d, self.size
-        P, Y, A = self._blocks(u, ops)
-        entries = []
-        for r in range(D):
-            i, a = divmod(r, d)
-            for s in range(D):
-                row = r * D + s
-                entries.extend((row, self.offset + t * D + s, A(r, t)) for t in self.support[r])
-                entries.extend((row, i * d * d + a * d + b, Y(i * d + b, s)) for b in range(d))
-        for i in range(n):
-            for a in range(d):
-                for c in range(d):
-                    row = D * D + i * d * d + a * d + c
-                    entries.extend((row, self.offset + (i * d + b) * D + i * d + c, P[i][a][b])
-                                   for b in range(d))
-        return entries
-
-
-def _adaptive_tap_prior_exact(V, x, J, P, batch, dtype):
-    """Means and chi_ii in closed form; V certified by the Krawczyk test."""
-    n, d = x.shape[-2:]
-    size = int(np.prod(batch, dtype=int))
-    means, _, _ = _site_closed_form(x, J, P, batch)  # the means do not depend on V
-    sigma = np.stack([_exact_inverse(block, f"prior_precision (site {i})")
-                      for i, block in enumerate(_fractions(P, "prior_precision"))])
-    Js = np.broadcast_to(J, (*batch, n, n, d, d)).reshape(size, n, n, d, d)
-    Vs = V.reshape(size, n, d, d)
-    certifiers = []
-    for b in range(size):
-        if b == 0 or J.ndim > 4:  # V depends on J only: a shared J is certified once
-            Pbig, Vbig = _block_diag(P[None])[0], _block_diag(Vs[b:b + 1])[0]
-            Y = np.linalg.inv(Pbig + Vbig - _big(Js[b:b + 1])[0])
-            u0 = np.concatenate([Vs[b].ravel(), Y.ravel()])
-            certifiers.append(_Krawczyk(_TapPriorProblem(Js[b], P), u0, range(len(u0)),
-                                        "adaptive_tap"))
-    isolated = _isolated_sites(Js, scalar=False)
-    means_flat, block = means.reshape(size, -1), n * d * d
-
-    def evaluate(prec):
-        boxes = [c.enclose(prec)[:block] for c in certifiers]
-        rows = [list(means_flat[b]) + boxes[min(b, len(boxes) - 1)] + list(sigma.ravel())
-                for b in range(size)]
-        return I.endpoints(np.array(rows, dtype=object))
-
-    def exact_zero(index):
-        b, k = index
-        k -= n * d
-        if 0 <= k < block and isolated[b, k // (d * d)]:
-            return 0  # an isolated site has chi_ii = (P_i + V_i)^{-1} = P_i^{-1}: V_i = 0
-        return None
-
-    out = correctly_round(evaluate, dtype, max_prec=_CERTIFIED_MAX_PREC, fallback=exact_zero,
-                          what="adaptive_tap")
-    iterations = np.array([certifiers[min(b, len(certifiers) - 1)].steps for b in range(size)])
-    return _exact_result(
-        batch,
-        out[:, : n * d].reshape(*batch, n, d),
-        out[:, n * d: n * d + block].reshape(*batch, n, d, d),
-        out[:, n * d + block:].reshape(*batch, n, d, d),
-        iterations=iterations.reshape(batch),
     )
 
 
@@ -736,8 +517,8 @@ def ising_tap(
     res = fp.solve(update, np.zeros((size, 2 * n)), tol=tol, max_iter=max_iter, **options)
     m, V = res.z[:, :n], res.z[:, n:]
     if precision == "exact":
-        dtype = _checks.out_dtype(out_dtype)
-        return _ising_exact(m, V, Jb, xb, batch, dtype)
+        *outputs, iterations = exact.ising_tap(m, V, Jb, xb, batch, _checks.out_dtype(out_dtype))
+        return _exact_result(batch, *outputs, iterations=iterations)
     _, _, chi_diag = _ising_update(m, V, Jb, xb)
     return MeanFieldResult(
         means=m.reshape(*batch, n),
@@ -748,221 +529,6 @@ def ising_tap(
         converged=res.converged.reshape(batch),
         precision="float64",
     )
-
-
-# ----------------------------------------------------------------------------- certification
-# A zero of a square system G(u) = 0 near a float64 approximation is certified with the
-# Krawczyk operator (Krawczyk 1969; Rump 1983): with C ~ G'(u0)^{-1} (float64), a box X
-# around the refined midpoint u and
-#     K(X) = u - C G(u) + (I - C G'(X)) (X - u),
-# K(X) inside the interior of X proves that G has exactly one zero in X, and it lies in K(X).
-# G'(X) is an interval enclosure of the Jacobian over the whole box. Problems supply
-# residual(u, ops) and jacobian(u, ops) (a sparse list of (row, column, value)) written with
-# + - * / and ops.tanh only, so the same code runs on floats (the preconditioner), mpf (the
-# chord refinement) and intervals (the test).
-
-
-@dataclass(frozen=True)
-class _Ops:
-    num: Callable
-    tanh: Callable
-
-
-_FLOAT_OPS = _Ops(float, math.tanh)
-_MP_OPS = _Ops(mpf, mp.tanh)
-_IV_OPS = _Ops(I.point, I.tanh)
-
-
-def _strictly_inside(inner, outer):
-    (a, b), (c, d) = inner._mpi_, outer._mpi_
-    return mpf_lt(c, a) and mpf_lt(b, d)
-
-
-class _Krawczyk:
-    """Certified enclosure of the zero of ``problem`` near ``u0`` (free unknowns ``free``)."""
-
-    def __init__(self, problem, u0, free, what):
-        self.problem, self.free, self.what = problem, list(free), what
-        self.rows = self.free  # equation k is paired with unknown k (a square system)
-        self.u0, self.u, self.steps = [float(v) for v in u0], None, 0
-        jac = np.zeros((len(self.free),) * 2)
-        for row, col, value in self._entries(problem.jacobian(self.u0, _FLOAT_OPS)):
-            jac[row, col] += value
-        if not np.isfinite(jac).all() or np.linalg.cond(jac) > 1 / np.finfo(np.float64).eps:
-            raise ArithmeticError(f"{what}: the fixed point is not isolated (singular Jacobian "
-                                  f"of the fixed-point equations); the exact path cannot "
-                                  f"certify it")
-        self.C = np.linalg.inv(jac)
-
-    def _entries(self, entries):
-        """Restrict (row, column, value) entries to the free unknowns, renumbered."""
-        index = {v: k for k, v in enumerate(self.free)}
-        rows = {v: k for k, v in enumerate(self.rows)}
-        return [(rows[r], index[c], v) for r, c, v in entries if r in rows and c in index]
-
-    def refine(self, prec):
-        """Chord iterations u <- u - C G(u) in mpf arithmetic until the step is below 2**-prec
-        (relative), at 32 guard bits so rounding noise stays far below the threshold."""
-        with mp.workprec(prec + 32):
-            u = [mpf(v) for v in (self.u0 if self.u is None else self.u)]
-            C = [[mpf(float(c)) for c in row] for row in self.C]
-            threshold = max(1, max(abs(v) for v in u)) * mpf(2) ** (-prec)
-            for self.steps in range(1, prec + 1):  # noqa: B007  (the count is reported)
-                g = self.problem.residual(u, _MP_OPS)
-                g = [g[r] for r in self.rows]
-                step = [mp.fsum(c * v for c, v in zip(row, g, strict=True)) for row in C]
-                for k, var in enumerate(self.free):
-                    u[var] -= step[k]
-                if max(abs(v) for v in step) <= threshold:
-                    break
-            self.u = u
-
-    def enclose(self, prec):
-        """Krawczyk test at ``prec`` bits; returns the certified box (a list of intervals)."""
-        self.refine(prec + 8)
-        with I.workprec(prec):
-            point = [iv.mpf(v) for v in self.u]
-            C = np.array([[I.point(float(c)) for c in row] for row in self.C], dtype=object)
-            g = self.problem.residual(point, _IV_OPS)
-            delta = C.dot(np.array([g[r] for r in self.rows], dtype=object))
-            scale = max([1] + [abs(float(v)) for v in self.u])
-            radius = 4 * (max(abs(float(d.b)) + abs(float(d.a)) for d in delta)
-                          + scale * 2.0 ** (8 - prec))
-            box = list(point)
-            for var in self.free:
-                box[var] = point[var] + iv.mpf([-radius, radius])
-            contraction = self._identity_minus(C, self.problem.jacobian(box, _IV_OPS))
-            offsets = np.array([box[v] - point[v] for v in self.free], dtype=object)
-            krawczyk = np.array([point[v] for v in self.free], dtype=object) - delta \
-                + contraction.dot(offsets)
-            for k, var in enumerate(self.free):
-                if not _strictly_inside(krawczyk[k], box[var]):
-                    raise ArithmeticError(
-                        f"{self.what}: Krawczyk certification failed at {prec} bits (unknown "
-                        f"{var}); the float64 iterate may not be near an isolated fixed point")
-                box[var] = krawczyk[k]
-            return box
-
-    def _identity_minus(self, C, entries):
-        """I - C G'(X) from the sparse Jacobian enclosure (O(size * nnz) operations)."""
-        size = len(self.free)
-        out = np.empty((size, size), dtype=object)
-        out[...] = iv.mpf(0)
-        for k in range(size):
-            out[k, k] = iv.mpf(1)
-        for row, col, value in self._entries(entries):
-            out[:, col] -= C[:, row] * value
-        return out
-
-
-def _isolated_sites(J, scalar):
-    """Sites with no coupling in or out (their cavity variance is exactly 0)."""
-    axes = (-1,) if scalar else (-3, -2, -1)
-    rows = (J != 0).any(axis=axes)
-    cols = (np.swapaxes(J, -1, -2) != 0).any(axis=(-1,)) if scalar else \
-        (np.swapaxes(J, -3, -4) != 0).any(axis=axes)
-    return ~(rows | cols)
-
-
-# Exact path of ising_tap: unknowns u = (m_i, Lambda_i, Y_pl) with Y = (Lambda - J)^{-1}, laid
-# out as m -> [0, N), Lambda -> [N, 2N), Y_pl -> 2N + p N + l; equations E1 (N), E2 (N^2),
-# E3 (N) in the same order:
-#   E1_i = m_i - tanh(sum_j J_ij m_j - (Lambda_i - 1/(1 - m_i^2)) m_i + x_i)   (eqs. (14), (10))
-#   E2   = (Lambda - J) Y - I                                                  (eq. (8))
-#   E3_i = Y_ii - (1 - m_i^2)                                                  (eq. (11))
-
-#: Largest working precision of the exact Ziv loops of the nonlinear fixed points (an exact
-#: zero that no structural rule proves would otherwise double the precision up to
-#: config.ZIV_MAX_PREC).
-_CERTIFIED_MAX_PREC = 4096
-
-
-class _IsingProblem:
-    def __init__(self, J, x):
-        self.n, self.J, self.x = len(x), J.tolist(), x.tolist()
-        self.nonzero = (J != 0).tolist()
-
-    def residual(self, u, ops):
-        n, J, x = self.n, [[ops.num(v) for v in row] for row in self.J], \
-            [ops.num(v) for v in self.x]
-        m, lam, Y = u[:n], u[n:2 * n], u[2 * n:]
-        out = []
-        for i in range(n):
-            s = sum(J[i][j] * m[j] for j in range(n)) - lam[i] * m[i] + m[i] / (1 - m[i] * m[i])
-            out.append(m[i] - ops.tanh(s + x[i]))
-        for k in range(n):
-            for l in range(n):
-                coupled = sum(J[k][p] * Y[p * n + l] for p in range(n))
-                out.append(lam[k] * Y[k * n + l] - coupled - (1 if k == l else 0))
-        out.extend(Y[i * n + i] - (1 - m[i] * m[i]) for i in range(n))
-        return out
-
-    def jacobian(self, u, ops):
-        n, J, x, nonzero = self.n, [[ops.num(v) for v in row] for row in self.J], \
-            [ops.num(v) for v in self.x], self.nonzero
-        m, lam, Y = u[:n], u[n:2 * n], u[2 * n:]
-        entries = []
-        for i in range(n):
-            c = 1 - m[i] * m[i]
-            t = ops.tanh(sum(J[i][j] * m[j] for j in range(n)) - lam[i] * m[i] + m[i] / c + x[i])
-            slope = 1 - t * t
-            entries.extend((i, j, -slope * J[i][j]) for j in range(n) if nonzero[i][j])
-            entries.append((i, i, 1 - slope * ((1 + m[i] * m[i]) / (c * c) - lam[i])))
-            entries.append((i, n + i, slope * m[i]))
-        for k in range(n):
-            for l in range(n):
-                row = n + k * n + l
-                entries.append((row, n + k, Y[k * n + l]))
-                entries.extend((row, 2 * n + p * n + l, (lam[k] if p == k else 0) - J[k][p])
-                               for p in range(n) if p == k or nonzero[k][p])
-        for i in range(n):
-            entries.append((n + n * n + i, i, 2 * m[i]))
-            entries.append((n + n * n + i, 2 * n + i * n + i, 1))
-        return entries
-
-
-def _ising_certifier(m, V, J, x):
-    n = len(x)
-    free_m = bool((x != 0).any())  # x = 0: m = 0 is an exact solution; certify (Lambda, Y)
-    m = m if free_m else np.zeros(n)
-    lam = V + 1 / (1 - m * m)
-    u0 = np.concatenate([m, lam, np.linalg.inv(np.diag(lam) - J).ravel()])
-    return _Krawczyk(_IsingProblem(J, x), u0, range(0 if free_m else n, 2 * n + n * n),
-                     "ising_tap")
-
-
-def _ising_outputs(box, n):
-    m, lam, Y = box[:n], box[n:2 * n], box[2 * n:]
-    return m + [lam[i] - 1 / (1 - m[i] * m[i]) for i in range(n)] + \
-        [Y[i * n + i] for i in range(n)]
-
-
-def _ising_exact(m, V, J, x, batch, dtype):
-    """Correctly rounded (means, cavity_var, chi_diag) of the certified fixed points."""
-    n = x.shape[-1]
-    certifiers = [_ising_certifier(mb, Vb, Jb, xb) for mb, Vb, Jb, xb in
-                  zip(m, V, J, x, strict=True)]
-    isolated = _isolated_sites(J, scalar=True)
-
-    def evaluate(prec):
-        boxes = [c.enclose(prec) for c in certifiers]
-        with I.workprec(prec):  # V_i = Lambda_i - 1/(1 - m_i^2) on the certified box
-            outputs = [_ising_outputs(box, n) for box in boxes]
-        return I.endpoints(np.array(outputs, dtype=object))
-
-    def exact_zero(index):
-        # an isolated site has V_i = 0 (chi_ii = 1 / Lambda_i) and, if x_i = 0, m_i = 0
-        b, k = index
-        kind, site = divmod(k, n)
-        if isolated[b, site] and (kind == 1 or (kind == 0 and x[b, site] == 0)):
-            return 0
-        return None
-
-    out = correctly_round(evaluate, dtype, max_prec=_CERTIFIED_MAX_PREC, fallback=exact_zero,
-                          what="ising_tap").reshape(len(certifiers), 3, n)
-    iterations = np.array([c.steps for c in certifiers], dtype=int)
-    return _exact_result(batch, *(out[:, k].reshape(*batch, n) for k in range(3)),
-                         iterations=iterations.reshape(batch))
 
 
 # ----------------------------------------------------------------------------- DEQ attention
@@ -1052,7 +618,8 @@ def deq_attention(
     batch = _batch((x, 2), (J, 4))
     options = _solver_options(solver_options)
     if precision == "exact" and correction is None:
-        return _deq_linear_exact(x, J, batch, _checks.out_dtype(out_dtype))
+        return _exact_result(batch, exact.deq_linear(x, J, batch, _checks.out_dtype(out_dtype)),
+                             None, None)
     xb = np.broadcast_to(x, (*batch, n, d))
     Jb = np.broadcast_to(J, (*batch, n, n, d, d))
     start = np.zeros((*batch, n, d)) if z0 is None else np.array(
@@ -1068,8 +635,9 @@ def deq_attention(
         if lipschitz is None or lipschitz < 0:
             raise ValueError("lipschitz: the exact path with a correction needs a non-negative "
                              f"Lipschitz bound of the correction, got {lipschitz!r}")
-        return _deq_contraction_exact(res, xb, Jb, correction, lipschitz,
-                                      _checks.out_dtype(out_dtype))
+        z, iterations = exact.deq_contraction(res.z, xb, Jb, correction, lipschitz,
+                                              _checks.out_dtype(out_dtype))
+        return _exact_result(batch, z, None, None, iterations=np.full(batch, iterations))
     return MeanFieldResult(
         means=res.z,
         cavity_var=None,
@@ -1079,69 +647,3 @@ def deq_attention(
         converged=res.converged,
         precision="float64",
     )
-
-
-def _deq_linear_exact(x, J, batch, dtype):
-    n, d = x.shape[-2:]
-    xs = np.broadcast_to(_fractions(x, "x"), (*batch, n, d)).reshape(-1, n * d)
-    Js = np.broadcast_to(_fractions(J, "J"), (*batch, n, n, d, d)).reshape(-1, n, n, d, d)
-    eye = np.identity(n * d, dtype=object) * Fraction(1)
-    shared = _exact_inverse(eye - _big(Js[:1])[0], "I - J") if J.ndim == 4 else None
-    out = []
-    for xb, Jb in zip(xs, Js, strict=True):
-        inverse = shared if shared is not None else _exact_inverse(eye - _big(Jb[None])[0],
-                                                                   "I - J")
-        out.append(inverse.dot(xb))
-    z = _round(np.array(out, dtype=object), dtype, "means").reshape(*batch, n, d)
-    return _exact_result(batch, z, None, None)
-
-
-def _upper(value):
-    """Exact upper bound of |value| for an interval (or exact number) as an mpf."""
-    value = value if isinstance(value, iv.mpf) else I.point(value)
-    return mp.make_mpf(abs(value)._mpi_[1])
-
-
-def _deq_contraction_exact(res, x, J, correction, lipschitz, dtype):
-    """Certified enclosure of z* = T(z*), T(z) = J z - f(z) + x, by the contraction bound."""
-    batch, (n, d) = res.z.shape[:-2], res.z.shape[-2:]
-    size = int(np.prod(batch, dtype=int))
-    row_sums = np.sum(np.abs(_fractions(J, "J")), axis=(-3, -1)).reshape(size, -1)
-    q = [max(row) + Fraction(lipschitz) for row in row_sums]
-    if max(q) >= 1:
-        raise ValueError(
-            f"deq_attention: the exact path needs a max-norm contraction, but ||J||_inf + "
-            f"lipschitz = {float(max(q))!r} >= 1")
-    state = {"z": res.z, "iterations": 0}
-
-    def T(z, Jbig, xi):
-        coupled = np.matmul(Jbig, z.reshape(size, n * d, 1)).reshape(*batch, n, d) + xi
-        return coupled - np.asarray(correction(z), dtype=object).reshape(*batch, n, d)
-
-    def evaluate(prec):
-        with I.workprec(prec):
-            Jbig = _big(I.to_intervals(J).reshape(size, n, n, d, d))
-            xi = I.to_intervals(x)
-            z = I.to_intervals(state["z"])
-            scale = max([1] + [_upper(v) for v in z.ravel()]) * mpf(2) ** (8 - prec)
-            for step in range(64 * prec):
-                image = T(z, Jbig, xi)
-                gap = [max(_upper(v) for v in row) for row in (image - z).reshape(size, -1)]
-                if max(gap) <= scale or step == 64 * prec - 1:
-                    break
-                z = np.vectorize(lambda v: v.mid, otypes=[object])(image)
-            if max(gap) > scale:
-                raise ArithmeticError(f"deq_attention: no contraction to 2**{8 - prec} within "
-                                      f"{64 * prec} iterations at {prec} bits")
-            state["z"], state["iterations"] = np.vectorize(float)(z), step
-            radius = [(I.point(qb) / (1 - I.point(qb)) * iv.mpf(g)).b for qb, g in
-                      zip(q, gap, strict=True)]
-            flat = image.reshape(size, -1)
-            enclosure = np.array([[v + iv.mpf([-radius[b], radius[b]]) for v in flat[b]]
-                                  for b in range(size)], dtype=object)
-        return I.endpoints(enclosure)
-
-    z = correctly_round(evaluate, dtype, max_prec=_CERTIFIED_MAX_PREC, what="deq_attention")
-    return _exact_result(batch, z.reshape(*batch, n, d), None, None,
-                         iterations=np.full(batch, state["iterations"]))
-

@@ -33,10 +33,9 @@ import math
 from typing import NamedTuple
 
 import numpy as np
-from mpmath import iv, mp
 
 from . import _checks
-from .gmm import _is_zero, _NotRational, dot, exact_rows, sqdist
+from .exact import mgk as exact
 from .logspace import log_softmax, logsumexp, softmax
 from .masks import allowed_mask
 
@@ -168,74 +167,6 @@ def _scores64(terms, mode):
     return logsumexp(terms, axis=-1, where=~np.isneginf(terms))
 
 
-class _Symbolic:
-    """Rational mode: lse_r of rational terms, compared (not computed) as a multiset.
-
-    Two soft scores are exactly equal when their component terms agree as multisets, which is
-    all the rational fallback needs to certify a tie of the softmax over keys.
-    """
-
-    def __init__(self, terms):
-        self.terms = tuple(sorted(terms))
-
-    def __eq__(self, other):
-        return isinstance(other, _Symbolic) and self.terms == other.terms
-
-    def __ne__(self, other):
-        return not self == other
-
-    __hash__ = None
-
-
-def _iv_max(values):
-    """Enclosure of max_r x_r from enclosures of the x_r."""
-    lo = max(mp.make_mpf(x._mpi_[0]) for x in values)
-    hi = max(mp.make_mpf(x._mpi_[1]) for x in values)
-    return iv.mpf([lo, hi])
-
-
-def _component_terms_exact(ops, qrow, kj, log_pi_j, sig_j, sig_log_j, mode, normalized,
-                           sigma_varies):
-    terms = []
-    for r in range(len(kj)):
-        if mode == "soft" and log_pi_j[r] is None:
-            continue
-        term = -sqdist(qrow, kj[r]) / (2 * sig_j[r])
-        if mode == "soft":
-            term = term + log_pi_j[r]
-        if normalized and sigma_varies:
-            term = term - sig_log_j[r] * len(qrow) / 2
-        terms.append(term)
-    return terms
-
-
-def _key_score(ops, terms, mode):
-    if mode == "hard":
-        return max(terms) if ops.rational else _iv_max(terms)
-    if ops.rational:
-        return terms[0] if len(terms) == 1 else _Symbolic(terms)
-    return ops.lse(terms)
-
-
-class _ExactInputs(NamedTuple):
-    q: np.ndarray
-    keys: np.ndarray
-    log_pi: list
-    sigma2: np.ndarray
-    sigma_log: np.ndarray | None
-
-
-def _exact_inputs(ops, q, keys, log_pi, sigma2, sigma_varies, normalized, b):
-    sig = ops.array(sigma2[b])
-    sig_log = None
-    if normalized and sigma_varies:
-        if ops.rational:
-            raise _NotRational  # log(2 pi sigma2) is transcendental
-        sig_log = np.array([[ops.log(2 * iv.pi * s) for s in row] for row in sig], dtype=object)
-    lp = [[None if np.isneginf(x) else ops.scalar(x) for x in row] for row in log_pi[b]]
-    return _ExactInputs(ops.array(q[b]), ops.array(keys[b]), lp, sig, sig_log)
-
-
 # --------------------------------------------------------------------------------------------
 # Public functions
 # --------------------------------------------------------------------------------------------
@@ -303,7 +234,7 @@ def attention(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=Fa
     -----
     float64 error: every component term is a sum of D + 3 roundings, so with ``T`` the largest
     sum of absolute terms of a score, ``|out - exact| <= max|v| (4 gamma_{D+2} T +
-    gamma_{3SR+10})`` to first order (:func:`oracle.tolerance.mixture_bound` with n = S R).
+    gamma_{3SR+10})`` to first order (:func:`refattn.bounds.mixture_bound` with n = S R).
 
     Examples
     --------
@@ -342,30 +273,8 @@ def attention(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=Fa
         out = weights @ _clean(v64)
         return np.where(poisoned[..., None], np.nan, out)
 
-    clean_keys = _clean(keys64)
-
-    def row_out(ops, row):
-        b, i = row
-        if poisoned[b][i]:
-            return [math.nan] * v.shape[-1]
-        x = _exact_inputs(ops, q, clean_keys, log_pi, sigma2, sigma_varies, normalized, b)
-        scores = []
-        for j in range(units):
-            if not allowed[b][i][j]:
-                scores.append(None)
-                continue
-            terms = _component_terms_exact(ops, x.q[i], x.keys[j], x.log_pi[j], x.sigma2[j],
-                                           None if x.sigma_log is None else x.sigma_log[j],
-                                           mode, normalized, sigma_varies)
-            scores.append(_key_score(ops, terms, mode) if terms else None)
-        weights = ops.softmax(scores)
-        values = ops.array(np.where(allowed[b][i][:, None], v[b], 0.0))
-        return [sum((w * values[j, e] for j, w in enumerate(weights) if not _is_zero(w)), 0)
-                for e in range(v.shape[-1])]
-
-    rows = [(b, i) for b in np.ndindex(*batch) for i in range(length)]
-    table = exact_rows(rows, row_out, _checks.out_dtype(out_dtype), "mgk.attention")
-    return table.reshape(batch + (length, v.shape[-1]))
+    return exact.attention(q, _clean(keys64), v, log_pi, sigma2, sigma_varies, mode, normalized,
+                           allowed, poisoned, _checks.out_dtype(out_dtype))
 
 
 def em_update_pi(q, keys, *, log_pi, sigma2, mask=None, precision="float64", out_dtype=None):
@@ -440,47 +349,12 @@ def em_update_pi(q, keys, *, log_pi, sigma2, mask=None, precision="float64", out
                                                                           log_den[..., None])))
         return EMResult(pi, np.exp(log_resp))
 
-    def batch_out(ops, b):
-        x = _exact_inputs(ops, q, keys, log_pi, sigma2, sigma_varies, True, b)
-        resp = []
-        for i in range(length):
-            flat = []
-            for j in range(units):
-                for r in range(comps):
-                    if not allowed[b][i][j] or x.log_pi[j][r] is None:
-                        flat.append(None)
-                        continue
-                    term = -sqdist(x.q[i], x.keys[j][r]) / (2 * x.sigma2[j][r])
-                    term = term + x.log_pi[j][r]
-                    if sigma_varies:  # the Gaussian normaliser cancels when sigma2 is shared
-                        term = term - x.sigma_log[j][r] * q.shape[-1] / 2
-                    flat.append(term)
-            resp.append(ops.softmax(flat))
-        pi = []
-        for j in range(units):
-            den = sum((resp[i][j * comps + r] for i in range(length) for r in range(comps)), 0)
-            for r in range(comps):
-                if _is_zero(den):
-                    pi.append(ops.exp(ops.scalar(log_pi[b][j][r]))
-                              if not np.isneginf(log_pi[b][j][r]) else 0)
-                    continue
-                pi.append(sum((resp[i][j * comps + r] for i in range(length)), 0) / den)
-        return pi + [w for row in resp for w in row]
-
-    rows = list(np.ndindex(*batch))
-    table = exact_rows(rows, batch_out, _checks.out_dtype(out_dtype), "mgk.em_update_pi")
-    n_pi = units * comps
-    return EMResult(table[:, :n_pi].reshape(comp_shape),
-                    table[:, n_pi:].reshape(batch + (length, units, comps)))
+    return EMResult(*exact.em_update_pi(q, keys, log_pi, sigma2, sigma_varies, allowed,
+                                        _checks.out_dtype(out_dtype)))
 
 
 def _elu1_64(x):
     return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
-
-
-def _elu1_exact(ops, x_float, x):
-    """phi(x) = elu(x) + 1: x + 1 for x > 0, exp(x) otherwise (branch on the exact input)."""
-    return x + 1 if x_float > 0 else ops.exp(x)
 
 
 def linear_attention(q, keys, v, *, pi, feature_map="elu+1", causal=False, precision="float64",
@@ -522,7 +396,7 @@ def linear_attention(q, keys, v, *, pi, feature_map="elu+1", causal=False, preci
     float64 error: numerator and denominator are sums of non-negative kernels times values,
     each kernel with relative error gamma_n, n = D + R + S + 4, so the quotient (a convex
     combination of the v_j) errs by at most ``2 gamma_{2n+2} max|v|``
-    (:func:`oracle.tolerance.ratio_bound`).
+    (:func:`refattn.bounds.ratio_bound`).
 
     Examples
     --------
@@ -556,24 +430,5 @@ def linear_attention(q, keys, v, *, pi, feature_map="elu+1", causal=False, preci
             den = np.einsum("...ld,...d->...l", phi_q, mixed.sum(axis=-2))
         return num / den[..., None]
 
-    def row_out(ops, row):
-        b, i = row
-        qf = _checks.as_float64(q[b][i])
-        phi_q = [_elu1_exact(ops, f, x) for f, x in zip(qf, ops.array(qf), strict=False)]
-        keys_f = _checks.as_float64(keys[b])
-        keys_x, pi_x, v_x = ops.array(keys_f), ops.array(pi[b]), ops.array(v[b])
-        stop = min(i, units - 1) + 1 if causal else units
-        num = [0] * v.shape[-1]
-        den = 0
-        for j in range(stop):
-            mixed = [sum((pi_x[j][r] * _elu1_exact(ops, keys_f[j, r, d], keys_x[j, r, d])
-                          for r in range(keys.shape[-2])), 0) for d in range(q.shape[-1])]
-            kernel = dot(phi_q, mixed)
-            den = den + kernel
-            num = [n + kernel * v_x[j][e] for e, n in enumerate(num)]
-        return [n / den for n in num]
-
-    rows = [(b, i) for b in np.ndindex(*batch) for i in range(length)]
-    table = exact_rows(rows, row_out, _checks.out_dtype(out_dtype), "mgk.linear_attention")
-    return table.reshape(batch + (length, v.shape[-1]))
+    return exact.linear_attention(q, keys, v, pi, causal, _checks.out_dtype(out_dtype))
 

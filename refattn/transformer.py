@@ -33,25 +33,23 @@ Conventions pinned here (see also :func:`multihead_attention`):
   shift or eps; ``beta`` and ``eps`` (inside the square root, torch's placement) are
   additions, ``eps=0`` and no ``beta`` give the notes' formula. [AMT]'s block states
   "self-attention + residual, LayerNorm, MLPs, LayerNorm"; the MLP's residual is Vaswani's.
-* float64 error: :func:`float64_error_bound` gives an a-priori (first-order) bound on the
-  float64 path's error for every function here, by running error analysis along the same
-  composition.
+* float64 error: :func:`refattn.bounds.transformer_forward_bound` gives an a-priori
+  (first-order) bound on the float64 path's error for every function here, by running error
+  analysis along the same composition (:func:`composition`).
 """
 
 from __future__ import annotations
 
-import contextvars
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
 
 import numpy as np
 import scipy.special
 
 from . import _checks
-from ._spec import canonicalize
-from .exact import intervals as I
 from .exact import transformer as X
-from .exact.rounding import correctly_round
 
 __all__ = [
     "AttentionParams",
@@ -65,14 +63,13 @@ __all__ = [
     "feed_forward",
     "encoder_block",
     "decoder_block",
-    "float64_error_bound",
+    "Composition",
+    "composition",
+    "Float64Ops",
     "random_attention_params",
     "random_encoder_params",
     "random_decoder_params",
 ]
-
-#: Set by :func:`float64_error_bound`: the float64 path returns its error bound instead.
-_BOUND_MODE = contextvars.ContextVar("refattn_transformer_bound", default=False)
 
 ACTIVATIONS = ("relu", "gelu")
 NORMS = ("post", "pre")
@@ -287,21 +284,23 @@ def _convert(obj, fn):
 
 def _split_heads(x, heads):
     """(..., L, heads*D) -> (..., heads, L, D): head h is columns h*D:(h+1)*D."""
-    if isinstance(x, _Tracked):
+    if not isinstance(x, np.ndarray):  # a value with its error (refattn.bounds.transformer)
         return x.map(lambda a: _split_heads(a, heads))
     return np.moveaxis(x.reshape(x.shape[:-1] + (heads, -1)), -2, -3)
 
 
 def _merge_heads(x):
     """(..., H, L, E) -> (..., L, H*E), head 0 first (the notes' concat)."""
-    if isinstance(x, _Tracked):
+    if not isinstance(x, np.ndarray):
         return x.map(_merge_heads)
     x = np.moveaxis(x, -3, -2)
     return x.reshape(x.shape[:-2] + (-1,))
 
 
-class _Float64:
-    """The float64 path: NumPy in float64, attention by :func:`refattn.attention`."""
+class Float64Ops:
+    """The operations of the float64 path: NumPy in float64, attention by
+    :func:`refattn.attention`. A :class:`Composition` is evaluated over these (or over the
+    exact path's enclosures, or the bounds' error-tracking operations)."""
 
     @staticmethod
     def linear(x, W, b):
@@ -327,170 +326,13 @@ class _Float64:
 
     @staticmethod
     def attention(q, k, v, kwargs):
-        from .attention import attention  # the lead's module; imported late (import order)
+        from .attention import attention  # imported late: refattn.attention imports refattn
 
         return attention(q, k, v, **kwargs, precision="float64")
 
-
-class _Intervals:
-    """The exact path: enclosures at the working precision (:mod:`refattn.exact.transformer`)."""
-
     @staticmethod
-    def linear(x, W, b):
-        return X.linear(x, W, b)
-
-    @staticmethod
-    def activation(x, name):
-        return X.relu(x) if name == "relu" else X.gelu(x)
-
-    @staticmethod
-    def layer_norm(x, p: NormParams):
-        return X.layer_norm(x, p.gamma, p.beta, p.eps)
-
-    def __init__(self):
-        self.nan_rows = []
-
-    def attention(self, q, k, v, kwargs):
-        shapes = [np.broadcast_to(np.float64(0.0), a.shape) for a in (q, k, v)]
-        spec = canonicalize(*shapes, **kwargs)  # same validation as refattn.attention
-        if spec.empty_rows == "nan":
-            # NaN cannot live in an interval ([-inf, inf] would never round): compute empty
-            # rows as zeros and poison them at the end. Within one block a NaN query row only
-            # reaches its own output row (W_O, residual, norm and FFN act row by row).
-            spec = replace(spec, empty_rows="zero")
-            empty = np.zeros(spec.q.shape[:3], dtype=bool)
-            for b in range(empty.shape[0]):
-                for h in range(empty.shape[1]):
-                    empty[b, h] = ~spec.allowed(b, h).any(axis=1)
-            self.nan_rows.append(empty.any(axis=1).reshape(spec.batch_shape + (-1,)))
-        return X.attention(q, k, v, spec)
-
-    def poison(self, out):
-        for rows in self.nan_rows:
-            out[np.broadcast_to(rows, out.shape[:-1])] = np.nan
-        return out
-
-
-class _Tracked:
-    """A float64 value and a first-order bound on its distance to the exact value."""
-
-    __array_ufunc__ = None  # keep NumPy from broadcasting into an object array
-
-    def __init__(self, val, err):
-        self.val, self.err = val, err
-
-    def __add__(self, other):
-        val = self.val + other.val
-        return _Tracked(val, self.err + other.err + _U * np.abs(val))
-
-    def map(self, fn):
-        return _Tracked(fn(self.val), fn(self.err))
-
-
-_U = 2.0**-53  # unit roundoff of float64
-
-
-def _gamma(n):
-    return n * _U / (1 - n * _U)
-
-
-#: max |GELU'(x)| = max (Phi(x) + x phi(x)) <= 1 + phi(1) = 1 + 1/sqrt(2 pi e).
-_GELU_LIPSCHITZ = 1 + 1 / math.sqrt(2 * math.pi * math.e)
-
-
-class _Bounds:
-    """First-order forward error analysis of the float64 path (see :func:`float64_error_bound`).
-
-    Each op returns the float64 value and ``err`` = (error propagated from the inputs' errors)
-    + (this op's rounding errors), with Higham's gamma_n = n u / (1 - n u) for n roundings.
-    """
-
-    @staticmethod
-    def linear(x, W, b):
-        width = W.shape[0] + (b is not None)  # dot product of M terms (+ the bias add)
-        val = _Float64.linear(x.val, W, b)
-        size = np.abs(x.val) @ np.abs(W) + (0.0 if b is None else np.abs(b))
-        return _Tracked(val, x.err @ np.abs(W) + _gamma(width) * size)
-
-    @staticmethod
-    def activation(x, name):
-        val = _Float64.activation(x.val, name)
-        if name == "relu":  # exact, 1-Lipschitz
-            return _Tracked(val, x.err)
-        # x/sqrt2 (2 roundings; erf' * |x| u <= u), erf (4 units), 1 + , *x, *0.5: gamma_8 |x|
-        return _Tracked(val, _GELU_LIPSCHITZ * x.err + _gamma(8) * np.abs(x.val))
-
-    @staticmethod
-    def layer_norm(x, p: NormParams):
-        width = x.val.shape[-1]
-        val = _Float64.layer_norm(x.val, p)
-        gain = 1.0 if p.gamma is None else np.abs(p.gamma)
-        centred = x.val - x.val.mean(axis=-1, keepdims=True)
-        sigma = np.sqrt((centred**2).mean(axis=-1, keepdims=True) + p.eps)
-        normed = np.abs(centred) / sigma
-        # propagated: dy = g/sigma (dx - mean dx - yhat mean(yhat dx))
-        mean_err = x.err.mean(axis=-1, keepdims=True)
-        proj_err = (normed * x.err).mean(axis=-1, keepdims=True)
-        propagated = gain / sigma * (x.err + mean_err + normed * proj_err)
-        # rounding: mean gamma_{M+1} mean|x|; centring u|c|; variance gamma_{M+4} (relative);
-        # sigma: half the variance's relative error + gamma_2; divide, gain, shift: 3 units
-        mean_round = _gamma(width + 1) * np.abs(x.val).mean(axis=-1, keepdims=True)
-        var = (centred**2).mean(axis=-1, keepdims=True)
-        sigma_rel = 0.5 * _gamma(width + 4) * var / sigma**2 + _gamma(2)
-        rounding = gain * ((mean_round + _U * np.abs(centred)) / sigma
-                           + normed * (sigma_rel + _gamma(2))) + _U * np.abs(val)
-        return _Tracked(val, propagated + rounding)
-
-    @staticmethod
-    def attention(q, k, v, kwargs):
-        spec = canonicalize(q.val, k.val, v.val, **kwargs)
-        errs = canonicalize(q.err, k.err, v.err, **kwargs)  # same flattening of the errors
-        out = _Float64.attention(q.val, k.val, v.val, kwargs)
-        err = np.zeros(spec.batch_shape + spec.q.shape[1:3] + (spec.v.shape[-1],))
-        flat = err.reshape((-1,) + err.shape[-3:])
-        for b in range(spec.q.shape[0]):
-            for h in range(spec.q.shape[1]):
-                flat[b, h] = _attention_plane_bound(spec, errs, b, h)
-        return _Tracked(out, err)
-
-
-def _attention_plane_bound(spec, errs, b, h):
-    """Bound of one (L, E) plane: refattn.attention's own bound (its docstring), widened by
-    the score terms |t| + |lse| (bias, ALiBi, softcap roundings), plus the propagated input
-    errors: a score error e_ij moves the weight by w_ij (e_ij + max_k e_ik)."""
-    g = spec.kv_head[h]
-    q, k, v = spec.q[b, h], spec.k[b, g], spec.v[b, g]
-    dq, dk, dv = errs.q[b, h], errs.k[b, g], errs.v[b, g]
-    length, dim = q.shape
-    keys = k.shape[0]
-    allowed = spec.allowed(b, h)
-    scale = abs(spec.scale_float)
-    raw = scale * (q @ k.T)
-    scores = raw if spec.softcap is None else spec.softcap * np.tanh(raw / spec.softcap)
-    if spec.bias is not None:
-        scores = scores + np.where(allowed, spec.bias[b, h], 0.0)
-    if spec.alibi_slopes is not None:
-        scores = scores + spec.alibi(h)
-    lse = _lse(scores, allowed)
-    finite_lse = np.where(np.isfinite(lse), lse, 0.0)[:, None]
-    weights = np.where(allowed, np.exp(np.where(allowed, scores, 0.0) - finite_lse), 0.0)
-    if spec.dropout_mask is not None:
-        weights = np.where(spec.dropout_mask[b, h], weights, 0.0) / (1.0 - spec.dropout_p)
-    magnitude = scale * (np.abs(q) @ np.abs(k).T)
-    own = 2 * _gamma(dim + 6) * (magnitude + np.abs(np.where(allowed, scores, 0.0))
-                                 + np.abs(finite_lse) + 1)
-    propagated = scale * (dq @ np.abs(k).T + np.abs(q) @ dk.T)
-    propagated = np.where(allowed, propagated, 0.0)
-    relative = own + propagated + propagated.max(axis=1, keepdims=True)
-    return (weights * relative) @ np.abs(v) + weights @ dv + _gamma(keys + 3) * (
-        weights @ np.abs(v))
-
-
-def _lse(scores, allowed):
-    from .logspace import _lse_float64
-
-    with np.errstate(invalid="ignore", over="ignore"):
-        return _lse_float64(scores, allowed)
+    def positions(length, dim, base, layout):
+        return _positions_float64(length, dim, base, layout)
 
 
 def _mha(ops, x_q, x_kv, p: AttentionParams, kwargs):
@@ -531,33 +373,53 @@ def _decoder(ops, x, memory, p: DecoderParams, norm, self_kwargs, cross_kwargs):
     return h + _ffn(ops, ops.layer_norm(h, p.norm3), p.ffn)
 
 
-def _run(chain, inputs: dict, params, precision, out_dtype, what):
-    """Evaluate ``chain(ops, *inputs, params)`` on the chosen path.
+def _unchanged(out):
+    return out
+
+
+class Composition(NamedTuple):
+    """A validated call of one of this module's functions as a composition of operations.
+
+    ``chain(ops, *inputs.values(), params)`` evaluates it over the operations ``ops``
+    (``linear``, ``activation``, ``layer_norm``, ``attention``, ``positions``, and ``+`` of
+    values): :class:`Float64Ops` (the float64 path), the exact path's enclosures
+    (:class:`refattn.exact.transformer.EnclosureOps`), or error-tracking operations
+    (:func:`refattn.bounds.transformer_forward_bound`). ``finish`` maps the chain's value to
+    the returned array.
+    """
+
+    chain: Callable
+    inputs: dict
+    params: object
+    what: str
+    finish: Callable = _unchanged
+
+
+def _float64(plan: Composition) -> Composition:
+    """The composition with its inputs and parameters widened to float64."""
+    inputs = {name: _checks.as_float64(a) for name, a in plan.inputs.items()}
+    params = plan.params
+    if hasattr(params, "__dataclass_fields__"):
+        params = _convert(params, _checks.as_float64)
+    return plan._replace(inputs=inputs, params=params)
+
+
+def _run(plan: Composition, precision, out_dtype):
+    """Evaluate ``plan`` on the chosen path.
 
     float64: inputs and params widened to float64. exact: converted to point intervals once,
     the chain enclosed at each working precision, rounded once by the Ziv loop.
     """
     precision = _checks.precision(precision)
     if precision == "float64":
-        args = [_checks.as_float64(a) for a in inputs.values()]
-        params64 = _convert(params, _checks.as_float64)
-        if _BOUND_MODE.get():
-            zero = [_Tracked(a, np.zeros_like(a)) for a in args]
-            return chain(_Bounds, *zero, params64).err
-        return chain(_Float64, *args, params64)
+        plan = _float64(plan)
+        return plan.finish(plan.chain(Float64Ops, *plan.inputs.values(), plan.params))
     dtype = _checks.out_dtype(out_dtype)
-    _require_finite(inputs)
-    _require_finite(_arrays_of(params))
-    args = [I.to_intervals(a) for a in inputs.values()]
-    params_iv = _convert(params, I.to_intervals)
-
-    def evaluate(prec):
-        ops = _Intervals()
-        with I.workprec(prec):
-            out = chain(ops, *args, params_iv)
-        return I.endpoints(ops.poison(out))
-
-    return correctly_round(evaluate, dtype, what=what)
+    _require_finite(plan.inputs)
+    _require_finite(_arrays_of(plan.params))
+    out = X.round_composition(plan.chain, list(plan.inputs.values()), plan.params, dtype,
+                              plan.what, map_params=_convert)
+    return plan.finish(out)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -618,6 +480,13 @@ def multihead_attention(
     >>> np.round(T.multihead_attention(x, None, eye, eye, eye, eye, num_heads=2), 4).tolist()
     [[0.7311, 0.5], [0.5, 0.7311]]
     """
+    plan = _mha_plan(x_q, x_kv, W_Q, W_K, W_V, W_O, b_Q=b_Q, b_K=b_K, b_V=b_V, b_O=b_O,
+                     num_heads=num_heads, num_kv_heads=num_kv_heads, **attention_kwargs)
+    return _run(plan, precision, out_dtype)
+
+
+def _mha_plan(x_q, x_kv, W_Q, W_K, W_V, W_O, *, b_Q=None, b_K=None, b_V=None, b_O=None,
+              num_heads, num_kv_heads=None, **attention_kwargs) -> Composition:
     x_q = _input(x_q, "x_q")
     x_kv = x_q if x_kv is None else _input(x_kv, "x_kv")
     params = _check_attention(
@@ -628,8 +497,7 @@ def multihead_attention(
     def chain(ops, xq, xkv, p):
         return _mha(ops, xq, xkv, p, kwargs)
 
-    return _run(chain, {"x_q": x_q, "x_kv": x_kv}, params, precision, out_dtype,
-                "multihead_attention")
+    return Composition(chain, {"x_q": x_q, "x_kv": x_kv}, params, "multihead_attention")
 
 
 def layer_norm(x, *, gamma=None, beta=None, eps=1e-5, axis=-1, precision="float64",
@@ -670,32 +538,31 @@ def layer_norm(x, *, gamma=None, beta=None, eps=1e-5, axis=-1, precision="float6
     >>> T.layer_norm(np.array([1.0, 2.0, 4.0]), precision="exact", out_dtype="float16").dtype
     dtype('float16')
     """
+    plan = _layer_norm_plan(x, gamma=gamma, beta=beta, eps=eps, axis=axis)
+    precision = _checks.precision(precision)
+    if precision == "float64":
+        return _run(plan, precision, out_dtype)
+    dtype = _checks.out_dtype(out_dtype)
+    p = plan.params
+    _require_finite({"gamma": p.gamma, "beta": p.beta})
+    moved = plan.inputs["x"]
+    rows = _checks.as_float64(moved).reshape(-1, moved.shape[-1])
+    out = X.round_layer_norm(rows, p.gamma, p.beta, p.eps, dtype)
+    return plan.finish(out.reshape(moved.shape))
+
+
+def _layer_norm_plan(x, *, gamma=None, beta=None, eps=1e-5, axis=-1) -> Composition:
     x = _checks.float_array(x, "x", ndim_min=1)
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis: {axis} is out of range for x of shape {x.shape}")
     moved = np.moveaxis(x, axis, -1)
     p = _check_norm(moved.shape[-1], NormParams(gamma, beta, eps))
-    precision = _checks.precision(precision)
-    if precision == "float64":
-        x64, p64 = _checks.as_float64(moved), _convert(p, _checks.as_float64)
-        if _BOUND_MODE.get():
-            out = _Bounds.layer_norm(_Tracked(x64, np.zeros_like(x64)), p64).err
-        else:
-            out = _Float64.layer_norm(x64, p64)
-        return np.moveaxis(out, -1, axis)
-    dtype = _checks.out_dtype(out_dtype)
-    _require_finite({"gamma": p.gamma, "beta": p.beta})
-    rows = _checks.as_float64(moved).reshape(-1, moved.shape[-1])
-    gamma_iv = None if p.gamma is None else np.broadcast_to(I.to_intervals(p.gamma), rows.shape[1:])
-    beta_iv = None if p.beta is None else np.broadcast_to(I.to_intervals(p.beta), rows.shape[1:])
 
-    def evaluate(prec):
-        with I.workprec(prec):
-            out = [X.rational_layer_norm(r, gamma_iv, beta_iv, p.eps) for r in rows]
-        return I.endpoints(np.array(out, dtype=object).reshape(rows.shape))
+    def chain(ops, h, params):
+        return ops.layer_norm(h, params)
 
-    out = correctly_round(evaluate, dtype, what="layer_norm")
-    return np.moveaxis(out.reshape(moved.shape), -1, axis)
+    return Composition(chain, {"x": moved}, p, "layer_norm",
+                       lambda out: np.moveaxis(out, -1, axis))
 
 
 def sinusoidal_positions(length, dim, base=10000, layout="interleave", *, precision="float64",
@@ -739,41 +606,31 @@ def sinusoidal_positions(length, dim, base=10000, layout="interleave", *, precis
     >>> T.sinusoidal_positions(2, 2).tolist()
     [[0.0, 1.0], [0.8414709848078965, 0.5403023058681398]]
     """
+    plan = _positions_plan(length, dim, base, layout)
+    precision = _checks.precision(precision)
+    if precision == "float64":
+        return _run(plan, precision, out_dtype)
+    return X.round_positions(*plan.params, _checks.out_dtype(out_dtype))
+
+
+def _positions_plan(length, dim, base=10000, layout="interleave") -> Composition:
     length = _nonnegative_int(length, "length")
     dim = _nonnegative_int(dim, "dim")
     if dim < 2 or dim % 2:
         raise ValueError(f"dim: expected an even width >= 2 (sine/cosine pairs), got {dim}")
     base = _checks.real_scalar(base, "base", positive=True)
     _checks.choice(layout, "layout", LAYOUTS)
-    precision = _checks.precision(precision)
-    if precision == "float64":
-        if _BOUND_MODE.get():
-            return _positions_bound(length, dim, base, layout)
-        return _positions_float64(length, dim, base, layout)
-    dtype = _checks.out_dtype(out_dtype)
 
-    def evaluate(prec):
-        with I.workprec(prec):
-            return I.endpoints(X.positions(length, dim, base, layout))
+    def chain(ops, params):
+        return ops.positions(*params)
 
-    return correctly_round(evaluate, dtype, what="sinusoidal_positions")
+    return Composition(chain, {}, (length, dim, base, layout), "sinusoidal_positions")
 
 
 def _nonnegative_int(value, name):
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
         raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
     return int(value)
-
-
-def _positions_bound(length, dim, base, layout):
-    """|error| <= angle (gamma_3 + (2i/d) |log b| u) + gamma_2: the exponent 2i/d rounded once
-    (its error times log b moves the power), pow and the product (one unit each, pow taken
-    as within one ulp), sin/cos within one ulp."""
-    half = dim // 2
-    exponent = 2.0 * np.arange(half) / dim
-    angle = np.arange(length, dtype=np.float64)[:, None] * np.power(base, -exponent)
-    err = angle * (_gamma(3) + exponent * abs(math.log(base)) * _U) + _gamma(2)
-    return _positions_layout(err, err, layout)
 
 
 def _positions_layout(sines, cosines, layout):
@@ -813,9 +670,13 @@ def feed_forward(x, W1, b1, W2, b2, activation="relu", *, precision="float64", o
     >>> T.feed_forward(np.array([[1.0, -1.0]]), np.eye(2), None, np.eye(2), None).tolist()
     [[1.0, 0.0]]
     """
+    return _run(_ffn_plan(x, W1, b1, W2, b2, activation), precision, out_dtype)
+
+
+def _ffn_plan(x, W1, b1, W2, b2, activation="relu") -> Composition:
     x = _input(x, "x", ndim_min=1)
     params = _check_ffn(x, FeedForwardParams(W1, b1, W2, b2, activation))
-    return _run(_ffn, {"x": x}, params, precision, out_dtype, "feed_forward")
+    return Composition(_ffn, {"x": x}, params, "feed_forward")
 
 
 def encoder_block(x, params: EncoderParams, *, norm="post", mask=None, precision="float64",
@@ -854,6 +715,11 @@ def encoder_block(x, params: EncoderParams, *, norm="post", mask=None, precision
     >>> T.encoder_block(np.ones((3, 4)), p).shape
     (3, 4)
     """
+    plan = _encoder_plan(x, params, norm=norm, mask=mask, **attention_kwargs)
+    return _run(plan, precision, out_dtype)
+
+
+def _encoder_plan(x, params, *, norm="post", mask=None, **attention_kwargs) -> Composition:
     x = _input(x, "x")
     _checks.choice(norm, "norm", NORMS)
     params = _check_encoder(x, params)
@@ -862,7 +728,7 @@ def encoder_block(x, params: EncoderParams, *, norm="post", mask=None, precision
     def chain(ops, h, p):
         return _encoder(ops, h, p, norm, kwargs)
 
-    return _run(chain, {"x": x}, params, precision, out_dtype, "encoder_block")
+    return Composition(chain, {"x": x}, params, "encoder_block")
 
 
 def _check_encoder(x, p):
@@ -915,6 +781,12 @@ def decoder_block(x, memory, params: DecoderParams, *, norm="post", self_mask=No
     >>> T.decoder_block(np.ones((3, 4)), np.ones((5, 4)), p).shape
     (3, 4)
     """
+    plan = _decoder_plan(x, memory, params, norm=norm, self_mask=self_mask,
+                         memory_mask=memory_mask)
+    return _run(plan, precision, out_dtype)
+
+
+def _decoder_plan(x, memory, params, *, norm="post", self_mask=None, memory_mask=None):
     x = _input(x, "x")
     memory = _input(memory, "memory")
     _checks.choice(norm, "norm", NORMS)
@@ -925,8 +797,7 @@ def decoder_block(x, memory, params: DecoderParams, *, norm="post", self_mask=No
     def chain(ops, h, m, p):
         return _decoder(ops, h, m, p, norm, self_kwargs, cross_kwargs)
 
-    return _run(chain, {"x": x, "memory": memory}, params, precision, out_dtype,
-                "decoder_block")
+    return Composition(chain, {"x": x, "memory": memory}, params, "decoder_block")
 
 
 def _check_decoder(x, memory, p):
@@ -944,48 +815,31 @@ def _check_decoder(x, memory, p):
     return DecoderParams(self_attn, cross_attn, ffn, *norms)
 
 
-def float64_error_bound(function, *args, **kwargs) -> np.ndarray:
-    """A priori bound on the float64 path's error: ``|function(*args, **kwargs) - exact|``.
+def composition(function, *args, **kwargs) -> Composition:
+    """The validated float64 composition that ``function(*args, **kwargs)`` evaluates.
 
     ``function`` is one of :func:`multihead_attention`, :func:`layer_norm`,
     :func:`sinusoidal_positions`, :func:`feed_forward`, :func:`encoder_block`,
-    :func:`decoder_block`, called with the same arguments (``precision`` must be "float64").
-    Returns an array of the output's shape.
-
-    Notes
-    -----
-    Running (first-order) forward error analysis along the same composition: every stage
-    maps the bound on its inputs' errors through its Lipschitz constants and adds its own
-    rounding errors as ``gamma_n = n u / (1 - n u)`` (Higham, *Accuracy and Stability*,
-    Lemma 3.1; u = 2**-53) times the magnitudes involved:
-
-    * ``x @ W + b``: ``err @ |W| + gamma_{M+1} (|x| @ |W| + |b|)`` (any summation order);
-    * relu: the error passes; GELU: ``(1 + 1/sqrt(2 pi e)) err + gamma_8 |x|``;
-    * residual add: both errors plus ``u |sum|``;
-    * layer norm: ``|g|/sigma (e_i + mean e + |yhat_i| mean(|yhat| e))`` propagated, plus the
-      mean, centring, variance, square-root and scaling roundings;
-    * attention: :func:`refattn.attention`'s stated bound (with the score magnitude widened by
-      ``|t| + |lse|`` to cover bias, ALiBi and softcap roundings) plus the propagated score
-      errors ``s (e_q |k| + |q| e_k)`` (a weight moves by ``w_ij (e_ij + max_k e_ik)``) and
-      ``w @ e_v``;
-    * positions: ``angle (gamma_3 + (2i/d) |log b| u) + gamma_2``.
-
-    Second-order terms (products of two errors, O(u^2)) are dropped; NaN/Inf inputs give a
-    NaN bound.
+    :func:`decoder_block`; the arguments are validated as by the function (without
+    ``precision``/``out_dtype``) and widened to float64. Evaluating the result over
+    :class:`Float64Ops` gives the function's float64 path; over other operations, another
+    analysis of the same computation (:func:`refattn.bounds.transformer_forward_bound`).
 
     Examples
     --------
     >>> import numpy as np, refattn.transformer as T
-    >>> bool(T.float64_error_bound(T.layer_norm, np.array([1.0, 2.0])).max() < 1e-14)
-    True
+    >>> plan = T.composition(T.layer_norm, np.array([1.0, 3.0]), eps=0.0)
+    >>> plan.finish(plan.chain(T.Float64Ops, *plan.inputs.values(), plan.params)).tolist()
+    [-1.0, 1.0]
     """
-    if kwargs.get("precision", "float64") != "float64":
-        raise ValueError("precision: float64_error_bound bounds the float64 path only")
-    token = _BOUND_MODE.set(True)
-    try:
-        return function(*args, **kwargs)
-    finally:
-        _BOUND_MODE.reset(token)
+    plans = {multihead_attention: _mha_plan, layer_norm: _layer_norm_plan,
+             sinusoidal_positions: _positions_plan, feed_forward: _ffn_plan,
+             encoder_block: _encoder_plan, decoder_block: _decoder_plan}
+    if function not in plans:
+        names = ", ".join(f.__name__ for f in plans)
+        raise ValueError(f"function: expected one of {names} of refattn.transformer, "
+                         f"got {function!r}")
+    return _float64(plans[function](*args, **kwargs))
 
 
 # ----------------------------------------------------------------------------- random params

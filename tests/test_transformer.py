@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from functools import partial
 
 import ml_dtypes
 import mpmath
@@ -17,6 +18,7 @@ from strategies import head_layouts, position_shifts
 
 import refattn.transformer as T
 from oracle.tolerance import gamma, transformer_forward_bound
+from refattn import bounds
 from refattn.attention import attention
 
 DTYPES = ["float64", "float32", "float16", "bfloat16"]
@@ -192,10 +194,15 @@ def mha_case(rng):
     return rng.standard_normal((3, 4)), rng.standard_normal((5, 3)), params
 
 
-def _mha_call(x_q, x_kv, p, **kw):
-    return T.multihead_attention(
+def _mha_call(x_q, x_kv, p, function=T.multihead_attention, **kw):
+    return function(
         x_q, x_kv, p.W_Q, p.W_K, p.W_V, p.W_O, b_Q=p.b_Q, b_K=p.b_K, b_V=p.b_V, b_O=p.b_O,
         num_heads=p.num_heads, num_kv_heads=p.num_kv_heads, **kw)
+
+
+def _mha_bound(x_q, x_kv, p, **kw):
+    bound = partial(transformer_forward_bound, T.multihead_attention)
+    return _mha_call(x_q, x_kv, p, bound, **kw)
 
 
 # ----------------------------------------------------------------------------- exact path
@@ -330,14 +337,16 @@ def test_encoder_exact_larger_gqa(rng):
 def _bounded(function, *args, case, **kwargs):
     got = function(*args, **kwargs)
     exact = function(*args, precision="exact", **kwargs)
-    bound = transformer_forward_bound(function, *args, **kwargs)
-    assert_within(got, exact, bound, what=case, ulps=0.5)
+    bound_of = (_mha_bound if function is _mha_call
+                else partial(transformer_forward_bound, function))
+    assert_within(got, exact, bound_of(*args, **kwargs), what=case, ulps=0.5)
 
 
 def test_bound_uses_the_tolerance_policy_gamma():
-    """refattn.transformer cannot import oracle; its gamma_n must be oracle.tolerance.gamma."""
+    """The transformer bound's gamma_n is the one of refattn.bounds, oracle.tolerance's."""
     for n in (1, 7, 64, 4099):
-        assert T._gamma(n) == gamma(n, "float64"), f"gamma_{n}: {T._gamma(n)} != {gamma(n)}"
+        assert bounds.gamma(n) == gamma(n, "float64"), (
+            f"gamma_{n}: {bounds.gamma(n)} != {gamma(n)}")
 
 
 def test_float64_layer_norm_within_bound(rows, rng):
@@ -502,8 +511,9 @@ def test_mha_masked_poison_never_reaches_output(mha_case):
     got = _mha_call(x_q, poisoned, p, mask=keep)
     clean = x_kv[keep]
     exact = _mha_call(x_q, clean, p, precision="exact")
-    bound = transformer_forward_bound(_mha_call, x_q, clean, p)
-    assert_within(got, exact, bound, what="MHA with NaN/Inf in masked memory rows", ulps=0.5)
+    bound = _mha_bound(x_q, clean, p)
+    assert_within(got, exact, bound, what="MHA with NaN/Inf in masked memory rows",
+                  ulps=0.5)
 
 
 def test_mha_gqa_equals_repeated_kv_heads(mha_case):
@@ -543,7 +553,7 @@ def test_mha_batch_and_broadcast(rng, encoder_params):
     batched = _mha_call(x, None, p)
     for b in range(2):
         single = _mha_call(x[b], None, p)
-        assert_within(batched[b], single, transformer_forward_bound(_mha_call, x[b], None, p),
+        assert_within(batched[b], single, _mha_bound(x[b], None, p),
                       what=f"batch element {b}", ulps=0.5)
     shared = _mha_call(x, x[0], p, precision="exact")
     assert_same_bits(shared[0], _mha_call(x[0], None, p, precision="exact"),
@@ -686,7 +696,7 @@ def test_mha_bad_input(change, error, name):
                              mask=np.ones((3, 3), dtype=bool)), ValueError, "mask"),
     (lambda: T.decoder_block(np.ones((2, 4)), np.ones((3, 5)),
                              T.random_decoder_params(4, 2, 6, seed=0)), ValueError, "W_K"),
-    (lambda: T.float64_error_bound(T.layer_norm, np.ones(3), precision="exact"),
+    (lambda: transformer_forward_bound(T.layer_norm, np.ones(3), precision="exact"),
      ValueError, "precision"),
 ], ids=lambda c: c if isinstance(c, str) else "")
 def test_bad_input(call, error, name):

@@ -60,7 +60,8 @@ class _KernelAdapter(Adapter):
 
     def vjp(self, q, k, v, grad_out, grad_lse=None, **options):
         """(dq, dk, dv, dbias) in the input dtype; dbias has bias's own shape (or None)."""
-        from refattn.attention import _check_cotangent, _reduce_to
+        from refattn._broadcast import reduce_to
+        from refattn._spec import check_cotangent
 
         unknown = sorted(set(options) - set(OPTION_NAMES))
         if unknown:
@@ -69,12 +70,12 @@ class _KernelAdapter(Adapter):
         options.pop("return_lse", None)
         spec, _ = self._canonical(q, k, v, options)
         _, heads, _, length, _, _, vdim = spec.dims
-        do = _check_cotangent(spec, grad_out, "grad_out", (heads, length, vdim))
-        dl = None if grad_lse is None else _check_cotangent(spec, grad_lse, "grad_lse",
+        do = check_cotangent(spec, grad_out, "grad_out", (heads, length, vdim))
+        dl = None if grad_lse is None else check_cotangent(spec, grad_lse, "grad_lse",
                                                             (heads, length))
         dq, dk, dv, dbias = self._module().attention_vjp(spec, do, dl)
         if dbias is not None:
-            dbias = _reduce_to(np.asarray(dbias, np.float64).reshape(
+            dbias = reduce_to(np.asarray(dbias, np.float64).reshape(
                 spec.batch_shape + dbias.shape[1:]), spec.bias_shape)
         dtype = spec.q.dtype
         return (round_to(spec.unflatten(dq), dtype), round_to(spec.unflatten(dk), dtype),

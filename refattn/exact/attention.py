@@ -47,12 +47,14 @@ from .._spec import AttentionSpec
 from . import _fixed as F
 from .rounding import correctly_round
 
-__all__ = ["ExactForward", "exact_forward"]
+__all__ = ["ExactForward", "exact_forward", "scale_bounds"]
 
 _NAN = float("nan")
 
 
-def _scale_bounds(spec: AttentionSpec, prec: int):
+def scale_bounds(spec: AttentionSpec, prec: int):
+    """Bounds (lo, hi) (mpf raw tuples) of the exact score scale at working precision ``prec``:
+    exact for a dyadic scale, else enclosed (1/sqrt(D), a user scale that is not dyadic)."""
     exact = spec.scale_exact
     if isinstance(exact, tuple):
         return F.invsqrt_bounds(exact[1], prec)
@@ -121,7 +123,7 @@ class ExactForward:
         """Enclosures (t_lo, t_hi) as lists of rows of raw mpfs (None where excluded)."""
         spec = self.spec
         work = prec + config.ELEMENTARY_GUARD_BITS
-        s_lo, s_hi = _scale_bounds(spec, prec)
+        s_lo, s_hi = scale_bounds(spec, prec)
         cap = None if spec.softcap is None else F.raw(*_dyadic(spec.softcap))
         t_lo, t_hi = [], []
         length, keys = plane.allowed.shape

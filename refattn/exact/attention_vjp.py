@@ -30,7 +30,8 @@ from mpmath.libmp import from_man_exp, mpf_div, mpf_mul, round_ceiling, round_fl
 from .. import config
 from .._spec import AttentionSpec
 from . import _fixed as F
-from .attention import ExactForward, _scale_bounds
+from .._broadcast import reduce_to
+from .attention import ExactForward, scale_bounds
 from .rounding import correctly_round
 
 __all__ = ["exact_vjp"]
@@ -84,7 +85,7 @@ class ExactVJP:
             return None
         plane = self.forward.planes[b, h]
         work = prec + config.ELEMENTARY_GUARD_BITS
-        s_lo, s_hi = _scale_bounds(spec, prec)
+        s_lo, s_hi = scale_bounds(spec, prec)
         cap_num, cap_den = Fraction(spec.softcap).as_integer_ratio()
         cap = from_man_exp(cap_num, -(cap_den.bit_length() - 1))
         length, keys = plane.allowed.shape
@@ -160,7 +161,7 @@ class ExactVJP:
                 dq_rad[b, h] = r4 @ np.abs(k.ints[b, g])
                 dk_mid[b, g] += m4.T @ q.ints[b, h]
                 dk_rad[b, g] += r4.T @ np.abs(q.ints[b, h])
-        scale_lo, scale_hi = _scale_bounds(spec, prec)
+        scale_lo, scale_hi = scale_bounds(spec, prec)
         ds_scale = (Fraction(2) ** (c - prec)) / (4 * keep.denominator)
         # with softcap, dT's (mid2, rad2) form carries one more factor 1/2 (see _halve_scale)
         dt_scale = ds_scale / 2 if spec.softcap is not None else ds_scale
@@ -179,8 +180,8 @@ class ExactVJP:
         spec = self.spec
         ds_mid, ds_rad, ds_scale = self.at(prec)["ds"]
         full = spec.batch_shape + ds_mid.shape[1:]
-        mid = _reduce_to(ds_mid.reshape(full), spec.bias_shape)
-        rad = _reduce_to(ds_rad.reshape(full), spec.bias_shape)
+        mid = reduce_to(ds_mid.reshape(full), spec.bias_shape)
+        rad = reduce_to(ds_rad.reshape(full), spec.bias_shape)
         return _scaled_bounds(mid, rad, ds_scale, None)
 
     # ------------------------------------------------------------------------------------
@@ -286,14 +287,6 @@ def _halve_scale(mid, rad, bits):
     return lo + hi, hi - lo
 
 
-def _reduce_to(array: np.ndarray, shape: tuple) -> np.ndarray:
-    extra = array.ndim - len(shape)
-    if extra:
-        array = array.sum(axis=tuple(range(extra)))
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and array.shape[i] != 1)
-    return array.sum(axis=axes, keepdims=True) if axes else array
-
-
 def _scaled_bounds(mid, rad, factor: Fraction, scale_bounds):
     """Exact (lo, hi) object arrays of (mid -+ rad) * factor [* scale interval]."""
     lo = np.empty(mid.shape, dtype=object)
@@ -335,33 +328,6 @@ def exact_vjp(spec: AttentionSpec, grad_out, grad_lse, out_dtype):
     if spec.bias is not None:
         dbias = correctly_round(engine.dbias, out_dtype, what="dbias",
                                 fallback=lambda ix: engine.exact_value("dbias", ix))
-    dq, dk, dv = results["dq"], results["dk"], results["dv"]
-    if _has_nonfinite(spec, grad_out, grad_lse):
-        dq, dk, dv, dbias = _nonfinite_pattern(spec, grad_out, grad_lse, dq, dk, dv, dbias)
-    return dq, dk, dv, dbias
-
-
-def _has_nonfinite(spec, grad_out, grad_lse) -> bool:
-    arrays = [spec.q, spec.k, spec.v, grad_out] + ([grad_lse] if grad_lse is not None else [])
-    if spec.bias is not None:
-        arrays.append(np.where(np.isneginf(spec.bias), 0.0, spec.bias))
-    return any(not np.isfinite(np.asarray(a, dtype=np.float64)).all() for a in arrays)
-
-
-def _nonfinite_pattern(spec, grad_out, grad_lse, dq, dk, dv, dbias):
-    from ..attention import _reduce_to as reduce_f64
-    from ..attention import _vjp_float64
-
-    ref = _vjp_float64(spec, grad_out, grad_lse)
-    fixed = []
-    for exact, approx in zip((dq, dk, dv), ref[:3], strict=True):
-        exact = exact.copy()
-        bad = ~np.isfinite(approx)
-        exact[bad] = approx[bad].astype(exact.dtype)
-        fixed.append(exact)
-    if dbias is not None:
-        approx = reduce_f64(ref[3].reshape(spec.batch_shape + ref[3].shape[1:]), spec.bias_shape)
-        dbias = dbias.copy()
-        bad = ~np.isfinite(approx)
-        dbias[bad] = approx[bad].astype(dbias.dtype)
-    return (*fixed, dbias)
+    # NaN/Inf inputs: refattn.attention.attention_vjp takes the non-finite pattern from the
+    # float64 path (the exact engine encloses finite values only)
+    return results["dq"], results["dk"], results["dv"], dbias

@@ -17,6 +17,7 @@ Shape letters as in :mod:`refattn`; M is the model width (the last axis of ``x``
 
 from __future__ import annotations
 
+from dataclasses import replace
 from fractions import Fraction
 
 import numpy as np
@@ -32,7 +33,9 @@ from mpmath.libmp import (
 )
 
 from .. import config
+from .._spec import canonicalize
 from . import intervals as I
+from .rounding import correctly_round
 
 __all__ = [
     "linear",
@@ -44,6 +47,10 @@ __all__ = [
     "cos",
     "positions",
     "attention",
+    "EnclosureOps",
+    "round_composition",
+    "round_layer_norm",
+    "round_positions",
 ]
 
 _ZERO = iv.mpf(0)
@@ -256,3 +263,93 @@ def attention(q, k, v, spec) -> np.ndarray:
                 acc = sum(v[b, g, j] * w for w, j in zip(weights, row, strict=True))
                 out[b, h, i] = list(acc / total)
     return out.reshape(batch_shape + out.shape[1:])
+
+
+# ----------------------------------------------------------------------------- rounded once
+
+
+class EnclosureOps:
+    """The operations of the exact path: enclosures at the working precision (the operations
+    of a :class:`refattn.transformer.Composition`)."""
+
+    @staticmethod
+    def linear(x, W, b):
+        return linear(x, W, b)
+
+    @staticmethod
+    def activation(x, name):
+        return relu(x) if name == "relu" else gelu(x)
+
+    @staticmethod
+    def layer_norm(x, p):
+        return layer_norm(x, p.gamma, p.beta, p.eps)
+
+    @staticmethod
+    def positions(length, dim, base, layout):
+        return positions(length, dim, base, layout)
+
+    def __init__(self):
+        self.nan_rows = []
+
+    def attention(self, q, k, v, kwargs):
+        shapes = [np.broadcast_to(np.float64(0.0), a.shape) for a in (q, k, v)]
+        spec = canonicalize(*shapes, **kwargs)  # same validation as refattn.attention
+        if spec.empty_rows == "nan":
+            # NaN cannot live in an interval ([-inf, inf] would never round): compute empty
+            # rows as zeros and poison them at the end. Within one block a NaN query row only
+            # reaches its own output row (W_O, residual, norm and FFN act row by row).
+            spec = replace(spec, empty_rows="zero")
+            empty = np.zeros(spec.q.shape[:3], dtype=bool)
+            for b in range(empty.shape[0]):
+                for h in range(empty.shape[1]):
+                    empty[b, h] = ~spec.allowed(b, h).any(axis=1)
+            self.nan_rows.append(empty.any(axis=1).reshape(spec.batch_shape + (-1,)))
+        return attention(q, k, v, spec)
+
+    def poison(self, out):
+        for rows in self.nan_rows:
+            out[np.broadcast_to(rows, out.shape[:-1])] = np.nan
+        return out
+
+
+def round_composition(chain, inputs, params, dtype, what, *, map_params):
+    """``chain(ops, *inputs, params)`` (a :class:`refattn.transformer.Composition`) enclosed
+    over :class:`EnclosureOps` at each working precision and rounded once to ``dtype``.
+
+    ``inputs`` are finite float arrays, ``params`` a (nested) parameter dataclass converted
+    by ``map_params(params, fn)``.
+    """
+    args = [I.to_intervals(a) for a in inputs]
+    params_iv = map_params(params, I.to_intervals)
+
+    def evaluate(prec):
+        ops = EnclosureOps()
+        with I.workprec(prec):
+            out = chain(ops, *args, params_iv)
+        return I.endpoints(ops.poison(out))
+
+    return correctly_round(evaluate, dtype, what=what)
+
+
+def round_layer_norm(rows: np.ndarray, gamma, beta, eps, dtype) -> np.ndarray:
+    """Layer norm of the (R, M) float64 ``rows`` (exact rational mean and variance, see
+    :func:`rational_layer_norm`), rounded once to ``dtype``."""
+    gamma_iv = None if gamma is None else np.broadcast_to(I.to_intervals(gamma), rows.shape[1:])
+    beta_iv = None if beta is None else np.broadcast_to(I.to_intervals(beta), rows.shape[1:])
+
+    def evaluate(prec):
+        with I.workprec(prec):
+            out = [rational_layer_norm(r, gamma_iv, beta_iv, eps) for r in rows]
+        return I.endpoints(np.array(out, dtype=object).reshape(rows.shape))
+
+    return correctly_round(evaluate, dtype, what="layer_norm")
+
+
+def round_positions(length: int, dim: int, base, layout: str, dtype) -> np.ndarray:
+    """The sinusoidal position table (:func:`positions`) rounded once to ``dtype``."""
+
+    def evaluate(prec):
+        with I.workprec(prec):
+            return I.endpoints(positions(length, dim, base, layout))
+
+    return correctly_round(evaluate, dtype, what="sinusoidal_positions")

@@ -37,7 +37,7 @@ softmax and the weighted sum use the streaming form
 one exponential per key/unit (the NumPy path forms ``exp(s_j - lse)``). Every weight still
 carries one rounding of the subtraction and one of the exponential, at most ``u`` absolute
 each (``w |s - m| <= 1/e``), and the two sums of n terms ``gamma_n``, so the kernels lie within
-the NumPy path's documented bound, :func:`oracle.tolerance.mixture_bound` (per EM step for
+the NumPy path's documented bound, :func:`refattn.bounds.mixture_bound` (per EM step for
 GMM), of the exact result.
 
 Numerics and determinism

@@ -1,4 +1,5 @@
-"""A-priori error bounds of refattn's float64 path (running-error style, evaluated per element).
+"""A-priori error bounds of :func:`refattn.attention`'s float64 path (running-error style, evaluated
+per element), and the natural scales of its gradients.
 
 With ``u = 2**-53`` and Higham's ``gamma_n = n u / (1 - n u)`` (Higham, *Accuracy and Stability
 of Numerical Algorithms*, 2nd ed., Lemma 3.1 and eq. (3.5) for inner products):
@@ -39,19 +40,15 @@ The same bookkeeping is carried through the vjp (see :func:`float64_vjp_bound`).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from ._spec import canonicalize
+from .._broadcast import expand_kv, fold_kv, reduce_to
+from .._spec import canonicalize
+from .unit import UNIT_ROUNDOFF, gamma
 
-__all__ = ["UNIT_ROUNDOFF", "gamma", "float64_forward_bound", "float64_vjp_bound"]
-
-UNIT_ROUNDOFF = 2.0**-53
-
-
-def gamma(n: int) -> float:
-    """gamma_n = n u / (1 - n u) for float64."""
-    nu = n * UNIT_ROUNDOFF
-    return nu / (1 - nu)
+__all__ = ["float64_forward_bound", "float64_vjp_bound", "grad_scales"]
 
 
 def _score_terms(spec, b, h):
@@ -184,3 +181,62 @@ def float64_vjp_bound(q, k, v, grad_out, *, grad_lse=None, **options):
             bounds[0][b, h] = s * (ds_err @ k_ + gamma(keys + 2) * ds_abs @ k_)
             bounds[1][b, g] += s * (ds_err.T @ q_ + gamma(group * length + 2) * ds_abs.T @ q_)
     return tuple(spec.unflatten(x) for x in bounds)
+
+
+def _finite_abs(x):
+    x = np.asarray(x, dtype=np.float64)
+    return np.where(np.isfinite(x), np.abs(x), 0.0)
+
+
+def _heads(x, name):
+    x = np.asarray(x)
+    if x.ndim < 2:
+        raise ValueError(f"{name}: expected at least 2 dimensions, got shape {x.shape}")
+    return x if x.ndim > 2 else x[None]
+
+
+def grad_scales(q, k, v, grad_out, weights, dropped, *, grad_lse=None, scale=None, bias=None,
+                gqa="interleave", **_ignored) -> dict:
+    """Natural scales of dq, dk, dv, dbias, shaped like them: the gradients' sums taken over
+    absolute values (non-finite inputs count as 0),
+
+    .. math::
+
+        g_{ij} = p_{ij} (|dP_{ij}| + \\Delta_i + |\\bar\\ell_i|), \\quad
+        \\widehat{dq} = |s|\\, g |K|, \\quad \\widehat{dk} = |s|\\, g^T |Q|, \\quad
+        \\widehat{dv} = |P'|^T |dO|, \\quad \\widehat{d\\mathrm{bias}} = g,
+
+    with ``|dP| = |dO| |V|^T`` (times the dropout rescaling) and ``Delta_i = sum_j p_ij |dP_ij|``.
+    The rounding errors of a gradient computed in a given order are proportional to these
+    (used by the kernels' backward bound and by the oracle's judging policy).
+
+    ``weights`` are the float64 pre-dropout weights (..., H, L, S), ``dropped`` the
+    post-dropout ones (the same array without dropout); q, k, v, grad_out as
+    :func:`refattn.attention_vjp`.
+
+    >>> w = np.full((1, 1, 2), 0.5)
+    >>> s = grad_scales(np.ones((1, 1, 1)), np.ones((1, 2, 1)), np.ones((1, 2, 1)),
+    ...                 np.ones((1, 1, 1)), w, w, scale=1.0)
+    >>> s["dq"].tolist(), s["dv"].tolist()
+    ([[[2.0]]], [[[0.5], [0.5]]])
+    """
+    gqa = gqa or "interleave"
+    q3, k3, v3 = _heads(q, "q"), _heads(k, "k"), _heads(v, "v")
+    heads, dim = q3.shape[-3], q3.shape[-1]
+    kv_heads = k3.shape[-3]
+    p = _finite_abs(weights)
+    d_out = _finite_abs(_heads(grad_out, "grad_out"))
+    rescale = np.divide(_finite_abs(dropped), p, out=np.ones_like(p), where=p > 0)
+    d_p = np.matmul(d_out, np.swapaxes(expand_kv(_finite_abs(v3), heads, gqa), -1, -2)) * rescale
+    delta = (p * d_p).sum(axis=-1, keepdims=True)
+    g_lse = 0.0 if grad_lse is None else _finite_abs(grad_lse)[..., None]
+    g = p * (d_p + delta + g_lse)
+    s = abs(1.0 / math.sqrt(dim) if scale is None else float(scale))
+    dq = s * np.matmul(g, expand_kv(_finite_abs(k3), heads, gqa))
+    dk = fold_kv(s * np.matmul(np.swapaxes(g, -1, -2), _finite_abs(q3)), kv_heads, gqa)
+    dv = fold_kv(np.matmul(np.swapaxes(_finite_abs(dropped), -1, -2), d_out), kv_heads, gqa)
+    scales = {"dq": reduce_to(dq, np.shape(q)), "dk": reduce_to(dk, np.shape(k)),
+              "dv": reduce_to(dv, np.shape(v))}
+    if bias is not None:
+        scales["dbias"] = reduce_to(g, np.shape(bias))
+    return scales

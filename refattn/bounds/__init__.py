@@ -1,0 +1,39 @@
+"""A-priori error bounds of refattn's fast paths, evaluated per element.
+
+Every bound counts roundings with Higham's ``gamma_n = n u / (1 - n u)`` in the dtype that
+computes (:mod:`.unit`: the one definition of ``u`` and ``gamma_n`` per dtype). The tests and
+the oracle's judging policy take their a-priori bounds from here.
+
+* :mod:`.unit`: ``unit_roundoff``, ``gamma``.
+* :mod:`.attention`: :func:`refattn.attention` / :func:`refattn.attention_vjp` float64 path
+  (running error analysis, see its module notes) and the gradients' natural scales.
+* :mod:`.kernels`: the online-softmax kernels of :mod:`refattn.kernels`.
+* :mod:`.mixtures`: log-space softmax mixtures (gmm, mgk, hopfield), EM iterations, ratios.
+* :mod:`.fixedpoint`: iterates of fixed-point maps (fixedpoint, meanfield).
+* :mod:`.transformer`: the pieces of :mod:`refattn.transformer` (first-order analysis along
+  the same composition).
+"""
+
+from .attention import float64_forward_bound, float64_vjp_bound, grad_scales
+from .fixedpoint import fixed_point_forward_bound
+from .kernels import online_backward_bound, online_forward_bound
+from .mixtures import iterated_bound, logit_lse_bound, mixture_bound, ratio_bound
+from .transformer import transformer_forward_bound
+from .unit import UNIT_ROUNDOFF, gamma, unit_roundoff
+
+__all__ = [
+    "UNIT_ROUNDOFF",
+    "unit_roundoff",
+    "gamma",
+    "float64_forward_bound",
+    "float64_vjp_bound",
+    "grad_scales",
+    "online_forward_bound",
+    "online_backward_bound",
+    "logit_lse_bound",
+    "mixture_bound",
+    "iterated_bound",
+    "ratio_bound",
+    "fixed_point_forward_bound",
+    "transformer_forward_bound",
+]

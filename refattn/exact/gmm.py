@@ -1,0 +1,223 @@
+"""Exact paths of :mod:`refattn.gmm`: every output the exact value of the stated finite EM
+computation, rounded once (:func:`refattn.exact.rows.exact_rows`).
+
+The functions take the validated model of :mod:`refattn.gmm` (its inputs at their exact binary
+values, broadcast to a common batch) and evaluate each row in the number systems of
+:mod:`refattn.exact.numbers`; the equations are those of the float64 path (Movellan & Gabbur
+eqs. (13)-(14), (23), (28)-(29), (33)-(34)).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from .numbers import NotRational, dot, is_zero, sqdist
+from .rows import batch_rows, exact_rows
+
+__all__ = ["attention", "log_posterior", "adapt_keys", "adapt_priors"]
+
+
+class _ExactModel(NamedTuple):
+    q: np.ndarray
+    keys: np.ndarray
+    values: np.ndarray | None
+    alpha: np.ndarray
+    beta: np.ndarray
+    log_prior: np.ndarray | None
+    alpha_log: list | None
+    beta_log: list | None
+
+
+def _exact_model(ops, m, b):
+    """Inputs of batch element b in the number system ``ops`` (cached per precision by caller)."""
+    q, keys = ops.array(m.q[b]), ops.array(m.keys[b])
+    values = None if m.values is None else ops.array(m.values[b])
+    alpha, beta = ops.array(m.alpha[b]), ops.array(m.beta[b])
+    log_prior = None
+    if m.log_prior is not None:
+        log_prior = [None if np.isneginf(x) else ops.scalar(x) for x in m.log_prior[b]]
+    alpha_log = [ops.log(a) for a in alpha] if m.alpha_varies else None
+    beta_log = [ops.log(x) for x in beta] if m.beta_varies else None
+    return _ExactModel(q, keys, values, alpha, beta, log_prior, alpha_log, beta_log)
+
+
+def _query_logits_exact(m, x: _ExactModel, qrow):
+    """Exact twin of :func:`refattn.gmm`'s float64 query logits for one query row: list over
+    units (None = excluded by a -inf prior)."""
+    dim = len(qrow)
+    out = []
+    for u in range(len(x.keys)):
+        alpha = x.alpha[u]
+        if m.kind == "magnitude":
+            logit = alpha * dot(x.keys[u], qrow)
+            if x.values is not None:
+                logit = logit + x.beta[u] * dot(x.values[u], x.values[u]) / 2
+            if m.alpha_varies:
+                logit = logit - alpha * dot(qrow, qrow) / 2
+        else:
+            if m.kind == "array" and x.log_prior[u] is None:
+                out.append(None)
+                continue
+            logit = -alpha * sqdist(qrow, x.keys[u]) / 2
+            if m.kind == "array":
+                logit = logit + x.log_prior[u]
+        if m.alpha_varies:
+            logit = logit + x.alpha_log[u] * dim / 2
+        out.append(logit)
+    return out
+
+
+def _value_logits_exact(m, x: _ExactModel, v):
+    out = []
+    for u in range(len(x.values)):
+        logit = -x.beta[u] * sqdist(v, x.values[u]) / 2
+        if m.beta_varies:
+            logit = logit + x.beta_log[u] * len(v) / 2
+        out.append(logit)
+    return out
+
+
+def _log_posterior_exact(ops, m, x: _ExactModel, a, v):
+    b = _value_logits_exact(m, x, v)
+    joint = ops.lse([None if s is None else s + t for s, t in zip(a, b, strict=False)])
+    marginal = ops.lse(a)
+    dim_v = len(v)
+    const = -ops.log_2pi() * dim_v / 2
+    if not m.beta_varies:
+        const = const + ops.log(x.beta[0]) * dim_v / 2
+    return joint - marginal + const
+
+
+def _mix(weights, values):
+    """sum_u w_u mu_u, an object vector (E,)."""
+    dim_v = values.shape[1]
+    return np.array([sum((w * values[u, e] for u, w in enumerate(weights) if w != 0), 0)
+                     for e in range(dim_v)], dtype=object)
+
+
+def _attention_row_exact(ops, m, v_init, iters, want_trace, row):
+    b, i = row
+    x = _exact_model(ops, m, b)
+    a = _query_logits_exact(m, x, x.q[i])
+    v = None if v_init is None else ops.array(v_init[b][i])
+    trace = []
+    for _ in range(iters):
+        if v is None:
+            logits = a
+        else:
+            vb = _value_logits_exact(m, x, v)
+            logits = [None if s is None else s + t for s, t in zip(a, vb, strict=False)]
+        if m.beta_varies:  # eq. (12) with per-unit beta: weights w_u beta_u / sum w beta
+            logits = [None if s is None else s + t for s, t in zip(logits, x.beta_log,
+                                                                   strict=True)]
+        v = _mix(ops.softmax(logits), x.values)
+        if want_trace:
+            try:
+                trace.append(_log_posterior_exact(ops, m, x, a, v))
+            except NotRational:
+                trace.append(None)
+    return list(v) + trace
+
+
+def _adapt_keys_exact(ops, m, gamma, form, iters, b):
+    x = _exact_model(ops, m, b)
+    keys0 = x.keys
+    keys = keys0.copy()
+    units, dim = keys.shape
+    for _ in range(iters):
+        xt = x._replace(keys=keys)
+        weights = [ops.softmax(_query_logits_exact(m, xt, qrow)) for qrow in x.q]
+        new = keys.copy()
+        for k in range(units):
+            if math.isinf(gamma[b][k]):
+                continue  # the limit gamma -> inf: the prior pins the key at xi^0
+            total = sum((w[k] for w in weights), 0)
+            if is_zero(total):
+                continue  # no responsibility (a -inf prior): the key is unchanged
+            g, a = ops.scalar(gamma[b][k]), x.alpha[k]
+            for d in range(dim):
+                weighted = sum((w[k] * x.q[i][d] for i, w in enumerate(weights)), 0)
+                if form == "paper":
+                    new[k, d] = (g * keys0[k, d] + a * (weighted / total)) / (a + g)
+                else:
+                    new[k, d] = (g * keys0[k, d] + a * weighted) / (g + a * total)
+        keys = new
+    return list(keys.ravel())
+
+
+def _adapt_priors_exact(ops, m, pi0_row, eta_kind, eta_value, form, iters, b):
+    x = _exact_model(ops, m, b)
+    raw = ops.array(pi0_row)
+    total0 = sum(raw, 0)
+    pi = [p / total0 for p in raw]
+    if eta_kind == "scaled":
+        eta = [ops.scalar(eta_value) * p for p in pi]
+    else:
+        eta = list(ops.array(eta_value[b]))
+    units = len(pi)
+    for _ in range(iters):
+        log_pi = [None if is_zero(p) else ops.log(p) for p in pi]
+        m_arr = m._replace(kind="array")
+        weights = []
+        for qrow in x.q:
+            xt = x._replace(log_prior=log_pi)
+            weights.append(ops.softmax(_query_logits_exact(m_arr, xt, qrow)))
+        w_bar = [sum((w[k] for w in weights), 0) for k in range(units)]
+        if form == "paper":
+            mass = [w_bar[k] * (1 + eta[k]) for k in range(units)]
+        else:
+            mass = [w_bar[k] + eta[k] for k in range(units)]
+        norm = sum(mass, 0)
+        pi = [x_ / norm for x_ in mass]
+    return pi
+
+
+def attention(m, v_init, iters, want_trace, dtype):
+    """(values (..., L, E), trace (..., L, iters) or None) of ``iters`` EM steps, rounded once."""
+    batch, length, dim_v = m.q.shape[:-2], m.q.shape[-2], m.values.shape[-1]
+    table = exact_rows(
+        batch_rows(batch, length),
+        lambda ops, row: _attention_row_exact(ops, m, v_init, iters, want_trace, row),
+        dtype, "gmm.attention")
+    values = table[:, :dim_v].reshape(batch + (length, dim_v))
+    trace = table[:, dim_v:].reshape(batch + (length, iters)) if want_trace else None
+    return values, trace
+
+
+def log_posterior(m, v, dtype):
+    """log p(v | q) (..., L), rounded once."""
+
+    def row_value(ops, row):
+        b, i = row
+        x = _exact_model(ops, m, b)
+        return [_log_posterior_exact(ops, m, x, _query_logits_exact(m, x, x.q[i]),
+                                     ops.array(v[b][i]))]
+
+    batch, length = m.q.shape[:-2], m.q.shape[-2]
+    table = exact_rows(batch_rows(batch, length), row_value, dtype, "gmm.log_posterior")
+    return table.reshape(batch + (length,))
+
+
+def adapt_keys(m, gamma, form, iters, dtype):
+    """The keys xi^iters (..., S, D) of the key adaptation, rounded once."""
+    batch = m.keys.shape[:-2]
+
+    def row_keys(ops, b):
+        return _adapt_keys_exact(ops, m, gamma, form, iters, b)
+
+    table = exact_rows(list(np.ndindex(*batch)), row_keys, dtype, "gmm.adapt_keys")
+    return table.reshape(batch + m.keys.shape[-2:])
+
+
+def adapt_priors(m, pi0, eta_kind, eta_value, form, iters, dtype):
+    """The priors pi^iters (..., S) of the prior adaptation, rounded once."""
+    batch, units = m.keys.shape[:-2], m.keys.shape[-2]
+
+    def row_priors(ops, b):
+        return _adapt_priors_exact(ops, m, pi0[b], eta_kind, eta_value, form, iters, b)
+
+    table = exact_rows(list(np.ndindex(*batch)), row_priors, dtype, "gmm.adapt_priors")
+    return table.reshape(batch + (units,))

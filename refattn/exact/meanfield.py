@@ -1,0 +1,356 @@
+"""Exact paths of :mod:`refattn.meanfield` (Bal 2021): linear fixed points in exact rational
+arithmetic (:mod:`refattn.exact.rationals`), nonlinear ones certified by the Krawczyk test
+(:mod:`refattn.exact.krawczyk`) inside the Ziv loop, every output rounded once.
+
+The functions return arrays; :mod:`refattn.meanfield` assembles its ``MeanFieldResult``.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+from mpmath import iv, mp, mpf
+
+from .._blocks import big, block_diag, diag_blocks
+from . import intervals as I
+from .krawczyk import Krawczyk
+from .rationals import fractions, invert, round_rationals
+from .rounding import correctly_round
+
+__all__ = ["naive_step", "adaptive_tap_site", "adaptive_tap_prior", "ising_tap", "deq_linear",
+           "deq_contraction", "PRIOR_EXACT_MAX_SIZE"]
+
+
+def naive_step(m, J, x, batch, dtype):
+    """The exact naive update ``sum_j J_ij m_j + x_i`` (B..., N, d), rounded once."""
+    n, d = m.shape[-2:]
+    mb = np.broadcast_to(fractions(m, "m"), (*batch, n, d)).reshape(-1, n * d, 1)
+    Jb = big(np.broadcast_to(fractions(J, "J"), (*batch, n, n, d, d)).reshape(-1, n, n, d, d))
+    xb = np.broadcast_to(fractions(x, "x"), (*batch, n, d)).reshape(-1, n * d, 1)
+    exact = np.matmul(Jb, mb) + xb
+    return round_rationals(exact, dtype, "naive_step").reshape(*batch, n, d)
+
+
+def _site_closed_form(x, J, P, batch):
+    """Exact (means, V, chi_ii) of the response="site" fixed point per sample (Fractions):
+    m = (P - J)^{-1} x, chi_ii = [(P - J)^{-1}]_ii, V_i = P_i - chi_ii^{-1}."""
+    n, d = x.shape[-2:]
+    xs = np.broadcast_to(fractions(x, "x"), (*batch, n, d)).reshape(-1, n * d)
+    Js = np.broadcast_to(fractions(J, "J"), (*batch, n, n, d, d)).reshape(-1, n, n, d, d)
+    Pf = fractions(P, "prior_precision")
+    Pbig = block_diag(Pf[None])[0]
+    system = None
+    means, cavity, chis = [], [], []
+    for xb, Jb in zip(xs, Js, strict=True):
+        if system is None or J.ndim > 4:  # a shared (unbatched) J is solved once
+            chi = invert(Pbig - big(Jb[None])[0], "Sigma^-1 - J")
+            chi_diag = diag_blocks(chi[None], n, d)[0]
+            inverses = [invert(block, f"chi_ii (site {i})")
+                        for i, block in enumerate(chi_diag)]
+            system = chi, chi_diag, Pf - np.stack(inverses)
+        chi, chi_diag, V = system
+        means.append(chi.dot(xb).reshape(n, d))
+        cavity.append(V)
+        chis.append(chi_diag)
+    return np.array(means, dtype=object), np.array(cavity, dtype=object), \
+        np.array(chis, dtype=object)
+
+
+def adaptive_tap_site(x, J, P, batch, dtype):
+    """(means, cavity_var, chi_diag) of the closed-form fixed point (response="site") in exact
+    rational arithmetic, rounded once."""
+    n, d = x.shape[-2:]
+    means, cavity, chis = _site_closed_form(x, J, P, batch)
+    return (
+        round_rationals(means, dtype, "means").reshape(*batch, n, d),
+        round_rationals(cavity, dtype, "cavity_var").reshape(*batch, n, d, d),
+        round_rationals(chis, dtype, "chi_diag").reshape(*batch, n, d, d),
+    )
+
+
+# Exact path of adaptive_tap with response="prior": the means are the closed form
+# (P - J)^{-1} x and chi_ii = Sigma_i = P_i^{-1} exactly (the fixed point of eq. (11) with
+# Lambda_i = V_i + P_i); the cavity variances solve the nonlinear system, with
+# D = N d, unknowns V_i (N d^2, index i d^2 + a d + b) and Y = (P + V - J)^{-1} (D^2, index
+# N d^2 + r D + s):
+#   E2 = (P + V - J) Y - I      (D^2 equations, eqs. (8), (22))
+#   E3 = P_i Y_ii - I           (N d^2 equations, eq. (11): chi_ii = (Lambda_i - V_i)^{-1})
+
+#: Largest N d of the certified exact path of adaptive_tap(response="prior"): the Krawczyk
+#: test is dense in (N d)^2 + N d^2 unknowns.
+PRIOR_EXACT_MAX_SIZE = 12
+
+
+class _TapPriorProblem:
+    def __init__(self, J, P):
+        n, d = P.shape[:2]
+        self.n, self.d, self.size = n, d, n * d
+        self.J = big(J[None])[0].tolist()
+        self.P = P.tolist()
+        self.offset = n * d * d
+        # structural nonzeros of P + V - J in each row: the diagonal block and J's nonzeros
+        self.support = [[t for t in range(n * d) if t // d == r // d or self.J[r][t] != 0]
+                        for r in range(n * d)]
+
+    def _blocks(self, u, ops):
+        d, D = self.d, self.size
+        J = [[ops.num(v) for v in row] for row in self.J]
+        P = [[[ops.num(v) for v in row] for row in site] for site in self.P]
+        V = lambda i, a, b: u[i * d * d + a * d + b]  # noqa: E731
+        Y = lambda r, s: u[self.offset + r * D + s]  # noqa: E731
+
+        def A(r, t):
+            i, a, b = r // d, r % d, t % d
+            diagonal = P[i][a][b] + V(i, a, b) if t // d == i else 0
+            return diagonal - J[r][t]
+
+        return P, Y, A
+
+    def residual(self, u, ops):
+        n, d, D = self.n, self.d, self.size
+        P, Y, A = self._blocks(u, ops)
+        out = [sum(A(r, t) * Y(t, s) for t in self.support[r]) - (1 if r == s else 0)
+               for r in range(D) for s in range(D)]
+        out.extend(sum(P[i][a][b] * Y(i * d + b, i * d + c) for b in range(d))
+                   - (1 if a == c else 0)
+                   for i in range(n) for a in range(d) for c in range(d))
+        return out
+
+    def jacobian(self, u, ops):
+        n, d, D = self.n, self.d, self.size
+        P, Y, A = self._blocks(u, ops)
+        entries = []
+        for r in range(D):
+            i, a = divmod(r, d)
+            for s in range(D):
+                row = r * D + s
+                entries.extend((row, self.offset + t * D + s, A(r, t)) for t in self.support[r])
+                entries.extend((row, i * d * d + a * d + b, Y(i * d + b, s)) for b in range(d))
+        for i in range(n):
+            for a in range(d):
+                for c in range(d):
+                    row = D * D + i * d * d + a * d + c
+                    entries.extend((row, self.offset + (i * d + b) * D + i * d + c, P[i][a][b])
+                                   for b in range(d))
+        return entries
+
+
+def adaptive_tap_prior(V, x, J, P, batch, dtype):
+    """(means, cavity_var, chi_diag, iterations) of the response="prior" fixed point near the
+    float64 cavity variances ``V``, rounded once: means and chi_ii in closed form, V certified
+    by the Krawczyk test."""
+    n, d = x.shape[-2:]
+    size = int(np.prod(batch, dtype=int))
+    means, _, _ = _site_closed_form(x, J, P, batch)  # the means do not depend on V
+    sigma = np.stack([invert(block, f"prior_precision (site {i})")
+                      for i, block in enumerate(fractions(P, "prior_precision"))])
+    Js = np.broadcast_to(J, (*batch, n, n, d, d)).reshape(size, n, n, d, d)
+    Vs = V.reshape(size, n, d, d)
+    certifiers = []
+    for b in range(size):
+        if b == 0 or J.ndim > 4:  # V depends on J only: a shared J is certified once
+            Pbig, Vbig = block_diag(P[None])[0], block_diag(Vs[b:b + 1])[0]
+            Y = np.linalg.inv(Pbig + Vbig - big(Js[b:b + 1])[0])
+            u0 = np.concatenate([Vs[b].ravel(), Y.ravel()])
+            certifiers.append(Krawczyk(_TapPriorProblem(Js[b], P), u0, range(len(u0)),
+                                        "adaptive_tap"))
+    isolated = _isolated_sites(Js, scalar=False)
+    means_flat, block = means.reshape(size, -1), n * d * d
+
+    def evaluate(prec):
+        boxes = [c.enclose(prec)[:block] for c in certifiers]
+        rows = [list(means_flat[b]) + boxes[min(b, len(boxes) - 1)] + list(sigma.ravel())
+                for b in range(size)]
+        return I.endpoints(np.array(rows, dtype=object))
+
+    def exact_zero(index):
+        b, k = index
+        k -= n * d
+        if 0 <= k < block and isolated[b, k // (d * d)]:
+            return 0  # an isolated site has chi_ii = (P_i + V_i)^{-1} = P_i^{-1}: V_i = 0
+        return None
+
+    out = correctly_round(evaluate, dtype, max_prec=_CERTIFIED_MAX_PREC, fallback=exact_zero,
+                          what="adaptive_tap")
+    iterations = np.array([certifiers[min(b, len(certifiers) - 1)].steps for b in range(size)])
+    return (
+        out[:, : n * d].reshape(*batch, n, d),
+        out[:, n * d: n * d + block].reshape(*batch, n, d, d),
+        out[:, n * d + block:].reshape(*batch, n, d, d),
+        iterations.reshape(batch),
+    )
+
+
+def _isolated_sites(J, scalar):
+    """Sites with no coupling in or out (their cavity variance is exactly 0)."""
+    axes = (-1,) if scalar else (-3, -2, -1)
+    rows = (J != 0).any(axis=axes)
+    cols = (np.swapaxes(J, -1, -2) != 0).any(axis=(-1,)) if scalar else \
+        (np.swapaxes(J, -3, -4) != 0).any(axis=axes)
+    return ~(rows | cols)
+
+
+# Exact path of ising_tap: unknowns u = (m_i, Lambda_i, Y_pl) with Y = (Lambda - J)^{-1}, laid
+# out as m -> [0, N), Lambda -> [N, 2N), Y_pl -> 2N + p N + l; equations E1 (N), E2 (N^2),
+# E3 (N) in the same order:
+#   E1_i = m_i - tanh(sum_j J_ij m_j - (Lambda_i - 1/(1 - m_i^2)) m_i + x_i)   (eqs. (14), (10))
+#   E2   = (Lambda - J) Y - I                                                  (eq. (8))
+#   E3_i = Y_ii - (1 - m_i^2)                                                  (eq. (11))
+
+#: Largest working precision of the exact Ziv loops of the nonlinear fixed points (an exact
+#: zero that no structural rule proves would otherwise double the precision up to
+#: config.ZIV_MAX_PREC).
+_CERTIFIED_MAX_PREC = 4096
+
+
+class _IsingProblem:
+    def __init__(self, J, x):
+        self.n, self.J, self.x = len(x), J.tolist(), x.tolist()
+        self.nonzero = (J != 0).tolist()
+
+    def residual(self, u, ops):
+        n, J, x = self.n, [[ops.num(v) for v in row] for row in self.J], \
+            [ops.num(v) for v in self.x]
+        m, lam, Y = u[:n], u[n:2 * n], u[2 * n:]
+        out = []
+        for i in range(n):
+            s = sum(J[i][j] * m[j] for j in range(n)) - lam[i] * m[i] + m[i] / (1 - m[i] * m[i])
+            out.append(m[i] - ops.tanh(s + x[i]))
+        for k in range(n):
+            for l in range(n):
+                coupled = sum(J[k][p] * Y[p * n + l] for p in range(n))
+                out.append(lam[k] * Y[k * n + l] - coupled - (1 if k == l else 0))
+        out.extend(Y[i * n + i] - (1 - m[i] * m[i]) for i in range(n))
+        return out
+
+    def jacobian(self, u, ops):
+        n, J, x, nonzero = self.n, [[ops.num(v) for v in row] for row in self.J], \
+            [ops.num(v) for v in self.x], self.nonzero
+        m, lam, Y = u[:n], u[n:2 * n], u[2 * n:]
+        entries = []
+        for i in range(n):
+            c = 1 - m[i] * m[i]
+            t = ops.tanh(sum(J[i][j] * m[j] for j in range(n)) - lam[i] * m[i] + m[i] / c + x[i])
+            slope = 1 - t * t
+            entries.extend((i, j, -slope * J[i][j]) for j in range(n) if nonzero[i][j])
+            entries.append((i, i, 1 - slope * ((1 + m[i] * m[i]) / (c * c) - lam[i])))
+            entries.append((i, n + i, slope * m[i]))
+        for k in range(n):
+            for l in range(n):
+                row = n + k * n + l
+                entries.append((row, n + k, Y[k * n + l]))
+                entries.extend((row, 2 * n + p * n + l, (lam[k] if p == k else 0) - J[k][p])
+                               for p in range(n) if p == k or nonzero[k][p])
+        for i in range(n):
+            entries.append((n + n * n + i, i, 2 * m[i]))
+            entries.append((n + n * n + i, 2 * n + i * n + i, 1))
+        return entries
+
+
+def _ising_certifier(m, V, J, x):
+    n = len(x)
+    free_m = bool((x != 0).any())  # x = 0: m = 0 is an exact solution; certify (Lambda, Y)
+    m = m if free_m else np.zeros(n)
+    lam = V + 1 / (1 - m * m)
+    u0 = np.concatenate([m, lam, np.linalg.inv(np.diag(lam) - J).ravel()])
+    return Krawczyk(_IsingProblem(J, x), u0, range(0 if free_m else n, 2 * n + n * n),
+                     "ising_tap")
+
+
+def _ising_outputs(box, n):
+    m, lam, Y = box[:n], box[n:2 * n], box[2 * n:]
+    return m + [lam[i] - 1 / (1 - m[i] * m[i]) for i in range(n)] + \
+        [Y[i * n + i] for i in range(n)]
+
+
+def ising_tap(m, V, J, x, batch, dtype):
+    """Correctly rounded (means, cavity_var, chi_diag, iterations) of the certified binary-spin
+    fixed points near the float64 (m, V), per flattened sample."""
+    n = x.shape[-1]
+    certifiers = [_ising_certifier(mb, Vb, Jb, xb) for mb, Vb, Jb, xb in
+                  zip(m, V, J, x, strict=True)]
+    isolated = _isolated_sites(J, scalar=True)
+
+    def evaluate(prec):
+        boxes = [c.enclose(prec) for c in certifiers]
+        with I.workprec(prec):  # V_i = Lambda_i - 1/(1 - m_i^2) on the certified box
+            outputs = [_ising_outputs(box, n) for box in boxes]
+        return I.endpoints(np.array(outputs, dtype=object))
+
+    def exact_zero(index):
+        # an isolated site has V_i = 0 (chi_ii = 1 / Lambda_i) and, if x_i = 0, m_i = 0
+        b, k = index
+        kind, site = divmod(k, n)
+        if isolated[b, site] and (kind == 1 or (kind == 0 and x[b, site] == 0)):
+            return 0
+        return None
+
+    out = correctly_round(evaluate, dtype, max_prec=_CERTIFIED_MAX_PREC, fallback=exact_zero,
+                          what="ising_tap").reshape(len(certifiers), 3, n)
+    iterations = np.array([c.steps for c in certifiers], dtype=int)
+    return (*(out[:, k].reshape(*batch, n) for k in range(3)), iterations.reshape(batch))
+
+
+def deq_linear(x, J, batch, dtype):
+    """z = (I - J)^{-1} x (B..., N, d) in exact rational arithmetic, rounded once."""
+    n, d = x.shape[-2:]
+    xs = np.broadcast_to(fractions(x, "x"), (*batch, n, d)).reshape(-1, n * d)
+    Js = np.broadcast_to(fractions(J, "J"), (*batch, n, n, d, d)).reshape(-1, n, n, d, d)
+    eye = np.identity(n * d, dtype=object) * Fraction(1)
+    shared = invert(eye - big(Js[:1])[0], "I - J") if J.ndim == 4 else None
+    out = []
+    for xb, Jb in zip(xs, Js, strict=True):
+        inverse = shared if shared is not None else invert(eye - big(Jb[None])[0], "I - J")
+        out.append(inverse.dot(xb))
+    return round_rationals(np.array(out, dtype=object), dtype, "means").reshape(*batch, n, d)
+
+
+def _upper(value):
+    """Exact upper bound of |value| for an interval (or exact number) as an mpf."""
+    value = value if isinstance(value, iv.mpf) else I.point(value)
+    return mp.make_mpf(abs(value)._mpi_[1])
+
+
+def deq_contraction(z0, x, J, correction, lipschitz, dtype):
+    """(z, iterations): certified enclosure of z* = T(z*), T(z) = J z - f(z) + x, by the
+    contraction bound, refined from the float64 fixed point ``z0`` and rounded once."""
+    batch, (n, d) = z0.shape[:-2], z0.shape[-2:]
+    size = int(np.prod(batch, dtype=int))
+    row_sums = np.sum(np.abs(fractions(J, "J")), axis=(-3, -1)).reshape(size, -1)
+    q = [max(row) + Fraction(lipschitz) for row in row_sums]
+    if max(q) >= 1:
+        raise ValueError(
+            f"deq_attention: the exact path needs a max-norm contraction, but ||J||_inf + "
+            f"lipschitz = {float(max(q))!r} >= 1")
+    state = {"z": z0, "iterations": 0}
+
+    def T(z, Jbig, xi):
+        coupled = np.matmul(Jbig, z.reshape(size, n * d, 1)).reshape(*batch, n, d) + xi
+        return coupled - np.asarray(correction(z), dtype=object).reshape(*batch, n, d)
+
+    def evaluate(prec):
+        with I.workprec(prec):
+            Jbig = big(I.to_intervals(J).reshape(size, n, n, d, d))
+            xi = I.to_intervals(x)
+            z = I.to_intervals(state["z"])
+            scale = max([1] + [_upper(v) for v in z.ravel()]) * mpf(2) ** (8 - prec)
+            for step in range(64 * prec):
+                image = T(z, Jbig, xi)
+                gap = [max(_upper(v) for v in row) for row in (image - z).reshape(size, -1)]
+                if max(gap) <= scale or step == 64 * prec - 1:
+                    break
+                z = np.vectorize(lambda v: v.mid, otypes=[object])(image)
+            if max(gap) > scale:
+                raise ArithmeticError(f"deq_attention: no contraction to 2**{8 - prec} within "
+                                      f"{64 * prec} iterations at {prec} bits")
+            state["z"], state["iterations"] = np.vectorize(float)(z), step
+            radius = [(I.point(qb) / (1 - I.point(qb)) * iv.mpf(g)).b for qb, g in
+                      zip(q, gap, strict=True)]
+            flat = image.reshape(size, -1)
+            enclosure = np.array([[v + iv.mpf([-radius[b], radius[b]]) for v in flat[b]]
+                                  for b in range(size)], dtype=object)
+        return I.endpoints(enclosure)
+
+    z = correctly_round(evaluate, dtype, max_prec=_CERTIFIED_MAX_PREC, what="deq_attention")
+    return z.reshape(*batch, n, d), state["iterations"]

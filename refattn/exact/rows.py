@@ -1,0 +1,55 @@
+"""Exact row evaluation: one flat Ziv loop over the rows of a variant's computation.
+
+A row evaluator ``evaluate_row(ops, row) -> list`` runs in the number system ``ops``
+(:mod:`refattn.exact.numbers`): on intervals at every working precision of the Ziv loop, and on
+exact rationals for the entries the loop cannot decide (a value exactly on a rounding boundary).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _checks
+from . import intervals as I
+from .numbers import INTERVAL, RATIONAL, NotRational
+from .rounding import correctly_round
+
+__all__ = ["exact_rows", "batch_rows"]
+
+
+def exact_rows(rows, evaluate_row, dtype, what):
+    """Correctly round ``evaluate_row(ops, row) -> list`` for every row (one flat Ziv loop).
+
+    Entries of the returned list are numbers of ``ops`` (intervals or Fractions), Python
+    ints/floats (exact, NaN allowed) or None (rational mode only: "not rational").
+    """
+
+    def evaluate(prec):
+        with I.workprec(prec):
+            values = [evaluate_row(INTERVAL, row) for row in rows]
+        table = np.empty((len(rows), len(values[0]) if values else 0), dtype=object)
+        for r, row_values in enumerate(values):
+            for c, value in enumerate(row_values):
+                table[r, c] = value
+        return I.endpoints(table)
+
+    cache = {}
+
+    def fallback(index):
+        r, c = index
+        if r not in cache:
+            try:
+                cache[r] = evaluate_row(RATIONAL, rows[r])
+            except NotRational:
+                cache[r] = None
+        row_values = cache[r]
+        return None if row_values is None else row_values[c]
+
+    if not rows:
+        return np.empty((0, 0), dtype=_checks.out_dtype(dtype))
+    return correctly_round(evaluate, dtype, fallback=fallback, what=what)
+
+
+def batch_rows(batch: tuple, length: int) -> list:
+    """The (batch index, row) pairs of a (..., L, .) computation, in C order."""
+    return [(b, i) for b in np.ndindex(*batch) for i in range(length)]
