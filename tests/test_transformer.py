@@ -14,6 +14,15 @@ import pytest
 from helpers import assert_same_bits, assert_within
 from hypothesis import given
 from hypothesis import strategies as st
+from naive.transformer import (
+    mp_array,
+    naive_decoder,
+    naive_encoder,
+    naive_feed_forward,
+    naive_layer_norm,
+    naive_mha,
+    naive_positions,
+)
 from strategies import head_layouts, position_shifts
 
 import refattn.transformer as T
@@ -50,120 +59,6 @@ def round_mp(x, name) -> float:
 def expected_bits(truth, name) -> np.ndarray:
     flat = [round_mp(v, name) for v in np.asarray(truth, dtype=object).ravel()]
     return np.array(flat, dtype=np.float64).reshape(np.shape(truth)).astype(_dtype(name))
-
-
-def mp_array(a) -> np.ndarray:
-    a = np.asarray(a, dtype=np.float64)
-    out = np.empty(a.shape, dtype=object)
-    for index, v in np.ndenumerate(a):
-        out[index] = mpmath.mpf(float(v))
-    return out
-
-
-# ----------------------------------------------------------------------------- mpmath reference
-# Plain loops over mpf at DPS digits, following the notes' formulas literally (call inside
-# mpmath.workdps(DPS)).
-
-
-def ref_linear(x, W, b):
-    out = np.matmul(x, mp_array(W))
-    return out if b is None else out + mp_array(b)
-
-
-def ref_layer_norm(x, norm: T.NormParams):
-    out = np.empty(x.shape, dtype=object)
-    width = x.shape[-1]
-    for index in np.ndindex(*x.shape[:-1]):
-        row = list(x[index])
-        mean = mpmath.fsum(row) / width
-        var = mpmath.fsum((v - mean) ** 2 for v in row) / width
-        if var + mpmath.mpf(float(norm.eps)) == 0:
-            out[index] = [mpmath.nan] * width
-            continue
-        sigma = mpmath.sqrt(var + mpmath.mpf(float(norm.eps)))
-        for j, v in enumerate(row):
-            y = (v - mean) / sigma
-            if norm.gamma is not None:
-                y *= mpmath.mpf(float(norm.gamma[j]))
-            if norm.beta is not None:
-                y += mpmath.mpf(float(norm.beta[j]))
-            out[index + (j,)] = y
-    return out
-
-
-def ref_attention_rows(q, k, v, allowed):
-    """q (L, D), k (S, D), v (S, E) mpf arrays, allowed (L, S): scale 1/sqrt(D)."""
-    scale = 1 / mpmath.sqrt(q.shape[1])
-    out = np.empty((q.shape[0], v.shape[1]), dtype=object)
-    for i in range(q.shape[0]):
-        keys = [j for j in range(k.shape[0]) if allowed[i, j]]
-        if not keys:
-            out[i] = [mpmath.mpf(0)] * v.shape[1]
-            continue
-        scores = {j: scale * mpmath.fsum(q[i] * k[j]) for j in keys}
-        total = mpmath.fsum(mpmath.exp(s) for s in scores.values())
-        for e in range(v.shape[1]):
-            out[i, e] = mpmath.fsum(mpmath.exp(scores[j]) * v[j, e] for j in keys) / total
-    return out
-
-
-def ref_mha(x_q, x_kv, p: T.AttentionParams, allowed):
-    """2-D x_q (L, M), x_kv (S, N); allowed (L, S) for every head; GQA interleave."""
-    heads, kv_heads = p.num_heads, p.num_kv_heads or p.num_heads
-    q = ref_linear(x_q, p.W_Q, p.b_Q)
-    k = ref_linear(x_kv, p.W_K, p.b_K)
-    v = ref_linear(x_kv, p.W_V, p.b_V)
-    dim, vdim = q.shape[1] // heads, v.shape[1] // kv_heads
-    blocks = []
-    for h in range(heads):
-        g = h // (heads // kv_heads)
-        blocks.append(ref_attention_rows(q[:, h * dim:(h + 1) * dim], k[:, g * dim:(g + 1) * dim],
-                                         v[:, g * vdim:(g + 1) * vdim], allowed))
-    return ref_linear(np.concatenate(blocks, axis=1), p.W_O, p.b_O)
-
-
-def ref_ffn(x, p: T.FeedForwardParams):
-    hidden = ref_linear(x, p.W1, p.b1)
-    if p.activation == "relu":
-        act = np.vectorize(lambda t: max(t, 0), otypes=[object])(hidden)
-    else:
-        act = np.vectorize(lambda t: t / 2 * (1 + mpmath.erf(t / mpmath.sqrt(2))),
-                           otypes=[object])(hidden)
-    return ref_linear(act, p.W2, p.b2)
-
-
-def ref_encoder(x, p: T.EncoderParams, norm):
-    full = np.ones((x.shape[0], x.shape[0]), dtype=bool)
-    if norm == "post":
-        h = ref_layer_norm(x + ref_mha(x, x, p.attn, full), p.norm1)
-        return ref_layer_norm(h + ref_ffn(h, p.ffn), p.norm2)
-    n1 = ref_layer_norm(x, p.norm1)
-    h = x + ref_mha(n1, n1, p.attn, full)
-    return h + ref_ffn(ref_layer_norm(h, p.norm2), p.ffn)
-
-
-def ref_decoder(x, memory, p: T.DecoderParams, norm="post"):
-    causal = np.tril(np.ones((x.shape[0], x.shape[0]), dtype=bool))
-    full = np.ones((x.shape[0], memory.shape[0]), dtype=bool)
-    if norm == "pre":
-        n1 = ref_layer_norm(x, p.norm1)
-        h = x + ref_mha(n1, n1, p.self_attn, causal)
-        h = h + ref_mha(ref_layer_norm(h, p.norm2), memory, p.cross_attn, full)
-        return h + ref_ffn(ref_layer_norm(h, p.norm3), p.ffn)
-    h = ref_layer_norm(x + ref_mha(x, x, p.self_attn, causal), p.norm1)
-    h = ref_layer_norm(h + ref_mha(h, memory, p.cross_attn, full), p.norm2)
-    return ref_layer_norm(h + ref_ffn(h, p.ffn), p.norm3)
-
-
-def ref_positions(length, dim, base, layout):
-    table = np.empty((length, dim), dtype=object)
-    half = dim // 2
-    for pos in range(length):
-        for i in range(half):
-            angle = pos / mpmath.power(mpmath.mpf(float(base)), mpmath.mpf(2 * i) / dim)
-            s, c = (2 * i, 2 * i + 1) if layout == "interleave" else (i, half + i)
-            table[pos, s], table[pos, c] = mpmath.sin(angle), mpmath.cos(angle)
-    return table
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -214,7 +109,7 @@ def test_layer_norm_exact_correctly_rounded(rows, rng, dtype):
     got = T.layer_norm(rows, gamma=norm.gamma, beta=norm.beta, eps=norm.eps,
                        precision="exact", out_dtype=dtype)
     with mpmath.workdps(DPS):
-        want = expected_bits(ref_layer_norm(mp_array(rows), norm), dtype)
+        want = expected_bits(naive_layer_norm(mp_array(rows), norm), dtype)
     assert_same_bits(got, want, what=f"layer_norm exact, out_dtype={dtype}", check_dtype=True)
 
 
@@ -223,7 +118,7 @@ def test_layer_norm_exact_low_precision_inputs(rng, dtype):
     x = rng.standard_normal((3, 7)).astype(_dtype(dtype))
     got = T.layer_norm(x, eps=0.0, precision="exact", out_dtype=dtype)
     with mpmath.workdps(DPS):
-        want = expected_bits(ref_layer_norm(mp_array(x.astype(np.float64)),
+        want = expected_bits(naive_layer_norm(mp_array(x.astype(np.float64)),
                                             T.NormParams(eps=0.0)), dtype)
     assert_same_bits(got, want, what=f"layer_norm exact of {dtype} inputs, eps=0", check_dtype=True)
 
@@ -235,7 +130,7 @@ def test_positions_exact_correctly_rounded(dtype, layout):
         got = T.sinusoidal_positions(length, dim, base, layout, precision="exact",
                                      out_dtype=dtype)
         with mpmath.workdps(DPS):
-            want = expected_bits(ref_positions(length, dim, base, layout), dtype)
+            want = expected_bits(naive_positions(length, dim, base, layout), dtype)
         assert_same_bits(got, want, what=f"sinusoidal_positions({length}, {dim}, {base}, {layout})",
                          check_dtype=True)
 
@@ -252,7 +147,7 @@ def test_mha_exact_low_precision_inputs_and_large_gaps(rng, dtype):
                                          p.b_O)), num_heads=2)
     x64 = x.astype(np.float64)
     with mpmath.workdps(DPS):
-        want = ref_mha(mp_array(x64), mp_array(x64), wide, np.ones((3, 3), dtype=bool))
+        want = naive_mha(mp_array(x64), mp_array(x64), wide, np.ones((3, 3), dtype=bool))
     assert_same_bits(got, expected_bits(want, dtype), what=f"MHA of {dtype} inputs, large gaps",
                      check_dtype=True)
 
@@ -263,7 +158,7 @@ def test_layer_norm_exact_extreme_magnitudes():
     x = np.array([[1e300, -3e299, 7e299], [1e-300, 5e-301, -2e-300], [1e-320, 0.0, 3e-321]])
     got = T.layer_norm(x, eps=0.0, precision="exact")
     with mpmath.workdps(DPS):
-        want = expected_bits(ref_layer_norm(mp_array(x), T.NormParams(eps=0.0)), "float64")
+        want = expected_bits(naive_layer_norm(mp_array(x), T.NormParams(eps=0.0)), "float64")
     assert_same_bits(got, want, what="layer_norm exact, extreme magnitudes", check_dtype=True)
 
 
@@ -272,7 +167,7 @@ def test_mha_exact_correctly_rounded(mha_case, dtype):
     x_q, x_kv, p = mha_case
     got = _mha_call(x_q, x_kv, p, precision="exact", out_dtype=dtype)
     with mpmath.workdps(DPS):
-        want = ref_mha(mp_array(x_q), mp_array(x_kv), p, np.ones((3, 5), dtype=bool))
+        want = naive_mha(mp_array(x_q), mp_array(x_kv), p, np.ones((3, 5), dtype=bool))
     assert_same_bits(got, expected_bits(want, dtype), what=f"cross MHA (H=2, K=1), {dtype}",
                      check_dtype=True)
 
@@ -281,7 +176,7 @@ def test_mha_exact_causal_self(encoder_params, rng):
     x = rng.standard_normal((4, 4))
     got = _mha_call(x, None, encoder_params.attn, causal=True, precision="exact")
     with mpmath.workdps(DPS):
-        want = ref_mha(mp_array(x), mp_array(x), encoder_params.attn,
+        want = naive_mha(mp_array(x), mp_array(x), encoder_params.attn,
                        np.tril(np.ones((4, 4), dtype=bool)))
     assert_same_bits(got, expected_bits(want, "float64"), what="causal self MHA", check_dtype=True)
 
@@ -294,7 +189,7 @@ def test_feed_forward_exact_correctly_rounded(rng, activation, dtype):
     got = T.feed_forward(x, p.W1, p.b1, p.W2, p.b2, activation, precision="exact",
                          out_dtype=dtype)
     with mpmath.workdps(DPS):
-        want = expected_bits(ref_ffn(mp_array(x), p), dtype)
+        want = expected_bits(naive_feed_forward(mp_array(x), p), dtype)
     assert_same_bits(got, want, what=f"feed_forward {activation}, {dtype}", check_dtype=True)
 
 
@@ -305,7 +200,7 @@ def test_encoder_exact_correctly_rounded(rng, norm, activation):
     x = rng.standard_normal((3, 4))
     got = T.encoder_block(x, p, norm=norm, precision="exact")
     with mpmath.workdps(DPS):
-        want = expected_bits(ref_encoder(mp_array(x), p, norm), "float64")
+        want = expected_bits(naive_encoder(mp_array(x), p, norm), "float64")
     assert_same_bits(got, want, what=f"encoder_block norm={norm}, {activation}", check_dtype=True)
 
 
@@ -316,7 +211,7 @@ def test_decoder_exact_correctly_rounded(rng, norm, dtype):
     x, memory = rng.standard_normal((3, 4)), rng.standard_normal((2, 3))
     got = T.decoder_block(x, memory, p, norm=norm, precision="exact", out_dtype=dtype)
     with mpmath.workdps(DPS):
-        want = expected_bits(ref_decoder(mp_array(x), mp_array(memory), p, norm), dtype)
+        want = expected_bits(naive_decoder(mp_array(x), mp_array(memory), p, norm), dtype)
     assert_same_bits(got, want, what=f"decoder_block {norm}, {dtype}", check_dtype=True)
 
 
@@ -326,7 +221,7 @@ def test_encoder_exact_larger_gqa(rng):
     x = rng.standard_normal((2, 6, 8))
     got = T.encoder_block(x, p, precision="exact")
     with mpmath.workdps(DPS):
-        want = np.stack([ref_encoder(mp_array(x[b]), p, "post") for b in range(2)])
+        want = np.stack([naive_encoder(mp_array(x[b]), p, "post") for b in range(2)])
     assert_same_bits(got, expected_bits(want, "float64"), what="encoder L=6 M=8 H=4 K=2, batch 2",
                      check_dtype=True)
 
@@ -592,7 +487,7 @@ def test_encoder_zero_ffn_matches_attention_sublayer(rng, encoder_params):
     a = p.attn
     got = T.encoder_block(x, p, precision="exact")
     with mpmath.workdps(DPS):
-        h = ref_layer_norm(mp_array(x) + ref_mha(mp_array(x), mp_array(x), a,
+        h = naive_layer_norm(mp_array(x) + naive_mha(mp_array(x), mp_array(x), a,
                                                  np.ones((3, 3), dtype=bool)), p.norm1)
     assert_same_bits(got, expected_bits(h, "float64"), what="zero-FFN encoder == LN1(x + MHA x)",
                      check_dtype=True)

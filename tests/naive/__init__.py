@@ -8,6 +8,8 @@ design, for small shapes.
 * :mod:`naive.logspace` -- logsumexp, softmax, log_softmax of masked rows;
 * :mod:`naive.rounding` -- rounding an exact value to a dtype (candidate search);
 * :mod:`naive.mp` -- the exact/mpmath arithmetic the variant twins share;
+* :mod:`naive.transformer` -- layer norm, multi-head attention, feed-forward, blocks,
+  positions;
 * :mod:`naive.gmm`, :mod:`naive.mgk`, :mod:`naive.hopfield`, :mod:`naive.meanfield` -- the
   probabilistic variants.
 """
