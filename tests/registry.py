@@ -4,11 +4,17 @@ naive twin, a-priori bound and input strategy.
 Each :class:`Entry` works on a *case*, the keyword dict drawn from its ``strategy``:
 
 * ``fast(case)`` -- the float64 path; ``exact(case)`` -- the exact path (correctly rounded);
-* ``naive(case)`` -- the independent loop twin (:mod:`naive`), rounded once to float64;
+* ``naive(case)`` -- the independent loop twin (:mod:`naive`), rounded once to the case dtype;
 * ``bound(case)`` -- the documented a-priori bound on ``|fast - exact|`` (from
-  oracle.tolerance / refattn's bounds, never a literal);
+  oracle.tolerance / refattn's bounds, never a literal); None: no float64 check (the
+  per-dtype attention rows share the float64 row's);
 * ``strategy()`` / ``bound_strategy()`` -- hypothesis strategies of cases for the exactness and
-  the bound checks, with ``examples`` = (exactness, bound) example counts.
+  the bound checks, with ``examples`` = (exactness, bound) example counts (None: the hypothesis
+  profile's, so ``HYPOTHESIS_PROFILE=dev`` explores more);
+* ``out_dtype(case)`` -- the dtype every exact output must have, when the case asks for one.
+
+Every column maps output names to arrays (``{"out": ...}`` for single-output functions; out,
+lse, weights for attention); ``bound`` gives one bound per checked output.
 
 ``tests/test_registry.py`` runs every entry: exact == rounded twin bit for bit, fast within
 its bound of exact (one failure names the function: tests are parametrised by entry).
@@ -20,18 +26,28 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import ml_dtypes
 import mpmath
 import numpy as np
 from hypothesis import strategies as st
 
+import refattn
 from oracle.tolerance import logit_lse_bound, mixture_bound, ratio_bound
 from refattn import gmm, hopfield, mgk
+from refattn.bounds import float64_forward_bound
+from tests.naive.attention import naive_attention_rounded
 from tests.naive.gmm import DPS, naive_gmm
 from tests.naive.hopfield import naive_energy
 from tests.naive.mgk import naive_linear, naive_mgk
 from tests.naive.mp import mp
 from tests.naive.rounding import round_nested
-from tests.strategies import gmm_cases, linear_problems, mgk_problems, mixture_problems
+from tests.strategies import (
+    attention_cases,
+    gmm_cases,
+    linear_problems,
+    mgk_problems,
+    mixture_problems,
+)
 
 __all__ = ["Entry", "REGISTRY", "gmm_term_scale", "mgk_term_scale", "hopfield_energy_bound"]
 
@@ -41,14 +57,75 @@ class Entry:
     """One row of the table (see the module docstring)."""
 
     name: str
-    fast: Callable[[dict], np.ndarray]
-    exact: Callable[[dict], np.ndarray]
-    naive: Callable[[dict], np.ndarray]
-    bound: Callable[[dict], float]
+    fast: Callable[[dict], dict] | None
+    exact: Callable[[dict], dict]
+    naive: Callable[[dict], dict]
+    bound: Callable[[dict], dict] | None
     strategy: Callable[[], st.SearchStrategy]
     label: Callable[[dict], str]
-    examples: tuple[int, int]
+    examples: tuple[int | None, int | None] = (None, None)
     bound_strategy: Callable[[], st.SearchStrategy] | None = None
+    out_dtype: Callable[[dict], np.dtype] | None = None
+
+
+def _out(function):
+    """A single-output column as a one-entry mapping ``{"out": ...}``."""
+    return lambda case: {"out": function(case)}
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def _np_dtype(name):
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def _attention_cases(dtype, **sizes):
+    @st.composite
+    def build(draw):
+        q, k, v, opts = draw(attention_cases(dtypes=(dtype,), **sizes))
+        return dict(q=q, k=k, v=v, opts=opts, dtype=dtype)
+    return build
+
+
+def _attention_fast(case):
+    out, lse = refattn.attention(case["q"], case["k"], case["v"], return_lse=True,
+                                 **case["opts"])
+    return {"out": out, "lse": lse}
+
+
+def _attention_exact(case):
+    out, lse, weights = refattn.attention(
+        case["q"], case["k"], case["v"], precision="exact", out_dtype=_np_dtype(case["dtype"]),
+        return_lse=True, return_weights=True, **case["opts"])
+    return {"out": out, "lse": lse, "weights": weights}
+
+
+def _attention_naive(case):
+    out, lse, weights = naive_attention_rounded(case["q"], case["k"], case["v"], case["opts"],
+                                                _np_dtype(case["dtype"]))
+    return {"out": out, "lse": lse, "weights": weights}
+
+
+def _attention_bound(case):
+    out, lse = float64_forward_bound(case["q"], case["k"], case["v"], **case["opts"])
+    return {"out": out, "lse": lse}
+
+
+def _attention_label(case):
+    q, k, v = case["q"], case["k"], case["v"]
+    return (f"dtype={case['dtype']} shapes={q.shape},{k.shape},{v.shape} "
+            f"options={sorted(case['opts'])}")
+
+
+def _attention_entry(dtype):
+    wide = dtype == "float64"
+    return Entry(f"attention[{dtype}]", fast=_attention_fast if wide else None,
+                 exact=_attention_exact, naive=_attention_naive,
+                 bound=_attention_bound if wide else None,
+                 strategy=_attention_cases(dtype), label=_attention_label,
+                 bound_strategy=_attention_cases(dtype, max_len=8, max_dim=8) if wide else None,
+                 out_dtype=lambda case: _np_dtype(case["dtype"]))
 
 
 # ----------------------------------------------------------------------------- gmm.attention
@@ -209,22 +286,23 @@ def _energy_bound(case):
 # ----------------------------------------------------------------------------- the table
 
 REGISTRY: dict[str, Entry] = {e.name: e for e in [
-    Entry("gmm.attention", fast=_gmm_fast,
-          exact=lambda case: _gmm_fast(case, precision="exact"), naive=_gmm_naive,
-          bound=_gmm_bound, strategy=gmm_cases, label=_gmm_label, examples=(40, 20),
+    *(_attention_entry(dtype) for dtype in ("float64", "float32", "float16", "bfloat16")),
+    Entry("gmm.attention", fast=_out(_gmm_fast),
+          exact=_out(lambda case: _gmm_fast(case, precision="exact")), naive=_out(_gmm_naive),
+          bound=_out(_gmm_bound), strategy=gmm_cases, label=_gmm_label, examples=(40, 20),
           bound_strategy=lambda: gmm_cases(max_iters=1)),
-    Entry("mgk.attention", fast=_mgk_fast,
-          exact=lambda case: _mgk_fast(case, precision="exact"), naive=_mgk_naive,
-          bound=_mgk_bound, strategy=_mgk_cases,
+    Entry("mgk.attention", fast=_out(_mgk_fast),
+          exact=_out(lambda case: _mgk_fast(case, precision="exact")), naive=_out(_mgk_naive),
+          bound=_out(_mgk_bound), strategy=_mgk_cases,
           label=lambda c: f"{c['mode']}, normalized={c['normalized']}, {sorted(c['opts'])}",
           examples=(50, 50)),
-    Entry("mgk.linear_attention", fast=_linear_fast,
-          exact=lambda case: _linear_fast(case, precision="exact"), naive=_linear_naive,
-          bound=_linear_bound, strategy=_linear_cases,
+    Entry("mgk.linear_attention", fast=_out(_linear_fast),
+          exact=_out(lambda case: _linear_fast(case, precision="exact")),
+          naive=_out(_linear_naive), bound=_out(_linear_bound), strategy=_linear_cases,
           label=lambda c: f"causal={c['causal']}", examples=(40, 40)),
-    Entry("hopfield.energy", fast=_energy_fast,
-          exact=lambda case: _energy_fast(case, precision="exact"), naive=_energy_naive,
-          bound=_energy_bound, strategy=_energy_cases,
+    Entry("hopfield.energy", fast=_out(_energy_fast),
+          exact=_out(lambda case: _energy_fast(case, precision="exact")),
+          naive=_out(_energy_naive), bound=_out(_energy_bound), strategy=_energy_cases,
           label=lambda c: f"{c['style']}, beta={c['beta']}, constant={c['constant']}",
           examples=(40, 40)),
 ]}

@@ -9,8 +9,7 @@ import pytest
 from helpers import assert_same_bits, assert_within
 from hypothesis import given
 from hypothesis import strategies as st
-from naive.attention import naive_attention, score_spread
-from naive.rounding import round_stable
+from naive.attention import naive_attention_rounded
 from strategies import attention_cases
 
 import refattn
@@ -24,37 +23,10 @@ def _dtype(name):
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
-def _naive(q, k, v, opts, dtype):
-    """(out, lse, weights) of the loop reference, rounded to ``dtype`` at a stable precision."""
-    heads, length = q.shape[0], q.shape[1]
-    keys = k.shape[1]
-    full = dict(opts)
-    for name in ("mask", "bias", "dropout_mask"):
-        if name in full:
-            full[name] = np.broadcast_to(full[name], (heads, length, keys))
-    spread = score_spread(q, k, **full)
-    return tuple(round_stable(lambda dps, n=n: naive_attention(q, k, v, dps=dps, **full)[n],
-                              dtype, spread) for n in range(3))
-
-
 # ----------------------------------------------------------------------------------------
-# exact path == independent 60-digit evaluation, bit for bit, in four dtypes
+# exact path == independent 60-digit evaluation, bit for bit, in four dtypes (random cases:
+# tests/test_registry.py, rows attention[<dtype>]; adversarial ones here)
 # ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", DTYPES)
-@given(data=st.data())
-def test_exact_path_is_correctly_rounded(dtype, data):
-    q, k, v, opts = data.draw(attention_cases(dtypes=(dtype,)))
-    out, lse, weights = refattn.attention(
-        q, k, v, precision="exact", out_dtype=_dtype(dtype), return_lse=True,
-        return_weights=True, **opts)
-    assert out.dtype == _dtype(dtype)
-    n_out, n_lse, n_w = _naive(q, k, v, opts, _dtype(dtype))
-    case = f"dtype={dtype} shapes={q.shape},{k.shape},{v.shape} options={sorted(opts)}"
-    assert_same_bits(out, n_out, what="out", case=case)
-    assert_same_bits(lse, n_lse, what="lse", case=case)
-    assert_same_bits(weights, n_w, what="weights", case=case)
-
-
 ADVERSARIAL = {
     # logit gaps > 40 between the top key and the rest
     "logit-gap-60": lambda rng: (rng.standard_normal((1, 3, 4)) * 30,
@@ -84,7 +56,7 @@ def test_exact_path_adversarial(name, dtype):
     mask[0, -1] = False  # one fully masked row in every case
     out, lse = refattn.attention(q, k, v, mask=mask, precision="exact",
                                  out_dtype=_dtype(dtype), return_lse=True)
-    n_out, n_lse, _ = _naive(q, k, v, {"mask": mask}, _dtype(dtype))
+    n_out, n_lse, _ = naive_attention_rounded(q, k, v, {"mask": mask}, _dtype(dtype))
     assert_same_bits(out, n_out, what="out", case=name)
     assert_same_bits(lse, n_lse, what="lse", case=name)
 
@@ -100,18 +72,8 @@ def test_tie_midpoint_rounds_to_even():
 
 
 # ----------------------------------------------------------------------------------------
-# float64 path within its a-priori bound
+# float64 path within its a-priori bound (random cases: tests/test_registry.py)
 # ----------------------------------------------------------------------------------------
-@given(case=attention_cases(max_len=8, max_dim=8))
-def test_float64_path_within_bound(case):
-    q, k, v, opts = case
-    out, lse = refattn.attention(q, k, v, return_lse=True, **opts)
-    ex_out, ex_lse = refattn.attention(q, k, v, precision="exact", return_lse=True, **opts)
-    bound_out, bound_lse = float64_forward_bound(q, k, v, **opts)
-    assert_within(out, ex_out, bound_out, what="out", case=str(sorted(opts)))
-    assert_within(lse, ex_lse, bound_lse, what="lse", case=str(sorted(opts)))
-
-
 @pytest.mark.slow
 def test_float64_path_long_rows():
     """S = 4096 on the float64 path, against the exact path and the bound."""

@@ -11,7 +11,9 @@ import math
 import mpmath
 import numpy as np
 
-__all__ = ["naive_attention", "score_spread"]
+from .rounding import round_stable
+
+__all__ = ["naive_attention", "naive_attention_rounded", "score_spread"]
 
 
 def _exact(x) -> mpmath.mpf:
@@ -125,3 +127,17 @@ def score_spread(q, k, *, scale=None, bias=None, alibi_slopes=None, **_):
     if alibi_slopes is not None:
         spread += 2 * np.abs(alibi_slopes).max() * (q.shape[-2] + k.shape[-2])
     return spread
+
+
+def naive_attention_rounded(q, k, v, opts, dtype):
+    """(out, lse, weights) of :func:`naive_attention` rounded to ``dtype`` at a precision that
+    settles the rounding (:func:`naive.rounding.round_stable`); q (H, L, D), k (K, S, D)."""
+    heads, length = q.shape[0], q.shape[1]
+    keys = k.shape[1]
+    full = dict(opts)
+    for name in ("mask", "bias", "dropout_mask"):
+        if name in full:
+            full[name] = np.broadcast_to(full[name], (heads, length, keys))
+    spread = score_spread(q, k, **full)
+    return tuple(round_stable(lambda dps, n=n: naive_attention(q, k, v, dps=dps, **full)[n],
+                              dtype, spread) for n in range(3))
