@@ -34,10 +34,11 @@ from hypothesis import strategies as st
 import refattn
 from oracle.tolerance import logit_lse_bound, mixture_bound, ratio_bound
 from refattn import gmm, hopfield, mgk
-from refattn.bounds import float64_forward_bound
+from refattn.bounds import UNIT_ROUNDOFF, float64_forward_bound, gamma
 from tests.naive.attention import naive_attention_rounded
 from tests.naive.gmm import DPS, naive_gmm
 from tests.naive.hopfield import naive_energy
+from tests.naive.logspace import naive_logspace_rounded
 from tests.naive.mgk import naive_linear, naive_mgk
 from tests.naive.mp import mp
 from tests.naive.rounding import round_nested
@@ -45,6 +46,7 @@ from tests.strategies import (
     attention_cases,
     gmm_cases,
     linear_problems,
+    logspace_rows,
     mgk_problems,
     mixture_problems,
 )
@@ -126,6 +128,62 @@ def _attention_entry(dtype):
                  strategy=_attention_cases(dtype), label=_attention_label,
                  bound_strategy=_attention_cases(dtype, max_len=8, max_dim=8) if wide else None,
                  out_dtype=lambda case: _np_dtype(case["dtype"]))
+
+
+# ----------------------------------------------------------------------------- logspace
+
+_LOGSPACE = {"lse": refattn.logsumexp, "softmax": refattn.softmax,
+             "log_softmax": refattn.log_softmax}
+
+
+def _logspace_cases(dtype, *, allow_empty_rows=False, **sizes):
+    @st.composite
+    def build(draw):
+        x, where = draw(logspace_rows(**sizes))
+        x = x.astype(_np_dtype(dtype))
+        if not allow_empty_rows and not where.any(axis=1).all():
+            where[:, 0] = True
+        return dict(x=x, where=where, dtype=dtype)
+    return build
+
+
+def _logspace_exact(case):
+    return {name: function(case["x"], where=case["where"], precision="exact",
+                           out_dtype=_np_dtype(case["dtype"]))
+            for name, function in _LOGSPACE.items()}
+
+
+def _logspace_naive(case):
+    values = naive_logspace_rounded(case["x"], case["where"], _np_dtype(case["dtype"]))
+    return dict(zip(_LOGSPACE, values, strict=True))
+
+
+def _logspace_fast(case):
+    return {name: _LOGSPACE[name](case["x"], where=case["where"]) for name in ("lse", "softmax")}
+
+
+def _logspace_bound(case):
+    """Blanchard, Higham & Higham 2021: |error| <= gamma_{n+3} + u |lse| for the log1p form;
+    softmax entries exp(x - lse) then have relative error <= gamma_{n+5} + u (|lse| +
+    |x - lse|) (lse's absolute error, the subtraction, the exponential)."""
+    x, where = case["x"], case["where"]
+    n = x.shape[1]
+    exact = refattn.logsumexp(x, where=where, precision="exact")
+    finite = np.where(np.isfinite(exact), exact, 0.0)
+    p_exact = refattn.softmax(x, where=where, precision="exact")
+    return {"lse": gamma(n + 3) + UNIT_ROUNDOFF * np.abs(finite),
+            "softmax": p_exact * (gamma(n + 5) + UNIT_ROUNDOFF * (
+                np.abs(finite)[:, None] + np.abs(np.where(where, x, 0) - finite[:, None])))}
+
+
+def _logspace_entry(dtype):
+    wide = dtype == "float64"
+    return Entry(f"logspace[{dtype}]", fast=_logspace_fast if wide else None,
+                 exact=_logspace_exact, naive=_logspace_naive,
+                 bound=_logspace_bound if wide else None, strategy=_logspace_cases(dtype),
+                 label=lambda case: f"dtype={case['dtype']}, x {case['x'].shape}",
+                 bound_strategy=(_logspace_cases(dtype, allow_empty_rows=True, max_len=40)
+                                 if wide else None))
 
 
 # ----------------------------------------------------------------------------- gmm.attention
@@ -287,6 +345,7 @@ def _energy_bound(case):
 
 REGISTRY: dict[str, Entry] = {e.name: e for e in [
     *(_attention_entry(dtype) for dtype in ("float64", "float32", "float16", "bfloat16")),
+    *(_logspace_entry(dtype) for dtype in ("float64", "float32", "float16", "bfloat16")),
     Entry("gmm.attention", fast=_out(_gmm_fast),
           exact=_out(lambda case: _gmm_fast(case, precision="exact")), naive=_out(_gmm_naive),
           bound=_out(_gmm_bound), strategy=gmm_cases, label=_gmm_label, examples=(40, 20),

@@ -245,3 +245,16 @@ def linear_problems(draw):
     rng = _np.random.default_rng(draw(_st.integers(0, 2**32 - 1)))
     pi = rng.uniform(0.0, 1.0, keys.shape[:2]) + 1e-3
     return q, keys, v, pi / pi.sum(-1, keepdims=True)
+
+
+@_st.composite
+def logspace_rows(draw, max_len=7):
+    """(x (3, n), where (3, n)): rows of scores with spread 0 to 700 and an optional
+    exclusion mask (some rows may have no allowed entry)."""
+    n = draw(_st.integers(1, max_len))
+    seed = draw(_st.integers(0, 2**32 - 1))
+    spread = draw(_st.sampled_from([0.0, 1.0, 30.0, 700.0]))
+    rng = _np.random.default_rng(seed)
+    x = rng.standard_normal((3, n)) * spread
+    where = rng.random((3, n)) < draw(_st.sampled_from([1.0, 0.6]))
+    return x, where

@@ -7,8 +7,11 @@ refattn.
 from __future__ import annotations
 
 import mpmath
+import numpy as np
 
-__all__ = ["naive_logspace"]
+from .rounding import round_stable
+
+__all__ = ["naive_logspace", "naive_logspace_rounded"]
 
 
 def naive_logspace(x, where, dps):
@@ -35,3 +38,12 @@ def naive_logspace(x, where, dps):
             soft.append(soft_row)
             logsoft.append(log_row)
     return lse, soft, logsoft
+
+
+def naive_logspace_rounded(x, where, dtype):
+    """(lse, softmax, log_softmax) of :func:`naive_logspace` rounded to ``dtype`` at a precision
+    that settles the rounding (:func:`naive.rounding.round_stable`)."""
+    finite = np.where(where & np.isfinite(x), x.astype(np.float64), 0.0)
+    spread = finite.max() - finite.min()
+    return tuple(round_stable(lambda dps, n=n: naive_logspace(x, where, dps)[n], dtype,
+                              spread) for n in range(3))
