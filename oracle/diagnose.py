@@ -164,8 +164,8 @@ def alternatives(options, *, H, K, L, S, D, E, has_empty, has_excluded) -> list[
 
 def _alternative_out(q, k, v, options, extras):
     result = textbook_attention(q, k, v, dtype="float64",
-                                    softcap_order=extras.get("softcap_order", "before_bias"),
-                                    **options)
+                                softcap_order=extras.get("softcap_order", "before_bias"),
+                                **options)
     factor = extras.get("out_factor", 1.0)
     dropped = result.weights
     if options.get("dropout_mask") is not None:
@@ -177,7 +177,7 @@ def _alternative_out(q, k, v, options, extras):
         empty = ~np.broadcast_to(result.allowed, result.weights.shape).any(axis=-1)
         uniform = np.full(result.weights.shape, 1.0 / result.weights.shape[-1])
         flat = textbook_attention(q, k, v, dtype="float64", gqa=options.get("gqa"),
-                                      scale=0.0).out
+                                  scale=0.0).out
         out = np.where(empty[..., None], flat, out)
         scale = np.where(empty[..., None],
                          tol.output_scale(uniform, v, gqa=options.get("gqa")), scale)

@@ -135,7 +135,7 @@ class _Context:
         self.options = {n: x for n, x in options.items() if n != "return_lse"}
         self.dtype = fixture.case.dtype
         self.exact64 = textbook_attention(self.q, self.k, self.v, dtype="float64",
-                                              **self.options)
+                                          **self.options)
         weights = self.exact64.weights
         self.dropped = weights
         if self.options.get("dropout_mask") is not None:
@@ -237,7 +237,7 @@ def _check_grads(ctx, fixture, impl, checks):
     scales = tol.grad_scales(ctx.q, ctx.k, ctx.v, grad_out, ctx.exact64.weights, ctx.dropped,
                              grad_lse=grad_lse, **ctx.options)
     base = textbook_attention_vjp(ctx.q, ctx.k, ctx.v, grad_out, grad_lse=grad_lse,
-                                      dtype=ctx.dtype, **ctx.options)
+                                  dtype=ctx.dtype, **ctx.options)
     floor = ctx.floors(sum(np.size(r) for r in result if r is not None))["grad"]
     for position, name in enumerate(_GRADS):
         truth = _truth(fixture, name)
@@ -363,7 +363,7 @@ def _storage_accumulation(ctx, out, truth, check) -> str | None:
                        (("values",), "weights @ v"),
                        (("normaliser", "values"), "the softmax normaliser and weights @ v")):
         model = storage_accumulation_attention(ctx.q, ctx.k, ctx.v, ctx.options,
-                                                         ctx.dtype, sums=sums)
+                                               ctx.dtype, sums=sums)
         model_error = float(np.max(tol.normalised_error(model, truth, scale, ctx.dtype)))
         if check.max_error <= tol.K_FORWARD * model_error + tol.unit_roundoff(ctx.dtype):
             distance = float(np.max(tol.normalised_error(out, model, scale, ctx.dtype)))
@@ -408,7 +408,7 @@ def _check_variant(impl, fixture, reproduce):
     the floor (V1) of :func:`oracle.tolerance.variant_floor`."""
     case = fixture.case
     result = CaseResult(case.name, case.category, case.dtype, "pass", reproduce=reproduce,
-                          description=case.description)
+                        description=case.description)
 
     def check():
         produced = impl(**{k: _copy(v) for k, v in fixture.inputs.items()},
@@ -436,7 +436,7 @@ def _check_variant(impl, fixture, reproduce):
                     base[name], truth64, scale, case.dtype), 0.0)
                 threshold = tol.threshold(base_err, floor, case.dtype, k=tol.K_FORWARD)
                 result.checks[name] = _judge(name, value, truth64, scale, threshold,
-                                               case.dtype)
+                                             case.dtype)
         failing = [c for c in result.checks.values() if not c.passed]
         if problems or failing:
             result.verdict = "fail"

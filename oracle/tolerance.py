@@ -329,8 +329,8 @@ def score_magnitude(q, k, *, scale=None, bias=None, alibi_slopes=None, gqa="inte
     H, L, D = q3.shape[-3:]
     S = k3.shape[-2]
     k_h = expand_kv(k3, H, gqa or "interleave")
-    a = abs(resolve_scale(scale, D)) * np.matmul(_finite_abs(q3), np.swapaxes(_finite_abs(k_h),
-                                                                            -1, -2))
+    a = abs(resolve_scale(scale, D)) * np.matmul(_finite_abs(q3),
+                                                 np.swapaxes(_finite_abs(k_h), -1, -2))
     if bias is not None:
         a = a + _finite_abs(bias)
     if alibi_slopes is not None:

@@ -185,7 +185,7 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
         for item in items:
             fixture = golden.build(item) if not hasattr(item, "truth") else item
             repro = reproduce_command(spec, source_flag, fixture.case.dtype, fixture.case.name,
-                                   grads, strict)
+                                      grads, strict)
             result = check_fixture(fn, fixture, grads=grads, diagnose=diagnose,
                                    reproduce=repro)
             results.append(result)
