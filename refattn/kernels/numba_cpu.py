@@ -56,9 +56,12 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 from numba import njit, prange
+
+from ._args import kernel_arguments
+from ._simd import (JIT, KERNEL_OPTIONS, as_float, fma, lanes, vadd, vfma, vlane, vload, vmax,
+                    vstore, vzero)
 
 __all__ = [
     "BLOCK_Q",
@@ -79,183 +82,12 @@ _TILE_ROWS = 8
 #: Minimum number of backward work units (shape-derived, never thread-derived).
 _MIN_BACKWARD_UNITS = 8
 
-_JIT = not numba.config.DISABLE_JIT
-_OPTS = dict(fastmath=False, boundscheck=False, cache=True, nogil=True)
+_OPTS = KERNEL_OPTIONS
 
 
 def compute_dtype(dtype) -> np.dtype:
     """Compute dtype of the kernels for an input dtype: float64 stays, all else is float32."""
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
-
-
-# --------------------------------------------------------------------------------------
-# SIMD building blocks: a 64-byte vector type and llvm.fma, with pure-Python twins that run
-# under NUMBA_DISABLE_JIT=1 (there the kernel bodies are plain Python and use these).
-# --------------------------------------------------------------------------------------
-if _JIT:
-    from llvmlite import ir
-    from numba import types
-    from numba.core import cgutils
-    from numba.core.extending import intrinsic, models, register_model
-
-    class _Vec(types.Type):
-        """64 bytes of one float dtype as an LLVM vector (8 x float64 or 16 x float32)."""
-
-        def __init__(self, dtype):
-            self.dtype = dtype
-            self.width = 64 // (dtype.bitwidth // 8)
-            super().__init__(name=f"RefattnVec({dtype}x{self.width})")
-
-    @register_model(_Vec)
-    class _VecModel(models.PrimitiveModel):
-        def __init__(self, dmm, fe_type):
-            element = dmm.lookup(fe_type.dtype).get_value_type()
-            super().__init__(dmm, fe_type, ir.VectorType(element, fe_type.width))
-
-    def _element_pointer(context, builder, arrty, arr, start):
-        ary = context.make_array(arrty)(context, builder, arr)
-        return builder.gep(ary.data, [start])
-
-    def _splat(builder, vtype, scalar):
-        undef = ir.Constant(vtype, ir.Undefined)
-        one = builder.insert_element(undef, scalar, ir.Constant(ir.IntType(32), 0))
-        zeros = ir.Constant(ir.VectorType(ir.IntType(32), vtype.count), [0] * vtype.count)
-        return builder.shuffle_vector(one, undef, zeros)
-
-    def _llvm_name(vtype):
-        bits = 64 if isinstance(vtype.element, ir.DoubleType) else 32
-        return f"v{vtype.count}f{bits}"
-
-    @intrinsic
-    def _vload(typingctx, arr, start):
-        vt = _Vec(arr.dtype)
-
-        def codegen(context, builder, sig, args):
-            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1])
-            lt = context.get_value_type(vt)
-            return builder.load(builder.bitcast(ptr, lt.as_pointer()), align=1)
-
-        return vt(arr, start), codegen
-
-    @intrinsic
-    def _vstore(typingctx, arr, start, x):
-        def codegen(context, builder, sig, args):
-            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1])
-            lt = context.get_value_type(sig.args[2])
-            builder.store(args[2], builder.bitcast(ptr, lt.as_pointer()), align=1)
-            return context.get_dummy_value()
-
-        return types.none(arr, start, x), codegen
-
-    @intrinsic
-    def _vzero(typingctx, arr):
-        vt = _Vec(arr.dtype)
-
-        def codegen(context, builder, sig, args):
-            lt = context.get_value_type(vt)
-            return ir.Constant(lt, [ir.Constant(lt.element, 0.0)] * lt.count)
-
-        return vt(arr), codegen
-
-    @intrinsic
-    def _vfma(typingctx, a, x, y):
-        """a * x + y lane-wise, rounded once (a is a scalar, broadcast)."""
-
-        def codegen(context, builder, sig, args):
-            lt = context.get_value_type(sig.args[1])
-            fnty = ir.FunctionType(lt, [lt] * 3)
-            fn = cgutils.get_or_insert_function(builder.module, fnty,
-                                                f"llvm.fma.{_llvm_name(lt)}")
-            return builder.call(fn, [_splat(builder, lt, args[0]), args[1], args[2]])
-
-        return x(a, x, y), codegen
-
-    @intrinsic
-    def _vadd(typingctx, x, y):
-        def codegen(context, builder, sig, args):
-            return builder.fadd(args[0], args[1])
-
-        return x(x, y), codegen
-
-    @intrinsic
-    def _vmax(typingctx, x, y):
-        """Lane-wise maxnum (a NaN lane yields the other operand, like ``max`` skipping NaN)."""
-
-        def codegen(context, builder, sig, args):
-            lt = context.get_value_type(sig.args[0])
-            fnty = ir.FunctionType(lt, [lt] * 2)
-            fn = cgutils.get_or_insert_function(builder.module, fnty,
-                                                f"llvm.maxnum.{_llvm_name(lt)}")
-            return builder.call(fn, args)
-
-        return x(x, y), codegen
-
-    @intrinsic
-    def _vlane(typingctx, x, index):
-        def codegen(context, builder, sig, args):
-            return builder.extract_element(args[0], args[1])
-
-        return x.dtype(x, index), codegen
-
-    @intrinsic
-    def _fma(typingctx, a, b, c):
-        if not (a == b == c and isinstance(a, types.Float)):
-            return None
-
-        def codegen(context, builder, sig, args):
-            lt = context.get_value_type(sig.return_type)
-            fnty = ir.FunctionType(lt, [lt] * 3)
-            bits = 64 if isinstance(lt, ir.DoubleType) else 32
-            fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.fma.f{bits}")
-            return builder.call(fn, args)
-
-        return a(a, b, c), codegen
-
-    @intrinsic
-    def _as_float(typingctx, n):
-        ft = types.float64 if n.bitwidth == 64 else types.float32
-
-        def codegen(context, builder, sig, args):
-            return builder.bitcast(args[0], context.get_value_type(ft))
-
-        return ft(n), codegen
-
-else:  # pragma: no cover - exercised by the NUMBA_DISABLE_JIT=1 test tier
-
-    def _vload(arr, start):
-        width = 64 // arr.itemsize
-        return arr[start:start + width].copy()
-
-    def _vstore(arr, start, x):
-        arr[start:start + x.size] = x
-
-    def _vzero(arr):
-        return np.zeros(64 // arr.itemsize, arr.dtype)
-
-    def _vfma(a, x, y):
-        # Not fused here: this twin exists to cover the kernel bodies, not to be bit-exact.
-        return (a * x + y).astype(x.dtype)
-
-    def _vadd(x, y):
-        return x + y
-
-    def _vmax(x, y):
-        return np.fmax(x, y)
-
-    def _vlane(x, index):
-        return x[index]
-
-    def _fma(a, b, c):
-        return type(a)(a * b + c)
-
-    def _as_float(n):
-        return n.view(np.float64 if n.dtype == np.int64 else np.float32)
-
-
-@njit(**_OPTS)
-def _width(arr):
-    """Lanes of a 64-byte vector of arr's dtype (8 float64 or 16 float32)."""
-    return 64 // arr.itemsize
 
 
 # --------------------------------------------------------------------------------------
@@ -288,29 +120,29 @@ def exp_float64(x):
     """
     t = np.floor(x * _LOG2E_64 + np.float64(0.5))
     t = min(max(t, np.float64(-1100.0)), np.float64(1100.0))
-    r = _fma(-t, _LN2_HI_64, x)
-    r = _fma(-t, _LN2_LO_64, r)
+    r = fma(-t, _LN2_HI_64, x)
+    r = fma(-t, _LN2_LO_64, r)
     p = _INV_FACT_64[13]
-    p = _fma(p, r, _INV_FACT_64[12])
-    p = _fma(p, r, _INV_FACT_64[11])
-    p = _fma(p, r, _INV_FACT_64[10])
-    p = _fma(p, r, _INV_FACT_64[9])
-    p = _fma(p, r, _INV_FACT_64[8])
-    p = _fma(p, r, _INV_FACT_64[7])
-    p = _fma(p, r, _INV_FACT_64[6])
-    p = _fma(p, r, _INV_FACT_64[5])
-    p = _fma(p, r, _INV_FACT_64[4])
-    p = _fma(p, r, _INV_FACT_64[3])
-    p = _fma(p, r, _INV_FACT_64[2])
-    p = _fma(p, r, _INV_FACT_64[1])
-    p = _fma(p, r, _INV_FACT_64[0])
+    p = fma(p, r, _INV_FACT_64[12])
+    p = fma(p, r, _INV_FACT_64[11])
+    p = fma(p, r, _INV_FACT_64[10])
+    p = fma(p, r, _INV_FACT_64[9])
+    p = fma(p, r, _INV_FACT_64[8])
+    p = fma(p, r, _INV_FACT_64[7])
+    p = fma(p, r, _INV_FACT_64[6])
+    p = fma(p, r, _INV_FACT_64[5])
+    p = fma(p, r, _INV_FACT_64[4])
+    p = fma(p, r, _INV_FACT_64[3])
+    p = fma(p, r, _INV_FACT_64[2])
+    p = fma(p, r, _INV_FACT_64[1])
+    p = fma(p, r, _INV_FACT_64[0])
     t = t if t == t else np.float64(0.0)
     n = np.int64(t)
     half = n >> np.int64(1)
     rest = n - half
     one_bits = np.int64(1023)
-    res = p * _as_float((half + one_bits) << np.int64(52))
-    res = res * _as_float((rest + one_bits) << np.int64(52))
+    res = p * as_float((half + one_bits) << np.int64(52))
+    res = res * as_float((rest + one_bits) << np.int64(52))
     res = np.float64(0.0) if x < np.float64(-746.0) else res
     res = np.float64(np.inf) if x > np.float64(710.0) else res
     return res if x == x else x
@@ -327,31 +159,32 @@ def exp_float32(x):
     """
     t = np.floor(x * _LOG2E_32 + np.float32(0.5))
     t = min(max(t, np.float32(-200.0)), np.float32(200.0))
-    r = _fma(-t, _LN2_HI_32, x)
-    r = _fma(-t, _LN2_LO_32, r)
+    r = fma(-t, _LN2_HI_32, x)
+    r = fma(-t, _LN2_LO_32, r)
     p = _INV_FACT_32[8]
-    p = _fma(p, r, _INV_FACT_32[7])
-    p = _fma(p, r, _INV_FACT_32[6])
-    p = _fma(p, r, _INV_FACT_32[5])
-    p = _fma(p, r, _INV_FACT_32[4])
-    p = _fma(p, r, _INV_FACT_32[3])
-    p = _fma(p, r, _INV_FACT_32[2])
-    p = _fma(p, r, _INV_FACT_32[1])
-    p = _fma(p, r, _INV_FACT_32[0])
+    p = fma(p, r, _INV_FACT_32[7])
+    p = fma(p, r, _INV_FACT_32[6])
+    p = fma(p, r, _INV_FACT_32[5])
+    p = fma(p, r, _INV_FACT_32[4])
+    p = fma(p, r, _INV_FACT_32[3])
+    p = fma(p, r, _INV_FACT_32[2])
+    p = fma(p, r, _INV_FACT_32[1])
+    p = fma(p, r, _INV_FACT_32[0])
     t = t if t == t else np.float32(0.0)
     n = np.int32(t)
     half = n >> np.int32(1)
     rest = n - half
     one_bits = np.int32(127)
     # numba widens int32 arithmetic to int64: narrow again before the bit cast
-    res = p * _as_float(np.int32((half + one_bits) << np.int32(23)))
-    res = res * _as_float(np.int32((rest + one_bits) << np.int32(23)))
+    res = p * as_float(np.int32((half + one_bits) << np.int32(23)))
+    res = res * as_float(np.int32((rest + one_bits) << np.int32(23)))
     res = np.float32(0.0) if x < np.float32(-104.0) else res
     res = np.float32(np.inf) if x > np.float32(89.0) else res
     return res if x == x else x
 
 
-if _JIT:
+if JIT:
+    from numba import types
     from numba.core.extending import overload
 
     def _exp(x):  # dispatched on the compute dtype below
@@ -379,145 +212,145 @@ else:  # pragma: no cover
 @njit(**_OPTS)
 def _tile_t(a, bm, count, row, col, out):
     """out[row:row+8, col:col+2W] += a[:count, row:row+8].T @ bm[:count, col:col+2W]."""
-    width = _width(bm)
+    width = lanes(bm)
     col2 = col + width
     o0, o1, o2, o3 = out[row], out[row + 1], out[row + 2], out[row + 3]
     o4, o5, o6, o7 = out[row + 4], out[row + 5], out[row + 6], out[row + 7]
-    c00, c01 = _vload(o0, col), _vload(o0, col2)
-    c10, c11 = _vload(o1, col), _vload(o1, col2)
-    c20, c21 = _vload(o2, col), _vload(o2, col2)
-    c30, c31 = _vload(o3, col), _vload(o3, col2)
-    c40, c41 = _vload(o4, col), _vload(o4, col2)
-    c50, c51 = _vload(o5, col), _vload(o5, col2)
-    c60, c61 = _vload(o6, col), _vload(o6, col2)
-    c70, c71 = _vload(o7, col), _vload(o7, col2)
+    c00, c01 = vload(o0, col), vload(o0, col2)
+    c10, c11 = vload(o1, col), vload(o1, col2)
+    c20, c21 = vload(o2, col), vload(o2, col2)
+    c30, c31 = vload(o3, col), vload(o3, col2)
+    c40, c41 = vload(o4, col), vload(o4, col2)
+    c50, c51 = vload(o5, col), vload(o5, col2)
+    c60, c61 = vload(o6, col), vload(o6, col2)
+    c70, c71 = vload(o7, col), vload(o7, col2)
     for x in range(count):
         brow = bm[x]
-        b0, b1 = _vload(brow, col), _vload(brow, col2)
+        b0, b1 = vload(brow, col), vload(brow, col2)
         arow = a[x]
         a0 = arow[row]
-        c00, c01 = _vfma(a0, b0, c00), _vfma(a0, b1, c01)
+        c00, c01 = vfma(a0, b0, c00), vfma(a0, b1, c01)
         a1 = arow[row + 1]
-        c10, c11 = _vfma(a1, b0, c10), _vfma(a1, b1, c11)
+        c10, c11 = vfma(a1, b0, c10), vfma(a1, b1, c11)
         a2 = arow[row + 2]
-        c20, c21 = _vfma(a2, b0, c20), _vfma(a2, b1, c21)
+        c20, c21 = vfma(a2, b0, c20), vfma(a2, b1, c21)
         a3 = arow[row + 3]
-        c30, c31 = _vfma(a3, b0, c30), _vfma(a3, b1, c31)
+        c30, c31 = vfma(a3, b0, c30), vfma(a3, b1, c31)
         a4 = arow[row + 4]
-        c40, c41 = _vfma(a4, b0, c40), _vfma(a4, b1, c41)
+        c40, c41 = vfma(a4, b0, c40), vfma(a4, b1, c41)
         a5 = arow[row + 5]
-        c50, c51 = _vfma(a5, b0, c50), _vfma(a5, b1, c51)
+        c50, c51 = vfma(a5, b0, c50), vfma(a5, b1, c51)
         a6 = arow[row + 6]
-        c60, c61 = _vfma(a6, b0, c60), _vfma(a6, b1, c61)
+        c60, c61 = vfma(a6, b0, c60), vfma(a6, b1, c61)
         a7 = arow[row + 7]
-        c70, c71 = _vfma(a7, b0, c70), _vfma(a7, b1, c71)
-    _vstore(o0, col, c00)
-    _vstore(o0, col2, c01)
-    _vstore(o1, col, c10)
-    _vstore(o1, col2, c11)
-    _vstore(o2, col, c20)
-    _vstore(o2, col2, c21)
-    _vstore(o3, col, c30)
-    _vstore(o3, col2, c31)
-    _vstore(o4, col, c40)
-    _vstore(o4, col2, c41)
-    _vstore(o5, col, c50)
-    _vstore(o5, col2, c51)
-    _vstore(o6, col, c60)
-    _vstore(o6, col2, c61)
-    _vstore(o7, col, c70)
-    _vstore(o7, col2, c71)
+        c70, c71 = vfma(a7, b0, c70), vfma(a7, b1, c71)
+    vstore(o0, col, c00)
+    vstore(o0, col2, c01)
+    vstore(o1, col, c10)
+    vstore(o1, col2, c11)
+    vstore(o2, col, c20)
+    vstore(o2, col2, c21)
+    vstore(o3, col, c30)
+    vstore(o3, col2, c31)
+    vstore(o4, col, c40)
+    vstore(o4, col2, c41)
+    vstore(o5, col, c50)
+    vstore(o5, col2, c51)
+    vstore(o6, col, c60)
+    vstore(o6, col2, c61)
+    vstore(o7, col, c70)
+    vstore(o7, col2, c71)
 
 
 @njit(**_OPTS)
 def _tile_n(a, bm, count, row, col, out):
     """out[row:row+8, col:col+2W] += a[row:row+8, :count] @ bm[:count, col:col+2W]."""
-    width = _width(bm)
+    width = lanes(bm)
     col2 = col + width
     o0, o1, o2, o3 = out[row], out[row + 1], out[row + 2], out[row + 3]
     o4, o5, o6, o7 = out[row + 4], out[row + 5], out[row + 6], out[row + 7]
     r0, r1, r2, r3 = a[row], a[row + 1], a[row + 2], a[row + 3]
     r4, r5, r6, r7 = a[row + 4], a[row + 5], a[row + 6], a[row + 7]
-    c00, c01 = _vload(o0, col), _vload(o0, col2)
-    c10, c11 = _vload(o1, col), _vload(o1, col2)
-    c20, c21 = _vload(o2, col), _vload(o2, col2)
-    c30, c31 = _vload(o3, col), _vload(o3, col2)
-    c40, c41 = _vload(o4, col), _vload(o4, col2)
-    c50, c51 = _vload(o5, col), _vload(o5, col2)
-    c60, c61 = _vload(o6, col), _vload(o6, col2)
-    c70, c71 = _vload(o7, col), _vload(o7, col2)
+    c00, c01 = vload(o0, col), vload(o0, col2)
+    c10, c11 = vload(o1, col), vload(o1, col2)
+    c20, c21 = vload(o2, col), vload(o2, col2)
+    c30, c31 = vload(o3, col), vload(o3, col2)
+    c40, c41 = vload(o4, col), vload(o4, col2)
+    c50, c51 = vload(o5, col), vload(o5, col2)
+    c60, c61 = vload(o6, col), vload(o6, col2)
+    c70, c71 = vload(o7, col), vload(o7, col2)
     for x in range(count):
         brow = bm[x]
-        b0, b1 = _vload(brow, col), _vload(brow, col2)
+        b0, b1 = vload(brow, col), vload(brow, col2)
         a0 = r0[x]
-        c00, c01 = _vfma(a0, b0, c00), _vfma(a0, b1, c01)
+        c00, c01 = vfma(a0, b0, c00), vfma(a0, b1, c01)
         a1 = r1[x]
-        c10, c11 = _vfma(a1, b0, c10), _vfma(a1, b1, c11)
+        c10, c11 = vfma(a1, b0, c10), vfma(a1, b1, c11)
         a2 = r2[x]
-        c20, c21 = _vfma(a2, b0, c20), _vfma(a2, b1, c21)
+        c20, c21 = vfma(a2, b0, c20), vfma(a2, b1, c21)
         a3 = r3[x]
-        c30, c31 = _vfma(a3, b0, c30), _vfma(a3, b1, c31)
+        c30, c31 = vfma(a3, b0, c30), vfma(a3, b1, c31)
         a4 = r4[x]
-        c40, c41 = _vfma(a4, b0, c40), _vfma(a4, b1, c41)
+        c40, c41 = vfma(a4, b0, c40), vfma(a4, b1, c41)
         a5 = r5[x]
-        c50, c51 = _vfma(a5, b0, c50), _vfma(a5, b1, c51)
+        c50, c51 = vfma(a5, b0, c50), vfma(a5, b1, c51)
         a6 = r6[x]
-        c60, c61 = _vfma(a6, b0, c60), _vfma(a6, b1, c61)
+        c60, c61 = vfma(a6, b0, c60), vfma(a6, b1, c61)
         a7 = r7[x]
-        c70, c71 = _vfma(a7, b0, c70), _vfma(a7, b1, c71)
-    _vstore(o0, col, c00)
-    _vstore(o0, col2, c01)
-    _vstore(o1, col, c10)
-    _vstore(o1, col2, c11)
-    _vstore(o2, col, c20)
-    _vstore(o2, col2, c21)
-    _vstore(o3, col, c30)
-    _vstore(o3, col2, c31)
-    _vstore(o4, col, c40)
-    _vstore(o4, col2, c41)
-    _vstore(o5, col, c50)
-    _vstore(o5, col2, c51)
-    _vstore(o6, col, c60)
-    _vstore(o6, col2, c61)
-    _vstore(o7, col, c70)
-    _vstore(o7, col2, c71)
+        c70, c71 = vfma(a7, b0, c70), vfma(a7, b1, c71)
+    vstore(o0, col, c00)
+    vstore(o0, col2, c01)
+    vstore(o1, col, c10)
+    vstore(o1, col2, c11)
+    vstore(o2, col, c20)
+    vstore(o2, col2, c21)
+    vstore(o3, col, c30)
+    vstore(o3, col2, c31)
+    vstore(o4, col, c40)
+    vstore(o4, col2, c41)
+    vstore(o5, col, c50)
+    vstore(o5, col2, c51)
+    vstore(o6, col, c60)
+    vstore(o6, col2, c61)
+    vstore(o7, col, c70)
+    vstore(o7, col2, c71)
 
 
 @njit(**_OPTS)
 def _row_t(a, bm, count, row, col, out):
     """One row of :func:`_tile_t` (the same operations, so the same bits per element)."""
-    width = _width(bm)
+    width = lanes(bm)
     col2 = col + width
     orow = out[row]
-    c0, c1 = _vload(orow, col), _vload(orow, col2)
+    c0, c1 = vload(orow, col), vload(orow, col2)
     for x in range(count):
         brow = bm[x]
         ax = a[x, row]
-        c0, c1 = _vfma(ax, _vload(brow, col), c0), _vfma(ax, _vload(brow, col2), c1)
-    _vstore(orow, col, c0)
-    _vstore(orow, col2, c1)
+        c0, c1 = vfma(ax, vload(brow, col), c0), vfma(ax, vload(brow, col2), c1)
+    vstore(orow, col, c0)
+    vstore(orow, col2, c1)
 
 
 @njit(**_OPTS)
 def _row_n(a, bm, count, row, col, out):
     """One row of :func:`_tile_n` (the same operations, so the same bits per element)."""
-    width = _width(bm)
+    width = lanes(bm)
     col2 = col + width
     orow, arow = out[row], a[row]
-    c0, c1 = _vload(orow, col), _vload(orow, col2)
+    c0, c1 = vload(orow, col), vload(orow, col2)
     for x in range(count):
         brow = bm[x]
         ax = arow[x]
-        c0, c1 = _vfma(ax, _vload(brow, col), c0), _vfma(ax, _vload(brow, col2), c1)
-    _vstore(orow, col, c0)
-    _vstore(orow, col2, c1)
+        c0, c1 = vfma(ax, vload(brow, col), c0), vfma(ax, vload(brow, col2), c1)
+    vstore(orow, col, c0)
+    vstore(orow, col2, c1)
 
 
 @njit(**_OPTS)
 def _matmul_t(a, bm, count, rows, cols, out):
     """out[:rows, :cols] += a[:count, :rows].T @ bm[:count, :cols]; 8-row tiles, then rows
     one at a time (a decode step has one query row)."""
-    step = 2 * _width(bm)
+    step = 2 * lanes(bm)
     full = rows - rows % _TILE_ROWS
     for row in range(0, full, _TILE_ROWS):
         for col in range(0, cols, step):
@@ -531,7 +364,7 @@ def _matmul_t(a, bm, count, rows, cols, out):
 def _matmul_n(a, bm, count, rows, cols, out):
     """out[:rows, :cols] += a[:rows, :count] @ bm[:count, :cols]; 8-row tiles, then rows
     one at a time."""
-    step = 2 * _width(bm)
+    step = 2 * lanes(bm)
     full = rows - rows % _TILE_ROWS
     for row in range(0, full, _TILE_ROWS):
         for col in range(0, cols, step):
@@ -544,26 +377,26 @@ def _matmul_n(a, bm, count, rows, cols, out):
 @njit(**_OPTS)
 def _row_sum(row, count):
     """sum(row[:count]) in the documented lane order (row padded with zeros to a vector)."""
-    width = _width(row)
-    acc = _vzero(row)
+    width = lanes(row)
+    acc = vzero(row)
     for c in range(0, count, width):
-        acc = _vadd(acc, _vload(row, c))
-    total = _vlane(acc, 0)
+        acc = vadd(acc, vload(row, c))
+    total = vlane(acc, 0)
     for w in range(1, width):
-        total = total + _vlane(acc, w)
+        total = total + vlane(acc, w)
     return total
 
 
 @njit(**_OPTS)
 def _row_max(row, count):
     """max(row[:count]) ignoring NaN (-inf when all are -inf or NaN); order-free."""
-    width = _width(row)
-    acc = _vload(row, 0)
+    width = lanes(row)
+    acc = vload(row, 0)
     for c in range(width, count, width):
-        acc = _vmax(acc, _vload(row, c))
-    best = _vlane(acc, 0)
+        acc = vmax(acc, vload(row, c))
+    best = vlane(acc, 0)
     for w in range(1, width):
-        lane = _vlane(acc, w)
+        lane = vlane(acc, w)
         best = lane if lane > best or best != best else best
     return best
 
@@ -705,7 +538,7 @@ def _forward_unit(q, k, v, kv_head, unit, nqb, dims, opts, fopts, bias, bstr, ma
     rows = nr  # short blocks (decode: L = 1) compute their live rows only
     g = kv_head[h]
     dt = q.dtype
-    width = _width(q)
+    width = lanes(q)
     epad = max(2 * width, -(-vdim // (2 * width)) * 2 * width)
     q_t = np.empty((dim, BLOCK_Q), dt)
     k_t = np.empty((dim, BLOCK_K), dt)
@@ -768,7 +601,7 @@ def _forward_unit(q, k, v, kv_head, unit, nqb, dims, opts, fopts, bias, bstr, ma
                         continue
                     w = weights[r, c]
                     for e in range(vdim):
-                        acc[r, e] = _fma(w, v_blk[c, e], acc[r, e])
+                        acc[r, e] = fma(w, v_blk[c, e], acc[r, e])
     keep_scale = fopts[2]
     nan_rows = opts[9] != 0
     for r in range(nr):
@@ -811,7 +644,7 @@ def _backward_unit(q, k, v, kv_head, grad_out, lse, delta, unit, nchunks, dims, 
     per_chunk = -(-nqb // nchunks)
     g = kv_head[h]
     dt = q.dtype
-    width = _width(q)
+    width = lanes(q)
     dpad = max(2 * width, -(-dim // (2 * width)) * 2 * width)
     epad = max(2 * width, -(-vdim // (2 * width)) * 2 * width)
     q_t = np.empty((dim, BLOCK_Q), dt)
@@ -922,7 +755,7 @@ def _delta(grad_out, out, grad_lse, has_grad_lse, delta):
         for i in range(length):
             delta[b, h, i] = 0
             for e in range(vdim):
-                delta[b, h, i] = _fma(grad_out[b, h, i, e], out[b, h, i, e], delta[b, h, i])
+                delta[b, h, i] = fma(grad_out[b, h, i, e], out[b, h, i, e], delta[b, h, i])
             if has_grad_lse:
                 delta[b, h, i] = delta[b, h, i] - grad_lse[b, h, i]
 
@@ -945,44 +778,6 @@ def _reduce_parts(part, kv_head, kv_heads, feats, result):
 # --------------------------------------------------------------------------------------
 # wrappers: own shapes, dtypes, padding and allocation
 # --------------------------------------------------------------------------------------
-def _plane(view):
-    """A (B, H, L, S) view as (1-D contiguous data, element strides); (dummy, zeros) for None."""
-    if view is None:
-        return np.zeros(1, np.float64), np.zeros(4, np.int64)
-    compact = view[tuple(slice(0, 1) if st == 0 else slice(None) for st in view.strides)]
-    data = np.require(compact, requirements=["C", "W"])
-    if data.dtype == np.bool_:
-        data = data.view(np.uint8)
-    strides = np.array([0 if st == 0 else ds // data.itemsize
-                        for st, ds in zip(view.strides, data.strides, strict=True)], np.int64)
-    return data.reshape(-1), strides
-
-
-def _arguments(spec, dtype):
-    batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
-    left, right = (-1, -1) if spec.window is None else (
-        -1 if spec.window[0] is None else spec.window[0],
-        -1 if spec.window[1] is None else spec.window[1])
-    dims = np.array([batch, heads, length, kv_heads, keys, dim, vdim], np.int64)
-    opts = np.array([spec.offset, spec.causal, left, right, spec.softcap is not None,
-                     spec.bias is not None, spec.mask is not None, spec.alibi_slopes is not None,
-                     spec.dropout_mask is not None, spec.empty_rows == "nan"], np.int64)
-    fopts = np.array([spec.scale_float, spec.softcap or 1.0, 1.0 / (1.0 - spec.dropout_p),
-                      -np.inf], dtype)
-    bias, bstr = _plane(spec.bias)
-    mask, mstr = _plane(spec.mask)
-    drop, dstr = _plane(spec.dropout_mask)
-    if mask.dtype != np.uint8:
-        mask = mask.astype(np.uint8)
-    if drop.dtype != np.uint8:
-        drop = drop.astype(np.uint8)
-    slopes = np.zeros(1) if spec.alibi_slopes is None else np.require(
-        spec.alibi_slopes, np.float64, ["C", "W"])
-    q, k, v = (np.require(a, dtype, ["C", "W"]) for a in (spec.q, spec.k, spec.v))
-    kv_head = np.require(spec.kv_head, np.int64, ["C", "W"])
-    return q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes
-
-
 def forward(spec, dtype=None):
     """Run the forward kernel: returns out (B, H, L, E) and lse (B, H, L) in the compute dtype.
 
@@ -1005,7 +800,7 @@ def forward(spec, dtype=None):
     ([2.0], True)
     """
     dtype = compute_dtype(spec.q.dtype) if dtype is None else np.dtype(dtype)
-    return _run_forward(spec, _arguments(spec, dtype), dtype)
+    return _run_forward(spec, kernel_arguments(spec, dtype), dtype)
 
 
 def _run_forward(spec, args, dtype):
@@ -1021,7 +816,7 @@ def saved_forward(spec, dtype=None):
     """(out, lse) as the backward pass needs them: lse = -inf on empty rows whatever
     ``empty_rows`` says (a NaN lse then only marks rows poisoned by NaN inputs)."""
     dtype = compute_dtype(spec.q.dtype) if dtype is None else np.dtype(dtype)
-    args = _arguments(spec, dtype)
+    args = kernel_arguments(spec, dtype)
     zero_rows = args[5].copy()
     zero_rows[9] = 0
     return _run_forward(spec, args[:5] + (zero_rows,) + args[6:], dtype)
@@ -1068,7 +863,7 @@ def backward(spec, grad_out, grad_lse=None, dtype=None, *, saved=None):
     ([0.5, 0.5], True)
     """
     dtype = compute_dtype(spec.q.dtype) if dtype is None else np.dtype(dtype)
-    args = _arguments(spec, dtype)
+    args = kernel_arguments(spec, dtype)
     q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes = args
     batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
     out, lse = saved_forward(spec, dtype) if saved is None else saved
