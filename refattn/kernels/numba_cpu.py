@@ -60,8 +60,8 @@ import numpy as np
 from numba import njit, prange
 
 from ._args import kernel_arguments
-from ._simd import (JIT, KERNEL_OPTIONS, as_float, fma, lanes, vadd, vfma, vlane, vload, vmax,
-                    vstore, vzero)
+from ._simd import (JIT, KERNEL_OPTIONS, exp_float32, exp_float64, fma, lanes, vadd, vexp,
+                    vfma, vlane, vload, vmax, vmuls, vstore, vsubs, vzero)
 
 __all__ = [
     "BLOCK_Q",
@@ -88,99 +88,6 @@ _OPTS = KERNEL_OPTIONS
 def compute_dtype(dtype) -> np.dtype:
     """Compute dtype of the kernels for an input dtype: float64 stays, all else is float32."""
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
-
-
-# --------------------------------------------------------------------------------------
-# exp: branch-free so that loops over it vectorise (libm's exp is a scalar call)
-# --------------------------------------------------------------------------------------
-_LOG2E_64 = np.float64(1.4426950408889634)
-_LN2_HI_64 = np.float64(6.93147180369123816490e-01)  # 32 significant bits: n * hi is exact
-_LN2_LO_64 = np.float64(1.90821492927058770002e-10)
-_INV_FACT_64 = tuple(np.float64(1.0 / math.factorial(i)) for i in range(14))
-
-_LOG2E_32 = np.float32(1.44269504)
-_LN2_HI_32 = np.float32(0.693359375)  # 9 significant bits: n * hi is exact
-_LN2_LO_32 = np.float32(-2.12194440e-4)
-_INV_FACT_32 = tuple(np.float32(1.0 / math.factorial(i)) for i in range(9))
-
-
-@njit(**_OPTS)
-def exp_float64(x):
-    """exp(x) for float64 to about one ulp, branch-free (Cody-Waite reduction + Taylor(13)).
-
-    x = n ln2 + r with |r| <= ln2/2 (two-constant reduction, exact for |n| <= 2**20), then
-    exp(r) by Horner with fused multiply-adds; the truncation error r**14/14! < 5e-18 is far
-    below u = 2**-53. 2**n is applied as two exact power-of-two factors so that results in
-    the subnormal range are rounded once.
-
-    Examples
-    --------
-    >>> float(exp_float64(np.float64(1.0))) == math.exp(1.0)
-    True
-    """
-    t = np.floor(x * _LOG2E_64 + np.float64(0.5))
-    t = min(max(t, np.float64(-1100.0)), np.float64(1100.0))
-    r = fma(-t, _LN2_HI_64, x)
-    r = fma(-t, _LN2_LO_64, r)
-    p = _INV_FACT_64[13]
-    p = fma(p, r, _INV_FACT_64[12])
-    p = fma(p, r, _INV_FACT_64[11])
-    p = fma(p, r, _INV_FACT_64[10])
-    p = fma(p, r, _INV_FACT_64[9])
-    p = fma(p, r, _INV_FACT_64[8])
-    p = fma(p, r, _INV_FACT_64[7])
-    p = fma(p, r, _INV_FACT_64[6])
-    p = fma(p, r, _INV_FACT_64[5])
-    p = fma(p, r, _INV_FACT_64[4])
-    p = fma(p, r, _INV_FACT_64[3])
-    p = fma(p, r, _INV_FACT_64[2])
-    p = fma(p, r, _INV_FACT_64[1])
-    p = fma(p, r, _INV_FACT_64[0])
-    t = t if t == t else np.float64(0.0)
-    n = np.int64(t)
-    half = n >> np.int64(1)
-    rest = n - half
-    one_bits = np.int64(1023)
-    res = p * as_float((half + one_bits) << np.int64(52))
-    res = res * as_float((rest + one_bits) << np.int64(52))
-    res = np.float64(0.0) if x < np.float64(-746.0) else res
-    res = np.float64(np.inf) if x > np.float64(710.0) else res
-    return res if x == x else x
-
-
-@njit(**_OPTS)
-def exp_float32(x):
-    """exp(x) for float32 to about one ulp, branch-free (Cody-Waite reduction + Taylor(8)).
-
-    Examples
-    --------
-    >>> abs(float(exp_float32(np.float32(1.0))) - math.exp(1.0)) < 3e-7
-    True
-    """
-    t = np.floor(x * _LOG2E_32 + np.float32(0.5))
-    t = min(max(t, np.float32(-200.0)), np.float32(200.0))
-    r = fma(-t, _LN2_HI_32, x)
-    r = fma(-t, _LN2_LO_32, r)
-    p = _INV_FACT_32[8]
-    p = fma(p, r, _INV_FACT_32[7])
-    p = fma(p, r, _INV_FACT_32[6])
-    p = fma(p, r, _INV_FACT_32[5])
-    p = fma(p, r, _INV_FACT_32[4])
-    p = fma(p, r, _INV_FACT_32[3])
-    p = fma(p, r, _INV_FACT_32[2])
-    p = fma(p, r, _INV_FACT_32[1])
-    p = fma(p, r, _INV_FACT_32[0])
-    t = t if t == t else np.float32(0.0)
-    n = np.int32(t)
-    half = n >> np.int32(1)
-    rest = n - half
-    one_bits = np.int32(127)
-    # numba widens int32 arithmetic to int64: narrow again before the bit cast
-    res = p * as_float(np.int32((half + one_bits) << np.int32(23)))
-    res = res * as_float(np.int32((rest + one_bits) << np.int32(23)))
-    res = np.float32(0.0) if x < np.float32(-104.0) else res
-    res = np.float32(np.inf) if x > np.float32(89.0) else res
-    return res if x == x else x
 
 
 if JIT:
@@ -527,9 +434,26 @@ def _dropout_weights(p, pd, nr, nc, r0, c0, b, h, drop, dstr):
 # --------------------------------------------------------------------------------------
 # forward
 # --------------------------------------------------------------------------------------
+@njit(parallel=True, **_OPTS)
+def _pack_keys(k, v, k_t, v_blk, v_finite):
+    """Pack every key block once per (batch, kv head): k_t[b, g, n] = K block n transposed
+    (D, BLOCK_K), v_blk[b, g, n] = V block n (BLOCK_K, E padded), zero-padded; v_finite[b,
+    g, n] says whether the block's values are all finite. Pure copies (no arithmetic)."""
+    batch, kv_heads, keys = k.shape[0], k.shape[1], k.shape[2]
+    nkb = k_t.shape[2]
+    for unit in prange(batch * kv_heads * nkb):
+        b = unit // (kv_heads * nkb)
+        g = (unit // nkb) % kv_heads
+        n = unit % nkb
+        c0 = n * BLOCK_K
+        nc = min(BLOCK_K, keys - c0)
+        _load_rows_t(k[b, g], c0, nc, k_t[b, g, n])
+        v_finite[b, g, n] = _load_rows(v[b, g], c0, nc, v_blk[b, g, n])
+
+
 @njit(**_OPTS)
-def _forward_unit(q, k, v, kv_head, unit, nqb, dims, opts, fopts, bias, bstr, mask, mstr,
-                  drop, dstr, slopes, out, lse):
+def _forward_unit(q, k_pack, v_pack, v_fin, kv_head, unit, nqb, dims, opts, fopts, bias, bstr,
+                  mask, mstr, drop, dstr, slopes, out, lse):
     heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
     b = unit // (heads * nqb)
     h = (unit // nqb) % heads
@@ -539,10 +463,8 @@ def _forward_unit(q, k, v, kv_head, unit, nqb, dims, opts, fopts, bias, bstr, ma
     g = kv_head[h]
     dt = q.dtype
     width = lanes(q)
-    epad = max(2 * width, -(-vdim // (2 * width)) * 2 * width)
+    epad = v_pack.shape[4]
     q_t = np.empty((dim, BLOCK_Q), dt)
-    k_t = np.empty((dim, BLOCK_K), dt)
-    v_blk = np.empty((BLOCK_K, epad), dt)
     s = np.empty((BLOCK_Q, BLOCK_K), dt)
     p = np.zeros((BLOCK_Q, BLOCK_K), dt)
     pd = np.zeros((BLOCK_Q, BLOCK_K), dt)
@@ -555,12 +477,13 @@ def _forward_unit(q, k, v, kv_head, unit, nqb, dims, opts, fopts, bias, bstr, ma
     has_drop = opts[8] != 0
     lo_first, _ = _row_range(r0, keys, opts[0], causal, left, right)
     _, hi_last = _row_range(r0 + nr - 1, keys, opts[0], causal, left, right)
-    kk, vv = k[b, g], v[b, g]
     first = max(lo_first, 0) // BLOCK_K * BLOCK_K
     for c0 in range(first, min(hi_last + 1, keys), BLOCK_K):
         nc = min(BLOCK_K, keys - c0)
-        _load_rows_t(kk, c0, nc, k_t)
-        v_finite = _load_rows(vv, c0, nc, v_blk)
+        kb = c0 // BLOCK_K
+        k_t = k_pack[b, g, kb]
+        v_blk = v_pack[b, g, kb]
+        v_finite = v_fin[b, g, kb]
         s[:rows, :] = 0
         _matmul_t(q_t, k_t, dim, rows, BLOCK_K, s)
         clean = _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr, mask,
@@ -573,16 +496,23 @@ def _forward_unit(q, k, v, kv_head, unit, nqb, dims, opts, fopts, bias, bstr, ma
             if m_new == -np.inf:
                 prow[:] = 0
                 continue
-            for c in range(BLOCK_K):
-                prow[c] = _exp(row[c] - m_new)
+            # exp of the tile row, lane-parallel; the lane sums in the _row_sum order
+            part = vzero(prow)
+            for c in range(0, BLOCK_K, width):
+                e = vexp(vsubs(vload(row, c), m_new))
+                vstore(prow, c, e)
+                part = vadd(part, e)
+            row_total = vlane(part, 0)
+            for w in range(1, width):
+                row_total = row_total + vlane(part, w)
             if m_new != m_old:
                 alpha = _exp(m_old - m_new)
                 total[r] = total[r] * alpha
                 arow = acc[r]
-                for e in range(epad):
-                    arow[e] = arow[e] * alpha
+                for e0 in range(0, epad, width):
+                    vstore(arow, e0, vmuls(vload(arow, e0), alpha))
                 m[r] = m_new
-            total[r] = total[r] + _row_sum(prow, BLOCK_K)
+            total[r] = total[r] + row_total
         weights = p
         if has_drop:
             _dropout_weights(p, pd, nr, nc, r0, c0, b, h, drop, dstr)
@@ -621,13 +551,38 @@ def _forward_unit(q, k, v, kv_head, unit, nqb, dims, opts, fopts, bias, bstr, ma
 
 
 @njit(parallel=True, **_OPTS)
-def _forward(q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes,
-             out, lse):
+def _forward_units(q, k_pack, v_pack, v_fin, kv_head, dims, opts, fopts, bias, bstr, mask, mstr,
+                   drop, dstr, slopes, out, lse):
     batch, heads, length = dims[0], dims[1], dims[2]
     nqb = -(-length // BLOCK_Q)
     for unit in prange(batch * heads * nqb):
-        _forward_unit(q, k, v, kv_head, unit, nqb, dims, opts, fopts, bias, bstr, mask, mstr,
-                      drop, dstr, slopes, out, lse)
+        _forward_unit(q, k_pack, v_pack, v_fin, kv_head, unit, nqb, dims, opts, fopts, bias,
+                      bstr, mask, mstr, drop, dstr, slopes, out, lse)
+
+
+def _forward(q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes,
+             out, lse):
+    """Pack the key blocks (:func:`_pack_keys`), then run the query-block units."""
+    k_pack, v_pack, v_fin = _packed_keys(k, v)
+    _forward_units(q, k_pack, v_pack, v_fin, kv_head, dims, opts, fopts, bias, bstr, mask, mstr,
+                   drop, dstr, slopes, out, lse)
+
+
+def _padded(features, dtype):
+    """Features padded to a multiple of two 64-byte vectors (the register tile's width)."""
+    width = 64 // np.dtype(dtype).itemsize
+    return max(2 * width, -(-features // (2 * width)) * 2 * width)
+
+
+def _packed_keys(k, v):
+    batch, kv_heads, keys, dim = k.shape
+    nkb = -(-keys // BLOCK_K)
+    k_pack = np.empty((batch, kv_heads, nkb, dim, BLOCK_K), k.dtype)
+    v_pack = np.empty((batch, kv_heads, nkb, BLOCK_K, _padded(v.shape[3], v.dtype)), v.dtype)
+    v_fin = np.empty((batch, kv_heads, nkb), np.bool_)
+    if k_pack.size or v_pack.size:
+        _pack_keys(k, v, k_pack, v_pack, v_fin)
+    return k_pack, v_pack, v_fin
 
 
 # --------------------------------------------------------------------------------------
