@@ -589,8 +589,9 @@ def _packed_keys(k, v):
 # backward
 # --------------------------------------------------------------------------------------
 @njit(**_OPTS)
-def _backward_unit(q, k, v, kv_head, grad_out, lse, delta, unit, nchunks, dims, opts, fopts,
-                   bias, bstr, mask, mstr, drop, dstr, slopes, dq, dk_part, dv_part, dbias):
+def _backward_unit(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, unit, nchunks,
+                   dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes, dq, dk_part,
+                   dv_part, dbias):
     heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
     nqb = -(-length // BLOCK_Q)
     b = unit // (heads * nchunks)
@@ -606,9 +607,6 @@ def _backward_unit(q, k, v, kv_head, grad_out, lse, delta, unit, nchunks, dims, 
     q_blk = np.empty((BLOCK_Q, dpad), dt)
     do_t = np.empty((vdim, BLOCK_Q), dt)
     do_blk = np.empty((BLOCK_Q, epad), dt)
-    k_t = np.empty((dim, BLOCK_K), dt)
-    k_blk = np.empty((BLOCK_K, dpad), dt)
-    v_t = np.empty((vdim, BLOCK_K), dt)
     s = np.empty((BLOCK_Q, BLOCK_K), dt)
     dp = np.empty((BLOCK_Q, BLOCK_K), dt)
     p = np.zeros((BLOCK_Q, BLOCK_K), dt)
@@ -619,7 +617,6 @@ def _backward_unit(q, k, v, kv_head, grad_out, lse, delta, unit, nchunks, dims, 
     has_softcap, has_bias, has_drop = opts[4] != 0, opts[5] != 0, opts[8] != 0
     scale, keep_scale = fopts[0], fopts[2]
     dk_out, dv_out = dk_part[b, h, chunk], dv_part[b, h, chunk]
-    kk, vv = k[b, g], v[b, g]
     for qb in range(chunk * per_chunk, min(nqb, (chunk + 1) * per_chunk)):
         r0 = qb * BLOCK_Q
         nr = min(BLOCK_Q, length - r0)
@@ -642,9 +639,8 @@ def _backward_unit(q, k, v, kv_head, grad_out, lse, delta, unit, nchunks, dims, 
         first = max(lo_first, 0) // BLOCK_K * BLOCK_K
         for c0 in range(first, min(hi_last + 1, keys), BLOCK_K):
             nc = min(BLOCK_K, keys - c0)
-            _load_rows_t(kk, c0, nc, k_t)
-            _load_rows(kk, c0, nc, k_blk, True)
-            _load_rows_t(vv, c0, nc, v_t)
+            kb = c0 // BLOCK_K
+            k_t, k_blk, v_t = kt_pack[b, g, kb], k_pack[b, g, kb], vt_pack[b, g, kb]
             s[:rows, :] = 0
             _matmul_t(q_t, k_t, dim, rows, BLOCK_K, s)
             _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr, mask, mstr,
@@ -660,10 +656,10 @@ def _backward_unit(q, k, v, kv_head, grad_out, lse, delta, unit, nchunks, dims, 
                     dsrow[:] = 0
                     continue
                 d_i = delta[b, h, i]
+                for c in range(0, BLOCK_K, width):
+                    vstore(prow, c, vexp(vsubs(vload(srow, c), row_lse)))
                 for c in range(BLOCK_K):
-                    prob = _exp(srow[c] - row_lse)
-                    prow[c] = prob
-                    grad = prob * (dprow[c] * keep_scale - d_i)
+                    grad = prow[c] * (dprow[c] * keep_scale - d_i)
                     dsrow[c] = grad if srow[c] != -np.inf else 0
                 if has_drop:
                     for c in range(nc):
@@ -693,12 +689,43 @@ def _backward_unit(q, k, v, kv_head, grad_out, lse, delta, unit, nchunks, dims, 
 
 
 @njit(parallel=True, **_OPTS)
-def _backward(q, k, v, kv_head, grad_out, lse, delta, nchunks, dims, opts, fopts, bias, bstr,
-              mask, mstr, drop, dstr, slopes, dq, dk_part, dv_part, dbias):
+def _pack_keys_backward(k, v, kt_pack, k_pack, vt_pack):
+    """Pack every key block once per (batch, kv head): K transposed (D, BLOCK_K), K with
+    non-finite values stored as 0 (BLOCK_K, D padded), V transposed (E, BLOCK_K)."""
+    batch, kv_heads, keys = k.shape[0], k.shape[1], k.shape[2]
+    nkb = kt_pack.shape[2]
+    for unit in prange(batch * kv_heads * nkb):
+        b = unit // (kv_heads * nkb)
+        g = (unit // nkb) % kv_heads
+        n = unit % nkb
+        c0 = n * BLOCK_K
+        nc = min(BLOCK_K, keys - c0)
+        _load_rows_t(k[b, g], c0, nc, kt_pack[b, g, n])
+        _load_rows(k[b, g], c0, nc, k_pack[b, g, n], True)
+        _load_rows_t(v[b, g], c0, nc, vt_pack[b, g, n])
+
+
+@njit(parallel=True, **_OPTS)
+def _backward_units(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, nchunks, dims,
+                    opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes, dq, dk_part,
+                    dv_part, dbias):
     batch, heads = dims[0], dims[1]
     for unit in prange(batch * heads * nchunks):
-        _backward_unit(q, k, v, kv_head, grad_out, lse, delta, unit, nchunks, dims, opts, fopts,
-                       bias, bstr, mask, mstr, drop, dstr, slopes, dq, dk_part, dv_part, dbias)
+        _backward_unit(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, unit,
+                       nchunks, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes,
+                       dq, dk_part, dv_part, dbias)
+
+
+def _backward(q, k, v, kv_head, *rest):
+    """Pack the key blocks (:func:`_pack_keys_backward`), then run the query-chunk units."""
+    batch, kv_heads, keys, dim = k.shape
+    vdim = v.shape[3]
+    nkb = -(-keys // BLOCK_K)
+    kt_pack = np.empty((batch, kv_heads, nkb, dim, BLOCK_K), k.dtype)
+    k_pack = np.empty((batch, kv_heads, nkb, BLOCK_K, _padded(dim, k.dtype)), k.dtype)
+    vt_pack = np.empty((batch, kv_heads, nkb, vdim, BLOCK_K), v.dtype)
+    _pack_keys_backward(k, v, kt_pack, k_pack, vt_pack)
+    _backward_units(q, kt_pack, k_pack, vt_pack, kv_head, *rest)
 
 
 @njit(parallel=True, **_OPTS)
