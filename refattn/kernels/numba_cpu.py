@@ -224,6 +224,123 @@ def _tile_n(a, bm, count, row, col, out):
 
 
 @njit(**_OPTS)
+def _tile4x4_t(a, bm, count, row, col, out):
+    """out[row:row+4, col:col+4W] += a[:count, row:row+4].T @ bm[:count, col:col+4W]."""
+    width = lanes(bm)
+    col1 = col + 1 * width
+    col2 = col + 2 * width
+    col3 = col + 3 * width
+    o0 = out[row + 0]
+    o1 = out[row + 1]
+    o2 = out[row + 2]
+    o3 = out[row + 3]
+    c00, c01, c02, c03 = vload(o0, col), vload(o0, col1), vload(o0, col2), vload(o0, col3)
+    c10, c11, c12, c13 = vload(o1, col), vload(o1, col1), vload(o1, col2), vload(o1, col3)
+    c20, c21, c22, c23 = vload(o2, col), vload(o2, col1), vload(o2, col2), vload(o2, col3)
+    c30, c31, c32, c33 = vload(o3, col), vload(o3, col1), vload(o3, col2), vload(o3, col3)
+    for x in range(count):
+        brow = bm[x]
+        b0, b1, b2, b3 = vload(brow, col), vload(brow, col1), vload(brow, col2), vload(brow, col3)
+        arow = a[x]
+        a0 = arow[row + 0]
+        c00 = vfma(a0, b0, c00)
+        c01 = vfma(a0, b1, c01)
+        c02 = vfma(a0, b2, c02)
+        c03 = vfma(a0, b3, c03)
+        a1 = arow[row + 1]
+        c10 = vfma(a1, b0, c10)
+        c11 = vfma(a1, b1, c11)
+        c12 = vfma(a1, b2, c12)
+        c13 = vfma(a1, b3, c13)
+        a2 = arow[row + 2]
+        c20 = vfma(a2, b0, c20)
+        c21 = vfma(a2, b1, c21)
+        c22 = vfma(a2, b2, c22)
+        c23 = vfma(a2, b3, c23)
+        a3 = arow[row + 3]
+        c30 = vfma(a3, b0, c30)
+        c31 = vfma(a3, b1, c31)
+        c32 = vfma(a3, b2, c32)
+        c33 = vfma(a3, b3, c33)
+    vstore(o0, col, c00)
+    vstore(o0, col1, c01)
+    vstore(o0, col2, c02)
+    vstore(o0, col3, c03)
+    vstore(o1, col, c10)
+    vstore(o1, col1, c11)
+    vstore(o1, col2, c12)
+    vstore(o1, col3, c13)
+    vstore(o2, col, c20)
+    vstore(o2, col1, c21)
+    vstore(o2, col2, c22)
+    vstore(o2, col3, c23)
+    vstore(o3, col, c30)
+    vstore(o3, col1, c31)
+    vstore(o3, col2, c32)
+    vstore(o3, col3, c33)
+
+
+@njit(**_OPTS)
+def _tile4x4_n(a, bm, count, row, col, out):
+    """out[row:row+4, col:col+4W] += a[row:row+4, :count] @ bm[:count, col:col+4W]."""
+    width = lanes(bm)
+    col1 = col + 1 * width
+    col2 = col + 2 * width
+    col3 = col + 3 * width
+    o0 = out[row + 0]
+    r0 = a[row + 0]
+    o1 = out[row + 1]
+    r1 = a[row + 1]
+    o2 = out[row + 2]
+    r2 = a[row + 2]
+    o3 = out[row + 3]
+    r3 = a[row + 3]
+    c00, c01, c02, c03 = vload(o0, col), vload(o0, col1), vload(o0, col2), vload(o0, col3)
+    c10, c11, c12, c13 = vload(o1, col), vload(o1, col1), vload(o1, col2), vload(o1, col3)
+    c20, c21, c22, c23 = vload(o2, col), vload(o2, col1), vload(o2, col2), vload(o2, col3)
+    c30, c31, c32, c33 = vload(o3, col), vload(o3, col1), vload(o3, col2), vload(o3, col3)
+    for x in range(count):
+        brow = bm[x]
+        b0, b1, b2, b3 = vload(brow, col), vload(brow, col1), vload(brow, col2), vload(brow, col3)
+        a0 = r0[x]
+        c00 = vfma(a0, b0, c00)
+        c01 = vfma(a0, b1, c01)
+        c02 = vfma(a0, b2, c02)
+        c03 = vfma(a0, b3, c03)
+        a1 = r1[x]
+        c10 = vfma(a1, b0, c10)
+        c11 = vfma(a1, b1, c11)
+        c12 = vfma(a1, b2, c12)
+        c13 = vfma(a1, b3, c13)
+        a2 = r2[x]
+        c20 = vfma(a2, b0, c20)
+        c21 = vfma(a2, b1, c21)
+        c22 = vfma(a2, b2, c22)
+        c23 = vfma(a2, b3, c23)
+        a3 = r3[x]
+        c30 = vfma(a3, b0, c30)
+        c31 = vfma(a3, b1, c31)
+        c32 = vfma(a3, b2, c32)
+        c33 = vfma(a3, b3, c33)
+    vstore(o0, col, c00)
+    vstore(o0, col1, c01)
+    vstore(o0, col2, c02)
+    vstore(o0, col3, c03)
+    vstore(o1, col, c10)
+    vstore(o1, col1, c11)
+    vstore(o1, col2, c12)
+    vstore(o1, col3, c13)
+    vstore(o2, col, c20)
+    vstore(o2, col1, c21)
+    vstore(o2, col2, c22)
+    vstore(o2, col3, c23)
+    vstore(o3, col, c30)
+    vstore(o3, col1, c31)
+    vstore(o3, col2, c32)
+    vstore(o3, col3, c33)
+
+
+@njit(**_OPTS)
 def _row_t(a, bm, count, row, col, out):
     """One row of :func:`_tile_t` (the same operations, so the same bits per element)."""
     width = lanes(bm)
@@ -258,10 +375,16 @@ def _matmul_t(a, bm, count, rows, cols, out):
     """out[:rows, :cols] += a[:count, :rows].T @ bm[:count, :cols]; 8-row tiles, then rows
     one at a time (a decode step has one query row)."""
     step = 2 * lanes(bm)
-    full = rows - rows % _TILE_ROWS
-    for row in range(0, full, _TILE_ROWS):
-        for col in range(0, cols, step):
-            _tile_t(a, bm, count, row, col, out)
+    if cols % (2 * step) == 0:  # 4 x 4-vector tiles (fewer loads per fma than 8 x 2)
+        full = rows - rows % 4
+        for row in range(0, full, 4):
+            for col in range(0, cols, 2 * step):
+                _tile4x4_t(a, bm, count, row, col, out)
+    else:
+        full = rows - rows % _TILE_ROWS
+        for row in range(0, full, _TILE_ROWS):
+            for col in range(0, cols, step):
+                _tile_t(a, bm, count, row, col, out)
     for row in range(full, rows):
         for col in range(0, cols, step):
             _row_t(a, bm, count, row, col, out)
@@ -272,10 +395,16 @@ def _matmul_n(a, bm, count, rows, cols, out):
     """out[:rows, :cols] += a[:rows, :count] @ bm[:count, :cols]; 8-row tiles, then rows
     one at a time."""
     step = 2 * lanes(bm)
-    full = rows - rows % _TILE_ROWS
-    for row in range(0, full, _TILE_ROWS):
-        for col in range(0, cols, step):
-            _tile_n(a, bm, count, row, col, out)
+    if cols % (2 * step) == 0:  # 4 x 4-vector tiles (fewer loads per fma than 8 x 2)
+        full = rows - rows % 4
+        for row in range(0, full, 4):
+            for col in range(0, cols, 2 * step):
+                _tile4x4_n(a, bm, count, row, col, out)
+    else:
+        full = rows - rows % _TILE_ROWS
+        for row in range(0, full, _TILE_ROWS):
+            for col in range(0, cols, step):
+                _tile_n(a, bm, count, row, col, out)
     for row in range(full, rows):
         for col in range(0, cols, step):
             _row_n(a, bm, count, row, col, out)
@@ -380,6 +509,13 @@ def _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr, mask,
     full = lo_last <= c0 and hi_first >= c0 + nc - 1
     general = has_softcap or has_bias or has_mask or has_alibi
     width = s.shape[1]
+    if not general and full and nc == width:
+        lane_count = lanes(s)
+        for r in range(nr):
+            row = s[r]
+            for c in range(0, width, lane_count):
+                vstore(row, c, vmuls(vload(row, c), scale))
+        return full
     if not general:
         for r in range(nr):
             row = s[r]
