@@ -66,6 +66,8 @@ from ._simd import (JIT, KERNEL_OPTIONS, exp_float32, exp_float64, fma, lanes, v
 __all__ = [
     "BLOCK_Q",
     "BLOCK_K",
+    "SPLIT_KEYS",
+    "split_keys",
     "compute_dtype",
     "forward",
     "backward",
@@ -77,6 +79,9 @@ __all__ = [
 BLOCK_Q = 64
 #: Keys per streamed block (a multiple of two 64-byte vectors of either dtype).
 BLOCK_K = 64
+#: Keys per split of the short-query (decode) path: a fixed size, so that the number of
+#: splits and the order they are combined in depend on the key length only.
+SPLIT_KEYS = 1024
 #: Rows of the register tile of the micro-kernels.
 _TILE_ROWS = 8
 #: Minimum number of backward work units (shape-derived, never thread-derived).
@@ -696,12 +701,187 @@ def _forward_units(q, k_pack, v_pack, v_fin, kv_head, dims, opts, fopts, bias, b
                       bstr, mask, mstr, drop, dstr, slopes, out, lse)
 
 
+def split_keys(heads: int, kv_heads: int, length: int, keys: int) -> int:
+    """Key splits of the short-query path (0: the query-block path runs); shapes only.
+
+    The short-query path runs when the query rows of a whole kv-head group fit one tile
+    (``(H / K) * L <= BLOCK_Q``) and there is more than one split of :data:`SPLIT_KEYS` keys.
+
+    Examples
+    --------
+    >>> split_keys(32, 8, 1, 8192), split_keys(8, 8, 1024, 1024)
+    (8, 0)
+    """
+    if (heads // kv_heads) * length > BLOCK_Q or keys <= SPLIT_KEYS:
+        return 0
+    return -(-keys // SPLIT_KEYS)
+
+
 def _forward(q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes,
              out, lse):
-    """Pack the key blocks (:func:`_pack_keys`), then run the query-block units."""
+    """Short queries: key splits (:func:`_split_forward`); otherwise pack the key blocks
+    (:func:`_pack_keys`) and run the query-block units."""
+    batch, heads, length, kv_heads, keys = (int(x) for x in dims[:5])
+    nsplit = split_keys(heads, kv_heads, length, keys)
+    if nsplit:
+        group_heads = np.array([[h for h in range(heads) if kv_head[h] == g]
+                                for g in range(kv_heads)], np.int64)
+        _split_forward(q, k, v, group_heads, nsplit, dims, opts, fopts, bias, bstr, mask, mstr,
+                       drop, dstr, slopes, out, lse)
+        return
     k_pack, v_pack, v_fin = _packed_keys(k, v)
     _forward_units(q, k_pack, v_pack, v_fin, kv_head, dims, opts, fopts, bias, bstr, mask, mstr,
                    drop, dstr, slopes, out, lse)
+
+
+@njit(**_OPTS)
+def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, bias, bstr, mask, mstr,
+                drop, dstr, slopes, part_m, part_total, part_acc):
+    """One (batch, kv head, key split) of the short-query path: the L rows of every query
+    head of the group form one tile, so each key block is loaded once per group."""
+    kv_heads, length, keys, dim, vdim = dims[3], dims[2], dims[4], dims[5], dims[6]
+    group = group_heads.shape[1]
+    b = unit // (kv_heads * nsplit)
+    g = (unit // nsplit) % kv_heads
+    split = unit % nsplit
+    rows = group * length
+    dt = q.dtype
+    width = lanes(q)
+    epad = part_acc.shape[4]
+    q_t = np.zeros((dim, BLOCK_Q), dt)
+    k_t = np.empty((dim, BLOCK_K), dt)
+    v_blk = np.empty((BLOCK_K, epad), dt)
+    s = np.empty((BLOCK_Q, BLOCK_K), dt)
+    p = np.zeros((BLOCK_Q, BLOCK_K), dt)
+    pd = np.zeros((BLOCK_Q, BLOCK_K), dt)
+    deriv = np.empty((BLOCK_Q, BLOCK_K), dt)
+    acc = np.zeros((BLOCK_Q, epad), dt)
+    m = np.full(BLOCK_Q, -np.inf, dt)
+    total = np.zeros(BLOCK_Q, dt)
+    for t in range(group):
+        src = q[b, group_heads[g, t]]
+        for i in range(length):
+            for x in range(dim):
+                q_t[x, t * length + i] = src[i, x]
+    causal, left, right = opts[1] != 0, opts[2], opts[3]
+    has_drop = opts[8] != 0
+    lo_first, _ = _row_range(0, keys, opts[0], causal, left, right)
+    _, hi_last = _row_range(length - 1, keys, opts[0], causal, left, right)
+    start = max(split * SPLIT_KEYS, max(lo_first, 0) // BLOCK_K * BLOCK_K)
+    stop = min((split + 1) * SPLIT_KEYS, hi_last + 1, keys)
+    for c0 in range(start, stop, BLOCK_K):
+        nc = min(BLOCK_K, keys - c0)
+        _load_rows_t(k[b, g], c0, nc, k_t)
+        v_finite = _load_rows(v[b, g], c0, nc, v_blk)
+        s[:rows, :] = 0
+        _matmul_t(q_t, k_t, dim, rows, BLOCK_K, s)
+        clean = True
+        for t in range(group):
+            r0 = t * length
+            clean &= _finish_scores(s[r0:r0 + length], length, nc, 0, c0, b,
+                                    group_heads[g, t], dims, opts, fopts, bias, bstr, mask,
+                                    mstr, slopes, deriv[r0:r0 + length])
+        for r in range(rows):
+            row = s[r]
+            prow = p[r]
+            m_old = m[r]
+            m_new = max(m_old, _row_max(row, BLOCK_K))
+            if m_new == -np.inf:
+                prow[:] = 0
+                continue
+            part = vzero(prow)
+            for c in range(0, BLOCK_K, width):
+                e = vexp(vsubs(vload(row, c), m_new))
+                vstore(prow, c, e)
+                part = vadd(part, e)
+            row_total = vlane(part, 0)
+            for w in range(1, width):
+                row_total = row_total + vlane(part, w)
+            if m_new != m_old:
+                alpha = _exp(m_old - m_new)
+                total[r] = total[r] * alpha
+                arow = acc[r]
+                for e0 in range(0, epad, width):
+                    vstore(arow, e0, vmuls(vload(arow, e0), alpha))
+                m[r] = m_new
+            total[r] = total[r] + row_total
+        weights = p
+        if has_drop:
+            for t in range(group):
+                r0 = t * length
+                _dropout_weights(p[r0:r0 + length], pd[r0:r0 + length], length, nc, 0, c0, b,
+                                 group_heads[g, t], drop, dstr)
+            weights = pd
+        if v_finite or (clean and not has_drop):
+            _matmul_n(weights, v_blk, nc, rows, epad, acc)
+        else:
+            for r in range(rows):
+                h, i = group_heads[g, r // length], r % length
+                for c in range(nc):
+                    if s[r, c] == -np.inf:
+                        continue
+                    if has_drop and drop[dstr[0] * b + dstr[1] * h + dstr[2] * i +
+                                         dstr[3] * (c0 + c)] == 0:
+                        continue
+                    w = weights[r, c]
+                    for e in range(vdim):
+                        acc[r, e] = fma(w, v_blk[c, e], acc[r, e])
+    for r in range(rows):
+        h, i = group_heads[g, r // length], r % length
+        part_m[b, h, i, split] = m[r]
+        part_total[b, h, i, split] = total[r]
+        for e in range(epad):
+            part_acc[b, h, i, split, e] = acc[r, e]
+
+
+@njit(parallel=True, **_OPTS)
+def _split_forward(q, k, v, group_heads, nsplit, dims, opts, fopts, bias, bstr, mask, mstr,
+                   drop, dstr, slopes, out, lse):
+    """Short-query forward: key splits of SPLIT_KEYS keys per (batch, kv head) run as
+    independent units; their partial (max, sum, accumulator) are then combined per row in
+    increasing split order (the split size is fixed, so the order depends on the shapes
+    only)."""
+    batch, heads, length, kv_heads, vdim = dims[0], dims[1], dims[2], dims[3], dims[6]
+    dt = q.dtype
+    epad = max(2 * lanes(q), -(-vdim // (2 * lanes(q))) * 2 * lanes(q))
+    part_m = np.empty((batch, heads, length, nsplit), dt)
+    part_total = np.empty((batch, heads, length, nsplit), dt)
+    part_acc = np.empty((batch, heads, length, nsplit, epad), dt)
+    zero = np.zeros(1, dt)
+    for unit in prange(batch * kv_heads * nsplit):
+        _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, bias, bstr, mask,
+                    mstr, drop, dstr, slopes, part_m, part_total, part_acc)
+    keep_scale = fopts[2]
+    nan_rows = opts[9] != 0
+    for row in prange(batch * heads * length):
+        b = row // (heads * length)
+        h = (row // length) % heads
+        i = row % length
+        best = part_m[b, h, i, 0]  # never NaN (row maxima skip NaN)
+        for t in range(1, nsplit):
+            best = max(best, part_m[b, h, i, t])
+        orow = out[b, h, i]
+        if best == -np.inf:
+            fill = np.nan if nan_rows else 0.0
+            for e in range(vdim):
+                orow[e] = fill
+            lse[b, h, i] = np.nan if nan_rows else -np.inf
+            continue
+        total = zero[0]
+        for e in range(vdim):
+            orow[e] = 0
+        for t in range(nsplit):
+            m_t = part_m[b, h, i, t]
+            if m_t == -np.inf:
+                continue
+            alpha = _exp(m_t - best)
+            total = fma(alpha, part_total[b, h, i, t], total)
+            for e in range(vdim):
+                orow[e] = fma(alpha, part_acc[b, h, i, t, e], orow[e])
+        inv = keep_scale / total
+        for e in range(vdim):
+            orow[e] = orow[e] * inv
+        lse[b, h, i] = best + math.log(total)
 
 
 def _padded(features, dtype):
@@ -1059,7 +1239,8 @@ def forward_error_bound(spec, weights, dtype=np.float64, rescalings=None):
     with A_i = max over allowed j of ``|scale| |q_i|.|k_j| + |bias_ij| + |alibi_ij|`` (each
     score has absolute error <= gamma_{D+4} A_i: D fused multiply-adds, the scale, softcap,
     bias and ALiBi roundings; the softmax weights then have relative error <= 2 gamma_{D+4}
-    (A_i + 1) through exp), n_b the number of key blocks (one rescaling each), the 8 covering
+    (A_i + 1) through exp), n_b the number of key blocks plus twice the number of key splits
+    (one rescaling each, and the splits' combination), the 8 covering
     exp (about one ulp), the normalisation and dropout scaling; ``w~`` the post-dropout
     weights. gamma is Higham's gamma_n in the compute ``dtype`` (:func:`oracle.tolerance.gamma`).
 
@@ -1068,7 +1249,9 @@ def forward_error_bound(spec, weights, dtype=np.float64, rescalings=None):
     """
     mags, dropped = _planes(spec, weights)
     _, _, _, _, keys, dim, _ = spec.dims
-    n_blocks = -(-keys // BLOCK_K) if rescalings is None else rescalings
+    # one rescaling per key block, and per key split of the short-query path (+ its sum)
+    n_blocks = -(-keys // BLOCK_K) + 2 * -(-keys // SPLIT_KEYS) if rescalings is None \
+        else rescalings
     g_score, g_sum = _gamma(dim + 4, dtype), _gamma(keys + n_blocks + 8, dtype)
     v = np.abs(np.nan_to_num(np.asarray(spec.v, np.float64), nan=0.0, posinf=0, neginf=0))
     nat = np.matmul(dropped, v[:, spec.kv_head])
