@@ -28,7 +28,7 @@ import numpy as np
 from numba import njit
 
 __all__ = ["JIT", "KERNEL_OPTIONS", "vload", "vstore", "vzero", "vfma", "vadd", "vmax",
-           "vlane", "fma", "as_float", "lanes", "vexp", "vsubs", "vmuls",
+           "vlane", "fma", "as_float", "lanes", "vexp", "vsubs", "vmuls", "vmul", "vkeep",
            "exp_float64", "exp_float32"]
 
 #: Whether Numba compiles (False under ``NUMBA_DISABLE_JIT=1``).
@@ -374,7 +374,35 @@ if JIT:
 
         return x(x, a), codegen
 
+    @intrinsic
+    def vmul(typingctx, x, y):
+        """x * y lane-wise."""
+
+        def codegen(context, builder, sig, args):
+            return builder.fmul(args[0], args[1])
+
+        return x(x, y), codegen
+
+    @intrinsic
+    def vkeep(typingctx, s, x):
+        """x where s != -inf (NaN counts as kept), else 0, lane-wise."""
+
+        def codegen(context, builder, sig, args):
+            lt = context.get_value_type(sig.args[1])
+            neg_inf = ir.Constant(lt, [ir.Constant(lt.element, -math.inf)] * lt.count)
+            zero = ir.Constant(lt, [ir.Constant(lt.element, 0.0)] * lt.count)
+            keep = builder.fcmp_unordered("!=", args[0], neg_inf)
+            return builder.select(keep, args[1], zero)
+
+        return x(s, x), codegen
+
 else:  # pragma: no cover
+
+    def vmul(x, y):
+        return (x * y).astype(x.dtype)
+
+    def vkeep(s, x):
+        return np.where(s != -np.inf, x, np.zeros_like(x))
 
     def vexp(x):
         with np.errstate(all="ignore"):

@@ -91,7 +91,7 @@ from numba import njit, prange
 
 from ._args import kernel_arguments
 from ._simd import (JIT, KERNEL_OPTIONS, exp_float32, exp_float64, fma, lanes, vadd, vexp,
-                    vfma, vlane, vload, vmax, vmuls, vstore, vsubs, vzero)
+                    vfma, vkeep, vlane, vload, vmax, vmul, vmuls, vstore, vsubs, vzero)
 
 __all__ = [
     "BLOCK_Q",
@@ -115,7 +115,7 @@ SPLIT_KEYS = 1024
 #: Rows of the register tile of the micro-kernels.
 _TILE_ROWS = 8
 #: Minimum number of backward work units (shape-derived, never thread-derived).
-_MIN_BACKWARD_UNITS = 8
+_MIN_BACKWARD_UNITS = 32
 
 _OPTS = KERNEL_OPTIONS
 
@@ -962,7 +962,10 @@ def _backward_unit(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, u
     causal, left, right = opts[1] != 0, opts[2], opts[3]
     has_softcap, has_bias, has_drop = opts[4] != 0, opts[5] != 0, opts[8] != 0
     scale, keep_scale = fopts[0], fopts[2]
+    plain = not (has_softcap or has_bias or has_drop)
     dk_out, dv_out = dk_part[b, h, chunk], dv_part[b, h, chunk]
+    dk_out[:, :] = 0
+    dv_out[:, :] = 0
     for qb in range(chunk * per_chunk, min(nqb, (chunk + 1) * per_chunk)):
         r0 = qb * BLOCK_Q
         nr = min(BLOCK_Q, length - r0)
@@ -1002,6 +1005,16 @@ def _backward_unit(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, u
                     dsrow[:] = 0
                     continue
                 d_i = delta[b, h, i]
+                if plain:
+                    # P, dS = P (dP z - delta), dropout scale and softmax scale, lane-parallel
+                    # (the same operations per element as the general branch below)
+                    for c in range(0, BLOCK_K, width):
+                        sv = vload(srow, c)
+                        pv = vexp(vsubs(sv, row_lse))
+                        grad = vmul(pv, vsubs(vmuls(vload(dprow, c), keep_scale), d_i))
+                        vstore(dsrow, c, vmuls(vkeep(sv, grad), scale))
+                        vstore(prow, c, vmuls(pv, keep_scale))
+                    continue
                 for c in range(0, BLOCK_K, width):
                     vstore(prow, c, vexp(vsubs(vload(srow, c), row_lse)))
                 for c in range(BLOCK_K):
@@ -1150,10 +1163,22 @@ def saved_forward(spec, dtype=None):
     return _run_forward(spec, args[:5] + (zero_rows,) + args[6:], dtype)
 
 
-def backward_chunks(batch: int, heads: int, length: int) -> int:
-    """Query chunks per (batch, head) of the backward pass (a function of the shape only)."""
+def backward_chunks(batch: int, heads: int, length: int, keys: int = 0) -> int:
+    """Query chunks per (batch, head) of the backward pass (a function of the shape only).
+
+    Enough chunks for :data:`_MIN_BACKWARD_UNITS` work units (so that a busy core does not
+    hold up the others), but at most ``max(8, 2**19 / S)`` per head: each chunk keeps its own
+    (S, D) and (S, E) partials of dk and dv.
+
+    Examples
+    --------
+    >>> backward_chunks(1, 8, 1024, 1024), backward_chunks(1, 1, 65536, 65536)
+    (4, 8)
+    """
     nqb = -(-length // BLOCK_Q)
-    return max(1, min(nqb, -(-_MIN_BACKWARD_UNITS // max(1, batch * heads))))
+    wanted = -(-_MIN_BACKWARD_UNITS // max(1, batch * heads))
+    cap = max(8, 2**19 // max(1, keys))
+    return max(1, min(nqb, wanted, cap))
 
 
 def backward(spec, grad_out, grad_lse=None, dtype=None, *, saved=None):
@@ -1205,10 +1230,11 @@ def backward(spec, grad_out, grad_lse=None, dtype=None, *, saved=None):
     dpad = max(2 * width, -(-dim // (2 * width)) * 2 * width)
     epad = max(2 * width, -(-vdim // (2 * width)) * 2 * width)
     kpad = -(-keys // BLOCK_K) * BLOCK_K
-    nchunks = backward_chunks(batch, heads, length)
-    dq = np.zeros((batch, heads, length, dim), dtype)
-    dk_part = np.zeros((batch, heads, nchunks, kpad, dpad), dtype)
-    dv_part = np.zeros((batch, heads, nchunks, kpad, epad), dtype)
+    nchunks = backward_chunks(batch, heads, length, keys)
+    # every unit zeroes its own partials and writes all its dq rows (in parallel)
+    dq = (np.empty if keys else np.zeros)((batch, heads, length, dim), dtype)
+    dk_part = np.empty((batch, heads, nchunks, kpad, dpad), dtype)
+    dv_part = np.empty((batch, heads, nchunks, kpad, epad), dtype)
     dbias = np.zeros((batch, heads, length, keys), dtype) if spec.bias is not None else None
     if length and keys:
         _backward(q, k, v, kv_head, grad_out, lse, delta, nchunks, dims, opts, fopts, bias,
@@ -1311,7 +1337,7 @@ def backward_error_bound(spec, weights, grad_out, grad_lse=None, dtype=np.float6
     mags, dropped = _planes(spec, weights)
     batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
     group = heads // kv_heads
-    chunks = backward_chunks(batch, heads, length)
+    chunks = backward_chunks(batch, heads, length, keys)
     big = float(mags.max(initial=0.0))
     theta = (4 * _gamma(dim + 4, dtype) * (big + 1) + 2 * _gamma(max(vdim, 1), dtype)
              + _gamma(dim, dtype) + 2 * _gamma(keys + 8, dtype)
