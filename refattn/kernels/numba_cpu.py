@@ -49,22 +49,26 @@ bit: each output element is the same sequential chain of fused multiply-adds.
 Where the time goes
 -------------------
 Measured on a 2-core AMD EPYC Zen 4 (LLVM cpu ``znver4``, AVX-512; 64-byte vectors issue as
-two 32-byte halves) at B1 H8 L=S=1024 D64 float64, one thread, per phase of the forward
-(before -> after this layout): q k^T tiles 23.5 ms, p v tiles 22.5 ms (each 537 M fused
-multiply-adds, about 46 GFLOP/s: the register tiles run at 90-95 % of the 48-50 GFLOP/s a
-pure fma loop reaches on this core), max + exp + row sums 15.8 -> 13.4 ms (scalar exp, then
+two 32-byte halves), B1 H8 L=S=1024 D64 float64 forward, one thread, per phase (before ->
+after the present layout; machine shared, load about 2): q k^T tiles 23.5 ms and p v tiles
+22.5 ms (each 537 M fused multiply-adds, about 46 GFLOP/s; a register tile alone reaches
+46-50 GFLOP/s on this core, so the products run near the machine's peak and are the floor of
+the forward), max + exp + row sums 15.8 -> 13.4 ms (scalar exp, then
 :func:`~refattn.kernels._simd.vexp` on 8 lanes: the degree-13 Horner chain of 8.4 M
-exponentials is now the largest non-product cost), packing K^T and V 8.2 -> 0.5 ms (was
-repeated for every query block, now once per kv head), scaling and masking the scores
-1.9 -> 0.3 ms. The inner tiles compile to ``vfmadd231pd zmm`` with broadcast operands
-(``inspect_asm`` of ``_forward_units``): 512-bit vectors are used whatever LLVM's preferred
-vector width for the target, since the kernels spell the vector type themselves; the tiles
-keep their accumulators in registers (16 of the 32 zmm) and spill only address registers.
-Bytes moved per flop: a 64-key block of K^T and V (2 x 32 KiB) serves 64 query rows, i.e.
-one byte of L2 traffic per 8 flops; the tiles stream from L1 (0.6 loads per fma).
-``NUMBA_CPU_NAME`` (``znver4`` = host, ``skylake-avx512``, ``sapphirerapids``) moves the
-forward by less than the noise of a shared 2-core machine here (see the notes of the
-benchmark, ``tools/bench.py --targets``).
+exponentials is the largest cost besides the products), loading K^T and V blocks 8.2 ms
+(repeated for every query block) -> 4.5 ms (packed once per kv head), scaling the scores
+1.9 -> 1.3 ms; the rest (zeroing tiles, rescaling accumulators, normalising) about 8 ms. The
+whole forward went from 74 to 64 ms on one thread (float32: 42 -> 32 ms).
+
+The inner tiles compile to ``vfmadd231pd`` on ``zmm`` registers with broadcast operands
+(``_forward_units.inspect_asm(_forward_units.signatures[0])``, with the cache off): 512-bit
+vectors are used whatever LLVM's preferred vector width for the target, since the kernels
+spell the vector type themselves; accumulators stay in registers (16 of the 32 zmm), only
+address registers spill. Bytes per flop: a 64-key block of K^T and V (2 x 32 KiB) serves 64
+query rows (one byte of L2 traffic per 8 flops); the tiles read 0.5 operands from L1 per
+fused multiply-add. ``NUMBA_CPU_NAME`` (``znver4`` = host, ``znver3``, ``skylake-avx512``,
+``sapphirerapids``) moved the forward by less than the run-to-run noise of this shared
+machine (0.83-1.07x torch across targets and runs), so the host default is kept.
 
 Precision
 ---------
