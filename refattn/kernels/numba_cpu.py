@@ -156,20 +156,28 @@ else:  # pragma: no cover
 # x sequential (the fixed reduction order), lanes = independent outputs.
 # --------------------------------------------------------------------------------------
 @njit(**_OPTS)
-def _tile_t(a, bm, count, row, col, out):
+def _tile_t(a, bm, count, row, col, out, fresh):
     """out[row:row+8, col:col+2W] += a[:count, row:row+8].T @ bm[:count, col:col+2W]."""
     width = lanes(bm)
     col2 = col + width
     o0, o1, o2, o3 = out[row], out[row + 1], out[row + 2], out[row + 3]
     o4, o5, o6, o7 = out[row + 4], out[row + 5], out[row + 6], out[row + 7]
-    c00, c01 = vload(o0, col), vload(o0, col2)
-    c10, c11 = vload(o1, col), vload(o1, col2)
-    c20, c21 = vload(o2, col), vload(o2, col2)
-    c30, c31 = vload(o3, col), vload(o3, col2)
-    c40, c41 = vload(o4, col), vload(o4, col2)
-    c50, c51 = vload(o5, col), vload(o5, col2)
-    c60, c61 = vload(o6, col), vload(o6, col2)
-    c70, c71 = vload(o7, col), vload(o7, col2)
+    c00 = vzero(o0) if fresh else vload(o0, col)
+    c01 = vzero(o0) if fresh else vload(o0, col2)
+    c10 = vzero(o1) if fresh else vload(o1, col)
+    c11 = vzero(o1) if fresh else vload(o1, col2)
+    c20 = vzero(o2) if fresh else vload(o2, col)
+    c21 = vzero(o2) if fresh else vload(o2, col2)
+    c30 = vzero(o3) if fresh else vload(o3, col)
+    c31 = vzero(o3) if fresh else vload(o3, col2)
+    c40 = vzero(o4) if fresh else vload(o4, col)
+    c41 = vzero(o4) if fresh else vload(o4, col2)
+    c50 = vzero(o5) if fresh else vload(o5, col)
+    c51 = vzero(o5) if fresh else vload(o5, col2)
+    c60 = vzero(o6) if fresh else vload(o6, col)
+    c61 = vzero(o6) if fresh else vload(o6, col2)
+    c70 = vzero(o7) if fresh else vload(o7, col)
+    c71 = vzero(o7) if fresh else vload(o7, col2)
     for x in range(count):
         brow = bm[x]
         b0, b1 = vload(brow, col), vload(brow, col2)
@@ -263,7 +271,7 @@ def _tile_n(a, bm, count, row, col, out):
 
 
 @njit(**_OPTS)
-def _tile4x4_t(a, bm, count, row, col, out):
+def _tile4x4_t(a, bm, count, row, col, out, fresh):
     """out[row:row+4, col:col+4W] += a[:count, row:row+4].T @ bm[:count, col:col+4W]."""
     width = lanes(bm)
     col1 = col + 1 * width
@@ -273,10 +281,22 @@ def _tile4x4_t(a, bm, count, row, col, out):
     o1 = out[row + 1]
     o2 = out[row + 2]
     o3 = out[row + 3]
-    c00, c01, c02, c03 = vload(o0, col), vload(o0, col1), vload(o0, col2), vload(o0, col3)
-    c10, c11, c12, c13 = vload(o1, col), vload(o1, col1), vload(o1, col2), vload(o1, col3)
-    c20, c21, c22, c23 = vload(o2, col), vload(o2, col1), vload(o2, col2), vload(o2, col3)
-    c30, c31, c32, c33 = vload(o3, col), vload(o3, col1), vload(o3, col2), vload(o3, col3)
+    c00 = vzero(o0) if fresh else vload(o0, col)
+    c01 = vzero(o0) if fresh else vload(o0, col1)
+    c02 = vzero(o0) if fresh else vload(o0, col2)
+    c03 = vzero(o0) if fresh else vload(o0, col3)
+    c10 = vzero(o1) if fresh else vload(o1, col)
+    c11 = vzero(o1) if fresh else vload(o1, col1)
+    c12 = vzero(o1) if fresh else vload(o1, col2)
+    c13 = vzero(o1) if fresh else vload(o1, col3)
+    c20 = vzero(o2) if fresh else vload(o2, col)
+    c21 = vzero(o2) if fresh else vload(o2, col1)
+    c22 = vzero(o2) if fresh else vload(o2, col2)
+    c23 = vzero(o2) if fresh else vload(o2, col3)
+    c30 = vzero(o3) if fresh else vload(o3, col)
+    c31 = vzero(o3) if fresh else vload(o3, col1)
+    c32 = vzero(o3) if fresh else vload(o3, col2)
+    c33 = vzero(o3) if fresh else vload(o3, col3)
     for x in range(count):
         brow = bm[x]
         b0, b1, b2, b3 = vload(brow, col), vload(brow, col1), vload(brow, col2), vload(brow, col3)
@@ -380,12 +400,13 @@ def _tile4x4_n(a, bm, count, row, col, out):
 
 
 @njit(**_OPTS)
-def _row_t(a, bm, count, row, col, out):
+def _row_t(a, bm, count, row, col, out, fresh):
     """One row of :func:`_tile_t` (the same operations, so the same bits per element)."""
     width = lanes(bm)
     col2 = col + width
     orow = out[row]
-    c0, c1 = vload(orow, col), vload(orow, col2)
+    c0 = vzero(orow) if fresh else vload(orow, col)
+    c1 = vzero(orow) if fresh else vload(orow, col2)
     for x in range(count):
         brow = bm[x]
         ax = a[x, row]
@@ -410,23 +431,23 @@ def _row_n(a, bm, count, row, col, out):
 
 
 @njit(**_OPTS)
-def _matmul_t(a, bm, count, rows, cols, out):
-    """out[:rows, :cols] += a[:count, :rows].T @ bm[:count, :cols]; 8-row tiles, then rows
+def _matmul_t(a, bm, count, rows, cols, out, fresh=False):
+    """out[:rows, :cols] (=, with ``fresh``; else +=) a[:count, :rows].T @ bm[:count, :cols]; 8-row tiles, then rows
     one at a time (a decode step has one query row)."""
     step = 2 * lanes(bm)
     if cols % (2 * step) == 0:  # 4 x 4-vector tiles (fewer loads per fma than 8 x 2)
         full = rows - rows % 4
         for row in range(0, full, 4):
             for col in range(0, cols, 2 * step):
-                _tile4x4_t(a, bm, count, row, col, out)
+                _tile4x4_t(a, bm, count, row, col, out, fresh)
     else:
         full = rows - rows % _TILE_ROWS
         for row in range(0, full, _TILE_ROWS):
             for col in range(0, cols, step):
-                _tile_t(a, bm, count, row, col, out)
+                _tile_t(a, bm, count, row, col, out, fresh)
     for row in range(full, rows):
         for col in range(0, cols, step):
-            _row_t(a, bm, count, row, col, out)
+            _row_t(a, bm, count, row, col, out, fresh)
 
 
 @njit(**_OPTS)
@@ -659,8 +680,7 @@ def _forward_unit(q, k_pack, v_pack, v_fin, kv_head, unit, nqb, dims, opts, fopt
         k_t = k_pack[b, g, kb]
         v_blk = v_pack[b, g, kb]
         v_finite = v_fin[b, g, kb]
-        s[:rows, :] = 0
-        _matmul_t(q_t, k_t, dim, rows, BLOCK_K, s)
+        _matmul_t(q_t, k_t, dim, rows, BLOCK_K, s, True)
         clean = _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr, mask,
                                mstr, slopes, deriv)
         for r in range(nr):
@@ -807,8 +827,7 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, bias, bst
         nc = min(BLOCK_K, keys - c0)
         _load_rows_t(k[b, g], c0, nc, k_t)
         v_finite = _load_rows(v[b, g], c0, nc, v_blk)
-        s[:rows, :] = 0
-        _matmul_t(q_t, k_t, dim, rows, BLOCK_K, s)
+        _matmul_t(q_t, k_t, dim, rows, BLOCK_K, s, True)
         clean = True
         for t in range(group):
             r0 = t * length
@@ -994,12 +1013,10 @@ def _backward_unit(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, u
             nc = min(BLOCK_K, keys - c0)
             kb = c0 // BLOCK_K
             k_t, k_blk, v_t = kt_pack[b, g, kb], k_pack[b, g, kb], vt_pack[b, g, kb]
-            s[:rows, :] = 0
-            _matmul_t(q_t, k_t, dim, rows, BLOCK_K, s)
+            _matmul_t(q_t, k_t, dim, rows, BLOCK_K, s, True)
             _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr, mask, mstr,
                            slopes, deriv)
-            dp[:rows, :] = 0
-            _matmul_t(do_t, v_t, vdim, rows, BLOCK_K, dp)
+            _matmul_t(do_t, v_t, vdim, rows, BLOCK_K, dp, True)
             for r in range(nr):
                 i = r0 + r
                 row_lse = lse[b, h, i]
