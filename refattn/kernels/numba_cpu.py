@@ -432,8 +432,9 @@ def _row_n(a, bm, count, row, col, out):
 
 @njit(**_OPTS)
 def _matmul_t(a, bm, count, rows, cols, out, fresh=False):
-    """out[:rows, :cols] (=, with ``fresh``; else +=) a[:count, :rows].T @ bm[:count, :cols]; 8-row tiles, then rows
-    one at a time (a decode step has one query row)."""
+    """out[:rows, :cols] += a[:count, :rows].T @ bm[:count, :cols] (``=`` with ``fresh``:
+    the tiles start from zero registers); 4 x 4-vector or 8 x 2-vector tiles, then rows one
+    at a time (a decode step has one query row)."""
     step = 2 * lanes(bm)
     if cols % (2 * step) == 0:  # 4 x 4-vector tiles (fewer loads per fma than 8 x 2)
         full = rows - rows % 4
@@ -452,8 +453,8 @@ def _matmul_t(a, bm, count, rows, cols, out, fresh=False):
 
 @njit(**_OPTS)
 def _matmul_n(a, bm, count, rows, cols, out):
-    """out[:rows, :cols] += a[:rows, :count] @ bm[:count, :cols]; 8-row tiles, then rows
-    one at a time."""
+    """out[:rows, :cols] += a[:rows, :count] @ bm[:count, :cols]; 4 x 4-vector or 8 x 2-vector
+    tiles, then rows one at a time."""
     step = 2 * lanes(bm)
     if cols % (2 * step) == 0:  # 4 x 4-vector tiles (fewer loads per fma than 8 x 2)
         full = rows - rows % 4
