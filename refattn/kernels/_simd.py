@@ -28,7 +28,8 @@ import numpy as np
 from numba import njit
 
 __all__ = ["JIT", "KERNEL_OPTIONS", "vload", "vstore", "vzero", "vfma", "vadd", "vmax",
-           "vlane", "fma", "as_float", "lanes", "vexp", "vsubs", "vmuls", "vmul", "vkeep",
+           "vlane", "fma", "as_float", "lanes", "vexp", "vsubs", "vmuls", "vmul", "vkeep", "vsum",
+           "vbest",
            "exp_float64", "exp_float32"]
 
 #: Whether Numba compiles (False under ``NUMBA_DISABLE_JIT=1``).
@@ -396,7 +397,50 @@ if JIT:
 
         return x(s, x), codegen
 
+    @intrinsic
+    def vsum(typingctx, x):
+        """lane 0 + lane 1 + ... + lane W-1, added in that order (constant lane indices, so
+        no trip through memory)."""
+
+        def codegen(context, builder, sig, args):
+            lt = context.get_value_type(sig.args[0])
+            total = builder.extract_element(args[0], ir.Constant(ir.IntType(32), 0))
+            for w in range(1, lt.count):
+                lane = builder.extract_element(args[0], ir.Constant(ir.IntType(32), w))
+                total = builder.fadd(total, lane)
+            return total
+
+        return x.dtype(x), codegen
+
+    @intrinsic
+    def vbest(typingctx, x):
+        """Largest lane skipping NaN, scanning lanes 0..W-1 (a lane replaces the best so far
+        when it is larger or the best so far is NaN); NaN only when every lane is NaN."""
+
+        def codegen(context, builder, sig, args):
+            best = builder.extract_element(args[0], ir.Constant(ir.IntType(32), 0))
+            for w in range(1, context.get_value_type(sig.args[0]).count):
+                lane = builder.extract_element(args[0], ir.Constant(ir.IntType(32), w))
+                take = builder.or_(builder.fcmp_ordered(">", lane, best),
+                                   builder.fcmp_unordered("uno", best, best))
+                best = builder.select(take, lane, best)
+            return best
+
+        return x.dtype(x), codegen
+
 else:  # pragma: no cover
+
+    def vsum(x):
+        total = x[0]
+        for lane in x[1:]:
+            total = total + lane
+        return total
+
+    def vbest(x):
+        best = x[0]
+        for lane in x[1:]:
+            best = lane if lane > best or best != best else best
+        return best
 
     def vmul(x, y):
         return (x * y).astype(x.dtype)

@@ -94,8 +94,8 @@ import numpy as np
 from numba import njit, prange
 
 from ._args import kernel_arguments
-from ._simd import (JIT, KERNEL_OPTIONS, exp_float32, exp_float64, fma, lanes, vadd, vexp,
-                    vfma, vkeep, vlane, vload, vmax, vmul, vmuls, vstore, vsubs, vzero)
+from ._simd import (JIT, KERNEL_OPTIONS, exp_float32, exp_float64, fma, lanes, vadd, vbest,
+                    vexp, vfma, vkeep, vload, vmax, vmul, vmuls, vstore, vsubs, vsum, vzero)
 
 __all__ = [
     "BLOCK_Q",
@@ -478,10 +478,7 @@ def _row_sum(row, count):
     acc = vzero(row)
     for c in range(0, count, width):
         acc = vadd(acc, vload(row, c))
-    total = vlane(acc, 0)
-    for w in range(1, width):
-        total = total + vlane(acc, w)
-    return total
+    return vsum(acc)
 
 
 @njit(**_OPTS)
@@ -491,11 +488,7 @@ def _row_max(row, count):
     acc = vload(row, 0)
     for c in range(width, count, width):
         acc = vmax(acc, vload(row, c))
-    best = vlane(acc, 0)
-    for w in range(1, width):
-        lane = vlane(acc, w)
-        best = lane if lane > best or best != best else best
-    return best
+    return vbest(acc)
 
 
 # --------------------------------------------------------------------------------------
@@ -698,9 +691,7 @@ def _forward_unit(q, k_pack, v_pack, v_fin, kv_head, unit, nqb, dims, opts, fopt
                 e = vexp(vsubs(vload(row, c), m_new))
                 vstore(prow, c, e)
                 part = vadd(part, e)
-            row_total = vlane(part, 0)
-            for w in range(1, width):
-                row_total = row_total + vlane(part, w)
+            row_total = vsum(part)
             if m_new != m_old:
                 alpha = _exp(m_old - m_new)
                 total[r] = total[r] * alpha
@@ -848,9 +839,7 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, bias, bst
                 e = vexp(vsubs(vload(row, c), m_new))
                 vstore(prow, c, e)
                 part = vadd(part, e)
-            row_total = vlane(part, 0)
-            for w in range(1, width):
-                row_total = row_total + vlane(part, w)
+            row_total = vsum(part)
             if m_new != m_old:
                 alpha = _exp(m_old - m_new)
                 total[r] = total[r] * alpha
