@@ -19,7 +19,9 @@ Examples::
 ``--targets`` times exactly the shapes the kernels' speed targets name (float64 and float32
 forward B1 H8 L=S=1024 D64, the backward pass reusing a saved forward, GQA decode L1 S8192
 H32/K8 D128 float64, and L = S = 65536 one head with its peak RSS), each as the median of
-interleaved repetitions, and says which targets are met. Every report names the CPU (its
+interleaved repetitions (without the NumPy path, and with a 50 ms pause before each call so
+that the previous library's spinning worker threads do not steal the cores), and says which
+targets are met. Every report names the CPU (its
 model, LLVM's name for it and ``NUMBA_CPU_NAME``) and the load average, since the ratios on a
 shared machine move with it.
 """
@@ -60,14 +62,17 @@ def _best(fn, repeat: int, budget: float) -> float:
     return min(times)
 
 
-def _race(fns: dict, repeat: int, budget: float, stat=min) -> dict:
+def _race(fns: dict, repeat: int, budget: float, stat=min, settle: float = 0.0) -> dict:
     """``stat`` (default: the best) of each function's wall times, calls interleaved
     round-robin so that a change of machine load hits every path alike (the ratios stay fair
-    on a shared machine)."""
+    on a shared machine). ``settle`` seconds of sleep before each call let the previous
+    library's worker threads stop spinning (OpenMP and BLAS pools busy-wait after a call)."""
     times = {name: [] for name in fns}
     start = time.perf_counter()
     for _ in range(repeat):
         for name, fn in fns.items():
+            if settle:
+                time.sleep(settle)
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
@@ -130,7 +135,7 @@ def bench_shape(name, batch, heads, length, keys, dim, dtype, args, torch, kv_he
         gqa = {"enable_gqa": True} if kv_heads != heads else {}
         sdpa(tq, tk, tv, **gqa)
         fns["torch"] = lambda: sdpa(tq, tk, tv, **gqa)
-    if length * keys <= args.numpy_max_plane and kv_heads == heads:
+    if length * keys <= args.numpy_max_plane and kv_heads == heads and not args.targets:
         fns["numpy"] = lambda: refattn.attention(q, k, v)
     if saved_backward:
         grad = np.random.default_rng(1).standard_normal((batch, heads, length, dim))
@@ -138,7 +143,7 @@ def bench_shape(name, batch, heads, length, keys, dim, dtype, args, torch, kv_he
         numba_cpu.backward(spec, grad, saved=saved)
         fns["numba_backward_pass"] = lambda: numba_cpu.backward(spec, grad, saved=saved)
     stat = np.median if args.median else min
-    for name, seconds in _race(fns, args.repeat, args.budget, stat).items():
+    for name, seconds in _race(fns, args.repeat, args.budget, stat, args.settle).items():
         row[f"{name}_s"] = float(seconds)
     if saved_backward:
         row["backward_pass_over_forward"] = row["numba_backward_pass_s"] / row["numba_s"]
@@ -321,12 +326,18 @@ def main(argv=None):
                         help="skip the NumPy path (which forms L x S planes) above this L*S")
     parser.add_argument("--median", action="store_true",
                         help="report the median of the interleaved calls (default: the best)")
+    parser.add_argument("--settle", type=float, default=None,
+                        help="sleep this many seconds before each timed call so that the "
+                             "previous library's spinning worker threads go idle (default 0; "
+                             "0.05 with --targets)")
     parser.add_argument("--targets", action="store_true",
                         help="time only the speed targets' shapes (median of --repeat "
                              "interleaved calls) and say which are met")
     parser.add_argument("--json", type=Path, help="write the rows and machine info here")
     parser.add_argument("--plot", type=Path, help="write a GFLOP/s plot (needs matplotlib)")
     args = parser.parse_args(argv)
+    if args.settle is None:
+        args.settle = 0.05 if args.targets else 0.0
     torch = _torch()
     threads = int(os.environ.get("NUMBA_NUM_THREADS", os.cpu_count() or 1))
     import numba
@@ -359,7 +370,7 @@ def main(argv=None):
         info |= {"threads": threads, "numba": numba.__version__,
                  "torch": torch.__version__ if torch else None, "machine": platform.machine(),
                  "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                 "statistic": "median" if args.median else "best",
+                 "statistic": "median" if args.median else "best", "settle_s": args.settle,
                  "loadavg_after": list(os.getloadavg())}
         report = {"info": info, "rows": rows}
         if targets is not None:
