@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["kernel_arguments", "plane"]
+__all__ = ["kernel_arguments", "plane", "read_only"]
 
 
 def plane(view):
@@ -25,14 +25,33 @@ def plane(view):
     ([0.0, 1.0, 2.0], [0, 0, 0, 1])
     """
     if view is None:
-        return np.zeros(1, np.float64), np.zeros(4, np.int64)
+        return read_only(np.zeros(1, np.float64)), np.zeros(4, np.int64)
     compact = view[tuple(slice(0, 1) if st == 0 else slice(None) for st in view.strides)]
-    data = np.require(compact, requirements=["C", "W"])
+    data = np.require(compact, requirements=["C"])
     if data.dtype == np.bool_:
         data = data.view(np.uint8)
     strides = np.array([0 if st == 0 else ds // data.itemsize
                         for st, ds in zip(view.strides, data.strides, strict=True)], np.int64)
-    return data.reshape(-1), strides
+    return read_only(data.reshape(-1)), strides
+
+
+def read_only(array):
+    """A read-only view of ``array`` (no copy).
+
+    The kernels only read their inputs: passing every input as a read-only view gives Numba
+    one array type whatever the caller's flags (one compiled specialisation), and never copies
+    an input just to make it writeable.
+
+    Examples
+    --------
+    >>> a = np.arange(3.0)
+    >>> view = read_only(a)
+    >>> view.flags.writeable, a.flags.writeable, np.shares_memory(a, view)
+    (False, True, True)
+    """
+    view = array.view()
+    view.flags.writeable = False
+    return view
 
 
 def kernel_arguments(spec, dtype):
@@ -44,7 +63,8 @@ def kernel_arguments(spec, dtype):
     has_softcap, has_bias, has_mask, has_alibi, has_dropout, empty_rows_nan]`` (window sides
     -1 when unbounded); ``fopts`` in ``dtype`` = ``[scale, softcap (1 when off), 1/(1-p),
     -inf]``; each optional (B, H, L, S) plane as (flat data, element strides) from
-    :func:`plane` (mask and dropout as uint8); ``slopes`` (H,) float64 or a dummy.
+    :func:`plane` (mask and dropout as uint8); ``slopes`` (H,) float64 or a dummy. Every
+    array input is a read-only view (:func:`read_only`): the kernels never write to them.
 
     Examples
     --------
@@ -68,11 +88,12 @@ def kernel_arguments(spec, dtype):
     mask, mstr = plane(spec.mask)
     drop, dstr = plane(spec.dropout_mask)
     if mask.dtype != np.uint8:
-        mask = mask.astype(np.uint8)
+        mask = read_only(mask.astype(np.uint8))
     if drop.dtype != np.uint8:
-        drop = drop.astype(np.uint8)
-    slopes = np.zeros(1) if spec.alibi_slopes is None else np.require(
-        spec.alibi_slopes, np.float64, ["C", "W"])
-    q, k, v = (np.require(a, dtype, ["C", "W"]) for a in (spec.q, spec.k, spec.v))
-    kv_head = np.require(spec.kv_head, np.int64, ["C", "W"])
+        drop = read_only(drop.astype(np.uint8))
+    slopes = read_only(np.zeros(1) if spec.alibi_slopes is None else np.require(
+        spec.alibi_slopes, np.float64, ["C"]))
+    # read-only views: no copy of a read-only (e.g. broadcast-view) input, one array type
+    q, k, v = (read_only(np.require(a, dtype, ["C"])) for a in (spec.q, spec.k, spec.v))
+    kv_head = read_only(np.require(spec.kv_head, np.int64, ["C"]))
     return q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes
