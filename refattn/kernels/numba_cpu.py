@@ -58,7 +58,10 @@ the forward), max + exp + row sums 15.8 -> 13.4 ms (scalar exp, then
 exponentials is the largest cost besides the products), loading K^T and V blocks 8.2 ms
 (repeated for every query block) -> 4.5 ms (packed once per kv head), scaling the scores
 1.9 -> 1.3 ms; the rest (zeroing tiles, rescaling accumulators, normalising) about 8 ms. The
-whole forward went from 74 to 64 ms on one thread (float32: 42 -> 32 ms).
+whole forward went from 74 to 64 ms on one thread (float32: 42 -> 32 ms). Outside the kernels,
+every call used to copy q, k and v (the argument layout asked for writeable arrays, and the
+inputs arrive as read-only views): 3 x 4 MiB here, 2 x 64 MiB for a GQA decode step at S 8192;
+they now pass as read-only views.
 
 The inner tiles compile to ``vfmadd231pd`` on ``zmm`` registers with broadcast operands
 (``_forward_units.inspect_asm(_forward_units.signatures[0])``, with the cache off): 512-bit
