@@ -74,6 +74,12 @@ CASES = {
         "dropout_p": 0.1, "causal": True, "align": "bottom_right", "empty_rows": "nan"}),
     "decode": ({"L": 1, "S": 300}, lambda rng, L, S: {"causal": True,
                                                       "align": "bottom_right"}),
+    "decode_split_gqa": ({"L": 1, "S": 2100, "H": 4, "K": 2}, lambda rng, L, S: {
+        "mask": _mask(rng, L, S, 0.1), "bias": _bias(rng, L, S), "softcap": 2.0,
+        "alibi_slopes": np.array([0.25, 0.5]), "dropout_mask": _mask(rng, L, S, 0.1),
+        "dropout_p": 0.1, "causal": True, "align": "bottom_right"}),
+    "decode_split_window": ({"L": 3, "S": 2600, "H": 4, "K": 2}, lambda rng, L, S: {
+        "gqa": "tile", "window": (1500, 0), "align": "bottom_right"}),
     "odd_dims": ({"L": 130, "S": 5, "D": 3, "E": 70}, lambda rng, L, S: {"window": (2, 2)}),
     "tiny": ({"L": 3, "S": 5, "D": 4, "E": 2}, lambda rng, L, S: {"causal": True}),
 }
@@ -112,7 +118,8 @@ DTYPE_CASES = [pytest.param(n, np.float64, id=f"{n}-float64") for n in CASES] + 
     pytest.param(n, np.float32, id=f"{n}-float32") for n in F32_CASES]
 
 
-@pytest.mark.parametrize("name, dtype", DTYPE_CASES)
+@pytest.mark.parametrize("name, dtype", DTYPE_CASES + [
+    pytest.param("decode_split_gqa", np.float32, id="decode_split_gqa-float32")])
 def test_forward_matches_float64(name, dtype):
     q, k, v, opts, _, _ = _build(name, dtype)
     out, lse = refattn.attention(q, k, v, return_lse=True, backend="numba", **opts)
@@ -218,7 +225,9 @@ g = refattn.attention_vjp(q, k, v, go, grad_lse=gl, backend="numba", **opts)
 q, k, v, opts, go, gl = _build("gqa_interleave", np.float32, seed=12)
 o32 = refattn.attention(q, k, v, backend="numba", **opts)
 g32 = refattn.attention_vjp(q, k, v, go, backend="numba", **opts)
-print(_digest([out, lse, *g, o32, *g32]))
+q, k, v, opts, go, gl = _build("decode_split_gqa", np.float64, seed=13)
+split = refattn.attention(q, k, v, return_lse=True, backend="numba", **opts)
+print(_digest([out, lse, *g, o32, *g32, *split]))
 """
 
 

@@ -14,6 +14,16 @@ Examples::
     python tools/bench.py --lengths 1024 --dtypes float64 --backward
     python tools/bench.py --long                  # also L = 65536, one head, peak memory
     python tools/bench.py --json bench.json --plot bench.png
+    python tools/bench.py --targets --json t.json  # the shapes of the speed targets, pass/fail
+
+``--targets`` times exactly the shapes the kernels' speed targets name (float64 and float32
+forward B1 H8 L=S=1024 D64, the backward pass reusing a saved forward, GQA decode L1 S8192
+H32/K8 D128 float64, and L = S = 65536 one head with its peak RSS), each as the median of
+interleaved repetitions (without the NumPy path, and with a 50 ms pause before each call so
+that the previous library's spinning worker threads do not steal the cores), and says which
+targets are met. Every report names the CPU (its
+model, LLVM's name for it and ``NUMBA_CPU_NAME``) and the load average, since the ratios on a
+shared machine move with it.
 """
 
 from __future__ import annotations
@@ -52,19 +62,42 @@ def _best(fn, repeat: int, budget: float) -> float:
     return min(times)
 
 
-def _race(fns: dict, repeat: int, budget: float) -> dict:
-    """Best wall time of each function, calls interleaved round-robin so that a change of
-    machine load hits every path alike (the ratios stay fair on a shared machine)."""
-    best = {name: math.inf for name in fns}
+def _race(fns: dict, repeat: int, budget: float, stat=min, settle: float = 0.0) -> dict:
+    """``stat`` (default: the best) of each function's wall times, calls interleaved
+    round-robin so that a change of machine load hits every path alike (the ratios stay fair
+    on a shared machine). ``settle`` seconds of sleep before each call let the previous
+    library's worker threads stop spinning (OpenMP and BLAS pools busy-wait after a call)."""
+    times = {name: [] for name in fns}
     start = time.perf_counter()
     for _ in range(repeat):
         for name, fn in fns.items():
+            if settle:
+                time.sleep(settle)
             t0 = time.perf_counter()
             fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
+            times[name].append(time.perf_counter() - t0)
         if time.perf_counter() - start > budget:
             break
-    return best
+    return {name: stat(values) for name, values in times.items()}
+
+
+def cpu_info() -> dict:
+    """The CPU as the OS and as LLVM (the code generator) see it, and the load average."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(x.split(":", 1)[1].strip() for x in f if x.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        import llvmlite.binding as llvm
+
+        llvm_cpu = llvm.get_host_cpu_name()
+    except Exception:  # pragma: no cover - llvmlite comes with numba
+        llvm_cpu = None
+    return {"cpu_model": model, "llvm_cpu": llvm_cpu,
+            "numba_cpu_name": os.environ.get("NUMBA_CPU_NAME"),
+            "cores": os.cpu_count(), "loadavg": list(os.getloadavg())}
 
 
 def _torch():
@@ -75,32 +108,45 @@ def _torch():
     return torch
 
 
-def _inputs(batch, heads, length, keys, dim, dtype, seed=0):
+def _inputs(batch, heads, length, keys, dim, dtype, seed=0, kv_heads=None):
     rng = np.random.default_rng(seed)
+    kv_heads = heads if kv_heads is None else kv_heads
     q = rng.standard_normal((batch, heads, length, dim)).astype(dtype)
-    k = rng.standard_normal((batch, heads, keys, dim)).astype(dtype)
-    v = rng.standard_normal((batch, heads, keys, dim)).astype(dtype)
+    k = rng.standard_normal((batch, kv_heads, keys, dim)).astype(dtype)
+    v = rng.standard_normal((batch, kv_heads, keys, dim)).astype(dtype)
     return q, k, v
 
 
-def bench_shape(name, batch, heads, length, keys, dim, dtype, args, torch):
-    """Time one shape on every path; returns a JSON-ready row."""
-    q, k, v = _inputs(batch, heads, length, keys, dim, dtype)
+def bench_shape(name, batch, heads, length, keys, dim, dtype, args, torch, kv_heads=None,
+                saved_backward=False):
+    """Time one shape on every path; returns a JSON-ready row. ``saved_backward`` adds the
+    backward pass reusing a saved forward to the interleaved race."""
+    kv_heads = heads if kv_heads is None else kv_heads
+    q, k, v = _inputs(batch, heads, length, keys, dim, dtype, kv_heads=kv_heads)
     flops = 4.0 * batch * heads * length * keys * dim
     spec = canonicalize(q, k, v)
     numba_cpu.forward(spec)  # compile / warm
-    row = {"shape": name, "B": batch, "H": heads, "L": length, "S": keys, "D": dim,
-           "dtype": np.dtype(dtype).name, "flops_forward": flops}
+    row = {"shape": name, "B": batch, "H": heads, "K": kv_heads, "L": length, "S": keys,
+           "D": dim, "dtype": np.dtype(dtype).name, "flops_forward": flops}
     fns = {"numba": lambda: numba_cpu.forward(spec)}
     if torch is not None:
         tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
         sdpa = torch.nn.functional.scaled_dot_product_attention
-        sdpa(tq, tk, tv)
-        fns["torch"] = lambda: sdpa(tq, tk, tv)
-    if length * keys <= args.numpy_max_plane:
+        gqa = {"enable_gqa": True} if kv_heads != heads else {}
+        sdpa(tq, tk, tv, **gqa)
+        fns["torch"] = lambda: sdpa(tq, tk, tv, **gqa)
+    if length * keys <= args.numpy_max_plane and kv_heads == heads and not args.targets:
         fns["numpy"] = lambda: refattn.attention(q, k, v)
-    for name, seconds in _race(fns, args.repeat, args.budget).items():
-        row[f"{name}_s"] = seconds
+    if saved_backward:
+        grad = np.random.default_rng(1).standard_normal((batch, heads, length, dim))
+        saved = numba_cpu.saved_forward(spec)
+        numba_cpu.backward(spec, grad, saved=saved)
+        fns["numba_backward_pass"] = lambda: numba_cpu.backward(spec, grad, saved=saved)
+    stat = np.median if args.median else min
+    for name, seconds in _race(fns, args.repeat, args.budget, stat, args.settle).items():
+        row[f"{name}_s"] = float(seconds)
+    if saved_backward:
+        row["backward_pass_over_forward"] = row["numba_backward_pass_s"] / row["numba_s"]
     if args.backward:
         grad = np.random.default_rng(1).standard_normal((batch, heads, length, dim))
         numba_cpu.backward(spec, grad)
@@ -178,6 +224,41 @@ def bench_long(length: int, dim: int) -> dict:
             "finite": finite == "True"}
 
 
+#: (name, row index, key, comparison, threshold) of the speed targets
+TARGETS = [
+    ("float64 forward B1 H8 L=S=1024 D64 >= 1.0x torch", 0, "numba_over_torch", ">=", 1.0),
+    ("float32 forward, same shape, >= 0.6x torch", 1, "numba_over_torch", ">=", 0.6),
+    ("GQA decode L1 S8192 H32/K8 D128 float64 >= 0.5x torch", 2, "numba_over_torch", ">=",
+     0.5),
+    ("backward pass (saved forward) <= 2.5x the forward", 0, "backward_pass_over_forward",
+     "<=", 2.5),
+    ("L = S = 65536, one head: peak RSS under 1 GiB", 3, "peak_rss_bytes", "<=", 2.0**30),
+]
+
+
+def run_targets(args, torch):
+    """The shapes of the speed targets; returns (rows, [target results])."""
+    rows = [
+        bench_shape("B1 H8 L1024", 1, 8, 1024, 1024, 64, "float64", args, torch,
+                    saved_backward=True),
+        bench_shape("B1 H8 L1024", 1, 8, 1024, 1024, 64, "float32", args, torch),
+        bench_shape("GQA decode L1 S8192", 1, 32, 1, 8192, 128, "float64", args, torch,
+                    kv_heads=8),
+        bench_long(65536, 64),
+    ]
+    for row in rows:
+        print_row(row)
+    results = []
+    for name, index, key, op, threshold in TARGETS:
+        value = rows[index].get(key)
+        met = value is not None and (value >= threshold if op == ">=" else value <= threshold)
+        results.append({"target": name, "value": value, "met": bool(met)})
+        shown = "n/a" if value is None else (f"{value / 2**30:.2f} GiB" if "rss" in key
+                                             else f"{value:.2f}")
+        print(f"  [{'met' if met else 'NOT met'}] {name}: {shown}", flush=True)
+    return rows, results
+
+
 def _fmt(row, key, spec="{:8.1f}"):
     return spec.format(row[key]) if key in row else " " * (len(spec.format(0.0)))
 
@@ -187,6 +268,8 @@ def print_row(row):
             f"torch {_fmt(row, 'torch_gflops')}  numpy {_fmt(row, 'numpy_gflops')} GFLOP/s"
             f"  numba/torch {_fmt(row, 'numba_over_torch', '{:5.2f}')}"
             f"  numba/numpy {_fmt(row, 'numba_over_numpy', '{:6.1f}')}")
+    if "backward_pass_over_forward" in row and "backward_over_forward" not in row:
+        line += f"  backward pass/fwd {row['backward_pass_over_forward']:.2f}"
     if "backward_over_forward" in row:
         line += (f"  vjp/fwd {row['backward_over_forward']:.2f}"
                  f" (backward pass alone {row['backward_pass_over_forward']:.2f})"
@@ -241,20 +324,37 @@ def main(argv=None):
                         help="stop repeating a measurement after this many seconds")
     parser.add_argument("--numpy-max-plane", type=int, default=4096 * 4096,
                         help="skip the NumPy path (which forms L x S planes) above this L*S")
+    parser.add_argument("--median", action="store_true",
+                        help="report the median of the interleaved calls (default: the best)")
+    parser.add_argument("--settle", type=float, default=None,
+                        help="sleep this many seconds before each timed call so that the "
+                             "previous library's spinning worker threads go idle (default 0; "
+                             "0.05 with --targets)")
+    parser.add_argument("--targets", action="store_true",
+                        help="time only the speed targets' shapes (median of --repeat "
+                             "interleaved calls) and say which are met")
     parser.add_argument("--json", type=Path, help="write the rows and machine info here")
     parser.add_argument("--plot", type=Path, help="write a GFLOP/s plot (needs matplotlib)")
     args = parser.parse_args(argv)
+    if args.settle is None:
+        args.settle = 0.05 if args.targets else 0.0
     torch = _torch()
     threads = int(os.environ.get("NUMBA_NUM_THREADS", os.cpu_count() or 1))
     import numba
 
     if torch is not None:
         torch.set_num_threads(numba.get_num_threads())
-    print(f"refattn bench: {platform.processor() or platform.machine()}, "
-          f"numba {numba.__version__} ({numba.get_num_threads()} threads), "
-          f"torch {torch.__version__ if torch else 'absent'}", flush=True)
+    info = cpu_info()
+    print(f"refattn bench: {info['cpu_model']} (LLVM cpu {info['llvm_cpu']}, NUMBA_CPU_NAME "
+          f"{info['numba_cpu_name']}), numba {numba.__version__} ({numba.get_num_threads()} "
+          f"threads), torch {torch.__version__ if torch else 'absent'}, load "
+          f"{' '.join(f'{x:.2f}' for x in info['loadavg'])}", flush=True)
     rows = []
-    for dtype in args.dtypes:
+    targets = None
+    if args.targets:
+        args.median = True
+        rows, targets = run_targets(args, torch)
+    for dtype in args.dtypes if not args.targets else ():
         for length in args.lengths:
             rows.append(bench_shape(f"B1 H{args.heads} L{length}", 1, args.heads, length,
                                     length, args.dim, dtype, args, torch))
@@ -263,14 +363,19 @@ def main(argv=None):
             rows.append(bench_shape(f"decode L1 S{args.decode_keys}", 1, args.heads, 1,
                                     args.decode_keys, args.dim, dtype, args, torch))
             print_row(rows[-1])
-    if args.long:
+    if args.long and not args.targets:
         rows.append(bench_long(args.long, args.dim))
         print_row(rows[-1])
     if args.json:
-        info = {"threads": threads, "numba": numba.__version__,
-                "torch": torch.__version__ if torch else None, "machine": platform.machine(),
-                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        args.json.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+        info |= {"threads": threads, "numba": numba.__version__,
+                 "torch": torch.__version__ if torch else None, "machine": platform.machine(),
+                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                 "statistic": "median" if args.median else "best", "settle_s": args.settle,
+                 "loadavg_after": list(os.getloadavg())}
+        report = {"info": info, "rows": rows}
+        if targets is not None:
+            report["targets"] = targets
+        args.json.write_text(json.dumps(report, indent=1))
     if args.plot:
         plot(rows, args.plot)
     return 0

@@ -325,14 +325,15 @@ def _build(dtype):
 
 
 def _prepare(spec, dtype):
-    from . import numba_cpu
+    from ._args import kernel_arguments
+    from ._dispatch import compute_dtype
 
-    dtype = numba_cpu.compute_dtype(spec.q.dtype) if dtype is None else np.dtype(dtype)
+    dtype = compute_dtype(spec.q.dtype) if dtype is None else np.dtype(dtype)
     _, _, _, _, _, dim, vdim = spec.dims
     if max(dim, vdim) > MAX_FEATURES:
         raise ValueError(f"q/v: the CUDA kernels take D, E <= {MAX_FEATURES}, got D={dim}, "
                          f"E={vdim}")
-    return dtype, numba_cpu._arguments(spec, dtype)
+    return dtype, kernel_arguments(spec, dtype)
 
 
 def _launch(kernel, rows, batch_heads, threads, *args):

@@ -17,9 +17,15 @@ so no (L, S) matrix is ever formed: the working memory of a work unit is a few
 Determinism
 -----------
 Work is split into units (batch, head, query block) for the forward pass and
-(batch, head, query chunk) for the backward pass, run with ``prange``. Each unit writes only
-its own outputs and computes every reduction in an order fixed by the shapes alone, so the
-results are bit-identical for any number of threads and any run. ``fastmath`` is off; products
+(batch, head, query chunk) for the backward pass, run with ``prange``; the key blocks are first
+packed once per (batch, kv head) (K transposed, V padded: pure copies). Short queries (the
+query rows of a whole kv-head group fit one tile, ``(H/K) L <= BLOCK_Q``, and S >
+:data:`SPLIT_KEYS`: decoding) use units (batch, kv head, key split) instead: the rows of all
+query heads of a group share each loaded key block, and each split of :data:`SPLIT_KEYS` keys
+(a fixed size, not a fixed count) leaves a partial (max, sum, accumulator) per row that is
+combined in increasing split order. Each unit writes only its own outputs and computes every
+reduction in an order fixed by the shapes alone, so the results are bit-identical for any
+number of threads, any batch and any run. ``fastmath`` is off; products
 that are accumulated use ``llvm.fma`` explicitly (one rounding, the same on every machine).
 
 The reduction orders are:
@@ -31,10 +37,41 @@ The reduction orders are:
   ``j = w mod W`` of the block in increasing order), then the lanes in increasing order. ``W``
   is 8 (float64) or 16 (float32), so a 64-byte vector holds one partial sum per lane;
 * dk, dv partials of the query chunks and of the query heads sharing a kv head: added in
-  increasing (head, chunk) order.
+  increasing (head, chunk) order;
+* short-query path: the splits' partials rescaled to the overall maximum and added with one
+  fused multiply-add each, in increasing split order.
 
 Vectorisation is across independent outputs only (SIMD lanes over keys or value columns in
-8-row x 2-vector register tiles); no reduction is re-associated by the compiler.
+4-row x 4-vector register tiles, or 8-row x 2-vector ones when the columns are not a multiple
+of four vectors); no reduction is re-associated by the compiler. The tile shape changes no
+bit: each output element is the same sequential chain of fused multiply-adds.
+
+Where the time goes
+-------------------
+Measured on a 2-core AMD EPYC Zen 4 (LLVM cpu ``znver4``, AVX-512; 64-byte vectors issue as
+two 32-byte halves), B1 H8 L=S=1024 D64 float64 forward, one thread, per phase (before ->
+after the present layout; machine shared, load about 2): q k^T tiles 23.5 ms and p v tiles
+22.5 ms (each 537 M fused multiply-adds, about 46 GFLOP/s; a register tile alone reaches
+46-50 GFLOP/s on this core, so the products run near the machine's peak and are the floor of
+the forward), max + exp + row sums 15.8 -> 13.4 ms (scalar exp, then
+:func:`~refattn.kernels._simd.vexp` on 8 lanes: the degree-13 Horner chain of 8.4 M
+exponentials is the largest cost besides the products), loading K^T and V blocks 8.2 ms
+(repeated for every query block) -> 4.5 ms (packed once per kv head), scaling the scores
+1.9 -> 1.3 ms; the rest (zeroing tiles, rescaling accumulators, normalising) about 8 ms. The
+whole forward went from 74 to 64 ms on one thread (float32: 42 -> 32 ms). Outside the kernels,
+every call used to copy q, k and v (the argument layout asked for writeable arrays, and the
+inputs arrive as read-only views): 3 x 4 MiB here, 2 x 64 MiB for a GQA decode step at S 8192;
+they now pass as read-only views.
+
+The inner tiles compile to ``vfmadd231pd`` on ``zmm`` registers with broadcast operands
+(``_forward_units.inspect_asm(_forward_units.signatures[0])``, with the cache off): 512-bit
+vectors are used whatever LLVM's preferred vector width for the target, since the kernels
+spell the vector type themselves; accumulators stay in registers (16 of the 32 zmm), only
+address registers spill. Bytes per flop: a 64-key block of K^T and V (2 x 32 KiB) serves 64
+query rows (one byte of L2 traffic per 8 flops); the tiles read 0.5 operands from L1 per
+fused multiply-add. ``NUMBA_CPU_NAME`` (``znver4`` = host, ``znver3``, ``skylake-avx512``,
+``sapphirerapids``) moved the forward by less than the run-to-run noise of this shared
+machine (0.83-1.07x torch across targets and runs), so the host default is kept.
 
 Precision
 ---------
@@ -56,15 +93,19 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 from numba import njit, prange
 
 from ..bounds.kernels import online_backward_bound, online_forward_bound
+from ._args import kernel_arguments
+from ._simd import (JIT, KERNEL_OPTIONS, exp_float32, exp_float64, fma, lanes, vadd, vbest,
+                    vexp, vfma, vkeep, vload, vmax, vmul, vmuls, vstore, vsubs, vsum, vzero)
 
 __all__ = [
     "BLOCK_Q",
     "BLOCK_K",
+    "SPLIT_KEYS",
+    "split_keys",
     "compute_dtype",
     "forward",
     "backward",
@@ -76,13 +117,15 @@ __all__ = [
 BLOCK_Q = 64
 #: Keys per streamed block (a multiple of two 64-byte vectors of either dtype).
 BLOCK_K = 64
+#: Keys per split of the short-query (decode) path: a fixed size, so that the number of
+#: splits and the order they are combined in depend on the key length only.
+SPLIT_KEYS = 1024
 #: Rows of the register tile of the micro-kernels.
 _TILE_ROWS = 8
 #: Minimum number of backward work units (shape-derived, never thread-derived).
-_MIN_BACKWARD_UNITS = 8
+_MIN_BACKWARD_UNITS = 32
 
-_JIT = not numba.config.DISABLE_JIT
-_OPTS = dict(fastmath=False, boundscheck=False, cache=True, nogil=True)
+_OPTS = KERNEL_OPTIONS
 
 
 def compute_dtype(dtype) -> np.dtype:
@@ -90,270 +133,8 @@ def compute_dtype(dtype) -> np.dtype:
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
-# --------------------------------------------------------------------------------------
-# SIMD building blocks: a 64-byte vector type and llvm.fma, with pure-Python twins that run
-# under NUMBA_DISABLE_JIT=1 (there the kernel bodies are plain Python and use these).
-# --------------------------------------------------------------------------------------
-if _JIT:
-    from llvmlite import ir
+if JIT:
     from numba import types
-    from numba.core import cgutils
-    from numba.core.extending import intrinsic, models, register_model
-
-    class _Vec(types.Type):
-        """64 bytes of one float dtype as an LLVM vector (8 x float64 or 16 x float32)."""
-
-        def __init__(self, dtype):
-            self.dtype = dtype
-            self.width = 64 // (dtype.bitwidth // 8)
-            super().__init__(name=f"RefattnVec({dtype}x{self.width})")
-
-    @register_model(_Vec)
-    class _VecModel(models.PrimitiveModel):
-        def __init__(self, dmm, fe_type):
-            element = dmm.lookup(fe_type.dtype).get_value_type()
-            super().__init__(dmm, fe_type, ir.VectorType(element, fe_type.width))
-
-    def _element_pointer(context, builder, arrty, arr, start):
-        ary = context.make_array(arrty)(context, builder, arr)
-        return builder.gep(ary.data, [start])
-
-    def _splat(builder, vtype, scalar):
-        undef = ir.Constant(vtype, ir.Undefined)
-        one = builder.insert_element(undef, scalar, ir.Constant(ir.IntType(32), 0))
-        zeros = ir.Constant(ir.VectorType(ir.IntType(32), vtype.count), [0] * vtype.count)
-        return builder.shuffle_vector(one, undef, zeros)
-
-    def _llvm_name(vtype):
-        bits = 64 if isinstance(vtype.element, ir.DoubleType) else 32
-        return f"v{vtype.count}f{bits}"
-
-    @intrinsic
-    def _vload(typingctx, arr, start):
-        vt = _Vec(arr.dtype)
-
-        def codegen(context, builder, sig, args):
-            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1])
-            lt = context.get_value_type(vt)
-            return builder.load(builder.bitcast(ptr, lt.as_pointer()), align=1)
-
-        return vt(arr, start), codegen
-
-    @intrinsic
-    def _vstore(typingctx, arr, start, x):
-        def codegen(context, builder, sig, args):
-            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1])
-            lt = context.get_value_type(sig.args[2])
-            builder.store(args[2], builder.bitcast(ptr, lt.as_pointer()), align=1)
-            return context.get_dummy_value()
-
-        return types.none(arr, start, x), codegen
-
-    @intrinsic
-    def _vzero(typingctx, arr):
-        vt = _Vec(arr.dtype)
-
-        def codegen(context, builder, sig, args):
-            lt = context.get_value_type(vt)
-            return ir.Constant(lt, [ir.Constant(lt.element, 0.0)] * lt.count)
-
-        return vt(arr), codegen
-
-    @intrinsic
-    def _vfma(typingctx, a, x, y):
-        """a * x + y lane-wise, rounded once (a is a scalar, broadcast)."""
-
-        def codegen(context, builder, sig, args):
-            lt = context.get_value_type(sig.args[1])
-            fnty = ir.FunctionType(lt, [lt] * 3)
-            fn = cgutils.get_or_insert_function(builder.module, fnty,
-                                                f"llvm.fma.{_llvm_name(lt)}")
-            return builder.call(fn, [_splat(builder, lt, args[0]), args[1], args[2]])
-
-        return x(a, x, y), codegen
-
-    @intrinsic
-    def _vadd(typingctx, x, y):
-        def codegen(context, builder, sig, args):
-            return builder.fadd(args[0], args[1])
-
-        return x(x, y), codegen
-
-    @intrinsic
-    def _vmax(typingctx, x, y):
-        """Lane-wise maxnum (a NaN lane yields the other operand, like ``max`` skipping NaN)."""
-
-        def codegen(context, builder, sig, args):
-            lt = context.get_value_type(sig.args[0])
-            fnty = ir.FunctionType(lt, [lt] * 2)
-            fn = cgutils.get_or_insert_function(builder.module, fnty,
-                                                f"llvm.maxnum.{_llvm_name(lt)}")
-            return builder.call(fn, args)
-
-        return x(x, y), codegen
-
-    @intrinsic
-    def _vlane(typingctx, x, index):
-        def codegen(context, builder, sig, args):
-            return builder.extract_element(args[0], args[1])
-
-        return x.dtype(x, index), codegen
-
-    @intrinsic
-    def _fma(typingctx, a, b, c):
-        if not (a == b == c and isinstance(a, types.Float)):
-            return None
-
-        def codegen(context, builder, sig, args):
-            lt = context.get_value_type(sig.return_type)
-            fnty = ir.FunctionType(lt, [lt] * 3)
-            bits = 64 if isinstance(lt, ir.DoubleType) else 32
-            fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.fma.f{bits}")
-            return builder.call(fn, args)
-
-        return a(a, b, c), codegen
-
-    @intrinsic
-    def _as_float(typingctx, n):
-        ft = types.float64 if n.bitwidth == 64 else types.float32
-
-        def codegen(context, builder, sig, args):
-            return builder.bitcast(args[0], context.get_value_type(ft))
-
-        return ft(n), codegen
-
-else:  # pragma: no cover - exercised by the NUMBA_DISABLE_JIT=1 test tier
-
-    def _vload(arr, start):
-        width = 64 // arr.itemsize
-        return arr[start:start + width].copy()
-
-    def _vstore(arr, start, x):
-        arr[start:start + x.size] = x
-
-    def _vzero(arr):
-        return np.zeros(64 // arr.itemsize, arr.dtype)
-
-    def _vfma(a, x, y):
-        # Not fused here: this twin exists to cover the kernel bodies, not to be bit-exact.
-        return (a * x + y).astype(x.dtype)
-
-    def _vadd(x, y):
-        return x + y
-
-    def _vmax(x, y):
-        return np.fmax(x, y)
-
-    def _vlane(x, index):
-        return x[index]
-
-    def _fma(a, b, c):
-        return type(a)(a * b + c)
-
-    def _as_float(n):
-        return n.view(np.float64 if n.dtype == np.int64 else np.float32)
-
-
-@njit(**_OPTS)
-def _width(arr):
-    """Lanes of a 64-byte vector of arr's dtype (8 float64 or 16 float32)."""
-    return 64 // arr.itemsize
-
-
-# --------------------------------------------------------------------------------------
-# exp: branch-free so that loops over it vectorise (libm's exp is a scalar call)
-# --------------------------------------------------------------------------------------
-_LOG2E_64 = np.float64(1.4426950408889634)
-_LN2_HI_64 = np.float64(6.93147180369123816490e-01)  # 32 significant bits: n * hi is exact
-_LN2_LO_64 = np.float64(1.90821492927058770002e-10)
-_INV_FACT_64 = tuple(np.float64(1.0 / math.factorial(i)) for i in range(14))
-
-_LOG2E_32 = np.float32(1.44269504)
-_LN2_HI_32 = np.float32(0.693359375)  # 9 significant bits: n * hi is exact
-_LN2_LO_32 = np.float32(-2.12194440e-4)
-_INV_FACT_32 = tuple(np.float32(1.0 / math.factorial(i)) for i in range(9))
-
-
-@njit(**_OPTS)
-def exp_float64(x):
-    """exp(x) for float64 to about one ulp, branch-free (Cody-Waite reduction + Taylor(13)).
-
-    x = n ln2 + r with |r| <= ln2/2 (two-constant reduction, exact for |n| <= 2**20), then
-    exp(r) by Horner with fused multiply-adds; the truncation error r**14/14! < 5e-18 is far
-    below u = 2**-53. 2**n is applied as two exact power-of-two factors so that results in
-    the subnormal range are rounded once.
-
-    Examples
-    --------
-    >>> float(exp_float64(np.float64(1.0))) == math.exp(1.0)
-    True
-    """
-    t = np.floor(x * _LOG2E_64 + np.float64(0.5))
-    t = min(max(t, np.float64(-1100.0)), np.float64(1100.0))
-    r = _fma(-t, _LN2_HI_64, x)
-    r = _fma(-t, _LN2_LO_64, r)
-    p = _INV_FACT_64[13]
-    p = _fma(p, r, _INV_FACT_64[12])
-    p = _fma(p, r, _INV_FACT_64[11])
-    p = _fma(p, r, _INV_FACT_64[10])
-    p = _fma(p, r, _INV_FACT_64[9])
-    p = _fma(p, r, _INV_FACT_64[8])
-    p = _fma(p, r, _INV_FACT_64[7])
-    p = _fma(p, r, _INV_FACT_64[6])
-    p = _fma(p, r, _INV_FACT_64[5])
-    p = _fma(p, r, _INV_FACT_64[4])
-    p = _fma(p, r, _INV_FACT_64[3])
-    p = _fma(p, r, _INV_FACT_64[2])
-    p = _fma(p, r, _INV_FACT_64[1])
-    p = _fma(p, r, _INV_FACT_64[0])
-    t = t if t == t else np.float64(0.0)
-    n = np.int64(t)
-    half = n >> np.int64(1)
-    rest = n - half
-    one_bits = np.int64(1023)
-    res = p * _as_float((half + one_bits) << np.int64(52))
-    res = res * _as_float((rest + one_bits) << np.int64(52))
-    res = np.float64(0.0) if x < np.float64(-746.0) else res
-    res = np.float64(np.inf) if x > np.float64(710.0) else res
-    return res if x == x else x
-
-
-@njit(**_OPTS)
-def exp_float32(x):
-    """exp(x) for float32 to about one ulp, branch-free (Cody-Waite reduction + Taylor(8)).
-
-    Examples
-    --------
-    >>> abs(float(exp_float32(np.float32(1.0))) - math.exp(1.0)) < 3e-7
-    True
-    """
-    t = np.floor(x * _LOG2E_32 + np.float32(0.5))
-    t = min(max(t, np.float32(-200.0)), np.float32(200.0))
-    r = _fma(-t, _LN2_HI_32, x)
-    r = _fma(-t, _LN2_LO_32, r)
-    p = _INV_FACT_32[8]
-    p = _fma(p, r, _INV_FACT_32[7])
-    p = _fma(p, r, _INV_FACT_32[6])
-    p = _fma(p, r, _INV_FACT_32[5])
-    p = _fma(p, r, _INV_FACT_32[4])
-    p = _fma(p, r, _INV_FACT_32[3])
-    p = _fma(p, r, _INV_FACT_32[2])
-    p = _fma(p, r, _INV_FACT_32[1])
-    p = _fma(p, r, _INV_FACT_32[0])
-    t = t if t == t else np.float32(0.0)
-    n = np.int32(t)
-    half = n >> np.int32(1)
-    rest = n - half
-    one_bits = np.int32(127)
-    # numba widens int32 arithmetic to int64: narrow again before the bit cast
-    res = p * _as_float(np.int32((half + one_bits) << np.int32(23)))
-    res = res * _as_float(np.int32((rest + one_bits) << np.int32(23)))
-    res = np.float32(0.0) if x < np.float32(-104.0) else res
-    res = np.float32(np.inf) if x > np.float32(89.0) else res
-    return res if x == x else x
-
-
-if _JIT:
     from numba.core.extending import overload
 
     def _exp(x):  # dispatched on the compute dtype below
@@ -379,165 +160,316 @@ else:  # pragma: no cover
 # x sequential (the fixed reduction order), lanes = independent outputs.
 # --------------------------------------------------------------------------------------
 @njit(**_OPTS)
-def _tile_t(a, bm, count, row, col, out):
+def _tile_t(a, bm, count, row, col, out, fresh):
     """out[row:row+8, col:col+2W] += a[:count, row:row+8].T @ bm[:count, col:col+2W]."""
-    width = _width(bm)
+    width = lanes(bm)
     col2 = col + width
     o0, o1, o2, o3 = out[row], out[row + 1], out[row + 2], out[row + 3]
     o4, o5, o6, o7 = out[row + 4], out[row + 5], out[row + 6], out[row + 7]
-    c00, c01 = _vload(o0, col), _vload(o0, col2)
-    c10, c11 = _vload(o1, col), _vload(o1, col2)
-    c20, c21 = _vload(o2, col), _vload(o2, col2)
-    c30, c31 = _vload(o3, col), _vload(o3, col2)
-    c40, c41 = _vload(o4, col), _vload(o4, col2)
-    c50, c51 = _vload(o5, col), _vload(o5, col2)
-    c60, c61 = _vload(o6, col), _vload(o6, col2)
-    c70, c71 = _vload(o7, col), _vload(o7, col2)
+    c00 = vzero(o0) if fresh else vload(o0, col)
+    c01 = vzero(o0) if fresh else vload(o0, col2)
+    c10 = vzero(o1) if fresh else vload(o1, col)
+    c11 = vzero(o1) if fresh else vload(o1, col2)
+    c20 = vzero(o2) if fresh else vload(o2, col)
+    c21 = vzero(o2) if fresh else vload(o2, col2)
+    c30 = vzero(o3) if fresh else vload(o3, col)
+    c31 = vzero(o3) if fresh else vload(o3, col2)
+    c40 = vzero(o4) if fresh else vload(o4, col)
+    c41 = vzero(o4) if fresh else vload(o4, col2)
+    c50 = vzero(o5) if fresh else vload(o5, col)
+    c51 = vzero(o5) if fresh else vload(o5, col2)
+    c60 = vzero(o6) if fresh else vload(o6, col)
+    c61 = vzero(o6) if fresh else vload(o6, col2)
+    c70 = vzero(o7) if fresh else vload(o7, col)
+    c71 = vzero(o7) if fresh else vload(o7, col2)
     for x in range(count):
         brow = bm[x]
-        b0, b1 = _vload(brow, col), _vload(brow, col2)
+        b0, b1 = vload(brow, col), vload(brow, col2)
         arow = a[x]
         a0 = arow[row]
-        c00, c01 = _vfma(a0, b0, c00), _vfma(a0, b1, c01)
+        c00, c01 = vfma(a0, b0, c00), vfma(a0, b1, c01)
         a1 = arow[row + 1]
-        c10, c11 = _vfma(a1, b0, c10), _vfma(a1, b1, c11)
+        c10, c11 = vfma(a1, b0, c10), vfma(a1, b1, c11)
         a2 = arow[row + 2]
-        c20, c21 = _vfma(a2, b0, c20), _vfma(a2, b1, c21)
+        c20, c21 = vfma(a2, b0, c20), vfma(a2, b1, c21)
         a3 = arow[row + 3]
-        c30, c31 = _vfma(a3, b0, c30), _vfma(a3, b1, c31)
+        c30, c31 = vfma(a3, b0, c30), vfma(a3, b1, c31)
         a4 = arow[row + 4]
-        c40, c41 = _vfma(a4, b0, c40), _vfma(a4, b1, c41)
+        c40, c41 = vfma(a4, b0, c40), vfma(a4, b1, c41)
         a5 = arow[row + 5]
-        c50, c51 = _vfma(a5, b0, c50), _vfma(a5, b1, c51)
+        c50, c51 = vfma(a5, b0, c50), vfma(a5, b1, c51)
         a6 = arow[row + 6]
-        c60, c61 = _vfma(a6, b0, c60), _vfma(a6, b1, c61)
+        c60, c61 = vfma(a6, b0, c60), vfma(a6, b1, c61)
         a7 = arow[row + 7]
-        c70, c71 = _vfma(a7, b0, c70), _vfma(a7, b1, c71)
-    _vstore(o0, col, c00)
-    _vstore(o0, col2, c01)
-    _vstore(o1, col, c10)
-    _vstore(o1, col2, c11)
-    _vstore(o2, col, c20)
-    _vstore(o2, col2, c21)
-    _vstore(o3, col, c30)
-    _vstore(o3, col2, c31)
-    _vstore(o4, col, c40)
-    _vstore(o4, col2, c41)
-    _vstore(o5, col, c50)
-    _vstore(o5, col2, c51)
-    _vstore(o6, col, c60)
-    _vstore(o6, col2, c61)
-    _vstore(o7, col, c70)
-    _vstore(o7, col2, c71)
+        c70, c71 = vfma(a7, b0, c70), vfma(a7, b1, c71)
+    vstore(o0, col, c00)
+    vstore(o0, col2, c01)
+    vstore(o1, col, c10)
+    vstore(o1, col2, c11)
+    vstore(o2, col, c20)
+    vstore(o2, col2, c21)
+    vstore(o3, col, c30)
+    vstore(o3, col2, c31)
+    vstore(o4, col, c40)
+    vstore(o4, col2, c41)
+    vstore(o5, col, c50)
+    vstore(o5, col2, c51)
+    vstore(o6, col, c60)
+    vstore(o6, col2, c61)
+    vstore(o7, col, c70)
+    vstore(o7, col2, c71)
 
 
 @njit(**_OPTS)
 def _tile_n(a, bm, count, row, col, out):
     """out[row:row+8, col:col+2W] += a[row:row+8, :count] @ bm[:count, col:col+2W]."""
-    width = _width(bm)
+    width = lanes(bm)
     col2 = col + width
     o0, o1, o2, o3 = out[row], out[row + 1], out[row + 2], out[row + 3]
     o4, o5, o6, o7 = out[row + 4], out[row + 5], out[row + 6], out[row + 7]
     r0, r1, r2, r3 = a[row], a[row + 1], a[row + 2], a[row + 3]
     r4, r5, r6, r7 = a[row + 4], a[row + 5], a[row + 6], a[row + 7]
-    c00, c01 = _vload(o0, col), _vload(o0, col2)
-    c10, c11 = _vload(o1, col), _vload(o1, col2)
-    c20, c21 = _vload(o2, col), _vload(o2, col2)
-    c30, c31 = _vload(o3, col), _vload(o3, col2)
-    c40, c41 = _vload(o4, col), _vload(o4, col2)
-    c50, c51 = _vload(o5, col), _vload(o5, col2)
-    c60, c61 = _vload(o6, col), _vload(o6, col2)
-    c70, c71 = _vload(o7, col), _vload(o7, col2)
+    c00, c01 = vload(o0, col), vload(o0, col2)
+    c10, c11 = vload(o1, col), vload(o1, col2)
+    c20, c21 = vload(o2, col), vload(o2, col2)
+    c30, c31 = vload(o3, col), vload(o3, col2)
+    c40, c41 = vload(o4, col), vload(o4, col2)
+    c50, c51 = vload(o5, col), vload(o5, col2)
+    c60, c61 = vload(o6, col), vload(o6, col2)
+    c70, c71 = vload(o7, col), vload(o7, col2)
     for x in range(count):
         brow = bm[x]
-        b0, b1 = _vload(brow, col), _vload(brow, col2)
+        b0, b1 = vload(brow, col), vload(brow, col2)
         a0 = r0[x]
-        c00, c01 = _vfma(a0, b0, c00), _vfma(a0, b1, c01)
+        c00, c01 = vfma(a0, b0, c00), vfma(a0, b1, c01)
         a1 = r1[x]
-        c10, c11 = _vfma(a1, b0, c10), _vfma(a1, b1, c11)
+        c10, c11 = vfma(a1, b0, c10), vfma(a1, b1, c11)
         a2 = r2[x]
-        c20, c21 = _vfma(a2, b0, c20), _vfma(a2, b1, c21)
+        c20, c21 = vfma(a2, b0, c20), vfma(a2, b1, c21)
         a3 = r3[x]
-        c30, c31 = _vfma(a3, b0, c30), _vfma(a3, b1, c31)
+        c30, c31 = vfma(a3, b0, c30), vfma(a3, b1, c31)
         a4 = r4[x]
-        c40, c41 = _vfma(a4, b0, c40), _vfma(a4, b1, c41)
+        c40, c41 = vfma(a4, b0, c40), vfma(a4, b1, c41)
         a5 = r5[x]
-        c50, c51 = _vfma(a5, b0, c50), _vfma(a5, b1, c51)
+        c50, c51 = vfma(a5, b0, c50), vfma(a5, b1, c51)
         a6 = r6[x]
-        c60, c61 = _vfma(a6, b0, c60), _vfma(a6, b1, c61)
+        c60, c61 = vfma(a6, b0, c60), vfma(a6, b1, c61)
         a7 = r7[x]
-        c70, c71 = _vfma(a7, b0, c70), _vfma(a7, b1, c71)
-    _vstore(o0, col, c00)
-    _vstore(o0, col2, c01)
-    _vstore(o1, col, c10)
-    _vstore(o1, col2, c11)
-    _vstore(o2, col, c20)
-    _vstore(o2, col2, c21)
-    _vstore(o3, col, c30)
-    _vstore(o3, col2, c31)
-    _vstore(o4, col, c40)
-    _vstore(o4, col2, c41)
-    _vstore(o5, col, c50)
-    _vstore(o5, col2, c51)
-    _vstore(o6, col, c60)
-    _vstore(o6, col2, c61)
-    _vstore(o7, col, c70)
-    _vstore(o7, col2, c71)
+        c70, c71 = vfma(a7, b0, c70), vfma(a7, b1, c71)
+    vstore(o0, col, c00)
+    vstore(o0, col2, c01)
+    vstore(o1, col, c10)
+    vstore(o1, col2, c11)
+    vstore(o2, col, c20)
+    vstore(o2, col2, c21)
+    vstore(o3, col, c30)
+    vstore(o3, col2, c31)
+    vstore(o4, col, c40)
+    vstore(o4, col2, c41)
+    vstore(o5, col, c50)
+    vstore(o5, col2, c51)
+    vstore(o6, col, c60)
+    vstore(o6, col2, c61)
+    vstore(o7, col, c70)
+    vstore(o7, col2, c71)
 
 
 @njit(**_OPTS)
-def _row_t(a, bm, count, row, col, out):
+def _tile4x4_t(a, bm, count, row, col, out, fresh):
+    """out[row:row+4, col:col+4W] += a[:count, row:row+4].T @ bm[:count, col:col+4W]."""
+    width = lanes(bm)
+    col1 = col + 1 * width
+    col2 = col + 2 * width
+    col3 = col + 3 * width
+    o0 = out[row + 0]
+    o1 = out[row + 1]
+    o2 = out[row + 2]
+    o3 = out[row + 3]
+    c00 = vzero(o0) if fresh else vload(o0, col)
+    c01 = vzero(o0) if fresh else vload(o0, col1)
+    c02 = vzero(o0) if fresh else vload(o0, col2)
+    c03 = vzero(o0) if fresh else vload(o0, col3)
+    c10 = vzero(o1) if fresh else vload(o1, col)
+    c11 = vzero(o1) if fresh else vload(o1, col1)
+    c12 = vzero(o1) if fresh else vload(o1, col2)
+    c13 = vzero(o1) if fresh else vload(o1, col3)
+    c20 = vzero(o2) if fresh else vload(o2, col)
+    c21 = vzero(o2) if fresh else vload(o2, col1)
+    c22 = vzero(o2) if fresh else vload(o2, col2)
+    c23 = vzero(o2) if fresh else vload(o2, col3)
+    c30 = vzero(o3) if fresh else vload(o3, col)
+    c31 = vzero(o3) if fresh else vload(o3, col1)
+    c32 = vzero(o3) if fresh else vload(o3, col2)
+    c33 = vzero(o3) if fresh else vload(o3, col3)
+    for x in range(count):
+        brow = bm[x]
+        b0, b1, b2, b3 = vload(brow, col), vload(brow, col1), vload(brow, col2), vload(brow, col3)
+        arow = a[x]
+        a0 = arow[row + 0]
+        c00 = vfma(a0, b0, c00)
+        c01 = vfma(a0, b1, c01)
+        c02 = vfma(a0, b2, c02)
+        c03 = vfma(a0, b3, c03)
+        a1 = arow[row + 1]
+        c10 = vfma(a1, b0, c10)
+        c11 = vfma(a1, b1, c11)
+        c12 = vfma(a1, b2, c12)
+        c13 = vfma(a1, b3, c13)
+        a2 = arow[row + 2]
+        c20 = vfma(a2, b0, c20)
+        c21 = vfma(a2, b1, c21)
+        c22 = vfma(a2, b2, c22)
+        c23 = vfma(a2, b3, c23)
+        a3 = arow[row + 3]
+        c30 = vfma(a3, b0, c30)
+        c31 = vfma(a3, b1, c31)
+        c32 = vfma(a3, b2, c32)
+        c33 = vfma(a3, b3, c33)
+    vstore(o0, col, c00)
+    vstore(o0, col1, c01)
+    vstore(o0, col2, c02)
+    vstore(o0, col3, c03)
+    vstore(o1, col, c10)
+    vstore(o1, col1, c11)
+    vstore(o1, col2, c12)
+    vstore(o1, col3, c13)
+    vstore(o2, col, c20)
+    vstore(o2, col1, c21)
+    vstore(o2, col2, c22)
+    vstore(o2, col3, c23)
+    vstore(o3, col, c30)
+    vstore(o3, col1, c31)
+    vstore(o3, col2, c32)
+    vstore(o3, col3, c33)
+
+
+@njit(**_OPTS)
+def _tile4x4_n(a, bm, count, row, col, out):
+    """out[row:row+4, col:col+4W] += a[row:row+4, :count] @ bm[:count, col:col+4W]."""
+    width = lanes(bm)
+    col1 = col + 1 * width
+    col2 = col + 2 * width
+    col3 = col + 3 * width
+    o0 = out[row + 0]
+    r0 = a[row + 0]
+    o1 = out[row + 1]
+    r1 = a[row + 1]
+    o2 = out[row + 2]
+    r2 = a[row + 2]
+    o3 = out[row + 3]
+    r3 = a[row + 3]
+    c00, c01, c02, c03 = vload(o0, col), vload(o0, col1), vload(o0, col2), vload(o0, col3)
+    c10, c11, c12, c13 = vload(o1, col), vload(o1, col1), vload(o1, col2), vload(o1, col3)
+    c20, c21, c22, c23 = vload(o2, col), vload(o2, col1), vload(o2, col2), vload(o2, col3)
+    c30, c31, c32, c33 = vload(o3, col), vload(o3, col1), vload(o3, col2), vload(o3, col3)
+    for x in range(count):
+        brow = bm[x]
+        b0, b1, b2, b3 = vload(brow, col), vload(brow, col1), vload(brow, col2), vload(brow, col3)
+        a0 = r0[x]
+        c00 = vfma(a0, b0, c00)
+        c01 = vfma(a0, b1, c01)
+        c02 = vfma(a0, b2, c02)
+        c03 = vfma(a0, b3, c03)
+        a1 = r1[x]
+        c10 = vfma(a1, b0, c10)
+        c11 = vfma(a1, b1, c11)
+        c12 = vfma(a1, b2, c12)
+        c13 = vfma(a1, b3, c13)
+        a2 = r2[x]
+        c20 = vfma(a2, b0, c20)
+        c21 = vfma(a2, b1, c21)
+        c22 = vfma(a2, b2, c22)
+        c23 = vfma(a2, b3, c23)
+        a3 = r3[x]
+        c30 = vfma(a3, b0, c30)
+        c31 = vfma(a3, b1, c31)
+        c32 = vfma(a3, b2, c32)
+        c33 = vfma(a3, b3, c33)
+    vstore(o0, col, c00)
+    vstore(o0, col1, c01)
+    vstore(o0, col2, c02)
+    vstore(o0, col3, c03)
+    vstore(o1, col, c10)
+    vstore(o1, col1, c11)
+    vstore(o1, col2, c12)
+    vstore(o1, col3, c13)
+    vstore(o2, col, c20)
+    vstore(o2, col1, c21)
+    vstore(o2, col2, c22)
+    vstore(o2, col3, c23)
+    vstore(o3, col, c30)
+    vstore(o3, col1, c31)
+    vstore(o3, col2, c32)
+    vstore(o3, col3, c33)
+
+
+@njit(**_OPTS)
+def _row_t(a, bm, count, row, col, out, fresh):
     """One row of :func:`_tile_t` (the same operations, so the same bits per element)."""
-    width = _width(bm)
+    width = lanes(bm)
     col2 = col + width
     orow = out[row]
-    c0, c1 = _vload(orow, col), _vload(orow, col2)
+    c0 = vzero(orow) if fresh else vload(orow, col)
+    c1 = vzero(orow) if fresh else vload(orow, col2)
     for x in range(count):
         brow = bm[x]
         ax = a[x, row]
-        c0, c1 = _vfma(ax, _vload(brow, col), c0), _vfma(ax, _vload(brow, col2), c1)
-    _vstore(orow, col, c0)
-    _vstore(orow, col2, c1)
+        c0, c1 = vfma(ax, vload(brow, col), c0), vfma(ax, vload(brow, col2), c1)
+    vstore(orow, col, c0)
+    vstore(orow, col2, c1)
 
 
 @njit(**_OPTS)
 def _row_n(a, bm, count, row, col, out):
     """One row of :func:`_tile_n` (the same operations, so the same bits per element)."""
-    width = _width(bm)
+    width = lanes(bm)
     col2 = col + width
     orow, arow = out[row], a[row]
-    c0, c1 = _vload(orow, col), _vload(orow, col2)
+    c0, c1 = vload(orow, col), vload(orow, col2)
     for x in range(count):
         brow = bm[x]
         ax = arow[x]
-        c0, c1 = _vfma(ax, _vload(brow, col), c0), _vfma(ax, _vload(brow, col2), c1)
-    _vstore(orow, col, c0)
-    _vstore(orow, col2, c1)
+        c0, c1 = vfma(ax, vload(brow, col), c0), vfma(ax, vload(brow, col2), c1)
+    vstore(orow, col, c0)
+    vstore(orow, col2, c1)
 
 
 @njit(**_OPTS)
-def _matmul_t(a, bm, count, rows, cols, out):
-    """out[:rows, :cols] += a[:count, :rows].T @ bm[:count, :cols]; 8-row tiles, then rows
-    one at a time (a decode step has one query row)."""
-    step = 2 * _width(bm)
-    full = rows - rows % _TILE_ROWS
-    for row in range(0, full, _TILE_ROWS):
-        for col in range(0, cols, step):
-            _tile_t(a, bm, count, row, col, out)
+def _matmul_t(a, bm, count, rows, cols, out, fresh=False):
+    """out[:rows, :cols] += a[:count, :rows].T @ bm[:count, :cols] (``=`` with ``fresh``:
+    the tiles start from zero registers); 4 x 4-vector or 8 x 2-vector tiles, then rows one
+    at a time (a decode step has one query row)."""
+    step = 2 * lanes(bm)
+    if cols % (2 * step) == 0:  # 4 x 4-vector tiles (fewer loads per fma than 8 x 2)
+        full = rows - rows % 4
+        for row in range(0, full, 4):
+            for col in range(0, cols, 2 * step):
+                _tile4x4_t(a, bm, count, row, col, out, fresh)
+    else:
+        full = rows - rows % _TILE_ROWS
+        for row in range(0, full, _TILE_ROWS):
+            for col in range(0, cols, step):
+                _tile_t(a, bm, count, row, col, out, fresh)
     for row in range(full, rows):
         for col in range(0, cols, step):
-            _row_t(a, bm, count, row, col, out)
+            _row_t(a, bm, count, row, col, out, fresh)
 
 
 @njit(**_OPTS)
 def _matmul_n(a, bm, count, rows, cols, out):
-    """out[:rows, :cols] += a[:rows, :count] @ bm[:count, :cols]; 8-row tiles, then rows
-    one at a time."""
-    step = 2 * _width(bm)
-    full = rows - rows % _TILE_ROWS
-    for row in range(0, full, _TILE_ROWS):
-        for col in range(0, cols, step):
-            _tile_n(a, bm, count, row, col, out)
+    """out[:rows, :cols] += a[:rows, :count] @ bm[:count, :cols]; 4 x 4-vector or 8 x 2-vector
+    tiles, then rows one at a time."""
+    step = 2 * lanes(bm)
+    if cols % (2 * step) == 0:  # 4 x 4-vector tiles (fewer loads per fma than 8 x 2)
+        full = rows - rows % 4
+        for row in range(0, full, 4):
+            for col in range(0, cols, 2 * step):
+                _tile4x4_n(a, bm, count, row, col, out)
+    else:
+        full = rows - rows % _TILE_ROWS
+        for row in range(0, full, _TILE_ROWS):
+            for col in range(0, cols, step):
+                _tile_n(a, bm, count, row, col, out)
     for row in range(full, rows):
         for col in range(0, cols, step):
             _row_n(a, bm, count, row, col, out)
@@ -546,28 +478,21 @@ def _matmul_n(a, bm, count, rows, cols, out):
 @njit(**_OPTS)
 def _row_sum(row, count):
     """sum(row[:count]) in the documented lane order (row padded with zeros to a vector)."""
-    width = _width(row)
-    acc = _vzero(row)
+    width = lanes(row)
+    acc = vzero(row)
     for c in range(0, count, width):
-        acc = _vadd(acc, _vload(row, c))
-    total = _vlane(acc, 0)
-    for w in range(1, width):
-        total = total + _vlane(acc, w)
-    return total
+        acc = vadd(acc, vload(row, c))
+    return vsum(acc)
 
 
 @njit(**_OPTS)
 def _row_max(row, count):
     """max(row[:count]) ignoring NaN (-inf when all are -inf or NaN); order-free."""
-    width = _width(row)
-    acc = _vload(row, 0)
+    width = lanes(row)
+    acc = vload(row, 0)
     for c in range(width, count, width):
-        acc = _vmax(acc, _vload(row, c))
-    best = _vlane(acc, 0)
-    for w in range(1, width):
-        lane = _vlane(acc, w)
-        best = lane if lane > best or best != best else best
-    return best
+        acc = vmax(acc, vload(row, c))
+    return vbest(acc)
 
 
 # --------------------------------------------------------------------------------------
@@ -642,6 +567,13 @@ def _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr, mask,
     full = lo_last <= c0 and hi_first >= c0 + nc - 1
     general = has_softcap or has_bias or has_mask or has_alibi
     width = s.shape[1]
+    if not general and full and nc == width:
+        lane_count = lanes(s)
+        for r in range(nr):
+            row = s[r]
+            for c in range(0, width, lane_count):
+                vstore(row, c, vmuls(vload(row, c), scale))
+        return full
     if not general:
         for r in range(nr):
             row = s[r]
@@ -696,9 +628,26 @@ def _dropout_weights(p, pd, nr, nc, r0, c0, b, h, drop, dstr):
 # --------------------------------------------------------------------------------------
 # forward
 # --------------------------------------------------------------------------------------
+@njit(parallel=True, **_OPTS)
+def _pack_keys(k, v, k_t, v_blk, v_finite):
+    """Pack every key block once per (batch, kv head): k_t[b, g, n] = K block n transposed
+    (D, BLOCK_K), v_blk[b, g, n] = V block n (BLOCK_K, E padded), zero-padded; v_finite[b,
+    g, n] says whether the block's values are all finite. Pure copies (no arithmetic)."""
+    batch, kv_heads, keys = k.shape[0], k.shape[1], k.shape[2]
+    nkb = k_t.shape[2]
+    for unit in prange(batch * kv_heads * nkb):
+        b = unit // (kv_heads * nkb)
+        g = (unit // nkb) % kv_heads
+        n = unit % nkb
+        c0 = n * BLOCK_K
+        nc = min(BLOCK_K, keys - c0)
+        _load_rows_t(k[b, g], c0, nc, k_t[b, g, n])
+        v_finite[b, g, n] = _load_rows(v[b, g], c0, nc, v_blk[b, g, n])
+
+
 @njit(**_OPTS)
-def _forward_unit(q, k, v, kv_head, unit, nqb, dims, opts, fopts, bias, bstr, mask, mstr,
-                  drop, dstr, slopes, out, lse):
+def _forward_unit(q, k_pack, v_pack, v_fin, kv_head, unit, nqb, dims, opts, fopts, bias, bstr,
+                  mask, mstr, drop, dstr, slopes, out, lse):
     heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
     b = unit // (heads * nqb)
     h = (unit // nqb) % heads
@@ -707,11 +656,9 @@ def _forward_unit(q, k, v, kv_head, unit, nqb, dims, opts, fopts, bias, bstr, ma
     rows = nr  # short blocks (decode: L = 1) compute their live rows only
     g = kv_head[h]
     dt = q.dtype
-    width = _width(q)
-    epad = max(2 * width, -(-vdim // (2 * width)) * 2 * width)
+    width = lanes(q)
+    epad = v_pack.shape[4]
     q_t = np.empty((dim, BLOCK_Q), dt)
-    k_t = np.empty((dim, BLOCK_K), dt)
-    v_blk = np.empty((BLOCK_K, epad), dt)
     s = np.empty((BLOCK_Q, BLOCK_K), dt)
     p = np.zeros((BLOCK_Q, BLOCK_K), dt)
     pd = np.zeros((BLOCK_Q, BLOCK_K), dt)
@@ -724,14 +671,14 @@ def _forward_unit(q, k, v, kv_head, unit, nqb, dims, opts, fopts, bias, bstr, ma
     has_drop = opts[8] != 0
     lo_first, _ = _row_range(r0, keys, opts[0], causal, left, right)
     _, hi_last = _row_range(r0 + nr - 1, keys, opts[0], causal, left, right)
-    kk, vv = k[b, g], v[b, g]
     first = max(lo_first, 0) // BLOCK_K * BLOCK_K
     for c0 in range(first, min(hi_last + 1, keys), BLOCK_K):
         nc = min(BLOCK_K, keys - c0)
-        _load_rows_t(kk, c0, nc, k_t)
-        v_finite = _load_rows(vv, c0, nc, v_blk)
-        s[:rows, :] = 0
-        _matmul_t(q_t, k_t, dim, rows, BLOCK_K, s)
+        kb = c0 // BLOCK_K
+        k_t = k_pack[b, g, kb]
+        v_blk = v_pack[b, g, kb]
+        v_finite = v_fin[b, g, kb]
+        _matmul_t(q_t, k_t, dim, rows, BLOCK_K, s, True)
         clean = _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr, mask,
                                mstr, slopes, deriv)
         for r in range(nr):
@@ -742,16 +689,21 @@ def _forward_unit(q, k, v, kv_head, unit, nqb, dims, opts, fopts, bias, bstr, ma
             if m_new == -np.inf:
                 prow[:] = 0
                 continue
-            for c in range(BLOCK_K):
-                prow[c] = _exp(row[c] - m_new)
+            # exp of the tile row, lane-parallel; the lane sums in the _row_sum order
+            part = vzero(prow)
+            for c in range(0, BLOCK_K, width):
+                e = vexp(vsubs(vload(row, c), m_new))
+                vstore(prow, c, e)
+                part = vadd(part, e)
+            row_total = vsum(part)
             if m_new != m_old:
                 alpha = _exp(m_old - m_new)
                 total[r] = total[r] * alpha
                 arow = acc[r]
-                for e in range(epad):
-                    arow[e] = arow[e] * alpha
+                for e0 in range(0, epad, width):
+                    vstore(arow, e0, vmuls(vload(arow, e0), alpha))
                 m[r] = m_new
-            total[r] = total[r] + _row_sum(prow, BLOCK_K)
+            total[r] = total[r] + row_total
         weights = p
         if has_drop:
             _dropout_weights(p, pd, nr, nc, r0, c0, b, h, drop, dstr)
@@ -770,7 +722,7 @@ def _forward_unit(q, k, v, kv_head, unit, nqb, dims, opts, fopts, bias, bstr, ma
                         continue
                     w = weights[r, c]
                     for e in range(vdim):
-                        acc[r, e] = _fma(w, v_blk[c, e], acc[r, e])
+                        acc[r, e] = fma(w, v_blk[c, e], acc[r, e])
     keep_scale = fopts[2]
     nan_rows = opts[9] != 0
     for r in range(nr):
@@ -790,21 +742,219 @@ def _forward_unit(q, k, v, kv_head, unit, nqb, dims, opts, fopts, bias, bstr, ma
 
 
 @njit(parallel=True, **_OPTS)
-def _forward(q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes,
-             out, lse):
+def _forward_units(q, k_pack, v_pack, v_fin, kv_head, dims, opts, fopts, bias, bstr, mask, mstr,
+                   drop, dstr, slopes, out, lse):
     batch, heads, length = dims[0], dims[1], dims[2]
     nqb = -(-length // BLOCK_Q)
     for unit in prange(batch * heads * nqb):
-        _forward_unit(q, k, v, kv_head, unit, nqb, dims, opts, fopts, bias, bstr, mask, mstr,
-                      drop, dstr, slopes, out, lse)
+        _forward_unit(q, k_pack, v_pack, v_fin, kv_head, unit, nqb, dims, opts, fopts, bias,
+                      bstr, mask, mstr, drop, dstr, slopes, out, lse)
+
+
+def split_keys(heads: int, kv_heads: int, length: int, keys: int) -> int:
+    """Key splits of the short-query path (0: the query-block path runs); shapes only.
+
+    The short-query path runs when the query rows of a whole kv-head group fit one tile
+    (``(H / K) * L <= BLOCK_Q``) and there is more than one split of :data:`SPLIT_KEYS` keys.
+
+    Examples
+    --------
+    >>> split_keys(32, 8, 1, 8192), split_keys(8, 8, 1024, 1024)
+    (8, 0)
+    """
+    if (heads // kv_heads) * length > BLOCK_Q or keys <= SPLIT_KEYS:
+        return 0
+    return -(-keys // SPLIT_KEYS)
+
+
+def _forward(q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes,
+             out, lse):
+    """Short queries: key splits (:func:`_split_forward`); otherwise pack the key blocks
+    (:func:`_pack_keys`) and run the query-block units."""
+    batch, heads, length, kv_heads, keys = (int(x) for x in dims[:5])
+    nsplit = split_keys(heads, kv_heads, length, keys)
+    if nsplit:
+        group_heads = np.array([[h for h in range(heads) if kv_head[h] == g]
+                                for g in range(kv_heads)], np.int64)
+        _split_forward(q, k, v, group_heads, nsplit, dims, opts, fopts, bias, bstr, mask, mstr,
+                       drop, dstr, slopes, out, lse)
+        return
+    k_pack, v_pack, v_fin = _packed_keys(k, v)
+    _forward_units(q, k_pack, v_pack, v_fin, kv_head, dims, opts, fopts, bias, bstr, mask, mstr,
+                   drop, dstr, slopes, out, lse)
+
+
+@njit(**_OPTS)
+def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, bias, bstr, mask, mstr,
+                drop, dstr, slopes, part_m, part_total, part_acc):
+    """One (batch, kv head, key split) of the short-query path: the L rows of every query
+    head of the group form one tile, so each key block is loaded once per group."""
+    kv_heads, length, keys, dim, vdim = dims[3], dims[2], dims[4], dims[5], dims[6]
+    group = group_heads.shape[1]
+    b = unit // (kv_heads * nsplit)
+    g = (unit // nsplit) % kv_heads
+    split = unit % nsplit
+    rows = group * length
+    dt = q.dtype
+    width = lanes(q)
+    epad = part_acc.shape[4]
+    q_t = np.zeros((dim, BLOCK_Q), dt)
+    k_t = np.empty((dim, BLOCK_K), dt)
+    v_blk = np.empty((BLOCK_K, epad), dt)
+    s = np.empty((BLOCK_Q, BLOCK_K), dt)
+    p = np.zeros((BLOCK_Q, BLOCK_K), dt)
+    pd = np.zeros((BLOCK_Q, BLOCK_K), dt)
+    deriv = np.empty((BLOCK_Q, BLOCK_K), dt)
+    acc = np.zeros((BLOCK_Q, epad), dt)
+    m = np.full(BLOCK_Q, -np.inf, dt)
+    total = np.zeros(BLOCK_Q, dt)
+    for t in range(group):
+        src = q[b, group_heads[g, t]]
+        for i in range(length):
+            for x in range(dim):
+                q_t[x, t * length + i] = src[i, x]
+    causal, left, right = opts[1] != 0, opts[2], opts[3]
+    has_drop = opts[8] != 0
+    lo_first, _ = _row_range(0, keys, opts[0], causal, left, right)
+    _, hi_last = _row_range(length - 1, keys, opts[0], causal, left, right)
+    start = max(split * SPLIT_KEYS, max(lo_first, 0) // BLOCK_K * BLOCK_K)
+    stop = min((split + 1) * SPLIT_KEYS, hi_last + 1, keys)
+    for c0 in range(start, stop, BLOCK_K):
+        nc = min(BLOCK_K, keys - c0)
+        _load_rows_t(k[b, g], c0, nc, k_t)
+        v_finite = _load_rows(v[b, g], c0, nc, v_blk)
+        _matmul_t(q_t, k_t, dim, rows, BLOCK_K, s, True)
+        clean = True
+        for t in range(group):
+            r0 = t * length
+            clean &= _finish_scores(s[r0:r0 + length], length, nc, 0, c0, b,
+                                    group_heads[g, t], dims, opts, fopts, bias, bstr, mask,
+                                    mstr, slopes, deriv[r0:r0 + length])
+        for r in range(rows):
+            row = s[r]
+            prow = p[r]
+            m_old = m[r]
+            m_new = max(m_old, _row_max(row, BLOCK_K))
+            if m_new == -np.inf:
+                prow[:] = 0
+                continue
+            part = vzero(prow)
+            for c in range(0, BLOCK_K, width):
+                e = vexp(vsubs(vload(row, c), m_new))
+                vstore(prow, c, e)
+                part = vadd(part, e)
+            row_total = vsum(part)
+            if m_new != m_old:
+                alpha = _exp(m_old - m_new)
+                total[r] = total[r] * alpha
+                arow = acc[r]
+                for e0 in range(0, epad, width):
+                    vstore(arow, e0, vmuls(vload(arow, e0), alpha))
+                m[r] = m_new
+            total[r] = total[r] + row_total
+        weights = p
+        if has_drop:
+            for t in range(group):
+                r0 = t * length
+                _dropout_weights(p[r0:r0 + length], pd[r0:r0 + length], length, nc, 0, c0, b,
+                                 group_heads[g, t], drop, dstr)
+            weights = pd
+        if v_finite or (clean and not has_drop):
+            _matmul_n(weights, v_blk, nc, rows, epad, acc)
+        else:
+            for r in range(rows):
+                h, i = group_heads[g, r // length], r % length
+                for c in range(nc):
+                    if s[r, c] == -np.inf:
+                        continue
+                    if has_drop and drop[dstr[0] * b + dstr[1] * h + dstr[2] * i +
+                                         dstr[3] * (c0 + c)] == 0:
+                        continue
+                    w = weights[r, c]
+                    for e in range(vdim):
+                        acc[r, e] = fma(w, v_blk[c, e], acc[r, e])
+    for r in range(rows):
+        h, i = group_heads[g, r // length], r % length
+        part_m[b, h, i, split] = m[r]
+        part_total[b, h, i, split] = total[r]
+        for e in range(epad):
+            part_acc[b, h, i, split, e] = acc[r, e]
+
+
+@njit(parallel=True, **_OPTS)
+def _split_forward(q, k, v, group_heads, nsplit, dims, opts, fopts, bias, bstr, mask, mstr,
+                   drop, dstr, slopes, out, lse):
+    """Short-query forward: key splits of SPLIT_KEYS keys per (batch, kv head) run as
+    independent units; their partial (max, sum, accumulator) are then combined per row in
+    increasing split order (the split size is fixed, so the order depends on the shapes
+    only)."""
+    batch, heads, length, kv_heads, vdim = dims[0], dims[1], dims[2], dims[3], dims[6]
+    dt = q.dtype
+    epad = max(2 * lanes(q), -(-vdim // (2 * lanes(q))) * 2 * lanes(q))
+    part_m = np.empty((batch, heads, length, nsplit), dt)
+    part_total = np.empty((batch, heads, length, nsplit), dt)
+    part_acc = np.empty((batch, heads, length, nsplit, epad), dt)
+    zero = np.zeros(1, dt)
+    for unit in prange(batch * kv_heads * nsplit):
+        _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, bias, bstr, mask,
+                    mstr, drop, dstr, slopes, part_m, part_total, part_acc)
+    keep_scale = fopts[2]
+    nan_rows = opts[9] != 0
+    for row in prange(batch * heads * length):
+        b = row // (heads * length)
+        h = (row // length) % heads
+        i = row % length
+        best = part_m[b, h, i, 0]  # never NaN (row maxima skip NaN)
+        for t in range(1, nsplit):
+            best = max(best, part_m[b, h, i, t])
+        orow = out[b, h, i]
+        if best == -np.inf:
+            fill = np.nan if nan_rows else 0.0
+            for e in range(vdim):
+                orow[e] = fill
+            lse[b, h, i] = np.nan if nan_rows else -np.inf
+            continue
+        total = zero[0]
+        for e in range(vdim):
+            orow[e] = 0
+        for t in range(nsplit):
+            m_t = part_m[b, h, i, t]
+            if m_t == -np.inf:
+                continue
+            alpha = _exp(m_t - best)
+            total = fma(alpha, part_total[b, h, i, t], total)
+            for e in range(vdim):
+                orow[e] = fma(alpha, part_acc[b, h, i, t, e], orow[e])
+        inv = keep_scale / total
+        for e in range(vdim):
+            orow[e] = orow[e] * inv
+        lse[b, h, i] = best + math.log(total)
+
+
+def _padded(features, dtype):
+    """Features padded to a multiple of two 64-byte vectors (the register tile's width)."""
+    width = 64 // np.dtype(dtype).itemsize
+    return max(2 * width, -(-features // (2 * width)) * 2 * width)
+
+
+def _packed_keys(k, v):
+    batch, kv_heads, keys, dim = k.shape
+    nkb = -(-keys // BLOCK_K)
+    k_pack = np.empty((batch, kv_heads, nkb, dim, BLOCK_K), k.dtype)
+    v_pack = np.empty((batch, kv_heads, nkb, BLOCK_K, _padded(v.shape[3], v.dtype)), v.dtype)
+    v_fin = np.empty((batch, kv_heads, nkb), np.bool_)
+    if k_pack.size or v_pack.size:
+        _pack_keys(k, v, k_pack, v_pack, v_fin)
+    return k_pack, v_pack, v_fin
 
 
 # --------------------------------------------------------------------------------------
 # backward
 # --------------------------------------------------------------------------------------
 @njit(**_OPTS)
-def _backward_unit(q, k, v, kv_head, grad_out, lse, delta, unit, nchunks, dims, opts, fopts,
-                   bias, bstr, mask, mstr, drop, dstr, slopes, dq, dk_part, dv_part, dbias):
+def _backward_unit(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, unit, nchunks,
+                   dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes, dq, dk_part,
+                   dv_part, dbias):
     heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
     nqb = -(-length // BLOCK_Q)
     b = unit // (heads * nchunks)
@@ -813,16 +963,13 @@ def _backward_unit(q, k, v, kv_head, grad_out, lse, delta, unit, nchunks, dims, 
     per_chunk = -(-nqb // nchunks)
     g = kv_head[h]
     dt = q.dtype
-    width = _width(q)
+    width = lanes(q)
     dpad = max(2 * width, -(-dim // (2 * width)) * 2 * width)
     epad = max(2 * width, -(-vdim // (2 * width)) * 2 * width)
     q_t = np.empty((dim, BLOCK_Q), dt)
     q_blk = np.empty((BLOCK_Q, dpad), dt)
     do_t = np.empty((vdim, BLOCK_Q), dt)
     do_blk = np.empty((BLOCK_Q, epad), dt)
-    k_t = np.empty((dim, BLOCK_K), dt)
-    k_blk = np.empty((BLOCK_K, dpad), dt)
-    v_t = np.empty((vdim, BLOCK_K), dt)
     s = np.empty((BLOCK_Q, BLOCK_K), dt)
     dp = np.empty((BLOCK_Q, BLOCK_K), dt)
     p = np.zeros((BLOCK_Q, BLOCK_K), dt)
@@ -832,8 +979,10 @@ def _backward_unit(q, k, v, kv_head, grad_out, lse, delta, unit, nchunks, dims, 
     causal, left, right = opts[1] != 0, opts[2], opts[3]
     has_softcap, has_bias, has_drop = opts[4] != 0, opts[5] != 0, opts[8] != 0
     scale, keep_scale = fopts[0], fopts[2]
+    plain = not (has_softcap or has_bias or has_drop)
     dk_out, dv_out = dk_part[b, h, chunk], dv_part[b, h, chunk]
-    kk, vv = k[b, g], v[b, g]
+    dk_out[:, :] = 0
+    dv_out[:, :] = 0
     for qb in range(chunk * per_chunk, min(nqb, (chunk + 1) * per_chunk)):
         r0 = qb * BLOCK_Q
         nr = min(BLOCK_Q, length - r0)
@@ -856,15 +1005,12 @@ def _backward_unit(q, k, v, kv_head, grad_out, lse, delta, unit, nchunks, dims, 
         first = max(lo_first, 0) // BLOCK_K * BLOCK_K
         for c0 in range(first, min(hi_last + 1, keys), BLOCK_K):
             nc = min(BLOCK_K, keys - c0)
-            _load_rows_t(kk, c0, nc, k_t)
-            _load_rows(kk, c0, nc, k_blk, True)
-            _load_rows_t(vv, c0, nc, v_t)
-            s[:rows, :] = 0
-            _matmul_t(q_t, k_t, dim, rows, BLOCK_K, s)
+            kb = c0 // BLOCK_K
+            k_t, k_blk, v_t = kt_pack[b, g, kb], k_pack[b, g, kb], vt_pack[b, g, kb]
+            _matmul_t(q_t, k_t, dim, rows, BLOCK_K, s, True)
             _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr, mask, mstr,
                            slopes, deriv)
-            dp[:rows, :] = 0
-            _matmul_t(do_t, v_t, vdim, rows, BLOCK_K, dp)
+            _matmul_t(do_t, v_t, vdim, rows, BLOCK_K, dp, True)
             for r in range(nr):
                 i = r0 + r
                 row_lse = lse[b, h, i]
@@ -874,10 +1020,20 @@ def _backward_unit(q, k, v, kv_head, grad_out, lse, delta, unit, nchunks, dims, 
                     dsrow[:] = 0
                     continue
                 d_i = delta[b, h, i]
+                if plain:
+                    # P, dS = P (dP z - delta), dropout scale and softmax scale, lane-parallel
+                    # (the same operations per element as the general branch below)
+                    for c in range(0, BLOCK_K, width):
+                        sv = vload(srow, c)
+                        pv = vexp(vsubs(sv, row_lse))
+                        grad = vmul(pv, vsubs(vmuls(vload(dprow, c), keep_scale), d_i))
+                        vstore(dsrow, c, vmuls(vkeep(sv, grad), scale))
+                        vstore(prow, c, vmuls(pv, keep_scale))
+                    continue
+                for c in range(0, BLOCK_K, width):
+                    vstore(prow, c, vexp(vsubs(vload(srow, c), row_lse)))
                 for c in range(BLOCK_K):
-                    prob = _exp(srow[c] - row_lse)
-                    prow[c] = prob
-                    grad = prob * (dprow[c] * keep_scale - d_i)
+                    grad = prow[c] * (dprow[c] * keep_scale - d_i)
                     dsrow[c] = grad if srow[c] != -np.inf else 0
                 if has_drop:
                     for c in range(nc):
@@ -907,12 +1063,43 @@ def _backward_unit(q, k, v, kv_head, grad_out, lse, delta, unit, nchunks, dims, 
 
 
 @njit(parallel=True, **_OPTS)
-def _backward(q, k, v, kv_head, grad_out, lse, delta, nchunks, dims, opts, fopts, bias, bstr,
-              mask, mstr, drop, dstr, slopes, dq, dk_part, dv_part, dbias):
+def _pack_keys_backward(k, v, kt_pack, k_pack, vt_pack):
+    """Pack every key block once per (batch, kv head): K transposed (D, BLOCK_K), K with
+    non-finite values stored as 0 (BLOCK_K, D padded), V transposed (E, BLOCK_K)."""
+    batch, kv_heads, keys = k.shape[0], k.shape[1], k.shape[2]
+    nkb = kt_pack.shape[2]
+    for unit in prange(batch * kv_heads * nkb):
+        b = unit // (kv_heads * nkb)
+        g = (unit // nkb) % kv_heads
+        n = unit % nkb
+        c0 = n * BLOCK_K
+        nc = min(BLOCK_K, keys - c0)
+        _load_rows_t(k[b, g], c0, nc, kt_pack[b, g, n])
+        _load_rows(k[b, g], c0, nc, k_pack[b, g, n], True)
+        _load_rows_t(v[b, g], c0, nc, vt_pack[b, g, n])
+
+
+@njit(parallel=True, **_OPTS)
+def _backward_units(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, nchunks, dims,
+                    opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes, dq, dk_part,
+                    dv_part, dbias):
     batch, heads = dims[0], dims[1]
     for unit in prange(batch * heads * nchunks):
-        _backward_unit(q, k, v, kv_head, grad_out, lse, delta, unit, nchunks, dims, opts, fopts,
-                       bias, bstr, mask, mstr, drop, dstr, slopes, dq, dk_part, dv_part, dbias)
+        _backward_unit(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, unit,
+                       nchunks, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes,
+                       dq, dk_part, dv_part, dbias)
+
+
+def _backward(q, k, v, kv_head, *rest):
+    """Pack the key blocks (:func:`_pack_keys_backward`), then run the query-chunk units."""
+    batch, kv_heads, keys, dim = k.shape
+    vdim = v.shape[3]
+    nkb = -(-keys // BLOCK_K)
+    kt_pack = np.empty((batch, kv_heads, nkb, dim, BLOCK_K), k.dtype)
+    k_pack = np.empty((batch, kv_heads, nkb, BLOCK_K, _padded(dim, k.dtype)), k.dtype)
+    vt_pack = np.empty((batch, kv_heads, nkb, vdim, BLOCK_K), v.dtype)
+    _pack_keys_backward(k, v, kt_pack, k_pack, vt_pack)
+    _backward_units(q, kt_pack, k_pack, vt_pack, kv_head, *rest)
 
 
 @njit(parallel=True, **_OPTS)
@@ -924,7 +1111,7 @@ def _delta(grad_out, out, grad_lse, has_grad_lse, delta):
         for i in range(length):
             delta[b, h, i] = 0
             for e in range(vdim):
-                delta[b, h, i] = _fma(grad_out[b, h, i, e], out[b, h, i, e], delta[b, h, i])
+                delta[b, h, i] = fma(grad_out[b, h, i, e], out[b, h, i, e], delta[b, h, i])
             if has_grad_lse:
                 delta[b, h, i] = delta[b, h, i] - grad_lse[b, h, i]
 
@@ -947,44 +1134,6 @@ def _reduce_parts(part, kv_head, kv_heads, feats, result):
 # --------------------------------------------------------------------------------------
 # wrappers: own shapes, dtypes, padding and allocation
 # --------------------------------------------------------------------------------------
-def _plane(view):
-    """A (B, H, L, S) view as (1-D contiguous data, element strides); (dummy, zeros) for None."""
-    if view is None:
-        return np.zeros(1, np.float64), np.zeros(4, np.int64)
-    compact = view[tuple(slice(0, 1) if st == 0 else slice(None) for st in view.strides)]
-    data = np.require(compact, requirements=["C", "W"])
-    if data.dtype == np.bool_:
-        data = data.view(np.uint8)
-    strides = np.array([0 if st == 0 else ds // data.itemsize
-                        for st, ds in zip(view.strides, data.strides, strict=True)], np.int64)
-    return data.reshape(-1), strides
-
-
-def _arguments(spec, dtype):
-    batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
-    left, right = (-1, -1) if spec.window is None else (
-        -1 if spec.window[0] is None else spec.window[0],
-        -1 if spec.window[1] is None else spec.window[1])
-    dims = np.array([batch, heads, length, kv_heads, keys, dim, vdim], np.int64)
-    opts = np.array([spec.offset, spec.causal, left, right, spec.softcap is not None,
-                     spec.bias is not None, spec.mask is not None, spec.alibi_slopes is not None,
-                     spec.dropout_mask is not None, spec.empty_rows == "nan"], np.int64)
-    fopts = np.array([spec.scale_float, spec.softcap or 1.0, 1.0 / (1.0 - spec.dropout_p),
-                      -np.inf], dtype)
-    bias, bstr = _plane(spec.bias)
-    mask, mstr = _plane(spec.mask)
-    drop, dstr = _plane(spec.dropout_mask)
-    if mask.dtype != np.uint8:
-        mask = mask.astype(np.uint8)
-    if drop.dtype != np.uint8:
-        drop = drop.astype(np.uint8)
-    slopes = np.zeros(1) if spec.alibi_slopes is None else np.require(
-        spec.alibi_slopes, np.float64, ["C", "W"])
-    q, k, v = (np.require(a, dtype, ["C", "W"]) for a in (spec.q, spec.k, spec.v))
-    kv_head = np.require(spec.kv_head, np.int64, ["C", "W"])
-    return q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes
-
-
 def forward(spec, dtype=None):
     """Run the forward kernel: returns out (B, H, L, E) and lse (B, H, L) in the compute dtype.
 
@@ -1007,7 +1156,7 @@ def forward(spec, dtype=None):
     ([2.0], True)
     """
     dtype = compute_dtype(spec.q.dtype) if dtype is None else np.dtype(dtype)
-    return _run_forward(spec, _arguments(spec, dtype), dtype)
+    return _run_forward(spec, kernel_arguments(spec, dtype), dtype)
 
 
 def _run_forward(spec, args, dtype):
@@ -1023,16 +1172,28 @@ def saved_forward(spec, dtype=None):
     """(out, lse) as the backward pass needs them: lse = -inf on empty rows whatever
     ``empty_rows`` says (a NaN lse then only marks rows poisoned by NaN inputs)."""
     dtype = compute_dtype(spec.q.dtype) if dtype is None else np.dtype(dtype)
-    args = _arguments(spec, dtype)
+    args = kernel_arguments(spec, dtype)
     zero_rows = args[5].copy()
     zero_rows[9] = 0
     return _run_forward(spec, args[:5] + (zero_rows,) + args[6:], dtype)
 
 
-def backward_chunks(batch: int, heads: int, length: int) -> int:
-    """Query chunks per (batch, head) of the backward pass (a function of the shape only)."""
+def backward_chunks(batch: int, heads: int, length: int, keys: int = 0) -> int:
+    """Query chunks per (batch, head) of the backward pass (a function of the shape only).
+
+    Enough chunks for :data:`_MIN_BACKWARD_UNITS` work units (so that a busy core does not
+    hold up the others), but at most ``max(8, 2**19 / S)`` per head: each chunk keeps its own
+    (S, D) and (S, E) partials of dk and dv.
+
+    Examples
+    --------
+    >>> backward_chunks(1, 8, 1024, 1024), backward_chunks(1, 1, 65536, 65536)
+    (4, 8)
+    """
     nqb = -(-length // BLOCK_Q)
-    return max(1, min(nqb, -(-_MIN_BACKWARD_UNITS // max(1, batch * heads))))
+    wanted = -(-_MIN_BACKWARD_UNITS // max(1, batch * heads))
+    cap = max(8, 2**19 // max(1, keys))
+    return max(1, min(nqb, wanted, cap))
 
 
 def backward(spec, grad_out, grad_lse=None, dtype=None, *, saved=None):
@@ -1070,7 +1231,7 @@ def backward(spec, grad_out, grad_lse=None, dtype=None, *, saved=None):
     ([0.5, 0.5], True)
     """
     dtype = compute_dtype(spec.q.dtype) if dtype is None else np.dtype(dtype)
-    args = _arguments(spec, dtype)
+    args = kernel_arguments(spec, dtype)
     q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes = args
     batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
     out, lse = saved_forward(spec, dtype) if saved is None else saved
@@ -1084,10 +1245,11 @@ def backward(spec, grad_out, grad_lse=None, dtype=None, *, saved=None):
     dpad = max(2 * width, -(-dim // (2 * width)) * 2 * width)
     epad = max(2 * width, -(-vdim // (2 * width)) * 2 * width)
     kpad = -(-keys // BLOCK_K) * BLOCK_K
-    nchunks = backward_chunks(batch, heads, length)
-    dq = np.zeros((batch, heads, length, dim), dtype)
-    dk_part = np.zeros((batch, heads, nchunks, kpad, dpad), dtype)
-    dv_part = np.zeros((batch, heads, nchunks, kpad, epad), dtype)
+    nchunks = backward_chunks(batch, heads, length, keys)
+    # every unit zeroes its own partials and writes all its dq rows (in parallel)
+    dq = (np.empty if keys else np.zeros)((batch, heads, length, dim), dtype)
+    dk_part = np.empty((batch, heads, nchunks, kpad, dpad), dtype)
+    dv_part = np.empty((batch, heads, nchunks, kpad, epad), dtype)
     dbias = np.zeros((batch, heads, length, keys), dtype) if spec.bias is not None else None
     if length and keys:
         _backward(q, k, v, kv_head, grad_out, lse, delta, nchunks, dims, opts, fopts, bias,
@@ -1111,16 +1273,19 @@ def forward_error_bound(spec, weights, dtype=np.float64, rescalings=None):
     ``BLOCK_K`` keys; ``rescalings`` overrides that count (the CUDA kernels rescale once per
     key: S).
 
-    ``weights`` are the float64 pre-dropout weights (B, H, L, S) of the NumPy path.
+    ``weights`` are the float64 pre-dropout weights (B, H, L, S) of the NumPy path. n_b counts
+    one rescaling per key block and, on the short-query (split) path, two per key split of
+    ``SPLIT_KEYS`` keys (one rescaling each, and the splits' combination).
     """
     keys = spec.dims[4]
-    n_blocks = -(-keys // BLOCK_K) if rescalings is None else rescalings
-    return online_forward_bound(spec, weights, dtype, n_blocks)
+    if rescalings is None:
+        rescalings = -(-keys // BLOCK_K) + 2 * -(-keys // SPLIT_KEYS)
+    return online_forward_bound(spec, weights, dtype, rescalings)
 
 
 def backward_error_bound(spec, weights, grad_out, grad_lse=None, dtype=np.float64):
     """Bound on |dq|, |dk|, |dv|, |dbias| errors of :func:`backward` (shapes of the grads):
     :func:`refattn.bounds.online_backward_bound` with this kernel's query chunks."""
-    batch, heads, _, length, _, _, _ = spec.dims
-    chunks = backward_chunks(batch, heads, length)
+    batch, heads, _, length, keys, _, _ = spec.dims
+    chunks = backward_chunks(batch, heads, length, keys)
     return online_backward_bound(spec, weights, grad_out, grad_lse, dtype, chunks)

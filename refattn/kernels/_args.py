@@ -1,0 +1,99 @@
+"""The argument layout shared by the CPU (:mod:`.numba_cpu`) and CUDA (:mod:`.cuda`) kernels.
+
+An :class:`~refattn._spec.AttentionSpec` becomes a fixed tuple of flat arrays (kernels take no
+Python objects): the tensors in the compute dtype, the shape vector ``dims``, the integer and
+float option vectors ``opts`` and ``fopts``, and every optional (B, H, L, S) plane (bias, mask,
+dropout) as flat data with element strides (0 on broadcast axes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["kernel_arguments", "plane", "read_only"]
+
+
+def plane(view):
+    """A (B, H, L, S) view as (1-D contiguous data, element strides); (dummy, zeros) for None.
+
+    Broadcast axes (stride 0) keep stride 0, so a broadcast plane is never materialised.
+
+    Examples
+    --------
+    >>> data, strides = plane(np.broadcast_to(np.arange(3.0), (2, 4, 5, 3)))
+    >>> data.tolist(), strides.tolist()
+    ([0.0, 1.0, 2.0], [0, 0, 0, 1])
+    """
+    if view is None:
+        return read_only(np.zeros(1, np.float64)), np.zeros(4, np.int64)
+    compact = view[tuple(slice(0, 1) if st == 0 else slice(None) for st in view.strides)]
+    data = np.require(compact, requirements=["C"])
+    if data.dtype == np.bool_:
+        data = data.view(np.uint8)
+    strides = np.array([0 if st == 0 else ds // data.itemsize
+                        for st, ds in zip(view.strides, data.strides, strict=True)], np.int64)
+    return read_only(data.reshape(-1)), strides
+
+
+def read_only(array):
+    """A read-only view of ``array`` (no copy).
+
+    The kernels only read their inputs: passing every input as a read-only view gives Numba
+    one array type whatever the caller's flags (one compiled specialisation), and never copies
+    an input just to make it writeable.
+
+    Examples
+    --------
+    >>> a = np.arange(3.0)
+    >>> view = read_only(a)
+    >>> view.flags.writeable, a.flags.writeable, np.shares_memory(a, view)
+    (False, True, True)
+    """
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
+def kernel_arguments(spec, dtype):
+    """The kernels' positional arguments for ``spec`` in compute ``dtype``.
+
+    Returns ``(q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr,
+    slopes)``: q, k, v C-contiguous in ``dtype``; ``kv_head`` (H,) int64; ``dims`` =
+    ``[B, H, L, K, S, D, E]`` int64; ``opts`` int64 = ``[offset, causal, left, right,
+    has_softcap, has_bias, has_mask, has_alibi, has_dropout, empty_rows_nan]`` (window sides
+    -1 when unbounded); ``fopts`` in ``dtype`` = ``[scale, softcap (1 when off), 1/(1-p),
+    -inf]``; each optional (B, H, L, S) plane as (flat data, element strides) from
+    :func:`plane` (mask and dropout as uint8); ``slopes`` (H,) float64 or a dummy. Every
+    array input is a read-only view (:func:`read_only`): the kernels never write to them.
+
+    Examples
+    --------
+    >>> from refattn._spec import canonicalize
+    >>> spec = canonicalize(np.zeros((1, 2, 3, 4)), np.zeros((1, 2, 5, 4)), np.zeros((1, 2, 5, 4)))
+    >>> args = kernel_arguments(spec, np.float64)
+    >>> args[4].tolist(), args[5][:2].tolist()
+    ([1, 2, 3, 2, 5, 4, 4], [0, 0])
+    """
+    batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
+    left, right = (-1, -1) if spec.window is None else (
+        -1 if spec.window[0] is None else spec.window[0],
+        -1 if spec.window[1] is None else spec.window[1])
+    dims = np.array([batch, heads, length, kv_heads, keys, dim, vdim], np.int64)
+    opts = np.array([spec.offset, spec.causal, left, right, spec.softcap is not None,
+                     spec.bias is not None, spec.mask is not None, spec.alibi_slopes is not None,
+                     spec.dropout_mask is not None, spec.empty_rows == "nan"], np.int64)
+    fopts = np.array([spec.scale_float, spec.softcap or 1.0, 1.0 / (1.0 - spec.dropout_p),
+                      -np.inf], dtype)
+    bias, bstr = plane(spec.bias)
+    mask, mstr = plane(spec.mask)
+    drop, dstr = plane(spec.dropout_mask)
+    if mask.dtype != np.uint8:
+        mask = read_only(mask.astype(np.uint8))
+    if drop.dtype != np.uint8:
+        drop = read_only(drop.astype(np.uint8))
+    slopes = read_only(np.zeros(1) if spec.alibi_slopes is None else np.require(
+        spec.alibi_slopes, np.float64, ["C"]))
+    # read-only views: no copy of a read-only (e.g. broadcast-view) input, one array type
+    q, k, v = (read_only(np.require(a, dtype, ["C"])) for a in (spec.q, spec.k, spec.v))
+    kv_head = read_only(np.require(spec.kv_head, np.int64, ["C"]))
+    return q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes
