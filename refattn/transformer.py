@@ -305,7 +305,14 @@ class _Float64:
 
     @staticmethod
     def linear(x, W, b):
-        out = x @ W
+        finite = np.isfinite(x).all(axis=-1)
+        # rows holding NaN/Inf (e.g. masked memory rows) stay out of the matmul: whether a BLAS
+        # kernel raises the invalid flag for them depends on the CPU, and their products are
+        # formed elementwise instead, so the poison is kept and no warning is emitted
+        out = x @ W if finite.all() else np.where(finite[..., None], x, 0.0) @ W
+        if not finite.all():
+            with np.errstate(invalid="ignore", over="ignore"):
+                out[~finite] = (x[~finite][..., :, None] * W).sum(axis=-2)
         return out if b is None else out + b
 
     @staticmethod
