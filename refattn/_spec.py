@@ -125,6 +125,8 @@ def _check_core_shapes(q, k, v):
         raise ValueError(
             f"v: expected (..., {kv_heads}, {keys}, E) to match k {k.shape}, got {v.shape}"
         )
+    if kv_heads == 0:
+        raise ValueError(f"k: expected at least one kv head (K >= 1), got k {k.shape}")
     if heads % kv_heads:
         raise ValueError(
             f"q: {heads} query heads is not a multiple of k's {kv_heads} kv heads "

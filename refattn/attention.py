@@ -208,6 +208,7 @@ def attention(
     """
     _checks.precision(precision)
     _checks.choice(backend, "backend", BACKENDS)
+    _checks.out_dtype(out_dtype)  # validated on every path (the float64 path returns float64)
     spec = canonicalize(
         q, k, v, scale=scale, bias=bias, mask=mask, causal=causal, window=window,
         align=align, softcap=softcap, alibi_slopes=alibi_slopes, gqa=gqa,
@@ -343,6 +344,7 @@ def attention_vjp(
     """
     _checks.precision(precision)
     _checks.choice(backend, "backend", BACKENDS)
+    _checks.out_dtype(out_dtype)  # validated on every path (the float64 path returns float64)
     spec = canonicalize(
         q, k, v, scale=scale, bias=bias, mask=mask, causal=causal, window=window,
         align=align, softcap=softcap, alibi_slopes=alibi_slopes, gqa=gqa,

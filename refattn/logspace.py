@@ -24,6 +24,14 @@ __all__ = ["logsumexp", "softmax", "log_softmax"]
 
 
 def _prepare(x, axis, where):
+    """(x with the reduction axis last, allowed mask); axis=None flattens x (and where)."""
+    if axis is None:
+        x = _checks.float_array(x, "x")
+        if where is not None:
+            where = _checks.broadcast(_checks.bool_array(where, "where"), x.shape, "where", "x")
+            where = np.reshape(where, -1)
+        x, axis = np.reshape(x, -1), 0
+    axis = _checks.axis(axis)
     x = _checks.as_float64(_checks.float_array(x, "x", ndim_min=1))
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis: {axis} is out of range for x of shape {x.shape}")
@@ -75,7 +83,7 @@ def _lse_float64(x: np.ndarray, allowed: np.ndarray) -> np.ndarray:
 
 def _exact_rows(x, allowed, fn, out_dtype, what):
     """Run ``fn(row_intervals, row_allowed) -> intervals`` per row under the Ziv loop."""
-    rows = x.reshape(-1, x.shape[-1])
+    rows = x.reshape(int(np.prod(x.shape[:-1])), x.shape[-1])  # -1 is ambiguous for size 0
     masks = allowed.reshape(rows.shape)
 
     def evaluate(prec):
@@ -111,8 +119,8 @@ def logsumexp(x, axis=-1, where=None, *, precision="float64", out_dtype=None):
     Parameters
     ----------
     x : array_like, float (float16, bfloat16, float32, float64)
-    axis : int
-        Reduction axis.
+    axis : int or None
+        Reduction axis; None reduces over all elements (as NumPy does).
     where : array_like of bool, optional
         Entries to include (broadcastable to x). Excluded entries are removed from the sum.
     precision : {"float64", "exact"}
@@ -124,7 +132,8 @@ def logsumexp(x, axis=-1, where=None, *, precision="float64", out_dtype=None):
 
     Returns
     -------
-    ndarray with ``axis`` removed. -inf for slices with no included entry; +inf when an
+    ndarray with ``axis`` removed (a 0-d array for ``axis=None``). -inf for slices with no
+    included entry (an empty axis included); +inf when an
     included entry is +inf; NaN when an included entry is NaN.
 
     Examples
@@ -138,8 +147,11 @@ def logsumexp(x, axis=-1, where=None, *, precision="float64", out_dtype=None):
     precision = _checks.precision(precision)
     x2, allowed = _prepare(x, axis, where)
     if precision == "float64":
+        _checks.out_dtype(out_dtype)  # validated (the float64 path returns float64)
         return _lse_float64(x2, allowed)
     dtype = _checks.out_dtype(out_dtype)
+    if x2.size == 0:  # no rows, or empty rows: the empty sum's log is -inf
+        return np.full(x2.shape[:-1], -np.inf, dtype=dtype)
     out = _exact_rows(x2, allowed, lambda r, m, raw: [_lse_intervals(r, m, raw)], dtype, "lse")
     return out.reshape(x2.shape[:-1])
 
@@ -162,8 +174,15 @@ def _softmax_intervals(row, allowed, raw, log: bool):
 
 def _softmax(x, axis, where, precision, out_dtype, log: bool):
     precision = _checks.precision(precision)
+    x = _checks.float_array(x, "x")
+    shape = x.shape
     x2, allowed = _prepare(x, axis, where)
+    axis = -1 if axis is None else axis
+    if x2.size == 0:  # softmax of nothing is nothing
+        dtype = np.float64 if precision == "float64" else _checks.out_dtype(out_dtype)
+        return np.moveaxis(np.zeros(x2.shape, dtype=dtype), -1, axis).reshape(shape)
     if precision == "float64":
+        _checks.out_dtype(out_dtype)
         lse, weights = _softmax_float64(x2, allowed)
         if log:
             finite = np.where(np.isfinite(lse), lse, 0.0)[..., None]
@@ -178,7 +197,7 @@ def _softmax(x, axis, where, precision, out_dtype, log: bool):
             x2, allowed, lambda r, m, raw: _softmax_intervals(r, m, raw, log), dtype,
             "log_softmax" if log else "softmax",
         ).reshape(x2.shape)
-    return np.moveaxis(result, -1, axis)
+    return np.moveaxis(result, -1, axis).reshape(shape)
 
 
 def softmax(x, axis=-1, where=None, *, precision="float64", out_dtype=None):

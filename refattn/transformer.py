@@ -300,6 +300,36 @@ def _merge_heads(x):
     return x.reshape(x.shape[:-2] + (-1,))
 
 
+_ETA = 2.0**-1074  # the smallest subnormal: the absolute rounding error floor (underflow)
+_SAFE_EXPONENT = 400  # rows with max |x| in [2**-400, 2**400] are not rescaled (bits unchanged)
+
+
+def _moment_exponent(x, eps) -> np.ndarray:
+    """Per-row power of two e (keepdims) such that x * 2**-e has no square that overflows or
+    underflows; 0 for rows already in the safe range (their rounding is left unchanged)."""
+    with np.errstate(invalid="ignore"):
+        top = np.max(np.abs(x), axis=-1, keepdims=True, initial=0.0)
+    exponent = np.frexp(np.where(np.isfinite(top) & (top > 0), top, 1.0))[1]
+    if eps > 0:  # scaled eps stays finite (it then dominates a tiny variance anyway)
+        exponent = np.maximum(exponent, (int(np.frexp(eps)[1]) - 1000) // 2)
+    return np.where(np.abs(exponent) > _SAFE_EXPONENT, exponent, 0)
+
+
+def _scaled_moments(x, eps):
+    """(centred, variance, eps), all scaled by the powers of two of :func:`_moment_exponent`,
+    so the normalised row ``centred / sqrt(variance + eps)`` is unchanged and finite.
+
+    The mean is formed at the same scale (no overflow of the sum for |x| near the float64
+    maximum).
+    """
+    exponent = _moment_exponent(x, eps)
+    with np.errstate(invalid="ignore", over="ignore"):
+        scaled = np.ldexp(x, -exponent)
+        centred = scaled - scaled.mean(axis=-1, keepdims=True)
+        var = (centred * centred).mean(axis=-1, keepdims=True)
+        return centred, var, np.ldexp(eps, -2 * exponent)
+
+
 class _Float64:
     """The float64 path: NumPy in float64, attention by :func:`refattn.attention`."""
 
@@ -324,10 +354,8 @@ class _Float64:
     @staticmethod
     def layer_norm(x, p: NormParams):
         with np.errstate(invalid="ignore", divide="ignore"):  # inf - inf; 0/0 (eps = 0)
-            mean = x.mean(axis=-1, keepdims=True)
-            centred = x - mean
-            var = (centred * centred).mean(axis=-1, keepdims=True)
-            out = centred / np.sqrt(var + p.eps)
+            centred, var, eps = _scaled_moments(x, p.eps)
+            out = centred / np.sqrt(var + eps)
         if p.gamma is not None:
             out = out * p.gamma
         return out if p.beta is None else out + p.beta
@@ -432,20 +460,24 @@ class _Bounds:
         width = x.val.shape[-1]
         val = _Float64.layer_norm(x.val, p)
         gain = 1.0 if p.gamma is None else np.abs(p.gamma)
-        centred = x.val - x.val.mean(axis=-1, keepdims=True)
-        sigma = np.sqrt((centred**2).mean(axis=-1, keepdims=True) + p.eps)
+        # everything at the float64 path's power-of-two scale 2**-e (sigma and centred scale
+        # alike; x, its error and the mean's rounding are scaled to match)
+        centred, var, eps = _scaled_moments(x.val, p.eps)
+        shift = _moment_exponent(x.val, p.eps)
+        x_val, x_err = np.ldexp(x.val, -shift), np.ldexp(x.err, -shift)
+        sigma = np.sqrt(var + eps)
         normed = np.abs(centred) / sigma
         # propagated: dy = g/sigma (dx - mean dx - yhat mean(yhat dx))
-        mean_err = x.err.mean(axis=-1, keepdims=True)
-        proj_err = (normed * x.err).mean(axis=-1, keepdims=True)
-        propagated = gain / sigma * (x.err + mean_err + normed * proj_err)
+        mean_err = x_err.mean(axis=-1, keepdims=True)
+        proj_err = (normed * x_err).mean(axis=-1, keepdims=True)
+        propagated = gain / sigma * (x_err + mean_err + normed * proj_err)
         # rounding: mean gamma_{M+1} mean|x|; centring u|c|; variance gamma_{M+4} (relative);
         # sigma: half the variance's relative error + gamma_2; divide, gain, shift: 3 units
-        mean_round = _gamma(width + 1) * np.abs(x.val).mean(axis=-1, keepdims=True)
-        var = (centred**2).mean(axis=-1, keepdims=True)
+        mean_round = _gamma(width + 1) * np.abs(x_val).mean(axis=-1, keepdims=True)
         sigma_rel = 0.5 * _gamma(width + 4) * var / sigma**2 + _gamma(2)
         rounding = gain * ((mean_round + _U * np.abs(centred)) / sigma
-                           + normed * (sigma_rel + _gamma(2))) + _U * np.abs(val)
+                           + normed * (sigma_rel + _gamma(2))) + _U * np.abs(val) \
+            + 3 * _ETA  # division, gain and shift may each round a subnormal result by eta
         return _Tracked(val, propagated + rounding)
 
     @staticmethod
