@@ -46,6 +46,46 @@ class _PlaneF64(NamedTuple):
     lse: np.ndarray  # (L,)
 
 
+_MAX_EXPONENT = 1000  # scaled scores are kept below 2**1000 (sums of a few stay finite)
+
+
+def _scaled_products(q: np.ndarray, k: np.ndarray, scale: float):
+    """(p, E) with ``scale * q_i . k_j = p_ij * 2**E_ij`` and |p_ij| <= D: no overflow.
+
+    q's rows and k's rows are scaled by powers of two (exact unless a component underflows,
+    which moves the dot product by far less than the rounding of its largest terms).
+    """
+    with np.errstate(invalid="ignore"):
+        q_exp = np.frexp(np.max(np.abs(q), axis=1, initial=0.0))[1]
+        k_exp = np.frexp(np.max(np.abs(k), axis=1, initial=0.0))[1]
+    mantissa, s_exp = np.frexp(scale)
+    with np.errstate(invalid="ignore", over="ignore"):  # non-finite excluded keys
+        p = mantissa * (np.ldexp(q, -q_exp[:, None]) @ np.ldexp(k, -k_exp[:, None]).T)
+    return p, q_exp[:, None] + k_exp[None, :] + int(s_exp)
+
+
+def _scaled_scores(p, exps, extra, allowed):
+    """Scores ``p * 2**E + extra`` of rows beyond the float64 range as (t, c) with
+    ``scores = t * 2**c`` row-wise, c >= 0 chosen from the row's max so that the entries near
+    the max keep full precision (far smaller entries may flush to -inf: their weight is 0).
+    """
+    dim_bits = int(np.max(np.abs(p), initial=1.0)).bit_length() + 1
+    top_exp = np.max(np.where(allowed, exps, np.iinfo(np.int64).min // 4), axis=1,
+                     keepdims=True)
+    with np.errstate(over="ignore", invalid="ignore"):
+        c0 = np.maximum(top_exp + dim_bits - _MAX_EXPONENT, 0)
+        t0 = np.where(allowed, np.ldexp(p, exps - c0) + np.ldexp(extra, -c0), -np.inf)
+        best = np.argmax(t0, axis=1)[:, None]
+        direct = np.take_along_axis(np.ldexp(p, exps) + extra, best, axis=1)
+        m0 = np.take_along_axis(t0, best, axis=1)
+        c = np.where(np.isfinite(direct),
+                     np.maximum(np.frexp(np.where(np.isfinite(direct), direct, 1.0))[1]
+                                - _MAX_EXPONENT, 0),
+                     np.frexp(np.where(np.isfinite(m0), m0, 1.0))[1] + c0 - _MAX_EXPONENT)
+        c = np.maximum(c, 0)
+        return np.ldexp(p, exps - c) + np.ldexp(extra, -c), c
+
+
 def _plane_float64(spec: AttentionSpec, b: int, h: int) -> _PlaneF64:
     g = spec.kv_head[h]
     q = np.asarray(spec.q[b, h], dtype=np.float64)
@@ -53,15 +93,31 @@ def _plane_float64(spec: AttentionSpec, b: int, h: int) -> _PlaneF64:
     allowed = spec.allowed(b, h)
     with np.errstate(invalid="ignore", over="ignore"):  # poison at excluded keys is dropped
         raw = spec.scale_float * (q @ k.T)
+        # finite inputs whose score overflowed (or whose products overflowed inside the dot
+        # product): those rows are recomputed in a scaled form below
+        finite_pair = np.isfinite(q).all(axis=1)[:, None] & np.isfinite(k).all(axis=1)[None, :]
+        overflow = (~np.isfinite(raw) & allowed & finite_pair).any(axis=1) & (
+            (finite_pair | ~allowed).all(axis=1))
+        products = None
+        if overflow.any():
+            products = _scaled_products(q[overflow], k, spec.scale_float)
+            raw[overflow] = np.ldexp(*products)
         scores = raw if spec.softcap is None else spec.softcap * np.tanh(raw / spec.softcap)
+        extra = np.zeros_like(scores)
         if spec.bias is not None:
-            scores = scores + np.where(allowed, spec.bias[b, h], 0.0)
+            extra = extra + np.where(allowed, spec.bias[b, h], 0.0)
         alibi = spec.alibi(h)
         if alibi is not None:
-            scores = scores + alibi
-        lse, weights = _softmax_float64(np.where(allowed, scores, 0.0), allowed)
+            extra = extra + alibi
+        scores = scores + extra if spec.bias is not None or alibi is not None else scores
+        exponent = None
+        if products is not None and spec.softcap is None:
+            exponent = np.zeros(scores.shape[:1] + (1,), dtype=int)
+            scores[overflow], exponent[overflow] = _scaled_scores(
+                *products, extra[overflow], allowed[overflow])
+        lse, weights = _softmax_float64(np.where(allowed, scores, 0.0), allowed, exponent)
     # an infinite score (Inf in q or in an allowed key) makes its row NaN, as on the exact path
-    bad = (np.isinf(scores) & allowed).any(axis=1)
+    bad = (np.isinf(scores) & allowed).any(axis=1) & ~overflow
     if bad.any():
         lse[bad] = np.nan
         weights[bad] = np.where(allowed[bad], np.nan, 0.0)
@@ -107,6 +163,24 @@ def _forward_float64(spec: AttentionSpec, return_weights: bool):
             if return_weights:
                 weights[b, h] = w
     return out, lse, weights
+
+
+def _check_numba_range(spec: AttentionSpec) -> None:
+    """The Numba kernels form ``s q.k`` directly: refuse inputs whose scores may exceed the
+    float64 range (they would turn into NaN) and say what handles them."""
+    def top(x):
+        x = np.abs(np.asarray(x, np.float64))
+        return float(np.max(x, where=np.isfinite(x), initial=0.0))
+
+    dim = spec.q.shape[-1]
+    with np.errstate(over="ignore"):
+        largest = abs(spec.scale_float) * dim * top(spec.q) * top(spec.k)
+    if largest > 2.0**_MAX_EXPONENT:
+        raise ValueError(
+            f"q, k: scores s*q.k may reach {largest:.3g}".replace("inf", "beyond 1.8e308")
+            + f" (max |q| {top(spec.q):.3g}, max |k| "
+            f"{top(spec.k):.3g}, D = {dim}), beyond what backend='numba' computes without "
+            "overflow; use backend='numpy' (rescales such rows) or precision='exact'")
 
 
 # --------------------------------------------------------------------------------------
@@ -228,6 +302,7 @@ def attention(
                                       "never form the weights; use backend='numpy'")
         from . import kernels
 
+        _check_numba_range(spec)
         out, lse = kernels.attention(spec, return_lse=True)
         weights = None
     else:
@@ -364,6 +439,7 @@ def attention_vjp(
         if backend == "numba":
             from . import kernels
 
+            _check_numba_range(spec)
             dq, dk, dv, dbias = kernels.attention_vjp(spec, do, dl)
         else:
             dq, dk, dv, dbias = _vjp_float64(spec, do, dl)

@@ -43,9 +43,10 @@ import numpy as np
 
 from ._spec import canonicalize
 
-__all__ = ["UNIT_ROUNDOFF", "gamma", "float64_forward_bound", "float64_vjp_bound"]
+__all__ = ["UNIT_ROUNDOFF", "ETA", "gamma", "float64_forward_bound", "float64_vjp_bound"]
 
 UNIT_ROUNDOFF = 2.0**-53
+ETA = 2.0**-1074  # the smallest subnormal float64: the absolute error floor of underflow
 
 
 def gamma(n: int) -> float:
@@ -101,6 +102,34 @@ def _weights(scores, allowed, delta):
     return w, rho * second_order, lse_err * second_order
 
 
+def _underflow_term(kept, v_abs, keep):
+    """Absolute errors of gradual underflow (Higham's ``fl(x op y) = (x op y)(1 + d) + e``,
+    ``|e| <= eta/2``, eta = 2**-1074): a weight that underflows (exp, division, dropout scale)
+    is off by at most 4 eta, and each of the S products ``w v`` and the sum by eta/2 more."""
+    with np.errstate(over="ignore"):
+        v_sum = np.where(kept[:, :, None], v_abs[None], 0.0).sum(axis=1)
+    return ETA * (4 * keep * v_sum + kept.shape[1] + 2)
+
+
+def _beyond_range_rows(spec, b, h, kept, v_abs, keep, out_b, lse_b):
+    """Rows with finite inputs whose scores exceed the float64 range: the first-order bound
+    is not finite there; the weights are still a convex combination (the path rescales), so
+    ``|out - exact| <= (2 + gamma_{S+2}) max_j kappa'_ij |v_je|``; lse has no finite bound."""
+    rows = ~np.isfinite(out_b[b, h]).all(axis=1) | ~np.isfinite(lse_b[b, h])
+    if not rows.any():
+        return
+    q = np.asarray(spec.q[b, h], np.float64)
+    k = np.asarray(spec.k[b, spec.kv_head[h]], np.float64)
+    finite_keys = np.isfinite(k).all(axis=1) & np.isfinite(v_abs).all(axis=1)
+    rows &= np.isfinite(q).all(axis=1) & (finite_keys[None, :] | ~kept).all(axis=1)
+    if not rows.any():
+        return
+    top = np.where(kept[rows][:, :, None], v_abs[None], 0.0).max(axis=1, initial=0.0)
+    out_b[b, h][rows] = (2 + gamma(kept.shape[1] + 2)) * keep * top + _underflow_term(
+        kept[rows], v_abs, keep)
+    lse_b[b, h][rows] = np.inf
+
+
 def float64_forward_bound(q, k, v, **options):
     """Per-element bounds (out_bound (..., H, L, E), lse_bound (..., H, L)) of the float64 path.
 
@@ -123,13 +152,17 @@ def float64_forward_bound(q, k, v, **options):
     keep = 1.0 / (1.0 - spec.dropout_p)
     for b in range(batch):
         for h in range(heads):
-            scores, allowed, delta, _ = _score_terms(spec, b, h)
-            w, rho, lse_err = _weights(scores, allowed, delta)
+            with np.errstate(invalid="ignore", over="ignore"):  # scores beyond the range
+                scores, allowed, delta, _ = _score_terms(spec, b, h)
+                w, rho, lse_err = _weights(scores, allowed, delta)
             kept = allowed if spec.dropout_mask is None else allowed & spec.dropout_mask[b, h]
             wk = np.where(kept, w, 0.0) * keep
             v_abs = np.abs(np.asarray(spec.v[b, spec.kv_head[h]], np.float64))
-            out_b[b, h] = (wk * (rho + gamma(keys + 2))) @ v_abs
+            with np.errstate(invalid="ignore", over="ignore"):
+                out_b[b, h] = (wk * (rho + gamma(keys + 2))) @ v_abs
+            out_b[b, h] += _underflow_term(kept, v_abs, keep)
             lse_b[b, h] = lse_err
+            _beyond_range_rows(spec, b, h, kept, v_abs, keep, out_b, lse_b)
     return spec.unflatten(out_b), spec.unflatten(lse_b)
 
 

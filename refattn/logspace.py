@@ -45,8 +45,14 @@ def _prepare(x, axis, where):
     return x, np.asarray(allowed)
 
 
-def _softmax_float64(x: np.ndarray, allowed: np.ndarray):
+def _softmax_float64(x: np.ndarray, allowed: np.ndarray, exponent=None):
     """Row-wise (lse, weights) over the last axis in float64.
+
+    ``exponent`` (optional, per row, the shape of ``x[..., :1]``): the row's entries are
+    ``x * 2**exponent`` (scores beyond the float64 range kept in a scaled form); the
+    differences to the max are unscaled before exponentiation (they overflow to -inf only
+    where the weight is 0) and lse is ``2**exponent * max + log1p(rest)`` (+-inf when its
+    magnitude exceeds the float64 range).
 
     With m the row max (over allowed entries) and s = sum_{j != argmax} e^{x_j - m}:
     lse = m + log1p(s) (Blanchard, Higham & Higham 2021, Algorithm 4.1) and the weights are
@@ -61,10 +67,15 @@ def _softmax_float64(x: np.ndarray, allowed: np.ndarray):
     top = np.take_along_axis(masked, top_index, axis=-1)
     finite_top = np.where(np.isfinite(top), top, 0.0)
     with np.errstate(invalid="ignore", over="ignore"):
-        terms = np.where(allowed, np.exp(masked - finite_top), 0.0)
+        shifted = masked - finite_top
+        if exponent is not None:
+            shifted = np.ldexp(shifted, exponent)
+        terms = np.where(allowed, np.exp(shifted), 0.0)
     np.put_along_axis(terms, top_index, 0.0, axis=-1)  # the max term is the "1" of log1p
     rest = terms.sum(axis=-1)
-    lse = top[..., 0] + np.log1p(rest)
+    with np.errstate(over="ignore"):
+        top_value = top[..., 0] if exponent is None else np.ldexp(top[..., 0], exponent[..., 0])
+    lse = top_value + np.log1p(rest)
     np.put_along_axis(terms, top_index, np.where(np.isfinite(top), 1.0, 0.0), axis=-1)
     with np.errstate(invalid="ignore"):
         weights = terms / (1.0 + rest)[..., None]
