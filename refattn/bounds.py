@@ -208,12 +208,20 @@ def float64_vjp_bound(q, k, v, grad_out, *, grad_lse=None, **options):
             ds_abs = w * inner
             ds_err = np.where(
                 allowed, w * rho * inner + w * (dp_err + delta_err + gamma(3) * inner), 0.0)
+            # gradual underflow (absolute, eta = 2**-1074 per rounding; see _underflow_term):
+            # products in dP and Delta, the weights themselves (4 eta each), the final sums
+            bounds[2][b, g] += ETA * (4 * keep * (kept.T.astype(float) @ do) + length + 2)
+            ds_eta = np.where(allowed, w * (2 * (vdim + 2) * keep + keys + 2) * ETA
+                              + 4 * ETA * inner + 3 * ETA, 0.0)
+            ds_err = ds_err + ds_eta
             bounds[3][b, h] = ds_err
             if spec.softcap is not None:
                 delta_raw = gamma(dim + 2) * abs(spec.scale_float) * (q_ @ k_.T)
                 factor_err = 2 * delta_raw / spec.softcap + gamma(4)
-                ds_err = ds_err + ds_abs * factor_err
+                ds_err = ds_err + ds_abs * factor_err + ETA
             s = abs(spec.scale_float)
-            bounds[0][b, h] = s * (ds_err @ k_ + gamma(keys + 2) * ds_abs @ k_)
-            bounds[1][b, g] += s * (ds_err.T @ q_ + gamma(group * length + 2) * ds_abs.T @ q_)
+            bounds[0][b, h] = s * (ds_err @ k_ + gamma(keys + 2) * ds_abs @ k_) + (
+                keys + 2) * ETA
+            bounds[1][b, g] += s * (ds_err.T @ q_ + gamma(group * length + 2) * ds_abs.T @ q_) + (
+                length + 2) * ETA
     return tuple(spec.unflatten(x) for x in bounds)

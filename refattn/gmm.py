@@ -235,7 +235,11 @@ def unit_parameter(value, name, batch, units, *, allow_zero=False, allow_inf=Fal
         if isinstance(value, bool) or not isinstance(value, int | float | np.floating | np.integer):
             raise TypeError(f"{name}: expected a real number or a float array (..., S), "
                             f"got {value!r}")
-        arr = np.asarray(float(value))
+        try:
+            arr = np.asarray(float(value))
+        except OverflowError:
+            raise ValueError(f"{name}: expected a number within the float64 range, got an "
+                             f"int of {len(str(abs(value)))} digits") from None
     else:
         arr = _checks.float_array(value, name)
     wide = _checks.as_float64(arr)

@@ -181,10 +181,11 @@ def _count(value, name):
     return int(value)
 
 
-def _heads_of(cols, heads, name, what):
+def _heads_of(cols, heads, name, what, heads_name="num_heads"):
     if cols % heads:
         raise ValueError(
-            f"{name}: {cols} columns do not split into {heads} heads ({what} = columns / heads)"
+            f"{name}: {cols} columns do not split into {heads_name} = {heads} heads ({what} = "
+            "columns / heads)"
         )
     return cols // heads
 
@@ -207,7 +208,7 @@ def _check_attention(x_q, x_kv, p: AttentionParams) -> AttentionParams:
             f"W_K: expected {kv_heads * dim} columns (num_kv_heads {kv_heads} x D {dim} from "
             f"W_Q {W_Q.shape}), got shape {W_K.shape}"
         )
-    vdim = _heads_of(W_V.shape[1], kv_heads, "W_V", "E")
+    vdim = _heads_of(W_V.shape[1], kv_heads, "W_V", "E", "num_kv_heads")
     W_O = _matrix(p.W_O, "W_O", heads * vdim)
     return AttentionParams(
         W_Q, W_K, W_V, W_O,
@@ -710,8 +711,12 @@ def layer_norm(x, *, gamma=None, beta=None, eps=1e-5, axis=-1, precision="float6
     dtype('float16')
     """
     x = _checks.float_array(x, "x", ndim_min=1)
+    axis = _checks.axis(axis)
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis: {axis} is out of range for x of shape {x.shape}")
+    if x.shape[axis] == 0:
+        raise ValueError(f"x: the normalised axis {axis} has width 0 (shape {x.shape}); "
+                         "expected at least one element")
     moved = np.moveaxis(x, axis, -1)
     p = _check_norm(moved.shape[-1], NormParams(gamma, beta, eps))
     precision = _checks.precision(precision)
