@@ -176,11 +176,11 @@ def _check_numba_range(spec: AttentionSpec) -> None:
     with np.errstate(over="ignore"):
         largest = abs(spec.scale_float) * dim * top(spec.q) * top(spec.k)
     if largest > 2.0**_MAX_EXPONENT:
+        reach = f"{largest:.3g}" if np.isfinite(largest) else "beyond 1.8e308"
         raise ValueError(
-            f"q, k, scale: scores scale*q.k may reach {largest:.3g}".replace("inf", "beyond 1.8e308")
-            + f" (max |q| {top(spec.q):.3g}, max |k| "
-            f"{top(spec.k):.3g}, D = {dim}), beyond what backend='numba' computes without "
-            "overflow; use backend='numpy' (rescales such rows) or precision='exact'")
+            f"q, k, scale: scores scale*q.k may reach {reach} (max |q| {top(spec.q):.3g}, "
+            f"max |k| {top(spec.k):.3g}, D = {dim}), beyond what backend='numba' computes "
+            "without overflow; use backend='numpy' (rescales such rows) or precision='exact'")
 
 
 # --------------------------------------------------------------------------------------
