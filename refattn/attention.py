@@ -222,7 +222,8 @@ def attention(
     causal : bool
         Allow only j <= i + o.
     window : (left, right), optional
-        Allow only i + o - left <= j <= i + o + right; None on a side means unbounded.
+        Allow only i + o - left <= j <= i + o + right; None on a side means unbounded (so
+        does any size >= 2**62, which is capped there).
     align : {"top_left", "bottom_right"}
         o = 0 (torch ``is_causal``) or o = S - L (FlashAttention >= 2.1, torch
         ``causal_lower_right``).
@@ -255,7 +256,7 @@ def attention(
         to ``out_dtype`` (Ziv loop).
     out_dtype : dtype, optional
         Exact path: float64 (default), float32, float16 or bfloat16. The float64 path
-        returns float64.
+        returns float64 (the argument is still checked: anything else is a TypeError).
     backend : {"numpy", "numba"}
         "numba" runs the deterministic Numba CPU kernels (float64 path only; float32 inputs
         compute in float32).
@@ -269,6 +270,13 @@ def attention(
     Excluded positions are removed from every sum, so NaN or Inf in a masked key, value or
     bias never reaches the output. NaN (or Inf) in q, or in k at an allowed position, makes
     the rows it touches NaN; a NaN value at a kept position makes that output element NaN.
+
+    Finite inputs whose scores exceed the float64 range (``|s q.k|`` above about 1.8e308, e.g.
+    q, k ~ 1e200): the float64 path recomputes those rows with q, k and s scaled by powers of
+    two and the scores kept as ``t * 2**c`` per row, so the weights stay a convex combination
+    (within the stated bound, which is then the convex-combination bound of
+    :mod:`refattn.bounds`) and lse is finite or +-inf as its exact value rounds.
+    ``backend="numba"`` raises a ValueError for such inputs instead.
 
     Examples
     --------

@@ -35,6 +35,17 @@ Outputs. The weighted sum of S terms (and the dropout scale) adds ``gamma_{S+2}`
     \\sum_j \\kappa'_{ij} w_{ij} |v_{je}| (\\rho_{ij} + \\gamma_{S+2}).
 
 The same bookkeeping is carried through the vjp (see :func:`float64_vjp_bound`).
+
+Underflow. The relative model above fails for subnormal results; with Higham's
+``fl(x op y) = (x op y)(1 + d) + e``, ``|e| <= eta / 2`` (eta = 2**-1074, Higham Section 2.1),
+each output also gets ``eta (4 (1/(1-p)) sum_j kappa_ij |v_je| + S + 2)`` (a weight that
+underflows is off by at most 4 eta; each product and the sum by eta / 2 more), so a result of
+5e-324 against an exact 0 or the reverse stays inside the bound.
+
+Scores beyond the float64 range (finite inputs): the first-order terms are not finite; the
+float64 path still returns a convex combination, so those rows get
+``(2 + gamma_{S+2}) (1/(1-p)) max_j kappa_ij |v_je|`` (plus the underflow term) and an lse
+bound of +inf.
 """
 
 from __future__ import annotations

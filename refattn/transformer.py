@@ -690,6 +690,7 @@ def layer_norm(x, *, gamma=None, beta=None, eps=1e-5, axis=-1, precision="float6
         Added to the variance inside the square root (torch ``nn.LayerNorm``), taken at its
         exact binary (float64) value. ``eps=0`` is the notes' formula exactly.
     axis : int
+        The normalised axis (its width M must be >= 1).
     precision, out_dtype : as :func:`multihead_attention`
 
     Notes
@@ -698,7 +699,9 @@ def layer_norm(x, *, gamma=None, beta=None, eps=1e-5, axis=-1, precision="float6
     Rows with a NaN or Inf give a NaN row on both paths (``inf - inf``); a constant row with
     ``eps=0`` is ``0/0`` = NaN. The float64 path is the two-pass formula (mean, then the
     centred second moment); its error bound is :func:`float64_error_bound`.
-    It overflows for |x| above about 1e154 (the squares); the exact path does not.
+    Rows with max |x| outside [2**-400, 2**400] are first scaled by a power of two (the
+    result is scale-invariant), so the squares neither overflow nor underflow: e.g.
+    ``[1e200, -1e200, 0]`` gives ``[1.2247..., -1.2247..., 0]`` with a finite bound.
     The exact path computes the mean and variance as exact rationals: only the square root
     is enclosed.
 
