@@ -1,4 +1,4 @@
-"""The README's "Using the fixtures from torch / JAX" loaders read bfloat16 fixtures correctly.
+"""README checks: the torch / JAX fixture loaders read bfloat16 correctly; CI runs command 2.
 
 The code is taken from README.md itself (so the documented loader is the tested one) and run on
 a bfloat16 smoke fixture; every member must equal ``oracle.load``'s value bit for bit. Skipped
@@ -82,3 +82,14 @@ def test_jax_conversion_reads_bfloat16_bits(bf16_fixture):
         else:  # JAX keeps float64 only with jax_enable_x64 (the README says so)
             want = np.asarray(want).astype(got.dtype)
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=name)
+
+
+def test_ci_runs_readme_command_2_exactly():
+    """`.ci/run` runs the README's command 2 character for character (issue #11 item 1)."""
+    text = README.read_text()
+    block = text[text.index("# 2. install the test extras"):]
+    command = block.splitlines()[1]
+    ci = (README.parent / ".ci" / "run").read_text().splitlines()
+    assert command == 'python -m pip install -e ".[test]" && python -m pytest'
+    assert command in ci, f".ci/run does not run {command!r}"
+    assert "set -euo pipefail" in ci
