@@ -47,6 +47,7 @@ class _PlaneF64(NamedTuple):
 
 
 _MAX_EXPONENT = 1000  # scaled scores are kept below 2**1000 (sums of a few stay finite)
+_MAX_EXPONENT_FLOAT32 = 100  # the same margin below float32's 2**128 (numba float32 kernels)
 
 
 def _scaled_products(q: np.ndarray, k: np.ndarray, scale: float):
@@ -103,13 +104,13 @@ def _plane_float64(spec: AttentionSpec, b: int, h: int) -> _PlaneF64:
             products = _scaled_products(q[overflow], k, spec.scale_float)
             raw[overflow] = np.ldexp(*products)
         scores = raw if spec.softcap is None else spec.softcap * np.tanh(raw / spec.softcap)
-        extra = np.zeros_like(scores)
+        extra = np.zeros_like(scores)  # bias + ALiBi, for the scaled rows
         if spec.bias is not None:
-            extra = extra + np.where(allowed, spec.bias[b, h], 0.0)
+            bias = np.where(allowed, spec.bias[b, h], 0.0)
+            scores, extra = scores + bias, extra + bias
         alibi = spec.alibi(h)
         if alibi is not None:
-            extra = extra + alibi
-        scores = scores + extra if spec.bias is not None or alibi is not None else scores
+            scores, extra = scores + alibi, extra + alibi
         exponent = None
         if products is not None and spec.softcap is None:
             exponent = np.zeros(scores.shape[:1] + (1,), dtype=int)
@@ -165,9 +166,9 @@ def _forward_float64(spec: AttentionSpec, return_weights: bool):
     return out, lse, weights
 
 
-def _check_numba_range(spec: AttentionSpec) -> None:
-    """The Numba kernels form ``s q.k`` directly: refuse inputs whose scores may exceed the
-    float64 range (they would turn into NaN) and say what handles them."""
+def _check_numba_range(spec: AttentionSpec, compute_dtype) -> None:
+    """The Numba kernels form ``s q.k`` directly in their compute dtype: refuse inputs whose
+    scores may exceed its range (they would turn into NaN) and say what handles them."""
     def top(x):
         x = np.abs(np.asarray(x, np.float64))
         return float(np.max(x, where=np.isfinite(x), initial=0.0))
@@ -175,12 +176,14 @@ def _check_numba_range(spec: AttentionSpec) -> None:
     dim = spec.q.shape[-1]
     with np.errstate(over="ignore"):
         largest = abs(spec.scale_float) * dim * top(spec.q) * top(spec.k)
-    if largest > 2.0**_MAX_EXPONENT:
+    wide = np.dtype(compute_dtype) == np.float64
+    if largest > 2.0 ** (_MAX_EXPONENT if wide else _MAX_EXPONENT_FLOAT32):
         reach = f"{largest:.3g}" if np.isfinite(largest) else "beyond 1.8e308"
         raise ValueError(
             f"q, k, scale: scores scale*q.k may reach {reach} (max |q| {top(spec.q):.3g}, "
             f"max |k| {top(spec.k):.3g}, D = {dim}), beyond what backend='numba' computes "
-            "without overflow; use backend='numpy' (rescales such rows) or precision='exact'")
+            f"without overflow in {np.dtype(compute_dtype).name}; use backend='numpy' "
+            "(float64, rescales such rows) or precision='exact'")
 
 
 # --------------------------------------------------------------------------------------
@@ -310,7 +313,7 @@ def attention(
                                       "never form the weights; use backend='numpy'")
         from . import kernels
 
-        _check_numba_range(spec)
+        _check_numba_range(spec, kernels.compute_dtype(spec.q.dtype))
         out, lse = kernels.attention(spec, return_lse=True)
         weights = None
     else:
@@ -447,7 +450,7 @@ def attention_vjp(
         if backend == "numba":
             from . import kernels
 
-            _check_numba_range(spec)
+            _check_numba_range(spec, kernels.compute_dtype(spec.q.dtype))
             dq, dk, dv, dbias = kernels.attention_vjp(spec, do, dl)
         else:
             dq, dk, dv, dbias = _vjp_float64(spec, do, dl)

@@ -98,8 +98,8 @@ def _mp_attention(q, k, v, scale, causal=False):
         s = 1 / mpmath.sqrt(len(q[0])) if scale is None else mpmath.mpf(scale)
         outs, lses = [], []
         for i, qi in enumerate(q):
-            row = [s * mpmath.fsum(mpmath.mpf(a) * mpmath.mpf(b) for a, b in zip(qi, kj,
-                                                                               strict=True))
+            row = [s * mpmath.fsum(mpmath.mpf(float(a)) * mpmath.mpf(float(b))
+                                   for a, b in zip(qi, kj, strict=True))
                    for j, kj in enumerate(k) if not causal or j <= i]
             if not row:
                 outs.append([mpmath.mpf(0)] * len(v[0]))
@@ -109,8 +109,9 @@ def _mp_attention(q, k, v, scale, causal=False):
             terms = [mpmath.exp(t - top) for t in row]
             total = mpmath.fsum(terms)
             lses.append(top + mpmath.log(total))
-            outs.append([mpmath.fsum(w * mpmath.mpf(v[j][e]) for j, w in enumerate(terms))
-                         / total for e in range(len(v[0]))])
+            outs.append([mpmath.fsum(w * mpmath.mpf(float(v[j][e]))
+                                     for j, w in enumerate(terms)) / total
+                         for e in range(len(v[0]))])
         return np.array(outs, dtype=object), np.array(lses, dtype=object)
 
 
@@ -280,6 +281,16 @@ def beyond_range_tries(rng):
                              lambda q=q, k=k, v=v: refattn.attention_vjp(
                                  q, k, v, np.ones((2, 2)), scale=1.0),
                              lambda g: all(np.isfinite(x).all() for x in g[:3])))
+    for size in (1e20, 1e30):  # float32 inputs: the numba kernels compute in float32
+        q = (rng.standard_normal((2, 3)) * size).astype(np.float32)
+        k = (rng.standard_normal((3, 3)) * size).astype(np.float32)
+        v = rng.standard_normal((3, 2)).astype(np.float32)
+        tries.append(Try(f"attention[numba] float32 q,k~{size:g}", ["q"],
+                         lambda q=q, k=k, v=v: refattn.attention(q, k, v, backend="numba"),
+                         lambda r: False))
+        tries.append(Try(f"attention[float64] float32 q,k~{size:g}", ["q"],
+                         lambda q=q, k=k, v=v: refattn.attention(q, k, v, return_lse=True),
+                         check_attention((q, k, v), dict(return_lse=True))))
     for scale_v in (TINY, 2 * TINY, 1e-310, 1e-320):
         q, k, _ = _base(rng)
         v = np.full((3, 2), scale_v) * rng.integers(1, 4, (3, 2))
