@@ -315,19 +315,21 @@ class _Model(NamedTuple):
     log_prior: np.ndarray | None
 
 
-def _model(q, keys, values, alpha, beta, prior, *, need_values=True):
-    q = finite_input(q, "q", 2)
-    keys = finite_input(keys, "keys", 2)
-    arrays = [("q", q), ("keys", keys)]
+def _model(q, keys, values, alpha, beta, prior, *, need_values=True, names=("q", "keys")):
+    """``names``: the caller's names for q and keys (e.g. queries, keys0), used in messages."""
+    q_name, keys_name = names
+    q = finite_input(q, q_name, 2)
+    keys = finite_input(keys, keys_name, 2)
+    arrays = [(q_name, q), (keys_name, keys)]
     if need_values:
         values = finite_input(values, "values", 2)
         arrays.append(("values", values))
         if values.shape[-2] != keys.shape[-2]:
-            raise ValueError(f"values: expected S = {keys.shape[-2]} rows (as keys "
+            raise ValueError(f"values: expected S = {keys.shape[-2]} rows (as {keys_name} "
                              f"{keys.shape}), got shape {values.shape}")
     if q.shape[-1] != keys.shape[-1]:
-        raise ValueError(f"keys: expected feature size D = {q.shape[-1]} (as q {q.shape}), "
-                         f"got shape {keys.shape}")
+        raise ValueError(f"{keys_name}: expected feature size D = {q.shape[-1]} (as {q_name} "
+                         f"{q.shape}), got shape {keys.shape}")
     batch = batch_of(arrays, [2] * len(arrays))
     units = keys.shape[-2]
     alpha_w, alpha_varies = unit_parameter(alpha, "alpha", batch, units)
@@ -367,7 +369,22 @@ def _sqdist64(x, y):
 
 
 def _query_logits64(m: _Model, q, keys):
-    """log p(u) + log p(q | u) up to terms constant over u: (..., L, S)."""
+    """log p(u) + log p(q | u) up to terms constant over u: (..., L, S).
+
+    Logits beyond the float64 range (e.g. alpha ~ 1e308) would turn into -inf/NaN and
+    silently wrong responsibilities: that is a ValueError naming alpha and beta instead.
+    """
+    try:
+        with np.errstate(over="raise", invalid="raise"):
+            return _query_logits64_unchecked(m, q, keys)
+    except FloatingPointError:
+        raise ValueError(
+            "alpha, beta: the log-responsibilities alpha/2 |q - k|^2 (and beta/2 |v|^2) "
+            f"exceed the float64 range (max alpha {float(np.max(m.alpha)):.3g}); the float64 "
+            "path cannot represent them") from None
+
+
+def _query_logits64_unchecked(m: _Model, q, keys):
     alpha = m.alpha[..., None, :]
     dim = q.shape[-1]
     if m.kind == "magnitude":
@@ -840,7 +857,8 @@ def adapt_keys(queries, keys0, *, alpha, gamma, prior="uniform", iters=1, form="
     """
     precision = _checks.precision(precision)
     form = _checks.choice(form, "form", KEY_FORMS)
-    m = _model(queries, keys0, None, alpha, 0.0, prior, need_values=False)
+    m = _model(queries, keys0, None, alpha, 0.0, prior, need_values=False,
+               names=("queries", "keys0"))
     iters = _iters(iters)
     batch, units = m.keys.shape[:-2], m.keys.shape[-2]
     gamma = _check_gamma(gamma, batch, units)
@@ -967,7 +985,8 @@ def adapt_priors(queries, keys, *, alpha, eta, pi0, iters=1, form="paper",
     """
     precision = _checks.precision(precision)
     form = _checks.choice(form, "form", PRIOR_FORMS)
-    m = _model(queries, keys, None, alpha, 0.0, "uniform", need_values=False)
+    m = _model(queries, keys, None, alpha, 0.0, "uniform", need_values=False,
+               names=("queries", "keys"))
     iters = _iters(iters)
     batch, units = m.keys.shape[:-2], m.keys.shape[-2]
     pi0 = _check_pi0(pi0, batch, units)

@@ -155,13 +155,13 @@ class DecoderParams:
 # ----------------------------------------------------------------------------- validation
 
 
-def _matrix(value, name, rows=None):
+def _matrix(value, name, rows=None, source="its input"):
     arr = _checks.float_array(value, name)
     if arr.ndim != 2:
         raise ValueError(f"{name}: expected a 2-D weight matrix, got shape {arr.shape}")
     if rows is not None and arr.shape[0] != rows:
         raise ValueError(
-            f"{name}: expected {rows} rows (the width of its input), got shape {arr.shape}"
+            f"{name}: expected {rows} rows (the width of {source}), got shape {arr.shape}"
         )
     return arr
 
@@ -199,9 +199,9 @@ def _check_attention(x_q, x_kv, p: AttentionParams) -> AttentionParams:
             f"num_heads: {heads} is not a multiple of num_kv_heads {kv_heads} (GQA needs H % K "
             "== 0)"
         )
-    W_Q = _matrix(p.W_Q, "W_Q", x_q.shape[-1])
-    W_K = _matrix(p.W_K, "W_K", x_kv.shape[-1])
-    W_V = _matrix(p.W_V, "W_V", x_kv.shape[-1])
+    W_Q = _matrix(p.W_Q, "W_Q", x_q.shape[-1], f"x_q {x_q.shape}")
+    W_K = _matrix(p.W_K, "W_K", x_kv.shape[-1], f"x_kv {x_kv.shape}")
+    W_V = _matrix(p.W_V, "W_V", x_kv.shape[-1], f"x_kv {x_kv.shape}")
     dim = _heads_of(W_Q.shape[1], heads, "W_Q", "D")
     if W_K.shape[1] != kv_heads * dim:
         raise ValueError(
@@ -220,8 +220,8 @@ def _check_attention(x_q, x_kv, p: AttentionParams) -> AttentionParams:
 
 def _check_ffn(x, p: FeedForwardParams) -> FeedForwardParams:
     _checks.choice(p.activation, "activation", ACTIVATIONS)
-    W1 = _matrix(p.W1, "W1", x.shape[-1])
-    W2 = _matrix(p.W2, "W2", W1.shape[1])
+    W1 = _matrix(p.W1, "W1", x.shape[-1], f"x {x.shape}")
+    W2 = _matrix(p.W2, "W2", W1.shape[1], f"the hidden layer: W1 {W1.shape}")
     return FeedForwardParams(
         W1, _vector(p.b1, "b1", W1.shape[1]), W2, _vector(p.b2, "b2", W2.shape[1]), p.activation
     )

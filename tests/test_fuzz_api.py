@@ -432,6 +432,23 @@ def variant_tries(rng):
         "hopfield.retrieve": (lambda **kw: hopfield.retrieve(
             kw.pop("xi", np.array([[3.0, 0.0]])), kw.pop("X", np.eye(2)),
             beta=kw.pop("beta", 8.0), **kw), ["xi", "X"], ["beta", "steps"]),
+        "gmm.adapt_keys": (lambda **kw: gmm.adapt_keys(
+            kw.pop("queries", np.array([[2.0, 0.0]])), kw.pop("keys0", np.array([[0.0, 0.0]])),
+            alpha=kw.pop("alpha", 1.0), gamma=kw.pop("gamma", 1.0), **kw),
+            ["queries", "keys0"], ["alpha", "gamma", "iters"]),
+        "mgk.em_update_pi": (lambda **kw: mgk.em_update_pi(
+            kw.pop("q", np.array([[0.0], [0.0]])), kw.pop("keys", np.array([[[0.0], [50.0]]])),
+            log_pi=kw.pop("log_pi", np.log(np.array([[0.5, 0.5]]))),
+            sigma2=kw.pop("sigma2", 1.0), **kw).pi, ["q", "keys", "log_pi"], ["sigma2"]),
+        "mgk.linear_attention": (lambda **kw: mgk.linear_attention(
+            kw.pop("q", np.zeros((1, 1))), kw.pop("keys", np.array([[[0.0]], [[1.0]]])),
+            kw.pop("v", np.array([[0.0], [3.0]])), pi=kw.pop("pi", np.ones((2, 1))), **kw),
+            ["q", "keys", "v", "pi"], []),
+        "sinusoidal_positions": (lambda **kw: T.sinusoidal_positions(
+            kw.pop("length", 2), kw.pop("dim", 2), **kw), [], ["length", "dim", "base"]),
+        "feed_forward": (lambda **kw: T.feed_forward(
+            kw.pop("x", np.array([[1.0, -1.0]])), kw.pop("W1", np.eye(2)), None,
+            kw.pop("W2", np.eye(2)), None, **kw), ["x", "W1", "W2"], []),
         "hopfield.energy": (lambda **kw: hopfield.energy(
             kw.pop("xi", np.array([[1.0, 0.0]])), kw.pop("X", np.eye(2)),
             beta=kw.pop("beta", 1.0), **kw), ["xi", "X"], ["beta"]),
@@ -445,7 +462,7 @@ def variant_tries(rng):
                                  finite_or_exact(call, {name: value})))
         for name in scalars:
             for bad, value in SCALAR_BAD.items():
-                if name == "steps" and bad in ("10**400", "huge"):
+                if name in ("steps", "iters", "length", "dim") and bad in ("10**400", "huge"):
                     continue  # a huge iteration count is valid and runs as asked
                 tries.append(Try(f"{label} {name}={bad}", [name],
                                  lambda c=call, n=name, v=value: c(**{n: v}),
