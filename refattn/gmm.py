@@ -685,8 +685,10 @@ def attention(q, keys, values, *, alpha, beta=0.0, prior="uniform", v_init=None,
     if precision == "float64":
         m = _float64(m)
     if precision == "float64" and backend == "numba":
+        from .kernels import announce_compile, variants
         from .kernels.variants import gmm_attention
 
+        announce_compile(variants, names="gmm")
         v, trace, done = gmm_attention(m, v_init, iters, tol, return_trace)
         return GMMResult(v, trace, done) if return_trace else v
     if precision == "float64":

@@ -326,8 +326,10 @@ def attention(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=Fa
     sigma2, sigma_varies = _sigma2(sigma2, comp_shape)
     log_pi, _ = _log_pi(log_pi, comp_shape)
     if backend == "numba":
+        from .kernels import announce_compile, variants
         from .kernels.variants import mgk_attention
 
+        announce_compile(variants, names="mgk")
         return mgk_attention(q, keys, v, log_pi=log_pi, sigma2=sigma2, sigma_varies=sigma_varies,
                              mode=mode, normalized=normalized, mask=mask, causal=causal,
                              window=window, align=align)
