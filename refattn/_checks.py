@@ -15,7 +15,7 @@ def float_array(x, name: str, *, ndim_min: int = 0) -> np.ndarray:
     """``x`` as a NumPy array of a supported float dtype (no copy when already one)."""
     if x is None:
         raise TypeError(f"{name}: expected an array, got None")
-    arr = np.asarray(x)
+    arr = as_array(x, name)
     if arr.dtype.name not in FLOAT_DTYPES:
         raise TypeError(
             f"{name}: expected a float array ({', '.join(FLOAT_DTYPES)}), "
@@ -28,13 +28,31 @@ def float_array(x, name: str, *, ndim_min: int = 0) -> np.ndarray:
     return arr
 
 
+def as_array(x, name: str) -> np.ndarray:
+    """``np.asarray(x)``, with NumPy's conversion errors (ragged lists, ...) naming ``name``."""
+    try:
+        return np.asarray(x)
+    except (ValueError, TypeError, OverflowError) as error:
+        raise ValueError(
+            f"{name}: expected a rectangular array, got a {type(x).__name__} NumPy cannot "
+            f"convert ({error})"
+        ) from None
+
+
+def axis(value, name: str = "axis") -> int:
+    """An integer axis (bool and non-integers are a TypeError naming the argument)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an int, got {value!r}")
+    return int(value)
+
+
 def as_float64(arr: np.ndarray) -> np.ndarray:
     """Exact widening of any supported float array to float64."""
     return np.asarray(arr, dtype=np.float64)
 
 
 def bool_array(x, name: str) -> np.ndarray:
-    arr = np.asarray(x)
+    arr = as_array(x, name)
     if arr.dtype != np.bool_:
         raise TypeError(
             f"{name}: expected a boolean array (True = attend/keep), "
@@ -58,13 +76,23 @@ def real_scalar(value, name: str, *, positive: bool = False, allow_none: bool = 
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         if not (isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind == "f"):
-            raise TypeError(f"{name}: expected a real number, got {value!r}")
-    value = float(value)
+            raise TypeError(f"{name}: expected a real number, got {_short(value)}")
+    try:
+        value = float(value)
+    except OverflowError:
+        raise ValueError(f"{name}: expected a number within the float64 range (|x| < 1.8e308), "
+                         f"got {_short(value)}") from None
     if not np.isfinite(value):
         raise ValueError(f"{name}: expected a finite number, got {value!r}")
     if positive and value <= 0:
         raise ValueError(f"{name}: expected a positive number, got {value!r}")
     return value
+
+
+def _short(value) -> str:
+    """repr of a value, shortened (a 400-digit int is not a useful message)."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:25]}...{text[-10:]} ({len(text)} chars)"
 
 
 def iteration_tol(tol, precision: str, counted: str):
@@ -99,7 +127,7 @@ def out_dtype(value, default="float64") -> np.dtype:
         value = default
     try:
         dt = np.dtype(value)
-    except TypeError:
+    except (TypeError, ValueError):
         raise TypeError(f"out_dtype: expected a float dtype, got {value!r}") from None
     if dt.name not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype: expected one of {list(FLOAT_DTYPES)}, got {dt.name}")

@@ -125,6 +125,8 @@ def _check_core_shapes(q, k, v):
         raise ValueError(
             f"v: expected (..., {kv_heads}, {keys}, E) to match k {k.shape}, got {v.shape}"
         )
+    if kv_heads == 0:
+        raise ValueError(f"k: expected at least one kv head (K >= 1), got k {k.shape}")
     if heads % kv_heads:
         raise ValueError(
             f"q: {heads} query heads is not a multiple of k's {kv_heads} kv heads "
@@ -175,7 +177,7 @@ def canonicalize(
     drop_flat, _ = _plane_array(dropout_mask, "dropout_mask", batch_shape, plane, "bool")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, int | float | np.floating):
         raise TypeError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
-    if not 0.0 <= float(dropout_p) < 1.0:
+    if not 0.0 <= dropout_p < 1.0:  # compared exactly (a huge int does not overflow)
         raise ValueError(f"dropout_p: expected a value in [0, 1), got {dropout_p!r}")
     if dropout_p > 0 and dropout_mask is None:
         raise ValueError(

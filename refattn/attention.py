@@ -47,6 +47,47 @@ class _PlaneF64(NamedTuple):
     lse: np.ndarray  # (L,)
 
 
+_MAX_EXPONENT = 1000  # scaled scores are kept below 2**1000 (sums of a few stay finite)
+_MAX_EXPONENT_FLOAT32 = 100  # the same margin below float32's 2**128 (numba float32 kernels)
+
+
+def _scaled_products(q: np.ndarray, k: np.ndarray, scale: float):
+    """(p, E) with ``scale * q_i . k_j = p_ij * 2**E_ij`` and |p_ij| <= D: no overflow.
+
+    q's rows and k's rows are scaled by powers of two (exact unless a component underflows,
+    which moves the dot product by far less than the rounding of its largest terms).
+    """
+    with np.errstate(invalid="ignore"):
+        q_exp = np.frexp(np.max(np.abs(q), axis=1, initial=0.0))[1]
+        k_exp = np.frexp(np.max(np.abs(k), axis=1, initial=0.0))[1]
+    mantissa, s_exp = np.frexp(scale)
+    with np.errstate(invalid="ignore", over="ignore"):  # non-finite excluded keys
+        p = mantissa * (np.ldexp(q, -q_exp[:, None]) @ np.ldexp(k, -k_exp[:, None]).T)
+    return p, q_exp[:, None] + k_exp[None, :] + int(s_exp)
+
+
+def _scaled_scores(p, exps, extra, allowed):
+    """Scores ``p * 2**E + extra`` of rows beyond the float64 range as (t, c) with
+    ``scores = t * 2**c`` row-wise, c >= 0 chosen from the row's max so that the entries near
+    the max keep full precision (far smaller entries may flush to -inf: their weight is 0).
+    """
+    dim_bits = int(np.max(np.abs(p), initial=1.0)).bit_length() + 1
+    top_exp = np.max(np.where(allowed, exps, np.iinfo(np.int64).min // 4), axis=1,
+                     keepdims=True)
+    with np.errstate(over="ignore", invalid="ignore"):
+        c0 = np.maximum(top_exp + dim_bits - _MAX_EXPONENT, 0)
+        t0 = np.where(allowed, np.ldexp(p, exps - c0) + np.ldexp(extra, -c0), -np.inf)
+        best = np.argmax(t0, axis=1)[:, None]
+        direct = np.take_along_axis(np.ldexp(p, exps) + extra, best, axis=1)
+        m0 = np.take_along_axis(t0, best, axis=1)
+        c = np.where(np.isfinite(direct),
+                     np.maximum(np.frexp(np.where(np.isfinite(direct), direct, 1.0))[1]
+                                - _MAX_EXPONENT, 0),
+                     np.frexp(np.where(np.isfinite(m0), m0, 1.0))[1] + c0 - _MAX_EXPONENT)
+        c = np.maximum(c, 0)
+        return np.ldexp(p, exps - c) + np.ldexp(extra, -c), c
+
+
 def _plane_float64(spec: AttentionSpec, b: int, h: int) -> _PlaneF64:
     g = spec.kv_head[h]
     q = np.asarray(spec.q[b, h], dtype=np.float64)
@@ -54,15 +95,31 @@ def _plane_float64(spec: AttentionSpec, b: int, h: int) -> _PlaneF64:
     allowed = spec.allowed(b, h)
     with np.errstate(invalid="ignore", over="ignore"):  # poison at excluded keys is dropped
         raw = spec.scale_float * (q @ k.T)
+        # finite inputs whose score overflowed (or whose products overflowed inside the dot
+        # product): those rows are recomputed in a scaled form below
+        finite_pair = np.isfinite(q).all(axis=1)[:, None] & np.isfinite(k).all(axis=1)[None, :]
+        overflow = (~np.isfinite(raw) & allowed & finite_pair).any(axis=1) & (
+            (finite_pair | ~allowed).all(axis=1))
+        products = None
+        if overflow.any():
+            products = _scaled_products(q[overflow], k, spec.scale_float)
+            raw[overflow] = np.ldexp(*products)
         scores = raw if spec.softcap is None else spec.softcap * np.tanh(raw / spec.softcap)
+        extra = np.zeros_like(scores)  # bias + ALiBi, for the scaled rows
         if spec.bias is not None:
-            scores = scores + np.where(allowed, spec.bias[b, h], 0.0)
+            bias = np.where(allowed, spec.bias[b, h], 0.0)
+            scores, extra = scores + bias, extra + bias
         alibi = spec.alibi(h)
         if alibi is not None:
-            scores = scores + alibi
-        lse, weights = masked_softmax(np.where(allowed, scores, 0.0), allowed)
+            scores, extra = scores + alibi, extra + alibi
+        exponent = None
+        if products is not None and spec.softcap is None:
+            exponent = np.zeros(scores.shape[:1] + (1,), dtype=int)
+            scores[overflow], exponent[overflow] = _scaled_scores(
+                *products, extra[overflow], allowed[overflow])
+        lse, weights = masked_softmax(np.where(allowed, scores, 0.0), allowed, exponent)
     # an infinite score (Inf in q or in an allowed key) makes its row NaN, as on the exact path
-    bad = (np.isinf(scores) & allowed).any(axis=1)
+    bad = (np.isinf(scores) & allowed).any(axis=1) & ~overflow
     if bad.any():
         lse[bad] = np.nan
         weights[bad] = np.where(allowed[bad], np.nan, 0.0)
@@ -110,6 +167,26 @@ def _forward_float64(spec: AttentionSpec, return_weights: bool):
     return out, lse, weights
 
 
+def _check_numba_range(spec: AttentionSpec, compute_dtype) -> None:
+    """The Numba kernels form ``s q.k`` directly in their compute dtype: refuse inputs whose
+    scores may exceed its range (they would turn into NaN) and say what handles them."""
+    def top(x):
+        x = np.abs(np.asarray(x, np.float64))
+        return float(np.max(x, where=np.isfinite(x), initial=0.0))
+
+    dim = spec.q.shape[-1]
+    with np.errstate(over="ignore"):
+        largest = abs(spec.scale_float) * dim * top(spec.q) * top(spec.k)
+    wide = np.dtype(compute_dtype) == np.float64
+    if largest > 2.0 ** (_MAX_EXPONENT if wide else _MAX_EXPONENT_FLOAT32):
+        reach = f"{largest:.3g}" if np.isfinite(largest) else "beyond 1.8e308"
+        raise ValueError(
+            f"q, k, scale: scores scale*q.k may reach {reach} (max |q| {top(spec.q):.3g}, "
+            f"max |k| {top(spec.k):.3g}, D = {dim}), beyond what backend='numba' computes "
+            f"without overflow in {np.dtype(compute_dtype).name}; use backend='numpy' "
+            "(float64, rescales such rows) or precision='exact'")
+
+
 # --------------------------------------------------------------------------------------
 # public forward
 # --------------------------------------------------------------------------------------
@@ -149,7 +226,8 @@ def attention(
     causal : bool
         Allow only j <= i + o.
     window : (left, right), optional
-        Allow only i + o - left <= j <= i + o + right; None on a side means unbounded.
+        Allow only i + o - left <= j <= i + o + right; None on a side means unbounded (so
+        does any size >= 2**62, which is capped there).
     align : {"top_left", "bottom_right"}
         o = 0 (torch ``is_causal``) or o = S - L (FlashAttention >= 2.1, torch
         ``causal_lower_right``).
@@ -182,7 +260,7 @@ def attention(
         to ``out_dtype`` (Ziv loop).
     out_dtype : dtype, optional
         Exact path: float64 (default), float32, float16 or bfloat16. The float64 path
-        returns float64.
+        returns float64 (the argument is still checked: anything else is a TypeError).
     backend : {"numpy", "numba"}
         "numba" runs the deterministic Numba CPU kernels (float64 path only; float32 inputs
         compute in float32).
@@ -197,6 +275,13 @@ def attention(
     bias never reaches the output. NaN (or Inf) in q, or in k at an allowed position, makes
     the rows it touches NaN; a NaN value at a kept position makes that output element NaN.
 
+    Finite inputs whose scores exceed the float64 range (``|s q.k|`` above about 1.8e308, e.g.
+    q, k ~ 1e200): the float64 path recomputes those rows with q, k and s scaled by powers of
+    two and the scores kept as ``t * 2**c`` per row, so the weights stay a convex combination
+    (within the stated bound, which is then the convex-combination bound of
+    :mod:`refattn.bounds`) and lse is finite or +-inf as its exact value rounds.
+    ``backend="numba"`` raises a ValueError for such inputs instead.
+
     Examples
     --------
     >>> import numpy as np, refattn
@@ -209,6 +294,7 @@ def attention(
     """
     _checks.precision(precision)
     _checks.choice(backend, "backend", BACKENDS)
+    _checks.out_dtype(out_dtype)  # validated on every path (the float64 path returns float64)
     spec = canonicalize(
         q, k, v, scale=scale, bias=bias, mask=mask, causal=causal, window=window,
         align=align, softcap=softcap, alibi_slopes=alibi_slopes, gqa=gqa,
@@ -228,6 +314,7 @@ def attention(
                                       "never form the weights; use backend='numpy'")
         from . import kernels
 
+        _check_numba_range(spec, kernels.compute_dtype(spec.q.dtype))
         out, lse = kernels.attention(spec, return_lse=True)
         weights = None
     else:
@@ -328,6 +415,7 @@ def attention_vjp(
     """
     _checks.precision(precision)
     _checks.choice(backend, "backend", BACKENDS)
+    _checks.out_dtype(out_dtype)  # validated on every path (the float64 path returns float64)
     spec = canonicalize(
         q, k, v, scale=scale, bias=bias, mask=mask, causal=causal, window=window,
         align=align, softcap=softcap, alibi_slopes=alibi_slopes, gqa=gqa,
@@ -349,6 +437,7 @@ def attention_vjp(
         if backend == "numba":
             from . import kernels
 
+            _check_numba_range(spec, kernels.compute_dtype(spec.q.dtype))
             dq, dk, dv, dbias = kernels.attention_vjp(spec, do, dl)
         else:
             dq, dk, dv, dbias = _vjp_float64(spec, do, dl)

@@ -77,7 +77,11 @@ def unit_parameter(value, name, batch, units, *, allow_zero=False, allow_inf=Fal
         if isinstance(value, bool) or not isinstance(value, int | float | np.floating | np.integer):
             raise TypeError(f"{name}: expected a real number or a float array (..., S), "
                             f"got {value!r}")
-        arr = np.asarray(float(value))
+        try:
+            arr = np.asarray(float(value))
+        except OverflowError:
+            raise ValueError(f"{name}: expected a number within the float64 range, got an "
+                             f"int of {len(str(abs(value)))} digits") from None
     else:
         arr = _checks.float_array(value, name)
     wide = _checks.as_float64(arr)
@@ -145,19 +149,21 @@ class _Model(NamedTuple):
     log_prior: np.ndarray | None
 
 
-def _model(q, keys, values, alpha, beta, prior, *, need_values=True):
-    q = _checks.finite_array(q, "q", 2)
-    keys = _checks.finite_array(keys, "keys", 2)
-    arrays = [("q", q), ("keys", keys)]
+def _model(q, keys, values, alpha, beta, prior, *, need_values=True, names=("q", "keys")):
+    """``names``: the caller's names for q and keys (e.g. queries, keys0), used in messages."""
+    q_name, keys_name = names
+    q = _checks.finite_array(q, q_name, 2)
+    keys = _checks.finite_array(keys, keys_name, 2)
+    arrays = [(q_name, q), (keys_name, keys)]
     if need_values:
         values = _checks.finite_array(values, "values", 2)
         arrays.append(("values", values))
         if values.shape[-2] != keys.shape[-2]:
-            raise ValueError(f"values: expected S = {keys.shape[-2]} rows (as keys "
+            raise ValueError(f"values: expected S = {keys.shape[-2]} rows (as {keys_name} "
                              f"{keys.shape}), got shape {values.shape}")
     if q.shape[-1] != keys.shape[-1]:
-        raise ValueError(f"keys: expected feature size D = {q.shape[-1]} (as q {q.shape}), "
-                         f"got shape {keys.shape}")
+        raise ValueError(f"{keys_name}: expected feature size D = {q.shape[-1]} (as {q_name} "
+                         f"{q.shape}), got shape {keys.shape}")
     batch = batch_of(arrays, [2] * len(arrays))
     units = keys.shape[-2]
     alpha_w, alpha_varies = unit_parameter(alpha, "alpha", batch, units)
@@ -197,7 +203,22 @@ def _sqdist64(x, y):
 
 
 def _query_logits64(m: _Model, q, keys):
-    """log p(u) + log p(q | u) up to terms constant over u: (..., L, S)."""
+    """log p(u) + log p(q | u) up to terms constant over u: (..., L, S).
+
+    Logits beyond the float64 range (e.g. alpha ~ 1e308) would turn into -inf/NaN and
+    silently wrong responsibilities: that is a ValueError naming alpha and beta instead.
+    """
+    try:
+        with np.errstate(over="raise", invalid="raise"):
+            return _query_logits64_unchecked(m, q, keys)
+    except FloatingPointError:
+        raise ValueError(
+            "alpha, beta: the log-responsibilities alpha/2 |q - k|^2 (and beta/2 |v|^2) "
+            f"exceed the float64 range (max alpha {float(np.max(m.alpha)):.3g}); the float64 "
+            "path cannot represent them") from None
+
+
+def _query_logits64_unchecked(m: _Model, q, keys):
     alpha = m.alpha[..., None, :]
     dim = q.shape[-1]
     if m.kind == "magnitude":
@@ -387,8 +408,10 @@ def attention(q, keys, values, *, alpha, beta=0.0, prior="uniform", v_init=None,
     if precision == "float64":
         m = _float64(m)
     if precision == "float64" and backend == "numba":
+        from .kernels import announce_compile, variants
         from .kernels.variants import gmm_attention
 
+        announce_compile(variants, names="gmm")
         v, trace, done = gmm_attention(m, v_init, iters, tol, return_trace)
         return GMMResult(v, trace, done) if return_trace else v
     if precision == "float64":
@@ -544,7 +567,8 @@ def adapt_keys(queries, keys0, *, alpha, gamma, prior="uniform", iters=1, form="
     """
     precision = _checks.precision(precision)
     form = _checks.choice(form, "form", KEY_FORMS)
-    m = _model(queries, keys0, None, alpha, 0.0, prior, need_values=False)
+    m = _model(queries, keys0, None, alpha, 0.0, prior, need_values=False,
+               names=("queries", "keys0"))
     iters = _iters(iters)
     batch, units = m.keys.shape[:-2], m.keys.shape[-2]
     gamma = _check_gamma(gamma, batch, units)
@@ -639,7 +663,8 @@ def adapt_priors(queries, keys, *, alpha, eta, pi0, iters=1, form="paper",
     """
     precision = _checks.precision(precision)
     form = _checks.choice(form, "form", PRIOR_FORMS)
-    m = _model(queries, keys, None, alpha, 0.0, "uniform", need_values=False)
+    m = _model(queries, keys, None, alpha, 0.0, "uniform", need_values=False,
+               names=("queries", "keys"))
     iters = _iters(iters)
     batch, units = m.keys.shape[:-2], m.keys.shape[-2]
     pi0 = _check_pi0(pi0, batch, units)

@@ -63,10 +63,12 @@ def _inputs(xi, patterns, beta):
 
 def _energy64(xi, patterns, beta, constant):
     scores = beta * (xi @ np.swapaxes(patterns, -1, -2))
-    value = 0.5 * np.einsum("...ld,...ld->...l", xi, xi) - logsumexp(scores, axis=-1) / beta
-    if constant:
-        norms = np.einsum("...sd,...sd->...s", patterns, patterns).max(axis=-1)
-        value = value + (np.log(patterns.shape[-2]) / beta + 0.5 * norms)[..., None]
+    # lse / beta beyond the float64 range (beta near 0) is +-inf, as the exact path rounds it
+    with np.errstate(over="ignore"):
+        value = 0.5 * np.einsum("...ld,...ld->...l", xi, xi) - logsumexp(scores, axis=-1) / beta
+        if constant:
+            norms = np.einsum("...sd,...sd->...s", patterns, patterns).max(axis=-1)
+            value = value + (np.log(patterns.shape[-2]) / beta + 0.5 * norms)[..., None]
     return value
 
 

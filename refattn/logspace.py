@@ -23,6 +23,14 @@ __all__ = ["logsumexp", "softmax", "log_softmax", "masked_logsumexp", "masked_so
 
 
 def _prepare(x, axis, where):
+    """(x with the reduction axis last, allowed mask); axis=None flattens x (and where)."""
+    if axis is None:
+        x = _checks.float_array(x, "x")
+        if where is not None:
+            where = _checks.broadcast(_checks.bool_array(where, "where"), x.shape, "where", "x")
+            where = np.reshape(where, -1)
+        x, axis = np.reshape(x, -1), 0
+    axis = _checks.axis(axis)
     x = _checks.as_float64(_checks.float_array(x, "x", ndim_min=1))
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis: {axis} is out of range for x of shape {x.shape}")
@@ -36,10 +44,16 @@ def _prepare(x, axis, where):
     return x, np.asarray(allowed)
 
 
-def masked_softmax(x: np.ndarray, allowed: np.ndarray):
+def masked_softmax(x: np.ndarray, allowed: np.ndarray, exponent=None):
     """Row-wise (lse, weights) over the last axis in float64: the float64 path of
     :func:`softmax` and :func:`logsumexp` on a float64 ``x`` and a bool ``allowed`` of its
     shape (no validation).
+
+    ``exponent`` (optional, per row, the shape of ``x[..., :1]``): the row's entries are
+    ``x * 2**exponent`` (scores beyond the float64 range kept in a scaled form); the
+    differences to the max are unscaled before exponentiation (they overflow to -inf only
+    where the weight is 0) and lse is ``2**exponent * max + log1p(rest)`` (+-inf when its
+    magnitude exceeds the float64 range).
 
     With m the row max (over allowed entries) and s = sum_{j != argmax} e^{x_j - m}:
     lse = m + log1p(s) (Blanchard, Higham & Higham 2021, Algorithm 4.1) and the weights are
@@ -60,10 +74,15 @@ def masked_softmax(x: np.ndarray, allowed: np.ndarray):
     top = np.take_along_axis(masked, top_index, axis=-1)
     finite_top = np.where(np.isfinite(top), top, 0.0)
     with np.errstate(invalid="ignore", over="ignore"):
-        terms = np.where(allowed, np.exp(masked - finite_top), 0.0)
+        shifted = masked - finite_top
+        if exponent is not None:
+            shifted = np.ldexp(shifted, exponent)
+        terms = np.where(allowed, np.exp(shifted), 0.0)
     np.put_along_axis(terms, top_index, 0.0, axis=-1)  # the max term is the "1" of log1p
     rest = terms.sum(axis=-1)
-    lse = top[..., 0] + np.log1p(rest)
+    with np.errstate(over="ignore"):
+        top_value = top[..., 0] if exponent is None else np.ldexp(top[..., 0], exponent[..., 0])
+    lse = top_value + np.log1p(rest)
     np.put_along_axis(terms, top_index, np.where(np.isfinite(top), 1.0, 0.0), axis=-1)
     with np.errstate(invalid="ignore"):
         weights = terms / (1.0 + rest)[..., None]
@@ -93,8 +112,8 @@ def logsumexp(x, axis=-1, where=None, *, precision="float64", out_dtype=None):
     Parameters
     ----------
     x : array_like, float (float16, bfloat16, float32, float64)
-    axis : int
-        Reduction axis.
+    axis : int or None
+        Reduction axis; None reduces over all elements (as NumPy does).
     where : array_like of bool, optional
         Entries to include (broadcastable to x). Excluded entries are removed from the sum.
     precision : {"float64", "exact"}
@@ -106,7 +125,8 @@ def logsumexp(x, axis=-1, where=None, *, precision="float64", out_dtype=None):
 
     Returns
     -------
-    ndarray with ``axis`` removed. -inf for slices with no included entry; +inf when an
+    ndarray with ``axis`` removed (a 0-d array for ``axis=None``). -inf for slices with no
+    included entry (an empty axis included); +inf when an
     included entry is +inf; NaN when an included entry is NaN.
 
     Examples
@@ -120,14 +140,25 @@ def logsumexp(x, axis=-1, where=None, *, precision="float64", out_dtype=None):
     precision = _checks.precision(precision)
     x2, allowed = _prepare(x, axis, where)
     if precision == "float64":
+        _checks.out_dtype(out_dtype)  # validated (the float64 path returns float64)
         return masked_logsumexp(x2, allowed)
-    return exact.logsumexp(x2, allowed, _checks.out_dtype(out_dtype))
+    dtype = _checks.out_dtype(out_dtype)
+    if x2.size == 0:  # no rows, or empty rows: the empty sum's log is -inf
+        return np.full(x2.shape[:-1], -np.inf, dtype=dtype)
+    return exact.logsumexp(x2, allowed, dtype)
 
 
 def _softmax(x, axis, where, precision, out_dtype, log: bool):
     precision = _checks.precision(precision)
+    x = _checks.float_array(x, "x")
+    shape = x.shape
     x2, allowed = _prepare(x, axis, where)
+    axis = -1 if axis is None else axis
+    if x2.size == 0:  # softmax of nothing is nothing
+        dtype = np.float64 if precision == "float64" else _checks.out_dtype(out_dtype)
+        return np.moveaxis(np.zeros(x2.shape, dtype=dtype), -1, axis).reshape(shape)
     if precision == "float64":
+        _checks.out_dtype(out_dtype)
         lse, weights = masked_softmax(x2, allowed)
         if log:
             finite = np.where(np.isfinite(lse), lse, 0.0)[..., None]
@@ -138,7 +169,7 @@ def _softmax(x, axis, where, precision, out_dtype, log: bool):
             result = weights
     else:
         result = exact.softmax(x2, allowed, _checks.out_dtype(out_dtype), log=log)
-    return np.moveaxis(result, -1, axis)
+    return np.moveaxis(result, -1, axis).reshape(shape)
 
 
 def softmax(x, axis=-1, where=None, *, precision="float64", out_dtype=None):

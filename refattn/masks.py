@@ -28,6 +28,9 @@ def offset_of(align: str, length: int, keys: int) -> int:
     return 0 if align == "top_left" else keys - length
 
 
+WINDOW_CAP = 2**62  # larger than any array axis (int64 index arithmetic stays exact)
+
+
 def check_window(window):
     """Validate ``window=(left, right)``: non-negative ints or None (unbounded side)."""
     if window is None:
@@ -43,7 +46,9 @@ def check_window(window):
             raise TypeError(f"window: {name} size must be an int or None, got {side!r}")
         if side < 0:
             raise ValueError(f"window: {name} size must be >= 0, got {side}")
-        sides.append(int(side))
+        # any size beyond every index difference is the same window; capping it keeps the
+        # index arithmetic in int64 (a size of 2**70 is valid and means "unbounded")
+        sides.append(min(int(side), WINDOW_CAP))
     return tuple(sides)
 
 

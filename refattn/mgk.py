@@ -153,7 +153,8 @@ def _pi(pi, shape):
 def _component_terms64(q, keys, log_pi, sigma2, sigma_varies, mode, normalized):
     """Per-component log terms (..., L, S, R), up to terms constant over (j, r)."""
     diff = q[..., :, None, None, :] - keys[..., None, :, :, :]
-    terms = -np.einsum("...lsrd,...lsrd->...lsr", diff, diff) / (2 * sigma2[..., None, :, :])
+    with np.errstate(over="ignore"):  # beyond the range: -inf terms weigh 0 (see the notes)
+        terms = -np.einsum("...lsrd,...lsrd->...lsr", diff, diff) / (2 * sigma2[..., None, :, :])
     if mode == "soft":
         terms = terms + log_pi[..., None, :, :]
     if normalized and sigma_varies:
@@ -249,13 +250,17 @@ def attention(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=Fa
     if _checks.choice(backend, "backend", BACKENDS) == "numba" and precision != "float64":
         raise ValueError("backend: 'numba' runs the float64 path only; pass "
                          "precision='float64' or backend='numpy'")
+    if v is None:
+        raise TypeError("v: expected a float array (..., S, E), got None")
     q, keys, v, batch = _inputs(q, keys, v)
     comp_shape = batch + keys.shape[-3:-1]
     sigma2, sigma_varies = _sigma2(sigma2, comp_shape)
     log_pi, _ = _log_pi(log_pi, comp_shape)
     if backend == "numba":
+        from .kernels import announce_compile, variants
         from .kernels.variants import mgk_attention
 
+        announce_compile(variants, names="mgk")
         return mgk_attention(q, keys, v, log_pi=log_pi, sigma2=sigma2, sigma_varies=sigma_varies,
                              mode=mode, normalized=normalized, mask=mask, causal=causal,
                              window=window, align=align)
@@ -408,6 +413,8 @@ def linear_attention(q, keys, v, *, pi, feature_map="elu+1", causal=False, preci
     """
     precision = _checks.precision(precision)
     _checks.choice(feature_map, "feature_map", FEATURE_MAPS)
+    if v is None:
+        raise TypeError("v: expected a float array (..., S, E), got None")
     q, keys, v, batch = _inputs(q, keys, v)
     pi = _pi(pi, batch + keys.shape[-3:-1])
     for name, arr in (("q", q), ("keys", keys), ("v", v)):

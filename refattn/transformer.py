@@ -152,13 +152,13 @@ class DecoderParams:
 # ----------------------------------------------------------------------------- validation
 
 
-def _matrix(value, name, rows=None):
+def _matrix(value, name, rows=None, source="its input"):
     arr = _checks.float_array(value, name)
     if arr.ndim != 2:
         raise ValueError(f"{name}: expected a 2-D weight matrix, got shape {arr.shape}")
     if rows is not None and arr.shape[0] != rows:
         raise ValueError(
-            f"{name}: expected {rows} rows (the width of its input), got shape {arr.shape}"
+            f"{name}: expected {rows} rows (the width of {source}), got shape {arr.shape}"
         )
     return arr
 
@@ -178,10 +178,11 @@ def _count(value, name):
     return int(value)
 
 
-def _heads_of(cols, heads, name, what):
+def _heads_of(cols, heads, name, what, heads_name="num_heads"):
     if cols % heads:
         raise ValueError(
-            f"{name}: {cols} columns do not split into {heads} heads ({what} = columns / heads)"
+            f"{name}: {cols} columns do not split into {heads_name} = {heads} heads ({what} = "
+            "columns / heads)"
         )
     return cols // heads
 
@@ -195,16 +196,16 @@ def _check_attention(x_q, x_kv, p: AttentionParams) -> AttentionParams:
             f"num_heads: {heads} is not a multiple of num_kv_heads {kv_heads} (GQA needs H % K "
             "== 0)"
         )
-    W_Q = _matrix(p.W_Q, "W_Q", x_q.shape[-1])
-    W_K = _matrix(p.W_K, "W_K", x_kv.shape[-1])
-    W_V = _matrix(p.W_V, "W_V", x_kv.shape[-1])
+    W_Q = _matrix(p.W_Q, "W_Q", x_q.shape[-1], f"x_q {x_q.shape}")
+    W_K = _matrix(p.W_K, "W_K", x_kv.shape[-1], f"x_kv {x_kv.shape}")
+    W_V = _matrix(p.W_V, "W_V", x_kv.shape[-1], f"x_kv {x_kv.shape}")
     dim = _heads_of(W_Q.shape[1], heads, "W_Q", "D")
     if W_K.shape[1] != kv_heads * dim:
         raise ValueError(
             f"W_K: expected {kv_heads * dim} columns (num_kv_heads {kv_heads} x D {dim} from "
             f"W_Q {W_Q.shape}), got shape {W_K.shape}"
         )
-    vdim = _heads_of(W_V.shape[1], kv_heads, "W_V", "E")
+    vdim = _heads_of(W_V.shape[1], kv_heads, "W_V", "E", "num_kv_heads")
     W_O = _matrix(p.W_O, "W_O", heads * vdim)
     return AttentionParams(
         W_Q, W_K, W_V, W_O,
@@ -216,8 +217,8 @@ def _check_attention(x_q, x_kv, p: AttentionParams) -> AttentionParams:
 
 def _check_ffn(x, p: FeedForwardParams) -> FeedForwardParams:
     _checks.choice(p.activation, "activation", ACTIVATIONS)
-    W1 = _matrix(p.W1, "W1", x.shape[-1])
-    W2 = _matrix(p.W2, "W2", W1.shape[1])
+    W1 = _matrix(p.W1, "W1", x.shape[-1], f"x {x.shape}")
+    W2 = _matrix(p.W2, "W2", W1.shape[1], f"the hidden layer: W1 {W1.shape}")
     return FeedForwardParams(
         W1, _vector(p.b1, "b1", W1.shape[1]), W2, _vector(p.b2, "b2", W2.shape[1]), p.activation
     )
@@ -297,6 +298,35 @@ def _merge_heads(x):
     return x.reshape(x.shape[:-2] + (-1,))
 
 
+_SAFE_EXPONENT = 400  # rows with max |x| in [2**-400, 2**400] are not rescaled (bits unchanged)
+
+
+def moment_exponent(x, eps) -> np.ndarray:
+    """Per-row power of two e (keepdims) such that x * 2**-e has no square that overflows or
+    underflows; 0 for rows already in the safe range (their rounding is left unchanged)."""
+    with np.errstate(invalid="ignore"):
+        top = np.max(np.abs(x), axis=-1, keepdims=True, initial=0.0)
+    exponent = np.frexp(np.where(np.isfinite(top) & (top > 0), top, 1.0))[1]
+    if eps > 0:  # scaled eps stays finite (it then dominates a tiny variance anyway)
+        exponent = np.maximum(exponent, (int(np.frexp(eps)[1]) - 1000) // 2)
+    return np.where(np.abs(exponent) > _SAFE_EXPONENT, exponent, 0)
+
+
+def scaled_moments(x, eps):
+    """(centred, variance, eps), all scaled by the powers of two of :func:`moment_exponent`,
+    so the normalised row ``centred / sqrt(variance + eps)`` is unchanged and finite.
+
+    The mean is formed at the same scale (no overflow of the sum for |x| near the float64
+    maximum).
+    """
+    exponent = moment_exponent(x, eps)
+    with np.errstate(invalid="ignore", over="ignore"):
+        scaled = np.ldexp(x, -exponent)
+        centred = scaled - scaled.mean(axis=-1, keepdims=True)
+        var = (centred * centred).mean(axis=-1, keepdims=True)
+        return centred, var, np.ldexp(eps, -2 * exponent)
+
+
 class Float64Ops:
     """The operations of the float64 path: NumPy in float64, attention by
     :func:`refattn.attention`. A :class:`Composition` is evaluated over these (or over the
@@ -304,7 +334,14 @@ class Float64Ops:
 
     @staticmethod
     def linear(x, W, b):
-        out = x @ W
+        finite = np.isfinite(x).all(axis=-1)
+        # rows holding NaN/Inf (e.g. masked memory rows) stay out of the matmul: whether a BLAS
+        # kernel raises the invalid flag for them depends on the CPU, and their products are
+        # formed elementwise instead, so the poison is kept and no warning is emitted
+        out = x @ W if finite.all() else np.where(finite[..., None], x, 0.0) @ W
+        if not finite.all():
+            with np.errstate(invalid="ignore", over="ignore"):
+                out[~finite] = (x[~finite][..., :, None] * W).sum(axis=-2)
         return out if b is None else out + b
 
     @staticmethod
@@ -316,10 +353,8 @@ class Float64Ops:
     @staticmethod
     def layer_norm(x, p: NormParams):
         with np.errstate(invalid="ignore", divide="ignore"):  # inf - inf; 0/0 (eps = 0)
-            mean = x.mean(axis=-1, keepdims=True)
-            centred = x - mean
-            var = (centred * centred).mean(axis=-1, keepdims=True)
-            out = centred / np.sqrt(var + p.eps)
+            centred, var, eps = scaled_moments(x, p.eps)
+            out = centred / np.sqrt(var + eps)
         if p.gamma is not None:
             out = out * p.gamma
         return out if p.beta is None else out + p.beta
@@ -466,7 +501,7 @@ def multihead_attention(
     Notes
     -----
     The float64 path projects with BLAS matmuls and calls :func:`refattn.attention`; its
-    error is bounded by :func:`float64_error_bound`. The exact path encloses
+    error is bounded by :func:`refattn.bounds.transformer_forward_bound`. The exact path encloses
     the whole chain (see :mod:`refattn.exact.transformer`) and rounds once.
     [L17]'s masked attention ``softmax((Q^T K + M)/sqrt(d_k))`` with ``M`` in {0, -inf} is
     ``mask=`` here (``bias=-inf`` is the same): excluded keys are removed from the sums.
@@ -518,6 +553,7 @@ def layer_norm(x, *, gamma=None, beta=None, eps=1e-5, axis=-1, precision="float6
         Added to the variance inside the square root (torch ``nn.LayerNorm``), taken at its
         exact binary (float64) value. ``eps=0`` is the notes' formula exactly.
     axis : int
+        The normalised axis (its width M must be >= 1).
     precision, out_dtype : as :func:`multihead_attention`
 
     Notes
@@ -525,8 +561,10 @@ def layer_norm(x, *, gamma=None, beta=None, eps=1e-5, axis=-1, precision="float6
     The variance is the *biased* one (divide by M, the notes' ``1/H``; torch's LayerNorm too).
     Rows with a NaN or Inf give a NaN row on both paths (``inf - inf``); a constant row with
     ``eps=0`` is ``0/0`` = NaN. The float64 path is the two-pass formula (mean, then the
-    centred second moment); its error bound is :func:`float64_error_bound`.
-    It overflows for |x| above about 1e154 (the squares); the exact path does not.
+    centred second moment); its error bound is :func:`refattn.bounds.transformer_forward_bound`.
+    Rows with max |x| outside [2**-400, 2**400] are first scaled by a power of two (the
+    result is scale-invariant), so the squares neither overflow nor underflow: e.g.
+    ``[1e200, -1e200, 0]`` gives ``[1.2247..., -1.2247..., 0]`` with a finite bound.
     The exact path computes the mean and variance as exact rationals: only the square root
     is enclosed.
 
@@ -553,8 +591,12 @@ def layer_norm(x, *, gamma=None, beta=None, eps=1e-5, axis=-1, precision="float6
 
 def _layer_norm_plan(x, *, gamma=None, beta=None, eps=1e-5, axis=-1) -> Composition:
     x = _checks.float_array(x, "x", ndim_min=1)
+    axis = _checks.axis(axis)
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis: {axis} is out of range for x of shape {x.shape}")
+    if x.shape[axis] == 0:
+        raise ValueError(f"x: the normalised axis {axis} has width 0 (shape {x.shape}); "
+                         "expected at least one element")
     moved = np.moveaxis(x, axis, -1)
     p = _check_norm(moved.shape[-1], NormParams(gamma, beta, eps))
 
@@ -594,7 +636,7 @@ def sinusoidal_positions(length, dim, base=10000, layout="interleave", *, precis
     Notes
     -----
     float64 path: ``angle = pos * base**(-(2i/d))`` with NumPy's pow, then sin/cos; its
-    error bound is :func:`float64_error_bound` (grows with pos). Other
+    error bound is :func:`refattn.bounds.transformer_forward_bound` (grows with pos). Other
     implementations compute the frequencies as ``exp(2i * (-log(b)/d))`` (the torch tutorial)
     and round differently; the exact path is the arbiter.
     Exact path: the angles ``pos * exp(-(2i/d) log b)`` are exact reals (2i/d an exact

@@ -153,13 +153,17 @@ def test_mha_exact_low_precision_inputs_and_large_gaps(rng, dtype):
 
 
 def test_layer_norm_exact_extreme_magnitudes():
-    """Rows near overflow and underflow: the exact path is still correctly rounded (the
-    float64 path's squares overflow above ~1e154, documented)."""
+    """Rows near overflow and underflow: the exact path is still correctly rounded, and the
+    float64 path (which rescales such rows by a power of two) stays inside its bound."""
     x = np.array([[1e300, -3e299, 7e299], [1e-300, 5e-301, -2e-300], [1e-320, 0.0, 3e-321]])
     got = T.layer_norm(x, eps=0.0, precision="exact")
     with mpmath.workdps(DPS):
         want = expected_bits(naive_layer_norm(mp_array(x), T.NormParams(eps=0.0)), "float64")
     assert_same_bits(got, want, what="layer_norm exact, extreme magnitudes", check_dtype=True)
+    fast = T.layer_norm(x, eps=0.0)
+    bound = transformer_forward_bound(T.layer_norm, x, eps=0.0)
+    assert np.isfinite(bound).all()
+    assert_within(fast, want, bound, what="layer_norm float64, extreme magnitudes", ulps=0.5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -19,10 +19,11 @@ from .fixedpoint import fixed_point_forward_bound
 from .kernels import online_backward_bound, online_forward_bound
 from .mixtures import iterated_bound, logit_lse_bound, mixture_bound, ratio_bound
 from .transformer import transformer_forward_bound
-from .unit import UNIT_ROUNDOFF, gamma, unit_roundoff
+from .unit import ETA, UNIT_ROUNDOFF, gamma, unit_roundoff
 
 __all__ = [
     "UNIT_ROUNDOFF",
+    "ETA",
     "unit_roundoff",
     "gamma",
     "float64_forward_bound",

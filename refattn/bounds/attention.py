@@ -36,6 +36,17 @@ Outputs. The weighted sum of S terms (and the dropout scale) adds ``gamma_{S+2}`
     \\sum_j \\kappa'_{ij} w_{ij} |v_{je}| (\\rho_{ij} + \\gamma_{S+2}).
 
 The same bookkeeping is carried through the vjp (see :func:`float64_vjp_bound`).
+
+Underflow. The relative model above fails for subnormal results; with Higham's
+``fl(x op y) = (x op y)(1 + d) + e``, ``|e| <= eta / 2`` (eta = 2**-1074, Higham Section 2.1),
+each output also gets ``eta (4 (1/(1-p)) sum_j kappa_ij |v_je| + S + 2)`` (a weight that
+underflows is off by at most 4 eta; each product and the sum by eta / 2 more), so a result of
+5e-324 against an exact 0 or the reverse stays inside the bound.
+
+Scores beyond the float64 range (finite inputs): the first-order terms are not finite; the
+float64 path still returns a convex combination, so those rows get
+``(2 + gamma_{S+2}) (1/(1-p)) max_j kappa_ij |v_je|`` (plus the underflow term) and an lse
+bound of +inf.
 """
 
 from __future__ import annotations
@@ -46,7 +57,7 @@ import numpy as np
 
 from .._broadcast import expand_kv, fold_kv, reduce_to
 from .._spec import canonicalize
-from .unit import UNIT_ROUNDOFF, gamma
+from .unit import ETA, UNIT_ROUNDOFF, gamma
 
 __all__ = ["float64_forward_bound", "float64_vjp_bound", "grad_scales"]
 
@@ -98,6 +109,34 @@ def _weights(scores, allowed, delta):
     return w, rho * second_order, lse_err * second_order
 
 
+def _underflow_term(kept, v_abs, keep):
+    """Absolute errors of gradual underflow (Higham's ``fl(x op y) = (x op y)(1 + d) + e``,
+    ``|e| <= eta/2``, eta = 2**-1074): a weight that underflows (exp, division, dropout scale)
+    is off by at most 4 eta, and each of the S products ``w v`` and the sum by eta/2 more."""
+    with np.errstate(over="ignore"):
+        v_sum = np.where(kept[:, :, None], v_abs[None], 0.0).sum(axis=1)
+    return ETA * (4 * keep * v_sum + kept.shape[1] + 2)
+
+
+def _beyond_range_rows(spec, b, h, kept, v_abs, keep, out_b, lse_b):
+    """Rows with finite inputs whose scores exceed the float64 range: the first-order bound
+    is not finite there; the weights are still a convex combination (the path rescales), so
+    ``|out - exact| <= (2 + gamma_{S+2}) max_j kappa'_ij |v_je|``; lse has no finite bound."""
+    rows = ~np.isfinite(out_b[b, h]).all(axis=1) | ~np.isfinite(lse_b[b, h])
+    if not rows.any():
+        return
+    q = np.asarray(spec.q[b, h], np.float64)
+    k = np.asarray(spec.k[b, spec.kv_head[h]], np.float64)
+    finite_keys = np.isfinite(k).all(axis=1) & np.isfinite(v_abs).all(axis=1)
+    rows &= np.isfinite(q).all(axis=1) & (finite_keys[None, :] | ~kept).all(axis=1)
+    if not rows.any():
+        return
+    top = np.where(kept[rows][:, :, None], v_abs[None], 0.0).max(axis=1, initial=0.0)
+    out_b[b, h][rows] = (2 + gamma(kept.shape[1] + 2)) * keep * top + _underflow_term(
+        kept[rows], v_abs, keep)
+    lse_b[b, h][rows] = np.inf
+
+
 def float64_forward_bound(q, k, v, **options):
     """Per-element bounds (out_bound (..., H, L, E), lse_bound (..., H, L)) of the float64 path.
 
@@ -120,13 +159,17 @@ def float64_forward_bound(q, k, v, **options):
     keep = 1.0 / (1.0 - spec.dropout_p)
     for b in range(batch):
         for h in range(heads):
-            scores, allowed, delta, _ = _score_terms(spec, b, h)
-            w, rho, lse_err = _weights(scores, allowed, delta)
+            with np.errstate(invalid="ignore", over="ignore"):  # scores beyond the range
+                scores, allowed, delta, _ = _score_terms(spec, b, h)
+                w, rho, lse_err = _weights(scores, allowed, delta)
             kept = allowed if spec.dropout_mask is None else allowed & spec.dropout_mask[b, h]
             wk = np.where(kept, w, 0.0) * keep
             v_abs = np.abs(np.asarray(spec.v[b, spec.kv_head[h]], np.float64))
-            out_b[b, h] = (wk * (rho + gamma(keys + 2))) @ v_abs
+            with np.errstate(invalid="ignore", over="ignore"):
+                out_b[b, h] = (wk * (rho + gamma(keys + 2))) @ v_abs
+            out_b[b, h] += _underflow_term(kept, v_abs, keep)
             lse_b[b, h] = lse_err
+            _beyond_range_rows(spec, b, h, kept, v_abs, keep, out_b, lse_b)
     return spec.unflatten(out_b), spec.unflatten(lse_b)
 
 
@@ -172,14 +215,22 @@ def float64_vjp_bound(q, k, v, grad_out, *, grad_lse=None, **options):
             ds_abs = w * inner
             ds_err = np.where(
                 allowed, w * rho * inner + w * (dp_err + delta_err + gamma(3) * inner), 0.0)
+            # gradual underflow (absolute, eta = 2**-1074 per rounding; see _underflow_term):
+            # products in dP and Delta, the weights themselves (4 eta each), the final sums
+            bounds[2][b, g] += ETA * (4 * keep * (kept.T.astype(float) @ do) + length + 2)
+            ds_eta = np.where(allowed, w * (2 * (vdim + 2) * keep + keys + 2) * ETA
+                              + 4 * ETA * inner + 3 * ETA, 0.0)
+            ds_err = ds_err + ds_eta
             bounds[3][b, h] = ds_err
             if spec.softcap is not None:
                 delta_raw = gamma(dim + 2) * abs(spec.scale_float) * (q_ @ k_.T)
                 factor_err = 2 * delta_raw / spec.softcap + gamma(4)
-                ds_err = ds_err + ds_abs * factor_err
+                ds_err = ds_err + ds_abs * factor_err + ETA
             s = abs(spec.scale_float)
-            bounds[0][b, h] = s * (ds_err @ k_ + gamma(keys + 2) * ds_abs @ k_)
-            bounds[1][b, g] += s * (ds_err.T @ q_ + gamma(group * length + 2) * ds_abs.T @ q_)
+            bounds[0][b, h] = s * (ds_err @ k_ + gamma(keys + 2) * ds_abs @ k_) + (
+                keys + 2) * ETA
+            bounds[1][b, g] += s * (ds_err.T @ q_ + gamma(group * length + 2) * ds_abs.T @ q_) + (
+                length + 2) * ETA
     return tuple(spec.unflatten(x) for x in bounds)
 
 

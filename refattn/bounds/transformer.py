@@ -15,8 +15,8 @@ import numpy as np
 from .. import transformer as T
 from .._spec import canonicalize
 from ..logspace import masked_logsumexp
-from ..transformer import Float64Ops
-from .unit import UNIT_ROUNDOFF, gamma
+from ..transformer import Float64Ops, moment_exponent, scaled_moments
+from .unit import ETA, UNIT_ROUNDOFF, gamma
 
 __all__ = ["Tracked", "TrackedOps", "transformer_forward_bound"]
 
@@ -75,20 +75,24 @@ class TrackedOps:
         width = x.val.shape[-1]
         val = Float64Ops.layer_norm(x.val, p)
         gain = 1.0 if p.gamma is None else np.abs(p.gamma)
-        centred = x.val - x.val.mean(axis=-1, keepdims=True)
-        sigma = np.sqrt((centred**2).mean(axis=-1, keepdims=True) + p.eps)
+        # everything at the float64 path's power-of-two scale 2**-e (sigma and centred scale
+        # alike; x, its error and the mean's rounding are scaled to match)
+        centred, var, eps = scaled_moments(x.val, p.eps)
+        shift = moment_exponent(x.val, p.eps)
+        x_val, x_err = np.ldexp(x.val, -shift), np.ldexp(x.err, -shift)
+        sigma = np.sqrt(var + eps)
         normed = np.abs(centred) / sigma
         # propagated: dy = g/sigma (dx - mean dx - yhat mean(yhat dx))
-        mean_err = x.err.mean(axis=-1, keepdims=True)
-        proj_err = (normed * x.err).mean(axis=-1, keepdims=True)
-        propagated = gain / sigma * (x.err + mean_err + normed * proj_err)
+        mean_err = x_err.mean(axis=-1, keepdims=True)
+        proj_err = (normed * x_err).mean(axis=-1, keepdims=True)
+        propagated = gain / sigma * (x_err + mean_err + normed * proj_err)
         # rounding: mean gamma_{M+1} mean|x|; centring u|c|; variance gamma_{M+4} (relative);
         # sigma: half the variance's relative error + gamma_2; divide, gain, shift: 3 units
-        mean_round = gamma(width + 1) * np.abs(x.val).mean(axis=-1, keepdims=True)
-        var = (centred**2).mean(axis=-1, keepdims=True)
+        mean_round = gamma(width + 1) * np.abs(x_val).mean(axis=-1, keepdims=True)
         sigma_rel = 0.5 * gamma(width + 4) * var / sigma**2 + gamma(2)
         rounding = gain * ((mean_round + UNIT_ROUNDOFF * np.abs(centred)) / sigma
-                           + normed * (sigma_rel + gamma(2))) + UNIT_ROUNDOFF * np.abs(val)
+                           + normed * (sigma_rel + gamma(2))) + UNIT_ROUNDOFF * np.abs(val) \
+            + 3 * ETA  # division, gain and shift may each round a subnormal result by eta
         return Tracked(val, propagated + rounding)
 
     @staticmethod

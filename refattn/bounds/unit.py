@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from ..exact.rounding import format_of
 
-__all__ = ["UNIT_ROUNDOFF", "unit_roundoff", "gamma"]
+__all__ = ["UNIT_ROUNDOFF", "ETA", "unit_roundoff", "gamma"]
 
 #: Unit roundoff of float64.
 UNIT_ROUNDOFF = 2.0**-53
+#: The smallest subnormal float64: the absolute error floor of an underflowing result.
+ETA = 2.0**-1074
 
 
 def unit_roundoff(dtype="float64") -> float:

@@ -17,7 +17,7 @@ __all__ = ["logsumexp", "softmax", "lse_interval"]
 
 def _exact_rows(x, allowed, fn, out_dtype, what):
     """Run ``fn(row_intervals, row_allowed) -> intervals`` per row under the Ziv loop."""
-    rows = x.reshape(-1, x.shape[-1])
+    rows = x.reshape(int(np.prod(x.shape[:-1])), x.shape[-1])  # -1 is ambiguous for size 0
     masks = allowed.reshape(rows.shape)
 
     def evaluate(prec):

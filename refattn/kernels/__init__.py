@@ -6,6 +6,6 @@
 user-facing entry point.
 """
 
-from ._dispatch import attention, attention_vjp, compute_dtype
+from ._dispatch import COMPILE_MESSAGE, announce_compile, attention, attention_vjp, compute_dtype
 
-__all__ = ["attention", "attention_vjp", "compute_dtype"]
+__all__ = ["attention", "attention_vjp", "compute_dtype", "COMPILE_MESSAGE", "announce_compile"]

@@ -7,9 +7,47 @@ work unit; these wrappers own the choice of compute dtype and the return convent
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
-__all__ = ["attention", "attention_vjp", "compute_dtype"]
+__all__ = ["attention", "attention_vjp", "compute_dtype", "COMPILE_MESSAGE", "announce_compile"]
+
+COMPILE_MESSAGE = ("refattn: compiling Numba kernels for this CPU (first use, ~1-2 min; cached "
+                   "afterwards)")
+_announced = []
+
+
+def _cached_for_this_cpu(dispatcher) -> bool:
+    """Whether ``dispatcher`` is compiled in memory or has an on-disk cache entry for this CPU.
+
+    Best effort through Numba's cache index (not a public API): if it cannot be read, say
+    "cached" (no message) rather than announce a compile that may not happen.
+    """
+    try:
+        if dispatcher.overloads:
+            return True
+        magic = dispatcher.targetctx.codegen().magic_tuple()
+        index = dispatcher._cache._cache_file._load_index()  # noqa: SLF001 (Numba internals)
+        return any(key[1] == magic for key in index)
+    except Exception:  # NUMBA_DISABLE_JIT, another Numba layout, no cache: stay silent
+        return True
+
+
+def announce_compile(module, *, names: str = "") -> None:
+    """Print :data:`COMPILE_MESSAGE` to stderr once per process before a Numba compile.
+
+    ``module``'s entry kernels (its ``parallel=True`` dispatchers whose name contains
+    ``names``) are checked; if one is neither in memory nor cached on disk for this CPU, the
+    call about to run will compile (18-120 s here), so the user is told why it is silent.
+    """
+    if _announced:
+        return
+    entries = [f for f in vars(module).values()
+               if getattr(f, "targetoptions", {}).get("parallel") and names in f.__name__]
+    if not all(_cached_for_this_cpu(f) for f in entries):
+        _announced.append(True)
+        print(COMPILE_MESSAGE, file=sys.stderr, flush=True)
 
 
 def compute_dtype(dtype) -> np.dtype:
@@ -57,6 +95,7 @@ def attention(spec, *, return_lse: bool = False, dtype=None):
     """
     from . import numba_cpu
 
+    announce_compile(numba_cpu, names="forward")
     out, lse = numba_cpu.forward(spec, _dtype(spec, dtype))
     return (out, lse) if return_lse else out
 
@@ -82,4 +121,5 @@ def attention_vjp(spec, grad_out, grad_lse=None, *, dtype=None):
     """
     from . import numba_cpu
 
+    announce_compile(numba_cpu)
     return numba_cpu.backward(spec, grad_out, grad_lse, _dtype(spec, dtype))
