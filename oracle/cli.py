@@ -2,14 +2,17 @@
 
 Commands::
 
-    refattn-oracle generate --suite NAME --out DIR [--dtype D ...] [--workers N]
+    refattn-oracle generate --suite NAME --out DIR [--dtype D ...] [--workers N] [--wait]
     refattn-oracle verify DIR
     refattn-oracle validate (--adapter NAME | --impl module:function)
                             (--suite NAME | --fixtures DIR) [--dtype D] [--case PATTERN ...]
                             [--json F] [--junit F] [--html F] [--strict] [--grads]
     refattn-oracle list [suites | cases --suite NAME | adapters]
 
-``validate`` exits with 0 only when no case fails (robustness cases count only with
+``generate`` takes an exclusive lock on DIR (a second writer fails, or waits with ``--wait``)
+and exits with 2 and a one-line message for an unusable destination (empty, a file, not
+writable, full disk), ``--workers`` below 1 or an unknown suite; ``verify`` prints one line per
+problem and exits with 1, never a traceback. ``validate`` exits with 0 only when no case fails (robustness cases count only with
 ``--strict``), 1 when some case fails and 2 on a usage error (bad ``--impl`` path, unknown
 adapter or suite, missing directory). Progress goes to stderr, the summary to stdout.
 
@@ -43,7 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--out", required=True, help="output directory")
     gen.add_argument("--dtype", action="append", choices=_DTYPES,
                      help="only these dtypes (repeatable; default: all)")
-    gen.add_argument("--workers", type=int, default=1, help="worker processes")
+    gen.add_argument("--workers", type=int, default=1,
+                     help="worker processes (default: %(default)s; the bytes do not depend on "
+                          "it; try the number of cores, os.cpu_count())")
+    gen.add_argument("--wait", action="store_true",
+                     help="wait for another generate writing into --out instead of failing")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
 
     ver = sub.add_parser("verify", help="check the sha256 of every fixture in DIR")
@@ -83,8 +90,17 @@ def _err(message) -> int:
 def _generate(args) -> int:
     from . import golden
 
-    path = golden.generate(args.suite, args.out, dtypes=args.dtype, workers=args.workers,
-                           progress=not args.quiet)
+    if args.workers < 1:
+        return _err(f"--workers: expected an integer >= 1, got {args.workers}")
+    try:
+        path = golden.generate(args.suite, args.out, dtypes=args.dtype, workers=args.workers,
+                               progress=not args.quiet, wait=args.wait)
+    except (golden.FixtureError, ValueError, KeyError) as err:
+        return _err(str(err).strip('"'))
+    except OSError as err:
+        where = f" ({err.filename})" if err.filename else ""
+        return _err(f"writing fixtures into {args.out!r} failed: {err.strerror or err}{where}; "
+                    f"the files already written are complete and a rerun resumes")
     print(f"fixtures written to {path}")
     return 0
 
