@@ -34,8 +34,15 @@ __all__ = ["main", "build_parser"]
 _DTYPES = ("float64", "float32", "float16", "bfloat16")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors on one line (the usage text stays behind ``--help``)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="refattn-oracle",
         description="Golden fixtures for attention and validation of implementations against "
                     "refattn's exact truth.")

@@ -410,6 +410,9 @@ def _select(suite: str, dtypes, cases) -> list[Case]:
         if unknown:
             raise ValueError(f"dtypes: expected a subset of {_cases.DTYPES}, got {sorted(unknown)}")
         selected = [c for c in selected if c.dtype in wanted]
+    if not selected:
+        raise FixtureError(f"no case selected (suite {suite!r}, dtypes {dtypes}): nothing to "
+                           f"write")
     names = [c.name for c in selected]
     if len(set(names)) != len(names):
         raise ValueError("cases: case names must be unique")
@@ -631,6 +634,9 @@ def _schema_problems(manifest) -> list[str]:
     if _wrong_type(version, int) or version != SCHEMA_VERSION:
         return [f"{MANIFEST}: key 'schema_version': expected {SCHEMA_VERSION}, got {version!r}"]
     problems = []
+    if manifest.get("truth_kind", TRUTH_KIND) != TRUTH_KIND:
+        problems.append(f"{MANIFEST}: key 'truth_kind': expected {TRUTH_KIND!r}, got "
+                        f"{manifest['truth_kind']!r:.60}")
     for key, expected in _MANIFEST_TYPES.items():
         if key not in manifest:
             problems.append(f"{MANIFEST}: missing key {key!r}")
@@ -639,6 +645,9 @@ def _schema_problems(manifest) -> list[str]:
                             f"got {manifest[key]!r:.60}")
     if problems:
         return problems
+    if not manifest["cases"]:
+        return [f"{MANIFEST}: key 'cases': expected at least one case, got [] (nothing to "
+                f"check)"]
     names: dict[str, int] = {}
     files: dict[str, int] = {}
     for index, entry in enumerate(manifest["cases"]):
@@ -673,6 +682,14 @@ def _case_entry_problems(index: int, entry, names: dict, files: dict) -> list[st
         return problems + [f"{where}: key 'spec': invalid case spec ({exc})"]
     if case.name != entry["name"] or case.seed != entry["seed"]:
         problems.append(f"{where}: key 'spec': name/seed disagree with the entry")
+    if case.spec() != entry["spec"]:
+        problems.append(f"{where}: key 'spec': not in canonical form (expected "
+                        f"{json.dumps(case.spec(), sort_keys=True):.80}...)")
+    for key, expected in (("dtype", case.dtype), ("category", case.category),
+                          ("truth_kind", TRUTH_KIND)):
+        if entry[key] != expected:
+            problems.append(f"{where}: key {key!r}: expected {expected!r} (from the spec), "
+                            f"got {entry[key]!r:.60}")
     return problems
 
 
@@ -772,4 +789,8 @@ def load(directory, *, names: Iterable[str] | None = None, check: bool = True
                                f"(case {entry['name']})")
         if check and sha256_of(path) != entry["sha256"]:
             raise FixtureError(f"load: {path} does not match its sha256 in {MANIFEST}")
-        yield _read_fixture(path)
+        fixture = _read_fixture(path)
+        if fixture.case.spec() != entry["spec"]:
+            raise FixtureError(f"load: {entry['file']}: embedded case spec differs from the "
+                               f"manifest")
+        yield fixture
