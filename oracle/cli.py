@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--junit", metavar="FILE", help="write a JUnit XML report")
     val.add_argument("--html", metavar="FILE", help="write an HTML report (plots need "
                                                     "refattn[plot])")
+    val.add_argument("--plots", choices=("failures", "all", "none"), default="failures",
+                     help="plots in the HTML report: failing checks (default), every case, or "
+                          "none")
     val.add_argument("--strict", action="store_true", help="robustness failures fail the run")
     val.add_argument("--grads", action="store_true", help="also check impl.vjp")
     val.add_argument("--quiet", action="store_true", help="no progress bar, failures only")
@@ -153,7 +156,7 @@ def _validate(args) -> int:
     if args.html:
         from .report import PLOT_HINT, _matplotlib
 
-        report.to_html(args.html)
+        report.to_html(args.html, plots=args.plots)
         if _matplotlib() is None:
             print(f"refattn-oracle: {PLOT_HINT}", file=sys.stderr)
     if not report.results:

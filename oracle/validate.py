@@ -157,8 +157,10 @@ class CaseResult:
         for check in self.checks.values():
             if not check.passed:
                 lines.append(f"  {check.worst.describe()}")
+                shape = None if check.errors is None else check.errors.shape
                 lines.append(f"    {check.n_failed} of {check.size} elements over; threshold "
-                             f"{check.threshold.formula()}")
+                             f"{check.worst.threshold:.3g} = "
+                             f"{check.threshold.formula(check.worst.index, shape)}")
         for note in self.diagnosis:
             lines.append(f"  diagnosis: {note}")
         if self.category == "robustness" and self.failed:
@@ -221,9 +223,9 @@ class Report:
         from .report import to_junit
         return to_junit(self, path)
 
-    def to_html(self, path) -> Path:
+    def to_html(self, path, *, plots="failures") -> Path:
         from .report import to_html
-        return to_html(self, path)
+        return to_html(self, path, plots=plots)
 
     def __repr__(self) -> str:
         return (f"Report(impl={self.impl!r}, dtype={self.dtype!r}, passed={self.passed}, "
@@ -344,9 +346,9 @@ def _judge(quantity, value, truth, scale, threshold, dtype) -> Check:
                   if value.size else 0.0,
                   float(limit[index]) if limit.size else 0.0)
     passed = not over.any()
+    # errors are kept for every check: the HTML report plots any case on request
     return Check(quantity, passed, float(errors.max()) if errors.size else 0.0,
-                 int(over.sum()), int(errors.size), threshold, worst,
-                 None if passed else errors)
+                 int(over.sum()), int(errors.size), threshold, worst, errors)
 
 
 def _shape_check(quantity, value, truth):
