@@ -6,13 +6,17 @@ Commands::
     refattn-oracle verify DIR
     refattn-oracle validate (--adapter NAME | --impl module:function)
                             (--suite NAME | --fixtures DIR) [--dtype D] [--case PATTERN ...]
-                            [--json F] [--junit F] [--html F] [--strict] [--grads]
+                            [--json F] [--junit F] [--html F [--plots WHICH]] [--strict]
+                            [--grads] [--timeout SECONDS] [--memory-limit MIB] [--in-process]
     refattn-oracle list [suites | cases --suite NAME | adapters]
 
 ``generate`` takes an exclusive lock on DIR (a second writer fails, or waits with ``--wait``)
 and exits with 2 and a one-line message for an unusable destination (empty, a file, not
 writable, full disk), ``--workers`` below 1 or an unknown suite; ``verify`` prints one line per
-problem and exits with 1, never a traceback. ``validate`` exits with 0 only when no case fails (robustness cases count only with
+problem and exits with 1, never a traceback. ``validate`` runs each case in a supervised worker process (reused from case to case): an
+implementation that exits, hangs past ``--timeout``, crashes or exhausts ``--memory-limit`` gets
+the verdict "error" for that case and the run goes on. Case patterns are case-insensitive; a
+selection of zero cases is a usage error. ``validate`` exits with 0 only when no case fails (robustness cases count only with
 ``--strict``), 1 when some case fails and 2 on a usage error (bad ``--impl`` path, unknown
 adapter or suite, missing directory). Progress goes to stderr, the summary to stdout.
 
@@ -82,7 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="plots in the HTML report: failing checks (default), every case, or "
                           "none")
     val.add_argument("--strict", action="store_true", help="robustness failures fail the run")
-    val.add_argument("--grads", action="store_true", help="also check impl.vjp")
+    val.add_argument("--grads", action="store_true",
+                     help="also check impl.vjp (gradient cases are 'unsupported' without one)")
+    val.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                     help="seconds one case may take before it is an error (default: 300; "
+                          "each case runs in a supervised worker process)")
+    val.add_argument("--memory-limit", type=float, default=None, metavar="MIB",
+                     help="address space of the worker process in MiB (default: no limit)")
+    val.add_argument("--in-process", action="store_true",
+                     help="run the implementation in this process (no timeout or crash "
+                          "protection; for debugging with pdb)")
     val.add_argument("--quiet", action="store_true", help="no progress bar, failures only")
 
     lst = sub.add_parser("list", help="list suites, cases or adapters")
@@ -140,11 +153,17 @@ def _validate(args) -> int:
     if args.fixtures is not None and not Path(args.fixtures).is_dir():
         return _err(f"--fixtures {args.fixtures}: no such directory "
                     f"(write one with `refattn-oracle generate --out {args.fixtures}`)")
+    if args.timeout is not None and not args.timeout > 0:
+        return _err(f"--timeout: expected seconds > 0, got {args.timeout:g}")
+    if args.memory_limit is not None and not args.memory_limit > 0:
+        return _err(f"--memory-limit: expected MiB > 0, got {args.memory_limit:g}")
+    memory = None if args.memory_limit is None else int(args.memory_limit * 2**20)
     try:
         report = V.validate(spec, suite=args.suite, fixtures=args.fixtures,
                             dtype=None if args.dtype == "all" else args.dtype,
                             grads=args.grads, strict=args.strict, progress=not args.quiet,
-                            cases=args.case)
+                            cases=args.case, isolate=not args.in_process,
+                            timeout=args.timeout, memory_limit=memory)
     except (KeyError, ValueError) as err:
         return _err(str(err).strip('"'))
     print(report.summary() if not args.quiet else
@@ -159,8 +178,6 @@ def _validate(args) -> int:
         report.to_html(args.html, plots=args.plots)
         if _matplotlib() is None:
             print(f"refattn-oracle: {PLOT_HINT}", file=sys.stderr)
-    if not report.results:
-        print("refattn-oracle: warning: no case matched", file=sys.stderr)
     return 0 if report.passed else 1
 
 

@@ -60,6 +60,7 @@ from . import diagnose as _diagnose
 from . import tolerance as tol
 
 __all__ = ["Worst", "Check", "CaseResult", "Report", "validate", "check_fixture",
+           "judge_fixture", "OutputError",
            "resolve_impl", "VERDICTS", "ROBUSTNESS_NOTE"]
 
 VERDICTS = ("pass", "fail", "unsupported", "error")
@@ -190,6 +191,7 @@ class Report:
     results: list[CaseResult]
     seconds: float = 0.0
     grads: bool = False
+    isolated: bool = False  # cases ran in a supervised worker process
 
     @property
     def passed(self) -> bool:
@@ -316,17 +318,33 @@ def _call(impl, q, k, v, options):
             raise
         result = impl(np.copy(q), np.copy(k), np.copy(v), **copies)
     if isinstance(result, (tuple, list)):
+        if not result:
+            raise OutputError(f"out: expected an array, got an empty {type(result).__name__}")
         out = result[0]
         lse = result[1] if len(result) > 1 else None
     else:
         out, lse = result, None
-    return _as_float64(out), None if lse is None else _as_float64(lse)
+    return _as_float64(out), None if lse is None else _as_float64(lse, "lse")
 
 
-def _as_float64(x):
+class OutputError(TypeError):
+    """An implementation returned something that is not a real floating-point array."""
+
+
+def _as_float64(x, quantity="out"):
     if hasattr(x, "detach"):  # a torch tensor handed back as is
         x = x.detach().float().cpu().numpy() if "bfloat16" in str(x.dtype) else x.detach().cpu()
-    return np.asarray(x).astype(np.float64)
+    if not (isinstance(x, np.ndarray) or hasattr(x, "__array__")
+            or hasattr(x, "__array_interface__")):
+        raise OutputError(f"{quantity}: expected an array, got {type(x).__name__}")
+    array = np.asarray(x)
+    if array.dtype.kind != "f" and array.dtype.name not in _HALF_NAMES:
+        raise OutputError(f"{quantity}: expected a real floating dtype, got {array.dtype} "
+                          f"(complex, integer, bool and object outputs are errors)")
+    return array.astype(np.float64)
+
+
+_HALF_NAMES = ("bfloat16",)  # ml_dtypes' floating types are not of kind "f"
 
 
 def _judge(quantity, value, truth, scale, threshold, dtype) -> Check:
@@ -356,7 +374,7 @@ def _shape_check(quantity, value, truth):
         return value, None
     if value.size == truth.size and quantity == "lse":
         return value.reshape(truth.shape), None
-    return value, (f"{quantity} has shape {value.shape}, expected {truth.shape}")
+    raise OutputError(f"{quantity} has shape {value.shape}, expected {truth.shape}")
 
 
 def _truth(fixture, name):
@@ -485,7 +503,7 @@ def _check_grads(ctx, fixture, impl, checks):
         truth = _truth(fixture, name)
         if truth is None or position >= len(result) or result[position] is None:
             continue
-        value, problem = _shape_check(name, _as_float64(result[position]), truth)
+        value, problem = _shape_check(name, _as_float64(result[position], name), truth)
         if problem:
             return problem
         base_err = _finite_part(tol.normalised_error(base[position], truth, scales[name],
@@ -493,6 +511,16 @@ def _check_grads(ctx, fixture, impl, checks):
         threshold = tol.threshold(base_err, floor, ctx.dtype, k=tol.K_BACKWARD)
         checks[name] = _judge(name, value, truth, scales[name], threshold, ctx.dtype)
     return None
+
+
+def judge_fixture(impl, fixture, *, grads=False, diagnose=True, reproduce="") -> CaseResult:
+    """Judge one fixture of any family: attention cases by :func:`check_fixture`, variant cases
+    (``Case.function`` other than "attention") by :func:`oracle.variant_cases.check_fixture`.
+    """
+    if fixture.case.function != "attention":
+        from .variant_cases import check_fixture as check_variant
+        return check_variant(impl, fixture, reproduce=reproduce)
+    return check_fixture(impl, fixture, grads=grads, diagnose=diagnose, reproduce=reproduce)
 
 
 def check_fixture(impl, fixture, *, grads=False, diagnose=True, reproduce="") -> CaseResult:
@@ -515,6 +543,10 @@ def run_guarded(result, check) -> CaseResult:
     except Exception as err:  # noqa: BLE001 - any other exception is the verdict "error"
         result.verdict, result.message = "error", f"{type(err).__name__}: {err}"
         result.checks = {}
+    except SystemExit as err:  # exit() in an implementation must not end (and pass) the run
+        result.verdict = "error"
+        result.message = f"the implementation called exit({err.code!r})"
+        result.checks = {}
     result.seconds = time.perf_counter() - start
     if result.verdict == "pass":
         result.reproduce = ""
@@ -533,7 +565,8 @@ def _run_checks(impl, fixture, grads, diagnose, result):
             if hasattr(impl, "vjp"):
                 problem = _check_grads(ctx, fixture, impl, result.checks)
             else:
-                notes.append("gradients not checked: the implementation has no .vjp")
+                notes.append("gradients asked for but not checked: the implementation has "
+                             "no .vjp")
     failing = [c for c in result.checks.values() if not c.passed]
     if problem or failing:
         result.verdict = "fail"
@@ -542,6 +575,8 @@ def _run_checks(impl, fixture, grads, diagnose, result):
             for c in failing)
         if diagnose:
             result.diagnosis = _diagnosis(ctx, fixture, out, result.checks)
+    elif notes:
+        result.verdict = "unsupported"  # gradients were asked for: never a pass
     result.message = "; ".join(x for x in [result.message, *notes] if x)
 
 
@@ -642,13 +677,26 @@ def _lower_precision(ctx, check) -> str | None:
 def _select(items, dtype, cases):
     import fnmatch
 
+    patterns = [p.lower() for p in cases]
     for item in items:
         case = item.case if hasattr(item, "case") else item
         if dtype is not None and case.dtype != dtype:
             continue
-        if cases and not any(fnmatch.fnmatchcase(case.name, p) for p in cases):
+        if patterns and not any(fnmatch.fnmatchcase(case.name.lower(), p) for p in patterns):
             continue
         yield item
+
+
+def _patterns(cases) -> list[str]:
+    if cases is None:
+        return []
+    if isinstance(cases, str):
+        return [cases]
+    patterns = list(cases)
+    bad = [p for p in patterns if not isinstance(p, str)]
+    if bad:
+        raise TypeError(f"cases: expected a pattern or a list of patterns (str), got {bad!r}")
+    return patterns
 
 
 def _sources(suite, fixtures, dtype, cases):
@@ -678,7 +726,8 @@ def _reproduce_cmd(impl_spec, source_flag, dtype, name, grads, strict):
 
 
 def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, strict=False,
-             progress=True, cases: Iterable[str] | None = None, diagnose=True) -> Report:
+             progress=True, cases: str | Iterable[str] | None = None, diagnose=True,
+             isolate=True, timeout=None, memory_limit=None) -> Report:
     """Validate ``impl`` on a suite or a fixture directory in one dtype.
 
     Parameters
@@ -694,54 +743,102 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
     dtype : {"float64", "float32", "float16", "bfloat16"} or None
         Only cases of this dtype (None: every dtype).
     grads : bool
-        Also check ``impl.vjp`` on the cases that carry gradients.
+        Also check ``impl.vjp`` on the cases that carry gradients (a case whose gradients
+        cannot be checked because there is no ``vjp`` is "unsupported", never a pass).
     strict : bool
         Robustness failures fail the run too.
     progress : bool
         A progress bar on stderr.
-    cases : iterable of str, optional
-        Only the cases whose names match one of these fnmatch patterns.
+    cases : str or iterable of str, optional
+        Only the cases whose names match one of these fnmatch patterns (case-insensitive).
+    isolate : bool
+        Run the cases in a supervised worker process (:class:`oracle.supervise.Supervisor`):
+        an implementation that exits, hangs, crashes or exhausts memory gives that case the
+        verdict "error" and the run goes on. Needs an importable implementation (a
+        ``module:function`` string, an adapter name or a module-level function); other
+        callables (lambdas, closures) run in this process and :attr:`Report.isolated` is
+        false.
+    timeout : float, optional
+        Seconds one isolated case may take (default
+        :data:`oracle.supervise.DEFAULT_TIMEOUT`, 300 s: a JIT-compiled implementation
+        compiles on its first call).
+    memory_limit : int, optional
+        Bytes of address space the worker may use (no limit by default).
 
     Returns
     -------
     Report
         ``.passed`` and ``.results`` (one :class:`CaseResult` per case).
+
+    Raises
+    ------
+    ValueError
+        No case selected (an empty suite, directory or pattern match): a run that checks
+        nothing never passes.
     """
     from . import golden
     from ._progress import Progress
+    from .supervise import DEFAULT_TIMEOUT, Supervisor
 
     if dtype is not None:
         tol.unit_roundoff(dtype)  # a clear error for an unknown dtype
     fn, spec = resolve_impl(impl)
     if spec is None and isinstance(impl, str):
         spec = impl
-    label, items, source_arg = _sources(suite, fixtures, dtype, list(cases or []))
+    patterns = _patterns(cases)
+    label, items, source_arg = _sources(suite, fixtures, dtype, patterns)
+    if not items:
+        wanted = f", cases matching {patterns}" if patterns else ""
+        raise ValueError(f"validate: no case selected ({label}, dtype {dtype or 'all'}"
+                         f"{wanted}); a run that checks nothing cannot pass "
+                         f"(see `refattn-oracle list cases`)")
     if source_arg is None:
         source_flag = "<the same fixtures>"
     elif fixtures is not None:
         source_flag = f"--fixtures {source_arg}"
     else:
         source_flag = f"--suite {source_arg}"
+    worker_ref = _worker_ref(impl, fn, spec) if isolate else None
+    supervisor = None if worker_ref is None else Supervisor(
+        worker_ref, timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
+        memory_limit=memory_limit)
     results = []
     start = time.perf_counter()
-    with Progress(len(items), f"validate {_impl_name(fn, spec)}", enabled=progress,
-                  stream=sys.stderr) as bar:
-        for item in items:
-            fixture = golden.build(item) if not hasattr(item, "truth") else item
-            repro = _reproduce_cmd(spec, source_flag, fixture.case.dtype, fixture.case.name,
-                                   grads, strict)
-            if fixture.case.function != "attention":
-                # variant cases: impl(**inputs, **options), see oracle.variant_cases
-                from .variant_cases import check_fixture as check_variant
-                result = check_variant(fn, fixture, reproduce=repro)
-            else:
-                result = check_fixture(fn, fixture, grads=grads, diagnose=diagnose,
-                                       reproduce=repro)
-            results.append(result)
-            bar.advance(f"{result.name}: {result.verdict}")
-    return Report(_impl_name(fn, spec), dtype, label, strict, results,
-                  time.perf_counter() - start, grads)
+    try:
+        with Progress(len(items), f"validate {_impl_name(fn, spec)}", enabled=progress,
+                      stream=sys.stderr) as bar:
+            for item in items:
+                fixture = golden.build(item) if not hasattr(item, "truth") else item
+                repro = _reproduce_cmd(spec, source_flag, fixture.case.dtype,
+                                       fixture.case.name, grads, strict)
+                if supervisor is None:
+                    result = judge_fixture(fn, fixture, grads=grads, diagnose=diagnose,
+                                           reproduce=repro)
+                else:
+                    result = supervisor.run(fixture, grads=grads, diagnose=diagnose,
+                                            reproduce=repro)
+                results.append(result)
+                bar.advance(f"{result.name}: {result.verdict}")
+    finally:
+        if supervisor is not None:
+            supervisor.close()
+    report = Report(_impl_name(fn, spec), dtype, label, strict, results,
+                    time.perf_counter() - start, grads)
+    report.isolated = supervisor is not None
+    return report
 
+
+def _worker_ref(impl, fn, spec):
+    """What a worker process can resolve the implementation from, or None."""
+    if isinstance(impl, str):
+        return impl
+    if spec is not None and ":" in spec and not spec.startswith("__main__:"):
+        try:
+            resolved, _ = resolve_impl(spec)
+        except (ImportError, AttributeError, TypeError, ValueError):
+            return None
+        return spec if resolved is fn else None
+    return None
 
 
 class _CallableModule(types.ModuleType):
