@@ -7,7 +7,7 @@ Commands::
     refattn-oracle validate (--adapter NAME | --impl module:function)
                             (--suite NAME | --fixtures DIR) [--dtype D] [--case PATTERN ...]
                             [--json F] [--junit F] [--html F [--plots WHICH]] [--strict]
-                            [--grads] [--timeout SECONDS] [--memory-limit MIB] [--in-process]
+                            [--grads] [--require FEATURE ...] [--timeout SECONDS] [--memory-limit MIB] [--in-process]
     refattn-oracle list [suites | cases --suite NAME | adapters]
 
 ``generate`` takes an exclusive lock on DIR (a second writer fails, or waits with ``--wait``)
@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--strict", action="store_true", help="robustness failures fail the run")
     val.add_argument("--grads", action="store_true",
                      help="also check impl.vjp (gradient cases are 'unsupported' without one)")
+    val.add_argument("--require", action="append", metavar="FEATURE", default=[],
+                     help="fail unless some case with FEATURE was judged (repeatable or comma "
+                          "list: causal, mask, gqa, long-rows, gradients, window, bias, ...)")
     val.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                      help="seconds one case may take before it is an error (default: 300; "
                           "each case runs in a supervised worker process)")
@@ -163,11 +166,16 @@ def _validate(args) -> int:
                             dtype=None if args.dtype == "all" else args.dtype,
                             grads=args.grads, strict=args.strict, progress=not args.quiet,
                             cases=args.case, isolate=not args.in_process,
-                            timeout=args.timeout, memory_limit=memory)
+                            timeout=args.timeout, memory_limit=memory,
+                            require=args.require)
     except (KeyError, ValueError) as err:
         return _err(str(err).strip('"'))
     print(report.summary() if not args.quiet else
           "\n".join(r.explain() for r in report.failures) or "no failures")
+    if args.quiet and report.untested:
+        from .report import coverage_lines
+
+        print("\n".join(coverage_lines(report)[-4:]))
     if args.json:
         report.to_json(args.json)
     if args.junit:

@@ -85,6 +85,7 @@ def summary_table(report, *, details=True) -> str:
         from .validate import ROBUSTNESS_NOTE
 
         lines.append(f"note: {ROBUSTNESS_NOTE}" + (" (strict: on)" if report.strict else ""))
+    lines += ["", *coverage_lines(report)]
     lines.append(f"time: {report.seconds:.2f} s")
     if details:
         failing = [r for r in report.results if r.failed]
@@ -92,6 +93,28 @@ def summary_table(report, *, details=True) -> str:
             lines += ["", "Failures:"]
             lines += [r.explain() for r in failing]
     return "\n".join(lines)
+
+
+def coverage_lines(report) -> list[str]:
+    """The coverage table (judged / unsupported / error per feature, dtype and shape class)
+    and, prominently, the headline features no case judged."""
+    lines = ["Coverage (cases judged / unsupported / error):"]
+    for group, rows in report.coverage().items():
+        if rows:
+            cells = [f"{name} {r['judged']}/{r['unsupported']}/{r['error']}"
+                     for name, r in rows.items()]
+            lines += textwrap.wrap(f"{group + ':':9}" + ", ".join(cells), _TERMINAL,
+                                   subsequent_indent=" " * 9)
+    untested = report.untested
+    if untested:
+        required = [f for f in untested if f in report.required]
+        lines.append("!" * 60)
+        lines.append(f"WARNING: NOT TESTED: {', '.join(untested)} -- no case with these "
+                     f"features reached a verdict (unsupported, errors or not selected)")
+        if required:
+            lines.append(f"FAILED: required by --require: {', '.join(required)}")
+        lines.append("!" * 60)
+    return lines
 
 
 def to_dict(report) -> dict:
@@ -103,6 +126,8 @@ def to_dict(report) -> dict:
         "strict": report.strict, "grads": report.grads, "passed": report.passed,
         "seconds": round(report.seconds, 3),
         "counts": {c: report.counts(c) for c in ("conformance", "robustness")},
+        "coverage": report.coverage(), "untested": report.untested,
+        "required": list(report.required), "isolated": report.isolated,
         "policy": {"k_forward": K_FORWARD, "k_backward": K_BACKWARD,
                    "failure_probability": FAILURE_PROBABILITY,
                    "threshold": "max(k * baseline_error, floor) + u_out (oracle.tolerance, T2)"},
@@ -243,8 +268,19 @@ def to_html(report, path, *, plots="failures") -> Path:
                      f"</td><td>{_ratio_text(r)}</td><td>{_ulp_text(r)}</td><td>{esc(note)}"
                      f"</td></tr>")
     parts.append("</table>")
-    text = summary_table(report, details=False).split("\n\n")[-1]
-    parts.append(f"<pre>{esc(text)}</pre>")
+    text = summary_table(report, details=False).split("\n\n")[-2:]
+    parts.append(f"<pre>{esc(chr(10).join(text))}</pre>")
+    parts.append("<h2>Coverage</h2><table><tr><th>kind</th><th>name</th><th>judged</th>"
+                 "<th>unsupported</th><th>error</th></tr>")
+    for group, rows in report.coverage().items():
+        for name, row in rows.items():
+            style = " class='fail'" if row["judged"] == 0 else ""
+            parts.append(f"<tr{style}><td>{group}</td><td>{esc(name)}</td><td>{row['judged']}"
+                         f"</td><td>{row['unsupported']}</td><td>{row['error']}</td></tr>")
+    parts.append("</table>")
+    if report.untested:
+        parts.append(f"<p class='fail'><strong>NOT TESTED: {esc(', '.join(report.untested))}"
+                     f"</strong></p>")
     for r in report.results:
         parts.append(f"<h2 id='{_anchor(r.name)}'>{esc(r.name)}: {esc(r.verdict)}</h2>"
                      f"<pre>{esc(r.explain())}</pre>")

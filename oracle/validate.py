@@ -60,7 +60,8 @@ from . import diagnose as _diagnose
 from . import tolerance as tol
 
 __all__ = ["Worst", "Check", "CaseResult", "Report", "validate", "check_fixture",
-           "judge_fixture", "OutputError",
+           "judge_fixture", "OutputError", "case_features", "passed_options",
+           "HEADLINE_FEATURES", "KNOWN_FEATURES",
            "resolve_impl", "VERDICTS", "ROBUSTNESS_NOTE"]
 
 VERDICTS = ("pass", "fail", "unsupported", "error")
@@ -132,6 +133,8 @@ class CaseResult:
     seconds: float = 0.0
     reproduce: str = ""
     description: str = ""
+    features: list[str] = field(default_factory=list)
+    shape_classes: list[str] = field(default_factory=list)
 
     @property
     def worst(self) -> Worst | None:
@@ -175,7 +178,8 @@ class CaseResult:
         return {"name": self.name, "category": self.category, "dtype": self.dtype,
                 "verdict": self.verdict, "message": self.message, "diagnosis": self.diagnosis,
                 "seconds": round(self.seconds, 4), "reproduce": self.reproduce,
-                "description": self.description,
+                "description": self.description, "features": self.features,
+                "shape_classes": self.shape_classes,
                 "worst": None if worst is None else _worst_dict(worst),
                 "checks": {name: c.to_dict() for name, c in self.checks.items()}}
 
@@ -192,11 +196,46 @@ class Report:
     seconds: float = 0.0
     grads: bool = False
     isolated: bool = False  # cases ran in a supervised worker process
+    required: tuple = ()  # features that must have been judged (--require)
 
     @property
     def passed(self) -> bool:
-        """No conformance case failed or errored (robustness ones too with ``strict``)."""
-        return not self.failures
+        """No conformance case failed or errored (robustness ones too with ``strict``) and
+        every required feature was judged on at least one case."""
+        return not self.failures and not self.missing_required
+
+    def coverage(self) -> dict[str, dict[str, dict[str, int]]]:
+        """{"feature" | "dtype" | "shape": {name: {"judged", "unsupported", "error"}}}:
+        judged = cases that reached a pass/fail verdict."""
+        table: dict[str, dict[str, dict[str, int]]] = {"feature": {}, "dtype": {},
+                                                       "shape": {}}
+        wanted = [f for f in HEADLINE_FEATURES if f != "gradients" or self.grads]
+        for feature in (*wanted, *self.required):
+            group = "shape" if feature in SHAPE_CLASSES else "feature"
+            table[group].setdefault(feature, {"judged": 0, "unsupported": 0, "error": 0})
+        for r in self.results:
+            kind = "judged" if r.verdict in ("pass", "fail") else r.verdict
+            for group, names in (("feature", r.features), ("dtype", [r.dtype]),
+                                 ("shape", r.shape_classes)):
+                for name in names:
+                    row = table[group].setdefault(name, {"judged": 0, "unsupported": 0,
+                                                         "error": 0})
+                    row[kind] += 1
+        return table
+
+    @property
+    def untested(self) -> list[str]:
+        """Headline features (and required ones) no case judged: gradients only when asked."""
+        coverage = self.coverage()
+        rows = {**coverage["feature"], **coverage["shape"]}
+        wanted = [f for f in HEADLINE_FEATURES if f != "gradients" or self.grads]
+        return [f for f in dict.fromkeys((*wanted, *self.required))
+                if rows.get(f, {}).get("judged", 0) == 0]
+
+    @property
+    def missing_required(self) -> list[str]:
+        """Required features (``require=``) that no case judged."""
+        return [f for f in self.required if f in self.untested]
 
     @property
     def failures(self) -> list[CaseResult]:
@@ -307,16 +346,39 @@ def _impl_name(impl, spec):
 # ---------------------------------------------------------------------------------------------
 
 
+def _refattn_defaults() -> dict:
+    import inspect
+
+    from refattn.attention import attention
+
+    return {name: p.default for name, p in inspect.signature(attention).parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is not inspect.Parameter.empty}
+
+
+def passed_options(options) -> dict:
+    """The options an implementation receives: those equal to :func:`refattn.attention`'s
+    defaults are left out (the implementation's own defaults then apply), so a function that
+    follows the calling convention but lacks a keyword (``align``, ``gqa``, ``empty_rows``...)
+    is still judged on every case that uses that keyword's default."""
+    defaults = _refattn_defaults()
+    return {name: np.copy(x) if isinstance(x, np.ndarray) else x
+            for name, x in options.items()
+            if isinstance(x, np.ndarray) or name not in defaults
+            or type(x) is not type(defaults[name]) or x != defaults[name]}
+
+
 def _call(impl, q, k, v, options):
     """Run the forward; returns (out, lse or None)."""
-    copies = {name: np.copy(x) if isinstance(x, np.ndarray) else x
-              for name, x in options.items()}
+    copies = passed_options(options)
     try:
         result = impl(np.copy(q), np.copy(k), np.copy(v), **copies, return_lse=True)
     except (TypeError, NotImplementedError) as err:
         if "return_lse" not in str(err) and "lse" not in str(err):
-            raise
-        result = impl(np.copy(q), np.copy(k), np.copy(v), **copies)
+            raise _unsupported_keyword(err, copies) from err
+        try:
+            result = impl(np.copy(q), np.copy(k), np.copy(v), **copies)
+        except TypeError as again:
+            raise _unsupported_keyword(again, copies) from again
     if isinstance(result, (tuple, list)):
         if not result:
             raise OutputError(f"out: expected an array, got an empty {type(result).__name__}")
@@ -325,6 +387,17 @@ def _call(impl, q, k, v, options):
     else:
         out, lse = result, None
     return _as_float64(out), None if lse is None else _as_float64(lse, "lse")
+
+
+def _unsupported_keyword(err, options):
+    """A TypeError refusing one of the case's keywords means the option is unsupported."""
+    text = str(err)
+    if isinstance(err, TypeError) and "keyword argument" in text:
+        for name in options:
+            if f"'{name}'" in text:
+                return NotImplementedError(f"the implementation does not accept {name}= "
+                                           f"({text})")
+    return err
 
 
 class OutputError(TypeError):
@@ -489,8 +562,7 @@ def _check_grads(ctx, fixture, impl, checks):
     inputs = fixture.inputs
     grad_out, grad_lse = inputs.get("grad_out"), inputs.get("grad_lse")
     extra = {} if grad_lse is None else {"grad_lse": np.copy(grad_lse)}
-    options = {n: np.copy(x) if isinstance(x, np.ndarray) else x
-               for n, x in ctx.options.items()}
+    options = passed_options(ctx.options)
     result = impl.vjp(np.copy(ctx.q), np.copy(ctx.k), np.copy(ctx.v), np.copy(grad_out),
                       **extra, **options)
     result = tuple(result)
@@ -511,6 +583,54 @@ def _check_grads(ctx, fixture, impl, checks):
         threshold = tol.threshold(base_err, floor, ctx.dtype, k=tol.K_BACKWARD)
         checks[name] = _judge(name, value, truth, scales[name], threshold, ctx.dtype)
     return None
+
+
+#: features whose absence from a run is reported prominently (and fails it with --require)
+HEADLINE_FEATURES = ("causal", "mask", "gqa", "long-rows", "gradients")
+#: S from which a case counts as "long rows"
+LONG_ROWS = 512
+
+
+def case_features(case, grads=False, inputs=()) -> tuple[list[str], list[str]]:
+    """(features, shape classes) a case exercises, for the coverage table; ``inputs`` are the
+    names of its arrays (a fixture's ``inputs``: mask, bias, alibi_slopes...).
+
+    Features: causal, align-bottom-right, window, mask, bias, gqa, softcap, dropout, alibi,
+    scale, empty-rows-nan, poison (robustness), gradients (only when ``grads`` is asked).
+    Shape classes: single-query (L = 1), L<S, L=S, L>S, long-rows (S >= 512), batched (B > 1).
+    Variant cases give their function name as the only feature.
+    """
+    n, options = case.shapes, case.options
+    if case.function != "attention":
+        return [case.function], []
+    features = []
+    if options.get("causal"):
+        features.append("causal")
+    if options.get("align") == "bottom_right" and (options.get("causal")
+                                                   or options.get("window")):
+        features.append("align-bottom-right")
+    for name, feature in (("window", "window"), ("softcap", "softcap"),
+                          ("dropout_p", "dropout"), ("scale", "scale")):
+        if options.get(name):
+            features.append(feature)
+    for name, feature in (("mask", "mask"), ("bias", "bias"), ("alibi_slopes", "alibi")):
+        if name in inputs:
+            features.append(feature)
+    if n.H != n.K:
+        features.append("gqa")
+    if options.get("empty_rows") == "nan":
+        features.append("empty-rows-nan")
+    if case.category == "robustness":
+        features.append("poison")
+    if grads and case.grads:
+        features.append("gradients")
+    shapes = ["single-query" if n.L == 1 else
+              ("L<S" if n.L < n.S else "L=S" if n.L == n.S else "L>S")]
+    if n.S >= LONG_ROWS:
+        shapes.append("long-rows")
+    if n.batch > 1:
+        shapes.append("batched")
+    return features, shapes
 
 
 def judge_fixture(impl, fixture, *, grads=False, diagnose=True, reproduce="") -> CaseResult:
@@ -727,7 +847,7 @@ def _reproduce_cmd(impl_spec, source_flag, dtype, name, grads, strict):
 
 def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, strict=False,
              progress=True, cases: str | Iterable[str] | None = None, diagnose=True,
-             isolate=True, timeout=None, memory_limit=None) -> Report:
+             isolate=True, timeout=None, memory_limit=None, require=()) -> Report:
     """Validate ``impl`` on a suite or a fixture directory in one dtype.
 
     Parameters
@@ -764,6 +884,13 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
         compiles on its first call).
     memory_limit : int, optional
         Bytes of address space the worker may use (no limit by default).
+    require : str or iterable of str
+        Features (see :func:`case_features`; e.g. "causal", "mask", "gqa", "long-rows",
+        "gradients") that must be judged (pass or fail) on at least one case, else the run
+        fails. Untested headline features are reported in any case.
+
+    Options equal to :func:`refattn.attention`'s defaults are not passed to the
+    implementation (:func:`passed_options`): its own defaults then apply.
 
     Returns
     -------
@@ -779,6 +906,8 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
     from . import golden
     from ._progress import Progress
     from .supervise import DEFAULT_TIMEOUT, Supervisor
+
+    required = _required(require)
 
     if dtype is not None:
         tol.unit_roundoff(dtype)  # a clear error for an unknown dtype
@@ -817,6 +946,8 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
                 else:
                     result = supervisor.run(fixture, grads=grads, diagnose=diagnose,
                                             reproduce=repro)
+                result.features, result.shape_classes = case_features(
+                    fixture.case, grads, fixture.inputs)
                 results.append(result)
                 bar.advance(f"{result.name}: {result.verdict}")
     finally:
@@ -825,7 +956,25 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
     report = Report(_impl_name(fn, spec), dtype, label, strict, results,
                     time.perf_counter() - start, grads)
     report.isolated = supervisor is not None
+    report.required = required
     return report
+
+
+SHAPE_CLASSES = ("single-query", "L<S", "L=S", "L>S", "long-rows", "batched")
+KNOWN_FEATURES = ("causal", "align-bottom-right", "window", "mask", "bias", "gqa", "softcap",
+                  "dropout", "alibi", "scale", "empty-rows-nan", "poison", "gradients",
+                  "single-query", "L<S", "L=S", "L>S", "long-rows", "batched")
+
+
+def _required(require) -> tuple:
+    names = [require] if isinstance(require, str) else list(require or ())
+    flat = [part.strip().lower() for name in names for part in str(name).split(",")
+            if part.strip()]
+    unknown = [f for f in flat if f not in KNOWN_FEATURES]
+    if unknown:
+        raise ValueError(f"require: unknown feature(s) {unknown}; expected some of "
+                         f"{list(KNOWN_FEATURES)}")
+    return tuple(dict.fromkeys(flat))
 
 
 def _worker_ref(impl, fn, spec):
