@@ -462,3 +462,165 @@ def test_fuzz_two_concurrent_generate_processes(tmp_path):
     problems = golden.verify(out)
     tally["directory verifies" if problems == [] else f"BAD {problems[:3]}"] += 1
     _tally_ok(tally, "concurrent writers")
+
+
+# ---------------------------------------------------------------------------------------------
+# validation: nothing passes by accident
+# ---------------------------------------------------------------------------------------------
+
+_MISBEHAVING = ("calls_sys_exit", "calls_os_exit", "hangs", "segfaults", "eats_memory",
+                "complex_out", "int_out", "object_out", "list_out", "none_out", "scalar_out",
+                "wrong_shape", "empty_tuple", "nan_out", "raises_keyboard_free")
+_TIMEOUT = 4.0  # seconds per case for the hanging implementation (bounds the harness)
+
+
+def _validate_cli(argv, json_path):
+    code = _cli(["validate", *argv, "--quiet", "--json", str(json_path)])
+    data = json.loads(json_path.read_text()) if json_path.exists() else None
+    if json_path.exists():
+        json_path.unlink()
+    return code, data
+
+
+def test_fuzz_misbehaving_implementations(tmp_path):
+    """Exit, os._exit, hang, segfault, memory blow-up and bad outputs: each an error verdict
+    for the case, the run goes on to the next case and exits 1 with a report."""
+    tally = collections.Counter()
+    for name in _MISBEHAVING:
+        start = time.monotonic()
+        code, data = _validate_cli(["--impl", f"fuzz_impls:{name}", "--suite", "smoke",
+                                    "--dtype", "float32", "--case", "BASIC-*",
+                                    "--case", "causal-*", "--timeout", str(_TIMEOUT),
+                                    "--memory-limit", "4096"], tmp_path / "r.json")
+        took = time.monotonic() - start
+        if isinstance(code, str):
+            outcome = code
+        elif code != 1 or data is None:
+            outcome = f"BAD exit {code} (report {'written' if data else 'missing'})"
+        elif len(data["results"]) != 2:
+            outcome = f"BAD run stopped after {len(data['results'])} of 2 cases"
+        elif any(r["verdict"] == "pass" for r in data["results"]):
+            outcome = "BAD a misbehaving implementation passed a case"
+        elif took > 4 * _TIMEOUT + 30:
+            outcome = f"BAD took {took:.0f} s"
+        else:
+            outcome = "reported: " + "/".join(sorted({r["verdict"] for r in data["results"]}))
+        tally[outcome if not outcome.startswith("BAD") else f"{outcome} [{name}]"] += 1
+    _tally_ok(tally, "misbehaving implementations")
+
+
+def test_fuzz_selection_never_passes_empty(tmp_path, reference):
+    """Patterns are case-insensitive; zero selected cases (pattern, empty manifest) is exit 2;
+    cases= accepts a string."""
+    from oracle.validate import validate
+
+    tally = collections.Counter()
+    base = ["--impl", "fuzz_impls:good", "--suite", "smoke", "--dtype", "float32"]
+    for pattern, expect in (("BASIC-*-F32", 1), ("basic-*-f32", 1), ("Causal*", 1),
+                            ("nomatch*", 0), ("", 0), ("[", 0)):
+        code, data = _validate_cli([*base, "--case", pattern], tmp_path / "r.json")
+        if expect == 0:
+            ok = code == 2 and data is None
+        else:
+            ok = code == 0 and data is not None and len(data["results"]) >= expect
+        tally["ok" if ok else f"BAD pattern {pattern!r}: exit {code}"] += 1
+    empty = _fresh(reference, tmp_path / "empty")
+    manifest = _manifest(empty)
+    manifest["cases"] = []
+    _write_manifest(empty, manifest)
+    code, _ = _validate_cli(["--impl", "fuzz_impls:good", "--fixtures", str(empty)],
+                            tmp_path / "r.json")
+    tally["ok" if code == 2 else f"BAD empty manifest: exit {code}"] += 1
+    import fuzz_impls
+
+    report = validate(fuzz_impls.good, suite="smoke", cases="causal*", progress=False)
+    names = [r.name for r in report.results]
+    ok = names and all(n.startswith("causal") for n in names)
+    tally["ok" if ok else f"BAD cases='causal*' ran {names}"] += 1
+    with pytest.raises(ValueError, match="no case selected"):
+        validate(fuzz_impls.good, suite="smoke", cases="nothing*", progress=False)
+    tally["ok"] += 1
+    _tally_ok(tally, "selection")
+
+
+def test_fuzz_grads_without_vjp_and_coverage(tmp_path):
+    """--grads without a vjp is never a pass; thin coverage is said; --require fails it; a
+    minimal (q, k, v, scale, causal) function is judged on causal cases."""
+    tally = collections.Counter()
+    code, data = _validate_cli(["--impl", "fuzz_impls:good", "--suite", "default", "--dtype",
+                                "float32", "--case", "grad-*", "--grads"], tmp_path / "r.json")
+    grads = [r for r in data["results"]] if data else []
+    ok = grads and all(r["verdict"] != "pass" for r in grads) and "gradients" in data["untested"]
+    tally["grads unsupported" if ok else f"BAD --grads without vjp: {code}"] += 1
+    code, _ = _validate_cli(["--impl", "fuzz_impls:good", "--suite", "default", "--dtype",
+                             "float32", "--case", "grad-*", "--grads", "--require",
+                             "gradients"], tmp_path / "r.json")
+    tally["require fails" if code == 1 else f"BAD --require gradients exit {code}"] += 1
+    code, data = _validate_cli(["--impl", "fuzz_impls:minimal_bottom_right", "--suite",
+                                "default", "--dtype", "float32", "--case", "causal-*"],
+                               tmp_path / "r.json")
+    causal = data["coverage"]["feature"].get("causal", {}) if data else {}
+    ok = code == 1 and causal.get("judged", 0) > 0
+    tally["alignment bug caught" if ok else f"BAD bottom-right bug: exit {code} {causal}"] += 1
+    code, data = _validate_cli(["--impl", "fuzz_impls:minimal", "--suite", "smoke", "--dtype",
+                                "float32", "--require", "mask,causal"], tmp_path / "r.json")
+    ok = code == 1 and data and "mask" in data["untested"] and not data["passed"]
+    tally["thin coverage fails with --require" if ok else f"BAD minimal: exit {code}"] += 1
+    code, _ = _validate_cli(["--impl", "fuzz_impls:good", "--require", "nonsense"],
+                            tmp_path / "r.json")
+    tally["unknown feature refused" if code == 2 else f"BAD --require nonsense {code}"] += 1
+    _tally_ok(tally, "grads and coverage")
+
+
+# ---------------------------------------------------------------------------------------------
+# newcomer friction: failure text, terminal table, HTML report, plugin sys.path
+# ---------------------------------------------------------------------------------------------
+
+def test_fuzz_report_texts(tmp_path):
+    import re
+
+    import fuzz_impls
+
+    from oracle.validate import validate
+
+    tally = collections.Counter()
+    report = validate(fuzz_impls.nan_out, suite="smoke", dtype="float32", progress=False,
+                      isolate=False)
+    for result in report.failures:
+        text = result.explain()
+        shown = set(re.findall(r"threshold ([0-9.e+-]+)", text))
+        per_check = len([c for c in result.checks.values() if not c.passed]) or 1
+        tally["one threshold" if len(shown) <= per_check else f"BAD thresholds {shown}"] += 1
+    long_reason = "x" * 30 + " " + "word " * 60
+    report.results[0].message = long_reason
+    report.results[0].verdict = "error"
+    table = " ".join(report.summary().split())
+    tally["full reason" if " ".join(long_reason.split()) in table else "BAD reason cut"] += 1
+    page = report.to_html(tmp_path / "r.html", plots="all").read_text()
+    hrefs = set(re.findall(r"href='#([^']+)'", page))
+    ids = set(re.findall(r"id='([^']+)'", page))
+    tally["anchors resolve" if hrefs and hrefs <= ids else f"BAD dangling {hrefs - ids}"] += 1
+    images = page.count("<img")
+    tally["plots per case" if images >= len(report.results) else f"BAD {images} plots"] += 1
+    _tally_ok(tally, "report texts")
+
+
+def test_fuzz_plugin_finds_module_in_cwd(tmp_path):
+    (tmp_path / "my_attention.py").write_text(
+        "from refattn import attention\n\n"
+        "def attn(q, k, v, **options):\n"
+        "    return attention(q, k, v, **options)\n")
+    env = {**os.environ, "PYTHONPATH": str(_ROOT)}
+    env.pop("PYTEST_ADDOPTS", None)
+    script = Path(sys.executable).parent / "pytest"  # the console script: no cwd on sys.path
+    if not script.exists():
+        pytest.skip("no pytest console script next to the interpreter")
+    proc = subprocess.run([str(script), "--pyargs", "oracle", "-q",
+                           "-p", "no:cacheprovider", "--refattn-impl", "my_attention:attn",
+                           "--refattn-suite", "smoke", "--refattn-dtype", "float64"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    tally = collections.Counter()
+    ok = proc.returncode == 0 and "passed" in proc.stdout
+    tally["plugin imported ./my_attention.py" if ok else
+          f"BAD plugin rc {proc.returncode}: {proc.stdout[-300:]} {proc.stderr[-300:]}"] += 1
+    _tally_ok(tally, "plugin sys.path")
