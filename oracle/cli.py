@@ -7,16 +7,18 @@ Commands::
     refattn-oracle validate (--adapter NAME | --impl module:function)
                             (--suite NAME | --fixtures DIR) [--dtype D] [--case PATTERN ...]
                             [--json F] [--junit F] [--html F [--plots WHICH]] [--strict]
-                            [--grads] [--require FEATURE ...] [--timeout SECONDS] [--memory-limit MIB] [--in-process]
+                            [--grads] [--require FEATURE ...] [--timeout SECONDS]
+                            [--memory-limit MIB] [--in-process]
     refattn-oracle list [suites | cases --suite NAME | adapters]
 
 ``generate`` takes an exclusive lock on DIR (a second writer fails, or waits with ``--wait``)
 and exits with 2 and a one-line message for an unusable destination (empty, a file, not
 writable, full disk), ``--workers`` below 1 or an unknown suite; ``verify`` prints one line per
-problem and exits with 1, never a traceback. ``validate`` runs each case in a supervised worker process (reused from case to case): an
-implementation that exits, hangs past ``--timeout``, crashes or exhausts ``--memory-limit`` gets
-the verdict "error" for that case and the run goes on. Case patterns are case-insensitive; a
-selection of zero cases is a usage error. ``validate`` exits with 0 only when no case fails (robustness cases count only with
+problem and exits with 1, never a traceback. ``validate`` runs each case in a supervised
+worker process (reused from case to case): an implementation that exits, hangs past
+``--timeout``, crashes or exhausts ``--memory-limit`` gets the verdict "error" for that case
+and the run goes on. Case patterns are case-insensitive; a selection of zero cases is a usage
+error. ``validate`` exits with 0 only when no case fails (robustness cases count only with
 ``--strict``), 1 when some case fails and 2 on a usage error (bad ``--impl`` path, unknown
 adapter or suite, missing directory). Progress goes to stderr, the summary to stdout.
 

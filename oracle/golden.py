@@ -50,12 +50,10 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import errno
 import fcntl
 import multiprocessing
 import os
 import secrets
-import stat
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass

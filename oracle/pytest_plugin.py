@@ -9,7 +9,8 @@ never both: pluggy refuses to register one module under two names)::
            [--refattn-xfails FILE] [--refattn-strict] [--refattn-grads]
 
 The current directory is put on ``sys.path`` (as ``refattn-oracle validate --impl`` does),
-so a module next to where pytest runs is found. Each option has an environment twin (``REFATTN_IMPL``, ``REFATTN_SUITE``, ``REFATTN_FIXTURES``,
+so a module next to where pytest runs is found. Each option has an environment twin
+(``REFATTN_IMPL``, ``REFATTN_SUITE``, ``REFATTN_FIXTURES``,
 ``REFATTN_DTYPE``, ``REFATTN_SKIPS``, ``REFATTN_XFAILS``). ``--refattn-impl`` takes
 ``module:function`` or an adapter name. Test ids are the case names; a failure shows the worst
 element, the threshold, the diagnosis and a one-line reproduction. Unsupported cases

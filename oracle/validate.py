@@ -351,8 +351,9 @@ def _refattn_defaults() -> dict:
 
     from refattn.attention import attention
 
-    return {name: p.default for name, p in inspect.signature(attention).parameters.items()
-            if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is not inspect.Parameter.empty}
+    parameters = inspect.signature(attention).parameters.items()
+    return {name: p.default for name, p in parameters
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is not p.empty}
 
 
 def passed_options(options) -> dict:
