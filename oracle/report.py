@@ -109,8 +109,8 @@ def coverage_lines(report) -> list[str]:
     if untested:
         required = [f for f in untested if f in report.required]
         lines.append("!" * 60)
-        lines.append(f"WARNING: NOT TESTED: {', '.join(untested)} -- no case with these "
-                     f"features reached a verdict (unsupported, errors or not selected)")
+        reasons = "; ".join(f"{f} ({report.untested_reason(f)})" for f in untested)
+        lines += textwrap.wrap(f"WARNING: NOT TESTED: {reasons}", _TERMINAL)
         if required:
             lines.append(f"FAILED: required by --require: {', '.join(required)}")
         lines.append("!" * 60)

@@ -209,7 +209,7 @@ class Report:
         judged = cases that reached a pass/fail verdict."""
         table: dict[str, dict[str, dict[str, int]]] = {"feature": {}, "dtype": {},
                                                        "shape": {}}
-        wanted = [f for f in HEADLINE_FEATURES if f != "gradients" or self.grads]
+        wanted = self._headline()
         for feature in (*wanted, *self.required):
             group = "shape" if feature in SHAPE_CLASSES else "feature"
             table[group].setdefault(feature, {"judged": 0, "unsupported": 0, "error": 0})
@@ -228,9 +228,23 @@ class Report:
         """Headline features (and required ones) no case judged: gradients only when asked."""
         coverage = self.coverage()
         rows = {**coverage["feature"], **coverage["shape"]}
-        wanted = [f for f in HEADLINE_FEATURES if f != "gradients" or self.grads]
+        wanted = self._headline()
         return [f for f in dict.fromkeys((*wanted, *self.required))
                 if rows.get(f, {}).get("judged", 0) == 0]
+
+    def _headline(self) -> list[str]:
+        # attention results carry shape classes; a run of variant cases only has no headline
+        if not any(r.shape_classes for r in self.results):
+            return []
+        return [f for f in HEADLINE_FEATURES if f != "gradients" or self.grads]
+
+    def untested_reason(self, feature: str) -> str:
+        """Why ``feature`` went untested: "no selected case" or the verdict counts."""
+        coverage = self.coverage()
+        row = {**coverage["feature"], **coverage["shape"]}.get(feature)
+        if row is None or not (row["unsupported"] or row["error"]):
+            return "no selected case has it"
+        return f"{row['unsupported']} unsupported, {row['error']} error"
 
     @property
     def missing_required(self) -> list[str]:
