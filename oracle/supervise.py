@@ -3,9 +3,13 @@
 A validation must not pass by accident: an implementation that calls ``sys.exit`` or
 ``os._exit``, hangs, crashes the interpreter (segfault) or exhausts memory would otherwise end
 the run with rc 0 and no report, or hang it. :class:`Supervisor` runs each case in a worker
-process (``multiprocessing`` with the spawn start method) that it reuses from case to case and
-restarts only after it died, and turns each of those events into the verdict "error" with the
-reason; the run goes on with the next case.
+process that it reuses from case to case and restarts only after it died, and turns each of
+those events into the verdict "error" with the reason; the run goes on with the next case.
+
+The worker is a fresh interpreter (``python -m oracle.supervise``, with this process's
+``sys.path``) talking over two pipes with :mod:`multiprocessing.connection`: unlike the
+``spawn`` start method it never re-imports the caller's ``__main__``, so a script that calls
+:func:`oracle.validate` needs no ``if __name__ == "__main__"`` guard.
 
 Protocol: the worker resolves the implementation once (a ``module:function`` string or an
 adapter name, or a picklable callable), then answers each request ``(fixture, grads, diagnose,
@@ -23,9 +27,13 @@ Examples
 
 from __future__ import annotations
 
-import multiprocessing
+import os
+import pickle
 import signal
+import subprocess
+import sys
 import time
+from multiprocessing.connection import Connection
 
 __all__ = ["Supervisor", "DEFAULT_TIMEOUT"]
 
@@ -34,7 +42,7 @@ __all__ = ["Supervisor", "DEFAULT_TIMEOUT"]
 DEFAULT_TIMEOUT = 300.0
 
 
-def _serve(connection, impl_ref, memory_limit) -> None:  # pragma: no cover - runs in a worker
+def _serve(receive, connection, impl_ref, memory_limit) -> None:  # pragma: no cover - worker
     """Worker loop: resolve the implementation, then judge fixtures until told to stop."""
     if memory_limit:
         import resource
@@ -49,7 +57,7 @@ def _serve(connection, impl_ref, memory_limit) -> None:  # pragma: no cover - ru
         return
     connection.send(("ready", None))
     while True:
-        request = connection.recv()
+        request = receive.recv()
         if request is None:
             return
         fixture, grads, diagnose, reproduce = request
@@ -80,7 +88,7 @@ class Supervisor:
         if memory_limit is not None and (not isinstance(memory_limit, int) or memory_limit <= 0):
             raise ValueError(f"memory_limit: expected bytes > 0, got {memory_limit!r}")
         self.impl_ref, self.timeout, self.memory_limit = impl_ref, float(timeout), memory_limit
-        self._process = self._connection = None
+        self._process = self._connection = self._send_connection = None
         self.starts = 0  # worker processes started (1 unless a case killed one)
 
     def __enter__(self):
@@ -90,13 +98,21 @@ class Supervisor:
         self.close()
 
     def _start(self) -> str | None:
-        context = multiprocessing.get_context("spawn")
-        parent, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child, self.impl_ref,
-                                                             self.memory_limit), daemon=True)
-        self._process.start()
-        child.close()
-        self._connection = parent
+        to_child_r, to_child_w = os.pipe()
+        to_parent_r, to_parent_w = os.pipe()
+        paths = [p or os.getcwd() for p in sys.path]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+        request = pickle.dumps((self.impl_ref, self.memory_limit))
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "oracle.supervise", str(to_child_r), str(to_parent_w)],
+                pass_fds=(to_child_r, to_parent_w), env=env, stdin=subprocess.DEVNULL)
+        finally:
+            os.close(to_child_r)
+            os.close(to_parent_w)
+        self._send_connection = Connection(to_child_w, readable=False)
+        self._connection = Connection(to_parent_r, writable=False)
+        self._send_connection.send_bytes(request)
         kind, message = self._receive(self.timeout, "starting the worker")
         if kind != "ready":
             self._stop()
@@ -118,8 +134,10 @@ class Supervisor:
         return "died", self._death(doing)
 
     def _death(self, doing) -> str:
-        self._process.join(5)
-        code = self._process.exitcode
+        try:
+            code = self._process.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None
         self._stop()
         if code is None:
             return f"the worker stopped answering while {doing}"
@@ -132,12 +150,13 @@ class Supervisor:
                 f"os._exit or exit)")
 
     def _stop(self) -> None:
-        if self._process is not None and self._process.is_alive():
+        if self._process is not None and self._process.poll() is None:
             self._process.kill()
-            self._process.join(5)
-        if self._connection is not None:
-            self._connection.close()
-        self._process = self._connection = None
+            self._process.wait(5)
+        for connection in (self._connection, self._send_connection):
+            if connection is not None:
+                connection.close()
+        self._process = self._connection = self._send_connection = None
 
     def run(self, fixture, *, grads=False, diagnose=True, reproduce=""):
         """Judge one fixture in the worker; any way the worker fails is an "error" result."""
@@ -150,7 +169,7 @@ class Supervisor:
             problem = self._start()
         if problem is None:
             try:
-                self._connection.send((fixture, grads, diagnose, reproduce))
+                self._send_connection.send((fixture, grads, diagnose, reproduce))
             except (OSError, EOFError):
                 kind, problem = "died", self._death("sending the case")
             else:
@@ -166,11 +185,25 @@ class Supervisor:
 
     def close(self) -> None:
         """Ask the worker to stop (and kill it if it does not)."""
-        if self._connection is not None:
+        if self._send_connection is not None:
             try:
-                self._connection.send(None)
+                self._send_connection.send(None)
             except (OSError, EOFError):
                 pass
-            if self._process is not None:
-                self._process.join(5)
+            try:
+                self._process.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
         self._stop()
+
+
+def _main(argv) -> None:  # pragma: no cover - the worker's entry point
+    """``python -m oracle.supervise READ_FD WRITE_FD``: serve cases over the two pipes."""
+    receive = Connection(int(argv[0]), writable=False)
+    send = Connection(int(argv[1]), readable=False)
+    impl_ref, memory_limit = pickle.loads(receive.recv_bytes())
+    _serve(receive, send, impl_ref, memory_limit)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _main(sys.argv[1:])

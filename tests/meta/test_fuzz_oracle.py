@@ -624,3 +624,18 @@ def test_fuzz_plugin_finds_module_in_cwd(tmp_path):
     tally["plugin imported ./my_attention.py" if ok else
           f"BAD plugin rc {proc.returncode}: {proc.stdout[-300:]} {proc.stderr[-300:]}"] += 1
     _tally_ok(tally, "plugin sys.path")
+
+
+def test_fuzz_script_without_main_guard(tmp_path):
+    """A plain script calling oracle.validate (no __main__ guard) runs isolated and ends."""
+    script = tmp_path / "check.py"
+    script.write_text("import oracle\nimport fuzz_impls\n"
+                      "report = oracle.validate(fuzz_impls.good, suite='smoke', progress=False)\n"
+                      "print('isolated', report.isolated, 'passed', report.passed)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_ROOT), str(_ROOT / "tests")])}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    tally = collections.Counter()
+    ok = proc.returncode == 0 and "isolated True passed True" in proc.stdout
+    tally["ran isolated" if ok else f"BAD rc {proc.returncode}: {proc.stderr[-300:]}"] += 1
+    _tally_ok(tally, "script without main guard")
