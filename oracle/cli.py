@@ -2,14 +2,23 @@
 
 Commands::
 
-    refattn-oracle generate --suite NAME --out DIR [--dtype D ...] [--workers N]
+    refattn-oracle generate --suite NAME --out DIR [--dtype D ...] [--workers N] [--wait]
     refattn-oracle verify DIR
     refattn-oracle validate (--adapter NAME | --impl module:function)
                             (--suite NAME | --fixtures DIR) [--dtype D] [--case PATTERN ...]
-                            [--json F] [--junit F] [--html F] [--strict] [--grads]
+                            [--json F] [--junit F] [--html F [--plots WHICH]] [--strict]
+                            [--grads] [--require FEATURE ...] [--timeout SECONDS]
+                            [--memory-limit MIB] [--in-process]
     refattn-oracle list [suites | cases --suite NAME | adapters]
 
-``validate`` exits with 0 only when no case fails (robustness cases count only with
+``generate`` takes an exclusive lock on DIR (a second writer fails, or waits with ``--wait``)
+and exits with 2 and a one-line message for an unusable destination (empty, a file, not
+writable, full disk), ``--workers`` below 1 or an unknown suite; ``verify`` prints one line per
+problem and exits with 1, never a traceback. ``validate`` runs each case in a supervised
+worker process (reused from case to case): an implementation that exits, hangs past
+``--timeout``, crashes or exhausts ``--memory-limit`` gets the verdict "error" for that case
+and the run goes on. Case patterns are case-insensitive; a selection of zero cases is a usage
+error. ``validate`` exits with 0 only when no case fails (robustness cases count only with
 ``--strict``), 1 when some case fails and 2 on a usage error (bad ``--impl`` path, unknown
 adapter or suite, missing directory). Progress goes to stderr, the summary to stdout.
 
@@ -30,8 +39,15 @@ from .catalogue.names import DTYPES
 
 __all__ = ["main", "build_parser"]
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors on one line (the usage text stays behind ``--help``)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="refattn-oracle",
         description="Golden fixtures for attention and validation of implementations against "
                     "refattn's exact truth.")
@@ -42,7 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--out", required=True, help="output directory")
     gen.add_argument("--dtype", action="append", choices=DTYPES,
                      help="only these dtypes (repeatable; default: all)")
-    gen.add_argument("--workers", type=int, default=1, help="worker processes")
+    gen.add_argument("--workers", type=int, default=1,
+                     help="worker processes (default: %(default)s; the bytes do not depend on "
+                          "it; try the number of cores, os.cpu_count())")
+    gen.add_argument("--wait", action="store_true",
+                     help="wait for another generate writing into --out instead of failing")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
 
     ver = sub.add_parser("verify", help="check the sha256 of every fixture in DIR")
@@ -63,8 +83,23 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--junit", metavar="FILE", help="write a JUnit XML report")
     val.add_argument("--html", metavar="FILE", help="write an HTML report (plots need "
                                                     "refattn[plot])")
+    val.add_argument("--plots", choices=("failures", "all", "none"), default="failures",
+                     help="plots in the HTML report: failing checks (default), every case, or "
+                          "none")
     val.add_argument("--strict", action="store_true", help="robustness failures fail the run")
-    val.add_argument("--grads", action="store_true", help="also check impl.vjp")
+    val.add_argument("--grads", action="store_true",
+                     help="also check impl.vjp (gradient cases are 'unsupported' without one)")
+    val.add_argument("--require", action="append", metavar="FEATURE", default=[],
+                     help="fail unless some case with FEATURE was judged (repeatable or comma "
+                          "list: causal, mask, gqa, long-rows, gradients, window, bias, ...)")
+    val.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                     help="seconds one case may take before it is an error (default: 300; "
+                          "each case runs in a supervised worker process)")
+    val.add_argument("--memory-limit", type=float, default=None, metavar="MIB",
+                     help="address space of the worker process in MiB (default: no limit)")
+    val.add_argument("--in-process", action="store_true",
+                     help="run the implementation in this process (no timeout or crash "
+                          "protection; for debugging with pdb)")
     val.add_argument("--quiet", action="store_true", help="no progress bar, failures only")
 
     lst = sub.add_parser("list", help="list suites, cases or adapters")
@@ -82,8 +117,17 @@ def _err(message) -> int:
 def _generate(args) -> int:
     from . import golden
 
-    path = golden.generate(args.suite, args.out, dtypes=args.dtype, workers=args.workers,
-                           progress=not args.quiet)
+    if args.workers < 1:
+        return _err(f"--workers: expected an integer >= 1, got {args.workers}")
+    try:
+        path = golden.generate(args.suite, args.out, dtypes=args.dtype, workers=args.workers,
+                               progress=not args.quiet, wait=args.wait)
+    except (golden.FixtureError, ValueError, KeyError) as err:
+        return _err(str(err).strip('"'))
+    except OSError as err:
+        where = f" ({err.filename})" if err.filename else ""
+        return _err(f"writing fixtures into {args.out!r} failed: {err.strerror or err}{where}; "
+                    f"the files already written are complete and a rerun resumes")
     print(f"fixtures written to {path}")
     return 0
 
@@ -113,15 +157,26 @@ def _validate(args) -> int:
     if args.fixtures is not None and not Path(args.fixtures).is_dir():
         return _err(f"--fixtures {args.fixtures}: no such directory "
                     f"(write one with `refattn-oracle generate --out {args.fixtures}`)")
+    if args.timeout is not None and not args.timeout > 0:
+        return _err(f"--timeout: expected seconds > 0, got {args.timeout:g}")
+    if args.memory_limit is not None and not args.memory_limit > 0:
+        return _err(f"--memory-limit: expected MiB > 0, got {args.memory_limit:g}")
+    memory = None if args.memory_limit is None else int(args.memory_limit * 2**20)
     try:
         report = V.validate(spec, suite=args.suite, fixtures=args.fixtures,
                             dtype=None if args.dtype == "all" else args.dtype,
                             grads=args.grads, strict=args.strict, progress=not args.quiet,
-                            cases=args.case)
+                            cases=args.case, isolate=not args.in_process,
+                            timeout=args.timeout, memory_limit=memory,
+                            require=args.require)
     except (KeyError, ValueError) as err:
         return _err(str(err).strip('"'))
     print(report.summary() if not args.quiet else
           "\n".join(r.explain() for r in report.failures) or "no failures")
+    if args.quiet and report.untested:
+        from .report import coverage_lines
+
+        print("\n".join(coverage_lines(report)[-4:]))
     if args.json:
         report.to_json(args.json)
     if args.junit:
@@ -129,11 +184,9 @@ def _validate(args) -> int:
     if args.html:
         from .report import PLOT_HINT, plotting_available
 
-        report.to_html(args.html)
+        report.to_html(args.html, plots=args.plots)
         if not plotting_available():
             print(f"refattn-oracle: {PLOT_HINT}", file=sys.stderr)
-    if not report.results:
-        print("refattn-oracle: warning: no case matched", file=sys.stderr)
     return 0 if report.passed else 1
 
 

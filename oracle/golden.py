@@ -30,10 +30,19 @@ and machine.
 ``truth_kind`` and ``cases``: one entry per case in catalogue order with ``name``, ``spec``,
 ``seed``, ``dtype``, ``category``, ``file``, ``sha256``, ``truth_kind``.
 
-Atomicity and resume: every file is written to a temporary file in the same directory and
-moved into place with ``os.replace``; progress is recorded in ``manifest.partial.json`` (also
+Atomicity and resume: every file is written to a temporary file of this run (named
+``.refattn-<pid>-<random>.tmp``, created with mode 0666 minus the umask) in the same directory
+and moved into place with ``os.replace``; progress is recorded in ``manifest.partial.json`` (also
 atomic) and ``manifest.json`` is written last. A rerun after an interruption skips every case
 whose file exists with the recorded sha256 and spec, and computes the rest.
+
+Safety: a writer holds an exclusive lock (``fcntl.flock`` on ``.refattn-oracle.lock`` in the
+directory) for the whole run; a second writer fails with :class:`FixtureLockError` or, with
+``wait=True``, waits. A run deletes only its own temporary files and the fixture files an earlier
+manifest of this directory recorded for cases no longer selected; any other file is left alone.
+Manifest ``file`` entries must be plain file names inside the directory (no path separator, no
+``..``, not absolute, not a symlink); :func:`verify` and :func:`load` refuse anything else, naming
+the entry, and report every schema problem as one line (file, key, what was expected).
 """
 
 from __future__ import annotations
@@ -41,9 +50,10 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import fcntl
 import multiprocessing
 import os
-import tempfile
+import secrets
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -63,6 +73,8 @@ from .catalogue.names import ARRAY_OPTIONS, DTYPES
 
 __all__ = [
     "Fixture",
+    "FixtureError",
+    "FixtureLockError",
     "SCHEMA_VERSION",
     "TRUTH_KIND",
     "TRUTH_BUILDERS",
@@ -81,6 +93,15 @@ PARTIAL_MANIFEST = "manifest.partial.json"
 GENERATOR = "oracle.golden"
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 _TMP_SUFFIX = ".tmp"
+LOCK_FILE = ".refattn-oracle.lock"
+
+
+class FixtureError(ValueError):
+    """A fixture directory or destination that cannot be read or written (one-line message)."""
+
+
+class FixtureLockError(FixtureError):
+    """Another writer holds the lock of the output directory."""
 
 
 @dataclass
@@ -257,18 +278,26 @@ def sha256_of(path) -> str:
     return digest.hexdigest()
 
 
+def _temp_name() -> str:
+    return f".refattn-{os.getpid()}-{secrets.token_hex(6)}{_TMP_SUFFIX}"
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same directory + os.replace."""
-    handle = tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.",
-                                         suffix=_TMP_SUFFIX, delete=False)
+    """Write ``data`` to ``path`` via a temporary file of this run + os.replace.
+
+    The temporary file is created exclusively with mode 0666, so the umask decides the final
+    mode (as for any file a user's program writes); only that file is removed on failure.
+    """
+    temp = path.parent / _temp_name()
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with handle:
+        with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(handle.name, path)
+        os.replace(temp, path)
     except BaseException:
-        Path(handle.name).unlink(missing_ok=True)
+        temp.unlink(missing_ok=True)
         raise
 
 
@@ -311,34 +340,64 @@ def _previous_entries(out: Path) -> dict[str, list[dict]]:
     for name in (MANIFEST, PARTIAL_MANIFEST):
         try:
             manifest = json.loads((out / name).read_text())
-        except (FileNotFoundError, ValueError):
+        except (OSError, ValueError):
             continue
         if not isinstance(manifest, dict) or manifest.get("schema_version") != SCHEMA_VERSION:
             continue
-        for entry in manifest.get("cases", []):
-            if isinstance(entry, dict):
-                entries.setdefault(entry.get("name"), []).append(entry)
+        cases = manifest.get("cases")
+        for entry in cases if isinstance(cases, list) else []:
+            if isinstance(entry, dict) and isinstance(entry.get("name"), str):
+                entries.setdefault(entry["name"], []).append(entry)
     return entries
 
 
 def _reusable(case: Case, candidates: list[dict], out: Path) -> dict | None:
     """The recorded entry whose spec is the case's and whose sha256 the file on disk has."""
     path = out / f"{case.name}.npz"
-    matching = [e for e in candidates if e.get("spec") == case.spec()]
-    if not matching or not path.is_file():
+    matching = [e for e in candidates if e.get("spec") == case.spec()
+                and e.get("file") == path.name]
+    if not matching or path.is_symlink() or not path.is_file():
         return None
     sha = sha256_of(path)
     return next((e for e in matching if e.get("sha256") == sha), None)
 
 
 def _remove_unselected(out: Path, previous: dict[str, list[dict]], selected: list[Case]):
-    """Delete fixture files an earlier run recorded that the current selection drops."""
+    """Delete fixture files an earlier run recorded that the current selection drops.
+
+    Only regular files whose recorded name is a plain ``<case name>.npz`` of that entry are
+    removed: a manifest edited to point elsewhere never makes a run delete a user's file.
+    """
     keep = {f"{c.name}.npz" for c in selected}
-    for entries in previous.values():
+    for name, entries in previous.items():
         for entry in entries:
-            file_name = str(entry.get("file", ""))
-            if file_name.endswith(".npz") and "/" not in file_name and file_name not in keep:
-                (out / file_name).unlink(missing_ok=True)
+            file_name = entry.get("file")
+            if (file_name != f"{name}.npz" or file_name_problem(file_name) is not None
+                    or file_name in keep):
+                continue
+            path = out / file_name
+            if path.is_file() and not path.is_symlink():
+                path.unlink(missing_ok=True)
+
+
+def file_name_problem(file_name) -> str | None:
+    """Why ``file_name`` is not a plain file name inside a fixture directory (None if it is).
+
+    Examples
+    --------
+    >>> file_name_problem("basic.npz") is None
+    True
+    >>> file_name_problem("../outside/x.npz")
+    'expected a plain file name inside the directory (no path separator, no ..)'
+    """
+    if not isinstance(file_name, str) or not file_name:
+        return f"expected a non-empty string, got {type(file_name).__name__}"
+    if ("/" in file_name or "\\" in file_name or "\0" in file_name
+            or file_name in (".", "..") or os.path.isabs(file_name)):
+        return "expected a plain file name inside the directory (no path separator, no ..)"
+    if not file_name.endswith(".npz"):
+        return "expected a name ending in .npz"
+    return None
 
 
 def _select(suite: str, dtypes, cases) -> list[Case]:
@@ -349,6 +408,9 @@ def _select(suite: str, dtypes, cases) -> list[Case]:
         if unknown:
             raise ValueError(f"dtypes: expected a subset of {DTYPES}, got {sorted(unknown)}")
         selected = [c for c in selected if c.dtype in wanted]
+    if not selected:
+        raise FixtureError(f"no case selected (suite {suite!r}, dtypes {dtypes}): nothing to "
+                           f"write")
     names = [c.name for c in selected]
     if len(set(names)) != len(names):
         raise ValueError("cases: case names must be unique")
@@ -356,7 +418,8 @@ def _select(suite: str, dtypes, cases) -> list[Case]:
 
 
 def generate(suite: str, out_dir, *, dtypes: Iterable[str] | None = None, workers: int = 1,
-             progress: bool = True, cases: Iterable[Case] | None = None) -> Path:
+             progress: bool = True, cases: Iterable[Case] | None = None,
+             wait: bool = False) -> Path:
     """Write one .npz per case and ``manifest.json`` into ``out_dir``; return the directory.
 
     Parameters
@@ -375,18 +438,74 @@ def generate(suite: str, out_dir, *, dtypes: Iterable[str] | None = None, worker
         Progress bar on stderr.
     cases : iterable of Case, optional
         Explicit cases instead of the suite's.
+    wait : bool
+        Wait for another writer of ``out_dir`` to finish instead of failing.
 
     Returns
     -------
     Path of ``out_dir``.
+
+    Raises
+    ------
+    FixtureError
+        ``out_dir`` is empty, not a directory or not writable (:class:`FixtureLockError` when
+        another writer holds its lock and ``wait`` is false).
+    OSError
+        Writing failed (full disk...); every file already in place is complete and the
+        partial manifest lets a rerun resume.
     """
-    selected = _select(suite, dtypes, cases)
-    if not isinstance(workers, int) or workers < 1:
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers: expected an int >= 1, got {workers!r}")
+    selected = _select(suite, dtypes, cases)
+    out = _destination(out_dir)
+    with _writer_lock(out, wait=wait):
+        return _generate_locked(suite, selected, out, workers, progress)
+
+
+def _destination(out_dir) -> Path:
+    """The output directory, created if missing; FixtureError for anything unusable."""
+    if out_dir is None or str(out_dir) == "":
+        raise FixtureError("out: expected a directory path, got an empty string")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob(f".*{_TMP_SUFFIX}"):
-        stale.unlink()
+    if out.exists() and not out.is_dir():
+        raise FixtureError(f"out: {out} exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FixtureError(f"out: cannot create directory {out} ({exc.strerror})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise FixtureError(f"out: directory {out} is not writable")
+    return out
+
+
+class _writer_lock:
+    """Exclusive ``flock`` on ``LOCK_FILE`` in ``out`` for one writer at a time."""
+
+    def __init__(self, out: Path, wait: bool):
+        self.path, self.wait, self.fd = out / LOCK_FILE, wait, None
+
+    def __enter__(self):
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as exc:
+            raise FixtureError(f"out: cannot create lock file {self.path} "
+                               f"({exc.strerror})") from None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(self.fd)
+            raise FixtureLockError(
+                f"out: another `generate` is writing into {self.path.parent} (lock "
+                f"{self.path.name} is held); wait for it or pass --wait") from None
+        return self
+
+    def __exit__(self, *exc_info):
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def _generate_locked(suite: str, selected: list[Case], out: Path, workers: int,
+                     progress: bool) -> Path:
     previous = _previous_entries(out)
     _remove_unselected(out, previous, selected)
     done: dict[str, dict] = {}
@@ -442,14 +561,24 @@ def _cost(case: Case) -> int:
 # verify and load
 # ---------------------------------------------------------------------------------------------
 
-_REQUIRED_ENTRY = ("name", "spec", "seed", "dtype", "category", "file", "sha256", "truth_kind")
+_ENTRY_TYPES = {"name": str, "spec": dict, "seed": int, "dtype": str, "category": str,
+                "file": str, "sha256": str, "truth_kind": str}
+_MANIFEST_TYPES = {"generator": str, "refattn_version": str, "suite": str, "truth_kind": str,
+                   "cases": list}
+_TYPE_NAMES = {str: "a string", dict: "an object", int: "an integer", list: "a list"}
+
+
+def _wrong_type(value, expected: type) -> bool:
+    return isinstance(value, bool) or not isinstance(value, expected)
 
 
 def verify(directory) -> list[str]:
     """Problems found in a fixture directory (an empty list means it is valid).
 
-    Checks the manifest schema, every file's sha256, missing and extra files, each file's
-    members (inputs, truth and grads as its spec says) and that it loads without pickle.
+    Checks the manifest schema (one line per problem: file, key, what was expected), that every
+    ``file`` is a plain file name inside the directory and not a symlink, every file's sha256,
+    missing and extra files, each file's members (inputs, truth and grads as its spec says) and
+    that it loads without pickle. Never raises on a bad directory.
 
     Examples
     --------
@@ -459,12 +588,9 @@ def verify(directory) -> list[str]:
     True
     """
     root = Path(directory)
-    try:
-        manifest = json.loads((root / MANIFEST).read_text())
-    except FileNotFoundError:
-        return [f"{MANIFEST}: missing in {root}"]
-    except ValueError as exc:
-        return [f"{MANIFEST}: not valid JSON ({exc})"]
+    manifest, problems = _read_manifest(root)
+    if problems:
+        return problems
     problems = _schema_problems(manifest)
     if problems:
         return problems
@@ -473,52 +599,114 @@ def verify(directory) -> list[str]:
         listed.add(entry["file"])
         problems += _entry_problems(root, entry)
     for path in sorted(root.iterdir()):
-        if path.name != MANIFEST and path.name not in listed:
+        if path.name in (MANIFEST, LOCK_FILE) or path.name in listed:
+            continue
+        if path.name.startswith(".refattn-") and path.name.endswith(_TMP_SUFFIX):
+            problems.append(f"{path.name}: temporary file left by an interrupted run "
+                            f"(safe to delete)")
+        else:
             problems.append(f"{path.name}: extra file not listed in {MANIFEST}")
     return problems
 
 
+def _read_manifest(root: Path) -> tuple[Any, list[str]]:
+    if not root.is_dir():
+        return None, [f"{root}: not a directory"]
+    path = root / MANIFEST
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        return None, [f"{MANIFEST}: expected a regular file in {root}"]
+    try:
+        return json.loads(path.read_text(encoding="utf-8")), []
+    except FileNotFoundError:
+        return None, [f"{MANIFEST}: missing in {root}"]
+    except OSError as exc:
+        return None, [f"{MANIFEST}: unreadable ({exc.strerror})"]
+    except ValueError as exc:
+        return None, [f"{MANIFEST}: not valid JSON ({exc})"]
+
+
 def _schema_problems(manifest) -> list[str]:
     if not isinstance(manifest, dict):
-        return [f"{MANIFEST}: expected a JSON object"]
-    if manifest.get("schema_version") != SCHEMA_VERSION:
-        return [f"{MANIFEST}: schema_version {manifest.get('schema_version')!r}, "
-                f"expected {SCHEMA_VERSION}"]
-    problems = [f"{MANIFEST}: missing key {key!r}"
-                for key in ("generator", "refattn_version", "suite", "truth_kind", "cases")
-                if key not in manifest]
+        return [f"{MANIFEST}: expected a JSON object, got {type(manifest).__name__}"]
+    version = manifest.get("schema_version")
+    if _wrong_type(version, int) or version != SCHEMA_VERSION:
+        return [f"{MANIFEST}: key 'schema_version': expected {SCHEMA_VERSION}, got {version!r}"]
+    problems = []
+    if manifest.get("truth_kind", TRUTH_KIND) != TRUTH_KIND:
+        problems.append(f"{MANIFEST}: key 'truth_kind': expected {TRUTH_KIND!r}, got "
+                        f"{manifest['truth_kind']!r:.60}")
+    for key, expected in _MANIFEST_TYPES.items():
+        if key not in manifest:
+            problems.append(f"{MANIFEST}: missing key {key!r}")
+        elif _wrong_type(manifest[key], expected):
+            problems.append(f"{MANIFEST}: key {key!r}: expected {_TYPE_NAMES[expected]}, "
+                            f"got {manifest[key]!r:.60}")
     if problems:
         return problems
-    names = []
+    if not manifest["cases"]:
+        return [f"{MANIFEST}: key 'cases': expected at least one case, got [] (nothing to "
+                f"check)"]
+    names: dict[str, int] = {}
+    files: dict[str, int] = {}
     for index, entry in enumerate(manifest["cases"]):
-        missing = [k for k in _REQUIRED_ENTRY if k not in entry]
-        if missing:
-            problems.append(f"{MANIFEST}: case #{index} lacks {missing}")
-            continue
-        names.append(entry["name"])
-        try:
-            case = Case.from_spec(entry["spec"])
-        except (KeyError, TypeError, ValueError) as exc:
-            problems.append(f"{entry['name']}: invalid spec ({exc!r})")
-            continue
-        if case.name != entry["name"] or case.seed != entry["seed"]:
-            problems.append(f"{entry['name']}: spec name/seed disagree with the entry")
-    if len(set(names)) != len(names):
-        problems.append(f"{MANIFEST}: duplicate case names")
+        problems += _case_entry_problems(index, entry, names, files)
+    return problems
+
+
+def _case_entry_problems(index: int, entry, names: dict, files: dict) -> list[str]:
+    where = f"{MANIFEST}: cases[{index}]"
+    if not isinstance(entry, dict):
+        return [f"{where}: expected an object, got {entry!r:.60}"]
+    problems = []
+    for key, expected in _ENTRY_TYPES.items():
+        if key not in entry:
+            problems.append(f"{where}: missing key {key!r}")
+        elif _wrong_type(entry[key], expected):
+            problems.append(f"{where}: key {key!r}: expected {_TYPE_NAMES[expected]}, "
+                            f"got {entry[key]!r:.60}")
+    if problems:
+        return problems
+    why = file_name_problem(entry["file"])
+    if why is not None:
+        problems.append(f"{where}: key 'file': {entry['file']!r}: {why}")
+    for key, seen in (("name", names), ("file", files)):
+        if entry[key] in seen:
+            problems.append(f"{where}: key {key!r}: duplicate {entry[key]!r} "
+                            f"(also cases[{seen[entry[key]]}])")
+        seen.setdefault(entry[key], index)
+    try:
+        case = Case.from_spec(entry["spec"])
+    except Exception as exc:  # any malformed spec: report it, never a traceback
+        return problems + [f"{where}: key 'spec': invalid case spec ({exc})"]
+    if case.name != entry["name"] or case.seed != entry["seed"]:
+        problems.append(f"{where}: key 'spec': name/seed disagree with the entry")
+    if case.spec() != entry["spec"]:
+        problems.append(f"{where}: key 'spec': not in canonical form (expected "
+                        f"{json.dumps(case.spec(), sort_keys=True):.80}...)")
+    for key, expected in (("dtype", case.dtype), ("category", case.category),
+                          ("truth_kind", TRUTH_KIND)):
+        if entry[key] != expected:
+            problems.append(f"{where}: key {key!r}: expected {expected!r} (from the spec), "
+                            f"got {entry[key]!r:.60}")
     return problems
 
 
 def _entry_problems(root: Path, entry: dict) -> list[str]:
     path = root / entry["file"]
+    if path.is_symlink():
+        return [f"{entry['file']}: a symlink; expected a regular file (case {entry['name']})"]
     if not path.is_file():
         return [f"{entry['file']}: missing (case {entry['name']})"]
-    sha = sha256_of(path)
+    try:
+        sha = sha256_of(path)
+    except OSError as exc:
+        return [f"{entry['file']}: unreadable ({exc.strerror})"]
     if sha != entry["sha256"]:
         return [f"{entry['file']}: sha256 {sha} != manifest {entry['sha256']}"]
     try:
         fixture = _read_fixture(path)
-    except Exception as exc:  # a corrupt archive may raise anything numpy/zipfile raises
-        return [f"{entry['file']}: unreadable ({exc!r})"]
+    except FixtureError as exc:
+        return [str(exc)]
     if fixture.case.spec() != entry["spec"]:
         return [f"{entry['file']}: embedded case spec differs from the manifest"]
     required = ["q", "k", "v"], ["out", "out_f64", "lse", "lse_f64"]
@@ -532,6 +720,18 @@ def _entry_problems(root: Path, entry: dict) -> list[str]:
 
 
 def _read_fixture(path: Path) -> Fixture:
+    """Read one fixture file; FixtureError naming the file for anything unreadable."""
+    if not zipfile.is_zipfile(path):
+        raise FixtureError(f"{path.name}: not a ZIP archive (.npz written by "
+                           f"`refattn-oracle generate` expected)")
+    try:
+        return _parse_fixture(path)
+    except Exception as exc:  # a corrupt archive may raise anything numpy/zipfile raise
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise FixtureError(f"{path.name}: unreadable ({message})") from None
+
+
+def _parse_fixture(path: Path) -> Fixture:
     with np.load(path, allow_pickle=False) as archive:
         members = {name: archive[name] for name in archive.files}
     meta = json.loads(str(members.pop("meta")))
@@ -556,13 +756,25 @@ def load(directory, *, names: Iterable[str] | None = None, check: bool = True
     names : iterable of str, optional
         Case names to load; an unknown name is a KeyError.
     check : bool
-        Compare each file's sha256 with the manifest (ValueError on mismatch).
+        Compare each file's sha256 with the manifest.
+
+    Raises
+    ------
+    FixtureError
+        (a ValueError) for a malformed manifest, an entry that is not a plain file name inside
+        the directory, a missing, symlinked, corrupt or (with ``check``) modified file; the
+        message names the file and the problem.
     """
     root = Path(directory)
-    manifest = json.loads((root / MANIFEST).read_text())
+    manifest, problems = _read_manifest(root)
+    problems = problems or _schema_problems(manifest)
+    if problems:
+        more = f" (and {len(problems) - 1} more; run `refattn-oracle verify {root}`)" \
+            if len(problems) > 1 else ""
+        raise FixtureError(f"load: {problems[0]}{more}")
     entries = manifest["cases"]
     if names is not None:
-        wanted = list(names)
+        wanted = [names] if isinstance(names, str) else list(names)
         known = {e["name"] for e in entries}
         unknown = [n for n in wanted if n not in known]
         if unknown:
@@ -570,6 +782,13 @@ def load(directory, *, names: Iterable[str] | None = None, check: bool = True
         entries = [e for e in entries if e["name"] in set(wanted)]
     for entry in entries:
         path = root / entry["file"]
+        if path.is_symlink() or not path.is_file():
+            raise FixtureError(f"load: {entry['file']}: missing or not a regular file "
+                               f"(case {entry['name']})")
         if check and sha256_of(path) != entry["sha256"]:
-            raise ValueError(f"load: {path} does not match its sha256 in {MANIFEST}")
-        yield _read_fixture(path)
+            raise FixtureError(f"load: {path} does not match its sha256 in {MANIFEST}")
+        fixture = _read_fixture(path)
+        if fixture.case.spec() != entry["spec"]:
+            raise FixtureError(f"load: {entry['file']}: embedded case spec differs from the "
+                               f"manifest")
+        yield fixture

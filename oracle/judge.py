@@ -63,28 +63,79 @@ __all__ = ["check_fixture", "run_guarded"]
 _GRADS = ("dq", "dk", "dv", "dbias")
 
 
+def _refattn_defaults() -> dict:
+    import inspect
+
+    from refattn.attention import attention
+
+    parameters = inspect.signature(attention).parameters.items()
+    return {name: p.default for name, p in parameters
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is not p.empty}
+
+
+def passed_options(options) -> dict:
+    """The options an implementation receives: those equal to :func:`refattn.attention`'s
+    defaults are left out (the implementation's own defaults then apply), so a function that
+    follows the calling convention but lacks a keyword (``align``, ``gqa``, ``empty_rows``...)
+    is still judged on every case that uses that keyword's default."""
+    defaults = _refattn_defaults()
+    return {name: np.copy(x) if isinstance(x, np.ndarray) else x
+            for name, x in options.items()
+            if isinstance(x, np.ndarray) or name not in defaults
+            or type(x) is not type(defaults[name]) or x != defaults[name]}
+
+
 def _call(impl, q, k, v, options):
     """Run the forward; returns (out, lse or None)."""
-    copies = {name: np.copy(x) if isinstance(x, np.ndarray) else x
-              for name, x in options.items()}
+    copies = passed_options(options)
     try:
         result = impl(np.copy(q), np.copy(k), np.copy(v), **copies, return_lse=True)
     except (TypeError, NotImplementedError) as err:
         if "return_lse" not in str(err) and "lse" not in str(err):
-            raise
-        result = impl(np.copy(q), np.copy(k), np.copy(v), **copies)
+            raise _unsupported_keyword(err, copies) from err
+        try:
+            result = impl(np.copy(q), np.copy(k), np.copy(v), **copies)
+        except TypeError as again:
+            raise _unsupported_keyword(again, copies) from again
     if isinstance(result, (tuple, list)):
+        if not result:
+            raise OutputError(f"out: expected an array, got an empty {type(result).__name__}")
         out = result[0]
         lse = result[1] if len(result) > 1 else None
     else:
         out, lse = result, None
-    return _as_float64(out), None if lse is None else _as_float64(lse)
+    return _as_float64(out), None if lse is None else _as_float64(lse, "lse")
 
 
-def _as_float64(x):
+def _unsupported_keyword(err, options):
+    """A TypeError refusing one of the case's keywords means the option is unsupported."""
+    text = str(err)
+    if isinstance(err, TypeError) and "keyword argument" in text:
+        for name in options:
+            if f"'{name}'" in text:
+                return NotImplementedError(f"the implementation does not accept {name}= "
+                                           f"({text})")
+    return err
+
+
+class OutputError(TypeError):
+    """An implementation returned something that is not a real floating-point array."""
+
+
+def _as_float64(x, quantity="out"):
     if hasattr(x, "detach"):  # a torch tensor handed back as is
         x = x.detach().float().cpu().numpy() if "bfloat16" in str(x.dtype) else x.detach().cpu()
-    return np.asarray(x).astype(np.float64)
+    if not (isinstance(x, np.ndarray) or hasattr(x, "__array__")
+            or hasattr(x, "__array_interface__")):
+        raise OutputError(f"{quantity}: expected an array, got {type(x).__name__}")
+    array = np.asarray(x)
+    if array.dtype.kind != "f" and array.dtype.name not in _HALF_NAMES:
+        raise OutputError(f"{quantity}: expected a real floating dtype, got {array.dtype} "
+                          f"(complex, integer, bool and object outputs are errors)")
+    return array.astype(np.float64)
+
+
+_HALF_NAMES = ("bfloat16",)  # ml_dtypes' floating types are not of kind "f"
 
 
 def _judge(quantity, value, truth, scale, threshold, dtype) -> Check:
@@ -104,9 +155,9 @@ def _judge(quantity, value, truth, scale, threshold, dtype) -> Check:
                   if value.size else 0.0,
                   float(limit[index]) if limit.size else 0.0)
     passed = not over.any()
+    # errors are kept for every check: the HTML report plots any case on request
     return Check(quantity, passed, float(errors.max()) if errors.size else 0.0,
-                 int(over.sum()), int(errors.size), threshold, worst,
-                 None if passed else errors)
+                 int(over.sum()), int(errors.size), threshold, worst, errors)
 
 
 def _shape_check(quantity, value, truth):
@@ -114,7 +165,7 @@ def _shape_check(quantity, value, truth):
         return value, None
     if value.size == truth.size and quantity == "lse":
         return value.reshape(truth.shape), None
-    return value, (f"{quantity} has shape {value.shape}, expected {truth.shape}")
+    raise OutputError(f"{quantity} has shape {value.shape}, expected {truth.shape}")
 
 
 def _truth(fixture, name):
@@ -229,8 +280,7 @@ def _check_grads(ctx, fixture, impl, checks):
     inputs = fixture.inputs
     grad_out, grad_lse = inputs.get("grad_out"), inputs.get("grad_lse")
     extra = {} if grad_lse is None else {"grad_lse": np.copy(grad_lse)}
-    options = {n: np.copy(x) if isinstance(x, np.ndarray) else x
-               for n, x in ctx.options.items()}
+    options = passed_options(ctx.options)
     result = impl.vjp(np.copy(ctx.q), np.copy(ctx.k), np.copy(ctx.v), np.copy(grad_out),
                       **extra, **options)
     result = tuple(result)
@@ -243,7 +293,7 @@ def _check_grads(ctx, fixture, impl, checks):
         truth = _truth(fixture, name)
         if truth is None or position >= len(result) or result[position] is None:
             continue
-        value, problem = _shape_check(name, _as_float64(result[position]), truth)
+        value, problem = _shape_check(name, _as_float64(result[position], name), truth)
         if problem:
             return problem
         base_err = _finite_part(tol.normalised_error(base[position], truth, scales[name],
@@ -280,6 +330,10 @@ def run_guarded(result, check) -> CaseResult:
     except Exception as err:  # noqa: BLE001 - any other exception is the verdict "error"
         result.verdict, result.message = "error", f"{type(err).__name__}: {err}"
         result.checks = {}
+    except SystemExit as err:  # exit() in an implementation must not end (and pass) the run
+        result.verdict = "error"
+        result.message = f"the implementation called exit({err.code!r})"
+        result.checks = {}
     result.seconds = time.perf_counter() - start
     if result.verdict == "pass":
         result.reproduce = ""
@@ -298,7 +352,8 @@ def _run_checks(impl, fixture, grads, diagnose, result):
             if hasattr(impl, "vjp"):
                 problem = _check_grads(ctx, fixture, impl, result.checks)
             else:
-                notes.append("gradients not checked: the implementation has no .vjp")
+                notes.append("gradients asked for but not checked: the implementation has "
+                             "no .vjp")
     failing = [c for c in result.checks.values() if not c.passed]
     if problem or failing:
         result.verdict = "fail"
@@ -307,6 +362,8 @@ def _run_checks(impl, fixture, grads, diagnose, result):
             for c in failing)
         if diagnose:
             result.diagnosis = _diagnosis(ctx, fixture, out, result.checks)
+    elif notes:
+        result.verdict = "unsupported"  # gradients were asked for: never a pass
     result.message = "; ".join(x for x in [result.message, *notes] if x)
 
 

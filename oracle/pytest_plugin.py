@@ -8,7 +8,9 @@ never both: pluggy refuses to register one module under two names)::
            [--refattn-fixtures DIR] [--refattn-dtype float16] [--refattn-skips FILE]
            [--refattn-xfails FILE] [--refattn-strict] [--refattn-grads]
 
-Each option has an environment twin (``REFATTN_IMPL``, ``REFATTN_SUITE``, ``REFATTN_FIXTURES``,
+The current directory is put on ``sys.path`` (as ``refattn-oracle validate --impl`` does),
+so a module next to where pytest runs is found. Each option has an environment twin
+(``REFATTN_IMPL``, ``REFATTN_SUITE``, ``REFATTN_FIXTURES``,
 ``REFATTN_DTYPE``, ``REFATTN_SKIPS``, ``REFATTN_XFAILS``). ``--refattn-impl`` takes
 ``module:function`` or an adapter name. Test ids are the case names; a failure shows the worst
 element, the threshold, the diagnosis and a one-line reproduction. Unsupported cases
@@ -26,6 +28,7 @@ own ``testpaths``.
 from __future__ import annotations
 
 import os
+import sys
 
 __all__ = ["settings", "read_patterns"]
 
@@ -65,6 +68,13 @@ def settings(config) -> dict | None:
     if values["dtype"] == "all":
         values["dtype"] = None
     return values
+
+
+def pytest_configure(config):
+    """Put the current directory on sys.path when an implementation is given, as the CLI
+    does, so ``--refattn-impl mymodule:attention`` finds ``./mymodule.py``."""
+    if settings(config) is not None and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
 
 
 def read_patterns(path) -> list[str]:

@@ -23,6 +23,8 @@ import html
 import io
 import json
 import math
+import shutil
+import textwrap
 from pathlib import Path
 from xml.etree import ElementTree as ET
 
@@ -31,6 +33,8 @@ import numpy as np
 __all__ = ["summary_table", "to_dict", "to_json", "to_junit", "to_html", "PLOT_HINT",
            "ROBUSTNESS_NOTE", "plotting_available"]
 
+_TERMINAL = 120  # assumed width when stdout is not a terminal
+_NOTE_WIDTH = 40  # narrowest column the reasons are wrapped to
 PLOT_HINT = "install matplotlib for error heatmaps and histograms: pip install refattn[plot]"
 
 ROBUSTNESS_NOTE = (
@@ -66,13 +70,17 @@ def summary_table(report, *, details=True) -> str:
     rows = [("case", "category", "verdict", "err/thr", "ulp", "diagnosis / message")]
     for r in report.results:
         note = "; ".join(r.diagnosis) or r.message
-        rows.append((r.name, r.category, r.verdict, _ratio_text(r), _ulp_text(r),
-                     note[:70] + ("..." if len(note) > 70 else "")))
+        rows.append((r.name, r.category, r.verdict, _ratio_text(r), _ulp_text(r), note))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    indent = sum(widths) + 2 * 5
+    # the full reason, wrapped under its column (never cut)
+    room = max(_NOTE_WIDTH, shutil.get_terminal_size((_TERMINAL, 24)).columns - indent)
     lines = [_headline(report), ""]
     for i, row in enumerate(rows):
+        wrapped = textwrap.wrap(row[5], room, break_on_hyphens=False) or [""]
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False))
-                     + "  " + row[5])
+                     + "  " + wrapped[0])
+        lines += [" " * indent + more for more in wrapped[1:]]
         if i == 0:
             lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 20)
     lines.append("")
@@ -82,6 +90,7 @@ def summary_table(report, *, details=True) -> str:
             lines.append(f"{category}: " + ", ".join(f"{n} {v}" for v, n in counts.items()))
     if any(r.category == "robustness" for r in report.results):
         lines.append(f"note: {ROBUSTNESS_NOTE}" + (" (strict: on)" if report.strict else ""))
+    lines += ["", *coverage_lines(report)]
     lines.append(f"time: {report.seconds:.2f} s")
     if details:
         failing = [r for r in report.results if r.failed]
@@ -89,6 +98,28 @@ def summary_table(report, *, details=True) -> str:
             lines += ["", "Failures:"]
             lines += [r.explain() for r in failing]
     return "\n".join(lines)
+
+
+def coverage_lines(report) -> list[str]:
+    """The coverage table (judged / unsupported / error per feature, dtype and shape class)
+    and, prominently, the headline features no case judged."""
+    lines = ["Coverage (cases judged / unsupported / error):"]
+    for group, rows in report.coverage().items():
+        if rows:
+            cells = [f"{name} {r['judged']}/{r['unsupported']}/{r['error']}"
+                     for name, r in rows.items()]
+            lines += textwrap.wrap(f"{group + ':':9}" + ", ".join(cells), _TERMINAL,
+                                   subsequent_indent=" " * 9)
+    untested = report.untested
+    if untested:
+        required = [f for f in untested if f in report.required]
+        lines.append("!" * 60)
+        reasons = "; ".join(f"{f} ({report.untested_reason(f)})" for f in untested)
+        lines += textwrap.wrap(f"WARNING: NOT TESTED: {reasons}", _TERMINAL)
+        if required:
+            lines.append(f"FAILED: required by --require: {', '.join(required)}")
+        lines.append("!" * 60)
+    return lines
 
 
 def to_dict(report) -> dict:
@@ -100,6 +131,8 @@ def to_dict(report) -> dict:
         "strict": report.strict, "grads": report.grads, "passed": report.passed,
         "seconds": round(report.seconds, 3),
         "counts": {c: report.counts(c) for c in ("conformance", "robustness")},
+        "coverage": report.coverage(), "untested": report.untested,
+        "required": list(report.required), "isolated": report.isolated,
         "policy": {"k_forward": K_FORWARD, "k_backward": K_BACKWARD,
                    "failure_probability": FAILURE_PROBABILITY,
                    "threshold": "max(k * baseline_error, floor) + u_out (oracle.tolerance, T2)"},
@@ -170,63 +203,105 @@ def _png(fig) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def _plots(Figure, result) -> list[str]:
-    """Heatmap (max over leading axes) and histogram of log10 normalised error per failing
-    check, as <img> tags."""
+def _plots(Figure, result, every=False) -> list[str]:
+    """Heatmap (rows x last axis) and histogram of log10 normalised error per check, as <img>
+    tags: the failing checks, or every check with ``every``. Non-finite errors (NaN or Inf
+    where the truth is finite: failures) are drawn in a loud colour and counted in the title,
+    never left blank as if they passed."""
     tags = []
     for check in result.checks.values():
-        if check.passed or check.errors is None:
+        if (check.passed and not every) or check.errors is None:
             continue
         errors = np.asarray(check.errors, dtype=np.float64)
         limit = float(np.max(check.threshold.value))
-        finite = np.where(np.isfinite(errors), errors, np.nan)
+        bad = ~np.isfinite(errors)
         fig = Figure(figsize=(9, 3.2))
         ax_map, ax_hist = fig.subplots(1, 2)
-        grid = finite.reshape(-1, errors.shape[-1]) if errors.ndim >= 2 else finite[None]
+        grid = errors.reshape(-1, errors.shape[-1]) if errors.ndim >= 2 else errors[None]
+        cmap = matplotlib_colormap("magma").with_extremes(bad="#00e0ff")
         with np.errstate(divide="ignore", invalid="ignore"):
-            image = ax_map.imshow(np.log10(grid / limit), aspect="auto", cmap="magma",
-                                  interpolation="nearest")
-            values = np.log10(finite[np.isfinite(finite) & (finite > 0)])
+            shown = np.ma.masked_invalid(np.log10(np.where(grid > 0, grid, np.nan) / limit))
+            shown = np.ma.masked_where(~np.isfinite(grid), shown)
+            image = ax_map.imshow(shown, aspect="auto", cmap=cmap, interpolation="nearest")
+            finite = errors[~bad]
+            values = np.log10(finite[finite > 0])
         fig.colorbar(image, ax=ax_map, label="log10(error / threshold)")
-        ax_map.set_title(f"{check.quantity}: rows x last axis (NaN/Inf blank)")
+        title = f"{check.quantity}: rows x last axis"
+        if bad.any():
+            title += f"; {int(bad.sum())} NaN/Inf (cyan: FAIL)"
+        ax_map.set_title(title)
         if values.size:
             ax_hist.hist(values, bins=40, color="#4060a0")
         ax_hist.axvline(math.log10(limit), color="red", label="threshold")
+        if bad.any():
+            ax_hist.axvline(math.log10(limit) + 1, color="#00e0ff", linewidth=4,
+                            label=f"{int(bad.sum())} NaN/Inf (fail)")
         ax_hist.set_xlabel("log10(normalised error)")
+        ax_hist.set_title("FAIL" if not check.passed else "pass")
         ax_hist.legend()
         tags.append(f'<img alt="{html.escape(check.quantity)} errors" '
                     f'src="data:image/png;base64,{_png(fig)}">')
     return tags
 
 
-def to_html(report, path) -> Path:
-    """A standalone HTML page: summary, failing cases with details and plots."""
-    Figure = _matplotlib()
+def matplotlib_colormap(name):
+    """A copy of matplotlib's colormap ``name`` (safe to modify)."""
+    import matplotlib
+
+    return matplotlib.colormaps[name].copy()
+
+
+def to_html(report, path, *, plots="failures") -> Path:
+    """A standalone HTML page: summary table, one section per case (every table link has its
+    anchor), details of failing cases and plots.
+
+    ``plots``: "failures" (default; every failing check), "all" (every check of every case)
+    or "none".
+    """
+    if plots not in ("failures", "all", "none"):
+        raise ValueError(f"plots: expected 'failures', 'all' or 'none', got {plots!r}")
+    Figure = _matplotlib() if plots != "none" else None
     esc = html.escape
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(_headline(report))}"
              "</title><style>body{font-family:sans-serif}td,th{padding:2px 8px;text-align:left}"
              "tr.fail{background:#fdd}tr.error{background:#fcb}tr.unsupported{color:#888}"
              "pre{background:#f4f4f4;padding:6px}</style></head><body>",
              f"<h1>{esc(_headline(report))}</h1>"]
-    if Figure is None:
+    if Figure is None and plots != "none":
         parts.append(f"<p><em>{esc(PLOT_HINT)}</em></p>")
     parts.append("<table><tr><th>case</th><th>category</th><th>verdict</th><th>err/thr</th>"
                  "<th>ulp</th><th>diagnosis / message</th></tr>")
     for r in report.results:
         note = "; ".join(r.diagnosis) or r.message
-        parts.append(f"<tr class='{esc(r.verdict)}'><td><a href='#{esc(r.name)}'>{esc(r.name)}"
-                     f"</a></td><td>{esc(r.category)}</td><td>{esc(r.verdict)}</td>"
-                     f"<td>{_ratio_text(r)}</td><td>{_ulp_text(r)}</td><td>{esc(note)}</td></tr>")
+        parts.append(f"<tr class='{esc(r.verdict)}'><td><a href='#{_anchor(r.name)}'>"
+                     f"{esc(r.name)}</a></td><td>{esc(r.category)}</td><td>{esc(r.verdict)}"
+                     f"</td><td>{_ratio_text(r)}</td><td>{_ulp_text(r)}</td><td>{esc(note)}"
+                     f"</td></tr>")
     parts.append("</table>")
-    text = summary_table(report, details=False).split("\n\n")[-1]
-    parts.append(f"<pre>{esc(text)}</pre>")
+    text = summary_table(report, details=False).split("\n\n")[-2:]
+    parts.append(f"<pre>{esc(chr(10).join(text))}</pre>")
+    parts.append("<h2>Coverage</h2><table><tr><th>kind</th><th>name</th><th>judged</th>"
+                 "<th>unsupported</th><th>error</th></tr>")
+    for group, rows in report.coverage().items():
+        for name, row in rows.items():
+            style = " class='fail'" if row["judged"] == 0 else ""
+            parts.append(f"<tr{style}><td>{group}</td><td>{esc(name)}</td><td>{row['judged']}"
+                         f"</td><td>{row['unsupported']}</td><td>{row['error']}</td></tr>")
+    parts.append("</table>")
+    if report.untested:
+        parts.append(f"<p class='fail'><strong>NOT TESTED: {esc(', '.join(report.untested))}"
+                     f"</strong></p>")
     for r in report.results:
-        if not r.failed:
-            continue
-        parts.append(f"<h2 id='{esc(r.name)}'>{esc(r.name)}</h2><pre>{esc(r.explain())}</pre>")
-        if Figure is not None:
-            parts += _plots(Figure, r)
+        parts.append(f"<h2 id='{_anchor(r.name)}'>{esc(r.name)}: {esc(r.verdict)}</h2>"
+                     f"<pre>{esc(r.explain())}</pre>")
+        if Figure is not None and (r.failed or plots == "all"):
+            parts += _plots(Figure, r, every=plots == "all")
     parts.append("</body></html>")
     path = Path(path)
     path.write_text("\n".join(parts), encoding="utf-8")
     return path
+
+
+def _anchor(name: str) -> str:
+    """An HTML id for a case name (names are ASCII words, dashes and dots)."""
+    return "case-" + "".join(c if c.isalnum() or c in "-_." else "_" for c in name)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .features import HEADLINE_FEATURES, SHAPE_CLASSES
 from .tolerance import Threshold
 
 __all__ = ["VERDICTS", "Worst", "Check", "CaseResult", "Report"]
@@ -82,6 +83,8 @@ class CaseResult:
     seconds: float = 0.0
     reproduce: str = ""
     description: str = ""
+    features: list[str] = field(default_factory=list)
+    shape_classes: list[str] = field(default_factory=list)
 
     @property
     def worst(self) -> Worst | None:
@@ -108,8 +111,10 @@ class CaseResult:
         for check in self.checks.values():
             if not check.passed:
                 lines.append(f"  {check.worst.describe()}")
+                shape = None if check.errors is None else check.errors.shape
                 lines.append(f"    {check.n_failed} of {check.size} elements over; threshold "
-                             f"{check.threshold.formula()}")
+                             f"{check.worst.threshold:.3g} = "
+                             f"{check.threshold.formula(check.worst.index, shape)}")
         for note in self.diagnosis:
             lines.append(f"  diagnosis: {note}")
         if self.category == "robustness" and self.failed:
@@ -123,7 +128,8 @@ class CaseResult:
         return {"name": self.name, "category": self.category, "dtype": self.dtype,
                 "verdict": self.verdict, "message": self.message, "diagnosis": self.diagnosis,
                 "seconds": round(self.seconds, 4), "reproduce": self.reproduce,
-                "description": self.description,
+                "description": self.description, "features": self.features,
+                "shape_classes": self.shape_classes,
                 "worst": None if worst is None else _worst_dict(worst),
                 "checks": {name: c.to_dict() for name, c in self.checks.items()}}
 
@@ -139,11 +145,61 @@ class Report:
     results: list[CaseResult]
     seconds: float = 0.0
     grads: bool = False
+    isolated: bool = False  # cases ran in a supervised worker process
+    required: tuple = ()  # features that must have been judged (--require)
 
     @property
     def passed(self) -> bool:
-        """No conformance case failed or errored (robustness ones too with ``strict``)."""
-        return not self.failures
+        """No conformance case failed or errored (robustness ones too with ``strict``) and
+        every required feature was judged on at least one case."""
+        return not self.failures and not self.missing_required
+
+    def coverage(self) -> dict[str, dict[str, dict[str, int]]]:
+        """{"feature" | "dtype" | "shape": {name: {"judged", "unsupported", "error"}}}:
+        judged = cases that reached a pass/fail verdict."""
+        table: dict[str, dict[str, dict[str, int]]] = {"feature": {}, "dtype": {},
+                                                       "shape": {}}
+        wanted = self._headline()
+        for feature in (*wanted, *self.required):
+            group = "shape" if feature in SHAPE_CLASSES else "feature"
+            table[group].setdefault(feature, {"judged": 0, "unsupported": 0, "error": 0})
+        for r in self.results:
+            kind = "judged" if r.verdict in ("pass", "fail") else r.verdict
+            for group, names in (("feature", r.features), ("dtype", [r.dtype]),
+                                 ("shape", r.shape_classes)):
+                for name in names:
+                    row = table[group].setdefault(name, {"judged": 0, "unsupported": 0,
+                                                         "error": 0})
+                    row[kind] += 1
+        return table
+
+    @property
+    def untested(self) -> list[str]:
+        """Headline features (and required ones) no case judged: gradients only when asked."""
+        coverage = self.coverage()
+        rows = {**coverage["feature"], **coverage["shape"]}
+        wanted = self._headline()
+        return [f for f in dict.fromkeys((*wanted, *self.required))
+                if rows.get(f, {}).get("judged", 0) == 0]
+
+    def _headline(self) -> list[str]:
+        # attention results carry shape classes; a run of variant cases only has no headline
+        if not any(r.shape_classes for r in self.results):
+            return []
+        return [f for f in HEADLINE_FEATURES if f != "gradients" or self.grads]
+
+    def untested_reason(self, feature: str) -> str:
+        """Why ``feature`` went untested: "no selected case" or the verdict counts."""
+        coverage = self.coverage()
+        row = {**coverage["feature"], **coverage["shape"]}.get(feature)
+        if row is None or not (row["unsupported"] or row["error"]):
+            return "no selected case has it"
+        return f"{row['unsupported']} unsupported, {row['error']} error"
+
+    @property
+    def missing_required(self) -> list[str]:
+        """Required features (``require=``) that no case judged."""
+        return [f for f in self.required if f in self.untested]
 
     @property
     def failures(self) -> list[CaseResult]:
@@ -172,9 +228,9 @@ class Report:
         from .report import to_junit
         return to_junit(self, path)
 
-    def to_html(self, path) -> Path:
+    def to_html(self, path, *, plots="failures") -> Path:
         from .report import to_html
-        return to_html(self, path)
+        return to_html(self, path, plots=plots)
 
     def __repr__(self) -> str:
         return (f"Report(impl={self.impl!r}, dtype={self.dtype!r}, passed={self.passed}, "

@@ -469,9 +469,16 @@ class Threshold:
         base = 0.0 if self.baseline is None else self.k * self.baseline
         return np.maximum(base, self.floor) + self.u_out
 
-    def formula(self) -> str:
+    def formula(self, index=None, shape=None) -> str:
+        """``max(k x baseline, floor) + u_out`` in numbers: the floor at ``index`` of a quantity
+        of ``shape`` when both are given (so the text shows the threshold of that element),
+        else the largest floor."""
         base = "void" if self.baseline is None else f"{self.baseline:.3g}"
-        floor = float(np.max(self.floor))
+        if index is not None and shape is not None and np.ndim(self.floor):
+            floor = float(np.broadcast_to(np.asarray(self.floor, dtype=np.float64),
+                                          shape)[tuple(index)])
+        else:
+            floor = float(np.max(self.floor))
         return (f"max({self.k:g} x baseline {base}, floor {floor:.3g}) + u_out {self.u_out:.3g}")
 
 

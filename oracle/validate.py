@@ -42,6 +42,8 @@ from pathlib import Path
 from . import catalogue, golden
 from . import tolerance as tol
 from ._progress import Progress
+from .impls import callable_spec, resolve_impl
+from .features import KNOWN_FEATURES, case_features
 from .judge import check_fixture
 from .results import Report
 
@@ -51,44 +53,6 @@ __all__ = ["validate", "resolve_impl", "reproduce_command"]
 # ---------------------------------------------------------------------------------------------
 # Resolving implementations
 # ---------------------------------------------------------------------------------------------
-
-
-def resolve_impl(impl):
-    """A callable from a callable, ``"module:function"`` (dots allowed after the colon) or an
-    adapter name (:func:`oracle.adapters.get`). Returns ``(callable, spec_string_or_None)``."""
-    if callable(impl):
-        return impl, _callable_spec(impl)
-    if not isinstance(impl, str):
-        raise TypeError(f"impl: expected a callable, 'module:function' or an adapter name, "
-                        f"got {type(impl).__name__}")
-    if ":" not in impl:
-        from . import adapters
-        return adapters.get(impl), None
-    module_name, _, attr = impl.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"impl: {impl!r} is not of the form 'module:function'")
-    try:
-        obj = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ImportError(f"impl: cannot import module {module_name!r} of {impl!r}: {err} "
-                          f"(is it on sys.path / PYTHONPATH?)") from err
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise AttributeError(f"impl: module {module_name!r} has no attribute {attr!r} "
-                                 f"(from {impl!r})") from None
-    if not callable(obj):
-        raise TypeError(f"impl: {impl!r} is a {type(obj).__name__}, not a callable")
-    return obj, impl
-
-
-def _callable_spec(impl):
-    module = getattr(impl, "__module__", None)
-    qualname = getattr(impl, "__qualname__", None)
-    if module and qualname and "<" not in qualname and module != "__main__":
-        return f"{module}:{qualname}"
-    return None
 
 
 def _impl_name(impl, spec):
@@ -103,13 +67,26 @@ def _impl_name(impl, spec):
 
 
 def _select(items, dtype, cases):
+    patterns = [p.lower() for p in cases]
     for item in items:
         case = item.case if hasattr(item, "case") else item
         if dtype is not None and case.dtype != dtype:
             continue
-        if cases and not any(fnmatch.fnmatchcase(case.name, p) for p in cases):
+        if patterns and not any(fnmatch.fnmatchcase(case.name.lower(), p) for p in patterns):
             continue
         yield item
+
+
+def _patterns(cases) -> list[str]:
+    if cases is None:
+        return []
+    if isinstance(cases, str):
+        return [cases]
+    patterns = list(cases)
+    bad = [p for p in patterns if not isinstance(p, str)]
+    if bad:
+        raise TypeError(f"cases: expected a pattern or a list of patterns (str), got {bad!r}")
+    return patterns
 
 
 def _sources(suite, fixtures, dtype, cases):
@@ -137,7 +114,8 @@ def reproduce_command(impl_spec, source_flag, dtype, name, grads, strict):
 
 
 def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, strict=False,
-             progress=True, cases: Iterable[str] | None = None, diagnose=True) -> Report:
+             progress=True, cases: str | Iterable[str] | None = None, diagnose=True,
+             isolate=True, timeout=None, memory_limit=None, require=()) -> Report:
     """Validate ``impl`` on a suite or a fixture directory in one dtype.
 
     Parameters
@@ -153,46 +131,123 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
     dtype : {"float64", "float32", "float16", "bfloat16"} or None
         Only cases of this dtype (None: every dtype).
     grads : bool
-        Also check ``impl.vjp`` on the cases that carry gradients.
+        Also check ``impl.vjp`` on the cases that carry gradients (a case whose gradients
+        cannot be checked because there is no ``vjp`` is "unsupported", never a pass).
     strict : bool
         Robustness failures fail the run too.
     progress : bool
         A progress bar on stderr.
-    cases : iterable of str, optional
-        Only the cases whose names match one of these fnmatch patterns.
+    cases : str or iterable of str, optional
+        Only the cases whose names match one of these fnmatch patterns (case-insensitive).
+    isolate : bool
+        Run the cases in a supervised worker process (:class:`oracle.supervise.Supervisor`):
+        an implementation that exits, hangs, crashes or exhausts memory gives that case the
+        verdict "error" and the run goes on. Needs an importable implementation (a
+        ``module:function`` string, an adapter name or a module-level function); other
+        callables (lambdas, closures) run in this process and :attr:`Report.isolated` is
+        false.
+    timeout : float, optional
+        Seconds one isolated case may take (default
+        :data:`oracle.supervise.DEFAULT_TIMEOUT`, 300 s: a JIT-compiled implementation
+        compiles on its first call).
+    memory_limit : int, optional
+        Bytes of address space the worker may use (no limit by default).
+    require : str or iterable of str
+        Features (see :func:`case_features`; e.g. "causal", "mask", "gqa", "long-rows",
+        "gradients") that must be judged (pass or fail) on at least one case, else the run
+        fails. Untested headline features are reported in any case.
+
+    Options equal to :func:`refattn.attention`'s defaults are not passed to the
+    implementation (:func:`passed_options`): its own defaults then apply.
 
     Returns
     -------
     Report
         ``.passed`` and ``.results`` (one :class:`CaseResult` per case).
+
+    Raises
+    ------
+    ValueError
+        No case selected (an empty suite, directory or pattern match): a run that checks
+        nothing never passes.
     """
+    from .supervise import DEFAULT_TIMEOUT, Supervisor
+
+    required = _required(require)
+
     if dtype is not None:
         tol.unit_roundoff(dtype)  # a clear error for an unknown dtype
     fn, spec = resolve_impl(impl)
     if spec is None and isinstance(impl, str):
         spec = impl
-    label, items, source_arg = _sources(suite, fixtures, dtype, list(cases or []))
+    patterns = _patterns(cases)
+    label, items, source_arg = _sources(suite, fixtures, dtype, patterns)
+    if not items:
+        wanted = f", cases matching {patterns}" if patterns else ""
+        raise ValueError(f"validate: no case selected ({label}, dtype {dtype or 'all'}"
+                         f"{wanted}); a run that checks nothing cannot pass "
+                         f"(see `refattn-oracle list cases`)")
     if source_arg is None:
         source_flag = "<the same fixtures>"
     elif fixtures is not None:
         source_flag = f"--fixtures {source_arg}"
     else:
         source_flag = f"--suite {source_arg}"
+    worker_ref = _worker_ref(impl, fn, spec) if isolate else None
+    supervisor = None if worker_ref is None else Supervisor(
+        worker_ref, timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
+        memory_limit=memory_limit)
     results = []
     start = time.perf_counter()
-    with Progress(len(items), f"validate {_impl_name(fn, spec)}", enabled=progress,
-                  stream=sys.stderr) as bar:
-        for item in items:
-            fixture = golden.build(item) if not hasattr(item, "truth") else item
-            repro = reproduce_command(spec, source_flag, fixture.case.dtype, fixture.case.name,
-                                      grads, strict)
-            result = check_fixture(fn, fixture, grads=grads, diagnose=diagnose,
-                                   reproduce=repro)
-            results.append(result)
-            bar.advance(f"{result.name}: {result.verdict}")
-    return Report(_impl_name(fn, spec), dtype, label, strict, results,
-                  time.perf_counter() - start, grads)
+    try:
+        with Progress(len(items), f"validate {_impl_name(fn, spec)}", enabled=progress,
+                      stream=sys.stderr) as bar:
+            for item in items:
+                fixture = golden.build(item) if not hasattr(item, "truth") else item
+                repro = reproduce_command(spec, source_flag, fixture.case.dtype,
+                                       fixture.case.name, grads, strict)
+                if supervisor is None:
+                    result = check_fixture(fn, fixture, grads=grads, diagnose=diagnose,
+                                           reproduce=repro)
+                else:
+                    result = supervisor.run(fixture, grads=grads, diagnose=diagnose,
+                                            reproduce=repro)
+                result.features, result.shape_classes = case_features(
+                    fixture.case, grads, fixture.inputs)
+                results.append(result)
+                bar.advance(f"{result.name}: {result.verdict}")
+    finally:
+        if supervisor is not None:
+            supervisor.close()
+    report = Report(_impl_name(fn, spec), dtype, label, strict, results,
+                    time.perf_counter() - start, grads)
+    report.isolated = supervisor is not None
+    report.required = required
+    return report
 
+
+def _required(require) -> tuple:
+    names = [require] if isinstance(require, str) else list(require or ())
+    flat = [part.strip().lower() for name in names for part in str(name).split(",")
+            if part.strip()]
+    unknown = [f for f in flat if f not in KNOWN_FEATURES]
+    if unknown:
+        raise ValueError(f"require: unknown feature(s) {unknown}; expected some of "
+                         f"{list(KNOWN_FEATURES)}")
+    return tuple(dict.fromkeys(flat))
+
+
+def _worker_ref(impl, fn, spec):
+    """What a worker process can resolve the implementation from, or None."""
+    if isinstance(impl, str):
+        return impl
+    if spec is not None and ":" in spec and not spec.startswith("__main__:"):
+        try:
+            resolved, _ = resolve_impl(spec)
+        except (ImportError, AttributeError, TypeError, ValueError):
+            return None
+        return spec if resolved is fn else None
+    return None
 
 
 class _CallableModule(types.ModuleType):
