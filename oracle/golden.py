@@ -47,10 +47,10 @@ the entry, and report every schema problem as one line (file, key, what was expe
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import json
-import fcntl
 import multiprocessing
 import os
 import secrets

@@ -32,7 +32,6 @@ Examples
 from __future__ import annotations
 
 import fnmatch
-import importlib
 import sys
 import time
 import types
@@ -42,8 +41,8 @@ from pathlib import Path
 from . import catalogue, golden
 from . import tolerance as tol
 from ._progress import Progress
-from .impls import callable_spec, resolve_impl
 from .features import KNOWN_FEATURES, case_features
+from .impls import resolve_impl
 from .judge import check_fixture
 from .results import Report
 

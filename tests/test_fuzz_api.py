@@ -242,10 +242,10 @@ def attention_tries(rng):
                              lambda o=opts: refattn.attention(q, k, v, **o), check))
         zero_kv = (np.zeros((1, 2, 2, 3)), np.zeros((1, 0, 3, 3)), np.zeros((1, 0, 3, 2)))
         tries.append(Try(f"attention[{tag}] K=0", ["k"],
-                         lambda p=path: refattn.attention(*zero_kv, **p)))
+                         lambda p=path, z=zero_kv: refattn.attention(*z, **p)))
         tries.append(Try(f"attention_vjp[{tag}] K=0", ["k"],
-                         lambda p=path: refattn.attention_vjp(
-                             *zero_kv, np.ones((1, 2, 2, 2)), **p)))
+                         lambda p=path, z=zero_kv: refattn.attention_vjp(
+                             *z, np.ones((1, 2, 2, 2)), **p)))
         for bad, value in ARRAY_BAD.items():
             tries.append(Try(f"attention_vjp[{tag}] grad_out={bad}", ["grad_out"],
                              lambda g=value, p=path: refattn.attention_vjp(q, k, v, g, **p)))
@@ -296,21 +296,22 @@ def beyond_range_tries(rng):
         v = np.full((3, 2), scale_v) * rng.integers(1, 4, (3, 2))
         opts = dict(return_lse=True)
         tries.append(Try(f"attention[float64] v~{scale_v:g}", ["v"],
-                         lambda q=q, k=k, v=v: refattn.attention(q, k, v, **opts),
+                         lambda q=q, k=k, v=v, o=opts: refattn.attention(q, k, v, **o),
                          check_attention((q, k, v), opts)))
         tries.append(Try(f"attention[numba] v~{scale_v:g}", ["v"],
-                         lambda q=q, k=k, v=v: refattn.attention(q, k, v, backend="numba",
-                                                                 **opts),
+                         lambda q=q, k=k, v=v, o=opts: refattn.attention(q, k, v, backend="numba",
+                                                                         **o),
                          check_attention((q, k, v), dict(opts, backend="numba"))))
         grad = np.ones((2, 2))
 
-        def vjp_check(g, q=q, k=k, v=v):
+        def vjp_check(g, q=q, k=k, v=v, grad=grad):
             exact = refattn.attention_vjp(q, k, v, grad, precision="exact")
             bounds = float64_vjp_bound(q, k, v, grad)
             return all(_within(a, b, c) for a, b, c in zip(g[:3], exact[:3], bounds[:3],
                                                            strict=True))
         tries.append(Try(f"attention_vjp[float64] v~{scale_v:g}", ["v"],
-                         lambda q=q, k=k, v=v: refattn.attention_vjp(q, k, v, grad), vjp_check))
+                         lambda q=q, k=k, v=v, g=grad: refattn.attention_vjp(q, k, v, g),
+                         vjp_check))
     return tries
 
 
@@ -320,7 +321,8 @@ def logspace_tries(rng):
     for fn in (refattn.logsumexp, refattn.softmax, refattn.log_softmax):
         for precision in ("float64", "exact"):
             tag = f"{fn.__name__}[{precision}]"
-            call = (lambda f=fn, p=precision, **kw: f(precision=p, **kw))
+            def call(f=fn, p=precision, **kw):
+                return (f(precision=p, **kw))
             for bad, value in ARRAY_BAD.items():
                 if bad in ("1-D", "wrong-last", "0-size"):
                     continue
@@ -391,9 +393,10 @@ def layer_norm_tries(rng):
 def mha_tries(rng):
     p = T.random_attention_params(4, 2, seed=1)
     x = rng.standard_normal((3, 4))
-    call = (lambda **kw: T.multihead_attention(
-        kw.pop("x_q", x), kw.pop("x_kv", None), kw.pop("W_Q", p.W_Q), p.W_K, p.W_V, p.W_O,
-        num_heads=kw.pop("num_heads", 2), **kw))
+    def call(**kw):
+        return (T.multihead_attention(
+            kw.pop("x_q", x), kw.pop("x_kv", None), kw.pop("W_Q", p.W_Q), p.W_K, p.W_V, p.W_O,
+            num_heads=kw.pop("num_heads", 2), **kw))
     tries = []
     for bad, value in ARRAY_BAD.items():
         tries.append(Try(f"mha x_q={bad}", ["x_q"] + (["W_Q"] if bad == "wrong-last" else []),

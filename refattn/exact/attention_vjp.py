@@ -28,9 +28,9 @@ import numpy as np
 from mpmath.libmp import from_man_exp, mpf_div, mpf_mul, round_ceiling, round_floor
 
 from .. import config
+from .._broadcast import reduce_to
 from .._spec import AttentionSpec
 from . import _fixed as F
-from .._broadcast import reduce_to
 from .attention import ExactForward, scale_bounds
 from .rounding import correctly_round
 

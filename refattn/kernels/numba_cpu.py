@@ -98,8 +98,27 @@ from numba import njit, prange
 
 from ..bounds.kernels import online_backward_bound, online_forward_bound
 from ._args import kernel_arguments
-from ._simd import (JIT, KERNEL_OPTIONS, exp_float32, exp_float64, fma, lanes, vadd, vbest,
-                    vexp, vfma, vkeep, vload, vmax, vmul, vmuls, vstore, vsubs, vsum, vzero)
+from ._simd import (
+    JIT,
+    KERNEL_OPTIONS,
+    exp_float32,
+    exp_float64,
+    fma,
+    lanes,
+    vadd,
+    vbest,
+    vexp,
+    vfma,
+    vkeep,
+    vload,
+    vmax,
+    vmul,
+    vmuls,
+    vstore,
+    vsubs,
+    vsum,
+    vzero,
+)
 
 __all__ = [
     "BLOCK_Q",
