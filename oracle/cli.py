@@ -3,12 +3,14 @@
 Commands::
 
     refattn-oracle generate --suite NAME --out DIR [--dtype D ...] [--workers N] [--wait]
+                            [--executor dask --scheduler ADDRESS]
     refattn-oracle verify DIR
-    refattn-oracle validate (--adapter NAME | --impl module:function)
+    refattn-oracle validate (--adapter NAME | --impl module:function) ...
                             (--suite NAME | --fixtures DIR) [--dtype D] [--case PATTERN ...]
                             [--json F] [--junit F] [--html F [--plots WHICH]] [--strict]
                             [--grads] [--require FEATURE ...] [--timeout SECONDS]
                             [--memory-limit MIB] [--in-process]
+                            [--executor dask --scheduler ADDRESS]
     refattn-oracle list [suites | cases --suite NAME | adapters]
 
 ``generate`` takes an exclusive lock on DIR (a second writer fails, or waits with ``--wait``)
@@ -21,6 +23,10 @@ and the run goes on. Case patterns are case-insensitive; a selection of zero cas
 error. ``validate`` exits with 0 only when no case fails (robustness cases count only with
 ``--strict``), 1 when some case fails and 2 on a usage error (bad ``--impl`` path, unknown
 adapter or suite, missing directory). Progress goes to stderr, the summary to stdout.
+``--impl``/``--adapter`` may be repeated: each implementation gets its own summary (and report
+files ``NAME-<impl>.json``...) and the exit code is 1 if any fails. ``--executor dask
+--scheduler ADDRESS`` runs the cases (generate) or the (implementation, case) pairs (validate)
+on a Dask cluster (:mod:`oracle.distribute`); the fixtures are byte-identical to local ones.
 
 Examples
 --------
@@ -64,14 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--wait", action="store_true",
                      help="wait for another generate writing into --out instead of failing")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    _executor_args(gen, "cases, and blocks of one large case,")
 
     ver = sub.add_parser("verify", help="check the sha256 of every fixture in DIR")
     ver.add_argument("directory")
 
     val = sub.add_parser("validate", help="validate an implementation")
-    who = val.add_mutually_exclusive_group(required=True)
-    who.add_argument("--adapter", help="adapter name (see `refattn-oracle list adapters`)")
-    who.add_argument("--impl", help="module:function of impl(q, k, v, **options)")
+    val.add_argument("--adapter", action="append", default=[],
+                     help="adapter name (see `refattn-oracle list adapters`; repeatable)")
+    val.add_argument("--impl", action="append", default=[],
+                     help="module:function of impl(q, k, v, **options) (repeatable)")
     src = val.add_mutually_exclusive_group()
     src.add_argument("--suite", help="suite built in memory (default: smoke)")
     src.add_argument("--fixtures", help="directory written by `refattn-oracle generate`")
@@ -101,12 +109,29 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run the implementation in this process (no timeout or crash "
                           "protection; for debugging with pdb)")
     val.add_argument("--quiet", action="store_true", help="no progress bar, failures only")
+    _executor_args(val, "(implementation, case) pairs")
 
     lst = sub.add_parser("list", help="list suites, cases or adapters")
     lst.add_argument("what", nargs="?", default="suites", choices=("suites", "cases", "adapters"))
     lst.add_argument("--suite", default="default")
     lst.add_argument("--dtype", choices=DTYPES)
     return parser
+
+
+def _executor_args(parser, what: str) -> None:
+    parser.add_argument("--executor", choices=("local", "dask"), default="local",
+                        help=f"where {what} run: local processes (default) or a Dask cluster "
+                             f"(needs refattn[dask] and --scheduler)")
+    parser.add_argument("--scheduler", metavar="ADDRESS",
+                        help="Dask scheduler address, e.g. tcp://host:8786 (--executor dask)")
+
+
+def _executor_problem(args) -> str | None:
+    if args.executor == "dask" and not args.scheduler:
+        return "--executor dask needs --scheduler ADDRESS (e.g. tcp://host:8786)"
+    if args.executor != "dask" and args.scheduler:
+        return "--scheduler is used only with --executor dask"
+    return None
 
 
 def _err(message) -> int:
@@ -119,9 +144,19 @@ def _generate(args) -> int:
 
     if args.workers < 1:
         return _err(f"--workers: expected an integer >= 1, got {args.workers}")
+    problem = _executor_problem(args)
+    if problem:
+        return _err(problem)
+    runner = None
+    if args.executor == "dask":
+        from .distribute import dask_runner
+
+        runner = dask_runner(args.scheduler)
     try:
         path = golden.generate(args.suite, args.out, dtypes=args.dtype, workers=args.workers,
-                               progress=not args.quiet, wait=args.wait)
+                               progress=not args.quiet, wait=args.wait, runner=runner)
+    except ImportError as err:
+        return _err(str(err))
     except (golden.FixtureError, ValueError, KeyError) as err:
         return _err(str(err).strip('"'))
     except OSError as err:
@@ -147,13 +182,19 @@ def _validate(args) -> int:
 
     from . import validate as V  # the module (callable), see oracle/__init__.py
 
-    spec = args.impl if args.impl else args.adapter
+    specs = [*args.impl, *args.adapter]
+    if not specs:
+        return _err("give the implementation: --adapter NAME or --impl module:function")
+    problem = _executor_problem(args)
+    if problem:
+        return _err(problem)
     if args.impl and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # console scripts do not put the cwd on sys.path
-    try:
-        V.resolve_impl(spec)
-    except (ImportError, AttributeError, TypeError, ValueError, KeyError) as err:
-        return _err(str(err).strip('"'))
+    for spec in specs:
+        try:
+            V.resolve_impl(spec)
+        except (ImportError, AttributeError, TypeError, ValueError, KeyError) as err:
+            return _err(str(err).strip('"'))
     if args.fixtures is not None and not Path(args.fixtures).is_dir():
         return _err(f"--fixtures {args.fixtures}: no such directory "
                     f"(write one with `refattn-oracle generate --out {args.fixtures}`)")
@@ -162,15 +203,30 @@ def _validate(args) -> int:
     if args.memory_limit is not None and not args.memory_limit > 0:
         return _err(f"--memory-limit: expected MiB > 0, got {args.memory_limit:g}")
     memory = None if args.memory_limit is None else int(args.memory_limit * 2**20)
+    options = dict(suite=args.suite, fixtures=args.fixtures,
+                   dtype=None if args.dtype == "all" else args.dtype, grads=args.grads,
+                   strict=args.strict, cases=args.case, isolate=not args.in_process,
+                   timeout=args.timeout, memory_limit=memory, require=args.require)
     try:
-        report = V.validate(spec, suite=args.suite, fixtures=args.fixtures,
-                            dtype=None if args.dtype == "all" else args.dtype,
-                            grads=args.grads, strict=args.strict, progress=not args.quiet,
-                            cases=args.case, isolate=not args.in_process,
-                            timeout=args.timeout, memory_limit=memory,
-                            require=args.require)
+        if args.executor == "dask":
+            from .distribute import validate_many
+
+            reports = validate_many(specs, scheduler=args.scheduler, **options)
+        else:
+            reports = {spec: V.validate(spec, progress=not args.quiet, **options)
+                       for spec in specs}
+    except ImportError as err:
+        return _err(str(err))
     except (KeyError, ValueError) as err:
         return _err(str(err).strip('"'))
+    for spec, report in reports.items():
+        _print_report(args, report, spec if len(reports) > 1 else None)
+    return 0 if all(report.passed for report in reports.values()) else 1
+
+
+def _print_report(args, report, spec) -> None:
+    """Summary and report files of one implementation (``spec`` names it when there are
+    several: each file name gets ``-<spec>`` before its suffix)."""
     print(report.summary() if not args.quiet else
           "\n".join(r.explain() for r in report.failures) or "no failures")
     if args.quiet and report.untested:
@@ -178,16 +234,25 @@ def _validate(args) -> int:
 
         print("\n".join(coverage_lines(report)[-4:]))
     if args.json:
-        report.to_json(args.json)
+        report.to_json(_per_impl(args.json, spec))
     if args.junit:
-        report.to_junit(args.junit)
+        report.to_junit(_per_impl(args.junit, spec))
     if args.html:
         from .report import PLOT_HINT, plotting_available
 
-        report.to_html(args.html, plots=args.plots)
+        report.to_html(_per_impl(args.html, spec), plots=args.plots)
         if not plotting_available():
             print(f"refattn-oracle: {PLOT_HINT}", file=sys.stderr)
-    return 0 if report.passed else 1
+
+
+def _per_impl(path: str, spec) -> str:
+    if spec is None:
+        return path
+    from pathlib import Path
+
+    tag = "".join(c if c.isalnum() or c in "-_." else "_" for c in spec)
+    file = Path(path)
+    return str(file.with_name(f"{file.stem}-{tag}{file.suffix}"))
 
 
 def _list(args) -> int:

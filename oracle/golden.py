@@ -81,6 +81,9 @@ __all__ = [
     "MANIFEST",
     "build",
     "generate",
+    "write_fixture",
+    "call_options",
+    "Runner",
     "verify",
     "load",
     "sha256_of",
@@ -94,6 +97,9 @@ GENERATOR = "oracle.golden"
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 _TMP_SUFFIX = ".tmp"
 LOCK_FILE = ".refattn-oracle.lock"
+
+#: ``runner(cases, out_dir)`` -> iterator of (case name, sha256) as each file is written.
+Runner = Callable[[list[Case], Path], Iterator[tuple[str, str]]]
 
 
 class FixtureError(ValueError):
@@ -140,7 +146,8 @@ class Fixture:
 # Truth
 # ---------------------------------------------------------------------------------------------
 
-def _call_options(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
+def call_options(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """Keywords an implementation gets for ``case``: its scalar options and array options."""
     options = dict(case.options)
     for name in ARRAY_OPTIONS:
         if name in inputs:
@@ -152,7 +159,7 @@ def _attention_truth(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, 
     """Exact forward (and backward) of refattn.attention, rounded to the case dtype and f64."""
     attention, attention_vjp = _exact_functions()
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    options = _call_options(case, inputs)
+    options = call_options(case, inputs)
     truth: dict[str, np.ndarray] = {}
     dtypes = [case.dtype] if case.dtype == "float64" else [case.dtype, "float64"]
     for dtype in dtypes:
@@ -203,7 +210,7 @@ def build(case: Case) -> Fixture:
                          f"(known: {sorted(TRUTH_BUILDERS)})")
     inputs = catalogue.make_inputs(case)
     truth = TRUTH_BUILDERS[case.function](case, inputs)
-    return Fixture(case=case, inputs=inputs, options=_call_options(case, inputs), truth=truth)
+    return Fixture(case=case, inputs=inputs, options=call_options(case, inputs), truth=truth)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,10 +336,18 @@ def _manifest(suite_name: str, entries: list[dict]) -> dict:
 
 def _work(spec_json: str, out_dir: str) -> tuple[str, str]:
     """Build one case and write its file atomically; return (name, sha256). Runs in workers."""
-    case = Case.from_spec(json.loads(spec_json))
-    data = fixture_bytes(build(case))
-    _write_atomic(Path(out_dir) / f"{case.name}.npz", data)
-    return case.name, hashlib.sha256(data).hexdigest()
+    return write_fixture(build(Case.from_spec(json.loads(spec_json))), out_dir)
+
+
+def write_fixture(fixture: Fixture, out_dir) -> tuple[str, str]:
+    """Write ``fixture`` as ``<name>.npz`` in ``out_dir`` atomically; return (name, sha256).
+
+    The building block of every runner of :func:`generate` (local processes or
+    :mod:`oracle.distribute`): the bytes depend on the fixture alone.
+    """
+    data = fixture_bytes(fixture)
+    _write_atomic(Path(out_dir) / f"{fixture.name}.npz", data)
+    return fixture.name, hashlib.sha256(data).hexdigest()
 
 
 def _previous_entries(out: Path) -> dict[str, list[dict]]:
@@ -419,7 +434,7 @@ def _select(suite: str, dtypes, cases) -> list[Case]:
 
 def generate(suite: str, out_dir, *, dtypes: Iterable[str] | None = None, workers: int = 1,
              progress: bool = True, cases: Iterable[Case] | None = None,
-             wait: bool = False) -> Path:
+             wait: bool = False, runner: Runner | None = None) -> Path:
     """Write one .npz per case and ``manifest.json`` into ``out_dir``; return the directory.
 
     Parameters
@@ -440,6 +455,12 @@ def generate(suite: str, out_dir, *, dtypes: Iterable[str] | None = None, worker
         Explicit cases instead of the suite's.
     wait : bool
         Wait for another writer of ``out_dir`` to finish instead of failing.
+    runner : callable, optional
+        ``runner(cases, out_dir)`` computes the cases still to do and yields ``(name, sha256)``
+        as each file is written (with :func:`write_fixture`), in any order; default: ``workers``
+        local processes. :func:`oracle.distribute.dask_runner` fans the cases (and blocks of
+        one large case) out to a Dask cluster. Locking, resuming and the manifest stay here,
+        so the directory is byte-identical whichever runner wrote it.
 
     Returns
     -------
@@ -458,8 +479,11 @@ def generate(suite: str, out_dir, *, dtypes: Iterable[str] | None = None, worker
         raise ValueError(f"workers: expected an int >= 1, got {workers!r}")
     selected = _select(suite, dtypes, cases)
     out = _destination(out_dir)
+    if runner is None:
+        def runner(todo, out):
+            return _run(todo, out, workers)
     with _writer_lock(out, wait=wait):
-        return _generate_locked(suite, selected, out, workers, progress)
+        return _generate_locked(suite, selected, out, runner, progress)
 
 
 def _destination(out_dir) -> Path:
@@ -504,7 +528,7 @@ class _writer_lock:
         os.close(self.fd)
 
 
-def _generate_locked(suite: str, selected: list[Case], out: Path, workers: int,
+def _generate_locked(suite: str, selected: list[Case], out: Path, runner: Runner,
                      progress: bool) -> Path:
     previous = _previous_entries(out)
     _remove_unselected(out, previous, selected)
@@ -525,7 +549,7 @@ def _generate_locked(suite: str, selected: list[Case], out: Path, workers: int,
 
     with Progress(len(selected), f"generate {suite}", enabled=progress) as bar:
         bar.advance(n=len(selected) - len(todo))
-        for name, sha in _run(todo, out, workers):
+        for name, sha in runner(todo, out):
             record(name, sha)
             bar.advance(name)
     entries = [done[c.name] for c in selected]
@@ -741,7 +765,7 @@ def _parse_fixture(path: Path) -> Fixture:
         members[key] = members[key].view(ml_dtypes.bfloat16)
     inputs = {k.split("/", 1)[1]: a for k, a in members.items() if k.startswith("inputs/")}
     truth = {k.split("/", 1)[1]: a for k, a in members.items() if k.startswith("truth/")}
-    return Fixture(case=case, inputs=inputs, options=_call_options(case, inputs), truth=truth,
+    return Fixture(case=case, inputs=inputs, options=call_options(case, inputs), truth=truth,
                    truth_kind=meta.get("truth_kind", TRUTH_KIND))
 
 

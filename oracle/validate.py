@@ -46,7 +46,7 @@ from .impls import resolve_impl
 from .judge import check_fixture
 from .results import Report
 
-__all__ = ["validate", "resolve_impl", "reproduce_command"]
+__all__ = ["validate", "resolve_impl", "reproduce_command", "select_cases"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,6 +101,17 @@ def _sources(suite, fixtures, dtype, cases):
     if isinstance(suite, str):
         return f"suite {suite}", list(_select(catalogue.suite(suite), dtype, cases)), suite
     return "cases", list(_select(suite, dtype, cases)), None
+
+
+def select_cases(*, suite=None, fixtures=None, dtype="float32", cases=None) -> list[str]:
+    """Names of the cases :func:`validate` would run with these arguments (ValueError if
+    none), e.g. to split a run over several machines (:mod:`oracle.distribute`)."""
+    patterns = _patterns(cases)
+    label, items, _ = _sources(suite, fixtures, dtype, patterns)
+    if not items:
+        raise ValueError(f"validate: no case selected ({label}, dtype {dtype or 'all'}); a "
+                         f"run that checks nothing cannot pass")
+    return [(item.case if hasattr(item, "case") else item).name for item in items]
 
 
 def reproduce_command(impl_spec, source_flag, dtype, name, grads, strict):
