@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--require", action="append", metavar="FEATURE", default=[],
                      help="fail unless some case with FEATURE was judged (repeatable or comma "
                           "list: causal, mask, gqa, long-rows, gradients, window, bias, ...)")
+    val.add_argument("--check", action="append", metavar="CHECK", default=[],
+                     help="invariance checks on every conformance case, each its own verdict "
+                          "(comma list or repeatable): determinism, batch-invariance, decode")
     val.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                      help="seconds one case may take before it is an error (default: 300; "
                           "each case runs in a supervised worker process)")
@@ -206,7 +209,8 @@ def _validate(args) -> int:
     options = dict(suite=args.suite, fixtures=args.fixtures,
                    dtype=None if args.dtype == "all" else args.dtype, grads=args.grads,
                    strict=args.strict, cases=args.case, isolate=not args.in_process,
-                   timeout=args.timeout, memory_limit=memory, require=args.require)
+                   timeout=args.timeout, memory_limit=memory, require=args.require,
+                   checks=args.check)
     try:
         if args.executor == "dask":
             from .distribute import validate_many

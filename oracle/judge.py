@@ -58,7 +58,7 @@ from .catalogue.variants import FUNCTIONS, outputs_of
 from .results import CaseResult, Check, Worst
 from .variant_scales import condition, natural_scale
 
-__all__ = ["check_fixture", "run_guarded"]
+__all__ = ["check_fixture", "run_guarded", "call_forward"]
 
 _GRADS = ("dq", "dk", "dv", "dbias")
 
@@ -85,8 +85,11 @@ def passed_options(options) -> dict:
             or type(x) is not type(defaults[name]) or x != defaults[name]}
 
 
-def _call(impl, q, k, v, options):
-    """Run the forward; returns (out, lse or None)."""
+def call_forward(impl, q, k, v, options):
+    """Run ``impl``'s forward as the judge does (``return_lse=True`` first, then without it;
+    options equal to refattn's defaults left out); returns float64 (out, lse or None).
+
+    A TypeError refusing one of the options is a NotImplementedError ("unsupported")."""
     copies = passed_options(options)
     try:
         result = impl(np.copy(q), np.copy(k), np.copy(v), **copies, return_lse=True)
@@ -343,7 +346,7 @@ def run_guarded(result, check) -> CaseResult:
 def _run_checks(impl, fixture, grads, diagnose, result):
     inputs = fixture.inputs
     options = {n: x for n, x in fixture.options.items() if n != "return_lse"}
-    out, lse = _call(impl, inputs["q"], inputs["k"], inputs["v"], options)
+    out, lse = call_forward(impl, inputs["q"], inputs["k"], inputs["v"], options)
     ctx = _Context(fixture)
     with np.errstate(all="ignore"):
         problem = _check_forward(ctx, fixture, out, lse, result.checks)

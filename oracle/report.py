@@ -84,7 +84,7 @@ def summary_table(report, *, details=True) -> str:
         if i == 0:
             lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 20)
     lines.append("")
-    for category in ("conformance", "robustness"):
+    for category in ("conformance", "robustness", "invariance"):
         counts = report.counts(category)
         if sum(counts.values()):
             lines.append(f"{category}: " + ", ".join(f"{n} {v}" for v, n in counts.items()))
@@ -130,7 +130,7 @@ def to_dict(report) -> dict:
         "impl": report.impl, "dtype": report.dtype, "source": report.source,
         "strict": report.strict, "grads": report.grads, "passed": report.passed,
         "seconds": round(report.seconds, 3),
-        "counts": {c: report.counts(c) for c in ("conformance", "robustness")},
+        "counts": {c: report.counts(c) for c in ("conformance", "robustness", "invariance")},
         "coverage": report.coverage(), "untested": report.untested,
         "required": list(report.required), "isolated": report.isolated,
         "policy": {"k_forward": K_FORWARD, "k_backward": K_BACKWARD,

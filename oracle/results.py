@@ -164,6 +164,8 @@ class Report:
             group = "shape" if feature in SHAPE_CLASSES else "feature"
             table[group].setdefault(feature, {"judged": 0, "unsupported": 0, "error": 0})
         for r in self.results:
+            if r.category == "invariance":  # a check of a case already counted
+                continue
             kind = "judged" if r.verdict in ("pass", "fail") else r.verdict
             for group, names in (("feature", r.features), ("dtype", [r.dtype]),
                                  ("shape", r.shape_classes)):

@@ -61,9 +61,14 @@ def _serve(receive, connection, impl_ref, memory_limit) -> None:  # pragma: no c
         request = receive.recv()
         if request is None:
             return
-        fixture, grads, diagnose, reproduce = request
-        result = check_fixture(impl, fixture, grads=grads, diagnose=diagnose,
-                               reproduce=reproduce)
+        fixture, grads, diagnose, reproduce, check = request
+        if check is None:
+            result = check_fixture(impl, fixture, grads=grads, diagnose=diagnose,
+                                   reproduce=reproduce)
+        else:
+            from .invariance import check_invariance
+
+            result = check_invariance(impl, fixture, check, reproduce=reproduce)
         connection.send(("result", result))
 
 
@@ -159,8 +164,9 @@ class Supervisor:
                 connection.close()
         self._process = self._connection = self._send_connection = None
 
-    def run(self, fixture, *, grads=False, diagnose=True, reproduce=""):
-        """Judge one fixture in the worker; any way the worker fails is an "error" result."""
+    def run(self, fixture, *, grads=False, diagnose=True, reproduce="", check=None):
+        """Judge one fixture in the worker (or run the invariance ``check`` of
+        :mod:`oracle.invariance` on it); any way the worker fails is an "error" result."""
         from .results import CaseResult
 
         start = time.perf_counter()
@@ -170,7 +176,7 @@ class Supervisor:
             problem = self._start()
         if problem is None:
             try:
-                self._send_connection.send((fixture, grads, diagnose, reproduce))
+                self._send_connection.send((fixture, grads, diagnose, reproduce, check))
             except (OSError, EOFError):
                 kind, problem = "died", self._death("sending the case")
             else:
@@ -179,7 +185,9 @@ class Supervisor:
                     return payload
                 problem = payload
         case = fixture.case
-        result = CaseResult(case.name, case.category, case.dtype, "error", message=problem,
+        name, category = (case.name, case.category) if check is None else \
+            (f"{case.name}::{check}", "invariance")
+        result = CaseResult(name, category, case.dtype, "error", message=problem,
                             reproduce=reproduce, description=getattr(case, "description", ""))
         result.seconds = time.perf_counter() - start
         return result

@@ -114,18 +114,21 @@ def select_cases(*, suite=None, fixtures=None, dtype="float32", cases=None) -> l
     return [(item.case if hasattr(item, "case") else item).name for item in items]
 
 
-def reproduce_command(impl_spec, source_flag, dtype, name, grads, strict):
-    """The ``refattn-oracle validate`` command line that re-runs one case."""
+def reproduce_command(impl_spec, source_flag, dtype, name, grads, strict, check=None):
+    """The ``refattn-oracle validate`` command line that re-runs one case (or one of its
+    invariance checks)."""
     impl_part = "--impl <module:function>" if impl_spec is None else (
         f"--impl {impl_spec}" if ":" in impl_spec else f"--adapter {impl_spec}")
-    extra = (" --grads" if grads else "") + (" --strict" if strict else "")
+    extra = (" --grads" if grads else "") + (" --strict" if strict else "") + (
+        f" --check {check}" if check else "")
     return (f"refattn-oracle validate {impl_part} {source_flag} --dtype {dtype} "
             f"--case {name}{extra}")
 
 
 def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, strict=False,
              progress=True, cases: str | Iterable[str] | None = None, diagnose=True,
-             isolate=True, timeout=None, memory_limit=None, require=()) -> Report:
+             isolate=True, timeout=None, memory_limit=None, require=(),
+             checks=()) -> Report:
     """Validate ``impl`` on a suite or a fixture directory in one dtype.
 
     Parameters
@@ -166,6 +169,10 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
         Features (see :func:`case_features`; e.g. "causal", "mask", "gqa", "long-rows",
         "gradients") that must be judged (pass or fail) on at least one case, else the run
         fails. Untested headline features are reported in any case.
+    checks : str or iterable of str
+        Invariance checks of :mod:`oracle.invariance` ("determinism", "batch-invariance",
+        "decode"; a comma list is fine) run on every attention conformance case, each its own
+        result ``<case>::<check>`` in category "invariance" (a failure fails the run).
 
     Options equal to :func:`refattn.attention`'s defaults are not passed to the
     implementation (:func:`passed_options`): its own defaults then apply.
@@ -184,6 +191,9 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
     from .supervise import DEFAULT_TIMEOUT, Supervisor
 
     required = _required(require)
+    from .invariance import applies, parse_checks
+
+    checks = parse_checks(checks)
 
     if dtype is not None:
         tol.unit_roundoff(dtype)  # a clear error for an unknown dtype
@@ -225,6 +235,10 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
                 result.features, result.shape_classes = case_features(
                     fixture.case, grads, fixture.inputs)
                 results.append(result)
+                for check in checks if applies(fixture) else ():
+                    results.append(_invariance(fn, supervisor, fixture, check, reproduce_command(
+                        spec, source_flag, fixture.case.dtype, fixture.case.name, False, False,
+                        check)))
                 bar.advance(f"{result.name}: {result.verdict}")
     finally:
         if supervisor is not None:
@@ -234,6 +248,14 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
     report.isolated = supervisor is not None
     report.required = required
     return report
+
+
+def _invariance(fn, supervisor, fixture, check, repro):
+    from .invariance import check_invariance
+
+    if supervisor is None:
+        return check_invariance(fn, fixture, check, reproduce=repro)
+    return supervisor.run(fixture, reproduce=repro, check=check)
 
 
 def _required(require) -> tuple:
