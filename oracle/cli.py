@@ -100,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--require", action="append", metavar="FEATURE", default=[],
                      help="fail unless some case with FEATURE was judged (repeatable or comma "
                           "list: causal, mask, gqa, long-rows, gradients, window, bias, ...)")
+    val.add_argument("--layout", choices=("bhld", "blhd", "packed", "paged"), default="bhld",
+                     help="the implementation's layout (default: %(default)s; see "
+                          "oracle.conventions)")
+    val.add_argument("--framework", choices=("numpy", "torch", "jax"), default="numpy",
+                     help="arrays the implementation takes (default: %(default)s)")
+    val.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                     help="device of torch tensors (default: %(default)s)")
     val.add_argument("--check", action="append", metavar="CHECK", default=[],
                      help="invariance checks on every conformance case, each its own verdict "
                           "(comma list or repeatable): determinism, batch-invariance, decode")
@@ -210,7 +217,8 @@ def _validate(args) -> int:
                    dtype=None if args.dtype == "all" else args.dtype, grads=args.grads,
                    strict=args.strict, cases=args.case, isolate=not args.in_process,
                    timeout=args.timeout, memory_limit=memory, require=args.require,
-                   checks=args.check)
+                   checks=args.check, layout=args.layout, framework=args.framework,
+                   device=args.device)
     try:
         if args.executor == "dask":
             from .distribute import validate_many

@@ -41,6 +41,10 @@ _OPTIONS = {
     "dtype": ("REFATTN_DTYPE", "float32", "implementation dtype, or 'all'"),
     "skips": ("REFATTN_SKIPS", None, "file of case-name patterns to skip"),
     "xfails": ("REFATTN_XFAILS", None, "file of case-name patterns expected to fail"),
+    "layout": ("REFATTN_LAYOUT", "bhld", "the implementation's layout: bhld, blhd, packed, "
+                                          "paged"),
+    "framework": ("REFATTN_FRAMEWORK", "numpy", "arrays it takes: numpy, torch, jax"),
+    "device": ("REFATTN_DEVICE", "cpu", "device of torch tensors: cpu, cuda"),
 }
 
 
@@ -67,6 +71,15 @@ def settings(config) -> dict | None:
     values["grads"] = bool(config.getoption("refattn_grads", default=False))
     if values["dtype"] == "all":
         values["dtype"] = None
+    from .conventions import check_convention
+
+    try:
+        values["convention"] = check_convention(values.pop("layout"), values.pop("framework"),
+                                                values.pop("device"))
+    except ValueError as err:
+        import pytest
+
+        raise pytest.UsageError(f"--refattn-{str(err).split(':')[0]}: {err}") from None
     return values
 
 

@@ -51,8 +51,15 @@ def _serve(receive, connection, impl_ref, memory_limit) -> None:  # pragma: no c
     from .impls import resolve_impl
     from .judge import check_fixture
 
+    convention = None
+    if isinstance(impl_ref, tuple):  # (reference, calling convention of oracle.conventions)
+        impl_ref, convention = impl_ref
     try:
         impl, _ = resolve_impl(impl_ref)
+        if convention:
+            from .conventions import wrap
+
+            impl = wrap(impl, **convention)
     except Exception as exc:  # noqa: BLE001 - reported to the parent as every case's error
         connection.send(("fatal", f"{type(exc).__name__}: {exc}"))
         return

@@ -65,6 +65,7 @@ def pytest_generate_tests(metafunc):
 
 def test_case(oracle_item, request):
     from oracle import golden
+    from oracle.conventions import wrap
     from oracle.judge import check_fixture
     from oracle.validate import reproduce_command, resolve_impl
 
@@ -73,9 +74,11 @@ def test_case(oracle_item, request):
     item, source_flag = oracle_item
     fixture = item if hasattr(item, "truth") else golden.build(item)
     impl, spec = resolve_impl(values["impl"])
+    impl = wrap(impl, **values["convention"])
     spec = spec or values["impl"]
     repro = reproduce_command(spec, source_flag, fixture.case.dtype, fixture.case.name,
-                           values["grads"], values["strict"])
+                              values["grads"], values["strict"],
+                              convention=values["convention"])
     result = check_fixture(impl, fixture, grads=values["grads"], reproduce=repro)
     if result.verdict == "unsupported":
         pytest.skip(f"unsupported: {result.message}")

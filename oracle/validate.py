@@ -114,13 +114,16 @@ def select_cases(*, suite=None, fixtures=None, dtype="float32", cases=None) -> l
     return [(item.case if hasattr(item, "case") else item).name for item in items]
 
 
-def reproduce_command(impl_spec, source_flag, dtype, name, grads, strict, check=None):
+def reproduce_command(impl_spec, source_flag, dtype, name, grads, strict, check=None,
+                      convention=None):
     """The ``refattn-oracle validate`` command line that re-runs one case (or one of its
     invariance checks)."""
     impl_part = "--impl <module:function>" if impl_spec is None else (
         f"--impl {impl_spec}" if ":" in impl_spec else f"--adapter {impl_spec}")
     extra = (" --grads" if grads else "") + (" --strict" if strict else "") + (
-        f" --check {check}" if check else "")
+        f" --check {check}" if check else "") + "".join(
+        f" --{name} {value}" for name, value in (convention or {}).items()
+        if value != {"layout": "bhld", "framework": "numpy", "device": "cpu"}[name])
     return (f"refattn-oracle validate {impl_part} {source_flag} --dtype {dtype} "
             f"--case {name}{extra}")
 
@@ -128,7 +131,7 @@ def reproduce_command(impl_spec, source_flag, dtype, name, grads, strict, check=
 def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, strict=False,
              progress=True, cases: str | Iterable[str] | None = None, diagnose=True,
              isolate=True, timeout=None, memory_limit=None, require=(),
-             checks=()) -> Report:
+             checks=(), layout="bhld", framework="numpy", device="cpu") -> Report:
     """Validate ``impl`` on a suite or a fixture directory in one dtype.
 
     Parameters
@@ -173,6 +176,11 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
         Invariance checks of :mod:`oracle.invariance` ("determinism", "batch-invariance",
         "decode"; a comma list is fine) run on every attention conformance case, each its own
         result ``<case>::<check>`` in category "invariance" (a failure fails the run).
+    layout, framework, device : str
+        The implementation's calling convention (:mod:`oracle.conventions`): layout "bhld"
+        (default), "blhd", "packed" (varlen with cu_seqlens) or "paged" (KV cache pages and a
+        block table); framework "numpy" (default), "torch" (tensors on ``device``, "cpu" or
+        "cuda") or "jax".
 
     Options equal to :func:`refattn.attention`'s defaults are not passed to the
     implementation (:func:`passed_options`): its own defaults then apply.
@@ -197,9 +205,14 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
 
     if dtype is not None:
         tol.unit_roundoff(dtype)  # a clear error for an unknown dtype
+    from .conventions import check_convention, wrap
+
+    convention = check_convention(layout, framework, device)
+    default_convention = convention == check_convention()
     fn, spec = resolve_impl(impl)
     if spec is None and isinstance(impl, str):
         spec = impl
+    fn = wrap(fn, **convention)
     patterns = _patterns(cases)
     label, items, source_arg = _sources(suite, fixtures, dtype, patterns)
     if not items:
@@ -213,7 +226,9 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
         source_flag = f"--fixtures {source_arg}"
     else:
         source_flag = f"--suite {source_arg}"
-    worker_ref = _worker_ref(impl, fn, spec) if isolate else None
+    worker_ref = _worker_ref(impl, resolve_impl(impl)[0], spec) if isolate else None
+    if worker_ref is not None and not default_convention:
+        worker_ref = (worker_ref, convention)
     supervisor = None if worker_ref is None else Supervisor(
         worker_ref, timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
         memory_limit=memory_limit)
@@ -225,7 +240,8 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
             for item in items:
                 fixture = golden.build(item) if not hasattr(item, "truth") else item
                 repro = reproduce_command(spec, source_flag, fixture.case.dtype,
-                                       fixture.case.name, grads, strict)
+                                          fixture.case.name, grads, strict,
+                                          convention=convention)
                 if supervisor is None:
                     result = check_fixture(fn, fixture, grads=grads, diagnose=diagnose,
                                            reproduce=repro)
@@ -238,7 +254,7 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
                 for check in checks if applies(fixture) else ():
                     results.append(_invariance(fn, supervisor, fixture, check, reproduce_command(
                         spec, source_flag, fixture.case.dtype, fixture.case.name, False, False,
-                        check)))
+                        check, convention)))
                 bar.advance(f"{result.name}: {result.verdict}")
     finally:
         if supervisor is not None:
