@@ -48,8 +48,8 @@ Pinned readings (each also stated where it is used)
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
