@@ -15,7 +15,7 @@ the oracle's judging policy take their a-priori bounds from here.
 """
 
 from .attention import float64_forward_bound, float64_vjp_bound, grad_scales
-from .fixedpoint import fixed_point_forward_bound
+from .fixedpoint import fixed_point_forward_bound, implicit_vjp_bound
 from .kernels import online_backward_bound, online_forward_bound
 from .mixtures import iterated_bound, logit_lse_bound, mixture_bound, ratio_bound
 from .transformer import transformer_forward_bound
@@ -36,5 +36,6 @@ __all__ = [
     "iterated_bound",
     "ratio_bound",
     "fixed_point_forward_bound",
+    "implicit_vjp_bound",
     "transformer_forward_bound",
 ]
