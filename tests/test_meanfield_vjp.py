@@ -69,7 +69,7 @@ def assert_rounds_to(value, grad, error, *, what):
 def _richardson(loss, x, J, free_J):
     theta = np.concatenate([x.ravel(), J.ravel()])
     free = np.concatenate([np.ones(x.size, bool), free_J.ravel()])
-    grad, error = richardson_gradient(loss, theta, free)
+    grad, error = richardson_gradient(loss, theta, free, DPS)
     return (grad[:x.size].reshape(x.shape), error[:x.size].reshape(x.shape),
             grad[x.size:].reshape(J.shape), error[x.size:].reshape(J.shape))
 

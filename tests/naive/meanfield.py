@@ -11,6 +11,8 @@ from fractions import Fraction
 import mpmath
 import numpy as np
 
+from .mp import richardson_gradient
+
 __all__ = ["DPS", "exact_naive_step", "mp_matrix", "mp_solve", "mp_inverse", "mp_ising",
            "richardson_gradient", "linear_means_loss", "deq_loss", "ising_loss"]
 
@@ -68,41 +70,6 @@ def mp_ising(x, J, m0, V0):
 
 
 # ----------------------------------------------------------------------------- gradients
-
-
-def richardson_gradient(loss, theta, free):
-    """Gradient of ``loss`` (a function of a flat list of mpf) at the float array ``theta`` by
-    central differences with one Richardson step, at DPS digits.
-
-    ``D(h) = (L(t + h e_k) - L(t - h e_k)) / 2h`` has error ``c h^2 + O(h^4)``; the
-    extrapolation ``R = (4 D(h/2) - D(h)) / 3`` removes the ``h^2`` term and
-    ``|D(h/2) - D(h)|`` (three times the ``h^2`` error of ``D(h/2)``, far above R's own
-    ``O(h^4)``) is returned as its error estimate. Coordinates where ``free`` is False get
-    gradient 0 with error 0 (parameters that are not free, e.g. zero self-couplings).
-    Returns (gradient, error): object arrays of mpf of theta's shape.
-    """
-    theta = np.asarray(theta, dtype=np.float64)
-    free = np.broadcast_to(free, theta.shape).ravel()
-    grad = np.empty(theta.size, dtype=object)
-    error = np.empty(theta.size, dtype=object)
-    with mpmath.workdps(DPS):
-        base = [mpmath.mpf(float(v)) for v in theta.ravel()]
-        h = mpmath.mpf(2) ** -48
-
-        def central(k, step):
-            up, down = list(base), list(base)
-            up[k] += step
-            down[k] -= step
-            return (loss(up) - loss(down)) / (2 * step)
-
-        for k in range(theta.size):
-            if not free[k]:
-                grad[k], error[k] = mpmath.mpf(0), mpmath.mpf(0)
-                continue
-            coarse, fine = central(k, h), central(k, h / 2)
-            grad[k] = (4 * fine - coarse) / 3
-            error[k] = abs(fine - coarse)
-    return grad.reshape(theta.shape), error.reshape(theta.shape)
 
 
 def _blocks_matrix(J, n, d):
