@@ -106,8 +106,9 @@ def richardson_gradient(loss, theta, free, dps=50):
     extrapolation ``R = (4 D(h/2) - D(h)) / 3`` removes the ``h^2`` term and
     ``|D(h/2) - D(h)|`` (three times the ``h^2`` error of ``D(h/2)``, far above R's own
     ``O(h^4)``) plus the rounding noise of the differences (``16 eps (|L| + 1) / h`` at the
-    working precision's ``eps``) is returned as its error estimate. Coordinates where ``free`` is False get
-    gradient 0 with error 0 (parameters that are not free, e.g. zero self-couplings).
+    working precision's ``eps``) is returned as its error estimate. Coordinates where
+    ``free`` is False get gradient 0 with error 0 (parameters that are not free, e.g. zero
+    self-couplings).
     Returns (gradient, error): object arrays of mpf of theta's shape.
     """
     theta = np.asarray(theta, dtype=np.float64)
