@@ -69,6 +69,7 @@ __all__ = [
     "adaptive_tap_vjp",
     "ising_tap_vjp",
     "deq_attention_vjp",
+    "softmax_couplings",
 ]
 
 
@@ -957,3 +958,82 @@ def deq_attention_vjp(x, J, grad_out, *, correction=None, correction_vjp=None, z
     if not keep:
         _zero_self_couplings(dJ)
     return MeanFieldGrads(reduce_to(u, x.shape), reduce_to(dJ, J.shape))
+
+
+# ----------------------------------------------------------------------------- couplings
+
+
+def softmax_couplings(x, W_Q, W_K, W_V=None, *, scale=None, mask=None, causal=False,
+                      window=None, align="top_left", precision="float64", out_dtype=None):
+    """Softmax couplings of eq. (24) (``\\label{eq:softmaxcouplings}``), with an allowed set.
+
+    .. math::
+
+        J_{ij} = \\Big[\\mathrm{softmax}_{j \\in \\mathcal{A}_i}\\big(s\\, (x W_Q)_i \\cdot
+            (x W_K)_j\\big)\\Big]\\, W_V^T \\quad (j \\in \\mathcal{A}_i), \\qquad
+        J_{ij} = 0 \\quad (j \\notin \\mathcal{A}_i)
+
+    (section 4.1; with ``W_V`` the blocks ``A_ij W_V^T`` make one naive update
+    :func:`naive_step` equal softmax attention plus the residual, section 4.2). The allowed
+    set ``A`` is :func:`refattn.masks.allowed_mask` of ``mask``, ``causal`` and ``window``:
+    an excluded pair couples with exactly zero weight (it is removed from the softmax, never
+    given -1e9); a site with no allowed partner has all-zero couplings. The couplings keep
+    their diagonal (a token attends to itself): pass ``diagonal="keep"`` to
+    :func:`deq_attention` / :func:`deq_attention_vjp`.
+
+    Parameters
+    ----------
+    x : array_like, float, (B..., N, d)
+        Spins / tokens.
+    W_Q, W_K : array_like, float, (d, D)
+    W_V : array_like, float, (d, d), optional
+        None: ``J_ij = A_ij I_d`` (the scalar couplings of eq. (24)).
+    scale : float, optional
+        ``s``; default ``1/sqrt(D)`` (the source's ``1/sqrt(d)`` for square ``W_Q``).
+    mask : array_like of bool, broadcastable to (B..., N, N), optional
+        True = couple.
+    causal, window, align
+        As :func:`refattn.attention`. The couplings are square (N x N), so both alignments
+        give the same set; ``align`` is accepted for symmetry.
+    precision : {"float64", "exact"}
+        "float64": log-sum-exp weights (:func:`refattn.logspace.masked_softmax`) times
+        ``W_V^T``. "exact": every block entry ``A_ij W_V[b, a]`` enclosed in interval
+        arithmetic and rounded once to ``out_dtype``.
+    out_dtype : dtype, optional
+
+    Returns
+    -------
+    ndarray, (B..., N, N, d, d)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn.meanfield import softmax_couplings
+    >>> J = softmax_couplings(np.ones((3, 1)), np.ones((1, 1)), np.ones((1, 1)), causal=True)
+    >>> np.round(J[..., 0, 0], 6).tolist()
+    [[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.333333, 0.333333, 0.333333]]
+    """
+    from . import masks
+    from .logspace import masked_softmax
+
+    precision = _checks.precision(precision)
+    x = _spins(x, "x")
+    n, d = x.shape[-2:]
+    W_Q = _checks.as_float64(_checks.float_array(W_Q, "W_Q"))
+    W_K = _checks.as_float64(_checks.float_array(W_K, "W_K"))
+    if W_Q.ndim != 2 or W_Q.shape[0] != d or W_K.shape != W_Q.shape:
+        raise ValueError(f"W_Q, W_K: expected two (d, D) matrices with d = {d}, got shapes "
+                         f"{W_Q.shape} and {W_K.shape}")
+    values = np.eye(d) if W_V is None else _checks.as_float64(_checks.float_array(W_V, "W_V"))
+    if values.shape != (d, d):
+        raise ValueError(f"W_V: expected shape (d, d) = ({d}, {d}), got {values.shape}")
+    scale = _checks.real_scalar(scale, "scale", allow_none=True)
+    allowed = masks.allowed_mask(n, n, mask=mask, causal=causal, window=window, align=align)
+    allowed = np.broadcast_to(allowed, np.broadcast_shapes(allowed.shape, x.shape[:-2] + (n, n)))
+    if precision == "exact":
+        return exact.softmax_couplings(x, W_Q, W_K, values, allowed, scale,
+                                       _checks.out_dtype(out_dtype))
+    s = 1.0 / np.sqrt(W_Q.shape[1]) if scale is None else scale
+    scores = np.einsum("...ik,...jk->...ij", x @ W_Q, x @ W_K) * s
+    _, weights = masked_softmax(np.broadcast_to(scores, allowed.shape), allowed)
+    return np.einsum("...ij,ba->...ijab", weights, values)

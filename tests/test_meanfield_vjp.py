@@ -22,13 +22,15 @@ from refattn.meanfield import (
     deq_attention_vjp,
     ising_tap,
     ising_tap_vjp,
+    softmax_couplings,
 )
-from tests.helpers import assert_norm_within, assert_same_bits
+from tests.helpers import assert_norm_within, assert_same_bits, assert_within
 from tests.naive.meanfield import (
     DPS,
     deq_loss,
     ising_loss,
     linear_means_loss,
+    mp_softmax_couplings,
     richardson_gradient,
 )
 
@@ -238,6 +240,56 @@ def test_vjp_shapes_and_bad_input(rng):
         ising_tap_vjp(np.ones(2), np.eye(2), np.ones(2))
     zeroed = ising_tap_vjp(np.ones(2), np.eye(2), np.ones(2), diagonal="zero")
     assert zeroed.dJ[0, 0] == 0 and zeroed.dJ[1, 1] == 0
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+@pytest.fixture
+def coupling_case(rng):
+    n, d = 4, 3
+    x = rng.standard_normal((n, d))
+    W_Q, W_K, W_V = (rng.standard_normal((d, d)) / np.sqrt(d) for _ in range(3))
+    mask = np.array([[1, 0, 1, 1], [1, 1, 0, 1], [0, 0, 0, 0], [1, 1, 1, 0]], dtype=bool)
+    return x, W_Q, W_K, W_V, mask
+
+
+def test_softmax_couplings_mask_exact_and_float64(coupling_case):
+    x, W_Q, W_K, W_V, mask = coupling_case
+    allowed = mask & np.tril(np.ones((4, 4), bool))
+    exact = softmax_couplings(x, W_Q, W_K, W_V, mask=mask, causal=True, precision="exact")
+    with mpmath.workdps(DPS):
+        truth = np.vectorize(float, otypes=[float])(mp_softmax_couplings(x, W_Q, W_K, W_V,
+                                                                          allowed))
+    assert_same_bits(exact, truth, what="softmax_couplings exact")
+    assert (exact[~allowed] == 0).all() and not np.signbit(exact[~allowed]).any()
+    assert (exact[2] == 0).all(), "a site with no allowed partner has no couplings"
+    approx = softmax_couplings(x, W_Q, W_K, W_V, mask=mask, causal=True)
+    assert (approx[~allowed] == 0).all(), "excluded pairs are exact zeros on float64 too"
+    # float64: scores with relative error gamma(d + 2) of |q||k| s, then the log1p-form weights
+    # (refattn.softmax's documented bound) and one product with W_V
+    q, k = x @ W_Q, x @ W_K
+    score_size = np.abs(q) @ np.abs(k).T / np.sqrt(3)
+    weights = np.abs(exact).sum(axis=(-1, -2)) / np.abs(W_V).sum()
+    weight_error = gamma(3 + 4) * 2 * (score_size.max(axis=-1, keepdims=True) + 1) * weights
+    bound = np.einsum("ij,ba->ijab", weight_error, np.abs(W_V)) + gamma(1) * np.abs(exact)
+    assert_within(approx, exact, bound, what="softmax_couplings float64")
+
+
+def test_masked_softmax_couplings_deq_vjp(coupling_case):
+    # Bal 2021 section 4: deep implicit attention with masked softmax couplings (self-coupling
+    # kept); the gradient with respect to an excluded pair is that of a zero coupling
+    x, W_Q, W_K, W_V, mask = coupling_case
+    J = 0.5 * softmax_couplings(x, W_Q, W_K, W_V, mask=mask, precision="exact")
+    g = np.ones_like(x)
+    grads = deq_attention_vjp(x, J, g, diagonal="keep", precision="exact")
+    row = np.zeros(J.shape, bool)
+    row[0] = True  # the couplings of site 0 (pair (0, 1) is excluded): keeps the test fast
+    dx, ex, dJ, eJ = _richardson(linear_means_loss(x.shape, J.shape,
+                                                   np.eye(x.size).tolist(), g), x, J, row)
+    assert_rounds_to(grads.dx, dx, ex, what="masked deq dx")
+    assert_rounds_to(grads.dJ[0], dJ[0], eJ[0], what="masked deq dJ (site 0)")
+    assert J[0, 1].max() == 0 and grads.dJ[0, 1].any(), "an excluded pair still has a gradient"
 
 
 # ----------------------------------------------------------------------------- torch

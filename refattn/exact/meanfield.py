@@ -21,7 +21,7 @@ from .rounding import correctly_round
 
 __all__ = ["naive_step", "adaptive_tap_site", "adaptive_tap_prior", "ising_tap", "deq_linear",
            "deq_contraction", "PRIOR_EXACT_MAX_SIZE", "linear_fixed_point_vjp", "ising_tap_vjp",
-           "deq_contraction_vjp"]
+           "deq_contraction_vjp", "softmax_couplings"]
 
 
 def naive_step(m, J, x, batch, dtype):
@@ -536,3 +536,39 @@ def deq_contraction_vjp(z0, u0, x, J, g, correction, correction_vjp, lipschitz,
                           what="deq_attention_vjp")
     split = int(np.prod(x_shape, dtype=int))
     return out[:split].reshape(x_shape), out[split:].reshape(J_shape)
+
+
+def softmax_couplings(x, W_Q, W_K, W_V, allowed, scale, dtype):
+    """Softmax couplings (eq. (24)) ``A_ij W_V[b, a]`` enclosed and rounded once; excluded
+    pairs (``allowed`` False) are exact zeros. ``scale`` None is ``1/sqrt(D)``."""
+    n, d = x.shape[-2:]
+    batch = allowed.shape[:-2]
+    xs = np.broadcast_to(x, (*batch, n, d)).reshape(-1, n, d)
+    masks = allowed.reshape(-1, n, n)
+    values = W_V.T.tolist()
+
+    def evaluate(prec):
+        with I.workprec(prec):
+            s = 1 / I.sqrt(I.point(W_Q.shape[1])) if scale is None else I.point(scale)
+            Q, K, V = I.to_intervals(W_Q), I.to_intervals(W_K), [[I.point(v) for v in row]
+                                                                  for row in values]
+            out = np.empty((len(xs), n, n, d, d), dtype=object)
+            out[...] = iv.mpf(0)
+            for b, (xb, allowed_b) in enumerate(zip(xs, masks, strict=True)):
+                xi = I.to_intervals(xb)
+                scores = np.matmul(np.matmul(xi, Q), np.matmul(xi, K).T) * s
+                for i in range(n):
+                    row = np.flatnonzero(allowed_b[i])
+                    if row.size == 0:
+                        continue
+                    top = max(row, key=lambda j: mpf(scores[i, j]._mpi_[1]))
+                    terms = {j: iv.mpf(1) if j == top else I.exp(scores[i, j] - scores[i, top])
+                             for j in row}
+                    total = sum(terms.values())
+                    for j in row:
+                        weight = terms[j] / total
+                        out[b, i, j] = [[weight * v for v in line] for line in V]
+        return I.endpoints(out)
+
+    return correctly_round(evaluate, dtype, what="softmax_couplings").reshape(
+        *batch, n, n, d, d)

@@ -14,7 +14,8 @@ import numpy as np
 from .mp import richardson_gradient
 
 __all__ = ["DPS", "exact_naive_step", "mp_matrix", "mp_solve", "mp_inverse", "mp_ising",
-           "richardson_gradient", "linear_means_loss", "deq_loss", "ising_loss"]
+           "richardson_gradient", "linear_means_loss", "deq_loss", "ising_loss",
+           "mp_softmax_couplings"]
 
 #: Decimal digits of the mpmath evaluations.
 DPS = 50
@@ -132,3 +133,26 @@ def ising_loss(n, g, m0, V0):
         return mpmath.fsum(float(gk) * mk for gk, mk in zip(g, m, strict=True))
 
     return loss
+
+
+def mp_softmax_couplings(x, W_Q, W_K, W_V, allowed):
+    """Eq. (24) with an allowed set, one sample: ``J_ij^{ab} = A_ij W_V[b, a]`` over the
+    allowed j (0 elsewhere), scale ``1/sqrt(D)``, at DPS digits (object array of mpf)."""
+    n, d = x.shape
+    with mpmath.workdps(DPS):
+        X = mpmath.matrix(x.tolist())
+        q, k = X * mpmath.matrix(W_Q.tolist()), X * mpmath.matrix(W_K.tolist())
+        scale = 1 / mpmath.sqrt(W_Q.shape[1])
+        out = np.empty((n, n, d, d), dtype=object)
+        out[...] = mpmath.mpf(0)
+        for i in range(n):
+            keys = [j for j in range(n) if allowed[i, j]]
+            scores = {j: scale * mpmath.fsum(q[i, c] * k[j, c] for c in range(q.cols))
+                      for j in keys}
+            total = mpmath.fsum(mpmath.exp(s) for s in scores.values())
+            for j in keys:
+                weight = mpmath.exp(scores[j]) / total
+                for a in range(d):
+                    for b in range(d):
+                        out[i, j, a, b] = weight * mpmath.mpf(float(W_V[b, a]))
+        return out
