@@ -110,6 +110,8 @@ class Tape:
             for var, grad in zip(inputs, backward(g), strict=True):
                 if var is None or grad is None:
                     continue
+                if np.shape(grad) != var.shape:  # an operand broadcast by the operation
+                    grad = reduce_to(grad, var.shape)
                 grads[id(var)] = grad if id(var) not in grads else grads[id(var)] + grad
         return grads
 

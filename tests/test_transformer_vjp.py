@@ -228,6 +228,27 @@ def test_mha_vjp_masked_keys_get_exact_zero_gradients(rng):
     assert np.array_equal(exact.dx_kv[2], np.zeros(4)), "an excluded key has no gradient"
 
 
+def test_mha_vjp_broadcast_memory_sums_over_the_batch(rng):
+    # x_q (B, L, M) against one shared x_kv (S, N): dx_kv and the key/value weights sum B
+    p = T.random_attention_params(4, 2, seed=8)
+    x_q, x_kv, g = (rng.standard_normal(s) for s in ((2, 3, 4), (2, 4), (2, 3, 4)))
+    exact = _mha_grads(x_q, x_kv, p, g, precision="exact")
+    approx = _mha_grads(x_q, x_kv, p, g)
+    assert exact.dx_kv.shape == x_kv.shape and exact.dx_q.shape == x_q.shape
+    per_sample = [_mha_grads(x_q[b], x_kv, p, g[b], precision="exact") for b in range(2)]
+    for name in ("dx_kv", "dW_K", "dW_V", "dW_O"):
+        # the sum of two correctly rounded halves is within one rounding of each half of
+        # the correctly rounded total
+        halves = sum(getattr(s, name) for s in per_sample)
+        magnitude = sum(np.abs(getattr(s, name)) for s in per_sample)
+        assert_within(getattr(exact, name), halves, gamma(3) * magnitude,
+                      what=f"batched exact {name}")
+        assert_within(getattr(approx, name), getattr(exact, name),
+                      _estimate(list(exact), 100), what=f"batched float64 {name}")
+    low = _mha_grads(x_q, x_kv, p, g, precision="exact", out_dtype="float32")
+    assert low.dW_Q.dtype == np.float32
+
+
 # ----------------------------------------------------------------------------- blocks
 
 
