@@ -995,7 +995,16 @@ class DecoderGrads(NamedTuple):
     dparams: DecoderParams
 
 
-def _vjp(plan: Composition, grad_out, precision, out_dtype):
+def _key_bias_zeros(kwargs, *prefixes):
+    """Parameter names of key biases whose gradient is exactly zero: without a softcap,
+    ``db_K = s sum_i q_i sum_j dS_ij`` and every row of ``dS = P (dP - Delta)`` sums to
+    ``Delta - Delta = 0`` (softmax is invariant to a shift shared by a row's scores)."""
+    if kwargs.get("softcap") is not None:
+        return set()
+    return {prefix + "b_K" for prefix in prefixes}
+
+
+def _vjp(plan: Composition, grad_out, precision, out_dtype, zero_names=frozenset()):
     """(gradients of the plan's inputs, params dataclass of gradients) of
     ``sum(grad_out * output)``.
 
@@ -1014,8 +1023,10 @@ def _vjp(plan: Composition, grad_out, precision, out_dtype):
     else:
         _require_finite(dict(plan.inputs, grad_out=g))
         _require_finite(_arrays_of(plan.params))
+        names = list(_arrays_of(plan.params))
+        zeros = {len(inputs) + k for k, name in enumerate(names) if name in zero_names}
         flat = X.round_vjp(plan.chain, inputs, plan.params, g, _checks.out_dtype(out_dtype),
-                           plan.what + "_vjp", map_params=_convert)
+                           plan.what + "_vjp", map_params=_convert, zero_arrays=zeros)
     rest = iter(flat[len(inputs):])
     return flat[:len(inputs)], _convert(plan.params, lambda _: next(rest))
 
@@ -1161,7 +1172,8 @@ def multihead_attention_vjp(
         chain = plan.chain
         plan = plan._replace(chain=lambda ops, xq, p: chain(ops, xq, xq, p),
                              inputs={"x_q": plan.inputs["x_q"]})
-    inputs, p = _vjp(plan, grad_out, precision, out_dtype)
+    inputs, p = _vjp(plan, grad_out, precision, out_dtype,
+                     _key_bias_zeros(attention_kwargs, ""))
     dx_kv = None if x_kv is None else inputs[1]
     return MultiheadAttentionGrads(inputs[0], dx_kv, p.W_Q, p.W_K, p.W_V, p.W_O, p.b_Q, p.b_K,
                                    p.b_V, p.b_O)
@@ -1196,7 +1208,8 @@ def encoder_block_vjp(x, params: EncoderParams, grad_out, *, norm="post", mask=N
     ((3, 4), (4, 8))
     """
     plan = _encoder_plan(x, params, norm=norm, mask=mask, **attention_kwargs)
-    (dx,), dparams = _vjp(plan, grad_out, precision, out_dtype)
+    (dx,), dparams = _vjp(plan, grad_out, precision, out_dtype,
+                          _key_bias_zeros(attention_kwargs, "attn."))
     return EncoderGrads(dx, dparams)
 
 
@@ -1229,7 +1242,8 @@ def decoder_block_vjp(x, memory, params: DecoderParams, grad_out, *, norm="post"
     """
     plan = _decoder_plan(x, memory, params, norm=norm, self_mask=self_mask,
                          memory_mask=memory_mask)
-    (dx, dmemory), dparams = _vjp(plan, grad_out, precision, out_dtype)
+    (dx, dmemory), dparams = _vjp(plan, grad_out, precision, out_dtype,
+                                  _key_bias_zeros({}, "self_attn.", "cross_attn."))
     return DecoderGrads(dx, dmemory, dparams)
 
 

@@ -499,11 +499,16 @@ class EnclosureVJPOps(EnclosureOps):
         return attention_vjp(q, k, v, g, replace(spec, empty_rows="zero"))
 
 
-def round_vjp(chain, inputs, params, grad_out, dtype, what, *, map_params) -> list:
+def round_vjp(chain, inputs, params, grad_out, dtype, what, *, map_params,
+              zero_arrays=()) -> list:
     """Gradients of ``sum(grad_out * chain(ops, *inputs, params))`` with respect to the inputs
     and every parameter array (:func:`refattn._tape.backward_pass` order), as the exact
     derivative of the whole composition: forward and backward pass enclosed over
-    :class:`EnclosureVJPOps` at each working precision, every gradient rounded once."""
+    :class:`EnclosureVJPOps` at each working precision, every gradient rounded once.
+
+    ``zero_arrays``: positions (in that order) of gradients the caller has proved to be exactly
+    zero (an enclosure can only straddle 0; they are settled by the Ziv loop's exact
+    fallback instead of running it to its precision cap)."""
     args = [np.asarray(a, dtype=np.float64) for a in inputs]
     sizes = []
 
@@ -518,7 +523,15 @@ def round_vjp(chain, inputs, params, grad_out, dtype, what, *, map_params) -> li
         sizes[:] = [(g.shape, g.size) for g in grads]
         return I.endpoints(np.concatenate([g.ravel() for g in grads]))
 
-    flat = correctly_round(evaluate, dtype, what=what)
+    def exact_zero(index):
+        start = 0
+        for position, (_, size) in enumerate(sizes):
+            if start <= index[0] < start + size:
+                return 0 if position in zero_arrays else None
+            start += size
+        return None
+
+    flat = correctly_round(evaluate, dtype, what=what, fallback=exact_zero)
     out, start = [], 0
     for shape, size in sizes:
         out.append(flat[start:start + size].reshape(shape))
