@@ -242,6 +242,32 @@ def test_vjp_shapes_and_bad_input(rng):
     assert zeroed.dJ[0, 0] == 0 and zeroed.dJ[1, 1] == 0
 
 
+def test_deq_vjp_reports_nonconvergence_like_the_forward(rng):
+    from refattn.fixedpoint import NotConvergedError
+
+    n, d = 3, 2
+    x, J, g = rng.standard_normal((n, d)), _couplings(rng, n, d, 0.4), rng.standard_normal((n, d))
+    with pytest.raises(NotConvergedError):
+        deq_attention_vjp(x, J, g, correction=_half_tanh, correction_vjp=_half_tanh_vjp,
+                          max_iter=1)
+    grads = deq_attention_vjp(x, J, g, correction=_half_tanh, correction_vjp=_half_tanh_vjp,
+                              max_iter=1, on_fail="return")
+    assert grads.dx.shape == x.shape
+
+
+def test_ising_vjp_batched_shared_couplings_sum_the_samples(ising_case):
+    x, J, g = ising_case
+    xs, gs = np.stack([x, -0.5 * x]), np.stack([g, g[::-1]])
+    exact = ising_tap_vjp(xs, J, gs, precision="exact")
+    parts = [ising_tap_vjp(xs[b], J, gs[b], precision="exact") for b in range(2)]
+    assert exact.dx.shape == xs.shape and exact.dJ.shape == J.shape
+    assert_same_bits(exact.dx, np.stack([p.dx for p in parts]), what="batched ising dx")
+    # the rounded total is within one rounding of the sum of the two rounded halves each
+    halves = parts[0].dJ + parts[1].dJ
+    assert_within(exact.dJ, halves, gamma(3) * (np.abs(parts[0].dJ) + np.abs(parts[1].dJ)),
+                  what="batched ising dJ")
+
+
 # ----------------------------------------------------------------------------- masks
 
 
