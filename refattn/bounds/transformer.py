@@ -11,14 +11,17 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from scipy.special import erf as scipy_erf
 
 from .. import transformer as T
 from .._spec import canonicalize
 from ..logspace import masked_logsumexp
 from ..transformer import Float64Ops, moment_exponent, scaled_moments
 from .unit import ETA, UNIT_ROUNDOFF, gamma
+from .unit import gamma as gamma_n
 
-__all__ = ["Tracked", "TrackedOps", "transformer_forward_bound"]
+__all__ = ["Tracked", "TrackedOps", "transformer_forward_bound", "layer_norm_vjp_bound",
+           "feed_forward_vjp_bound"]
 
 
 class Tracked:
@@ -202,3 +205,113 @@ def transformer_forward_bound(function, *args, **kwargs) -> np.ndarray:
     plan = T.composition(function, *args, **kwargs)
     tracked = [Tracked(a, np.zeros_like(a)) for a in plan.inputs.values()]
     return plan.finish(plan.chain(TrackedOps, *tracked, plan.params).err)
+
+
+#: max |GELU''(x)| = max phi(x) |2 - x^2| = 2 phi(0) = 2 / sqrt(2 pi).
+_GELU_CURVATURE = 2 / math.sqrt(2 * math.pi)
+
+
+def _row_sum(a):
+    return a.reshape(-1, a.shape[-1]).sum(axis=0)
+
+
+def layer_norm_vjp_bound(x, grad_out, *, gamma=None, beta=None, eps=1e-5, axis=-1):
+    """First-order bound on the float64 error of :func:`refattn.transformer.layer_norm_vjp`.
+
+    Returns a :class:`refattn.transformer.LayerNormGrads` of element-wise bounds (None where
+    the gradient is None). With the forward's roundings of ``xhat`` (mean ``gamma_{M+1}``,
+    centring ``u``, variance ``gamma_{M+4}`` relative, square root and reciprocal
+    ``gamma_2 + u``): ``e_xhat = |xhat| rho + e_c / sigma``; then the two means of the
+    backward (``gamma_{M+1}``, ``gamma_{M+2}``), the three-term combination (``gamma_3``) and
+    the final product by ``1/sigma`` each add their roundings to the propagated errors; dgamma
+    and dbeta sum R rows (``gamma_{R+1}``, ``gamma_R``). Second-order terms are dropped.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> bool(layer_norm_vjp_bound(np.array([1.0, 2.0]), np.ones(2)).dx.max() < 1e-14)
+    True
+    """
+    plan = T.composition(T.layer_norm, x, gamma=gamma, beta=beta, eps=eps, axis=axis)
+    x, p = plan.inputs["x"], plan.params
+    g = np.moveaxis(np.asarray(grad_out, dtype=np.float64), axis, -1)
+    width, rows = x.shape[-1], int(np.prod(x.shape[:-1], dtype=int))
+    shift = moment_exponent(x, p.eps)
+    centred, var, scaled_eps = scaled_moments(x, p.eps)
+    sigma = np.sqrt(var + scaled_eps)
+    xhat = centred / sigma
+    centred_err = gamma_n(width + 1) * np.abs(np.ldexp(x, -shift)).mean(axis=-1, keepdims=True) \
+        + UNIT_ROUNDOFF * np.abs(centred)
+    rho = 0.5 * gamma_n(width + 4) * var / sigma**2 + gamma_n(3)
+    xhat_err = np.abs(xhat) * (rho + UNIT_ROUNDOFF) + centred_err / sigma
+    gain = 1.0 if p.gamma is None else p.gamma
+    dxhat = g * gain
+    dxhat_err = 0.0 if p.gamma is None else UNIT_ROUNDOFF * np.abs(dxhat)
+    m1 = dxhat.mean(axis=-1, keepdims=True)
+    m1_err = np.mean(dxhat_err + 0 * dxhat, axis=-1, keepdims=True) \
+        + gamma_n(width + 1) * np.abs(dxhat).mean(axis=-1, keepdims=True)
+    m2 = (dxhat * xhat).mean(axis=-1, keepdims=True)
+    m2_err = (np.abs(dxhat) * xhat_err + dxhat_err * np.abs(xhat)).mean(axis=-1, keepdims=True) \
+        + gamma_n(width + 2) * np.abs(dxhat * xhat).mean(axis=-1, keepdims=True)
+    inner = dxhat - m1 - xhat * m2
+    inner_err = dxhat_err + m1_err + xhat_err * np.abs(m2) + np.abs(xhat) * m2_err \
+        + gamma_n(3) * (np.abs(dxhat) + np.abs(m1) + np.abs(xhat * m2))
+    dx_err = np.ldexp((inner_err + np.abs(inner) * (rho + 2 * UNIT_ROUNDOFF)) / sigma, -shift)
+    dgamma = None if p.gamma is None else _row_sum(np.abs(g) * xhat_err) \
+        + gamma_n(rows + 1) * _row_sum(np.abs(g * xhat))
+    dbeta = None if p.beta is None else gamma_n(rows) * _row_sum(np.abs(g))
+    return T.LayerNormGrads(plan.finish(dx_err), dgamma, dbeta)
+
+
+def feed_forward_vjp_bound(x, W1, b1, W2, b2, grad_out, activation="relu"):
+    """First-order bound on the float64 error of :func:`refattn.transformer.feed_forward_vjp`.
+
+    Returns a :class:`refattn.transformer.FeedForwardGrads` of element-wise bounds. The hidden
+    layer ``h = x W1 + b1`` carries ``gamma_{M+1} (|x||W1| + |b1|)``; the activation adds
+    GELU's ``(1 + 1/sqrt(2 pi e)) e_h + gamma_8 |h|`` (ReLU is exact); its slope errs by
+    ``2/sqrt(2 pi) e_h + gamma_10 (|Phi| + |h phi|)`` (GELU) or, for ReLU, by 1 wherever
+    ``|h| <= e_h`` (the sign is not certain; 0 elsewhere); every product ``A^T B`` or
+    ``A B^T`` with propagated errors ``e_A``, ``e_B`` adds ``e_A |B| + |A| e_B + gamma_n |A||B|``
+    (n the contraction length). Second-order terms are dropped.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> b = feed_forward_vjp_bound(np.ones((1, 2)), np.eye(2), None, np.eye(2), None,
+    ...                            np.ones((1, 2)))
+    >>> bool(b.dx.max() < 1e-15), b.db1
+    (True, None)
+    """
+    plan = T.composition(T.feed_forward, x, W1, b1, W2, b2, activation)
+    x, p = plan.inputs["x"], plan.params
+    g = np.asarray(grad_out, dtype=np.float64)
+    rows = int(np.prod(x.shape[:-1], dtype=int))
+    width, hidden_width = p.W1.shape
+    h = Float64Ops.linear(x, p.W1, p.b1)
+    h_err = gamma_n(width + 1) * (np.abs(x) @ np.abs(p.W1)
+                                  + (0.0 if p.b1 is None else np.abs(p.b1)))
+    a = Float64Ops.activation(h, p.activation)
+    if p.activation == "relu":
+        a_err, slope = h_err, (h > 0).astype(float)
+        slope_err = (np.abs(h) <= h_err).astype(float)
+    else:
+        a_err = _GELU_LIPSCHITZ * h_err + gamma_n(8) * np.abs(h)
+        density = np.exp(-0.5 * h * h) / math.sqrt(2 * math.pi)
+        cdf = 0.5 * (1 + scipy_erf(h / math.sqrt(2)))
+        slope = cdf + h * density
+        slope_err = _GELU_CURVATURE * h_err + gamma_n(10) * (np.abs(cdf) + np.abs(h * density))
+    t = g @ p.W2.T
+    t_err = gamma_n(p.W2.shape[1]) * (np.abs(g) @ np.abs(p.W2.T))
+    dh = t * slope
+    dh_err = t_err * np.abs(slope) + np.abs(t) * slope_err + UNIT_ROUNDOFF * np.abs(dh)
+
+    def flat(v):
+        return v.reshape(-1, v.shape[-1])
+
+    dW2 = flat(a_err).T @ flat(np.abs(g)) + gamma_n(rows) * (flat(np.abs(a)).T @ flat(np.abs(g)))
+    dW1 = flat(np.abs(x)).T @ flat(dh_err) + gamma_n(rows) * (flat(np.abs(x)).T
+                                                             @ flat(np.abs(dh)))
+    db1 = None if p.b1 is None else _row_sum(dh_err) + gamma_n(rows) * _row_sum(np.abs(dh))
+    db2 = None if p.b2 is None else gamma_n(rows) * _row_sum(np.abs(g))
+    dx = dh_err @ np.abs(p.W1.T) + gamma_n(hidden_width) * (np.abs(dh) @ np.abs(p.W1.T))
+    return T.FeedForwardGrads(dx, dW1, db1, dW2, db2)
