@@ -183,6 +183,34 @@ def test_feed_forward_vjp_relu_slope_at_zero_is_zero():
     assert grads.dx.tolist() == [[0.0, 1.0]] and grads.db1 is None
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_float64_bounds_hold_on_random_scales(seed):
+    # magnitudes from 1e-3 to 1e3, offsets (cancellation in the mean), eps 0, 1e-5, 1
+    rng = np.random.default_rng(seed)
+    width, rows = int(rng.integers(2, 7)), int(rng.integers(1, 4))
+    x = rng.standard_normal((rows, width)) * 10.0 ** rng.integers(-3, 4) \
+        + rng.standard_normal() * 10.0 ** rng.integers(-2, 3)
+    g, gain, shift = rng.standard_normal(x.shape), rng.standard_normal(width), \
+        rng.standard_normal(width)
+    eps = (0.0, 1e-5, 1.0)[seed % 3]
+    kw = dict(gamma=gain, beta=shift, eps=eps)
+    exact = T.layer_norm_vjp(x, g, **kw, precision="exact")
+    for value, truth, limit, name in zip(T.layer_norm_vjp(x, g, **kw), exact,
+                                         layer_norm_vjp_bound(x, g, **kw), exact._fields,
+                                         strict=True):
+        assert_within(value, truth, limit, ulps=1, what=f"layer_norm_vjp {name}", case=seed)
+    hidden = int(rng.integers(1, 7))
+    W1, b1 = rng.standard_normal((width, hidden)), rng.standard_normal(hidden)
+    W2, b2 = rng.standard_normal((hidden, width)), rng.standard_normal(width)
+    activation = ("relu", "gelu")[seed % 2]
+    args = (x / np.abs(x).max(), W1, b1, W2, b2, g, activation)
+    exact = T.feed_forward_vjp(*args, precision="exact")
+    for value, truth, limit, name in zip(T.feed_forward_vjp(*args), exact,
+                                         feed_forward_vjp_bound(*args), exact._fields,
+                                         strict=True):
+        assert_within(value, truth, limit, ulps=1, what=f"feed_forward_vjp {name}", case=seed)
+
+
 # ----------------------------------------------------------------------------- attention
 
 
