@@ -70,6 +70,8 @@ __all__ = [
     "ising_tap_vjp",
     "deq_attention_vjp",
     "softmax_couplings",
+    "SoftmaxCouplingsGrads",
+    "softmax_couplings_vjp",
 ]
 
 
@@ -1013,10 +1015,20 @@ def softmax_couplings(x, W_Q, W_K, W_V=None, *, scale=None, mask=None, causal=Fa
     >>> np.round(J[..., 0, 0], 6).tolist()
     [[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.333333, 0.333333, 0.333333]]
     """
-    from . import masks
-    from .logspace import masked_softmax
-
     precision = _checks.precision(precision)
+    x, W_Q, W_K, values, scale, allowed = _coupling_inputs(x, W_Q, W_K, W_V, scale, mask,
+                                                           causal, window, align)
+    if precision == "exact":
+        return exact.softmax_couplings(x, W_Q, W_K, values, allowed, scale,
+                                       _checks.out_dtype(out_dtype))
+    weights, _, _, _ = _coupling_weights(x, W_Q, W_K, scale, allowed)
+    return np.einsum("...ij,ba->...ijab", weights, values)
+
+
+def _coupling_inputs(x, W_Q, W_K, W_V, scale, mask, causal, window, align):
+    """Validated (x, W_Q, W_K, W_V or I, scale, allowed (B..., N, N)) of eq. (24)."""
+    from . import masks
+
     x = _spins(x, "x")
     n, d = x.shape[-2:]
     W_Q = _checks.as_float64(_checks.float_array(W_Q, "W_Q"))
@@ -1030,10 +1042,91 @@ def softmax_couplings(x, W_Q, W_K, W_V=None, *, scale=None, mask=None, causal=Fa
     scale = _checks.real_scalar(scale, "scale", allow_none=True)
     allowed = masks.allowed_mask(n, n, mask=mask, causal=causal, window=window, align=align)
     allowed = np.broadcast_to(allowed, np.broadcast_shapes(allowed.shape, x.shape[:-2] + (n, n)))
-    if precision == "exact":
-        return exact.softmax_couplings(x, W_Q, W_K, values, allowed, scale,
-                                       _checks.out_dtype(out_dtype))
+    return x, W_Q, W_K, values, scale, allowed
+
+
+def _coupling_weights(x, W_Q, W_K, scale, allowed):
+    """float64 (A, q, k, s): the masked log-sum-exp softmax weights of eq. (24)."""
+    from .logspace import masked_softmax
+
     s = 1.0 / np.sqrt(W_Q.shape[1]) if scale is None else scale
-    scores = np.einsum("...ik,...jk->...ij", x @ W_Q, x @ W_K) * s
+    q, k = x @ W_Q, x @ W_K
+    scores = np.matmul(q, np.swapaxes(k, -1, -2)) * s
     _, weights = masked_softmax(np.broadcast_to(scores, allowed.shape), allowed)
-    return np.einsum("...ij,ba->...ijab", weights, values)
+    return weights, q, k, s
+
+
+class SoftmaxCouplingsGrads(NamedTuple):
+    """Gradients of :func:`softmax_couplings`: dx (x's shape), dW_Q, dW_K, dW_V (None when
+    W_V is None)."""
+
+    dx: np.ndarray
+    dW_Q: np.ndarray
+    dW_K: np.ndarray
+    dW_V: np.ndarray | None
+
+
+def softmax_couplings_vjp(x, W_Q, W_K, W_V, grad_out, *, scale=None, mask=None, causal=False,
+                          window=None, align="top_left", precision="float64",
+                          out_dtype=None) -> SoftmaxCouplingsGrads:
+    """Vector-Jacobian product of :func:`softmax_couplings` (eq. (24)).
+
+    With ``G = grad_out`` (the cotangent of J, e.g. ``dJ`` of :func:`deq_attention_vjp`),
+    ``q = x W_Q``, ``k = x W_K`` and the weights ``A``:
+
+    .. math::
+
+        dA_{ij} = \\sum_{ab} G_{ij}^{ab} W_V[b, a], \\quad dW_V = \\Big(\\sum_{ij} A_{ij}
+        G_{ij}\\Big)^T, \\quad dS = A \\odot (dA - \\mathrm{rowsum}(A \\odot dA)), \\\\
+        dq = s\\, dS\\, k, \\quad dk = s\\, dS^T q, \\quad dx = dq W_Q^T + dk W_K^T, \\quad
+        dW_Q = x^T dq, \\quad dW_K = x^T dk
+
+    Excluded pairs have ``A_ij = 0`` exactly, so their cotangent reaches nothing.
+
+    Parameters
+    ----------
+    x, W_Q, W_K, W_V, scale, mask, causal, window, align
+        As :func:`softmax_couplings`.
+    grad_out : array_like, float, (B..., N, N, d, d)
+    precision : {"float64", "exact"}
+        "exact": forward and backward enclosed in interval arithmetic, the weight gradients
+        summed over the batch, every element rounded once.
+    out_dtype : dtype, optional
+
+    Returns
+    -------
+    SoftmaxCouplingsGrads
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn.meanfield import softmax_couplings_vjp
+    >>> G = np.zeros((2, 2, 1, 1)); G[1, 0] = 1.0
+    >>> grads = softmax_couplings_vjp(np.ones((2, 1)), np.ones((1, 1)), np.ones((1, 1)), None,
+    ...                               G, causal=True)
+    >>> grads.dW_V, grads.dx.ravel().tolist()  # equal scores: A_10 = A_11 = 1/2
+    (None, [0.25, -0.25])
+    """
+    precision = _checks.precision(precision)
+    x, W_Q, W_K, values, scale, allowed = _coupling_inputs(x, W_Q, W_K, W_V, scale, mask,
+                                                           causal, window, align)
+    n, d = x.shape[-2:]
+    G = _checks.as_float64(_checks.float_array(grad_out, "grad_out"))
+    if G.shape != allowed.shape[:-2] + (n, n, d, d):
+        raise ValueError(f"grad_out: expected the shape of the couplings "
+                         f"{allowed.shape[:-2] + (n, n, d, d)}, got {G.shape}")
+    if precision == "exact":
+        grads = exact.softmax_couplings_vjp(x, W_Q, W_K, values, allowed, scale, G, x.shape,
+                                            _checks.out_dtype(out_dtype))
+    else:
+        weights, q, k, s = _coupling_weights(x, W_Q, W_K, scale, allowed)
+        xb, qb, kb = (np.broadcast_to(a, allowed.shape[:-1] + a.shape[-1:]).reshape(
+            -1, n, a.shape[-1]) for a in (x, q, k))
+        parts = [exact.softmax_couplings_backward(*sample, s) for sample in zip(
+            xb, [W_Q] * len(xb), [W_K] * len(xb), [values] * len(xb),
+            weights.reshape(-1, n, n), qb, kb, G.reshape(-1, n, n, d, d), strict=True)]
+        dx = reduce_to(np.stack([p[0] for p in parts]).reshape(allowed.shape[:-2] + (n, d)),
+                       x.shape)
+        grads = [dx] + [sum(p[m] for p in parts) for m in (1, 2, 3)]
+    return SoftmaxCouplingsGrads(grads[0], grads[1], grads[2],
+                                 None if W_V is None else grads[3])

@@ -21,7 +21,8 @@ from .rounding import correctly_round
 
 __all__ = ["naive_step", "adaptive_tap_site", "adaptive_tap_prior", "ising_tap", "deq_linear",
            "deq_contraction", "PRIOR_EXACT_MAX_SIZE", "linear_fixed_point_vjp", "ising_tap_vjp",
-           "deq_contraction_vjp", "softmax_couplings"]
+           "deq_contraction_vjp", "softmax_couplings",
+           "softmax_couplings_vjp", "softmax_couplings_backward"]
 
 
 def naive_step(m, J, x, batch, dtype):
@@ -538,6 +539,75 @@ def deq_contraction_vjp(z0, u0, x, J, g, correction, correction_vjp, lipschitz,
     return out[:split].reshape(x_shape), out[split:].reshape(J_shape)
 
 
+def _coupling_weights(x, allowed, Q, K, s):
+    """Interval (A, q, k) of one sample: q = x W_Q, k = x W_K, A the softmax of
+    ``s q_i . k_j`` over the allowed j (exact zeros elsewhere; max-shifted)."""
+    n = len(x)
+    xi = I.to_intervals(x)
+    q, k = np.matmul(xi, Q), np.matmul(xi, K)
+    scores = np.matmul(q, k.T) * s
+    weights = np.empty((n, n), dtype=object)
+    weights[...] = iv.mpf(0)
+    for i in range(n):
+        row = np.flatnonzero(allowed[i])
+        if row.size == 0:
+            continue
+        top = max(row, key=lambda j: mpf(scores[i, j]._mpi_[1]))
+        terms = {j: iv.mpf(1) if j == top else I.exp(scores[i, j] - scores[i, top])
+                 for j in row}
+        total = sum(terms.values())
+        for j in row:
+            weights[i, j] = terms[j] / total
+    return weights, q, k
+
+
+def softmax_couplings_backward(x, W_Q, W_K, W_V, A, q, k, G, s):
+    """(dx, dW_Q, dW_K, dW_V) of one sample of eq. (24)'s couplings ``J_ij = A_ij W_V^T``
+    for the cotangent ``G`` (N, N, d, d), in any number system (float or interval arrays):
+    ``dA_ij = sum_ab G_ij^{ab} W_V[b, a]``, ``dW_V = (sum_ij A_ij G_ij)^T``,
+    ``dS = A (dA - rowsum(A dA))`` (zero where A is an excluded zero), ``dq = s dS k``,
+    ``dk = s dS^T q``, ``dx = dq W_Q^T + dk W_K^T``, ``dW_Q = x^T dq``, ``dW_K = x^T dk``."""
+    dA = (G * W_V.T).sum(axis=(-1, -2))
+    dW_V = (G * A[:, :, None, None]).sum(axis=(0, 1)).T
+    dS = A * (dA - (A * dA).sum(axis=1, keepdims=True))
+    dq, dk = np.matmul(dS, k) * s, np.matmul(dS.T, q) * s
+    dx = np.matmul(dq, W_Q.T) + np.matmul(dk, W_K.T)
+    return dx, np.matmul(x.T, dq), np.matmul(x.T, dk), dW_V
+
+
+def softmax_couplings_vjp(x, W_Q, W_K, W_V, allowed, scale, G, x_shape, dtype):
+    """(dx, dW_Q, dW_K, dW_V) of the softmax couplings, enclosed (forward and backward) and
+    rounded once; sums over the batch are part of the exact value."""
+    n, d = x.shape[-2:]
+    batch = allowed.shape[:-2]
+    xs = np.broadcast_to(x, (*batch, n, d)).reshape(-1, n, d)
+    masks = allowed.reshape(-1, n, n)
+    Gs = G.reshape(-1, n, n, d, d)
+    shapes = [x_shape, W_Q.shape, W_K.shape, W_V.shape]
+
+    def evaluate(prec):
+        with I.workprec(prec):
+            s = 1 / I.sqrt(I.point(W_Q.shape[1])) if scale is None else I.point(scale)
+            Q, K, V = (I.to_intervals(w) for w in (W_Q, W_K, W_V))
+            parts = []
+            for xb, allowed_b, Gb in zip(xs, masks, Gs, strict=True):
+                A, q, k = _coupling_weights(xb, allowed_b, Q, K, s)
+                parts.append(softmax_couplings_backward(I.to_intervals(xb), Q, K, V, A, q, k,
+                                                        I.to_intervals(Gb), s))
+            dx = reduce_to(np.array([p[0] for p in parts], dtype=object).reshape(
+                *batch, n, d), x_shape)
+            rest = [sum(p[m] for p in parts) for m in (1, 2, 3)]
+        return I.endpoints(np.concatenate([a.ravel() for a in [dx, *rest]]))
+
+    flat = correctly_round(evaluate, dtype, what="softmax_couplings_vjp")
+    out, start = [], 0
+    for shape in shapes:
+        size = int(np.prod(shape, dtype=int))
+        out.append(flat[start:start + size].reshape(shape))
+        start += size
+    return out
+
+
 def softmax_couplings(x, W_Q, W_K, W_V, allowed, scale, dtype):
     """Softmax couplings (eq. (24)) ``A_ij W_V[b, a]`` enclosed and rounded once; excluded
     pairs (``allowed`` False) are exact zeros. ``scale`` None is ``1/sqrt(D)``."""
@@ -555,19 +625,9 @@ def softmax_couplings(x, W_Q, W_K, W_V, allowed, scale, dtype):
             out = np.empty((len(xs), n, n, d, d), dtype=object)
             out[...] = iv.mpf(0)
             for b, (xb, allowed_b) in enumerate(zip(xs, masks, strict=True)):
-                xi = I.to_intervals(xb)
-                scores = np.matmul(np.matmul(xi, Q), np.matmul(xi, K).T) * s
-                for i in range(n):
-                    row = np.flatnonzero(allowed_b[i])
-                    if row.size == 0:
-                        continue
-                    top = max(row, key=lambda j: mpf(scores[i, j]._mpi_[1]))
-                    terms = {j: iv.mpf(1) if j == top else I.exp(scores[i, j] - scores[i, top])
-                             for j in row}
-                    total = sum(terms.values())
-                    for j in row:
-                        weight = terms[j] / total
-                        out[b, i, j] = [[weight * v for v in line] for line in V]
+                A, _, _ = _coupling_weights(xb, allowed_b, Q, K, s)
+                for i, j in zip(*np.nonzero(allowed_b), strict=True):
+                    out[b, i, j] = [[A[i, j] * v for v in line] for line in V]
         return I.endpoints(out)
 
     return correctly_round(evaluate, dtype, what="softmax_couplings").reshape(

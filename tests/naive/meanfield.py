@@ -154,5 +154,5 @@ def mp_softmax_couplings(x, W_Q, W_K, W_V, allowed):
                 weight = mpmath.exp(scores[j]) / total
                 for a in range(d):
                     for b in range(d):
-                        out[i, j, a, b] = weight * mpmath.mpf(float(W_V[b, a]))
+                        out[i, j, a, b] = weight * mpmath.mpf(W_V[b, a])
         return out
