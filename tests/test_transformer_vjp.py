@@ -4,9 +4,10 @@ attention, encoder and decoder blocks.
 References: mpmath central differences with a Richardson step on the loop twins of
 tests/naive/transformer.py (no refattn code) for the exact path (correctly rounded gradients),
 and torch autograd of an independent float64 implementation of the lecture notes' pieces.
-The float64 gradients of layer norm and feed-forward are checked against the first-order bounds
-of refattn.bounds (``layer_norm_vjp_bound``, ``feed_forward_vjp_bound``); attention and the
-blocks have no such bound yet (see README) and are compared with the exact path at a
+The float64 gradients of layer norm, feed-forward and multi-head attention are checked against
+the first-order bounds of refattn.bounds (``layer_norm_vjp_bound``, ``feed_forward_vjp_bound``,
+``multihead_attention_vjp_bound``); the blocks have no such bound yet (see README) and are
+compared with the exact path at a
 first-order estimate, ``gamma(n)`` times the gradients' largest magnitude, ``n`` the number of
 differentiated scalars (every rounding of the reverse pass is one of at most that many terms
 of a contraction).
@@ -21,7 +22,12 @@ import numpy as np
 import pytest
 
 import refattn.transformer as T
-from refattn.bounds import feed_forward_vjp_bound, gamma, layer_norm_vjp_bound
+from refattn.bounds import (
+    feed_forward_vjp_bound,
+    gamma,
+    layer_norm_vjp_bound,
+    multihead_attention_vjp_bound,
+)
 from tests.helpers import assert_same_bits, assert_within
 from tests.naive.mp import richardson_gradient
 from tests.naive.transformer import (
@@ -214,8 +220,8 @@ def test_float64_bounds_hold_on_random_scales(seed):
 # ----------------------------------------------------------------------------- attention
 
 
-def _mha_grads(x_q, x_kv, p, g, **kw):
-    return T.multihead_attention_vjp(
+def _mha_grads(x_q, x_kv, p, g, function=T.multihead_attention_vjp, **kw):
+    return function(
         x_q, x_kv, p.W_Q, p.W_K, p.W_V, p.W_O, g, b_Q=p.b_Q, b_K=p.b_K, b_V=p.b_V, b_O=p.b_O,
         num_heads=p.num_heads, num_kv_heads=p.num_kv_heads, **kw)
 
@@ -247,9 +253,10 @@ def test_mha_vjp_exact_against_richardson(rng, case):
             continue
         assert_rounds_to(value, *ref, what=f"multihead_attention_vjp {case} {name}")
     approx = _mha_grads(x_q, x_kv, p, g, **kw)
-    for name, value, exact in zip(names, approx, grads, strict=True):
+    bound = _mha_grads(x_q, x_kv, p, g, function=multihead_attention_vjp_bound, **kw)
+    for name, value, exact, limit in zip(names, approx, grads, bound, strict=True):
         if exact is not None:
-            assert_within(value, exact, _estimate(grads, 100), what=f"mha float64 {name}")
+            assert_within(value, exact, limit, ulps=1, what=f"mha float64 {name}")
 
 
 def test_mha_vjp_masked_keys_get_exact_zero_gradients(rng):
@@ -269,6 +276,7 @@ def test_mha_vjp_broadcast_memory_sums_over_the_batch(rng):
     approx = _mha_grads(x_q, x_kv, p, g)
     assert exact.dx_kv.shape == x_kv.shape and exact.dx_q.shape == x_q.shape
     per_sample = [_mha_grads(x_q[b], x_kv, p, g[b], precision="exact") for b in range(2)]
+    bound = _mha_grads(x_q, x_kv, p, g, function=multihead_attention_vjp_bound)
     for name in ("dx_kv", "dW_K", "dW_V", "dW_O"):
         # the sum of two correctly rounded halves is within one rounding of each half of
         # the correctly rounded total
@@ -276,10 +284,29 @@ def test_mha_vjp_broadcast_memory_sums_over_the_batch(rng):
         magnitude = sum(np.abs(getattr(s, name)) for s in per_sample)
         assert_within(getattr(exact, name), halves, gamma(3) * magnitude,
                       what=f"batched exact {name}")
-        assert_within(getattr(approx, name), getattr(exact, name),
-                      _estimate(list(exact), 100), what=f"batched float64 {name}")
+        assert_within(getattr(approx, name), getattr(exact, name), getattr(bound, name),
+                      ulps=1, what=f"batched float64 {name}")
     low = _mha_grads(x_q, x_kv, p, g, precision="exact", out_dtype="float32")
     assert low.dW_Q.dtype == np.float32
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mha_float64_bound_holds_on_random_layouts(seed):
+    # self/cross attention, MHA/GQA, causal or a key mask, inputs of two magnitudes
+    rng = np.random.default_rng(100 + seed)
+    heads, kv_heads = (1, None) if seed % 2 == 0 else (2, 1 + seed % 3 // 2)
+    p = T.random_attention_params(4, heads, seed=seed, num_kv_heads=kv_heads)
+    x_q = rng.standard_normal((3, 4)) * (1, 4)[seed % 2]
+    x_kv = None if seed < 2 else rng.standard_normal((4, 4))
+    kw = {"causal": True} if seed % 2 == 0 else \
+        {"mask": np.array([[1, 1, 0, 1]] * 3, bool)[:, :3 if x_kv is None else 4]}
+    g = rng.standard_normal((3, 4))
+    exact = _mha_grads(x_q, x_kv, p, g, precision="exact", **kw)
+    approx = _mha_grads(x_q, x_kv, p, g, **kw)
+    bound = _mha_grads(x_q, x_kv, p, g, function=multihead_attention_vjp_bound, **kw)
+    for name, value, truth, limit in zip(exact._fields, approx, exact, bound, strict=True):
+        if truth is not None:
+            assert_within(value, truth, limit, ulps=1, what=f"mha float64 {name}", case=seed)
 
 
 # ----------------------------------------------------------------------------- blocks

@@ -14,14 +14,15 @@ import numpy as np
 from scipy.special import erf as scipy_erf
 
 from .. import transformer as T
+from .._broadcast import reduce_to
 from .._spec import canonicalize
-from ..logspace import masked_logsumexp
+from ..logspace import masked_logsumexp, masked_softmax
 from ..transformer import Float64Ops, moment_exponent, scaled_moments
 from .unit import ETA, UNIT_ROUNDOFF, gamma
 from .unit import gamma as gamma_n
 
 __all__ = ["Tracked", "TrackedOps", "transformer_forward_bound", "layer_norm_vjp_bound",
-           "feed_forward_vjp_bound"]
+           "feed_forward_vjp_bound", "multihead_attention_vjp_bound"]
 
 
 class Tracked:
@@ -315,3 +316,162 @@ def feed_forward_vjp_bound(x, W1, b1, W2, b2, grad_out, activation="relu"):
     db2 = None if p.b2 is None else gamma_n(rows) * _row_sum(np.abs(g))
     dx = dh_err @ np.abs(p.W1.T) + gamma_n(hidden_width) * (np.abs(dh) @ np.abs(p.W1.T))
     return T.FeedForwardGrads(dx, dW1, db1, dW2, db2)
+
+
+def _heads(x, count):
+    """(..., L, count*D) -> (..., count, L, D) (head h is columns h*D:(h+1)*D)."""
+    return np.moveaxis(x.reshape(x.shape[:-1] + (count, -1)), -2, -3)
+
+
+def _unheads(x):
+    """(..., count, L, D) -> (..., L, count*D)."""
+    x = np.moveaxis(x, -3, -2)
+    return x.reshape(x.shape[:-2] + (-1,))
+
+
+def _plane_weights(spec, b, h):
+    """float64 weights (L, S) of one plane (the float64 path's scores and masked softmax)."""
+    g = spec.kv_head[h]
+    scores = spec.scale_float * (np.asarray(spec.q[b, h], np.float64)
+                                 @ np.asarray(spec.k[b, g], np.float64).T)
+    if spec.bias is not None:
+        scores = scores + np.where(np.isneginf(spec.bias[b, h]), 0.0, spec.bias[b, h])
+    alibi = spec.alibi(h)
+    if alibi is not None:
+        scores = scores + alibi
+    allowed = spec.allowed(b, h)
+    _, weights = masked_softmax(scores, allowed)
+    return weights, allowed
+
+
+def _attention_vjp_propagated(q, k, v, do, errors, kwargs):
+    """First-order change of attention's exact vjp (dq, dk, dv) when q, k, v, dO move by at
+    most ``errors`` = (e_q, e_k, e_v, e_dO) (element-wise): scores ``s (e_q |k| + |q| e_k)``,
+    weights ``P (e_t + sum_k P e_t)``, ``dP' = dO v^T``, ``Delta = sum P dP'``,
+    ``dS = P (dP' - Delta)``, and the products of dq, dk, dv."""
+    spec = canonicalize(q, k, v, **kwargs)
+    flat = canonicalize(*errors[:3], **kwargs)  # the same flattening of the errors
+    batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
+    full = spec.batch_shape + (heads, length, vdim)
+    do_all = np.broadcast_to(do, full).reshape(batch, heads, length, vdim)
+    edo_all = np.broadcast_to(errors[3], full).reshape(do_all.shape)
+    out = [np.zeros((batch, heads, length, dim)), np.zeros((batch, kv_heads, keys, dim)),
+           np.zeros((batch, kv_heads, keys, vdim))]
+    s = abs(spec.scale_float)
+    for b in range(batch):
+        for h in range(heads):
+            g = spec.kv_head[h]
+            P, allowed = _plane_weights(spec, b, h)
+            q_, k_, v_ = (np.asarray(a, np.float64) for a in (spec.q[b, h], spec.k[b, g],
+                                                               spec.v[b, g]))
+            eq, ek, ev = (np.asarray(a, np.float64) for a in (flat.q[b, h], flat.k[b, g],
+                                                               flat.v[b, g]))
+            dO, edO = do_all[b, h], edo_all[b, h]
+            e_t = np.where(allowed, s * (eq @ np.abs(k_).T + np.abs(q_) @ ek.T), 0.0)
+            e_P = P * (e_t + (P * e_t).sum(axis=1, keepdims=True))
+            dP = np.where(allowed, dO @ v_.T, 0.0)
+            e_dP = np.where(allowed, np.abs(dO) @ ev.T + edO @ np.abs(v_).T, 0.0)
+            delta = (P * dP).sum(axis=1, keepdims=True)
+            e_delta = (e_P * np.abs(dP) + P * e_dP).sum(axis=1, keepdims=True)
+            dS = P * (dP - delta)
+            e_dS = e_P * np.abs(dP - delta) + P * (e_dP + e_delta)
+            out[0][b, h] = s * (e_dS @ np.abs(k_) + np.abs(dS) @ ek)
+            out[1][b, g] += s * (e_dS.T @ np.abs(q_) + np.abs(dS).T @ eq)
+            out[2][b, g] += e_P.T @ np.abs(dO) + P.T @ edO
+    return tuple(spec.unflatten(x) for x in out)
+
+
+def multihead_attention_vjp_bound(x_q, x_kv, W_Q, W_K, W_V, W_O, grad_out, *, b_Q=None,
+                                  b_K=None, b_V=None, b_O=None, num_heads, num_kv_heads=None,
+                                  **attention_kwargs):
+    """First-order bound on the float64 error of
+    :func:`refattn.transformer.multihead_attention_vjp`.
+
+    Returns a :class:`refattn.transformer.MultiheadAttentionGrads` of element-wise bounds.
+    Forward: the projections' ``gamma_{M+1} (|x||W| + |b|)`` and the attention output's
+    :class:`TrackedOps` bound. Backward: ``dW_O``, ``db_O`` and ``dO = g W_O^T`` as products;
+    attention's own rounding (:func:`refattn.bounds.float64_vjp_bound` at the computed q, k, v,
+    dO) plus the first-order move of the exact vjp under the errors of q, k, v and dO (through
+    the scores, the weights ``P (e_t + sum P e_t)``, ``dP'``, ``Delta`` and ``dS``); then the
+    projections' products. Softcap and dropout are not covered (ValueError). Second-order
+    terms are dropped.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> eye = np.eye(2)
+    >>> b = multihead_attention_vjp_bound(eye, None, eye, eye, eye, eye, np.ones((2, 2)),
+    ...                                   num_heads=1)
+    >>> bool(b.dx_q.max() < 1e-13), b.dx_kv, b.db_Q
+    (True, None, None)
+    """
+    from .attention import float64_vjp_bound
+
+    if attention_kwargs.get("softcap") is not None or attention_kwargs.get("dropout_p") or \
+            attention_kwargs.get("dropout_mask") is not None:
+        raise ValueError("multihead_attention_vjp_bound: softcap and dropout are not covered")
+    plan = T.composition(T.multihead_attention, x_q, x_kv, W_Q, W_K, W_V, W_O, b_Q=b_Q,
+                         b_K=b_K, b_V=b_V, b_O=b_O, num_heads=num_heads,
+                         num_kv_heads=num_kv_heads, **attention_kwargs)
+    xq, xkv, p = plan.inputs["x_q"], plan.inputs["x_kv"], plan.params
+    g = np.asarray(grad_out, dtype=np.float64)
+    kwargs = dict(attention_kwargs)
+
+    def project(x, W, bias):
+        err = gamma_n(W.shape[0] + 1) * (np.abs(x) @ np.abs(W)
+                                         + (0.0 if bias is None else np.abs(bias)))
+        return Float64Ops.linear(x, W, bias), err
+
+    (q, eq), (k, ek), (v, ev) = project(xq, p.W_Q, p.b_Q), project(xkv, p.W_K, p.b_K), \
+        project(xkv, p.W_V, p.b_V)
+    H, K = p.num_heads, p.num_kv_heads
+    qh, kh, vh = _heads(q, H), _heads(k, K), _heads(v, K)
+    eqh, ekh, evh = _heads(eq, H), _heads(ek, K), _heads(ev, K)
+    o = TrackedOps.attention(Tracked(qh, eqh), Tracked(kh, ekh), Tracked(vh, evh), kwargs)
+    o_val, o_err = _unheads(o.val), _unheads(o.err)
+    rows = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
+    count = rows(g).shape[0]
+    dW_O = rows(o_err).T @ rows(np.abs(g)) + gamma_n(count) * (rows(np.abs(o_val)).T
+                                                                @ rows(np.abs(g)))
+    db_O = None if p.b_O is None else gamma_n(count) * np.abs(rows(g)).sum(axis=0)
+    do = g @ p.W_O.T
+    e_do = gamma_n(p.W_O.shape[1]) * (np.abs(g) @ np.abs(p.W_O.T))
+    doh, e_doh = _heads(do, H), _heads(e_do, H)
+    own = float64_vjp_bound(qh, kh, vh, doh, **kwargs)[:3]
+    moved = _attention_vjp_propagated(qh, kh, vh, doh, (eqh, ekh, evh, e_doh), kwargs)
+    computed = T.Float64VJPOps.attention_vjp(qh, kh, vh, kwargs, doh)
+
+    def reduced(value, err, target):
+        """A gradient broadcast over batch dimensions is summed back (one more rounding)."""
+        if value.shape == target.shape:
+            return _unheads(np.abs(value)), _unheads(err)
+        summed = value.size // target.size
+        magnitude = reduce_to(np.abs(value), target.shape)
+        return _unheads(magnitude), _unheads(reduce_to(err, target.shape)
+                                             + gamma_n(summed) * magnitude)
+
+    (dq_abs, e_dq), (dk_abs, e_dk), (dv_abs, e_dv) = (
+        reduced(c, a + b, t) for c, a, b, t in zip(computed, own, moved, (qh, kh, vh),
+                                                   strict=True))
+
+    def backward(x, W, bias, d_abs, e_d, batch_rows):
+        dW = rows(np.abs(x)).T @ rows(e_d) + gamma_n(batch_rows) * (rows(np.abs(x)).T
+                                                                     @ rows(d_abs))
+        db = None if bias is None else rows(e_d).sum(axis=0) + gamma_n(batch_rows) * \
+            rows(d_abs).sum(axis=0)
+        dx = e_d @ np.abs(W.T) + gamma_n(W.shape[1]) * (d_abs @ np.abs(W.T))
+        return dx, dW, db
+
+    dq_x, dW_Q, db_Q = backward(xq, p.W_Q, p.b_Q, dq_abs, e_dq, rows(dq_abs).shape[0])
+    dk_x, dW_K, db_K = backward(xkv, p.W_K, p.b_K, dk_abs, e_dk, rows(dk_abs).shape[0])
+    dv_x, dW_V, db_V = backward(xkv, p.W_V, p.b_V, dv_abs, e_dv, rows(dv_abs).shape[0])
+    dx_kv = dk_x + dv_x + UNIT_ROUNDOFF * (dk_abs @ np.abs(p.W_K.T) + dv_abs @ np.abs(p.W_V.T))
+    if x_kv is None:
+        dx_q = dq_x + dx_kv + UNIT_ROUNDOFF * (dq_abs @ np.abs(p.W_Q.T)
+                                               + dk_abs @ np.abs(p.W_K.T)
+                                               + dv_abs @ np.abs(p.W_V.T))
+        dx_kv = None
+    else:
+        dx_q = dq_x
+    return T.MultiheadAttentionGrads(dx_q, dx_kv, dW_Q, dW_K, dW_V, dW_O, db_Q, db_K, db_V,
+                                     db_O)
