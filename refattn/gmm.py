@@ -38,13 +38,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _checks
+from . import _checks, masks
 from .exact import gmm as exact
 
 __all__ = ["attention", "log_posterior", "adapt_keys", "adapt_priors", "GMMResult"]
 
 PRIORS = ("uniform", "magnitude")
-KEY_FORMS = ("paper", "map")
+ATTENTION_FORMS = ("paper", "unnormalised")
+KEY_FORMS = ("paper", "map", "map_recentred")
 PRIOR_FORMS = ("paper", "map")
 BACKENDS = ("numpy", "numba")
 
@@ -147,6 +148,9 @@ class _Model(NamedTuple):
     beta_varies: bool
     kind: str
     log_prior: np.ndarray | None
+    allowed: np.ndarray | None = None  # (B..., L, S) bool, True = attend; None: all
+    form: str = "paper"  # "paper" or "unnormalised" (see ATTENTION_FORMS)
+    empty_rows: str = "zero"
 
 
 def _model(q, keys, values, alpha, beta, prior, *, need_values=True, names=("q", "keys")):
@@ -233,8 +237,10 @@ def _query_logits64_unchecked(m: _Model, q, keys):
         logits = -alpha / 2 * _sqdist64(q, keys)
         if m.kind == "array":
             logits = logits + m.log_prior[..., None, :]
-    if m.alpha_varies:
+    if m.alpha_varies and m.form == "paper":
         logits = logits + dim / 2 * np.log(alpha)
+    if m.allowed is not None:
+        logits = np.where(m.allowed, logits, -np.inf)
     return logits
 
 
@@ -242,7 +248,7 @@ def _value_logits64(m: _Model, v):
     """log p(v | u) up to terms constant over u: (..., L, S)."""
     beta = m.beta[..., None, :]
     logits = -beta / 2 * _sqdist64(v, m.values)
-    if m.beta_varies:
+    if m.beta_varies and m.form == "paper":
         logits = logits + v.shape[-1] / 2 * np.log(beta)
     return logits
 
@@ -278,18 +284,34 @@ def _log_posterior64(m: _Model, a, v):
     return _lse64(a + b) - _lse64(a) + _value_constant(m, v.shape[-1])
 
 
+def _em_logits64(m: _Model, a, v):
+    """The E-step logits of one iteration: a + log p(v | u), plus log beta_u when the M-step
+    weights the units by their value precisions (eq. (12), per-unit beta, paper form)."""
+    logits = a if v is None else a + _value_logits64(m, v)
+    if m.beta_varies and m.form == "paper":
+        logits = logits + np.log(m.beta)[..., None, :]
+    return logits
+
+
+def _trace64(m: _Model, v, empty):
+    """log p(v | q) of the model (always the normalised density) per row, NaN on empty rows."""
+    model = m._replace(form="paper")
+    with np.errstate(invalid="ignore"):
+        value = _log_posterior64(model, _query_logits64(model, model.q, model.keys), v)
+    return np.where(empty, np.nan, value)
+
+
 def _attention64(m: _Model, v_init, iters, tol, want_trace):
     a = _query_logits64(m, m.q, m.keys)
+    empty = np.isneginf(a).all(axis=-1)
     v = None if v_init is None else _checks.as_float64(v_init)
     shape = a.shape[:-1]
     active = np.ones(shape, dtype=bool)
     done = np.zeros(shape, dtype=np.int64)
     trace = np.full(shape + (iters,), np.nan) if want_trace else None
     for t in range(iters):
-        logits = a if v is None else a + _value_logits64(m, v)
-        if m.beta_varies:  # eq. (12) with per-unit beta: weights w_u beta_u / sum w beta
-            logits = logits + np.log(m.beta)[..., None, :]
-        new = _softmax64(logits) @ m.values
+        new = _softmax64(_em_logits64(m, a, v)) @ m.values
+        new = np.where(empty[..., None], 0.0, new)  # empty rows: out 0 (refattn's empty_rows)
         if v is not None:
             new = np.where(active[..., None], new, v)
         if tol is not None and v is not None:
@@ -298,11 +320,13 @@ def _attention64(m: _Model, v_init, iters, tol, want_trace):
             settled = np.zeros(shape, dtype=bool)
         done += active
         if want_trace:
-            trace[..., t] = np.where(active, _log_posterior64(m, a, new), np.nan)
+            trace[..., t] = np.where(active, _trace64(m, new, empty), np.nan)
         v = new
         active &= ~settled
         if not active.any():
             break
+    if m.empty_rows == "nan":
+        v = np.where(empty[..., None], np.nan, v)
     return v, trace, done
 
 
@@ -311,9 +335,37 @@ def _attention64(m: _Model, v_init, iters, tol, want_trace):
 # --------------------------------------------------------------------------------------------
 
 
+def _allowed(m: _Model, mask, causal, window, align):
+    """The allowed set (B..., L, S) of refattn.masks (one rule), or None when unrestricted."""
+    if mask is None and not causal and window is None:
+        _checks.choice(align, "align", masks.ALIGNS)
+        return None
+    if not isinstance(causal, bool | np.bool_):
+        raise TypeError(f"causal: expected a bool, got {causal!r}")
+    length, units = m.q.shape[-2], m.keys.shape[-2]
+    allowed = masks.allowed_mask(length, units, mask=mask, causal=bool(causal), window=window,
+                                 align=align)
+    return _checks.broadcast(allowed, m.q.shape[:-2] + (length, units), "mask", "(..., L, S)")
+
+
+def _attention_model(q, keys, values, alpha, beta, prior, form, mask, causal, window, align,
+                     empty_rows, v_init):
+    """(validated model with its allowed set, v_init broadcast to (B..., L, E) or None)."""
+    m = _model(q, keys, values, alpha, beta, prior)
+    m = m._replace(form=_checks.choice(form, "form", ATTENTION_FORMS),
+                   empty_rows=_checks.choice(empty_rows, "empty_rows", ("zero", "nan")))
+    m = m._replace(allowed=_allowed(m, mask, causal, window, align))
+    if v_init is not None:
+        v_init = _checks.finite_array(v_init, "v_init", 2)
+        want = m.q.shape[:-1] + (m.values.shape[-1],)
+        v_init = _checks.broadcast(v_init, want, "v_init", "(..., L, E)")
+    return m, v_init
+
+
 def attention(q, keys, values, *, alpha, beta=0.0, prior="uniform", v_init=None, iters=1,
-              tol=None, return_trace=False, precision="float64", out_dtype=None,
-              backend="numpy"):
+              tol=None, return_trace=False, form="paper", mask=None, causal=False,
+              window=None, align="top_left", empty_rows="zero", precision="float64",
+              out_dtype=None, backend="numpy"):
     """Gaussian-mixture attention: MAP value inference by EM (Movellan & Gabbur eqs. (13)-(14)).
 
     For each query q_i the value estimate is refined ``iters`` times by
@@ -395,16 +447,17 @@ def attention(q, keys, values, *, alpha, beta=0.0, prior="uniform", v_init=None,
     if _checks.choice(backend, "backend", BACKENDS) == "numba" and precision != "float64":
         raise ValueError("backend: 'numba' runs the float64 path only; pass "
                          "precision='float64' or backend='numpy'")
-    m = _model(q, keys, values, alpha, beta, prior)
+    m, v_init = _attention_model(q, keys, values, alpha, beta, prior, form, mask, causal,
+                                 window, align, empty_rows, v_init)
     iters = _iters(iters)
     tol = _checks.iteration_tol(tol, precision, "`iters` iterations")
     if return_trace and (m.beta == 0).any():
         raise ValueError("return_trace: log p(v | q) needs beta > 0 (beta = 0 makes p(v | u) "
                          "improper); pass beta > 0 or return_trace=False")
-    if v_init is not None:
-        v_init = _checks.finite_array(v_init, "v_init", 2)
-        want = m.q.shape[:-1] + (m.values.shape[-1],)
-        v_init = _checks.broadcast(v_init, want, "v_init", "(..., L, E)")
+    if backend == "numba" and (m.allowed is not None or m.form != "paper"
+                               or m.empty_rows != "zero"):
+        raise ValueError("backend: 'numba' runs the unmasked paper form only; pass "
+                         "backend='numpy' for mask/causal/window, form or empty_rows")
     if precision == "float64":
         m = _float64(m)
     if precision == "float64" and backend == "numba":
@@ -495,8 +548,9 @@ def _keys_update64(m: _Model, keys0, keys, gamma, form):
     with np.errstate(invalid="ignore", divide="ignore"):
         if form == "paper":
             new = (gam * keys0 + alpha * q_bar) / (alpha + gam)  # eq. (28)
-        else:
-            new = (gam * keys0 + alpha * total * q_bar) / (gam + alpha * total)
+        else:  # the prior counted once, centred on xi^0 ("map") or on xi^t ("map_recentred")
+            centre = keys if form == "map_recentred" else keys0
+            new = (gam * centre + alpha * total * q_bar) / (gam + alpha * total)
     new = np.where(np.isinf(gam), keys0, new)
     return np.where(responsible[..., None], new, keys)
 

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .autodiff import primal
 from .numbers import NotRational, dot, is_zero, sqdist
 from .rows import batch_rows, exact_rows
 
@@ -40,16 +41,22 @@ def _exact_model(ops, m, b):
     if m.log_prior is not None:
         log_prior = [None if np.isneginf(x) else ops.scalar(x) for x in m.log_prior[b]]
     alpha_log = [ops.log(a) for a in alpha] if m.alpha_varies else None
-    beta_log = [ops.log(x) for x in beta] if m.beta_varies else None
+    beta_log = [ops.log(x) for x in beta] if m.beta_varies and m.form == "paper" else None
     return _ExactModel(q, keys, values, alpha, beta, log_prior, alpha_log, beta_log)
 
 
-def _query_logits_exact(m, x: _ExactModel, qrow):
+def _query_logits_exact(m, x: _ExactModel, qrow, allowed=None, normalised=None):
     """Exact twin of :func:`refattn.gmm`'s float64 query logits for one query row: list over
-    units (None = excluded by a -inf prior)."""
+    units (None = excluded by a -inf prior or by ``allowed``, the row of the allowed set).
+    ``normalised`` (default: the paper form) adds the normalisers (D/2) log alpha_u."""
     dim = len(qrow)
+    if normalised is None:
+        normalised = m.form == "paper"
     out = []
     for u in range(len(x.keys)):
+        if allowed is not None and not allowed[u]:
+            out.append(None)
+            continue
         alpha = x.alpha[u]
         if m.kind == "magnitude":
             logit = alpha * dot(x.keys[u], qrow)
@@ -64,24 +71,27 @@ def _query_logits_exact(m, x: _ExactModel, qrow):
             logit = -alpha * sqdist(qrow, x.keys[u]) / 2
             if m.kind == "array":
                 logit = logit + x.log_prior[u]
-        if m.alpha_varies:
+        if m.alpha_varies and normalised:
             logit = logit + x.alpha_log[u] * dim / 2
         out.append(logit)
     return out
 
 
-def _value_logits_exact(m, x: _ExactModel, v):
+def _value_logits_exact(m, x: _ExactModel, v, beta_log=None):
+    """-beta_u/2 |v - mu_u|^2, plus (E/2) log beta_u when ``beta_log`` (per unit) is given."""
     out = []
     for u in range(len(x.values)):
         logit = -x.beta[u] * sqdist(v, x.values[u]) / 2
-        if m.beta_varies:
-            logit = logit + x.beta_log[u] * len(v) / 2
+        if beta_log is not None:
+            logit = logit + beta_log[u] * len(v) / 2
         out.append(logit)
     return out
 
 
 def _log_posterior_exact(ops, m, x: _ExactModel, a, v):
-    b = _value_logits_exact(m, x, v)
+    """log p(v | q) of the model (the normalised density, whatever the EM form)."""
+    beta_log = [ops.log(b) for b in x.beta] if m.beta_varies else None
+    b = _value_logits_exact(m, x, v, beta_log)
     joint = ops.lse([None if s is None else s + t for s, t in zip(a, b, strict=False)])
     marginal = ops.lse(a)
     dim_v = len(v)
@@ -98,28 +108,43 @@ def _mix(weights, values):
                      for e in range(dim_v)], dtype=object)
 
 
-def _attention_row_exact(ops, m, v_init, iters, want_trace, row):
-    b, i = row
-    x = _exact_model(ops, m, b)
-    a = _query_logits_exact(m, x, x.q[i])
+def _em_row(ops, m, x: _ExactModel, b, i, v_init, iters, want_trace=False):
+    """(v_iters (E,), trace) of query row i of batch element b, model inputs ``x``."""
+    allowed = None if m.allowed is None else m.allowed[b][i]
+    a = _query_logits_exact(m, x, x.q[i], allowed)
+    dim_v = x.values.shape[1]
+    if all(s is None for s in a):  # an empty row: out 0 or NaN (refattn's empty_rows)
+        fill = 0 if m.empty_rows == "zero" else math.nan
+        return [fill] * dim_v, [math.nan] * (iters if want_trace else 0)
     v = None if v_init is None else ops.array(v_init[b][i])
     trace = []
     for _ in range(iters):
         if v is None:
             logits = a
         else:
-            vb = _value_logits_exact(m, x, v)
+            vb = _value_logits_exact(m, x, v, x.beta_log)
             logits = [None if s is None else s + t for s, t in zip(a, vb, strict=False)]
-        if m.beta_varies:  # eq. (12) with per-unit beta: weights w_u beta_u / sum w beta
+        if x.beta_log is not None:  # eq. (12) with per-unit beta: weights w_u beta_u / sum
             logits = [None if s is None else s + t for s, t in zip(logits, x.beta_log,
                                                                    strict=True)]
         v = _mix(ops.softmax(logits), x.values)
         if want_trace:
-            try:
-                trace.append(_log_posterior_exact(ops, m, x, a, v))
-            except NotRational:
-                trace.append(None)
-    return list(v) + trace
+            trace.append(_trace_entry(ops, m, x, i, allowed, v))
+    return list(v), trace
+
+
+def _trace_entry(ops, m, x, i, allowed, v):
+    try:
+        a = _query_logits_exact(m, x, x.q[i], allowed, normalised=True)
+        return _log_posterior_exact(ops, m, x, a, v)
+    except NotRational:
+        return None
+
+
+def _attention_row_exact(ops, m, v_init, iters, want_trace, row):
+    b, i = row
+    v, trace = _em_row(ops, m, _exact_model(ops, m, b), b, i, v_init, iters, want_trace)
+    return v + trace
 
 
 def _adapt_keys_exact(ops, m, gamma, form, iters, b):
@@ -135,7 +160,7 @@ def _adapt_keys_exact(ops, m, gamma, form, iters, b):
             if math.isinf(gamma[b][k]):
                 continue  # the limit gamma -> inf: the prior pins the key at xi^0
             total = sum((w[k] for w in weights), 0)
-            if is_zero(total):
+            if is_zero(primal(total)):
                 continue  # no responsibility (a -inf prior): the key is unchanged
             g, a = ops.scalar(gamma[b][k]), x.alpha[k]
             for d in range(dim):
@@ -143,7 +168,8 @@ def _adapt_keys_exact(ops, m, gamma, form, iters, b):
                 if form == "paper":
                     new[k, d] = (g * keys0[k, d] + a * (weighted / total)) / (a + g)
                 else:
-                    new[k, d] = (g * keys0[k, d] + a * weighted) / (g + a * total)
+                    centre = keys if form == "map_recentred" else keys0
+                    new[k, d] = (g * centre[k, d] + a * weighted) / (g + a * total)
         keys = new
     return list(keys.ravel())
 
