@@ -14,11 +14,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .autodiff import primal
+from .autodiff import AutodiffOps, primal, vjp
 from .numbers import NotRational, dot, is_zero, sqdist
 from .rows import batch_rows, exact_rows
 
-__all__ = ["attention", "log_posterior", "adapt_keys", "adapt_priors"]
+__all__ = ["attention", "log_posterior", "adapt_keys", "adapt_priors", "attention_vjp",
+           "adapt_keys_vjp", "adapt_priors_vjp"]
 
 
 class _ExactModel(NamedTuple):
@@ -147,8 +148,8 @@ def _attention_row_exact(ops, m, v_init, iters, want_trace, row):
     return v + trace
 
 
-def _adapt_keys_exact(ops, m, gamma, form, iters, b):
-    x = _exact_model(ops, m, b)
+def _adapt_keys_exact(ops, m, gamma, form, iters, b, x=None):
+    x = _exact_model(ops, m, b) if x is None else x
     keys0 = x.keys
     keys = keys0.copy()
     units, dim = keys.shape
@@ -174,8 +175,8 @@ def _adapt_keys_exact(ops, m, gamma, form, iters, b):
     return list(keys.ravel())
 
 
-def _adapt_priors_exact(ops, m, pi0_row, eta_kind, eta_value, form, iters, b):
-    x = _exact_model(ops, m, b)
+def _adapt_priors_exact(ops, m, pi0_row, eta_kind, eta_value, form, iters, b, x=None):
+    x = _exact_model(ops, m, b) if x is None else x
     raw = ops.array(pi0_row)
     total0 = sum(raw, 0)
     pi = [p / total0 for p in raw]
@@ -185,7 +186,7 @@ def _adapt_priors_exact(ops, m, pi0_row, eta_kind, eta_value, form, iters, b):
         eta = list(ops.array(eta_value[b]))
     units = len(pi)
     for _ in range(iters):
-        log_pi = [None if is_zero(p) else ops.log(p) for p in pi]
+        log_pi = [None if is_zero(primal(p)) else ops.log(p) for p in pi]
         m_arr = m._replace(kind="array")
         weights = []
         for qrow in x.q:
@@ -247,3 +248,77 @@ def adapt_priors(m, pi0, eta_kind, eta_value, form, iters, dtype):
 
     table = exact_rows(list(np.ndindex(*batch)), row_priors, dtype, "gmm.adapt_priors")
     return table.reshape(batch + (units,))
+
+
+# --------------------------------------------------------------------------------------------
+# Vector-Jacobian products: the row evaluators above, differentiated as run
+# (refattn.exact.autodiff), each gradient element rounded once by the same Ziv loop.
+# --------------------------------------------------------------------------------------------
+
+
+def _exact_vjp(m, inputs, run, grad, dtype, what):
+    """Gradients of ``sum(grad * run(...))`` w.r.t. ``inputs`` = ((field of the model, array
+    as passed, before broadcasting), ...), rounded once; a tuple of arrays of their shapes.
+
+    ``run(ops, x, b) -> list`` evaluates batch element b on model inputs ``x``. When an input
+    is broadcast along the batch, its gradient sums over batch elements: that sum is part of
+    the exact value, so every batch element is then one row of the Ziv loop.
+    """
+    batch = m.q.shape[:-2]
+    per_element = all(arr.shape[:-2] == batch for _, arr in inputs)
+    rows = ([[b] for b in np.ndindex(*batch)] if per_element
+            else [list(np.ndindex(*batch))])
+
+    def row_grads(ops, group):
+        ad = AutodiffOps(ops)
+        leaves = [ad.variables(ops.array(arr[group[0]] if per_element else arr))
+                  for _, arr in inputs]
+        outputs, cotangents = [], []
+        for b in group:
+            fields = {name: leaf if per_element
+                      else np.broadcast_to(leaf, batch + leaf.shape[-2:])[b]
+                      for (name, _), leaf in zip(inputs, leaves, strict=True)}
+            outputs.extend(run(ad, _exact_model(ad, m, b)._replace(**fields), b))
+            cotangents.extend(ops.scalar(g) for g in np.ravel(grad[b]))
+        return vjp(outputs, cotangents, [v for leaf in leaves for v in leaf.ravel()])
+
+    table = exact_rows(rows, row_grads, dtype, what)
+    out, start = [], 0
+    for _, arr in inputs:
+        size = int(np.prod(arr.shape[-2:])) if per_element else arr.size
+        part = table[:, start:start + size]
+        out.append(part.reshape(batch + arr.shape[-2:]) if per_element
+                   else part.reshape(arr.shape))
+        start += size
+    return tuple(out)
+
+
+def attention_vjp(m, inputs, v_init, iters, grad, dtype):
+    """(dq, dkeys, dvalues) of ``iters`` EM steps, each element rounded once."""
+    length = m.q.shape[-2]
+
+    def run(ops, x, b):
+        out = []
+        for i in range(length):
+            out.extend(_em_row(ops, m, x, b, i, v_init, iters)[0])
+        return out
+
+    return _exact_vjp(m, inputs, run, grad, dtype, "gmm.attention_vjp")
+
+
+def adapt_keys_vjp(m, inputs, gamma, form, iters, grad, dtype):
+    """(dqueries, dkeys0) of the key adaptation, each element rounded once."""
+
+    def run(ops, x, b):
+        return _adapt_keys_exact(ops, m, gamma, form, iters, b, x)
+
+    return _exact_vjp(m, inputs, run, grad, dtype, "gmm.adapt_keys_vjp")
+
+
+def adapt_priors_vjp(m, inputs, pi0, eta_kind, eta_value, form, iters, grad, dtype):
+    """(dqueries, dkeys) of the prior adaptation, each element rounded once."""
+
+    def run(ops, x, b):
+        return _adapt_priors_exact(ops, m, pi0[b], eta_kind, eta_value, form, iters, b, x)
+
+    return _exact_vjp(m, inputs, run, grad, dtype, "gmm.adapt_priors_vjp")
