@@ -32,7 +32,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 import refattn
-from oracle.tolerance import logit_lse_bound, mixture_bound, ratio_bound
+from oracle.tolerance import iterated_bound, logit_lse_bound, mixture_bound, ratio_bound
 from refattn import gmm, hopfield, mgk
 from refattn.bounds import UNIT_ROUNDOFF, float64_forward_bound, gamma
 from tests.naive.attention import naive_attention_rounded
@@ -51,7 +51,8 @@ from tests.strategies import (
     mixture_problems,
 )
 
-__all__ = ["Entry", "REGISTRY", "gmm_term_scale", "mgk_term_scale", "hopfield_energy_bound"]
+__all__ = ["Entry", "REGISTRY", "gmm_term_scale", "gmm_vjp_bound", "mgk_term_scale",
+           "hopfield_energy_bound"]
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,22 @@ def gmm_term_scale(q, keys, values, alpha, beta, prior):
     if not isinstance(prior, str):
         scale += np.abs(prior[np.isfinite(prior)]).max(initial=0.0)
     return float(scale)
+
+
+def gmm_vjp_bound(term_scale, n, dim, grads, grad_out, value_scale, iters, lipschitz=1.0):
+    """Threshold for |float64 vjp - exact vjp| of the gmm functions: a first-order *estimate*,
+    not a proven bound (none is claimed for the float64 reverse pass).
+
+    Each reverse step is a softmax mixture of gradient terms, so the step error is modelled by
+    :func:`~refattn.bounds.mixture_bound` with value scale ``G = max|exact grad| + max|grad_out|
+    * value_scale``, and propagated over the ``iters`` forward and ``iters`` reverse steps by
+    :func:`iterated_bound` with the Lipschitz factor ``lipschitz`` of one EM step (the forward
+    tests' ``1 + beta max |mu_u - mu_w|^2``). tests/test_gmm_vjp.py measures its margin.
+    """
+    scale = max(float(np.max(np.abs(g), initial=0.0)) for g in grads)
+    scale += float(np.max(np.abs(grad_out), initial=0.0)) * (value_scale + 1)
+    step = mixture_bound(term_scale, n, dim, scale)
+    return iterated_bound(step, lipschitz, 2 * iters)
 
 
 _GMM_KEYS = ("alpha", "beta", "prior", "v_init", "iters")
