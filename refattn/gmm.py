@@ -345,9 +345,12 @@ def _allowed(m: _Model, mask, causal, window, align):
     if not isinstance(causal, bool | np.bool_):
         raise TypeError(f"causal: expected a bool, got {causal!r}")
     length, units = m.q.shape[-2], m.keys.shape[-2]
+    want = m.q.shape[:-2] + (length, units)
+    if mask is not None:
+        mask = _checks.broadcast(_checks.bool_array(mask, "mask"), want, "mask", "(..., L, S)")
     allowed = masks.allowed_mask(length, units, mask=mask, causal=bool(causal), window=window,
                                  align=align)
-    return _checks.broadcast(allowed, m.q.shape[:-2] + (length, units), "mask", "(..., L, S)")
+    return np.broadcast_to(allowed, want)
 
 
 def _attention_model(q, keys, values, alpha, beta, prior, form, mask, causal, window, align,
