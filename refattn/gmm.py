@@ -26,9 +26,29 @@ Pinned readings (see each function for details):
   eq. (13) is its equal-beta case.
 * ``v_init=None``: the first E-step uses w_u = p(u | q) (eq. (5) with the value likelihood
   marginalised out), i.e. eq. (14) with no beta term. The prior keeps its own factors: with
-  ``prior="magnitude"`` the prior of eq. (15) contains ``exp(beta_u ||mu_u||^2 / 2)``.
+  ``prior="magnitude"`` the prior of eq. (15) contains ``exp(beta_u ||mu_u||^2 / 2)``, so the
+  first iterate is softmax attention (eq. (20)) only when beta = 0.
 * ``adapt_keys(form="paper")`` is eqs. (28)-(29) as printed; ``form="map"`` counts the Gaussian
   key prior (25) once instead of once per unit of responsibility.
+* Masks: ``attention`` takes the allowed set of :mod:`refattn.masks` (``mask`` True = attend,
+  ``causal``, ``window``, ``align``): excluded units get no weight in any E-step; a row with
+  no allowed unit follows ``empty_rows`` ("zero" or "nan", as :func:`refattn.attention`).
+
+Public-code readings (named options; the defaults follow the paper):
+
+* ``attention(form="unnormalised")``: the E-step without the normalisers (D/2) log alpha_u
+  and (E/2) log beta_u, the M-step the plain mean ``sum_u w_u mu_u`` (default "paper": the
+  normalisers of eqs. (7)-(8) and the root of eq. (12)).
+* ``adapt_keys(form="map_recentred")``: the once-counted key prior centred on the current
+  keys at every iteration (the paper's eq. (25) centres it on xi^0).
+
+Both readings are those of the authors' public code, apple/ml-probabilistic-attention,
+file ``probabilisticattention.py`` (``ProbabilisticAttention.forward``: its ``update_weights``
+and its key-adaptation loop). That code also adds a small epsilon to the softmax
+denominators, which refattn does not model.
+
+Vector-Jacobian products: :func:`attention_vjp`, :func:`adapt_keys_vjp`,
+:func:`adapt_priors_vjp`, the derivative of the finite computation as run, on both paths.
 """
 
 from __future__ import annotations
@@ -408,8 +428,12 @@ def attention(q, keys, values, *, alpha, beta=0.0, prior="uniform", v_init=None,
         an array of log p(u) (normalisation not needed: the posterior does not depend on it;
         -inf excludes a unit).
     v_init : array (..., L, E), optional
-        v_0. None (default): the first E-step has **no beta term**: w_u = p(u | q), the
-        value likelihood marginalised out (this makes the first iterate plain attention).
+        v_0. None (default): the first E-step has **no value-likelihood term**:
+        w_u = p(u | q), the value likelihood marginalised out. The first iterate is then
+        plain softmax attention for the uniform prior (Gaussian scores) and for
+        ``prior="magnitude"`` with beta = 0 (eq. (20)); with ``prior="magnitude"`` and
+        beta > 0 the prior's ``beta_u ||mu_u||^2 / 2`` (eq. (15)) still weights the units, so
+        it is not.
     iters : int >= 1
         EM iterations (the maximum when ``tol`` is given).
     tol : float, optional
@@ -417,12 +441,30 @@ def attention(q, keys, values, *, alpha, beta=0.0, prior="uniform", v_init=None,
         entries are NaN). Each row stops on its own residual, never on a batch-global one.
     return_trace : bool
         Also return log p(v_t | q) after every iteration (needs beta > 0; see
-        :func:`log_posterior`), as a :class:`GMMResult`.
+        :func:`log_posterior`), as a :class:`GMMResult`. The trace is the model's normalised
+        density whatever ``form``; NaN on empty rows.
+    form : {"paper", "unnormalised"}
+        "paper" (default): as above. "unnormalised": the public code's reading
+        (apple/ml-probabilistic-attention, ``probabilisticattention.py``): the E-step leaves
+        out ``(D/2) log alpha_u`` and ``(E/2) log beta_u`` and the M-step is the plain mean
+        ``v = sum_u w_u mu_u`` even for per-unit beta. Identical to "paper" when alpha and
+        beta are equal across units.
+    mask : bool array broadcastable to (..., L, S), optional
+        True = query i may attend unit u (as :func:`refattn.attention`).
+    causal : bool
+        Allow only ``u <= i + o``.
+    window : (left, right) or None
+        Allow only ``i + o - left <= u <= i + o + right``.
+    align : {"top_left", "bottom_right"}
+        Offset o = 0 or S - L (:func:`refattn.masks.offset_of`).
+    empty_rows : {"zero", "nan"}
+        Rows with no allowed unit (mask, window, or a -inf prior on every allowed unit):
+        values 0 or NaN (trace NaN).
     precision : {"float64", "exact"}
     out_dtype : dtype, optional
         Exact path: float64 (default), float32, float16, bfloat16.
     backend : {"numpy", "numba"}
-        float64 path only: "numba" runs the deterministic kernel
+        float64 path only (unmasked, paper form): "numba" runs the deterministic kernel
         :func:`refattn.kernels.variants.gmm_attention` (same operations, sequential sums;
         within the same error bound, bit-identical for any thread count).
 
@@ -582,10 +624,19 @@ def adapt_keys(queries, keys0, *, alpha, gamma, prior="uniform", iters=1, form="
 
     Eq. (28) solves eq. (26), whose prior term sits inside the sum over queries: the log-prior
     is counted once per unit of responsibility W_k = sum_i w_k^i. The MAP form counts it once,
-    as eq. (24) with a parameter prior p(lambda) would. They **coincide when W_k = 1**, when
+    as the MAP objective of eq. (21), ``log p(lambda) + sum_i log p(q_i | lambda)``, does
+    (its EM step maximises ``log p(lambda) + sum_i sum_j w_j^i log p(q_i, u_j | lambda)``).
+    Eq. (24) as printed does not: it puts ``log p(lambda)`` inside the double sum, where it
+    is counted once per query. "paper" and "map" **coincide when W_k = 1**, when
     gamma = 0 and when gamma = inf. **gamma -> 0** (uninformative prior) gives xi_k = q̄_k in
     both forms: with ``prior="magnitude"`` this is the Double Normalized Attention (DNA) of Ding
     et al. (2020), the case the paper names. gamma = inf returns xi^0 exactly.
+
+    ``form="map_recentred"`` is the reading of the authors' public code
+    (apple/ml-probabilistic-attention, ``probabilisticattention.py``, its key-adaptation
+    loop): the "map" step with the prior centred on the **current** keys xi^t instead of
+    xi^0, i.e. ``iters`` chained one-iteration "map" adaptations. It equals "map" for
+    ``iters=1``.
 
     Parameters
     ----------
@@ -600,7 +651,7 @@ def adapt_keys(queries, keys0, *, alpha, gamma, prior="uniform", iters=1, form="
         (15) without values) evaluated at the current keys; the M-step, as eqs. (26)-(28),
         does not differentiate the prior.
     iters : int >= 1
-    form : {"paper", "map"}
+    form : {"paper", "map", "map_recentred"}
     precision, out_dtype : as :func:`attention`.
 
     Notes
@@ -609,7 +660,7 @@ def adapt_keys(queries, keys0, *, alpha, gamma, prior="uniform", iters=1, form="
     ``sum_i exp(log w_ik - log W_k) q_i`` with ``log W_k`` a max-shifted lse, so no unit's
     responsibility underflows to 0/0; one iteration errs by at most
     :func:`refattn.bounds.mixture_bound` (n = L + S, values max|q| + max|xi^0|) in the
-    "paper" form, times L + 1 in the "map" form.
+    "paper" form, times L + 1 in the "map" forms.
 
     Returns
     -------
