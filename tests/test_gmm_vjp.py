@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from refattn import gmm
 from refattn.bounds import gamma
@@ -19,6 +21,7 @@ from tests.naive.gmm import DPS, naive_adapt_keys, naive_adapt_priors, naive_gmm
 from tests.naive.mp import central_vjp
 from tests.naive.rounding import round_nested
 from tests.registry import gmm_term_scale, gmm_vjp_bound
+from tests.strategies import gmm_cases
 
 L, S, D, E = 3, 3, 2, 2
 
@@ -308,3 +311,28 @@ def test_vjp_rejects(function, args, match):
     else:
         with pytest.raises(ValueError, match=match):
             gmm.adapt_keys_vjp(q, keys, args["grad_out"], alpha=alpha, gamma=1.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Random cases (ties, zeros, dyadic, wide inputs; batched): float64 reverse pass near exact
+# --------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=20)
+@given(case=gmm_cases(max_iters=3), seed=st.integers(0, 2**32 - 1),
+       form=st.sampled_from(["paper", "unnormalised"]))
+def test_attention_vjp_float64_near_exact_random(case, seed, form):
+    rng = np.random.default_rng(seed)
+    q, keys, values = case["q"], case["keys"], case["values"]
+    grad = rng.standard_normal(q.shape[:-1] + (values.shape[-1],))
+    kwargs = {k: case[k] for k in ("alpha", "beta", "prior", "v_init", "iters")}
+    exact = gmm.attention_vjp(q, keys, values, grad, **kwargs, form=form, precision="exact")
+    fast = gmm.attention_vjp(q, keys, values, grad, **kwargs, form=form)
+    scale = gmm_term_scale(q, keys, values, case["alpha"], case["beta"], case["prior"])
+    diameter = np.ptp(values, axis=-2).max() ** 2 * values.shape[-1]
+    bound = gmm_vjp_bound(scale, q.shape[-2] + keys.shape[-2], q.shape[-1] + values.shape[-1],
+                          exact, grad, np.abs(values).max(), case["iters"],
+                          1 + float(np.max(case["beta"])) * diameter)
+    for field, value, truth in zip(fast._fields, fast, exact, strict=True):
+        assert_within(value, truth, bound, what=f"gmm.attention_vjp float64 {field}",
+                      case=case["style"])
