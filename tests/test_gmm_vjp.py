@@ -21,7 +21,7 @@ from tests.naive.gmm import DPS, naive_adapt_keys, naive_adapt_priors, naive_gmm
 from tests.naive.mp import central_vjp
 from tests.naive.rounding import round_nested
 from tests.registry import gmm_term_scale, gmm_vjp_bound
-from tests.strategies import gmm_cases
+from tests.strategies import gmm_cases, mixture_problems
 
 L, S, D, E = 3, 3, 2, 2
 
@@ -320,12 +320,17 @@ def test_vjp_rejects(function, args, match):
 
 @settings(max_examples=20)
 @given(case=gmm_cases(max_iters=3), seed=st.integers(0, 2**32 - 1),
-       form=st.sampled_from(["paper", "unnormalised"]))
-def test_attention_vjp_float64_near_exact_random(case, seed, form):
+       form=st.sampled_from(["paper", "unnormalised"]),
+       masking=st.sampled_from([None, "mask", "causal"]))
+def test_attention_vjp_float64_near_exact_random(case, seed, form, masking):
     rng = np.random.default_rng(seed)
     q, keys, values = case["q"], case["keys"], case["values"]
     grad = rng.standard_normal(q.shape[:-1] + (values.shape[-1],))
     kwargs = {k: case[k] for k in ("alpha", "beta", "prior", "v_init", "iters")}
+    if masking == "mask":
+        kwargs["mask"] = rng.random(q.shape[-2:-1] + keys.shape[-2:-1]) < 0.6
+    elif masking == "causal":
+        kwargs.update(causal=True, align=str(rng.choice(["top_left", "bottom_right"])))
     exact = gmm.attention_vjp(q, keys, values, grad, **kwargs, form=form, precision="exact")
     fast = gmm.attention_vjp(q, keys, values, grad, **kwargs, form=form)
     scale = gmm_term_scale(q, keys, values, case["alpha"], case["beta"], case["prior"])
@@ -336,3 +341,47 @@ def test_attention_vjp_float64_near_exact_random(case, seed, form):
     for field, value, truth in zip(fast._fields, fast, exact, strict=True):
         assert_within(value, truth, bound, what=f"gmm.attention_vjp float64 {field}",
                       case=case["style"])
+
+
+@settings(max_examples=15)
+@given(problem=mixture_problems(), seed=st.integers(0, 2**32 - 1),
+       form=st.sampled_from(["paper", "map", "map_recentred"]),
+       prior=st.sampled_from(["uniform", "magnitude"]), iters=st.integers(1, 3))
+def test_adapt_keys_vjp_float64_near_exact_random(problem, seed, form, prior, iters):
+    q, keys0, _, style = problem
+    rng = np.random.default_rng(seed)
+    units = keys0.shape[-2]
+    kwargs = dict(alpha=rng.uniform(0.3, 2.0, units), gamma=rng.choice([0.0, 0.7, np.inf], units),
+                  prior=prior, iters=iters, form=form)
+    grad = rng.standard_normal(keys0.shape)
+    exact = gmm.adapt_keys_vjp(q, keys0, grad, **kwargs, precision="exact")
+    fast = gmm.adapt_keys_vjp(q, keys0, grad, **kwargs)
+    scale = gmm_term_scale(q, keys0, np.zeros(keys0.shape[:-1] + (1,)), kwargs["alpha"], 0.0,
+                           prior)
+    bound = gmm_vjp_bound(scale, q.shape[-2] + units, q.shape[-1], exact, grad,
+                          np.abs(q).max() + np.abs(keys0).max(), iters, q.shape[-2] + 1)
+    for field, value, truth in zip(fast._fields, fast, exact, strict=True):
+        assert_within(value, truth, bound, what=f"gmm.adapt_keys_vjp float64 {field} {form}",
+                      case=style)
+
+
+@settings(max_examples=15)
+@given(problem=mixture_problems(), seed=st.integers(0, 2**32 - 1),
+       form=st.sampled_from(["paper", "map"]), iters=st.integers(1, 3))
+def test_adapt_priors_vjp_float64_near_exact_random(problem, seed, form, iters):
+    q, keys, _, style = problem
+    rng = np.random.default_rng(seed)
+    units = keys.shape[-2]
+    pi0 = rng.uniform(0.1, 1.0, units)
+    kwargs = dict(alpha=rng.uniform(0.3, 2.0, units), eta=float(rng.uniform(0.0, 2.0)),
+                  pi0=pi0 / pi0.sum(), iters=iters, form=form)
+    grad = rng.standard_normal(keys.shape[:-1])
+    exact = gmm.adapt_priors_vjp(q, keys, grad, **kwargs, precision="exact")
+    fast = gmm.adapt_priors_vjp(q, keys, grad, **kwargs)
+    scale = gmm_term_scale(q, keys, np.zeros(keys.shape[:-1] + (1,)), kwargs["alpha"], 0.0,
+                           "uniform")
+    bound = gmm_vjp_bound(scale, q.shape[-2] + units, q.shape[-1], exact, grad, 2.0, iters,
+                          q.shape[-2] + 1)
+    for field, value, truth in zip(fast._fields, fast, exact, strict=True):
+        assert_within(value, truth, bound, what=f"gmm.adapt_priors_vjp float64 {field} {form}",
+                      case=style)

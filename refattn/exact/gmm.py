@@ -164,10 +164,17 @@ def _adapt_keys_exact(ops, m, gamma, form, iters, b, x=None):
             if is_zero(primal(total)):
                 continue  # no responsibility (a -inf prior): the key is unchanged
             g, a = ops.scalar(gamma[b][k]), x.alpha[k]
+            # one responsible query: q-bar_k is that query exactly (w / W = 1 identically;
+            # on intervals w / w is not a point, and the key would be a rounding midpoint
+            # that no precision decides, e.g. eq. (28) with a single query)
+            sole = [i for i, w in enumerate(weights) if not is_zero(primal(w[k]))]
             for d in range(dim):
                 weighted = sum((w[k] * x.q[i][d] for i, w in enumerate(weights)), 0)
+                q_bar = x.q[sole[0]][d] if len(sole) == 1 else weighted / total
                 if form == "paper":
-                    new[k, d] = (g * keys0[k, d] + a * (weighted / total)) / (a + g)
+                    new[k, d] = (g * keys0[k, d] + a * q_bar) / (a + g)
+                elif gamma[b][k] == 0:  # both MAP forms: q-bar_k (the DNA limit)
+                    new[k, d] = q_bar
                 else:
                     centre = keys if form == "map_recentred" else keys0
                     new[k, d] = (g * centre[k, d] + a * weighted) / (g + a * total)
