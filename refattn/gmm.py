@@ -1048,6 +1048,16 @@ def attention_vjp(q, keys, values, grad_out, *, alpha, beta=0.0, prior="uniform"
     broadcast along the batch are summed). Empty rows (no allowed unit) are constants: they
     contribute nothing, whatever ``empty_rows``.
 
+    Notes
+    -----
+    Exact path: one batch element is one row of the Ziv loop (all of it when an argument is
+    broadcast along the batch, since its gradient sums over the batch before the rounding).
+    A gradient that cancels exactly to 0 is returned as +0. A gradient that is exactly a
+    rounding midpoint is settled by the rational fallback only when the batch element's
+    whole computation is rational (all weights ties); otherwise the Ziv loop raises
+    :class:`refattn.exact.UndecidedRoundingError` (single-unit rows and single-query key
+    adaptation are evaluated exactly, so they do not).
+
     Examples
     --------
     >>> import numpy as np

@@ -171,8 +171,8 @@ def _adapt_keys_exact(ops, m, gamma, form, iters, b, x=None):
             for d in range(dim):
                 weighted = sum((w[k] * x.q[i][d] for i, w in enumerate(weights)), 0)
                 q_bar = x.q[sole[0]][d] if len(sole) == 1 else weighted / total
-                if form == "paper":
-                    new[k, d] = (g * keys0[k, d] + a * q_bar) / (a + g)
+                if form == "paper":  # as printed: its coefficients are exact for gamma = 0
+                    new[k, d] = g / (a + g) * keys0[k, d] + a / (a + g) * q_bar
                 elif gamma[b][k] == 0:  # both MAP forms: q-bar_k (the DNA limit)
                     new[k, d] = q_bar
                 else:
