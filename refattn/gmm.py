@@ -1037,8 +1037,12 @@ def attention_vjp(q, keys, values, grad_out, *, alpha, beta=0.0, prior="uniform"
         "exact": each gradient element the exact derivative of the computation rounded once
         to ``out_dtype`` (the exact row evaluator differentiated as run on rigorous intervals,
         :mod:`refattn.exact.autodiff`, and the Ziv loop). "float64": the reverse pass above
-        in NumPy with log-space weights; no a-priori bound is claimed: its measured
-        agreement with the exact path is checked in the tests.
+        in NumPy with log-space weights; no a-priori bound is claimed. Measured against the
+        exact path (300 random cases, L, S, D, E <= 5, inputs ~ N(0, s^2) with s up to 3,
+        iters <= 3): errors up to 18 (attention_vjp), ~300 (adapt_keys_vjp) and 22
+        (adapt_priors_vjp) times 2**-52 (max |exact gradient| + max |grad_out|), growing
+        with the softmax condition 1 + 2 max|logit|; the tests hold it to a first-order
+        estimate (tests/registry.py ``gmm_vjp_bound``).
     out_dtype : dtype, optional
         Exact path only.
 
