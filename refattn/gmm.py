@@ -591,15 +591,25 @@ def _keys_update64(m: _Model, keys0, keys, gamma, form):
     share = np.exp(np.where(np.isneginf(log_w), -np.inf, log_w - safe_total[..., None, :]))
     q_bar = np.einsum("...ls,...ld->...sd", share, _checks.as_float64(m.q))  # eq. (29)
     alpha, gam = m.alpha[..., None], gamma[..., None]
-    total = np.exp(log_total)[..., None]
     with np.errstate(invalid="ignore", divide="ignore"):
         if form == "paper":
             new = (gam * keys0 + alpha * q_bar) / (alpha + gam)  # eq. (28)
         else:  # the prior counted once, centred on xi^0 ("map") or on xi^t ("map_recentred")
             centre = keys if form == "map_recentred" else keys0
-            new = (gam * centre + alpha * total * q_bar) / (gam + alpha * total)
+            ratio = _prior_ratio64(gam, safe_total)
+            new = np.where(np.isinf(ratio), centre, (ratio * centre + alpha * q_bar)
+                           / (ratio + alpha))
     new = np.where(np.isinf(gam), keys0, new)
     return np.where(responsible[..., None], new, keys)
+
+
+def _prior_ratio64(gam, log_total):
+    """gamma_k / W_k (..., S, 1) from log W_k, so that the MAP forms
+    ``(gamma c + alpha W q-bar) / (gamma + alpha W) = (r c + alpha q-bar) / (r + alpha)`` never
+    form 0/0 when W_k underflows; inf (the key stays at its centre) when r overflows."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        ratio = gam * np.exp(-log_total)[..., None]
+    return np.where(gam == 0, 0.0, ratio)
 
 
 def _check_gamma(gamma, batch, units):
@@ -927,10 +937,9 @@ def _keys_update_vjp64(m: _Model, keys, gamma, form, grad):
             centre_coef = finite_gam / (alpha + finite_gam)
             ref = np.einsum("...ls,...ld->...sd", share, q)  # q-bar
         else:  # alpha w_ik / (gamma + alpha W_k) = alpha share_ik / (gamma / W_k + alpha)
-            inverse = np.exp(-safe_total)[..., None]
-            coef = np.where(finite_gam == 0, 1.0, alpha / (finite_gam * inverse + alpha))
-            centre_coef = np.where(finite_gam == 0, 0.0,
-                                   finite_gam / (finite_gam + alpha / inverse))
+            ratio = _prior_ratio64(finite_gam, safe_total)
+            coef = np.where(np.isinf(ratio), 0.0, alpha / (ratio + alpha))
+            centre_coef = np.where(np.isinf(ratio), 1.0, ratio / (ratio + alpha))
             ref = _keys_update64(m, keys0, keys, gamma, form)
     coef_share = share * _swap(coef)  # (..., L, S)
     dq = coef_share @ g

@@ -385,3 +385,24 @@ def test_adapt_priors_vjp_float64_near_exact_random(problem, seed, form, iters):
     for field, value, truth in zip(fast._fields, fast, exact, strict=True):
         assert_within(value, truth, bound, what=f"gmm.adapt_priors_vjp float64 {field} {form}",
                       case=style)
+
+
+@pytest.mark.parametrize("form", ["paper", "map", "map_recentred"])
+@pytest.mark.parametrize("gamma_value", [0.0, 0.5])
+def test_adapt_keys_far_unit_stays_finite(form, gamma_value):
+    """A unit ~56 away from every query: its responsibilities underflow in float64 (W_k = 0)
+    while log W_k is finite; the MAP forms must not form 0/0 (forward and reverse)."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((3, 2))
+    keys0 = np.vstack([rng.standard_normal((2, 2)), [[40.0, 40.0]]])
+    grad = rng.standard_normal(keys0.shape)
+    kwargs = dict(alpha=1.0, gamma=gamma_value, iters=2, form=form)
+    exact = gmm.adapt_keys_vjp(q, keys0, grad, **kwargs, precision="exact")
+    fast = gmm.adapt_keys_vjp(q, keys0, grad, **kwargs)
+    scale = gmm_term_scale(q, keys0, np.zeros((3, 1)), 1.0, 0.0, "uniform")
+    bound = gmm_vjp_bound(scale, 6, 2, exact, grad, np.abs(q).max() + np.abs(keys0).max(), 2,
+                          q.shape[0] + 1)
+    for field, value, truth in zip(fast._fields, fast, exact, strict=True):
+        assert_within(value, truth, bound, what=f"far unit {form} gamma={gamma_value} {field}")
+    forward = gmm.adapt_keys(q, keys0, **kwargs)
+    assert np.isfinite(forward).all()
