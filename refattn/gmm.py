@@ -447,8 +447,8 @@ def attention(q, keys, values, *, alpha, beta=0.0, prior="uniform", v_init=None,
         "paper" (default): as above. "unnormalised": the public code's reading
         (apple/ml-probabilistic-attention, ``probabilisticattention.py``): the E-step leaves
         out ``(D/2) log alpha_u`` and ``(E/2) log beta_u`` and the M-step is the plain mean
-        ``v = sum_u w_u mu_u`` even for per-unit beta. Identical to "paper" when alpha and
-        beta are equal across units.
+        ``v = sum_u w_u mu_u`` even for per-unit beta (that code runs one E/M step:
+        ``iters=1``). Identical to "paper" when alpha and beta are equal across units.
     mask : bool array broadcastable to (..., L, S), optional
         True = query i may attend unit u (as :func:`refattn.attention`).
     causal : bool

@@ -602,3 +602,19 @@ def test_attention_rejects_mask_and_form_options(kwargs, match, rng):
         rng.standard_normal((4, 2))
     with pytest.raises(ValueError, match=match):
         gmm.attention(q, keys, values, alpha=1.0, **kwargs)
+
+
+def test_first_iterate_with_magnitude_prior_keeps_the_value_norms(rng):
+    """v_init=None under prior="magnitude": the first E-step has no value likelihood, but the
+    prior of eq. (15) keeps beta ||mu_u||^2 / 2, so the first iterate is softmax attention with
+    that bias -- plain attention (eq. (20)) only when beta = 0."""
+    q = rng.integers(-2, 3, (2, 3)).astype(float)
+    keys = rng.integers(-2, 3, (4, 3)).astype(float)
+    values = rng.integers(-2, 3, (4, 2)).astype(float)
+    got = gmm.attention(q, keys, values, alpha=0.5, beta=2.0, prior="magnitude",
+                        precision="exact")
+    bias = np.broadcast_to((values**2).sum(-1), (2, 4))  # beta/2 ||mu||^2 with beta = 2
+    want = attention(q, keys, values, scale=0.5, bias=bias, precision="exact")
+    assert_same_bits(got, want, what="first iterate = attention with bias beta/2 ||mu||^2")
+    plain = attention(q, keys, values, scale=0.5, precision="exact")
+    assert not np.array_equal(got, plain)
