@@ -997,8 +997,9 @@ def _priors_vjp64(m: _Model, pi0, eta_kind, eta_value, form, iters, grad):
     return dq, dkeys  # pi^0 is not differentiated (a keyword argument)
 
 
-def _cotangent(grad_out, shape, target):
-    grad = _checks.finite_array(grad_out, "grad_out", len(target.split(",")) - 1)
+def _cotangent(grad_out, shape, target, rank):
+    """grad_out validated (finite, at least ``rank`` dims) and broadcast to ``shape``."""
+    grad = _checks.finite_array(grad_out, "grad_out", rank)
     return _checks.broadcast(grad, shape, "grad_out", target)
 
 
@@ -1084,7 +1085,7 @@ def attention_vjp(q, keys, values, grad_out, *, alpha, beta=0.0, prior="uniform"
     m, v_init = _attention_model(q, keys, values, alpha, beta, prior, form, mask, causal,
                                  window, align, empty_rows, v_init)
     iters = _iters(iters)
-    grad = _cotangent(grad_out, m.q.shape[:-1] + (m.values.shape[-1],), "(..., L, E)")
+    grad = _cotangent(grad_out, m.q.shape[:-1] + (m.values.shape[-1],), "(..., L, E)", 2)
     originals = _originals([("q", q, 2), ("keys", keys, 2), ("values", values, 2)])
     if precision == "exact":
         return AttentionVJP(*exact.attention_vjp(m, originals, v_init, iters, grad,
@@ -1134,7 +1135,7 @@ def adapt_keys_vjp(queries, keys0, grad_out, *, alpha, gamma, prior="uniform", i
     """
     precision = _checks.precision(precision)
     m, gamma, form, iters = _keys_problem(queries, keys0, alpha, gamma, prior, iters, form)
-    grad = _cotangent(grad_out, m.keys.shape, "(..., S, D)")
+    grad = _cotangent(grad_out, m.keys.shape, "(..., S, D)", 2)
     originals = _originals([("q", queries, 2), ("keys", keys0, 2)])
     if precision == "exact":
         return AdaptKeysVJP(*exact.adapt_keys_vjp(m, originals, gamma, form, iters, grad,
@@ -1184,7 +1185,7 @@ def adapt_priors_vjp(queries, keys, grad_out, *, alpha, eta, pi0, iters=1, form=
     precision = _checks.precision(precision)
     m, pi0, eta_kind, eta_value, form, iters = _priors_problem(queries, keys, alpha, eta, pi0,
                                                                iters, form)
-    grad = _cotangent(grad_out, m.keys.shape[:-1], "(..., S)")
+    grad = _cotangent(grad_out, m.keys.shape[:-1], "(..., S)", 1)
     originals = _originals([("q", queries, 2), ("keys", keys, 2)])
     if precision == "exact":
         return AdaptPriorsVJP(*exact.adapt_priors_vjp(m, originals, pi0, eta_kind, eta_value,
