@@ -14,9 +14,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .autodiff import AutodiffOps, primal, vjp
+from .autodiff import primal
 from .numbers import NotRational, dot, is_zero, sqdist
-from .rows import batch_rows, exact_rows
+from .rows import batch_rows, exact_rows, exact_vjp_rows
 
 __all__ = ["attention", "log_posterior", "adapt_keys", "adapt_priors", "attention_vjp",
            "adapt_keys_vjp", "adapt_priors_vjp"]
@@ -264,40 +264,14 @@ def adapt_priors(m, pi0, eta_kind, eta_value, form, iters, dtype):
 
 
 def _exact_vjp(m, inputs, run, grad, dtype, what):
-    """Gradients of ``sum(grad * run(...))`` w.r.t. ``inputs`` = ((field of the model, array
-    as passed, before broadcasting), ...), rounded once; a tuple of arrays of their shapes.
+    """:func:`refattn.exact.rows.exact_vjp_rows` over the model's fields ``inputs`` = ((field,
+    array as passed), ...); ``run(ops, x, b)`` evaluates batch element b on model inputs x."""
 
-    ``run(ops, x, b) -> list`` evaluates batch element b on model inputs ``x``. When an input
-    is broadcast along the batch, its gradient sums over batch elements: that sum is part of
-    the exact value, so every batch element is then one row of the Ziv loop.
-    """
-    batch = m.q.shape[:-2]
-    per_element = all(arr.shape[:-2] == batch for _, arr in inputs)
-    rows = ([[b] for b in np.ndindex(*batch)] if per_element
-            else [list(np.ndindex(*batch))])
+    def run_model(ops, leaves, b):
+        return run(ops, _exact_model(ops, m, b)._replace(**leaves), b)
 
-    def row_grads(ops, group):
-        ad = AutodiffOps(ops)
-        leaves = [ad.variables(ops.array(arr[group[0]] if per_element else arr))
-                  for _, arr in inputs]
-        outputs, cotangents = [], []
-        for b in group:
-            fields = {name: leaf if per_element
-                      else np.broadcast_to(leaf, batch + leaf.shape[-2:])[b]
-                      for (name, _), leaf in zip(inputs, leaves, strict=True)}
-            outputs.extend(run(ad, _exact_model(ad, m, b)._replace(**fields), b))
-            cotangents.extend(ops.scalar(g) for g in np.ravel(grad[b]))
-        return vjp(outputs, cotangents, [v for leaf in leaves for v in leaf.ravel()])
-
-    table = exact_rows(rows, row_grads, dtype, what)
-    out, start = [], 0
-    for _, arr in inputs:
-        size = int(np.prod(arr.shape[-2:])) if per_element else arr.size
-        part = table[:, start:start + size]
-        out.append(part.reshape(batch + arr.shape[-2:]) if per_element
-                   else part.reshape(arr.shape))
-        start += size
-    return tuple(out)
+    return exact_vjp_rows(m.q.shape[:-2], [(name, arr, 2) for name, arr in inputs], run_model,
+                          grad, dtype, what)
 
 
 def attention_vjp(m, inputs, v_init, iters, grad, dtype):
