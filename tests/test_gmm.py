@@ -258,13 +258,14 @@ def test_adapt_keys_exact_and_float64(problem, gamma, form, prior, iters):
                              form=form)
     assert_same_bits(exact, round_nested(truth),
                      what=f"adapt_keys exact ({style}, {form}, gamma={gamma})")
-    if iters == 1:
-        fast = gmm.adapt_keys(q, keys, alpha=0.8, gamma=gamma, prior=prior, form=form)
-        scale = gmm_term_scale(q, keys, keys, 0.8, 0.0, "uniform")
-        magnitude = np.abs(q).max() + np.abs(keys).max()
-        bound = mixture_bound(scale, q.shape[0] + keys.shape[0], q.shape[1], magnitude)
-        if form != "paper":
-            bound *= q.shape[0] + 1  # sum_i w q_i / (gamma + alpha W): W up to L
+    fast = gmm.adapt_keys(q, keys, alpha=0.8, gamma=gamma, prior=prior, iters=iters, form=form)
+    scale = gmm_term_scale(q, keys, keys, 0.8, 0.0, "uniform")
+    magnitude = np.abs(q).max() + np.abs(keys).max()
+    bound = mixture_bound(scale, q.shape[0] + keys.shape[0], q.shape[1], magnitude)
+    if form != "paper":
+        bound *= q.shape[0] + 1  # sum_i w q_i / (gamma + alpha W): W up to L
+    if iters == 1 or form == "map_recentred":  # re-centred: each step maps xi^t -> xi^t+1
+        bound = iterated_bound(bound, q.shape[0] + 1, iters)
         assert_within(fast, exact, bound, what=f"adapt_keys float64 ({style}, {form})")
 
 
