@@ -17,20 +17,30 @@ from ._fold import fold, needs_fold
 from ._spec import AttentionSpec, canonicalize, check_cotangent
 from .logspace import masked_softmax
 
-__all__ = ["attention", "attention_vjp", "AttentionGrads", "BACKENDS"]
+__all__ = ["attention", "attention_vjp", "AttentionGrads", "AttentionSinkGrads", "BACKENDS"]
 
 BACKENDS = ("numpy", "numba")
 
 
 class AttentionGrads(NamedTuple):
     """Gradients of attention: dq (..., H, L, D), dk (..., K, S, D), dv (..., K, S, E),
-    dbias (bias's own shape, or None without bias), dsinks ((H,), or None without sinks)."""
+    dbias (bias's own shape, or None without bias)."""
 
     dq: np.ndarray
     dk: np.ndarray
     dv: np.ndarray
     dbias: np.ndarray | None
-    dsinks: np.ndarray | None = None
+
+
+class AttentionSinkGrads(NamedTuple):
+    """Gradients of attention with sinks: :class:`AttentionGrads`'s four and dsinks (H,)
+    (a separate type, so that four-way unpacking of calls without sinks keeps working)."""
+
+    dq: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
+    dbias: np.ndarray | None
+    dsinks: np.ndarray
 
 
 # --------------------------------------------------------------------------------------
@@ -441,11 +451,11 @@ def attention_vjp(
 
     Returns
     -------
-    AttentionGrads
-        (dq, dk, dv, dbias, dsinks). dk and dv sum over the G query heads sharing a kv head;
-        dbias has bias's own shape (summed over its broadcast dimensions) and is None without
-        bias. dsinks (H,) is ``sum_{b,i} w_sink (g_i - Delta_i)`` (None without sinks; exact
-        path: not together with a bias). Empty rows contribute zero gradients. ALiBi slopes,
+    AttentionGrads or AttentionSinkGrads
+        (dq, dk, dv, dbias), and with ``sinks`` (dq, dk, dv, dbias, dsinks). dk and dv sum
+        over the G query heads sharing a kv head; dbias has bias's own shape (summed over its
+        broadcast dimensions) and is None without bias. dsinks (H,) is
+        ``sum_{b,i} w_sink (g_i - Delta_i)`` (exact path: not together with a bias). Empty rows contribute zero gradients. ALiBi slopes,
         masks, key lengths and the dropout mask get no gradient; float8 inputs get the
         gradient with respect to their dequantised values.
 
@@ -502,8 +512,8 @@ def attention_vjp(
         if dbias is not None and dbias.shape != spec.bias_shape:
             dbias = reduce_to(dbias.reshape(spec.batch_shape + dbias.shape[1:]),
                               spec.bias_shape)
-    return AttentionGrads(spec.unflatten(dq), spec.unflatten(dk), spec.unflatten(dv), dbias,
-                          dsinks)
+    grads = (spec.unflatten(dq), spec.unflatten(dk), spec.unflatten(dv), dbias)
+    return AttentionGrads(*grads) if dsinks is None else AttentionSinkGrads(*grads, dsinks)
 
 
 def _has_nonfinite(spec, grad_out, grad_lse) -> bool:

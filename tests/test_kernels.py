@@ -191,8 +191,8 @@ def test_poison_at_excluded_positions_is_bit_invisible(where):
         if where in ("k", "v", "bias"):
             pgrads = refattn.attention_vjp(pq, pk, pv, np.ones((1, 2, L, D)), backend="numba",
                                            **popts)
-            for what, a, b in zip(("dq", "dv", "dbias"), (pgrads.dq, pgrads.dv, pgrads.dbias),
-                                  (grads.dq, grads.dv, grads.dbias), strict=True):
+            for what, a, b in zip(("dq", "dv", "dbias"), pgrads[::2] + pgrads[3:],
+                                  grads[::2] + grads[3:], strict=True):
                 assert np.array_equal(a, b), f"poison {poison} in excluded {where}: {what}"
 
 
