@@ -11,7 +11,7 @@ Every function has two paths: ``precision="float64"`` (fast NumPy, log-space) an
 
 from . import bounds, fixedpoint, gmm, hopfield, masks, meanfield, mgk, transformer
 from ._version import __version__
-from .attention import AttentionGrads, attention, attention_vjp
+from .attention import AttentionGrads, AttentionSinkGrads, attention, attention_vjp
 from .exact.rounding import UndecidedRoundingError
 from .logspace import log_softmax, logsumexp, softmax
 from .masks import allowed_mask
@@ -29,6 +29,7 @@ __all__ = [
     "attention",
     "attention_vjp",
     "AttentionGrads",
+    "AttentionSinkGrads",
     "logsumexp",
     "softmax",
     "log_softmax",

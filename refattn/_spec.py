@@ -17,10 +17,12 @@ import numpy as np
 from . import _checks
 from .masks import check_window, offset_of, structural_mask
 
-__all__ = ["AttentionSpec", "canonicalize", "check_cotangent", "GQA_MODES", "EMPTY_ROWS"]
+__all__ = ["AttentionSpec", "canonicalize", "check_cotangent", "GQA_MODES", "EMPTY_ROWS",
+           "FP8_DTYPES"]
 
 GQA_MODES = ("interleave", "tile")
 EMPTY_ROWS = ("zero", "nan")
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class AttentionSpec:
     dropout_mask: np.ndarray | None  # (B, H, L, S) bool view
     dropout_p: float
     empty_rows: str
+    kv_lengths: np.ndarray | None = None  # (B,) int64: keys j >= kv_lengths[b] excluded
+    sinks: np.ndarray | None = None  # (H,) float64: a logit added to every row's normaliser
 
     @property
     def dims(self):
@@ -72,31 +76,47 @@ class AttentionSpec:
         """1 / (1 - p), exactly."""
         return 1 / (1 - Fraction(self.dropout_p))
 
-    def structural(self, rows=None, cols=None) -> np.ndarray:
-        """Causal/window allowed set for the given query rows and key columns."""
+    def row_offset(self, b: int = 0) -> int:
+        """The alignment offset o of batch row b: with ``kv_lengths``, ``align="bottom_right"``
+        aligns to the row's own key length (o = S_b - L), else o is :attr:`offset`."""
+        if self.kv_lengths is None:
+            return self.offset
+        length = self.q.shape[-2]
+        return offset_of(self.align, length, int(self.kv_lengths[b]))
+
+    def structural(self, rows=None, cols=None, b: int = 0) -> np.ndarray:
+        """Causal/window (and key-length) allowed set of batch row b for the given query rows
+        and key columns."""
         _, _, _, length, keys, _, _ = self.dims
         rows = range(length) if rows is None else rows
         cols = range(keys) if cols is None else cols
-        return structural_mask(
-            rows, cols, causal=self.causal, window=self.window, offset=self.offset
+        allowed = structural_mask(
+            rows, cols, causal=self.causal, window=self.window, offset=self.row_offset(b)
         )
+        if self.kv_lengths is not None:
+            allowed &= np.asarray(cols)[None, :] < self.kv_lengths[b]
+        return allowed
 
     def allowed(self, b: int, h: int) -> np.ndarray:
-        """Allowed set (L, S) of batch b, query head h (mask, causal, window, finite bias)."""
-        allowed = self.structural()
+        """Allowed set (L, S) of batch b, query head h (mask, causal, window, key length,
+        finite bias)."""
+        allowed = self.structural(b=b)
         if self.mask is not None:
             allowed = allowed & self.mask[b, h]
         if self.bias is not None:
             allowed = allowed & ~np.isneginf(self.bias[b, h])
         return allowed
 
-    def alibi(self, h: int) -> np.ndarray | None:
-        """ALiBi term -slope_h * |i + o - j| as float64 (L, S), or None."""
+    def alibi_distance(self, b: int = 0) -> np.ndarray:
+        """|i + o_b - j| as int64 (L, S): the ALiBi distance of batch row b."""
+        _, _, _, length, keys, _, _ = self.dims
+        return np.abs(np.arange(length)[:, None] + self.row_offset(b) - np.arange(keys)[None, :])
+
+    def alibi(self, h: int, b: int = 0) -> np.ndarray | None:
+        """ALiBi term -slope_h * |i + o_b - j| as float64 (L, S), or None."""
         if self.alibi_slopes is None:
             return None
-        _, _, _, length, keys, _, _ = self.dims
-        dist = np.abs(np.arange(length)[:, None] + self.offset - np.arange(keys)[None, :])
-        return -self.alibi_slopes[h] * dist
+        return -self.alibi_slopes[h] * self.alibi_distance(b)
 
     def unflatten(self, array: np.ndarray) -> np.ndarray:
         """(B, H, ...) -> batch_shape + (H, ...); for 2-D inputs the head axis is dropped."""
@@ -156,12 +176,11 @@ def _plane_array(value, name, batch_shape, plane, kind):
 def canonicalize(
     q, k, v, *, scale=None, bias=None, mask=None, causal=False, window=None,
     align="top_left", softcap=None, alibi_slopes=None, gqa="interleave",
-    dropout_mask=None, dropout_p=0.0, empty_rows="zero",
+    dropout_mask=None, dropout_p=0.0, empty_rows="zero", sinks=None, kv_lengths=None,
+    q_descale=None, k_descale=None, v_descale=None,
 ) -> AttentionSpec:
     """Validate refattn.attention's arguments and return the canonical :class:`AttentionSpec`."""
-    q = _checks.float_array(q, "q")
-    k = _checks.float_array(k, "k")
-    v = _checks.float_array(v, "v")
+    q, k, v = _dequantize(q, k, v, q_descale, k_descale, v_descale, gqa)
     q, k, v, single = _heads(q, k, v)
     heads, kv_heads, length, keys = _check_core_shapes(q, k, v)
     try:
@@ -204,6 +223,15 @@ def canonicalize(
         raise TypeError(f"causal: expected a bool, got {causal!r}")
     group = heads // kv_heads
     kv_head = np.arange(heads) // group if gqa == "interleave" else np.arange(heads) % kv_heads
+    sink_values = None
+    if sinks is not None:
+        sink_values = _checks.as_float64(_checks.float_array(sinks, "sinks"))
+        if sink_values.shape != (heads,):
+            raise ValueError(f"sinks: expected shape ({heads},) (one logit per query head), "
+                             f"got {sink_values.shape}")
+        if not np.isfinite(sink_values).all():
+            raise ValueError("sinks: expected finite logits")
+    lengths = _kv_lengths(kv_lengths, batch_shape, keys)
     spec = AttentionSpec(
         q=_flat(q, batch_shape, q.shape[-3:]),
         k=_flat(k, batch_shape, k.shape[-3:]),
@@ -213,9 +241,77 @@ def canonicalize(
         window=check_window(window), align=align, offset=offset_of(align, length, keys),
         softcap=softcap, alibi_slopes=slopes, gqa=gqa, kv_head=kv_head,
         dropout_mask=drop_flat, dropout_p=float(dropout_p), empty_rows=empty_rows,
+        kv_lengths=lengths, sinks=sink_values,
     )
     _check_bias_values(spec)
     return spec
+
+
+def _kv_lengths(kv_lengths, batch_shape, keys):
+    """``kv_lengths`` as an int64 (B,) array with 0 <= S_b <= S, or None."""
+    if kv_lengths is None:
+        return None
+    lengths = _checks.as_array(kv_lengths, "kv_lengths")
+    if lengths.dtype.kind not in "iu":
+        raise TypeError(f"kv_lengths: expected integers, got dtype {lengths.dtype.name}")
+    if lengths.shape != tuple(batch_shape):
+        raise ValueError(f"kv_lengths: expected shape {tuple(batch_shape)} (one length per "
+                         f"batch row), got {lengths.shape}")
+    if lengths.size and (lengths.min() < 0 or lengths.max() > keys):
+        raise ValueError(f"kv_lengths: expected lengths in [0, S = {keys}], got values in "
+                         f"[{lengths.min()}, {lengths.max()}]")
+    return lengths.astype(np.int64).reshape(-1) if batch_shape else lengths.astype(
+        np.int64).reshape(1)
+
+
+def _dequantize(q, k, v, q_descale, k_descale, v_descale, gqa):
+    """q, k, v as float arrays; fp8 inputs (ml_dtypes float8_e4m3fn / float8_e5m2) times their
+    float32 descale factors, exactly (a float8 significand has at most 4 bits and a float32
+    one 24: the product needs at most 28 of float64's 53 and stays in its range), as
+    float64."""
+    arrays = {}
+    for name, x, descale in (("q", q, q_descale), ("k", k, k_descale), ("v", v, v_descale)):
+        raw = _checks.as_array(x, name) if x is not None else None
+        if raw is not None and raw.dtype.name in FP8_DTYPES:
+            arrays[name] = (raw, descale)
+        else:
+            if descale is not None:
+                raise ValueError(f"{name}_descale: only float8 inputs take a descale factor "
+                                 f"({name} has dtype {getattr(raw, 'dtype', None)})")
+            arrays[name] = (_checks.float_array(x, name), None)
+    if all(d is None and a.dtype.name not in FP8_DTYPES for a, d in arrays.values()):
+        return arrays["q"][0], arrays["k"][0], arrays["v"][0]
+    kv_heads = arrays["k"][0].shape[-3] if arrays["k"][0].ndim >= 3 else 1
+    heads = arrays["q"][0].shape[-3] if arrays["q"][0].ndim >= 3 else 1
+    out = []
+    for name in ("q", "k", "v"):
+        raw, descale = arrays[name]
+        if raw.dtype.name not in FP8_DTYPES:
+            out.append(raw)
+            continue
+        values = raw.astype(np.float64)  # exact: every float8 value is a float64
+        if descale is not None:
+            kind = _checks.float_array(descale, f"{name}_descale").dtype.name
+            if kind != "float32":  # float64 factors could make the product round
+                raise TypeError(f"{name}_descale: expected float32 factors (FlashAttention 3's "
+                                f"descale type), got {kind}")
+            factor = _checks.as_float64(np.asarray(descale))
+            if not np.isfinite(factor).all() or (factor <= 0).any():
+                raise ValueError(f"{name}_descale: expected finite positive factors")
+            per_head = factor[..., None, None] if factor.ndim else factor
+            if factor.ndim:
+                if factor.shape[-1] != kv_heads:
+                    raise ValueError(f"{name}_descale: expected shape (..., K = {kv_heads}) "
+                                     f"(one factor per batch row and kv head), got "
+                                     f"{factor.shape}")
+                if name == "q":  # query head h uses the factor of the kv head it reads
+                    group = heads // kv_heads
+                    reads = np.arange(heads) // group if gqa == "interleave" else \
+                        np.arange(heads) % kv_heads
+                    per_head = np.take(per_head, reads, axis=-3)
+            values = values * per_head  # exact, see above
+        out.append(values)
+    return tuple(out)
 
 
 def _check_bias_values(spec: AttentionSpec) -> None:

@@ -13,10 +13,11 @@ import numpy as np
 
 from . import _checks
 from ._broadcast import reduce_to
+from ._fold import fold, needs_fold
 from ._spec import AttentionSpec, canonicalize, check_cotangent
 from .logspace import masked_softmax
 
-__all__ = ["attention", "attention_vjp", "AttentionGrads", "BACKENDS"]
+__all__ = ["attention", "attention_vjp", "AttentionGrads", "AttentionSinkGrads", "BACKENDS"]
 
 BACKENDS = ("numpy", "numba")
 
@@ -29,6 +30,17 @@ class AttentionGrads(NamedTuple):
     dk: np.ndarray
     dv: np.ndarray
     dbias: np.ndarray | None
+
+
+class AttentionSinkGrads(NamedTuple):
+    """Gradients of attention with sinks: :class:`AttentionGrads`'s four and dsinks (H,)
+    (a separate type, so that four-way unpacking of calls without sinks keeps working)."""
+
+    dq: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
+    dbias: np.ndarray | None
+    dsinks: np.ndarray
 
 
 # --------------------------------------------------------------------------------------
@@ -109,7 +121,7 @@ def _plane_float64(spec: AttentionSpec, b: int, h: int) -> _PlaneF64:
         if spec.bias is not None:
             bias = np.where(allowed, spec.bias[b, h], 0.0)
             scores, extra = scores + bias, extra + bias
-        alibi = spec.alibi(h)
+        alibi = spec.alibi(h, b)
         if alibi is not None:
             scores, extra = scores + alibi, extra + alibi
         exponent = None
@@ -117,7 +129,15 @@ def _plane_float64(spec: AttentionSpec, b: int, h: int) -> _PlaneF64:
             exponent = np.zeros(scores.shape[:1] + (1,), dtype=int)
             scores[overflow], exponent[overflow] = _scaled_scores(
                 *products, extra[overflow], allowed[overflow])
+        if spec.sinks is not None:  # the sink: one more always-allowed logit, no value
+            column = np.full((scores.shape[0], 1), spec.sinks[h])
+            if exponent is not None:  # rows kept as t * 2**c
+                column = np.ldexp(column, -exponent)
+            scores = np.hstack([scores, column])
+            allowed = np.hstack([allowed, np.ones_like(column, dtype=bool)])
         lse, weights = masked_softmax(np.where(allowed, scores, 0.0), allowed, exponent)
+    if spec.sinks is not None:
+        scores, allowed, weights = scores[:, :-1], allowed[:, :-1], weights[:, :-1]
     # an infinite score (Inf in q or in an allowed key) makes its row NaN, as on the exact path
     bad = (np.isinf(scores) & allowed).any(axis=1) & ~overflow
     if bad.any():
@@ -142,6 +162,8 @@ def _weighted_values(spec, plane: _PlaneF64, v: np.ndarray) -> np.ndarray:
 
 def _empty_rows(spec, plane, out, lse, weights):
     empty = ~plane.allowed.any(axis=1)
+    if spec.sinks is not None:  # a row with a sink is never empty (out 0, lse = the sink)
+        return out, lse, weights
     if spec.empty_rows == "nan" and empty.any():
         out[empty] = np.nan
         lse[empty] = np.nan
@@ -195,6 +217,7 @@ def attention(
     align="top_left", softcap=None, alibi_slopes=None, gqa="interleave",
     dropout_mask=None, dropout_p=0.0, empty_rows="zero", return_lse=False,
     return_weights=False, precision="float64", out_dtype=None, backend="numpy",
+    sinks=None, kv_lengths=None, q_descale=None, k_descale=None, v_descale=None,
 ):
     """Scaled dot-product attention with pinned semantics.
 
@@ -243,7 +266,24 @@ def attention(
         Kept weights are scaled by 1/(1 - p). lse and returned weights are pre-dropout.
     empty_rows : {"zero", "nan"}
         Rows with no allowed key: out 0, lse -inf, weights 0 (torch ``_safe_softmax``, ONNX,
-        FlashAttention), or NaN in all three.
+        FlashAttention), or NaN in all three. Does not apply with ``sinks``.
+    sinks : array (H,), optional
+        Attention sinks (gpt-oss; FlashAttention 3, flashinfer and MLX ``sinks``): a learnt
+        logit sigma_h per query head added to every row's normaliser, with no value:
+        ``lse_i = log(sum_{j in A_i} e^{t~_ij} + e^{sigma_h})``, ``w_ij = e^{t~_ij - lse_i}``.
+        It is not scaled, softcapped, biased, masked or dropped. lse includes it (subtract
+        ``log1p(-exp(sigma_h - lse))`` for the keys' share alone); a row with no allowed key
+        gives out 0 and lse = sigma_h (never NaN). Exact path: not with ALiBi.
+    kv_lengths : int array (...,) (the batch shape), optional
+        Per batch row key length S_b (a KV cache's ``cache_seqlens`` / ``seqused_k``): keys
+        j >= S_b are excluded, and ``align="bottom_right"`` aligns each row to its own length
+        (o_b = S_b - L, FlashAttention's KV-cache reading; ALiBi distances use o_b too). The
+        other reading, alignment to the padded S, is a plain key-padding ``mask=`` instead.
+    q_descale, k_descale, v_descale : float32 array (..., K), optional
+        Inputs of dtype float8_e4m3fn or float8_e5m2 (ml_dtypes) are dequantised exactly as
+        ``x * descale[b, g]`` (g the kv head; q's query head h uses its kv head's factor,
+        FlashAttention 3); the truth is the exact result of the dequantised values. Only
+        float8 inputs take a factor.
     return_lse, return_weights : bool
         Also return lse (..., H, L) and/or weights (..., H, L, S).
     precision : {"float64", "exact"}
@@ -298,16 +338,20 @@ def attention(
     spec = canonicalize(
         q, k, v, scale=scale, bias=bias, mask=mask, causal=causal, window=window,
         align=align, softcap=softcap, alibi_slopes=alibi_slopes, gqa=gqa,
-        dropout_mask=dropout_mask, dropout_p=dropout_p, empty_rows=empty_rows,
+        dropout_mask=dropout_mask, dropout_p=dropout_p, empty_rows=empty_rows, sinks=sinks,
+        kv_lengths=kv_lengths, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
     )
     if precision == "exact":
         if backend != "numpy":
             raise ValueError("backend: the exact path has a single implementation; use 'numpy'")
         from .exact.attention import exact_forward
 
+        work = spec if spec.sinks is None else fold(spec, alibi_into_bias=False)
         out, lse, weights = exact_forward(
-            spec, _checks.out_dtype(out_dtype), return_lse=return_lse,
+            work, _checks.out_dtype(out_dtype), return_lse=return_lse,
             return_weights=return_weights)
+        if weights is not None and spec.sinks is not None:
+            weights = weights[..., :-1]  # the sink's own column
     elif backend == "numba":
         if return_weights:
             raise NotImplementedError("return_weights: the numba kernels stream over keys and "
@@ -315,7 +359,8 @@ def attention(
         from . import kernels
 
         _check_numba_range(spec, kernels.compute_dtype(spec.q.dtype))
-        out, lse = kernels.attention(spec, return_lse=True)
+        work = fold(spec, alibi_into_bias=True) if needs_fold(spec) else spec
+        out, lse = kernels.attention(work, return_lse=True)
         weights = None
     else:
         out, lse, weights = _forward_float64(spec, return_weights)
@@ -336,6 +381,7 @@ def _vjp_float64(spec: AttentionSpec, grad_out: np.ndarray, grad_lse):
     dk = np.zeros((batch, kv_heads, keys, dim))
     dv = np.zeros((batch, kv_heads, keys, vdim))
     dbias = np.zeros((batch, heads, length, keys)) if spec.bias is not None else None
+    dsinks = None if spec.sinks is None else np.zeros((batch, heads))
     keep = 1.0 / (1.0 - spec.dropout_p)
     for b in range(batch):
         for h in range(heads):
@@ -353,6 +399,10 @@ def _vjp_float64(spec: AttentionSpec, grad_out: np.ndarray, grad_lse):
                 if bad.any():  # a non-finite kept value poisons the rows that keep it
                     dp[:, bad] = np.where(plane.kept[:, bad], do @ v[bad].T, 0.0) * keep
                 delta = (plane.weights * dp).sum(axis=1, keepdims=True)
+                if dsinks is not None:  # d lse / d sink = w_sink; d out / d sink = -w_sink out
+                    w_sink = np.exp(spec.sinks[h] - plane.lse)
+                    lse_part = 0.0 if grad_lse is None else grad_lse[b, h]
+                    dsinks[b, h] = np.sum(w_sink * (lse_part - delta[:, 0]))
                 ds = plane.weights * (dp - delta)
                 if grad_lse is not None:
                     ds = ds + plane.weights * grad_lse[b, h][:, None]
@@ -364,14 +414,15 @@ def _vjp_float64(spec: AttentionSpec, grad_out: np.ndarray, grad_lse):
             ds = np.where(plane.allowed, ds, 0.0) * spec.scale_float
             dq[b, h] = ds @ k
             dk[b, g] += ds.T @ q
-    return dq, dk, dv, dbias
+    return dq, dk, dv, dbias, None if dsinks is None else dsinks.sum(axis=0)
 
 
 def attention_vjp(
     q, k, v, grad_out, *, grad_lse=None, scale=None, bias=None, mask=None, causal=False,
     window=None, align="top_left", softcap=None, alibi_slopes=None, gqa="interleave",
     dropout_mask=None, dropout_p=0.0, empty_rows="zero", precision="float64",
-    out_dtype=None, backend="numpy",
+    out_dtype=None, backend="numpy", sinks=None, kv_lengths=None, q_descale=None,
+    k_descale=None, v_descale=None,
 ) -> AttentionGrads:
     """Vector-Jacobian product of :func:`attention` (its backward pass).
 
@@ -400,11 +451,13 @@ def attention_vjp(
 
     Returns
     -------
-    AttentionGrads
-        (dq, dk, dv, dbias). dk and dv sum over the G query heads sharing a kv head; dbias
-        has bias's own shape (summed over its broadcast dimensions) and is None without bias.
-        Empty rows contribute zero gradients. ALiBi slopes, masks and the dropout mask get no
-        gradient.
+    AttentionGrads or AttentionSinkGrads
+        (dq, dk, dv, dbias), and with ``sinks`` (dq, dk, dv, dbias, dsinks). dk and dv sum
+        over the G query heads sharing a kv head; dbias has bias's own shape (summed over its
+        broadcast dimensions) and is None without bias. dsinks (H,) is
+        ``sum_{b,i} w_sink (g_i - Delta_i)`` (exact path: not together with a bias). Empty rows contribute zero gradients. ALiBi slopes,
+        masks, key lengths and the dropout mask get no gradient; float8 inputs get the
+        gradient with respect to their dequantised values.
 
     Examples
     --------
@@ -419,18 +472,27 @@ def attention_vjp(
     spec = canonicalize(
         q, k, v, scale=scale, bias=bias, mask=mask, causal=causal, window=window,
         align=align, softcap=softcap, alibi_slopes=alibi_slopes, gqa=gqa,
-        dropout_mask=dropout_mask, dropout_p=dropout_p, empty_rows=empty_rows,
+        dropout_mask=dropout_mask, dropout_p=dropout_p, empty_rows=empty_rows, sinks=sinks,
+        kv_lengths=kv_lengths, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
     )
-    _, heads, _, length, _, _, vdim = spec.dims
+    _, heads, _, length, keys, _, vdim = spec.dims
     do = check_cotangent(spec, grad_out, "grad_out", (heads, length, vdim))
     dl = None if grad_lse is None else check_cotangent(spec, grad_lse, "grad_lse",
                                                         (heads, length))
+    dsinks = None
     if precision == "exact":
         from .exact.attention_vjp import exact_vjp
 
+        if spec.sinks is not None and spec.bias is not None:
+            raise NotImplementedError("sinks together with bias: the exact vjp gives dsinks "
+                                      "only without a bias; use precision='float64'")
+        work = spec if spec.sinks is None else fold(spec, alibi_into_bias=False)
         # the exact path reduces dbias to bias's shape itself (the sum is part of the exact
-        # value that is rounded once)
-        dq, dk, dv, dbias = exact_vjp(spec, do, dl, _checks.out_dtype(out_dtype))
+        # value that is rounded once); with a sink that sum over batch and rows is dsinks
+        dq, dk, dv, dbias = exact_vjp(work, do, dl, _checks.out_dtype(out_dtype))
+        if spec.sinks is not None:
+            dk, dv, dsinks, dbias = dk[..., :keys, :], dv[..., :keys, :], \
+                dbias.reshape(heads, keys + 1)[:, -1], None
         if _has_nonfinite(spec, do, dl):
             dq, dk, dv, dbias = _nonfinite_pattern(spec, do, dl, dq, dk, dv, dbias)
     else:
@@ -438,13 +500,20 @@ def attention_vjp(
             from . import kernels
 
             _check_numba_range(spec, kernels.compute_dtype(spec.q.dtype))
-            dq, dk, dv, dbias = kernels.attention_vjp(spec, do, dl)
+            work = fold(spec, alibi_into_bias=True) if needs_fold(spec) else spec
+            dq, dk, dv, dbias = kernels.attention_vjp(work, do, dl)
+            if spec.sinks is not None:
+                dsinks = dbias[..., -1].sum(axis=(0, 2))
+                dk, dv, dbias = dk[..., :keys, :], dv[..., :keys, :], dbias[..., :-1]
+            if spec.bias is None:
+                dbias = None
         else:
-            dq, dk, dv, dbias = _vjp_float64(spec, do, dl)
+            dq, dk, dv, dbias, dsinks = _vjp_float64(spec, do, dl)
         if dbias is not None and dbias.shape != spec.bias_shape:
             dbias = reduce_to(dbias.reshape(spec.batch_shape + dbias.shape[1:]),
                               spec.bias_shape)
-    return AttentionGrads(spec.unflatten(dq), spec.unflatten(dk), spec.unflatten(dv), dbias)
+    grads = (spec.unflatten(dq), spec.unflatten(dk), spec.unflatten(dv), dbias)
+    return AttentionGrads(*grads) if dsinks is None else AttentionSinkGrads(*grads, dsinks)
 
 
 def _has_nonfinite(spec, grad_out, grad_lse) -> bool:
@@ -457,7 +526,7 @@ def _has_nonfinite(spec, grad_out, grad_lse) -> bool:
 def _nonfinite_pattern(spec, grad_out, grad_lse, dq, dk, dv, dbias):
     """The exact gradients with the NaN/Inf entries of the float64 path's (IEEE propagation
     of non-finite inputs; the exact engine encloses the finite values)."""
-    ref = _vjp_float64(spec, grad_out, grad_lse)
+    ref = _vjp_float64(spec, grad_out, grad_lse)[:4]
     fixed = []
     for exact, approx in zip((dq, dk, dv), ref[:3], strict=True):
         exact = exact.copy()

@@ -75,7 +75,7 @@ def test_exact_vjp_matches_central_differences(name):
                                   **opts)
     arrays = {"q": q.astype(object), "k": k.astype(object), "v": v.astype(object),
               "bias": bias.astype(object)}
-    for label, exact in zip(("q", "k", "v", "bias"), grads, strict=True):
+    for label, exact in zip(("q", "k", "v", "bias"), grads[:4], strict=True):
         fd, richardson = _central_differences(arrays, label, do, gl, opts)
         # exact is the correctly rounded derivative: within half an ulp of it, plus the
         # finite-difference truncation (Richardson estimate, doubled for safety)

@@ -76,14 +76,25 @@ def _score_terms(spec, b, h):
         bias = np.where(allowed, spec.bias[b, h], 0.0)
         scores = scores + bias
         extra += np.abs(bias)
-    alibi = spec.alibi(h)
+    alibi = spec.alibi(h, b)
     if alibi is not None:
         scores = scores + alibi
         extra += np.abs(alibi)
     cap = 0.0 if spec.softcap is None else spec.softcap
     delta = gamma(dim + 2) * abs(spec.scale_float) * (np.abs(q) @ np.abs(k).T) + gamma(4) * (
         np.abs(scores) + extra + cap)
-    return scores, allowed, np.where(allowed, delta, 0.0), raw
+    delta = np.where(allowed, delta, 0.0)
+    if spec.sinks is not None:  # the sink: an exact, always-allowed logit with no value
+        column = np.full((scores.shape[0], 1), spec.sinks[h])
+        scores, raw = np.hstack([scores, column]), np.hstack([raw, np.zeros_like(column)])
+        allowed = np.hstack([allowed, np.ones_like(column, dtype=bool)])
+        delta = np.hstack([delta, np.zeros_like(column)])
+    return scores, allowed, delta, raw
+
+
+def _keys_only(keys, *arrays):
+    """The key columns of per-plane arrays (a sink's column removed after normalising)."""
+    return tuple(a[:, :keys] for a in arrays)
 
 
 def _weights(scores, allowed, delta):
@@ -162,6 +173,7 @@ def float64_forward_bound(q, k, v, **options):
             with np.errstate(invalid="ignore", over="ignore"):  # scores beyond the range
                 scores, allowed, delta, _ = _score_terms(spec, b, h)
                 w, rho, lse_err = _weights(scores, allowed, delta)
+                w, rho, allowed = _keys_only(keys, w, rho, allowed)
             kept = allowed if spec.dropout_mask is None else allowed & spec.dropout_mask[b, h]
             wk = np.where(kept, w, 0.0) * keep
             v_abs = np.abs(np.asarray(spec.v[b, spec.kv_head[h]], np.float64))
@@ -199,6 +211,8 @@ def float64_vjp_bound(q, k, v, grad_out, *, grad_lse=None, **options):
             g = spec.kv_head[h]
             scores, allowed, delta, raw = _score_terms(spec, b, h)
             w, rho, _ = _weights(scores, allowed, delta)
+            w, rho, allowed, scores, delta, raw = _keys_only(keys, w, rho, allowed, scores,
+                                                              delta, raw)
             kept = allowed if spec.dropout_mask is None else allowed & spec.dropout_mask[b, h]
             q_ = np.abs(np.asarray(spec.q[b, h], np.float64))
             k_ = np.abs(np.asarray(spec.k[b, g], np.float64))

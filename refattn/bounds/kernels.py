@@ -30,7 +30,7 @@ def _planes(spec, weights):
             if spec.bias is not None:
                 bias = np.asarray(spec.bias[b, h], np.float64)
                 mag = mag + np.where(np.isfinite(bias), np.abs(bias), 0.0)
-            alibi = spec.alibi(h)
+            alibi = spec.alibi(h, b)
             if alibi is not None:
                 mag = mag + np.abs(alibi)
             allowed = spec.allowed(b, h)

@@ -133,7 +133,7 @@ def _attention_plane_bound(spec, errs, b, h):
     if spec.bias is not None:
         scores = scores + np.where(allowed, spec.bias[b, h], 0.0)
     if spec.alibi_slopes is not None:
-        scores = scores + spec.alibi(h)
+        scores = scores + spec.alibi(h, b)
     with np.errstate(invalid="ignore", over="ignore"):
         lse = masked_logsumexp(scores, allowed)
     finite_lse = np.where(np.isfinite(lse), lse, 0.0)[:, None]

@@ -99,8 +99,7 @@ class _Plane:
             terms.append((bias.ints, bias.exp))
         if spec.alibi_slopes is not None:
             slope = F.to_fixed(spec.alibi_slopes[h : h + 1])
-            _, _, _, length, keys, _, _ = spec.dims
-            dist = np.abs(np.arange(length)[:, None] + spec.offset - np.arange(keys)[None, :])
+            dist = spec.alibi_distance(b)
             terms.append((-int(slope.ints[0]) * dist.astype(object), slope.exp))
         if not terms:
             return None, 0

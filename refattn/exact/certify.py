@@ -91,7 +91,7 @@ def _plane_balls(spec, b, h, arb):
             if spec.bias is not None:
                 t += arb(float(spec.bias[b, h, i, j]))
             if alibi is not None:
-                t -= arb(float(alibi[h])) * abs(i + spec.offset - int(j))
+                t -= arb(float(alibi[h])) * abs(i + spec.row_offset(b) - int(j))
             scores.append(t)
         row_lse = sum((s.exp() for s in scores), arb(0)).log()
         weights = [(s - row_lse).exp() for s in scores]

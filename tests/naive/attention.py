@@ -38,12 +38,16 @@ def naive_attention(
     dropout_mask=None,
     dropout_p=0.0,
     empty_rows="zero",
+    sinks=None,
+    kv_length=None,
     dps=60,
 ):
     """Single-batch attention by loops: q (H, L, D), k (K, S, D), v (K, S, E).
 
     Returns (out, lse, weights) as nested lists of mpf at ``dps`` decimal digits.
-    bias, mask, dropout_mask must already have shape (H, L, S) (or be None).
+    bias, mask, dropout_mask must already have shape (H, L, S) (or be None). ``sinks`` (H,):
+    a logit per head added to the normaliser; ``kv_length``: keys j >= it are excluded and
+    "bottom_right" aligns to it.
     """
     q, k, v = (np.asarray(a) for a in (q, k, v))
     heads, length, dim = q.shape
@@ -51,14 +55,15 @@ def naive_attention(
     group = heads // kv_heads
     with mpmath.workdps(dps):
         sc = 1 / mpmath.sqrt(dim) if scale is None else _exact(scale)
-        offset = 0 if align == "top_left" else keys - length
+        own = keys if kv_length is None else int(kv_length)
+        offset = 0 if align == "top_left" else own - length
         out, lse, weights = [], [], []
         for h in range(heads):
             g = h // group if gqa == "interleave" else h % kv_heads
             out_h, lse_h, w_h = [], [], []
             for i in range(length):
                 scores = {}
-                for j in range(keys):
+                for j in range(own):
                     if mask is not None and not mask[h][i][j]:
                         continue
                     if causal and j > i + offset:
@@ -81,18 +86,25 @@ def naive_attention(
                     if alibi_slopes is not None:
                         s -= _exact(alibi_slopes[h]) * abs(i + offset - j)
                     scores[j] = s
+                sink = None if sinks is None else _exact(sinks[h])
+                if not scores and sink is not None:
+                    out_h.append([mpmath.mpf(0)] * vdim)
+                    lse_h.append(sink)
+                    w_h.append([mpmath.mpf(0)] * keys)
+                    continue
                 if not scores:
                     fill = mpmath.mpf(0) if empty_rows == "zero" else mpmath.nan
                     out_h.append([fill] * vdim)
                     lse_h.append(-mpmath.inf if empty_rows == "zero" else mpmath.nan)
                     w_h.append([fill] * keys)
                     continue
-                top = max(scores.values())
-                total = mpmath.fsum(mpmath.exp(s - top) for s in scores.values())
+                logits = list(scores.values()) + ([] if sink is None else [sink])
+                top = max(logits)
+                total = mpmath.fsum(mpmath.exp(s - top) for s in logits)
                 row_lse = top + mpmath.log(total)
                 # w_j = 1 / sum_k e^{s_k - s_j}: exactly 1/n for n equal scores (exp(0) == 1),
                 # so outputs that are exact rounding ties stay exact in the reference
-                row_w = [1 / mpmath.fsum(mpmath.exp(s - scores[j]) for s in scores.values())
+                row_w = [1 / mpmath.fsum(mpmath.exp(s - scores[j]) for s in logits)
                          if j in scores else mpmath.mpf(0) for j in range(keys)]
                 keep_scale = 1 / (1 - _exact(dropout_p))
                 row_out = []
@@ -113,7 +125,7 @@ def naive_attention(
         return out, lse, weights
 
 
-def score_spread(q, k, *, scale=None, bias=None, alibi_slopes=None, **_):
+def score_spread(q, k, *, scale=None, bias=None, alibi_slopes=None, sinks=None, **_):
     """A bound on max - min of the finite attention scores (for :func:`round_stable`)."""
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
@@ -126,6 +138,8 @@ def score_spread(q, k, *, scale=None, bias=None, alibi_slopes=None, **_):
         spread += 2 * np.abs(np.where(np.isfinite(b), b, 0)).max(initial=0)
     if alibi_slopes is not None:
         spread += 2 * np.abs(alibi_slopes).max() * (q.shape[-2] + k.shape[-2])
+    if sinks is not None:
+        spread += 2 * np.abs(np.asarray(sinks, dtype=np.float64)).max()
     return spread
 
 
