@@ -22,6 +22,10 @@ Rules every adapter follows (the oracle must see the peer's real behaviour):
 * A value is never rounded on its way to the peer. An option whose value the peer can only
   take in a narrower format (ONNX's 32-bit ``scale`` and ``softcap`` attributes, a float bias
   in another dtype than q) is passed when it converts exactly and is unsupported otherwise.
+* float8 inputs reach no peer here (an adapter would have to dequantise them: another
+  problem); sinks reach only peers with an attention-sink input; ``kv_lengths`` is mapped to
+  a peer's per-row key lengths or, where the adapter can state the same allowed set exactly,
+  to a boolean mask (see each module's table).
 * ALiBi is unsupported by every peer here: folding it into a float bias would round the bias
   to the case dtype (a float16 bias of ``-slope * |i - j|`` is not the exact ALiBi term), so
   the oracle would judge the adapter's rounding, not the peer.
@@ -192,6 +196,8 @@ class Adapter:
     peer = "peer"
     #: What the peer does with rows that have no allowed key, as measured (informational).
     fully_masked_rows = "unknown"
+    #: Whether float8 q, k, v (with q_descale, k_descale, v_descale) reach the peer as such.
+    takes_float8 = False
 
     def __call__(self, q, k, v, **options):
         spec, return_lse = self._canonical(q, k, v, options)
@@ -218,6 +224,10 @@ class Adapter:
                 f"{self.name}: q, k, v must share one dtype, got "
                 f"{[np.asarray(a).dtype.name for a in (q, k, v)]}"
             )
+        (dtype,) = dtypes
+        if dtype.name.startswith("float8") and not self.takes_float8:
+            self.unsupported("q", f"<{dtype.name}>", "no float8 inputs with descale factors "
+                             "(dequantising them here would hand it another problem)")
         spec = canonicalize(q, k, v, **options)
         if spec.empty_rows == "nan" and has_empty_rows(spec):
             self.unsupported(
@@ -254,13 +264,20 @@ def alignment_matters(spec) -> bool:
 
 
 def reject_common(
-    adapter: Adapter, spec, *, softcap=False, window=False, lse=None, return_lse=False
+    adapter: Adapter, spec, *, softcap=False, window=False, lse=None, return_lse=False,
+    sinks=False, kv_lengths=False
 ) -> None:
     """Raise NotImplementedError for the options most peers lack.
 
-    ``softcap`` / ``window``: whether the peer takes them; ``lse``: whether it returns lse.
-    ALiBi, caller-given dropout masks and ``gqa="tile"`` (with H != K) are never supported.
+    ``softcap`` / ``window`` / ``sinks`` / ``kv_lengths``: whether the peer takes them;
+    ``lse``: whether it returns lse. ALiBi, caller-given dropout masks and ``gqa="tile"``
+    (with H != K) are never supported.
     """
+    if spec.sinks is not None and not sinks:
+        adapter.unsupported("sinks", "<logits>", "no attention-sink option (a logit in every "
+                            "row's normaliser with no value)")
+    if spec.kv_lengths is not None and not kv_lengths:
+        adapter.unsupported("kv_lengths", spec.kv_lengths.tolist(), "no per-row key lengths")
     if spec.alibi_slopes is not None:
         adapter.unsupported(
             "alibi_slopes",
