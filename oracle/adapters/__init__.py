@@ -38,6 +38,8 @@ Adapters (:func:`get` by name, :func:`available` for the importable ones; pip ex
 * ``torch``: torch.nn.functional.scaled_dot_product_attention on the CPU (``refattn[torch]``);
 * ``jax``: jax.nn.dot_product_attention, xla implementation (``refattn[jax]``);
 * ``onnxruntime``: an ONNX ``Attention`` node (opset 24) in onnxruntime (``refattn[onnx]``);
+* ``onnxruntime-gqa``: onnxruntime's contrib ``GroupQueryAttention`` (KV cache: per-row
+  cache lengths, attention sinks; causal bottom-right only) (``refattn[onnx]``);
 * ``onnx-reference``: an ONNX ``Attention`` node (newest opset) in onnx.reference
   (``refattn[onnx]``);
 * ``refattn-float64`` / ``refattn-exact``: refattn.attention's own paths (no extra);
@@ -94,6 +96,9 @@ _REGISTRY = {
     "jax": _Entry("oracle.adapters.jax", "JaxDotProductAttention", "jax", "jax"),
     "onnxruntime": _Entry(
         "oracle.adapters.onnxruntime", "OnnxRuntimeAttention", "onnxruntime", "onnx"
+    ),
+    "onnxruntime-gqa": _Entry(
+        "oracle.adapters.onnxruntime_gqa", "OnnxRuntimeGQA", "onnxruntime", "onnx"
     ),
     "onnx-reference": _Entry(
         "oracle.adapters.onnx_reference", "OnnxReferenceAttention", "onnx", "onnx"

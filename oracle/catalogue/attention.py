@@ -347,7 +347,7 @@ def _new_option_entries(gauss) -> list[_Entry]:
         e("sinks-kv-decode-window", Shapes(3, 8, 2, 1, 64, 32, 32),
           "gpt-oss sliding-window decode: sinks, cache lengths, window (16, 0)",
           options={"window": (16, 0), "align": "bottom_right", "gqa": "interleave"},
-          recipe={**sinks, "kv_lengths": "ragged-zero"}),
+          recipe={**sinks, "kv_lengths": "ragged"}),
         e("poison-nan-kv-lengths", Shapes(3, 2, 2, 4, 12, 8, 8),
           "NaN in k and v beyond each row's key length (an unwritten KV cache)",
           category="robustness", options=br, recipe={**ragged, "poison": "nan"}),
