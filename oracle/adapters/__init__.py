@@ -97,11 +97,11 @@ _REGISTRY = {
     "onnxruntime": _Entry(
         "oracle.adapters.onnxruntime", "OnnxRuntimeAttention", "onnxruntime", "onnx"
     ),
-    "onnxruntime-gqa": _Entry(
-        "oracle.adapters.onnxruntime_gqa", "OnnxRuntimeGQA", "onnxruntime", "onnx"
-    ),
     "onnx-reference": _Entry(
         "oracle.adapters.onnx_reference", "OnnxReferenceAttention", "onnx", "onnx"
+    ),
+    "onnxruntime-gqa": _Entry(
+        "oracle.adapters.onnxruntime_gqa", "OnnxRuntimeGQA", "onnxruntime", "onnx"
     ),
     "refattn-float64": _Entry("oracle.adapters.refattn_numpy", "RefattnFloat64", "refattn", None),
     "refattn-exact": _Entry("oracle.adapters.refattn_numpy", "RefattnExact", "refattn", None),
