@@ -43,3 +43,35 @@ def test_numba_kernels_pass_option_cases():
 def test_numba_kernels_pass_every_option_case():
     pytest.importorskip("numba")
     _check("refattn-numba", _PATTERNS)
+
+
+def _padding_mask_reading(q, k, v, kv_lengths=None, mask=None, **options):
+    """kv_lengths as a key-padding mask: causal aligned to the padded S (a real peer reading)."""
+    import numpy as np
+
+    from refattn.attention import attention
+
+    keys = np.shape(k)[-2]
+    padding = (np.arange(keys)[None, :] < np.asarray(kv_lengths)[:, None])[:, None, None, :]
+    return attention(q, k, v, mask=padding if mask is None else mask & padding, **options)
+
+
+def _sinks_ignored(q, k, v, sinks=None, **options):
+    from refattn.attention import attention
+
+    return attention(q, k, v, **options)
+
+
+@pytest.mark.parametrize(("impl", "name", "label"), [
+    (_padding_mask_reading, "kv-lengths-causal-br-B3H2K2-L8S24-D16E16-f32",
+     "kv_lengths as a key-padding mask"),
+    (_sinks_ignored, "sinks-causal-br-H2K2-L12S32-D16E16-f32", "sinks ignored"),
+    (_sinks_ignored, "sinks-kv-decode-B3H8K2-L1S64-D32E32-bf16", "sinks ignored"),
+])
+def test_other_readings_fail_and_are_diagnosed(impl, name, label):
+    from oracle import catalogue, golden
+    from oracle.judge import check_fixture
+
+    result = check_fixture(impl, golden.build(catalogue.get(name)))
+    assert result.verdict == "fail", f"{name}: {result.verdict} ({result.message})"
+    assert any(label in d for d in result.diagnosis), f"{name}: diagnosis {result.diagnosis}"
