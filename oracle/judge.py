@@ -296,6 +296,9 @@ def _check_grads(ctx, fixture, impl, checks):
     base = textbook_attention_vjp(ctx.q, ctx.k, ctx.v, grad_out, grad_lse=grad_lse,
                                   dtype=ctx.dtype, **ctx.options)
     floor = ctx.floors(sum(np.size(r) for r in result if r is not None))["grad"]
+    if _truth(fixture, "dsinks") is not None and (len(result) < 5 or result[4] is None):
+        raise NotImplementedError("dsinks: the implementation's vjp returns no gradient of "
+                                  "the sinks (a fifth value)")
     for position, name in enumerate(_GRADS):
         truth = _truth(fixture, name)
         if truth is None or position >= len(result) or result[position] is None:

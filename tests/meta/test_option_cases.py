@@ -75,3 +75,19 @@ def test_other_readings_fail_and_are_diagnosed(impl, name, label):
     result = check_fixture(impl, golden.build(catalogue.get(name)))
     assert result.verdict == "fail", f"{name}: {result.verdict} ({result.message})"
     assert any(label in d for d in result.diagnosis), f"{name}: diagnosis {result.diagnosis}"
+
+
+def test_vjp_without_dsinks_is_unsupported():
+    """A gradient case with sinks whose vjp returns no dsinks is never a pass."""
+    from oracle import catalogue, golden
+    from oracle.judge import check_fixture
+    from refattn.attention import attention, attention_vjp
+
+    def impl(q, k, v, **options):
+        return attention(q, k, v, **options)
+
+    impl.vjp = lambda q, k, v, grad_out, **options: tuple(
+        attention_vjp(q, k, v, grad_out, **options))[:4]
+    fixture = golden.build(catalogue.get("grad-sinks-H2K2-L8S12-D16E16-f64"))
+    result = check_fixture(impl, fixture, grads=True)
+    assert result.verdict == "unsupported" and "dsinks" in result.message, result.message
