@@ -28,7 +28,9 @@ q (batch, H, L, D), k (batch, K, S, D), v (batch, K, S, E) in the case dtype, pl
 recipe asks: ``mask`` (bool; (batch, 1, 1, S) for padding, (batch, H, L, S) otherwise),
 ``bias`` (case dtype; (batch, H, L, S), or (1, 1, L, S) when ``bias_shape="broadcast"``),
 ``dropout_mask`` (bool keep-mask, (batch, H, L, S)), ``alibi_slopes`` (case dtype, (H,)),
-``grad_out`` (batch, H, L, E) and ``grad_lse`` (batch, H, L) for gradient cases.
+``grad_out`` (batch, H, L, E) and ``grad_lse`` (batch, H, L) for gradient cases, ``sinks``
+(case dtype, (H,)), ``kv_lengths`` (int32, (batch,)) and the float32 descales (batch, K) of
+fp8 cases.
 
 Random numbers come from :mod:`oracle.catalogue.seeding` (SplitMix64 in counter mode keyed by
 sha256(seed, array name); Irwin-Hall Gaussians from integer sums; no ``numpy.random``
@@ -55,7 +57,12 @@ Recipe keys (``Case.recipe``)
 ("full" | "broadcast"), ``alibi`` (power-of-two slopes 2**-(1 + 8h // H)), ``dropout``
 (keep-mask drawn with P(keep) = 1 - dropout_p), ``poison`` ("nan" | "inf": written into every
 key/value position that no query may attend and into every excluded bias position),
-``grad_lse`` (a cotangent for lse too).
+``grad_lse`` (a cotangent for lse too), ``sinks`` ("gaussian": one logit per query head,
+``2 + 2 N(0, 1)`` in the case dtype), ``kv_lengths`` ("ragged": int32 lengths in [1, S] per
+batch row, the last S; "ragged-zero": the first 0, an empty cache), ``fp8`` ("e4m3fn" |
+"e5m2": q, k, v quantised per (batch, kv head) as FlashAttention 3's callers do, descale =
+amax / largest float8 in float32, stored as float8 with ``q_descale``, ``k_descale``,
+``v_descale`` (batch, K); the case dtype, bfloat16, is the truth's).
 """
 
 from __future__ import annotations
