@@ -4,7 +4,8 @@ An adapter is a callable ``impl(q, k, v, **options)`` that takes NumPy arrays of
 dtype (float64, float32, float16 or ``ml_dtypes.bfloat16``) and :func:`refattn.attention`'s
 keyword names, and returns ``out`` (..., H, L, E), or ``(out, lse)`` with ``lse`` (..., H, L)
 when ``return_lse=True``, as NumPy arrays. Adapters that can differentiate also expose
-``impl.vjp(q, k, v, grad_out, **options) -> (dq, dk, dv, dbias)``.
+``impl.vjp(q, k, v, grad_out, **options) -> (dq, dk, dv, dbias)`` (and a fifth value,
+dsinks (H,), where the peer takes sinks).
 
 Rules every adapter follows (the oracle must see the peer's real behaviour):
 

@@ -69,7 +69,8 @@ class _KernelAdapter(Adapter):
         return round_to(out, dtype), round_to(lse, dtype) if return_lse else None
 
     def vjp(self, q, k, v, grad_out, grad_lse=None, **options):
-        """(dq, dk, dv, dbias) in the input dtype; dbias has bias's own shape (or None)."""
+        """(dq, dk, dv, dbias, dsinks) in the input dtype (bfloat16 for float8 inputs); dbias
+        has bias's own shape, dsinks (H,) (None without bias / sinks)."""
         from refattn._broadcast import reduce_to
         from refattn._fold import fold, needs_fold
         from refattn._spec import check_cotangent
