@@ -27,7 +27,7 @@ from .catalogue import seeding
 from .catalogue.case import Case
 from .catalogue.names import ATTENTION_OPTIONS
 from .catalogue.variants import BOOL_INPUTS, call_refattn
-from .heads import alibi_bias, resolve_scale, with_heads
+from .heads import alibi_bias, dequantised, resolve_scale, with_heads
 from .tolerance import accumulation_dtype, allowed_positions
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "storage_accumulation_attention",
     "variant_float64_path",
     "variant_baseline",
+    "dequantised_inputs",
 ]
 
 
@@ -48,10 +49,49 @@ class Textbook(NamedTuple):
     lse: np.ndarray
     weights: np.ndarray
     allowed: np.ndarray
+    #: the sink's weight ``exp(sigma_h - lse_i)`` (..., H, L) with ``sinks``, else None
+    sink_weights: np.ndarray | None = None
+
+
+def _allowed(L, S, mask, bias, causal, window, align, kv_lengths):
+    """The allowed set; with ``kv_lengths`` (batch shape) each batch row's causal/window set
+    is aligned to its own key length and keys j >= S_b are excluded, (..., 1, L, S)."""
+    if kv_lengths is None:
+        return allowed_positions(L, S, mask=mask, bias=bias, causal=causal, window=window,
+                                 align=align)
+    lengths = np.asarray(kv_lengths)
+    rows = np.zeros(lengths.shape + (1, L, S), dtype=bool)
+    for index in np.ndindex(lengths.shape):
+        own = int(lengths[index])
+        rows[index][0, :, :own] = allowed_positions(L, own, causal=causal, window=window,
+                                                    align=align)
+    return rows & allowed_positions(L, S, mask=mask, bias=bias)
+
+
+def _alibi(alibi_slopes, L, S, align, kv_lengths):
+    if kv_lengths is None:
+        return alibi_bias(alibi_slopes, L, S, align)
+    lengths = np.asarray(kv_lengths)
+    planes = [alibi_bias(alibi_slopes, L, S, align, int(n)) for n in lengths.reshape(-1)]
+    return np.stack(planes).reshape(lengths.shape + planes[0].shape)
+
+
+def dequantised_inputs(q, k, v, options):
+    """float8 q, k, v dequantised exactly (float64) and the options without the descales;
+    other inputs are returned unchanged."""
+    if not any(np.asarray(x).dtype.name.startswith("float8") for x in (q, k, v)):
+        return q, k, v, options
+    gqa = options.get("gqa") or "interleave"
+    heads = with_heads(q, "q").shape[-3]
+    q = dequantised(q, options.get("q_descale"), heads, gqa)
+    k = dequantised(k, options.get("k_descale"))
+    v = dequantised(v, options.get("v_descale"))
+    rest = {n: x for n, x in options.items() if n not in ("q_descale", "k_descale", "v_descale")}
+    return q, k, v, rest
 
 
 def _scores(q, k, v, dtype, scale, bias, mask, causal, window, align, softcap, alibi_slopes,
-            gqa, softcap_order, allowed):
+            gqa, softcap_order, allowed, kv_lengths=None):
     """Final scores in the accumulation dtype (rounded through ``dtype`` at each stored stage),
     the allowed set and the pre-softcap capped scores (for the softcap derivative)."""
     acc = accumulation_dtype(dtype)
@@ -71,13 +111,12 @@ def _scores(q, k, v, dtype, scale, bias, mask, causal, window, align, softcap, a
         raw = np.where(poisoned_k[..., None, :], np.nan, raw)
         scores = stored(raw * acc.type(resolve_scale(scale, D)))
     if allowed is None:
-        allowed = allowed_positions(L, S, mask=mask, bias=bias, causal=causal, window=window,
-                                    align=align)
+        allowed = _allowed(L, S, mask, bias, causal, window, align, kv_lengths)
     additive = np.zeros((), dtype=acc)
     if bias is not None:
         additive = np.where(np.asarray(bias) == -np.inf, 0, np.asarray(bias, dtype=np.float64))
     if alibi_slopes is not None:
-        additive = additive + alibi_bias(alibi_slopes, L, S, align)
+        additive = additive + _alibi(alibi_slopes, L, S, align, kv_lengths)
     has_additive = bias is not None or alibi_slopes is not None
     capped = None
     with np.errstate(all="ignore"):
@@ -98,20 +137,30 @@ def _scores(q, k, v, dtype, scale, bias, mask, causal, window, align, softcap, a
     return scores, np.broadcast_to(allowed, scores.shape), capped
 
 
-def _softmax(scores, allowed, empty_rows, acc):
+def _softmax(scores, allowed, empty_rows, acc, sinks=None):
+    """Weights and lse; with ``sinks`` (H,) (taken in ``acc``) each row's normaliser has one
+    more term ``exp(sigma_h)`` with no value, and also the sink's weight is returned."""
     masked = np.where(allowed, scores, -np.inf)
     top = masked.max(axis=-1, keepdims=True)
     empty = ~allowed.any(axis=-1)
+    sink = None
+    if sinks is not None:  # a row with a sink is never empty: out 0, lse = the sink
+        sink = np.asarray(sinks, dtype=np.float64).astype(acc)[:, None, None]
+        top, empty = np.maximum(top, sink), np.zeros_like(empty)
     top = np.where(np.isfinite(top), top, 0)
     with np.errstate(all="ignore"):
         terms = np.where(allowed, np.exp(masked - top), 0)
         total = terms.sum(axis=-1, keepdims=True)
+        if sink is not None:
+            sink_term = np.exp(sink - top)
+            total = total + sink_term
+            sink = (sink_term / total)[..., 0].astype(acc)
         weights = terms / total
         lse = (top + np.log(total))[..., 0]
     fill = 0 if empty_rows == "zero" else np.nan
     weights = np.where(empty[..., None], fill, weights).astype(acc)
     lse = np.where(empty, -np.inf if empty_rows == "zero" else np.nan, lse).astype(acc)
-    return weights, lse
+    return weights, lse, sink
 
 
 def _weights_at_v(weights, v, acc):
@@ -134,7 +183,11 @@ def textbook_attention(q, k, v, *, dtype=None, softcap_order="before_bias", allo
     PyTorch's math path. ``dtype=None`` means q's dtype; "float64" gives an accurate float64
     evaluation (used for natural scales). ``options`` are refattn.attention's keywords.
     ``softcap_order`` ("before_bias" pinned, "after_bias", "after_mask") and ``allowed``
-    (an explicit allowed set) exist for the convention diagnosis.
+    (an explicit allowed set) exist for the convention diagnosis. ``sinks`` add
+    ``exp(sigma_h)`` to each row's normaliser (in the accumulation dtype; weights over the
+    keys only, the sink's own in ``sink_weights``), ``kv_lengths`` exclude keys j >= S_b and
+    align each batch row to its own length, float8 q, k, v are dequantised exactly with
+    their descales first (then taken in the accumulation dtype like any input).
 
     Examples
     --------
@@ -147,6 +200,7 @@ def textbook_attention(q, k, v, *, dtype=None, softcap_order="before_bias", allo
     unknown = set(options) - set(ATTENTION_OPTIONS)
     if unknown:
         raise TypeError(f"textbook_attention: unknown options {sorted(unknown)}")
+    q, k, v, options = dequantised_inputs(q, k, v, options)
     opt = {name: options.get(name) for name in ATTENTION_OPTIONS}
     dtype = np.asarray(q).dtype if dtype is None else dtype
     store = format_of(dtype).dtype
@@ -155,17 +209,19 @@ def textbook_attention(q, k, v, *, dtype=None, softcap_order="before_bias", allo
     scores, allowed, _ = _scores(
         q, k, v, dtype, opt["scale"], opt["bias"], opt["mask"], bool(opt["causal"]),
         opt["window"], opt["align"] or "top_left", opt["softcap"], opt["alibi_slopes"],
-        opt["gqa"] or "interleave", softcap_order, allowed)
-    weights, lse = _softmax(scores, allowed, opt["empty_rows"] or "zero", acc)
+        opt["gqa"] or "interleave", softcap_order, allowed, opt["kv_lengths"])
+    weights, lse, sink = _softmax(scores, allowed, opt["empty_rows"] or "zero", acc,
+                                  opt["sinks"])
     weights = weights.astype(store).astype(acc)
     dropped = _dropped(weights, opt["dropout_mask"], opt["dropout_p"] or 0.0, acc, store)
     H = scores.shape[-3]
     v_h = expand_kv(with_heads(v, "v"), H, opt["gqa"] or "interleave")
     out = _weights_at_v(dropped, v_h, acc)
-    result = Textbook(out.astype(store), lse.astype(store), weights.astype(store), allowed)
+    result = Textbook(out.astype(store), lse.astype(store), weights.astype(store), allowed,
+                      None if sink is None else sink.astype(store))
     if squeeze:
-        result = Textbook(*(x[..., 0, :, :] if x.ndim >= 3 and i != 1 else x[..., 0, :]
-                            for i, x in enumerate(result)))
+        result = Textbook(*(x if x is None else x[..., 0, :, :] if x.ndim >= 3 and i != 1
+                            else x[..., 0, :] for i, x in enumerate(result)))
     return result
 
 
@@ -178,16 +234,18 @@ def _dropped(weights, dropout_mask, dropout_p, acc, store):
 
 
 def textbook_attention_vjp(q, k, v, grad_out, *, grad_lse=None, dtype=None, **options):
-    """Textbook backward in ``dtype`` (float32 accumulation for half types): (dq, dk, dv, dbias).
+    """Textbook backward in ``dtype`` (float32 accumulation for half types): (dq, dk, dv, dbias,
+    dsinks) (dbias None without bias, dsinks (H,) None without sinks).
 
     ``Delta_i = sum_j P_ij dP_ij``; ``dS = P (dP - Delta + grad_lse)``; softcap's derivative
     ``1 - (t/c)^2``; dk, dv folded over the heads sharing a kv head and every gradient summed
     to its input's shape. Empty rows get zero gradients.
     """
-    opt = {name: options.get(name) for name in ATTENTION_OPTIONS}
     unknown = set(options) - set(ATTENTION_OPTIONS)
     if unknown:
         raise TypeError(f"textbook_attention_vjp: unknown options {sorted(unknown)}")
+    q, k, v, options = dequantised_inputs(q, k, v, options)
+    opt = {name: options.get(name) for name in ATTENTION_OPTIONS}
     dtype = np.asarray(q).dtype if dtype is None else dtype
     store = format_of(dtype).dtype
     acc = accumulation_dtype(dtype)
@@ -202,8 +260,8 @@ def textbook_attention_vjp(q, k, v, grad_out, *, grad_lse=None, dtype=None, **op
     scores, allowed, capped = _scores(
         q, k, v, dtype, opt["scale"], opt["bias"], opt["mask"], bool(opt["causal"]),
         opt["window"], opt["align"] or "top_left", opt["softcap"], opt["alibi_slopes"], gqa,
-        "before_bias", None)
-    weights, _ = _softmax(scores, allowed, "zero", acc)
+        "before_bias", None, opt["kv_lengths"])
+    weights, _, sink = _softmax(scores, allowed, "zero", acc, opt["sinks"])
     weights = stored(weights)
     dO = with_heads(grad_out, "grad_out").astype(acc)
     k_h = expand_kv(k3, H, gqa).astype(acc)
@@ -218,6 +276,11 @@ def textbook_attention_vjp(q, k, v, grad_out, *, grad_lse=None, dtype=None, **op
         dS = dP - delta
         if grad_lse is not None:
             dS = dS + np.asarray(grad_lse, dtype=acc)[..., None]
+        dsinks = None
+        if sink is not None:  # d/d sigma_h = sum over batch and rows of w_sink (g_lse - Delta)
+            lse_part = 0 if grad_lse is None else np.asarray(grad_lse, dtype=acc)
+            per_row = with_heads(stored(sink) * (lse_part - delta[..., 0]), "dsinks")
+            dsinks = per_row.reshape((-1,) + per_row.shape[-2:]).sum(axis=(0, 2)).astype(store)
         dS = stored(weights * dS)
         dS_raw = dS
         if opt["softcap"] is not None:
@@ -233,7 +296,7 @@ def textbook_attention_vjp(q, k, v, grad_out, *, grad_lse=None, dtype=None, **op
         dbias = reduce_to(dS, np.shape(opt["bias"])).astype(store)
     return (reduce_to(dq, np.shape(q)).astype(store),
             reduce_to(dk, np.shape(k)).astype(store),
-            reduce_to(dv, np.shape(v)).astype(store), dbias)
+            reduce_to(dv, np.shape(v)).astype(store), dbias, dsinks)
 
 
 def storage_accumulation_attention(q, k, v, options, dtype,
@@ -246,14 +309,20 @@ def storage_accumulation_attention(q, k, v, options, dtype,
     failing output that is no worse than this is diagnosed as such.
     """
     store = format_of(dtype).dtype
+    q, k, v, options = dequantised_inputs(q, k, v, options)
     o = {name: options.get(name) for name in ATTENTION_OPTIONS}
     scores, allowed, _ = _scores(
         q, k, v, dtype, o["scale"], o["bias"], o["mask"], bool(o["causal"]), o["window"],
         o["align"] or "top_left", o["softcap"], o["alibi_slopes"], o["gqa"] or "interleave",
-        "before_bias", None)
+        "before_bias", None, o["kv_lengths"])
     with np.errstate(all="ignore"):
         masked = np.where(allowed, scores, -np.inf)
         top = masked.max(axis=-1, keepdims=True)
+        if o["sinks"] is not None:  # the sink: one more normaliser term, no value
+            sink = np.asarray(o["sinks"], dtype=np.float64)[:, None, None]
+            top = np.maximum(top, sink)
+            masked = np.concatenate([masked, np.broadcast_to(sink, top.shape)], axis=-1)
+            allowed = np.concatenate([allowed, np.ones(top.shape, dtype=bool)], axis=-1)
         terms = np.where(allowed, np.exp(masked - np.where(np.isfinite(top), top, 0)), 0)
         terms = terms.astype(store)
         if "normaliser" in sums:
@@ -261,6 +330,8 @@ def storage_accumulation_attention(q, k, v, options, dtype,
         else:
             total = terms.astype(np.float32).sum(axis=-1, keepdims=True)
         weights = (terms / total).astype(store)
+        if o["sinks"] is not None:
+            weights = weights[..., :-1]
         if o["dropout_mask"] is not None:
             keep = np.asarray(o["dropout_mask"], dtype=bool)
             weights = (np.where(keep, weights, 0) / (1 - (o["dropout_p"] or 0.0))).astype(store)

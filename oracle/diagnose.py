@@ -24,6 +24,10 @@ label                              alternative
 ``window=(l+-1, r)`` (etc.)        inclusive/exclusive window bounds
 ``causal excludes the diagonal``   ``j < i + offset`` (and the converse, one key more)
 ``bias ignored``, ``ALiBi ignored`` the additive term dropped
+``sinks ignored``                  no sink term in the normaliser
+``kv_lengths as a key-padding      causal/window aligned to the padded S (a padding mask)
+mask``                             instead of each row's own length (FlashAttention's
+                                   KV-cache reading, which refattn pins)
 =================================  ==========================================================
 
 Single alternatives are tried first; when none fits, pairs (lowerings often get several wrong
@@ -159,7 +163,26 @@ def alternatives(options, *, H, K, L, S, D, E, has_empty, has_excluded) -> list[
     if options.get("alibi_slopes") is not None:
         found.append(Alternative("ALiBi ignored", frozenset({"alibi_slopes"}),
                                  _set(alibi_slopes=None)))
+    if options.get("sinks") is not None:
+        found.append(Alternative("sinks ignored", frozenset({"sinks"}), _set(sinks=None)))
+    if options.get("kv_lengths") is not None and (causal or window is not None) \
+            and align == "bottom_right":
+        found.append(Alternative("kv_lengths as a key-padding mask (causal/window aligned to "
+                                 "the padded S, not to each row's length)",
+                                 frozenset({"kv_lengths", "mask"}), _padding_reading(S)))
     return found
+
+
+def _padding_reading(S):
+    """kv_lengths read as a plain key-padding mask (keys j >= S_b excluded, alignment to S)."""
+    def apply(options, extras):
+        lengths = np.asarray(options["kv_lengths"])
+        padding = (np.arange(S)[None, :] < lengths.reshape(-1, 1)).reshape(
+            lengths.shape + (1, 1, S))
+        mask = options.get("mask")
+        mask = padding if mask is None else np.asarray(mask, dtype=bool) & padding
+        return {**options, "kv_lengths": None, "mask": mask}, extras
+    return apply
 
 
 def _alternative_out(q, k, v, options, extras):

@@ -9,6 +9,7 @@ __all__ = ["HEADLINE_FEATURES", "SHAPE_CLASSES", "KNOWN_FEATURES", "LONG_ROWS",
 SHAPE_CLASSES = ("single-query", "L<S", "L=S", "L>S", "long-rows", "batched")
 KNOWN_FEATURES = ("causal", "align-bottom-right", "window", "mask", "bias", "gqa", "softcap",
                   "dropout", "alibi", "scale", "empty-rows-nan", "poison", "gradients",
+                  "sinks", "kv-lengths", "fp8",
                   "single-query", "L<S", "L=S", "L>S", "long-rows", "batched")
 
 #: features whose absence from a run is reported prominently (and fails it with --require)
@@ -22,7 +23,8 @@ def case_features(case, grads=False, inputs=()) -> tuple[list[str], list[str]]:
     names of its arrays (a fixture's ``inputs``: mask, bias, alibi_slopes...).
 
     Features: causal, align-bottom-right, window, mask, bias, gqa, softcap, dropout, alibi,
-    scale, empty-rows-nan, poison (robustness), gradients (only when ``grads`` is asked).
+    scale, empty-rows-nan, poison (robustness), gradients (only when ``grads`` is asked),
+    sinks, kv-lengths, fp8 (float8 q, k, v with descales).
     Shape classes: single-query (L = 1), L<S, L=S, L>S, long-rows (S >= 512), batched (B > 1).
     Variant cases give their function name as the only feature.
     """
@@ -39,7 +41,9 @@ def case_features(case, grads=False, inputs=()) -> tuple[list[str], list[str]]:
                           ("dropout_p", "dropout"), ("scale", "scale")):
         if options.get(name):
             features.append(feature)
-    for name, feature in (("mask", "mask"), ("bias", "bias"), ("alibi_slopes", "alibi")):
+    for name, feature in (("mask", "mask"), ("bias", "bias"), ("alibi_slopes", "alibi"),
+                          ("sinks", "sinks"), ("kv_lengths", "kv-lengths"),
+                          ("q_descale", "fp8")):
         if name in inputs:
             features.append(feature)
     if n.H != n.K:

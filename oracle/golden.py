@@ -11,15 +11,18 @@ File format (schema version 1)
 readable by ``numpy.load(path, allow_pickle=False)`` or any npy reader:
 
 * ``inputs/<name>``: q, k, v and, as the case needs, mask, bias, dropout_mask, alibi_slopes,
-  grad_out, grad_lse;
+  sinks, kv_lengths (int32), q_descale, k_descale, v_descale (float32), grad_out, grad_lse;
 * ``truth/<name>``: out, out_f64, lse, lse_f64 and, for gradient cases, dq, dk, dv (dbias when
-  the case has a bias) with their ``_f64`` twins. ``out``/``lse``/``d*`` are in the case dtype;
+  the case has a bias, dsinks when it has sinks) with their ``_f64`` twins.
+  ``out``/``lse``/``d*`` are in the case dtype;
 * ``case``: the case spec (0-d unicode array holding JSON, see :meth:`oracle.catalogue.Case.spec`);
 * ``options``: the scalar keywords to pass to an implementation (0-d unicode array of JSON);
   the array keywords (mask, bias, dropout_mask, alibi_slopes) are the ``inputs/`` members;
 * ``meta``: JSON with the schema version, the truth kind and ``bfloat16``, the list of members
   stored as their uint16 bit patterns (npy has no bfloat16 type; view them as
-  ``ml_dtypes.bfloat16``, which :func:`load` does).
+  ``ml_dtypes.bfloat16``, which :func:`load` does); fixtures with float8 inputs (the fp8
+  cases) also have ``float8_e4m3fn`` / ``float8_e5m2``: members stored as uint8 bit patterns,
+  to view as that ml_dtypes type.
 
 Bytes are a pure function of the case: members are sorted, every ZIP date is 1980-01-01, the npy
 headers are written here (not by the installed NumPy), JSON has sorted keys and Python's
@@ -125,8 +128,8 @@ class Fixture:
         its array options (the same objects as in ``inputs``).
     truth : dict of str to ndarray
         "out", "lse" in the case dtype and "out_f64", "lse_f64" (the exact values rounded to
-        float64); for gradient cases "dq", "dk", "dv" and, with a bias, "dbias", each with a
-        "_f64" twin.
+        float64); for gradient cases "dq", "dk", "dv" and, with a bias, "dbias" (with sinks,
+        "dsinks"), each with a "_f64" twin.
     truth_kind : str
         "exact-ziv": correctly rounded by refattn's exact path.
     """
@@ -170,7 +173,7 @@ def _attention_truth(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, 
         if case.grads:
             grads = attention_vjp(q, k, v, inputs["grad_out"], grad_lse=inputs.get("grad_lse"),
                                   **options, precision="exact", out_dtype=dtype)
-            for name in ("dq", "dk", "dv", "dbias"):
+            for name in ("dq", "dk", "dv", "dbias", "dsinks"):
                 value = getattr(grads, name)
                 if value is not None:
                     truth[name + suffix] = value
@@ -249,29 +252,36 @@ def _npz_bytes(members: Mapping[str, np.ndarray]) -> bytes:
     return buffer.getvalue()
 
 
-def _storable(array: np.ndarray) -> tuple[np.ndarray, bool]:
+#: The ml_dtypes formats npy cannot name, stored as their bit patterns (uint16 / uint8) and
+#: listed under their name in the ``meta`` member.
+_BIT_PATTERN_DTYPES = {"bfloat16": np.uint16, "float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8}
+
+
+def _storable(array: np.ndarray) -> tuple[np.ndarray, str | None]:
     array = np.asarray(array)
-    if array.dtype == np.dtype(ml_dtypes.bfloat16):
-        return array.view(np.uint16), True
-    return array, False
+    if array.dtype.name in _BIT_PATTERN_DTYPES:
+        return array.view(_BIT_PATTERN_DTYPES[array.dtype.name]), array.dtype.name
+    return array, None
 
 
 def fixture_bytes(fixture: Fixture) -> bytes:
     """The exact bytes of a fixture's .npz file."""
     members: dict[str, np.ndarray] = {}
-    bfloat16 = []
+    listed: dict[str, list[str]] = {"bfloat16": []}
     for group, arrays in (("inputs", fixture.inputs), ("truth", fixture.truth)):
         for name, array in arrays.items():
             key = f"{group}/{name}"
-            members[key], is_bf16 = _storable(array)
-            if is_bf16:
-                bfloat16.append(key)
+            members[key], kind = _storable(array)
+            if kind is not None:
+                listed.setdefault(kind, []).append(key)
     members["case"] = _json_member(fixture.case.spec())
     members["options"] = _json_member(fixture.case.spec()["options"])
+    # "bfloat16" is always present; a float8 list only when the fixture has float8 members
+    # (so the bytes of fixtures without them are those of earlier releases)
     members["meta"] = _json_member({
         "schema_version": SCHEMA_VERSION,
         "truth_kind": fixture.truth_kind,
-        "bfloat16": sorted(bfloat16),
+        **{kind: sorted(keys) for kind, keys in listed.items()},
     })
     return _npz_bytes(members)
 
@@ -761,8 +771,9 @@ def _parse_fixture(path: Path) -> Fixture:
     meta = json.loads(str(members.pop("meta")))
     case = Case.from_spec(json.loads(str(members.pop("case"))))
     members.pop("options")
-    for key in meta.get("bfloat16", []):
-        members[key] = members[key].view(ml_dtypes.bfloat16)
+    for kind in _BIT_PATTERN_DTYPES:
+        for key in meta.get(kind, []):
+            members[key] = members[key].view(getattr(ml_dtypes, kind))
     inputs = {k.split("/", 1)[1]: a for k, a in members.items() if k.startswith("inputs/")}
     truth = {k.split("/", 1)[1]: a for k, a in members.items() if k.startswith("truth/")}
     return Fixture(case=case, inputs=inputs, options=call_options(case, inputs), truth=truth,

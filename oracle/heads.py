@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-__all__ = ["with_heads", "alibi_bias", "resolve_scale"]
+__all__ = ["with_heads", "alibi_bias", "resolve_scale", "dequantised"]
 
 
 def with_heads(x, name):
@@ -30,9 +30,12 @@ def with_heads(x, name):
     return x if x.ndim > 2 else x[None]
 
 
-def alibi_bias(slopes, L, S, align):
-    """ALiBi's additive bias ``-slope_h |i + o - j|``, (..., H, L, S), in float64."""
-    offset = 0 if align == "top_left" else S - L
+def alibi_bias(slopes, L, S, align, length=None):
+    """ALiBi's additive bias ``-slope_h |i + o - j|``, (..., H, L, S), in float64.
+
+    ``length``: the row's own key length S_b (``kv_lengths``), to which bottom_right aligns
+    (o = S_b - L); S by default."""
+    offset = 0 if align == "top_left" else (S if length is None else int(length)) - L
     dist = np.abs(np.arange(L)[:, None] + offset - np.arange(S)[None, :]).astype(np.float64)
     slopes = np.asarray(slopes, dtype=np.float64)
     return -slopes[..., None, None] * dist
@@ -41,3 +44,22 @@ def alibi_bias(slopes, L, S, align):
 def resolve_scale(scale, D):
     """The score scale: ``1 / sqrt(D)`` when ``scale`` is None."""
     return 1.0 / math.sqrt(D) if scale is None else float(scale)
+
+
+def dequantised(x, descale, heads=None, gqa="interleave"):
+    """float8 ``x`` (..., X, N, M) times its float32 ``descale`` (..., K) as float64 (exact:
+    4 significant bits times 24 fit in float64's 53). ``heads`` = H for q, whose head h uses
+    the factor of the kv head it reads; other arrays (and ``descale=None``) pass through
+    unless float8 (then taken as float64 values)."""
+    x = np.asarray(x)
+    if not x.dtype.name.startswith("float8"):
+        return x
+    values = x.astype(np.float64)
+    if descale is None:
+        return values
+    factor = np.asarray(descale, dtype=np.float64)[..., :, None, None]
+    if heads is not None and factor.shape[-3] != heads:
+        from refattn._broadcast import expand_kv
+
+        factor = expand_kv(factor, heads, gqa or "interleave")
+    return values * factor

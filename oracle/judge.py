@@ -15,8 +15,10 @@ oracle first adds ``return_lse=True``; an implementation that rejects that keywo
 naming it) or raises NotImplementedError for it is called again without it and its lse is not
 checked. It returns ``out`` or ``(out, lse)``. Gradients (``grads=True``, cases that carry
 them) come from ``impl.vjp(q, k, v, grad_out, [grad_lse=...,] **options) -> (dq, dk, dv[,
-dbias])``. Variants: ``impl(**inputs, **options)`` with the refattn function's parameter names
-(see :mod:`oracle.catalogue.variants`).
+dbias[, dsinks]])`` (dsinks (H,) for cases with sinks). Variants: ``impl(**inputs,
+**options)`` with the refattn function's parameter names (see :mod:`oracle.catalogue.variants`).
+float8 inputs (fp8 cases) are passed as stored, with their ``q_descale``/``k_descale``/
+``v_descale``; the output is judged in the case dtype (bfloat16).
 
 Verdicts
 --------
@@ -49,6 +51,7 @@ import numpy as np
 from . import diagnose as _diagnose
 from . import tolerance as tol
 from .baseline import (
+    dequantised_inputs,
     storage_accumulation_attention,
     textbook_attention,
     textbook_attention_vjp,
@@ -60,7 +63,7 @@ from .variant_scales import condition, natural_scale
 
 __all__ = ["check_fixture", "run_guarded", "call_forward"]
 
-_GRADS = ("dq", "dk", "dv", "dbias")
+_GRADS = ("dq", "dk", "dv", "dbias", "dsinks")
 
 
 def _refattn_defaults() -> dict:
@@ -187,6 +190,9 @@ class _Context:
         inputs, options = fixture.inputs, fixture.options
         self.q, self.k, self.v = inputs["q"], inputs["k"], inputs["v"]
         self.options = {n: x for n, x in options.items() if n != "return_lse"}
+        # float8 inputs: every scale, floor and baseline is of the dequantised values
+        self.q, self.k, self.v, self.options = dequantised_inputs(self.q, self.k, self.v,
+                                                                  self.options)
         self.dtype = fixture.case.dtype
         self.exact64 = textbook_attention(self.q, self.k, self.v, dtype="float64",
                                           **self.options)
@@ -283,15 +289,19 @@ def _check_grads(ctx, fixture, impl, checks):
     inputs = fixture.inputs
     grad_out, grad_lse = inputs.get("grad_out"), inputs.get("grad_lse")
     extra = {} if grad_lse is None else {"grad_lse": np.copy(grad_lse)}
-    options = passed_options(ctx.options)
-    result = impl.vjp(np.copy(ctx.q), np.copy(ctx.k), np.copy(ctx.v), np.copy(grad_out),
-                      **extra, **options)
+    options = passed_options({n: x for n, x in fixture.options.items() if n != "return_lse"})
+    result = impl.vjp(np.copy(inputs["q"]), np.copy(inputs["k"]), np.copy(inputs["v"]),
+                      np.copy(grad_out), **extra, **options)
     result = tuple(result)
     scales = tol.grad_scales(ctx.q, ctx.k, ctx.v, grad_out, ctx.exact64.weights, ctx.dropped,
-                             grad_lse=grad_lse, **ctx.options)
+                             grad_lse=grad_lse, sink_weights=ctx.exact64.sink_weights,
+                             **ctx.options)
     base = textbook_attention_vjp(ctx.q, ctx.k, ctx.v, grad_out, grad_lse=grad_lse,
                                   dtype=ctx.dtype, **ctx.options)
     floor = ctx.floors(sum(np.size(r) for r in result if r is not None))["grad"]
+    if _truth(fixture, "dsinks") is not None and (len(result) < 5 or result[4] is None):
+        raise NotImplementedError("dsinks: the implementation's vjp returns no gradient of "
+                                  "the sinks (a fifth value)")
     for position, name in enumerate(_GRADS):
         truth = _truth(fixture, name)
         if truth is None or position >= len(result) or result[position] is None:

@@ -69,6 +69,30 @@ def test_exact_matches_loop_twin(seed, options, dtype, with_sinks, with_lengths)
     assert_exact(lse, want_lse, what="lse", case=f"{options} sinks={sinks} lengths={lengths}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sink_with_a_fully_masked_row_matches_loop_twin(dtype):
+    """A mask that empties a row (and a GQA group): with a sink the row gives out 0 and
+    lse = the sink, exactly, and every other row is the loop twin's."""
+    q, k, v, rng = _inputs(3, heads=4, kv_heads=2)
+    mask = rng.random((2, 4, 3, 7)) < 0.7
+    mask[:, :, 1] = False
+    sinks = rng.standard_normal(4) * 2
+    out, lse = refattn.attention(q, k, v, mask=mask, sinks=sinks, causal=True,
+                                 align="bottom_right", return_lse=True, precision="exact",
+                                 out_dtype=dtype)
+    outs, lses = [], []
+    for b in range(2):
+        row = {"mask": mask[b], "sinks": sinks, "causal": True, "align": "bottom_right"}
+        o, m, _ = naive_attention_rounded(q[b], k[b], v[b], row, dtype)
+        outs.append(o)
+        lses.append(m)
+    assert_exact(out, np.stack(outs), what="out", case=f"sink, masked row, {dtype}")
+    assert_exact(lse, np.stack(lses), what="lse", case=f"sink, masked row, {dtype}")
+    assert (np.asarray(out, np.float64)[:, :, 1] == 0).all()
+    if dtype == "float64":  # lse of the empty row is the sink itself
+        assert_exact(lse[:, :, 1], np.broadcast_to(sinks, (2, 4)), what="lse", case=dtype)
+
+
 @pytest.mark.parametrize("options", OPTION_SETS, ids=str)
 def test_float64_inside_its_bound(options):
     q, k, v, rng = _inputs(7)

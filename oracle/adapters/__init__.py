@@ -4,7 +4,8 @@ An adapter is a callable ``impl(q, k, v, **options)`` that takes NumPy arrays of
 dtype (float64, float32, float16 or ``ml_dtypes.bfloat16``) and :func:`refattn.attention`'s
 keyword names, and returns ``out`` (..., H, L, E), or ``(out, lse)`` with ``lse`` (..., H, L)
 when ``return_lse=True``, as NumPy arrays. Adapters that can differentiate also expose
-``impl.vjp(q, k, v, grad_out, **options) -> (dq, dk, dv, dbias)``.
+``impl.vjp(q, k, v, grad_out, **options) -> (dq, dk, dv, dbias)`` (and a fifth value,
+dsinks (H,), where the peer takes sinks).
 
 Rules every adapter follows (the oracle must see the peer's real behaviour):
 
@@ -22,6 +23,10 @@ Rules every adapter follows (the oracle must see the peer's real behaviour):
 * A value is never rounded on its way to the peer. An option whose value the peer can only
   take in a narrower format (ONNX's 32-bit ``scale`` and ``softcap`` attributes, a float bias
   in another dtype than q) is passed when it converts exactly and is unsupported otherwise.
+* float8 inputs reach no peer here (an adapter would have to dequantise them: another
+  problem); sinks reach only peers with an attention-sink input; ``kv_lengths`` is mapped to
+  a peer's per-row key lengths or, where the adapter can state the same allowed set exactly,
+  to a boolean mask (see each module's table).
 * ALiBi is unsupported by every peer here: folding it into a float bias would round the bias
   to the case dtype (a float16 bias of ``-slope * |i - j|`` is not the exact ALiBi term), so
   the oracle would judge the adapter's rounding, not the peer.
@@ -34,6 +39,8 @@ Adapters (:func:`get` by name, :func:`available` for the importable ones; pip ex
 * ``torch``: torch.nn.functional.scaled_dot_product_attention on the CPU (``refattn[torch]``);
 * ``jax``: jax.nn.dot_product_attention, xla implementation (``refattn[jax]``);
 * ``onnxruntime``: an ONNX ``Attention`` node (opset 24) in onnxruntime (``refattn[onnx]``);
+* ``onnxruntime-gqa``: onnxruntime's contrib ``GroupQueryAttention`` (KV cache: per-row
+  cache lengths, attention sinks; causal bottom-right only) (``refattn[onnx]``);
 * ``onnx-reference``: an ONNX ``Attention`` node (newest opset) in onnx.reference
   (``refattn[onnx]``);
 * ``refattn-float64`` / ``refattn-exact``: refattn.attention's own paths (no extra);
@@ -93,6 +100,9 @@ _REGISTRY = {
     ),
     "onnx-reference": _Entry(
         "oracle.adapters.onnx_reference", "OnnxReferenceAttention", "onnx", "onnx"
+    ),
+    "onnxruntime-gqa": _Entry(
+        "oracle.adapters.onnxruntime_gqa", "OnnxRuntimeGQA", "onnxruntime", "onnx"
     ),
     "refattn-float64": _Entry("oracle.adapters.refattn_numpy", "RefattnFloat64", "refattn", None),
     "refattn-exact": _Entry("oracle.adapters.refattn_numpy", "RefattnExact", "refattn", None),
@@ -192,6 +202,8 @@ class Adapter:
     peer = "peer"
     #: What the peer does with rows that have no allowed key, as measured (informational).
     fully_masked_rows = "unknown"
+    #: Whether float8 q, k, v (with q_descale, k_descale, v_descale) reach the peer as such.
+    takes_float8 = False
 
     def __call__(self, q, k, v, **options):
         spec, return_lse = self._canonical(q, k, v, options)
@@ -218,6 +230,10 @@ class Adapter:
                 f"{self.name}: q, k, v must share one dtype, got "
                 f"{[np.asarray(a).dtype.name for a in (q, k, v)]}"
             )
+        (dtype,) = dtypes
+        if dtype.name.startswith("float8") and not self.takes_float8:
+            self.unsupported("q", f"<{dtype.name}>", "no float8 inputs with descale factors "
+                             "(dequantising them here would hand it another problem)")
         spec = canonicalize(q, k, v, **options)
         if spec.empty_rows == "nan" and has_empty_rows(spec):
             self.unsupported(
@@ -254,13 +270,20 @@ def alignment_matters(spec) -> bool:
 
 
 def reject_common(
-    adapter: Adapter, spec, *, softcap=False, window=False, lse=None, return_lse=False
+    adapter: Adapter, spec, *, softcap=False, window=False, lse=None, return_lse=False,
+    sinks=False, kv_lengths=False
 ) -> None:
     """Raise NotImplementedError for the options most peers lack.
 
-    ``softcap`` / ``window``: whether the peer takes them; ``lse``: whether it returns lse.
-    ALiBi, caller-given dropout masks and ``gqa="tile"`` (with H != K) are never supported.
+    ``softcap`` / ``window`` / ``sinks`` / ``kv_lengths``: whether the peer takes them;
+    ``lse``: whether it returns lse. ALiBi, caller-given dropout masks and ``gqa="tile"``
+    (with H != K) are never supported.
     """
+    if spec.sinks is not None and not sinks:
+        adapter.unsupported("sinks", "<logits>", "no attention-sink option (a logit in every "
+                            "row's normaliser with no value)")
+    if spec.kv_lengths is not None and not kv_lengths:
+        adapter.unsupported("kv_lengths", spec.kv_lengths.tolist(), "no per-row key lengths")
     if spec.alibi_slopes is not None:
         adapter.unsupported(
             "alibi_slopes",

@@ -16,10 +16,13 @@ window (l, r)      ``local_window_size=(l, r)`` (top-left; an unbounded side bec
                    L + S, wider than the sequence, which is the same allowed set)
 gqa interleave     native (JAX reshapes query heads as (K, G): head h reads h // G)
 return_lse         ``return_residual=True`` (the residual is JAX's logsumexp)
+kv_lengths         ``key_value_seq_lengths=`` (keys j >= S_b masked), without causal/window
+                   or with top_left alignment (JAX's masks have no per-row offset)
 =================  ==================================================================
 
-Unsupported (NotImplementedError): softcap, ALiBi, dropout, ``gqa="tile"``, E != D, and
-``align="bottom_right"`` with L != S for causal or window (JAX has no alignment option).
+Unsupported (NotImplementedError): softcap, ALiBi, dropout, ``gqa="tile"``, E != D,
+``align="bottom_right"`` with L != S for causal or window (JAX has no alignment option), so
+also kv_lengths with a bottom_right causal or window, sinks, float8 inputs.
 
 Measured behaviour passed through unchanged (``jax`` 0.10):
 
@@ -64,14 +67,24 @@ class JaxDotProductAttention(Adapter):
         jax.config.update("jax_enable_x64", True)
 
     def _check(self, spec, return_lse):
-        reject_common(self, spec, window=True, lse=True, return_lse=return_lse)
+        reject_common(self, spec, window=True, lse=True, return_lse=return_lse,
+                      kv_lengths=True)
+        if spec.kv_lengths is not None and spec.align == "bottom_right" and (
+                spec.causal or spec.window is not None):
+            self.unsupported(
+                "kv_lengths",
+                spec.kv_lengths.tolist(),
+                "its causal and window masks are top-left; key_value_seq_lengths cannot align "
+                "each row to its own length",
+            )
         if spec.v.shape[-1] != spec.q.shape[-1]:
             self.unsupported(
                 "v",
                 f"E={spec.v.shape[-1]} != D={spec.q.shape[-1]}",
                 "value must have the key's shape",
             )
-        if spec.offset != 0 and (spec.causal or spec.window is not None):
+        if spec.kv_lengths is None and spec.offset != 0 and (
+                spec.causal or spec.window is not None):
             self.unsupported(
                 "align",
                 spec.align,
@@ -86,9 +99,10 @@ class JaxDotProductAttention(Adapter):
             wide = length + keys
             window = tuple(wide if side is None else side for side in spec.window)
         mask = None if spec.mask is None else jnp.asarray(spec.mask)
+        lengths = None if spec.kv_lengths is None else jnp.asarray(spec.kv_lengths, jnp.int32)
         # float16 runs eagerly: jax 0.10's own fallback for it only works outside jit.
         attend = _attend if q.dtype == jnp.float16 else _attend_jit
-        return attend(q, k, v, bias, mask, spec.scale, spec.causal, window, return_lse)
+        return attend(q, k, v, bias, mask, lengths, spec.scale, spec.causal, window, return_lse)
 
     def _forward(self, spec, return_lse):
         self._check(spec, return_lse)
@@ -138,7 +152,7 @@ class JaxDotProductAttention(Adapter):
         return tuple(None if g is None else np.asarray(g) for g in grads)
 
 
-def _attend(q, k, v, bias, mask, scale, is_causal, window, return_lse):
+def _attend(q, k, v, bias, mask, kv_lengths, scale, is_causal, window, return_lse):
     """jax.nn.dot_product_attention in the (B, H, L, D) layout.
 
     Run under ``jax.jit`` (:data:`_attend_jit`) except for float16: jit-compiled, jax 0.10
@@ -154,6 +168,7 @@ def _attend(q, k, v, bias, mask, scale, is_causal, window, return_lse):
         mask=mask,
         scale=scale,
         is_causal=is_causal,
+        key_value_seq_lengths=kv_lengths,
         local_window_size=window,
         implementation="xla",
         return_residual=return_lse,
@@ -165,4 +180,4 @@ def _attend(q, k, v, bias, mask, scale, is_causal, window, return_lse):
 
 
 #: The jit-compiled call (one compilation per shapes, dtype and options; static options).
-_attend_jit = jax.jit(_attend, static_argnums=(5, 6, 7, 8))
+_attend_jit = jax.jit(_attend, static_argnums=(6, 7, 8, 9))

@@ -25,10 +25,15 @@ align bottom_right ``nonpad_kv_seqlen = [S] * B`` (opset >= 24): the spec's caus
 window (l, r)      ``left_window_size``/``right_window_size`` (-1 = unbounded) where the
                    opset defines them (25); unsupported in opset 24
 GQA (interleave)   4-D inputs with K | H kv heads (the spec maps head h to kv head h // G)
+kv_lengths         ``nonpad_kv_seqlen = kv_lengths``: keys j >= S_b excluded, frontier
+                   ``j <= i + S_b - L`` (bottom_right aligned to each row's length, as refattn
+                   reads it); with causal/window and top_left only when every S_b = L
 =================  ==================================================================
 
 Unsupported (NotImplementedError): return_lse (the op returns no lse), ALiBi, dropout,
-``gqa="tile"``, a scale or softcap that is not a float32, a bias not in q's dtype.
+``gqa="tile"``, a scale or softcap that is not a float32, a bias not in q's dtype, sinks (the
+``Attention`` op has no sink input; onnxruntime's contrib GroupQueryAttention has one, see
+:mod:`oracle.adapters.onnxruntime_gqa`), float8 inputs.
 
 What the peers do that differs from refattn is passed through unchanged and reported by the
 oracle (see ``tools/measure_peers.py``): softcap order relative to the bias (onnx issue #7865:
@@ -131,7 +136,8 @@ class OnnxAttentionBase(Adapter):
 
     def _model_inputs(self, spec, return_lse):
         """(attributes, feeds) for the spec, or NotImplementedError."""
-        reject_common(self, spec, softcap=True, window=self.has_window, return_lse=return_lse)
+        reject_common(self, spec, softcap=True, window=self.has_window, return_lse=return_lse,
+                      kv_lengths=self.opset >= 24)
         dtype = spec.q.dtype
         attributes = {}
         if spec.scale is not None:
@@ -153,7 +159,9 @@ class OnnxAttentionBase(Adapter):
             feeds["attn_mask"] = np.ascontiguousarray(bias)
         elif spec.mask is not None:
             feeds["attn_mask"] = np.ascontiguousarray(spec.mask)
-        if spec.offset != 0 and (spec.causal or spec.window is not None):
+        if spec.kv_lengths is not None:
+            self._kv_lengths(spec, feeds)
+        elif spec.offset != 0 and (spec.causal or spec.window is not None):
             if self.opset < 24:
                 self.unsupported(
                     "align",
@@ -163,6 +171,21 @@ class OnnxAttentionBase(Adapter):
             keys = spec.k.shape[2]
             feeds["nonpad_kv_seqlen"] = np.full(spec.q.shape[0], keys, dtype=np.int64)
         return attributes, feeds
+
+    def _kv_lengths(self, spec, feeds):
+        """kv_lengths -> ``nonpad_kv_seqlen``: keys j >= S_b excluded and the causal/window
+        frontier ``j <= i + S_b - L``, refattn's bottom_right reading; top_left agrees only
+        when every S_b = L (or without causal and window)."""
+        length = spec.q.shape[2]
+        structural = spec.causal or spec.window is not None
+        if structural and spec.align == "top_left" and (spec.kv_lengths != length).any():
+            self.unsupported(
+                "kv_lengths",
+                spec.kv_lengths.tolist(),
+                "with top_left alignment: its nonpad_kv_seqlen aligns the causal and window "
+                "frontier to each row's length (bottom_right)",
+            )
+        feeds["nonpad_kv_seqlen"] = np.asarray(spec.kv_lengths, dtype=np.int64)
 
     def _session(self, dtype_name, feeds, attributes):
         key = (

@@ -10,7 +10,10 @@ suite there. A GPU run of the oracle is one command::
     refattn-oracle validate --adapter refattn-cuda --suite default --dtype float32 --grads
 
 Both support every option of :func:`refattn.attention` except ``return_weights`` and expose
-``.vjp(q, k, v, grad_out, grad_lse=None, **options) -> (dq, dk, dv, dbias)``.
+``.vjp(q, k, v, grad_out, grad_lse=None, **options) -> (dq, dk, dv, dbias, dsinks)``.
+sinks and kv_lengths are rewritten for the kernels as :func:`refattn.attention` does it
+(``refattn._fold``: an explicit mask and one more key for the sink); float8 inputs compute
+from their exact dequantised values and their results are rounded to bfloat16.
 
 Examples
 --------
@@ -26,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import OPTION_NAMES, Adapter
-from .refattn_numpy import round_to
+from .refattn_numpy import output_dtype, round_to
 
 __all__ = ["RefattnNumba", "RefattnCuda"]
 
@@ -53,14 +56,23 @@ class _KernelAdapter(Adapter):
                             f"{[np.asarray(a).dtype.name for a in (q, k, v)]}")
         return canonicalize(q, k, v, **options), return_lse
 
+    def __call__(self, q, k, v, **options):
+        self._dtype = output_dtype(q)  # float8 q: results in bfloat16 (spec.q is float64)
+        return super().__call__(q, k, v, **options)
+
     def _forward(self, spec, return_lse):
-        out, lse = self._module().attention(spec, return_lse=True)
-        dtype = spec.q.dtype
+        from refattn._fold import fold, needs_fold
+
+        work = fold(spec, alibi_into_bias=True) if needs_fold(spec) else spec
+        out, lse = self._module().attention(work, return_lse=True)
+        dtype = self._dtype
         return round_to(out, dtype), round_to(lse, dtype) if return_lse else None
 
     def vjp(self, q, k, v, grad_out, grad_lse=None, **options):
-        """(dq, dk, dv, dbias) in the input dtype; dbias has bias's own shape (or None)."""
+        """(dq, dk, dv, dbias, dsinks) in the input dtype (bfloat16 for float8 inputs); dbias
+        has bias's own shape, dsinks (H,) (None without bias / sinks)."""
         from refattn._broadcast import reduce_to
+        from refattn._fold import fold, needs_fold
         from refattn._spec import check_cotangent
 
         unknown = sorted(set(options) - set(OPTION_NAMES))
@@ -73,13 +85,22 @@ class _KernelAdapter(Adapter):
         do = check_cotangent(spec, grad_out, "grad_out", (heads, length, vdim))
         dl = None if grad_lse is None else check_cotangent(spec, grad_lse, "grad_lse",
                                                             (heads, length))
-        dq, dk, dv, dbias = self._module().attention_vjp(spec, do, dl)
-        if dbias is not None:
+        work = fold(spec, alibi_into_bias=True) if needs_fold(spec) else spec
+        dq, dk, dv, dbias = self._module().attention_vjp(work, do, dl)
+        dsinks = None
+        if spec.sinks is not None:  # the sink is the folded key's bias column (refattn._fold)
+            keys = spec.k.shape[2]
+            dsinks = np.asarray(dbias, np.float64)[..., -1].sum(axis=(0, 2))
+            dk, dv, dbias = dk[..., :keys, :], dv[..., :keys, :], dbias[..., :-1]
+        if spec.bias is None:
+            dbias = None
+        if dbias is not None and np.shape(dbias) != spec.bias_shape:
             dbias = reduce_to(np.asarray(dbias, np.float64).reshape(
                 spec.batch_shape + dbias.shape[1:]), spec.bias_shape)
-        dtype = spec.q.dtype
+        dtype = output_dtype(q)
         return (round_to(spec.unflatten(dq), dtype), round_to(spec.unflatten(dk), dtype),
-                round_to(spec.unflatten(dv), dtype), round_to(dbias, dtype))
+                round_to(spec.unflatten(dv), dtype), round_to(dbias, dtype),
+                round_to(dsinks, dtype))
 
 
 class RefattnNumba(_KernelAdapter):

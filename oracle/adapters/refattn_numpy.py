@@ -10,7 +10,9 @@ Its error is the float64 path's documented bound plus that one rounding: it is t
 *is* the truth, so its error must be exactly zero (a meta-test of the oracle's machinery).
 It is slow (mpmath); use it on small cases.
 
-Both expose ``.vjp(q, k, v, grad_out, grad_lse=None, **options) -> (dq, dk, dv, dbias)``.
+Both expose ``.vjp(q, k, v, grad_out, grad_lse=None, **options) -> (dq, dk, dv, dbias,
+dsinks)``. Every option passes through (sinks, kv_lengths, float8 inputs with their
+descales: results of float8 inputs are rounded to bfloat16, :func:`output_dtype`).
 
 Examples
 --------
@@ -32,7 +34,14 @@ from refattn.exact.rounding import format_of, round_array
 
 from . import OPTION_NAMES, Adapter
 
-__all__ = ["RefattnFloat64", "RefattnExact", "round_to"]
+__all__ = ["RefattnFloat64", "RefattnExact", "round_to", "output_dtype"]
+
+
+def output_dtype(q) -> np.dtype:
+    """The dtype results are rounded to: q's, or bfloat16 for float8 q (FlashAttention 3's
+    output type for float8 inputs; the oracle's fp8 cases are bfloat16 cases)."""
+    dtype = np.asarray(q).dtype
+    return np.dtype(format_of("bfloat16").dtype) if dtype.name.startswith("float8") else dtype
 
 
 def round_to(values, dtype) -> np.ndarray:
@@ -64,17 +73,17 @@ class _RefattnAdapter(Adapter):
 
     def __call__(self, q, k, v, **options):
         self._check_names(options)
-        dtype = np.asarray(q).dtype
+        dtype = output_dtype(q)
         result = attention(q, k, v, **options, **self._keywords(dtype))
         if isinstance(result, tuple):
             return tuple(round_to(r, dtype) for r in result)
         return round_to(result, dtype)
 
     def vjp(self, q, k, v, grad_out, **options):
-        """(dq, dk, dv, dbias) of :func:`refattn.attention_vjp`, in the input dtype."""
+        """(dq, dk, dv, dbias, dsinks) of :func:`refattn.attention_vjp`, in the input dtype."""
         self._check_names(options)
         options.pop("return_lse", None)
-        dtype = np.asarray(q).dtype
+        dtype = output_dtype(q)
         grads = attention_vjp(q, k, v, grad_out, **options, **self._keywords(dtype))
         return tuple(round_to(g, dtype) for g in grads)
 

@@ -17,10 +17,14 @@ causal + mask/bias torch forbids is_causal with attn_mask: the causal set is mat
                    a bool ``tril`` (diagonal 0 or S - L, the set torch itself builds for
                    is_causal / causal_lower_right) and intersected with the mask
 gqa interleave     ``enable_gqa=True`` (torch repeats kv heads with repeat_interleave)
+kv_lengths         a bool ``attn_mask`` (B, 1, L, S): keys j < S_b, intersected with the
+                   causal set of each row's own alignment (offset S_b - L under
+                   bottom_right); SDPA has no per-row lengths, the mask states the same set
 =================  ==================================================================
 
 Unsupported (NotImplementedError): softcap, window, return_lse (SDPA returns no lse), ALiBi,
-dropout (torch draws its own random mask), ``gqa="tile"``.
+dropout (torch draws its own random mask), ``gqa="tile"``, sinks (SDPA has no attention-sink
+option), float8 inputs.
 
 Measured behaviour passed through unchanged (torch 2.13.0+cpu): fully masked rows give 0
 (torch's math path uses ``_safe_softmax``) in float64, float32, float16 and bfloat16, also for
@@ -83,14 +87,20 @@ class TorchSDPA(Adapter):
     fully_masked_rows = "zero"
 
     def _check(self, spec, return_lse):
-        reject_common(self, spec, return_lse=return_lse)
+        reject_common(self, spec, return_lse=return_lse, kv_lengths=True)
 
     def _sdpa(self, spec, q, k, v, bias):
         """SDPA on 4-D tensors; ``bias`` a float tensor broadcastable to (B, H, L, S) or None."""
         length, keys = q.shape[2], k.shape[2]
         mask = None if spec.mask is None else torch.from_numpy(np.array(spec.mask, copy=True))
         is_causal = False
-        if spec.causal:
+        if spec.kv_lengths is not None:
+            # per-row key lengths: the row's own allowed set (keys j < S_b, causal aligned to
+            # S_b under bottom_right) as a bool mask, (B, 1, L, S)
+            rows = np.stack([spec.structural(b=b) for b in range(q.shape[0])])[:, None]
+            rows = torch.from_numpy(rows)
+            mask = rows if mask is None else mask & rows
+        elif spec.causal:
             if mask is None and bias is None:
                 if spec.offset == 0:
                     is_causal = True

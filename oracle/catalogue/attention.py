@@ -28,7 +28,9 @@ q (batch, H, L, D), k (batch, K, S, D), v (batch, K, S, E) in the case dtype, pl
 recipe asks: ``mask`` (bool; (batch, 1, 1, S) for padding, (batch, H, L, S) otherwise),
 ``bias`` (case dtype; (batch, H, L, S), or (1, 1, L, S) when ``bias_shape="broadcast"``),
 ``dropout_mask`` (bool keep-mask, (batch, H, L, S)), ``alibi_slopes`` (case dtype, (H,)),
-``grad_out`` (batch, H, L, E) and ``grad_lse`` (batch, H, L) for gradient cases.
+``grad_out`` (batch, H, L, E) and ``grad_lse`` (batch, H, L) for gradient cases, ``sinks``
+(case dtype, (H,)), ``kv_lengths`` (int32, (batch,)) and the float32 descales (batch, K) of
+fp8 cases.
 
 Random numbers come from :mod:`oracle.catalogue.seeding` (SplitMix64 in counter mode keyed by
 sha256(seed, array name); Irwin-Hall Gaussians from integer sums; no ``numpy.random``
@@ -55,7 +57,12 @@ Recipe keys (``Case.recipe``)
 ("full" | "broadcast"), ``alibi`` (power-of-two slopes 2**-(1 + 8h // H)), ``dropout``
 (keep-mask drawn with P(keep) = 1 - dropout_p), ``poison`` ("nan" | "inf": written into every
 key/value position that no query may attend and into every excluded bias position),
-``grad_lse`` (a cotangent for lse too).
+``grad_lse`` (a cotangent for lse too), ``sinks`` ("gaussian": one logit per query head,
+``2 + 2 N(0, 1)`` in the case dtype), ``kv_lengths`` ("ragged": int32 lengths in [1, S] per
+batch row, the last S; "ragged-zero": the first 0, an empty cache), ``fp8`` ("e4m3fn" |
+"e5m2": q, k, v quantised per (batch, kv head) as FlashAttention 3's callers do, descale =
+amax / largest float8 in float32, stored as float8 with ``q_descale``, ``k_descale``,
+``v_descale`` (batch, K); the case dtype, bfloat16, is the truth's).
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from refattn.exact.rounding import format_of
@@ -73,7 +81,7 @@ from refattn.masks import allowed_mask
 
 from . import seeding
 from .case import Case, Shapes, seed_of
-from .names import DTYPE_TAGS, DTYPES
+from .names import DTYPE_TAGS, DTYPES, FP8_DTYPES, FP8_TRUTH_DTYPES
 from .seeding import Streams
 
 __all__ = ["SUITES", "attention_cases", "make_inputs", "allowed_positions"]
@@ -274,6 +282,8 @@ def _entries() -> list[_Entry]:
         e("grad-gap", _GRAD, "gradients with logit gaps > 40", recipe={"qkv": "gap"}, grads=True),
         e("grad-cancel", _GRAD, "gradients of near-cancelling outputs", recipe={"qkv": "cancel"},
           grads=True),
+        # --- sinks, per-row key lengths (KV cache), fp8 inputs ------------------------------
+        *_new_option_entries(gauss),
         # --- full only: larger shapes ---------------------------------------------------------
         e("basic", Shapes(2, 8, 2, 64, 96, 64, 64), "larger GQA problem", default=(),
           options={"gqa": "interleave"}, recipe=gauss),
@@ -305,6 +315,73 @@ def _entries() -> list[_Entry]:
           options={"gqa": "interleave"}, recipe={**gauss, "bias": "gaussian"}, grads=True),
     ]
     return rows
+
+
+def _new_option_entries(gauss) -> list[_Entry]:
+    """Cases of the options sinks, kv_lengths and float8 inputs (fp8 cases: bfloat16 only)."""
+    e = _Entry
+    sinks = {**gauss, "sinks": "gaussian"}
+    ragged = {**gauss, "kv_lengths": "ragged"}
+    br = {"causal": True, "align": "bottom_right"}
+    fp8 = {"default": FP8_TRUTH_DTYPES, "full": FP8_TRUTH_DTYPES}
+    return [
+        e("sinks", _MID, "attention sinks: one logit per head in every row's normaliser",
+          recipe=sinks),
+        e("sinks-empty-rows", Shapes(1, 2, 2, 9, 11, 16, 16),
+          "sinks with fully masked rows (out 0, lse = the sink)",
+          options={"empty_rows": "zero"}, recipe={**sinks, "mask": "empty-rows"}),
+        e("sinks-causal-br", Shapes(1, 2, 2, 12, 32, 16, 16), "sinks, causal bottom_right",
+          options=br, recipe=sinks),
+        e("sinks-gqa", Shapes(1, 8, 2, 12, 20, 16, 16), "sinks with GQA (one sink per query head)",
+          options={"gqa": "interleave"}, recipe=sinks),
+        e("kv-lengths", Shapes(3, 2, 2, 8, 24, 16, 16),
+          "per-row key lengths (a KV cache's cache_seqlens), no causal", recipe=ragged),
+        e("kv-lengths-causal-tl", Shapes(3, 2, 2, 8, 24, 16, 16),
+          "per-row key lengths, causal top_left", options={"causal": True, "align": "top_left"},
+          recipe=ragged),
+        e("kv-lengths-causal-br", Shapes(3, 2, 2, 8, 24, 16, 16),
+          "per-row key lengths, causal bottom_right aligned to each row's own length",
+          options=br, recipe=ragged),
+        e("kv-lengths-zero", Shapes(3, 2, 2, 6, 16, 16, 16),
+          "per-row key lengths with an empty cache (length 0: empty rows)",
+          options={**br, "empty_rows": "zero"}, recipe={**gauss, "kv_lengths": "ragged-zero"}),
+        e("kv-lengths-window", Shapes(3, 2, 2, 8, 32, 16, 16),
+          "per-row key lengths with a (4, 0) window, bottom_right",
+          options={"window": (4, 0), "align": "bottom_right"}, recipe=ragged),
+        e("sinks-kv-decode", Shapes(3, 8, 2, 1, 64, 32, 32),
+          "gpt-oss decode: L = 1, GQA, sinks, per-row cache lengths, causal bottom_right",
+          options={**br, "gqa": "interleave"}, recipe={**sinks, "kv_lengths": "ragged"}),
+        e("sinks-kv-decode-window", Shapes(3, 8, 2, 1, 64, 32, 32),
+          "gpt-oss sliding-window decode: sinks, cache lengths, window (16, 0)",
+          options={"window": (16, 0), "align": "bottom_right", "gqa": "interleave"},
+          recipe={**sinks, "kv_lengths": "ragged"}),
+        e("poison-nan-kv-lengths", Shapes(3, 2, 2, 4, 12, 8, 8),
+          "NaN in k and v beyond each row's key length (an unwritten KV cache)",
+          category="robustness", options=br, recipe={**ragged, "poison": "nan"}),
+        e("grad-sinks", _GRAD, "dsinks (and dq, dk, dv) with causal top_left",
+          options={"causal": True, "align": "top_left"}, recipe={**sinks, "grad_lse": True},
+          grads=True),
+        e("grad-sinks-empty-rows", Shapes(1, 2, 2, 9, 11, 16, 16),
+          "dsinks with fully masked rows", options={"empty_rows": "zero"},
+          recipe={**sinks, "mask": "empty-rows"}, grads=True),
+        e("grad-kv-lengths", Shapes(2, 2, 2, 6, 12, 16, 16),
+          "gradients with per-row key lengths, causal bottom_right", options=br,
+          recipe=ragged, grads=True),
+        e("grad-sinks-kv-gqa", Shapes(2, 4, 2, 4, 12, 16, 16),
+          "dsinks with per-row key lengths and GQA", options={**br, "gqa": "interleave"},
+          recipe={**sinks, "kv_lengths": "ragged", "grad_lse": True}, grads=True),
+        e("fp8-e4m3", _MID, "float8_e4m3fn q, k, v with float32 descales, bfloat16 truth",
+          recipe={**gauss, "fp8": "e4m3fn"}, **fp8),
+        e("fp8-e5m2", _MID, "float8_e5m2 q, k, v with float32 descales, bfloat16 truth",
+          recipe={**gauss, "fp8": "e5m2"}, **fp8),
+        e("fp8-e4m3-causal-gqa", Shapes(2, 8, 2, 12, 32, 32, 32),
+          "float8_e4m3fn, causal bottom_right, GQA, per-(batch, kv head) descales",
+          options={**br, "gqa": "interleave"}, recipe={**gauss, "fp8": "e4m3fn"}, **fp8),
+        e("fp8-e4m3-sinks-kv-decode", Shapes(3, 8, 2, 1, 64, 32, 32),
+          "float8_e4m3fn decode with sinks and per-row cache lengths",
+          options={**br, "gqa": "interleave"},
+          recipe={**sinks, "kv_lengths": "ragged", "fp8": "e4m3fn"}, **fp8),
+    ]
 
 
 def _expand(entry: _Entry) -> list[Case]:
@@ -363,9 +440,18 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
     recipe = case.recipe
     n = case.shapes
     stream = Streams(case.seed)
-    q, k, v = _QKV[recipe.get("qkv", "gaussian")](stream, n, case.dtype, case.options,
+    fp8 = recipe.get("fp8")
+    q, k, v = _QKV[recipe.get("qkv", "gaussian")](stream, n, "float64" if fp8 else case.dtype,
+                                                     case.options,
                                                      float(recipe.get("sigma", 1.0)))
     inputs = {"q": q, "k": k, "v": v}
+    if fp8:
+        inputs.update(_quantised(inputs, n, FP8_DTYPES[fp8]))
+    if recipe.get("sinks"):
+        sinks = 2.0 + 2.0 * stream.gaussian("sinks", (n.H,))
+        inputs["sinks"] = seeding.to_dtype(sinks, case.dtype)
+    if recipe.get("kv_lengths"):
+        inputs["kv_lengths"] = _kv_lengths(stream, n, recipe["kv_lengths"])
     if recipe.get("mask"):
         inputs["mask"] = _MASKS[recipe["mask"]](stream, n)
     if recipe.get("bias"):
@@ -385,6 +471,38 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
             inputs["grad_lse"] = seeding.to_dtype(
                 stream.gaussian("grad_lse", (n.batch, n.H, n.L)), case.dtype)
     return inputs
+
+
+def _quantised(inputs, n: Shapes, fp8: str) -> dict[str, np.ndarray]:
+    """q, k, v quantised to ``fp8`` as FlashAttention 3's callers do: per (batch, kv head)
+    descale = amax / (largest finite fp8) in float32 (q: amax over the kv head's query group),
+    x / descale clipped to the fp8 range and rounded to it (through float32: IEEE casts and
+    ml_dtypes' integer rounding, identical on every machine)."""
+    dtype = np.dtype(getattr(ml_dtypes, fp8))
+    top = float(ml_dtypes.finfo(dtype).max)
+    group = n.H // n.K
+    quantised = {}
+    for name in ("q", "k", "v"):
+        x = inputs[name]
+        grouped = x.reshape(n.batch, n.K, -1) if name != "q" else \
+            x.reshape(n.batch, n.K, group * n.L * n.D)
+        amax = np.abs(grouped).max(axis=-1)
+        descale = np.maximum(amax / top, np.finfo(np.float32).tiny).astype(np.float32)
+        per_head = descale.astype(np.float64)[..., None, None]
+        if name == "q":
+            per_head = np.repeat(per_head, group, axis=1)  # query head h reads kv head h // G
+        scaled = np.clip(x / per_head, -top, top)
+        quantised[name] = scaled.astype(np.float32).astype(dtype)
+        quantised[f"{name}_descale"] = descale
+    return quantised
+
+
+def _kv_lengths(stream, n: Shapes, kind: str) -> np.ndarray:
+    """int32 (batch,) key lengths in [1, S] (the last row S); "ragged-zero": the first is 0."""
+    lengths = 1 + (stream.uniform("kv_lengths", (n.batch,)) * n.S).astype(np.int64)
+    lengths[-1] = n.S
+    lengths[0] = 0 if kind == "ragged-zero" else min(lengths[0], max(1, n.S // 2))
+    return lengths.astype(np.int32)
 
 
 def _scale(n: Shapes, options) -> float:
@@ -517,7 +635,15 @@ def allowed_positions(case: Case, inputs: Mapping[str, np.ndarray]) -> np.ndarra
     rule = allowed_mask(n.L, n.S, mask=inputs.get("mask"), bias=inputs.get("bias"),
                         causal=bool(opts.get("causal")), window=opts.get("window"),
                         align=opts.get("align", "top_left"))
-    return np.ones((n.batch, n.H, n.L, n.S), dtype=bool) & rule
+    allowed = np.ones((n.batch, n.H, n.L, n.S), dtype=bool) & rule
+    if "kv_lengths" in inputs:  # each row aligned to its own length (refattn's reading)
+        for b, length in enumerate(np.asarray(inputs["kv_lengths"]).tolist()):
+            own = allowed_mask(n.L, int(length), causal=bool(opts.get("causal")),
+                               window=opts.get("window"), align=opts.get("align", "top_left"))
+            row = np.zeros((n.L, n.S), dtype=bool)
+            row[:, :length] = own
+            allowed[b] &= row
+    return allowed
 
 
 def _poison(inputs, case, kind):

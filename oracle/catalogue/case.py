@@ -50,7 +50,8 @@ class Case:
         Suites the case belongs to (smoke is within default, default within full).
     category : {"conformance", "robustness"}
     dtype : {"float64", "float32", "float16", "bfloat16"}
-        Dtype of the floating inputs and of the rounded truth ``out``.
+        Dtype of the floating inputs and of the rounded truth ``out`` (an fp8 case, recipe
+        key ``fp8``, is a bfloat16 case whose q, k, v are float8 with float32 descales).
     shapes : Shapes
     options : mapping
         Scalar keywords of ``refattn.attention`` (scale, causal, window, align, softcap, gqa,

@@ -261,7 +261,7 @@ def _heads(x, name):
 
 
 def grad_scales(q, k, v, grad_out, weights, dropped, *, grad_lse=None, scale=None, bias=None,
-                gqa="interleave", **_ignored) -> dict:
+                gqa="interleave", sink_weights=None, **_ignored) -> dict:
     """Natural scales of dq, dk, dv, dbias, shaped like them: the gradients' sums taken over
     absolute values (non-finite inputs count as 0),
 
@@ -271,7 +271,10 @@ def grad_scales(q, k, v, grad_out, weights, dropped, *, grad_lse=None, scale=Non
         \\widehat{dq} = |s|\\, g |K|, \\quad \\widehat{dk} = |s|\\, g^T |Q|, \\quad
         \\widehat{dv} = |P'|^T |dO|, \\quad \\widehat{d\\mathrm{bias}} = g,
 
-    with ``|dP| = |dO| |V|^T`` (times the dropout rescaling) and ``Delta_i = sum_j p_ij |dP_ij|``.
+    with ``|dP| = |dO| |V|^T`` (times the dropout rescaling) and ``Delta_i = sum_j p_ij |dP_ij|``;
+    with ``sink_weights`` (the sinks' weights ``w_sink`` (..., H, L)) also
+    ``\\widehat{d\\sigma}_h = \\sum_{b,i} w_{sink} (\\Delta_i + |\\bar\\ell_i|)`` (H,), the
+    magnitude of ``dsinks = sum_{b,i} w_sink (grad_lse_i - Delta_i)``.
     The rounding errors of a gradient computed in a given order are proportional to these
     (used by the kernels' backward bound and by the oracle's judging policy).
 
@@ -304,4 +307,7 @@ def grad_scales(q, k, v, grad_out, weights, dropped, *, grad_lse=None, scale=Non
               "dv": reduce_to(dv, np.shape(v))}
     if bias is not None:
         scales["dbias"] = reduce_to(g, np.shape(bias))
+    if sink_weights is not None:
+        per_row = _heads(_finite_abs(sink_weights) * (delta + g_lse)[..., 0], "sink_weights")
+        scales["dsinks"] = per_row.reshape((-1,) + per_row.shape[-2:]).sum(axis=(0, 2))
     return scales

@@ -11,6 +11,7 @@ import pytest
 
 from oracle import catalogue
 from oracle.catalogue import Case, Shapes, seeding
+from oracle.catalogue.names import FP8_DTYPES, FP8_OPTIONS, FP8_TRUTH_DTYPES
 
 _NAME = re.compile(r"^[a-z0-9.\-]+-(B\d+)?H\d+K\d+-L\d+S\d+-D\d+E\d+-(f64|f32|f16|bf16)$")
 
@@ -62,7 +63,9 @@ def test_spec_round_trip():
 @pytest.mark.parametrize("dtype", catalogue.DTYPES)
 def test_every_option_covered_in_default(dtype, default_suite, default_inputs):
     """Validation runs one dtype at a time, so every dtype must exercise every option."""
-    used: dict[str, set] = {name: set() for name in catalogue.OPTION_NAMES}
+    fp8_only = () if dtype in FP8_TRUTH_DTYPES else FP8_OPTIONS
+    used: dict[str, set] = {name: set() for name in catalogue.OPTION_NAMES
+                            if name not in fp8_only}
     for case in (c for c in default_suite if c.dtype == dtype):
         for name, value in case.options.items():
             used[name].add(json.dumps(value))
@@ -113,15 +116,63 @@ def test_inputs_shapes_and_dtypes(default_suite, default_inputs):
         inputs = default_inputs[case.name]
         expected = {"q": (n.batch, n.H, n.L, n.D), "k": (n.batch, n.K, n.S, n.D),
                     "v": (n.batch, n.K, n.S, n.E)}
+        fp8 = case.recipe.get("fp8")
+        input_dtype = FP8_DTYPES[fp8] if fp8 else case.dtype
         for name, shape in expected.items():
             assert inputs[name].shape == shape, f"{case.name}: {name} {inputs[name].shape}"
-            assert inputs[name].dtype.name == case.dtype, f"{case.name}: {name} dtype"
+            assert inputs[name].dtype.name == input_dtype, f"{case.name}: {name} dtype"
+            if fp8:
+                descale = inputs[f"{name}_descale"]
+                assert descale.dtype == np.float32 and descale.shape == (n.batch, n.K)
+        if "sinks" in inputs:
+            assert inputs["sinks"].shape == (n.H,) and inputs["sinks"].dtype.name == case.dtype
+        if "kv_lengths" in inputs:
+            lengths = inputs["kv_lengths"]
+            assert lengths.dtype == np.int32 and lengths.shape == (n.batch,), case.name
+            assert 0 <= lengths.min() and lengths.max() <= n.S, case.name
         for name in ("mask", "dropout_mask"):
             if name in inputs:
                 assert inputs[name].dtype == bool, f"{case.name}: {name} must be boolean"
                 np.broadcast_shapes(inputs[name].shape, (n.batch, n.H, n.L, n.S))
         if case.grads:
             assert inputs["grad_out"].shape == (n.batch, n.H, n.L, n.E), case.name
+
+
+def test_default_covers_new_options(default_suite, default_inputs):
+    """sinks (empty rows, causal bottom_right, GQA, gradients), kv_lengths (ragged, both
+    alignments, an empty cache, a window, gradients), both together in a GQA decode, and
+    float8 inputs in both formats, in the dtypes the options exist for."""
+    def having(*names, **where):
+        return [c for c in default_suite
+                if all(n in default_inputs[c.name] for n in names)
+                and all(c.options.get(k) == v for k, v in where.items())]
+
+    checks = {
+        "sinks with empty rows": any(c.recipe.get("mask") == "empty-rows"
+                                     for c in having("sinks")),
+        "sinks causal bottom_right": bool(having("sinks", causal=True, align="bottom_right")),
+        "sinks GQA": any(c.shapes.H > c.shapes.K for c in having("sinks")),
+        "dsinks": any(c.grads for c in having("sinks")),
+        "kv_lengths ragged": any(len(set(default_inputs[c.name]["kv_lengths"].tolist())) > 1
+                                 for c in having("kv_lengths")),
+        "kv_lengths top_left causal": bool(having("kv_lengths", causal=True, align="top_left")),
+        "kv_lengths bottom_right causal": bool(having("kv_lengths", causal=True,
+                                                      align="bottom_right")),
+        "kv_lengths 0": any(0 in default_inputs[c.name]["kv_lengths"].tolist()
+                            for c in having("kv_lengths")),
+        "kv_lengths window": any(c.options.get("window") for c in having("kv_lengths")),
+        "kv_lengths gradients": any(c.grads for c in having("kv_lengths")),
+        "gpt-oss decode": any(c.shapes.L == 1 and c.shapes.H > c.shapes.K
+                              for c in having("sinks", "kv_lengths")),
+        "fp8 formats": {c.recipe.get("fp8") for c in default_suite} - {None} == set(FP8_DTYPES),
+    }
+    missing = [what for what, ok in checks.items() if not ok]
+    assert not missing, f"default suite lacks: {missing}"
+    for dtype in catalogue.DTYPES:
+        mine = [c for c in default_suite if c.dtype == dtype]
+        assert any("sinks" in default_inputs[c.name] for c in mine), dtype
+        assert any("kv_lengths" in default_inputs[c.name] for c in mine), dtype
+        assert any(c.recipe.get("fp8") for c in mine) == (dtype in FP8_TRUTH_DTYPES), dtype
 
 
 def test_inputs_deterministic():

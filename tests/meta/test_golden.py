@@ -53,19 +53,46 @@ def _assert_identical_dirs(first: Path, second: Path):
     assert not differing, f"files differ byte-wise: {differing}"
 
 
+def _naive_inputs(fixture, b):
+    """q, k, v of batch row b as the naive twin takes them: float8 inputs dequantised here
+    (x times its descale of (b, kv head); query head h reads kv head h // G)."""
+    n = fixture.case.shapes
+    arrays = []
+    for name in ("q", "k", "v"):
+        x = fixture.inputs[name][b].astype(np.float64)
+        descale = fixture.inputs.get(f"{name}_descale")
+        if descale is not None:
+            factor = descale[b].astype(np.float64)
+            if name == "q":
+                factor = np.repeat(factor, n.H // n.K)
+            x = x * factor[:, None, None]
+        arrays.append(x)
+    return arrays
+
+
 @pytest.mark.parametrize("name", ["causal-br-H2K2-L4S7-D8E8-f32",
-                                  "mask-empty-rows-H2K2-L6S7-D8E8-f16"])
+                                  "mask-empty-rows-H2K2-L6S7-D8E8-f16",
+                                  "sinks-empty-rows-H2K2-L9S11-D16E16-f32",
+                                  "kv-lengths-zero-B3H2K2-L6S16-D16E16-f16",
+                                  "sinks-kv-decode-B3H8K2-L1S64-D32E32-bf16",
+                                  "fp8-e4m3-H2K2-L12S20-D16E16-bf16",
+                                  "fp8-e5m2-H2K2-L12S20-D16E16-bf16"])
 def test_truth_matches_independent_naive_reference(name):
-    """The stored truth equals tests/naive/attention.py at 60 digits rounded once to the dtype."""
+    """The stored truth equals tests/naive/attention.py at 60 digits rounded once to the dtype
+    (also for sinks, per-row key lengths and float8 inputs)."""
     case = catalogue.get(name)
     fixture = golden.build(case)
     n = case.shapes
+    sinks = fixture.inputs.get("sinks")
+    lengths = fixture.inputs.get("kv_lengths")
     for b in range(n.batch):
         mask = None
         if "mask" in fixture.inputs:
             mask = np.broadcast_to(fixture.inputs["mask"][b], (n.H, n.L, n.S))
-        out, lse, _ = naive_attention(fixture.inputs["q"][b], fixture.inputs["k"][b],
-                                      fixture.inputs["v"][b], mask=mask, **case.options, dps=60)
+        out, lse, _ = naive_attention(
+            *_naive_inputs(fixture, b), mask=mask, **case.options, dps=60,
+            sinks=None if sinks is None else sinks.astype(np.float64),
+            kv_length=None if lengths is None else int(lengths[b]))
         for key, nested in (("out", out), ("lse", lse)):
             for suffix, dtype in (("", case.dtype), ("_f64", "float64")):
                 want = round_nested(nested, dtype)
@@ -91,6 +118,42 @@ def test_build_contents(some_cases):
         for name in ("mask", "bias", "dropout_mask", "alibi_slopes"):
             assert (name in fixture.options) == (name in fixture.inputs), (case.name, name)
         assert "grad_out" not in fixture.options
+
+
+def test_new_option_members():
+    """sinks, kv_lengths, descales are inputs passed as options; dsinks is in the truth."""
+    fixture = golden.build(catalogue.get("grad-sinks-kv-gqa-B2H4K2-L4S12-D16E16-bf16"))
+    assert {"sinks", "kv_lengths"} <= set(fixture.options) & set(fixture.inputs)
+    assert fixture.inputs["kv_lengths"].dtype == np.int32
+    assert fixture.truth["dsinks"].shape == (4,)
+    assert fixture.truth["dsinks"].dtype == np.dtype(ml_dtypes.bfloat16)
+    assert fixture.truth["dsinks_f64"].dtype == np.float64
+    fp8 = golden.build(catalogue.get("fp8-e5m2-H2K2-L12S20-D16E16-bf16"))
+    assert fp8.inputs["q"].dtype == np.dtype(ml_dtypes.float8_e5m2)
+    assert fp8.inputs["q_descale"].dtype == np.float32
+    assert fp8.truth["out"].dtype == np.dtype(ml_dtypes.bfloat16)
+
+
+def test_float8_members_round_trip(tmp_path):
+    """float8 inputs are stored as uint8 bit patterns listed in meta and loaded back as
+    ml_dtypes float8 arrays with the same bits; fixtures without them keep the old meta."""
+    names = ["fp8-e4m3-H2K2-L12S20-D16E16-bf16", "fp8-e5m2-H2K2-L12S20-D16E16-bf16"]
+    cases = [catalogue.get(name) for name in names]
+    golden.generate("default", tmp_path, cases=cases, progress=False)
+    assert golden.verify(tmp_path) == []
+    for case, fixture in zip(cases, golden.load(tmp_path), strict=True):
+        kind = "float8_e4m3fn" if "e4m3" in case.name else "float8_e5m2"
+        with np.load(tmp_path / f"{case.name}.npz", allow_pickle=False) as archive:
+            meta = json.loads(str(archive["meta"]))
+            assert meta[kind] == ["inputs/k", "inputs/q", "inputs/v"]
+            assert archive["inputs/q"].dtype == np.uint8
+        fresh = golden.build(case)
+        for name in ("q", "k", "v"):
+            assert fixture.inputs[name].dtype == np.dtype(getattr(ml_dtypes, kind))
+            assert _same_array(fixture.inputs[name], fresh.inputs[name]), (case.name, name)
+        assert _same_array(fixture.truth["out"], fresh.truth["out"])
+    plain = golden.fixture_bytes(golden.build(catalogue.get(_NAMES[0])))
+    assert b"float8" not in plain
 
 
 def test_poison_never_reaches_truth():

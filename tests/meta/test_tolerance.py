@@ -158,10 +158,49 @@ def test_textbook_vjp_matches_refattn(rng):
     floor = tol.forward_floors("float64", D=5, S=6, L=3, E=3, G=2, magnitude=magnitude,
                                allowed=np.ones(weights.shape, bool), n_stored=3,
                                dropout=True)["grad"]
-    for name, a, b in zip(("dq", "dk", "dv", "dbias"), ours, theirs, strict=True):
+    for name, a, b in zip(("dq", "dk", "dv", "dbias", "dsinks"), ours, theirs, strict=True):
+        if a is None and b is None:  # no sinks here
+            continue
         err = tol.normalised_error(a, b, scales[name], "float64")
         assert np.all(err <= 2 * floor), (name, np.unravel_index(err.argmax(), err.shape),
                                           err.max(), 2 * floor)
+
+
+def test_textbook_sinks_and_kv_lengths_match_refattn(rng):
+    """The baseline's sinks (lse includes the sink; dsinks) and per-row key lengths (each row
+    aligned to its own length) agree with refattn's float64 path."""
+    from refattn.attention import attention, attention_vjp
+
+    q = rng.standard_normal((2, 4, 3, 5))
+    k = rng.standard_normal((2, 2, 6, 5))
+    v = rng.standard_normal((2, 2, 6, 3))
+    grad_out = rng.standard_normal((2, 4, 3, 3))
+    grad_lse = rng.standard_normal((2, 4, 3))
+    options = dict(sinks=rng.standard_normal(4), kv_lengths=np.array([2, 6]), causal=True,
+                   align="bottom_right")
+    book = baseline.textbook_attention(q, k, v, dtype="float64", **options)
+    out, lse, weights = attention(q, k, v, return_lse=True, return_weights=True, **options)
+    magnitude = tol.score_magnitude(q, k, **options)
+    floors = tol.forward_floors("float64", D=5, S=6, L=3, E=3, G=2, magnitude=magnitude,
+                                allowed=book.allowed)
+    scale = tol.output_scale(weights, v)
+    assert np.all(tol.normalised_error(book.out, out, scale, "float64") <= floors["out"])
+    assert np.all(tol.normalised_error(book.lse, lse, tol.lse_scale(lse, weights, magnitude),
+                                       "float64") <= floors["lse"])
+    assert (book.out[0, :, 0] == 0).all(), "row 0 of batch 0 has no key (S_0 - L < 0): out 0"
+    np.testing.assert_array_equal(book.lse[0, :, 0], options["sinks"])
+    ours = baseline.textbook_attention_vjp(q, k, v, grad_out, grad_lse=grad_lse,
+                                           dtype="float64", **options)
+    theirs = attention_vjp(q, k, v, grad_out, grad_lse=grad_lse, **options)
+    scales = tol.grad_scales(q, k, v, grad_out, weights, weights, grad_lse=grad_lse,
+                             sink_weights=book.sink_weights, **options)
+    floor = tol.forward_floors("float64", D=5, S=6, L=3, E=3, G=2, magnitude=magnitude,
+                               allowed=book.allowed)["grad"]
+    for name, a, b in zip(("dq", "dk", "dv", "dbias", "dsinks"), ours, theirs, strict=True):
+        if a is None and b is None:
+            continue
+        err = tol.normalised_error(a, b, scales[name], "float64")
+        assert np.all(err <= floor), (name, err.max(), floor)
 
 
 def test_threshold_rule():
