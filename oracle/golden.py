@@ -174,7 +174,7 @@ def _attention_truth(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, 
             grads = attention_vjp(q, k, v, inputs["grad_out"], grad_lse=inputs.get("grad_lse"),
                                   **options, precision="exact", out_dtype=dtype)
             for name in ("dq", "dk", "dv", "dbias", "dsinks"):
-                value = getattr(grads, name)
+                value = getattr(grads, name, None)
                 if value is not None:
                     truth[name + suffix] = value
     if case.dtype == "float64":
