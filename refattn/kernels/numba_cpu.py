@@ -94,7 +94,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, parallel_chunksize, prange
 
 from ..bounds.kernels import online_backward_bound, online_forward_bound
 from ._args import kernel_arguments
@@ -141,8 +141,10 @@ BLOCK_K = 64
 SPLIT_KEYS = 1024
 #: Rows of the register tile of the micro-kernels.
 _TILE_ROWS = 8
-#: Minimum number of backward work units (shape-derived, never thread-derived).
-_MIN_BACKWARD_UNITS = 32
+#: Minimum number of backward work units (shape-derived, never thread-derived). Whole
+#: heads are the cheapest units (no dk/dv partials to store and add); query chunks are only
+#: added when there are fewer (batch, head) pairs than this.
+_MIN_BACKWARD_UNITS = 8
 
 _OPTS = KERNEL_OPTIONS
 
@@ -795,12 +797,14 @@ def _forward(q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, 
     if nsplit:
         group_heads = np.array([[h for h in range(heads) if kv_head[h] == g]
                                 for g in range(kv_heads)], np.int64)
-        _split_forward(q, k, v, group_heads, nsplit, dims, opts, fopts, bias, bstr, mask, mstr,
-                       drop, dstr, slopes, out, lse)
+        with parallel_chunksize(1):
+            _split_forward(q, k, v, group_heads, nsplit, dims, opts, fopts, bias, bstr, mask,
+                           mstr, drop, dstr, slopes, out, lse)
         return
     k_pack, v_pack, v_fin = _packed_keys(k, v)
-    _forward_units(q, k_pack, v_pack, v_fin, kv_head, dims, opts, fopts, bias, bstr, mask, mstr,
-                   drop, dstr, slopes, out, lse)
+    with parallel_chunksize(1):
+        _forward_units(q, k_pack, v_pack, v_fin, kv_head, dims, opts, fopts, bias, bstr, mask,
+                       mstr, drop, dstr, slopes, out, lse)
 
 
 @njit(**_OPTS)
@@ -1118,7 +1122,8 @@ def _backward(q, k, v, kv_head, *rest):
     k_pack = np.empty((batch, kv_heads, nkb, BLOCK_K, _padded(dim, k.dtype)), k.dtype)
     vt_pack = np.empty((batch, kv_heads, nkb, vdim, BLOCK_K), v.dtype)
     _pack_keys_backward(k, v, kt_pack, k_pack, vt_pack)
-    _backward_units(q, kt_pack, k_pack, vt_pack, kv_head, *rest)
+    with parallel_chunksize(1):
+        _backward_units(q, kt_pack, k_pack, vt_pack, kv_head, *rest)
 
 
 @njit(parallel=True, **_OPTS)
@@ -1200,14 +1205,14 @@ def saved_forward(spec, dtype=None):
 def backward_chunks(batch: int, heads: int, length: int, keys: int = 0) -> int:
     """Query chunks per (batch, head) of the backward pass (a function of the shape only).
 
-    Enough chunks for :data:`_MIN_BACKWARD_UNITS` work units (so that a busy core does not
-    hold up the others), but at most ``max(8, 2**19 / S)`` per head: each chunk keeps its own
-    (S, D) and (S, E) partials of dk and dv.
+    Enough chunks for :data:`_MIN_BACKWARD_UNITS` work units, but at most ``max(8, 2**19 /
+    S)`` per head: each chunk keeps its own (S, D) and (S, E) partials of dk and dv, which
+    are then added in chunk order (memory traffic that one chunk per head avoids).
 
     Examples
     --------
     >>> backward_chunks(1, 8, 1024, 1024), backward_chunks(1, 1, 65536, 65536)
-    (4, 8)
+    (1, 8)
     """
     nqb = -(-length // BLOCK_Q)
     wanted = -(-_MIN_BACKWARD_UNITS // max(1, batch * heads))
@@ -1274,13 +1279,23 @@ def backward(spec, grad_out, grad_lse=None, dtype=None, *, saved=None):
         _backward(q, k, v, kv_head, grad_out, lse, delta, nchunks, dims, opts, fopts, bias,
                   bstr, mask, mstr, drop, dstr, slopes, dq, dk_part, dv_part,
                   dbias if dbias is not None else np.zeros((1, 1, 1, 1), dtype))
-    dk = np.zeros((batch, kv_heads, keys, dim), dtype)
-    dv = np.zeros((batch, kv_heads, keys, vdim), dtype)
-    if dk.size:
-        _reduce_parts(dk_part, kv_head, kv_heads, dim, dk)
-    if dv.size:
-        _reduce_parts(dv_part, kv_head, kv_heads, vdim, dv)
+    dk = _sum_parts(dk_part, kv_head, kv_heads, keys, dim, length)
+    dv = _sum_parts(dv_part, kv_head, kv_heads, keys, vdim, length)
     return dq, dk, dv, dbias
+
+
+def _sum_parts(part, kv_head, kv_heads, keys, feats, length):
+    """(B, K, S, F): the partials summed over the query heads of each kv head and the query
+    chunks in increasing (head, chunk) order; one partial per kv head is the result itself
+    (no copy when unpadded)."""
+    batch, heads, nchunks = part.shape[:3]
+    if heads == kv_heads and nchunks == 1 and length:  # kv_head is the identity then
+        whole = part[:, :, 0, :keys, :feats]
+        return whole if whole.flags.c_contiguous else np.ascontiguousarray(whole)
+    result = np.zeros((batch, kv_heads, keys, feats), part.dtype)
+    if result.size:
+        _reduce_parts(part, kv_head, kv_heads, feats, result)
+    return result
 
 
 # --------------------------------------------------------------------------------------
