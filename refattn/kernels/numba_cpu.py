@@ -42,9 +42,9 @@ The reduction orders are:
   fused multiply-add each, in increasing split order.
 
 Vectorisation is across independent outputs only (SIMD lanes over keys or value columns in
-4-row x 4-vector register tiles, or 8-row x 2-vector ones when the columns are not a multiple
-of four vectors); no reduction is re-associated by the compiler. The tile shape changes no
-bit: each output element is the same sequential chain of fused multiply-adds.
+4-row x 4-vector register tiles, the columns padded to a multiple of four vectors); no
+reduction is re-associated by the compiler. The tile shape changes no bit: each output element
+is the same sequential chain of fused multiply-adds.
 
 Where the time goes
 -------------------
@@ -132,15 +132,16 @@ __all__ = [
     "exp_float32",
 ]
 
-#: Query rows per work unit / tile (a multiple of the 8-row register tile).
+#: Query rows per work unit / tile (a multiple of the 4-row register tile).
 BLOCK_Q = 64
-#: Keys per streamed block (a multiple of two 64-byte vectors of either dtype).
+#: Keys per streamed block (a multiple of four 64-byte vectors of either dtype).
 BLOCK_K = 64
 #: Keys per split of the short-query (decode) path: a fixed size, so that the number of
 #: splits and the order they are combined in depend on the key length only.
 SPLIT_KEYS = 1024
-#: Rows of the register tile of the micro-kernels.
-_TILE_ROWS = 8
+#: Vectors per row of the register tile of the micro-kernels (4 rows x 4 vectors); value
+#: and feature columns are padded to a multiple of this many vectors.
+_TILE_VECTORS = 4
 #: Minimum number of backward work units (shape-derived, never thread-derived). Whole
 #: heads are the cheapest units (no dk/dv partials to store and add); query chunks are only
 #: added when there are fewer (batch, head) pairs than this.
@@ -177,124 +178,9 @@ else:  # pragma: no cover
 
 
 # --------------------------------------------------------------------------------------
-# micro-kernels: C[r, c:c+2W] += sum_x A(x, r) * Bm[x, c:c+2W], an 8 x 2W register tile,
+# micro-kernels: C[r, c:c+4W] += sum_x A(x, r) * Bm[x, c:c+4W], a 4 x 4W register tile,
 # x sequential (the fixed reduction order), lanes = independent outputs.
 # --------------------------------------------------------------------------------------
-@njit(**_OPTS)
-def _tile_t(a, bm, count, row, col, out, fresh):
-    """out[row:row+8, col:col+2W] += a[:count, row:row+8].T @ bm[:count, col:col+2W]."""
-    width = lanes(bm)
-    col2 = col + width
-    o0, o1, o2, o3 = out[row], out[row + 1], out[row + 2], out[row + 3]
-    o4, o5, o6, o7 = out[row + 4], out[row + 5], out[row + 6], out[row + 7]
-    c00 = vzero(o0) if fresh else vload(o0, col)
-    c01 = vzero(o0) if fresh else vload(o0, col2)
-    c10 = vzero(o1) if fresh else vload(o1, col)
-    c11 = vzero(o1) if fresh else vload(o1, col2)
-    c20 = vzero(o2) if fresh else vload(o2, col)
-    c21 = vzero(o2) if fresh else vload(o2, col2)
-    c30 = vzero(o3) if fresh else vload(o3, col)
-    c31 = vzero(o3) if fresh else vload(o3, col2)
-    c40 = vzero(o4) if fresh else vload(o4, col)
-    c41 = vzero(o4) if fresh else vload(o4, col2)
-    c50 = vzero(o5) if fresh else vload(o5, col)
-    c51 = vzero(o5) if fresh else vload(o5, col2)
-    c60 = vzero(o6) if fresh else vload(o6, col)
-    c61 = vzero(o6) if fresh else vload(o6, col2)
-    c70 = vzero(o7) if fresh else vload(o7, col)
-    c71 = vzero(o7) if fresh else vload(o7, col2)
-    for x in range(count):
-        brow = bm[x]
-        b0, b1 = vload(brow, col), vload(brow, col2)
-        arow = a[x]
-        a0 = arow[row]
-        c00, c01 = vfma(a0, b0, c00), vfma(a0, b1, c01)
-        a1 = arow[row + 1]
-        c10, c11 = vfma(a1, b0, c10), vfma(a1, b1, c11)
-        a2 = arow[row + 2]
-        c20, c21 = vfma(a2, b0, c20), vfma(a2, b1, c21)
-        a3 = arow[row + 3]
-        c30, c31 = vfma(a3, b0, c30), vfma(a3, b1, c31)
-        a4 = arow[row + 4]
-        c40, c41 = vfma(a4, b0, c40), vfma(a4, b1, c41)
-        a5 = arow[row + 5]
-        c50, c51 = vfma(a5, b0, c50), vfma(a5, b1, c51)
-        a6 = arow[row + 6]
-        c60, c61 = vfma(a6, b0, c60), vfma(a6, b1, c61)
-        a7 = arow[row + 7]
-        c70, c71 = vfma(a7, b0, c70), vfma(a7, b1, c71)
-    vstore(o0, col, c00)
-    vstore(o0, col2, c01)
-    vstore(o1, col, c10)
-    vstore(o1, col2, c11)
-    vstore(o2, col, c20)
-    vstore(o2, col2, c21)
-    vstore(o3, col, c30)
-    vstore(o3, col2, c31)
-    vstore(o4, col, c40)
-    vstore(o4, col2, c41)
-    vstore(o5, col, c50)
-    vstore(o5, col2, c51)
-    vstore(o6, col, c60)
-    vstore(o6, col2, c61)
-    vstore(o7, col, c70)
-    vstore(o7, col2, c71)
-
-
-@njit(**_OPTS)
-def _tile_n(a, bm, count, row, col, out):
-    """out[row:row+8, col:col+2W] += a[row:row+8, :count] @ bm[:count, col:col+2W]."""
-    width = lanes(bm)
-    col2 = col + width
-    o0, o1, o2, o3 = out[row], out[row + 1], out[row + 2], out[row + 3]
-    o4, o5, o6, o7 = out[row + 4], out[row + 5], out[row + 6], out[row + 7]
-    r0, r1, r2, r3 = a[row], a[row + 1], a[row + 2], a[row + 3]
-    r4, r5, r6, r7 = a[row + 4], a[row + 5], a[row + 6], a[row + 7]
-    c00, c01 = vload(o0, col), vload(o0, col2)
-    c10, c11 = vload(o1, col), vload(o1, col2)
-    c20, c21 = vload(o2, col), vload(o2, col2)
-    c30, c31 = vload(o3, col), vload(o3, col2)
-    c40, c41 = vload(o4, col), vload(o4, col2)
-    c50, c51 = vload(o5, col), vload(o5, col2)
-    c60, c61 = vload(o6, col), vload(o6, col2)
-    c70, c71 = vload(o7, col), vload(o7, col2)
-    for x in range(count):
-        brow = bm[x]
-        b0, b1 = vload(brow, col), vload(brow, col2)
-        a0 = r0[x]
-        c00, c01 = vfma(a0, b0, c00), vfma(a0, b1, c01)
-        a1 = r1[x]
-        c10, c11 = vfma(a1, b0, c10), vfma(a1, b1, c11)
-        a2 = r2[x]
-        c20, c21 = vfma(a2, b0, c20), vfma(a2, b1, c21)
-        a3 = r3[x]
-        c30, c31 = vfma(a3, b0, c30), vfma(a3, b1, c31)
-        a4 = r4[x]
-        c40, c41 = vfma(a4, b0, c40), vfma(a4, b1, c41)
-        a5 = r5[x]
-        c50, c51 = vfma(a5, b0, c50), vfma(a5, b1, c51)
-        a6 = r6[x]
-        c60, c61 = vfma(a6, b0, c60), vfma(a6, b1, c61)
-        a7 = r7[x]
-        c70, c71 = vfma(a7, b0, c70), vfma(a7, b1, c71)
-    vstore(o0, col, c00)
-    vstore(o0, col2, c01)
-    vstore(o1, col, c10)
-    vstore(o1, col2, c11)
-    vstore(o2, col, c20)
-    vstore(o2, col2, c21)
-    vstore(o3, col, c30)
-    vstore(o3, col2, c31)
-    vstore(o4, col, c40)
-    vstore(o4, col2, c41)
-    vstore(o5, col, c50)
-    vstore(o5, col2, c51)
-    vstore(o6, col, c60)
-    vstore(o6, col2, c61)
-    vstore(o7, col, c70)
-    vstore(o7, col2, c71)
-
-
 @njit(**_OPTS)
 def _tile4x4_t(a, bm, count, row, col, out, fresh):
     """out[row:row+4, col:col+4W] += a[:count, row:row+4].T @ bm[:count, col:col+4W]."""
@@ -426,7 +312,8 @@ def _tile4x4_n(a, bm, count, row, col, out):
 
 @njit(**_OPTS)
 def _row_t(a, bm, count, row, col, out, fresh):
-    """One row of :func:`_tile_t` (the same operations, so the same bits per element)."""
+    """One row of :func:`_tile4x4_t` over 2W columns (the same operations, so the same bits
+    per element)."""
     width = lanes(bm)
     col2 = col + width
     orow = out[row]
@@ -442,7 +329,8 @@ def _row_t(a, bm, count, row, col, out, fresh):
 
 @njit(**_OPTS)
 def _row_n(a, bm, count, row, col, out):
-    """One row of :func:`_tile_n` (the same operations, so the same bits per element)."""
+    """One row of :func:`_tile4x4_n` over 2W columns (the same operations, so the same bits
+    per element)."""
     width = lanes(bm)
     col2 = col + width
     orow, arow = out[row], a[row]
@@ -458,19 +346,13 @@ def _row_n(a, bm, count, row, col, out):
 @njit(**_OPTS)
 def _matmul_t(a, bm, count, rows, cols, out, fresh=False):
     """out[:rows, :cols] += a[:count, :rows].T @ bm[:count, :cols] (``=`` with ``fresh``:
-    the tiles start from zero registers); 4 x 4-vector or 8 x 2-vector tiles, then rows one
-    at a time (a decode step has one query row)."""
+    the tiles start from zero registers); 4 x 4-vector tiles, then rows one at a time (a
+    decode step has one query row). ``cols`` is a multiple of four vectors."""
     step = 2 * lanes(bm)
-    if cols % (2 * step) == 0:  # 4 x 4-vector tiles (fewer loads per fma than 8 x 2)
-        full = rows - rows % 4
-        for row in range(0, full, 4):
-            for col in range(0, cols, 2 * step):
-                _tile4x4_t(a, bm, count, row, col, out, fresh)
-    else:
-        full = rows - rows % _TILE_ROWS
-        for row in range(0, full, _TILE_ROWS):
-            for col in range(0, cols, step):
-                _tile_t(a, bm, count, row, col, out, fresh)
+    full = rows - rows % 4
+    for row in range(0, full, 4):
+        for col in range(0, cols, 2 * step):
+            _tile4x4_t(a, bm, count, row, col, out, fresh)
     for row in range(full, rows):
         for col in range(0, cols, step):
             _row_t(a, bm, count, row, col, out, fresh)
@@ -478,19 +360,13 @@ def _matmul_t(a, bm, count, rows, cols, out, fresh=False):
 
 @njit(**_OPTS)
 def _matmul_n(a, bm, count, rows, cols, out):
-    """out[:rows, :cols] += a[:rows, :count] @ bm[:count, :cols]; 4 x 4-vector or 8 x 2-vector
-    tiles, then rows one at a time."""
+    """out[:rows, :cols] += a[:rows, :count] @ bm[:count, :cols]; 4 x 4-vector tiles, then
+    rows one at a time. ``cols`` is a multiple of four vectors."""
     step = 2 * lanes(bm)
-    if cols % (2 * step) == 0:  # 4 x 4-vector tiles (fewer loads per fma than 8 x 2)
-        full = rows - rows % 4
-        for row in range(0, full, 4):
-            for col in range(0, cols, 2 * step):
-                _tile4x4_n(a, bm, count, row, col, out)
-    else:
-        full = rows - rows % _TILE_ROWS
-        for row in range(0, full, _TILE_ROWS):
-            for col in range(0, cols, step):
-                _tile_n(a, bm, count, row, col, out)
+    full = rows - rows % 4
+    for row in range(0, full, 4):
+        for col in range(0, cols, 2 * step):
+            _tile4x4_n(a, bm, count, row, col, out)
     for row in range(full, rows):
         for col in range(0, cols, step):
             _row_n(a, bm, count, row, col, out)
@@ -768,8 +644,8 @@ def _forward_units(q, k_pack, v_pack, v_fin, kv_head, dims, opts, fopts, bias, b
     batch, heads, length = dims[0], dims[1], dims[2]
     nqb = -(-length // BLOCK_Q)
     for unit in prange(batch * heads * nqb):
-        _forward_unit(q, k_pack, v_pack, v_fin, kv_head, unit, nqb, dims, opts, fopts, bias,
-                      bstr, mask, mstr, drop, dstr, slopes, out, lse)
+        _forward_unit(q, k_pack, v_pack, v_fin, kv_head, np.int64(unit), nqb, dims, opts,
+                      fopts, bias, bstr, mask, mstr, drop, dstr, slopes, out, lse)
 
 
 def split_keys(heads: int, kv_heads: int, length: int, keys: int) -> int:
@@ -838,7 +714,8 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, bias, bst
                 q_t[x, t * length + i] = src[i, x]
     causal, left, right = opts[1] != 0, opts[2], opts[3]
     has_drop = opts[8] != 0
-    lo_first, _ = _row_range(0, keys, opts[0], causal, left, right)
+    first_row = np.int64(0)  # not a literal: one compiled _row_range, _finish_scores, ...
+    lo_first, _ = _row_range(first_row, keys, opts[0], causal, left, right)
     _, hi_last = _row_range(length - 1, keys, opts[0], causal, left, right)
     start = max(split * SPLIT_KEYS, max(lo_first, 0) // BLOCK_K * BLOCK_K)
     stop = min((split + 1) * SPLIT_KEYS, hi_last + 1, keys)
@@ -850,7 +727,7 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, bias, bst
         clean = True
         for t in range(group):
             r0 = t * length
-            clean &= _finish_scores(s[r0:r0 + length], length, nc, 0, c0, b,
+            clean &= _finish_scores(s[r0:r0 + length], length, nc, first_row, c0, b,
                                     group_heads[g, t], dims, opts, fopts, bias, bstr, mask,
                                     mstr, slopes, deriv[r0:r0 + length])
         for r in range(rows):
@@ -879,8 +756,8 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, bias, bst
         if has_drop:
             for t in range(group):
                 r0 = t * length
-                _dropout_weights(p[r0:r0 + length], pd[r0:r0 + length], length, nc, 0, c0, b,
-                                 group_heads[g, t], drop, dstr)
+                _dropout_weights(p[r0:r0 + length], pd[r0:r0 + length], length, nc, first_row,
+                                 c0, b, group_heads[g, t], drop, dstr)
             weights = pd
         if v_finite or (clean and not has_drop):
             _matmul_n(weights, v_blk, nc, rows, epad, acc)
@@ -913,14 +790,14 @@ def _split_forward(q, k, v, group_heads, nsplit, dims, opts, fopts, bias, bstr, 
     only)."""
     batch, heads, length, kv_heads, vdim = dims[0], dims[1], dims[2], dims[3], dims[6]
     dt = q.dtype
-    epad = max(2 * lanes(q), -(-vdim // (2 * lanes(q))) * 2 * lanes(q))
+    epad = _pad(vdim, lanes(q))
     part_m = np.empty((batch, heads, length, nsplit), dt)
     part_total = np.empty((batch, heads, length, nsplit), dt)
     part_acc = np.empty((batch, heads, length, nsplit, epad), dt)
     zero = np.zeros(1, dt)
     for unit in prange(batch * kv_heads * nsplit):
-        _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, bias, bstr, mask,
-                    mstr, drop, dstr, slopes, part_m, part_total, part_acc)
+        _split_unit(q, k, v, group_heads, np.int64(unit), nsplit, dims, opts, fopts, bias,
+                    bstr, mask, mstr, drop, dstr, slopes, part_m, part_total, part_acc)
     keep_scale = fopts[2]
     nan_rows = opts[9] != 0
     for row in prange(batch * heads * length):
@@ -954,10 +831,19 @@ def _split_forward(q, k, v, group_heads, nsplit, dims, opts, fopts, bias, bstr, 
         lse[b, h, i] = best + math.log(total)
 
 
+@njit(**_OPTS)
+def _pad(features, width):
+    """Features padded to a multiple of four vectors of ``width`` lanes (the register tile's
+    width; at least one tile)."""
+    tile = _TILE_VECTORS * width
+    return max(tile, -(-features // tile) * tile)
+
+
 def _padded(features, dtype):
-    """Features padded to a multiple of two 64-byte vectors (the register tile's width)."""
+    """:func:`_pad` for a dtype's 64-byte vectors."""
     width = 64 // np.dtype(dtype).itemsize
-    return max(2 * width, -(-features // (2 * width)) * 2 * width)
+    return max(_TILE_VECTORS * width, -(-features // (_TILE_VECTORS * width)) * _TILE_VECTORS
+               * width)
 
 
 def _packed_keys(k, v):
@@ -987,8 +873,8 @@ def _backward_unit(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, u
     g = kv_head[h]
     dt = q.dtype
     width = lanes(q)
-    dpad = max(2 * width, -(-dim // (2 * width)) * 2 * width)
-    epad = max(2 * width, -(-vdim // (2 * width)) * 2 * width)
+    dpad = _pad(dim, width)
+    epad = _pad(vdim, width)
     q_t = np.empty((dim, BLOCK_Q), dt)
     q_blk = np.empty((BLOCK_Q, dpad), dt)
     do_t = np.empty((vdim, BLOCK_Q), dt)
@@ -1108,7 +994,7 @@ def _backward_units(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, 
                     dv_part, dbias):
     batch, heads = dims[0], dims[1]
     for unit in prange(batch * heads * nchunks):
-        _backward_unit(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, unit,
+        _backward_unit(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, np.int64(unit),
                        nchunks, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes,
                        dq, dk_part, dv_part, dbias)
 
@@ -1265,9 +1151,7 @@ def backward(spec, grad_out, grad_lse=None, dtype=None, *, saved=None):
     delta = np.empty((batch, heads, length), dtype)
     if delta.size:
         _delta(grad_out, out, glse, has_glse, delta)
-    width = 64 // dtype.itemsize
-    dpad = max(2 * width, -(-dim // (2 * width)) * 2 * width)
-    epad = max(2 * width, -(-vdim // (2 * width)) * 2 * width)
+    dpad, epad = _padded(dim, dtype), _padded(vdim, dtype)
     kpad = -(-keys // BLOCK_K) * BLOCK_K
     nchunks = backward_chunks(batch, heads, length, keys)
     # every unit zeroes its own partials and writes all its dq rows (in parallel)
