@@ -51,19 +51,21 @@ Where the time goes
 Measured on a 2-core AMD EPYC Zen 4 (LLVM cpu ``znver4``, AVX-512; 64-byte vectors issue as
 two 32-byte halves), B1 H8 L=S=1024 D64 float64 forward, one thread, per phase (before ->
 after the present layout; machine shared, load about 2): q k^T tiles 23.5 ms and p v tiles
-22.5 ms (each 537 M fused multiply-adds, about 46 GFLOP/s; a register tile alone reaches
-46-50 GFLOP/s on this core, so the products run near the machine's peak and are the floor of
-the forward), max + exp + row sums 15.8 -> 13.4 ms (scalar exp, then
-:func:`~refattn.kernels._simd.vexp` on 8 lanes: the degree-13 Horner chain of 8.4 M
-exponentials is the largest cost besides the products), loading K^T and V blocks 8.2 ms
-(repeated for every query block) -> 4.5 ms (packed once per kv head), scaling the scores
-1.9 -> 1.3 ms; the rest (zeroing tiles, rescaling accumulators, normalising) about 8 ms. The
-whole forward went from 74 to 64 ms on one thread (float32: 42 -> 32 ms). Outside the kernels,
-every call used to copy q, k and v (the argument layout asked for writeable arrays, and the
-inputs arrive as read-only views): 3 x 4 MiB here, 2 x 64 MiB for a GQA decode step at S 8192;
-they now pass as read-only views.
+22.5 ms (each 537 M fused multiply-adds, about 46 GFLOP/s), max + exp + row sums 15.8 ->
+13.4 ms (scalar exp, then :func:`~refattn.kernels._simd.vexp` on 8 lanes: the degree-13
+Horner chain of 8.4 M exponentials is the largest cost besides the products), loading K^T and
+V blocks 8.2 ms (repeated for every query block) -> 4.5 ms (packed once per kv head), scaling
+the scores 1.9 -> 1.3 ms -> folded into the loads of the max and exp passes (the same
+product per score, so the same bits); the rest (zeroing tiles, rescaling accumulators,
+normalising) about 8 ms. The whole forward went from 74 to 64 ms on one thread (float32: 42
+-> 32 ms). Outside the kernels, every call used to copy q, k and v (the argument layout asked
+for writeable arrays, and the inputs arrive as read-only views): 3 x 4 MiB here, 2 x 64 MiB
+for a GQA decode step at S 8192; they now pass as read-only views.
 
-The inner tiles compile to ``vfmadd231pd`` on ``zmm`` registers with broadcast operands
+The products are near the machine's limit: a loop of register-only 512-bit fused
+multiply-adds reaches 58.7 GFLOP/s on one core (3.7 GHz x 16 float64 flops per cycle), one
+64 x 64 x 64 product tile 48 GFLOP/s (10.9 us; 82 %). The inner tiles compile to
+``vfmadd231pd`` on ``zmm`` registers with broadcast operands
 (``_forward_units.inspect_asm(_forward_units.signatures[0])``, with the cache off): 512-bit
 vectors are used whatever LLVM's preferred vector width for the target, since the kernels
 spell the vector type themselves; accumulators stay in registers (16 of the 32 zmm), only
@@ -72,6 +74,36 @@ query rows (one byte of L2 traffic per 8 flops); the tiles read 0.5 operands fro
 fused multiply-add. ``NUMBA_CPU_NAME`` (``znver4`` = host, ``znver3``, ``skylake-avx512``,
 ``sapphirerapids``) moved the forward by less than the run-to-run noise of this shared
 machine (0.83-1.07x torch across targets and runs), so the host default is kept.
+
+Backward (same shape, one thread, CPU time so that the load of the shared machine, 9-12,
+does not count): per (query block, key block) pair five 64 x 64 x 64 products (S = q k^T
+recomputed, dP = dO v^T, dq += dS k, dk += dS^T q, dv += P^T dO; 10.9 us each) and P, dS
+(exp and five vector operations, 4.3 us), against two products and about 5 us of max, exp
+and sums in the forward: the floor of backward / forward for this split of the work is about
+(5 x 10.9 + 4.9) / (2 x 10.9 + 5.2) = 2.2; measured, the units take 2.09x the forward (138.5
+vs 66.4 ms) and the whole pass 2.15-2.3x. Memory is not the limit: per pair the backward
+reads three 32 KiB key-side blocks and updates 32 KiB dk and dv tiles while the query side
+(q, q^T, dO, dO^T, the dq accumulator: 160 KiB) stays in L2, 12 flops per byte moved from
+L3. What made two threads worse (2.26-2.65x) was around the units: four query chunks per head
+(32 units) each kept its own (S, D) and (S, E) dk, dv partials, 32 MiB of fresh pages per
+call (page faults and zeroing) read back by a separate reduction (17.8 ms on two threads
+under load, 0.18x the forward). A unit is now a whole head whenever B H >= 8
+(:func:`backward_chunks`): with H == K it writes dk and dv directly, and units are handed to
+threads one at a time (``parallel_chunksize(1)``) so that a core busy with other work does
+not hold up the rest.
+
+First-use compile (Numba, from an empty cache, CPU seconds with the machine at load 10;
+LLVM is about 65 %), before -> after: forward float64 15.9 -> 12.9, backward 27.1 -> 20.8,
+decode 14.5 -> 10.2; float32 18.0 -> 12.1, 22.0 -> 16.8, 14.0 -> 11.5 (all six 111 -> 84 s).
+Every option is a runtime flag (one specialisation per path and compute dtype; float16 and
+bfloat16 inputs compute in float32); what was duplicated: each work unit compiled twice (the
+``prange`` index is unsigned in the parallel loop body and signed when the call is typed),
+literal-0 copies of the row helpers on the short-query path, and 8 x 2-vector tiles beside
+the 4 x 4 ones in every product. The compiled kernels are cached per CPU (Numba's cache index
+keys on the CPU name and features) and a later process loads all six in about a second;
+``python -m refattn.kernels`` (:func:`refattn.kernels.precompile`) fills the cache ahead of
+first use. Numba's ahead-of-time compiler (``numba.pycc``, deprecated) cannot build
+``parallel=True`` functions, so the cache is the ahead-of-time path.
 
 Precision
 ---------
@@ -86,7 +118,8 @@ Conventions pinned here
   weight is zero and its value row is not read); this only differs from the NumPy path
   when q . k overflows to -inf.
 * Backward: dq is final per unit; dk, dv are summed over query chunks and query heads in a
-  fixed order; dbias is returned as a full (B, H, L, S) array (only when bias is given).
+  fixed order (one chunk per head when B H >= 8); dbias is returned as a full (B, H, L, S)
+  array (only when bias is given).
 """
 
 from __future__ import annotations
@@ -446,6 +479,32 @@ def _load_rows(src, start, count, out, zero_nonfinite=False):
 
 
 @njit(**_OPTS)
+def _raw_scores_suffice(nr, nc, r0, c0, dims, opts, fopts, width):
+    """Whether a q.k tile needs nothing but the scale (no option, every position allowed,
+    a finite positive scale): its users then multiply each loaded score by the scale
+    themselves (the same product, so the same bits) instead of a separate pass."""
+    if opts[4] != 0 or opts[5] != 0 or opts[6] != 0 or opts[7] != 0 or nc != width:
+        return False
+    scale = fopts[0]
+    if not (scale > 0 and scale < np.inf):  # scaling keeps -inf (overflowed q.k) as -inf
+        return False
+    keys, offset, causal, left, right = dims[4], opts[0], opts[1] != 0, opts[2], opts[3]
+    _, hi_first = _row_range(r0, keys, offset, causal, left, right)
+    lo_last, _ = _row_range(r0 + nr - 1, keys, offset, causal, left, right)
+    return lo_last <= c0 and hi_first >= c0 + nc - 1
+
+
+@njit(**_OPTS)
+def _row_max_scaled(row, count, factor):
+    """max(row[:count] * factor) ignoring NaN, as :func:`_row_max` of the scaled row."""
+    width = lanes(row)
+    acc = vmuls(vload(row, 0), factor)
+    for c in range(width, count, width):
+        acc = vmax(acc, vmuls(vload(row, c), factor))
+    return vbest(acc)
+
+
+@njit(**_OPTS)
 def _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr, mask, mstr,
                    slopes, deriv):
     """Turn raw q.k tile into final scores in place; -inf marks excluded positions.
@@ -563,6 +622,7 @@ def _forward_unit(q, k_pack, v_pack, v_fin, kv_head, unit, nqb, dims, opts, fopt
     acc = np.zeros((BLOCK_Q, epad), dt)
     m = np.full(BLOCK_Q, -np.inf, dt)
     total = np.zeros(BLOCK_Q, dt)
+    one = np.ones(1, dt)[0]
     _load_rows_t(q[b, h], r0, nr, q_t)
     causal, left, right = opts[1] != 0, opts[2], opts[3]
     has_drop = opts[8] != 0
@@ -576,20 +636,24 @@ def _forward_unit(q, k_pack, v_pack, v_fin, kv_head, unit, nqb, dims, opts, fopt
         v_blk = v_pack[b, g, kb]
         v_finite = v_fin[b, g, kb]
         _matmul_t(q_t, k_t, dim, rows, BLOCK_K, s, True)
-        clean = _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr, mask,
-                               mstr, slopes, deriv)
+        factor = one  # x * 1 is x: the scores in s are final
+        if _raw_scores_suffice(nr, nc, r0, c0, dims, opts, fopts, BLOCK_K):
+            clean, factor = True, fopts[0]
+        else:
+            clean = _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr,
+                                   mask, mstr, slopes, deriv)
         for r in range(nr):
             row = s[r]
             prow = p[r]
             m_old = m[r]
-            m_new = max(m_old, _row_max(row, BLOCK_K))
+            m_new = max(m_old, _row_max_scaled(row, BLOCK_K, factor))
             if m_new == -np.inf:
                 prow[:] = 0
                 continue
             # exp of the tile row, lane-parallel; the lane sums in the _row_sum order
             part = vzero(prow)
             for c in range(0, BLOCK_K, width):
-                e = vexp(vsubs(vload(row, c), m_new))
+                e = vexp(vsubs(vmuls(vload(row, c), factor), m_new))
                 vstore(prow, c, e)
                 part = vadd(part, e)
             row_total = vsum(part)
@@ -889,6 +953,7 @@ def _backward_unit(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, u
     has_softcap, has_bias, has_drop = opts[4] != 0, opts[5] != 0, opts[8] != 0
     scale, keep_scale = fopts[0], fopts[2]
     plain = not (has_softcap or has_bias or has_drop)
+    one = np.ones(1, dt)[0]
     dk_out, dv_out = dk_part[b, h, chunk], dv_part[b, h, chunk]
     dk_out[:, :] = 0
     dv_out[:, :] = 0
@@ -917,8 +982,12 @@ def _backward_unit(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, u
             kb = c0 // BLOCK_K
             k_t, k_blk, v_t = kt_pack[b, g, kb], k_pack[b, g, kb], vt_pack[b, g, kb]
             _matmul_t(q_t, k_t, dim, rows, BLOCK_K, s, True)
-            _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr, mask, mstr,
-                           slopes, deriv)
+            factor = one  # x * 1 is x: the scores in s are final
+            if plain and _raw_scores_suffice(nr, nc, r0, c0, dims, opts, fopts, BLOCK_K):
+                factor = scale
+            else:
+                _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr, mask,
+                               mstr, slopes, deriv)
             _matmul_t(do_t, v_t, vdim, rows, BLOCK_K, dp, True)
             for r in range(nr):
                 i = r0 + r
@@ -933,7 +1002,7 @@ def _backward_unit(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, u
                     # P, dS = P (dP z - delta), dropout scale and softmax scale, lane-parallel
                     # (the same operations per element as the general branch below)
                     for c in range(0, BLOCK_K, width):
-                        sv = vload(srow, c)
+                        sv = vmuls(vload(srow, c), factor)
                         pv = vexp(vsubs(sv, row_lse))
                         grad = vmul(pv, vsubs(vmuls(vload(dprow, c), keep_scale), d_i))
                         vstore(dsrow, c, vmuls(vkeep(sv, grad), scale))
