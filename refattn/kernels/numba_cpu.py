@@ -1242,12 +1242,13 @@ def _sum_parts(part, kv_head, kv_heads, keys, feats, length):
     chunks in increasing (head, chunk) order; one partial per kv head is the result itself
     (no copy when unpadded)."""
     batch, heads, nchunks = part.shape[:3]
-    if heads == kv_heads and nchunks == 1 and length:  # kv_head is the identity then
+    result = np.zeros((batch, kv_heads, keys, feats), part.dtype)
+    if not (length and result.size):  # no unit ran: the partials were never written
+        return result
+    if heads == kv_heads and nchunks == 1:  # kv_head is the identity then
         whole = part[:, :, 0, :keys, :feats]
         return whole if whole.flags.c_contiguous else np.ascontiguousarray(whole)
-    result = np.zeros((batch, kv_heads, keys, feats), part.dtype)
-    if result.size:
-        _reduce_parts(part, kv_head, kv_heads, feats, result)
+    _reduce_parts(part, kv_head, kv_heads, feats, result)
     return result
 
 
