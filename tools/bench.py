@@ -15,6 +15,7 @@ Examples::
     python tools/bench.py --long                  # also L = 65536, one head, peak memory
     python tools/bench.py --json bench.json --plot bench.png
     python tools/bench.py --targets --json t.json  # the shapes of the speed targets, pass/fail
+    python tools/bench.py --targets --compile      # ... and the first compile from an empty cache
 
 ``--targets`` times exactly the shapes the kernels' speed targets name (float64 and float32
 forward B1 H8 L=S=1024 D64, the backward pass reusing a saved forward, GQA decode L1 S8192
@@ -22,8 +23,8 @@ H32/K8 D128 float64, and L = S = 65536 one head with its peak RSS), each as the 
 interleaved repetitions (without the NumPy path, and with a 50 ms pause before each call so
 that the previous library's spinning worker threads do not steal the cores), and says which
 targets are met. Every report names the CPU (its
-model, LLVM's name for it and ``NUMBA_CPU_NAME``) and the load average, since the ratios on a
-shared machine move with it.
+model, LLVM's name for it and ``NUMBA_CPU_NAME``), the load average before and after, and the
+peak RSS of the benchmark process, since the ratios on a shared machine move with the load.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import time
@@ -209,6 +211,25 @@ print(elapsed, high_water(), base, bool(np.isfinite(out).all()))
 """
 
 
+def bench_compile() -> dict:
+    """First compile of every kernel path and dtype from an empty Numba cache, then the load
+    from that cache, each in a fresh process (``python -m refattn.kernels``); seconds."""
+    import tempfile
+
+    result = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, NUMBA_CACHE_DIR=cache,
+                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        for phase in ("compile", "cached"):
+            done = subprocess.run([sys.executable, "-m", "refattn.kernels"], env=env,
+                                  capture_output=True, text=True, check=True)
+            for line in done.stdout.splitlines():
+                if ":" in line and line.strip().endswith(" s"):
+                    name, seconds = line.split(":")
+                    result[f"{phase} {' '.join(name.split())}"] = float(seconds.split()[0])
+    return result
+
+
 def bench_long(length: int, dim: int) -> dict:
     """L = S = ``length``, one head, float64 forward in a fresh process: time and peak RSS."""
     script = _LONG_SCRIPT.format(root=str(ROOT), length=length, dim=dim)
@@ -332,6 +353,10 @@ def main(argv=None):
     parser.add_argument("--targets", action="store_true",
                         help="time only the speed targets' shapes (median of --repeat "
                              "interleaved calls) and say which are met")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time the first compile of every kernel path and dtype from "
+                             "an empty Numba cache, and the load from the cache (fresh "
+                             "processes)")
     parser.add_argument("--json", type=Path, help="write the rows and machine info here")
     parser.add_argument("--plot", type=Path, help="write a GFLOP/s plot (needs matplotlib)")
     args = parser.parse_args(argv)
@@ -365,8 +390,16 @@ def main(argv=None):
     if args.long and not args.targets:
         rows.append(bench_long(args.long, args.dim))
         print_row(rows[-1])
+    compile_times = None
+    if args.compile:
+        compile_times = bench_compile()
+        print("first compile (empty cache) / cached load, s: " + ", ".join(
+            f"{name} {seconds:.1f}" for name, seconds in compile_times.items()), flush=True)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(f"peak RSS of this process {peak / 2**30:.2f} GiB; load after "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     if args.json:
-        info |= {"threads": threads, "numba": numba.__version__,
+        info |= {"threads": threads, "peak_rss_bytes": peak, "numba": numba.__version__,
                  "torch": torch.__version__ if torch else None, "machine": platform.machine(),
                  "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "statistic": "median" if args.median else "best", "settle_s": args.settle,
@@ -374,6 +407,8 @@ def main(argv=None):
         report = {"info": info, "rows": rows}
         if targets is not None:
             report["targets"] = targets
+        if compile_times is not None:
+            report["compile_s"] = compile_times
         args.json.write_text(json.dumps(report, indent=1))
     if args.plot:
         plot(rows, args.plot)

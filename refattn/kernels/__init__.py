@@ -6,6 +6,15 @@
 user-facing entry point.
 """
 
-from ._dispatch import COMPILE_MESSAGE, announce_compile, attention, attention_vjp, compute_dtype
+from ._dispatch import (
+    COMPILE_MESSAGE,
+    PATHS,
+    announce_compile,
+    attention,
+    attention_vjp,
+    compute_dtype,
+    precompile,
+)
 
-__all__ = ["attention", "attention_vjp", "compute_dtype", "COMPILE_MESSAGE", "announce_compile"]
+__all__ = ["attention", "attention_vjp", "compute_dtype", "COMPILE_MESSAGE", "announce_compile",
+           "precompile", "PATHS"]

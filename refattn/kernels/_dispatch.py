@@ -11,10 +11,14 @@ import sys
 
 import numpy as np
 
-__all__ = ["attention", "attention_vjp", "compute_dtype", "COMPILE_MESSAGE", "announce_compile"]
+__all__ = ["attention", "attention_vjp", "compute_dtype", "COMPILE_MESSAGE", "announce_compile",
+           "precompile", "PATHS"]
 
-COMPILE_MESSAGE = ("refattn: compiling Numba kernels for this CPU (first use, ~1-2 min; cached "
-                   "afterwards)")
+COMPILE_MESSAGE = ("refattn: compiling Numba kernels for this CPU (first use, 10-20 s per path "
+                   "and dtype; cached afterwards; `python -m refattn.kernels` compiles all "
+                   "ahead of time)")
+#: The separately compiled kernel paths of :mod:`.numba_cpu` (each compiles on first use).
+PATHS = ("forward", "decode", "backward")
 _announced = []
 
 
@@ -123,3 +127,61 @@ def attention_vjp(spec, grad_out, grad_lse=None, *, dtype=None):
 
     announce_compile(numba_cpu)
     return numba_cpu.backward(spec, grad_out, grad_lse, _dtype(spec, dtype))
+
+
+def precompile(dtypes=("float64", "float32"), paths=PATHS, *, report=None) -> dict:
+    """Compile (or load from Numba's on-disk cache) the CPU kernels ahead of first use.
+
+    Each (path, compute dtype) is one set of Numba specialisations (every option is a runtime
+    flag and float16/bfloat16 inputs compute in float32, so there is nothing else to compile);
+    once compiled they are cached per CPU in ``refattn/kernels/__pycache__`` (or
+    ``NUMBA_CACHE_DIR``), and later processes load them in well under a second. Run it once
+    after installing, e.g. ``python -m refattn.kernels``.
+
+    Parameters
+    ----------
+    dtypes : iterable of {"float64", "float32"}
+        Compute dtypes.
+    paths : iterable of {"forward", "decode", "backward"}
+        :data:`PATHS`: the query-block forward, the short-query (key-split) forward and the
+        backward pass.
+    report : callable, optional
+        Called as ``report(path, dtype, seconds)`` after each one.
+
+    Returns
+    -------
+    dict
+        ``{(path, dtype): seconds}``: wall time of each first call (compile or cache load).
+
+    Examples
+    --------
+    >>> times = precompile(["float64"], ["forward"])
+    >>> list(times)
+    [('forward', 'float64')]
+    """
+    import time
+
+    from .._spec import canonicalize
+    from . import numba_cpu
+
+    times = {}
+    for dtype in dtypes:
+        dtype = np.dtype(dtype)
+        if dtype not in (np.float64, np.float32):
+            raise ValueError(f"dtypes: the kernels compute in float64 or float32, got {dtype}")
+        for path in paths:
+            if path not in PATHS:
+                raise ValueError(f"paths: {path!r} is not one of {PATHS}")
+            # the smallest shapes that take each path (decode: a key split of its own)
+            length, keys = (1, numba_cpu.SPLIT_KEYS + 1) if path == "decode" else (2, 2)
+            spec = canonicalize(np.zeros((1, length, 4), dtype), np.zeros((1, keys, 4), dtype),
+                                np.zeros((1, keys, 4), dtype))
+            start = time.perf_counter()
+            if path == "backward":
+                numba_cpu.backward(spec, np.zeros((1, 1, length, 4), dtype))
+            else:
+                numba_cpu.forward(spec)
+            times[path, dtype.name] = time.perf_counter() - start
+            if report is not None:
+                report(path, dtype.name, times[path, dtype.name])
+    return times

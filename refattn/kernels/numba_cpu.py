@@ -42,28 +42,30 @@ The reduction orders are:
   fused multiply-add each, in increasing split order.
 
 Vectorisation is across independent outputs only (SIMD lanes over keys or value columns in
-4-row x 4-vector register tiles, or 8-row x 2-vector ones when the columns are not a multiple
-of four vectors); no reduction is re-associated by the compiler. The tile shape changes no
-bit: each output element is the same sequential chain of fused multiply-adds.
+4-row x 4-vector register tiles, the columns padded to a multiple of four vectors); no
+reduction is re-associated by the compiler. The tile shape changes no bit: each output element
+is the same sequential chain of fused multiply-adds.
 
 Where the time goes
 -------------------
 Measured on a 2-core AMD EPYC Zen 4 (LLVM cpu ``znver4``, AVX-512; 64-byte vectors issue as
 two 32-byte halves), B1 H8 L=S=1024 D64 float64 forward, one thread, per phase (before ->
 after the present layout; machine shared, load about 2): q k^T tiles 23.5 ms and p v tiles
-22.5 ms (each 537 M fused multiply-adds, about 46 GFLOP/s; a register tile alone reaches
-46-50 GFLOP/s on this core, so the products run near the machine's peak and are the floor of
-the forward), max + exp + row sums 15.8 -> 13.4 ms (scalar exp, then
-:func:`~refattn.kernels._simd.vexp` on 8 lanes: the degree-13 Horner chain of 8.4 M
-exponentials is the largest cost besides the products), loading K^T and V blocks 8.2 ms
-(repeated for every query block) -> 4.5 ms (packed once per kv head), scaling the scores
-1.9 -> 1.3 ms; the rest (zeroing tiles, rescaling accumulators, normalising) about 8 ms. The
-whole forward went from 74 to 64 ms on one thread (float32: 42 -> 32 ms). Outside the kernels,
-every call used to copy q, k and v (the argument layout asked for writeable arrays, and the
-inputs arrive as read-only views): 3 x 4 MiB here, 2 x 64 MiB for a GQA decode step at S 8192;
-they now pass as read-only views.
+22.5 ms (each 537 M fused multiply-adds, about 46 GFLOP/s), max + exp + row sums 15.8 ->
+13.4 ms (scalar exp, then :func:`~refattn.kernels._simd.vexp` on 8 lanes: the degree-13
+Horner chain of 8.4 M exponentials is the largest cost besides the products), loading K^T and
+V blocks 8.2 ms (repeated for every query block) -> 4.5 ms (packed once per kv head), scaling
+the scores 1.9 -> 1.3 ms -> folded into the loads of the max and exp passes (the same
+product per score, so the same bits); the rest (zeroing tiles, rescaling accumulators,
+normalising) about 8 ms. The whole forward went from 74 to 64 ms on one thread (float32: 42
+-> 32 ms). Outside the kernels, every call used to copy q, k and v (the argument layout asked
+for writeable arrays, and the inputs arrive as read-only views): 3 x 4 MiB here, 2 x 64 MiB
+for a GQA decode step at S 8192; they now pass as read-only views.
 
-The inner tiles compile to ``vfmadd231pd`` on ``zmm`` registers with broadcast operands
+The products are near the machine's limit: a loop of register-only 512-bit fused
+multiply-adds reaches 58.7 GFLOP/s on one core (3.7 GHz x 16 float64 flops per cycle), one
+64 x 64 x 64 product tile 48 GFLOP/s (10.9 us; 82 %). The inner tiles compile to
+``vfmadd231pd`` on ``zmm`` registers with broadcast operands
 (``_forward_units.inspect_asm(_forward_units.signatures[0])``, with the cache off): 512-bit
 vectors are used whatever LLVM's preferred vector width for the target, since the kernels
 spell the vector type themselves; accumulators stay in registers (16 of the 32 zmm), only
@@ -72,6 +74,38 @@ query rows (one byte of L2 traffic per 8 flops); the tiles read 0.5 operands fro
 fused multiply-add. ``NUMBA_CPU_NAME`` (``znver4`` = host, ``znver3``, ``skylake-avx512``,
 ``sapphirerapids``) moved the forward by less than the run-to-run noise of this shared
 machine (0.83-1.07x torch across targets and runs), so the host default is kept.
+
+Backward (same shape, one thread, CPU time so that the load of the shared machine, 9-12,
+does not count): per (query block, key block) pair five 64 x 64 x 64 products (S = q k^T
+recomputed, dP = dO v^T, dq += dS k, dk += dS^T q, dv += P^T dO; 10.9 us each) and P, dS
+(exp and five vector operations, 4.3 us), against two products and about 5 us of max, exp
+and sums in the forward: the floor of backward / forward for this split of the work is about
+(5 x 10.9 + 4.9) / (2 x 10.9 + 5.2) = 2.2; measured, the units take 2.09x the forward (138.5
+vs 66.4 ms) and the whole pass 2.15-2.3x. Memory is not the limit: per pair the backward
+reads three 32 KiB key-side blocks and updates 32 KiB dk and dv tiles while the query side
+(q, q^T, dO, dO^T, the dq accumulator: 160 KiB) stays in L2, 12 flops per byte moved from
+L3. What made two threads worse (2.26-2.65x) was around the units: four query chunks per head
+(32 units) each kept its own (S, D) and (S, E) dk, dv partials, 32 MiB of fresh pages per
+call (page faults and zeroing) read back by a separate reduction (17.8 ms on two threads
+under load, 0.18x the forward). A unit is now a whole head whenever B H >= 8
+(:func:`backward_chunks`): with H == K it writes dk and dv directly, and units are handed to
+threads one at a time (``parallel_chunksize(1)``) so that a core busy with other work does
+not hold up the rest.
+
+First-use compile (Numba, from an empty cache, CPU seconds with the machine at load 10;
+LLVM is about 65 %), before -> after: forward float64 15.9 -> 12.9, backward 27.1 -> 20.8,
+decode 14.5 -> 10.2; float32 18.0 -> 12.1, 22.0 -> 16.8, 14.0 -> 11.5 (all six 111 -> 84 s);
+the two versions compiling side by side (the same load for both): forward, backward, decode
+float64 and forward float32 19.6 -> 14.4, 37.3 -> 26.9, 14.5 -> 14.1, 16.6 -> 13.5 (88 -> 69 s).
+Every option is a runtime flag (one specialisation per path and compute dtype; float16 and
+bfloat16 inputs compute in float32); what was duplicated: each work unit compiled twice (the
+``prange`` index is unsigned in the parallel loop body and signed when the call is typed),
+literal-0 copies of the row helpers on the short-query path, and 8 x 2-vector tiles beside
+the 4 x 4 ones in every product. The compiled kernels are cached per CPU (Numba's cache index
+keys on the CPU name and features) and a later process loads all six in about a second;
+``python -m refattn.kernels`` (:func:`refattn.kernels.precompile`) fills the cache ahead of
+first use. Numba's ahead-of-time compiler (``numba.pycc``, deprecated) cannot build
+``parallel=True`` functions, so the cache is the ahead-of-time path.
 
 Precision
 ---------
@@ -86,7 +120,8 @@ Conventions pinned here
   weight is zero and its value row is not read); this only differs from the NumPy path
   when q . k overflows to -inf.
 * Backward: dq is final per unit; dk, dv are summed over query chunks and query heads in a
-  fixed order; dbias is returned as a full (B, H, L, S) array (only when bias is given).
+  fixed order (one chunk per head when B H >= 8); dbias is returned as a full (B, H, L, S)
+  array (only when bias is given).
 """
 
 from __future__ import annotations
@@ -94,7 +129,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, parallel_chunksize, prange
 
 from ..bounds.kernels import online_backward_bound, online_forward_bound
 from ._args import kernel_arguments
@@ -132,17 +167,20 @@ __all__ = [
     "exp_float32",
 ]
 
-#: Query rows per work unit / tile (a multiple of the 8-row register tile).
+#: Query rows per work unit / tile (a multiple of the 4-row register tile).
 BLOCK_Q = 64
-#: Keys per streamed block (a multiple of two 64-byte vectors of either dtype).
+#: Keys per streamed block (a multiple of four 64-byte vectors of either dtype).
 BLOCK_K = 64
 #: Keys per split of the short-query (decode) path: a fixed size, so that the number of
 #: splits and the order they are combined in depend on the key length only.
 SPLIT_KEYS = 1024
-#: Rows of the register tile of the micro-kernels.
-_TILE_ROWS = 8
-#: Minimum number of backward work units (shape-derived, never thread-derived).
-_MIN_BACKWARD_UNITS = 32
+#: Vectors per row of the register tile of the micro-kernels (4 rows x 4 vectors); value
+#: and feature columns are padded to a multiple of this many vectors.
+_TILE_VECTORS = 4
+#: Minimum number of backward work units (shape-derived, never thread-derived). Whole
+#: heads are the cheapest units (no dk/dv partials to store and add); query chunks are only
+#: added when there are fewer (batch, head) pairs than this.
+_MIN_BACKWARD_UNITS = 8
 
 _OPTS = KERNEL_OPTIONS
 
@@ -175,124 +213,9 @@ else:  # pragma: no cover
 
 
 # --------------------------------------------------------------------------------------
-# micro-kernels: C[r, c:c+2W] += sum_x A(x, r) * Bm[x, c:c+2W], an 8 x 2W register tile,
+# micro-kernels: C[r, c:c+4W] += sum_x A(x, r) * Bm[x, c:c+4W], a 4 x 4W register tile,
 # x sequential (the fixed reduction order), lanes = independent outputs.
 # --------------------------------------------------------------------------------------
-@njit(**_OPTS)
-def _tile_t(a, bm, count, row, col, out, fresh):
-    """out[row:row+8, col:col+2W] += a[:count, row:row+8].T @ bm[:count, col:col+2W]."""
-    width = lanes(bm)
-    col2 = col + width
-    o0, o1, o2, o3 = out[row], out[row + 1], out[row + 2], out[row + 3]
-    o4, o5, o6, o7 = out[row + 4], out[row + 5], out[row + 6], out[row + 7]
-    c00 = vzero(o0) if fresh else vload(o0, col)
-    c01 = vzero(o0) if fresh else vload(o0, col2)
-    c10 = vzero(o1) if fresh else vload(o1, col)
-    c11 = vzero(o1) if fresh else vload(o1, col2)
-    c20 = vzero(o2) if fresh else vload(o2, col)
-    c21 = vzero(o2) if fresh else vload(o2, col2)
-    c30 = vzero(o3) if fresh else vload(o3, col)
-    c31 = vzero(o3) if fresh else vload(o3, col2)
-    c40 = vzero(o4) if fresh else vload(o4, col)
-    c41 = vzero(o4) if fresh else vload(o4, col2)
-    c50 = vzero(o5) if fresh else vload(o5, col)
-    c51 = vzero(o5) if fresh else vload(o5, col2)
-    c60 = vzero(o6) if fresh else vload(o6, col)
-    c61 = vzero(o6) if fresh else vload(o6, col2)
-    c70 = vzero(o7) if fresh else vload(o7, col)
-    c71 = vzero(o7) if fresh else vload(o7, col2)
-    for x in range(count):
-        brow = bm[x]
-        b0, b1 = vload(brow, col), vload(brow, col2)
-        arow = a[x]
-        a0 = arow[row]
-        c00, c01 = vfma(a0, b0, c00), vfma(a0, b1, c01)
-        a1 = arow[row + 1]
-        c10, c11 = vfma(a1, b0, c10), vfma(a1, b1, c11)
-        a2 = arow[row + 2]
-        c20, c21 = vfma(a2, b0, c20), vfma(a2, b1, c21)
-        a3 = arow[row + 3]
-        c30, c31 = vfma(a3, b0, c30), vfma(a3, b1, c31)
-        a4 = arow[row + 4]
-        c40, c41 = vfma(a4, b0, c40), vfma(a4, b1, c41)
-        a5 = arow[row + 5]
-        c50, c51 = vfma(a5, b0, c50), vfma(a5, b1, c51)
-        a6 = arow[row + 6]
-        c60, c61 = vfma(a6, b0, c60), vfma(a6, b1, c61)
-        a7 = arow[row + 7]
-        c70, c71 = vfma(a7, b0, c70), vfma(a7, b1, c71)
-    vstore(o0, col, c00)
-    vstore(o0, col2, c01)
-    vstore(o1, col, c10)
-    vstore(o1, col2, c11)
-    vstore(o2, col, c20)
-    vstore(o2, col2, c21)
-    vstore(o3, col, c30)
-    vstore(o3, col2, c31)
-    vstore(o4, col, c40)
-    vstore(o4, col2, c41)
-    vstore(o5, col, c50)
-    vstore(o5, col2, c51)
-    vstore(o6, col, c60)
-    vstore(o6, col2, c61)
-    vstore(o7, col, c70)
-    vstore(o7, col2, c71)
-
-
-@njit(**_OPTS)
-def _tile_n(a, bm, count, row, col, out):
-    """out[row:row+8, col:col+2W] += a[row:row+8, :count] @ bm[:count, col:col+2W]."""
-    width = lanes(bm)
-    col2 = col + width
-    o0, o1, o2, o3 = out[row], out[row + 1], out[row + 2], out[row + 3]
-    o4, o5, o6, o7 = out[row + 4], out[row + 5], out[row + 6], out[row + 7]
-    r0, r1, r2, r3 = a[row], a[row + 1], a[row + 2], a[row + 3]
-    r4, r5, r6, r7 = a[row + 4], a[row + 5], a[row + 6], a[row + 7]
-    c00, c01 = vload(o0, col), vload(o0, col2)
-    c10, c11 = vload(o1, col), vload(o1, col2)
-    c20, c21 = vload(o2, col), vload(o2, col2)
-    c30, c31 = vload(o3, col), vload(o3, col2)
-    c40, c41 = vload(o4, col), vload(o4, col2)
-    c50, c51 = vload(o5, col), vload(o5, col2)
-    c60, c61 = vload(o6, col), vload(o6, col2)
-    c70, c71 = vload(o7, col), vload(o7, col2)
-    for x in range(count):
-        brow = bm[x]
-        b0, b1 = vload(brow, col), vload(brow, col2)
-        a0 = r0[x]
-        c00, c01 = vfma(a0, b0, c00), vfma(a0, b1, c01)
-        a1 = r1[x]
-        c10, c11 = vfma(a1, b0, c10), vfma(a1, b1, c11)
-        a2 = r2[x]
-        c20, c21 = vfma(a2, b0, c20), vfma(a2, b1, c21)
-        a3 = r3[x]
-        c30, c31 = vfma(a3, b0, c30), vfma(a3, b1, c31)
-        a4 = r4[x]
-        c40, c41 = vfma(a4, b0, c40), vfma(a4, b1, c41)
-        a5 = r5[x]
-        c50, c51 = vfma(a5, b0, c50), vfma(a5, b1, c51)
-        a6 = r6[x]
-        c60, c61 = vfma(a6, b0, c60), vfma(a6, b1, c61)
-        a7 = r7[x]
-        c70, c71 = vfma(a7, b0, c70), vfma(a7, b1, c71)
-    vstore(o0, col, c00)
-    vstore(o0, col2, c01)
-    vstore(o1, col, c10)
-    vstore(o1, col2, c11)
-    vstore(o2, col, c20)
-    vstore(o2, col2, c21)
-    vstore(o3, col, c30)
-    vstore(o3, col2, c31)
-    vstore(o4, col, c40)
-    vstore(o4, col2, c41)
-    vstore(o5, col, c50)
-    vstore(o5, col2, c51)
-    vstore(o6, col, c60)
-    vstore(o6, col2, c61)
-    vstore(o7, col, c70)
-    vstore(o7, col2, c71)
-
-
 @njit(**_OPTS)
 def _tile4x4_t(a, bm, count, row, col, out, fresh):
     """out[row:row+4, col:col+4W] += a[:count, row:row+4].T @ bm[:count, col:col+4W]."""
@@ -424,7 +347,8 @@ def _tile4x4_n(a, bm, count, row, col, out):
 
 @njit(**_OPTS)
 def _row_t(a, bm, count, row, col, out, fresh):
-    """One row of :func:`_tile_t` (the same operations, so the same bits per element)."""
+    """One row of :func:`_tile4x4_t` over 2W columns (the same operations, so the same bits
+    per element)."""
     width = lanes(bm)
     col2 = col + width
     orow = out[row]
@@ -440,7 +364,8 @@ def _row_t(a, bm, count, row, col, out, fresh):
 
 @njit(**_OPTS)
 def _row_n(a, bm, count, row, col, out):
-    """One row of :func:`_tile_n` (the same operations, so the same bits per element)."""
+    """One row of :func:`_tile4x4_n` over 2W columns (the same operations, so the same bits
+    per element)."""
     width = lanes(bm)
     col2 = col + width
     orow, arow = out[row], a[row]
@@ -456,19 +381,13 @@ def _row_n(a, bm, count, row, col, out):
 @njit(**_OPTS)
 def _matmul_t(a, bm, count, rows, cols, out, fresh=False):
     """out[:rows, :cols] += a[:count, :rows].T @ bm[:count, :cols] (``=`` with ``fresh``:
-    the tiles start from zero registers); 4 x 4-vector or 8 x 2-vector tiles, then rows one
-    at a time (a decode step has one query row)."""
+    the tiles start from zero registers); 4 x 4-vector tiles, then rows one at a time (a
+    decode step has one query row). ``cols`` is a multiple of four vectors."""
     step = 2 * lanes(bm)
-    if cols % (2 * step) == 0:  # 4 x 4-vector tiles (fewer loads per fma than 8 x 2)
-        full = rows - rows % 4
-        for row in range(0, full, 4):
-            for col in range(0, cols, 2 * step):
-                _tile4x4_t(a, bm, count, row, col, out, fresh)
-    else:
-        full = rows - rows % _TILE_ROWS
-        for row in range(0, full, _TILE_ROWS):
-            for col in range(0, cols, step):
-                _tile_t(a, bm, count, row, col, out, fresh)
+    full = rows - rows % 4
+    for row in range(0, full, 4):
+        for col in range(0, cols, 2 * step):
+            _tile4x4_t(a, bm, count, row, col, out, fresh)
     for row in range(full, rows):
         for col in range(0, cols, step):
             _row_t(a, bm, count, row, col, out, fresh)
@@ -476,19 +395,13 @@ def _matmul_t(a, bm, count, rows, cols, out, fresh=False):
 
 @njit(**_OPTS)
 def _matmul_n(a, bm, count, rows, cols, out):
-    """out[:rows, :cols] += a[:rows, :count] @ bm[:count, :cols]; 4 x 4-vector or 8 x 2-vector
-    tiles, then rows one at a time."""
+    """out[:rows, :cols] += a[:rows, :count] @ bm[:count, :cols]; 4 x 4-vector tiles, then
+    rows one at a time. ``cols`` is a multiple of four vectors."""
     step = 2 * lanes(bm)
-    if cols % (2 * step) == 0:  # 4 x 4-vector tiles (fewer loads per fma than 8 x 2)
-        full = rows - rows % 4
-        for row in range(0, full, 4):
-            for col in range(0, cols, 2 * step):
-                _tile4x4_n(a, bm, count, row, col, out)
-    else:
-        full = rows - rows % _TILE_ROWS
-        for row in range(0, full, _TILE_ROWS):
-            for col in range(0, cols, step):
-                _tile_n(a, bm, count, row, col, out)
+    full = rows - rows % 4
+    for row in range(0, full, 4):
+        for col in range(0, cols, 2 * step):
+            _tile4x4_n(a, bm, count, row, col, out)
     for row in range(full, rows):
         for col in range(0, cols, step):
             _row_n(a, bm, count, row, col, out)
@@ -565,6 +478,32 @@ def _load_rows(src, start, count, out, zero_nonfinite=False):
     for c in range(count, out.shape[0]):
         out[c, :] = 0
     return finite
+
+
+@njit(**_OPTS)
+def _raw_scores_suffice(nr, nc, r0, c0, dims, opts, fopts, width):
+    """Whether a q.k tile needs nothing but the scale (no option, every position allowed,
+    a finite positive scale): its users then multiply each loaded score by the scale
+    themselves (the same product, so the same bits) instead of a separate pass."""
+    if opts[4] != 0 or opts[5] != 0 or opts[6] != 0 or opts[7] != 0 or nc != width:
+        return False
+    scale = fopts[0]
+    if not (scale > 0 and scale < np.inf):  # scaling keeps -inf (overflowed q.k) as -inf
+        return False
+    keys, offset, causal, left, right = dims[4], opts[0], opts[1] != 0, opts[2], opts[3]
+    _, hi_first = _row_range(r0, keys, offset, causal, left, right)
+    lo_last, _ = _row_range(r0 + nr - 1, keys, offset, causal, left, right)
+    return lo_last <= c0 and hi_first >= c0 + nc - 1
+
+
+@njit(**_OPTS)
+def _row_max_scaled(row, count, factor):
+    """max(row[:count] * factor) ignoring NaN, as :func:`_row_max` of the scaled row."""
+    width = lanes(row)
+    acc = vmuls(vload(row, 0), factor)
+    for c in range(width, count, width):
+        acc = vmax(acc, vmuls(vload(row, c), factor))
+    return vbest(acc)
 
 
 @njit(**_OPTS)
@@ -685,6 +624,7 @@ def _forward_unit(q, k_pack, v_pack, v_fin, kv_head, unit, nqb, dims, opts, fopt
     acc = np.zeros((BLOCK_Q, epad), dt)
     m = np.full(BLOCK_Q, -np.inf, dt)
     total = np.zeros(BLOCK_Q, dt)
+    one = np.ones(1, dt)[0]
     _load_rows_t(q[b, h], r0, nr, q_t)
     causal, left, right = opts[1] != 0, opts[2], opts[3]
     has_drop = opts[8] != 0
@@ -698,20 +638,24 @@ def _forward_unit(q, k_pack, v_pack, v_fin, kv_head, unit, nqb, dims, opts, fopt
         v_blk = v_pack[b, g, kb]
         v_finite = v_fin[b, g, kb]
         _matmul_t(q_t, k_t, dim, rows, BLOCK_K, s, True)
-        clean = _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr, mask,
-                               mstr, slopes, deriv)
+        factor = one  # x * 1 is x: the scores in s are final
+        if _raw_scores_suffice(nr, nc, r0, c0, dims, opts, fopts, BLOCK_K):
+            clean, factor = True, fopts[0]
+        else:
+            clean = _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr,
+                                   mask, mstr, slopes, deriv)
         for r in range(nr):
             row = s[r]
             prow = p[r]
             m_old = m[r]
-            m_new = max(m_old, _row_max(row, BLOCK_K))
+            m_new = max(m_old, _row_max_scaled(row, BLOCK_K, factor))
             if m_new == -np.inf:
                 prow[:] = 0
                 continue
             # exp of the tile row, lane-parallel; the lane sums in the _row_sum order
             part = vzero(prow)
             for c in range(0, BLOCK_K, width):
-                e = vexp(vsubs(vload(row, c), m_new))
+                e = vexp(vsubs(vmuls(vload(row, c), factor), m_new))
                 vstore(prow, c, e)
                 part = vadd(part, e)
             row_total = vsum(part)
@@ -766,8 +710,8 @@ def _forward_units(q, k_pack, v_pack, v_fin, kv_head, dims, opts, fopts, bias, b
     batch, heads, length = dims[0], dims[1], dims[2]
     nqb = -(-length // BLOCK_Q)
     for unit in prange(batch * heads * nqb):
-        _forward_unit(q, k_pack, v_pack, v_fin, kv_head, unit, nqb, dims, opts, fopts, bias,
-                      bstr, mask, mstr, drop, dstr, slopes, out, lse)
+        _forward_unit(q, k_pack, v_pack, v_fin, kv_head, np.int64(unit), nqb, dims, opts,
+                      fopts, bias, bstr, mask, mstr, drop, dstr, slopes, out, lse)
 
 
 def split_keys(heads: int, kv_heads: int, length: int, keys: int) -> int:
@@ -795,12 +739,14 @@ def _forward(q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, 
     if nsplit:
         group_heads = np.array([[h for h in range(heads) if kv_head[h] == g]
                                 for g in range(kv_heads)], np.int64)
-        _split_forward(q, k, v, group_heads, nsplit, dims, opts, fopts, bias, bstr, mask, mstr,
-                       drop, dstr, slopes, out, lse)
+        with parallel_chunksize(1):
+            _split_forward(q, k, v, group_heads, nsplit, dims, opts, fopts, bias, bstr, mask,
+                           mstr, drop, dstr, slopes, out, lse)
         return
     k_pack, v_pack, v_fin = _packed_keys(k, v)
-    _forward_units(q, k_pack, v_pack, v_fin, kv_head, dims, opts, fopts, bias, bstr, mask, mstr,
-                   drop, dstr, slopes, out, lse)
+    with parallel_chunksize(1):
+        _forward_units(q, k_pack, v_pack, v_fin, kv_head, dims, opts, fopts, bias, bstr, mask,
+                       mstr, drop, dstr, slopes, out, lse)
 
 
 @njit(**_OPTS)
@@ -834,7 +780,8 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, bias, bst
                 q_t[x, t * length + i] = src[i, x]
     causal, left, right = opts[1] != 0, opts[2], opts[3]
     has_drop = opts[8] != 0
-    lo_first, _ = _row_range(0, keys, opts[0], causal, left, right)
+    first_row = np.int64(0)  # not a literal: one compiled _row_range, _finish_scores, ...
+    lo_first, _ = _row_range(first_row, keys, opts[0], causal, left, right)
     _, hi_last = _row_range(length - 1, keys, opts[0], causal, left, right)
     start = max(split * SPLIT_KEYS, max(lo_first, 0) // BLOCK_K * BLOCK_K)
     stop = min((split + 1) * SPLIT_KEYS, hi_last + 1, keys)
@@ -846,7 +793,7 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, bias, bst
         clean = True
         for t in range(group):
             r0 = t * length
-            clean &= _finish_scores(s[r0:r0 + length], length, nc, 0, c0, b,
+            clean &= _finish_scores(s[r0:r0 + length], length, nc, first_row, c0, b,
                                     group_heads[g, t], dims, opts, fopts, bias, bstr, mask,
                                     mstr, slopes, deriv[r0:r0 + length])
         for r in range(rows):
@@ -875,8 +822,8 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, bias, bst
         if has_drop:
             for t in range(group):
                 r0 = t * length
-                _dropout_weights(p[r0:r0 + length], pd[r0:r0 + length], length, nc, 0, c0, b,
-                                 group_heads[g, t], drop, dstr)
+                _dropout_weights(p[r0:r0 + length], pd[r0:r0 + length], length, nc, first_row,
+                                 c0, b, group_heads[g, t], drop, dstr)
             weights = pd
         if v_finite or (clean and not has_drop):
             _matmul_n(weights, v_blk, nc, rows, epad, acc)
@@ -909,14 +856,14 @@ def _split_forward(q, k, v, group_heads, nsplit, dims, opts, fopts, bias, bstr, 
     only)."""
     batch, heads, length, kv_heads, vdim = dims[0], dims[1], dims[2], dims[3], dims[6]
     dt = q.dtype
-    epad = max(2 * lanes(q), -(-vdim // (2 * lanes(q))) * 2 * lanes(q))
+    epad = _pad(vdim, lanes(q))
     part_m = np.empty((batch, heads, length, nsplit), dt)
     part_total = np.empty((batch, heads, length, nsplit), dt)
     part_acc = np.empty((batch, heads, length, nsplit, epad), dt)
     zero = np.zeros(1, dt)
     for unit in prange(batch * kv_heads * nsplit):
-        _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, bias, bstr, mask,
-                    mstr, drop, dstr, slopes, part_m, part_total, part_acc)
+        _split_unit(q, k, v, group_heads, np.int64(unit), nsplit, dims, opts, fopts, bias,
+                    bstr, mask, mstr, drop, dstr, slopes, part_m, part_total, part_acc)
     keep_scale = fopts[2]
     nan_rows = opts[9] != 0
     for row in prange(batch * heads * length):
@@ -950,10 +897,19 @@ def _split_forward(q, k, v, group_heads, nsplit, dims, opts, fopts, bias, bstr, 
         lse[b, h, i] = best + math.log(total)
 
 
+@njit(**_OPTS)
+def _pad(features, width):
+    """Features padded to a multiple of four vectors of ``width`` lanes (the register tile's
+    width; at least one tile)."""
+    tile = _TILE_VECTORS * width
+    return max(tile, -(-features // tile) * tile)
+
+
 def _padded(features, dtype):
-    """Features padded to a multiple of two 64-byte vectors (the register tile's width)."""
+    """:func:`_pad` for a dtype's 64-byte vectors."""
     width = 64 // np.dtype(dtype).itemsize
-    return max(2 * width, -(-features // (2 * width)) * 2 * width)
+    return max(_TILE_VECTORS * width, -(-features // (_TILE_VECTORS * width)) * _TILE_VECTORS
+               * width)
 
 
 def _packed_keys(k, v):
@@ -983,8 +939,8 @@ def _backward_unit(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, u
     g = kv_head[h]
     dt = q.dtype
     width = lanes(q)
-    dpad = max(2 * width, -(-dim // (2 * width)) * 2 * width)
-    epad = max(2 * width, -(-vdim // (2 * width)) * 2 * width)
+    dpad = _pad(dim, width)
+    epad = _pad(vdim, width)
     q_t = np.empty((dim, BLOCK_Q), dt)
     q_blk = np.empty((BLOCK_Q, dpad), dt)
     do_t = np.empty((vdim, BLOCK_Q), dt)
@@ -999,6 +955,7 @@ def _backward_unit(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, u
     has_softcap, has_bias, has_drop = opts[4] != 0, opts[5] != 0, opts[8] != 0
     scale, keep_scale = fopts[0], fopts[2]
     plain = not (has_softcap or has_bias or has_drop)
+    one = np.ones(1, dt)[0]
     dk_out, dv_out = dk_part[b, h, chunk], dv_part[b, h, chunk]
     dk_out[:, :] = 0
     dv_out[:, :] = 0
@@ -1027,8 +984,12 @@ def _backward_unit(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, u
             kb = c0 // BLOCK_K
             k_t, k_blk, v_t = kt_pack[b, g, kb], k_pack[b, g, kb], vt_pack[b, g, kb]
             _matmul_t(q_t, k_t, dim, rows, BLOCK_K, s, True)
-            _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr, mask, mstr,
-                           slopes, deriv)
+            factor = one  # x * 1 is x: the scores in s are final
+            if plain and _raw_scores_suffice(nr, nc, r0, c0, dims, opts, fopts, BLOCK_K):
+                factor = scale
+            else:
+                _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr, mask,
+                               mstr, slopes, deriv)
             _matmul_t(do_t, v_t, vdim, rows, BLOCK_K, dp, True)
             for r in range(nr):
                 i = r0 + r
@@ -1043,7 +1004,7 @@ def _backward_unit(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, u
                     # P, dS = P (dP z - delta), dropout scale and softmax scale, lane-parallel
                     # (the same operations per element as the general branch below)
                     for c in range(0, BLOCK_K, width):
-                        sv = vload(srow, c)
+                        sv = vmuls(vload(srow, c), factor)
                         pv = vexp(vsubs(sv, row_lse))
                         grad = vmul(pv, vsubs(vmuls(vload(dprow, c), keep_scale), d_i))
                         vstore(dsrow, c, vmuls(vkeep(sv, grad), scale))
@@ -1104,7 +1065,7 @@ def _backward_units(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, 
                     dv_part, dbias):
     batch, heads = dims[0], dims[1]
     for unit in prange(batch * heads * nchunks):
-        _backward_unit(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, unit,
+        _backward_unit(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, np.int64(unit),
                        nchunks, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes,
                        dq, dk_part, dv_part, dbias)
 
@@ -1118,7 +1079,8 @@ def _backward(q, k, v, kv_head, *rest):
     k_pack = np.empty((batch, kv_heads, nkb, BLOCK_K, _padded(dim, k.dtype)), k.dtype)
     vt_pack = np.empty((batch, kv_heads, nkb, vdim, BLOCK_K), v.dtype)
     _pack_keys_backward(k, v, kt_pack, k_pack, vt_pack)
-    _backward_units(q, kt_pack, k_pack, vt_pack, kv_head, *rest)
+    with parallel_chunksize(1):
+        _backward_units(q, kt_pack, k_pack, vt_pack, kv_head, *rest)
 
 
 @njit(parallel=True, **_OPTS)
@@ -1200,14 +1162,14 @@ def saved_forward(spec, dtype=None):
 def backward_chunks(batch: int, heads: int, length: int, keys: int = 0) -> int:
     """Query chunks per (batch, head) of the backward pass (a function of the shape only).
 
-    Enough chunks for :data:`_MIN_BACKWARD_UNITS` work units (so that a busy core does not
-    hold up the others), but at most ``max(8, 2**19 / S)`` per head: each chunk keeps its own
-    (S, D) and (S, E) partials of dk and dv.
+    Enough chunks for :data:`_MIN_BACKWARD_UNITS` work units, but at most ``max(8, 2**19 /
+    S)`` per head: each chunk keeps its own (S, D) and (S, E) partials of dk and dv, which
+    are then added in chunk order (memory traffic that one chunk per head avoids).
 
     Examples
     --------
     >>> backward_chunks(1, 8, 1024, 1024), backward_chunks(1, 1, 65536, 65536)
-    (4, 8)
+    (1, 8)
     """
     nqb = -(-length // BLOCK_Q)
     wanted = -(-_MIN_BACKWARD_UNITS // max(1, batch * heads))
@@ -1260,9 +1222,7 @@ def backward(spec, grad_out, grad_lse=None, dtype=None, *, saved=None):
     delta = np.empty((batch, heads, length), dtype)
     if delta.size:
         _delta(grad_out, out, glse, has_glse, delta)
-    width = 64 // dtype.itemsize
-    dpad = max(2 * width, -(-dim // (2 * width)) * 2 * width)
-    epad = max(2 * width, -(-vdim // (2 * width)) * 2 * width)
+    dpad, epad = _padded(dim, dtype), _padded(vdim, dtype)
     kpad = -(-keys // BLOCK_K) * BLOCK_K
     nchunks = backward_chunks(batch, heads, length, keys)
     # every unit zeroes its own partials and writes all its dq rows (in parallel)
@@ -1274,13 +1234,24 @@ def backward(spec, grad_out, grad_lse=None, dtype=None, *, saved=None):
         _backward(q, k, v, kv_head, grad_out, lse, delta, nchunks, dims, opts, fopts, bias,
                   bstr, mask, mstr, drop, dstr, slopes, dq, dk_part, dv_part,
                   dbias if dbias is not None else np.zeros((1, 1, 1, 1), dtype))
-    dk = np.zeros((batch, kv_heads, keys, dim), dtype)
-    dv = np.zeros((batch, kv_heads, keys, vdim), dtype)
-    if dk.size:
-        _reduce_parts(dk_part, kv_head, kv_heads, dim, dk)
-    if dv.size:
-        _reduce_parts(dv_part, kv_head, kv_heads, vdim, dv)
+    dk = _sum_parts(dk_part, kv_head, kv_heads, keys, dim, length)
+    dv = _sum_parts(dv_part, kv_head, kv_heads, keys, vdim, length)
     return dq, dk, dv, dbias
+
+
+def _sum_parts(part, kv_head, kv_heads, keys, feats, length):
+    """(B, K, S, F): the partials summed over the query heads of each kv head and the query
+    chunks in increasing (head, chunk) order; one partial per kv head is the result itself
+    (no copy when unpadded)."""
+    batch, heads, nchunks = part.shape[:3]
+    result = np.zeros((batch, kv_heads, keys, feats), part.dtype)
+    if not (length and result.size):  # no unit ran: the partials were never written
+        return result
+    if heads == kv_heads and nchunks == 1:  # kv_head is the identity then
+        whole = part[:, :, 0, :keys, :feats]
+        return whole if whole.flags.c_contiguous else np.ascontiguousarray(whole)
+    _reduce_parts(part, kv_head, kv_heads, feats, result)
+    return result
 
 
 # --------------------------------------------------------------------------------------
