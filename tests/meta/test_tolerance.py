@@ -158,7 +158,8 @@ def test_textbook_vjp_matches_refattn(rng):
     floor = tol.forward_floors("float64", D=5, S=6, L=3, E=3, G=2, magnitude=magnitude,
                                allowed=np.ones(weights.shape, bool), n_stored=3,
                                dropout=True)["grad"]
-    for name, a, b in zip(("dq", "dk", "dv", "dbias", "dsinks"), ours, theirs, strict=True):
+    for i, name in enumerate(("dq", "dk", "dv", "dbias", "dsinks")):
+        a, b = ours[i], theirs[i] if i < len(theirs) else None
         if a is None and b is None:  # no sinks here
             continue
         err = tol.normalised_error(a, b, scales[name], "float64")
