@@ -280,6 +280,9 @@ def _table_and_pieces():
 
 _LN2_64, _LN2_64_REST, _T_HI, _T_LO, _C_HI, _C_LO = _table_and_pieces()
 _INV_LN2_64 = 64 / math.log(2)
+_POW2_BIAS = 1022
+#: 2**q for q in [-1022, 1023] (exact): scaling by a table entry instead of ldexp (a call)
+_POW2 = np.array([math.ldexp(1.0, q) for q in range(-_POW2_BIAS, 1024)])
 
 
 def _exp_budget() -> float:
@@ -320,7 +323,8 @@ def exp_dd(xh, xl):
     j = ki & 63
     q = (ki - j) // 64
     ph, pl = dd_mul(ph, pl, _T_HI[j], _T_LO[j])
-    return math.ldexp(ph, q), math.ldexp(pl, q)
+    scale = _POW2[q + _POW2_BIAS]  # |q| <= 900 on the domain: a normal power of two
+    return ph * scale, pl * scale
 
 
 # ------------------------------------------------------------------------------ exp (double)
@@ -363,7 +367,7 @@ def exp_d(x):
         p = p * r + _EXP_D_COEF[n]
     ki = np.int64(k)
     j = ki & 63
-    return math.ldexp(p * _T_HI[j], (ki - j) // 64)
+    return (p * _T_HI[j]) * _POW2[(ki - j) // 64 + _POW2_BIAS]
 
 
 # ------------------------------------------------------------------------------ log

@@ -66,6 +66,8 @@ assert math.log(TINY) > CUT + 1
 #: round to +0 in float32, float16 and bfloat16.
 WEIGHT_TINY_ARG = -200.0
 _RHO_MAX = 2.0**-20
+#: Key block of the double-precision sums (blocked summation, Higham 2002, sec. 4.2).
+SUM_BLOCK = 64
 
 _OK, _EMPTY, _UNDECIDED = 0, 1, 2
 _LAST_STATS: dict = {}
@@ -282,11 +284,20 @@ def _forward_d(rows, q, kT, v, allowed, kept, bias, has_bias, qn, kn, vmax, prm,
             status[i] = _EMPTY
             continue
         n = np.zeros(vdim)
+        nb = np.zeros(vdim)
+        acc = np.zeros(vdim)
         tiny_v = np.zeros(vdim)
         z = 0.0
+        zb = 0.0
         tiny = 0.0
         rho = 0.0
         for j in range(keys):
+            if (j % SUM_BLOCK) == 0:  # blocked sums: gamma_{B + S/B} instead of gamma_S
+                z += zb
+                zb = 0.0
+                for e in range(vdim):
+                    n[e] += nb[e]
+                    nb[e] = 0.0
             if not allowed[i, j]:
                 continue
             x = s[j] - top
@@ -301,15 +312,21 @@ def _forward_d(rows, q, kT, v, allowed, kept, bias, has_bias, qn, kn, vmax, prm,
                 continue
             rho = max(rho, (D.EXP_D_REL + 2.0 * xe) * (1.0 + _RHO_MAX))
             ex = D.exp_d(x)
-            z += ex
+            zb += ex
             if kept[i, j]:
                 for e in range(vdim):
-                    n[e] = D.fma(ex, v[j, e], n[e])
+                    b = v[j, e]
+                    nb[e] = D.fma(ex, b, nb[e])
+                    acc[e] = D.fma(ex, abs(b), acc[e])
+        z += zb
+        for e in range(vdim):
+            n[e] += nb[e]
         if not rho <= _RHO_MAX:
             status[i] = _UNDECIDED
             continue
         zr = ((gsum + rho) * z * (1.0 + gsum) + tiny) * D.BOUND_SAFETY
-        nr = ((gsum + rho) * vmax * (z + zr) * (1.0 + gsum)) * D.BOUND_SAFETY + TINY * tiny_v
+        # acc = sum_j e_j |v_je| (float, within gamma_S < 2**-27 of its value)
+        nr = ((gsum + rho) * acc * (1.0 + gsum) * (1.0 + rho)) * D.BOUND_SAFETY + TINY * tiny_v
         _finish_row(i, top, z, 0.0, zr, n, np.zeros(vdim), nr, prm, out_h, out_l, out_r,
                     lse_h, lse_l, lse_r, lz_h, lz_l, lz_r, status)
 
@@ -378,7 +395,7 @@ def _params(spec: AttentionSpec, h: int, dim: int, keys: int):
     keep_hi, keep_lo, keep_err = D.dd_of_fraction(spec.keep_scale)
     return np.array([scale_hi, scale_lo, scale_err, D.dot_bound(dim), cap, slope,
                      float(spec.offset), D.dot_bound(2 * keys), keep_hi, keep_lo, keep_err,
-                     D.gamma(dim), D.gamma(keys)])
+                     D.gamma(dim), D.gamma(SUM_BLOCK + keys // SUM_BLOCK + 2)])
 
 
 def _norms(x: np.ndarray) -> np.ndarray:
