@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from strategies import attention_cases
+from strategies import attention_cases, logspace_rows
 
 import refattn
 from refattn import config
@@ -136,3 +136,43 @@ def test_row_spec_keeps_original_row_indices():
                                                  np.dtype(np.float64), return_lse=True)
     assert np.array_equal(part[0][0, 0], full[0][0, 1, 3:6])
     assert np.array_equal(part[1][0, 0], full[1][0, 1, 3:6])
+
+
+# ------------------------------------------------------------------------------ log-space
+LOGSPACE = [refattn.logsumexp, refattn.softmax, refattn.log_softmax]
+
+
+def _logspace_identical(fn, x, where, out_dtype):
+    __tracebackhide__ = True
+    saved = config.EXACT_ENGINE
+    try:
+        config.EXACT_ENGINE = "fast"
+        fast = np.asarray(fn(x, where=where, precision="exact", out_dtype=out_dtype), np.float64)
+        config.EXACT_ENGINE = "referee"
+        slow = np.asarray(fn(x, where=where, precision="exact", out_dtype=out_dtype), np.float64)
+    finally:
+        config.EXACT_ENGINE = saved
+    same = ((fast == slow) & (np.signbit(fast) == np.signbit(slow))) | (np.isnan(fast)
+                                                                       & np.isnan(slow))
+    assert same.all(), (fn.__name__, out_dtype, np.argwhere(~same)[0], fast[~same][0],
+                        slow[~same][0])
+
+
+@pytest.mark.parametrize("fn", LOGSPACE, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+@given(case=logspace_rows())
+def test_fast_logspace_matches_referee(fn, out_dtype, case):
+    x, where = case
+    _logspace_identical(fn, x, where, out_dtype)
+
+
+@pytest.mark.parametrize("fn", LOGSPACE, ids=lambda f: f.__name__)
+def test_fast_logspace_hard_rows(fn):
+    x = np.array([[0.0, 0.0, 0.0, 0.0],              # weights exactly 1/4, lse = log 4
+                  [1.0, np.nan, 2.0, 3.0],           # NaN: the referee
+                  [np.inf, 0.0, 1.0, 2.0],           # +inf: the referee
+                  [-1e5, 1e5, 0.0, 5.0],             # far beyond CUT
+                  [0.0, -700.0, -60.0, -745.5],      # logit gaps to the underflow range
+                  [5e-324, -5e-324, 0.0, 2.0**-1074]])  # subnormals
+    for out_dtype in OUT_DTYPES:
+        _logspace_identical(fn, x, None, out_dtype)

@@ -56,15 +56,18 @@ from . import _dd as D
 from .attention import exact_forward
 from .rounding import decide_dd, format_of
 
-__all__ = ["fast_exact_forward", "fallback_stats", "row_spec", "CUT", "TINY"]
+__all__ = ["fast_exact_forward", "fallback_stats", "row_spec", "rounds_to_zero", "CUT", "TINY",
+           "WEIGHT_TINY_ARG", "WEIGHT_ZERO_ARG"]
 
 #: Exponent arguments below CUT contribute ``0 <= e < TINY`` (an absolute radius).
 CUT = -400.0
 TINY = 2.0**-575  # > exp(-400 + 1): covers an argument error up to 1
 assert math.log(TINY) > CUT + 1
 #: Weights with ``x - log Z + err < WEIGHT_TINY_ARG`` are positive and below 2**-288: they
-#: round to +0 in float32, float16 and bfloat16.
+#: round to +0 in float32, float16 and bfloat16; below WEIGHT_ZERO_ARG (< 2**-1154) they round
+#: to +0 in float64 too.
 WEIGHT_TINY_ARG = -200.0
+WEIGHT_ZERO_ARG = -800.0
 _RHO_MAX = 2.0**-20
 #: Key block of the double-precision sums (blocked summation, Higham 2002, sec. 4.2).
 SUM_BLOCK = 64
@@ -334,7 +337,8 @@ def _forward_d(rows, q, kT, v, allowed, kept, bias, has_bias, qn, kn, vmax, prm,
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
 def _weights_plane(rows, allowed, x_h, x_l, x_r, lz_h, lz_l, lz_r, status, w_h, w_l, w_r,
                    w_tiny):
-    """w_ij = exp(x_ij - log Z_i) with a radius; w_tiny marks 0 < w < 2**-288 (mid 0)."""
+    """w_ij = exp(x_ij - log Z_i) with a radius; w_tiny marks 0 < w < 2**-288 (1) and
+    0 < w < 2**-1154 (2) (mid 0)."""
     keys = allowed.shape[1]
     for r in prange(rows.shape[0]):
         i = rows[r]
@@ -347,7 +351,7 @@ def _weights_plane(rows, allowed, x_h, x_l, x_r, lz_h, lz_l, lz_r, status, w_h, 
             ah, al = D.dd_add(x_h[i, j], x_l[i, j], -lz_h[i], -lz_l[i])
             ae = (x_r[i, j] + lz_r[i] + D.DD_REL * abs(ah)) * D.BOUND_SAFETY
             if ah + ae < WEIGHT_TINY_ARG:
-                w_tiny[i, j] = True
+                w_tiny[i, j] = 2 if ah + ae < WEIGHT_ZERO_ARG else 1
                 continue
             if ah < D.EXP_MIN_ARG + 1.0 or ae > _RHO_MAX:
                 w_r[i, j] = np.inf
@@ -358,6 +362,12 @@ def _weights_plane(rows, allowed, x_h, x_l, x_r, lz_h, lz_l, lz_r, status, w_h, 
 
 
 # ------------------------------------------------------------------------------ wrapper
+def rounds_to_zero(tiny: np.ndarray, fmt) -> np.ndarray:
+    """Where a weight flagged by the kernels (1: 0 < w < 2**-288, 2: 0 < w < 2**-1154)
+    rounds to +0 in ``fmt``."""
+    return (tiny == 2) | ((tiny == 1) & (fmt.p < 53))
+
+
 def _in_range(x: np.ndarray) -> bool:
     """All finite, nonzero magnitudes in [SAFE_MIN, SAFE_MAX]."""
     if not np.isfinite(x).all():
@@ -481,15 +491,15 @@ class _Plane:
         if want_w:
             keys = allowed.shape[1]
             w = [np.zeros((allowed.shape[0], keys)) for _ in range(3)]
-            tiny = np.zeros(allowed.shape, dtype=bool)
+            tiny = np.zeros(allowed.shape, dtype=np.int8)
             _weights_plane(rows, allowed, x_h, x_l, x_r, lz_h, lz_l, lz_r, status, *w, tiny)
             value, decided = decide_dd(w[0][rows], w[1][rows], w[2][rows], fmt)
             here = allowed[rows]
             decided |= ~here  # excluded keys weigh exactly +0
             value = np.where(here, value, 0.0)
-            if fmt.p < 53:  # 0 < w < 2**-288 rounds to +0
-                decided |= tiny[rows]
-                value = np.where(tiny[rows], 0.0, value)
+            zero = rounds_to_zero(tiny[rows], fmt)
+            decided |= zero
+            value = np.where(zero, 0.0, value)
             self.w[rows] = value
             ok &= decided.all(axis=1)
         return ok
