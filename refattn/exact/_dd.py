@@ -50,13 +50,15 @@ import numba
 import numpy as np
 from mpmath import mp, mpf
 
+from ..bounds import unit
+
 __all__ = [
     "U", "DD_REL", "DD_ADD_D_REL", "DD_ADD_REL", "DD_MUL_D_REL", "DD_MUL_REL", "DD_DIV_D_REL",
     "DD_DIV_REL", "EXP_REL", "EXP_MIN_ARG", "EXP_MAX_ARG", "EXP_DEGREE", "TANH_ABS",
     "SAFE_MIN", "SAFE_MAX", "BOUND_SAFETY",
     "fma", "two_sum", "fast_two_sum", "two_prod", "dd_add", "dd_add_d", "dd_mul", "dd_mul_d",
     "dd_div", "dd_div_d", "exp_dd", "log_dd", "tanh_dd", "dd_of_fraction", "dd_of_exact",
-    "dot_bound", "exp_d", "EXP_D_REL", "EXP_D_DEGREE", "gamma",
+    "dot_bound", "exp_d", "EXP_D_REL", "EXP_D_DEGREE", "gamma_up",
 ]
 
 U = 2.0**-53
@@ -333,9 +335,9 @@ _EXP_D_COEF = np.array([1.0 / math.factorial(n) for n in range(EXP_D_DEGREE + 1)
 _LN2_64_D = np.array([_LN2_64[0], float(Fraction(_LN2_64[1]) + Fraction(_LN2_64[2]))])
 
 
-def gamma(n: int) -> float:
+def gamma_up(n: int) -> float:
     """gamma_n = n u / (1 - n u) (Higham 2002, Lemma 3.1), u = 2**-53, rounded up."""
-    return n * U / (1 - n * U) * BOUND_SAFETY
+    return unit.gamma(n) * BOUND_SAFETY
 
 
 def _exp_d_budget() -> float:
@@ -343,7 +345,7 @@ def _exp_d_budget() -> float:
     k_max = 2.0**17
     tail = abs(Fraction(_LN2_64[1]) + Fraction(_LN2_64[2]) - Fraction(_LN2_64_D[1]))
     r_err = k_max * (_LN2_64_REST + float(tail)) + 3 * U * (_R_MAX + k_max * _LN2_64_D[1])
-    horner = gamma(2 * EXP_D_DEGREE) * math.exp(2 * _R_MAX)
+    horner = gamma_up(2 * EXP_D_DEGREE) * math.exp(2 * _R_MAX)
     coef = U * math.exp(2 * _R_MAX)
     trunc = _R_MAX ** (EXP_D_DEGREE + 1) / math.factorial(EXP_D_DEGREE + 1) * 1.02
     return (2 * r_err + horner + coef + trunc + U + U) * 1.01  # + table, + final product

@@ -38,6 +38,15 @@ weights, when asked for, are an (L, S) output anyway):
    referee, restricted to those rows (:func:`row_spec`: a spec of the row run, with the offset
    shifted so causal/window/ALiBi use the original row indices).
 
+For targets of at most 24 bits (float32, float16, bfloat16) a cheaper double-precision first
+step runs before the double-double one (:func:`_forward_d`): the dot products are fma chains
+(``|error| <= gamma_D |q_i|.|k_j|``, Higham 2002, eq. (3.5)), each later rounding is bounded by
+``1.01 u |result|``, ``e = exp_d(x)`` has relative error ``EXP_D_REL`` (2**-47), and the sums
+over keys are blocked (:data:`SUM_BLOCK` keys per block, ``gamma_{B + S/B}``, Higham 2002,
+sec. 4.2) with ``|N - N^| <= (gamma + rho) sum_j e_j |v_je|``. Its radii are about 2**-40
+relative, ample for 24-bit targets; the rows it leaves undecided run again in double-double,
+and only then go to the referee. Float64 targets use the double-double step alone.
+
 Planes with NaN/Inf in q, k or v, magnitudes outside [SAFE_MIN, SAFE_MAX], a softcap or ALiBi
 slope outside it, and empty rows go to the referee whole; their semantics are not re-derived.
 """
@@ -405,7 +414,7 @@ def _params(spec: AttentionSpec, h: int, dim: int, keys: int):
     keep_hi, keep_lo, keep_err = D.dd_of_fraction(spec.keep_scale)
     return np.array([scale_hi, scale_lo, scale_err, D.dot_bound(dim), cap, slope,
                      float(spec.offset), D.dot_bound(2 * keys), keep_hi, keep_lo, keep_err,
-                     D.gamma(dim), D.gamma(SUM_BLOCK + keys // SUM_BLOCK + 2)])
+                     D.gamma_up(dim), D.gamma_up(SUM_BLOCK + keys // SUM_BLOCK + 2)])
 
 
 def _norms(x: np.ndarray) -> np.ndarray:
