@@ -80,6 +80,8 @@ WEIGHT_ZERO_ARG = -800.0
 _RHO_MAX = 2.0**-20
 #: Key block of the double-precision sums (blocked summation, Higham 2002, sec. 4.2).
 SUM_BLOCK = 64
+#: Query rows the double-precision step processes together (cache reuse only).
+ROW_BLOCK = 8
 
 _OK, _EMPTY, _UNDECIDED = 0, 1, 2
 _LAST_STATS: dict = {}
@@ -164,7 +166,8 @@ def _finish_row(i, top, zh, zl, zr, ns, nc, nr, prm, out_h, out_l, out_r, lse_h,
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
-def _forward_dd(rows, q, kT, v, allowed, kept, bias, has_bias, qn, kn, vmax, prm, want_x,
+def _forward_dd(rows, q, kT, v, allowed, kept, bias, has_bias, qn, kn, vmax, vnorm, prm,
+                want_x,
                 out_h, out_l, out_r, lse_h, lse_l, lse_r, lz_h, lz_l, lz_r,
                 x_h, x_l, x_r, status):
     """Double-double first step for the query rows ``rows`` (module docstring, 1-5)."""
@@ -265,82 +268,106 @@ def _score_d(i, j, sj, qn_i, kn_j, prm, bias, has_bias, gdim):
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
-def _forward_d(rows, q, kT, v, allowed, kept, bias, has_bias, qn, kn, vmax, prm, want_x,
+def _forward_d(rows, q, kT, v, allowed, kept, bias, has_bias, qn, kn, vmax, vnorm, prm,
+               want_x,
                out_h, out_l, out_r, lse_h, lse_l, lse_r, lz_h, lz_l, lz_r,
                x_h, x_l, x_r, status):
     """Double-precision first step (for targets of <= 24 bits): fma chains with gamma_n
-    bounds (Higham 2002, eq. (3.5)) and :func:`refattn.exact._dd.exp_d`."""
+    bounds (Higham 2002, eq. (3.5)) and :func:`refattn.exact._dd.exp_d`.
+
+    Rows are taken ROW_BLOCK at a time so that each row of K^T and of V is loaded once per
+    block (each row's arithmetic is the same sequence as alone: no bit depends on blocking).
+    """
     dim, keys = kT.shape
     vdim = v.shape[1]
     gdim = prm[11]
     gsum = prm[12]
     u = 1.01 * D.U
-    for r in prange(rows.shape[0]):
-        i = rows[r]
-        s = np.zeros(keys)
-        err = np.empty(keys)
+    nrows = rows.shape[0]
+    for blk in prange((nrows + ROW_BLOCK - 1) // ROW_BLOCK):
+        r0 = blk * ROW_BLOCK
+        nb_rows = min(ROW_BLOCK, nrows - r0)
+        s = np.zeros((ROW_BLOCK, keys))
+        err = np.zeros((ROW_BLOCK, keys))
         for d in range(dim):
-            a = q[i, d]
-            if a == 0.0:
-                continue
+            for rr in range(nb_rows):
+                a = q[rows[r0 + rr], d]
+                if a == 0.0:
+                    continue
+                for j in range(keys):
+                    s[rr, j] = D.fma(a, kT[d, j], s[rr, j])
+        top = np.full(ROW_BLOCK, -np.inf)
+        for rr in range(nb_rows):
+            i = rows[r0 + rr]
             for j in range(keys):
-                s[j] = D.fma(a, kT[d, j], s[j])
-        top = -np.inf
-        for j in range(keys):
-            if allowed[i, j]:
-                t, e = _score_d(i, j, s[j], qn[i], kn[j], prm, bias, has_bias, gdim)
-                s[j], err[j] = t, e
-                if t > top:
-                    top = t
-        if top == -np.inf:
-            status[i] = _EMPTY
-            continue
-        n = np.zeros(vdim)
-        nb = np.zeros(vdim)
-        acc = np.zeros(vdim)
-        tiny_v = np.zeros(vdim)
-        z = 0.0
-        zb = 0.0
-        tiny = 0.0
-        rho = 0.0
+                if allowed[i, j]:
+                    t, e = _score_d(i, j, s[rr, j], qn[i], kn[j], prm, bias, has_bias, gdim)
+                    s[rr, j], err[rr, j] = t, e
+                    if t > top[rr]:
+                        top[rr] = t
+        n = np.zeros((ROW_BLOCK, vdim))
+        nb = np.zeros((ROW_BLOCK, vdim))
+        e2 = np.zeros(ROW_BLOCK)
+        tiny_v = np.zeros((ROW_BLOCK, vdim))
+        z = np.zeros(ROW_BLOCK)
+        zb = np.zeros(ROW_BLOCK)
+        tiny = np.zeros(ROW_BLOCK)
+        rho = np.zeros(ROW_BLOCK)
+        ex = np.zeros(ROW_BLOCK)
+        use = np.zeros(ROW_BLOCK, dtype=np.bool_)
         for j in range(keys):
             if (j % SUM_BLOCK) == 0:  # blocked sums: gamma_{B + S/B} instead of gamma_S
-                z += zb
-                zb = 0.0
-                for e in range(vdim):
-                    n[e] += nb[e]
-                    nb[e] = 0.0
-            if not allowed[i, j]:
-                continue
-            x = s[j] - top
-            xe = (err[j] + u * abs(x)) * D.BOUND_SAFETY
-            if want_x:
-                x_h[i, j], x_l[i, j], x_r[i, j] = x, 0.0, xe
-            if x < CUT:
-                tiny += TINY
-                if kept[i, j]:
+                for rr in range(nb_rows):
+                    z[rr] += zb[rr]
+                    zb[rr] = 0.0
                     for e in range(vdim):
-                        tiny_v[e] += abs(v[j, e])
+                        n[rr, e] += nb[rr, e]
+                        nb[rr, e] = 0.0
+            for rr in range(nb_rows):
+                i = rows[r0 + rr]
+                use[rr] = False
+                if not allowed[i, j]:
+                    continue
+                x = s[rr, j] - top[rr]
+                xe = (err[rr, j] + u * abs(x)) * D.BOUND_SAFETY
+                if want_x:
+                    x_h[i, j], x_l[i, j], x_r[i, j] = x, 0.0, xe
+                if x < CUT:
+                    tiny[rr] += TINY
+                    if kept[i, j]:
+                        for e in range(vdim):
+                            tiny_v[rr, e] += abs(v[j, e])
+                    continue
+                rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * xe) * (1.0 + _RHO_MAX))
+                ex[rr] = D.exp_d(x)
+                zb[rr] += ex[rr]
+                e2[rr] += ex[rr] * ex[rr]
+                use[rr] = kept[i, j]
+            for rr in range(nb_rows):
+                if use[rr]:
+                    w = ex[rr]
+                    for e in range(vdim):
+                        nb[rr, e] = D.fma(w, v[j, e], nb[rr, e])
+        for rr in range(nb_rows):
+            i = rows[r0 + rr]
+            if top[rr] == -np.inf:
+                status[i] = _EMPTY
                 continue
-            rho = max(rho, (D.EXP_D_REL + 2.0 * xe) * (1.0 + _RHO_MAX))
-            ex = D.exp_d(x)
-            zb += ex
-            if kept[i, j]:
-                for e in range(vdim):
-                    b = v[j, e]
-                    nb[e] = D.fma(ex, b, nb[e])
-                    acc[e] = D.fma(ex, abs(b), acc[e])
-        z += zb
-        for e in range(vdim):
-            n[e] += nb[e]
-        if not rho <= _RHO_MAX:
-            status[i] = _UNDECIDED
-            continue
-        zr = ((gsum + rho) * z * (1.0 + gsum) + tiny) * D.BOUND_SAFETY
-        # acc = sum_j e_j |v_je| (float, within gamma_S < 2**-27 of its value)
-        nr = ((gsum + rho) * acc * (1.0 + gsum) * (1.0 + rho)) * D.BOUND_SAFETY + TINY * tiny_v
-        _finish_row(i, top, z, 0.0, zr, n, np.zeros(vdim), nr, prm, out_h, out_l, out_r,
-                    lse_h, lse_l, lse_r, lz_h, lz_l, lz_r, status)
+            zr_ = z[rr] + zb[rr]
+            for e in range(vdim):
+                n[rr, e] += nb[rr, e]
+            if not rho[rr] <= _RHO_MAX:
+                status[i] = _UNDECIDED
+                continue
+            g = gsum + rho[rr]
+            zrad = (g * zr_ * (1.0 + gsum) + tiny[rr]) * D.BOUND_SAFETY
+            # sum_j e_j |v_je| <= min(vmax_e sum_j e_j, sqrt(sum_j e_j^2) ||v_e||) (the second
+            # by Cauchy-Schwarz; the float sums are within gamma_S < 2**-27 of their values)
+            acc = np.minimum(vmax * (zr_ + zrad), math.sqrt(e2[rr]) * vnorm)
+            nr = (g * acc * (1.0 + gsum) * (1.0 + rho[rr])) * D.BOUND_SAFETY \
+                + TINY * tiny_v[rr]
+            _finish_row(i, top[rr], zr_, 0.0, zrad, n[rr], np.zeros(vdim), nr, prm,
+                        out_h, out_l, out_r, lse_h, lse_l, lse_r, lz_h, lz_l, lz_r, status)
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
@@ -470,7 +497,7 @@ class _Plane:
         q, kT, v, allowed, kept, bias = inputs
         vmax = np.max(np.abs(v), axis=0)
         common = (q, kT, v, allowed, kept, bias, bias.shape != (1, 1), _norms(q), _norms(kT.T),
-                  vmax, prm, want_w)
+                  vmax, _norms(v.T), prm, want_w)
         bufs = ([np.zeros((length, vdim)) for _ in range(3)]
                 + [np.zeros(length) for _ in range(6)]
                 + [np.zeros((length, keys) if want_w else (1, 1)) for _ in range(3)])
