@@ -176,3 +176,10 @@ def test_fast_logspace_hard_rows(fn):
                   [5e-324, -5e-324, 0.0, 2.0**-1074]])  # subnormals
     for out_dtype in OUT_DTYPES:
         _logspace_identical(fn, x, None, out_dtype)
+
+
+@pytest.mark.parametrize("out_dtype", ["float64", "bfloat16"])
+def test_one_by_one_plane_with_bias(out_dtype):
+    """A (1, 1) plane: the bias array has the shape of the kernels' 'no bias' placeholder."""
+    q, k, v = _gaussian(7, length=1, keys=1, dim=2, vdim=2)
+    _assert_identical(q, k, v, out_dtype, bias=np.array([[0.75]]))

@@ -496,7 +496,7 @@ class _Plane:
             return
         q, kT, v, allowed, kept, bias = inputs
         vmax = np.max(np.abs(v), axis=0)
-        common = (q, kT, v, allowed, kept, bias, bias.shape != (1, 1), _norms(q), _norms(kT.T),
+        common = (q, kT, v, allowed, kept, bias, spec.bias is not None, _norms(q), _norms(kT.T),
                   vmax, _norms(v.T), prm, want_w)
         bufs = ([np.zeros((length, vdim)) for _ in range(3)]
                 + [np.zeros(length) for _ in range(6)]
