@@ -4,6 +4,11 @@ back to the referee where the first step cannot decide."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -109,10 +114,11 @@ def test_subnormal_and_tiny_inputs(out_dtype):
     _assert_identical(q, k, v, out_dtype)
 
 
+@pytest.mark.parametrize("out_dtype", ["float64", "bfloat16"])
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
-def test_long_rows_narrow_inputs(dtype):
+def test_long_rows_narrow_inputs(dtype, out_dtype):
     q, k, v = _gaussian(4, length=3, keys=2048, dim=16, vdim=4, dtype=dtype)
-    stats = _assert_identical(q, k, v, "bfloat16", causal=True, align="bottom_right")
+    stats = _assert_identical(q, k, v, out_dtype, causal=True, align="bottom_right")
     assert stats["referee_rows"] < stats["rows"]
 
 
@@ -183,3 +189,14 @@ def test_one_by_one_plane_with_bias(out_dtype):
     """A (1, 1) plane: the bias array has the shape of the kernels' 'no bias' placeholder."""
     q, k, v = _gaussian(7, length=1, keys=1, dim=2, vdim=2)
     _assert_identical(q, k, v, out_dtype, bias=np.array([[0.75]]))
+
+
+def test_kernel_bodies_run_without_jit():
+    """NUMBA_DISABLE_JIT=1: the first-step kernels run as Python (coverage of their bodies)."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, NUMBA_DISABLE_JIT="1", PYTHONPATH=str(root))
+    cmd = [sys.executable, "-m", "pytest", str(root / "tests" / "test_fast_exact.py"), "-q",
+           "-p", "no:cacheprovider", "-x", "-k",
+           "midpoint or one_by_one or (hard_rows and softmax) or row_spec"]
+    done = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"NUMBA_DISABLE_JIT=1 tier failed:\n{done.stdout[-3000:]}"
