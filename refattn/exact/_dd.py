@@ -117,7 +117,11 @@ else:
 # ------------------------------------------------------------------------------ error-free
 @numba.jit(**_JIT)
 def two_sum(a, b):
-    """(s, e) with s = fl(a + b) and s + e = a + b exactly (Knuth)."""
+    """(s, e) with s = fl(a + b) and s + e = a + b exactly (Knuth).
+
+    >>> two_sum(1.0, 2.0**-60)
+    (1.0, 8.673617379884035e-19)
+    """
     s = a + b
     bb = s - a
     e = (a - (s - bb)) + (b - bb)
@@ -134,7 +138,11 @@ def fast_two_sum(a, b):
 
 @numba.jit(**_JIT)
 def two_prod(a, b):
-    """(p, e) with p = fl(a b) and p + e = a b exactly (FMA; exact without underflow)."""
+    """(p, e) with p = fl(a b) and p + e = a b exactly (FMA; exact without underflow).
+
+    >>> two_prod(1.0 + 2.0**-30, 1.0 + 2.0**-30)[1] == 2.0**-60
+    True
+    """
     p = a * b
     return p, fma(a, b, -p)
 
@@ -204,7 +212,12 @@ def dd_div(xh, xl, yh, yl):
 
 # ------------------------------------------------------------------------------ constants
 def dd_of_fraction(x: Fraction) -> tuple[float, float, float]:
-    """(hi, lo, err): the double-double nearest a rational and a bound on |hi + lo - x|."""
+    """(hi, lo, err): the double-double nearest a rational and a bound on |hi + lo - x|.
+
+    >>> hi, lo, err = dd_of_fraction(Fraction(1, 3))
+    >>> hi, err < 2.0**-105
+    (0.3333333333333333, True)
+    """
     hi = float(x)
     lo = float(x - Fraction(hi))
     err = abs(x - Fraction(hi) - Fraction(lo))
@@ -216,6 +229,9 @@ def dd_of_exact(value, bits: int = 200) -> tuple[float, float, float]:
 
     1/sqrt(n) is enclosed with integers: ``a = isqrt(4**bits // n)`` satisfies
     ``a <= 2**bits / sqrt(n) < a + 1``.
+
+    >>> dd_of_exact(("invsqrt", 4))[0]
+    0.5
     """
     if isinstance(value, tuple):
         n = int(value[1])
@@ -240,6 +256,9 @@ def dot_bound(terms: int) -> float:
     increments of c sum in magnitude to at most ``(m + 2) u (1 + 2u) P`` (``|es| <= u |s|``,
     ``P = sum |a_j b_j|``), their float sum errs by ``gamma_{2m}`` of that, and the low-word
     products ``a_lo b`` err by ``u^2 P``. So ``|s + c - sum a_j b_j| <= dot_bound(m) * P``.
+
+    >>> dot_bound(64) < 2.0**-90
+    True
     """
     m = int(terms) + 2
     gamma = 2 * m * U / (1 - 2 * m * U)
@@ -310,7 +329,11 @@ assert EXP_BUDGET < EXP_REL
 @numba.jit(**_JIT)
 def exp_dd(xh, xl):
     """exp(xh + xl) as a double-double, relative error <= EXP_REL on [EXP_MIN_ARG,
-    EXP_MAX_ARG] (outside: no claim; callers check)."""
+    EXP_MAX_ARG] (outside: no claim; callers check).
+
+    >>> exp_dd(0.0, 0.0)
+    (1.0, 0.0)
+    """
     k = np.rint(xh * _INV_LN2_64)
     # r = x - k ln2/64 in double-double; k * piece is exact for |k| < 2**17
     rh, rl = two_sum(xh, -k * _LN2_64[0])
@@ -336,7 +359,11 @@ _LN2_64_D = np.array([_LN2_64[0], float(Fraction(_LN2_64[1]) + Fraction(_LN2_64[
 
 
 def gamma_up(n: int) -> float:
-    """gamma_n = n u / (1 - n u) (Higham 2002, Lemma 3.1), u = 2**-53, rounded up."""
+    """gamma_n = n u / (1 - n u) (Higham 2002, Lemma 3.1), u = 2**-53, rounded up.
+
+    >>> gamma_up(1) > 2.0**-53
+    True
+    """
     return unit.gamma(n) * BOUND_SAFETY
 
 
@@ -361,7 +388,11 @@ assert EXP_D_BUDGET < EXP_D_REL
 def exp_d(x):
     """exp(x) in double precision, relative error <= EXP_D_REL on [EXP_MIN_ARG, EXP_MAX_ARG]:
     the reduction of :func:`exp_dd` (two pieces of ln2/64, each rounding of the reduction
-    bounded), the degree-6 Taylor polynomial by Horner (gamma_12), the table's high words."""
+    bounded), the degree-6 Taylor polynomial by Horner (gamma_12), the table's high words.
+
+    >>> exp_d(0.0)
+    1.0
+    """
     k = np.rint(x * _INV_LN2_64)
     r = (x - k * _LN2_64_D[0]) - k * _LN2_64_D[1]
     p = _EXP_D_COEF[EXP_D_DEGREE]
@@ -382,6 +413,10 @@ def log_dd(zh, zl):
 
     err is ``inf`` when libm's guess ``log(zh)`` is off by more than 2**-30 (never in practice)
     or z is outside the domain.
+
+    >>> hi, lo, err = log_dd(2.0, 0.0)
+    >>> hi, err < 2.0**-90
+    (0.6931471805599453, True)
     """
     if not (zh >= 2.0**-880 and zh <= 2.0**860):
         return math.nan, 0.0, math.inf
@@ -419,7 +454,11 @@ TANH_ABS = 2.0**-91
 
 @numba.jit(**_JIT)
 def tanh_dd(xh, xl):
-    """tanh(xh + xl) as a double-double with absolute error <= TANH_ABS."""
+    """tanh(xh + xl) as a double-double with absolute error <= TANH_ABS.
+
+    >>> tanh_dd(0.0, 0.0)
+    (0.0, 0.0)
+    """
     a_h, a_l = (xh, xl) if xh >= 0 else (-xh, -xl)
     if a_h > 300.0:  # 1 - tanh a <= 2 e^{-600} < 2**-860
         th, tl = 1.0, 0.0

@@ -400,7 +400,12 @@ def _weights_plane(rows, allowed, x_h, x_l, x_r, lz_h, lz_l, lz_r, status, w_h, 
 # ------------------------------------------------------------------------------ wrapper
 def rounds_to_zero(tiny: np.ndarray, fmt) -> np.ndarray:
     """Where a weight flagged by the kernels (1: 0 < w < 2**-288, 2: 0 < w < 2**-1154)
-    rounds to +0 in ``fmt``."""
+    rounds to +0 in ``fmt``.
+
+    >>> from refattn.exact.rounding import FORMATS
+    >>> rounds_to_zero(np.array([0, 1, 2]), FORMATS["float64"]).tolist()
+    [False, False, True]
+    """
     return (tiny == 2) | ((tiny == 1) & (fmt.p < 53))
 
 
@@ -452,7 +457,16 @@ def _norms(x: np.ndarray) -> np.ndarray:
 def row_spec(spec: AttentionSpec, b: int, h: int, start: int, stop: int) -> AttentionSpec:
     """The spec of query rows ``start:stop`` of plane (b, h) alone: one batch, one head, the
     kv head it reads, and the offset shifted by ``start`` so causal, window and ALiBi see the
-    original row indices (``i' + o' = i + o``)."""
+    original row indices (``i' + o' = i + o``).
+
+    Examples
+    --------
+    >>> from refattn._spec import canonicalize
+    >>> spec = canonicalize(np.zeros((4, 2)), np.zeros((4, 2)), np.zeros((4, 1)), causal=True)
+    >>> sub = row_spec(spec, 0, 0, 2, 4)
+    >>> sub.q.shape, sub.offset
+    ((1, 1, 2, 2), 2)
+    """
     g = int(spec.kv_head[h])
 
     def rows(a):
