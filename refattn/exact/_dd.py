@@ -380,7 +380,7 @@ def _exp_d_budget() -> float:
 
 EXP_D_BUDGET = _exp_d_budget()
 #: Relative error bound of :func:`exp_d` on [EXP_MIN_ARG, EXP_MAX_ARG].
-EXP_D_REL = 2.0**-47
+EXP_D_REL = 2.0**-48.5
 assert EXP_D_BUDGET < EXP_D_REL
 
 

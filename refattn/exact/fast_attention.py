@@ -40,8 +40,10 @@ weights, when asked for, are an (L, S) output anyway):
 
 For targets of at most 24 bits (float32, float16, bfloat16) a cheaper double-precision first
 step runs before the double-double one (:func:`_forward_d`): the dot products are fma chains
-(``|error| <= gamma_D |q_i|.|k_j|``, Higham 2002, eq. (3.5)), each later rounding is bounded by
-``1.01 u |result|``, ``e = exp_d(x)`` has relative error ``EXP_D_REL`` (2**-47), and the sums
+(``|error| <= gamma_D |q_i|.|k_j|``, Higham 2002, eq. (3.5); zero when :func:`exact_dots`
+proves every partial sum representable, as for float16/bfloat16 inputs), each later rounding is
+bounded by
+``1.01 u |result|``, ``e = exp_d(x)`` has relative error ``EXP_D_REL`` (2**-48.5), and the sums
 over keys are blocked (:data:`SUM_BLOCK` keys per block, ``gamma_{B + S/B}``, Higham 2002,
 sec. 4.2) with ``|N - N^| <= (gamma + rho) sum_j e_j |v_je|``. Its radii are about 2**-40
 relative, ample for 24-bit targets; the rows it leaves undecided run again in double-double,
@@ -65,7 +67,8 @@ from . import _dd as D
 from .attention import exact_forward
 from .rounding import decide_dd, format_of
 
-__all__ = ["fast_exact_forward", "fallback_stats", "row_spec", "rounds_to_zero", "CUT", "TINY",
+__all__ = ["fast_exact_forward", "fallback_stats", "row_spec", "rounds_to_zero", "exact_dots",
+           "CUT", "TINY",
            "WEIGHT_TINY_ARG", "WEIGHT_ZERO_ARG"]
 
 #: Exponent arguments below CUT contribute ``0 <= e < TINY`` (an absolute radius).
@@ -80,8 +83,10 @@ WEIGHT_ZERO_ARG = -800.0
 _RHO_MAX = 2.0**-20
 #: Key block of the double-precision sums (blocked summation, Higham 2002, sec. 4.2).
 SUM_BLOCK = 64
-#: Query rows the double-precision step processes together (cache reuse only).
+#: Query rows the double-precision step processes together, and keys per chunk of their dot
+#: products (cache reuse only: every dot product is the same fma chain over D).
 ROW_BLOCK = 8
+KEY_CHUNK = 256
 
 _OK, _EMPTY, _UNDECIDED = 0, 1, 2
 _LAST_STATS: dict = {}
@@ -289,13 +294,15 @@ def _forward_d(rows, q, kT, v, allowed, kept, bias, has_bias, qn, kn, vmax, vnor
         nb_rows = min(ROW_BLOCK, nrows - r0)
         s = np.zeros((ROW_BLOCK, keys))
         err = np.zeros((ROW_BLOCK, keys))
-        for d in range(dim):
-            for rr in range(nb_rows):
-                a = q[rows[r0 + rr], d]
-                if a == 0.0:
-                    continue
-                for j in range(keys):
-                    s[rr, j] = D.fma(a, kT[d, j], s[rr, j])
+        for j0 in range(0, keys, KEY_CHUNK):  # the block's partial sums stay in L1
+            j1 = min(keys, j0 + KEY_CHUNK)
+            for d in range(dim):
+                for rr in range(nb_rows):
+                    a = q[rows[r0 + rr], d]
+                    if a == 0.0:
+                        continue
+                    for j in range(j0, j1):
+                        s[rr, j] = D.fma(a, kT[d, j], s[rr, j])
         top = np.full(ROW_BLOCK, -np.inf)
         for rr in range(nb_rows):
             i = rows[r0 + rr]
@@ -449,6 +456,32 @@ def _params(spec: AttentionSpec, h: int, dim: int, keys: int):
                      D.gamma_up(dim), D.gamma_up(SUM_BLOCK + keys // SUM_BLOCK + 2)])
 
 
+def _granularity(x: np.ndarray):
+    """The exponent of the lowest set bit over the nonzero entries of x (None if all zero)."""
+    nonzero = x[x != 0]
+    if nonzero.size == 0:
+        return None
+    frac, exps = np.frexp(nonzero)
+    mant = (np.abs(frac) * 2.0**53).astype(np.int64)
+    trailing = np.log2(mant & -mant).astype(np.int64)  # exact: a power of two
+    return int((exps.astype(np.int64) - 53 + trailing).min())
+
+
+def exact_dots(q: np.ndarray, k: np.ndarray, qn: np.ndarray, kn: np.ndarray) -> bool:
+    """Whether every fma chain ``q_i . k_j`` is exact: all products and partial sums are
+    multiples of ``2**(g_q + g_k)`` (lowest set bits) below ``2**53`` of them in magnitude
+    (``|partial| <= ||q_i|| ||k_j||``). True for float16/bfloat16 inputs of moderate range.
+
+    >>> exact_dots(np.array([[0.5, 1.5]]), np.array([[3.0, 0.25]]), np.ones(1), np.ones(1) * 4)
+    True
+    """
+    gq, gk = _granularity(q), _granularity(k)
+    if gq is None or gk is None:
+        return True  # every product is zero
+    top = float(np.max(qn)) * float(np.max(kn))
+    return top < 2.0 ** (53 + gq + gk)
+
+
 def _norms(x: np.ndarray) -> np.ndarray:
     """Upper bounds of the row 2-norms (float rounding covered by a factor 1 + 2**-30)."""
     return np.sqrt(np.einsum("ij,ij->i", x, x)) * (1.0 + 2.0**-30) + 2.0**-1000
@@ -510,8 +543,12 @@ class _Plane:
             return
         q, kT, v, allowed, kept, bias = inputs
         vmax = np.max(np.abs(v), axis=0)
-        common = (q, kT, v, allowed, kept, bias, spec.bias is not None, _norms(q), _norms(kT.T),
-                  vmax, _norms(v.T), prm, want_w)
+        qn, kn = _norms(q), _norms(kT.T)
+        if exact_dots(q, kT, qn, kn):  # the double step's dot products carry no error
+            prm = prm.copy()
+            prm[11] = 0.0
+        common = (q, kT, v, allowed, kept, bias, spec.bias is not None, qn, kn, vmax,
+                  _norms(v.T), prm, want_w)
         bufs = ([np.zeros((length, vdim)) for _ in range(3)]
                 + [np.zeros(length) for _ in range(6)]
                 + [np.zeros((length, keys) if want_w else (1, 1)) for _ in range(3)])
