@@ -200,3 +200,23 @@ def test_kernel_bodies_run_without_jit():
            "midpoint or one_by_one or (hard_rows and softmax) or row_spec"]
     done = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"NUMBA_DISABLE_JIT=1 tier failed:\n{done.stdout[-3000:]}"
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float64])
+def test_exact_dots_claim_is_true(dtype):
+    """Where exact_dots says so, the fma chain of every dot product equals the exact sum."""
+    from fractions import Fraction
+
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((3, 32)).astype(dtype).astype(np.float64)
+    k = rng.standard_normal((4, 32)).astype(dtype).astype(np.float64)
+    norms = FA._norms
+    claim = FA.exact_dots(q, k.T, norms(q), norms(k))
+    assert claim == (dtype != np.float64)
+    for a in q:
+        for b in k:
+            chain = 0.0
+            for x, y in zip(a, b, strict=True):
+                chain = float(Fraction(x) * Fraction(y) + Fraction(chain))  # fma
+            exact = sum(Fraction(x) * Fraction(y) for x, y in zip(a, b, strict=True))
+            assert (Fraction(chain) == exact) or not claim
