@@ -40,8 +40,9 @@ weights, when asked for, are an (L, S) output anyway):
 
 For targets of at most 24 bits (float32, float16, bfloat16) a cheaper double-precision first
 step runs before the double-double one (:func:`_forward_d`): the dot products are fma chains
-(``|error| <= gamma_D |q_i|.|k_j|``, Higham 2002, eq. (3.5); zero when :func:`exact_dots`
-proves every partial sum representable, as for float16/bfloat16 inputs), each later rounding is
+(``|error| <= gamma_D |q_i|.|k_j|``, Higham 2002, eq. (3.5); zero where
+:func:`exactness_scales` proves every partial sum representable, as for float16/bfloat16
+inputs), each later rounding is
 bounded by
 ``1.01 u |result|``, ``e = exp_d(x)`` has relative error ``EXP_D_REL`` (2**-48.5), and the sums
 over keys are blocked (:data:`SUM_BLOCK` keys per block, ``gamma_{B + S/B}``, Higham 2002,
@@ -67,7 +68,7 @@ from . import _dd as D
 from .attention import exact_forward
 from .rounding import decide_dd, format_of
 
-__all__ = ["fast_exact_forward", "fallback_stats", "row_spec", "rounds_to_zero", "exact_dots",
+__all__ = ["fast_exact_forward", "fallback_stats", "row_spec", "rounds_to_zero", "exactness_scales",
            "CUT", "TINY",
            "WEIGHT_TINY_ARG", "WEIGHT_ZERO_ARG"]
 
@@ -83,10 +84,9 @@ WEIGHT_ZERO_ARG = -800.0
 _RHO_MAX = 2.0**-20
 #: Key block of the double-precision sums (blocked summation, Higham 2002, sec. 4.2).
 SUM_BLOCK = 64
-#: Query rows the double-precision step processes together, and keys per chunk of their dot
-#: products (cache reuse only: every dot product is the same fma chain over D).
+#: Query rows the double-precision step processes together (cache reuse only: every dot
+#: product is the same fma chain over D). Chunking the keys as well measured slower.
 ROW_BLOCK = 8
-KEY_CHUNK = 256
 
 _OK, _EMPTY, _UNDECIDED = 0, 1, 2
 _LAST_STATS: dict = {}
@@ -171,7 +171,8 @@ def _finish_row(i, top, zh, zl, zr, ns, nc, nr, prm, out_h, out_l, out_r, lse_h,
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
-def _forward_dd(rows, q, kT, v, allowed, kept, bias, has_bias, qn, kn, vmax, vnorm, prm,
+def _forward_dd(rows, q, kT, v, allowed, kept, bias, has_bias, qn, kn, qs, ks, vmax, vnorm,
+                prm,
                 want_x,
                 out_h, out_l, out_r, lse_h, lse_l, lse_r, lz_h, lz_l, lz_r,
                 x_h, x_l, x_r, status):
@@ -273,7 +274,8 @@ def _score_d(i, j, sj, qn_i, kn_j, prm, bias, has_bias, gdim):
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
-def _forward_d(rows, q, kT, v, allowed, kept, bias, has_bias, qn, kn, vmax, vnorm, prm,
+def _forward_d(rows, q, kT, v, allowed, kept, bias, has_bias, qn, kn, qs, ks, vmax, vnorm,
+               prm,
                want_x,
                out_h, out_l, out_r, lse_h, lse_l, lse_r, lz_h, lz_l, lz_r,
                x_h, x_l, x_r, status):
@@ -294,21 +296,21 @@ def _forward_d(rows, q, kT, v, allowed, kept, bias, has_bias, qn, kn, vmax, vnor
         nb_rows = min(ROW_BLOCK, nrows - r0)
         s = np.zeros((ROW_BLOCK, keys))
         err = np.zeros((ROW_BLOCK, keys))
-        for j0 in range(0, keys, KEY_CHUNK):  # the block's partial sums stay in L1
-            j1 = min(keys, j0 + KEY_CHUNK)
-            for d in range(dim):
-                for rr in range(nb_rows):
-                    a = q[rows[r0 + rr], d]
-                    if a == 0.0:
-                        continue
-                    for j in range(j0, j1):
-                        s[rr, j] = D.fma(a, kT[d, j], s[rr, j])
+        for d in range(dim):
+            for rr in range(nb_rows):
+                a = q[rows[r0 + rr], d]
+                if a == 0.0:
+                    continue
+                for j in range(keys):
+                    s[rr, j] = D.fma(a, kT[d, j], s[rr, j])
         top = np.full(ROW_BLOCK, -np.inf)
         for rr in range(nb_rows):
             i = rows[r0 + rr]
             for j in range(keys):
                 if allowed[i, j]:
-                    t, e = _score_d(i, j, s[rr, j], qn[i], kn[j], prm, bias, has_bias, gdim)
+                    # an fma chain proven exact (exactness_scales) carries no error
+                    g = 0.0 if qs[i] * ks[j] < 2.0**52 else gdim
+                    t, e = _score_d(i, j, s[rr, j], qn[i], kn[j], prm, bias, has_bias, g)
                     s[rr, j], err[rr, j] = t, e
                     if t > top[rr]:
                         top[rr] = t
@@ -456,30 +458,26 @@ def _params(spec: AttentionSpec, h: int, dim: int, keys: int):
                      D.gamma_up(dim), D.gamma_up(SUM_BLOCK + keys // SUM_BLOCK + 2)])
 
 
-def _granularity(x: np.ndarray):
-    """The exponent of the lowest set bit over the nonzero entries of x (None if all zero)."""
-    nonzero = x[x != 0]
-    if nonzero.size == 0:
-        return None
-    frac, exps = np.frexp(nonzero)
-    mant = (np.abs(frac) * 2.0**53).astype(np.int64)
-    trailing = np.log2(mant & -mant).astype(np.int64)  # exact: a power of two
-    return int((exps.astype(np.int64) - 53 + trailing).min())
+def exactness_scales(x: np.ndarray, norms: np.ndarray) -> np.ndarray:
+    """Per row of x, ``norms / 2**g`` with g the exponent of the row's lowest set bit.
 
+    The fma chain of ``q_i . k_j`` is exact when ``sq_i * sk_j < 2**52`` (sq, sk the scales of
+    q's and k's rows): every product and partial sum is then a multiple of ``2**(g_i + g_j)``
+    of magnitude ``<= ||q_i|| ||k_j|| < 2**53 * 2**(g_i + g_j)`` (the factor 2 covers the
+    rounding of the scales' product). True for float16/bfloat16 inputs of moderate range.
 
-def exact_dots(q: np.ndarray, k: np.ndarray, qn: np.ndarray, kn: np.ndarray) -> bool:
-    """Whether every fma chain ``q_i . k_j`` is exact: all products and partial sums are
-    multiples of ``2**(g_q + g_k)`` (lowest set bits) below ``2**53`` of them in magnitude
-    (``|partial| <= ||q_i|| ||k_j||``). True for float16/bfloat16 inputs of moderate range.
-
-    >>> exact_dots(np.array([[0.5, 1.5]]), np.array([[3.0, 0.25]]), np.ones(1), np.ones(1) * 4)
-    True
+    >>> exactness_scales(np.array([[0.5, 1.5], [0.0, 0.0]]), np.array([2.0, 0.0])).tolist()
+    [4.0, 0.0]
     """
-    gq, gk = _granularity(q), _granularity(k)
-    if gq is None or gk is None:
-        return True  # every product is zero
-    top = float(np.max(qn)) * float(np.max(kn))
-    return top < 2.0 ** (53 + gq + gk)
+    frac, exps = np.frexp(x)
+    mant = (np.abs(frac) * 2.0**53).astype(np.int64)
+    nonzero = mant != 0
+    trailing = np.log2(np.where(nonzero, mant & -mant, 1)).astype(np.int64)  # exact
+    low = np.where(nonzero, exps.astype(np.int64) - 53 + trailing, np.iinfo(np.int64).max)
+    g = low.min(axis=1, initial=np.iinfo(np.int64).max)
+    g = np.where(g == np.iinfo(np.int64).max, 0, g)  # a zero row: its products are all 0
+    with np.errstate(over="ignore"):
+        return np.ldexp(norms, -g)
 
 
 def _norms(x: np.ndarray) -> np.ndarray:
@@ -544,11 +542,9 @@ class _Plane:
         q, kT, v, allowed, kept, bias = inputs
         vmax = np.max(np.abs(v), axis=0)
         qn, kn = _norms(q), _norms(kT.T)
-        if exact_dots(q, kT, qn, kn):  # the double step's dot products carry no error
-            prm = prm.copy()
-            prm[11] = 0.0
-        common = (q, kT, v, allowed, kept, bias, spec.bias is not None, qn, kn, vmax,
-                  _norms(v.T), prm, want_w)
+        common = (q, kT, v, allowed, kept, bias, spec.bias is not None, qn, kn,
+                  exactness_scales(q, qn), exactness_scales(kT.T, kn), vmax, _norms(v.T), prm,
+                  want_w)
         bufs = ([np.zeros((length, vdim)) for _ in range(3)]
                 + [np.zeros(length) for _ in range(6)]
                 + [np.zeros((length, keys) if want_w else (1, 1)) for _ in range(3)])
