@@ -7,8 +7,9 @@ sends the rows it cannot decide to the arbitrary-precision engine
 (:class:`refattn.exact.attention.ExactForward`, "the referee") -- Ziv's strategy with a compiled
 first step. The results are bit-identical to the referee's.
 
-Per query row i of a (batch, head) plane (memory O(L*E + S*D), no (L, S) work matrix; the
-weights, when asked for, are an (L, S) output anyway):
+Per query row i of a (batch, head) plane (working memory O(L*E + S*D) plus the plane's (L, S)
+boolean allowed set, taken from :meth:`AttentionSpec.allowed` so that the one rule of
+:mod:`refattn.masks` decides it; the weights, when asked for, are an (L, S) output anyway):
 
 1. Scores. ``q_i . k_j`` is summed as ``(s, c)`` with TwoProd and TwoSum (Dot2-like):
    ``|s + c - q_i . k_j| <= dot_bound(D) |q_i|.|k_j| <= dot_bound(D) ||q_i|| ||k_j||``
@@ -28,7 +29,8 @@ weights, when asked for, are an (L, S) output anyway):
    have ``0 <= e < TINY`` (2**-575) and enter as that absolute radius only.
 4. Sums. ``Z = sum_j e_ij`` and ``N_e = sum_j kappa_ij e_ij v_je`` with TwoProd/TwoSum and a
    compensation word: ``|N - N^| <= (dot_bound(2S) + rho_i) A_e + TINY sum |v_je|`` with
-   ``A_e = sum_j e_ij |v_je|`` (``rho_i = max_j rho_ij``; the same for Z with A = Z).
+   ``A_e = sum_j e_ij |v_je| <= max_j |v_je| (Z + rZ)`` (``rho_i = max_j rho_ij``; the same
+   for Z with A = Z).
 5. Results. ``out = N / Z * keep_scale`` (double-double division; the quotient of enclosures
    ``(rN + |N/Z| rZ) / (Z - rZ)``), ``lse = m + log_dd(Z)`` (``-log(1 - rZ/Z)`` for Z's
    radius), ``w_ij = exp_dd(x_ij - log Z)``.
@@ -42,13 +44,14 @@ For targets of at most 24 bits (float32, float16, bfloat16) a cheaper double-pre
 step runs before the double-double one (:func:`_forward_d`): the dot products are fma chains
 (``|error| <= gamma_D |q_i|.|k_j|``, Higham 2002, eq. (3.5); zero where
 :func:`exactness_scales` proves every partial sum representable, as for float16/bfloat16
-inputs), each later rounding is
-bounded by
-``1.01 u |result|``, ``e = exp_d(x)`` has relative error ``EXP_D_REL`` (2**-48.5), and the sums
-over keys are blocked (:data:`SUM_BLOCK` keys per block, ``gamma_{B + S/B}``, Higham 2002,
-sec. 4.2) with ``|N - N^| <= (gamma + rho) sum_j e_j |v_je|``. Its radii are about 2**-40
-relative, ample for 24-bit targets; the rows it leaves undecided run again in double-double,
-and only then go to the referee. Float64 targets use the double-double step alone.
+inputs), each later rounding is bounded by ``1.01 u |result|``, ``e = exp_d(x)`` has relative
+error ``EXP_D_REL`` (2**-48.5), and the sums over keys are blocked (:data:`SUM_BLOCK` keys per
+block, ``gamma_{B + S/B}``, Higham 2002, sec. 4.2) with ``|N - N^| <= (gamma + rho) A_e``,
+``A_e <= min(max_j |v_je| Z, (sum_j e_j^2)^(1/2) ||v_e||)`` (Cauchy-Schwarz; no second pass
+over V). Its radii are about 2**-40 relative to ``sum_j w_j |v_je|``, ample for 24-bit
+targets; the rows it leaves undecided (a few percent for float32 at S = 4096) run again in
+double-double, and only then go to the referee. Float64 targets use the double-double step
+alone.
 
 Planes with NaN/Inf in q, k or v, magnitudes outside [SAFE_MIN, SAFE_MAX], a softcap or ALiBi
 slope outside it, and empty rows go to the referee whole; their semantics are not re-derived.
@@ -68,9 +71,8 @@ from . import _dd as D
 from .attention import exact_forward
 from .rounding import decide_dd, format_of
 
-__all__ = ["fast_exact_forward", "fallback_stats", "row_spec", "rounds_to_zero", "exactness_scales",
-           "CUT", "TINY",
-           "WEIGHT_TINY_ARG", "WEIGHT_ZERO_ARG"]
+__all__ = ["fast_exact_forward", "fallback_stats", "row_spec", "rounds_to_zero",
+           "exactness_scales", "CUT", "TINY", "WEIGHT_TINY_ARG", "WEIGHT_ZERO_ARG"]
 
 #: Exponent arguments below CUT contribute ``0 <= e < TINY`` (an absolute radius).
 CUT = -400.0
