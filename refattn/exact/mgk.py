@@ -16,10 +16,9 @@ import numpy as np
 from mpmath import iv, mp
 
 from .. import _checks
-from .._broadcast import reduce_to
 from . import intervals as I
 from .numbers import NotRational, dot, is_zero, sqdist
-from .rows import batch_rows, exact_rows
+from .rows import batch_rows, exact_grads, exact_rows
 
 __all__ = ["attention", "attention_vjp", "em_update_pi", "linear_attention",
            "linear_attention_vjp", "LM_EPS"]
@@ -215,8 +214,8 @@ def attention_vjp(q, keys, v, go, log_pi, sigma2, sigma_varies, mode, normalized
                         dk[j][r][d] = dk[j][r][d] + coef * diff
         return dq, dk, dv
 
-    return _vjp_table(batch, batch_grads, (length, dim), (units, comps, dim), (units, evalue),
-                      shapes, dtype, "mgk.attention_vjp")
+    return exact_grads(batch, batch_grads, [(length, dim), (units, comps, dim), (units, evalue)],
+                       shapes, dtype, "mgk.attention_vjp")
 
 
 def _row_scores(ops, x, b, i, allowed, mode, normalized, sigma_varies, tops):
@@ -506,37 +505,5 @@ def linear_attention_vjp(q, keys, v, go, pi, allowed, form, shapes, dtype):
                     dm[j][d] = dm[j][d] + dkernel[j] * feats.a[i][d]
         return feats.back_q(da), feats.back_k(dm), dv
 
-    return _vjp_table(batch, batch_grads, (length, dim), (units, comps, dim), (units, evalue),
-                      shapes, dtype, "mgk.linear_attention_vjp")
-
-
-def _vjp_table(batch, batch_grads, *arg_shapes_and_rest):
-    """Round gradients computed per batch element by ``batch_grads(ops, b) -> nested lists``
-    (one per argument), summed exactly to the arguments' ``shapes``, in one Ziv loop."""
-    *inner_shapes, shapes, dtype, what = arg_shapes_and_rest
-
-    def evaluate(ops, _row):
-        per_arg = [np.empty(batch + tuple(shape), dtype=object) for shape in inner_shapes]
-        for b in np.ndindex(*batch):
-            for target, grads in zip(per_arg, batch_grads(ops, b), strict=True):
-                target[b] = _object_array(grads, target.shape[len(batch):])
-        reduced = [reduce_to(g, shape) for g, shape in zip(per_arg, shapes, strict=True)]
-        return [x for g in reduced for x in g.ravel()]
-
-    table = exact_rows([0], evaluate, dtype, what)[0]
-    out, start = [], 0
-    for shape in shapes:
-        size = int(np.prod(shape, dtype=np.int64))
-        out.append(table[start:start + size].reshape(shape))
-        start += size
-    return tuple(out)
-
-
-def _object_array(nested, shape):
-    out = np.empty(shape, dtype=object)
-    for index in np.ndindex(*shape):
-        value = nested
-        for k in index:
-            value = value[k]
-        out[index] = value
-    return out
+    return exact_grads(batch, batch_grads, [(length, dim), (units, comps, dim), (units, evalue)],
+                       shapes, dtype, "mgk.linear_attention_vjp")

@@ -10,11 +10,12 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _checks
+from .._broadcast import reduce_to
 from . import intervals as I
 from .numbers import INTERVAL, RATIONAL, NotRational
 from .rounding import correctly_round
 
-__all__ = ["exact_rows", "batch_rows"]
+__all__ = ["exact_rows", "batch_rows", "exact_grads"]
 
 
 def exact_rows(rows, evaluate_row, dtype, what):
@@ -53,3 +54,36 @@ def exact_rows(rows, evaluate_row, dtype, what):
 def batch_rows(batch: tuple, length: int) -> list:
     """The (batch index, row) pairs of a (..., L, .) computation, in C order."""
     return [(b, i) for b in np.ndindex(*batch) for i in range(length)]
+
+
+def exact_grads(batch, batch_grads, inner_shapes, shapes, dtype, what):
+    """Correctly round gradients computed per batch element, in one Ziv loop.
+
+    ``batch_grads(ops, b) -> nested lists``, one per argument of inner shape
+    ``inner_shapes[k]`` (the argument's shape without the batch dimensions ``batch``); the
+    per-batch gradients are summed exactly to the arguments' ``shapes`` (broadcast batch
+    dimensions, :func:`refattn._broadcast.reduce_to`) before the single rounding. Returns one
+    array per argument.
+    """
+
+    def evaluate(ops, _row):
+        per_arg = [np.empty(tuple(batch) + tuple(shape), dtype=object)
+                   for shape in inner_shapes]
+        for b in np.ndindex(*batch):
+            for target, grads in zip(per_arg, batch_grads(ops, b), strict=True):
+                inner = target.shape[len(batch):]
+                for index in np.ndindex(*inner):
+                    value = grads
+                    for k in index:
+                        value = value[k]
+                    target[b + index] = value
+        reduced = [reduce_to(g, shape) for g, shape in zip(per_arg, shapes, strict=True)]
+        return [x for g in reduced for x in g.ravel()]
+
+    table = exact_rows([0], evaluate, dtype, what)[0]
+    out, start = [], 0
+    for shape in shapes:
+        size = int(np.prod(shape, dtype=np.int64))
+        out.append(table[start:start + size].reshape(shape))
+        start += size
+    return tuple(out)
