@@ -103,6 +103,10 @@ __all__ = [
     "truth",
     "required_members",
     "call_refattn",
+    "call_refattn_vjp",
+    "forward_inputs",
+    "vjp_of",
+    "grad_names",
     "outputs_of",
     "INPUT_BUILDERS",
     "BOOL_INPUTS",
@@ -192,6 +196,7 @@ class _Entry:
     default: tuple[str, ...] = _ALL
     options: Mapping[str, Any] = field(default_factory=dict)
     recipe: Mapping[str, Any] = field(default_factory=dict)
+    grads: bool = False
 
 
 def _mix(batch, H, L, S, D, E):
@@ -258,6 +263,28 @@ def _entries() -> list[_Entry]:
           options={"beta": 0.5}),
         e("hopfield.energy", "hopfield-energy-constant", mix, "energy with the paper's constant",
           options={"beta": 2.0, "constant": True}),
+        # --- gradients (grads=True: exact vjps in the fixture; present only for the functions
+        # whose module has a ``<function>_vjp``, see vjp_of) ------------------------------------
+        e("mgk.attention", "mgk-soft-grad", small, "vjp of soft MGK, R = 2", smoke=("float64",),
+          options={"sigma2": 2.0}, recipe={"R": 2}, grads=True),
+        e("mgk.attention", "mgk-hard-grad", small, "vjp of hard MGK (ties split equally)",
+          options={"sigma2": 2.0, "mode": "hard"}, recipe={"R": 2}, grads=True),
+        e("mgk.attention", "mgk-mask-grad", small, "vjp of soft MGK with a random mask",
+          options={"sigma2": 2.0}, recipe={"R": 2, "mask": True}, grads=True),
+        e("mgk.linear_attention", "mlk-grad", small, "vjp of linear MLK attention",
+          smoke=("float64",), recipe={"R": 2}, grads=True),
+        e("mgk.linear_attention", "mlk-causal-grad", small, "vjp of causal linear MLK",
+          options={"causal": True}, recipe={"R": 2}, grads=True),
+        e("hopfield.retrieve", "hopfield-retrieve-grad", small, "vjp of one retrieval update",
+          smoke=("float64",), options={"beta": 0.5, "steps": 1}, grads=True),
+        e("hopfield.retrieve", "hopfield-retrieve-steps2-grad", small, "vjp of two updates",
+          options={"beta": 0.25, "steps": 2}, grads=True),
+        e("gmm.attention", "gmm-attn-grad", small, "vjp of one EM step", smoke=("float64",),
+          options={"alpha": 0.5, "beta": 0.5, "iters": 1}, grads=True),
+        e("gmm.attention", "gmm-attn-iters2-grad", small, "vjp of two EM steps",
+          options={"alpha": 0.25, "beta": 0.5, "iters": 2}, grads=True),
+        e("meanfield.deq_attention", "meanfield-deq-grad", _sites(1, 4, 2), "vjp of the DEQ "
+          "fixed point", smoke=("float64",), grads=True),
         # --- mean field (Bal 2021) ------------------------------------------------------------
         e("meanfield.naive_step", "meanfield-naive", _sites(2, 4, 2), "one naive update "
           "(eq. (23) without correction), self-couplings kept", smoke=_SMOKE,
@@ -285,6 +312,9 @@ def _tag(shapes: Shapes, function: str) -> str:
 
 def _expand(entry: _Entry) -> list[Case]:
     out = []
+    if entry.grads and (vjp_of(entry.function) is None
+                        or len(FUNCTIONS[entry.function].outputs) != 1):
+        return out  # no vjp (yet): no gradient case
     for dtype in DTYPES:
         in_smoke = dtype in entry.smoke
         in_default = in_smoke or dtype in entry.default
@@ -295,7 +325,7 @@ def _expand(entry: _Entry) -> list[Case]:
         name = f"{entry.tag}-{_tag(entry.shapes, entry.function)}-{DTYPE_TAGS[dtype]}"
         out.append(Case(name=name, suites=suites, category="conformance", dtype=dtype,
                         shapes=entry.shapes, options=dict(entry.options),
-                        recipe=dict(entry.recipe), seed=seed_of(name),
+                        recipe=dict(entry.recipe), seed=seed_of(name), grads=entry.grads,
                         description=entry.description, function=entry.function))
     return out
 
@@ -430,6 +460,11 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
     (['keys', 'q', 'v'], (1, 2, 6, 2, 4), 'float32')
     """
     raw = _inputs64(case)
+    if case.grads:
+        # a cotangent shaped like the (single) output: the float64 path's shape
+        forward = call_refattn(case, raw)
+        shape = np.shape(forward[FUNCTIONS[case.function].outputs[0]])
+        raw["grad_out"] = Streams(case.seed).gaussian("grad_out", shape)
     return {name: (x if name in BOOL_INPUTS else seeding.to_dtype(x, case.dtype))
             for name, x in raw.items()}
 
@@ -457,10 +492,55 @@ def outputs_of(case: Case, result) -> dict[str, Any]:
     return {names[0]: result}
 
 
+def forward_inputs(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """The inputs of the forward call: all but the cotangent ``grad_out``."""
+    return {k: v for k, v in inputs.items() if k != "grad_out"}
+
+
 def call_refattn(case: Case, inputs: Mapping[str, np.ndarray], **extra) -> dict[str, Any]:
-    """Run the case's refattn function on ``inputs`` with the case options and ``extra``."""
-    result = _function(case)(**inputs, **dict(case.options), **extra)
+    """Run the case's refattn function on ``inputs`` (without grad_out) with the case options
+    and ``extra``."""
+    result = _function(case)(**forward_inputs(inputs), **dict(case.options), **extra)
     return outputs_of(case, result)
+
+
+def vjp_of(function: str):
+    """The vjp of a variant function: ``<attribute>_vjp`` of its module, or None.
+
+    The convention of refattn (and of an implementation's ``.vjp``): ``f_vjp(<f's positional
+    array arguments>, grad_out, **<f's keywords>)`` returning a NamedTuple with a field
+    ``d<name>`` per positional array argument.
+    """
+    import importlib
+
+    spec = FUNCTIONS[function]
+    try:
+        module = importlib.import_module(spec.module)
+    except ImportError:
+        return None
+    return getattr(module, spec.attribute + "_vjp", None)
+
+
+def grad_names(function: str) -> tuple[str, ...]:
+    """``d<name>`` for each positional array argument of the function's vjp (those before
+    grad_out), or () without a vjp."""
+    import inspect
+
+    vjp = vjp_of(function)
+    if vjp is None:
+        return ()
+    names = []
+    for name in inspect.signature(vjp).parameters:
+        if name == "grad_out":
+            break
+        names.append("d" + name)
+    return tuple(names)
+
+
+def call_refattn_vjp(case: Case, inputs: Mapping[str, np.ndarray], **extra) -> dict[str, Any]:
+    """Run the case function's refattn vjp on ``inputs`` (with grad_out) and the options."""
+    result = vjp_of(case.function)(**inputs, **dict(case.options), **extra)
+    return {name: getattr(result, name) for name in grad_names(case.function)}
 
 
 def truth(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -472,6 +552,10 @@ def truth(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]
         for name, value in call_refattn(case, inputs, precision="exact",
                                         out_dtype=dtype).items():
             result[name + suffix] = np.asarray(value)
+        if case.grads:
+            for name, value in call_refattn_vjp(case, inputs, precision="exact",
+                                                out_dtype=dtype).items():
+                result[name + suffix] = np.asarray(value)
     if case.dtype == "float64":
         for name in list(result):
             result[name + "_f64"] = result[name]
@@ -487,4 +571,6 @@ INPUT_BUILDERS = {name: make_inputs for name in FUNCTIONS}
 def required_members(case: Case) -> tuple[list[str], list[str]]:
     """(inputs, truth) member names a fixture file of ``case`` must hold (for verify)."""
     spec = FUNCTIONS[case.function]
-    return list(spec.inputs), [n + s for n in spec.outputs for s in ("", "_f64")]
+    outputs = spec.outputs + (grad_names(case.function) if case.grads else ())
+    inputs = list(spec.inputs) + (["grad_out"] if case.grads else [])
+    return inputs, [n + s for n in outputs for s in ("", "_f64")]
