@@ -1,0 +1,124 @@
+"""Meta tests of the variant gradient cases: the fixtures carry exact vjps, the judge checks an
+implementation's vjp (``impl.vjp`` or the ``f_vjp`` beside a plain function ``f``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from oracle import catalogue, golden
+from oracle import validate as V
+from oracle.catalogue import variants as vc
+from refattn import hopfield, mgk
+from tests.helpers import assert_same_bits
+
+SMOKE, DEFAULT = "variants-smoke", "variants-default"
+
+
+def _grad_cases(suite, function=None, dtypes=None):
+    return [c for c in catalogue.suite(suite) if c.grads
+            and (function is None or c.function == function)
+            and (dtypes is None or c.dtype in dtypes)]
+
+
+def _explain(report):
+    return "\n".join(r.explain() for r in report.results if r.verdict != "pass")
+
+
+def test_gradient_cases_exist_exactly_for_functions_with_a_vjp():
+    functions = {c.function for c in _grad_cases(DEFAULT)}
+    assert {"mgk.attention", "mgk.linear_attention", "hopfield.retrieve"} <= functions
+    for function in vc.FUNCTIONS:
+        assert (function in functions) == (vc.vjp_of(function) is not None
+                                           and len(vc.FUNCTIONS[function].outputs) == 1), \
+            function
+    for case in _grad_cases(DEFAULT):
+        inputs, truths = vc.required_members(case)
+        assert "grad_out" in inputs and any(t.startswith("d") for t in truths), case.name
+
+
+@pytest.mark.parametrize("case", _grad_cases(SMOKE), ids=lambda c: c.name)
+def test_fixture_gradients_are_the_exact_vjp(case):
+    fixture = golden.build(case)
+    exact = vc.call_refattn_vjp(case, fixture.inputs, precision="exact",
+                                out_dtype=case.dtype)
+    assert set(exact) == set(vc.grad_names(case.function))
+    for name, value in exact.items():
+        assert_same_bits(fixture.truth[name], value, what=f"{case.name} truth/{name}")
+    forward = vc.forward_inputs(fixture.inputs)
+    assert "grad_out" not in forward and "grad_out" in fixture.inputs
+
+
+REFATTN = {"mgk.attention": mgk.attention, "mgk.linear_attention": mgk.linear_attention,
+           "hopfield.retrieve": hopfield.retrieve}
+
+
+@pytest.mark.parametrize("function", sorted(REFATTN))
+def test_refattn_float64_vjps_pass(function):
+    chosen = _grad_cases(DEFAULT, function, ("float64", "float32"))
+    report = V.validate(REFATTN[function], suite=chosen, dtype=None, grads=True,
+                        progress=False)
+    assert report.passed, _explain(report)
+    for result in report.results:
+        grads = [n for n in result.checks if n.startswith("d")]
+        assert grads == list(vc.grad_names(function)), (result.name, list(result.checks))
+        assert "gradients" in result.features
+
+
+def _with_vjp(forward, vjp):
+    def impl(**kwargs):
+        return forward(**kwargs)
+
+    impl.vjp = vjp
+    return impl
+
+
+def _flipped_dq(**kwargs):
+    grads = mgk.attention_vjp(**kwargs)
+    return grads._replace(dq=-grads.dq)
+
+
+def _hopfield_without_key_path(xi, X, grad_out, *, beta, steps):
+    # forgets that X is also the keys: dX from the values only
+    from refattn.attention import attention_vjp
+
+    grads = attention_vjp(xi, X, X, grad_out, scale=beta)
+    return hopfield.RetrieveGrads(grads.dq, grads.dv)
+
+
+BROKEN = [
+    ("mgk vjp with dq of the wrong sign", "mgk.attention",
+     _with_vjp(mgk.attention, _flipped_dq)),
+    ("hopfield vjp without the key path", "hopfield.retrieve",
+     _with_vjp(hopfield.retrieve, _hopfield_without_key_path)),
+]
+
+
+@pytest.mark.parametrize("label, function, impl", BROKEN, ids=[b[0] for b in BROKEN])
+def test_broken_vjp_fails(label, function, impl):
+    chosen = [c for c in _grad_cases(DEFAULT, function, ("float64", "float32"))
+              if c.options.get("steps", 1) == 1][:2]
+    report = V.validate(impl, suite=chosen, dtype=None, grads=True, progress=False)
+    verdicts = {r.name: r.verdict for r in report.results}
+    assert verdicts and all(v == "fail" for v in verdicts.values()), f"{label}: {verdicts}"
+    failing = [n for r in report.results for n, c in r.checks.items() if not c.passed]
+    assert failing and all(n.startswith("d") for n in failing), failing
+
+
+def test_no_vjp_is_unsupported_and_forward_only_passes():
+    chosen = _grad_cases(SMOKE, "mgk.attention")
+
+    def forward_only(**kwargs):  # no .vjp and no forward_only_vjp beside it
+        return mgk.attention(**kwargs)
+
+    report = V.validate(forward_only, suite=chosen, dtype=None, grads=True, progress=False)
+    assert [r.verdict for r in report.results] == ["unsupported"], _explain(report)
+    report = V.validate(forward_only, suite=chosen, dtype=None, progress=False)
+    assert report.passed, _explain(report)
+
+
+def test_grad_scale_is_per_sample_magnitude():
+    from oracle.variant_scales import grad_scale
+
+    truth = np.array([[[1.0, -3.0]], [[0.5, 0.25]]])
+    assert grad_scale(truth).tolist() == [[[3.0, 3.0]], [[0.5, 0.5]]]
