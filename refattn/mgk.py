@@ -416,7 +416,8 @@ def attention_vjp(q, keys, v, grad_out, *, log_pi=None, sigma2=1.0, mode="soft",
         batch + (length, units), "mask", "(..., L, S) of q and keys")
     if precision == "exact":
         grads = exact.attention_vjp(q, keys, v, go, log_pi, sigma2, sigma_varies, mode,
-                                    normalized, allowed, row_eps, _checks.out_dtype(out_dtype))
+                                    normalized, allowed, row_eps, _checks.out_dtype(out_dtype),
+                                    shapes)
     else:
         grads = _attention_vjp64(*(_checks.as_float64(a) for a in (q, keys, v, go)), log_pi,
                                  sigma2, sigma_varies, mode, normalized, allowed, row_eps)
@@ -498,10 +499,11 @@ def em_update_pi(q, keys, *, log_pi, sigma2, mask=None, pi_update="joint", preci
         class MGKAttn, soft mode), which averages over the queries the *per-key*
         responsibilities ``p(z_r = 1 | t_j = 1, q_i) = softmax_r(log pi_jr + log N(q_i | k_jr,
         sigma2_jr))``: ``pi_jr = mean_{i: (i, j) allowed} p(z_r | t_j, q_i)``. It weighs every
-        query equally instead of by ``p(t_j | q_i)`` (the two differ by 0.12 on a two-query
-        example in the tests). The public code also adds 1e-6 to the per-key normaliser, omits
-        the Gaussian normaliser (the same when sigma2 is shared) and averages over every query;
-        refattn keeps the normaliser, adds nothing and averages over the allowed queries.
+        query equally instead of by ``p(t_j | q_i)`` (the two pi differ by 0.11 on the
+        two-query example of tests/test_mgk_vjp.py). The public code also adds 1e-6 to the
+        per-key normaliser, omits the Gaussian normaliser (the same when sigma2 is shared) and
+        averages over every query; refattn keeps the normaliser, adds nothing and averages
+        over the allowed queries.
     precision, out_dtype : as :func:`attention`.
 
     Returns

@@ -19,7 +19,7 @@ import mpmath
 import numpy as np
 
 __all__ = ["mp", "exact_fraction", "per_unit", "squared_distance", "lse", "softmax_weights",
-           "exact_sum", "exact_mul", "exact_div"]
+           "exact_sum", "exact_mul", "exact_div", "richardson_derivative", "naive_vjp"]
 
 
 def mp(x):
@@ -96,3 +96,51 @@ def exact_div(a, b):
     if qa is not None and qb is not None:
         return qa / qb
     return mp(a) / mp(b)
+
+
+def richardson_derivative(f, x, h):
+    """(f'(x), error estimate) from central differences with steps h, h/2, h/4 and two
+    Richardson extrapolations (orders h^2 then h^4 eliminated); the estimate is the change of
+    the last extrapolation plus the rounding of f divided by the smallest step."""
+    x, h = mp(x), mp(h)
+    diffs = []
+    for k in range(3):
+        step = h / 2**k
+        diffs.append((f(x + step) - f(x - step)) / (2 * step))
+    first = [(4 * diffs[k + 1] - diffs[k]) / 3 for k in range(2)]
+    second = (16 * first[1] - first[0]) / 15
+    rounding = abs(f(x)) * mpmath.mpf(10) ** (-mpmath.mp.dps + 5) / (h / 4) + \
+        mpmath.mpf(10) ** (-mpmath.mp.dps + 5)
+    return second, abs(second - first[1]) + rounding
+
+
+def naive_vjp(forward, arrays, grad_out, *, dps=60, step=2.0 ** -24):
+    """Central-difference vjp of ``sum(grad_out * forward(*arrays))`` by
+    :func:`richardson_derivative`, for every element of every array: a list (one per array)
+    of object arrays of (derivative, error estimate) pairs (mpf), at ``dps`` digits.
+
+    ``forward`` takes object arrays of mpf (the perturbed inputs) and returns nested lists.
+    """
+    with mpmath.workdps(dps):
+        base = [np.array([[mp(x) for x in np.ravel(a)]], dtype=object).reshape(np.shape(a))
+                for a in arrays]
+        weights = np.asarray(grad_out, dtype=np.float64)
+
+        def objective(index, position):
+            def f(x):
+                args = [a.copy() for a in base]
+                args[index][position] = x
+                out = np.array(forward(*args), dtype=object)
+                return mpmath.fsum(mp(o) * mp(w) for o, w in zip(out.ravel(),
+                                                                 weights.ravel(),
+                                                                 strict=True))
+            return f
+
+        result = []
+        for index, a in enumerate(base):
+            grads = np.empty(a.shape + (2,), dtype=object)
+            for position in np.ndindex(*a.shape):
+                grads[position] = richardson_derivative(objective(index, position),
+                                                        a[position], step)
+            result.append(grads)
+        return result
