@@ -3,12 +3,22 @@
 Two suites (listed by :mod:`oracle.catalogue.registry`):
 
 * ``"variants-smoke"`` -- one tiny case per variant function in float64 and float32 (22
-  cases, about 1 s of computation);
+  forward cases, about 1 s of computation) and one float64 gradient case per function with a
+  vjp;
 * ``"variants-default"`` -- every variant function with its options (GMM iterations, priors,
   per-unit precisions, key/prior adaptation forms; MGK soft/hard/normalised with masks, causal
   and windows; MLK linear attention; Hopfield retrieval and energy; the mean-field updates and
-  fixed points), each in the four dtypes (109 cases, about 10 s on one core; the log_pi case
-  is float64 only, see :func:`make_inputs`). variants-smoke is a subset of variants-default.
+  fixed points), each in the four dtypes (109 forward cases, about 10 s on one core; the log_pi
+  case is float64 only, see :func:`make_inputs`), plus the gradient cases. variants-smoke is a
+  subset of variants-default.
+
+Gradient cases (``Case.grads``, names ending in ``-grad``) exist for every function whose
+module defines ``<function>_vjp`` (:func:`vjp_of`; mgk.attention, mgk.linear_attention,
+hopfield.retrieve, and the gmm and mean-field functions once theirs exist): the fixture also
+holds the cotangent ``inputs/grad_out`` (shaped like the first output) and the exact
+gradients ``truth/d<name>`` (+ ``_f64``) of the positional array arguments
+(:func:`grad_names`). A missing vjp only means no gradient case; the forward cases and their
+bytes do not depend on it.
 
 Examples
 --------
@@ -68,13 +78,19 @@ keyword in ``fixture.case.options`` (the npz member ``options``). It returns the
 array, a tuple of the outputs in the order of :data:`FUNCTIONS` ``[function].outputs``, a
 mapping from output names, or an object with those attributes (a
 :class:`refattn.meanfield.MeanFieldResult`). NotImplementedError gives the verdict
-"unsupported", any other exception "error".
+"unsupported", any other exception "error". Gradient cases judged with ``grads=True`` (CLI
+``--grads``) also call ``impl.vjp(**inputs, **options)`` -- grad_out included -- or, for a plain
+function ``f``, the ``f_vjp`` of its module, which returns the ``d<name>`` (a NamedTuple, a
+tuple in :func:`grad_names` order or a mapping); no vjp gives "unsupported".
 
 Judging
 -------
 Like attention: normalised error (T1 of :mod:`oracle.tolerance`) by the natural scale of the
 function (:func:`oracle.variant_scales.natural_scale`), threshold (T2) with the baseline rule
 and the floor :func:`oracle.tolerance.variant_floor` (V1); see :mod:`oracle.variant_scales`.
+Gradients: scale :func:`oracle.variant_scales.grad_scale`, baseline refattn's float64 vjp
+(:func:`oracle.baseline.variant_vjp_baseline`), floor (V1) with
+:func:`oracle.variant_scales.grad_floor_terms`, ``k =`` K_BACKWARD.
 """
 
 from __future__ import annotations
@@ -283,6 +299,16 @@ def _entries() -> list[_Entry]:
           options={"alpha": 0.5, "beta": 0.5, "iters": 1}, grads=True),
         e("gmm.attention", "gmm-attn-iters2-grad", small, "vjp of two EM steps",
           options={"alpha": 0.25, "beta": 0.5, "iters": 2}, grads=True),
+        e("gmm.adapt_keys", "gmm-keys-grad", small, "vjp of key adaptation (eq. (28))",
+          smoke=("float64",), options={"alpha": 0.5, "gamma": 1.0, "iters": 1, "form": "paper"},
+          grads=True),
+        e("gmm.adapt_priors", "gmm-priors-grad", small, "vjp of prior adaptation (eq. (33))",
+          smoke=("float64",), options={"alpha": 0.5, "eta": 1.0, "iters": 1, "form": "paper"},
+          grads=True),
+        e("meanfield.adaptive_tap", "meanfield-atap-grad", _sites(1, 4, 2), "vjp of the "
+          "adaptive TAP means", smoke=("float64",), grads=True),
+        e("meanfield.ising_tap", "meanfield-ising-grad", _sites(1, 5, 1), "vjp of the "
+          "binary-spin TAP means", smoke=("float64",), grads=True),
         e("meanfield.deq_attention", "meanfield-deq-grad", _sites(1, 4, 2), "vjp of the DEQ "
           "fixed point", smoke=("float64",), grads=True),
         # --- mean field (Bal 2021) ------------------------------------------------------------
@@ -312,8 +338,7 @@ def _tag(shapes: Shapes, function: str) -> str:
 
 def _expand(entry: _Entry) -> list[Case]:
     out = []
-    if entry.grads and (vjp_of(entry.function) is None
-                        or len(FUNCTIONS[entry.function].outputs) != 1):
+    if entry.grads and vjp_of(entry.function) is None:
         return out  # no vjp (yet): no gradient case
     for dtype in DTYPES:
         in_smoke = dtype in entry.smoke
@@ -461,7 +486,7 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
     """
     raw = _inputs64(case)
     if case.grads:
-        # a cotangent shaped like the (single) output: the float64 path's shape
+        # a cotangent shaped like the (first) output: the float64 path's shape
         forward = call_refattn(case, raw)
         shape = np.shape(forward[FUNCTIONS[case.function].outputs[0]])
         raw["grad_out"] = Streams(case.seed).gaussian("grad_out", shape)
@@ -509,7 +534,8 @@ def vjp_of(function: str):
 
     The convention of refattn (and of an implementation's ``.vjp``): ``f_vjp(<f's positional
     array arguments>, grad_out, **<f's keywords>)`` returning a NamedTuple with a field
-    ``d<name>`` per positional array argument.
+    ``d<name>`` per positional array argument; ``grad_out`` is the cotangent of f's first
+    output (``out``; ``means`` for the mean-field fixed points).
     """
     import importlib
 
