@@ -64,6 +64,14 @@ def exact_grads(batch, batch_grads, inner_shapes, shapes, dtype, what):
     per-batch gradients are summed exactly to the arguments' ``shapes`` (broadcast batch
     dimensions, :func:`refattn._broadcast.reduce_to`) before the single rounding. Returns one
     array per argument.
+
+    Examples
+    --------
+    >>> from fractions import Fraction
+    >>> def grads(ops, b):  # d(x . y)/dx = y per batch element, x shared over the batch
+    ...     return ([Fraction(1, 3), Fraction(2, 3)],)
+    >>> exact_grads((2,), grads, [(2,)], [(2,)], "float64", "demo")[0].tolist()
+    [0.6666666666666666, 1.3333333333333333]
     """
 
     def evaluate(ops, _row):
