@@ -390,8 +390,9 @@ def attention_vjp(q, keys, v, grad_out, *, log_pi=None, sigma2=1.0, mode="soft",
     Notes
     -----
     float64 path: the analytic backward above in NumPy from log-space weights (no
-    exponential of an unshifted score). No a-priori error bound is derived for it; the tests
-    compare it with the exact path and the oracle judges it by its baseline rule.
+    exponential of an unshifted score). First-order error bound per element:
+    :func:`refattn.bounds.mgk_vjp_bound` (for ``row_eps=0``; in hard mode where the float64
+    tie sets equal the exact ones).
 
     Examples
     --------

@@ -15,18 +15,21 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from oracle.catalogue import Case, Shapes
 from oracle.tolerance import mixture_bound, normalised_error, ratio_bound, variant_floor
 from oracle.variant_scales import condition, grad_floor_terms, grad_scale
 from refattn import hopfield, mgk
-from refattn.bounds import gamma
+from refattn.bounds import gamma, mgk_vjp_bound
 from tests.helpers import assert_rounds_derivative, assert_same_bits, assert_within
 from tests.naive.hopfield import naive_retrieve
 from tests.naive.mgk import naive_allowed, naive_em, naive_linear, naive_mgk
 from tests.naive.mp import naive_vjp
 from tests.naive.rounding import round_nested
 from tests.registry import mgk_term_scale
+from tests.strategies import mgk_problems
 
 
 @pytest.fixture
@@ -88,6 +91,23 @@ def test_mgk_vjp_matches_richardson_derivative(options, rng):
         truth = np.vectorize(float)(deriv[..., 0])
         floor = _floor("mgk.attention", {"q": q, "keys": keys, "v": v}, options, truth)
         _assert_float64_grad(fast_value, truth, floor, f"mgk float64 {name}")
+
+
+@settings(max_examples=25)
+@given(problem=mgk_problems(), mode=st.sampled_from(["soft", "hard"]),
+       normalized=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_mgk_vjp_float64_within_its_bound(problem, mode, normalized, seed):
+    """float64 vjp vs the exact vjp within refattn.bounds.mgk_vjp_bound (random allowed sets,
+    ties, wide and dyadic inputs from tests.strategies.mgk_problems)."""
+    q, keys, v, opts = problem
+    g = np.random.default_rng(seed).standard_normal((q.shape[0], v.shape[1]))
+    options = dict(opts, mode=mode, normalized=normalized)
+    fast = mgk.attention_vjp(q, keys, v, g, **options)
+    exact = mgk.attention_vjp(q, keys, v, g, precision="exact", **options)
+    bound = mgk_vjp_bound(q, keys, v, g, sigma2=opts.get("sigma2", 1.0),
+                          log_pi=opts.get("log_pi"), normalized=normalized)
+    for name, value, truth in zip(("dq", "dkeys", "dv"), fast, exact, strict=True):
+        assert_within(value, truth, bound[name], what=f"mgk float64 {name} ({mode})")
 
 
 def test_mgk_hard_ties_split_equally():

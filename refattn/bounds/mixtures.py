@@ -9,9 +9,14 @@ the max-shifted log1p log-sum-exp is backward stable (Blanchard, Higham & Higham
 
 from __future__ import annotations
 
-from .unit import gamma
+import math
 
-__all__ = ["logit_lse_bound", "mixture_bound", "iterated_bound", "ratio_bound"]
+import numpy as np
+
+from .unit import gamma, unit_roundoff
+
+__all__ = ["logit_lse_bound", "mixture_bound", "iterated_bound", "ratio_bound",
+           "mgk_vjp_bound"]
 
 
 def logit_lse_bound(term_scale, n, dim, lse_magnitude=0.0, dtype="float64"):
@@ -64,3 +69,70 @@ def ratio_bound(n_terms, value_scale, dtype="float64"):
     True
     """
     return float(value_scale) * 2 * gamma(2 * int(n_terms) + 2, dtype)
+
+
+def _mgk_term_scale(q, keys, sigma2, log_pi, normalized):
+    """A bound on the sum of |terms| of any MGK component term (and so on |score|)."""
+    dim = q.shape[-1]
+    s2 = np.asarray(sigma2, dtype=np.float64)
+    reach = (np.abs(q).max(initial=0.0) + np.abs(keys).max(initial=0.0)) ** 2 * dim
+    scale = reach / (2 * float(s2.min()))
+    if normalized:
+        scale += dim * max(abs(math.log(2 * math.pi * float(s2.min()))),
+                           abs(math.log(2 * math.pi * float(s2.max()))))
+    if log_pi is not None:
+        finite = np.asarray(log_pi, dtype=np.float64)
+        scale += float(np.abs(finite[np.isfinite(finite)]).max(initial=0.0))
+    return scale + math.log(keys.shape[-2])
+
+
+def mgk_vjp_bound(q, keys, v, grad_out, *, sigma2=1.0, log_pi=None, normalized=False,
+                  dtype="float64"):
+    """First-order bound on the float64 error of :func:`refattn.mgk.attention_vjp`, per element.
+
+    With ``T`` the term scale of the component terms (every term and score is at most ``T``
+    in magnitude, computed to ``gamma_{D+2} T``), each score (an lse over R components) errs
+    by ``e_s = gamma_{D+2} T + gamma_{R+4} (1 + T)`` (:func:`logit_lse_bound`); a softmax
+    weight by the relative ``e_w = 2 e_s + gamma_{S+3} + 4 u T`` (``|s_j - max| <= 2T``,
+    :func:`refattn.logspace.softmax`), a component share likewise with R; both doubled for
+    the second-order terms as in :func:`mixture_bound`. With ``P <= 1``, ``rho <= 1`` and
+    ``M_i = max_j |g_i| . |v_j|`` (so ``|dS_ij| <= P_ij (|dP_ij| + sum_k P_ik |dP_ik|)``,
+    summing to at most ``2 M_i`` over j):
+
+    .. math::
+
+        |\\Delta dq_{id}| \\le \\epsilon\\, 2 M_i \\max_{j,r}
+            \\frac{|q_{id} - k_{jrd}|}{\\sigma^2_{jr}},\\quad
+        |\\Delta dk_{jrd}| \\le \\epsilon \\sum_i 2 M_i
+            \\frac{|q_{id} - k_{jrd}|}{\\sigma^2_{jr}},\\quad
+        |\\Delta dv_{je}| \\le (2 e_w + \\gamma_{L+1}) \\sum_i |g_{ie}|,
+
+    ``epsilon = 2 e_w + 2 e_rho + gamma_E + gamma_{S+2} + gamma_{S R + L + D + 4} + 3u``. The
+    same bound covers every allowed set (fewer keys only drop terms) and mode="hard" (the share
+    is exact); it is stated for ``row_eps = 0``. q (L, D) or (..., L, D) etc. as
+    :func:`refattn.mgk.attention_vjp`, without broadcasting of the batch dimensions.
+
+    >>> b = mgk_vjp_bound(np.zeros((1, 1)), np.zeros((1, 1, 1)), np.ones((1, 1)),
+    ...                   np.ones((1, 1)))
+    >>> sorted(b), float(b["dq"][0, 0])
+    (['dkeys', 'dq', 'dv'], 0.0)
+    """
+    q, keys, v, g = (np.asarray(a, dtype=np.float64) for a in (q, keys, v, grad_out))
+    length, dim = q.shape[-2:]
+    units, comps = keys.shape[-3:-1]
+    u = unit_roundoff(dtype)
+    term = _mgk_term_scale(q, keys, sigma2, log_pi, normalized)
+    e_s = gamma(dim + 2, dtype) * term + gamma(comps + 4, dtype) * (1 + term)
+    e_w = 2 * (2 * e_s + gamma(units + 3, dtype) + 4 * u * term)
+    e_rho = 2 * (2 * e_s + gamma(comps + 3, dtype) + 4 * u * term)
+    eps = (2 * e_w + 2 * e_rho + gamma(v.shape[-1], dtype) + gamma(units + 2, dtype)
+           + gamma(units * comps + length + dim + 4, dtype) + 3 * u)
+    s2 = np.broadcast_to(np.asarray(sigma2, dtype=np.float64), keys.shape[:-1])
+    top = (np.abs(g) @ np.swapaxes(np.abs(v), -1, -2)).max(axis=-1)  # M_i (..., L)
+    reach = np.abs(q[..., :, None, None, :] - keys[..., None, :, :, :]) / s2[..., None, :, :,
+                                                                                None]
+    dq = eps * 2 * top[..., None] * reach.max(axis=(-3, -2))
+    dkeys = eps * 2 * np.einsum("...l,...lsrd->...srd", top, reach)
+    dv = (2 * e_w + gamma(length + 1, dtype)) * np.broadcast_to(
+        np.abs(g).sum(axis=-2)[..., None, :], v.shape[:-2] + (units, v.shape[-1]))
+    return {"dq": dq, "dkeys": dkeys, "dv": np.array(dv)}
