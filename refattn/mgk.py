@@ -767,7 +767,9 @@ def linear_attention_vjp(q, keys, v, grad_out, *, pi, feature_map="elu+1", mask=
 
     Notes
     -----
-    float64 path: the formulas above in NumPy; no a-priori error bound is derived for it.
+    float64 path: the formulas above in NumPy. First-order error bound per element
+    (``mlk_form="mixture"``): :func:`refattn.bounds.mlk_vjp_bound`; none is stated for the
+    public-code forms.
 
     Examples
     --------

@@ -22,14 +22,16 @@ from oracle.catalogue import Case, Shapes
 from oracle.tolerance import mixture_bound, normalised_error, ratio_bound, variant_floor
 from oracle.variant_scales import condition, grad_floor_terms, grad_scale
 from refattn import hopfield, mgk
-from refattn.bounds import gamma, mgk_vjp_bound
+from refattn.attention import attention_vjp
+from refattn.bounds import float64_vjp_bound, gamma, mgk_vjp_bound, mlk_vjp_bound
+from refattn.masks import allowed_mask
 from tests.helpers import assert_rounds_derivative, assert_same_bits, assert_within
 from tests.naive.hopfield import naive_retrieve
 from tests.naive.mgk import naive_allowed, naive_em, naive_linear, naive_mgk
 from tests.naive.mp import naive_vjp
 from tests.naive.rounding import round_nested
 from tests.registry import mgk_term_scale
-from tests.strategies import mgk_problems
+from tests.strategies import linear_problems, mgk_problems
 
 
 @pytest.fixture
@@ -190,9 +192,55 @@ def test_linear_vjp_matches_richardson_derivative(options, rng):
         _assert_float64_grad(fast_value, truth, floor, f"mlk float64 {name}")
 
 
+@settings(max_examples=25)
+@given(problem=linear_problems(), causal=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_linear_vjp_float64_within_its_bound(problem, causal, seed):
+    """float64 MLK vjp vs the exact vjp within refattn.bounds.mlk_vjp_bound."""
+    q, keys, v, pi = problem
+    g = np.random.default_rng(seed).standard_normal((q.shape[0], v.shape[1]))
+    fast = mgk.linear_attention_vjp(q, keys, v, g, pi=pi, causal=causal)
+    exact = mgk.linear_attention_vjp(q, keys, v, g, pi=pi, causal=causal, precision="exact")
+    bound = mlk_vjp_bound(q, keys, v, g, pi=pi,
+                          allowed=allowed_mask(q.shape[0], keys.shape[0], causal=causal))
+    for name, value, truth in zip(("dq", "dkeys", "dv"), fast, exact, strict=True):
+        assert_within(value, truth, bound[name], what=f"mlk float64 {name}")
+
+
 # --------------------------------------------------------------------------------------------
 # hopfield.retrieve_vjp
 # --------------------------------------------------------------------------------------------
+
+
+def test_retrieve_vjp_one_step_within_the_attention_bound(rng):
+    """One update is attention(xi, X, X, scale=beta): its float64 vjp bound holds, dX adding
+    the key and value parts (one more rounding)."""
+    xi, X, g = rng.standard_normal((3, 4)), rng.standard_normal((5, 4)), \
+        rng.standard_normal((3, 4))
+    fast = hopfield.retrieve_vjp(xi, X, g, beta=0.75)
+    exact = hopfield.retrieve_vjp(xi, X, g, beta=0.75, precision="exact")
+    dq, dk, dv, _ = float64_vjp_bound(xi, X, X, g, scale=0.75)
+    parts = attention_vjp(xi, X, X, g, scale=0.75)
+    assert_within(fast.dxi, exact.dxi, dq, what="retrieve dxi (1 step)")
+    assert_within(fast.dX, exact.dX, dk + dv + gamma(1) * np.abs(parts.dk + parts.dv),
+                  what="retrieve dX (1 step)")
+
+
+def test_exact_vjp_ties_on_rounding_midpoints():
+    """Tied rows give rational gradients on float64 midpoints: settled exactly (ties to
+    even), with the irrational rows of the same computation left to the interval loop."""
+    X = np.array([[1.0], [-1.0]])
+    g = np.array([[1.0], [2.0**-53]])
+    grads = hopfield.retrieve_vjp(np.zeros((2, 1)), X, g, beta=1.0, precision="exact")
+    assert_same_bits(grads.dX, np.array([[0.5], [0.5]]), what="dX = 1/2 + 2**-54 -> 1/2")
+    q = np.zeros((3, 1))
+    keys = np.array([[[1.0]], [[-1.0]], [[5.0]]])
+    mask = np.array([[True, True, False], [True, True, False], [False, True, True]])
+    g = np.array([[1.0], [2.0**-53], [3.0]])
+    for mode in ("soft", "hard"):
+        mixed = mgk.attention_vjp(q, keys, np.ones((3, 1)), g, mode=mode, mask=mask,
+                                  precision="exact")
+        assert_same_bits(mixed.dv[0], np.array([0.5]),
+                         what=f"dv_0 = (1 + 2**-53) / 2 -> 1/2 ({mode})")
 
 
 @pytest.mark.parametrize("steps", [1, 3])

@@ -16,7 +16,7 @@ import numpy as np
 from .unit import gamma, unit_roundoff
 
 __all__ = ["logit_lse_bound", "mixture_bound", "iterated_bound", "ratio_bound",
-           "mgk_vjp_bound"]
+           "mgk_vjp_bound", "mlk_vjp_bound"]
 
 
 def logit_lse_bound(term_scale, n, dim, lse_magnitude=0.0, dtype="float64"):
@@ -136,3 +136,60 @@ def mgk_vjp_bound(q, keys, v, grad_out, *, sigma2=1.0, log_pi=None, normalized=F
     dv = (2 * e_w + gamma(length + 1, dtype)) * np.broadcast_to(
         np.abs(g).sum(axis=-2)[..., None, :], v.shape[:-2] + (units, v.shape[-1]))
     return {"dq": dq, "dkeys": dkeys, "dv": np.array(dv)}
+
+
+def mlk_vjp_bound(q, keys, v, grad_out, *, pi, allowed=None, dtype="float64"):
+    """First-order bound on the float64 error of :func:`refattn.mgk.linear_attention_vjp`
+    (``mlk_form="mixture"``), per element.
+
+    The features ``a = phi(q)`` and ``m_j = sum_r pi_jr phi(k_jr)`` are positive with relative
+    errors ``gamma_2`` and ``gamma_{R+2}``, the kernels ``kappa_ij = a_i . m_j`` with
+    ``e_k = gamma_{D+R+4}``, the denominators ``Dn_i`` with ``e_d = gamma_{S+D+R+4}`` and the
+    output (a convex combination of the v_j) to ``2 gamma_{2n+2} V`` absolutely
+    (:func:`ratio_bound`, ``V = max |v|``). With ``A_ij = (|g_i| . |v_j| + ||g_i||_1 V) /
+    Dn_i`` (so ``|dkappa_ij| <= A_ij``) the errors are, doubled for the second-order terms:
+
+    .. math::
+
+        |\\Delta dq_{id}| \\le \\epsilon\\, \\phi'(q_{id}) \\sum_j A_{ij} m_{jd},\\quad
+        |\\Delta dk_{jrd}| \\le \\epsilon\\, \\pi_{jr} \\phi'(k_{jrd}) \\sum_i A_{ij} a_{id},
+        \\quad |\\Delta dv_{je}| \\le \\epsilon \\sum_i \\frac{\\kappa_{ij}}{Dn_i} |g_{ie}|,
+
+    ``epsilon = 2 (gamma_{E+1} + e_d + e_k + 2 gamma_{2n+2} + gamma_{L+S} + gamma_{R+2} + 4u)``,
+    ``n = D + R + S + 4``; sums over the allowed (i, j) only (``allowed`` (..., L, S), default
+    all). The features are evaluated in float64 (a first-order bound).
+
+    >>> b = mlk_vjp_bound(np.zeros((1, 1)), np.zeros((1, 1, 1)), np.ones((1, 1)),
+    ...                   np.ones((1, 1)), pi=np.ones((1, 1)))
+    >>> sorted(b)
+    ['dkeys', 'dq', 'dv']
+    """
+    q, keys, v, g, pi = (np.asarray(a, dtype=np.float64) for a in (q, keys, v, grad_out, pi))
+    length, dim = q.shape[-2:]
+    units, comps = keys.shape[-3:-1]
+    u = unit_roundoff(dtype)
+    n = dim + comps + units + 4
+    e_k, e_d = gamma(dim + comps + 4, dtype), gamma(units + dim + comps + 4, dtype)
+    eps = 2 * (gamma(v.shape[-1] + 1, dtype) + e_d + e_k + 2 * gamma(2 * n + 2, dtype)
+               + gamma(length + units, dtype) + gamma(comps + 2, dtype) + 4 * u)
+
+    def feature(x):
+        return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
+
+    def slope(x):
+        return np.where(x > 0, 1.0, np.exp(np.minimum(x, 0.0)))
+
+    a = feature(q)
+    m = np.einsum("...sr,...srd->...sd", pi, feature(keys))
+    keep = np.ones((length, units), dtype=bool) if allowed is None else np.asarray(allowed)
+    kappa = np.where(keep, a @ np.swapaxes(m, -1, -2), 0.0)
+    den = kappa.sum(axis=-1, keepdims=True)
+    den = np.where(den > 0, den, np.inf)  # rows with no allowed key: every gradient is 0
+    big_v = np.abs(v).max(initial=0.0)
+    reach = (np.abs(g) @ np.swapaxes(np.abs(v), -1, -2)
+             + np.abs(g).sum(axis=-1, keepdims=True) * big_v) / den
+    reach = np.where(keep, reach, 0.0)  # A_ij
+    dq = eps * slope(q) * (reach @ m)
+    dkeys = eps * pi[..., None] * slope(keys) * (np.swapaxes(reach, -1, -2) @ a)[..., None, :]
+    dv = eps * np.swapaxes(kappa / den, -1, -2) @ np.abs(g)
+    return {"dq": dq, "dkeys": dkeys, "dv": dv}

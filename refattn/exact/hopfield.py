@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 from mpmath import iv, mp
 
-from .numbers import dot, is_zero
-from .rows import batch_rows, exact_grads, exact_rows
+from .numbers import NotRational, dot, is_zero
+from .rows import UNKNOWN, batch_rows, exact_grads, exact_rows
 
 __all__ = ["energy", "retrieve", "retrieve_vjp"]
 
@@ -113,12 +113,18 @@ def retrieve_vjp(xi, patterns, grad_out, beta, steps, shapes, dtype):
         dpats = [[0] * dim for _ in range(units)]
         grads = ops.array(grad_out[b])
         for i in range(length):
-            states = [ops.array(xi[b][i])]
-            for _ in range(steps - 1):
-                states.append(_update_exact(ops, states[-1], pats, beta_x))
-            grad = list(grads[i])
-            for state in reversed(states):
-                grad = _update_backward(ops, state, pats, beta_x, grad, dpats)
+            try:
+                states = [ops.array(xi[b][i])]
+                for _ in range(steps - 1):
+                    states.append(_update_exact(ops, states[-1], pats, beta_x))
+                grad = list(grads[i])
+                for state in reversed(states):
+                    grad = _update_backward(ops, state, pats, beta_x, grad, dpats)
+            except NotRational:  # rational mode: this row reaches its dxi and every pattern
+                if not ops.rational:
+                    raise
+                grad = [UNKNOWN] * dim
+                dpats = [[UNKNOWN] * dim for _ in range(units)]
             dxi.append(grad)
         return dxi, dpats
 

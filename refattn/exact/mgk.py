@@ -18,7 +18,7 @@ from mpmath import iv, mp
 from .. import _checks
 from . import intervals as I
 from .numbers import NotRational, dot, is_zero, sqdist
-from .rows import batch_rows, exact_grads, exact_rows
+from .rows import UNKNOWN, batch_rows, exact_grads, exact_rows
 
 __all__ = ["attention", "attention_vjp", "em_update_pi", "linear_attention",
            "linear_attention_vjp", "LM_EPS"]
@@ -190,32 +190,49 @@ def attention_vjp(q, keys, v, go, log_pi, sigma2, sigma_varies, mode, normalized
         dk = [[[0] * dim for _ in range(comps)] for _ in range(units)]
         dv = [[0] * evalue for _ in range(units)]
         for i in range(length):
-            scores, shares = _row_scores(ops, x, b, i, allowed, mode, normalized,
-                                         sigma_varies, tops)
-            weights, rest = _weights_and_rest(ops, scores, row_eps)
-            cols = [j for j, w in enumerate(weights) if not is_zero(w)]
-            dots = {j: dot(g_x[i], v_x[j]) for j in cols}
-            for j in cols:
-                for e in range(evalue):
-                    dv[j][e] = dv[j][e] + weights[j] * g_x[i][e]
-                # dS_j = P_j (rest dP_j + sum_{k != j} P_k (dP_j - dP_k)): exactly 0 for a
-                # lone key (sum_k P_k = 1 - rest)
-                inner = sum((weights[k] * (dots[j] - dots[k]) for k in cols if k != j), 0)
-                if not is_zero(rest):
-                    inner = inner + rest * dots[j]
-                if is_zero(inner):
-                    continue
-                dscore = weights[j] * inner
-                for r, share in shares[j]:
-                    coef = dscore * share / x.sigma2[j][r]
-                    for d in range(dim):
-                        diff = x.q[i][d] - x.keys[j][r][d]
-                        dq[i][d] = dq[i][d] - coef * diff
-                        dk[j][r][d] = dk[j][r][d] + coef * diff
+            try:
+                row_vjp(ops, x, b, i, v_x, g_x, dq, dk, dv)
+            except NotRational:
+                if not ops.rational:
+                    raise
+                _row_unknown(dq, dk, dv, i, allowed[b][i])
         return dq, dk, dv
+
+    def row_vjp(ops, x, b, i, v_x, g_x, dq, dk, dv):
+        scores, shares = _row_scores(ops, x, b, i, allowed, mode, normalized,
+                                     sigma_varies, tops)
+        weights, rest = _weights_and_rest(ops, scores, row_eps)
+        cols = [j for j, w in enumerate(weights) if not is_zero(w)]
+        dots = {j: dot(g_x[i], v_x[j]) for j in cols}
+        for j in cols:
+            for e in range(evalue):
+                dv[j][e] = dv[j][e] + weights[j] * g_x[i][e]
+            # dS_j = P_j (rest dP_j + sum_{k != j} P_k (dP_j - dP_k)): exactly 0 for a
+            # lone key (sum_k P_k = 1 - rest)
+            inner = sum((weights[k] * (dots[j] - dots[k]) for k in cols if k != j), 0)
+            if not is_zero(rest):
+                inner = inner + rest * dots[j]
+            if is_zero(inner):
+                continue
+            dscore = weights[j] * inner
+            for r, share in shares[j]:
+                coef = dscore * share / x.sigma2[j][r]
+                for d in range(dim):
+                    diff = x.q[i][d] - x.keys[j][r][d]
+                    dq[i][d] = dq[i][d] - coef * diff
+                    dk[j][r][d] = dk[j][r][d] + coef * diff
 
     return exact_grads(batch, batch_grads, [(length, dim), (units, comps, dim), (units, evalue)],
                        shapes, dtype, "mgk.attention_vjp")
+
+
+def _row_unknown(dq, dk, dv, i, allowed_row):
+    """Rational mode: row i is not rational; mark every gradient element it reaches."""
+    dq[i] = [UNKNOWN] * len(dq[i])
+    for j, ok in enumerate(allowed_row):
+        if ok:
+            dk[j] = [[UNKNOWN] * len(row) for row in dk[j]]
+            dv[j] = [UNKNOWN] * len(dv[j])
 
 
 def _row_scores(ops, x, b, i, allowed, mode, normalized, sigma_varies, tops):
@@ -455,6 +472,8 @@ def linear_attention(q, keys, v, pi, allowed, form, dtype):
                 out.extend(num)
             elif form == "mixture" and not cols:
                 out.extend([0] * evalue)
+            elif form == "mixture" and len(cols) == 1:  # kappa v / kappa: exactly v
+                out.extend(v_x[cols[0]][e] for e in range(evalue))
             else:
                 den = sum(kernels.values(), 0) + eps
                 out.extend(scale * n / den for n in num)
@@ -496,8 +515,10 @@ def linear_attention_vjp(q, keys, v, go, pi, allowed, form, shapes, dtype):
                     for j in cols}
                 weight = scale / den
             for j in cols:
+                # the row's weight of v_j: exactly 1 for a lone key of the "mixture" form
+                share = 1 if form == "mixture" and len(cols) == 1 else kernels[j] * weight
                 for e in range(evalue):
-                    dv[j][e] = dv[j][e] + kernels[j] * weight * g_x[i][e]
+                    dv[j][e] = dv[j][e] + share * g_x[i][e]
                 if is_zero(dkernel[j]):
                     continue
                 for d in range(dim):

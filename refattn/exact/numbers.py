@@ -63,6 +63,9 @@ class IntervalOps:
 
     @classmethod
     def softmax(cls, terms):
+        present = [t for t in terms if t is not None]
+        if len(present) == 1:  # exactly 1 (an enclosure of t - lse would not be the point 0)
+            return [0 if t is None else 1 for t in terms]
         lse = cls.lse(terms)
         if lse is None:
             return [0] * len(terms)
