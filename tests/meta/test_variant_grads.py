@@ -108,6 +108,43 @@ def test_broken_vjp_fails(label, function, impl):
     assert failing and all(n.startswith("d") for n in failing), failing
 
 
+def _float32_torch_vjp(q, keys, v, grad_out, *, sigma2=1.0, mode="soft", mask=None,
+                       **_options):
+    """An honest float32 implementation: the soft/hard MGK forward in float32 torch,
+    differentiated by autograd (uniform pi)."""
+    import torch
+
+    from refattn.masks import allowed_mask
+
+    leaves = [torch.tensor(np.asarray(a, dtype=np.float32), requires_grad=True)
+              for a in (q, keys, v)]
+    qs, ks, vs = leaves
+    length, units = q.shape[-2], keys.shape[-3]
+    allowed = torch.tensor(np.broadcast_to(allowed_mask(length, units, mask=mask),
+                                           q.shape[:-2] + (length, units)).copy())
+    dist = ((qs[..., :, None, None, :] - ks[..., None, :, :, :]) ** 2).sum(-1) / (2 * sigma2)
+    if mode == "soft":
+        scores = torch.logsumexp(-dist, -1) - float(np.log(keys.shape[-2]))
+    else:
+        scores = torch.amax(-dist, -1)
+    scores = torch.where(allowed, scores, torch.tensor(-float("inf")))
+    weights = torch.nan_to_num(torch.softmax(scores, -1))  # empty rows: 0
+    out = weights @ vs
+    (out * torch.tensor(np.asarray(grad_out, dtype=np.float32))).sum().backward()
+    return mgk.MGKGrads(*(t.grad.numpy().astype(q.dtype) for t in leaves))
+
+
+def test_float32_vjp_is_no_false_alarm():
+    pytest.importorskip("torch")
+    chosen = [c for c in _grad_cases(DEFAULT, "mgk.attention") if c.dtype != "float64"]
+    report = V.validate(_with_vjp(mgk.attention, _float32_torch_vjp), suite=chosen,
+                        dtype=None, grads=True, progress=False)
+    assert report.passed, _explain(report)
+    worst = max(c.max_error for r in report.results for n, c in r.checks.items()
+                if n.startswith("d"))
+    assert worst > 0, "float32 arithmetic should not be exact"
+
+
 def test_no_vjp_is_unsupported_and_forward_only_passes():
     chosen = _grad_cases(SMOKE, "mgk.attention")
 
