@@ -162,3 +162,42 @@ def test_grad_scale_is_per_sample_magnitude():
 
     truth = np.array([[[1.0, -3.0]], [[0.5, 0.25]]])
     assert grad_scale(truth).tolist() == [[[3.0, 3.0]], [[0.5, 0.5]]]
+
+
+def _naive_forward(case, inputs, h):
+    """The case's forward on head h by its mpmath twin (object arrays of mpf in)."""
+    from tests.naive.hopfield import naive_retrieve
+    from tests.naive.mgk import naive_linear, naive_mgk
+
+    o = case.options
+    if case.function == "mgk.attention":
+        mask = inputs.get("mask")
+        return lambda q, k, v: naive_mgk(q, k, v, sigma2=o.get("sigma2", 1.0),
+                                         mode=o.get("mode", "soft"),
+                                         mask=None if mask is None else mask[0, h])
+    if case.function == "mgk.linear_attention":
+        pi = np.asarray(inputs["pi"], dtype=np.float64)[0, h]
+        return lambda q, k, v: naive_linear(q, k, v, pi=pi, causal=o.get("causal", False))
+    return lambda xi, X: naive_retrieve(xi, X, o["beta"], o["steps"])[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in _grad_cases(SMOKE) if c.function in (
+    "mgk.attention", "mgk.linear_attention", "hopfield.retrieve")], ids=lambda c: c.name)
+def test_fixture_gradients_round_the_richardson_derivative(case):
+    """The stored float64 gradients against an independent reference: central differences of
+    the mpmath twins with Richardson extrapolation, head by head."""
+    from tests.helpers import assert_rounds_derivative
+    from tests.naive.mp import naive_vjp
+
+    fixture = golden.build(case)
+    inputs = fixture.inputs
+    names = vc.grad_names(case.function)
+    arrays = [np.asarray(inputs[n[1:]], dtype=np.float64) for n in names]
+    grad_out = np.asarray(inputs["grad_out"], dtype=np.float64)
+    for h in range(case.shapes.H):
+        derivative = naive_vjp(_naive_forward(case, inputs, h), [a[0, h] for a in arrays],
+                               grad_out[0, h])
+        for name, deriv in zip(names, derivative, strict=True):
+            assert_rounds_derivative(fixture.truth[name][0, h], deriv,
+                                     what=f"{case.name} truth/{name} head {h}")
