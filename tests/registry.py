@@ -32,15 +32,15 @@ import numpy as np
 from hypothesis import strategies as st
 
 import refattn
-from oracle.tolerance import logit_lse_bound, mixture_bound, ratio_bound
+from oracle.tolerance import iterated_bound, logit_lse_bound, mixture_bound, ratio_bound
 from refattn import gmm, hopfield, mgk
 from refattn.bounds import UNIT_ROUNDOFF, float64_forward_bound, gamma
 from tests.naive.attention import naive_attention_rounded
-from tests.naive.gmm import DPS, naive_gmm
+from tests.naive.gmm import DPS, naive_adapt_keys, naive_adapt_priors, naive_gmm
 from tests.naive.hopfield import naive_energy
 from tests.naive.logspace import naive_logspace_rounded
 from tests.naive.mgk import naive_linear, naive_mgk
-from tests.naive.mp import mp
+from tests.naive.mp import central_vjp, mp
 from tests.naive.rounding import round_nested
 from tests.strategies import (
     attention_cases,
@@ -51,7 +51,8 @@ from tests.strategies import (
     mixture_problems,
 )
 
-__all__ = ["Entry", "REGISTRY", "gmm_term_scale", "mgk_term_scale", "hopfield_energy_bound"]
+__all__ = ["Entry", "REGISTRY", "gmm_term_scale", "gmm_vjp_bound", "mgk_term_scale",
+           "hopfield_energy_bound"]
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,22 @@ def gmm_term_scale(q, keys, values, alpha, beta, prior):
     return float(scale)
 
 
+def gmm_vjp_bound(term_scale, n, dim, grads, grad_out, value_scale, iters, lipschitz=1.0):
+    """Threshold for |float64 vjp - exact vjp| of the gmm functions: a first-order *estimate*,
+    not a proven bound (none is claimed for the float64 reverse pass).
+
+    Each reverse step is a softmax mixture of gradient terms, so the step error is modelled by
+    :func:`~refattn.bounds.mixture_bound` with value scale ``G = max|exact grad| + max|grad_out|
+    * value_scale``, and propagated over the ``iters`` forward and ``iters`` reverse steps by
+    :func:`iterated_bound` with the Lipschitz factor ``lipschitz`` of one EM step (the forward
+    tests' ``1 + beta max |mu_u - mu_w|^2``). tests/test_gmm_vjp.py measures its margin.
+    """
+    scale = max(float(np.max(np.abs(g), initial=0.0)) for g in grads)
+    scale += float(np.max(np.abs(grad_out), initial=0.0)) * (value_scale + 1)
+    step = mixture_bound(term_scale, n, dim, scale)
+    return iterated_bound(step, lipschitz, 2 * iters)
+
+
 _GMM_KEYS = ("alpha", "beta", "prior", "v_init", "iters")
 
 
@@ -341,6 +358,106 @@ def _energy_bound(case):
     return hopfield_energy_bound(xi, X, case["beta"]) + constant
 
 
+# ------------------------------------------------------- gmm vjps (attention, adapt_keys/priors)
+
+@st.composite
+def _gmm_vjp_cases(draw, function):
+    """Small well-scaled problems (central differences need no underflowing weights): inputs,
+    cotangent and keywords of one gmm vjp call, and the allowed set written out for the twin."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    length, units = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    dim, vdim = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    per_unit = draw(st.booleans())
+    alpha = rng.uniform(0.4, 2.0, units) if per_unit else 0.8
+    q, keys = rng.standard_normal((length, dim)), rng.standard_normal((units, dim))
+    case = dict(function=function, q=q, keys=keys, iters=draw(st.integers(1, 2)), kwargs={},
+                naive_kwargs={})
+    if function == "attention":
+        case["values"] = rng.standard_normal((units, vdim))
+        case["grad"] = rng.standard_normal((length, vdim))
+        beta = rng.uniform(0.2, 1.0, units) if per_unit else 0.4
+        prior = draw(st.sampled_from(["uniform", "magnitude", "array"]))
+        prior = rng.standard_normal(units) if prior == "array" else prior
+        v_init = rng.standard_normal((length, vdim)) if draw(st.booleans()) else None
+        case["kwargs"] = dict(alpha=alpha, beta=beta, prior=prior, v_init=v_init)
+        case["naive_kwargs"] = dict(case["kwargs"])
+        if draw(st.booleans()):
+            case["kwargs"]["form"] = "unnormalised"
+            case["naive_kwargs"]["normalisers"] = False
+        if draw(st.booleans()):
+            allowed = rng.random((length, units)) < 0.7
+            case["kwargs"]["mask"] = allowed
+            case["naive_kwargs"]["allowed"] = allowed
+    elif function == "adapt_keys":
+        case["grad"] = rng.standard_normal((units, dim))
+        case["kwargs"] = dict(alpha=alpha, gamma=rng.choice([0.0, 0.6, np.inf], units),
+                              prior=draw(st.sampled_from(["uniform", "magnitude"])),
+                              form=draw(st.sampled_from(["paper", "map", "map_recentred"])))
+        case["naive_kwargs"] = dict(case["kwargs"])
+    else:
+        case["grad"] = rng.standard_normal(units)
+        pi0 = rng.uniform(0.2, 1.0, units)
+        case["kwargs"] = dict(alpha=alpha, eta=float(rng.uniform(0.0, 2.0)), pi0=pi0 / pi0.sum(),
+                              form=draw(st.sampled_from(["paper", "map"])))
+        case["naive_kwargs"] = dict(case["kwargs"])
+    return case
+
+
+def _gmm_vjp_arrays(case):
+    return (case["q"], case["keys"]) + ((case["values"],) if "values" in case else ())
+
+
+def _gmm_vjp_call(case, **extra):
+    function = getattr(gmm, case["function"] + "_vjp")
+    grads = function(*_gmm_vjp_arrays(case), case["grad"], iters=case["iters"],
+                     **case["kwargs"], **extra)
+    return grads._asdict()
+
+
+def _gmm_vjp_naive(case):
+    """Richardson central differences of the mpmath twin, rounded once; an estimate that cannot
+    be told from 0 is 0 (the exact path's +0 for an exact cancellation)."""
+    twin = {"attention": lambda *a, **k: naive_gmm(*a, **k)[0],
+            "adapt_keys": naive_adapt_keys, "adapt_priors": naive_adapt_priors}[case["function"]]
+
+    def function(*arrays):
+        return twin(*arrays, iters=case["iters"], **case["naive_kwargs"])
+
+    arrays = _gmm_vjp_arrays(case)
+    names = list(_gmm_vjp_call(case))
+    out = {}
+    for name, (estimate, error) in zip(names, central_vjp(function, arrays, case["grad"],
+                                                          dps=DPS), strict=True):
+        settled = np.where(np.abs(estimate) > error, estimate, 0)
+        out[name] = round_nested(settled.tolist())
+    return out
+
+
+def _gmm_vjp_bound(case):
+    arrays = _gmm_vjp_arrays(case)
+    exact = _gmm_vjp_call(case, precision="exact")
+    q, keys = arrays[0], arrays[1]
+    values = arrays[2] if len(arrays) == 3 else np.zeros((keys.shape[0], 1))
+    beta = case["kwargs"].get("beta", 0.0)
+    prior = case["kwargs"].get("prior", "uniform")
+    scale = gmm_term_scale(q, keys, values, case["kwargs"]["alpha"], beta, prior)
+    diameter = np.ptp(values, axis=-2).max() ** 2 * values.shape[-1]
+    lipschitz = (1 + float(np.max(beta)) * diameter if case["function"] == "attention"
+                 else q.shape[0] + 1)
+    reach = np.abs(values).max() if len(arrays) == 3 else np.abs(q).max() + np.abs(keys).max()
+    bound = gmm_vjp_bound(scale, q.shape[0] + keys.shape[0], q.shape[1] + values.shape[1],
+                          list(exact.values()), case["grad"], reach, case["iters"], lipschitz)
+    return {name: bound for name in exact}
+
+
+def _gmm_vjp_entry(function):
+    return Entry(f"gmm.{function}_vjp", fast=_gmm_vjp_call,
+                 exact=lambda case: _gmm_vjp_call(case, precision="exact"),
+                 naive=_gmm_vjp_naive, bound=_gmm_vjp_bound,
+                 strategy=lambda: _gmm_vjp_cases(function),
+                 label=lambda c: f"iters {c['iters']}, {sorted(c['kwargs'])}", examples=(8, 15))
+
+
 # ----------------------------------------------------------------------------- the table
 
 REGISTRY: dict[str, Entry] = {e.name: e for e in [
@@ -350,6 +467,7 @@ REGISTRY: dict[str, Entry] = {e.name: e for e in [
           exact=_out(lambda case: _gmm_fast(case, precision="exact")), naive=_out(_gmm_naive),
           bound=_out(_gmm_bound), strategy=gmm_cases, label=_gmm_label, examples=(40, 20),
           bound_strategy=lambda: gmm_cases(max_iters=1)),
+    *(_gmm_vjp_entry(function) for function in ("attention", "adapt_keys", "adapt_priors")),
     Entry("mgk.attention", fast=_out(_mgk_fast),
           exact=_out(lambda case: _mgk_fast(case, precision="exact")), naive=_out(_mgk_naive),
           bound=_out(_mgk_bound), strategy=_mgk_cases,

@@ -411,6 +411,11 @@ def mha_tries(rng):
     return tries
 
 
+def _flat_grads(grads):
+    """The fields of a vjp result as one flat array (for the finiteness checks)."""
+    return np.concatenate([np.ravel(np.asarray(g, np.float64)) for g in grads])
+
+
 def variant_tries(rng):
     q = np.array([[0.0, 1.0]])
     keys = np.array([[0.0, 1.0], [1.0, 0.0]])
@@ -439,6 +444,21 @@ def variant_tries(rng):
             kw.pop("queries", np.array([[2.0, 0.0]])), kw.pop("keys0", np.array([[0.0, 0.0]])),
             alpha=kw.pop("alpha", 1.0), gamma=kw.pop("gamma", 1.0), **kw),
             ["queries", "keys0"], ["alpha", "gamma", "iters"]),
+        "gmm.attention_vjp": (lambda **kw: _flat_grads(gmm.attention_vjp(
+            kw.pop("q", q), kw.pop("keys", keys), kw.pop("values", values),
+            kw.pop("grad_out", np.ones((1, 1))), alpha=kw.pop("alpha", 1.0),
+            beta=kw.pop("beta", 0.5), iters=kw.pop("iters", 2), **kw)),
+            ["q", "keys", "values", "grad_out"], ["alpha", "beta", "iters"]),
+        "gmm.adapt_keys_vjp": (lambda **kw: _flat_grads(gmm.adapt_keys_vjp(
+            kw.pop("queries", np.array([[2.0, 0.0]])), kw.pop("keys0", np.array([[0.0, 0.0]])),
+            kw.pop("grad_out", np.ones((1, 2))), alpha=kw.pop("alpha", 1.0),
+            gamma=kw.pop("gamma", 1.0), **kw)),
+            ["queries", "keys0", "grad_out"], ["alpha", "gamma", "iters"]),
+        "gmm.adapt_priors_vjp": (lambda **kw: _flat_grads(gmm.adapt_priors_vjp(
+            kw.pop("queries", np.array([[0.0], [1.0]])), kw.pop("keys", np.array([[0.0], [1.0]])),
+            kw.pop("grad_out", np.array([1.0, -1.0])), alpha=kw.pop("alpha", 1.0),
+            eta=kw.pop("eta", 0.5), pi0=kw.pop("pi0", np.array([0.5, 0.5])), **kw)),
+            ["queries", "keys", "grad_out"], ["alpha", "eta", "iters"]),
         "mgk.em_update_pi": (lambda **kw: mgk.em_update_pi(
             kw.pop("q", np.array([[0.0], [0.0]])), kw.pop("keys", np.array([[[0.0], [50.0]]])),
             log_pi=kw.pop("log_pi", np.log(np.array([[0.5, 0.5]]))),

@@ -247,7 +247,8 @@ def test_log_posterior_exact_and_float64(rng):
 
 @settings(max_examples=25)
 @given(problem=mixture_problems(batched=False), gamma=st.sampled_from([0.0, 0.5, 3.0]),
-       form=st.sampled_from(["paper", "map"]), prior=st.sampled_from(["uniform", "magnitude"]),
+       form=st.sampled_from(["paper", "map", "map_recentred"]),
+       prior=st.sampled_from(["uniform", "magnitude"]),
        iters=st.integers(1, 2))
 def test_adapt_keys_exact_and_float64(problem, gamma, form, prior, iters):
     q, keys, _, style = problem
@@ -257,13 +258,14 @@ def test_adapt_keys_exact_and_float64(problem, gamma, form, prior, iters):
                              form=form)
     assert_same_bits(exact, round_nested(truth),
                      what=f"adapt_keys exact ({style}, {form}, gamma={gamma})")
-    if iters == 1:
-        fast = gmm.adapt_keys(q, keys, alpha=0.8, gamma=gamma, prior=prior, form=form)
-        scale = gmm_term_scale(q, keys, keys, 0.8, 0.0, "uniform")
-        magnitude = np.abs(q).max() + np.abs(keys).max()
-        bound = mixture_bound(scale, q.shape[0] + keys.shape[0], q.shape[1], magnitude)
-        if form == "map":
-            bound *= q.shape[0] + 1  # sum_i w q_i / (gamma + alpha W): W up to L
+    fast = gmm.adapt_keys(q, keys, alpha=0.8, gamma=gamma, prior=prior, iters=iters, form=form)
+    scale = gmm_term_scale(q, keys, keys, 0.8, 0.0, "uniform")
+    magnitude = np.abs(q).max() + np.abs(keys).max()
+    bound = mixture_bound(scale, q.shape[0] + keys.shape[0], q.shape[1], magnitude)
+    if form != "paper":
+        bound *= q.shape[0] + 1  # sum_i w q_i / (gamma + alpha W): W up to L
+    if iters == 1 or form == "map_recentred":  # re-centred: each step maps xi^t -> xi^t+1
+        bound = iterated_bound(bound, q.shape[0] + 1, iters)
         assert_within(fast, exact, bound, what=f"adapt_keys float64 ({style}, {form})")
 
 
@@ -471,3 +473,149 @@ def test_float64_path_takes_half_precision_inputs(prior):
     np.testing.assert_array_equal(gmm.adapt_keys(q.astype(np.float16), keys, alpha=1.0,
                                                  gamma=1.0),
                                   gmm.adapt_keys(wide[0], wide[1], alpha=1.0, gamma=1.0))
+
+
+# --------------------------------------------------------------------------------------------
+# Public-code readings (forms) and masks
+# --------------------------------------------------------------------------------------------
+
+
+def _per_unit_problem(rng, length=3, units=4, dim=3, vdim=2):
+    q = rng.standard_normal((length, dim))
+    keys, values = rng.standard_normal((units, dim)), rng.standard_normal((units, vdim))
+    return q, keys, values, rng.uniform(0.3, 3.0, units), rng.uniform(0.3, 3.0, units)
+
+
+@settings(max_examples=15)
+@given(seed=st.integers(0, 2**32 - 1), prior=st.sampled_from(["uniform", "magnitude"]),
+       iters=st.integers(1, 3), with_init=st.booleans())
+def test_unnormalised_form_reproduces_its_reading(seed, prior, iters, with_init):
+    """form="unnormalised": E-step without (D/2) log alpha_u, (E/2) log beta_u, M-step the
+    plain mean -- against the twin's independent reading of that description."""
+    rng = np.random.default_rng(seed)
+    q, keys, values, alpha, beta = _per_unit_problem(rng)
+    v_init = rng.standard_normal((q.shape[0], values.shape[1])) if with_init else None
+    kwargs = dict(alpha=alpha, beta=beta, prior=prior, v_init=v_init, iters=iters)
+    exact = gmm.attention(q, keys, values, **kwargs, form="unnormalised", precision="exact")
+    truth, _ = naive_gmm(q, keys, values, **kwargs, normalisers=False)
+    assert_same_bits(exact, round_nested(truth), what="gmm.attention form=unnormalised exact")
+    fast = gmm.attention(q, keys, values, **kwargs, form="unnormalised")
+    scale = gmm_term_scale(q, keys, values, alpha, beta, prior)
+    step = mixture_bound(scale, keys.shape[0], q.shape[1] + values.shape[1],
+                         np.abs(values).max())
+    diameter = np.ptp(values, axis=-2).max() ** 2 * values.shape[-1]
+    bound = iterated_bound(step, 1 + float(np.max(beta)) * diameter, iters)
+    assert_within(fast, exact, bound, what="gmm.attention form=unnormalised float64")
+
+
+def test_unnormalised_form_is_the_paper_form_for_equal_precisions(rng):
+    q, keys, values = rng.standard_normal((3, 2)), rng.standard_normal((4, 2)), \
+        rng.standard_normal((4, 2))
+    for precision in ("float64", "exact"):
+        paper = gmm.attention(q, keys, values, alpha=0.7, beta=0.4, iters=2,
+                              precision=precision)
+        other = gmm.attention(q, keys, values, alpha=0.7, beta=0.4, iters=2,
+                              form="unnormalised", precision=precision)
+        assert_same_bits(other, paper, what=f"unnormalised == paper ({precision})")
+
+
+def test_map_recentred_is_map_chained_one_iteration_at_a_time(rng):
+    q, keys0 = rng.standard_normal((5, 3)), rng.standard_normal((4, 3))
+    kwargs = dict(alpha=rng.uniform(0.5, 2.0, 4), gamma=rng.uniform(0.0, 2.0, 4))
+    chained = keys0
+    for _ in range(3):
+        chained = gmm.adapt_keys(q, chained, **kwargs, form="map")
+    got = gmm.adapt_keys(q, keys0, **kwargs, iters=3, form="map_recentred")
+    assert_same_bits(got, chained, what="map_recentred == chained map")
+
+
+@settings(max_examples=15)
+@given(iters=st.integers(1, 2), per_unit=st.booleans(),
+       style=st.sampled_from(["causal", "window", "mask"]), bottom_right=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
+def test_masked_attention_exact_and_float64(iters, per_unit, style, bottom_right, seed):
+    """The allowed set (True = attend) against the twin given the set by the textbook rule."""
+    rng = np.random.default_rng(seed)
+    length, units = 3, 4
+    q, keys, values, alpha, beta = _per_unit_problem(rng, length, units)
+    if not per_unit:
+        alpha, beta = 0.8, 0.5
+    offset = units - length if bottom_right else 0
+    rows, cols = np.arange(length)[:, None] + offset, np.arange(units)[None, :]
+    options = dict(align="bottom_right" if bottom_right else "top_left")
+    if style == "causal":
+        allowed = cols <= rows
+        options["causal"] = True
+    elif style == "window":
+        allowed = (cols >= rows - 1) & (cols <= rows)
+        options["window"] = (1, 0)
+    else:
+        allowed = rng.random((length, units)) < 0.6
+        options = dict(mask=allowed)
+    kwargs = dict(alpha=alpha, beta=beta, iters=iters)
+    exact = gmm.attention(q, keys, values, **kwargs, **options, precision="exact")
+    truth, _ = naive_gmm(q, keys, values, **kwargs, allowed=allowed)
+    assert_same_bits(exact, round_nested(truth), what=f"gmm.attention exact {style} mask")
+    fast = gmm.attention(q, keys, values, **kwargs, **options)
+    scale = gmm_term_scale(q, keys, values, alpha, beta, "uniform")
+    step = mixture_bound(scale, units, q.shape[1] + values.shape[1], np.abs(values).max())
+    diameter = np.ptp(values, axis=-2).max() ** 2 * values.shape[-1]
+    bound = iterated_bound(step, 1 + float(np.max(beta)) * diameter, iters)
+    assert_within(fast, exact, bound, what=f"gmm.attention float64 {style} mask")
+
+
+@pytest.mark.parametrize("precision", ["float64", "exact"])
+def test_empty_rows_follow_refattn_convention(precision, rng):
+    q, keys, values = rng.standard_normal((2, 2)), rng.standard_normal((3, 2)), \
+        rng.standard_normal((3, 2))
+    mask = np.array([[False] * 3, [True, False, True]])
+    zero = gmm.attention(q, keys, values, alpha=1.0, beta=0.5, iters=2, mask=mask,
+                         precision=precision)
+    nan = gmm.attention(q, keys, values, alpha=1.0, beta=0.5, iters=2, mask=mask,
+                        empty_rows="nan", precision=precision)
+    assert_same_bits(zero[0], np.zeros(2), what="empty row, empty_rows='zero'")
+    assert np.isnan(nan[0]).all()
+    assert_same_bits(nan[1], zero[1], what="non-empty row unchanged by empty_rows")
+    res = gmm.attention(q, keys, values, alpha=1.0, beta=0.5, iters=2, mask=mask,
+                        return_trace=True, precision=precision)
+    assert np.isnan(res.trace[0]).all() and np.isfinite(res.trace[1]).all()
+
+
+def test_all_true_mask_is_no_mask(rng):
+    q, keys, values = rng.standard_normal((2, 3)), rng.standard_normal((4, 3)), \
+        rng.standard_normal((4, 2))
+    plain = gmm.attention(q, keys, values, alpha=0.9, beta=0.2, iters=2)
+    masked = gmm.attention(q, keys, values, alpha=0.9, beta=0.2, iters=2,
+                           mask=np.ones((2, 4), dtype=bool))
+    assert_same_bits(masked, plain, what="all-True mask")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(mask=np.ones((2, 5), dtype=bool)), "mask"),
+    (dict(causal=True, backend="numba"), "backend"),
+    (dict(form="apple"), "form"),
+    (dict(empty_rows="skip"), "empty_rows"),
+    (dict(window=(-1, 0)), "window"),
+    (dict(align="centre"), "align"),
+])
+def test_attention_rejects_mask_and_form_options(kwargs, match, rng):
+    q, keys, values = rng.standard_normal((2, 3)), rng.standard_normal((4, 3)), \
+        rng.standard_normal((4, 2))
+    with pytest.raises(ValueError, match=match):
+        gmm.attention(q, keys, values, alpha=1.0, **kwargs)
+
+
+def test_first_iterate_with_magnitude_prior_keeps_the_value_norms(rng):
+    """v_init=None under prior="magnitude": the first E-step has no value likelihood, but the
+    prior of eq. (15) keeps beta ||mu_u||^2 / 2, so the first iterate is softmax attention with
+    that bias -- plain attention (eq. (20)) only when beta = 0."""
+    q = rng.integers(-2, 3, (2, 3)).astype(float)
+    keys = rng.integers(-2, 3, (4, 3)).astype(float)
+    values = rng.integers(-2, 3, (4, 2)).astype(float)
+    got = gmm.attention(q, keys, values, alpha=0.5, beta=2.0, prior="magnitude",
+                        precision="exact")
+    bias = np.broadcast_to((values**2).sum(-1), (2, 4))  # beta/2 ||mu||^2 with beta = 2
+    want = attention(q, keys, values, scale=0.5, bias=bias, precision="exact")
+    assert_same_bits(got, want, what="first iterate = attention with bias beta/2 ||mu||^2")
+    plain = attention(q, keys, values, scale=0.5, precision="exact")
+    assert not np.array_equal(got, plain)

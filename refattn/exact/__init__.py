@@ -3,7 +3,8 @@
 The exact twin of every concept of refattn (``attention``, ``attention_vjp``, ``logspace``,
 ``transformer``, ``gmm``, ``mgk``, ``hopfield``, ``meanfield``) and the machinery they share:
 ``rounding`` (formats, the Ziv loop), ``intervals`` and ``_fixed`` (enclosures), ``numbers``
-(interval and rational number systems), ``rows`` (row-wise evaluation), ``rationals`` (exact
+(interval and rational number systems), ``rows`` (row-wise evaluation), ``autodiff``
+(reverse-mode derivatives of row evaluators in those number systems), ``rationals`` (exact
 linear algebra), ``krawczyk`` (certified zeros), ``certify`` (checking a given result).
 """
 

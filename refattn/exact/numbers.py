@@ -57,15 +57,19 @@ class IntervalOps:
         present = [t for t in terms if t is not None]
         if not present:
             return None
+        if len(present) == 1:  # log exp t = t exactly (t - t is not 0 on a wide interval)
+            return present[0]
         top = max(present, key=lambda t: float(t.mid))
         total = sum(I.exp(t - top) for t in present)
         return top + I.log(total)
 
     @classmethod
     def softmax(cls, terms):
+        """Enclosures of the softmax weights (0 for None); a single present term has weight
+        exactly 1 (and so its derivatives are exactly 0)."""
         present = [t for t in terms if t is not None]
-        if len(present) == 1:  # exactly 1 (an enclosure of t - lse would not be the point 0)
-            return [0 if t is None else 1 for t in terms]
+        if len(present) == 1:
+            return [0 if t is None else iv.mpf(1) for t in terms]
         lse = cls.lse(terms)
         if lse is None:
             return [0] * len(terms)

@@ -12,10 +12,11 @@ import numpy as np
 from .. import _checks
 from .._broadcast import reduce_to
 from . import intervals as I
+from .autodiff import AutodiffOps, vjp
 from .numbers import INTERVAL, RATIONAL, NotRational
 from .rounding import correctly_round
 
-__all__ = ["exact_rows", "batch_rows", "exact_grads", "UNKNOWN"]
+__all__ = ["exact_rows", "batch_rows", "exact_grads", "exact_vjp_rows", "UNKNOWN"]
 
 
 def exact_rows(rows, evaluate_row, dtype, what):
@@ -120,5 +121,57 @@ def exact_grads(batch, batch_grads, inner_shapes, shapes, dtype, what):
     for shape in shapes:
         size = int(np.prod(shape, dtype=np.int64))
         out.append(table[start:start + size].reshape(shape))
+        start += size
+    return tuple(out)
+
+
+def exact_vjp_rows(batch, inputs, run, grad, dtype, what):
+    """Correctly rounded gradients of ``sum(grad * outputs)`` by reverse accumulation
+    (:mod:`refattn.exact.autodiff`) through a row evaluator.
+
+    Parameters
+    ----------
+    batch : tuple
+        The broadcast batch shape.
+    inputs : sequence of (name, array, rank)
+        The arguments to differentiate, as passed (before batch broadcasting), and the rank of
+        their core (non-batch) part.
+    run : callable
+        ``run(ops, leaves, b) -> list``: the outputs of batch element ``b`` in the number
+        system ``ops`` (an :class:`~refattn.exact.autodiff.AutodiffOps`), where ``leaves``
+        maps each name to an object array (core shape) of differentiable inputs.
+    grad : array, batch + output core shape
+        The cotangents, in the order of ``run``'s outputs.
+
+    Returns
+    -------
+    tuple of arrays shaped as the ``inputs``: each element the exact gradient rounded once.
+    When an input is broadcast along the batch its gradient sums over batch elements, and
+    that sum is part of the exact value: all batch elements are then one row of the Ziv loop.
+    """
+    per_element = all(arr.shape[:arr.ndim - rank] == batch for _, arr, rank in inputs)
+    rows = [[b] for b in np.ndindex(*batch)] if per_element else [list(np.ndindex(*batch))]
+
+    def row_grads(ops, group):
+        ad = AutodiffOps(ops)
+        leaves = [ad.variables(ops.array(arr[group[0]] if per_element else arr))
+                  for _, arr, _ in inputs]
+        outputs, cotangents = [], []
+        for b in group:
+            fields = {}
+            for (name, arr, rank), leaf in zip(inputs, leaves, strict=True):
+                core = arr.shape[arr.ndim - rank:]
+                fields[name] = leaf if per_element else np.broadcast_to(leaf, batch + core)[b]
+            outputs.extend(run(ad, fields, b))
+            cotangents.extend(ops.scalar(g) for g in np.ravel(grad[b]))
+        return vjp(outputs, cotangents, [v for leaf in leaves for v in leaf.ravel()])
+
+    table = exact_rows(rows, row_grads, dtype, what)
+    out, start = [], 0
+    for _, arr, rank in inputs:
+        core = arr.shape[arr.ndim - rank:]
+        size = int(np.prod(core)) if per_element else arr.size
+        part = table[:, start:start + size]
+        out.append(part.reshape(batch + core) if per_element else part.reshape(arr.shape))
         start += size
     return tuple(out)

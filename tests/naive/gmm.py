@@ -54,9 +54,20 @@ def naive_value_terms(v, values, beta):
             - beta[u] / 2 * squared_distance(v, values[u]) for u in range(len(values))]
 
 
-def naive_gmm(q, keys, values, *, alpha, beta, prior="uniform", v_init=None, iters=1):
+def _without_normalisers(terms, precisions, dim):
+    """Take the Gaussian normalisers (dim/2) log(precision_u / 2 pi) back out of ``terms``."""
+    return [t - dim / mpmath.mpf(2) * mpmath.log(p / (2 * mpmath.pi))
+            for t, p in zip(terms, precisions, strict=True)]
+
+
+def naive_gmm(q, keys, values, *, alpha, beta, prior="uniform", v_init=None, iters=1,
+              allowed=None, empty_rows="zero", normalisers=True):
     """Eqs. (13)-(14) for every query row, with v_init None -> w = p(u | q). Returns
-    (values list of lists, trace list of lists) of mpf; trace only where beta > 0."""
+    (values list of lists, trace list of lists) of mpf; trace only where beta > 0.
+
+    ``allowed`` (L, S) bool: units a query may attend (a row with none gives 0 or NaN).
+    ``normalisers=False`` is the reading without the Gaussian normalisers in the E-step and
+    with the plain mean ``sum_u w_u mu_u`` as M-step (whatever the per-unit beta)."""
     units = len(keys)
     beta_in = np.broadcast_to(np.asarray(beta, dtype=np.float64), (units,))
     with mpmath.workdps(DPS):
@@ -64,16 +75,26 @@ def naive_gmm(q, keys, values, *, alpha, beta, prior="uniform", v_init=None, ite
         out, traces = [], []
         for i, q_row in enumerate(q):
             a = naive_query_terms(q_row, keys, values, alpha_u, beta_u, prior)
+            if allowed is not None:
+                a = [s if allowed[i][u] else -mpmath.inf for u, s in enumerate(a)]
+            if all(s == -mpmath.inf for s in a):
+                fill = Fraction(0) if empty_rows == "zero" else mpmath.nan
+                out.append([fill] * values.shape[1])
+                traces.append([mpmath.nan] * iters)
+                continue
+            e_step = a if normalisers else _without_normalisers(a, alpha_u, len(q_row))
             v = None if v_init is None else list(v_init[i])
             trace = []
             for _ in range(iters):
                 if v is None or all(b == 0 for b in beta_u):
-                    logits = a
+                    logits = e_step
                 else:
-                    logits = [s + t for s, t in zip(a, naive_value_terms(v, values, beta_u),
-                                                    strict=True)]
+                    terms = naive_value_terms(v, values, beta_u)
+                    if not normalisers:
+                        terms = _without_normalisers(terms, beta_u, values.shape[1])
+                    logits = [s + t for s, t in zip(e_step, terms, strict=True)]
                 weights = softmax_weights(logits)
-                if len(set(beta_u)) > 1:  # the root of eq. (12) with per-unit beta
+                if len(set(beta_u)) > 1 and normalisers:  # the root of eq. (12), per-unit beta
                     weights = [exact_mul(w, b) for w, b in zip(weights, beta_in, strict=True)]
                 total = exact_sum(weights)
                 v = [exact_div(exact_sum(exact_mul(weights[u], values[u][e])
@@ -119,8 +140,9 @@ def naive_adapt_keys(queries, keys0, *, alpha, gamma, prior, iters, form):
                     new.append([exact_div(exact_sum([exact_mul(g, xi0[k][d]),
                                                      exact_mul(a, exact_div(sums[d], total))]),
                                           exact_sum([a, g])) for d in range(dim)])
-                else:
-                    new.append([exact_div(exact_sum([exact_mul(g, xi0[k][d]),
+                else:  # "map": prior centred on xi^0; "map_recentred": on the current keys
+                    centre = xi[k] if form == "map_recentred" else xi0[k]
+                    new.append([exact_div(exact_sum([exact_mul(g, centre[d]),
                                                      exact_mul(a, sums[d])]),
                                           exact_sum([g, exact_mul(a, total)]))
                                 for d in range(dim)])

@@ -19,7 +19,13 @@ import mpmath
 import numpy as np
 
 __all__ = ["mp", "exact_fraction", "per_unit", "squared_distance", "lse", "softmax_weights",
-           "exact_sum", "exact_mul", "exact_div", "richardson_derivative", "naive_vjp"]
+           "exact_sum", "exact_mul", "exact_div", "richardson_derivative", "naive_vjp",
+           "central_vjp", "STEP_BITS", "SAFETY"]
+
+#: Step of the central differences, 2**-STEP_BITS times max(1, |x|).
+STEP_BITS = 50
+#: Factor on the Richardson error estimate |D(h) - D(h/2)| (whose own error is O(h^4)).
+SAFETY = 8
 
 
 def mp(x):
@@ -144,3 +150,44 @@ def naive_vjp(forward, arrays, grad_out, *, dps=60, step=2.0 ** -24):
                                                         a[position], step)
             result.append(grads)
         return result
+def _flatten(nested):
+    if isinstance(nested, list | tuple):
+        return [x for item in nested for x in _flatten(item)]
+    return [nested]
+
+
+def central_vjp(function, arrays, grad, *, dps):
+    """sum_j grad_j d function_j / d x for every element x of ``arrays``, by central differences
+    with one Richardson step, at ``dps`` digits.
+
+    ``function(*arrays)`` takes object arrays of mpf and returns nested lists of numbers
+    (mpf / Fraction) in the order of ``grad``'s elements. Returns one (estimate, error) pair of
+    float-object arrays per input: the Richardson value ``(4 D(h/2) - D(h)) / 3`` and
+    ``SAFETY * |D(h) - D(h/2)|`` (the truncation of D(h/2), far larger than the estimate's
+    own O(h^4) and rounding errors when ``h = 2**-STEP_BITS``).
+    """
+    weights = [mp(g) for g in np.ravel(grad)]
+    results = []
+    with mpmath.workdps(dps):
+        base = [np.array([mp(x) for x in np.ravel(a)], dtype=object).reshape(np.shape(a))
+                for a in arrays]
+
+        def projected(which, index, step):
+            moved = [b.copy() for b in base]
+            moved[which][index] = moved[which][index] + step
+            values = _flatten(function(*moved))
+            return mpmath.fsum(w * mp(v) for w, v in zip(weights, values, strict=True))
+
+        def difference(which, index, step):
+            return (projected(which, index, step) - projected(which, index, -step)) / (2 * step)
+
+        for which, arr in enumerate(base):
+            estimate = np.empty(arr.shape, dtype=object)
+            error = np.empty(arr.shape, dtype=object)
+            for index in np.ndindex(*arr.shape):
+                h = max(1, abs(arr[index])) * mpmath.ldexp(1, -STEP_BITS)
+                coarse, fine = difference(which, index, h), difference(which, index, h / 2)
+                estimate[index] = (4 * fine - coarse) / 3
+                error[index] = SAFETY * abs(fine - coarse)
+            results.append((estimate, error))
+    return results
