@@ -49,12 +49,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from . import _checks
 from . import fixedpoint as fp
 from ._blocks import big, block_diag, diag_blocks
+from ._broadcast import reduce_to
 from .exact import meanfield as exact
 
 __all__ = [
@@ -63,6 +65,13 @@ __all__ = [
     "adaptive_tap",
     "ising_tap",
     "deq_attention",
+    "MeanFieldGrads",
+    "adaptive_tap_vjp",
+    "ising_tap_vjp",
+    "deq_attention_vjp",
+    "softmax_couplings",
+    "SoftmaxCouplingsGrads",
+    "softmax_couplings_vjp",
 ]
 
 
@@ -647,3 +656,477 @@ def deq_attention(
         converged=res.converged,
         precision="float64",
     )
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+class MeanFieldGrads(NamedTuple):
+    """Vector-Jacobian product of a mean-field fixed point's means: ``dx`` (x's shape) and
+    ``dJ`` (J's shape; the diagonal blocks are zero unless ``diagonal="keep"``)."""
+
+    dx: np.ndarray
+    dJ: np.ndarray
+
+
+def _cotangent(grad_out, shape):
+    g = _checks.as_float64(_checks.float_array(grad_out, "grad_out"))
+    if g.shape != tuple(shape):
+        raise ValueError(f"grad_out: expected the shape of the means {tuple(shape)}, got shape "
+                         f"{g.shape}")
+    return g
+
+
+def _flat_batch(batch, *pairs):
+    """Each (array, core_shape) broadcast to (prod(batch), *core_shape)."""
+    size = int(np.prod(batch, dtype=int))
+    return [np.broadcast_to(a, (*batch, *core)).reshape(size, *core) for a, core in pairs]
+
+
+def _zero_self_couplings(dJ, scalar=False):
+    n = dJ.shape[-1] if scalar else dJ.shape[-3]
+    sites = np.arange(n)
+    if scalar:
+        dJ[..., sites, sites] = 0
+    else:
+        dJ[..., sites, sites, :, :] = 0
+    return dJ
+
+
+def _linear_fixed_point_vjp(x, J, P, g, batch, keep_diagonal):
+    """float64 (dx, dJ) of ``m = (P - J)^{-1} x``: ``u = (P - J)^{-T} g``, ``dx = u``,
+    ``dJ_ij = u_i m_j^T`` (summed over broadcast batch dimensions)."""
+    n, d = x.shape[-2:]
+    xb, Jb, gb = _flat_batch(batch, (x, (n, d)), (J, (n, n, d, d)), (g, (n, d)))
+    A = block_diag(np.broadcast_to(P, (len(xb), n, d, d))) - big(Jb)
+    try:
+        m = np.linalg.solve(A, xb.reshape(-1, n * d, 1)).reshape(-1, n, d)
+        u = np.linalg.solve(np.swapaxes(A, -1, -2), gb.reshape(-1, n * d, 1)).reshape(-1, n, d)
+    except np.linalg.LinAlgError:
+        raise ValueError("the coupling matrix P - J (Sigma^-1 - J, or I - J) is singular: the "
+                         "fixed point and its gradient do not exist") from None
+    dJ = np.einsum("bia,bjc->bijac", u, m)
+    if not keep_diagonal:
+        _zero_self_couplings(dJ)
+    return MeanFieldGrads(reduce_to(u.reshape(*batch, n, d), x.shape),
+                          reduce_to(dJ.reshape(*batch, n, n, d, d), J.shape))
+
+
+def adaptive_tap_vjp(x, J, grad_out, *, prior_precision=None, response="site",
+                     diagonal="error", tol=fp.DEFAULT_TOL, max_iter=fp.DEFAULT_MAX_ITER,
+                     precision="float64", out_dtype=None, **solver_options) -> MeanFieldGrads:
+    """Vector-Jacobian product of :func:`adaptive_tap`'s means (implicit, closed form).
+
+    At the fixed point of eqs. (17), (20), (10), (8), (11) the means solve
+    ``(Sigma^-1 - J) m = x`` for both readings of eq. (10) (see :func:`adaptive_tap`), so
+    implicit differentiation of the fixed point has the closed form
+
+    .. math::
+
+        u = (\\Sigma^{-1} - J)^{-T} g, \\qquad dx = u, \\qquad dJ_{ij} = u_i\\, m_j^T
+
+    (``g = grad_out``, the cotangent of the means; ``dJ_ij`` is the d x d block
+    ``dJ_ij^{alpha beta} = u_i^alpha m_j^beta``).
+
+    Parameters
+    ----------
+    x, J, prior_precision, response, diagonal
+        As :func:`adaptive_tap`.
+    grad_out : array_like, float, (B..., N, d)
+        Cotangent of the means (the cavity variances and ``chi_diag`` get none).
+    tol, max_iter, **solver_options
+        Accepted for symmetry with :func:`adaptive_tap` and validated; the closed form needs
+        no iteration.
+    precision : {"float64", "exact"}
+        "float64": two LAPACK solves per sample. "exact": ``u``, ``m`` and the products in
+        exact rational arithmetic, summed over broadcast dimensions, rounded once.
+    out_dtype : dtype, optional
+        Exact path only.
+
+    Returns
+    -------
+    MeanFieldGrads
+        ``dx`` of x's shape, ``dJ`` of J's shape (gradients of broadcast arguments summed).
+        The diagonal blocks of ``dJ`` are zero: ``J_ii`` are not free parameters (they must be
+        zero, or are zeroed by ``diagonal="zero"``).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn.meanfield import adaptive_tap_vjp
+    >>> J = np.zeros((2, 2, 1, 1)); J[0, 1] = J[1, 0] = 0.5
+    >>> grads = adaptive_tap_vjp(np.ones((2, 1)), J, np.array([[1.0], [0.0]]))
+    >>> np.round(grads.dx.ravel(), 12).tolist(), np.round(grads.dJ[0, 1].ravel(), 12).tolist()
+    ([1.333333333333, 0.666666666667], [2.666666666667])
+    """
+    precision = _checks.precision(precision)
+    _checks.choice(response, "response", ("site", "prior"))
+    x = _spins(x, "x")
+    n, d = x.shape[-2:]
+    J = _diagonal(_couplings(J, n, d), diagonal, ("error", "zero"))
+    P = _prior_blocks(prior_precision, n, d)
+    batch = _batch((x, 2), (J, 4))
+    _solver_options(solver_options)
+    g = _cotangent(grad_out, (*batch, n, d))
+    if precision == "exact":
+        return MeanFieldGrads(*exact.linear_fixed_point_vjp(
+            x, J, P, g, batch, False, _checks.out_dtype(out_dtype)))
+    return _linear_fixed_point_vjp(x, J, P, g, batch, keep_diagonal=False)
+
+
+def _ising_adjoint_float(m, V, J, g):
+    """float64 (dx, dJ) per flattened sample from the fixed point (m, V): one dense solve of
+    the transposed Jacobian of the reduced equations (see :func:`ising_tap_vjp`)."""
+    size, n = m.shape
+    eye = np.eye(n)
+    c = 1 - m * m
+    lam = V + 1 / c
+    Y = np.linalg.inv(np.einsum("ij,bi->bij", eye, lam) - J)
+    H = np.zeros((size, 2 * n, 2 * n))
+    H[:, :n, :n] = eye - c[..., None] * (J + np.einsum("ij,bi->bij", eye,
+                                                       (1 + m * m) / (c * c) - lam))
+    H[:, :n, n:] = np.einsum("ij,bi->bij", eye, c * m)
+    H[:, n:, :n] = np.einsum("ij,bi->bij", eye, 2 * m)
+    H[:, n:, n:] = -(Y * np.swapaxes(Y, -1, -2))
+    rhs = np.concatenate([g, np.zeros_like(g)], axis=-1)[..., None]
+    w = np.linalg.solve(np.swapaxes(H, -1, -2), rhs)[..., 0]
+    w1c, w2 = w[:, :n] * c, w[:, n:]
+    dJ = np.einsum("bp,bq->bpq", w1c, m) - np.einsum("bip,bi,bqi->bpq", Y, w2, Y)
+    return w1c, _zero_self_couplings(dJ, scalar=True)
+
+
+def ising_tap_vjp(x, J, grad_out, *, diagonal="error", tol=fp.DEFAULT_TOL,
+                  max_iter=fp.DEFAULT_MAX_ITER, precision="float64", out_dtype=None,
+                  **solver_options) -> MeanFieldGrads:
+    """Vector-Jacobian product of :func:`ising_tap`'s means by implicit differentiation.
+
+    The fixed point ``(m, V)`` of eqs. (14), (10), (8), (11) is the zero of the reduced
+    equations in ``(m, Lambda)`` (``Lambda_i = V_i + 1/(1 - m_i^2)``, ``Y = (Lambda - J)^{-1}``)
+
+    .. math::
+
+        H_1 = m_i - \\tanh\\big(\\textstyle\\sum_j J_{ij} m_j - V_i m_i + x_i\\big), \\qquad
+        H_2 = Y_{ii} - (1 - m_i^2),
+
+    so ``dL/dtheta = -w^T dH/dtheta`` with ``(dH/d(m, Lambda))^T w = (g, 0)``: one adjoint
+    linear system of size 2N per sample, never an unrolled iteration. With ``c_i = 1 - m_i^2``
+    (the tanh slope at the fixed point),
+
+    .. math::
+
+        dx_i = c_i w_{1,i}, \\qquad
+        dJ_{pq} = c_p w_{1,p} m_q - \\textstyle\\sum_i w_{2,i} Y_{ip} Y_{qi} \\quad (p \\ne q).
+
+    Parameters
+    ----------
+    x, J, diagonal, tol, max_iter, **solver_options
+        As :func:`ising_tap` (the forward fixed point is solved first, with its ``on_fail``).
+    grad_out : array_like, float, (B..., N)
+        Cotangent of the means.
+    precision : {"float64", "exact"}
+        "float64": the float64 fixed point, then a dense LAPACK solve of the adjoint system.
+        "exact": the fixed point enclosed by the Krawczyk test of :func:`ising_tap`'s exact
+        path, the adjoint system solved in interval arithmetic over that box
+        (:func:`refattn.exact.krawczyk.solve_linear`, which also proves it regular), the
+        gradients enclosed and rounded once. A zero field ``x = 0`` gives ``dJ = 0`` exactly;
+        other exact zeros of a gradient are not decidable and raise
+        :class:`refattn.exact.rounding.UndecidedRoundingError`.
+    out_dtype : dtype, optional
+
+    Returns
+    -------
+    MeanFieldGrads
+        ``dx`` (x's shape), ``dJ`` (J's shape, zero diagonal), summed over broadcast
+        dimensions.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn.meanfield import ising_tap_vjp
+    >>> grads = ising_tap_vjp(np.array([0.5, -0.25]), np.zeros((2, 2)), np.ones(2))
+    >>> np.round(grads.dx, 9).tolist()  # uncoupled spins: m = tanh(x), dm/dx = 1 - m^2
+    [0.786447733, 0.940014849]
+    """
+    precision = _checks.precision(precision)
+    x = _checks.as_float64(_checks.float_array(x, "x", ndim_min=1))
+    n = x.shape[-1]
+    J = _checks.as_float64(_checks.float_array(J, "J", ndim_min=2))
+    if J.shape[-2:] != (n, n):
+        raise ValueError(f"J: expected shape (..., N, N) = (..., {n}, {n}) to match x of shape "
+                         f"{x.shape}, got {J.shape}")
+    J = _diagonal(J, diagonal, ("error", "zero"), scalar=True)
+    batch = _batch((x, 1), (J, 2))
+    g = _cotangent(grad_out, (*batch, n))
+    res = ising_tap(x, J, tol=tol, max_iter=max_iter, **_solver_options(solver_options))
+    m, V = (a.reshape(-1, n) for a in (res.means, res.cavity_var))
+    xb, Jb, gb = _flat_batch(batch, (x, (n,)), (J, (n, n)), (g, (n,)))
+    if precision == "exact":
+        return MeanFieldGrads(*exact.ising_tap_vjp(m, V, Jb, xb, gb, batch, x.shape, J.shape,
+                                                   _checks.out_dtype(out_dtype)))
+    dx, dJ = _ising_adjoint_float(m, V, Jb, gb)
+    return MeanFieldGrads(reduce_to(dx.reshape(*batch, n), x.shape),
+                          reduce_to(dJ.reshape(*batch, n, n), J.shape))
+
+
+def deq_attention_vjp(x, J, grad_out, *, correction=None, correction_vjp=None, z0=None,
+                      diagonal="error", tol=fp.DEFAULT_TOL, max_iter=fp.DEFAULT_MAX_ITER,
+                      precision="float64", out_dtype=None, lipschitz=None,
+                      **solver_options) -> MeanFieldGrads:
+    """Vector-Jacobian product of :func:`deq_attention` (the implicit backward of eq. (23)).
+
+    At the fixed point ``z* = J z* - f(z*) + x`` implicit differentiation gives the adjoint
+    fixed point and the parameter gradients
+
+    .. math::
+
+        u = J^T u - f'(z^*)^T u + g, \\qquad dx = u, \\qquad dJ_{ij} = u_i\\, (z^*_j)^T
+
+    (``g = grad_out``; ``dJ_ij^{alpha beta} = u_i^alpha z_j^beta``), the backward pass of a
+    deep equilibrium model: the solver is run a second time on the adjoint, nothing is
+    unrolled.
+
+    Parameters
+    ----------
+    x, J, z0, diagonal, tol, max_iter, lipschitz, **solver_options
+        As :func:`deq_attention`; the forward fixed point is solved first (with its
+        ``on_fail``), the adjoint with the same solver options.
+    grad_out : array_like, float, (B..., N, d)
+        Cotangent of the means ``z*``.
+    correction : callable or None
+        ``f`` of :func:`deq_attention` (keyword here).
+    correction_vjp : callable, required with a correction
+        ``correction_vjp(z, v) -> v^T f'(z)`` (arrays of the shape of z, per sample). On the
+        exact path it must also accept object arrays of ``mpmath.iv.mpf`` intervals (z a box)
+        and return enclosures.
+    precision : {"float64", "exact"}
+        "float64": without a correction, ``u = (I - J)^{-T} g`` by a LAPACK solve; with one,
+        :func:`refattn.fixedpoint.solve` on the adjoint map. "exact": without a correction,
+        exact rational arithmetic; with one, ``z*`` and ``u`` enclosed by the contraction
+        bound of :func:`deq_attention` (``q = ||J||_inf + L < 1`` makes the adjoint map a
+        1-norm contraction with the same ``q``), rounded once; certified under the caller's
+        two assertions (``L`` bounds the Lipschitz constant of ``f``; the interval
+        evaluations of ``f`` and ``correction_vjp`` enclose them).
+    out_dtype : dtype, optional
+
+    Returns
+    -------
+    MeanFieldGrads
+        ``dx`` (x's shape), ``dJ`` (J's shape; zero diagonal blocks unless
+        ``diagonal="keep"``), summed over broadcast dimensions.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn.meanfield import deq_attention_vjp
+    >>> J = np.zeros((2, 2, 1, 1)); J[0, 1] = 0.5
+    >>> grads = deq_attention_vjp(np.array([[1.0], [2.0]]), J, np.array([[1.0], [0.0]]))
+    >>> grads.dx.ravel().tolist(), grads.dJ[0, 1].ravel().tolist()
+    ([1.0, 0.5], [2.0])
+    """
+    precision = _checks.precision(precision)
+    x = _spins(x, "x")
+    n, d = x.shape[-2:]
+    J = _diagonal(_couplings(J, n, d), diagonal, ("error", "zero", "keep"))
+    keep = diagonal == "keep"
+    if correction is not None and not callable(correction_vjp):
+        raise TypeError("correction_vjp: a correction needs its vector-Jacobian product "
+                        f"correction_vjp(z, v) -> v^T f'(z), got {type(correction_vjp).__name__}")
+    batch = _batch((x, 2), (J, 4))
+    g = _cotangent(grad_out, (*batch, n, d))
+    options = _solver_options(solver_options)
+    if correction is None:
+        if precision == "exact":
+            return MeanFieldGrads(*exact.linear_fixed_point_vjp(
+                x, J, np.eye(d), g, batch, keep, _checks.out_dtype(out_dtype)))
+        return _linear_fixed_point_vjp(x, J, np.eye(d), g, batch, keep_diagonal=keep)
+    z = deq_attention(x, J, correction, z0=z0, diagonal="keep", tol=tol, max_iter=max_iter,
+                      **options).means
+    Jb = np.broadcast_to(J, (*batch, n, n, d, d))
+
+    def adjoint(u):
+        return np.einsum("...ijab,...ia->...jb", Jb, u) + g - np.asarray(correction_vjp(z, u))
+
+    u = fp.solve(adjoint, np.zeros((*batch, n, d)), tol=tol, max_iter=max_iter, state_ndim=2,
+                 **options).z
+    if precision == "exact":
+        lipschitz = _checks.real_scalar(lipschitz, "lipschitz", allow_none=True)
+        if lipschitz is None or lipschitz < 0:
+            raise ValueError("lipschitz: the exact path with a correction needs a non-negative "
+                             f"Lipschitz bound of the correction, got {lipschitz!r}")
+        return MeanFieldGrads(*exact.deq_contraction_vjp(
+            z, u, np.broadcast_to(x, (*batch, n, d)), Jb, g, correction, correction_vjp,
+            lipschitz, keep, (x.shape, J.shape), _checks.out_dtype(out_dtype)))
+    dJ = np.einsum("...ia,...jb->...ijab", u, z)
+    if not keep:
+        _zero_self_couplings(dJ)
+    return MeanFieldGrads(reduce_to(u, x.shape), reduce_to(dJ, J.shape))
+
+
+# ----------------------------------------------------------------------------- couplings
+
+
+def softmax_couplings(x, W_Q, W_K, W_V=None, *, scale=None, mask=None, causal=False,
+                      window=None, align="top_left", precision="float64", out_dtype=None):
+    """Softmax couplings of eq. (24) (``\\label{eq:softmaxcouplings}``), with an allowed set.
+
+    .. math::
+
+        J_{ij} = \\Big[\\mathrm{softmax}_{j \\in \\mathcal{A}_i}\\big(s\\, (x W_Q)_i \\cdot
+            (x W_K)_j\\big)\\Big]\\, W_V^T \\quad (j \\in \\mathcal{A}_i), \\qquad
+        J_{ij} = 0 \\quad (j \\notin \\mathcal{A}_i)
+
+    (section 4.1; with ``W_V`` the blocks ``A_ij W_V^T`` make one naive update
+    :func:`naive_step` equal softmax attention plus the residual, section 4.2). The allowed
+    set ``A`` is :func:`refattn.masks.allowed_mask` of ``mask``, ``causal`` and ``window``:
+    an excluded pair couples with exactly zero weight (it is removed from the softmax, never
+    given -1e9); a site with no allowed partner has all-zero couplings. The couplings keep
+    their diagonal (a token attends to itself): pass ``diagonal="keep"`` to
+    :func:`deq_attention` / :func:`deq_attention_vjp`.
+
+    Parameters
+    ----------
+    x : array_like, float, (B..., N, d)
+        Spins / tokens.
+    W_Q, W_K : array_like, float, (d, D)
+    W_V : array_like, float, (d, d), optional
+        None: ``J_ij = A_ij I_d`` (the scalar couplings of eq. (24)).
+    scale : float, optional
+        ``s``; default ``1/sqrt(D)`` (the source's ``1/sqrt(d)`` for square ``W_Q``).
+    mask : array_like of bool, broadcastable to (B..., N, N), optional
+        True = couple.
+    causal, window, align
+        As :func:`refattn.attention`. The couplings are square (N x N), so both alignments
+        give the same set; ``align`` is accepted for symmetry.
+    precision : {"float64", "exact"}
+        "float64": log-sum-exp weights (:func:`refattn.logspace.masked_softmax`) times
+        ``W_V^T``. "exact": every block entry ``A_ij W_V[b, a]`` enclosed in interval
+        arithmetic and rounded once to ``out_dtype``.
+    out_dtype : dtype, optional
+
+    Returns
+    -------
+    ndarray, (B..., N, N, d, d)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn.meanfield import softmax_couplings
+    >>> J = softmax_couplings(np.ones((3, 1)), np.ones((1, 1)), np.ones((1, 1)), causal=True)
+    >>> np.round(J[..., 0, 0], 6).tolist()
+    [[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.333333, 0.333333, 0.333333]]
+    """
+    precision = _checks.precision(precision)
+    x, W_Q, W_K, values, scale, allowed = _coupling_inputs(x, W_Q, W_K, W_V, scale, mask,
+                                                           causal, window, align)
+    if precision == "exact":
+        return exact.softmax_couplings(x, W_Q, W_K, values, allowed, scale,
+                                       _checks.out_dtype(out_dtype))
+    weights, _, _, _ = _coupling_weights(x, W_Q, W_K, scale, allowed)
+    return np.einsum("...ij,ba->...ijab", weights, values)
+
+
+def _coupling_inputs(x, W_Q, W_K, W_V, scale, mask, causal, window, align):
+    """Validated (x, W_Q, W_K, W_V or I, scale, allowed (B..., N, N)) of eq. (24)."""
+    from . import masks
+
+    x = _spins(x, "x")
+    n, d = x.shape[-2:]
+    W_Q = _checks.as_float64(_checks.float_array(W_Q, "W_Q"))
+    W_K = _checks.as_float64(_checks.float_array(W_K, "W_K"))
+    if W_Q.ndim != 2 or W_Q.shape[0] != d or W_K.shape != W_Q.shape:
+        raise ValueError(f"W_Q, W_K: expected two (d, D) matrices with d = {d}, got shapes "
+                         f"{W_Q.shape} and {W_K.shape}")
+    values = np.eye(d) if W_V is None else _checks.as_float64(_checks.float_array(W_V, "W_V"))
+    if values.shape != (d, d):
+        raise ValueError(f"W_V: expected shape (d, d) = ({d}, {d}), got {values.shape}")
+    scale = _checks.real_scalar(scale, "scale", allow_none=True)
+    allowed = masks.allowed_mask(n, n, mask=mask, causal=causal, window=window, align=align)
+    allowed = np.broadcast_to(allowed, np.broadcast_shapes(allowed.shape, x.shape[:-2] + (n, n)))
+    return x, W_Q, W_K, values, scale, allowed
+
+
+def _coupling_weights(x, W_Q, W_K, scale, allowed):
+    """float64 (A, q, k, s): the masked log-sum-exp softmax weights of eq. (24)."""
+    from .logspace import masked_softmax
+
+    s = 1.0 / np.sqrt(W_Q.shape[1]) if scale is None else scale
+    q, k = x @ W_Q, x @ W_K
+    scores = np.matmul(q, np.swapaxes(k, -1, -2)) * s
+    _, weights = masked_softmax(np.broadcast_to(scores, allowed.shape), allowed)
+    return weights, q, k, s
+
+
+class SoftmaxCouplingsGrads(NamedTuple):
+    """Gradients of :func:`softmax_couplings`: dx (x's shape), dW_Q, dW_K, dW_V (None when
+    W_V is None)."""
+
+    dx: np.ndarray
+    dW_Q: np.ndarray
+    dW_K: np.ndarray
+    dW_V: np.ndarray | None
+
+
+def softmax_couplings_vjp(x, W_Q, W_K, W_V, grad_out, *, scale=None, mask=None, causal=False,
+                          window=None, align="top_left", precision="float64",
+                          out_dtype=None) -> SoftmaxCouplingsGrads:
+    """Vector-Jacobian product of :func:`softmax_couplings` (eq. (24)).
+
+    With ``G = grad_out`` (the cotangent of J, e.g. ``dJ`` of :func:`deq_attention_vjp`),
+    ``q = x W_Q``, ``k = x W_K`` and the weights ``A``:
+
+    .. math::
+
+        dA_{ij} = \\sum_{ab} G_{ij}^{ab} W_V[b, a], \\quad dW_V = \\Big(\\sum_{ij} A_{ij}
+        G_{ij}\\Big)^T, \\quad dS = A \\odot (dA - \\mathrm{rowsum}(A \\odot dA)), \\\\
+        dq = s\\, dS\\, k, \\quad dk = s\\, dS^T q, \\quad dx = dq W_Q^T + dk W_K^T, \\quad
+        dW_Q = x^T dq, \\quad dW_K = x^T dk
+
+    Excluded pairs have ``A_ij = 0`` exactly, so their cotangent reaches nothing.
+
+    Parameters
+    ----------
+    x, W_Q, W_K, W_V, scale, mask, causal, window, align
+        As :func:`softmax_couplings`.
+    grad_out : array_like, float, (B..., N, N, d, d)
+    precision : {"float64", "exact"}
+        "exact": forward and backward enclosed in interval arithmetic, the weight gradients
+        summed over the batch, every element rounded once.
+    out_dtype : dtype, optional
+
+    Returns
+    -------
+    SoftmaxCouplingsGrads
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn.meanfield import softmax_couplings_vjp
+    >>> G = np.zeros((2, 2, 1, 1)); G[1, 0] = 1.0
+    >>> grads = softmax_couplings_vjp(np.ones((2, 1)), np.ones((1, 1)), np.ones((1, 1)), None,
+    ...                               G, causal=True)
+    >>> grads.dW_V, grads.dx.ravel().tolist()  # equal scores: A_10 = A_11 = 1/2
+    (None, [0.25, -0.25])
+    """
+    precision = _checks.precision(precision)
+    x, W_Q, W_K, values, scale, allowed = _coupling_inputs(x, W_Q, W_K, W_V, scale, mask,
+                                                           causal, window, align)
+    n, d = x.shape[-2:]
+    G = _checks.as_float64(_checks.float_array(grad_out, "grad_out"))
+    if G.shape != allowed.shape[:-2] + (n, n, d, d):
+        raise ValueError(f"grad_out: expected the shape of the couplings "
+                         f"{allowed.shape[:-2] + (n, n, d, d)}, got {G.shape}")
+    if precision == "exact":
+        grads = exact.softmax_couplings_vjp(x, W_Q, W_K, values, allowed, scale, G, x.shape,
+                                            _checks.out_dtype(out_dtype))
+    else:
+        weights, q, k, s = _coupling_weights(x, W_Q, W_K, scale, allowed)
+        xb, qb, kb = (np.broadcast_to(a, allowed.shape[:-1] + a.shape[-1:]).reshape(
+            -1, n, a.shape[-1]) for a in (x, q, k))
+        parts = [exact.softmax_couplings_backward(*sample, s) for sample in zip(
+            xb, [W_Q] * len(xb), [W_K] * len(xb), [values] * len(xb),
+            weights.reshape(-1, n, n), qb, kb, G.reshape(-1, n, n, d, d), strict=True)]
+        dx = reduce_to(np.stack([p[0] for p in parts]).reshape(allowed.shape[:-2] + (n, d)),
+                       x.shape)
+        grads = [dx] + [sum(p[m] for p in parts) for m in (1, 2, 3)]
+    return SoftmaxCouplingsGrads(grads[0], grads[1], grads[2],
+                                 None if W_V is None else grads[3])

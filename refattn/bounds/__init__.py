@@ -15,7 +15,7 @@ the oracle's judging policy take their a-priori bounds from here.
 """
 
 from .attention import float64_forward_bound, float64_vjp_bound, grad_scales
-from .fixedpoint import fixed_point_forward_bound
+from .fixedpoint import fixed_point_forward_bound, implicit_vjp_bound
 from .kernels import online_backward_bound, online_forward_bound
 from .mixtures import (
     iterated_bound,
@@ -25,7 +25,12 @@ from .mixtures import (
     mlk_vjp_bound,
     ratio_bound,
 )
-from .transformer import transformer_forward_bound
+from .transformer import (
+    feed_forward_vjp_bound,
+    layer_norm_vjp_bound,
+    multihead_attention_vjp_bound,
+    transformer_forward_bound,
+)
 from .unit import ETA, UNIT_ROUNDOFF, gamma, unit_roundoff
 
 __all__ = [
@@ -45,5 +50,9 @@ __all__ = [
     "mgk_vjp_bound",
     "mlk_vjp_bound",
     "fixed_point_forward_bound",
+    "implicit_vjp_bound",
     "transformer_forward_bound",
+    "layer_norm_vjp_bound",
+    "feed_forward_vjp_bound",
+    "multihead_attention_vjp_bound",
 ]

@@ -13,13 +13,16 @@ import numpy as np
 from mpmath import iv, mp, mpf
 
 from .._blocks import big, block_diag, diag_blocks
+from .._broadcast import reduce_to
 from . import intervals as I
-from .krawczyk import Krawczyk
+from .krawczyk import Krawczyk, solve_linear
 from .rationals import fractions, invert, round_rationals
 from .rounding import correctly_round
 
 __all__ = ["naive_step", "adaptive_tap_site", "adaptive_tap_prior", "ising_tap", "deq_linear",
-           "deq_contraction", "PRIOR_EXACT_MAX_SIZE"]
+           "deq_contraction", "PRIOR_EXACT_MAX_SIZE", "linear_fixed_point_vjp", "ising_tap_vjp",
+           "deq_contraction_vjp", "softmax_couplings",
+           "softmax_couplings_vjp", "softmax_couplings_backward"]
 
 
 def naive_step(m, J, x, batch, dtype):
@@ -354,3 +357,278 @@ def deq_contraction(z0, x, J, correction, lipschitz, dtype):
 
     z = correctly_round(evaluate, dtype, max_prec=_CERTIFIED_MAX_PREC, what="deq_attention")
     return z.reshape(*batch, n, d), state["iterations"]
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+def linear_fixed_point_vjp(x, J, P, g, batch, keep_diagonal, dtype):
+    """(dx, dJ) of ``m = (P - J)^{-1} x`` in exact rational arithmetic, rounded once:
+    ``u = (P - J)^{-T} g``, ``dx = u``, ``dJ_ij = u_i m_j^T``, each summed over the broadcast
+    batch dimensions before the one rounding (``P = I`` for deep implicit attention)."""
+    n, d = x.shape[-2:]
+    size = int(np.prod(batch, dtype=int))
+    xs = np.broadcast_to(fractions(x, "x"), (*batch, n, d)).reshape(size, n * d)
+    gs = np.broadcast_to(fractions(g, "grad_out"), (*batch, n, d)).reshape(size, n * d)
+    Js = np.broadcast_to(fractions(J, "J"), (*batch, n, n, d, d)).reshape(size, n, n, d, d)
+    Pbig = block_diag(np.broadcast_to(fractions(P, "prior_precision"), (1, n, d, d)))[0]
+    dx = np.empty((size, n, d), dtype=object)
+    dJ = np.empty((size, n, n, d, d), dtype=object)
+    inverse = None
+    for b in range(size):
+        if inverse is None or J.ndim > 4:  # a shared J is inverted once
+            inverse = invert(Pbig - big(Js[b:b + 1])[0], "the coupling matrix P - J")
+        m = inverse.dot(xs[b]).reshape(n, d)
+        u = inverse.T.dot(gs[b]).reshape(n, d)
+        dx[b] = u
+        dJ[b] = u[:, None, :, None] * m[None, :, None, :]
+        if not keep_diagonal:
+            for i in range(n):
+                dJ[b, i, i] = Fraction(0)
+    dx = reduce_to(dx.reshape(*batch, n, d), x.shape)
+    dJ = reduce_to(dJ.reshape(*batch, n, n, d, d), J.shape)
+    return (round_rationals(dx, dtype, "dx").reshape(x.shape),
+            round_rationals(dJ, dtype, "dJ").reshape(J.shape))
+
+
+def _ising_adjoint_matrix(m, lam, Y, J, n):
+    """Transpose of the Jacobian of the reduced binary-spin equations in (m, Lambda) at the
+    fixed point (any number system): H1_i = m_i - tanh(h_i), H2_i = Y_ii - (1 - m_i^2) with
+    Y = (Lambda - J)^{-1} (derivation at :func:`refattn.meanfield.ising_tap_vjp`)."""
+    zero = 0 * m[0]
+    H = [[zero] * (2 * n) for _ in range(2 * n)]
+    for i in range(n):
+        c = 1 - m[i] * m[i]
+        for j in range(n):
+            if J[i][j] != 0:
+                H[i][j] = -c * J[i][j]
+            H[n + i][n + j] = -Y[i * n + j] * Y[j * n + i]
+        H[i][i] = 1 - c * ((1 + m[i] * m[i]) / (c * c) - lam[i])
+        H[i][n + i] = c * m[i]
+        H[n + i][i] = 2 * m[i]
+    return [[H[j][i] for j in range(2 * n)] for i in range(2 * n)]
+
+
+def _ising_sample_vjp(box, J, g, n, zero_field, prec):
+    """(dx, dJ) intervals of one sample from its certified box (m, Lambda, Y)."""
+    m, lam, Y = box[:n], box[n:2 * n], box[2 * n:]
+    Jv = [[I.point(v) for v in row] for row in J.tolist()]
+    A = _ising_adjoint_matrix(m, lam, Y, Jv, n)
+    rhs = [I.point(v) for v in g.tolist()] + [iv.mpf(0)] * n
+    w = solve_linear(A, rhs, prec, "ising_tap_vjp")
+    if zero_field:  # m = 0: the system is block diagonal with a zero right side for w2
+        w[n:] = [iv.mpf(0)] * n
+    w1c = [w[i] * (1 - m[i] * m[i]) for i in range(n)]
+    dJ = np.empty((n, n), dtype=object)
+    for p in range(n):
+        for q in range(n):
+            dJ[p, q] = iv.mpf(0) if p == q else w1c[p] * m[q] - sum(
+                w[n + i] * Y[i * n + p] * Y[q * n + i] for i in range(n))
+    return np.array(w1c, dtype=object), dJ
+
+
+def ising_tap_vjp(m, V, J, x, g, batch, x_shape, J_shape, dtype):
+    """Correctly rounded (dx, dJ) of the certified binary-spin fixed points near the float64
+    (m, V) (flattened samples): the fixed point is enclosed by the Krawczyk test of
+    :func:`ising_tap`, the adjoint linear system by :func:`refattn.exact.krawczyk.solve_linear`
+    on the interval Jacobian over that box, and dx, dJ summed over the batch, rounded once."""
+    n = x.shape[-1]
+    certifiers = [_ising_certifier(mb, Vb, Jb, xb) for mb, Vb, Jb, xb in
+                  zip(m, V, J, x, strict=True)]
+    zero_field = [not (xb != 0).any() for xb in x]
+
+    def evaluate(prec):
+        boxes = [c.enclose(prec) for c in certifiers]
+        with I.workprec(prec):
+            grads = [_ising_sample_vjp(box, Jb, gb, n, zf, prec)
+                     for box, Jb, gb, zf in zip(boxes, J, g, zero_field, strict=True)]
+            dx = reduce_to(np.array([a for a, _ in grads], dtype=object).reshape(*batch, n),
+                           x_shape)
+            dJ = reduce_to(np.array([b for _, b in grads], dtype=object).reshape(*batch, n, n),
+                           J_shape)
+        return I.endpoints(np.concatenate([dx.ravel(), dJ.ravel()]))
+
+    out = correctly_round(evaluate, dtype, max_prec=_CERTIFIED_MAX_PREC, what="ising_tap_vjp")
+    size = int(np.prod(x_shape, dtype=int))
+    return out[:size].reshape(x_shape), out[size:].reshape(J_shape)
+
+
+def _contract(T, start, q, prec, norm):
+    """Enclosure (size, K) of the fixed point of the map ``T`` (interval arrays (size, K)),
+    a contraction with constant ``q[b]`` in the max-norm (``norm="inf"``) or the 1-norm
+    (``"1"``) of each sample, iterated from the float64 ``start``: returns the enclosure
+    ``T(z_k) + [-r, r]``, ``r = q / (1 - q) ||T(z_k) - z_k||`` and the float64 ``z_k``."""
+    size, width = start.shape
+    z = I.to_intervals(start)
+    scale = max([1] + [_upper(v) for v in z.ravel()]) * mpf(2) ** (8 - prec) * \
+        (width if norm == "1" else 1)
+    best, stalled = None, 0
+    for _ in range(64 * prec):
+        image = T(z)
+        rows = (image - z).reshape(size, -1)
+        if norm == "inf":
+            gap = [max(_upper(v) for v in row) for row in rows]
+        else:
+            gap = [mp.make_mpf(sum((iv.mpf(_upper(v)) for v in row), iv.mpf(0))._mpi_[1])
+                   for row in rows]
+        # the bound holds at every step; stop when it is tight, or when the widths of the
+        # enclosed map (an interval box of z* in the adjoint) keep the gap from shrinking
+        stalled = stalled + 1 if best is not None and max(gap) >= best else 0
+        best = max(gap) if best is None else min(best, max(gap))
+        if max(gap) <= scale or stalled >= 4:
+            break
+        z = np.vectorize(lambda v: v.mid, otypes=[object])(image)
+    radius = [(I.point(qb) / (1 - I.point(qb)) * iv.mpf(gb)).b
+              for qb, gb in zip(q, gap, strict=True)]
+    enclosure = np.array([[v + iv.mpf([-radius[b], radius[b]]) for v in image[b]]
+                          for b in range(size)], dtype=object)
+    return enclosure, np.vectorize(float)(z)
+
+
+def deq_contraction_vjp(z0, u0, x, J, g, correction, correction_vjp, lipschitz,
+                        keep_diagonal, shapes, dtype):
+    """Correctly rounded (dx, dJ) of deep implicit attention with a correction: ``z*``
+    enclosed by the max-norm contraction of :func:`deq_contraction`, then the adjoint
+    ``u = J^T u - f'(z*)^T u + g`` enclosed by the same constant ``q = ||J||_inf + L`` in the
+    1-norm (``||J^T||_1 = ||J||_inf`` and ``||f'(z)^T||_1 = ||f'(z)||_inf <= L``), with
+    ``f'(z*)^T u`` enclosed by ``correction_vjp`` over the box of ``z*``; ``dx = u``,
+    ``dJ_ij = u_i z_j^T``, summed over the batch and rounded once."""
+    batch, (n, d) = z0.shape[:-2], z0.shape[-2:]
+    size, width = int(np.prod(batch, dtype=int)), n * d
+    row_sums = np.sum(np.abs(fractions(J, "J")), axis=(-3, -1)).reshape(size, -1)
+    q = [max(row) + Fraction(lipschitz) for row in row_sums]
+    if max(q) >= 1:
+        raise ValueError(
+            f"deq_attention_vjp: the exact path needs a max-norm contraction, but ||J||_inf + "
+            f"lipschitz = {float(max(q))!r} >= 1")
+    state = {"z": z0.reshape(size, width), "u": u0.reshape(size, width)}
+    x_shape, J_shape = shapes
+
+    def evaluate(prec):
+        with I.workprec(prec):
+            Jbig = big(I.to_intervals(J).reshape(size, n, n, d, d))
+            xi = I.to_intervals(x).reshape(size, width)
+            gi = I.to_intervals(g).reshape(size, width)
+
+            def forward(z):
+                coupled = np.matmul(Jbig, z[..., None])[..., 0] + xi
+                return coupled - np.asarray(correction(z.reshape(*batch, n, d)),
+                                            dtype=object).reshape(size, width)
+
+            Z, state["z"] = _contract(forward, state["z"], q, prec, "inf")
+            Zs = Z.reshape(*batch, n, d)
+
+            def adjoint(u):
+                coupled = np.matmul(np.swapaxes(Jbig, -1, -2), u[..., None])[..., 0] + gi
+                return coupled - np.asarray(correction_vjp(Zs, u.reshape(*batch, n, d)),
+                                            dtype=object).reshape(size, width)
+
+            U, state["u"] = _contract(adjoint, state["u"], q, prec, "1")
+            U = U.reshape(size, n, d)
+            dJ = U[:, :, None, :, None] * Z.reshape(size, n, d)[:, None, :, None, :]
+            if not keep_diagonal:
+                for i in range(n):
+                    dJ[:, i, i] = iv.mpf(0)
+            dx = reduce_to(U.reshape(*batch, n, d), x_shape)
+            dJ = reduce_to(dJ.reshape(*batch, n, n, d, d), J_shape)
+        return I.endpoints(np.concatenate([dx.ravel(), dJ.ravel()]))
+
+    out = correctly_round(evaluate, dtype, max_prec=_CERTIFIED_MAX_PREC,
+                          what="deq_attention_vjp")
+    split = int(np.prod(x_shape, dtype=int))
+    return out[:split].reshape(x_shape), out[split:].reshape(J_shape)
+
+
+def _coupling_weights(x, allowed, Q, K, s):
+    """Interval (A, q, k) of one sample: q = x W_Q, k = x W_K, A the softmax of
+    ``s q_i . k_j`` over the allowed j (exact zeros elsewhere; max-shifted)."""
+    n = len(x)
+    xi = I.to_intervals(x)
+    q, k = np.matmul(xi, Q), np.matmul(xi, K)
+    scores = np.matmul(q, k.T) * s
+    weights = np.empty((n, n), dtype=object)
+    weights[...] = iv.mpf(0)
+    for i in range(n):
+        row = np.flatnonzero(allowed[i])
+        if row.size == 0:
+            continue
+        top = max(row, key=lambda j: mpf(scores[i, j]._mpi_[1]))
+        terms = {j: iv.mpf(1) if j == top else I.exp(scores[i, j] - scores[i, top])
+                 for j in row}
+        total = sum(terms.values())
+        for j in row:
+            weights[i, j] = terms[j] / total
+    return weights, q, k
+
+
+def softmax_couplings_backward(x, W_Q, W_K, W_V, A, q, k, G, s):
+    """(dx, dW_Q, dW_K, dW_V) of one sample of eq. (24)'s couplings ``J_ij = A_ij W_V^T``
+    for the cotangent ``G`` (N, N, d, d), in any number system (float or interval arrays):
+    ``dA_ij = sum_ab G_ij^{ab} W_V[b, a]``, ``dW_V = (sum_ij A_ij G_ij)^T``,
+    ``dS = A (dA - rowsum(A dA))`` (zero where A is an excluded zero), ``dq = s dS k``,
+    ``dk = s dS^T q``, ``dx = dq W_Q^T + dk W_K^T``, ``dW_Q = x^T dq``, ``dW_K = x^T dk``."""
+    dA = (G * W_V.T).sum(axis=(-1, -2))
+    dW_V = (G * A[:, :, None, None]).sum(axis=(0, 1)).T
+    dS = A * (dA - (A * dA).sum(axis=1, keepdims=True))
+    dq, dk = np.matmul(dS, k) * s, np.matmul(dS.T, q) * s
+    dx = np.matmul(dq, W_Q.T) + np.matmul(dk, W_K.T)
+    return dx, np.matmul(x.T, dq), np.matmul(x.T, dk), dW_V
+
+
+def softmax_couplings_vjp(x, W_Q, W_K, W_V, allowed, scale, G, x_shape, dtype):
+    """(dx, dW_Q, dW_K, dW_V) of the softmax couplings, enclosed (forward and backward) and
+    rounded once; sums over the batch are part of the exact value."""
+    n, d = x.shape[-2:]
+    batch = allowed.shape[:-2]
+    xs = np.broadcast_to(x, (*batch, n, d)).reshape(-1, n, d)
+    masks = allowed.reshape(-1, n, n)
+    Gs = G.reshape(-1, n, n, d, d)
+    shapes = [x_shape, W_Q.shape, W_K.shape, W_V.shape]
+
+    def evaluate(prec):
+        with I.workprec(prec):
+            s = 1 / I.sqrt(I.point(W_Q.shape[1])) if scale is None else I.point(scale)
+            Q, K, V = (I.to_intervals(w) for w in (W_Q, W_K, W_V))
+            parts = []
+            for xb, allowed_b, Gb in zip(xs, masks, Gs, strict=True):
+                A, q, k = _coupling_weights(xb, allowed_b, Q, K, s)
+                parts.append(softmax_couplings_backward(I.to_intervals(xb), Q, K, V, A, q, k,
+                                                        I.to_intervals(Gb), s))
+            dx = reduce_to(np.array([p[0] for p in parts], dtype=object).reshape(
+                *batch, n, d), x_shape)
+            rest = [sum(p[m] for p in parts) for m in (1, 2, 3)]
+        return I.endpoints(np.concatenate([a.ravel() for a in [dx, *rest]]))
+
+    flat = correctly_round(evaluate, dtype, what="softmax_couplings_vjp")
+    out, start = [], 0
+    for shape in shapes:
+        size = int(np.prod(shape, dtype=int))
+        out.append(flat[start:start + size].reshape(shape))
+        start += size
+    return out
+
+
+def softmax_couplings(x, W_Q, W_K, W_V, allowed, scale, dtype):
+    """Softmax couplings (eq. (24)) ``A_ij W_V[b, a]`` enclosed and rounded once; excluded
+    pairs (``allowed`` False) are exact zeros. ``scale`` None is ``1/sqrt(D)``."""
+    n, d = x.shape[-2:]
+    batch = allowed.shape[:-2]
+    xs = np.broadcast_to(x, (*batch, n, d)).reshape(-1, n, d)
+    masks = allowed.reshape(-1, n, n)
+    values = W_V.T.tolist()
+
+    def evaluate(prec):
+        with I.workprec(prec):
+            s = 1 / I.sqrt(I.point(W_Q.shape[1])) if scale is None else I.point(scale)
+            Q, K, V = I.to_intervals(W_Q), I.to_intervals(W_K), [[I.point(v) for v in row]
+                                                                  for row in values]
+            out = np.empty((len(xs), n, n, d, d), dtype=object)
+            out[...] = iv.mpf(0)
+            for b, (xb, allowed_b) in enumerate(zip(xs, masks, strict=True)):
+                A, _, _ = _coupling_weights(xb, allowed_b, Q, K, s)
+                for i, j in zip(*np.nonzero(allowed_b), strict=True):
+                    out[b, i, j] = [[A[i, j] * v for v in line] for line in V]
+        return I.endpoints(out)
+
+    return correctly_round(evaluate, dtype, what="softmax_couplings").reshape(
+        *batch, n, n, d, d)

@@ -33,7 +33,9 @@ from mpmath.libmp import (
 )
 
 from .. import config
+from .._broadcast import reduce_to
 from .._spec import canonicalize
+from .._tape import Tape, backward_pass
 from . import intervals as I
 from .rounding import correctly_round
 
@@ -51,6 +53,11 @@ __all__ = [
     "round_composition",
     "round_layer_norm",
     "round_positions",
+    "attention_vjp",
+    "activation_slope",
+    "layer_norm_vjp",
+    "EnclosureVJPOps",
+    "round_vjp",
 ]
 
 _ZERO = iv.mpf(0)
@@ -202,6 +209,21 @@ def _flat(arr: np.ndarray, batch_shape: tuple) -> np.ndarray:
     return np.broadcast_to(arr, batch_shape + tail).reshape((-1,) + tail)
 
 
+def _row_logits(spec, scores, b, h, i, row, cap, slope):
+    """Logits of the allowed keys ``row`` of query row i: softcap, bias, ALiBi (exact)."""
+    logits = []
+    for j in row:
+        t = scores[i, j]
+        if cap is not None:
+            t = cap * I.tanh(t / cap)
+        if spec.bias is not None:
+            t = t + I.point(spec.bias[b, h, i, j])
+        if slope is not None:  # exact, not spec.alibi's rounded float64 product
+            t = t - slope * abs(i + spec.offset - int(j))
+        logits.append(t)
+    return logits
+
+
 def attention(q, k, v, spec) -> np.ndarray:
     """Enclosure of scaled dot-product attention (docs/conventions.md, steps 1-7).
 
@@ -242,16 +264,7 @@ def attention(q, k, v, spec) -> np.ndarray:
                     fill = _ZERO if spec.empty_rows == "zero" else np.nan
                     out[b, h, i] = [fill] * vdim
                     continue
-                logits = []
-                for j in row:
-                    t = scores[i, j]
-                    if cap is not None:
-                        t = cap * I.tanh(t / cap)
-                    if spec.bias is not None:
-                        t = t + I.point(spec.bias[b, h, i, j])
-                    if slope is not None:  # exact, not spec.alibi's rounded float64 product
-                        t = t - slope * abs(i + spec.offset - int(j))
-                    logits.append(t)
+                logits = _row_logits(spec, scores, b, h, i, row, cap, slope)
                 top = max(range(len(logits)), key=lambda n: mpf(logits[n]._mpi_[1]))
                 weights = [iv.mpf(1) if n == top else I.exp(t - logits[top])
                            for n, t in enumerate(logits)]
@@ -353,3 +366,174 @@ def round_positions(length: int, dim: int, base, layout: str, dtype) -> np.ndarr
             return I.endpoints(positions(length, dim, base, layout))
 
     return correctly_round(evaluate, dtype, what="sinusoidal_positions")
+
+
+# ----------------------------------------------------------------------------- derivatives
+
+
+def _zeros(shape) -> np.ndarray:
+    return _object(shape, [_ZERO] * int(np.prod(shape, dtype=int)))
+
+
+def attention_vjp(q, k, v, grad_out, spec):
+    """Enclosures (dq, dk, dv) of the vector-Jacobian product of :func:`attention`.
+
+    Row i of head h, allowed keys j, weights ``P_j`` (pre-dropout), ``kappa_j`` the kept
+    factor (``keep_j / (1 - p)``, or 1 without dropout), cotangent ``dO_i``:
+
+    .. math::
+
+        dP_j = \\kappa_j\\, dO_i \\cdot v_j, \\quad \\Delta = \\sum_j P_j dP_j, \\quad
+        dT_j = P_j (dP_j - \\Delta)\\,(1 - \\tanh^2(s_j / c)), \\\\
+        dq_i \\mathrel{+}= \\sigma \\sum_j dT_j k_j, \\quad dk_j \\mathrel{+}= \\sigma\\, dT_j q_i,
+        \\quad dv_j \\mathrel{+}= \\kappa_j P_j\\, dO_i
+
+    (``s_j`` the scaled score, ``c`` the softcap, ``sigma`` the scale). Excluded keys and
+    empty rows contribute nothing (exact zeros). dk and dv sum the query heads of a kv group;
+    every gradient is summed back to its argument's own (broadcast) shape.
+    """
+    batch_shape = spec.batch_shape
+    shapes = (q.shape, k.shape, v.shape)
+    q, k, v, do = (_flat(a, batch_shape) for a in (q, k, v, grad_out))
+    batch, heads, length, _ = q.shape
+    dq, dk, dv = _zeros(q.shape), _zeros(k.shape), _zeros(v.shape)
+    scale = _scale_interval(spec)
+    cap = None if spec.softcap is None else I.point(spec.softcap)
+    keep_scale = None if spec.dropout_mask is None else I.point(spec.keep_scale)
+    for b in range(batch):
+        for h in range(heads):
+            g = int(spec.kv_head[h])
+            scores = np.matmul(q[b, h], k[b, g].T) * scale
+            allowed = spec.allowed(b, h)
+            slope = None if spec.alibi_slopes is None else I.point(spec.alibi_slopes[h])
+            for i in range(length):
+                row = np.flatnonzero(allowed[i])
+                if row.size == 0:
+                    continue
+                logits = _row_logits(spec, scores, b, h, i, row, cap, slope)
+                top = max(range(len(logits)), key=lambda n: mpf(logits[n]._mpi_[1]))
+                weights = [iv.mpf(1) if n == top else I.exp(t - logits[top])
+                           for n, t in enumerate(logits)]
+                total = sum(weights)
+                probs = [w / total for w in weights]
+                kept = [iv.mpf(1) if keep_scale is None else
+                        (keep_scale if spec.dropout_mask[b, h, i, j] else _ZERO) for j in row]
+                dprobs = [kappa * np.dot(do[b, h, i], v[b, g, j])
+                          for kappa, j in zip(kept, row, strict=True)]
+                delta = sum(p * dp for p, dp in zip(probs, dprobs, strict=True))
+                for n, j in enumerate(row):
+                    dt = probs[n] * (dprobs[n] - delta)
+                    if cap is not None:
+                        dt = dt * (1 - I.tanh(scores[i, j] / cap) ** 2)
+                    dt = dt * scale
+                    dq[b, h, i] = dq[b, h, i] + k[b, g, j] * dt
+                    dk[b, g, j] = dk[b, g, j] + q[b, h, i] * dt
+                    dv[b, g, j] = dv[b, g, j] + do[b, h, i] * (kept[n] * probs[n])
+    grads = (dq, dk, dv)
+    return tuple(reduce_to(a.reshape(batch_shape + a.shape[1:]), shape)
+                 for a, shape in zip(grads, shapes, strict=True))
+
+
+def _relu_slope(x):
+    lo, hi = x._mpi_
+    if mpf_sign(lo) > 0:
+        return iv.mpf(1)
+    if mpf_sign(hi) <= 0:  # includes an exact zero: the slope at 0 is 0 (torch's choice)
+        return _ZERO
+    return iv.make_mpf((fzero, iv.mpf(1)._mpi_[1]))
+
+
+def activation_slope(x: np.ndarray, name: str) -> np.ndarray:
+    """Enclosure of the derivative of ReLU (0 at 0) or of the exact-erf GELU,
+    ``Phi(x) + x phi(x) = (1 + erf(x / sqrt 2)) / 2 + x exp(-x^2 / 2) / sqrt(2 pi)``."""
+    if name == "relu":
+        return _object(x.shape, [_relu_slope(v) for v in x.ravel()])
+    root2 = I.sqrt(I.point(2))
+    density = I.exp(-(x * x) / 2) / I.sqrt(2 * iv.pi)
+    return (1 + I.erf(x / root2)) / 2 + x * density
+
+
+def layer_norm_vjp(x, gamma, eps, grad_out):
+    """Enclosures (dx, dgamma, dbeta) of layer norm over the last axis (biased variance):
+    with ``s = sqrt(var + eps)``, ``xhat = (x - mu) / s`` and ``dxhat = g gamma``,
+    ``dx = (dxhat - mean(dxhat) - xhat mean(dxhat xhat)) / s``, ``dgamma = sum g xhat``,
+    ``dbeta = sum g`` (sums over every axis but the last)."""
+    width = x.shape[-1]
+    centred = x - x.sum(axis=-1, keepdims=True) / width
+    var = (centred**2).sum(axis=-1, keepdims=True) / width
+    var = _object(var.shape, [_nonnegative(v) for v in var.ravel()])
+    sigma = I.sqrt(var + I.point(eps))
+    xhat = centred / sigma
+    dxhat = grad_out if gamma is None else grad_out * gamma
+    dx = (dxhat - dxhat.sum(axis=-1, keepdims=True) / width
+          - xhat * (dxhat * xhat).sum(axis=-1, keepdims=True) / width) / sigma
+    rows = (-1, width)
+    return dx, (grad_out * xhat).reshape(rows).sum(axis=0), grad_out.reshape(rows).sum(axis=0)
+
+
+class EnclosureVJPOps(EnclosureOps):
+    """:class:`EnclosureOps` with the vector-Jacobian product of every operation (the exact
+    path of the ``*_vjp`` functions of :mod:`refattn.transformer`)."""
+
+    @staticmethod
+    def zeros(shape):
+        return _zeros(shape)
+
+    @staticmethod
+    def linear_vjp(x, W, has_bias, g):
+        rows_x, rows_g = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+        return (np.matmul(g, W.T), np.matmul(rows_x.T, rows_g),
+                rows_g.sum(axis=0) if has_bias else None)
+
+    @staticmethod
+    def activation_vjp(x, name, g):
+        return g * activation_slope(x, name)
+
+    @staticmethod
+    def layer_norm_vjp(x, p, g):
+        return layer_norm_vjp(x, p.gamma, p.eps, g)
+
+    def attention_vjp(self, q, k, v, kwargs, g):
+        shapes = [np.broadcast_to(np.float64(0.0), a.shape) for a in (q, k, v)]
+        spec = canonicalize(*shapes, **kwargs)
+        return attention_vjp(q, k, v, g, replace(spec, empty_rows="zero"))
+
+
+def round_vjp(chain, inputs, params, grad_out, dtype, what, *, map_params,
+              zero_arrays=()) -> list:
+    """Gradients of ``sum(grad_out * chain(ops, *inputs, params))`` with respect to the inputs
+    and every parameter array (:func:`refattn._tape.backward_pass` order), as the exact
+    derivative of the whole composition: forward and backward pass enclosed over
+    :class:`EnclosureVJPOps` at each working precision, every gradient rounded once.
+
+    ``zero_arrays``: positions (in that order) of gradients the caller has proved to be exactly
+    zero (an enclosure can only straddle 0; they are settled by the Ziv loop's exact
+    fallback instead of running it to its precision cap)."""
+    args = [np.asarray(a, dtype=np.float64) for a in inputs]
+    sizes = []
+
+    def evaluate(prec):
+        ops = EnclosureVJPOps()
+        with I.workprec(prec):
+            grads = backward_pass(Tape(ops), chain, args, params, grad_out, I.to_intervals,
+                                  map_params)
+        if any(np.any(rows) for rows in ops.nan_rows):
+            raise ValueError(f"{what}: the exact vector-Jacobian product does not support "
+                             "empty rows with empty_rows='nan' (NaN outputs)")
+        sizes[:] = [(g.shape, g.size) for g in grads]
+        return I.endpoints(np.concatenate([g.ravel() for g in grads]))
+
+    def exact_zero(index):
+        start = 0
+        for position, (_, size) in enumerate(sizes):
+            if start <= index[0] < start + size:
+                return 0 if position in zero_arrays else None
+            start += size
+        return None
+
+    flat = correctly_round(evaluate, dtype, what=what, fallback=exact_zero)
+    out, start = [], 0
+    for shape, size in sizes:
+        out.append(flat[start:start + size].reshape(shape))
+        start += size
+    return out

@@ -11,7 +11,11 @@ from fractions import Fraction
 import mpmath
 import numpy as np
 
-__all__ = ["DPS", "exact_naive_step", "mp_matrix", "mp_solve", "mp_inverse", "mp_ising"]
+from .mp import richardson_gradient
+
+__all__ = ["DPS", "exact_naive_step", "mp_matrix", "mp_solve", "mp_inverse", "mp_ising",
+           "richardson_gradient", "linear_means_loss", "deq_loss", "ising_loss",
+           "mp_softmax_couplings"]
 
 #: Decimal digits of the mpmath evaluations.
 DPS = 50
@@ -49,7 +53,7 @@ def mp_ising(x, J, m0, V0):
     n = len(x)
     with mpmath.workdps(DPS):
         Jm = mpmath.matrix(J.tolist())
-        xs = [mpmath.mpf(float(v)) for v in x]
+        xs = [mpmath.mpf(v) for v in x]  # floats exactly, or mpf (perturbed inputs)
 
         def equations(*u):
             m, V = u[:n], u[n:]
@@ -64,3 +68,91 @@ def mp_ising(x, J, m0, V0):
         m, V = [root[i] for i in range(n)], [root[n + i] for i in range(n)]
         return (np.array(m, dtype=object), np.array(V, dtype=object),
                 np.array([1 - v ** 2 for v in m], dtype=object))
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+def _blocks_matrix(J, n, d):
+    """(N, N, d, d) nested values -> mpmath (N d, N d) matrix with row (i, a), column (j, b)."""
+    return mpmath.matrix([[J[i][j][a][b] for j in range(n) for b in range(d)]
+                          for i in range(n) for a in range(d)])
+
+
+def _split(flat, x_shape, J_shape):
+    size = int(np.prod(x_shape))
+    x = np.array(flat[:size], dtype=object).reshape(x_shape)
+    J = np.array(flat[size:], dtype=object).reshape(J_shape)
+    return x, J
+
+
+def linear_means_loss(x_shape, J_shape, P, g):
+    """``theta = (x, J) -> sum g . m`` with ``m = (P - J)^{-1} x`` (one sample; the means of
+    the Gaussian adaptive TAP fixed point, Bal 2021 section 3.3, and of deep implicit
+    attention with ``f = 0``, eq. (23), for ``P = I``)."""
+    n, d = x_shape
+
+    def loss(flat):
+        x, J = _split(flat, x_shape, J_shape)
+        A = mpmath.matrix([[P[i * d + a][j * d + b] for j in range(n) for b in range(d)]
+                           for i in range(n) for a in range(d)]) - _blocks_matrix(J, n, d)
+        m = mpmath.lu_solve(A, mpmath.matrix(list(x.ravel())))
+        return mpmath.fsum(float(gk) * m[k] for k, gk in enumerate(np.ravel(g)))
+
+    return loss
+
+
+def deq_loss(x_shape, J_shape, g, correction, z0):
+    """``theta = (x, J) -> sum g . z`` with ``z = J z - f(z) + x`` (eq. (23)) solved by
+    mpmath findroot from ``z0``; ``correction`` maps one mpf to one mpf (element-wise f)."""
+    n, d = x_shape
+
+    def loss(flat):
+        x, J = _split(flat, x_shape, J_shape)
+        Jm = _blocks_matrix(J, n, d)
+        xs = list(x.ravel())
+
+        def equations(*z):
+            return [z[r] - mpmath.fsum(Jm[r, c] * z[c] for c in range(n * d)) + correction(z[r])
+                    - xs[r] for r in range(n * d)]
+
+        z = mpmath.findroot(equations, [mpmath.mpf(float(v)) for v in np.ravel(z0)],
+                            tol=mpmath.mpf(10) ** (-2 * DPS + 10))
+        return mpmath.fsum(float(gk) * z[k] for k, gk in enumerate(np.ravel(g)))
+
+    return loss
+
+
+def ising_loss(n, g, m0, V0):
+    """``theta = (x, J) -> sum g . m`` for the binary-spin TAP fixed point (:func:`mp_ising`
+    from the float start ``(m0, V0)``)."""
+
+    def loss(flat):
+        x, J = _split(flat, (n,), (n, n))
+        m, _, _ = mp_ising(x, J, m0, V0)
+        return mpmath.fsum(float(gk) * mk for gk, mk in zip(g, m, strict=True))
+
+    return loss
+
+
+def mp_softmax_couplings(x, W_Q, W_K, W_V, allowed):
+    """Eq. (24) with an allowed set, one sample: ``J_ij^{ab} = A_ij W_V[b, a]`` over the
+    allowed j (0 elsewhere), scale ``1/sqrt(D)``, at DPS digits (object array of mpf)."""
+    n, d = x.shape
+    with mpmath.workdps(DPS):
+        X = mpmath.matrix(x.tolist())
+        q, k = X * mpmath.matrix(W_Q.tolist()), X * mpmath.matrix(W_K.tolist())
+        scale = 1 / mpmath.sqrt(W_Q.shape[1])
+        out = np.empty((n, n, d, d), dtype=object)
+        out[...] = mpmath.mpf(0)
+        for i in range(n):
+            keys = [j for j in range(n) if allowed[i, j]]
+            scores = {j: scale * mpmath.fsum(q[i, c] * k[j, c] for c in range(q.cols))
+                      for j in keys}
+            total = mpmath.fsum(mpmath.exp(s) for s in scores.values())
+            for j in keys:
+                weight = mpmath.exp(scores[j]) / total
+                for a in range(d):
+                    for b in range(d):
+                        out[i, j, a, b] = weight * mpmath.mpf(W_V[b, a])
+        return out

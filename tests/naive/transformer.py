@@ -16,7 +16,10 @@ __all__ = ["mp_array", "naive_linear", "naive_layer_norm", "naive_attention_rows
 
 
 def mp_array(a) -> np.ndarray:
-    """Float array -> object array of mpf holding the exact values."""
+    """Float array -> object array of mpf holding the exact values (mpf arrays, e.g.
+    perturbed parameters of a central difference, are returned as they are)."""
+    if isinstance(a, np.ndarray) and a.dtype == object:
+        return a
     a = np.asarray(a, dtype=np.float64)
     out = np.empty(a.shape, dtype=object)
     for index, v in np.ndenumerate(a):
@@ -45,9 +48,9 @@ def naive_layer_norm(x, norm):
         for j, v in enumerate(row):
             y = (v - mean) / sigma
             if norm.gamma is not None:
-                y *= mpmath.mpf(float(norm.gamma[j]))
+                y *= mpmath.mpf(norm.gamma[j])
             if norm.beta is not None:
-                y += mpmath.mpf(float(norm.beta[j]))
+                y += mpmath.mpf(norm.beta[j])
             out[index + (j,)] = y
     return out
 
