@@ -26,7 +26,7 @@ from refattn.exact.rounding import format_of
 from .catalogue import seeding
 from .catalogue.case import Case
 from .catalogue.names import ATTENTION_OPTIONS
-from .catalogue.variants import BOOL_INPUTS, call_refattn
+from .catalogue.variants import BOOL_INPUTS, call_refattn, call_refattn_vjp
 from .heads import alibi_bias, dequantised, resolve_scale, with_heads
 from .tolerance import accumulation_dtype, allowed_positions
 
@@ -38,6 +38,7 @@ __all__ = [
     "variant_float64_path",
     "variant_baseline",
     "dequantised_inputs",
+    "variant_vjp_baseline",
 ]
 
 
@@ -357,6 +358,15 @@ def variant_baseline(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, 
     inputs (exact in float64), each output rounded once to the case dtype."""
     return {name: _float64(seeding.to_dtype(value, case.dtype))
             for name, value in variant_float64_path(case, inputs).items()}
+
+
+def variant_vjp_baseline(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The baseline of (T2) for a variant gradient case: refattn's float64 vjp on the case's
+    inputs (exact in float64), each gradient rounded once to the case dtype."""
+    raw = {name: (value if name in BOOL_INPUTS else _float64(value))
+           for name, value in inputs.items()}
+    return {name: _float64(seeding.to_dtype(_float64(value), case.dtype))
+            for name, value in call_refattn_vjp(case, raw).items()}
 
 
 def _float64(x):

@@ -26,11 +26,11 @@ def case_features(case, grads=False, inputs=()) -> tuple[list[str], list[str]]:
     scale, empty-rows-nan, poison (robustness), gradients (only when ``grads`` is asked),
     sinks, kv-lengths, fp8 (float8 q, k, v with descales).
     Shape classes: single-query (L = 1), L<S, L=S, L>S, long-rows (S >= 512), batched (B > 1).
-    Variant cases give their function name as the only feature.
+    Variant cases give their function name (and gradients, when asked on a gradient case).
     """
     n, options = case.shapes, case.options
     if case.function != "attention":
-        return [case.function], []
+        return [case.function] + (["gradients"] if grads and case.grads else []), []
     features = []
     if options.get("causal"):
         features.append("causal")

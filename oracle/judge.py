@@ -15,10 +15,13 @@ oracle first adds ``return_lse=True``; an implementation that rejects that keywo
 naming it) or raises NotImplementedError for it is called again without it and its lse is not
 checked. It returns ``out`` or ``(out, lse)``. Gradients (``grads=True``, cases that carry
 them) come from ``impl.vjp(q, k, v, grad_out, [grad_lse=...,] **options) -> (dq, dk, dv[,
-dbias[, dsinks]])`` (dsinks (H,) for cases with sinks). Variants: ``impl(**inputs,
-**options)`` with the refattn function's parameter names (see :mod:`oracle.catalogue.variants`).
-float8 inputs (fp8 cases) are passed as stored, with their ``q_descale``/``k_descale``/
-``v_descale``; the output is judged in the case dtype (bfloat16).
+dbias[, dsinks]])`` (dsinks (H,) for cases with sinks). float8 inputs (fp8 cases) are passed
+as stored, with their ``q_descale``/``k_descale``/``v_descale``; the output is judged in the
+case dtype (bfloat16). Variants: ``impl(**inputs, **options)`` with the refattn function's
+parameter names (see :mod:`oracle.catalogue.variants`); their gradients (``grads=True`` on a
+case that carries them) come from ``impl.vjp(**inputs, grad_out=..., **options)`` -- or, for a
+plain function ``f``, the ``f_vjp`` of its module -- returning the ``d<name>`` of each
+positional array argument (a NamedTuple, a tuple in that order or a mapping).
 
 Verdicts
 --------
@@ -56,10 +59,11 @@ from .baseline import (
     textbook_attention,
     textbook_attention_vjp,
     variant_baseline,
+    variant_vjp_baseline,
 )
-from .catalogue.variants import FUNCTIONS, outputs_of
+from .catalogue.variants import FUNCTIONS, forward_inputs, grad_names, outputs_of
 from .results import CaseResult, Check, Worst
-from .variant_scales import condition, natural_scale
+from .variant_scales import condition, grad_floor_terms, grad_scale, natural_scale
 
 __all__ = ["check_fixture", "run_guarded", "call_forward"]
 
@@ -321,11 +325,14 @@ def check_fixture(impl, fixture, *, grads=False, diagnose=True, reproduce="") ->
 
     Attention fixtures call ``impl(q, k, v, **options)`` (and ``impl.vjp`` with ``grads``);
     variant fixtures (``Case.function`` other than "attention") call
-    ``impl(**inputs, **options)`` and ignore ``grads`` and ``diagnose``.
+    ``impl(**inputs, **options)`` (inputs without grad_out) and, with ``grads`` on a case
+    that carries gradients, ``vjp(**inputs, **options)`` (grad_out included) with ``vjp``
+    the implementation's ``.vjp`` or, for a plain function ``f``, the ``f_vjp`` of its
+    module; they ignore ``diagnose``.
     """
     case = fixture.case
     if case.function != "attention":
-        return _check_variant(impl, fixture, reproduce)
+        return _check_variant(impl, fixture, reproduce, grads)
     result = CaseResult(case.name, case.category, case.dtype, "pass", reproduce=reproduce,
                         description=getattr(case, "description", ""))
     return run_guarded(result, lambda: _run_checks(impl, fixture, grads, diagnose, result))
@@ -473,15 +480,18 @@ def _copy(x):
     return np.copy(x) if isinstance(x, np.ndarray) else x
 
 
-def _check_variant(impl, fixture, reproduce):
+def _check_variant(impl, fixture, reproduce, grads=False):
     """Run a variant implementation on one fixture and judge each output by (T1)/(T2) with
-    the floor (V1) of :func:`oracle.tolerance.variant_floor`."""
+    the floor (V1) of :func:`oracle.tolerance.variant_floor`; with ``grads`` on a gradient
+    case also its vjp (:func:`_check_variant_grads`)."""
     case = fixture.case
     result = CaseResult(case.name, case.category, case.dtype, "pass", reproduce=reproduce,
                         description=case.description)
+    notes = []
 
     def check():
-        produced = impl(**{k: _copy(v) for k, v in fixture.inputs.items()},
+        inputs = forward_inputs(fixture.inputs)
+        produced = impl(**{k: _copy(v) for k, v in inputs.items()},
                         **{k: _copy(v) for k, v in case.options.items()})
         outputs = outputs_of(case, produced)
         truths = {n: _as_float64(fixture.truth[n + "_f64"])
@@ -491,26 +501,77 @@ def _check_variant(impl, fixture, reproduce):
         spec = FUNCTIONS[case.function]
         floor = tol.variant_floor(case.dtype, condition=cond, n=spec.n_roundings(case),
                                   n_stored=spec.n_stored)
-        problems = []
-        with np.errstate(all="ignore"):
-            for name, truth64 in truths.items():
-                if name not in outputs or outputs[name] is None:
-                    problems.append(f"{name}: not returned")
-                    continue
-                value = _as_float64(outputs[name])
-                if value.shape != truth64.shape:
-                    problems.append(f"{name} has shape {value.shape}, expected {truth64.shape}")
-                    continue
-                scale = natural_scale(case, fixture.inputs, name, truth64)
-                base_err = np.where(np.isfinite(truth64), tol.normalised_error(
-                    base[name], truth64, scale, case.dtype), 0.0)
-                threshold = tol.threshold(base_err, floor, case.dtype, k=tol.K_FORWARD)
-                result.checks[name] = _judge(name, value, truth64, scale, threshold,
-                                             case.dtype)
+        problems = _judge_variant_outputs(case, fixture, outputs, truths, base, floor,
+                                          tol.K_FORWARD, result.checks,
+                                          lambda name, truth64: natural_scale(
+                                              case, fixture.inputs, name, truth64))
+        if grads and case.grads and "grad_out" in fixture.inputs:
+            vjp = _variant_vjp(impl)
+            if vjp is None:
+                notes.append("gradients asked for but not checked: the implementation has "
+                             "no .vjp (nor an f_vjp beside it)")
+            else:
+                problems += _check_variant_grads(case, fixture, vjp, cond, result.checks)
         failing = [c for c in result.checks.values() if not c.passed]
         if problems or failing:
             result.verdict = "fail"
             result.message = "; ".join(problems + [
                 f"{c.quantity}: {c.n_failed} of {c.size} elements over the threshold"
                 for c in failing])
+        elif notes:
+            result.verdict = "unsupported"  # gradients were asked for: never a pass
+            result.message = "; ".join(notes)
     return run_guarded(result, check)
+
+
+def _judge_variant_outputs(case, fixture, outputs, truths, base, floor, k, checks, scale_of):
+    problems = []
+    with np.errstate(all="ignore"):
+        for name, truth64 in truths.items():
+            if name not in outputs or outputs[name] is None:
+                problems.append(f"{name}: not returned")
+                continue
+            value = _as_float64(outputs[name])
+            if value.shape != truth64.shape:
+                problems.append(f"{name} has shape {value.shape}, expected {truth64.shape}")
+                continue
+            scale = scale_of(name, truth64)
+            base_err = np.where(np.isfinite(truth64), tol.normalised_error(
+                base[name], truth64, scale, case.dtype), 0.0)
+            threshold = tol.threshold(base_err, floor, case.dtype, k=k)
+            checks[name] = _judge(name, value, truth64, scale, threshold, case.dtype)
+    return problems
+
+
+def _variant_vjp(impl):
+    """``impl.vjp``, or for a plain function ``f`` the ``f_vjp`` defined beside it."""
+    vjp = getattr(impl, "vjp", None)
+    if vjp is not None:
+        return vjp
+    import sys
+
+    module = sys.modules.get(getattr(impl, "__module__", None) or "")
+    name = getattr(impl, "__name__", None)
+    return getattr(module, f"{name}_vjp", None) if module is not None and name else None
+
+
+def _check_variant_grads(case, fixture, vjp, forward_condition, checks):
+    """Judge a variant vjp: each ``d<name>`` by (T1)/(T2) against the exact gradients, with
+    the baseline refattn's float64 vjp and the gradient floor of
+    :func:`oracle.variant_scales.grad_floor_terms`."""
+    names = grad_names(case.function)
+    produced = vjp(**{k: _copy(v) for k, v in fixture.inputs.items()},
+                   **{k: _copy(v) for k, v in case.options.items()})
+    if isinstance(produced, dict):
+        outputs = {n: produced.get(n) for n in names}
+    elif isinstance(produced, (tuple, list)) and not hasattr(produced, names[0]):
+        outputs = dict(zip(names, produced, strict=False))
+    else:
+        outputs = {n: getattr(produced, n, None) for n in names}
+    truths = {n: _as_float64(fixture.truth[n + "_f64"]) for n in names}
+    base = variant_vjp_baseline(case, fixture.inputs)
+    cond, n = grad_floor_terms(case, forward_condition)
+    floor = tol.variant_floor(case.dtype, condition=cond, n=n,
+                              n_stored=FUNCTIONS[case.function].n_stored)
+    return _judge_variant_outputs(case, fixture, outputs, truths, base, floor, tol.K_BACKWARD,
+                                  checks, lambda name, truth64: grad_scale(truth64))

@@ -27,8 +27,9 @@ from collections.abc import Mapping
 import numpy as np
 
 from .catalogue.case import Case
+from .catalogue.variants import FUNCTIONS
 
-__all__ = ["natural_scale", "condition"]
+__all__ = ["natural_scale", "condition", "grad_scale", "grad_floor_terms"]
 
 
 def _f64(x):
@@ -75,6 +76,35 @@ def natural_scale(case: Case, inputs: Mapping[str, np.ndarray], name: str,
     if fn == "meanfield.ising_tap" and name in ("means", "chi_diag"):
         scale = np.maximum(scale, 1.0)  # |m| <= 1, chi_ii = 1 - m^2 <= 1
     return np.broadcast_to(scale, truth64.shape)
+
+
+def grad_scale(truth64: np.ndarray) -> np.ndarray:
+    """The denominator of (T1) for a gradient ``d<name>`` of a variant case: the largest
+    ``|truth|`` of the gradient in each sample (axis 0), as for the fixed points.
+
+    A gradient is a signed sum of products through the whole computation; no per-element sum
+    of absolute terms is derived for the variants (unlike attention's
+    :func:`refattn.bounds.grad_scales`), so the per-sample magnitude is the scale.
+    """
+    truth64 = np.asarray(truth64, dtype=np.float64)
+    axes = tuple(range(1, truth64.ndim))
+    finite = np.where(np.isfinite(truth64), np.abs(truth64), 0.0)
+    scale = finite.max(axis=axes, keepdims=True) if axes else finite
+    return np.broadcast_to(scale, truth64.shape)
+
+
+def grad_floor_terms(case: Case, forward_condition: float) -> tuple[float, int]:
+    """``(c, n)`` of the floor (V1) for a variant's gradients.
+
+    The reverse pass re-runs the forward's chain (the weights) and then as many operations
+    again through the transposed chain, each cotangent passing the softmax (or ratio) once
+    more: ``c = 2 c_forward`` and ``n = 2 n_forward + D + E`` (the cotangent's dot products
+    with the values and the distance vectors). A policy, not an a-priori bound: no bound is
+    derived for the variants' vjps.
+    """
+    spec = FUNCTIONS[case.function]
+    return 2.0 * float(forward_condition), 2 * spec.n_roundings(case) + case.shapes.D + \
+        case.shapes.E
 
 
 def _sq_terms(a, b, weight):

@@ -24,10 +24,11 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _checks
+from ._broadcast import reduce_to
 from .exact import hopfield as exact
 from .logspace import logsumexp
 
-__all__ = ["energy", "retrieve", "RetrieveResult"]
+__all__ = ["energy", "retrieve", "retrieve_vjp", "RetrieveResult", "RetrieveGrads"]
 
 
 class RetrieveResult(NamedTuple):
@@ -41,6 +42,14 @@ class RetrieveResult(NamedTuple):
     states: np.ndarray
     energy: np.ndarray
     steps: np.ndarray
+
+
+class RetrieveGrads(NamedTuple):
+    """Result of :func:`retrieve_vjp`: dxi (..., L, D) and dX (..., S, D), each in its
+    argument's shape."""
+
+    dxi: np.ndarray
+    dX: np.ndarray
 
 
 def _inputs(xi, patterns, beta):
@@ -199,3 +208,88 @@ def _retrieve64(xi, patterns, beta, steps, tol, want_trace):
             break
     return RetrieveResult(state, trace, done) if want_trace else state
 
+
+
+def retrieve_vjp(xi, X, grad_out, *, beta, steps=1, tol=None, precision="float64",
+                 out_dtype=None):
+    """Vector-Jacobian product of :func:`retrieve` (the states) with respect to xi and X.
+
+    Reverse mode through the ``steps`` updates (U) ``xi^{t+1} = X^T softmax(beta X xi^t)``;
+    X enters every update twice (keys and values). For one update with weights P and
+    cotangent ``g`` of ``xi^{t+1}``:
+
+    .. math::
+
+        dP_j = g \\cdot x_j,\\quad dS_j = P_j\\big(dP_j - \\textstyle\\sum_k P_k dP_k\\big),
+        \\quad \\bar\\xi^t = \\beta \\sum_j dS_j x_j,\\quad
+        \\bar x_j \\mathrel{+}= P_j g + \\beta\\, dS_j\\, \\xi^t .
+
+    Parameters
+    ----------
+    xi, X, beta, steps
+        As :func:`retrieve`.
+    grad_out : array (..., L, D)
+        The cotangent of the retrieved states.
+    tol : float, optional
+        float64 path only, as :func:`retrieve`: a row that stopped is constant afterwards (the
+        stopping decision itself has no derivative).
+    precision : {"float64", "exact"}
+        "exact": the exact derivative of the ``steps`` exact updates, every element rounded
+        once (enclosures and the Ziv loop, :mod:`refattn.exact.hopfield`).
+    out_dtype : dtype, optional (exact path)
+
+    Returns
+    -------
+    RetrieveGrads(dxi (..., L, D), dX (..., S, D)), each summed back to its argument's shape.
+
+    Notes
+    -----
+    float64 path: every update's backward is :func:`refattn.attention_vjp` (q = xi^t,
+    k = v = X, scale = beta), whose bound (:func:`refattn.bounds.float64_vjp_bound`) holds per
+    step; no bound is derived for the composition of several steps.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn import hopfield
+    >>> X = np.array([[1.0, 0.0], [0.0, 1.0]])
+    >>> g = hopfield.retrieve_vjp(np.zeros((1, 2)), X, np.ones((1, 2)), beta=1.0)
+    >>> g.dX.tolist()  # weights 1/2 each; dP_j equal, so dS = 0
+    [[0.5, 0.5], [0.5, 0.5]]
+    """
+    precision = _checks.precision(precision)
+    shapes = (np.shape(xi), np.shape(X))
+    xi, patterns, beta, batch = _inputs(xi, X, beta)
+    if isinstance(steps, bool) or not isinstance(steps, int | np.integer) or steps < 1:
+        raise ValueError(f"steps: expected an int >= 1, got {steps!r}")
+    tol = _checks.iteration_tol(tol, precision, "`steps` updates")
+    go = _checks.finite_array(grad_out, "grad_out", 2)
+    go = _checks.broadcast(go, xi.shape, "grad_out", "(..., L, D) of xi")
+    if precision == "exact":
+        return RetrieveGrads(*exact.retrieve_vjp(xi, patterns, go, beta, int(steps), shapes,
+                                                 _checks.out_dtype(out_dtype)))
+    return _retrieve_vjp64(_checks.as_float64(xi), _checks.as_float64(patterns),
+                           _checks.as_float64(go), beta, int(steps), tol, shapes)
+
+
+def _retrieve_vjp64(xi, patterns, grad, beta, steps, tol, shapes):
+    from .attention import attention, attention_vjp
+
+    states, actives = [xi], []
+    active = np.ones(xi.shape[:-1], dtype=bool)
+    for _ in range(steps):
+        if not active.any():
+            break
+        new = np.where(active[..., None], attention(states[-1], patterns, patterns,
+                                                    scale=beta), states[-1])
+        actives.append(active.copy())
+        if tol is not None:
+            active &= ~(np.max(np.abs(new - states[-1]), axis=-1) <= tol)
+        states.append(new)
+    dpatterns = np.zeros(patterns.shape)
+    for state, active in zip(reversed(states[:-1]), reversed(actives), strict=True):
+        step = attention_vjp(state, patterns, patterns, np.where(active[..., None], grad, 0.0),
+                             scale=beta)
+        dpatterns = dpatterns + step.dk + step.dv
+        grad = np.where(active[..., None], step.dq, grad)
+    return RetrieveGrads(reduce_to(grad, shapes[0]), reduce_to(dpatterns, shapes[1]))

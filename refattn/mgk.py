@@ -35,16 +35,38 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _checks
+from ._broadcast import reduce_to
 from .exact import mgk as exact
 from .logspace import log_softmax, logsumexp, softmax
 from .masks import allowed_mask
 
-__all__ = ["attention", "em_update_pi", "linear_attention", "EMResult", "MODES",
-           "FEATURE_MAPS"]
+__all__ = ["attention", "attention_vjp", "em_update_pi", "linear_attention",
+           "linear_attention_vjp", "EMResult", "MGKGrads", "MODES", "FEATURE_MAPS", "MLK_FORMS",
+           "PI_UPDATES", "LM_EPS"]
 
 MODES = ("soft", "hard")
 BACKENDS = ("numpy", "numba")
 FEATURE_MAPS = ("elu+1",)
+#: ``linear_attention(mlk_form=...)``: refattn's mixture of kernels, and the two readings of
+#: the public transformer-mgk code (see :func:`linear_attention`).
+MLK_FORMS = ("mixture", "lra", "lm")
+#: ``em_update_pi(pi_update=...)``: refattn's joint responsibilities, or the public code's
+#: per-key average (see :func:`em_update_pi`).
+PI_UPDATES = ("joint", "per_key")
+#: The constant the public language-modelling code adds to the MLK denominator
+#: (``mlk_form="lm"``), taken at its float64 value.
+LM_EPS = exact.LM_EPS
+
+
+class MGKGrads(NamedTuple):
+    """Result of :func:`attention_vjp` and :func:`linear_attention_vjp`.
+
+    dq : (..., L, D), dkeys : (..., S, R, D), dv : (..., S, E), each in its argument's shape.
+    """
+
+    dq: np.ndarray
+    dkeys: np.ndarray
+    dv: np.ndarray
 
 
 class EMResult(NamedTuple):
@@ -130,12 +152,14 @@ def _log_pi(log_pi, shape):
     return wide, arr.dtype
 
 
-def _pi(pi, shape):
+def _pi(pi, shape, distribution=True):
     arr = _checks.float_array(pi, "pi", ndim_min=2)
     wide = _checks.as_float64(arr)
     if not np.isfinite(wide).all() or (wide < 0).any():
         raise ValueError(f"pi: expected mixture weights >= 0 and finite (shape {wide.shape})")
     wide = _checks.broadcast(wide, shape, "pi", "(..., S, R)")
+    if not distribution:
+        return wide
     sums = wide.sum(axis=-1)
     slack = _distribution_slack(arr.dtype, shape[-1] + 1)
     if not (np.abs(sums - 1) <= slack).all():
@@ -187,8 +211,8 @@ def _clean(x):
 
 
 def attention(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=False, mask=None,
-              causal=False, window=None, align="top_left", precision="float64", out_dtype=None,
-              backend="numpy"):
+              causal=False, window=None, align="top_left", row_eps=0.0, precision="float64",
+              out_dtype=None, backend="numpy"):
     """Transformer-MGK attention (Nguyen et al. 2022; notes (N6)-(N7), hard form (N9)).
 
     .. math::
@@ -220,10 +244,19 @@ def attention(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=Fa
         excluded positions are removed from every sum. A row with no allowed key gives 0.
         A NaN/Inf in an excluded key or value never reaches the output; one in an allowed key,
         value, or in q makes the row NaN.
+    row_eps : float >= 0
+        Adds ``row_eps`` to the row normaliser: ``P_ij = e^{s_ij} / (sum_{j' in A_i}
+        e^{s_ij'} + row_eps)`` (weights then sum to less than 1 and the scores' absolute level
+        matters). Default 0 (refattn's reading: the posterior (N2)). ``row_eps=1e-6`` is the
+        public language-modelling code's soft MGK (repository minhtannguyen/transformer-mgk,
+        file language-modeling/lmtool-fwms/src/mem_transformer.py, class MGKAttn), which adds
+        1e-6 to the row sum of ``sum_r pi exp(.)``: every weight of row i shrinks by the
+        factor ``Z_i / (Z_i + row_eps)``, ``Z_i = sum_j e^{s_ij}`` (about 9% at Z_i = 1e-5).
+        Evaluated in log-space as ``exp(s_ij - logaddexp(lse_j s_ij, log row_eps))``.
     precision : {"float64", "exact"}
     out_dtype : dtype, optional (exact path)
     backend : {"numpy", "numba"}
-        float64 path only: "numba" runs the deterministic streaming kernel
+        float64 path only (and ``row_eps=0``): "numba" runs the deterministic streaming kernel
         :func:`refattn.kernels.variants.mgk_attention` (no (L, S, R) array; same operations,
         sequential sums; within the same error bound, bit-identical for any thread count).
 
@@ -247,9 +280,13 @@ def attention(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=Fa
     """
     precision = _checks.precision(precision)
     mode = _checks.choice(mode, "mode", MODES)
+    row_eps = _row_eps(row_eps)
     if _checks.choice(backend, "backend", BACKENDS) == "numba" and precision != "float64":
         raise ValueError("backend: 'numba' runs the float64 path only; pass "
                          "precision='float64' or backend='numpy'")
+    if backend == "numba" and row_eps:
+        raise ValueError("backend: the numba kernel has no row_eps; pass row_eps=0 or "
+                         "backend='numpy'")
     if v is None:
         raise TypeError("v: expected a float array (..., S, E), got None")
     q, keys, v, batch = _inputs(q, keys, v)
@@ -274,15 +311,159 @@ def attention(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=Fa
         terms = _component_terms64(_clean(q64), _clean(keys64), log_pi, sigma2, sigma_varies,
                                    mode, normalized)
         scores = _scores64(terms, mode)
-        weights = softmax(scores, axis=-1, where=allowed & ~np.isneginf(scores))
+        weights = _weights64(scores, allowed & ~np.isneginf(scores), row_eps)
         out = weights @ _clean(v64)
         return np.where(poisoned[..., None], np.nan, out)
 
     return exact.attention(q, _clean(keys64), v, log_pi, sigma2, sigma_varies, mode, normalized,
-                           allowed, poisoned, _checks.out_dtype(out_dtype))
+                           allowed, poisoned, row_eps, _checks.out_dtype(out_dtype))
 
 
-def em_update_pi(q, keys, *, log_pi, sigma2, mask=None, precision="float64", out_dtype=None):
+def _vjp_inputs(q, keys, v, grad_out):
+    """Validated (q, keys, v, batch, grad_out broadcast to (..., L, E)); all finite."""
+    if v is None:
+        raise TypeError("v: expected a float array (..., S, E), got None")
+    q, keys, v, batch = _inputs(q, keys, v)
+    go = _checks.float_array(grad_out, "grad_out", ndim_min=2)
+    go = _checks.broadcast(go, batch + (q.shape[-2], v.shape[-1]), "grad_out", "(..., L, E)")
+    for name, arr in (("q", q), ("keys", keys), ("v", v), ("grad_out", go)):
+        if not np.isfinite(_checks.as_float64(arr)).all():
+            raise ValueError(f"{name}: the vjp expects finite values (shape {arr.shape})")
+    return q, keys, v, batch, go
+
+
+def _hard_share(terms, scores):
+    """d max_r / d t_r: 1/n on the n components attaining the max (ties split equally)."""
+    top = (terms == scores[..., None]) & ~np.isneginf(terms)
+    return top / np.maximum(top.sum(axis=-1, keepdims=True), 1)
+
+
+def _softmax_backward(weights, dweights):
+    """dS_ij = P_ij (dP_ij - sum_k P_ik dP_ik) (also right with row_eps: d/ds_k of the
+    normaliser Z + eps is e^{s_k})."""
+    return weights * (dweights - (weights * dweights).sum(axis=-1, keepdims=True))
+
+
+def attention_vjp(q, keys, v, grad_out, *, log_pi=None, sigma2=1.0, mode="soft",
+                  normalized=False, mask=None, causal=False, window=None, align="top_left",
+                  row_eps=0.0, precision="float64", out_dtype=None):
+    """Vector-Jacobian product of :func:`attention` with respect to q, keys and v.
+
+    With ``P_ij`` the weights, ``rho_ijr = d s_ij / d t_ijr`` (soft: ``exp(t_ijr - s_ij)``,
+    the component's share of key j's score; hard: see below) and ``t_ijr = ... - ||q_i -
+    k_jr||^2 / (2 sigma2_jr)`` the component terms of (N6):
+
+    .. math::
+
+        dP_{ij} = \\bar h_i \\cdot v_j,\\quad
+        dS_{ij} = P_{ij}\\big(dP_{ij} - \\textstyle\\sum_k P_{ik} dP_{ik}\\big),\\quad
+        dt_{ijr} = dS_{ij}\\,\\rho_{ijr},
+
+        \\bar q_i = -\\sum_{j,r} dt_{ijr} \\frac{q_i - k_{jr}}{\\sigma^2_{jr}},\\quad
+        \\bar k_{jr} = \\sum_i dt_{ijr} \\frac{q_i - k_{jr}}{\\sigma^2_{jr}},\\quad
+        \\bar v_j = \\sum_i P_{ij} \\bar h_i .
+
+    **Hard mode at ties.** ``max_r`` is not differentiable where two components tie; refattn
+    takes the subgradient that splits ``dS_ij`` equally over the n components attaining the
+    max (``rho = 1/n`` on them, 0 elsewhere): the limit of the soft derivative as the
+    temperature goes to 0, and independent of the components' order. Ties are exact
+    comparisons of the exact terms on the exact path and of the computed terms in float64.
+
+    Parameters
+    ----------
+    q, keys, v
+        As :func:`attention` (finite values).
+    grad_out : array (..., L, E)
+        The cotangent of the output.
+    log_pi, sigma2, mode, normalized, mask, causal, window, align, row_eps
+        As :func:`attention`; log_pi and sigma2 are constants here (no gradient).
+    precision : {"float64", "exact"}
+        "exact": every element the exact derivative, rounded once to out_dtype (rigorous
+        enclosures and the Ziv loop, :mod:`refattn.exact.mgk`).
+    out_dtype : dtype, optional (exact path)
+
+    Returns
+    -------
+    MGKGrads(dq (..., L, D), dkeys (..., S, R, D), dv (..., S, E)), each summed back to its
+    argument's shape where the batch dimensions broadcast.
+
+    Notes
+    -----
+    float64 path: the analytic backward above in NumPy from log-space weights (no
+    exponential of an unshifted score). First-order error bound per element:
+    :func:`refattn.bounds.mgk_vjp_bound` (for ``row_eps=0``; in hard mode where the float64
+    tie sets equal the exact ones).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn import mgk
+    >>> q = np.zeros((1, 1)); keys = np.array([[[0.0]], [[2.0]]]); v = np.array([[1.0], [0.0]])
+    >>> g = mgk.attention_vjp(q, keys, v, np.ones((1, 1)))
+    >>> [round(x, 6) for x in g.dv.ravel().tolist()]
+    [0.880797, 0.119203]
+    """
+    precision = _checks.precision(precision)
+    mode = _checks.choice(mode, "mode", MODES)
+    row_eps = _row_eps(row_eps)
+    shapes = tuple(np.shape(a) for a in (q, keys, v))
+    q, keys, v, batch, go = _vjp_inputs(q, keys, v, grad_out)
+    comp_shape = batch + keys.shape[-3:-1]
+    sigma2, sigma_varies = _sigma2(sigma2, comp_shape)
+    log_pi, _ = _log_pi(log_pi, comp_shape)
+    length, units = q.shape[-2], keys.shape[-3]
+    allowed = _checks.broadcast(
+        allowed_mask(length, units, mask=mask, causal=causal, window=window, align=align),
+        batch + (length, units), "mask", "(..., L, S) of q and keys")
+    if precision == "exact":
+        grads = exact.attention_vjp(q, keys, v, go, log_pi, sigma2, sigma_varies, mode,
+                                    normalized, allowed, row_eps, _checks.out_dtype(out_dtype),
+                                    shapes)
+    else:
+        grads = _attention_vjp64(*(_checks.as_float64(a) for a in (q, keys, v, go)), log_pi,
+                                 sigma2, sigma_varies, mode, normalized, allowed, row_eps)
+    return MGKGrads(*(reduce_to(g, shape) for g, shape in zip(grads, shapes, strict=True)))
+
+
+def _attention_vjp64(q, keys, v, go, log_pi, sigma2, sigma_varies, mode, normalized, allowed,
+                     row_eps):
+    terms = _component_terms64(q, keys, log_pi, sigma2, sigma_varies, mode, normalized)
+    scores = _scores64(terms, mode)
+    where = allowed & ~np.isneginf(scores)
+    weights = _weights64(scores, where, row_eps)
+    if mode == "soft":
+        with np.errstate(invalid="ignore"):
+            share = np.where(np.isneginf(terms) | ~where[..., None], 0.0,
+                             np.exp(terms - np.where(where, scores, 0.0)[..., None]))
+    else:
+        share = _hard_share(terms, scores) * where[..., None]
+    dscores = _softmax_backward(weights, go @ np.swapaxes(v, -1, -2))
+    coef = dscores[..., None] * share / sigma2[..., None, :, :]  # (..., L, S, R)
+    diff = q[..., :, None, None, :] - keys[..., None, :, :, :]
+    dq = -np.einsum("...lsr,...lsrd->...ld", coef, diff)
+    dkeys = np.einsum("...lsr,...lsrd->...srd", coef, diff)
+    dv = np.swapaxes(weights, -1, -2) @ go
+    return dq, dkeys, dv
+
+
+def _row_eps(row_eps):
+    row_eps = _checks.real_scalar(row_eps, "row_eps")
+    if row_eps < 0:
+        raise ValueError(f"row_eps: expected a number >= 0, got {row_eps!r}")
+    return row_eps
+
+
+def _weights64(scores, where, row_eps):
+    """softmax_j(s_ij) over ``where``; with ``row_eps`` > 0 the normaliser gains row_eps."""
+    if not row_eps:
+        return softmax(scores, axis=-1, where=where)
+    lse = logsumexp(scores, axis=-1, where=where)
+    log_den = np.logaddexp(lse, math.log(row_eps))[..., None]
+    return np.where(where, np.exp(np.where(where, scores, 0.0) - log_den), 0.0)
+
+
+def em_update_pi(q, keys, *, log_pi, sigma2, mask=None, pi_update="joint", precision="float64",
+                 out_dtype=None):
     """One EM step for the mixture weights pi of Transformer-MGK (notes (N8)).
 
     E-step: the joint responsibility of key j and its component r for query i (uniform key
@@ -313,11 +494,23 @@ def em_update_pi(q, keys, *, log_pi, sigma2, mask=None, precision="float64", out
         Current log weights (each key's a distribution).
     sigma2 : float or array (..., S, R), > 0
     mask : bool array broadcastable to (..., L, S), optional
+    pi_update : {"joint", "per_key"}
+        "joint" (default): the M-step above. "per_key": the public code's update (repository
+        minhtannguyen/transformer-mgk, file language-modeling/lmtool-fwms/src/mem_transformer.py,
+        class MGKAttn, soft mode), which averages over the queries the *per-key*
+        responsibilities ``p(z_r = 1 | t_j = 1, q_i) = softmax_r(log pi_jr + log N(q_i | k_jr,
+        sigma2_jr))``: ``pi_jr = mean_{i: (i, j) allowed} p(z_r | t_j, q_i)``. It weighs every
+        query equally instead of by ``p(t_j | q_i)`` (the two pi differ by 0.11 on the
+        two-query example of tests/test_mgk_vjp.py). The public code also adds 1e-6 to the
+        per-key normaliser, omits the Gaussian normaliser (the same when sigma2 is shared) and
+        averages over every query; refattn keeps the normaliser, adds nothing and averages
+        over the allowed queries.
     precision, out_dtype : as :func:`attention`.
 
     Returns
     -------
-    EMResult(pi (..., S, R), responsibilities (..., L, S, R))
+    EMResult(pi (..., S, R), responsibilities (..., L, S, R)); with ``pi_update="per_key"``
+    the responsibilities are the per-key ones ``p(z_r | t_j, q_i)`` (0 at excluded (i, j)).
 
     Examples
     --------
@@ -329,6 +522,7 @@ def em_update_pi(q, keys, *, log_pi, sigma2, mask=None, precision="float64", out
     [[1.0, 0.0]]
     """
     precision = _checks.precision(precision)
+    pi_update = _checks.choice(pi_update, "pi_update", PI_UPDATES)
     q, keys, _, batch = _inputs(q, keys, None)
     comp_shape = batch + keys.shape[-3:-1]
     sigma2, sigma_varies = _sigma2(sigma2, comp_shape)
@@ -339,6 +533,14 @@ def em_update_pi(q, keys, *, log_pi, sigma2, mask=None, precision="float64", out
     length, units, comps = q.shape[-2], keys.shape[-3], keys.shape[-2]
     allowed = _checks.broadcast(allowed_mask(length, units, mask=mask), batch + (length, units),
                                 "mask", "(..., L, S) of q and keys")
+    if precision == "float64" and pi_update == "per_key":
+        terms = _component_terms64(_checks.as_float64(q), _checks.as_float64(keys), log_pi,
+                                   sigma2, sigma_varies, "soft", True)
+        resp = softmax(terms, axis=-1, where=~np.isneginf(terms)) * allowed[..., None]
+        count = allowed.sum(axis=-2)[..., None]  # (..., S, 1) allowed queries per key
+        with np.errstate(invalid="ignore"):
+            pi = np.where(count > 0, resp.sum(axis=-3) / np.maximum(count, 1), np.exp(log_pi))
+        return EMResult(pi, resp)
     if precision == "float64":
         terms = _component_terms64(_checks.as_float64(q), _checks.as_float64(keys), log_pi,
                                    sigma2, sigma_varies, "soft", True)
@@ -355,14 +557,19 @@ def em_update_pi(q, keys, *, log_pi, sigma2, mask=None, precision="float64", out
         return EMResult(pi, np.exp(log_resp))
 
     return EMResult(*exact.em_update_pi(q, keys, log_pi, sigma2, sigma_varies, allowed,
-                                        _checks.out_dtype(out_dtype)))
+                                        pi_update, _checks.out_dtype(out_dtype)))
 
 
 def _elu1_64(x):
     return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
 
 
-def linear_attention(q, keys, v, *, pi, feature_map="elu+1", causal=False, precision="float64",
+def _delu1_64(x):
+    return np.where(x > 0, 1.0, np.exp(np.minimum(x, 0.0)))
+
+
+def linear_attention(q, keys, v, *, pi, feature_map="elu+1", mask=None, causal=False,
+                     window=None, align="top_left", mlk_form="mixture", precision="float64",
                      out_dtype=None):
     """Transformer-MLK: linear attention with a mixture of linear keys (Nguyen et al. 2022).
 
@@ -385,10 +592,28 @@ def linear_attention(q, keys, v, *, pi, feature_map="elu+1", causal=False, preci
     keys : array (..., S, R, D)
     v : array (..., S, E)
     pi : array (..., S, R)
-        Mixture weights (>= 0, each key's summing to 1 within R+1 roundings of its dtype).
+        Mixture weights (>= 0; with ``mlk_form="mixture"`` each key's summing to 1 within R+1
+        roundings of its dtype; the public-code forms take them as given, their code clamps
+        to [0, 1] and does not normalise).
     feature_map : {"elu+1"}
-    causal : bool
-        A_i = {j <= i} (top-left alignment, as :func:`refattn.attention`); otherwise all j.
+    mask, causal, window, align
+        The allowed set A_i, exactly as :func:`refattn.attention`
+        (:func:`refattn.masks.allowed_mask`); a padding mask is a ``(..., 1, S)`` mask. A row
+        with no allowed key gives 0.
+    mlk_form : {"mixture", "lra", "lm"}
+        "mixture" (default): refattn's reading above. The public transformer-mgk code
+        (repository minhtannguyen/transformer-mgk) has two others:
+
+        * "lra" (file lra/attention_linear.py, LinearAttention): the raw keys are mixed
+          *before* the feature map, there is no normaliser, and the features are scaled by
+          the inverse fourth root of the sequence lengths:
+          ``h_i = (L S)^(-1/4) sum_{j in A_i} phi(q_i).phi(sum_r pi_jr k_jr) v_j``;
+        * "lm" (file language-modeling/lmtool-fwms/src/mem_transformer.py, the two-key linear
+          layers): every feature vector is normalised to sum 1 over d,
+          ``phihat(x) = phi(x) / sum_d phi(x)_d``, mixed after the map, the output scaled by
+          ``1/sqrt(D)`` and :data:`LM_EPS` added to the denominator:
+          ``h_i = D^(-1/2) phihat(q_i).N_i / (phihat(q_i).sum_j m_j + 1e-5)`` with ``m_j =
+          sum_r pi_jr phihat(k_jr)``, ``N_i = sum_{j in A_i} m_j v_j^T``.
     precision, out_dtype : as :func:`attention`.
 
     Returns
@@ -398,10 +623,10 @@ def linear_attention(q, keys, v, *, pi, feature_map="elu+1", causal=False, preci
 
     Notes
     -----
-    float64 error: numerator and denominator are sums of non-negative kernels times values,
-    each kernel with relative error gamma_n, n = D + R + S + 4, so the quotient (a convex
-    combination of the v_j) errs by at most ``2 gamma_{2n+2} max|v|``
-    (:func:`refattn.bounds.ratio_bound`).
+    float64 error ("mixture"): numerator and denominator are sums of non-negative kernels
+    times values, each kernel with relative error gamma_n, n = D + R + S + 4, so the quotient
+    (a convex combination of the v_j) errs by at most ``2 gamma_{2n+2} max|v|``
+    (:func:`refattn.bounds.ratio_bound`). No bound is stated for the public-code forms.
 
     Examples
     --------
@@ -413,29 +638,176 @@ def linear_attention(q, keys, v, *, pi, feature_map="elu+1", causal=False, preci
     """
     precision = _checks.precision(precision)
     _checks.choice(feature_map, "feature_map", FEATURE_MAPS)
+    form = _checks.choice(mlk_form, "mlk_form", MLK_FORMS)
     if v is None:
         raise TypeError("v: expected a float array (..., S, E), got None")
     q, keys, v, batch = _inputs(q, keys, v)
-    pi = _pi(pi, batch + keys.shape[-3:-1])
+    pi = _pi(pi, batch + keys.shape[-3:-1], form == "mixture")
     for name, arr in (("q", q), ("keys", keys), ("v", v)):
         if not np.isfinite(_checks.as_float64(arr)).all():
             raise ValueError(f"{name}: expected finite values (shape {arr.shape})")
     length, units = q.shape[-2], keys.shape[-3]
-    if precision == "float64":
-        phi_q = _elu1_64(_checks.as_float64(q))
-        mixed = np.einsum("...sr,...srd->...sd", pi, _elu1_64(_checks.as_float64(keys)))
-        outer = mixed[..., :, :, None] * _checks.as_float64(v)[..., :, None, :]  # (..., S, D, E)
-        if causal:
-            states = np.cumsum(outer, axis=-3)
-            norms = np.cumsum(mixed, axis=-2)
-            last = np.minimum(np.arange(length), units - 1)
-            states, norms = states[..., last, :, :], norms[..., last, :]
-            num = np.einsum("...ld,...lde->...le", phi_q, states)
-            den = np.einsum("...ld,...ld->...l", phi_q, norms)
-        else:
-            num = phi_q @ outer.sum(axis=-3)
-            den = np.einsum("...ld,...d->...l", phi_q, mixed.sum(axis=-2))
-        return num / den[..., None]
+    allowed = _checks.broadcast(
+        allowed_mask(length, units, mask=mask, causal=causal, window=window, align=align),
+        batch + (length, units), "mask", "(..., L, S) of q and keys")
+    if precision == "exact":
+        return exact.linear_attention(q, keys, v, pi, allowed, form,
+                                      _checks.out_dtype(out_dtype))
+    q64, keys64, v64 = (_checks.as_float64(a) for a in (q, keys, v))
+    if form == "mixture" and mask is None and window is None and align == "top_left":
+        return _mixture_prefix64(q64, keys64, v64, pi, causal)
+    feats = _features64(q64, keys64, pi, form)
+    kernels = np.where(allowed, feats.a @ np.swapaxes(feats.m, -1, -2), 0.0)  # (..., L, S)
+    num = kernels @ v64
+    if form == "lra":
+        return num
+    scale, eps = (1 / math.sqrt(q.shape[-1]), LM_EPS) if form == "lm" else (1.0, 0.0)
+    den = kernels.sum(axis=-1, keepdims=True) + eps
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den > 0, scale * num / den, 0.0)
 
-    return exact.linear_attention(q, keys, v, pi, causal, _checks.out_dtype(out_dtype))
 
+def _mixture_prefix64(q64, keys64, v64, pi, causal):
+    """The default reading without a mask: cumulative sums over keys (no (L, S) array)."""
+    length, units = q64.shape[-2], keys64.shape[-3]
+    phi_q = _elu1_64(q64)
+    mixed = np.einsum("...sr,...srd->...sd", pi, _elu1_64(keys64))
+    outer = mixed[..., :, :, None] * v64[..., :, None, :]  # (..., S, D, E)
+    if causal:
+        states = np.cumsum(outer, axis=-3)
+        norms = np.cumsum(mixed, axis=-2)
+        last = np.minimum(np.arange(length), units - 1)
+        states, norms = states[..., last, :, :], norms[..., last, :]
+        num = np.einsum("...ld,...lde->...le", phi_q, states)
+        den = np.einsum("...ld,...ld->...l", phi_q, norms)
+    else:
+        num = phi_q @ outer.sum(axis=-3)
+        den = np.einsum("...ld,...d->...l", phi_q, mixed.sum(axis=-2))
+    return num / den[..., None]
+
+
+class _Features64(NamedTuple):
+    """Query features a (..., L, D), key features m (..., S, D) and the maps taking their
+    cotangents back to q and keys (float64 twin of refattn.exact.mgk's features)."""
+
+    a: np.ndarray
+    m: np.ndarray
+    back_q: object
+    back_k: object
+
+
+def _features64(q, keys, pi, form):
+    length, units = q.shape[-2], keys.shape[-3]
+    phi_q, dphi_q = _elu1_64(q), _delu1_64(q)
+    if form == "lra":
+        cq, ck = length ** -0.25, units ** -0.25
+        mixed = np.einsum("...sr,...srd->...sd", pi, keys)
+
+        def back_k(dm):
+            return pi[..., None] * (dm * ck * _delu1_64(mixed))[..., None, :]
+
+        return _Features64(phi_q * cq, _elu1_64(mixed) * ck, lambda da: da * cq * dphi_q,
+                           back_k)
+    phi_k, dphi_k = _elu1_64(keys), _delu1_64(keys)
+    if form == "lm":
+        qsum, ksum = phi_q.sum(-1, keepdims=True), phi_k.sum(-1, keepdims=True)
+        a, hat_k = phi_q / qsum, phi_k / ksum
+    else:
+        qsum = ksum = None
+        a, hat_k = phi_q, phi_k
+
+    def through_norm(dhat, hat, total):
+        if total is None:
+            return dhat
+        return (dhat - (dhat * hat).sum(-1, keepdims=True)) / total
+
+    def back_q(da):
+        return through_norm(da, a, qsum) * dphi_q
+
+    def back_k(dm):
+        dhat = pi[..., None] * dm[..., :, None, :]
+        return through_norm(dhat, hat_k, ksum) * dphi_k
+
+    return _Features64(a, np.einsum("...sr,...srd->...sd", pi, hat_k), back_q, back_k)
+
+
+def linear_attention_vjp(q, keys, v, grad_out, *, pi, feature_map="elu+1", mask=None,
+                         causal=False, window=None, align="top_left", mlk_form="mixture",
+                         precision="float64", out_dtype=None):
+    """Vector-Jacobian product of :func:`linear_attention` with respect to q, keys and v.
+
+    With kernels ``kappa_ij = a_i . m_j`` (``a``, ``m`` the query and key features of the
+    form), ``h_i = c N_i / (Dn_i + e)``, ``N_i = sum_{j in A_i} kappa_ij v_j``, ``Dn_i =
+    sum_{j in A_i} kappa_ij`` (c = 1, e = 0 for "mixture"; D^-1/2 and 1e-5 for "lm"; "lra"
+    is ``h_i = N_i``):
+
+    .. math::
+
+        \\bar\\kappa_{ij} = \\frac{c\\,(e\\,\\bar h_i\\cdot v_j + \\sum_k \\kappa_{ik}\\,
+            \\bar h_i\\cdot(v_j - v_k))}{(Dn_i + e)^2},\\quad
+        \\bar v_j = \\sum_i \\frac{c\\,\\kappa_{ij}}{Dn_i + e} \\bar h_i,\\quad
+        \\bar a_i = \\sum_j \\bar\\kappa_{ij} m_j,\\quad
+        \\bar m_j = \\sum_i \\bar\\kappa_{ij} a_i,
+
+    then through the feature maps (``phi'(x) = 1`` for x > 0, ``e^x`` otherwise; phi is
+    differentiable at 0). pi is a constant here (no gradient).
+
+    Parameters
+    ----------
+    q, keys, v, pi, feature_map, mask, causal, window, align, mlk_form
+        As :func:`linear_attention`.
+    grad_out : array (..., L, E)
+    precision : {"float64", "exact"}
+    out_dtype : dtype, optional (exact path)
+
+    Returns
+    -------
+    MGKGrads(dq (..., L, D), dkeys (..., S, R, D), dv (..., S, E)), each summed back to its
+    argument's shape.
+
+    Notes
+    -----
+    float64 path: the formulas above in NumPy. First-order error bound per element
+    (``mlk_form="mixture"``): :func:`refattn.bounds.mlk_vjp_bound`; none is stated for the
+    public-code forms.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn import mgk
+    >>> q = np.zeros((1, 1)); keys = np.array([[[0.0]], [[1.0]]]); v = np.array([[0.0], [3.0]])
+    >>> mgk.linear_attention_vjp(q, keys, v, np.ones((1, 1)), pi=np.ones((2, 1))).dv.tolist()
+    [[0.3333333333333333], [0.6666666666666666]]
+    """
+    precision = _checks.precision(precision)
+    _checks.choice(feature_map, "feature_map", FEATURE_MAPS)
+    form = _checks.choice(mlk_form, "mlk_form", MLK_FORMS)
+    shapes = tuple(np.shape(a) for a in (q, keys, v))
+    q, keys, v, batch, go = _vjp_inputs(q, keys, v, grad_out)
+    pi = _pi(pi, batch + keys.shape[-3:-1], form == "mixture")
+    length, units = q.shape[-2], keys.shape[-3]
+    allowed = _checks.broadcast(
+        allowed_mask(length, units, mask=mask, causal=causal, window=window, align=align),
+        batch + (length, units), "mask", "(..., L, S) of q and keys")
+    if precision == "exact":
+        return MGKGrads(*exact.linear_attention_vjp(q, keys, v, go, pi, allowed, form, shapes,
+                                                    _checks.out_dtype(out_dtype)))
+    q64, keys64, v64, go64 = (_checks.as_float64(a) for a in (q, keys, v, go))
+    feats = _features64(q64, keys64, pi, form)
+    kernels = np.where(allowed, feats.a @ np.swapaxes(feats.m, -1, -2), 0.0)
+    dots = go64 @ np.swapaxes(v64, -1, -2)  # (..., L, S)
+    if form == "lra":
+        dkernels, weights = dots, np.ones(kernels.shape[:-1] + (1,))
+    else:
+        scale, eps = (1 / math.sqrt(q.shape[-1]), LM_EPS) if form == "lm" else (1.0, 0.0)
+        den = kernels.sum(axis=-1, keepdims=True) + eps
+        safe = np.where(den > 0, den, 1.0)
+        out = scale * (kernels @ v64) / safe
+        dkernels = (scale * dots - (go64 * out).sum(-1, keepdims=True)) / safe
+        weights = scale / safe
+    dkernels = np.where(allowed, dkernels, 0.0)
+    dv = np.swapaxes(kernels * weights, -1, -2) @ go64
+    dq = feats.back_q(dkernels @ feats.m)
+    dkeys = feats.back_k(np.swapaxes(dkernels, -1, -2) @ feats.a)
+    return MGKGrads(*(reduce_to(g, shape) for g, shape in zip((dq, dkeys, dv), shapes,
+                                                              strict=True)))

@@ -24,7 +24,7 @@ import numpy as np
 from oracle.tolerance import ulp, ulp_distance
 
 __all__ = ["assert_same_bits", "assert_within", "assert_norm_within", "elementwise_error",
-           "reproduction"]
+           "reproduction", "assert_rounds_derivative"]
 
 
 def reproduction() -> str:
@@ -145,3 +145,30 @@ def assert_norm_within(value, truth, bound, *, what, case="", per_sample=False):
         _fail([f"{label}: {where}2-norm error {norms[sample]:.3e} > bound "
                f"{limits[sample]:.3e}",
                _element(str(what), index, value, truth, "float64")])
+
+
+def assert_rounds_derivative(value, derivative, *, what, case="", dtype="float64"):
+    """An exact-path gradient against a numerical derivative with an error estimate.
+
+    ``derivative`` is an object array (..., 2) of (estimate, error bound) pairs (e.g.
+    ``tests.naive.mp.naive_vjp``). Where the whole interval ``estimate -+ bound`` rounds to one
+    value of ``dtype`` the gradient must be that value bit for bit; elsewhere (the interval
+    straddles a rounding boundary, e.g. an exact 0) it must lie within the interval.
+    """
+    __tracebackhide__ = True
+    from tests.naive.rounding import round_to_dtype
+
+    value = np.asarray(value, dtype=np.float64)
+    label = _label(what, case)
+    for index in np.ndindex(*value.shape):
+        estimate, bound = derivative[index]
+        low, high = round_to_dtype(estimate - bound, dtype), round_to_dtype(estimate + bound,
+                                                                            dtype)
+        got = value[index]
+        if low == high and np.signbit(low) == np.signbit(high):
+            if not (got == low and np.signbit(got) == np.signbit(low)):
+                _fail([f"{label}: element {index} is {got!r}, the derivative rounds to "
+                       f"{low!r} (estimate {float(estimate)!r} +- {float(bound):.3e})"])
+        elif not abs(got - estimate) <= bound:
+            _fail([f"{label}: element {index} is {got!r}, outside the derivative's interval "
+                   f"{float(estimate)!r} +- {float(bound):.3e}"])

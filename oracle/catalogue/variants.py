@@ -3,12 +3,22 @@
 Two suites (listed by :mod:`oracle.catalogue.registry`):
 
 * ``"variants-smoke"`` -- one tiny case per variant function in float64 and float32 (22
-  cases, about 1 s of computation);
+  forward cases, about 1 s of computation) and one float64 gradient case per function with a
+  vjp;
 * ``"variants-default"`` -- every variant function with its options (GMM iterations, priors,
   per-unit precisions, key/prior adaptation forms; MGK soft/hard/normalised with masks, causal
   and windows; MLK linear attention; Hopfield retrieval and energy; the mean-field updates and
-  fixed points), each in the four dtypes (109 cases, about 10 s on one core; the log_pi case
-  is float64 only, see :func:`make_inputs`). variants-smoke is a subset of variants-default.
+  fixed points), each in the four dtypes (109 forward cases, about 10 s on one core; the log_pi
+  case is float64 only, see :func:`make_inputs`), plus the gradient cases. variants-smoke is a
+  subset of variants-default.
+
+Gradient cases (``Case.grads``, names ending in ``-grad``) exist for every function whose
+module defines ``<function>_vjp`` (:func:`vjp_of`; mgk.attention, mgk.linear_attention,
+hopfield.retrieve, and the gmm and mean-field functions once theirs exist): the fixture also
+holds the cotangent ``inputs/grad_out`` (shaped like the first output) and the exact
+gradients ``truth/d<name>`` (+ ``_f64``) of the positional array arguments
+(:func:`grad_names`). A missing vjp only means no gradient case; the forward cases and their
+bytes do not depend on it.
 
 Examples
 --------
@@ -68,13 +78,19 @@ keyword in ``fixture.case.options`` (the npz member ``options``). It returns the
 array, a tuple of the outputs in the order of :data:`FUNCTIONS` ``[function].outputs``, a
 mapping from output names, or an object with those attributes (a
 :class:`refattn.meanfield.MeanFieldResult`). NotImplementedError gives the verdict
-"unsupported", any other exception "error".
+"unsupported", any other exception "error". Gradient cases judged with ``grads=True`` (CLI
+``--grads``) also call ``impl.vjp(**inputs, **options)`` -- grad_out included -- or, for a plain
+function ``f``, the ``f_vjp`` of its module, which returns the ``d<name>`` (a NamedTuple, a
+tuple in :func:`grad_names` order or a mapping); no vjp gives "unsupported".
 
 Judging
 -------
 Like attention: normalised error (T1 of :mod:`oracle.tolerance`) by the natural scale of the
 function (:func:`oracle.variant_scales.natural_scale`), threshold (T2) with the baseline rule
 and the floor :func:`oracle.tolerance.variant_floor` (V1); see :mod:`oracle.variant_scales`.
+Gradients: scale :func:`oracle.variant_scales.grad_scale`, baseline refattn's float64 vjp
+(:func:`oracle.baseline.variant_vjp_baseline`), floor (V1) with
+:func:`oracle.variant_scales.grad_floor_terms`, ``k =`` K_BACKWARD.
 """
 
 from __future__ import annotations
@@ -103,6 +119,10 @@ __all__ = [
     "truth",
     "required_members",
     "call_refattn",
+    "call_refattn_vjp",
+    "forward_inputs",
+    "vjp_of",
+    "grad_names",
     "outputs_of",
     "INPUT_BUILDERS",
     "BOOL_INPUTS",
@@ -192,6 +212,7 @@ class _Entry:
     default: tuple[str, ...] = _ALL
     options: Mapping[str, Any] = field(default_factory=dict)
     recipe: Mapping[str, Any] = field(default_factory=dict)
+    grads: bool = False
 
 
 def _mix(batch, H, L, S, D, E):
@@ -258,6 +279,38 @@ def _entries() -> list[_Entry]:
           options={"beta": 0.5}),
         e("hopfield.energy", "hopfield-energy-constant", mix, "energy with the paper's constant",
           options={"beta": 2.0, "constant": True}),
+        # --- gradients (grads=True: exact vjps in the fixture; present only for the functions
+        # whose module has a ``<function>_vjp``, see vjp_of) ------------------------------------
+        e("mgk.attention", "mgk-soft-grad", small, "vjp of soft MGK, R = 2", smoke=("float64",),
+          options={"sigma2": 2.0}, recipe={"R": 2}, grads=True),
+        e("mgk.attention", "mgk-hard-grad", small, "vjp of hard MGK (ties split equally)",
+          options={"sigma2": 2.0, "mode": "hard"}, recipe={"R": 2}, grads=True),
+        e("mgk.attention", "mgk-mask-grad", small, "vjp of soft MGK with a random mask",
+          options={"sigma2": 2.0}, recipe={"R": 2, "mask": True}, grads=True),
+        e("mgk.linear_attention", "mlk-grad", small, "vjp of linear MLK attention",
+          smoke=("float64",), recipe={"R": 2}, grads=True),
+        e("mgk.linear_attention", "mlk-causal-grad", small, "vjp of causal linear MLK",
+          options={"causal": True}, recipe={"R": 2}, grads=True),
+        e("hopfield.retrieve", "hopfield-retrieve-grad", small, "vjp of one retrieval update",
+          smoke=("float64",), options={"beta": 0.5, "steps": 1}, grads=True),
+        e("hopfield.retrieve", "hopfield-retrieve-steps2-grad", small, "vjp of two updates",
+          options={"beta": 0.25, "steps": 2}, grads=True),
+        e("gmm.attention", "gmm-attn-grad", small, "vjp of one EM step", smoke=("float64",),
+          options={"alpha": 0.5, "beta": 0.5, "iters": 1}, grads=True),
+        e("gmm.attention", "gmm-attn-iters2-grad", small, "vjp of two EM steps",
+          options={"alpha": 0.25, "beta": 0.5, "iters": 2}, grads=True),
+        e("gmm.adapt_keys", "gmm-keys-grad", small, "vjp of key adaptation (eq. (28))",
+          smoke=("float64",), options={"alpha": 0.5, "gamma": 1.0, "iters": 1, "form": "paper"},
+          grads=True),
+        e("gmm.adapt_priors", "gmm-priors-grad", small, "vjp of prior adaptation (eq. (33))",
+          smoke=("float64",), options={"alpha": 0.5, "eta": 1.0, "iters": 1, "form": "paper"},
+          grads=True),
+        e("meanfield.adaptive_tap", "meanfield-atap-grad", _sites(1, 4, 2), "vjp of the "
+          "adaptive TAP means", smoke=("float64",), grads=True),
+        e("meanfield.ising_tap", "meanfield-ising-grad", _sites(1, 5, 1), "vjp of the "
+          "binary-spin TAP means", smoke=("float64",), grads=True),
+        e("meanfield.deq_attention", "meanfield-deq-grad", _sites(1, 4, 2), "vjp of the DEQ "
+          "fixed point", smoke=("float64",), grads=True),
         # --- mean field (Bal 2021) ------------------------------------------------------------
         e("meanfield.naive_step", "meanfield-naive", _sites(2, 4, 2), "one naive update "
           "(eq. (23) without correction), self-couplings kept", smoke=_SMOKE,
@@ -285,6 +338,8 @@ def _tag(shapes: Shapes, function: str) -> str:
 
 def _expand(entry: _Entry) -> list[Case]:
     out = []
+    if entry.grads and vjp_of(entry.function) is None:
+        return out  # no vjp (yet): no gradient case
     for dtype in DTYPES:
         in_smoke = dtype in entry.smoke
         in_default = in_smoke or dtype in entry.default
@@ -295,7 +350,7 @@ def _expand(entry: _Entry) -> list[Case]:
         name = f"{entry.tag}-{_tag(entry.shapes, entry.function)}-{DTYPE_TAGS[dtype]}"
         out.append(Case(name=name, suites=suites, category="conformance", dtype=dtype,
                         shapes=entry.shapes, options=dict(entry.options),
-                        recipe=dict(entry.recipe), seed=seed_of(name),
+                        recipe=dict(entry.recipe), seed=seed_of(name), grads=entry.grads,
                         description=entry.description, function=entry.function))
     return out
 
@@ -430,6 +485,11 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
     (['keys', 'q', 'v'], (1, 2, 6, 2, 4), 'float32')
     """
     raw = _inputs64(case)
+    if case.grads:
+        # a cotangent shaped like the (first) output: the float64 path's shape
+        forward = call_refattn(case, raw)
+        shape = np.shape(forward[FUNCTIONS[case.function].outputs[0]])
+        raw["grad_out"] = Streams(case.seed).gaussian("grad_out", shape)
     return {name: (x if name in BOOL_INPUTS else seeding.to_dtype(x, case.dtype))
             for name, x in raw.items()}
 
@@ -457,10 +517,56 @@ def outputs_of(case: Case, result) -> dict[str, Any]:
     return {names[0]: result}
 
 
+def forward_inputs(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """The inputs of the forward call: all but the cotangent ``grad_out``."""
+    return {k: v for k, v in inputs.items() if k != "grad_out"}
+
+
 def call_refattn(case: Case, inputs: Mapping[str, np.ndarray], **extra) -> dict[str, Any]:
-    """Run the case's refattn function on ``inputs`` with the case options and ``extra``."""
-    result = _function(case)(**inputs, **dict(case.options), **extra)
+    """Run the case's refattn function on ``inputs`` (without grad_out) with the case options
+    and ``extra``."""
+    result = _function(case)(**forward_inputs(inputs), **dict(case.options), **extra)
     return outputs_of(case, result)
+
+
+def vjp_of(function: str):
+    """The vjp of a variant function: ``<attribute>_vjp`` of its module, or None.
+
+    The convention of refattn (and of an implementation's ``.vjp``): ``f_vjp(<f's positional
+    array arguments>, grad_out, **<f's keywords>)`` returning a NamedTuple with a field
+    ``d<name>`` per positional array argument; ``grad_out`` is the cotangent of f's first
+    output (``out``; ``means`` for the mean-field fixed points).
+    """
+    import importlib
+
+    spec = FUNCTIONS[function]
+    try:
+        module = importlib.import_module(spec.module)
+    except ImportError:
+        return None
+    return getattr(module, spec.attribute + "_vjp", None)
+
+
+def grad_names(function: str) -> tuple[str, ...]:
+    """``d<name>`` for each positional array argument of the function's vjp (those before
+    grad_out), or () without a vjp."""
+    import inspect
+
+    vjp = vjp_of(function)
+    if vjp is None:
+        return ()
+    names = []
+    for name in inspect.signature(vjp).parameters:
+        if name == "grad_out":
+            break
+        names.append("d" + name)
+    return tuple(names)
+
+
+def call_refattn_vjp(case: Case, inputs: Mapping[str, np.ndarray], **extra) -> dict[str, Any]:
+    """Run the case function's refattn vjp on ``inputs`` (with grad_out) and the options."""
+    result = vjp_of(case.function)(**inputs, **dict(case.options), **extra)
+    return {name: getattr(result, name) for name in grad_names(case.function)}
 
 
 def truth(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -472,6 +578,10 @@ def truth(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]
         for name, value in call_refattn(case, inputs, precision="exact",
                                         out_dtype=dtype).items():
             result[name + suffix] = np.asarray(value)
+        if case.grads:
+            for name, value in call_refattn_vjp(case, inputs, precision="exact",
+                                                out_dtype=dtype).items():
+                result[name + suffix] = np.asarray(value)
     if case.dtype == "float64":
         for name in list(result):
             result[name + "_f64"] = result[name]
@@ -487,4 +597,6 @@ INPUT_BUILDERS = {name: make_inputs for name in FUNCTIONS}
 def required_members(case: Case) -> tuple[list[str], list[str]]:
     """(inputs, truth) member names a fixture file of ``case`` must hold (for verify)."""
     spec = FUNCTIONS[case.function]
-    return list(spec.inputs), [n + s for n in spec.outputs for s in ("", "_f64")]
+    outputs = spec.outputs + (grad_names(case.function) if case.grads else ())
+    inputs = list(spec.inputs) + (["grad_out"] if case.grads else [])
+    return inputs, [n + s for n in outputs for s in ("", "_f64")]

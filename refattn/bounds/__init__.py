@@ -17,7 +17,14 @@ the oracle's judging policy take their a-priori bounds from here.
 from .attention import float64_forward_bound, float64_vjp_bound, grad_scales
 from .fixedpoint import fixed_point_forward_bound, implicit_vjp_bound
 from .kernels import online_backward_bound, online_forward_bound
-from .mixtures import iterated_bound, logit_lse_bound, mixture_bound, ratio_bound
+from .mixtures import (
+    iterated_bound,
+    logit_lse_bound,
+    mgk_vjp_bound,
+    mixture_bound,
+    mlk_vjp_bound,
+    ratio_bound,
+)
 from .transformer import (
     feed_forward_vjp_bound,
     layer_norm_vjp_bound,
@@ -40,6 +47,8 @@ __all__ = [
     "mixture_bound",
     "iterated_bound",
     "ratio_bound",
+    "mgk_vjp_bound",
+    "mlk_vjp_bound",
     "fixed_point_forward_bound",
     "implicit_vjp_bound",
     "transformer_forward_bound",

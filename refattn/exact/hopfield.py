@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 from mpmath import iv, mp
 
-from .numbers import dot, is_zero
-from .rows import batch_rows, exact_rows
+from .numbers import NotRational, dot, is_zero
+from .rows import UNKNOWN, batch_rows, exact_grads, exact_rows
 
-__all__ = ["energy", "retrieve"]
+__all__ = ["energy", "retrieve", "retrieve_vjp"]
 
 
 def _energy_exact(ops, state, patterns, beta, constant):
@@ -76,3 +76,57 @@ def retrieve(xi, patterns, beta, steps, want_trace, dtype):
     if not want_trace:
         return states, None
     return states, table[:, dim:].reshape(batch + (length, steps + 1))
+
+
+def _update_backward(ops, state, patterns, beta, grad, dpatterns):
+    """Cotangent of the state before one update (U) from ``grad`` after it; adds the update's
+    pattern cotangent (as keys and as values) into ``dpatterns``.
+
+    dP_j = grad . x_j, dS_j = P_j sum_{k != j} P_k (dP_j - dP_k) (exactly 0 for a lone
+    pattern), d state = beta sum_j dS_j x_j, dX_j += P_j grad + beta dS_j state.
+    """
+    weights = ops.softmax([beta * dot(x, state) for x in patterns])
+    cols = [j for j, w in enumerate(weights) if not is_zero(w)]
+    dots = {j: dot(grad, patterns[j]) for j in cols}
+    dim = len(state)
+    dstate = [0] * dim
+    for j in cols:
+        inner = sum((weights[k] * (dots[j] - dots[k]) for k in cols if k != j), 0)
+        dscore = 0 if is_zero(inner) else weights[j] * inner
+        for d in range(dim):
+            dpatterns[j][d] = dpatterns[j][d] + weights[j] * grad[d]
+            if not is_zero(dscore):
+                dpatterns[j][d] = dpatterns[j][d] + beta * dscore * state[d]
+                dstate[d] = dstate[d] + beta * dscore * patterns[j][d]
+    return dstate
+
+
+def retrieve_vjp(xi, patterns, grad_out, beta, steps, shapes, dtype):
+    """(dxi, dX) of ``steps`` updates, summed to ``shapes`` and rounded once."""
+    batch = xi.shape[:-2]
+    length, dim = xi.shape[-2:]
+    units = patterns.shape[-2]
+
+    def batch_grads(ops, b):
+        pats, beta_x = ops.array(patterns[b]), ops.scalar(beta)
+        dxi = []
+        dpats = [[0] * dim for _ in range(units)]
+        grads = ops.array(grad_out[b])
+        for i in range(length):
+            try:
+                states = [ops.array(xi[b][i])]
+                for _ in range(steps - 1):
+                    states.append(_update_exact(ops, states[-1], pats, beta_x))
+                grad = list(grads[i])
+                for state in reversed(states):
+                    grad = _update_backward(ops, state, pats, beta_x, grad, dpats)
+            except NotRational:  # rational mode: this row reaches its dxi and every pattern
+                if not ops.rational:
+                    raise
+                grad = [UNKNOWN] * dim
+                dpats = [[UNKNOWN] * dim for _ in range(units)]
+            dxi.append(grad)
+        return dxi, dpats
+
+    return exact_grads(batch, batch_grads, [(length, dim), (units, dim)], shapes, dtype,
+                       "hopfield.retrieve_vjp")

@@ -10,12 +10,13 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _checks
+from .._broadcast import reduce_to
 from . import intervals as I
 from .autodiff import AutodiffOps, vjp
 from .numbers import INTERVAL, RATIONAL, NotRational
 from .rounding import correctly_round
 
-__all__ = ["exact_rows", "batch_rows", "exact_vjp_rows"]
+__all__ = ["exact_rows", "batch_rows", "exact_grads", "exact_vjp_rows", "UNKNOWN"]
 
 
 def exact_rows(rows, evaluate_row, dtype, what):
@@ -54,6 +55,74 @@ def exact_rows(rows, evaluate_row, dtype, what):
 def batch_rows(batch: tuple, length: int) -> list:
     """The (batch index, row) pairs of a (..., L, .) computation, in C order."""
     return [(b, i) for b in np.ndindex(*batch) for i in range(length)]
+
+
+class _Unknown:
+    """Rational mode: a value known not to be computable as a rational (absorbs + - * /)."""
+
+    def _absorb(self, *_):
+        return self
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _absorb
+    __truediv__ = __rtruediv__ = __neg__ = _absorb
+
+    def __repr__(self):
+        return "UNKNOWN"
+
+
+#: Rational mode: the contribution of a part of the computation that is not rational; a
+#: gradient element it reaches is left to the interval loop (:func:`exact_grads`).
+UNKNOWN = _Unknown()
+
+
+def exact_grads(batch, batch_grads, inner_shapes, shapes, dtype, what):
+    """Correctly round gradients computed per batch element, in one Ziv loop.
+
+    ``batch_grads(ops, b) -> nested lists``, one per argument of inner shape
+    ``inner_shapes[k]`` (the argument's shape without the batch dimensions ``batch``); the
+    per-batch gradients are summed exactly to the arguments' ``shapes`` (broadcast batch
+    dimensions, :func:`refattn._broadcast.reduce_to`) before the single rounding. Returns one
+    array per argument. In rational mode (the loop's fallback for elements on a rounding
+    boundary) a batch element that raises :class:`NotRational` contributes :data:`UNKNOWN`
+    to all its gradients, and ``batch_grads`` may add :data:`UNKNOWN` to the elements a
+    non-rational part reaches; only those elements are left undecided.
+
+    Examples
+    --------
+    >>> from fractions import Fraction
+    >>> def grads(ops, b):  # d(x . y)/dx = y per batch element, x shared over the batch
+    ...     return ([Fraction(1, 3), Fraction(2, 3)],)
+    >>> exact_grads((2,), grads, [(2,)], [(2,)], "float64", "demo")[0].tolist()
+    [0.6666666666666666, 1.3333333333333333]
+    """
+
+    def evaluate(ops, _row):
+        per_arg = [np.empty(tuple(batch) + tuple(shape), dtype=object)
+                   for shape in inner_shapes]
+        for b in np.ndindex(*batch):
+            try:
+                grads_b = batch_grads(ops, b)
+            except NotRational:
+                if not ops.rational:
+                    raise
+                grads_b = [np.full(shape, UNKNOWN, dtype=object) for shape in inner_shapes]
+            for target, grads in zip(per_arg, grads_b, strict=True):
+                inner = target.shape[len(batch):]
+                for index in np.ndindex(*inner):
+                    value = grads
+                    for k in index:
+                        value = value[k]
+                    target[b + index] = value
+        reduced = [reduce_to(g, shape) for g, shape in zip(per_arg, shapes, strict=True)]
+        return [None if x is UNKNOWN else x for g in reduced for x in g.ravel()]
+
+    table = exact_rows([0], evaluate, dtype, what)[0]
+    out, start = [], 0
+    for shape in shapes:
+        size = int(np.prod(shape, dtype=np.int64))
+        out.append(table[start:start + size].reshape(shape))
+        start += size
+    return tuple(out)
 
 
 def exact_vjp_rows(batch, inputs, run, grad, dtype, what):

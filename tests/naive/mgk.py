@@ -12,7 +12,10 @@ import numpy as np
 from .gmm import DPS
 from .mp import exact_div, exact_mul, exact_sum, lse, mp, softmax_weights
 
-__all__ = ["naive_allowed", "naive_mgk", "naive_em", "naive_linear"]
+__all__ = ["naive_allowed", "naive_mgk", "naive_em", "naive_linear", "LM_EPS"]
+
+#: The constant of the public language-modelling MLK denominator (mlk_form="lm").
+LM_EPS = 1e-5
 
 
 def naive_allowed(length, keys, *, mask=None, causal=False, window=None, align="top_left"):
@@ -44,7 +47,9 @@ def _component(q_row, k, s2, log_p, mode, normalized):
 
 
 def naive_mgk(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=False, mask=None,
-              causal=False, window=None, align="top_left"):
+              causal=False, window=None, align="top_left", row_eps=0.0):
+    """Rows h_i = sum_j P_ij v_j; with ``row_eps`` the weights are e^{s_ij} / (sum_j e^{s_ij}
+    + row_eps) (the public language-modelling code's extra 1e-6 in the row normaliser)."""
     length, (units, comps) = len(q), keys.shape[:2]
     allowed = naive_allowed(length, units, mask=mask, causal=causal, window=window, align=align)
     s2 = np.broadcast_to(np.asarray(sigma2, dtype=np.float64), (units, comps))
@@ -67,16 +72,23 @@ def naive_mgk(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=Fa
             if not scores:
                 out.append([mpmath.mpf(0)] * v.shape[1])
                 continue
-            weights = dict(zip(scores, softmax_weights(list(scores.values())), strict=True))
+            if row_eps:
+                total = mpmath.fsum(mpmath.exp(s) for s in scores.values()) + mp(row_eps)
+                weights = {j: mpmath.exp(s) / total for j, s in scores.items()}
+            else:
+                weights = dict(zip(scores, softmax_weights(list(scores.values())),
+                                   strict=True))
             out.append([exact_sum(exact_mul(w, v[j][e]) for j, w in weights.items())
                         for e in range(v.shape[1])])
         return out
 
 
-def naive_em(q, keys, *, log_pi, sigma2, mask=None):
+def naive_em(q, keys, *, log_pi, sigma2, mask=None, pi_update="joint"):
     length, (units, comps) = len(q), keys.shape[:2]
     allowed = naive_allowed(length, units, mask=mask)
     s2 = np.broadcast_to(np.asarray(sigma2, dtype=np.float64), (units, comps))
+    if pi_update == "per_key":
+        return _naive_em_per_key(q, keys, log_pi, s2, allowed)
     with mpmath.workdps(DPS):
         resp = [[[mpmath.mpf(0)] * comps for _ in range(units)] for _ in range(length)]
         for i in range(length):
@@ -95,23 +107,76 @@ def naive_em(q, keys, *, log_pi, sigma2, mask=None):
         return pi, resp
 
 
+def _naive_em_per_key(q, keys, log_pi, s2, allowed):
+    """pi_jr = average over the allowed queries of p(z_r | t_j, q_i) (per-key posteriors)."""
+    length, (units, comps) = len(q), keys.shape[:2]
+    with mpmath.workdps(DPS):
+        resp = [[[mpmath.mpf(0)] * comps for _ in range(units)] for _ in range(length)]
+        for i in range(length):
+            for j in range(units):
+                if not allowed[i, j]:
+                    continue
+                dens = [mpmath.exp(_component(q[i], keys[j][r], mp(s2[j][r]),
+                                              mp(log_pi[j][r]), "soft", True))
+                        for r in range(comps)]
+                total = mpmath.fsum(dens)
+                resp[i][j] = [d / total for d in dens]
+        pi = []
+        for j in range(units):
+            rows = [i for i in range(length) if allowed[i, j]]
+            pi.append([mpmath.fsum(resp[i][j][r] for i in rows) / len(rows) if rows else
+                       mpmath.exp(mp(log_pi[j][r])) for r in range(comps)])
+        return pi, resp
+
+
 def _phi(x):
     x = mp(x)
     return x + 1 if x > 0 else mpmath.exp(x)
 
 
-def naive_linear(q, keys, v, *, pi, causal=False):
-    units, comps, dim = keys.shape
+def naive_linear(q, keys, v, *, pi, causal=False, mask=None, window=None, align="top_left",
+                 mlk_form="mixture"):
+    """MLK rows from the three readings' descriptions.
+
+    "mixture": ratio of sum_j phi(q).(sum_r pi phi(k_jr)) v_j over the same sum without v_j;
+    "lra": (L S)^(-1/4) sum_j phi(q).phi(sum_r pi k_jr) v_j, no denominator; "lm": each
+    feature vector divided by its sum over d, D^(-1/2) times the ratio with 1e-5 added to the
+    denominator. A row with no allowed key is 0.
+    """
+    length, (units, comps, dim) = len(q), keys.shape
+    allowed = naive_allowed(length, units, mask=mask, causal=causal, window=window, align=align)
     with mpmath.workdps(DPS):
-        mixed = [[mpmath.fsum(mp(pi[j][r]) * _phi(keys[j][r][d]) for r in range(comps))
-                  for d in range(dim)] for j in range(units)]
+        def unit(vec):
+            total = mpmath.fsum(vec)
+            return [x / total for x in vec]
+
+        if mlk_form == "lra":
+            root = mpmath.root(mpmath.mpf(length) * units, 4)
+            mixed = [[_phi(mpmath.fsum(mp(pi[j][r]) * mp(keys[j][r][d]) for r in range(comps)))
+                      for d in range(dim)] for j in range(units)]
+        else:
+            feats = [[(unit if mlk_form == "lm" else list)([_phi(x) for x in keys[j][r]])
+                      for r in range(comps)] for j in range(units)]
+            mixed = [[mpmath.fsum(mp(pi[j][r]) * feats[j][r][d] for r in range(comps))
+                      for d in range(dim)] for j in range(units)]
         out = []
-        for i in range(len(q)):
+        for i in range(length):
             phi_q = [_phi(x) for x in q[i]]
-            stop = min(i, units - 1) + 1 if causal else units
-            kernels = [mpmath.fsum(a * b for a, b in zip(phi_q, mixed[j], strict=True))
-                       for j in range(stop)]
-            den = mpmath.fsum(kernels)
-            out.append([mpmath.fsum(kernels[j] * mp(v[j][e]) for j in range(stop)) / den
-                        for e in range(v.shape[1])])
+            if mlk_form == "lm":
+                phi_q = unit(phi_q)
+            cols = [j for j in range(units) if allowed[i, j]]
+            kernels = {j: mpmath.fsum(a * b for a, b in zip(phi_q, mixed[j], strict=True))
+                       for j in cols}
+            num = [mpmath.fsum(kernels[j] * mp(v[j][e]) for j in cols)
+                   for e in range(v.shape[1])]
+            if mlk_form == "lra":
+                out.append([n / root for n in num])
+            elif mlk_form == "lm":
+                den = mpmath.fsum(kernels.values()) + mp(LM_EPS)
+                out.append([n / (mpmath.sqrt(dim) * den) for n in num])
+            elif not cols:
+                out.append([mpmath.mpf(0)] * v.shape[1])
+            else:
+                den = mpmath.fsum(kernels.values())
+                out.append([n / den for n in num])
         return out

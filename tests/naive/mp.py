@@ -19,8 +19,8 @@ import mpmath
 import numpy as np
 
 __all__ = ["mp", "exact_fraction", "per_unit", "squared_distance", "lse", "softmax_weights",
-           "exact_sum", "exact_mul", "exact_div", "richardson_gradient", "central_vjp",
-           "STEP_BITS", "SAFETY"]
+           "exact_sum", "exact_mul", "exact_div", "richardson_derivative", "naive_vjp",
+           "central_vjp", "STEP_BITS", "SAFETY", "richardson_gradient"]
 
 #: Step of the central differences, 2**-STEP_BITS times max(1, |x|).
 STEP_BITS = 50
@@ -104,42 +104,52 @@ def exact_div(a, b):
     return mp(a) / mp(b)
 
 
-def richardson_gradient(loss, theta, free, dps=50):
-    """Gradient of ``loss`` (a function of a flat list of mpf) at the float array ``theta`` by
-    central differences with one Richardson step, at ``dps`` digits.
+def richardson_derivative(f, x, h):
+    """(f'(x), error estimate) from central differences with steps h, h/2, h/4 and two
+    Richardson extrapolations (orders h^2 then h^4 eliminated); the estimate is the change of
+    the last extrapolation plus the rounding of f divided by the smallest step."""
+    x, h = mp(x), mp(h)
+    diffs = []
+    for k in range(3):
+        step = h / 2**k
+        diffs.append((f(x + step) - f(x - step)) / (2 * step))
+    first = [(4 * diffs[k + 1] - diffs[k]) / 3 for k in range(2)]
+    second = (16 * first[1] - first[0]) / 15
+    rounding = abs(f(x)) * mpmath.mpf(10) ** (-mpmath.mp.dps + 5) / (h / 4) + \
+        mpmath.mpf(10) ** (-mpmath.mp.dps + 5)
+    return second, abs(second - first[1]) + rounding
 
-    ``D(h) = (L(t + h e_k) - L(t - h e_k)) / 2h`` has error ``c h^2 + O(h^4)``; the
-    extrapolation ``R = (4 D(h/2) - D(h)) / 3`` removes the ``h^2`` term and
-    ``|D(h/2) - D(h)|`` (three times the ``h^2`` error of ``D(h/2)``, far above R's own
-    ``O(h^4)``) plus the rounding noise of the differences (``16 eps (|L| + 1) / h`` at the
-    working precision's ``eps``) is returned as its error estimate. Coordinates where
-    ``free`` is False get gradient 0 with error 0 (parameters that are not free, e.g. zero
-    self-couplings).
-    Returns (gradient, error): object arrays of mpf of theta's shape.
+
+def naive_vjp(forward, arrays, grad_out, *, dps=60, step=2.0 ** -24):
+    """Central-difference vjp of ``sum(grad_out * forward(*arrays))`` by
+    :func:`richardson_derivative`, for every element of every array: a list (one per array)
+    of object arrays of (derivative, error estimate) pairs (mpf), at ``dps`` digits.
+
+    ``forward`` takes object arrays of mpf (the perturbed inputs) and returns nested lists.
     """
-    theta = np.asarray(theta, dtype=np.float64)
-    free = np.broadcast_to(free, theta.shape).ravel()
-    grad = np.empty(theta.size, dtype=object)
-    error = np.empty(theta.size, dtype=object)
     with mpmath.workdps(dps):
-        base = [mpmath.mpf(float(v)) for v in theta.ravel()]
-        h = mpmath.mpf(2) ** -48
-        noise = 16 * mpmath.eps * (abs(loss(base)) + 1) / h
+        base = [np.array([[mp(x) for x in np.ravel(a)]], dtype=object).reshape(np.shape(a))
+                for a in arrays]
+        weights = np.asarray(grad_out, dtype=np.float64)
 
-        def central(k, step):
-            up, down = list(base), list(base)
-            up[k] += step
-            down[k] -= step
-            return (loss(up) - loss(down)) / (2 * step)
+        def objective(index, position):
+            def f(x):
+                args = [a.copy() for a in base]
+                args[index][position] = x
+                out = np.array(forward(*args), dtype=object)
+                return mpmath.fsum(mp(o) * mp(w) for o, w in zip(out.ravel(),
+                                                                 weights.ravel(),
+                                                                 strict=True))
+            return f
 
-        for k in range(theta.size):
-            if not free[k]:
-                grad[k], error[k] = mpmath.mpf(0), mpmath.mpf(0)
-                continue
-            coarse, fine = central(k, h), central(k, h / 2)
-            grad[k] = (4 * fine - coarse) / 3
-            error[k] = abs(fine - coarse) + noise
-    return grad.reshape(theta.shape), error.reshape(theta.shape)
+        result = []
+        for index, a in enumerate(base):
+            grads = np.empty(a.shape + (2,), dtype=object)
+            for position in np.ndindex(*a.shape):
+                grads[position] = richardson_derivative(objective(index, position),
+                                                        a[position], step)
+            result.append(grads)
+        return result
 def _flatten(nested):
     if isinstance(nested, list | tuple):
         return [x for item in nested for x in _flatten(item)]
@@ -181,3 +191,39 @@ def central_vjp(function, arrays, grad, *, dps):
                 error[index] = SAFETY * abs(fine - coarse)
             results.append((estimate, error))
     return results
+def richardson_gradient(loss, theta, free, dps=50):
+    """Gradient of ``loss`` (a function of a flat list of mpf) at the float array ``theta`` by
+    central differences with one Richardson step, at ``dps`` digits.
+
+    ``D(h) = (L(t + h e_k) - L(t - h e_k)) / 2h`` has error ``c h^2 + O(h^4)``; the
+    extrapolation ``R = (4 D(h/2) - D(h)) / 3`` removes the ``h^2`` term and
+    ``|D(h/2) - D(h)|`` (three times the ``h^2`` error of ``D(h/2)``, far above R's own
+    ``O(h^4)``) plus the rounding noise of the differences (``16 eps (|L| + 1) / h`` at the
+    working precision's ``eps``) is returned as its error estimate. Coordinates where
+    ``free`` is False get gradient 0 with error 0 (parameters that are not free, e.g. zero
+    self-couplings).
+    Returns (gradient, error): object arrays of mpf of theta's shape.
+    """
+    theta = np.asarray(theta, dtype=np.float64)
+    free = np.broadcast_to(free, theta.shape).ravel()
+    grad = np.empty(theta.size, dtype=object)
+    error = np.empty(theta.size, dtype=object)
+    with mpmath.workdps(dps):
+        base = [mpmath.mpf(float(v)) for v in theta.ravel()]
+        h = mpmath.mpf(2) ** -48
+        noise = 16 * mpmath.eps * (abs(loss(base)) + 1) / h
+
+        def central(k, step):
+            up, down = list(base), list(base)
+            up[k] += step
+            down[k] -= step
+            return (loss(up) - loss(down)) / (2 * step)
+
+        for k in range(theta.size):
+            if not free[k]:
+                grad[k], error[k] = mpmath.mpf(0), mpmath.mpf(0)
+                continue
+            coarse, fine = central(k, h), central(k, h / 2)
+            grad[k] = (4 * fine - coarse) / 3
+            error[k] = abs(fine - coarse) + noise
+    return grad.reshape(theta.shape), error.reshape(theta.shape)
