@@ -13,3 +13,8 @@ ELEMENTARY_GUARD_BITS = 8
 
 #: Default float dtype of exact-path outputs.
 DEFAULT_OUT_DTYPE = "float64"
+
+#: Engine of precision="exact" attention_vjp: "fast" (double-double enclosures with rigorous
+#: bounds, undecided elements re-evaluated by the referee) or "referee" (the arbitrary-precision
+#: Ziv loop on every element). Both give the same bits.
+EXACT_VJP_ENGINE = "fast"
