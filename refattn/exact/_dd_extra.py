@@ -206,8 +206,8 @@ def exp_dd(xh, xl):
       ``2**(k >> 6)`` exact (``ldexp``; a subnormal result loses at most ``2**-1074``
       absolute, which the callers' absolute term covers).
 
-    The sum of these is below ``2**-101``; :data:`EXP_REL` = ``2**-96`` keeps a margin. For ``xh < -746`` the
-    result is 0 (``exp(x) < 2**-1076``, an absolute error only).
+    The sum of these is below ``2**-101``; :data:`EXP_REL` = ``2**-96`` keeps a margin. For
+    ``xh < -746`` the result is 0 (``exp(x) < 2**-1076``, an absolute error only).
     """
     if xh < -746.0:
         return 0.0, 0.0
