@@ -1,31 +1,15 @@
-"""Double-double (dd) building blocks with proven error bounds, for the fast exact VJP.
+"""Double-double helpers of the fast exact VJP that :mod:`refattn.exact._dd` does not have.
 
-A dd number is an unevaluated pair ``hi + lo`` of float64. The operations below are the
-double-word algorithms of Joldes, Muller & Popescu, "Tight and rigorous error bounds for basic
-building blocks of double-word arithmetic" (ACM TOMS 44(2), 2017; "JMP" below); each returns a
-pair whose relative error is bounded by the constant next to it, where ``u = 2**-53`` (the
-published bounds, rounded up to a whole multiple of ``u**2`` as a margin):
+* :func:`exp_dd_fast` -- ``exp`` on ``[EXP_MIN_ARG, 1]`` with a 1024-entry table, so that
+  only four Horner steps need double-double arithmetic (the weights of the backward pass take
+  one exponential per allowed (query, key) pair; this is 2-3x faster than
+  :func:`refattn.exact._dd.exp_dd`);
+* :func:`round_decision` -- the rounding of one double-double with an absolute error bound to
+  a binary format, or "undecided", as a scalar Numba function (the kernel's outputs are decided
+  in one compiled loop; exact zeros are decided as +0).
 
-=================  ==========================  ===============  ============
-function           JMP algorithm               published bound  used here
-=================  ==========================  ===============  ============
-:func:`dd_add_d`   4 (DWPlusFP)                2 u^2            :data:`ADD_D`
-:func:`dd_add`     6 (AccurateDWPlusDW)        3 u^2 + 13 u^3   :data:`ADD`
-:func:`dd_mul_d`   9 (DWTimesFP3)              2 u^2            :data:`MUL_D`
-:func:`dd_mul`     12 (DWTimesDW3)             4 u^2            :data:`MUL`
-:func:`dd_div_d`   15 (DWDivFP3)               3 u^2            :data:`DIV_D`
-:func:`dd_div`     17 (DWDivDW2)               15 u^2 + 56 u^3  :data:`DIV`
-=================  ==========================  ===============  ============
-
-The bounds hold when no intermediate underflows or overflows; the callers add an absolute
-term for underflow and treat any non-finite value as "undecided".
-
-:func:`exp_dd` encloses ``exp`` without any libm call: the table ``2**(j/64)`` and the
-constants ``ln2/64``, ``1/n!`` are computed once with mpmath (arbitrary precision) and stored
-as dd pairs; see its docstring for the error budget.
-
-:func:`round_decision` rounds a dd value with an absolute error bound to a binary format, or
-reports that the bound straddles a rounding boundary.
+Both use the operations and the per-operation bound ``DD_REL`` of :mod:`refattn.exact._dd`;
+no libm function is called (the table and the constants come from mpmath at 200 bits).
 """
 
 from __future__ import annotations
@@ -33,206 +17,110 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-import mpmath
-import numba
 import numpy as np
+from mpmath import mp
 from numba import njit
 
-__all__ = [
-    "U2", "ADD_D", "ADD", "MUL_D", "MUL", "DIV_D", "DIV", "EXP_REL", "JIT_OPTIONS",
-    "fma", "two_sum", "fast_two_sum", "two_prod", "dd_add_d", "dd_add", "dd_mul_d", "dd_mul",
-    "dd_div_d", "dd_div", "exp_dd", "round_decision",
-]
+from ._dd import (
+    DD_REL,
+    U,
+    dd_add,
+    dd_add_d,
+    dd_mul,
+    dd_of_fraction,
+    fast_two_sum,
+    two_prod,
+    two_sum,
+)
 
-#: u**2 with u = 2**-53, the unit of every dd error bound.
-U2 = 2.0**-106
-ADD_D = 3.0 * U2
-ADD = 4.0 * U2
-MUL_D = 3.0 * U2
-MUL = 5.0 * U2
-DIV_D = 4.0 * U2
-DIV = 16.0 * U2
-#: Relative error bound of :func:`exp_dd` for an exact argument (see its docstring).
-EXP_REL = 2.0**-96
+__all__ = ["EXP_FAST_REL", "EXP_FAST_BUDGET", "exp_dd_fast", "round_decision"]
 
-#: fastmath off (no re-association, no contraction into fma), on-disk cache.
-JIT_OPTIONS = dict(fastmath=False, boundscheck=False, cache=True, nogil=True)
-
-if not numba.config.DISABLE_JIT:
-    from llvmlite import ir
-    from numba import types
-    from numba.core import cgutils
-    from numba.core.extending import intrinsic
-
-    @intrinsic
-    def fma(typingctx, a, b, c):
-        """a * b + c with one rounding (``llvm.fma.f64``)."""
-        if not (a == b == c == types.float64):
-            return None
-
-        def codegen(context, builder, sig, args):
-            lt = ir.DoubleType()
-            fn = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(lt, [lt] * 3), "llvm.fma.f64")
-            return builder.call(fn, args)
-
-        return types.float64(a, b, c), codegen
-
-else:  # pragma: no cover - the NUMBA_DISABLE_JIT=1 tier
-
-    def fma(a, b, c):
-        """a * b + c with one rounding (exact rational arithmetic, then one rounding)."""
-        if not (math.isfinite(a) and math.isfinite(b) and math.isfinite(c)):
-            return a * b + c
-        return float(Fraction(a) * Fraction(b) + Fraction(c))
-
-
-@njit(**JIT_OPTIONS)
-def two_sum(a, b):
-    """(s, e) with s = fl(a + b) and s + e = a + b exactly (Knuth)."""
-    s = a + b
-    bb = s - a
-    return s, (a - (s - bb)) + (b - bb)
-
-
-@njit(**JIT_OPTIONS)
-def fast_two_sum(a, b):
-    """(s, e) with s + e = a + b exactly, when a = 0 or |a| >= |b| (Dekker)."""
-    s = a + b
-    return s, b - (s - a)
-
-
-@njit(**JIT_OPTIONS)
-def two_prod(a, b):
-    """(p, e) with p = fl(a b) and p + e = a b exactly (no underflow)."""
-    p = a * b
-    return p, fma(a, b, -p)
-
-
-@njit(**JIT_OPTIONS)
-def dd_add_d(xh, xl, y):
-    """dd + float64 (JMP Alg. 4)."""
-    sh, sl = two_sum(xh, y)
-    return fast_two_sum(sh, xl + sl)
-
-
-@njit(**JIT_OPTIONS)
-def dd_add(xh, xl, yh, yl):
-    """dd + dd (JMP Alg. 6)."""
-    sh, sl = two_sum(xh, yh)
-    th, tl = two_sum(xl, yl)
-    vh, vl = fast_two_sum(sh, sl + th)
-    return fast_two_sum(vh, tl + vl)
-
-
-@njit(**JIT_OPTIONS)
-def dd_mul_d(xh, xl, y):
-    """dd * float64 (JMP Alg. 9)."""
-    ch, cl1 = two_prod(xh, y)
-    return fast_two_sum(ch, fma(xl, y, cl1))
-
-
-@njit(**JIT_OPTIONS)
-def dd_mul(xh, xl, yh, yl):
-    """dd * dd (JMP Alg. 12)."""
-    ch, cl1 = two_prod(xh, yh)
-    tl1 = fma(xh, yl, xl * yl)
-    cl2 = fma(xl, yh, tl1)
-    return fast_two_sum(ch, cl1 + cl2)
-
-
-@njit(**JIT_OPTIONS)
-def dd_div_d(xh, xl, y):
-    """dd / float64 (JMP Alg. 15)."""
-    th = xh / y
-    ph, pl = two_prod(th, y)
-    dh = xh - ph
-    d = (dh - pl) + xl
-    return fast_two_sum(th, d / y)
-
-
-@njit(**JIT_OPTIONS)
-def dd_div(xh, xl, yh, yl):
-    """dd / dd (JMP Alg. 17)."""
-    th = xh / yh
-    rh, rl = dd_mul_d(yh, yl, th)
-    d = (xh - rh) + (xl - rl)
-    return fast_two_sum(th, d / yh)
-
-
-# -- exp ---------------------------------------------------------------------------------
-def _split(value: mpmath.mpf, parts: int, first_bits: int = 53):
-    """value as a sum of ``parts`` float64 (the first rounded to ``first_bits`` bits)."""
-    out = []
-    rest = value
-    for n in range(parts):
-        bits = first_bits if n == 0 else 53
-        with mpmath.workprec(bits):
-            piece = +rest
-        out.append(float(piece))
-        rest = rest - mpmath.mpf(out[-1])
-    return out
+_JIT = dict(fastmath=False, boundscheck=False, cache=True, nogil=True)
+_STEPS = 1024  # table 2**(j/1024): |r| <= ln2/2048 < 3.4e-4
+_R_MAX = 3.4e-4
 
 
 def _constants():
-    with mpmath.workprec(400):
-        c1, c2, c3 = _split(mpmath.ln(2) / 64, 3, first_bits=32)
-        table = np.array([_split(mpmath.mpf(2) ** (mpmath.mpf(j) / 64), 2) for j in range(64)])
-        inv_fact = np.array([_split(1 / mpmath.factorial(n), 2) for n in range(12)])
-    return c1, c2, c3, table, inv_fact
+    with mp.workprec(200):
+        step = mp.log(2) / _STEPS
+        pieces = []
+        rest = step
+        for bits in (32, 53, 53):  # k * piece exact for |k| < 2**21
+            e = int(mp.floor(mp.log(abs(rest), 2)))
+            quantum = mp.mpf(2) ** (e - bits + 1)
+            piece = mp.nint(rest / quantum) * quantum
+            pieces.append(float(piece))
+            rest = rest - piece
+        table = np.empty((_STEPS, 2))
+        for j in range(_STEPS):
+            t = mp.mpf(2) ** (mp.mpf(j) / _STEPS)
+            table[j, 0] = float(t)
+            table[j, 1] = float(t - table[j, 0])
+        return np.array(pieces), float(abs(rest)), table
 
 
-_C1, _C2, _C3, _TABLE, _INV_FACT = _constants()
-_INV_C = 64.0 / math.log(2.0)  # any approximation works: it only picks the reduction integer
+_PIECES, _PIECES_REST, _TABLE = _constants()
+_INV_STEP = _STEPS / math.log(2.0)  # any approximation: it only picks the integer k
+#: 1/n! for n <= 3 as double-doubles, and the float64 tail coefficients 1/n!, 4 <= n <= 8
+_COEF = np.array([dd_of_fraction(Fraction(1, math.factorial(n)))[:2] for n in range(4)])
+_TAIL = np.array([float(Fraction(1, math.factorial(n))) for n in range(4, 9)])
 
 
-@njit(**JIT_OPTIONS)
-def exp_dd(xh, xl):
-    """exp(xh + xl) as a dd with relative error <= :data:`EXP_REL`, for xh <= 1.
+def _budget() -> float:
+    """Itemised relative error of :func:`exp_dd_fast` (see its docstring)."""
+    k_max = 2.0**21
+    r_err = k_max * (_PIECES_REST + abs(_PIECES[2]) * U) + 3 * DD_REL * _R_MAX
+    trunc = _R_MAX**9 / math.factorial(9) * 1.01
+    # tau = sum_{n=4}^{8} r^(n-4)/n! in float64 (5 roundings, r's low word dropped), times
+    # r^4 <= 1.4e-14: relative to exp(r) >= 0.9996
+    tail = (8 * U + 2 * U) * (1 / 24) * 1.01 * _R_MAX**4
+    horner = 8 * DD_REL * 1.01  # 4 products and 4 sums; partial values within 0.1% of c_n
+    coef = 2.0**-105
+    table = 2.0**-105
+    final = DD_REL
+    return (2 * r_err + trunc + tail + horner + coef + table + final) * 1.01
 
-    ``x = k ln2/64 + r`` with ``k = rint(64 xh / ln2)`` and ``|r| <= 0.0055``:
 
-    * ``ln2/64 = C1 + C2 + C3 + eps`` (mpmath, 400 bits; C1 has 32 bits so ``k C1`` is exact for
-      ``|k| < 2**21``; ``|eps| < 2**-145``); ``xh - k C1`` is exact (Sterbenz), the rest is one
-      exact two-sum, one dd addition and one dd + float64 addition:
-      ``|r - r~| <= 8 u^2 |r| + 2**-120``;
-    * ``exp(r) = c0 + r(c1 + r(c2 + ... r(c5 + r tau)))`` with ``c_n = 1/n!`` (dd) and
-      ``tau = sum_{n=6}^{11} r^(n-6)/n!`` in float64 (truncation ``< 2**-118``; the float64
-      error of ``tau`` moves the result by ``< 2**-104``); the six dd steps (a product,
-      ``5 u^2``, and an addition, ``4 u^2``, each) act on partial values within 1% of
-      ``c_n``, and an error in step ``n + 1`` reaches the result damped by ``|r| / (n + 1)``:
-      ``<= 10 u^2`` in all;
-    * ``2**(j/64)`` from the table (``<= 2**-105`` relative), one dd product (``5 u^2``), and
-      ``2**(k >> 6)`` exact (``ldexp``; a subnormal result loses at most ``2**-1074``
-      absolute, which the callers' absolute term covers).
+EXP_FAST_BUDGET = _budget()
+#: Relative error bound of :func:`exp_dd_fast` on ``[EXP_MIN_ARG, 1]``.
+EXP_FAST_REL = 2.0**-94
+assert EXP_FAST_BUDGET < EXP_FAST_REL
 
-    The sum of these is below ``2**-101``; :data:`EXP_REL` = ``2**-96`` keeps a margin. For
-    ``xh < -746`` the result is 0 (``exp(x) < 2**-1076``, an absolute error only).
+
+@njit(**_JIT)
+def exp_dd_fast(xh, xl):
+    """exp(xh + xl) as a double-double, relative error <= :data:`EXP_FAST_REL` for
+    ``EXP_MIN_ARG <= xh <= 1`` (outside: no claim; callers check).
+
+    ``x = k ln2/1024 + r`` (``ln2/1024`` in three pieces from mpmath, the first of 32 bits so
+    that ``k * piece`` is exact for ``|k| < 2**21``; ``|r| < 3.4e-4``), ``exp(r) = c0 + r(c1 +
+    r(c2 + r(c3 + r tau)))`` with ``c_n = 1/n!`` double-doubles and ``tau = sum_{n=4}^{8}
+    r^(n-4)/n!`` in float64 (``r^4 tau < 2**-46``, so its float64 error is below
+    ``2**-104``), times ``2**(j/1024)`` from the table and ``2**(k >> 10)`` (exact in the
+    domain). :data:`EXP_FAST_BUDGET` itemises the bound.
     """
-    if xh < -746.0:
-        return 0.0, 0.0
-    kf = np.rint(xh * _INV_C)
-    r1 = xh - kf * _C1
-    ph, pl = two_prod(kf, _C2)
-    rh, rl = two_sum(r1, xl)  # a normalised pair for the JMP additions
+    k = np.rint(xh * _INV_STEP)
+    rh, rl = two_sum(xh, -k * _PIECES[0])
+    rh, rl = dd_add_d(rh, rl, xl)
+    ph, pl = two_prod(k, _PIECES[1])
     rh, rl = dd_add(rh, rl, -ph, -pl)
-    rh, rl = dd_add_d(rh, rl, -(kf * _C3))
-    tau = _INV_FACT[11, 0]
-    for n in range(10, 5, -1):
-        tau = tau * rh + _INV_FACT[n, 0]
-    ah, al = tau, 0.0
-    for n in range(5, -1, -1):
+    rh, rl = dd_add_d(rh, rl, -k * _PIECES[2])
+    tau = _TAIL[4]
+    for n in range(3, -1, -1):
+        tau = tau * rh + _TAIL[n]
+    ah, al = fast_two_sum(_COEF[3, 0], _COEF[3, 1] + rh * tau)
+    for n in range(2, -1, -1):
         ah, al = dd_mul(ah, al, rh, rl)
-        ah, al = dd_add(ah, al, _INV_FACT[n, 0], _INV_FACT[n, 1])
-    k = int(kf)
-    j = k & 63
+        ah, al = dd_add(ah, al, _COEF[n, 0], _COEF[n, 1])
+    ki = np.int64(k)
+    j = ki & (_STEPS - 1)
     ah, al = dd_mul(ah, al, _TABLE[j, 0], _TABLE[j, 1])
-    e = (k - j) >> 6
+    e = (ki - j) // _STEPS
     return math.ldexp(ah, e), math.ldexp(al, e)
 
 
-# -- rounding decision -------------------------------------------------------------------
-@njit(**JIT_OPTIONS)
+
+@njit(**_JIT)
 def round_decision(xh, xl, err, p, emin, max_finite):
     """(y, decided): ``y`` the value of ``xh + xl`` rounded to the format (``p`` significand
     bits, minimum normal exponent ``emin``) with ties to even, decided when every real number

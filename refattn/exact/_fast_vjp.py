@@ -1,8 +1,8 @@
 """Fast first step of the exact VJP: double-double enclosures in a Numba kernel.
 
 Every gradient element of :func:`refattn.attention_vjp` is computed in double-double (dd)
-arithmetic (:mod:`refattn.exact._dd_extra`) together with a rigorous bound on its absolute
-error, then rounded by :func:`~refattn.exact._dd_extra.round_decision`; elements whose bound
+arithmetic (:mod:`refattn.exact._dd`) together with a rigorous bound on its absolute
+error, then rounded by :func:`refattn.exact.rounding.decide_dd`; elements whose bound
 straddles a rounding boundary (ties, heavy cancellation, underflow) are left to the referee
 (:class:`refattn.exact.attention_vjp.ExactVJP`, the Ziv loop with exact tie handling).
 
@@ -52,20 +52,25 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from . import _dd_extra as X
-from ._dd_extra import (
-    JIT_OPTIONS,
+from ._dd import (
+    BOUND_SAFETY,
+    DD_REL,
+    EXP_MIN_ARG,
     dd_add,
     dd_add_d,
     dd_div,
+    dd_div_d,
     dd_mul,
     dd_mul_d,
-    exp_dd,
+    dd_of_exact,
+    dd_of_fraction,
+    dot_bound,
     fma,
-    round_decision,
     two_sum,
 )
+from ._dd_extra import EXP_FAST_REL, exp_dd_fast, round_decision
 
+_JIT = dict(fastmath=False, boundscheck=False, cache=True, nogil=True)
 __all__ = ["INPUT_LIMIT", "UNDERFLOW_TERM", "fast_inputs_ok", "gradient_enclosures",
            "reduce_enclosure",
            "decide"]
@@ -74,17 +79,12 @@ __all__ = ["INPUT_LIMIT", "UNDERFLOW_TERM", "fast_inputs_ok", "gradient_enclosur
 INPUT_LIMIT = 2.0**60
 #: Absolute term added to every bound for underflow (see the module docstring).
 UNDERFLOW_TERM = 2.0**-600
-_FUDGE = 1.0 + 2.0**-20
-_U2 = X.U2
+#: Upper bound of exp(x) for x below the domain of exp_dd (exp(-620) < 2**-894.4).
+_EXP_TINY = 2.0**-894
 _SAFE = 1.0 + 2.0**-30  # second-order terms of relative errors below 2**-30
 
 
-@njit(**JIT_OPTIONS)
-def _c(n):
-    return 1.05 * (n + 3.0) * (n + 3.0) * _U2
-
-
-@njit(**JIT_OPTIONS)
+@njit(**_JIT)
 def _expm1_bound(delta):
     """Upper bound of exp(delta) - 1 for 0 <= delta (inf when delta is not small)."""
     if delta <= 2.0**-20:
@@ -92,8 +92,8 @@ def _expm1_bound(delta):
     return np.inf
 
 
-@njit(**JIT_OPTIONS)
-def _scores(qrow, kt, s_hi, s_lo, s_err, sh, sl, se, k_l1, nd):
+@njit(**_JIT)
+def _scores(qrow, kt, s_hi, s_lo, s_err, sh, sl, se, k_l1, nd, cd):
     """Scaled scores of one row: dd (sh, sl) with absolute errors se (length S)."""
     keys = sh.shape[0]
     acc_c = np.zeros(keys)
@@ -109,59 +109,75 @@ def _scores(qrow, kt, s_hi, s_lo, s_err, sh, sl, se, k_l1, nd):
             s, es = two_sum(sh[j], p)
             sh[j] = s
             acc_c[j] += ep + es
-    cd = _c(nd)
     exact_scale = s_lo == 0.0 and s_err == 0.0
     for j in range(keys):
         h, lo = two_sum(sh[j], acc_c[j])
         err = cd * qmax * k_l1[j]
         if exact_scale:
             h2, l2 = dd_mul_d(h, lo, s_hi)
-            se[j] = abs(s_hi) * err + X.MUL_D * abs(h2)
+            se[j] = abs(s_hi) * err + DD_REL * abs(h2)
         else:
             h2, l2 = dd_mul(h, lo, s_hi, s_lo)
-            se[j] = abs(s_hi) * err * _SAFE + abs(h) * s_err * _SAFE + X.MUL * abs(h2)
+            se[j] = abs(s_hi) * err * _SAFE + abs(h) * s_err * _SAFE + DD_REL * abs(h2)
         sh[j], sl[j] = h2, l2
 
 
-@njit(**JIT_OPTIONS)
+@njit(**_JIT)
+def _exp_with_error(xh, xl, rel):
+    """exp(x) as (hi, lo, absolute error): ``rel`` is the relative effect of x's own error;
+    below exp_dd's domain the result is 0 with error ``_EXP_TINY``."""
+    if xh < EXP_MIN_ARG:
+        return 0.0, 0.0, _EXP_TINY
+    eh, el = exp_dd_fast(xh, xl)
+    return eh, el, eh * (EXP_FAST_REL + rel) * _SAFE
+
+
+@njit(**_JIT)
 def _softcap(cap, sh, sl, se, fh, fl, fe):
-    """Scores -> cap * tanh(score / cap) in place; the derivative 1 - tanh^2 into (fh, fl, fe)."""
+    """Scores -> cap * tanh(score / cap) in place; the derivative 1 - tanh^2 into (fh, fl, fe).
+
+    With ``E = exp(-2|y|)`` (absolute error ``eE``): ``tanh|y| = (1 - E)/(1 + E)`` moves by at
+    most ``2 eE`` (its derivative in E is ``-2/(1 + E)^2``) plus its own three operations
+    (numerator and denominator ``DD_REL (1 + E)`` each, the quotient ``<= 1`` one ``DD_REL``):
+    ``2 eE + 22 DD_REL``; ``1 - tanh^2 = 4E/(1 + E)^2`` moves by at most ``4 eE`` plus
+    ``27 DD_REL`` of itself (denominator twice, square, quotient).
+    """
     for j in range(sh.shape[0]):
-        yh, yl = X.dd_div_d(sh[j], sl[j], cap)
-        ey = se[j] / cap * _SAFE + X.DIV_D * abs(yh)
+        yh, yl = dd_div_d(sh[j], sl[j], cap)
+        ey = se[j] / cap * _SAFE + DD_REL * abs(yh)
         sign = 1.0 if yh >= 0.0 else -1.0
-        big_h, big_l = exp_dd(-2.0 * abs(yh), -2.0 * sign * yl)  # E = exp(-2|y|)
-        rho_e = X.EXP_REL + _expm1_bound(2.0 * ey)
+        big_h, big_l, big_e = _exp_with_error(-2.0 * abs(yh), -2.0 * sign * yl,
+                                              _expm1_bound(2.0 * ey))
         den_h, den_l = dd_add_d(big_h, big_l, 1.0)
         num_h, num_l = dd_add_d(-big_h, -big_l, 1.0)
         th_h, th_l = dd_div(num_h, num_l, den_h, den_l)
-        eth = 2.0 * big_h * rho_e * _SAFE + 22.0 * _U2
+        eth = 2.0 * big_e * _SAFE + 22.0 * DD_REL
         sh[j], sl[j] = dd_mul_d(sign * th_h, sign * th_l, cap)
-        se[j] = (cap * eth + X.MUL_D * abs(sh[j])) * _SAFE
+        se[j] = (cap * eth + DD_REL * abs(sh[j])) * _SAFE
         d2h, d2l = dd_mul(den_h, den_l, den_h, den_l)
         fh[j], fl[j] = dd_div(4.0 * big_h, 4.0 * big_l, d2h, d2l)
-        fe[j] = fh[j] * (rho_e + 27.0 * _U2) * _SAFE
+        fe[j] = (4.0 * big_e + fh[j] * 27.0 * DD_REL) * _SAFE
 
 
-@njit(**JIT_OPTIONS)
+@njit(**_JIT)
 def _add_terms(b, h, i, sh, sl, se, bias, slopes, offset, has_bias, has_alibi, allowed):
     for j in range(sh.shape[0]):
         if not allowed[j]:
             continue
         if has_bias:
             sh[j], sl[j] = dd_add_d(sh[j], sl[j], bias[b, h, i, j])
-            se[j] += X.ADD_D * abs(sh[j])
+            se[j] += DD_REL * abs(sh[j])
         if has_alibi:
             dist = float(abs(i + offset - j))
             ah = -slopes[h] * dist
             al = fma(-slopes[h], dist, -ah)
             sh[j], sl[j] = dd_add(sh[j], sl[j], ah, al)
-            se[j] += X.ADD * abs(sh[j])
+            se[j] += DD_REL * abs(sh[j])
 
 
-@njit(**JIT_OPTIONS)
+@njit(**_JIT)
 def _weights(sh, sl, se, allowed, wh, wl, we):
-    """w = exp(t - m) / Z for one row; returns False for an empty row (all weights 0)."""
+    """w = exp(t - m) / Z for one row (we: absolute errors); False for an empty row."""
     keys = sh.shape[0]
     top = -np.inf
     for j in range(keys):
@@ -169,32 +185,32 @@ def _weights(sh, sl, se, allowed, wh, wl, we):
             top = sh[j]
     if top == -np.inf:
         return False
-    zh, zl = 0.0, 0.0
-    rho_max = 0.0
+    zh, zl, ze, zmag = 0.0, 0.0, 0.0, 0.0
     for j in range(keys):
         if not allowed[j]:
             wh[j], wl[j], we[j] = 0.0, 0.0, 0.0
             continue
         xh, xl = dd_add_d(sh[j], sl[j], -top)
-        ex = se[j] + X.ADD_D * abs(xh)
-        eh, el = exp_dd(xh, xl)
-        rho = X.EXP_REL + _expm1_bound(ex * _SAFE)
-        rho_max = max(rho_max, rho)
-        wh[j], wl[j], we[j] = eh, el, rho
+        ex = se[j] + DD_REL * abs(xh)
+        eh, el, ee = _exp_with_error(xh, xl, _expm1_bound(ex * _SAFE))
+        wh[j], wl[j], we[j] = eh, el, ee
         zh, zl = dd_add(zh, zl, eh, el)
-    rho_z = rho_max + 4.2 * keys * _U2
+        ze += ee
+        zmag += eh
+    # Z >= exp(t_top - top) ~ 1: its relative error is finite and tiny
+    rho_z = (ze + keys * DD_REL * zmag) * _SAFE / zh
     ih, il = dd_div(1.0, 0.0, zh, zl)
-    rho_inv = (rho_z + X.DIV) * _SAFE
+    rho_inv = (rho_z + DD_REL) * _SAFE
     for j in range(keys):
         if allowed[j]:
             h, lo = dd_mul(wh[j], wl[j], ih, il)
+            we[j] = (we[j] * abs(ih) + abs(h) * (rho_inv + DD_REL)) * _SAFE
             wh[j], wl[j] = h, lo
-            we[j] = abs(h) * (we[j] + rho_inv + X.MUL) * _SAFE
     return True
 
 
-@njit(**JIT_OPTIONS)
-def _dots(arow, bt, outh, outl, oute, b_l1):
+@njit(**_JIT)
+def _dots(arow, bt, outh, outl, oute, b_l1, cn):
     """outh/outl = rows of bt (transposed) dotted with arow, errors oute."""
     keys = outh.shape[0]
     n = arow.shape[0]
@@ -211,13 +227,12 @@ def _dots(arow, bt, outh, outl, oute, b_l1):
             s, es = two_sum(outh[j], p)
             outh[j] = s
             acc_c[j] += ep + es
-    cn = _c(n)
     for j in range(keys):
         outh[j], outl[j] = two_sum(outh[j], acc_c[j])
         oute[j] = cn * amax * b_l1[j]
 
 
-@njit(**JIT_OPTIONS)
+@njit(**_JIT)
 def _accumulate(ah, al, brow, acc_h, acc_c):
     """acc += (ah + al) * brow, compensated (one term of a dd x float64 dot product)."""
     for d in range(brow.shape[0]):
@@ -229,7 +244,7 @@ def _accumulate(ah, al, brow, acc_h, acc_c):
         acc_c[d] += ep + es
 
 
-@njit(**JIT_OPTIONS)
+@njit(**_JIT)
 def _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, opts, fopts,
          k_l1, v_l1, sh, sl, se, fh, fl, fe, wh, wl, we, dh, dl, de, dsh, dsl, dse):
     """dS (dsh, dsl, dse) and dT (in place of the scores arrays) of one row; False: empty."""
@@ -238,13 +253,13 @@ def _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes,
     s_hi, s_lo, s_err, cap, kf_h, kf_l, kf_e = fopts[0], fopts[1], fopts[2], fopts[3], \
         fopts[4], fopts[5], fopts[6]
     keys = sh.shape[0]
-    _scores(q[b, h, i], kt[b, g], s_hi, s_lo, s_err, sh, sl, se, k_l1, q.shape[3])
+    _scores(q[b, h, i], kt[b, g], s_hi, s_lo, s_err, sh, sl, se, k_l1, q.shape[3], fopts[7])
     if has_softcap:
         _softcap(cap, sh, sl, se, fh, fl, fe)
     _add_terms(b, h, i, sh, sl, se, bias, slopes, offset, has_bias, has_alibi, allowed)
     if not _weights(sh, sl, se, allowed, wh, wl, we):
         return False
-    _dots(do[b, h, i], vt[b, g], dh, dl, de, v_l1)
+    _dots(do[b, h, i], vt[b, g], dh, dl, de, v_l1, fopts[8])
     # Delta' = sum_j w_ij kappa_ij dp_ij (kf applied after)
     acc_h, acc_l, acc_e, mag = 0.0, 0.0, 0.0, 0.0
     for j in range(keys):
@@ -256,10 +271,10 @@ def _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes,
         acc_e += we[j] * abs(dh[j]) + wh[j] * de[j] + we[j] * de[j]
         mag += abs(ph)
     # products: MUL each; the running sum: ADD per step times a partial sum <= mag
-    acc_e = (acc_e + (X.MUL + keys * X.ADD) * mag * _SAFE) * _SAFE
+    acc_e = (acc_e + (DD_REL + keys * DD_REL) * mag * _SAFE) * _SAFE
     if dropout:
         delta_h, delta_l = dd_mul(acc_h, acc_l, kf_h, kf_l)
-        delta_e = (abs(kf_h) * acc_e + abs(acc_h) * kf_e + X.MUL * abs(delta_h)) * _SAFE
+        delta_e = (abs(kf_h) * acc_e + abs(acc_h) * kf_e + DD_REL * abs(delta_h)) * _SAFE
     else:
         delta_h, delta_l, delta_e = acc_h, acc_l, acc_e
     g_i = glse[b, h, i] if has_glse else 0.0
@@ -270,27 +285,27 @@ def _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes,
             continue
         if dropout:
             ph, pl = dd_mul(dh[j], dl[j], kf_h, kf_l)
-            pe = (abs(kf_h) * de[j] + abs(dh[j]) * kf_e + X.MUL * abs(ph)) * _SAFE
+            pe = (abs(kf_h) * de[j] + abs(dh[j]) * kf_e + DD_REL * abs(ph)) * _SAFE
         else:
             ph, pl, pe = dh[j], dl[j], de[j]
         th, tl = dd_add(ph, pl, -delta_h, -delta_l)
-        te = pe + delta_e + X.ADD * abs(th)
+        te = pe + delta_e + DD_REL * abs(th)
         if has_glse:
             th, tl = dd_add_d(th, tl, g_i)
-            te += X.ADD_D * abs(th)
+            te += DD_REL * abs(th)
         ds_h, ds_l = dd_mul(wh[j], wl[j], th, tl)
-        ds_e = (we[j] * abs(th) + wh[j] * te + we[j] * te + X.MUL * abs(ds_h)) * _SAFE
+        ds_e = (we[j] * abs(th) + wh[j] * te + we[j] * te + DD_REL * abs(ds_h)) * _SAFE
         dsh[j], dsl[j], dse[j] = ds_h, ds_l, ds_e
         if has_softcap:
             dt_h, dt_l = dd_mul(ds_h, ds_l, fh[j], fl[j])
-            dt_e = (ds_e * fh[j] + abs(ds_h) * fe[j] + ds_e * fe[j] + X.MUL * abs(dt_h)) * _SAFE
+            dt_e = (ds_e * fh[j] + abs(ds_h) * fe[j] + ds_e * fe[j] + DD_REL * abs(dt_h)) * _SAFE
             sh[j], sl[j], se[j] = dt_h, dt_l, dt_e
         else:
             sh[j], sl[j], se[j] = ds_h, ds_l, ds_e
     return True
 
 
-@njit(**JIT_OPTIONS)
+@njit(**_JIT)
 def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, group, opts,
           fopts, dq, dk, dv, dbias, bad):
     kv_heads = k.shape[1]
@@ -310,9 +325,9 @@ def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, g
     for e in range(vdim):
         for j in range(keys):
             v_l1[j] += abs(vt[b, g, e, j])
-    k_l1 *= _FUDGE
-    k_col *= _FUDGE
-    v_l1 *= _FUDGE
+    k_l1 *= BOUND_SAFETY
+    k_col *= BOUND_SAFETY
+    v_l1 *= BOUND_SAFETY
     row = np.empty((15, keys))
     sh, sl, se, fh, fl, fe, wh, wl, we, dh, dl, de, dsh, dsl, dse = \
         row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], row[8], row[9], \
@@ -325,7 +340,6 @@ def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, g
     q_sum, do_sum = np.zeros(dim), np.zeros(vdim)
     dk_terms, dv_terms = np.zeros(keys, np.int64), np.zeros(keys, np.int64)
     check = 0.0
-    n_rows = group.shape[1] * length
     for member in range(group.shape[1]):
         h = group[g, member]
         for i in range(length):
@@ -346,7 +360,7 @@ def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, g
                     dbias[0, b, h, i, j] = dsh[j]
                     dbias[1, b, h, i, j] = dsl[j]
                     # excluded positions are exact zeros
-                    dbias[2, b, h, i, j] = (dse[j] * _FUDGE + UNDERFLOW_TERM
+                    dbias[2, b, h, i, j] = (dse[j] * BOUND_SAFETY + UNDERFLOW_TERM
                                             if allowed_row[j] else 0.0)
             dq_h[:] = 0.0
             dq_c[:] = 0.0
@@ -367,12 +381,12 @@ def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, g
                     dv_terms[j] += 1
                     dv_emax[j] = max(dv_emax[j], we[j])
                     dv_amax[j] = max(dv_amax[j], wh[j])
-            c_s = _c(keys)
+            c_s = fopts[9]
             for d in range(dim):
                 xh, xl = two_sum(dq_h[d], dq_c[d])
-                err = (emax + c_s * amax) * k_col[d] * _FUDGE
+                err = (emax + c_s * amax) * k_col[d] * BOUND_SAFETY
                 _store_scaled(dq, (b, h, i, d), xh, xl, err, s_hi, s_lo, s_err)
-    c_n = _c(n_rows)
+    c_n = fopts[10]
     for j in range(keys):
         if dk_terms[j] == 0:  # no allowed position reads key j: exact zeros
             dk[:, b, g, j, :] = 0.0
@@ -380,35 +394,35 @@ def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, g
             dv[:, b, g, j, :] = 0.0
         for d in range(dim if dk_terms[j] else 0):
             xh, xl = two_sum(dk_h[j, d], dk_c[j, d])
-            err = (dk_emax[j] + c_n * dk_amax[j]) * q_sum[d] * _FUDGE * _FUDGE
+            err = (dk_emax[j] + c_n * dk_amax[j]) * q_sum[d] * BOUND_SAFETY * BOUND_SAFETY
             _store_scaled(dk, (b, g, j, d), xh, xl, err, s_hi, s_lo, s_err)
         for e in range(vdim if dv_terms[j] else 0):
             xh, xl = two_sum(dv_h[j, e], dv_c[j, e])
-            err = (dv_emax[j] + c_n * dv_amax[j]) * do_sum[e] * _FUDGE * _FUDGE
+            err = (dv_emax[j] + c_n * dv_amax[j]) * do_sum[e] * BOUND_SAFETY * BOUND_SAFETY
             if dropout:
                 _store_scaled(dv, (b, g, j, e), xh, xl, err, kf_h, kf_l, kf_e)
             else:
                 dv[0, b, g, j, e], dv[1, b, g, j, e] = xh, xl
-                dv[2, b, g, j, e] = err * _FUDGE + UNDERFLOW_TERM
+                dv[2, b, g, j, e] = err * BOUND_SAFETY + UNDERFLOW_TERM
     if not math.isfinite(check):
         bad[b, g] = True
 
 
-@njit(**JIT_OPTIONS)
+@njit(**_JIT)
 def _store_scaled(out, index, xh, xl, err, f_h, f_l, f_e):
     """out[:, index] = (x * f, its error bound), f a dd with absolute error f_e."""
     b, h, i, d = index
     if f_l == 0.0 and f_e == 0.0:
         yh, yl = dd_mul_d(xh, xl, f_h)
-        e = abs(f_h) * err + X.MUL_D * abs(yh)
+        e = abs(f_h) * err + DD_REL * abs(yh)
     else:
         yh, yl = dd_mul(xh, xl, f_h, f_l)
-        e = (abs(f_h) * err + abs(xh) * f_e) * _SAFE + X.MUL * abs(yh)
+        e = (abs(f_h) * err + abs(xh) * f_e) * _SAFE + DD_REL * abs(yh)
     out[0, b, h, i, d], out[1, b, h, i, d] = yh, yl
-    out[2, b, h, i, d] = e * _FUDGE + UNDERFLOW_TERM
+    out[2, b, h, i, d] = e * BOUND_SAFETY + UNDERFLOW_TERM
 
 
-@njit(parallel=True, **JIT_OPTIONS)
+@njit(parallel=True, **_JIT)
 def _units(q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, group, opts, fopts,
            dq, dk, dv, dbias, bad):
     batch, kv_heads = k.shape[0], k.shape[1]
@@ -417,51 +431,23 @@ def _units(q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, group,
               fopts, dq, dk, dv, dbias, bad)
 
 
-@njit(**JIT_OPTIONS)
+@njit(**_JIT)
 def _decide_all(enc, p, emin, max_finite, out, decided):
     flat_h, flat_l, flat_e = enc[0].ravel(), enc[1].ravel(), enc[2].ravel()
     for n in range(flat_h.shape[0]):
-        y, ok = round_decision(flat_h[n], flat_l[n], flat_e[n], p, emin, max_finite)
-        out[n] = y
-        decided[n] = ok
+        out[n], decided[n] = round_decision(flat_h[n], flat_l[n], flat_e[n], p, emin,
+                                            max_finite)
 
 
 def decide(enc: np.ndarray, fmt):
-    """(values, decided) of an enclosure array (3, ...) = (hi, lo, error bound)."""
+    """(values, decided) of an enclosure array (3, ...) = (hi, lo, error bound) rounded to
+    ``fmt`` (:func:`refattn.exact._dd_extra.round_decision`)."""
     shape = enc.shape[1:]
     out = np.empty(int(np.prod(shape)))
     decided = np.empty(out.shape, np.bool_)
     _decide_all(np.ascontiguousarray(enc), fmt.p, fmt.emin, float(fmt.max_finite), out,
                 decided)
     return out.reshape(shape), decided.reshape(shape)
-
-
-def _scale_dd(spec):
-    """The scale as (hi, lo, absolute error bound)."""
-    exact = spec.scale_exact
-    if not isinstance(exact, tuple):
-        return float(exact), 0.0, 0.0  # a float64 scale (dyadic) or 1/sqrt(a square)
-    import mpmath
-
-    with mpmath.workprec(300):
-        value = 1 / mpmath.sqrt(exact[1])
-        hi = float(value)
-        lo = float(value - hi)
-        err = float(abs(value - hi - lo)) * 2.0 + 2.0**-1000
-    return hi, lo, err
-
-
-def _keep_dd(spec):
-    """1/(1 - p) as (hi, lo, absolute error bound)."""
-    keep = spec.keep_scale
-    if keep == 1:
-        return 1.0, 0.0, 0.0
-    hi = float(keep)
-    from fractions import Fraction
-
-    lo = float(keep - Fraction(hi))
-    err = float(abs(keep - Fraction(hi) - Fraction(lo))) * 2.0 + 2.0**-1000
-    return hi, lo, err
 
 
 def fast_inputs_ok(spec, grad_out, grad_lse) -> bool:
@@ -511,7 +497,10 @@ def gradient_enclosures(spec, grad_out, grad_lse):
     group = np.array([np.flatnonzero(spec.kv_head == g) for g in range(kv_heads)], np.int64)
     opts = np.array([spec.bias is not None, spec.alibi_slopes is not None,
                      spec.softcap is not None, spec.offset, spec.dropout_p != 0], np.int64)
-    fopts = np.array([*_scale_dd(spec), spec.softcap or 1.0, *_keep_dd(spec)])
+    # dot-product bounds per length: D (scores), E (dp), S (dq), G L (dk, dv)
+    fopts = np.array([*dd_of_exact(spec.scale_exact), spec.softcap or 1.0,
+                      *dd_of_fraction(spec.keep_scale), dot_bound(dim), dot_bound(vdim),
+                      dot_bound(keys), dot_bound(heads // kv_heads * length)])
     dq = np.zeros((3, batch, heads, length, dim))
     dk = np.zeros((3, batch, kv_heads, keys, dim))
     dv = np.zeros((3, batch, kv_heads, keys, vdim))
@@ -524,7 +513,7 @@ def gradient_enclosures(spec, grad_out, grad_lse):
     return dq, dk, dv, (dbias if spec.bias is not None else None), bad
 
 
-@njit(**JIT_OPTIONS)
+@njit(**_JIT)
 def _reduce(enc, index, out):
     size = out.shape[1]
     mag = np.zeros(size)
@@ -537,7 +526,7 @@ def _reduce(enc, index, out):
         mag[t] += abs(flat_h[n])
         count[t] += 1.0
     for t in range(size):
-        out[2, t] = (out[2, t] + count[t] * X.ADD * mag[t] * _SAFE) * _FUDGE
+        out[2, t] = (out[2, t] + count[t] * DD_REL * mag[t] * _SAFE) * BOUND_SAFETY
 
 
 def reduce_enclosure(enc, batch_shape, target_shape):
