@@ -5,8 +5,10 @@
 referee for undecided elements) is timed against ``refattn.attention_vjp(...,
 backend="numba")`` on the same Gaussian float64 inputs, the calls interleaved (the machine may
 be shared: the ratio moves far less than the absolute figures); each figure is the median of
-the repetitions. The report gives the fallback statistics (elements decided by the first step
-vs by the referee) and the load average. ``--referee`` also times the referee engine alone
+the repetitions (the minima are reported too: on a loaded machine the Numba kernels' worker
+threads wait for cores, so ``NUMBA_NUM_THREADS=1`` gives steadier ratios). The report gives
+the fallback statistics (elements decided by the first step vs by the referee) and the load
+average. ``--referee`` also times the referee engine alone
 (``config.EXACT_VJP_ENGINE = "referee"``) once, and checks that its bits equal the fast
 engine's.
 
@@ -24,6 +26,7 @@ import json
 import os
 import time
 
+import numba
 import numpy as np
 
 import refattn
@@ -76,10 +79,15 @@ def main(argv=None):
         "causal": args.causal,
         "numba_float64_vjp_s": float(np.median(numba_times)),
         "fast_exact_vjp_s": float(np.median(fast_times)),
+        "numba_float64_vjp_min_s": float(np.min(numba_times)),
+        "fast_exact_vjp_min_s": float(np.min(fast_times)),
+        "threads": numba.get_num_threads(),
         "stats": stats,
         "load_average": os.getloadavg(),
     }
     report["ratio"] = report["fast_exact_vjp_s"] / report["numba_float64_vjp_s"]
+    report["ratio_of_minima"] = (report["fast_exact_vjp_min_s"]
+                                 / report["numba_float64_vjp_min_s"])
     if args.referee:
         old = config.EXACT_VJP_ENGINE
         config.EXACT_VJP_ENGINE = "referee"
