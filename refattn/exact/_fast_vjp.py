@@ -20,15 +20,19 @@ Error analysis (``u = 2**-53``; every bound below is an upper bound of the exact
 * dot products of exact inputs (``q_i . k_j``, ``dO_i . v_j``) and the accumulations of dq,
   dk, dv use the compensated scheme ``(p, e) = two_prod``, ``(s, e') = two_sum(s, p)``,
   ``c += e + e'`` (with the low word of a dd factor folded into ``e`` by one fma); over n
-  terms the pair ``(s, c)`` is within ``C_n A`` of the exact sum, ``C_n = 1.05 (n + 3)^2 u^2``
-  and ``A = sum |a_k b_k|``, bounded by ``max_k |a_k| * sum_k |b_k|``;
+  terms the pair ``(s, c)`` is within ``dot_bound(n) A`` of the exact sum
+  (:func:`refattn.exact._dd.dot_bound`, about ``2 n^2 u^2``), ``A = sum |a_k b_k|`` bounded
+  by ``max_k |a_k| * sum_k |b_k|``;
+* every other dd operation errs by at most ``DD_REL = 2**-100`` of its result (four times the
+  largest JMP bound, :mod:`refattn.exact._dd`);
 * scores: the scale (a dd for 1/sqrt(D)), softcap via ``E = exp(-2|y|)``,
-  ``tanh|y| = (1 - E)/(1 + E)`` (absolute error ``2 E rho_E + 22 u^2``) and
-  ``1 - tanh^2 = 4E/(1 + E)^2`` (relative error ``rho_E + 27 u^2``), bias and ALiBi
-  (``slope * distance`` exact by two_prod) each add their JMP bound;
+  ``tanh|y| = (1 - E)/(1 + E)`` (absolute error ``2 eE + 22 DD_REL``) and
+  ``1 - tanh^2 = 4E/(1 + E)^2`` (absolute error ``4 eE + 27 DD_REL`` of itself), bias and
+  ALiBi (``slope * distance`` exact by two_prod) one ``DD_REL`` each;
 * weights: ``e_ij = exp(t_ij - m_i)`` (``m_i`` the row's largest float score) has relative
-  error ``EXP_REL + expm1(err t_ij)``; ``Z_i`` (a sum of positive dd terms) ``max_j rho_ij +
-  4.2 S u^2``; ``w = e * (1/Z)``; the further steps are dd products and sums whose errors are
+  error ``EXP_FAST_REL + expm1(err t_ij)`` (below ``EXP_MIN_ARG``: 0 with absolute error
+  ``2**-894``); ``Z_i`` and ``Delta_i`` are compensated sums (``dot_bound(S)`` of the sum of
+  magnitudes); ``w = e * (1/Z)``; the further steps are dd products and sums whose errors are
   the first-order JMP bounds plus the products of the operands' errors;
 * every bound computed in float64 is multiplied by ``1 + 2**-20`` (it is a sum/product of
   fewer than ``2**25`` non-negative terms, so its own rounding stays below ``2**-26``
@@ -176,7 +180,7 @@ def _add_terms(b, h, i, sh, sl, se, bias, slopes, offset, has_bias, has_alibi, a
 
 
 @njit(**_JIT)
-def _weights(sh, sl, se, allowed, wh, wl, we):
+def _weights(sh, sl, se, allowed, wh, wl, we, c_keys):
     """w = exp(t - m) / Z for one row (we: absolute errors); False for an empty row."""
     keys = sh.shape[0]
     top = -np.inf
@@ -185,7 +189,7 @@ def _weights(sh, sl, se, allowed, wh, wl, we):
             top = sh[j]
     if top == -np.inf:
         return False
-    zh, zl, ze, zmag = 0.0, 0.0, 0.0, 0.0
+    zh, zc, ze, zmag = 0.0, 0.0, 0.0, 0.0  # Z by the compensated sum (dot_bound(S))
     for j in range(keys):
         if not allowed[j]:
             wh[j], wl[j], we[j] = 0.0, 0.0, 0.0
@@ -194,11 +198,13 @@ def _weights(sh, sl, se, allowed, wh, wl, we):
         ex = se[j] + DD_REL * abs(xh)
         eh, el, ee = _exp_with_error(xh, xl, _expm1_bound(ex * _SAFE))
         wh[j], wl[j], we[j] = eh, el, ee
-        zh, zl = dd_add(zh, zl, eh, el)
+        zh, es = two_sum(zh, eh)
+        zc += el + es
         ze += ee
         zmag += eh
+    zh, zl = two_sum(zh, zc)
     # Z >= exp(t_top - top) ~ 1: its relative error is finite and tiny
-    rho_z = (ze + keys * DD_REL * zmag) * _SAFE / zh
+    rho_z = (ze + c_keys * zmag) * _SAFE / zh
     ih, il = dd_div(1.0, 0.0, zh, zl)
     rho_inv = (rho_z + DD_REL) * _SAFE
     for j in range(keys):
@@ -257,21 +263,23 @@ def _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes,
     if has_softcap:
         _softcap(cap, sh, sl, se, fh, fl, fe)
     _add_terms(b, h, i, sh, sl, se, bias, slopes, offset, has_bias, has_alibi, allowed)
-    if not _weights(sh, sl, se, allowed, wh, wl, we):
+    if not _weights(sh, sl, se, allowed, wh, wl, we, fopts[9]):
         return False
     _dots(do[b, h, i], vt[b, g], dh, dl, de, v_l1, fopts[8])
     # Delta' = sum_j w_ij kappa_ij dp_ij (kf applied after)
-    acc_h, acc_l, acc_e, mag = 0.0, 0.0, 0.0, 0.0
+    acc_h, acc_c, acc_e, mag = 0.0, 0.0, 0.0, 0.0  # compensated sum (dot_bound(S))
     for j in range(keys):
         if not (allowed[j] and kept[j]):
             dh[j], dl[j], de[j] = 0.0, 0.0, 0.0
             continue
         ph, pl = dd_mul(wh[j], wl[j], dh[j], dl[j])
-        acc_h, acc_l = dd_add(acc_h, acc_l, ph, pl)
+        acc_h, es = two_sum(acc_h, ph)
+        acc_c += pl + es
         acc_e += we[j] * abs(dh[j]) + wh[j] * de[j] + we[j] * de[j]
         mag += abs(ph)
-    # products: MUL each; the running sum: ADD per step times a partial sum <= mag
-    acc_e = (acc_e + (DD_REL + keys * DD_REL) * mag * _SAFE) * _SAFE
+    acc_h, acc_l = two_sum(acc_h, acc_c)
+    # products: DD_REL each; the compensated sum: dot_bound(S) of the sum of magnitudes
+    acc_e = (acc_e + (DD_REL + fopts[9]) * mag * _SAFE) * _SAFE
     if dropout:
         delta_h, delta_l = dd_mul(acc_h, acc_l, kf_h, kf_l)
         delta_e = (abs(kf_h) * acc_e + abs(acc_h) * kf_e + DD_REL * abs(delta_h)) * _SAFE
