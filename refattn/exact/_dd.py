@@ -50,13 +50,15 @@ import numba
 import numpy as np
 from mpmath import mp, mpf
 
+from ..bounds import unit
+
 __all__ = [
     "U", "DD_REL", "DD_ADD_D_REL", "DD_ADD_REL", "DD_MUL_D_REL", "DD_MUL_REL", "DD_DIV_D_REL",
     "DD_DIV_REL", "EXP_REL", "EXP_MIN_ARG", "EXP_MAX_ARG", "EXP_DEGREE", "TANH_ABS",
     "SAFE_MIN", "SAFE_MAX", "BOUND_SAFETY",
     "fma", "two_sum", "fast_two_sum", "two_prod", "dd_add", "dd_add_d", "dd_mul", "dd_mul_d",
     "dd_div", "dd_div_d", "exp_dd", "log_dd", "tanh_dd", "dd_of_fraction", "dd_of_exact",
-    "dot_bound",
+    "dot_bound", "exp_d", "EXP_D_REL", "EXP_D_DEGREE", "gamma_up",
 ]
 
 U = 2.0**-53
@@ -280,6 +282,9 @@ def _table_and_pieces():
 
 _LN2_64, _LN2_64_REST, _T_HI, _T_LO, _C_HI, _C_LO = _table_and_pieces()
 _INV_LN2_64 = 64 / math.log(2)
+_POW2_BIAS = 1022
+#: 2**q for q in [-1022, 1023] (exact): scaling by a table entry instead of ldexp (a call)
+_POW2 = np.array([math.ldexp(1.0, q) for q in range(-_POW2_BIAS, 1024)])
 
 
 def _exp_budget() -> float:
@@ -320,7 +325,51 @@ def exp_dd(xh, xl):
     j = ki & 63
     q = (ki - j) // 64
     ph, pl = dd_mul(ph, pl, _T_HI[j], _T_LO[j])
-    return math.ldexp(ph, q), math.ldexp(pl, q)
+    scale = _POW2[q + _POW2_BIAS]  # |q| <= 900 on the domain: a normal power of two
+    return ph * scale, pl * scale
+
+
+# ------------------------------------------------------------------------------ exp (double)
+EXP_D_DEGREE = 6
+_EXP_D_COEF = np.array([1.0 / math.factorial(n) for n in range(EXP_D_DEGREE + 1)])
+_LN2_64_D = np.array([_LN2_64[0], float(Fraction(_LN2_64[1]) + Fraction(_LN2_64[2]))])
+
+
+def gamma_up(n: int) -> float:
+    """gamma_n = n u / (1 - n u) (Higham 2002, Lemma 3.1), u = 2**-53, rounded up."""
+    return unit.gamma(n) * BOUND_SAFETY
+
+
+def _exp_d_budget() -> float:
+    """Itemised relative error of exp_d (double precision, the same reduction as exp_dd)."""
+    k_max = 2.0**17
+    tail = abs(Fraction(_LN2_64[1]) + Fraction(_LN2_64[2]) - Fraction(_LN2_64_D[1]))
+    r_err = k_max * (_LN2_64_REST + float(tail)) + 3 * U * (_R_MAX + k_max * _LN2_64_D[1])
+    horner = gamma_up(2 * EXP_D_DEGREE) * math.exp(2 * _R_MAX)
+    coef = U * math.exp(2 * _R_MAX)
+    trunc = _R_MAX ** (EXP_D_DEGREE + 1) / math.factorial(EXP_D_DEGREE + 1) * 1.02
+    return (2 * r_err + horner + coef + trunc + U + U) * 1.01  # + table, + final product
+
+
+EXP_D_BUDGET = _exp_d_budget()
+#: Relative error bound of :func:`exp_d` on [EXP_MIN_ARG, EXP_MAX_ARG].
+EXP_D_REL = 2.0**-47
+assert EXP_D_BUDGET < EXP_D_REL
+
+
+@numba.jit(**_JIT)
+def exp_d(x):
+    """exp(x) in double precision, relative error <= EXP_D_REL on [EXP_MIN_ARG, EXP_MAX_ARG]:
+    the reduction of :func:`exp_dd` (two pieces of ln2/64, each rounding of the reduction
+    bounded), the degree-6 Taylor polynomial by Horner (gamma_12), the table's high words."""
+    k = np.rint(x * _INV_LN2_64)
+    r = (x - k * _LN2_64_D[0]) - k * _LN2_64_D[1]
+    p = _EXP_D_COEF[EXP_D_DEGREE]
+    for n in range(EXP_D_DEGREE - 1, -1, -1):
+        p = p * r + _EXP_D_COEF[n]
+    ki = np.int64(k)
+    j = ki & 63
+    return (p * _T_HI[j]) * _POW2[(ki - j) // 64 + _POW2_BIAS]
 
 
 # ------------------------------------------------------------------------------ log

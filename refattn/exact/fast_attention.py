@@ -38,6 +38,15 @@ weights, when asked for, are an (L, S) output anyway):
    referee, restricted to those rows (:func:`row_spec`: a spec of the row run, with the offset
    shifted so causal/window/ALiBi use the original row indices).
 
+For targets of at most 24 bits (float32, float16, bfloat16) a cheaper double-precision first
+step runs before the double-double one (:func:`_forward_d`): the dot products are fma chains
+(``|error| <= gamma_D |q_i|.|k_j|``, Higham 2002, eq. (3.5)), each later rounding is bounded by
+``1.01 u |result|``, ``e = exp_d(x)`` has relative error ``EXP_D_REL`` (2**-47), and the sums
+over keys are blocked (:data:`SUM_BLOCK` keys per block, ``gamma_{B + S/B}``, Higham 2002,
+sec. 4.2) with ``|N - N^| <= (gamma + rho) sum_j e_j |v_je|``. Its radii are about 2**-40
+relative, ample for 24-bit targets; the rows it leaves undecided run again in double-double,
+and only then go to the referee. Float64 targets use the double-double step alone.
+
 Planes with NaN/Inf in q, k or v, magnitudes outside [SAFE_MIN, SAFE_MAX], a softcap or ALiBi
 slope outside it, and empty rows go to the referee whole; their semantics are not re-derived.
 """
@@ -56,16 +65,23 @@ from . import _dd as D
 from .attention import exact_forward
 from .rounding import decide_dd, format_of
 
-__all__ = ["fast_exact_forward", "fallback_stats", "row_spec", "CUT", "TINY"]
+__all__ = ["fast_exact_forward", "fallback_stats", "row_spec", "rounds_to_zero", "CUT", "TINY",
+           "WEIGHT_TINY_ARG", "WEIGHT_ZERO_ARG"]
 
 #: Exponent arguments below CUT contribute ``0 <= e < TINY`` (an absolute radius).
 CUT = -400.0
 TINY = 2.0**-575  # > exp(-400 + 1): covers an argument error up to 1
 assert math.log(TINY) > CUT + 1
 #: Weights with ``x - log Z + err < WEIGHT_TINY_ARG`` are positive and below 2**-288: they
-#: round to +0 in float32, float16 and bfloat16.
+#: round to +0 in float32, float16 and bfloat16; below WEIGHT_ZERO_ARG (< 2**-1154) they round
+#: to +0 in float64 too.
 WEIGHT_TINY_ARG = -200.0
+WEIGHT_ZERO_ARG = -800.0
 _RHO_MAX = 2.0**-20
+#: Key block of the double-precision sums (blocked summation, Higham 2002, sec. 4.2).
+SUM_BLOCK = 64
+#: Query rows the double-precision step processes together (cache reuse only).
+ROW_BLOCK = 8
 
 _OK, _EMPTY, _UNDECIDED = 0, 1, 2
 _LAST_STATS: dict = {}
@@ -124,15 +140,42 @@ def _score(i, j, sj, cj, qn_i, kn_j, prm, bias, has_bias):
     return th, tl, err * D.BOUND_SAFETY
 
 
+@numba.jit(**_JIT)
+def _finish_row(i, top, zh, zl, zr, ns, nc, nr, prm, out_h, out_l, out_r, lse_h, lse_l, lse_r,
+                lz_h, lz_l, lz_r, status):
+    """lse = m + log Z and out = N / Z * keep_scale with their radii (module docstring, 5)."""
+    keep_hi, keep_lo, keep_err = prm[8], prm[9], prm[10]
+    if not zr < 0.5 * zh:
+        status[i] = _UNDECIDED
+        return
+    lh, ll, lerr = D.log_dd(zh, zl)
+    lerr = lerr + (zr / zh) / (1.0 - zr / zh)
+    lz_h[i], lz_l[i], lz_r[i] = lh, ll, lerr * D.BOUND_SAFETY
+    gh, gl = D.dd_add_d(lh, ll, top)
+    lse_h[i], lse_l[i] = gh, gl
+    lse_r[i] = (lerr + D.DD_REL * abs(gh)) * D.BOUND_SAFETY
+    zlow = zh - zr
+    for e in range(ns.shape[0]):
+        nh, nl = D.two_sum(ns[e], nc[e])
+        oh, ol = D.dd_div(nh, nl, zh, zl)
+        orad = (nr[e] + abs(oh) * 1.0000001 * zr) / zlow + D.DD_REL * abs(oh)
+        ph, pl = D.dd_mul(oh, ol, keep_hi, keep_lo)
+        orad = orad * (abs(keep_hi) + keep_err) + abs(oh) * keep_err + D.DD_REL * abs(ph)
+        out_h[i, e], out_l[i, e], out_r[i, e] = ph, pl, orad * D.BOUND_SAFETY
+    status[i] = _OK
+
+
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
-def _forward_plane(q, kT, v, allowed, kept, bias, has_bias, qn, kn, prm, want_x,
-                   out_h, out_l, out_r, lse_h, lse_l, lse_r, lz_h, lz_l, lz_r,
-                   x_h, x_l, x_r, status):
-    length = q.shape[0]
+def _forward_dd(rows, q, kT, v, allowed, kept, bias, has_bias, qn, kn, vmax, vnorm, prm,
+                want_x,
+                out_h, out_l, out_r, lse_h, lse_l, lse_r, lz_h, lz_l, lz_r,
+                x_h, x_l, x_r, status):
+    """Double-double first step for the query rows ``rows`` (module docstring, 1-5)."""
     keys = kT.shape[1]
     vdim = v.shape[1]
-    sum_rel, keep_hi, keep_lo, keep_err = prm[7], prm[8], prm[9], prm[10]
-    for i in prange(length):
+    sum_rel = prm[7]
+    for r in prange(rows.shape[0]):
+        i = rows[r]
         s = np.empty(keys)
         c = np.empty(keys)
         err = np.empty(keys)
@@ -149,7 +192,6 @@ def _forward_plane(q, kT, v, allowed, kept, bias, has_bias, qn, kn, prm, want_x,
             continue
         ns = np.zeros(vdim)
         nc = np.zeros(vdim)
-        acc = np.zeros(vdim)
         tiny_v = np.zeros(vdim)
         zs = 0.0
         zc = 0.0
@@ -168,9 +210,7 @@ def _forward_plane(q, kT, v, allowed, kept, bias, has_bias, qn, kn, prm, want_x,
                     for e in range(vdim):
                         tiny_v[e] += abs(v[j, e])
                 continue
-            r = (D.EXP_REL + 2.0 * xe) * (1.0 + _RHO_MAX)
-            if r > rho:
-                rho = r
+            rho = max(rho, (D.EXP_REL + 2.0 * xe) * (1.0 + _RHO_MAX))
             eh, el = D.exp_dd(xh, xl)
             t = zs + eh
             bb = t - zs
@@ -187,38 +227,157 @@ def _forward_plane(q, kT, v, allowed, kept, bias, has_bias, qn, kn, prm, want_x,
                     es = (nse - (t2 - b2)) + (p - b2)
                     ns[e] = t2
                     nc[e] += (ep + es) + el * b
-                    acc[e] += eh * abs(b)
         if not rho <= _RHO_MAX:
             status[i] = _UNDECIDED
             continue
         zh, zl = D.two_sum(zs, zc)
         zr = ((sum_rel + rho) * zh + tiny) * D.BOUND_SAFETY
-        if not zr < 0.5 * zh:
-            status[i] = _UNDECIDED
-            continue
-        lh, ll, lerr = D.log_dd(zh, zl)
-        lerr = lerr + (zr / zh) / (1.0 - zr / zh)
-        lz_h[i], lz_l[i], lz_r[i] = lh, ll, lerr * D.BOUND_SAFETY
-        gh, gl = D.dd_add_d(lh, ll, top)
-        lse_h[i], lse_l[i] = gh, gl
-        lse_r[i] = (lerr + D.DD_REL * abs(gh)) * D.BOUND_SAFETY
-        zlow = zh - zr
-        for e in range(vdim):
-            nh, nl = D.two_sum(ns[e], nc[e])
-            nr = (sum_rel + rho) * acc[e] * D.BOUND_SAFETY + TINY * tiny_v[e]
-            oh, ol = D.dd_div(nh, nl, zh, zl)
-            orad = (nr + abs(oh) * 1.0000001 * zr) / zlow + D.DD_REL * abs(oh)
-            ph, pl = D.dd_mul(oh, ol, keep_hi, keep_lo)
-            orad = orad * (abs(keep_hi) + keep_err) + abs(oh) * keep_err + D.DD_REL * abs(ph)
-            out_h[i, e], out_l[i, e], out_r[i, e] = ph, pl, orad * D.BOUND_SAFETY
-        status[i] = _OK
+        # sum_j e_j |v_je| <= vmax_e (Z + zr): the Dot2 and exponential errors of N
+        nr = ((sum_rel + rho) * vmax * (zh + zr)) * D.BOUND_SAFETY + TINY * tiny_v
+        _finish_row(i, top, zh, zl, zr, ns, nc, nr, prm, out_h, out_l, out_r,
+                    lse_h, lse_l, lse_r, lz_h, lz_l, lz_r, status)
+
+
+@numba.jit(**_JIT)
+def _score_d(i, j, sj, qn_i, kn_j, prm, bias, has_bias, gdim):
+    """(t, err): the score of key j in double precision from its dot product s (fma chain,
+    error <= gamma_D |q_i|.|k_j|), each rounding bounded by 1.01 u |result|."""
+    scale_hi, scale_lo, scale_err, cap, slope, offset = (
+        prm[0], prm[1], prm[2], prm[4], prm[5], prm[6])
+    u = 1.01 * D.U
+    derr = gdim * qn_i * kn_j
+    t = sj * scale_hi
+    err = (abs(scale_hi) * derr + (abs(sj) + derr) * (abs(scale_lo) + scale_err)
+           + u * abs(t))
+    if cap > 0.0:
+        yh, yl = D.dd_div_d(t, 0.0, cap)
+        err = err / cap + D.DD_REL * abs(yh)
+        hh, hl = D.tanh_dd(yh, yl)
+        err = err + D.TANH_ABS
+        th, tl = D.dd_mul_d(hh, hl, cap)
+        err = err * cap + D.DD_REL * abs(th) + abs(tl)
+        t = th
+    if has_bias:
+        t = t + bias[i, j]
+        err += u * abs(t)
+    if slope != 0.0:
+        a = -slope * float(abs(i + offset - j))
+        t = t + a
+        err += u * (abs(a) + abs(t))
+    return t, err
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
-def _weights_plane(allowed, x_h, x_l, x_r, lz_h, lz_l, lz_r, status, w_h, w_l, w_r, w_tiny):
-    """w_ij = exp(x_ij - log Z_i) with a radius; w_tiny marks 0 < w < 2**-288 (mid 0)."""
-    length, keys = allowed.shape
-    for i in prange(length):
+def _forward_d(rows, q, kT, v, allowed, kept, bias, has_bias, qn, kn, vmax, vnorm, prm,
+               want_x,
+               out_h, out_l, out_r, lse_h, lse_l, lse_r, lz_h, lz_l, lz_r,
+               x_h, x_l, x_r, status):
+    """Double-precision first step (for targets of <= 24 bits): fma chains with gamma_n
+    bounds (Higham 2002, eq. (3.5)) and :func:`refattn.exact._dd.exp_d`.
+
+    Rows are taken ROW_BLOCK at a time so that each row of K^T and of V is loaded once per
+    block (each row's arithmetic is the same sequence as alone: no bit depends on blocking).
+    """
+    dim, keys = kT.shape
+    vdim = v.shape[1]
+    gdim = prm[11]
+    gsum = prm[12]
+    u = 1.01 * D.U
+    nrows = rows.shape[0]
+    for blk in prange((nrows + ROW_BLOCK - 1) // ROW_BLOCK):
+        r0 = blk * ROW_BLOCK
+        nb_rows = min(ROW_BLOCK, nrows - r0)
+        s = np.zeros((ROW_BLOCK, keys))
+        err = np.zeros((ROW_BLOCK, keys))
+        for d in range(dim):
+            for rr in range(nb_rows):
+                a = q[rows[r0 + rr], d]
+                if a == 0.0:
+                    continue
+                for j in range(keys):
+                    s[rr, j] = D.fma(a, kT[d, j], s[rr, j])
+        top = np.full(ROW_BLOCK, -np.inf)
+        for rr in range(nb_rows):
+            i = rows[r0 + rr]
+            for j in range(keys):
+                if allowed[i, j]:
+                    t, e = _score_d(i, j, s[rr, j], qn[i], kn[j], prm, bias, has_bias, gdim)
+                    s[rr, j], err[rr, j] = t, e
+                    if t > top[rr]:
+                        top[rr] = t
+        n = np.zeros((ROW_BLOCK, vdim))
+        nb = np.zeros((ROW_BLOCK, vdim))
+        e2 = np.zeros(ROW_BLOCK)
+        tiny_v = np.zeros((ROW_BLOCK, vdim))
+        z = np.zeros(ROW_BLOCK)
+        zb = np.zeros(ROW_BLOCK)
+        tiny = np.zeros(ROW_BLOCK)
+        rho = np.zeros(ROW_BLOCK)
+        ex = np.zeros(ROW_BLOCK)
+        use = np.zeros(ROW_BLOCK, dtype=np.bool_)
+        for j in range(keys):
+            if (j % SUM_BLOCK) == 0:  # blocked sums: gamma_{B + S/B} instead of gamma_S
+                for rr in range(nb_rows):
+                    z[rr] += zb[rr]
+                    zb[rr] = 0.0
+                    for e in range(vdim):
+                        n[rr, e] += nb[rr, e]
+                        nb[rr, e] = 0.0
+            for rr in range(nb_rows):
+                i = rows[r0 + rr]
+                use[rr] = False
+                if not allowed[i, j]:
+                    continue
+                x = s[rr, j] - top[rr]
+                xe = (err[rr, j] + u * abs(x)) * D.BOUND_SAFETY
+                if want_x:
+                    x_h[i, j], x_l[i, j], x_r[i, j] = x, 0.0, xe
+                if x < CUT:
+                    tiny[rr] += TINY
+                    if kept[i, j]:
+                        for e in range(vdim):
+                            tiny_v[rr, e] += abs(v[j, e])
+                    continue
+                rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * xe) * (1.0 + _RHO_MAX))
+                ex[rr] = D.exp_d(x)
+                zb[rr] += ex[rr]
+                e2[rr] += ex[rr] * ex[rr]
+                use[rr] = kept[i, j]
+            for rr in range(nb_rows):
+                if use[rr]:
+                    w = ex[rr]
+                    for e in range(vdim):
+                        nb[rr, e] = D.fma(w, v[j, e], nb[rr, e])
+        for rr in range(nb_rows):
+            i = rows[r0 + rr]
+            if top[rr] == -np.inf:
+                status[i] = _EMPTY
+                continue
+            zr_ = z[rr] + zb[rr]
+            for e in range(vdim):
+                n[rr, e] += nb[rr, e]
+            if not rho[rr] <= _RHO_MAX:
+                status[i] = _UNDECIDED
+                continue
+            g = gsum + rho[rr]
+            zrad = (g * zr_ * (1.0 + gsum) + tiny[rr]) * D.BOUND_SAFETY
+            # sum_j e_j |v_je| <= min(vmax_e sum_j e_j, sqrt(sum_j e_j^2) ||v_e||) (the second
+            # by Cauchy-Schwarz; the float sums are within gamma_S < 2**-27 of their values)
+            acc = np.minimum(vmax * (zr_ + zrad), math.sqrt(e2[rr]) * vnorm)
+            nr = (g * acc * (1.0 + gsum) * (1.0 + rho[rr])) * D.BOUND_SAFETY \
+                + TINY * tiny_v[rr]
+            _finish_row(i, top[rr], zr_, 0.0, zrad, n[rr], np.zeros(vdim), nr, prm,
+                        out_h, out_l, out_r, lse_h, lse_l, lse_r, lz_h, lz_l, lz_r, status)
+
+
+@numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
+def _weights_plane(rows, allowed, x_h, x_l, x_r, lz_h, lz_l, lz_r, status, w_h, w_l, w_r,
+                   w_tiny):
+    """w_ij = exp(x_ij - log Z_i) with a radius; w_tiny marks 0 < w < 2**-288 (1) and
+    0 < w < 2**-1154 (2) (mid 0)."""
+    keys = allowed.shape[1]
+    for r in prange(rows.shape[0]):
+        i = rows[r]
         if status[i] != _OK:
             continue
         for j in range(keys):
@@ -228,7 +387,7 @@ def _weights_plane(allowed, x_h, x_l, x_r, lz_h, lz_l, lz_r, status, w_h, w_l, w
             ah, al = D.dd_add(x_h[i, j], x_l[i, j], -lz_h[i], -lz_l[i])
             ae = (x_r[i, j] + lz_r[i] + D.DD_REL * abs(ah)) * D.BOUND_SAFETY
             if ah + ae < WEIGHT_TINY_ARG:
-                w_tiny[i, j] = True
+                w_tiny[i, j] = 2 if ah + ae < WEIGHT_ZERO_ARG else 1
                 continue
             if ah < D.EXP_MIN_ARG + 1.0 or ae > _RHO_MAX:
                 w_r[i, j] = np.inf
@@ -239,6 +398,12 @@ def _weights_plane(allowed, x_h, x_l, x_r, lz_h, lz_l, lz_r, status, w_h, w_l, w
 
 
 # ------------------------------------------------------------------------------ wrapper
+def rounds_to_zero(tiny: np.ndarray, fmt) -> np.ndarray:
+    """Where a weight flagged by the kernels (1: 0 < w < 2**-288, 2: 0 < w < 2**-1154)
+    rounds to +0 in ``fmt``."""
+    return (tiny == 2) | ((tiny == 1) & (fmt.p < 53))
+
+
 def _in_range(x: np.ndarray) -> bool:
     """All finite, nonzero magnitudes in [SAFE_MIN, SAFE_MAX]."""
     if not np.isfinite(x).all():
@@ -275,7 +440,8 @@ def _params(spec: AttentionSpec, h: int, dim: int, keys: int):
             return None
     keep_hi, keep_lo, keep_err = D.dd_of_fraction(spec.keep_scale)
     return np.array([scale_hi, scale_lo, scale_err, D.dot_bound(dim), cap, slope,
-                     float(spec.offset), D.dot_bound(2 * keys), keep_hi, keep_lo, keep_err])
+                     float(spec.offset), D.dot_bound(2 * keys), keep_hi, keep_lo, keep_err,
+                     D.gamma_up(dim), D.gamma_up(SUM_BLOCK + keys // SUM_BLOCK + 2)])
 
 
 def _norms(x: np.ndarray) -> np.ndarray:
@@ -311,51 +477,68 @@ def _runs(rows: np.ndarray):
 
 
 class _Plane:
-    """Decided results of one plane and the rows left to the referee."""
+    """Decided results of one plane and the rows left to the referee.
+
+    For targets of at most 24 bits the double-precision first step runs first and the rows it
+    leaves undecided run again in double-double; for float64 the double-double step runs alone.
+    """
 
     def __init__(self, spec, b, h, fmt, want_lse, want_w):
         _, _, _, length, keys, dim, vdim = spec.dims
         self.out = np.zeros((length, vdim))
-        self.lse = np.zeros(length) if want_lse else None
+        self.lse = np.zeros(length)
         self.w = np.zeros((length, keys)) if want_w else None
         self.undecided = np.ones(length, dtype=bool)
+        self.steps = {}
         inputs = _plane_inputs(spec, b, h)
         prm = _params(spec, h, dim, keys)
         if inputs is None or prm is None or length == 0 or keys == 0:
             return
-        self._run(inputs, prm, fmt, want_lse, want_w)
-
-    def _run(self, inputs, prm, fmt, want_lse, want_w):
         q, kT, v, allowed, kept, bias = inputs
-        length, keys, vdim = q.shape[0], kT.shape[1], v.shape[1]
-        out = [np.zeros((length, vdim)) for _ in range(3)]
-        lse = [np.zeros(length) for _ in range(3)]
-        lz = [np.zeros(length) for _ in range(3)]
-        xs = [np.zeros((length, keys) if want_w else (1, 1)) for _ in range(3)]
+        vmax = np.max(np.abs(v), axis=0)
+        common = (q, kT, v, allowed, kept, bias, spec.bias is not None, _norms(q), _norms(kT.T),
+                  vmax, _norms(v.T), prm, want_w)
+        bufs = ([np.zeros((length, vdim)) for _ in range(3)]
+                + [np.zeros(length) for _ in range(6)]
+                + [np.zeros((length, keys) if want_w else (1, 1)) for _ in range(3)])
         status = np.full(length, _UNDECIDED, dtype=np.int8)
-        _forward_plane(q, kT, v, allowed, kept, bias, bias.shape != (1, 1), _norms(q),
-                       _norms(kT.T), prm, want_w, *out, *lse, *lz, *xs, status)
-        ok = status == _OK
-        value, decided = decide_dd(*out, fmt)
-        self.out = value
-        rows_ok = ok & decided.all(axis=1)
+        rows = np.arange(length)
+        steps = [("double", _forward_d), ("double-double", _forward_dd)]
+        for name, step in steps if fmt.p <= 24 else steps[1:]:
+            step(rows, *common, *bufs, status)
+            self.steps[name] = rows.size
+            decided = self._decide(rows, allowed, bufs, status, fmt, want_lse, want_w)
+            rows = rows[~decided]
+            if rows.size == 0:
+                break
+        self.undecided[:] = False
+        self.undecided[rows] = True
+
+    def _decide(self, rows, allowed, bufs, status, fmt, want_lse, want_w):
+        """Round the enclosures of ``rows``; store the values; return which rows are decided."""
+        out_h, out_l, out_r, lse_h, lse_l, lse_r, lz_h, lz_l, lz_r, x_h, x_l, x_r = bufs
+        value, decided = decide_dd(out_h[rows], out_l[rows], out_r[rows], fmt)
+        self.out[rows] = value
+        ok = (status[rows] == _OK) & decided.all(axis=1)
         if want_lse:
-            value, decided = decide_dd(*lse, fmt)
-            self.lse = value
-            rows_ok &= decided
+            value, decided = decide_dd(lse_h[rows], lse_l[rows], lse_r[rows], fmt)
+            self.lse[rows] = value
+            ok &= decided
         if want_w:
-            w = [np.zeros((length, keys)) for _ in range(3)]
-            tiny = np.zeros((length, keys), dtype=bool)
-            _weights_plane(allowed, *xs, *lz, status, *w, tiny)
-            value, decided = decide_dd(*w, fmt)
-            decided |= ~allowed  # excluded keys weigh exactly +0
-            value = np.where(allowed, value, 0.0)
-            if fmt.p < 53:  # 0 < w < 2**-288 rounds to +0
-                decided |= tiny
-                value = np.where(tiny, 0.0, value)
-            self.w = value
-            rows_ok &= decided.all(axis=1)
-        self.undecided = ~rows_ok
+            keys = allowed.shape[1]
+            w = [np.zeros((allowed.shape[0], keys)) for _ in range(3)]
+            tiny = np.zeros(allowed.shape, dtype=np.int8)
+            _weights_plane(rows, allowed, x_h, x_l, x_r, lz_h, lz_l, lz_r, status, *w, tiny)
+            value, decided = decide_dd(w[0][rows], w[1][rows], w[2][rows], fmt)
+            here = allowed[rows]
+            decided |= ~here  # excluded keys weigh exactly +0
+            value = np.where(here, value, 0.0)
+            zero = rounds_to_zero(tiny[rows], fmt)
+            decided |= zero
+            value = np.where(zero, 0.0, value)
+            self.w[rows] = value
+            ok &= decided.all(axis=1)
+        return ok
 
 
 def fast_exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False,
@@ -379,6 +562,7 @@ def fast_exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False,
     weights = np.zeros((batch, heads, length, keys)) if return_weights else None
     referee_rows = 0
     undecided_elements = 0
+    step_rows = {"double": 0, "double-double": 0}
     for b in range(batch):
         for h in range(heads):
             plane = _Plane(spec, b, h, fmt, return_lse, return_weights)
@@ -387,6 +571,8 @@ def fast_exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False,
                 lse[b, h] = plane.lse
             if return_weights:
                 weights[b, h] = plane.w
+            for name, count in plane.steps.items():
+                step_rows[name] += count
             rows = np.flatnonzero(plane.undecided)
             referee_rows += rows.size
             undecided_elements += rows.size * (vdim + return_lse + keys * return_weights)
@@ -403,7 +589,9 @@ def fast_exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False,
     _LAST_STATS.clear()
     _LAST_STATS.update(rows=total_rows, referee_rows=referee_rows,
                        elements=total_rows * (vdim + return_lse + keys * return_weights),
-                       referee_elements=undecided_elements)
+                       referee_elements=undecided_elements,
+                       double_rows=step_rows["double"],
+                       double_double_rows=step_rows["double-double"])
     dtype = fmt.dtype
     return (out.astype(dtype), None if lse is None else lse.astype(dtype),
             None if weights is None else weights.astype(dtype))
@@ -411,13 +599,14 @@ def fast_exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False,
 
 def fallback_stats() -> dict:
     """Statistics of the last :func:`fast_exact_forward` call: ``rows`` and ``elements`` in
-    total, ``referee_rows`` and ``referee_elements`` (those of the rows recomputed by the
-    referee engine).
+    total, ``double_rows`` and ``double_double_rows`` (rows evaluated by each first step),
+    ``referee_rows`` and ``referee_elements`` (those of the rows recomputed by the referee
+    engine).
 
     Examples
     --------
-    >>> sorted(fallback_stats()) in ([], ['elements', 'referee_elements', 'referee_rows',
-    ...                                   'rows'])
+    >>> set(fallback_stats()) <= {'rows', 'elements', 'referee_rows', 'referee_elements',
+    ...                           'double_rows', 'double_double_rows'}
     True
     """
     return dict(_LAST_STATS)

@@ -1,6 +1,9 @@
 """Exact paths of :mod:`refattn.logspace`: log-sum-exp, softmax and log-softmax of the exact
 binary inputs, enclosed in intervals per row and rounded once by the Ziv loop.
 
+A compiled double-double first step (:mod:`refattn.exact.fast_logspace`) decides almost every
+row; only the rows it leaves undecided run through the interval engine (the referee).
+
 NaN and infinite entries are handled exactly (an included NaN gives NaN, an included +inf gives
 +inf for lse and NaN weights, -inf entries weigh 0); a row with no included entry has lse -inf.
 """
@@ -9,8 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import config
 from . import intervals as I
-from .rounding import correctly_round
+from .fast_logspace import fast_logsumexp, fast_softmax
+from .rounding import correctly_round, format_of
 
 __all__ = ["logsumexp", "softmax", "lse_interval"]
 
@@ -67,8 +72,11 @@ def logsumexp(x: np.ndarray, allowed: np.ndarray, dtype) -> np.ndarray:
     >>> logsumexp(np.array([[0.0, 0.0]]), np.array([[True, True]]), np.float64).tolist()
     [0.6931471805599453]
     """
-    out = _exact_rows(x, allowed, lambda r, m, raw: [lse_interval(r, m, raw)], dtype, "lse")
-    return out.reshape(x.shape[:-1])
+    def referee(xr, ar):
+        return _exact_rows(xr, ar, lambda r, m, raw: [lse_interval(r, m, raw)], dtype,
+                           "lse")[:, 0]
+
+    return _fast_then_referee(x, allowed, dtype, fast_logsumexp, referee).reshape(x.shape[:-1])
 
 
 def softmax(x: np.ndarray, allowed: np.ndarray, dtype, *, log: bool = False) -> np.ndarray:
@@ -77,7 +85,26 @@ def softmax(x: np.ndarray, allowed: np.ndarray, dtype, *, log: bool = False) -> 
     >>> softmax(np.array([[0.0, 0.0]]), np.array([[True, False]]), np.float64).tolist()
     [[1.0, 0.0]]
     """
-    return _exact_rows(
-        x, allowed, lambda r, m, raw: _softmax_intervals(r, m, raw, log), dtype,
-        "log_softmax" if log else "softmax",
-    ).reshape(x.shape)
+    def referee(xr, ar):
+        return _exact_rows(xr, ar, lambda r, m, raw: _softmax_intervals(r, m, raw, log), dtype,
+                           "log_softmax" if log else "softmax")
+
+    def fast(xr, ar, dt):
+        return fast_softmax(xr, ar, dt, log=log)
+
+    return _fast_then_referee(x, allowed, dtype, fast, referee).reshape(x.shape)
+
+
+def _fast_then_referee(x, allowed, dtype, fast, referee):
+    """The fast first step on every row (config.EXACT_ENGINE == "fast"), the referee engine on
+    the rows it leaves undecided; results (R, ...) in ``dtype``."""
+    rows = x.reshape(int(np.prod(x.shape[:-1])), x.shape[-1])
+    masks = np.broadcast_to(allowed, x.shape).reshape(rows.shape)
+    if config.EXACT_ENGINE != "fast":
+        return referee(rows, masks)
+    values, decided = fast(rows, masks, dtype)
+    values = values.astype(format_of(dtype).dtype)
+    todo = np.flatnonzero(~decided)
+    if todo.size:
+        values[todo] = referee(rows[todo], masks[todo])
+    return values
