@@ -144,7 +144,10 @@ def round_decision(xh, xl, err, p, emin, max_finite):
     quantum = math.ldexp(1.0, max(ex - 1, emin) - (p - 1))
     y = np.rint(s / quantum) * quantum
     d = (s - y) + e  # s - y is exact (both on the float64 grid, |s - y| <= quantum / 2)
-    slack = 1.0 + 2.0**-50  # covers the roundings of d and of |d| + err
+    # the relative slack covers the roundings of d and of |d| + err; 2**-1074 a rounding of d
+    # in the subnormal range
+    slack = 1.0 + 2.0**-50
+    err = err + 2.0**-1074
     if y == 0.0:
         half = 0.5 * quantum
         if (abs(d) + err) * slack < half and abs(d) > err * slack:
