@@ -158,6 +158,18 @@ def test_random_gaussian_is_decided_by_the_first_step():
     assert stats["referee"] == 0 and stats["fast"] == stats["elements"]
 
 
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_single_key_rows_are_exact(with_lse):
+    """Causal row 0 has one allowed key: weight 1, dS = g exactly (0 without grad_lse), so the
+    fast step decides it (an enclosure of a cancellation would not)."""
+    rng, q, k, v, do, gl = _problem(seed=6, length=6, keys=6)
+    fast, referee, stats = _both(q, k, v, do, gl if with_lse else None, "float64", causal=True,
+                                 bias=rng.standard_normal((6, 6)), dropout_p=0.5,
+                                 dropout_mask=rng.random((2, 6, 6)) < 0.6)
+    _assert_identical(fast, referee, f"single key, grad_lse={with_lse}")
+    assert stats["referee"] == 0
+
+
 def test_nonfinite_inputs_use_the_referee():
     _, q, k, v, do, gl = _problem(seed=2)
     q[0, 0, 1, 0] = np.nan

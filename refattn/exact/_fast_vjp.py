@@ -253,7 +253,11 @@ def _accumulate(ah, al, brow, acc_h, acc_c):
 @njit(**_JIT)
 def _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, opts, fopts,
          k_l1, v_l1, sh, sl, se, fh, fl, fe, wh, wl, we, dh, dl, de, dsh, dsl, dse):
-    """dS (dsh, dsl, dse) and dT (in place of the scores arrays) of one row; False: empty."""
+    """dS (dsh, dsl, dse) and dT (in place of the scores arrays) of one row.
+
+    Returns 0 for an empty row, 2 for a row with a single allowed key (its weight is exactly
+    1 and ``dS = dP - dP + g = g`` exactly, whatever the dropout), 1 otherwise.
+    """
     has_bias, has_alibi, has_softcap, offset, dropout = opts[0], opts[1], opts[2], opts[3], \
         opts[4]
     s_hi, s_lo, s_err, cap, kf_h, kf_l, kf_e = fopts[0], fopts[1], fopts[2], fopts[3], \
@@ -263,8 +267,18 @@ def _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes,
     if has_softcap:
         _softcap(cap, sh, sl, se, fh, fl, fe)
     _add_terms(b, h, i, sh, sl, se, bias, slopes, offset, has_bias, has_alibi, allowed)
-    if not _weights(sh, sl, se, allowed, wh, wl, we, fopts[9]):
-        return False
+    g_i = glse[b, h, i] if has_glse else 0.0
+    count, only = 0, 0
+    for j in range(keys):
+        if allowed[j]:
+            count += 1
+            only = j
+    if count == 0:
+        return 0
+    if count == 1:
+        _single_key(only, g_i, has_softcap, sh, sl, se, fh, fl, fe, wh, wl, we, dsh, dsl, dse)
+        return 2
+    _weights(sh, sl, se, allowed, wh, wl, we, fopts[9])
     _dots(do[b, h, i], vt[b, g], dh, dl, de, v_l1, fopts[8])
     # Delta' = sum_j w_ij kappa_ij dp_ij (kf applied after)
     acc_h, acc_c, acc_e, mag = 0.0, 0.0, 0.0, 0.0  # compensated sum (dot_bound(S))
@@ -285,7 +299,6 @@ def _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes,
         delta_e = (abs(kf_h) * acc_e + abs(acc_h) * kf_e + DD_REL * abs(delta_h)) * _SAFE
     else:
         delta_h, delta_l, delta_e = acc_h, acc_l, acc_e
-    g_i = glse[b, h, i] if has_glse else 0.0
     for j in range(keys):
         if not allowed[j]:
             dsh[j], dsl[j], dse[j] = 0.0, 0.0, 0.0
@@ -310,7 +323,25 @@ def _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes,
             sh[j], sl[j], se[j] = dt_h, dt_l, dt_e
         else:
             sh[j], sl[j], se[j] = ds_h, ds_l, ds_e
-    return True
+    return 1
+
+
+@njit(**_JIT)
+def _single_key(only, g_i, has_softcap, sh, sl, se, fh, fl, fe, wh, wl, we, dsh, dsl, dse):
+    """A row with one allowed key: w = 1, dS = g exactly, dT = g (1 - tanh^2) with softcap."""
+    for j in range(sh.shape[0]):
+        wh[j], wl[j], we[j] = 0.0, 0.0, 0.0
+        dsh[j], dsl[j], dse[j] = 0.0, 0.0, 0.0
+        if j != only:
+            sh[j], sl[j], se[j] = 0.0, 0.0, 0.0
+    wh[only] = 1.0
+    dsh[only] = g_i
+    if has_softcap:
+        th, tl = dd_mul_d(fh[only], fl[only], g_i)
+        sh[only], sl[only] = th, tl
+        se[only] = (abs(g_i) * fe[only] + DD_REL * abs(th)) * _SAFE
+    else:
+        sh[only], sl[only], se[only] = g_i, 0.0, 0.0
 
 
 @njit(**_JIT)
@@ -356,9 +387,10 @@ def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, g
                 q_sum[d] += abs(q[b, h, i, d])
             for e in range(vdim):
                 do_sum[e] += abs(do[b, h, i, e])
-            if not _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed_row, kept[b, h, i],
+            kind = _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed_row, kept[b, h, i],
                         bias, slopes, opts, fopts, k_l1, v_l1, sh, sl, se, fh, fl, fe, wh, wl,
-                        we, dh, dl, de, dsh, dsl, dse):
+                        we, dh, dl, de, dsh, dsl, dse)
+            if kind == 0:  # empty row: zero gradients, exactly
                 dq[:, b, h, i, :] = 0.0
                 if has_bias:
                     dbias[:, b, h, i, :] = 0.0
@@ -367,9 +399,11 @@ def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, g
                 for j in range(keys):
                     dbias[0, b, h, i, j] = dsh[j]
                     dbias[1, b, h, i, j] = dsl[j]
-                    # excluded positions are exact zeros
+                    # excluded positions and single-key rows are exact
                     dbias[2, b, h, i, j] = (dse[j] * BOUND_SAFETY + UNDERFLOW_TERM
-                                            if allowed_row[j] else 0.0)
+                                            if allowed_row[j] and kind == 1 else 0.0)
+            # a single-key row with g = 0: dS = dT = 0 exactly
+            zero_row = kind == 2 and (not has_glse or glse[b, h, i] == 0.0)
             dq_h[:] = 0.0
             dq_c[:] = 0.0
             emax, amax = 0.0, 0.0
@@ -377,6 +411,12 @@ def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, g
                 if not allowed_row[j]:
                     continue
                 check += se[j] + abs(sh[j]) + we[j] + dse[j]
+                if kind == 2 and kept[b, h, i, j]:  # weight exactly 1
+                    _accumulate(1.0, 0.0, do[b, h, i], dv_h[j], dv_c[j])
+                    dv_terms[j] += 1
+                    dv_amax[j] = max(dv_amax[j], 1.0)
+                if zero_row:
+                    continue
                 emax = max(emax, se[j])
                 amax = max(amax, abs(sh[j]))
                 _accumulate(sh[j], sl[j], k[b, g, j], dq_h, dq_c)
@@ -384,11 +424,14 @@ def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, g
                 dk_terms[j] += 1
                 dk_emax[j] = max(dk_emax[j], se[j])
                 dk_amax[j] = max(dk_amax[j], abs(sh[j]))
-                if kept[b, h, i, j]:
+                if kept[b, h, i, j] and kind == 1:
                     _accumulate(wh[j], wl[j], do[b, h, i], dv_h[j], dv_c[j])
                     dv_terms[j] += 1
                     dv_emax[j] = max(dv_emax[j], we[j])
                     dv_amax[j] = max(dv_amax[j], wh[j])
+            if zero_row:
+                dq[:, b, h, i, :] = 0.0
+                continue
             c_s = fopts[9]
             for d in range(dim):
                 xh, xl = two_sum(dq_h[d], dq_c[d])
