@@ -395,15 +395,21 @@ def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, g
                 if has_bias:
                     dbias[:, b, h, i, :] = 0.0
                 continue
+            # dS = dT = 0 exactly when g = 0 and either a single key is allowed (weight 1,
+            # dS = dP - dP) or no allowed key is kept (dP = Delta = 0)
+            no_kept = True
+            for j in range(keys):
+                if allowed_row[j] and kept[b, h, i, j]:
+                    no_kept = False
+            zero_row = (kind == 2 or no_kept) and (not has_glse or glse[b, h, i] == 0.0)
             if has_bias:
                 for j in range(keys):
                     dbias[0, b, h, i, j] = dsh[j]
                     dbias[1, b, h, i, j] = dsl[j]
                     # excluded positions and single-key rows are exact
                     dbias[2, b, h, i, j] = (dse[j] * BOUND_SAFETY + UNDERFLOW_TERM
-                                            if allowed_row[j] and kind == 1 else 0.0)
-            # a single-key row with g = 0: dS = dT = 0 exactly
-            zero_row = kind == 2 and (not has_glse or glse[b, h, i] == 0.0)
+                                            if allowed_row[j] and kind == 1 and not zero_row
+                                            else 0.0)
             dq_h[:] = 0.0
             dq_c[:] = 0.0
             emax, amax = 0.0, 0.0
