@@ -127,9 +127,10 @@ def test_ties_fall_back_to_the_referee():
     """Equal scores give rational weights 1/n: gradients on rounding midpoints are settled by
     the referee's exact tie handling, and the fast step must leave them undecided."""
     q = np.zeros((1, 1, 2, 2))
-    k = np.zeros((1, 1, 4, 2))
-    v = np.array([[[[1.0], [2.0], [4.0], [8.0]]]])
-    do = np.array([[[[1.0], [3.0]]]])
+    k = np.zeros((1, 1, 2, 2))
+    v = np.array([[[[1.0], [2.0]]]])
+    # dv_j = (1 + (1 + 2**-10)) / 2 = 1 + 2**-11: the midpoint of two float16 neighbours
+    do = np.array([[[[1.0], [1.0 + 2.0**-10]]]])
     fast, referee, stats = _both(q, k, v, do, None, "float16")
     _assert_identical(fast, referee, "ties")
     assert stats["referee"] > 0

@@ -442,6 +442,9 @@ def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, g
             for d in range(dim):
                 xh, xl = two_sum(dq_h[d], dq_c[d])
                 err = (emax + c_s * amax) * k_col[d] * BOUND_SAFETY
+                if k_col[d] == 0.0:  # a zero column of k: every product is an exact zero
+                    dq[:, b, h, i, d] = 0.0
+                    continue
                 _store_scaled(dq, (b, h, i, d), xh, xl, err, s_hi, s_lo, s_err)
     c_n = fopts[10]
     for j in range(keys):
@@ -452,10 +455,16 @@ def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, g
         for d in range(dim if dk_terms[j] else 0):
             xh, xl = two_sum(dk_h[j, d], dk_c[j, d])
             err = (dk_emax[j] + c_n * dk_amax[j]) * q_sum[d] * BOUND_SAFETY * BOUND_SAFETY
+            if q_sum[d] == 0.0:  # q's column d is zero in every row of the group
+                dk[:, b, g, j, d] = 0.0
+                continue
             _store_scaled(dk, (b, g, j, d), xh, xl, err, s_hi, s_lo, s_err)
         for e in range(vdim if dv_terms[j] else 0):
             xh, xl = two_sum(dv_h[j, e], dv_c[j, e])
             err = (dv_emax[j] + c_n * dv_amax[j]) * do_sum[e] * BOUND_SAFETY * BOUND_SAFETY
+            if do_sum[e] == 0.0:  # dO's column e is zero in every row of the group
+                dv[:, b, g, j, e] = 0.0
+                continue
             if dropout:
                 _store_scaled(dv, (b, g, j, e), xh, xl, err, kf_h, kf_l, kf_e)
             else:

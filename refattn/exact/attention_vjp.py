@@ -327,6 +327,17 @@ def exact_vjp(spec: AttentionSpec, grad_out, grad_lse, out_dtype, *, engine=None
     elements to the referee; "referee" runs the referee (:class:`ExactVJP` and the Ziv loop)
     on everything. Both return the same bits. ``stats``, a dict, receives the element counts
     ``elements``, ``fast`` (decided by the first step) and ``referee``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn._spec import canonicalize
+    >>> spec = canonicalize(np.zeros((1, 2)), np.zeros((2, 2)), np.array([[1.0], [3.0]]))
+    >>> stats = {}
+    >>> dq, dk, dv, dbias = exact_vjp(spec, np.ones((1, 1, 1, 1)), None, np.dtype("float64"),
+    ...                               stats=stats)
+    >>> dv.ravel().tolist(), stats
+    ([0.5, 0.5], {'elements': 8, 'fast': 8, 'referee': 0})
     """
     engine = config.EXACT_VJP_ENGINE if engine is None else engine
     if engine not in ("fast", "referee"):
