@@ -211,3 +211,33 @@ def test_numba_inside_the_kernel_bound(options):
     ref = refattn.attention_vjp(q, k, v, np.ones_like(out), **options, **extra)
     assert got.dsinks.shape == ref.dsinks.shape == (2,)
     assert got.dk.shape == k.shape and got.dbias is None
+
+
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_alibi_follows_each_rows_own_length(dtype):
+    q, k, v, rng = _inputs(17)
+    options = {"alibi_slopes": np.array([0.5, 0.25]), "causal": True, "align": "bottom_right"}
+    lengths = np.array([5, 3])
+    out, lse = refattn.attention(q, k, v, **options, kv_lengths=lengths, return_lse=True,
+                                 precision="exact", out_dtype=dtype)
+    want_out, want_lse = _naive(q, k, v, options, dtype, None, lengths)
+    assert_exact(out, want_out, what="out", case="alibi kv_lengths")
+    assert_exact(lse, want_lse, what="lse", case="alibi kv_lengths")
+    got = refattn.attention(q, k, v, **options, kv_lengths=lengths)
+    bound, _ = float64_forward_bound(q, k, v, **options, kv_lengths=lengths)
+    assert_within(got, refattn.attention(q, k, v, **options, kv_lengths=lengths,
+                                         precision="exact"), bound, what="out", case="f64")
+    grad_out = rng.standard_normal(out.shape)
+    fast = refattn.attention_vjp(q, k, v, grad_out, **options, kv_lengths=lengths,
+                                 precision="exact", out_dtype=dtype)
+    from refattn import config
+
+    saved = config.EXACT_VJP_ENGINE
+    config.EXACT_VJP_ENGINE = "referee"
+    try:
+        referee = refattn.attention_vjp(q, k, v, grad_out, **options, kv_lengths=lengths,
+                                        precision="exact", out_dtype=dtype)
+    finally:
+        config.EXACT_VJP_ENGINE = saved
+    for name in ("dq", "dk", "dv"):
+        assert_exact(getattr(fast, name), getattr(referee, name), what=name, case="alibi")
