@@ -131,6 +131,9 @@ def round_exact(x, fmt: Format) -> float:
     supported format embeds in float64); overflow gives +-inf as in IEEE 754 (the magnitude
     rounded with an unbounded exponent exceeds the largest finite value).
     """
+    beyond = _beyond_range(x, fmt)
+    if beyond is not None:
+        return beyond
     nd = _as_num_den(x)
     if isinstance(nd, float):
         return nd
@@ -157,6 +160,25 @@ def round_exact(x, fmt: Format) -> float:
     else:
         value = math.ldexp(float(n), quantum_exp)
     return -value if negative else value
+
+
+def _beyond_range(x, fmt: Format) -> float | None:
+    """The rounding of a raw mpf far outside the format's range (+-0 or +-inf), else None.
+
+    Settled from the binary exponent alone, so a value like ``exp(-1e10)`` (a 35-bit exponent)
+    never becomes a gigantic integer: ``2**(exp + bc - 1) <= |x| < 2**(exp + bc)``.
+    """
+    if isinstance(x, mpf):
+        x = x._mpf_
+    if not (isinstance(x, tuple) and len(x) == 4) or not x[1]:
+        return None
+    sign, _, exp, bc = x
+    top = exp + bc  # |x| < 2**top
+    if top <= fmt.emin - fmt.p:  # below half the smallest subnormal: rounds to a signed zero
+        return -0.0 if sign else 0.0
+    if top - 1 >= fmt.emax + 1:  # at least 2**(emax + 1), beyond max + ulp/2: overflows
+        return -math.inf if sign else math.inf
+    return None
 
 
 def round_array(values: np.ndarray, fmt: Format) -> np.ndarray:
