@@ -33,6 +33,7 @@ from fractions import Fraction
 import numpy as np
 from mpmath.libmp import (
     from_man_exp,
+    from_rational,
     fzero,
     mpf_add,
     mpf_cmp,
@@ -131,32 +132,41 @@ class ExactForward:
         of the scores (see :class:`_ScoreArithmetic`), so scores far beyond the float range
         (q, k ~ 1e200, a bias of 1e300) cost bounded time and never empty a row's sum.
         """
-        arith = self._arithmetic
         work = prec + config.ELEMENTARY_GUARD_BITS
         d_lo, d_hi, shifts = [], [], []
         length, keys = plane.allowed.shape
         for i in range(length):
-            cols = [] if plane.nan_rows[i] else [int(j) for j in np.flatnonzero(plane.allowed[i])]
             row_lo, row_hi = [None] * keys, [None] * keys
-            if cols:
-                parts = {j: arith.parts(plane, i, j) for j in cols}
-                ref = max(cols, key=lambda j: arith.approx(parts[j]))
-                diffs = {j: arith.difference(parts[j], parts[ref], work) for j in cols}
-                best = ref
-                for j in cols:
-                    if mpf_cmp(diffs[j][1], diffs[best][1]) > 0:
-                        best = j
-                if mpf_cmp(diffs[best][1], _HALF) > 0:  # the approximation missed the max
-                    ref = best
-                    diffs = {j: arith.difference(parts[j], parts[ref], work) for j in cols}
-                for j in cols:
-                    row_lo[j], row_hi[j] = diffs[j]
-                shifts.append(arith.score(parts[ref], work))
-            else:
+            row = self._row(plane, i, work)
+            if row is None:
                 shifts.append(None)
+            else:
+                parts, ref, diffs = row
+                for j, (lo, hi) in diffs.items():
+                    row_lo[j], row_hi[j] = lo, hi
+                shifts.append(self._arithmetic.score(parts[ref], work))
             d_lo.append(row_lo)
             d_hi.append(row_hi)
         return d_lo, d_hi, shifts
+
+    def _row(self, plane: _Plane, i: int, work: int):
+        """(parts, ref, diffs) of row i: exact score parts per allowed key, the reference key
+        and the differences {j: (lo, hi)}; None for an empty or NaN row."""
+        if plane.nan_rows[i] or plane.empty[i]:
+            return None
+        arith = self._arithmetic
+        cols = [int(j) for j in np.flatnonzero(plane.allowed[i])]
+        parts = {j: arith.parts(plane, i, j) for j in cols}
+        ref = max(cols, key=lambda j: arith.approx(parts[j]))
+        diffs = {j: arith.difference(parts[j], parts[ref], work) for j in cols}
+        best = ref
+        for j in cols:
+            if mpf_cmp(diffs[j][1], diffs[best][1]) > 0:
+                best = j
+        if mpf_cmp(diffs[best][1], _HALF) > 0:  # the float approximation missed the maximum
+            ref = best
+            diffs = {j: arith.difference(parts[j], parts[ref], work) for j in cols}
+        return parts, ref, diffs
 
     # -- one precision ------------------------------------------------------------------
     def at(self, prec: int) -> dict:
@@ -290,6 +300,69 @@ class ExactForward:
                     w_lo[b, h, i, j], w_hi[b, h, i, j] = lo, hi
         return w_lo, w_hi
 
+    # -- a result a hair from a rounding boundary ----------------------------------------
+    def side(self, name: str, index: tuple, boundary: Fraction):
+        """The sign of ``x - boundary`` for an out or lse element ``x``, or None.
+
+        Computed in floating (relative) precision, so a boundary plus ``exp(-1e9)`` or a
+        negative output that underflows to -0 is settled at once. For out,
+        ``out - M = sum_j w_j (keep_j v_j / (1 - p) - M)`` (the weights sum to 1): the sign of
+        ``sum_g exp(d_g) U_g`` over groups ``g`` of equal scores with exact sums ``U_g``; all
+        ``U_g = 0`` means ``out = M`` exactly (Lindemann-Weierstrass for distinct ``d_g``).
+        For lse, ``lse - M = (t_r - M) + log1p(sum_{j != r} exp(d_j))``.
+        """
+        b, h, i = index[:3]
+        plane = self.planes[b, h]
+        if plane.nan_rows[i] or plane.empty[i] or name not in ("out", "lse"):
+            return None
+        if name == "out":
+            e = index[3]
+            if plane.v.nonfinite[plane.kept[i], e].any():
+                return None
+            sums = self._group_sums(plane, i, e, boundary)
+            if not any(sums.values()):
+                return 0
+        for work in _SIDE_PRECISIONS:
+            found = (self._out_side(plane, i, sums, work) if name == "out"
+                     else self._lse_side(plane, i, boundary, work))
+            if found is not None:
+                return found
+        return None
+
+    def _group_sums(self, plane, i, e, boundary):
+        """{first key of a group of equal scores: exact sum of keep_j v_je / (1 - p) - M}."""
+        keep = self.spec.keep_scale * Fraction(2) ** plane.v.exp
+        column = plane.v.ints[:, e]
+        return {members[0]: sum((keep * int(column[j]) if plane.kept[i, j] else Fraction(0))
+                                - boundary for j in members)
+                for members in self._groups(plane, i)}
+
+    def _out_side(self, plane, i, sums, work):
+        _, _, diffs = self._row(plane, i, work)
+        total_lo = total_hi = fzero
+        for j, u in sums.items():
+            if u == 0:
+                continue
+            e_lo, e_hi = F.exp_bounds(*diffs[j], work)
+            lo, hi = _interval_product(e_lo, e_hi, u, work)
+            total_lo = mpf_add(total_lo, lo, work, round_floor)
+            total_hi = mpf_add(total_hi, hi, work, round_ceiling)
+        return _sign_of(total_lo, total_hi)
+
+    def _lse_side(self, plane, i, boundary, work):
+        parts, ref, diffs = self._row(plane, i, work)
+        t_lo, t_hi = self._arithmetic.score(parts[ref], work)
+        m = _dyadic_raw(boundary)
+        x_lo = x_hi = fzero
+        for j, (d_lo, d_hi) in diffs.items():
+            if j != ref:
+                e_lo, e_hi = F.exp_bounds(d_lo, d_hi, work)
+                x_lo = mpf_add(x_lo, e_lo, work, round_floor)
+                x_hi = mpf_add(x_hi, e_hi, work, round_ceiling)
+        l_lo, l_hi = _log1p_bounds(x_lo, x_hi, work)
+        return _sign_of(mpf_add(mpf_sub(t_lo, m), l_lo, work, round_floor),
+                        mpf_add(mpf_sub(t_hi, m), l_hi, work, round_ceiling))
+
     # -- exact ties -----------------------------------------------------------------------
     def _score_key(self, plane: _Plane, i: int, j: int):
         """A key equal for two keys exactly when their scores are equal (see module doc)."""
@@ -346,6 +419,43 @@ class ExactForward:
         return mean * Fraction(2) ** plane.v.exp * self.spec.keep_scale
 
 
+_SIDE_PRECISIONS = (64, 256, 1024, 4096)
+
+
+def _interval_product(e_lo, e_hi, u: Fraction, work: int):
+    """Bounds of ``e * u`` for ``0 <= e_lo <= e <= e_hi`` and an exact rational ``u``."""
+    u_lo = from_rational(u.numerator, u.denominator, work, round_floor)
+    u_hi = from_rational(u.numerator, u.denominator, work, round_ceiling)
+    if u > 0:
+        return mpf_mul(e_lo, u_lo, work, round_floor), mpf_mul(e_hi, u_hi, work, round_ceiling)
+    return mpf_mul(e_hi, u_lo, work, round_floor), mpf_mul(e_lo, u_hi, work, round_ceiling)
+
+
+def _log1p_bounds(x_lo, x_hi, work: int):
+    """Bounds of ``log(1 + x)`` for ``0 <= x_lo <= x_hi``, relatively tight for tiny x."""
+    if not x_hi[1]:
+        return fzero, fzero
+    if _magnitude(x_hi) < -work:  # x / (1 + x) <= log1p(x) <= x
+        one_plus = mpf_add(_ONE, x_lo, work, round_ceiling)
+        return mpf_div(x_lo, one_plus, work, round_floor), x_hi
+    extra = work + max(0, -_magnitude(x_lo)) if x_lo[1] else 2 * work
+    return F.log_bounds(mpf_add(_ONE, x_lo, extra, round_floor),
+                        mpf_add(_ONE, x_hi, extra, round_ceiling), extra)
+
+
+def _sign_of(lo, hi):
+    if mpf_cmp(lo, fzero) > 0:
+        return 1
+    if mpf_cmp(hi, fzero) < 0:
+        return -1
+    return None
+
+
+def _dyadic_raw(x: Fraction):
+    """A dyadic Fraction (a rounding boundary) as an exact raw mpf."""
+    return from_man_exp(x.numerator, -(x.denominator.bit_length() - 1))
+
+
 def _dyadic(x: float) -> tuple[int, int]:
     num, den = Fraction(x).as_integer_ratio()
     return num, -(den.bit_length() - 1)
@@ -359,6 +469,7 @@ def _softcap(lo, hi, cap, work):
 
 
 _HALF = from_man_exp(1, -1)
+_ONE = from_man_exp(1, 0)
 
 
 def _log_sums(e_lo, e_hi, prec):
@@ -474,12 +585,14 @@ def exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_we
     engine = ExactForward(spec)
     out = correctly_round(
         lambda p: engine.at(p)["out"], out_dtype,
-        fallback=lambda ix: engine.exact_value("out", ix), what="out")
+        fallback=lambda ix: engine.exact_value("out", ix),
+        decide=lambda ix, m: engine.side("out", ix, m), what="out")
     lse = weights = None
     if return_lse:
         lse = correctly_round(
             lambda p: engine.at(p)["lse"], out_dtype,
-            fallback=lambda ix: engine.exact_value("lse", ix), what="lse")
+            fallback=lambda ix: engine.exact_value("lse", ix),
+            decide=lambda ix, m: engine.side("lse", ix, m), what="lse")
     if return_weights:
         weights = correctly_round(
             engine.weights, out_dtype,

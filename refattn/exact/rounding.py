@@ -45,6 +45,7 @@ __all__ = [
     "round_array",
     "correctly_round",
     "UndecidedRoundingError",
+    "boundary_between",
 ]
 
 
@@ -212,6 +213,7 @@ def correctly_round(
     prec0: int | None = None,
     max_prec: int | None = None,
     fallback: Callable[[tuple[int, ...]], object] | None = None,
+    decide: Callable[[tuple[int, ...], Fraction], int | None] | None = None,
     what: str = "result",
 ) -> np.ndarray:
     """Run the Ziv loop: return ``evaluate``'s exact results correctly rounded to ``dtype``.
@@ -232,6 +234,14 @@ def correctly_round(
         undecided after the first pass and again at ``max_prec`` (a result that is exactly a
         rounding midpoint can only be settled exactly). It must return a value only when it has
         proved it exact.
+    decide : callable, optional
+        ``decide(index, boundary) -> -1, 0, +1 or None``: the sign of ``x - boundary`` for an
+        element whose enclosure straddles exactly one rounding boundary (the midpoint of two
+        neighbours of the format, the overflow threshold, or 0 between two zeros of opposite
+        sign), or None when it cannot tell. Called after ``fallback`` on the first pass's
+        undecided elements: a result a hair from a boundary (a rounding midpoint plus
+        ``exp(-1e9)``, an output that underflows to a signed zero) is then settled in bounded
+        time, where doubling the precision never would.
     what : str
         Name of the result, for error messages.
 
@@ -266,6 +276,8 @@ def correctly_round(
                     if exact is not None:
                         result[index] = round_exact(exact, fmt)
                         undecided[index] = False
+            if decide is not None and undecided.any():
+                _decide_at_boundaries(result, undecided, rlo, rhi, decide, fmt)
         else:
             newly = undecided & decided
             result[newly] = rlo[newly]
@@ -273,10 +285,55 @@ def correctly_round(
         if not undecided.any():
             break
         if prec >= max_prec:
+            if decide is not None:
+                _decide_at_boundaries(result, undecided, rlo, rhi, decide, fmt)
             _settle_at_cap(result, undecided, rlo, rhi, lo, hi, fallback, fmt, what, prec)
             break
         prec = min(2 * prec, max_prec)
     return result.astype(fmt.dtype)
+
+
+def boundary_between(low: float, high: float, fmt: Format) -> Fraction | None:
+    """The one rounding boundary between two roundings ``low < high`` of the ends of an
+    enclosure, or None when they are not neighbours.
+
+    Neighbours ``a < b`` of the format meet at their midpoint; the largest finite value and
+    infinity at the overflow threshold ``max + ulp/2``; the zeros -0 and +0 at 0.
+
+    >>> boundary_between(1.0, 1.0 + 2.0**-52, FORMATS["float64"]) == 1 + Fraction(1, 2**53)
+    True
+    >>> boundary_between(-0.0, 0.0, FORMATS["float64"])
+    Fraction(0, 1)
+    """
+    if low == 0.0 and high == 0.0:
+        return Fraction(0) if math.copysign(1, low) < 0 < math.copysign(1, high) else None
+    if low == 0.0 or high == 0.0 or math.isnan(low) or math.isnan(high):
+        return None  # a neighbour of zero: 0 (the sign) is a second boundary
+    top = fmt.max_finite + Fraction(2) ** (fmt.emax - fmt.p)
+    if math.isinf(high) or math.isinf(low):
+        finite, infinite = (low, high) if math.isinf(high) else (high, low)
+        if math.isinf(finite) or abs(Fraction(finite)) != fmt.max_finite:
+            return None
+        return top if infinite > 0 else -top
+    middle = (Fraction(low) + Fraction(high)) / 2
+    return middle if round_exact(middle, fmt) in (low, high) else None
+
+
+def _decide_at_boundaries(result, undecided, rlo, rhi, decide, fmt):
+    """Settle undecided elements whose enclosure straddles one boundary by its side."""
+    for index in zip(*np.nonzero(undecided), strict=True):
+        index = tuple(int(i) for i in index)
+        boundary = boundary_between(float(rlo[index]), float(rhi[index]), fmt)
+        if boundary is None:
+            continue
+        side = decide(index, boundary)
+        if side is None:
+            continue
+        if side == 0:
+            result[index] = round_exact(boundary, fmt)
+        else:
+            result[index] = rhi[index] if side > 0 else rlo[index]
+        undecided[index] = False
 
 
 def _settle_at_cap(result, undecided, rlo, rhi, lo, hi, fallback, fmt, what, prec):
@@ -290,6 +347,7 @@ def _settle_at_cap(result, undecided, rlo, rhi, lo, hi, fallback, fmt, what, pre
         else:
             raise UndecidedRoundingError(
                 f"{what}{list(index)}: rounding to {fmt.name} undecided at {prec} bits; "
-                f"enclosure [{float(Fraction(*_as_num_den(lo[index]))):.17g}, "
-                f"{float(Fraction(*_as_num_den(hi[index]))):.17g}] straddles a rounding boundary"
+                f"enclosure [{round_exact(lo[index], FORMATS['float64']):.17g}, "
+                f"{round_exact(hi[index], FORMATS['float64']):.17g}] straddles a rounding "
+                "boundary"
             )
