@@ -347,7 +347,7 @@ class ExactForward:
             lo, hi = _interval_product(e_lo, e_hi, u, work)
             total_lo = mpf_add(total_lo, lo, work, round_floor)
             total_hi = mpf_add(total_hi, hi, work, round_ceiling)
-        return _sign_of(total_lo, total_hi)
+        return F.sign_of(total_lo, total_hi)
 
     def _lse_side(self, plane, i, boundary, work):
         parts, ref, diffs = self._row(plane, i, work)
@@ -359,8 +359,8 @@ class ExactForward:
                 e_lo, e_hi = F.exp_bounds(d_lo, d_hi, work)
                 x_lo = mpf_add(x_lo, e_lo, work, round_floor)
                 x_hi = mpf_add(x_hi, e_hi, work, round_ceiling)
-        l_lo, l_hi = _log1p_bounds(x_lo, x_hi, work)
-        return _sign_of(mpf_add(mpf_sub(t_lo, m), l_lo, work, round_floor),
+        l_lo, l_hi = F.log1p_bounds(x_lo, x_hi, work)
+        return F.sign_of(mpf_add(mpf_sub(t_lo, m), l_lo, work, round_floor),
                         mpf_add(mpf_sub(t_hi, m), l_hi, work, round_ceiling))
 
     # -- exact ties -----------------------------------------------------------------------
@@ -431,26 +431,6 @@ def _interval_product(e_lo, e_hi, u: Fraction, work: int):
     return mpf_mul(e_hi, u_lo, work, round_floor), mpf_mul(e_lo, u_hi, work, round_ceiling)
 
 
-def _log1p_bounds(x_lo, x_hi, work: int):
-    """Bounds of ``log(1 + x)`` for ``0 <= x_lo <= x_hi``, relatively tight for tiny x."""
-    if not x_hi[1]:
-        return fzero, fzero
-    if _magnitude(x_hi) < -work:  # x / (1 + x) <= log1p(x) <= x
-        one_plus = mpf_add(_ONE, x_lo, work, round_ceiling)
-        return mpf_div(x_lo, one_plus, work, round_floor), x_hi
-    extra = work + max(0, -_magnitude(x_lo)) if x_lo[1] else 2 * work
-    return F.log_bounds(mpf_add(_ONE, x_lo, extra, round_floor),
-                        mpf_add(_ONE, x_hi, extra, round_ceiling), extra)
-
-
-def _sign_of(lo, hi):
-    if mpf_cmp(lo, fzero) > 0:
-        return 1
-    if mpf_cmp(hi, fzero) < 0:
-        return -1
-    return None
-
-
 def _dyadic_raw(x: Fraction):
     """A dyadic Fraction (a rounding boundary) as an exact raw mpf."""
     return from_man_exp(x.numerator, -(x.denominator.bit_length() - 1))
@@ -469,7 +449,6 @@ def _softcap(lo, hi, cap, work):
 
 
 _HALF = from_man_exp(1, -1)
-_ONE = from_man_exp(1, 0)
 
 
 def _log_sums(e_lo, e_hi, prec):
