@@ -11,7 +11,7 @@ import math
 import mpmath
 import numpy as np
 
-from .rounding import round_stable
+from .rounding import HEAD_PREC, exact_plus_small, round_stable
 
 __all__ = ["naive_attention", "naive_attention_rounded", "score_spread"]
 
@@ -88,8 +88,12 @@ def naive_attention(
                     w_h.append([fill] * keys)
                     continue
                 top = max(scores.values())
-                total = mpmath.fsum(mpmath.exp(s - top) for s in scores.values())
-                row_lse = top + mpmath.log(total)
+                leaders = [j for j in scores if scores[j] == top]
+                rest = mpmath.fsum(mpmath.exp(s - top) for s in scores.values() if s != top)
+                # lse = top + log(n) + log1p(rest / n): the exact top plus a tail that may be
+                # as small as exp(-1e9)
+                row_lse = exact_plus_small(top, mpmath.log(len(leaders))
+                                           + mpmath.log1p(rest / len(leaders)))
                 # w_j = 1 / sum_k e^{s_k - s_j}: exactly 1/n for n equal scores (exp(0) == 1),
                 # so outputs that are exact rounding ties stay exact in the reference
                 row_w = [1 / mpmath.fsum(mpmath.exp(s - scores[j]) for s in scores.values())
@@ -97,13 +101,22 @@ def naive_attention(
                 keep_scale = 1 / (1 - _exact(dropout_p))
                 row_out = []
                 for e in range(vdim):
-                    acc = []
-                    for j in scores:
-                        wj = row_w[j]
-                        if dropout_mask is not None:
-                            wj = wj * keep_scale if dropout_mask[h][i][j] else 0
-                        acc.append(wj * _exact(v[g, j, e]))
-                    row_out.append(mpmath.fsum(acc))
+                    kept = [row_w[j] * keep_scale * _exact(v[g, j, e])
+                            if dropout_mask is None or dropout_mask[h][i][j] else
+                            mpmath.mpf(0) for j in scores]
+                    if not all(mpmath.isfinite(x) for x in kept):
+                        row_out.append(mpmath.fsum(kept))
+                        continue
+                    # out = mean over the leaders + sum_j w_j (v'_j - mean): a head computed
+                    # at HEAD_PREC bits and a small tail (exp(-1e9) off a midpoint, say)
+                    with mpmath.workprec(HEAD_PREC):
+                        values = {j: (1 / (1 - _exact(dropout_p))) * _exact(v[g, j, e])
+                                  if dropout_mask is None or dropout_mask[h][i][j] else
+                                  mpmath.mpf(0) for j in scores}
+                        head = mpmath.fsum(values[j] for j in leaders) / len(leaders)
+                    tail = mpmath.fsum(row_w[j] * (values[j] - head)
+                                       for j in scores if scores[j] != top)
+                    row_out.append(exact_plus_small(head, tail))
                 out_h.append(row_out)
                 lse_h.append(row_lse)
                 w_h.append(row_w)

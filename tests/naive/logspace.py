@@ -9,20 +9,32 @@ from __future__ import annotations
 import mpmath
 import numpy as np
 
-from .rounding import round_stable
+from .rounding import exact_plus_small, round_stable
 
 __all__ = ["naive_logspace", "naive_logspace_rounded"]
 
 
 def naive_logspace(x, where, dps):
     """(lse, softmax, log_softmax) rows at ``dps`` digits, in cancellation-free forms:
-    ``1 / (1 + sum_{k != j} e^{x_k - x_j})`` and ``-log1p(sum_{k != j} e^{x_k - x_j})``."""
+    ``1 / (1 + sum_{k != j} e^{x_k - x_j})``; lse and log_softmax as an exact head (the
+    maximum ``m``, or ``x_j - m``) plus ``log(n) + log1p(rest / n)`` kept apart
+    (:func:`naive.rounding.exact_plus_small`), ``n`` the entries equal to ``m``."""
     lse, soft, logsoft = [], [], []
     with mpmath.workdps(dps):
         for row, keep in zip(x, where, strict=True):
             vals = [mpmath.mpf(float(a)) for a, k in zip(row, keep, strict=True) if k]
-            lse.append(mpmath.log(mpmath.fsum(mpmath.exp(a) for a in vals)) if vals
-                       else -mpmath.inf)
+            top = max(vals) if vals else None
+            if top is not None and mpmath.isfinite(top):
+                # log(sum e^a) = top + log(n) + log1p(rest / n): an exact head and a tail
+                # that may be as small as exp(-1e9)
+                count = sum(1 for a in vals if a == top)
+                rest = mpmath.fsum(mpmath.exp(a - top) for a in vals if a != top)
+                shift = mpmath.log(count) + mpmath.log1p(rest / count)
+                lse.append(exact_plus_small(top, shift))
+            else:
+                shift = None
+                lse.append(mpmath.log(mpmath.fsum(mpmath.exp(a) for a in vals)) if vals
+                           else -mpmath.inf)
             soft_row, log_row = [], []
             for a, k in zip(row, keep, strict=True):
                 if not k:
@@ -34,7 +46,8 @@ def naive_logspace(x, where, dps):
                 others.remove(a)
                 rest = mpmath.fsum(mpmath.exp(b - a) for b in others)
                 soft_row.append(1 / (1 + rest))
-                log_row.append(-mpmath.log1p(rest))
+                log_row.append(-mpmath.log1p(rest) if shift is None else exact_plus_small(
+                    mpmath.fsub(a, top, exact=True), -shift))
             soft.append(soft_row)
             logsoft.append(log_row)
     return lse, soft, logsoft
