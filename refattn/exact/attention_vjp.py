@@ -25,7 +25,18 @@ from __future__ import annotations
 from fractions import Fraction
 
 import numpy as np
-from mpmath.libmp import from_man_exp, mpf_div, mpf_mul, round_ceiling, round_floor
+from mpmath.libmp import (
+    from_man_exp,
+    from_rational,
+    fzero,
+    mpf_add,
+    mpf_cmp,
+    mpf_div,
+    mpf_mul,
+    mpf_neg,
+    round_ceiling,
+    round_floor,
+)
 
 from .. import config
 from .._broadcast import reduce_to
@@ -214,6 +225,100 @@ class ExactVJP:
         return [weight * (dpp[j] - delta + g_i) if plane.allowed[i, j] else Fraction(0)
                 for j in range(len(dpp))]
 
+    # -- signed zeros ---------------------------------------------------------------------
+    def side(self, name: str, index: tuple, boundary: Fraction):
+        """The sign of a dq / dk / dv element when its enclosure straddles 0 (see
+        :func:`refattn.exact.rounding.correctly_round`'s ``decide``), or None.
+
+        Evaluated in relative precision from ``P_ij = exp(d_ij) / Z_i`` and
+        ``dS_ij = P_ij (sum_k P_ik (dP_ij - dP_ik) + g_i)`` (no cancellation of the 1's), so a
+        gradient that underflows is -0 or +0 as its exact value says. Other boundaries and
+        softcapped calls are left to the Ziv loop (None).
+        """
+        spec = self.spec
+        if boundary != 0 or name not in ("dq", "dk", "dv") or spec.softcap is not None:
+            return None
+        for work in (64, 256, 1024):
+            lo, hi = self._element_bounds(name, index, work)
+            found = F.sign_of(lo, hi)
+            if found is not None:
+                return found
+        return None
+
+    def _row_weights(self, b, h, i, work):
+        """{j: (lo, hi)} of P_ij in relative precision (None for an empty / NaN row)."""
+        forward = self.forward
+        row = forward._row(forward.planes[b, h], i, work)
+        if row is None:
+            return None
+        _, _, diffs = row
+        exps = {j: F.exp_bounds(lo, hi, work) for j, (lo, hi) in diffs.items()}
+        z_lo = z_hi = fzero
+        for lo, hi in exps.values():
+            z_lo = mpf_add(z_lo, lo, work, round_floor)
+            z_hi = mpf_add(z_hi, hi, work, round_ceiling)
+        return {j: (mpf_div(lo, z_hi, work, round_floor), mpf_div(hi, z_lo, work, round_ceiling))
+                for j, (lo, hi) in exps.items()}
+
+    def _ds_row(self, b, h, i, work):
+        """{j: (lo, hi)} of dS_ij / s in relative precision, or None."""
+        spec = self.spec
+        weights = self._row_weights(b, h, i, work)
+        if weights is None:
+            return None
+        plane = self.forward.planes[b, h]
+        g = int(spec.kv_head[h])
+        dots = self.do.ints[b, h, i] @ self.v.ints[b, g].T
+        unit = _ratio_bounds(spec.keep_scale * Fraction(2) ** (self.do.exp + self.v.exp), work)
+        dp = {j: (int(dots[j]) if plane.kept[i, j] else 0) for j in weights}
+        g_i = fzero if self.g is None else from_man_exp(int(self.g.ints[b, h, i]), self.g.exp)
+        out = {}
+        for j, (p_lo, p_hi) in weights.items():
+            t_lo = t_hi = g_i
+            for k, (q_lo, q_hi) in weights.items():
+                if dp[j] != dp[k]:
+                    lo, hi = _scaled_interval(q_lo, q_hi, from_man_exp(dp[j] - dp[k], 0), work)
+                    t_lo = mpf_add(t_lo, _interval_times(lo, hi, unit, work)[0], work,
+                                   round_floor)
+                    t_hi = mpf_add(t_hi, _interval_times(lo, hi, unit, work)[1], work,
+                                   round_ceiling)
+            out[j] = _interval_times(p_lo, p_hi, (t_lo, t_hi), work)
+        return out
+
+    def _element_bounds(self, name, index, work):
+        """(lo, hi) of one dq / dk / dv element (without the positive/negative scale: the
+        sign of s is applied) in relative precision."""
+        spec = self.spec
+        total_lo = total_hi = fzero
+        terms = []
+        if name == "dq":
+            b, h, i, d = index
+            g = int(spec.kv_head[h])
+            ds = self._ds_row(b, h, i, work) or {}
+            terms = [(ds[j], self.k.ints[b, g, j, d], self.k.exp) for j in ds]
+        else:
+            b, g, j, col = index
+            for h in np.flatnonzero(spec.kv_head == g):
+                h = int(h)
+                plane = self.forward.planes[b, h]
+                for i in np.flatnonzero(plane.allowed[:, j]):
+                    i = int(i)
+                    if name == "dk":
+                        ds = self._ds_row(b, h, i, work)
+                        if ds is not None and j in ds:
+                            terms.append((ds[j], self.q.ints[b, h, i, col], self.q.exp))
+                    elif plane.kept[i, j]:
+                        weights = self._row_weights(b, h, i, work)
+                        if weights is not None and j in weights:
+                            terms.append((weights[j], self.do.ints[b, h, i, col], self.do.exp))
+        for (lo, hi), man, exp in terms:
+            lo, hi = _scaled_interval(lo, hi, from_man_exp(int(man), exp), work)
+            total_lo = mpf_add(total_lo, lo, work, round_floor)
+            total_hi = mpf_add(total_hi, hi, work, round_ceiling)
+        if name != "dv" and _scale_sign(spec) < 0:
+            total_lo, total_hi = mpf_neg(total_hi), mpf_neg(total_lo)
+        return total_lo, total_hi
+
     def exact_value(self, name: str, index: tuple):
         """Exact value of a gradient element when every row it depends on has rational
         weights (all allowed scores equal), else None."""
@@ -310,6 +415,35 @@ def _scaled_bounds(mid, rad, factor: Fraction, scale_bounds):
     return lo, hi
 
 
+def _scaled_interval(lo, hi, factor, work):
+    """[lo, hi] times an exact raw mpf ``factor`` (directed rounding)."""
+    if factor[0]:
+        lo, hi = hi, lo
+    return mpf_mul(lo, factor, work, round_floor), mpf_mul(hi, factor, work, round_ceiling)
+
+
+def _interval_times(lo, hi, other, work):
+    """[lo, hi] times the interval ``other`` (every sign case)."""
+    products = [mpf_mul(a, c, work, rnd) for a in (lo, hi) for c in other
+                for rnd in (round_floor, round_ceiling)]
+    low = products[0]
+    high = products[0]
+    for x in products[1:]:
+        low = x if mpf_cmp(x, low) < 0 else low
+        high = x if mpf_cmp(x, high) > 0 else high
+    return low, high
+
+
+def _ratio_bounds(x: Fraction, work):
+    return (from_rational(x.numerator, x.denominator, work, round_floor),
+            from_rational(x.numerator, x.denominator, work, round_ceiling))
+
+
+def _scale_sign(spec) -> int:
+    exact = spec.scale_exact
+    return 1 if isinstance(exact, tuple) or exact > 0 else (-1 if exact < 0 else 0)
+
+
 def _raw_ratio(raw):
     sign, man, exp, _ = raw
     man = -man if sign else man
@@ -323,7 +457,8 @@ def exact_vjp(spec: AttentionSpec, grad_out, grad_lse, out_dtype):
     for name in ("dq", "dk", "dv"):
         results[name] = correctly_round(
             lambda p, name=name: engine.at(p)[name], out_dtype,
-            fallback=lambda ix, name=name: engine.exact_value(name, ix), what=name)
+            fallback=lambda ix, name=name: engine.exact_value(name, ix),
+            decide=lambda ix, m, name=name: engine.side(name, ix, m), what=name)
     dbias = None
     if spec.bias is not None:
         dbias = correctly_round(engine.dbias, out_dtype, what="dbias",

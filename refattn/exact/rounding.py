@@ -323,8 +323,14 @@ def _decide_at_boundaries(result, undecided, rlo, rhi, decide, fmt):
     """Settle undecided elements whose enclosure straddles one boundary by its side."""
     for index in zip(*np.nonzero(undecided), strict=True):
         index = tuple(int(i) for i in index)
-        boundary = boundary_between(float(rlo[index]), float(rhi[index]), fmt)
+        low, high = float(rlo[index]), float(rhi[index])
+        boundary = boundary_between(low, high, fmt)
         if boundary is None:
+            # [negative, +0] or [-0, positive]: the sign alone may settle it
+            side = decide(index, Fraction(0)) if _zero_end(low, high) else None
+            if side is not None and (side >= 0) == (high == 0.0):
+                result[index] = -0.0 if side < 0 else 0.0
+                undecided[index] = False
             continue
         side = decide(index, boundary)
         if side is None:
@@ -334,6 +340,12 @@ def _decide_at_boundaries(result, undecided, rlo, rhi, decide, fmt):
         else:
             result[index] = rhi[index] if side > 0 else rlo[index]
         undecided[index] = False
+
+
+def _zero_end(low: float, high: float) -> bool:
+    """The enclosure rounds to [negative, +0] or [-0, positive]."""
+    return ((high == 0.0 and not math.copysign(1, high) < 0 and low < 0)
+            or (low == 0.0 and math.copysign(1, low) < 0 and high > 0))
 
 
 def _settle_at_cap(result, undecided, rlo, rhi, lo, hi, fallback, fmt, what, prec):

@@ -13,7 +13,7 @@ import numpy as np
 
 from .rounding import HEAD_PREC, exact_plus_small, round_stable
 
-__all__ = ["naive_attention", "naive_attention_rounded", "score_spread"]
+__all__ = ["naive_attention", "naive_attention_rounded", "naive_attention_vjp", "score_spread"]
 
 
 def _exact(x) -> mpmath.mpf:
@@ -154,3 +154,37 @@ def naive_attention_rounded(q, k, v, opts, dtype):
     spread = score_spread(q, k, **full)
     return tuple(round_stable(lambda dps, n=n: naive_attention(q, k, v, dps=dps, **full)[n],
                               dtype, spread) for n in range(3))
+
+
+def naive_attention_vjp(q, k, v, grad_out, *, scale=None, dps=60):
+    """(dq, dk, dv) of plain single-head attention by loops: q (L, D), k (S, D), v (S, E),
+    grad_out (L, E); nested lists of mpf at ``dps`` digits.
+
+    ``P_ij = 1 / sum_k e^{s_ik - s_ij}``, ``dP_ij = dO_i . v_j``, ``dS_ij = P_ij (dP_ij -
+    sum_k P_ik dP_ik)``, ``dq_i = s sum_j dS_ij k_j``, ``dk_j = s sum_i dS_ij q_i``,
+    ``dv_j = sum_i P_ij dO_i`` (every term at relative precision: tiny weights stay signed).
+    """
+    q, k, v, grad_out = (np.asarray(a, dtype=np.float64) for a in (q, k, v, grad_out))
+    length, dim = q.shape
+    keys, vdim = v.shape
+    with mpmath.workdps(dps):
+        sc = 1 / mpmath.sqrt(dim) if scale is None else _exact(scale)
+        scores = [[sc * mpmath.fsum(_exact(q[i, d]) * _exact(k[j, d]) for d in range(dim))
+                   for j in range(keys)] for i in range(length)]
+        weights = [[1 / mpmath.fsum(mpmath.exp(t - row[j]) for t in row)
+                    for j in range(keys)] for row in scores]
+        dp = [[mpmath.fsum(_exact(grad_out[i, e]) * _exact(v[j, e]) for e in range(vdim))
+               for j in range(keys)] for i in range(length)]
+        ds = []
+        for i in range(length):
+            # dP_ij - sum_k P_ik dP_ik = sum_k P_ik (dP_ij - dP_ik): no cancellation of 1's
+            ds.append([weights[i][j] * mpmath.fsum(weights[i][m] * (dp[i][j] - dp[i][m])
+                                                   for m in range(keys))
+                       for j in range(keys)])
+        dq = [[sc * mpmath.fsum(ds[i][j] * _exact(k[j, d]) for j in range(keys))
+               for d in range(dim)] for i in range(length)]
+        dk = [[sc * mpmath.fsum(ds[i][j] * _exact(q[i, d]) for i in range(length))
+               for d in range(dim)] for j in range(keys)]
+        dv = [[mpmath.fsum(weights[i][j] * _exact(grad_out[i, e]) for i in range(length))
+               for e in range(vdim)] for j in range(keys)]
+    return dq, dk, dv
