@@ -34,8 +34,10 @@ from mpmath.libmp import (
     mpf_div,
     mpf_mul,
     mpf_neg,
+    mpf_sqrt,
     round_ceiling,
     round_floor,
+    to_float,
 )
 
 from .. import config
@@ -71,6 +73,7 @@ class ExactVJP:
         self.v = F.to_fixed(spec.v)
         self._cache: dict[int, dict] = {}
         self._rows: dict[tuple, list | None] = {}
+        self._splits: dict[tuple, object] = {}
 
     # ------------------------------------------------------------------------------------
     def at(self, prec: int) -> dict:
@@ -225,77 +228,110 @@ class ExactVJP:
         return [weight * (dpp[j] - delta + g_i) if plane.allowed[i, j] else Fraction(0)
                 for j in range(len(dpp))]
 
-    # -- signed zeros ---------------------------------------------------------------------
+    # -- a result a hair from a rounding boundary ----------------------------------------
     def side(self, name: str, index: tuple, boundary: Fraction):
-        """The sign of a dq / dk / dv element when its enclosure straddles 0 (see
-        :func:`refattn.exact.rounding.correctly_round`'s ``decide``), or None.
+        """The sign of ``x - boundary`` for a dq / dk / dv element ``x``, or None (see
+        :func:`refattn.exact.rounding.correctly_round`'s ``decide``).
 
-        Evaluated in relative precision from ``P_ij = exp(d_ij) / Z_i`` and
-        ``dS_ij = P_ij (sum_k P_ik (dP_ij - dP_ik) + g_i)`` (no cancellation of the 1's), so a
-        gradient that underflows is -0 or +0 as its exact value says. Other boundaries and
-        softcapped calls are left to the Ziv loop (None).
+        Each weight is split as ``P_ij = A_ij + dP_ij`` with the exact part ``A_ij = 1/n_i``
+        on the ``n_i`` keys tied at the row maximum (0 elsewhere) and the remainder enclosed
+        in relative precision (it may be ``exp(-1e9)``). Every gradient element is then an
+        exact rational *head* (computed from ``A``) times the scale plus a small *tail*, so a
+        gradient a hair from a rounding midpoint or from 0 is settled at once. Softcapped
+        calls are left to the Ziv loop (None).
         """
         spec = self.spec
-        if boundary != 0 or name not in ("dq", "dk", "dv") or spec.softcap is not None:
+        if name not in ("dq", "dk", "dv") or spec.softcap is not None:
             return None
         for work in (64, 256, 1024):
-            lo, hi = self._element_bounds(name, index, work)
-            found = F.sign_of(lo, hi)
+            found = self._side_at(name, index, boundary, work)
             if found is not None:
                 return found
         return None
 
-    def _row_weights(self, b, h, i, work):
-        """{j: (lo, hi)} of P_ij in relative precision (None for an empty / NaN row)."""
+    def _split_row(self, b, h, i, work):
+        """({j: A_ij (Fraction)}, {j: (lo, hi) of P_ij - A_ij}) in relative precision, None
+        for an empty / NaN row, "undecided" when the top group is not yet separated."""
+        key = (b, h, i, work)
+        if key in self._splits:
+            return self._splits[key]
         forward = self.forward
-        row = forward._row(forward.planes[b, h], i, work)
+        plane = forward.planes[b, h]
+        row = forward._row(plane, i, work)
         if row is None:
+            self._splits[key] = None
             return None
         _, _, diffs = row
+        groups = forward._groups(plane, i)
+        best = max(groups, key=lambda g: _float_key(diffs[g[0]][0]))
+        for members in groups:
+            if members is not best and mpf_cmp(diffs[members[0]][1], diffs[best[0]][0]) >= 0:
+                self._splits[key] = "undecided"
+                return "undecided"
         exps = {j: F.exp_bounds(lo, hi, work) for j, (lo, hi) in diffs.items()}
-        z_lo = z_hi = fzero
-        for lo, hi in exps.values():
-            z_lo = mpf_add(z_lo, lo, work, round_floor)
-            z_hi = mpf_add(z_hi, hi, work, round_ceiling)
-        return {j: (mpf_div(lo, z_hi, work, round_floor), mpf_div(hi, z_lo, work, round_ceiling))
-                for j, (lo, hi) in exps.items()}
+        rest_lo = rest_hi = fzero  # Z - n: the keys outside the top group
+        for members in groups:
+            if members is not best:
+                for j in members:
+                    rest_lo = mpf_add(rest_lo, exps[j][0], work, round_floor)
+                    rest_hi = mpf_add(rest_hi, exps[j][1], work, round_ceiling)
+        n = len(best)
+        top = set(best)
+        z_lo = mpf_add(from_man_exp(n, 0), rest_lo, work, round_floor)
+        z_hi = mpf_add(from_man_exp(n, 0), rest_hi, work, round_ceiling)
+        exact = {j: Fraction(1, n) if j in top else Fraction(0) for j in diffs}
+        delta = {}
+        for j, (e_lo, e_hi) in exps.items():
+            if j in top:  # 1/Z - 1/n = -(Z - n) / (n Z)
+                den_lo = mpf_mul(from_man_exp(n, 0), z_lo, work, round_floor)
+                den_hi = mpf_mul(from_man_exp(n, 0), z_hi, work, round_ceiling)
+                delta[j] = (mpf_neg(mpf_div(rest_hi, den_lo, work, round_ceiling)),
+                            mpf_neg(mpf_div(rest_lo, den_hi, work, round_floor)))
+            else:
+                delta[j] = (mpf_div(e_lo, z_hi, work, round_floor),
+                            mpf_div(e_hi, z_lo, work, round_ceiling))
+        self._splits[key] = (exact, delta)
+        return exact, delta
 
-    def _ds_row(self, b, h, i, work):
-        """{j: (lo, hi)} of dS_ij / s in relative precision, or None."""
+    def _ds_split(self, b, h, i, work):
+        """({j: exact head of dS_ij}, {j: (lo, hi) tail}) or None / "undecided"."""
+        split = self._split_row(b, h, i, work)
+        if split is None or split == "undecided":
+            return split
+        exact, delta = split
         spec = self.spec
-        weights = self._row_weights(b, h, i, work)
-        if weights is None:
-            return None
         plane = self.forward.planes[b, h]
         g = int(spec.kv_head[h])
         dots = self.do.ints[b, h, i] @ self.v.ints[b, g].T
-        unit = _ratio_bounds(spec.keep_scale * Fraction(2) ** (self.do.exp + self.v.exp), work)
-        dp = {j: (int(dots[j]) if plane.kept[i, j] else 0) for j in weights}
-        g_i = fzero if self.g is None else from_man_exp(int(self.g.ints[b, h, i]), self.g.exp)
-        out = {}
-        for j, (p_lo, p_hi) in weights.items():
-            t_lo = t_hi = g_i
-            for k, (q_lo, q_hi) in weights.items():
-                if dp[j] != dp[k]:
-                    lo, hi = _scaled_interval(q_lo, q_hi, from_man_exp(dp[j] - dp[k], 0), work)
-                    t_lo = mpf_add(t_lo, _interval_times(lo, hi, unit, work)[0], work,
-                                   round_floor)
-                    t_hi = mpf_add(t_hi, _interval_times(lo, hi, unit, work)[1], work,
-                                   round_ceiling)
-            out[j] = _interval_times(p_lo, p_hi, (t_lo, t_hi), work)
-        return out
+        unit = spec.keep_scale * Fraction(2) ** (self.do.exp + self.v.exp)
+        dp = {j: unit * (int(dots[j]) if plane.kept[i, j] else 0) for j in exact}
+        g_i = Fraction(0) if self.g is None else Fraction(int(self.g.ints[b, h, i])) * \
+            Fraction(2) ** self.g.exp
+        heads, tails = {}, {}
+        for j in exact:
+            t_head = g_i + sum((exact[k] * (dp[j] - dp[k]) for k in exact), Fraction(0))
+            t_tail = _sum_scaled([(delta[k], dp[j] - dp[k]) for k in exact], work)
+            heads[j] = exact[j] * t_head
+            # dS - A T^A = dP T^A + A (T - T^A) + dP (T - T^A)
+            tail = _sum_scaled([(delta[j], t_head)], work)
+            tail = _add(tail, _interval_times(*t_tail, _point(exact[j], work), work), work)
+            tails[j] = _add(tail, _interval_times(*delta[j], t_tail, work), work)
+        return heads, tails
 
-    def _element_bounds(self, name, index, work):
-        """(lo, hi) of one dq / dk / dv element (without the positive/negative scale: the
-        sign of s is applied) in relative precision."""
+    def _side_at(self, name, index, boundary, work):
         spec = self.spec
-        total_lo = total_hi = fzero
-        terms = []
+        head, tail = Fraction(0), (fzero, fzero)
         if name == "dq":
             b, h, i, d = index
             g = int(spec.kv_head[h])
-            ds = self._ds_row(b, h, i, work) or {}
-            terms = [(ds[j], self.k.ints[b, g, j, d], self.k.exp) for j in ds]
+            split = self._ds_split(b, h, i, work)
+            if split == "undecided":
+                return None
+            if split is not None:
+                heads, tails = split
+                factors = {j: _exact_value(self.k.ints[b, g, j, d], self.k.exp) for j in heads}
+                head = sum((heads[j] * factors[j] for j in heads), Fraction(0))
+                tail = _sum_scaled([(tails[j], factors[j]) for j in heads], work)
         else:
             b, g, j, col = index
             for h in np.flatnonzero(spec.kv_head == g):
@@ -303,21 +339,35 @@ class ExactVJP:
                 plane = self.forward.planes[b, h]
                 for i in np.flatnonzero(plane.allowed[:, j]):
                     i = int(i)
-                    if name == "dk":
-                        ds = self._ds_row(b, h, i, work)
-                        if ds is not None and j in ds:
-                            terms.append((ds[j], self.q.ints[b, h, i, col], self.q.exp))
-                    elif plane.kept[i, j]:
-                        weights = self._row_weights(b, h, i, work)
-                        if weights is not None and j in weights:
-                            terms.append((weights[j], self.do.ints[b, h, i, col], self.do.exp))
-        for (lo, hi), man, exp in terms:
-            lo, hi = _scaled_interval(lo, hi, from_man_exp(int(man), exp), work)
-            total_lo = mpf_add(total_lo, lo, work, round_floor)
-            total_hi = mpf_add(total_hi, hi, work, round_ceiling)
-        if name != "dv" and _scale_sign(spec) < 0:
-            total_lo, total_hi = mpf_neg(total_hi), mpf_neg(total_lo)
-        return total_lo, total_hi
+                    if name == "dv" and not plane.kept[i, j]:
+                        continue
+                    split = (self._split_row if name == "dv" else self._ds_split)(b, h, i, work)
+                    if split == "undecided":
+                        return None
+                    if split is None:
+                        continue
+                    heads, tails = split
+                    if name == "dv":
+                        factor = spec.keep_scale * _exact_value(self.do.ints[b, h, i, col],
+                                                                self.do.exp)
+                    else:
+                        factor = _exact_value(self.q.ints[b, h, i, col], self.q.exp)
+                    head += heads[j] * factor
+                    tail = _add(tail, _sum_scaled([(tails[j], factor)], work), work)
+        if name == "dv":
+            return F.sign_of(*_add(tail, _point(head - boundary, work), work))
+        # x = s (head + tail): compare head + tail with boundary / s
+        exact = spec.scale_exact
+        if isinstance(exact, Fraction):
+            if exact == 0:
+                return None
+            found = F.sign_of(*_add(tail, _point(head - boundary / exact, work), work))
+            return None if found is None else (found if exact > 0 else -found)
+        # s = 1/sqrt(D) > 0: boundary / s = boundary sqrt(D), enclosed
+        root_lo, root_hi = (mpf_sqrt(from_man_exp(exact[1], 0), work, rnd)
+                            for rnd in (round_floor, round_ceiling))
+        shift = _interval_times(*_point(-boundary, work), (root_lo, root_hi), work)
+        return F.sign_of(*_add(_add(tail, _point(head, work), work), shift, work))
 
     def exact_value(self, name: str, index: tuple):
         """Exact value of a gradient element when every row it depends on has rational
@@ -415,11 +465,38 @@ def _scaled_bounds(mid, rad, factor: Fraction, scale_bounds):
     return lo, hi
 
 
-def _scaled_interval(lo, hi, factor, work):
-    """[lo, hi] times an exact raw mpf ``factor`` (directed rounding)."""
-    if factor[0]:
-        lo, hi = hi, lo
-    return mpf_mul(lo, factor, work, round_floor), mpf_mul(hi, factor, work, round_ceiling)
+def _float_key(x) -> float:
+    """A raw mpf as an orderable float (sign-preserving beyond the float range)."""
+    if not x[1]:
+        return 0.0
+    if x[2] + x[3] > 1000:
+        return -np.inf if x[0] else np.inf
+    if x[2] + x[3] < -1000:
+        return -0.0 if x[0] else 0.0
+    return to_float(x)
+
+
+def _exact_value(man, exp) -> Fraction:
+    return Fraction(int(man)) * Fraction(2) ** exp
+
+
+def _point(x: Fraction, work):
+    """An exact rational as a (lo, hi) enclosure at ``work`` bits."""
+    return (from_rational(x.numerator, x.denominator, work, round_floor),
+            from_rational(x.numerator, x.denominator, work, round_ceiling))
+
+
+def _add(a, b, work):
+    return mpf_add(a[0], b[0], work, round_floor), mpf_add(a[1], b[1], work, round_ceiling)
+
+
+def _sum_scaled(terms, work):
+    """Sum of intervals times exact rationals: [(interval, Fraction)]."""
+    total = (fzero, fzero)
+    for interval, factor in terms:
+        if factor:
+            total = _add(total, _interval_times(*interval, _point(factor, work), work), work)
+    return total
 
 
 def _interval_times(lo, hi, other, work):
@@ -432,16 +509,6 @@ def _interval_times(lo, hi, other, work):
         low = x if mpf_cmp(x, low) < 0 else low
         high = x if mpf_cmp(x, high) > 0 else high
     return low, high
-
-
-def _ratio_bounds(x: Fraction, work):
-    return (from_rational(x.numerator, x.denominator, work, round_floor),
-            from_rational(x.numerator, x.denominator, work, round_ceiling))
-
-
-def _scale_sign(spec) -> int:
-    exact = spec.scale_exact
-    return 1 if isinstance(exact, tuple) or exact > 0 else (-1 if exact < 0 else 0)
 
 
 def _raw_ratio(raw):

@@ -320,32 +320,45 @@ def boundary_between(low: float, high: float, fmt: Format) -> Fraction | None:
 
 
 def _decide_at_boundaries(result, undecided, rlo, rhi, decide, fmt):
-    """Settle undecided elements whose enclosure straddles one boundary by its side."""
+    """Settle undecided elements by the side of the boundaries they straddle: the one
+    boundary between neighbouring roundings, or, for an enclosure around 0, the sides of 0
+    and of half the smallest subnormal (an underflowing result is a signed zero)."""
     for index in zip(*np.nonzero(undecided), strict=True):
         index = tuple(int(i) for i in index)
         low, high = float(rlo[index]), float(rhi[index])
         boundary = boundary_between(low, high, fmt)
-        if boundary is None:
-            # [negative, +0] or [-0, positive]: the sign alone may settle it
-            side = decide(index, Fraction(0)) if _zero_end(low, high) else None
-            if side is not None and (side >= 0) == (high == 0.0):
-                result[index] = -0.0 if side < 0 else 0.0
+        if boundary is not None:
+            side = decide(index, boundary)
+            if side is None:
+                continue
+            if side == 0:
+                result[index] = round_exact(boundary, fmt)
+            else:
+                result[index] = rhi[index] if side > 0 else rlo[index]
+            undecided[index] = False
+        elif low <= 0.0 <= high:
+            value = _underflow(index, low, high, decide, fmt)
+            if value is not None:
+                result[index] = value
                 undecided[index] = False
-            continue
-        side = decide(index, boundary)
-        if side is None:
-            continue
-        if side == 0:
-            result[index] = round_exact(boundary, fmt)
-        else:
-            result[index] = rhi[index] if side > 0 else rlo[index]
-        undecided[index] = False
 
 
-def _zero_end(low: float, high: float) -> bool:
-    """The enclosure rounds to [negative, +0] or [-0, positive]."""
-    return ((high == 0.0 and not math.copysign(1, high) < 0 and low < 0)
-            or (low == 0.0 and math.copysign(1, low) < 0 and high > 0))
+def _underflow(index, low, high, decide, fmt):
+    """The signed zero an enclosure around 0 rounds to, when ``decide`` shows the value lies
+    within half the smallest subnormal of 0 (else None)."""
+    side = decide(index, Fraction(0))
+    if side is None:
+        return None
+    if side == 0:
+        return 0.0  # exactly zero: +0 under round-to-nearest
+    half = Fraction(2) ** (fmt.emin - fmt.p)  # half the smallest subnormal
+    zero, end = (0.0, high) if side > 0 else (-0.0, low)
+    if end == 0.0 and math.copysign(1, end) == math.copysign(1, zero):
+        return zero  # that whole side of the enclosure already rounds to this zero
+    beyond = decide(index, half if side > 0 else -half)
+    if beyond is None or beyond == side:
+        return None
+    return zero  # |x| <= half: a tie at half rounds to the even zero
 
 
 def _settle_at_cap(result, undecided, rlo, rhi, lo, hi, fallback, fmt, what, prec):
