@@ -158,33 +158,67 @@ def naive_attention_rounded(q, k, v, opts, dtype):
 
 def naive_attention_vjp(q, k, v, grad_out, *, scale=None, dps=60):
     """(dq, dk, dv) of plain single-head attention by loops: q (L, D), k (S, D), v (S, E),
-    grad_out (L, E); nested lists of mpf at ``dps`` digits.
+    grad_out (L, E); nested lists of mpf.
 
-    ``P_ij = 1 / sum_k e^{s_ik - s_ij}``, ``dP_ij = dO_i . v_j``, ``dS_ij = P_ij (dP_ij -
-    sum_k P_ik dP_ik)``, ``dq_i = s sum_j dS_ij k_j``, ``dk_j = s sum_i dS_ij q_i``,
-    ``dv_j = sum_i P_ij dO_i`` (every term at relative precision: tiny weights stay signed).
+    ``dP_ij = dO_i . v_j``, ``dS_ij = P_ij sum_m P_im (dP_ij - dP_im)``,
+    ``dq_i = s sum_j dS_ij k_j``, ``dk_j = s sum_i dS_ij q_i``, ``dv_j = sum_i P_ij dO_i``.
+    Each weight is split as ``P_ij = A_ij + delta_ij`` with ``A_ij = 1/n_i`` on the ``n_i``
+    keys tied at the row maximum (0 elsewhere, exact) and ``delta`` at ``dps`` digits (it
+    may be ``exp(-1e9)``); every result is an exact head (from ``A``, at HEAD_PREC bits) plus
+    a small tail (:func:`naive.rounding.exact_plus_small`).
     """
+    assert scale is None or scale > 0, "naive_attention_vjp: a positive scale"
     q, k, v, grad_out = (np.asarray(a, dtype=np.float64) for a in (q, k, v, grad_out))
     length, dim = q.shape
     keys, vdim = v.shape
     with mpmath.workdps(dps):
+        scores = [[mpmath.fsum(_exact(q[i, d]) * _exact(k[j, d]) for d in range(dim))
+                   for j in range(keys)] for i in range(length)]  # unscaled (exact at dps)
         sc = 1 / mpmath.sqrt(dim) if scale is None else _exact(scale)
-        scores = [[sc * mpmath.fsum(_exact(q[i, d]) * _exact(k[j, d]) for d in range(dim))
-                   for j in range(keys)] for i in range(length)]
-        weights = [[1 / mpmath.fsum(mpmath.exp(t - row[j]) for t in row)
-                    for j in range(keys)] for row in scores]
+        exact, delta = [], []
+        for row in scores:
+            top = max(row)
+            leaders = [j for j in range(keys) if row[j] == top]
+            n = len(leaders)
+            rest = mpmath.fsum(mpmath.exp(sc * (t - top)) for t in row if t != top)
+            exact.append([mpmath.mpf(1) / n if j in leaders else mpmath.mpf(0)
+                          for j in range(keys)])
+            delta.append([-rest / (n * (n + rest)) if j in leaders else
+                          mpmath.exp(sc * (row[j] - top)) / (n + rest) for j in range(keys)])
         dp = [[mpmath.fsum(_exact(grad_out[i, e]) * _exact(v[j, e]) for e in range(vdim))
                for j in range(keys)] for i in range(length)]
-        ds = []
+        head_s, tail_s = [], []
         for i in range(length):
-            # dP_ij - sum_k P_ik dP_ik = sum_k P_ik (dP_ij - dP_ik): no cancellation of 1's
-            ds.append([weights[i][j] * mpmath.fsum(weights[i][m] * (dp[i][j] - dp[i][m])
-                                                   for m in range(keys))
-                       for j in range(keys)])
-        dq = [[sc * mpmath.fsum(ds[i][j] * _exact(k[j, d]) for j in range(keys))
-               for d in range(dim)] for i in range(length)]
-        dk = [[sc * mpmath.fsum(ds[i][j] * _exact(q[i, d]) for i in range(length))
-               for d in range(dim)] for j in range(keys)]
-        dv = [[mpmath.fsum(weights[i][j] * _exact(grad_out[i, e]) for i in range(length))
+            a, dl = exact[i], delta[i]
+            heads, tails = [], []
+            for j in range(keys):
+                with mpmath.workprec(HEAD_PREC):
+                    t_head = mpmath.fsum(a[m] * (dp[i][j] - dp[i][m]) for m in range(keys))
+                    heads.append(a[j] * t_head)
+                t_tail = mpmath.fsum(dl[m] * (dp[i][j] - dp[i][m]) for m in range(keys))
+                tails.append(a[j] * t_tail + dl[j] * t_head + dl[j] * t_tail)
+            head_s.append(heads)
+            tail_s.append(tails)
+
+        def split_sum(pairs):
+            """exact_plus_small of sum(head * f), sum(tail * f) over (head, tail, f)."""
+            with mpmath.workprec(HEAD_PREC):
+                head = mpmath.fsum(h * f for h, _, f in pairs)
+            return head, mpmath.fsum(t * f for _, t, f in pairs)
+
+        def scaled(pair):
+            head, tail = pair
+            with mpmath.workprec(HEAD_PREC):
+                head = head * (1 / mpmath.sqrt(dim) if scale is None else _exact(scale))
+            return exact_plus_small(head, sc * tail)
+
+        dq = [[scaled(split_sum([(head_s[i][j], tail_s[i][j], _exact(k[j, d]))
+                                 for j in range(keys)])) for d in range(dim)]
+              for i in range(length)]
+        dk = [[scaled(split_sum([(head_s[i][j], tail_s[i][j], _exact(q[i, d]))
+                                 for i in range(length)])) for d in range(dim)]
+              for j in range(keys)]
+        dv = [[exact_plus_small(*split_sum([(exact[i][j], delta[i][j], _exact(grad_out[i, e]))
+                                            for i in range(length)]))
                for e in range(vdim)] for j in range(keys)]
     return dq, dk, dv
