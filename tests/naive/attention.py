@@ -133,13 +133,14 @@ def score_spread(q, k, *, scale=None, bias=None, alibi_slopes=None, **_):
     s = 1 / math.sqrt(q.shape[-1]) if scale is None else abs(float(scale))
     qn = np.abs(np.where(np.isfinite(q), q, 0)).sum(axis=-1).max(initial=0)
     kn = np.abs(np.where(np.isfinite(k), k, 0)).max(initial=0)
-    spread = 2 * s * qn * kn
-    if bias is not None:
-        b = np.asarray(bias, dtype=np.float64)
-        spread += 2 * np.abs(np.where(np.isfinite(b), b, 0)).max(initial=0)
-    if alibi_slopes is not None:
-        spread += 2 * np.abs(alibi_slopes).max() * (q.shape[-2] + k.shape[-2])
-    return spread
+    with np.errstate(over="ignore"):  # beyond the float range: inf, capped by round_stable
+        spread = 2 * s * qn * kn
+        if bias is not None:
+            b = np.asarray(bias, dtype=np.float64)
+            spread += 2 * np.abs(np.where(np.isfinite(b), b, 0)).max(initial=0)
+        if alibi_slopes is not None:
+            spread += 2 * np.abs(alibi_slopes).max() * (q.shape[-2] + k.shape[-2])
+    return float(spread)
 
 
 def naive_attention_rounded(q, k, v, opts, dtype):

@@ -57,6 +57,7 @@ def naive_logspace_rounded(x, where, dtype):
     """(lse, softmax, log_softmax) of :func:`naive_logspace` rounded to ``dtype`` at a precision
     that settles the rounding (:func:`naive.rounding.round_stable`)."""
     finite = np.where(where & np.isfinite(x), x.astype(np.float64), 0.0)
-    spread = finite.max() - finite.min()
+    spread = float(finite.max()) / 2 - float(finite.min()) / 2  # (halves: no overflow)
+    spread = 2 * min(spread, 1e300)
     return tuple(round_stable(lambda dps, n=n: naive_logspace(x, where, dps)[n], dtype,
                               spread) for n in range(3))
