@@ -300,7 +300,8 @@ def hard_values(draw, target, style, count):
     elif style == "subnormal":
         smallest = float(_np.finfo(_np.float64).smallest_subnormal)
         values = rng.integers(-9, 10, count) * smallest * (
-            float(_np.finfo(_target_dtype(target)).smallest_subnormal) / smallest
+            float(__import__("ml_dtypes").finfo(_target_dtype(target)).smallest_subnormal)
+            / smallest
             if target != "float64" else 1.0)
     elif style == "overflow":
         values = _np.finfo(_np.float64).max * rng.uniform(0.5, 1.0, count) * rng.choice(
