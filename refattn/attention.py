@@ -303,9 +303,12 @@ def attention(
     if precision == "exact":
         if backend != "numpy":
             raise ValueError("backend: the exact path has a single implementation; use 'numpy'")
+        from . import config
         from .exact.attention import exact_forward
+        from .exact.fast_attention import fast_exact_forward
 
-        out, lse, weights = exact_forward(
+        engine = fast_exact_forward if config.EXACT_ENGINE == "fast" else exact_forward
+        out, lse, weights = engine(
             spec, _checks.out_dtype(out_dtype), return_lse=return_lse,
             return_weights=return_weights)
     elif backend == "numba":

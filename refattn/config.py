@@ -13,3 +13,8 @@ ELEMENTARY_GUARD_BITS = 8
 
 #: Default float dtype of exact-path outputs.
 DEFAULT_OUT_DTYPE = "float64"
+
+#: Engine of ``precision="exact"`` attention forward: "fast" (compiled double-double first
+#: step, rows it cannot decide go to the referee) or "referee" (the arbitrary-precision engine
+#: alone). Both give bit-identical results; "referee" is for tests and benchmarks.
+EXACT_ENGINE = "fast"

@@ -1,0 +1,138 @@
+"""The fast exact attention engine (refattn.exact.fast_attention) is bit-identical to the
+referee engine (refattn.exact.attention) on every option, dtype and hard input, and really falls
+back to the referee where the first step cannot decide."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from strategies import attention_cases
+
+import refattn
+from refattn import config
+from refattn.exact import fast_attention as FA
+
+OUT_DTYPES = ["float64", "float32", "float16", "bfloat16"]
+
+
+def _run(engine, q, k, v, out_dtype="float64", **opts):
+    saved = config.EXACT_ENGINE
+    config.EXACT_ENGINE = engine
+    try:
+        return refattn.attention(q, k, v, precision="exact", out_dtype=out_dtype,
+                                 return_lse=True, return_weights=True, **opts)
+    finally:
+        config.EXACT_ENGINE = saved
+
+
+def _assert_identical(q, k, v, out_dtype="float64", **opts):
+    __tracebackhide__ = True
+    fast = _run("fast", q, k, v, out_dtype, **opts)
+    stats = FA.fallback_stats()
+    slow = _run("referee", q, k, v, out_dtype, **opts)
+    for name, a, b in zip(("out", "lse", "weights"), fast, slow, strict=True):
+        assert a.dtype == b.dtype, name
+        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        same = (a64 == b64) & (np.signbit(a64) == np.signbit(b64)) | (np.isnan(a64)
+                                                                    & np.isnan(b64))
+        if not same.all():
+            where = tuple(int(i) for i in np.argwhere(~same)[0])
+            raise AssertionError(
+                f"{name}{list(where)} ({out_dtype}, options {sorted(opts)}): fast "
+                f"{a64[where]!r} != referee {b64[where]!r}; fallback {stats}")
+    return stats
+
+
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+@settings(max_examples=15)
+@given(case=attention_cases(dtypes=("float64", "float32", "float16", "bfloat16")))
+def test_fast_engine_matches_referee_on_every_option(out_dtype, case):
+    q, k, v, opts = case
+    _assert_identical(q, k, v, out_dtype, **opts)
+
+
+def _gaussian(seed, length=24, keys=40, dim=8, vdim=5, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(dtype)
+            for s in ((2, length, dim), (2, keys, dim), (2, keys, vdim))]
+
+
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+def test_random_gaussian_float64_needs_no_fallback(out_dtype):
+    q, k, v = _gaussian(0)
+    stats = _assert_identical(q, k, v, out_dtype)
+    assert stats["referee_rows"] == 0 and stats["rows"] == 48
+
+
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+def test_equal_scores_match(out_dtype):
+    """Every score equal: weights exactly 1/S, outputs exact means (representable here)."""
+    q = np.zeros((1, 4, 3))
+    k = np.ones((1, 6, 3))
+    v = np.arange(12.0).reshape(1, 6, 2)
+    _assert_identical(q, k, v, out_dtype)
+
+
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+def test_rounding_midpoint_output_falls_back(out_dtype):
+    """Two equal scores average 1 and 1 + ulp: exactly a midpoint of out_dtype."""
+    ulp = 2.0 ** -{"float64": 52, "float32": 23, "float16": 10, "bfloat16": 7}[out_dtype]
+    v = np.array([[1.0], [1.0 + ulp]])
+    stats = _assert_identical(np.zeros((1, 2)), np.zeros((2, 2)), v, out_dtype)
+    assert stats["referee_rows"] == 1
+
+
+@pytest.mark.parametrize("gap", [60.0, 300.0, 700.0])
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+def test_logit_gaps(gap, out_dtype):
+    q, k, v = _gaussian(1, length=6, keys=9, dim=4, vdim=3)
+    bias = np.zeros((6, 9))
+    bias[:, ::2] = -gap
+    _assert_identical(q, k, v, out_dtype, bias=bias)
+
+
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+def test_ties_at_the_max_and_near_cancelling_outputs(out_dtype):
+    q, k, v = _gaussian(2, length=5, keys=8, dim=3, vdim=4)
+    k[:, 3] = k[:, 0]  # equal scores at whatever the max is
+    v[:, 3] = -v[:, 0] * (1 + 2.0**-40)  # near-cancelling contributions
+    _assert_identical(q, k, v, out_dtype)
+
+
+@pytest.mark.parametrize("out_dtype", ["float64", "float32"])
+def test_subnormal_and_tiny_inputs(out_dtype):
+    q, k, v = _gaussian(3, length=4, keys=5, dim=3, vdim=2)
+    v[:, 1, 0] = 5e-324
+    q[:, 2] *= 1e-300
+    _assert_identical(q, k, v, out_dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_long_rows_narrow_inputs(dtype):
+    q, k, v = _gaussian(4, length=3, keys=2048, dim=16, vdim=4, dtype=dtype)
+    stats = _assert_identical(q, k, v, "bfloat16", causal=True, align="bottom_right")
+    assert stats["referee_rows"] < stats["rows"]
+
+
+def test_nan_inputs_and_empty_rows_go_to_referee():
+    q, k, v = _gaussian(5, length=4, keys=5, dim=3, vdim=2)
+    q[0, 1, 0] = np.nan
+    mask = np.ones((4, 5), dtype=bool)
+    mask[2] = False
+    for empty_rows in ("zero", "nan"):
+        stats = _assert_identical(q, k, v, mask=mask, empty_rows=empty_rows)
+        assert stats["referee_rows"] >= 4 + 1  # the NaN plane whole, the empty row
+
+
+def test_row_spec_keeps_original_row_indices():
+    q, k, v = _gaussian(6, length=7, keys=9, dim=3, vdim=2)
+    opts = dict(causal=True, window=(2, 1), align="bottom_right",
+                alibi_slopes=np.array([0.5, 0.25]), bias=np.arange(63.0).reshape(7, 9) / 8)
+    spec = refattn._spec.canonicalize(q, k, v, **opts)
+    full = refattn.exact.attention.exact_forward(spec, np.dtype(np.float64), return_lse=True)
+    part = refattn.exact.attention.exact_forward(FA.row_spec(spec, 0, 1, 3, 6),
+                                                 np.dtype(np.float64), return_lse=True)
+    assert np.array_equal(part[0][0, 0], full[0][0, 1, 3:6])
+    assert np.array_equal(part[1][0, 0], full[1][0, 1, 3:6])
