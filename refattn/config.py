@@ -18,3 +18,8 @@ DEFAULT_OUT_DTYPE = "float64"
 #: step, rows it cannot decide go to the referee) or "referee" (the arbitrary-precision engine
 #: alone). Both give bit-identical results; "referee" is for tests and benchmarks.
 EXACT_ENGINE = "fast"
+
+#: Engine of precision="exact" attention_vjp: "fast" (double-double enclosures with rigorous
+#: bounds, undecided elements re-evaluated by the referee) or "referee" (the arbitrary-precision
+#: Ziv loop on every element). Both give the same bits.
+EXACT_VJP_ENGINE = "fast"

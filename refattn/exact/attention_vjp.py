@@ -22,6 +22,7 @@ all finite elements are exact.
 
 from __future__ import annotations
 
+import dataclasses
 from fractions import Fraction
 
 import numpy as np
@@ -43,9 +44,10 @@ from mpmath.libmp import (
 from .. import config
 from .._broadcast import reduce_to
 from .._spec import AttentionSpec
+from . import _fast_vjp as _fast
 from . import _fixed as F
 from .attention import ExactForward, scale_bounds
-from .rounding import correctly_round
+from .rounding import correctly_round, format_of
 
 __all__ = ["exact_vjp"]
 
@@ -517,19 +519,113 @@ def _raw_ratio(raw):
     return (man << exp, 1) if exp >= 0 else (man, 1 << -exp)
 
 
-def exact_vjp(spec: AttentionSpec, grad_out, grad_lse, out_dtype):
-    """Correctly rounded (dq, dk, dv, dbias) in the flat layout (dbias in bias's shape)."""
+def exact_vjp(spec: AttentionSpec, grad_out, grad_lse, out_dtype, *, engine=None,
+              stats=None):
+    """Correctly rounded (dq, dk, dv, dbias) in the flat layout (dbias in bias's shape).
+
+    ``engine`` "fast" (the default, :data:`refattn.config.EXACT_VJP_ENGINE`) computes double-
+    double enclosures first (:mod:`refattn.exact._fast_vjp`) and sends only the undecided
+    elements to the referee; "referee" runs the referee (:class:`ExactVJP` and the Ziv loop)
+    on everything. Both return the same bits. ``stats``, a dict, receives the element counts
+    ``elements``, ``fast`` (decided by the first step) and ``referee``.
+    """
+    engine = config.EXACT_VJP_ENGINE if engine is None else engine
+    if engine not in ("fast", "referee"):
+        raise ValueError(f"engine: expected 'fast' or 'referee', got {engine!r}")
+    if engine == "fast" and _fast.fast_inputs_ok(spec, grad_out, grad_lse):
+        return _fast_then_referee(spec, grad_out, grad_lse, out_dtype, stats)
+    results = _referee_vjp(spec, grad_out, grad_lse, out_dtype, _NAMES)
+    if stats is not None:
+        total = sum(r.size for r in results.values() if r is not None)
+        stats.update(elements=total, fast=0, referee=total)
+    # NaN/Inf inputs: refattn.attention.attention_vjp takes the non-finite pattern from the
+    # float64 path (the exact engine encloses finite values only)
+    return results["dq"], results["dk"], results["dv"], results.get("dbias")
+
+
+_NAMES = ("dq", "dk", "dv", "dbias")
+
+
+def _referee_vjp(spec, grad_out, grad_lse, out_dtype, names):
+    """The referee's correctly rounded gradients named in ``names`` (dbias only with bias)."""
     engine = ExactVJP(spec, grad_out, grad_lse)
     results = {}
-    for name in ("dq", "dk", "dv"):
+    for name in names:
+        if name == "dbias":
+            if spec.bias is not None:
+                results[name] = correctly_round(
+                    engine.dbias, out_dtype, what="dbias",
+                    fallback=lambda ix: engine.exact_value("dbias", ix))
+            continue
         results[name] = correctly_round(
             lambda p, name=name: engine.at(p)[name], out_dtype,
             fallback=lambda ix, name=name: engine.exact_value(name, ix),
             decide=lambda ix, m, name=name: engine.side(name, ix, m), what=name)
-    dbias = None
-    if spec.bias is not None:
-        dbias = correctly_round(engine.dbias, out_dtype, what="dbias",
-                                fallback=lambda ix: engine.exact_value("dbias", ix))
-    # NaN/Inf inputs: refattn.attention.attention_vjp takes the non-finite pattern from the
-    # float64 path (the exact engine encloses finite values only)
-    return results["dq"], results["dk"], results["dv"], dbias
+    return results
+
+
+def _fast_then_referee(spec, grad_out, grad_lse, out_dtype, stats):
+    """The fast first step, then the referee on the (batch, kv head) units it left undecided."""
+    fmt = format_of(out_dtype)
+    dq, dk, dv, ds, bad = _fast.gradient_enclosures(spec, grad_out, grad_lse)
+    encl = {"dq": dq, "dk": dk, "dv": dv}
+    if ds is not None:
+        encl["dbias"] = _fast.reduce_enclosure(ds, spec.batch_shape, spec.bias_shape)
+    values, todo = {}, {}
+    for name, enc in encl.items():
+        values[name], decided = _fast.decide(enc, fmt)
+        todo[name] = ~decided
+    bad_heads = bad[:, spec.kv_head]
+    todo["dq"] |= bad_heads[:, :, None, None]
+    todo["dk"] |= bad[:, :, None, None]
+    todo["dv"] |= bad[:, :, None, None]
+    if "dbias" in todo and bad.any():
+        todo["dbias"][...] = True
+    if stats is not None:
+        total = sum(v.size for v in values.values())
+        undecided = sum(int(t.sum()) for t in todo.values())
+        stats.update(elements=total, fast=total - undecided, referee=undecided)
+    if "dbias" in todo and todo["dbias"].any():  # dbias may sum over every unit: whole call
+        names = [n for n in todo if todo[n].any()]
+        ref = _referee_vjp(spec, grad_out, grad_lse, out_dtype, names)
+        for name in names:
+            values[name][todo[name]] = ref[name][todo[name]]
+    else:
+        _referee_units(spec, grad_out, grad_lse, out_dtype, values, todo)
+    dtype = fmt.dtype
+    return (values["dq"].astype(dtype), values["dk"].astype(dtype), values["dv"].astype(dtype),
+            values["dbias"].astype(dtype) if "dbias" in values else None)
+
+
+def _referee_units(spec, grad_out, grad_lse, out_dtype, values, todo):
+    """Undecided dq/dk/dv elements from the referee run on one (batch, kv head) unit each."""
+    units = set(zip(*np.nonzero(todo["dk"].any(axis=(2, 3)) | todo["dv"].any(axis=(2, 3))),
+                    strict=True))
+    dq_rows = todo["dq"].any(axis=(2, 3))
+    units |= {(b, int(spec.kv_head[h])) for b, h in zip(*np.nonzero(dq_rows), strict=True)}
+    for b, g in sorted((int(b), int(g)) for b, g in units):
+        heads = np.flatnonzero(spec.kv_head == g)
+        sub = _unit_spec(spec, b, g, heads)
+        names = [n for n in ("dq", "dk", "dv")
+                 if todo[n][b, heads if n == "dq" else [g]].any()]
+        ref = _referee_vjp(sub, grad_out[b:b + 1, heads],
+                           None if grad_lse is None else grad_lse[b:b + 1, heads],
+                           out_dtype, names)
+        for name in names:
+            where = (b, heads) if name == "dq" else (b, [g])
+            mask = todo[name][where]
+            values[name][where] = np.where(mask, ref[name][0], values[name][where])
+
+
+def _unit_spec(spec: AttentionSpec, b: int, g: int, heads):
+    """The spec of batch b restricted to the query heads of kv head g (one kv head)."""
+    def rows(x):
+        return None if x is None else x[b:b + 1][:, heads]
+
+    return dataclasses.replace(
+        spec, q=spec.q[b:b + 1][:, heads], k=spec.k[b:b + 1, g:g + 1],
+        v=spec.v[b:b + 1, g:g + 1], batch_shape=(1,), single_head=False, bias=rows(spec.bias),
+        bias_shape=None if spec.bias is None else (1, len(heads)) + spec.bias.shape[2:],
+        mask=rows(spec.mask), dropout_mask=rows(spec.dropout_mask),
+        alibi_slopes=None if spec.alibi_slopes is None else spec.alibi_slopes[heads],
+        kv_head=np.zeros(len(heads), dtype=spec.kv_head.dtype))

@@ -1,0 +1,153 @@
+"""Double-double helpers of the fast exact VJP that :mod:`refattn.exact._dd` does not have.
+
+* :func:`exp_dd_fast` -- ``exp`` on ``[EXP_MIN_ARG, 1]`` with a 1024-entry table, so that
+  only four Horner steps need double-double arithmetic (the weights of the backward pass take
+  one exponential per allowed (query, key) pair; this is 2-3x faster than
+  :func:`refattn.exact._dd.exp_dd`);
+* :func:`round_decision` -- the rounding of one double-double with an absolute error bound to
+  a binary format, or "undecided", as a scalar Numba function (the kernel's outputs are decided
+  in one compiled loop; exact zeros are decided as +0).
+
+Both use the operations and the per-operation bound ``DD_REL`` of :mod:`refattn.exact._dd`;
+no libm function is called (the table and the constants come from mpmath at 200 bits).
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import numpy as np
+from mpmath import mp
+from numba import njit
+
+from ._dd import (
+    DD_REL,
+    U,
+    dd_add,
+    dd_add_d,
+    dd_mul,
+    dd_of_fraction,
+    fast_two_sum,
+    two_prod,
+    two_sum,
+)
+
+__all__ = ["EXP_FAST_REL", "EXP_FAST_BUDGET", "exp_dd_fast", "round_decision"]
+
+_JIT = dict(fastmath=False, boundscheck=False, cache=True, nogil=True)
+_STEPS = 1024  # table 2**(j/1024): |r| <= ln2/2048 < 3.4e-4
+_R_MAX = 3.4e-4
+
+
+def _constants():
+    with mp.workprec(200):
+        step = mp.log(2) / _STEPS
+        pieces = []
+        rest = step
+        for bits in (32, 53, 53):  # k * piece exact for |k| < 2**21
+            e = int(mp.floor(mp.log(abs(rest), 2)))
+            quantum = mp.mpf(2) ** (e - bits + 1)
+            piece = mp.nint(rest / quantum) * quantum
+            pieces.append(float(piece))
+            rest = rest - piece
+        table = np.empty((_STEPS, 2))
+        for j in range(_STEPS):
+            t = mp.mpf(2) ** (mp.mpf(j) / _STEPS)
+            table[j, 0] = float(t)
+            table[j, 1] = float(t - table[j, 0])
+        return np.array(pieces), float(abs(rest)), table
+
+
+_PIECES, _PIECES_REST, _TABLE = _constants()
+_INV_STEP = _STEPS / math.log(2.0)  # any approximation: it only picks the integer k
+#: 1/n! for n <= 3 as double-doubles, and the float64 tail coefficients 1/n!, 4 <= n <= 8
+_COEF = np.array([dd_of_fraction(Fraction(1, math.factorial(n)))[:2] for n in range(4)])
+_TAIL = np.array([float(Fraction(1, math.factorial(n))) for n in range(4, 9)])
+
+
+def _budget() -> float:
+    """Itemised relative error of :func:`exp_dd_fast` (see its docstring)."""
+    k_max = 2.0**21
+    r_err = k_max * (_PIECES_REST + abs(_PIECES[2]) * U) + 3 * DD_REL * _R_MAX
+    trunc = _R_MAX**9 / math.factorial(9) * 1.01
+    # tau = sum_{n=4}^{8} r^(n-4)/n! in float64 (5 roundings, r's low word dropped), times
+    # r^4 <= 1.4e-14: relative to exp(r) >= 0.9996
+    tail = (8 * U + 2 * U) * (1 / 24) * 1.01 * _R_MAX**4
+    horner = 8 * DD_REL * 1.01  # 4 products and 4 sums; partial values within 0.1% of c_n
+    coef = 2.0**-105
+    table = 2.0**-105
+    final = DD_REL
+    return (2 * r_err + trunc + tail + horner + coef + table + final) * 1.01
+
+
+EXP_FAST_BUDGET = _budget()
+#: Relative error bound of :func:`exp_dd_fast` on ``[EXP_MIN_ARG, 1]``.
+EXP_FAST_REL = 2.0**-94
+assert EXP_FAST_BUDGET < EXP_FAST_REL
+
+
+@njit(**_JIT)
+def exp_dd_fast(xh, xl):
+    """exp(xh + xl) as a double-double, relative error <= :data:`EXP_FAST_REL` for
+    ``EXP_MIN_ARG <= xh <= 1`` (outside: no claim; callers check).
+
+    ``x = k ln2/1024 + r`` (``ln2/1024`` in three pieces from mpmath, the first of 32 bits so
+    that ``k * piece`` is exact for ``|k| < 2**21``; ``|r| < 3.4e-4``), ``exp(r) = c0 + r(c1 +
+    r(c2 + r(c3 + r tau)))`` with ``c_n = 1/n!`` double-doubles and ``tau = sum_{n=4}^{8}
+    r^(n-4)/n!`` in float64 (``r^4 tau < 2**-46``, so its float64 error is below
+    ``2**-104``), times ``2**(j/1024)`` from the table and ``2**(k >> 10)`` (exact in the
+    domain). :data:`EXP_FAST_BUDGET` itemises the bound.
+    """
+    k = np.rint(xh * _INV_STEP)
+    rh, rl = two_sum(xh, -k * _PIECES[0])
+    rh, rl = dd_add_d(rh, rl, xl)
+    ph, pl = two_prod(k, _PIECES[1])
+    rh, rl = dd_add(rh, rl, -ph, -pl)
+    rh, rl = dd_add_d(rh, rl, -k * _PIECES[2])
+    tau = _TAIL[4]
+    for n in range(3, -1, -1):
+        tau = tau * rh + _TAIL[n]
+    ah, al = fast_two_sum(_COEF[3, 0], _COEF[3, 1] + rh * tau)
+    for n in range(2, -1, -1):
+        ah, al = dd_mul(ah, al, rh, rl)
+        ah, al = dd_add(ah, al, _COEF[n, 0], _COEF[n, 1])
+    ki = np.int64(k)
+    j = ki & (_STEPS - 1)
+    ah, al = dd_mul(ah, al, _TABLE[j, 0], _TABLE[j, 1])
+    e = (ki - j) // _STEPS
+    return math.ldexp(ah, e), math.ldexp(al, e)
+
+
+
+@njit(**_JIT)
+def round_decision(xh, xl, err, p, emin, max_finite):
+    """(y, decided): ``y`` the value of ``xh + xl`` rounded to the format (``p`` significand
+    bits, minimum normal exponent ``emin``) with ties to even, decided when every real number
+    within ``err`` of ``xh + xl`` rounds to the same ``y`` (sign of zero included).
+
+    Undecided when ``err`` or the value is not finite, when the interval reaches a rounding
+    midpoint (ties are left to the referee) or zero, or when ``|y| > max_finite``.
+    """
+    s, e = two_sum(xh, xl)
+    if not (err >= 0.0 and err < np.inf) or not (abs(s) < np.inf):
+        return 0.0, False
+    if s == 0.0:
+        return 0.0, err == 0.0  # e == 0 too: the value is exactly zero, rounded to +0
+    frac, ex = math.frexp(abs(s))
+    quantum = math.ldexp(1.0, max(ex - 1, emin) - (p - 1))
+    y = np.rint(s / quantum) * quantum
+    d = (s - y) + e  # s - y is exact (both on the float64 grid, |s - y| <= quantum / 2)
+    slack = 1.0 + 2.0**-50  # covers the roundings of d and of |d| + err
+    if y == 0.0:
+        half = 0.5 * quantum
+        if (abs(d) + err) * slack < half and abs(d) > err * slack:
+            return math.copysign(0.0, s), True
+        return 0.0, False
+    if abs(y) > max_finite:
+        return 0.0, False
+    frac, ex = math.frexp(abs(y))
+    gap = math.ldexp(1.0, max(ex - 1, emin) - (p - 1))
+    if frac == 0.5 and ex - 1 > emin:
+        gap = 0.5 * gap  # below a power of two the spacing halves
+    return y, (abs(d) + err) * slack < 0.5 * gap

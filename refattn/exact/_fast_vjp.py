@@ -1,0 +1,544 @@
+"""Fast first step of the exact VJP: double-double enclosures in a Numba kernel.
+
+Every gradient element of :func:`refattn.attention_vjp` is computed in double-double (dd)
+arithmetic (:mod:`refattn.exact._dd`) together with a rigorous bound on its absolute
+error, then rounded by :func:`refattn.exact.rounding.decide_dd`; elements whose bound
+straddles a rounding boundary (ties, heavy cancellation, underflow) are left to the referee
+(:class:`refattn.exact.attention_vjp.ExactVJP`, the Ziv loop with exact tie handling).
+
+Formulas (the referee's, :func:`refattn.attention_vjp`): with ``t`` the scores, ``w`` the
+pre-dropout weights, ``kappa`` the keep-mask and ``kf = 1/(1-p)``,
+
+* ``dp_ij = dO_i . v_j``, ``dP_ij = kappa_ij kf dp_ij``, ``Delta_i = sum_j w_ij dP_ij``;
+* ``dS_ij = w_ij (dP_ij - Delta_i + g_i)`` on allowed positions (dbias = dS);
+* ``dT = dS (1 - tanh^2(x/c))`` with softcap ``c`` (``x`` the scaled score before it);
+* ``dq_i = s sum_j dT_ij k_j``, ``dk_j = s sum_{h in group, i} dT_ij q_i``,
+  ``dv_j = kf sum_{h, i} kappa_ij w_ij dO_i``.
+
+Error analysis (``u = 2**-53``; every bound below is an upper bound of the exact error):
+
+* dot products of exact inputs (``q_i . k_j``, ``dO_i . v_j``) and the accumulations of dq,
+  dk, dv use the compensated scheme ``(p, e) = two_prod``, ``(s, e') = two_sum(s, p)``,
+  ``c += e + e'`` (with the low word of a dd factor folded into ``e`` by one fma); over n
+  terms the pair ``(s, c)`` is within ``C_n A`` of the exact sum, ``C_n = 1.05 (n + 3)^2 u^2``
+  and ``A = sum |a_k b_k|``, bounded by ``max_k |a_k| * sum_k |b_k|``;
+* scores: the scale (a dd for 1/sqrt(D)), softcap via ``E = exp(-2|y|)``,
+  ``tanh|y| = (1 - E)/(1 + E)`` (absolute error ``2 E rho_E + 22 u^2``) and
+  ``1 - tanh^2 = 4E/(1 + E)^2`` (relative error ``rho_E + 27 u^2``), bias and ALiBi
+  (``slope * distance`` exact by two_prod) each add their JMP bound;
+* weights: ``e_ij = exp(t_ij - m_i)`` (``m_i`` the row's largest float score) has relative
+  error ``EXP_REL + expm1(err t_ij)``; ``Z_i`` (a sum of positive dd terms) ``max_j rho_ij +
+  4.2 S u^2``; ``w = e * (1/Z)``; the further steps are dd products and sums whose errors are
+  the first-order JMP bounds plus the products of the operands' errors;
+* every bound computed in float64 is multiplied by ``1 + 2**-20`` (it is a sum/product of
+  fewer than ``2**25`` non-negative terms, so its own rounding stays below ``2**-26``
+  relative), and ``2**-600`` is added for underflow: the fast step is used only when every
+  input is finite with magnitude below ``2**60`` (and the scale, softcap and slopes are in
+  range), so an intermediate's underflow loss (``<= 2**-1070`` per operation, fewer than
+  ``2**40`` operations per element) is amplified by less than ``2**420`` on its way to an
+  output.
+
+Any non-finite intermediate in a (batch, kv head) unit marks the whole unit undecided.
+
+Work units are (batch, kv head) pairs (``prange``); inside a unit the query heads of the group
+and their rows are processed in increasing order, each row holding only its own length-S
+vectors, so the results depend on the shapes alone (not on the thread count).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from ._dd import (
+    BOUND_SAFETY,
+    DD_REL,
+    EXP_MIN_ARG,
+    dd_add,
+    dd_add_d,
+    dd_div,
+    dd_div_d,
+    dd_mul,
+    dd_mul_d,
+    dd_of_exact,
+    dd_of_fraction,
+    dot_bound,
+    fma,
+    two_sum,
+)
+from ._dd_extra import EXP_FAST_REL, exp_dd_fast, round_decision
+
+_JIT = dict(fastmath=False, boundscheck=False, cache=True, nogil=True)
+__all__ = ["INPUT_LIMIT", "UNDERFLOW_TERM", "fast_inputs_ok", "gradient_enclosures",
+           "reduce_enclosure",
+           "decide"]
+
+#: Inputs (and the scale, softcap, ALiBi terms) must be below this magnitude for the fast step.
+INPUT_LIMIT = 2.0**60
+#: Absolute term added to every bound for underflow (see the module docstring).
+UNDERFLOW_TERM = 2.0**-600
+#: Upper bound of exp(x) for x below the domain of exp_dd (exp(-620) < 2**-894.4).
+_EXP_TINY = 2.0**-894
+_SAFE = 1.0 + 2.0**-30  # second-order terms of relative errors below 2**-30
+
+
+@njit(**_JIT)
+def _expm1_bound(delta):
+    """Upper bound of exp(delta) - 1 for 0 <= delta (inf when delta is not small)."""
+    if delta <= 2.0**-20:
+        return delta * (1.0 + 2.0**-19)
+    return np.inf
+
+
+@njit(**_JIT)
+def _scores(qrow, kt, s_hi, s_lo, s_err, sh, sl, se, k_l1, nd, cd):
+    """Scaled scores of one row: dd (sh, sl) with absolute errors se (length S)."""
+    keys = sh.shape[0]
+    acc_c = np.zeros(keys)
+    sh[:] = 0.0
+    qmax = 0.0
+    for d in range(nd):
+        a = qrow[d]
+        qmax = max(qmax, abs(a))
+        for j in range(keys):
+            b = kt[d, j]
+            p = a * b
+            ep = fma(a, b, -p)
+            s, es = two_sum(sh[j], p)
+            sh[j] = s
+            acc_c[j] += ep + es
+    exact_scale = s_lo == 0.0 and s_err == 0.0
+    for j in range(keys):
+        h, lo = two_sum(sh[j], acc_c[j])
+        err = cd * qmax * k_l1[j]
+        if exact_scale:
+            h2, l2 = dd_mul_d(h, lo, s_hi)
+            se[j] = abs(s_hi) * err + DD_REL * abs(h2)
+        else:
+            h2, l2 = dd_mul(h, lo, s_hi, s_lo)
+            se[j] = abs(s_hi) * err * _SAFE + abs(h) * s_err * _SAFE + DD_REL * abs(h2)
+        sh[j], sl[j] = h2, l2
+
+
+@njit(**_JIT)
+def _exp_with_error(xh, xl, rel):
+    """exp(x) as (hi, lo, absolute error): ``rel`` is the relative effect of x's own error;
+    below exp_dd's domain the result is 0 with error ``_EXP_TINY``."""
+    if xh < EXP_MIN_ARG:
+        return 0.0, 0.0, _EXP_TINY
+    eh, el = exp_dd_fast(xh, xl)
+    return eh, el, eh * (EXP_FAST_REL + rel) * _SAFE
+
+
+@njit(**_JIT)
+def _softcap(cap, sh, sl, se, fh, fl, fe):
+    """Scores -> cap * tanh(score / cap) in place; the derivative 1 - tanh^2 into (fh, fl, fe).
+
+    With ``E = exp(-2|y|)`` (absolute error ``eE``): ``tanh|y| = (1 - E)/(1 + E)`` moves by at
+    most ``2 eE`` (its derivative in E is ``-2/(1 + E)^2``) plus its own three operations
+    (numerator and denominator ``DD_REL (1 + E)`` each, the quotient ``<= 1`` one ``DD_REL``):
+    ``2 eE + 22 DD_REL``; ``1 - tanh^2 = 4E/(1 + E)^2`` moves by at most ``4 eE`` plus
+    ``27 DD_REL`` of itself (denominator twice, square, quotient).
+    """
+    for j in range(sh.shape[0]):
+        yh, yl = dd_div_d(sh[j], sl[j], cap)
+        ey = se[j] / cap * _SAFE + DD_REL * abs(yh)
+        sign = 1.0 if yh >= 0.0 else -1.0
+        big_h, big_l, big_e = _exp_with_error(-2.0 * abs(yh), -2.0 * sign * yl,
+                                              _expm1_bound(2.0 * ey))
+        den_h, den_l = dd_add_d(big_h, big_l, 1.0)
+        num_h, num_l = dd_add_d(-big_h, -big_l, 1.0)
+        th_h, th_l = dd_div(num_h, num_l, den_h, den_l)
+        eth = 2.0 * big_e * _SAFE + 22.0 * DD_REL
+        sh[j], sl[j] = dd_mul_d(sign * th_h, sign * th_l, cap)
+        se[j] = (cap * eth + DD_REL * abs(sh[j])) * _SAFE
+        d2h, d2l = dd_mul(den_h, den_l, den_h, den_l)
+        fh[j], fl[j] = dd_div(4.0 * big_h, 4.0 * big_l, d2h, d2l)
+        fe[j] = (4.0 * big_e + fh[j] * 27.0 * DD_REL) * _SAFE
+
+
+@njit(**_JIT)
+def _add_terms(b, h, i, sh, sl, se, bias, slopes, offset, has_bias, has_alibi, allowed):
+    for j in range(sh.shape[0]):
+        if not allowed[j]:
+            continue
+        if has_bias:
+            sh[j], sl[j] = dd_add_d(sh[j], sl[j], bias[b, h, i, j])
+            se[j] += DD_REL * abs(sh[j])
+        if has_alibi:
+            dist = float(abs(i + offset - j))
+            ah = -slopes[h] * dist
+            al = fma(-slopes[h], dist, -ah)
+            sh[j], sl[j] = dd_add(sh[j], sl[j], ah, al)
+            se[j] += DD_REL * abs(sh[j])
+
+
+@njit(**_JIT)
+def _weights(sh, sl, se, allowed, wh, wl, we):
+    """w = exp(t - m) / Z for one row (we: absolute errors); False for an empty row."""
+    keys = sh.shape[0]
+    top = -np.inf
+    for j in range(keys):
+        if allowed[j] and sh[j] > top:
+            top = sh[j]
+    if top == -np.inf:
+        return False
+    zh, zl, ze, zmag = 0.0, 0.0, 0.0, 0.0
+    for j in range(keys):
+        if not allowed[j]:
+            wh[j], wl[j], we[j] = 0.0, 0.0, 0.0
+            continue
+        xh, xl = dd_add_d(sh[j], sl[j], -top)
+        ex = se[j] + DD_REL * abs(xh)
+        eh, el, ee = _exp_with_error(xh, xl, _expm1_bound(ex * _SAFE))
+        wh[j], wl[j], we[j] = eh, el, ee
+        zh, zl = dd_add(zh, zl, eh, el)
+        ze += ee
+        zmag += eh
+    # Z >= exp(t_top - top) ~ 1: its relative error is finite and tiny
+    rho_z = (ze + keys * DD_REL * zmag) * _SAFE / zh
+    ih, il = dd_div(1.0, 0.0, zh, zl)
+    rho_inv = (rho_z + DD_REL) * _SAFE
+    for j in range(keys):
+        if allowed[j]:
+            h, lo = dd_mul(wh[j], wl[j], ih, il)
+            we[j] = (we[j] * abs(ih) + abs(h) * (rho_inv + DD_REL)) * _SAFE
+            wh[j], wl[j] = h, lo
+    return True
+
+
+@njit(**_JIT)
+def _dots(arow, bt, outh, outl, oute, b_l1, cn):
+    """outh/outl = rows of bt (transposed) dotted with arow, errors oute."""
+    keys = outh.shape[0]
+    n = arow.shape[0]
+    acc_c = np.zeros(keys)
+    outh[:] = 0.0
+    amax = 0.0
+    for d in range(n):
+        a = arow[d]
+        amax = max(amax, abs(a))
+        for j in range(keys):
+            b = bt[d, j]
+            p = a * b
+            ep = fma(a, b, -p)
+            s, es = two_sum(outh[j], p)
+            outh[j] = s
+            acc_c[j] += ep + es
+    for j in range(keys):
+        outh[j], outl[j] = two_sum(outh[j], acc_c[j])
+        oute[j] = cn * amax * b_l1[j]
+
+
+@njit(**_JIT)
+def _accumulate(ah, al, brow, acc_h, acc_c):
+    """acc += (ah + al) * brow, compensated (one term of a dd x float64 dot product)."""
+    for d in range(brow.shape[0]):
+        b = brow[d]
+        p = ah * b
+        ep = fma(al, b, fma(ah, b, -p))
+        s, es = two_sum(acc_h[d], p)
+        acc_h[d] = s
+        acc_c[d] += ep + es
+
+
+@njit(**_JIT)
+def _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, opts, fopts,
+         k_l1, v_l1, sh, sl, se, fh, fl, fe, wh, wl, we, dh, dl, de, dsh, dsl, dse):
+    """dS (dsh, dsl, dse) and dT (in place of the scores arrays) of one row; False: empty."""
+    has_bias, has_alibi, has_softcap, offset, dropout = opts[0], opts[1], opts[2], opts[3], \
+        opts[4]
+    s_hi, s_lo, s_err, cap, kf_h, kf_l, kf_e = fopts[0], fopts[1], fopts[2], fopts[3], \
+        fopts[4], fopts[5], fopts[6]
+    keys = sh.shape[0]
+    _scores(q[b, h, i], kt[b, g], s_hi, s_lo, s_err, sh, sl, se, k_l1, q.shape[3], fopts[7])
+    if has_softcap:
+        _softcap(cap, sh, sl, se, fh, fl, fe)
+    _add_terms(b, h, i, sh, sl, se, bias, slopes, offset, has_bias, has_alibi, allowed)
+    if not _weights(sh, sl, se, allowed, wh, wl, we):
+        return False
+    _dots(do[b, h, i], vt[b, g], dh, dl, de, v_l1, fopts[8])
+    # Delta' = sum_j w_ij kappa_ij dp_ij (kf applied after)
+    acc_h, acc_l, acc_e, mag = 0.0, 0.0, 0.0, 0.0
+    for j in range(keys):
+        if not (allowed[j] and kept[j]):
+            dh[j], dl[j], de[j] = 0.0, 0.0, 0.0
+            continue
+        ph, pl = dd_mul(wh[j], wl[j], dh[j], dl[j])
+        acc_h, acc_l = dd_add(acc_h, acc_l, ph, pl)
+        acc_e += we[j] * abs(dh[j]) + wh[j] * de[j] + we[j] * de[j]
+        mag += abs(ph)
+    # products: MUL each; the running sum: ADD per step times a partial sum <= mag
+    acc_e = (acc_e + (DD_REL + keys * DD_REL) * mag * _SAFE) * _SAFE
+    if dropout:
+        delta_h, delta_l = dd_mul(acc_h, acc_l, kf_h, kf_l)
+        delta_e = (abs(kf_h) * acc_e + abs(acc_h) * kf_e + DD_REL * abs(delta_h)) * _SAFE
+    else:
+        delta_h, delta_l, delta_e = acc_h, acc_l, acc_e
+    g_i = glse[b, h, i] if has_glse else 0.0
+    for j in range(keys):
+        if not allowed[j]:
+            dsh[j], dsl[j], dse[j] = 0.0, 0.0, 0.0
+            sh[j], sl[j], se[j] = 0.0, 0.0, 0.0
+            continue
+        if dropout:
+            ph, pl = dd_mul(dh[j], dl[j], kf_h, kf_l)
+            pe = (abs(kf_h) * de[j] + abs(dh[j]) * kf_e + DD_REL * abs(ph)) * _SAFE
+        else:
+            ph, pl, pe = dh[j], dl[j], de[j]
+        th, tl = dd_add(ph, pl, -delta_h, -delta_l)
+        te = pe + delta_e + DD_REL * abs(th)
+        if has_glse:
+            th, tl = dd_add_d(th, tl, g_i)
+            te += DD_REL * abs(th)
+        ds_h, ds_l = dd_mul(wh[j], wl[j], th, tl)
+        ds_e = (we[j] * abs(th) + wh[j] * te + we[j] * te + DD_REL * abs(ds_h)) * _SAFE
+        dsh[j], dsl[j], dse[j] = ds_h, ds_l, ds_e
+        if has_softcap:
+            dt_h, dt_l = dd_mul(ds_h, ds_l, fh[j], fl[j])
+            dt_e = (ds_e * fh[j] + abs(ds_h) * fe[j] + ds_e * fe[j] + DD_REL * abs(dt_h)) * _SAFE
+            sh[j], sl[j], se[j] = dt_h, dt_l, dt_e
+        else:
+            sh[j], sl[j], se[j] = ds_h, ds_l, ds_e
+    return True
+
+
+@njit(**_JIT)
+def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, group, opts,
+          fopts, dq, dk, dv, dbias, bad):
+    kv_heads = k.shape[1]
+    b, g = unit // kv_heads, unit % kv_heads
+    length, dim = q.shape[2], q.shape[3]
+    keys, vdim = kt.shape[3], vt.shape[2]
+    has_bias, dropout = opts[0], opts[4]
+    s_hi, s_lo, s_err = fopts[0], fopts[1], fopts[2]
+    kf_h, kf_l, kf_e = fopts[4], fopts[5], fopts[6]
+    k_l1 = np.zeros(keys)
+    k_col = np.zeros(dim)
+    for j in range(keys):
+        for d in range(dim):
+            k_l1[j] += abs(k[b, g, j, d])
+            k_col[d] += abs(k[b, g, j, d])
+    v_l1 = np.zeros(keys)
+    for e in range(vdim):
+        for j in range(keys):
+            v_l1[j] += abs(vt[b, g, e, j])
+    k_l1 *= BOUND_SAFETY
+    k_col *= BOUND_SAFETY
+    v_l1 *= BOUND_SAFETY
+    row = np.empty((15, keys))
+    sh, sl, se, fh, fl, fe, wh, wl, we, dh, dl, de, dsh, dsl, dse = \
+        row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], row[8], row[9], \
+        row[10], row[11], row[12], row[13], row[14]
+    dq_h, dq_c = np.zeros(dim), np.zeros(dim)
+    dk_h, dk_c = np.zeros((keys, dim)), np.zeros((keys, dim))
+    dv_h, dv_c = np.zeros((keys, vdim)), np.zeros((keys, vdim))
+    dk_emax, dk_amax = np.zeros(keys), np.zeros(keys)
+    dv_emax, dv_amax = np.zeros(keys), np.zeros(keys)
+    q_sum, do_sum = np.zeros(dim), np.zeros(vdim)
+    dk_terms, dv_terms = np.zeros(keys, np.int64), np.zeros(keys, np.int64)
+    check = 0.0
+    for member in range(group.shape[1]):
+        h = group[g, member]
+        for i in range(length):
+            allowed_row = allowed[b, h, i]
+            for d in range(dim):
+                q_sum[d] += abs(q[b, h, i, d])
+            for e in range(vdim):
+                do_sum[e] += abs(do[b, h, i, e])
+            if not _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed_row, kept[b, h, i],
+                        bias, slopes, opts, fopts, k_l1, v_l1, sh, sl, se, fh, fl, fe, wh, wl,
+                        we, dh, dl, de, dsh, dsl, dse):
+                dq[:, b, h, i, :] = 0.0
+                if has_bias:
+                    dbias[:, b, h, i, :] = 0.0
+                continue
+            if has_bias:
+                for j in range(keys):
+                    dbias[0, b, h, i, j] = dsh[j]
+                    dbias[1, b, h, i, j] = dsl[j]
+                    # excluded positions are exact zeros
+                    dbias[2, b, h, i, j] = (dse[j] * BOUND_SAFETY + UNDERFLOW_TERM
+                                            if allowed_row[j] else 0.0)
+            dq_h[:] = 0.0
+            dq_c[:] = 0.0
+            emax, amax = 0.0, 0.0
+            for j in range(keys):
+                if not allowed_row[j]:
+                    continue
+                check += se[j] + abs(sh[j]) + we[j] + dse[j]
+                emax = max(emax, se[j])
+                amax = max(amax, abs(sh[j]))
+                _accumulate(sh[j], sl[j], k[b, g, j], dq_h, dq_c)
+                _accumulate(sh[j], sl[j], q[b, h, i], dk_h[j], dk_c[j])
+                dk_terms[j] += 1
+                dk_emax[j] = max(dk_emax[j], se[j])
+                dk_amax[j] = max(dk_amax[j], abs(sh[j]))
+                if kept[b, h, i, j]:
+                    _accumulate(wh[j], wl[j], do[b, h, i], dv_h[j], dv_c[j])
+                    dv_terms[j] += 1
+                    dv_emax[j] = max(dv_emax[j], we[j])
+                    dv_amax[j] = max(dv_amax[j], wh[j])
+            c_s = fopts[9]
+            for d in range(dim):
+                xh, xl = two_sum(dq_h[d], dq_c[d])
+                err = (emax + c_s * amax) * k_col[d] * BOUND_SAFETY
+                _store_scaled(dq, (b, h, i, d), xh, xl, err, s_hi, s_lo, s_err)
+    c_n = fopts[10]
+    for j in range(keys):
+        if dk_terms[j] == 0:  # no allowed position reads key j: exact zeros
+            dk[:, b, g, j, :] = 0.0
+        if dv_terms[j] == 0:
+            dv[:, b, g, j, :] = 0.0
+        for d in range(dim if dk_terms[j] else 0):
+            xh, xl = two_sum(dk_h[j, d], dk_c[j, d])
+            err = (dk_emax[j] + c_n * dk_amax[j]) * q_sum[d] * BOUND_SAFETY * BOUND_SAFETY
+            _store_scaled(dk, (b, g, j, d), xh, xl, err, s_hi, s_lo, s_err)
+        for e in range(vdim if dv_terms[j] else 0):
+            xh, xl = two_sum(dv_h[j, e], dv_c[j, e])
+            err = (dv_emax[j] + c_n * dv_amax[j]) * do_sum[e] * BOUND_SAFETY * BOUND_SAFETY
+            if dropout:
+                _store_scaled(dv, (b, g, j, e), xh, xl, err, kf_h, kf_l, kf_e)
+            else:
+                dv[0, b, g, j, e], dv[1, b, g, j, e] = xh, xl
+                dv[2, b, g, j, e] = err * BOUND_SAFETY + UNDERFLOW_TERM
+    if not math.isfinite(check):
+        bad[b, g] = True
+
+
+@njit(**_JIT)
+def _store_scaled(out, index, xh, xl, err, f_h, f_l, f_e):
+    """out[:, index] = (x * f, its error bound), f a dd with absolute error f_e."""
+    b, h, i, d = index
+    if f_l == 0.0 and f_e == 0.0:
+        yh, yl = dd_mul_d(xh, xl, f_h)
+        e = abs(f_h) * err + DD_REL * abs(yh)
+    else:
+        yh, yl = dd_mul(xh, xl, f_h, f_l)
+        e = (abs(f_h) * err + abs(xh) * f_e) * _SAFE + DD_REL * abs(yh)
+    out[0, b, h, i, d], out[1, b, h, i, d] = yh, yl
+    out[2, b, h, i, d] = e * BOUND_SAFETY + UNDERFLOW_TERM
+
+
+@njit(parallel=True, **_JIT)
+def _units(q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, group, opts, fopts,
+           dq, dk, dv, dbias, bad):
+    batch, kv_heads = k.shape[0], k.shape[1]
+    for unit in prange(batch * kv_heads):
+        _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, group, opts,
+              fopts, dq, dk, dv, dbias, bad)
+
+
+@njit(**_JIT)
+def _decide_all(enc, p, emin, max_finite, out, decided):
+    flat_h, flat_l, flat_e = enc[0].ravel(), enc[1].ravel(), enc[2].ravel()
+    for n in range(flat_h.shape[0]):
+        out[n], decided[n] = round_decision(flat_h[n], flat_l[n], flat_e[n], p, emin,
+                                            max_finite)
+
+
+def decide(enc: np.ndarray, fmt):
+    """(values, decided) of an enclosure array (3, ...) = (hi, lo, error bound) rounded to
+    ``fmt`` (:func:`refattn.exact._dd_extra.round_decision`)."""
+    shape = enc.shape[1:]
+    out = np.empty(int(np.prod(shape)))
+    decided = np.empty(out.shape, np.bool_)
+    _decide_all(np.ascontiguousarray(enc), fmt.p, fmt.emin, float(fmt.max_finite), out,
+                decided)
+    return out.reshape(shape), decided.reshape(shape)
+
+
+def fast_inputs_ok(spec, grad_out, grad_lse) -> bool:
+    """Whether the fast step applies: every input finite and below :data:`INPUT_LIMIT`."""
+    arrays = [spec.q, spec.k, spec.v, grad_out]
+    if grad_lse is not None:
+        arrays.append(grad_lse)
+    if spec.bias is not None:
+        arrays.append(np.where(np.isneginf(spec.bias), 0.0, spec.bias))
+    for a in arrays:
+        a = np.asarray(a, dtype=np.float64)
+        if a.size and not (np.abs(a) < INPUT_LIMIT).all():
+            return False
+    _, _, _, length, keys, _, _ = spec.dims
+    if spec.alibi_slopes is not None and not (
+            np.abs(spec.alibi_slopes) * (length + keys + abs(spec.offset) + 1)
+            < INPUT_LIMIT).all():
+        return False
+    scale = abs(spec.scale_float)
+    if scale != 0.0 and not 2.0**-60 < scale < INPUT_LIMIT:
+        return False
+    if spec.softcap is not None and not 2.0**-60 < spec.softcap < INPUT_LIMIT:
+        return False
+    return True
+
+
+def gradient_enclosures(spec, grad_out, grad_lse):
+    """dd enclosures (3, ...) of dq (B, H, L, D), dk (B, K, S, D), dv (B, K, S, E) and dS
+    (B, H, L, S) (None without bias), and a (B, K) array of units to hand to the referee."""
+    batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
+    f64 = np.float64
+    q = np.ascontiguousarray(spec.q, f64)
+    k = np.ascontiguousarray(spec.k, f64)
+    kt = np.ascontiguousarray(np.swapaxes(k, 2, 3))
+    vt = np.ascontiguousarray(np.swapaxes(np.asarray(spec.v, f64), 2, 3))
+    do = np.ascontiguousarray(grad_out, f64)
+    glse = np.ascontiguousarray(grad_lse, f64) if grad_lse is not None else np.zeros((1, 1, 1))
+    allowed = np.empty((batch, heads, length, keys), np.bool_)
+    for b in range(batch):
+        for h in range(heads):
+            allowed[b, h] = spec.allowed(b, h)
+    kept = allowed if spec.dropout_mask is None else allowed & spec.dropout_mask
+    bias = (np.ascontiguousarray(spec.bias, f64) if spec.bias is not None
+            else np.zeros((1, 1, 1, 1)))
+    slopes = (np.ascontiguousarray(spec.alibi_slopes, f64) if spec.alibi_slopes is not None
+              else np.zeros(1))
+    group = np.array([np.flatnonzero(spec.kv_head == g) for g in range(kv_heads)], np.int64)
+    opts = np.array([spec.bias is not None, spec.alibi_slopes is not None,
+                     spec.softcap is not None, spec.offset, spec.dropout_p != 0], np.int64)
+    # dot-product bounds per length: D (scores), E (dp), S (dq), G L (dk, dv)
+    fopts = np.array([*dd_of_exact(spec.scale_exact), spec.softcap or 1.0,
+                      *dd_of_fraction(spec.keep_scale), dot_bound(dim), dot_bound(vdim),
+                      dot_bound(keys), dot_bound(heads // kv_heads * length)])
+    dq = np.zeros((3, batch, heads, length, dim))
+    dk = np.zeros((3, batch, kv_heads, keys, dim))
+    dv = np.zeros((3, batch, kv_heads, keys, vdim))
+    dbias = np.zeros((3, batch, heads, length, keys)) if spec.bias is not None else \
+        np.zeros((3, 1, 1, 1, 1))
+    bad = np.zeros((batch, kv_heads), np.bool_)
+    if batch and heads and length and keys:
+        _units(q, k, kt, vt, do, glse, grad_lse is not None, allowed, kept, bias, slopes,
+               group, opts, fopts, dq, dk, dv, dbias, bad)
+    return dq, dk, dv, (dbias if spec.bias is not None else None), bad
+
+
+@njit(**_JIT)
+def _reduce(enc, index, out):
+    size = out.shape[1]
+    mag = np.zeros(size)
+    count = np.zeros(size)
+    flat_h, flat_l, flat_e = enc[0].ravel(), enc[1].ravel(), enc[2].ravel()
+    for n in range(flat_h.shape[0]):
+        t = index[n]
+        out[0, t], out[1, t] = dd_add(out[0, t], out[1, t], flat_h[n], flat_l[n])
+        out[2, t] += flat_e[n]
+        mag[t] += abs(flat_h[n])
+        count[t] += 1.0
+    for t in range(size):
+        out[2, t] = (out[2, t] + count[t] * DD_REL * mag[t] * _SAFE) * BOUND_SAFETY
+
+
+def reduce_enclosure(enc, batch_shape, target_shape):
+    """Sum a (3, B, H, L, S) enclosure over the axes broadcast in ``target_shape`` (bias's
+    shape), in the fixed C order of the full (batch_shape + (H, L, S)) array."""
+    full = tuple(batch_shape) + enc.shape[2:]
+    target_shape = tuple(target_shape)
+    if target_shape == full:
+        return enc.reshape((3,) + full)
+    size = int(np.prod(target_shape))
+    index = np.broadcast_to(np.arange(size).reshape(target_shape), full).ravel()
+    out = np.zeros((3, size))
+    if index.size:
+        _reduce(np.ascontiguousarray(enc), np.ascontiguousarray(index), out)
+    return out.reshape((3,) + target_shape)
