@@ -16,7 +16,9 @@ __all__ = ["naive_logspace", "naive_logspace_rounded"]
 
 def naive_logspace(x, where, dps):
     """(lse, softmax, log_softmax) rows at ``dps`` digits, in cancellation-free forms:
-    ``1 / (1 + sum_{k != j} e^{x_k - x_j})``; lse and log_softmax as an exact head (the
+    softmax ``e^{x_j - m} / (n + rest)`` (``rest`` the sum over the entries below the maximum
+    ``m``; ``1 / (1 + sum_{k != j} e^{x_k - x_j})`` in rows with infinities); lse and
+    log_softmax as an exact head (the
     maximum ``m``, or ``x_j - m``) plus ``log(n) + log1p(rest / n)`` kept apart
     (:func:`naive.rounding.exact_plus_small`), ``n`` the entries equal to ``m``."""
     lse, soft, logsoft = [], [], []
@@ -42,12 +44,15 @@ def naive_logspace(x, where, dps):
                     log_row.append(-mpmath.inf)
                     continue
                 a = mpmath.mpf(float(a))
+                if shift is not None:  # O(n): e^{a - m} / (n + rest), no cancellation
+                    soft_row.append(mpmath.exp(a - top) / (count + rest))
+                    log_row.append(exact_plus_small(mpmath.fsub(a, top, exact=True), -shift))
+                    continue
                 others = list(vals)
                 others.remove(a)
                 rest = mpmath.fsum(mpmath.exp(b - a) for b in others)
                 soft_row.append(1 / (1 + rest))
-                log_row.append(-mpmath.log1p(rest) if shift is None else exact_plus_small(
-                    mpmath.fsub(a, top, exact=True), -shift))
+                log_row.append(-mpmath.log1p(rest))
             soft.append(soft_row)
             logsoft.append(log_row)
     return lse, soft, logsoft
