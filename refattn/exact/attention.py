@@ -8,16 +8,25 @@ How an enclosure is computed for one (batch, head) plane at working precision P 
 2. The score ``t_ij = scale * (q_i . k_j)`` [softcap] ``+ bias_ij + alibi_ij`` is enclosed in
    [t_lo, t_hi] (exact when the scale is dyadic and there is no softcap; 1/sqrt(D) is enclosed
    by directed-rounding square root and division).
-3. With the row shift ``m_i = max_j t_hi`` (any exact number works; this one keeps every
-   ``exp(t - m) <= 1``), ``e_ij = exp(t_ij - m_i)`` is enclosed with directed rounding and
-   turned into fixed-point integers ``E_lo <= 2**P e <= E_hi``.
+3. Row i is taken relative to a reference key ``r`` at (or within ``2**-work`` of) its maximum:
+   the differences ``d_ij = t_ij - t_ir`` and the shift ``m_i = t_ir`` are enclosed to an
+   *absolute* width of about ``2**-work`` whatever their magnitude (exact integer differences of
+   the dot products, the scale taken at ``work + log2|s x|`` bits, exact sums; see
+   :class:`_ScoreArithmetic`), so scores far beyond the float range cost bounded time.
+   ``e_ij = exp(d_ij)`` becomes fixed-point integers ``E_lo <= 2**P e <= E_hi``; a term with
+   ``d_ij < -(P + 1)`` is enclosed as [0, 1] without evaluating it (any gap, even 1e300).
 4. ``Z_i = sum_j E_ij`` and ``N_ie = sum_j keep_ij E_ij v_je`` are exact integer sums of the
    enclosures (midpoint-radius form: two object matmuls), so
    ``out_ie = N_ie / Z_i * 2**e_v / (1 - p)`` is enclosed by exact rationals;
-   ``lse_i = m_i + log(Z_i 2**-P)`` and ``w_ij = exp(t_ij - lse_i)`` by directed rounding.
+   ``lse_i = m_i + log(Z_i 2**-P)`` and ``w_ij = exp(d_ij - log(Z_i 2**-P))`` by directed
+   rounding.
 
 The widths shrink like ``S * 2**-P`` relative to the natural scale ``sum_j w_ij |v_je|``;
-the Ziv loop doubles P until every rounding is decided.
+the Ziv loop doubles P until every rounding is decided. A result a hair from a rounding
+boundary (a midpoint plus ``exp(-1e9)``; an output that underflows to -0) is settled by its
+side of the boundary, computed in relative precision (:meth:`ExactForward.side`). Results
+beyond the range of ``out_dtype`` (an lse of 1e400) round to +-inf: the IEEE 754
+round-to-nearest value of a finite real beyond the largest finite number.
 
 Exact ties (results that are rationals, possibly on a rounding midpoint) are settled by
 :meth:`ExactForward.exact_value`: when every allowed score of a row is equal the weights are
