@@ -204,3 +204,15 @@ def _sampled_rows_match(length, keys, dim, rows, seed, **opts):
 @pytest.mark.slow
 def test_rows_crossing_key_tiles():
     _sampled_rows_match(130, 300, 128, rows=(0, 64, 129), seed=7)
+
+
+def test_vjp_dbias_signed_zeros():
+    """One query row, q = 1, scale 1: dbias_j = dS_j = dk_j, so dbias takes the twin's dk
+    bits (tiny dS of both signs underflow to -0 and +0)."""
+    q, k, v, grad_out = (np.array([[1.0]]), np.array([[1e5], [0.0]]), np.array([[1.0], [2.0]]),
+                         np.array([[1.0]]))
+    got = refattn.attention_vjp(q, k, v, grad_out, bias=np.zeros((1, 2)), scale=1.0,
+                                precision="exact")
+    _, dk, _ = naive_attention_vjp(q, k, v, grad_out, scale=1.0)
+    assert_same_bits(got.dbias.ravel(), round_nested(dk).ravel(), what="attention_vjp dbias",
+                     case="gap 1e5")

@@ -239,11 +239,11 @@ class ExactVJP:
         on the ``n_i`` keys tied at the row maximum (0 elsewhere) and the remainder enclosed
         in relative precision (it may be ``exp(-1e9)``). Every gradient element is then an
         exact rational *head* (computed from ``A``) times the scale plus a small *tail*, so a
-        gradient a hair from a rounding midpoint or from 0 is settled at once. Softcapped
-        calls are left to the Ziv loop (None).
+        gradient a hair from a rounding midpoint or from 0 is settled at once (dbias: the sum
+        of dS over the positions it reduces). Softcapped calls are left to the Ziv loop.
         """
         spec = self.spec
-        if name not in ("dq", "dk", "dv") or spec.softcap is not None:
+        if name not in ("dq", "dk", "dv", "dbias") or spec.softcap is not None:
             return None
         for work in (64, 256, 1024):
             found = self._side_at(name, index, boundary, work)
@@ -320,8 +320,34 @@ class ExactVJP:
             tails[j] = _add(tail, _interval_times(*delta[j], t_tail, work), work)
         return heads, tails
 
+    def _dbias_side(self, index, boundary, work):
+        """Side of a dbias element: the sum of dS over the positions it reduces."""
+        spec = self.spec
+        _, heads, _, length, keys, _, _ = spec.dims
+        full = spec.batch_shape + (heads, length, keys)
+        shape = spec.bias_shape
+        offset = len(full) - len(shape)
+        head, tail = Fraction(0), (fzero, fzero)
+        for position in np.ndindex(full):
+            if tuple(0 if shape[d] == 1 else position[offset + d]
+                     for d in range(len(shape))) != index:
+                continue
+            batch_index = position[: len(spec.batch_shape)]
+            b = int(np.ravel_multi_index(batch_index, spec.batch_shape)) if batch_index else 0
+            h, i, j = (int(x) for x in position[-3:])
+            split = self._ds_split(b, h, i, work)
+            if split == "undecided":
+                return None
+            if split is None or j not in split[0]:
+                continue
+            head += split[0][j]
+            tail = _add(tail, split[1][j], work)
+        return F.sign_of(*_add(tail, _point(head - boundary, work), work))
+
     def _side_at(self, name, index, boundary, work):
         spec = self.spec
+        if name == "dbias":
+            return self._dbias_side(index, boundary, work)
         head, tail = Fraction(0), (fzero, fzero)
         if name == "dq":
             b, h, i, d = index
@@ -555,7 +581,8 @@ def _referee_vjp(spec, grad_out, grad_lse, out_dtype, names):
             if spec.bias is not None:
                 results[name] = correctly_round(
                     engine.dbias, out_dtype, what="dbias",
-                    fallback=lambda ix: engine.exact_value("dbias", ix))
+                    fallback=lambda ix: engine.exact_value("dbias", ix),
+                    decide=lambda ix, m: engine.side("dbias", ix, m))
             continue
         results[name] = correctly_round(
             lambda p, name=name: engine.at(p)[name], out_dtype,
