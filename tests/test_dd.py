@@ -145,3 +145,26 @@ def test_decide_dd_decides_only_when_both_ends_agree(name):
         if ok:
             assert low == high == value
     assert decided.any() and not decided.all()
+
+
+def test_exp_d_within_exp_d_rel():
+    pts, _ = _points(7, D.EXP_MIN_ARG, D.EXP_MAX_ARG, 1500)
+    with mpmath.workprec(200):
+        for x in pts:
+            truth = mpmath.exp(mpmath.mpf(float(x)))
+            assert abs(mpmath.mpf(D.exp_d(x)) - truth) <= D.EXP_D_REL * truth, x
+
+
+def test_dot_bound_covers_compensated_sums():
+    rng = np.random.default_rng(8)
+    for n in (1, 7, 64, 1000):
+        a = rng.standard_normal(n) * np.exp2(rng.integers(-20, 20, n))
+        b = rng.standard_normal(n)
+        s = c = 0.0
+        for x, y in zip(a, b, strict=True):
+            p, ep = D.two_prod(x, y)
+            s, es = D.two_sum(s, p)
+            c += ep + es
+        exact = sum(Fraction(x) * Fraction(y) for x, y in zip(a, b, strict=True))
+        scale = sum(abs(Fraction(x) * Fraction(y)) for x, y in zip(a, b, strict=True))
+        assert abs(_exact(s, c) - exact) <= Fraction(D.dot_bound(n)) * scale

@@ -4,11 +4,16 @@ back to the referee where the first step cannot decide."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from strategies import attention_cases
+from strategies import attention_cases, logspace_rows
 
 import refattn
 from refattn import config
@@ -109,10 +114,11 @@ def test_subnormal_and_tiny_inputs(out_dtype):
     _assert_identical(q, k, v, out_dtype)
 
 
+@pytest.mark.parametrize("out_dtype", ["float64", "bfloat16"])
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
-def test_long_rows_narrow_inputs(dtype):
+def test_long_rows_narrow_inputs(dtype, out_dtype):
     q, k, v = _gaussian(4, length=3, keys=2048, dim=16, vdim=4, dtype=dtype)
-    stats = _assert_identical(q, k, v, "bfloat16", causal=True, align="bottom_right")
+    stats = _assert_identical(q, k, v, out_dtype, causal=True, align="bottom_right")
     assert stats["referee_rows"] < stats["rows"]
 
 
@@ -136,3 +142,81 @@ def test_row_spec_keeps_original_row_indices():
                                                  np.dtype(np.float64), return_lse=True)
     assert np.array_equal(part[0][0, 0], full[0][0, 1, 3:6])
     assert np.array_equal(part[1][0, 0], full[1][0, 1, 3:6])
+
+
+# ------------------------------------------------------------------------------ log-space
+LOGSPACE = [refattn.logsumexp, refattn.softmax, refattn.log_softmax]
+
+
+def _logspace_identical(fn, x, where, out_dtype):
+    __tracebackhide__ = True
+    saved = config.EXACT_ENGINE
+    try:
+        config.EXACT_ENGINE = "fast"
+        fast = np.asarray(fn(x, where=where, precision="exact", out_dtype=out_dtype), np.float64)
+        config.EXACT_ENGINE = "referee"
+        slow = np.asarray(fn(x, where=where, precision="exact", out_dtype=out_dtype), np.float64)
+    finally:
+        config.EXACT_ENGINE = saved
+    same = ((fast == slow) & (np.signbit(fast) == np.signbit(slow))) | (np.isnan(fast)
+                                                                       & np.isnan(slow))
+    assert same.all(), (fn.__name__, out_dtype, np.argwhere(~same)[0], fast[~same][0],
+                        slow[~same][0])
+
+
+@pytest.mark.parametrize("fn", LOGSPACE, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+@given(case=logspace_rows())
+def test_fast_logspace_matches_referee(fn, out_dtype, case):
+    x, where = case
+    _logspace_identical(fn, x, where, out_dtype)
+
+
+@pytest.mark.parametrize("fn", LOGSPACE, ids=lambda f: f.__name__)
+def test_fast_logspace_hard_rows(fn):
+    x = np.array([[0.0, 0.0, 0.0, 0.0],              # weights exactly 1/4, lse = log 4
+                  [1.0, np.nan, 2.0, 3.0],           # NaN: the referee
+                  [np.inf, 0.0, 1.0, 2.0],           # +inf: the referee
+                  [-1e5, 1e5, 0.0, 5.0],             # far beyond CUT
+                  [0.0, -700.0, -60.0, -745.5],      # logit gaps to the underflow range
+                  [5e-324, -5e-324, 0.0, 2.0**-1074]])  # subnormals
+    for out_dtype in OUT_DTYPES:
+        _logspace_identical(fn, x, None, out_dtype)
+
+
+@pytest.mark.parametrize("out_dtype", ["float64", "bfloat16"])
+def test_one_by_one_plane_with_bias(out_dtype):
+    """A (1, 1) plane: the bias array has the shape of the kernels' 'no bias' placeholder."""
+    q, k, v = _gaussian(7, length=1, keys=1, dim=2, vdim=2)
+    _assert_identical(q, k, v, out_dtype, bias=np.array([[0.75]]))
+
+
+def test_kernel_bodies_run_without_jit():
+    """NUMBA_DISABLE_JIT=1: the first-step kernels run as Python (coverage of their bodies)."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, NUMBA_DISABLE_JIT="1", PYTHONPATH=str(root))
+    cmd = [sys.executable, "-m", "pytest", str(root / "tests" / "test_fast_exact.py"), "-q",
+           "-p", "no:cacheprovider", "-x", "-k",
+           "midpoint or one_by_one or (hard_rows and softmax) or row_spec"]
+    done = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"NUMBA_DISABLE_JIT=1 tier failed:\n{done.stdout[-3000:]}"
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float64])
+def test_exact_dots_claim_is_true(dtype):
+    """Where exact_dots says so, the fma chain of every dot product equals the exact sum."""
+    from fractions import Fraction
+
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((3, 32)).astype(dtype).astype(np.float64)
+    k = rng.standard_normal((4, 32)).astype(dtype).astype(np.float64)
+    norms = FA._norms
+    claim = FA.exact_dots(q, k.T, norms(q), norms(k))
+    assert claim == (dtype != np.float64)
+    for a in q:
+        for b in k:
+            chain = 0.0
+            for x, y in zip(a, b, strict=True):
+                chain = float(Fraction(x) * Fraction(y) + Fraction(chain))  # fma
+            exact = sum(Fraction(x) * Fraction(y) for x, y in zip(a, b, strict=True))
+            assert (Fraction(chain) == exact) or not claim

@@ -50,13 +50,15 @@ import numba
 import numpy as np
 from mpmath import mp, mpf
 
+from ..bounds import unit
+
 __all__ = [
     "U", "DD_REL", "DD_ADD_D_REL", "DD_ADD_REL", "DD_MUL_D_REL", "DD_MUL_REL", "DD_DIV_D_REL",
     "DD_DIV_REL", "EXP_REL", "EXP_MIN_ARG", "EXP_MAX_ARG", "EXP_DEGREE", "TANH_ABS",
     "SAFE_MIN", "SAFE_MAX", "BOUND_SAFETY",
     "fma", "two_sum", "fast_two_sum", "two_prod", "dd_add", "dd_add_d", "dd_mul", "dd_mul_d",
     "dd_div", "dd_div_d", "exp_dd", "log_dd", "tanh_dd", "dd_of_fraction", "dd_of_exact",
-    "dot_bound", "exp_d", "EXP_D_REL", "EXP_D_DEGREE", "gamma",
+    "dot_bound", "exp_d", "EXP_D_REL", "EXP_D_DEGREE", "gamma_up",
 ]
 
 U = 2.0**-53
@@ -115,7 +117,11 @@ else:
 # ------------------------------------------------------------------------------ error-free
 @numba.jit(**_JIT)
 def two_sum(a, b):
-    """(s, e) with s = fl(a + b) and s + e = a + b exactly (Knuth)."""
+    """(s, e) with s = fl(a + b) and s + e = a + b exactly (Knuth).
+
+    >>> two_sum(1.0, 2.0**-60)
+    (1.0, 8.673617379884035e-19)
+    """
     s = a + b
     bb = s - a
     e = (a - (s - bb)) + (b - bb)
@@ -132,7 +138,11 @@ def fast_two_sum(a, b):
 
 @numba.jit(**_JIT)
 def two_prod(a, b):
-    """(p, e) with p = fl(a b) and p + e = a b exactly (FMA; exact without underflow)."""
+    """(p, e) with p = fl(a b) and p + e = a b exactly (FMA; exact without underflow).
+
+    >>> two_prod(1.0 + 2.0**-30, 1.0 + 2.0**-30)[1] == 2.0**-60
+    True
+    """
     p = a * b
     return p, fma(a, b, -p)
 
@@ -202,7 +212,12 @@ def dd_div(xh, xl, yh, yl):
 
 # ------------------------------------------------------------------------------ constants
 def dd_of_fraction(x: Fraction) -> tuple[float, float, float]:
-    """(hi, lo, err): the double-double nearest a rational and a bound on |hi + lo - x|."""
+    """(hi, lo, err): the double-double nearest a rational and a bound on |hi + lo - x|.
+
+    >>> hi, lo, err = dd_of_fraction(Fraction(1, 3))
+    >>> hi, err < 2.0**-105
+    (0.3333333333333333, True)
+    """
     hi = float(x)
     lo = float(x - Fraction(hi))
     err = abs(x - Fraction(hi) - Fraction(lo))
@@ -214,6 +229,9 @@ def dd_of_exact(value, bits: int = 200) -> tuple[float, float, float]:
 
     1/sqrt(n) is enclosed with integers: ``a = isqrt(4**bits // n)`` satisfies
     ``a <= 2**bits / sqrt(n) < a + 1``.
+
+    >>> dd_of_exact(("invsqrt", 4))[0]
+    0.5
     """
     if isinstance(value, tuple):
         n = int(value[1])
@@ -238,6 +256,9 @@ def dot_bound(terms: int) -> float:
     increments of c sum in magnitude to at most ``(m + 2) u (1 + 2u) P`` (``|es| <= u |s|``,
     ``P = sum |a_j b_j|``), their float sum errs by ``gamma_{2m}`` of that, and the low-word
     products ``a_lo b`` err by ``u^2 P``. So ``|s + c - sum a_j b_j| <= dot_bound(m) * P``.
+
+    >>> dot_bound(64) < 2.0**-90
+    True
     """
     m = int(terms) + 2
     gamma = 2 * m * U / (1 - 2 * m * U)
@@ -280,6 +301,9 @@ def _table_and_pieces():
 
 _LN2_64, _LN2_64_REST, _T_HI, _T_LO, _C_HI, _C_LO = _table_and_pieces()
 _INV_LN2_64 = 64 / math.log(2)
+_POW2_BIAS = 1022
+#: 2**q for q in [-1022, 1023] (exact): scaling by a table entry instead of ldexp (a call)
+_POW2 = np.array([math.ldexp(1.0, q) for q in range(-_POW2_BIAS, 1024)])
 
 
 def _exp_budget() -> float:
@@ -305,7 +329,11 @@ assert EXP_BUDGET < EXP_REL
 @numba.jit(**_JIT)
 def exp_dd(xh, xl):
     """exp(xh + xl) as a double-double, relative error <= EXP_REL on [EXP_MIN_ARG,
-    EXP_MAX_ARG] (outside: no claim; callers check)."""
+    EXP_MAX_ARG] (outside: no claim; callers check).
+
+    >>> exp_dd(0.0, 0.0)
+    (1.0, 0.0)
+    """
     k = np.rint(xh * _INV_LN2_64)
     # r = x - k ln2/64 in double-double; k * piece is exact for |k| < 2**17
     rh, rl = two_sum(xh, -k * _LN2_64[0])
@@ -320,7 +348,8 @@ def exp_dd(xh, xl):
     j = ki & 63
     q = (ki - j) // 64
     ph, pl = dd_mul(ph, pl, _T_HI[j], _T_LO[j])
-    return math.ldexp(ph, q), math.ldexp(pl, q)
+    scale = _POW2[q + _POW2_BIAS]  # |q| <= 900 on the domain: a normal power of two
+    return ph * scale, pl * scale
 
 
 # ------------------------------------------------------------------------------ exp (double)
@@ -329,9 +358,13 @@ _EXP_D_COEF = np.array([1.0 / math.factorial(n) for n in range(EXP_D_DEGREE + 1)
 _LN2_64_D = np.array([_LN2_64[0], float(Fraction(_LN2_64[1]) + Fraction(_LN2_64[2]))])
 
 
-def gamma(n: int) -> float:
-    """gamma_n = n u / (1 - n u) (Higham 2002, Lemma 3.1), u = 2**-53, rounded up."""
-    return n * U / (1 - n * U) * BOUND_SAFETY
+def gamma_up(n: int) -> float:
+    """gamma_n = n u / (1 - n u) (Higham 2002, Lemma 3.1), u = 2**-53, rounded up.
+
+    >>> gamma_up(1) > 2.0**-53
+    True
+    """
+    return unit.gamma(n) * BOUND_SAFETY
 
 
 def _exp_d_budget() -> float:
@@ -339,7 +372,7 @@ def _exp_d_budget() -> float:
     k_max = 2.0**17
     tail = abs(Fraction(_LN2_64[1]) + Fraction(_LN2_64[2]) - Fraction(_LN2_64_D[1]))
     r_err = k_max * (_LN2_64_REST + float(tail)) + 3 * U * (_R_MAX + k_max * _LN2_64_D[1])
-    horner = gamma(2 * EXP_D_DEGREE) * math.exp(2 * _R_MAX)
+    horner = gamma_up(2 * EXP_D_DEGREE) * math.exp(2 * _R_MAX)
     coef = U * math.exp(2 * _R_MAX)
     trunc = _R_MAX ** (EXP_D_DEGREE + 1) / math.factorial(EXP_D_DEGREE + 1) * 1.02
     return (2 * r_err + horner + coef + trunc + U + U) * 1.01  # + table, + final product
@@ -347,7 +380,7 @@ def _exp_d_budget() -> float:
 
 EXP_D_BUDGET = _exp_d_budget()
 #: Relative error bound of :func:`exp_d` on [EXP_MIN_ARG, EXP_MAX_ARG].
-EXP_D_REL = 2.0**-47
+EXP_D_REL = 2.0**-48.5
 assert EXP_D_BUDGET < EXP_D_REL
 
 
@@ -355,7 +388,11 @@ assert EXP_D_BUDGET < EXP_D_REL
 def exp_d(x):
     """exp(x) in double precision, relative error <= EXP_D_REL on [EXP_MIN_ARG, EXP_MAX_ARG]:
     the reduction of :func:`exp_dd` (two pieces of ln2/64, each rounding of the reduction
-    bounded), the degree-6 Taylor polynomial by Horner (gamma_12), the table's high words."""
+    bounded), the degree-6 Taylor polynomial by Horner (gamma_12), the table's high words.
+
+    >>> exp_d(0.0)
+    1.0
+    """
     k = np.rint(x * _INV_LN2_64)
     r = (x - k * _LN2_64_D[0]) - k * _LN2_64_D[1]
     p = _EXP_D_COEF[EXP_D_DEGREE]
@@ -363,7 +400,7 @@ def exp_d(x):
         p = p * r + _EXP_D_COEF[n]
     ki = np.int64(k)
     j = ki & 63
-    return math.ldexp(p * _T_HI[j], (ki - j) // 64)
+    return (p * _T_HI[j]) * _POW2[(ki - j) // 64 + _POW2_BIAS]
 
 
 # ------------------------------------------------------------------------------ log
@@ -376,6 +413,10 @@ def log_dd(zh, zl):
 
     err is ``inf`` when libm's guess ``log(zh)`` is off by more than 2**-30 (never in practice)
     or z is outside the domain.
+
+    >>> hi, lo, err = log_dd(2.0, 0.0)
+    >>> hi, err < 2.0**-90
+    (0.6931471805599453, True)
     """
     if not (zh >= 2.0**-880 and zh <= 2.0**860):
         return math.nan, 0.0, math.inf
@@ -413,7 +454,11 @@ TANH_ABS = 2.0**-91
 
 @numba.jit(**_JIT)
 def tanh_dd(xh, xl):
-    """tanh(xh + xl) as a double-double with absolute error <= TANH_ABS."""
+    """tanh(xh + xl) as a double-double with absolute error <= TANH_ABS.
+
+    >>> tanh_dd(0.0, 0.0)
+    (0.0, 0.0)
+    """
     a_h, a_l = (xh, xl) if xh >= 0 else (-xh, -xl)
     if a_h > 300.0:  # 1 - tanh a <= 2 e^{-600} < 2**-860
         th, tl = 1.0, 0.0

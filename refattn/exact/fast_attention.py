@@ -38,6 +38,17 @@ weights, when asked for, are an (L, S) output anyway):
    referee, restricted to those rows (:func:`row_spec`: a spec of the row run, with the offset
    shifted so causal/window/ALiBi use the original row indices).
 
+For targets of at most 24 bits (float32, float16, bfloat16) a cheaper double-precision first
+step runs before the double-double one (:func:`_forward_d`): the dot products are fma chains
+(``|error| <= gamma_D |q_i|.|k_j|``, Higham 2002, eq. (3.5); zero when :func:`exact_dots`
+proves every partial sum representable, as for float16/bfloat16 inputs), each later rounding is
+bounded by
+``1.01 u |result|``, ``e = exp_d(x)`` has relative error ``EXP_D_REL`` (2**-48.5), and the sums
+over keys are blocked (:data:`SUM_BLOCK` keys per block, ``gamma_{B + S/B}``, Higham 2002,
+sec. 4.2) with ``|N - N^| <= (gamma + rho) sum_j e_j |v_je|``. Its radii are about 2**-40
+relative, ample for 24-bit targets; the rows it leaves undecided run again in double-double,
+and only then go to the referee. Float64 targets use the double-double step alone.
+
 Planes with NaN/Inf in q, k or v, magnitudes outside [SAFE_MIN, SAFE_MAX], a softcap or ALiBi
 slope outside it, and empty rows go to the referee whole; their semantics are not re-derived.
 """
@@ -56,16 +67,26 @@ from . import _dd as D
 from .attention import exact_forward
 from .rounding import decide_dd, format_of
 
-__all__ = ["fast_exact_forward", "fallback_stats", "row_spec", "CUT", "TINY"]
+__all__ = ["fast_exact_forward", "fallback_stats", "row_spec", "rounds_to_zero", "exact_dots",
+           "CUT", "TINY",
+           "WEIGHT_TINY_ARG", "WEIGHT_ZERO_ARG"]
 
 #: Exponent arguments below CUT contribute ``0 <= e < TINY`` (an absolute radius).
 CUT = -400.0
 TINY = 2.0**-575  # > exp(-400 + 1): covers an argument error up to 1
 assert math.log(TINY) > CUT + 1
 #: Weights with ``x - log Z + err < WEIGHT_TINY_ARG`` are positive and below 2**-288: they
-#: round to +0 in float32, float16 and bfloat16.
+#: round to +0 in float32, float16 and bfloat16; below WEIGHT_ZERO_ARG (< 2**-1154) they round
+#: to +0 in float64 too.
 WEIGHT_TINY_ARG = -200.0
+WEIGHT_ZERO_ARG = -800.0
 _RHO_MAX = 2.0**-20
+#: Key block of the double-precision sums (blocked summation, Higham 2002, sec. 4.2).
+SUM_BLOCK = 64
+#: Query rows the double-precision step processes together, and keys per chunk of their dot
+#: products (cache reuse only: every dot product is the same fma chain over D).
+ROW_BLOCK = 8
+KEY_CHUNK = 256
 
 _OK, _EMPTY, _UNDECIDED = 0, 1, 2
 _LAST_STATS: dict = {}
@@ -150,7 +171,8 @@ def _finish_row(i, top, zh, zl, zr, ns, nc, nr, prm, out_h, out_l, out_r, lse_h,
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
-def _forward_dd(rows, q, kT, v, allowed, kept, bias, has_bias, qn, kn, vmax, prm, want_x,
+def _forward_dd(rows, q, kT, v, allowed, kept, bias, has_bias, qn, kn, vmax, vnorm, prm,
+                want_x,
                 out_h, out_l, out_r, lse_h, lse_l, lse_r, lz_h, lz_l, lz_r,
                 x_h, x_l, x_r, status):
     """Double-double first step for the query rows ``rows`` (module docstring, 1-5)."""
@@ -251,73 +273,115 @@ def _score_d(i, j, sj, qn_i, kn_j, prm, bias, has_bias, gdim):
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
-def _forward_d(rows, q, kT, v, allowed, kept, bias, has_bias, qn, kn, vmax, prm, want_x,
+def _forward_d(rows, q, kT, v, allowed, kept, bias, has_bias, qn, kn, vmax, vnorm, prm,
+               want_x,
                out_h, out_l, out_r, lse_h, lse_l, lse_r, lz_h, lz_l, lz_r,
                x_h, x_l, x_r, status):
     """Double-precision first step (for targets of <= 24 bits): fma chains with gamma_n
-    bounds (Higham 2002, eq. (3.5)) and :func:`refattn.exact._dd.exp_d`."""
+    bounds (Higham 2002, eq. (3.5)) and :func:`refattn.exact._dd.exp_d`.
+
+    Rows are taken ROW_BLOCK at a time so that each row of K^T and of V is loaded once per
+    block (each row's arithmetic is the same sequence as alone: no bit depends on blocking).
+    """
     dim, keys = kT.shape
     vdim = v.shape[1]
     gdim = prm[11]
     gsum = prm[12]
     u = 1.01 * D.U
-    for r in prange(rows.shape[0]):
-        i = rows[r]
-        s = np.zeros(keys)
-        err = np.empty(keys)
-        for d in range(dim):
-            a = q[i, d]
-            if a == 0.0:
-                continue
+    nrows = rows.shape[0]
+    for blk in prange((nrows + ROW_BLOCK - 1) // ROW_BLOCK):
+        r0 = blk * ROW_BLOCK
+        nb_rows = min(ROW_BLOCK, nrows - r0)
+        s = np.zeros((ROW_BLOCK, keys))
+        err = np.zeros((ROW_BLOCK, keys))
+        for j0 in range(0, keys, KEY_CHUNK):  # the block's partial sums stay in L1
+            j1 = min(keys, j0 + KEY_CHUNK)
+            for d in range(dim):
+                for rr in range(nb_rows):
+                    a = q[rows[r0 + rr], d]
+                    if a == 0.0:
+                        continue
+                    for j in range(j0, j1):
+                        s[rr, j] = D.fma(a, kT[d, j], s[rr, j])
+        top = np.full(ROW_BLOCK, -np.inf)
+        for rr in range(nb_rows):
+            i = rows[r0 + rr]
             for j in range(keys):
-                s[j] = D.fma(a, kT[d, j], s[j])
-        top = -np.inf
+                if allowed[i, j]:
+                    t, e = _score_d(i, j, s[rr, j], qn[i], kn[j], prm, bias, has_bias, gdim)
+                    s[rr, j], err[rr, j] = t, e
+                    if t > top[rr]:
+                        top[rr] = t
+        n = np.zeros((ROW_BLOCK, vdim))
+        nb = np.zeros((ROW_BLOCK, vdim))
+        e2 = np.zeros(ROW_BLOCK)
+        tiny_v = np.zeros((ROW_BLOCK, vdim))
+        z = np.zeros(ROW_BLOCK)
+        zb = np.zeros(ROW_BLOCK)
+        tiny = np.zeros(ROW_BLOCK)
+        rho = np.zeros(ROW_BLOCK)
+        ex = np.zeros(ROW_BLOCK)
+        use = np.zeros(ROW_BLOCK, dtype=np.bool_)
         for j in range(keys):
-            if allowed[i, j]:
-                t, e = _score_d(i, j, s[j], qn[i], kn[j], prm, bias, has_bias, gdim)
-                s[j], err[j] = t, e
-                if t > top:
-                    top = t
-        if top == -np.inf:
-            status[i] = _EMPTY
-            continue
-        n = np.zeros(vdim)
-        tiny_v = np.zeros(vdim)
-        z = 0.0
-        tiny = 0.0
-        rho = 0.0
-        for j in range(keys):
-            if not allowed[i, j]:
-                continue
-            x = s[j] - top
-            xe = (err[j] + u * abs(x)) * D.BOUND_SAFETY
-            if want_x:
-                x_h[i, j], x_l[i, j], x_r[i, j] = x, 0.0, xe
-            if x < CUT:
-                tiny += TINY
-                if kept[i, j]:
+            if (j % SUM_BLOCK) == 0:  # blocked sums: gamma_{B + S/B} instead of gamma_S
+                for rr in range(nb_rows):
+                    z[rr] += zb[rr]
+                    zb[rr] = 0.0
                     for e in range(vdim):
-                        tiny_v[e] += abs(v[j, e])
+                        n[rr, e] += nb[rr, e]
+                        nb[rr, e] = 0.0
+            for rr in range(nb_rows):
+                i = rows[r0 + rr]
+                use[rr] = False
+                if not allowed[i, j]:
+                    continue
+                x = s[rr, j] - top[rr]
+                xe = (err[rr, j] + u * abs(x)) * D.BOUND_SAFETY
+                if want_x:
+                    x_h[i, j], x_l[i, j], x_r[i, j] = x, 0.0, xe
+                if x < CUT:
+                    tiny[rr] += TINY
+                    if kept[i, j]:
+                        for e in range(vdim):
+                            tiny_v[rr, e] += abs(v[j, e])
+                    continue
+                rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * xe) * (1.0 + _RHO_MAX))
+                ex[rr] = D.exp_d(x)
+                zb[rr] += ex[rr]
+                e2[rr] += ex[rr] * ex[rr]
+                use[rr] = kept[i, j]
+            for rr in range(nb_rows):
+                if use[rr]:
+                    w = ex[rr]
+                    for e in range(vdim):
+                        nb[rr, e] = D.fma(w, v[j, e], nb[rr, e])
+        for rr in range(nb_rows):
+            i = rows[r0 + rr]
+            if top[rr] == -np.inf:
+                status[i] = _EMPTY
                 continue
-            rho = max(rho, (D.EXP_D_REL + 2.0 * xe) * (1.0 + _RHO_MAX))
-            ex = D.exp_d(x)
-            z += ex
-            if kept[i, j]:
-                for e in range(vdim):
-                    n[e] = D.fma(ex, v[j, e], n[e])
-        if not rho <= _RHO_MAX:
-            status[i] = _UNDECIDED
-            continue
-        zr = ((gsum + rho) * z * (1.0 + gsum) + tiny) * D.BOUND_SAFETY
-        nr = ((gsum + rho) * vmax * (z + zr) * (1.0 + gsum)) * D.BOUND_SAFETY + TINY * tiny_v
-        _finish_row(i, top, z, 0.0, zr, n, np.zeros(vdim), nr, prm, out_h, out_l, out_r,
-                    lse_h, lse_l, lse_r, lz_h, lz_l, lz_r, status)
+            zr_ = z[rr] + zb[rr]
+            for e in range(vdim):
+                n[rr, e] += nb[rr, e]
+            if not rho[rr] <= _RHO_MAX:
+                status[i] = _UNDECIDED
+                continue
+            g = gsum + rho[rr]
+            zrad = (g * zr_ * (1.0 + gsum) + tiny[rr]) * D.BOUND_SAFETY
+            # sum_j e_j |v_je| <= min(vmax_e sum_j e_j, sqrt(sum_j e_j^2) ||v_e||) (the second
+            # by Cauchy-Schwarz; the float sums are within gamma_S < 2**-27 of their values)
+            acc = np.minimum(vmax * (zr_ + zrad), math.sqrt(e2[rr]) * vnorm)
+            nr = (g * acc * (1.0 + gsum) * (1.0 + rho[rr])) * D.BOUND_SAFETY \
+                + TINY * tiny_v[rr]
+            _finish_row(i, top[rr], zr_, 0.0, zrad, n[rr], np.zeros(vdim), nr, prm,
+                        out_h, out_l, out_r, lse_h, lse_l, lse_r, lz_h, lz_l, lz_r, status)
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
 def _weights_plane(rows, allowed, x_h, x_l, x_r, lz_h, lz_l, lz_r, status, w_h, w_l, w_r,
                    w_tiny):
-    """w_ij = exp(x_ij - log Z_i) with a radius; w_tiny marks 0 < w < 2**-288 (mid 0)."""
+    """w_ij = exp(x_ij - log Z_i) with a radius; w_tiny marks 0 < w < 2**-288 (1) and
+    0 < w < 2**-1154 (2) (mid 0)."""
     keys = allowed.shape[1]
     for r in prange(rows.shape[0]):
         i = rows[r]
@@ -330,7 +394,7 @@ def _weights_plane(rows, allowed, x_h, x_l, x_r, lz_h, lz_l, lz_r, status, w_h, 
             ah, al = D.dd_add(x_h[i, j], x_l[i, j], -lz_h[i], -lz_l[i])
             ae = (x_r[i, j] + lz_r[i] + D.DD_REL * abs(ah)) * D.BOUND_SAFETY
             if ah + ae < WEIGHT_TINY_ARG:
-                w_tiny[i, j] = True
+                w_tiny[i, j] = 2 if ah + ae < WEIGHT_ZERO_ARG else 1
                 continue
             if ah < D.EXP_MIN_ARG + 1.0 or ae > _RHO_MAX:
                 w_r[i, j] = np.inf
@@ -341,6 +405,17 @@ def _weights_plane(rows, allowed, x_h, x_l, x_r, lz_h, lz_l, lz_r, status, w_h, 
 
 
 # ------------------------------------------------------------------------------ wrapper
+def rounds_to_zero(tiny: np.ndarray, fmt) -> np.ndarray:
+    """Where a weight flagged by the kernels (1: 0 < w < 2**-288, 2: 0 < w < 2**-1154)
+    rounds to +0 in ``fmt``.
+
+    >>> from refattn.exact.rounding import FORMATS
+    >>> rounds_to_zero(np.array([0, 1, 2]), FORMATS["float64"]).tolist()
+    [False, False, True]
+    """
+    return (tiny == 2) | ((tiny == 1) & (fmt.p < 53))
+
+
 def _in_range(x: np.ndarray) -> bool:
     """All finite, nonzero magnitudes in [SAFE_MIN, SAFE_MAX]."""
     if not np.isfinite(x).all():
@@ -378,7 +453,33 @@ def _params(spec: AttentionSpec, h: int, dim: int, keys: int):
     keep_hi, keep_lo, keep_err = D.dd_of_fraction(spec.keep_scale)
     return np.array([scale_hi, scale_lo, scale_err, D.dot_bound(dim), cap, slope,
                      float(spec.offset), D.dot_bound(2 * keys), keep_hi, keep_lo, keep_err,
-                     D.gamma(dim), D.gamma(keys)])
+                     D.gamma_up(dim), D.gamma_up(SUM_BLOCK + keys // SUM_BLOCK + 2)])
+
+
+def _granularity(x: np.ndarray):
+    """The exponent of the lowest set bit over the nonzero entries of x (None if all zero)."""
+    nonzero = x[x != 0]
+    if nonzero.size == 0:
+        return None
+    frac, exps = np.frexp(nonzero)
+    mant = (np.abs(frac) * 2.0**53).astype(np.int64)
+    trailing = np.log2(mant & -mant).astype(np.int64)  # exact: a power of two
+    return int((exps.astype(np.int64) - 53 + trailing).min())
+
+
+def exact_dots(q: np.ndarray, k: np.ndarray, qn: np.ndarray, kn: np.ndarray) -> bool:
+    """Whether every fma chain ``q_i . k_j`` is exact: all products and partial sums are
+    multiples of ``2**(g_q + g_k)`` (lowest set bits) below ``2**53`` of them in magnitude
+    (``|partial| <= ||q_i|| ||k_j||``). True for float16/bfloat16 inputs of moderate range.
+
+    >>> exact_dots(np.array([[0.5, 1.5]]), np.array([[3.0, 0.25]]), np.ones(1), np.ones(1) * 4)
+    True
+    """
+    gq, gk = _granularity(q), _granularity(k)
+    if gq is None or gk is None:
+        return True  # every product is zero
+    top = float(np.max(qn)) * float(np.max(kn))
+    return top < 2.0 ** (53 + gq + gk)
 
 
 def _norms(x: np.ndarray) -> np.ndarray:
@@ -389,7 +490,16 @@ def _norms(x: np.ndarray) -> np.ndarray:
 def row_spec(spec: AttentionSpec, b: int, h: int, start: int, stop: int) -> AttentionSpec:
     """The spec of query rows ``start:stop`` of plane (b, h) alone: one batch, one head, the
     kv head it reads, and the offset shifted by ``start`` so causal, window and ALiBi see the
-    original row indices (``i' + o' = i + o``)."""
+    original row indices (``i' + o' = i + o``).
+
+    Examples
+    --------
+    >>> from refattn._spec import canonicalize
+    >>> spec = canonicalize(np.zeros((4, 2)), np.zeros((4, 2)), np.zeros((4, 1)), causal=True)
+    >>> sub = row_spec(spec, 0, 0, 2, 4)
+    >>> sub.q.shape, sub.offset
+    ((1, 1, 2, 2), 2)
+    """
     g = int(spec.kv_head[h])
 
     def rows(a):
@@ -433,8 +543,12 @@ class _Plane:
             return
         q, kT, v, allowed, kept, bias = inputs
         vmax = np.max(np.abs(v), axis=0)
-        common = (q, kT, v, allowed, kept, bias, bias.shape != (1, 1), _norms(q), _norms(kT.T),
-                  vmax, prm, want_w)
+        qn, kn = _norms(q), _norms(kT.T)
+        if exact_dots(q, kT, qn, kn):  # the double step's dot products carry no error
+            prm = prm.copy()
+            prm[11] = 0.0
+        common = (q, kT, v, allowed, kept, bias, spec.bias is not None, qn, kn, vmax,
+                  _norms(v.T), prm, want_w)
         bufs = ([np.zeros((length, vdim)) for _ in range(3)]
                 + [np.zeros(length) for _ in range(6)]
                 + [np.zeros((length, keys) if want_w else (1, 1)) for _ in range(3)])
@@ -464,15 +578,15 @@ class _Plane:
         if want_w:
             keys = allowed.shape[1]
             w = [np.zeros((allowed.shape[0], keys)) for _ in range(3)]
-            tiny = np.zeros(allowed.shape, dtype=bool)
+            tiny = np.zeros(allowed.shape, dtype=np.int8)
             _weights_plane(rows, allowed, x_h, x_l, x_r, lz_h, lz_l, lz_r, status, *w, tiny)
             value, decided = decide_dd(w[0][rows], w[1][rows], w[2][rows], fmt)
             here = allowed[rows]
             decided |= ~here  # excluded keys weigh exactly +0
             value = np.where(here, value, 0.0)
-            if fmt.p < 53:  # 0 < w < 2**-288 rounds to +0
-                decided |= tiny[rows]
-                value = np.where(tiny[rows], 0.0, value)
+            zero = rounds_to_zero(tiny[rows], fmt)
+            decided |= zero
+            value = np.where(zero, 0.0, value)
             self.w[rows] = value
             ok &= decided.all(axis=1)
         return ok

@@ -11,6 +11,9 @@ With the row maximum ``m`` (an input, exact) and the exact differences ``d_j = x
 * a result a hair from a rounding boundary (``lse = midpoint + exp(-1e9)``) is settled by the
   sign of ``result - boundary`` (:meth:`_Rows.side`), never by raising the precision.
 
+A compiled double-double first step (:mod:`refattn.exact.fast_logspace`) decides almost every
+row; only the rows it leaves undecided run through the engine above (the referee).
+
 NaN and infinite entries are handled exactly (an included NaN gives NaN, an included +inf gives
 +inf for lse and NaN weights, -inf entries weigh 0); a row with no included entry has lse -inf.
 """
@@ -34,7 +37,8 @@ from mpmath.libmp import (
 
 from .. import config
 from . import _fixed as F
-from .rounding import correctly_round
+from .fast_logspace import fast_logsumexp, fast_softmax
+from .rounding import correctly_round, format_of
 
 __all__ = ["logsumexp", "softmax"]
 
@@ -151,9 +155,26 @@ class _Rows:
 
 
 def _round_rows(x, allowed, kind, dtype):
+    """The referee: correctly rounded (rows, n) results of every row of (rows, n) inputs."""
     rows = _Rows(np.asarray(x, dtype=np.float64), np.asarray(allowed, dtype=bool))
     return correctly_round(lambda prec: rows.enclose(kind, prec), dtype,
                            decide=lambda ix, m: rows.side(kind, ix, m), what=kind)
+
+
+def _fast_then_referee(x, allowed, dtype, fast, kind):
+    """The fast first step on every row (config.EXACT_ENGINE == "fast"), the referee on the
+    rows it leaves undecided; results (R, n) in ``dtype``."""
+    rows = x.reshape(int(np.prod(x.shape[:-1])), x.shape[-1])  # -1 fails for size 0
+    masks = np.broadcast_to(allowed, x.shape).reshape(rows.shape)
+    if config.EXACT_ENGINE != "fast":
+        return _round_rows(rows, masks, kind, dtype)
+    values, decided = fast(rows, masks, dtype)
+    values = values.astype(format_of(dtype).dtype)
+    values = values.reshape(len(rows), values.size // max(len(rows), 1))
+    todo = np.flatnonzero(~decided)
+    if todo.size:
+        values[todo] = _round_rows(rows[todo], masks[todo], kind, dtype)
+    return values
 
 
 def logsumexp(x: np.ndarray, allowed: np.ndarray, dtype) -> np.ndarray:
@@ -164,7 +185,7 @@ def logsumexp(x: np.ndarray, allowed: np.ndarray, dtype) -> np.ndarray:
     >>> logsumexp(np.array([[1e10, 0.0]]), np.array([[True, True]]), np.float64).tolist()
     [10000000000.0]
     """
-    return _round_rows(x, allowed, "lse", dtype).reshape(x.shape[:-1])
+    return _fast_then_referee(x, allowed, dtype, fast_logsumexp, "lse").reshape(x.shape[:-1])
 
 
 def softmax(x: np.ndarray, allowed: np.ndarray, dtype, *, log: bool = False) -> np.ndarray:
@@ -176,4 +197,8 @@ def softmax(x: np.ndarray, allowed: np.ndarray, dtype, *, log: bool = False) -> 
     [[-0.0, -10000000000.0]]
     """
     kind = "log_softmax" if log else "softmax"
-    return _round_rows(x, allowed, kind, dtype).reshape(x.shape)
+
+    def fast(rows, masks, dt):
+        return fast_softmax(rows, masks, dt, log=log)
+
+    return _fast_then_referee(x, allowed, dtype, fast, kind).reshape(x.shape)

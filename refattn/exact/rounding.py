@@ -241,9 +241,10 @@ def decide_dd(mid_hi, mid_lo, rad, dtype):
     An element is decided iff both ends round to the same bits of ``dtype``, both are finite
     (overflow goes to the referee) and neither end is zero (an exact zero is +0 by convention;
     an enclosure touching zero is left to the referee). The ends are computed by TwoSum-based
-    double-double subtraction (relative error <= 2u**2, JMP 2017 Alg. 4) after widening ``rad``
-    by ``2**-99 (|mid| + rad) + 2**-50 rad``, which covers that error and the rounding of the
-    widening itself, so the computed ends bracket the true ones.
+    double-double subtraction (relative error <= 2u**2, JMP 2017 Alg. 4, or 2**-1075 absolute
+    in float64's subnormal range) after widening ``rad`` by ``2**-99 (|mid| + rad) + 2**-50 rad
+    + 2**-1060``, which covers that error and the rounding of the widening itself, so the
+    computed ends bracket the true ones.
 
     Examples
     --------
@@ -255,7 +256,7 @@ def decide_dd(mid_hi, mid_lo, rad, dtype):
     mid_lo = np.asarray(mid_lo, np.float64)
     rad = np.asarray(rad, np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
-        wide = rad * (1.0 + 2.0**-50) + 2.0**-99 * (np.abs(mid_hi) + rad)
+        wide = rad * (1.0 + 2.0**-50) + 2.0**-99 * (np.abs(mid_hi) + rad) + 2.0**-1060
         ends = []
         for sign in (-1.0, 1.0):
             s, e = _two_sum(mid_hi, sign * wide)
