@@ -60,6 +60,10 @@ def _constants():
 
 
 _PIECES, _PIECES_REST, _TABLE = _constants()
+#: 2**e for -1022 <= e <= 2 (the final scaling: in the domain it is a normal power of two, so
+#: the product is exact, and a table read is cheaper than ldexp)
+_POW2_MIN = -1022
+_POW2 = np.array([2.0**e for e in range(_POW2_MIN, 3)])
 _INV_STEP = _STEPS / math.log(2.0)  # any approximation: it only picks the integer k
 #: 1/n! for n <= 3 as double-doubles, and the float64 tail coefficients 1/n!, 4 <= n <= 8
 _COEF = np.array([dd_of_fraction(Fraction(1, math.factorial(n)))[:2] for n in range(4)])
@@ -97,7 +101,8 @@ def exp_dd_fast(xh, xl):
     r(c2 + r(c3 + r tau)))`` with ``c_n = 1/n!`` double-doubles and ``tau = sum_{n=4}^{8}
     r^(n-4)/n!`` in float64 (``r^4 tau < 2**-46``, so its float64 error is below
     ``2**-104``), times ``2**(j/1024)`` from the table and ``2**(k >> 10)`` (exact in the
-    domain). :data:`EXP_FAST_BUDGET` itemises the bound.
+    domain: ``2**-895 <= 2**(k >> 10) <= 2``, and the low word stays normal).
+    :data:`EXP_FAST_BUDGET` itemises the bound.
     """
     k = np.rint(xh * _INV_STEP)
     rh, rl = two_sum(xh, -k * _PIECES[0])
@@ -115,8 +120,9 @@ def exp_dd_fast(xh, xl):
     ki = np.int64(k)
     j = ki & (_STEPS - 1)
     ah, al = dd_mul(ah, al, _TABLE[j, 0], _TABLE[j, 1])
-    e = (ki - j) // _STEPS
-    return math.ldexp(ah, e), math.ldexp(al, e)
+    # clamped: outside the domain the value is meaningless but no read leaves the table
+    scale = _POW2[min(max((ki - j) // _STEPS - _POW2_MIN, 0), _POW2.shape[0] - 1)]
+    return ah * scale, al * scale
 
 
 
@@ -138,7 +144,10 @@ def round_decision(xh, xl, err, p, emin, max_finite):
     quantum = math.ldexp(1.0, max(ex - 1, emin) - (p - 1))
     y = np.rint(s / quantum) * quantum
     d = (s - y) + e  # s - y is exact (both on the float64 grid, |s - y| <= quantum / 2)
-    slack = 1.0 + 2.0**-50  # covers the roundings of d and of |d| + err
+    # the relative slack covers the roundings of d and of |d| + err; 2**-1074 a rounding of d
+    # in the subnormal range
+    slack = 1.0 + 2.0**-50
+    err = err + 2.0**-1074
     if y == 0.0:
         half = 0.5 * quantum
         if (abs(d) + err) * slack < half and abs(d) > err * slack:

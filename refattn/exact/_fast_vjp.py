@@ -20,15 +20,19 @@ Error analysis (``u = 2**-53``; every bound below is an upper bound of the exact
 * dot products of exact inputs (``q_i . k_j``, ``dO_i . v_j``) and the accumulations of dq,
   dk, dv use the compensated scheme ``(p, e) = two_prod``, ``(s, e') = two_sum(s, p)``,
   ``c += e + e'`` (with the low word of a dd factor folded into ``e`` by one fma); over n
-  terms the pair ``(s, c)`` is within ``C_n A`` of the exact sum, ``C_n = 1.05 (n + 3)^2 u^2``
-  and ``A = sum |a_k b_k|``, bounded by ``max_k |a_k| * sum_k |b_k|``;
+  terms the pair ``(s, c)`` is within ``dot_bound(n) A`` of the exact sum
+  (:func:`refattn.exact._dd.dot_bound`, about ``2 n^2 u^2``), ``A = sum |a_k b_k|`` bounded
+  by ``max_k |a_k| * sum_k |b_k|``;
+* every other dd operation errs by at most ``DD_REL = 2**-100`` of its result (four times the
+  largest JMP bound, :mod:`refattn.exact._dd`);
 * scores: the scale (a dd for 1/sqrt(D)), softcap via ``E = exp(-2|y|)``,
-  ``tanh|y| = (1 - E)/(1 + E)`` (absolute error ``2 E rho_E + 22 u^2``) and
-  ``1 - tanh^2 = 4E/(1 + E)^2`` (relative error ``rho_E + 27 u^2``), bias and ALiBi
-  (``slope * distance`` exact by two_prod) each add their JMP bound;
+  ``tanh|y| = (1 - E)/(1 + E)`` (absolute error ``2 eE + 22 DD_REL``) and
+  ``1 - tanh^2 = 4E/(1 + E)^2`` (absolute error ``4 eE + 27 DD_REL`` of itself), bias and
+  ALiBi (``slope * distance`` exact by two_prod) one ``DD_REL`` each;
 * weights: ``e_ij = exp(t_ij - m_i)`` (``m_i`` the row's largest float score) has relative
-  error ``EXP_REL + expm1(err t_ij)``; ``Z_i`` (a sum of positive dd terms) ``max_j rho_ij +
-  4.2 S u^2``; ``w = e * (1/Z)``; the further steps are dd products and sums whose errors are
+  error ``EXP_FAST_REL + expm1(err t_ij)`` (below ``EXP_MIN_ARG``: 0 with absolute error
+  ``2**-894``); ``Z_i`` and ``Delta_i`` are compensated sums (``dot_bound(S)`` of the sum of
+  magnitudes); ``w = e * (1/Z)``; the further steps are dd products and sums whose errors are
   the first-order JMP bounds plus the products of the operands' errors;
 * every bound computed in float64 is multiplied by ``1 + 2**-20`` (it is a sum/product of
   fewer than ``2**25`` non-negative terms, so its own rounding stays below ``2**-26``
@@ -176,7 +180,7 @@ def _add_terms(b, h, i, sh, sl, se, bias, slopes, offset, has_bias, has_alibi, a
 
 
 @njit(**_JIT)
-def _weights(sh, sl, se, allowed, wh, wl, we):
+def _weights(sh, sl, se, allowed, wh, wl, we, c_keys):
     """w = exp(t - m) / Z for one row (we: absolute errors); False for an empty row."""
     keys = sh.shape[0]
     top = -np.inf
@@ -185,7 +189,7 @@ def _weights(sh, sl, se, allowed, wh, wl, we):
             top = sh[j]
     if top == -np.inf:
         return False
-    zh, zl, ze, zmag = 0.0, 0.0, 0.0, 0.0
+    zh, zc, ze, zmag = 0.0, 0.0, 0.0, 0.0  # Z by the compensated sum (dot_bound(S))
     for j in range(keys):
         if not allowed[j]:
             wh[j], wl[j], we[j] = 0.0, 0.0, 0.0
@@ -194,11 +198,13 @@ def _weights(sh, sl, se, allowed, wh, wl, we):
         ex = se[j] + DD_REL * abs(xh)
         eh, el, ee = _exp_with_error(xh, xl, _expm1_bound(ex * _SAFE))
         wh[j], wl[j], we[j] = eh, el, ee
-        zh, zl = dd_add(zh, zl, eh, el)
+        zh, es = two_sum(zh, eh)
+        zc += el + es
         ze += ee
         zmag += eh
+    zh, zl = two_sum(zh, zc)
     # Z >= exp(t_top - top) ~ 1: its relative error is finite and tiny
-    rho_z = (ze + keys * DD_REL * zmag) * _SAFE / zh
+    rho_z = (ze + c_keys * zmag) * _SAFE / zh
     ih, il = dd_div(1.0, 0.0, zh, zl)
     rho_inv = (rho_z + DD_REL) * _SAFE
     for j in range(keys):
@@ -247,7 +253,11 @@ def _accumulate(ah, al, brow, acc_h, acc_c):
 @njit(**_JIT)
 def _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, opts, fopts,
          k_l1, v_l1, sh, sl, se, fh, fl, fe, wh, wl, we, dh, dl, de, dsh, dsl, dse):
-    """dS (dsh, dsl, dse) and dT (in place of the scores arrays) of one row; False: empty."""
+    """dS (dsh, dsl, dse) and dT (in place of the scores arrays) of one row.
+
+    Returns 0 for an empty row, 2 for a row with a single allowed key (its weight is exactly
+    1 and ``dS = dP - dP + g = g`` exactly, whatever the dropout), 1 otherwise.
+    """
     has_bias, has_alibi, has_softcap, offset, dropout = opts[0], opts[1], opts[2], opts[3], \
         opts[4]
     s_hi, s_lo, s_err, cap, kf_h, kf_l, kf_e = fopts[0], fopts[1], fopts[2], fopts[3], \
@@ -257,27 +267,38 @@ def _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes,
     if has_softcap:
         _softcap(cap, sh, sl, se, fh, fl, fe)
     _add_terms(b, h, i, sh, sl, se, bias, slopes, offset, has_bias, has_alibi, allowed)
-    if not _weights(sh, sl, se, allowed, wh, wl, we):
-        return False
+    g_i = glse[b, h, i] if has_glse else 0.0
+    count, only = 0, 0
+    for j in range(keys):
+        if allowed[j]:
+            count += 1
+            only = j
+    if count == 0:
+        return 0
+    if count == 1:
+        _single_key(only, g_i, has_softcap, sh, sl, se, fh, fl, fe, wh, wl, we, dsh, dsl, dse)
+        return 2
+    _weights(sh, sl, se, allowed, wh, wl, we, fopts[9])
     _dots(do[b, h, i], vt[b, g], dh, dl, de, v_l1, fopts[8])
     # Delta' = sum_j w_ij kappa_ij dp_ij (kf applied after)
-    acc_h, acc_l, acc_e, mag = 0.0, 0.0, 0.0, 0.0
+    acc_h, acc_c, acc_e, mag = 0.0, 0.0, 0.0, 0.0  # compensated sum (dot_bound(S))
     for j in range(keys):
         if not (allowed[j] and kept[j]):
             dh[j], dl[j], de[j] = 0.0, 0.0, 0.0
             continue
         ph, pl = dd_mul(wh[j], wl[j], dh[j], dl[j])
-        acc_h, acc_l = dd_add(acc_h, acc_l, ph, pl)
+        acc_h, es = two_sum(acc_h, ph)
+        acc_c += pl + es
         acc_e += we[j] * abs(dh[j]) + wh[j] * de[j] + we[j] * de[j]
         mag += abs(ph)
-    # products: MUL each; the running sum: ADD per step times a partial sum <= mag
-    acc_e = (acc_e + (DD_REL + keys * DD_REL) * mag * _SAFE) * _SAFE
+    acc_h, acc_l = two_sum(acc_h, acc_c)
+    # products: DD_REL each; the compensated sum: dot_bound(S) of the sum of magnitudes
+    acc_e = (acc_e + (DD_REL + fopts[9]) * mag * _SAFE) * _SAFE
     if dropout:
         delta_h, delta_l = dd_mul(acc_h, acc_l, kf_h, kf_l)
         delta_e = (abs(kf_h) * acc_e + abs(acc_h) * kf_e + DD_REL * abs(delta_h)) * _SAFE
     else:
         delta_h, delta_l, delta_e = acc_h, acc_l, acc_e
-    g_i = glse[b, h, i] if has_glse else 0.0
     for j in range(keys):
         if not allowed[j]:
             dsh[j], dsl[j], dse[j] = 0.0, 0.0, 0.0
@@ -302,7 +323,25 @@ def _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes,
             sh[j], sl[j], se[j] = dt_h, dt_l, dt_e
         else:
             sh[j], sl[j], se[j] = ds_h, ds_l, ds_e
-    return True
+    return 1
+
+
+@njit(**_JIT)
+def _single_key(only, g_i, has_softcap, sh, sl, se, fh, fl, fe, wh, wl, we, dsh, dsl, dse):
+    """A row with one allowed key: w = 1, dS = g exactly, dT = g (1 - tanh^2) with softcap."""
+    for j in range(sh.shape[0]):
+        wh[j], wl[j], we[j] = 0.0, 0.0, 0.0
+        dsh[j], dsl[j], dse[j] = 0.0, 0.0, 0.0
+        if j != only:
+            sh[j], sl[j], se[j] = 0.0, 0.0, 0.0
+    wh[only] = 1.0
+    dsh[only] = g_i
+    if has_softcap:
+        th, tl = dd_mul_d(fh[only], fl[only], g_i)
+        sh[only], sl[only] = th, tl
+        se[only] = (abs(g_i) * fe[only] + DD_REL * abs(th)) * _SAFE
+    else:
+        sh[only], sl[only], se[only] = g_i, 0.0, 0.0
 
 
 @njit(**_JIT)
@@ -348,20 +387,29 @@ def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, g
                 q_sum[d] += abs(q[b, h, i, d])
             for e in range(vdim):
                 do_sum[e] += abs(do[b, h, i, e])
-            if not _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed_row, kept[b, h, i],
+            kind = _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed_row, kept[b, h, i],
                         bias, slopes, opts, fopts, k_l1, v_l1, sh, sl, se, fh, fl, fe, wh, wl,
-                        we, dh, dl, de, dsh, dsl, dse):
+                        we, dh, dl, de, dsh, dsl, dse)
+            if kind == 0:  # empty row: zero gradients, exactly
                 dq[:, b, h, i, :] = 0.0
                 if has_bias:
                     dbias[:, b, h, i, :] = 0.0
                 continue
+            # dS = dT = 0 exactly when g = 0 and either a single key is allowed (weight 1,
+            # dS = dP - dP) or no allowed key is kept (dP = Delta = 0)
+            no_kept = True
+            for j in range(keys):
+                if allowed_row[j] and kept[b, h, i, j]:
+                    no_kept = False
+            zero_row = (kind == 2 or no_kept) and (not has_glse or glse[b, h, i] == 0.0)
             if has_bias:
                 for j in range(keys):
                     dbias[0, b, h, i, j] = dsh[j]
                     dbias[1, b, h, i, j] = dsl[j]
-                    # excluded positions are exact zeros
+                    # excluded positions and single-key rows are exact
                     dbias[2, b, h, i, j] = (dse[j] * BOUND_SAFETY + UNDERFLOW_TERM
-                                            if allowed_row[j] else 0.0)
+                                            if allowed_row[j] and kind == 1 and not zero_row
+                                            else 0.0)
             dq_h[:] = 0.0
             dq_c[:] = 0.0
             emax, amax = 0.0, 0.0
@@ -369,6 +417,12 @@ def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, g
                 if not allowed_row[j]:
                     continue
                 check += se[j] + abs(sh[j]) + we[j] + dse[j]
+                if kind == 2 and kept[b, h, i, j]:  # weight exactly 1
+                    _accumulate(1.0, 0.0, do[b, h, i], dv_h[j], dv_c[j])
+                    dv_terms[j] += 1
+                    dv_amax[j] = max(dv_amax[j], 1.0)
+                if zero_row:
+                    continue
                 emax = max(emax, se[j])
                 amax = max(amax, abs(sh[j]))
                 _accumulate(sh[j], sl[j], k[b, g, j], dq_h, dq_c)
@@ -376,11 +430,14 @@ def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, g
                 dk_terms[j] += 1
                 dk_emax[j] = max(dk_emax[j], se[j])
                 dk_amax[j] = max(dk_amax[j], abs(sh[j]))
-                if kept[b, h, i, j]:
+                if kept[b, h, i, j] and kind == 1:
                     _accumulate(wh[j], wl[j], do[b, h, i], dv_h[j], dv_c[j])
                     dv_terms[j] += 1
                     dv_emax[j] = max(dv_emax[j], we[j])
                     dv_amax[j] = max(dv_amax[j], wh[j])
+            if zero_row:
+                dq[:, b, h, i, :] = 0.0
+                continue
             c_s = fopts[9]
             for d in range(dim):
                 xh, xl = two_sum(dq_h[d], dq_c[d])
