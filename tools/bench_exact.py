@@ -15,7 +15,9 @@ For forward (out + lse) and vjp (dq, dk, dv) it times
 
 An exact engine is first timed on a slice (one head, a few query rows) and its full time
 estimated by scaling with the number of (head, row) pairs; when the estimate exceeds
-``--old-budget`` the full run is skipped and the estimate printed instead. Figures are the best
+``--old-budget`` the full run is skipped and the estimate printed instead (a run that still
+exceeds ``--timeout``, e.g. when a slow fallback hits rows the slice did not have, is abandoned
+and reported as such). Figures are the best
 of ``--repeat`` runs; the CPU name and the load average are printed with them (the machine is
 shared: compare ratios taken in one run, never absolute times across runs).
 
@@ -30,6 +32,7 @@ import contextlib
 import json
 import os
 import platform
+import signal
 import time
 
 import ml_dtypes
@@ -134,6 +137,29 @@ def call(kind, path, q, k, v, grad, out_dtype):
     return refattn.attention_vjp(q, k, v, grad, precision="exact", out_dtype=out_dtype)
 
 
+class RunTimeout(Exception):
+    """An exact run exceeded --timeout (the slice estimate missed a slow fallback)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raise :class:`RunTimeout` after ``seconds`` (SIGALRM; no limit where unavailable)."""
+    if not hasattr(signal, "SIGALRM") or seconds <= 0:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise RunTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def best_of(fn, repeat):
     best = np.inf
     for _ in range(repeat):
@@ -158,7 +184,13 @@ def exact_run(kind, name, shape, args, arrays):
             return row
         sink: dict = {}
         with vjp_stats(sink) if kind == "vjp" else contextlib.nullcontext():
-            row["s"] = best_of(lambda: call(kind, name, q, k, v, grad, out_dtype), args.repeat)
+            try:
+                with time_limit(args.timeout):
+                    row["s"] = best_of(lambda: call(kind, name, q, k, v, grad, out_dtype),
+                                       args.repeat)
+            except RunTimeout:
+                row["timed_out_s"] = args.timeout
+                return row
         if kind == "forward":
             row["fallback"] = forward_fraction()
         elif sink.get("elements"):
@@ -187,6 +219,9 @@ def bench(kind, shape, args, arrays):
 def _fmt_seconds(row):
     if row["s"] is not None:
         return f"{row['s']:9.3f} s"
+    if "timed_out_s" in row:
+        return (f"timed out after {row['timed_out_s']:.0f} s (estimate "
+                f"{row['estimate_s']:.0f} s)")
     return f"skipped (estimate {row['estimate_s']:.0f} s)"
 
 
@@ -225,6 +260,8 @@ def main(argv=None):
                         help="query rows of the slice that estimates an exact run (default 4)")
     parser.add_argument("--old-budget", type=float, default=120.0,
                         help="skip an exact run whose estimate exceeds this (s, default 120)")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="abandon one full exact run after this many seconds (default 600)")
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args(argv)
     shape = dict(PRESETS[args.preset])
