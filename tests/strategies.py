@@ -258,3 +258,110 @@ def logspace_rows(draw, max_len=7):
     x = rng.standard_normal((3, n)) * spread
     where = rng.random((3, n)) < draw(_st.sampled_from([1.0, 0.6]))
     return x, where
+
+
+# ------------------------------------------------------------------------------ hard inputs
+# (the exact path's worst cases: ties at the maximum, results on or next to rounding
+# midpoints, huge logit gaps, near-cancelling outputs, subnormal and near-overflow values)
+
+HARD_GAPS = (60.0, 700.0, 1e5, 1e9)
+HARD_TARGETS = ("float64", "float32", "bfloat16", "float16")
+HARD_STYLES = ("midpoint", "ties", "cancel", "subnormal", "overflow", "plain")
+
+
+def _target_dtype(name):
+    return _np.dtype(__import__("ml_dtypes").bfloat16) if name == "bfloat16" else _np.dtype(name)
+
+
+def midpoint_pair(center: float, target: str):
+    """Two float64 values whose mean is the rounding midpoint of ``target`` just above
+    ``center`` (the two neighbours of that midpoint in float64 for a float64 target)."""
+    dtype = _target_dtype(target)
+    low = float(_np.array([center]).astype(dtype)[0])
+    if low > center:
+        low = float(_np.nextafter(_np.array([low], dtype), _np.array([-_np.inf], dtype))[0])
+    high = float(_np.nextafter(_np.array([low], dtype), _np.array([_np.inf], dtype))[0])
+    if target == "float64":  # the midpoint itself is not a float64: split it in two
+        return low, high
+    middle = (low + high) / 2  # exact: narrower formats embed with spare bits
+    return middle, middle
+
+
+@_st.composite
+def hard_values(draw, target, style, count):
+    """``count`` float64 values of one style; the first two average to a midpoint of
+    ``target`` (style ``midpoint``) or cancel (``cancel``)."""
+    rng = _np.random.default_rng(draw(_st.integers(0, 2**32 - 1)))
+    values = rng.standard_normal(count)
+    if style == "midpoint" and count >= 2:
+        values[0], values[1] = midpoint_pair(float(values[0]), target)
+    elif style == "cancel" and count >= 2:
+        values[1] = -values[0] * (1 + 2.0**-50 * rng.integers(-2, 3))
+    elif style == "subnormal":
+        smallest = float(_np.finfo(_np.float64).smallest_subnormal)
+        values = rng.integers(-9, 10, count) * smallest * (
+            float(__import__("ml_dtypes").finfo(_target_dtype(target)).smallest_subnormal)
+            / smallest
+            if target != "float64" else 1.0)
+    elif style == "overflow":
+        values = _np.finfo(_np.float64).max * rng.uniform(0.5, 1.0, count) * rng.choice(
+            [-1, 1], count)
+    return values
+
+
+@_st.composite
+def hard_logspace_rows(draw):
+    """(x (R, n), where (R, n), target): rows whose leading entries tie (or sit on a
+    midpoint of ``target``) and whose other entries lie a gap of 60 .. 1e9 below."""
+    target = draw(_st.sampled_from(HARD_TARGETS))
+    gap = draw(_st.sampled_from(HARD_GAPS))
+    n = draw(_st.integers(2, 5))
+    ties = draw(_st.integers(1, n - 1))
+    rng = _np.random.default_rng(draw(_st.integers(0, 2**32 - 1)))
+    top = draw(_st.sampled_from(["midpoint", "plain", "overflow", "small"]))
+    if top == "midpoint":
+        head = midpoint_pair(float(rng.standard_normal() * 8), target)[0]
+    elif top == "overflow":
+        head = float(_np.finfo(_np.float64).max) * float(rng.uniform(0.5, 1.0))
+    elif top == "small":
+        head = float(rng.integers(-3, 4)) * 2.0**-1070
+    else:
+        head = float(rng.standard_normal() * 4)
+    x = _np.full((1, n), head)
+    x[0, ties:] = head - gap * rng.uniform(1.0, 1.5, n - ties)
+    where = _np.ones((1, n), dtype=bool)
+    if n > 2 and draw(_st.booleans()):
+        where[0, -1] = False
+    return x, where, target
+
+
+@_st.composite
+def hard_attention_cases(draw, max_keys=5):
+    """(q (1, L, 1), k (1, S, 1), v (1, S, E), opts, target) with scale 1: keys tied at the
+    maximum score, the others a gap of 60 .. 1e9 below, and values of one hard style (their
+    tied mean on a midpoint of ``target``, near-cancelling, subnormal, near overflow)."""
+    target = draw(_st.sampled_from(HARD_TARGETS))
+    gap = draw(_st.sampled_from(HARD_GAPS))
+    style = draw(_st.sampled_from(HARD_STYLES))
+    keys = draw(_st.integers(2, max_keys))
+    ties = draw(_st.integers(1, keys - 1))
+    length = draw(_st.integers(1, 2))
+    vdim = draw(_st.integers(1, 2))
+    rng = _np.random.default_rng(draw(_st.integers(0, 2**32 - 1)))
+    top = float(rng.integers(-4, 5))
+    if draw(_st.booleans()):  # the maximum score itself on a midpoint (lse's hard case)
+        top = midpoint_pair(top + float(rng.uniform()), target)[0]
+    k = _np.empty((1, keys, 1))
+    k[0, :ties, 0] = top
+    k[0, ties:, 0] = top - gap * rng.uniform(1.0, 1.5, keys - ties)
+    q = _np.ones((1, length, 1))
+    if length > 1:
+        q[0, 1:, 0] = 0.5
+    v = _np.empty((1, keys, vdim))
+    for e in range(vdim):
+        v[0, :, e] = draw(hard_values(target, style, keys))
+    if style == "midpoint" and ties == 1 and target == "float64":
+        k[0, 1, 0] = top  # the float64 midpoint needs two tied keys
+    perm = rng.permutation(keys)
+    opts = {"scale": 1.0}
+    return q, k[:, perm], v[:, perm], opts, target

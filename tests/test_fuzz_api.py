@@ -131,6 +131,16 @@ def _mp_within(got, want, bound) -> bool:
     return True
 
 
+def _is_rounded_mp(result, want) -> bool:
+    """Each element of an exact-path result is its mpmath value rounded once (200 digits
+    settle these well-separated cases: weights are 0 and 1 to far beyond any rounding)."""
+    from tests.naive.rounding import round_nested
+
+    return all(np.array_equal(np.asarray(g, np.float64), round_nested(w))
+               and np.array_equal(np.signbit(g), np.signbit(round_nested(w)))
+               for g, w in zip(result, want, strict=True))
+
+
 def check_attention(args, options):
     """A float64 / numba result of attention vs the exact path, inside the stated bound."""
     def check(result):
@@ -144,16 +154,8 @@ def check_attention(args, options):
             out_b, lse_b = spec.unflatten(out_b), spec.unflatten(lse_b)
         else:
             out_b, lse_b = float64_forward_bound(*args, **plain)
-        try:
-            want_out, want_lse = refattn.attention(*args, **plain, precision="exact",
-                                                   return_lse=True)
-        except (ZeroDivisionError, OverflowError):
-            # the exact path's extreme-score cases belong to another item of the issue (they
-            # are counted apart): judge the float64 result against mpmath instead
-            if set(plain) - {"scale", "causal"}:
-                raise
-            want_out, want_lse = _mp_attention(*args, plain.get("scale"), plain.get("causal"))
-            return _mp_within(out, want_out, out_b) and _mp_within(lse, want_lse, lse_b)
+        want_out, want_lse = refattn.attention(*args, **plain, precision="exact",
+                                               return_lse=True)
         return _within(out, want_out, out_b) and _within(lse, want_lse, lse_b)
     return check
 
@@ -269,6 +271,15 @@ def beyond_range_tries(rng):
             tries.append(Try(f"attention[float64] q,k~{size:g}", ["q"],
                              lambda q=q, k=k, v=v: refattn.attention(
                                  q, k, v, scale=1.0, return_lse=True), check))
+            tries.append(Try(f"attention[exact] q,k~{size:g}", ["q"],
+                             lambda q=q, k=k, v=v: refattn.attention(
+                                 q, k, v, scale=1.0, return_lse=True, precision="exact"),
+                             lambda r, q=q, k=k, v=v: _is_rounded_mp(
+                                 r, _mp_attention(q, k, v, 1.0))))
+            tries.append(Try(f"attention_vjp[exact] q,k~{size:g}", ["q"],
+                             lambda q=q, k=k, v=v: refattn.attention_vjp(
+                                 q, k, v, np.ones((2, 2)), scale=1.0, precision="exact"),
+                             lambda g: all(np.isfinite(x).all() for x in g[:3])))
             tries.append(Try(f"attention[numba] q,k~{size:g}", ["q"],
                              lambda q=q, k=k, v=v: refattn.attention(
                                  q, k, v, scale=1.0, return_lse=True, backend="numba"),
@@ -522,10 +533,9 @@ def all_tries(seed=0, random_count=40):
             + random_extreme_tries(rng, random_count))
 
 
-# Unacceptable outcomes that another item of issue #11 owns (the exact path's extreme inputs,
-# helper `exact-robust`): counted and printed apart, not failed here. Remove an entry once it
-# passes; a listed try that turns acceptable is fine.
-OWNED_ELSEWHERE = {"attention[exact] scale=huge"}
+# Unacceptable outcomes another item owns: counted and printed apart, not failed here. Empty
+# since the exact path settles every finite input (issue #9 item 5).
+OWNED_ELSEWHERE: set[str] = set()
 
 
 @pytest.mark.filterwarnings("ignore::numba.NumbaWarning")

@@ -14,6 +14,7 @@ from mpmath.libmp import (
     from_man_exp,
     fzero,
     mpf_add,
+    mpf_cmp,
     mpf_div,
     mpf_exp,
     mpf_log,
@@ -93,6 +94,23 @@ def log_bounds(lo, hi, prec: int):
     )
 
 
+def log1p_bounds(lo, hi, prec: int):
+    """Enclosure of ``log(1 + x)`` over ``0 <= lo <= hi``, relatively tight for tiny x.
+
+    Below ``2**-prec`` the bounds ``x / (1 + x) <= log1p(x) <= x`` already are (no
+    ``exp(-1e9)``-sized precision is ever needed); above it ``1 + x`` is formed at
+    ``prec + |log2 x|`` bits (at most ``2 prec``) before the logarithm.
+    """
+    if not hi[1]:
+        return fzero, fzero
+    one = from_man_exp(1, 0)
+    if hi[2] + hi[3] < -prec:
+        return mpf_div(lo, mpf_add(one, lo, prec, round_ceiling), prec, round_floor), hi
+    extra = prec + max(0, -(lo[2] + lo[3])) if lo[1] else 2 * prec
+    return log_bounds(mpf_add(one, lo, extra, round_floor),
+                      mpf_add(one, hi, extra, round_ceiling), extra)
+
+
 def tanh_bounds(lo, hi, prec: int):
     """Enclosure of tanh over [lo, hi]."""
     work = prec + config.ELEMENTARY_GUARD_BITS
@@ -109,6 +127,15 @@ def invsqrt_bounds(n: int, prec: int):
     root_hi = mpf_sqrt(from_man_exp(n, 0), work, round_ceiling)
     one = from_man_exp(1, 0)
     return mpf_div(one, root_hi, work, round_floor), mpf_div(one, root_lo, work, round_ceiling)
+
+
+def sign_of(lo, hi):
+    """+1 / -1 when the enclosure [lo, hi] excludes 0 on that side, else None."""
+    if mpf_cmp(lo, fzero) > 0:
+        return 1
+    if mpf_cmp(hi, fzero) < 0:
+        return -1
+    return None
 
 
 def floor_scaled(x, bits: int) -> int:

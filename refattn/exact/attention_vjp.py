@@ -26,7 +26,20 @@ import dataclasses
 from fractions import Fraction
 
 import numpy as np
-from mpmath.libmp import from_man_exp, mpf_div, mpf_mul, round_ceiling, round_floor
+from mpmath.libmp import (
+    from_man_exp,
+    from_rational,
+    fzero,
+    mpf_add,
+    mpf_cmp,
+    mpf_div,
+    mpf_mul,
+    mpf_neg,
+    mpf_sqrt,
+    round_ceiling,
+    round_floor,
+    to_float,
+)
 
 from .. import config
 from .._broadcast import reduce_to
@@ -62,6 +75,7 @@ class ExactVJP:
         self.v = F.to_fixed(spec.v)
         self._cache: dict[int, dict] = {}
         self._rows: dict[tuple, list | None] = {}
+        self._splits: dict[tuple, object] = {}
 
     # ------------------------------------------------------------------------------------
     def at(self, prec: int) -> dict:
@@ -216,6 +230,173 @@ class ExactVJP:
         return [weight * (dpp[j] - delta + g_i) if plane.allowed[i, j] else Fraction(0)
                 for j in range(len(dpp))]
 
+    # -- a result a hair from a rounding boundary ----------------------------------------
+    def side(self, name: str, index: tuple, boundary: Fraction):
+        """The sign of ``x - boundary`` for a dq / dk / dv element ``x``, or None (see
+        :func:`refattn.exact.rounding.correctly_round`'s ``decide``).
+
+        Each weight is split as ``P_ij = A_ij + dP_ij`` with the exact part ``A_ij = 1/n_i``
+        on the ``n_i`` keys tied at the row maximum (0 elsewhere) and the remainder enclosed
+        in relative precision (it may be ``exp(-1e9)``). Every gradient element is then an
+        exact rational *head* (computed from ``A``) times the scale plus a small *tail*, so a
+        gradient a hair from a rounding midpoint or from 0 is settled at once (dbias: the sum
+        of dS over the positions it reduces). Softcapped calls are left to the Ziv loop.
+        """
+        spec = self.spec
+        if name not in ("dq", "dk", "dv", "dbias") or spec.softcap is not None:
+            return None
+        for work in (64, 256, 1024):
+            found = self._side_at(name, index, boundary, work)
+            if found is not None:
+                return found
+        return None
+
+    def _split_row(self, b, h, i, work):
+        """({j: A_ij (Fraction)}, {j: (lo, hi) of P_ij - A_ij}) in relative precision, None
+        for an empty / NaN row, "undecided" when the top group is not yet separated."""
+        key = (b, h, i, work)
+        if key in self._splits:
+            return self._splits[key]
+        forward = self.forward
+        plane = forward.planes[b, h]
+        row = forward._row(plane, i, work)
+        if row is None:
+            self._splits[key] = None
+            return None
+        _, _, diffs = row
+        groups = forward._groups(plane, i)
+        best = max(groups, key=lambda g: _float_key(diffs[g[0]][0]))
+        for members in groups:
+            if members is not best and mpf_cmp(diffs[members[0]][1], diffs[best[0]][0]) >= 0:
+                self._splits[key] = "undecided"
+                return "undecided"
+        exps = {j: F.exp_bounds(lo, hi, work) for j, (lo, hi) in diffs.items()}
+        rest_lo = rest_hi = fzero  # Z - n: the keys outside the top group
+        for members in groups:
+            if members is not best:
+                for j in members:
+                    rest_lo = mpf_add(rest_lo, exps[j][0], work, round_floor)
+                    rest_hi = mpf_add(rest_hi, exps[j][1], work, round_ceiling)
+        n = len(best)
+        top = set(best)
+        z_lo = mpf_add(from_man_exp(n, 0), rest_lo, work, round_floor)
+        z_hi = mpf_add(from_man_exp(n, 0), rest_hi, work, round_ceiling)
+        exact = {j: Fraction(1, n) if j in top else Fraction(0) for j in diffs}
+        delta = {}
+        for j, (e_lo, e_hi) in exps.items():
+            if j in top:  # 1/Z - 1/n = -(Z - n) / (n Z)
+                den_lo = mpf_mul(from_man_exp(n, 0), z_lo, work, round_floor)
+                den_hi = mpf_mul(from_man_exp(n, 0), z_hi, work, round_ceiling)
+                delta[j] = (mpf_neg(mpf_div(rest_hi, den_lo, work, round_ceiling)),
+                            mpf_neg(mpf_div(rest_lo, den_hi, work, round_floor)))
+            else:
+                delta[j] = (mpf_div(e_lo, z_hi, work, round_floor),
+                            mpf_div(e_hi, z_lo, work, round_ceiling))
+        self._splits[key] = (exact, delta)
+        return exact, delta
+
+    def _ds_split(self, b, h, i, work):
+        """({j: exact head of dS_ij}, {j: (lo, hi) tail}) or None / "undecided"."""
+        split = self._split_row(b, h, i, work)
+        if split is None or split == "undecided":
+            return split
+        exact, delta = split
+        spec = self.spec
+        plane = self.forward.planes[b, h]
+        g = int(spec.kv_head[h])
+        dots = self.do.ints[b, h, i] @ self.v.ints[b, g].T
+        unit = spec.keep_scale * Fraction(2) ** (self.do.exp + self.v.exp)
+        dp = {j: unit * (int(dots[j]) if plane.kept[i, j] else 0) for j in exact}
+        g_i = Fraction(0) if self.g is None else Fraction(int(self.g.ints[b, h, i])) * \
+            Fraction(2) ** self.g.exp
+        heads, tails = {}, {}
+        for j in exact:
+            t_head = g_i + sum((exact[k] * (dp[j] - dp[k]) for k in exact), Fraction(0))
+            t_tail = _sum_scaled([(delta[k], dp[j] - dp[k]) for k in exact], work)
+            heads[j] = exact[j] * t_head
+            # dS - A T^A = dP T^A + A (T - T^A) + dP (T - T^A)
+            tail = _sum_scaled([(delta[j], t_head)], work)
+            tail = _add(tail, _interval_times(*t_tail, _point(exact[j], work), work), work)
+            tails[j] = _add(tail, _interval_times(*delta[j], t_tail, work), work)
+        return heads, tails
+
+    def _dbias_side(self, index, boundary, work):
+        """Side of a dbias element: the sum of dS over the positions it reduces."""
+        spec = self.spec
+        _, heads, _, length, keys, _, _ = spec.dims
+        full = spec.batch_shape + (heads, length, keys)
+        shape = spec.bias_shape
+        offset = len(full) - len(shape)
+        head, tail = Fraction(0), (fzero, fzero)
+        for position in np.ndindex(full):
+            if tuple(0 if shape[d] == 1 else position[offset + d]
+                     for d in range(len(shape))) != index:
+                continue
+            batch_index = position[: len(spec.batch_shape)]
+            b = int(np.ravel_multi_index(batch_index, spec.batch_shape)) if batch_index else 0
+            h, i, j = (int(x) for x in position[-3:])
+            split = self._ds_split(b, h, i, work)
+            if split == "undecided":
+                return None
+            if split is None or j not in split[0]:
+                continue
+            head += split[0][j]
+            tail = _add(tail, split[1][j], work)
+        return F.sign_of(*_add(tail, _point(head - boundary, work), work))
+
+    def _side_at(self, name, index, boundary, work):
+        spec = self.spec
+        if name == "dbias":
+            return self._dbias_side(index, boundary, work)
+        head, tail = Fraction(0), (fzero, fzero)
+        if name == "dq":
+            b, h, i, d = index
+            g = int(spec.kv_head[h])
+            split = self._ds_split(b, h, i, work)
+            if split == "undecided":
+                return None
+            if split is not None:
+                heads, tails = split
+                factors = {j: _exact_value(self.k.ints[b, g, j, d], self.k.exp) for j in heads}
+                head = sum((heads[j] * factors[j] for j in heads), Fraction(0))
+                tail = _sum_scaled([(tails[j], factors[j]) for j in heads], work)
+        else:
+            b, g, j, col = index
+            for h in np.flatnonzero(spec.kv_head == g):
+                h = int(h)
+                plane = self.forward.planes[b, h]
+                for i in np.flatnonzero(plane.allowed[:, j]):
+                    i = int(i)
+                    if name == "dv" and not plane.kept[i, j]:
+                        continue
+                    split = (self._split_row if name == "dv" else self._ds_split)(b, h, i, work)
+                    if split == "undecided":
+                        return None
+                    if split is None:
+                        continue
+                    heads, tails = split
+                    if name == "dv":
+                        factor = spec.keep_scale * _exact_value(self.do.ints[b, h, i, col],
+                                                                self.do.exp)
+                    else:
+                        factor = _exact_value(self.q.ints[b, h, i, col], self.q.exp)
+                    head += heads[j] * factor
+                    tail = _add(tail, _sum_scaled([(tails[j], factor)], work), work)
+        if name == "dv":
+            return F.sign_of(*_add(tail, _point(head - boundary, work), work))
+        # x = s (head + tail): compare head + tail with boundary / s
+        exact = spec.scale_exact
+        if isinstance(exact, Fraction):
+            if exact == 0:
+                return None
+            found = F.sign_of(*_add(tail, _point(head - boundary / exact, work), work))
+            return None if found is None else (found if exact > 0 else -found)
+        # s = 1/sqrt(D) > 0: boundary / s = boundary sqrt(D), enclosed
+        root_lo, root_hi = (mpf_sqrt(from_man_exp(exact[1], 0), work, rnd)
+                            for rnd in (round_floor, round_ceiling))
+        shift = _interval_times(*_point(-boundary, work), (root_lo, root_hi), work)
+        return F.sign_of(*_add(_add(tail, _point(head, work), work), shift, work))
+
     def exact_value(self, name: str, index: tuple):
         """Exact value of a gradient element when every row it depends on has rational
         weights (all allowed scores equal), else None."""
@@ -312,6 +493,52 @@ def _scaled_bounds(mid, rad, factor: Fraction, scale_bounds):
     return lo, hi
 
 
+def _float_key(x) -> float:
+    """A raw mpf as an orderable float (sign-preserving beyond the float range)."""
+    if not x[1]:
+        return 0.0
+    if x[2] + x[3] > 1000:
+        return -np.inf if x[0] else np.inf
+    if x[2] + x[3] < -1000:
+        return -0.0 if x[0] else 0.0
+    return to_float(x)
+
+
+def _exact_value(man, exp) -> Fraction:
+    return Fraction(int(man)) * Fraction(2) ** exp
+
+
+def _point(x: Fraction, work):
+    """An exact rational as a (lo, hi) enclosure at ``work`` bits."""
+    return (from_rational(x.numerator, x.denominator, work, round_floor),
+            from_rational(x.numerator, x.denominator, work, round_ceiling))
+
+
+def _add(a, b, work):
+    return mpf_add(a[0], b[0], work, round_floor), mpf_add(a[1], b[1], work, round_ceiling)
+
+
+def _sum_scaled(terms, work):
+    """Sum of intervals times exact rationals: [(interval, Fraction)]."""
+    total = (fzero, fzero)
+    for interval, factor in terms:
+        if factor:
+            total = _add(total, _interval_times(*interval, _point(factor, work), work), work)
+    return total
+
+
+def _interval_times(lo, hi, other, work):
+    """[lo, hi] times the interval ``other`` (every sign case)."""
+    products = [mpf_mul(a, c, work, rnd) for a in (lo, hi) for c in other
+                for rnd in (round_floor, round_ceiling)]
+    low = products[0]
+    high = products[0]
+    for x in products[1:]:
+        low = x if mpf_cmp(x, low) < 0 else low
+        high = x if mpf_cmp(x, high) > 0 else high
+    return low, high
+
+
 def _raw_ratio(raw):
     sign, man, exp, _ = raw
     man = -man if sign else man
@@ -365,11 +592,13 @@ def _referee_vjp(spec, grad_out, grad_lse, out_dtype, names):
             if spec.bias is not None:
                 results[name] = correctly_round(
                     engine.dbias, out_dtype, what="dbias",
-                    fallback=lambda ix: engine.exact_value("dbias", ix))
+                    fallback=lambda ix: engine.exact_value("dbias", ix),
+                    decide=lambda ix, m: engine.side("dbias", ix, m))
             continue
         results[name] = correctly_round(
             lambda p, name=name: engine.at(p)[name], out_dtype,
-            fallback=lambda ix, name=name: engine.exact_value(name, ix), what=name)
+            fallback=lambda ix, name=name: engine.exact_value(name, ix),
+            decide=lambda ix, m, name=name: engine.side(name, ix, m), what=name)
     return results
 
 

@@ -1,8 +1,18 @@
 """Exact paths of :mod:`refattn.logspace`: log-sum-exp, softmax and log-softmax of the exact
-binary inputs, enclosed in intervals per row and rounded once by the Ziv loop.
+binary inputs, enclosed per row and rounded once by the Ziv loop.
+
+With the row maximum ``m`` (an input, exact) and the exact differences ``d_j = x_j - m``,
+``X = sum_{j != r} exp(d_j)`` over the included entries other than one maximal entry ``r``:
+
+* ``lse = m + log1p(X)``, ``softmax_j = exp(d_j) / (1 + X)``, ``log_softmax_j = d_j -
+  log1p(X)`` (Blanchard, Higham & Higham 2021, eqs. (2.3)-(2.4): the shifted, log1p form);
+* every quantity is enclosed in *relative* precision (directed rounding on raw mpfs), so a gap
+  of 1e9 or scores near the float maximum cost no more than ordinary ones;
+* a result a hair from a rounding boundary (``lse = midpoint + exp(-1e9)``) is settled by the
+  sign of ``result - boundary`` (:meth:`_Rows.side`), never by raising the precision.
 
 A compiled double-double first step (:mod:`refattn.exact.fast_logspace`) decides almost every
-row; only the rows it leaves undecided run through the interval engine (the referee).
+row; only the rows it leaves undecided run through the engine above (the referee).
 
 NaN and infinite entries are handled exactly (an included NaN gives NaN, an included +inf gives
 +inf for lse and NaN weights, -inf entries weigh 0); a row with no included entry has lse -inf.
@@ -10,60 +20,161 @@ NaN and infinite entries are handled exactly (an included NaN gives NaN, an incl
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
+from mpmath.libmp import (
+    from_float,
+    from_man_exp,
+    fzero,
+    mpf_add,
+    mpf_div,
+    mpf_mul,
+    mpf_sub,
+    round_ceiling,
+    round_floor,
+)
 
 from .. import config
-from . import intervals as I
+from . import _fixed as F
 from .fast_logspace import fast_logsumexp, fast_softmax
 from .rounding import correctly_round, format_of
 
-__all__ = ["logsumexp", "softmax", "lse_interval"]
+__all__ = ["logsumexp", "softmax"]
+
+_NAN = float("nan")
 
 
-def _exact_rows(x, allowed, fn, out_dtype, what):
-    """Run ``fn(row_intervals, row_allowed) -> intervals`` per row under the Ziv loop."""
-    rows = x.reshape(int(np.prod(x.shape[:-1])), x.shape[-1])  # -1 is ambiguous for size 0
-    masks = allowed.reshape(rows.shape)
+class _Rows:
+    """Exact data of the rows of one call: the finite included entries, their maximum and the
+    exact differences to it (None for a row whose result is NaN / +-inf / empty)."""
 
-    def evaluate(prec):
-        with I.workprec(prec):
-            results = [fn(I.to_intervals(r), m, r) for r, m in zip(rows, masks, strict=True)]
-        return I.endpoints(np.array(results, dtype=object).reshape(rows.shape[0], -1))
+    def __init__(self, x: np.ndarray, allowed: np.ndarray):
+        self.raw = x.reshape(int(np.prod(x.shape[:-1])), x.shape[-1])  # -1 fails for size 0
+        self.allowed = allowed.reshape(self.raw.shape)
+        self.rows = [self._row(r, m) for r, m in zip(self.raw, self.allowed, strict=True)]
 
-    return correctly_round(evaluate, out_dtype, what=what)
+    @staticmethod
+    def _row(raw, allowed):
+        """("nan" | "inf" | "empty" | (top, ref, {j: d_j})) for one row."""
+        vals = raw[allowed]
+        if np.isnan(vals).any():
+            return "nan"
+        if np.isposinf(vals).any():
+            return "inf"
+        finite = np.flatnonzero(allowed & np.isfinite(raw))
+        if not finite.size:
+            return "empty"
+        ref = int(finite[np.argmax(raw[finite])])
+        top = from_float(float(raw[ref]))
+        return top, ref, {int(j): mpf_sub(from_float(float(raw[j])), top) for j in finite}
+
+    @staticmethod
+    def tail(row, work: int):
+        """Bounds of ``X = sum_{j != ref} exp(d_j)`` at ``work`` bits (relative)."""
+        _, ref, diffs = row
+        x_lo = x_hi = fzero
+        for j, d in diffs.items():
+            if j != ref:
+                e_lo, e_hi = F.exp_bounds(d, d, work)
+                x_lo = mpf_add(x_lo, e_lo, work, round_floor)
+                x_hi = mpf_add(x_hi, e_hi, work, round_ceiling)
+        return x_lo, x_hi
+
+    def enclose(self, kind: str, prec: int):
+        """(lo, hi) object arrays (rows, n) for kind in lse / softmax / log_softmax."""
+        work = prec + config.ELEMENTARY_GUARD_BITS
+        n = 1 if kind == "lse" else self.raw.shape[1]
+        lo = np.empty((len(self.rows), n), dtype=object)
+        hi = np.empty_like(lo)
+        for r, row in enumerate(self.rows):
+            lo[r], hi[r] = self._enclose_row(kind, r, row, work)
+        return lo, hi
+
+    def _enclose_row(self, kind, r, row, work):
+        allowed, raw = self.allowed[r], self.raw[r]
+        empty = 0.0 if kind == "softmax" else -np.inf
+        if isinstance(row, str):
+            if kind == "lse":
+                value = {"nan": _NAN, "inf": np.inf, "empty": -np.inf}[row]
+                return [value], [value]
+            value = empty if row == "empty" else _NAN
+            values = [value if a else empty for a in allowed]
+            return values, values
+        top, _, diffs = row
+        l_lo, l_hi = F.log1p_bounds(*self.tail(row, work), work)
+        if kind == "lse":
+            return [mpf_add(top, l_lo, work, round_floor)], [mpf_add(top, l_hi, work,
+                                                                     round_ceiling)]
+        one = from_man_exp(1, 0)
+        x_lo, x_hi = self.tail(row, work)
+        z_lo = mpf_add(one, x_lo, work, round_floor)
+        z_hi = mpf_add(one, x_hi, work, round_ceiling)
+        lo, hi = [empty] * len(raw), [empty] * len(raw)
+        for j, d in diffs.items():
+            if kind == "log_softmax":
+                lo[j] = mpf_sub(d, l_hi, work, round_floor)
+                hi[j] = mpf_sub(d, l_lo, work, round_ceiling)
+            else:
+                e_lo, e_hi = F.exp_bounds(d, d, work)
+                lo[j] = mpf_div(e_lo, z_hi, work, round_floor)
+                hi[j] = mpf_div(e_hi, z_lo, work, round_ceiling)
+        return lo, hi
+
+    def side(self, kind: str, index: tuple, boundary: Fraction):
+        """The sign of ``result - boundary`` (or None), in relative precision:
+        ``(m - M) + log1p(X)``, ``(d_j - M) - log1p(X)`` or ``exp(d_j) - M (1 + X)``."""
+        r, j = index
+        row = self.rows[r]
+        if isinstance(row, str) or (kind != "lse" and j not in row[2]):
+            return None
+        top, _, diffs = row
+        m = from_man_exp(boundary.numerator, -(boundary.denominator.bit_length() - 1))
+        for work in (64, 256, 1024, 4096):
+            x_lo, x_hi = self.tail(row, work)
+            if kind == "softmax":
+                e_lo, e_hi = F.exp_bounds(diffs[j], diffs[j], work)
+                one = from_man_exp(1, 0)
+                z_lo = mpf_mul(m, mpf_add(one, x_lo, work, round_floor), work, round_floor)
+                z_hi = mpf_mul(m, mpf_add(one, x_hi, work, round_ceiling), work, round_ceiling)
+                found = F.sign_of(mpf_sub(e_lo, z_hi, work, round_floor),
+                                  mpf_sub(e_hi, z_lo, work, round_ceiling))
+            else:
+                l_lo, l_hi = F.log1p_bounds(x_lo, x_hi, work)
+                if kind == "lse":
+                    base = mpf_sub(top, m)
+                    found = F.sign_of(mpf_add(base, l_lo, work, round_floor),
+                                      mpf_add(base, l_hi, work, round_ceiling))
+                else:
+                    base = mpf_sub(diffs[j], m)
+                    found = F.sign_of(mpf_sub(base, l_hi, work, round_floor),
+                                      mpf_sub(base, l_lo, work, round_ceiling))
+            if found is not None:
+                return found
+        return None
 
 
-def lse_interval(row, allowed, raw):
-    """Enclosure of lse over the allowed entries of one row (NaN / +-inf handled exactly)."""
-    if not allowed.any():
-        return -np.inf
-    vals = raw[allowed]
-    if np.isnan(vals).any():
-        return np.nan
-    if np.isposinf(vals).any():
-        return np.inf
-    finite = allowed & np.isfinite(raw)
-    if not finite.any():
-        return -np.inf
-    top = row[np.flatnonzero(finite)[np.argmax(raw[finite])]]
-    total = sum(I.exp(row[j] - top) for j in np.flatnonzero(finite))
-    return top + I.log(total)
+def _round_rows(x, allowed, kind, dtype):
+    """The referee: correctly rounded (rows, n) results of every row of (rows, n) inputs."""
+    rows = _Rows(np.asarray(x, dtype=np.float64), np.asarray(allowed, dtype=bool))
+    return correctly_round(lambda prec: rows.enclose(kind, prec), dtype,
+                           decide=lambda ix, m: rows.side(kind, ix, m), what=kind)
 
 
-def _softmax_intervals(row, allowed, raw, log: bool):
-    lse = lse_interval(row, allowed, raw)
-    empty = -np.inf if log else 0.0
-    out = []
-    for j in range(len(row)):
-        if not allowed[j]:
-            out.append(empty)
-        elif not isinstance(lse, I.iv.mpf):  # lse is NaN, +inf or -inf
-            out.append(np.nan if np.isnan(lse) or np.isposinf(lse) else empty)
-        elif np.isneginf(raw[j]):
-            out.append(empty)
-        else:
-            out.append(row[j] - lse if log else I.exp(row[j] - lse))
-    return out
+def _fast_then_referee(x, allowed, dtype, fast, kind):
+    """The fast first step on every row (config.EXACT_ENGINE == "fast"), the referee on the
+    rows it leaves undecided; results (R, n) in ``dtype``."""
+    rows = x.reshape(int(np.prod(x.shape[:-1])), x.shape[-1])  # -1 fails for size 0
+    masks = np.broadcast_to(allowed, x.shape).reshape(rows.shape)
+    if config.EXACT_ENGINE != "fast":
+        return _round_rows(rows, masks, kind, dtype)
+    values, decided = fast(rows, masks, dtype)
+    values = values.astype(format_of(dtype).dtype)
+    values = values.reshape(len(rows), values.size // max(len(rows), 1))
+    todo = np.flatnonzero(~decided)
+    if todo.size:
+        values[todo] = _round_rows(rows[todo], masks[todo], kind, dtype)
+    return values
 
 
 def logsumexp(x: np.ndarray, allowed: np.ndarray, dtype) -> np.ndarray:
@@ -71,12 +182,10 @@ def logsumexp(x: np.ndarray, allowed: np.ndarray, dtype) -> np.ndarray:
 
     >>> logsumexp(np.array([[0.0, 0.0]]), np.array([[True, True]]), np.float64).tolist()
     [0.6931471805599453]
+    >>> logsumexp(np.array([[1e10, 0.0]]), np.array([[True, True]]), np.float64).tolist()
+    [10000000000.0]
     """
-    def referee(xr, ar):
-        return _exact_rows(xr, ar, lambda r, m, raw: [lse_interval(r, m, raw)], dtype,
-                           "lse")[:, 0]
-
-    return _fast_then_referee(x, allowed, dtype, fast_logsumexp, referee).reshape(x.shape[:-1])
+    return _fast_then_referee(x, allowed, dtype, fast_logsumexp, "lse").reshape(x.shape[:-1])
 
 
 def softmax(x: np.ndarray, allowed: np.ndarray, dtype, *, log: bool = False) -> np.ndarray:
@@ -84,27 +193,12 @@ def softmax(x: np.ndarray, allowed: np.ndarray, dtype, *, log: bool = False) -> 
 
     >>> softmax(np.array([[0.0, 0.0]]), np.array([[True, False]]), np.float64).tolist()
     [[1.0, 0.0]]
+    >>> softmax(np.array([[1e10, 0.0]]), np.array([[True, True]]), np.float64, log=True).tolist()
+    [[-0.0, -10000000000.0]]
     """
-    def referee(xr, ar):
-        return _exact_rows(xr, ar, lambda r, m, raw: _softmax_intervals(r, m, raw, log), dtype,
-                           "log_softmax" if log else "softmax")
+    kind = "log_softmax" if log else "softmax"
 
-    def fast(xr, ar, dt):
-        return fast_softmax(xr, ar, dt, log=log)
+    def fast(rows, masks, dt):
+        return fast_softmax(rows, masks, dt, log=log)
 
-    return _fast_then_referee(x, allowed, dtype, fast, referee).reshape(x.shape)
-
-
-def _fast_then_referee(x, allowed, dtype, fast, referee):
-    """The fast first step on every row (config.EXACT_ENGINE == "fast"), the referee engine on
-    the rows it leaves undecided; results (R, ...) in ``dtype``."""
-    rows = x.reshape(int(np.prod(x.shape[:-1])), x.shape[-1])
-    masks = np.broadcast_to(allowed, x.shape).reshape(rows.shape)
-    if config.EXACT_ENGINE != "fast":
-        return referee(rows, masks)
-    values, decided = fast(rows, masks, dtype)
-    values = values.astype(format_of(dtype).dtype)
-    todo = np.flatnonzero(~decided)
-    if todo.size:
-        values[todo] = referee(rows[todo], masks[todo])
-    return values
+    return _fast_then_referee(x, allowed, dtype, fast, kind).reshape(x.shape)

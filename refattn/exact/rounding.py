@@ -45,6 +45,7 @@ __all__ = [
     "round_array",
     "correctly_round",
     "UndecidedRoundingError",
+    "boundary_between",
     "round_dd",
     "decide_dd",
 ]
@@ -133,6 +134,9 @@ def round_exact(x, fmt: Format) -> float:
     supported format embeds in float64); overflow gives +-inf as in IEEE 754 (the magnitude
     rounded with an unbounded exponent exceeds the largest finite value).
     """
+    beyond = _beyond_range(x, fmt)
+    if beyond is not None:
+        return beyond
     nd = _as_num_den(x)
     if isinstance(nd, float):
         return nd
@@ -159,6 +163,25 @@ def round_exact(x, fmt: Format) -> float:
     else:
         value = math.ldexp(float(n), quantum_exp)
     return -value if negative else value
+
+
+def _beyond_range(x, fmt: Format) -> float | None:
+    """The rounding of a raw mpf far outside the format's range (+-0 or +-inf), else None.
+
+    Settled from the binary exponent alone, so a value like ``exp(-1e10)`` (a 35-bit exponent)
+    never becomes a gigantic integer: ``2**(exp + bc - 1) <= |x| < 2**(exp + bc)``.
+    """
+    if isinstance(x, mpf):
+        x = x._mpf_
+    if not (isinstance(x, tuple) and len(x) == 4) or not x[1]:
+        return None
+    sign, _, exp, bc = x
+    top = exp + bc  # |x| < 2**top
+    if top <= fmt.emin - fmt.p:  # below half the smallest subnormal: rounds to a signed zero
+        return -0.0 if sign else 0.0
+    if top - 1 >= fmt.emax + 1:  # at least 2**(emax + 1), beyond max + ulp/2: overflows
+        return -math.inf if sign else math.inf
+    return None
 
 
 def round_array(values: np.ndarray, fmt: Format) -> np.ndarray:
@@ -274,6 +297,7 @@ def correctly_round(
     prec0: int | None = None,
     max_prec: int | None = None,
     fallback: Callable[[tuple[int, ...]], object] | None = None,
+    decide: Callable[[tuple[int, ...], Fraction], int | None] | None = None,
     what: str = "result",
 ) -> np.ndarray:
     """Run the Ziv loop: return ``evaluate``'s exact results correctly rounded to ``dtype``.
@@ -294,6 +318,14 @@ def correctly_round(
         undecided after the first pass and again at ``max_prec`` (a result that is exactly a
         rounding midpoint can only be settled exactly). It must return a value only when it has
         proved it exact.
+    decide : callable, optional
+        ``decide(index, boundary) -> -1, 0, +1 or None``: the sign of ``x - boundary`` for an
+        element whose enclosure straddles exactly one rounding boundary (the midpoint of two
+        neighbours of the format, the overflow threshold, or 0 between two zeros of opposite
+        sign), or None when it cannot tell. Called after ``fallback`` on the first pass's
+        undecided elements: a result a hair from a boundary (a rounding midpoint plus
+        ``exp(-1e9)``, an output that underflows to a signed zero) is then settled in bounded
+        time, where doubling the precision never would.
     what : str
         Name of the result, for error messages.
 
@@ -328,6 +360,8 @@ def correctly_round(
                     if exact is not None:
                         result[index] = round_exact(exact, fmt)
                         undecided[index] = False
+            if decide is not None and undecided.any():
+                _decide_at_boundaries(result, undecided, rlo, rhi, decide, fmt)
         else:
             newly = undecided & decided
             result[newly] = rlo[newly]
@@ -335,10 +369,80 @@ def correctly_round(
         if not undecided.any():
             break
         if prec >= max_prec:
+            if decide is not None:
+                _decide_at_boundaries(result, undecided, rlo, rhi, decide, fmt)
             _settle_at_cap(result, undecided, rlo, rhi, lo, hi, fallback, fmt, what, prec)
             break
         prec = min(2 * prec, max_prec)
     return result.astype(fmt.dtype)
+
+
+def boundary_between(low: float, high: float, fmt: Format) -> Fraction | None:
+    """The one rounding boundary between two roundings ``low < high`` of the ends of an
+    enclosure, or None when they are not neighbours.
+
+    Neighbours ``a < b`` of the format meet at their midpoint; the largest finite value and
+    infinity at the overflow threshold ``max + ulp/2``; the zeros -0 and +0 at 0.
+
+    >>> boundary_between(1.0, 1.0 + 2.0**-52, FORMATS["float64"]) == 1 + Fraction(1, 2**53)
+    True
+    >>> boundary_between(-0.0, 0.0, FORMATS["float64"])
+    Fraction(0, 1)
+    """
+    if low == 0.0 and high == 0.0:
+        return Fraction(0) if math.copysign(1, low) < 0 < math.copysign(1, high) else None
+    if low == 0.0 or high == 0.0 or math.isnan(low) or math.isnan(high):
+        return None  # a neighbour of zero: 0 (the sign) is a second boundary
+    top = fmt.max_finite + Fraction(2) ** (fmt.emax - fmt.p)
+    if math.isinf(high) or math.isinf(low):
+        finite, infinite = (low, high) if math.isinf(high) else (high, low)
+        if math.isinf(finite) or abs(Fraction(finite)) != fmt.max_finite:
+            return None
+        return top if infinite > 0 else -top
+    middle = (Fraction(low) + Fraction(high)) / 2
+    return middle if round_exact(middle, fmt) in (low, high) else None
+
+
+def _decide_at_boundaries(result, undecided, rlo, rhi, decide, fmt):
+    """Settle undecided elements by the side of the boundaries they straddle: the one
+    boundary between neighbouring roundings, or, for an enclosure around 0, the sides of 0
+    and of half the smallest subnormal (an underflowing result is a signed zero)."""
+    for index in zip(*np.nonzero(undecided), strict=True):
+        index = tuple(int(i) for i in index)
+        low, high = float(rlo[index]), float(rhi[index])
+        boundary = boundary_between(low, high, fmt)
+        if boundary is not None:
+            side = decide(index, boundary)
+            if side is None:
+                continue
+            if side == 0:
+                result[index] = round_exact(boundary, fmt)
+            else:
+                result[index] = rhi[index] if side > 0 else rlo[index]
+            undecided[index] = False
+        elif low <= 0.0 <= high:
+            value = _underflow(index, low, high, decide, fmt)
+            if value is not None:
+                result[index] = value
+                undecided[index] = False
+
+
+def _underflow(index, low, high, decide, fmt):
+    """The signed zero an enclosure around 0 rounds to, when ``decide`` shows the value lies
+    within half the smallest subnormal of 0 (else None)."""
+    side = decide(index, Fraction(0))
+    if side is None:
+        return None
+    if side == 0:
+        return 0.0  # exactly zero: +0 under round-to-nearest
+    half = Fraction(2) ** (fmt.emin - fmt.p)  # half the smallest subnormal
+    zero, end = (0.0, high) if side > 0 else (-0.0, low)
+    if end == 0.0 and math.copysign(1, end) == math.copysign(1, zero):
+        return zero  # that whole side of the enclosure already rounds to this zero
+    beyond = decide(index, half if side > 0 else -half)
+    if beyond is None or beyond == side:
+        return None
+    return zero  # |x| <= half: a tie at half rounds to the even zero
 
 
 def _settle_at_cap(result, undecided, rlo, rhi, lo, hi, fallback, fmt, what, prec):
@@ -352,6 +456,7 @@ def _settle_at_cap(result, undecided, rlo, rhi, lo, hi, fallback, fmt, what, pre
         else:
             raise UndecidedRoundingError(
                 f"{what}{list(index)}: rounding to {fmt.name} undecided at {prec} bits; "
-                f"enclosure [{float(Fraction(*_as_num_den(lo[index]))):.17g}, "
-                f"{float(Fraction(*_as_num_den(hi[index]))):.17g}] straddles a rounding boundary"
+                f"enclosure [{round_exact(lo[index], FORMATS['float64']):.17g}, "
+                f"{round_exact(hi[index], FORMATS['float64']):.17g}] straddles a rounding "
+                "boundary"
             )

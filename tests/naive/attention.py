@@ -11,9 +11,9 @@ import math
 import mpmath
 import numpy as np
 
-from .rounding import round_stable
+from .rounding import HEAD_PREC, exact_plus_small, round_stable
 
-__all__ = ["naive_attention", "naive_attention_rounded", "score_spread"]
+__all__ = ["naive_attention", "naive_attention_rounded", "naive_attention_vjp", "score_spread"]
 
 
 def _exact(x) -> mpmath.mpf:
@@ -100,8 +100,12 @@ def naive_attention(
                     continue
                 logits = list(scores.values()) + ([] if sink is None else [sink])
                 top = max(logits)
-                total = mpmath.fsum(mpmath.exp(s - top) for s in logits)
-                row_lse = top + mpmath.log(total)
+                leaders = [s for s in logits if s == top]
+                rest = mpmath.fsum(mpmath.exp(s - top) for s in logits if s != top)
+                # lse = top + log(n) + log1p(rest / n): the exact top plus a tail that may be
+                # as small as exp(-1e9)
+                row_lse = exact_plus_small(top, mpmath.log(len(leaders))
+                                           + mpmath.log1p(rest / len(leaders)))
                 # w_j = 1 / sum_k e^{s_k - s_j}: exactly 1/n for n equal scores (exp(0) == 1),
                 # so outputs that are exact rounding ties stay exact in the reference
                 row_w = [1 / mpmath.fsum(mpmath.exp(s - scores[j]) for s in logits)
@@ -109,13 +113,22 @@ def naive_attention(
                 keep_scale = 1 / (1 - _exact(dropout_p))
                 row_out = []
                 for e in range(vdim):
-                    acc = []
-                    for j in scores:
-                        wj = row_w[j]
-                        if dropout_mask is not None:
-                            wj = wj * keep_scale if dropout_mask[h][i][j] else 0
-                        acc.append(wj * _exact(v[g, j, e]))
-                    row_out.append(mpmath.fsum(acc))
+                    kept = [row_w[j] * keep_scale * _exact(v[g, j, e])
+                            if dropout_mask is None or dropout_mask[h][i][j] else
+                            mpmath.mpf(0) for j in scores]
+                    if not all(mpmath.isfinite(x) for x in kept):
+                        row_out.append(mpmath.fsum(kept))
+                        continue
+                    # out = mean over the leaders + sum_j w_j (v'_j - mean): a head computed
+                    # at HEAD_PREC bits and a small tail (exp(-1e9) off a midpoint, say)
+                    with mpmath.workprec(HEAD_PREC):
+                        values = {j: (1 / (1 - _exact(dropout_p))) * _exact(v[g, j, e])
+                                  if dropout_mask is None or dropout_mask[h][i][j] else
+                                  mpmath.mpf(0) for j in scores}
+                        head = mpmath.fsum(values[j] for j in leaders) / len(leaders)
+                    tail = mpmath.fsum(row_w[j] * (values[j] - head)
+                                       for j in scores if scores[j] != top)
+                    row_out.append(exact_plus_small(head, tail))
                 out_h.append(row_out)
                 lse_h.append(row_lse)
                 w_h.append(row_w)
@@ -132,15 +145,16 @@ def score_spread(q, k, *, scale=None, bias=None, alibi_slopes=None, sinks=None, 
     s = 1 / math.sqrt(q.shape[-1]) if scale is None else abs(float(scale))
     qn = np.abs(np.where(np.isfinite(q), q, 0)).sum(axis=-1).max(initial=0)
     kn = np.abs(np.where(np.isfinite(k), k, 0)).max(initial=0)
-    spread = 2 * s * qn * kn
-    if bias is not None:
-        b = np.asarray(bias, dtype=np.float64)
-        spread += 2 * np.abs(np.where(np.isfinite(b), b, 0)).max(initial=0)
-    if alibi_slopes is not None:
-        spread += 2 * np.abs(alibi_slopes).max() * (q.shape[-2] + k.shape[-2])
-    if sinks is not None:
-        spread += 2 * np.abs(np.asarray(sinks, dtype=np.float64)).max()
-    return spread
+    with np.errstate(over="ignore"):  # beyond the float range: inf, capped by round_stable
+        spread = 2 * s * qn * kn
+        if bias is not None:
+            b = np.asarray(bias, dtype=np.float64)
+            spread += 2 * np.abs(np.where(np.isfinite(b), b, 0)).max(initial=0)
+        if alibi_slopes is not None:
+            spread += 2 * np.abs(alibi_slopes).max() * (q.shape[-2] + k.shape[-2])
+        if sinks is not None:
+            spread += 2 * np.abs(np.asarray(sinks, dtype=np.float64)).max()
+    return float(spread)
 
 
 def naive_attention_rounded(q, k, v, opts, dtype):
@@ -155,3 +169,71 @@ def naive_attention_rounded(q, k, v, opts, dtype):
     spread = score_spread(q, k, **full)
     return tuple(round_stable(lambda dps, n=n: naive_attention(q, k, v, dps=dps, **full)[n],
                               dtype, spread) for n in range(3))
+
+
+def naive_attention_vjp(q, k, v, grad_out, *, scale=None, dps=60):
+    """(dq, dk, dv) of plain single-head attention by loops: q (L, D), k (S, D), v (S, E),
+    grad_out (L, E); nested lists of mpf.
+
+    ``dP_ij = dO_i . v_j``, ``dS_ij = P_ij sum_m P_im (dP_ij - dP_im)``,
+    ``dq_i = s sum_j dS_ij k_j``, ``dk_j = s sum_i dS_ij q_i``, ``dv_j = sum_i P_ij dO_i``.
+    Each weight is split as ``P_ij = A_ij + delta_ij`` with ``A_ij = 1/n_i`` on the ``n_i``
+    keys tied at the row maximum (0 elsewhere, exact) and ``delta`` at ``dps`` digits (it
+    may be ``exp(-1e9)``); every result is an exact head (from ``A``, at HEAD_PREC bits) plus
+    a small tail (:func:`naive.rounding.exact_plus_small`).
+    """
+    assert scale is None or scale > 0, "naive_attention_vjp: a positive scale"
+    q, k, v, grad_out = (np.asarray(a, dtype=np.float64) for a in (q, k, v, grad_out))
+    length, dim = q.shape
+    keys, vdim = v.shape
+    with mpmath.workdps(dps):
+        scores = [[mpmath.fsum(_exact(q[i, d]) * _exact(k[j, d]) for d in range(dim))
+                   for j in range(keys)] for i in range(length)]  # unscaled (exact at dps)
+        sc = 1 / mpmath.sqrt(dim) if scale is None else _exact(scale)
+        exact, delta = [], []
+        for row in scores:
+            top = max(row)
+            leaders = [j for j in range(keys) if row[j] == top]
+            n = len(leaders)
+            rest = mpmath.fsum(mpmath.exp(sc * (t - top)) for t in row if t != top)
+            exact.append([mpmath.mpf(1) / n if j in leaders else mpmath.mpf(0)
+                          for j in range(keys)])
+            delta.append([-rest / (n * (n + rest)) if j in leaders else
+                          mpmath.exp(sc * (row[j] - top)) / (n + rest) for j in range(keys)])
+        dp = [[mpmath.fsum(_exact(grad_out[i, e]) * _exact(v[j, e]) for e in range(vdim))
+               for j in range(keys)] for i in range(length)]
+        head_s, tail_s = [], []
+        for i in range(length):
+            a, dl = exact[i], delta[i]
+            heads, tails = [], []
+            for j in range(keys):
+                with mpmath.workprec(HEAD_PREC):
+                    t_head = mpmath.fsum(a[m] * (dp[i][j] - dp[i][m]) for m in range(keys))
+                    heads.append(a[j] * t_head)
+                t_tail = mpmath.fsum(dl[m] * (dp[i][j] - dp[i][m]) for m in range(keys))
+                tails.append(a[j] * t_tail + dl[j] * t_head + dl[j] * t_tail)
+            head_s.append(heads)
+            tail_s.append(tails)
+
+        def split_sum(pairs):
+            """exact_plus_small of sum(head * f), sum(tail * f) over (head, tail, f)."""
+            with mpmath.workprec(HEAD_PREC):
+                head = mpmath.fsum(h * f for h, _, f in pairs)
+            return head, mpmath.fsum(t * f for _, t, f in pairs)
+
+        def scaled(pair):
+            head, tail = pair
+            with mpmath.workprec(HEAD_PREC):
+                head = head * (1 / mpmath.sqrt(dim) if scale is None else _exact(scale))
+            return exact_plus_small(head, sc * tail)
+
+        dq = [[scaled(split_sum([(head_s[i][j], tail_s[i][j], _exact(k[j, d]))
+                                 for j in range(keys)])) for d in range(dim)]
+              for i in range(length)]
+        dk = [[scaled(split_sum([(head_s[i][j], tail_s[i][j], _exact(q[i, d]))
+                                 for i in range(length)])) for d in range(dim)]
+              for j in range(keys)]
+        dv = [[exact_plus_small(*split_sum([(exact[i][j], delta[i][j], _exact(grad_out[i, e]))
+                                            for i in range(length)]))
+               for e in range(vdim)] for j in range(keys)]
+    return dq, dk, dv
