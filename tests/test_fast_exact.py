@@ -224,3 +224,23 @@ def test_exactness_scales_claim_is_true(dtype):
                 claims += 1
                 assert Fraction(chain) == exact
     assert (claims > 0) == (dtype != np.float64)
+
+
+def test_scores_far_beyond_exp_domain_match_the_referee():
+    """float32 q, k ~ 1e20: score gaps ~1e40 leave exp's domain (once an out-of-bounds
+    table index); the fast engine hands such terms on and agrees with the referee."""
+    from refattn import config
+
+    rng = np.random.default_rng(0)
+    q = (rng.standard_normal((2, 3)) * 1e20).astype(np.float32)
+    k = (rng.standard_normal((3, 3)) * 1e20).astype(np.float32)
+    v = rng.standard_normal((3, 3)).astype(np.float32)
+    fast = refattn.attention(q, k, v, precision="exact", return_lse=True)
+    saved = config.EXACT_ENGINE
+    config.EXACT_ENGINE = "referee"
+    try:
+        referee = refattn.attention(q, k, v, precision="exact", return_lse=True)
+    finally:
+        config.EXACT_ENGINE = saved
+    for got, want in zip(fast, referee, strict=True):
+        assert got.tobytes() == want.tobytes()

@@ -336,6 +336,8 @@ def exp_dd(xh, xl):
     >>> exp_dd(0.0, 0.0)
     (1.0, 0.0)
     """
+    if not (xh >= EXP_MIN_ARG - 1.0 and xh <= EXP_MAX_ARG + 1.0):  # NaN too: never an index
+        return math.nan, math.nan
     k = np.rint(xh * _INV_LN2_64)
     # r = x - k ln2/64 in double-double; k * piece is exact for |k| < 2**17
     rh, rl = two_sum(xh, -k * _LN2_64[0])
@@ -395,6 +397,8 @@ def exp_d(x):
     >>> exp_d(0.0)
     1.0
     """
+    if not (x >= EXP_MIN_ARG - 1.0 and x <= EXP_MAX_ARG + 1.0):  # NaN too: never an index
+        return math.nan
     k = np.rint(x * _INV_LN2_64)
     r = (x - k * _LN2_64_D[0]) - k * _LN2_64_D[1]
     p = _EXP_D_COEF[EXP_D_DEGREE]

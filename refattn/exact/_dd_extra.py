@@ -23,6 +23,7 @@ from numba import njit
 
 from ._dd import (
     DD_REL,
+    EXP_MIN_ARG,
     U,
     dd_add,
     dd_add_d,
@@ -104,6 +105,8 @@ def exp_dd_fast(xh, xl):
     domain: ``2**-895 <= 2**(k >> 10) <= 2``, and the low word stays normal).
     :data:`EXP_FAST_BUDGET` itemises the bound.
     """
+    if not (xh >= EXP_MIN_ARG - 1.0 and xh <= 2.0):  # NaN too: never an index
+        return math.nan, math.nan
     k = np.rint(xh * _INV_STEP)
     rh, rl = two_sum(xh, -k * _PIECES[0])
     rh, rl = dd_add_d(rh, rl, xl)
