@@ -458,9 +458,10 @@ def attention_vjp(
         (dq, dk, dv, dbias), and with ``sinks`` (dq, dk, dv, dbias, dsinks). dk and dv sum
         over the G query heads sharing a kv head; dbias has bias's own shape (summed over its
         broadcast dimensions) and is None without bias. dsinks (H,) is
-        ``sum_{b,i} w_sink (g_i - Delta_i)`` (exact path: not together with a bias). Empty rows contribute zero gradients. ALiBi slopes,
-        masks, key lengths and the dropout mask get no gradient; float8 inputs get the
-        gradient with respect to their dequantised values.
+        ``sum_{b,i} w_sink (g_i - Delta_i)`` (exact path: not together with a bias). Empty
+        rows contribute zero gradients. ALiBi slopes, masks, key lengths and the dropout mask
+        get no gradient; float8 inputs get the gradient with respect to their dequantised
+        values.
 
     Examples
     --------
