@@ -55,7 +55,7 @@ from .baseline import (
     variant_baseline,
 )
 from .catalogue.variants import FUNCTIONS, outputs_of
-from .results import CaseResult, Check, Worst
+from .results import CaseResult, Check, Worst, grade_of
 from .variant_scales import condition, natural_scale
 
 __all__ = ["check_fixture", "run_guarded"]
@@ -138,7 +138,13 @@ def _as_float64(x, quantity="out"):
 _HALF_NAMES = ("bfloat16",)  # ml_dtypes' floating types are not of kind "f"
 
 
-def _judge(quantity, value, truth, scale, threshold, dtype) -> Check:
+def _truth_rounded(fixture, name):
+    """The truth correctly rounded to the case dtype (float64 array), if the fixture has it."""
+    value = fixture.truth.get(name)
+    return None if value is None else np.asarray(value).astype(np.float64)
+
+
+def _judge(quantity, value, truth, scale, threshold, dtype, rounded=None) -> Check:
     errors = tol.normalised_error(value, truth, scale, dtype)
     limit = np.broadcast_to(np.asarray(threshold.value, dtype=np.float64), errors.shape)
     over = errors > limit
@@ -155,9 +161,12 @@ def _judge(quantity, value, truth, scale, threshold, dtype) -> Check:
                   if value.size else 0.0,
                   float(limit[index]) if limit.size else 0.0)
     passed = not over.any()
+    grade = grade_of(value, truth, dtype, rounded)
+    grade.sq = float(np.sum(np.where(np.isfinite(errors), errors, 0.0) ** 2))
     # errors are kept for every check: the HTML report plots any case on request
     return Check(quantity, passed, float(errors.max()) if errors.size else 0.0,
-                 int(over.sum()), int(errors.size), threshold, worst, errors)
+                 int(over.sum()), int(errors.size), threshold, worst, errors,
+                 grade=grade)
 
 
 def _shape_check(quantity, value, truth):
@@ -180,7 +189,9 @@ def _truth(fixture, name):
 class _Context:
     """Float64 weights, magnitudes and floors of one fixture (shared by every check)."""
 
-    def __init__(self, fixture):
+    def __init__(self, fixture, tier="default", grade=True):
+        self.tier = tol.check_tier(tier)
+        self.grade = grade
         inputs, options = fixture.inputs, fixture.options
         self.q, self.k, self.v = inputs["q"], inputs["k"], inputs["v"]
         self.options = {n: x for n, x in options.items() if n != "return_lse"}
@@ -226,19 +237,27 @@ class _Context:
                     D=self.sizes["D"], S=self.sizes["S"], n_stored=int(n_stored),
                     softcap=self.options.get("softcap") is not None, count=count), heads
 
-    def output_floor(self, truth, count):
-        """Element-wise floor (T6) of the output."""
+    def output_floor(self, truth, count, tier="default"):
+        """Element-wise floor (T6) of the output (the model (T7) in the tight tier)."""
         args, heads = self._element_args(count)
-        floor = tol.output_floor(self.dtype, **args, dropped=heads(self.dropped), v=self.v,
+        rule = tol.output_expected if tier == "tight" else tol.output_floor
+        floor = rule(self.dtype, **args, dropped=heads(self.dropped), v=self.v,
                                  out=heads(truth), gqa=self.options.get("gqa"),
                                  dropout=self.options.get("dropout_mask") is not None)
         return floor[0] if self.single else floor
 
-    def lse_floor(self, truth, count):
-        """Element-wise floor (T6) of lse."""
+    def lse_floor(self, truth, count, tier="default"):
+        """Element-wise floor (T6) of lse (the model (T7) in the tight tier)."""
         args, heads = self._element_args(count)
-        floor = tol.lse_floor(self.dtype, **args, lse=heads(truth))
+        rule = tol.lse_expected if tier == "tight" else tol.lse_floor
+        floor = rule(self.dtype, **args, lse=heads(truth))
         return floor[0] if self.single else floor
+
+
+def _forward_threshold(ctx, base_err, floor):
+    if ctx.tier == "tight":
+        return tol.Threshold(tol.K_FORWARD, None, floor, tol.unit_roundoff(ctx.dtype), "tight")
+    return tol.threshold(base_err, floor, ctx.dtype, k=tol.K_FORWARD)
 
 
 def _check_forward(ctx, fixture, out, lse, checks):
@@ -252,9 +271,17 @@ def _check_forward(ctx, fixture, out, lse, checks):
         scale = scale[0]
     base_err = _finite_part(tol.normalised_error(base.out, truth_out, scale, ctx.dtype),
                             truth_out)
-    threshold = tol.threshold(base_err, ctx.output_floor(truth_out, truth_out.size),
-                              ctx.dtype, k=tol.K_FORWARD)
-    checks["out"] = _judge("out", out, truth_out, scale, threshold, ctx.dtype)
+    threshold = _forward_threshold(ctx, base_err,
+                                   ctx.output_floor(truth_out, truth_out.size, ctx.tier))
+    checks["out"] = _judge("out", out, truth_out, scale, threshold, ctx.dtype,
+                           rounded=_truth_rounded(fixture, "out"))
+    if ctx.grade:
+        checks["out"].grade.models = {
+            label: float(np.sum(_finite_part(tol.normalised_error(model, truth_out, scale,
+                                                                  ctx.dtype), truth_out) ** 2))
+            for label, model in _diagnose.error_models(
+                ctx.q, ctx.k, ctx.v, ctx.options, ctx.dtype,
+                rounded=_truth_rounded(fixture, "out")).items()}
     truth_lse = _truth(fixture, "lse")
     if lse is not None and truth_lse is not None:
         lse, problem = _shape_check("lse", lse, truth_lse)
@@ -265,9 +292,10 @@ def _check_forward(ctx, fixture, out, lse, checks):
         lscale = tol.lse_scale(truth_lse, weights, magnitude)
         base_err = _finite_part(tol.normalised_error(base.lse, truth_lse, lscale, ctx.dtype),
                                 truth_lse)
-        threshold = tol.threshold(base_err, ctx.lse_floor(truth_lse, truth_lse.size),
-                                  ctx.dtype, k=tol.K_FORWARD)
-        checks["lse"] = _judge("lse", lse, truth_lse, lscale, threshold, ctx.dtype)
+        threshold = _forward_threshold(ctx, base_err,
+                                       ctx.lse_floor(truth_lse, truth_lse.size, ctx.tier))
+        checks["lse"] = _judge("lse", lse, truth_lse, lscale, threshold, ctx.dtype,
+                               rounded=_truth_rounded(fixture, "lse"))
     return None
 
 
@@ -303,8 +331,12 @@ def _check_grads(ctx, fixture, impl, checks):
     return None
 
 
-def check_fixture(impl, fixture, *, grads=False, diagnose=True, reproduce="") -> CaseResult:
+def check_fixture(impl, fixture, *, grads=False, diagnose=True, reproduce="",
+                  tolerance="default") -> CaseResult:
     """Run ``impl`` on one fixture and judge it (see the module docstring for verdicts).
+
+    ``tolerance``: "default" (T2) or "tight" (T7 for out and lse; gradients and variants
+    keep T2), see :mod:`oracle.tolerance`.
 
     Attention fixtures call ``impl(q, k, v, **options)`` (and ``impl.vjp`` with ``grads``);
     variant fixtures (``Case.function`` other than "attention") call
@@ -315,7 +347,9 @@ def check_fixture(impl, fixture, *, grads=False, diagnose=True, reproduce="") ->
         return _check_variant(impl, fixture, reproduce)
     result = CaseResult(case.name, case.category, case.dtype, "pass", reproduce=reproduce,
                         description=getattr(case, "description", ""))
-    return run_guarded(result, lambda: _run_checks(impl, fixture, grads, diagnose, result))
+    tol.check_tier(tolerance)
+    return run_guarded(result, lambda: _run_checks(impl, fixture, grads, diagnose, result,
+                                                   tolerance))
 
 
 def run_guarded(result, check) -> CaseResult:
@@ -340,11 +374,11 @@ def run_guarded(result, check) -> CaseResult:
     return result
 
 
-def _run_checks(impl, fixture, grads, diagnose, result):
+def _run_checks(impl, fixture, grads, diagnose, result, tier="default"):
     inputs = fixture.inputs
     options = {n: x for n, x in fixture.options.items() if n != "return_lse"}
     out, lse = _call(impl, inputs["q"], inputs["k"], inputs["v"], options)
-    ctx = _Context(fixture)
+    ctx = _Context(fixture, tier)
     with np.errstate(all="ignore"):
         problem = _check_forward(ctx, fixture, out, lse, result.checks)
         notes = []

@@ -61,9 +61,9 @@ def _serve(receive, connection, impl_ref, memory_limit) -> None:  # pragma: no c
         request = receive.recv()
         if request is None:
             return
-        fixture, grads, diagnose, reproduce = request
+        fixture, grads, diagnose, reproduce, *rest = request
         result = check_fixture(impl, fixture, grads=grads, diagnose=diagnose,
-                               reproduce=reproduce)
+                               reproduce=reproduce, **(rest[0] if rest else {}))
         connection.send(("result", result))
 
 
@@ -159,7 +159,7 @@ class Supervisor:
                 connection.close()
         self._process = self._connection = self._send_connection = None
 
-    def run(self, fixture, *, grads=False, diagnose=True, reproduce=""):
+    def run(self, fixture, *, grads=False, diagnose=True, reproduce="", tolerance="default"):
         """Judge one fixture in the worker; any way the worker fails is an "error" result."""
         from .results import CaseResult
 
@@ -170,7 +170,8 @@ class Supervisor:
             problem = self._start()
         if problem is None:
             try:
-                self._send_connection.send((fixture, grads, diagnose, reproduce))
+                self._send_connection.send((fixture, grads, diagnose, reproduce,
+                                            {"tolerance": tolerance}))
             except (OSError, EOFError):
                 kind, problem = "died", self._death("sending the case")
             else:

@@ -200,6 +200,10 @@ __all__ = [
     "forward_floors",
     "output_floor",
     "lse_floor",
+    "TIERS",
+    "check_tier",
+    "output_expected",
+    "lse_expected",
     "scaled_dots",
     "variant_floor",
     "fixed_point_forward_bound",
@@ -450,9 +454,85 @@ def lse_floor(dtype, *, weights, magnitude, dots, lse, D, S, n_stored=1, softcap
             + 3 * ua + u)
 
 
+#: The tolerance tiers: "default" (T2, no false alarm on any correct algorithm) and "tight"
+#: (T7, the expected error of a correct float32-accumulating kernel).
+TIERS = ("default", "tight")
+
+
+def check_tier(tier) -> str:
+    """``tier`` if it is one of :data:`TIERS`, else a ValueError naming the argument.
+
+    >>> check_tier("tight")
+    'tight'
+    """
+    if tier not in TIERS:
+        raise ValueError(f"tolerance: expected one of {list(TIERS)}, got {tier!r}")
+    return tier
+
+
+def _expected_terms(dtype, D, S, n_stored, count):
+    """Per-score error variance factor and the sums' standard deviation factor of (T7)."""
+    acc = accumulation_dtype(dtype)
+    u, ua = unit_roundoff(dtype), unit_roundoff(acc)
+    score_var = ua * ua * (D + 2) / 3 + n_stored * u * u / 3
+    sums_std = 2 * ua * math.sqrt(max(S, 1) / 3)
+    return u, ua, score_var, sums_std, _lambda(count)
+
+
+def output_expected(dtype, *, weights, dropped, magnitude, dots, v, out, D, S, n_stored=1,
+                    softcap=False, dropout=False, gqa="interleave", count=1) -> np.ndarray:
+    """Tight-tier threshold (T7) of the output, (..., H, L, E), normalised by (T1).
+
+    ``lambda`` standard deviations of the error a correct float32-accumulating kernel makes
+    on this element (scores, probabilities rounded to the dtype, float32 sums) plus the
+    coherent scale rounding and the final rounding; see the module docstring.
+    """
+    u, ua, score_var, sums_std, lam = _expected_terms(dtype, D, S, n_stored, count)
+    p = _finite_abs(weights)
+    d = np.divide(_finite_abs(dropped), p, out=np.zeros_like(p), where=p > 0)
+    v_h = v if np.ndim(v) == 2 else expand_kv(with_heads(v, "v"), p.shape[-3], gqa or "interleave")
+    v_h = np.where(np.isfinite(v_h), v_h, 0.0).astype(np.float64)
+    o = np.where(np.isfinite(out), out, 0.0)
+    pa = p * magnitude
+    w2 = pa * pa
+    spread = (w2 * d * d) @ (v_h * v_h) - 2 * o * ((w2 * d) @ v_h) + o * o * w2.sum(-1)[..., None]
+    # each weight rounded to the dtype (a subnormal weight by half its spacing), exp in acc
+    fmt = format_of(dtype)
+    sub = math.ldexp(1.0, fmt.emin - fmt.p)
+    rounding = np.maximum(p * u * math.sqrt(1 + dropout), sub) ** 2 + (p * ua) ** 2 * 2
+    p_var = (rounding * d * d) @ (v_h * v_h) / 3
+    scale = np.maximum(output_scale(dropped, v, gqa=gqa), _tiny(dtype))
+    ps = p * dots
+    if softcap:
+        coherent = (np.abs(ps) * d) @ np.abs(v_h) + np.abs(o) * np.abs(ps).sum(-1)[..., None]
+    else:
+        coherent = np.abs((ps * d) @ v_h - o * ps.sum(-1)[..., None])
+    rows = (np.where(p > 0, magnitude, 0.0)).max(axis=-1)[..., None]
+    _, _, delta, _, _ = _score_terms(dtype, count, D, n_stored)
+    second_order = 1 + (delta + u) * rows
+    var = np.maximum(spread, 0.0) * score_var + p_var + (sums_std * scale) ** 2
+    return (lam * np.sqrt(var) + u * coherent) * second_order / scale + u * dropout
+
+
+def lse_expected(dtype, *, weights, magnitude, dots, lse, D, S, n_stored=1, softcap=False,
+                 count=1) -> np.ndarray:
+    """Tight-tier threshold (T7) of lse, (..., H, L), normalised by :func:`lse_scale`."""
+    u, ua, score_var, sums_std, lam = _expected_terms(dtype, D, S, n_stored, count)
+    p = _finite_abs(weights)
+    pa = p * magnitude
+    ps = p * dots
+    coherent = np.abs(ps).sum(-1) if softcap else np.abs(ps.sum(-1))
+    rows = (np.where(p > 0, magnitude, 0.0)).max(axis=-1)
+    _, _, delta, _, _ = _score_terms(dtype, count, D, n_stored)
+    var = (pa * pa).sum(-1) * score_var + (sums_std / 2) ** 2 + ua * ua
+    first = (lam * np.sqrt(var) + u * coherent) * (1 + (delta + u) * rows)
+    return first / lse_scale(lse, weights, magnitude)
+
+
 @dataclass
 class Threshold:
-    """Threshold (T2) of one quantity: ``max(k E_base, F) + u_out``.
+    """Threshold (T2) of one quantity: ``max(k E_base, F) + u_out``; in the tight tier (T7)
+    ``floor`` is the expected-error model and ``baseline`` is None.
 
     ``baseline`` is the textbook's largest normalised error (None when void), ``floor`` F
     (a scalar or an array broadcastable to the quantity).
@@ -462,6 +542,7 @@ class Threshold:
     baseline: float | None
     floor: np.ndarray | float
     u_out: float
+    tier: str = "default"
 
     @property
     def value(self):
@@ -479,6 +560,9 @@ class Threshold:
                                           shape)[tuple(index)])
         else:
             floor = float(np.max(self.floor))
+        if self.tier == "tight":
+            return (f"tight: expected error of a float32-accumulating kernel {floor:.3g} "
+                    f"+ u_out {self.u_out:.3g}")
         return (f"max({self.k:g} x baseline {base}, floor {floor:.3g}) + u_out {self.u_out:.3g}")
 
 

@@ -103,16 +103,18 @@ def _sources(suite, fixtures, dtype, cases):
     return "cases", list(_select(suite, dtype, cases)), None
 
 
-def reproduce_command(impl_spec, source_flag, dtype, name, grads, strict):
+def reproduce_command(impl_spec, source_flag, dtype, name, grads, strict, tolerance="default"):
     """The ``refattn-oracle validate`` command line that re-runs one case."""
     impl_part = "--impl <module:function>" if impl_spec is None else (
         f"--impl {impl_spec}" if ":" in impl_spec else f"--adapter {impl_spec}")
-    extra = (" --grads" if grads else "") + (" --strict" if strict else "")
+    extra = (" --grads" if grads else "") + (" --strict" if strict else "") + (
+        f" --tolerance {tolerance}" if tolerance != "default" else "")
     return (f"refattn-oracle validate {impl_part} {source_flag} --dtype {dtype} "
             f"--case {name}{extra}")
 
 
 def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, strict=False,
+             tolerance="default",
              progress=True, cases: str | Iterable[str] | None = None, diagnose=True,
              isolate=True, timeout=None, memory_limit=None, require=()) -> Report:
     """Validate ``impl`` on a suite or a fixture directory in one dtype.
@@ -134,6 +136,10 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
         cannot be checked because there is no ``vjp`` is "unsupported", never a pass).
     strict : bool
         Robustness failures fail the run too.
+    tolerance : {"default", "tight"}
+        The tolerance tier (:mod:`oracle.tolerance`): "default" (T2) is free of false alarms
+        for any correct algorithm; "tight" (T7) follows the expected error of a correct
+        float32-accumulating kernel on the case, so narrower accumulation fails.
     progress : bool
         A progress bar on stderr.
     cases : str or iterable of str, optional
@@ -174,6 +180,7 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
 
     required = _required(require)
 
+    tol.check_tier(tolerance)
     if dtype is not None:
         tol.unit_roundoff(dtype)  # a clear error for an unknown dtype
     fn, spec = resolve_impl(impl)
@@ -204,13 +211,13 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
             for item in items:
                 fixture = golden.build(item) if not hasattr(item, "truth") else item
                 repro = reproduce_command(spec, source_flag, fixture.case.dtype,
-                                       fixture.case.name, grads, strict)
+                                       fixture.case.name, grads, strict, tolerance)
                 if supervisor is None:
                     result = check_fixture(fn, fixture, grads=grads, diagnose=diagnose,
-                                           reproduce=repro)
+                                           reproduce=repro, tolerance=tolerance)
                 else:
                     result = supervisor.run(fixture, grads=grads, diagnose=diagnose,
-                                            reproduce=repro)
+                                            reproduce=repro, tolerance=tolerance)
                 result.features, result.shape_classes = case_features(
                     fixture.case, grads, fixture.inputs)
                 results.append(result)
@@ -222,6 +229,7 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
                     time.perf_counter() - start, grads)
     report.isolated = supervisor is not None
     report.required = required
+    report.tolerance = tolerance
     return report
 
 
