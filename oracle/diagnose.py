@@ -52,7 +52,8 @@ import numpy as np
 from . import tolerance as tol
 from .baseline import textbook_attention
 
-__all__ = ["Alternative", "alternatives", "diagnose", "describe_failure", "error_models"]
+__all__ = ["Alternative", "alternatives", "kernel_alternatives", "diagnose", "diagnose_lse",
+           "describe_failure", "error_models"]
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,108 @@ def alternatives(options, *, H, K, L, S, D, E, has_empty, has_excluded) -> list[
     return found
 
 
+#: Tile sizes of real kernels (queries x keys blocks) the tile-bug alternatives try.
+TILE_SIZES = (64, 128)
+#: Keys per split of the split-KV alternatives.
+SPLIT_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def _drop_keys(rule):
+    def apply(options, extras):
+        return options, {**extras, "drop_keys": rule}
+    return apply
+
+
+def _reweight(rule):
+    def apply(options, extras):
+        return options, {**extras, "reweight": rule}
+    return apply
+
+
+def _zero_rows(first):
+    def apply(options, extras):
+        return options, {**extras, "zero_rows": first}
+    return apply
+
+
+def _segments(S, size):
+    """Index of the block of ``size`` keys each key belongs to."""
+    return np.arange(S) // size
+
+
+def _no_rescale(size):
+    """Weights of an online softmax whose output accumulator is not rescaled when the
+    running max moves: key j is weighted ``p_j exp(M - M_t(j))``, ``M_t`` the running max
+    of the log-weights after j's tile, ``M`` the row's (the normaliser is right)."""
+    def rule(w):
+        with np.errstate(divide="ignore"):
+            logw = np.log(w)
+        blocks = _segments(w.shape[-1], size)
+        running = np.full(w.shape[:-1], -np.inf)
+        factor = np.zeros_like(w)
+        for b in range(int(blocks[-1]) + 1):
+            cols = blocks == b
+            running = np.maximum(running, logw[..., cols].max(axis=-1))
+            with np.errstate(invalid="ignore"):
+                factor[..., cols] = np.exp(-running)[..., None]
+        return w * np.where(np.isfinite(factor), factor, 0) * w.max(axis=-1, keepdims=True)
+    return rule
+
+
+def _split_combine(size):
+    """Split-KV partial outputs combined by their normalisers ``l_s`` taken relative to each
+    split's own max (the ``exp(m_s - m)`` correction missing)."""
+    def rule(w):
+        blocks = _segments(w.shape[-1], size)
+        out = np.zeros_like(w)
+        for b in range(int(blocks[-1]) + 1):
+            cols = blocks == b
+            top = w[..., cols].max(axis=-1, keepdims=True)
+            out[..., cols] = np.divide(w[..., cols], top, out=np.zeros_like(w[..., cols]),
+                                       where=top > 0)
+        total = out.sum(axis=-1, keepdims=True)
+        return np.divide(out, total, out=np.zeros_like(out), where=total > 0)
+    return rule
+
+
+def kernel_alternatives(L, S, *, tiles=TILE_SIZES, splits=SPLIT_SIZES) -> list[Alternative]:
+    """Alternatives that name the bugs of tiled kernels (blocks of ``tiles`` keys/queries,
+    split-KV chunks of ``splits`` keys), for a case with L queries and S keys."""
+    found = []
+    for size in tiles:
+        if S >= size:
+            found.append(Alternative(
+                f"tile boundary: the last key of every full tile of {size} keys is skipped "
+                f"(keys j = {size - 1} mod {size})", frozenset({"kernel"}),
+                _drop_keys(lambda j, size=size, S=S: (j % size == size - 1)
+                           & (j < S // size * size))))
+        if S > size and S % size:
+            found.append(Alternative(
+                f"partial key tile skipped: keys from {S // size * size} on (after the last "
+                f"full tile of {size}) ignored", frozenset({"kernel"}),
+                _drop_keys(lambda j, size=size, S=S: j >= S // size * size)))
+        if L > size and L % size:
+            found.append(Alternative(
+                f"partial query tile not written: rows from {L // size * size} on (after the "
+                f"last full tile of {size} queries) are zero", frozenset({"kernel"}),
+                _zero_rows(L // size * size)))
+        if S > size:
+            found.append(Alternative(
+                f"late rescale missing: the output accumulator is not rescaled when the "
+                f"running max moves (online softmax over tiles of {size} keys)",
+                frozenset({"kernel"}), _reweight(_no_rescale(size))))
+    for size in splits:
+        if S > size:
+            found.append(Alternative(
+                f"split-KV combine: partial outputs of {size}-key splits weighted by their "
+                f"normalisers without the exp(m_s - m) max correction",
+                frozenset({"kernel"}), _reweight(_split_combine(size))))
+    return found
+
+
 def _alternative_out(q, k, v, options, extras):
+    if "reweight" in extras or "zero_rows" in extras or "drop_keys" in extras:
+        return _kernel_out(q, k, v, options, extras)
     result = textbook_attention(q, k, v, dtype="float64",
                                 softcap_order=extras.get("softcap_order", "before_bias"),
                                 **options)
@@ -182,6 +284,24 @@ def _alternative_out(q, k, v, options, extras):
         scale = np.where(empty[..., None],
                          tol.output_scale(uniform, v, gqa=options.get("gqa")), scale)
     return out, scale
+
+
+def _kernel_out(q, k, v, options, extras):
+    """Output and scale (float64) of a tiled-kernel alternative."""
+    base, w3, v_h = _exact_parts(q, k, v, options)
+    single = np.ndim(q) == 2
+    if "drop_keys" in extras:
+        S = w3.shape[-1]
+        allowed = np.broadcast_to(base.allowed, base.weights.shape) & ~extras["drop_keys"](
+            np.arange(S))
+        _, w3, v_h = _exact_parts(q, k, v, options, allowed=allowed)
+    if "reweight" in extras:
+        w3 = extras["reweight"](w3)
+    out = np.matmul(w3, v_h)
+    scale = np.matmul(np.abs(w3), np.abs(v_h))
+    if "zero_rows" in extras:
+        out[..., extras["zero_rows"]:, :] = 0.0
+    return (out[0], scale[0]) if single else (out, scale)
 
 
 def _fits(out, truth, scale, limit, dtype) -> bool:
@@ -207,7 +327,7 @@ def diagnose(q, k, v, options, out, *, limit, dtype, max_pairs=True) -> list[str
     has_empty = bool((~allowed.any(axis=-1)).any())
     has_excluded = bool((~allowed).any())
     candidates = alternatives(options, H=H, K=K, L=L, S=S, D=D, E=E, has_empty=has_empty,
-                              has_excluded=has_excluded)
+                              has_excluded=has_excluded) + kernel_alternatives(L, S)
     magnitude = tol.score_magnitude(q, k, **options)
     f64 = tol.forward_floors("float64", D=D, S=S, L=L, E=E, G=max(H // K, 1),
                              magnitude=magnitude, allowed=allowed)["out"]
@@ -242,6 +362,48 @@ def diagnose(q, k, v, options, out, *, limit, dtype, max_pairs=True) -> list[str
                 continue
             if explains(*second.apply(*first.apply(dict(options), {}))):
                 found.append(f"matches {first.label} + {second.label}")
+    return found
+
+
+def diagnose_lse(q, k, v, options, lse, *, limit, dtype) -> list[str]:
+    """Labels explaining a failing lse: log2 units, the row max left out (log of the shifted
+    normaliser), or one of the named alternatives (scale, bias, ALiBi, masks...) evaluated
+    for lse. ``limit`` is the lse threshold (normalised by the lse scale, (T2))."""
+    lse = np.asarray(lse, dtype=np.float64)
+    base = textbook_attention(q, k, v, dtype="float64", **options)
+    truth = np.asarray(base.lse, dtype=np.float64)
+    if lse.shape != truth.shape:
+        return []
+    magnitude = tol.score_magnitude(q, k, **options)
+    scale = tol.lse_scale(truth, base.weights, magnitude[0] if np.ndim(q) == 2 else magnitude)
+    limit = np.asarray(limit) + tol.unit_roundoff("float64") * 64
+    found = []
+    with np.errstate(all="ignore"):
+        top = np.where(np.broadcast_to(base.allowed, base.weights.shape),
+                       np.log(base.weights), -np.inf).max(axis=-1)
+        row_max = truth + top  # top = max_j log p_j = max_j t_j - lse
+        candidates = [("lse in log2 units (an exp2 kernel not converting back: "
+                       "lse / ln 2)", truth / math.log(2)),
+                      ("lse without the row max (log of the max-shifted normaliser)",
+                       truth - row_max),
+                      ("lse is the row max only (the normaliser's log missing)", row_max)]
+        for label, model in candidates:
+            if _fits(lse, model, scale, limit, dtype):
+                found.append(f"lse matches {label}")
+        if found:
+            return found
+        H, L, D = (np.shape(q) if np.ndim(q) > 2 else (1,) + np.shape(q))[-3:]
+        K = np.shape(k)[-3] if np.ndim(k) > 2 else 1
+        allowed = np.broadcast_to(base.allowed, base.weights.shape)
+        for alt in alternatives(options, H=H, K=K, L=L, S=np.shape(k)[-2], D=D,
+                                E=np.shape(v)[-1], has_empty=bool((~allowed.any(-1)).any()),
+                                has_excluded=bool((~allowed).any())):
+            opts, extras = alt.apply(dict(options), {})
+            if extras:
+                continue
+            model = textbook_attention(q, k, v, dtype="float64", **opts).lse
+            if _fits(lse, np.asarray(model, dtype=np.float64), scale, limit, dtype):
+                found.append(f"lse matches {alt.label}")
     return found
 
 
@@ -292,9 +454,10 @@ def _cast(x, dtype):
             .astype(np.float64)
 
 
-def _exact_parts(q, k, v, options):
-    """float64 weights (post-dropout), v expanded to the query heads, and the rows' max."""
-    base = textbook_attention(q, k, v, dtype="float64", **options)
+def _exact_parts(q, k, v, options, allowed=None):
+    """float64 textbook, weights (post-dropout, with a head axis), v expanded to the query
+    heads; ``allowed`` overrides the allowed set."""
+    base = textbook_attention(q, k, v, dtype="float64", allowed=allowed, **options)
     w = np.where(np.isfinite(base.weights), base.weights, 0.0)
     if options.get("dropout_mask") is not None:
         keep = np.asarray(options["dropout_mask"], dtype=bool)
@@ -324,6 +487,31 @@ def _flash_model(w3, v_h, p_dtype, sums="float32"):
     else:
         pv = np.matmul(p, v_h)
     return pv * np.where(top > 0, top, 0)
+
+
+def narrow_accumulation(q, k, v, options, out, truth, scale, dtype, *, k_factor=2.0):
+    """A label when ``out``'s errors are of the size of ``P @ V`` summed key by key in
+    float16 or bfloat16 (the closest in its largest normalised error), else None."""
+    err = float(np.max(tol.normalised_error(out, truth, scale, dtype)))
+    if not math.isfinite(err):
+        return None
+    fits = []
+    with np.errstate(all="ignore"):
+        _, w3, v_h = _exact_parts(q, k, v, options)
+        if w3.size * v_h.shape[-1] > MODEL_SIZE_CAP:
+            return None
+        for half in _HALVES:
+            model = _flash_model(w3, v_h, "float64", sums=half)
+            model = model[0] if np.ndim(q) == 2 else model
+            model_err = float(np.max(tol.normalised_error(model, truth, scale, dtype)))
+            if model_err / k_factor <= err <= k_factor * model_err + tol.unit_roundoff(dtype):
+                fits.append((abs(math.log(err / model_err)) if model_err > 0 else math.inf,
+                             half, model_err))
+    if not fits:
+        return None
+    _, half, model_err = min(fits)
+    return (f"errors consistent with accumulating P@V in {half} (a {half} accumulator; "
+            f"such a kernel has normalised error {model_err:.3g} here)")
 
 
 def error_models(q, k, v, options, dtype, *, rounded=None) -> dict:

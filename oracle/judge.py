@@ -246,6 +246,17 @@ class _Context:
                                  dropout=self.options.get("dropout_mask") is not None)
         return floor[0] if self.single else floor
 
+    def expected(self, key, dtype, truth, count):
+        """The tight-tier model (T7) of ``key`` ("out" or "lse") evaluated at ``dtype``."""
+        args, heads = self._element_args(count)
+        if key == "out":
+            value = tol.output_expected(dtype, **args, dropped=heads(self.dropped), v=self.v,
+                                        out=heads(truth), gqa=self.options.get("gqa"),
+                                        dropout=self.options.get("dropout_mask") is not None)
+        else:
+            value = tol.lse_expected(dtype, **args, lse=heads(truth))
+        return value[0] if self.single else value
+
     def lse_floor(self, truth, count, tier="default"):
         """Element-wise floor (T6) of lse (the model (T7) in the tight tier)."""
         args, heads = self._element_args(count)
@@ -395,54 +406,71 @@ def _run_checks(impl, fixture, grads, diagnose, result, tier="default"):
             f"{c.quantity}: {c.n_failed} of {c.size} elements over the threshold"
             for c in failing)
         if diagnose:
-            result.diagnosis = _diagnosis(ctx, fixture, out, result.checks)
+            result.diagnosis = _diagnosis(ctx, fixture, out, result.checks, lse)
     elif notes:
         result.verdict = "unsupported"  # gradients were asked for: never a pass
     result.message = "; ".join(x for x in [result.message, *notes] if x)
 
 
-def _diagnosis(ctx, fixture, out, checks) -> list[str]:
-    """Named alternatives that explain a failing output; else a narrower working precision
-    that explains every failing quantity; else plain observations."""
+def _diagnosis(ctx, fixture, out, checks, lse=None) -> list[str]:
+    """What explains the failure, most specific first: lse conventions (log2 units, the row
+    max, scale/bias alternatives); the pinned convention at a narrower working precision
+    (preferred when a named alternative fits too: it is the likelier story); named
+    convention and tiled-kernel alternatives; the same seen through a narrower precision;
+    half-precision accumulation; else plain observations (NaN leaks, where errors sit)."""
     check = checks.get("out")
     truth = _truth(fixture, "out")
     failing = [c for c in checks.values() if not c.passed]
     if not failing:
         return []
-    out_failed = check is not None and not check.passed and out.shape == truth.shape
-    if out_failed:
-        found = _diagnose.diagnose(ctx.q, ctx.k, ctx.v, ctx.options, out,
-                                   limit=np.asarray(check.threshold.value), dtype=ctx.dtype)
-        if found:
-            return found
-    precisions = {_lower_precision(ctx, c) for c in failing}
-    if out_failed:
-        for dtype in _NARROWER.get(ctx.dtype, ()):
-            # a convention mismatch seen through a narrower working precision
-            limit = _narrower_limit(ctx, "out", dtype, check.size)
-            found = _diagnose.diagnose(ctx.q, ctx.k, ctx.v, ctx.options, out, limit=limit,
+    notes = []
+    lse_check = checks.get("lse")
+    if lse_check is not None and not lse_check.passed and lse is not None:
+        notes = _diagnose.diagnose_lse(ctx.q, ctx.k, ctx.v, ctx.options,
+                                       np.reshape(lse, lse_check.errors.shape),
+                                       limit=np.asarray(lse_check.threshold.value),
                                        dtype=ctx.dtype)
-            if found:
-                return [f"{label} (at {dtype} accuracy: the implementation seems to compute "
-                        f"in {dtype})" for label in found]
+    out_failed = check is not None and not check.passed and out.shape == truth.shape
+    precisions = {_lower_precision(ctx, c, fixture) for c in failing}
     if len(precisions) == 1 and None not in precisions:
         dtype = precisions.pop()
         worst = max(c.max_error for c in failing)
-        return [f"errors fit {dtype} accuracy (max normalised error {worst:.3g}): the "
-                f"implementation seems to compute in {dtype}"]
-    if out_failed and tol.accumulation_dtype(ctx.dtype) != np.dtype(ctx.dtype) \
+        return notes + [f"errors fit {dtype} accuracy (max normalised error {worst:.3g}): "
+                        f"the implementation seems to compute in {dtype} (the pinned "
+                        f"conventions at {dtype} precision)"]
+    if not out_failed:
+        return notes
+    found = _diagnose.diagnose(ctx.q, ctx.k, ctx.v, ctx.options, out,
+                               limit=np.asarray(check.threshold.value), dtype=ctx.dtype)
+    if found:
+        return notes + found
+    for dtype in _NARROWER.get(ctx.dtype, ()):
+        # a convention mismatch seen through a narrower working precision (its T7 model)
+        limit = ctx.expected("out", dtype, truth, check.size) + tol.unit_roundoff(dtype)
+        found = _diagnose.diagnose(ctx.q, ctx.k, ctx.v, ctx.options, out, limit=limit,
+                                   dtype=ctx.dtype)
+        if found:
+            return notes + [f"{label} (at {dtype} accuracy: the implementation seems to "
+                            f"compute in {dtype})" for label in found]
+    if tol.accumulation_dtype(ctx.dtype) != np.dtype(ctx.dtype) \
             and np.isfinite(check.errors).all():
         found = _storage_accumulation(ctx, out, truth, check)
         if found:
-            return [found]
-    if not out_failed:
-        return []
+            return notes + [found]
+    if np.isfinite(check.errors).all():
+        scale = tol.output_scale(ctx.dropped, ctx.v, gqa=ctx.options.get("gqa"))
+        found = _diagnose.narrow_accumulation(ctx.q, ctx.k, ctx.v, ctx.options, out, truth,
+                                              scale[0] if ctx.single else scale, ctx.dtype)
+        if found:
+            return notes + [found]
     poisoned = any(not np.isfinite(np.asarray(x, dtype=np.float64)).all()
                    for x in {**fixture.inputs, **ctx.options}.values()
-                   if isinstance(x, np.ndarray) and x.dtype.kind == "f")
+                   if isinstance(x, np.ndarray) and (x.dtype.kind == "f"
+                                                     or x.dtype.name in _HALF_NAMES))
     errors = check.errors if check.errors is not None else np.zeros(out.shape)
     limit = np.broadcast_to(np.asarray(check.threshold.value), out.shape)
-    return _diagnose.describe_failure(out, truth, errors, limit, inputs_poisoned=poisoned)
+    return notes + _diagnose.describe_failure(out, truth, errors, limit,
+                                              inputs_poisoned=poisoned)
 
 
 def _storage_accumulation(ctx, out, truth, check) -> str | None:
@@ -466,7 +494,7 @@ def _storage_accumulation(ctx, out, truth, check) -> str | None:
             f"accumulator; such a textbook has normalised error {model_error:.3g} here)")
 
 
-_NARROWER = {"float64": ("float32",), "float32": ("bfloat16", "float16")}
+_NARROWER = {"float64": ("float32", "float16", "bfloat16"), "float32": ("float16", "bfloat16")}
 
 
 def _narrower_limit(ctx, key, dtype, count) -> float:
@@ -479,13 +507,21 @@ def _narrower_limit(ctx, key, dtype, count) -> float:
     return k * float(np.max(floors[key])) + tol.unit_roundoff(dtype)
 
 
-def _lower_precision(ctx, check) -> str | None:
-    """The narrower dtype whose own floor (T5) covers every error of ``check``, if any."""
+def _lower_precision(ctx, check, fixture) -> str | None:
+    """The narrower dtype whose expected error covers every error of ``check``, if any:
+    for out and lse the tight-tier model (T7) evaluated at that dtype (realistic: what a
+    correct kernel computing in it shows, calibrated against torch SDPA), for gradients
+    ``k`` times the floor (T5)."""
     if check.errors is None or not np.isfinite(check.errors).all():
         return None
     key = check.quantity if check.quantity in ("out", "lse") else "grad"
     for dtype in _NARROWER.get(ctx.dtype, ()):
-        if check.max_error <= _narrower_limit(ctx, key, dtype, check.size):
+        if key == "grad":
+            limit = _narrower_limit(ctx, key, dtype, check.size)
+        else:
+            truth = _truth(fixture, key)
+            limit = ctx.expected(key, dtype, truth, check.size) + tol.unit_roundoff(dtype)
+        if np.all(check.errors <= limit):
             return dtype
     return None
 

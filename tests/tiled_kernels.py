@@ -13,6 +13,7 @@ bugs sit where this module puts them (``bug=``):
 ``partial_tile``       the last, partial key tile is skipped (``S // block_k`` tiles) when
                        there is a full one
 ``partial_query_tile`` the last, partial query tile is never written (its rows stay 0)
+                       when there is a full one
 ``no_late_rescale``    ``O`` is not rescaled when the running max moves (``l`` is)
 ``split_combine``      split-KV partial outputs combined with weights ``l_s`` (each relative
                        to its own split's max) instead of ``exp(lse_s - lse)``
@@ -201,7 +202,7 @@ def tiled_attention(q, k, v, *, block_q=64, block_k=64, bug=None, p_dtype=None,
     v_h = np.broadcast_to(v_h, full[:-2] + v_h.shape[-2:])
     out = np.zeros(full[:-1] + (v.shape[-1],), dtype=acc)
     lse = np.zeros(full[:-1], dtype=acc)
-    rows = L if bug != "partial_query_tile" else L // block_q * block_q
+    rows = L if bug != "partial_query_tile" or L <= block_q else L // block_q * block_q
     for i0 in range(0, rows, block_q):
         i1 = min(i0 + block_q, rows)
         tile = dict(ctx, keep=None if keep is None else keep[..., i0:i1, :])
