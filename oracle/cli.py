@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="plots in the HTML report: failing checks (default), every case, or "
                           "none")
     val.add_argument("--strict", action="store_true", help="robustness failures fail the run")
+    val.add_argument("--tolerance", choices=("default", "tight"), default="default",
+                     help="tolerance tier: default (no false alarm on any correct algorithm) "
+                          "or tight (the expected error of a correct float32-accumulating "
+                          "kernel: narrower accumulation fails); see oracle.tolerance")
     val.add_argument("--grads", action="store_true",
                      help="also check impl.vjp (gradient cases are 'unsupported' without one)")
     val.add_argument("--require", action="append", metavar="FEATURE", default=[],
@@ -168,7 +172,7 @@ def _validate(args) -> int:
                             grads=args.grads, strict=args.strict, progress=not args.quiet,
                             cases=args.case, isolate=not args.in_process,
                             timeout=args.timeout, memory_limit=memory,
-                            require=args.require)
+                            require=args.require, tolerance=args.tolerance)
     except (KeyError, ValueError) as err:
         return _err(str(err).strip('"'))
     print(report.summary() if not args.quiet else
