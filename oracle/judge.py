@@ -431,19 +431,31 @@ def _diagnosis(ctx, fixture, out, checks, lse=None) -> list[str]:
                                        limit=np.asarray(lse_check.threshold.value),
                                        dtype=ctx.dtype)
     out_failed = check is not None and not check.passed and out.shape == truth.shape
-    precisions = {_lower_precision(ctx, c, fixture) for c in failing}
-    if len(precisions) == 1 and None not in precisions:
-        dtype = precisions.pop()
-        worst = max(c.max_error for c in failing)
-        return notes + [f"errors fit {dtype} accuracy (max normalised error {worst:.3g}): "
-                        f"the implementation seems to compute in {dtype} (the pinned "
-                        f"conventions at {dtype} precision)"]
-    if not out_failed:
-        return notes
-    found = _diagnose.diagnose(ctx.q, ctx.k, ctx.v, ctx.options, out,
-                               limit=np.asarray(check.threshold.value), dtype=ctx.dtype)
+    lower = [_lower_precision(ctx, c, fixture) for c in failing]
+    lower_dtype = lower[0][0] if lower and all(x is not None and x[0] == lower[0][0]
+                                               for x in lower) else None
+    found = []
+    if out_failed:
+        found = _diagnose.diagnose(ctx.q, ctx.k, ctx.v, ctx.options, out,
+                                   limit=np.asarray(check.threshold.value), dtype=ctx.dtype)
+    if lower_dtype is not None:
+        # both explain it: the alternative wins only if it fits at least as snugly (within
+        # the same fraction of its limit as the errors use of the narrower precision's)
+        snug = max(x[1] for x in lower)
+        if found and snug < 1:
+            found = _diagnose.diagnose(ctx.q, ctx.k, ctx.v, ctx.options, out,
+                                       limit=snug * np.asarray(check.threshold.value),
+                                       dtype=ctx.dtype, max_pairs=False)
+        if not found:
+            worst = max(c.max_error for c in failing)
+            return notes + [f"errors fit {lower_dtype} accuracy (max normalised error "
+                            f"{worst:.3g}): the implementation seems to compute in "
+                            f"{lower_dtype} (the pinned conventions at {lower_dtype} "
+                            f"precision)"]
     if found:
         return notes + found
+    if not out_failed:
+        return notes
     for dtype in _NARROWER.get(ctx.dtype, ()):
         # a convention mismatch seen through a narrower working precision (its T7 model)
         limit = ctx.expected("out", dtype, truth, check.size) + tol.unit_roundoff(dtype)
@@ -507,8 +519,9 @@ def _narrower_limit(ctx, key, dtype, count) -> float:
     return k * float(np.max(floors[key])) + tol.unit_roundoff(dtype)
 
 
-def _lower_precision(ctx, check, fixture) -> str | None:
-    """The narrower dtype whose expected error covers every error of ``check``, if any:
+def _lower_precision(ctx, check, fixture) -> tuple | None:
+    """(dtype, largest error / limit) for the narrower dtype whose expected error covers
+    every error of ``check``, if any:
     for out and lse the tight-tier model (T7) evaluated at that dtype (realistic: what a
     correct kernel computing in it shows, calibrated against torch SDPA), for gradients
     ``k`` times the floor (T5)."""
@@ -522,7 +535,9 @@ def _lower_precision(ctx, check, fixture) -> str | None:
             truth = _truth(fixture, key)
             limit = ctx.expected(key, dtype, truth, check.size) + tol.unit_roundoff(dtype)
         if np.all(check.errors <= limit):
-            return dtype
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = float(np.max(np.where(check.errors > 0, check.errors / limit, 0.0)))
+            return dtype, ratio
     return None
 
 
