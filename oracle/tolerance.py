@@ -152,6 +152,54 @@ Natural scales of the other quantities (first-order perturbation bounds, :func:`
 A case passes when every checked element satisfies ``epsilon <= T`` (T per element for out
 and lse, (T6); per case for gradients). The worst element reported is the one with the
 largest ratio ``epsilon / T``.
+
+3. The tight tier (``tolerance="tight"``, :func:`output_expected`, :func:`lse_expected`)
+----------------------------------------------------------------------------------------
+(T2) must never fail a correct algorithm, so its floor is a bound: for float32 cases the
+floor dominates and correct kernels use only 3-7 % of it, and a kernel that accumulates
+``P @ V`` in float16 (22-93x the error of a float32 accumulator) passes. The tight tier
+replaces (T2) for out and lse by ``lambda`` *standard deviations* of the error a correct
+float32-accumulating kernel makes on the element, under the same model as (T3) (independent
+mean-zero roundings, each uniform within ``+-u``, variance ``u^2/3``), plus the coherent scale
+rounding and the final rounding:
+
+.. math::
+
+    T^{tight}_{ie} = \\frac{(\\lambda \\sigma_{ie} + u C_{ie})(1 + (\\delta_{ind}+u)A_i)}
+                         {s_{ie}} + u_{out},                                \\qquad (T7)
+
+    \\sigma_{ie}^2 = \\underbrace{\\Big(\\frac{u_a^2 (D+2)}{3} + \\frac{n_{st} u^2}{3}\\Big)
+                    \\sum_j c_{ije}^2 a_{ij}^2}_{\\text{scores}}
+                 + \\underbrace{\\sum_j \\frac{e_{ij}^2 d_{ij}^2 v_{je}^2}{3}}_{\\text{P rounded}}
+                 + \\underbrace{\\big(2 u_a \\sqrt{S/3}\\, s_{ie}\\big)^2}_{\\text{float32 sums}}
+
+* scores: a dot product of ``D`` terms in ``u_a`` has error ``sum_k delta_k x_k`` with
+  every partial sum ``|x_k| <= a_ij``, plus the product and scale roundings (``D + 2``
+  roundings of variance ``u_a^2 a^2 / 3``); each stage stored in the dtype (``n_st``:
+  scores, softcap, bias) adds ``u^2 a^2 / 3``; (T6a) propagates them with ``c_ije``.
+* P rounded: each probability rounded to the dtype before ``P @ V`` (the textbook stores the
+  weights, FlashAttention's tensor-core path rounds ``P~ = exp(s - m)`` to float16/bfloat16:
+  both are correct) with ``e_ij = max(u p_ij, half the subnormal spacing)``, plus the
+  ``exp`` in ``u_a``.
+* float32 sums: the normaliser and ``P @ V`` summed in ``u_a``, every partial sum at most
+  the natural scale ``s_ie``: standard deviation at most ``u_a sqrt(S/3) s_ie`` each
+  (recursive summation; blocked and pairwise sums are smaller).
+
+``lambda`` is Hoeffding's of (T6) (the union bound over the case's elements at
+:data:`FAILURE_PROBABILITY`), applied once: (T6) applies it to ``gamma~_D`` too and charges
+worst cases, which is what makes it loose. For lse: ``sigma^2 = (scores) sum_j p_ij^2
+a_ij^2 + (u_a sqrt(S/3))^2 + u_a^2``, normalised by the lse scale. The baseline rule is not
+used (the model is the expected error, not a measured worst). Measured on the default suite
+(280 cases, 4 dtypes): the textbook, refattn's float64 path, torch SDPA (CPU), a correct
+tiled online-softmax kernel, its FlashAttention-style variant (P in float16/bfloat16) and a
+split-KV variant pass both tiers; a float16/bfloat16 ``P @ V`` accumulator fails the tight
+tier where rows are long or nearly uniform (it passes (T2)). Gradients and the variant
+families keep (T2) in the tight tier.
+
+The same model evaluated at a *narrower* dtype is the diagnosis' realistic limit for "the
+implementation computes in float32 / float16 / bfloat16" (:mod:`oracle.judge`): what a
+correct kernel computing in that dtype shows (bfloat16 torch SDPA reaches normalised errors
+of 4e-4 to 1.2e-3 on the default suite; (T5) would admit 0.25).
 """
 
 from __future__ import annotations
