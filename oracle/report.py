@@ -67,7 +67,7 @@ def _headline(report) -> str:
 
 
 def _num(x, fmt=".3g"):
-    return "-" if x is None or isinstance(x, str) else format(x, fmt)
+    return "-" if x is None else x if isinstance(x, str) else format(x, fmt)
 
 
 def grade_lines(report) -> list[str]:

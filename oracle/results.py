@@ -64,12 +64,17 @@ class Grade:
         return _ulp_summary(self.n, self.n_correct, self.ulps)
 
 
+def _quantile(ulps, q):
+    # no interpolation: an infinite ulp (a NaN output) must not make inf - inf
+    return _json_float(np.quantile(ulps, q, method="higher")) if ulps.size else None
+
+
 def _ulp_summary(n, n_correct, ulps) -> dict:
     finite = ulps[np.isfinite(ulps)]
     return {"elements": int(n),
             "correctly_rounded": _json_float(n_correct / n) if n else None,
-            "ulp_median": _json_float(np.median(ulps)) if ulps.size else None,
-            "ulp_p99": _json_float(np.quantile(ulps, 0.99)) if ulps.size else None,
+            "ulp_median": _quantile(ulps, 0.5),
+            "ulp_p99": _quantile(ulps, 0.99),
             "ulp_max": _json_float(ulps.max()) if ulps.size else None,
             "nonfinite": int(ulps.size - finite.size)}
 
