@@ -454,6 +454,12 @@ def _cast(x, dtype):
             .astype(np.float64)
 
 
+def _narrow_dtype(name):
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
 def _exact_parts(q, k, v, options, allowed=None):
     """float64 textbook, weights (post-dropout, with a head axis), v expanded to the query
     heads; ``allowed`` overrides the allowed set."""
@@ -479,11 +485,11 @@ def _flash_model(w3, v_h, p_dtype, sums="float32"):
         p = np.where(top > 0, w3 / np.where(top > 0, top, 1), 0)
     p = _cast(p, p_dtype) if p_dtype != "float64" else p
     if sums in _HALVES:
-        terms = _cast(p[..., :, :, None] * v_h[..., None, :, :], sums)
-        acc = np.zeros(terms.shape[:-2] + terms.shape[-1:])
-        for j in range(terms.shape[-2]):
-            acc = _cast(acc + terms[..., j, :], sums)
-        pv = acc
+        # key by key in the narrow type: each product rounded to it, then a sequential sum
+        narrow = _narrow_dtype(sums)
+        terms = (p[..., :, :, None].astype(np.float32)
+                 * v_h[..., None, :, :].astype(np.float32)).astype(narrow)
+        pv = np.add.accumulate(terms, axis=-2, dtype=narrow)[..., -1, :].astype(np.float64)
     else:
         pv = np.matmul(p, v_h)
     return pv * np.where(top > 0, top, 0)
