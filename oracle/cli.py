@@ -95,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="plots in the HTML report: failing checks (default), every case, or "
                           "none")
     val.add_argument("--strict", action="store_true", help="robustness failures fail the run")
+    val.add_argument("--tolerance", choices=("default", "tight"), default="default",
+                     help="tolerance tier: default (no false alarm on any correct algorithm) "
+                          "or tight (the expected error of a correct float32-accumulating "
+                          "kernel: narrower accumulation fails); see oracle.tolerance")
     val.add_argument("--grads", action="store_true",
                      help="also check impl.vjp (gradient cases are 'unsupported' without one)")
     val.add_argument("--require", action="append", metavar="FEATURE", default=[],
@@ -218,7 +222,7 @@ def _validate(args) -> int:
                    strict=args.strict, cases=args.case, isolate=not args.in_process,
                    timeout=args.timeout, memory_limit=memory, require=args.require,
                    checks=args.check, layout=args.layout, framework=args.framework,
-                   device=args.device)
+                   device=args.device, tolerance=args.tolerance)
     try:
         if args.executor == "dask":
             from .distribute import validate_many

@@ -56,7 +56,8 @@ import numpy as np
 from . import tolerance as tol
 from .baseline import textbook_attention
 
-__all__ = ["Alternative", "alternatives", "diagnose", "describe_failure"]
+__all__ = ["Alternative", "alternatives", "kernel_alternatives", "diagnose", "diagnose_lse",
+           "describe_failure", "error_models"]
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,108 @@ def _padding_reading(S):
     return apply
 
 
+#: Tile sizes of real kernels (queries x keys blocks) the tile-bug alternatives try.
+TILE_SIZES = (64, 128)
+#: Keys per split of the split-KV alternatives.
+SPLIT_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def _drop_keys(rule):
+    def apply(options, extras):
+        return options, {**extras, "drop_keys": rule}
+    return apply
+
+
+def _reweight(rule):
+    def apply(options, extras):
+        return options, {**extras, "reweight": rule}
+    return apply
+
+
+def _zero_rows(first):
+    def apply(options, extras):
+        return options, {**extras, "zero_rows": first}
+    return apply
+
+
+def _segments(S, size):
+    """Index of the block of ``size`` keys each key belongs to."""
+    return np.arange(S) // size
+
+
+def _no_rescale(size):
+    """Weights of an online softmax whose output accumulator is not rescaled when the
+    running max moves: key j is weighted ``p_j exp(M - M_t(j))``, ``M_t`` the running max
+    of the log-weights after j's tile, ``M`` the row's (the normaliser is right)."""
+    def rule(w):
+        with np.errstate(divide="ignore"):
+            logw = np.log(w)
+        blocks = _segments(w.shape[-1], size)
+        running = np.full(w.shape[:-1], -np.inf)
+        factor = np.zeros_like(w)
+        for b in range(int(blocks[-1]) + 1):
+            cols = blocks == b
+            running = np.maximum(running, logw[..., cols].max(axis=-1))
+            with np.errstate(invalid="ignore"):
+                factor[..., cols] = np.exp(-running)[..., None]
+        return w * np.where(np.isfinite(factor), factor, 0) * w.max(axis=-1, keepdims=True)
+    return rule
+
+
+def _split_combine(size):
+    """Split-KV partial outputs combined by their normalisers ``l_s`` taken relative to each
+    split's own max (the ``exp(m_s - m)`` correction missing)."""
+    def rule(w):
+        blocks = _segments(w.shape[-1], size)
+        out = np.zeros_like(w)
+        for b in range(int(blocks[-1]) + 1):
+            cols = blocks == b
+            top = w[..., cols].max(axis=-1, keepdims=True)
+            out[..., cols] = np.divide(w[..., cols], top, out=np.zeros_like(w[..., cols]),
+                                       where=top > 0)
+        total = out.sum(axis=-1, keepdims=True)
+        return np.divide(out, total, out=np.zeros_like(out), where=total > 0)
+    return rule
+
+
+def kernel_alternatives(L, S, *, tiles=TILE_SIZES, splits=SPLIT_SIZES) -> list[Alternative]:
+    """Alternatives that name the bugs of tiled kernels (blocks of ``tiles`` keys/queries,
+    split-KV chunks of ``splits`` keys), for a case with L queries and S keys."""
+    found = []
+    for size in tiles:
+        if S >= size:
+            found.append(Alternative(
+                f"tile boundary: the last key of every full tile of {size} keys is skipped "
+                f"(keys j = {size - 1} mod {size})", frozenset({"kernel"}),
+                _drop_keys(lambda j, size=size, S=S: (j % size == size - 1)
+                           & (j < S // size * size))))
+        if S > size and S % size:
+            found.append(Alternative(
+                f"partial key tile skipped: keys from {S // size * size} on (after the last "
+                f"full tile of {size}) ignored", frozenset({"kernel"}),
+                _drop_keys(lambda j, size=size, S=S: j >= S // size * size)))
+        if L > size and L % size:
+            found.append(Alternative(
+                f"partial query tile not written: rows from {L // size * size} on (after the "
+                f"last full tile of {size} queries) are zero", frozenset({"kernel"}),
+                _zero_rows(L // size * size)))
+        if S > size:
+            found.append(Alternative(
+                f"late rescale missing: the output accumulator is not rescaled when the "
+                f"running max moves (online softmax over tiles of {size} keys)",
+                frozenset({"kernel"}), _reweight(_no_rescale(size))))
+    for size in splits:
+        if S > size:
+            found.append(Alternative(
+                f"split-KV combine: partial outputs of {size}-key splits weighted by their "
+                f"normalisers without the exp(m_s - m) max correction",
+                frozenset({"kernel"}), _reweight(_split_combine(size))))
+    return found
+
+
 def _alternative_out(q, k, v, options, extras):
+    if "reweight" in extras or "zero_rows" in extras or "drop_keys" in extras:
+        return _kernel_out(q, k, v, options, extras)
     result = textbook_attention(q, k, v, dtype="float64",
                                 softcap_order=extras.get("softcap_order", "before_bias"),
                                 **options)
@@ -205,6 +307,24 @@ def _alternative_out(q, k, v, options, extras):
         scale = np.where(empty[..., None],
                          tol.output_scale(uniform, v, gqa=options.get("gqa")), scale)
     return out, scale
+
+
+def _kernel_out(q, k, v, options, extras):
+    """Output and scale (float64) of a tiled-kernel alternative."""
+    base, w3, v_h = _exact_parts(q, k, v, options)
+    single = np.ndim(q) == 2
+    if "drop_keys" in extras:
+        S = w3.shape[-1]
+        allowed = np.broadcast_to(base.allowed, base.weights.shape) & ~extras["drop_keys"](
+            np.arange(S))
+        _, w3, v_h = _exact_parts(q, k, v, options, allowed=allowed)
+    if "reweight" in extras:
+        w3 = extras["reweight"](w3)
+    out = np.matmul(w3, v_h)
+    scale = np.matmul(np.abs(w3), np.abs(v_h))
+    if "zero_rows" in extras:
+        out[..., extras["zero_rows"]:, :] = 0.0
+    return (out[0], scale[0]) if single else (out, scale)
 
 
 def _fits(out, truth, scale, limit, dtype) -> bool:
@@ -230,7 +350,7 @@ def diagnose(q, k, v, options, out, *, limit, dtype, max_pairs=True) -> list[str
     has_empty = bool((~allowed.any(axis=-1)).any())
     has_excluded = bool((~allowed).any())
     candidates = alternatives(options, H=H, K=K, L=L, S=S, D=D, E=E, has_empty=has_empty,
-                              has_excluded=has_excluded)
+                              has_excluded=has_excluded) + kernel_alternatives(L, S)
     magnitude = tol.score_magnitude(q, k, **options)
     f64 = tol.forward_floors("float64", D=D, S=S, L=L, E=E, G=max(H // K, 1),
                              magnitude=magnitude, allowed=allowed)["out"]
@@ -268,6 +388,48 @@ def diagnose(q, k, v, options, out, *, limit, dtype, max_pairs=True) -> list[str
     return found
 
 
+def diagnose_lse(q, k, v, options, lse, *, limit, dtype) -> list[str]:
+    """Labels explaining a failing lse: log2 units, the row max left out (log of the shifted
+    normaliser), or one of the named alternatives (scale, bias, ALiBi, masks...) evaluated
+    for lse. ``limit`` is the lse threshold (normalised by the lse scale, (T2))."""
+    lse = np.asarray(lse, dtype=np.float64)
+    base = textbook_attention(q, k, v, dtype="float64", **options)
+    truth = np.asarray(base.lse, dtype=np.float64)
+    if lse.shape != truth.shape:
+        return []
+    magnitude = tol.score_magnitude(q, k, **options)
+    scale = tol.lse_scale(truth, base.weights, magnitude[0] if np.ndim(q) == 2 else magnitude)
+    limit = np.asarray(limit) + tol.unit_roundoff("float64") * 64
+    found = []
+    with np.errstate(all="ignore"):
+        top = np.where(np.broadcast_to(base.allowed, base.weights.shape),
+                       np.log(base.weights), -np.inf).max(axis=-1)
+        row_max = truth + top  # top = max_j log p_j = max_j t_j - lse
+        candidates = [("lse in log2 units (an exp2 kernel not converting back: "
+                       "lse / ln 2)", truth / math.log(2)),
+                      ("lse without the row max (log of the max-shifted normaliser)",
+                       truth - row_max),
+                      ("lse is the row max only (the normaliser's log missing)", row_max)]
+        for label, model in candidates:
+            if _fits(lse, model, scale, limit, dtype):
+                found.append(f"lse matches {label}")
+        if found:
+            return found
+        H, L, D = (np.shape(q) if np.ndim(q) > 2 else (1,) + np.shape(q))[-3:]
+        K = np.shape(k)[-3] if np.ndim(k) > 2 else 1
+        allowed = np.broadcast_to(base.allowed, base.weights.shape)
+        for alt in alternatives(options, H=H, K=K, L=L, S=np.shape(k)[-2], D=D,
+                                E=np.shape(v)[-1], has_empty=bool((~allowed.any(-1)).any()),
+                                has_excluded=bool((~allowed).any())):
+            opts, extras = alt.apply(dict(options), {})
+            if extras:
+                continue
+            model = textbook_attention(q, k, v, dtype="float64", **opts).lse
+            if _fits(lse, np.asarray(model, dtype=np.float64), scale, limit, dtype):
+                found.append(f"lse matches {alt.label}")
+    return found
+
+
 def describe_failure(value, truth, errors, limit, *, inputs_poisoned=False) -> list[str]:
     """Plain observations on a failure when no alternative fits (NaN leaks, where errors sit)."""
     value = np.asarray(value, dtype=np.float64)
@@ -286,3 +448,151 @@ def describe_failure(value, truth, errors, limit, *, inputs_poisoned=False) -> l
         notes.append(f"{int(bad.sum())} of {bad.size} elements over the threshold, "
                      f"in {int(rows.sum())} of {rows.size} rows")
     return notes
+
+
+# ---------------------------------------------------------------------------------------------
+# Error models: what a grade's errors are consistent with
+# ---------------------------------------------------------------------------------------------
+
+#: Largest number of products (H L S E) for which the key-by-key narrow-sum model is run.
+MODEL_SIZE_CAP = 2**24
+_HALVES = ("bfloat16", "float16")
+
+
+def _cast(x, dtype):
+    """``x`` rounded to ``dtype`` ("tf32": float32 with a 10-bit fraction), as float64."""
+    x = np.asarray(x, dtype=np.float64)
+    if dtype == "tf32":
+        bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+        # round to nearest even at bit 13, on the integer pattern (no libm, exact)
+        half = np.uint64(1 << 12) - np.uint64(1) + ((bits >> np.uint64(13)) & np.uint64(1))
+        rounded = ((bits + half) >> np.uint64(13)) << np.uint64(13)
+        out = rounded.astype(np.uint32).view(np.float32).astype(np.float64)
+        return np.where(np.isfinite(x), out, x)
+    import ml_dtypes  # noqa: F401 - registers bfloat16 with NumPy
+
+    name = "bfloat16" if dtype == "bfloat16" else dtype
+    with np.errstate(over="ignore"):
+        return x.astype(np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else name) \
+            .astype(np.float64)
+
+
+def _narrow_dtype(name):
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def _exact_parts(q, k, v, options, allowed=None):
+    """float64 textbook, weights (post-dropout, with a head axis), v expanded to the query
+    heads; ``allowed`` overrides the allowed set."""
+    base = textbook_attention(q, k, v, dtype="float64", allowed=allowed, **options)
+    w = np.where(np.isfinite(base.weights), base.weights, 0.0)
+    if options.get("dropout_mask") is not None:
+        keep = np.asarray(options["dropout_mask"], dtype=bool)
+        w = np.where(keep, w, 0) / (1 - (options.get("dropout_p") or 0.0))
+    w3 = w[None] if np.ndim(q) == 2 else w
+    from refattn._broadcast import expand_kv
+
+    from .heads import with_heads
+    v_h = expand_kv(with_heads(np.asarray(v, dtype=np.float64), "v"), w3.shape[-3],
+                    options.get("gqa") or "interleave")
+    return base, w3, np.where(np.isfinite(v_h), v_h, 0.0)
+
+
+def _flash_model(w3, v_h, p_dtype, sums="float32"):
+    """P~ = w / max_j w (the exp of score minus row max) rounded to ``p_dtype``, P~ @ V
+    summed in ``sums``, divided by l = 1 / max_j w."""
+    top = w3.max(axis=-1, keepdims=True)
+    with np.errstate(all="ignore"):
+        p = np.where(top > 0, w3 / np.where(top > 0, top, 1), 0)
+    p = _cast(p, p_dtype) if p_dtype != "float64" else p
+    if sums in _HALVES:
+        # key by key in the narrow type: each product rounded to it, then a sequential sum
+        narrow = _narrow_dtype(sums)
+        terms = (p[..., :, :, None].astype(np.float32)
+                 * v_h[..., None, :, :].astype(np.float32)).astype(narrow)
+        pv = np.add.accumulate(terms, axis=-2, dtype=narrow)[..., -1, :].astype(np.float64)
+    else:
+        pv = np.matmul(p, v_h)
+    return pv * np.where(top > 0, top, 0)
+
+
+def narrow_accumulation(q, k, v, options, out, truth, scale, dtype, *, k_factor=2.0):
+    """A label when ``out``'s errors are of the size of ``P @ V`` summed key by key in
+    float16 or bfloat16 (the closest in its largest normalised error), else None."""
+    err = float(np.max(tol.normalised_error(out, truth, scale, dtype)))
+    if not math.isfinite(err):
+        return None
+    fits = []
+    with np.errstate(all="ignore"):
+        _, w3, v_h = _exact_parts(q, k, v, options)
+        if w3.size * v_h.shape[-1] > MODEL_SIZE_CAP:
+            return None
+        for half in _HALVES:
+            model = _flash_model(w3, v_h, "float64", sums=half)
+            model = model[0] if np.ndim(q) == 2 else model
+            model_err = float(np.max(tol.normalised_error(model, truth, scale, dtype)))
+            if model_err / k_factor <= err <= k_factor * model_err + tol.unit_roundoff(dtype):
+                fits.append((abs(math.log(err / model_err)) if model_err > 0 else math.inf,
+                             half, model_err))
+    if not fits:
+        return None
+    _, half, model_err = min(fits)
+    return (f"errors consistent with accumulating P@V in {half} (a {half} accumulator; "
+            f"such a kernel has normalised error {model_err:.3g} here)")
+
+
+def error_models(q, k, v, options, dtype, *, rounded=None) -> dict:
+    """Outputs (float64, shaped like out) of the error models a grade compares against.
+
+    By case dtype: the textbook in the dtype (float32 sums, stages stored in the dtype);
+    the probabilities rounded to a 16-bit type before ``P @ V`` with float32 sums
+    (FlashAttention's tensor-core path); ``P @ V`` summed key by key in a 16-bit type;
+    TF32 matmuls (float32); float32 working precision and a float32 softmax (float64);
+    and "correctly rounded" (the truth rounded once, ``rounded``). Score rounding is not
+    modelled where the label does not say so (the models isolate one effect each).
+    """
+    dtype = str(np.dtype(dtype)) if dtype != "bfloat16" else dtype
+    models = {}
+    single = np.ndim(q) == 2
+    with np.errstate(all="ignore"):
+        base, w3, v_h = _exact_parts(q, k, v, options)
+
+        def shaped(x):
+            return x[0] if single else x
+
+        text = textbook_attention(q, k, v, dtype=dtype, **options).out
+        models[f"float32 sums, scores and weights stored in {dtype} (textbook)"
+               if dtype in _HALVES else f"{dtype} textbook (two-pass softmax)"] = \
+            np.asarray(text, dtype=np.float64)
+        small = w3.size * v_h.shape[-1] <= MODEL_SIZE_CAP
+        if dtype in _HALVES:
+            models[f"P rounded to {dtype} before P@V, float32 sums (FlashAttention)"] = \
+                shaped(_cast(_flash_model(w3, v_h, dtype), dtype))
+            if small:
+                models[f"P@V accumulated in {dtype}"] = shaped(_cast(
+                    _flash_model(w3, v_h, dtype, sums=dtype), dtype))
+        elif dtype == "float32":
+            for half in _HALVES:
+                models[f"P rounded to {half} before P@V, float32 sums"] = \
+                    shaped(_cast(_flash_model(w3, v_h, half), "float32"))
+                if small:
+                    models[f"P@V accumulated in {half}"] = shaped(_cast(
+                        _flash_model(w3, v_h, "float32", sums=half), "float32"))
+            tf32 = [_cast(x, "tf32").astype(np.float32) for x in (q, k, v)]
+            models["TF32 matmuls (q, k, v with 10-bit fractions)"] = np.asarray(
+                textbook_attention(*tf32, dtype="float32", **options).out, dtype=np.float64)
+        elif dtype == "float64":
+            low = [np.asarray(x).astype(np.float32) for x in (q, k, v)]
+            opts32 = {n: (np.asarray(x).astype(np.float32)
+                          if isinstance(x, np.ndarray) and x.dtype.kind == "f" else x)
+                      for n, x in options.items()}
+            models["float32 working precision"] = np.asarray(
+                textbook_attention(*low, dtype="float32", **opts32).out, dtype=np.float64)
+            models["float32 softmax, float64 matmuls"] = shaped(
+                _flash_model(_cast(w3, "float32"), v_h, "float64"))
+        if rounded is not None:
+            models["correctly rounded (higher precision, one rounding)"] = \
+                np.asarray(rounded, dtype=np.float64)
+    return models

@@ -62,7 +62,7 @@ from .baseline import (
     variant_vjp_baseline,
 )
 from .catalogue.variants import FUNCTIONS, forward_inputs, grad_names, outputs_of
-from .results import CaseResult, Check, Worst
+from .results import CaseResult, Check, Worst, grade_of
 from .variant_scales import condition, grad_floor_terms, grad_scale, natural_scale
 
 __all__ = ["check_fixture", "run_guarded", "call_forward"]
@@ -148,7 +148,13 @@ def _as_float64(x, quantity="out"):
 _HALF_NAMES = ("bfloat16",)  # ml_dtypes' floating types are not of kind "f"
 
 
-def _judge(quantity, value, truth, scale, threshold, dtype) -> Check:
+def _truth_rounded(fixture, name):
+    """The truth correctly rounded to the case dtype (float64 array), if the fixture has it."""
+    value = fixture.truth.get(name)
+    return None if value is None else np.asarray(value).astype(np.float64)
+
+
+def _judge(quantity, value, truth, scale, threshold, dtype, rounded=None) -> Check:
     errors = tol.normalised_error(value, truth, scale, dtype)
     limit = np.broadcast_to(np.asarray(threshold.value, dtype=np.float64), errors.shape)
     over = errors > limit
@@ -165,9 +171,12 @@ def _judge(quantity, value, truth, scale, threshold, dtype) -> Check:
                   if value.size else 0.0,
                   float(limit[index]) if limit.size else 0.0)
     passed = not over.any()
+    grade = grade_of(value, truth, dtype, rounded)
+    grade.sq = float(np.sum(np.where(np.isfinite(errors), errors, 0.0) ** 2))
     # errors are kept for every check: the HTML report plots any case on request
     return Check(quantity, passed, float(errors.max()) if errors.size else 0.0,
-                 int(over.sum()), int(errors.size), threshold, worst, errors)
+                 int(over.sum()), int(errors.size), threshold, worst, errors,
+                 grade=grade)
 
 
 def _shape_check(quantity, value, truth):
@@ -190,7 +199,9 @@ def _truth(fixture, name):
 class _Context:
     """Float64 weights, magnitudes and floors of one fixture (shared by every check)."""
 
-    def __init__(self, fixture):
+    def __init__(self, fixture, tier="default", grade=True):
+        self.tier = tol.check_tier(tier)
+        self.grade = grade
         inputs, options = fixture.inputs, fixture.options
         self.q, self.k, self.v = inputs["q"], inputs["k"], inputs["v"]
         self.options = {n: x for n, x in options.items() if n != "return_lse"}
@@ -239,19 +250,38 @@ class _Context:
                     D=self.sizes["D"], S=self.sizes["S"], n_stored=int(n_stored),
                     softcap=self.options.get("softcap") is not None, count=count), heads
 
-    def output_floor(self, truth, count):
-        """Element-wise floor (T6) of the output."""
+    def output_floor(self, truth, count, tier="default"):
+        """Element-wise floor (T6) of the output (the model (T7) in the tight tier)."""
         args, heads = self._element_args(count)
-        floor = tol.output_floor(self.dtype, **args, dropped=heads(self.dropped), v=self.v,
+        rule = tol.output_expected if tier == "tight" else tol.output_floor
+        floor = rule(self.dtype, **args, dropped=heads(self.dropped), v=self.v,
                                  out=heads(truth), gqa=self.options.get("gqa"),
                                  dropout=self.options.get("dropout_mask") is not None)
         return floor[0] if self.single else floor
 
-    def lse_floor(self, truth, count):
-        """Element-wise floor (T6) of lse."""
+    def expected(self, key, dtype, truth, count):
+        """The tight-tier model (T7) of ``key`` ("out" or "lse") evaluated at ``dtype``."""
         args, heads = self._element_args(count)
-        floor = tol.lse_floor(self.dtype, **args, lse=heads(truth))
+        if key == "out":
+            value = tol.output_expected(dtype, **args, dropped=heads(self.dropped), v=self.v,
+                                        out=heads(truth), gqa=self.options.get("gqa"),
+                                        dropout=self.options.get("dropout_mask") is not None)
+        else:
+            value = tol.lse_expected(dtype, **args, lse=heads(truth))
+        return value[0] if self.single else value
+
+    def lse_floor(self, truth, count, tier="default"):
+        """Element-wise floor (T6) of lse (the model (T7) in the tight tier)."""
+        args, heads = self._element_args(count)
+        rule = tol.lse_expected if tier == "tight" else tol.lse_floor
+        floor = rule(self.dtype, **args, lse=heads(truth))
         return floor[0] if self.single else floor
+
+
+def _forward_threshold(ctx, base_err, floor):
+    if ctx.tier == "tight":
+        return tol.Threshold(tol.K_FORWARD, None, floor, tol.unit_roundoff(ctx.dtype), "tight")
+    return tol.threshold(base_err, floor, ctx.dtype, k=tol.K_FORWARD)
 
 
 def _check_forward(ctx, fixture, out, lse, checks):
@@ -265,9 +295,17 @@ def _check_forward(ctx, fixture, out, lse, checks):
         scale = scale[0]
     base_err = _finite_part(tol.normalised_error(base.out, truth_out, scale, ctx.dtype),
                             truth_out)
-    threshold = tol.threshold(base_err, ctx.output_floor(truth_out, truth_out.size),
-                              ctx.dtype, k=tol.K_FORWARD)
-    checks["out"] = _judge("out", out, truth_out, scale, threshold, ctx.dtype)
+    threshold = _forward_threshold(ctx, base_err,
+                                   ctx.output_floor(truth_out, truth_out.size, ctx.tier))
+    checks["out"] = _judge("out", out, truth_out, scale, threshold, ctx.dtype,
+                           rounded=_truth_rounded(fixture, "out"))
+    if ctx.grade:
+        checks["out"].grade.models = {
+            label: float(np.sum(_finite_part(tol.normalised_error(model, truth_out, scale,
+                                                                  ctx.dtype), truth_out) ** 2))
+            for label, model in _diagnose.error_models(
+                ctx.q, ctx.k, ctx.v, ctx.options, ctx.dtype,
+                rounded=_truth_rounded(fixture, "out")).items()}
     truth_lse = _truth(fixture, "lse")
     if lse is not None and truth_lse is not None:
         lse, problem = _shape_check("lse", lse, truth_lse)
@@ -278,9 +316,10 @@ def _check_forward(ctx, fixture, out, lse, checks):
         lscale = tol.lse_scale(truth_lse, weights, magnitude)
         base_err = _finite_part(tol.normalised_error(base.lse, truth_lse, lscale, ctx.dtype),
                                 truth_lse)
-        threshold = tol.threshold(base_err, ctx.lse_floor(truth_lse, truth_lse.size),
-                                  ctx.dtype, k=tol.K_FORWARD)
-        checks["lse"] = _judge("lse", lse, truth_lse, lscale, threshold, ctx.dtype)
+        threshold = _forward_threshold(ctx, base_err,
+                                       ctx.lse_floor(truth_lse, truth_lse.size, ctx.tier))
+        checks["lse"] = _judge("lse", lse, truth_lse, lscale, threshold, ctx.dtype,
+                               rounded=_truth_rounded(fixture, "lse"))
     return None
 
 
@@ -320,8 +359,12 @@ def _check_grads(ctx, fixture, impl, checks):
     return None
 
 
-def check_fixture(impl, fixture, *, grads=False, diagnose=True, reproduce="") -> CaseResult:
+def check_fixture(impl, fixture, *, grads=False, diagnose=True, reproduce="",
+                  tolerance="default") -> CaseResult:
     """Run ``impl`` on one fixture and judge it (see the module docstring for verdicts).
+
+    ``tolerance``: "default" (T2) or "tight" (T7 for out and lse; gradients and variants
+    keep T2), see :mod:`oracle.tolerance`.
 
     Attention fixtures call ``impl(q, k, v, **options)`` (and ``impl.vjp`` with ``grads``);
     variant fixtures (``Case.function`` other than "attention") call
@@ -335,7 +378,9 @@ def check_fixture(impl, fixture, *, grads=False, diagnose=True, reproduce="") ->
         return _check_variant(impl, fixture, reproduce, grads)
     result = CaseResult(case.name, case.category, case.dtype, "pass", reproduce=reproduce,
                         description=getattr(case, "description", ""))
-    return run_guarded(result, lambda: _run_checks(impl, fixture, grads, diagnose, result))
+    tol.check_tier(tolerance)
+    return run_guarded(result, lambda: _run_checks(impl, fixture, grads, diagnose, result,
+                                                   tolerance))
 
 
 def run_guarded(result, check) -> CaseResult:
@@ -360,11 +405,11 @@ def run_guarded(result, check) -> CaseResult:
     return result
 
 
-def _run_checks(impl, fixture, grads, diagnose, result):
+def _run_checks(impl, fixture, grads, diagnose, result, tier="default"):
     inputs = fixture.inputs
     options = {n: x for n, x in fixture.options.items() if n != "return_lse"}
     out, lse = call_forward(impl, inputs["q"], inputs["k"], inputs["v"], options)
-    ctx = _Context(fixture)
+    ctx = _Context(fixture, tier)
     with np.errstate(all="ignore"):
         problem = _check_forward(ctx, fixture, out, lse, result.checks)
         notes = []
@@ -381,54 +426,83 @@ def _run_checks(impl, fixture, grads, diagnose, result):
             f"{c.quantity}: {c.n_failed} of {c.size} elements over the threshold"
             for c in failing)
         if diagnose:
-            result.diagnosis = _diagnosis(ctx, fixture, out, result.checks)
+            result.diagnosis = _diagnosis(ctx, fixture, out, result.checks, lse)
     elif notes:
         result.verdict = "unsupported"  # gradients were asked for: never a pass
     result.message = "; ".join(x for x in [result.message, *notes] if x)
 
 
-def _diagnosis(ctx, fixture, out, checks) -> list[str]:
-    """Named alternatives that explain a failing output; else a narrower working precision
-    that explains every failing quantity; else plain observations."""
+def _diagnosis(ctx, fixture, out, checks, lse=None) -> list[str]:
+    """What explains the failure, most specific first: lse conventions (log2 units, the row
+    max, scale/bias alternatives); the pinned convention at a narrower working precision
+    (preferred when a named alternative fits too: it is the likelier story); named
+    convention and tiled-kernel alternatives; the same seen through a narrower precision;
+    half-precision accumulation; else plain observations (NaN leaks, where errors sit)."""
     check = checks.get("out")
     truth = _truth(fixture, "out")
     failing = [c for c in checks.values() if not c.passed]
     if not failing:
         return []
+    notes = []
+    lse_check = checks.get("lse")
+    if lse_check is not None and not lse_check.passed and lse is not None:
+        notes = _diagnose.diagnose_lse(ctx.q, ctx.k, ctx.v, ctx.options,
+                                       np.reshape(lse, lse_check.errors.shape),
+                                       limit=np.asarray(lse_check.threshold.value),
+                                       dtype=ctx.dtype)
     out_failed = check is not None and not check.passed and out.shape == truth.shape
+    lower = [_lower_precision(ctx, c, fixture) for c in failing]
+    lower_dtype = lower[0][0] if lower and all(x is not None and x[0] == lower[0][0]
+                                               for x in lower) else None
+    found = []
     if out_failed:
         found = _diagnose.diagnose(ctx.q, ctx.k, ctx.v, ctx.options, out,
                                    limit=np.asarray(check.threshold.value), dtype=ctx.dtype)
+    if lower_dtype is not None:
+        # both explain it: the alternative wins only if it fits at least as snugly (within
+        # the same fraction of its limit as the errors use of the narrower precision's)
+        snug = max(x[1] for x in lower)
+        if found and snug < 1:
+            found = _diagnose.diagnose(ctx.q, ctx.k, ctx.v, ctx.options, out,
+                                       limit=snug * np.asarray(check.threshold.value),
+                                       dtype=ctx.dtype, max_pairs=False)
+        if not found:
+            worst = max(c.max_error for c in failing)
+            return notes + [f"errors fit {lower_dtype} accuracy (max normalised error "
+                            f"{worst:.3g}): the implementation seems to compute in "
+                            f"{lower_dtype} (the pinned conventions at {lower_dtype} "
+                            f"precision)"]
+    if found:
+        return notes + found
+    if not out_failed:
+        return notes
+    for dtype in _NARROWER.get(ctx.dtype, ()):
+        # a convention mismatch seen through a narrower working precision (its T7 model)
+        limit = ctx.expected("out", dtype, truth, check.size) + tol.unit_roundoff(dtype)
+        found = _diagnose.diagnose(ctx.q, ctx.k, ctx.v, ctx.options, out, limit=limit,
+                                   dtype=ctx.dtype)
         if found:
-            return found
-    precisions = {_lower_precision(ctx, c) for c in failing}
-    if out_failed:
-        for dtype in _NARROWER.get(ctx.dtype, ()):
-            # a convention mismatch seen through a narrower working precision
-            limit = _narrower_limit(ctx, "out", dtype, check.size)
-            found = _diagnose.diagnose(ctx.q, ctx.k, ctx.v, ctx.options, out, limit=limit,
-                                       dtype=ctx.dtype)
-            if found:
-                return [f"{label} (at {dtype} accuracy: the implementation seems to compute "
-                        f"in {dtype})" for label in found]
-    if len(precisions) == 1 and None not in precisions:
-        dtype = precisions.pop()
-        worst = max(c.max_error for c in failing)
-        return [f"errors fit {dtype} accuracy (max normalised error {worst:.3g}): the "
-                f"implementation seems to compute in {dtype}"]
-    if out_failed and tol.accumulation_dtype(ctx.dtype) != np.dtype(ctx.dtype) \
+            return notes + [f"{label} (at {dtype} accuracy: the implementation seems to "
+                            f"compute in {dtype})" for label in found]
+    if tol.accumulation_dtype(ctx.dtype) != np.dtype(ctx.dtype) \
             and np.isfinite(check.errors).all():
         found = _storage_accumulation(ctx, out, truth, check)
         if found:
-            return [found]
-    if not out_failed:
-        return []
+            return notes + [found]
+    if np.isfinite(check.errors).all():
+        scale = tol.output_scale(ctx.dropped, ctx.v, gqa=ctx.options.get("gqa"))
+        found = _diagnose.narrow_accumulation(ctx.q, ctx.k, ctx.v, ctx.options, out, truth,
+                                              scale[0] if ctx.single else scale, ctx.dtype)
+        if found:
+            return notes + [found]
     poisoned = any(not np.isfinite(np.asarray(x, dtype=np.float64)).all()
                    for x in {**fixture.inputs, **ctx.options}.values()
-                   if isinstance(x, np.ndarray) and x.dtype.kind == "f")
+                   if isinstance(x, np.ndarray) and (x.dtype.kind == "f"
+                                                     or x.dtype.name in _HALF_NAMES))
     errors = check.errors if check.errors is not None else np.zeros(out.shape)
     limit = np.broadcast_to(np.asarray(check.threshold.value), out.shape)
-    return _diagnose.describe_failure(out, truth, errors, limit, inputs_poisoned=poisoned)
+    return notes + _diagnose.describe_failure(out, truth, errors, limit,
+                                              inputs_poisoned=poisoned)
 
 
 def _storage_accumulation(ctx, out, truth, check) -> str | None:
@@ -452,7 +526,7 @@ def _storage_accumulation(ctx, out, truth, check) -> str | None:
             f"accumulator; such a textbook has normalised error {model_error:.3g} here)")
 
 
-_NARROWER = {"float64": ("float32",), "float32": ("bfloat16", "float16")}
+_NARROWER = {"float64": ("float32", "float16", "bfloat16"), "float32": ("float16", "bfloat16")}
 
 
 def _narrower_limit(ctx, key, dtype, count) -> float:
@@ -465,14 +539,25 @@ def _narrower_limit(ctx, key, dtype, count) -> float:
     return k * float(np.max(floors[key])) + tol.unit_roundoff(dtype)
 
 
-def _lower_precision(ctx, check) -> str | None:
-    """The narrower dtype whose own floor (T5) covers every error of ``check``, if any."""
+def _lower_precision(ctx, check, fixture) -> tuple | None:
+    """(dtype, largest error / limit) for the narrower dtype whose expected error covers
+    every error of ``check``, if any:
+    for out and lse the tight-tier model (T7) evaluated at that dtype (realistic: what a
+    correct kernel computing in it shows, calibrated against torch SDPA), for gradients
+    ``k`` times the floor (T5)."""
     if check.errors is None or not np.isfinite(check.errors).all():
         return None
     key = check.quantity if check.quantity in ("out", "lse") else "grad"
     for dtype in _NARROWER.get(ctx.dtype, ()):
-        if check.max_error <= _narrower_limit(ctx, key, dtype, check.size):
-            return dtype
+        if key == "grad":
+            limit = _narrower_limit(ctx, key, dtype, check.size)
+        else:
+            truth = _truth(fixture, key)
+            limit = ctx.expected(key, dtype, truth, check.size) + tol.unit_roundoff(dtype)
+        if np.all(check.errors <= limit):
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = float(np.max(np.where(check.errors > 0, check.errors / limit, 0.0)))
+            return dtype, ratio
     return None
 
 

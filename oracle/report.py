@@ -30,8 +30,8 @@ from xml.etree import ElementTree as ET
 
 import numpy as np
 
-__all__ = ["summary_table", "to_dict", "to_json", "to_junit", "to_html", "PLOT_HINT",
-           "ROBUSTNESS_NOTE", "plotting_available"]
+__all__ = ["summary_table", "grade_lines", "to_dict", "to_json", "to_junit", "to_html",
+           "PLOT_HINT", "ROBUSTNESS_NOTE", "plotting_available"]
 
 _TERMINAL = 120  # assumed width when stdout is not a terminal
 _NOTE_WIDTH = 40  # narrowest column the reasons are wrapped to
@@ -62,7 +62,44 @@ def _ulp_text(result) -> str:
 def _headline(report) -> str:
     verdict = "PASSED" if report.passed else "FAILED"
     dtype = report.dtype or "all dtypes"
-    return f"refattn oracle: {report.impl} on {report.source}, dtype {dtype}: {verdict}"
+    tier = "" if report.tolerance == "default" else f", tolerance {report.tolerance}"
+    return f"refattn oracle: {report.impl} on {report.source}, dtype {dtype}{tier}: {verdict}"
+
+
+def _num(x, fmt=".3g"):
+    return "-" if x is None else x if isinstance(x, str) else format(x, fmt)
+
+
+def grade_lines(report) -> list[str]:
+    """Accuracy grades per dtype and quantity (:meth:`Report.grades`): fraction correctly
+    rounded, error in ulp (median, p99, max), rms normalised error and the error models it
+    is consistent with."""
+    grades = report.grades()
+    if not grades:
+        return []
+    lines = ["Accuracy grades (conformance cases judged):"]
+    for dtype, by_name in grades.items():
+        for name, g in by_name.items():
+            rounded = g["correctly_rounded"]
+            share = "-" if rounded is None else f"{100 * rounded:.1f}%"
+            lines.append(f"  {dtype} {name}: {share} correctly rounded, ulp median "
+                         f"{_num(g['ulp_median'])} p99 {_num(g['ulp_p99'])} max "
+                         f"{_num(g['ulp_max'])}, rms error {_num(g['rms_error'])}")
+            if g["models"]:
+                fits = ", ".join(g["consistent_with"]) or "none of the models (nearest: " + \
+                    _nearest(g) + ")"
+                lines += textwrap.wrap(f"consistent with: {fits}", _TERMINAL,
+                                       initial_indent="    ", subsequent_indent="      ")
+    return lines
+
+
+def _nearest(g) -> str:
+    rms = g["rms_error"] or 0.0
+    finite = {m: x for m, x in g["models"].items() if isinstance(x, float) and x > 0}
+    if not finite or not rms:
+        return "-"
+    label = min(finite, key=lambda m: abs(math.log(rms / finite[m])))
+    return f"{label}, {rms / finite[label]:.2g}x its error"
 
 
 def summary_table(report, *, details=True) -> str:
@@ -91,6 +128,9 @@ def summary_table(report, *, details=True) -> str:
     if any(r.category == "robustness" for r in report.results):
         lines.append(f"note: {ROBUSTNESS_NOTE}" + (" (strict: on)" if report.strict else ""))
     lines += ["", *coverage_lines(report)]
+    grades = grade_lines(report)
+    if grades:
+        lines += ["", *grades]
     lines.append(f"time: {report.seconds:.2f} s")
     if details:
         failing = [r for r in report.results if r.failed]
@@ -133,6 +173,7 @@ def to_dict(report) -> dict:
         "counts": {c: report.counts(c) for c in ("conformance", "robustness", "invariance")},
         "coverage": report.coverage(), "untested": report.untested,
         "required": list(report.required), "isolated": report.isolated,
+        "tolerance": report.tolerance, "grades": report.grades(),
         "policy": {"k_forward": K_FORWARD, "k_backward": K_BACKWARD,
                    "failure_probability": FAILURE_PROBABILITY,
                    "threshold": "max(k * baseline_error, floor) + u_out (oracle.tolerance, T2)"},
@@ -288,6 +329,9 @@ def to_html(report, path, *, plots="failures") -> Path:
             parts.append(f"<tr{style}><td>{group}</td><td>{esc(name)}</td><td>{row['judged']}"
                          f"</td><td>{row['unsupported']}</td><td>{row['error']}</td></tr>")
     parts.append("</table>")
+    grades = grade_lines(report)
+    if grades:
+        parts.append(f"<h2>Accuracy grades</h2><pre>{esc(chr(10).join(grades[1:]))}</pre>")
     if report.untested:
         parts.append(f"<p class='fail'><strong>NOT TESTED: {esc(', '.join(report.untested))}"
                      f"</strong></p>")

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from .features import HEADLINE_FEATURES, SHAPE_CLASSES
-from .tolerance import Threshold
+from .tolerance import Threshold, ulp_distance
 
-__all__ = ["VERDICTS", "Worst", "Check", "CaseResult", "Report"]
+__all__ = ["VERDICTS", "Worst", "Grade", "grade_of", "Check", "CaseResult", "Report"]
 
 VERDICTS = ("pass", "fail", "unsupported", "error")
 
@@ -48,6 +48,59 @@ class Worst:
 
 
 @dataclass
+class Grade:
+    """Accuracy of one quantity beyond pass/fail: how many elements are correctly rounded,
+    the error in ulp of the dtype, and (for out) the mean squared normalised error of the
+    implementation and of each error model (:func:`oracle.diagnose.error_models`), from which
+    :meth:`Report.grades` says what the errors are consistent with."""
+
+    n: int  # elements with a finite truth
+    n_correct: int  # equal to the correctly rounded truth
+    ulps: np.ndarray = field(repr=False)  # |value - truth| in ulp, finite-truth elements
+    sq: float = 0.0  # sum of squared normalised errors (finite ones)
+    models: dict = field(default_factory=dict)  # label -> sum of squared normalised errors
+
+    def summary(self) -> dict:
+        return _ulp_summary(self.n, self.n_correct, self.ulps)
+
+
+def _quantile(ulps, q):
+    # no interpolation: an infinite ulp (a NaN output) must not make inf - inf
+    return _json_float(np.quantile(ulps, q, method="higher")) if ulps.size else None
+
+
+def _ulp_summary(n, n_correct, ulps) -> dict:
+    finite = ulps[np.isfinite(ulps)]
+    return {"elements": int(n),
+            "correctly_rounded": _json_float(n_correct / n) if n else None,
+            "ulp_median": _quantile(ulps, 0.5),
+            "ulp_p99": _quantile(ulps, 0.99),
+            "ulp_max": _json_float(ulps.max()) if ulps.size else None,
+            "nonfinite": int(ulps.size - finite.size)}
+
+
+def grade_of(value, truth, dtype, rounded=None) -> Grade:
+    """The :class:`Grade` of ``value`` against the float64 ``truth`` (and the truth correctly
+    rounded to ``dtype``, ``rounded``; when None, elements within half an ulp count).
+
+    >>> g = grade_of(np.array([1.0, 1.5]), np.array([1.0, 1.5 + 2**-30]), "float32")
+    >>> g.n_correct, g.summary()["ulp_max"] < 1
+    (2, True)
+    """
+    value = np.asarray(value, dtype=np.float64)
+    truth = np.asarray(truth, dtype=np.float64)
+    finite = np.isfinite(truth)
+    ulps = ulp_distance(value, truth, dtype)
+    if rounded is not None and np.shape(rounded) == truth.shape:
+        rounded = np.asarray(rounded, dtype=np.float64)
+        correct = (value == rounded) | (np.isnan(value) & np.isnan(rounded))
+    else:
+        correct = ulps <= 0.5
+    return Grade(int(finite.sum()), int((correct & finite).sum()),
+                 ulps[finite].astype(np.float32))
+
+
+@dataclass
 class Check:
     """The judgement of one quantity (out, lse, dq, ...) of one case."""
 
@@ -59,14 +112,17 @@ class Check:
     threshold: Threshold
     worst: Worst
     errors: np.ndarray | None = field(default=None, repr=False)  # kept for failing checks
+    grade: Grade | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
-        return {"quantity": self.quantity, "passed": self.passed,
+        grade = {} if self.grade is None else {"grade": self.grade.summary()}
+        return {**grade,"quantity": self.quantity, "passed": self.passed,
                 "max_error": _json_float(self.max_error), "n_failed": self.n_failed,
                 "size": self.size, "threshold": _json_float(float(np.max(self.threshold.value))),
                 "k": self.threshold.k, "baseline_error": _json_float(self.threshold.baseline),
                 "floor": _json_float(float(np.max(self.threshold.floor))),
-                "u_out": self.threshold.u_out, "worst": _worst_dict(self.worst)}
+                "u_out": self.threshold.u_out, "tier": self.threshold.tier,
+        "worst": _worst_dict(self.worst)}
 
 
 @dataclass
@@ -147,6 +203,7 @@ class Report:
     grads: bool = False
     isolated: bool = False  # cases ran in a supervised worker process
     required: tuple = ()  # features that must have been judged (--require)
+    tolerance: str = "default"  # the tier (oracle.tolerance.TIERS)
 
     @property
     def passed(self) -> bool:
@@ -214,6 +271,26 @@ class Report:
         chosen = [r for r in self.results if category is None or r.category == category]
         return {v: sum(r.verdict == v for r in chosen) for v in VERDICTS}
 
+    def grades(self) -> dict:
+        """Accuracy grades per dtype and quantity over the judged conformance cases:
+        ``{dtype: {quantity: {"elements", "correctly_rounded", "ulp_median", "ulp_p99",
+        "ulp_max", "nonfinite", "rms_error", "consistent_with", "models"}}}``.
+
+        ``rms_error`` is the root mean square normalised error (T1); ``models`` the same for
+        each error model of :func:`oracle.diagnose.error_models` on the same cases, and
+        ``consistent_with`` the models whose rms error is within a factor
+        :data:`GRADE_FACTOR` of the implementation's (closest first).
+        """
+        pooled: dict = {}
+        for r in self.results:
+            if r.category != "conformance" or r.verdict not in ("pass", "fail"):
+                continue
+            for name, check in r.checks.items():
+                if check.grade is not None:
+                    pooled.setdefault(r.dtype, {}).setdefault(name, []).append(check.grade)
+        return {dtype: {name: _pool(grades) for name, grades in by_name.items()}
+                for dtype, by_name in pooled.items()}
+
     def summary(self) -> str:
         from .report import summary_table
         return summary_table(self)
@@ -237,6 +314,37 @@ class Report:
     def __repr__(self) -> str:
         return (f"Report(impl={self.impl!r}, dtype={self.dtype!r}, passed={self.passed}, "
                 f"counts={self.counts()})")
+
+
+#: A model "fits" an implementation whose rms normalised error is within this factor of its.
+GRADE_FACTOR = 2.0
+
+
+def _pool(grades) -> dict:
+    n = sum(g.n for g in grades)
+    ulps = np.concatenate([g.ulps for g in grades]) if grades else np.zeros(0)
+    summary = _ulp_summary(n, sum(g.n_correct for g in grades), ulps.astype(np.float64))
+    rms = math.sqrt(sum(g.sq for g in grades) / n) if n else 0.0
+    labels = [m for m in grades[0].models if all(m in g.models for g in grades)] \
+        if grades else []
+    models = {m: math.sqrt(sum(g.models[m] for g in grades) / n) for m in labels} if n else {}
+    summary["rms_error"] = _json_float(rms)
+    summary["models"] = {m: _json_float(x) for m, x in models.items()}
+    summary["consistent_with"] = consistent_with(rms, models)
+    return summary
+
+
+def consistent_with(rms, models) -> list[str]:
+    """Model labels whose rms error is within :data:`GRADE_FACTOR` of ``rms``, closest
+    first; a model with zero error fits only an exact-zero rms."""
+    def distance(x):
+        if x == 0 or rms == 0:
+            return 0.0 if x == rms else math.inf
+        return abs(math.log(rms / x))
+
+    close = sorted((distance(x), m) for m, x in models.items()
+                   if math.isfinite(x) and distance(x) <= math.log(GRADE_FACTOR))
+    return [m for _, m in close]
 
 
 def _json_float(x):

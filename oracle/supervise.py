@@ -68,10 +68,10 @@ def _serve(receive, connection, impl_ref, memory_limit) -> None:  # pragma: no c
         request = receive.recv()
         if request is None:
             return
-        fixture, grads, diagnose, reproduce, check = request
+        fixture, grads, diagnose, reproduce, check, tolerance = request
         if check is None:
             result = check_fixture(impl, fixture, grads=grads, diagnose=diagnose,
-                                   reproduce=reproduce)
+                                   reproduce=reproduce, tolerance=tolerance)
         else:
             from .invariance import check_invariance
 
@@ -171,7 +171,8 @@ class Supervisor:
                 connection.close()
         self._process = self._connection = self._send_connection = None
 
-    def run(self, fixture, *, grads=False, diagnose=True, reproduce="", check=None):
+    def run(self, fixture, *, grads=False, diagnose=True, reproduce="", check=None,
+            tolerance="default"):
         """Judge one fixture in the worker (or run the invariance ``check`` of
         :mod:`oracle.invariance` on it); any way the worker fails is an "error" result."""
         from .results import CaseResult
@@ -183,7 +184,8 @@ class Supervisor:
             problem = self._start()
         if problem is None:
             try:
-                self._send_connection.send((fixture, grads, diagnose, reproduce, check))
+                self._send_connection.send((fixture, grads, diagnose, reproduce, check,
+                                            tolerance))
             except (OSError, EOFError):
                 kind, problem = "died", self._death("sending the case")
             else:

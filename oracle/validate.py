@@ -114,13 +114,14 @@ def select_cases(*, suite=None, fixtures=None, dtype="float32", cases=None) -> l
     return [(item.case if hasattr(item, "case") else item).name for item in items]
 
 
-def reproduce_command(impl_spec, source_flag, dtype, name, grads, strict, check=None,
-                      convention=None):
+def reproduce_command(impl_spec, source_flag, dtype, name, grads, strict, tolerance="default",
+                      check=None, convention=None):
     """The ``refattn-oracle validate`` command line that re-runs one case (or one of its
     invariance checks)."""
     impl_part = "--impl <module:function>" if impl_spec is None else (
         f"--impl {impl_spec}" if ":" in impl_spec else f"--adapter {impl_spec}")
     extra = (" --grads" if grads else "") + (" --strict" if strict else "") + (
+        f" --tolerance {tolerance}" if tolerance != "default" else "") + (
         f" --check {check}" if check else "") + "".join(
         f" --{name} {value}" for name, value in (convention or {}).items()
         if value != {"layout": "bhld", "framework": "numpy", "device": "cpu"}[name])
@@ -129,6 +130,7 @@ def reproduce_command(impl_spec, source_flag, dtype, name, grads, strict, check=
 
 
 def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, strict=False,
+             tolerance="default",
              progress=True, cases: str | Iterable[str] | None = None, diagnose=True,
              isolate=True, timeout=None, memory_limit=None, require=(),
              checks=(), layout="bhld", framework="numpy", device="cpu") -> Report:
@@ -151,6 +153,10 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
         cannot be checked because there is no ``vjp`` is "unsupported", never a pass).
     strict : bool
         Robustness failures fail the run too.
+    tolerance : {"default", "tight"}
+        The tolerance tier (:mod:`oracle.tolerance`): "default" (T2) is free of false alarms
+        for any correct algorithm; "tight" (T7) follows the expected error of a correct
+        float32-accumulating kernel on the case, so narrower accumulation fails.
     progress : bool
         A progress bar on stderr.
     cases : str or iterable of str, optional
@@ -203,6 +209,7 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
 
     checks = parse_checks(checks)
 
+    tol.check_tier(tolerance)
     if dtype is not None:
         tol.unit_roundoff(dtype)  # a clear error for an unknown dtype
     from .conventions import check_convention, wrap
@@ -240,21 +247,21 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
             for item in items:
                 fixture = golden.build(item) if not hasattr(item, "truth") else item
                 repro = reproduce_command(spec, source_flag, fixture.case.dtype,
-                                          fixture.case.name, grads, strict,
+                                          fixture.case.name, grads, strict, tolerance,
                                           convention=convention)
                 if supervisor is None:
                     result = check_fixture(fn, fixture, grads=grads, diagnose=diagnose,
-                                           reproduce=repro)
+                                           reproduce=repro, tolerance=tolerance)
                 else:
                     result = supervisor.run(fixture, grads=grads, diagnose=diagnose,
-                                            reproduce=repro)
+                                            reproduce=repro, tolerance=tolerance)
                 result.features, result.shape_classes = case_features(
                     fixture.case, grads, fixture.inputs)
                 results.append(result)
                 for check in checks if applies(fixture) else ():
                     results.append(_invariance(fn, supervisor, fixture, check, reproduce_command(
                         spec, source_flag, fixture.case.dtype, fixture.case.name, False, False,
-                        check, convention)))
+                        check=check, convention=convention)))
                 bar.advance(f"{result.name}: {result.verdict}")
     finally:
         if supervisor is not None:
@@ -263,6 +270,7 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
                     time.perf_counter() - start, grads)
     report.isolated = supervisor is not None
     report.required = required
+    report.tolerance = tolerance
     return report
 
 

@@ -86,8 +86,14 @@ from .seeding import Streams
 
 __all__ = ["SUITES", "attention_cases", "make_inputs", "allowed_positions"]
 
-#: The attention suites: smoke within default within full.
-SUITES = ("smoke", "default", "full")
+#: The attention suites: smoke within default within full; "kernel" holds the kernel-scale
+#: cases (:func:`_kernel_entries`) until the fast exact engine makes them cheap enough for
+#: default.
+SUITES = ("smoke", "default", "full", "kernel")
+
+#: The suites of the kernel-scale cases. Moving them into default and full is this one line:
+#: ``KERNEL_SUITES = ("kernel", "default", "full")``.
+KERNEL_SUITES = ("kernel",)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,6 +121,7 @@ class _Entry:
     recipe: Mapping[str, Any] = field(default_factory=dict)
     grads: bool = False
     category: str = "conformance"
+    extra: tuple[str, ...] = ()  # further suites (KERNEL_SUITES) of every dtype of the row
 
 
 def _entries() -> list[_Entry]:
@@ -314,6 +321,70 @@ def _entries() -> list[_Entry]:
         e("grad-basic", Shapes(1, 4, 2, 16, 32, 64, 64), "larger gradient case", default=(),
           options={"gqa": "interleave"}, recipe={**gauss, "bias": "gaussian"}, grads=True),
     ]
+    return rows + _kernel_entries()
+
+
+#: Lengths around the 64/128 tile sizes of real kernels.
+TILE_LENGTHS = (1, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000, 2049)
+
+
+def _kernel_entries() -> list[_Entry]:
+    """Kernel-scale cases: lengths around tile sizes, long rows, real head dims, GQA groups,
+    ragged batches and input distributions that stress a tiled online softmax."""
+    def e(tag, shapes, description, options=None, recipe=None):
+        return _Entry(tag, shapes, description, default=(), full=(), extra=KERNEL_SUITES,
+                      options=dict(options or {}), recipe=dict(recipe or gauss))
+
+    gauss = {"qkv": "gaussian", "sigma": 1.0}
+    rows = []
+    for n in TILE_LENGTHS:
+        rows.append(e("k-tile", Shapes(1, 2, 2, min(n, 257), n, 64, 64),
+                      f"L, S around the 64/128 tiles (S = {n}): tile boundaries, partial "
+                      f"tiles, masked tails"))
+    for n in (63, 65, 129, 257):
+        rows.append(e("k-tile-causal", Shapes(1, 2, 2, n, n, 64, 64),
+                      f"causal, L = S = {n}: diagonal tiles cut by a tile boundary",
+                      {"causal": True, "align": "top_left"}))
+    rows += [
+        e("k-tiles", Shapes(1, 2, 2, 200, 300, 64, 64), "several query x key tiles (4 x 5)"),
+        e("k-tiles-br", Shapes(1, 2, 2, 130, 390, 128, 128),
+          "causal bottom_right over several tiles, L < S", {"causal": True,
+                                                             "align": "bottom_right"}),
+        e("k-causal-l-gt-s", Shapes(1, 2, 2, 200, 70, 64, 64),
+          "causal bottom_right with L > S: a negative diagonal offset (first rows empty)",
+          {"causal": True, "align": "bottom_right", "empty_rows": "zero"}),
+        e("k-long", Shapes(1, 1, 1, 4, 16384, 64, 64),
+          "4 queries over 16384 keys: many key tiles, late max moves, split-KV"),
+        e("k-long", Shapes(1, 1, 1, 2, 65536, 64, 64), "2 queries over 65536 keys"),
+        e("k-decode", Shapes(1, 8, 2, 1, 32768, 128, 128),
+          "GQA decode L = 1 over 32768 keys (split-KV combine)", {"gqa": "interleave"}),
+    ]
+    for D in (64, 96, 128, 256, 59, 111):
+        rows.append(e("k-headdim", Shapes(1, 2, 2, 65, 129, D, D),
+                      f"head dim {D} over a partial tile: vector widths, odd dims"))
+    rows.append(e("k-d-ne-e", Shapes(1, 2, 2, 65, 129, 192, 128),
+                  "D = 192, E = 128 (scale 1/sqrt(D), not E)"))
+    for K in (8, 2, 1):
+        rows.append(e("k-gqa", Shapes(1, 8, K, 65, 200, 64, 64),
+                      f"GQA group size {8 // K} (H = 8, K = {K})", {"gqa": "interleave"}))
+    rows.append(e("k-ragged", Shapes(4, 2, 2, 65, 300, 64, 64),
+                  "a batch whose rows have different key lengths (padding mask): per-row "
+                  "tails inside tiles", recipe={**gauss, "mask": "padding"}))
+    distributions = [
+        ("k-outlier", {"qkv": "outlier", "factor": 32.0, "channels": 3},
+         "outlier channels: 3 dims of q and k 32x larger (LLM activations)"),
+        ("k-sink", {"qkv": "sink"}, "a sink key (key 0) taking most of every row's weight"),
+        ("k-peaky-late", {"qkv": "late-max"},
+         "peaky rows whose max moves in every tile up to the last (online rescale)"),
+        ("k-uniform", {"qkv": "gaussian", "sigma": 0.0625},
+         "near-uniform rows (tiny logits): long sums of nearly equal terms"),
+        ("k-offset", {"qkv": "offset", "offset": 64.0},
+         "values with a large common offset (64 + N(0,1)): cancellation in P@V"),
+        ("k-overflow16", {"qkv": "gaussian", "sigma": 24.0},
+         "q.k beyond the float16 range unless the scale is applied first"),
+    ]
+    for tag, recipe, description in distributions:
+        rows.append(e(tag, Shapes(1, 2, 2, 65, 1000, 64, 64), description, recipe=recipe))
     return rows
 
 
@@ -390,8 +461,9 @@ def _expand(entry: _Entry) -> list[Case]:
         in_smoke = dtype in entry.smoke
         in_default = in_smoke or dtype in entry.default
         in_full = in_default or dtype in entry.full
-        membership = zip(SUITES, (in_smoke, in_default, in_full), strict=True)
+        membership = zip(SUITES[:3], (in_smoke, in_default, in_full), strict=True)
         suites = tuple(s for s, member in membership if member)
+        suites += tuple(s for s in entry.extra if s not in suites)
         if not suites:
             continue
         name = f"{entry.tag}-{entry.shapes.tag()}-{DTYPE_TAGS[dtype]}"
@@ -441,9 +513,14 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
     n = case.shapes
     stream = Streams(case.seed)
     fp8 = recipe.get("fp8")
-    q, k, v = _QKV[recipe.get("qkv", "gaussian")](stream, n, "float64" if fp8 else case.dtype,
-                                                     case.options,
-                                                     float(recipe.get("sigma", 1.0)))
+    kind = recipe.get("qkv", "gaussian")
+    qkv_dtype = "float64" if fp8 else case.dtype
+    if kind in _RECIPE_QKV:
+        q, k, v = _RECIPE_QKV[kind](stream, n, qkv_dtype, case.options,
+                                    float(recipe.get("sigma", 1.0)), recipe)
+    else:
+        q, k, v = _QKV[kind](stream, n, qkv_dtype, case.options,
+                             float(recipe.get("sigma", 1.0)))
     inputs = {"q": q, "k": k, "v": v}
     if fp8:
         inputs.update(_quantised(inputs, n, FP8_DTYPES[fp8]))
@@ -582,6 +659,41 @@ def _qkv_cancel(stream, n, dtype, options, sigma):
     v[:, :, 1:2 * pairs:2] = -v[:, :, 0:2 * pairs:2] * wiggle
     return tuple(seeding.to_dtype(x, dtype) for x in (q, k, v))
 
+
+def _qkv_outlier(stream, n, dtype, options, sigma, recipe):
+    q, k, v = _qkv_gaussian(stream, n, "float64", options, sigma)
+    channels = int(recipe.get("channels", 3))
+    factor = float(recipe.get("factor", 32.0))
+    q[..., :channels] *= factor
+    k[..., :channels] *= factor
+    return tuple(seeding.to_dtype(x, dtype) for x in (q, k, v))
+
+
+def _qkv_sink(stream, n, dtype, options, sigma, recipe):
+    # key 0 aligned with every query: a score about 12 above the rest
+    q, k, v = _qkv_gaussian(stream, n, "float64", options, 0.5)
+    q[..., 0] = 2.0
+    k[..., 0, :] = 0.0
+    k[..., 0, 0] = 6.0 / _scale(n, options)  # scale * q0 * k00 = 12
+    return tuple(seeding.to_dtype(x, dtype) for x in (q, k, v))
+
+
+def _qkv_late_max(stream, n, dtype, options, sigma, recipe):
+    # scores rise along the keys (with noise): the running max moves in every tile
+    q, k, v = _qkv_gaussian(stream, n, "float64", options, 0.5)
+    q[..., 0] = 1.0 + stream.uniform("q0", (n.batch, n.H, n.L))
+    k[..., 0] = np.arange(n.S) * (16.0 / (_scale(n, options) * max(n.S, 1)))
+    return tuple(seeding.to_dtype(x, dtype) for x in (q, k, v))
+
+
+def _qkv_offset(stream, n, dtype, options, sigma, recipe):
+    q, k, v = _qkv_gaussian(stream, n, "float64", options, sigma)
+    v = v + float(recipe.get("offset", 64.0))
+    return tuple(seeding.to_dtype(x, dtype) for x in (q, k, v))
+
+
+_RECIPE_QKV = {"outlier": _qkv_outlier, "sink": _qkv_sink, "late-max": _qkv_late_max,
+               "offset": _qkv_offset}
 
 _QKV = {
     "gaussian": _qkv_gaussian,

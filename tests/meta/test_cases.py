@@ -38,7 +38,7 @@ def test_names_unique_readable_and_seeded():
 
 
 def test_suites_nested_and_sized():
-    smoke, default, full = (catalogue.suite(s) for s in catalogue.SUITES)
+    smoke, default, full = (catalogue.suite(s) for s in ("smoke", "default", "full"))
     for small, big, label in ((smoke, default, "smoke in default"),
                               (default, full, "default in full")):
         missing = {c.name for c in small} - {c.name for c in big}
@@ -338,7 +338,46 @@ def test_suite_names_lists_registered_suites():
     from oracle import catalogue
 
     names = catalogue.suite_names()
-    assert names[:3] == list(catalogue.SUITES)
+    assert names[:len(catalogue.SUITES)] == list(catalogue.SUITES)
     assert "variants-default" in names and "variants-smoke" in names
     for name in names:
         assert catalogue.suite(name), name
+
+
+def test_kernel_suite_cases():
+    """The kernel-scale generators: tile lengths, long rows, head dims, GQA groups, ragged
+    batches and distributions; not in default until KERNEL_SUITES says so (one line)."""
+    from oracle.catalogue import attention
+
+    kernel = catalogue.suite("kernel")
+    default = {c.name for c in catalogue.suite("default")}
+    assert kernel and not {c.name for c in kernel} & default
+    assert attention.KERNEL_SUITES == ("kernel",)
+    lengths = {c.shapes.S for c in kernel}
+    assert set(attention.TILE_LENGTHS) <= lengths and {16384, 65536, 32768} <= lengths
+    assert {59, 96, 111, 128, 192, 256} <= {c.shapes.D for c in kernel}
+    assert {1, 4, 8} <= {c.shapes.H // c.shapes.K for c in kernel}
+    assert {"outlier", "sink", "late-max", "offset"} <= {c.recipe.get("qkv") for c in kernel}
+    assert all(c.description for c in kernel)
+
+
+@pytest.mark.parametrize("recipe", ["outlier", "sink", "late-max", "offset"])
+def test_kernel_distributions(recipe):
+    case = next(c for c in catalogue.suite("kernel")
+                if c.recipe.get("qkv") == recipe and c.dtype == "float32")
+    inputs = catalogue.make_inputs(case)
+    again = catalogue.make_inputs(case)
+    assert all(np.array_equal(inputs[n], again[n]) for n in inputs)
+    q, k, v = (inputs[n].astype(np.float64) for n in "qkv")
+    scores = np.einsum("bhld,bhsd->bhls", q, k) / np.sqrt(case.shapes.D)
+    if recipe == "outlier":
+        big = np.abs(q[..., :3]).mean() / np.abs(q[..., 3:]).mean()
+        assert big > 10, big
+    elif recipe == "sink":
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        weights /= weights.sum(-1, keepdims=True)
+        assert np.median(weights[..., 0]) > 0.5
+    elif recipe == "late-max":
+        assert (scores.argmax(-1) > case.shapes.S * 3 // 4).mean() > 0.9
+    else:
+        assert v.mean() > 32
