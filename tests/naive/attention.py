@@ -100,12 +100,14 @@ def naive_attention(
                     continue
                 logits = list(scores.values()) + ([] if sink is None else [sink])
                 top = max(logits)
-                leaders = [s for s in logits if s == top]
+                leaders = [j for j in scores if scores[j] == top]
+                sink_leads = sink is not None and sink == top  # a leader of value 0
+                n_lead = len(leaders) + sink_leads
                 rest = mpmath.fsum(mpmath.exp(s - top) for s in logits if s != top)
                 # lse = top + log(n) + log1p(rest / n): the exact top plus a tail that may be
                 # as small as exp(-1e9)
-                row_lse = exact_plus_small(top, mpmath.log(len(leaders))
-                                           + mpmath.log1p(rest / len(leaders)))
+                row_lse = exact_plus_small(top, mpmath.log(n_lead)
+                                           + mpmath.log1p(rest / n_lead))
                 # w_j = 1 / sum_k e^{s_k - s_j}: exactly 1/n for n equal scores (exp(0) == 1),
                 # so outputs that are exact rounding ties stay exact in the reference
                 row_w = [1 / mpmath.fsum(mpmath.exp(s - scores[j]) for s in logits)
@@ -125,9 +127,11 @@ def naive_attention(
                         values = {j: (1 / (1 - _exact(dropout_p))) * _exact(v[g, j, e])
                                   if dropout_mask is None or dropout_mask[h][i][j] else
                                   mpmath.mpf(0) for j in scores}
-                        head = mpmath.fsum(values[j] for j in leaders) / len(leaders)
+                        head = mpmath.fsum(values[j] for j in leaders) / n_lead
                     tail = mpmath.fsum(row_w[j] * (values[j] - head)
                                        for j in scores if scores[j] != top)
+                    if sink is not None and not sink_leads:  # the sink's value is 0
+                        tail -= head / mpmath.fsum(mpmath.exp(s - sink) for s in logits)
                     row_out.append(exact_plus_small(head, tail))
                 out_h.append(row_out)
                 lse_h.append(row_lse)
