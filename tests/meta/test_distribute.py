@@ -79,8 +79,9 @@ def _manifest_files(directory: Path) -> dict:
 @pytest.fixture(scope="module")
 def cluster():
     distributed = pytest.importorskip("distributed")
+    # ":0": a free port for the scheduler's HTTP server (8787 may be taken by another cluster)
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                  dashboard_address=None) as local:
+                                  dashboard_address=":0") as local:
         yield local
 
 
