@@ -464,14 +464,7 @@ def output_floor(dtype, *, weights, dropped, magnitude, dots, v, out, D, S, n_st
     (:func:`scaled_dots`), ``out`` the float64 truth.
     """
     u, ua, delta, lam, acc = _score_terms(dtype, count, D, n_stored)
-    p = _finite_abs(weights)
-    d = np.divide(_finite_abs(dropped), p, out=np.zeros_like(p), where=p > 0)
-    v_h = v if np.ndim(v) == 2 else expand_kv(with_heads(v, "v"), p.shape[-3], gqa or "interleave")
-    v_h = np.where(np.isfinite(v_h), v_h, 0.0).astype(np.float64)
-    o = np.where(np.isfinite(out), out, 0.0)
-    pa = p * magnitude
-    w2 = pa * pa
-    spread = (w2 * d * d) @ (v_h * v_h) - 2 * o * ((w2 * d) @ v_h) + o * o * w2.sum(-1)[..., None]
+    p, pa, d, v_h, o, spread = _value_spread(weights, dropped, magnitude, v, out, gqa)
     worst = (pa * d) @ np.abs(v_h) + np.abs(o) * pa.sum(-1)[..., None]
     independent = delta * np.minimum(lam * np.sqrt(np.maximum(spread, 0.0)), worst)
     ps = p * dots
@@ -536,14 +529,7 @@ def output_expected(dtype, *, weights, dropped, magnitude, dots, v, out, D, S, n
     coherent scale rounding and the final rounding; see the module docstring.
     """
     u, ua, score_var, sums_std, lam = _expected_terms(dtype, D, S, n_stored, count)
-    p = _finite_abs(weights)
-    d = np.divide(_finite_abs(dropped), p, out=np.zeros_like(p), where=p > 0)
-    v_h = v if np.ndim(v) == 2 else expand_kv(with_heads(v, "v"), p.shape[-3], gqa or "interleave")
-    v_h = np.where(np.isfinite(v_h), v_h, 0.0).astype(np.float64)
-    o = np.where(np.isfinite(out), out, 0.0)
-    pa = p * magnitude
-    w2 = pa * pa
-    spread = (w2 * d * d) @ (v_h * v_h) - 2 * o * ((w2 * d) @ v_h) + o * o * w2.sum(-1)[..., None]
+    p, pa, d, v_h, o, spread = _value_spread(weights, dropped, magnitude, v, out, gqa)
     # each weight rounded to the dtype (a subnormal weight by half its spacing), exp in acc
     fmt = format_of(dtype)
     sub = math.ldexp(1.0, fmt.emin - fmt.p)
@@ -669,3 +655,17 @@ def variant_floor(dtype, *, condition, n, n_stored) -> float:
     u_a = accumulation_dtype(dtype)
     return float(condition) * (gamma(int(n), u_a) + int(n_stored) * u)
 
+
+def _value_spread(weights, dropped, magnitude, v, out, gqa):
+    """(p, pa, d, v_h, o, spread): the finite weights, weights times the score magnitude,
+    the dropout factor per weight, finite values per query head, the finite truth, and
+    ``sum_j (pa_j d_j)^2 (v_j - o)^2``: the second moment both tiers' output terms use."""
+    p = _finite_abs(weights)
+    d = np.divide(_finite_abs(dropped), p, out=np.zeros_like(p), where=p > 0)
+    v_h = v if np.ndim(v) == 2 else expand_kv(with_heads(v, "v"), p.shape[-3], gqa or "interleave")
+    v_h = np.where(np.isfinite(v_h), v_h, 0.0).astype(np.float64)
+    o = np.where(np.isfinite(out), out, 0.0)
+    pa = p * magnitude
+    w2 = pa * pa
+    spread = (w2 * d * d) @ (v_h * v_h) - 2 * o * ((w2 * d) @ v_h) + o * o * w2.sum(-1)[..., None]
+    return p, pa, d, v_h, o, spread
