@@ -23,8 +23,8 @@ boolean allowed set, taken from :meth:`AttentionSpec.allowed` so that the one ru
 2. Shift. ``m_i = max_j hi(t_ij)`` over the allowed keys (any number works: it cancels in
    ``out = N / Z`` and ``lse = m + log Z`` adds it back), ``x_ij = t_ij - m_i`` with
    ``|error| <= delta_ij + DD_REL |x_ij|``.
-3. Exponentials. ``e_ij = exp_dd(x_ij)`` with relative error
-   ``rho_ij <= (EXP_REL + 2 err(x_ij)) (1 + 2**-20)`` (``|e^d - 1| <= 2|d|`` for |d| <= 1;
+3. Exponentials. ``e_ij = exp_dd_fast(x_ij)`` (``x <= 0``: a 1024-entry table) with relative error
+   ``rho_ij <= (EXP_FAST_REL + 2 err(x_ij)) (1 + 2**-20)`` (``|e^d - 1| <= 2|d|`` for |d| <= 1;
    rows with an error above 2**-20 are left to the referee). Keys with ``x < CUT`` (-400)
    have ``0 <= e < TINY`` (2**-575) and enter as that absolute radius only.
 4. Sums. ``Z = sum_j e_ij`` and ``N_e = sum_j kappa_ij e_ij v_je`` with TwoProd/TwoSum and a
@@ -68,6 +68,7 @@ from numba import prange
 
 from .._spec import AttentionSpec
 from . import _dd as D
+from ._dd_extra import EXP_FAST_REL, exp_dd_fast
 from .attention import exact_forward
 from .rounding import decide_dd, format_of
 
@@ -218,8 +219,8 @@ def _forward_dd(rows, q, kT, v, allowed, kept, bias, has_bias, qn, kn, qs, ks, v
                     for e in range(vdim):
                         tiny_v[e] += abs(v[j, e])
                 continue
-            rho = max(rho, (D.EXP_REL + 2.0 * xe) * (1.0 + _RHO_MAX))
-            eh, el = D.exp_dd(xh, xl)
+            rho = max(rho, (EXP_FAST_REL + 2.0 * xe) * (1.0 + _RHO_MAX))
+            eh, el = exp_dd_fast(xh, xl)
             t = zs + eh
             bb = t - zs
             zc += ((zs - (t - bb)) + (eh - bb)) + el
@@ -403,9 +404,9 @@ def _weights_plane(rows, allowed, x_h, x_l, x_r, lz_h, lz_l, lz_r, status, w_h, 
             if ah < D.EXP_MIN_ARG + 1.0 or ae > _RHO_MAX:
                 w_r[i, j] = np.inf
                 continue
-            eh, el = D.exp_dd(ah, al)
+            eh, el = exp_dd_fast(ah, al)
             w_h[i, j], w_l[i, j] = eh, el
-            w_r[i, j] = (D.EXP_REL + 2.0 * ae) * (1.0 + _RHO_MAX) * eh * D.BOUND_SAFETY
+            w_r[i, j] = (EXP_FAST_REL + 2.0 * ae) * (1.0 + _RHO_MAX) * eh * D.BOUND_SAFETY
 
 
 # ------------------------------------------------------------------------------ wrapper

@@ -4,11 +4,11 @@ Per row with allowed entries ``x_j`` (the same double-double machinery as
 :mod:`refattn.exact.fast_attention`, Blanchard, Higham & Higham 2021, eq. (4.1)):
 
 * ``m = max_j x_j``; ``x_j - m`` is exact as a double-double (TwoSum), so the only errors are
-  those of ``e_j = exp_dd(x_j - m)`` (relative ``EXP_REL``; arguments below ``CUT`` enter as
+  those of ``e_j = exp_dd_fast(x_j - m)`` (relative ``EXP_FAST_REL``; arguments below ``CUT`` enter as
   ``0 <= e < TINY``), of the compensated sum ``Z = sum_j e_j`` (``dot_bound(2n) Z``) and of
   ``log_dd(Z)`` (its returned bound, plus ``-log(1 - rZ/Z)`` for Z's radius rZ);
 * ``lse = m + log Z``; ``log_softmax_j = (x_j - m) - log Z``; ``softmax_j =
-  exp_dd((x_j - m) - log Z)`` with relative radius ``EXP_REL + 2 err(argument)``.
+  exp_dd_fast((x_j - m) - log Z)`` with relative radius ``EXP_FAST_REL + 2 err(argument)``.
 
 The enclosures are rounded by :func:`refattn.exact.rounding.decide_dd`; rows with an element it
 cannot decide, with non-finite allowed entries, entries beyond ``2**1000`` in magnitude, or no
@@ -22,6 +22,7 @@ import numpy as np
 from numba import prange
 
 from . import _dd as D
+from ._dd_extra import EXP_FAST_REL, exp_dd_fast
 from .fast_attention import CUT, TINY, WEIGHT_TINY_ARG, WEIGHT_ZERO_ARG, rounds_to_zero
 from .rounding import decide_dd, format_of
 
@@ -55,13 +56,13 @@ def _lse_rows(x, allowed, sum_rel, top_out, lz, lse, ok):
                 if xh < CUT:
                     tiny += TINY
                     continue
-                eh, el = D.exp_dd(xh, xl)
+                eh, el = exp_dd_fast(xh, xl)
                 t = zs + eh
                 bb = t - zs
                 zc += ((zs - (t - bb)) + (eh - bb)) + el
                 zs = t
         zh, zl = D.two_sum(zs, zc)
-        zr = ((sum_rel + D.EXP_REL) * zh + tiny) * D.BOUND_SAFETY
+        zr = ((sum_rel + EXP_FAST_REL) * zh + tiny) * D.BOUND_SAFETY
         if not zr < 0.5 * zh:
             continue
         lh, ll, lerr = D.log_dd(zh, zl)
@@ -93,9 +94,9 @@ def _softmax_rows(x, allowed, top, lz, ok, log, w_h, w_l, w_r, tiny):
             elif ah < D.EXP_MIN_ARG + 1.0 or ae > _RHO_MAX:
                 w_r[r, j] = np.inf
             else:
-                eh, el = D.exp_dd(ah, al)
+                eh, el = exp_dd_fast(ah, al)
                 w_h[r, j], w_l[r, j] = eh, el
-                w_r[r, j] = (D.EXP_REL + 2.0 * ae) * (1.0 + _RHO_MAX) * eh * D.BOUND_SAFETY
+                w_r[r, j] = (EXP_FAST_REL + 2.0 * ae) * (1.0 + _RHO_MAX) * eh * D.BOUND_SAFETY
 
 
 def _first_step(x, allowed):
