@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from refattn.exact import _dd as D
+from refattn.exact._dd_extra import decide_dd_fast
 from refattn.exact.rounding import FORMATS, decide_dd, round_dd, round_exact
 
 NAMES = sorted(FORMATS)
@@ -145,6 +146,33 @@ def test_decide_dd_decides_only_when_both_ends_agree(name):
         if ok:
             assert low == high == value
     assert decided.any() and not decided.all()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_compiled_decide_dd_is_decide_dd_bit_for_bit(name):
+    """The forward's compiled rounding decision equals decide_dd on every element: ordinary
+    enclosures, midpoints (lo = 0 and +-tiny), exact zeros, underflow to +-0, overflow,
+    subnormal and non-finite ends."""
+    rng = np.random.default_rng(11)
+    fmt = FORMATS[name]
+    n = 3000
+    mids = rng.standard_normal(n) * np.exp2(rng.integers(-150, 150, n).astype(float))
+    grid = np.ldexp(np.floor(np.ldexp(mids, fmt.p - np.frexp(mids)[1])) + 0.5,
+                    np.frexp(mids)[1] - fmt.p)  # midpoints of the format's grid
+    special = np.array([0.0, -0.0, 1e-320, -1e-320, 2.0**-1074, 1e308, -1.7e308, np.inf,
+                        np.nan, float(fmt.max_finite), 2.0**-126, 2.0**-149, 2.0**-24])
+    his = np.concatenate([mids, grid, special])
+    los = np.concatenate([np.zeros(n), rng.choice([0.0, 1.0, -1.0], n) * np.abs(grid) * 2.0**-80,
+                          np.zeros(special.size)])
+    rads = np.abs(his) * np.exp2(rng.integers(-110, -fmt.p + 3, his.size).astype(float))
+    rads[::7] = 0.0
+    with np.errstate(invalid="ignore", over="ignore"):
+        want, want_ok = decide_dd(his, los, rads, name)
+    got, ok = decide_dd_fast(his, los, rads, fmt)
+    np.testing.assert_array_equal(ok, want_ok)
+    assert want_ok.any() and not want_ok.all()
+    assert np.array_equal(got, want)  # undecided elements too (0 or the low end's rounding)
+    assert np.array_equal(np.signbit(got), np.signbit(want))
 
 
 def test_exp_d_within_exp_d_rel():

@@ -4,6 +4,8 @@
   only four Horner steps need double-double arithmetic (the weights of the backward pass take
   one exponential per allowed (query, key) pair; this is 2-3x faster than
   :func:`refattn.exact._dd.exp_dd`);
+* :func:`decide_dd_fast` -- :func:`refattn.exact.rounding.decide_dd` compiled (the same
+  results, bit for bit, 10-20x faster: the rounding decision of the forward's enclosures);
 * :func:`round_decision` -- the rounding of one double-double with an absolute error bound to
   a binary format, or "undecided", as a scalar Numba function (the kernel's outputs are decided
   in one compiled loop; exact zeros are decided as +0).
@@ -34,7 +36,8 @@ from ._dd import (
     two_sum,
 )
 
-__all__ = ["EXP_FAST_REL", "EXP_FAST_BUDGET", "exp_dd_fast", "round_decision"]
+__all__ = ["EXP_FAST_REL", "EXP_FAST_BUDGET", "exp_dd_fast", "round_decision",
+           "decide_dd_compiled", "decide_dd_fast"]
 
 _JIT = dict(fastmath=False, boundscheck=False, cache=True, nogil=True)
 _STEPS = 1024  # table 2**(j/1024): |r| <= ln2/2048 < 3.4e-4
@@ -163,3 +166,71 @@ def round_decision(xh, xl, err, p, emin, max_finite):
     if frac == 0.5 and ex - 1 > emin:
         gap = 0.5 * gap  # below a power of two the spacing halves
     return y, (abs(d) + err) * slack < 0.5 * gap
+
+
+@njit(**_JIT)
+def _round_dd_scalar(hi, lo, p, emin, max_finite):
+    """One element of :func:`refattn.exact.rounding.round_dd` (finite ``hi``, ``lo``)."""
+    hi, lo = two_sum(hi, lo)
+    if p == 53:
+        out = hi
+    else:
+        e = math.frexp(hi)[1]
+        quantum = max(e - 1, emin) - (p - 1)
+        a = math.ldexp(hi, -quantum)  # exact (a scaling up, |a| < 2**p)
+        low = math.floor(a)
+        if a - low == 0.5 and lo > 0.0:
+            n = low + 1.0
+        elif a - low == 0.5 and lo < 0.0:
+            n = low
+        else:
+            n = np.rint(a)
+        out = math.ldexp(n, quantum)
+    if abs(out) > max_finite:
+        return math.copysign(np.inf, out)
+    return out
+
+
+@njit(**_JIT)
+def decide_dd_compiled(mid_hi, mid_lo, rad, p, emin, max_finite, values, decided):
+    """:func:`refattn.exact.rounding.decide_dd` compiled, elementwise over 1-d arrays: the same
+    widening of ``rad``, the same double-double ends and the same rule (both ends finite,
+    nonzero and rounding to the same bits); writes ``values`` (the low end's rounding, 0 where
+    an end is not finite or zero) and ``decided``. ``tests/test_dd.py`` checks it against
+    ``decide_dd`` bit for bit."""
+    for i in range(mid_hi.shape[0]):
+        mh, ml, r = mid_hi[i], mid_lo[i], rad[i]
+        wide = r * (1.0 + 2.0**-50) + 2.0**-99 * (abs(mh) + r) + 2.0**-1060
+        s, e = two_sum(mh, -wide)
+        v = ml + e
+        lh = s + v
+        ll = v - (lh - s)
+        s, e = two_sum(mh, wide)
+        v = ml + e
+        hh = s + v
+        hl = v - (hh - s)
+        ok = (abs(lh) < np.inf and abs(hh) < np.inf and abs(ll) < np.inf
+              and abs(hl) < np.inf and lh != 0.0 and hh != 0.0 and abs(wide) < np.inf)
+        if not ok:
+            values[i] = 0.0
+            decided[i] = False
+            continue
+        low = _round_dd_scalar(lh, ll, p, emin, max_finite)
+        high = _round_dd_scalar(hh, hl, p, emin, max_finite)
+        values[i] = low
+        decided[i] = (low == high and math.copysign(1.0, low) == math.copysign(1.0, high)
+                      and abs(low) < np.inf)
+
+
+def decide_dd_fast(mid_hi, mid_lo, rad, fmt):
+    """:func:`refattn.exact.rounding.decide_dd` (same results, bit for bit) by
+    :func:`decide_dd_compiled`: ``(values, decided)`` of the shape of ``mid_hi``; ``fmt`` a
+    :class:`refattn.exact.rounding.Format`."""
+    mid_hi = np.asarray(mid_hi, np.float64)
+    shape = mid_hi.shape
+    flat = [np.ascontiguousarray(np.broadcast_to(np.asarray(x, np.float64), shape)).reshape(-1)
+            for x in (mid_hi, mid_lo, rad)]
+    values = np.empty(flat[0].size)
+    decided = np.empty(flat[0].size, dtype=np.bool_)
+    decide_dd_compiled(*flat, fmt.p, fmt.emin, float(fmt.max_finite), values, decided)
+    return values.reshape(shape), decided.reshape(shape)

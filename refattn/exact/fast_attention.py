@@ -33,11 +33,11 @@ boolean allowed set, taken from :meth:`AttentionSpec.allowed` so that the one ru
    for Z with A = Z).
 5. Results. ``out = N / Z * keep_scale`` (double-double division; the quotient of enclosures
    ``(rN + |N/Z| rZ) / (Z - rZ)``), ``lse = m + log_dd(Z)`` (``-log(1 - rZ/Z)`` for Z's
-   radius), ``w_ij = exp_dd(x_ij - log Z)``.
-6. Rounding decision. :func:`refattn.exact.rounding.decide_dd` rounds both ends of each
-   enclosure exactly; where they differ (a rounding boundary within the radius: ties at the
-   max, weights exactly 1/n on a midpoint, exact zeros, overflow) the whole row goes to the
-   referee, restricted to those rows (:func:`row_spec`: a spec of the row run, with the offset
+   radius), ``w_ij = exp_dd_fast(x_ij - log Z)``.
+6. Rounding decision. :func:`refattn.exact.rounding.decide_dd` (compiled: ``decide_dd_fast``) rounds
+   both ends of each enclosure exactly; where they differ (a rounding boundary within the radius:
+   ties at the max, weights exactly 1/n on a midpoint, exact zeros, overflow) the whole row goes to
+   the referee, restricted to those rows (:func:`row_spec`: a spec of the row run, with the offset
    shifted so causal/window/ALiBi use the original row indices).
 
 For targets of at most 24 bits (float32, float16, bfloat16) a cheaper double-precision first
@@ -68,9 +68,9 @@ from numba import prange
 
 from .._spec import AttentionSpec
 from . import _dd as D
-from ._dd_extra import EXP_FAST_REL, exp_dd_fast
+from ._dd_extra import EXP_FAST_REL, decide_dd_fast, exp_dd_fast
 from .attention import exact_forward
-from .rounding import decide_dd, format_of
+from .rounding import format_of
 
 __all__ = ["fast_exact_forward", "fallback_stats", "row_spec", "rounds_to_zero",
            "exactness_scales", "CUT", "TINY", "WEIGHT_TINY_ARG", "WEIGHT_ZERO_ARG"]
@@ -573,11 +573,11 @@ class _Plane:
     def _decide(self, rows, allowed, bufs, status, fmt, want_lse, want_w):
         """Round the enclosures of ``rows``; store the values; return which rows are decided."""
         out_h, out_l, out_r, lse_h, lse_l, lse_r, lz_h, lz_l, lz_r, x_h, x_l, x_r = bufs
-        value, decided = decide_dd(out_h[rows], out_l[rows], out_r[rows], fmt)
+        value, decided = decide_dd_fast(out_h[rows], out_l[rows], out_r[rows], fmt)
         self.out[rows] = value
         ok = (status[rows] == _OK) & decided.all(axis=1)
         if want_lse:
-            value, decided = decide_dd(lse_h[rows], lse_l[rows], lse_r[rows], fmt)
+            value, decided = decide_dd_fast(lse_h[rows], lse_l[rows], lse_r[rows], fmt)
             self.lse[rows] = value
             ok &= decided
         if want_w:
@@ -585,7 +585,7 @@ class _Plane:
             w = [np.zeros((allowed.shape[0], keys)) for _ in range(3)]
             tiny = np.zeros(allowed.shape, dtype=np.int8)
             _weights_plane(rows, allowed, x_h, x_l, x_r, lz_h, lz_l, lz_r, status, *w, tiny)
-            value, decided = decide_dd(w[0][rows], w[1][rows], w[2][rows], fmt)
+            value, decided = decide_dd_fast(w[0][rows], w[1][rows], w[2][rows], fmt)
             here = allowed[rows]
             decided |= ~here  # excluded keys weigh exactly +0
             value = np.where(here, value, 0.0)

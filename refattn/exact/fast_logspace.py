@@ -4,15 +4,15 @@ Per row with allowed entries ``x_j`` (the same double-double machinery as
 :mod:`refattn.exact.fast_attention`, Blanchard, Higham & Higham 2021, eq. (4.1)):
 
 * ``m = max_j x_j``; ``x_j - m`` is exact as a double-double (TwoSum), so the only errors are
-  those of ``e_j = exp_dd_fast(x_j - m)`` (relative ``EXP_FAST_REL``; arguments below ``CUT`` enter as
-  ``0 <= e < TINY``), of the compensated sum ``Z = sum_j e_j`` (``dot_bound(2n) Z``) and of
+  those of ``e_j = exp_dd_fast(x_j - m)`` (relative ``EXP_FAST_REL``; arguments below ``CUT``
+  enter as ``0 <= e < TINY``), of the compensated sum ``Z = sum_j e_j`` (``dot_bound(2n) Z``) and of
   ``log_dd(Z)`` (its returned bound, plus ``-log(1 - rZ/Z)`` for Z's radius rZ);
 * ``lse = m + log Z``; ``log_softmax_j = (x_j - m) - log Z``; ``softmax_j =
   exp_dd_fast((x_j - m) - log Z)`` with relative radius ``EXP_FAST_REL + 2 err(argument)``.
 
-The enclosures are rounded by :func:`refattn.exact.rounding.decide_dd`; rows with an element it
-cannot decide, with non-finite allowed entries, entries beyond ``2**1000`` in magnitude, or no
-allowed entry are returned as undecided for the referee (:mod:`refattn.exact.logspace`).
+The enclosures are rounded by :func:`refattn.exact.rounding.decide_dd` (compiled); rows with an
+element it cannot decide, with non-finite allowed entries, entries beyond ``2**1000`` in magnitude,
+or no allowed entry are returned as undecided for the referee (:mod:`refattn.exact.logspace`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import numpy as np
 from numba import prange
 
 from . import _dd as D
-from ._dd_extra import EXP_FAST_REL, exp_dd_fast
+from ._dd_extra import EXP_FAST_REL, decide_dd_fast, exp_dd_fast
 from .fast_attention import CUT, TINY, WEIGHT_TINY_ARG, WEIGHT_ZERO_ARG, rounds_to_zero
-from .rounding import decide_dd, format_of
+from .rounding import format_of
 
 __all__ = ["fast_logsumexp", "fast_softmax"]
 
@@ -124,7 +124,7 @@ def fast_logsumexp(x: np.ndarray, allowed: np.ndarray, dtype):
     x = np.ascontiguousarray(x, dtype=np.float64)
     allowed = np.ascontiguousarray(allowed, dtype=bool)
     _, _, lse, ok = _first_step(x, allowed)
-    values, decided = decide_dd(lse[:, 0], lse[:, 1], lse[:, 2], fmt)
+    values, decided = decide_dd_fast(lse[:, 0], lse[:, 1], lse[:, 2], fmt)
     return values, decided & ok
 
 
@@ -146,7 +146,7 @@ def fast_softmax(x: np.ndarray, allowed: np.ndarray, dtype, *, log: bool = False
     tiny = np.zeros(x.shape, dtype=np.int8)
     if x.size:
         _softmax_rows(x, allowed, top, lz, ok, log, *w, tiny)
-    values, decided = decide_dd(*w, fmt)
+    values, decided = decide_dd_fast(*w, fmt)
     zero = rounds_to_zero(tiny, fmt)
     decided |= zero
     values = np.where(zero, 0.0, values)
