@@ -2,7 +2,8 @@
 dimensions broadcast.
 
 q, k, v, mask, bias, dropout_mask and grad_out carry the batch on axis -4 (their trailing axes
-are (heads, rows, columns)); grad_lse on axis -3. An array whose batch axis is missing, or is of
+are (heads, rows, columns)); grad_lse on axis -3; kv_lengths (B,) on its only axis; the fp8
+descale factors (B, K) on axis -2. An array whose batch axis is missing, or is of
 size 1 while the batch is larger, broadcasts over the batch and is left as it is.
 
 Examples
@@ -12,6 +13,9 @@ Examples
 >>> part = take_batch(inputs, [2, 0, 0, 2])
 >>> part["q"].shape, part["mask"].shape
 ((4, 2, 4, 8), (4, 5))
+>>> cache = {"q": np.zeros((3, 2, 4, 8)), "kv_lengths": np.array([5, 6, 7])}
+>>> take_batch(cache, [2, 0])["kv_lengths"]
+array([7, 5])
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ __all__ = ["BATCH_AXIS", "batch_size", "take_batch"]
 
 #: name -> batch axis (from the end) of the attention inputs that may carry a batch
 BATCH_AXIS = {"q": -4, "k": -4, "v": -4, "mask": -4, "bias": -4, "dropout_mask": -4,
-              "grad_out": -4, "grad_lse": -3}
+              "grad_out": -4, "grad_lse": -3, "kv_lengths": -1, "q_descale": -2,
+              "k_descale": -2, "v_descale": -2}
+#: inputs that always carry the batch (never broadcast over it): per-row key lengths and the
+#: per-(batch, kv head) descale factors follow their batch element even at batch size 1
+_ALWAYS = ("q", "k", "v", "kv_lengths", "q_descale", "k_descale", "v_descale")
 
 
 def batch_size(inputs: Mapping[str, np.ndarray]) -> int:
@@ -37,7 +45,7 @@ def _carries_batch(name: str, array, batch: int) -> bool:
     axis = BATCH_AXIS.get(name)
     if axis is None or not isinstance(array, np.ndarray) or array.ndim < -axis:
         return False
-    return array.shape[axis] == batch and (batch > 1 or name in ("q", "k", "v"))
+    return array.shape[axis] == batch and (batch > 1 or name in _ALWAYS)
 
 
 def take_batch(inputs: Mapping[str, np.ndarray], indices: Sequence[int]) -> dict:

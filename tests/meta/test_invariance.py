@@ -3,6 +3,7 @@ implementations without them pass."""
 
 from __future__ import annotations
 
+import fnmatch
 import itertools
 
 import numpy as np
@@ -183,3 +184,29 @@ def test_take_batch_keeps_broadcast_arrays():
     assert part["mask"] is inputs["mask"] and part["bias"].shape == (3, 1, 4, 5)
     with pytest.raises(ValueError, match="indices"):
         take_batch(inputs, [3])
+
+
+def test_take_batch_moves_per_row_lengths_and_descales():
+    """kv_lengths (B,) and the fp8 descales (B, K) follow their batch element, at B = 1 too."""
+    inputs = {"q": np.zeros((3, 2, 4, 8)), "kv_lengths": np.array([4, 5, 6]),
+              "k_descale": np.arange(6.0).reshape(3, 2)}
+    part = take_batch(inputs, [2, 0])
+    assert part["kv_lengths"].tolist() == [6, 4]
+    assert part["k_descale"].tolist() == [[4.0, 5.0], [0.0, 1.0]]
+    single = take_batch({"q": np.zeros((1, 2, 4, 8)), "kv_lengths": np.array([3])}, [0, 0])
+    assert single["kv_lengths"].tolist() == [3, 3]
+
+
+@pytest.mark.parametrize("pattern", ["kv-lengths-causal-br-*-f32", "sinks-kv-decode-B*-f32",
+                                     "fp8-e4m3-causal-gqa-*"])
+def test_new_options_are_checked_for_invariance(pattern):
+    """Cases with per-row key lengths, sinks and fp8 descales run every check (a batch
+    surgery that left kv_lengths or the descales behind would be an error, not a verdict)."""
+    (case,) = [c for c in catalogue.suite("default") if c.function == "attention"
+               and fnmatch.fnmatchcase(c.name, pattern)]
+    fixture = golden.build(case)
+    for check in CHECKS:
+        result = check_invariance(lambda q, k, v, **o: attention(q, k, v, **o,
+                                                                 precision="exact"),
+                                  fixture, check)
+        assert result.verdict == "pass", (case.name, check, result.message)
