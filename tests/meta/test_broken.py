@@ -12,6 +12,7 @@ import pytest
 
 from oracle import catalogue, golden
 from oracle.catalogue import Case, Shapes
+from oracle.catalogue.names import DTYPE_TAGS
 from oracle.golden import Fixture
 from oracle.validate import validate
 
@@ -27,19 +28,16 @@ def _build(patterns=None):
     return [golden.build(case) for case in chosen]
 
 
-@pytest.fixture(scope="module")
-def all_default_fixtures():
-    return _build()
+#: the dtype of the default-tier sweep over every default case (all dtypes: xslow)
+SWEEP_DTYPE = "float32"
 
 
 @pytest.fixture(scope="module")
-def default_fixtures(all_default_fixtures):
-    """The default-suite cases the broken implementations and gradient tests need (taken from
-    the full build: each exact truth is built once per session)."""
+def default_fixtures():
+    """The default-suite cases the broken implementations and gradient tests need."""
     patterns = [p for broken in BROKEN.values() for p in broken.cases]
     patterns += ["grad-*", "basic-*", "mask-*", "poison-*"]
-    return [f for f in all_default_fixtures
-            if any(fnmatch.fnmatchcase(f.case.name, p) for p in patterns)]
+    return _build(patterns)
 
 
 @pytest.fixture(scope="module")
@@ -92,13 +90,35 @@ def test_no_false_alarm(impl_name, default_fixtures):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("impl_name", ["textbook", "refattn-float64"])
-def test_no_false_alarm_on_default(impl_name, all_default_fixtures):
-    """The same on every case of the default suite, in every dtype."""
+def test_no_false_alarm_on_default(impl_name):
+    """The same on every attention case of the default suite in one dtype (every dtype:
+    ``test_no_false_alarm_on_default_every_dtype``, xslow)."""
+    _no_false_alarm_on(impl_name, [f"*-{DTYPE_TAGS[SWEEP_DTYPE]}"])
+
+
+@pytest.mark.xslow
+@pytest.mark.parametrize("impl_name", ["textbook", "refattn-float64"])
+def test_no_false_alarm_on_default_every_dtype(impl_name):
+    _no_false_alarm_on(impl_name, None)
+
+
+def _no_false_alarm_on(impl_name, patterns):
     impl = textbook if impl_name == "textbook" else "refattn-float64"
-    report = validate(impl, fixtures=all_default_fixtures, dtype=None, strict=True,
+    report = validate(impl, fixtures=_swept(patterns), dtype=None, strict=True,
                       progress=False)
     failed = [r.explain() for r in report.results if r.verdict != "pass"]
     assert report.passed and not failed, "\n".join(failed)
+
+
+_SWEEP: dict = {}
+
+
+def _swept(patterns):
+    """The swept fixtures, built once per session for both implementations."""
+    key = None if patterns is None else tuple(patterns)
+    if key not in _SWEEP:
+        _SWEEP[key] = _build(patterns)
+    return _SWEEP[key]
 
 
 def test_no_false_alarm_with_gradients(default_fixtures):
