@@ -20,9 +20,11 @@ from oracle.tolerance import gamma
 pytestmark = pytest.mark.peers
 
 DTYPES = ("float64", "float32", "float16", "bfloat16")
-PEERS = ("torch", "jax", "onnxruntime", "onnx-reference", "refattn-float64", "onnxruntime-gqa")
+PEERS = ("torch", "jax", "onnxruntime", "onnx-reference", "refattn-float64", "onnxruntime-gqa",
+         "torch-flex")
 _PEER_MODULE = {
     "torch": "torch",
+    "torch-flex": "torch",
     "jax": "jax",
     "onnxruntime": "onnxruntime",
     "onnxruntime-gqa": "onnxruntime",
@@ -78,6 +80,8 @@ _UNSUPPORTED = {
                     *_NO_SINKS},
     "onnx-reference": {"lse", "kv-lengths-causal", *_NO_SINKS},
     "refattn-float64": set(),
+    # flex_attention: every option is a score_mod / mask_mod except attention sinks
+    "torch-flex": set(_NO_SINKS),
     # GroupQueryAttention is causal bottom-right (aligned to each row's cache length) only
     "onnxruntime-gqa": set(CASES) - {"causal-bottom-right", "sinks-causal-bottom-right",
                                      "kv-lengths-causal-bottom-right"},
@@ -264,7 +268,10 @@ def test_agrees_with_exact_or_declines(peer, case, dtype, truths, request):
     result = impl(q, k, v, **options)
     if options.get("return_lse"):
         result, got_lse = result
-        assert got_lse.dtype == _dtype(dtype), f"{label}: lse dtype {got_lse.dtype}"
+        # flex_attention returns its float32 log-sum-exp for 16-bit inputs (passed unchanged)
+        lse_dtype = "float32" if peer == "torch-flex" and dtype in ("float16", "bfloat16") \
+            else dtype
+        assert got_lse.dtype == _dtype(lse_dtype), f"{label}: lse dtype {got_lse.dtype}"
         assert_within(got_lse, lse, lse_bound, what=f"{label} (lse)")
     assert result.dtype == _dtype(dtype), f"{label}: output dtype {result.dtype}"
     assert result.shape == out.shape, f"{label}: shape {result.shape} != {out.shape}"
@@ -505,7 +512,7 @@ def _expected_failure(peer: str, case) -> bool:
 
 
 @pytest.mark.parametrize("peer", ["torch", "jax", "onnxruntime", "onnxruntime-gqa",
-                                  "onnx-reference"])
+                                  "onnx-reference", "torch-flex"])
 def test_option_cases_pass_or_are_unsupported(peer, option_fixtures):
     """No false alarm on the new options: a peer that cannot express sinks, per-row key lengths
     or float8 inputs answers "unsupported"; whatever it runs passes the oracle's judge."""

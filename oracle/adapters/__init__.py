@@ -37,6 +37,7 @@ Rules every adapter follows (the oracle must see the peer's real behaviour):
 Adapters (:func:`get` by name, :func:`available` for the importable ones; pip extra):
 
 * ``torch``: torch.nn.functional.scaled_dot_product_attention on the CPU (``refattn[torch]``);
+* ``torch-flex``: torch.nn.attention.flex_attention, eager on the CPU (``refattn[torch]``);
 * ``jax``: jax.nn.dot_product_attention, xla implementation (``refattn[jax]``);
 * ``onnxruntime``: an ONNX ``Attention`` node (opset 24) in onnxruntime (``refattn[onnx]``);
 * ``onnxruntime-gqa``: onnxruntime's contrib ``GroupQueryAttention`` (KV cache: per-row
@@ -58,7 +59,7 @@ True
 >>> adapters.get("no-such-peer")  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
-KeyError: "unknown adapter 'no-such-peer'; known: torch, jax, onnxruntime, onnx-reference, ..."
+KeyError: "unknown adapter 'no-such-peer'; known: torch, torch-flex, jax, onnxruntime, ..."
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class _Entry:
 
 _REGISTRY = {
     "torch": _Entry("oracle.adapters.torch", "TorchSDPA", "torch", "torch"),
+    "torch-flex": _Entry("oracle.adapters.torch_flex", "TorchFlexAttention", "torch", "torch"),
     "jax": _Entry("oracle.adapters.jax", "JaxDotProductAttention", "jax", "jax"),
     "onnxruntime": _Entry(
         "oracle.adapters.onnxruntime", "OnnxRuntimeAttention", "onnxruntime", "onnx"
