@@ -42,7 +42,6 @@ from mpmath.libmp import (
 )
 
 from .. import config
-from .._broadcast import reduce_to
 from .._spec import AttentionSpec
 from . import _fast_vjp as _fast
 from . import _fixed as F

@@ -18,8 +18,9 @@ boolean allowed set, taken from :meth:`AttentionSpec.allowed` so that the one ru
    [SAFE_MIN, SAFE_MAX] (other planes go to the referee). Then ``t = s_dd * scale_dd``
    (``scale_dd`` a double-double with a bound from exact integers), softcap
    ``c tanh(t / c)`` (tanh is 1-Lipschitz, ``TANH_ABS`` absolute), ``+ bias``, ``+ ALiBi``
-   (``-slope |i + o_b - j|`` by TwoProd, exact; none on a folded sink's key). Each double-double operation adds
-   ``DD_REL |result|`` to an absolute error bound ``delta_ij`` of the score.
+   (``-slope |i + o_b - j|`` by TwoProd, exact; none on a folded sink's key). Each
+   double-double operation adds ``DD_REL |result|`` to an absolute error bound ``delta_ij``
+   of the score.
 2. Shift. ``m_i = max_j hi(t_ij)`` over the allowed keys (any number works: it cancels in
    ``out = N / Z`` and ``lse = m + log Z`` adds it back), ``x_ij = t_ij - m_i`` with
    ``|error| <= delta_ij + DD_REL |x_ij|``.
