@@ -273,7 +273,8 @@ def attention(
         ``lse_i = log(sum_{j in A_i} e^{t~_ij} + e^{sigma_h})``, ``w_ij = e^{t~_ij - lse_i}``.
         It is not scaled, softcapped, biased, masked or dropped. lse includes it (subtract
         ``log1p(-exp(sigma_h - lse))`` for the keys' share alone); a row with no allowed key
-        gives out 0 and lse = sigma_h (never NaN). Exact path: not with ALiBi.
+        gives out 0 and lse = sigma_h (never NaN). ALiBi adds nothing to it (a sink has no
+        position); the exact path keeps ALiBi exact with sinks and key lengths alike.
     kv_lengths : int array (...,) (the batch shape), optional
         Per batch row key length S_b (a KV cache's ``cache_seqlens`` / ``seqused_k``): keys
         j >= S_b are excluded, and ``align="bottom_right"`` aligns each row to its own length
