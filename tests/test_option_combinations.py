@@ -291,3 +291,25 @@ def test_numba_inside_the_kernel_bound(options):
                             sink_weights=full[..., KEYS])["dsinks"]
     dsinks_bound = column + gamma(BATCH * LENGTH) * (magnitude + column)
     assert_within(got.dsinks, exact.dsinks, dsinks_bound, what="dsinks", case=str(options))
+
+
+@pytest.mark.parametrize("alibi", [False, True])
+def test_referee_units_keep_each_rows_key_length(alibi):
+    """The undecided (batch, kv head) units of the fast vjp go to the referee one at a time,
+    each with its own row's key length and ALiBi offset: every unit recomputed that way gives
+    the whole-call referee's bits."""
+    from refattn.exact import attention_vjp as exact_vjp_module
+
+    q, k, v, rng = _inputs(29)
+    opts = {"kv_lengths": np.array([KEYS, 2]), "causal": True, "align": "bottom_right"}
+    if alibi:
+        opts["alibi_slopes"] = rng.uniform(0.05, 1.5, size=HEADS)
+    spec = canonicalize(q, k, v, **opts)
+    grad_out = rng.standard_normal((BATCH, HEADS, LENGTH, VDIM))
+    names = ("dq", "dk", "dv")
+    whole = exact_vjp_module._referee_vjp(spec, grad_out, None, np.dtype("float64"), names)
+    units = {name: np.zeros_like(whole[name]) for name in names}
+    todo = {name: np.ones(whole[name].shape, dtype=bool) for name in names}
+    exact_vjp_module._referee_units(spec, grad_out, None, np.dtype("float64"), units, todo)
+    for name in names:
+        assert_exact(units[name], whole[name], what=name, case=f"units, alibi={alibi}")
