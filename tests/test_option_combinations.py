@@ -187,32 +187,37 @@ BIAS_SHAPES = [(BATCH, HEADS, LENGTH, KEYS), (HEADS, LENGTH, KEYS), (1, 1, LENGT
 VJP_CASES = dict(
     seed=st.integers(0, 2**16), options=st.sampled_from(OPTION_SETS),
     dtype=st.sampled_from(DTYPES), new=st.sampled_from(["sinks", "kv_lengths", "both"]),
-    bias_shape=st.sampled_from([None] + BIAS_SHAPES), alibi=st.booleans())
+    bias_shape=st.sampled_from([None] + BIAS_SHAPES), alibi=st.booleans(),
+    fp8=st.sampled_from([None, None, "float8_e4m3fn", "float8_e5m2"]))
 
 
 @settings(max_examples=3, deadline=None)
 @given(**VJP_CASES)
-def test_exact_vjp_matches_twin(seed, options, dtype, new, bias_shape, alibi):
+def test_exact_vjp_matches_twin(seed, options, dtype, new, bias_shape, alibi, fp8):
     """dq, dk, dv, dbias and dsinks bit for bit, with sinks and a bias of each shape (dsinks
-    and dbias are each one rounding of their sums), ALiBi and per-row key lengths."""
-    _check_vjp(seed, options, dtype, new, bias_shape, alibi)
+    and dbias are each one rounding of their sums), ALiBi, per-row key lengths and float8
+    inputs (gradients with respect to their dequantised values)."""
+    _check_vjp(seed, options, dtype, new, bias_shape, alibi, fp8)
 
 
 def test_exact_dsinks_with_a_broadcast_bias_and_alibi():
     """The combination refused before: dsinks with a bias (broadcast over batch), ALiBi and
     per-row key lengths, bottom_right causal, float64."""
-    _check_vjp(5, OPTION_SETS[1], "float64", "both", BIAS_SHAPES[1], True)
+    _check_vjp(5, OPTION_SETS[1], "float64", "both", BIAS_SHAPES[1], True, None)
 
 
 @pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(**VJP_CASES)
-def test_exact_vjp_matches_twin_more(seed, options, dtype, new, bias_shape, alibi):
-    _check_vjp(seed, options, dtype, new, bias_shape, alibi)
+def test_exact_vjp_matches_twin_more(seed, options, dtype, new, bias_shape, alibi, fp8):
+    _check_vjp(seed, options, dtype, new, bias_shape, alibi, fp8)
 
 
-def _check_vjp(seed, options, dtype, new, bias_shape, alibi):
+def _check_vjp(seed, options, dtype, new, bias_shape, alibi, fp8):
     q, k, v, rng = _inputs(seed)
+    args, descale = (q, k, v), {}
+    if fp8 is not None:
+        args, descale, (q, k, v) = _fp8(q, k, v, rng, fp8)
     opts = {**options, **_new_options(rng, new)}
     if not alibi:
         del opts["alibi_slopes"]
@@ -220,7 +225,7 @@ def _check_vjp(seed, options, dtype, new, bias_shape, alibi):
         opts["bias"] = rng.standard_normal(bias_shape)
     grad_out = rng.standard_normal((BATCH, HEADS, LENGTH, VDIM))
     grad_lse = rng.standard_normal((BATCH, HEADS, LENGTH))
-    got = refattn.attention_vjp(q, k, v, grad_out, grad_lse=grad_lse, **opts,
+    got = refattn.attention_vjp(*args, grad_out, grad_lse=grad_lse, **opts, **descale,
                                 precision="exact", out_dtype=dtype)
     spread = score_spread(q, k, **opts)
     want = round_stable(lambda dps: _twin_grads(q, k, v, grad_out, grad_lse, opts, bias_shape,
@@ -231,7 +236,7 @@ def _check_vjp(seed, options, dtype, new, bias_shape, alibi):
     for name in names:
         value = np.asarray(getattr(got, name), np.float64)
         assert_exact(value, want[at:at + value.size].reshape(value.shape), what=name,
-                     case=f"{options} {sorted(opts)} bias {bias_shape} {dtype}")
+                     case=f"{options} {sorted(opts)} bias {bias_shape} fp8={fp8} {dtype}")
         at += value.size
     assert at == want.size
 
