@@ -15,8 +15,8 @@ so a module next to where pytest runs is found. Each option has an environment t
 ``module:function`` or an adapter name. Test ids are the case names; a failure shows the worst
 element, the threshold, the diagnosis and a one-line reproduction. Unsupported cases
 (NotImplementedError) are skipped; robustness failures xfail unless ``--refattn-strict``.
-The fp8 cases (float8 q, k, v with descales) are bfloat16 cases, and two of default are
-float16 / float32 ones: ``--refattn-dtype`` of the output type runs them; cases with ``sinks`` / ``kv_lengths`` pass those keywords (see
+The fp8 cases (float8 q, k, v with descales) are bfloat16 cases: ``--refattn-dtype bfloat16``
+runs them; cases with ``sinks`` / ``kv_lengths`` pass those keywords (see
 :mod:`oracle.judge` for the calling convention, ``dsinks`` included).
 
 Skip/xfail files (like array-api-tests): one fnmatch pattern over case names per line, ``#``

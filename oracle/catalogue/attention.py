@@ -81,7 +81,7 @@ from refattn.masks import allowed_mask
 
 from . import seeding
 from .case import Case, Shapes, seed_of
-from .names import DTYPE_TAGS, DTYPES, FP8_DTYPES
+from .names import DTYPE_TAGS, DTYPES, FP8_DTYPES, FP8_TRUTH_DTYPES
 from .seeding import Streams
 
 __all__ = ["SUITES", "attention_cases", "make_inputs", "allowed_positions"]
@@ -389,14 +389,12 @@ def _kernel_entries() -> list[_Entry]:
 
 
 def _new_option_entries(gauss) -> list[_Entry]:
-    """Cases of the options sinks, kv_lengths and float8 inputs (fp8 cases: bfloat16, and
-    float16 / float32 truths of the two plain ones)."""
+    """Cases of the options sinks, kv_lengths and float8 inputs (fp8 cases: bfloat16 only)."""
     e = _Entry
     sinks = {**gauss, "sinks": "gaussian"}
     ragged = {**gauss, "kv_lengths": "ragged"}
     br = {"causal": True, "align": "bottom_right"}
-    fp8 = {"default": ("bfloat16",), "full": ("bfloat16",)}
-    wider = ("float16", "float32")  # FP8_TRUTH_DTYPES besides bfloat16
+    fp8 = {"default": FP8_TRUTH_DTYPES, "full": FP8_TRUTH_DTYPES}
     return [
         e("sinks", _MID, "attention sinks: one logit per head in every row's normaliser",
           recipe=sinks),
@@ -460,12 +458,6 @@ def _new_option_entries(gauss) -> list[_Entry]:
           recipe={**gauss, "fp8": "e4m3fn"}, **fp8),
         e("fp8-e5m2", _MID, "float8_e5m2 q, k, v with float32 descales, bfloat16 truth",
           recipe={**gauss, "fp8": "e5m2"}, **fp8),
-        e("fp8-e4m3", _MID, "float8_e4m3fn q, k, v with float32 descales, float16 / float32 "
-          "truth (the exact result rounded to the kernel's output dtype)",
-          default=("float16",), full=wider, recipe={**gauss, "fp8": "e4m3fn"}),
-        e("fp8-e5m2", _MID, "float8_e5m2 q, k, v with float32 descales, float16 / float32 "
-          "truth (the exact result rounded to the kernel's output dtype)",
-          default=("float32",), full=wider, recipe={**gauss, "fp8": "e5m2"}),
         e("fp8-e4m3-causal-gqa", Shapes(2, 8, 2, 12, 32, 32, 32),
           "float8_e4m3fn, causal bottom_right, GQA, per-(batch, kv head) descales",
           options={**br, "gqa": "interleave"}, recipe={**gauss, "fp8": "e4m3fn"}, **fp8),

@@ -51,8 +51,7 @@ class Case:
     category : {"conformance", "robustness"}
     dtype : {"float64", "float32", "float16", "bfloat16"}
         Dtype of the floating inputs and of the rounded truth ``out`` (an fp8 case, recipe
-        key ``fp8``, is a bfloat16 -- or float16 / float32 -- case whose q, k, v are float8
-        with float32 descales).
+        key ``fp8``, is a bfloat16 case whose q, k, v are float8 with float32 descales).
     shapes : Shapes
     options : mapping
         Scalar keywords of ``refattn.attention`` (scale, causal, window, align, softcap, gqa,

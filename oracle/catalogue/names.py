@@ -31,8 +31,7 @@ ARRAY_OPTIONS = ("mask", "bias", "dropout_mask", "alibi_slopes", "sinks", "kv_le
 #: Input formats of the fp8 cases (ml_dtypes names), by recipe value ``fp8``.
 FP8_DTYPES = {"e4m3fn": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 #: Case dtypes (the truth's) of the fp8 cases: FlashAttention 3 returns bfloat16 for float8
-#: inputs, so an fp8 case is mostly a bfloat16 case whose q, k, v are stored as float8; a few
-#: cases round the same exact truth to float16 or float32 (kernels with those outputs).
-FP8_TRUTH_DTYPES = ("bfloat16", "float16", "float32")
+#: inputs, so an fp8 case is a bfloat16 case whose q, k, v are stored as float8.
+FP8_TRUTH_DTYPES = ("bfloat16",)
 #: The options only fp8 cases carry (so only the dtypes of FP8_TRUTH_DTYPES exercise them).
 FP8_OPTIONS = ("q_descale", "k_descale", "v_descale")
