@@ -32,7 +32,10 @@ OPTION_SETS = [
     {"window": (2, 0), "align": "bottom_right"},
     {"softcap": 2.0, "align": "bottom_right"},
     {"scale": 0.75, "causal": True, "align": "bottom_right"},
+    {"dropout_p": 0.25, "causal": True, "align": "bottom_right"},  # a keep-mask is drawn
 ]
+#: forward only: rows left without keys are NaN (the vjp gives them zero gradients)
+FORWARD_SETS = OPTION_SETS + [{"empty_rows": "nan", "causal": True, "align": "bottom_right"}]
 
 
 def _inputs(seed, heads=HEADS, kv_heads=KV_HEADS):
@@ -54,10 +57,12 @@ def _fp8(q, k, v, rng, name):
     return raw, kwargs, values
 
 
-def _new_options(rng, new):
-    """sinks and/or kv_lengths (the options under test), and ALiBi slopes with full
-    significands (their products with the distances are not float64 numbers)."""
+def _new_options(rng, new, options):
+    """sinks and/or kv_lengths (the options under test), ALiBi slopes with full significands
+    (their products with the distances are not float64 numbers), a keep-mask with dropout."""
     extra = {"alibi_slopes": rng.uniform(0.05, 1.5, size=HEADS)}
+    if "dropout_p" in options:
+        extra["dropout_mask"] = rng.random((BATCH, HEADS, LENGTH, KEYS)) < 0.75
     if new in ("sinks", "both"):
         extra["sinks"] = rng.standard_normal(HEADS) * 3
     if new in ("kv_lengths", "both"):
@@ -77,7 +82,7 @@ def _row_options(opts, b):
 
 
 FORWARD_CASES = dict(
-    seed=st.integers(0, 2**16), options=st.sampled_from(OPTION_SETS),
+    seed=st.integers(0, 2**16), options=st.sampled_from(FORWARD_SETS),
     dtype=st.sampled_from(DTYPES), new=st.sampled_from(["sinks", "kv_lengths", "both"]),
     fp8=st.sampled_from([None, "float8_e4m3fn", "float8_e5m2"]))
 
@@ -101,7 +106,7 @@ def test_exact_alibi_with_sinks_or_lengths_matches_loop_twin_more(seed, options,
 
 def _check_forward(seed, options, dtype, new, fp8):
     q, k, v, rng = _inputs(seed)
-    extra = _new_options(rng, new)
+    extra = _new_options(rng, new, options)
     args, descale = (q, k, v), {}
     if fp8 is not None:
         args, descale, (q, k, v) = _fp8(q, k, v, rng, fp8)
@@ -218,7 +223,7 @@ def _check_vjp(seed, options, dtype, new, bias_shape, alibi, fp8):
     args, descale = (q, k, v), {}
     if fp8 is not None:
         args, descale, (q, k, v) = _fp8(q, k, v, rng, fp8)
-    opts = {**options, **_new_options(rng, new)}
+    opts = {**options, **_new_options(rng, new, options)}
     if not alibi:
         del opts["alibi_slopes"]
     if bias_shape is not None:
@@ -245,7 +250,7 @@ def _check_vjp(seed, options, dtype, new, bias_shape, alibi, fp8):
 @pytest.mark.parametrize("options", OPTION_SETS[:4], ids=str)
 def test_float64_inside_its_bound(options, new):
     q, k, v, rng = _inputs(21)
-    opts = {**options, **_new_options(rng, new), "bias": rng.standard_normal(
+    opts = {**options, **_new_options(rng, new, options), "bias": rng.standard_normal(
         (BATCH, HEADS, LENGTH, KEYS))}
     got_out, got_lse = refattn.attention(q, k, v, **opts, return_lse=True)
     out, lse = refattn.attention(q, k, v, **opts, return_lse=True, precision="exact")
@@ -269,7 +274,7 @@ def test_numba_inside_the_kernel_bound(options):
     from refattn.kernels import numba_cpu
 
     q, k, v, rng = _inputs(23)
-    opts = {**options, **_new_options(rng, "both"), "bias": rng.standard_normal(
+    opts = {**options, **_new_options(rng, "both", options), "bias": rng.standard_normal(
         (BATCH, HEADS, LENGTH, KEYS))}
     got_out, got_lse = refattn.attention(q, k, v, **opts, return_lse=True, backend="numba")
     out, lse, weights = refattn.attention(q, k, v, **opts, return_lse=True,
