@@ -257,11 +257,13 @@ def test_float64_inside_its_bound(options, new):
     out_bound, lse_bound = float64_forward_bound(q, k, v, **opts)
     assert_within(got_out, out, out_bound, what="out", case=f"{options} {new}")
     assert_within(got_lse, lse, lse_bound, what="lse", case=f"{options} {new}")
-    grad_out = rng.standard_normal(out.shape)
-    got = refattn.attention_vjp(q, k, v, grad_out, **opts)
-    exact = refattn.attention_vjp(q, k, v, grad_out, **opts, precision="exact")
-    bounds = float64_vjp_bound(q, k, v, grad_out, **opts)
-    for name, bound in zip(("dq", "dk", "dv", "dbias"), bounds, strict=True):
+    grad_out, grad_lse = rng.standard_normal(out.shape), rng.standard_normal(lse.shape)
+    got = refattn.attention_vjp(q, k, v, grad_out, grad_lse=grad_lse, **opts)
+    exact = refattn.attention_vjp(q, k, v, grad_out, grad_lse=grad_lse, **opts,
+                                  precision="exact")
+    bounds = float64_vjp_bound(q, k, v, grad_out, grad_lse=grad_lse, **opts)
+    names = ("dq", "dk", "dv", "dbias") + (("dsinks",) if "sinks" in opts else ())
+    for name, bound in zip(names, bounds, strict=True):
         assert_within(getattr(got, name), getattr(exact, name), bound, what=name,
                       case=f"{options} {new}")
 
