@@ -49,6 +49,10 @@ class AttentionSpec:
     empty_rows: str
     kv_lengths: np.ndarray | None = None  # (B,) int64: keys j >= kv_lengths[b] excluded
     sinks: np.ndarray | None = None  # (H,) float64: a logit added to every row's normaliser
+    # set by refattn._fold for the exact paths only (None on canonical specs):
+    alibi_offsets: np.ndarray | None = None  # (B,) int64: ALiBi's o_b, overriding row_offset
+    alibi_keys: int | None = None  # ALiBi applies to keys j < alibi_keys (a folded sink: none)
+    dbias_index: np.ndarray | None = None  # (B, H, L, S) int64 slot of each dS in dbias (-1: none)
 
     @property
     def dims(self):
@@ -107,10 +111,34 @@ class AttentionSpec:
             allowed = allowed & ~np.isneginf(self.bias[b, h])
         return allowed
 
+    def alibi_offset(self, b: int = 0) -> int:
+        """ALiBi's offset o_b of batch row b: :meth:`row_offset`, unless a folded spec pins it
+        (:attr:`alibi_offsets`, the rows' offsets before their key lengths became a mask)."""
+        return self.row_offset(b) if self.alibi_offsets is None else int(self.alibi_offsets[b])
+
     def alibi_distance(self, b: int = 0) -> np.ndarray:
-        """|i + o_b - j| as int64 (L, S): the ALiBi distance of batch row b."""
+        """|i + o_b - j| as int64 (L, S): the ALiBi distance of batch row b (0 for the keys
+        j >= :attr:`alibi_keys` of a folded spec: a sink has no position)."""
         _, _, _, length, keys, _, _ = self.dims
-        return np.abs(np.arange(length)[:, None] + self.row_offset(b) - np.arange(keys)[None, :])
+        dist = np.abs(np.arange(length)[:, None] + self.alibi_offset(b)
+                      - np.arange(keys)[None, :])
+        if self.alibi_keys is not None:
+            dist[:, self.alibi_keys:] = 0
+        return dist
+
+    def dbias_slots(self) -> tuple[np.ndarray, tuple]:
+        """(index, shape): the slot of dbias (flat, C order of ``shape``) that each dS_ij of
+        the (B, H, L, S) plane adds to, -1 where none, and dbias's shape. By default
+        ``shape`` is :attr:`bias_shape` and the slots sum over bias's broadcast dimensions; a
+        folded spec (:attr:`dbias_index`) sends a sink's column to its own slots (dsinks)."""
+        batch, heads, _, length, keys, _, _ = self.dims
+        if self.dbias_index is not None:
+            return (np.broadcast_to(self.dbias_index, (batch, heads, length, keys)),
+                    self.bias_shape)
+        shape = tuple(self.bias_shape)
+        full = tuple(self.batch_shape) + (heads, length, keys)
+        index = np.broadcast_to(np.arange(int(np.prod(shape))).reshape(shape), full)
+        return index.reshape((batch, heads, length, keys)), shape
 
     def alibi(self, h: int, b: int = 0) -> np.ndarray | None:
         """ALiBi term -slope_h * |i + o_b - j| as float64 (L, S), or None."""

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import _checks
 from ._broadcast import reduce_to
-from ._fold import fold, needs_fold
+from ._fold import fold, needs_fold, split_sink_grads
 from ._spec import AttentionSpec, canonicalize, check_cotangent
 from .logspace import masked_softmax
 
@@ -273,7 +273,8 @@ def attention(
         ``lse_i = log(sum_{j in A_i} e^{t~_ij} + e^{sigma_h})``, ``w_ij = e^{t~_ij - lse_i}``.
         It is not scaled, softcapped, biased, masked or dropped. lse includes it (subtract
         ``log1p(-exp(sigma_h - lse))`` for the keys' share alone); a row with no allowed key
-        gives out 0 and lse = sigma_h (never NaN). Exact path: not with ALiBi.
+        gives out 0 and lse = sigma_h (never NaN). ALiBi adds nothing to it (a sink has no
+        position); the exact path keeps ALiBi exact with sinks and key lengths alike.
     kv_lengths : int array (...,) (the batch shape), optional
         Per batch row key length S_b (a KV cache's ``cache_seqlens`` / ``seqused_k``): keys
         j >= S_b are excluded, and ``align="bottom_right"`` aligns each row to its own length
@@ -458,7 +459,8 @@ def attention_vjp(
         (dq, dk, dv, dbias), and with ``sinks`` (dq, dk, dv, dbias, dsinks). dk and dv sum
         over the G query heads sharing a kv head; dbias has bias's own shape (summed over its
         broadcast dimensions) and is None without bias. dsinks (H,) is
-        ``sum_{b,i} w_sink (g_i - Delta_i)`` (exact path: not together with a bias). Empty
+        ``sum_{b,i} w_sink (g_i - Delta_i)`` (on the exact path rounded once, like every
+        dbias element, with or without a bias). Empty
         rows contribute zero gradients. ALiBi slopes, masks, key lengths and the dropout mask
         get no gradient; float8 inputs get the gradient with respect to their dequantised
         values.
@@ -487,18 +489,17 @@ def attention_vjp(
     if precision == "exact":
         from .exact.attention_vjp import exact_vjp
 
-        if spec.sinks is not None and spec.bias is not None:
-            raise NotImplementedError("sinks together with bias: the exact vjp gives dsinks "
-                                      "only without a bias; use precision='float64'")
         work = spec if spec.sinks is None else fold(spec, alibi_into_bias=False)
         # the exact path reduces dbias to bias's shape itself (the sum is part of the exact
-        # value that is rounded once); with a sink that sum over batch and rows is dsinks
+        # value that is rounded once); with a sink the folded dbias is (dbias, dsinks) flat,
+        # dsinks the sum of the sink column's dS over batch and rows
         dq, dk, dv, dbias = exact_vjp(work, do, dl, _checks.out_dtype(out_dtype))
         if spec.sinks is not None:
-            dk, dv, dsinks, dbias = dk[..., :keys, :], dv[..., :keys, :], \
-                dbias.reshape(heads, keys + 1)[:, -1], None
+            dk, dv = dk[..., :keys, :], dv[..., :keys, :]
+            dbias, dsinks = split_sink_grads(spec, dbias)
         if _has_nonfinite(spec, do, dl):
-            dq, dk, dv, dbias = _nonfinite_pattern(spec, do, dl, dq, dk, dv, dbias)
+            dq, dk, dv, dbias, dsinks = _nonfinite_pattern(spec, do, dl, dq, dk, dv, dbias,
+                                                           dsinks)
     else:
         if backend == "numba":
             from . import kernels
@@ -527,10 +528,10 @@ def _has_nonfinite(spec, grad_out, grad_lse) -> bool:
     return any(not np.isfinite(np.asarray(a, dtype=np.float64)).all() for a in arrays)
 
 
-def _nonfinite_pattern(spec, grad_out, grad_lse, dq, dk, dv, dbias):
+def _nonfinite_pattern(spec, grad_out, grad_lse, dq, dk, dv, dbias, dsinks=None):
     """The exact gradients with the NaN/Inf entries of the float64 path's (IEEE propagation
     of non-finite inputs; the exact engine encloses the finite values)."""
-    ref = _vjp_float64(spec, grad_out, grad_lse)[:4]
+    ref = _vjp_float64(spec, grad_out, grad_lse)
     fixed = []
     for exact, approx in zip((dq, dk, dv), ref[:3], strict=True):
         exact = exact.copy()
@@ -542,4 +543,8 @@ def _nonfinite_pattern(spec, grad_out, grad_lse, dq, dk, dv, dbias):
         dbias = dbias.copy()
         bad = ~np.isfinite(approx)
         dbias[bad] = approx[bad].astype(dbias.dtype)
-    return (*fixed, dbias)
+    if dsinks is not None:
+        dsinks = dsinks.copy()
+        bad = ~np.isfinite(ref[4])
+        dsinks[bad] = ref[4][bad].astype(dsinks.dtype)
+    return (*fixed, dbias, dsinks)

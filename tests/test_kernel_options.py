@@ -172,9 +172,6 @@ def test_bad_new_arguments_name_themselves():
         refattn.attention(q, k, v, kv_lengths=np.array([1]))
     with pytest.raises(ValueError, match="q_descale: only float8 inputs"):
         refattn.attention(q, k, v, q_descale=np.ones((2, 1), np.float32))
-    with pytest.raises(NotImplementedError, match="alibi_slopes together with sinks"):
-        refattn.attention(q, k, v, sinks=np.zeros(2), alibi_slopes=np.ones(2),
-                          precision="exact")
 
 
 def test_kv_lengths_bottom_right_is_not_the_padded_mask_reading():

@@ -194,6 +194,13 @@ def float64_vjp_bound(q, k, v, grad_out, *, grad_lse=None, **options):
     |Delta| + |g|))``, softcap factor ``|1 - tanh^2| err <= 2 delta_raw / c + gamma_4``, and the
     final products ``s dT K`` / ``s dT^T Q`` / ``P'^T dO`` add ``gamma_{S+2}`` / ``gamma_{L+2}``
     (``gamma_{G L + 2}`` summed over a kv group). dbias is returned per (..., H, L, S) plane.
+
+    With ``sinks`` a fifth bound (H,) is returned, of ``dsinks = sum_{b,i} w_sink (g_i -
+    Delta_i)``: ``w_sink = exp(sigma - lse)`` errs relatively by ``r = err(lse) + gamma_2
+    (1 + |sigma - lse|)`` (the lse bound, the subtraction and exp), each term by
+    ``w_sink (r |g - Delta| + |Delta err| + gamma_2 |g - Delta|)`` (the difference and the
+    product) and the sums over rows and batch by ``gamma_{L+B}`` of the terms' magnitudes
+    ``w_sink (|g| + |Delta|)``.
     """
     options = {k_: v_ for k_, v_ in options.items()
                if k_ not in ("precision", "out_dtype", "backend")}
@@ -206,11 +213,13 @@ def float64_vjp_bound(q, k, v, grad_out, *, grad_lse=None, **options):
     bounds = [np.zeros((batch, heads, length, dim)), np.zeros((batch, kv_heads, keys, dim)),
               np.zeros((batch, kv_heads, keys, vdim)), np.zeros((batch, heads, length, keys))]
     keep = 1.0 / (1.0 - spec.dropout_p)
+    sink_err, sink_abs = np.zeros(heads), np.zeros(heads)
     for b in range(batch):
         for h in range(heads):
             g = spec.kv_head[h]
             scores, allowed, delta, raw = _score_terms(spec, b, h)
-            w, rho, _ = _weights(scores, allowed, delta)
+            w, rho, lse_err = _weights(scores, allowed, delta)
+            w_sink = None if spec.sinks is None else w[:, keys]
             w, rho, allowed, scores, delta, raw = _keys_only(keys, w, rho, allowed, scores,
                                                               delta, raw)
             kept = allowed if spec.dropout_mask is None else allowed & spec.dropout_mask[b, h]
@@ -236,6 +245,14 @@ def float64_vjp_bound(q, k, v, grad_out, *, grad_lse=None, **options):
                               + 4 * ETA * inner + 3 * ETA, 0.0)
             ds_err = ds_err + ds_eta
             bounds[3][b, h] = ds_err
+            if w_sink is not None:
+                size = (delta_abs + g_abs)[:, 0]  # |g| + |Delta|
+                with np.errstate(divide="ignore"):
+                    gap = np.where(w_sink > 0, -np.log(np.where(w_sink > 0, w_sink, 1.0)), 0.0)
+                rel = lse_err + gamma(2) * (1 + gap)
+                term = w_sink * (rel * size + delta_err[:, 0] + gamma(2) * size) * (1 + rel)
+                sink_err[h] += term.sum() + ETA * (4 * size.sum() + 3 * length)
+                sink_abs[h] += (w_sink * size).sum() * (1 + rel.max(initial=0.0))
             if spec.softcap is not None:
                 delta_raw = gamma(dim + 2) * abs(spec.scale_float) * (q_ @ k_.T)
                 factor_err = 2 * delta_raw / spec.softcap + gamma(4)
@@ -245,7 +262,10 @@ def float64_vjp_bound(q, k, v, grad_out, *, grad_lse=None, **options):
                 keys + 2) * ETA
             bounds[1][b, g] += s * (ds_err.T @ q_ + gamma(group * length + 2) * ds_abs.T @ q_) + (
                 length + 2) * ETA
-    return tuple(spec.unflatten(x) for x in bounds)
+    result = tuple(spec.unflatten(x) for x in bounds)
+    if spec.sinks is not None:
+        result += (sink_err + gamma(length + batch) * sink_abs,)
+    return result
 
 
 def _finite_abs(x):

@@ -164,14 +164,15 @@ def _softcap(cap, sh, sl, se, fh, fl, fe):
 
 
 @njit(**_JIT)
-def _add_terms(b, h, i, sh, sl, se, bias, slopes, offset, has_bias, has_alibi, allowed):
+def _add_terms(b, h, i, sh, sl, se, bias, slopes, offset, alibi_keys, has_bias, has_alibi,
+               allowed):
     for j in range(sh.shape[0]):
         if not allowed[j]:
             continue
         if has_bias:
             sh[j], sl[j] = dd_add_d(sh[j], sl[j], bias[b, h, i, j])
             se[j] += DD_REL * abs(sh[j])
-        if has_alibi:
+        if has_alibi and j < alibi_keys:
             dist = float(abs(i + offset - j))
             ah = -slopes[h] * dist
             al = fma(-slopes[h], dist, -ah)
@@ -258,15 +259,17 @@ def _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes,
     Returns 0 for an empty row, 2 for a row with a single allowed key (its weight is exactly
     1 and ``dS = dP - dP + g = g`` exactly, whatever the dropout), 1 otherwise.
     """
-    has_bias, has_alibi, has_softcap, offset, dropout = opts[0], opts[1], opts[2], opts[3], \
-        opts[4]
+    has_bias, has_alibi, has_softcap, alibi_keys, dropout = opts[0], opts[1], opts[2], \
+        opts[3], opts[4]
+    offset = opts[5 + b]  # ALiBi's offset of batch row b
     s_hi, s_lo, s_err, cap, kf_h, kf_l, kf_e = fopts[0], fopts[1], fopts[2], fopts[3], \
         fopts[4], fopts[5], fopts[6]
     keys = sh.shape[0]
     _scores(q[b, h, i], kt[b, g], s_hi, s_lo, s_err, sh, sl, se, k_l1, q.shape[3], fopts[7])
     if has_softcap:
         _softcap(cap, sh, sl, se, fh, fl, fe)
-    _add_terms(b, h, i, sh, sl, se, bias, slopes, offset, has_bias, has_alibi, allowed)
+    _add_terms(b, h, i, sh, sl, se, bias, slopes, offset, alibi_keys, has_bias, has_alibi,
+               allowed)
     g_i = glse[b, h, i] if has_glse else 0.0
     count, only = 0, 0
     for j in range(keys):
@@ -516,11 +519,14 @@ def decide(enc: np.ndarray, fmt):
     return out.reshape(shape), decided.reshape(shape)
 
 
+def _alibi_offsets(spec) -> np.ndarray:
+    """ALiBi's offset o_b of each batch row (int64 (B,))."""
+    return np.array([spec.alibi_offset(b) for b in range(spec.dims[0])], dtype=np.int64)
+
+
 def fast_inputs_ok(spec, grad_out, grad_lse) -> bool:
-    """Whether the fast step applies: every input finite and below :data:`INPUT_LIMIT`, and
-    one ALiBi offset for the whole call (per-row key lengths move it: the referee does those)."""
-    if spec.alibi_slopes is not None and spec.kv_lengths is not None:
-        return False
+    """Whether the fast step applies: every input finite and below :data:`INPUT_LIMIT` (ALiBi's
+    largest term included)."""
     arrays = [spec.q, spec.k, spec.v, grad_out]
     if grad_lse is not None:
         arrays.append(grad_lse)
@@ -531,9 +537,9 @@ def fast_inputs_ok(spec, grad_out, grad_lse) -> bool:
         if a.size and not (np.abs(a) < INPUT_LIMIT).all():
             return False
     _, _, _, length, keys, _, _ = spec.dims
+    reach = int(np.abs(_alibi_offsets(spec)).max(initial=0))
     if spec.alibi_slopes is not None and not (
-            np.abs(spec.alibi_slopes) * (length + keys + abs(spec.offset) + 1)
-            < INPUT_LIMIT).all():
+            np.abs(spec.alibi_slopes) * (length + keys + reach + 1) < INPUT_LIMIT).all():
         return False
     scale = abs(spec.scale_float)
     if scale != 0.0 and not 2.0**-60 < scale < INPUT_LIMIT:
@@ -564,8 +570,12 @@ def gradient_enclosures(spec, grad_out, grad_lse):
     slopes = (np.ascontiguousarray(spec.alibi_slopes, f64) if spec.alibi_slopes is not None
               else np.zeros(1))
     group = np.array([np.flatnonzero(spec.kv_head == g) for g in range(kv_heads)], np.int64)
-    opts = np.array([spec.bias is not None, spec.alibi_slopes is not None,
-                     spec.softcap is not None, spec.offset, spec.dropout_p != 0], np.int64)
+    # [has_bias, has_alibi, has_softcap, alibi_keys, dropout, o_0, ..., o_{B-1}]: ALiBi applies
+    # to keys j < alibi_keys (a folded sink has none) with the offset o_b of batch row b
+    alibi_keys = keys if spec.alibi_keys is None else spec.alibi_keys
+    opts = np.concatenate([np.array([spec.bias is not None, spec.alibi_slopes is not None,
+                                     spec.softcap is not None, alibi_keys,
+                                     spec.dropout_p != 0], np.int64), _alibi_offsets(spec)])
     # dot-product bounds per length: D (scores), E (dp), S (dq), G L (dk, dv)
     fopts = np.array([*dd_of_exact(spec.scale_exact), spec.softcap or 1.0,
                       *dd_of_fraction(spec.keep_scale), dot_bound(dim), dot_bound(vdim),
@@ -590,6 +600,8 @@ def _reduce(enc, index, out):
     flat_h, flat_l, flat_e = enc[0].ravel(), enc[1].ravel(), enc[2].ravel()
     for n in range(flat_h.shape[0]):
         t = index[n]
+        if t < 0:
+            continue
         out[0, t], out[1, t] = dd_add(out[0, t], out[1, t], flat_h[n], flat_l[n])
         out[2, t] += flat_e[n]
         mag[t] += abs(flat_h[n])
@@ -598,16 +610,16 @@ def _reduce(enc, index, out):
         out[2, t] = (out[2, t] + count[t] * DD_REL * mag[t] * _SAFE) * BOUND_SAFETY
 
 
-def reduce_enclosure(enc, batch_shape, target_shape):
-    """Sum a (3, B, H, L, S) enclosure over the axes broadcast in ``target_shape`` (bias's
-    shape), in the fixed C order of the full (batch_shape + (H, L, S)) array."""
-    full = tuple(batch_shape) + enc.shape[2:]
-    target_shape = tuple(target_shape)
-    if target_shape == full:
-        return enc.reshape((3,) + full)
-    size = int(np.prod(target_shape))
-    index = np.broadcast_to(np.arange(size).reshape(target_shape), full).ravel()
+def reduce_enclosure(enc, index, shape):
+    """Sum a (3, B, H, L, S) enclosure into the slots ``index`` (B, H, L, S) of an array of
+    ``shape`` (:meth:`refattn._spec.AttentionSpec.dbias_slots`; -1: left out), in the fixed
+    C order of the (B, H, L, S) positions."""
+    shape = tuple(shape)
+    size = int(np.prod(shape))
+    flat = np.ascontiguousarray(np.broadcast_to(index, enc.shape[1:])).ravel()
+    if flat.size == size and np.array_equal(flat, np.arange(size)):  # nothing to sum
+        return enc.reshape((3,) + shape)
     out = np.zeros((3, size))
-    if index.size:
-        _reduce(np.ascontiguousarray(enc), np.ascontiguousarray(index), out)
-    return out.reshape((3,) + target_shape)
+    if flat.size:
+        _reduce(np.ascontiguousarray(enc), flat, out)
+    return out.reshape((3,) + shape)

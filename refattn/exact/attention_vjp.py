@@ -42,7 +42,6 @@ from mpmath.libmp import (
 )
 
 from .. import config
-from .._broadcast import reduce_to
 from .._spec import AttentionSpec
 from . import _fast_vjp as _fast
 from . import _fixed as F
@@ -192,13 +191,18 @@ class ExactVJP:
         }
 
     def dbias(self, prec: int):
-        """Enclosures of dbias summed to the caller's bias shape."""
-        spec = self.spec
+        """Enclosures of dbias: dS summed into the slots of :meth:`AttentionSpec.dbias_slots`
+        (the caller's bias shape; a folded sink's column into dsinks)."""
         ds_mid, ds_rad, ds_scale = self.at(prec)["ds"]
-        full = spec.batch_shape + ds_mid.shape[1:]
-        mid = reduce_to(ds_mid.reshape(full), spec.bias_shape)
-        rad = reduce_to(ds_rad.reshape(full), spec.bias_shape)
+        index, shape = self.spec.dbias_slots()
+        mid, rad = (_slot_sums(x, index, shape) for x in (ds_mid, ds_rad))
         return _scaled_bounds(mid, rad, ds_scale, None)
+
+    def _dbias_positions(self, index: tuple):
+        """The (b, h, i, j) positions whose dS add up to dbias element ``index``."""
+        slots, shape = self.spec.dbias_slots()
+        flat = int(np.ravel_multi_index(index, shape)) if shape else 0
+        return [tuple(int(x) for x in p) for p in np.argwhere(slots == flat)]
 
     # ------------------------------------------------------------------------------------
     def _rational_row(self, b, h, i):
@@ -322,19 +326,8 @@ class ExactVJP:
 
     def _dbias_side(self, index, boundary, work):
         """Side of a dbias element: the sum of dS over the positions it reduces."""
-        spec = self.spec
-        _, heads, _, length, keys, _, _ = spec.dims
-        full = spec.batch_shape + (heads, length, keys)
-        shape = spec.bias_shape
-        offset = len(full) - len(shape)
         head, tail = Fraction(0), (fzero, fzero)
-        for position in np.ndindex(full):
-            if tuple(0 if shape[d] == 1 else position[offset + d]
-                     for d in range(len(shape))) != index:
-                continue
-            batch_index = position[: len(spec.batch_shape)]
-            b = int(np.ravel_multi_index(batch_index, spec.batch_shape)) if batch_index else 0
-            h, i, j = (int(x) for x in position[-3:])
+        for b, h, i, j in self._dbias_positions(index):
             split = self._ds_split(b, h, i, work)
             if split == "undecided":
                 return None
@@ -435,20 +428,8 @@ class ExactVJP:
 
     def _dbias_exact(self, index: tuple):
         """dbias element = sum of dS over the (batch, head, row, key) positions it reduces."""
-        spec = self.spec
-        _, heads, _, length, keys, _, _ = spec.dims
-        full = spec.batch_shape + (heads, length, keys)
-        shape = spec.bias_shape
-        offset = len(full) - len(shape)
         total = Fraction(0)
-        for position in np.ndindex(full):
-            projected = tuple(0 if shape[d] == 1 else position[offset + d]
-                              for d in range(len(shape)))
-            if projected != index:
-                continue
-            batch_index = position[: len(spec.batch_shape)]
-            b = int(np.ravel_multi_index(batch_index, spec.batch_shape)) if batch_index else 0
-            h, i, j = position[-3:]
+        for b, h, i, j in self._dbias_positions(index):
             row = self._rational_row(b, h, i)
             if row is None:
                 return None
@@ -460,6 +441,15 @@ class ExactVJP:
         if value == 0:
             return Fraction(0)
         return value * exact if isinstance(exact, Fraction) else None
+
+
+def _slot_sums(x, index, shape):
+    """Exact sums of the object array x (B, H, L, S) into the slots ``index`` (-1: none)."""
+    out = np.zeros(int(np.prod(shape)), dtype=object)
+    flat, where = index.ravel(), x.ravel()
+    used = flat >= 0
+    np.add.at(out, flat[used], where[used])
+    return out.reshape(shape)
 
 
 def _halve_scale(mid, rad, bits):
@@ -608,7 +598,7 @@ def _fast_then_referee(spec, grad_out, grad_lse, out_dtype, stats):
     dq, dk, dv, ds, bad = _fast.gradient_enclosures(spec, grad_out, grad_lse)
     encl = {"dq": dq, "dk": dk, "dv": dv}
     if ds is not None:
-        encl["dbias"] = _fast.reduce_enclosure(ds, spec.batch_shape, spec.bias_shape)
+        encl["dbias"] = _fast.reduce_enclosure(ds, *spec.dbias_slots())
     values, todo = {}, {}
     for name, enc in encl.items():
         values[name], decided = _fast.decide(enc, fmt)
@@ -666,4 +656,7 @@ def _unit_spec(spec: AttentionSpec, b: int, g: int, heads):
         bias_shape=None if spec.bias is None else (1, len(heads)) + spec.bias.shape[2:],
         mask=rows(spec.mask), dropout_mask=rows(spec.dropout_mask),
         alibi_slopes=None if spec.alibi_slopes is None else spec.alibi_slopes[heads],
-        kv_head=np.zeros(len(heads), dtype=spec.kv_head.dtype))
+        kv_head=np.zeros(len(heads), dtype=spec.kv_head.dtype),
+        kv_lengths=None if spec.kv_lengths is None else spec.kv_lengths[b:b + 1],
+        alibi_offsets=None if spec.alibi_offsets is None else spec.alibi_offsets[b:b + 1],
+        dbias_index=None)

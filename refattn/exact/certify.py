@@ -74,6 +74,7 @@ def _plane_balls(spec, b, h, arb):
     scale = arb(1) / arb(q.shape[1]).sqrt() if spec.scale is None else arb(spec.scale)
     keep = arb(1) / (arb(1) - arb(spec.dropout_p))
     alibi = spec.alibi_slopes
+    distance = None if alibi is None else spec.alibi_distance(b)
     out, lse = [], []
     for i in range(length):
         cols = np.flatnonzero(allowed[i])
@@ -91,7 +92,7 @@ def _plane_balls(spec, b, h, arb):
             if spec.bias is not None:
                 t += arb(float(spec.bias[b, h, i, j]))
             if alibi is not None:
-                t -= arb(float(alibi[h])) * abs(i + spec.row_offset(b) - int(j))
+                t -= arb(float(alibi[h])) * int(distance[i, j])
             scores.append(t)
         row_lse = sum((s.exp() for s in scores), arb(0)).log()
         weights = [(s - row_lse).exp() for s in scores]

@@ -18,8 +18,9 @@ boolean allowed set, taken from :meth:`AttentionSpec.allowed` so that the one ru
    [SAFE_MIN, SAFE_MAX] (other planes go to the referee). Then ``t = s_dd * scale_dd``
    (``scale_dd`` a double-double with a bound from exact integers), softcap
    ``c tanh(t / c)`` (tanh is 1-Lipschitz, ``TANH_ABS`` absolute), ``+ bias``, ``+ ALiBi``
-   (``-slope |i + o - j|`` by TwoProd, exact). Each double-double operation adds
-   ``DD_REL |result|`` to an absolute error bound ``delta_ij`` of the score.
+   (``-slope |i + o_b - j|`` by TwoProd, exact; none on a folded sink's key). Each
+   double-double operation adds ``DD_REL |result|`` to an absolute error bound ``delta_ij``
+   of the score.
 2. Shift. ``m_i = max_j hi(t_ij)`` over the allowed keys (any number works: it cancels in
    ``out = N / Z`` and ``lse = m + log Z`` adds it back), ``x_ij = t_ij - m_i`` with
    ``|error| <= delta_ij + DD_REL |x_ij|``.
@@ -124,8 +125,8 @@ def _row_dots(q, kT, i, s, c):
 @numba.jit(**_JIT)
 def _score(i, j, sj, cj, qn_i, kn_j, prm, bias, has_bias):
     """(t_hi, t_lo, err) of the score of key j from its dot product (s, c)."""
-    scale_hi, scale_lo, scale_err, dot_rel, cap, slope, offset = (
-        prm[0], prm[1], prm[2], prm[3], prm[4], prm[5], prm[6])
+    scale_hi, scale_lo, scale_err, dot_rel, cap, slope, offset, alibi_keys = (
+        prm[0], prm[1], prm[2], prm[3], prm[4], prm[5], prm[6], prm[13])
     dh, dl = D.two_sum(sj, cj)
     derr = dot_rel * qn_i * kn_j
     th, tl = D.dd_mul(dh, dl, scale_hi, scale_lo)
@@ -140,7 +141,7 @@ def _score(i, j, sj, cj, qn_i, kn_j, prm, bias, has_bias):
     if has_bias:
         th, tl = D.dd_add_d(th, tl, bias[i, j])
         err += D.DD_REL * abs(th)
-    if slope != 0.0:
+    if slope != 0.0 and j < alibi_keys:
         dist = abs(i + offset - j)
         ah, al = D.two_prod(-slope, float(dist))
         th, tl = D.dd_add(th, tl, ah, al)
@@ -251,8 +252,8 @@ def _forward_dd(rows, q, kT, v, allowed, kept, bias, has_bias, qn, kn, qs, ks, v
 def _score_d(i, j, sj, qn_i, kn_j, prm, bias, has_bias, gdim):
     """(t, err): the score of key j in double precision from its dot product s (fma chain,
     error <= gamma_D |q_i|.|k_j|), each rounding bounded by 1.01 u |result|."""
-    scale_hi, scale_lo, scale_err, cap, slope, offset = (
-        prm[0], prm[1], prm[2], prm[4], prm[5], prm[6])
+    scale_hi, scale_lo, scale_err, cap, slope, offset, alibi_keys = (
+        prm[0], prm[1], prm[2], prm[4], prm[5], prm[6], prm[13])
     u = 1.01 * D.U
     derr = gdim * qn_i * kn_j
     t = sj * scale_hi
@@ -269,7 +270,7 @@ def _score_d(i, j, sj, qn_i, kn_j, prm, bias, has_bias, gdim):
     if has_bias:
         t = t + bias[i, j]
         err += u * abs(t)
-    if slope != 0.0:
+    if slope != 0.0 and j < alibi_keys:
         a = -slope * float(abs(i + offset - j))
         t = t + a
         err += u * (abs(a) + abs(t))
@@ -456,9 +457,11 @@ def _params(spec: AttentionSpec, b: int, h: int, dim: int, keys: int):
         if value != 0 and not D.SAFE_MIN <= abs(value) <= D.SAFE_MAX:
             return None
     keep_hi, keep_lo, keep_err = D.dd_of_fraction(spec.keep_scale)
+    alibi_keys = keys if spec.alibi_keys is None else spec.alibi_keys
     return np.array([scale_hi, scale_lo, scale_err, D.dot_bound(dim), cap, slope,
-                     float(spec.row_offset(b)), D.dot_bound(2 * keys), keep_hi, keep_lo, keep_err,
-                     D.gamma_up(dim), D.gamma_up(SUM_BLOCK + keys // SUM_BLOCK + 2)])
+                     float(spec.alibi_offset(b)), D.dot_bound(2 * keys), keep_hi, keep_lo,
+                     keep_err, D.gamma_up(dim), D.gamma_up(SUM_BLOCK + keys // SUM_BLOCK + 2),
+                     float(alibi_keys)])
 
 
 def exactness_scales(x: np.ndarray, norms: np.ndarray) -> np.ndarray:
@@ -517,7 +520,9 @@ def row_spec(spec: AttentionSpec, b: int, h: int, start: int, stop: int) -> Atte
         bias=rows(spec.bias), mask=mask, dropout_mask=rows(spec.dropout_mask),
         alibi_slopes=None if spec.alibi_slopes is None else spec.alibi_slopes[h : h + 1],
         kv_head=np.zeros(1, dtype=np.int64), offset=spec.row_offset(b) + start,
-        kv_lengths=None)
+        kv_lengths=None, dbias_index=None,
+        alibi_offsets=None if spec.alibi_offsets is None else np.array(
+            [spec.alibi_offsets[b] + start], dtype=np.int64))
 
 
 def _runs(rows: np.ndarray):
