@@ -17,23 +17,45 @@ pre-dropout weights, ``kappa`` the keep-mask and ``kf = 1/(1-p)``,
 
 Error analysis (``u = 2**-53``; every bound below is an upper bound of the exact error):
 
-* dot products of exact inputs (``q_i . k_j``, ``dO_i . v_j``) and the accumulations of dq,
-  dk, dv use the compensated scheme ``(p, e) = two_prod``, ``(s, e') = two_sum(s, p)``,
-  ``c += e + e'`` (with the low word of a dd factor folded into ``e`` by one fma); over n
-  terms the pair ``(s, c)`` is within ``dot_bound(n) A`` of the exact sum
-  (:func:`refattn.exact._dd.dot_bound`, about ``2 n^2 u^2``), ``A = sum |a_k b_k|`` bounded
-  by ``max_k |a_k| * sum_k |b_k|``;
+* dot products of exact inputs (``q_i . k_j``, ``dO_i . v_j``) use the compensated scheme
+  ``(p, e) = two_prod``, ``(s, e') = two_sum(s, p)``, ``c += e + e'``; over n terms the pair
+  ``(s, c)`` is within ``dot_bound(n) A`` of the exact sum (:func:`refattn.exact._dd.dot_bound`,
+  about ``2 n^2 u^2``), ``A = sum |a_k b_k|`` bounded by ``max_k |a_k| * sum_k |b_k|``;
+* the accumulations of dq, dk, dv (dd factor ``a_h + a_l`` times a float64 ``b``) use the same
+  scheme with the low word folded in by one fma, ``e = fma(a_l, b, fma(a_h, b, -p))``, and a
+  *running* error bound: TwoProd and TwoSum are exact, and the three roundings of a step
+  (the outer fma, ``z = e + e'``, ``c + z``) err by at most ``u (|e| + |z| + |c_new|)``. A
+  sum whose terms are exact (an input times a weight ``1 = 1.0 + 0.0``, sums of a few
+  float32 inputs in float64) thus carries no rounding error at all, where the a-priori
+  ``dot_bound(n) A`` (``~2**-97 A`` for n = 16) would hide a result ``e^-64`` from a rounding
+  midpoint;
 * every other dd operation errs by at most ``DD_REL = 2**-100`` of its result (four times the
   largest JMP bound, :mod:`refattn.exact._dd`);
 * scores: the scale (a dd for 1/sqrt(D)), softcap via ``E = exp(-2|y|)``,
   ``tanh|y| = (1 - E)/(1 + E)`` (absolute error ``2 eE + 22 DD_REL``) and
   ``1 - tanh^2 = 4E/(1 + E)^2`` (absolute error ``4 eE + 27 DD_REL`` of itself), bias and
   ALiBi (``slope * distance`` exact by two_prod) one ``DD_REL`` each;
-* weights: ``e_ij = exp(t_ij - m_i)`` (``m_i`` the row's largest float score) has relative
-  error ``EXP_FAST_REL + expm1(err t_ij)`` (below ``EXP_MIN_ARG``: 0 with absolute error
-  ``2**-894``); ``Z_i`` and ``Delta_i`` are compensated sums (``dot_bound(S)`` of the sum of
-  magnitudes); ``w = e * (1/Z)``; the further steps are dd products and sums whose errors are
-  the first-order JMP bounds plus the products of the operands' errors;
+* weights, relative to a reference key ``r`` of each row (the largest dd score, first on
+  ties): ``e_ij = exp(t_ij - t_ir)`` for ``j != r`` has relative error
+  ``EXP_FAST_REL + expm1(err t_ij + err t_ir)`` (below ``EXP_MIN_ARG``: 0 with absolute error
+  ``2**-894``), ``e_ir = 1`` exactly; ``sigma_i = sum_{j != r} e_ij`` is a compensated sum
+  (``dot_bound(S)`` of its magnitude), ``Z_i = 1 + sigma_i``, ``w_ij = e_ij (1/Z_i)`` and
+  ``w_ir = 1 - tau_i`` with ``tau_i = sigma_i (1/Z_i)`` (the exact ``1 - tau_h`` by TwoSum,
+  then one rounding of at most ``u`` of the low word): no weight is ever ``e_ir / Z_i``, so
+  the error of every weight is relative to the weights of the other keys (a top weight
+  ``1 - e^-64`` is known to about ``2**-92 e^-64``, not to ``2**-94``);
+* ``dP_ij - Delta_i`` (the softmax Jacobian in ``dS`` above) in the cancellation-free
+  reference-key form: with ``x_j = kappa_ij dp_ij`` and ``y_j = x_j - x_r`` (``y_r = 0``
+  exactly; error ``err x_j + err x_r + DD_REL |y_j|``), ``sum_j w_ij = 1`` gives
+  ``x_j - sum_k w_ik x_k = y_j - D_i`` with ``D_i = sum_{k != r} w_ik y_k`` (a compensated
+  sum: the products' first-order errors plus ``(DD_REL + dot_bound(S))`` of the sum of
+  magnitudes). ``dS_ir = -w_ir D_i``, and the errors of every ``dS_ij`` are in proportion
+  to the non-reference weights, where the direct ``dP_ir - Delta_i`` with ``w_ir ~ 1``
+  would carry ``Delta_i``'s absolute error (``~2**-94 |dP|``, the top weight's) against a
+  result ``~e^-64 |dP|``: no correct rounding could be decided from it. ``kf``
+  multiplies ``y_j - D_i`` afterwards (one dd product); the further steps are dd products
+  and sums whose errors are the first-order JMP bounds plus the products of the operands'
+  errors;
 * every bound computed in float64 is multiplied by ``1 + 2**-20`` (it is a sum/product of
   fewer than ``2**25`` non-negative terms, so its own rounding stays below ``2**-26``
   relative), and ``2**-600`` is added for underflow: the fast step is used only when every
