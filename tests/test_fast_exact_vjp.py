@@ -4,6 +4,7 @@ referee (the arbitrary-precision Ziv loop) on every option, dtype and hard input
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import mpmath
 import numpy as np
@@ -14,11 +15,14 @@ from hypothesis import strategies as st
 from strategies import attention_cases
 
 import refattn
+from oracle import catalogue
+from oracle.catalogue.attention import make_inputs
+from oracle.golden import call_options
 from refattn import config
 from refattn._spec import canonicalize, check_cotangent
 from refattn.exact._dd_extra import EXP_FAST_REL, exp_dd_fast, round_decision
 from refattn.exact.attention_vjp import exact_vjp
-from refattn.exact.rounding import FORMATS
+from refattn.exact.rounding import FORMATS, round_exact
 
 OUT_DTYPES = ("float64", "float32", "float16", "bfloat16")
 
@@ -229,6 +233,80 @@ def test_round_decision_ties_zeros_and_overflow():
     assert ok and value == 0.0 and math.copysign(1.0, value) < 0
     assert decide(70000.0, 0.0, 0.0, f16)[1] is False  # overflow: left to the referee
 
+
+
+@pytest.mark.parametrize("fmt", ["float64", "float32", "float16", "bfloat16"])
+def test_round_decision_is_sound_near_midpoints_and_powers_of_two(fmt):
+    """A decision is the rounding of both ends of the enclosure, computed exactly: values a
+    hair (beyond the float64 precision of their distance) from a midpoint, and values just
+    beyond a power of two (where the spacing doubles)."""
+    fmt = FORMATS[fmt]
+    rng = np.random.default_rng(7)
+    decided = 0
+    for _ in range(3000):
+        exponent = int(rng.integers(fmt.emin - 3, 6))
+        mant = 1 << (fmt.p - 1) if rng.random() < 0.4 else int(rng.integers(1 << (fmt.p - 1),
+                                                                             1 << fmt.p))
+        y = math.ldexp(float(mant), exponent - fmt.p + 1) * (1 if rng.random() < 0.5 else -1)
+        spacing = math.ldexp(1.0, max(exponent, fmt.emin) - fmt.p + 1)
+        where = rng.integers(4)
+        step = (0.5, -0.5, -0.25, 0.75)[where] if fmt.p < 53 else (0.5, -0.5, 0.0, 0.0)[where]
+        hi = y + step * spacing
+        lo = float(rng.choice([1.0, -1.0])) * math.ldexp(abs(hi) if hi else spacing,
+                                                         -int(rng.integers(54, 120)))
+        err = math.ldexp(abs(lo), -int(rng.integers(0, 40))) if rng.random() < 0.8 else 0.0
+        value, ok = round_decision(hi, lo, err, fmt.p, fmt.emin, float(fmt.max_finite))
+        if not ok:
+            continue
+        decided += 1
+        x = Fraction(hi) + Fraction(lo)  # rounding is monotone: both ends settle it
+        for end in (x - Fraction(err), x + Fraction(err)):
+            want = round_exact(end, fmt)
+            assert want == value and math.copysign(1, want) == math.copysign(1, value), \
+                (hi, lo, err, value, want)
+    assert decided > 1000
+
+
+def test_round_decision_hair_from_a_midpoint():
+    """1 + 2**-24 is the float32 midpoint of 1 and 1 + 2**-23: 2**-90 beyond it decides."""
+    f32, bf16 = FORMATS["float32"], FORMATS["bfloat16"]
+
+    def decide(h, lo, err, fmt):
+        return round_decision(h, lo, err, fmt.p, fmt.emin, float(fmt.max_finite))
+
+    mid = 1.0 + 2.0**-24
+    assert decide(mid, 2.0**-90, 2.0**-100, f32) == (1.0 + 2.0**-23, True)
+    assert decide(mid, -(2.0**-90), 2.0**-100, f32) == (1.0, True)
+    assert decide(mid, 2.0**-90, 2.0**-89, f32)[1] is False  # the enclosure holds the midpoint
+    # beyond a power of two the spacing doubles: 1 + 0.7 2**-8 rounds to 1 in bfloat16
+    assert decide(1.0 + 0.7 * 2.0**-8, 0.0, 2.0**-60, bf16) == (1.0, True)
+    assert decide(-1.0 - 0.7 * 2.0**-8, 0.0, 2.0**-60, bf16) == (-1.0, True)
+
+
+@pytest.mark.parametrize("dtype", ["f64", "f32", "f16", "bf16"])
+def test_logit_gap_cases_are_decided_by_the_first_step(dtype):
+    """The grad-gap catalogue cases (weights ~1, ~e^-64 and ~e^-128 in every row, sums of a
+    few inputs a hair from rounding midpoints): dP - Delta in the reference-key form and the
+    top weight as 1 - tau keep the enclosures relative, so no element reaches the referee."""
+    case = catalogue.get(f"grad-gap-H2K2-L8S12-D16E16-{dtype}")
+    inputs = make_inputs(case)
+    spec = canonicalize(inputs["q"], inputs["k"], inputs["v"], **call_options(case, inputs))
+    _, heads, _, length, _, _, vdim = spec.dims
+    do = check_cotangent(spec, inputs["grad_out"], "grad_out", (heads, length, vdim))
+    for out_dtype in dict.fromkeys([case.dtype, "float64"]):
+        stats = {}
+        exact_vjp(spec, do, None, FORMATS[out_dtype].dtype, engine="fast", stats=stats)
+        assert stats["referee"] == 0 and stats["fast"] == stats["elements"], (out_dtype, stats)
+
+
+@pytest.mark.xslow
+@pytest.mark.parametrize("dtype", ["f64", "bf16"])
+def test_logit_gap_cases_match_the_referee(dtype):
+    case = catalogue.get(f"grad-gap-H2K2-L8S12-D16E16-{dtype}")
+    inputs = make_inputs(case)
+    fast, referee, _ = _both(inputs["q"], inputs["k"], inputs["v"], inputs["grad_out"], None,
+                             case.dtype, **call_options(case, inputs))
+    _assert_identical(fast, referee, case.name)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))

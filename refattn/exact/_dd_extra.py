@@ -149,6 +149,8 @@ def round_decision(xh, xl, err, p, emin, max_finite):
     frac, ex = math.frexp(abs(s))
     quantum = math.ldexp(1.0, max(ex - 1, emin) - (p - 1))
     y = np.rint(s / quantum) * quantum
+    if abs(s - y) == 0.5 * quantum and e != 0.0 and (e > 0.0) == (s > y):
+        y = y + 2.0 * (s - y)  # s is a midpoint and x = s + e lies beyond it: the far neighbour
     d = (s - y) + e  # s - y is exact (both on the float64 grid, |s - y| <= quantum / 2)
     # the relative slack covers the roundings of d and of |d| + err; 2**-1074 a rounding of d
     # in the subnormal range
@@ -162,10 +164,25 @@ def round_decision(xh, xl, err, p, emin, max_finite):
     if abs(y) > max_finite:
         return 0.0, False
     frac, ex = math.frexp(abs(y))
-    gap = math.ldexp(1.0, max(ex - 1, emin) - (p - 1))
+    gap = math.ldexp(1.0, max(ex - 1, emin) - (p - 1))  # the spacing above |y|
+    below = gap  # the spacing below |y|: half as much below a power of two
     if frac == 0.5 and ex - 1 > emin:
-        gap = 0.5 * gap  # below a power of two the spacing halves
-    return y, (abs(d) + err) * slack < 0.5 * gap
+        below = 0.5 * gap
+    if (abs(d) + err) * slack < 0.5 * below:
+        return y, True
+    # |x| beyond a power of two |y|: the wider spacing above it applies on that side
+    beyond = d if y > 0.0 else -d  # |x| - |y| up to d's rounding
+    if beyond > 0.0 and (beyond + err) * slack < 0.5 * gap and err * slack < 0.5 * below:
+        return y, True
+    # x = y + a + e a hair inside a midpoint (|a| ~ half, e beyond d's precision): the margin
+    # half - |a + e| = (half - |a|) - sign(a) e, the first difference exact (Sterbenz, as
+    # half/2 <= |a| <= 2 half), the second rounded once (<= u of its result)
+    a = s - y
+    half = 0.5 * (gap if (a > 0.0) == (y > 0.0) else below)
+    if abs(a) >= 0.5 * half and abs(e) < 0.25 * abs(a):
+        margin = (half - abs(a)) - math.copysign(1.0, a) * e
+        return y, margin * (1.0 - 2.0**-50) > err
+    return y, False
 
 
 @njit(**_JIT)

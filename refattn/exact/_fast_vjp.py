@@ -17,23 +17,45 @@ pre-dropout weights, ``kappa`` the keep-mask and ``kf = 1/(1-p)``,
 
 Error analysis (``u = 2**-53``; every bound below is an upper bound of the exact error):
 
-* dot products of exact inputs (``q_i . k_j``, ``dO_i . v_j``) and the accumulations of dq,
-  dk, dv use the compensated scheme ``(p, e) = two_prod``, ``(s, e') = two_sum(s, p)``,
-  ``c += e + e'`` (with the low word of a dd factor folded into ``e`` by one fma); over n
-  terms the pair ``(s, c)`` is within ``dot_bound(n) A`` of the exact sum
-  (:func:`refattn.exact._dd.dot_bound`, about ``2 n^2 u^2``), ``A = sum |a_k b_k|`` bounded
-  by ``max_k |a_k| * sum_k |b_k|``;
+* dot products of exact inputs (``q_i . k_j``, ``dO_i . v_j``) use the compensated scheme
+  ``(p, e) = two_prod``, ``(s, e') = two_sum(s, p)``, ``c += e + e'``; over n terms the pair
+  ``(s, c)`` is within ``dot_bound(n) A`` of the exact sum (:func:`refattn.exact._dd.dot_bound`,
+  about ``2 n^2 u^2``), ``A = sum |a_k b_k|`` bounded by ``max_k |a_k| * sum_k |b_k|``;
+* the accumulations of dq, dk, dv (dd factor ``a_h + a_l`` times a float64 ``b``) use the same
+  scheme with the low word folded in by one fma, ``e = fma(a_l, b, fma(a_h, b, -p))``, and a
+  *running* error bound: TwoProd and TwoSum are exact, and the three roundings of a step
+  (the outer fma, ``z = e + e'``, ``c + z``) err by at most ``u (|e| + |z| + |c_new|)``. A
+  sum whose terms are exact (an input times a weight ``1 = 1.0 + 0.0``, sums of a few
+  float32 inputs in float64) thus carries no rounding error at all, where the a-priori
+  ``dot_bound(n) A`` (``~2**-97 A`` for n = 16) would hide a result ``e^-64`` from a rounding
+  midpoint;
 * every other dd operation errs by at most ``DD_REL = 2**-100`` of its result (four times the
   largest JMP bound, :mod:`refattn.exact._dd`);
 * scores: the scale (a dd for 1/sqrt(D)), softcap via ``E = exp(-2|y|)``,
   ``tanh|y| = (1 - E)/(1 + E)`` (absolute error ``2 eE + 22 DD_REL``) and
   ``1 - tanh^2 = 4E/(1 + E)^2`` (absolute error ``4 eE + 27 DD_REL`` of itself), bias and
   ALiBi (``slope * distance`` exact by two_prod) one ``DD_REL`` each;
-* weights: ``e_ij = exp(t_ij - m_i)`` (``m_i`` the row's largest float score) has relative
-  error ``EXP_FAST_REL + expm1(err t_ij)`` (below ``EXP_MIN_ARG``: 0 with absolute error
-  ``2**-894``); ``Z_i`` and ``Delta_i`` are compensated sums (``dot_bound(S)`` of the sum of
-  magnitudes); ``w = e * (1/Z)``; the further steps are dd products and sums whose errors are
-  the first-order JMP bounds plus the products of the operands' errors;
+* weights, relative to a reference key ``r`` of each row (the largest dd score, first on
+  ties): ``e_ij = exp(t_ij - t_ir)`` for ``j != r`` has relative error
+  ``EXP_FAST_REL + expm1(err t_ij + err t_ir)`` (below ``EXP_MIN_ARG``: 0 with absolute error
+  ``2**-894``), ``e_ir = 1`` exactly; ``sigma_i = sum_{j != r} e_ij`` is a compensated sum
+  (``dot_bound(S)`` of its magnitude), ``Z_i = 1 + sigma_i``, ``w_ij = e_ij (1/Z_i)`` and
+  ``w_ir = 1 - tau_i`` with ``tau_i = sigma_i (1/Z_i)`` (the exact ``1 - tau_h`` by TwoSum,
+  then one rounding of at most ``u`` of the low word): no weight is ever ``e_ir / Z_i``, so
+  the error of every weight is relative to the weights of the other keys (a top weight
+  ``1 - e^-64`` is known to about ``2**-92 e^-64``, not to ``2**-94``);
+* ``dP_ij - Delta_i`` (the softmax Jacobian in ``dS`` above) in the cancellation-free
+  reference-key form: with ``x_j = kappa_ij dp_ij`` and ``y_j = x_j - x_r`` (``y_r = 0``
+  exactly; error ``err x_j + err x_r + DD_REL |y_j|``), ``sum_j w_ij = 1`` gives
+  ``x_j - sum_k w_ik x_k = y_j - D_i`` with ``D_i = sum_{k != r} w_ik y_k`` (a compensated
+  sum: the products' first-order errors plus ``(DD_REL + dot_bound(S))`` of the sum of
+  magnitudes). ``dS_ir = -w_ir D_i``, and the errors of every ``dS_ij`` are in proportion
+  to the non-reference weights, where the direct ``dP_ir - Delta_i`` with ``w_ir ~ 1``
+  would carry ``Delta_i``'s absolute error (``~2**-94 |dP|``, the top weight's) against a
+  result ``~e^-64 |dP|``: no correct rounding could be decided from it. ``kf``
+  multiplies ``y_j - D_i`` afterwards (one dd product); the further steps are dd products
+  and sums whose errors are the first-order JMP bounds plus the products of the operands'
+  errors;
 * every bound computed in float64 is multiplied by ``1 + 2**-20`` (it is a sum/product of
   fewer than ``2**25`` non-negative terms, so its own rounding stays below ``2**-26``
   relative), and ``2**-600`` is added for underflow: the fast step is used only when every
@@ -86,6 +108,7 @@ UNDERFLOW_TERM = 2.0**-600
 #: Upper bound of exp(x) for x below the domain of exp_dd (exp(-620) < 2**-894.4).
 _EXP_TINY = 2.0**-894
 _SAFE = 1.0 + 2.0**-30  # second-order terms of relative errors below 2**-30
+_U = 2.0**-53  # unit roundoff of float64
 
 
 @njit(**_JIT)
@@ -182,38 +205,57 @@ def _add_terms(b, h, i, sh, sl, se, bias, slopes, offset, alibi_keys, has_bias, 
 
 @njit(**_JIT)
 def _weights(sh, sl, se, allowed, wh, wl, we, c_keys):
-    """w = exp(t - m) / Z for one row (we: absolute errors); False for an empty row."""
+    """w = exp(t - t_r) / Z for one row (we: absolute errors), with ``r`` the reference key
+    (the largest dd score, first on ties); returns r, or -1 for an empty row.
+
+    ``e_r = 1`` exactly; ``sigma = sum_{k != r} e_k`` is a compensated sum (``dot_bound(S)`` of
+    its magnitude), ``Z = 1 + sigma``; ``w_k = e_k (1/Z)`` for ``k != r`` and the reference
+    weight ``w_r = 1 - tau`` with ``tau = sigma (1/Z)`` (never ``e_r / Z``): every weight's
+    error is relative to the weights of the *other* keys, so a weight ``1 - e^-64`` is known to
+    ``2**-99 e^-64`` rather than to ``2**-100``.
+    """
     keys = sh.shape[0]
-    top = -np.inf
+    r = -1
     for j in range(keys):
-        if allowed[j] and sh[j] > top:
-            top = sh[j]
-    if top == -np.inf:
-        return False
-    zh, zc, ze, zmag = 0.0, 0.0, 0.0, 0.0  # Z by the compensated sum (dot_bound(S))
+        if allowed[j] and (r < 0 or sh[j] > sh[r] or (sh[j] == sh[r] and sl[j] > sl[r])):
+            r = j
+    if r < 0:
+        return -1
+    rh, rl, re = sh[r], sl[r], se[r]
+    zh, zc, ze, zmag = 0.0, 0.0, 0.0, 0.0  # sigma by the compensated sum (dot_bound(S))
     for j in range(keys):
-        if not allowed[j]:
+        if not allowed[j] or j == r:
             wh[j], wl[j], we[j] = 0.0, 0.0, 0.0
             continue
-        xh, xl = dd_add_d(sh[j], sl[j], -top)
-        ex = se[j] + DD_REL * abs(xh)
+        xh, xl = dd_add(sh[j], sl[j], -rh, -rl)
+        ex = se[j] + re + DD_REL * abs(xh)
         eh, el, ee = _exp_with_error(xh, xl, _expm1_bound(ex * _SAFE))
         wh[j], wl[j], we[j] = eh, el, ee
         zh, es = two_sum(zh, eh)
         zc += el + es
         ze += ee
         zmag += eh
-    zh, zl = two_sum(zh, zc)
-    # Z >= exp(t_top - top) ~ 1: its relative error is finite and tiny
-    rho_z = (ze + c_keys * zmag) * _SAFE / zh
-    ih, il = dd_div(1.0, 0.0, zh, zl)
+    sig_h, sig_l = two_sum(zh, zc)
+    sig_e = (ze + c_keys * zmag) * _SAFE
+    z_h, z_l = dd_add_d(sig_h, sig_l, 1.0)
+    # Z >= 1: its relative error is the error of sigma over Z plus the addition's DD_REL
+    rho_z = (sig_e / z_h + DD_REL) * _SAFE
+    ih, il = dd_div(1.0, 0.0, z_h, z_l)
     rho_inv = (rho_z + DD_REL) * _SAFE
     for j in range(keys):
-        if allowed[j]:
+        if allowed[j] and j != r:
             h, lo = dd_mul(wh[j], wl[j], ih, il)
             we[j] = (we[j] * abs(ih) + abs(h) * (rho_inv + DD_REL)) * _SAFE
             wh[j], wl[j] = h, lo
-    return True
+    tau_h, tau_l = dd_mul(sig_h, sig_l, ih, il)
+    tau_e = (sig_e * abs(ih) + abs(tau_h) * (rho_inv + DD_REL)) * _SAFE
+    # w_r = 1 - tau: (s, e) = TwoSum(1, -tau_h) is exact, e - tau_l rounds once (<= u of it),
+    # and the renormalisation is exact
+    s, e = two_sum(1.0, -tau_h)
+    lo = e - tau_l
+    wh[r], wl[r] = two_sum(s, lo)
+    we[r] = (tau_e + _U * abs(lo)) * _SAFE
+    return r
 
 
 @njit(**_JIT)
@@ -240,15 +282,23 @@ def _dots(arow, bt, outh, outl, oute, b_l1, cn):
 
 
 @njit(**_JIT)
-def _accumulate(ah, al, brow, acc_h, acc_c):
-    """acc += (ah + al) * brow, compensated (one term of a dd x float64 dot product)."""
+def _accumulate(ah, al, brow, acc_h, acc_c, acc_r):
+    """acc += (ah + al) * brow, compensated (one term of a dd x float64 dot product).
+
+    ``acc_r`` is the running error bound in units of ``u = 2**-53``: the product's high part
+    is exact (TwoProd), its low part ``fma(al, b, e)``, the sum ``ep + es`` and ``c + z`` round
+    once each, by at most ``u`` of their results; TwoSum is exact.
+    """
     for d in range(brow.shape[0]):
         b = brow[d]
         p = ah * b
         ep = fma(al, b, fma(ah, b, -p))
         s, es = two_sum(acc_h[d], p)
         acc_h[d] = s
-        acc_c[d] += ep + es
+        z = ep + es
+        c = acc_c[d] + z
+        acc_c[d] = c
+        acc_r[d] += abs(ep) + abs(z) + abs(c)
 
 
 @njit(**_JIT)
@@ -281,13 +331,25 @@ def _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes,
     if count == 1:
         _single_key(only, g_i, has_softcap, sh, sl, se, fh, fl, fe, wh, wl, we, dsh, dsl, dse)
         return 2
-    _weights(sh, sl, se, allowed, wh, wl, we, fopts[9])
+    r = _weights(sh, sl, se, allowed, wh, wl, we, fopts[9])
     _dots(do[b, h, i], vt[b, g], dh, dl, de, v_l1, fopts[8])
-    # Delta' = sum_j w_ij kappa_ij dp_ij (kf applied after)
-    acc_h, acc_c, acc_e, mag = 0.0, 0.0, 0.0, 0.0  # compensated sum (dot_bound(S))
+    # x_j = kappa_j dp_j (kf applied after); y_j = x_j - x_r in place (y_r = 0 exactly)
     for j in range(keys):
         if not (allowed[j] and kept[j]):
             dh[j], dl[j], de[j] = 0.0, 0.0, 0.0
+    xr_h, xr_l, xr_e = dh[r], dl[r], de[r]
+    for j in range(keys):
+        if not allowed[j] or j == r:
+            dh[j], dl[j], de[j] = 0.0, 0.0, 0.0
+            continue
+        yh, yl = dd_add(dh[j], dl[j], -xr_h, -xr_l)
+        de[j] = (de[j] + xr_e + DD_REL * abs(yh)) * _SAFE
+        dh[j], dl[j] = yh, yl
+    # D = sum_{k != r} w_k y_k, so that x_j - Delta' = y_j - D (sum_k w_k = 1): no
+    # cancellation against the reference weight w_r (which may be 1 - e^-64)
+    acc_h, acc_c, acc_e, mag = 0.0, 0.0, 0.0, 0.0  # compensated sum (dot_bound(S))
+    for j in range(keys):
+        if not allowed[j] or j == r:
             continue
         ph, pl = dd_mul(wh[j], wl[j], dh[j], dl[j])
         acc_h, es = two_sum(acc_h, ph)
@@ -297,23 +359,20 @@ def _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes,
     acc_h, acc_l = two_sum(acc_h, acc_c)
     # products: DD_REL each; the compensated sum: dot_bound(S) of the sum of magnitudes
     acc_e = (acc_e + (DD_REL + fopts[9]) * mag * _SAFE) * _SAFE
-    if dropout:
-        delta_h, delta_l = dd_mul(acc_h, acc_l, kf_h, kf_l)
-        delta_e = (abs(kf_h) * acc_e + abs(acc_h) * kf_e + DD_REL * abs(delta_h)) * _SAFE
-    else:
-        delta_h, delta_l, delta_e = acc_h, acc_l, acc_e
     for j in range(keys):
         if not allowed[j]:
             dsh[j], dsl[j], dse[j] = 0.0, 0.0, 0.0
             sh[j], sl[j], se[j] = 0.0, 0.0, 0.0
             continue
-        if dropout:
-            ph, pl = dd_mul(dh[j], dl[j], kf_h, kf_l)
-            pe = (abs(kf_h) * de[j] + abs(dh[j]) * kf_e + DD_REL * abs(ph)) * _SAFE
+        if j == r:
+            th, tl, te = -acc_h, -acc_l, acc_e
         else:
-            ph, pl, pe = dh[j], dl[j], de[j]
-        th, tl = dd_add(ph, pl, -delta_h, -delta_l)
-        te = pe + delta_e + DD_REL * abs(th)
+            th, tl = dd_add(dh[j], dl[j], -acc_h, -acc_l)
+            te = de[j] + acc_e + DD_REL * abs(th)
+        if dropout:
+            ph, pl = dd_mul(th, tl, kf_h, kf_l)
+            te = (abs(kf_h) * te + abs(th) * kf_e + DD_REL * abs(ph)) * _SAFE
+            th, tl = ph, pl
         if has_glse:
             th, tl = dd_add_d(th, tl, g_i)
             te += DD_REL * abs(th)
@@ -374,11 +433,10 @@ def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, g
     sh, sl, se, fh, fl, fe, wh, wl, we, dh, dl, de, dsh, dsl, dse = \
         row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], row[8], row[9], \
         row[10], row[11], row[12], row[13], row[14]
-    dq_h, dq_c = np.zeros(dim), np.zeros(dim)
-    dk_h, dk_c = np.zeros((keys, dim)), np.zeros((keys, dim))
-    dv_h, dv_c = np.zeros((keys, vdim)), np.zeros((keys, vdim))
-    dk_emax, dk_amax = np.zeros(keys), np.zeros(keys)
-    dv_emax, dv_amax = np.zeros(keys), np.zeros(keys)
+    dq_h, dq_c, dq_r = np.zeros(dim), np.zeros(dim), np.zeros(dim)
+    dk_h, dk_c, dk_r = np.zeros((keys, dim)), np.zeros((keys, dim)), np.zeros((keys, dim))
+    dv_h, dv_c, dv_r = np.zeros((keys, vdim)), np.zeros((keys, vdim)), np.zeros((keys, vdim))
+    dk_emax, dv_emax = np.zeros(keys), np.zeros(keys)
     q_sum, do_sum = np.zeros(dim), np.zeros(vdim)
     dk_terms, dv_terms = np.zeros(keys, np.int64), np.zeros(keys, np.int64)
     check = 0.0
@@ -415,41 +473,36 @@ def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, g
                                             else 0.0)
             dq_h[:] = 0.0
             dq_c[:] = 0.0
-            emax, amax = 0.0, 0.0
+            dq_r[:] = 0.0
+            emax = 0.0
             for j in range(keys):
                 if not allowed_row[j]:
                     continue
                 check += se[j] + abs(sh[j]) + we[j] + dse[j]
                 if kind == 2 and kept[b, h, i, j]:  # weight exactly 1
-                    _accumulate(1.0, 0.0, do[b, h, i], dv_h[j], dv_c[j])
+                    _accumulate(1.0, 0.0, do[b, h, i], dv_h[j], dv_c[j], dv_r[j])
                     dv_terms[j] += 1
-                    dv_amax[j] = max(dv_amax[j], 1.0)
                 if zero_row:
                     continue
                 emax = max(emax, se[j])
-                amax = max(amax, abs(sh[j]))
-                _accumulate(sh[j], sl[j], k[b, g, j], dq_h, dq_c)
-                _accumulate(sh[j], sl[j], q[b, h, i], dk_h[j], dk_c[j])
+                _accumulate(sh[j], sl[j], k[b, g, j], dq_h, dq_c, dq_r)
+                _accumulate(sh[j], sl[j], q[b, h, i], dk_h[j], dk_c[j], dk_r[j])
                 dk_terms[j] += 1
                 dk_emax[j] = max(dk_emax[j], se[j])
-                dk_amax[j] = max(dk_amax[j], abs(sh[j]))
                 if kept[b, h, i, j] and kind == 1:
-                    _accumulate(wh[j], wl[j], do[b, h, i], dv_h[j], dv_c[j])
+                    _accumulate(wh[j], wl[j], do[b, h, i], dv_h[j], dv_c[j], dv_r[j])
                     dv_terms[j] += 1
                     dv_emax[j] = max(dv_emax[j], we[j])
-                    dv_amax[j] = max(dv_amax[j], wh[j])
             if zero_row:
                 dq[:, b, h, i, :] = 0.0
                 continue
-            c_s = fopts[9]
             for d in range(dim):
                 xh, xl = two_sum(dq_h[d], dq_c[d])
-                err = (emax + c_s * amax) * k_col[d] * BOUND_SAFETY
+                err = (emax * k_col[d] + _U * dq_r[d]) * BOUND_SAFETY
                 if k_col[d] == 0.0:  # a zero column of k: every product is an exact zero
                     dq[:, b, h, i, d] = 0.0
                     continue
                 _store_scaled(dq, (b, h, i, d), xh, xl, err, s_hi, s_lo, s_err)
-    c_n = fopts[10]
     for j in range(keys):
         if dk_terms[j] == 0:  # no allowed position reads key j: exact zeros
             dk[:, b, g, j, :] = 0.0
@@ -457,14 +510,14 @@ def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, g
             dv[:, b, g, j, :] = 0.0
         for d in range(dim if dk_terms[j] else 0):
             xh, xl = two_sum(dk_h[j, d], dk_c[j, d])
-            err = (dk_emax[j] + c_n * dk_amax[j]) * q_sum[d] * BOUND_SAFETY * BOUND_SAFETY
+            err = (dk_emax[j] * q_sum[d] + _U * dk_r[j, d]) * BOUND_SAFETY * BOUND_SAFETY
             if q_sum[d] == 0.0:  # q's column d is zero in every row of the group
                 dk[:, b, g, j, d] = 0.0
                 continue
             _store_scaled(dk, (b, g, j, d), xh, xl, err, s_hi, s_lo, s_err)
         for e in range(vdim if dv_terms[j] else 0):
             xh, xl = two_sum(dv_h[j, e], dv_c[j, e])
-            err = (dv_emax[j] + c_n * dv_amax[j]) * do_sum[e] * BOUND_SAFETY * BOUND_SAFETY
+            err = (dv_emax[j] * do_sum[e] + _U * dv_r[j, e]) * BOUND_SAFETY * BOUND_SAFETY
             if do_sum[e] == 0.0:  # dO's column e is zero in every row of the group
                 dv[:, b, g, j, e] = 0.0
                 continue
