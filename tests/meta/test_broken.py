@@ -19,27 +19,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from broken_impls import BROKEN, textbook  # noqa: E402
 
 
+_BUILT: dict = {}  # case name -> Fixture: each exact truth is built once per session
+
+
 def _build(patterns=None):
     chosen = [case for case in catalogue.suite("default") if case.function == "attention"]
     if patterns is not None:
         chosen = [case for case in chosen
                   if any(fnmatch.fnmatchcase(case.name, p) for p in patterns)]
-    return [golden.build(case) for case in chosen]
+    for case in chosen:
+        if case.name not in _BUILT:
+            _BUILT[case.name] = golden.build(case)
+    return [_BUILT[case.name] for case in chosen]
 
 
 @pytest.fixture(scope="module")
 def all_default_fixtures():
+    """Every attention case of default (the slow sweeps only: the kernel-scale cases make this
+    the costliest fixture of the suite)."""
     return _build()
 
 
 @pytest.fixture(scope="module")
-def default_fixtures(all_default_fixtures):
-    """The default-suite cases the broken implementations and gradient tests need (taken from
-    the full build: each exact truth is built once per session)."""
+def default_fixtures():
+    """The default-suite cases the broken implementations and gradient tests need."""
     patterns = [p for broken in BROKEN.values() for p in broken.cases]
     patterns += ["grad-*", "basic-*", "mask-*", "poison-*"]
-    return [f for f in all_default_fixtures
-            if any(fnmatch.fnmatchcase(f.case.name, p) for p in patterns)]
+    return _build(patterns)
 
 
 @pytest.fixture(scope="module")
