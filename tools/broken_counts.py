@@ -50,7 +50,8 @@ def _fixtures(args) -> list:
     if args.fixtures:
         found = golden.load(args.fixtures)
     else:
-        found = (golden.build(c) for c in catalogue.suite(args.suite))
+        found = (golden.build(c) for c in catalogue.suite(args.suite)
+                 if not patterns or any(fnmatch.fnmatchcase(c.name, p) for p in patterns))
     chosen = []
     for fixture in found:
         case = fixture.case if hasattr(fixture, "case") else fixture

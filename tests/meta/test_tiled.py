@@ -28,7 +28,7 @@ CASES = {
     "partial_tile": (*_TILES[:2], "k-causal-l-gt-s-H2K2-L130S70-*-f32",
                      "k-tile-H2K2-L129S129-*-f32", "l-lt-s-*-f32"),
     "partial_query_tile": _TILES[:4] + ("k-tile-H2K2-L129S129-*-f32",),
-    "no_late_rescale": ("l-lt-s-*-f32", "k-tile-H2K2-L65S65-*-f32",
+    "no_late_rescale": ("l-lt-s-*-f32", "k-window-l-gt-s-*-f32",
                         "k-tile-H2K2-L129S129-*-f32", "k-peaky-late-*-f32", "decode-*-f32"),
     "split_combine": ("decode-*-f32", "k-tile-H2K2-L257S257-*-f32", "k-peaky-late-*-f32",
                       "k-uniform-*-f32", "k-sink-*-f32"),
