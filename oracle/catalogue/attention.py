@@ -103,6 +103,7 @@ KERNEL_SUITES = ("kernel",)
 # ---------------------------------------------------------------------------------------------
 
 _ALL = DTYPES
+_HALF = ("float16", "bfloat16")
 _BASE = Shapes(1, 2, 2, 24, 40, 32, 32)
 _SMALL = Shapes(1, 2, 2, 5, 7, 8, 8)
 _MID = Shapes(1, 2, 2, 12, 20, 16, 16)
@@ -337,6 +338,10 @@ def _kernel_entries() -> list[_Entry]:
     """Kernel-scale cases: lengths around tile sizes, long rows, real head dims, GQA groups,
     ragged batches and input distributions that stress a tiled online softmax."""
     def e(tag, shapes, description, options=None, recipe=None, default=False):
+        if default == "half":  # rows for accumulators as narrow as the 16-bit input type
+            return _Entry(tag, shapes, description, default=_HALF, full=_HALF,
+                          extra=KERNEL_SUITES, options=dict(options or {}),
+                          recipe=dict(recipe or gauss))
         # default=True: also in default and full, every dtype (a bug class needs >= 5 cases
         # of each dtype to fail); the rest (the costly truths: S >= 16384, the 32k decode,
         # L = 257 over S = 1000/2049) only in the kernel suite
@@ -420,6 +425,22 @@ def _kernel_entries() -> list[_Entry]:
     ]
     for tag, recipe, description in distributions:
         rows.append(e(tag, Shapes(1, 2, 2, 65, 1000, 64, 64), description, recipe=recipe))
+    # a float16/bfloat16 accumulator for inputs of that type is caught (tight tier) where the
+    # terms are all positive: a common value offset, a dominant sink key, small logits
+    half_rows = [
+        ("k-offset", Shapes(1, 2, 2, 65, 129, 64, 64), {"qkv": "offset", "offset": 64.0},
+         "values 64 + N(0,1) over a partial key tile: a 16-bit P@V accumulator drifts"),
+        ("k-offset", Shapes(1, 2, 2, 65, 129, 128, 128), {"qkv": "offset", "offset": 64.0},
+         "values 64 + N(0,1), D = E = 128: a 16-bit P@V accumulator drifts"),
+        ("k-sink", Shapes(1, 2, 2, 65, 129, 64, 64), {"qkv": "sink"},
+         "a sink key over a partial key tile: a 16-bit normaliser and P@V accumulator"),
+        ("k-small-logits", Shapes(1, 2, 2, 65, 129, 64, 64), {"qkv": "gaussian", "sigma": 0.25},
+         "small logits (sigma 1/4) over a partial key tile: nearly equal positive weights"),
+        ("k-small-logits", Shapes(1, 2, 2, 65, 300, 64, 64), {"qkv": "gaussian", "sigma": 0.25},
+         "small logits (sigma 1/4) over 300 keys: nearly equal positive weights"),
+    ]
+    for tag, shapes, recipe, description in half_rows:
+        rows.append(e(tag, shapes, description, recipe=recipe, default="half"))
     for tag, recipe, description in distributions:
         # the same inputs over 300 keys (five key tiles, the last partial; two split-KV
         # chunks) and a partial query tile: default's share of each distribution
