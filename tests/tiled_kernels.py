@@ -28,7 +28,9 @@ sums: FlashAttention's tensor-core path for float16/bfloat16 inputs) and :func:`
 (keys split in chunks of 256, partial results combined correctly). Each follows
 :func:`oracle.validate`'s calling convention ``impl(q, k, v, **options)`` and returns
 ``(out, lse)`` with ``return_lse=True``. Scores, probabilities and sums are float32 for the
-half types (float64 for float64 inputs); every option of refattn.attention is supported.
+half types (float64 for float64 inputs); every option of refattn.attention is supported but
+sinks, per-row key lengths and float8 descales (NotImplementedError: the oracle reports those
+cases as unsupported).
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ __all__ = ["tiled_attention", "tiled", "flash", "split_kv", "TILED_BROKEN", "BUG
 
 BUGS = ("tile_off_by_one", "partial_tile", "partial_query_tile", "no_late_rescale",
         "split_combine", "lse_log2", "causal_offset")
+
+
+_UNSUPPORTED = ("sinks", "kv_lengths", "q_descale", "k_descale", "v_descale")
 
 
 def _prepare(q, k, v, options, acc, bug):
@@ -175,6 +180,9 @@ def tiled_attention(q, k, v, *, block_q=64, block_k=64, bug=None, p_dtype=None,
     input's dtype when it is a 16-bit type); ``accumulate``: a narrower type for the ``O``
     and ``l`` accumulators (a bug); ``split``: keys per split-KV chunk (None: no split).
     """
+    missing = [n for n in _UNSUPPORTED if options.get(n) is not None]
+    if missing:
+        raise NotImplementedError(f"tiled_attention: {', '.join(missing)} not supported")
     q, k, v = (np.asarray(x) for x in (q, k, v))
     single = q.ndim == 2
     if single:

@@ -346,12 +346,20 @@ def test_suite_names_lists_registered_suites():
 
 def test_kernel_suite_cases():
     """The kernel-scale generators: tile lengths, long rows, head dims, GQA groups, ragged
-    batches and distributions; not in default until KERNEL_SUITES says so (one line)."""
+    batches and distributions, all in the kernel suite; the cheaper ones also in default (every
+    dtype), the costly truths (S >= 16384, the 32k decode) only in the kernel suite."""
     from oracle.catalogue import attention
 
     kernel = catalogue.suite("kernel")
     default = {c.name for c in catalogue.suite("default")}
-    assert kernel and not {c.name for c in kernel} & default
+    in_default = [c for c in kernel if c.name in default]
+    assert in_default and len(in_default) < len(kernel)
+    assert all(c.shapes.S < 16384 for c in in_default)
+    assert {c.name for c in catalogue.suite("default") if c.name.startswith("k-")} <= \
+        {c.name for c in kernel}
+    per_dtype = {d: sum(c.dtype == d for c in in_default) for d in catalogue.DTYPES}
+    assert per_dtype["float64"] == per_dtype["float32"] >= 20, per_dtype
+    assert per_dtype["float16"] == per_dtype["bfloat16"] > per_dtype["float32"], per_dtype
     assert attention.KERNEL_SUITES == ("kernel",)
     lengths = {c.shapes.S for c in kernel}
     assert set(attention.TILE_LENGTHS) <= lengths and {16384, 65536, 32768} <= lengths
