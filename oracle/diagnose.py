@@ -430,6 +430,63 @@ def diagnose_lse(q, k, v, options, lse, *, limit, dtype) -> list[str]:
     return found
 
 
+#: Share of the failing rows that must fall in one pattern for :func:`concentration` to name it.
+CONCENTRATION = 0.9
+
+
+def concentration(q, k, v, options, errors, limit, *, tiles=TILE_SIZES) -> list[str]:
+    """Where the failing rows of an output concentrate, when no modelled alternative fits.
+
+    Two patterns of tiled kernels are named, each only when at least :data:`CONCENTRATION` of
+    the failing query rows follow it and it is rarer among the other rows:
+
+    * the last, partial query tile: every failing row has an index ``i >= T floor(L / T)``
+      for a tile of ``T`` queries (``L > T``, ``L`` not a multiple of ``T``);
+    * rows whose max moves late: the row's largest allowed score (the float64 textbook's)
+      lies past the first tile of ``T`` keys, where an online softmax rescales its running
+      sums (a missing or wrong rescale shows on exactly those rows).
+
+    ``errors`` and ``limit`` have the output's shape (..., H, L, E). Returns notes (possibly
+    none).
+    """
+    bad = np.asarray(errors > limit)
+    if bad.ndim < 2 or not bad.any():
+        return []
+    rows = bad.any(axis=-1)  # (..., H, L)
+    L = rows.shape[-1]
+    notes = []
+    index = np.broadcast_to(np.arange(L), rows.shape)
+    for size in tiles:
+        start = size * (L // size)
+        if L > size and start < L and (index[rows] >= start).all() \
+                and (~rows[..., :start]).any():
+            notes.append(f"the failing rows are all in the last, partial query tile of "
+                         f"{size} (rows {start}..{L - 1}): a partial query tile mishandled?")
+            break
+    with np.errstate(all="ignore"):
+        base = textbook_attention(q, k, v, dtype="float64", **options)
+        allowed = np.broadcast_to(base.allowed, base.weights.shape)
+        logw = np.where(allowed, np.log(base.weights), -np.inf)
+    if logw.shape[:-1] != rows.shape:
+        return notes
+    has_key = allowed.any(axis=-1)
+    top = np.argmax(logw, axis=-1)
+    failing = rows & has_key
+    for size in tiles:
+        if logw.shape[-1] <= size or not failing.any():
+            continue
+        late = top >= size
+        share = float(late[failing].mean())
+        others = late[has_key & ~rows]
+        rest = float(others.mean()) if others.size else 0.0
+        if share >= CONCENTRATION and rest < share:
+            notes.append(f"{share:.0%} of the failing rows have their max past the first tile "
+                         f"of {size} keys ({rest:.0%} of the passing rows): the rescale of "
+                         f"an online softmax when the running max moves?")
+            break
+    return notes
+
+
 def describe_failure(value, truth, errors, limit, *, inputs_poisoned=False) -> list[str]:
     """Plain observations on a failure when no alternative fits (NaN leaks, where errors sit)."""
     value = np.asarray(value, dtype=np.float64)

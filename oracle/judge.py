@@ -484,25 +484,28 @@ def _diagnosis(ctx, fixture, out, checks, lse=None) -> list[str]:
         if found:
             return notes + [f"{label} (at {dtype} accuracy: the implementation seems to "
                             f"compute in {dtype})" for label in found]
+    errors = check.errors if check.errors is not None else np.zeros(out.shape)
+    limit = np.broadcast_to(np.asarray(check.threshold.value), out.shape)
+    where = []  # where the failing rows concentrate (partial query tile, late max)
+    if np.isfinite(out).all() and np.isfinite(errors).all():
+        where = _diagnose.concentration(ctx.q, ctx.k, ctx.v, ctx.options, errors, limit)
     if tol.accumulation_dtype(ctx.dtype) != np.dtype(ctx.dtype) \
             and np.isfinite(check.errors).all():
         found = _storage_accumulation(ctx, out, truth, check)
         if found:
-            return notes + [found]
+            return notes + [found] + where
     if np.isfinite(check.errors).all():
         scale = tol.output_scale(ctx.dropped, ctx.v, gqa=ctx.options.get("gqa"))
         found = _diagnose.narrow_accumulation(ctx.q, ctx.k, ctx.v, ctx.options, out, truth,
                                               scale[0] if ctx.single else scale, ctx.dtype)
         if found:
-            return notes + [found]
+            return notes + [found] + where
     poisoned = any(not np.isfinite(np.asarray(x, dtype=np.float64)).all()
                    for x in {**fixture.inputs, **ctx.options}.values()
                    if isinstance(x, np.ndarray) and (x.dtype.kind == "f"
                                                      or x.dtype.name in _HALF_NAMES))
-    errors = check.errors if check.errors is not None else np.zeros(out.shape)
-    limit = np.broadcast_to(np.asarray(check.threshold.value), out.shape)
     return notes + _diagnose.describe_failure(out, truth, errors, limit,
-                                              inputs_poisoned=poisoned)
+                                              inputs_poisoned=poisoned) + where
 
 
 def _storage_accumulation(ctx, out, truth, check) -> str | None:

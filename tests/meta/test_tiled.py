@@ -140,3 +140,35 @@ def test_bfloat16_poison_note():
     report = validate(_leaky, fixtures=[golden.build(case)], dtype=None, progress=False)
     notes = report.results[0].diagnosis
     assert any("poison at excluded positions reached the output" in d for d in notes), notes
+
+
+def _perturbed_rows(select):
+    """The float64 textbook with the rows ``select(q, k, v, options)`` (a bool (..., H, L))
+    off by a relative 2**-4: an error no modelled alternative (nor a narrower precision)
+    explains."""
+    def impl(q, k, v, **options):
+        options.pop("return_lse", None)
+        out = textbook_attention(q, k, v, dtype="float64", **options).out
+        rows = select(q, k, v, options)
+        return np.where(rows[..., None], out * (1 + 2.0**-4), out).astype(q.dtype)
+    return impl
+
+
+def _late_max(q, k, v, options):
+    base = textbook_attention(q, k, v, dtype="float64", **options)
+    return np.argmax(np.where(base.allowed, base.weights, -1.0), axis=-1) >= 64
+
+
+def test_concentration_names_late_max_rows_and_the_partial_query_tile():
+    """When nothing modelled fits, the diagnosis says where the failing rows concentrate."""
+    fixture = golden.build(catalogue.get("k-tiles-H2K2-L200S300-D64E64-f32"))
+    late = validate(_perturbed_rows(_late_max), fixtures=[fixture], dtype=None,
+                    progress=False).results[0]
+    assert late.verdict == "fail"
+    assert any("max past the first tile of 64 keys" in d for d in late.diagnosis), \
+        late.explain()
+    tail = validate(_perturbed_rows(lambda q, k, v, o: np.arange(q.shape[-2]) >= 192),
+                    fixtures=[fixture], dtype=None, progress=False).results[0]
+    assert any("partial query tile of 64 (rows 192..199)" in d for d in tail.diagnosis), \
+        tail.explain()
+    assert not any("max past the first tile" in d for d in tail.diagnosis), tail.explain()
