@@ -450,6 +450,12 @@ def _diagnosis(ctx, fixture, out, checks, lse=None) -> list[str]:
                                        np.reshape(lse, lse_check.errors.shape),
                                        limit=np.asarray(lse_check.threshold.value),
                                        dtype=ctx.dtype)
+    for grad in failing:
+        if grad.quantity in ("dk", "dv") and grad.errors is not None \
+                and np.isfinite(grad.errors).all():
+            notes = notes + _diagnose.key_concentration(
+                grad.quantity, grad.errors,
+                np.broadcast_to(np.asarray(grad.threshold.value), grad.errors.shape))
     out_failed = check is not None and not check.passed and out.shape == truth.shape
     lower = [_lower_precision(ctx, c, fixture) for c in failing]
     lower_dtype = lower[0][0] if lower and all(x is not None and x[0] == lower[0][0]
