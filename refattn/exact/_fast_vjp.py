@@ -29,6 +29,11 @@ Error analysis (``u = 2**-53``; every bound below is an upper bound of the exact
   float32 inputs in float64) thus carries no rounding error at all, where the a-priori
   ``dot_bound(n) A`` (``~2**-97 A`` for n = 16) would hide a result ``e^-64`` from a rounding
   midpoint;
+* the errors of the factors carried into dq, dk, dv (``err(dS_ij)`` times ``|k_jd|``, and the
+  like): the smaller of the max-error form ``max_j err(dS_ij) * sum_j |k_jd|`` and the term-by-
+  term sum ``sum_j err(dS_ij) |k_jd|`` (nonnegative products summed in float64: within
+  ``(1 + u)**(n + 1) <= 1 + 2**-20`` of the exact sum); the second is the tighter where one
+  key's error dominates (the reference key's), as on Gaussian rows;
 * every other dd operation errs by at most ``DD_REL = 2**-100`` of its result (four times the
   largest JMP bound, :mod:`refattn.exact._dd`);
 * scores: the scale (a dd for 1/sqrt(D)), softcap via ``E = exp(-2|y|)``,
@@ -437,6 +442,11 @@ def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, g
     dk_h, dk_c, dk_r = np.zeros((keys, dim)), np.zeros((keys, dim)), np.zeros((keys, dim))
     dv_h, dv_c, dv_r = np.zeros((keys, vdim)), np.zeros((keys, vdim)), np.zeros((keys, vdim))
     dk_emax, dv_emax = np.zeros(keys), np.zeros(keys)
+    # the propagated errors sum_j err(dS_ij) |k_jd| (and the like for dk, dv) term by term: a
+    # sum of nonnegative products, within (1 + u)**(n + 1) <= BOUND_SAFETY of its float64 value;
+    # the smaller of it and the max-error form (emax * column sum) bounds the error
+    dq_p = np.zeros(dim)
+    dk_p, dv_p = np.zeros((keys, dim)), np.zeros((keys, vdim))
     q_sum, do_sum = np.zeros(dim), np.zeros(vdim)
     dk_terms, dv_terms = np.zeros(keys, np.int64), np.zeros(keys, np.int64)
     check = 0.0
@@ -474,6 +484,7 @@ def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, g
             dq_h[:] = 0.0
             dq_c[:] = 0.0
             dq_r[:] = 0.0
+            dq_p[:] = 0.0
             emax = 0.0
             for j in range(keys):
                 if not allowed_row[j]:
@@ -487,10 +498,15 @@ def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, g
                 emax = max(emax, se[j])
                 _accumulate(sh[j], sl[j], k[b, g, j], dq_h, dq_c, dq_r)
                 _accumulate(sh[j], sl[j], q[b, h, i], dk_h[j], dk_c[j], dk_r[j])
+                for d in range(dim):
+                    dq_p[d] += se[j] * abs(k[b, g, j, d])
+                    dk_p[j, d] += se[j] * abs(q[b, h, i, d])
                 dk_terms[j] += 1
                 dk_emax[j] = max(dk_emax[j], se[j])
                 if kept[b, h, i, j] and kind == 1:
                     _accumulate(wh[j], wl[j], do[b, h, i], dv_h[j], dv_c[j], dv_r[j])
+                    for e in range(vdim):
+                        dv_p[j, e] += we[j] * abs(do[b, h, i, e])
                     dv_terms[j] += 1
                     dv_emax[j] = max(dv_emax[j], we[j])
             if zero_row:
@@ -498,7 +514,8 @@ def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, g
                 continue
             for d in range(dim):
                 xh, xl = two_sum(dq_h[d], dq_c[d])
-                err = (emax * k_col[d] + _U * dq_r[d]) * BOUND_SAFETY
+                err = (min(emax * k_col[d], dq_p[d] * BOUND_SAFETY) + _U * dq_r[d]) \
+                    * BOUND_SAFETY
                 if k_col[d] == 0.0:  # a zero column of k: every product is an exact zero
                     dq[:, b, h, i, d] = 0.0
                     continue
@@ -510,14 +527,16 @@ def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, g
             dv[:, b, g, j, :] = 0.0
         for d in range(dim if dk_terms[j] else 0):
             xh, xl = two_sum(dk_h[j, d], dk_c[j, d])
-            err = (dk_emax[j] * q_sum[d] + _U * dk_r[j, d]) * BOUND_SAFETY * BOUND_SAFETY
+            err = (min(dk_emax[j] * q_sum[d], dk_p[j, d] * BOUND_SAFETY)
+                   + _U * dk_r[j, d]) * BOUND_SAFETY * BOUND_SAFETY
             if q_sum[d] == 0.0:  # q's column d is zero in every row of the group
                 dk[:, b, g, j, d] = 0.0
                 continue
             _store_scaled(dk, (b, g, j, d), xh, xl, err, s_hi, s_lo, s_err)
         for e in range(vdim if dv_terms[j] else 0):
             xh, xl = two_sum(dv_h[j, e], dv_c[j, e])
-            err = (dv_emax[j] * do_sum[e] + _U * dv_r[j, e]) * BOUND_SAFETY * BOUND_SAFETY
+            err = (min(dv_emax[j] * do_sum[e], dv_p[j, e] * BOUND_SAFETY)
+                   + _U * dv_r[j, e]) * BOUND_SAFETY * BOUND_SAFETY
             if do_sum[e] == 0.0:  # dO's column e is zero in every row of the group
                 dv[:, b, g, j, e] = 0.0
                 continue
