@@ -273,20 +273,21 @@ def alignment_matters(spec) -> bool:
 
 def reject_common(
     adapter: Adapter, spec, *, softcap=False, window=False, lse=None, return_lse=False,
-    sinks=False, kv_lengths=False
+    sinks=False, kv_lengths=False, alibi=False
 ) -> None:
     """Raise NotImplementedError for the options most peers lack.
 
     ``softcap`` / ``window`` / ``sinks`` / ``kv_lengths``: whether the peer takes them;
-    ``lse``: whether it returns lse. ALiBi, caller-given dropout masks and ``gqa="tile"``
-    (with H != K) are never supported.
+    ``lse``: whether it returns lse; ``alibi``: whether the peer computes ALiBi itself (a
+    score function of its own, never a bias folded by the adapter). Caller-given dropout
+    masks and ``gqa="tile"`` (with H != K) are never supported.
     """
     if spec.sinks is not None and not sinks:
         adapter.unsupported("sinks", "<logits>", "no attention-sink option (a logit in every "
                             "row's normaliser with no value)")
     if spec.kv_lengths is not None and not kv_lengths:
         adapter.unsupported("kv_lengths", spec.kv_lengths.tolist(), "no per-row key lengths")
-    if spec.alibi_slopes is not None:
+    if spec.alibi_slopes is not None and not alibi:
         adapter.unsupported(
             "alibi_slopes",
             "<slopes>",

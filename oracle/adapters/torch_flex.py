@@ -50,7 +50,6 @@ Examples
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import numpy as np
@@ -81,11 +80,10 @@ class TorchFlexAttention(Adapter):
             self.unsupported("alibi_slopes", "<slopes>", "the adapter's ALiBi score_mod uses "
                              "one alignment offset; with kv_lengths it is per row")
         # ALiBi is a score_mod here (flex's own arithmetic), not a bias folded by the adapter
-        plain = dataclasses.replace(spec, alibi_slopes=None)
-        reject_common(self, plain, softcap=True, window=True, lse=True, return_lse=True,
-                      kv_lengths=True)
+        reject_common(self, spec, softcap=True, window=True, lse=True, return_lse=True,
+                      kv_lengths=True, alibi=True)
 
-    def _mods(self, spec, dtype, bias=None):
+    def _mods(self, spec, bias=None):
         """(score_mod or None, block_mask or None) of the spec, captured tensors on the CPU."""
         batch, heads, length = spec.q.shape[:3]
         keys = spec.k.shape[2]
@@ -102,7 +100,8 @@ class TorchFlexAttention(Adapter):
         cap = spec.softcap
         slopes = None
         if spec.alibi_slopes is not None:
-            slopes = to_torch(exact_cast(spec.alibi_slopes, dtype, "alibi_slopes", self.peer))
+            slopes = exact_cast(spec.alibi_slopes, spec.q.dtype, "alibi_slopes", self.peer)
+            slopes = to_torch(slopes)
         offset = spec.offset
         if cap is None and bias is None and slopes is None:
             return None, block_mask
@@ -119,7 +118,7 @@ class TorchFlexAttention(Adapter):
         return score_mod, block_mask
 
     def _flex(self, spec, q, k, v, bias, return_lse):
-        score_mod, block_mask = self._mods(spec, spec.q.dtype, bias)
+        score_mod, block_mask = self._mods(spec, bias)
         kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=spec.scale,
                       enable_gqa=q.shape[1] != k.shape[1])
         with warnings.catch_warnings():
