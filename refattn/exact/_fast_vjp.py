@@ -125,26 +125,13 @@ def _expm1_bound(delta):
 
 
 @njit(**_JIT)
-def _scores(qrow, kt, s_hi, s_lo, s_err, sh, sl, se, k_l1, nd, cd):
-    """Scaled scores of one row: dd (sh, sl) with absolute errors se (length S)."""
-    keys = sh.shape[0]
-    acc_c = np.zeros(keys)
-    sh[:] = 0.0
-    qmax = 0.0
-    for d in range(nd):
-        a = qrow[d]
-        qmax = max(qmax, abs(a))
-        for j in range(keys):
-            b = kt[d, j]
-            p = a * b
-            ep = fma(a, b, -p)
-            s, es = two_sum(sh[j], p)
-            sh[j] = s
-            acc_c[j] += ep + es
+def _scores(qrow, kt, s_hi, s_lo, s_err, sh, sl, se, k_l1, cd):
+    """Scaled scores of one row: dd (sh, sl) with absolute errors se (length S); the dot
+    products are :func:`_dots`'s."""
+    _dots(qrow, kt, sh, sl, se, k_l1, cd)
     exact_scale = s_lo == 0.0 and s_err == 0.0
-    for j in range(keys):
-        h, lo = two_sum(sh[j], acc_c[j])
-        err = cd * qmax * k_l1[j]
+    for j in range(sh.shape[0]):
+        h, lo, err = sh[j], sl[j], se[j]
         if exact_scale:
             h2, l2 = dd_mul_d(h, lo, s_hi)
             se[j] = abs(s_hi) * err + DD_REL * abs(h2)
@@ -320,7 +307,7 @@ def _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes,
     s_hi, s_lo, s_err, cap, kf_h, kf_l, kf_e = fopts[0], fopts[1], fopts[2], fopts[3], \
         fopts[4], fopts[5], fopts[6]
     keys = sh.shape[0]
-    _scores(q[b, h, i], kt[b, g], s_hi, s_lo, s_err, sh, sl, se, k_l1, q.shape[3], fopts[7])
+    _scores(q[b, h, i], kt[b, g], s_hi, s_lo, s_err, sh, sl, se, k_l1, fopts[7])
     if has_softcap:
         _softcap(cap, sh, sl, se, fh, fl, fe)
     _add_terms(b, h, i, sh, sl, se, bias, slopes, offset, alibi_keys, has_bias, has_alibi,
