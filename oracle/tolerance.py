@@ -467,12 +467,7 @@ def output_floor(dtype, *, weights, dropped, magnitude, dots, v, out, D, S, n_st
     p, pa, d, v_h, o, spread = _value_spread(weights, dropped, magnitude, v, out, gqa)
     worst = (pa * d) @ np.abs(v_h) + np.abs(o) * pa.sum(-1)[..., None]
     independent = delta * np.minimum(lam * np.sqrt(np.maximum(spread, 0.0)), worst)
-    ps = p * dots
-    if softcap:
-        coherent = (np.abs(ps) * d) @ np.abs(v_h) + np.abs(o) * np.abs(ps).sum(-1)[..., None]
-    else:
-        coherent = np.abs((ps * d) @ v_h - o * ps.sum(-1)[..., None])
-    rows = (np.where(p > 0, magnitude, 0.0)).max(axis=-1)[..., None]
+    coherent, rows = _coherent(p, dots, d, v_h, o, magnitude, softcap)
     second_order = 1 + delta * rows + u * rows
     scale = np.maximum(output_scale(dropped, v, gqa=gqa), _tiny(dtype))
     drop = (ua + u) if dropout else 0.0
@@ -536,12 +531,7 @@ def output_expected(dtype, *, weights, dropped, magnitude, dots, v, out, D, S, n
     rounding = np.maximum(p * u * math.sqrt(1 + dropout), sub) ** 2 + (p * ua) ** 2 * 2
     p_var = (rounding * d * d) @ (v_h * v_h) / 3
     scale = np.maximum(output_scale(dropped, v, gqa=gqa), _tiny(dtype))
-    ps = p * dots
-    if softcap:
-        coherent = (np.abs(ps) * d) @ np.abs(v_h) + np.abs(o) * np.abs(ps).sum(-1)[..., None]
-    else:
-        coherent = np.abs((ps * d) @ v_h - o * ps.sum(-1)[..., None])
-    rows = (np.where(p > 0, magnitude, 0.0)).max(axis=-1)[..., None]
+    coherent, rows = _coherent(p, dots, d, v_h, o, magnitude, softcap)
     _, _, delta, _, _ = _score_terms(dtype, count, D, n_stored)
     second_order = 1 + (delta + u) * rows
     var = np.maximum(spread, 0.0) * score_var + p_var + (sums_std * scale) ** 2
@@ -654,6 +644,19 @@ def variant_floor(dtype, *, condition, n, n_stored) -> float:
     u = unit_roundoff(dtype)
     u_a = accumulation_dtype(dtype)
     return float(condition) * (gamma(int(n), u_a) + int(n_stored) * u)
+
+
+def _coherent(p, dots, d, v_h, o, magnitude, softcap):
+    """The coherent part of the P@V error (every score off by ``dots`` in the same direction:
+    its effect on each output, exact unless softcap breaks the sign structure) and each row's
+    largest score magnitude, shared by the default (T2) and tight (T7) tiers."""
+    ps = p * dots
+    if softcap:
+        coherent = (np.abs(ps) * d) @ np.abs(v_h) + np.abs(o) * np.abs(ps).sum(-1)[..., None]
+    else:
+        coherent = np.abs((ps * d) @ v_h - o * ps.sum(-1)[..., None])
+    rows = (np.where(p > 0, magnitude, 0.0)).max(axis=-1)[..., None]
+    return coherent, rows
 
 
 def _value_spread(weights, dropped, magnitude, v, out, gqa):
