@@ -244,3 +244,92 @@ def test_scores_far_beyond_exp_domain_match_the_referee():
         config.EXACT_ENGINE = saved
     for got, want in zip(fast, referee, strict=True):
         assert got.tobytes() == want.tobytes()
+
+
+def _option_specs():
+    """Specs of every option that shapes the allowed set, sinks folded as the exact path does."""
+    from refattn._fold import fold
+    from refattn._spec import canonicalize
+
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal(s) for s in ((2, 4, 9, 3), (2, 2, 13, 3), (2, 2, 13, 2)))
+    bias = rng.standard_normal((2, 4, 9, 13))
+    bias[rng.random(bias.shape) < 0.2] = -np.inf
+    mask = rng.random((9, 13)) < 0.7
+    drop = rng.random((2, 4, 9, 13)) < 0.6
+    options = [
+        {}, dict(causal=True), dict(causal=True, align="bottom_right"), dict(window=(2, 1)),
+        dict(window=(None, 0), align="bottom_right"), dict(window=(3, None), causal=True),
+        dict(kv_lengths=np.array([13, 4])), dict(kv_lengths=np.array([0, 7]), causal=True,
+                                                 align="bottom_right"),
+        dict(mask=mask), dict(mask=mask[None, None, :1]), dict(bias=bias),
+        dict(bias=bias[0, 0]), dict(bias=bias[:, :1]), dict(dropout_mask=drop, dropout_p=0.5),
+        dict(sinks=np.array([0.5, -1.0, 2.0, 0.0]), causal=True, mask=mask, bias=bias),
+        dict(sinks=np.array([0.5, -1.0, 2.0, 0.0]), kv_lengths=np.array([3, 13]),
+             dropout_mask=drop, dropout_p=0.25, window=(4, 0)),
+    ]
+    for opts in options:
+        spec = canonicalize(q, k, v, **opts)
+        yield opts, spec if spec.sinks is None else fold(spec, alibi_into_bias=False)
+
+
+def test_allowed_rule_is_spec_allowed():
+    """The kernels' allowed set (key intervals + compact mask, bias, dropout mask) is the one
+    rule of AttentionSpec.allowed, on every plane of every option that shapes it."""
+    for opts, spec in _option_specs():
+        rule = FA.allowed_rule(spec)
+        batch, heads, _, _, keys, _, _ = spec.dims
+        for b in range(batch):
+            for h in range(heads):
+                allowed, kept = FA.rule_allowed(rule, b, h, keys)
+                want = spec.allowed(b, h)
+                assert np.array_equal(allowed, want), (sorted(opts), b, h)
+                want_kept = want if spec.dropout_mask is None else want & spec.dropout_mask[b, h]
+                assert np.array_equal(kept, want_kept), (sorted(opts), b, h)
+        for part in (rule.mask, rule.bias, rule.drop):  # never larger than what was passed
+            assert part[0].size <= max(1, spec.q.shape[0] * spec.q.shape[1] * spec.q.shape[2]
+                                       * keys)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, ml_dtypes.bfloat16])
+def test_row_facts_scales_are_exactness_scales(dtype):
+    """The compiled row pass gives exactness_scales of its own norms, and flags out-of-range
+    rows (the planes those rows belong to go to the referee)."""
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((1, 2, 7, 16)).astype(dtype).astype(np.float64)
+    x[0, 0, 1] *= 2.0**-30
+    x[0, 0, 2] = 0.0
+    x[0, 1, 3, 4] = 2.0**-1070  # a subnormal: out of range
+    x[0, 1, 4, 5] = np.inf
+    flat = x.reshape(-1, 16)
+    ok, norms, scales = np.empty(14, bool), np.empty(14), np.empty(14)
+    FA._row_facts(flat, flat.view(np.int64), norms, scales, ok)
+    assert ok.tolist() == [i not in (10, 11) for i in range(14)]
+    finite = np.isfinite(flat).all(axis=1)
+    assert np.array_equal(scales[finite], FA.exactness_scales(flat[finite], norms[finite]))
+    assert (norms[finite] >= np.sqrt((flat[finite] ** 2).sum(axis=1))).all()
+
+
+def test_bits_do_not_depend_on_thread_count():
+    """The same bytes with NUMBA_NUM_THREADS=1 and 2 (rows run in parallel over every plane)."""
+    root = Path(__file__).resolve().parents[1]
+    code = (
+        "import numpy as np, ml_dtypes, refattn, hashlib\n"
+        "rng = np.random.default_rng(3)\n"
+        "q, k, v = (rng.standard_normal(s).astype(ml_dtypes.bfloat16) for s in "
+        "((2, 4, 33, 16), (2, 2, 70, 16), (2, 2, 70, 8)))\n"
+        "h = hashlib.sha256()\n"
+        "for od in ('float64', 'float32', 'bfloat16'):\n"
+        "    for r in refattn.attention(q, k, v, precision='exact', out_dtype=od, causal=True,\n"
+        "                               return_lse=True, return_weights=True,\n"
+        "                               kv_lengths=np.array([70, 41]), align='bottom_right'):\n"
+        "        h.update(np.ascontiguousarray(r).tobytes())\n"
+        "print(h.hexdigest())\n")
+    digests = []
+    for threads in ("1", "2"):
+        env = dict(os.environ, NUMBA_NUM_THREADS=threads, PYTHONPATH=str(root))
+        done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root,
+                              capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-2000:]
+        digests.append(done.stdout.split()[-1])
+    assert digests[0] == digests[1]

@@ -37,7 +37,7 @@ from ._dd import (
 )
 
 __all__ = ["EXP_FAST_REL", "EXP_FAST_BUDGET", "exp_dd_fast", "round_decision",
-           "decide_dd_compiled", "decide_dd_fast"]
+           "decide_dd_compiled", "decide_dd_fast", "decide_one"]
 
 _JIT = dict(fastmath=False, boundscheck=False, cache=True, nogil=True)
 _STEPS = 1024  # table 2**(j/1024): |r| <= ln2/2048 < 3.4e-4
@@ -209,6 +209,29 @@ def _round_dd_scalar(hi, lo, p, emin, max_finite):
 
 
 @njit(**_JIT)
+def decide_one(mh, ml, r, p, emin, max_finite):
+    """One element of :func:`decide_dd_compiled`: ``(value, decided)`` of the enclosure
+    ``mh + ml +- r`` (the form the compiled kernels call per element)."""
+    wide = r * (1.0 + 2.0**-50) + 2.0**-99 * (abs(mh) + r) + 2.0**-1060
+    s, e = two_sum(mh, -wide)
+    v = ml + e
+    lh = s + v
+    ll = v - (lh - s)
+    s, e = two_sum(mh, wide)
+    v = ml + e
+    hh = s + v
+    hl = v - (hh - s)
+    ok = (abs(lh) < np.inf and abs(hh) < np.inf and abs(ll) < np.inf
+          and abs(hl) < np.inf and lh != 0.0 and hh != 0.0 and abs(wide) < np.inf)
+    if not ok:
+        return 0.0, False
+    low = _round_dd_scalar(lh, ll, p, emin, max_finite)
+    high = _round_dd_scalar(hh, hl, p, emin, max_finite)
+    return low, (low == high and math.copysign(1.0, low) == math.copysign(1.0, high)
+                 and abs(low) < np.inf)
+
+
+@njit(**_JIT)
 def decide_dd_compiled(mid_hi, mid_lo, rad, p, emin, max_finite, values, decided):
     """:func:`refattn.exact.rounding.decide_dd` compiled, elementwise over 1-d arrays: the same
     widening of ``rad``, the same double-double ends and the same rule (both ends finite,
@@ -216,27 +239,7 @@ def decide_dd_compiled(mid_hi, mid_lo, rad, p, emin, max_finite, values, decided
     an end is not finite or zero) and ``decided``. ``tests/test_dd.py`` checks it against
     ``decide_dd`` bit for bit."""
     for i in range(mid_hi.shape[0]):
-        mh, ml, r = mid_hi[i], mid_lo[i], rad[i]
-        wide = r * (1.0 + 2.0**-50) + 2.0**-99 * (abs(mh) + r) + 2.0**-1060
-        s, e = two_sum(mh, -wide)
-        v = ml + e
-        lh = s + v
-        ll = v - (lh - s)
-        s, e = two_sum(mh, wide)
-        v = ml + e
-        hh = s + v
-        hl = v - (hh - s)
-        ok = (abs(lh) < np.inf and abs(hh) < np.inf and abs(ll) < np.inf
-              and abs(hl) < np.inf and lh != 0.0 and hh != 0.0 and abs(wide) < np.inf)
-        if not ok:
-            values[i] = 0.0
-            decided[i] = False
-            continue
-        low = _round_dd_scalar(lh, ll, p, emin, max_finite)
-        high = _round_dd_scalar(hh, hl, p, emin, max_finite)
-        values[i] = low
-        decided[i] = (low == high and math.copysign(1.0, low) == math.copysign(1.0, high)
-                      and abs(low) < np.inf)
+        values[i], decided[i] = decide_one(mid_hi[i], mid_lo[i], rad[i], p, emin, max_finite)
 
 
 def decide_dd_fast(mid_hi, mid_lo, rad, fmt):

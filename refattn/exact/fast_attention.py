@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -69,12 +70,13 @@ from numba import prange
 
 from .._spec import AttentionSpec
 from . import _dd as D
-from ._dd_extra import EXP_FAST_REL, decide_dd_fast, exp_dd_fast
+from ._dd_extra import EXP_FAST_REL, decide_one, exp_dd_fast
 from .attention import exact_forward
 from .rounding import format_of
 
 __all__ = ["fast_exact_forward", "fallback_stats", "row_spec", "rounds_to_zero",
-           "exactness_scales", "CUT", "TINY", "WEIGHT_TINY_ARG", "WEIGHT_ZERO_ARG"]
+           "exactness_scales", "key_intervals", "allowed_rule", "rule_allowed", "CUT", "TINY",
+           "WEIGHT_TINY_ARG", "WEIGHT_ZERO_ARG"]
 
 #: Exponent arguments below CUT contribute ``0 <= e < TINY`` (an absolute radius).
 CUT = -400.0
@@ -100,30 +102,55 @@ _JIT = dict(nopython=True, cache=True, fastmath=False, error_model="numpy")
 
 # ------------------------------------------------------------------------------ kernels
 @numba.jit(**_JIT)
-def _row_dots(q, kT, i, s, c):
-    """Compensated dot products (s_j, c_j) of q_i with every key (lanes over keys)."""
-    dim, keys = kT.shape
-    for j in range(keys):
-        s[j] = 0.0
-        c[j] = 0.0
+def _row_dots(qrow, kT, lo, hi, s, c):
+    """Compensated dot products (s_j, c_j) of q_i with the keys lo <= j < hi (lanes over keys;
+    entry j - lo)."""
+    dim = kT.shape[0]
+    for jj in range(hi - lo):
+        s[jj] = 0.0
+        c[jj] = 0.0
     for d in range(dim):
-        a = q[i, d]
+        a = qrow[d]
         if a == 0.0:
             continue
-        for j in range(keys):
-            b = kT[d, j]
+        for jj in range(hi - lo):
+            b = kT[d, lo + jj]
             p = a * b
             ep = D.fma(a, b, -p)
-            sj = s[j]
+            sj = s[jj]
             t = sj + p
             bb = t - sj
             es = (sj - (t - bb)) + (p - bb)
-            s[j] = t
-            c[j] += ep + es
+            s[jj] = t
+            c[jj] += ep + es
 
 
 @numba.jit(**_JIT)
-def _score(i, j, sj, cj, qn_i, kn_j, prm, bias, has_bias):
+def _key_state(b, h, i, j, mk, mstr, bs, bstr, dr, dstr, has_mask, has_bias, has_drop):
+    """(state, bias) of key j inside row i's structural interval: state 0 excluded (mask, or
+    bias -inf), 1 allowed, 2 allowed and kept (dropout); the bias value (0 without bias).
+    The one rule of :meth:`refattn._spec.AttentionSpec.allowed`, read from the compact
+    (un-broadcast) arrays of :func:`_compact`."""
+    if has_mask and not mk[b * mstr[0] + h * mstr[1] + i * mstr[2] + j * mstr[3]]:
+        return 0, 0.0
+    bv = 0.0
+    if has_bias:
+        bv = bs[b * bstr[0] + h * bstr[1] + i * bstr[2] + j * bstr[3]]
+        if bv == -np.inf:
+            return 0, 0.0
+    if has_drop and not dr[b * dstr[0] + h * dstr[1] + i * dstr[2] + j * dstr[3]]:
+        return 1, bv
+    return 2, bv
+
+
+@numba.jit(**_JIT)
+def _bias_in_range(x):
+    """A bias value the first steps take: zero, or a magnitude in [SAFE_MIN, SAFE_MAX]."""
+    return x == 0.0 or (abs(x) >= D.SAFE_MIN and abs(x) <= D.SAFE_MAX)
+
+
+@numba.jit(**_JIT)
+def _score(i, j, sj, cj, qn_i, kn_j, prm, bv, has_bias):
     """(t_hi, t_lo, err) of the score of key j from its dot product (s, c)."""
     scale_hi, scale_lo, scale_err, dot_rel, cap, slope, offset, alibi_keys = (
         prm[0], prm[1], prm[2], prm[3], prm[4], prm[5], prm[6], prm[13])
@@ -139,7 +166,7 @@ def _score(i, j, sj, cj, qn_i, kn_j, prm, bias, has_bias):
         th, tl = D.dd_mul_d(hh, hl, cap)
         err = err * cap + D.DD_REL * abs(th)
     if has_bias:
-        th, tl = D.dd_add_d(th, tl, bias[i, j])
+        th, tl = D.dd_add_d(th, tl, bv)
         err += D.DD_REL * abs(th)
     if slope != 0.0 and j < alibi_keys:
         dist = abs(i + offset - j)
@@ -150,19 +177,21 @@ def _score(i, j, sj, cj, qn_i, kn_j, prm, bias, has_bias):
 
 
 @numba.jit(**_JIT)
-def _finish_row(i, top, zh, zl, zr, ns, nc, nr, prm, out_h, out_l, out_r, lse_h, lse_l, lse_r,
-                lz_h, lz_l, lz_r, status):
-    """lse = m + log Z and out = N / Z * keep_scale with their radii (module docstring, 5)."""
+def _finish_row(b, h, i, top, zh, zl, zr, ns, nc, nr, prm, want_lse, p, emin, maxf, out, lse):
+    """lse = m + log Z and out = N / Z * keep_scale with their radii (module docstring, 5),
+    rounded to the target (6). Returns (decided, log Z hi, lo, radius)."""
     keep_hi, keep_lo, keep_err = prm[8], prm[9], prm[10]
     if not zr < 0.5 * zh:
-        status[i] = _UNDECIDED
-        return
+        return False, 0.0, 0.0, 0.0
     lh, ll, lerr = D.log_dd(zh, zl)
     lerr = lerr + (zr / zh) / (1.0 - zr / zh)
-    lz_h[i], lz_l[i], lz_r[i] = lh, ll, lerr * D.BOUND_SAFETY
-    gh, gl = D.dd_add_d(lh, ll, top)
-    lse_h[i], lse_l[i] = gh, gl
-    lse_r[i] = (lerr + D.DD_REL * abs(gh)) * D.BOUND_SAFETY
+    ok = True
+    if want_lse:
+        gh, gl = D.dd_add_d(lh, ll, top)
+        value, dec = decide_one(gh, gl, (lerr + D.DD_REL * abs(gh)) * D.BOUND_SAFETY, p, emin,
+                                maxf)
+        lse[b, h, i] = value
+        ok = ok and dec
     zlow = zh - zr
     for e in range(ns.shape[0]):
         nh, nl = D.two_sum(ns[e], nc[e])
@@ -170,86 +199,138 @@ def _finish_row(i, top, zh, zl, zr, ns, nc, nr, prm, out_h, out_l, out_r, lse_h,
         orad = (nr[e] + abs(oh) * 1.0000001 * zr) / zlow + D.DD_REL * abs(oh)
         ph, pl = D.dd_mul(oh, ol, keep_hi, keep_lo)
         orad = orad * (abs(keep_hi) + keep_err) + abs(oh) * keep_err + D.DD_REL * abs(ph)
-        out_h[i, e], out_l[i, e], out_r[i, e] = ph, pl, orad * D.BOUND_SAFETY
-    status[i] = _OK
-
-
-@numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
-def _forward_dd(rows, q, kT, v, allowed, kept, bias, has_bias, qn, kn, qs, ks, vmax, vnorm,
-                prm,
-                want_x,
-                out_h, out_l, out_r, lse_h, lse_l, lse_r, lz_h, lz_l, lz_r,
-                x_h, x_l, x_r, status):
-    """Double-double first step for the query rows ``rows`` (module docstring, 1-5)."""
-    keys = kT.shape[1]
-    vdim = v.shape[1]
-    sum_rel = prm[7]
-    for r in prange(rows.shape[0]):
-        i = rows[r]
-        s = np.empty(keys)
-        c = np.empty(keys)
-        err = np.empty(keys)
-        _row_dots(q, kT, i, s, c)
-        top = -np.inf
-        for j in range(keys):
-            if allowed[i, j]:
-                th, tl, e = _score(i, j, s[j], c[j], qn[i], kn[j], prm, bias, has_bias)
-                s[j], c[j], err[j] = th, tl, e
-                if th > top:
-                    top = th
-        if top == -np.inf:
-            status[i] = _EMPTY
-            continue
-        ns = np.zeros(vdim)
-        nc = np.zeros(vdim)
-        tiny_v = np.zeros(vdim)
-        zs = 0.0
-        zc = 0.0
-        tiny = 0.0
-        rho = 0.0
-        for j in range(keys):
-            if not allowed[i, j]:
-                continue
-            xh, xl = D.dd_add_d(s[j], c[j], -top)
-            xe = (err[j] + D.DD_REL * abs(xh)) * D.BOUND_SAFETY
-            if want_x:
-                x_h[i, j], x_l[i, j], x_r[i, j] = xh, xl, xe
-            if xh < CUT:
-                tiny += TINY
-                if kept[i, j]:
-                    for e in range(vdim):
-                        tiny_v[e] += abs(v[j, e])
-                continue
-            rho = max(rho, (EXP_FAST_REL + 2.0 * xe) * (1.0 + _RHO_MAX))
-            eh, el = exp_dd_fast(xh, xl)
-            t = zs + eh
-            bb = t - zs
-            zc += ((zs - (t - bb)) + (eh - bb)) + el
-            zs = t
-            if kept[i, j]:
-                for e in range(vdim):
-                    b = v[j, e]
-                    p = eh * b
-                    ep = D.fma(eh, b, -p)
-                    nse = ns[e]
-                    t2 = nse + p
-                    b2 = t2 - nse
-                    es = (nse - (t2 - b2)) + (p - b2)
-                    ns[e] = t2
-                    nc[e] += (ep + es) + el * b
-        if not rho <= _RHO_MAX:
-            status[i] = _UNDECIDED
-            continue
-        zh, zl = D.two_sum(zs, zc)
-        zr = ((sum_rel + rho) * zh + tiny) * D.BOUND_SAFETY
-        # sum_j e_j |v_je| <= vmax_e (Z + zr): the Dot2 and exponential errors of N
-        nr = ((sum_rel + rho) * vmax * (zh + zr)) * D.BOUND_SAFETY + TINY * tiny_v
-        _finish_row(i, top, zh, zl, zr, ns, nc, nr, prm, out_h, out_l, out_r,
-                    lse_h, lse_l, lse_r, lz_h, lz_l, lz_r, status)
+        value, dec = decide_one(ph, pl, orad * D.BOUND_SAFETY, p, emin, maxf)
+        out[b, h, i, e] = value
+        ok = ok and dec
+    return ok, lh, ll, lerr * D.BOUND_SAFETY
 
 
 @numba.jit(**_JIT)
-def _score_d(i, j, sj, qn_i, kn_j, prm, bias, has_bias, gdim):
+def _row_weights(b, h, i, lo, state, x_h, x_l, x_r, lz_h, lz_l, lz_r, p, emin, maxf, w):
+    """w_ij = exp(x_ij - log Z_i) rounded to the target for the keys lo <= j < lo + n (entry
+    j - lo of the row arrays); excluded keys weigh exactly +0. Weights with
+    ``x - log Z + err < WEIGHT_TINY_ARG`` are in (0, 2**-288) and round to +0 below 53 bits;
+    below ``WEIGHT_ZERO_ARG`` (< 2**-1154) in float64 too. Returns whether all are decided."""
+    ok = True
+    for jj in range(state.shape[0]):
+        j = lo + jj
+        if state[jj] == 0:
+            w[b, h, i, j] = 0.0
+            continue
+        ah, al = D.dd_add(x_h[jj], x_l[jj], -lz_h, -lz_l)
+        ae = (x_r[jj] + lz_r + D.DD_REL * abs(ah)) * D.BOUND_SAFETY
+        w[b, h, i, j] = 0.0
+        if ah + ae < WEIGHT_TINY_ARG:
+            ok = ok and (ah + ae < WEIGHT_ZERO_ARG or p < 53)
+            continue
+        if ah < D.EXP_MIN_ARG + 1.0 or ae > _RHO_MAX:
+            ok = False
+            continue
+        eh, el = exp_dd_fast(ah, al)
+        value, dec = decide_one(eh, el, (EXP_FAST_REL + 2.0 * ae) * (1.0 + _RHO_MAX) * eh
+                                * D.BOUND_SAFETY, p, emin, maxf)
+        w[b, h, i, j] = value
+        ok = ok and dec
+    return ok
+
+
+@numba.jit(**_JIT)
+def _dd_row(b, h, i, q, kT, v, qn, kn, vmax, prm, kvh, lohi, mk, mstr, bs, bstr, dr, dstr,
+            has_mask, has_bias, has_drop, want_lse, want_w, p, emin, maxf, out, lse, w):
+    """Double-double first step of query row i of plane (b, h) (module docstring, 1-6);
+    returns its status."""
+    g = kvh[h]
+    lo, hi = lohi[b, i, 0], lohi[b, i, 1]
+    n = hi - lo
+    vdim = v.shape[3]
+    pr = prm[b, h]
+    sum_rel = pr[7]
+    s = np.empty(n)
+    c = np.empty(n)
+    err = np.empty(n)
+    state = np.zeros(n, np.int8)
+    _row_dots(q[b, h, i], kT[b, g], lo, hi, s, c)
+    top = -np.inf
+    for jj in range(n):
+        j = lo + jj
+        st, bv = _key_state(b, h, i, j, mk, mstr, bs, bstr, dr, dstr, has_mask, has_bias,
+                            has_drop)
+        state[jj] = st
+        if st == 0:
+            continue
+        if has_bias and not _bias_in_range(bv):
+            return _UNDECIDED
+        th, tl, e = _score(i, j, s[jj], c[jj], qn[b, h, i], kn[b, g, j], pr, bv, has_bias)
+        s[jj], c[jj], err[jj] = th, tl, e
+        if th > top:
+            top = th
+    if top == -np.inf:
+        return _EMPTY
+    ns = np.zeros(vdim)
+    nc = np.zeros(vdim)
+    tiny_v = np.zeros(vdim)
+    zs = 0.0
+    zc = 0.0
+    tiny = 0.0
+    rho = 0.0
+    for jj in range(n):
+        if state[jj] == 0:
+            continue
+        j = lo + jj
+        xh, xl = D.dd_add_d(s[jj], c[jj], -top)
+        xe = (err[jj] + D.DD_REL * abs(xh)) * D.BOUND_SAFETY
+        s[jj], c[jj], err[jj] = xh, xl, xe  # the shifted scores, kept for the weights
+        if xh < CUT:
+            tiny += TINY
+            if state[jj] == 2:
+                for e in range(vdim):
+                    tiny_v[e] += abs(v[b, g, j, e])
+            continue
+        rho = max(rho, (EXP_FAST_REL + 2.0 * xe) * (1.0 + _RHO_MAX))
+        eh, el = exp_dd_fast(xh, xl)
+        t = zs + eh
+        bb = t - zs
+        zc += ((zs - (t - bb)) + (eh - bb)) + el
+        zs = t
+        if state[jj] == 2:
+            for e in range(vdim):
+                b_ = v[b, g, j, e]
+                p_ = eh * b_
+                ep = D.fma(eh, b_, -p_)
+                nse = ns[e]
+                t2 = nse + p_
+                b2 = t2 - nse
+                es = (nse - (t2 - b2)) + (p_ - b2)
+                ns[e] = t2
+                nc[e] += (ep + es) + el * b_
+    if not rho <= _RHO_MAX:
+        return _UNDECIDED
+    zh, zl = D.two_sum(zs, zc)
+    zr = ((sum_rel + rho) * zh + tiny) * D.BOUND_SAFETY
+    # sum_j e_j |v_je| <= vmax_e (Z + zr): the Dot2 and exponential errors of N
+    nr = ((sum_rel + rho) * vmax[b, g] * (zh + zr)) * D.BOUND_SAFETY + TINY * tiny_v
+    ok, lz_h, lz_l, lz_r = _finish_row(b, h, i, top, zh, zl, zr, ns, nc, nr, pr, want_lse, p,
+                                       emin, maxf, out, lse)
+    if ok and want_w:
+        ok = _row_weights(b, h, i, lo, state, s, c, err, lz_h, lz_l, lz_r, p, emin, maxf, w)
+    return _OK if ok else _UNDECIDED
+
+
+@numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
+def _forward_dd(items, q, kT, v, qn, kn, vmax, prm, kvh, lohi, mk, mstr, bs, bstr, dr, dstr,
+                has_mask, has_bias, has_drop, want_lse, want_w, p, emin, maxf,
+                out, lse, w, status):
+    """Double-double first step for the query rows ``items`` ((n, 3): b, h, i), in parallel
+    over rows of every plane."""
+    for r in prange(items.shape[0]):
+        b, h, i = items[r, 0], items[r, 1], items[r, 2]
+        status[b, h, i] = _dd_row(b, h, i, q, kT, v, qn, kn, vmax, prm, kvh, lohi, mk, mstr,
+                                  bs, bstr, dr, dstr, has_mask, has_bias, has_drop, want_lse,
+                                  want_w, p, emin, maxf, out, lse, w)
+
+
+@numba.jit(**_JIT)
+def _score_d(i, j, sj, qn_i, kn_j, prm, bv, has_bias, gdim):
     """(t, err): the score of key j in double precision from its dot product s (fma chain,
     error <= gamma_D |q_i|.|k_j|), each rounding bounded by 1.01 u |result|."""
     scale_hi, scale_lo, scale_err, cap, slope, offset, alibi_keys = (
@@ -268,7 +349,7 @@ def _score_d(i, j, sj, qn_i, kn_j, prm, bias, has_bias, gdim):
         err = err * cap + D.DD_REL * abs(th) + abs(tl)
         t = th
     if has_bias:
-        t = t + bias[i, j]
+        t = t + bv
         err += u * abs(t)
     if slope != 0.0 and j < alibi_keys:
         a = -slope * float(abs(i + offset - j))
@@ -277,137 +358,182 @@ def _score_d(i, j, sj, qn_i, kn_j, prm, bias, has_bias, gdim):
     return t, err
 
 
-@numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
-def _forward_d(rows, q, kT, v, allowed, kept, bias, has_bias, qn, kn, qs, ks, vmax, vnorm,
-               prm,
-               want_x,
-               out_h, out_l, out_r, lse_h, lse_l, lse_r, lz_h, lz_l, lz_r,
-               x_h, x_l, x_r, status):
-    """Double-precision first step (for targets of <= 24 bits): fma chains with gamma_n
-    bounds (Higham 2002, eq. (3.5)) and :func:`refattn.exact._dd.exp_d`.
-
-    Rows are taken ROW_BLOCK at a time so that each row of K^T and of V is loaded once per
-    block (each row's arithmetic is the same sequence as alone: no bit depends on blocking).
-    """
-    dim, keys = kT.shape
-    vdim = v.shape[1]
-    gdim = prm[11]
-    gsum = prm[12]
+@numba.jit(**_JIT)
+def _d_block(b, h, i0, nb_rows, q, kT, v, qn, kn, qs, ks, vmax, vnorm, prm, kvh, lohi,
+             mk, mstr, bs, bstr, dr, dstr, has_mask, has_bias, has_drop, want_lse, want_w,
+             p, emin, maxf, out, lse, w, status):
+    """Double-precision first step of rows i0 .. i0 + nb_rows - 1 of plane (b, h), which share
+    each load of K^T and V (each row's arithmetic is the same sequence as alone: no bit depends
+    on the blocking). The keys run over the union of the rows' intervals; the blocked sums
+    restart at multiples of SUM_BLOCK of the key index j itself."""
+    g = kvh[h]
+    pr = prm[b, h]
+    gdim = pr[11]
+    gsum = pr[12]
     u = 1.01 * D.U
-    nrows = rows.shape[0]
-    for blk in prange((nrows + ROW_BLOCK - 1) // ROW_BLOCK):
-        r0 = blk * ROW_BLOCK
-        nb_rows = min(ROW_BLOCK, nrows - r0)
-        s = np.zeros((ROW_BLOCK, keys))
-        err = np.zeros((ROW_BLOCK, keys))
-        for d in range(dim):
-            for rr in range(nb_rows):
-                a = q[rows[r0 + rr], d]
-                if a == 0.0:
-                    continue
-                for j in range(keys):
-                    s[rr, j] = D.fma(a, kT[d, j], s[rr, j])
-        top = np.full(ROW_BLOCK, -np.inf)
+    vdim = v.shape[3]
+    lo = lohi[b, i0, 0]
+    hi = lohi[b, i0, 1]
+    for rr in range(1, nb_rows):
+        lo = min(lo, lohi[b, i0 + rr, 0])
+        hi = max(hi, lohi[b, i0 + rr, 1])
+    n = max(hi - lo, 0)
+    s = np.zeros((ROW_BLOCK, n))
+    err = np.zeros((ROW_BLOCK, n))
+    state = np.zeros((ROW_BLOCK, n), np.int8)
+    bad = np.zeros(ROW_BLOCK, np.bool_)
+    for d in range(q.shape[3]):
         for rr in range(nb_rows):
-            i = rows[r0 + rr]
-            for j in range(keys):
-                if allowed[i, j]:
-                    # an fma chain proven exact (exactness_scales) carries no error
-                    g = 0.0 if qs[i] * ks[j] < 2.0**52 else gdim
-                    t, e = _score_d(i, j, s[rr, j], qn[i], kn[j], prm, bias, has_bias, g)
-                    s[rr, j], err[rr, j] = t, e
-                    if t > top[rr]:
-                        top[rr] = t
-        n = np.zeros((ROW_BLOCK, vdim))
-        nb = np.zeros((ROW_BLOCK, vdim))
-        e2 = np.zeros(ROW_BLOCK)
-        tiny_v = np.zeros((ROW_BLOCK, vdim))
-        z = np.zeros(ROW_BLOCK)
-        zb = np.zeros(ROW_BLOCK)
-        tiny = np.zeros(ROW_BLOCK)
-        rho = np.zeros(ROW_BLOCK)
-        ex = np.zeros(ROW_BLOCK)
-        use = np.zeros(ROW_BLOCK, dtype=np.bool_)
-        for j in range(keys):
-            if (j % SUM_BLOCK) == 0:  # blocked sums: gamma_{B + S/B} instead of gamma_S
-                for rr in range(nb_rows):
-                    z[rr] += zb[rr]
-                    zb[rr] = 0.0
-                    for e in range(vdim):
-                        n[rr, e] += nb[rr, e]
-                        nb[rr, e] = 0.0
+            a = q[b, h, i0 + rr, d]
+            if a == 0.0:
+                continue
+            for jj in range(n):
+                s[rr, jj] = D.fma(a, kT[b, g, d, lo + jj], s[rr, jj])
+    top = np.full(ROW_BLOCK, -np.inf)
+    for rr in range(nb_rows):
+        i = i0 + rr
+        for jj in range(lohi[b, i, 0] - lo, lohi[b, i, 1] - lo):
+            j = lo + jj
+            st, bv = _key_state(b, h, i, j, mk, mstr, bs, bstr, dr, dstr, has_mask, has_bias,
+                                has_drop)
+            state[rr, jj] = st
+            if st == 0:
+                continue
+            if has_bias and not _bias_in_range(bv):
+                bad[rr] = True
+            # an fma chain proven exact (exactness_scales) carries no error
+            gd = 0.0 if qs[b, h, i] * ks[b, g, j] < 2.0**52 else gdim
+            t, e = _score_d(i, j, s[rr, jj], qn[b, h, i], kn[b, g, j], pr, bv, has_bias, gd)
+            s[rr, jj], err[rr, jj] = t, e
+            if t > top[rr]:
+                top[rr] = t
+    nsum = np.zeros((ROW_BLOCK, vdim))
+    nb = np.zeros((ROW_BLOCK, vdim))
+    e2 = np.zeros(ROW_BLOCK)
+    tiny_v = np.zeros((ROW_BLOCK, vdim))
+    z = np.zeros(ROW_BLOCK)
+    zb = np.zeros(ROW_BLOCK)
+    tiny = np.zeros(ROW_BLOCK)
+    rho = np.zeros(ROW_BLOCK)
+    ex = np.zeros(ROW_BLOCK)
+    use = np.zeros(ROW_BLOCK, dtype=np.bool_)
+    for jj in range(n):
+        j = lo + jj
+        if (j % SUM_BLOCK) == 0:  # blocked sums: gamma_{B + S/B} instead of gamma_S
             for rr in range(nb_rows):
-                i = rows[r0 + rr]
-                use[rr] = False
-                if not allowed[i, j]:
-                    continue
-                x = s[rr, j] - top[rr]
-                xe = (err[rr, j] + u * abs(x)) * D.BOUND_SAFETY
-                if want_x:
-                    x_h[i, j], x_l[i, j], x_r[i, j] = x, 0.0, xe
-                if x < CUT:
-                    tiny[rr] += TINY
-                    if kept[i, j]:
-                        for e in range(vdim):
-                            tiny_v[rr, e] += abs(v[j, e])
-                    continue
-                rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * xe) * (1.0 + _RHO_MAX))
-                ex[rr] = D.exp_d(x)
-                zb[rr] += ex[rr]
-                e2[rr] += ex[rr] * ex[rr]
-                use[rr] = kept[i, j]
-            for rr in range(nb_rows):
-                if use[rr]:
-                    w = ex[rr]
-                    for e in range(vdim):
-                        nb[rr, e] = D.fma(w, v[j, e], nb[rr, e])
+                z[rr] += zb[rr]
+                zb[rr] = 0.0
+                for e in range(vdim):
+                    nsum[rr, e] += nb[rr, e]
+                    nb[rr, e] = 0.0
         for rr in range(nb_rows):
-            i = rows[r0 + rr]
-            if top[rr] == -np.inf:
-                status[i] = _EMPTY
+            use[rr] = False
+            if state[rr, jj] == 0:
                 continue
-            zr_ = z[rr] + zb[rr]
-            for e in range(vdim):
-                n[rr, e] += nb[rr, e]
-            if not rho[rr] <= _RHO_MAX:
-                status[i] = _UNDECIDED
+            x = s[rr, jj] - top[rr]
+            xe = (err[rr, jj] + u * abs(x)) * D.BOUND_SAFETY
+            s[rr, jj], err[rr, jj] = x, xe  # the shifted scores, kept for the weights
+            if x < CUT:
+                tiny[rr] += TINY
+                if state[rr, jj] == 2:
+                    for e in range(vdim):
+                        tiny_v[rr, e] += abs(v[b, g, j, e])
                 continue
-            g = gsum + rho[rr]
-            zrad = (g * zr_ * (1.0 + gsum) + tiny[rr]) * D.BOUND_SAFETY
-            # sum_j e_j |v_je| <= min(vmax_e sum_j e_j, sqrt(sum_j e_j^2) ||v_e||) (the second
-            # by Cauchy-Schwarz; the float sums are within gamma_S < 2**-27 of their values)
-            acc = np.minimum(vmax * (zr_ + zrad), math.sqrt(e2[rr]) * vnorm)
-            nr = (g * acc * (1.0 + gsum) * (1.0 + rho[rr])) * D.BOUND_SAFETY \
-                + TINY * tiny_v[rr]
-            _finish_row(i, top[rr], zr_, 0.0, zrad, n[rr], np.zeros(vdim), nr, prm,
-                        out_h, out_l, out_r, lse_h, lse_l, lse_r, lz_h, lz_l, lz_r, status)
+            rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * xe) * (1.0 + _RHO_MAX))
+            ex[rr] = D.exp_d(x)
+            zb[rr] += ex[rr]
+            e2[rr] += ex[rr] * ex[rr]
+            use[rr] = state[rr, jj] == 2
+        for rr in range(nb_rows):
+            if use[rr]:
+                wgt = ex[rr]
+                for e in range(vdim):
+                    nb[rr, e] = D.fma(wgt, v[b, g, j, e], nb[rr, e])
+    zeros = np.zeros(vdim)
+    for rr in range(nb_rows):
+        i = i0 + rr
+        if bad[rr]:
+            status[b, h, i] = _UNDECIDED
+            continue
+        if top[rr] == -np.inf:
+            status[b, h, i] = _EMPTY
+            continue
+        zr_ = z[rr] + zb[rr]
+        for e in range(vdim):
+            nsum[rr, e] += nb[rr, e]
+        if not rho[rr] <= _RHO_MAX:
+            status[b, h, i] = _UNDECIDED
+            continue
+        gg = gsum + rho[rr]
+        zrad = (gg * zr_ * (1.0 + gsum) + tiny[rr]) * D.BOUND_SAFETY
+        # sum_j e_j |v_je| <= min(vmax_e sum_j e_j, sqrt(sum_j e_j^2) ||v_e||) (the second
+        # by Cauchy-Schwarz; the float sums are within gamma_S < 2**-27 of their values)
+        acc = np.minimum(vmax[b, g] * (zr_ + zrad), math.sqrt(e2[rr]) * vnorm[b, g])
+        nr = (gg * acc * (1.0 + gsum) * (1.0 + rho[rr])) * D.BOUND_SAFETY \
+            + TINY * tiny_v[rr]
+        ok, lz_h, lz_l, lz_r = _finish_row(b, h, i, top[rr], zr_, 0.0, zrad, nsum[rr], zeros,
+                                           nr, pr, want_lse, p, emin, maxf, out, lse)
+        if ok and want_w:
+            r0 = lohi[b, i, 0] - lo
+            r1 = lohi[b, i, 1] - lo
+            ok = _row_weights(b, h, i, lo + r0, state[rr, r0:r1], s[rr, r0:r1],
+                              _zeros(r1 - r0), err[rr, r0:r1], lz_h, lz_l, lz_r, p, emin,
+                              maxf, w)
+        status[b, h, i] = _OK if ok else _UNDECIDED
+
+
+@numba.jit(**_JIT)
+def _zeros(n):
+    """n zeros (the low words of double-precision scores)."""
+    return np.zeros(n)
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
-def _weights_plane(rows, allowed, x_h, x_l, x_r, lz_h, lz_l, lz_r, status, w_h, w_l, w_r,
-                   w_tiny):
-    """w_ij = exp(x_ij - log Z_i) with a radius; w_tiny marks 0 < w < 2**-288 (1) and
-    0 < w < 2**-1154 (2) (mid 0)."""
-    keys = allowed.shape[1]
-    for r in prange(rows.shape[0]):
-        i = rows[r]
-        if status[i] != _OK:
-            continue
-        for j in range(keys):
-            if not allowed[i, j]:
-                w_h[i, j], w_l[i, j], w_r[i, j] = 0.0, 0.0, 0.0
-                continue
-            ah, al = D.dd_add(x_h[i, j], x_l[i, j], -lz_h[i], -lz_l[i])
-            ae = (x_r[i, j] + lz_r[i] + D.DD_REL * abs(ah)) * D.BOUND_SAFETY
-            if ah + ae < WEIGHT_TINY_ARG:
-                w_tiny[i, j] = 2 if ah + ae < WEIGHT_ZERO_ARG else 1
-                continue
-            if ah < D.EXP_MIN_ARG + 1.0 or ae > _RHO_MAX:
-                w_r[i, j] = np.inf
-                continue
-            eh, el = exp_dd_fast(ah, al)
-            w_h[i, j], w_l[i, j] = eh, el
-            w_r[i, j] = (EXP_FAST_REL + 2.0 * ae) * (1.0 + _RHO_MAX) * eh * D.BOUND_SAFETY
+def _row_facts(x, bits, norms, scales, ok):
+    """Per row of x (N, D) (``bits``: the same array viewed as int64), in a fixed order:
+    ``ok`` (all finite, nonzero magnitudes in [SAFE_MIN, SAFE_MAX]), ``norms`` (an upper bound
+    of the 2-norm: the float sum of squares errs by at most gamma_D < 2**-30 relative for
+    D < 2**22, covered by the factor 1 + 2**-30; 2**-1000 covers underflow) and ``scales``
+    (:func:`exactness_scales`: the exponent of the lowest set bit from the bit pattern)."""
+    frac_mask = (1 << 52) - 1
+    for n in prange(x.shape[0]):
+        good = True
+        acc = 0.0
+        low = 1 << 40
+        for d in range(x.shape[1]):
+            a = x[n, d]
+            m = abs(a)
+            if not (m == 0.0 or (m >= D.SAFE_MIN and m <= D.SAFE_MAX)):
+                good = False
+            acc += a * a
+            if m != 0.0:
+                w = bits[n, d]
+                biased = (w >> 52) & 0x7FF
+                mant = w & frac_mask
+                if biased != 0:
+                    mant |= 1 << 52
+                else:
+                    biased = 1  # subnormal: the same scale as the smallest normal
+                lowbit = mant & -mant  # a power of two below 2**53: exact as a float
+                tz = np.int64(math.frexp(float(lowbit))[1] - 1)
+                low = min(low, biased - 1075 + tz)
+        ok[n] = good
+        norms[n] = math.sqrt(acc) * (1.0 + 2.0**-30) + 2.0**-1000
+        g = 0 if low == 1 << 40 else low  # a zero row: its products are all 0
+        scales[n] = np.ldexp(norms[n], -g)
+
+
+@numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
+def _forward_d(blocks, q, kT, v, qn, kn, qs, ks, vmax, vnorm, prm, kvh, lohi, mk, mstr, bs,
+               bstr, dr, dstr, has_mask, has_bias, has_drop, want_lse, want_w, p, emin, maxf,
+               out, lse, w, status):
+    """Double-precision first step (for targets of <= 24 bits) over ``blocks`` ((n, 4): b, h,
+    first row, row count <= ROW_BLOCK), in parallel over the blocks of every plane: fma chains
+    with gamma_n bounds (Higham 2002, eq. (3.5)) and :func:`refattn.exact._dd.exp_d`."""
+    for r in prange(blocks.shape[0]):
+        _d_block(blocks[r, 0], blocks[r, 1], blocks[r, 2], blocks[r, 3], q, kT, v, qn, kn, qs,
+                 ks, vmax, vnorm, prm, kvh, lohi, mk, mstr, bs, bstr, dr, dstr, has_mask,
+                 has_bias, has_drop, want_lse, want_w, p, emin, maxf, out, lse, w, status)
 
 
 # ------------------------------------------------------------------------------ wrapper
@@ -420,48 +546,6 @@ def rounds_to_zero(tiny: np.ndarray, fmt) -> np.ndarray:
     [False, False, True]
     """
     return (tiny == 2) | ((tiny == 1) & (fmt.p < 53))
-
-
-def _in_range(x: np.ndarray) -> bool:
-    """All finite, nonzero magnitudes in [SAFE_MIN, SAFE_MAX]."""
-    if not np.isfinite(x).all():
-        return False
-    a = np.abs(x)
-    return bool(((a == 0) | ((a >= D.SAFE_MIN) & (a <= D.SAFE_MAX))).all())
-
-
-def _plane_inputs(spec: AttentionSpec, b: int, h: int):
-    """Float64 inputs of one plane, or None when the plane goes to the referee whole."""
-    g = int(spec.kv_head[h])
-    q = np.ascontiguousarray(spec.q[b, h], dtype=np.float64)
-    k = np.asarray(spec.k[b, g], dtype=np.float64)
-    v = np.ascontiguousarray(spec.v[b, g], dtype=np.float64)
-    if not (_in_range(q) and _in_range(k) and _in_range(v)):
-        return None
-    allowed = spec.allowed(b, h)
-    kept = allowed if spec.dropout_mask is None else allowed & spec.dropout_mask[b, h]
-    bias = np.zeros((1, 1))
-    if spec.bias is not None:
-        bias = np.asarray(spec.bias[b, h], dtype=np.float64)
-        if not _in_range(np.where(allowed, bias, 0.0)):
-            return None
-    return q, np.ascontiguousarray(k.T), v, allowed, np.ascontiguousarray(kept), bias
-
-
-def _params(spec: AttentionSpec, b: int, h: int, dim: int, keys: int):
-    """The scalar parameters of the plane kernel, or None (referee) when out of range."""
-    scale_hi, scale_lo, scale_err = D.dd_of_exact(spec.scale_exact)
-    cap = 0.0 if spec.softcap is None else float(spec.softcap)
-    slope = 0.0 if spec.alibi_slopes is None else float(spec.alibi_slopes[h])
-    for value in (scale_hi, cap, slope):
-        if value != 0 and not D.SAFE_MIN <= abs(value) <= D.SAFE_MAX:
-            return None
-    keep_hi, keep_lo, keep_err = D.dd_of_fraction(spec.keep_scale)
-    alibi_keys = keys if spec.alibi_keys is None else spec.alibi_keys
-    return np.array([scale_hi, scale_lo, scale_err, D.dot_bound(dim), cap, slope,
-                     float(spec.alibi_offset(b)), D.dot_bound(2 * keys), keep_hi, keep_lo,
-                     keep_err, D.gamma_up(dim), D.gamma_up(SUM_BLOCK + keys // SUM_BLOCK + 2),
-                     float(alibi_keys)])
 
 
 def exactness_scales(x: np.ndarray, norms: np.ndarray) -> np.ndarray:
@@ -535,77 +619,162 @@ def _runs(rows: np.ndarray):
     return [(int(rows[a]), int(rows[z - 1]) + 1) for a, z in zip(starts, stops, strict=True)]
 
 
-class _Plane:
-    """Decided results of one plane and the rows left to the referee.
+def _compact(view: np.ndarray, dtype):
+    """(flat, strides): a (B, H, L, S) view without its broadcast copies, as a contiguous 1-d
+    array ``flat`` and element strides (0 along broadcast axes) so that element [b, h, i, j] is
+    ``flat[b s0 + h s1 + i s2 + j s3]``: never larger than the array the caller passed."""
+    index = tuple(slice(0, 1) if st == 0 else slice(None) for st in view.strides)
+    base = np.ascontiguousarray(view[index], dtype=dtype)
+    strides = [0 if view.strides[a] == 0 or base.shape[a] == 1
+               else int(np.prod(base.shape[a + 1:], dtype=np.int64)) for a in range(4)]
+    return base.reshape(-1), np.array(strides, dtype=np.int64)
 
-    For targets of at most 24 bits the double-precision first step runs first and the rows it
-    leaves undecided run again in double-double; for float64 the double-double step runs alone.
+
+def key_intervals(spec: AttentionSpec) -> np.ndarray:
+    """(B, L, 2) int64: the keys ``lo <= j < hi`` that causal, window and key length allow to
+    query row i of batch row b (:meth:`AttentionSpec.structural`: ``j <= i + o_b`` causal,
+    ``i + o_b - left <= j <= i + o_b + right`` window, ``j < kv_lengths[b]``).
+
+    Examples
+    --------
+    >>> from refattn._spec import canonicalize
+    >>> spec = canonicalize(np.zeros((3, 2)), np.zeros((4, 2)), np.zeros((4, 1)), causal=True)
+    >>> key_intervals(spec)[0].tolist()
+    [[0, 1], [0, 2], [0, 3]]
     """
+    batch, _, _, length, keys, _, _ = spec.dims
+    out = np.empty((batch, length, 2), dtype=np.int64)
+    rows = np.arange(length, dtype=np.int64)
+    for b in range(batch):
+        diag = rows + spec.row_offset(b)
+        lo = np.zeros(length, dtype=np.int64)
+        hi = np.full(length, keys, dtype=np.int64)
+        if spec.causal:
+            hi = np.minimum(hi, diag + 1)
+        if spec.window is not None:
+            left, right = spec.window
+            if left is not None:
+                lo = np.maximum(lo, diag - left)
+            if right is not None:
+                hi = np.minimum(hi, diag + right + 1)
+        if spec.kv_lengths is not None:
+            hi = np.minimum(hi, int(spec.kv_lengths[b]))
+        lo = np.clip(lo, 0, keys)
+        out[b, :, 0] = lo
+        out[b, :, 1] = np.clip(hi, lo, keys)
+    return out
 
-    def __init__(self, spec, b, h, fmt, want_lse, want_w):
-        _, _, _, length, keys, dim, vdim = spec.dims
-        self.out = np.zeros((length, vdim))
-        self.lse = np.zeros(length)
-        self.w = np.zeros((length, keys)) if want_w else None
-        self.undecided = np.ones(length, dtype=bool)
-        self.steps = {}
-        inputs = _plane_inputs(spec, b, h)
-        prm = _params(spec, b, h, dim, keys)
-        if inputs is None or prm is None or length == 0 or keys == 0:
-            return
-        q, kT, v, allowed, kept, bias = inputs
-        vmax = np.max(np.abs(v), axis=0)
-        qn, kn = _norms(q), _norms(kT.T)
-        common = (q, kT, v, allowed, kept, bias, spec.bias is not None, qn, kn,
-                  exactness_scales(q, qn), exactness_scales(kT.T, kn), vmax, _norms(v.T), prm,
-                  want_w)
-        bufs = ([np.zeros((length, vdim)) for _ in range(3)]
-                + [np.zeros(length) for _ in range(6)]
-                + [np.zeros((length, keys) if want_w else (1, 1)) for _ in range(3)])
-        status = np.full(length, _UNDECIDED, dtype=np.int8)
-        rows = np.arange(length)
-        steps = [("double", _forward_d), ("double-double", _forward_dd)]
-        for name, step in steps if fmt.p <= 24 else steps[1:]:
-            step(rows, *common, *bufs, status)
-            self.steps[name] = rows.size
-            decided = self._decide(rows, allowed, bufs, status, fmt, want_lse, want_w)
-            rows = rows[~decided]
-            if rows.size == 0:
-                break
-        self.undecided[:] = False
-        self.undecided[rows] = True
 
-    def _decide(self, rows, allowed, bufs, status, fmt, want_lse, want_w):
-        """Round the enclosures of ``rows``; store the values; return which rows are decided."""
-        out_h, out_l, out_r, lse_h, lse_l, lse_r, lz_h, lz_l, lz_r, x_h, x_l, x_r = bufs
-        value, decided = decide_dd_fast(out_h[rows], out_l[rows], out_r[rows], fmt)
-        self.out[rows] = value
-        ok = (status[rows] == _OK) & decided.all(axis=1)
-        if want_lse:
-            value, decided = decide_dd_fast(lse_h[rows], lse_l[rows], lse_r[rows], fmt)
-            self.lse[rows] = value
-            ok &= decided
-        if want_w:
-            keys = allowed.shape[1]
-            w = [np.zeros((allowed.shape[0], keys)) for _ in range(3)]
-            tiny = np.zeros(allowed.shape, dtype=np.int8)
-            _weights_plane(rows, allowed, x_h, x_l, x_r, lz_h, lz_l, lz_r, status, *w, tiny)
-            value, decided = decide_dd_fast(w[0][rows], w[1][rows], w[2][rows], fmt)
-            here = allowed[rows]
-            decided |= ~here  # excluded keys weigh exactly +0
-            value = np.where(here, value, 0.0)
-            zero = rounds_to_zero(tiny[rows], fmt)
-            decided |= zero
-            value = np.where(zero, 0.0, value)
-            self.w[rows] = value
-            ok &= decided.all(axis=1)
-        return ok
+class _Rule(NamedTuple):
+    """The allowed set of every plane without an (L, S) array: the key intervals and the
+    compact mask, bias and dropout mask (:func:`_compact`; a 1-element dummy when absent)."""
+
+    lohi: np.ndarray
+    mask: tuple
+    bias: tuple
+    drop: tuple
+    has_mask: bool
+    has_bias: bool
+    has_drop: bool
+
+
+def allowed_rule(spec: AttentionSpec) -> _Rule:
+    """The rule the kernels read the allowed set and the dropout keep-mask from; equal to
+    :meth:`AttentionSpec.allowed` (``tests/test_fast_exact.py`` checks it)."""
+    dummy = (np.zeros(1), np.zeros(4, dtype=np.int64))
+    bdummy = (np.zeros(1, dtype=np.bool_), np.zeros(4, dtype=np.int64))
+    return _Rule(
+        key_intervals(spec),
+        _compact(spec.mask, np.bool_) if spec.mask is not None else bdummy,
+        _compact(spec.bias, np.float64) if spec.bias is not None else dummy,
+        _compact(spec.dropout_mask, np.bool_) if spec.dropout_mask is not None else bdummy,
+        spec.mask is not None, spec.bias is not None, spec.dropout_mask is not None)
+
+
+def rule_allowed(rule: _Rule, b: int, h: int, keys: int) -> tuple[np.ndarray, np.ndarray]:
+    """(allowed, kept) (L, S) of plane (b, h) spelled out from ``rule`` (for tests)."""
+    lohi = rule.lohi[b]
+    j = np.arange(keys)
+    allowed = (j[None, :] >= lohi[:, :1]) & (j[None, :] < lohi[:, 1:])
+    i = np.arange(lohi.shape[0])[:, None]
+
+    def read(part):
+        flat, st = part
+        return flat[b * st[0] + h * st[1] + i * st[2] + j[None, :] * st[3]]
+
+    if rule.has_mask:
+        allowed &= read(rule.mask)
+    if rule.has_bias:
+        allowed &= ~np.isneginf(read(rule.bias))
+    kept = allowed & read(rule.drop) if rule.has_drop else allowed
+    return allowed, kept
+
+
+def _params(spec: AttentionSpec):
+    """(B, H, 14) scalar parameters of every plane's kernel and the (B, H) planes whose
+    parameters are in range (the others go to the referee)."""
+    batch, heads, _, _, keys, dim, _ = spec.dims
+    scale_hi, scale_lo, scale_err = D.dd_of_exact(spec.scale_exact)
+    cap = 0.0 if spec.softcap is None else float(spec.softcap)
+    slopes = np.zeros(heads) if spec.alibi_slopes is None else np.asarray(
+        spec.alibi_slopes, dtype=np.float64)
+    keep_hi, keep_lo, keep_err = D.dd_of_fraction(spec.keep_scale)
+    alibi_keys = keys if spec.alibi_keys is None else spec.alibi_keys
+
+    def in_range(x):
+        return (x == 0) | ((np.abs(x) >= D.SAFE_MIN) & (np.abs(x) <= D.SAFE_MAX))
+
+    ok = np.broadcast_to(in_range(slopes) & bool(in_range(scale_hi) and in_range(cap)),
+                         (batch, heads))
+    prm = np.empty((batch, heads, 14))
+    prm[...] = [scale_hi, scale_lo, scale_err, D.dot_bound(dim), cap, 0.0, 0.0,
+                D.dot_bound(2 * keys), keep_hi, keep_lo, keep_err, D.gamma_up(dim),
+                D.gamma_up(SUM_BLOCK + keys // SUM_BLOCK + 2), float(alibi_keys)]
+    prm[:, :, 5] = slopes[None, :]
+    prm[:, :, 6] = np.array([spec.alibi_offset(b) for b in range(batch)],
+                            dtype=np.float64)[:, None]
+    return prm, ok
+
+
+class _Inputs:
+    """Float64 inputs of every plane, their norms and scales, and the planes the first steps
+    take (the others go to the referee whole)."""
+
+    def __init__(self, spec: AttentionSpec):
+        batch, heads, _, length, keys, _, _ = spec.dims
+        f64 = np.float64
+        self.q = np.ascontiguousarray(spec.q, dtype=f64)
+        k = np.ascontiguousarray(spec.k, dtype=f64)
+        self.kT = np.ascontiguousarray(np.swapaxes(k, 2, 3))
+        self.v = np.ascontiguousarray(spec.v, dtype=f64)
+        self.kvh = np.ascontiguousarray(spec.kv_head, dtype=np.int64)
+        self.prm, ok = _params(spec)
+
+        def facts(a):  # (ok, norms, scales) of the rows of a's last axis
+            flat = a.reshape(-1, a.shape[3])
+            out = [np.empty(flat.shape[0], dtype) for dtype in (np.bool_, np.float64, np.float64)]
+            if flat.shape[0]:
+                _row_facts(flat, flat.view(np.int64), out[1], out[2], out[0])
+            return [o.reshape(a.shape[:3]) for o in out]
+
+        q_ok, self.qn, self.qs = facts(self.q)
+        k_ok, self.kn, self.ks = facts(k)
+        vT = np.ascontiguousarray(np.swapaxes(self.v, 2, 3))
+        v_ok, self.vnorm, _ = facts(vT)
+        kv_ok = k_ok.all(axis=2) & v_ok.all(axis=2)
+        self.ok = ok & q_ok.all(axis=2) & kv_ok[:, self.kvh] & (length > 0) & (keys > 0)
+        self.vmax = np.max(np.abs(self.v), axis=2, initial=0.0)
+        self.rule = allowed_rule(spec)
 
 
 def fast_exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False,
                        return_weights=False):
     """Correctly rounded (out, lse, weights) in the flat (B, H, ...) layout, bit-identical to
     :func:`refattn.exact.attention.exact_forward` (see the module docstring).
+
+    The first steps run in parallel over the query rows (blocks of ROW_BLOCK rows) of every
+    plane at once; each row's arithmetic depends on the shapes alone, so the bits do not
+    depend on the thread count.
 
     Examples
     --------
@@ -619,43 +788,55 @@ def fast_exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False,
     fmt = format_of(out_dtype)
     batch, heads, _, length, keys, _, vdim = spec.dims
     out = np.zeros((batch, heads, length, vdim))
-    lse = np.zeros((batch, heads, length)) if return_lse else None
-    weights = np.zeros((batch, heads, length, keys)) if return_weights else None
-    referee_rows = 0
-    undecided_elements = 0
+    lse = np.zeros((batch, heads, length))
+    weights = np.zeros((batch, heads, length, keys) if return_weights else (1, 1, 1, 1))
+    status = np.full((batch, heads, length), _UNDECIDED, dtype=np.int8)
     step_rows = {"double": 0, "double-double": 0}
-    for b in range(batch):
-        for h in range(heads):
-            plane = _Plane(spec, b, h, fmt, return_lse, return_weights)
-            out[b, h] = plane.out
+    if out.size or lse.size:
+        x = _Inputs(spec)
+        rule = x.rule
+        common = (x.prm, x.kvh, rule.lohi, *rule.mask, *rule.bias, *rule.drop, rule.has_mask,
+                  rule.has_bias, rule.has_drop, return_lse, return_weights, fmt.p, fmt.emin,
+                  float(fmt.max_finite), out, lse, weights, status)
+        planes = np.argwhere(x.ok)
+        if fmt.p <= 24 and planes.size:
+            starts = np.arange(0, length, ROW_BLOCK)
+            blocks = np.empty((planes.shape[0] * starts.size, 4), dtype=np.int64)
+            blocks[:, :2] = np.repeat(planes, starts.size, axis=0)
+            blocks[:, 2] = np.tile(starts, planes.shape[0])
+            blocks[:, 3] = np.minimum(ROW_BLOCK, length - blocks[:, 2])
+            _forward_d(blocks, x.q, x.kT, x.v, x.qn, x.kn, x.qs, x.ks, x.vmax, x.vnorm, *common)
+            step_rows["double"] = planes.shape[0] * length
+            redo = x.ok[:, :, None] & (status == _UNDECIDED)
+        else:
+            redo = np.broadcast_to(x.ok[:, :, None], status.shape)
+        items = np.argwhere(redo)
+        if items.size:
+            _forward_dd(items, x.q, x.kT, x.v, x.qn, x.kn, x.vmax, *common)
+        step_rows["double-double"] = items.shape[0]
+    referee_rows = 0
+    for b, h in np.argwhere((status != _OK).any(axis=2)):
+        rows = np.flatnonzero(status[b, h] != _OK)
+        referee_rows += rows.size
+        for start, stop in _runs(rows):
+            sub = row_spec(spec, int(b), int(h), start, stop)
+            o, g, w = exact_forward(sub, out_dtype, return_lse=return_lse,
+                                    return_weights=return_weights)
+            out[b, h, start:stop] = o[0, 0]
             if return_lse:
-                lse[b, h] = plane.lse
+                lse[b, h, start:stop] = g[0, 0]
             if return_weights:
-                weights[b, h] = plane.w
-            for name, count in plane.steps.items():
-                step_rows[name] += count
-            rows = np.flatnonzero(plane.undecided)
-            referee_rows += rows.size
-            undecided_elements += rows.size * (vdim + return_lse + keys * return_weights)
-            for start, stop in _runs(rows):
-                sub = row_spec(spec, b, h, start, stop)
-                o, g, w = exact_forward(sub, out_dtype, return_lse=return_lse,
-                                        return_weights=return_weights)
-                out[b, h, start:stop] = o[0, 0]
-                if return_lse:
-                    lse[b, h, start:stop] = g[0, 0]
-                if return_weights:
-                    weights[b, h, start:stop] = w[0, 0]
+                weights[b, h, start:stop] = w[0, 0]
     total_rows = batch * heads * length
+    per_row = vdim + return_lse + keys * return_weights
     _LAST_STATS.clear()
     _LAST_STATS.update(rows=total_rows, referee_rows=referee_rows,
-                       elements=total_rows * (vdim + return_lse + keys * return_weights),
-                       referee_elements=undecided_elements,
+                       elements=total_rows * per_row, referee_elements=referee_rows * per_row,
                        double_rows=step_rows["double"],
                        double_double_rows=step_rows["double-double"])
     dtype = fmt.dtype
-    return (out.astype(dtype), None if lse is None else lse.astype(dtype),
-            None if weights is None else weights.astype(dtype))
+    return (out.astype(dtype), lse.astype(dtype) if return_lse else None,
+            weights.astype(dtype) if return_weights else None)
 
 
 def fallback_stats() -> dict:
