@@ -7,9 +7,17 @@ sends the rows it cannot decide to the arbitrary-precision engine
 (:class:`refattn.exact.attention.ExactForward`, "the referee") -- Ziv's strategy with a compiled
 first step. The results are bit-identical to the referee's.
 
-Per query row i of a (batch, head) plane (working memory O(L*E + S*D) plus the plane's (L, S)
-boolean allowed set, taken from :meth:`AttentionSpec.allowed` so that the one rule of
-:mod:`refattn.masks` decides it; the weights, when asked for, are an (L, S) output anyway):
+Per query row i of a (batch, head) plane, streaming: no (L, S) array is ever built (only the
+weights, when asked for, are an (L, S) output). Working memory is the float64 inputs, their
+row norms, O(L) per plane of status and results, and O(S) per row in flight. The allowed set
+is read on the fly (:func:`allowed_rule`): a key interval ``lo_i <= j < hi_i`` per row from
+causal, window and key length (:func:`key_intervals`), and, only where the caller passed them,
+the mask, ``bias == -inf`` and the dropout keep-mask read from their un-broadcast arrays
+(:func:`_compact`); it equals :meth:`AttentionSpec.allowed`, the one rule of
+:mod:`refattn.masks`. The keys outside the interval are never visited, so causal rows cost
+about half. The first steps run in parallel over the rows (blocks of :data:`ROW_BLOCK` rows)
+of every plane at once -- a decode call (L = 1, many heads) is as parallel as a prefill -- and
+each row's arithmetic is fixed by the shapes alone, so no bit depends on the thread count.
 
 1. Scores. ``q_i . k_j`` is summed as ``(s, c)`` with TwoProd and TwoSum (Dot2-like):
    ``|s + c - q_i . k_j| <= dot_bound(D) |q_i|.|k_j| <= dot_bound(D) ||q_i|| ||k_j||``
@@ -35,8 +43,8 @@ boolean allowed set, taken from :meth:`AttentionSpec.allowed` so that the one ru
 5. Results. ``out = N / Z * keep_scale`` (double-double division; the quotient of enclosures
    ``(rN + |N/Z| rZ) / (Z - rZ)``), ``lse = m + log_dd(Z)`` (``-log(1 - rZ/Z)`` for Z's
    radius), ``w_ij = exp_dd_fast(x_ij - log Z)``.
-6. Rounding decision. :func:`refattn.exact.rounding.decide_dd` (compiled: ``decide_dd_fast``) rounds
-   both ends of each enclosure exactly; where they differ (a rounding boundary within the radius:
+6. Rounding decision. :func:`refattn.exact.rounding.decide_dd` (compiled, per element in the
+   kernels: ``decide_one``) rounds both ends of each enclosure exactly; where they differ (a rounding boundary within the radius:
    ties at the max, weights exactly 1/n on a midpoint, exact zeros, overflow) the whole row goes to
    the referee, restricted to those rows (:func:`row_spec`: a spec of the row run, with the offset
    shifted so causal/window/ALiBi use the original row indices).
@@ -54,8 +62,9 @@ targets; the rows it leaves undecided (a few percent for float32 at S = 4096) ru
 double-double, and only then go to the referee. Float64 targets use the double-double step
 alone.
 
-Planes with NaN/Inf in q, k or v, magnitudes outside [SAFE_MIN, SAFE_MAX], a softcap or ALiBi
-slope outside it, and empty rows go to the referee whole; their semantics are not re-derived.
+Planes with NaN/Inf in q, k or v, magnitudes outside [SAFE_MIN, SAFE_MAX], or a softcap or ALiBi
+slope outside it go to the referee whole; rows with an allowed bias outside that range, and
+empty rows, go to the referee row by row; their semantics are not re-derived.
 """
 
 from __future__ import annotations
