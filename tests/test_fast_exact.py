@@ -333,3 +333,18 @@ def test_bits_do_not_depend_on_thread_count():
         assert done.returncode == 0, done.stderr[-2000:]
         digests.append(done.stdout.split()[-1])
     assert digests[0] == digests[1]
+
+
+@pytest.mark.parametrize("out_dtype", ["float64", "bfloat16"])
+def test_no_keys_no_values_and_out_of_range_bias_rows(out_dtype):
+    """S = 0 and E = 0 planes; a bias value outside [SAFE_MIN, SAFE_MAX] at an allowed
+    position sends its row (only) to the referee."""
+    rng = np.random.default_rng(13)
+    for shapes in (((3, 2), (0, 2), (0, 2)), ((3, 2), (4, 2), (4, 0)),
+                   ((1, 2, 3, 2), (1, 2, 0, 2), (1, 2, 0, 3))):
+        _assert_identical(*(rng.standard_normal(s) for s in shapes), out_dtype)
+    q, k, v = (rng.standard_normal(s) for s in ((3, 4), (5, 4), (5, 2)))
+    bias = rng.standard_normal((3, 5))
+    bias[2, 0], bias[0, 1], bias[1, 3] = 1e300, -np.inf, 2.0**-1070
+    stats = _assert_identical(q, k, v, out_dtype, bias=bias)
+    assert stats["referee_rows"] == 2

@@ -760,7 +760,7 @@ class _Inputs:
         self.prm, ok = _params(spec)
 
         def facts(a):  # (ok, norms, scales) of the rows of a's last axis
-            flat = a.reshape(-1, a.shape[3])
+            flat = a.reshape(int(np.prod(a.shape[:3])), a.shape[3])
             out = [np.empty(flat.shape[0], dtype) for dtype in (np.bool_, np.float64, np.float64)]
             if flat.shape[0]:
                 _row_facts(flat, flat.view(np.int64), out[1], out[2], out[0])
