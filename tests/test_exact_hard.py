@@ -216,3 +216,34 @@ def test_vjp_dbias_signed_zeros():
     _, dk, _ = naive_attention_vjp(q, k, v, grad_out, scale=1.0)
     assert_same_bits(got.dbias.ravel(), round_nested(dk).ravel(), what="attention_vjp dbias",
                      case="gap 1e5")
+
+
+def _engine_agreement(*args):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "tools" / "engine_agreement.py"), *args],
+                          cwd=root, capture_output=True, text=True, timeout=3 * 3600,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_engine_agreement_on_smoke_whole_and_sampled():
+    """tools/engine_agreement.py: the fast engine equals the referee on every smoke case,
+    compared whole, and again on sampled rows (the kernel-scale method)."""
+    assert "identical" in _engine_agreement("--suite", "smoke")
+    assert "sampled rows" in _engine_agreement("--suite", "smoke", "--full-below", "0",
+                                               "--match", "grad-")
+
+
+@pytest.mark.xslow
+def test_engine_agreement_on_kernel_scale_cases():
+    """Every attention case of the kernel and full suites: whole below 2e6 multiply-adds, on
+    sampled rows (tile boundaries, first, last, random; out, lse, dq) above."""
+    _engine_agreement("--suite", "full", "--suite", "kernel", "--sample", "grad-gap",
+                      "--jobs", "2")
