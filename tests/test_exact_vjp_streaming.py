@@ -110,3 +110,38 @@ def test_results_do_not_depend_on_the_thread_count():
             if a is not None:
                 assert_same_bits(a, b, what="enclosure", case="threads")
 
+
+@pytest.mark.parametrize("name", ["kv_lengths", "window_left", "softcap_alibi", "dropout",
+                                  "bias_neginf"])
+def test_undecided_dq_rows_go_to_the_referee_alone(name, monkeypatch):
+    """An undecided dq element is settled by a one-row spec (row_spec: original indices for
+    causal, window and ALiBi, the key length as a mask), with the whole-call referee's bits."""
+    from refattn.exact import attention_vjp as module
+
+    rng, q, k, v, do, gl = _problem(seed=11)
+    opts = _options(rng)[name]
+    opts.setdefault("align", "bottom_right")
+    spec = canonicalize(q, k, v, **opts)
+    _, heads, _, length, _, _, vdim = spec.dims
+    d = check_cotangent(spec, do, "grad_out", (heads, length, vdim))
+    g = check_cotangent(spec, gl, "grad_lse", (heads, length))
+    names = ("dq", "dk", "dv")
+    dtype = np.dtype("float64")
+    whole = module._referee_vjp(spec, d, g, dtype, names)
+    values = {n: whole[n].copy() for n in names}
+    todo = {n: np.zeros(whole[n].shape, dtype=bool) for n in names}
+    for b, h, i, col in ((0, 1, 0, 2), (1, 3, 6, 0), (1, 0, 3, 1)):
+        values["dq"][b, h, i, col] = np.nan
+        todo["dq"][b, h, i, col] = True
+    seen = []
+    inner = module._referee_vjp
+
+    def spy(sub, *args):
+        seen.append(sub.q.shape)
+        return inner(sub, *args)
+
+    monkeypatch.setattr(module, "_referee_vjp", spy)
+    module._referee_units(spec, d, g, dtype, values, todo)
+    assert seen and all(shape[:3] == (1, 1, 1) for shape in seen), seen
+    for n in names:
+        assert_same_bits(values[n], whole[n], what=n, case=name)
