@@ -149,10 +149,10 @@ def _expm1_bound(delta):
 
 
 @njit(**_JIT)
-def _scores(qrow, kt, s_hi, s_lo, s_err, sh, sl, se, k_l1, cd):
+def _scores(qrow, kt, j0, s_hi, s_lo, s_err, sh, sl, se, k_l1, cd):
     """Scaled scores of one row: dd (sh, sl) with absolute errors se (length S); the dot
     products are :func:`_dots`'s."""
-    _dots(qrow, kt, sh, sl, se, k_l1, cd)
+    _dots(qrow, kt, j0, sh, sl, se, k_l1, cd)
     exact_scale = s_lo == 0.0 and s_err == 0.0
     for j in range(sh.shape[0]):
         h, lo, err = sh[j], sl[j], se[j]
@@ -290,26 +290,28 @@ def _weights(sh, sl, se, allowed, wh, wl, we, c_keys):
 
 
 @njit(**_JIT)
-def _dots(arow, bt, outh, outl, oute, b_l1, cn):
-    """outh/outl = rows of bt (transposed) dotted with arow, errors oute."""
+def _dots(arow, bt, j0, outh, outl, oute, b_l1, cn):
+    """outh/outl = columns ``j0 .. j0 + n`` of bt (the rows of its transpose) dotted with
+    arow, errors oute (n = len(outh); b_l1 indexed like bt's columns); each column's result
+    depends on that column alone."""
     keys = outh.shape[0]
     n = arow.shape[0]
-    acc_c = np.zeros(keys)
     outh[:] = 0.0
+    outl[:] = 0.0  # the compensation terms until the final renormalisation
     amax = 0.0
     for d in range(n):
         a = arow[d]
         amax = max(amax, abs(a))
         for j in range(keys):
-            b = bt[d, j]
+            b = bt[d, j0 + j]
             p = a * b
             ep = fma(a, b, -p)
             s, es = two_sum(outh[j], p)
             outh[j] = s
-            acc_c[j] += ep + es
+            outl[j] += ep + es
     for j in range(keys):
-        outh[j], outl[j] = two_sum(outh[j], acc_c[j])
-        oute[j] = cn * amax * b_l1[j]
+        outh[j], outl[j] = two_sum(outh[j], outl[j])
+        oute[j] = cn * amax * b_l1[j0 + j]
 
 
 @njit(**_JIT)
@@ -378,12 +380,12 @@ def _single_dt(g_i, has_softcap, f_h, f_l, f_e):
 
 
 @njit(**_JIT)
-def _block_scores(b, h, i, a, qrow, kt_blk, allowed, bias, bias_st, slopes, opts, fopts, k_l1,
+def _block_scores(b, h, i, a, qrow, kt_bg, allowed, bias, bias_st, slopes, opts, fopts, k_l1,
                   sh, sl, se, fh, fl, fe):
     """Scores (and the softcap derivative) of the keys ``a .. a + n`` of row i (scratch
     rows of length n): each element is computed by itself, so any key range gives the same
     bits as the whole row."""
-    _scores(qrow, kt_blk, fopts[0], fopts[1], fopts[2], sh, sl, se, k_l1, fopts[7])
+    _scores(qrow, kt_bg, a, fopts[0], fopts[1], fopts[2], sh, sl, se, k_l1, fopts[7])
     if opts[2]:
         _softcap(fopts[3], sh, sl, se, fh, fl, fe)
     _add_terms(b, h, i, a, sh, sl, se, bias, bias_st, slopes, opts[7 + b], opts[3], opts[0],
@@ -391,7 +393,7 @@ def _block_scores(b, h, i, a, qrow, kt_blk, allowed, bias, bias_st, slopes, opts
 
 
 @njit(**_JIT)
-def _row(b, h, i, lo, qrow, kt_blk, vt_blk, dorow, g_i, has_glse, allowed, kept, bias,
+def _row(b, h, i, lo, qrow, kt_bg, vt_bg, dorow, g_i, has_glse, allowed, kept, bias,
          bias_st, slopes, opts, fopts, k_l1, v_l1, sh, sl, se, fh, fl, fe, wh, wl, we, dh, dl,
          de, dsh, dsl, dse, stat):
     """dS (dsh, dsl, dse) and dT (in place of the scores arrays) of the keys ``lo .. lo + n``
@@ -405,7 +407,7 @@ def _row(b, h, i, lo, qrow, kt_blk, vt_blk, dorow, g_i, has_glse, allowed, kept,
     dropout, has_softcap = opts[4], opts[2]
     kf_h, kf_l, kf_e = fopts[4], fopts[5], fopts[6]
     keys = sh.shape[0]
-    _block_scores(b, h, i, lo, qrow, kt_blk, allowed, bias, bias_st, slopes, opts, fopts, k_l1,
+    _block_scores(b, h, i, lo, qrow, kt_bg, allowed, bias, bias_st, slopes, opts, fopts, k_l1,
                   sh, sl, se, fh, fl, fe)
     count, only = 0, 0
     for j in range(keys):
@@ -427,7 +429,7 @@ def _row(b, h, i, lo, qrow, kt_blk, vt_blk, dorow, g_i, has_glse, allowed, kept,
         return 2, only
     r, ih, il, rho_inv = _weights(sh, sl, se, allowed, wh, wl, we, fopts[9])
     stat[0], stat[1], stat[2] = sh[r], sl[r], se[r]
-    _dots(dorow, vt_blk, dh, dl, de, v_l1, fopts[8])
+    _dots(dorow, vt_bg, lo, dh, dl, de, v_l1, fopts[8])
     # x_j = kappa_j dp_j (kf applied after); y_j = x_j - x_r in place (y_r = 0 exactly)
     for j in range(keys):
         if not (allowed[j] and kept[j]):
@@ -538,9 +540,9 @@ def _pass_a(q, k, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, 
             n = hi - lo
             _allowed_row(b, h, i, lo, hi, masks, mask_st, bias, bias_st, opts, allowed, kept)
             g_i = glse[b, h, i] if has_glse else 0.0
-            kind, r = _row(b, h, i, lo, q[b, h, i], kt[b, g][:, lo:hi], vt[b, g][:, lo:hi],
+            kind, r = _row(b, h, i, lo, q[b, h, i], kt[b, g], vt[b, g],
                            do[b, h, i], g_i, has_glse, allowed[:n], kept[:n], bias, bias_st,
-                           slopes, opts, fopts, k_l1[b, g, lo:hi], v_l1[b, g, lo:hi], sh[:n],
+                           slopes, opts, fopts, k_l1[b, g], v_l1[b, g], sh[:n],
                            sl[:n], se[:n], fh[:n], fl[:n], fe[:n], wh[:n], wl[:n], we[:n],
                            dh[:n], dl[:n], de[:n], dsh[:n], dsl[:n], dse[:n], fstat[b, h, i])
             if kind == 0:  # empty row: zero gradients, exactly
@@ -637,12 +639,12 @@ def _pass_b(q, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, bia
                 _allowed_row(b, h, i, a, c, masks, mask_st, bias, bias_st, opts, allowed, kept)
                 st = fstat[b, h, i]
                 g_i = glse[b, h, i] if has_glse else 0.0
-                _block_scores(b, h, i, a, q[b, h, i], kt[b, g][:, a:c], allowed[:n], bias,
-                              bias_st, slopes, opts, fopts, k_l1[b, g, a:c], sh[:n], sl[:n],
+                _block_scores(b, h, i, a, q[b, h, i], kt[b, g], allowed[:n], bias,
+                              bias_st, slopes, opts, fopts, k_l1[b, g], sh[:n], sl[:n],
                               se[:n], fh[:n], fl[:n], fe[:n])
                 if kind == 1:
-                    _dots(do[b, h, i], vt[b, g][:, a:c], dh[:n], dl[:n], de[:n],
-                          v_l1[b, g, a:c], fopts[8])
+                    _dots(do[b, h, i], vt[b, g], a, dh[:n], dl[:n], de[:n], v_l1[b, g],
+                          fopts[8])
                 for t in range(n):
                     if not allowed[t]:
                         continue
@@ -807,6 +809,14 @@ def key_intervals(spec):
     right`` (window, a None side unbounded) and ``j < S_b`` (``kv_lengths``), with ``o`` the
     row offset :meth:`refattn._spec.AttentionSpec.row_offset` (the semantics of
     :func:`refattn.masks.structural_mask`). An empty interval has ``lo == hi``.
+
+    Examples
+    --------
+    >>> from refattn._spec import canonicalize
+    >>> spec = canonicalize(np.zeros((3, 2)), np.zeros((4, 2)), np.zeros((4, 1)), causal=True,
+    ...                     window=(1, None))
+    >>> [x.ravel().tolist() for x in key_intervals(spec)]
+    [[0, 0, 1], [1, 2, 3]]
     """
     batch, _, _, length, keys, _, _ = spec.dims
     rows = np.arange(length, dtype=np.int64)
