@@ -16,6 +16,8 @@ Examples::
 
     python tools/bench_exact_vjp.py                      # B1 H2 L=S=256 D64
     python tools/bench_exact_vjp.py --length 512 --reps 3
+    python tools/bench_exact_vjp.py --heads 8 --kv-heads 2 --length 16 --keys 2048 \\
+        --causal --align bottom_right
     python tools/bench_exact_vjp.py --referee --json vjp.json
 """
 
@@ -35,10 +37,11 @@ from refattn._spec import canonicalize, check_cotangent
 from refattn.exact.attention_vjp import exact_vjp
 
 
-def _inputs(batch, heads, length, dim, seed=0):
+def _inputs(batch, heads, kv_heads, length, keys, dim, seed=0):
     rng = np.random.default_rng(seed)
-    shape = (batch, heads, length, dim)
-    return tuple(rng.standard_normal(shape) for _ in range(4))
+    q, do = (rng.standard_normal((batch, heads, length, dim)) for _ in range(2))
+    k, v = (rng.standard_normal((batch, kv_heads, keys, dim)) for _ in range(2))
+    return q, k, v, do
 
 
 def _timed(fn):
@@ -51,15 +54,20 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=2)
-    parser.add_argument("--length", type=int, default=256, help="L = S")
+    parser.add_argument("--kv-heads", type=int, help="K (default: H)")
+    parser.add_argument("--length", type=int, default=256, help="L (and S unless --keys)")
+    parser.add_argument("--keys", type=int, help="S (default: L)")
     parser.add_argument("--dim", type=int, default=64, help="D = E")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--align", default="top_left", choices=("top_left", "bottom_right"))
     parser.add_argument("--referee", action="store_true", help="also time the referee once")
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args(argv)
-    q, k, v, do = _inputs(args.batch, args.heads, args.length, args.dim)
-    opts = {"causal": args.causal}
+    kv_heads = args.heads if args.kv_heads is None else args.kv_heads
+    keys = args.length if args.keys is None else args.keys
+    q, k, v, do = _inputs(args.batch, args.heads, kv_heads, args.length, keys, args.dim)
+    opts = {"causal": args.causal, "align": args.align}
     # warm-up (compiles both paths)
     refattn.attention_vjp(q, k, v, do, backend="numba", **opts)
     fast_grads = refattn.attention_vjp(q, k, v, do, precision="exact", **opts)
@@ -75,8 +83,9 @@ def main(argv=None):
     exact_vjp(spec, check_cotangent(spec, do, "grad_out", (heads, length, vdim)), None,
               np.dtype("float64"), stats=stats)
     report = {
-        "shape": f"B{args.batch} H{args.heads} L=S={args.length} D{args.dim}",
+        "shape": f"B{args.batch} H{args.heads} K{kv_heads} L{args.length} S{keys} D{args.dim}",
         "causal": args.causal,
+        "align": args.align,
         "numba_float64_vjp_s": float(np.median(numba_times)),
         "fast_exact_vjp_s": float(np.median(fast_times)),
         "numba_float64_vjp_min_s": float(np.min(numba_times)),

@@ -71,9 +71,33 @@ Error analysis (``u = 2**-53``; every bound below is an upper bound of the exact
 
 Any non-finite intermediate in a (batch, kv head) unit marks the whole unit undecided.
 
-Work units are (batch, kv head) pairs (``prange``); inside a unit the query heads of the group
-and their rows are processed in increasing order, each row holding only its own length-S
-vectors, so the results depend on the shapes alone (not on the thread count).
+Streaming (no (L, S) array; memory O(L D + S D) per head plane, plus dbias's own (B, H, L, S)
+enclosure when there is a bias): each row's allowed and kept sets are computed on the fly into
+a length-S scratch row from its structural key interval ``[lo, hi)`` (causal, window, key
+length: :func:`key_intervals`) and, only where present, the explicit mask, the -inf positions
+of the bias and the dropout keep-mask, read through their un-broadcast arrays and strides
+(:func:`_flat_view`); every key loop runs over ``[lo, hi)`` only (causal halves the work),
+in increasing key order, so the values are those of the full loops. Two passes, in the manner
+of FlashAttention-2's backward:
+
+* pass A (:func:`_pass_a`), parallel over (batch, query head, block of :data:`ROW_BLOCK`
+  rows): each row's scores, weights, ``D_i``, dS and dT and its dq (and dbias); it stores per
+  row only O(1) statistics (the reference key ``r`` and its score enclosure, ``1/Z_i`` and its
+  relative error bound, the reference weight ``w_ir``, ``x_ir`` and ``D_i`` with their
+  bounds, the row kind);
+* pass B (:func:`_pass_b`), parallel over (batch, kv head, block of :data:`KEY_BLOCK` keys):
+  the group's query heads and their rows in increasing order; for each row it recomputes the
+  scores and ``dp`` of the block's keys, then ``e_ij``, ``w_ij = e_ij (1/Z_i)``, ``y_j``, dS and
+  dT from the stored statistics, and accumulates dk, dv of its keys. Error analysis of the
+  recomputation: every one of these steps is elementwise in the key (the dot products of one
+  key, the exponential of one score difference, the product with the stored ``1/Z_i``) and is
+  executed by the same compiled functions on the same operands (the stored statistics are the
+  very floats pass A used), so each recomputed value and error bound is bit-identical to pass
+  A's, whose bounds are those above: pass B adds no error term, and dk, dv accumulate the
+  same terms in the same order (heads of the group, rows, increasing) as a single pass would.
+
+Every output element is written by exactly one work item, whose operations are in a fixed
+order: the results depend on the shapes alone (not on the thread count).
 """
 
 from __future__ import annotations
@@ -125,10 +149,10 @@ def _expm1_bound(delta):
 
 
 @njit(**_JIT)
-def _scores(qrow, kt, s_hi, s_lo, s_err, sh, sl, se, k_l1, cd):
+def _scores(qrow, kt, j0, s_hi, s_lo, s_err, sh, sl, se, k_l1, cd):
     """Scaled scores of one row: dd (sh, sl) with absolute errors se (length S); the dot
     products are :func:`_dots`'s."""
-    _dots(qrow, kt, sh, sl, se, k_l1, cd)
+    _dots(qrow, kt, j0, sh, sl, se, k_l1, cd)
     exact_scale = s_lo == 0.0 and s_err == 0.0
     for j in range(sh.shape[0]):
         h, lo, err = sh[j], sl[j], se[j]
@@ -179,26 +203,45 @@ def _softcap(cap, sh, sl, se, fh, fl, fe):
 
 
 @njit(**_JIT)
-def _add_terms(b, h, i, sh, sl, se, bias, slopes, offset, alibi_keys, has_bias, has_alibi,
-               allowed):
-    for j in range(sh.shape[0]):
-        if not allowed[j]:
+def _add_terms(b, h, i, j0, sh, sl, se, bias, bias_st, slopes, offset, alibi_keys, has_bias,
+               has_alibi, allowed):
+    """Bias and ALiBi terms of keys ``j0 + t`` (t indexes the scratch row) in place."""
+    base = b * bias_st[0] + h * bias_st[1] + i * bias_st[2]
+    for t in range(sh.shape[0]):
+        if not allowed[t]:
             continue
+        j = j0 + t
         if has_bias:
-            sh[j], sl[j] = dd_add_d(sh[j], sl[j], bias[b, h, i, j])
-            se[j] += DD_REL * abs(sh[j])
+            sh[t], sl[t] = dd_add_d(sh[t], sl[t], bias[base + j * bias_st[3]])
+            se[t] += DD_REL * abs(sh[t])
         if has_alibi and j < alibi_keys:
             dist = float(abs(i + offset - j))
             ah = -slopes[h] * dist
             al = fma(-slopes[h], dist, -ah)
-            sh[j], sl[j] = dd_add(sh[j], sl[j], ah, al)
-            se[j] += DD_REL * abs(sh[j])
+            sh[t], sl[t] = dd_add(sh[t], sl[t], ah, al)
+            se[t] += DD_REL * abs(sh[t])
+
+
+@njit(**_JIT)
+def _exp_rel(xh_s, xl_s, xe_s, rh, rl, re):
+    """``e_j = exp(t_j - t_r)`` of a non-reference key with its absolute error."""
+    xh, xl = dd_add(xh_s, xl_s, -rh, -rl)
+    ex = xe_s + re + DD_REL * abs(xh)
+    return _exp_with_error(xh, xl, _expm1_bound(ex * _SAFE))
+
+
+@njit(**_JIT)
+def _scaled_weight(eh, el, ee, ih, il, rho_inv):
+    """``w_j = e_j (1/Z)`` of a non-reference key with its absolute error."""
+    h, lo = dd_mul(eh, el, ih, il)
+    return h, lo, (ee * abs(ih) + abs(h) * (rho_inv + DD_REL)) * _SAFE
 
 
 @njit(**_JIT)
 def _weights(sh, sl, se, allowed, wh, wl, we, c_keys):
     """w = exp(t - t_r) / Z for one row (we: absolute errors), with ``r`` the reference key
-    (the largest dd score, first on ties); returns r, or -1 for an empty row.
+    (the largest dd score, first on ties); returns (r, 1/Z as a dd, the relative error
+    bound of 1/Z), r = -1 for an empty row.
 
     ``e_r = 1`` exactly; ``sigma = sum_{k != r} e_k`` is a compensated sum (``dot_bound(S)`` of
     its magnitude), ``Z = 1 + sigma``; ``w_k = e_k (1/Z)`` for ``k != r`` and the reference
@@ -212,16 +255,14 @@ def _weights(sh, sl, se, allowed, wh, wl, we, c_keys):
         if allowed[j] and (r < 0 or sh[j] > sh[r] or (sh[j] == sh[r] and sl[j] > sl[r])):
             r = j
     if r < 0:
-        return -1
+        return -1, 0.0, 0.0, 0.0
     rh, rl, re = sh[r], sl[r], se[r]
     zh, zc, ze, zmag = 0.0, 0.0, 0.0, 0.0  # sigma by the compensated sum (dot_bound(S))
     for j in range(keys):
         if not allowed[j] or j == r:
             wh[j], wl[j], we[j] = 0.0, 0.0, 0.0
             continue
-        xh, xl = dd_add(sh[j], sl[j], -rh, -rl)
-        ex = se[j] + re + DD_REL * abs(xh)
-        eh, el, ee = _exp_with_error(xh, xl, _expm1_bound(ex * _SAFE))
+        eh, el, ee = _exp_rel(sh[j], sl[j], se[j], rh, rl, re)
         wh[j], wl[j], we[j] = eh, el, ee
         zh, es = two_sum(zh, eh)
         zc += el + es
@@ -236,9 +277,7 @@ def _weights(sh, sl, se, allowed, wh, wl, we, c_keys):
     rho_inv = (rho_z + DD_REL) * _SAFE
     for j in range(keys):
         if allowed[j] and j != r:
-            h, lo = dd_mul(wh[j], wl[j], ih, il)
-            we[j] = (we[j] * abs(ih) + abs(h) * (rho_inv + DD_REL)) * _SAFE
-            wh[j], wl[j] = h, lo
+            wh[j], wl[j], we[j] = _scaled_weight(wh[j], wl[j], we[j], ih, il, rho_inv)
     tau_h, tau_l = dd_mul(sig_h, sig_l, ih, il)
     tau_e = (sig_e * abs(ih) + abs(tau_h) * (rho_inv + DD_REL)) * _SAFE
     # w_r = 1 - tau: (s, e) = TwoSum(1, -tau_h) is exact, e - tau_l rounds once (<= u of it),
@@ -247,30 +286,32 @@ def _weights(sh, sl, se, allowed, wh, wl, we, c_keys):
     lo = e - tau_l
     wh[r], wl[r] = two_sum(s, lo)
     we[r] = (tau_e + _U * abs(lo)) * _SAFE
-    return r
+    return r, ih, il, rho_inv
 
 
 @njit(**_JIT)
-def _dots(arow, bt, outh, outl, oute, b_l1, cn):
-    """outh/outl = rows of bt (transposed) dotted with arow, errors oute."""
+def _dots(arow, bt, j0, outh, outl, oute, b_l1, cn):
+    """outh/outl = columns ``j0 .. j0 + n`` of bt (the rows of its transpose) dotted with
+    arow, errors oute (n = len(outh); b_l1 indexed like bt's columns); each column's result
+    depends on that column alone."""
     keys = outh.shape[0]
     n = arow.shape[0]
-    acc_c = np.zeros(keys)
     outh[:] = 0.0
+    outl[:] = 0.0  # the compensation terms until the final renormalisation
     amax = 0.0
     for d in range(n):
         a = arow[d]
         amax = max(amax, abs(a))
         for j in range(keys):
-            b = bt[d, j]
+            b = bt[d, j0 + j]
             p = a * b
             ep = fma(a, b, -p)
             s, es = two_sum(outh[j], p)
             outh[j] = s
-            acc_c[j] += ep + es
+            outl[j] += ep + es
     for j in range(keys):
-        outh[j], outl[j] = two_sum(outh[j], acc_c[j])
-        oute[j] = cn * amax * b_l1[j]
+        outh[j], outl[j] = two_sum(outh[j], outl[j])
+        oute[j] = cn * amax * b_l1[j0 + j]
 
 
 @njit(**_JIT)
@@ -294,37 +335,101 @@ def _accumulate(ah, al, brow, acc_h, acc_c, acc_r):
 
 
 @njit(**_JIT)
-def _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, opts, fopts,
-         k_l1, v_l1, sh, sl, se, fh, fl, fe, wh, wl, we, dh, dl, de, dsh, dsl, dse):
-    """dS (dsh, dsl, dse) and dT (in place of the scores arrays) of one row.
+def _y_of(xh, xl, xe, xr_h, xr_l, xr_e):
+    """``y_j = x_j - x_r`` of a non-reference key with its absolute error."""
+    yh, yl = dd_add(xh, xl, -xr_h, -xr_l)
+    return yh, yl, (xe + xr_e + DD_REL * abs(yh)) * _SAFE
 
-    Returns 0 for an empty row, 2 for a row with a single allowed key (its weight is exactly
-    1 and ``dS = dP - dP + g = g`` exactly, whatever the dropout), 1 otherwise.
-    """
-    has_bias, has_alibi, has_softcap, alibi_keys, dropout = opts[0], opts[1], opts[2], \
-        opts[3], opts[4]
-    offset = opts[5 + b]  # ALiBi's offset of batch row b
-    s_hi, s_lo, s_err, cap, kf_h, kf_l, kf_e = fopts[0], fopts[1], fopts[2], fopts[3], \
-        fopts[4], fopts[5], fopts[6]
-    keys = sh.shape[0]
-    _scores(q[b, h, i], kt[b, g], s_hi, s_lo, s_err, sh, sl, se, k_l1, fopts[7])
+
+@njit(**_JIT)
+def _ds_of(is_ref, yh, yl, ye, acc_h, acc_l, acc_e, dropout, kf_h, kf_l, kf_e, has_glse, g_i,
+           w_h, w_l, w_e):
+    """``dS_j = w_j (kf (y_j - D) + g)`` (``-D`` for the reference key) with its error."""
+    if is_ref:
+        th, tl, te = -acc_h, -acc_l, acc_e
+    else:
+        th, tl = dd_add(yh, yl, -acc_h, -acc_l)
+        te = ye + acc_e + DD_REL * abs(th)
+    if dropout:
+        ph, pl = dd_mul(th, tl, kf_h, kf_l)
+        te = (abs(kf_h) * te + abs(th) * kf_e + DD_REL * abs(ph)) * _SAFE
+        th, tl = ph, pl
+    if has_glse:
+        th, tl = dd_add_d(th, tl, g_i)
+        te += DD_REL * abs(th)
+    ds_h, ds_l = dd_mul(w_h, w_l, th, tl)
+    ds_e = (w_e * abs(th) + w_h * te + w_e * te + DD_REL * abs(ds_h)) * _SAFE
+    return ds_h, ds_l, ds_e
+
+
+@njit(**_JIT)
+def _dt_of(ds_h, ds_l, ds_e, f_h, f_l, f_e):
+    """``dT_j = dS_j (1 - tanh^2)`` (softcap) with its error."""
+    dt_h, dt_l = dd_mul(ds_h, ds_l, f_h, f_l)
+    dt_e = (ds_e * f_h + abs(ds_h) * f_e + ds_e * f_e + DD_REL * abs(dt_h)) * _SAFE
+    return dt_h, dt_l, dt_e
+
+
+@njit(**_JIT)
+def _single_dt(g_i, has_softcap, f_h, f_l, f_e):
+    """dT of the one allowed key of a single-key row: ``g`` (times ``1 - tanh^2``)."""
     if has_softcap:
-        _softcap(cap, sh, sl, se, fh, fl, fe)
-    _add_terms(b, h, i, sh, sl, se, bias, slopes, offset, alibi_keys, has_bias, has_alibi,
-               allowed)
-    g_i = glse[b, h, i] if has_glse else 0.0
+        th, tl = dd_mul_d(f_h, f_l, g_i)
+        return th, tl, (abs(g_i) * f_e + DD_REL * abs(th)) * _SAFE
+    return g_i, 0.0, 0.0
+
+
+@njit(**_JIT)
+def _block_scores(b, h, i, a, qrow, kt_bg, allowed, bias, bias_st, slopes, opts, fopts, k_l1,
+                  sh, sl, se, fh, fl, fe):
+    """Scores (and the softcap derivative) of the keys ``a .. a + n`` of row i (scratch
+    rows of length n): each element is computed by itself, so any key range gives the same
+    bits as the whole row."""
+    _scores(qrow, kt_bg, a, fopts[0], fopts[1], fopts[2], sh, sl, se, k_l1, fopts[7])
+    if opts[2]:
+        _softcap(fopts[3], sh, sl, se, fh, fl, fe)
+    _add_terms(b, h, i, a, sh, sl, se, bias, bias_st, slopes, opts[7 + b], opts[3], opts[0],
+               opts[1], allowed)
+
+
+@njit(**_JIT)
+def _row(b, h, i, lo, qrow, kt_bg, vt_bg, dorow, g_i, has_glse, allowed, kept, bias,
+         bias_st, slopes, opts, fopts, k_l1, v_l1, sh, sl, se, fh, fl, fe, wh, wl, we, dh, dl,
+         de, dsh, dsl, dse, stat):
+    """dS (dsh, dsl, dse) and dT (in place of the scores arrays) of the keys ``lo .. lo + n``
+    of one row (every allowed key of the row lies there); the row statistics that pass B
+    needs into ``stat`` (see :func:`_pass_a`).
+
+    Returns (kind, r): kind 0 for an empty row, 2 for a row with a single allowed key (its
+    weight is exactly 1 and ``dS = dP - dP + g = g`` exactly, whatever the dropout), 1
+    otherwise; r the reference key (scratch index; the single key for kind 2).
+    """
+    dropout, has_softcap = opts[4], opts[2]
+    kf_h, kf_l, kf_e = fopts[4], fopts[5], fopts[6]
+    keys = sh.shape[0]
+    _block_scores(b, h, i, lo, qrow, kt_bg, allowed, bias, bias_st, slopes, opts, fopts, k_l1,
+                  sh, sl, se, fh, fl, fe)
     count, only = 0, 0
     for j in range(keys):
         if allowed[j]:
             count += 1
             only = j
     if count == 0:
-        return 0
+        return 0, -1
     if count == 1:
-        _single_key(only, g_i, has_softcap, sh, sl, se, fh, fl, fe, wh, wl, we, dsh, dsl, dse)
-        return 2
-    r = _weights(sh, sl, se, allowed, wh, wl, we, fopts[9])
-    _dots(do[b, h, i], vt[b, g], dh, dl, de, v_l1, fopts[8])
+        for j in range(keys):
+            wh[j], wl[j], we[j] = 0.0, 0.0, 0.0
+            dsh[j], dsl[j], dse[j] = 0.0, 0.0, 0.0
+            if j != only:
+                sh[j], sl[j], se[j] = 0.0, 0.0, 0.0
+        wh[only] = 1.0
+        dsh[only] = g_i
+        sh[only], sl[only], se[only] = _single_dt(g_i, has_softcap, fh[only], fl[only],
+                                                  fe[only])
+        return 2, only
+    r, ih, il, rho_inv = _weights(sh, sl, se, allowed, wh, wl, we, fopts[9])
+    stat[0], stat[1], stat[2] = sh[r], sl[r], se[r]
+    _dots(dorow, vt_bg, lo, dh, dl, de, v_l1, fopts[8])
     # x_j = kappa_j dp_j (kf applied after); y_j = x_j - x_r in place (y_r = 0 exactly)
     for j in range(keys):
         if not (allowed[j] and kept[j]):
@@ -334,9 +439,7 @@ def _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes,
         if not allowed[j] or j == r:
             dh[j], dl[j], de[j] = 0.0, 0.0, 0.0
             continue
-        yh, yl = dd_add(dh[j], dl[j], -xr_h, -xr_l)
-        de[j] = (de[j] + xr_e + DD_REL * abs(yh)) * _SAFE
-        dh[j], dl[j] = yh, yl
+        dh[j], dl[j], de[j] = _y_of(dh[j], dl[j], de[j], xr_h, xr_l, xr_e)
     # D = sum_{k != r} w_k y_k, so that x_j - Delta' = y_j - D (sum_k w_k = 1): no
     # cancellation against the reference weight w_r (which may be 1 - e^-64)
     acc_h, acc_c, acc_e, mag = 0.0, 0.0, 0.0, 0.0  # compensated sum (dot_bound(S))
@@ -356,184 +459,282 @@ def _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes,
             dsh[j], dsl[j], dse[j] = 0.0, 0.0, 0.0
             sh[j], sl[j], se[j] = 0.0, 0.0, 0.0
             continue
-        if j == r:
-            th, tl, te = -acc_h, -acc_l, acc_e
-        else:
-            th, tl = dd_add(dh[j], dl[j], -acc_h, -acc_l)
-            te = de[j] + acc_e + DD_REL * abs(th)
-        if dropout:
-            ph, pl = dd_mul(th, tl, kf_h, kf_l)
-            te = (abs(kf_h) * te + abs(th) * kf_e + DD_REL * abs(ph)) * _SAFE
-            th, tl = ph, pl
-        if has_glse:
-            th, tl = dd_add_d(th, tl, g_i)
-            te += DD_REL * abs(th)
-        ds_h, ds_l = dd_mul(wh[j], wl[j], th, tl)
-        ds_e = (we[j] * abs(th) + wh[j] * te + we[j] * te + DD_REL * abs(ds_h)) * _SAFE
+        ds_h, ds_l, ds_e = _ds_of(j == r, dh[j], dl[j], de[j], acc_h, acc_l, acc_e, dropout,
+                                  kf_h, kf_l, kf_e, has_glse, g_i, wh[j], wl[j], we[j])
         dsh[j], dsl[j], dse[j] = ds_h, ds_l, ds_e
         if has_softcap:
-            dt_h, dt_l = dd_mul(ds_h, ds_l, fh[j], fl[j])
-            dt_e = (ds_e * fh[j] + abs(ds_h) * fe[j] + ds_e * fe[j] + DD_REL * abs(dt_h)) * _SAFE
-            sh[j], sl[j], se[j] = dt_h, dt_l, dt_e
+            sh[j], sl[j], se[j] = _dt_of(ds_h, ds_l, ds_e, fh[j], fl[j], fe[j])
         else:
             sh[j], sl[j], se[j] = ds_h, ds_l, ds_e
-    return 1
+    stat[3], stat[4], stat[5] = ih, il, rho_inv
+    stat[6], stat[7], stat[8] = wh[r], wl[r], we[r]
+    stat[9], stat[10], stat[11] = xr_h, xr_l, xr_e
+    stat[12], stat[13], stat[14] = acc_h, acc_l, acc_e
+    return 1, r
 
 
 @njit(**_JIT)
-def _single_key(only, g_i, has_softcap, sh, sl, se, fh, fl, fe, wh, wl, we, dsh, dsl, dse):
-    """A row with one allowed key: w = 1, dS = g exactly, dT = g (1 - tanh^2) with softcap."""
-    for j in range(sh.shape[0]):
-        wh[j], wl[j], we[j] = 0.0, 0.0, 0.0
-        dsh[j], dsl[j], dse[j] = 0.0, 0.0, 0.0
-        if j != only:
-            sh[j], sl[j], se[j] = 0.0, 0.0, 0.0
-    wh[only] = 1.0
-    dsh[only] = g_i
-    if has_softcap:
-        th, tl = dd_mul_d(fh[only], fl[only], g_i)
-        sh[only], sl[only] = th, tl
-        se[only] = (abs(g_i) * fe[only] + DD_REL * abs(th)) * _SAFE
-    else:
-        sh[only], sl[only], se[only] = g_i, 0.0, 0.0
+def _allowed_row(b, h, i, lo, hi, masks, mask_st, bias, bias_st, opts, allowed, kept):
+    """Keys ``lo .. hi`` of row i of plane (b, h) of the allowed set
+    (:meth:`AttentionSpec.allowed`) and of the kept set (allowed and the dropout keep-mask)
+    into ``allowed[:hi - lo]``, ``kept[:hi - lo]``.
+
+    ``[lo, hi)`` lies inside the row's structural key interval (causal, window, key length:
+    :func:`key_intervals`); ``masks`` holds the explicit mask (0) and the keep-mask (1) as
+    flat un-broadcast arrays read through the element strides ``mask_st`` (2, 4) (zero along
+    broadcast axes), the bias the same way (``bias_st``): a position is excluded where the
+    bias is -inf.
+    """
+    has_bias, has_mask, has_drop = opts[0], opts[5], opts[6]
+    m0 = b * mask_st[0, 0] + h * mask_st[0, 1] + i * mask_st[0, 2]
+    d0 = b * mask_st[1, 0] + h * mask_st[1, 1] + i * mask_st[1, 2]
+    b0 = b * bias_st[0] + h * bias_st[1] + i * bias_st[2]
+    for j in range(lo, hi):
+        ok = True
+        if has_mask:
+            ok = masks[0][m0 + j * mask_st[0, 3]]
+        if ok and has_bias:
+            ok = bias[b0 + j * bias_st[3]] != -np.inf
+        allowed[j - lo] = ok
+        kept[j - lo] = ok and (not has_drop or masks[1][d0 + j * mask_st[1, 3]])
 
 
-@njit(**_JIT)
-def _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, group, opts,
-          fopts, dq, dk, dv, dbias, bad):
-    kv_heads = k.shape[1]
-    b, g = unit // kv_heads, unit % kv_heads
-    length, dim = q.shape[2], q.shape[3]
-    keys, vdim = kt.shape[3], vt.shape[2]
-    has_bias, dropout = opts[0], opts[4]
+#: Query rows per work item of pass A and keys per work item of pass B.
+ROW_BLOCK = 64
+KEY_BLOCK = 64
+#: Row statistics kept by pass A for pass B (float64 per row): the reference key's score
+#: (3: hi, lo, error), 1/Z (hi, lo) and its relative error bound, the reference weight
+#: w_r = 1 - tau (3), x_r (3) and D (3).
+N_STAT = 15
+
+
+@njit(parallel=True, **_JIT)
+def _pass_a(q, k, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, bias, bias_st,
+            slopes, kv_head, opts, fopts, k_l1, v_l1, k_col, dq, dbias, istat, fstat, bad):
+    """Pass A, parallel over (batch, query head, block of ROW_BLOCK rows): each row's dS, dT
+    and dq (and dbias with a bias), the row statistics for pass B (``istat`` (B, H, L, 3):
+    kind, reference key, zero row; ``fstat`` (B, H, L, N_STAT)) and the non-finite flag of
+    the block (``bad`` (B, H, blocks))."""
+    batch, heads, length, dim = q.shape
+    keys = kt.shape[3]
+    has_bias = opts[0]
     s_hi, s_lo, s_err = fopts[0], fopts[1], fopts[2]
-    kf_h, kf_l, kf_e = fopts[4], fopts[5], fopts[6]
-    k_l1 = np.zeros(keys)
-    k_col = np.zeros(dim)
-    for j in range(keys):
-        for d in range(dim):
-            k_l1[j] += abs(k[b, g, j, d])
-            k_col[d] += abs(k[b, g, j, d])
-    v_l1 = np.zeros(keys)
-    for e in range(vdim):
-        for j in range(keys):
-            v_l1[j] += abs(vt[b, g, e, j])
-    k_l1 *= BOUND_SAFETY
-    k_col *= BOUND_SAFETY
-    v_l1 *= BOUND_SAFETY
-    row = np.empty((15, keys))
-    sh, sl, se, fh, fl, fe, wh, wl, we, dh, dl, de, dsh, dsl, dse = \
-        row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], row[8], row[9], \
-        row[10], row[11], row[12], row[13], row[14]
-    dq_h, dq_c, dq_r = np.zeros(dim), np.zeros(dim), np.zeros(dim)
-    dk_h, dk_c, dk_r = np.zeros((keys, dim)), np.zeros((keys, dim)), np.zeros((keys, dim))
-    dv_h, dv_c, dv_r = np.zeros((keys, vdim)), np.zeros((keys, vdim)), np.zeros((keys, vdim))
-    dk_emax, dv_emax = np.zeros(keys), np.zeros(keys)
-    # the propagated errors sum_j err(dS_ij) |k_jd| (and the like for dk, dv) term by term: a
-    # sum of nonnegative products, within (1 + u)**(n + 1) <= BOUND_SAFETY of its float64 value;
-    # the smaller of it and the max-error form (emax * column sum) bounds the error
-    dq_p = np.zeros(dim)
-    dk_p, dv_p = np.zeros((keys, dim)), np.zeros((keys, vdim))
-    q_sum, do_sum = np.zeros(dim), np.zeros(vdim)
-    dk_terms, dv_terms = np.zeros(keys, np.int64), np.zeros(keys, np.int64)
-    check = 0.0
-    for member in range(group.shape[1]):
-        h = group[g, member]
-        for i in range(length):
-            allowed_row = allowed[b, h, i]
-            for d in range(dim):
-                q_sum[d] += abs(q[b, h, i, d])
-            for e in range(vdim):
-                do_sum[e] += abs(do[b, h, i, e])
-            kind = _row(b, h, g, i, q, kt, vt, do, glse, has_glse, allowed_row, kept[b, h, i],
-                        bias, slopes, opts, fopts, k_l1, v_l1, sh, sl, se, fh, fl, fe, wh, wl,
-                        we, dh, dl, de, dsh, dsl, dse)
+    blocks = (length + ROW_BLOCK - 1) // ROW_BLOCK
+    for item in prange(batch * heads * blocks):
+        b = item // (heads * blocks)
+        h = (item // blocks) % heads
+        blk = item % blocks
+        g = kv_head[h]
+        row = np.empty((15, keys))
+        sh, sl, se, fh, fl, fe, wh, wl, we, dh, dl, de, dsh, dsl, dse = \
+            row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], row[8], row[9], \
+            row[10], row[11], row[12], row[13], row[14]
+        allowed, kept = np.empty(keys, np.bool_), np.empty(keys, np.bool_)
+        dq_h, dq_c, dq_r, dq_p = np.zeros(dim), np.zeros(dim), np.zeros(dim), np.zeros(dim)
+        check = 0.0
+        for i in range(blk * ROW_BLOCK, min(length, (blk + 1) * ROW_BLOCK)):
+            lo, hi = rows_lo[b, i], rows_hi[b, i]
+            istat[b, h, i, 0] = 0
+            if lo >= hi:  # empty row: zero gradients, exactly
+                continue
+            n = hi - lo
+            _allowed_row(b, h, i, lo, hi, masks, mask_st, bias, bias_st, opts, allowed, kept)
+            g_i = glse[b, h, i] if has_glse else 0.0
+            kind, r = _row(b, h, i, lo, q[b, h, i], kt[b, g], vt[b, g],
+                           do[b, h, i], g_i, has_glse, allowed[:n], kept[:n], bias, bias_st,
+                           slopes, opts, fopts, k_l1[b, g], v_l1[b, g], sh[:n],
+                           sl[:n], se[:n], fh[:n], fl[:n], fe[:n], wh[:n], wl[:n], we[:n],
+                           dh[:n], dl[:n], de[:n], dsh[:n], dsl[:n], dse[:n], fstat[b, h, i])
             if kind == 0:  # empty row: zero gradients, exactly
-                dq[:, b, h, i, :] = 0.0
-                if has_bias:
-                    dbias[:, b, h, i, :] = 0.0
                 continue
             # dS = dT = 0 exactly when g = 0 and either a single key is allowed (weight 1,
             # dS = dP - dP) or no allowed key is kept (dP = Delta = 0)
             no_kept = True
-            for j in range(keys):
-                if allowed_row[j] and kept[b, h, i, j]:
+            for t in range(n):
+                if allowed[t] and kept[t]:
                     no_kept = False
-            zero_row = (kind == 2 or no_kept) and (not has_glse or glse[b, h, i] == 0.0)
+            zero_row = (kind == 2 or no_kept) and (not has_glse or g_i == 0.0)
+            istat[b, h, i, 0], istat[b, h, i, 1], istat[b, h, i, 2] = kind, lo + r, zero_row
             if has_bias:
-                for j in range(keys):
-                    dbias[0, b, h, i, j] = dsh[j]
-                    dbias[1, b, h, i, j] = dsl[j]
+                for t in range(n):
+                    j = lo + t
+                    dbias[0, b, h, i, j] = dsh[t]
+                    dbias[1, b, h, i, j] = dsl[t]
                     # excluded positions and single-key rows are exact
-                    dbias[2, b, h, i, j] = (dse[j] * BOUND_SAFETY + UNDERFLOW_TERM
-                                            if allowed_row[j] and kind == 1 and not zero_row
+                    dbias[2, b, h, i, j] = (dse[t] * BOUND_SAFETY + UNDERFLOW_TERM
+                                            if allowed[t] and kind == 1 and not zero_row
                                             else 0.0)
             dq_h[:] = 0.0
             dq_c[:] = 0.0
             dq_r[:] = 0.0
             dq_p[:] = 0.0
             emax = 0.0
-            for j in range(keys):
-                if not allowed_row[j]:
+            for t in range(n):
+                if not allowed[t]:
                     continue
-                check += se[j] + abs(sh[j]) + we[j] + dse[j]
-                if kind == 2 and kept[b, h, i, j]:  # weight exactly 1
-                    _accumulate(1.0, 0.0, do[b, h, i], dv_h[j], dv_c[j], dv_r[j])
-                    dv_terms[j] += 1
+                check += se[t] + abs(sh[t]) + we[t] + dse[t]
                 if zero_row:
                     continue
-                emax = max(emax, se[j])
-                _accumulate(sh[j], sl[j], k[b, g, j], dq_h, dq_c, dq_r)
-                _accumulate(sh[j], sl[j], q[b, h, i], dk_h[j], dk_c[j], dk_r[j])
+                j = lo + t
+                emax = max(emax, se[t])
+                _accumulate(sh[t], sl[t], k[b, g, j], dq_h, dq_c, dq_r)
                 for d in range(dim):
-                    dq_p[d] += se[j] * abs(k[b, g, j, d])
-                    dk_p[j, d] += se[j] * abs(q[b, h, i, d])
-                dk_terms[j] += 1
-                dk_emax[j] = max(dk_emax[j], se[j])
-                if kept[b, h, i, j] and kind == 1:
-                    _accumulate(wh[j], wl[j], do[b, h, i], dv_h[j], dv_c[j], dv_r[j])
-                    for e in range(vdim):
-                        dv_p[j, e] += we[j] * abs(do[b, h, i, e])
-                    dv_terms[j] += 1
-                    dv_emax[j] = max(dv_emax[j], we[j])
+                    dq_p[d] += se[t] * abs(k[b, g, j, d])
             if zero_row:
-                dq[:, b, h, i, :] = 0.0
                 continue
             for d in range(dim):
                 xh, xl = two_sum(dq_h[d], dq_c[d])
-                err = (min(emax * k_col[d], dq_p[d] * BOUND_SAFETY) + _U * dq_r[d]) \
+                err = (min(emax * k_col[b, g, d], dq_p[d] * BOUND_SAFETY) + _U * dq_r[d]) \
                     * BOUND_SAFETY
-                if k_col[d] == 0.0:  # a zero column of k: every product is an exact zero
-                    dq[:, b, h, i, d] = 0.0
+                if k_col[b, g, d] == 0.0:  # a zero column of k: every product is an exact 0
                     continue
                 _store_scaled(dq, (b, h, i, d), xh, xl, err, s_hi, s_lo, s_err)
-    for j in range(keys):
-        if dk_terms[j] == 0:  # no allowed position reads key j: exact zeros
-            dk[:, b, g, j, :] = 0.0
-        if dv_terms[j] == 0:
-            dv[:, b, g, j, :] = 0.0
-        for d in range(dim if dk_terms[j] else 0):
-            xh, xl = two_sum(dk_h[j, d], dk_c[j, d])
-            err = (min(dk_emax[j] * q_sum[d], dk_p[j, d] * BOUND_SAFETY)
-                   + _U * dk_r[j, d]) * BOUND_SAFETY * BOUND_SAFETY
-            if q_sum[d] == 0.0:  # q's column d is zero in every row of the group
-                dk[:, b, g, j, d] = 0.0
-                continue
-            _store_scaled(dk, (b, g, j, d), xh, xl, err, s_hi, s_lo, s_err)
-        for e in range(vdim if dv_terms[j] else 0):
-            xh, xl = two_sum(dv_h[j, e], dv_c[j, e])
-            err = (min(dv_emax[j] * do_sum[e], dv_p[j, e] * BOUND_SAFETY)
-                   + _U * dv_r[j, e]) * BOUND_SAFETY * BOUND_SAFETY
-            if do_sum[e] == 0.0:  # dO's column e is zero in every row of the group
-                dv[:, b, g, j, e] = 0.0
-                continue
-            if dropout:
-                _store_scaled(dv, (b, g, j, e), xh, xl, err, kf_h, kf_l, kf_e)
-            else:
-                dv[0, b, g, j, e], dv[1, b, g, j, e] = xh, xl
-                dv[2, b, g, j, e] = err * BOUND_SAFETY + UNDERFLOW_TERM
-    if not math.isfinite(check):
-        bad[b, g] = True
+        if not math.isfinite(check):
+            bad[b, h, blk] = True
+
+
+@njit(parallel=True, **_JIT)
+def _pass_b(q, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, bias, bias_st,
+            slopes, group, opts, fopts, k_l1, v_l1, q_sum, do_sum, istat, fstat, dk, dv):
+    """Pass B, parallel over (batch, kv head, block of KEY_BLOCK keys): dk and dv of the
+    block's keys, summed over the group's query heads and their rows in increasing order.
+    Each row's weights, dS and dT at these keys are recomputed from the inputs and pass A's
+    row statistics by the same floating-point operations as in pass A (every one elementwise
+    in the key), so they and their error bounds are bit-identical to pass A's."""
+    batch, kv_heads, dim, keys = kt.shape
+    length, vdim = q.shape[2], vt.shape[2]
+    dropout, has_softcap = opts[4], opts[2]
+    s_hi, s_lo, s_err = fopts[0], fopts[1], fopts[2]
+    kf_h, kf_l, kf_e = fopts[4], fopts[5], fopts[6]
+    blocks = (keys + KEY_BLOCK - 1) // KEY_BLOCK
+    for item in prange(batch * kv_heads * blocks):
+        b = item // (kv_heads * blocks)
+        g = (item // blocks) % kv_heads
+        blk = item % blocks
+        j0 = blk * KEY_BLOCK
+        nb = min(keys, j0 + KEY_BLOCK) - j0
+        row = np.empty((9, nb))
+        sh, sl, se, fh, fl, fe, dh, dl, de = \
+            row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], row[8]
+        allowed, kept = np.empty(nb, np.bool_), np.empty(nb, np.bool_)
+        dk_h, dk_c, dk_r = np.zeros((nb, dim)), np.zeros((nb, dim)), np.zeros((nb, dim))
+        dv_h, dv_c, dv_r = np.zeros((nb, vdim)), np.zeros((nb, vdim)), np.zeros((nb, vdim))
+        dk_emax, dv_emax = np.zeros(nb), np.zeros(nb)
+        # the propagated errors sum_i err(dT_ij) |q_id| (and the like for dv) term by term: a
+        # sum of nonnegative products, within (1 + u)**(n + 1) <= BOUND_SAFETY of its float64
+        # value; the smaller of it and the max-error form (emax * column sum) bounds the error
+        dk_p, dv_p = np.zeros((nb, dim)), np.zeros((nb, vdim))
+        dk_terms, dv_terms = np.zeros(nb, np.int64), np.zeros(nb, np.int64)
+        for member in range(group.shape[1]):
+            h = group[g, member]
+            for i in range(length):
+                kind, r, zero_row = istat[b, h, i, 0], istat[b, h, i, 1], istat[b, h, i, 2]
+                if kind == 0 or (zero_row and kind == 1):  # nothing reaches dk, dv
+                    continue
+                a = max(j0, rows_lo[b, i])
+                c = min(j0 + nb, rows_hi[b, i])
+                if a >= c:
+                    continue
+                n = c - a
+                _allowed_row(b, h, i, a, c, masks, mask_st, bias, bias_st, opts, allowed, kept)
+                st = fstat[b, h, i]
+                g_i = glse[b, h, i] if has_glse else 0.0
+                _block_scores(b, h, i, a, q[b, h, i], kt[b, g], allowed[:n], bias,
+                              bias_st, slopes, opts, fopts, k_l1[b, g], sh[:n], sl[:n],
+                              se[:n], fh[:n], fl[:n], fe[:n])
+                if kind == 1:
+                    _dots(do[b, h, i], vt[b, g], a, dh[:n], dl[:n], de[:n], v_l1[b, g],
+                          fopts[8])
+                for t in range(n):
+                    if not allowed[t]:
+                        continue
+                    j = a + t
+                    x = j - j0
+                    w_h, w_l, w_e = 0.0, 0.0, 0.0
+                    if kind == 2:  # the single allowed key: weight exactly 1, dT = g (f)
+                        if kept[t]:
+                            _accumulate(1.0, 0.0, do[b, h, i], dv_h[x], dv_c[x], dv_r[x])
+                            dv_terms[x] += 1
+                        if zero_row:
+                            continue
+                        th, tl, te = _single_dt(g_i, has_softcap, fh[t], fl[t], fe[t])
+                    else:
+                        if j == r:
+                            w_h, w_l, w_e = st[6], st[7], st[8]
+                            yh, yl, ye = 0.0, 0.0, 0.0
+                        else:
+                            eh, el, ee = _exp_rel(sh[t], sl[t], se[t], st[0], st[1], st[2])
+                            w_h, w_l, w_e = _scaled_weight(eh, el, ee, st[3], st[4], st[5])
+                            if kept[t]:
+                                yh, yl, ye = _y_of(dh[t], dl[t], de[t], st[9], st[10], st[11])
+                            else:
+                                yh, yl, ye = _y_of(0.0, 0.0, 0.0, st[9], st[10], st[11])
+                        th, tl, te = _ds_of(j == r, yh, yl, ye, st[12], st[13], st[14],
+                                            dropout, kf_h, kf_l, kf_e, has_glse, g_i, w_h, w_l,
+                                            w_e)
+                        if has_softcap:
+                            th, tl, te = _dt_of(th, tl, te, fh[t], fl[t], fe[t])
+                    _accumulate(th, tl, q[b, h, i], dk_h[x], dk_c[x], dk_r[x])
+                    for d in range(dim):
+                        dk_p[x, d] += te * abs(q[b, h, i, d])
+                    dk_terms[x] += 1
+                    dk_emax[x] = max(dk_emax[x], te)
+                    if kept[t] and kind == 1:
+                        _accumulate(w_h, w_l, do[b, h, i], dv_h[x], dv_c[x], dv_r[x])
+                        for e in range(vdim):
+                            dv_p[x, e] += w_e * abs(do[b, h, i, e])
+                        dv_terms[x] += 1
+                        dv_emax[x] = max(dv_emax[x], w_e)
+        for x in range(nb):
+            j = j0 + x
+            for d in range(dim if dk_terms[x] else 0):
+                xh, xl = two_sum(dk_h[x, d], dk_c[x, d])
+                err = (min(dk_emax[x] * q_sum[b, g, d], dk_p[x, d] * BOUND_SAFETY)
+                       + _U * dk_r[x, d]) * BOUND_SAFETY * BOUND_SAFETY
+                if q_sum[b, g, d] == 0.0:  # q's column d is zero in every row of the group
+                    continue
+                _store_scaled(dk, (b, g, j, d), xh, xl, err, s_hi, s_lo, s_err)
+            for e in range(vdim if dv_terms[x] else 0):
+                xh, xl = two_sum(dv_h[x, e], dv_c[x, e])
+                err = (min(dv_emax[x] * do_sum[b, g, e], dv_p[x, e] * BOUND_SAFETY)
+                       + _U * dv_r[x, e]) * BOUND_SAFETY * BOUND_SAFETY
+                if do_sum[b, g, e] == 0.0:  # dO's column e is zero in every row of the group
+                    continue
+                if dropout:
+                    _store_scaled(dv, (b, g, j, e), xh, xl, err, kf_h, kf_l, kf_e)
+                else:
+                    dv[0, b, g, j, e], dv[1, b, g, j, e] = xh, xl
+                    dv[2, b, g, j, e] = err * BOUND_SAFETY + UNDERFLOW_TERM
+
+
+@njit(parallel=True, **_JIT)
+def _norms(q, k, vt, do, group, k_l1, v_l1, k_col, q_sum, do_sum):
+    """Per (batch, kv head): the row sums |k_j|, |v_j| (k_l1, v_l1 (B, K, S)), the column sums
+    of |k| (k_col (B, K, D)) and of |q|, |dO| over the group's rows (q_sum, do_sum), each in
+    a fixed order, times BOUND_SAFETY for the first three."""
+    batch, kv_heads, keys, dim = k.shape
+    length, vdim = q.shape[2], vt.shape[2]
+    for unit in prange(batch * kv_heads):
+        b, g = unit // kv_heads, unit % kv_heads
+        for j in range(keys):
+            for d in range(dim):
+                k_l1[b, g, j] += abs(k[b, g, j, d])
+                k_col[b, g, d] += abs(k[b, g, j, d])
+        for e in range(vdim):
+            for j in range(keys):
+                v_l1[b, g, j] += abs(vt[b, g, e, j])
+        for j in range(keys):
+            k_l1[b, g, j] *= BOUND_SAFETY
+            v_l1[b, g, j] *= BOUND_SAFETY
+        for d in range(dim):
+            k_col[b, g, d] *= BOUND_SAFETY
+        for member in range(group.shape[1]):
+            h = group[g, member]
+            for i in range(length):
+                for d in range(dim):
+                    q_sum[b, g, d] += abs(q[b, h, i, d])
+                for e in range(vdim):
+                    do_sum[b, g, e] += abs(do[b, h, i, e])
 
 
 @njit(**_JIT)
@@ -548,15 +749,6 @@ def _store_scaled(out, index, xh, xl, err, f_h, f_l, f_e):
         e = (abs(f_h) * err + abs(xh) * f_e) * _SAFE + DD_REL * abs(yh)
     out[0, b, h, i, d], out[1, b, h, i, d] = yh, yl
     out[2, b, h, i, d] = e * BOUND_SAFETY + UNDERFLOW_TERM
-
-
-@njit(parallel=True, **_JIT)
-def _units(q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, group, opts, fopts,
-           dq, dk, dv, dbias, bad):
-    batch, kv_heads = k.shape[0], k.shape[1]
-    for unit in prange(batch * kv_heads):
-        _unit(unit, q, k, kt, vt, do, glse, has_glse, allowed, kept, bias, slopes, group, opts,
-              fopts, dq, dk, dv, dbias, bad)
 
 
 @njit(**_JIT)
@@ -589,8 +781,9 @@ def fast_inputs_ok(spec, grad_out, grad_lse) -> bool:
     arrays = [spec.q, spec.k, spec.v, grad_out]
     if grad_lse is not None:
         arrays.append(grad_lse)
-    if spec.bias is not None:
-        arrays.append(np.where(np.isneginf(spec.bias), 0.0, spec.bias))
+    if spec.bias is not None:  # the un-broadcast elements only (never a (B, H, L, S) copy)
+        core, _ = _flat_view(spec.bias, np.float64)
+        arrays.append(np.where(np.isneginf(core), 0.0, core))
     for a in arrays:
         a = np.asarray(a, dtype=np.float64)
         if a.size and not (np.abs(a) < INPUT_LIMIT).all():
@@ -608,9 +801,94 @@ def fast_inputs_ok(spec, grad_out, grad_lse) -> bool:
     return True
 
 
+def key_intervals(spec):
+    """The structural key interval ``[lo, hi)`` of every query row: int64 (B, L) arrays.
+
+    Row i of batch row b may read key j exactly when ``lo <= j < hi`` (before the explicit
+    mask, -inf bias and dropout): ``j <= i + o`` (causal), ``i + o - left <= j <= i + o +
+    right`` (window, a None side unbounded) and ``j < S_b`` (``kv_lengths``), with ``o`` the
+    row offset :meth:`refattn._spec.AttentionSpec.row_offset` (the semantics of
+    :func:`refattn.masks.structural_mask`). An empty interval has ``lo == hi``.
+
+    Examples
+    --------
+    >>> from refattn._spec import canonicalize
+    >>> spec = canonicalize(np.zeros((3, 2)), np.zeros((4, 2)), np.zeros((4, 1)), causal=True,
+    ...                     window=(1, None))
+    >>> [x.ravel().tolist() for x in key_intervals(spec)]
+    [[0, 0, 1], [1, 2, 3]]
+    """
+    batch, _, _, length, keys, _, _ = spec.dims
+    rows = np.arange(length, dtype=np.int64)
+    lo = np.zeros((batch, length), np.int64)
+    hi = np.full((batch, length), keys, np.int64)
+    for b in range(batch):
+        diag = rows + spec.row_offset(b)
+        if spec.causal:
+            hi[b] = np.minimum(hi[b], diag + 1)
+        if spec.window is not None:
+            left, right = spec.window
+            if left is not None:
+                lo[b] = np.maximum(lo[b], diag - left)
+            if right is not None:
+                hi[b] = np.minimum(hi[b], diag + right + 1)
+        if spec.kv_lengths is not None:
+            hi[b] = np.minimum(hi[b], int(spec.kv_lengths[b]))
+    lo = np.clip(lo, 0, keys)
+    return lo, np.clip(hi, lo, keys)
+
+
+def _flat_view(view, dtype):
+    """A (B, H, L, S) view (zero strides where broadcast) as (flat C array of its distinct
+    elements, int64 (4,) element strides, 0 along broadcast axes); (one zero, zeros) for None.
+    Only the un-broadcast elements are copied: never a (B, H, L, S) array for a broadcast
+    view."""
+    if view is None:
+        return np.zeros(1, dtype), np.zeros(4, np.int64)
+    view = np.asarray(view)
+    core = view[tuple(slice(0, 1) if st == 0 or n == 1 else slice(None)
+                      for st, n in zip(view.strides, view.shape, strict=True))]
+    core = np.ascontiguousarray(core, dtype)
+    strides = np.array([0 if n == 1 else st // core.itemsize
+                        for st, n in zip(core.strides, core.shape, strict=True)], np.int64)
+    return core.ravel(), strides
+
+
+@njit(**_JIT)
+def _allowed_plane(b, h, rows_lo, rows_hi, masks, mask_st, bias, bias_st, opts, allowed, kept):
+    for i in range(allowed.shape[0]):
+        lo, hi = rows_lo[b, i], rows_hi[b, i]
+        _allowed_row(b, h, i, lo, hi, masks, mask_st, bias, bias_st, opts, allowed[i, lo:],
+                     kept[i, lo:])
+
+
+def allowed_plane(spec, b, h):
+    """(allowed, kept) bool (L, S) of plane (b, h) as the kernels compute them row by row
+    (:func:`key_intervals` and the un-broadcast mask, bias and keep-mask): for tests, which
+    compare them with :meth:`refattn._spec.AttentionSpec.allowed`."""
+    _, _, _, length, keys, _, _ = spec.dims
+    rows_lo, rows_hi = key_intervals(spec)
+    mask_f, mask_st = _flat_view(spec.mask, np.bool_)
+    drop_f, drop_st = _flat_view(spec.dropout_mask, np.bool_)
+    bias, bias_st = _flat_view(spec.bias, np.float64)
+    opts = np.array([spec.bias is not None, 0, 0, 0, 0, spec.mask is not None,
+                     spec.dropout_mask is not None], np.int64)
+    allowed = np.zeros((length, keys), np.bool_)
+    kept = np.zeros((length, keys), np.bool_)
+    _allowed_plane(b, h, rows_lo, rows_hi, (mask_f, drop_f), np.stack([mask_st, drop_st]),
+                   bias, bias_st, opts, allowed, kept)
+    return allowed, kept
+
+
 def gradient_enclosures(spec, grad_out, grad_lse):
     """dd enclosures (3, ...) of dq (B, H, L, D), dk (B, K, S, D), dv (B, K, S, E) and dS
-    (B, H, L, S) (None without bias), and a (B, K) array of units to hand to the referee."""
+    (B, H, L, S) (None without bias), and a (B, K) array of units to hand to the referee.
+
+    Streaming (module docstring): besides the inputs and the outputs, the memory is O(L + S +
+    D + E) per head plane (row statistics, row intervals, norms) and a scratch row of length S
+    per worker; no (L, S) array is formed unless the caller's mask, keep-mask or bias is one
+    (they are read un-broadcast) or there is a bias (dS, which dbias needs, is output-sized).
+    """
     batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
     f64 = np.float64
     q = np.ascontiguousarray(spec.q, f64)
@@ -619,22 +897,24 @@ def gradient_enclosures(spec, grad_out, grad_lse):
     vt = np.ascontiguousarray(np.swapaxes(np.asarray(spec.v, f64), 2, 3))
     do = np.ascontiguousarray(grad_out, f64)
     glse = np.ascontiguousarray(grad_lse, f64) if grad_lse is not None else np.zeros((1, 1, 1))
-    allowed = np.empty((batch, heads, length, keys), np.bool_)
-    for b in range(batch):
-        for h in range(heads):
-            allowed[b, h] = spec.allowed(b, h)
-    kept = allowed if spec.dropout_mask is None else allowed & spec.dropout_mask
-    bias = (np.ascontiguousarray(spec.bias, f64) if spec.bias is not None
-            else np.zeros((1, 1, 1, 1)))
+    rows_lo, rows_hi = key_intervals(spec)
+    mask_f, mask_st = _flat_view(spec.mask, np.bool_)
+    drop_f, drop_st = _flat_view(spec.dropout_mask, np.bool_)
+    masks = (mask_f, drop_f)
+    mask_st = np.stack([mask_st, drop_st])
+    bias, bias_st = _flat_view(spec.bias, f64)
     slopes = (np.ascontiguousarray(spec.alibi_slopes, f64) if spec.alibi_slopes is not None
               else np.zeros(1))
     group = np.array([np.flatnonzero(spec.kv_head == g) for g in range(kv_heads)], np.int64)
-    # [has_bias, has_alibi, has_softcap, alibi_keys, dropout, o_0, ..., o_{B-1}]: ALiBi applies
-    # to keys j < alibi_keys (a folded sink has none) with the offset o_b of batch row b
+    # [has_bias, has_alibi, has_softcap, alibi_keys, dropout, has_mask, has_dropout_mask, o_0,
+    # ..., o_{B-1}]: ALiBi applies to keys j < alibi_keys (a folded sink has none) with the
+    # offset o_b of batch row b
     alibi_keys = keys if spec.alibi_keys is None else spec.alibi_keys
     opts = np.concatenate([np.array([spec.bias is not None, spec.alibi_slopes is not None,
                                      spec.softcap is not None, alibi_keys,
-                                     spec.dropout_p != 0], np.int64), _alibi_offsets(spec)])
+                                     spec.dropout_p != 0, spec.mask is not None,
+                                     spec.dropout_mask is not None], np.int64),
+                           _alibi_offsets(spec)])
     # dot-product bounds per length: D (scores), E (dp), S (dq), G L (dk, dv)
     fopts = np.array([*dd_of_exact(spec.scale_exact), spec.softcap or 1.0,
                       *dd_of_fraction(spec.keep_scale), dot_bound(dim), dot_bound(vdim),
@@ -646,8 +926,22 @@ def gradient_enclosures(spec, grad_out, grad_lse):
         np.zeros((3, 1, 1, 1, 1))
     bad = np.zeros((batch, kv_heads), np.bool_)
     if batch and heads and length and keys:
-        _units(q, k, kt, vt, do, glse, grad_lse is not None, allowed, kept, bias, slopes,
-               group, opts, fopts, dq, dk, dv, dbias, bad)
+        k_l1, v_l1 = np.zeros((batch, kv_heads, keys)), np.zeros((batch, kv_heads, keys))
+        k_col = np.zeros((batch, kv_heads, dim))
+        q_sum, do_sum = np.zeros((batch, kv_heads, dim)), np.zeros((batch, kv_heads, vdim))
+        _norms(q, k, vt, do, group, k_l1, v_l1, k_col, q_sum, do_sum)
+        kv_head = np.ascontiguousarray(spec.kv_head, np.int64)
+        istat = np.zeros((batch, heads, length, 3), np.int64)
+        fstat = np.zeros((batch, heads, length, N_STAT))
+        bad_rows = np.zeros((batch, heads, -(-length // ROW_BLOCK)), np.bool_)
+        _pass_a(q, k, kt, vt, do, glse, grad_lse is not None, rows_lo, rows_hi, masks, mask_st,
+                bias, bias_st, slopes, kv_head, opts, fopts, k_l1, v_l1, k_col, dq, dbias, istat,
+                fstat, bad_rows)
+        _pass_b(q, kt, vt, do, glse, grad_lse is not None, rows_lo, rows_hi, masks, mask_st,
+                bias, bias_st, slopes, group, opts, fopts, k_l1, v_l1, q_sum, do_sum, istat,
+                fstat, dk, dv)
+        for h in range(heads):
+            bad[:, kv_head[h]] |= bad_rows[:, h].any(axis=1)
     return dq, dk, dv, (dbias if spec.bias is not None else None), bad
 
 

@@ -46,6 +46,7 @@ from .._spec import AttentionSpec
 from . import _fast_vjp as _fast
 from . import _fixed as F
 from .attention import ExactForward, scale_bounds
+from .fast_attention import row_spec
 from .rounding import correctly_round, format_of
 
 __all__ = ["exact_vjp"]
@@ -593,7 +594,8 @@ def _referee_vjp(spec, grad_out, grad_lse, out_dtype, names):
 
 
 def _fast_then_referee(spec, grad_out, grad_lse, out_dtype, stats):
-    """The fast first step, then the referee on the (batch, kv head) units it left undecided."""
+    """The fast first step, then the referee on what it left undecided (a (batch, kv head)
+    unit for dk/dv, a query row for dq: :func:`_referee_units`)."""
     fmt = format_of(out_dtype)
     dq, dk, dv, ds, bad = _fast.gradient_enclosures(spec, grad_out, grad_lse)
     encl = {"dq": dq, "dk": dk, "dv": dv}
@@ -626,12 +628,20 @@ def _fast_then_referee(spec, grad_out, grad_lse, out_dtype, stats):
 
 
 def _referee_units(spec, grad_out, grad_lse, out_dtype, values, todo):
-    """Undecided dq/dk/dv elements from the referee run on one (batch, kv head) unit each."""
+    """Undecided dq/dk/dv elements from the referee, on the smallest spec that determines them.
+
+    An undecided dk or dv element of kv head g sends its (batch, kv head) unit: ``dk_j`` and
+    ``dv_j`` sum over every row of every query head of the group, and each row's weights need
+    the row's whole normaliser ``Z_i`` (every key), so no smaller spec determines them. An
+    undecided dq element depends on its query row alone (``dq_i = s sum_j dT_ij k_j``): it
+    sends that row (:func:`refattn.exact.fast_attention.row_spec`, a one-row spec whose offset
+    keeps the original indices for causal, window and ALiBi and whose key length becomes a
+    mask), unless its unit goes to the referee anyway, which then settles its dq too.
+    """
     units = set(zip(*np.nonzero(todo["dk"].any(axis=(2, 3)) | todo["dv"].any(axis=(2, 3))),
                     strict=True))
-    dq_rows = todo["dq"].any(axis=(2, 3))
-    units |= {(b, int(spec.kv_head[h])) for b, h in zip(*np.nonzero(dq_rows), strict=True)}
-    for b, g in sorted((int(b), int(g)) for b, g in units):
+    units = {(int(b), int(g)) for b, g in units}
+    for b, g in sorted(units):
         heads = np.flatnonzero(spec.kv_head == g)
         sub = _unit_spec(spec, b, g, heads)
         names = [n for n in ("dq", "dk", "dv")
@@ -643,6 +653,16 @@ def _referee_units(spec, grad_out, grad_lse, out_dtype, values, todo):
             where = (b, heads) if name == "dq" else (b, [g])
             mask = todo[name][where]
             values[name][where] = np.where(mask, ref[name][0], values[name][where])
+    rows = zip(*np.nonzero(todo["dq"].any(axis=3)), strict=True)
+    for b, h, i in sorted((int(b), int(h), int(i)) for b, h, i in rows):
+        if (b, int(spec.kv_head[h])) in units:
+            continue
+        sub = row_spec(spec, b, h, i, i + 1)
+        ref = _referee_vjp(sub, grad_out[b:b + 1, h:h + 1, i:i + 1],
+                           None if grad_lse is None else grad_lse[b:b + 1, h:h + 1, i:i + 1],
+                           out_dtype, ["dq"])
+        mask = todo["dq"][b, h, i]
+        values["dq"][b, h, i] = np.where(mask, ref["dq"][0, 0, 0], values["dq"][b, h, i])
 
 
 def _unit_spec(spec: AttentionSpec, b: int, g: int, heads):

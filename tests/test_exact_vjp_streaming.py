@@ -1,0 +1,147 @@
+"""The streaming exact VJP: allowed sets computed row by row (no (B, H, L, S) arrays), results
+bit-identical to the referee, and independent of the thread count."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+from helpers import assert_same_bits
+
+from refattn._fold import fold
+from refattn._spec import canonicalize, check_cotangent
+from refattn.exact import _fast_vjp
+from refattn.exact.attention_vjp import exact_vjp
+from refattn.exact.rounding import FORMATS
+
+
+def _problem(seed=0, batch=2, heads=4, kv_heads=2, length=7, keys=9, dim=4, vdim=3):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, heads, length, dim))
+    k = rng.standard_normal((batch, kv_heads, keys, dim))
+    v = rng.standard_normal((batch, kv_heads, keys, vdim))
+    do = rng.standard_normal((batch, heads, length, vdim))
+    gl = rng.standard_normal((batch, heads, length))
+    return rng, q, k, v, do, gl
+
+
+def _options(rng, length=7, keys=9, heads=4):
+    bias = rng.standard_normal((heads, 1, keys))
+    bias[1, 0, 2] = -np.inf
+    return {
+        "causal": {"causal": True},
+        "causal_bottom_right": {"causal": True, "align": "bottom_right"},
+        "window": {"window": (2, 1)},
+        "window_left": {"window": (3, None), "align": "bottom_right"},
+        "window_right": {"window": (None, 0)},
+        "kv_lengths": {"kv_lengths": np.array([9, 4]), "causal": True,
+                       "align": "bottom_right"},
+        "kv_lengths_window": {"kv_lengths": np.array([0, 6]), "window": (1, 1)},
+        "mask": {"mask": rng.random((length, keys)) < 0.7},
+        "mask_full": {"mask": rng.random((2, heads, length, keys)) < 0.6, "causal": True},
+        "bias_neginf": {"bias": bias},
+        "dropout": {"dropout_mask": rng.random((2, 1, length, keys)) < 0.8, "dropout_p": 0.25},
+        "gqa_tile": {"gqa": "tile", "mask": rng.random((heads, 1, keys)) < 0.8},
+        "sinks": {"sinks": np.array([0.5, -1.0, 2.0, 0.0]), "causal": True},
+        "softcap_alibi": {"softcap": 3.0, "alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625]),
+                          "causal": True},
+    }
+
+
+_NAMES = tuple(_options(np.random.default_rng(0)))
+
+
+@pytest.mark.parametrize("name", _NAMES)
+def test_row_allowed_sets_equal_the_spec(name):
+    rng, q, k, v, _, _ = _problem()
+    spec = canonicalize(q, k, v, **_options(rng)[name])
+    if spec.sinks is not None:
+        spec = fold(spec, alibi_into_bias=False)
+    batch, heads = spec.dims[:2]
+    for b in range(batch):
+        for h in range(heads):
+            allowed, kept = _fast_vjp.allowed_plane(spec, b, h)
+            want = spec.allowed(b, h)
+            np.testing.assert_array_equal(allowed, want, err_msg=f"{name} b={b} h={h}")
+            keep = want if spec.dropout_mask is None else want & spec.dropout_mask[b, h]
+            np.testing.assert_array_equal(kept, keep, err_msg=f"{name} b={b} h={h} kept")
+
+
+def _grads(spec, do, gl, out_dtype, engine):
+    return exact_vjp(spec, do, gl, FORMATS[out_dtype].dtype, engine=engine)
+
+
+@pytest.mark.parametrize("name", _NAMES)
+@pytest.mark.parametrize("out_dtype", ["float64", "bfloat16"])
+def test_streaming_matches_referee(name, out_dtype):
+    rng, q, k, v, do, gl = _problem(seed=3)
+    spec = canonicalize(q, k, v, **_options(rng)[name])
+    if spec.sinks is not None:
+        spec = fold(spec, alibi_into_bias=True)
+    _, heads, _, length, _, _, vdim = spec.dims
+    d = check_cotangent(spec, do, "grad_out", (heads, length, vdim))
+    g = check_cotangent(spec, gl, "grad_lse", (heads, length))
+    fast = _grads(spec, d, g, out_dtype, "fast")
+    referee = _grads(spec, d, g, out_dtype, "referee")
+    for what, a, b in zip(("dq", "dk", "dv", "dbias"), fast, referee, strict=True):
+        if b is None:
+            assert a is None
+            continue
+        assert_same_bits(a, b, what=what, case=name, check_dtype=True)
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    rng, q, k, v, do, gl = _problem(seed=5, batch=2, heads=4, kv_heads=2, length=70, keys=80)
+    spec = canonicalize(q, k, v, causal=True, window=(40, None), kv_lengths=np.array([80, 50]),
+                        align="bottom_right")
+    _, heads, _, length, _, _, vdim = spec.dims
+    d = check_cotangent(spec, do, "grad_out", (heads, length, vdim))
+    g = check_cotangent(spec, gl, "grad_lse", (heads, length))
+    saved = numba.get_num_threads()
+    runs = []
+    try:
+        for threads in sorted({1, saved}):
+            numba.set_num_threads(threads)
+            runs.append(_fast_vjp.gradient_enclosures(spec, d, g))
+    finally:
+        numba.set_num_threads(saved)
+    for got in runs[1:]:
+        for a, b in zip(runs[0], got, strict=True):
+            if a is not None:
+                assert_same_bits(a, b, what="enclosure", case="threads")
+
+
+@pytest.mark.parametrize("name", ["kv_lengths", "window_left", "softcap_alibi", "dropout",
+                                  "bias_neginf"])
+def test_undecided_dq_rows_go_to_the_referee_alone(name, monkeypatch):
+    """An undecided dq element is settled by a one-row spec (row_spec: original indices for
+    causal, window and ALiBi, the key length as a mask), with the whole-call referee's bits."""
+    from refattn.exact import attention_vjp as module
+
+    rng, q, k, v, do, gl = _problem(seed=11)
+    opts = _options(rng)[name]
+    opts.setdefault("align", "bottom_right")
+    spec = canonicalize(q, k, v, **opts)
+    _, heads, _, length, _, _, vdim = spec.dims
+    d = check_cotangent(spec, do, "grad_out", (heads, length, vdim))
+    g = check_cotangent(spec, gl, "grad_lse", (heads, length))
+    names = ("dq", "dk", "dv")
+    dtype = np.dtype("float64")
+    whole = module._referee_vjp(spec, d, g, dtype, names)
+    values = {n: whole[n].copy() for n in names}
+    todo = {n: np.zeros(whole[n].shape, dtype=bool) for n in names}
+    for b, h, i, col in ((0, 1, 0, 2), (1, 3, 6, 0), (1, 0, 3, 1)):
+        values["dq"][b, h, i, col] = np.nan
+        todo["dq"][b, h, i, col] = True
+    seen = []
+    inner = module._referee_vjp
+
+    def spy(sub, *args):
+        seen.append(sub.q.shape)
+        return inner(sub, *args)
+
+    monkeypatch.setattr(module, "_referee_vjp", spy)
+    module._referee_units(spec, d, g, dtype, values, todo)
+    assert seen and all(shape[:3] == (1, 1, 1) for shape in seen), seen
+    for n in names:
+        assert_same_bits(values[n], whole[n], what=n, case=name)
