@@ -74,9 +74,10 @@ Any non-finite intermediate in a (batch, kv head) unit marks the whole unit unde
 Streaming (no (L, S) array; memory O(L D + S D) per head plane, plus dbias's own (B, H, L, S)
 enclosure when there is a bias): each row's allowed and kept sets are computed on the fly into
 a length-S scratch row from its structural key interval ``[lo, hi)`` (causal, window, key
-length: :func:`key_intervals`) and, only where present, the explicit mask, the -inf positions
-of the bias and the dropout keep-mask, read through their un-broadcast arrays and strides
-(:func:`_flat_view`); every key loop runs over ``[lo, hi)`` only (causal halves the work),
+length) and, only where present, the explicit mask, the -inf positions of the bias and the
+dropout keep-mask, read through their un-broadcast arrays and strides
+(:mod:`refattn.exact._stream`); every key loop runs over ``[lo, hi)`` only (causal halves the
+work),
 in increasing key order, so the values are those of the full loops. Two passes, in the manner
 of FlashAttention-2's backward:
 
@@ -124,6 +125,7 @@ from ._dd import (
     two_sum,
 )
 from ._dd_extra import EXP_FAST_REL, exp_dd_fast, round_decision
+from ._stream import compact_view, key_intervals
 
 _JIT = dict(fastmath=False, boundscheck=False, cache=True, nogil=True)
 __all__ = ["INPUT_LIMIT", "UNDERFLOW_TERM", "fast_inputs_ok", "gradient_enclosures",
@@ -480,7 +482,8 @@ def _allowed_row(b, h, i, lo, hi, masks, mask_st, bias, bias_st, opts, allowed, 
     into ``allowed[:hi - lo]``, ``kept[:hi - lo]``.
 
     ``[lo, hi)`` lies inside the row's structural key interval (causal, window, key length:
-    :func:`key_intervals`); ``masks`` holds the explicit mask (0) and the keep-mask (1) as
+    :func:`refattn.exact._stream.key_intervals`); ``masks`` holds the explicit mask (0) and
+    the keep-mask (1) as
     flat un-broadcast arrays read through the element strides ``mask_st`` (2, 4) (zero along
     broadcast axes), the bias the same way (``bias_st``): a position is excluded where the
     bias is -inf.
@@ -782,7 +785,7 @@ def fast_inputs_ok(spec, grad_out, grad_lse) -> bool:
     if grad_lse is not None:
         arrays.append(grad_lse)
     if spec.bias is not None:  # the un-broadcast elements only (never a (B, H, L, S) copy)
-        core, _ = _flat_view(spec.bias, np.float64)
+        core, _ = compact_view(spec.bias, np.float64)
         arrays.append(np.where(np.isneginf(core), 0.0, core))
     for a in arrays:
         a = np.asarray(a, dtype=np.float64)
@@ -801,59 +804,6 @@ def fast_inputs_ok(spec, grad_out, grad_lse) -> bool:
     return True
 
 
-def key_intervals(spec):
-    """The structural key interval ``[lo, hi)`` of every query row: int64 (B, L) arrays.
-
-    Row i of batch row b may read key j exactly when ``lo <= j < hi`` (before the explicit
-    mask, -inf bias and dropout): ``j <= i + o`` (causal), ``i + o - left <= j <= i + o +
-    right`` (window, a None side unbounded) and ``j < S_b`` (``kv_lengths``), with ``o`` the
-    row offset :meth:`refattn._spec.AttentionSpec.row_offset` (the semantics of
-    :func:`refattn.masks.structural_mask`). An empty interval has ``lo == hi``.
-
-    Examples
-    --------
-    >>> from refattn._spec import canonicalize
-    >>> spec = canonicalize(np.zeros((3, 2)), np.zeros((4, 2)), np.zeros((4, 1)), causal=True,
-    ...                     window=(1, None))
-    >>> [x.ravel().tolist() for x in key_intervals(spec)]
-    [[0, 0, 1], [1, 2, 3]]
-    """
-    batch, _, _, length, keys, _, _ = spec.dims
-    rows = np.arange(length, dtype=np.int64)
-    lo = np.zeros((batch, length), np.int64)
-    hi = np.full((batch, length), keys, np.int64)
-    for b in range(batch):
-        diag = rows + spec.row_offset(b)
-        if spec.causal:
-            hi[b] = np.minimum(hi[b], diag + 1)
-        if spec.window is not None:
-            left, right = spec.window
-            if left is not None:
-                lo[b] = np.maximum(lo[b], diag - left)
-            if right is not None:
-                hi[b] = np.minimum(hi[b], diag + right + 1)
-        if spec.kv_lengths is not None:
-            hi[b] = np.minimum(hi[b], int(spec.kv_lengths[b]))
-    lo = np.clip(lo, 0, keys)
-    return lo, np.clip(hi, lo, keys)
-
-
-def _flat_view(view, dtype):
-    """A (B, H, L, S) view (zero strides where broadcast) as (flat C array of its distinct
-    elements, int64 (4,) element strides, 0 along broadcast axes); (one zero, zeros) for None.
-    Only the un-broadcast elements are copied: never a (B, H, L, S) array for a broadcast
-    view."""
-    if view is None:
-        return np.zeros(1, dtype), np.zeros(4, np.int64)
-    view = np.asarray(view)
-    core = view[tuple(slice(0, 1) if st == 0 or n == 1 else slice(None)
-                      for st, n in zip(view.strides, view.shape, strict=True))]
-    core = np.ascontiguousarray(core, dtype)
-    strides = np.array([0 if n == 1 else st // core.itemsize
-                        for st, n in zip(core.strides, core.shape, strict=True)], np.int64)
-    return core.ravel(), strides
-
-
 @njit(**_JIT)
 def _allowed_plane(b, h, rows_lo, rows_hi, masks, mask_st, bias, bias_st, opts, allowed, kept):
     for i in range(allowed.shape[0]):
@@ -864,13 +814,14 @@ def _allowed_plane(b, h, rows_lo, rows_hi, masks, mask_st, bias, bias_st, opts, 
 
 def allowed_plane(spec, b, h):
     """(allowed, kept) bool (L, S) of plane (b, h) as the kernels compute them row by row
-    (:func:`key_intervals` and the un-broadcast mask, bias and keep-mask): for tests, which
+    (:func:`refattn.exact._stream.key_intervals` and the un-broadcast mask, bias and
+    keep-mask): for tests, which
     compare them with :meth:`refattn._spec.AttentionSpec.allowed`."""
     _, _, _, length, keys, _, _ = spec.dims
     rows_lo, rows_hi = key_intervals(spec)
-    mask_f, mask_st = _flat_view(spec.mask, np.bool_)
-    drop_f, drop_st = _flat_view(spec.dropout_mask, np.bool_)
-    bias, bias_st = _flat_view(spec.bias, np.float64)
+    mask_f, mask_st = compact_view(spec.mask, np.bool_)
+    drop_f, drop_st = compact_view(spec.dropout_mask, np.bool_)
+    bias, bias_st = compact_view(spec.bias, np.float64)
     opts = np.array([spec.bias is not None, 0, 0, 0, 0, spec.mask is not None,
                      spec.dropout_mask is not None], np.int64)
     allowed = np.zeros((length, keys), np.bool_)
@@ -898,11 +849,11 @@ def gradient_enclosures(spec, grad_out, grad_lse):
     do = np.ascontiguousarray(grad_out, f64)
     glse = np.ascontiguousarray(grad_lse, f64) if grad_lse is not None else np.zeros((1, 1, 1))
     rows_lo, rows_hi = key_intervals(spec)
-    mask_f, mask_st = _flat_view(spec.mask, np.bool_)
-    drop_f, drop_st = _flat_view(spec.dropout_mask, np.bool_)
+    mask_f, mask_st = compact_view(spec.mask, np.bool_)
+    drop_f, drop_st = compact_view(spec.dropout_mask, np.bool_)
     masks = (mask_f, drop_f)
     mask_st = np.stack([mask_st, drop_st])
-    bias, bias_st = _flat_view(spec.bias, f64)
+    bias, bias_st = compact_view(spec.bias, f64)
     slopes = (np.ascontiguousarray(spec.alibi_slopes, f64) if spec.alibi_slopes is not None
               else np.zeros(1))
     group = np.array([np.flatnonzero(spec.kv_head == g) for g in range(kv_heads)], np.int64)

@@ -10,10 +10,10 @@ first step. The results are bit-identical to the referee's.
 Per query row i of a (batch, head) plane, streaming: no (L, S) array is ever built (only the
 weights, when asked for, are an (L, S) output). Working memory is the float64 inputs, their
 row norms, O(L) per plane of status and results, and O(S) per row in flight. The allowed set
-is read on the fly (:func:`allowed_rule`): a key interval ``lo_i <= j < hi_i`` per row from
-causal, window and key length (:func:`key_intervals`), and, only where the caller passed them,
-the mask, ``bias == -inf`` and the dropout keep-mask read from their un-broadcast arrays
-(:func:`_compact`); it equals :meth:`AttentionSpec.allowed`, the one rule of
+is read on the fly (:func:`allowed_rule`, :mod:`refattn.exact._stream`): a key interval
+``lo_i <= j < hi_i`` per row from causal, window and key length, and, only where the caller
+passed them, the mask, ``bias == -inf`` and the dropout keep-mask read from their
+un-broadcast arrays; it equals :meth:`AttentionSpec.allowed`, the one rule of
 :mod:`refattn.masks`. The keys outside the interval are never visited, so causal rows cost
 about half. The first steps run in parallel over the rows (blocks of :data:`ROW_BLOCK` rows)
 of every plane at once -- a decode call (L = 1, many heads) is as parallel as a prefill -- and
@@ -44,10 +44,11 @@ each row's arithmetic is fixed by the shapes alone, so no bit depends on the thr
    ``(rN + |N/Z| rZ) / (Z - rZ)``), ``lse = m + log_dd(Z)`` (``-log(1 - rZ/Z)`` for Z's
    radius), ``w_ij = exp_dd_fast(x_ij - log Z)``.
 6. Rounding decision. :func:`refattn.exact.rounding.decide_dd` (compiled, per element in the
-   kernels: ``decide_one``) rounds both ends of each enclosure exactly; where they differ (a rounding boundary within the radius:
-   ties at the max, weights exactly 1/n on a midpoint, exact zeros, overflow) the whole row goes to
-   the referee, restricted to those rows (:func:`row_spec`: a spec of the row run, with the offset
-   shifted so causal/window/ALiBi use the original row indices).
+   kernels: ``decide_one``) rounds both ends of each enclosure exactly; where they differ (a
+   rounding boundary within the radius: ties at the max, weights exactly 1/n on a midpoint,
+   exact zeros, overflow) the whole row goes to the referee, restricted to those rows
+   (:func:`row_spec`: a spec of the row run, with the offset shifted so causal/window/ALiBi
+   use the original row indices).
 
 For targets of at most 24 bits (float32, float16, bfloat16) a cheaper double-precision first
 step runs before the double-double one (:func:`_forward_d`): the dot products are fma chains
@@ -80,11 +81,12 @@ from numba import prange
 from .._spec import AttentionSpec
 from . import _dd as D
 from ._dd_extra import EXP_FAST_REL, decide_one, exp_dd_fast
+from ._stream import compact_view, key_intervals
 from .attention import exact_forward
 from .rounding import format_of
 
 __all__ = ["fast_exact_forward", "fallback_stats", "row_spec", "rounds_to_zero",
-           "exactness_scales", "key_intervals", "allowed_rule", "rule_allowed", "CUT", "TINY",
+           "exactness_scales", "allowed_rule", "rule_allowed", "CUT", "TINY",
            "WEIGHT_TINY_ARG", "WEIGHT_ZERO_ARG"]
 
 #: Exponent arguments below CUT contribute ``0 <= e < TINY`` (an absolute radius).
@@ -139,7 +141,8 @@ def _key_state(b, h, i, j, mk, mstr, bs, bstr, dr, dstr, has_mask, has_bias, has
     """(state, bias) of key j inside row i's structural interval: state 0 excluded (mask, or
     bias -inf), 1 allowed, 2 allowed and kept (dropout); the bias value (0 without bias).
     The one rule of :meth:`refattn._spec.AttentionSpec.allowed`, read from the compact
-    (un-broadcast) arrays of :func:`_compact`."""
+    (un-broadcast)
+    arrays of :func:`refattn.exact._stream.compact_view`."""
     if has_mask and not mk[b * mstr[0] + h * mstr[1] + i * mstr[2] + j * mstr[3]]:
         return 0, 0.0
     bv = 0.0
@@ -628,55 +631,10 @@ def _runs(rows: np.ndarray):
     return [(int(rows[a]), int(rows[z - 1]) + 1) for a, z in zip(starts, stops, strict=True)]
 
 
-def _compact(view: np.ndarray, dtype):
-    """(flat, strides): a (B, H, L, S) view without its broadcast copies, as a contiguous 1-d
-    array ``flat`` and element strides (0 along broadcast axes) so that element [b, h, i, j] is
-    ``flat[b s0 + h s1 + i s2 + j s3]``: never larger than the array the caller passed."""
-    index = tuple(slice(0, 1) if st == 0 else slice(None) for st in view.strides)
-    base = np.ascontiguousarray(view[index], dtype=dtype)
-    strides = [0 if view.strides[a] == 0 or base.shape[a] == 1
-               else int(np.prod(base.shape[a + 1:], dtype=np.int64)) for a in range(4)]
-    return base.reshape(-1), np.array(strides, dtype=np.int64)
-
-
-def key_intervals(spec: AttentionSpec) -> np.ndarray:
-    """(B, L, 2) int64: the keys ``lo <= j < hi`` that causal, window and key length allow to
-    query row i of batch row b (:meth:`AttentionSpec.structural`: ``j <= i + o_b`` causal,
-    ``i + o_b - left <= j <= i + o_b + right`` window, ``j < kv_lengths[b]``).
-
-    Examples
-    --------
-    >>> from refattn._spec import canonicalize
-    >>> spec = canonicalize(np.zeros((3, 2)), np.zeros((4, 2)), np.zeros((4, 1)), causal=True)
-    >>> key_intervals(spec)[0].tolist()
-    [[0, 1], [0, 2], [0, 3]]
-    """
-    batch, _, _, length, keys, _, _ = spec.dims
-    out = np.empty((batch, length, 2), dtype=np.int64)
-    rows = np.arange(length, dtype=np.int64)
-    for b in range(batch):
-        diag = rows + spec.row_offset(b)
-        lo = np.zeros(length, dtype=np.int64)
-        hi = np.full(length, keys, dtype=np.int64)
-        if spec.causal:
-            hi = np.minimum(hi, diag + 1)
-        if spec.window is not None:
-            left, right = spec.window
-            if left is not None:
-                lo = np.maximum(lo, diag - left)
-            if right is not None:
-                hi = np.minimum(hi, diag + right + 1)
-        if spec.kv_lengths is not None:
-            hi = np.minimum(hi, int(spec.kv_lengths[b]))
-        lo = np.clip(lo, 0, keys)
-        out[b, :, 0] = lo
-        out[b, :, 1] = np.clip(hi, lo, keys)
-    return out
-
-
 class _Rule(NamedTuple):
     """The allowed set of every plane without an (L, S) array: the key intervals and the
-    compact mask, bias and dropout mask (:func:`_compact`; a 1-element dummy when absent)."""
+    compact mask, bias and dropout mask (:func:`refattn.exact._stream.compact_view`; a
+    1-element dummy when absent)."""
 
     lohi: np.ndarray
     mask: tuple
@@ -690,13 +648,11 @@ class _Rule(NamedTuple):
 def allowed_rule(spec: AttentionSpec) -> _Rule:
     """The rule the kernels read the allowed set and the dropout keep-mask from; equal to
     :meth:`AttentionSpec.allowed` (``tests/test_fast_exact.py`` checks it)."""
-    dummy = (np.zeros(1), np.zeros(4, dtype=np.int64))
-    bdummy = (np.zeros(1, dtype=np.bool_), np.zeros(4, dtype=np.int64))
     return _Rule(
-        key_intervals(spec),
-        _compact(spec.mask, np.bool_) if spec.mask is not None else bdummy,
-        _compact(spec.bias, np.float64) if spec.bias is not None else dummy,
-        _compact(spec.dropout_mask, np.bool_) if spec.dropout_mask is not None else bdummy,
+        np.stack(key_intervals(spec), axis=-1),
+        compact_view(spec.mask, np.bool_),
+        compact_view(spec.bias, np.float64),
+        compact_view(spec.dropout_mask, np.bool_),
         spec.mask is not None, spec.bias is not None, spec.dropout_mask is not None)
 
 
