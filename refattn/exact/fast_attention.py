@@ -124,8 +124,9 @@ def _row_dots(qrow, kT, lo, hi, s, c):
         a = qrow[d]
         if a == 0.0:
             continue
+        row = kT[d, lo:hi]  # a slice, not kT[d, lo + jj]: the loop then vectorizes
         for jj in range(hi - lo):
-            b = kT[d, lo + jj]
+            b = row[jj]
             p = a * b
             ep = D.fma(a, b, -p)
             sj = s[jj]
@@ -257,6 +258,9 @@ def _dd_row(b, h, i, q, kT, v, qn, kn, vmax, prm, kvh, lohi, mk, mstr, bs, bstr,
     vdim = v.shape[3]
     pr = prm[b, h]
     sum_rel = pr[7]
+    vp = v[b, g]  # the plane's (S, E) values
+    knp = kn[b, g]
+    qn_i = qn[b, h, i]
     s = np.empty(n)
     c = np.empty(n)
     err = np.empty(n)
@@ -272,7 +276,7 @@ def _dd_row(b, h, i, q, kT, v, qn, kn, vmax, prm, kvh, lohi, mk, mstr, bs, bstr,
             continue
         if has_bias and not _bias_in_range(bv):
             return _UNDECIDED
-        th, tl, e = _score(i, j, s[jj], c[jj], qn[b, h, i], kn[b, g, j], pr, bv, has_bias)
+        th, tl, e = _score(i, j, s[jj], c[jj], qn_i, knp[j], pr, bv, has_bias)
         s[jj], c[jj], err[jj] = th, tl, e
         if th > top:
             top = th
@@ -296,7 +300,7 @@ def _dd_row(b, h, i, q, kT, v, qn, kn, vmax, prm, kvh, lohi, mk, mstr, bs, bstr,
             tiny += TINY
             if state[jj] == 2:
                 for e in range(vdim):
-                    tiny_v[e] += abs(v[b, g, j, e])
+                    tiny_v[e] += abs(vp[j, e])
             continue
         rho = max(rho, (EXP_FAST_REL + 2.0 * xe) * (1.0 + _RHO_MAX))
         eh, el = exp_dd_fast(xh, xl)
@@ -306,7 +310,7 @@ def _dd_row(b, h, i, q, kT, v, qn, kn, vmax, prm, kvh, lohi, mk, mstr, bs, bstr,
         zs = t
         if state[jj] == 2:
             for e in range(vdim):
-                b_ = v[b, g, j, e]
+                b_ = vp[j, e]
                 p_ = eh * b_
                 ep = D.fma(eh, b_, -p_)
                 nse = ns[e]
@@ -384,6 +388,9 @@ def _d_block(b, h, i0, nb_rows, q, kT, v, qn, kn, qs, ks, vmax, vnorm, prm, kvh,
     gsum = pr[12]
     u = 1.01 * D.U
     vdim = v.shape[3]
+    vp = v[b, g]  # the plane's (S, E) values
+    knp = kn[b, g]
+    ksp = ks[b, g]
     lo = lohi[b, i0, 0]
     hi = lohi[b, i0, 1]
     for rr in range(1, nb_rows):
@@ -395,12 +402,14 @@ def _d_block(b, h, i0, nb_rows, q, kT, v, qn, kn, qs, ks, vmax, vnorm, prm, kvh,
     state = np.zeros((ROW_BLOCK, n), np.int8)
     bad = np.zeros(ROW_BLOCK, np.bool_)
     for d in range(q.shape[3]):
+        row = kT[b, g, d, lo:hi]  # a slice: the loop below then vectorizes
         for rr in range(nb_rows):
             a = q[b, h, i0 + rr, d]
             if a == 0.0:
                 continue
+            srow = s[rr]
             for jj in range(n):
-                s[rr, jj] = D.fma(a, kT[b, g, d, lo + jj], s[rr, jj])
+                srow[jj] = D.fma(a, row[jj], srow[jj])
     top = np.full(ROW_BLOCK, -np.inf)
     for rr in range(nb_rows):
         i = i0 + rr
@@ -414,8 +423,8 @@ def _d_block(b, h, i0, nb_rows, q, kT, v, qn, kn, qs, ks, vmax, vnorm, prm, kvh,
             if has_bias and not _bias_in_range(bv):
                 bad[rr] = True
             # an fma chain proven exact (exactness_scales) carries no error
-            gd = 0.0 if qs[b, h, i] * ks[b, g, j] < 2.0**52 else gdim
-            t, e = _score_d(i, j, s[rr, jj], qn[b, h, i], kn[b, g, j], pr, bv, has_bias, gd)
+            gd = 0.0 if qs[b, h, i] * ksp[j] < 2.0**52 else gdim
+            t, e = _score_d(i, j, s[rr, jj], qn[b, h, i], knp[j], pr, bv, has_bias, gd)
             s[rr, jj], err[rr, jj] = t, e
             if t > top[rr]:
                 top[rr] = t
@@ -449,7 +458,7 @@ def _d_block(b, h, i0, nb_rows, q, kT, v, qn, kn, qs, ks, vmax, vnorm, prm, kvh,
                 tiny[rr] += TINY
                 if state[rr, jj] == 2:
                     for e in range(vdim):
-                        tiny_v[rr, e] += abs(v[b, g, j, e])
+                        tiny_v[rr, e] += abs(vp[j, e])
                 continue
             rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * xe) * (1.0 + _RHO_MAX))
             ex[rr] = D.exp_d(x)
@@ -460,7 +469,7 @@ def _d_block(b, h, i0, nb_rows, q, kT, v, qn, kn, qs, ks, vmax, vnorm, prm, kvh,
             if use[rr]:
                 wgt = ex[rr]
                 for e in range(vdim):
-                    nb[rr, e] = D.fma(wgt, v[b, g, j, e], nb[rr, e])
+                    nb[rr, e] = D.fma(wgt, vp[j, e], nb[rr, e])
     zeros = np.zeros(vdim)
     for rr in range(nb_rows):
         i = i0 + rr
