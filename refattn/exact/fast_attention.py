@@ -261,6 +261,7 @@ def _dd_row(b, h, i, q, kT, v, qn, kn, vmax, prm, kvh, lohi, mk, mstr, bs, bstr,
     vp = v[b, g]  # the plane's (S, E) values
     knp = kn[b, g]
     qn_i = qn[b, h, i]
+    rule_arrays = has_mask or has_bias or has_drop
     s = np.empty(n)
     c = np.empty(n)
     err = np.empty(n)
@@ -269,8 +270,10 @@ def _dd_row(b, h, i, q, kT, v, qn, kn, vmax, prm, kvh, lohi, mk, mstr, bs, bstr,
     top = -np.inf
     for jj in range(n):
         j = lo + jj
-        st, bv = _key_state(b, h, i, j, mk, mstr, bs, bstr, dr, dstr, has_mask, has_bias,
-                            has_drop)
+        st, bv = 2, 0.0
+        if rule_arrays:
+            st, bv = _key_state(b, h, i, j, mk, mstr, bs, bstr, dr, dstr, has_mask, has_bias,
+                                has_drop)
         state[jj] = st
         if st == 0:
             continue
@@ -295,7 +298,8 @@ def _dd_row(b, h, i, q, kT, v, qn, kn, vmax, prm, kvh, lohi, mk, mstr, bs, bstr,
         j = lo + jj
         xh, xl = D.dd_add_d(s[jj], c[jj], -top)
         xe = (err[jj] + D.DD_REL * abs(xh)) * D.BOUND_SAFETY
-        s[jj], c[jj], err[jj] = xh, xl, xe  # the shifted scores, kept for the weights
+        if want_w:
+            s[jj], c[jj], err[jj] = xh, xl, xe  # the shifted scores, kept for the weights
         if xh < CUT:
             tiny += TINY
             if state[jj] == 2:
@@ -391,6 +395,7 @@ def _d_block(b, h, i0, nb_rows, q, kT, v, qn, kn, qs, ks, vmax, vnorm, prm, kvh,
     vp = v[b, g]  # the plane's (S, E) values
     knp = kn[b, g]
     ksp = ks[b, g]
+    rule_arrays = has_mask or has_bias or has_drop
     lo = lohi[b, i0, 0]
     hi = lohi[b, i0, 1]
     for rr in range(1, nb_rows):
@@ -415,8 +420,10 @@ def _d_block(b, h, i0, nb_rows, q, kT, v, qn, kn, qs, ks, vmax, vnorm, prm, kvh,
         i = i0 + rr
         for jj in range(lohi[b, i, 0] - lo, lohi[b, i, 1] - lo):
             j = lo + jj
-            st, bv = _key_state(b, h, i, j, mk, mstr, bs, bstr, dr, dstr, has_mask, has_bias,
-                                has_drop)
+            st, bv = 2, 0.0
+            if rule_arrays:
+                st, bv = _key_state(b, h, i, j, mk, mstr, bs, bstr, dr, dstr, has_mask,
+                                    has_bias, has_drop)
             state[rr, jj] = st
             if st == 0:
                 continue
@@ -453,7 +460,8 @@ def _d_block(b, h, i0, nb_rows, q, kT, v, qn, kn, qs, ks, vmax, vnorm, prm, kvh,
                 continue
             x = s[rr, jj] - top[rr]
             xe = (err[rr, jj] + u * abs(x)) * D.BOUND_SAFETY
-            s[rr, jj], err[rr, jj] = x, xe  # the shifted scores, kept for the weights
+            if want_w:
+                s[rr, jj], err[rr, jj] = x, xe  # the shifted scores, kept for the weights
             if x < CUT:
                 tiny[rr] += TINY
                 if state[rr, jj] == 2:
