@@ -304,8 +304,9 @@ def _dots(arow, bt, j0, outh, outl, oute, b_l1, cn):
     for d in range(n):
         a = arow[d]
         amax = max(amax, abs(a))
+        row = bt[d, j0:j0 + keys]  # a slice, not bt[d, j0 + j]: the loop then vectorizes
         for j in range(keys):
-            b = bt[d, j0 + j]
+            b = row[j]
             p = a * b
             ep = fma(a, b, -p)
             s, es = two_sum(outh[j], p)
