@@ -172,3 +172,15 @@ def assert_rounds_derivative(value, derivative, *, what, case="", dtype="float64
         elif not abs(got - estimate) <= bound:
             _fail([f"{label}: element {index} is {got!r}, outside the derivative's interval "
                    f"{float(estimate)!r} +- {float(bound):.3e}"])
+
+
+def vjp_problem(seed=0, heads=2, kv_heads=2, length=5, keys=6, dim=4, vdim=3, batch=1):
+    """(rng, q, k, v, grad_out, grad_lse): Gaussian inputs of an exact-vjp test in the
+    (B, H, L, D) / (B, K, S, D) / (B, K, S, E) layout."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, heads, length, dim))
+    k = rng.standard_normal((batch, kv_heads, keys, dim))
+    v = rng.standard_normal((batch, kv_heads, keys, vdim))
+    do = rng.standard_normal((batch, heads, length, vdim))
+    gl = rng.standard_normal((batch, heads, length))
+    return rng, q, k, v, do, gl

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 import pytest
-from helpers import assert_same_bits
+from helpers import assert_same_bits, vjp_problem
 
 from refattn._fold import fold
 from refattn._spec import canonicalize, check_cotangent
@@ -16,13 +16,7 @@ from refattn.exact.rounding import FORMATS
 
 
 def _problem(seed=0, batch=2, heads=4, kv_heads=2, length=7, keys=9, dim=4, vdim=3):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((batch, heads, length, dim))
-    k = rng.standard_normal((batch, kv_heads, keys, dim))
-    v = rng.standard_normal((batch, kv_heads, keys, vdim))
-    do = rng.standard_normal((batch, heads, length, vdim))
-    gl = rng.standard_normal((batch, heads, length))
-    return rng, q, k, v, do, gl
+    return vjp_problem(seed, heads, kv_heads, length, keys, dim, vdim, batch)
 
 
 def _options(rng, length=7, keys=9, heads=4):

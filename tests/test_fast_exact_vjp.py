@@ -9,7 +9,7 @@ from fractions import Fraction
 import mpmath
 import numpy as np
 import pytest
-from helpers import assert_same_bits
+from helpers import assert_same_bits, vjp_problem
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import attention_cases
@@ -50,14 +50,7 @@ def _assert_identical(fast, referee, case):
         assert_same_bits(a, b, what=name, case=case, check_dtype=True)
 
 
-def _problem(seed=0, heads=2, kv_heads=2, length=5, keys=6, dim=4, vdim=3, batch=1):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((batch, heads, length, dim))
-    k = rng.standard_normal((batch, kv_heads, keys, dim))
-    v = rng.standard_normal((batch, kv_heads, keys, vdim))
-    do = rng.standard_normal((batch, heads, length, vdim))
-    gl = rng.standard_normal((batch, heads, length))
-    return rng, q, k, v, do, gl
+_problem = vjp_problem
 
 
 OPTION_CASES = {
