@@ -62,7 +62,7 @@ def compact_view(view, dtype):
     view = np.asarray(view)
     core = view[tuple(slice(0, 1) if st == 0 or n == 1 else slice(None)
                       for st, n in zip(view.strides, view.shape, strict=True))]
-    core = np.ascontiguousarray(core, dtype)
+    core = np.require(core, dtype, ["C", "W"])  # writable: the kernels see one array type
     strides = np.array([0 if n == 1 else st // core.itemsize
                         for st, n in zip(core.strides, core.shape, strict=True)], np.int64)
     return core.ravel(), strides
