@@ -71,14 +71,14 @@ Error analysis (``u = 2**-53``; every bound below is an upper bound of the exact
 
 Any non-finite intermediate in a (batch, kv head) unit marks the whole unit undecided.
 
-Streaming (no (L, S) array; memory O(L D + S D) per head plane, plus dbias's own (B, H, L, S)
-enclosure when there is a bias): each row's allowed and kept sets are computed on the fly into
-a length-S scratch row from its structural key interval ``[lo, hi)`` (causal, window, key
-length) and, only where present, the explicit mask, the -inf positions of the bias and the
-dropout keep-mask, read through their un-broadcast arrays and strides
-(:mod:`refattn.exact._stream`); every key loop runs over ``[lo, hi)`` only (causal halves the
-work),
-in increasing key order, so the values are those of the full loops. Two passes, in the manner
+Streaming (no (L, S) array; memory O(L D + S D) per head plane, plus a (B, H, L, S) dS
+enclosure only where dbias has that size or its slots are not one key's: see pass C): each
+row's allowed and kept sets are computed on the fly into a length-S scratch row from its
+structural key interval ``[lo, hi)`` (causal, window, key length) and, only where present, the
+explicit mask, the -inf positions of the bias and the dropout keep-mask, read through their
+un-broadcast arrays and strides (:mod:`refattn.exact._stream`); every key loop runs over ``[lo,
+hi)`` only (causal halves the work), in increasing key order, so the values are those of the
+full loops. Two passes, in the manner
 of FlashAttention-2's backward:
 
 * pass A (:func:`_pass_a`), parallel over (batch, query head, block of :data:`ROW_BLOCK`
@@ -96,6 +96,13 @@ of FlashAttention-2's backward:
   very floats pass A used), so each recomputed value and error bound is bit-identical to pass
   A's, whose bounds are those above: pass B adds no error term, and dk, dv accumulate the
   same terms in the same order (heads of the group, rows, increasing) as a single pass would.
+* pass C (:func:`_pass_c`, a bias broadcast over batch, heads or rows with its key axis of
+  size S), parallel over blocks of :data:`KEY_BLOCK` keys: the dS enclosure of every (b, h,
+  i) at the block's keys, recomputed as in pass B (:func:`_block_ds`), summed into its dbias
+  slot in the C order of (b, h, i); each slot holds one key's positions, so a block owns its
+  slots, and the sums and bounds are those of :func:`reduce_enclosure` on pass A's
+  (3, B, H, L, S) enclosure, bit for bit (the path kept for a full bias, where the sum is the
+  identity, for a bias broadcast along the keys and for a folded spec's slots).
 
 Every output element is written by exactly one work item, whose operations are in a fixed
 order: the results depend on the shapes alone (not on the thread count).
@@ -553,9 +560,10 @@ def _pass_a(q, k, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, 
             slopes, kv_head, opts, fopts, k_l1, v_l1, k_col, dq, write_ds, dbias, istat, fstat,
             bad):
     """Pass A, parallel over (batch, query head, block of ROW_BLOCK rows): each row's dS, dT
-    and dq (and the dS enclosure ``dbias`` (3, B, H, L, S) when ``write_ds``), the row statistics for pass B (``istat`` (B, H, L, 3):
-    kind, reference key, zero row; ``fstat`` (B, H, L, N_STAT)) and the non-finite flag of
-    the block (``bad`` (B, H, blocks))."""
+    and dq (and the dS enclosure ``dbias`` (3, B, H, L, S) when ``write_ds``), the row
+    statistics for passes B and C (``istat`` (B, H, L, 3): kind, reference key, zero row;
+    ``fstat`` (B, H, L, N_STAT)) and the non-finite flag of the block (``bad`` (B, H,
+    blocks))."""
     batch, heads, length, dim = q.shape
     keys = kt.shape[3]
     s_hi, s_lo, s_err = fopts[0], fopts[1], fopts[2]
