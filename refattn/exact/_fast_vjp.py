@@ -76,10 +76,9 @@ enclosure only where dbias has that size or its slots are not one key's: see pas
 row's allowed and kept sets are computed on the fly into a length-S scratch row from its
 structural key interval ``[lo, hi)`` (causal, window, key length) and, only where present, the
 explicit mask, the -inf positions of the bias and the dropout keep-mask, read through their
-un-broadcast arrays and strides (:mod:`refattn.exact._stream`); every key loop runs over ``[lo,
-hi)`` only (causal halves the work), in increasing key order, so the values are those of the
-full loops. Two passes, in the manner
-of FlashAttention-2's backward:
+un-broadcast arrays and strides (:mod:`refattn.exact._stream`); every key loop runs over
+``[lo, hi)`` only (causal halves the work), in increasing key order, so the values are those of
+the full loops. Two passes, in the manner of FlashAttention-2's backward:
 
 * pass A (:func:`_pass_a`), parallel over (batch, query head, block of :data:`ROW_BLOCK`
   rows): each row's scores, weights, ``D_i``, dS and dT and its dq (and dbias); it stores per
