@@ -139,3 +139,81 @@ def test_undecided_dq_rows_go_to_the_referee_alone(name, monkeypatch):
     assert seen and all(shape[:3] == (1, 1, 1) for shape in seen), seen
     for n in names:
         assert_same_bits(values[n], whole[n], what=n, case=name)
+
+
+def _bias_cases(rng, batch=2, heads=4, length=7, keys=9):
+    """(bias shape, canonicalize options) of broadcast biases with the other features."""
+    slopes = np.array([0.5, 0.25, 0.125, 0.0625])
+    return [
+        ((heads, 1, keys), {"causal": True}),
+        ((1, 1, length, keys), {"window": (2, 1), "dropout_p": 0.25,
+                                "dropout_mask": rng.random((batch, 1, length, keys)) < 0.8}),
+        ((batch, 1, 1, keys), {"kv_lengths": np.array([9, 4]), "causal": True,
+                               "align": "bottom_right"}),
+        ((length, keys), {"mask": rng.random((length, keys)) < 0.6, "softcap": 3.0}),
+        ((keys,), {"alibi_slopes": slopes, "causal": True}),
+        ((heads, length, keys), {"kv_lengths": np.array([0, 6]), "window": (1, 1)}),
+        ((batch, heads, 1, keys), {"mask": rng.random((heads, 1, keys)) < 0.8, "gqa": "tile",
+                                   "softcap": 2.0, "alibi_slopes": slopes}),
+        ((1, keys), {"window": (0, 0)}),  # single-key rows
+        ((heads, 1, keys), {"mask": rng.random((batch, heads, length, keys)) < 0.3}),
+    ]
+
+
+@pytest.mark.parametrize("case", range(9))
+@pytest.mark.parametrize("with_glse", [True, False])
+def test_streamed_dbias_has_the_reduced_enclosures_bits(case, with_glse):
+    """Pass C (no (B, H, L, S) array) gives the dbias enclosures of pass A's dS enclosure
+    summed by reduce_enclosure, bit for bit."""
+    rng, q, k, v, do, gl = _problem(seed=20 + case)
+    shape, opts = _bias_cases(rng)[case]
+    bias = rng.standard_normal(shape)
+    bias.flat[3] = -np.inf
+    spec = canonicalize(q, k, v, bias=bias, **opts)
+    assert _fast_vjp._dbias_stream_slots(spec) is not None
+    _, heads, _, length, _, _, vdim = spec.dims
+    d = check_cotangent(spec, do, "grad_out", (heads, length, vdim))
+    g = check_cotangent(spec, gl, "grad_lse", (heads, length)) if with_glse else None
+    new = _fast_vjp.gradient_enclosures(spec, d, g)
+    old = _fast_vjp.gradient_enclosures(spec, d, g, stream_dbias=False)
+    assert new[3].shape == (3,) + tuple(shape)
+    for what, a, b in zip(("dq", "dk", "dv", "dbias", "bad"), new, old, strict=True):
+        assert_same_bits(a, b, what=what, case=f"{shape} {sorted(opts)}")
+
+
+def test_streamed_dbias_does_not_depend_on_the_thread_count():
+    rng, q, k, v, do, gl = _problem(seed=6, batch=2, heads=4, kv_heads=2, length=70, keys=150)
+    spec = canonicalize(q, k, v, bias=rng.standard_normal((4, 1, 150)), causal=True,
+                        kv_lengths=np.array([150, 100]), align="bottom_right")
+    _, heads, _, length, _, _, vdim = spec.dims
+    d = check_cotangent(spec, do, "grad_out", (heads, length, vdim))
+    g = check_cotangent(spec, gl, "grad_lse", (heads, length))
+    saved = numba.get_num_threads()
+    runs = []
+    try:
+        for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS), saved}):
+            numba.set_num_threads(threads)
+            runs.append(_fast_vjp.gradient_enclosures(spec, d, g)[3])
+    finally:
+        numba.set_num_threads(saved)
+    old = _fast_vjp.gradient_enclosures(spec, d, g, stream_dbias=False)[3]
+    for got in runs:
+        assert_same_bits(got, old, what="dbias", case="threads")
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 1, 6), (2, 1, 2, 1, 6), (1, 3, 2, 5, 6), (6,),
+                                   (2, 1, 1, 1, 6)])
+def test_streamed_dbias_with_a_batch_of_two_axes(shape):
+    """The slots of a bias broadcast against batch axes (2, 3): slot_b per flat batch row."""
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, 3, 2, 5, 4))
+    k, v = rng.standard_normal((2, 3, 2, 6, 4)), rng.standard_normal((2, 3, 2, 6, 3))
+    spec = canonicalize(q, k, v, bias=rng.standard_normal(shape), causal=True)
+    assert _fast_vjp._dbias_stream_slots(spec) is not None
+    _, heads, _, length, _, _, vdim = spec.dims
+    d = check_cotangent(spec, rng.standard_normal((2, 3, 2, 5, 3)), "grad_out",
+                        (heads, length, vdim))
+    new = _fast_vjp.gradient_enclosures(spec, d, None)[3]
+    old = _fast_vjp.gradient_enclosures(spec, d, None, stream_dbias=False)[3]
+    assert new.shape == (3,) + shape
+    assert_same_bits(new, old, what="dbias", case=str(shape))

@@ -71,15 +71,14 @@ Error analysis (``u = 2**-53``; every bound below is an upper bound of the exact
 
 Any non-finite intermediate in a (batch, kv head) unit marks the whole unit undecided.
 
-Streaming (no (L, S) array; memory O(L D + S D) per head plane, plus dbias's own (B, H, L, S)
-enclosure when there is a bias): each row's allowed and kept sets are computed on the fly into
-a length-S scratch row from its structural key interval ``[lo, hi)`` (causal, window, key
-length) and, only where present, the explicit mask, the -inf positions of the bias and the
-dropout keep-mask, read through their un-broadcast arrays and strides
-(:mod:`refattn.exact._stream`); every key loop runs over ``[lo, hi)`` only (causal halves the
-work),
-in increasing key order, so the values are those of the full loops. Two passes, in the manner
-of FlashAttention-2's backward:
+Streaming (no (L, S) array; memory O(L D + S D) per head plane, plus a (B, H, L, S) dS
+enclosure only where dbias has that size or its slots are not one key's: see pass C): each
+row's allowed and kept sets are computed on the fly into a length-S scratch row from its
+structural key interval ``[lo, hi)`` (causal, window, key length) and, only where present, the
+explicit mask, the -inf positions of the bias and the dropout keep-mask, read through their
+un-broadcast arrays and strides (:mod:`refattn.exact._stream`); every key loop runs over
+``[lo, hi)`` only (causal halves the work), in increasing key order, so the values are those of
+the full loops. Two passes, in the manner of FlashAttention-2's backward:
 
 * pass A (:func:`_pass_a`), parallel over (batch, query head, block of :data:`ROW_BLOCK`
   rows): each row's scores, weights, ``D_i``, dS and dT and its dq (and dbias); it stores per
@@ -96,6 +95,13 @@ of FlashAttention-2's backward:
   very floats pass A used), so each recomputed value and error bound is bit-identical to pass
   A's, whose bounds are those above: pass B adds no error term, and dk, dv accumulate the
   same terms in the same order (heads of the group, rows, increasing) as a single pass would.
+* pass C (:func:`_pass_c`, a bias broadcast over batch, heads or rows with its key axis of
+  size S), parallel over blocks of :data:`KEY_BLOCK` keys: the dS enclosure of every (b, h,
+  i) at the block's keys, recomputed as in pass B (:func:`_block_ds`), summed into its dbias
+  slot in the C order of (b, h, i); each slot holds one key's positions, so a block owns its
+  slots, and the sums and bounds are those of :func:`reduce_enclosure` on pass A's
+  (3, B, H, L, S) enclosure, bit for bit (the path kept for a full bias, where the sum is the
+  identity, for a bias broadcast along the keys and for a folded spec's slots).
 
 Every output element is written by exactly one work item, whose operations are in a fixed
 order: the results depend on the shapes alone (not on the thread count).
@@ -396,6 +402,42 @@ def _block_scores(b, h, i, a, qrow, kt_bg, allowed, bias, bias_st, slopes, opts,
 
 
 @njit(**_JIT)
+def _block_ds(b, h, i, a, kind, r, st, g_i, has_glse, qrow, kt_bg, vt_bg, dorow, allowed,
+              kept, bias, bias_st, slopes, opts, fopts, k_l1, v_l1, sh, sl, se, fh, fl, fe,
+              dh, dl, de, wh, wl, we):
+    """Recompute, for the keys ``a .. a + n`` of row i (scratch rows of length n), the scores
+    and softcap derivative (sh .. fe) and, for a kind-1 row (:func:`_row`), the weights
+    (wh, wl, we) and dS (dh, dl, de) of its allowed keys from pass A's row statistics ``st``
+    (r the reference key, absolute index): every step is elementwise in the key and is the
+    same compiled operation on the same operands as in pass A, so the values and bounds are
+    bit-identical to pass A's. Used by pass B (dk, dv) and pass C (dbias)."""
+    dropout = opts[4]
+    kf_h, kf_l, kf_e = fopts[4], fopts[5], fopts[6]
+    _block_scores(b, h, i, a, qrow, kt_bg, allowed, bias, bias_st, slopes, opts, fopts, k_l1,
+                  sh, sl, se, fh, fl, fe)
+    if kind != 1:
+        return
+    _dots(dorow, vt_bg, a, dh, dl, de, v_l1, fopts[8])
+    for t in range(allowed.shape[0]):
+        if not allowed[t]:
+            continue
+        j = a + t
+        if j == r:
+            w_h, w_l, w_e = st[6], st[7], st[8]
+            yh, yl, ye = 0.0, 0.0, 0.0
+        else:
+            eh, el, ee = _exp_rel(sh[t], sl[t], se[t], st[0], st[1], st[2])
+            w_h, w_l, w_e = _scaled_weight(eh, el, ee, st[3], st[4], st[5])
+            if kept[t]:
+                yh, yl, ye = _y_of(dh[t], dl[t], de[t], st[9], st[10], st[11])
+            else:
+                yh, yl, ye = _y_of(0.0, 0.0, 0.0, st[9], st[10], st[11])
+        dh[t], dl[t], de[t] = _ds_of(j == r, yh, yl, ye, st[12], st[13], st[14], dropout,
+                                     kf_h, kf_l, kf_e, has_glse, g_i, w_h, w_l, w_e)
+        wh[t], wl[t], we[t] = w_h, w_l, w_e
+
+
+@njit(**_JIT)
 def _row(b, h, i, lo, qrow, kt_bg, vt_bg, dorow, g_i, has_glse, allowed, kept, bias,
          bias_st, slopes, opts, fopts, k_l1, v_l1, sh, sl, se, fh, fl, fe, wh, wl, we, dh, dl,
          de, dsh, dsl, dse, stat):
@@ -514,14 +556,15 @@ N_STAT = 15
 
 @njit(parallel=True, **_JIT)
 def _pass_a(q, k, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, bias, bias_st,
-            slopes, kv_head, opts, fopts, k_l1, v_l1, k_col, dq, dbias, istat, fstat, bad):
+            slopes, kv_head, opts, fopts, k_l1, v_l1, k_col, dq, write_ds, dbias, istat, fstat,
+            bad):
     """Pass A, parallel over (batch, query head, block of ROW_BLOCK rows): each row's dS, dT
-    and dq (and dbias with a bias), the row statistics for pass B (``istat`` (B, H, L, 3):
-    kind, reference key, zero row; ``fstat`` (B, H, L, N_STAT)) and the non-finite flag of
-    the block (``bad`` (B, H, blocks))."""
+    and dq (and the dS enclosure ``dbias`` (3, B, H, L, S) when ``write_ds``), the row
+    statistics for passes B and C (``istat`` (B, H, L, 3): kind, reference key, zero row;
+    ``fstat`` (B, H, L, N_STAT)) and the non-finite flag of the block (``bad`` (B, H,
+    blocks))."""
     batch, heads, length, dim = q.shape
     keys = kt.shape[3]
-    has_bias = opts[0]
     s_hi, s_lo, s_err = fopts[0], fopts[1], fopts[2]
     blocks = (length + ROW_BLOCK - 1) // ROW_BLOCK
     for item in prange(batch * heads * blocks):
@@ -559,7 +602,7 @@ def _pass_a(q, k, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, 
                     no_kept = False
             zero_row = (kind == 2 or no_kept) and (not has_glse or g_i == 0.0)
             istat[b, h, i, 0], istat[b, h, i, 1], istat[b, h, i, 2] = kind, lo + r, zero_row
-            if has_bias:
+            if write_ds:
                 for t in range(n):
                     j = lo + t
                     dbias[0, b, h, i, j] = dsh[t]
@@ -617,9 +660,10 @@ def _pass_b(q, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, bia
         blk = item % blocks
         j0 = blk * KEY_BLOCK
         nb = min(keys, j0 + KEY_BLOCK) - j0
-        row = np.empty((9, nb))
-        sh, sl, se, fh, fl, fe, dh, dl, de = \
-            row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], row[8]
+        row = np.empty((12, nb))
+        sh, sl, se, fh, fl, fe, dh, dl, de, wh, wl, we = \
+            row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], row[8], row[9], \
+            row[10], row[11]
         allowed, kept = np.empty(nb, np.bool_), np.empty(nb, np.bool_)
         dk_h, dk_c, dk_r = np.zeros((nb, dim)), np.zeros((nb, dim)), np.zeros((nb, dim))
         dv_h, dv_c, dv_r = np.zeros((nb, vdim)), np.zeros((nb, vdim)), np.zeros((nb, vdim))
@@ -643,12 +687,10 @@ def _pass_b(q, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, bia
                 _allowed_row(b, h, i, a, c, masks, mask_st, bias, bias_st, opts, allowed, kept)
                 st = fstat[b, h, i]
                 g_i = glse[b, h, i] if has_glse else 0.0
-                _block_scores(b, h, i, a, q[b, h, i], kt[b, g], allowed[:n], bias,
-                              bias_st, slopes, opts, fopts, k_l1[b, g], sh[:n], sl[:n],
-                              se[:n], fh[:n], fl[:n], fe[:n])
-                if kind == 1:
-                    _dots(do[b, h, i], vt[b, g], a, dh[:n], dl[:n], de[:n], v_l1[b, g],
-                          fopts[8])
+                _block_ds(b, h, i, a, kind, r, st, g_i, has_glse, q[b, h, i], kt[b, g],
+                          vt[b, g], do[b, h, i], allowed[:n], kept[:n], bias, bias_st, slopes,
+                          opts, fopts, k_l1[b, g], v_l1[b, g], sh[:n], sl[:n], se[:n], fh[:n],
+                          fl[:n], fe[:n], dh[:n], dl[:n], de[:n], wh[:n], wl[:n], we[:n])
                 for t in range(n):
                     if not allowed[t]:
                         continue
@@ -663,19 +705,8 @@ def _pass_b(q, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, bia
                             continue
                         th, tl, te = _single_dt(g_i, has_softcap, fh[t], fl[t], fe[t])
                     else:
-                        if j == r:
-                            w_h, w_l, w_e = st[6], st[7], st[8]
-                            yh, yl, ye = 0.0, 0.0, 0.0
-                        else:
-                            eh, el, ee = _exp_rel(sh[t], sl[t], se[t], st[0], st[1], st[2])
-                            w_h, w_l, w_e = _scaled_weight(eh, el, ee, st[3], st[4], st[5])
-                            if kept[t]:
-                                yh, yl, ye = _y_of(dh[t], dl[t], de[t], st[9], st[10], st[11])
-                            else:
-                                yh, yl, ye = _y_of(0.0, 0.0, 0.0, st[9], st[10], st[11])
-                        th, tl, te = _ds_of(j == r, yh, yl, ye, st[12], st[13], st[14],
-                                            dropout, kf_h, kf_l, kf_e, has_glse, g_i, w_h, w_l,
-                                            w_e)
+                        w_h, w_l, w_e = wh[t], wl[t], we[t]
+                        th, tl, te = dh[t], dl[t], de[t]
                         if has_softcap:
                             th, tl, te = _dt_of(th, tl, te, fh[t], fl[t], fe[t])
                     _accumulate(th, tl, q[b, h, i], dk_h[x], dk_c[x], dk_r[x])
@@ -709,6 +740,71 @@ def _pass_b(q, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, bia
                 else:
                     dv[0, b, g, j, e], dv[1, b, g, j, e] = xh, xl
                     dv[2, b, g, j, e] = err * BOUND_SAFETY + UNDERFLOW_TERM
+
+
+@njit(parallel=True, **_JIT)
+def _pass_c(q, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, bias, bias_st,
+            slopes, kv_head, opts, fopts, k_l1, v_l1, istat, fstat, slot_b, slot_st, out, mag,
+            count):
+    """Pass C (a broadcast bias), parallel over blocks of KEY_BLOCK keys: the dS enclosure of
+    every position (b, h, i, j) of the block's keys, recomputed from pass A's row statistics
+    as pass B does (:func:`_block_ds`; bit-identical to pass A's dS and to the enclosure pass
+    A writes: zeros outside a row's allowed keys, ``g`` at a single-key row's key, an error
+    term for the allowed keys of kind-1 rows that are not zero rows), summed into its dbias
+    slot ``slot_b[b] + h slot_st[0] + i slot_st[1] + j slot_st[2]`` as :func:`_reduce` does
+    (``out`` (3, N) with its ``mag``, ``count`` (N,); :func:`_finish` completes it). A slot's
+    positions share its key j (dbias's key axis has size S), so each block owns its slots,
+    and they are visited in the C order of (b, h, i): the sums are those of
+    :func:`reduce_enclosure` on the (3, B, H, L, S) enclosure, bit for bit."""
+    batch, heads, length = q.shape[0], q.shape[1], q.shape[2]
+    keys = kt.shape[3]
+    blocks = (keys + KEY_BLOCK - 1) // KEY_BLOCK
+    for blk in prange(blocks):
+        j0 = blk * KEY_BLOCK
+        nb = min(keys, j0 + KEY_BLOCK) - j0
+        row = np.empty((15, nb))
+        sh, sl, se, fh, fl, fe, dh, dl, de, wh, wl, we, vh, vl, ve = \
+            row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], row[8], row[9], \
+            row[10], row[11], row[12], row[13], row[14]
+        allowed, kept = np.empty(nb, np.bool_), np.empty(nb, np.bool_)
+        for b in range(batch):
+            for h in range(heads):
+                g = kv_head[h]
+                for i in range(length):
+                    vh[:] = 0.0
+                    vl[:] = 0.0
+                    ve[:] = 0.0
+                    kind, r, zero_row = istat[b, h, i, 0], istat[b, h, i, 1], istat[b, h, i, 2]
+                    g_i = glse[b, h, i] if has_glse else 0.0
+                    if kind == 2:  # the single allowed key: dS = g exactly
+                        if j0 <= r < j0 + nb:
+                            vh[r - j0] = g_i
+                    elif kind == 1:
+                        a = max(j0, rows_lo[b, i])
+                        c = min(j0 + nb, rows_hi[b, i])
+                        if a < c:
+                            n = c - a
+                            _allowed_row(b, h, i, a, c, masks, mask_st, bias, bias_st, opts,
+                                         allowed, kept)
+                            _block_ds(b, h, i, a, kind, r, fstat[b, h, i], g_i, has_glse,
+                                      q[b, h, i], kt[b, g], vt[b, g], do[b, h, i], allowed[:n],
+                                      kept[:n], bias, bias_st, slopes, opts, fopts, k_l1[b, g],
+                                      v_l1[b, g], sh[:n], sl[:n], se[:n], fh[:n], fl[:n],
+                                      fe[:n], dh[:n], dl[:n], de[:n], wh[:n], wl[:n], we[:n])
+                            for t in range(n):
+                                if not allowed[t]:
+                                    continue
+                                x = a + t - j0
+                                vh[x], vl[x] = dh[t], dl[t]
+                                if not zero_row:
+                                    ve[x] = de[t] * BOUND_SAFETY + UNDERFLOW_TERM
+                    base = slot_b[b] + h * slot_st[0] + i * slot_st[1] + j0 * slot_st[2]
+                    for x in range(nb):
+                        t = base + x * slot_st[2]
+                        out[0, t], out[1, t] = dd_add(out[0, t], out[1, t], vh[x], vl[x])
+                        out[2, t] += ve[x]
+                        mag[t] += abs(vh[x])
+                        count[t] += 1.0
 
 
 @njit(parallel=True, **_JIT)
@@ -832,14 +928,42 @@ def allowed_plane(spec, b, h):
     return allowed, kept
 
 
-def gradient_enclosures(spec, grad_out, grad_lse):
-    """dd enclosures (3, ...) of dq (B, H, L, D), dk (B, K, S, D), dv (B, K, S, E) and dS
-    (B, H, L, S) (None without bias), and a (B, K) array of units to hand to the referee.
+def _dbias_stream_slots(spec):
+    """(slot_b (B,), strides (3,)) with ``slot_b[b] + h st[0] + i st[1] + j st[2]`` the dbias
+    slot of position (b, h, i, j) (:meth:`AttentionSpec.dbias_slots`), or None where pass C
+    does not apply: no bias, a full (B, H, L, S) bias (the reduction is the identity), a
+    bias broadcast along the keys (a slot would span key blocks), a folded spec's
+    ``dbias_index`` or an empty problem."""
+    if spec.bias is None or spec.dbias_index is not None:
+        return None
+    batch, heads, _, length, keys, _, _ = spec.dims
+    shape = tuple(spec.bias_shape)
+    size = int(np.prod(shape))
+    if not shape or shape[-1] != keys or size == 0 or size == batch * heads * length * keys:
+        return None
+    full = tuple(spec.batch_shape) + (heads, length, keys)
+    index = np.broadcast_to(np.arange(size, dtype=np.int64).reshape(shape), full)
+    strides = np.array([st // index.itemsize for st in index.strides[-3:]], np.int64)
+    slot_b = np.ascontiguousarray(index[..., 0, 0, 0], np.int64).reshape(-1)
+    if slot_b.shape != (batch,):
+        return None
+    return slot_b, strides
+
+
+def gradient_enclosures(spec, grad_out, grad_lse, *, stream_dbias=True):
+    """dd enclosures (3, ...) of dq (B, H, L, D), dk (B, K, S, D), dv (B, K, S, E) and dbias
+    (3,) + :meth:`AttentionSpec.dbias_slots`'s shape (None without bias), and a (B, K) array
+    of units to hand to the referee.
 
     Streaming (module docstring): besides the inputs and the outputs, the memory is O(L + S +
     D + E) per head plane (row statistics, row intervals, norms) and a scratch row of length S
     per worker; no (L, S) array is formed unless the caller's mask, keep-mask or bias is one
-    (they are read un-broadcast) or there is a bias (dS, which dbias needs, is output-sized).
+    (they are read un-broadcast). dbias: a bias broadcast over batch, heads or rows (its key
+    axis of size S) is summed by pass C (:func:`_pass_c`) with no (B, H, L, S) array; a full
+    bias's dbias is the dS enclosure itself, written by pass A; otherwise (a bias broadcast
+    along the keys, a folded spec's slots, or ``stream_dbias=False``) pass A writes the
+    (3, B, H, L, S) dS enclosure and :func:`reduce_enclosure` sums it, with the same bits as
+    pass C.
     """
     batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
     f64 = np.float64
@@ -874,8 +998,12 @@ def gradient_enclosures(spec, grad_out, grad_lse):
     dq = np.zeros((3, batch, heads, length, dim))
     dk = np.zeros((3, batch, kv_heads, keys, dim))
     dv = np.zeros((3, batch, kv_heads, keys, vdim))
-    dbias = np.zeros((3, batch, heads, length, keys)) if spec.bias is not None else \
-        np.zeros((3, 1, 1, 1, 1))
+    slots = _dbias_stream_slots(spec) if stream_dbias else None
+    write_ds = spec.bias is not None and slots is None
+    dbias = np.zeros((3, batch, heads, length, keys)) if write_ds else np.zeros((3, 1, 1, 1, 1))
+    if slots is not None:
+        dbias_shape = tuple(spec.bias_shape)
+        reduced = np.zeros((3, int(np.prod(dbias_shape))))
     bad = np.zeros((batch, kv_heads), np.bool_)
     if batch and heads and length and keys:
         k_l1, v_l1 = np.zeros((batch, kv_heads, keys)), np.zeros((batch, kv_heads, keys))
@@ -887,14 +1015,24 @@ def gradient_enclosures(spec, grad_out, grad_lse):
         fstat = np.zeros((batch, heads, length, N_STAT))
         bad_rows = np.zeros((batch, heads, -(-length // ROW_BLOCK)), np.bool_)
         _pass_a(q, k, kt, vt, do, glse, grad_lse is not None, rows_lo, rows_hi, masks, mask_st,
-                bias, bias_st, slopes, kv_head, opts, fopts, k_l1, v_l1, k_col, dq, dbias, istat,
-                fstat, bad_rows)
+                bias, bias_st, slopes, kv_head, opts, fopts, k_l1, v_l1, k_col, dq, write_ds,
+                dbias, istat, fstat, bad_rows)
         _pass_b(q, kt, vt, do, glse, grad_lse is not None, rows_lo, rows_hi, masks, mask_st,
                 bias, bias_st, slopes, group, opts, fopts, k_l1, v_l1, q_sum, do_sum, istat,
                 fstat, dk, dv)
+        if slots is not None:
+            mag, count = np.zeros(reduced.shape[1]), np.zeros(reduced.shape[1])
+            _pass_c(q, kt, vt, do, glse, grad_lse is not None, rows_lo, rows_hi, masks,
+                    mask_st, bias, bias_st, slopes, kv_head, opts, fopts, k_l1, v_l1, istat,
+                    fstat, slots[0], slots[1], reduced, mag, count)
+            _finish(reduced, mag, count)
         for h in range(heads):
             bad[:, kv_head[h]] |= bad_rows[:, h].any(axis=1)
-    return dq, dk, dv, (dbias if spec.bias is not None else None), bad
+    if spec.bias is None:
+        return dq, dk, dv, None, bad
+    if slots is not None:
+        return dq, dk, dv, reduced.reshape((3,) + dbias_shape), bad
+    return dq, dk, dv, reduce_enclosure(dbias, *spec.dbias_slots()), bad
 
 
 @njit(**_JIT)
@@ -911,7 +1049,14 @@ def _reduce(enc, index, out):
         out[2, t] += flat_e[n]
         mag[t] += abs(flat_h[n])
         count[t] += 1.0
-    for t in range(size):
+    _finish(out, mag, count)
+
+
+@njit(**_JIT)
+def _finish(out, mag, count):
+    """The error bound of summed slots: the terms' errors plus ``DD_REL`` of the magnitudes
+    per addition (``count`` additions into the slot)."""
+    for t in range(out.shape[1]):
         out[2, t] = (out[2, t] + count[t] * DD_REL * mag[t] * _SAFE) * BOUND_SAFETY
 
 

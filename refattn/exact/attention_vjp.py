@@ -597,10 +597,10 @@ def _fast_then_referee(spec, grad_out, grad_lse, out_dtype, stats):
     """The fast first step, then the referee on what it left undecided (a (batch, kv head)
     unit for dk/dv, a query row for dq: :func:`_referee_units`)."""
     fmt = format_of(out_dtype)
-    dq, dk, dv, ds, bad = _fast.gradient_enclosures(spec, grad_out, grad_lse)
+    dq, dk, dv, dbias, bad = _fast.gradient_enclosures(spec, grad_out, grad_lse)
     encl = {"dq": dq, "dk": dk, "dv": dv}
-    if ds is not None:
-        encl["dbias"] = _fast.reduce_enclosure(ds, *spec.dbias_slots())
+    if dbias is not None:
+        encl["dbias"] = dbias
     values, todo = {}, {}
     for name, enc in encl.items():
         values[name], decided = _fast.decide(enc, fmt)
