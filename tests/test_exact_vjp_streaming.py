@@ -84,21 +84,27 @@ def test_streaming_matches_referee(name, out_dtype):
         assert_same_bits(a, b, what=what, case=name, check_dtype=True)
 
 
-def test_results_do_not_depend_on_the_thread_count():
-    rng, q, k, v, do, gl = _problem(seed=5, batch=2, heads=4, kv_heads=2, length=70, keys=80)
-    spec = canonicalize(q, k, v, causal=True, window=(40, None), kv_lengths=np.array([80, 50]),
-                        align="bottom_right")
+def _per_thread_count(spec, do, gl, **kwargs):
+    """gradient_enclosures with 1 thread, 2 threads (where configured) and the current count."""
     _, heads, _, length, _, _, vdim = spec.dims
     d = check_cotangent(spec, do, "grad_out", (heads, length, vdim))
     g = check_cotangent(spec, gl, "grad_lse", (heads, length))
     saved = numba.get_num_threads()
     runs = []
     try:
-        for threads in sorted({1, saved}):
+        for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS), saved}):
             numba.set_num_threads(threads)
-            runs.append(_fast_vjp.gradient_enclosures(spec, d, g))
+            runs.append(_fast_vjp.gradient_enclosures(spec, d, g, **kwargs))
     finally:
         numba.set_num_threads(saved)
+    return runs
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    rng, q, k, v, do, gl = _problem(seed=5, batch=2, heads=4, kv_heads=2, length=70, keys=80)
+    spec = canonicalize(q, k, v, causal=True, window=(40, None), kv_lengths=np.array([80, 50]),
+                        align="bottom_right")
+    runs = _per_thread_count(spec, do, gl)
     for got in runs[1:]:
         for a, b in zip(runs[0], got, strict=True):
             if a is not None:
@@ -185,20 +191,9 @@ def test_streamed_dbias_does_not_depend_on_the_thread_count():
     rng, q, k, v, do, gl = _problem(seed=6, batch=2, heads=4, kv_heads=2, length=70, keys=150)
     spec = canonicalize(q, k, v, bias=rng.standard_normal((4, 1, 150)), causal=True,
                         kv_lengths=np.array([150, 100]), align="bottom_right")
-    _, heads, _, length, _, _, vdim = spec.dims
-    d = check_cotangent(spec, do, "grad_out", (heads, length, vdim))
-    g = check_cotangent(spec, gl, "grad_lse", (heads, length))
-    saved = numba.get_num_threads()
-    runs = []
-    try:
-        for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS), saved}):
-            numba.set_num_threads(threads)
-            runs.append(_fast_vjp.gradient_enclosures(spec, d, g)[3])
-    finally:
-        numba.set_num_threads(saved)
-    old = _fast_vjp.gradient_enclosures(spec, d, g, stream_dbias=False)[3]
-    for got in runs:
-        assert_same_bits(got, old, what="dbias", case="threads")
+    old = _per_thread_count(spec, do, gl, stream_dbias=False)[0][3]
+    for got in _per_thread_count(spec, do, gl):
+        assert_same_bits(got[3], old, what="dbias", case="threads")
 
 
 @pytest.mark.parametrize("shape", [(3, 1, 1, 6), (2, 1, 2, 1, 6), (1, 3, 2, 5, 6), (6,),
