@@ -202,6 +202,13 @@ def test_kernel_bodies_run_without_jit():
     assert done.returncode == 0, f"NUMBA_DISABLE_JIT=1 tier failed:\n{done.stdout[-3000:]}"
 
 
+def _row_facts(x):
+    """(ok, norms, scales) of the rows of a 2-D float64 array by the compiled pass."""
+    ok, norms, scales = np.empty(len(x), bool), np.empty(len(x)), np.empty(len(x))
+    FA._row_facts(x, x.view(np.int64), norms, scales, ok)
+    return ok, norms, scales
+
+
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float64])
 def test_exactness_scales_claim_is_true(dtype):
     """Where sq_i sk_j < 2**52, the fma chain of q_i . k_j equals the exact sum."""
@@ -211,8 +218,7 @@ def test_exactness_scales_claim_is_true(dtype):
     q = rng.standard_normal((3, 32)).astype(dtype).astype(np.float64)
     k = rng.standard_normal((4, 32)).astype(dtype).astype(np.float64)
     q[0] *= 2.0**-12  # a wide range across rows
-    sq = FA.exactness_scales(q, FA._norms(q))
-    sk = FA.exactness_scales(k, FA._norms(k))
+    sq, sk = _row_facts(q)[2], _row_facts(k)[2]
     claims = 0
     for a, s_a in zip(q, sq, strict=True):
         for b, s_b in zip(k, sk, strict=True):
@@ -302,8 +308,7 @@ def test_row_facts_scales_are_exactness_scales(dtype):
     x[0, 1, 3, 4] = 2.0**-1070  # a subnormal: out of range
     x[0, 1, 4, 5] = np.inf
     flat = x.reshape(-1, 16)
-    ok, norms, scales = np.empty(14, bool), np.empty(14), np.empty(14)
-    FA._row_facts(flat, flat.view(np.int64), norms, scales, ok)
+    ok, norms, scales = _row_facts(flat)
     assert ok.tolist() == [i not in (10, 11) for i in range(14)]
     finite = np.isfinite(flat).all(axis=1)
     assert np.array_equal(scales[finite], FA.exactness_scales(flat[finite], norms[finite]))

@@ -506,15 +506,9 @@ def _d_block(b, h, i0, nb_rows, q, kT, v, qn, kn, qs, ks, vmax, vnorm, prm, kvh,
             r0 = lohi[b, i, 0] - lo
             r1 = lohi[b, i, 1] - lo
             ok = _row_weights(b, h, i, lo + r0, state[rr, r0:r1], s[rr, r0:r1],
-                              _zeros(r1 - r0), err[rr, r0:r1], lz_h, lz_l, lz_r, p, emin,
+                              np.zeros(r1 - r0), err[rr, r0:r1], lz_h, lz_l, lz_r, p, emin,
                               maxf, w)
         status[b, h, i] = _OK if ok else _UNDECIDED
-
-
-@numba.jit(**_JIT)
-def _zeros(n):
-    """n zeros (the low words of double-precision scores)."""
-    return np.zeros(n)
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
@@ -597,11 +591,6 @@ def exactness_scales(x: np.ndarray, norms: np.ndarray) -> np.ndarray:
     g = np.where(g == np.iinfo(np.int64).max, 0, g)  # a zero row: its products are all 0
     with np.errstate(over="ignore"):
         return np.ldexp(norms, -g)
-
-
-def _norms(x: np.ndarray) -> np.ndarray:
-    """Upper bounds of the row 2-norms (float rounding covered by a factor 1 + 2**-30)."""
-    return np.sqrt(np.einsum("ij,ij->i", x, x)) * (1.0 + 2.0**-30) + 2.0**-1000
 
 
 def row_spec(spec: AttentionSpec, b: int, h: int, start: int, stop: int) -> AttentionSpec:
