@@ -663,21 +663,16 @@ def allowed_rule(spec: AttentionSpec) -> _Rule:
 
 
 def rule_allowed(rule: _Rule, b: int, h: int, keys: int) -> tuple[np.ndarray, np.ndarray]:
-    """(allowed, kept) (L, S) of plane (b, h) spelled out from ``rule`` (for tests)."""
+    """(allowed, kept) (L, S) of plane (b, h) as the kernels read them from ``rule`` (the
+    key intervals and :func:`_key_state`), for tests."""
     lohi = rule.lohi[b]
-    j = np.arange(keys)
-    allowed = (j[None, :] >= lohi[:, :1]) & (j[None, :] < lohi[:, 1:])
-    i = np.arange(lohi.shape[0])[:, None]
-
-    def read(part):
-        flat, st = part
-        return flat[b * st[0] + h * st[1] + i * st[2] + j[None, :] * st[3]]
-
-    if rule.has_mask:
-        allowed &= read(rule.mask)
-    if rule.has_bias:
-        allowed &= ~np.isneginf(read(rule.bias))
-    kept = allowed & read(rule.drop) if rule.has_drop else allowed
+    allowed = np.zeros((lohi.shape[0], keys), dtype=bool)
+    kept = np.zeros_like(allowed)
+    for i, (lo, hi) in enumerate(lohi):
+        for j in range(lo, hi):
+            state, _ = _key_state(b, h, i, j, *rule.mask, *rule.bias, *rule.drop,
+                                  rule.has_mask, rule.has_bias, rule.has_drop)
+            allowed[i, j], kept[i, j] = state > 0, state == 2
     return allowed, kept
 
 
