@@ -349,13 +349,11 @@ def attention(
         from .exact.attention import exact_forward
         from .exact.fast_attention import fast_exact_forward
 
-        work = spec if spec.sinks is None else fold(spec, alibi_into_bias=False)
+        # both engines take sinks natively (the referee folds them into one more key)
         engine = fast_exact_forward if config.EXACT_ENGINE == "fast" else exact_forward
         out, lse, weights = engine(
-            work, _checks.out_dtype(out_dtype), return_lse=return_lse,
+            spec, _checks.out_dtype(out_dtype), return_lse=return_lse,
             return_weights=return_weights)
-        if weights is not None and spec.sinks is not None:
-            weights = weights[..., :-1]  # the sink's own column
     elif backend == "numba":
         if return_weights:
             raise NotImplementedError("return_weights: the numba kernels stream over keys and "

@@ -55,6 +55,7 @@ from mpmath.libmp import (
 )
 
 from .. import config
+from .._fold import fold
 from .._spec import AttentionSpec
 from . import _fixed as F
 from .rounding import correctly_round
@@ -568,7 +569,16 @@ def _to_float(x) -> float:
 
 
 def exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_weights=False):
-    """Correctly rounded (out, lse, weights) in the flat (B, H, ...) layout."""
+    """Correctly rounded (out, lse, weights) in the flat (B, H, ...) layout.
+
+    A spec with ``sinks`` is folded first (:func:`refattn._fold.fold`: the sink becomes one
+    more key with value 0 and its logit as bias, ALiBi kept exact) and the sink's weight
+    column is dropped from the weights.
+    """
+    if spec.sinks is not None:
+        out, lse, weights = exact_forward(fold(spec, alibi_into_bias=False), out_dtype,
+                                          return_lse=return_lse, return_weights=return_weights)
+        return out, lse, None if weights is None else weights[..., :-1]
     engine = ExactForward(spec)
     out = correctly_round(
         lambda p: engine.at(p)["out"], out_dtype,

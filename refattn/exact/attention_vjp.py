@@ -676,6 +676,7 @@ def _unit_spec(spec: AttentionSpec, b: int, g: int, heads):
         bias_shape=None if spec.bias is None else (1, len(heads)) + spec.bias.shape[2:],
         mask=rows(spec.mask), dropout_mask=rows(spec.dropout_mask),
         alibi_slopes=None if spec.alibi_slopes is None else spec.alibi_slopes[heads],
+        sinks=None if spec.sinks is None else spec.sinks[heads],
         kv_head=np.zeros(len(heads), dtype=spec.kv_head.dtype),
         kv_lengths=None if spec.kv_lengths is None else spec.kv_lengths[b:b + 1],
         alibi_offsets=None if spec.alibi_offsets is None else spec.alibi_offsets[b:b + 1],

@@ -621,6 +621,7 @@ def row_spec(spec: AttentionSpec, b: int, h: int, start: int, stop: int) -> Atte
         v=spec.v[b : b + 1, g : g + 1], batch_shape=(1,), single_head=False,
         bias=rows(spec.bias), mask=mask, dropout_mask=rows(spec.dropout_mask),
         alibi_slopes=None if spec.alibi_slopes is None else spec.alibi_slopes[h : h + 1],
+        sinks=None if spec.sinks is None else spec.sinks[h : h + 1],
         kv_head=np.zeros(1, dtype=np.int64), offset=spec.row_offset(b) + start,
         kv_lengths=None, dbias_index=None,
         alibi_offsets=None if spec.alibi_offsets is None else np.array(
@@ -751,6 +752,11 @@ def fast_exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False,
     >>> out.tolist()
     [[[[1.5]]]]
     """
+    if spec.sinks is not None:  # TEMPORARY: folded until the kernels take the sink natively
+        from .._fold import fold
+        o, g, w = fast_exact_forward(fold(spec, alibi_into_bias=False), out_dtype,
+                                     return_lse=return_lse, return_weights=return_weights)
+        return o, g, None if w is None else w[..., :-1]
     fmt = format_of(out_dtype)
     batch, heads, _, length, keys, _, vdim = spec.dims
     out = np.zeros((batch, heads, length, vdim))
