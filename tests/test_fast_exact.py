@@ -353,3 +353,51 @@ def test_no_keys_no_values_and_out_of_range_bias_rows(out_dtype):
     bias[2, 0], bias[0, 1], bias[1, 3] = 1e300, -np.inf, 2.0**-1070
     stats = _assert_identical(q, k, v, out_dtype, bias=bias)
     assert stats["referee_rows"] == 2
+
+
+SINK_OPTIONS = [
+    {}, {"causal": True}, {"causal": True, "align": "top_left"}, {"window": (2, 1)},
+    {"softcap": 2.5}, {"alibi_slopes": np.array([0.5, 0.25, 0.125, 1 / 16])},
+    {"kv_lengths": np.array([0, 5])}, {"dropout_p": 0.25},
+    {"bias": np.linspace(-1.0, 1.0, 9)}, {"gqa": "interleave"},
+]
+
+
+@pytest.mark.parametrize("out_dtype", ["float64", "float32", "bfloat16"])
+@pytest.mark.parametrize("sink_scale", [1.0, 60.0, -60.0, 1e-310])
+@pytest.mark.parametrize("opts", SINK_OPTIONS, ids=lambda o: ",".join(o) or "plain")
+def test_native_sinks_match_the_folded_referee(opts, sink_scale, out_dtype):
+    """The first steps take the sink as one more logit (max and Z, no value); the referee folds
+    it into one more key. Sinks far above the scores (keys' weights ~e^-60), far below, and
+    subnormal; rows with no allowed key (kv_lengths 0, masked rows) hold the sink alone."""
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, 4, 6, 8))
+    k = rng.standard_normal((2, 2, 9, 8))
+    v = rng.standard_normal((2, 2, 9, 5))
+    opts = dict(opts)
+    if opts.pop("dropout_p", None):
+        opts.update(dropout_p=0.25, dropout_mask=rng.random((2, 4, 6, 9)) < 0.75)
+    mask = rng.random((2, 4, 6, 9)) < 0.7
+    mask[:, :, 0] = False  # rows with no allowed key: the sink alone
+    sinks = rng.standard_normal(4) * sink_scale
+    _assert_identical(q, k, v, out_dtype, sinks=sinks, mask=mask, **opts)
+
+
+def test_native_sinks_never_fold_in_the_first_steps(monkeypatch):
+    """A call the first steps decide entirely never builds the folded (L, S + 1) arrays."""
+    import refattn.exact.attention as EA
+
+    def no_fold(*args, **kwargs):
+        raise AssertionError("fold called")
+
+    monkeypatch.setattr(EA, "fold", no_fold)
+    q, k, v = _gaussian(3)
+    sinks = np.array([0.5, -1.0])
+    out, lse, weights = refattn.attention(q, k, v, precision="exact", sinks=sinks,
+                                          return_lse=True, return_weights=True)
+    assert FA.fallback_stats()["referee_rows"] == 0
+    assert weights.shape == q.shape[:-1] + (k.shape[-2],)
+    monkeypatch.undo()
+    ref = _run("referee", q, k, v, sinks=sinks)
+    for a, b in zip((out, lse, weights), ref, strict=True):
+        assert a.tobytes() == b.tobytes()

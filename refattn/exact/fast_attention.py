@@ -31,15 +31,20 @@ each row's arithmetic is fixed by the shapes alone, so no bit depends on the thr
    of the score.
 2. Shift. ``m_i = max_j hi(t_ij)`` over the allowed keys (any number works: it cancels in
    ``out = N / Z`` and ``lse = m + log Z`` adds it back), ``x_ij = t_ij - m_i`` with
-   ``|error| <= delta_ij + DD_REL |x_ij|``.
+   ``|error| <= delta_ij + DD_REL |x_ij|``. A sink ``sigma_h`` (``spec.sinks``) is one more
+   logit, exact, in the max and in Z (added after the keys, and counted in the sums' bounds)
+   with no value: a row with no allowed key holds it alone (out 0, lse = sigma_h), and the
+   weights stay those of the keys. Nothing is folded: the referee alone folds the sink into
+   one more key (:func:`refattn._fold.fold`), for the rows it is given.
 3. Exponentials. ``e_ij = exp_dd_fast(x_ij)`` (``x <= 0``: a 1024-entry table) with relative error
    ``rho_ij <= (EXP_FAST_REL + 2 err(x_ij)) (1 + 2**-20)`` (``|e^d - 1| <= 2|d|`` for |d| <= 1;
    rows with an error above 2**-20 are left to the referee). Keys with ``x < CUT`` (-400)
    have ``0 <= e < TINY`` (2**-575) and enter as that absolute radius only.
 4. Sums. ``Z = sum_j e_ij`` and ``N_e = sum_j kappa_ij e_ij v_je`` with TwoProd/TwoSum and a
    compensation word: ``|N - N^| <= (dot_bound(2S) + rho_i) A_e + TINY sum |v_je|`` with
-   ``A_e = sum_j e_ij |v_je| <= max_j |v_je| (Z + rZ)`` (``rho_i = max_j rho_ij``; the same
-   for Z with A = Z).
+   ``A_e = sum_j e_ij |v_je| <= max_j |v_je| min(Z + rZ, (1 + rho_i)(1 + 2**-20) zv)``
+   (``rho_i = max_j rho_ij``; ``zv`` the float sum of the valued keys' ``hi(e_ij)``, which
+   is what bounds N when a sink holds most of Z; the same for Z with A = Z).
 5. Results. ``out = N / Z * keep_scale`` (double-double division; the quotient of enclosures
    ``(rN + |N/Z| rZ) / (Z - rZ)``), ``lse = m + log_dd(Z)`` (``-log(1 - rZ/Z)`` for Z's
    radius), ``w_ij = exp_dd_fast(x_ij - log Z)``.
@@ -283,6 +288,9 @@ def _dd_row(b, h, i, q, kT, v, qn, kn, vmax, prm, kvh, lohi, mk, mstr, bs, bstr,
         s[jj], c[jj], err[jj] = th, tl, e
         if th > top:
             top = th
+    has_sink, sink = pr[14] != 0.0, pr[15]
+    if has_sink and sink > top:  # the sink: one more logit in the max and in Z, no value
+        top = sink
     if top == -np.inf:
         return _EMPTY
     ns = np.zeros(vdim)
@@ -292,6 +300,10 @@ def _dd_row(b, h, i, q, kT, v, qn, kn, vmax, prm, kvh, lohi, mk, mstr, bs, bstr,
     zc = 0.0
     tiny = 0.0
     rho = 0.0
+    valued = False
+    # float sum of the valued keys' hi(e_j): with e_j <= (eh + el) / (1 - rho) and the sum's
+    # gamma_n < 2**-22 (n < 2**30 keys), sum_j e_j <= zv (1 + rho) (1 + 2**-20)
+    zv = 0.0
     for jj in range(n):
         if state[jj] == 0:
             continue
@@ -323,12 +335,30 @@ def _dd_row(b, h, i, q, kT, v, qn, kn, vmax, prm, kvh, lohi, mk, mstr, bs, bstr,
                 es = (nse - (t2 - b2)) + (p_ - b2)
                 ns[e] = t2
                 nc[e] += (ep + es) + el * b_
+            valued = True
+            zv += eh
+    if has_sink:  # sink - top is exact (TwoSum); the term enters Z after the keys
+        xh, xl = D.two_sum(sink, -top)
+        if xh < CUT:
+            tiny += TINY
+        else:
+            rho = max(rho, (EXP_FAST_REL + 2.0 * D.DD_REL * abs(xh) * D.BOUND_SAFETY)
+                      * (1.0 + _RHO_MAX))
+            eh, el = exp_dd_fast(xh, xl)
+            t = zs + eh
+            bb = t - zs
+            zc += ((zs - (t - bb)) + (eh - bb)) + el
+            zs = t
     if not rho <= _RHO_MAX:
         return _UNDECIDED
     zh, zl = D.two_sum(zs, zc)
     zr = ((sum_rel + rho) * zh + tiny) * D.BOUND_SAFETY
-    # sum_j e_j |v_je| <= vmax_e (Z + zr): the Dot2 and exponential errors of N
-    nr = ((sum_rel + rho) * vmax[b, g] * (zh + zr)) * D.BOUND_SAFETY + TINY * tiny_v
+    # sum_j e_j |v_je| <= vmax_e (Z + zr): the Dot2 and exponential errors of N (exactly 0
+    # when no kept key above CUT carries a value: N is then 0 exactly, as with a sink alone)
+    nr = TINY * tiny_v
+    if valued:  # the valued keys' mass: Z, or less when a sink holds most of Z
+        mass = min(zh + zr, zv * (1.0 + rho) * (1.0 + 2.0**-20))
+        nr = nr + ((sum_rel + rho) * vmax[b, g] * mass) * D.BOUND_SAFETY
     ok, lz_h, lz_l, lz_r = _finish_row(b, h, i, top, zh, zl, zr, ns, nc, nr, pr, want_lse, p,
                                        emin, maxf, out, lse)
     if ok and want_w:
@@ -435,6 +465,10 @@ def _d_block(b, h, i0, nb_rows, q, kT, v, qn, kn, qs, ks, vmax, vnorm, prm, kvh,
             s[rr, jj], err[rr, jj] = t, e
             if t > top[rr]:
                 top[rr] = t
+    has_sink, sink = pr[14] != 0.0, pr[15]
+    if has_sink:  # the sink: one more logit in the max and in Z, no value
+        for rr in range(nb_rows):
+            top[rr] = max(top[rr], sink)
     nsum = np.zeros((ROW_BLOCK, vdim))
     nb = np.zeros((ROW_BLOCK, vdim))
     e2 = np.zeros(ROW_BLOCK)
@@ -488,6 +522,14 @@ def _d_block(b, h, i0, nb_rows, q, kT, v, qn, kn, qs, ks, vmax, vnorm, prm, kvh,
             status[b, h, i] = _EMPTY
             continue
         zr_ = z[rr] + zb[rr]
+        if has_sink:  # the sink's term enters Z after the keys' blocks (gsum counts it)
+            x = sink - top[rr]
+            if x < CUT:
+                tiny[rr] += TINY
+            else:
+                rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * u * abs(x) * D.BOUND_SAFETY)
+                              * (1.0 + _RHO_MAX))
+                zr_ += D.exp_d(x)
         for e in range(vdim):
             nsum[rr, e] += nb[rr, e]
         if not rho[rr] <= _RHO_MAX:
@@ -693,10 +735,15 @@ def _params(spec: AttentionSpec):
 
     ok = np.broadcast_to(in_range(slopes) & bool(in_range(scale_hi) and in_range(cap)),
                          (batch, heads))
-    prm = np.empty((batch, heads, 14))
+    sink = spec.sinks is not None  # one more term in Z: the sums' bounds count it
+    sinks = np.zeros(heads) if not sink else np.asarray(spec.sinks, dtype=np.float64)
+    ok = ok & in_range(sinks)[None, :]
+    prm = np.empty((batch, heads, 16))
     prm[...] = [scale_hi, scale_lo, scale_err, D.dot_bound(dim), cap, 0.0, 0.0,
-                D.dot_bound(2 * keys), keep_hi, keep_lo, keep_err, D.gamma_up(dim),
-                D.gamma_up(SUM_BLOCK + keys // SUM_BLOCK + 2), float(alibi_keys)]
+                D.dot_bound(2 * (keys + sink)), keep_hi, keep_lo, keep_err, D.gamma_up(dim),
+                D.gamma_up(SUM_BLOCK + keys // SUM_BLOCK + 2 + sink), float(alibi_keys),
+                float(sink), 0.0]
+    prm[:, :, 15] = sinks[None, :]
     prm[:, :, 5] = slopes[None, :]
     prm[:, :, 6] = np.array([spec.alibi_offset(b) for b in range(batch)],
                             dtype=np.float64)[:, None]
@@ -752,11 +799,6 @@ def fast_exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False,
     >>> out.tolist()
     [[[[1.5]]]]
     """
-    if spec.sinks is not None:  # TEMPORARY: folded until the kernels take the sink natively
-        from .._fold import fold
-        o, g, w = fast_exact_forward(fold(spec, alibi_into_bias=False), out_dtype,
-                                     return_lse=return_lse, return_weights=return_weights)
-        return o, g, None if w is None else w[..., :-1]
     fmt = format_of(out_dtype)
     batch, heads, _, length, keys, _, vdim = spec.dims
     out = np.zeros((batch, heads, length, vdim))
