@@ -401,3 +401,15 @@ def test_native_sinks_never_fold_in_the_first_steps(monkeypatch):
     ref = _run("referee", q, k, v, sinks=sinks)
     for a, b in zip((out, lse, weights), ref, strict=True):
         assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("out_dtype", ["float64", "bfloat16"])
+def test_sink_rows_left_to_the_referee_with_a_broadcast_bias(out_dtype):
+    """A row the first steps leave to the referee (a bias value below SAFE_MIN) is folded
+    alone, with a bias broadcast over the batch."""
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((2, 3, 5, 4)) for _ in range(3))
+    bias = rng.standard_normal((1, 3, 5, 5))
+    bias[0, 1, 2, 3] = 2.0**-700
+    stats = _assert_identical(q, k, v, out_dtype, bias=bias, sinks=np.array([0.5, -2.0, 1.0]))
+    assert stats["referee_rows"] == 2  # row 2 of head 1 in both batch rows

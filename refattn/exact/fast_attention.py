@@ -638,7 +638,8 @@ def exactness_scales(x: np.ndarray, norms: np.ndarray) -> np.ndarray:
 def row_spec(spec: AttentionSpec, b: int, h: int, start: int, stop: int) -> AttentionSpec:
     """The spec of query rows ``start:stop`` of plane (b, h) alone: one batch, one head, the
     kv head it reads, and the offset shifted by ``start`` so causal, window and ALiBi see the
-    original row indices (``i' + o' = i + o``).
+    original row indices (``i' + o' = i + o``). Its bias shape is its own rows' (1, 1, n, S)
+    and it keeps head h's sink.
 
     Examples
     --------
@@ -662,6 +663,7 @@ def row_spec(spec: AttentionSpec, b: int, h: int, start: int, stop: int) -> Atte
         spec, q=spec.q[b : b + 1, h : h + 1, start:stop], k=spec.k[b : b + 1, g : g + 1],
         v=spec.v[b : b + 1, g : g + 1], batch_shape=(1,), single_head=False,
         bias=rows(spec.bias), mask=mask, dropout_mask=rows(spec.dropout_mask),
+        bias_shape=None if spec.bias is None else (1, 1, stop - start, spec.bias.shape[-1]),
         alibi_slopes=None if spec.alibi_slopes is None else spec.alibi_slopes[h : h + 1],
         sinks=None if spec.sinks is None else spec.sinks[h : h + 1],
         kv_head=np.zeros(1, dtype=np.int64), offset=spec.row_offset(b) + start,
