@@ -71,6 +71,21 @@ Error analysis (``u = 2**-53``; every bound below is an upper bound of the exact
 
 Any non-finite intermediate in a (batch, kv head) unit marks the whole unit undecided.
 
+Sinks (``spec.sinks`` (H,), finite, below :data:`INPUT_LIMIT`) are native, with the semantics
+of :func:`refattn._fold.fold` (one more key with key 0, value 0 and score exactly the logit
+``sigma_h``: no scale, softcap, bias or ALiBi) but no (B, H, L, S + 1) array: pass A's scratch
+row of the keys ``lo .. hi`` (length n) gets the sink as entry n (always allowed and kept,
+score ``(sigma_h, 0)`` with error 0, softcap derivative 1, ``dp = 0`` exactly), and the
+weights, ``D_i``, dS and dT run over the n + 1 entries unchanged (:func:`_row`), so the error
+analysis above holds with the sink as one more key (``sigma_i`` and ``D_i`` still sum at most
+S terms: the reference entry is left out). The sink may be the reference key: pass A then
+stores :data:`SINK_REF` (outside [0, S)) as its index and passes B and C, which visit real
+keys only, read its score ``(sigma_h, 0, 0)`` and ``x_r = 0`` from the row statistics. A row
+with no allowed key has the sink alone (kind 2: weight 1, ``dS = g_i`` exactly, dq = 0,
+nothing reaches dk, dv). The sink adds exactly nothing to dq (its key is 0) and its dk is
+discarded; its dS enclosure per row (3, B, H, L) is summed over (b, i) into dsinks (3, H) by
+:func:`reduce_enclosure` in the C order of (b, h, i).
+
 Streaming (no (L, S) array; memory O(L D + S D) per head plane, plus a (B, H, L, S) dS
 enclosure only where dbias has that size or its slots are not one key's: see pass C): each
 row's allowed and kept sets are computed on the fly into a length-S scratch row from its
