@@ -173,3 +173,11 @@ def test_public_exact_vjp_with_sinks_matches_the_referee(monkeypatch):
     assert fast.dsinks.shape == (HEADS,) and fast.dbias.shape == bias.shape
     for what, a, b in zip(("dq", "dk", "dv", "dbias", "dsinks"), fast, referee, strict=True):
         assert_same_bits(a, b, what=what, case="public", check_dtype=True)
+
+
+def test_sinks_beyond_the_input_limit_go_to_the_referee():
+    _, q, k, v, do, gl = _problem(seed=1)
+    spec, d, g = _spec_and_cotangents(q, k, v, do, gl, sinks=SINKS * _fast_vjp.INPUT_LIMIT)
+    assert not _fast_vjp.fast_inputs_ok(spec, d, g)
+    spec, d, g = _spec_and_cotangents(q, k, v, do, gl, sinks=SINKS)
+    assert _fast_vjp.fast_inputs_ok(spec, d, g)

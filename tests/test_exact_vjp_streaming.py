@@ -110,7 +110,7 @@ def test_results_do_not_depend_on_the_thread_count():
 
 
 @pytest.mark.parametrize("name", ["kv_lengths", "window_left", "softcap_alibi", "dropout",
-                                  "bias_neginf"])
+                                  "bias_neginf", "sinks"])
 def test_undecided_dq_rows_go_to_the_referee_alone(name, monkeypatch):
     """An undecided dq element is settled by a one-row spec (row_spec: original indices for
     causal, window and ALiBi, the key length as a mask), with the whole-call referee's bits."""
