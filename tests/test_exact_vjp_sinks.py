@@ -181,3 +181,11 @@ def test_sinks_beyond_the_input_limit_go_to_the_referee():
     assert not _fast_vjp.fast_inputs_ok(spec, d, g)
     spec, d, g = _spec_and_cotangents(q, k, v, do, gl, sinks=SINKS)
     assert _fast_vjp.fast_inputs_ok(spec, d, g)
+
+
+def test_the_referee_engine_refuses_an_unfolded_sink():
+    """ExactVJP has no sink (its forward engine has none): the callers fold first."""
+    _, q, k, v, do, gl = _problem(seed=1)
+    spec, d, g = _spec_and_cotangents(q, k, v, do, gl, sinks=SINKS)
+    with pytest.raises(ValueError, match="sinks"):
+        vjp_module.ExactVJP(spec, d, g)
