@@ -1020,8 +1020,9 @@ def gradient_enclosures(spec, grad_out, grad_lse, *, stream_dbias=True):
     Streaming (module docstring): besides the inputs and the outputs, the memory is O(L + S +
     D + E) per head plane (row statistics, row intervals, norms; with sinks the (B, H, L)
     sink dS) and a scratch row of length S (S + 1 with a sink) per worker; no (L, S) array
-    is formed unless the caller's mask, keep-mask or bias is one (they are read un-broadcast). dbias: a bias broadcast over batch, heads or rows (its key
-    axis of size S) is summed by pass C (:func:`_pass_c`) with no (B, H, L, S) array; a full
+    is formed unless the caller's mask, keep-mask or bias is one (they are read
+    un-broadcast). dbias: a bias broadcast over batch, heads or rows (its key axis of size S)
+    is summed by pass C (:func:`_pass_c`) with no (B, H, L, S) array; a full
     bias's dbias is the dS enclosure itself, written by pass A; otherwise (a bias broadcast
     along the keys, a folded spec's slots, or ``stream_dbias=False``) pass A writes the
     (3, B, H, L, S) dS enclosure and :func:`reduce_enclosure` sums it, with the same bits as
