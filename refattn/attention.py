@@ -487,13 +487,11 @@ def attention_vjp(
     if precision == "exact":
         from .exact.attention_vjp import exact_vjp
 
-        work = spec if spec.sinks is None else fold(spec, alibi_into_bias=False)
         # the exact path reduces dbias to bias's shape itself (the sum is part of the exact
-        # value that is rounded once); with a sink the folded dbias is (dbias, dsinks) flat,
-        # dsinks the sum of the sink column's dS over batch and rows
-        dq, dk, dv, dbias = exact_vjp(work, do, dl, _checks.out_dtype(out_dtype))
+        # value that is rounded once) and takes sinks natively: with a sink its dbias is
+        # (dbias, dsinks) flat, dsinks the sum of the sink's dS over batch and rows
+        dq, dk, dv, dbias = exact_vjp(spec, do, dl, _checks.out_dtype(out_dtype))
         if spec.sinks is not None:
-            dk, dv = dk[..., :keys, :], dv[..., :keys, :]
             dbias, dsinks = split_sink_grads(spec, dbias)
         if _has_nonfinite(spec, do, dl):
             dq, dk, dv, dbias, dsinks = _nonfinite_pattern(spec, do, dl, dq, dk, dv, dbias,

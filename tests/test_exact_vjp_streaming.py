@@ -69,9 +69,7 @@ def _grads(spec, do, gl, out_dtype, engine):
 @pytest.mark.parametrize("out_dtype", ["float64", "bfloat16"])
 def test_streaming_matches_referee(name, out_dtype):
     rng, q, k, v, do, gl = _problem(seed=3)
-    spec = canonicalize(q, k, v, **_options(rng)[name])
-    if spec.sinks is not None:
-        spec = fold(spec, alibi_into_bias=True)
+    spec = canonicalize(q, k, v, **_options(rng)[name])  # sinks native (no fold)
     _, heads, _, length, _, _, vdim = spec.dims
     d = check_cotangent(spec, do, "grad_out", (heads, length, vdim))
     g = check_cotangent(spec, gl, "grad_lse", (heads, length))
@@ -112,7 +110,7 @@ def test_results_do_not_depend_on_the_thread_count():
 
 
 @pytest.mark.parametrize("name", ["kv_lengths", "window_left", "softcap_alibi", "dropout",
-                                  "bias_neginf"])
+                                  "bias_neginf", "sinks"])
 def test_undecided_dq_rows_go_to_the_referee_alone(name, monkeypatch):
     """An undecided dq element is settled by a one-row spec (row_spec: original indices for
     causal, window and ALiBi, the key length as a mask), with the whole-call referee's bits."""
@@ -183,8 +181,10 @@ def test_streamed_dbias_has_the_reduced_enclosures_bits(case, with_glse):
     new = _fast_vjp.gradient_enclosures(spec, d, g)
     old = _fast_vjp.gradient_enclosures(spec, d, g, stream_dbias=False)
     assert new[3].shape == (3,) + tuple(shape)
-    for what, a, b in zip(("dq", "dk", "dv", "dbias", "bad"), new, old, strict=True):
-        assert_same_bits(a, b, what=what, case=f"{shape} {sorted(opts)}")
+    assert new[4] is None  # dsinks: no sinks
+    for what, a, b in zip(("dq", "dk", "dv", "dbias", "dsinks", "bad"), new, old, strict=True):
+        if a is not None:
+            assert_same_bits(a, b, what=what, case=f"{shape} {sorted(opts)}")
 
 
 def test_streamed_dbias_does_not_depend_on_the_thread_count():

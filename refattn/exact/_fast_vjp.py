@@ -71,6 +71,21 @@ Error analysis (``u = 2**-53``; every bound below is an upper bound of the exact
 
 Any non-finite intermediate in a (batch, kv head) unit marks the whole unit undecided.
 
+Sinks (``spec.sinks`` (H,), finite, below :data:`INPUT_LIMIT`) are native, with the semantics
+of :func:`refattn._fold.fold` (one more key with key 0, value 0 and score exactly the logit
+``sigma_h``: no scale, softcap, bias or ALiBi) but no (B, H, L, S + 1) array: pass A's scratch
+row of the keys ``lo .. hi`` (length n) gets the sink as entry n (always allowed and kept,
+score ``(sigma_h, 0)`` with error 0, softcap derivative 1, ``dp = 0`` exactly), and the
+weights, ``D_i``, dS and dT run over the n + 1 entries unchanged (:func:`_row`), so the error
+analysis above holds with the sink as one more key (``sigma_i`` and ``D_i`` still sum at most
+S terms: the reference entry is left out). The sink may be the reference key: pass A then
+stores :data:`SINK_REF` (outside [0, S)) as its index and passes B and C, which visit real
+keys only, read its score ``(sigma_h, 0, 0)`` and ``x_r = 0`` from the row statistics. A row
+with no allowed key has the sink alone (kind 2: weight 1, ``dS = g_i`` exactly, dq = 0,
+nothing reaches dk, dv). The sink adds exactly nothing to dq (its key is 0) and its dk is
+discarded; its dS enclosure per row (3, B, H, L) is summed over (b, i) into dsinks (3, H) by
+:func:`reduce_enclosure` in the C order of (b, h, i).
+
 Streaming (no (L, S) array; memory O(L D + S D) per head plane, plus a (B, H, L, S) dS
 enclosure only where dbias has that size or its slots are not one key's: see pass C): each
 row's allowed and kept sets are computed on the fly into a length-S scratch row from its
@@ -440,20 +455,34 @@ def _block_ds(b, h, i, a, kind, r, st, g_i, has_glse, qrow, kt_bg, vt_bg, dorow,
 @njit(**_JIT)
 def _row(b, h, i, lo, qrow, kt_bg, vt_bg, dorow, g_i, has_glse, allowed, kept, bias,
          bias_st, slopes, opts, fopts, k_l1, v_l1, sh, sl, se, fh, fl, fe, wh, wl, we, dh, dl,
-         de, dsh, dsl, dse, stat):
+         de, dsh, dsl, dse, stat, has_sink, sigma):
     """dS (dsh, dsl, dse) and dT (in place of the scores arrays) of the keys ``lo .. lo + n``
     of one row (every allowed key of the row lies there); the row statistics that pass B
     needs into ``stat`` (see :func:`_pass_a`).
 
+    With a sink (``has_sink``) the scratch rows have length n + 1 and entry n is the sink: an
+    always allowed and kept "key" of score exactly ``sigma`` (no scale, softcap, bias or
+    ALiBi; softcap derivative 1), key 0 and value 0 (``dp = 0`` exactly); ``allowed[n]`` and
+    ``kept[n]`` are set here. The weights, ``D``, dS and dT then run over the n + 1 entries
+    as over any key (the sink may be the reference key); dS at entry n is the sink's.
+
     Returns (kind, r): kind 0 for an empty row, 2 for a row with a single allowed key (its
-    weight is exactly 1 and ``dS = dP - dP + g = g`` exactly, whatever the dropout), 1
-    otherwise; r the reference key (scratch index; the single key for kind 2).
+    weight is exactly 1 and ``dS = dP - dP + g = g`` exactly, whatever the dropout; with a
+    sink: the sink alone), 1 otherwise; r the reference key (scratch index; the single key
+    for kind 2; n for the sink).
     """
     dropout, has_softcap = opts[4], opts[2]
     kf_h, kf_l, kf_e = fopts[4], fopts[5], fopts[6]
     keys = sh.shape[0]
-    _block_scores(b, h, i, lo, qrow, kt_bg, allowed, bias, bias_st, slopes, opts, fopts, k_l1,
-                  sh, sl, se, fh, fl, fe)
+    real = keys - 1 if has_sink else keys
+    if real > 0:
+        _block_scores(b, h, i, lo, qrow, kt_bg, allowed[:real], bias, bias_st, slopes, opts,
+                      fopts, k_l1, sh[:real], sl[:real], se[:real], fh[:real], fl[:real],
+                      fe[:real])
+    if has_sink:
+        allowed[real], kept[real] = True, True
+        sh[real], sl[real], se[real] = sigma, 0.0, 0.0
+        fh[real], fl[real], fe[real] = 1.0, 0.0, 0.0
     count, only = 0, 0
     for j in range(keys):
         if allowed[j]:
@@ -474,7 +503,10 @@ def _row(b, h, i, lo, qrow, kt_bg, vt_bg, dorow, g_i, has_glse, allowed, kept, b
         return 2, only
     r, ih, il, rho_inv = _weights(sh, sl, se, allowed, wh, wl, we, fopts[9])
     stat[0], stat[1], stat[2] = sh[r], sl[r], se[r]
-    _dots(dorow, vt_bg, lo, dh, dl, de, v_l1, fopts[8])
+    if real > 0:
+        _dots(dorow, vt_bg, lo, dh[:real], dl[:real], de[:real], v_l1, fopts[8])
+    if has_sink:  # dp of the sink: dO . 0 = 0 exactly
+        dh[real], dl[real], de[real] = 0.0, 0.0, 0.0
     # x_j = kappa_j dp_j (kf applied after); y_j = x_j - x_r in place (y_r = 0 exactly)
     for j in range(keys):
         if not (allowed[j] and kept[j]):
@@ -552,56 +584,78 @@ KEY_BLOCK = 64
 #: (3: hi, lo, error), 1/Z (hi, lo) and its relative error bound, the reference weight
 #: w_r = 1 - tau (3), x_r (3) and D (3).
 N_STAT = 15
+#: The reference key of a row in pass A's statistics when it is the sink: outside [0, S), so
+#: passes B and C (which visit the real keys only) never take a real key for it.
+SINK_REF = -2
 
 
 @njit(parallel=True, **_JIT)
 def _pass_a(q, k, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, bias, bias_st,
             slopes, kv_head, opts, fopts, k_l1, v_l1, k_col, dq, write_ds, dbias, istat, fstat,
-            bad):
+            bad, has_sink, sinks, dsink):
     """Pass A, parallel over (batch, query head, block of ROW_BLOCK rows): each row's dS, dT
     and dq (and the dS enclosure ``dbias`` (3, B, H, L, S) when ``write_ds``), the row
-    statistics for passes B and C (``istat`` (B, H, L, 3): kind, reference key, zero row;
-    ``fstat`` (B, H, L, N_STAT)) and the non-finite flag of the block (``bad`` (B, H,
-    blocks))."""
+    statistics for passes B and C (``istat`` (B, H, L, 3): kind, reference key (absolute;
+    :data:`SINK_REF` for the sink), zero row; ``fstat`` (B, H, L, N_STAT)) and the
+    non-finite flag of the block (``bad`` (B, H, blocks)). With a sink (``has_sink``,
+    ``sinks`` (H,)) every row has it as one more entry (:func:`_row`; a row with no allowed
+    key is the sink alone) and its dS enclosure goes to ``dsink`` (3, B, H, L)."""
     batch, heads, length, dim = q.shape
     keys = kt.shape[3]
     s_hi, s_lo, s_err = fopts[0], fopts[1], fopts[2]
     blocks = (length + ROW_BLOCK - 1) // ROW_BLOCK
+    extra = 1 if has_sink else 0
     for item in prange(batch * heads * blocks):
         b = item // (heads * blocks)
         h = (item // blocks) % heads
         blk = item % blocks
         g = kv_head[h]
-        row = np.empty((15, keys))
+        sigma = sinks[h] if has_sink else 0.0
+        row = np.empty((15, keys + extra))
         sh, sl, se, fh, fl, fe, wh, wl, we, dh, dl, de, dsh, dsl, dse = \
             row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], row[8], row[9], \
             row[10], row[11], row[12], row[13], row[14]
-        allowed, kept = np.empty(keys, np.bool_), np.empty(keys, np.bool_)
+        allowed = np.empty(keys + extra, np.bool_)
+        kept = np.empty(keys + extra, np.bool_)
         dq_h, dq_c, dq_r, dq_p = np.zeros(dim), np.zeros(dim), np.zeros(dim), np.zeros(dim)
         check = 0.0
         for i in range(blk * ROW_BLOCK, min(length, (blk + 1) * ROW_BLOCK)):
             lo, hi = rows_lo[b, i], rows_hi[b, i]
             istat[b, h, i, 0] = 0
-            if lo >= hi:  # empty row: zero gradients, exactly
+            if lo >= hi and not has_sink:  # empty row: zero gradients, exactly
                 continue
-            n = hi - lo
-            _allowed_row(b, h, i, lo, hi, masks, mask_st, bias, bias_st, opts, allowed, kept)
+            n = max(hi - lo, 0)
+            m = n + extra
+            if n > 0:
+                _allowed_row(b, h, i, lo, hi, masks, mask_st, bias, bias_st, opts, allowed,
+                             kept)
             g_i = glse[b, h, i] if has_glse else 0.0
             kind, r = _row(b, h, i, lo, q[b, h, i], kt[b, g], vt[b, g],
-                           do[b, h, i], g_i, has_glse, allowed[:n], kept[:n], bias, bias_st,
-                           slopes, opts, fopts, k_l1[b, g], v_l1[b, g], sh[:n],
-                           sl[:n], se[:n], fh[:n], fl[:n], fe[:n], wh[:n], wl[:n], we[:n],
-                           dh[:n], dl[:n], de[:n], dsh[:n], dsl[:n], dse[:n], fstat[b, h, i])
+                           do[b, h, i], g_i, has_glse, allowed[:m], kept[:m], bias, bias_st,
+                           slopes, opts, fopts, k_l1[b, g], v_l1[b, g], sh[:m],
+                           sl[:m], se[:m], fh[:m], fl[:m], fe[:m], wh[:m], wl[:m], we[:m],
+                           dh[:m], dl[:m], de[:m], dsh[:m], dsl[:m], dse[:m], fstat[b, h, i],
+                           has_sink, sigma)
             if kind == 0:  # empty row: zero gradients, exactly
                 continue
             # dS = dT = 0 exactly when g = 0 and either a single key is allowed (weight 1,
-            # dS = dP - dP) or no allowed key is kept (dP = Delta = 0)
+            # dS = dP - dP) or no allowed key is kept (dP = Delta = 0; the sink's dp is 0)
             no_kept = True
             for t in range(n):
                 if allowed[t] and kept[t]:
                     no_kept = False
             zero_row = (kind == 2 or no_kept) and (not has_glse or g_i == 0.0)
-            istat[b, h, i, 0], istat[b, h, i, 1], istat[b, h, i, 2] = kind, lo + r, zero_row
+            ref = SINK_REF if r == n else lo + r
+            istat[b, h, i, 0], istat[b, h, i, 1], istat[b, h, i, 2] = kind, ref, zero_row
+            if has_sink:
+                check += se[n] + abs(sh[n]) + we[n] + dse[n]
+                if zero_row:
+                    dsink[0, b, h, i], dsink[1, b, h, i], dsink[2, b, h, i] = 0.0, 0.0, 0.0
+                else:
+                    dsink[0, b, h, i], dsink[1, b, h, i] = dsh[n], dsl[n]
+                    # a sink-only row (kind 2) is exact: dS = g
+                    dsink[2, b, h, i] = (dse[n] * BOUND_SAFETY + UNDERFLOW_TERM
+                                         if kind == 1 else 0.0)
             if write_ds:
                 for t in range(n):
                     j = lo + t
@@ -616,6 +670,7 @@ def _pass_a(q, k, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, 
             dq_r[:] = 0.0
             dq_p[:] = 0.0
             emax = 0.0
+            # the real keys only: the sink's key is 0, it adds exactly nothing to dq
             for t in range(n):
                 if not allowed[t]:
                     continue
@@ -627,7 +682,7 @@ def _pass_a(q, k, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, 
                 _accumulate(sh[t], sl[t], k[b, g, j], dq_h, dq_c, dq_r)
                 for d in range(dim):
                     dq_p[d] += se[t] * abs(k[b, g, j, d])
-            if zero_row:
+            if zero_row or (kind == 2 and r == n):  # dq = 0 exactly (the sink's key is 0)
                 continue
             for d in range(dim):
                 xh, xl = two_sum(dq_h[d], dq_c[d])
@@ -677,7 +732,8 @@ def _pass_b(q, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, bia
             h = group[g, member]
             for i in range(length):
                 kind, r, zero_row = istat[b, h, i, 0], istat[b, h, i, 1], istat[b, h, i, 2]
-                if kind == 0 or (zero_row and kind == 1):  # nothing reaches dk, dv
+                # nothing reaches dk, dv (a sink-only row: the sink's key and value are 0)
+                if kind == 0 or (zero_row and kind == 1) or (kind == 2 and r == SINK_REF):
                     continue
                 a = max(j0, rows_lo[b, i])
                 c = min(j0 + nb, rows_hi[b, i])
@@ -881,6 +937,8 @@ def fast_inputs_ok(spec, grad_out, grad_lse) -> bool:
     arrays = [spec.q, spec.k, spec.v, grad_out]
     if grad_lse is not None:
         arrays.append(grad_lse)
+    if spec.sinks is not None:
+        arrays.append(spec.sinks)
     if spec.bias is not None:  # the un-broadcast elements only (never a (B, H, L, S) copy)
         core, _ = compact_view(spec.bias, np.float64)
         arrays.append(np.where(np.isneginf(core), 0.0, core))
@@ -951,15 +1009,20 @@ def _dbias_stream_slots(spec):
 
 
 def gradient_enclosures(spec, grad_out, grad_lse, *, stream_dbias=True):
-    """dd enclosures (3, ...) of dq (B, H, L, D), dk (B, K, S, D), dv (B, K, S, E) and dbias
-    (3,) + :meth:`AttentionSpec.dbias_slots`'s shape (None without bias), and a (B, K) array
-    of units to hand to the referee.
+    """dd enclosures (3, ...) of dq (B, H, L, D), dk (B, K, S, D), dv (B, K, S, E), dbias
+    (3,) + :meth:`AttentionSpec.dbias_slots`'s shape (None without bias) and dsinks (3, H)
+    (None without sinks), and a (B, K) array of units to hand to the referee.
+
+    Sinks (``spec.sinks``) are native: each row has its head's sink as one more entry
+    (:func:`_row`), its dS enclosure per row (3, B, H, L) is summed over batch and rows by
+    :func:`reduce_enclosure` into dsinks; dbias is the caller's bias's alone (no sink slots).
 
     Streaming (module docstring): besides the inputs and the outputs, the memory is O(L + S +
-    D + E) per head plane (row statistics, row intervals, norms) and a scratch row of length S
-    per worker; no (L, S) array is formed unless the caller's mask, keep-mask or bias is one
-    (they are read un-broadcast). dbias: a bias broadcast over batch, heads or rows (its key
-    axis of size S) is summed by pass C (:func:`_pass_c`) with no (B, H, L, S) array; a full
+    D + E) per head plane (row statistics, row intervals, norms; with sinks the (B, H, L)
+    sink dS) and a scratch row of length S (S + 1 with a sink) per worker; no (L, S) array
+    is formed unless the caller's mask, keep-mask or bias is one (they are read
+    un-broadcast). dbias: a bias broadcast over batch, heads or rows (its key axis of size S)
+    is summed by pass C (:func:`_pass_c`) with no (B, H, L, S) array; a full
     bias's dbias is the dS enclosure itself, written by pass A; otherwise (a bias broadcast
     along the keys, a folded spec's slots, or ``stream_dbias=False``) pass A writes the
     (3, B, H, L, S) dS enclosure and :func:`reduce_enclosure` sums it, with the same bits as
@@ -1004,8 +1067,11 @@ def gradient_enclosures(spec, grad_out, grad_lse, *, stream_dbias=True):
     if slots is not None:
         dbias_shape = tuple(spec.bias_shape)
         reduced = np.zeros((3, int(np.prod(dbias_shape))))
+    has_sink = spec.sinks is not None
+    sinks = np.ascontiguousarray(spec.sinks, f64) if has_sink else np.zeros(1)
+    dsink = np.zeros((3, batch, heads, length)) if has_sink else np.zeros((3, 1, 1, 1))
     bad = np.zeros((batch, kv_heads), np.bool_)
-    if batch and heads and length and keys:
+    if batch and heads and length and (keys or has_sink):
         k_l1, v_l1 = np.zeros((batch, kv_heads, keys)), np.zeros((batch, kv_heads, keys))
         k_col = np.zeros((batch, kv_heads, dim))
         q_sum, do_sum = np.zeros((batch, kv_heads, dim)), np.zeros((batch, kv_heads, vdim))
@@ -1016,7 +1082,7 @@ def gradient_enclosures(spec, grad_out, grad_lse, *, stream_dbias=True):
         bad_rows = np.zeros((batch, heads, -(-length // ROW_BLOCK)), np.bool_)
         _pass_a(q, k, kt, vt, do, glse, grad_lse is not None, rows_lo, rows_hi, masks, mask_st,
                 bias, bias_st, slopes, kv_head, opts, fopts, k_l1, v_l1, k_col, dq, write_ds,
-                dbias, istat, fstat, bad_rows)
+                dbias, istat, fstat, bad_rows, has_sink, sinks, dsink)
         _pass_b(q, kt, vt, do, glse, grad_lse is not None, rows_lo, rows_hi, masks, mask_st,
                 bias, bias_st, slopes, group, opts, fopts, k_l1, v_l1, q_sum, do_sum, istat,
                 fstat, dk, dv)
@@ -1028,11 +1094,16 @@ def gradient_enclosures(spec, grad_out, grad_lse, *, stream_dbias=True):
             _finish(reduced, mag, count)
         for h in range(heads):
             bad[:, kv_head[h]] |= bad_rows[:, h].any(axis=1)
+    dsinks = None
+    if has_sink:  # the sink's dS of every (b, h, i) into slot h, in their C order
+        index = np.broadcast_to(np.arange(heads, dtype=np.int64)[None, :, None],
+                                (batch, heads, length))
+        dsinks = reduce_enclosure(dsink, index, (heads,))
     if spec.bias is None:
-        return dq, dk, dv, None, bad
+        return dq, dk, dv, None, dsinks, bad
     if slots is not None:
-        return dq, dk, dv, reduced.reshape((3,) + dbias_shape), bad
-    return dq, dk, dv, reduce_enclosure(dbias, *spec.dbias_slots()), bad
+        return dq, dk, dv, reduced.reshape((3,) + dbias_shape), dsinks, bad
+    return dq, dk, dv, reduce_enclosure(dbias, *spec.dbias_slots()), dsinks, bad
 
 
 @njit(**_JIT)
@@ -1063,7 +1134,8 @@ def _finish(out, mag, count):
 def reduce_enclosure(enc, index, shape):
     """Sum a (3, B, H, L, S) enclosure into the slots ``index`` (B, H, L, S) of an array of
     ``shape`` (:meth:`refattn._spec.AttentionSpec.dbias_slots`; -1: left out), in the fixed
-    C order of the (B, H, L, S) positions."""
+    C order of the (B, H, L, S) positions (any other (3,) + shape with its index: the sinks'
+    (3, B, H, L) into (H,))."""
     shape = tuple(shape)
     size = int(np.prod(shape))
     flat = np.ascontiguousarray(np.broadcast_to(index, enc.shape[1:])).ravel()

@@ -42,6 +42,7 @@ from mpmath.libmp import (
 )
 
 from .. import config
+from .._fold import fold, split_sink_grads
 from .._spec import AttentionSpec
 from . import _fast_vjp as _fast
 from . import _fixed as F
@@ -66,6 +67,9 @@ class ExactVJP:
     """Enclosures of (dq, dk, dv, dbias) at a working precision, cached per precision."""
 
     def __init__(self, spec: AttentionSpec, grad_out: np.ndarray, grad_lse):
+        if spec.sinks is not None:  # the forward engine has no sink: fold it into a key first
+            raise ValueError("ExactVJP: expected a spec without sinks (fold it first: "
+                             "refattn._fold.fold(spec, alibi_into_bias=False))")
         self.spec = spec
         self.forward = ExactForward(spec)
         self.do = F.to_fixed(grad_out)  # (B, H, L, E)
@@ -540,6 +544,10 @@ def exact_vjp(spec: AttentionSpec, grad_out, grad_lse, out_dtype, *, engine=None
               stats=None):
     """Correctly rounded (dq, dk, dv, dbias) in the flat layout (dbias in bias's shape).
 
+    With ``spec.sinks`` (H,) the fourth element is the flat ``(dbias.ravel(), dsinks)``
+    (:func:`refattn._fold.split_sink_grads` splits it; dsinks ``= sum_{b,i} dS_{i,sink}``,
+    the sink's column of the folded spec, rounded once); dk and dv have the S keys.
+
     ``engine`` "fast" (the default, :data:`refattn.config.EXACT_VJP_ENGINE`) computes double-
     double enclosures first (:mod:`refattn.exact._fast_vjp`) and sends only the undecided
     elements to the referee; "referee" runs the referee (:class:`ExactVJP` and the Ziv loop)
@@ -562,20 +570,32 @@ def exact_vjp(spec: AttentionSpec, grad_out, grad_lse, out_dtype, *, engine=None
         raise ValueError(f"engine: expected 'fast' or 'referee', got {engine!r}")
     if engine == "fast" and _fast.fast_inputs_ok(spec, grad_out, grad_lse):
         return _fast_then_referee(spec, grad_out, grad_lse, out_dtype, stats)
-    results = _referee_vjp(spec, grad_out, grad_lse, out_dtype, _NAMES)
+    names = _NAMES + (("dsinks",) if spec.sinks is not None else ())
+    results = _referee_vjp(spec, grad_out, grad_lse, out_dtype, names)
     if stats is not None:
         total = sum(r.size for r in results.values() if r is not None)
         stats.update(elements=total, fast=0, referee=total)
     # NaN/Inf inputs: refattn.attention.attention_vjp takes the non-finite pattern from the
     # float64 path (the exact engine encloses finite values only)
-    return results["dq"], results["dk"], results["dv"], results.get("dbias")
+    return (results["dq"], results["dk"], results["dv"],
+            _flat_dbias(spec, results.get("dbias"), results.get("dsinks")))
 
 
 _NAMES = ("dq", "dk", "dv", "dbias")
 
 
+def _flat_dbias(spec, dbias, dsinks):
+    """dbias, or with sinks the flat ``(dbias.ravel(), dsinks)`` (dsinks alone without bias)."""
+    if spec.sinks is None:
+        return dbias
+    return dsinks if dbias is None else np.concatenate([dbias.ravel(), dsinks])
+
+
 def _referee_vjp(spec, grad_out, grad_lse, out_dtype, names):
-    """The referee's correctly rounded gradients named in ``names`` (dbias only with bias)."""
+    """The referee's correctly rounded gradients named in ``names`` (dbias only with bias;
+    dsinks (H,) only with sinks)."""
+    if spec.sinks is not None:
+        return _referee_with_sinks(spec, grad_out, grad_lse, out_dtype, names)
     engine = ExactVJP(spec, grad_out, grad_lse)
     results = {}
     for name in names:
@@ -593,14 +613,39 @@ def _referee_vjp(spec, grad_out, grad_lse, out_dtype, names):
     return results
 
 
+def _referee_with_sinks(spec, grad_out, grad_lse, out_dtype, names):
+    """:func:`_referee_vjp` of a spec with sinks: the referee runs on the folded spec
+    (:func:`refattn._fold.fold`, the sink as one more key, ALiBi exact), whose dk, dv are cut
+    back to the S keys and whose flat dbias ``(dbias, dsinks)`` (one rounding per element) is
+    split into "dbias" (with bias) and "dsinks"."""
+    keys = spec.dims[4]
+    inner = [n for n in names if n not in ("dbias", "dsinks")]
+    if "dsinks" in names or ("dbias" in names and spec.bias is not None):
+        inner.append("dbias")
+    results = _referee_vjp(fold(spec, alibi_into_bias=False), grad_out, grad_lse, out_dtype,
+                           inner)
+    for name in ("dk", "dv"):
+        if name in results:
+            results[name] = results[name][..., :keys, :]
+    if "dbias" in results:
+        dbias, dsinks = split_sink_grads(spec, results.pop("dbias"))
+        if "dbias" in names and dbias is not None:
+            results["dbias"] = dbias
+        if "dsinks" in names:
+            results["dsinks"] = dsinks
+    return results
+
+
 def _fast_then_referee(spec, grad_out, grad_lse, out_dtype, stats):
     """The fast first step, then the referee on what it left undecided (a (batch, kv head)
     unit for dk/dv, a query row for dq: :func:`_referee_units`)."""
     fmt = format_of(out_dtype)
-    dq, dk, dv, dbias, bad = _fast.gradient_enclosures(spec, grad_out, grad_lse)
+    dq, dk, dv, dbias, dsinks, bad = _fast.gradient_enclosures(spec, grad_out, grad_lse)
     encl = {"dq": dq, "dk": dk, "dv": dv}
     if dbias is not None:
         encl["dbias"] = dbias
+    if dsinks is not None:
+        encl["dsinks"] = dsinks
     values, todo = {}, {}
     for name, enc in encl.items():
         values[name], decided = _fast.decide(enc, fmt)
@@ -609,13 +654,15 @@ def _fast_then_referee(spec, grad_out, grad_lse, out_dtype, stats):
     todo["dq"] |= bad_heads[:, :, None, None]
     todo["dk"] |= bad[:, :, None, None]
     todo["dv"] |= bad[:, :, None, None]
-    if "dbias" in todo and bad.any():
-        todo["dbias"][...] = True
+    whole = [n for n in ("dbias", "dsinks") if n in todo]  # sums over every unit
+    if bad.any():
+        for name in whole:
+            todo[name][...] = True
     if stats is not None:
         total = sum(v.size for v in values.values())
         undecided = sum(int(t.sum()) for t in todo.values())
         stats.update(elements=total, fast=total - undecided, referee=undecided)
-    if "dbias" in todo and todo["dbias"].any():  # dbias may sum over every unit: whole call
+    if any(todo[n].any() for n in whole):  # dbias, dsinks may sum over every unit: whole call
         names = [n for n in todo if todo[n].any()]
         ref = _referee_vjp(spec, grad_out, grad_lse, out_dtype, names)
         for name in names:
@@ -623,8 +670,9 @@ def _fast_then_referee(spec, grad_out, grad_lse, out_dtype, stats):
     else:
         _referee_units(spec, grad_out, grad_lse, out_dtype, values, todo)
     dtype = fmt.dtype
-    return (values["dq"].astype(dtype), values["dk"].astype(dtype), values["dv"].astype(dtype),
-            values["dbias"].astype(dtype) if "dbias" in values else None)
+    cast = {name: value.astype(dtype) for name, value in values.items()}
+    return (cast["dq"], cast["dk"], cast["dv"],
+            _flat_dbias(spec, cast.get("dbias"), cast.get("dsinks")))
 
 
 def _referee_units(spec, grad_out, grad_lse, out_dtype, values, todo):
