@@ -37,6 +37,8 @@ def _options(rng, length=7, keys=9, heads=4):
         "dropout": {"dropout_mask": rng.random((2, 1, length, keys)) < 0.8, "dropout_p": 0.25},
         "gqa_tile": {"gqa": "tile", "mask": rng.random((heads, 1, keys)) < 0.8},
         "sinks": {"sinks": np.array([0.5, -1.0, 2.0, 0.0]), "causal": True},
+        "sinks_bias": {"sinks": np.array([0.5, -1.0, 2.0, 0.0]), "causal": True,
+                       "bias": rng.standard_normal((length, keys))},
         "softcap_alibi": {"softcap": 3.0, "alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625]),
                           "causal": True},
     }
@@ -110,7 +112,7 @@ def test_results_do_not_depend_on_the_thread_count():
 
 
 @pytest.mark.parametrize("name", ["kv_lengths", "window_left", "softcap_alibi", "dropout",
-                                  "bias_neginf", "sinks"])
+                                  "bias_neginf", "sinks", "sinks_bias"])
 def test_undecided_dq_rows_go_to_the_referee_alone(name, monkeypatch):
     """An undecided dq element is settled by a one-row spec (row_spec: original indices for
     causal, window and ALiBi, the key length as a mask), with the whole-call referee's bits."""
