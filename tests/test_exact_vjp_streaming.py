@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from helpers import assert_same_bits, vjp_problem
 
+import refattn
 from refattn._fold import fold
 from refattn._spec import canonicalize, check_cotangent
 from refattn.exact import _fast_vjp
@@ -214,3 +215,60 @@ def test_streamed_dbias_with_a_batch_of_two_axes(shape):
     old = _fast_vjp.gradient_enclosures(spec, d, None, stream_dbias=False)[3]
     assert new.shape == (3,) + shape
     assert_same_bits(new, old, what="dbias", case=str(shape))
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 7, 1), (4, 1, 1), (7, 1), (2, 1, 1, 1), ()])
+@pytest.mark.parametrize("with_glse", [True, False])
+def test_dbias_along_the_keys_is_summed_by_rows(shape, with_glse):
+    """A bias broadcast along the keys: pass A sums each row's dS (no (B, H, L, S) enclosure);
+    the decided bits are the referee's."""
+    rng, q, k, v, do, gl = _problem(seed=31)
+    bias = rng.standard_normal(shape)
+    spec = canonicalize(q, k, v, bias=bias, causal=True, kv_lengths=np.array([9, 3]),
+                        align="bottom_right", softcap=2.0)
+    assert _fast_vjp._along_keys(spec)
+    _, heads, _, length, _, _, vdim = spec.dims
+    d = check_cotangent(spec, do, "grad_out", (heads, length, vdim))
+    g = check_cotangent(spec, gl, "grad_lse", (heads, length)) if with_glse else None
+    enclosure = _fast_vjp.gradient_enclosures(spec, d, g)[3]
+    assert enclosure.shape == (3,) + shape
+    for out_dtype in ("float64", "float32"):
+        fast = _grads(spec, d, g, out_dtype, "fast")
+        referee = _grads(spec, d, g, out_dtype, "referee")
+        for what, a, b in zip(("dq", "dk", "dv", "dbias"), fast, referee, strict=True):
+            assert_same_bits(a, b, what=what, case=f"{shape} {out_dtype}", check_dtype=True)
+
+
+def test_dbias_along_the_keys_rounds_an_exact_tie():
+    """dbias of a scalar bias is exactly the sum of grad_lse over the rows: six copies of
+    float64(0.3) sum to a float64 rounding midpoint, rounded to even (the referee's Ziv loop
+    cannot settle a tie it does not know to be exact)."""
+    from fractions import Fraction
+
+    from refattn.exact.rounding import format_of, round_exact
+
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((2, 3, 4)) for _ in range(3))
+    grads = refattn.attention_vjp(q, k, v, np.ones((2, 3, 4)), bias=np.array(0.5),
+                                  grad_lse=np.full((2, 3), 0.3), precision="exact")
+    exact = 6 * Fraction(0.3)
+    assert (exact * 2**53).denominator == 1 and (exact * 2**52).denominator == 2  # a midpoint
+    want = round_exact(exact, format_of(np.dtype("float64")))
+    assert grads.dbias.shape == () and float(grads.dbias) == want
+
+
+@pytest.mark.parametrize("shape", [(4, 7, 1), (1, 1, 1)])
+def test_dbias_along_the_keys_with_sinks(shape):
+    """With sinks a row's dS over its keys no longer sums to g_i: pass A sums the rows'
+    enclosures (row_sums); the decided bits are the referee's."""
+    rng, q, k, v, do, gl = _problem(seed=32)
+    spec = canonicalize(q, k, v, bias=rng.standard_normal(shape), causal=True,
+                        sinks=np.array([0.5, -1.0, 2.0, 0.0]))
+    _, heads, _, length, _, _, vdim = spec.dims
+    d = check_cotangent(spec, do, "grad_out", (heads, length, vdim))
+    g = check_cotangent(spec, gl, "grad_lse", (heads, length))
+    for out_dtype in ("float64", "bfloat16"):
+        fast = _grads(spec, d, g, out_dtype, "fast")
+        referee = _grads(spec, d, g, out_dtype, "referee")
+        for what, a, b in zip(("dq", "dk", "dv", "dbias"), fast, referee, strict=True):
+            assert_same_bits(a, b, what=what, case=f"{shape} {out_dtype}", check_dtype=True)

@@ -87,7 +87,7 @@ discarded; its dS enclosure per row (3, B, H, L) is summed over (b, i) into dsin
 :func:`reduce_enclosure` in the C order of (b, h, i).
 
 Streaming (no (L, S) array; memory O(L D + S D) per head plane, plus a (B, H, L, S) dS
-enclosure only where dbias has that size or its slots are not one key's: see pass C): each
+enclosure only where dbias has that size or for a folded spec's slots: see pass C): each
 row's allowed and kept sets are computed on the fly into a length-S scratch row from its
 structural key interval ``[lo, hi)`` (causal, window, key length) and, only where present, the
 explicit mask, the -inf positions of the bias and the dropout keep-mask, read through their
@@ -116,7 +116,12 @@ the full loops. Two passes, in the manner of FlashAttention-2's backward:
   slot in the C order of (b, h, i); each slot holds one key's positions, so a block owns its
   slots, and the sums and bounds are those of :func:`reduce_enclosure` on pass A's
   (3, B, H, L, S) enclosure, bit for bit (the path kept for a full bias, where the sum is the
-  identity, for a bias broadcast along the keys and for a folded spec's slots).
+  identity, and for a folded spec's slots). A bias broadcast along the keys (dbias without a
+  key axis of size S) has one slot per row at most: pass A sums each row's dS over its keys
+  (in increasing order, with the bound of :func:`_reduce`: the terms' errors plus ``DD_REL``
+  of the magnitudes per addition) into a (3, B, H, L) array, which :func:`reduce_enclosure`
+  then sums into the slots; the enclosures differ in their last bits from the
+  dS-then-reduce path's, the decided roundings do not.
 
 Every output element is written by exactly one work item, whose operations are in a fixed
 order: the results depend on the shapes alone (not on the thread count).
@@ -125,6 +130,7 @@ order: the results depend on the shapes alone (not on the thread count).
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 from numba import njit, prange
@@ -147,6 +153,7 @@ from ._dd import (
 )
 from ._dd_extra import EXP_FAST_REL, exp_dd_fast, round_decision
 from ._stream import compact_view, key_intervals
+from .rounding import round_exact
 
 _JIT = dict(fastmath=False, boundscheck=False, cache=True, nogil=True)
 __all__ = ["INPUT_LIMIT", "UNDERFLOW_TERM", "fast_inputs_ok", "gradient_enclosures",
@@ -592,9 +599,11 @@ SINK_REF = -2
 @njit(parallel=True, **_JIT)
 def _pass_a(q, k, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, bias, bias_st,
             slopes, kv_head, opts, fopts, k_l1, v_l1, k_col, dq, write_ds, dbias, istat, fstat,
-            bad, has_sink, sinks, dsink):
+            bad, has_sink, sinks, dsink, row_sums):
     """Pass A, parallel over (batch, query head, block of ROW_BLOCK rows): each row's dS, dT
-    and dq (and the dS enclosure ``dbias`` (3, B, H, L, S) when ``write_ds``), the row
+    and dq (and the dS enclosure ``dbias`` (3, B, H, L, S) when ``write_ds``; with
+    ``row_sums`` instead, for a bias broadcast along the keys, each row's sum over its keys
+    ``dbias[:, b, h, i, 0]``, summed as :func:`_reduce` sums a slot), the row
     statistics for passes B and C (``istat`` (B, H, L, 3): kind, reference key (absolute;
     :data:`SINK_REF` for the sink), zero row; ``fstat`` (B, H, L, N_STAT)) and the
     non-finite flag of the block (``bad`` (B, H, blocks)). With a sink (``has_sink``,
@@ -656,6 +665,16 @@ def _pass_a(q, k, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, 
                     # a sink-only row (kind 2) is exact: dS = g
                     dsink[2, b, h, i] = (dse[n] * BOUND_SAFETY + UNDERFLOW_TERM
                                          if kind == 1 else 0.0)
+            if row_sums:  # sum_j dS_ij as _reduce sums a slot (terms in increasing j)
+                rs_h, rs_l, rs_e, rs_mag, rs_count = 0.0, 0.0, 0.0, 0.0, 0.0
+                for t in range(n):
+                    rs_h, rs_l = dd_add(rs_h, rs_l, dsh[t], dsl[t])
+                    if allowed[t] and kind == 1 and not zero_row:
+                        rs_e += dse[t] * BOUND_SAFETY + UNDERFLOW_TERM
+                    rs_mag += abs(dsh[t])
+                    rs_count += 1.0
+                dbias[0, b, h, i, 0], dbias[1, b, h, i, 0] = rs_h, rs_l
+                dbias[2, b, h, i, 0] = (rs_e + rs_count * DD_REL * rs_mag * _SAFE) * BOUND_SAFETY
             if write_ds:
                 for t in range(n):
                     j = lo + t
@@ -917,12 +936,18 @@ def _decide_all(enc, p, emin, max_finite, out, decided):
 
 def decide(enc: np.ndarray, fmt):
     """(values, decided) of an enclosure array (3, ...) = (hi, lo, error bound) rounded to
-    ``fmt`` (:func:`refattn.exact._dd_extra.round_decision`)."""
+    ``fmt`` (:func:`refattn.exact._dd_extra.round_decision`); an enclosure of radius 0 is the
+    exact value ``hi + lo``, rounded exactly (:func:`refattn.exact.rounding.round_exact`)
+    where it lies on a rounding boundary (a tie)."""
     shape = enc.shape[1:]
     out = np.empty(int(np.prod(shape)))
     decided = np.empty(out.shape, np.bool_)
-    _decide_all(np.ascontiguousarray(enc), fmt.p, fmt.emin, float(fmt.max_finite), out,
-                decided)
+    flat = np.ascontiguousarray(enc).reshape(3, out.size)  # (3, N): a 0-d dbias too
+    _decide_all(flat, fmt.p, fmt.emin, float(fmt.max_finite), out, decided)
+    exact = (flat[2] == 0.0) & np.isfinite(flat[0]) & np.isfinite(flat[1])
+    for n in np.flatnonzero(~decided & exact):  # an exact value: rounded exactly (ties too)
+        out[n] = round_exact(Fraction(flat[0, n]) + Fraction(flat[1, n]), fmt)
+        decided[n] = True
     return out.reshape(shape), decided.reshape(shape)
 
 
@@ -1008,6 +1033,44 @@ def _dbias_stream_slots(spec):
     return slot_b, strides
 
 
+def _exact_row_sums(glse, nonempty, index, shape):
+    """dbias of a bias broadcast along the keys without sinks, exactly: a row's dS sums to
+    ``sum_j w_ij (dP_ij - Delta_i + g_i) = g_i`` (``sum_j w_ij = 1``, ``Delta_i = sum_j w_ij
+    dP_ij``: whatever the dropout and softcap) when it has an allowed key, to 0 when it has
+    none, so each slot is the exact sum of its rows' ``g_i`` (0 without grad_lse), in integers.
+    Returned as an enclosure (3,) + shape: the nearest double-double and a radius of 0 where
+    it is exact (:func:`decide` then rounds ties exactly too)."""
+    size = int(np.prod(shape))
+    out = np.zeros((3, size))
+    if glse is not None:
+        flat = np.ascontiguousarray(np.broadcast_to(index, nonempty.shape)).ravel()
+        values = np.where(nonempty, glse, 0.0).ravel()
+        totals = [0] * size
+        mant, expo = np.frexp(values)
+        for n in np.flatnonzero(values):  # x = m 2**e = (m 2**53) 2**(e - 53), exactly
+            shift = int(expo[n]) - 53 + 1074  # in units of 2**-1074
+            m = int(mant[n] * 2.0**53)
+            totals[flat[n]] += m << shift if shift >= 0 else m >> -shift
+        for t, total in enumerate(totals):
+            value = Fraction(total, 1 << 1074)
+            hi = float(value)
+            rest = value - Fraction(hi)
+            lo = float(rest)
+            out[0, t], out[1, t] = hi, lo
+            out[2, t] = 0.0 if Fraction(lo) == rest else math.ulp(lo)
+    return out.reshape((3,) + tuple(shape))
+
+
+def _along_keys(spec) -> bool:
+    """Whether dbias has no key axis of its own (a bias broadcast along the keys, S > 1): every
+    key of a row then adds to one slot, and pass A sums each row (``row_sums``)."""
+    if spec.bias is None or spec.dbias_index is not None:
+        return False
+    keys = spec.dims[4]
+    shape = tuple(spec.bias_shape)
+    return keys > 1 and (not shape or shape[-1] == 1)
+
+
 def gradient_enclosures(spec, grad_out, grad_lse, *, stream_dbias=True):
     """dd enclosures (3, ...) of dq (B, H, L, D), dk (B, K, S, D), dv (B, K, S, E), dbias
     (3,) + :meth:`AttentionSpec.dbias_slots`'s shape (None without bias) and dsinks (3, H)
@@ -1023,8 +1086,9 @@ def gradient_enclosures(spec, grad_out, grad_lse, *, stream_dbias=True):
     is formed unless the caller's mask, keep-mask or bias is one (they are read
     un-broadcast). dbias: a bias broadcast over batch, heads or rows (its key axis of size S)
     is summed by pass C (:func:`_pass_c`) with no (B, H, L, S) array; a full
-    bias's dbias is the dS enclosure itself, written by pass A; otherwise (a bias broadcast
-    along the keys, a folded spec's slots, or ``stream_dbias=False``) pass A writes the
+    bias's dbias is the dS enclosure itself, written by pass A; a bias broadcast along the
+    keys is summed per row by pass A (``row_sums``, (3, B, H, L)) and then into its slots;
+    otherwise (a folded spec's slots, or ``stream_dbias=False``) pass A writes the
     (3, B, H, L, S) dS enclosure and :func:`reduce_enclosure` sums it, with the same bits as
     pass C.
     """
@@ -1062,8 +1126,13 @@ def gradient_enclosures(spec, grad_out, grad_lse, *, stream_dbias=True):
     dk = np.zeros((3, batch, kv_heads, keys, dim))
     dv = np.zeros((3, batch, kv_heads, keys, vdim))
     slots = _dbias_stream_slots(spec) if stream_dbias else None
-    write_ds = spec.bias is not None and slots is None
+    along = stream_dbias and slots is None and _along_keys(spec)
+    exact_rows = along and spec.sinks is None  # sum_j dS_ij = g_i exactly (_exact_row_sums)
+    row_sums = along and not exact_rows
+    write_ds = spec.bias is not None and slots is None and not along
     dbias = np.zeros((3, batch, heads, length, keys)) if write_ds else np.zeros((3, 1, 1, 1, 1))
+    if row_sums:
+        dbias = np.zeros((3, batch, heads, length, 1))
     if slots is not None:
         dbias_shape = tuple(spec.bias_shape)
         reduced = np.zeros((3, int(np.prod(dbias_shape))))
@@ -1082,7 +1151,7 @@ def gradient_enclosures(spec, grad_out, grad_lse, *, stream_dbias=True):
         bad_rows = np.zeros((batch, heads, -(-length // ROW_BLOCK)), np.bool_)
         _pass_a(q, k, kt, vt, do, glse, grad_lse is not None, rows_lo, rows_hi, masks, mask_st,
                 bias, bias_st, slopes, kv_head, opts, fopts, k_l1, v_l1, k_col, dq, write_ds,
-                dbias, istat, fstat, bad_rows, has_sink, sinks, dsink)
+                dbias, istat, fstat, bad_rows, has_sink, sinks, dsink, row_sums)
         _pass_b(q, kt, vt, do, glse, grad_lse is not None, rows_lo, rows_hi, masks, mask_st,
                 bias, bias_st, slopes, group, opts, fopts, k_l1, v_l1, q_sum, do_sum, istat,
                 fstat, dk, dv)
@@ -1103,7 +1172,15 @@ def gradient_enclosures(spec, grad_out, grad_lse, *, stream_dbias=True):
         return dq, dk, dv, None, dsinks, bad
     if slots is not None:
         return dq, dk, dv, reduced.reshape((3,) + dbias_shape), dsinks, bad
-    return dq, dk, dv, reduce_enclosure(dbias, *spec.dbias_slots()), dsinks, bad
+    index, shape = spec.dbias_slots()
+    if exact_rows:
+        nonempty = istat[..., 0] != 0 if batch and heads and length and keys else \
+            np.zeros((batch, heads, length), np.bool_)
+        return dq, dk, dv, _exact_row_sums(glse if grad_lse is not None else None, nonempty,
+                                            index[..., 0], shape), dsinks, bad
+    if row_sums:  # every key of a row shares the row's slot: the row sums into their slots
+        return dq, dk, dv, reduce_enclosure(dbias[..., 0], index[..., 0], shape), dsinks, bad
+    return dq, dk, dv, reduce_enclosure(dbias, index, shape), dsinks, bad
 
 
 @njit(**_JIT)

@@ -354,7 +354,7 @@ def correctly_round(
             if fallback is not None and undecided.any():
                 # Results that are exact rationals (e.g. weights 1/n of a row of equal scores)
                 # may sit on a rounding midpoint: settle those exactly before raising precision.
-                for index in zip(*np.nonzero(undecided), strict=True):
+                for index in np.argwhere(undecided):  # argwhere: 0-d results too
                     index = tuple(int(i) for i in index)
                     exact = fallback(index)
                     if exact is not None:
@@ -407,7 +407,7 @@ def _decide_at_boundaries(result, undecided, rlo, rhi, decide, fmt):
     """Settle undecided elements by the side of the boundaries they straddle: the one
     boundary between neighbouring roundings, or, for an enclosure around 0, the sides of 0
     and of half the smallest subnormal (an underflowing result is a signed zero)."""
-    for index in zip(*np.nonzero(undecided), strict=True):
+    for index in np.argwhere(undecided):  # argwhere: 0-d results too
         index = tuple(int(i) for i in index)
         low, high = float(rlo[index]), float(rhi[index])
         boundary = boundary_between(low, high, fmt)
@@ -446,7 +446,7 @@ def _underflow(index, low, high, decide, fmt):
 
 
 def _settle_at_cap(result, undecided, rlo, rhi, lo, hi, fallback, fmt, what, prec):
-    for index in zip(*np.nonzero(undecided), strict=True):
+    for index in np.argwhere(undecided):  # argwhere: 0-d results too
         index = tuple(int(i) for i in index)
         exact = fallback(index) if fallback is not None else None
         if exact is not None:
