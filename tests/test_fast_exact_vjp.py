@@ -313,3 +313,35 @@ def test_fast_matches_referee_larger(seed):
     for out_dtype in ("float64", "float32"):
         fast, referee, stats = _both(q, k, v, do, gl, out_dtype, **opts)
         _assert_identical(fast, referee, f"seed {seed}, {out_dtype}")
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("opts", [{}, {"causal": True, "softcap": 4.0}, {"dropout_p": 0.5}],
+                         ids=["plain", "causal-softcap", "dropout"])
+def test_enclosures_hold_the_exact_gradients(dtype, opts):
+    """Every fast enclosure (hi + lo, radius) holds the referee's 300-bit interval: the
+    running bounds of the compensated sums (scores, dp, sigma, D) are sound, also where they
+    are far below the a-priori dot_bound (70 keys cross the 64-key block)."""
+    from refattn.exact import _fast_vjp
+    from refattn.exact.attention_vjp import ExactVJP
+
+    rng = np.random.default_rng(41)
+    q, k, v = (rng.standard_normal((1, 2, n, 8)).astype(dtype) for n in (6, 70, 70))
+    do = rng.standard_normal((1, 2, 6, 8)).astype(dtype)
+    gl = rng.standard_normal((1, 2, 6))
+    opts = dict(opts)
+    if opts.pop("dropout_p", None):
+        opts.update(dropout_p=0.5, dropout_mask=rng.random((1, 2, 6, 70)) < 0.5)
+    spec = canonicalize(q, k, v, **opts)
+    d = check_cotangent(spec, do, "grad_out", (2, 6, 8))
+    g = check_cotangent(spec, gl, "grad_lse", (2, 6))
+    encl = dict(zip(("dq", "dk", "dv"), _fast_vjp.gradient_enclosures(spec, d, g)[:3],
+                    strict=True))
+    ref = ExactVJP(spec, d, g).at(300)
+    for name, enc in encl.items():
+        lows, highs = ref[name]
+        for ix in np.ndindex(enc.shape[1:]):
+            lo, hi = Fraction(*lows[ix]), Fraction(*highs[ix])
+            mid = Fraction(float(enc[(0, *ix)])) + Fraction(float(enc[(1, *ix)]))
+            rad = Fraction(float(enc[(2, *ix)]))
+            assert mid - rad <= lo and hi <= mid + rad, (name, ix, float(mid), float(rad))

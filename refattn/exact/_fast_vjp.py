@@ -44,7 +44,11 @@ Error analysis (``u = 2**-53``; every bound below is an upper bound of the exact
   ties): ``e_ij = exp(t_ij - t_ir)`` for ``j != r`` has relative error
   ``EXP_FAST_REL + expm1(err t_ij + err t_ir)`` (below ``EXP_MIN_ARG``: 0 with absolute error
   ``2**-894``), ``e_ir = 1`` exactly; ``sigma_i = sum_{j != r} e_ij`` is a compensated sum
-  (``dot_bound(S)`` of its magnitude), ``Z_i = 1 + sigma_i``, ``w_ij = e_ij (1/Z_i)`` and
+  (error: the smaller of ``dot_bound(S)`` of its magnitude and the running bound
+  ``u sum_k (|t_k| + |c_k|)`` of the two roundings of each compensation update
+  ``c_k = c_{k-1} + t_k``, ``t_k = lo_k + e'_k``, TwoSum being exact: about ``S u^2`` of
+  the magnitude where the a-priori bound is ``2 S^2 u^2``), ``Z_i = 1 + sigma_i``,
+  ``w_ij = e_ij (1/Z_i)`` and
   ``w_ir = 1 - tau_i`` with ``tau_i = sigma_i (1/Z_i)`` (the exact ``1 - tau_h`` by TwoSum,
   then one rounding of at most ``u`` of the low word): no weight is ever ``e_ir / Z_i``, so
   the error of every weight is relative to the weights of the other keys (a top weight
@@ -53,11 +57,12 @@ Error analysis (``u = 2**-53``; every bound below is an upper bound of the exact
   reference-key form: with ``x_j = kappa_ij dp_ij`` and ``y_j = x_j - x_r`` (``y_r = 0``
   exactly; error ``err x_j + err x_r + DD_REL |y_j|``), ``sum_j w_ij = 1`` gives
   ``x_j - sum_k w_ik x_k = y_j - D_i`` with ``D_i = sum_{k != r} w_ik y_k`` (a compensated
-  sum: the products' first-order errors plus ``(DD_REL + dot_bound(S))`` of the sum of
-  magnitudes). ``dS_ir = -w_ir D_i``, and the errors of every ``dS_ij`` are in proportion
-  to the non-reference weights, where the direct ``dP_ir - Delta_i`` with ``w_ir ~ 1``
-  would carry ``Delta_i``'s absolute error (``~2**-94 |dP|``, the top weight's) against a
-  result ``~e^-64 |dP|``: no correct rounding could be decided from it. ``kf``
+  sum: the products' first-order errors plus ``DD_REL`` of the sum of magnitudes plus the
+  summation's error, bounded as sigma's). ``dS_ir = -w_ir D_i``, and the errors of every
+  ``dS_ij`` are in proportion to the non-reference weights, where the direct
+  ``dP_ir - Delta_i`` with ``w_ir ~ 1`` would carry ``Delta_i``'s absolute error
+  (``~2**-94 |dP|``, the top weight's) against a result ``~e^-64 |dP|``: no correct rounding
+  could be decided from it. ``kf``
   multiplies ``y_j - D_i`` afterwards (one dd product); the further steps are dd products
   and sums whose errors are the first-order JMP bounds plus the products of the operands'
   errors;
@@ -273,10 +278,11 @@ def _weights(sh, sl, se, allowed, wh, wl, we, c_keys):
     (the largest dd score, first on ties); returns (r, 1/Z as a dd, the relative error
     bound of 1/Z), r = -1 for an empty row.
 
-    ``e_r = 1`` exactly; ``sigma = sum_{k != r} e_k`` is a compensated sum (``dot_bound(S)`` of
-    its magnitude), ``Z = 1 + sigma``; ``w_k = e_k (1/Z)`` for ``k != r`` and the reference
-    weight ``w_r = 1 - tau`` with ``tau = sigma (1/Z)`` (never ``e_r / Z``): every weight's
-    error is relative to the weights of the *other* keys, so a weight ``1 - e^-64`` is known to
+    ``e_r = 1`` exactly; ``sigma = sum_{k != r} e_k`` is a compensated sum (the smaller of
+    ``dot_bound(S)`` of its magnitude and the running bound), ``Z = 1 + sigma``;
+    ``w_k = e_k (1/Z)`` for ``k != r`` and the reference weight ``w_r = 1 - tau`` with
+    ``tau = sigma (1/Z)`` (never ``e_r / Z``): every weight's error is relative to the
+    weights of the *other* keys, so a weight ``1 - e^-64`` is known to
     ``2**-99 e^-64`` rather than to ``2**-100``.
     """
     keys = sh.shape[0]
@@ -287,7 +293,10 @@ def _weights(sh, sl, se, allowed, wh, wl, we, c_keys):
     if r < 0:
         return -1, 0.0, 0.0, 0.0
     rh, rl, re = sh[r], sl[r], se[r]
-    zh, zc, ze, zmag = 0.0, 0.0, 0.0, 0.0  # sigma by the compensated sum (dot_bound(S))
+    # sigma by the compensated sum: its error is within dot_bound(S) of the magnitudes and
+    # within the running bound u sum_k (|t_k| + |c_k|) of the two roundings of each update
+    # ``c += t``, ``t = el + es`` (TwoSum is exact); the smaller of the two is taken
+    zh, zc, ze, zmag, zrun = 0.0, 0.0, 0.0, 0.0, 0.0
     for j in range(keys):
         if not allowed[j] or j == r:
             wh[j], wl[j], we[j] = 0.0, 0.0, 0.0
@@ -295,11 +304,13 @@ def _weights(sh, sl, se, allowed, wh, wl, we, c_keys):
         eh, el, ee = _exp_rel(sh[j], sl[j], se[j], rh, rl, re)
         wh[j], wl[j], we[j] = eh, el, ee
         zh, es = two_sum(zh, eh)
-        zc += el + es
+        t = el + es
+        zc += t
+        zrun += abs(t) + abs(zc)
         ze += ee
         zmag += eh
     sig_h, sig_l = two_sum(zh, zc)
-    sig_e = (ze + c_keys * zmag) * _SAFE
+    sig_e = (ze + min(c_keys * zmag, _U * zrun * BOUND_SAFETY)) * _SAFE
     z_h, z_l = dd_add_d(sig_h, sig_l, 1.0)
     # Z >= 1: its relative error is the error of sigma over Z plus the addition's DD_REL
     rho_z = (sig_e / z_h + DD_REL) * _SAFE
@@ -328,6 +339,7 @@ def _dots(arow, bt, j0, outh, outl, oute, b_l1, cn):
     n = arow.shape[0]
     outh[:] = 0.0
     outl[:] = 0.0  # the compensation terms until the final renormalisation
+    oute[:] = 0.0  # the running bound's sum until the end
     amax = 0.0
     for d in range(n):
         a = arow[d]
@@ -339,10 +351,15 @@ def _dots(arow, bt, j0, outh, outl, oute, b_l1, cn):
             ep = fma(a, b, -p)
             s, es = two_sum(outh[j], p)
             outh[j] = s
-            outl[j] += ep + es
+            t = ep + es
+            c = outl[j] + t
+            outl[j] = c
+            oute[j] += abs(t) + abs(c)
     for j in range(keys):
         outh[j], outl[j] = two_sum(outh[j], outl[j])
-        oute[j] = cn * amax * b_l1[j0 + j]
+        # the smaller of the a-priori bound and the running one (the two roundings of each
+        # compensation update, TwoProd and TwoSum being exact)
+        oute[j] = min(cn * amax * b_l1[j0 + j], _U * oute[j] * BOUND_SAFETY)
 
 
 @njit(**_JIT)
@@ -526,18 +543,22 @@ def _row(b, h, i, lo, qrow, kt_bg, vt_bg, dorow, g_i, has_glse, allowed, kept, b
         dh[j], dl[j], de[j] = _y_of(dh[j], dl[j], de[j], xr_h, xr_l, xr_e)
     # D = sum_{k != r} w_k y_k, so that x_j - Delta' = y_j - D (sum_k w_k = 1): no
     # cancellation against the reference weight w_r (which may be 1 - e^-64)
-    acc_h, acc_c, acc_e, mag = 0.0, 0.0, 0.0, 0.0  # compensated sum (dot_bound(S))
+    # compensated sum: dot_bound(S) of the magnitudes, or the running bound (as for sigma)
+    acc_h, acc_c, acc_e, mag, arun = 0.0, 0.0, 0.0, 0.0, 0.0
     for j in range(keys):
         if not allowed[j] or j == r:
             continue
         ph, pl = dd_mul(wh[j], wl[j], dh[j], dl[j])
         acc_h, es = two_sum(acc_h, ph)
-        acc_c += pl + es
+        t = pl + es
+        acc_c += t
+        arun += abs(t) + abs(acc_c)
         acc_e += we[j] * abs(dh[j]) + wh[j] * de[j] + we[j] * de[j]
         mag += abs(ph)
     acc_h, acc_l = two_sum(acc_h, acc_c)
-    # products: DD_REL each; the compensated sum: dot_bound(S) of the sum of magnitudes
-    acc_e = (acc_e + (DD_REL + fopts[9]) * mag * _SAFE) * _SAFE
+    # products: DD_REL each; the compensated sum: the smaller of its two bounds
+    acc_e = (acc_e + (DD_REL * mag + min(fopts[9] * mag, _U * arun * BOUND_SAFETY)) * _SAFE) \
+        * _SAFE
     for j in range(keys):
         if not allowed[j]:
             dsh[j], dsl[j], dse[j] = 0.0, 0.0, 0.0
