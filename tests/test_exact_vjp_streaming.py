@@ -217,19 +217,22 @@ def test_streamed_dbias_with_a_batch_of_two_axes(shape):
     assert_same_bits(new, old, what="dbias", case=str(shape))
 
 
-@pytest.mark.parametrize("shape", [(2, 4, 7, 1), (4, 1, 1), (7, 1), (2, 1, 1, 1), ()])
-@pytest.mark.parametrize("with_glse", [True, False])
-def test_dbias_along_the_keys_is_summed_by_rows(shape, with_glse):
-    """A bias broadcast along the keys: pass A sums each row's dS (no (B, H, L, S) enclosure);
-    the decided bits are the referee's."""
-    rng, q, k, v, do, gl = _problem(seed=31)
-    bias = rng.standard_normal(shape)
-    spec = canonicalize(q, k, v, bias=bias, causal=True, kv_lengths=np.array([9, 3]),
-                        align="bottom_right", softcap=2.0)
+def _along_keys_problem(shape, with_glse, seed=31):
+    rng, q, k, v, do, gl = _problem(seed=seed)
+    opts = dict(causal=True, kv_lengths=np.array([9, 3]), align="bottom_right", softcap=2.0)
+    spec = canonicalize(q, k, v, bias=rng.standard_normal(shape), **opts)
     assert _fast_vjp._along_keys(spec)
     _, heads, _, length, _, _, vdim = spec.dims
     d = check_cotangent(spec, do, "grad_out", (heads, length, vdim))
     g = check_cotangent(spec, gl, "grad_lse", (heads, length)) if with_glse else None
+    return spec, canonicalize(q, k, v, **opts), d, g
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 7, 1), (4, 1, 1), (7, 1), (2, 1, 1, 1), ()])
+def test_dbias_along_the_keys_is_summed_by_rows(shape):
+    """A bias broadcast along the keys: its dbias is the exact sum of the rows' grad_lse (no
+    (B, H, L, S) enclosure); the decided bits are the referee's."""
+    spec, _, d, g = _along_keys_problem(shape, True)
     enclosure = _fast_vjp.gradient_enclosures(spec, d, g)[3]
     assert enclosure.shape == (3,) + shape
     for out_dtype in ("float64", "float32"):
@@ -237,6 +240,30 @@ def test_dbias_along_the_keys_is_summed_by_rows(shape, with_glse):
         referee = _grads(spec, d, g, out_dtype, "referee")
         for what, a, b in zip(("dq", "dk", "dv", "dbias"), fast, referee, strict=True):
             assert_same_bits(a, b, what=what, case=f"{shape} {out_dtype}", check_dtype=True)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 7, 1), ()])
+def test_dbias_along_the_keys_without_grad_lse_is_zero(shape):
+    """Without grad_lse a row's dS sums to exactly 0: dbias is +0, decided by the first step,
+    and a bias constant along each row changes no weight, so dq, dk, dv are those of the call
+    without bias (the referee's; its own proof of the zero dbias is the slow test below)."""
+    spec, plain, d, _ = _along_keys_problem(shape, False)
+    stats = {}
+    fast = exact_vjp(spec, d, None, np.dtype("float64"), engine="fast", stats=stats)
+    assert stats["referee"] == 0
+    assert fast[3].shape == shape and not fast[3].any() and not np.signbit(fast[3]).any()
+    referee = _grads(plain, d, None, "float64", "referee")
+    for what, a, b in zip(("dq", "dk", "dv"), fast, referee, strict=False):
+        assert_same_bits(a, b, what=what, case=str(shape), check_dtype=True)
+
+
+@pytest.mark.slow
+def test_dbias_along_the_keys_without_grad_lse_matches_the_referee():
+    spec, _, d, _ = _along_keys_problem((), False)
+    fast = _grads(spec, d, None, "float64", "fast")
+    referee = _grads(spec, d, None, "float64", "referee")
+    for what, a, b in zip(("dq", "dk", "dv", "dbias"), fast, referee, strict=True):
+        assert_same_bits(a, b, what=what, case="scalar", check_dtype=True)
 
 
 def test_dbias_along_the_keys_rounds_an_exact_tie():
