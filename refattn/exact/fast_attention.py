@@ -300,7 +300,6 @@ def _dd_row(b, h, i, q, kT, v, qn, kn, vmax, prm, kvh, lohi, mk, mstr, bs, bstr,
     zc = 0.0
     tiny = 0.0
     rho = 0.0
-    valued = False
     # float sum of the valued keys' hi(e_j): with e_j <= (eh + el) / (1 - rho) and the sum's
     # gamma_n < 2**-22 (n < 2**30 keys), sum_j e_j <= zv (1 + rho) (1 + 2**-20)
     zv = 0.0
@@ -320,10 +319,8 @@ def _dd_row(b, h, i, q, kT, v, qn, kn, vmax, prm, kvh, lohi, mk, mstr, bs, bstr,
             continue
         rho = max(rho, (EXP_FAST_REL + 2.0 * xe) * (1.0 + _RHO_MAX))
         eh, el = exp_dd_fast(xh, xl)
-        t = zs + eh
-        bb = t - zs
-        zc += ((zs - (t - bb)) + (eh - bb)) + el
-        zs = t
+        zs, es = D.two_sum(zs, eh)
+        zc += es + el
         if state[jj] == 2:
             for e in range(vdim):
                 b_ = vp[j, e]
@@ -335,7 +332,6 @@ def _dd_row(b, h, i, q, kT, v, qn, kn, vmax, prm, kvh, lohi, mk, mstr, bs, bstr,
                 es = (nse - (t2 - b2)) + (p_ - b2)
                 ns[e] = t2
                 nc[e] += (ep + es) + el * b_
-            valued = True
             zv += eh
     if has_sink:  # sink - top is exact (TwoSum); the term enters Z after the keys
         xh, xl = D.two_sum(sink, -top)
@@ -345,10 +341,8 @@ def _dd_row(b, h, i, q, kT, v, qn, kn, vmax, prm, kvh, lohi, mk, mstr, bs, bstr,
             rho = max(rho, (EXP_FAST_REL + 2.0 * D.DD_REL * abs(xh) * D.BOUND_SAFETY)
                       * (1.0 + _RHO_MAX))
             eh, el = exp_dd_fast(xh, xl)
-            t = zs + eh
-            bb = t - zs
-            zc += ((zs - (t - bb)) + (eh - bb)) + el
-            zs = t
+            zs, es = D.two_sum(zs, eh)
+            zc += es + el
     if not rho <= _RHO_MAX:
         return _UNDECIDED
     zh, zl = D.two_sum(zs, zc)
@@ -356,7 +350,7 @@ def _dd_row(b, h, i, q, kT, v, qn, kn, vmax, prm, kvh, lohi, mk, mstr, bs, bstr,
     # sum_j e_j |v_je| <= vmax_e (Z + zr): the Dot2 and exponential errors of N (exactly 0
     # when no kept key above CUT carries a value: N is then 0 exactly, as with a sink alone)
     nr = TINY * tiny_v
-    if valued:  # the valued keys' mass: Z, or less when a sink holds most of Z
+    if zv > 0.0:  # the valued keys' mass (e > 0 above CUT): Z, or less when a sink holds most
         mass = min(zh + zr, zv * (1.0 + rho) * (1.0 + 2.0**-20))
         nr = nr + ((sum_rel + rho) * vmax[b, g] * mass) * D.BOUND_SAFETY
     ok, lz_h, lz_l, lz_r = _finish_row(b, h, i, top, zh, zl, zr, ns, nc, nr, pr, want_lse, p,
