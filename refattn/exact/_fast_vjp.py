@@ -157,6 +157,7 @@ from ._dd import (
     two_sum,
 )
 from ._dd_extra import EXP_FAST_REL, exp_dd_fast, round_decision
+from ._fixed import to_fixed
 from ._stream import compact_view, key_intervals
 from .rounding import round_exact
 
@@ -1064,16 +1065,11 @@ def _exact_row_sums(glse, nonempty, index, shape):
     size = int(np.prod(shape))
     out = np.zeros((3, size))
     if glse is not None:
-        flat = np.ascontiguousarray(np.broadcast_to(index, nonempty.shape)).ravel()
-        values = np.where(nonempty, glse, 0.0).ravel()
-        totals = [0] * size
-        mant, expo = np.frexp(values)
-        for n in np.flatnonzero(values):  # x = m 2**e = (m 2**53) 2**(e - 53), exactly
-            shift = int(expo[n]) - 53 + 1074  # in units of 2**-1074
-            m = int(mant[n] * 2.0**53)
-            totals[flat[n]] += m << shift if shift >= 0 else m >> -shift
+        fixed = to_fixed(np.where(nonempty, glse, 0.0))  # exact: ints * 2**exp
+        totals = np.zeros(size, dtype=object)
+        np.add.at(totals, np.broadcast_to(index, nonempty.shape).ravel(), fixed.ints.ravel())
         for t, total in enumerate(totals):
-            value = Fraction(total, 1 << 1074)
+            value = Fraction(int(total)) * Fraction(2) ** fixed.exp
             hi = float(value)
             rest = value - Fraction(hi)
             lo = float(rest)
