@@ -118,6 +118,16 @@ _JIT = dict(nopython=True, cache=True, fastmath=False, error_model="numpy")
 
 # ------------------------------------------------------------------------------ kernels
 @numba.jit(**_JIT)
+def _dot2_step(s, a, b):
+    """One compensated multiply-add (Dot2): ``(t, err)`` with ``t = fl(s + a b)`` and ``t + err``
+    the exact ``s + a b`` up to err's own rounding (TwoProd by FMA, then TwoSum)."""
+    p = a * b
+    ep = D.fma(a, b, -p)
+    t, es = D.two_sum(s, p)
+    return t, ep + es
+
+
+@numba.jit(**_JIT)
 def _row_dots(qrow, kT, lo, hi, s, c):
     """Compensated dot products (s_j, c_j) of q_i with the keys lo <= j < hi (lanes over keys;
     entry j - lo)."""
@@ -131,15 +141,8 @@ def _row_dots(qrow, kT, lo, hi, s, c):
             continue
         row = kT[d, lo:hi]  # a slice, not kT[d, lo + jj]: the loop then vectorizes
         for jj in range(hi - lo):
-            b = row[jj]
-            p = a * b
-            ep = D.fma(a, b, -p)
-            sj = s[jj]
-            t = sj + p
-            bb = t - sj
-            es = (sj - (t - bb)) + (p - bb)
-            s[jj] = t
-            c[jj] += ep + es
+            s[jj], e = _dot2_step(s[jj], a, row[jj])
+            c[jj] += e
 
 
 @numba.jit(**_JIT)
@@ -324,14 +327,8 @@ def _dd_row(b, h, i, q, kT, v, qn, kn, vmax, prm, kvh, lohi, mk, mstr, bs, bstr,
         if state[jj] == 2:
             for e in range(vdim):
                 b_ = vp[j, e]
-                p_ = eh * b_
-                ep = D.fma(eh, b_, -p_)
-                nse = ns[e]
-                t2 = nse + p_
-                b2 = t2 - nse
-                es = (nse - (t2 - b2)) + (p_ - b2)
-                ns[e] = t2
-                nc[e] += (ep + es) + el * b_
+                ns[e], er = _dot2_step(ns[e], eh, b_)
+                nc[e] += er + el * b_
             zv += eh
     if has_sink:  # sink - top is exact (TwoSum); the term enters Z after the keys
         xh, xl = D.two_sum(sink, -top)
