@@ -18,8 +18,20 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["validate", "Report", "CaseResult", "check_fixture", "generate", "verify", "load",
-           "build", "Fixture", "Case", "suite", "tolerance"]
+__all__ = [
+    "validate",
+    "Report",
+    "CaseResult",
+    "check_fixture",
+    "generate",
+    "verify",
+    "load",
+    "build",
+    "Fixture",
+    "Case",
+    "suite",
+    "tolerance",
+]
 
 _LAZY = {
     "Report": ("oracle.results", "Report"),

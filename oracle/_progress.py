@@ -75,8 +75,9 @@ class Progress:
         if not self._tty and tenth == self._reported_tenth and self.done != self.total:
             return
         self._reported_tenth = tenth
-        self.stream.write(("\r" if self._tty else "") + self._line(note) + ("" if self._tty
-                                                                              else "\n"))
+        self.stream.write(
+            ("\r" if self._tty else "") + self._line(note) + ("" if self._tty else "\n")
+        )
         self.stream.flush()
 
     def _line(self, note: str) -> str:

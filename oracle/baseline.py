@@ -58,14 +58,16 @@ def _allowed(L, S, mask, bias, causal, window, align, kv_lengths):
     """The allowed set; with ``kv_lengths`` (batch shape) each batch row's causal/window set
     is aligned to its own key length and keys j >= S_b are excluded, (..., 1, L, S)."""
     if kv_lengths is None:
-        return allowed_positions(L, S, mask=mask, bias=bias, causal=causal, window=window,
-                                 align=align)
+        return allowed_positions(
+            L, S, mask=mask, bias=bias, causal=causal, window=window, align=align
+        )
     lengths = np.asarray(kv_lengths)
     rows = np.zeros(lengths.shape + (1, L, S), dtype=bool)
     for index in np.ndindex(lengths.shape):
         own = int(lengths[index])
-        rows[index][0, :, :own] = allowed_positions(L, own, causal=causal, window=window,
-                                                    align=align)
+        rows[index][0, :, :own] = allowed_positions(
+            L, own, causal=causal, window=window, align=align
+        )
     return rows & allowed_positions(L, S, mask=mask, bias=bias)
 
 
@@ -91,8 +93,24 @@ def dequantised_inputs(q, k, v, options):
     return q, k, v, rest
 
 
-def _scores(q, k, v, dtype, scale, bias, mask, causal, window, align, softcap, alibi_slopes,
-            gqa, softcap_order, allowed, kv_lengths=None):
+def _scores(
+    q,
+    k,
+    v,
+    dtype,
+    scale,
+    bias,
+    mask,
+    causal,
+    window,
+    align,
+    softcap,
+    alibi_slopes,
+    gqa,
+    softcap_order,
+    allowed,
+    kv_lengths=None,
+):
     """Final scores in the accumulation dtype (rounded through ``dtype`` at each stored stage),
     the allowed set and the pre-softcap capped scores (for the softcap derivative)."""
     acc = accumulation_dtype(dtype)
@@ -174,8 +192,9 @@ def _weights_at_v(weights, v, acc):
     return np.where(hit, np.nan, out)
 
 
-def textbook_attention(q, k, v, *, dtype=None, softcap_order="before_bias", allowed=None,
-                       **options) -> Textbook:
+def textbook_attention(
+    q, k, v, *, dtype=None, softcap_order="before_bias", allowed=None, **options
+) -> Textbook:
     """Textbook attention in ``dtype`` (the baseline of rule (T2) and the diagnosis engine).
 
     Two-pass max-shifted softmax; matmuls and the softmax accumulate in
@@ -208,21 +227,43 @@ def textbook_attention(q, k, v, *, dtype=None, softcap_order="before_bias", allo
     acc = accumulation_dtype(dtype)
     squeeze = np.asarray(q).ndim == 2
     scores, allowed, _ = _scores(
-        q, k, v, dtype, opt["scale"], opt["bias"], opt["mask"], bool(opt["causal"]),
-        opt["window"], opt["align"] or "top_left", opt["softcap"], opt["alibi_slopes"],
-        opt["gqa"] or "interleave", softcap_order, allowed, opt["kv_lengths"])
-    weights, lse, sink = _softmax(scores, allowed, opt["empty_rows"] or "zero", acc,
-                                  opt["sinks"])
+        q,
+        k,
+        v,
+        dtype,
+        opt["scale"],
+        opt["bias"],
+        opt["mask"],
+        bool(opt["causal"]),
+        opt["window"],
+        opt["align"] or "top_left",
+        opt["softcap"],
+        opt["alibi_slopes"],
+        opt["gqa"] or "interleave",
+        softcap_order,
+        allowed,
+        opt["kv_lengths"],
+    )
+    weights, lse, sink = _softmax(scores, allowed, opt["empty_rows"] or "zero", acc, opt["sinks"])
     weights = weights.astype(store).astype(acc)
     dropped = _dropped(weights, opt["dropout_mask"], opt["dropout_p"] or 0.0, acc, store)
     H = scores.shape[-3]
     v_h = expand_kv(with_heads(v, "v"), H, opt["gqa"] or "interleave")
     out = _weights_at_v(dropped, v_h, acc)
-    result = Textbook(out.astype(store), lse.astype(store), weights.astype(store), allowed,
-                      None if sink is None else sink.astype(store))
+    result = Textbook(
+        out.astype(store),
+        lse.astype(store),
+        weights.astype(store),
+        allowed,
+        None if sink is None else sink.astype(store),
+    )
     if squeeze:
-        result = Textbook(*(x if x is None else x[..., 0, :, :] if x.ndim >= 3 and i != 1
-                            else x[..., 0, :] for i, x in enumerate(result)))
+        result = Textbook(
+            *(
+                x if x is None else x[..., 0, :, :] if x.ndim >= 3 and i != 1 else x[..., 0, :]
+                for i, x in enumerate(result)
+            )
+        )
     return result
 
 
@@ -259,9 +300,23 @@ def textbook_attention_vjp(q, k, v, grad_out, *, grad_lse=None, dtype=None, **op
     H, D = q3.shape[-3], q3.shape[-1]
     K = k3.shape[-3]
     scores, allowed, capped = _scores(
-        q, k, v, dtype, opt["scale"], opt["bias"], opt["mask"], bool(opt["causal"]),
-        opt["window"], opt["align"] or "top_left", opt["softcap"], opt["alibi_slopes"], gqa,
-        "before_bias", None, opt["kv_lengths"])
+        q,
+        k,
+        v,
+        dtype,
+        opt["scale"],
+        opt["bias"],
+        opt["mask"],
+        bool(opt["causal"]),
+        opt["window"],
+        opt["align"] or "top_left",
+        opt["softcap"],
+        opt["alibi_slopes"],
+        gqa,
+        "before_bias",
+        None,
+        opt["kv_lengths"],
+    )
     weights, _, sink = _softmax(scores, allowed, "zero", acc, opt["sinks"])
     weights = stored(weights)
     dO = with_heads(grad_out, "grad_out").astype(acc)
@@ -295,13 +350,18 @@ def textbook_attention_vjp(q, k, v, grad_out, *, grad_lse=None, dtype=None, **op
     dbias = None
     if opt["bias"] is not None:
         dbias = reduce_to(dS, np.shape(opt["bias"])).astype(store)
-    return (reduce_to(dq, np.shape(q)).astype(store),
-            reduce_to(dk, np.shape(k)).astype(store),
-            reduce_to(dv, np.shape(v)).astype(store), dbias, dsinks)
+    return (
+        reduce_to(dq, np.shape(q)).astype(store),
+        reduce_to(dk, np.shape(k)).astype(store),
+        reduce_to(dv, np.shape(v)).astype(store),
+        dbias,
+        dsinks,
+    )
 
 
-def storage_accumulation_attention(q, k, v, options, dtype,
-                                   sums=("normaliser", "values")) -> np.ndarray:
+def storage_accumulation_attention(
+    q, k, v, options, dtype, sums=("normaliser", "values")
+) -> np.ndarray:
     """Attention whose softmax normaliser and ``weights @ v`` are summed key by key *in the
     storage dtype* (no float32 accumulator), the rest as the textbook baseline.
 
@@ -313,9 +373,23 @@ def storage_accumulation_attention(q, k, v, options, dtype,
     q, k, v, options = dequantised_inputs(q, k, v, options)
     o = {name: options.get(name) for name in ATTENTION_OPTIONS}
     scores, allowed, _ = _scores(
-        q, k, v, dtype, o["scale"], o["bias"], o["mask"], bool(o["causal"]), o["window"],
-        o["align"] or "top_left", o["softcap"], o["alibi_slopes"], o["gqa"] or "interleave",
-        "before_bias", None, o["kv_lengths"])
+        q,
+        k,
+        v,
+        dtype,
+        o["scale"],
+        o["bias"],
+        o["mask"],
+        bool(o["causal"]),
+        o["window"],
+        o["align"] or "top_left",
+        o["softcap"],
+        o["alibi_slopes"],
+        o["gqa"] or "interleave",
+        "before_bias",
+        None,
+        o["kv_lengths"],
+    )
     with np.errstate(all="ignore"):
         masked = np.where(allowed, scores, -np.inf)
         top = masked.max(axis=-1, keepdims=True)
@@ -336,8 +410,11 @@ def storage_accumulation_attention(q, k, v, options, dtype,
         if o["dropout_mask"] is not None:
             keep = np.asarray(o["dropout_mask"], dtype=bool)
             weights = (np.where(keep, weights, 0) / (1 - (o["dropout_p"] or 0.0))).astype(store)
-        v_h = np.asarray(v)[None] if np.ndim(v) == 2 else expand_kv(
-            np.asarray(v), weights.shape[-3], o["gqa"] or "interleave")
+        v_h = (
+            np.asarray(v)[None]
+            if np.ndim(v) == 2
+            else expand_kv(np.asarray(v), weights.shape[-3], o["gqa"] or "interleave")
+        )
         if "values" in sums:
             products = (weights[..., :, :, None] * v_h[..., None, :, :]).astype(store)
             out = np.add.accumulate(products, axis=-2, dtype=store)[..., -1, :]
@@ -348,25 +425,31 @@ def storage_accumulation_attention(q, k, v, options, dtype,
 
 def variant_float64_path(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """refattn's float64 path on ``inputs`` (taken exactly in float64), as named outputs."""
-    raw = {name: (value if name in BOOL_INPUTS else _float64(value))
-           for name, value in inputs.items()}
+    raw = {
+        name: (value if name in BOOL_INPUTS else _float64(value)) for name, value in inputs.items()
+    }
     return {name: _float64(value) for name, value in call_refattn(case, raw).items()}
 
 
 def variant_baseline(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The baseline of the rule (T2) for a variant case: refattn's float64 path on the case's
     inputs (exact in float64), each output rounded once to the case dtype."""
-    return {name: _float64(seeding.to_dtype(value, case.dtype))
-            for name, value in variant_float64_path(case, inputs).items()}
+    return {
+        name: _float64(seeding.to_dtype(value, case.dtype))
+        for name, value in variant_float64_path(case, inputs).items()
+    }
 
 
 def variant_vjp_baseline(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The baseline of (T2) for a variant gradient case: refattn's float64 vjp on the case's
     inputs (exact in float64), each gradient rounded once to the case dtype."""
-    raw = {name: (value if name in BOOL_INPUTS else _float64(value))
-           for name, value in inputs.items()}
-    return {name: _float64(seeding.to_dtype(_float64(value), case.dtype))
-            for name, value in call_refattn_vjp(case, raw).items()}
+    raw = {
+        name: (value if name in BOOL_INPUTS else _float64(value)) for name, value in inputs.items()
+    }
+    return {
+        name: _float64(seeding.to_dtype(_float64(value), case.dtype))
+        for name, value in call_refattn_vjp(case, raw).items()
+    }
 
 
 def _float64(x):

@@ -27,9 +27,20 @@ import numpy as np
 __all__ = ["BATCH_AXIS", "batch_size", "take_batch"]
 
 #: name -> batch axis (from the end) of the attention inputs that may carry a batch
-BATCH_AXIS = {"q": -4, "k": -4, "v": -4, "mask": -4, "bias": -4, "dropout_mask": -4,
-              "grad_out": -4, "grad_lse": -3, "kv_lengths": -1, "q_descale": -2,
-              "k_descale": -2, "v_descale": -2}
+BATCH_AXIS = {
+    "q": -4,
+    "k": -4,
+    "v": -4,
+    "mask": -4,
+    "bias": -4,
+    "dropout_mask": -4,
+    "grad_out": -4,
+    "grad_lse": -3,
+    "kv_lengths": -1,
+    "q_descale": -2,
+    "k_descale": -2,
+    "v_descale": -2,
+}
 #: inputs that always carry the batch (never broadcast over it): per-row key lengths and the
 #: per-(batch, kv head) descale factors follow their batch element even at batch size 1
 _ALWAYS = ("q", "k", "v", "kv_lengths", "q_descale", "k_descale", "v_descale")
@@ -54,8 +65,10 @@ def take_batch(inputs: Mapping[str, np.ndarray], indices: Sequence[int]) -> dict
     batch = batch_size(inputs)
     indices = np.asarray(indices, dtype=np.intp)
     if indices.ndim != 1 or indices.size == 0 or indices.min() < 0 or indices.max() >= batch:
-        raise ValueError(f"indices: expected batch indices in [0, {batch}), got "
-                         f"{indices.tolist()}")
-    return {name: np.take(array, indices, axis=BATCH_AXIS[name])
-            if _carries_batch(name, array, batch) else array
-            for name, array in inputs.items()}
+        raise ValueError(f"indices: expected batch indices in [0, {batch}), got {indices.tolist()}")
+    return {
+        name: np.take(array, indices, axis=BATCH_AXIS[name])
+        if _carries_batch(name, array, batch)
+        else array
+        for name, array in inputs.items()
+    }

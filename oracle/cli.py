@@ -45,6 +45,7 @@ from .catalogue.names import DTYPES
 
 __all__ = ["main", "build_parser"]
 
+
 class _Parser(argparse.ArgumentParser):
     """argparse with usage errors on one line (the usage text stays behind ``--help``)."""
 
@@ -56,19 +57,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="refattn-oracle",
         description="Golden fixtures for attention and validation of implementations against "
-                    "refattn's exact truth.")
+        "refattn's exact truth.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="write one .npz per case and manifest.json")
     gen.add_argument("--suite", default="default", help="suite name (default: %(default)s)")
     gen.add_argument("--out", required=True, help="output directory")
-    gen.add_argument("--dtype", action="append", choices=DTYPES,
-                     help="only these dtypes (repeatable; default: all)")
-    gen.add_argument("--workers", type=int, default=1,
-                     help="worker processes (default: %(default)s; the bytes do not depend on "
-                          "it; try the number of cores, os.cpu_count())")
-    gen.add_argument("--wait", action="store_true",
-                     help="wait for another generate writing into --out instead of failing")
+    gen.add_argument(
+        "--dtype",
+        action="append",
+        choices=DTYPES,
+        help="only these dtypes (repeatable; default: all)",
+    )
+    gen.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="worker processes (default: %(default)s; the bytes do not depend on "
+        "it; try the number of cores, os.cpu_count())",
+    )
+    gen.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait for another generate writing into --out instead of failing",
+    )
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     _executor_args(gen, "cases, and blocks of one large case,")
 
@@ -76,52 +89,113 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("directory")
 
     val = sub.add_parser("validate", help="validate an implementation")
-    val.add_argument("--adapter", action="append", default=[],
-                     help="adapter name (see `refattn-oracle list adapters`; repeatable)")
-    val.add_argument("--impl", action="append", default=[],
-                     help="module:function of impl(q, k, v, **options) (repeatable)")
+    val.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        help="adapter name (see `refattn-oracle list adapters`; repeatable)",
+    )
+    val.add_argument(
+        "--impl",
+        action="append",
+        default=[],
+        help="module:function of impl(q, k, v, **options) (repeatable)",
+    )
     src = val.add_mutually_exclusive_group()
     src.add_argument("--suite", help="suite built in memory (default: smoke)")
     src.add_argument("--fixtures", help="directory written by `refattn-oracle generate`")
-    val.add_argument("--dtype", default="float32", choices=(*DTYPES, "all"),
-                     help="implementation dtype (default: %(default)s)")
-    val.add_argument("--case", action="append", metavar="PATTERN",
-                     help="only cases matching this fnmatch pattern (repeatable)")
+    val.add_argument(
+        "--dtype",
+        default="float32",
+        choices=(*DTYPES, "all"),
+        help="implementation dtype (default: %(default)s)",
+    )
+    val.add_argument(
+        "--case",
+        action="append",
+        metavar="PATTERN",
+        help="only cases matching this fnmatch pattern (repeatable)",
+    )
     val.add_argument("--json", metavar="FILE", help="write a JSON report")
     val.add_argument("--junit", metavar="FILE", help="write a JUnit XML report")
-    val.add_argument("--html", metavar="FILE", help="write an HTML report (plots need "
-                                                    "refattn[plot])")
-    val.add_argument("--plots", choices=("failures", "all", "none"), default="failures",
-                     help="plots in the HTML report: failing checks (default), every case, or "
-                          "none")
+    val.add_argument(
+        "--html", metavar="FILE", help="write an HTML report (plots need refattn[plot])"
+    )
+    val.add_argument(
+        "--plots",
+        choices=("failures", "all", "none"),
+        default="failures",
+        help="plots in the HTML report: failing checks (default), every case, or none",
+    )
     val.add_argument("--strict", action="store_true", help="robustness failures fail the run")
-    val.add_argument("--tolerance", choices=("default", "tight"), default="default",
-                     help="tolerance tier: default (no false alarm on any correct algorithm) "
-                          "or tight (the expected error of a correct float32-accumulating "
-                          "kernel: narrower accumulation fails); see oracle.tolerance")
-    val.add_argument("--grads", action="store_true",
-                     help="also check impl.vjp (gradient cases are 'unsupported' without one)")
-    val.add_argument("--require", action="append", metavar="FEATURE", default=[],
-                     help="fail unless some case with FEATURE was judged (repeatable or comma "
-                          "list: causal, mask, gqa, long-rows, gradients, window, bias, ...)")
-    val.add_argument("--layout", choices=("bhld", "blhd", "packed", "paged"), default="bhld",
-                     help="the implementation's layout (default: %(default)s; see "
-                          "oracle.conventions)")
-    val.add_argument("--framework", choices=("numpy", "torch", "jax"), default="numpy",
-                     help="arrays the implementation takes (default: %(default)s)")
-    val.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                     help="device of torch tensors (default: %(default)s)")
-    val.add_argument("--check", action="append", metavar="CHECK", default=[],
-                     help="invariance checks on every conformance case, each its own verdict "
-                          "(comma list or repeatable): determinism, batch-invariance, decode")
-    val.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                     help="seconds one case may take before it is an error (default: 300; "
-                          "each case runs in a supervised worker process)")
-    val.add_argument("--memory-limit", type=float, default=None, metavar="MIB",
-                     help="address space of the worker process in MiB (default: no limit)")
-    val.add_argument("--in-process", action="store_true",
-                     help="run the implementation in this process (no timeout or crash "
-                          "protection; for debugging with pdb)")
+    val.add_argument(
+        "--tolerance",
+        choices=("default", "tight"),
+        default="default",
+        help="tolerance tier: default (no false alarm on any correct algorithm) "
+        "or tight (the expected error of a correct float32-accumulating "
+        "kernel: narrower accumulation fails); see oracle.tolerance",
+    )
+    val.add_argument(
+        "--grads",
+        action="store_true",
+        help="also check impl.vjp (gradient cases are 'unsupported' without one)",
+    )
+    val.add_argument(
+        "--require",
+        action="append",
+        metavar="FEATURE",
+        default=[],
+        help="fail unless some case with FEATURE was judged (repeatable or comma "
+        "list: causal, mask, gqa, long-rows, gradients, window, bias, ...)",
+    )
+    val.add_argument(
+        "--layout",
+        choices=("bhld", "blhd", "packed", "paged"),
+        default="bhld",
+        help="the implementation's layout (default: %(default)s; see oracle.conventions)",
+    )
+    val.add_argument(
+        "--framework",
+        choices=("numpy", "torch", "jax"),
+        default="numpy",
+        help="arrays the implementation takes (default: %(default)s)",
+    )
+    val.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="device of torch tensors (default: %(default)s)",
+    )
+    val.add_argument(
+        "--check",
+        action="append",
+        metavar="CHECK",
+        default=[],
+        help="invariance checks on every conformance case, each its own verdict "
+        "(comma list or repeatable): determinism, batch-invariance, decode",
+    )
+    val.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds one case may take before it is an error (default: 300; "
+        "each case runs in a supervised worker process)",
+    )
+    val.add_argument(
+        "--memory-limit",
+        type=float,
+        default=None,
+        metavar="MIB",
+        help="address space of the worker process in MiB (default: no limit)",
+    )
+    val.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run the implementation in this process (no timeout or crash "
+        "protection; for debugging with pdb)",
+    )
     val.add_argument("--quiet", action="store_true", help="no progress bar, failures only")
     _executor_args(val, "(implementation, case) pairs")
 
@@ -133,11 +207,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _executor_args(parser, what: str) -> None:
-    parser.add_argument("--executor", choices=("local", "dask"), default="local",
-                        help=f"where {what} run: local processes (default) or a Dask cluster "
-                             f"(needs refattn[dask] and --scheduler)")
-    parser.add_argument("--scheduler", metavar="ADDRESS",
-                        help="Dask scheduler address, e.g. tcp://host:8786 (--executor dask)")
+    parser.add_argument(
+        "--executor",
+        choices=("local", "dask"),
+        default="local",
+        help=f"where {what} run: local processes (default) or a Dask cluster "
+        f"(needs refattn[dask] and --scheduler)",
+    )
+    parser.add_argument(
+        "--scheduler",
+        metavar="ADDRESS",
+        help="Dask scheduler address, e.g. tcp://host:8786 (--executor dask)",
+    )
 
 
 def _executor_problem(args) -> str | None:
@@ -167,16 +248,25 @@ def _generate(args) -> int:
 
         runner = dask_runner(args.scheduler)
     try:
-        path = golden.generate(args.suite, args.out, dtypes=args.dtype, workers=args.workers,
-                               progress=not args.quiet, wait=args.wait, runner=runner)
+        path = golden.generate(
+            args.suite,
+            args.out,
+            dtypes=args.dtype,
+            workers=args.workers,
+            progress=not args.quiet,
+            wait=args.wait,
+            runner=runner,
+        )
     except ImportError as err:
         return _err(str(err))
     except (golden.FixtureError, ValueError, KeyError) as err:
         return _err(str(err).strip('"'))
     except OSError as err:
         where = f" ({err.filename})" if err.filename else ""
-        return _err(f"writing fixtures into {args.out!r} failed: {err.strerror or err}{where}; "
-                    f"the files already written are complete and a rerun resumes")
+        return _err(
+            f"writing fixtures into {args.out!r} failed: {err.strerror or err}{where}; "
+            f"the files already written are complete and a rerun resumes"
+        )
     print(f"fixtures written to {path}")
     return 0
 
@@ -210,27 +300,39 @@ def _validate(args) -> int:
         except (ImportError, AttributeError, TypeError, ValueError, KeyError) as err:
             return _err(str(err).strip('"'))
     if args.fixtures is not None and not Path(args.fixtures).is_dir():
-        return _err(f"--fixtures {args.fixtures}: no such directory "
-                    f"(write one with `refattn-oracle generate --out {args.fixtures}`)")
+        return _err(
+            f"--fixtures {args.fixtures}: no such directory "
+            f"(write one with `refattn-oracle generate --out {args.fixtures}`)"
+        )
     if args.timeout is not None and not args.timeout > 0:
         return _err(f"--timeout: expected seconds > 0, got {args.timeout:g}")
     if args.memory_limit is not None and not args.memory_limit > 0:
         return _err(f"--memory-limit: expected MiB > 0, got {args.memory_limit:g}")
     memory = None if args.memory_limit is None else int(args.memory_limit * 2**20)
-    options = dict(suite=args.suite, fixtures=args.fixtures,
-                   dtype=None if args.dtype == "all" else args.dtype, grads=args.grads,
-                   strict=args.strict, cases=args.case, isolate=not args.in_process,
-                   timeout=args.timeout, memory_limit=memory, require=args.require,
-                   checks=args.check, layout=args.layout, framework=args.framework,
-                   device=args.device, tolerance=args.tolerance)
+    options = dict(
+        suite=args.suite,
+        fixtures=args.fixtures,
+        dtype=None if args.dtype == "all" else args.dtype,
+        grads=args.grads,
+        strict=args.strict,
+        cases=args.case,
+        isolate=not args.in_process,
+        timeout=args.timeout,
+        memory_limit=memory,
+        require=args.require,
+        checks=args.check,
+        layout=args.layout,
+        framework=args.framework,
+        device=args.device,
+        tolerance=args.tolerance,
+    )
     try:
         if args.executor == "dask":
             from .distribute import validate_many
 
             reports = validate_many(specs, scheduler=args.scheduler, **options)
         else:
-            reports = {spec: V.validate(spec, progress=not args.quiet, **options)
-                       for spec in specs}
+            reports = {spec: V.validate(spec, progress=not args.quiet, **options) for spec in specs}
     except ImportError as err:
         return _err(str(err))
     except (KeyError, ValueError) as err:
@@ -243,8 +345,11 @@ def _validate(args) -> int:
 def _print_report(args, report, spec) -> None:
     """Summary and report files of one implementation (``spec`` names it when there are
     several: each file name gets ``-<spec>`` before its suffix)."""
-    print(report.summary() if not args.quiet else
-          "\n".join(r.explain() for r in report.failures) or "no failures")
+    print(
+        report.summary()
+        if not args.quiet
+        else "\n".join(r.explain() for r in report.failures) or "no failures"
+    )
     if args.quiet and report.untested:
         from .report import coverage_lines
 
@@ -294,8 +399,9 @@ def _list(args) -> int:
 def main(argv=None) -> int:
     """Entry point of ``refattn-oracle`` (returns the exit code)."""
     args = build_parser().parse_args(argv)
-    handler = {"generate": _generate, "verify": _verify, "validate": _validate,
-               "list": _list}[args.command]
+    handler = {"generate": _generate, "verify": _verify, "validate": _validate, "list": _list}[
+        args.command
+    ]
     try:
         return handler(args)
     except FileNotFoundError as err:

@@ -63,9 +63,11 @@ _PER_POSITION = ("mask", "bias", "dropout_mask")
 
 def check_convention(layout="bhld", framework="numpy", device="cpu") -> dict:
     """The convention as a dict, or ValueError naming the bad argument."""
-    for name, value, allowed in (("layout", layout, LAYOUTS), ("framework", framework,
-                                                                FRAMEWORKS),
-                                 ("device", device, DEVICES)):
+    for name, value, allowed in (
+        ("layout", layout, LAYOUTS),
+        ("framework", framework, FRAMEWORKS),
+        ("device", device, DEVICES),
+    ):
         if value not in allowed:
             raise ValueError(f"{name}: expected one of {list(allowed)}, got {value!r}")
     if device != "cpu" and framework != "torch":
@@ -104,18 +106,23 @@ def wrap(impl, *, layout="bhld", framework="numpy", device="cpu"):
     @functools.wraps(impl)
     def forward(q, k, v, **options):
         args, kwargs, unpack = _LAYOUT_IN[layout](q, k, v, options)
-        result = impl(*(bridge.to(a) for a in args),
-                      **{n: bridge.to(a) for n, a in kwargs.items()})
-        out, lse = (result[0], result[1] if len(result) > 1 else None) \
-            if isinstance(result, (tuple, list)) else (result, None)
+        result = impl(*(bridge.to(a) for a in args), **{n: bridge.to(a) for n, a in kwargs.items()})
+        out, lse = (
+            (result[0], result[1] if len(result) > 1 else None)
+            if isinstance(result, (tuple, list))
+            else (result, None)
+        )
         out = unpack(bridge.back(out), "out")
         return out if lse is None else (out, unpack(bridge.back(lse), "lse"))
 
     if hasattr(impl, "vjp") and layout in ("bhld", "blhd"):
+
         def vjp(q, k, v, grad_out, **options):
             to = _to_blhd if layout == "blhd" else _same
-            grads = impl.vjp(*(bridge.to(to(a)) for a in (q, k, v, grad_out)),
-                             **{n: bridge.to(a) for n, a in options.items()})
+            grads = impl.vjp(
+                *(bridge.to(to(a)) for a in (q, k, v, grad_out)),
+                **{n: bridge.to(a) for n, a in options.items()},
+            )
             back = [None if g is None else bridge.back(g) for g in grads]
             for i in range(min(3, len(back))):
                 if back[i] is not None:
@@ -154,14 +161,19 @@ def _blhd(q, k, v, options):
 def _no_per_position(options, layout):
     present = [n for n in _PER_POSITION if options.get(n) is not None]
     if present:
-        raise NotImplementedError(f"the {layout} layout carries no per-position arrays "
-                                  f"({', '.join(present)})")
+        raise NotImplementedError(
+            f"the {layout} layout carries no per-position arrays ({', '.join(present)})"
+        )
 
 
 def _dense4(q, k, v):
     batch = max(q.shape[0], k.shape[0], v.shape[0]) if q.ndim == 4 else 1
-    q, k, v = (np.broadcast_to(a, (batch, *a.shape[-3:])) if a.ndim >= 3 else
-               np.broadcast_to(a, (batch, 1, *a.shape)) for a in (q, k, v))
+    q, k, v = (
+        np.broadcast_to(a, (batch, *a.shape[-3:]))
+        if a.ndim >= 3
+        else np.broadcast_to(a, (batch, 1, *a.shape))
+        for a in (q, k, v)
+    )
     return q, k, v
 
 
@@ -176,15 +188,18 @@ def _packed(q, k, v, options):
     def pack(a):
         return np.ascontiguousarray(np.swapaxes(a, 1, 2).reshape(-1, *a.shape[1:2], a.shape[3]))
 
-    kwargs = dict(options, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=rows,
-                  max_seqlen_k=keys)
+    kwargs = dict(
+        options, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=rows, max_seqlen_k=keys
+    )
 
     def unpack(x, what):
         if what == "lse":  # (H, B*L)
-            return np.ascontiguousarray(np.asarray(x).reshape(heads, batch, rows)
-                                        .transpose(1, 0, 2))
-        return np.ascontiguousarray(np.asarray(x).reshape(batch, rows, heads, -1)
-                                    .transpose(0, 2, 1, 3))
+            return np.ascontiguousarray(
+                np.asarray(x).reshape(heads, batch, rows).transpose(1, 0, 2)
+            )
+        return np.ascontiguousarray(
+            np.asarray(x).reshape(batch, rows, heads, -1).transpose(0, 2, 1, 3)
+        )
 
     return (pack(q), pack(k), pack(v)), kwargs, unpack
 
@@ -198,18 +213,21 @@ def _paged(q, k, v, options):
     per_seq = -(-keys // page)
     pages = batch * per_seq + 1  # page 0 is never used
     # logical page p of sequence b lives at physical page pages - 1 - (b * per_seq + p)
-    table = (pages - 1 - (np.arange(batch)[:, None] * per_seq + np.arange(per_seq)[None, :]))
+    table = pages - 1 - (np.arange(batch)[:, None] * per_seq + np.arange(per_seq)[None, :])
     caches = []
     for a in (k, v):
         cache = np.full((pages, page, kv_heads, a.shape[-1]), np.nan, dtype=a.dtype)
         seq = np.swapaxes(a, 1, 2)  # (B, S, K, .)
         for b in range(batch):
             for p in range(per_seq):
-                chunk = seq[b, p * page:(p + 1) * page]
-                cache[table[b, p], :len(chunk)] = chunk
+                chunk = seq[b, p * page : (p + 1) * page]
+                cache[table[b, p], : len(chunk)] = chunk
         caches.append(cache)
-    kwargs = dict(options, block_table=table.astype(np.int32),
-                  cache_seqlens=np.full(batch, keys, dtype=np.int32))
+    kwargs = dict(
+        options,
+        block_table=table.astype(np.int32),
+        cache_seqlens=np.full(batch, keys, dtype=np.int32),
+    )
 
     def unpack(x, what):
         return np.asarray(x) if what == "lse" else _to_blhd(np.asarray(x))
@@ -224,8 +242,11 @@ _LAYOUT_IN = {"bhld": _bhld, "blhd": _blhd, "packed": _packed, "paged": _paged}
 # Frameworks
 # ---------------------------------------------------------------------------------------------
 
-_BIT_VIEWS = {"bfloat16": (np.int16, "bfloat16"), "float8_e4m3fn": (np.uint8, "float8_e4m3fn"),
-              "float8_e5m2": (np.uint8, "float8_e5m2")}
+_BIT_VIEWS = {
+    "bfloat16": (np.int16, "bfloat16"),
+    "float8_e4m3fn": (np.uint8, "float8_e4m3fn"),
+    "float8_e5m2": (np.uint8, "float8_e5m2"),
+}
 
 
 class _Bridge:
@@ -237,19 +258,18 @@ class _Bridge:
             try:
                 import torch
             except ImportError:
-                raise ImportError("framework 'torch' needs torch: pip install -e "
-                                  "\".[torch]\"") from None
+                raise ImportError(
+                    "framework 'torch' needs torch: pip install -e \".[torch]\""
+                ) from None
             if device == "cuda" and not torch.cuda.is_available():
-                raise ValueError("device: 'cuda' asked for but torch.cuda.is_available() is "
-                                 "False")
+                raise ValueError("device: 'cuda' asked for but torch.cuda.is_available() is False")
             self.torch = torch
         elif framework == "jax":
             try:
                 import jax
                 import jax.numpy as jnp
             except ImportError:
-                raise ImportError("framework 'jax' needs jax: pip install -e "
-                                  "\".[jax]\"") from None
+                raise ImportError("framework 'jax' needs jax: pip install -e \".[jax]\"") from None
             self.jax, self.jnp = jax, jnp
 
     def to(self, a):
@@ -277,7 +297,10 @@ class _Bridge:
             name = str(x.dtype).removeprefix("torch.")
             if name in _BIT_VIEWS:
                 bits, _ = _BIT_VIEWS[name]
-                return x.view(getattr(self.torch, np.dtype(bits).name)).numpy().view(
-                    getattr(ml_dtypes, name))
+                return (
+                    x.view(getattr(self.torch, np.dtype(bits).name))
+                    .numpy()
+                    .view(getattr(ml_dtypes, name))
+                )
             return x.numpy()
         return np.asarray(x)

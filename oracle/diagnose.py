@@ -56,8 +56,15 @@ import numpy as np
 from . import tolerance as tol
 from .baseline import textbook_attention
 
-__all__ = ["Alternative", "alternatives", "kernel_alternatives", "diagnose", "diagnose_lse",
-           "describe_failure", "error_models"]
+__all__ = [
+    "Alternative",
+    "alternatives",
+    "kernel_alternatives",
+    "diagnose",
+    "diagnose_lse",
+    "describe_failure",
+    "error_models",
+]
 
 
 @dataclass(frozen=True)
@@ -76,12 +83,14 @@ class Alternative:
 def _set(**changes):
     def apply(options, extras):
         return {**options, **changes}, extras
+
     return apply
 
 
 def _extra(**changes):
     def apply(options, extras):
         return options, {**extras, **changes}
+
     return apply
 
 
@@ -90,6 +99,7 @@ def _causal_shift(shift):
         left, right = options.get("window") or (None, None)
         right = 0 if right is None else min(right, 0)
         return {**options, "causal": False, "window": (left, right + shift)}, extras
+
     return apply
 
 
@@ -116,10 +126,20 @@ def alternatives(options, *, H, K, L, S, D, E, has_empty, has_excluded) -> list[
         other = "bottom_right" if align == "top_left" else "top_left"
         found.append(Alternative(f"align={other!r}", frozenset({"align"}), _set(align=other)))
     if causal:
-        found.append(Alternative("causal excludes the diagonal (j < i + offset)",
-                                 frozenset({"causal", "window"}), _causal_shift(-1)))
-        found.append(Alternative("causal admits one key past the diagonal",
-                                 frozenset({"causal", "window"}), _causal_shift(1)))
+        found.append(
+            Alternative(
+                "causal excludes the diagonal (j < i + offset)",
+                frozenset({"causal", "window"}),
+                _causal_shift(-1),
+            )
+        )
+        found.append(
+            Alternative(
+                "causal admits one key past the diagonal",
+                frozenset({"causal", "window"}),
+                _causal_shift(1),
+            )
+        )
     if window is not None:
         found.extend(_window_alternatives(window))
     gqa = options.get("gqa") or "interleave"
@@ -128,61 +148,108 @@ def alternatives(options, *, H, K, L, S, D, E, has_empty, has_excluded) -> list[
         found.append(Alternative(f"gqa={other!r}", frozenset({"gqa"}), _set(gqa=other)))
     if options.get("softcap") is not None:
         if options.get("bias") is not None or options.get("alibi_slopes") is not None:
-            found.append(Alternative("softcap after bias", frozenset({"softcap_order"}),
-                                     _extra(softcap_order="after_bias")))
+            found.append(
+                Alternative(
+                    "softcap after bias",
+                    frozenset({"softcap_order"}),
+                    _extra(softcap_order="after_bias"),
+                )
+            )
         if has_excluded:
-            found.append(Alternative("softcap after mask (masked scores become -softcap)",
-                                     frozenset({"softcap_order"}),
-                                     _extra(softcap_order="after_mask")))
+            found.append(
+                Alternative(
+                    "softcap after mask (masked scores become -softcap)",
+                    frozenset({"softcap_order"}),
+                    _extra(softcap_order="after_mask"),
+                )
+            )
     if has_empty:
         other = "nan" if (options.get("empty_rows") or "zero") == "zero" else "zero"
-        found.append(Alternative(f"empty_rows={other!r}", frozenset({"empty_rows"}),
-                                 _set(empty_rows=other)))
-        found.append(Alternative("fully masked rows average every value (masking by a large "
-                                 "finite negative such as finfo.min)",
-                                 frozenset({"empty_rows"}), _extra(empty_uniform=True)))
+        found.append(
+            Alternative(f"empty_rows={other!r}", frozenset({"empty_rows"}), _set(empty_rows=other))
+        )
+        found.append(
+            Alternative(
+                "fully masked rows average every value (masking by a large "
+                "finite negative such as finfo.min)",
+                frozenset({"empty_rows"}),
+                _extra(empty_uniform=True),
+            )
+        )
     if options.get("mask") is not None:
         inverted = ~np.asarray(options["mask"], dtype=bool)
-        found.append(Alternative("mask polarity inverted (True = masked out)",
-                                 frozenset({"mask"}), _set(mask=inverted)))
+        found.append(
+            Alternative(
+                "mask polarity inverted (True = masked out)",
+                frozenset({"mask"}),
+                _set(mask=inverted),
+            )
+        )
     p = options.get("dropout_p") or 0.0
     if options.get("dropout_mask") is not None:
         if p > 0:
-            found.append(Alternative("dropout without the 1/(1-p) rescale",
-                                     frozenset({"out_factor"}), _extra(out_factor=1 - p)))
+            found.append(
+                Alternative(
+                    "dropout without the 1/(1-p) rescale",
+                    frozenset({"out_factor"}),
+                    _extra(out_factor=1 - p),
+                )
+            )
         inverted = ~np.asarray(options["dropout_mask"], dtype=bool)
-        found.append(Alternative("dropout_mask polarity inverted (True = dropped)",
-                                 frozenset({"dropout_mask"}), _set(dropout_mask=inverted)))
+        found.append(
+            Alternative(
+                "dropout_mask polarity inverted (True = dropped)",
+                frozenset({"dropout_mask"}),
+                _set(dropout_mask=inverted),
+            )
+        )
     scale = options.get("scale")
     if scale is None and D != E:
-        found.append(Alternative("scale 1/sqrt(E) instead of 1/sqrt(D)", frozenset({"scale"}),
-                                 _set(scale=1 / math.sqrt(E))))
+        found.append(
+            Alternative(
+                "scale 1/sqrt(E) instead of 1/sqrt(D)",
+                frozenset({"scale"}),
+                _set(scale=1 / math.sqrt(E)),
+            )
+        )
     if scale is None or scale != 1:
         found.append(Alternative("no scale (scale=1)", frozenset({"scale"}), _set(scale=1.0)))
     if options.get("bias") is not None:
         found.append(Alternative("bias ignored", frozenset({"bias"}), _set(bias=None)))
     if options.get("alibi_slopes") is not None:
-        found.append(Alternative("ALiBi ignored", frozenset({"alibi_slopes"}),
-                                 _set(alibi_slopes=None)))
+        found.append(
+            Alternative("ALiBi ignored", frozenset({"alibi_slopes"}), _set(alibi_slopes=None))
+        )
     if options.get("sinks") is not None:
         found.append(Alternative("sinks ignored", frozenset({"sinks"}), _set(sinks=None)))
-    if options.get("kv_lengths") is not None and (causal or window is not None) \
-            and align == "bottom_right":
-        found.append(Alternative("kv_lengths as a key-padding mask (causal/window aligned to "
-                                 "the padded S, not to each row's length)",
-                                 frozenset({"kv_lengths", "mask"}), _padding_reading(S)))
+    if (
+        options.get("kv_lengths") is not None
+        and (causal or window is not None)
+        and align == "bottom_right"
+    ):
+        found.append(
+            Alternative(
+                "kv_lengths as a key-padding mask (causal/window aligned to "
+                "the padded S, not to each row's length)",
+                frozenset({"kv_lengths", "mask"}),
+                _padding_reading(S),
+            )
+        )
     return found
 
 
 def _padding_reading(S):
     """kv_lengths read as a plain key-padding mask (keys j >= S_b excluded, alignment to S)."""
+
     def apply(options, extras):
         lengths = np.asarray(options["kv_lengths"])
         padding = (np.arange(S)[None, :] < lengths.reshape(-1, 1)).reshape(
-            lengths.shape + (1, 1, S))
+            lengths.shape + (1, 1, S)
+        )
         mask = options.get("mask")
         mask = padding if mask is None else np.asarray(mask, dtype=bool) & padding
         return {**options, "kv_lengths": None, "mask": mask}, extras
+
     return apply
 
 
@@ -195,18 +262,21 @@ SPLIT_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)
 def _drop_keys(rule):
     def apply(options, extras):
         return options, {**extras, "drop_keys": rule}
+
     return apply
 
 
 def _reweight(rule):
     def apply(options, extras):
         return options, {**extras, "reweight": rule}
+
     return apply
 
 
 def _zero_rows(first):
     def apply(options, extras):
         return options, {**extras, "zero_rows": first}
+
     return apply
 
 
@@ -219,6 +289,7 @@ def _no_rescale(size):
     """Weights of an online softmax whose output accumulator is not rescaled when the
     running max moves: key j is weighted ``p_j exp(M - M_t(j))``, ``M_t`` the running max
     of the log-weights after j's tile, ``M`` the row's (the normaliser is right)."""
+
     def rule(w):
         with np.errstate(divide="ignore"):
             logw = np.log(w)
@@ -231,22 +302,26 @@ def _no_rescale(size):
             with np.errstate(invalid="ignore"):
                 factor[..., cols] = np.exp(-running)[..., None]
         return w * np.where(np.isfinite(factor), factor, 0) * w.max(axis=-1, keepdims=True)
+
     return rule
 
 
 def _split_combine(size):
     """Split-KV partial outputs combined by their normalisers ``l_s`` taken relative to each
     split's own max (the ``exp(m_s - m)`` correction missing)."""
+
     def rule(w):
         blocks = _segments(w.shape[-1], size)
         out = np.zeros_like(w)
         for b in range(int(blocks[-1]) + 1):
             cols = blocks == b
             top = w[..., cols].max(axis=-1, keepdims=True)
-            out[..., cols] = np.divide(w[..., cols], top, out=np.zeros_like(w[..., cols]),
-                                       where=top > 0)
+            out[..., cols] = np.divide(
+                w[..., cols], top, out=np.zeros_like(w[..., cols]), where=top > 0
+            )
         total = out.sum(axis=-1, keepdims=True)
         return np.divide(out, total, out=np.zeros_like(out), where=total > 0)
+
     return rule
 
 
@@ -256,41 +331,67 @@ def kernel_alternatives(L, S, *, tiles=TILE_SIZES, splits=SPLIT_SIZES) -> list[A
     found = []
     for size in tiles:
         if S >= size:
-            found.append(Alternative(
-                f"tile boundary: the last key of every full tile of {size} keys is skipped "
-                f"(keys j = {size - 1} mod {size})", frozenset({"kernel"}),
-                _drop_keys(lambda j, size=size, S=S: (j % size == size - 1)
-                           & (j < S // size * size))))
+            found.append(
+                Alternative(
+                    f"tile boundary: the last key of every full tile of {size} keys is skipped "
+                    f"(keys j = {size - 1} mod {size})",
+                    frozenset({"kernel"}),
+                    _drop_keys(
+                        lambda j, size=size, S=S: (j % size == size - 1) & (j < S // size * size)
+                    ),
+                )
+            )
         if S > size and S % size:
-            found.append(Alternative(
-                f"partial key tile skipped: keys from {S // size * size} on (after the last "
-                f"full tile of {size}) ignored", frozenset({"kernel"}),
-                _drop_keys(lambda j, size=size, S=S: j >= S // size * size)))
+            found.append(
+                Alternative(
+                    f"partial key tile skipped: keys from {S // size * size} on (after the last "
+                    f"full tile of {size}) ignored",
+                    frozenset({"kernel"}),
+                    _drop_keys(lambda j, size=size, S=S: j >= S // size * size),
+                )
+            )
         if L > size and L % size:
-            found.append(Alternative(
-                f"partial query tile not written: rows from {L // size * size} on (after the "
-                f"last full tile of {size} queries) are zero", frozenset({"kernel"}),
-                _zero_rows(L // size * size)))
+            found.append(
+                Alternative(
+                    f"partial query tile not written: rows from {L // size * size} on (after the "
+                    f"last full tile of {size} queries) are zero",
+                    frozenset({"kernel"}),
+                    _zero_rows(L // size * size),
+                )
+            )
         if S > size:
-            found.append(Alternative(
-                f"late rescale missing: the output accumulator is not rescaled when the "
-                f"running max moves (online softmax over tiles of {size} keys)",
-                frozenset({"kernel"}), _reweight(_no_rescale(size))))
+            found.append(
+                Alternative(
+                    f"late rescale missing: the output accumulator is not rescaled when the "
+                    f"running max moves (online softmax over tiles of {size} keys)",
+                    frozenset({"kernel"}),
+                    _reweight(_no_rescale(size)),
+                )
+            )
     for size in splits:
         if S > size:
-            found.append(Alternative(
-                f"split-KV combine: partial outputs of {size}-key splits weighted by their "
-                f"normalisers without the exp(m_s - m) max correction",
-                frozenset({"kernel"}), _reweight(_split_combine(size))))
+            found.append(
+                Alternative(
+                    f"split-KV combine: partial outputs of {size}-key splits weighted by their "
+                    f"normalisers without the exp(m_s - m) max correction",
+                    frozenset({"kernel"}),
+                    _reweight(_split_combine(size)),
+                )
+            )
     return found
 
 
 def _alternative_out(q, k, v, options, extras):
     if "reweight" in extras or "zero_rows" in extras or "drop_keys" in extras:
         return _kernel_out(q, k, v, options, extras)
-    result = textbook_attention(q, k, v, dtype="float64",
-                                softcap_order=extras.get("softcap_order", "before_bias"),
-                                **options)
+    result = textbook_attention(
+        q,
+        k,
+        v,
+        dtype="float64",
+        softcap_order=extras.get("softcap_order", "before_bias"),
+        **options,
+    )
     factor = extras.get("out_factor", 1.0)
     dropped = result.weights
     if options.get("dropout_mask") is not None:
@@ -301,11 +402,11 @@ def _alternative_out(q, k, v, options, extras):
     if extras.get("empty_uniform"):
         empty = ~np.broadcast_to(result.allowed, result.weights.shape).any(axis=-1)
         uniform = np.full(result.weights.shape, 1.0 / result.weights.shape[-1])
-        flat = textbook_attention(q, k, v, dtype="float64", gqa=options.get("gqa"),
-                                  scale=0.0).out
+        flat = textbook_attention(q, k, v, dtype="float64", gqa=options.get("gqa"), scale=0.0).out
         out = np.where(empty[..., None], flat, out)
-        scale = np.where(empty[..., None],
-                         tol.output_scale(uniform, v, gqa=options.get("gqa")), scale)
+        scale = np.where(
+            empty[..., None], tol.output_scale(uniform, v, gqa=options.get("gqa")), scale
+        )
     return out, scale
 
 
@@ -316,14 +417,15 @@ def _kernel_out(q, k, v, options, extras):
     if "drop_keys" in extras:
         S = w3.shape[-1]
         allowed = np.broadcast_to(base.allowed, base.weights.shape) & ~extras["drop_keys"](
-            np.arange(S))
+            np.arange(S)
+        )
         _, w3, v_h = _exact_parts(q, k, v, options, allowed=allowed)
     if "reweight" in extras:
         w3 = extras["reweight"](w3)
     out = np.matmul(w3, v_h)
     scale = np.matmul(np.abs(w3), np.abs(v_h))
     if "zero_rows" in extras:
-        out[..., extras["zero_rows"]:, :] = 0.0
+        out[..., extras["zero_rows"] :, :] = 0.0
     return (out[0], scale[0]) if single else (out, scale)
 
 
@@ -349,11 +451,13 @@ def diagnose(q, k, v, options, out, *, limit, dtype, max_pairs=True) -> list[str
     allowed = np.broadcast_to(base.allowed, base.weights.shape)
     has_empty = bool((~allowed.any(axis=-1)).any())
     has_excluded = bool((~allowed).any())
-    candidates = alternatives(options, H=H, K=K, L=L, S=S, D=D, E=E, has_empty=has_empty,
-                              has_excluded=has_excluded) + kernel_alternatives(L, S)
+    candidates = alternatives(
+        options, H=H, K=K, L=L, S=S, D=D, E=E, has_empty=has_empty, has_excluded=has_excluded
+    ) + kernel_alternatives(L, S)
     magnitude = tol.score_magnitude(q, k, **options)
-    f64 = tol.forward_floors("float64", D=D, S=S, L=L, E=E, G=max(H // K, 1),
-                             magnitude=magnitude, allowed=allowed)["out"]
+    f64 = tol.forward_floors(
+        "float64", D=D, S=S, L=L, E=E, G=max(H // K, 1), magnitude=magnitude, allowed=allowed
+    )["out"]
     limit = np.asarray(limit) + float(np.max(f64))
     if np.ndim(q) == 2 and np.ndim(limit) >= 3:
         limit = limit[..., 0, :, :]
@@ -362,16 +466,22 @@ def diagnose(q, k, v, options, out, *, limit, dtype, max_pairs=True) -> list[str
         finite = np.isfinite(_alternative_out(q, k, v, dict(options), {})[0])
         bias = options.get("bias")
         poisoned = not all(np.isfinite(np.asarray(a, np.float64)).all() for a in (q, k, v)) or (
-            bias is not None and np.isnan(np.asarray(bias, np.float64)).any()
-            or bias is not None and np.isposinf(np.asarray(bias, np.float64)).any())
+            bias is not None
+            and np.isnan(np.asarray(bias, np.float64)).any()
+            or bias is not None
+            and np.isposinf(np.asarray(bias, np.float64)).any()
+        )
 
         def explains(opts, extras):
             alt_out, scale = _alternative_out(q, k, v, opts, extras)
             # with poisoned inputs, an alternative that is NaN where the truth is finite only
             # "explains" leaked poison by admitting a poisoned (excluded) position: that is
             # not a convention
-            if poisoned and alt_out.shape == finite.shape and (
-                    ~np.isfinite(alt_out) & finite).any():
+            if (
+                poisoned
+                and alt_out.shape == finite.shape
+                and (~np.isfinite(alt_out) & finite).any()
+            ):
                 return False
             return _fits(out, alt_out, scale, limit, dtype)
 
@@ -402,14 +512,18 @@ def diagnose_lse(q, k, v, options, lse, *, limit, dtype) -> list[str]:
     limit = np.asarray(limit) + tol.unit_roundoff("float64") * 64
     found = []
     with np.errstate(all="ignore"):
-        top = np.where(np.broadcast_to(base.allowed, base.weights.shape),
-                       np.log(base.weights), -np.inf).max(axis=-1)
+        top = np.where(
+            np.broadcast_to(base.allowed, base.weights.shape), np.log(base.weights), -np.inf
+        ).max(axis=-1)
         row_max = truth + top  # top = max_j log p_j = max_j t_j - lse
-        candidates = [("lse in log2 units (an exp2 kernel not converting back: "
-                       "lse / ln 2)", truth / math.log(2)),
-                      ("lse without the row max (log of the max-shifted normaliser)",
-                       truth - row_max),
-                      ("lse is the row max only (the normaliser's log missing)", row_max)]
+        candidates = [
+            (
+                "lse in log2 units (an exp2 kernel not converting back: lse / ln 2)",
+                truth / math.log(2),
+            ),
+            ("lse without the row max (log of the max-shifted normaliser)", truth - row_max),
+            ("lse is the row max only (the normaliser's log missing)", row_max),
+        ]
         for label, model in candidates:
             if _fits(lse, model, scale, limit, dtype):
                 found.append(f"lse matches {label}")
@@ -418,9 +532,17 @@ def diagnose_lse(q, k, v, options, lse, *, limit, dtype) -> list[str]:
         H, L, D = (np.shape(q) if np.ndim(q) > 2 else (1,) + np.shape(q))[-3:]
         K = np.shape(k)[-3] if np.ndim(k) > 2 else 1
         allowed = np.broadcast_to(base.allowed, base.weights.shape)
-        for alt in alternatives(options, H=H, K=K, L=L, S=np.shape(k)[-2], D=D,
-                                E=np.shape(v)[-1], has_empty=bool((~allowed.any(-1)).any()),
-                                has_excluded=bool((~allowed).any())):
+        for alt in alternatives(
+            options,
+            H=H,
+            K=K,
+            L=L,
+            S=np.shape(k)[-2],
+            D=D,
+            E=np.shape(v)[-1],
+            has_empty=bool((~allowed.any(-1)).any()),
+            has_excluded=bool((~allowed).any()),
+        ):
             opts, extras = alt.apply(dict(options), {})
             if extras:
                 continue
@@ -458,10 +580,11 @@ def concentration(q, k, v, options, errors, limit, *, tiles=TILE_SIZES) -> list[
     index = np.broadcast_to(np.arange(L), rows.shape)
     for size in tiles:
         start = size * (L // size)
-        if L > size and start < L and (index[rows] >= start).all() \
-                and (~rows[..., :start]).any():
-            notes.append(f"the failing rows are all in the last, partial query tile of "
-                         f"{size} (rows {start}..{L - 1}): a partial query tile mishandled?")
+        if L > size and start < L and (index[rows] >= start).all() and (~rows[..., :start]).any():
+            notes.append(
+                f"the failing rows are all in the last, partial query tile of "
+                f"{size} (rows {start}..{L - 1}): a partial query tile mishandled?"
+            )
             break
     with np.errstate(all="ignore"):
         base = textbook_attention(q, k, v, dtype="float64", **options)
@@ -480,9 +603,11 @@ def concentration(q, k, v, options, errors, limit, *, tiles=TILE_SIZES) -> list[
         others = late[has_key & ~rows]
         rest = float(others.mean()) if others.size else 0.0
         if share >= CONCENTRATION and rest < share:
-            notes.append(f"{share:.0%} of the failing rows have their max past the first tile "
-                         f"of {size} keys ({rest:.0%} of the passing rows): the rescale of "
-                         f"an online softmax when the running max moves?")
+            notes.append(
+                f"{share:.0%} of the failing rows have their max past the first tile "
+                f"of {size} keys ({rest:.0%} of the passing rows): the rescale of "
+                f"an online softmax when the running max moves?"
+            )
             break
     return notes
 
@@ -513,13 +638,17 @@ def key_concentration(quantity, errors, limit, *, tiles=TILE_SIZES) -> list[str]
     failing, passing = index[keys], index[~keys]
     for size in tiles:
         if S > size and (failing % size == size - 1).all() and failing.max() < size * (S // size):
-            return [f"{quantity}: the failing keys are all the last key of a full tile of "
-                    f"{size} (j mod {size} = {size - 1}): a tile loop stopping one key short?"]
+            return [
+                f"{quantity}: the failing keys are all the last key of a full tile of "
+                f"{size} (j mod {size} = {size - 1}): a tile loop stopping one key short?"
+            ]
     for size in tiles:
         start = size * (S // size)
         if S > size and start < S and (failing >= start).all() and (passing < start).any():
-            return [f"{quantity}: the failing keys are all in the last, partial key tile of "
-                    f"{size} (keys {start}..{S - 1}): a dropped or mishandled partial tile?"]
+            return [
+                f"{quantity}: the failing keys are all in the last, partial key tile of "
+                f"{size} (keys {start}..{S - 1}): a dropped or mishandled partial tile?"
+            ]
     return []
 
 
@@ -538,8 +667,10 @@ def describe_failure(value, truth, errors, limit, *, inputs_poisoned=False) -> l
     bad = np.asarray(errors > limit)
     if bad.any() and not leaked.any() and bad.ndim >= 2:
         rows = bad.any(axis=-1)
-        notes.append(f"{int(bad.sum())} of {bad.size} elements over the threshold, "
-                     f"in {int(rows.sum())} of {rows.size} rows")
+        notes.append(
+            f"{int(bad.sum())} of {bad.size} elements over the threshold, "
+            f"in {int(rows.sum())} of {rows.size} rows"
+        )
     return notes
 
 
@@ -566,8 +697,9 @@ def _cast(x, dtype):
 
     name = "bfloat16" if dtype == "bfloat16" else dtype
     with np.errstate(over="ignore"):
-        return x.astype(np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else name) \
-            .astype(np.float64)
+        return x.astype(np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else name).astype(
+            np.float64
+        )
 
 
 def _narrow_dtype(name):
@@ -588,8 +720,12 @@ def _exact_parts(q, k, v, options, allowed=None):
     from refattn._broadcast import expand_kv
 
     from .heads import with_heads
-    v_h = expand_kv(with_heads(np.asarray(v, dtype=np.float64), "v"), w3.shape[-3],
-                    options.get("gqa") or "interleave")
+
+    v_h = expand_kv(
+        with_heads(np.asarray(v, dtype=np.float64), "v"),
+        w3.shape[-3],
+        options.get("gqa") or "interleave",
+    )
     return base, w3, np.where(np.isfinite(v_h), v_h, 0.0)
 
 
@@ -603,8 +739,9 @@ def _flash_model(w3, v_h, p_dtype, sums="float32"):
     if sums in _HALVES:
         # key by key in the narrow type: each product rounded to it, then a sequential sum
         narrow = _narrow_dtype(sums)
-        terms = (p[..., :, :, None].astype(np.float32)
-                 * v_h[..., None, :, :].astype(np.float32)).astype(narrow)
+        terms = (
+            p[..., :, :, None].astype(np.float32) * v_h[..., None, :, :].astype(np.float32)
+        ).astype(narrow)
         pv = np.add.accumulate(terms, axis=-2, dtype=narrow)[..., -1, :].astype(np.float64)
     else:
         pv = np.matmul(p, v_h)
@@ -627,13 +764,16 @@ def narrow_accumulation(q, k, v, options, out, truth, scale, dtype, *, k_factor=
             model = model[0] if np.ndim(q) == 2 else model
             model_err = float(np.max(tol.normalised_error(model, truth, scale, dtype)))
             if model_err / k_factor <= err <= k_factor * model_err + tol.unit_roundoff(dtype):
-                fits.append((abs(math.log(err / model_err)) if model_err > 0 else math.inf,
-                             half, model_err))
+                fits.append(
+                    (abs(math.log(err / model_err)) if model_err > 0 else math.inf, half, model_err)
+                )
     if not fits:
         return None
     _, half, model_err = min(fits)
-    return (f"errors consistent with accumulating P@V in {half} (a {half} accumulator; "
-            f"such a kernel has normalised error {model_err:.3g} here)")
+    return (
+        f"errors consistent with accumulating P@V in {half} (a {half} accumulator; "
+        f"such a kernel has normalised error {model_err:.3g} here)"
+    )
 
 
 def error_models(q, k, v, options, dtype, *, rounded=None) -> dict:
@@ -656,36 +796,51 @@ def error_models(q, k, v, options, dtype, *, rounded=None) -> dict:
             return x[0] if single else x
 
         text = textbook_attention(q, k, v, dtype=dtype, **options).out
-        models[f"float32 sums, scores and weights stored in {dtype} (textbook)"
-               if dtype in _HALVES else f"{dtype} textbook (two-pass softmax)"] = \
-            np.asarray(text, dtype=np.float64)
+        models[
+            f"float32 sums, scores and weights stored in {dtype} (textbook)"
+            if dtype in _HALVES
+            else f"{dtype} textbook (two-pass softmax)"
+        ] = np.asarray(text, dtype=np.float64)
         small = w3.size * v_h.shape[-1] <= MODEL_SIZE_CAP
         if dtype in _HALVES:
-            models[f"P rounded to {dtype} before P@V, float32 sums (FlashAttention)"] = \
-                shaped(_cast(_flash_model(w3, v_h, dtype), dtype))
+            models[f"P rounded to {dtype} before P@V, float32 sums (FlashAttention)"] = shaped(
+                _cast(_flash_model(w3, v_h, dtype), dtype)
+            )
             if small:
-                models[f"P@V accumulated in {dtype}"] = shaped(_cast(
-                    _flash_model(w3, v_h, dtype, sums=dtype), dtype))
+                models[f"P@V accumulated in {dtype}"] = shaped(
+                    _cast(_flash_model(w3, v_h, dtype, sums=dtype), dtype)
+                )
         elif dtype == "float32":
             for half in _HALVES:
-                models[f"P rounded to {half} before P@V, float32 sums"] = \
-                    shaped(_cast(_flash_model(w3, v_h, half), "float32"))
+                models[f"P rounded to {half} before P@V, float32 sums"] = shaped(
+                    _cast(_flash_model(w3, v_h, half), "float32")
+                )
                 if small:
-                    models[f"P@V accumulated in {half}"] = shaped(_cast(
-                        _flash_model(w3, v_h, "float32", sums=half), "float32"))
+                    models[f"P@V accumulated in {half}"] = shaped(
+                        _cast(_flash_model(w3, v_h, "float32", sums=half), "float32")
+                    )
             tf32 = [_cast(x, "tf32").astype(np.float32) for x in (q, k, v)]
             models["TF32 matmuls (q, k, v with 10-bit fractions)"] = np.asarray(
-                textbook_attention(*tf32, dtype="float32", **options).out, dtype=np.float64)
+                textbook_attention(*tf32, dtype="float32", **options).out, dtype=np.float64
+            )
         elif dtype == "float64":
             low = [np.asarray(x).astype(np.float32) for x in (q, k, v)]
-            opts32 = {n: (np.asarray(x).astype(np.float32)
-                          if isinstance(x, np.ndarray) and x.dtype.kind == "f" else x)
-                      for n, x in options.items()}
+            opts32 = {
+                n: (
+                    np.asarray(x).astype(np.float32)
+                    if isinstance(x, np.ndarray) and x.dtype.kind == "f"
+                    else x
+                )
+                for n, x in options.items()
+            }
             models["float32 working precision"] = np.asarray(
-                textbook_attention(*low, dtype="float32", **opts32).out, dtype=np.float64)
+                textbook_attention(*low, dtype="float32", **opts32).out, dtype=np.float64
+            )
             models["float32 softmax, float64 matmuls"] = shaped(
-                _flash_model(_cast(w3, "float32"), v_h, "float64"))
+                _flash_model(_cast(w3, "float32"), v_h, "float64")
+            )
         if rounded is not None:
-            models["correctly rounded (higher precision, one rounding)"] = \
-                np.asarray(rounded, dtype=np.float64)
+            models["correctly rounded (higher precision, one rounding)"] = np.asarray(
+                rounded, dtype=np.float64
+            )
     return models

@@ -46,8 +46,7 @@ from . import catalogue, golden
 from .catalogue.case import Case
 from .results import Report
 
-__all__ = ["plan_blocks", "block_truth", "assemble", "dask_runner", "validate_many",
-           "SPLIT_COST"]
+__all__ = ["plan_blocks", "block_truth", "assemble", "dask_runner", "validate_many", "SPLIT_COST"]
 
 #: Cases whose cost (batch x H x L x S x (D + E)) reaches this are split into blocks.
 SPLIT_COST = 2**21
@@ -59,16 +58,20 @@ def _client(scheduler):
     try:
         from distributed import Client
     except ImportError:  # pragma: no cover - exercised only without the extra
-        raise ImportError("the dask executor needs dask.distributed: pip install -e "
-                          "\".[dask]\" (or pip install 'dask[distributed]')") from None
+        raise ImportError(
+            "the dask executor needs dask.distributed: pip install -e "
+            "\".[dask]\" (or pip install 'dask[distributed]')"
+        ) from None
     if not isinstance(scheduler, str) or not scheduler:
-        raise ValueError(f"scheduler: expected a scheduler address such as "
-                         f"'tcp://host:8786', got {scheduler!r}")
+        raise ValueError(
+            f"scheduler: expected a scheduler address such as 'tcp://host:8786', got {scheduler!r}"
+        )
     try:
         return Client(scheduler, timeout="10s")
     except OSError as err:
-        raise ValueError(f"scheduler: cannot reach the Dask scheduler at {scheduler!r} "
-                         f"({err})") from None
+        raise ValueError(
+            f"scheduler: cannot reach the Dask scheduler at {scheduler!r} ({err})"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,8 +85,10 @@ def _cost(case: Case) -> int:
 
 
 def _full_batch(inputs, names, batch) -> bool:
-    return all(name not in inputs or (inputs[name].ndim >= 4 and inputs[name].shape[-4] == batch)
-               for name in names)
+    return all(
+        name not in inputs or (inputs[name].ndim >= 4 and inputs[name].shape[-4] == batch)
+        for name in names
+    )
 
 
 def plan_blocks(case: Case, inputs=None) -> list:
@@ -167,8 +172,10 @@ def assemble(case: Case, blocks: list, parts: list[dict], inputs) -> dict:
         for block, part in zip(blocks, parts, strict=True):
             per_batch.setdefault(block[0], []).append(part[name])
         heads_axis = _heads_axis(name, blocks[0])
-        rows = [np.concatenate(arrays, axis=heads_axis) if len(arrays) > 1 else arrays[0]
-                for arrays in per_batch.values()]
+        rows = [
+            np.concatenate(arrays, axis=heads_axis) if len(arrays) > 1 else arrays[0]
+            for arrays in per_batch.values()
+        ]
         if len(rows) == 1:
             truth[name] = rows[0]
         else:
@@ -220,11 +227,20 @@ def _run_cases(client, todo: list[Case], out: Path) -> Iterator[tuple[str, str]]
         inputs = catalogue.make_inputs(case)
         blocks = plan_blocks(case, inputs)
         spec = case.spec_json()
-        pending[case.name] = {"case": case, "inputs": inputs, "blocks": blocks,
-                              "parts": [None] * len(blocks)}
+        pending[case.name] = {
+            "case": case,
+            "inputs": inputs,
+            "blocks": blocks,
+            "parts": [None] * len(blocks),
+        }
         for index, block in enumerate(blocks):
-            future = client.submit(block_truth, spec, block, pure=False,
-                                   key=f"refattn-{case.name}-{index}-{time.monotonic_ns()}")
+            future = client.submit(
+                block_truth,
+                spec,
+                block,
+                pure=False,
+                key=f"refattn-{case.name}-{index}-{time.monotonic_ns()}",
+            )
             future.refattn_slot = (case.name, index)
             futures.append(future)
     for future in as_completed(futures):
@@ -233,14 +249,16 @@ def _run_cases(client, todo: list[Case], out: Path) -> Iterator[tuple[str, str]]
         if result["refattn_version"] != refattn.__version__:
             raise RuntimeError(
                 f"dask worker runs refattn {result['refattn_version']}, this client "
-                f"{refattn.__version__}: install the same version on every worker")
+                f"{refattn.__version__}: install the same version on every worker"
+            )
         entry = pending[name]
         entry["parts"][index] = result["truth"]
         if all(part is not None for part in entry["parts"]):
             case, inputs = entry["case"], entry["inputs"]
             truth = assemble(case, entry["blocks"], entry["parts"], inputs)
-            fixture = golden.Fixture(case=case, inputs=inputs,
-                                     options=golden.call_options(case, inputs), truth=truth)
+            fixture = golden.Fixture(
+                case=case, inputs=inputs, options=golden.call_options(case, inputs), truth=truth
+            )
             del pending[name]
             yield golden.write_fixture(fixture, out)
 
@@ -257,8 +275,17 @@ def _validate_one(impl: str, case_name: str, kwargs: dict):
     return report.results
 
 
-def validate_many(impls: Iterable[str], *, scheduler=None, client=None, suite=None,
-                  fixtures=None, dtype="float32", cases=None, **kwargs) -> dict[str, Report]:
+def validate_many(
+    impls: Iterable[str],
+    *,
+    scheduler=None,
+    client=None,
+    suite=None,
+    fixtures=None,
+    dtype="float32",
+    cases=None,
+    **kwargs,
+) -> dict[str, Report]:
     """Validate several implementations on a Dask cluster; one merged Report each.
 
     Parameters
@@ -280,23 +307,37 @@ def validate_many(impls: Iterable[str], *, scheduler=None, client=None, suite=No
 
     impls = list(impls)
     if not impls or not all(isinstance(i, str) and i for i in impls):
-        raise ValueError(f"impls: expected adapter names or 'module:function' strings, got "
-                         f"{impls!r}")
+        raise ValueError(
+            f"impls: expected adapter names or 'module:function' strings, got {impls!r}"
+        )
     names = select_cases(suite=suite, fixtures=fixtures, dtype=dtype, cases=cases)
     source = {"suite": suite} if fixtures is None else {"fixtures": str(fixtures)}
     own = client is None
     active = _client(scheduler) if own else client
     start = time.perf_counter()
     try:
-        futures = {impl: [active.submit(_validate_one, impl, name,
-                                        {**source, "dtype": dtype, **kwargs}, pure=False)
-                          for name in names] for impl in impls}
+        futures = {
+            impl: [
+                active.submit(
+                    _validate_one, impl, name, {**source, "dtype": dtype, **kwargs}, pure=False
+                )
+                for name in names
+            ]
+            for impl in impls
+        }
         reports = {}
         for impl, parts in futures.items():
             results = [result for part in active.gather(parts) for result in part]
             label = f"suite {suite or 'smoke'}" if fixtures is None else f"fixtures {fixtures}"
-            report = Report(impl, dtype, label, kwargs.get("strict", False), results,
-                            time.perf_counter() - start, kwargs.get("grads", False))
+            report = Report(
+                impl,
+                dtype,
+                label,
+                kwargs.get("strict", False),
+                results,
+                time.perf_counter() - start,
+                kwargs.get("grads", False),
+            )
             report.isolated = kwargs.get("isolate", True)
             reports[impl] = report
         return reports

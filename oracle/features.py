@@ -3,14 +3,33 @@
 
 from __future__ import annotations
 
-__all__ = ["HEADLINE_FEATURES", "SHAPE_CLASSES", "KNOWN_FEATURES", "LONG_ROWS",
-           "case_features"]
+__all__ = ["HEADLINE_FEATURES", "SHAPE_CLASSES", "KNOWN_FEATURES", "LONG_ROWS", "case_features"]
 
 SHAPE_CLASSES = ("single-query", "L<S", "L=S", "L>S", "long-rows", "batched")
-KNOWN_FEATURES = ("causal", "align-bottom-right", "window", "mask", "bias", "gqa", "softcap",
-                  "dropout", "alibi", "scale", "empty-rows-nan", "poison", "gradients",
-                  "sinks", "kv-lengths", "fp8",
-                  "single-query", "L<S", "L=S", "L>S", "long-rows", "batched")
+KNOWN_FEATURES = (
+    "causal",
+    "align-bottom-right",
+    "window",
+    "mask",
+    "bias",
+    "gqa",
+    "softcap",
+    "dropout",
+    "alibi",
+    "scale",
+    "empty-rows-nan",
+    "poison",
+    "gradients",
+    "sinks",
+    "kv-lengths",
+    "fp8",
+    "single-query",
+    "L<S",
+    "L=S",
+    "L>S",
+    "long-rows",
+    "batched",
+)
 
 #: features whose absence from a run is reported prominently (and fails it with --require)
 HEADLINE_FEATURES = ("causal", "mask", "gqa", "long-rows", "gradients")
@@ -34,16 +53,24 @@ def case_features(case, grads=False, inputs=()) -> tuple[list[str], list[str]]:
     features = []
     if options.get("causal"):
         features.append("causal")
-    if options.get("align") == "bottom_right" and (options.get("causal")
-                                                   or options.get("window")):
+    if options.get("align") == "bottom_right" and (options.get("causal") or options.get("window")):
         features.append("align-bottom-right")
-    for name, feature in (("window", "window"), ("softcap", "softcap"),
-                          ("dropout_p", "dropout"), ("scale", "scale")):
+    for name, feature in (
+        ("window", "window"),
+        ("softcap", "softcap"),
+        ("dropout_p", "dropout"),
+        ("scale", "scale"),
+    ):
         if options.get(name):
             features.append(feature)
-    for name, feature in (("mask", "mask"), ("bias", "bias"), ("alibi_slopes", "alibi"),
-                          ("sinks", "sinks"), ("kv_lengths", "kv-lengths"),
-                          ("q_descale", "fp8")):
+    for name, feature in (
+        ("mask", "mask"),
+        ("bias", "bias"),
+        ("alibi_slopes", "alibi"),
+        ("sinks", "sinks"),
+        ("kv_lengths", "kv-lengths"),
+        ("q_descale", "fp8"),
+    ):
         if name in inputs:
             features.append(feature)
     if n.H != n.K:
@@ -54,8 +81,9 @@ def case_features(case, grads=False, inputs=()) -> tuple[list[str], list[str]]:
         features.append("poison")
     if grads and case.grads:
         features.append("gradients")
-    shapes = ["single-query" if n.L == 1 else
-              ("L<S" if n.L < n.S else "L=S" if n.L == n.S else "L>S")]
+    shapes = [
+        "single-query" if n.L == 1 else ("L<S" if n.L < n.S else "L=S" if n.L == n.S else "L>S")
+    ]
     if n.S >= LONG_ROWS:
         shapes.append("long-rows")
     if n.batch > 1:

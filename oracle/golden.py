@@ -149,6 +149,7 @@ class Fixture:
 # Truth
 # ---------------------------------------------------------------------------------------------
 
+
 def call_options(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
     """Keywords an implementation gets for ``case``: its scalar options and array options."""
     options = dict(case.options)
@@ -167,12 +168,21 @@ def _attention_truth(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, 
     dtypes = [case.dtype] if case.dtype == "float64" else [case.dtype, "float64"]
     for dtype in dtypes:
         suffix = "" if dtype == case.dtype else "_f64"
-        out, lse = attention(q, k, v, **options, return_lse=True, precision="exact",
-                             out_dtype=dtype)
+        out, lse = attention(
+            q, k, v, **options, return_lse=True, precision="exact", out_dtype=dtype
+        )
         truth["out" + suffix], truth["lse" + suffix] = out, lse
         if case.grads:
-            grads = attention_vjp(q, k, v, inputs["grad_out"], grad_lse=inputs.get("grad_lse"),
-                                  **options, precision="exact", out_dtype=dtype)
+            grads = attention_vjp(
+                q,
+                k,
+                v,
+                inputs["grad_out"],
+                grad_lse=inputs.get("grad_lse"),
+                **options,
+                precision="exact",
+                out_dtype=dtype,
+            )
             for name in ("dq", "dk", "dv", "dbias", "dsinks"):
                 value = getattr(grads, name, None)
                 if value is not None:
@@ -209,8 +219,10 @@ def build(case: Case) -> Fixture:
     ('float32', (1, 2, 5, 8))
     """
     if case.function not in TRUTH_BUILDERS:
-        raise ValueError(f"build: no truth builder for function {case.function!r} "
-                         f"(known: {sorted(TRUTH_BUILDERS)})")
+        raise ValueError(
+            f"build: no truth builder for function {case.function!r} "
+            f"(known: {sorted(TRUTH_BUILDERS)})"
+        )
     inputs = catalogue.make_inputs(case)
     truth = TRUTH_BUILDERS[case.function](case, inputs)
     return Fixture(case=case, inputs=inputs, options=call_options(case, inputs), truth=truth)
@@ -219,6 +231,7 @@ def build(case: Case) -> Fixture:
 # ---------------------------------------------------------------------------------------------
 # Deterministic npz
 # ---------------------------------------------------------------------------------------------
+
 
 def _npy_bytes(array: np.ndarray) -> bytes:
     """npy format 1.0 bytes with a header written here (independent of NumPy's writer)."""
@@ -278,11 +291,13 @@ def fixture_bytes(fixture: Fixture) -> bytes:
     members["options"] = _json_member(fixture.case.spec()["options"])
     # "bfloat16" is always present; a float8 list only when the fixture has float8 members
     # (so the bytes of fixtures without them are those of earlier releases)
-    members["meta"] = _json_member({
-        "schema_version": SCHEMA_VERSION,
-        "truth_kind": fixture.truth_kind,
-        **{kind: sorted(keys) for kind, keys in listed.items()},
-    })
+    members["meta"] = _json_member(
+        {
+            "schema_version": SCHEMA_VERSION,
+            "truth_kind": fixture.truth_kind,
+            **{kind: sorted(keys) for kind, keys in listed.items()},
+        }
+    )
     return _npz_bytes(members)
 
 
@@ -326,10 +341,17 @@ def _json_bytes(value) -> bytes:
 # generate
 # ---------------------------------------------------------------------------------------------
 
+
 def _entry(case: Case, file_name: str, sha: str) -> dict:
     return {
-        "name": case.name, "spec": case.spec(), "seed": case.seed, "dtype": case.dtype,
-        "category": case.category, "file": file_name, "sha256": sha, "truth_kind": TRUTH_KIND,
+        "name": case.name,
+        "spec": case.spec(),
+        "seed": case.seed,
+        "dtype": case.dtype,
+        "category": case.category,
+        "file": file_name,
+        "sha256": sha,
+        "truth_kind": TRUTH_KIND,
     }
 
 
@@ -379,8 +401,9 @@ def _previous_entries(out: Path) -> dict[str, list[dict]]:
 def _reusable(case: Case, candidates: list[dict], out: Path) -> dict | None:
     """The recorded entry whose spec is the case's and whose sha256 the file on disk has."""
     path = out / f"{case.name}.npz"
-    matching = [e for e in candidates if e.get("spec") == case.spec()
-                and e.get("file") == path.name]
+    matching = [
+        e for e in candidates if e.get("spec") == case.spec() and e.get("file") == path.name
+    ]
     if not matching or path.is_symlink() or not path.is_file():
         return None
     sha = sha256_of(path)
@@ -397,8 +420,11 @@ def _remove_unselected(out: Path, previous: dict[str, list[dict]], selected: lis
     for name, entries in previous.items():
         for entry in entries:
             file_name = entry.get("file")
-            if (file_name != f"{name}.npz" or file_name_problem(file_name) is not None
-                    or file_name in keep):
+            if (
+                file_name != f"{name}.npz"
+                or file_name_problem(file_name) is not None
+                or file_name in keep
+            ):
                 continue
             path = out / file_name
             if path.is_file() and not path.is_symlink():
@@ -417,8 +443,13 @@ def file_name_problem(file_name) -> str | None:
     """
     if not isinstance(file_name, str) or not file_name:
         return f"expected a non-empty string, got {type(file_name).__name__}"
-    if ("/" in file_name or "\\" in file_name or "\0" in file_name
-            or file_name in (".", "..") or os.path.isabs(file_name)):
+    if (
+        "/" in file_name
+        or "\\" in file_name
+        or "\0" in file_name
+        or file_name in (".", "..")
+        or os.path.isabs(file_name)
+    ):
         return "expected a plain file name inside the directory (no path separator, no ..)"
     if not file_name.endswith(".npz"):
         return "expected a name ending in .npz"
@@ -434,17 +465,24 @@ def _select(suite: str, dtypes, cases) -> list[Case]:
             raise ValueError(f"dtypes: expected a subset of {DTYPES}, got {sorted(unknown)}")
         selected = [c for c in selected if c.dtype in wanted]
     if not selected:
-        raise FixtureError(f"no case selected (suite {suite!r}, dtypes {dtypes}): nothing to "
-                           f"write")
+        raise FixtureError(f"no case selected (suite {suite!r}, dtypes {dtypes}): nothing to write")
     names = [c.name for c in selected]
     if len(set(names)) != len(names):
         raise ValueError("cases: case names must be unique")
     return selected
 
 
-def generate(suite: str, out_dir, *, dtypes: Iterable[str] | None = None, workers: int = 1,
-             progress: bool = True, cases: Iterable[Case] | None = None,
-             wait: bool = False, runner: Runner | None = None) -> Path:
+def generate(
+    suite: str,
+    out_dir,
+    *,
+    dtypes: Iterable[str] | None = None,
+    workers: int = 1,
+    progress: bool = True,
+    cases: Iterable[Case] | None = None,
+    wait: bool = False,
+    runner: Runner | None = None,
+) -> Path:
     """Write one .npz per case and ``manifest.json`` into ``out_dir``; return the directory.
 
     Parameters
@@ -490,8 +528,10 @@ def generate(suite: str, out_dir, *, dtypes: Iterable[str] | None = None, worker
     selected = _select(suite, dtypes, cases)
     out = _destination(out_dir)
     if runner is None:
+
         def runner(todo, out):
             return _run(todo, out, workers)
+
     with _writer_lock(out, wait=wait):
         return _generate_locked(suite, selected, out, runner, progress)
 
@@ -522,15 +562,17 @@ class _writer_lock:
         try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as exc:
-            raise FixtureError(f"out: cannot create lock file {self.path} "
-                               f"({exc.strerror})") from None
+            raise FixtureError(
+                f"out: cannot create lock file {self.path} ({exc.strerror})"
+            ) from None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
         except BlockingIOError:
             os.close(self.fd)
             raise FixtureLockError(
                 f"out: another `generate` is writing into {self.path.parent} (lock "
-                f"{self.path.name} is held); wait for it or pass --wait") from None
+                f"{self.path.name} is held); wait for it or pass --wait"
+            ) from None
         return self
 
     def __exit__(self, *exc_info):
@@ -538,8 +580,9 @@ class _writer_lock:
         os.close(self.fd)
 
 
-def _generate_locked(suite: str, selected: list[Case], out: Path, runner: Runner,
-                     progress: bool) -> Path:
+def _generate_locked(
+    suite: str, selected: list[Case], out: Path, runner: Runner, progress: bool
+) -> Path:
     previous = _previous_entries(out)
     _remove_unselected(out, previous, selected)
     done: dict[str, dict] = {}
@@ -595,10 +638,23 @@ def _cost(case: Case) -> int:
 # verify and load
 # ---------------------------------------------------------------------------------------------
 
-_ENTRY_TYPES = {"name": str, "spec": dict, "seed": int, "dtype": str, "category": str,
-                "file": str, "sha256": str, "truth_kind": str}
-_MANIFEST_TYPES = {"generator": str, "refattn_version": str, "suite": str, "truth_kind": str,
-                   "cases": list}
+_ENTRY_TYPES = {
+    "name": str,
+    "spec": dict,
+    "seed": int,
+    "dtype": str,
+    "category": str,
+    "file": str,
+    "sha256": str,
+    "truth_kind": str,
+}
+_MANIFEST_TYPES = {
+    "generator": str,
+    "refattn_version": str,
+    "suite": str,
+    "truth_kind": str,
+    "cases": list,
+}
 _TYPE_NAMES = {str: "a string", dict: "an object", int: "an integer", list: "a list"}
 
 
@@ -636,8 +692,9 @@ def verify(directory) -> list[str]:
         if path.name in (MANIFEST, LOCK_FILE) or path.name in listed:
             continue
         if path.name.startswith(".refattn-") and path.name.endswith(_TMP_SUFFIX):
-            problems.append(f"{path.name}: temporary file left by an interrupted run "
-                            f"(safe to delete)")
+            problems.append(
+                f"{path.name}: temporary file left by an interrupted run (safe to delete)"
+            )
         else:
             problems.append(f"{path.name}: extra file not listed in {MANIFEST}")
     return problems
@@ -667,19 +724,22 @@ def _schema_problems(manifest) -> list[str]:
         return [f"{MANIFEST}: key 'schema_version': expected {SCHEMA_VERSION}, got {version!r}"]
     problems = []
     if manifest.get("truth_kind", TRUTH_KIND) != TRUTH_KIND:
-        problems.append(f"{MANIFEST}: key 'truth_kind': expected {TRUTH_KIND!r}, got "
-                        f"{manifest['truth_kind']!r:.60}")
+        problems.append(
+            f"{MANIFEST}: key 'truth_kind': expected {TRUTH_KIND!r}, got "
+            f"{manifest['truth_kind']!r:.60}"
+        )
     for key, expected in _MANIFEST_TYPES.items():
         if key not in manifest:
             problems.append(f"{MANIFEST}: missing key {key!r}")
         elif _wrong_type(manifest[key], expected):
-            problems.append(f"{MANIFEST}: key {key!r}: expected {_TYPE_NAMES[expected]}, "
-                            f"got {manifest[key]!r:.60}")
+            problems.append(
+                f"{MANIFEST}: key {key!r}: expected {_TYPE_NAMES[expected]}, "
+                f"got {manifest[key]!r:.60}"
+            )
     if problems:
         return problems
     if not manifest["cases"]:
-        return [f"{MANIFEST}: key 'cases': expected at least one case, got [] (nothing to "
-                f"check)"]
+        return [f"{MANIFEST}: key 'cases': expected at least one case, got [] (nothing to check)"]
     names: dict[str, int] = {}
     files: dict[str, int] = {}
     for index, entry in enumerate(manifest["cases"]):
@@ -696,8 +756,9 @@ def _case_entry_problems(index: int, entry, names: dict, files: dict) -> list[st
         if key not in entry:
             problems.append(f"{where}: missing key {key!r}")
         elif _wrong_type(entry[key], expected):
-            problems.append(f"{where}: key {key!r}: expected {_TYPE_NAMES[expected]}, "
-                            f"got {entry[key]!r:.60}")
+            problems.append(
+                f"{where}: key {key!r}: expected {_TYPE_NAMES[expected]}, got {entry[key]!r:.60}"
+            )
     if problems:
         return problems
     why = file_name_problem(entry["file"])
@@ -705,8 +766,9 @@ def _case_entry_problems(index: int, entry, names: dict, files: dict) -> list[st
         problems.append(f"{where}: key 'file': {entry['file']!r}: {why}")
     for key, seen in (("name", names), ("file", files)):
         if entry[key] in seen:
-            problems.append(f"{where}: key {key!r}: duplicate {entry[key]!r} "
-                            f"(also cases[{seen[entry[key]]}])")
+            problems.append(
+                f"{where}: key {key!r}: duplicate {entry[key]!r} (also cases[{seen[entry[key]]}])"
+            )
         seen.setdefault(entry[key], index)
     try:
         case = Case.from_spec(entry["spec"])
@@ -715,13 +777,20 @@ def _case_entry_problems(index: int, entry, names: dict, files: dict) -> list[st
     if case.name != entry["name"] or case.seed != entry["seed"]:
         problems.append(f"{where}: key 'spec': name/seed disagree with the entry")
     if case.spec() != entry["spec"]:
-        problems.append(f"{where}: key 'spec': not in canonical form (expected "
-                        f"{json.dumps(case.spec(), sort_keys=True):.80}...)")
-    for key, expected in (("dtype", case.dtype), ("category", case.category),
-                          ("truth_kind", TRUTH_KIND)):
+        problems.append(
+            f"{where}: key 'spec': not in canonical form (expected "
+            f"{json.dumps(case.spec(), sort_keys=True):.80}...)"
+        )
+    for key, expected in (
+        ("dtype", case.dtype),
+        ("category", case.category),
+        ("truth_kind", TRUTH_KIND),
+    ):
         if entry[key] != expected:
-            problems.append(f"{where}: key {key!r}: expected {expected!r} (from the spec), "
-                            f"got {entry[key]!r:.60}")
+            problems.append(
+                f"{where}: key {key!r}: expected {expected!r} (from the spec), "
+                f"got {entry[key]!r:.60}"
+            )
     return problems
 
 
@@ -756,8 +825,9 @@ def _entry_problems(root: Path, entry: dict) -> list[str]:
 def _read_fixture(path: Path) -> Fixture:
     """Read one fixture file; FixtureError naming the file for anything unreadable."""
     if not zipfile.is_zipfile(path):
-        raise FixtureError(f"{path.name}: not a ZIP archive (.npz written by "
-                           f"`refattn-oracle generate` expected)")
+        raise FixtureError(
+            f"{path.name}: not a ZIP archive (.npz written by `refattn-oracle generate` expected)"
+        )
     try:
         return _parse_fixture(path)
     except Exception as exc:  # a corrupt archive may raise anything numpy/zipfile raise
@@ -776,12 +846,16 @@ def _parse_fixture(path: Path) -> Fixture:
             members[key] = members[key].view(getattr(ml_dtypes, kind))
     inputs = {k.split("/", 1)[1]: a for k, a in members.items() if k.startswith("inputs/")}
     truth = {k.split("/", 1)[1]: a for k, a in members.items() if k.startswith("truth/")}
-    return Fixture(case=case, inputs=inputs, options=call_options(case, inputs), truth=truth,
-                   truth_kind=meta.get("truth_kind", TRUTH_KIND))
+    return Fixture(
+        case=case,
+        inputs=inputs,
+        options=call_options(case, inputs),
+        truth=truth,
+        truth_kind=meta.get("truth_kind", TRUTH_KIND),
+    )
 
 
-def load(directory, *, names: Iterable[str] | None = None, check: bool = True
-         ) -> Iterator[Fixture]:
+def load(directory, *, names: Iterable[str] | None = None, check: bool = True) -> Iterator[Fixture]:
     """Yield the fixtures stored in ``directory`` (all, or those in ``names``) in manifest order.
 
     Parameters
@@ -804,8 +878,11 @@ def load(directory, *, names: Iterable[str] | None = None, check: bool = True
     manifest, problems = _read_manifest(root)
     problems = problems or _schema_problems(manifest)
     if problems:
-        more = f" (and {len(problems) - 1} more; run `refattn-oracle verify {root}`)" \
-            if len(problems) > 1 else ""
+        more = (
+            f" (and {len(problems) - 1} more; run `refattn-oracle verify {root}`)"
+            if len(problems) > 1
+            else ""
+        )
         raise FixtureError(f"load: {problems[0]}{more}")
     entries = manifest["cases"]
     if names is not None:
@@ -818,12 +895,14 @@ def load(directory, *, names: Iterable[str] | None = None, check: bool = True
     for entry in entries:
         path = root / entry["file"]
         if path.is_symlink() or not path.is_file():
-            raise FixtureError(f"load: {entry['file']}: missing or not a regular file "
-                               f"(case {entry['name']})")
+            raise FixtureError(
+                f"load: {entry['file']}: missing or not a regular file (case {entry['name']})"
+            )
         if check and sha256_of(path) != entry["sha256"]:
             raise FixtureError(f"load: {path} does not match its sha256 in {MANIFEST}")
         fixture = _read_fixture(path)
         if fixture.case.spec() != entry["spec"]:
-            raise FixtureError(f"load: {entry['file']}: embedded case spec differs from the "
-                               f"manifest")
+            raise FixtureError(
+                f"load: {entry['file']}: embedded case spec differs from the manifest"
+            )
         yield fixture

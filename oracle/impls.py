@@ -14,10 +14,13 @@ def resolve_impl(impl):
     if callable(impl):
         return impl, callable_spec(impl)
     if not isinstance(impl, str):
-        raise TypeError(f"impl: expected a callable, 'module:function' or an adapter name, "
-                        f"got {type(impl).__name__}")
+        raise TypeError(
+            f"impl: expected a callable, 'module:function' or an adapter name, "
+            f"got {type(impl).__name__}"
+        )
     if ":" not in impl:
         from . import adapters
+
         return adapters.get(impl), None
     module_name, _, attr = impl.partition(":")
     if not module_name or not attr:
@@ -25,14 +28,17 @@ def resolve_impl(impl):
     try:
         obj = importlib.import_module(module_name)
     except ImportError as err:
-        raise ImportError(f"impl: cannot import module {module_name!r} of {impl!r}: {err} "
-                          f"(is it on sys.path / PYTHONPATH?)") from err
+        raise ImportError(
+            f"impl: cannot import module {module_name!r} of {impl!r}: {err} "
+            f"(is it on sys.path / PYTHONPATH?)"
+        ) from err
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise AttributeError(f"impl: module {module_name!r} has no attribute {attr!r} "
-                                 f"(from {impl!r})") from None
+            raise AttributeError(
+                f"impl: module {module_name!r} has no attribute {attr!r} (from {impl!r})"
+            ) from None
     if not callable(obj):
         raise TypeError(f"impl: {impl!r} is a {type(obj).__name__}, not a callable")
     return obj, impl

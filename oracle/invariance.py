@@ -67,8 +67,7 @@ def parse_checks(checks: str | Iterable[str] | None) -> tuple[str, ...]:
     if checks is None:
         return ()
     names = [checks] if isinstance(checks, str) else list(checks)
-    flat = [part.strip().lower() for name in names for part in str(name).split(",")
-            if part.strip()]
+    flat = [part.strip().lower() for name in names for part in str(name).split(",") if part.strip()]
     unknown = [name for name in flat if name not in CHECKS]
     if unknown:
         raise ValueError(f"checks: unknown check(s) {unknown}; expected some of {list(CHECKS)}")
@@ -81,16 +80,27 @@ def applies(fixture) -> bool:
     return case.function == "attention" and case.category == "conformance"
 
 
-def check_invariance(impl, fixture, check: str, *, reruns: int = RERUNS,
-                     reproduce: str = "") -> CaseResult:
+def check_invariance(
+    impl, fixture, check: str, *, reruns: int = RERUNS, reproduce: str = ""
+) -> CaseResult:
     """Run one invariance ``check`` of ``impl`` on ``fixture``; a :class:`CaseResult` named
     ``<case>::<check>`` in category "invariance" (pass / fail / unsupported / error)."""
     (check,) = parse_checks(check)
     case = fixture.case
-    result = CaseResult(f"{case.name}::{check}", "invariance", case.dtype, "pass",
-                        reproduce=reproduce, description=f"{check} on {case.name}")
-    runner = {"determinism": _determinism, "batch-invariance": _batch_invariance,
-              "padding-invariance": _padding_invariance, "decode": _decode}[check]
+    result = CaseResult(
+        f"{case.name}::{check}",
+        "invariance",
+        case.dtype,
+        "pass",
+        reproduce=reproduce,
+        description=f"{check} on {case.name}",
+    )
+    runner = {
+        "determinism": _determinism,
+        "batch-invariance": _batch_invariance,
+        "padding-invariance": _padding_invariance,
+        "decode": _decode,
+    }[check]
     return run_guarded(result, lambda: runner(impl, fixture, result, reruns))
 
 
@@ -124,8 +134,14 @@ def _determinism(impl, fixture, result, reruns):
         again, again_lse = _call(impl, inputs, options)
         where = _difference(out, lse, again, again_lse)
         if where is not None:
-            _fail(result, fixture, f"run {run + 1} of {reruns} differs from run 1", where,
-                  again, again_lse)
+            _fail(
+                result,
+                fixture,
+                f"run {run + 1} of {reruns} differs from run 1",
+                where,
+                again,
+                again_lse,
+            )
             return
 
 
@@ -145,18 +161,27 @@ def _batch_invariance(impl, fixture, result, reruns):
         if where is not None:
             (m, *rest), quantity, mine, theirs = where
             full, full_lse = _placed(out, lse, got, got_lse, indices)
-            _fail(result, fixture, f"differs with {label}",
-                  ((indices[m], *rest), quantity, mine, theirs), full, full_lse)
+            _fail(
+                result,
+                fixture,
+                f"differs with {label}",
+                ((indices[m], *rest), quantity, mine, theirs),
+                full,
+                full_lse,
+            )
             return
 
 
 def _padding_invariance(impl, fixture, result, reruns):
     inputs, options = _arrays(fixture)
-    offset_dependent = options.get("causal") or options.get("window") is not None \
-        or "alibi_slopes" in inputs
+    offset_dependent = (
+        options.get("causal") or options.get("window") is not None or "alibi_slopes" in inputs
+    )
     if offset_dependent and options.get("align", "top_left") == "bottom_right":
-        result.diagnosis.append("not checked: with align='bottom_right' padding keys moves "
-                                "the causal/window/ALiBi alignment")
+        result.diagnosis.append(
+            "not checked: with align='bottom_right' padding keys moves "
+            "the causal/window/ALiBi alignment"
+        )
         return
     out, lse = _call(impl, inputs, options)
     padded, label = _pad_keys(inputs)
@@ -206,26 +231,34 @@ def _decode(impl, fixture, result, reruns):
             last[name] = inputs[name][..., -1:, :]
     step = dict(options)
     keys = inputs["k"].shape[-2]
-    offset_dependent = options.get("causal") or options.get("window") is not None \
-        or "alibi_slopes" in inputs
+    offset_dependent = (
+        options.get("causal") or options.get("window") is not None or "alibi_slopes" in inputs
+    )
     if offset_dependent:
         if options.get("align", "top_left") != "bottom_right" and rows != keys:
-            result.diagnosis.append("decode not checked: a top-left aligned causal/window/ALiBi "
-                                    "case with L != S has no single-row equivalent")
+            result.diagnosis.append(
+                "decode not checked: a top-left aligned causal/window/ALiBi "
+                "case with L != S has no single-row equivalent"
+            )
             return
         step["align"] = "bottom_right"
     got, got_lse = _call(impl, last, step)
     where = _difference(out[..., -1:, :], None if lse is None else lse[..., -1:], got, got_lse)
     if where is not None:
         index, quantity, mine, theirs = where
-        index = (*index[:-2], rows - 1, index[-1]) if quantity == "out" else \
-            (*index[:-1], rows - 1)
+        index = (*index[:-2], rows - 1, index[-1]) if quantity == "out" else (*index[:-1], rows - 1)
         full, full_lse = out.copy(), None if lse is None else lse.copy()
         full[..., -1:, :] = got
         if full_lse is not None and got_lse is not None:
             full_lse[..., -1:] = got_lse
-        _fail(result, fixture, "the last row computed alone (a decode step) differs from the "
-              "prefill's last row", (index, quantity, mine, theirs), full, full_lse)
+        _fail(
+            result,
+            fixture,
+            "the last row computed alone (a decode step) differs from the prefill's last row",
+            (index, quantity, mine, theirs),
+            full,
+            full_lse,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,10 +299,17 @@ def _placed(out, lse, got, got_lse, indices):
 
 def _fail(result, fixture, what, where, full, full_lse):
     index, quantity, mine, theirs = where
-    judged = check_fixture(lambda q, k, v, **_: (full, full_lse) if full_lse is not None
-                           else full, fixture, diagnose=False)
-    within = ("the deviating run is still within the tolerance" if judged.verdict == "pass"
-              else f"the deviating run is also outside the tolerance ({judged.message})")
+    judged = check_fixture(
+        lambda q, k, v, **_: (full, full_lse) if full_lse is not None else full,
+        fixture,
+        diagnose=False,
+    )
+    within = (
+        "the deviating run is still within the tolerance"
+        if judged.verdict == "pass"
+        else f"the deviating run is also outside the tolerance ({judged.message})"
+    )
     result.verdict = "fail"
-    result.message = (f"{quantity}[{', '.join(map(str, index))}] {what}: {mine!r} vs "
-                      f"{theirs!r}; {within}")
+    result.message = (
+        f"{quantity}[{', '.join(map(str, index))}] {what}: {mine!r} vs {theirs!r}; {within}"
+    )

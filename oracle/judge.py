@@ -76,8 +76,11 @@ def _refattn_defaults() -> dict:
     from refattn.attention import attention
 
     parameters = inspect.signature(attention).parameters.items()
-    return {name: p.default for name, p in parameters
-            if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is not p.empty}
+    return {
+        name: p.default
+        for name, p in parameters
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is not p.empty
+    }
 
 
 def passed_options(options) -> dict:
@@ -86,10 +89,14 @@ def passed_options(options) -> dict:
     follows the calling convention but lacks a keyword (``align``, ``gqa``, ``empty_rows``...)
     is still judged on every case that uses that keyword's default."""
     defaults = _refattn_defaults()
-    return {name: np.copy(x) if isinstance(x, np.ndarray) else x
-            for name, x in options.items()
-            if isinstance(x, np.ndarray) or name not in defaults
-            or type(x) is not type(defaults[name]) or x != defaults[name]}
+    return {
+        name: np.copy(x) if isinstance(x, np.ndarray) else x
+        for name, x in options.items()
+        if isinstance(x, np.ndarray)
+        or name not in defaults
+        or type(x) is not type(defaults[name])
+        or x != defaults[name]
+    }
 
 
 def call_forward(impl, q, k, v, options):
@@ -123,8 +130,7 @@ def _unsupported_keyword(err, options):
     if isinstance(err, TypeError) and "keyword argument" in text:
         for name in options:
             if f"'{name}'" in text:
-                return NotImplementedError(f"the implementation does not accept {name}= "
-                                           f"({text})")
+                return NotImplementedError(f"the implementation does not accept {name}= ({text})")
     return err
 
 
@@ -135,13 +141,16 @@ class OutputError(TypeError):
 def _as_float64(x, quantity="out"):
     if hasattr(x, "detach"):  # a torch tensor handed back as is
         x = x.detach().float().cpu().numpy() if "bfloat16" in str(x.dtype) else x.detach().cpu()
-    if not (isinstance(x, np.ndarray) or hasattr(x, "__array__")
-            or hasattr(x, "__array_interface__")):
+    if not (
+        isinstance(x, np.ndarray) or hasattr(x, "__array__") or hasattr(x, "__array_interface__")
+    ):
         raise OutputError(f"{quantity}: expected an array, got {type(x).__name__}")
     array = np.asarray(x)
     if array.dtype.kind != "f" and array.dtype.name not in _HALF_NAMES:
-        raise OutputError(f"{quantity}: expected a real floating dtype, got {array.dtype} "
-                          f"(complex, integer, bool and object outputs are errors)")
+        raise OutputError(
+            f"{quantity}: expected a real floating dtype, got {array.dtype} "
+            f"(complex, integer, bool and object outputs are errors)"
+        )
     return array.astype(np.float64)
 
 
@@ -163,20 +172,30 @@ def _judge(quantity, value, truth, scale, threshold, dtype, rounded=None) -> Che
     flat = int(np.argmax(ratio)) if ratio.size else 0
     index = np.unravel_index(flat, errors.shape) if errors.size else ()
     index = tuple(int(i) for i in index)
-    worst = Worst(quantity, index,
-                  float(value[index]) if value.size else math.nan,
-                  float(truth[index]) if truth.size else math.nan,
-                  float(errors[index]) if errors.size else 0.0,
-                  float(tol.ulp_distance(value[index], truth[index], dtype))
-                  if value.size else 0.0,
-                  float(limit[index]) if limit.size else 0.0)
+    worst = Worst(
+        quantity,
+        index,
+        float(value[index]) if value.size else math.nan,
+        float(truth[index]) if truth.size else math.nan,
+        float(errors[index]) if errors.size else 0.0,
+        float(tol.ulp_distance(value[index], truth[index], dtype)) if value.size else 0.0,
+        float(limit[index]) if limit.size else 0.0,
+    )
     passed = not over.any()
     grade = grade_of(value, truth, dtype, rounded)
     grade.sq = float(np.sum(np.where(np.isfinite(errors), errors, 0.0) ** 2))
     # errors are kept for every check: the HTML report plots any case on request
-    return Check(quantity, passed, float(errors.max()) if errors.size else 0.0,
-                 int(over.sum()), int(errors.size), threshold, worst, errors,
-                 grade=grade)
+    return Check(
+        quantity,
+        passed,
+        float(errors.max()) if errors.size else 0.0,
+        int(over.sum()),
+        int(errors.size),
+        threshold,
+        worst,
+        errors,
+        grade=grade,
+    )
 
 
 def _shape_check(quantity, value, truth):
@@ -206,17 +225,16 @@ class _Context:
         self.q, self.k, self.v = inputs["q"], inputs["k"], inputs["v"]
         self.options = {n: x for n, x in options.items() if n != "return_lse"}
         # float8 inputs: every scale, floor and baseline is of the dequantised values
-        self.q, self.k, self.v, self.options = dequantised_inputs(self.q, self.k, self.v,
-                                                                  self.options)
+        self.q, self.k, self.v, self.options = dequantised_inputs(
+            self.q, self.k, self.v, self.options
+        )
         self.dtype = fixture.case.dtype
-        self.exact64 = textbook_attention(self.q, self.k, self.v, dtype="float64",
-                                          **self.options)
+        self.exact64 = textbook_attention(self.q, self.k, self.v, dtype="float64", **self.options)
         weights = self.exact64.weights
         self.dropped = weights
         if self.options.get("dropout_mask") is not None:
             keep = np.asarray(self.options["dropout_mask"], dtype=bool)
-            self.dropped = np.where(keep, weights, 0) / (1 - (self.options.get("dropout_p")
-                                                              or 0.0))
+            self.dropped = np.where(keep, weights, 0) / (1 - (self.options.get("dropout_p") or 0.0))
         self.magnitude = tol.score_magnitude(self.q, self.k, **self.options)
         q3 = self.q if np.ndim(self.q) > 2 else np.asarray(self.q)[None]
         H, L, D = q3.shape[-3:]
@@ -226,15 +244,25 @@ class _Context:
         self.single = np.ndim(self.q) == 2
 
     def floors(self, count):
-        n_stored = 1 + (self.options.get("softcap") is not None) + (
-            self.options.get("bias") is not None or self.options.get("alibi_slopes") is not None)
-        allowed = np.broadcast_to(self.exact64.allowed, self.exact64.weights.shape) \
-            if not self.single else np.broadcast_to(self.exact64.allowed,
-                                                    self.magnitude.shape)
+        n_stored = (
+            1
+            + (self.options.get("softcap") is not None)
+            + (self.options.get("bias") is not None or self.options.get("alibi_slopes") is not None)
+        )
+        allowed = (
+            np.broadcast_to(self.exact64.allowed, self.exact64.weights.shape)
+            if not self.single
+            else np.broadcast_to(self.exact64.allowed, self.magnitude.shape)
+        )
         floors = tol.forward_floors(
-            self.dtype, **self.sizes, magnitude=self.magnitude, allowed=allowed,
-            n_stored=int(n_stored), dropout=self.options.get("dropout_mask") is not None,
-            count=count)
+            self.dtype,
+            **self.sizes,
+            magnitude=self.magnitude,
+            allowed=allowed,
+            n_stored=int(n_stored),
+            dropout=self.options.get("dropout_mask") is not None,
+            count=count,
+        )
         if self.single:
             floors["out"], floors["lse"] = floors["out"][0], floors["lse"][0]
         return floors
@@ -243,29 +271,50 @@ class _Context:
         def heads(x):
             return x[None] if self.single else x
 
-        n_stored = 1 + (self.options.get("softcap") is not None) + (
-            self.options.get("bias") is not None or self.options.get("alibi_slopes") is not None)
-        return dict(weights=heads(self.exact64.weights), magnitude=self.magnitude,
-                    dots=tol.scaled_dots(self.q, self.k, **self.options),
-                    D=self.sizes["D"], S=self.sizes["S"], n_stored=int(n_stored),
-                    softcap=self.options.get("softcap") is not None, count=count), heads
+        n_stored = (
+            1
+            + (self.options.get("softcap") is not None)
+            + (self.options.get("bias") is not None or self.options.get("alibi_slopes") is not None)
+        )
+        return dict(
+            weights=heads(self.exact64.weights),
+            magnitude=self.magnitude,
+            dots=tol.scaled_dots(self.q, self.k, **self.options),
+            D=self.sizes["D"],
+            S=self.sizes["S"],
+            n_stored=int(n_stored),
+            softcap=self.options.get("softcap") is not None,
+            count=count,
+        ), heads
 
     def output_floor(self, truth, count, tier="default"):
         """Element-wise floor (T6) of the output (the model (T7) in the tight tier)."""
         args, heads = self._element_args(count)
         rule = tol.output_expected if tier == "tight" else tol.output_floor
-        floor = rule(self.dtype, **args, dropped=heads(self.dropped), v=self.v,
-                                 out=heads(truth), gqa=self.options.get("gqa"),
-                                 dropout=self.options.get("dropout_mask") is not None)
+        floor = rule(
+            self.dtype,
+            **args,
+            dropped=heads(self.dropped),
+            v=self.v,
+            out=heads(truth),
+            gqa=self.options.get("gqa"),
+            dropout=self.options.get("dropout_mask") is not None,
+        )
         return floor[0] if self.single else floor
 
     def expected(self, key, dtype, truth, count):
         """The tight-tier model (T7) of ``key`` ("out" or "lse") evaluated at ``dtype``."""
         args, heads = self._element_args(count)
         if key == "out":
-            value = tol.output_expected(dtype, **args, dropped=heads(self.dropped), v=self.v,
-                                        out=heads(truth), gqa=self.options.get("gqa"),
-                                        dropout=self.options.get("dropout_mask") is not None)
+            value = tol.output_expected(
+                dtype,
+                **args,
+                dropped=heads(self.dropped),
+                v=self.v,
+                out=heads(truth),
+                gqa=self.options.get("gqa"),
+                dropout=self.options.get("dropout_mask") is not None,
+            )
         else:
             value = tol.lse_expected(dtype, **args, lse=heads(truth))
         return value[0] if self.single else value
@@ -293,19 +342,27 @@ def _check_forward(ctx, fixture, out, lse, checks):
     scale = tol.output_scale(ctx.dropped, ctx.v, gqa=ctx.options.get("gqa"))
     if ctx.single:
         scale = scale[0]
-    base_err = _finite_part(tol.normalised_error(base.out, truth_out, scale, ctx.dtype),
-                            truth_out)
-    threshold = _forward_threshold(ctx, base_err,
-                                   ctx.output_floor(truth_out, truth_out.size, ctx.tier))
-    checks["out"] = _judge("out", out, truth_out, scale, threshold, ctx.dtype,
-                           rounded=_truth_rounded(fixture, "out"))
+    base_err = _finite_part(tol.normalised_error(base.out, truth_out, scale, ctx.dtype), truth_out)
+    threshold = _forward_threshold(
+        ctx, base_err, ctx.output_floor(truth_out, truth_out.size, ctx.tier)
+    )
+    checks["out"] = _judge(
+        "out", out, truth_out, scale, threshold, ctx.dtype, rounded=_truth_rounded(fixture, "out")
+    )
     if ctx.grade:
         checks["out"].grade.models = {
-            label: float(np.sum(_finite_part(tol.normalised_error(model, truth_out, scale,
-                                                                  ctx.dtype), truth_out) ** 2))
+            label: float(
+                np.sum(
+                    _finite_part(
+                        tol.normalised_error(model, truth_out, scale, ctx.dtype), truth_out
+                    )
+                    ** 2
+                )
+            )
             for label, model in _diagnose.error_models(
-                ctx.q, ctx.k, ctx.v, ctx.options, ctx.dtype,
-                rounded=_truth_rounded(fixture, "out")).items()}
+                ctx.q, ctx.k, ctx.v, ctx.options, ctx.dtype, rounded=_truth_rounded(fixture, "out")
+            ).items()
+        }
     truth_lse = _truth(fixture, "lse")
     if lse is not None and truth_lse is not None:
         lse, problem = _shape_check("lse", lse, truth_lse)
@@ -314,12 +371,21 @@ def _check_forward(ctx, fixture, out, lse, checks):
         weights = ctx.exact64.weights
         magnitude = ctx.magnitude[0] if ctx.single else ctx.magnitude
         lscale = tol.lse_scale(truth_lse, weights, magnitude)
-        base_err = _finite_part(tol.normalised_error(base.lse, truth_lse, lscale, ctx.dtype),
-                                truth_lse)
-        threshold = _forward_threshold(ctx, base_err,
-                                       ctx.lse_floor(truth_lse, truth_lse.size, ctx.tier))
-        checks["lse"] = _judge("lse", lse, truth_lse, lscale, threshold, ctx.dtype,
-                               rounded=_truth_rounded(fixture, "lse"))
+        base_err = _finite_part(
+            tol.normalised_error(base.lse, truth_lse, lscale, ctx.dtype), truth_lse
+        )
+        threshold = _forward_threshold(
+            ctx, base_err, ctx.lse_floor(truth_lse, truth_lse.size, ctx.tier)
+        )
+        checks["lse"] = _judge(
+            "lse",
+            lse,
+            truth_lse,
+            lscale,
+            threshold,
+            ctx.dtype,
+            rounded=_truth_rounded(fixture, "lse"),
+        )
     return None
 
 
@@ -333,18 +399,34 @@ def _check_grads(ctx, fixture, impl, checks):
     grad_out, grad_lse = inputs.get("grad_out"), inputs.get("grad_lse")
     extra = {} if grad_lse is None else {"grad_lse": np.copy(grad_lse)}
     options = passed_options({n: x for n, x in fixture.options.items() if n != "return_lse"})
-    result = impl.vjp(np.copy(inputs["q"]), np.copy(inputs["k"]), np.copy(inputs["v"]),
-                      np.copy(grad_out), **extra, **options)
+    result = impl.vjp(
+        np.copy(inputs["q"]),
+        np.copy(inputs["k"]),
+        np.copy(inputs["v"]),
+        np.copy(grad_out),
+        **extra,
+        **options,
+    )
     result = tuple(result)
-    scales = tol.grad_scales(ctx.q, ctx.k, ctx.v, grad_out, ctx.exact64.weights, ctx.dropped,
-                             grad_lse=grad_lse, sink_weights=ctx.exact64.sink_weights,
-                             **ctx.options)
-    base = textbook_attention_vjp(ctx.q, ctx.k, ctx.v, grad_out, grad_lse=grad_lse,
-                                  dtype=ctx.dtype, **ctx.options)
+    scales = tol.grad_scales(
+        ctx.q,
+        ctx.k,
+        ctx.v,
+        grad_out,
+        ctx.exact64.weights,
+        ctx.dropped,
+        grad_lse=grad_lse,
+        sink_weights=ctx.exact64.sink_weights,
+        **ctx.options,
+    )
+    base = textbook_attention_vjp(
+        ctx.q, ctx.k, ctx.v, grad_out, grad_lse=grad_lse, dtype=ctx.dtype, **ctx.options
+    )
     floor = ctx.floors(sum(np.size(r) for r in result if r is not None))["grad"]
     if _truth(fixture, "dsinks") is not None and (len(result) < 5 or result[4] is None):
-        raise NotImplementedError("dsinks: the implementation's vjp returns no gradient of "
-                                  "the sinks (a fifth value)")
+        raise NotImplementedError(
+            "dsinks: the implementation's vjp returns no gradient of the sinks (a fifth value)"
+        )
     for position, name in enumerate(_GRADS):
         truth = _truth(fixture, name)
         if truth is None or position >= len(result) or result[position] is None:
@@ -352,15 +434,17 @@ def _check_grads(ctx, fixture, impl, checks):
         value, problem = _shape_check(name, _as_float64(result[position], name), truth)
         if problem:
             return problem
-        base_err = _finite_part(tol.normalised_error(base[position], truth, scales[name],
-                                                     ctx.dtype), truth)
+        base_err = _finite_part(
+            tol.normalised_error(base[position], truth, scales[name], ctx.dtype), truth
+        )
         threshold = tol.threshold(base_err, floor, ctx.dtype, k=tol.K_BACKWARD)
         checks[name] = _judge(name, value, truth, scales[name], threshold, ctx.dtype)
     return None
 
 
-def check_fixture(impl, fixture, *, grads=False, diagnose=True, reproduce="",
-                  tolerance="default") -> CaseResult:
+def check_fixture(
+    impl, fixture, *, grads=False, diagnose=True, reproduce="", tolerance="default"
+) -> CaseResult:
     """Run ``impl`` on one fixture and judge it (see the module docstring for verdicts).
 
     ``tolerance``: "default" (T2) or "tight" (T7 for out and lse; gradients and variants
@@ -376,11 +460,18 @@ def check_fixture(impl, fixture, *, grads=False, diagnose=True, reproduce="",
     case = fixture.case
     if case.function != "attention":
         return _check_variant(impl, fixture, reproduce, grads)
-    result = CaseResult(case.name, case.category, case.dtype, "pass", reproduce=reproduce,
-                        description=getattr(case, "description", ""))
+    result = CaseResult(
+        case.name,
+        case.category,
+        case.dtype,
+        "pass",
+        reproduce=reproduce,
+        description=getattr(case, "description", ""),
+    )
     tol.check_tier(tolerance)
-    return run_guarded(result, lambda: _run_checks(impl, fixture, grads, diagnose, result,
-                                                   tolerance))
+    return run_guarded(
+        result, lambda: _run_checks(impl, fixture, grads, diagnose, result, tolerance)
+    )
 
 
 def run_guarded(result, check) -> CaseResult:
@@ -417,14 +508,13 @@ def _run_checks(impl, fixture, grads, diagnose, result, tier="default"):
             if hasattr(impl, "vjp"):
                 problem = _check_grads(ctx, fixture, impl, result.checks)
             else:
-                notes.append("gradients asked for but not checked: the implementation has "
-                             "no .vjp")
+                notes.append("gradients asked for but not checked: the implementation has no .vjp")
     failing = [c for c in result.checks.values() if not c.passed]
     if problem or failing:
         result.verdict = "fail"
         result.message = problem or "; ".join(
-            f"{c.quantity}: {c.n_failed} of {c.size} elements over the threshold"
-            for c in failing)
+            f"{c.quantity}: {c.n_failed} of {c.size} elements over the threshold" for c in failing
+        )
         if diagnose:
             result.diagnosis = _diagnosis(ctx, fixture, out, result.checks, lse)
     elif notes:
@@ -446,38 +536,65 @@ def _diagnosis(ctx, fixture, out, checks, lse=None) -> list[str]:
     notes = []
     lse_check = checks.get("lse")
     if lse_check is not None and not lse_check.passed and lse is not None:
-        notes = _diagnose.diagnose_lse(ctx.q, ctx.k, ctx.v, ctx.options,
-                                       np.reshape(lse, lse_check.errors.shape),
-                                       limit=np.asarray(lse_check.threshold.value),
-                                       dtype=ctx.dtype)
+        notes = _diagnose.diagnose_lse(
+            ctx.q,
+            ctx.k,
+            ctx.v,
+            ctx.options,
+            np.reshape(lse, lse_check.errors.shape),
+            limit=np.asarray(lse_check.threshold.value),
+            dtype=ctx.dtype,
+        )
     for grad in failing:
-        if grad.quantity in ("dk", "dv") and grad.errors is not None \
-                and np.isfinite(grad.errors).all():
+        if (
+            grad.quantity in ("dk", "dv")
+            and grad.errors is not None
+            and np.isfinite(grad.errors).all()
+        ):
             notes = notes + _diagnose.key_concentration(
-                grad.quantity, grad.errors,
-                np.broadcast_to(np.asarray(grad.threshold.value), grad.errors.shape))
+                grad.quantity,
+                grad.errors,
+                np.broadcast_to(np.asarray(grad.threshold.value), grad.errors.shape),
+            )
     out_failed = check is not None and not check.passed and out.shape == truth.shape
     lower = [_lower_precision(ctx, c, fixture) for c in failing]
-    lower_dtype = lower[0][0] if lower and all(x is not None and x[0] == lower[0][0]
-                                               for x in lower) else None
+    lower_dtype = (
+        lower[0][0] if lower and all(x is not None and x[0] == lower[0][0] for x in lower) else None
+    )
     found = []
     if out_failed:
-        found = _diagnose.diagnose(ctx.q, ctx.k, ctx.v, ctx.options, out,
-                                   limit=np.asarray(check.threshold.value), dtype=ctx.dtype)
+        found = _diagnose.diagnose(
+            ctx.q,
+            ctx.k,
+            ctx.v,
+            ctx.options,
+            out,
+            limit=np.asarray(check.threshold.value),
+            dtype=ctx.dtype,
+        )
     if lower_dtype is not None:
         # both explain it: the alternative wins only if it fits at least as snugly (within
         # the same fraction of its limit as the errors use of the narrower precision's)
         snug = max(x[1] for x in lower)
         if found and snug < 1:
-            found = _diagnose.diagnose(ctx.q, ctx.k, ctx.v, ctx.options, out,
-                                       limit=snug * np.asarray(check.threshold.value),
-                                       dtype=ctx.dtype, max_pairs=False)
+            found = _diagnose.diagnose(
+                ctx.q,
+                ctx.k,
+                ctx.v,
+                ctx.options,
+                out,
+                limit=snug * np.asarray(check.threshold.value),
+                dtype=ctx.dtype,
+                max_pairs=False,
+            )
         if not found:
             worst = max(c.max_error for c in failing)
-            return notes + [f"errors fit {lower_dtype} accuracy (max normalised error "
-                            f"{worst:.3g}): the implementation seems to compute in "
-                            f"{lower_dtype} (the pinned conventions at {lower_dtype} "
-                            f"precision)"]
+            return notes + [
+                f"errors fit {lower_dtype} accuracy (max normalised error "
+                f"{worst:.3g}): the implementation seems to compute in "
+                f"{lower_dtype} (the pinned conventions at {lower_dtype} "
+                f"precision)"
+            ]
     if found:
         return notes + found
     if not out_failed:
@@ -485,33 +602,47 @@ def _diagnosis(ctx, fixture, out, checks, lse=None) -> list[str]:
     for dtype in _NARROWER.get(ctx.dtype, ()):
         # a convention mismatch seen through a narrower working precision (its T7 model)
         limit = ctx.expected("out", dtype, truth, check.size) + tol.unit_roundoff(dtype)
-        found = _diagnose.diagnose(ctx.q, ctx.k, ctx.v, ctx.options, out, limit=limit,
-                                   dtype=ctx.dtype)
+        found = _diagnose.diagnose(
+            ctx.q, ctx.k, ctx.v, ctx.options, out, limit=limit, dtype=ctx.dtype
+        )
         if found:
-            return notes + [f"{label} (at {dtype} accuracy: the implementation seems to "
-                            f"compute in {dtype})" for label in found]
+            return notes + [
+                f"{label} (at {dtype} accuracy: the implementation seems to compute in {dtype})"
+                for label in found
+            ]
     errors = check.errors if check.errors is not None else np.zeros(out.shape)
     limit = np.broadcast_to(np.asarray(check.threshold.value), out.shape)
     where = []  # where the failing rows concentrate (partial query tile, late max)
     if np.isfinite(out).all() and np.isfinite(errors).all():
         where = _diagnose.concentration(ctx.q, ctx.k, ctx.v, ctx.options, errors, limit)
-    if tol.accumulation_dtype(ctx.dtype) != np.dtype(ctx.dtype) \
-            and np.isfinite(check.errors).all():
+    if tol.accumulation_dtype(ctx.dtype) != np.dtype(ctx.dtype) and np.isfinite(check.errors).all():
         found = _storage_accumulation(ctx, out, truth, check)
         if found:
             return notes + [found] + where
     if np.isfinite(check.errors).all():
         scale = tol.output_scale(ctx.dropped, ctx.v, gqa=ctx.options.get("gqa"))
-        found = _diagnose.narrow_accumulation(ctx.q, ctx.k, ctx.v, ctx.options, out, truth,
-                                              scale[0] if ctx.single else scale, ctx.dtype)
+        found = _diagnose.narrow_accumulation(
+            ctx.q,
+            ctx.k,
+            ctx.v,
+            ctx.options,
+            out,
+            truth,
+            scale[0] if ctx.single else scale,
+            ctx.dtype,
+        )
         if found:
             return notes + [found] + where
-    poisoned = any(not np.isfinite(np.asarray(x, dtype=np.float64)).all()
-                   for x in {**fixture.inputs, **ctx.options}.values()
-                   if isinstance(x, np.ndarray) and (x.dtype.kind == "f"
-                                                     or x.dtype.name in _HALF_NAMES))
-    return notes + _diagnose.describe_failure(out, truth, errors, limit,
-                                              inputs_poisoned=poisoned) + where
+    poisoned = any(
+        not np.isfinite(np.asarray(x, dtype=np.float64)).all()
+        for x in {**fixture.inputs, **ctx.options}.values()
+        if isinstance(x, np.ndarray) and (x.dtype.kind == "f" or x.dtype.name in _HALF_NAMES)
+    )
+    return (
+        notes
+        + _diagnose.describe_failure(out, truth, errors, limit, inputs_poisoned=poisoned)
+        + where
+    )
 
 
 def _storage_accumulation(ctx, out, truth, check) -> str | None:
@@ -519,11 +650,14 @@ def _storage_accumulation(ctx, out, truth, check) -> str | None:
     scale = tol.output_scale(ctx.dropped, ctx.v, gqa=ctx.options.get("gqa"))
     scale = scale[0] if ctx.single else scale
     fits = []
-    for sums, what in ((("normaliser",), "the softmax normaliser"),
-                       (("values",), "weights @ v"),
-                       (("normaliser", "values"), "the softmax normaliser and weights @ v")):
-        model = storage_accumulation_attention(ctx.q, ctx.k, ctx.v, ctx.options,
-                                               ctx.dtype, sums=sums)
+    for sums, what in (
+        (("normaliser",), "the softmax normaliser"),
+        (("values",), "weights @ v"),
+        (("normaliser", "values"), "the softmax normaliser and weights @ v"),
+    ):
+        model = storage_accumulation_attention(
+            ctx.q, ctx.k, ctx.v, ctx.options, ctx.dtype, sums=sums
+        )
         model_error = float(np.max(tol.normalised_error(model, truth, scale, ctx.dtype)))
         if check.max_error <= tol.K_FORWARD * model_error + tol.unit_roundoff(ctx.dtype):
             distance = float(np.max(tol.normalised_error(out, model, scale, ctx.dtype)))
@@ -531,8 +665,10 @@ def _storage_accumulation(ctx, out, truth, check) -> str | None:
     if not fits:
         return None
     _, what, model_error = min(fits)  # the model closest to the output names the sum
-    return (f"errors consistent with accumulating {what} in {ctx.dtype} (no float32 "
-            f"accumulator; such a textbook has normalised error {model_error:.3g} here)")
+    return (
+        f"errors consistent with accumulating {what} in {ctx.dtype} (no float32 "
+        f"accumulator; such a textbook has normalised error {model_error:.3g} here)"
+    )
 
 
 _NARROWER = {"float64": ("float32", "float16", "bfloat16"), "float32": ("float16", "bfloat16")}
@@ -541,10 +677,13 @@ _NARROWER = {"float64": ("float32", "float16", "bfloat16"), "float32": ("float16
 def _narrower_limit(ctx, key, dtype, count) -> float:
     """k F + u of ``dtype`` for quantity ``key`` ("out", "lse" or "grad") of this case."""
     k = tol.K_BACKWARD if key == "grad" else tol.K_FORWARD
-    floors = tol.forward_floors(dtype, **ctx.sizes, magnitude=ctx.magnitude,
-                                allowed=np.broadcast_to(ctx.exact64.allowed,
-                                                        ctx.magnitude.shape),
-                                count=count)
+    floors = tol.forward_floors(
+        dtype,
+        **ctx.sizes,
+        magnitude=ctx.magnitude,
+        allowed=np.broadcast_to(ctx.exact64.allowed, ctx.magnitude.shape),
+        count=count,
+    )
     return k * float(np.max(floors[key])) + tol.unit_roundoff(dtype)
 
 
@@ -579,42 +718,66 @@ def _check_variant(impl, fixture, reproduce, grads=False):
     the floor (V1) of :func:`oracle.tolerance.variant_floor`; with ``grads`` on a gradient
     case also its vjp (:func:`_check_variant_grads`)."""
     case = fixture.case
-    result = CaseResult(case.name, case.category, case.dtype, "pass", reproduce=reproduce,
-                        description=case.description)
+    result = CaseResult(
+        case.name,
+        case.category,
+        case.dtype,
+        "pass",
+        reproduce=reproduce,
+        description=case.description,
+    )
     notes = []
 
     def check():
         inputs = forward_inputs(fixture.inputs)
-        produced = impl(**{k: _copy(v) for k, v in inputs.items()},
-                        **{k: _copy(v) for k, v in case.options.items()})
+        produced = impl(
+            **{k: _copy(v) for k, v in inputs.items()},
+            **{k: _copy(v) for k, v in case.options.items()},
+        )
         outputs = outputs_of(case, produced)
-        truths = {n: _as_float64(fixture.truth[n + "_f64"])
-                  for n in FUNCTIONS[case.function].outputs}
+        truths = {
+            n: _as_float64(fixture.truth[n + "_f64"]) for n in FUNCTIONS[case.function].outputs
+        }
         base = variant_baseline(case, fixture.inputs)
         cond = condition(case, fixture.inputs, truths)
         spec = FUNCTIONS[case.function]
-        floor = tol.variant_floor(case.dtype, condition=cond, n=spec.n_roundings(case),
-                                  n_stored=spec.n_stored)
-        problems = _judge_variant_outputs(case, fixture, outputs, truths, base, floor,
-                                          tol.K_FORWARD, result.checks,
-                                          lambda name, truth64: natural_scale(
-                                              case, fixture.inputs, name, truth64))
+        floor = tol.variant_floor(
+            case.dtype, condition=cond, n=spec.n_roundings(case), n_stored=spec.n_stored
+        )
+        problems = _judge_variant_outputs(
+            case,
+            fixture,
+            outputs,
+            truths,
+            base,
+            floor,
+            tol.K_FORWARD,
+            result.checks,
+            lambda name, truth64: natural_scale(case, fixture.inputs, name, truth64),
+        )
         if grads and case.grads and "grad_out" in fixture.inputs:
             vjp = _variant_vjp(impl)
             if vjp is None:
-                notes.append("gradients asked for but not checked: the implementation has "
-                             "no .vjp (nor an f_vjp beside it)")
+                notes.append(
+                    "gradients asked for but not checked: the implementation has "
+                    "no .vjp (nor an f_vjp beside it)"
+                )
             else:
                 problems += _check_variant_grads(case, fixture, vjp, cond, result.checks)
         failing = [c for c in result.checks.values() if not c.passed]
         if problems or failing:
             result.verdict = "fail"
-            result.message = "; ".join(problems + [
-                f"{c.quantity}: {c.n_failed} of {c.size} elements over the threshold"
-                for c in failing])
+            result.message = "; ".join(
+                problems
+                + [
+                    f"{c.quantity}: {c.n_failed} of {c.size} elements over the threshold"
+                    for c in failing
+                ]
+            )
         elif notes:
             result.verdict = "unsupported"  # gradients were asked for: never a pass
             result.message = "; ".join(notes)
+
     return run_guarded(result, check)
 
 
@@ -630,8 +793,11 @@ def _judge_variant_outputs(case, fixture, outputs, truths, base, floor, k, check
                 problems.append(f"{name} has shape {value.shape}, expected {truth64.shape}")
                 continue
             scale = scale_of(name, truth64)
-            base_err = np.where(np.isfinite(truth64), tol.normalised_error(
-                base[name], truth64, scale, case.dtype), 0.0)
+            base_err = np.where(
+                np.isfinite(truth64),
+                tol.normalised_error(base[name], truth64, scale, case.dtype),
+                0.0,
+            )
             threshold = tol.threshold(base_err, floor, case.dtype, k=k)
             checks[name] = _judge(name, value, truth64, scale, threshold, case.dtype)
     return problems
@@ -654,8 +820,10 @@ def _check_variant_grads(case, fixture, vjp, forward_condition, checks):
     the baseline refattn's float64 vjp and the gradient floor of
     :func:`oracle.variant_scales.grad_floor_terms`."""
     names = grad_names(case.function)
-    produced = vjp(**{k: _copy(v) for k, v in fixture.inputs.items()},
-                   **{k: _copy(v) for k, v in case.options.items()})
+    produced = vjp(
+        **{k: _copy(v) for k, v in fixture.inputs.items()},
+        **{k: _copy(v) for k, v in case.options.items()},
+    )
     if isinstance(produced, dict):
         outputs = {n: produced.get(n) for n in names}
     elif isinstance(produced, (tuple, list)) and not hasattr(produced, names[0]):
@@ -665,7 +833,17 @@ def _check_variant_grads(case, fixture, vjp, forward_condition, checks):
     truths = {n: _as_float64(fixture.truth[n + "_f64"]) for n in names}
     base = variant_vjp_baseline(case, fixture.inputs)
     cond, n = grad_floor_terms(case, forward_condition)
-    floor = tol.variant_floor(case.dtype, condition=cond, n=n,
-                              n_stored=FUNCTIONS[case.function].n_stored)
-    return _judge_variant_outputs(case, fixture, outputs, truths, base, floor, tol.K_BACKWARD,
-                                  checks, lambda name, truth64: grad_scale(truth64))
+    floor = tol.variant_floor(
+        case.dtype, condition=cond, n=n, n_stored=FUNCTIONS[case.function].n_stored
+    )
+    return _judge_variant_outputs(
+        case,
+        fixture,
+        outputs,
+        truths,
+        base,
+        floor,
+        tol.K_BACKWARD,
+        checks,
+        lambda name, truth64: grad_scale(truth64),
+    )

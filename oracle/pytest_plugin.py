@@ -37,15 +37,13 @@ __all__ = ["settings", "read_patterns"]
 
 _OPTIONS = {
     # name: (environment variable, default, help)
-    "impl": ("REFATTN_IMPL", None, "implementation under test: module:function or an adapter "
-                                   "name"),
+    "impl": ("REFATTN_IMPL", None, "implementation under test: module:function or an adapter name"),
     "suite": ("REFATTN_SUITE", None, "suite built in memory (default: smoke)"),
     "fixtures": ("REFATTN_FIXTURES", None, "fixture directory from `refattn-oracle generate`"),
     "dtype": ("REFATTN_DTYPE", "float32", "implementation dtype, or 'all'"),
     "skips": ("REFATTN_SKIPS", None, "file of case-name patterns to skip"),
     "xfails": ("REFATTN_XFAILS", None, "file of case-name patterns expected to fail"),
-    "layout": ("REFATTN_LAYOUT", "bhld", "the implementation's layout: bhld, blhd, packed, "
-                                          "paged"),
+    "layout": ("REFATTN_LAYOUT", "bhld", "the implementation's layout: bhld, blhd, packed, paged"),
     "framework": ("REFATTN_FRAMEWORK", "numpy", "arrays it takes: numpy, torch, jax"),
     "device": ("REFATTN_DEVICE", "cpu", "device of torch tensors: cpu, cuda"),
 }
@@ -54,12 +52,26 @@ _OPTIONS = {
 def pytest_addoption(parser):
     group = parser.getgroup("refattn-oracle", "refattn oracle conformance tests")
     for name, (env, default, text) in _OPTIONS.items():
-        group.addoption(f"--refattn-{name}", dest=f"refattn_{name}", default=None,
-                        help=f"{text} (env {env}; default {default})")
-    group.addoption("--refattn-strict", dest="refattn_strict", action="store_true",
-                    default=False, help="robustness failures fail instead of xfail")
-    group.addoption("--refattn-grads", dest="refattn_grads", action="store_true",
-                    default=False, help="also check impl.vjp on gradient cases")
+        group.addoption(
+            f"--refattn-{name}",
+            dest=f"refattn_{name}",
+            default=None,
+            help=f"{text} (env {env}; default {default})",
+        )
+    group.addoption(
+        "--refattn-strict",
+        dest="refattn_strict",
+        action="store_true",
+        default=False,
+        help="robustness failures fail instead of xfail",
+    )
+    group.addoption(
+        "--refattn-grads",
+        dest="refattn_grads",
+        action="store_true",
+        default=False,
+        help="also check impl.vjp on gradient cases",
+    )
 
 
 def settings(config) -> dict | None:
@@ -77,8 +89,9 @@ def settings(config) -> dict | None:
     from .conventions import check_convention
 
     try:
-        values["convention"] = check_convention(values.pop("layout"), values.pop("framework"),
-                                                values.pop("device"))
+        values["convention"] = check_convention(
+            values.pop("layout"), values.pop("framework"), values.pop("device")
+        )
     except ValueError as err:
         import pytest
 
@@ -106,6 +119,9 @@ def pytest_report_header(config):
     values = settings(config)
     if values is None:
         return None
-    source = f"fixtures {values['fixtures']}" if values["fixtures"] else \
-        f"suite {values['suite'] or 'smoke'}"
+    source = (
+        f"fixtures {values['fixtures']}"
+        if values["fixtures"]
+        else f"suite {values['suite'] or 'smoke'}"
+    )
     return f"refattn-oracle: impl {values['impl']}, {source}, dtype {values['dtype'] or 'all'}"

@@ -30,8 +30,17 @@ from xml.etree import ElementTree as ET
 
 import numpy as np
 
-__all__ = ["summary_table", "grade_lines", "to_dict", "to_json", "to_junit", "to_html",
-           "PLOT_HINT", "ROBUSTNESS_NOTE", "plotting_available"]
+__all__ = [
+    "summary_table",
+    "grade_lines",
+    "to_dict",
+    "to_json",
+    "to_junit",
+    "to_html",
+    "PLOT_HINT",
+    "ROBUSTNESS_NOTE",
+    "plotting_available",
+]
 
 _TERMINAL = 120  # assumed width when stdout is not a terminal
 _NOTE_WIDTH = 40  # narrowest column the reasons are wrapped to
@@ -82,14 +91,22 @@ def grade_lines(report) -> list[str]:
         for name, g in by_name.items():
             rounded = g["correctly_rounded"]
             share = "-" if rounded is None else f"{100 * rounded:.1f}%"
-            lines.append(f"  {dtype} {name}: {share} correctly rounded, ulp median "
-                         f"{_num(g['ulp_median'])} p99 {_num(g['ulp_p99'])} max "
-                         f"{_num(g['ulp_max'])}, rms error {_num(g['rms_error'])}")
+            lines.append(
+                f"  {dtype} {name}: {share} correctly rounded, ulp median "
+                f"{_num(g['ulp_median'])} p99 {_num(g['ulp_p99'])} max "
+                f"{_num(g['ulp_max'])}, rms error {_num(g['rms_error'])}"
+            )
             if g["models"]:
-                fits = ", ".join(g["consistent_with"]) or "none of the models (nearest: " + \
-                    _nearest(g) + ")"
-                lines += textwrap.wrap(f"consistent with: {fits}", _TERMINAL,
-                                       initial_indent="    ", subsequent_indent="      ")
+                fits = (
+                    ", ".join(g["consistent_with"])
+                    or "none of the models (nearest: " + _nearest(g) + ")"
+                )
+                lines += textwrap.wrap(
+                    f"consistent with: {fits}",
+                    _TERMINAL,
+                    initial_indent="    ",
+                    subsequent_indent="      ",
+                )
     return lines
 
 
@@ -115,8 +132,11 @@ def summary_table(report, *, details=True) -> str:
     lines = [_headline(report), ""]
     for i, row in enumerate(rows):
         wrapped = textwrap.wrap(row[5], room, break_on_hyphens=False) or [""]
-        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False))
-                     + "  " + wrapped[0])
+        lines.append(
+            "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False))
+            + "  "
+            + wrapped[0]
+        )
         lines += [" " * indent + more for more in wrapped[1:]]
         if i == 0:
             lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 20)
@@ -146,10 +166,12 @@ def coverage_lines(report) -> list[str]:
     lines = ["Coverage (cases judged / unsupported / error):"]
     for group, rows in report.coverage().items():
         if rows:
-            cells = [f"{name} {r['judged']}/{r['unsupported']}/{r['error']}"
-                     for name, r in rows.items()]
-            lines += textwrap.wrap(f"{group + ':':9}" + ", ".join(cells), _TERMINAL,
-                                   subsequent_indent=" " * 9)
+            cells = [
+                f"{name} {r['judged']}/{r['unsupported']}/{r['error']}" for name, r in rows.items()
+            ]
+            lines += textwrap.wrap(
+                f"{group + ':':9}" + ", ".join(cells), _TERMINAL, subsequent_indent=" " * 9
+            )
     untested = report.untested
     if untested:
         required = [f for f in untested if f in report.required]
@@ -167,16 +189,26 @@ def to_dict(report) -> dict:
     from .tolerance import FAILURE_PROBABILITY, K_BACKWARD, K_FORWARD
 
     return {
-        "impl": report.impl, "dtype": report.dtype, "source": report.source,
-        "strict": report.strict, "grads": report.grads, "passed": report.passed,
+        "impl": report.impl,
+        "dtype": report.dtype,
+        "source": report.source,
+        "strict": report.strict,
+        "grads": report.grads,
+        "passed": report.passed,
         "seconds": round(report.seconds, 3),
         "counts": {c: report.counts(c) for c in ("conformance", "robustness", "invariance")},
-        "coverage": report.coverage(), "untested": report.untested,
-        "required": list(report.required), "isolated": report.isolated,
-        "tolerance": report.tolerance, "grades": report.grades(),
-        "policy": {"k_forward": K_FORWARD, "k_backward": K_BACKWARD,
-                   "failure_probability": FAILURE_PROBABILITY,
-                   "threshold": "max(k * baseline_error, floor) + u_out (oracle.tolerance, T2)"},
+        "coverage": report.coverage(),
+        "untested": report.untested,
+        "required": list(report.required),
+        "isolated": report.isolated,
+        "tolerance": report.tolerance,
+        "grades": report.grades(),
+        "policy": {
+            "k_forward": K_FORWARD,
+            "k_backward": K_BACKWARD,
+            "failure_probability": FAILURE_PROBABILITY,
+            "threshold": "max(k * baseline_error, floor) + u_out (oracle.tolerance, T2)",
+        },
         "results": [r.to_dict() for r in report.results],
     }
 
@@ -195,19 +227,29 @@ def to_json(report, path=None) -> str:
 def to_junit(report, path=None) -> str:
     """JUnit XML: one testcase per case; robustness failures without ``strict`` are skipped
     (with the failure text) so that CI dashboards agree with :attr:`Report.passed`."""
-    suite = ET.Element("testsuite", name=f"refattn-oracle {report.impl}",
-                       tests=str(len(report.results)), time=f"{report.seconds:.3f}")
+    suite = ET.Element(
+        "testsuite",
+        name=f"refattn-oracle {report.impl}",
+        tests=str(len(report.results)),
+        time=f"{report.seconds:.3f}",
+    )
     n_fail = n_error = n_skip = 0
     for r in report.results:
-        case = ET.SubElement(suite, "testcase", classname=f"refattn_oracle.{r.category}",
-                             name=r.name, time=f"{r.seconds:.4f}")
+        case = ET.SubElement(
+            suite,
+            "testcase",
+            classname=f"refattn_oracle.{r.category}",
+            name=r.name,
+            time=f"{r.seconds:.4f}",
+        )
         text = r.explain()
         if r.verdict == "unsupported":
             ET.SubElement(case, "skipped", message=f"unsupported: {r.message}")
             n_skip += 1
         elif r.failed and r.category == "robustness" and not report.strict:
-            ET.SubElement(case, "skipped", message="robustness failure (fails only with "
-                                                   "--strict)").text = text
+            ET.SubElement(
+                case, "skipped", message="robustness failure (fails only with --strict)"
+            ).text = text
             n_skip += 1
         elif r.verdict == "fail":
             ET.SubElement(case, "failure", message=r.message[:200]).text = text
@@ -275,13 +317,19 @@ def _plots(Figure, result, every=False) -> list[str]:
             ax_hist.hist(values, bins=40, color="#4060a0")
         ax_hist.axvline(math.log10(limit), color="red", label="threshold")
         if bad.any():
-            ax_hist.axvline(math.log10(limit) + 1, color="#00e0ff", linewidth=4,
-                            label=f"{int(bad.sum())} NaN/Inf (fail)")
+            ax_hist.axvline(
+                math.log10(limit) + 1,
+                color="#00e0ff",
+                linewidth=4,
+                label=f"{int(bad.sum())} NaN/Inf (fail)",
+            )
         ax_hist.set_xlabel("log10(normalised error)")
         ax_hist.set_title("FAIL" if not check.passed else "pass")
         ax_hist.legend()
-        tags.append(f'<img alt="{html.escape(check.quantity)} errors" '
-                    f'src="data:image/png;base64,{_png(fig)}">')
+        tags.append(
+            f'<img alt="{html.escape(check.quantity)} errors" '
+            f'src="data:image/png;base64,{_png(fig)}">'
+        )
     return tags
 
 
@@ -303,41 +351,54 @@ def to_html(report, path, *, plots="failures") -> Path:
         raise ValueError(f"plots: expected 'failures', 'all' or 'none', got {plots!r}")
     Figure = _matplotlib() if plots != "none" else None
     esc = html.escape
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(_headline(report))}"
-             "</title><style>body{font-family:sans-serif}td,th{padding:2px 8px;text-align:left}"
-             "tr.fail{background:#fdd}tr.error{background:#fcb}tr.unsupported{color:#888}"
-             "pre{background:#f4f4f4;padding:6px}</style></head><body>",
-             f"<h1>{esc(_headline(report))}</h1>"]
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(_headline(report))}"
+        "</title><style>body{font-family:sans-serif}td,th{padding:2px 8px;text-align:left}"
+        "tr.fail{background:#fdd}tr.error{background:#fcb}tr.unsupported{color:#888}"
+        "pre{background:#f4f4f4;padding:6px}</style></head><body>",
+        f"<h1>{esc(_headline(report))}</h1>",
+    ]
     if Figure is None and plots != "none":
         parts.append(f"<p><em>{esc(PLOT_HINT)}</em></p>")
-    parts.append("<table><tr><th>case</th><th>category</th><th>verdict</th><th>err/thr</th>"
-                 "<th>ulp</th><th>diagnosis / message</th></tr>")
+    parts.append(
+        "<table><tr><th>case</th><th>category</th><th>verdict</th><th>err/thr</th>"
+        "<th>ulp</th><th>diagnosis / message</th></tr>"
+    )
     for r in report.results:
         note = "; ".join(r.diagnosis) or r.message
-        parts.append(f"<tr class='{esc(r.verdict)}'><td><a href='#{_anchor(r.name)}'>"
-                     f"{esc(r.name)}</a></td><td>{esc(r.category)}</td><td>{esc(r.verdict)}"
-                     f"</td><td>{_ratio_text(r)}</td><td>{_ulp_text(r)}</td><td>{esc(note)}"
-                     f"</td></tr>")
+        parts.append(
+            f"<tr class='{esc(r.verdict)}'><td><a href='#{_anchor(r.name)}'>"
+            f"{esc(r.name)}</a></td><td>{esc(r.category)}</td><td>{esc(r.verdict)}"
+            f"</td><td>{_ratio_text(r)}</td><td>{_ulp_text(r)}</td><td>{esc(note)}"
+            f"</td></tr>"
+        )
     parts.append("</table>")
     text = summary_table(report, details=False).split("\n\n")[-2:]
     parts.append(f"<pre>{esc(chr(10).join(text))}</pre>")
-    parts.append("<h2>Coverage</h2><table><tr><th>kind</th><th>name</th><th>judged</th>"
-                 "<th>unsupported</th><th>error</th></tr>")
+    parts.append(
+        "<h2>Coverage</h2><table><tr><th>kind</th><th>name</th><th>judged</th>"
+        "<th>unsupported</th><th>error</th></tr>"
+    )
     for group, rows in report.coverage().items():
         for name, row in rows.items():
             style = " class='fail'" if row["judged"] == 0 else ""
-            parts.append(f"<tr{style}><td>{group}</td><td>{esc(name)}</td><td>{row['judged']}"
-                         f"</td><td>{row['unsupported']}</td><td>{row['error']}</td></tr>")
+            parts.append(
+                f"<tr{style}><td>{group}</td><td>{esc(name)}</td><td>{row['judged']}"
+                f"</td><td>{row['unsupported']}</td><td>{row['error']}</td></tr>"
+            )
     parts.append("</table>")
     grades = grade_lines(report)
     if grades:
         parts.append(f"<h2>Accuracy grades</h2><pre>{esc(chr(10).join(grades[1:]))}</pre>")
     if report.untested:
-        parts.append(f"<p class='fail'><strong>NOT TESTED: {esc(', '.join(report.untested))}"
-                     f"</strong></p>")
+        parts.append(
+            f"<p class='fail'><strong>NOT TESTED: {esc(', '.join(report.untested))}</strong></p>"
+        )
     for r in report.results:
-        parts.append(f"<h2 id='{_anchor(r.name)}'>{esc(r.name)}: {esc(r.verdict)}</h2>"
-                     f"<pre>{esc(r.explain())}</pre>")
+        parts.append(
+            f"<h2 id='{_anchor(r.name)}'>{esc(r.name)}: {esc(r.verdict)}</h2>"
+            f"<pre>{esc(r.explain())}</pre>"
+        )
         if Figure is not None and (r.failed or plots == "all"):
             parts += _plots(Figure, r, every=plots == "all")
     parts.append("</body></html>")

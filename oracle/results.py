@@ -38,13 +38,15 @@ class Worst:
     threshold: float
 
     def describe(self) -> str:
-        return (f"{self.quantity}[{', '.join(map(str, self.index))}] = {self.value!r}, "
-                f"truth {self.truth!r}, normalised error {self.error:.3g} "
-                f"({self.ulp:.3g} ulp) > threshold {self.threshold:.3g}"
-                if self.error > self.threshold else
-                f"{self.quantity}[{', '.join(map(str, self.index))}] = {self.value!r}, "
-                f"truth {self.truth!r}, normalised error {self.error:.3g} "
-                f"({self.ulp:.3g} ulp) <= threshold {self.threshold:.3g}")
+        return (
+            f"{self.quantity}[{', '.join(map(str, self.index))}] = {self.value!r}, "
+            f"truth {self.truth!r}, normalised error {self.error:.3g} "
+            f"({self.ulp:.3g} ulp) > threshold {self.threshold:.3g}"
+            if self.error > self.threshold
+            else f"{self.quantity}[{', '.join(map(str, self.index))}] = {self.value!r}, "
+            f"truth {self.truth!r}, normalised error {self.error:.3g} "
+            f"({self.ulp:.3g} ulp) <= threshold {self.threshold:.3g}"
+        )
 
 
 @dataclass
@@ -71,12 +73,14 @@ def _quantile(ulps, q):
 
 def _ulp_summary(n, n_correct, ulps) -> dict:
     finite = ulps[np.isfinite(ulps)]
-    return {"elements": int(n),
-            "correctly_rounded": _json_float(n_correct / n) if n else None,
-            "ulp_median": _quantile(ulps, 0.5),
-            "ulp_p99": _quantile(ulps, 0.99),
-            "ulp_max": _json_float(ulps.max()) if ulps.size else None,
-            "nonfinite": int(ulps.size - finite.size)}
+    return {
+        "elements": int(n),
+        "correctly_rounded": _json_float(n_correct / n) if n else None,
+        "ulp_median": _quantile(ulps, 0.5),
+        "ulp_p99": _quantile(ulps, 0.99),
+        "ulp_max": _json_float(ulps.max()) if ulps.size else None,
+        "nonfinite": int(ulps.size - finite.size),
+    }
 
 
 def grade_of(value, truth, dtype, rounded=None) -> Grade:
@@ -96,8 +100,7 @@ def grade_of(value, truth, dtype, rounded=None) -> Grade:
         correct = (value == rounded) | (np.isnan(value) & np.isnan(rounded))
     else:
         correct = ulps <= 0.5
-    return Grade(int(finite.sum()), int((correct & finite).sum()),
-                 ulps[finite].astype(np.float32))
+    return Grade(int(finite.sum()), int((correct & finite).sum()), ulps[finite].astype(np.float32))
 
 
 @dataclass
@@ -116,13 +119,21 @@ class Check:
 
     def to_dict(self) -> dict:
         grade = {} if self.grade is None else {"grade": self.grade.summary()}
-        return {**grade,"quantity": self.quantity, "passed": self.passed,
-                "max_error": _json_float(self.max_error), "n_failed": self.n_failed,
-                "size": self.size, "threshold": _json_float(float(np.max(self.threshold.value))),
-                "k": self.threshold.k, "baseline_error": _json_float(self.threshold.baseline),
-                "floor": _json_float(float(np.max(self.threshold.floor))),
-                "u_out": self.threshold.u_out, "tier": self.threshold.tier,
-        "worst": _worst_dict(self.worst)}
+        return {
+            **grade,
+            "quantity": self.quantity,
+            "passed": self.passed,
+            "max_error": _json_float(self.max_error),
+            "n_failed": self.n_failed,
+            "size": self.size,
+            "threshold": _json_float(float(np.max(self.threshold.value))),
+            "k": self.threshold.k,
+            "baseline_error": _json_float(self.threshold.baseline),
+            "floor": _json_float(float(np.max(self.threshold.floor))),
+            "u_out": self.threshold.u_out,
+            "tier": self.threshold.tier,
+            "worst": _worst_dict(self.worst),
+        }
 
 
 @dataclass
@@ -147,8 +158,9 @@ class CaseResult:
         """Worst element over the checks (the first failing check's, else the largest ratio)."""
         if not self.checks:
             return None
-        return max((c.worst for c in self.checks.values()),
-                   key=lambda w: _ratio(w.error, w.threshold))
+        return max(
+            (c.worst for c in self.checks.values()), key=lambda w: _ratio(w.error, w.threshold)
+        )
 
     @property
     def threshold(self) -> float | None:
@@ -168,9 +180,11 @@ class CaseResult:
             if not check.passed:
                 lines.append(f"  {check.worst.describe()}")
                 shape = None if check.errors is None else check.errors.shape
-                lines.append(f"    {check.n_failed} of {check.size} elements over; threshold "
-                             f"{check.worst.threshold:.3g} = "
-                             f"{check.threshold.formula(check.worst.index, shape)}")
+                lines.append(
+                    f"    {check.n_failed} of {check.size} elements over; threshold "
+                    f"{check.worst.threshold:.3g} = "
+                    f"{check.threshold.formula(check.worst.index, shape)}"
+                )
         for note in self.diagnosis:
             lines.append(f"  diagnosis: {note}")
         if self.category == "robustness" and self.failed:
@@ -181,13 +195,21 @@ class CaseResult:
 
     def to_dict(self) -> dict:
         worst = self.worst
-        return {"name": self.name, "category": self.category, "dtype": self.dtype,
-                "verdict": self.verdict, "message": self.message, "diagnosis": self.diagnosis,
-                "seconds": round(self.seconds, 4), "reproduce": self.reproduce,
-                "description": self.description, "features": self.features,
-                "shape_classes": self.shape_classes,
-                "worst": None if worst is None else _worst_dict(worst),
-                "checks": {name: c.to_dict() for name, c in self.checks.items()}}
+        return {
+            "name": self.name,
+            "category": self.category,
+            "dtype": self.dtype,
+            "verdict": self.verdict,
+            "message": self.message,
+            "diagnosis": self.diagnosis,
+            "seconds": round(self.seconds, 4),
+            "reproduce": self.reproduce,
+            "description": self.description,
+            "features": self.features,
+            "shape_classes": self.shape_classes,
+            "worst": None if worst is None else _worst_dict(worst),
+            "checks": {name: c.to_dict() for name, c in self.checks.items()},
+        }
 
 
 @dataclass
@@ -214,8 +236,7 @@ class Report:
     def coverage(self) -> dict[str, dict[str, dict[str, int]]]:
         """{"feature" | "dtype" | "shape": {name: {"judged", "unsupported", "error"}}}:
         judged = cases that reached a pass/fail verdict."""
-        table: dict[str, dict[str, dict[str, int]]] = {"feature": {}, "dtype": {},
-                                                       "shape": {}}
+        table: dict[str, dict[str, dict[str, int]]] = {"feature": {}, "dtype": {}, "shape": {}}
         wanted = self._headline()
         for feature in (*wanted, *self.required):
             group = "shape" if feature in SHAPE_CLASSES else "feature"
@@ -224,11 +245,13 @@ class Report:
             if r.category == "invariance":  # a check of a case already counted
                 continue
             kind = "judged" if r.verdict in ("pass", "fail") else r.verdict
-            for group, names in (("feature", r.features), ("dtype", [r.dtype]),
-                                 ("shape", r.shape_classes)):
+            for group, names in (
+                ("feature", r.features),
+                ("dtype", [r.dtype]),
+                ("shape", r.shape_classes),
+            ):
                 for name in names:
-                    row = table[group].setdefault(name, {"judged": 0, "unsupported": 0,
-                                                         "error": 0})
+                    row = table[group].setdefault(name, {"judged": 0, "unsupported": 0, "error": 0})
                     row[kind] += 1
         return table
 
@@ -238,8 +261,11 @@ class Report:
         coverage = self.coverage()
         rows = {**coverage["feature"], **coverage["shape"]}
         wanted = self._headline()
-        return [f for f in dict.fromkeys((*wanted, *self.required))
-                if rows.get(f, {}).get("judged", 0) == 0]
+        return [
+            f
+            for f in dict.fromkeys((*wanted, *self.required))
+            if rows.get(f, {}).get("judged", 0) == 0
+        ]
 
     def _headline(self) -> list[str]:
         # attention results carry shape classes; a run of variant cases only has no headline
@@ -263,8 +289,7 @@ class Report:
     @property
     def failures(self) -> list[CaseResult]:
         """The results that make the run fail."""
-        return [r for r in self.results
-                if r.failed and (self.strict or r.category != "robustness")]
+        return [r for r in self.results if r.failed and (self.strict or r.category != "robustness")]
 
     def counts(self, category: str | None = None) -> dict[str, int]:
         """Number of results per verdict (optionally in one category)."""
@@ -288,32 +313,41 @@ class Report:
             for name, check in r.checks.items():
                 if check.grade is not None:
                     pooled.setdefault(r.dtype, {}).setdefault(name, []).append(check.grade)
-        return {dtype: {name: _pool(grades) for name, grades in by_name.items()}
-                for dtype, by_name in pooled.items()}
+        return {
+            dtype: {name: _pool(grades) for name, grades in by_name.items()}
+            for dtype, by_name in pooled.items()
+        }
 
     def summary(self) -> str:
         from .report import summary_table
+
         return summary_table(self)
 
     def to_dict(self) -> dict:
         from .report import to_dict
+
         return to_dict(self)
 
     def to_json(self, path=None) -> str:
         from .report import to_json
+
         return to_json(self, path)
 
     def to_junit(self, path=None) -> str:
         from .report import to_junit
+
         return to_junit(self, path)
 
     def to_html(self, path, *, plots="failures") -> Path:
         from .report import to_html
+
         return to_html(self, path, plots=plots)
 
     def __repr__(self) -> str:
-        return (f"Report(impl={self.impl!r}, dtype={self.dtype!r}, passed={self.passed}, "
-                f"counts={self.counts()})")
+        return (
+            f"Report(impl={self.impl!r}, dtype={self.dtype!r}, passed={self.passed}, "
+            f"counts={self.counts()})"
+        )
 
 
 #: A model "fits" an implementation whose rms normalised error is within this factor of its.
@@ -325,8 +359,7 @@ def _pool(grades) -> dict:
     ulps = np.concatenate([g.ulps for g in grades]) if grades else np.zeros(0)
     summary = _ulp_summary(n, sum(g.n_correct for g in grades), ulps.astype(np.float64))
     rms = math.sqrt(sum(g.sq for g in grades) / n) if n else 0.0
-    labels = [m for m in grades[0].models if all(m in g.models for g in grades)] \
-        if grades else []
+    labels = [m for m in grades[0].models if all(m in g.models for g in grades)] if grades else []
     models = {m: math.sqrt(sum(g.models[m] for g in grades) / n) for m in labels} if n else {}
     summary["rms_error"] = _json_float(rms)
     summary["models"] = {m: _json_float(x) for m, x in models.items()}
@@ -337,13 +370,17 @@ def _pool(grades) -> dict:
 def consistent_with(rms, models) -> list[str]:
     """Model labels whose rms error is within :data:`GRADE_FACTOR` of ``rms``, closest
     first; a model with zero error fits only an exact-zero rms."""
+
     def distance(x):
         if x == 0 or rms == 0:
             return 0.0 if x == rms else math.inf
         return abs(math.log(rms / x))
 
-    close = sorted((distance(x), m) for m, x in models.items()
-                   if math.isfinite(x) and distance(x) <= math.log(GRADE_FACTOR))
+    close = sorted(
+        (distance(x), m)
+        for m, x in models.items()
+        if math.isfinite(x) and distance(x) <= math.log(GRADE_FACTOR)
+    )
     return [m for _, m in close]
 
 
@@ -355,9 +392,15 @@ def _json_float(x):
 
 
 def _worst_dict(w: Worst) -> dict:
-    return {"quantity": w.quantity, "index": list(w.index), "value": _json_float(w.value),
-            "truth": _json_float(w.truth), "error": _json_float(w.error),
-            "ulp": _json_float(w.ulp), "threshold": _json_float(w.threshold)}
+    return {
+        "quantity": w.quantity,
+        "index": list(w.index),
+        "value": _json_float(w.value),
+        "truth": _json_float(w.truth),
+        "error": _json_float(w.error),
+        "ulp": _json_float(w.ulp),
+        "threshold": _json_float(w.threshold),
+    }
 
 
 def _ratio(error, limit):

@@ -70,8 +70,14 @@ def _serve(receive, connection, impl_ref, memory_limit) -> None:  # pragma: no c
             return
         fixture, grads, diagnose, reproduce, check, tolerance = request
         if check is None:
-            result = check_fixture(impl, fixture, grads=grads, diagnose=diagnose,
-                                   reproduce=reproduce, tolerance=tolerance)
+            result = check_fixture(
+                impl,
+                fixture,
+                grads=grads,
+                diagnose=diagnose,
+                reproduce=reproduce,
+                tolerance=tolerance,
+            )
         else:
             from .invariance import check_invariance
 
@@ -94,8 +100,9 @@ class Supervisor:
         MemoryError or the worker dies, both an "error".
     """
 
-    def __init__(self, impl_ref, *, timeout: float = DEFAULT_TIMEOUT,
-                 memory_limit: int | None = None):
+    def __init__(
+        self, impl_ref, *, timeout: float = DEFAULT_TIMEOUT, memory_limit: int | None = None
+    ):
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout: expected seconds > 0, got {timeout!r}")
         if memory_limit is not None and (not isinstance(memory_limit, int) or memory_limit <= 0):
@@ -119,7 +126,10 @@ class Supervisor:
         try:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "oracle.supervise", str(to_child_r), str(to_parent_w)],
-                pass_fds=(to_child_r, to_parent_w), env=env, stdin=subprocess.DEVNULL)
+                pass_fds=(to_child_r, to_parent_w),
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
         finally:
             os.close(to_child_r)
             os.close(to_parent_w)
@@ -141,9 +151,11 @@ class Supervisor:
             pass
         else:
             self._stop()
-            return "died", (f"timeout: no result within {self.timeout:g} s while {doing} "
-                            f"(the worker was killed; raise --timeout if the case is just "
-                            f"slow)")
+            return "died", (
+                f"timeout: no result within {self.timeout:g} s while {doing} "
+                f"(the worker was killed; raise --timeout if the case is just "
+                f"slow)"
+            )
         return "died", self._death(doing)
 
     def _death(self, doing) -> str:
@@ -155,12 +167,17 @@ class Supervisor:
         if code is None:
             return f"the worker stopped answering while {doing}"
         if code < 0:
-            name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ \
+            name = (
+                signal.Signals(-code).name
+                if -code in signal.Signals._value2member_map_
                 else f"signal {-code}"
+            )
             hint = " (out of memory?)" if name == "SIGKILL" else ""
             return f"the implementation crashed the worker ({name}{hint}) while {doing}"
-        return (f"the worker exited with code {code} while {doing} (the implementation called "
-                f"os._exit or exit)")
+        return (
+            f"the worker exited with code {code} while {doing} (the implementation called "
+            f"os._exit or exit)"
+        )
 
     def _stop(self) -> None:
         if self._process is not None and self._process.poll() is None:
@@ -171,8 +188,9 @@ class Supervisor:
                 connection.close()
         self._process = self._connection = self._send_connection = None
 
-    def run(self, fixture, *, grads=False, diagnose=True, reproduce="", check=None,
-            tolerance="default"):
+    def run(
+        self, fixture, *, grads=False, diagnose=True, reproduce="", check=None, tolerance="default"
+    ):
         """Judge one fixture in the worker (or run the invariance ``check`` of
         :mod:`oracle.invariance` on it); any way the worker fails is an "error" result."""
         from .results import CaseResult
@@ -184,8 +202,7 @@ class Supervisor:
             problem = self._start()
         if problem is None:
             try:
-                self._send_connection.send((fixture, grads, diagnose, reproduce, check,
-                                            tolerance))
+                self._send_connection.send((fixture, grads, diagnose, reproduce, check, tolerance))
             except (OSError, EOFError):
                 kind, problem = "died", self._death("sending the case")
             else:
@@ -194,10 +211,18 @@ class Supervisor:
                     return payload
                 problem = payload
         case = fixture.case
-        name, category = (case.name, case.category) if check is None else \
-            (f"{case.name}::{check}", "invariance")
-        result = CaseResult(name, category, case.dtype, "error", message=problem,
-                            reproduce=reproduce, description=getattr(case, "description", ""))
+        name, category = (
+            (case.name, case.category) if check is None else (f"{case.name}::{check}", "invariance")
+        )
+        result = CaseResult(
+            name,
+            category,
+            case.dtype,
+            "error",
+            message=problem,
+            reproduce=reproduce,
+            description=getattr(case, "description", ""),
+        )
         result.seconds = time.perf_counter() - start
         return result
 

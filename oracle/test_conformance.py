@@ -38,10 +38,19 @@ def pytest_generate_tests(metafunc):
         return
     values = settings(metafunc.config)
     if values is None:
-        metafunc.parametrize("oracle_item", [pytest.param(
-            None, marks=pytest.mark.skip(reason="no implementation: give --refattn-impl "
-                                                "module:function or set REFATTN_IMPL"))],
-            ids=["no-impl"])
+        metafunc.parametrize(
+            "oracle_item",
+            [
+                pytest.param(
+                    None,
+                    marks=pytest.mark.skip(
+                        reason="no implementation: give --refattn-impl "
+                        "module:function or set REFATTN_IMPL"
+                    ),
+                )
+            ],
+            ids=["no-impl"],
+        )
         return
     from oracle.validate import resolve_impl
 
@@ -76,9 +85,15 @@ def test_case(oracle_item, request):
     impl, spec = resolve_impl(values["impl"])
     impl = wrap(impl, **values["convention"])
     spec = spec or values["impl"]
-    repro = reproduce_command(spec, source_flag, fixture.case.dtype, fixture.case.name,
-                              values["grads"], values["strict"],
-                              convention=values["convention"])
+    repro = reproduce_command(
+        spec,
+        source_flag,
+        fixture.case.dtype,
+        fixture.case.name,
+        values["grads"],
+        values["strict"],
+        convention=values["convention"],
+    )
     result = check_fixture(impl, fixture, grads=values["grads"], reproduce=repro)
     if result.verdict == "unsupported":
         pytest.skip(f"unsupported: {result.message}")

@@ -343,8 +343,9 @@ def normalised_error(value, truth, scale, dtype) -> np.ndarray:
     return np.where(both_nan | same_inf, 0.0, np.where(finite, err, np.inf))
 
 
-def allowed_positions(L, S, *, mask=None, bias=None, causal=False, window=None,
-                      align="top_left") -> np.ndarray:
+def allowed_positions(
+    L, S, *, mask=None, bias=None, causal=False, window=None, align="top_left"
+) -> np.ndarray:
     """The allowed set of docs/conventions.md: mask AND causal AND window AND bias > -inf.
 
     Shape (L, S) or the broadcast of mask/bias with it.
@@ -356,8 +357,9 @@ def allowed_positions(L, S, *, mask=None, bias=None, causal=False, window=None,
     # out-of-range windows (e.g. "causal admits one key past the diagonal")
     from refattn.masks import offset_of, structural_mask
 
-    allowed = structural_mask(range(L), range(S), causal=causal, window=window,
-                              offset=offset_of(align, L, S))
+    allowed = structural_mask(
+        range(L), range(S), causal=causal, window=window, offset=offset_of(align, L, S)
+    )
     if mask is not None:
         allowed = allowed & np.asarray(mask, dtype=bool)
     if bias is not None:
@@ -370,8 +372,17 @@ def _finite_abs(x):
     return np.where(np.isfinite(x), np.abs(x), 0.0)
 
 
-def score_magnitude(q, k, *, scale=None, bias=None, alibi_slopes=None, gqa="interleave",
-                    align="top_left", **_ignored) -> np.ndarray:
+def score_magnitude(
+    q,
+    k,
+    *,
+    scale=None,
+    bias=None,
+    alibi_slopes=None,
+    gqa="interleave",
+    align="top_left",
+    **_ignored,
+) -> np.ndarray:
     """``a_ij = |scale| sum_d |q_id||k_jd| + |bias_ij| + |alibi_ij|`` in float64, (..., H, L, S).
 
     The magnitude of every term that makes up score ``t_ij``: the rounding errors of the score
@@ -381,8 +392,9 @@ def score_magnitude(q, k, *, scale=None, bias=None, alibi_slopes=None, gqa="inte
     H, L, D = q3.shape[-3:]
     S = k3.shape[-2]
     k_h = expand_kv(k3, H, gqa or "interleave")
-    a = abs(resolve_scale(scale, D)) * np.matmul(_finite_abs(q3),
-                                                 np.swapaxes(_finite_abs(k_h), -1, -2))
+    a = abs(resolve_scale(scale, D)) * np.matmul(
+        _finite_abs(q3), np.swapaxes(_finite_abs(k_h), -1, -2)
+    )
     if bias is not None:
         a = a + _finite_abs(bias)
     if alibi_slopes is not None:
@@ -408,8 +420,9 @@ def lse_scale(lse, weights, magnitude) -> np.ndarray:
     return _finite_abs(lse) + spread + 1.0
 
 
-def forward_floors(dtype, *, D, S, L, E, G, magnitude, allowed, n_stored=1, dropout=False,
-                   count=1) -> dict:
+def forward_floors(
+    dtype, *, D, S, L, E, G, magnitude, allowed, n_stored=1, dropout=False, count=1
+) -> dict:
     """The a-priori floors F of (T5): "out" per row (..., H, L, 1), "lse" per row, "grad" scalar.
 
     ``magnitude`` is :func:`score_magnitude`, ``allowed`` the allowed set (broadcastable to it),
@@ -428,8 +441,16 @@ def forward_floors(dtype, *, D, S, L, E, G, magnitude, allowed, n_stored=1, drop
     out = 2 * delta_s * rows + 2 * pg(S) + 4 * ua + 2 * u + drop
     lse = np.full(rows.shape, delta_s + pg(S) + 3 * ua + u)
     A = float(rows.max()) if rows.size else 0.0
-    grad = (4 * delta_s * A + pg(E) + pg(D) + 2 * pg(S) + 2 * pg(max(L * G, 1)) + 8 * ua
-            + 4 * u + 2 * drop)
+    grad = (
+        4 * delta_s * A
+        + pg(E)
+        + pg(D)
+        + 2 * pg(S)
+        + 2 * pg(max(L * G, 1))
+        + 8 * ua
+        + 4 * u
+        + 2 * drop
+    )
     return {"out": out[..., None], "lse": lse, "grad": grad}
 
 
@@ -453,8 +474,23 @@ def _score_terms(dtype, count, D, n_stored):
     return u, ua, independent, _lambda(count), acc
 
 
-def output_floor(dtype, *, weights, dropped, magnitude, dots, v, out, D, S, n_stored=1,
-                 softcap=False, dropout=False, gqa="interleave", count=1) -> np.ndarray:
+def output_floor(
+    dtype,
+    *,
+    weights,
+    dropped,
+    magnitude,
+    dots,
+    v,
+    out,
+    D,
+    S,
+    n_stored=1,
+    softcap=False,
+    dropout=False,
+    gqa="interleave",
+    count=1,
+) -> np.ndarray:
     """Element-wise floor (T6) of the output, (..., H, L, E), normalised by (T1).
 
     See the module docstring for the derivation.
@@ -475,8 +511,9 @@ def output_floor(dtype, *, weights, dropped, magnitude, dots, v, out, D, S, n_st
     return first + 2 * probabilistic_gamma(S, acc, count=count) + 4 * ua + 2 * u + drop
 
 
-def lse_floor(dtype, *, weights, magnitude, dots, lse, D, S, n_stored=1, softcap=False,
-              count=1) -> np.ndarray:
+def lse_floor(
+    dtype, *, weights, magnitude, dots, lse, D, S, n_stored=1, softcap=False, count=1
+) -> np.ndarray:
     """Element-wise floor (T6) of lse, (..., H, L), normalised by :func:`lse_scale`."""
     u, ua, delta, lam, acc = _score_terms(dtype, count, D, n_stored)
     p = _finite_abs(weights)
@@ -486,8 +523,12 @@ def lse_floor(dtype, *, weights, magnitude, dots, lse, D, S, n_stored=1, softcap
     coherent = np.abs(ps).sum(-1) if softcap else np.abs(ps.sum(-1))
     rows = (np.where(p > 0, magnitude, 0.0)).max(axis=-1)
     first = (independent + u * coherent) * (1 + delta * rows + u * rows)
-    return (first / lse_scale(lse, weights, magnitude) + probabilistic_gamma(S, acc, count=count)
-            + 3 * ua + u)
+    return (
+        first / lse_scale(lse, weights, magnitude)
+        + probabilistic_gamma(S, acc, count=count)
+        + 3 * ua
+        + u
+    )
 
 
 #: The tolerance tiers: "default" (T2, no false alarm on any correct algorithm) and "tight"
@@ -515,8 +556,23 @@ def _expected_terms(dtype, D, S, n_stored, count):
     return u, ua, score_var, sums_std, _lambda(count)
 
 
-def output_expected(dtype, *, weights, dropped, magnitude, dots, v, out, D, S, n_stored=1,
-                    softcap=False, dropout=False, gqa="interleave", count=1) -> np.ndarray:
+def output_expected(
+    dtype,
+    *,
+    weights,
+    dropped,
+    magnitude,
+    dots,
+    v,
+    out,
+    D,
+    S,
+    n_stored=1,
+    softcap=False,
+    dropout=False,
+    gqa="interleave",
+    count=1,
+) -> np.ndarray:
     """Tight-tier threshold (T7) of the output, (..., H, L, E), normalised by (T1).
 
     ``lambda`` standard deviations of the error a correct float32-accumulating kernel makes
@@ -538,8 +594,9 @@ def output_expected(dtype, *, weights, dropped, magnitude, dots, v, out, D, S, n
     return (lam * np.sqrt(var) + u * coherent) * second_order / scale + u * dropout
 
 
-def lse_expected(dtype, *, weights, magnitude, dots, lse, D, S, n_stored=1, softcap=False,
-                 count=1) -> np.ndarray:
+def lse_expected(
+    dtype, *, weights, magnitude, dots, lse, D, S, n_stored=1, softcap=False, count=1
+) -> np.ndarray:
     """Tight-tier threshold (T7) of lse, (..., H, L), normalised by :func:`lse_scale`."""
     u, ua, score_var, sums_std, lam = _expected_terms(dtype, D, S, n_stored, count)
     p = _finite_abs(weights)
@@ -580,14 +637,17 @@ class Threshold:
         else the largest floor."""
         base = "void" if self.baseline is None else f"{self.baseline:.3g}"
         if index is not None and shape is not None and np.ndim(self.floor):
-            floor = float(np.broadcast_to(np.asarray(self.floor, dtype=np.float64),
-                                          shape)[tuple(index)])
+            floor = float(
+                np.broadcast_to(np.asarray(self.floor, dtype=np.float64), shape)[tuple(index)]
+            )
         else:
             floor = float(np.max(self.floor))
         if self.tier == "tight":
-            return (f"tight: expected error of a float32-accumulating kernel {floor:.3g} "
-                    f"+ u_out {self.u_out:.3g}")
-        return (f"max({self.k:g} x baseline {base}, floor {floor:.3g}) + u_out {self.u_out:.3g}")
+            return (
+                f"tight: expected error of a float32-accumulating kernel {floor:.3g} "
+                f"+ u_out {self.u_out:.3g}"
+            )
+        return f"max({self.k:g} x baseline {base}, floor {floor:.3g}) + u_out {self.u_out:.3g}"
 
 
 def threshold(baseline_error, floor, dtype, *, k=K_FORWARD) -> Threshold:

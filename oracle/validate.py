@@ -109,31 +109,66 @@ def select_cases(*, suite=None, fixtures=None, dtype="float32", cases=None) -> l
     patterns = _patterns(cases)
     label, items, _ = _sources(suite, fixtures, dtype, patterns)
     if not items:
-        raise ValueError(f"validate: no case selected ({label}, dtype {dtype or 'all'}); a "
-                         f"run that checks nothing cannot pass")
+        raise ValueError(
+            f"validate: no case selected ({label}, dtype {dtype or 'all'}); a "
+            f"run that checks nothing cannot pass"
+        )
     return [(item.case if hasattr(item, "case") else item).name for item in items]
 
 
-def reproduce_command(impl_spec, source_flag, dtype, name, grads, strict, tolerance="default",
-                      check=None, convention=None):
+def reproduce_command(
+    impl_spec,
+    source_flag,
+    dtype,
+    name,
+    grads,
+    strict,
+    tolerance="default",
+    check=None,
+    convention=None,
+):
     """The ``refattn-oracle validate`` command line that re-runs one case (or one of its
     invariance checks)."""
-    impl_part = "--impl <module:function>" if impl_spec is None else (
-        f"--impl {impl_spec}" if ":" in impl_spec else f"--adapter {impl_spec}")
-    extra = (" --grads" if grads else "") + (" --strict" if strict else "") + (
-        f" --tolerance {tolerance}" if tolerance != "default" else "") + (
-        f" --check {check}" if check else "") + "".join(
-        f" --{name} {value}" for name, value in (convention or {}).items()
-        if value != {"layout": "bhld", "framework": "numpy", "device": "cpu"}[name])
-    return (f"refattn-oracle validate {impl_part} {source_flag} --dtype {dtype} "
-            f"--case {name}{extra}")
+    impl_part = (
+        "--impl <module:function>"
+        if impl_spec is None
+        else (f"--impl {impl_spec}" if ":" in impl_spec else f"--adapter {impl_spec}")
+    )
+    extra = (
+        (" --grads" if grads else "")
+        + (" --strict" if strict else "")
+        + (f" --tolerance {tolerance}" if tolerance != "default" else "")
+        + (f" --check {check}" if check else "")
+        + "".join(
+            f" --{name} {value}"
+            for name, value in (convention or {}).items()
+            if value != {"layout": "bhld", "framework": "numpy", "device": "cpu"}[name]
+        )
+    )
+    return f"refattn-oracle validate {impl_part} {source_flag} --dtype {dtype} --case {name}{extra}"
 
 
-def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, strict=False,
-             tolerance="default",
-             progress=True, cases: str | Iterable[str] | None = None, diagnose=True,
-             isolate=True, timeout=None, memory_limit=None, require=(),
-             checks=(), layout="bhld", framework="numpy", device="cpu") -> Report:
+def validate(
+    impl,
+    *,
+    suite=None,
+    fixtures=None,
+    dtype="float32",
+    grads=False,
+    strict=False,
+    tolerance="default",
+    progress=True,
+    cases: str | Iterable[str] | None = None,
+    diagnose=True,
+    isolate=True,
+    timeout=None,
+    memory_limit=None,
+    require=(),
+    checks=(),
+    layout="bhld",
+    framework="numpy",
+    device="cpu",
+) -> Report:
     """Validate ``impl`` on a suite or a fixture directory in one dtype.
 
     Parameters
@@ -224,9 +259,11 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
     label, items, source_arg = _sources(suite, fixtures, dtype, patterns)
     if not items:
         wanted = f", cases matching {patterns}" if patterns else ""
-        raise ValueError(f"validate: no case selected ({label}, dtype {dtype or 'all'}"
-                         f"{wanted}); a run that checks nothing cannot pass "
-                         f"(see `refattn-oracle list cases`)")
+        raise ValueError(
+            f"validate: no case selected ({label}, dtype {dtype or 'all'}"
+            f"{wanted}); a run that checks nothing cannot pass "
+            f"(see `refattn-oracle list cases`)"
+        )
     if source_arg is None:
         source_flag = "<the same fixtures>"
     elif fixtures is not None:
@@ -236,38 +273,80 @@ def validate(impl, *, suite=None, fixtures=None, dtype="float32", grads=False, s
     worker_ref = _worker_ref(impl, resolve_impl(impl)[0], spec) if isolate else None
     if worker_ref is not None and not default_convention:
         worker_ref = (worker_ref, convention)
-    supervisor = None if worker_ref is None else Supervisor(
-        worker_ref, timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
-        memory_limit=memory_limit)
+    supervisor = (
+        None
+        if worker_ref is None
+        else Supervisor(
+            worker_ref,
+            timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
+            memory_limit=memory_limit,
+        )
+    )
     results = []
     start = time.perf_counter()
     try:
-        with Progress(len(items), f"validate {_impl_name(fn, spec)}", enabled=progress,
-                      stream=sys.stderr) as bar:
+        with Progress(
+            len(items), f"validate {_impl_name(fn, spec)}", enabled=progress, stream=sys.stderr
+        ) as bar:
             for item in items:
                 fixture = golden.build(item) if not hasattr(item, "truth") else item
-                repro = reproduce_command(spec, source_flag, fixture.case.dtype,
-                                          fixture.case.name, grads, strict, tolerance,
-                                          convention=convention)
+                repro = reproduce_command(
+                    spec,
+                    source_flag,
+                    fixture.case.dtype,
+                    fixture.case.name,
+                    grads,
+                    strict,
+                    tolerance,
+                    convention=convention,
+                )
                 if supervisor is None:
-                    result = check_fixture(fn, fixture, grads=grads, diagnose=diagnose,
-                                           reproduce=repro, tolerance=tolerance)
+                    result = check_fixture(
+                        fn,
+                        fixture,
+                        grads=grads,
+                        diagnose=diagnose,
+                        reproduce=repro,
+                        tolerance=tolerance,
+                    )
                 else:
-                    result = supervisor.run(fixture, grads=grads, diagnose=diagnose,
-                                            reproduce=repro, tolerance=tolerance)
+                    result = supervisor.run(
+                        fixture,
+                        grads=grads,
+                        diagnose=diagnose,
+                        reproduce=repro,
+                        tolerance=tolerance,
+                    )
                 result.features, result.shape_classes = case_features(
-                    fixture.case, grads, fixture.inputs)
+                    fixture.case, grads, fixture.inputs
+                )
                 results.append(result)
                 for check in checks if applies(fixture) else ():
-                    results.append(_invariance(fn, supervisor, fixture, check, reproduce_command(
-                        spec, source_flag, fixture.case.dtype, fixture.case.name, False, False,
-                        check=check, convention=convention)))
+                    results.append(
+                        _invariance(
+                            fn,
+                            supervisor,
+                            fixture,
+                            check,
+                            reproduce_command(
+                                spec,
+                                source_flag,
+                                fixture.case.dtype,
+                                fixture.case.name,
+                                False,
+                                False,
+                                check=check,
+                                convention=convention,
+                            ),
+                        )
+                    )
                 bar.advance(f"{result.name}: {result.verdict}")
     finally:
         if supervisor is not None:
             supervisor.close()
-    report = Report(_impl_name(fn, spec), dtype, label, strict, results,
-                    time.perf_counter() - start, grads)
+    report = Report(
+        _impl_name(fn, spec), dtype, label, strict, results, time.perf_counter() - start, grads
+    )
     report.isolated = supervisor is not None
     report.required = required
     report.tolerance = tolerance
@@ -284,12 +363,12 @@ def _invariance(fn, supervisor, fixture, check, repro):
 
 def _required(require) -> tuple:
     names = [require] if isinstance(require, str) else list(require or ())
-    flat = [part.strip().lower() for name in names for part in str(name).split(",")
-            if part.strip()]
+    flat = [part.strip().lower() for name in names for part in str(name).split(",") if part.strip()]
     unknown = [f for f in flat if f not in KNOWN_FEATURES]
     if unknown:
-        raise ValueError(f"require: unknown feature(s) {unknown}; expected some of "
-                         f"{list(KNOWN_FEATURES)}")
+        raise ValueError(
+            f"require: unknown feature(s) {unknown}; expected some of {list(KNOWN_FEATURES)}"
+        )
     return tuple(dict.fromkeys(flat))
 
 

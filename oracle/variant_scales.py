@@ -40,8 +40,9 @@ def _per_unit(value, shape):
     return np.broadcast_to(_f64(value), shape)
 
 
-def natural_scale(case: Case, inputs: Mapping[str, np.ndarray], name: str,
-                  truth64: np.ndarray) -> np.ndarray:
+def natural_scale(
+    case: Case, inputs: Mapping[str, np.ndarray], name: str, truth64: np.ndarray
+) -> np.ndarray:
     """The denominator of (T1) for output ``name`` of ``case`` (see the module docstring)."""
     fn = case.function
     x = {k: _f64(v) for k, v in inputs.items()}
@@ -51,8 +52,10 @@ def natural_scale(case: Case, inputs: Mapping[str, np.ndarray], name: str,
     if fn == "hopfield.retrieve":
         return np.broadcast_to(np.abs(x["X"]).max(axis=-2, keepdims=True), truth64.shape)
     if fn == "gmm.adapt_keys":
-        reach = np.maximum(np.abs(x["queries"]).max(axis=-2, keepdims=True),
-                           np.abs(x["keys0"]).max(axis=-2, keepdims=True))
+        reach = np.maximum(
+            np.abs(x["queries"]).max(axis=-2, keepdims=True),
+            np.abs(x["keys0"]).max(axis=-2, keepdims=True),
+        )
         return np.broadcast_to(reach, truth64.shape)
     if fn == "gmm.adapt_priors":
         return np.ones_like(truth64)
@@ -103,8 +106,9 @@ def grad_floor_terms(case: Case, forward_condition: float) -> tuple[float, int]:
     derived for the variants' vjps.
     """
     spec = FUNCTIONS[case.function]
-    return 2.0 * float(forward_condition), 2 * spec.n_roundings(case) + case.shapes.D + \
-        case.shapes.E
+    return 2.0 * float(forward_condition), 2 * spec.n_roundings(
+        case
+    ) + case.shapes.D + case.shapes.E
 
 
 def _sq_terms(a, b, weight):
@@ -122,8 +126,9 @@ def _kappa(A):
     return float(np.linalg.norm(A, np.inf) * np.linalg.norm(np.linalg.inv(A), np.inf))
 
 
-def condition(case: Case, inputs: Mapping[str, np.ndarray],
-              truth64: Mapping[str, np.ndarray]) -> float:
+def condition(
+    case: Case, inputs: Mapping[str, np.ndarray], truth64: Mapping[str, np.ndarray]
+) -> float:
     """Relative condition factor ``c`` of (V1): how much the case amplifies rounding errors.
 
     Mixtures: ``1 + 2A`` per step, with ``A`` the largest magnitude of a logit's terms (a
@@ -143,8 +148,11 @@ def condition(case: Case, inputs: Mapping[str, np.ndarray],
         beta = _per_unit(x.get("beta", opts.get("beta", 0.0)), keys.shape[:-1])
         A = _sq_terms(q, keys, alpha[..., None, :])
         if opts.get("prior") == "magnitude":
-            A = A + 0.5 * (alpha * (keys * keys).sum(-1) + beta * (values * values).sum(-1))[
-                ..., None, :]
+            A = (
+                A
+                + 0.5
+                * (alpha * (keys * keys).sum(-1) + beta * (values * values).sum(-1))[..., None, :]
+            )
         if "prior" in x:
             A = A + np.abs(x["prior"])[..., None, :]
         # every iterate v_t lies in the convex hull of the values (and v_init), where the

@@ -32,18 +32,27 @@ def _cases(rng):
 
     mask = np.ones((4, 32, 48), dtype=bool)
     mask[:, 3] = False
-    yield "H2 L=S=64 D=E=64 (issue target)", (gaussian(2, 64, 64), gaussian(2, 64, 64),
-                                               gaussian(2, 64, 64)), {}
-    yield "GQA H4/K2 causal bottom-right L32 S48", (
-        gaussian(4, 32, 16), gaussian(2, 48, 16), gaussian(2, 48, 8)), {
-        "causal": True, "align": "bottom_right", "mask": mask}
-    yield "softcap 30 + ALiBi + window, logit gaps > 40", (
-        gaussian(2, 32, 16, scale=6.0), gaussian(2, 32, 16), gaussian(2, 32, 8)), {
-        "softcap": 30.0, "alibi_slopes": np.array([0.5, 0.125]), "window": (8, 0)}
+    yield (
+        "H2 L=S=64 D=E=64 (issue target)",
+        (gaussian(2, 64, 64), gaussian(2, 64, 64), gaussian(2, 64, 64)),
+        {},
+    )
+    yield (
+        "GQA H4/K2 causal bottom-right L32 S48",
+        (gaussian(4, 32, 16), gaussian(2, 48, 16), gaussian(2, 48, 8)),
+        {"causal": True, "align": "bottom_right", "mask": mask},
+    )
+    yield (
+        "softcap 30 + ALiBi + window, logit gaps > 40",
+        (gaussian(2, 32, 16, scale=6.0), gaussian(2, 32, 16), gaussian(2, 32, 8)),
+        {"softcap": 30.0, "alibi_slopes": np.array([0.5, 0.125]), "window": (8, 0)},
+    )
     keep = rng.random((2, 16, 64)) < 0.9
-    yield "dropout p=0.1 + bias, decode-like L16 S64", (
-        gaussian(2, 16, 32), gaussian(2, 64, 32), gaussian(2, 64, 32)), {
-        "dropout_mask": keep, "dropout_p": 0.1, "bias": gaussian(16, 64)}
+    yield (
+        "dropout p=0.1 + bias, decode-like L16 S64",
+        (gaussian(2, 16, 32), gaussian(2, 64, 32), gaussian(2, 64, 32)),
+        {"dropout_mask": keep, "dropout_p": 0.1, "bias": gaussian(16, 64)},
+    )
 
 
 def selfcheck(seed: int = 0) -> int:
@@ -63,8 +72,10 @@ def selfcheck(seed: int = 0) -> int:
         within = bool((np.abs(fast - exact) <= bound).all())
         ok &= within
         ulps = _ulps(fast, exact)
-        print(f"{name:48s} {1e3 * (t1 - t0):8.2f} {t2 - t1:8.2f} "
-              f"{100 * np.mean(ulps == 0):6.1f} {ulps.max():8.0f} {'ok' if within else 'FAIL'}")
+        print(
+            f"{name:48s} {1e3 * (t1 - t0):8.2f} {t2 - t1:8.2f} "
+            f"{100 * np.mean(ulps == 0):6.1f} {ulps.max():8.0f} {'ok' if within else 'FAIL'}"
+        )
     q, k, v = (rng.standard_normal((2, 16, 16)) for _ in range(3))
     grad = rng.standard_normal((2, 16, 16))
     t0 = time.perf_counter()
@@ -73,14 +84,19 @@ def selfcheck(seed: int = 0) -> int:
     exact = attention_vjp(q, k, v, grad, precision="exact")
     t2 = time.perf_counter()
     bounds = float64_vjp_bound(q, k, v, grad)
-    within = all((np.abs(a - b) <= c).all() for a, b, c in zip(fast[:3], exact[:3], bounds[:3],
-                                                                strict=True))
+    within = all(
+        (np.abs(a - b) <= c).all() for a, b, c in zip(fast[:3], exact[:3], bounds[:3], strict=True)
+    )
     ok &= within
     ulps = np.concatenate([_ulps(a, b).ravel() for a, b in zip(fast[:3], exact[:3], strict=True)])
-    print(f"{'vjp H2 L=S=D=E=16 (dq, dk, dv)':48s} {1e3 * (t1 - t0):8.2f} {t2 - t1:8.2f} "
-          f"{100 * np.mean(ulps == 0):6.1f} {ulps.max():8.0f} {'ok' if within else 'FAIL'}")
-    print("CR % = float64 elements equal to the correctly rounded exact result; "
-          "bound = every element within refattn.bounds")
+    print(
+        f"{'vjp H2 L=S=D=E=16 (dq, dk, dv)':48s} {1e3 * (t1 - t0):8.2f} {t2 - t1:8.2f} "
+        f"{100 * np.mean(ulps == 0):6.1f} {ulps.max():8.0f} {'ok' if within else 'FAIL'}"
+    )
+    print(
+        "CR % = float64 elements equal to the correctly rounded exact result; "
+        "bound = every element within refattn.bounds"
+    )
     return 0 if ok else 1
 
 

@@ -22,9 +22,7 @@ def float_array(x, name: str, *, ndim_min: int = 0) -> np.ndarray:
             f"got dtype {arr.dtype.name} with shape {arr.shape}"
         )
     if arr.ndim < ndim_min:
-        raise ValueError(
-            f"{name}: expected at least {ndim_min} dimensions, got shape {arr.shape}"
-        )
+        raise ValueError(f"{name}: expected at least {ndim_min} dimensions, got shape {arr.shape}")
     return arr
 
 
@@ -80,8 +78,10 @@ def real_scalar(value, name: str, *, positive: bool = False, allow_none: bool = 
     try:
         value = float(value)
     except OverflowError:
-        raise ValueError(f"{name}: expected a number within the float64 range (|x| < 1.8e308), "
-                         f"got {_short(value)}") from None
+        raise ValueError(
+            f"{name}: expected a number within the float64 range (|x| < 1.8e308), "
+            f"got {_short(value)}"
+        ) from None
     if not np.isfinite(value):
         raise ValueError(f"{name}: expected a finite number, got {value!r}")
     if positive and value <= 0:
@@ -141,6 +141,8 @@ def finite_array(x, name: str, ndim: int) -> np.ndarray:
     """A float array of at least ``ndim`` dims with finite values only (named on failure)."""
     arr = float_array(x, name, ndim_min=ndim)
     if not np.isfinite(as_float64(arr)).all():
-        raise ValueError(f"{name}: expected finite values (shape {arr.shape}, dtype "
-                         f"{arr.dtype.name}); NaN/Inf found")
+        raise ValueError(
+            f"{name}: expected finite values (shape {arr.shape}, dtype "
+            f"{arr.dtype.name}); NaN/Inf found"
+        )
     return arr

@@ -50,19 +50,31 @@ def fold(spec: AttentionSpec, *, alibi_into_bias: bool) -> AttentionSpec:
     batch, heads, _, length, keys, _, _ = spec.dims
     allowed = _planes(spec, spec.allowed)
     bias = None if spec.bias is None else np.where(allowed, spec.bias, 0.0)
-    changes = dict(mask=allowed, causal=False, window=None, kv_lengths=None,
-                   align="top_left", offset=0, bias=bias,
-                   bias_shape=None if bias is None else bias.shape)
+    changes = dict(
+        mask=allowed,
+        causal=False,
+        window=None,
+        kv_lengths=None,
+        align="top_left",
+        offset=0,
+        bias=bias,
+        bias_shape=None if bias is None else bias.shape,
+    )
     if spec.alibi_slopes is not None:
         if alibi_into_bias:
             alibi = _planes(spec, lambda b, h: spec.alibi(h, b))
-            changes.update(alibi_slopes=None,
-                           bias=alibi if bias is None else bias + alibi,
-                           bias_shape=(batch, heads, length, keys))
+            changes.update(
+                alibi_slopes=None,
+                bias=alibi if bias is None else bias + alibi,
+                bias_shape=(batch, heads, length, keys),
+            )
         else:
-            changes.update(alibi_offsets=np.array([spec.alibi_offset(b) for b in range(batch)],
-                                                  dtype=np.int64),
-                           alibi_keys=keys if spec.alibi_keys is None else spec.alibi_keys)
+            changes.update(
+                alibi_offsets=np.array(
+                    [spec.alibi_offset(b) for b in range(batch)], dtype=np.int64
+                ),
+                alibi_keys=keys if spec.alibi_keys is None else spec.alibi_keys,
+            )
     if spec.sinks is not None:
         changes.update(_sink_key(spec, allowed, changes["bias"], exact=not alibi_into_bias))
     return dataclasses.replace(spec, **changes)
@@ -92,12 +104,20 @@ def _sink_key(spec, allowed, bias, exact) -> dict:
         bias = np.broadcast_to(bias, (batch, heads, length, keys + 1))
         bias_shape = (1, heads, 1, keys + 1)
     else:
-        bias = np.concatenate([bias, np.broadcast_to(sink_column, (batch, heads, length, 1))],
-                              axis=-1)
+        bias = np.concatenate(
+            [bias, np.broadcast_to(sink_column, (batch, heads, length, 1))], axis=-1
+        )
         bias_shape = bias.shape
     keep = None if spec.dropout_mask is None else extend(spec.dropout_mask, True)
-    changes = dict(k=k, v=v, mask=extend(allowed, True), bias=bias, bias_shape=bias_shape,
-                   dropout_mask=keep, sinks=None)
+    changes = dict(
+        k=k,
+        v=v,
+        mask=extend(allowed, True),
+        bias=bias,
+        bias_shape=bias_shape,
+        dropout_mask=keep,
+        sinks=None,
+    )
     if exact:
         changes.update(_sink_slots(spec))
     return changes
@@ -116,6 +136,7 @@ def _sink_slots(spec) -> dict:
         user = np.broadcast_to(np.arange(n_bias, dtype=np.int64).reshape(shape), full)
         user = user.reshape((batch, heads, length, keys))
     user = np.broadcast_to(user, (batch, heads, length, keys))
-    sink = np.broadcast_to(n_bias + np.arange(heads, dtype=np.int64)[None, :, None, None],
-                           (batch, heads, length, 1))
+    sink = np.broadcast_to(
+        n_bias + np.arange(heads, dtype=np.int64)[None, :, None, None], (batch, heads, length, 1)
+    )
     return dict(dbias_index=np.concatenate([user, sink], axis=-1), bias_shape=(n_bias + heads,))

@@ -17,8 +17,14 @@ import numpy as np
 from . import _checks
 from .masks import check_window, offset_of, structural_mask
 
-__all__ = ["AttentionSpec", "canonicalize", "check_cotangent", "GQA_MODES", "EMPTY_ROWS",
-           "FP8_DTYPES"]
+__all__ = [
+    "AttentionSpec",
+    "canonicalize",
+    "check_cotangent",
+    "GQA_MODES",
+    "EMPTY_ROWS",
+    "FP8_DTYPES",
+]
 
 GQA_MODES = ("interleave", "tile")
 EMPTY_ROWS = ("zero", "nan")
@@ -120,10 +126,9 @@ class AttentionSpec:
         """|i + o_b - j| as int64 (L, S): the ALiBi distance of batch row b (0 for the keys
         j >= :attr:`alibi_keys` of a folded spec: a sink has no position)."""
         _, _, _, length, keys, _, _ = self.dims
-        dist = np.abs(np.arange(length)[:, None] + self.alibi_offset(b)
-                      - np.arange(keys)[None, :])
+        dist = np.abs(np.arange(length)[:, None] + self.alibi_offset(b) - np.arange(keys)[None, :])
         if self.alibi_keys is not None:
-            dist[:, self.alibi_keys:] = 0
+            dist[:, self.alibi_keys :] = 0
         return dist
 
     def dbias_slots(self) -> tuple[np.ndarray, tuple]:
@@ -133,8 +138,10 @@ class AttentionSpec:
         folded spec (:attr:`dbias_index`) sends a sink's column to its own slots (dsinks)."""
         batch, heads, _, length, keys, _, _ = self.dims
         if self.dbias_index is not None:
-            return (np.broadcast_to(self.dbias_index, (batch, heads, length, keys)),
-                    self.bias_shape)
+            return (
+                np.broadcast_to(self.dbias_index, (batch, heads, length, keys)),
+                self.bias_shape,
+            )
         shape = tuple(self.bias_shape)
         full = tuple(self.batch_shape) + (heads, length, keys)
         index = np.broadcast_to(np.arange(int(np.prod(shape))).reshape(shape), full)
@@ -194,18 +201,39 @@ def _flat(arr: np.ndarray, batch_shape: tuple, tail: tuple) -> np.ndarray:
 def _plane_array(value, name, batch_shape, plane, kind):
     if value is None:
         return None, None
-    arr = _checks.bool_array(value, name) if kind == "bool" else _checks.as_float64(
-        _checks.float_array(value, name))
+    arr = (
+        _checks.bool_array(value, name)
+        if kind == "bool"
+        else _checks.as_float64(_checks.float_array(value, name))
+    )
     target = batch_shape + plane
-    return _flat(_checks.broadcast(arr, target, name, "(..., H, L, S)"), batch_shape, plane), \
-        arr.shape
+    return _flat(
+        _checks.broadcast(arr, target, name, "(..., H, L, S)"), batch_shape, plane
+    ), arr.shape
 
 
 def canonicalize(
-    q, k, v, *, scale=None, bias=None, mask=None, causal=False, window=None,
-    align="top_left", softcap=None, alibi_slopes=None, gqa="interleave",
-    dropout_mask=None, dropout_p=0.0, empty_rows="zero", sinks=None, kv_lengths=None,
-    q_descale=None, k_descale=None, v_descale=None,
+    q,
+    k,
+    v,
+    *,
+    scale=None,
+    bias=None,
+    mask=None,
+    causal=False,
+    window=None,
+    align="top_left",
+    softcap=None,
+    alibi_slopes=None,
+    gqa="interleave",
+    dropout_mask=None,
+    dropout_p=0.0,
+    empty_rows="zero",
+    sinks=None,
+    kv_lengths=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ) -> AttentionSpec:
     """Validate refattn.attention's arguments and return the canonical :class:`AttentionSpec`."""
     q, k, v = _dequantize(q, k, v, q_descale, k_descale, v_descale, gqa)
@@ -215,8 +243,7 @@ def canonicalize(
         batch_shape = np.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
     except ValueError:
         raise ValueError(
-            f"q, k, v: leading (batch) dims do not broadcast: q {q.shape}, k {k.shape}, "
-            f"v {v.shape}"
+            f"q, k, v: leading (batch) dims do not broadcast: q {q.shape}, k {k.shape}, v {v.shape}"
         ) from None
     plane = (heads, length, keys)
     bias_flat, bias_shape = _plane_array(bias, "bias", batch_shape, plane, "float")
@@ -255,8 +282,10 @@ def canonicalize(
     if sinks is not None:
         sink_values = _checks.as_float64(_checks.float_array(sinks, "sinks"))
         if sink_values.shape != (heads,):
-            raise ValueError(f"sinks: expected shape ({heads},) (one logit per query head), "
-                             f"got {sink_values.shape}")
+            raise ValueError(
+                f"sinks: expected shape ({heads},) (one logit per query head), "
+                f"got {sink_values.shape}"
+            )
         if not np.isfinite(sink_values).all():
             raise ValueError("sinks: expected finite logits")
     lengths = _kv_lengths(kv_lengths, batch_shape, keys)
@@ -264,12 +293,25 @@ def canonicalize(
         q=_flat(q, batch_shape, q.shape[-3:]),
         k=_flat(k, batch_shape, k.shape[-3:]),
         v=_flat(v, batch_shape, v.shape[-3:]),
-        batch_shape=tuple(batch_shape), single_head=single, scale=scale,
-        bias=bias_flat, bias_shape=bias_shape, mask=mask_flat, causal=bool(causal),
-        window=check_window(window), align=align, offset=offset_of(align, length, keys),
-        softcap=softcap, alibi_slopes=slopes, gqa=gqa, kv_head=kv_head,
-        dropout_mask=drop_flat, dropout_p=float(dropout_p), empty_rows=empty_rows,
-        kv_lengths=lengths, sinks=sink_values,
+        batch_shape=tuple(batch_shape),
+        single_head=single,
+        scale=scale,
+        bias=bias_flat,
+        bias_shape=bias_shape,
+        mask=mask_flat,
+        causal=bool(causal),
+        window=check_window(window),
+        align=align,
+        offset=offset_of(align, length, keys),
+        softcap=softcap,
+        alibi_slopes=slopes,
+        gqa=gqa,
+        kv_head=kv_head,
+        dropout_mask=drop_flat,
+        dropout_p=float(dropout_p),
+        empty_rows=empty_rows,
+        kv_lengths=lengths,
+        sinks=sink_values,
     )
     _check_bias_values(spec)
     return spec
@@ -283,13 +325,18 @@ def _kv_lengths(kv_lengths, batch_shape, keys):
     if lengths.dtype.kind not in "iu":
         raise TypeError(f"kv_lengths: expected integers, got dtype {lengths.dtype.name}")
     if lengths.shape != tuple(batch_shape):
-        raise ValueError(f"kv_lengths: expected shape {tuple(batch_shape)} (one length per "
-                         f"batch row), got {lengths.shape}")
+        raise ValueError(
+            f"kv_lengths: expected shape {tuple(batch_shape)} (one length per "
+            f"batch row), got {lengths.shape}"
+        )
     if lengths.size and (lengths.min() < 0 or lengths.max() > keys):
-        raise ValueError(f"kv_lengths: expected lengths in [0, S = {keys}], got values in "
-                         f"[{lengths.min()}, {lengths.max()}]")
-    return lengths.astype(np.int64).reshape(-1) if batch_shape else lengths.astype(
-        np.int64).reshape(1)
+        raise ValueError(
+            f"kv_lengths: expected lengths in [0, S = {keys}], got values in "
+            f"[{lengths.min()}, {lengths.max()}]"
+        )
+    return (
+        lengths.astype(np.int64).reshape(-1) if batch_shape else lengths.astype(np.int64).reshape(1)
+    )
 
 
 def _dequantize(q, k, v, q_descale, k_descale, v_descale, gqa):
@@ -304,8 +351,10 @@ def _dequantize(q, k, v, q_descale, k_descale, v_descale, gqa):
             arrays[name] = (raw, descale)
         else:
             if descale is not None:
-                raise ValueError(f"{name}_descale: only float8 inputs take a descale factor "
-                                 f"({name} has dtype {getattr(raw, 'dtype', None)})")
+                raise ValueError(
+                    f"{name}_descale: only float8 inputs take a descale factor "
+                    f"({name} has dtype {getattr(raw, 'dtype', None)})"
+                )
             arrays[name] = (_checks.float_array(x, name), None)
     if all(d is None and a.dtype.name not in FP8_DTYPES for a, d in arrays.values()):
         return arrays["q"][0], arrays["k"][0], arrays["v"][0]
@@ -321,21 +370,28 @@ def _dequantize(q, k, v, q_descale, k_descale, v_descale, gqa):
         if descale is not None:
             kind = _checks.float_array(descale, f"{name}_descale").dtype.name
             if kind != "float32":  # float64 factors could make the product round
-                raise TypeError(f"{name}_descale: expected float32 factors (FlashAttention 3's "
-                                f"descale type), got {kind}")
+                raise TypeError(
+                    f"{name}_descale: expected float32 factors (FlashAttention 3's "
+                    f"descale type), got {kind}"
+                )
             factor = _checks.as_float64(np.asarray(descale))
             if not np.isfinite(factor).all() or (factor <= 0).any():
                 raise ValueError(f"{name}_descale: expected finite positive factors")
             per_head = factor[..., None, None] if factor.ndim else factor
             if factor.ndim:
                 if factor.shape[-1] != kv_heads:
-                    raise ValueError(f"{name}_descale: expected shape (..., K = {kv_heads}) "
-                                     f"(one factor per batch row and kv head), got "
-                                     f"{factor.shape}")
+                    raise ValueError(
+                        f"{name}_descale: expected shape (..., K = {kv_heads}) "
+                        f"(one factor per batch row and kv head), got "
+                        f"{factor.shape}"
+                    )
                 if name == "q":  # query head h uses the factor of the kv head it reads
                     group = heads // kv_heads
-                    reads = np.arange(heads) // group if gqa == "interleave" else \
-                        np.arange(heads) % kv_heads
+                    reads = (
+                        np.arange(heads) // group
+                        if gqa == "interleave"
+                        else np.arange(heads) % kv_heads
+                    )
                     per_head = np.take(per_head, reads, axis=-3)
             values = values * per_head  # exact, see above
         out.append(values)

@@ -61,8 +61,9 @@ class Tape:
 
     def linear(self, x, W, b):
         value = self.base.linear(x.value, W.value, _value(b))
-        return self._record(value, (x, W, b),
-                            lambda g: self.base.linear_vjp(x.value, W.value, b is not None, g))
+        return self._record(
+            value, (x, W, b), lambda g: self.base.linear_vjp(x.value, W.value, b is not None, g)
+        )
 
     def activation(self, x, name):
         value = self.base.activation(x.value, name)
@@ -80,13 +81,15 @@ class Tape:
 
     def attention(self, q, k, v, kwargs):
         value = self.base.attention(q.value, k.value, v.value, kwargs)
-        return self._record(value, (q, k, v), lambda g: self.base.attention_vjp(
-            q.value, k.value, v.value, kwargs, g))
+        return self._record(
+            value,
+            (q, k, v),
+            lambda g: self.base.attention_vjp(q.value, k.value, v.value, kwargs, g),
+        )
 
     def add(self, a, b):
         value = a.value + b.value
-        return self._record(value, (a, b), lambda g: (reduce_to(g, a.shape),
-                                                      reduce_to(g, b.shape)))
+        return self._record(value, (a, b), lambda g: (reduce_to(g, a.shape), reduce_to(g, b.shape)))
 
     def map(self, x, fn):
         """An index map (reshape, axis move): its adjoint scatters back by the same map."""
@@ -138,7 +141,9 @@ def backward_pass(tape, chain, inputs, params, grad_out, to_leaf, map_params) ->
 
     out = chain(tape, *leaves, map_params(params, make))
     if tuple(np.shape(grad_out)) != tuple(out.shape):
-        raise ValueError(f"grad_out: expected the shape of the output {tuple(out.shape)}, got "
-                         f"shape {tuple(np.shape(grad_out))}")
+        raise ValueError(
+            f"grad_out: expected the shape of the output {tuple(out.shape)}, got "
+            f"shape {tuple(np.shape(grad_out))}"
+        )
     grads = tape.backward(out, to_leaf(grad_out))
     return [reduce_to(tape.gradient(grads, leaf), leaf.shape) for leaf in leaves + param_leaves]

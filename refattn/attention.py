@@ -84,18 +84,18 @@ def _scaled_scores(p, exps, extra, allowed):
     the max keep full precision (far smaller entries may flush to -inf: their weight is 0).
     """
     dim_bits = int(np.max(np.abs(p), initial=1.0)).bit_length() + 1
-    top_exp = np.max(np.where(allowed, exps, np.iinfo(np.int64).min // 4), axis=1,
-                     keepdims=True)
+    top_exp = np.max(np.where(allowed, exps, np.iinfo(np.int64).min // 4), axis=1, keepdims=True)
     with np.errstate(over="ignore", invalid="ignore"):
         c0 = np.maximum(top_exp + dim_bits - _MAX_EXPONENT, 0)
         t0 = np.where(allowed, np.ldexp(p, exps - c0) + np.ldexp(extra, -c0), -np.inf)
         best = np.argmax(t0, axis=1)[:, None]
         direct = np.take_along_axis(np.ldexp(p, exps) + extra, best, axis=1)
         m0 = np.take_along_axis(t0, best, axis=1)
-        c = np.where(np.isfinite(direct),
-                     np.maximum(np.frexp(np.where(np.isfinite(direct), direct, 1.0))[1]
-                                - _MAX_EXPONENT, 0),
-                     np.frexp(np.where(np.isfinite(m0), m0, 1.0))[1] + c0 - _MAX_EXPONENT)
+        c = np.where(
+            np.isfinite(direct),
+            np.maximum(np.frexp(np.where(np.isfinite(direct), direct, 1.0))[1] - _MAX_EXPONENT, 0),
+            np.frexp(np.where(np.isfinite(m0), m0, 1.0))[1] + c0 - _MAX_EXPONENT,
+        )
         c = np.maximum(c, 0)
         return np.ldexp(p, exps - c) + np.ldexp(extra, -c), c
 
@@ -111,7 +111,8 @@ def _plane_float64(spec: AttentionSpec, b: int, h: int) -> _PlaneF64:
         # product): those rows are recomputed in a scaled form below
         finite_pair = np.isfinite(q).all(axis=1)[:, None] & np.isfinite(k).all(axis=1)[None, :]
         overflow = (~np.isfinite(raw) & allowed & finite_pair).any(axis=1) & (
-            (finite_pair | ~allowed).all(axis=1))
+            (finite_pair | ~allowed).all(axis=1)
+        )
         products = None
         if overflow.any():
             products = _scaled_products(q[overflow], k, spec.scale_float)
@@ -128,7 +129,8 @@ def _plane_float64(spec: AttentionSpec, b: int, h: int) -> _PlaneF64:
         if products is not None and spec.softcap is None:
             exponent = np.zeros(scores.shape[:1] + (1,), dtype=int)
             scores[overflow], exponent[overflow] = _scaled_scores(
-                *products, extra[overflow], allowed[overflow])
+                *products, extra[overflow], allowed[overflow]
+            )
         if spec.sinks is not None:  # the sink: one more always-allowed logit, no value
             column = np.full((scores.shape[0], 1), spec.sinks[h])
             if exponent is not None:  # rows kept as t * 2**c
@@ -192,6 +194,7 @@ def _forward_float64(spec: AttentionSpec, return_weights: bool):
 def _check_numba_range(spec: AttentionSpec, compute_dtype) -> None:
     """The Numba kernels form ``s q.k`` directly in their compute dtype: refuse inputs whose
     scores may exceed its range (they would turn into NaN) and say what handles them."""
+
     def top(x):
         x = np.abs(np.asarray(x, np.float64))
         return float(np.max(x, where=np.isfinite(x), initial=0.0))
@@ -206,18 +209,40 @@ def _check_numba_range(spec: AttentionSpec, compute_dtype) -> None:
             f"q, k, scale: scores scale*q.k may reach {reach} (max |q| {top(spec.q):.3g}, "
             f"max |k| {top(spec.k):.3g}, D = {dim}), beyond what backend='numba' computes "
             f"without overflow in {np.dtype(compute_dtype).name}; use backend='numpy' "
-            "(float64, rescales such rows) or precision='exact'")
+            "(float64, rescales such rows) or precision='exact'"
+        )
 
 
 # --------------------------------------------------------------------------------------
 # public forward
 # --------------------------------------------------------------------------------------
 def attention(
-    q, k, v, *, scale=None, bias=None, mask=None, causal=False, window=None,
-    align="top_left", softcap=None, alibi_slopes=None, gqa="interleave",
-    dropout_mask=None, dropout_p=0.0, empty_rows="zero", return_lse=False,
-    return_weights=False, precision="float64", out_dtype=None, backend="numpy",
-    sinks=None, kv_lengths=None, q_descale=None, k_descale=None, v_descale=None,
+    q,
+    k,
+    v,
+    *,
+    scale=None,
+    bias=None,
+    mask=None,
+    causal=False,
+    window=None,
+    align="top_left",
+    softcap=None,
+    alibi_slopes=None,
+    gqa="interleave",
+    dropout_mask=None,
+    dropout_p=0.0,
+    empty_rows="zero",
+    return_lse=False,
+    return_weights=False,
+    precision="float64",
+    out_dtype=None,
+    backend="numpy",
+    sinks=None,
+    kv_lengths=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """Scaled dot-product attention with pinned semantics.
 
@@ -337,10 +362,26 @@ def attention(
     _checks.choice(backend, "backend", BACKENDS)
     _checks.out_dtype(out_dtype)  # validated on every path (the float64 path returns float64)
     spec = canonicalize(
-        q, k, v, scale=scale, bias=bias, mask=mask, causal=causal, window=window,
-        align=align, softcap=softcap, alibi_slopes=alibi_slopes, gqa=gqa,
-        dropout_mask=dropout_mask, dropout_p=dropout_p, empty_rows=empty_rows, sinks=sinks,
-        kv_lengths=kv_lengths, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+        q,
+        k,
+        v,
+        scale=scale,
+        bias=bias,
+        mask=mask,
+        causal=causal,
+        window=window,
+        align=align,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        gqa=gqa,
+        dropout_mask=dropout_mask,
+        dropout_p=dropout_p,
+        empty_rows=empty_rows,
+        sinks=sinks,
+        kv_lengths=kv_lengths,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
     )
     if precision == "exact":
         if backend != "numpy":
@@ -352,12 +393,14 @@ def attention(
         # both engines take sinks natively (the referee folds them into one more key)
         engine = fast_exact_forward if config.EXACT_ENGINE == "fast" else exact_forward
         out, lse, weights = engine(
-            spec, _checks.out_dtype(out_dtype), return_lse=return_lse,
-            return_weights=return_weights)
+            spec, _checks.out_dtype(out_dtype), return_lse=return_lse, return_weights=return_weights
+        )
     elif backend == "numba":
         if return_weights:
-            raise NotImplementedError("return_weights: the numba kernels stream over keys and "
-                                      "never form the weights; use backend='numpy'")
+            raise NotImplementedError(
+                "return_weights: the numba kernels stream over keys and "
+                "never form the weights; use backend='numpy'"
+            )
         from . import kernels
 
         _check_numba_range(spec, kernels.compute_dtype(spec.q.dtype))
@@ -420,11 +463,32 @@ def _vjp_float64(spec: AttentionSpec, grad_out: np.ndarray, grad_lse):
 
 
 def attention_vjp(
-    q, k, v, grad_out, *, grad_lse=None, scale=None, bias=None, mask=None, causal=False,
-    window=None, align="top_left", softcap=None, alibi_slopes=None, gqa="interleave",
-    dropout_mask=None, dropout_p=0.0, empty_rows="zero", precision="float64",
-    out_dtype=None, backend="numpy", sinks=None, kv_lengths=None, q_descale=None,
-    k_descale=None, v_descale=None,
+    q,
+    k,
+    v,
+    grad_out,
+    *,
+    grad_lse=None,
+    scale=None,
+    bias=None,
+    mask=None,
+    causal=False,
+    window=None,
+    align="top_left",
+    softcap=None,
+    alibi_slopes=None,
+    gqa="interleave",
+    dropout_mask=None,
+    dropout_p=0.0,
+    empty_rows="zero",
+    precision="float64",
+    out_dtype=None,
+    backend="numpy",
+    sinks=None,
+    kv_lengths=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ) -> AttentionGrads:
     """Vector-Jacobian product of :func:`attention` (its backward pass).
 
@@ -474,15 +538,30 @@ def attention_vjp(
     _checks.choice(backend, "backend", BACKENDS)
     _checks.out_dtype(out_dtype)  # validated on every path (the float64 path returns float64)
     spec = canonicalize(
-        q, k, v, scale=scale, bias=bias, mask=mask, causal=causal, window=window,
-        align=align, softcap=softcap, alibi_slopes=alibi_slopes, gqa=gqa,
-        dropout_mask=dropout_mask, dropout_p=dropout_p, empty_rows=empty_rows, sinks=sinks,
-        kv_lengths=kv_lengths, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+        q,
+        k,
+        v,
+        scale=scale,
+        bias=bias,
+        mask=mask,
+        causal=causal,
+        window=window,
+        align=align,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        gqa=gqa,
+        dropout_mask=dropout_mask,
+        dropout_p=dropout_p,
+        empty_rows=empty_rows,
+        sinks=sinks,
+        kv_lengths=kv_lengths,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
     )
     _, heads, _, length, keys, _, vdim = spec.dims
     do = check_cotangent(spec, grad_out, "grad_out", (heads, length, vdim))
-    dl = None if grad_lse is None else check_cotangent(spec, grad_lse, "grad_lse",
-                                                        (heads, length))
+    dl = None if grad_lse is None else check_cotangent(spec, grad_lse, "grad_lse", (heads, length))
     dsinks = None
     if precision == "exact":
         from .exact.attention_vjp import exact_vjp
@@ -494,8 +573,7 @@ def attention_vjp(
         if spec.sinks is not None:
             dbias, dsinks = split_sink_grads(spec, dbias)
         if _has_nonfinite(spec, do, dl):
-            dq, dk, dv, dbias, dsinks = _nonfinite_pattern(spec, do, dl, dq, dk, dv, dbias,
-                                                           dsinks)
+            dq, dk, dv, dbias, dsinks = _nonfinite_pattern(spec, do, dl, dq, dk, dv, dbias, dsinks)
     else:
         if backend == "numba":
             from . import kernels
@@ -511,8 +589,7 @@ def attention_vjp(
         else:
             dq, dk, dv, dbias, dsinks = _vjp_float64(spec, do, dl)
         if dbias is not None and dbias.shape != spec.bias_shape:
-            dbias = reduce_to(dbias.reshape(spec.batch_shape + dbias.shape[1:]),
-                              spec.bias_shape)
+            dbias = reduce_to(dbias.reshape(spec.batch_shape + dbias.shape[1:]), spec.bias_shape)
     grads = (spec.unflatten(dq), spec.unflatten(dk), spec.unflatten(dv), dbias)
     return AttentionGrads(*grads) if dsinks is None else AttentionSinkGrads(*grads, dsinks)
 

@@ -177,8 +177,16 @@ def _validate(f, z0, method, memory, damping, tol, atol, max_iter, lam, state_nd
     damping = _checks.real_scalar(damping, "damping", positive=True)
     if damping > 1:
         raise ValueError(f"damping: expected a number in (0, 1], got {damping!r}")
-    return (z0, _count(memory, "memory"), damping, _nonneg(tol, "tol"), _nonneg(atol, "atol"),
-            _count(max_iter, "max_iter"), _nonneg(lam, "lam"), state_ndim)
+    return (
+        z0,
+        _count(memory, "memory"),
+        damping,
+        _nonneg(tol, "tol"),
+        _nonneg(atol, "atol"),
+        _count(max_iter, "max_iter"),
+        _nonneg(lam, "lam"),
+        state_ndim,
+    )
 
 
 def _evaluate(f, x, shape):
@@ -284,14 +292,19 @@ def solve(
     (True, 0.739085133215)
     """
     z0, memory, damping, tol, atol, max_iter, lam, state_ndim = _validate(
-        f, z0, method, memory, damping, tol, atol, max_iter, lam, state_ndim, on_fail)
+        f, z0, method, memory, damping, tol, atol, max_iter, lam, state_ndim, on_fail
+    )
     if method == "picard":
         memory = 0
     batch = z0.shape[: z0.ndim - state_ndim]
     x = np.array(z0, dtype=np.float64).reshape(int(np.prod(batch, dtype=int)), -1)
     fx = _evaluate(f, x, z0.shape)
-    trace, iterations, converged, active = [], np.zeros(len(x), int), np.zeros(len(x), bool), \
-        np.ones(len(x), bool)
+    trace, iterations, converged, active = (
+        [],
+        np.zeros(len(x), int),
+        np.zeros(len(x), bool),
+        np.ones(len(x), bool),
+    )
     dxs, dgs = [], []
     for k in range(max_iter + 1):
         g = fx - x

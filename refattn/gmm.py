@@ -61,9 +61,19 @@ import numpy as np
 from . import _checks, masks
 from .exact import gmm as exact
 
-__all__ = ["attention", "log_posterior", "adapt_keys", "adapt_priors", "GMMResult",
-           "attention_vjp", "adapt_keys_vjp", "adapt_priors_vjp", "AttentionVJP", "AdaptKeysVJP",
-           "AdaptPriorsVJP"]
+__all__ = [
+    "attention",
+    "log_posterior",
+    "adapt_keys",
+    "adapt_priors",
+    "GMMResult",
+    "attention_vjp",
+    "adapt_keys_vjp",
+    "adapt_priors_vjp",
+    "AttentionVJP",
+    "AdaptKeysVJP",
+    "AdaptPriorsVJP",
+]
 
 PRIORS = ("uniform", "magnitude")
 ATTENTION_FORMS = ("paper", "unnormalised")
@@ -98,13 +108,16 @@ def unit_parameter(value, name, batch, units, *, allow_zero=False, allow_inf=Fal
     """
     if np.ndim(value) == 0 and not isinstance(value, np.ndarray):
         if isinstance(value, bool) or not isinstance(value, int | float | np.floating | np.integer):
-            raise TypeError(f"{name}: expected a real number or a float array (..., S), "
-                            f"got {value!r}")
+            raise TypeError(
+                f"{name}: expected a real number or a float array (..., S), got {value!r}"
+            )
         try:
             arr = np.asarray(float(value))
         except OverflowError:
-            raise ValueError(f"{name}: expected a number within the float64 range, got an "
-                             f"int of {len(str(abs(value)))} digits") from None
+            raise ValueError(
+                f"{name}: expected a number within the float64 range, got an "
+                f"int of {len(str(abs(value)))} digits"
+            ) from None
     else:
         arr = _checks.float_array(value, name)
     wide = _checks.as_float64(arr)
@@ -116,8 +129,10 @@ def unit_parameter(value, name, batch, units, *, allow_zero=False, allow_inf=Fal
     if bad.any():
         need = ">= 0" if allow_zero else "> 0"
         worst = np.atleast_1d(wide)[np.atleast_1d(bad)][0]
-        raise ValueError(f"{name}: expected values {need}{'' if allow_inf else ' and finite'}, "
-                         f"got {worst!r} (shape {wide.shape})")
+        raise ValueError(
+            f"{name}: expected values {need}{'' if allow_inf else ' and finite'}, "
+            f"got {worst!r} (shape {wide.shape})"
+        )
     if wide.ndim:
         wide = _checks.broadcast(wide, batch + (units,), name, "(..., S)")
     wide = np.broadcast_to(wide, batch + (units,))
@@ -153,8 +168,10 @@ def _log_prior(prior, batch, units):
         raise ValueError(f"prior: log p(u) must not contain NaN or +inf (shape {wide.shape})")
     wide = _checks.broadcast(wide, batch + (units,), "prior", "(..., S)")
     if np.isneginf(wide).all(axis=-1).any():
-        raise ValueError("prior: log p(u) is -inf for every unit of some batch element "
-                         "(no unit can explain the query)")
+        raise ValueError(
+            "prior: log p(u) is -inf for every unit of some batch element "
+            "(no unit can explain the query)"
+        )
     return "array", wide
 
 
@@ -185,18 +202,24 @@ def _model(q, keys, values, alpha, beta, prior, *, need_values=True, names=("q",
         values = _checks.finite_array(values, "values", 2)
         arrays.append(("values", values))
         if values.shape[-2] != keys.shape[-2]:
-            raise ValueError(f"values: expected S = {keys.shape[-2]} rows (as {keys_name} "
-                             f"{keys.shape}), got shape {values.shape}")
+            raise ValueError(
+                f"values: expected S = {keys.shape[-2]} rows (as {keys_name} "
+                f"{keys.shape}), got shape {values.shape}"
+            )
     if q.shape[-1] != keys.shape[-1]:
-        raise ValueError(f"{keys_name}: expected feature size D = {q.shape[-1]} (as {q_name} "
-                         f"{q.shape}), got shape {keys.shape}")
+        raise ValueError(
+            f"{keys_name}: expected feature size D = {q.shape[-1]} (as {q_name} "
+            f"{q.shape}), got shape {keys.shape}"
+        )
     batch = batch_of(arrays, [2] * len(arrays))
     units = keys.shape[-2]
     alpha_w, alpha_varies = unit_parameter(alpha, "alpha", batch, units)
     beta_w, beta_varies = unit_parameter(beta, "beta", batch, units, allow_zero=True)
     if beta_varies and (beta_w == 0).any():
-        raise ValueError("beta: per-unit value precisions must all be > 0 (the normaliser "
-                         "beta_u^(E/2) of eq. (8) is needed when they differ)")
+        raise ValueError(
+            "beta: per-unit value precisions must all be > 0 (the normaliser "
+            "beta_u^(E/2) of eq. (8) is needed when they differ)"
+        )
     kind, log_prior = _log_prior(prior, batch, units)
     lengths = q.shape[-2]
 
@@ -204,9 +227,15 @@ def _model(q, keys, values, alpha, beta, prior, *, need_values=True, names=("q",
         return np.broadcast_to(a, batch + rank_shape)
 
     return _Model(
-        grow(q, (lengths, q.shape[-1])), grow(keys, keys.shape[-2:]),
+        grow(q, (lengths, q.shape[-1])),
+        grow(keys, keys.shape[-2:]),
         grow(values, values.shape[-2:]) if need_values else None,
-        alpha_w, alpha_varies, beta_w, beta_varies, kind, log_prior,
+        alpha_w,
+        alpha_varies,
+        beta_w,
+        beta_varies,
+        kind,
+        log_prior,
     )
 
 
@@ -218,8 +247,11 @@ def _model(q, keys, values, alpha, beta, prior, *, need_values=True, names=("q",
 def _float64(m: _Model) -> _Model:
     """The model with its arrays widened (exactly) to float64, for the float64 path: einsum
     and matmul do not take float16 / bfloat16 inputs uniformly."""
-    return m._replace(q=_checks.as_float64(m.q), keys=_checks.as_float64(m.keys),
-                      values=None if m.values is None else _checks.as_float64(m.values))
+    return m._replace(
+        q=_checks.as_float64(m.q),
+        keys=_checks.as_float64(m.keys),
+        values=None if m.values is None else _checks.as_float64(m.values),
+    )
 
 
 def _sqdist64(x, y):
@@ -241,7 +273,8 @@ def _query_logits64(m: _Model, q, keys):
         raise ValueError(
             "alpha, beta: the log-responsibilities alpha/2 |q - k|^2 (and beta/2 |v|^2) "
             f"exceed the float64 range (max alpha {float(np.max(m.alpha)):.3g}); the float64 "
-            "path cannot represent them") from None
+            "path cannot represent them"
+        ) from None
 
 
 def _query_logits64_unchecked(m: _Model, q, keys):
@@ -368,17 +401,21 @@ def _allowed(m: _Model, mask, causal, window, align):
     want = m.q.shape[:-2] + (length, units)
     if mask is not None:
         mask = _checks.broadcast(_checks.bool_array(mask, "mask"), want, "mask", "(..., L, S)")
-    allowed = masks.allowed_mask(length, units, mask=mask, causal=bool(causal), window=window,
-                                 align=align)
+    allowed = masks.allowed_mask(
+        length, units, mask=mask, causal=bool(causal), window=window, align=align
+    )
     return np.broadcast_to(allowed, want)
 
 
-def _attention_model(q, keys, values, alpha, beta, prior, form, mask, causal, window, align,
-                     empty_rows, v_init):
+def _attention_model(
+    q, keys, values, alpha, beta, prior, form, mask, causal, window, align, empty_rows, v_init
+):
     """(validated model with its allowed set, v_init broadcast to (B..., L, E) or None)."""
     m = _model(q, keys, values, alpha, beta, prior)
-    m = m._replace(form=_checks.choice(form, "form", ATTENTION_FORMS),
-                   empty_rows=_checks.choice(empty_rows, "empty_rows", ("zero", "nan")))
+    m = m._replace(
+        form=_checks.choice(form, "form", ATTENTION_FORMS),
+        empty_rows=_checks.choice(empty_rows, "empty_rows", ("zero", "nan")),
+    )
     m = m._replace(allowed=_allowed(m, mask, causal, window, align))
     if v_init is not None:
         v_init = _checks.finite_array(v_init, "v_init", 2)
@@ -387,10 +424,28 @@ def _attention_model(q, keys, values, alpha, beta, prior, form, mask, causal, wi
     return m, v_init
 
 
-def attention(q, keys, values, *, alpha, beta=0.0, prior="uniform", v_init=None, iters=1,
-              tol=None, return_trace=False, form="paper", mask=None, causal=False,
-              window=None, align="top_left", empty_rows="zero", precision="float64",
-              out_dtype=None, backend="numpy"):
+def attention(
+    q,
+    keys,
+    values,
+    *,
+    alpha,
+    beta=0.0,
+    prior="uniform",
+    v_init=None,
+    iters=1,
+    tol=None,
+    return_trace=False,
+    form="paper",
+    mask=None,
+    causal=False,
+    window=None,
+    align="top_left",
+    empty_rows="zero",
+    precision="float64",
+    out_dtype=None,
+    backend="numpy",
+):
     """Gaussian-mixture attention: MAP value inference by EM (Movellan & Gabbur eqs. (13)-(14)).
 
     For each query q_i the value estimate is refined ``iters`` times by
@@ -492,19 +547,27 @@ def attention(q, keys, values, *, alpha, beta=0.0, prior="uniform", v_init=None,
     """
     precision = _checks.precision(precision)
     if _checks.choice(backend, "backend", BACKENDS) == "numba" and precision != "float64":
-        raise ValueError("backend: 'numba' runs the float64 path only; pass "
-                         "precision='float64' or backend='numpy'")
-    m, v_init = _attention_model(q, keys, values, alpha, beta, prior, form, mask, causal,
-                                 window, align, empty_rows, v_init)
+        raise ValueError(
+            "backend: 'numba' runs the float64 path only; pass "
+            "precision='float64' or backend='numpy'"
+        )
+    m, v_init = _attention_model(
+        q, keys, values, alpha, beta, prior, form, mask, causal, window, align, empty_rows, v_init
+    )
     iters = _iters(iters)
     tol = _checks.iteration_tol(tol, precision, "`iters` iterations")
     if return_trace and (m.beta == 0).any():
-        raise ValueError("return_trace: log p(v | q) needs beta > 0 (beta = 0 makes p(v | u) "
-                         "improper); pass beta > 0 or return_trace=False")
-    if backend == "numba" and (m.allowed is not None or m.form != "paper"
-                               or m.empty_rows != "zero"):
-        raise ValueError("backend: 'numba' runs the unmasked paper form only; pass "
-                         "backend='numpy' for mask/causal/window, form or empty_rows")
+        raise ValueError(
+            "return_trace: log p(v | q) needs beta > 0 (beta = 0 makes p(v | u) "
+            "improper); pass beta > 0 or return_trace=False"
+        )
+    if backend == "numba" and (
+        m.allowed is not None or m.form != "paper" or m.empty_rows != "zero"
+    ):
+        raise ValueError(
+            "backend: 'numba' runs the unmasked paper form only; pass "
+            "backend='numpy' for mask/causal/window, form or empty_rows"
+        )
     if precision == "float64":
         m = _float64(m)
     if precision == "float64" and backend == "numba":
@@ -517,15 +580,17 @@ def attention(q, keys, values, *, alpha, beta=0.0, prior="uniform", v_init=None,
     if precision == "float64":
         v, trace, done = _attention64(m, v_init, iters, tol, return_trace)
         return GMMResult(v, trace, done) if return_trace else v
-    values_out, trace = exact.attention(m, v_init, iters, return_trace,
-                                        _checks.out_dtype(out_dtype))
+    values_out, trace = exact.attention(
+        m, v_init, iters, return_trace, _checks.out_dtype(out_dtype)
+    )
     if not return_trace:
         return values_out
     return GMMResult(values_out, trace, np.full(trace.shape[:-1], iters, dtype=np.int64))
 
 
-def log_posterior(v, q, keys, values, *, alpha, beta, prior="uniform", precision="float64",
-                  out_dtype=None):
+def log_posterior(
+    v, q, keys, values, *, alpha, beta, prior="uniform", precision="float64", out_dtype=None
+):
     """log p(v | q) of the Gaussian mixture, eqs. (1), (6)-(8), (15)-(16); the EM objective.
 
     .. math::
@@ -597,8 +662,9 @@ def _keys_update64(m: _Model, keys0, keys, gamma, form):
         else:  # the prior counted once, centred on xi^0 ("map") or on xi^t ("map_recentred")
             centre = keys if form == "map_recentred" else keys0
             ratio = _prior_ratio64(gam, safe_total)
-            new = np.where(np.isinf(ratio), centre, (ratio * centre + alpha * q_bar)
-                           / (ratio + alpha))
+            new = np.where(
+                np.isinf(ratio), centre, (ratio * centre + alpha * q_bar) / (ratio + alpha)
+            )
     new = np.where(np.isinf(gam), keys0, new)
     return np.where(responsible[..., None], new, keys)
 
@@ -616,8 +682,18 @@ def _check_gamma(gamma, batch, units):
     return unit_parameter(gamma, "gamma", batch, units, allow_zero=True, allow_inf=True)[0]
 
 
-def adapt_keys(queries, keys0, *, alpha, gamma, prior="uniform", iters=1, form="paper",
-               precision="float64", out_dtype=None):
+def adapt_keys(
+    queries,
+    keys0,
+    *,
+    alpha,
+    gamma,
+    prior="uniform",
+    iters=1,
+    form="paper",
+    precision="float64",
+    out_dtype=None,
+):
     """Inference-time MAP adaptation of the keys to a batch of queries (eqs. (21)-(29)).
 
     E-step (eq. (23)) with the current keys xi^t, then the M-step with the Gaussian key prior
@@ -695,8 +771,9 @@ def adapt_keys(queries, keys0, *, alpha, gamma, prior="uniform", iters=1, form="
 def _keys_problem(queries, keys0, alpha, gamma, prior, iters, form):
     """Validated (model, gamma (B..., S), form, iters) of :func:`adapt_keys`."""
     form = _checks.choice(form, "form", KEY_FORMS)
-    m = _model(queries, keys0, None, alpha, 0.0, prior, need_values=False,
-               names=("queries", "keys0"))
+    m = _model(
+        queries, keys0, None, alpha, 0.0, prior, need_values=False, names=("queries", "keys0")
+    )
     iters = _iters(iters)
     gamma = _check_gamma(gamma, m.keys.shape[:-2], m.keys.shape[-2])
     return m, gamma, form, iters
@@ -714,19 +791,24 @@ def _check_pi0(pi0, batch, units):
     arr = _checks.float_array(pi0, "pi0", ndim_min=1)
     wide = _checks.as_float64(arr)
     if wide.shape[-1] != units:
-        raise ValueError(f"pi0: expected S = {units} entries on the last axis, "
-                         f"got shape {wide.shape}")
+        raise ValueError(
+            f"pi0: expected S = {units} entries on the last axis, got shape {wide.shape}"
+        )
     if not np.isfinite(wide).all() or (wide < 0).any():
-        raise ValueError(f"pi0: expected a distribution over units (finite, >= 0), got "
-                         f"min {np.nanmin(wide)!r} (shape {wide.shape})")
+        raise ValueError(
+            f"pi0: expected a distribution over units (finite, >= 0), got "
+            f"min {np.nanmin(wide)!r} (shape {wide.shape})"
+        )
     sums = wide.sum(axis=-1)
     slack = units * np.finfo(arr.dtype if arr.dtype.itemsize >= 4 else np.float32).eps
     if arr.dtype.name in ("float16", "bfloat16"):
-        slack = units * 2.0 ** -7
+        slack = units * 2.0**-7
     if (np.abs(sums - 1) > slack).any():
         worst = sums.ravel()[np.argmax(np.abs(sums - 1).ravel())]
-        raise ValueError(f"pi0: expected a distribution over units (sum 1 within {slack:.3g}), "
-                         f"got a sum of {worst!r} (shape {wide.shape})")
+        raise ValueError(
+            f"pi0: expected a distribution over units (sum 1 within {slack:.3g}), "
+            f"got a sum of {worst!r} (shape {wide.shape})"
+        )
     return _checks.broadcast(wide, batch + (units,), "pi0", "(..., S)")
 
 
@@ -742,8 +824,9 @@ def _check_eta(eta, pi0):
     return "array", _checks.broadcast(arr, pi0.shape, "eta", "(..., S)")
 
 
-def adapt_priors(queries, keys, *, alpha, eta, pi0, iters=1, form="paper",
-                 precision="float64", out_dtype=None):
+def adapt_priors(
+    queries, keys, *, alpha, eta, pi0, iters=1, form="paper", precision="float64", out_dtype=None
+):
     """Inference-time adaptation of the unit priors pi with a Dirichlet prior (eqs. (30)-(34)).
 
     .. math::
@@ -790,19 +873,22 @@ def adapt_priors(queries, keys, *, alpha, eta, pi0, iters=1, form="paper",
     [0.666667, 0.333333]
     """
     precision = _checks.precision(precision)
-    m, pi0, eta_kind, eta_value, form, iters = _priors_problem(queries, keys, alpha, eta, pi0,
-                                                               iters, form)
+    m, pi0, eta_kind, eta_value, form, iters = _priors_problem(
+        queries, keys, alpha, eta, pi0, iters, form
+    )
     if precision == "float64":
         return _priors_states64(_float64(m), pi0, eta_kind, eta_value, form, iters)[0][-1]
-    return exact.adapt_priors(m, pi0, eta_kind, eta_value, form, iters,
-                              _checks.out_dtype(out_dtype))
+    return exact.adapt_priors(
+        m, pi0, eta_kind, eta_value, form, iters, _checks.out_dtype(out_dtype)
+    )
 
 
 def _priors_problem(queries, keys, alpha, eta, pi0, iters, form):
     """Validated (model, pi0, eta kind, eta value, form, iters) of :func:`adapt_priors`."""
     form = _checks.choice(form, "form", PRIOR_FORMS)
-    m = _model(queries, keys, None, alpha, 0.0, "uniform", need_values=False,
-               names=("queries", "keys"))
+    m = _model(
+        queries, keys, None, alpha, 0.0, "uniform", need_values=False, names=("queries", "keys")
+    )
     iters = _iters(iters)
     pi0 = _check_pi0(pi0, m.keys.shape[:-2], m.keys.shape[-2])
     eta_kind, eta_value = _check_eta(eta, pi0)
@@ -943,8 +1029,7 @@ def _keys_update_vjp64(m: _Model, keys, gamma, form, grad):
             ref = _keys_update64(m, keys0, keys, gamma, form)
     coef_share = share * _swap(coef)  # (..., L, S)
     dq = coef_share @ g
-    c = coef_share * np.einsum("...lsd,...sd->...ls", q[..., :, None, :] - ref[..., None, :, :],
-                               g)
+    c = coef_share * np.einsum("...lsd,...sd->...ls", q[..., :, None, :] - ref[..., None, :, :], g)
     w = np.exp(log_w)
     dq_logits, dkeys_t, _ = _query_logits_vjp64(m, q, keys, _softmax_vjp64(w, c))
     dcentre = np.where(active, centre_coef * grad, 0.0)
@@ -1015,9 +1100,26 @@ def _reduced(grads, originals):
     return [reduce_to(g, arr.shape) for g, (_, arr) in zip(grads, originals, strict=True)]
 
 
-def attention_vjp(q, keys, values, grad_out, *, alpha, beta=0.0, prior="uniform", v_init=None,
-                  iters=1, form="paper", mask=None, causal=False, window=None,
-                  align="top_left", empty_rows="zero", precision="float64", out_dtype=None):
+def attention_vjp(
+    q,
+    keys,
+    values,
+    grad_out,
+    *,
+    alpha,
+    beta=0.0,
+    prior="uniform",
+    v_init=None,
+    iters=1,
+    form="paper",
+    mask=None,
+    causal=False,
+    window=None,
+    align="top_left",
+    empty_rows="zero",
+    precision="float64",
+    out_dtype=None,
+):
     """Vector-Jacobian product of :func:`attention`: the gradients of ``sum(grad_out * v_T)``.
 
     The derivative of the stated finite computation, the ``iters`` EM steps of eqs. (13)-(14)
@@ -1082,21 +1184,34 @@ def attention_vjp(q, keys, values, grad_out, *, alpha, beta=0.0, prior="uniform"
     [[0.731059], [0.268941]]
     """
     precision = _checks.precision(precision)
-    m, v_init = _attention_model(q, keys, values, alpha, beta, prior, form, mask, causal,
-                                 window, align, empty_rows, v_init)
+    m, v_init = _attention_model(
+        q, keys, values, alpha, beta, prior, form, mask, causal, window, align, empty_rows, v_init
+    )
     iters = _iters(iters)
     grad = _cotangent(grad_out, m.q.shape[:-1] + (m.values.shape[-1],), "(..., L, E)", 2)
     originals = _originals([("q", q, 2), ("keys", keys, 2), ("values", values, 2)])
     if precision == "exact":
-        return AttentionVJP(*exact.attention_vjp(m, originals, v_init, iters, grad,
-                                                 _checks.out_dtype(out_dtype)))
+        return AttentionVJP(
+            *exact.attention_vjp(m, originals, v_init, iters, grad, _checks.out_dtype(out_dtype))
+        )
     m = _float64(m)
     grads = _attention_vjp64(m, v_init, iters, _checks.as_float64(grad))
     return AttentionVJP(*_reduced(grads, originals))
 
 
-def adapt_keys_vjp(queries, keys0, grad_out, *, alpha, gamma, prior="uniform", iters=1,
-                   form="paper", precision="float64", out_dtype=None):
+def adapt_keys_vjp(
+    queries,
+    keys0,
+    grad_out,
+    *,
+    alpha,
+    gamma,
+    prior="uniform",
+    iters=1,
+    form="paper",
+    precision="float64",
+    out_dtype=None,
+):
     """Vector-Jacobian product of :func:`adapt_keys`: gradients of ``sum(grad_out * xi^T)``.
 
     The derivative of the ``iters`` E/M steps as run (eqs. (23), (28)-(29), or the MAP forms):
@@ -1138,14 +1253,28 @@ def adapt_keys_vjp(queries, keys0, grad_out, *, alpha, gamma, prior="uniform", i
     grad = _cotangent(grad_out, m.keys.shape, "(..., S, D)", 2)
     originals = _originals([("q", queries, 2), ("keys", keys0, 2)])
     if precision == "exact":
-        return AdaptKeysVJP(*exact.adapt_keys_vjp(m, originals, gamma, form, iters, grad,
-                                                  _checks.out_dtype(out_dtype)))
+        return AdaptKeysVJP(
+            *exact.adapt_keys_vjp(
+                m, originals, gamma, form, iters, grad, _checks.out_dtype(out_dtype)
+            )
+        )
     grads = _keys_vjp64(_float64(m), gamma, form, iters, _checks.as_float64(grad))
     return AdaptKeysVJP(*_reduced(grads, originals))
 
 
-def adapt_priors_vjp(queries, keys, grad_out, *, alpha, eta, pi0, iters=1, form="paper",
-                     precision="float64", out_dtype=None):
+def adapt_priors_vjp(
+    queries,
+    keys,
+    grad_out,
+    *,
+    alpha,
+    eta,
+    pi0,
+    iters=1,
+    form="paper",
+    precision="float64",
+    out_dtype=None,
+):
     """Vector-Jacobian product of :func:`adapt_priors`: gradients of ``sum(grad_out * pi^T)``.
 
     The derivative of the ``iters`` steps of eqs. (33)-(34) as run: with ``m_k`` the masses
@@ -1183,14 +1312,26 @@ def adapt_priors_vjp(queries, keys, grad_out, *, alpha, eta, pi0, iters=1, form=
     True
     """
     precision = _checks.precision(precision)
-    m, pi0, eta_kind, eta_value, form, iters = _priors_problem(queries, keys, alpha, eta, pi0,
-                                                               iters, form)
+    m, pi0, eta_kind, eta_value, form, iters = _priors_problem(
+        queries, keys, alpha, eta, pi0, iters, form
+    )
     grad = _cotangent(grad_out, m.keys.shape[:-1], "(..., S)", 1)
     originals = _originals([("q", queries, 2), ("keys", keys, 2)])
     if precision == "exact":
-        return AdaptPriorsVJP(*exact.adapt_priors_vjp(m, originals, pi0, eta_kind, eta_value,
-                                                      form, iters, grad,
-                                                      _checks.out_dtype(out_dtype)))
-    grads = _priors_vjp64(_float64(m), pi0, eta_kind, eta_value, form, iters,
-                          _checks.as_float64(grad))
+        return AdaptPriorsVJP(
+            *exact.adapt_priors_vjp(
+                m,
+                originals,
+                pi0,
+                eta_kind,
+                eta_value,
+                form,
+                iters,
+                grad,
+                _checks.out_dtype(out_dtype),
+            )
+        )
+    grads = _priors_vjp64(
+        _float64(m), pi0, eta_kind, eta_value, form, iters, _checks.as_float64(grad)
+    )
     return AdaptPriorsVJP(*_reduced(grads, originals))

@@ -56,18 +56,25 @@ def _inputs(xi, patterns, beta):
     xi = _checks.finite_array(xi, "xi", 2)
     patterns = _checks.finite_array(patterns, "X", 2)
     if xi.shape[-1] != patterns.shape[-1]:
-        raise ValueError(f"X: expected patterns of size D = {xi.shape[-1]} (as xi {xi.shape}), "
-                         f"got shape {patterns.shape}")
+        raise ValueError(
+            f"X: expected patterns of size D = {xi.shape[-1]} (as xi {xi.shape}), "
+            f"got shape {patterns.shape}"
+        )
     if patterns.shape[-2] == 0:
         raise ValueError("X: expected at least one stored pattern (S >= 1)")
     beta = _checks.real_scalar(beta, "beta", positive=True)
     try:
         batch = np.broadcast_shapes(xi.shape[:-2], patterns.shape[:-2])
     except ValueError:
-        raise ValueError(f"leading (batch) dimensions do not broadcast: xi {xi.shape}, "
-                         f"X {patterns.shape}") from None
-    return (np.broadcast_to(xi, batch + xi.shape[-2:]),
-            np.broadcast_to(patterns, batch + patterns.shape[-2:]), beta, batch)
+        raise ValueError(
+            f"leading (batch) dimensions do not broadcast: xi {xi.shape}, X {patterns.shape}"
+        ) from None
+    return (
+        np.broadcast_to(xi, batch + xi.shape[-2:]),
+        np.broadcast_to(patterns, batch + patterns.shape[-2:]),
+        beta,
+        batch,
+    )
 
 
 def _energy64(xi, patterns, beta, constant):
@@ -128,8 +135,9 @@ def energy(xi, X, *, beta, constant=False, precision="float64", out_dtype=None):
     return exact.energy(xi, patterns, beta, constant, _checks.out_dtype(out_dtype))
 
 
-def retrieve(xi, X, *, beta, steps=1, tol=None, return_trace=False, precision="float64",
-             out_dtype=None):
+def retrieve(
+    xi, X, *, beta, steps=1, tol=None, return_trace=False, precision="float64", out_dtype=None
+):
     """Retrieve stored patterns by the update rule of Ramsauer et al. (U).
 
     .. math:: \\xi^{t+1} = X^\\top \\operatorname{softmax}(\\beta X \\xi^t)
@@ -173,10 +181,12 @@ def retrieve(xi, X, *, beta, steps=1, tol=None, return_trace=False, precision="f
         raise ValueError(f"steps: expected an int >= 1, got {steps!r}")
     tol = _checks.iteration_tol(tol, precision, "`steps` updates")
     if precision == "float64":
-        return _retrieve64(_checks.as_float64(xi), _checks.as_float64(patterns), beta, steps,
-                           tol, return_trace)
-    states, energies = exact.retrieve(xi, patterns, beta, steps, return_trace,
-                                      _checks.out_dtype(out_dtype))
+        return _retrieve64(
+            _checks.as_float64(xi), _checks.as_float64(patterns), beta, steps, tol, return_trace
+        )
+    states, energies = exact.retrieve(
+        xi, patterns, beta, steps, return_trace, _checks.out_dtype(out_dtype)
+    )
     if not return_trace:
         return states
     return RetrieveResult(states, energies, np.full(states.shape[:-1], steps, dtype=np.int64))
@@ -209,9 +219,7 @@ def _retrieve64(xi, patterns, beta, steps, tol, want_trace):
     return RetrieveResult(state, trace, done) if want_trace else state
 
 
-
-def retrieve_vjp(xi, X, grad_out, *, beta, steps=1, tol=None, precision="float64",
-                 out_dtype=None):
+def retrieve_vjp(xi, X, grad_out, *, beta, steps=1, tol=None, precision="float64", out_dtype=None):
     """Vector-Jacobian product of :func:`retrieve` (the states) with respect to xi and X.
 
     Reverse mode through the ``steps`` updates (U) ``xi^{t+1} = X^T softmax(beta X xi^t)``;
@@ -266,10 +274,20 @@ def retrieve_vjp(xi, X, grad_out, *, beta, steps=1, tol=None, precision="float64
     go = _checks.finite_array(grad_out, "grad_out", 2)
     go = _checks.broadcast(go, xi.shape, "grad_out", "(..., L, D) of xi")
     if precision == "exact":
-        return RetrieveGrads(*exact.retrieve_vjp(xi, patterns, go, beta, int(steps), shapes,
-                                                 _checks.out_dtype(out_dtype)))
-    return _retrieve_vjp64(_checks.as_float64(xi), _checks.as_float64(patterns),
-                           _checks.as_float64(go), beta, int(steps), tol, shapes)
+        return RetrieveGrads(
+            *exact.retrieve_vjp(
+                xi, patterns, go, beta, int(steps), shapes, _checks.out_dtype(out_dtype)
+            )
+        )
+    return _retrieve_vjp64(
+        _checks.as_float64(xi),
+        _checks.as_float64(patterns),
+        _checks.as_float64(go),
+        beta,
+        int(steps),
+        tol,
+        shapes,
+    )
 
 
 def _retrieve_vjp64(xi, patterns, grad, beta, steps, tol, shapes):
@@ -280,16 +298,18 @@ def _retrieve_vjp64(xi, patterns, grad, beta, steps, tol, shapes):
     for _ in range(steps):
         if not active.any():
             break
-        new = np.where(active[..., None], attention(states[-1], patterns, patterns,
-                                                    scale=beta), states[-1])
+        new = np.where(
+            active[..., None], attention(states[-1], patterns, patterns, scale=beta), states[-1]
+        )
         actives.append(active.copy())
         if tol is not None:
             active &= ~(np.max(np.abs(new - states[-1]), axis=-1) <= tol)
         states.append(new)
     dpatterns = np.zeros(patterns.shape)
     for state, active in zip(reversed(states[:-1]), reversed(actives), strict=True):
-        step = attention_vjp(state, patterns, patterns, np.where(active[..., None], grad, 0.0),
-                             scale=beta)
+        step = attention_vjp(
+            state, patterns, patterns, np.where(active[..., None], grad, 0.0), scale=beta
+        )
         dpatterns = dpatterns + step.dk + step.dv
         grad = np.where(active[..., None], step.dq, grad)
     return RetrieveGrads(reduce_to(grad, shapes[0]), reduce_to(dpatterns, shapes[1]))

@@ -39,8 +39,12 @@ def _prepare(x, axis, where):
         allowed = np.ones(x.shape, dtype=bool)
     else:
         allowed = np.moveaxis(
-            _checks.broadcast(_checks.bool_array(where, "where"), np.moveaxis(x, -1, axis).shape,
-                              "where", "x"), axis, -1)
+            _checks.broadcast(
+                _checks.bool_array(where, "where"), np.moveaxis(x, -1, axis).shape, "where", "x"
+            ),
+            axis,
+            -1,
+        )
     return x, np.asarray(allowed)
 
 

@@ -133,8 +133,9 @@ def _batch(*pairs):
         return np.broadcast_shapes(*(a.shape[: a.ndim - k] for a, k in pairs))
     except ValueError:
         shapes = ", ".join(str(a.shape) for a, _ in pairs)
-        raise ValueError(f"batch dimensions of the inputs do not broadcast: shapes {shapes}") \
-            from None
+        raise ValueError(
+            f"batch dimensions of the inputs do not broadcast: shapes {shapes}"
+        ) from None
 
 
 def _diagonal(J, policy, allowed, scalar=False):
@@ -195,8 +196,9 @@ def _solver_options(options):
     allowed = {"method", "memory", "damping", "lam", "atol", "on_fail"}
     unknown = set(options) - allowed
     if unknown:
-        raise TypeError(f"unexpected keyword arguments {sorted(unknown)}; solver options are "
-                        f"{sorted(allowed)}")
+        raise TypeError(
+            f"unexpected keyword arguments {sorted(unknown)}; solver options are {sorted(allowed)}"
+        )
     return options
 
 
@@ -378,16 +380,20 @@ def adaptive_tap(
     batch = _batch((x, 2), (J, 4))
     options = _solver_options(solver_options)
     if precision == "exact" and response == "site":
-        return _exact_result(batch, *exact.adaptive_tap_site(x, J, P, batch,
-                                                             _checks.out_dtype(out_dtype)))
+        return _exact_result(
+            batch, *exact.adaptive_tap_site(x, J, P, batch, _checks.out_dtype(out_dtype))
+        )
     if precision == "exact" and n * d > exact.PRIOR_EXACT_MAX_SIZE:
-        raise ValueError(f"adaptive_tap: the exact path with response='prior' certifies "
-                         f"N d <= {exact.PRIOR_EXACT_MAX_SIZE} unknown blocks, got N d = "
-                         f"{n * d}")
+        raise ValueError(
+            f"adaptive_tap: the exact path with response='prior' certifies "
+            f"N d <= {exact.PRIOR_EXACT_MAX_SIZE} unknown blocks, got N d = "
+            f"{n * d}"
+        )
     result = _adaptive_tap_float(x, J, P, batch, response, tol, max_iter, options)
     if precision == "exact":
-        *outputs, iterations = exact.adaptive_tap_prior(result.cavity_var, x, J, P, batch,
-                                                        _checks.out_dtype(out_dtype))
+        *outputs, iterations = exact.adaptive_tap_prior(
+            result.cavity_var, x, J, P, batch, _checks.out_dtype(out_dtype)
+        )
         return _exact_result(batch, *outputs, iterations=iterations)
     return result
 
@@ -399,7 +405,7 @@ def _adaptive_tap_float(x, J, P, batch, response, tol, max_iter, options):
     Jb = np.broadcast_to(J, (*batch, n, n, d, d)).reshape(size, n, n, d, d)
 
     def split(state):
-        return state[:, : n * d].reshape(-1, n, d), state[:, n * d:].reshape(-1, n, d, d)
+        return state[:, : n * d].reshape(-1, n, d), state[:, n * d :].reshape(-1, n, d, d)
 
     def update(state):
         m, V = split(state)
@@ -407,13 +413,16 @@ def _adaptive_tap_float(x, J, P, batch, response, tol, max_iter, options):
         return np.concatenate([means.reshape(size, -1), V_new.reshape(size, -1)], axis=1)
 
     try:
-        res = fp.solve(update, np.zeros((size, n * d * (1 + d))), tol=tol, max_iter=max_iter,
-                       **options)
+        res = fp.solve(
+            update, np.zeros((size, n * d * (1 + d))), tol=tol, max_iter=max_iter, **options
+        )
         m, V = split(res.z)
         _, _, chi_diag = _tap_update(m, V, Jb, xb, P, response)
     except np.linalg.LinAlgError as exc:
-        raise ValueError(f"adaptive_tap: singular matrix during the iteration ({exc}); "
-                         f"Sigma^-1 - J or Sigma^-1 - V_i is not invertible") from None
+        raise ValueError(
+            f"adaptive_tap: singular matrix during the iteration ({exc}); "
+            f"Sigma^-1 - J or Sigma^-1 - V_i is not invertible"
+        ) from None
     return MeanFieldResult(
         means=m.reshape(*batch, n, d),
         cavity_var=V.reshape(*batch, n, d, d),
@@ -510,8 +519,10 @@ def ising_tap(
     n = x.shape[-1]
     J = _checks.as_float64(_checks.float_array(J, "J", ndim_min=2))
     if J.shape[-2:] != (n, n):
-        raise ValueError(f"J: expected shape (..., N, N) = (..., {n}, {n}) to match x of shape "
-                         f"{x.shape}, got {J.shape}")
+        raise ValueError(
+            f"J: expected shape (..., N, N) = (..., {n}, {n}) to match x of shape "
+            f"{x.shape}, got {J.shape}"
+        )
     J = _diagonal(J, diagonal, ("error", "zero"), scalar=True)
     batch = _batch((x, 1), (J, 2))
     options = _solver_options(solver_options)
@@ -627,12 +638,18 @@ def deq_attention(
     batch = _batch((x, 2), (J, 4))
     options = _solver_options(solver_options)
     if precision == "exact" and correction is None:
-        return _exact_result(batch, exact.deq_linear(x, J, batch, _checks.out_dtype(out_dtype)),
-                             None, None)
+        return _exact_result(
+            batch, exact.deq_linear(x, J, batch, _checks.out_dtype(out_dtype)), None, None
+        )
     xb = np.broadcast_to(x, (*batch, n, d))
     Jb = np.broadcast_to(J, (*batch, n, n, d, d))
-    start = np.zeros((*batch, n, d)) if z0 is None else np.array(
-        _checks.broadcast(_spins(z0, "z0"), (*batch, n, d), "z0", "x"), dtype=np.float64)
+    start = (
+        np.zeros((*batch, n, d))
+        if z0 is None
+        else np.array(
+            _checks.broadcast(_spins(z0, "z0"), (*batch, n, d), "z0", "x"), dtype=np.float64
+        )
+    )
 
     def update(z):
         coupled = np.einsum("...ijxy,...jy->...ix", Jb, z) + xb
@@ -642,10 +659,13 @@ def deq_attention(
     if precision == "exact":
         lipschitz = _checks.real_scalar(lipschitz, "lipschitz", allow_none=True)
         if lipschitz is None or lipschitz < 0:
-            raise ValueError("lipschitz: the exact path with a correction needs a non-negative "
-                             f"Lipschitz bound of the correction, got {lipschitz!r}")
-        z, iterations = exact.deq_contraction(res.z, xb, Jb, correction, lipschitz,
-                                              _checks.out_dtype(out_dtype))
+            raise ValueError(
+                "lipschitz: the exact path with a correction needs a non-negative "
+                f"Lipschitz bound of the correction, got {lipschitz!r}"
+            )
+        z, iterations = exact.deq_contraction(
+            res.z, xb, Jb, correction, lipschitz, _checks.out_dtype(out_dtype)
+        )
         return _exact_result(batch, z, None, None, iterations=np.full(batch, iterations))
     return MeanFieldResult(
         means=res.z,
@@ -672,8 +692,9 @@ class MeanFieldGrads(NamedTuple):
 def _cotangent(grad_out, shape):
     g = _checks.as_float64(_checks.float_array(grad_out, "grad_out"))
     if g.shape != tuple(shape):
-        raise ValueError(f"grad_out: expected the shape of the means {tuple(shape)}, got shape "
-                         f"{g.shape}")
+        raise ValueError(
+            f"grad_out: expected the shape of the means {tuple(shape)}, got shape {g.shape}"
+        )
     return g
 
 
@@ -703,18 +724,33 @@ def _linear_fixed_point_vjp(x, J, P, g, batch, keep_diagonal):
         m = np.linalg.solve(A, xb.reshape(-1, n * d, 1)).reshape(-1, n, d)
         u = np.linalg.solve(np.swapaxes(A, -1, -2), gb.reshape(-1, n * d, 1)).reshape(-1, n, d)
     except np.linalg.LinAlgError:
-        raise ValueError("the coupling matrix P - J (Sigma^-1 - J, or I - J) is singular: the "
-                         "fixed point and its gradient do not exist") from None
+        raise ValueError(
+            "the coupling matrix P - J (Sigma^-1 - J, or I - J) is singular: the "
+            "fixed point and its gradient do not exist"
+        ) from None
     dJ = np.einsum("bia,bjc->bijac", u, m)
     if not keep_diagonal:
         _zero_self_couplings(dJ)
-    return MeanFieldGrads(reduce_to(u.reshape(*batch, n, d), x.shape),
-                          reduce_to(dJ.reshape(*batch, n, n, d, d), J.shape))
+    return MeanFieldGrads(
+        reduce_to(u.reshape(*batch, n, d), x.shape),
+        reduce_to(dJ.reshape(*batch, n, n, d, d), J.shape),
+    )
 
 
-def adaptive_tap_vjp(x, J, grad_out, *, prior_precision=None, response="site",
-                     diagonal="error", tol=fp.DEFAULT_TOL, max_iter=fp.DEFAULT_MAX_ITER,
-                     precision="float64", out_dtype=None, **solver_options) -> MeanFieldGrads:
+def adaptive_tap_vjp(
+    x,
+    J,
+    grad_out,
+    *,
+    prior_precision=None,
+    response="site",
+    diagonal="error",
+    tol=fp.DEFAULT_TOL,
+    max_iter=fp.DEFAULT_MAX_ITER,
+    precision="float64",
+    out_dtype=None,
+    **solver_options,
+) -> MeanFieldGrads:
     """Vector-Jacobian product of :func:`adaptive_tap`'s means (implicit, closed form).
 
     At the fixed point of eqs. (17), (20), (10), (8), (11) the means solve
@@ -769,8 +805,9 @@ def adaptive_tap_vjp(x, J, grad_out, *, prior_precision=None, response="site",
     _solver_options(solver_options)
     g = _cotangent(grad_out, (*batch, n, d))
     if precision == "exact":
-        return MeanFieldGrads(*exact.linear_fixed_point_vjp(
-            x, J, P, g, batch, False, _checks.out_dtype(out_dtype)))
+        return MeanFieldGrads(
+            *exact.linear_fixed_point_vjp(x, J, P, g, batch, False, _checks.out_dtype(out_dtype))
+        )
     return _linear_fixed_point_vjp(x, J, P, g, batch, keep_diagonal=False)
 
 
@@ -783,8 +820,9 @@ def _ising_adjoint_float(m, V, J, g):
     lam = V + 1 / c
     Y = np.linalg.inv(np.einsum("ij,bi->bij", eye, lam) - J)
     H = np.zeros((size, 2 * n, 2 * n))
-    H[:, :n, :n] = eye - c[..., None] * (J + np.einsum("ij,bi->bij", eye,
-                                                       (1 + m * m) / (c * c) - lam))
+    H[:, :n, :n] = eye - c[..., None] * (
+        J + np.einsum("ij,bi->bij", eye, (1 + m * m) / (c * c) - lam)
+    )
     H[:, :n, n:] = np.einsum("ij,bi->bij", eye, c * m)
     H[:, n:, :n] = np.einsum("ij,bi->bij", eye, 2 * m)
     H[:, n:, n:] = -(Y * np.swapaxes(Y, -1, -2))
@@ -795,9 +833,18 @@ def _ising_adjoint_float(m, V, J, g):
     return w1c, _zero_self_couplings(dJ, scalar=True)
 
 
-def ising_tap_vjp(x, J, grad_out, *, diagonal="error", tol=fp.DEFAULT_TOL,
-                  max_iter=fp.DEFAULT_MAX_ITER, precision="float64", out_dtype=None,
-                  **solver_options) -> MeanFieldGrads:
+def ising_tap_vjp(
+    x,
+    J,
+    grad_out,
+    *,
+    diagonal="error",
+    tol=fp.DEFAULT_TOL,
+    max_iter=fp.DEFAULT_MAX_ITER,
+    precision="float64",
+    out_dtype=None,
+    **solver_options,
+) -> MeanFieldGrads:
     """Vector-Jacobian product of :func:`ising_tap`'s means by implicit differentiation.
 
     The fixed point ``(m, V)`` of eqs. (14), (10), (8), (11) is the zero of the reduced
@@ -852,8 +899,10 @@ def ising_tap_vjp(x, J, grad_out, *, diagonal="error", tol=fp.DEFAULT_TOL,
     n = x.shape[-1]
     J = _checks.as_float64(_checks.float_array(J, "J", ndim_min=2))
     if J.shape[-2:] != (n, n):
-        raise ValueError(f"J: expected shape (..., N, N) = (..., {n}, {n}) to match x of shape "
-                         f"{x.shape}, got {J.shape}")
+        raise ValueError(
+            f"J: expected shape (..., N, N) = (..., {n}, {n}) to match x of shape "
+            f"{x.shape}, got {J.shape}"
+        )
     J = _diagonal(J, diagonal, ("error", "zero"), scalar=True)
     batch = _batch((x, 1), (J, 2))
     g = _cotangent(grad_out, (*batch, n))
@@ -861,17 +910,33 @@ def ising_tap_vjp(x, J, grad_out, *, diagonal="error", tol=fp.DEFAULT_TOL,
     m, V = (a.reshape(-1, n) for a in (res.means, res.cavity_var))
     xb, Jb, gb = _flat_batch(batch, (x, (n,)), (J, (n, n)), (g, (n,)))
     if precision == "exact":
-        return MeanFieldGrads(*exact.ising_tap_vjp(m, V, Jb, xb, gb, batch, x.shape, J.shape,
-                                                   _checks.out_dtype(out_dtype)))
+        return MeanFieldGrads(
+            *exact.ising_tap_vjp(
+                m, V, Jb, xb, gb, batch, x.shape, J.shape, _checks.out_dtype(out_dtype)
+            )
+        )
     dx, dJ = _ising_adjoint_float(m, V, Jb, gb)
-    return MeanFieldGrads(reduce_to(dx.reshape(*batch, n), x.shape),
-                          reduce_to(dJ.reshape(*batch, n, n), J.shape))
+    return MeanFieldGrads(
+        reduce_to(dx.reshape(*batch, n), x.shape), reduce_to(dJ.reshape(*batch, n, n), J.shape)
+    )
 
 
-def deq_attention_vjp(x, J, grad_out, *, correction=None, correction_vjp=None, z0=None,
-                      diagonal="error", tol=fp.DEFAULT_TOL, max_iter=fp.DEFAULT_MAX_ITER,
-                      precision="float64", out_dtype=None, lipschitz=None,
-                      **solver_options) -> MeanFieldGrads:
+def deq_attention_vjp(
+    x,
+    J,
+    grad_out,
+    *,
+    correction=None,
+    correction_vjp=None,
+    z0=None,
+    diagonal="error",
+    tol=fp.DEFAULT_TOL,
+    max_iter=fp.DEFAULT_MAX_ITER,
+    precision="float64",
+    out_dtype=None,
+    lipschitz=None,
+    **solver_options,
+) -> MeanFieldGrads:
     """Vector-Jacobian product of :func:`deq_attention` (the implicit backward of eq. (23)).
 
     At the fixed point ``z* = J z* - f(z*) + x`` implicit differentiation gives the adjoint
@@ -929,33 +994,54 @@ def deq_attention_vjp(x, J, grad_out, *, correction=None, correction_vjp=None, z
     J = _diagonal(_couplings(J, n, d), diagonal, ("error", "zero", "keep"))
     keep = diagonal == "keep"
     if correction is not None and not callable(correction_vjp):
-        raise TypeError("correction_vjp: a correction needs its vector-Jacobian product "
-                        f"correction_vjp(z, v) -> v^T f'(z), got {type(correction_vjp).__name__}")
+        raise TypeError(
+            "correction_vjp: a correction needs its vector-Jacobian product "
+            f"correction_vjp(z, v) -> v^T f'(z), got {type(correction_vjp).__name__}"
+        )
     batch = _batch((x, 2), (J, 4))
     g = _cotangent(grad_out, (*batch, n, d))
     options = _solver_options(solver_options)
     if correction is None:
         if precision == "exact":
-            return MeanFieldGrads(*exact.linear_fixed_point_vjp(
-                x, J, np.eye(d), g, batch, keep, _checks.out_dtype(out_dtype)))
+            return MeanFieldGrads(
+                *exact.linear_fixed_point_vjp(
+                    x, J, np.eye(d), g, batch, keep, _checks.out_dtype(out_dtype)
+                )
+            )
         return _linear_fixed_point_vjp(x, J, np.eye(d), g, batch, keep_diagonal=keep)
-    z = deq_attention(x, J, correction, z0=z0, diagonal="keep", tol=tol, max_iter=max_iter,
-                      **options).means
+    z = deq_attention(
+        x, J, correction, z0=z0, diagonal="keep", tol=tol, max_iter=max_iter, **options
+    ).means
     Jb = np.broadcast_to(J, (*batch, n, n, d, d))
 
     def adjoint(u):
         return np.einsum("...ijab,...ia->...jb", Jb, u) + g - np.asarray(correction_vjp(z, u))
 
-    u = fp.solve(adjoint, np.zeros((*batch, n, d)), tol=tol, max_iter=max_iter, state_ndim=2,
-                 **options).z
+    u = fp.solve(
+        adjoint, np.zeros((*batch, n, d)), tol=tol, max_iter=max_iter, state_ndim=2, **options
+    ).z
     if precision == "exact":
         lipschitz = _checks.real_scalar(lipschitz, "lipschitz", allow_none=True)
         if lipschitz is None or lipschitz < 0:
-            raise ValueError("lipschitz: the exact path with a correction needs a non-negative "
-                             f"Lipschitz bound of the correction, got {lipschitz!r}")
-        return MeanFieldGrads(*exact.deq_contraction_vjp(
-            z, u, np.broadcast_to(x, (*batch, n, d)), Jb, g, correction, correction_vjp,
-            lipschitz, keep, (x.shape, J.shape), _checks.out_dtype(out_dtype)))
+            raise ValueError(
+                "lipschitz: the exact path with a correction needs a non-negative "
+                f"Lipschitz bound of the correction, got {lipschitz!r}"
+            )
+        return MeanFieldGrads(
+            *exact.deq_contraction_vjp(
+                z,
+                u,
+                np.broadcast_to(x, (*batch, n, d)),
+                Jb,
+                g,
+                correction,
+                correction_vjp,
+                lipschitz,
+                keep,
+                (x.shape, J.shape),
+                _checks.out_dtype(out_dtype),
+            )
+        )
     dJ = np.einsum("...ia,...jb->...ijab", u, z)
     if not keep:
         _zero_self_couplings(dJ)
@@ -965,8 +1051,20 @@ def deq_attention_vjp(x, J, grad_out, *, correction=None, correction_vjp=None, z
 # ----------------------------------------------------------------------------- couplings
 
 
-def softmax_couplings(x, W_Q, W_K, W_V=None, *, scale=None, mask=None, causal=False,
-                      window=None, align="top_left", precision="float64", out_dtype=None):
+def softmax_couplings(
+    x,
+    W_Q,
+    W_K,
+    W_V=None,
+    *,
+    scale=None,
+    mask=None,
+    causal=False,
+    window=None,
+    align="top_left",
+    precision="float64",
+    out_dtype=None,
+):
     """Softmax couplings of eq. (24) (``\\label{eq:softmaxcouplings}``), with an allowed set.
 
     .. math::
@@ -1016,11 +1114,13 @@ def softmax_couplings(x, W_Q, W_K, W_V=None, *, scale=None, mask=None, causal=Fa
     [[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.333333, 0.333333, 0.333333]]
     """
     precision = _checks.precision(precision)
-    x, W_Q, W_K, values, scale, allowed = _coupling_inputs(x, W_Q, W_K, W_V, scale, mask,
-                                                           causal, window, align)
+    x, W_Q, W_K, values, scale, allowed = _coupling_inputs(
+        x, W_Q, W_K, W_V, scale, mask, causal, window, align
+    )
     if precision == "exact":
-        return exact.softmax_couplings(x, W_Q, W_K, values, allowed, scale,
-                                       _checks.out_dtype(out_dtype))
+        return exact.softmax_couplings(
+            x, W_Q, W_K, values, allowed, scale, _checks.out_dtype(out_dtype)
+        )
     weights, _, _, _ = _coupling_weights(x, W_Q, W_K, scale, allowed)
     return np.einsum("...ij,ba->...ijab", weights, values)
 
@@ -1034,8 +1134,10 @@ def _coupling_inputs(x, W_Q, W_K, W_V, scale, mask, causal, window, align):
     W_Q = _checks.as_float64(_checks.float_array(W_Q, "W_Q"))
     W_K = _checks.as_float64(_checks.float_array(W_K, "W_K"))
     if W_Q.ndim != 2 or W_Q.shape[0] != d or W_K.shape != W_Q.shape:
-        raise ValueError(f"W_Q, W_K: expected two (d, D) matrices with d = {d}, got shapes "
-                         f"{W_Q.shape} and {W_K.shape}")
+        raise ValueError(
+            f"W_Q, W_K: expected two (d, D) matrices with d = {d}, got shapes "
+            f"{W_Q.shape} and {W_K.shape}"
+        )
     values = np.eye(d) if W_V is None else _checks.as_float64(_checks.float_array(W_V, "W_V"))
     if values.shape != (d, d):
         raise ValueError(f"W_V: expected shape (d, d) = ({d}, {d}), got {values.shape}")
@@ -1066,9 +1168,21 @@ class SoftmaxCouplingsGrads(NamedTuple):
     dW_V: np.ndarray | None
 
 
-def softmax_couplings_vjp(x, W_Q, W_K, W_V, grad_out, *, scale=None, mask=None, causal=False,
-                          window=None, align="top_left", precision="float64",
-                          out_dtype=None) -> SoftmaxCouplingsGrads:
+def softmax_couplings_vjp(
+    x,
+    W_Q,
+    W_K,
+    W_V,
+    grad_out,
+    *,
+    scale=None,
+    mask=None,
+    causal=False,
+    window=None,
+    align="top_left",
+    precision="float64",
+    out_dtype=None,
+) -> SoftmaxCouplingsGrads:
     """Vector-Jacobian product of :func:`softmax_couplings` (eq. (24)).
 
     With ``G = grad_out`` (the cotangent of J, e.g. ``dJ`` of :func:`deq_attention_vjp`),
@@ -1108,25 +1222,42 @@ def softmax_couplings_vjp(x, W_Q, W_K, W_V, grad_out, *, scale=None, mask=None, 
     (None, [0.25, -0.25])
     """
     precision = _checks.precision(precision)
-    x, W_Q, W_K, values, scale, allowed = _coupling_inputs(x, W_Q, W_K, W_V, scale, mask,
-                                                           causal, window, align)
+    x, W_Q, W_K, values, scale, allowed = _coupling_inputs(
+        x, W_Q, W_K, W_V, scale, mask, causal, window, align
+    )
     n, d = x.shape[-2:]
     G = _checks.as_float64(_checks.float_array(grad_out, "grad_out"))
     if G.shape != allowed.shape[:-2] + (n, n, d, d):
-        raise ValueError(f"grad_out: expected the shape of the couplings "
-                         f"{allowed.shape[:-2] + (n, n, d, d)}, got {G.shape}")
+        raise ValueError(
+            f"grad_out: expected the shape of the couplings "
+            f"{allowed.shape[:-2] + (n, n, d, d)}, got {G.shape}"
+        )
     if precision == "exact":
-        grads = exact.softmax_couplings_vjp(x, W_Q, W_K, values, allowed, scale, G, x.shape,
-                                            _checks.out_dtype(out_dtype))
+        grads = exact.softmax_couplings_vjp(
+            x, W_Q, W_K, values, allowed, scale, G, x.shape, _checks.out_dtype(out_dtype)
+        )
     else:
         weights, q, k, s = _coupling_weights(x, W_Q, W_K, scale, allowed)
-        xb, qb, kb = (np.broadcast_to(a, allowed.shape[:-1] + a.shape[-1:]).reshape(
-            -1, n, a.shape[-1]) for a in (x, q, k))
-        parts = [exact.softmax_couplings_backward(*sample, s) for sample in zip(
-            xb, [W_Q] * len(xb), [W_K] * len(xb), [values] * len(xb),
-            weights.reshape(-1, n, n), qb, kb, G.reshape(-1, n, n, d, d), strict=True)]
-        dx = reduce_to(np.stack([p[0] for p in parts]).reshape(allowed.shape[:-2] + (n, d)),
-                       x.shape)
+        xb, qb, kb = (
+            np.broadcast_to(a, allowed.shape[:-1] + a.shape[-1:]).reshape(-1, n, a.shape[-1])
+            for a in (x, q, k)
+        )
+        parts = [
+            exact.softmax_couplings_backward(*sample, s)
+            for sample in zip(
+                xb,
+                [W_Q] * len(xb),
+                [W_K] * len(xb),
+                [values] * len(xb),
+                weights.reshape(-1, n, n),
+                qb,
+                kb,
+                G.reshape(-1, n, n, d, d),
+                strict=True,
+            )
+        ]
+        dx = reduce_to(
+            np.stack([p[0] for p in parts]).reshape(allowed.shape[:-2] + (n, d)), x.shape
+        )
         grads = [dx] + [sum(p[m] for p in parts) for m in (1, 2, 3)]
-    return SoftmaxCouplingsGrads(grads[0], grads[1], grads[2],
-                                 None if W_V is None else grads[3])
+    return SoftmaxCouplingsGrads(grads[0], grads[1], grads[2], None if W_V is None else grads[3])

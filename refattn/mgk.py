@@ -40,9 +40,20 @@ from .exact import mgk as exact
 from .logspace import log_softmax, logsumexp, softmax
 from .masks import allowed_mask
 
-__all__ = ["attention", "attention_vjp", "em_update_pi", "linear_attention",
-           "linear_attention_vjp", "EMResult", "MGKGrads", "MODES", "FEATURE_MAPS", "MLK_FORMS",
-           "PI_UPDATES", "LM_EPS"]
+__all__ = [
+    "attention",
+    "attention_vjp",
+    "em_update_pi",
+    "linear_attention",
+    "linear_attention_vjp",
+    "EMResult",
+    "MGKGrads",
+    "MODES",
+    "FEATURE_MAPS",
+    "MLK_FORMS",
+    "PI_UPDATES",
+    "LM_EPS",
+]
 
 MODES = ("soft", "hard")
 BACKENDS = ("numpy", "numba")
@@ -89,21 +100,25 @@ def _inputs(q, keys, v):
     q = _checks.float_array(q, "q", ndim_min=2)
     keys = _checks.float_array(keys, "keys", ndim_min=3)
     if keys.shape[-1] != q.shape[-1]:
-        raise ValueError(f"keys: expected shape (..., S, R, D) with D = {q.shape[-1]} (as q "
-                         f"{q.shape}), got {keys.shape}")
+        raise ValueError(
+            f"keys: expected shape (..., S, R, D) with D = {q.shape[-1]} (as q "
+            f"{q.shape}), got {keys.shape}"
+        )
     arrays = [q.shape[:-2], keys.shape[:-3]]
     if v is not None:
         v = _checks.float_array(v, "v", ndim_min=2)
         if v.shape[-2] != keys.shape[-3]:
-            raise ValueError(f"v: expected S = {keys.shape[-3]} rows (as keys {keys.shape}), "
-                             f"got shape {v.shape}")
+            raise ValueError(
+                f"v: expected S = {keys.shape[-3]} rows (as keys {keys.shape}), got shape {v.shape}"
+            )
         arrays.append(v.shape[:-2])
     try:
         batch = np.broadcast_shapes(*arrays)
     except ValueError:
         raise ValueError(
             f"leading (batch) dimensions do not broadcast: q {q.shape}, keys {keys.shape}"
-            + ("" if v is None else f", v {v.shape}")) from None
+            + ("" if v is None else f", v {v.shape}")
+        ) from None
     q = np.broadcast_to(q, batch + q.shape[-2:])
     keys = np.broadcast_to(keys, batch + keys.shape[-3:])
     if v is not None:
@@ -118,8 +133,10 @@ def _sigma2(sigma2, shape):
     else:
         wide = _checks.as_float64(_checks.float_array(sigma2, "sigma2"))
     if not np.isfinite(wide).all() or (wide <= 0).any():
-        raise ValueError(f"sigma2: expected finite variances > 0, got min "
-                         f"{np.nanmin(wide)!r} (shape {wide.shape})")
+        raise ValueError(
+            f"sigma2: expected finite variances > 0, got min "
+            f"{np.nanmin(wide)!r} (shape {wide.shape})"
+        )
     wide = _checks.broadcast(wide, shape, "sigma2", "(..., S, R)")
     flat = wide.reshape(shape[:-2] + (-1,))
     return wide, bool(flat.shape[-1] > 1 and (flat != flat[..., :1]).any())
@@ -127,7 +144,7 @@ def _sigma2(sigma2, shape):
 
 def _distribution_slack(dtype, count):
     """Tolerance on sum(pi) = 1: ``count`` roundings of the input's own format."""
-    eps = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}.get(np.dtype(dtype).name)
+    eps = {"float16": 2.0**-10, "bfloat16": 2.0**-7}.get(np.dtype(dtype).name)
     return count * (eps if eps is not None else float(np.finfo(dtype).eps))
 
 
@@ -139,16 +156,19 @@ def _log_pi(log_pi, shape):
     arr = _checks.float_array(log_pi, "log_pi", ndim_min=2)
     wide = _checks.as_float64(arr)
     if np.isnan(wide).any() or np.isposinf(wide).any():
-        raise ValueError(f"log_pi: NaN or +inf found (shape {wide.shape}); expected log "
-                         "mixture weights")
+        raise ValueError(
+            f"log_pi: NaN or +inf found (shape {wide.shape}); expected log mixture weights"
+        )
     wide = _checks.broadcast(wide, shape, "log_pi", "(..., S, R)")
     totals = logsumexp(wide, axis=-1)
     slack = _distribution_slack(arr.dtype, components + 2)
     if not (np.abs(totals) <= slack).all():
         worst = totals.ravel()[np.argmax(np.abs(totals).ravel())]
-        raise ValueError(f"log_pi: each key's weights must be a distribution over R = "
-                         f"{components} components (logsumexp 0 within {slack:.3g}); got a "
-                         f"logsumexp of {worst!r}")
+        raise ValueError(
+            f"log_pi: each key's weights must be a distribution over R = "
+            f"{components} components (logsumexp 0 within {slack:.3g}); got a "
+            f"logsumexp of {worst!r}"
+        )
     return wide, arr.dtype
 
 
@@ -164,8 +184,10 @@ def _pi(pi, shape, distribution=True):
     slack = _distribution_slack(arr.dtype, shape[-1] + 1)
     if not (np.abs(sums - 1) <= slack).all():
         worst = sums.ravel()[np.argmax(np.abs(sums - 1).ravel())]
-        raise ValueError(f"pi: each key's weights must sum to 1 over R = {shape[-1]} "
-                         f"components (within {slack:.3g}); got a sum of {worst!r}")
+        raise ValueError(
+            f"pi: each key's weights must sum to 1 over R = {shape[-1]} "
+            f"components (within {slack:.3g}); got a sum of {worst!r}"
+        )
     return wide
 
 
@@ -210,9 +232,24 @@ def _clean(x):
     return np.where(np.isfinite(x), x, 0.0)
 
 
-def attention(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=False, mask=None,
-              causal=False, window=None, align="top_left", row_eps=0.0, precision="float64",
-              out_dtype=None, backend="numpy"):
+def attention(
+    q,
+    keys,
+    v,
+    *,
+    log_pi=None,
+    sigma2=1.0,
+    mode="soft",
+    normalized=False,
+    mask=None,
+    causal=False,
+    window=None,
+    align="top_left",
+    row_eps=0.0,
+    precision="float64",
+    out_dtype=None,
+    backend="numpy",
+):
     """Transformer-MGK attention (Nguyen et al. 2022; notes (N6)-(N7), hard form (N9)).
 
     .. math::
@@ -282,11 +319,14 @@ def attention(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=Fa
     mode = _checks.choice(mode, "mode", MODES)
     row_eps = _row_eps(row_eps)
     if _checks.choice(backend, "backend", BACKENDS) == "numba" and precision != "float64":
-        raise ValueError("backend: 'numba' runs the float64 path only; pass "
-                         "precision='float64' or backend='numpy'")
+        raise ValueError(
+            "backend: 'numba' runs the float64 path only; pass "
+            "precision='float64' or backend='numpy'"
+        )
     if backend == "numba" and row_eps:
-        raise ValueError("backend: the numba kernel has no row_eps; pass row_eps=0 or "
-                         "backend='numpy'")
+        raise ValueError(
+            "backend: the numba kernel has no row_eps; pass row_eps=0 or backend='numpy'"
+        )
     if v is None:
         raise TypeError("v: expected a float array (..., S, E), got None")
     q, keys, v, batch = _inputs(q, keys, v)
@@ -298,25 +338,52 @@ def attention(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=Fa
         from .kernels.variants import mgk_attention
 
         announce_compile(variants, names="mgk")
-        return mgk_attention(q, keys, v, log_pi=log_pi, sigma2=sigma2, sigma_varies=sigma_varies,
-                             mode=mode, normalized=normalized, mask=mask, causal=causal,
-                             window=window, align=align)
+        return mgk_attention(
+            q,
+            keys,
+            v,
+            log_pi=log_pi,
+            sigma2=sigma2,
+            sigma_varies=sigma_varies,
+            mode=mode,
+            normalized=normalized,
+            mask=mask,
+            causal=causal,
+            window=window,
+            align=align,
+        )
     length, units = q.shape[-2], keys.shape[-3]
     allowed = _checks.broadcast(
         allowed_mask(length, units, mask=mask, causal=causal, window=window, align=align),
-        batch + (length, units), "mask", "(..., L, S) of q and keys")
+        batch + (length, units),
+        "mask",
+        "(..., L, S) of q and keys",
+    )
     q64, keys64, v64 = (_checks.as_float64(a) for a in (q, keys, v))
     poisoned = _row_poisoned(q64, keys64, v64, allowed)
     if precision == "float64":
-        terms = _component_terms64(_clean(q64), _clean(keys64), log_pi, sigma2, sigma_varies,
-                                   mode, normalized)
+        terms = _component_terms64(
+            _clean(q64), _clean(keys64), log_pi, sigma2, sigma_varies, mode, normalized
+        )
         scores = _scores64(terms, mode)
         weights = _weights64(scores, allowed & ~np.isneginf(scores), row_eps)
         out = weights @ _clean(v64)
         return np.where(poisoned[..., None], np.nan, out)
 
-    return exact.attention(q, _clean(keys64), v, log_pi, sigma2, sigma_varies, mode, normalized,
-                           allowed, poisoned, row_eps, _checks.out_dtype(out_dtype))
+    return exact.attention(
+        q,
+        _clean(keys64),
+        v,
+        log_pi,
+        sigma2,
+        sigma_varies,
+        mode,
+        normalized,
+        allowed,
+        poisoned,
+        row_eps,
+        _checks.out_dtype(out_dtype),
+    )
 
 
 def _vjp_inputs(q, keys, v, grad_out):
@@ -344,9 +411,24 @@ def _softmax_backward(weights, dweights):
     return weights * (dweights - (weights * dweights).sum(axis=-1, keepdims=True))
 
 
-def attention_vjp(q, keys, v, grad_out, *, log_pi=None, sigma2=1.0, mode="soft",
-                  normalized=False, mask=None, causal=False, window=None, align="top_left",
-                  row_eps=0.0, precision="float64", out_dtype=None):
+def attention_vjp(
+    q,
+    keys,
+    v,
+    grad_out,
+    *,
+    log_pi=None,
+    sigma2=1.0,
+    mode="soft",
+    normalized=False,
+    mask=None,
+    causal=False,
+    window=None,
+    align="top_left",
+    row_eps=0.0,
+    precision="float64",
+    out_dtype=None,
+):
     """Vector-Jacobian product of :func:`attention` with respect to q, keys and v.
 
     With ``P_ij`` the weights, ``rho_ijr = d s_ij / d t_ijr`` (soft: ``exp(t_ijr - s_ij)``,
@@ -414,27 +496,54 @@ def attention_vjp(q, keys, v, grad_out, *, log_pi=None, sigma2=1.0, mode="soft",
     length, units = q.shape[-2], keys.shape[-3]
     allowed = _checks.broadcast(
         allowed_mask(length, units, mask=mask, causal=causal, window=window, align=align),
-        batch + (length, units), "mask", "(..., L, S) of q and keys")
+        batch + (length, units),
+        "mask",
+        "(..., L, S) of q and keys",
+    )
     if precision == "exact":
-        grads = exact.attention_vjp(q, keys, v, go, log_pi, sigma2, sigma_varies, mode,
-                                    normalized, allowed, row_eps, _checks.out_dtype(out_dtype),
-                                    shapes)
+        grads = exact.attention_vjp(
+            q,
+            keys,
+            v,
+            go,
+            log_pi,
+            sigma2,
+            sigma_varies,
+            mode,
+            normalized,
+            allowed,
+            row_eps,
+            _checks.out_dtype(out_dtype),
+            shapes,
+        )
     else:
-        grads = _attention_vjp64(*(_checks.as_float64(a) for a in (q, keys, v, go)), log_pi,
-                                 sigma2, sigma_varies, mode, normalized, allowed, row_eps)
+        grads = _attention_vjp64(
+            *(_checks.as_float64(a) for a in (q, keys, v, go)),
+            log_pi,
+            sigma2,
+            sigma_varies,
+            mode,
+            normalized,
+            allowed,
+            row_eps,
+        )
     return MGKGrads(*(reduce_to(g, shape) for g, shape in zip(grads, shapes, strict=True)))
 
 
-def _attention_vjp64(q, keys, v, go, log_pi, sigma2, sigma_varies, mode, normalized, allowed,
-                     row_eps):
+def _attention_vjp64(
+    q, keys, v, go, log_pi, sigma2, sigma_varies, mode, normalized, allowed, row_eps
+):
     terms = _component_terms64(q, keys, log_pi, sigma2, sigma_varies, mode, normalized)
     scores = _scores64(terms, mode)
     where = allowed & ~np.isneginf(scores)
     weights = _weights64(scores, where, row_eps)
     if mode == "soft":
         with np.errstate(invalid="ignore"):
-            share = np.where(np.isneginf(terms) | ~where[..., None], 0.0,
-                             np.exp(terms - np.where(where, scores, 0.0)[..., None]))
+            share = np.where(
+                np.isneginf(terms) | ~where[..., None],
+                0.0,
+                np.exp(terms - np.where(where, scores, 0.0)[..., None]),
+            )
     else:
         share = _hard_share(terms, scores) * where[..., None]
     dscores = _softmax_backward(weights, go @ np.swapaxes(v, -1, -2))
@@ -462,8 +571,9 @@ def _weights64(scores, where, row_eps):
     return np.where(where, np.exp(np.where(where, scores, 0.0) - log_den), 0.0)
 
 
-def em_update_pi(q, keys, *, log_pi, sigma2, mask=None, pi_update="joint", precision="float64",
-                 out_dtype=None):
+def em_update_pi(
+    q, keys, *, log_pi, sigma2, mask=None, pi_update="joint", precision="float64", out_dtype=None
+):
     """One EM step for the mixture weights pi of Transformer-MGK (notes (N8)).
 
     E-step: the joint responsibility of key j and its component r for query i (uniform key
@@ -531,19 +641,37 @@ def em_update_pi(q, keys, *, log_pi, sigma2, mask=None, pi_update="joint", preci
         if not np.isfinite(_checks.as_float64(arr)).all():
             raise ValueError(f"{name}: expected finite values (shape {arr.shape})")
     length, units, comps = q.shape[-2], keys.shape[-3], keys.shape[-2]
-    allowed = _checks.broadcast(allowed_mask(length, units, mask=mask), batch + (length, units),
-                                "mask", "(..., L, S) of q and keys")
+    allowed = _checks.broadcast(
+        allowed_mask(length, units, mask=mask),
+        batch + (length, units),
+        "mask",
+        "(..., L, S) of q and keys",
+    )
     if precision == "float64" and pi_update == "per_key":
-        terms = _component_terms64(_checks.as_float64(q), _checks.as_float64(keys), log_pi,
-                                   sigma2, sigma_varies, "soft", True)
+        terms = _component_terms64(
+            _checks.as_float64(q),
+            _checks.as_float64(keys),
+            log_pi,
+            sigma2,
+            sigma_varies,
+            "soft",
+            True,
+        )
         resp = softmax(terms, axis=-1, where=~np.isneginf(terms)) * allowed[..., None]
         count = allowed.sum(axis=-2)[..., None]  # (..., S, 1) allowed queries per key
         with np.errstate(invalid="ignore"):
             pi = np.where(count > 0, resp.sum(axis=-3) / np.maximum(count, 1), np.exp(log_pi))
         return EMResult(pi, resp)
     if precision == "float64":
-        terms = _component_terms64(_checks.as_float64(q), _checks.as_float64(keys), log_pi,
-                                   sigma2, sigma_varies, "soft", True)
+        terms = _component_terms64(
+            _checks.as_float64(q),
+            _checks.as_float64(keys),
+            log_pi,
+            sigma2,
+            sigma_varies,
+            "soft",
+            True,
+        )
         flat = terms.reshape(terms.shape[:-2] + (-1,))
         where = (np.repeat(allowed, comps, axis=-1)) & ~np.isneginf(flat)
         log_resp = log_softmax(flat, axis=-1, where=where).reshape(terms.shape)
@@ -552,12 +680,16 @@ def em_update_pi(q, keys, *, log_pi, sigma2, mask=None, pi_update="joint", preci
         log_den = logsumexp(log_num, axis=-1, where=~np.isneginf(log_num))  # (..., S)
         keep = np.isneginf(log_den)[..., None]
         with np.errstate(invalid="ignore"):
-            pi = np.where(keep, np.exp(log_pi), np.exp(log_num - np.where(keep, 0.0,
-                                                                          log_den[..., None])))
+            pi = np.where(
+                keep, np.exp(log_pi), np.exp(log_num - np.where(keep, 0.0, log_den[..., None]))
+            )
         return EMResult(pi, np.exp(log_resp))
 
-    return EMResult(*exact.em_update_pi(q, keys, log_pi, sigma2, sigma_varies, allowed,
-                                        pi_update, _checks.out_dtype(out_dtype)))
+    return EMResult(
+        *exact.em_update_pi(
+            q, keys, log_pi, sigma2, sigma_varies, allowed, pi_update, _checks.out_dtype(out_dtype)
+        )
+    )
 
 
 def _elu1_64(x):
@@ -568,9 +700,21 @@ def _delu1_64(x):
     return np.where(x > 0, 1.0, np.exp(np.minimum(x, 0.0)))
 
 
-def linear_attention(q, keys, v, *, pi, feature_map="elu+1", mask=None, causal=False,
-                     window=None, align="top_left", mlk_form="mixture", precision="float64",
-                     out_dtype=None):
+def linear_attention(
+    q,
+    keys,
+    v,
+    *,
+    pi,
+    feature_map="elu+1",
+    mask=None,
+    causal=False,
+    window=None,
+    align="top_left",
+    mlk_form="mixture",
+    precision="float64",
+    out_dtype=None,
+):
     """Transformer-MLK: linear attention with a mixture of linear keys (Nguyen et al. 2022).
 
     .. math::
@@ -649,10 +793,12 @@ def linear_attention(q, keys, v, *, pi, feature_map="elu+1", mask=None, causal=F
     length, units = q.shape[-2], keys.shape[-3]
     allowed = _checks.broadcast(
         allowed_mask(length, units, mask=mask, causal=causal, window=window, align=align),
-        batch + (length, units), "mask", "(..., L, S) of q and keys")
+        batch + (length, units),
+        "mask",
+        "(..., L, S) of q and keys",
+    )
     if precision == "exact":
-        return exact.linear_attention(q, keys, v, pi, allowed, form,
-                                      _checks.out_dtype(out_dtype))
+        return exact.linear_attention(q, keys, v, pi, allowed, form, _checks.out_dtype(out_dtype))
     q64, keys64, v64 = (_checks.as_float64(a) for a in (q, keys, v))
     if form == "mixture" and mask is None and window is None and align == "top_left":
         return _mixture_prefix64(q64, keys64, v64, pi, causal)
@@ -700,14 +846,13 @@ def _features64(q, keys, pi, form):
     length, units = q.shape[-2], keys.shape[-3]
     phi_q, dphi_q = _elu1_64(q), _delu1_64(q)
     if form == "lra":
-        cq, ck = length ** -0.25, units ** -0.25
+        cq, ck = length**-0.25, units**-0.25
         mixed = np.einsum("...sr,...srd->...sd", pi, keys)
 
         def back_k(dm):
             return pi[..., None] * (dm * ck * _delu1_64(mixed))[..., None, :]
 
-        return _Features64(phi_q * cq, _elu1_64(mixed) * ck, lambda da: da * cq * dphi_q,
-                           back_k)
+        return _Features64(phi_q * cq, _elu1_64(mixed) * ck, lambda da: da * cq * dphi_q, back_k)
     phi_k, dphi_k = _elu1_64(keys), _delu1_64(keys)
     if form == "lm":
         qsum, ksum = phi_q.sum(-1, keepdims=True), phi_k.sum(-1, keepdims=True)
@@ -731,9 +876,22 @@ def _features64(q, keys, pi, form):
     return _Features64(a, np.einsum("...sr,...srd->...sd", pi, hat_k), back_q, back_k)
 
 
-def linear_attention_vjp(q, keys, v, grad_out, *, pi, feature_map="elu+1", mask=None,
-                         causal=False, window=None, align="top_left", mlk_form="mixture",
-                         precision="float64", out_dtype=None):
+def linear_attention_vjp(
+    q,
+    keys,
+    v,
+    grad_out,
+    *,
+    pi,
+    feature_map="elu+1",
+    mask=None,
+    causal=False,
+    window=None,
+    align="top_left",
+    mlk_form="mixture",
+    precision="float64",
+    out_dtype=None,
+):
     """Vector-Jacobian product of :func:`linear_attention` with respect to q, keys and v.
 
     With kernels ``kappa_ij = a_i . m_j`` (``a``, ``m`` the query and key features of the
@@ -788,10 +946,16 @@ def linear_attention_vjp(q, keys, v, grad_out, *, pi, feature_map="elu+1", mask=
     length, units = q.shape[-2], keys.shape[-3]
     allowed = _checks.broadcast(
         allowed_mask(length, units, mask=mask, causal=causal, window=window, align=align),
-        batch + (length, units), "mask", "(..., L, S) of q and keys")
+        batch + (length, units),
+        "mask",
+        "(..., L, S) of q and keys",
+    )
     if precision == "exact":
-        return MGKGrads(*exact.linear_attention_vjp(q, keys, v, go, pi, allowed, form, shapes,
-                                                    _checks.out_dtype(out_dtype)))
+        return MGKGrads(
+            *exact.linear_attention_vjp(
+                q, keys, v, go, pi, allowed, form, shapes, _checks.out_dtype(out_dtype)
+            )
+        )
     q64, keys64, v64, go64 = (_checks.as_float64(a) for a in (q, keys, v, go))
     feats = _features64(q64, keys64, pi, form)
     kernels = np.where(allowed, feats.a @ np.swapaxes(feats.m, -1, -2), 0.0)
@@ -809,5 +973,6 @@ def linear_attention_vjp(q, keys, v, grad_out, *, pi, feature_map="elu+1", mask=
     dv = np.swapaxes(kernels * weights, -1, -2) @ go64
     dq = feats.back_q(dkernels @ feats.m)
     dkeys = feats.back_k(np.swapaxes(dkernels, -1, -2) @ feats.a)
-    return MGKGrads(*(reduce_to(g, shape) for g, shape in zip((dq, dkeys, dv), shapes,
-                                                              strict=True)))
+    return MGKGrads(
+        *(reduce_to(g, shape) for g, shape in zip((dq, dkeys, dv), shapes, strict=True))
+    )

@@ -87,8 +87,18 @@ ACTIVATIONS = ("relu", "gelu")
 NORMS = ("post", "pre")
 LAYOUTS = ("interleave", "concat")
 ATTENTION_KEYWORDS = (
-    "scale", "bias", "mask", "causal", "window", "align", "softcap", "alibi_slopes", "gqa",
-    "dropout_mask", "dropout_p", "empty_rows",
+    "scale",
+    "bias",
+    "mask",
+    "causal",
+    "window",
+    "align",
+    "softcap",
+    "alibi_slopes",
+    "gqa",
+    "dropout_mask",
+    "dropout_p",
+    "empty_rows",
 )
 
 
@@ -220,10 +230,16 @@ def _check_attention(x_q, x_kv, p: AttentionParams) -> AttentionParams:
     vdim = _heads_of(W_V.shape[1], kv_heads, "W_V", "E", "num_kv_heads")
     W_O = _matrix(p.W_O, "W_O", heads * vdim)
     return AttentionParams(
-        W_Q, W_K, W_V, W_O,
-        _vector(p.b_Q, "b_Q", W_Q.shape[1]), _vector(p.b_K, "b_K", W_K.shape[1]),
-        _vector(p.b_V, "b_V", W_V.shape[1]), _vector(p.b_O, "b_O", W_O.shape[1]),
-        heads, kv_heads,
+        W_Q,
+        W_K,
+        W_V,
+        W_O,
+        _vector(p.b_Q, "b_Q", W_Q.shape[1]),
+        _vector(p.b_K, "b_K", W_K.shape[1]),
+        _vector(p.b_V, "b_V", W_V.shape[1]),
+        _vector(p.b_O, "b_O", W_O.shape[1]),
+        heads,
+        kv_heads,
     )
 
 
@@ -412,11 +428,17 @@ class Float64VJPOps(Float64Ops):
             inv_sigma = 1.0 / np.sqrt(var + eps)
             xhat = centred * inv_sigma
             dxhat = g if p.gamma is None else g * p.gamma
-            dx = (dxhat - dxhat.mean(axis=-1, keepdims=True)
-                  - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)) * inv_sigma
+            dx = (
+                dxhat
+                - dxhat.mean(axis=-1, keepdims=True)
+                - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
+            ) * inv_sigma
         width = x.shape[-1]
-        return (np.ldexp(dx, -exponent), (g * xhat).reshape(-1, width).sum(axis=0),
-                g.reshape(-1, width).sum(axis=0))
+        return (
+            np.ldexp(dx, -exponent),
+            (g * xhat).reshape(-1, width).sum(axis=0),
+            g.reshape(-1, width).sum(axis=0),
+        )
 
     @staticmethod
     def attention_vjp(q, k, v, kwargs, g):
@@ -507,8 +529,9 @@ def _run(plan: Composition, precision, out_dtype):
     dtype = _checks.out_dtype(out_dtype)
     _require_finite(plan.inputs)
     _require_finite(_arrays_of(plan.params))
-    out = X.round_composition(plan.chain, list(plan.inputs.values()), plan.params, dtype,
-                              plan.what, map_params=_convert)
+    out = X.round_composition(
+        plan.chain, list(plan.inputs.values()), plan.params, dtype, plan.what, map_params=_convert
+    )
     return plan.finish(out)
 
 
@@ -516,8 +539,22 @@ def _run(plan: Composition, precision, out_dtype):
 
 
 def multihead_attention(
-    x_q, x_kv, W_Q, W_K, W_V, W_O, *, b_Q=None, b_K=None, b_V=None, b_O=None, num_heads,
-    num_kv_heads=None, precision="float64", out_dtype=None, **attention_kwargs,
+    x_q,
+    x_kv,
+    W_Q,
+    W_K,
+    W_V,
+    W_O,
+    *,
+    b_Q=None,
+    b_K=None,
+    b_V=None,
+    b_O=None,
+    num_heads,
+    num_kv_heads=None,
+    precision="float64",
+    out_dtype=None,
+    **attention_kwargs,
 ):
     """Multi-head (self or cross) attention, [L17] "Multihead attention", [AMT] "Self-Attention".
 
@@ -570,18 +607,45 @@ def multihead_attention(
     >>> np.round(T.multihead_attention(x, None, eye, eye, eye, eye, num_heads=2), 4).tolist()
     [[0.7311, 0.5], [0.5, 0.7311]]
     """
-    plan = _mha_plan(x_q, x_kv, W_Q, W_K, W_V, W_O, b_Q=b_Q, b_K=b_K, b_V=b_V, b_O=b_O,
-                     num_heads=num_heads, num_kv_heads=num_kv_heads, **attention_kwargs)
+    plan = _mha_plan(
+        x_q,
+        x_kv,
+        W_Q,
+        W_K,
+        W_V,
+        W_O,
+        b_Q=b_Q,
+        b_K=b_K,
+        b_V=b_V,
+        b_O=b_O,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        **attention_kwargs,
+    )
     return _run(plan, precision, out_dtype)
 
 
-def _mha_plan(x_q, x_kv, W_Q, W_K, W_V, W_O, *, b_Q=None, b_K=None, b_V=None, b_O=None,
-              num_heads, num_kv_heads=None, **attention_kwargs) -> Composition:
+def _mha_plan(
+    x_q,
+    x_kv,
+    W_Q,
+    W_K,
+    W_V,
+    W_O,
+    *,
+    b_Q=None,
+    b_K=None,
+    b_V=None,
+    b_O=None,
+    num_heads,
+    num_kv_heads=None,
+    **attention_kwargs,
+) -> Composition:
     x_q = _input(x_q, "x_q")
     x_kv = x_q if x_kv is None else _input(x_kv, "x_kv")
     params = _check_attention(
-        x_q, x_kv, AttentionParams(W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, num_heads,
-                                   num_kv_heads))
+        x_q, x_kv, AttentionParams(W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, num_heads, num_kv_heads)
+    )
     kwargs = _attention_keywords(attention_kwargs)
 
     def chain(ops, xq, xkv, p):
@@ -590,8 +654,7 @@ def _mha_plan(x_q, x_kv, W_Q, W_K, W_V, W_O, *, b_Q=None, b_K=None, b_V=None, b_
     return Composition(chain, {"x_q": x_q, "x_kv": x_kv}, params, "multihead_attention")
 
 
-def layer_norm(x, *, gamma=None, beta=None, eps=1e-5, axis=-1, precision="float64",
-               out_dtype=None):
+def layer_norm(x, *, gamma=None, beta=None, eps=1e-5, axis=-1, precision="float64", out_dtype=None):
     """Layer normalisation, [L17] "Other layers": ``h_i <- g/sigma (h_i - mu)``.
 
     .. math::
@@ -650,20 +713,22 @@ def _layer_norm_plan(x, *, gamma=None, beta=None, eps=1e-5, axis=-1) -> Composit
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis: {axis} is out of range for x of shape {x.shape}")
     if x.shape[axis] == 0:
-        raise ValueError(f"x: the normalised axis {axis} has width 0 (shape {x.shape}); "
-                         "expected at least one element")
+        raise ValueError(
+            f"x: the normalised axis {axis} has width 0 (shape {x.shape}); "
+            "expected at least one element"
+        )
     moved = np.moveaxis(x, axis, -1)
     p = _check_norm(moved.shape[-1], NormParams(gamma, beta, eps))
 
     def chain(ops, h, params):
         return ops.layer_norm(h, params)
 
-    return Composition(chain, {"x": moved}, p, "layer_norm",
-                       lambda out: np.moveaxis(out, -1, axis))
+    return Composition(chain, {"x": moved}, p, "layer_norm", lambda out: np.moveaxis(out, -1, axis))
 
 
-def sinusoidal_positions(length, dim, base=10000, layout="interleave", *, precision="float64",
-                         out_dtype=None):
+def sinusoidal_positions(
+    length, dim, base=10000, layout="interleave", *, precision="float64", out_dtype=None
+):
     """Sinusoidal position table, [L17] "Other layers" (positional embedding; Vaswani 2017).
 
     .. math::
@@ -733,8 +798,11 @@ def _nonnegative_int(value, name):
 def _positions_layout(sines, cosines, layout):
     length, half = sines.shape
     table = np.empty((length, 2 * half))
-    sin_cols, cos_cols = ((slice(0, None, 2), slice(1, None, 2)) if layout == "interleave"
-                          else (slice(0, half), slice(half, None)))
+    sin_cols, cos_cols = (
+        (slice(0, None, 2), slice(1, None, 2))
+        if layout == "interleave"
+        else (slice(0, half), slice(half, None))
+    )
     table[:, sin_cols] = sines
     table[:, cos_cols] = cosines
     return table
@@ -776,8 +844,16 @@ def _ffn_plan(x, W1, b1, W2, b2, activation="relu") -> Composition:
     return Composition(_ffn, {"x": x}, params, "feed_forward")
 
 
-def encoder_block(x, params: EncoderParams, *, norm="post", mask=None, precision="float64",
-                  out_dtype=None, **attention_kwargs):
+def encoder_block(
+    x,
+    params: EncoderParams,
+    *,
+    norm="post",
+    mask=None,
+    precision="float64",
+    out_dtype=None,
+    **attention_kwargs,
+):
     """One Transformer encoder block ([AMT] "Transformers", Figure 2; Vaswani 2017).
 
     .. math::
@@ -836,8 +912,12 @@ def _check_encoder(x, p):
     _check_model_width(attn.W_O, width, "params.attn.W_O")
     ffn = _check_ffn(x, p.ffn)
     _check_model_width(ffn.W2, width, "params.ffn.W2")
-    return EncoderParams(attn, ffn, _check_norm(width, p.norm1, "params.norm1."),
-                         _check_norm(width, p.norm2, "params.norm2."))
+    return EncoderParams(
+        attn,
+        ffn,
+        _check_norm(width, p.norm1, "params.norm1."),
+        _check_norm(width, p.norm2, "params.norm2."),
+    )
 
 
 def _check_model_width(W, width, name):
@@ -847,8 +927,17 @@ def _check_model_width(W, width, name):
         )
 
 
-def decoder_block(x, memory, params: DecoderParams, *, norm="post", self_mask=None,
-                  memory_mask=None, precision="float64", out_dtype=None):
+def decoder_block(
+    x,
+    memory,
+    params: DecoderParams,
+    *,
+    norm="post",
+    self_mask=None,
+    memory_mask=None,
+    precision="float64",
+    out_dtype=None,
+):
     """One Transformer decoder block ([L17] "Masked Multi-head attention"; Vaswani 2017).
 
     .. math::
@@ -878,8 +967,7 @@ def decoder_block(x, memory, params: DecoderParams, *, norm="post", self_mask=No
     >>> T.decoder_block(np.ones((3, 4)), np.ones((5, 4)), p).shape
     (3, 4)
     """
-    plan = _decoder_plan(x, memory, params, norm=norm, self_mask=self_mask,
-                         memory_mask=memory_mask)
+    plan = _decoder_plan(x, memory, params, norm=norm, self_mask=self_mask, memory_mask=memory_mask)
     return _run(plan, precision, out_dtype)
 
 
@@ -907,8 +995,7 @@ def _check_decoder(x, memory, p):
     _check_model_width(cross_attn.W_O, width, "params.cross_attn.W_O")
     ffn = _check_ffn(x, p.ffn)
     _check_model_width(ffn.W2, width, "params.ffn.W2")
-    norms = [_check_norm(width, getattr(p, n), f"params.{n}.") for n in ("norm1", "norm2",
-                                                                           "norm3")]
+    norms = [_check_norm(width, getattr(p, n), f"params.{n}.") for n in ("norm1", "norm2", "norm3")]
     return DecoderParams(self_attn, cross_attn, ffn, *norms)
 
 
@@ -929,13 +1016,19 @@ def composition(function, *args, **kwargs) -> Composition:
     >>> plan.finish(plan.chain(T.Float64Ops, *plan.inputs.values(), plan.params)).tolist()
     [-1.0, 1.0]
     """
-    plans = {multihead_attention: _mha_plan, layer_norm: _layer_norm_plan,
-             sinusoidal_positions: _positions_plan, feed_forward: _ffn_plan,
-             encoder_block: _encoder_plan, decoder_block: _decoder_plan}
+    plans = {
+        multihead_attention: _mha_plan,
+        layer_norm: _layer_norm_plan,
+        sinusoidal_positions: _positions_plan,
+        feed_forward: _ffn_plan,
+        encoder_block: _encoder_plan,
+        decoder_block: _decoder_plan,
+    }
     if function not in plans:
         names = ", ".join(f.__name__ for f in plans)
-        raise ValueError(f"function: expected one of {names} of refattn.transformer, "
-                         f"got {function!r}")
+        raise ValueError(
+            f"function: expected one of {names} of refattn.transformer, got {function!r}"
+        )
     return _float64(plans[function](*args, **kwargs))
 
 
@@ -1018,21 +1111,31 @@ def _vjp(plan: Composition, grad_out, precision, out_dtype, zero_names=frozenset
     g = _checks.as_float64(_checks.float_array(grad_out, "grad_out"))
     inputs = list(plan.inputs.values())
     if precision == "float64":
-        flat = backward_pass(Tape(Float64VJPOps()), plan.chain, inputs, plan.params, g,
-                             _unchanged, _convert)
+        flat = backward_pass(
+            Tape(Float64VJPOps()), plan.chain, inputs, plan.params, g, _unchanged, _convert
+        )
     else:
         _require_finite(dict(plan.inputs, grad_out=g))
         _require_finite(_arrays_of(plan.params))
         names = list(_arrays_of(plan.params))
         zeros = {len(inputs) + k for k, name in enumerate(names) if name in zero_names}
-        flat = X.round_vjp(plan.chain, inputs, plan.params, g, _checks.out_dtype(out_dtype),
-                           plan.what + "_vjp", map_params=_convert, zero_arrays=zeros)
-    rest = iter(flat[len(inputs):])
-    return flat[:len(inputs)], _convert(plan.params, lambda _: next(rest))
+        flat = X.round_vjp(
+            plan.chain,
+            inputs,
+            plan.params,
+            g,
+            _checks.out_dtype(out_dtype),
+            plan.what + "_vjp",
+            map_params=_convert,
+            zero_arrays=zeros,
+        )
+    rest = iter(flat[len(inputs) :])
+    return flat[: len(inputs)], _convert(plan.params, lambda _: next(rest))
 
 
-def layer_norm_vjp(x, grad_out, *, gamma=None, beta=None, eps=1e-5, axis=-1,
-                   precision="float64", out_dtype=None) -> LayerNormGrads:
+def layer_norm_vjp(
+    x, grad_out, *, gamma=None, beta=None, eps=1e-5, axis=-1, precision="float64", out_dtype=None
+) -> LayerNormGrads:
     """Vector-Jacobian product of :func:`layer_norm` ([L17] "Other layers").
 
     With ``sigma = sqrt(var + eps)``, ``xhat = (x - mu) / sigma`` and ``dxhat = g * gamma``
@@ -1080,16 +1183,18 @@ def layer_norm_vjp(x, grad_out, *, gamma=None, beta=None, eps=1e-5, axis=-1,
     """
     plan = _layer_norm_plan(x, gamma=gamma, beta=beta, eps=eps, axis=axis)
     g = _checks.float_array(grad_out, "grad_out")
-    if g.shape != plan.inputs["x"].shape[:-1] + (plan.inputs["x"].shape[-1],) and \
-            g.shape != np.shape(x):
+    if g.shape != plan.inputs["x"].shape[:-1] + (
+        plan.inputs["x"].shape[-1],
+    ) and g.shape != np.shape(x):
         raise ValueError(f"grad_out: expected the shape of x {np.shape(x)}, got {g.shape}")
     moved = np.moveaxis(g, _checks.axis(axis), -1) if g.shape == np.shape(x) else g
     (dx,), dparams = _vjp(plan, moved, precision, out_dtype)
     return LayerNormGrads(plan.finish(dx), dparams.gamma, dparams.beta)
 
 
-def feed_forward_vjp(x, W1, b1, W2, b2, grad_out, activation="relu", *, precision="float64",
-                     out_dtype=None) -> FeedForwardGrads:
+def feed_forward_vjp(
+    x, W1, b1, W2, b2, grad_out, activation="relu", *, precision="float64", out_dtype=None
+) -> FeedForwardGrads:
     """Vector-Jacobian product of :func:`feed_forward`.
 
     .. math::
@@ -1128,8 +1233,23 @@ def feed_forward_vjp(x, W1, b1, W2, b2, grad_out, activation="relu", *, precisio
 
 
 def multihead_attention_vjp(
-    x_q, x_kv, W_Q, W_K, W_V, W_O, grad_out, *, b_Q=None, b_K=None, b_V=None, b_O=None,
-    num_heads, num_kv_heads=None, precision="float64", out_dtype=None, **attention_kwargs,
+    x_q,
+    x_kv,
+    W_Q,
+    W_K,
+    W_V,
+    W_O,
+    grad_out,
+    *,
+    b_Q=None,
+    b_K=None,
+    b_V=None,
+    b_O=None,
+    num_heads,
+    num_kv_heads=None,
+    precision="float64",
+    out_dtype=None,
+    **attention_kwargs,
 ) -> MultiheadAttentionGrads:
     """Vector-Jacobian product of :func:`multihead_attention`.
 
@@ -1166,21 +1286,44 @@ def multihead_attention_vjp(
     >>> grads.dx_q.tolist(), grads.dx_kv
     ([[1.0, 1.0], [1.0, 1.0]], None)
     """
-    plan = _mha_plan(x_q, x_kv, W_Q, W_K, W_V, W_O, b_Q=b_Q, b_K=b_K, b_V=b_V, b_O=b_O,
-                     num_heads=num_heads, num_kv_heads=num_kv_heads, **attention_kwargs)
+    plan = _mha_plan(
+        x_q,
+        x_kv,
+        W_Q,
+        W_K,
+        W_V,
+        W_O,
+        b_Q=b_Q,
+        b_K=b_K,
+        b_V=b_V,
+        b_O=b_O,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        **attention_kwargs,
+    )
     if x_kv is None:  # one input used twice: its two gradients are summed before rounding
         chain = plan.chain
-        plan = plan._replace(chain=lambda ops, xq, p: chain(ops, xq, xq, p),
-                             inputs={"x_q": plan.inputs["x_q"]})
-    inputs, p = _vjp(plan, grad_out, precision, out_dtype,
-                     _key_bias_zeros(attention_kwargs, ""))
+        plan = plan._replace(
+            chain=lambda ops, xq, p: chain(ops, xq, xq, p), inputs={"x_q": plan.inputs["x_q"]}
+        )
+    inputs, p = _vjp(plan, grad_out, precision, out_dtype, _key_bias_zeros(attention_kwargs, ""))
     dx_kv = None if x_kv is None else inputs[1]
-    return MultiheadAttentionGrads(inputs[0], dx_kv, p.W_Q, p.W_K, p.W_V, p.W_O, p.b_Q, p.b_K,
-                                   p.b_V, p.b_O)
+    return MultiheadAttentionGrads(
+        inputs[0], dx_kv, p.W_Q, p.W_K, p.W_V, p.W_O, p.b_Q, p.b_K, p.b_V, p.b_O
+    )
 
 
-def encoder_block_vjp(x, params: EncoderParams, grad_out, *, norm="post", mask=None,
-                      precision="float64", out_dtype=None, **attention_kwargs) -> EncoderGrads:
+def encoder_block_vjp(
+    x,
+    params: EncoderParams,
+    grad_out,
+    *,
+    norm="post",
+    mask=None,
+    precision="float64",
+    out_dtype=None,
+    **attention_kwargs,
+) -> EncoderGrads:
     """Vector-Jacobian product of :func:`encoder_block` (reverse pass through the residuals,
     layer norms, feed-forward and self-attention; see :func:`layer_norm_vjp`,
     :func:`feed_forward_vjp`, :func:`multihead_attention_vjp`).
@@ -1208,14 +1351,24 @@ def encoder_block_vjp(x, params: EncoderParams, grad_out, *, norm="post", mask=N
     ((3, 4), (4, 8))
     """
     plan = _encoder_plan(x, params, norm=norm, mask=mask, **attention_kwargs)
-    (dx,), dparams = _vjp(plan, grad_out, precision, out_dtype,
-                          _key_bias_zeros(attention_kwargs, "attn."))
+    (dx,), dparams = _vjp(
+        plan, grad_out, precision, out_dtype, _key_bias_zeros(attention_kwargs, "attn.")
+    )
     return EncoderGrads(dx, dparams)
 
 
-def decoder_block_vjp(x, memory, params: DecoderParams, grad_out, *, norm="post",
-                      self_mask=None, memory_mask=None, precision="float64",
-                      out_dtype=None) -> DecoderGrads:
+def decoder_block_vjp(
+    x,
+    memory,
+    params: DecoderParams,
+    grad_out,
+    *,
+    norm="post",
+    self_mask=None,
+    memory_mask=None,
+    precision="float64",
+    out_dtype=None,
+) -> DecoderGrads:
     """Vector-Jacobian product of :func:`decoder_block` (as :func:`encoder_block_vjp`, with
     the gradient of the memory through the cross-attention's keys and values).
 
@@ -1240,10 +1393,10 @@ def decoder_block_vjp(x, memory, params: DecoderParams, grad_out, *, norm="post"
     >>> grads.dmemory.shape, grads.dparams.cross_attn.W_K.shape
     ((5, 4), (4, 4))
     """
-    plan = _decoder_plan(x, memory, params, norm=norm, self_mask=self_mask,
-                         memory_mask=memory_mask)
-    (dx, dmemory), dparams = _vjp(plan, grad_out, precision, out_dtype,
-                                  _key_bias_zeros({}, "self_attn.", "cross_attn."))
+    plan = _decoder_plan(x, memory, params, norm=norm, self_mask=self_mask, memory_mask=memory_mask)
+    (dx, dmemory), dparams = _vjp(
+        plan, grad_out, precision, out_dtype, _key_bias_zeros({}, "self_attn.", "cross_attn.")
+    )
     return DecoderGrads(dx, dmemory, dparams)
 
 
@@ -1254,8 +1407,18 @@ def _normal(rng, shape, std, dtype):
     return (rng.standard_normal(shape) * std).astype(dtype)
 
 
-def random_attention_params(model_dim, num_heads, *, seed, num_kv_heads=None, head_dim=None,
-                            kv_dim=None, out_dim=None, bias=True, dtype="float64"):
+def random_attention_params(
+    model_dim,
+    num_heads,
+    *,
+    seed,
+    num_kv_heads=None,
+    head_dim=None,
+    kv_dim=None,
+    out_dim=None,
+    bias=True,
+    dtype="float64",
+):
     """Random :class:`AttentionParams`: weights N(0, 1/fan_in), biases N(0, 0.1^2).
 
     ``head_dim`` D = E defaults to ``model_dim // num_heads``; ``kv_dim`` N and ``out_dim`` P
@@ -1276,8 +1439,12 @@ def random_attention_params(model_dim, num_heads, *, seed, num_kv_heads=None, he
         W_K=_normal(rng, (kv_dim, kv_heads * dim), kv_dim**-0.5, dtype),
         W_V=_normal(rng, (kv_dim, kv_heads * dim), kv_dim**-0.5, dtype),
         W_O=_normal(rng, (num_heads * dim, out_dim), (num_heads * dim) ** -0.5, dtype),
-        b_Q=b(num_heads * dim), b_K=b(kv_heads * dim), b_V=b(kv_heads * dim), b_O=b(out_dim),
-        num_heads=num_heads, num_kv_heads=kv_heads,
+        b_Q=b(num_heads * dim),
+        b_K=b(kv_heads * dim),
+        b_V=b(kv_heads * dim),
+        b_O=b(out_dim),
+        num_heads=num_heads,
+        num_kv_heads=kv_heads,
     )
 
 
@@ -1292,36 +1459,55 @@ def _random_ffn(rng, model_dim, ffn_dim, activation, dtype):
 
 
 def _random_norm(rng, model_dim, dtype):
-    return NormParams(gamma=(1 + _normal(rng, (model_dim,), 0.1, "float64")).astype(dtype),
-                      beta=_normal(rng, (model_dim,), 0.1, dtype))
+    return NormParams(
+        gamma=(1 + _normal(rng, (model_dim,), 0.1, "float64")).astype(dtype),
+        beta=_normal(rng, (model_dim,), 0.1, dtype),
+    )
 
 
-def random_encoder_params(model_dim, num_heads, ffn_dim, *, seed, num_kv_heads=None,
-                          activation="relu", dtype="float64"):
+def random_encoder_params(
+    model_dim, num_heads, ffn_dim, *, seed, num_kv_heads=None, activation="relu", dtype="float64"
+):
     """Random :class:`EncoderParams` (see :func:`random_attention_params`); gamma ~ 1 +
     N(0, 0.1^2), beta ~ N(0, 0.1^2), eps = 1e-5. Deterministic in ``seed``."""
     rng = np.random.default_rng(seed)
     seeds = rng.integers(0, 2**32, size=2)
     return EncoderParams(
-        attn=random_attention_params(model_dim, num_heads, seed=int(seeds[0]),
-                                     num_kv_heads=num_kv_heads, dtype=dtype),
+        attn=random_attention_params(
+            model_dim, num_heads, seed=int(seeds[0]), num_kv_heads=num_kv_heads, dtype=dtype
+        ),
         ffn=_random_ffn(rng, model_dim, ffn_dim, activation, dtype),
         norm1=_random_norm(rng, model_dim, dtype),
         norm2=_random_norm(rng, model_dim, dtype),
     )
 
 
-def random_decoder_params(model_dim, num_heads, ffn_dim, *, seed, memory_dim=None,
-                          num_kv_heads=None, activation="relu", dtype="float64"):
+def random_decoder_params(
+    model_dim,
+    num_heads,
+    ffn_dim,
+    *,
+    seed,
+    memory_dim=None,
+    num_kv_heads=None,
+    activation="relu",
+    dtype="float64",
+):
     """Random :class:`DecoderParams`; ``memory_dim`` N (default ``model_dim``)."""
     rng = np.random.default_rng(seed)
     seeds = rng.integers(0, 2**32, size=2)
     return DecoderParams(
-        self_attn=random_attention_params(model_dim, num_heads, seed=int(seeds[0]),
-                                          num_kv_heads=num_kv_heads, dtype=dtype),
-        cross_attn=random_attention_params(model_dim, num_heads, seed=int(seeds[1]),
-                                           num_kv_heads=num_kv_heads,
-                                           kv_dim=memory_dim or model_dim, dtype=dtype),
+        self_attn=random_attention_params(
+            model_dim, num_heads, seed=int(seeds[0]), num_kv_heads=num_kv_heads, dtype=dtype
+        ),
+        cross_attn=random_attention_params(
+            model_dim,
+            num_heads,
+            seed=int(seeds[1]),
+            num_kv_heads=num_kv_heads,
+            kv_dim=memory_dim or model_dim,
+            dtype=dtype,
+        ),
         ffn=_random_ffn(rng, model_dim, ffn_dim, activation, dtype),
         norm1=_random_norm(rng, model_dim, dtype),
         norm2=_random_norm(rng, model_dim, dtype),

@@ -22,8 +22,20 @@ from oracle.tolerance import accumulation_dtype, allowed_positions
 
 __all__ = ["BROKEN", "Broken", "textbook"]
 
-_OPTIONS = ("scale", "bias", "mask", "causal", "window", "align", "softcap", "alibi_slopes",
-            "gqa", "dropout_mask", "dropout_p", "empty_rows")
+_OPTIONS = (
+    "scale",
+    "bias",
+    "mask",
+    "causal",
+    "window",
+    "align",
+    "softcap",
+    "alibi_slopes",
+    "gqa",
+    "dropout_mask",
+    "dropout_p",
+    "empty_rows",
+)
 
 
 def _forward(q, k, v, return_lse=False, softcap_order="before_bias", **options):
@@ -51,8 +63,7 @@ def wrong_alignment(q, k, v, **options):
 def tile_gqa(q, k, v, **options):
     """Query head h reads kv head h % K (older ONNX contrib ops) whatever gqa says."""
     gqa = options.get("gqa") or "interleave"
-    return _forward(q, k, v, **{**options, "gqa": "tile" if gqa == "interleave" else
-                                "interleave"})
+    return _forward(q, k, v, **{**options, "gqa": "tile" if gqa == "interleave" else "interleave"})
 
 
 def softcap_after_mask(q, k, v, **options):
@@ -94,17 +105,28 @@ def _core(q, k, v, options):
     H, L, D = q.shape[-3:]
     S = k.shape[-2]
     G = H // k.shape[-3]
-    k_h = np.repeat(k, G, axis=-3) if (options.get("gqa") or "interleave") == "interleave" \
+    k_h = (
+        np.repeat(k, G, axis=-3)
+        if (options.get("gqa") or "interleave") == "interleave"
         else np.concatenate([k] * G, axis=-3)
-    v_h = np.repeat(v, G, axis=-3) if (options.get("gqa") or "interleave") == "interleave" \
+    )
+    v_h = (
+        np.repeat(v, G, axis=-3)
+        if (options.get("gqa") or "interleave") == "interleave"
         else np.concatenate([v] * G, axis=-3)
+    )
     scale = options.get("scale")
     scale = 1 / math.sqrt(D) if scale is None else scale
-    scores = (np.matmul(q.astype(acc), np.swapaxes(k_h, -1, -2).astype(acc)) * acc.type(scale))
-    allowed = allowed_positions(L, S, mask=options.get("mask"), bias=options.get("bias"),
-                                causal=bool(options.get("causal")),
-                                window=options.get("window"),
-                                align=options.get("align") or "top_left")
+    scores = np.matmul(q.astype(acc), np.swapaxes(k_h, -1, -2).astype(acc)) * acc.type(scale)
+    allowed = allowed_positions(
+        L,
+        S,
+        mask=options.get("mask"),
+        bias=options.get("bias"),
+        causal=bool(options.get("causal")),
+        window=options.get("window"),
+        align=options.get("align") or "top_left",
+    )
     if options.get("bias") is not None:
         bias = np.asarray(options["bias"], dtype=np.float64)
         scores = scores + np.where(np.isfinite(bias), bias, 0).astype(acc)
@@ -166,18 +188,18 @@ class Broken:
 
 BROKEN = {
     "missing_scale": Broken(missing_scale, ("basic-*-f32", "basic-*-f64"), "no scale"),
-    "wrong_alignment": Broken(wrong_alignment, ("causal-br-H*-f32",),
-                              "align='top_left'"),
+    "wrong_alignment": Broken(wrong_alignment, ("causal-br-H*-f32",), "align='top_left'"),
     "tile_gqa": Broken(tile_gqa, ("gqa-interleave-H8*-f32",), "gqa='tile'"),
-    "softcap_after_mask": Broken(softcap_after_mask, ("softcap-mask-*-f32",),
-                                 "softcap after mask"),
+    "softcap_after_mask": Broken(softcap_after_mask, ("softcap-mask-*-f32",), "softcap after mask"),
     "half_softmax_no_max_shift": Broken(half_softmax_no_max_shift, ("gap-H*-f16",), None),
     "window_off_by_one": Broken(window_off_by_one, ("window-both-H*-f32",), "window=("),
-    "no_dropout_rescale": Broken(no_dropout_rescale, ("dropout-H*-f32",),
-                                 "dropout without the 1/(1-p) rescale"),
+    "no_dropout_rescale": Broken(
+        no_dropout_rescale, ("dropout-H*-f32",), "dropout without the 1/(1-p) rescale"
+    ),
     "nan_rows": Broken(nan_rows, ("mask-empty-rows-H*-f32",), "empty_rows='nan'"),
     "corrupted_element": Broken(corrupted_element, ("long-*-f32",), None),
-    "half_accumulation": Broken(half_accumulation, ("positive-long-*-f16",),
-                                "accumulating weights @ v in float16"),
+    "half_accumulation": Broken(
+        half_accumulation, ("positive-long-*-f16",), "accumulating weights @ v in float16"
+    ),
     "inverted_mask": Broken(inverted_mask, ("mask-random-*-f32",), "mask polarity inverted"),
 }

@@ -23,8 +23,14 @@ import numpy as np
 
 from oracle.tolerance import ulp, ulp_distance
 
-__all__ = ["assert_same_bits", "assert_within", "assert_norm_within", "elementwise_error",
-           "reproduction", "assert_rounds_derivative"]
+__all__ = [
+    "assert_same_bits",
+    "assert_within",
+    "assert_norm_within",
+    "elementwise_error",
+    "reproduction",
+    "assert_rounds_derivative",
+]
 
 
 def reproduction() -> str:
@@ -59,8 +65,10 @@ def _fail(lines):
 def _element(name, index, value, truth, dtype) -> str:
     v, t = float(value[index]), float(truth[index])
     ulps = float(ulp_distance(v, t, dtype))
-    return (f"worst element {name}[{', '.join(map(str, index))}]: value {v!r}, truth {t!r}, "
-            f"{ulps:.3g} ulp of {dtype}")
+    return (
+        f"worst element {name}[{', '.join(map(str, index))}]: value {v!r}, truth {t!r}, "
+        f"{ulps:.3g} ulp of {dtype}"
+    )
 
 
 def _arrays(value, truth, label):
@@ -80,16 +88,22 @@ def assert_same_bits(value, truth, *, what, case="", check_dtype=False):
     __tracebackhide__ = True
     label = _label(what, case)
     if check_dtype and np.asarray(value).dtype != np.asarray(truth).dtype:
-        _fail([f"{label}: dtype {np.asarray(value).dtype}, truth has dtype "
-               f"{np.asarray(truth).dtype}"])
+        _fail(
+            [f"{label}: dtype {np.asarray(value).dtype}, truth has dtype {np.asarray(truth).dtype}"]
+        )
     value, truth = _arrays(value, truth, label)
     same = ((value == truth) & (np.signbit(value) == np.signbit(truth))) | (
-        np.isnan(value) & np.isnan(truth))
+        np.isnan(value) & np.isnan(truth)
+    )
     if not same.all():
         index = tuple(int(i) for i in np.argwhere(~same)[0])
-        _fail([f"{label}: {int((~same).sum())} of {same.size} elements differ "
-               f"(threshold: bit for bit)",
-               "first " + _element(str(what), index, value, truth, "float64")])
+        _fail(
+            [
+                f"{label}: {int((~same).sum())} of {same.size} elements differ "
+                f"(threshold: bit for bit)",
+                "first " + _element(str(what), index, value, truth, "float64"),
+            ]
+        )
 
 
 def assert_within(value, truth, bound, *, what, case="", ulps=0.0, dtype="float64"):
@@ -111,9 +125,13 @@ def assert_within(value, truth, bound, *, what, case="", ulps=0.0, dtype="float6
             ratio = np.where(over, error / threshold, 0.0)
         ratio = np.where(np.isnan(ratio), np.inf, ratio)
         index = tuple(int(i) for i in np.unravel_index(int(np.argmax(ratio)), ratio.shape))
-        _fail([f"{label}: {int(over.sum())} of {over.size} elements over the threshold",
-               _element(str(what), index, value, truth, dtype),
-               f"error {error[index]:.3e} > threshold {threshold[index]:.3e}"])
+        _fail(
+            [
+                f"{label}: {int(over.sum())} of {over.size} elements over the threshold",
+                _element(str(what), index, value, truth, dtype),
+                f"error {error[index]:.3e} > threshold {threshold[index]:.3e}",
+            ]
+        )
 
 
 def assert_norm_within(value, truth, bound, *, what, case="", per_sample=False):
@@ -140,11 +158,15 @@ def assert_norm_within(value, truth, bound, *, what, case="", per_sample=False):
         flat = int(np.argmax(rows[sample]))
         shape = value.shape[1:] if per_sample else value.shape
         index = ((sample,) if per_sample else ()) + tuple(
-            int(i) for i in np.unravel_index(flat, shape))
+            int(i) for i in np.unravel_index(flat, shape)
+        )
         where = f"sample {sample}: " if per_sample else ""
-        _fail([f"{label}: {where}2-norm error {norms[sample]:.3e} > bound "
-               f"{limits[sample]:.3e}",
-               _element(str(what), index, value, truth, "float64")])
+        _fail(
+            [
+                f"{label}: {where}2-norm error {norms[sample]:.3e} > bound {limits[sample]:.3e}",
+                _element(str(what), index, value, truth, "float64"),
+            ]
+        )
 
 
 def assert_rounds_derivative(value, derivative, *, what, case="", dtype="float64"):
@@ -162,16 +184,23 @@ def assert_rounds_derivative(value, derivative, *, what, case="", dtype="float64
     label = _label(what, case)
     for index in np.ndindex(*value.shape):
         estimate, bound = derivative[index]
-        low, high = round_to_dtype(estimate - bound, dtype), round_to_dtype(estimate + bound,
-                                                                            dtype)
+        low, high = round_to_dtype(estimate - bound, dtype), round_to_dtype(estimate + bound, dtype)
         got = value[index]
         if low == high and np.signbit(low) == np.signbit(high):
             if not (got == low and np.signbit(got) == np.signbit(low)):
-                _fail([f"{label}: element {index} is {got!r}, the derivative rounds to "
-                       f"{low!r} (estimate {float(estimate)!r} +- {float(bound):.3e})"])
+                _fail(
+                    [
+                        f"{label}: element {index} is {got!r}, the derivative rounds to "
+                        f"{low!r} (estimate {float(estimate)!r} +- {float(bound):.3e})"
+                    ]
+                )
         elif not abs(got - estimate) <= bound:
-            _fail([f"{label}: element {index} is {got!r}, outside the derivative's interval "
-                   f"{float(estimate)!r} +- {float(bound):.3e}"])
+            _fail(
+                [
+                    f"{label}: element {index} is {got!r}, outside the derivative's interval "
+                    f"{float(estimate)!r} +- {float(bound):.3e}"
+                ]
+            )
 
 
 def vjp_problem(seed=0, heads=2, kv_heads=2, length=5, keys=6, dim=4, vdim=3, batch=1):

@@ -51,8 +51,14 @@ from tests.strategies import (
     mixture_problems,
 )
 
-__all__ = ["Entry", "REGISTRY", "gmm_term_scale", "gmm_vjp_bound", "mgk_term_scale",
-           "hopfield_energy_bound"]
+__all__ = [
+    "Entry",
+    "REGISTRY",
+    "gmm_term_scale",
+    "gmm_vjp_bound",
+    "mgk_term_scale",
+    "hopfield_energy_bound",
+]
 
 
 @dataclass(frozen=True)
@@ -88,25 +94,33 @@ def _attention_cases(dtype, **sizes):
     def build(draw):
         q, k, v, opts = draw(attention_cases(dtypes=(dtype,), **sizes))
         return dict(q=q, k=k, v=v, opts=opts, dtype=dtype)
+
     return build
 
 
 def _attention_fast(case):
-    out, lse = refattn.attention(case["q"], case["k"], case["v"], return_lse=True,
-                                 **case["opts"])
+    out, lse = refattn.attention(case["q"], case["k"], case["v"], return_lse=True, **case["opts"])
     return {"out": out, "lse": lse}
 
 
 def _attention_exact(case):
     out, lse, weights = refattn.attention(
-        case["q"], case["k"], case["v"], precision="exact", out_dtype=_np_dtype(case["dtype"]),
-        return_lse=True, return_weights=True, **case["opts"])
+        case["q"],
+        case["k"],
+        case["v"],
+        precision="exact",
+        out_dtype=_np_dtype(case["dtype"]),
+        return_lse=True,
+        return_weights=True,
+        **case["opts"],
+    )
     return {"out": out, "lse": lse, "weights": weights}
 
 
 def _attention_naive(case):
-    out, lse, weights = naive_attention_rounded(case["q"], case["k"], case["v"], case["opts"],
-                                                _np_dtype(case["dtype"]))
+    out, lse, weights = naive_attention_rounded(
+        case["q"], case["k"], case["v"], case["opts"], _np_dtype(case["dtype"])
+    )
     return {"out": out, "lse": lse, "weights": weights}
 
 
@@ -117,24 +131,33 @@ def _attention_bound(case):
 
 def _attention_label(case):
     q, k, v = case["q"], case["k"], case["v"]
-    return (f"dtype={case['dtype']} shapes={q.shape},{k.shape},{v.shape} "
-            f"options={sorted(case['opts'])}")
+    return (
+        f"dtype={case['dtype']} shapes={q.shape},{k.shape},{v.shape} options={sorted(case['opts'])}"
+    )
 
 
 def _attention_entry(dtype):
     wide = dtype == "float64"
-    return Entry(f"attention[{dtype}]", fast=_attention_fast if wide else None,
-                 exact=_attention_exact, naive=_attention_naive,
-                 bound=_attention_bound if wide else None,
-                 strategy=_attention_cases(dtype), label=_attention_label,
-                 bound_strategy=_attention_cases(dtype, max_len=8, max_dim=8) if wide else None,
-                 out_dtype=lambda case: _np_dtype(case["dtype"]))
+    return Entry(
+        f"attention[{dtype}]",
+        fast=_attention_fast if wide else None,
+        exact=_attention_exact,
+        naive=_attention_naive,
+        bound=_attention_bound if wide else None,
+        strategy=_attention_cases(dtype),
+        label=_attention_label,
+        bound_strategy=_attention_cases(dtype, max_len=8, max_dim=8) if wide else None,
+        out_dtype=lambda case: _np_dtype(case["dtype"]),
+    )
 
 
 # ----------------------------------------------------------------------------- logspace
 
-_LOGSPACE = {"lse": refattn.logsumexp, "softmax": refattn.softmax,
-             "log_softmax": refattn.log_softmax}
+_LOGSPACE = {
+    "lse": refattn.logsumexp,
+    "softmax": refattn.softmax,
+    "log_softmax": refattn.log_softmax,
+}
 
 
 def _logspace_cases(dtype, *, allow_empty_rows=False, **sizes):
@@ -145,13 +168,17 @@ def _logspace_cases(dtype, *, allow_empty_rows=False, **sizes):
         if not allow_empty_rows and not where.any(axis=1).all():
             where[:, 0] = True
         return dict(x=x, where=where, dtype=dtype)
+
     return build
 
 
 def _logspace_exact(case):
-    return {name: function(case["x"], where=case["where"], precision="exact",
-                           out_dtype=_np_dtype(case["dtype"]))
-            for name, function in _LOGSPACE.items()}
+    return {
+        name: function(
+            case["x"], where=case["where"], precision="exact", out_dtype=_np_dtype(case["dtype"])
+        )
+        for name, function in _LOGSPACE.items()
+    }
 
 
 def _logspace_naive(case):
@@ -172,22 +199,35 @@ def _logspace_bound(case):
     exact = refattn.logsumexp(x, where=where, precision="exact")
     finite = np.where(np.isfinite(exact), exact, 0.0)
     p_exact = refattn.softmax(x, where=where, precision="exact")
-    return {"lse": gamma(n + 3) + UNIT_ROUNDOFF * np.abs(finite),
-            "softmax": p_exact * (gamma(n + 5) + UNIT_ROUNDOFF * (
-                np.abs(finite)[:, None] + np.abs(np.where(where, x, 0) - finite[:, None])))}
+    return {
+        "lse": gamma(n + 3) + UNIT_ROUNDOFF * np.abs(finite),
+        "softmax": p_exact
+        * (
+            gamma(n + 5)
+            + UNIT_ROUNDOFF
+            * (np.abs(finite)[:, None] + np.abs(np.where(where, x, 0) - finite[:, None]))
+        ),
+    }
 
 
 def _logspace_entry(dtype):
     wide = dtype == "float64"
-    return Entry(f"logspace[{dtype}]", fast=_logspace_fast if wide else None,
-                 exact=_logspace_exact, naive=_logspace_naive,
-                 bound=_logspace_bound if wide else None, strategy=_logspace_cases(dtype),
-                 label=lambda case: f"dtype={case['dtype']}, x {case['x'].shape}",
-                 bound_strategy=(_logspace_cases(dtype, allow_empty_rows=True, max_len=40)
-                                 if wide else None))
+    return Entry(
+        f"logspace[{dtype}]",
+        fast=_logspace_fast if wide else None,
+        exact=_logspace_exact,
+        naive=_logspace_naive,
+        bound=_logspace_bound if wide else None,
+        strategy=_logspace_cases(dtype),
+        label=lambda case: f"dtype={case['dtype']}, x {case['x'].shape}",
+        bound_strategy=(
+            _logspace_cases(dtype, allow_empty_rows=True, max_len=40) if wide else None
+        ),
+    )
 
 
 # ----------------------------------------------------------------------------- gmm.attention
+
 
 def gmm_term_scale(q, keys, values, alpha, beta, prior):
     """Sum of |terms| of any logit of the float64 path (a generous a-priori scale)."""
@@ -232,27 +272,47 @@ def _gmm_naive(case):
     """naive_gmm on every batch element (batch axis of length 0 or 1 level)."""
     q = case["q"]
     if q.ndim == 2:
-        out, _ = naive_gmm(q, case["keys"], case["values"], alpha=case["alpha"],
-                           beta=case["beta"], prior=case["prior"], v_init=case["v_init"],
-                           iters=case["iters"])
+        out, _ = naive_gmm(
+            q,
+            case["keys"],
+            case["values"],
+            alpha=case["alpha"],
+            beta=case["beta"],
+            prior=case["prior"],
+            v_init=case["v_init"],
+            iters=case["iters"],
+        )
         return round_nested(out)
     outs = []
     for b in range(q.shape[0]):
+
         def pick(x, b=b):
             return x if np.ndim(x) == 0 or isinstance(x, str) else x[b]
-        out, _ = naive_gmm(q[b], case["keys"][b], case["values"][b], alpha=pick(case["alpha"]),
-                           beta=pick(case["beta"]), prior=pick(case["prior"]),
-                           v_init=None if case["v_init"] is None else case["v_init"][b],
-                           iters=case["iters"])
+
+        out, _ = naive_gmm(
+            q[b],
+            case["keys"][b],
+            case["values"][b],
+            alpha=pick(case["alpha"]),
+            beta=pick(case["beta"]),
+            prior=pick(case["prior"]),
+            v_init=None if case["v_init"] is None else case["v_init"][b],
+            iters=case["iters"],
+        )
         outs.append(out)
     return round_nested(outs)
 
 
 def _gmm_bound(case):
-    scale = gmm_term_scale(case["q"], case["keys"], case["values"], case["alpha"], case["beta"],
-                           case["prior"])
-    return mixture_bound(scale, case["keys"].shape[-2], case["q"].shape[-1]
-                         + case["values"].shape[-1], np.abs(case["values"]).max())
+    scale = gmm_term_scale(
+        case["q"], case["keys"], case["values"], case["alpha"], case["beta"], case["prior"]
+    )
+    return mixture_bound(
+        scale,
+        case["keys"].shape[-2],
+        case["q"].shape[-1] + case["values"].shape[-1],
+        np.abs(case["values"]).max(),
+    )
 
 
 def _gmm_label(case):
@@ -262,13 +322,15 @@ def _gmm_label(case):
 
 # ----------------------------------------------------------------------------- mgk.attention
 
+
 def mgk_term_scale(q, keys, opts):
     """Sum of |terms| of any MGK logit of the float64 path (a generous a-priori scale)."""
     s2 = np.asarray(opts.get("sigma2", 1.0))
     reach = (np.abs(q).max() + np.abs(keys).max()) ** 2 * q.shape[-1]
     scale = reach / (2 * s2.min())
-    scale += q.shape[-1] * (abs(math.log(2 * math.pi * s2.min()))
-                            + abs(math.log(2 * math.pi * s2.max())))
+    scale += q.shape[-1] * (
+        abs(math.log(2 * math.pi * s2.min())) + abs(math.log(2 * math.pi * s2.max()))
+    )
     if "log_pi" in opts:
         scale += np.abs(opts["log_pi"]).max()
     return float(scale + math.log(keys.shape[-2]))
@@ -277,24 +339,49 @@ def mgk_term_scale(q, keys, opts):
 @st.composite
 def _mgk_cases(draw):
     q, keys, v, opts = draw(mgk_problems())
-    return dict(q=q, keys=keys, v=v, opts=opts, mode=draw(st.sampled_from(["soft", "hard"])),
-                normalized=draw(st.booleans()))
+    return dict(
+        q=q,
+        keys=keys,
+        v=v,
+        opts=opts,
+        mode=draw(st.sampled_from(["soft", "hard"])),
+        normalized=draw(st.booleans()),
+    )
 
 
 def _mgk_fast(case, **extra):
-    return mgk.attention(case["q"], case["keys"], case["v"], mode=case["mode"],
-                         normalized=case["normalized"], **case["opts"], **extra)
+    return mgk.attention(
+        case["q"],
+        case["keys"],
+        case["v"],
+        mode=case["mode"],
+        normalized=case["normalized"],
+        **case["opts"],
+        **extra,
+    )
 
 
 def _mgk_naive(case):
-    return round_nested(naive_mgk(case["q"], case["keys"], case["v"], mode=case["mode"],
-                                  normalized=case["normalized"], **case["opts"]))
+    return round_nested(
+        naive_mgk(
+            case["q"],
+            case["keys"],
+            case["v"],
+            mode=case["mode"],
+            normalized=case["normalized"],
+            **case["opts"],
+        )
+    )
 
 
 def _mgk_bound(case):
     q, keys = case["q"], case["keys"]
-    return mixture_bound(mgk_term_scale(q, keys, case["opts"]), keys.shape[0] * keys.shape[1],
-                         q.shape[-1] + 2, np.abs(case["v"]).max())
+    return mixture_bound(
+        mgk_term_scale(q, keys, case["opts"]),
+        keys.shape[0] * keys.shape[1],
+        q.shape[-1] + 2,
+        np.abs(case["v"]).max(),
+    )
 
 
 # ----------------------------------------------------------------------------- mgk.linear_attention
@@ -307,13 +394,15 @@ def _linear_cases(draw):
 
 
 def _linear_fast(case, **extra):
-    return mgk.linear_attention(case["q"], case["keys"], case["v"], pi=case["pi"],
-                                causal=case["causal"], **extra)
+    return mgk.linear_attention(
+        case["q"], case["keys"], case["v"], pi=case["pi"], causal=case["causal"], **extra
+    )
 
 
 def _linear_naive(case):
-    return round_nested(naive_linear(case["q"], case["keys"], case["v"], pi=case["pi"],
-                                     causal=case["causal"]))
+    return round_nested(
+        naive_linear(case["q"], case["keys"], case["v"], pi=case["pi"], causal=case["causal"])
+    )
 
 
 def _linear_bound(case):
@@ -324,41 +413,55 @@ def _linear_bound(case):
 
 # ----------------------------------------------------------------------------- hopfield.energy
 
+
 def hopfield_energy_bound(xi, X, beta):
     """A-priori bound of the float64 energy without the constant (two lse evaluations)."""
     scale = beta * xi.shape[-1] * np.abs(xi).max() * np.abs(X).max()
-    return (logit_lse_bound(scale, X.shape[-2], xi.shape[-1], scale + math.log(X.shape[-2]))
-            / beta + logit_lse_bound(xi.shape[-1] * np.abs(xi).max() ** 2, 1, xi.shape[-1]))
+    return logit_lse_bound(
+        scale, X.shape[-2], xi.shape[-1], scale + math.log(X.shape[-2])
+    ) / beta + logit_lse_bound(xi.shape[-1] * np.abs(xi).max() ** 2, 1, xi.shape[-1])
 
 
 @st.composite
 def _energy_cases(draw):
     xi, X, _, style = draw(mixture_problems(batched=False))
-    return dict(xi=xi, X=X, style=style, beta=draw(st.sampled_from([0.25, 1.0, 4.0])),
-                constant=draw(st.booleans()))
+    return dict(
+        xi=xi,
+        X=X,
+        style=style,
+        beta=draw(st.sampled_from([0.25, 1.0, 4.0])),
+        constant=draw(st.booleans()),
+    )
 
 
 def _energy_fast(case, **extra):
-    return hopfield.energy(case["xi"], case["X"], beta=case["beta"], constant=case["constant"],
-                           **extra)
+    return hopfield.energy(
+        case["xi"], case["X"], beta=case["beta"], constant=case["constant"], **extra
+    )
 
 
 def _energy_naive(case):
     with mpmath.workdps(DPS):
         patterns = [[mp(a) for a in row] for row in case["X"]]
-        truth = [naive_energy([mp(a) for a in row], patterns, case["beta"], case["constant"])
-                 for row in case["xi"]]
+        truth = [
+            naive_energy([mp(a) for a in row], patterns, case["beta"], case["constant"])
+            for row in case["xi"]
+        ]
     return round_nested(truth)
 
 
 def _energy_bound(case):
     xi, X = case["xi"], case["X"]
-    constant = (logit_lse_bound(np.abs(X).max() ** 2 * X.shape[-1] + 1, 1, X.shape[-1])
-                if case["constant"] else 0)
+    constant = (
+        logit_lse_bound(np.abs(X).max() ** 2 * X.shape[-1] + 1, 1, X.shape[-1])
+        if case["constant"]
+        else 0
+    )
     return hopfield_energy_bound(xi, X, case["beta"]) + constant
 
 
 # ------------------------------------------------------- gmm vjps (attention, adapt_keys/priors)
+
 
 @st.composite
 def _gmm_vjp_cases(draw, function):
@@ -370,8 +473,9 @@ def _gmm_vjp_cases(draw, function):
     per_unit = draw(st.booleans())
     alpha = rng.uniform(0.4, 2.0, units) if per_unit else 0.8
     q, keys = rng.standard_normal((length, dim)), rng.standard_normal((units, dim))
-    case = dict(function=function, q=q, keys=keys, iters=draw(st.integers(1, 2)), kwargs={},
-                naive_kwargs={})
+    case = dict(
+        function=function, q=q, keys=keys, iters=draw(st.integers(1, 2)), kwargs={}, naive_kwargs={}
+    )
     if function == "attention":
         case["values"] = rng.standard_normal((units, vdim))
         case["grad"] = rng.standard_normal((length, vdim))
@@ -390,15 +494,22 @@ def _gmm_vjp_cases(draw, function):
             case["naive_kwargs"]["allowed"] = allowed
     elif function == "adapt_keys":
         case["grad"] = rng.standard_normal((units, dim))
-        case["kwargs"] = dict(alpha=alpha, gamma=rng.choice([0.0, 0.6, np.inf], units),
-                              prior=draw(st.sampled_from(["uniform", "magnitude"])),
-                              form=draw(st.sampled_from(["paper", "map", "map_recentred"])))
+        case["kwargs"] = dict(
+            alpha=alpha,
+            gamma=rng.choice([0.0, 0.6, np.inf], units),
+            prior=draw(st.sampled_from(["uniform", "magnitude"])),
+            form=draw(st.sampled_from(["paper", "map", "map_recentred"])),
+        )
         case["naive_kwargs"] = dict(case["kwargs"])
     else:
         case["grad"] = rng.standard_normal(units)
         pi0 = rng.uniform(0.2, 1.0, units)
-        case["kwargs"] = dict(alpha=alpha, eta=float(rng.uniform(0.0, 2.0)), pi0=pi0 / pi0.sum(),
-                              form=draw(st.sampled_from(["paper", "map"])))
+        case["kwargs"] = dict(
+            alpha=alpha,
+            eta=float(rng.uniform(0.0, 2.0)),
+            pi0=pi0 / pi0.sum(),
+            form=draw(st.sampled_from(["paper", "map"])),
+        )
         case["naive_kwargs"] = dict(case["kwargs"])
     return case
 
@@ -409,16 +520,20 @@ def _gmm_vjp_arrays(case):
 
 def _gmm_vjp_call(case, **extra):
     function = getattr(gmm, case["function"] + "_vjp")
-    grads = function(*_gmm_vjp_arrays(case), case["grad"], iters=case["iters"],
-                     **case["kwargs"], **extra)
+    grads = function(
+        *_gmm_vjp_arrays(case), case["grad"], iters=case["iters"], **case["kwargs"], **extra
+    )
     return grads._asdict()
 
 
 def _gmm_vjp_naive(case):
     """Richardson central differences of the mpmath twin, rounded once; an estimate that cannot
     be told from 0 is 0 (the exact path's +0 for an exact cancellation)."""
-    twin = {"attention": lambda *a, **k: naive_gmm(*a, **k)[0],
-            "adapt_keys": naive_adapt_keys, "adapt_priors": naive_adapt_priors}[case["function"]]
+    twin = {
+        "attention": lambda *a, **k: naive_gmm(*a, **k)[0],
+        "adapt_keys": naive_adapt_keys,
+        "adapt_priors": naive_adapt_priors,
+    }[case["function"]]
 
     def function(*arrays):
         return twin(*arrays, iters=case["iters"], **case["naive_kwargs"])
@@ -426,8 +541,9 @@ def _gmm_vjp_naive(case):
     arrays = _gmm_vjp_arrays(case)
     names = list(_gmm_vjp_call(case))
     out = {}
-    for name, (estimate, error) in zip(names, central_vjp(function, arrays, case["grad"],
-                                                          dps=DPS), strict=True):
+    for name, (estimate, error) in zip(
+        names, central_vjp(function, arrays, case["grad"], dps=DPS), strict=True
+    ):
         settled = np.where(np.abs(estimate) > error, estimate, 0)
         out[name] = round_nested(settled.tolist())
     return out
@@ -442,44 +558,84 @@ def _gmm_vjp_bound(case):
     prior = case["kwargs"].get("prior", "uniform")
     scale = gmm_term_scale(q, keys, values, case["kwargs"]["alpha"], beta, prior)
     diameter = np.ptp(values, axis=-2).max() ** 2 * values.shape[-1]
-    lipschitz = (1 + float(np.max(beta)) * diameter if case["function"] == "attention"
-                 else q.shape[0] + 1)
+    lipschitz = (
+        1 + float(np.max(beta)) * diameter if case["function"] == "attention" else q.shape[0] + 1
+    )
     reach = np.abs(values).max() if len(arrays) == 3 else np.abs(q).max() + np.abs(keys).max()
-    bound = gmm_vjp_bound(scale, q.shape[0] + keys.shape[0], q.shape[1] + values.shape[1],
-                          list(exact.values()), case["grad"], reach, case["iters"], lipschitz)
+    bound = gmm_vjp_bound(
+        scale,
+        q.shape[0] + keys.shape[0],
+        q.shape[1] + values.shape[1],
+        list(exact.values()),
+        case["grad"],
+        reach,
+        case["iters"],
+        lipschitz,
+    )
     return {name: bound for name in exact}
 
 
 def _gmm_vjp_entry(function):
-    return Entry(f"gmm.{function}_vjp", fast=_gmm_vjp_call,
-                 exact=lambda case: _gmm_vjp_call(case, precision="exact"),
-                 naive=_gmm_vjp_naive, bound=_gmm_vjp_bound,
-                 strategy=lambda: _gmm_vjp_cases(function),
-                 label=lambda c: f"iters {c['iters']}, {sorted(c['kwargs'])}", examples=(8, 15))
+    return Entry(
+        f"gmm.{function}_vjp",
+        fast=_gmm_vjp_call,
+        exact=lambda case: _gmm_vjp_call(case, precision="exact"),
+        naive=_gmm_vjp_naive,
+        bound=_gmm_vjp_bound,
+        strategy=lambda: _gmm_vjp_cases(function),
+        label=lambda c: f"iters {c['iters']}, {sorted(c['kwargs'])}",
+        examples=(8, 15),
+    )
 
 
 # ----------------------------------------------------------------------------- the table
 
-REGISTRY: dict[str, Entry] = {e.name: e for e in [
-    *(_attention_entry(dtype) for dtype in ("float64", "float32", "float16", "bfloat16")),
-    *(_logspace_entry(dtype) for dtype in ("float64", "float32", "float16", "bfloat16")),
-    Entry("gmm.attention", fast=_out(_gmm_fast),
-          exact=_out(lambda case: _gmm_fast(case, precision="exact")), naive=_out(_gmm_naive),
-          bound=_out(_gmm_bound), strategy=gmm_cases, label=_gmm_label, examples=(40, 20),
-          bound_strategy=lambda: gmm_cases(max_iters=1)),
-    *(_gmm_vjp_entry(function) for function in ("attention", "adapt_keys", "adapt_priors")),
-    Entry("mgk.attention", fast=_out(_mgk_fast),
-          exact=_out(lambda case: _mgk_fast(case, precision="exact")), naive=_out(_mgk_naive),
-          bound=_out(_mgk_bound), strategy=_mgk_cases,
-          label=lambda c: f"{c['mode']}, normalized={c['normalized']}, {sorted(c['opts'])}",
-          examples=(50, 50)),
-    Entry("mgk.linear_attention", fast=_out(_linear_fast),
-          exact=_out(lambda case: _linear_fast(case, precision="exact")),
-          naive=_out(_linear_naive), bound=_out(_linear_bound), strategy=_linear_cases,
-          label=lambda c: f"causal={c['causal']}", examples=(40, 40)),
-    Entry("hopfield.energy", fast=_out(_energy_fast),
-          exact=_out(lambda case: _energy_fast(case, precision="exact")),
-          naive=_out(_energy_naive), bound=_out(_energy_bound), strategy=_energy_cases,
-          label=lambda c: f"{c['style']}, beta={c['beta']}, constant={c['constant']}",
-          examples=(40, 40)),
-]}
+REGISTRY: dict[str, Entry] = {
+    e.name: e
+    for e in [
+        *(_attention_entry(dtype) for dtype in ("float64", "float32", "float16", "bfloat16")),
+        *(_logspace_entry(dtype) for dtype in ("float64", "float32", "float16", "bfloat16")),
+        Entry(
+            "gmm.attention",
+            fast=_out(_gmm_fast),
+            exact=_out(lambda case: _gmm_fast(case, precision="exact")),
+            naive=_out(_gmm_naive),
+            bound=_out(_gmm_bound),
+            strategy=gmm_cases,
+            label=_gmm_label,
+            examples=(40, 20),
+            bound_strategy=lambda: gmm_cases(max_iters=1),
+        ),
+        *(_gmm_vjp_entry(function) for function in ("attention", "adapt_keys", "adapt_priors")),
+        Entry(
+            "mgk.attention",
+            fast=_out(_mgk_fast),
+            exact=_out(lambda case: _mgk_fast(case, precision="exact")),
+            naive=_out(_mgk_naive),
+            bound=_out(_mgk_bound),
+            strategy=_mgk_cases,
+            label=lambda c: f"{c['mode']}, normalized={c['normalized']}, {sorted(c['opts'])}",
+            examples=(50, 50),
+        ),
+        Entry(
+            "mgk.linear_attention",
+            fast=_out(_linear_fast),
+            exact=_out(lambda case: _linear_fast(case, precision="exact")),
+            naive=_out(_linear_naive),
+            bound=_out(_linear_bound),
+            strategy=_linear_cases,
+            label=lambda c: f"causal={c['causal']}",
+            examples=(40, 40),
+        ),
+        Entry(
+            "hopfield.energy",
+            fast=_out(_energy_fast),
+            exact=_out(lambda case: _energy_fast(case, precision="exact")),
+            naive=_out(_energy_naive),
+            bound=_out(_energy_bound),
+            strategy=_energy_cases,
+            label=lambda c: f"{c['style']}, beta={c['beta']}, constant={c['constant']}",
+            examples=(40, 40),
+        ),
+    ]
+}

@@ -74,8 +74,9 @@ def head_layouts(draw):
 
 
 @_st.composite
-def attention_cases(draw, *, max_len=6, max_dim=5, dtypes=("float64",), options=True,
-                    allow_empty=True):
+def attention_cases(
+    draw, *, max_len=6, max_dim=5, dtypes=("float64",), options=True, allow_empty=True
+):
     """(q, k, v, options): small attention problems covering every option.
 
     Inputs come from a drawn seed (fast, reproducible); the drawn flags choose shapes (GQA,
@@ -105,8 +106,10 @@ def attention_cases(draw, *, max_len=6, max_dim=5, dtypes=("float64",), options=
         if draw(_st.booleans()):
             opts["align"] = "bottom_right"
         if draw(_st.booleans()):
-            opts["window"] = (draw(_st.one_of(_st.none(), _st.integers(0, 3))),
-                              draw(_st.one_of(_st.none(), _st.integers(0, 3))))
+            opts["window"] = (
+                draw(_st.one_of(_st.none(), _st.integers(0, 3))),
+                draw(_st.one_of(_st.none(), _st.integers(0, 3))),
+            )
         if draw(_st.booleans()):
             mask = rng.random((heads, length, keys)) < 0.7
             if allow_empty and draw(_st.booleans()):
@@ -160,11 +163,15 @@ def mixture_problems(draw, max_length=3, max_units=4, max_dim=3, max_vdim=2, bat
     units = draw(_st.integers(1, max_units))
     dim = draw(_st.integers(1, max_dim))
     vdim = draw(_st.integers(1, max_vdim))
-    q = _mixture_array(rng, "zeros" if style == "zeros" else
-                       ("normal" if style == "ties" else style), batch + (length, dim))
+    q = _mixture_array(
+        rng,
+        "zeros" if style == "zeros" else ("normal" if style == "ties" else style),
+        batch + (length, dim),
+    )
     keys = _mixture_array(rng, style, batch + (units, dim))
-    values = _mixture_array(rng, "dyadic" if style in ("dyadic", "zeros") else "normal",
-                            batch + (units, vdim))
+    values = _mixture_array(
+        rng, "dyadic" if style in ("dyadic", "zeros") else "normal", batch + (units, vdim)
+    )
     return q, keys, values, style
 
 
@@ -205,8 +212,10 @@ def mgk_problems(draw, max_length=3, max_keys=4, max_components=3, max_dim=2, ma
     if draw(_st.booleans()):
         opts["align"] = "bottom_right"
     if draw(_st.booleans()):
-        opts["window"] = (draw(_st.one_of(_st.none(), _st.integers(0, 2))),
-                          draw(_st.one_of(_st.none(), _st.integers(0, 2))))
+        opts["window"] = (
+            draw(_st.one_of(_st.none(), _st.integers(0, 2))),
+            draw(_st.one_of(_st.none(), _st.integers(0, 2))),
+        )
     if draw(_st.booleans()):
         opts["mask"] = rng.random((length, keys_n)) < 0.7
     return q, keys, v, opts
@@ -233,8 +242,17 @@ def gmm_cases(draw, max_iters=3, need_trace=False, batched=True):
     if draw(_st.booleans()) and _np.max(beta) > 0:
         v_init = _np.zeros(q.shape[:-1] + (values.shape[-1],)) + values[..., :1, :]
     iters = draw(_st.integers(1, max_iters))
-    return dict(q=q, keys=keys, values=values, alpha=alpha, beta=beta, prior=prior,
-                v_init=v_init, iters=iters, style=style)
+    return dict(
+        q=q,
+        keys=keys,
+        values=values,
+        alpha=alpha,
+        beta=beta,
+        prior=prior,
+        v_init=v_init,
+        iters=iters,
+        style=style,
+    )
 
 
 @_st.composite
@@ -299,13 +317,20 @@ def hard_values(draw, target, style, count):
         values[1] = -values[0] * (1 + 2.0**-50 * rng.integers(-2, 3))
     elif style == "subnormal":
         smallest = float(_np.finfo(_np.float64).smallest_subnormal)
-        values = rng.integers(-9, 10, count) * smallest * (
-            float(__import__("ml_dtypes").finfo(_target_dtype(target)).smallest_subnormal)
-            / smallest
-            if target != "float64" else 1.0)
+        values = (
+            rng.integers(-9, 10, count)
+            * smallest
+            * (
+                float(__import__("ml_dtypes").finfo(_target_dtype(target)).smallest_subnormal)
+                / smallest
+                if target != "float64"
+                else 1.0
+            )
+        )
     elif style == "overflow":
-        values = _np.finfo(_np.float64).max * rng.uniform(0.5, 1.0, count) * rng.choice(
-            [-1, 1], count)
+        values = (
+            _np.finfo(_np.float64).max * rng.uniform(0.5, 1.0, count) * rng.choice([-1, 1], count)
+        )
     return values
 
 

@@ -20,8 +20,15 @@ from oracle.tolerance import gamma
 pytestmark = pytest.mark.peers
 
 DTYPES = ("float64", "float32", "float16", "bfloat16")
-PEERS = ("torch", "jax", "onnxruntime", "onnx-reference", "refattn-float64", "onnxruntime-gqa",
-         "torch-flex")
+PEERS = (
+    "torch",
+    "jax",
+    "onnxruntime",
+    "onnx-reference",
+    "refattn-float64",
+    "onnxruntime-gqa",
+    "torch-flex",
+)
 _PEER_MODULE = {
     "torch": "torch",
     "torch-flex": "torch",
@@ -54,13 +61,17 @@ CASES = {
     "value-dim": ({"E": 6}, {}),
     "batch-broadcast": ({"Bq": 2}, {"causal": True}),
     "sinks": ({}, {"sinks": "gaussian"}),
-    "sinks-causal-bottom-right": ({"H": 4, "K": 2}, {"sinks": "gaussian", "causal": True,
-                                                     "align": "bottom_right"}),
+    "sinks-causal-bottom-right": (
+        {"H": 4, "K": 2},
+        {"sinks": "gaussian", "causal": True, "align": "bottom_right"},
+    ),
     "kv-lengths": ({"Bq": 2}, {"kv_lengths": [4, 7]}),
     # top_left: row 1 (S_b = 7 > L) is where the alignments differ
     "kv-lengths-causal": ({"Bq": 2}, {"kv_lengths": [5, 7], "causal": True}),
-    "kv-lengths-causal-bottom-right": ({"Bq": 2}, {"kv_lengths": [5, 7], "causal": True,
-                                                   "align": "bottom_right"}),
+    "kv-lengths-causal-bottom-right": (
+        {"Bq": 2},
+        {"kv_lengths": [5, 7], "causal": True, "align": "bottom_right"},
+    ),
 }
 
 # Options each adapter lacks (the documented contract of oracle.adapters).
@@ -76,15 +87,21 @@ _UNSUPPORTED = {
         "kv-lengths-causal-bottom-right",
         *_NO_SINKS,
     },
-    "onnxruntime": {"window", "window-left", "window-bottom-right", "lse", "kv-lengths-causal",
-                    *_NO_SINKS},
+    "onnxruntime": {
+        "window",
+        "window-left",
+        "window-bottom-right",
+        "lse",
+        "kv-lengths-causal",
+        *_NO_SINKS,
+    },
     "onnx-reference": {"lse", "kv-lengths-causal", *_NO_SINKS},
     "refattn-float64": set(),
     # flex_attention: every option is a score_mod / mask_mod except attention sinks
     "torch-flex": set(_NO_SINKS),
     # GroupQueryAttention is causal bottom-right (aligned to each row's cache length) only
-    "onnxruntime-gqa": set(CASES) - {"causal-bottom-right", "sinks-causal-bottom-right",
-                                     "kv-lengths-causal-bottom-right"},
+    "onnxruntime-gqa": set(CASES)
+    - {"causal-bottom-right", "sinks-causal-bottom-right", "kv-lengths-causal-bottom-right"},
 }
 
 
@@ -105,10 +122,14 @@ def _version(package):
 # (measured: 1.31 gave top-left alignment and NaN rows; 1.32 gives bottom-right and zeros)
 _ORT_FLOAT64_FIXED = (_version("onnxruntime") or (0, 0)) >= (1, 32)
 _JUDGED_AT = {("jax", "float64"): "float32", ("onnxruntime", "float64"): "float32"}
-_KNOWN_WRONG = {} if _ORT_FLOAT64_FIXED else {
-    ("onnxruntime", case, "float64"): "onnxruntime float64 ignores nonpad_kv_seqlen: top-left"
-    for case in ("causal-bottom-right", "causal-bottom-right-long")
-}
+_KNOWN_WRONG = (
+    {}
+    if _ORT_FLOAT64_FIXED
+    else {
+        ("onnxruntime", case, "float64"): "onnxruntime float64 ignores nonpad_kv_seqlen: top-left"
+        for case in ("causal-bottom-right", "causal-bottom-right-long")
+    }
+)
 
 
 def supported(peer: str, case: str, dtype: str) -> bool:
@@ -269,8 +290,9 @@ def test_agrees_with_exact_or_declines(peer, case, dtype, truths, request):
     if options.get("return_lse"):
         result, got_lse = result
         # flex_attention returns its float32 log-sum-exp for 16-bit inputs (passed unchanged)
-        lse_dtype = "float32" if peer == "torch-flex" and dtype in ("float16", "bfloat16") \
-            else dtype
+        lse_dtype = (
+            "float32" if peer == "torch-flex" and dtype in ("float16", "bfloat16") else dtype
+        )
         assert got_lse.dtype == _dtype(lse_dtype), f"{label}: lse dtype {got_lse.dtype}"
         assert_within(got_lse, lse, lse_bound, what=f"{label} (lse)")
     assert result.dtype == _dtype(dtype), f"{label}: output dtype {result.dtype}"
@@ -501,8 +523,11 @@ def option_fixtures():
     """Fixtures (exact truths) of the default suite's conformance cases of the new options."""
     from oracle import catalogue, golden
 
-    return [golden.build(case) for case in catalogue.suite("default")
-            if case.category == "conformance" and case.name.startswith(_OPTION_CASE_PREFIXES)]
+    return [
+        golden.build(case)
+        for case in catalogue.suite("default")
+        if case.category == "conformance" and case.name.startswith(_OPTION_CASE_PREFIXES)
+    ]
 
 
 def _expected_failure(peer: str, case) -> bool:
@@ -511,8 +536,9 @@ def _expected_failure(peer: str, case) -> bool:
     return peer == "jax" and case.dtype == "float64"
 
 
-@pytest.mark.parametrize("peer", ["torch", "jax", "onnxruntime", "onnxruntime-gqa",
-                                  "onnx-reference", "torch-flex"])
+@pytest.mark.parametrize(
+    "peer", ["torch", "jax", "onnxruntime", "onnxruntime-gqa", "onnx-reference", "torch-flex"]
+)
 def test_option_cases_pass_or_are_unsupported(peer, option_fixtures):
     """No false alarm on the new options: a peer that cannot express sinks, per-row key lengths
     or float8 inputs answers "unsupported"; whatever it runs passes the oracle's judge."""
@@ -524,9 +550,9 @@ def test_option_cases_pass_or_are_unsupported(peer, option_fixtures):
         result = check_fixture(impl, fixture, grads=True, diagnose=False)
         verdicts[fixture.name] = result.verdict
         wanted = {"fail" if _expected_failure(peer, fixture.case) else "pass", "unsupported"}
-        assert result.verdict in wanted, f"{peer} on {fixture.name}: {result.verdict} " \
-                                          f"({result.message})"
-        if "sinks" in fixture.inputs and peer != "onnxruntime-gqa" or "q_descale" in \
-                fixture.inputs:
+        assert result.verdict in wanted, (
+            f"{peer} on {fixture.name}: {result.verdict} ({result.message})"
+        )
+        if "sinks" in fixture.inputs and peer != "onnxruntime-gqa" or "q_descale" in fixture.inputs:
             assert result.verdict == "unsupported", f"{peer} ran {fixture.name}"
     assert "pass" in verdicts.values(), f"{peer} ran none of the new option cases"

@@ -29,21 +29,35 @@ def _dtype(name):
 # ----------------------------------------------------------------------------------------
 ADVERSARIAL = {
     # logit gaps > 40 between the top key and the rest
-    "logit-gap-60": lambda rng: (rng.standard_normal((1, 3, 4)) * 30,
-                                 rng.standard_normal((1, 5, 4)), rng.standard_normal((1, 5, 3))),
+    "logit-gap-60": lambda rng: (
+        rng.standard_normal((1, 3, 4)) * 30,
+        rng.standard_normal((1, 5, 4)),
+        rng.standard_normal((1, 5, 3)),
+    ),
     # every score equal: weights exactly 1/S, outputs exact means (rounding ties)
-    "ties-at-max": lambda rng: (np.zeros((1, 3, 4)), rng.standard_normal((1, 6, 4)),
-                                np.array([1.0, 1.0 + 2.0**-23, 3.0, 5.0, 7.0, 9.0])[None, :, None]),
+    "ties-at-max": lambda rng: (
+        np.zeros((1, 3, 4)),
+        rng.standard_normal((1, 6, 4)),
+        np.array([1.0, 1.0 + 2.0**-23, 3.0, 5.0, 7.0, 9.0])[None, :, None],
+    ),
     # values spanning the subnormal range: outputs near underflow
-    "near-underflow": lambda rng: (rng.standard_normal((1, 2, 3)), rng.standard_normal((1, 4, 3)),
-                                   rng.standard_normal((1, 4, 2)) * 1e-310),
+    "near-underflow": lambda rng: (
+        rng.standard_normal((1, 2, 3)),
+        rng.standard_normal((1, 4, 3)),
+        rng.standard_normal((1, 4, 2)) * 1e-310,
+    ),
     # mixed-sign values that nearly cancel
-    "near-cancelling": lambda rng: (rng.standard_normal((1, 2, 3)) * 1e-3,
-                                    rng.standard_normal((1, 4, 3)),
-                                    np.array([[1.0], [-1.0], [1.0 + 2.0**-40], [-1.0]])[None]),
+    "near-cancelling": lambda rng: (
+        rng.standard_normal((1, 2, 3)) * 1e-3,
+        rng.standard_normal((1, 4, 3)),
+        np.array([[1.0], [-1.0], [1.0 + 2.0**-40], [-1.0]])[None],
+    ),
     # ascending score order, large scores (|t| up to ~1400: gaps of hundreds between keys)
-    "huge-scores": lambda rng: (np.full((1, 2, 2), 10.0), np.linspace(-100, 100, 6)[None, :,
-                                None].repeat(2, axis=2), rng.standard_normal((1, 6, 2))),
+    "huge-scores": lambda rng: (
+        np.full((1, 2, 2), 10.0),
+        np.linspace(-100, 100, 6)[None, :, None].repeat(2, axis=2),
+        rng.standard_normal((1, 6, 2)),
+    ),
 }
 
 
@@ -54,8 +68,9 @@ def test_exact_path_adversarial(name, dtype):
     q, k, v = ADVERSARIAL[name](rng)
     mask = np.ones((q.shape[0], q.shape[1], k.shape[1]), dtype=bool)
     mask[0, -1] = False  # one fully masked row in every case
-    out, lse = refattn.attention(q, k, v, mask=mask, precision="exact",
-                                 out_dtype=_dtype(dtype), return_lse=True)
+    out, lse = refattn.attention(
+        q, k, v, mask=mask, precision="exact", out_dtype=_dtype(dtype), return_lse=True
+    )
     n_out, n_lse, _ = naive_attention_rounded(q, k, v, {"mask": mask}, _dtype(dtype))
     assert_same_bits(out, n_out, what="out", case=name)
     assert_same_bits(lse, n_lse, what="lse", case=name)
@@ -64,8 +79,9 @@ def test_exact_path_adversarial(name, dtype):
 def test_tie_midpoint_rounds_to_even():
     """Two equal scores average 1 and 1 + 2**-23: exactly a float32 midpoint (ties to even)."""
     v = np.array([[1.0], [1.0 + 2.0**-23]])
-    out = refattn.attention(np.zeros((1, 2)), np.zeros((2, 2)), v, precision="exact",
-                            out_dtype="float32")
+    out = refattn.attention(
+        np.zeros((1, 2)), np.zeros((2, 2)), v, precision="exact", out_dtype="float32"
+    )
     assert out[0, 0] == np.float32(1.0)
     out64 = refattn.attention(np.zeros((1, 2)), np.zeros((2, 2)), v, precision="exact")
     assert out64[0, 0] == 1.0 + 2.0**-24
@@ -109,8 +125,9 @@ def _exact(q, k, v, **opts):
 @given(case=attention_cases(), shift=st.integers(-8, 8))
 def test_row_shift_invariance(case, shift):
     q, k, v, opts = case
-    bias = np.broadcast_to(opts.pop("bias", np.zeros((q.shape[1], k.shape[1]))),
-                           (q.shape[1], k.shape[1]))
+    bias = np.broadcast_to(
+        opts.pop("bias", np.zeros((q.shape[1], k.shape[1]))), (q.shape[1], k.shape[1])
+    )
     bias = np.round(bias * 2.0**20) / 2.0**20  # on a 2**-20 grid, so adding integers is exact
     shifted = bias + shift * np.arange(q.shape[1])[:, None]
     assert (shifted - shift * np.arange(q.shape[1])[:, None] == bias).all()
@@ -128,8 +145,14 @@ def test_key_permutation_equivariance(case, seed):
     perm = np.random.default_rng(seed).permutation(keys)
     for name in ("causal", "window", "alibi_slopes"):  # position-dependent options
         opts.pop(name, None)
-    permuted = {n: (np.broadcast_to(a, (q.shape[0], q.shape[1], keys))[..., perm]
-                    if n in ("mask", "bias", "dropout_mask") else a) for n, a in opts.items()}
+    permuted = {
+        n: (
+            np.broadcast_to(a, (q.shape[0], q.shape[1], keys))[..., perm]
+            if n in ("mask", "bias", "dropout_mask")
+            else a
+        )
+        for n, a in opts.items()
+    }
     out_a, lse_a = _exact(q, k, v, **opts)
     out_b, lse_b = _exact(q, k[:, perm], v[:, perm], **permuted)
     assert_same_bits(out_b, out_a, what="out under key permutation")
@@ -154,8 +177,11 @@ def test_gqa_equals_repeated_heads(case):
     q, k, v, opts = case
     heads, kv_heads = q.shape[0], k.shape[0]
     mode = opts.get("gqa", "interleave")
-    index = (np.arange(heads) // (heads // kv_heads) if mode == "interleave"
-             else np.arange(heads) % kv_heads)
+    index = (
+        np.arange(heads) // (heads // kv_heads)
+        if mode == "interleave"
+        else np.arange(heads) % kv_heads
+    )
     out_a, lse_a = _exact(q, k, v, **opts)
     out_b, lse_b = _exact(q, k[index], v[index], **opts)
     assert_same_bits(out_b, out_a, what=f"out, gqa={mode}")
@@ -168,8 +194,10 @@ def test_alignments_agree_when_square(case):
     keys = k.shape[1]
     q = q[:, :keys] if q.shape[1] >= keys else q
     k, v = k[:, : q.shape[1]], v[:, : q.shape[1]]
-    opts = {n: (a[..., : q.shape[1], : q.shape[1]] if n in ("mask", "bias", "dropout_mask")
-                else a) for n, a in opts.items()}
+    opts = {
+        n: (a[..., : q.shape[1], : q.shape[1]] if n in ("mask", "bias", "dropout_mask") else a)
+        for n, a in opts.items()
+    }
     opts.pop("align", None)
     top, _ = _exact(q, k, v, align="top_left", **opts)
     bottom, _ = _exact(q, k, v, align="bottom_right", **opts)
@@ -224,8 +252,11 @@ def test_dropout_identities(case):
 @pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf])
 def test_poison_at_masked_positions_never_reaches_output(precision, poison):
     rng = np.random.default_rng(11)
-    q, k, v = rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 5, 4)), \
-        rng.standard_normal((2, 5, 2))
+    q, k, v = (
+        rng.standard_normal((2, 3, 4)),
+        rng.standard_normal((2, 5, 4)),
+        rng.standard_normal((2, 5, 2)),
+    )
     mask = np.ones((2, 3, 5), dtype=bool)
     mask[..., 2] = False
     bias = rng.standard_normal((2, 3, 5))
@@ -256,12 +287,21 @@ def test_nan_or_posinf_bias_at_allowed_position_is_an_error(value):
 def test_empty_rows(precision):
     mask = np.array([[True, True], [False, False]])
     q, k, v = np.ones((2, 2)), np.ones((2, 2)), np.arange(4.0).reshape(2, 2)
-    out, lse, w = refattn.attention(q, k, v, mask=mask, precision=precision, return_lse=True,
-                                    return_weights=True)
+    out, lse, w = refattn.attention(
+        q, k, v, mask=mask, precision=precision, return_lse=True, return_weights=True
+    )
     assert (out[1] == 0).all() and lse[1] == -np.inf and (w[1] == 0).all()
     assert not np.signbit(out[1]).any()
-    out, lse, w = refattn.attention(q, k, v, mask=mask, precision=precision, return_lse=True,
-                                    return_weights=True, empty_rows="nan")
+    out, lse, w = refattn.attention(
+        q,
+        k,
+        v,
+        mask=mask,
+        precision=precision,
+        return_lse=True,
+        return_weights=True,
+        empty_rows="nan",
+    )
     assert np.isnan(out[1]).all() and np.isnan(lse[1]) and np.isnan(w[1]).all()
     assert np.isfinite(out[0]).all()
 
@@ -274,8 +314,9 @@ def test_leading_dims_broadcast():
     out = refattn.attention(q, k, v, precision="exact")
     assert out.shape == (3, 2, 4, 3)
     for b in range(3):
-        assert_same_bits(out[b], refattn.attention(q[b], k[0], v, precision="exact"),
-                         what=f"batch {b}")
+        assert_same_bits(
+            out[b], refattn.attention(q[b], k[0], v, precision="exact"), what=f"batch {b}"
+        )
 
 
 def test_return_order():
@@ -293,8 +334,9 @@ def test_exact_distance_to_float64_is_small():
     """The float64 path is within a few ulp on benign inputs (a sanity anchor for the bound)."""
     rng = np.random.default_rng(9)
     q, k, v = (rng.standard_normal((2, 8, 8)) for _ in range(3))
-    dist = ulp_distance(refattn.attention(q, k, v), refattn.attention(q, k, v,
-                        precision="exact"), "float64")
+    dist = ulp_distance(
+        refattn.attention(q, k, v), refattn.attention(q, k, v, precision="exact"), "float64"
+    )
     assert np.isfinite(dist).all()
 
 
@@ -307,13 +349,19 @@ BAD = [
     (dict(q=np.zeros((2, 3, 4), dtype=np.complex128)), TypeError, r"q: .*complex128"),
     (dict(k=np.zeros((1, 5, 3))), ValueError, r"k: feature size 3 != q's 4"),
     (dict(v=np.zeros((1, 4, 6))), ValueError, r"v: expected \(\.\.\., 1, 5, E\)"),
-    (dict(q=np.zeros((3, 3, 4)), k=np.zeros((2, 5, 4)), v=np.zeros((2, 5, 6))), ValueError,
-     r"3 query heads is not a multiple of k's 2"),
+    (
+        dict(q=np.zeros((3, 3, 4)), k=np.zeros((2, 5, 4)), v=np.zeros((2, 5, 6))),
+        ValueError,
+        r"3 query heads is not a multiple of k's 2",
+    ),
     (dict(q=np.zeros(4)), ValueError, r"q: expected shape"),
     (dict(window=(-1, 2)), ValueError, r"window: left size must be >= 0"),
     (dict(window=(1,)), ValueError, r"window: expected a pair"),
-    (dict(dropout_p=1.0, dropout_mask=np.ones((2, 3, 5), bool)), ValueError,
-     r"dropout_p: expected a value in \[0, 1\)"),
+    (
+        dict(dropout_p=1.0, dropout_mask=np.ones((2, 3, 5), bool)),
+        ValueError,
+        r"dropout_p: expected a value in \[0, 1\)",
+    ),
     (dict(dropout_p=0.5), ValueError, r"dropout_mask: dropout is deterministic"),
     (dict(softcap=0.0), ValueError, r"softcap: expected a positive number"),
     (dict(softcap=-1.0), ValueError, r"softcap"),
@@ -330,8 +378,11 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize(("changes", "error", "message"), BAD,
-                         ids=[m.split(":")[0] + str(i) for i, (_, _, m) in enumerate(BAD)])
+@pytest.mark.parametrize(
+    ("changes", "error", "message"),
+    BAD,
+    ids=[m.split(":")[0] + str(i) for i, (_, _, m) in enumerate(BAD)],
+)
 def test_bad_input_is_named(changes, error, message):
     args = dict(q=_Q, k=_K, v=_V)
     args.update(changes)
@@ -341,10 +392,16 @@ def test_bad_input_is_named(changes, error, message):
 
 
 @pytest.mark.parametrize("precision", ["float64", "exact"])
-@pytest.mark.parametrize("shapes", [((0, 4), (3, 4), (3, 2)), ((2, 4), (0, 4), (0, 2)),
-                                    ((2, 4), (3, 4), (3, 0)),
-                                    ((2, 2, 3, 4), (2, 1, 0, 4), (2, 1, 0, 5))],
-                         ids=["L0", "S0", "E0", "batched-S0"])
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        ((0, 4), (3, 4), (3, 2)),
+        ((2, 4), (0, 4), (0, 2)),
+        ((2, 4), (3, 4), (3, 0)),
+        ((2, 2, 3, 4), (2, 1, 0, 4), (2, 1, 0, 5)),
+    ],
+    ids=["L0", "S0", "E0", "batched-S0"],
+)
 def test_zero_sizes(shapes, precision):
     """Zero-size axes: S = 0 makes every row empty (out 0, lse -inf); the vjp has the
     arguments' shapes."""

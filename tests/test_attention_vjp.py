@@ -43,8 +43,9 @@ def _central_differences(arrays, name, do, gl, opts):
                 for sign in (1, -1):
                     moved = {n: a.copy() for n, a in arrays.items()}
                     moved[name][index] = mpmath.mpf(float(base[index])) + sign * step
-                    values.append(_objective(moved["q"], moved["k"], moved["v"], moved["bias"],
-                                             do, gl, opts))
+                    values.append(
+                        _objective(moved["q"], moved["k"], moved["v"], moved["bias"], do, gl, opts)
+                    )
                 estimates.append((values[0] - values[1]) / (2 * step))
             grad[index] = float(estimates[0])
             err[index] = float(abs(estimates[1] - estimates[0]))  # ~ 3x the error of [0]
@@ -54,10 +55,15 @@ def _central_differences(arrays, name, do, gl, opts):
 CASES = {
     "plain": {},
     "gqa-causal-bottom-right": {"causal": True, "align": "bottom_right", "gqa": "tile"},
-    "softcap-alibi-window": {"softcap": 1.5, "alibi_slopes": np.array([0.5, 0.25]),
-                             "window": (1, 0)},
-    "dropout-mask-empty-row": {"dropout_p": 0.25, "mask": np.array(
-        [[[1, 1, 0], [0, 0, 0]], [[1, 0, 1], [1, 1, 1]]], dtype=bool)},
+    "softcap-alibi-window": {
+        "softcap": 1.5,
+        "alibi_slopes": np.array([0.5, 0.25]),
+        "window": (1, 0),
+    },
+    "dropout-mask-empty-row": {
+        "dropout_p": 0.25,
+        "mask": np.array([[[1, 1, 0], [0, 0, 0]], [[1, 0, 1], [1, 1, 1]]], dtype=bool),
+    },
 }
 
 
@@ -71,10 +77,13 @@ def test_exact_vjp_matches_central_differences(name):
     opts = dict(CASES[name])
     if "dropout_p" in opts:
         opts["dropout_mask"] = rng.random((2, 2, 3)) < 0.7
-    grads = refattn.attention_vjp(q, k, v, do, grad_lse=gl, bias=bias, precision="exact",
-                                  **opts)
-    arrays = {"q": q.astype(object), "k": k.astype(object), "v": v.astype(object),
-              "bias": bias.astype(object)}
+    grads = refattn.attention_vjp(q, k, v, do, grad_lse=gl, bias=bias, precision="exact", **opts)
+    arrays = {
+        "q": q.astype(object),
+        "k": k.astype(object),
+        "v": v.astype(object),
+        "bias": bias.astype(object),
+    }
     for label, exact in zip(("q", "k", "v", "bias"), grads[:4], strict=True):
         fd, richardson = _central_differences(arrays, label, do, gl, opts)
         # exact is the correctly rounded derivative: within half an ulp of it, plus the
@@ -92,8 +101,7 @@ def test_float64_vjp_within_bound(case):
     f64 = refattn.attention_vjp(q, k, v, do, grad_lse=gl, **opts)
     exact = refattn.attention_vjp(q, k, v, do, grad_lse=gl, precision="exact", **opts)
     bounds = float64_vjp_bound(q, k, v, do, grad_lse=gl, **opts)
-    for label, a, b, bound in zip(("dq", "dk", "dv"), f64[:3], exact[:3], bounds[:3],
-                                  strict=True):
+    for label, a, b, bound in zip(("dq", "dk", "dv"), f64[:3], exact[:3], bounds[:3], strict=True):
         assert_within(a, b, bound, what=label, case=str(sorted(opts)))
     if "bias" in opts:
         assert exact.dbias.shape == np.shape(opts["bias"])
@@ -117,9 +125,19 @@ def test_gqa_gradients_sum_over_the_group(precision):
     summed_dv = repeated.dv.reshape(2, 2, 5, 3).sum(axis=1)
     # two correctly rounded terms summed in float64: within 1.5 ulp of the exact sum
     for got, want, label in ((grouped.dk, summed_dk, "dk"), (grouped.dv, summed_dv, "dv")):
-        assert_within(got, want, 1.5 * ulp(want, "float64") + 2 * ulp(np.abs(
-            repeated.dk if label == "dk" else repeated.dv).reshape(2, 2, *got.shape[1:]).max(
-            axis=1), "float64"), what=label)
+        assert_within(
+            got,
+            want,
+            1.5 * ulp(want, "float64")
+            + 2
+            * ulp(
+                np.abs(repeated.dk if label == "dk" else repeated.dv)
+                .reshape(2, 2, *got.shape[1:])
+                .max(axis=1),
+                "float64",
+            ),
+            what=label,
+        )
 
 
 @pytest.mark.parametrize("precision", ["float64", "exact"])
@@ -131,16 +149,20 @@ def test_empty_rows_have_zero_gradients(precision):
     do = rng.standard_normal((3, 2))
     grads = refattn.attention_vjp(q, k, v, do, mask=mask, precision=precision)
     assert (grads.dq[1] == 0).all()
-    without = refattn.attention_vjp(q[[0, 2]], k, v, do[[0, 2]], mask=mask[[0, 2]],
-                                    precision=precision)
+    without = refattn.attention_vjp(
+        q[[0, 2]], k, v, do[[0, 2]], mask=mask[[0, 2]], precision=precision
+    )
     np.testing.assert_array_equal(grads.dk, without.dk)
     np.testing.assert_array_equal(grads.dv, without.dv)
 
 
 def test_dbias_has_the_shape_of_bias():
     rng = np.random.default_rng(6)
-    q, k, v = rng.standard_normal((2, 3, 4, 2)), rng.standard_normal((2, 3, 5, 2)), \
-        rng.standard_normal((2, 3, 5, 2))
+    q, k, v = (
+        rng.standard_normal((2, 3, 4, 2)),
+        rng.standard_normal((2, 3, 5, 2)),
+        rng.standard_normal((2, 3, 5, 2)),
+    )
     do = rng.standard_normal((2, 3, 4, 2))
     for shape in [(4, 5), (3, 1, 5), (2, 1, 4, 5), (1, 1, 1, 5)]:
         bias = rng.standard_normal(shape)
@@ -151,8 +173,14 @@ def test_dbias_has_the_shape_of_bias():
 
 def test_bad_cotangent_shape_is_named():
     with pytest.raises(ValueError, match=r"grad_out: expected shape \(2, 1\)"):
-        refattn.attention_vjp(np.zeros((2, 2)), np.zeros((3, 2)), np.zeros((3, 1)),
-                              np.zeros((2, 2)))
+        refattn.attention_vjp(
+            np.zeros((2, 2)), np.zeros((3, 2)), np.zeros((3, 1)), np.zeros((2, 2))
+        )
     with pytest.raises(ValueError, match=r"grad_lse: expected shape \(2,\)"):
-        refattn.attention_vjp(np.zeros((2, 2)), np.zeros((3, 2)), np.zeros((3, 1)),
-                              np.zeros((2, 1)), grad_lse=np.zeros(3))
+        refattn.attention_vjp(
+            np.zeros((2, 2)),
+            np.zeros((3, 2)),
+            np.zeros((3, 1)),
+            np.zeros((2, 1)),
+            grad_lse=np.zeros(3),
+        )

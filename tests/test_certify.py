@@ -15,19 +15,26 @@ import refattn
 pytest.importorskip("flint", reason="python-flint (the 'certify' extra) is not installed")
 from refattn.exact.certify import certify_attention  # noqa: E402
 
-DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16,
-          "bfloat16": ml_dtypes.bfloat16}
+DTYPES = {
+    "float64": np.float64,
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": ml_dtypes.bfloat16,
+}
 
 
 @pytest.mark.parametrize("name", sorted(DTYPES))
 @given(data=st.data())
 def test_arb_certifies_the_exact_path(name, data):
     q, k, v, opts = data.draw(attention_cases(max_len=6, max_dim=5))
-    out, lse = refattn.attention(q, k, v, precision="exact", out_dtype=DTYPES[name],
-                                 return_lse=True, **opts)
+    out, lse = refattn.attention(
+        q, k, v, precision="exact", out_dtype=DTYPES[name], return_lse=True, **opts
+    )
     report = certify_attention(q, k, v, out, lse, out_dtype=DTYPES[name], **opts)
-    assert report.ok, (f"arb contradicts {int(report.contradicted.sum())} element(s) "
-                       f"({name}, options {sorted(opts)})")
+    assert report.ok, (
+        f"arb contradicts {int(report.contradicted.sum())} element(s) "
+        f"({name}, options {sorted(opts)})"
+    )
     # exact ties (equal scores) may stay undecided for arb; everything else is certified
     assert report.certified.sum() + report.undecided.sum() == report.certified.size
 

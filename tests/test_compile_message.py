@@ -21,16 +21,27 @@ TINY = textwrap.dedent("""
         return x + 1.0
 """)
 
-RUN = ("import tiny_kernels as m; from refattn.kernels import announce_compile; "
-       "announce_compile(m); announce_compile(m); print(m.entry_forward(1.0))")
+RUN = (
+    "import tiny_kernels as m; from refattn.kernels import announce_compile; "
+    "announce_compile(m); announce_compile(m); print(m.entry_forward(1.0))"
+)
 
 
 def _run(tmp_path):
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"),
-               PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    env = dict(
+        os.environ,
+        NUMBA_CACHE_DIR=str(tmp_path / "cache"),
+        PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]),
+    )
     env.pop("NUMBA_DISABLE_JIT", None)
-    return subprocess.run([sys.executable, "-c", RUN], env=env, capture_output=True, text=True,
-                          check=True, cwd=tmp_path)
+    return subprocess.run(
+        [sys.executable, "-c", RUN],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+    )
 
 
 def test_message_once_before_compile_and_silent_when_cached(tmp_path):

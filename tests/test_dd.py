@@ -29,8 +29,15 @@ def _points(seed, low, high, count):
     rng = np.random.default_rng(seed)
     edges = np.arange(-64 * 9, 64 * 9) * LN2_64  # range-reduction boundaries k ln2/64
     halves = edges + LN2_64 / 2  # |r| at its largest
-    pts = np.concatenate([rng.uniform(low, high, count), edges, halves,
-                          np.nextafter(edges, np.inf), np.nextafter(halves, -np.inf)])
+    pts = np.concatenate(
+        [
+            rng.uniform(low, high, count),
+            edges,
+            halves,
+            np.nextafter(edges, np.inf),
+            np.nextafter(halves, -np.inf),
+        ]
+    )
     return pts[(pts >= low) & (pts <= high)], rng
 
 
@@ -43,14 +50,23 @@ def test_error_free_transforms_are_exact():
         assert _exact(p, e) == Fraction(a) * Fraction(b)
 
 
-@pytest.mark.parametrize(("name", "bound"), [
-    ("dd_add", D.DD_ADD_REL), ("dd_add_d", D.DD_ADD_D_REL), ("dd_mul", D.DD_MUL_REL),
-    ("dd_mul_d", D.DD_MUL_D_REL), ("dd_div", D.DD_DIV_REL), ("dd_div_d", D.DD_DIV_D_REL)])
+@pytest.mark.parametrize(
+    ("name", "bound"),
+    [
+        ("dd_add", D.DD_ADD_REL),
+        ("dd_add_d", D.DD_ADD_D_REL),
+        ("dd_mul", D.DD_MUL_REL),
+        ("dd_mul_d", D.DD_MUL_D_REL),
+        ("dd_div", D.DD_DIV_REL),
+        ("dd_div_d", D.DD_DIV_D_REL),
+    ],
+)
 def test_dd_operations_within_their_bounds(name, bound):
     rng = np.random.default_rng(2)
     fn = getattr(D, name)
-    exact_op = {"add": lambda x, y: x + y, "mul": lambda x, y: x * y,
-                "div": lambda x, y: x / y}[name.split("_")[1]]
+    exact_op = {"add": lambda x, y: x + y, "mul": lambda x, y: x * y, "div": lambda x, y: x / y}[
+        name.split("_")[1]
+    ]
     for _ in range(300):
         xh, yh = rng.standard_normal(2) * np.exp2(rng.integers(-30, 30, 2))
         xh, xl = D.two_sum(xh, xh * rng.uniform(-1, 1) * 2.0**-54)
@@ -76,8 +92,13 @@ def test_exp_dd_within_exp_rel():
 
 def test_log_dd_within_its_returned_bound():
     rng = np.random.default_rng(4)
-    zs = np.concatenate([np.exp(rng.uniform(-600, 590, 800)), [1.0, 1 + 2.0**-52, 1 - 2.0**-53],
-                         np.exp2(rng.integers(-800, 800, 100)).astype(float)])
+    zs = np.concatenate(
+        [
+            np.exp(rng.uniform(-600, 590, 800)),
+            [1.0, 1 + 2.0**-52, 1 - 2.0**-53],
+            np.exp2(rng.integers(-800, 800, 100)).astype(float),
+        ]
+    )
     with mpmath.workprec(250):
         for z in zs:
             zl = z * rng.uniform(-1, 1) * 2.0**-54
@@ -157,13 +178,34 @@ def test_compiled_decide_dd_is_decide_dd_bit_for_bit(name):
     fmt = FORMATS[name]
     n = 3000
     mids = rng.standard_normal(n) * np.exp2(rng.integers(-150, 150, n).astype(float))
-    grid = np.ldexp(np.floor(np.ldexp(mids, fmt.p - np.frexp(mids)[1])) + 0.5,
-                    np.frexp(mids)[1] - fmt.p)  # midpoints of the format's grid
-    special = np.array([0.0, -0.0, 1e-320, -1e-320, 2.0**-1074, 1e308, -1.7e308, np.inf,
-                        np.nan, float(fmt.max_finite), 2.0**-126, 2.0**-149, 2.0**-24])
+    grid = np.ldexp(
+        np.floor(np.ldexp(mids, fmt.p - np.frexp(mids)[1])) + 0.5, np.frexp(mids)[1] - fmt.p
+    )  # midpoints of the format's grid
+    special = np.array(
+        [
+            0.0,
+            -0.0,
+            1e-320,
+            -1e-320,
+            2.0**-1074,
+            1e308,
+            -1.7e308,
+            np.inf,
+            np.nan,
+            float(fmt.max_finite),
+            2.0**-126,
+            2.0**-149,
+            2.0**-24,
+        ]
+    )
     his = np.concatenate([mids, grid, special])
-    los = np.concatenate([np.zeros(n), rng.choice([0.0, 1.0, -1.0], n) * np.abs(grid) * 2.0**-80,
-                          np.zeros(special.size)])
+    los = np.concatenate(
+        [
+            np.zeros(n),
+            rng.choice([0.0, 1.0, -1.0], n) * np.abs(grid) * 2.0**-80,
+            np.zeros(special.size),
+        ]
+    )
     rads = np.abs(his) * np.exp2(rng.integers(-110, -fmt.p + 3, his.size).astype(float))
     rads[::7] = 0.0
     with np.errstate(invalid="ignore", over="ignore"):

@@ -41,6 +41,7 @@ def test_module_doctests(name):
         if (error.name or "").split(".")[0] not in OPTIONAL_PACKAGES:
             raise
         pytest.skip(f"{name} needs the optional package {error.name!r}")
-    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE,
-                             report=False)
+    result = doctest.testmod(
+        module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, report=False
+    )
     assert result.failed == 0, f"{name}: {result.failed} of {result.attempted} examples failed"

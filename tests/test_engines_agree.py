@@ -36,10 +36,16 @@ def _all_cases():
     for name in catalogue.suite_names():
         for case in catalogue.suite(name):
             cases.setdefault(case.name, case)
-    return [pytest.param(case, id=case.name, marks=pytest.mark.xslow
-                         if case.function != "attention" or _cost(case) > COST_LIMIT
-                         else pytest.mark.slow)
-            for case in cases.values()]
+    return [
+        pytest.param(
+            case,
+            id=case.name,
+            marks=pytest.mark.xslow
+            if case.function != "attention" or _cost(case) > COST_LIMIT
+            else pytest.mark.slow,
+        )
+        for case in cases.values()
+    ]
 
 
 @contextlib.contextmanager
@@ -57,13 +63,16 @@ def engines(name: str):
 @pytest.mark.parametrize("case", _all_cases())
 def test_fast_engine_is_the_referee_bit_for_bit(case):
     if not hasattr(config, "EXACT_ENGINE"):
-        pytest.skip("refattn.config.EXACT_ENGINE is absent: this tree has no fast exact engine "
-                    "to compare with the referee (merge branch fastexact)")
+        pytest.skip(
+            "refattn.config.EXACT_ENGINE is absent: this tree has no fast exact engine "
+            "to compare with the referee (merge branch fastexact)"
+        )
     with engines("referee"):
         referee = golden.build(case).truth
     with engines("fast"):
         fast = golden.build(case).truth
     assert sorted(fast) == sorted(referee), case.name
     for name, truth in referee.items():
-        assert_same_bits(fast[name], truth, what=f"fast engine {name}", case=case.name,
-                         check_dtype=True)
+        assert_same_bits(
+            fast[name], truth, what=f"fast engine {name}", case=case.name, check_dtype=True
+        )

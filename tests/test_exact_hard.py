@@ -37,8 +37,9 @@ def check_logspace(x, where, target="float64", case=""):
     """logsumexp / softmax / log_softmax (exact) == the rounded twin, bit for bit."""
     dtype = _dtype(target)
     want = naive_logspace_rounded(x, where, dtype)
-    for function, truth in zip((refattn.logsumexp, refattn.softmax, refattn.log_softmax), want,
-                               strict=True):
+    for function, truth in zip(
+        (refattn.logsumexp, refattn.softmax, refattn.log_softmax), want, strict=True
+    ):
         got = function(x, where=where, precision="exact", out_dtype=dtype)
         assert_same_bits(got, truth, what=f"{function.__name__} exact", case=case)
 
@@ -46,8 +47,9 @@ def check_logspace(x, where, target="float64", case=""):
 def check_attention(q, k, v, opts, target="float64", case=""):
     """out, lse, weights (exact) == the rounded twin; q (H, L, D), k, v (K, S, .)."""
     dtype = _dtype(target)
-    got = refattn.attention(q, k, v, precision="exact", out_dtype=dtype, return_lse=True,
-                            return_weights=True, **opts)
+    got = refattn.attention(
+        q, k, v, precision="exact", out_dtype=dtype, return_lse=True, return_weights=True, **opts
+    )
     want = naive_attention_rounded(q, k, v, opts, dtype)
     for name, value, truth in zip(("out", "lse", "weights"), got, want, strict=True):
         assert_same_bits(value, truth, what=f"attention exact {name}", case=case)
@@ -56,12 +58,12 @@ def check_attention(q, k, v, opts, target="float64", case=""):
 def check_vjp(q, k, v, grad_out, scale, target="float64", case=""):
     """dq, dk, dv (exact) == the rounded twin; plain single-head q (L, D), k, v (S, .)."""
     dtype = _dtype(target)
-    got = refattn.attention_vjp(q, k, v, grad_out, scale=scale, precision="exact",
-                                out_dtype=dtype)
+    got = refattn.attention_vjp(q, k, v, grad_out, scale=scale, precision="exact", out_dtype=dtype)
     want = naive_attention_vjp(q, k, v, grad_out, scale=scale)
     for name, value, truth in zip(("dq", "dk", "dv"), got[:3], want, strict=True):
-        assert_same_bits(value, round_nested(truth, dtype), what=f"attention_vjp exact {name}",
-                         case=case)
+        assert_same_bits(
+            value, round_nested(truth, dtype), what=f"attention_vjp exact {name}", case=case
+        )
 
 
 # ----------------------------------------------------------------------------- item 5 inputs
@@ -85,23 +87,41 @@ def test_logspace_item5_inputs(label, target):
 
 def _beyond_range(seed, size=1e200):
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((1, 2, 3)) * size, rng.standard_normal((1, 3, 3)) * size,
-            rng.standard_normal((1, 3, 2)))
+    return (
+        rng.standard_normal((1, 2, 3)) * size,
+        rng.standard_normal((1, 3, 3)) * size,
+        rng.standard_normal((1, 3, 2)),
+    )
 
 
 ATTENTION_CASES = {
     "q,k ~ 1e200": lambda: (*_beyond_range(0), {"scale": 1.0}),
     "q,k ~ 1e300": lambda: (*_beyond_range(1, 1e300), {"scale": 1.0}),
     "scale 1e308": lambda: (*_beyond_range(2, 1.0), {"scale": 1e308}),
-    "gap 1e10": lambda: (np.array([[[1e5]]]), np.array([[[1e5], [0.0]]]),
-                         np.array([[[1.0], [2.0]]]), {"scale": 1.0}),
-    "bias +-1e300": lambda: (np.ones((1, 1, 2)), np.ones((1, 2, 2)), np.array([[[1.0], [2.0]]]),
-                             {"bias": np.array([[[1e300, -1e300]]])}),
-    "bias cancels the score": lambda: (np.array([[[1e150]]]), np.array([[[1e150], [0.0]]]),
-                                       np.array([[[1.0], [2.0]]]),
-                                       {"scale": 1.0, "bias": np.array([[[-1e300, 0.0]]])}),
-    "v below a -0 tail": lambda: (np.array([[[1.0]]]), np.array([[[1e5], [0.0]]]),
-                                  np.array([[[0.0], [-1.0]]]), {"scale": 1.0}),
+    "gap 1e10": lambda: (
+        np.array([[[1e5]]]),
+        np.array([[[1e5], [0.0]]]),
+        np.array([[[1.0], [2.0]]]),
+        {"scale": 1.0},
+    ),
+    "bias +-1e300": lambda: (
+        np.ones((1, 1, 2)),
+        np.ones((1, 2, 2)),
+        np.array([[[1.0], [2.0]]]),
+        {"bias": np.array([[[1e300, -1e300]]])},
+    ),
+    "bias cancels the score": lambda: (
+        np.array([[[1e150]]]),
+        np.array([[[1e150], [0.0]]]),
+        np.array([[[1.0], [2.0]]]),
+        {"scale": 1.0, "bias": np.array([[[-1e300, 0.0]]])},
+    ),
+    "v below a -0 tail": lambda: (
+        np.array([[[1.0]]]),
+        np.array([[[1e5], [0.0]]]),
+        np.array([[[0.0], [-1.0]]]),
+        {"scale": 1.0},
+    ),
 }
 
 
@@ -122,14 +142,26 @@ def test_attention_beyond_range_with_default_scale_and_softcap():
 
 
 VJP_CASES = {
-    "gap 1e10": (np.array([[1e5]]), np.array([[1e5], [0.0]]), np.array([[1.0], [2.0]]),
-                 np.ones((1, 1)), 1.0),
+    "gap 1e10": (
+        np.array([[1e5]]),
+        np.array([[1e5], [0.0]]),
+        np.array([[1.0], [2.0]]),
+        np.ones((1, 1)),
+        1.0,
+    ),
     "q,k ~ 1e200": (*(a[0] for a in _beyond_range(0)), np.ones((2, 2)), 1.0),
-    "q,k ~ 1e200, 1/sqrt(D)": (*(a[0] for a in _beyond_range(4)),
-                              np.random.default_rng(5).standard_normal((2, 2)), None),
-    "dv on a midpoint + exp(-1e5)": (np.array([[1.0], [1.0]]), np.array([[1e5], [0.0]]),
-                                     np.array([[1.0], [2.0]]), np.array([[1.0], [2.0**-53]]),
-                                     1.0),
+    "q,k ~ 1e200, 1/sqrt(D)": (
+        *(a[0] for a in _beyond_range(4)),
+        np.random.default_rng(5).standard_normal((2, 2)),
+        None,
+    ),
+    "dv on a midpoint + exp(-1e5)": (
+        np.array([[1.0], [1.0]]),
+        np.array([[1e5], [0.0]]),
+        np.array([[1.0], [2.0]]),
+        np.array([[1.0], [2.0**-53]]),
+        1.0,
+    ),
 }
 
 
@@ -150,8 +182,7 @@ def test_logspace_hard_sweep(case):
 @given(case=hard_attention_cases())
 def test_attention_hard_sweep(case):
     q, k, v, opts, target = case
-    check_attention(q, k, v, opts, target,
-                    case=f"k={k.ravel().tolist()} v={v.tolist()} {target}")
+    check_attention(q, k, v, opts, target, case=f"k={k.ravel().tolist()} v={v.tolist()} {target}")
 
 
 @settings(max_examples=25, deadline=None)
@@ -159,8 +190,15 @@ def test_attention_hard_sweep(case):
 def test_vjp_hard_sweep(case):
     q, k, v, opts, target = case
     grad_out = np.linspace(-1.0, 1.0, q.shape[1] * v.shape[2]).reshape(q.shape[1], v.shape[2])
-    check_vjp(q[0], k[0], v[0], grad_out, opts["scale"], target,
-              case=f"k={k.ravel().tolist()} v={v.tolist()} {target}")
+    check_vjp(
+        q[0],
+        k[0],
+        v[0],
+        grad_out,
+        opts["scale"],
+        target,
+        case=f"k={k.ravel().tolist()} v={v.tolist()} {target}",
+    )
 
 
 # ----------------------------------------------------------------------------- long rows
@@ -193,12 +231,13 @@ def _sampled_rows_match(length, keys, dim, rows, seed, **opts):
     v = rng.standard_normal((1, keys, dim)).astype(bf16)
     k[0, 70] = k[0, 3]  # a tie across a 64-key tile
     k[0, 200] = k[0, 130]  # and across a 128-key tile
-    out, lse = refattn.attention(q, k, v, precision="exact", out_dtype=np.float32,
-                                 return_lse=True, **opts)
+    out, lse = refattn.attention(
+        q, k, v, precision="exact", out_dtype=np.float32, return_lse=True, **opts
+    )
     for i in rows:
-        want_out, want_lse, _ = naive_attention_rounded(q[:, i:i + 1], k, v, opts, np.float32)
-        assert_same_bits(out[:, i:i + 1], want_out, what="attention exact out", case=f"row {i}")
-        assert_same_bits(lse[:, i:i + 1], want_lse, what="attention exact lse", case=f"row {i}")
+        want_out, want_lse, _ = naive_attention_rounded(q[:, i : i + 1], k, v, opts, np.float32)
+        assert_same_bits(out[:, i : i + 1], want_out, what="attention exact out", case=f"row {i}")
+        assert_same_bits(lse[:, i : i + 1], want_lse, what="attention exact lse", case=f"row {i}")
 
 
 @pytest.mark.slow
@@ -209,13 +248,19 @@ def test_rows_crossing_key_tiles():
 def test_vjp_dbias_signed_zeros():
     """One query row, q = 1, scale 1: dbias_j = dS_j = dk_j, so dbias takes the twin's dk
     bits (tiny dS of both signs underflow to -0 and +0)."""
-    q, k, v, grad_out = (np.array([[1.0]]), np.array([[1e5], [0.0]]), np.array([[1.0], [2.0]]),
-                         np.array([[1.0]]))
-    got = refattn.attention_vjp(q, k, v, grad_out, bias=np.zeros((1, 2)), scale=1.0,
-                                precision="exact")
+    q, k, v, grad_out = (
+        np.array([[1.0]]),
+        np.array([[1e5], [0.0]]),
+        np.array([[1.0], [2.0]]),
+        np.array([[1.0]]),
+    )
+    got = refattn.attention_vjp(
+        q, k, v, grad_out, bias=np.zeros((1, 2)), scale=1.0, precision="exact"
+    )
     _, dk, _ = naive_attention_vjp(q, k, v, grad_out, scale=1.0)
-    assert_same_bits(got.dbias.ravel(), round_nested(dk).ravel(), what="attention_vjp dbias",
-                     case="gap 1e5")
+    assert_same_bits(
+        got.dbias.ravel(), round_nested(dk).ravel(), what="attention_vjp dbias", case="gap 1e5"
+    )
 
 
 def _engine_agreement(*args):
@@ -225,9 +270,14 @@ def _engine_agreement(*args):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, str(root / "tools" / "engine_agreement.py"), *args],
-                          cwd=root, capture_output=True, text=True, timeout=3 * 3600,
-                          env={**os.environ, "PYTHONPATH": str(root)})
+    done = subprocess.run(
+        [sys.executable, str(root / "tools" / "engine_agreement.py"), *args],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=3 * 3600,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     return done.stdout
 
@@ -237,13 +287,13 @@ def test_engine_agreement_on_smoke_whole_and_sampled():
     """tools/engine_agreement.py: the fast engine equals the referee on smoke cases compared
     whole, and on sampled rows (the kernel-scale method)."""
     assert "identical" in _engine_agreement("--suite", "smoke", "--match", "basic")
-    assert "sampled rows" in _engine_agreement("--suite", "smoke", "--full-below", "0",
-                                               "--match", "grad-")
+    assert "sampled rows" in _engine_agreement(
+        "--suite", "smoke", "--full-below", "0", "--match", "grad-"
+    )
 
 
 @pytest.mark.xslow
 def test_engine_agreement_on_kernel_scale_cases():
     """Every attention case of the kernel and full suites: whole below 2e6 multiply-adds, on
     sampled rows (tile boundaries, first, last, random; out, lse, dq) above."""
-    _engine_agreement("--suite", "full", "--suite", "kernel", "--sample", "grad-gap",
-                      "--jobs", "2")
+    _engine_agreement("--suite", "full", "--suite", "kernel", "--sample", "grad-gap", "--jobs", "2")

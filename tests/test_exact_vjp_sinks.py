@@ -38,21 +38,28 @@ def _options(rng):
         "causal_bottom_right": {"causal": True, "align": "bottom_right"},
         "window": {"window": (2, 1)},
         "kv_lengths_empty": {"kv_lengths": np.array([0, 6]), "window": (1, 1)},
-        "kv_lengths_causal": {"kv_lengths": np.array([9, 4]), "causal": True,
-                              "align": "bottom_right"},
+        "kv_lengths_causal": {
+            "kv_lengths": np.array([9, 4]),
+            "causal": True,
+            "align": "bottom_right",
+        },
         "mask_empty_rows": {"mask": empty_rows},
         "bias_full": {"bias": rng.standard_normal((BATCH, HEADS, LENGTH, KEYS))},
         "bias_heads": {"bias": neginf_bias, "causal": True},
         "bias_rows": {"bias": rng.standard_normal((LENGTH, 1))},  # broadcast along the keys
         "softcap": {"softcap": 1.5},
         "alibi": {"alibi_slopes": slopes, "causal": True, "align": "bottom_right"},
-        "dropout": {"dropout_mask": rng.random((BATCH, 1, LENGTH, KEYS)) < 0.7,
-                    "dropout_p": 0.25},
+        "dropout": {"dropout_mask": rng.random((BATCH, 1, LENGTH, KEYS)) < 0.7, "dropout_p": 0.25},
         "gqa_tile": {"gqa": "tile", "mask": rng.random((HEADS, 1, KEYS)) < 0.8},
-        "everything": {"causal": True, "softcap": 30.0, "alibi_slopes": slopes,
-                       "bias": rng.standard_normal((LENGTH, KEYS)), "dropout_p": 0.5,
-                       "dropout_mask": rng.random((HEADS, LENGTH, KEYS)) < 0.7,
-                       "mask": empty_rows[0]},
+        "everything": {
+            "causal": True,
+            "softcap": 30.0,
+            "alibi_slopes": slopes,
+            "bias": rng.standard_normal((LENGTH, KEYS)),
+            "dropout_p": 0.5,
+            "dropout_mask": rng.random((HEADS, LENGTH, KEYS)) < 0.7,
+            "mask": empty_rows[0],
+        },
     }
 
 
@@ -104,8 +111,7 @@ def test_sinks_far_from_the_scores(offset):
     if offset == 0.0:
         q = np.zeros_like(q)  # every score 0: the sink ties with every key
     sinks = SINKS + offset
-    for opts in ({"causal": True}, {"mask": rng.random((LENGTH, KEYS)) < 0.3,
-                                    "softcap": 2.0}):
+    for opts in ({"causal": True}, {"mask": rng.random((LENGTH, KEYS)) < 0.3, "softcap": 2.0}):
         spec, d, g = _spec_and_cotangents(q, k, v, do, gl, sinks=sinks, **opts)
         fast, referee, _ = _fast_and_referee(spec, d, g, "float64")
         _assert_identical(fast, referee, f"offset={offset}, {sorted(opts)}")
@@ -125,8 +131,9 @@ def test_the_fast_path_does_not_fold(monkeypatch):
     """A call the first step decides whole never builds the folded (B, H, L, S + 1) spec; the
     enclosures have S keys and dsinks (3, H)."""
     rng, q, k, v, do, gl = _problem(seed=2)
-    spec, d, g = _spec_and_cotangents(q, k, v, do, gl, sinks=SINKS, causal=True,
-                                      bias=rng.standard_normal((HEADS, 1, KEYS)))
+    spec, d, g = _spec_and_cotangents(
+        q, k, v, do, gl, sinks=SINKS, causal=True, bias=rng.standard_normal((HEADS, 1, KEYS))
+    )
     want = exact_vjp(spec, d, g, np.dtype("float64"), engine="referee")
 
     def refuse(*args, **kwargs):
@@ -144,8 +151,17 @@ def test_the_fast_path_does_not_fold(monkeypatch):
 
 def test_sinks_do_not_depend_on_the_thread_count():
     rng, q, k, v, do, gl = vjp_problem(5, 4, 2, 70, 80, 4, 3, 2)
-    spec, d, g = _spec_and_cotangents(q, k, v, do, gl, sinks=SINKS, causal=True,
-                                      kv_lengths=np.array([80, 30]), align="bottom_right")
+    spec, d, g = _spec_and_cotangents(
+        q,
+        k,
+        v,
+        do,
+        gl,
+        sinks=SINKS,
+        causal=True,
+        kv_lengths=np.array([80, 30]),
+        align="bottom_right",
+    )
     saved = numba.get_num_threads()
     runs = []
     try:
@@ -165,8 +181,7 @@ def test_public_exact_vjp_with_sinks_matches_the_referee(monkeypatch):
     gives the same bits and the same (dq, dk, dv, dbias, dsinks) shapes."""
     rng, q, k, v, do, gl = _problem(seed=6)
     bias = rng.standard_normal((LENGTH, KEYS))
-    kwargs = dict(sinks=SINKS, causal=True, bias=bias, precision="exact",
-                  out_dtype="float32")
+    kwargs = dict(sinks=SINKS, causal=True, bias=bias, precision="exact", out_dtype="float32")
     fast = refattn.attention_vjp(q, k, v, do, grad_lse=gl, **kwargs)
     monkeypatch.setattr(refattn.config, "EXACT_VJP_ENGINE", "referee")
     referee = refattn.attention_vjp(q, k, v, do, grad_lse=gl, **kwargs)

@@ -29,8 +29,7 @@ def _options(rng, length=7, keys=9, heads=4):
         "window": {"window": (2, 1)},
         "window_left": {"window": (3, None), "align": "bottom_right"},
         "window_right": {"window": (None, 0)},
-        "kv_lengths": {"kv_lengths": np.array([9, 4]), "causal": True,
-                       "align": "bottom_right"},
+        "kv_lengths": {"kv_lengths": np.array([9, 4]), "causal": True, "align": "bottom_right"},
         "kv_lengths_window": {"kv_lengths": np.array([0, 6]), "window": (1, 1)},
         "mask": {"mask": rng.random((length, keys)) < 0.7},
         "mask_full": {"mask": rng.random((2, heads, length, keys)) < 0.6, "causal": True},
@@ -38,10 +37,16 @@ def _options(rng, length=7, keys=9, heads=4):
         "dropout": {"dropout_mask": rng.random((2, 1, length, keys)) < 0.8, "dropout_p": 0.25},
         "gqa_tile": {"gqa": "tile", "mask": rng.random((heads, 1, keys)) < 0.8},
         "sinks": {"sinks": np.array([0.5, -1.0, 2.0, 0.0]), "causal": True},
-        "sinks_bias": {"sinks": np.array([0.5, -1.0, 2.0, 0.0]), "causal": True,
-                       "bias": rng.standard_normal((length, keys))},
-        "softcap_alibi": {"softcap": 3.0, "alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625]),
-                          "causal": True},
+        "sinks_bias": {
+            "sinks": np.array([0.5, -1.0, 2.0, 0.0]),
+            "causal": True,
+            "bias": rng.standard_normal((length, keys)),
+        },
+        "softcap_alibi": {
+            "softcap": 3.0,
+            "alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625]),
+            "causal": True,
+        },
     }
 
 
@@ -103,8 +108,9 @@ def _per_thread_count(spec, do, gl, **kwargs):
 
 def test_results_do_not_depend_on_the_thread_count():
     rng, q, k, v, do, gl = _problem(seed=5, batch=2, heads=4, kv_heads=2, length=70, keys=80)
-    spec = canonicalize(q, k, v, causal=True, window=(40, None), kv_lengths=np.array([80, 50]),
-                        align="bottom_right")
+    spec = canonicalize(
+        q, k, v, causal=True, window=(40, None), kv_lengths=np.array([80, 50]), align="bottom_right"
+    )
     runs = _per_thread_count(spec, do, gl)
     for got in runs[1:]:
         for a, b in zip(runs[0], got, strict=True):
@@ -112,8 +118,10 @@ def test_results_do_not_depend_on_the_thread_count():
                 assert_same_bits(a, b, what="enclosure", case="threads")
 
 
-@pytest.mark.parametrize("name", ["kv_lengths", "window_left", "softcap_alibi", "dropout",
-                                  "bias_neginf", "sinks", "sinks_bias"])
+@pytest.mark.parametrize(
+    "name",
+    ["kv_lengths", "window_left", "softcap_alibi", "dropout", "bias_neginf", "sinks", "sinks_bias"],
+)
 def test_undecided_dq_rows_go_to_the_referee_alone(name, monkeypatch):
     """An undecided dq element is settled by a one-row spec (row_spec: original indices for
     causal, window and ALiBi, the key length as a mask), with the whole-call referee's bits."""
@@ -153,15 +161,30 @@ def _bias_cases(rng, batch=2, heads=4, length=7, keys=9):
     slopes = np.array([0.5, 0.25, 0.125, 0.0625])
     return [
         ((heads, 1, keys), {"causal": True}),
-        ((1, 1, length, keys), {"window": (2, 1), "dropout_p": 0.25,
-                                "dropout_mask": rng.random((batch, 1, length, keys)) < 0.8}),
-        ((batch, 1, 1, keys), {"kv_lengths": np.array([9, 4]), "causal": True,
-                               "align": "bottom_right"}),
+        (
+            (1, 1, length, keys),
+            {
+                "window": (2, 1),
+                "dropout_p": 0.25,
+                "dropout_mask": rng.random((batch, 1, length, keys)) < 0.8,
+            },
+        ),
+        (
+            (batch, 1, 1, keys),
+            {"kv_lengths": np.array([9, 4]), "causal": True, "align": "bottom_right"},
+        ),
         ((length, keys), {"mask": rng.random((length, keys)) < 0.6, "softcap": 3.0}),
         ((keys,), {"alibi_slopes": slopes, "causal": True}),
         ((heads, length, keys), {"kv_lengths": np.array([0, 6]), "window": (1, 1)}),
-        ((batch, heads, 1, keys), {"mask": rng.random((heads, 1, keys)) < 0.8, "gqa": "tile",
-                                   "softcap": 2.0, "alibi_slopes": slopes}),
+        (
+            (batch, heads, 1, keys),
+            {
+                "mask": rng.random((heads, 1, keys)) < 0.8,
+                "gqa": "tile",
+                "softcap": 2.0,
+                "alibi_slopes": slopes,
+            },
+        ),
         ((1, keys), {"window": (0, 0)}),  # single-key rows
         ((heads, 1, keys), {"mask": rng.random((batch, heads, length, keys)) < 0.3}),
     ]
@@ -192,15 +215,23 @@ def test_streamed_dbias_has_the_reduced_enclosures_bits(case, with_glse):
 
 def test_streamed_dbias_does_not_depend_on_the_thread_count():
     rng, q, k, v, do, gl = _problem(seed=6, batch=2, heads=4, kv_heads=2, length=70, keys=150)
-    spec = canonicalize(q, k, v, bias=rng.standard_normal((4, 1, 150)), causal=True,
-                        kv_lengths=np.array([150, 100]), align="bottom_right")
+    spec = canonicalize(
+        q,
+        k,
+        v,
+        bias=rng.standard_normal((4, 1, 150)),
+        causal=True,
+        kv_lengths=np.array([150, 100]),
+        align="bottom_right",
+    )
     old = _per_thread_count(spec, do, gl, stream_dbias=False)[0][3]
     for got in _per_thread_count(spec, do, gl):
         assert_same_bits(got[3], old, what="dbias", case="threads")
 
 
-@pytest.mark.parametrize("shape", [(3, 1, 1, 6), (2, 1, 2, 1, 6), (1, 3, 2, 5, 6), (6,),
-                                   (2, 1, 1, 1, 6)])
+@pytest.mark.parametrize(
+    "shape", [(3, 1, 1, 6), (2, 1, 2, 1, 6), (1, 3, 2, 5, 6), (6,), (2, 1, 1, 1, 6)]
+)
 def test_streamed_dbias_with_a_batch_of_two_axes(shape):
     """The slots of a bias broadcast against batch axes (2, 3): slot_b per flat batch row."""
     rng = np.random.default_rng(7)
@@ -209,8 +240,9 @@ def test_streamed_dbias_with_a_batch_of_two_axes(shape):
     spec = canonicalize(q, k, v, bias=rng.standard_normal(shape), causal=True)
     assert _fast_vjp._dbias_stream_slots(spec) is not None
     _, heads, _, length, _, _, vdim = spec.dims
-    d = check_cotangent(spec, rng.standard_normal((2, 3, 2, 5, 3)), "grad_out",
-                        (heads, length, vdim))
+    d = check_cotangent(
+        spec, rng.standard_normal((2, 3, 2, 5, 3)), "grad_out", (heads, length, vdim)
+    )
     new = _fast_vjp.gradient_enclosures(spec, d, None)[3]
     old = _fast_vjp.gradient_enclosures(spec, d, None, stream_dbias=False)[3]
     assert new.shape == (3,) + shape
@@ -276,8 +308,15 @@ def test_dbias_along_the_keys_rounds_an_exact_tie():
 
     rng = np.random.default_rng(2)
     q, k, v = (rng.standard_normal((2, 3, 4)) for _ in range(3))
-    grads = refattn.attention_vjp(q, k, v, np.ones((2, 3, 4)), bias=np.array(0.5),
-                                  grad_lse=np.full((2, 3), 0.3), precision="exact")
+    grads = refattn.attention_vjp(
+        q,
+        k,
+        v,
+        np.ones((2, 3, 4)),
+        bias=np.array(0.5),
+        grad_lse=np.full((2, 3), 0.3),
+        precision="exact",
+    )
     exact = 6 * Fraction(0.3)
     assert (exact * 2**53).denominator == 1 and (exact * 2**52).denominator == 2  # a midpoint
     want = round_exact(exact, format_of(np.dtype("float64")))
@@ -289,8 +328,9 @@ def test_dbias_along_the_keys_with_sinks(shape):
     """With sinks a row's dS over its keys no longer sums to g_i: pass A sums the rows'
     enclosures (row_sums); the decided bits are the referee's."""
     rng, q, k, v, do, gl = _problem(seed=32)
-    spec = canonicalize(q, k, v, bias=rng.standard_normal(shape), causal=True,
-                        sinks=np.array([0.5, -1.0, 2.0, 0.0]))
+    spec = canonicalize(
+        q, k, v, bias=rng.standard_normal(shape), causal=True, sinks=np.array([0.5, -1.0, 2.0, 0.0])
+    )
     _, heads, _, length, _, _, vdim = spec.dims
     d = check_cotangent(spec, do, "grad_out", (heads, length, vdim))
     g = check_cotangent(spec, gl, "grad_lse", (heads, length))

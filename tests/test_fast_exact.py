@@ -26,8 +26,16 @@ def _run(engine, q, k, v, out_dtype="float64", **opts):
     saved = config.EXACT_ENGINE
     config.EXACT_ENGINE = engine
     try:
-        return refattn.attention(q, k, v, precision="exact", out_dtype=out_dtype,
-                                 return_lse=True, return_weights=True, **opts)
+        return refattn.attention(
+            q,
+            k,
+            v,
+            precision="exact",
+            out_dtype=out_dtype,
+            return_lse=True,
+            return_weights=True,
+            **opts,
+        )
     finally:
         config.EXACT_ENGINE = saved
 
@@ -40,13 +48,13 @@ def _assert_identical(q, k, v, out_dtype="float64", **opts):
     for name, a, b in zip(("out", "lse", "weights"), fast, slow, strict=True):
         assert a.dtype == b.dtype, name
         a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        same = (a64 == b64) & (np.signbit(a64) == np.signbit(b64)) | (np.isnan(a64)
-                                                                    & np.isnan(b64))
+        same = (a64 == b64) & (np.signbit(a64) == np.signbit(b64)) | (np.isnan(a64) & np.isnan(b64))
         if not same.all():
             where = tuple(int(i) for i in np.argwhere(~same)[0])
             raise AssertionError(
                 f"{name}{list(where)} ({out_dtype}, options {sorted(opts)}): fast "
-                f"{a64[where]!r} != referee {b64[where]!r}; fallback {stats}")
+                f"{a64[where]!r} != referee {b64[where]!r}; fallback {stats}"
+            )
     return stats
 
 
@@ -60,8 +68,10 @@ def test_fast_engine_matches_referee_on_every_option(out_dtype, case):
 
 def _gaussian(seed, length=24, keys=40, dim=8, vdim=5, dtype=np.float64):
     rng = np.random.default_rng(seed)
-    return [rng.standard_normal(s).astype(dtype)
-            for s in ((2, length, dim), (2, keys, dim), (2, keys, vdim))]
+    return [
+        rng.standard_normal(s).astype(dtype)
+        for s in ((2, length, dim), (2, keys, dim), (2, keys, vdim))
+    ]
 
 
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES)
@@ -134,12 +144,18 @@ def test_nan_inputs_and_empty_rows_go_to_referee():
 
 def test_row_spec_keeps_original_row_indices():
     q, k, v = _gaussian(6, length=7, keys=9, dim=3, vdim=2)
-    opts = dict(causal=True, window=(2, 1), align="bottom_right",
-                alibi_slopes=np.array([0.5, 0.25]), bias=np.arange(63.0).reshape(7, 9) / 8)
+    opts = dict(
+        causal=True,
+        window=(2, 1),
+        align="bottom_right",
+        alibi_slopes=np.array([0.5, 0.25]),
+        bias=np.arange(63.0).reshape(7, 9) / 8,
+    )
     spec = refattn._spec.canonicalize(q, k, v, **opts)
     full = refattn.exact.attention.exact_forward(spec, np.dtype(np.float64), return_lse=True)
-    part = refattn.exact.attention.exact_forward(FA.row_spec(spec, 0, 1, 3, 6),
-                                                 np.dtype(np.float64), return_lse=True)
+    part = refattn.exact.attention.exact_forward(
+        FA.row_spec(spec, 0, 1, 3, 6), np.dtype(np.float64), return_lse=True
+    )
     assert np.array_equal(part[0][0, 0], full[0][0, 1, 3:6])
     assert np.array_equal(part[1][0, 0], full[1][0, 1, 3:6])
 
@@ -158,10 +174,16 @@ def _logspace_identical(fn, x, where, out_dtype):
         slow = np.asarray(fn(x, where=where, precision="exact", out_dtype=out_dtype), np.float64)
     finally:
         config.EXACT_ENGINE = saved
-    same = ((fast == slow) & (np.signbit(fast) == np.signbit(slow))) | (np.isnan(fast)
-                                                                       & np.isnan(slow))
-    assert same.all(), (fn.__name__, out_dtype, np.argwhere(~same)[0], fast[~same][0],
-                        slow[~same][0])
+    same = ((fast == slow) & (np.signbit(fast) == np.signbit(slow))) | (
+        np.isnan(fast) & np.isnan(slow)
+    )
+    assert same.all(), (
+        fn.__name__,
+        out_dtype,
+        np.argwhere(~same)[0],
+        fast[~same][0],
+        slow[~same][0],
+    )
 
 
 @pytest.mark.parametrize("fn", LOGSPACE, ids=lambda f: f.__name__)
@@ -174,12 +196,16 @@ def test_fast_logspace_matches_referee(fn, out_dtype, case):
 
 @pytest.mark.parametrize("fn", LOGSPACE, ids=lambda f: f.__name__)
 def test_fast_logspace_hard_rows(fn):
-    x = np.array([[0.0, 0.0, 0.0, 0.0],              # weights exactly 1/4, lse = log 4
-                  [1.0, np.nan, 2.0, 3.0],           # NaN: the referee
-                  [np.inf, 0.0, 1.0, 2.0],           # +inf: the referee
-                  [-1e5, 1e5, 0.0, 5.0],             # far beyond CUT
-                  [0.0, -700.0, -60.0, -745.5],      # logit gaps to the underflow range
-                  [5e-324, -5e-324, 0.0, 2.0**-1074]])  # subnormals
+    x = np.array(
+        [
+            [0.0, 0.0, 0.0, 0.0],  # weights exactly 1/4, lse = log 4
+            [1.0, np.nan, 2.0, 3.0],  # NaN: the referee
+            [np.inf, 0.0, 1.0, 2.0],  # +inf: the referee
+            [-1e5, 1e5, 0.0, 5.0],  # far beyond CUT
+            [0.0, -700.0, -60.0, -745.5],  # logit gaps to the underflow range
+            [5e-324, -5e-324, 0.0, 2.0**-1074],
+        ]
+    )  # subnormals
     for out_dtype in OUT_DTYPES:
         _logspace_identical(fn, x, None, out_dtype)
 
@@ -195,9 +221,18 @@ def test_kernel_bodies_run_without_jit():
     """NUMBA_DISABLE_JIT=1: the first-step kernels run as Python (coverage of their bodies)."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, NUMBA_DISABLE_JIT="1", PYTHONPATH=str(root))
-    cmd = [sys.executable, "-m", "pytest", str(root / "tests" / "test_fast_exact.py"), "-q",
-           "-p", "no:cacheprovider", "-x", "-k",
-           "midpoint or one_by_one or (hard_rows and softmax) or row_spec"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(root / "tests" / "test_fast_exact.py"),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-x",
+        "-k",
+        "midpoint or one_by_one or (hard_rows and softmax) or row_spec",
+    ]
     done = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"NUMBA_DISABLE_JIT=1 tier failed:\n{done.stdout[-3000:]}"
 
@@ -264,15 +299,28 @@ def _option_specs():
     mask = rng.random((9, 13)) < 0.7
     drop = rng.random((2, 4, 9, 13)) < 0.6
     options = [
-        {}, dict(causal=True), dict(causal=True, align="bottom_right"), dict(window=(2, 1)),
-        dict(window=(None, 0), align="bottom_right"), dict(window=(3, None), causal=True),
-        dict(kv_lengths=np.array([13, 4])), dict(kv_lengths=np.array([0, 7]), causal=True,
-                                                 align="bottom_right"),
-        dict(mask=mask), dict(mask=mask[None, None, :1]), dict(bias=bias),
-        dict(bias=bias[0, 0]), dict(bias=bias[:, :1]), dict(dropout_mask=drop, dropout_p=0.5),
+        {},
+        dict(causal=True),
+        dict(causal=True, align="bottom_right"),
+        dict(window=(2, 1)),
+        dict(window=(None, 0), align="bottom_right"),
+        dict(window=(3, None), causal=True),
+        dict(kv_lengths=np.array([13, 4])),
+        dict(kv_lengths=np.array([0, 7]), causal=True, align="bottom_right"),
+        dict(mask=mask),
+        dict(mask=mask[None, None, :1]),
+        dict(bias=bias),
+        dict(bias=bias[0, 0]),
+        dict(bias=bias[:, :1]),
+        dict(dropout_mask=drop, dropout_p=0.5),
         dict(sinks=np.array([0.5, -1.0, 2.0, 0.0]), causal=True, mask=mask, bias=bias),
-        dict(sinks=np.array([0.5, -1.0, 2.0, 0.0]), kv_lengths=np.array([3, 13]),
-             dropout_mask=drop, dropout_p=0.25, window=(4, 0)),
+        dict(
+            sinks=np.array([0.5, -1.0, 2.0, 0.0]),
+            kv_lengths=np.array([3, 13]),
+            dropout_mask=drop,
+            dropout_p=0.25,
+            window=(4, 0),
+        ),
     ]
     for opts in options:
         spec = canonicalize(q, k, v, **opts)
@@ -293,8 +341,9 @@ def test_allowed_rule_is_spec_allowed():
                 want_kept = want if spec.dropout_mask is None else want & spec.dropout_mask[b, h]
                 assert np.array_equal(kept, want_kept), (sorted(opts), b, h)
         for part in (rule.mask, rule.bias, rule.drop):  # never larger than what was passed
-            assert part[0].size <= max(1, spec.q.shape[0] * spec.q.shape[1] * spec.q.shape[2]
-                                       * keys)
+            assert part[0].size <= max(
+                1, spec.q.shape[0] * spec.q.shape[1] * spec.q.shape[2] * keys
+            )
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32, ml_dtypes.bfloat16])
@@ -329,12 +378,19 @@ def test_bits_do_not_depend_on_thread_count():
         "                               return_lse=True, return_weights=True,\n"
         "                               kv_lengths=np.array([70, 41]), align='bottom_right'):\n"
         "        h.update(np.ascontiguousarray(r).tobytes())\n"
-        "print(h.hexdigest())\n")
+        "print(h.hexdigest())\n"
+    )
     digests = []
     for threads in ("1", "2"):
         env = dict(os.environ, NUMBA_NUM_THREADS=threads, PYTHONPATH=str(root))
-        done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root,
-                              capture_output=True, text=True, timeout=900)
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         digests.append(done.stdout.split()[-1])
     assert digests[0] == digests[1]
@@ -345,8 +401,11 @@ def test_no_keys_no_values_and_out_of_range_bias_rows(out_dtype):
     """S = 0 and E = 0 planes; a bias value outside [SAFE_MIN, SAFE_MAX] at an allowed
     position sends its row (only) to the referee."""
     rng = np.random.default_rng(13)
-    for shapes in (((3, 2), (0, 2), (0, 2)), ((3, 2), (4, 2), (4, 0)),
-                   ((1, 2, 3, 2), (1, 2, 0, 2), (1, 2, 0, 3))):
+    for shapes in (
+        ((3, 2), (0, 2), (0, 2)),
+        ((3, 2), (4, 2), (4, 0)),
+        ((1, 2, 3, 2), (1, 2, 0, 2), (1, 2, 0, 3)),
+    ):
         _assert_identical(*(rng.standard_normal(s) for s in shapes), out_dtype)
     q, k, v = (rng.standard_normal(s) for s in ((3, 4), (5, 4), (5, 2)))
     bias = rng.standard_normal((3, 5))
@@ -356,10 +415,16 @@ def test_no_keys_no_values_and_out_of_range_bias_rows(out_dtype):
 
 
 SINK_OPTIONS = [
-    {}, {"causal": True}, {"causal": True, "align": "top_left"}, {"window": (2, 1)},
-    {"softcap": 2.5}, {"alibi_slopes": np.array([0.5, 0.25, 0.125, 1 / 16])},
-    {"kv_lengths": np.array([0, 5])}, {"dropout_p": 0.25},
-    {"bias": np.linspace(-1.0, 1.0, 9)}, {"gqa": "interleave"},
+    {},
+    {"causal": True},
+    {"causal": True, "align": "top_left"},
+    {"window": (2, 1)},
+    {"softcap": 2.5},
+    {"alibi_slopes": np.array([0.5, 0.25, 0.125, 1 / 16])},
+    {"kv_lengths": np.array([0, 5])},
+    {"dropout_p": 0.25},
+    {"bias": np.linspace(-1.0, 1.0, 9)},
+    {"gqa": "interleave"},
 ]
 
 
@@ -393,8 +458,9 @@ def test_native_sinks_never_fold_in_the_first_steps(monkeypatch):
     monkeypatch.setattr(EA, "fold", no_fold)
     q, k, v = _gaussian(3)
     sinks = np.array([0.5, -1.0])
-    out, lse, weights = refattn.attention(q, k, v, precision="exact", sinks=sinks,
-                                          return_lse=True, return_weights=True)
+    out, lse, weights = refattn.attention(
+        q, k, v, precision="exact", sinks=sinks, return_lse=True, return_weights=True
+    )
     assert FA.fallback_stats()["referee_rows"] == 0
     assert weights.shape == q.shape[:-1] + (k.shape[-2],)
     monkeypatch.undo()

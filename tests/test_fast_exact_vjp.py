@@ -32,8 +32,7 @@ def _both(q, k, v, grad_out, grad_lse=None, out_dtype="float64", **opts):
     spec = canonicalize(q, k, v, **opts)
     _, heads, _, length, _, _, vdim = spec.dims
     do = check_cotangent(spec, grad_out, "grad_out", (heads, length, vdim))
-    gl = None if grad_lse is None else check_cotangent(spec, grad_lse, "grad_lse",
-                                                       (heads, length))
+    gl = None if grad_lse is None else check_cotangent(spec, grad_lse, "grad_lse", (heads, length))
     fmt = FORMATS[out_dtype]
     stats = {}
     fast = exact_vjp(spec, do, gl, fmt.dtype, engine="fast", stats=stats)
@@ -67,8 +66,15 @@ OPTION_CASES = {
     "bias-broadcast": {"bias": (5, 6)},
     "bias-heads": {"bias": (2, 1, 6)},
     "scale-negative": {"scale": -0.3},
-    "everything": {"causal": True, "softcap": 30.0, "alibi_slopes": np.array([0.5, 0.125]),
-                   "bias": (5, 6), "dropout_p": 0.5, "dropout": True, "mask": True},
+    "everything": {
+        "causal": True,
+        "softcap": 30.0,
+        "alibi_slopes": np.array([0.5, 0.125]),
+        "bias": (5, 6),
+        "dropout_p": 0.5,
+        "dropout": True,
+        "mask": True,
+    },
 }
 
 
@@ -108,9 +114,12 @@ def test_low_precision_inputs(dtype):
     _assert_identical(fast, referee, dtype)
 
 
-@given(case=attention_cases(dtypes=("float64", "float32", "float16", "bfloat16")),
-       out_dtype=st.sampled_from(OUT_DTYPES), with_lse=st.booleans(),
-       seed=st.integers(0, 2**16))
+@given(
+    case=attention_cases(dtypes=("float64", "float32", "float16", "bfloat16")),
+    out_dtype=st.sampled_from(OUT_DTYPES),
+    with_lse=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_fast_matches_referee_hypothesis(case, out_dtype, with_lse, seed):
     q, k, v, opts = case
     rng = np.random.default_rng(seed)
@@ -161,9 +170,18 @@ def test_single_key_rows_are_exact(with_lse):
     """Causal row 0 has one allowed key: weight 1, dS = g exactly (0 without grad_lse), so the
     fast step decides it (an enclosure of a cancellation would not)."""
     rng, q, k, v, do, gl = _problem(seed=6, length=6, keys=6)
-    fast, referee, stats = _both(q, k, v, do, gl if with_lse else None, "float64", causal=True,
-                                 bias=rng.standard_normal((6, 6)), dropout_p=0.5,
-                                 dropout_mask=rng.random((2, 6, 6)) < 0.6)
+    fast, referee, stats = _both(
+        q,
+        k,
+        v,
+        do,
+        gl if with_lse else None,
+        "float64",
+        causal=True,
+        bias=rng.standard_normal((6, 6)),
+        dropout_p=0.5,
+        dropout_mask=rng.random((2, 6, 6)) < 0.6,
+    )
     _assert_identical(fast, referee, f"single key, grad_lse={with_lse}")
     assert stats["referee"] == 0
 
@@ -178,8 +196,7 @@ def test_nonfinite_inputs_use_the_referee():
         config.EXACT_VJP_ENGINE = engine
         try:  # the float64 path (which supplies the NaN/Inf pattern) warns on NaN products
             with np.errstate(invalid="ignore"):
-                grads[engine] = refattn.attention_vjp(q, k, v, do, grad_lse=gl,
-                                                      precision="exact")
+                grads[engine] = refattn.attention_vjp(q, k, v, do, grad_lse=gl, precision="exact")
         finally:
             config.EXACT_VJP_ENGINE = old
     for name, a, b in zip(("dq", "dk", "dv"), grads["fast"], grads["referee"], strict=False):
@@ -227,7 +244,6 @@ def test_round_decision_ties_zeros_and_overflow():
     assert decide(70000.0, 0.0, 0.0, f16)[1] is False  # overflow: left to the referee
 
 
-
 @pytest.mark.parametrize("fmt", ["float64", "float32", "float16", "bfloat16"])
 def test_round_decision_is_sound_near_midpoints_and_powers_of_two(fmt):
     """A decision is the rounding of both ends of the enclosure, computed exactly: values a
@@ -238,15 +254,19 @@ def test_round_decision_is_sound_near_midpoints_and_powers_of_two(fmt):
     decided = 0
     for _ in range(3000):
         exponent = int(rng.integers(fmt.emin - 3, 6))
-        mant = 1 << (fmt.p - 1) if rng.random() < 0.4 else int(rng.integers(1 << (fmt.p - 1),
-                                                                             1 << fmt.p))
+        mant = (
+            1 << (fmt.p - 1)
+            if rng.random() < 0.4
+            else int(rng.integers(1 << (fmt.p - 1), 1 << fmt.p))
+        )
         y = math.ldexp(float(mant), exponent - fmt.p + 1) * (1 if rng.random() < 0.5 else -1)
         spacing = math.ldexp(1.0, max(exponent, fmt.emin) - fmt.p + 1)
         where = rng.integers(4)
         step = (0.5, -0.5, -0.25, 0.75)[where] if fmt.p < 53 else (0.5, -0.5, 0.0, 0.0)[where]
         hi = y + step * spacing
-        lo = float(rng.choice([1.0, -1.0])) * math.ldexp(abs(hi) if hi else spacing,
-                                                         -int(rng.integers(54, 120)))
+        lo = float(rng.choice([1.0, -1.0])) * math.ldexp(
+            abs(hi) if hi else spacing, -int(rng.integers(54, 120))
+        )
         err = math.ldexp(abs(lo), -int(rng.integers(0, 40))) if rng.random() < 0.8 else 0.0
         value, ok = round_decision(hi, lo, err, fmt.p, fmt.emin, float(fmt.max_finite))
         if not ok:
@@ -255,8 +275,13 @@ def test_round_decision_is_sound_near_midpoints_and_powers_of_two(fmt):
         x = Fraction(hi) + Fraction(lo)  # rounding is monotone: both ends settle it
         for end in (x - Fraction(err), x + Fraction(err)):
             want = round_exact(end, fmt)
-            assert want == value and math.copysign(1, want) == math.copysign(1, value), \
-                (hi, lo, err, value, want)
+            assert want == value and math.copysign(1, want) == math.copysign(1, value), (
+                hi,
+                lo,
+                err,
+                value,
+                want,
+            )
     assert decided > 1000
 
 
@@ -297,27 +322,41 @@ def test_logit_gap_cases_are_decided_by_the_first_step(dtype):
 def test_logit_gap_cases_match_the_referee(dtype):
     case = catalogue.get(f"grad-gap-H2K2-L8S12-D16E16-{dtype}")
     inputs = make_inputs(case)
-    fast, referee, _ = _both(inputs["q"], inputs["k"], inputs["v"], inputs["grad_out"], None,
-                             case.dtype, **call_options(case, inputs))
+    fast, referee, _ = _both(
+        inputs["q"],
+        inputs["k"],
+        inputs["v"],
+        inputs["grad_out"],
+        None,
+        case.dtype,
+        **call_options(case, inputs),
+    )
     _assert_identical(fast, referee, case.name)
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))
 def test_fast_matches_referee_larger(seed):
-    rng, q, k, v, do, gl = _problem(seed=seed, heads=4, kv_heads=2, length=24, keys=20, dim=8,
-                                    vdim=6, batch=2)
-    opts = [{}, {"causal": True, "align": "bottom_right", "softcap": 2.0},
-            {"bias": rng.standard_normal((4, 24, 20)), "alibi_slopes": np.arange(1, 5) / 8},
-            {"dropout_mask": rng.random((2, 4, 24, 20)) < 0.8, "dropout_p": 0.2,
-             "window": (3, 1)}][seed]
+    rng, q, k, v, do, gl = _problem(
+        seed=seed, heads=4, kv_heads=2, length=24, keys=20, dim=8, vdim=6, batch=2
+    )
+    opts = [
+        {},
+        {"causal": True, "align": "bottom_right", "softcap": 2.0},
+        {"bias": rng.standard_normal((4, 24, 20)), "alibi_slopes": np.arange(1, 5) / 8},
+        {"dropout_mask": rng.random((2, 4, 24, 20)) < 0.8, "dropout_p": 0.2, "window": (3, 1)},
+    ][seed]
     for out_dtype in ("float64", "float32"):
         fast, referee, stats = _both(q, k, v, do, gl, out_dtype, **opts)
         _assert_identical(fast, referee, f"seed {seed}, {out_dtype}")
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-@pytest.mark.parametrize("opts", [{}, {"causal": True, "softcap": 4.0}, {"dropout_p": 0.5}],
-                         ids=["plain", "causal-softcap", "dropout"])
+@pytest.mark.parametrize(
+    "opts",
+    [{}, {"causal": True, "softcap": 4.0}, {"dropout_p": 0.5}],
+    ids=["plain", "causal-softcap", "dropout"],
+)
 def test_enclosures_hold_the_exact_gradients(dtype, opts):
     """Every fast enclosure (hi + lo, radius) holds the referee's 300-bit interval: the
     running bounds of the compensated sums (scores, dp, sigma, D) are sound, also where they
@@ -335,8 +374,7 @@ def test_enclosures_hold_the_exact_gradients(dtype, opts):
     spec = canonicalize(q, k, v, **opts)
     d = check_cotangent(spec, do, "grad_out", (2, 6, 8))
     g = check_cotangent(spec, gl, "grad_lse", (2, 6))
-    encl = dict(zip(("dq", "dk", "dv"), _fast_vjp.gradient_enclosures(spec, d, g)[:3],
-                    strict=True))
+    encl = dict(zip(("dq", "dk", "dv"), _fast_vjp.gradient_enclosures(spec, d, g)[:3], strict=True))
     ref = ExactVJP(spec, d, g).at(300)
     for name, enc in encl.items():
         lows, highs = ref[name]

@@ -33,8 +33,10 @@ def _affine_bounds(A, b, z):
     inverse_norm = np.linalg.norm(np.linalg.inv(eye - A), 2, axis=(-2, -1))
     scale = np.linalg.norm(np.einsum("bij,bj->bi", np.abs(A), np.abs(z)) + np.abs(b), axis=-1)
     n = A.shape[-1] + 1
-    return [fixed_point_forward_bound(r, k, s, n)
-            for r, k, s in zip(residual, inverse_norm, scale, strict=True)]
+    return [
+        fixed_point_forward_bound(r, k, s, n)
+        for r, k, s in zip(residual, inverse_norm, scale, strict=True)
+    ]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -56,14 +58,16 @@ def test_affine_map_known_solution(method, maps):
 def test_converged_means_residual_below_tol(method, maps):
     A, b = maps
     tol = 1e-6
-    res = solve(_affine(A, b), np.zeros_like(b), method=method, tol=tol, max_iter=3,
-                on_fail="return")
+    res = solve(
+        _affine(A, b), np.zeros_like(b), method=method, tol=tol, max_iter=3, on_fail="return"
+    )
     measured = relative_residual(_affine(A, b)(res.z), res.z)
     assert np.array_equal(measured, res.residual), "reported residual is not f's residual at z"
     claimed = res.converged
     assert (measured[claimed] <= tol).all(), (
         f"{method}: samples {np.flatnonzero(claimed & (measured > tol))} claimed converged with "
-        f"residual {measured[claimed & (measured > tol)]} > tol {tol}")
+        f"residual {measured[claimed & (measured > tol)]} > tol {tol}"
+    )
     assert not claimed[measured > tol].any()
 
 
@@ -81,12 +85,22 @@ def test_anderson_and_picard_agree_on_a_contraction():
     for res in (anderson, picard):
         residual = np.linalg.norm(_contraction(res.z) - res.z, axis=-1)
         scale = np.linalg.norm(np.abs(0.5 * np.cos(res.z)) + np.abs(0.3 * res.z) + 1.0, axis=-1)
-        bounds.append([fixed_point_forward_bound(r, 1 / (1 - q), s, 4) for r, s in
-                       zip(residual, scale, strict=True)])
-    assert_norm_within(anderson.z, picard.z, np.array(bounds[0]) + np.array(bounds[1]),
-                       what="anderson vs picard", per_sample=True)
+        bounds.append(
+            [
+                fixed_point_forward_bound(r, 1 / (1 - q), s, 4)
+                for r, s in zip(residual, scale, strict=True)
+            ]
+        )
+    assert_norm_within(
+        anderson.z,
+        picard.z,
+        np.array(bounds[0]) + np.array(bounds[1]),
+        what="anderson vs picard",
+        per_sample=True,
+    )
     assert (anderson.iterations < picard.iterations).all(), (
-        f"Anderson should need fewer updates: {anderson.iterations} vs {picard.iterations}")
+        f"Anderson should need fewer updates: {anderson.iterations} vs {picard.iterations}"
+    )
 
 
 def test_anderson_beats_picard_on_slow_linear_map(rng_slow_map):
@@ -94,7 +108,8 @@ def test_anderson_beats_picard_on_slow_linear_map(rng_slow_map):
     anderson = solve(_affine(A, b), np.zeros_like(b), method="anderson")
     picard = solve(_affine(A, b), np.zeros_like(b), method="picard", max_iter=5000)
     assert (anderson.iterations * 4 < picard.iterations).all(), (
-        f"anderson {anderson.iterations} vs picard {picard.iterations}")
+        f"anderson {anderson.iterations} vs picard {picard.iterations}"
+    )
 
 
 @pytest.fixture
@@ -117,12 +132,13 @@ def test_per_sample_convergence_is_independent_of_the_batch(method):
     batch = solve(_affine(A, b), np.zeros_like(b), method=method, max_iter=2000)
     assert batch.iterations[0] < batch.iterations[1]
     for s in range(2):
-        alone = solve(_affine(A[s:s + 1], b[s:s + 1]), np.zeros((1, 6)), method=method,
-                      max_iter=2000)
+        alone = solve(
+            _affine(A[s : s + 1], b[s : s + 1]), np.zeros((1, 6)), method=method, max_iter=2000
+        )
         assert alone.iterations[0] == batch.iterations[s], f"{method} sample {s}"
         assert np.array_equal(alone.z[0], batch.z[s]), f"{method} sample {s}: z differs"
     # the trace of the easy sample stops (NaN) once it converged
-    assert np.isnan(batch.residuals[0, batch.iterations[0] + 1:]).all()
+    assert np.isnan(batch.residuals[0, batch.iterations[0] + 1 :]).all()
 
 
 def test_batch_global_residual_would_hide_a_hard_sample():
@@ -133,14 +149,21 @@ def test_batch_global_residual_would_hide_a_hard_sample():
     b = np.array([[1e6], [1.0]])
     tol = 1e-5
     for steps in range(1, 200):
-        res = solve(_affine(A, b), np.zeros_like(b), method="picard", tol=tol, max_iter=steps,
-                    on_fail="return")
+        res = solve(
+            _affine(A, b),
+            np.zeros_like(b),
+            method="picard",
+            tol=tol,
+            max_iter=steps,
+            on_fail="return",
+        )
         fz = _affine(A, b)(res.z)
         if np.linalg.norm(fz - res.z) / np.linalg.norm(fz) < tol:
             break
     assert res.converged[0] and not res.converged[1], (
         f"batch-global residual met after {steps} steps; per-sample converged={res.converged}, "
-        f"residuals={res.residual}")
+        f"residuals={res.residual}"
+    )
     assert res.residual[1] > tol
 
 
@@ -204,10 +227,14 @@ def test_state_ndim_and_batch_shapes():
     assert res.residuals.shape[:2] == (2, 3) and res.converged.shape == (2, 3)
     residual = np.linalg.norm((0.5 * res.z + 1.0 - res.z).reshape(6, -1), axis=-1)
     scale = np.linalg.norm((0.5 * np.abs(res.z) + 1.0).reshape(6, -1), axis=-1)
-    bounds = [fixed_point_forward_bound(r, 2.0, s, 2)
-              for r, s in zip(residual, scale, strict=True)]
-    assert_norm_within(res.z.reshape(6, 4, 5), np.full((6, 4, 5), 2.0), bounds, what="state_ndim=2",
-                       per_sample=True)
+    bounds = [fixed_point_forward_bound(r, 2.0, s, 2) for r, s in zip(residual, scale, strict=True)]
+    assert_norm_within(
+        res.z.reshape(6, 4, 5),
+        np.full((6, 4, 5), 2.0),
+        bounds,
+        what="state_ndim=2",
+        per_sample=True,
+    )
 
 
 @pytest.mark.parametrize(

@@ -58,23 +58,37 @@ def _call(case, **extra):
 @given(case=gmm_cases(need_trace=True, batched=False))
 def test_exact_trace_is_correctly_rounded(case):
     res = _call(case, precision="exact", return_trace=True)
-    _, trace = naive_gmm(case["q"], case["keys"], case["values"], alpha=case["alpha"],
-                         beta=case["beta"], prior=case["prior"], v_init=case["v_init"],
-                         iters=case["iters"])
+    _, trace = naive_gmm(
+        case["q"],
+        case["keys"],
+        case["values"],
+        alpha=case["alpha"],
+        beta=case["beta"],
+        prior=case["prior"],
+        v_init=case["v_init"],
+        iters=case["iters"],
+    )
     assert_same_bits(res.trace, round_nested(trace), what="gmm.attention exact trace")
     assert (res.iterations == case["iters"]).all()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_exact_out_dtypes(dtype, rng):
-    q, keys, values = rng.standard_normal((2, 3)), rng.standard_normal((4, 3)), \
-        rng.standard_normal((4, 2))
-    out = gmm.attention(q, keys, values, alpha=0.7, beta=0.3, iters=2, precision="exact",
-                        out_dtype=dtype)
+    q, keys, values = (
+        rng.standard_normal((2, 3)),
+        rng.standard_normal((4, 3)),
+        rng.standard_normal((4, 2)),
+    )
+    out = gmm.attention(
+        q, keys, values, alpha=0.7, beta=0.3, iters=2, precision="exact", out_dtype=dtype
+    )
     assert out.dtype == FORMATS[dtype].dtype
     truth, _ = naive_gmm(q, keys, values, alpha=0.7, beta=0.3, iters=2)
-    assert_same_bits(out.astype(np.float64), round_nested(truth, dtype),
-                     what=f"gmm.attention exact out_dtype={dtype}")
+    assert_same_bits(
+        out.astype(np.float64),
+        round_nested(truth, dtype),
+        what=f"gmm.attention exact out_dtype={dtype}",
+    )
 
 
 def test_exact_takes_inputs_at_their_binary_value(rng):
@@ -83,8 +97,9 @@ def test_exact_takes_inputs_at_their_binary_value(rng):
     keys = rng.standard_normal((3, 2)).astype(np.float16)
     values = rng.standard_normal((3, 2)).astype(np.float16)
     narrow = gmm.attention(q, keys, values, alpha=1.0, precision="exact")
-    wide = gmm.attention(*(x.astype(np.float64) for x in (q, keys, values)), alpha=1.0,
-                         precision="exact")
+    wide = gmm.attention(
+        *(x.astype(np.float64) for x in (q, keys, values)), alpha=1.0, precision="exact"
+    )
     assert_same_bits(narrow, wide, what="gmm.attention float16 inputs")
 
 
@@ -98,11 +113,13 @@ def test_exact_takes_inputs_at_their_binary_value(rng):
 def test_float64_within_bound_iterated(case):
     fast = _call(case)
     exact = _call(case, precision="exact")
-    scale = gmm_term_scale(case["q"], case["keys"], case["values"], case["alpha"], case["beta"],
-                        case["prior"])
+    scale = gmm_term_scale(
+        case["q"], case["keys"], case["values"], case["alpha"], case["beta"], case["prior"]
+    )
     values = case["values"]
-    step = mixture_bound(scale, values.shape[-2], case["q"].shape[-1] + values.shape[-1],
-                         np.abs(values).max())
+    step = mixture_bound(
+        scale, values.shape[-2], case["q"].shape[-1] + values.shape[-1], np.abs(values).max()
+    )
     diameter = np.ptp(values, axis=-2).max() ** 2 * values.shape[-1]
     lipschitz = 1 + float(np.max(case["beta"])) * diameter
     bound = iterated_bound(step, lipschitz, case["iters"])
@@ -129,18 +146,27 @@ def test_magnitude_prior_beta0_is_softmax_attention_bit_for_bit(problem, alpha):
 @given(case=gmm_cases(max_iters=6, need_trace=True))
 def test_em_trace_never_decreases_float64(case):
     res = _call(case, return_trace=True)
-    scale = gmm_term_scale(case["q"], case["keys"], case["values"], case["alpha"], case["beta"],
-                        case["prior"])
-    slack = 4 * logit_lse_bound(scale, case["keys"].shape[-2], case["q"].shape[-1]
-                                + case["values"].shape[-1], scale)
+    scale = gmm_term_scale(
+        case["q"], case["keys"], case["values"], case["alpha"], case["beta"], case["prior"]
+    )
+    slack = 4 * logit_lse_bound(
+        scale, case["keys"].shape[-2], case["q"].shape[-1] + case["values"].shape[-1], scale
+    )
     steps = np.diff(res.trace, axis=-1)
     worst = np.unravel_index(int(np.argmin(steps)), steps.shape) if steps.size else None
     assert worst is None or steps[worst] >= -slack, (
-        f"gmm EM trace decreased at {list(worst)}: step {steps[worst]!r} < -{slack:.3e}")
+        f"gmm EM trace decreased at {list(worst)}: step {steps[worst]!r} < -{slack:.3e}"
+    )
     if case["v_init"] is not None:
-        start = gmm.log_posterior(np.broadcast_to(case["v_init"], res.values.shape), case["q"],
-                                  case["keys"], case["values"], alpha=case["alpha"],
-                                  beta=case["beta"], prior=case["prior"])
+        start = gmm.log_posterior(
+            np.broadcast_to(case["v_init"], res.values.shape),
+            case["q"],
+            case["keys"],
+            case["values"],
+            alpha=case["alpha"],
+            beta=case["beta"],
+            prior=case["prior"],
+        )
         assert (res.trace[..., 0] >= start - slack).all(), "first EM step decreased log p(v|q)"
 
 
@@ -157,8 +183,11 @@ def test_em_trace_never_decreases_exact(case):
 def test_first_e_step_has_no_beta_term(rng):
     """v_init=None: v_1 does not depend on beta (uniform prior), and equals plain EM from a
     v_0 with beta -> 0."""
-    q, keys, values = rng.standard_normal((2, 3)), rng.standard_normal((4, 3)), \
-        rng.standard_normal((4, 2))
+    q, keys, values = (
+        rng.standard_normal((2, 3)),
+        rng.standard_normal((4, 3)),
+        rng.standard_normal((4, 2)),
+    )
     small = gmm.attention(q, keys, values, alpha=1.0, beta=0.1, precision="exact")
     large = gmm.attention(q, keys, values, alpha=1.0, beta=7.0, precision="exact")
     none = gmm.attention(q, keys, values, alpha=1.0, beta=0.0, precision="exact")
@@ -168,24 +197,33 @@ def test_first_e_step_has_no_beta_term(rng):
 
 def test_excluded_unit_is_removed(rng):
     """A -inf log prior removes the unit exactly: same result as without it."""
-    q, keys, values = rng.standard_normal((2, 3)), rng.standard_normal((4, 3)), \
-        rng.standard_normal((4, 2))
+    q, keys, values = (
+        rng.standard_normal((2, 3)),
+        rng.standard_normal((4, 3)),
+        rng.standard_normal((4, 2)),
+    )
     prior = np.array([0.3, -0.2, 0.1, -np.inf])
-    full = gmm.attention(q, keys, values, alpha=1.0, beta=0.5, prior=prior, iters=2,
-                         precision="exact")
-    cut = gmm.attention(q, keys[:3], values[:3], alpha=1.0, beta=0.5, prior=prior[:3], iters=2,
-                        precision="exact")
+    full = gmm.attention(
+        q, keys, values, alpha=1.0, beta=0.5, prior=prior, iters=2, precision="exact"
+    )
+    cut = gmm.attention(
+        q, keys[:3], values[:3], alpha=1.0, beta=0.5, prior=prior[:3], iters=2, precision="exact"
+    )
     assert_same_bits(full, cut, what="-inf prior unit vs removed unit")
 
 
 def test_batch_matches_loop(rng):
-    q, keys, values = rng.standard_normal((2, 2, 3)), rng.standard_normal((2, 3, 3)), \
-        rng.standard_normal((2, 3, 2))
+    q, keys, values = (
+        rng.standard_normal((2, 2, 3)),
+        rng.standard_normal((2, 3, 3)),
+        rng.standard_normal((2, 3, 2)),
+    )
     alpha = rng.uniform(0.5, 2.0, (2, 3))
     batched = gmm.attention(q, keys, values, alpha=alpha, beta=0.2, iters=2, precision="exact")
     for b in range(2):
-        single = gmm.attention(q[b], keys[b], values[b], alpha=alpha[b], beta=0.2, iters=2,
-                               precision="exact")
+        single = gmm.attention(
+            q[b], keys[b], values[b], alpha=alpha[b], beta=0.2, iters=2, precision="exact"
+        )
         assert_same_bits(batched[b], single, what=f"batch element {b}")
 
 
@@ -203,8 +241,12 @@ def test_underflowing_scores_stay_finite(rng):
     truth, _ = naive_gmm(q, keys, values, alpha=1.0, beta=0.0)
     assert_same_bits(exact, round_nested(truth), what="gmm exact at scores ~ -1e4")
     scale = gmm_term_scale(q, keys, values, 1.0, 0.0, "uniform")
-    assert_within(fast, exact, mixture_bound(scale, 3, 2, np.abs(values).max()),
-                  what="gmm float64 at scores ~ -1e4")
+    assert_within(
+        fast,
+        exact,
+        mixture_bound(scale, 3, 2, np.abs(values).max()),
+        what="gmm float64 at scores ~ -1e4",
+    )
 
 
 def test_tol_stops_rows_independently(rng):
@@ -212,8 +254,9 @@ def test_tol_stops_rows_independently(rng):
     keys = rng.standard_normal((3, 2))
     values = np.array([[1.0], [1.0], [1.0]])  # every row converges at once ...
     values = np.concatenate([values, rng.standard_normal((3, 1))], axis=-1)
-    res = gmm.attention(q, keys, values, alpha=1.0, beta=0.5, iters=50, tol=1e-12,
-                        return_trace=True)
+    res = gmm.attention(
+        q, keys, values, alpha=1.0, beta=0.5, iters=50, tol=1e-12, return_trace=True
+    )
     assert (res.iterations < 50).all(), f"rows did not stop: {res.iterations}"
     for i, count in enumerate(res.iterations):
         assert np.isfinite(res.trace[i, :count]).all()
@@ -221,8 +264,11 @@ def test_tol_stops_rows_independently(rng):
 
 
 def test_log_posterior_exact_and_float64(rng):
-    q, keys, values = rng.standard_normal((3, 2)), rng.standard_normal((4, 2)), \
-        rng.standard_normal((4, 2))
+    q, keys, values = (
+        rng.standard_normal((3, 2)),
+        rng.standard_normal((4, 2)),
+        rng.standard_normal((4, 2)),
+    )
     v = rng.standard_normal((3, 2))
     alpha, beta = np.array([0.5, 1.0, 2.0, 1.5]), 0.75
     exact = gmm.log_posterior(v, q, keys, values, alpha=alpha, beta=beta, precision="exact")
@@ -236,8 +282,9 @@ def test_log_posterior_exact_and_float64(rng):
     assert_same_bits(exact, round_nested(truth), what="gmm.log_posterior exact")
     fast = gmm.log_posterior(v, q, keys, values, alpha=alpha, beta=beta)
     scale = gmm_term_scale(q, keys, values, alpha, beta, "uniform") + np.abs(v).max() ** 2 * 4
-    assert_within(fast, exact, 2 * logit_lse_bound(scale, 4, 4, scale),
-                  what="gmm.log_posterior float64")
+    assert_within(
+        fast, exact, 2 * logit_lse_bound(scale, 4, 4, scale), what="gmm.log_posterior float64"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -246,18 +293,22 @@ def test_log_posterior_exact_and_float64(rng):
 
 
 @settings(max_examples=25)
-@given(problem=mixture_problems(batched=False), gamma=st.sampled_from([0.0, 0.5, 3.0]),
-       form=st.sampled_from(["paper", "map", "map_recentred"]),
-       prior=st.sampled_from(["uniform", "magnitude"]),
-       iters=st.integers(1, 2))
+@given(
+    problem=mixture_problems(batched=False),
+    gamma=st.sampled_from([0.0, 0.5, 3.0]),
+    form=st.sampled_from(["paper", "map", "map_recentred"]),
+    prior=st.sampled_from(["uniform", "magnitude"]),
+    iters=st.integers(1, 2),
+)
 def test_adapt_keys_exact_and_float64(problem, gamma, form, prior, iters):
     q, keys, _, style = problem
-    exact = gmm.adapt_keys(q, keys, alpha=0.8, gamma=gamma, prior=prior, iters=iters, form=form,
-                           precision="exact")
-    truth = naive_adapt_keys(q, keys, alpha=0.8, gamma=gamma, prior=prior, iters=iters,
-                             form=form)
-    assert_same_bits(exact, round_nested(truth),
-                     what=f"adapt_keys exact ({style}, {form}, gamma={gamma})")
+    exact = gmm.adapt_keys(
+        q, keys, alpha=0.8, gamma=gamma, prior=prior, iters=iters, form=form, precision="exact"
+    )
+    truth = naive_adapt_keys(q, keys, alpha=0.8, gamma=gamma, prior=prior, iters=iters, form=form)
+    assert_same_bits(
+        exact, round_nested(truth), what=f"adapt_keys exact ({style}, {form}, gamma={gamma})"
+    )
     fast = gmm.adapt_keys(q, keys, alpha=0.8, gamma=gamma, prior=prior, iters=iters, form=form)
     scale = gmm_term_scale(q, keys, keys, 0.8, 0.0, "uniform")
     magnitude = np.abs(q).max() + np.abs(keys).max()
@@ -273,8 +324,9 @@ def test_gamma_infinity_leaves_keys_unchanged(rng):
     q, keys = rng.standard_normal((4, 3)), rng.standard_normal((2, 3))
     for form in ("paper", "map"):
         for precision in ("float64", "exact"):
-            out = gmm.adapt_keys(q, keys, alpha=1.0, gamma=np.inf, form=form, iters=3,
-                                 precision=precision)
+            out = gmm.adapt_keys(
+                q, keys, alpha=1.0, gamma=np.inf, form=form, iters=3, precision=precision
+            )
             assert_same_bits(out, keys, what=f"gamma=inf ({form}, {precision})")
 
 
@@ -289,7 +341,8 @@ def test_gamma_large_approaches_keys(form, rng):
         share = q.shape[0] / (1.0 + gamma) if form == "map" else 1.0 / (1.0 + gamma)
         deviation = np.abs(out - keys).max()
         assert deviation <= share * reach * (1 + mixture_bound(0.0, 1, 0, 1.0)), (
-            f"gamma={gamma} ({form}): deviation {deviation:.3e} > {share * reach:.3e}")
+            f"gamma={gamma} ({form}): deviation {deviation:.3e} > {share * reach:.3e}"
+        )
 
 
 def test_key_forms_coincide(rng):
@@ -313,12 +366,21 @@ def test_gamma_zero_magnitude_is_dna(rng):
     q, keys = rng.standard_normal((3, 2)), rng.standard_normal((2, 2))
     out = gmm.adapt_keys(q, keys, alpha=0.9, gamma=0.0, prior="magnitude", precision="exact")
     with mpmath.workdps(DPS):
-        scores = [[mp(0.9) * mpmath.fsum(mp(a) * mp(b) for a, b in zip(qi, k, strict=True))
-                   for k in keys] for qi in q]
+        scores = [
+            [mp(0.9) * mpmath.fsum(mp(a) * mp(b) for a, b in zip(qi, k, strict=True)) for k in keys]
+            for qi in q
+        ]
         weights = [softmax_weights(row) for row in scores]
-        truth = [[exact_div(exact_sum(exact_mul(weights[i][k], q[i][d]) for i in range(3)),
-                       exact_sum(weights[i][k] for i in range(3))) for d in range(2)]
-                 for k in range(2)]
+        truth = [
+            [
+                exact_div(
+                    exact_sum(exact_mul(weights[i][k], q[i][d]) for i in range(3)),
+                    exact_sum(weights[i][k] for i in range(3)),
+                )
+                for d in range(2)
+            ]
+            for k in range(2)
+        ]
     assert_same_bits(out, round_nested(truth), what="gamma=0 magnitude vs DNA")
 
 
@@ -328,17 +390,23 @@ def test_gamma_zero_magnitude_is_dna(rng):
 
 
 @settings(max_examples=25)
-@given(problem=mixture_problems(batched=False), eta=st.sampled_from([0.0, 1.0, 10.0]),
-       form=st.sampled_from(["paper", "map"]), iters=st.integers(1, 2))
+@given(
+    problem=mixture_problems(batched=False),
+    eta=st.sampled_from([0.0, 1.0, 10.0]),
+    form=st.sampled_from(["paper", "map"]),
+    iters=st.integers(1, 2),
+)
 def test_adapt_priors_exact_and_float64(problem, eta, form, iters):
     q, keys, _, style = problem
     units = keys.shape[0]
     pi0 = np.full(units, 1.0 / units)
-    exact = gmm.adapt_priors(q, keys, alpha=0.8, eta=eta, pi0=pi0, iters=iters, form=form,
-                             precision="exact")
+    exact = gmm.adapt_priors(
+        q, keys, alpha=0.8, eta=eta, pi0=pi0, iters=iters, form=form, precision="exact"
+    )
     truth = naive_adapt_priors(q, keys, alpha=0.8, eta=eta, pi0=pi0, iters=iters, form=form)
-    assert_same_bits(exact, round_nested(truth),
-                     what=f"adapt_priors exact ({style}, {form}, eta={eta})")
+    assert_same_bits(
+        exact, round_nested(truth), what=f"adapt_priors exact ({style}, {form}, eta={eta})"
+    )
     fast = gmm.adapt_priors(q, keys, alpha=0.8, eta=eta, pi0=pi0, iters=iters, form=form)
     scale = gmm_term_scale(q, keys, keys, 0.8, 0.0, "uniform") + 2 * abs(math.log(units) + 1)
     bound = iterated_bound(mixture_bound(scale, q.shape[0] + units, q.shape[1], 2.0), 2, iters)
@@ -358,9 +426,9 @@ def test_map_form_large_eta_recovers_pi0(rng):
     q, keys = rng.standard_normal((3, 2)), rng.standard_normal((2, 2))
     pi0 = np.array([0.25, 0.75])
     out = gmm.adapt_priors(q, keys, alpha=1.0, eta=1e15, pi0=pi0, form="map")
-    assert_within(out, pi0, 4 * q.shape[0] / 1e15 + mixture_bound(
-        0.0, 2, 0, 1.0),
-                  what="map form, eta=1e15")
+    assert_within(
+        out, pi0, 4 * q.shape[0] / 1e15 + mixture_bound(0.0, 2, 0, 1.0), what="map form, eta=1e15"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -378,22 +446,25 @@ def small(rng):
     return rng.standard_normal((2, 3)), rng.standard_normal((4, 3)), rng.standard_normal((4, 2))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(alpha=0.0), "alpha"),
-    (dict(alpha=-1.0), "alpha"),
-    (dict(alpha=np.array([1.0, 1.0, np.nan, 1.0])), "alpha"),
-    (dict(alpha=1.0, beta=-0.5), "beta"),
-    (dict(alpha=1.0, beta=np.array([0.0, 1.0, 1.0, 1.0])), "beta"),
-    (dict(alpha=np.ones(3)), "alpha"),
-    (dict(alpha=1.0, prior="gauss"), "prior"),
-    (dict(alpha=1.0, prior=np.array([0.0, np.nan, 0.0, 0.0])), "prior"),
-    (dict(alpha=1.0, prior=np.full(4, -np.inf)), "prior"),
-    (dict(alpha=1.0, iters=0), "iters"),
-    (dict(alpha=1.0, tol=1e-3, precision="exact"), "tol"),
-    (dict(alpha=1.0, return_trace=True), "return_trace"),
-    (dict(alpha=1.0, beta=1.0, v_init=np.zeros((3, 2))), "v_init"),
-    (dict(alpha=1.0, precision="double"), "precision"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(alpha=0.0), "alpha"),
+        (dict(alpha=-1.0), "alpha"),
+        (dict(alpha=np.array([1.0, 1.0, np.nan, 1.0])), "alpha"),
+        (dict(alpha=1.0, beta=-0.5), "beta"),
+        (dict(alpha=1.0, beta=np.array([0.0, 1.0, 1.0, 1.0])), "beta"),
+        (dict(alpha=np.ones(3)), "alpha"),
+        (dict(alpha=1.0, prior="gauss"), "prior"),
+        (dict(alpha=1.0, prior=np.array([0.0, np.nan, 0.0, 0.0])), "prior"),
+        (dict(alpha=1.0, prior=np.full(4, -np.inf)), "prior"),
+        (dict(alpha=1.0, iters=0), "iters"),
+        (dict(alpha=1.0, tol=1e-3, precision="exact"), "tol"),
+        (dict(alpha=1.0, return_trace=True), "return_trace"),
+        (dict(alpha=1.0, beta=1.0, v_init=np.zeros((3, 2))), "v_init"),
+        (dict(alpha=1.0, precision="double"), "precision"),
+    ],
+)
 def test_attention_rejects(small, kwargs, match):
     q, keys, values = small
     with pytest.raises((TypeError, ValueError), match=match):
@@ -414,26 +485,32 @@ def test_shape_mismatches(small):
         gmm.attention(np.full_like(q, np.nan), keys, values, alpha=1.0)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(eta=1.0, pi0=np.array([0.5, 0.6, -0.1, 0.0])), "pi0"),
-    (dict(eta=1.0, pi0=np.array([0.5, 0.4, 0.0, 0.0])), "pi0"),
-    (dict(eta=1.0, pi0=np.full(3, 1 / 3)), "pi0"),
-    (dict(eta=-1.0, pi0=np.full(4, 0.25)), "eta"),
-    (dict(eta=np.array([1.0, -1.0, 0.0, 0.0]), pi0=np.full(4, 0.25)), "eta"),
-    (dict(eta=1.0, pi0=np.full(4, 0.25), form="bayes"), "form"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(eta=1.0, pi0=np.array([0.5, 0.6, -0.1, 0.0])), "pi0"),
+        (dict(eta=1.0, pi0=np.array([0.5, 0.4, 0.0, 0.0])), "pi0"),
+        (dict(eta=1.0, pi0=np.full(3, 1 / 3)), "pi0"),
+        (dict(eta=-1.0, pi0=np.full(4, 0.25)), "eta"),
+        (dict(eta=np.array([1.0, -1.0, 0.0, 0.0]), pi0=np.full(4, 0.25)), "eta"),
+        (dict(eta=1.0, pi0=np.full(4, 0.25), form="bayes"), "form"),
+    ],
+)
 def test_adapt_priors_rejects(small, kwargs, match):
     q, keys, _ = small
     with pytest.raises((TypeError, ValueError), match=match):
         gmm.adapt_priors(q, keys, alpha=1.0, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(gamma=-1.0), "gamma"),
-    (dict(gamma=np.nan), "gamma"),
-    (dict(gamma=1.0, form="exactish"), "form"),
-    (dict(gamma=1.0, alpha=0.0), "alpha"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(gamma=-1.0), "gamma"),
+        (dict(gamma=np.nan), "gamma"),
+        (dict(gamma=1.0, form="exactish"), "form"),
+        (dict(gamma=1.0, alpha=0.0), "alpha"),
+    ],
+)
 def test_adapt_keys_rejects(small, kwargs, match):
     q, keys, _ = small
     kwargs.setdefault("alpha", 1.0)
@@ -453,8 +530,7 @@ def test_exact_tie_on_a_rounding_midpoint():
     q, keys = np.zeros((1, 2)), np.zeros((2, 2))
     values = np.array([[1.0], [2.0**-53]])
     for iters, beta in ((1, 0.0), (3, 1.0)):
-        out = gmm.attention(q, keys, values, alpha=1.0, beta=beta, iters=iters,
-                            precision="exact")
+        out = gmm.attention(q, keys, values, alpha=1.0, beta=beta, iters=iters, precision="exact")
         assert_same_bits(out, np.array([[0.5]]), what=f"midpoint tie, iters={iters}")
 
 
@@ -465,14 +541,19 @@ def test_float64_path_takes_half_precision_inputs(prior):
     import ml_dtypes
 
     rng = np.random.default_rng(13)
-    q, keys, values = (rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
-                       for shape in ((2, 3, 4), (2, 5, 4), (2, 5, 3)))
+    q, keys, values = (
+        rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
+        for shape in ((2, 3, 4), (2, 5, 4), (2, 5, 3))
+    )
     wide = [a.astype(np.float64) for a in (q, keys, values)]
-    np.testing.assert_array_equal(gmm.attention(q, keys, values, alpha=1.0, prior=prior),
-                                  gmm.attention(*wide, alpha=1.0, prior=prior))
-    np.testing.assert_array_equal(gmm.adapt_keys(q.astype(np.float16), keys, alpha=1.0,
-                                                 gamma=1.0),
-                                  gmm.adapt_keys(wide[0], wide[1], alpha=1.0, gamma=1.0))
+    np.testing.assert_array_equal(
+        gmm.attention(q, keys, values, alpha=1.0, prior=prior),
+        gmm.attention(*wide, alpha=1.0, prior=prior),
+    )
+    np.testing.assert_array_equal(
+        gmm.adapt_keys(q.astype(np.float16), keys, alpha=1.0, gamma=1.0),
+        gmm.adapt_keys(wide[0], wide[1], alpha=1.0, gamma=1.0),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -487,8 +568,12 @@ def _per_unit_problem(rng, length=3, units=4, dim=3, vdim=2):
 
 
 @settings(max_examples=15)
-@given(seed=st.integers(0, 2**32 - 1), prior=st.sampled_from(["uniform", "magnitude"]),
-       iters=st.integers(1, 3), with_init=st.booleans())
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    prior=st.sampled_from(["uniform", "magnitude"]),
+    iters=st.integers(1, 3),
+    with_init=st.booleans(),
+)
 def test_unnormalised_form_reproduces_its_reading(seed, prior, iters, with_init):
     """form="unnormalised": E-step without (D/2) log alpha_u, (E/2) log beta_u, M-step the
     plain mean -- against the twin's independent reading of that description."""
@@ -501,21 +586,23 @@ def test_unnormalised_form_reproduces_its_reading(seed, prior, iters, with_init)
     assert_same_bits(exact, round_nested(truth), what="gmm.attention form=unnormalised exact")
     fast = gmm.attention(q, keys, values, **kwargs, form="unnormalised")
     scale = gmm_term_scale(q, keys, values, alpha, beta, prior)
-    step = mixture_bound(scale, keys.shape[0], q.shape[1] + values.shape[1],
-                         np.abs(values).max())
+    step = mixture_bound(scale, keys.shape[0], q.shape[1] + values.shape[1], np.abs(values).max())
     diameter = np.ptp(values, axis=-2).max() ** 2 * values.shape[-1]
     bound = iterated_bound(step, 1 + float(np.max(beta)) * diameter, iters)
     assert_within(fast, exact, bound, what="gmm.attention form=unnormalised float64")
 
 
 def test_unnormalised_form_is_the_paper_form_for_equal_precisions(rng):
-    q, keys, values = rng.standard_normal((3, 2)), rng.standard_normal((4, 2)), \
-        rng.standard_normal((4, 2))
+    q, keys, values = (
+        rng.standard_normal((3, 2)),
+        rng.standard_normal((4, 2)),
+        rng.standard_normal((4, 2)),
+    )
     for precision in ("float64", "exact"):
-        paper = gmm.attention(q, keys, values, alpha=0.7, beta=0.4, iters=2,
-                              precision=precision)
-        other = gmm.attention(q, keys, values, alpha=0.7, beta=0.4, iters=2,
-                              form="unnormalised", precision=precision)
+        paper = gmm.attention(q, keys, values, alpha=0.7, beta=0.4, iters=2, precision=precision)
+        other = gmm.attention(
+            q, keys, values, alpha=0.7, beta=0.4, iters=2, form="unnormalised", precision=precision
+        )
         assert_same_bits(other, paper, what=f"unnormalised == paper ({precision})")
 
 
@@ -530,9 +617,13 @@ def test_map_recentred_is_map_chained_one_iteration_at_a_time(rng):
 
 
 @settings(max_examples=15)
-@given(iters=st.integers(1, 2), per_unit=st.booleans(),
-       style=st.sampled_from(["causal", "window", "mask"]), bottom_right=st.booleans(),
-       seed=st.integers(0, 2**32 - 1))
+@given(
+    iters=st.integers(1, 2),
+    per_unit=st.booleans(),
+    style=st.sampled_from(["causal", "window", "mask"]),
+    bottom_right=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_masked_attention_exact_and_float64(iters, per_unit, style, bottom_right, seed):
     """The allowed set (True = attend) against the twin given the set by the textbook rule."""
     rng = np.random.default_rng(seed)
@@ -566,41 +657,73 @@ def test_masked_attention_exact_and_float64(iters, per_unit, style, bottom_right
 
 @pytest.mark.parametrize("precision", ["float64", "exact"])
 def test_empty_rows_follow_refattn_convention(precision, rng):
-    q, keys, values = rng.standard_normal((2, 2)), rng.standard_normal((3, 2)), \
-        rng.standard_normal((3, 2))
+    q, keys, values = (
+        rng.standard_normal((2, 2)),
+        rng.standard_normal((3, 2)),
+        rng.standard_normal((3, 2)),
+    )
     mask = np.array([[False] * 3, [True, False, True]])
-    zero = gmm.attention(q, keys, values, alpha=1.0, beta=0.5, iters=2, mask=mask,
-                         precision=precision)
-    nan = gmm.attention(q, keys, values, alpha=1.0, beta=0.5, iters=2, mask=mask,
-                        empty_rows="nan", precision=precision)
+    zero = gmm.attention(
+        q, keys, values, alpha=1.0, beta=0.5, iters=2, mask=mask, precision=precision
+    )
+    nan = gmm.attention(
+        q,
+        keys,
+        values,
+        alpha=1.0,
+        beta=0.5,
+        iters=2,
+        mask=mask,
+        empty_rows="nan",
+        precision=precision,
+    )
     assert_same_bits(zero[0], np.zeros(2), what="empty row, empty_rows='zero'")
     assert np.isnan(nan[0]).all()
     assert_same_bits(nan[1], zero[1], what="non-empty row unchanged by empty_rows")
-    res = gmm.attention(q, keys, values, alpha=1.0, beta=0.5, iters=2, mask=mask,
-                        return_trace=True, precision=precision)
+    res = gmm.attention(
+        q,
+        keys,
+        values,
+        alpha=1.0,
+        beta=0.5,
+        iters=2,
+        mask=mask,
+        return_trace=True,
+        precision=precision,
+    )
     assert np.isnan(res.trace[0]).all() and np.isfinite(res.trace[1]).all()
 
 
 def test_all_true_mask_is_no_mask(rng):
-    q, keys, values = rng.standard_normal((2, 3)), rng.standard_normal((4, 3)), \
-        rng.standard_normal((4, 2))
+    q, keys, values = (
+        rng.standard_normal((2, 3)),
+        rng.standard_normal((4, 3)),
+        rng.standard_normal((4, 2)),
+    )
     plain = gmm.attention(q, keys, values, alpha=0.9, beta=0.2, iters=2)
-    masked = gmm.attention(q, keys, values, alpha=0.9, beta=0.2, iters=2,
-                           mask=np.ones((2, 4), dtype=bool))
+    masked = gmm.attention(
+        q, keys, values, alpha=0.9, beta=0.2, iters=2, mask=np.ones((2, 4), dtype=bool)
+    )
     assert_same_bits(masked, plain, what="all-True mask")
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(mask=np.ones((2, 5), dtype=bool)), "mask"),
-    (dict(causal=True, backend="numba"), "backend"),
-    (dict(form="apple"), "form"),
-    (dict(empty_rows="skip"), "empty_rows"),
-    (dict(window=(-1, 0)), "window"),
-    (dict(align="centre"), "align"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(mask=np.ones((2, 5), dtype=bool)), "mask"),
+        (dict(causal=True, backend="numba"), "backend"),
+        (dict(form="apple"), "form"),
+        (dict(empty_rows="skip"), "empty_rows"),
+        (dict(window=(-1, 0)), "window"),
+        (dict(align="centre"), "align"),
+    ],
+)
 def test_attention_rejects_mask_and_form_options(kwargs, match, rng):
-    q, keys, values = rng.standard_normal((2, 3)), rng.standard_normal((4, 3)), \
-        rng.standard_normal((4, 2))
+    q, keys, values = (
+        rng.standard_normal((2, 3)),
+        rng.standard_normal((4, 3)),
+        rng.standard_normal((4, 2)),
+    )
     with pytest.raises(ValueError, match=match):
         gmm.attention(q, keys, values, alpha=1.0, **kwargs)
 
@@ -612,8 +735,7 @@ def test_first_iterate_with_magnitude_prior_keeps_the_value_norms(rng):
     q = rng.integers(-2, 3, (2, 3)).astype(float)
     keys = rng.integers(-2, 3, (4, 3)).astype(float)
     values = rng.integers(-2, 3, (4, 2)).astype(float)
-    got = gmm.attention(q, keys, values, alpha=0.5, beta=2.0, prior="magnitude",
-                        precision="exact")
+    got = gmm.attention(q, keys, values, alpha=0.5, beta=2.0, prior="magnitude", precision="exact")
     bias = np.broadcast_to((values**2).sum(-1), (2, 4))  # beta/2 ||mu||^2 with beta = 2
     want = attention(q, keys, values, scale=0.5, bias=bias, precision="exact")
     assert_same_bits(got, want, what="first iterate = attention with bias beta/2 ||mu||^2")

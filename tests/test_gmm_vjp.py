@@ -89,8 +89,9 @@ def _naive_attention(kwargs, extra):
     keys = ("alpha", "beta", "prior", "v_init", "iters")
 
     def function(q, keys_, values):
-        out, _ = naive_gmm(q, keys_, values, **{k: kwargs.get(k) for k in keys if k in kwargs},
-                           **extra)
+        out, _ = naive_gmm(
+            q, keys_, values, **{k: kwargs.get(k) for k in keys if k in kwargs}, **extra
+        )
         return out
 
     return function
@@ -111,8 +112,16 @@ def _float64_bound(arrays, kwargs, grads, grad):
     prior = kwargs.get("prior", "uniform")
     scale = gmm_term_scale(q, keys, values, kwargs["alpha"], beta, prior)
     diameter = np.ptp(values, axis=-2).max() ** 2 * values.shape[-1]
-    return gmm_vjp_bound(scale, L + S, D + E, grads, grad, np.abs(values).max(),
-                         kwargs["iters"], 1 + float(np.max(beta)) * diameter)
+    return gmm_vjp_bound(
+        scale,
+        L + S,
+        D + E,
+        grads,
+        grad,
+        np.abs(values).max(),
+        kwargs["iters"],
+        1 + float(np.max(beta)) * diameter,
+    )
 
 
 @pytest.mark.parametrize("name", list(ATTENTION_CASES))
@@ -139,8 +148,9 @@ def test_attention_vjp_matches_torch_autograd(name):
 
     arrays, kwargs, extra, grad = _attention_case(name)
     options = {k: kwargs[k] for k in ("alpha", "beta", "prior", "v_init", "iters") if k in kwargs}
-    autograd = _torch_grads(lambda torch, *a: torch_attention(torch, *a, **options, **extra),
-                            arrays, grad)
+    autograd = _torch_grads(
+        lambda torch, *a: torch_attention(torch, *a, **options, **extra), arrays, grad
+    )
     exact = gmm.attention_vjp(*arrays, grad, **kwargs, precision="exact")
     bound = _float64_bound(arrays, kwargs, exact, grad)
     for field, value, truth in zip(exact._fields, autograd, exact, strict=True):
@@ -180,8 +190,9 @@ def test_adapt_keys_vjp(index):
     fast = gmm.adapt_keys_vjp(*arrays, grad, **kwargs, prior=prior, form=form)
     q, keys0 = arrays
     scale = gmm_term_scale(q, keys0, np.zeros((S, 1)), kwargs["alpha"], 0.0, prior)
-    bound = gmm_vjp_bound(scale, L + S, D, exact, grad, np.abs(q).max() + np.abs(keys0).max(),
-                          kwargs["iters"])
+    bound = gmm_vjp_bound(
+        scale, L + S, D, exact, grad, np.abs(q).max() + np.abs(keys0).max(), kwargs["iters"]
+    )
     for field, value, want in zip(fast._fields, fast, exact, strict=True):
         assert_within(value, want, bound, what=f"{what} float64 {field}")
 
@@ -191,14 +202,17 @@ def test_adapt_keys_vjp_matches_torch_autograd(index):
     from tests.naive.gmm_torch import torch_adapt_keys
 
     form, kwargs, arrays, grad = _keys_case(index)
-    autograd = _torch_grads(lambda torch, *a: torch_adapt_keys(torch, *a, form=form, **kwargs),
-                            arrays, grad)
+    autograd = _torch_grads(
+        lambda torch, *a: torch_adapt_keys(torch, *a, form=form, **kwargs), arrays, grad
+    )
     exact = gmm.adapt_keys_vjp(*arrays, grad, **kwargs, form=form, precision="exact")
     q, keys0 = arrays
-    scale = gmm_term_scale(q, keys0, np.zeros((S, 1)), kwargs["alpha"], 0.0,
-                           kwargs.get("prior", "uniform"))
-    bound = gmm_vjp_bound(scale, L + S, D, exact, grad, np.abs(q).max() + np.abs(keys0).max(),
-                          kwargs["iters"])
+    scale = gmm_term_scale(
+        q, keys0, np.zeros((S, 1)), kwargs["alpha"], 0.0, kwargs.get("prior", "uniform")
+    )
+    bound = gmm_vjp_bound(
+        scale, L + S, D, exact, grad, np.abs(q).max() + np.abs(keys0).max(), kwargs["iters"]
+    )
     for field, value, want in zip(exact._fields, autograd, exact, strict=True):
         assert_within(value, want, bound, what=f"torch twin adapt_keys {form} {field}")
 
@@ -245,7 +259,8 @@ def test_adapt_priors_vjp_matches_torch_autograd(index):
 
     form, kwargs, arrays, grad = _priors_case(index)
     autograd = _torch_grads(
-        lambda torch, *a: torch_adapt_priors(torch, *a, form=form, **kwargs), arrays, grad)
+        lambda torch, *a: torch_adapt_priors(torch, *a, form=form, **kwargs), arrays, grad
+    )
     exact = gmm.adapt_priors_vjp(*arrays, grad, **kwargs, form=form, precision="exact")
     q, keys = arrays
     scale = gmm_term_scale(q, keys, np.zeros((S, 1)), kwargs["alpha"], 0.0, "uniform")
@@ -278,9 +293,12 @@ def test_vjp_broadcast_inputs_sum_over_the_batch(precision):
         bound = gamma(2) * (np.abs(parts[0].dkeys) + np.abs(parts[1].dkeys))
         assert_within(got.dkeys, total, bound, what="dkeys summed over the batch")
     else:
+
         def twice(q_both, keys_, values_):
-            outs = [naive_gmm(q_both[b], keys_, values_, alpha=0.9, beta=0.3, iters=2)[0]
-                    for b in range(2)]
+            outs = [
+                naive_gmm(q_both[b], keys_, values_, alpha=0.9, beta=0.3, iters=2)[0]
+                for b in range(2)
+            ]
             return outs
 
         truth = central_vjp(twice, (q, keys, values), grad, dps=DPS)
@@ -294,15 +312,21 @@ def test_vjp_exact_out_dtype():
     truth = central_vjp(_naive_attention(kwargs, extra), arrays, grad, dps=DPS)
     for value, (estimate, _) in zip(got, truth, strict=True):
         assert value.dtype == np.float32
-        assert_same_bits(value.astype(np.float64), round_nested(estimate, "float32"),
-                         what="gmm.attention_vjp exact float32")
+        assert_same_bits(
+            value.astype(np.float64),
+            round_nested(estimate, "float32"),
+            what="gmm.attention_vjp exact float32",
+        )
 
 
-@pytest.mark.parametrize("function, args, match", [
-    ("attention_vjp", dict(grad_out=np.ones((L, E + 1))), "grad_out"),
-    ("attention_vjp", dict(grad_out=np.full((L, E), np.nan)), "grad_out"),
-    ("adapt_keys_vjp", dict(grad_out=np.ones((S + 1, D))), "grad_out"),
-])
+@pytest.mark.parametrize(
+    "function, args, match",
+    [
+        ("attention_vjp", dict(grad_out=np.ones((L, E + 1))), "grad_out"),
+        ("attention_vjp", dict(grad_out=np.full((L, E), np.nan)), "grad_out"),
+        ("adapt_keys_vjp", dict(grad_out=np.ones((S + 1, D))), "grad_out"),
+    ],
+)
 def test_vjp_rejects(function, args, match):
     rng, q, keys, values, alpha, beta = _problem(1)
     if function == "attention_vjp":
@@ -319,9 +343,12 @@ def test_vjp_rejects(function, args, match):
 
 
 @settings(max_examples=20)
-@given(case=gmm_cases(max_iters=3), seed=st.integers(0, 2**32 - 1),
-       form=st.sampled_from(["paper", "unnormalised"]),
-       masking=st.sampled_from([None, "mask", "causal"]))
+@given(
+    case=gmm_cases(max_iters=3),
+    seed=st.integers(0, 2**32 - 1),
+    form=st.sampled_from(["paper", "unnormalised"]),
+    masking=st.sampled_from([None, "mask", "causal"]),
+)
 def test_attention_vjp_float64_near_exact_random(case, seed, form, masking):
     rng = np.random.default_rng(seed)
     q, keys, values = case["q"], case["keys"], case["values"]
@@ -335,56 +362,93 @@ def test_attention_vjp_float64_near_exact_random(case, seed, form, masking):
     fast = gmm.attention_vjp(q, keys, values, grad, **kwargs, form=form)
     scale = gmm_term_scale(q, keys, values, case["alpha"], case["beta"], case["prior"])
     diameter = np.ptp(values, axis=-2).max() ** 2 * values.shape[-1]
-    bound = gmm_vjp_bound(scale, q.shape[-2] + keys.shape[-2], q.shape[-1] + values.shape[-1],
-                          exact, grad, np.abs(values).max(), case["iters"],
-                          1 + float(np.max(case["beta"])) * diameter)
+    bound = gmm_vjp_bound(
+        scale,
+        q.shape[-2] + keys.shape[-2],
+        q.shape[-1] + values.shape[-1],
+        exact,
+        grad,
+        np.abs(values).max(),
+        case["iters"],
+        1 + float(np.max(case["beta"])) * diameter,
+    )
     for field, value, truth in zip(fast._fields, fast, exact, strict=True):
-        assert_within(value, truth, bound, what=f"gmm.attention_vjp float64 {field}",
-                      case=case["style"])
+        assert_within(
+            value, truth, bound, what=f"gmm.attention_vjp float64 {field}", case=case["style"]
+        )
 
 
 @settings(max_examples=15)
-@given(problem=mixture_problems(), seed=st.integers(0, 2**32 - 1),
-       form=st.sampled_from(["paper", "map", "map_recentred"]),
-       prior=st.sampled_from(["uniform", "magnitude"]), iters=st.integers(1, 3))
+@given(
+    problem=mixture_problems(),
+    seed=st.integers(0, 2**32 - 1),
+    form=st.sampled_from(["paper", "map", "map_recentred"]),
+    prior=st.sampled_from(["uniform", "magnitude"]),
+    iters=st.integers(1, 3),
+)
 def test_adapt_keys_vjp_float64_near_exact_random(problem, seed, form, prior, iters):
     q, keys0, _, style = problem
     rng = np.random.default_rng(seed)
     units = keys0.shape[-2]
-    kwargs = dict(alpha=rng.uniform(0.3, 2.0, units), gamma=rng.choice([0.0, 0.7, np.inf], units),
-                  prior=prior, iters=iters, form=form)
+    kwargs = dict(
+        alpha=rng.uniform(0.3, 2.0, units),
+        gamma=rng.choice([0.0, 0.7, np.inf], units),
+        prior=prior,
+        iters=iters,
+        form=form,
+    )
     grad = rng.standard_normal(keys0.shape)
     exact = gmm.adapt_keys_vjp(q, keys0, grad, **kwargs, precision="exact")
     fast = gmm.adapt_keys_vjp(q, keys0, grad, **kwargs)
-    scale = gmm_term_scale(q, keys0, np.zeros(keys0.shape[:-1] + (1,)), kwargs["alpha"], 0.0,
-                           prior)
-    bound = gmm_vjp_bound(scale, q.shape[-2] + units, q.shape[-1], exact, grad,
-                          np.abs(q).max() + np.abs(keys0).max(), iters, q.shape[-2] + 1)
+    scale = gmm_term_scale(q, keys0, np.zeros(keys0.shape[:-1] + (1,)), kwargs["alpha"], 0.0, prior)
+    bound = gmm_vjp_bound(
+        scale,
+        q.shape[-2] + units,
+        q.shape[-1],
+        exact,
+        grad,
+        np.abs(q).max() + np.abs(keys0).max(),
+        iters,
+        q.shape[-2] + 1,
+    )
     for field, value, truth in zip(fast._fields, fast, exact, strict=True):
-        assert_within(value, truth, bound, what=f"gmm.adapt_keys_vjp float64 {field} {form}",
-                      case=style)
+        assert_within(
+            value, truth, bound, what=f"gmm.adapt_keys_vjp float64 {field} {form}", case=style
+        )
 
 
 @settings(max_examples=15)
-@given(problem=mixture_problems(), seed=st.integers(0, 2**32 - 1),
-       form=st.sampled_from(["paper", "map"]), iters=st.integers(1, 3))
+@given(
+    problem=mixture_problems(),
+    seed=st.integers(0, 2**32 - 1),
+    form=st.sampled_from(["paper", "map"]),
+    iters=st.integers(1, 3),
+)
 def test_adapt_priors_vjp_float64_near_exact_random(problem, seed, form, iters):
     q, keys, _, style = problem
     rng = np.random.default_rng(seed)
     units = keys.shape[-2]
     pi0 = rng.uniform(0.1, 1.0, units)
-    kwargs = dict(alpha=rng.uniform(0.3, 2.0, units), eta=float(rng.uniform(0.0, 2.0)),
-                  pi0=pi0 / pi0.sum(), iters=iters, form=form)
+    kwargs = dict(
+        alpha=rng.uniform(0.3, 2.0, units),
+        eta=float(rng.uniform(0.0, 2.0)),
+        pi0=pi0 / pi0.sum(),
+        iters=iters,
+        form=form,
+    )
     grad = rng.standard_normal(keys.shape[:-1])
     exact = gmm.adapt_priors_vjp(q, keys, grad, **kwargs, precision="exact")
     fast = gmm.adapt_priors_vjp(q, keys, grad, **kwargs)
-    scale = gmm_term_scale(q, keys, np.zeros(keys.shape[:-1] + (1,)), kwargs["alpha"], 0.0,
-                           "uniform")
-    bound = gmm_vjp_bound(scale, q.shape[-2] + units, q.shape[-1], exact, grad, 2.0, iters,
-                          q.shape[-2] + 1)
+    scale = gmm_term_scale(
+        q, keys, np.zeros(keys.shape[:-1] + (1,)), kwargs["alpha"], 0.0, "uniform"
+    )
+    bound = gmm_vjp_bound(
+        scale, q.shape[-2] + units, q.shape[-1], exact, grad, 2.0, iters, q.shape[-2] + 1
+    )
     for field, value, truth in zip(fast._fields, fast, exact, strict=True):
-        assert_within(value, truth, bound, what=f"gmm.adapt_priors_vjp float64 {field} {form}",
-                      case=style)
+        assert_within(
+            value, truth, bound, what=f"gmm.adapt_priors_vjp float64 {field} {form}", case=style
+        )
 
 
 @pytest.mark.parametrize("form", ["paper", "map", "map_recentred"])
@@ -400,8 +464,9 @@ def test_adapt_keys_far_unit_stays_finite(form, gamma_value):
     exact = gmm.adapt_keys_vjp(q, keys0, grad, **kwargs, precision="exact")
     fast = gmm.adapt_keys_vjp(q, keys0, grad, **kwargs)
     scale = gmm_term_scale(q, keys0, np.zeros((3, 1)), 1.0, 0.0, "uniform")
-    bound = gmm_vjp_bound(scale, 6, 2, exact, grad, np.abs(q).max() + np.abs(keys0).max(), 2,
-                          q.shape[0] + 1)
+    bound = gmm_vjp_bound(
+        scale, 6, 2, exact, grad, np.abs(q).max() + np.abs(keys0).max(), 2, q.shape[0] + 1
+    )
     for field, value, truth in zip(fast._fields, fast, exact, strict=True):
         assert_within(value, truth, bound, what=f"far unit {form} gamma={gamma_value} {field}")
     forward = gmm.adapt_keys(q, keys0, **kwargs)

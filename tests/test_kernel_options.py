@@ -56,14 +56,28 @@ def _naive(q, k, v, opts, dtype, sinks=None, kv_lengths=None):
 
 
 @settings(max_examples=12, deadline=None)
-@given(seed=st.integers(0, 2**16), options=st.sampled_from(OPTION_SETS),
-       dtype=st.sampled_from(DTYPES), with_sinks=st.booleans(), with_lengths=st.booleans())
+@given(
+    seed=st.integers(0, 2**16),
+    options=st.sampled_from(OPTION_SETS),
+    dtype=st.sampled_from(DTYPES),
+    with_sinks=st.booleans(),
+    with_lengths=st.booleans(),
+)
 def test_exact_matches_loop_twin(seed, options, dtype, with_sinks, with_lengths):
     q, k, v, rng = _inputs(seed)
     sinks = rng.standard_normal(2) * 3 if with_sinks else None
     lengths = rng.integers(0, 8, size=2) if with_lengths else None
-    out, lse = refattn.attention(q, k, v, **options, sinks=sinks, kv_lengths=lengths,
-                                 return_lse=True, precision="exact", out_dtype=dtype)
+    out, lse = refattn.attention(
+        q,
+        k,
+        v,
+        **options,
+        sinks=sinks,
+        kv_lengths=lengths,
+        return_lse=True,
+        precision="exact",
+        out_dtype=dtype,
+    )
     want_out, want_lse = _naive(q, k, v, options, dtype, sinks, lengths)
     assert_exact(out, want_out, what="out", case=f"{options} sinks={sinks} lengths={lengths}")
     assert_exact(lse, want_lse, what="lse", case=f"{options} sinks={sinks} lengths={lengths}")
@@ -77,9 +91,18 @@ def test_sink_with_a_fully_masked_row_matches_loop_twin(dtype):
     mask = rng.random((2, 4, 3, 7)) < 0.7
     mask[:, :, 1] = False
     sinks = rng.standard_normal(4) * 2
-    out, lse = refattn.attention(q, k, v, mask=mask, sinks=sinks, causal=True,
-                                 align="bottom_right", return_lse=True, precision="exact",
-                                 out_dtype=dtype)
+    out, lse = refattn.attention(
+        q,
+        k,
+        v,
+        mask=mask,
+        sinks=sinks,
+        causal=True,
+        align="bottom_right",
+        return_lse=True,
+        precision="exact",
+        out_dtype=dtype,
+    )
     outs, lses = [], []
     for b in range(2):
         row = {"mask": mask[b], "sinks": sinks, "causal": True, "align": "bottom_right"}
@@ -98,8 +121,7 @@ def test_float64_inside_its_bound(options):
     q, k, v, rng = _inputs(7)
     extra = {"sinks": rng.standard_normal(2) * 3, "kv_lengths": np.array([5, 2])}
     got_out, got_lse = refattn.attention(q, k, v, **options, **extra, return_lse=True)
-    out, lse = refattn.attention(q, k, v, **options, **extra, return_lse=True,
-                                 precision="exact")
+    out, lse = refattn.attention(q, k, v, **options, **extra, return_lse=True, precision="exact")
     out_bound, lse_bound = float64_forward_bound(q, k, v, **options, **extra)
     assert_within(got_out, out, out_bound, what="out", case=str(options))
     assert_within(got_lse, lse, lse_bound, what="lse", case=str(options))
@@ -108,12 +130,17 @@ def test_float64_inside_its_bound(options):
 def test_float64_vjp_inside_its_bound_and_dsinks_exact():
     q, k, v, rng = _inputs(11)
     sinks = rng.standard_normal(2)
-    options = {"causal": True, "align": "bottom_right", "sinks": sinks,
-               "kv_lengths": np.array([6, 3])}
+    options = {
+        "causal": True,
+        "align": "bottom_right",
+        "sinks": sinks,
+        "kv_lengths": np.array([6, 3]),
+    }
     grad_out, grad_lse = rng.standard_normal((2, 2, 3, 3)), rng.standard_normal((2, 2, 3))
     got = refattn.attention_vjp(q, k, v, grad_out, grad_lse=grad_lse, **options)
-    exact = refattn.attention_vjp(q, k, v, grad_out, grad_lse=grad_lse, **options,
-                                  precision="exact")
+    exact = refattn.attention_vjp(
+        q, k, v, grad_out, grad_lse=grad_lse, **options, precision="exact"
+    )
     bounds = float64_vjp_bound(q, k, v, grad_out, grad_lse=grad_lse, **options)
     for name, bound in zip(("dq", "dk", "dv"), bounds[:3], strict=True):
         assert_within(getattr(got, name), getattr(exact, name), bound, what=name, case="sinks")
@@ -125,21 +152,38 @@ def test_float64_vjp_inside_its_bound_and_dsinks_exact():
         for b in range(2):
             row_sinks = [mpmath.mpf(float(s)) for s in sinks]
             row_sinks[head] = value
-            out, lse, _ = naive_attention(q[b], k[b], v[b], causal=True, align="bottom_right",
-                                          sinks=row_sinks, kv_length=options["kv_lengths"][b],
-                                          dps=120)
-            total += mpmath.fsum(out[h][i][e] * grad_out[b, h, i, e] for h in range(2)
-                                 for i in range(3) for e in range(3))
-            total += mpmath.fsum(lse[h][i] * grad_lse[b, h, i] for h in range(2)
-                                 for i in range(3))
+            out, lse, _ = naive_attention(
+                q[b],
+                k[b],
+                v[b],
+                causal=True,
+                align="bottom_right",
+                sinks=row_sinks,
+                kv_length=options["kv_lengths"][b],
+                dps=120,
+            )
+            total += mpmath.fsum(
+                out[h][i][e] * grad_out[b, h, i, e]
+                for h in range(2)
+                for i in range(3)
+                for e in range(3)
+            )
+            total += mpmath.fsum(lse[h][i] * grad_lse[b, h, i] for h in range(2) for i in range(3))
         return total
 
     with mpmath.workdps(60):
-        want = [float(mpmath.diff(lambda s, h=h: loss(h, s), mpmath.mpf(float(sinks[h]))))
-                for h in range(2)]
+        want = [
+            float(mpmath.diff(lambda s, h=h: loss(h, s), mpmath.mpf(float(sinks[h]))))
+            for h in range(2)
+        ]
     assert exact.dsinks.shape == (2,) and got.dsinks.shape == (2,)
-    assert_within(exact.dsinks, np.array(want), unit_roundoff("float64") * np.abs(want),
-                  what="dsinks", case="exact vs twin")
+    assert_within(
+        exact.dsinks,
+        np.array(want),
+        unit_roundoff("float64") * np.abs(want),
+        what="dsinks",
+        case="exact vs twin",
+    )
 
 
 @pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2"])
@@ -149,9 +193,17 @@ def test_float8_inputs_are_their_dequantised_values(name, out_dtype):
     fp8 = getattr(ml_dtypes, name)
     q8, k8, v8 = (x.astype(fp8) for x in (q, k, v))
     descale = {n: (rng.uniform(0.5, 2, size=(2, 2))).astype(np.float32) for n in "qkv"}
-    got = refattn.attention(q8, k8, v8, q_descale=descale["q"], k_descale=descale["k"],
-                            v_descale=descale["v"], causal=True, precision="exact",
-                            out_dtype=out_dtype)
+    got = refattn.attention(
+        q8,
+        k8,
+        v8,
+        q_descale=descale["q"],
+        k_descale=descale["k"],
+        v_descale=descale["v"],
+        causal=True,
+        precision="exact",
+        out_dtype=out_dtype,
+    )
     group = np.repeat(descale["q"].astype(np.float64), 2, axis=1)[..., None, None]
     q64 = q8.astype(np.float64) * group
     k64 = k8.astype(np.float64) * descale["k"].astype(np.float64)[..., None, None]
@@ -193,18 +245,20 @@ def test_numba_inside_the_kernel_bound(options):
 
     q, k, v, rng = _inputs(13)
     extra = {"sinks": rng.standard_normal(2) * 2, "kv_lengths": np.array([7, 4])}
-    got_out, got_lse = refattn.attention(q, k, v, **options, **extra, return_lse=True,
-                                         backend="numba")
-    out, lse, weights = refattn.attention(q, k, v, **options, **extra, return_lse=True,
-                                          return_weights=True, precision="exact")
+    got_out, got_lse = refattn.attention(
+        q, k, v, **options, **extra, return_lse=True, backend="numba"
+    )
+    out, lse, weights = refattn.attention(
+        q, k, v, **options, **extra, return_lse=True, return_weights=True, precision="exact"
+    )
     spec = fold(canonicalize(q, k, v, **options, **extra), alibi_into_bias=True)
     sink_weight = np.exp(extra["sinks"][None, :, None] - lse)[..., None]
     out_bound, lse_bound = numba_cpu.forward_error_bound(
-        spec, np.concatenate([weights, sink_weight], axis=-1), np.float64)
+        spec, np.concatenate([weights, sink_weight], axis=-1), np.float64
+    )
     assert_within(got_out, out, out_bound, what="out", case=str(options))
     assert_within(got_lse, lse, lse_bound, what="lse", case=str(options))
-    got = refattn.attention_vjp(q, k, v, np.ones_like(out), **options, **extra,
-                                backend="numba")
+    got = refattn.attention_vjp(q, k, v, np.ones_like(out), **options, **extra, backend="numba")
     ref = refattn.attention_vjp(q, k, v, np.ones_like(out), **options, **extra)
     assert got.dsinks.shape == ref.dsinks.shape == (2,)
     assert got.dk.shape == k.shape and got.dbias is None
@@ -215,25 +269,33 @@ def test_alibi_follows_each_rows_own_length(dtype):
     q, k, v, rng = _inputs(17)
     options = {"alibi_slopes": np.array([0.5, 0.25]), "causal": True, "align": "bottom_right"}
     lengths = np.array([5, 3])
-    out, lse = refattn.attention(q, k, v, **options, kv_lengths=lengths, return_lse=True,
-                                 precision="exact", out_dtype=dtype)
+    out, lse = refattn.attention(
+        q, k, v, **options, kv_lengths=lengths, return_lse=True, precision="exact", out_dtype=dtype
+    )
     want_out, want_lse = _naive(q, k, v, options, dtype, None, lengths)
     assert_exact(out, want_out, what="out", case="alibi kv_lengths")
     assert_exact(lse, want_lse, what="lse", case="alibi kv_lengths")
     got = refattn.attention(q, k, v, **options, kv_lengths=lengths)
     bound, _ = float64_forward_bound(q, k, v, **options, kv_lengths=lengths)
-    assert_within(got, refattn.attention(q, k, v, **options, kv_lengths=lengths,
-                                         precision="exact"), bound, what="out", case="f64")
+    assert_within(
+        got,
+        refattn.attention(q, k, v, **options, kv_lengths=lengths, precision="exact"),
+        bound,
+        what="out",
+        case="f64",
+    )
     grad_out = rng.standard_normal(out.shape)
-    fast = refattn.attention_vjp(q, k, v, grad_out, **options, kv_lengths=lengths,
-                                 precision="exact", out_dtype=dtype)
+    fast = refattn.attention_vjp(
+        q, k, v, grad_out, **options, kv_lengths=lengths, precision="exact", out_dtype=dtype
+    )
     from refattn import config
 
     saved = config.EXACT_VJP_ENGINE
     config.EXACT_VJP_ENGINE = "referee"
     try:
-        referee = refattn.attention_vjp(q, k, v, grad_out, **options, kv_lengths=lengths,
-                                        precision="exact", out_dtype=dtype)
+        referee = refattn.attention_vjp(
+            q, k, v, grad_out, **options, kv_lengths=lengths, precision="exact", out_dtype=dtype
+        )
     finally:
         config.EXACT_VJP_ENGINE = saved
     for name in ("dq", "dk", "dv"):

@@ -62,24 +62,43 @@ CASES = {
     "bias_neginf": ({}, lambda rng, L, S: {"bias": _bias(rng, L, S)}),
     "softcap": ({}, lambda rng, L, S: {"softcap": 1.5, "scale": 0.7}),
     "alibi": ({}, lambda rng, L, S: {"alibi_slopes": np.array([0.5, 0.125])}),
-    "dropout": ({}, lambda rng, L, S: {"dropout_mask": _mask(rng, L, S, 0.2),
-                                       "dropout_p": 0.2}),
+    "dropout": ({}, lambda rng, L, S: {"dropout_mask": _mask(rng, L, S, 0.2), "dropout_p": 0.2}),
     "gqa_interleave": ({"H": 4, "K": 2}, lambda rng, L, S: {"causal": True}),
     "gqa_tile": ({"H": 4, "K": 2}, lambda rng, L, S: {"gqa": "tile"}),
     "empty_zero": ({}, lambda rng, L, S: {"mask": _empty_mask(rng, L, S)}),
     "empty_nan": ({}, lambda rng, L, S: {"mask": _empty_mask(rng, L, S), "empty_rows": "nan"}),
-    "everything": ({}, lambda rng, L, S: {
-        "mask": _empty_mask(rng, L, S), "bias": _bias(rng, L, S), "softcap": 2.0,
-        "alibi_slopes": np.array([0.25, 0.5]), "dropout_mask": _mask(rng, L, S, 0.1),
-        "dropout_p": 0.1, "causal": True, "align": "bottom_right", "empty_rows": "nan"}),
-    "decode": ({"L": 1, "S": 300}, lambda rng, L, S: {"causal": True,
-                                                      "align": "bottom_right"}),
-    "decode_split_gqa": ({"L": 1, "S": 2100, "H": 4, "K": 2}, lambda rng, L, S: {
-        "mask": _mask(rng, L, S, 0.1), "bias": _bias(rng, L, S), "softcap": 2.0,
-        "alibi_slopes": np.array([0.25, 0.5]), "dropout_mask": _mask(rng, L, S, 0.1),
-        "dropout_p": 0.1, "causal": True, "align": "bottom_right"}),
-    "decode_split_window": ({"L": 3, "S": 2600, "H": 4, "K": 2}, lambda rng, L, S: {
-        "gqa": "tile", "window": (1500, 0), "align": "bottom_right"}),
+    "everything": (
+        {},
+        lambda rng, L, S: {
+            "mask": _empty_mask(rng, L, S),
+            "bias": _bias(rng, L, S),
+            "softcap": 2.0,
+            "alibi_slopes": np.array([0.25, 0.5]),
+            "dropout_mask": _mask(rng, L, S, 0.1),
+            "dropout_p": 0.1,
+            "causal": True,
+            "align": "bottom_right",
+            "empty_rows": "nan",
+        },
+    ),
+    "decode": ({"L": 1, "S": 300}, lambda rng, L, S: {"causal": True, "align": "bottom_right"}),
+    "decode_split_gqa": (
+        {"L": 1, "S": 2100, "H": 4, "K": 2},
+        lambda rng, L, S: {
+            "mask": _mask(rng, L, S, 0.1),
+            "bias": _bias(rng, L, S),
+            "softcap": 2.0,
+            "alibi_slopes": np.array([0.25, 0.5]),
+            "dropout_mask": _mask(rng, L, S, 0.1),
+            "dropout_p": 0.1,
+            "causal": True,
+            "align": "bottom_right",
+        },
+    ),
+    "decode_split_window": (
+        {"L": 3, "S": 2600, "H": 4, "K": 2},
+        lambda rng, L, S: {"gqa": "tile", "window": (1500, 0), "align": "bottom_right"},
+    ),
     "odd_dims": ({"L": 130, "S": 5, "D": 3, "E": 70}, lambda rng, L, S: {"window": (2, 2)}),
     "tiny": ({"L": 3, "S": 5, "D": 4, "E": 2}, lambda rng, L, S: {"causal": True}),
 }
@@ -95,9 +114,16 @@ def _build(name, dtype, seed=0):
     v = rng.standard_normal((_B, dims["K"], dims["S"], dims["E"])).astype(dtype)
     opts = options(rng, dims["L"], dims["S"])
     if dims["H"] != _H:
-        opts = {key: (np.repeat(val, 2, axis=1) if isinstance(val, np.ndarray) and val.ndim == 4
-                      else np.tile(val, 2) if key == "alibi_slopes" else val)
-                for key, val in opts.items()}
+        opts = {
+            key: (
+                np.repeat(val, 2, axis=1)
+                if isinstance(val, np.ndarray) and val.ndim == 4
+                else np.tile(val, 2)
+                if key == "alibi_slopes"
+                else val
+            )
+            for key, val in opts.items()
+        }
     grad_out = rng.standard_normal((_B, dims["H"], dims["L"], dims["E"]))
     grad_lse = rng.standard_normal((_B, dims["H"], dims["L"]))
     return q, k, v, opts, grad_out, grad_lse
@@ -115,7 +141,8 @@ def _forward_bounds(spec, weights, dtype):
 
 # float32 runs a representative subset
 DTYPE_CASES = [pytest.param(n, np.float64, id=f"{n}-float64") for n in CASES] + [
-    pytest.param(n, np.float32, id=f"{n}-float32") for n in F32_CASES]
+    pytest.param(n, np.float32, id=f"{n}-float32") for n in F32_CASES
+]
 
 
 @pytest.mark.parametrize("name, dtype", DTYPE_CASES)
@@ -154,8 +181,9 @@ def test_backward_matches_float64(name, dtype):
 
 def test_empty_rows_have_zero_gradients():
     q, k, v, opts, grad_out, grad_lse = _build("empty_nan", np.float64)
-    dq, _, _, _ = refattn.attention_vjp(q, k, v, grad_out, grad_lse=grad_lse, backend="numba",
-                                        **opts)
+    dq, _, _, _ = refattn.attention_vjp(
+        q, k, v, grad_out, grad_lse=grad_lse, backend="numba", **opts
+    )
     assert np.all(dq[:, :, 3] == 0), f"empty row 3: dq {dq[:, :, 3].ravel()[:4]} is not 0"
 
 
@@ -186,12 +214,15 @@ def test_poison_at_excluded_positions_is_bit_invisible(where):
         for what, a, b in zip(("out", "lse"), dirty, clean, strict=True):
             assert np.array_equal(a, b), (
                 f"poison {poison} in excluded {where} changed {what}: max diff "
-                f"{np.nanmax(np.abs(a - b))}")
+                f"{np.nanmax(np.abs(a - b))}"
+            )
         if where in ("k", "v", "bias"):
-            pgrads = refattn.attention_vjp(pq, pk, pv, np.ones((1, 2, L, D)), backend="numba",
-                                           **popts)
-            for what, a, b in zip(("dq", "dv", "dbias"), pgrads[::2] + pgrads[3:],
-                                  grads[::2] + grads[3:], strict=True):
+            pgrads = refattn.attention_vjp(
+                pq, pk, pv, np.ones((1, 2, L, D)), backend="numba", **popts
+            )
+            for what, a, b in zip(
+                ("dq", "dv", "dbias"), pgrads[::2] + pgrads[3:], grads[::2] + grads[3:], strict=True
+            ):
                 assert np.array_equal(a, b), f"poison {poison} in excluded {where}: {what}"
 
 
@@ -202,7 +233,8 @@ def test_nan_in_allowed_value_propagates_to_its_rows_only():
     out = refattn.attention(q, k, v, causal=True, backend="numba")
     nan_rows = np.isnan(out[0, 0, :, 0])
     assert not nan_rows[:40].any() and nan_rows[40:].all(), (
-        f"NaN in v[40] must reach rows >= 40 only; NaN rows {np.flatnonzero(nan_rows)[:5]}")
+        f"NaN in v[40] must reach rows >= 40 only; NaN rows {np.flatnonzero(nan_rows)[:5]}"
+    )
     assert not np.isnan(out[0, 0, :, 1:]).any(), "NaN in column 0 leaked into other columns"
 
 
@@ -233,8 +265,14 @@ print(_digest([out, lse, *g, o32, *g32, *split]))
 def _run_digest(threads: int) -> str:
     env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
     script = _DIGEST_SCRIPT.format(tests=str(ROOT / "tests"))
-    done = subprocess.run([sys.executable, "-W", "error", "-c", script], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", script],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, f"digest run with {threads} threads failed:\n{done.stderr}"
     return done.stdout.strip().splitlines()[-1]
 
@@ -246,20 +284,35 @@ def test_bit_identical_for_1_and_2_threads():
 
 def test_bit_identical_across_runs():
     q, k, v, opts, go, gl = _build("everything", np.float64, seed=5)
-    first = [*refattn.attention(q, k, v, return_lse=True, backend="numba", **opts),
-             *refattn.attention_vjp(q, k, v, go, grad_lse=gl, backend="numba", **opts)]
-    again = [*refattn.attention(q, k, v, return_lse=True, backend="numba", **opts),
-             *refattn.attention_vjp(q, k, v, go, grad_lse=gl, backend="numba", **opts)]
+    first = [
+        *refattn.attention(q, k, v, return_lse=True, backend="numba", **opts),
+        *refattn.attention_vjp(q, k, v, go, grad_lse=gl, backend="numba", **opts),
+    ]
+    again = [
+        *refattn.attention(q, k, v, return_lse=True, backend="numba", **opts),
+        *refattn.attention_vjp(q, k, v, go, grad_lse=gl, backend="numba", **opts),
+    ]
     assert _digest(first) == _digest(again), "two runs of the same call differ"
 
 
 def test_kernel_bodies_run_without_jit():
     """NUMBA_DISABLE_JIT=1: the kernels run as Python (coverage of their bodies)."""
     env = dict(os.environ, NUMBA_DISABLE_JIT="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "test_kernels.py"), "-q",
-           "-p", "no:cacheprovider", "-x", "-W", "ignore::RuntimeWarning",
-           "-k", "(test_forward_matches or test_backward_matches) and float64 and "
-                 "(tiny or everything or gqa_tile) or test_exp"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(ROOT / "tests" / "test_kernels.py"),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-x",
+        "-W",
+        "ignore::RuntimeWarning",
+        "-k",
+        "(test_forward_matches or test_backward_matches) and float64 and "
+        "(tiny or everything or gqa_tile) or test_exp",
+    ]
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"NUMBA_DISABLE_JIT=1 tier failed:\n{done.stdout[-3000:]}"
 
@@ -268,8 +321,9 @@ def test_kernel_bodies_run_without_jit():
 def test_exp_kernels_within_one_ulp(dtype):
     rng = np.random.default_rng(1)
     lo = -740.0 if dtype == "float64" else -100.0
-    x = np.concatenate([rng.uniform(lo, 0.0, 300), rng.uniform(-1, 1, 100),
-                        [0.0, -0.0, lo]]).astype(dtype)
+    x = np.concatenate(
+        [rng.uniform(lo, 0.0, 300), rng.uniform(-1, 1, 100), [0.0, -0.0, lo]]
+    ).astype(dtype)
     fn = numba_cpu.exp_float64 if dtype == "float64" else numba_cpu.exp_float32
     got = np.array([fn(t) for t in x], dtype=np.float64)
     with mpmath.workprec(200):
@@ -277,12 +331,16 @@ def test_exp_kernels_within_one_ulp(dtype):
     truth = truth.astype(dtype).astype(np.float64)
     dist = ulp_distance(got, truth, dtype)
     worst = int(np.argmax(dist))
-    assert dist[worst] <= 1, (f"exp_{dtype}({x[worst]!r}) = {got[worst]!r}, correctly rounded "
-                              f"{truth[worst]!r}: {dist[worst]} ulp > 1")
-    special = np.array([fn(np.dtype(dtype).type(t)) for t in (-np.inf, np.inf, np.nan, -1e4)],
-                       np.float64)
-    assert special[0] == 0 and special[1] == np.inf and np.isnan(special[2]) and \
-        special[3] == 0, f"exp_{dtype} at -inf, inf, nan, -1e4 gave {special}"
+    assert dist[worst] <= 1, (
+        f"exp_{dtype}({x[worst]!r}) = {got[worst]!r}, correctly rounded "
+        f"{truth[worst]!r}: {dist[worst]} ulp > 1"
+    )
+    special = np.array(
+        [fn(np.dtype(dtype).type(t)) for t in (-np.inf, np.inf, np.nan, -1e4)], np.float64
+    )
+    assert special[0] == 0 and special[1] == np.inf and np.isnan(special[2]) and special[3] == 0, (
+        f"exp_{dtype} at -inf, inf, nan, -1e4 gave {special}"
+    )
 
 
 def test_memory_is_linear_in_length():

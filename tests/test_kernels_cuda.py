@@ -25,8 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import assert_within  # noqa: E402
 
-needs_cuda = pytest.mark.skipif(not kcuda.available(),
-                                reason="no CUDA device and NUMBA_ENABLE_CUDASIM is not set")
+needs_cuda = pytest.mark.skipif(
+    not kcuda.available(), reason="no CUDA device and NUMBA_ENABLE_CUDASIM is not set"
+)
 _B, _H = 1, 2
 
 
@@ -44,10 +45,17 @@ def _inputs(name, seed=0):
         "plain": {},
         "gqa_tile": {"gqa": "tile", "causal": True},
         "window": {"window": (3, 1), "align": "bottom_right"},
-        "everything": {"mask": mask, "bias": rng.standard_normal((L, S)), "softcap": 2.0,
-                       "causal": True, "align": "bottom_right",
-                       "alibi_slopes": np.array([0.5, 0.25]), "empty_rows": "nan",
-                       "dropout_mask": rng.random((_B, H, L, S)) > 0.2, "dropout_p": 0.2},
+        "everything": {
+            "mask": mask,
+            "bias": rng.standard_normal((L, S)),
+            "softcap": 2.0,
+            "causal": True,
+            "align": "bottom_right",
+            "alibi_slopes": np.array([0.5, 0.25]),
+            "empty_rows": "nan",
+            "dropout_mask": rng.random((_B, H, L, S)) > 0.2,
+            "dropout_p": 0.2,
+        },
     }[name]
     return q, k, v, opts, rng.standard_normal((_B, H, L, E)), rng.standard_normal((_B, H, L))
 
@@ -62,8 +70,9 @@ def test_cuda_forward_matches_float64(name):
     q, k, v, opts, _, _ = _inputs(name)
     spec = canonicalize(q, k, v, **opts)
     out, lse = kcuda.attention(spec, return_lse=True, threads=4)
-    ref_out, ref_lse, weights = refattn.attention(q, k, v, return_lse=True,
-                                                  return_weights=True, **opts)
+    ref_out, ref_lse, weights = refattn.attention(
+        q, k, v, return_lse=True, return_weights=True, **opts
+    )
     keys = spec.dims[4]
     ob, lb = numba_cpu.forward_error_bound(spec, weights, np.float64, rescalings=keys)
     ob2, lb2 = numba_cpu.forward_error_bound(spec, weights, np.float64)
@@ -81,15 +90,21 @@ def test_cuda_backward_matches_float64(name):
     ref = refattn.attention_vjp(q, k, v, grad_out, grad_lse=grad_lse, **opts)
     _, _, weights = refattn.attention(q, k, v, return_lse=True, return_weights=True, **opts)
     bounds = numba_cpu.backward_error_bound(spec, weights, grad_out, grad_lse)
-    for what, value, truth, bound in zip(("dq", "dk", "dv", "dbias"), got, ref, bounds,
-                                         strict=True):
+    for what, value, truth, bound in zip(
+        ("dq", "dk", "dv", "dbias"), got, ref, bounds, strict=True
+    ):
         if truth is None:
             assert value is None, f"{name}: {what} should be None without bias"
             continue
         if what == "dbias":
             value, bound = value.sum(axis=(0, 1)), bound.sum(axis=(0, 1))
-        assert_within(value, spec.unflatten(truth) if what != "dbias" else truth, 2 * bound,
-                      what=what, case=name)
+        assert_within(
+            value,
+            spec.unflatten(truth) if what != "dbias" else truth,
+            2 * bound,
+            what=what,
+            case=name,
+        )
 
 
 @pytest.mark.cudasim
@@ -108,7 +123,8 @@ def test_cuda_poison_at_excluded_positions_is_invisible():
     dirty = kcuda.attention(canonicalize(q, pk, pv, **opts), return_lse=True, threads=4)
     for what, a, b in zip(("out", "lse"), dirty, clean, strict=True):
         assert np.array_equal(a[:, 0], b[:, 0], equal_nan=True), (
-            f"poison in excluded keys {keys} of head 0 changed {what}")
+            f"poison in excluded keys {keys} of head 0 changed {what}"
+        )
 
 
 @pytest.mark.cudasim
@@ -141,9 +157,23 @@ def test_cuda_kernels_under_simulator():
     if kcuda.available():
         pytest.skip("the cudasim tests run in this process")
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-W",
-           "error", "-m", "cudasim", "-k", "not under_simulator"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        __file__,
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-W",
+        "error",
+        "-m",
+        "cudasim",
+        "-k",
+        "not under_simulator",
+    ]
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"cudasim run failed:\n{done.stdout[-4000:]}"
     assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], (
-        f"cudasim run did not run the kernels:\n{done.stdout[-2000:]}")
+        f"cudasim run did not run the kernels:\n{done.stdout[-2000:]}"
+    )

@@ -19,8 +19,11 @@ import refattn
 def test_softmax_shift_invariance(case, shift):
     x, where = case
     x = np.round(x * 2.0**10) / 2.0**10  # on a grid where adding integers is exact
-    assert_same_bits(refattn.softmax(x + shift, where=where, precision="exact"),
-                     refattn.softmax(x, where=where, precision="exact"), what="softmax")
+    assert_same_bits(
+        refattn.softmax(x + shift, where=where, precision="exact"),
+        refattn.softmax(x, where=where, precision="exact"),
+        what="softmax",
+    )
 
 
 @pytest.mark.parametrize("precision", ["float64", "exact"])

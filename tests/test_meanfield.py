@@ -71,11 +71,15 @@ def test_naive_step_exact_float32_half_ulp(rng):
     x = rng.standard_normal((3, 2))
     J = rng.standard_normal((3, 3, 2, 2))
     m = rng.standard_normal((3, 2))
-    out = naive_step(m.astype(np.float32), J.astype(np.float32), x.astype(np.float32),
-                     precision="exact", out_dtype=np.float32)
+    out = naive_step(
+        m.astype(np.float32),
+        J.astype(np.float32),
+        x.astype(np.float32),
+        precision="exact",
+        out_dtype=np.float32,
+    )
     assert out.dtype == np.float32
-    truth = exact_naive_step(m.astype(np.float32), J.astype(np.float32),
-                                 x.astype(np.float32))
+    truth = exact_naive_step(m.astype(np.float32), J.astype(np.float32), x.astype(np.float32))
     for (i, a), value in np.ndenumerate(out):
         error = abs(Fraction(float(value)) - truth[i][a])
         half = Fraction(float(ulp(float(truth[i][a]), "float32"))) / 2
@@ -130,8 +134,7 @@ def test_softmax_attention_plus_residual_is_one_naive_step(rng):
     J_exact = np.einsum("ij,ba->ijab", exact_weights, WV)
     exact_step = naive_step(X, J_exact, X, precision="exact")
     exact_attn = attention(X @ WQ, X @ WK, X @ WV, precision="exact")
-    bound = gamma(1) * exact_weights @ value_size + gamma(3) * (nat + np.abs(X)) \
-        + gamma(d) * nat
+    bound = gamma(1) * exact_weights @ value_size + gamma(3) * (nat + np.abs(X)) + gamma(d) * nat
     assert_within(exact_step, exact_attn + X, bound, what="exact attention + X vs exact naive_step")
 
 
@@ -161,8 +164,9 @@ def test_naive_step_bad_dtype_and_nonfinite_exact():
     with pytest.raises(TypeError, match="J: expected a float array"):
         naive_step(np.zeros((2, 1)), np.zeros((2, 2, 1, 1), dtype=int), np.zeros((2, 1)))
     with pytest.raises(ValueError, match="finite"):
-        naive_step(np.full((2, 1), np.inf), np.zeros((2, 2, 1, 1)), np.zeros((2, 1)),
-                   precision="exact")
+        naive_step(
+            np.full((2, 1), np.inf), np.zeros((2, 2, 1, 1)), np.zeros((2, 1)), precision="exact"
+        )
 
 
 # ----------------------------------------------------------------------------- adaptive TAP
@@ -177,18 +181,24 @@ def _tap_means_bound(res, x, J, P):
     image = np.linalg.solve(P - V, (cavity + x)[..., None])[..., 0]
     Pbig = np.zeros((n * d, n * d))
     for i in range(n):
-        Pbig[i * d:(i + 1) * d, i * d:(i + 1) * d] = P[i]
+        Pbig[i * d : (i + 1) * d, i * d : (i + 1) * d] = P[i]
     Vbig = np.zeros_like(Pbig)
     for i in range(n):
-        Vbig[i * d:(i + 1) * d, i * d:(i + 1) * d] = V[i]
+        Vbig[i * d : (i + 1) * d, i * d : (i + 1) * d] = V[i]
     amplification = np.linalg.norm(np.linalg.solve(Pbig - _big(J), Pbig - Vbig), 2)
-    terms = np.einsum("ijab,jb->ia", np.abs(J), np.abs(m)) + np.einsum(
-        "iab,ib->ia", np.abs(V), np.abs(m)) + np.abs(x)
-    site = max(np.linalg.norm(np.linalg.inv(P[i] - V[i]), 2) * np.linalg.cond(P[i] - V[i])
-               for i in range(n))
+    terms = (
+        np.einsum("ijab,jb->ia", np.abs(J), np.abs(m))
+        + np.einsum("iab,ib->ia", np.abs(V), np.abs(m))
+        + np.abs(x)
+    )
+    site = max(
+        np.linalg.norm(np.linalg.inv(P[i] - V[i]), 2) * np.linalg.cond(P[i] - V[i])
+        for i in range(n)
+    )
     scale = site * np.linalg.norm(terms)
-    return fixed_point_forward_bound(np.linalg.norm(image - m), amplification, scale,
-                                     n * d + 2 * d + 2)
+    return fixed_point_forward_bound(
+        np.linalg.norm(image - m), amplification, scale, n * d + 2 * d + 2
+    )
 
 
 @pytest.mark.parametrize("response", ["site", "prior"])
@@ -203,12 +213,17 @@ def test_gaussian_prior_means_are_linear_solve(response, method, damping, case):
     truth = np.linalg.solve(np.eye(n * d) - _big(J), x.ravel()).reshape(n, d)
     solve_error = np.linalg.cond(np.eye(n * d) - _big(J)) * gamma(n * d) * np.linalg.norm(truth)
     P = np.broadcast_to(np.eye(d), (n, d, d))
-    assert_norm_within(res.means, truth, _tap_means_bound(res, x, J, P) + solve_error,
-                       what=f"{response}/{method} means vs (I - J)^-1 x")
+    assert_norm_within(
+        res.means,
+        truth,
+        _tap_means_bound(res, x, J, P) + solve_error,
+        what=f"{response}/{method} means vs (I - J)^-1 x",
+    )
 
 
 @pytest.mark.parametrize(
-    "prior", [2.0, np.array([1.5, 3.0]), np.array([[2.0, 0.5], [0.5, 1.0]]), "per-site"])
+    "prior", [2.0, np.array([1.5, 3.0]), np.array([[2.0, 0.5], [0.5, 1.0]]), "per-site"]
+)
 def test_prior_precision_forms(rng, prior):
     n, d = 3, 2
     J = _couplings(rng, n, d, 0.5)
@@ -216,16 +231,21 @@ def test_prior_precision_forms(rng, prior):
     if isinstance(prior, str):
         A = rng.standard_normal((n, d, d))
         prior = np.einsum("iab,icb->iac", A, A) + np.eye(d)
-    P = np.broadcast_to(np.diag(prior) if np.ndim(prior) == 1 else
-                        (prior * np.eye(d) if np.ndim(prior) == 0 else prior), (n, d, d))
+    P = np.broadcast_to(
+        np.diag(prior)
+        if np.ndim(prior) == 1
+        else (prior * np.eye(d) if np.ndim(prior) == 0 else prior),
+        (n, d, d),
+    )
     res = adaptive_tap(x, J, prior_precision=prior)
     Pbig = np.zeros((n * d, n * d))
     for i in range(n):
-        Pbig[i * d:(i + 1) * d, i * d:(i + 1) * d] = P[i]
+        Pbig[i * d : (i + 1) * d, i * d : (i + 1) * d] = P[i]
     truth = np.linalg.solve(Pbig - _big(J), x.ravel()).reshape(n, d)
     solve_error = np.linalg.cond(Pbig - _big(J)) * gamma(n * d) * np.linalg.norm(truth)
-    assert_norm_within(res.means, truth, _tap_means_bound(res, x, J, P) + solve_error,
-                       what="means vs (P - J)^-1 x")
+    assert_norm_within(
+        res.means, truth, _tap_means_bound(res, x, J, P) + solve_error, what="means vs (P - J)^-1 x"
+    )
 
 
 def test_site_reading_gives_exact_gaussian_marginals(rng):
@@ -236,8 +256,8 @@ def test_site_reading_gives_exact_gaussian_marginals(rng):
     chi = np.linalg.inv(np.eye(n * d) - _big(J))
     cond = np.linalg.cond(np.eye(n * d) - _big(J))
     for i in range(n):
-        block = chi[i * d:(i + 1) * d, i * d:(i + 1) * d]
-        bound = cond ** 2 * gamma(4 * n * d) * np.abs(block).max()
+        block = chi[i * d : (i + 1) * d, i * d : (i + 1) * d]
+        bound = cond**2 * gamma(4 * n * d) * np.abs(block).max()
         assert_within(res.chi_diag[i], block, bound, what=f"chi_ii site {i}")
         site_variance = np.linalg.inv(np.eye(d) - res.cavity_var[i])
         assert_within(site_variance, block, bound, what=f"(Sigma^-1 - V_i)^-1 site {i}")
@@ -251,9 +271,12 @@ def test_prior_reading_pins_chi_ii_to_the_prior_covariance(rng):
     res = adaptive_tap(x, J, prior_precision=P, response="prior", tol=1e-14)
     cond = np.linalg.cond(np.eye(n * d) - _big(J))
     for i in range(n):
-        assert_within(res.chi_diag[i], np.linalg.inv(P),
-                      cond ** 2 * gamma(4 * n * d) * np.abs(np.linalg.inv(P)).max(),
-                      what=f"chi_ii site {i} vs Sigma")
+        assert_within(
+            res.chi_diag[i],
+            np.linalg.inv(P),
+            cond**2 * gamma(4 * n * d) * np.abs(np.linalg.inv(P)).max(),
+            what=f"chi_ii site {i} vs Sigma",
+        )
 
 
 def test_adaptive_tap_exact_against_mpmath(rng):
@@ -265,23 +288,41 @@ def test_adaptive_tap_exact_against_mpmath(rng):
     Pbig = np.kron(np.eye(n), P)
     chi = mp_inverse(Pbig, _big(J))
     with mpmath.workdps(DPS):
-        means = np.array([chi.dot(np.array([mpmath.mpf(float(v)) for v in xb.ravel()],
-                                           dtype=object)) for xb in x], dtype=object)
-        blocks = [chi[i * d:(i + 1) * d, i * d:(i + 1) * d] for i in range(n)]
-        cavity = [np.array((mpmath.matrix(P.tolist()) - mpmath.matrix(b.tolist()) ** -1)
-                           .tolist(), dtype=object) for b in blocks]
+        means = np.array(
+            [
+                chi.dot(np.array([mpmath.mpf(float(v)) for v in xb.ravel()], dtype=object))
+                for xb in x
+            ],
+            dtype=object,
+        )
+        blocks = [chi[i * d : (i + 1) * d, i * d : (i + 1) * d] for i in range(n)]
+        cavity = [
+            np.array(
+                (mpmath.matrix(P.tolist()) - mpmath.matrix(b.tolist()) ** -1).tolist(), dtype=object
+            )
+            for b in blocks
+        ]
     assert_same_bits(res.means, _nearest_float64(means.reshape(2, n, d)), what="exact means")
     for i in range(n):
         assert_same_bits(res.chi_diag[1, i], _nearest_float64(blocks[i]), what=f"exact chi_ii {i}")
         assert_same_bits(res.cavity_var[0, i], _nearest_float64(cavity[i]), what=f"exact V_{i}")
     assert res.converged.all() and res.precision == "exact" and res.residuals.shape == (2, 0)
     float_res = adaptive_tap(x, J, prior_precision=P)
-    bound = max(_tap_means_bound(
-        type("R", (), {"means": float_res.means[b], "cavity_var": float_res.cavity_var[b]}),
-        x[b], J, np.broadcast_to(P, (n, d, d))) for b in range(2))
-    assert_norm_within(float_res.means, res.means,
-                       bound * np.sqrt(2) + gamma(1) * np.linalg.norm(res.means),
-                       what="float64 vs exact means")
+    bound = max(
+        _tap_means_bound(
+            type("R", (), {"means": float_res.means[b], "cavity_var": float_res.cavity_var[b]}),
+            x[b],
+            J,
+            np.broadcast_to(P, (n, d, d)),
+        )
+        for b in range(2)
+    )
+    assert_norm_within(
+        float_res.means,
+        res.means,
+        bound * np.sqrt(2) + gamma(1) * np.linalg.norm(res.means),
+        what="float64 vs exact means",
+    )
 
 
 def test_adaptive_tap_prior_reading_exact_against_mpmath(rng):
@@ -301,25 +342,34 @@ def test_adaptive_tap_prior_reading_exact_against_mpmath(rng):
                     for b in range(d):
                         V[i * d + a, i * d + b] = v[i * d * d + a * d + b]
             chi = (Pm + V - Jm) ** -1
-            return [chi[i * d + a, i * d + b] - sigma[a, b]
-                    for i in range(n) for a in range(d) for b in range(d)]
+            return [
+                chi[i * d + a, i * d + b] - sigma[a, b]
+                for i in range(n)
+                for a in range(d)
+                for b in range(d)
+            ]
 
-        root = mpmath.findroot(equations, [mpmath.mpf(float(v)) for v in
-                                           res.cavity_var[0].ravel()],
-                               tol=mpmath.mpf(10) ** (-2 * DPS + 10))
+        root = mpmath.findroot(
+            equations,
+            [mpmath.mpf(float(v)) for v in res.cavity_var[0].ravel()],
+            tol=mpmath.mpf(10) ** (-2 * DPS + 10),
+        )
         V = np.array([root[k] for k in range(n * d * d)], dtype=object).reshape(n, d, d)
         sigma = np.array(sigma.tolist(), dtype=object)
     means = mp_solve(np.kron(np.eye(n), P), _big(J), x[1].ravel()).reshape(n, d)
     for b in range(2):
-        assert_same_bits(res.cavity_var[b], _nearest_float64(V),
-                         what=f"prior-reading V, sample {b}")
+        assert_same_bits(
+            res.cavity_var[b], _nearest_float64(V), what=f"prior-reading V, sample {b}"
+        )
         for i in range(n):
-            assert_same_bits(res.chi_diag[b, i], _nearest_float64(sigma),
-                             what=f"prior-reading chi_ii = Sigma, site {i}")
+            assert_same_bits(
+                res.chi_diag[b, i],
+                _nearest_float64(sigma),
+                what=f"prior-reading chi_ii = Sigma, site {i}",
+            )
     assert_same_bits(res.means[1], _nearest_float64(means), what="prior-reading means")
     with pytest.raises(ValueError, match="N d <= 12"):
-        adaptive_tap(np.zeros((7, 2)), np.zeros((7, 7, 2, 2)), response="prior",
-                     precision="exact")
+        adaptive_tap(np.zeros((7, 2)), np.zeros((7, 7, 2, 2)), response="prior", precision="exact")
 
 
 def test_adaptive_tap_exact_out_dtype_float32(rng):
@@ -330,9 +380,12 @@ def test_adaptive_tap_exact_out_dtype_float32(rng):
     wide = adaptive_tap(x, J, precision="exact")
     assert res.means.dtype == np.float32 and res.cavity_var.dtype == np.float32
     # rounding the float64 result again may differ from one rounding only within half an ulp
-    assert_within(res.means, wide.means,
-                  ulp(wide.means, "float32") / 2 + ulp(wide.means, "float64"),
-                  what="float32 exact means")
+    assert_within(
+        res.means,
+        wide.means,
+        ulp(wide.means, "float32") / 2 + ulp(wide.means, "float64"),
+        what="float32 exact means",
+    )
 
 
 def test_adaptive_tap_batch_samples_are_independent(rng):
@@ -362,8 +415,9 @@ def test_undamped_picard_on_tap_can_diverge_where_damping_converges(rng):
     solve_error = np.linalg.cond(np.eye(n * d) - _big(J)) * gamma(n * d) * np.linalg.norm(truth)
     P = np.broadcast_to(np.eye(d), (n, d, d))
     for name, res in (("damped picard", damped), ("anderson", anderson)):
-        assert_norm_within(res.means, truth, _tap_means_bound(res, x, J, P) + solve_error,
-                           what=name)
+        assert_norm_within(
+            res.means, truth, _tap_means_bound(res, x, J, P) + solve_error, what=name
+        )
 
 
 def test_adaptive_tap_nonconvergence_reports_residual(rng):
@@ -446,8 +500,13 @@ def test_ising_float64_close_to_exact(ising_case):
         z = np.concatenate([approx.means[b], approx.cavity_var[b]])
         truth = np.concatenate([exact.means[b], exact.cavity_var[b]])
         eye = np.eye(len(z))
-        jacobian = np.stack([(_ising_map(z + eps * e, J, x[b]) - _ising_map(z - eps * e, J,
-                             x[b])) / (2 * eps) for e in eye], axis=1)
+        jacobian = np.stack(
+            [
+                (_ising_map(z + eps * e, J, x[b]) - _ising_map(z - eps * e, J, x[b])) / (2 * eps)
+                for e in eye
+            ],
+            axis=1,
+        )
         # z - z* = (I - Phi')^{-1} (z - Phi(z)) to first order; the factor 2 covers the
         # second-order remainder at residuals of 1e-10
         amplification = 2 * np.linalg.norm(np.linalg.inv(eye - jacobian), 2)
@@ -455,10 +514,13 @@ def test_ising_float64_close_to_exact(ising_case):
         n = len(x[b])
         lam = z[n:] + np.cosh(J @ z[:n] - z[n:] * z[:n] + x[b]) ** 2
         scale = np.linalg.norm(image) * np.linalg.cond(np.diag(lam) - J)
-        bound = fixed_point_forward_bound(np.linalg.norm(image - z), amplification, scale,
-                                          4 * n ** 2)
-        assert_norm_within(z, truth, bound + gamma(1) * np.linalg.norm(truth),
-                           what=f"ising float64 (m, V) sample {b}")
+        bound = fixed_point_forward_bound(np.linalg.norm(image - z), amplification, scale, 4 * n**2)
+        assert_norm_within(
+            z,
+            truth,
+            bound + gamma(1) * np.linalg.norm(truth),
+            what=f"ising float64 (m, V) sample {b}",
+        )
 
 
 def test_ising_uncoupled_is_tanh(rng):
@@ -468,9 +530,11 @@ def test_ising_uncoupled_is_tanh(rng):
     with mpmath.workdps(DPS):
         tanh = np.array([mpmath.tanh(mpmath.mpf(float(v))) for v in x], dtype=object)
         assert_same_bits(res.means, _nearest_float64(tanh), what="uncoupled means")
-        assert_same_bits(res.chi_diag,
-                         _nearest_float64(np.array([1 - t ** 2 for t in tanh], dtype=object)),
-                         what="uncoupled chi")
+        assert_same_bits(
+            res.chi_diag,
+            _nearest_float64(np.array([1 - t**2 for t in tanh], dtype=object)),
+            what="uncoupled chi",
+        )
     assert np.array_equal(res.cavity_var, np.zeros(3))  # isolated sites: V_i = 0 exactly
     approx = ising_tap(x, J)
     assert_within(approx.means, np.tanh(x), gamma(4) * np.abs(np.tanh(x)), what="uncoupled float64")
@@ -503,17 +567,21 @@ def test_deq_without_correction_is_linear_solve(rng):
     exact = deq_attention(x, J, precision="exact")
     for b in range(3):
         truth = mp_solve(np.eye(n * d), _big(J), x[b].ravel())
-        assert_same_bits(exact.means[b], _nearest_float64(truth.reshape(n, d)),
-                         what=f"deq exact sample {b}")
+        assert_same_bits(
+            exact.means[b], _nearest_float64(truth.reshape(n, d)), what=f"deq exact sample {b}"
+        )
         A = _big(J)
-        residual = np.linalg.norm(A @ res.means[b].ravel() + x[b].ravel()
-                                  - res.means[b].ravel())
+        residual = np.linalg.norm(A @ res.means[b].ravel() + x[b].ravel() - res.means[b].ravel())
         scale = np.linalg.norm(np.abs(A) @ np.abs(res.means[b].ravel()) + np.abs(x[b].ravel()))
-        bound = fixed_point_forward_bound(residual, np.linalg.norm(np.linalg.inv(
-            np.eye(n * d) - A), 2), scale, n * d + 1)
-        assert_norm_within(res.means[b], exact.means[b],
-                           bound + gamma(1) * np.linalg.norm(exact.means[b]),
-                           what=f"deq float64 sample {b}")
+        bound = fixed_point_forward_bound(
+            residual, np.linalg.norm(np.linalg.inv(np.eye(n * d) - A), 2), scale, n * d + 1
+        )
+        assert_norm_within(
+            res.means[b],
+            exact.means[b],
+            bound + gamma(1) * np.linalg.norm(exact.means[b]),
+            what=f"deq float64 sample {b}",
+        )
 
 
 @given(case=weak_vector_couplings(strength=0.9))
@@ -528,8 +596,9 @@ def test_deq_fixed_point_property(case):
     scale = np.linalg.norm(np.abs(_big(J)) @ np.abs(z) + 0.25 * np.abs(z) + np.abs(x.ravel()))
     truth = np.linalg.solve(np.eye(n * d) - A, x.ravel())
     solve_error = np.linalg.cond(np.eye(n * d) - A) * gamma(n * d) * np.linalg.norm(truth)
-    bound = fixed_point_forward_bound(residual, np.linalg.norm(np.linalg.inv(np.eye(n * d) - A),
-                                                               2), scale, n * d + 2)
+    bound = fixed_point_forward_bound(
+        residual, np.linalg.norm(np.linalg.inv(np.eye(n * d) - A), 2), scale, n * d + 2
+    )
     assert_norm_within(z, truth, bound + solve_error, what="deq linear correction")
 
 
@@ -547,29 +616,46 @@ def test_deq_with_corrections_exact_against_mpmath(rng):
     x = rng.standard_normal((n, d))
     linear = deq_attention(x, J, lambda z: z * 0.25, precision="exact", lipschitz=0.25)
     truth = mp_solve(1.25 * np.eye(n * d), _big(J), x.ravel())
-    assert_same_bits(linear.means, _nearest_float64(truth.reshape(n, d)),
-                     what="deq linear correction")
+    assert_same_bits(
+        linear.means, _nearest_float64(truth.reshape(n, d)), what="deq linear correction"
+    )
     res = deq_attention(x, J, _half_tanh, precision="exact", lipschitz=0.5)
     with mpmath.workdps(DPS):
         A = mpmath.matrix(_big(J).tolist())
         xs = [mpmath.mpf(float(v)) for v in x.ravel()]
 
         def equations(*z):
-            return [mpmath.fsum(A[i, j] * z[j] for j in range(n * d)) - mpmath.tanh(z[i]) / 2
-                    + xs[i] - z[i] for i in range(n * d)]
+            return [
+                mpmath.fsum(A[i, j] * z[j] for j in range(n * d))
+                - mpmath.tanh(z[i]) / 2
+                + xs[i]
+                - z[i]
+                for i in range(n * d)
+            ]
 
-        root = mpmath.findroot(equations, [mpmath.mpf(float(v)) for v in res.means.ravel()],
-                               tol=mpmath.mpf(10) ** (-2 * DPS + 10))
+        root = mpmath.findroot(
+            equations,
+            [mpmath.mpf(float(v)) for v in res.means.ravel()],
+            tol=mpmath.mpf(10) ** (-2 * DPS + 10),
+        )
         truth = np.array([root[i] for i in range(n * d)], dtype=object).reshape(n, d)
     assert_same_bits(res.means, _nearest_float64(truth), what="deq tanh correction")
     approx = deq_attention(x, J, _half_tanh)
     image = np.einsum("ijab,jb->ia", J, approx.means) - _half_tanh(approx.means) + x
-    scale = np.linalg.norm(np.einsum("ijab,jb->ia", np.abs(J), np.abs(approx.means))
-                           + np.abs(_half_tanh(approx.means)) + np.abs(x))
-    bound = fixed_point_forward_bound(np.linalg.norm(image - approx.means), 1 / (1 - 0.9),
-                                      scale * np.sqrt(n * d), n * d + 3)
-    assert_norm_within(approx.means, res.means, bound + gamma(1) * np.linalg.norm(res.means),
-                       what="deq tanh float64")
+    scale = np.linalg.norm(
+        np.einsum("ijab,jb->ia", np.abs(J), np.abs(approx.means))
+        + np.abs(_half_tanh(approx.means))
+        + np.abs(x)
+    )
+    bound = fixed_point_forward_bound(
+        np.linalg.norm(image - approx.means), 1 / (1 - 0.9), scale * np.sqrt(n * d), n * d + 3
+    )
+    assert_norm_within(
+        approx.means,
+        res.means,
+        bound + gamma(1) * np.linalg.norm(res.means),
+        what="deq tanh float64",
+    )
 
 
 def test_deq_softmax_couplings_keep_the_diagonal(rng):
@@ -583,16 +669,21 @@ def test_deq_softmax_couplings_keep_the_diagonal(rng):
     res = deq_attention(X, J, diagonal="keep")
     exact = deq_attention(X, J, diagonal="keep", precision="exact")
     truth = mp_solve(np.eye(N * d), _big(J), X.ravel())
-    assert_same_bits(exact.means, _nearest_float64(truth.reshape(N, d)),
-                     what="deq softmax couplings")
+    assert_same_bits(
+        exact.means, _nearest_float64(truth.reshape(N, d)), what="deq softmax couplings"
+    )
     amplification = np.linalg.norm(np.linalg.inv(np.eye(N * d) - _big(J)), 2)
     image = np.einsum("ijab,jb->ia", J, res.means) + X
     scale = np.linalg.norm(np.einsum("ijab,jb->ia", np.abs(J), np.abs(res.means)) + np.abs(X))
-    assert_norm_within(res.means, exact.means,
-                       fixed_point_forward_bound(np.linalg.norm(image - res.means),
-                                                 amplification, scale, N * d + 1)
-                       + gamma(1) * np.linalg.norm(exact.means),
-                       what="deq softmax float64")
+    assert_norm_within(
+        res.means,
+        exact.means,
+        fixed_point_forward_bound(
+            np.linalg.norm(image - res.means), amplification, scale, N * d + 1
+        )
+        + gamma(1) * np.linalg.norm(exact.means),
+        what="deq softmax float64",
+    )
 
 
 def test_deq_per_sample_iterations_and_z0(rng):
@@ -630,9 +721,12 @@ def test_exact_paths_at_the_documented_sizes(rng):
     exact = adaptive_tap(x, J, precision="exact")
     approx = adaptive_tap(x, J)
     P = np.broadcast_to(np.eye(d), (n, d, d))
-    assert_norm_within(approx.means, exact.means,
-                       _tap_means_bound(approx, x, J, P) + gamma(1) * np.linalg.norm(exact.means),
-                       what="N=8 d=4 adaptive TAP")
+    assert_norm_within(
+        approx.means,
+        exact.means,
+        _tap_means_bound(approx, x, J, P) + gamma(1) * np.linalg.norm(exact.means),
+        what="N=8 d=4 adaptive TAP",
+    )
     deq = deq_attention(x, J, precision="exact")
     assert np.array_equal(deq.means, exact.means)  # both are (I - J)^{-1} x rounded once
     spins = rng.standard_normal((n, n)) / np.sqrt(n) * 0.5

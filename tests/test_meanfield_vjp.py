@@ -73,8 +73,12 @@ def _richardson(loss, x, J, free_J):
     theta = np.concatenate([x.ravel(), J.ravel()])
     free = np.concatenate([np.ones(x.size, bool), free_J.ravel()])
     grad, error = richardson_gradient(loss, theta, free, DPS)
-    return (grad[:x.size].reshape(x.shape), error[:x.size].reshape(x.shape),
-            grad[x.size:].reshape(J.shape), error[x.size:].reshape(J.shape))
+    return (
+        grad[: x.size].reshape(x.shape),
+        error[: x.size].reshape(x.shape),
+        grad[x.size :].reshape(J.shape),
+        error[x.size :].reshape(J.shape),
+    )
 
 
 @pytest.fixture
@@ -94,8 +98,9 @@ def test_adaptive_tap_vjp_exact_against_richardson(rng, response):
     P = np.diag([1.5, 0.75]).astype(float)
     grads = adaptive_tap_vjp(x, J, g, prior_precision=P, response=response, precision="exact")
     Pbig = np.kron(np.eye(n), P).tolist()
-    dx, ex, dJ, eJ = _richardson(linear_means_loss((n, d), J.shape, Pbig, g), x, J,
-                                 _off_diagonal(J.shape))
+    dx, ex, dJ, eJ = _richardson(
+        linear_means_loss((n, d), J.shape, Pbig, g), x, J, _off_diagonal(J.shape)
+    )
     assert_rounds_to(grads.dx, dx, ex, what="adaptive_tap_vjp dx")
     assert_rounds_to(grads.dJ, dJ, eJ, what="adaptive_tap_vjp dJ")
 
@@ -109,13 +114,22 @@ def _linear_vjp_bounds(x, J, P, g, dx_exact, dJ_exact):
     u = dx_exact.ravel()
     size = A.shape[0]
     m_error = fixed_point_forward_bound(
-        np.linalg.norm(A @ m - x.ravel()), inverse_norm,
-        np.linalg.norm(np.abs(A) @ np.abs(m) + np.abs(x.ravel())), size + 1)
+        np.linalg.norm(A @ m - x.ravel()),
+        inverse_norm,
+        np.linalg.norm(np.abs(A) @ np.abs(m) + np.abs(x.ravel())),
+        size + 1,
+    )
     u_error = implicit_vjp_bound(
-        np.linalg.norm(A.T @ u - g.ravel()), inverse_norm,
-        np.linalg.norm(np.abs(A.T) @ np.abs(u) + np.abs(g.ravel())), size + 1)
-    dJ_error = u_error * (np.linalg.norm(m) + m_error) + np.linalg.norm(u) * m_error \
+        np.linalg.norm(A.T @ u - g.ravel()),
+        inverse_norm,
+        np.linalg.norm(np.abs(A.T) @ np.abs(u) + np.abs(g.ravel())),
+        size + 1,
+    )
+    dJ_error = (
+        u_error * (np.linalg.norm(m) + m_error)
+        + np.linalg.norm(u) * m_error
         + gamma(1) * np.linalg.norm(dJ_exact)
+    )
     return u_error + gamma(1) * np.linalg.norm(u), dJ_error
 
 
@@ -140,9 +154,13 @@ def test_adaptive_tap_vjp_batched_sums_shared_couplings(rng):
     assert grads.dx.shape == x.shape and grads.dJ.shape == J.shape
 
     def loss(flat):  # sum over the batch of the per-sample losses, J shared
-        xs, Js = flat[:x.size], flat[x.size:]
-        return sum(linear_means_loss((n, d), J.shape, np.eye(n * d).tolist(), g[b])(
-            list(xs[b * n * d:(b + 1) * n * d]) + list(Js)) for b in range(2))
+        xs, Js = flat[: x.size], flat[x.size :]
+        return sum(
+            linear_means_loss((n, d), J.shape, np.eye(n * d).tolist(), g[b])(
+                list(xs[b * n * d : (b + 1) * n * d]) + list(Js)
+            )
+            for b in range(2)
+        )
 
     dx, ex, dJ, eJ = _richardson(loss, x, J, _off_diagonal(J.shape))
     assert_rounds_to(grads.dx, dx, ex, what="batched dx")
@@ -159,8 +177,9 @@ def test_deq_vjp_linear_exact_against_richardson(rng, diagonal):
     g = rng.standard_normal((n, d))
     grads = deq_attention_vjp(x, J, g, diagonal=diagonal, precision="exact")
     free = np.ones(J.shape, bool) if diagonal == "keep" else _off_diagonal(J.shape)
-    dx, ex, dJ, eJ = _richardson(linear_means_loss((n, d), J.shape, np.eye(n * d).tolist(), g),
-                                 x, J, free)
+    dx, ex, dJ, eJ = _richardson(
+        linear_means_loss((n, d), J.shape, np.eye(n * d).tolist(), g), x, J, free
+    )
     assert_rounds_to(grads.dx, dx, ex, what="deq_attention_vjp dx")
     assert_rounds_to(grads.dJ, dJ, eJ, what="deq_attention_vjp dJ")
     approx = deq_attention_vjp(x, J, g, diagonal=diagonal)
@@ -188,8 +207,15 @@ def test_deq_vjp_with_correction_exact_against_richardson(rng):
     x = rng.standard_normal((n, d))
     J = _couplings(rng, n, d, 0.4)
     g = rng.standard_normal((n, d))
-    grads = deq_attention_vjp(x, J, g, correction=_half_tanh, correction_vjp=_half_tanh_vjp,
-                              lipschitz=0.5, precision="exact")
+    grads = deq_attention_vjp(
+        x,
+        J,
+        g,
+        correction=_half_tanh,
+        correction_vjp=_half_tanh_vjp,
+        lipschitz=0.5,
+        precision="exact",
+    )
     z0 = deq_attention(x, J, _half_tanh).means
     loss = deq_loss((n, d), J.shape, g, lambda v: mpmath.tanh(v) / 2, z0)
     dx, ex, dJ, eJ = _richardson(loss, x, J, _off_diagonal(J.shape))
@@ -210,8 +236,9 @@ def test_ising_vjp_exact_against_richardson(ising_case):
     x, J, g = ising_case
     grads = ising_tap_vjp(x, J, g, precision="exact")
     res = ising_tap(x, J)
-    dx, ex, dJ, eJ = _richardson(ising_loss(len(x), g, res.means, res.cavity_var), x, J,
-                                 _off_diagonal(J.shape))
+    dx, ex, dJ, eJ = _richardson(
+        ising_loss(len(x), g, res.means, res.cavity_var), x, J, _off_diagonal(J.shape)
+    )
     assert_rounds_to(grads.dx, dx, ex, what="ising_tap_vjp dx")
     assert_rounds_to(grads.dJ, dJ, eJ, what="ising_tap_vjp dJ")
 
@@ -225,10 +252,18 @@ def test_ising_vjp_zero_field_has_exactly_zero_coupling_gradient(ising_case):
     lam = res.cavity_var + 1.0
     u = np.linalg.solve((np.eye(len(g)) - J + np.diag(lam - 1)).T, g)
     A = (np.eye(len(g)) - J + np.diag(lam - 1)).T
-    bound = implicit_vjp_bound(np.linalg.norm(A @ u - g), np.linalg.norm(np.linalg.inv(A), 2),
-                               np.linalg.norm(np.abs(A) @ np.abs(u) + np.abs(g)), len(g) + 2)
-    assert_norm_within(u, grads.dx, bound + gamma(1) * np.linalg.norm(u),
-                       what="zero-field dx against the linearised solve")
+    bound = implicit_vjp_bound(
+        np.linalg.norm(A @ u - g),
+        np.linalg.norm(np.linalg.inv(A), 2),
+        np.linalg.norm(np.abs(A) @ np.abs(u) + np.abs(g)),
+        len(g) + 2,
+    )
+    assert_norm_within(
+        u,
+        grads.dx,
+        bound + gamma(1) * np.linalg.norm(u),
+        what="zero-field dx against the linearised solve",
+    )
 
 
 def test_vjp_shapes_and_bad_input(rng):
@@ -249,10 +284,10 @@ def test_deq_vjp_reports_nonconvergence_like_the_forward(rng):
     n, d = 3, 2
     x, J, g = rng.standard_normal((n, d)), _couplings(rng, n, d, 0.4), rng.standard_normal((n, d))
     with pytest.raises(NotConvergedError):
-        deq_attention_vjp(x, J, g, correction=_half_tanh, correction_vjp=_half_tanh_vjp,
-                          max_iter=1)
-    grads = deq_attention_vjp(x, J, g, correction=_half_tanh, correction_vjp=_half_tanh_vjp,
-                              max_iter=1, on_fail="return")
+        deq_attention_vjp(x, J, g, correction=_half_tanh, correction_vjp=_half_tanh_vjp, max_iter=1)
+    grads = deq_attention_vjp(
+        x, J, g, correction=_half_tanh, correction_vjp=_half_tanh_vjp, max_iter=1, on_fail="return"
+    )
     assert grads.dx.shape == x.shape
 
 
@@ -265,8 +300,12 @@ def test_ising_vjp_batched_shared_couplings_sum_the_samples(ising_case):
     assert_same_bits(exact.dx, np.stack([p.dx for p in parts]), what="batched ising dx")
     # the rounded total is within one rounding of the sum of the two rounded halves each
     halves = parts[0].dJ + parts[1].dJ
-    assert_within(exact.dJ, halves, gamma(3) * (np.abs(parts[0].dJ) + np.abs(parts[1].dJ)),
-                  what="batched ising dJ")
+    assert_within(
+        exact.dJ,
+        halves,
+        gamma(3) * (np.abs(parts[0].dJ) + np.abs(parts[1].dJ)),
+        what="batched ising dJ",
+    )
 
 
 # ----------------------------------------------------------------------------- masks
@@ -286,8 +325,7 @@ def test_softmax_couplings_mask_exact_and_float64(coupling_case):
     allowed = mask & np.tril(np.ones((4, 4), bool))
     exact = softmax_couplings(x, W_Q, W_K, W_V, mask=mask, causal=True, precision="exact")
     with mpmath.workdps(DPS):
-        truth = np.vectorize(float, otypes=[float])(mp_softmax_couplings(x, W_Q, W_K, W_V,
-                                                                          allowed))
+        truth = np.vectorize(float, otypes=[float])(mp_softmax_couplings(x, W_Q, W_K, W_V, allowed))
     assert_same_bits(exact, truth, what="softmax_couplings exact")
     assert (exact[~allowed] == 0).all() and not np.signbit(exact[~allowed]).any()
     assert (exact[2] == 0).all(), "a site with no allowed partner has no couplings"
@@ -312,8 +350,9 @@ def test_masked_softmax_couplings_deq_vjp(coupling_case):
     grads = deq_attention_vjp(x, J, g, diagonal="keep", precision="exact")
     row = np.zeros(J.shape, bool)
     row[0] = True  # the couplings of site 0 (pair (0, 1) is excluded): keeps the test fast
-    dx, ex, dJ, eJ = _richardson(linear_means_loss(x.shape, J.shape,
-                                                   np.eye(x.size).tolist(), g), x, J, row)
+    dx, ex, dJ, eJ = _richardson(
+        linear_means_loss(x.shape, J.shape, np.eye(x.size).tolist(), g), x, J, row
+    )
     assert_rounds_to(grads.dx, dx, ex, what="masked deq dx")
     assert_rounds_to(grads.dJ[0], dJ[0], eJ[0], what="masked deq dJ (site 0)")
     assert J[0, 1].max() == 0 and grads.dJ[0, 1].any(), "an excluded pair still has a gradient"
@@ -330,17 +369,22 @@ def test_softmax_couplings_vjp_exact_against_richardson(rng):
     sizes = np.cumsum([0] + [a.size for a in arrays])
 
     def loss(flat):
-        parts = [np.array(flat[sizes[m]:sizes[m + 1]], dtype=object).reshape(a.shape)
-                 for m, a in enumerate(arrays)]
+        parts = [
+            np.array(flat[sizes[m] : sizes[m + 1]], dtype=object).reshape(a.shape)
+            for m, a in enumerate(arrays)
+        ]
         J = mp_softmax_couplings(*parts, mask)
         return mpmath.fsum(float(gk) * jk for gk, jk in zip(G.ravel(), J.ravel(), strict=True))
 
-    grad, error = richardson_gradient(loss, np.concatenate([a.ravel() for a in arrays]), True,
-                                      DPS)
+    grad, error = richardson_gradient(loss, np.concatenate([a.ravel() for a in arrays]), True, DPS)
     for m, (name, value) in enumerate(zip(grads._fields, grads, strict=True)):
         part = slice(sizes[m], sizes[m + 1])
-        assert_rounds_to(value, grad[part].reshape(value.shape),
-                         error[part].reshape(value.shape), what=f"softmax_couplings_vjp {name}")
+        assert_rounds_to(
+            value,
+            grad[part].reshape(value.shape),
+            error[part].reshape(value.shape),
+            what=f"softmax_couplings_vjp {name}",
+        )
     approx = softmax_couplings_vjp(x, W_Q, W_K, W_V, G, mask=mask)
     # no a-priori bound yet: the first-order estimate gamma(n) max|gradient|, n the number of
     # differentiated scalars (as the transformer pieces without a bound)
@@ -397,18 +441,28 @@ def _torch_reference(update, state, params, g_state, truth_state):
     u_bound = implicit_vjp_bound(
         float(torch.linalg.norm(A.T @ u - gvec)),
         float(torch.linalg.matrix_norm(torch.linalg.inv(A.detach()), 2)),
-        float(torch.linalg.norm(A.abs().T @ u.abs() + gvec.abs())), size + 1)
+        float(torch.linalg.norm(A.abs().T @ u.abs() + gvec.abs())),
+        size + 1,
+    )
     jac_params = torch.autograd.functional.jacobian(
-        lambda *ps: update(state.detach(), *ps), tuple(p.detach() for p in params))
-    params_norm = float(torch.linalg.matrix_norm(
-        torch.cat([j.reshape(size, -1) for j in jac_params], dim=1), 2))
-    sensitivity = float(torch.linalg.matrix_norm(torch.autograd.functional.jacobian(
-        lambda s: gradient(s)[0], state.detach()).reshape(flat.numel(), size), 2))
-    state_error = float(np.linalg.norm(state.detach().numpy().ravel() - truth_state.ravel())) \
-        + gamma(1) * np.linalg.norm(truth_state)
+        lambda *ps: update(state.detach(), *ps), tuple(p.detach() for p in params)
+    )
+    params_norm = float(
+        torch.linalg.matrix_norm(torch.cat([j.reshape(size, -1) for j in jac_params], dim=1), 2)
+    )
+    sensitivity = float(
+        torch.linalg.matrix_norm(
+            torch.autograd.functional.jacobian(lambda s: gradient(s)[0], state.detach()).reshape(
+                flat.numel(), size
+            ),
+            2,
+        )
+    )
+    state_error = float(
+        np.linalg.norm(state.detach().numpy().ravel() - truth_state.ravel())
+    ) + gamma(1) * np.linalg.norm(truth_state)
     value = flat.detach().numpy()
-    bound = params_norm * u_bound + sensitivity * state_error \
-        + gamma(size) * np.linalg.norm(value)
+    bound = params_norm * u_bound + sensitivity * state_error + gamma(size) * np.linalg.norm(value)
     return value, bound, sensitivity, params_norm
 
 
@@ -422,8 +476,9 @@ def _flat(grads):
 def _float64_bound(sensitivity, solve_term, state, truth_state, value):
     """First-order bound of a float64 path with its own state and adjoint error
     ``solve_term``: torch's sensitivity of the gradient to the state."""
-    state_error = np.linalg.norm(np.ravel(state) - np.ravel(truth_state)) \
-        + gamma(1) * np.linalg.norm(truth_state)
+    state_error = np.linalg.norm(np.ravel(state) - np.ravel(truth_state)) + gamma(
+        1
+    ) * np.linalg.norm(truth_state)
     return solve_term + sensitivity * state_error + gamma(len(value)) * np.linalg.norm(value)
 
 
@@ -438,25 +493,44 @@ def test_deq_vjp_matches_torch_autograd(rng):
 
     z = _torch_fixed_point(update, torch.zeros(n, d, dtype=torch.float64))
     truth_z = deq_attention(x, J, _half_tanh, lipschitz=0.5, precision="exact").means
-    value, bound, sensitivity, params_norm = _torch_reference(update, z, [xt, Jt],
-                                                              torch.tensor(g), truth_z)
-    exact = _flat(deq_attention_vjp(x, J, g, correction=_half_tanh,
-                                    correction_vjp=_half_tanh_vjp, lipschitz=0.5,
-                                    precision="exact"))
-    assert_norm_within(_flat((value[:n * d].reshape(n, d), value[n * d:].reshape(J.shape))),
-                       exact, bound, what="torch deq (dx, dJ)")
-    approx = _flat(deq_attention_vjp(x, J, g, correction=_half_tanh,
-                                     correction_vjp=_half_tanh_vjp))
+    value, bound, sensitivity, params_norm = _torch_reference(
+        update, z, [xt, Jt], torch.tensor(g), truth_z
+    )
+    exact = _flat(
+        deq_attention_vjp(
+            x,
+            J,
+            g,
+            correction=_half_tanh,
+            correction_vjp=_half_tanh_vjp,
+            lipschitz=0.5,
+            precision="exact",
+        )
+    )
+    assert_norm_within(
+        _flat((value[: n * d].reshape(n, d), value[n * d :].reshape(J.shape))),
+        exact,
+        bound,
+        what="torch deq (dx, dJ)",
+    )
+    approx = _flat(deq_attention_vjp(x, J, g, correction=_half_tanh, correction_vjp=_half_tanh_vjp))
     approx_z = deq_attention(x, J, _half_tanh).means
     # refattn's adjoint is iterated to the solver's tolerance: bound its own residual in the
     # adjoint system (I - J + diag f'(z))^T u = g
     A = np.eye(n * d) - _big(J) + np.diag(0.5 / np.cosh(approx_z.ravel()) ** 2)
-    u = approx[:n * d]
+    u = approx[: n * d]
     solve_term = params_norm * implicit_vjp_bound(
-        np.linalg.norm(A.T @ u - g.ravel()), np.linalg.norm(np.linalg.inv(A), 2),
-        np.linalg.norm(np.abs(A.T) @ np.abs(u) + np.abs(g.ravel())), n * d + 1)
-    assert_norm_within(approx, exact, _float64_bound(sensitivity, solve_term, approx_z, truth_z,
-                                                     exact), what="refattn float64 deq")
+        np.linalg.norm(A.T @ u - g.ravel()),
+        np.linalg.norm(np.linalg.inv(A), 2),
+        np.linalg.norm(np.abs(A.T) @ np.abs(u) + np.abs(g.ravel())),
+        n * d + 1,
+    )
+    assert_norm_within(
+        approx,
+        exact,
+        _float64_bound(sensitivity, solve_term, approx_z, truth_z, exact),
+        what="refattn float64 deq",
+    )
 
 
 def test_adaptive_tap_vjp_matches_torch_autograd(rng):
@@ -473,7 +547,7 @@ def test_adaptive_tap_vjp_matches_torch_autograd(rng):
         means = torch.linalg.solve(eye_d - V, (cavity + x_)[..., None])[..., 0]
         big = J_.permute(0, 2, 1, 3).reshape(n * d, n * d)
         chi = torch.linalg.inv(torch.eye(n * d, dtype=torch.float64) - big)
-        chi_ii = torch.stack([chi[i * d:(i + 1) * d, i * d:(i + 1) * d] for i in range(n)])
+        chi_ii = torch.stack([chi[i * d : (i + 1) * d, i * d : (i + 1) * d] for i in range(n)])
         V_new = eye_d - torch.linalg.inv(chi_ii)
         return torch.cat([means, V_new.reshape(n, d * d)], dim=1)
 
@@ -483,8 +557,12 @@ def test_adaptive_tap_vjp_matches_torch_autograd(rng):
     g_state = torch.cat([torch.tensor(g), torch.zeros(n, d * d, dtype=torch.float64)], dim=1)
     value, bound, _, _ = _torch_reference(update, state, [xt, Jt], g_state, truth_state)
     exact = _flat(adaptive_tap_vjp(x, J, g, precision="exact"))
-    assert_norm_within(_flat((value[:n * d].reshape(n, d), value[n * d:].reshape(J.shape))),
-                       exact, bound, what="torch adaptive TAP (dx, dJ)")
+    assert_norm_within(
+        _flat((value[: n * d].reshape(n, d), value[n * d :].reshape(J.shape))),
+        exact,
+        bound,
+        what="torch adaptive TAP (dx, dJ)",
+    )
 
 
 def test_ising_vjp_matches_torch_autograd(ising_case):
@@ -505,17 +583,29 @@ def test_ising_vjp_matches_torch_autograd(ising_case):
     truth = ising_tap(x, J, precision="exact")
     truth_state = np.concatenate([truth.means, truth.cavity_var])
     g_state = torch.cat([torch.tensor(g), torch.zeros(n, dtype=torch.float64)])
-    value, bound, sensitivity, params_norm = _torch_reference(update, state, [xt, Jt],
-                                                              g_state, truth_state)
+    value, bound, sensitivity, params_norm = _torch_reference(
+        update, state, [xt, Jt], g_state, truth_state
+    )
     exact = _flat(ising_tap_vjp(x, J, g, precision="exact"))
-    assert_norm_within(_flat((value[:n], value[n:].reshape(n, n))), exact, bound,
-                       what="torch ising (dx, dJ)")
+    assert_norm_within(
+        _flat((value[:n], value[n:].reshape(n, n))), exact, bound, what="torch ising (dx, dJ)"
+    )
     approx = ising_tap(x, J)
     # refattn solves the reduced equations' adjoint directly (LAPACK): its error is bounded
     # like torch's solve of the same fixed point's adjoint (the two systems share the
     # fixed point's conditioning), plus the effect of refattn's own state
-    solve_term = bound - sensitivity * (np.linalg.norm(state.numpy() - truth_state)
-                                        + gamma(1) * np.linalg.norm(truth_state))
-    assert_norm_within(_flat(ising_tap_vjp(x, J, g)), exact, _float64_bound(
-        sensitivity, solve_term, np.concatenate([approx.means, approx.cavity_var]), truth_state,
-        exact), what="refattn float64 ising")
+    solve_term = bound - sensitivity * (
+        np.linalg.norm(state.numpy() - truth_state) + gamma(1) * np.linalg.norm(truth_state)
+    )
+    assert_norm_within(
+        _flat(ising_tap_vjp(x, J, g)),
+        exact,
+        _float64_bound(
+            sensitivity,
+            solve_term,
+            np.concatenate([approx.means, approx.cavity_var]),
+            truth_state,
+            exact,
+        ),
+        what="refattn float64 ising",
+    )

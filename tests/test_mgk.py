@@ -30,16 +30,27 @@ from tests.strategies import linear_problems, mgk_problems
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_exact_out_dtype(dtype, rng):
-    q, keys, v = rng.standard_normal((2, 2)), rng.standard_normal((3, 2, 2)), \
-        rng.standard_normal((3, 2))
+    q, keys, v = (
+        rng.standard_normal((2, 2)),
+        rng.standard_normal((3, 2, 2)),
+        rng.standard_normal((3, 2)),
+    )
     out = mgk.attention(q, keys, v, sigma2=0.7, precision="exact", out_dtype=dtype)
-    assert_same_bits(out.astype(np.float64), round_nested(naive_mgk(q, keys, v, sigma2=0.7), dtype),
-                     what=f"mgk exact out_dtype={dtype}")
+    assert_same_bits(
+        out.astype(np.float64),
+        round_nested(naive_mgk(q, keys, v, sigma2=0.7), dtype),
+        what=f"mgk exact out_dtype={dtype}",
+    )
 
 
 @settings(max_examples=20)
-@given(seed=st.integers(0, 2**32 - 1), length=st.integers(1, 3), units=st.integers(1, 4),
-       sigma_exp=st.integers(-2, 2), causal=st.booleans())
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    length=st.integers(1, 3),
+    units=st.integers(1, 4),
+    sigma_exp=st.integers(-2, 2),
+    causal=st.booleans(),
+)
 def test_single_component_is_softmax_attention(seed, length, units, sigma_exp, causal):
     """R = 1: soft == hard == softmax attention on -||q - k||^2 / (2 sigma2). With dyadic
     inputs and sigma2 = 2**e the attention form scale = 1/sigma2, bias = -||k||^2/(2 sigma2)
@@ -50,8 +61,9 @@ def test_single_component_is_softmax_attention(seed, length, units, sigma_exp, c
     v = rng.standard_normal((units, 2))
     sigma2 = 2.0**sigma_exp
     soft = mgk.attention(q, k[:, None, :], v, sigma2=sigma2, causal=causal, precision="exact")
-    hard = mgk.attention(q, k[:, None, :], v, sigma2=sigma2, mode="hard", causal=causal,
-                         precision="exact")
+    hard = mgk.attention(
+        q, k[:, None, :], v, sigma2=sigma2, mode="hard", causal=causal, precision="exact"
+    )
     bias = np.broadcast_to(-(k * k).sum(-1) / (2 * sigma2), (length, units))
     plain = attention(q, k, v, scale=1 / sigma2, bias=bias, causal=causal, precision="exact")
     assert_same_bits(soft, hard, what="R=1 soft vs hard (exact)")
@@ -62,8 +74,11 @@ def test_single_component_is_softmax_attention(seed, length, units, sigma_exp, c
 
 
 def test_masked_key_is_removed_and_poison_ignored(rng):
-    q, keys, v = rng.standard_normal((3, 2)), rng.standard_normal((4, 2, 2)), \
-        rng.standard_normal((4, 2))
+    q, keys, v = (
+        rng.standard_normal((3, 2)),
+        rng.standard_normal((4, 2, 2)),
+        rng.standard_normal((4, 2)),
+    )
     mask = np.ones((3, 4), dtype=bool)
     mask[:, 2] = False
     poisoned_keys, poisoned_v = keys.copy(), v.copy()
@@ -78,8 +93,11 @@ def test_masked_key_is_removed_and_poison_ignored(rng):
 
 
 def test_empty_rows_give_zero(rng):
-    q, keys, v = rng.standard_normal((2, 2)), rng.standard_normal((3, 1, 2)), \
-        rng.standard_normal((3, 2))
+    q, keys, v = (
+        rng.standard_normal((2, 2)),
+        rng.standard_normal((3, 1, 2)),
+        rng.standard_normal((3, 2)),
+    )
     mask = np.array([[False, False, False], [True, False, True]])
     for precision in ("float64", "exact"):
         out = mgk.attention(q, keys, v, mask=mask, precision=precision)
@@ -100,8 +118,12 @@ def test_underflowing_scores_stay_finite(rng):
     fast = mgk.attention(q, keys, v)
     exact = mgk.attention(q, keys, v, precision="exact")
     assert_same_bits(exact, round_nested(naive_mgk(q, keys, v)), what="mgk exact at scores ~ -1e4")
-    assert_within(fast, exact, mixture_bound(mgk_term_scale(q, keys, {}), 6, 4, np.abs(v).max()),
-                  what="mgk float64 at scores ~ -1e4")
+    assert_within(
+        fast,
+        exact,
+        mixture_bound(mgk_term_scale(q, keys, {}), 6, 4, np.abs(v).max()),
+        what="mgk float64 at scores ~ -1e4",
+    )
 
 
 def test_sign_of_exponent_is_pinned(rng):
@@ -124,18 +146,22 @@ def test_em_update_pi(problem):
     units, comps = keys.shape[:2]
     log_pi = opts.get("log_pi", np.full((units, comps), -math.log(comps)))
     sigma2, mask = opts.get("sigma2", 1.0), opts.get("mask")
-    exact = mgk.em_update_pi(q, keys, log_pi=log_pi, sigma2=sigma2, mask=mask,
-                             precision="exact")
+    exact = mgk.em_update_pi(q, keys, log_pi=log_pi, sigma2=sigma2, mask=mask, precision="exact")
     pi, resp = naive_em(q, keys, log_pi=log_pi, sigma2=sigma2, mask=mask)
     assert_same_bits(exact.pi, round_nested(pi), what="em_update_pi exact pi")
-    assert_same_bits(exact.responsibilities, round_nested(resp),
-                     what="em_update_pi exact responsibilities")
+    assert_same_bits(
+        exact.responsibilities, round_nested(resp), what="em_update_pi exact responsibilities"
+    )
     fast = mgk.em_update_pi(q, keys, log_pi=log_pi, sigma2=sigma2, mask=mask)
     scale = mgk_term_scale(q, keys, dict(opts, log_pi=log_pi))
     bound = mixture_bound(scale, units * comps + len(q), q.shape[-1] + 2, 2.0)
     assert_within(fast.pi, exact.pi, bound, what="em_update_pi float64 pi")
-    assert_within(fast.responsibilities, exact.responsibilities, bound,
-                  what="em_update_pi float64 responsibilities")
+    assert_within(
+        fast.responsibilities,
+        exact.responsibilities,
+        bound,
+        what="em_update_pi float64 responsibilities",
+    )
 
 
 def test_em_update_pi_moves_weight_to_the_explaining_component():
@@ -159,19 +185,27 @@ def test_causal_linear_attention_prefix_property(problem):
     causal = mgk.linear_attention(q, keys, v, pi=pi, causal=True, precision="exact")
     causal64 = mgk.linear_attention(q, keys, v, pi=pi, causal=True)
     for i in range(length):
-        prefix = mgk.linear_attention(q[: i + 1], keys[: i + 1], v[: i + 1], pi=pi[: i + 1],
-                                      precision="exact")
+        prefix = mgk.linear_attention(
+            q[: i + 1], keys[: i + 1], v[: i + 1], pi=pi[: i + 1], precision="exact"
+        )
         assert_same_bits(causal[i], prefix[i], what=f"causal prefix row {i} (exact)")
         prefix64 = mgk.linear_attention(q[: i + 1], keys[: i + 1], v[: i + 1], pi=pi[: i + 1])
         n_terms = q.shape[-1] + keys.shape[1] + i + 5
-        assert_within(causal64[i], prefix64[i], 2 * ratio_bound(n_terms, np.abs(v).max()),
-                      what=f"causal prefix row {i} (float64)")
+        assert_within(
+            causal64[i],
+            prefix64[i],
+            2 * ratio_bound(n_terms, np.abs(v).max()),
+            what=f"causal prefix row {i} (float64)",
+        )
 
 
 def test_mixture_is_formed_after_the_feature_map(rng):
     """pi = (1, 0) is exactly the single first component; an averaged key is not."""
-    q, keys, v = rng.standard_normal((2, 2)), rng.standard_normal((3, 2, 2)), \
-        rng.standard_normal((3, 2))
+    q, keys, v = (
+        rng.standard_normal((2, 2)),
+        rng.standard_normal((3, 2, 2)),
+        rng.standard_normal((3, 2)),
+    )
     one = mgk.linear_attention(q, keys, v, pi=np.tile([1.0, 0.0], (3, 1)), precision="exact")
     first = mgk.linear_attention(q, keys[:, :1], v, pi=np.ones((3, 1)), precision="exact")
     assert_same_bits(one, first, what="pi=(1,0) vs the first component")
@@ -195,17 +229,20 @@ def small(rng):
     return rng.standard_normal((2, 3)), rng.standard_normal((4, 2, 3)), rng.standard_normal((4, 2))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(sigma2=0.0), "sigma2"),
-    (dict(sigma2=np.array([[1.0, -1.0]] * 4)), "sigma2"),
-    (dict(sigma2=np.ones((3, 2))), "sigma2"),
-    (dict(log_pi=np.log(np.full((4, 2), 0.4))), "log_pi"),
-    (dict(log_pi=np.full((4, 2), np.nan)), "log_pi"),
-    (dict(mode="sparse"), "mode"),
-    (dict(window=(-1, 0)), "window"),
-    (dict(align="center"), "align"),
-    (dict(mask=np.ones((2, 4))), "mask"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(sigma2=0.0), "sigma2"),
+        (dict(sigma2=np.array([[1.0, -1.0]] * 4)), "sigma2"),
+        (dict(sigma2=np.ones((3, 2))), "sigma2"),
+        (dict(log_pi=np.log(np.full((4, 2), 0.4))), "log_pi"),
+        (dict(log_pi=np.full((4, 2), np.nan)), "log_pi"),
+        (dict(mode="sparse"), "mode"),
+        (dict(window=(-1, 0)), "window"),
+        (dict(align="center"), "align"),
+        (dict(mask=np.ones((2, 4))), "mask"),
+    ],
+)
 def test_attention_rejects(small, kwargs, match):
     q, keys, v = small
     with pytest.raises((TypeError, ValueError), match=match):
@@ -222,11 +259,14 @@ def test_shape_mismatches(small):
         mgk.attention(q, keys, v[:3])
 
 
-@pytest.mark.parametrize("pi, match", [
-    (np.full((4, 2), 0.6), "pi"),
-    (np.array([[1.5, -0.5]] * 4), "pi"),
-    (np.full((4, 3), 1 / 3), "pi"),
-])
+@pytest.mark.parametrize(
+    "pi, match",
+    [
+        (np.full((4, 2), 0.6), "pi"),
+        (np.array([[1.5, -0.5]] * 4), "pi"),
+        (np.full((4, 3), 1 / 3), "pi"),
+    ],
+)
 def test_linear_attention_rejects_non_distributions(small, pi, match):
     q, keys, v = small
     with pytest.raises(ValueError, match=match):

@@ -51,8 +51,10 @@ def _fp8(q, k, v, rng, name):
     fp8 = getattr(ml_dtypes, name)
     raw = [x.astype(fp8) for x in (q, k, v)]
     descale = [rng.uniform(0.5, 2, size=(BATCH, KV_HEADS)).astype(np.float32) for _ in "qkv"]
-    values = [x.astype(np.float64) * d.astype(np.float64)[..., None, None]
-              for x, d in zip(raw, descale, strict=True)]
+    values = [
+        x.astype(np.float64) * d.astype(np.float64)[..., None, None]
+        for x, d in zip(raw, descale, strict=True)
+    ]
     kwargs = dict(zip(("q_descale", "k_descale", "v_descale"), descale, strict=True))
     return raw, kwargs, values
 
@@ -82,9 +84,12 @@ def _row_options(opts, b):
 
 
 FORWARD_CASES = dict(
-    seed=st.integers(0, 2**16), options=st.sampled_from(FORWARD_SETS),
-    dtype=st.sampled_from(DTYPES), new=st.sampled_from(["sinks", "kv_lengths", "both"]),
-    fp8=st.sampled_from([None, "float8_e4m3fn", "float8_e5m2"]))
+    seed=st.integers(0, 2**16),
+    options=st.sampled_from(FORWARD_SETS),
+    dtype=st.sampled_from(DTYPES),
+    new=st.sampled_from(["sinks", "kv_lengths", "both"]),
+    fp8=st.sampled_from([None, "float8_e4m3fn", "float8_e5m2"]),
+)
 
 
 @settings(max_examples=4, deadline=None)
@@ -99,8 +104,7 @@ def test_exact_alibi_with_sinks_or_lengths_matches_loop_twin(seed, options, dtyp
 @pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(**FORWARD_CASES)
-def test_exact_alibi_with_sinks_or_lengths_matches_loop_twin_more(seed, options, dtype, new,
-                                                                  fp8):
+def test_exact_alibi_with_sinks_or_lengths_matches_loop_twin_more(seed, options, dtype, new, fp8):
     _check_forward(seed, options, dtype, new, fp8)
 
 
@@ -112,10 +116,25 @@ def _check_forward(seed, options, dtype, new, fp8):
         args, descale, (q, k, v) = _fp8(q, k, v, rng, fp8)
         dtype = "float32" if dtype == "float64" else dtype  # fp8 results: 16/32-bit dtypes
     opts = {**options, **extra}
-    got = refattn.attention(*args, **opts, **descale, return_lse=True, return_weights=True,
-                            precision="exact", out_dtype=dtype)
-    want = [np.stack(x) for x in zip(*(naive_attention_rounded(
-        q[b], k[b], v[b], _row_options(opts, b), dtype) for b in range(BATCH)), strict=True)]
+    got = refattn.attention(
+        *args,
+        **opts,
+        **descale,
+        return_lse=True,
+        return_weights=True,
+        precision="exact",
+        out_dtype=dtype,
+    )
+    want = [
+        np.stack(x)
+        for x in zip(
+            *(
+                naive_attention_rounded(q[b], k[b], v[b], _row_options(opts, b), dtype)
+                for b in range(BATCH)
+            ),
+            strict=True,
+        )
+    ]
     case = f"{options} {sorted(extra)} fp8={fp8} {dtype}"
     for name, value, truth in zip(("out", "lse", "weights"), got, want, strict=True):
         assert_exact(value, truth, what=name, case=case)
@@ -123,8 +142,9 @@ def _check_forward(seed, options, dtype, new, fp8):
 
 def _dot(x, y):
     """x . y of two float64 vectors at their exact values, at the current precision."""
-    return mpmath.fsum(mpmath.mpf(float(a)) * mpmath.mpf(float(b)) for a, b in zip(x, y,
-                                                                                  strict=True))
+    return mpmath.fsum(
+        mpmath.mpf(float(a)) * mpmath.mpf(float(b)) for a, b in zip(x, y, strict=True)
+    )
 
 
 def _twin_grads(q, k, v, grad_out, grad_lse, opts, bias_shape, dps):
@@ -153,10 +173,14 @@ def _twin_grads(q, k, v, grad_out, grad_lse, opts, bias_shape, dps):
                 g = h // group
                 for i in range(LENGTH):
                     gi = mp(0) if grad_lse is None else mp(float(grad_lse[b, h, i]))
-                    kept = [row.get("dropout_mask") is None or row["dropout_mask"][h][i][j]
-                            for j in range(KEYS)]
-                    dp = [keep * _dot(grad_out[b, h, i], v[b, g, j]) if kept[j] else mp(0)
-                          for j in range(KEYS)]
+                    kept = [
+                        row.get("dropout_mask") is None or row["dropout_mask"][h][i][j]
+                        for j in range(KEYS)
+                    ]
+                    dp = [
+                        keep * _dot(grad_out[b, h, i], v[b, g, j]) if kept[j] else mp(0)
+                        for j in range(KEYS)
+                    ]
                     delta = mpmath.fsum(w[h][i][j] * dp[j] for j in range(KEYS))
                     if "sinks" in opts:
                         w_sink = mpmath.exp(mp(float(opts["sinks"][h])) - lse[h][i])
@@ -173,13 +197,13 @@ def _twin_grads(q, k, v, grad_out, grad_lse, opts, bias_shape, dps):
                             dk[b, g, j, d] += scale * dt * mp(float(q[b, h, i, d]))
                         if kept[j]:
                             for e in range(VDIM):
-                                dv[b, g, j, e] += keep * w[h][i][j] * mp(float(
-                                    grad_out[b, h, i, e]))
+                                dv[b, g, j, e] += (
+                                    keep * w[h][i][j] * mp(float(grad_out[b, h, i, e]))
+                                )
         parts = [dq.ravel(), dk.ravel(), dv.ravel()]
         if bias_shape is not None:
             lead = ds.ndim - len(bias_shape)
-            axes = tuple(range(lead)) + tuple(lead + a for a, n in enumerate(bias_shape)
-                                              if n == 1)
+            axes = tuple(range(lead)) + tuple(lead + a for a, n in enumerate(bias_shape) if n == 1)
             parts.append(ds.sum(axis=axes, keepdims=True).reshape(bias_shape).ravel())
         if "sinks" in opts:
             parts.append(np.array(dsinks, dtype=object))
@@ -190,10 +214,14 @@ BIAS_SHAPES = [(BATCH, HEADS, LENGTH, KEYS), (HEADS, LENGTH, KEYS), (1, 1, LENGT
 
 
 VJP_CASES = dict(
-    seed=st.integers(0, 2**16), options=st.sampled_from(OPTION_SETS),
-    dtype=st.sampled_from(DTYPES), new=st.sampled_from(["sinks", "kv_lengths", "both"]),
-    bias_shape=st.sampled_from([None] + BIAS_SHAPES), alibi=st.booleans(),
-    fp8=st.sampled_from([None, None, "float8_e4m3fn", "float8_e5m2"]))
+    seed=st.integers(0, 2**16),
+    options=st.sampled_from(OPTION_SETS),
+    dtype=st.sampled_from(DTYPES),
+    new=st.sampled_from(["sinks", "kv_lengths", "both"]),
+    bias_shape=st.sampled_from([None] + BIAS_SHAPES),
+    alibi=st.booleans(),
+    fp8=st.sampled_from([None, None, "float8_e4m3fn", "float8_e5m2"]),
+)
 
 
 @settings(max_examples=3, deadline=None)
@@ -230,18 +258,27 @@ def _check_vjp(seed, options, dtype, new, bias_shape, alibi, fp8):
         opts["bias"] = rng.standard_normal(bias_shape)
     grad_out = rng.standard_normal((BATCH, HEADS, LENGTH, VDIM))
     grad_lse = rng.standard_normal((BATCH, HEADS, LENGTH))
-    got = refattn.attention_vjp(*args, grad_out, grad_lse=grad_lse, **opts, **descale,
-                                precision="exact", out_dtype=dtype)
+    got = refattn.attention_vjp(
+        *args, grad_out, grad_lse=grad_lse, **opts, **descale, precision="exact", out_dtype=dtype
+    )
     spread = score_spread(q, k, **opts)
-    want = round_stable(lambda dps: _twin_grads(q, k, v, grad_out, grad_lse, opts, bias_shape,
-                                                dps), dtype, spread)
-    names = ["dq", "dk", "dv"] + (["dbias"] if bias_shape else []) + (
-        ["dsinks"] if "sinks" in opts else [])
+    want = round_stable(
+        lambda dps: _twin_grads(q, k, v, grad_out, grad_lse, opts, bias_shape, dps), dtype, spread
+    )
+    names = (
+        ["dq", "dk", "dv"]
+        + (["dbias"] if bias_shape else [])
+        + (["dsinks"] if "sinks" in opts else [])
+    )
     at = 0
     for name in names:
         value = np.asarray(getattr(got, name), np.float64)
-        assert_exact(value, want[at:at + value.size].reshape(value.shape), what=name,
-                     case=f"{options} {sorted(opts)} bias {bias_shape} fp8={fp8} {dtype}")
+        assert_exact(
+            value,
+            want[at : at + value.size].reshape(value.shape),
+            what=name,
+            case=f"{options} {sorted(opts)} bias {bias_shape} fp8={fp8} {dtype}",
+        )
         at += value.size
     assert at == want.size
 
@@ -250,8 +287,11 @@ def _check_vjp(seed, options, dtype, new, bias_shape, alibi, fp8):
 @pytest.mark.parametrize("options", OPTION_SETS[:4], ids=str)
 def test_float64_inside_its_bound(options, new):
     q, k, v, rng = _inputs(21)
-    opts = {**options, **_new_options(rng, new, options), "bias": rng.standard_normal(
-        (BATCH, HEADS, LENGTH, KEYS))}
+    opts = {
+        **options,
+        **_new_options(rng, new, options),
+        "bias": rng.standard_normal((BATCH, HEADS, LENGTH, KEYS)),
+    }
     got_out, got_lse = refattn.attention(q, k, v, **opts, return_lse=True)
     out, lse = refattn.attention(q, k, v, **opts, return_lse=True, precision="exact")
     out_bound, lse_bound = float64_forward_bound(q, k, v, **opts)
@@ -259,13 +299,13 @@ def test_float64_inside_its_bound(options, new):
     assert_within(got_lse, lse, lse_bound, what="lse", case=f"{options} {new}")
     grad_out, grad_lse = rng.standard_normal(out.shape), rng.standard_normal(lse.shape)
     got = refattn.attention_vjp(q, k, v, grad_out, grad_lse=grad_lse, **opts)
-    exact = refattn.attention_vjp(q, k, v, grad_out, grad_lse=grad_lse, **opts,
-                                  precision="exact")
+    exact = refattn.attention_vjp(q, k, v, grad_out, grad_lse=grad_lse, **opts, precision="exact")
     bounds = float64_vjp_bound(q, k, v, grad_out, grad_lse=grad_lse, **opts)
     names = ("dq", "dk", "dv", "dbias") + (("dsinks",) if "sinks" in opts else ())
     for name, bound in zip(names, bounds, strict=True):
-        assert_within(getattr(got, name), getattr(exact, name), bound, what=name,
-                      case=f"{options} {new}")
+        assert_within(
+            getattr(got, name), getattr(exact, name), bound, what=name, case=f"{options} {new}"
+        )
 
 
 @pytest.mark.parametrize("options", OPTION_SETS[:4], ids=str)
@@ -276,31 +316,32 @@ def test_numba_inside_the_kernel_bound(options):
     from refattn.kernels import numba_cpu
 
     q, k, v, rng = _inputs(23)
-    opts = {**options, **_new_options(rng, "both", options), "bias": rng.standard_normal(
-        (BATCH, HEADS, LENGTH, KEYS))}
+    opts = {
+        **options,
+        **_new_options(rng, "both", options),
+        "bias": rng.standard_normal((BATCH, HEADS, LENGTH, KEYS)),
+    }
     got_out, got_lse = refattn.attention(q, k, v, **opts, return_lse=True, backend="numba")
-    out, lse, weights = refattn.attention(q, k, v, **opts, return_lse=True,
-                                          return_weights=True, precision="exact")
+    out, lse, weights = refattn.attention(
+        q, k, v, **opts, return_lse=True, return_weights=True, precision="exact"
+    )
     spec = fold(canonicalize(q, k, v, **opts), alibi_into_bias=True)
-    full = np.concatenate([weights, np.exp(opts["sinks"][None, :, None] - lse)[..., None]],
-                          axis=-1)
+    full = np.concatenate([weights, np.exp(opts["sinks"][None, :, None] - lse)[..., None]], axis=-1)
     out_bound, lse_bound = numba_cpu.forward_error_bound(spec, full, np.float64)
     assert_within(got_out, out, out_bound, what="out", case=str(options))
     assert_within(got_lse, lse, lse_bound, what="lse", case=str(options))
     grad_out, grad_lse = rng.standard_normal(out.shape), rng.standard_normal(lse.shape)
     got = refattn.attention_vjp(q, k, v, grad_out, grad_lse=grad_lse, **opts, backend="numba")
-    exact = refattn.attention_vjp(q, k, v, grad_out, grad_lse=grad_lse, **opts,
-                                  precision="exact")
+    exact = refattn.attention_vjp(q, k, v, grad_out, grad_lse=grad_lse, **opts, precision="exact")
     bounds = numba_cpu.backward_error_bound(spec, full, grad_out, grad_lse, np.float64)
     for name, bound in zip(("dq", "dk", "dv"), bounds[:3], strict=True):
         keys = bound[..., :KEYS, :] if name != "dq" else bound
-        assert_within(getattr(got, name), getattr(exact, name), keys, what=name,
-                      case=str(options))
-    assert_within(got.dbias, exact.dbias, bounds[3][..., :KEYS], what="dbias",
-                  case=str(options))
+        assert_within(getattr(got, name), getattr(exact, name), keys, what=name, case=str(options))
+    assert_within(got.dbias, exact.dbias, bounds[3][..., :KEYS], what="dbias", case=str(options))
     column = bounds[3][..., KEYS].sum(axis=(0, 2))  # the sink column's terms, summed
-    magnitude = grad_scales(q, k, v, grad_out, weights, weights, grad_lse=grad_lse,
-                            sink_weights=full[..., KEYS])["dsinks"]
+    magnitude = grad_scales(
+        q, k, v, grad_out, weights, weights, grad_lse=grad_lse, sink_weights=full[..., KEYS]
+    )["dsinks"]
     dsinks_bound = column + gamma(BATCH * LENGTH) * (magnitude + column)
     assert_within(got.dsinks, exact.dsinks, dsinks_bound, what="dsinks", case=str(options))
 

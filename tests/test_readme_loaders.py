@@ -72,8 +72,11 @@ def test_jax_conversion_reads_bfloat16_bits(bf16_fixture):
     with np.load(path, allow_pickle=False) as npz:
         bf16 = json.loads(str(npz["meta"]))["bfloat16"]
         assert bf16, "the fixture has no bfloat16 member"
-        loaded = {n: eval(line, {"jnp": jnp, "npz": npz, "bf16": bf16, "n": n})  # noqa: S307
-                  for n in npz.files if n.startswith(("inputs/", "truth/"))}
+        loaded = {
+            n: eval(line, {"jnp": jnp, "npz": npz, "bf16": bf16, "n": n})  # noqa: S307
+            for n in npz.files
+            if n.startswith(("inputs/", "truth/"))
+        }
     for name, want in _expected(fixture).items():
         got = loaded[name]
         if got.dtype == jnp.bfloat16:
@@ -87,7 +90,7 @@ def test_jax_conversion_reads_bfloat16_bits(bf16_fixture):
 def test_ci_runs_readme_command_2_exactly():
     """`.ci/run` runs the README's command 2 character for character (issue #11 item 1)."""
     text = README.read_text()
-    block = text[text.index("# 2. install the test extras"):]
+    block = text[text.index("# 2. install the test extras") :]
     command = block.splitlines()[1]
     ci = (README.parent / ".ci" / "run").read_text().splitlines()
     assert command == 'python -m pip install -e ".[test]" && python -m pytest'

@@ -97,8 +97,9 @@ def test_ziv_reports_undecidable_midpoints():
 
 def test_ziv_fallback_settles_midpoints():
     midpoint = Fraction(1) + Fraction(1, 2**53)
-    got = correctly_round(_shrinking(midpoint), "float64", max_prec=256,
-                          fallback=lambda index: midpoint)
+    got = correctly_round(
+        _shrinking(midpoint), "float64", max_prec=256, fallback=lambda index: midpoint
+    )
     assert got[0] == 1.0
 
 
@@ -121,13 +122,23 @@ def test_ziv_passes_nan_and_inf_through():
 def test_interval_functions_enclose(x, prec):
     with I.workprec(prec):
         point = I.point(x)
-        results = {"exp": I.exp(point), "tanh": I.tanh(point), "erf": I.erf(point),
-                   "expm1": I.expm1(point), "log1p": I.log1p(I.point(abs(x))),
-                   "sqrt": I.sqrt(I.point(abs(x)))}
+        results = {
+            "exp": I.exp(point),
+            "tanh": I.tanh(point),
+            "erf": I.erf(point),
+            "expm1": I.expm1(point),
+            "log1p": I.log1p(I.point(abs(x))),
+            "sqrt": I.sqrt(I.point(abs(x))),
+        }
     with mpmath.workprec(prec + 200):
-        exact = {"exp": mpmath.exp(x), "tanh": mpmath.tanh(x), "erf": mpmath.erf(x),
-                 "expm1": mpmath.expm1(x), "log1p": mpmath.log1p(abs(x)),
-                 "sqrt": mpmath.sqrt(abs(x))}
+        exact = {
+            "exp": mpmath.exp(x),
+            "tanh": mpmath.tanh(x),
+            "erf": mpmath.erf(x),
+            "expm1": mpmath.expm1(x),
+            "log1p": mpmath.log1p(abs(x)),
+            "sqrt": mpmath.sqrt(abs(x)),
+        }
         for name, enclosure in results.items():
             lo, hi = (mpmath.mpf(end) for end in enclosure._mpi_)
             assert lo <= exact[name] <= hi, (name, x, prec)

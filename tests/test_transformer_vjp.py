@@ -79,17 +79,22 @@ def _richardson(forward, inputs, params, grad_out, free=None):
     def loss(flat):
         parts, start = [], 0
         for a, size in zip(arrays, sizes, strict=True):
-            parts.append(np.array(flat[start:start + size], dtype=object).reshape(a.shape))
+            parts.append(np.array(flat[start : start + size], dtype=object).reshape(a.shape))
             start += size
-        out = forward(*parts[:len(inputs)], _with_arrays(params, parts[len(inputs):]))
-        return mpmath.fsum(float(g) * v for g, v in zip(np.ravel(grad_out), out.ravel(),
-                                                         strict=True))
+        out = forward(*parts[: len(inputs)], _with_arrays(params, parts[len(inputs) :]))
+        return mpmath.fsum(
+            float(g) * v for g, v in zip(np.ravel(grad_out), out.ravel(), strict=True)
+        )
 
     grad, error = richardson_gradient(loss, theta, True if free is None else free, DPS)
     out, start = [], 0
     for a, size in zip(arrays, sizes, strict=True):
-        out.append((grad[start:start + size].reshape(a.shape),
-                    error[start:start + size].reshape(a.shape)))
+        out.append(
+            (
+                grad[start : start + size].reshape(a.shape),
+                error[start : start + size].reshape(a.shape),
+            )
+        )
         start += size
     return out
 
@@ -105,8 +110,9 @@ def assert_rounds_to(value, grad, error, *, what, free=None):
     keep = (lo == hi) & (np.ones(lo.shape, bool) if free is None else free)
     assert_same_bits(np.where(keep, value, lo), lo, what=what)
     inside = (value >= lo) & (value <= hi)
-    assert (inside | ~(np.ones(lo.shape, bool) if free is None else free)).all(), \
+    assert (inside | ~(np.ones(lo.shape, bool) if free is None else free)).all(), (
         f"{what}: outside the Richardson interval"
+    )
 
 
 def _estimate(exact, count):
@@ -114,8 +120,9 @@ def _estimate(exact, count):
     a list of all gradients of the call (their common magnitude: a gradient can be exactly
     zero, e.g. a key bias's under softmax's shift invariance, while its float64 value is not)."""
     arrays = exact if isinstance(exact, list | tuple) else [exact]
-    return gamma(count) * max(float(np.max(np.abs(a), initial=0.0)) for a in arrays
-                              if a is not None)
+    return gamma(count) * max(
+        float(np.max(np.abs(a), initial=0.0)) for a in arrays if a is not None
+    )
 
 
 @pytest.fixture
@@ -124,8 +131,9 @@ def rng():
 
 
 def _norm(rng, width):
-    return T.NormParams(gamma=1 + 0.1 * rng.standard_normal(width),
-                        beta=0.1 * rng.standard_normal(width), eps=1e-5)
+    return T.NormParams(
+        gamma=1 + 0.1 * rng.standard_normal(width), beta=0.1 * rng.standard_normal(width), eps=1e-5
+    )
 
 
 # ----------------------------------------------------------------------------- layer norm
@@ -136,20 +144,25 @@ def test_layer_norm_vjp_exact_against_richardson(rng, axis):
     x = rng.standard_normal((3, 5)) * 2 + 1
     norm = _norm(rng, x.shape[axis])
     g = rng.standard_normal(x.shape)
-    grads = T.layer_norm_vjp(x, g, gamma=norm.gamma, beta=norm.beta, eps=norm.eps, axis=axis,
-                             precision="exact")
+    grads = T.layer_norm_vjp(
+        x, g, gamma=norm.gamma, beta=norm.beta, eps=norm.eps, axis=axis, precision="exact"
+    )
     moved, g_moved = np.moveaxis(x, axis, -1), np.moveaxis(g, axis, -1)
     (dx, ex), (dg, eg), (db, eb) = _richardson(naive_layer_norm, [moved], norm, g_moved)
     assert_rounds_to(np.moveaxis(grads.dx, axis, -1), dx, ex, what="layer_norm_vjp dx")
     assert_rounds_to(grads.dgamma, dg, eg, what="layer_norm_vjp dgamma")
     assert_rounds_to(grads.dbeta, db, eb, what="layer_norm_vjp dbeta")
     approx = T.layer_norm_vjp(x, g, gamma=norm.gamma, beta=norm.beta, eps=norm.eps, axis=axis)
-    bound = layer_norm_vjp_bound(x, g, gamma=norm.gamma, beta=norm.beta, eps=norm.eps,
-                                 axis=axis)
+    bound = layer_norm_vjp_bound(x, g, gamma=norm.gamma, beta=norm.beta, eps=norm.eps, axis=axis)
     for name in ("dx", "dgamma", "dbeta"):
         # the bound is first order: one unit of the exact gradient covers the rest
-        assert_within(getattr(approx, name), getattr(grads, name), getattr(bound, name),
-                      ulps=1, what=f"layer_norm_vjp float64 {name}")
+        assert_within(
+            getattr(approx, name),
+            getattr(grads, name),
+            getattr(bound, name),
+            ulps=1,
+            what=f"layer_norm_vjp float64 {name}",
+        )
 
 
 def test_layer_norm_vjp_without_affine_and_bad_cotangent(rng):
@@ -172,20 +185,23 @@ def test_feed_forward_vjp_exact_against_richardson(rng, activation):
     g = rng.standard_normal((3, 4))
     grads = T.feed_forward_vjp(x, p.W1, p.b1, p.W2, p.b2, g, activation, precision="exact")
     reference = _richardson(naive_feed_forward, [x], p, g)
-    for name, value, (grad, error) in zip(("dx", "dW1", "db1", "dW2", "db2"), grads, reference,
-                                          strict=True):
+    for name, value, (grad, error) in zip(
+        ("dx", "dW1", "db1", "dW2", "db2"), grads, reference, strict=True
+    ):
         assert_rounds_to(value, grad, error, what=f"feed_forward_vjp {activation} {name}")
     approx = T.feed_forward_vjp(x, p.W1, p.b1, p.W2, p.b2, g, activation)
     bound = feed_forward_vjp_bound(x, p.W1, p.b1, p.W2, p.b2, g, activation)
-    for name, value, exact, limit in zip(("dx", "dW1", "db1", "dW2", "db2"), approx, grads,
-                                         bound, strict=True):
+    for name, value, exact, limit in zip(
+        ("dx", "dW1", "db1", "dW2", "db2"), approx, grads, bound, strict=True
+    ):
         assert_within(value, exact, limit, ulps=1, what=f"feed_forward float64 {name}")
 
 
 def test_feed_forward_vjp_relu_slope_at_zero_is_zero():
     x = np.array([[0.0, 1.0]])
-    grads = T.feed_forward_vjp(x, np.eye(2), None, np.eye(2), None, np.ones((1, 2)),
-                               precision="exact")
+    grads = T.feed_forward_vjp(
+        x, np.eye(2), None, np.eye(2), None, np.ones((1, 2)), precision="exact"
+    )
     assert grads.dx.tolist() == [[0.0, 1.0]] and grads.db1 is None
 
 
@@ -194,16 +210,24 @@ def test_float64_bounds_hold_on_random_scales(seed):
     # magnitudes from 1e-3 to 1e3, offsets (cancellation in the mean), eps 0, 1e-5, 1
     rng = np.random.default_rng(seed)
     width, rows = int(rng.integers(2, 7)), int(rng.integers(1, 4))
-    x = rng.standard_normal((rows, width)) * 10.0 ** rng.integers(-3, 4) \
-        + rng.standard_normal() * 10.0 ** rng.integers(-2, 3)
-    g, gain, shift = rng.standard_normal(x.shape), rng.standard_normal(width), \
-        rng.standard_normal(width)
+    x = rng.standard_normal((rows, width)) * 10.0 ** rng.integers(
+        -3, 4
+    ) + rng.standard_normal() * 10.0 ** rng.integers(-2, 3)
+    g, gain, shift = (
+        rng.standard_normal(x.shape),
+        rng.standard_normal(width),
+        rng.standard_normal(width),
+    )
     eps = (0.0, 1e-5, 1.0)[seed % 3]
     kw = dict(gamma=gain, beta=shift, eps=eps)
     exact = T.layer_norm_vjp(x, g, **kw, precision="exact")
-    for value, truth, limit, name in zip(T.layer_norm_vjp(x, g, **kw), exact,
-                                         layer_norm_vjp_bound(x, g, **kw), exact._fields,
-                                         strict=True):
+    for value, truth, limit, name in zip(
+        T.layer_norm_vjp(x, g, **kw),
+        exact,
+        layer_norm_vjp_bound(x, g, **kw),
+        exact._fields,
+        strict=True,
+    ):
         assert_within(value, truth, limit, ulps=1, what=f"layer_norm_vjp {name}", case=seed)
     hidden = int(rng.integers(1, 7))
     W1, b1 = rng.standard_normal((width, hidden)), rng.standard_normal(hidden)
@@ -211,9 +235,9 @@ def test_float64_bounds_hold_on_random_scales(seed):
     activation = ("relu", "gelu")[seed % 2]
     args = (x / np.abs(x).max(), W1, b1, W2, b2, g, activation)
     exact = T.feed_forward_vjp(*args, precision="exact")
-    for value, truth, limit, name in zip(T.feed_forward_vjp(*args), exact,
-                                         feed_forward_vjp_bound(*args), exact._fields,
-                                         strict=True):
+    for value, truth, limit, name in zip(
+        T.feed_forward_vjp(*args), exact, feed_forward_vjp_bound(*args), exact._fields, strict=True
+    ):
         assert_within(value, truth, limit, ulps=1, what=f"feed_forward_vjp {name}", case=seed)
 
 
@@ -222,8 +246,21 @@ def test_float64_bounds_hold_on_random_scales(seed):
 
 def _mha_grads(x_q, x_kv, p, g, function=T.multihead_attention_vjp, **kw):
     return function(
-        x_q, x_kv, p.W_Q, p.W_K, p.W_V, p.W_O, g, b_Q=p.b_Q, b_K=p.b_K, b_V=p.b_V, b_O=p.b_O,
-        num_heads=p.num_heads, num_kv_heads=p.num_kv_heads, **kw)
+        x_q,
+        x_kv,
+        p.W_Q,
+        p.W_K,
+        p.W_V,
+        p.W_O,
+        g,
+        b_Q=p.b_Q,
+        b_K=p.b_K,
+        b_V=p.b_V,
+        b_O=p.b_O,
+        num_heads=p.num_heads,
+        num_kv_heads=p.num_kv_heads,
+        **kw,
+    )
 
 
 _MHA_NAMES = ("dW_Q", "dW_K", "dW_V", "dW_O", "db_Q", "db_K", "db_V", "db_O")
@@ -263,8 +300,7 @@ def test_mha_vjp_masked_keys_get_exact_zero_gradients(rng):
     p = T.random_attention_params(4, 1, seed=3)
     x = rng.standard_normal((3, 4))
     mask = np.array([[True, True, False]] * 3)  # key 2 is never attended
-    exact = _mha_grads(x, x.copy(), p, rng.standard_normal((3, 4)), mask=mask,
-                       precision="exact")
+    exact = _mha_grads(x, x.copy(), p, rng.standard_normal((3, 4)), mask=mask, precision="exact")
     assert np.array_equal(exact.dx_kv[2], np.zeros(4)), "an excluded key has no gradient"
 
 
@@ -282,10 +318,16 @@ def test_mha_vjp_broadcast_memory_sums_over_the_batch(rng):
         # the correctly rounded total
         halves = sum(getattr(s, name) for s in per_sample)
         magnitude = sum(np.abs(getattr(s, name)) for s in per_sample)
-        assert_within(getattr(exact, name), halves, gamma(3) * magnitude,
-                      what=f"batched exact {name}")
-        assert_within(getattr(approx, name), getattr(exact, name), getattr(bound, name),
-                      ulps=1, what=f"batched float64 {name}")
+        assert_within(
+            getattr(exact, name), halves, gamma(3) * magnitude, what=f"batched exact {name}"
+        )
+        assert_within(
+            getattr(approx, name),
+            getattr(exact, name),
+            getattr(bound, name),
+            ulps=1,
+            what=f"batched float64 {name}",
+        )
     low = _mha_grads(x_q, x_kv, p, g, precision="exact", out_dtype="float32")
     assert low.dW_Q.dtype == np.float32
 
@@ -298,8 +340,11 @@ def test_mha_float64_bound_holds_on_random_layouts(seed):
     p = T.random_attention_params(4, heads, seed=seed, num_kv_heads=kv_heads)
     x_q = rng.standard_normal((3, 4)) * (1, 4)[seed % 2]
     x_kv = None if seed < 2 else rng.standard_normal((4, 4))
-    kw = {"causal": True} if seed % 2 == 0 else \
-        {"mask": np.array([[1, 1, 0, 1]] * 3, bool)[:, :3 if x_kv is None else 4]}
+    kw = (
+        {"causal": True}
+        if seed % 2 == 0
+        else {"mask": np.array([[1, 1, 0, 1]] * 3, bool)[:, : 3 if x_kv is None else 4]}
+    )
     g = rng.standard_normal((3, 4))
     exact = _mha_grads(x_q, x_kv, p, g, precision="exact", **kw)
     approx = _mha_grads(x_q, x_kv, p, g, **kw)
@@ -323,11 +368,11 @@ def _check_block(rng, grads_exact, grads_float, forward, inputs, params, g, coun
     total = sum(a.size for a in arrays)
     free = _sample_free(rng, min(count, total), total)
     reference = _richardson(forward, inputs, params, g, free)
-    exact = list(grads_exact[:len(inputs)]) + [a for _, a in _arrays(grads_exact[-1])]
-    approx = list(grads_float[:len(inputs)]) + [a for _, a in _arrays(grads_float[-1])]
+    exact = list(grads_exact[: len(inputs)]) + [a for _, a in _arrays(grads_exact[-1])]
+    approx = list(grads_float[: len(inputs)]) + [a for _, a in _arrays(grads_float[-1])]
     start = 0
     for value, float_value, (grad, error) in zip(exact, approx, reference, strict=True):
-        chosen = free[start:start + value.size].reshape(value.shape)
+        chosen = free[start : start + value.size].reshape(value.shape)
         assert_rounds_to(value, grad, error, what=what, free=chosen)
         assert_within(float_value, value, _estimate(exact, total), what=what + " float64")
         start += value.size
@@ -339,8 +384,17 @@ def test_encoder_vjp_exact_against_richardson(rng, norm):
     x, g = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
     exact = T.encoder_block_vjp(x, p, g, norm=norm, precision="exact")
     approx = T.encoder_block_vjp(x, p, g, norm=norm)
-    _check_block(rng, exact, approx, lambda h, q: naive_encoder(h, q, norm), [x], p, g, 12,
-                 f"encoder_block_vjp {norm}")
+    _check_block(
+        rng,
+        exact,
+        approx,
+        lambda h, q: naive_encoder(h, q, norm),
+        [x],
+        p,
+        g,
+        12,
+        f"encoder_block_vjp {norm}",
+    )
 
 
 @pytest.mark.parametrize("norm", ["post", "pre"])
@@ -349,8 +403,17 @@ def test_decoder_vjp_exact_against_richardson(rng, norm):
     x, memory, g = (rng.standard_normal(s) for s in ((3, 4), (2, 4), (3, 4)))
     exact = T.decoder_block_vjp(x, memory, p, g, norm=norm, precision="exact")
     approx = T.decoder_block_vjp(x, memory, p, g, norm=norm)
-    _check_block(rng, exact, approx, lambda h, m, q: naive_decoder(h, m, q, norm), [x, memory],
-                 p, g, 10, f"decoder_block_vjp {norm}")
+    _check_block(
+        rng,
+        exact,
+        approx,
+        lambda h, m, q: naive_decoder(h, m, q, norm),
+        [x, memory],
+        p,
+        g,
+        10,
+        f"decoder_block_vjp {norm}",
+    )
 
 
 @pytest.mark.slow
@@ -359,8 +422,17 @@ def test_encoder_vjp_exact_against_richardson_every_coordinate(rng):
     x, g = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
     exact = T.encoder_block_vjp(x, p, g, precision="exact")
     approx = T.encoder_block_vjp(x, p, g)
-    _check_block(rng, exact, approx, lambda h, q: naive_encoder(h, q, "post"), [x], p, g,
-                 10**6, "encoder_block_vjp (every coordinate)")
+    _check_block(
+        rng,
+        exact,
+        approx,
+        lambda h, q: naive_encoder(h, q, "post"),
+        [x],
+        p,
+        g,
+        10**6,
+        "encoder_block_vjp (every coordinate)",
+    )
 
 
 # ----------------------------------------------------------------------------- torch
@@ -385,16 +457,19 @@ def _torch_mha(torch, x_q, x_kv, p, allowed):
     outs = []
     for h in range(heads):
         g = h // (heads // kv_heads)
-        scores = q[:, h * dim:(h + 1) * dim] @ k[:, g * dim:(g + 1) * dim].T / dim ** 0.5
+        scores = q[:, h * dim : (h + 1) * dim] @ k[:, g * dim : (g + 1) * dim].T / dim**0.5
         scores = scores.masked_fill(~torch.as_tensor(allowed), float("-inf"))
-        outs.append(torch.softmax(scores, dim=-1) @ v[:, g * vdim:(g + 1) * vdim])
+        outs.append(torch.softmax(scores, dim=-1) @ v[:, g * vdim : (g + 1) * vdim])
     return torch.cat(outs, dim=-1) @ p.W_O + p.b_O
 
 
 def _torch_ffn(torch, x, p):
     hidden = x @ p.W1 + p.b1
-    act = torch.relu(hidden) if p.activation == "relu" else \
-        torch.nn.functional.gelu(hidden, approximate="none")
+    act = (
+        torch.relu(hidden)
+        if p.activation == "relu"
+        else torch.nn.functional.gelu(hidden, approximate="none")
+    )
     return act @ p.W2 + p.b2
 
 
@@ -427,14 +502,18 @@ def test_vjps_match_torch_autograd(rng, piece):
     if piece == "layer_norm":
         params, inputs = _norm(rng, 4), [x]
         forward = lambda h, q: _torch_layer_norm(torch, h, q)  # noqa: E731
-        grads = T.layer_norm_vjp(x, g, gamma=params.gamma, beta=params.beta, eps=params.eps,
-                                 precision="exact")
+        grads = T.layer_norm_vjp(
+            x, g, gamma=params.gamma, beta=params.beta, eps=params.eps, precision="exact"
+        )
         exact = list(grads)
     elif piece == "feed_forward":
         params, inputs = T.random_encoder_params(4, 2, 6, seed=31, activation="gelu").ffn, [x]
         forward = lambda h, q: _torch_ffn(torch, h, q)  # noqa: E731
-        exact = list(T.feed_forward_vjp(x, params.W1, params.b1, params.W2, params.b2, g,
-                                        "gelu", precision="exact"))
+        exact = list(
+            T.feed_forward_vjp(
+                x, params.W1, params.b1, params.W2, params.b2, g, "gelu", precision="exact"
+            )
+        )
     elif piece == "mha":
         params, inputs = T.random_attention_params(4, 2, seed=32, num_kv_heads=1), [x, memory]
         allowed = np.ones((3, 2), bool)

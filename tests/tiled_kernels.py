@@ -47,8 +47,15 @@ from refattn.exact.rounding import format_of
 
 __all__ = ["tiled_attention", "tiled", "flash", "split_kv", "TILED_BROKEN", "BUGS"]
 
-BUGS = ("tile_off_by_one", "partial_tile", "partial_query_tile", "no_late_rescale",
-        "split_combine", "lse_log2", "causal_offset")
+BUGS = (
+    "tile_off_by_one",
+    "partial_tile",
+    "partial_query_tile",
+    "no_late_rescale",
+    "split_combine",
+    "lse_log2",
+    "causal_offset",
+)
 
 
 _UNSUPPORTED = ("sinks", "kv_lengths", "q_descale", "k_descale", "v_descale")
@@ -64,15 +71,22 @@ def _prepare(q, k, v, options, acc, bug):
     if bug == "causal_offset" and align == "bottom_right" and L > S:
         align = "top_left"  # offset max(S - L, 0): bottom_right turns into top_left
     bias = options.get("bias")
-    allowed = allowed_positions(L, S, mask=options.get("mask"), bias=bias,
-                                causal=bool(options.get("causal")), window=options.get("window"),
-                                align=align)
+    allowed = allowed_positions(
+        L,
+        S,
+        mask=options.get("mask"),
+        bias=bias,
+        causal=bool(options.get("causal")),
+        window=options.get("window"),
+        align=align,
+    )
     additive = np.zeros((1, 1), dtype=acc)
     if bias is not None:
         additive = np.where(np.asarray(bias) == -np.inf, 0, np.asarray(bias, np.float64))
     if options.get("alibi_slopes") is not None:
-        additive = additive + alibi_bias(options["alibi_slopes"], L, S,
-                                         options.get("align") or "top_left")
+        additive = additive + alibi_bias(
+            options["alibi_slopes"], L, S, options.get("align") or "top_left"
+        )
     shape = np.broadcast_shapes(q.shape[:-1] + (S,), np.shape(allowed), np.shape(additive))
     allowed = np.broadcast_to(allowed, shape)
     additive = np.broadcast_to(np.asarray(additive, dtype=np.float64).astype(acc), shape)
@@ -81,8 +95,9 @@ def _prepare(q, k, v, options, acc, bug):
 
 def _tile_scores(q_t, k_t, add_t, scale, softcap, acc):
     with np.errstate(all="ignore"):
-        s = np.matmul(q_t.astype(acc), np.swapaxes(np.where(np.isfinite(k_t), k_t, 0), -1, -2)
-                      .astype(acc)) * acc.type(scale)
+        s = np.matmul(
+            q_t.astype(acc), np.swapaxes(np.where(np.isfinite(k_t), k_t, 0), -1, -2).astype(acc)
+        ) * acc.type(scale)
         if softcap is not None:
             c = acc.type(softcap)
             s = c * np.tanh(s / c)
@@ -111,8 +126,9 @@ def _stream(q_t, k_h, v_h, allowed, additive, keys, ctx):
         if j1 <= j0:
             continue
         ok = allowed[..., j0:j1]
-        s = _tile_scores(q_t, k_h[..., j0:j1, :], additive[..., j0:j1], ctx["scale"],
-                         ctx["softcap"], acc)
+        s = _tile_scores(
+            q_t, k_h[..., j0:j1, :], additive[..., j0:j1], ctx["scale"], ctx["softcap"], acc
+        )
         s = np.where(ok, s, -np.inf)
         m_new = np.maximum(m, s.max(axis=-1))
         base = np.where(np.isfinite(m_new), m_new, 0)
@@ -144,8 +160,11 @@ def _stream(q_t, k_h, v_h, allowed, additive, keys, ctx):
 def _finish(m, l, O, ctx):
     with np.errstate(all="ignore"):
         out = O / l[..., None]
-        lse = (m + np.log(l)) if ctx["bug"] != "lse_log2" else (
-            m * ctx["acc"].type(1 / math.log(2)) + np.log2(l))
+        lse = (
+            (m + np.log(l))
+            if ctx["bug"] != "lse_log2"
+            else (m * ctx["acc"].type(1 / math.log(2)) + np.log2(l))
+        )
     empty = ~(l > 0)
     fill = 0.0 if ctx["empty_rows"] == "zero" else np.nan
     out = np.where(empty[..., None], fill, out)
@@ -172,8 +191,20 @@ def _combine(parts, ctx):
         return top, total, O
 
 
-def tiled_attention(q, k, v, *, block_q=64, block_k=64, bug=None, p_dtype=None,
-                    accumulate=None, split=None, return_lse=False, **options):
+def tiled_attention(
+    q,
+    k,
+    v,
+    *,
+    block_q=64,
+    block_k=64,
+    bug=None,
+    p_dtype=None,
+    accumulate=None,
+    split=None,
+    return_lse=False,
+    **options,
+):
     """Blocked online-softmax attention (see the module docstring for ``bug``).
 
     ``p_dtype``: the type the probabilities are rounded to before ``P @ V`` ("input": the
@@ -192,13 +223,18 @@ def tiled_attention(q, k, v, *, block_q=64, block_k=64, bug=None, p_dtype=None,
     if p_dtype == "input":
         p_dtype = store if format_of(q.dtype).p < 24 else None
     keep = options.get("dropout_mask")
-    ctx = dict(acc=acc, block_k=block_k, bug=bug, softcap=options.get("softcap"),
-               scale=resolve_scale(options.get("scale"), q.shape[-1]),
-               p_dtype=None if p_dtype is None else np.dtype(p_dtype),
-               accumulate=None if accumulate is None else format_of(accumulate).dtype,
-               empty_rows=options.get("empty_rows") or "zero",
-               keep=None, rescale=acc.type(1) / (acc.type(1) - acc.type(
-                   options.get("dropout_p") or 0.0)))
+    ctx = dict(
+        acc=acc,
+        block_k=block_k,
+        bug=bug,
+        softcap=options.get("softcap"),
+        scale=resolve_scale(options.get("scale"), q.shape[-1]),
+        p_dtype=None if p_dtype is None else np.dtype(p_dtype),
+        accumulate=None if accumulate is None else format_of(accumulate).dtype,
+        empty_rows=options.get("empty_rows") or "zero",
+        keep=None,
+        rescale=acc.type(1) / (acc.type(1) - acc.type(options.get("dropout_p") or 0.0)),
+    )
     k_h, v_h, allowed, additive = _prepare(q, k, v, options, acc, bug)
     L, S = q.shape[-2], k.shape[-2]
     full = np.broadcast_shapes(q.shape[:-1] + (S,), allowed.shape)
@@ -215,8 +251,11 @@ def tiled_attention(q, k, v, *, block_q=64, block_k=64, bug=None, p_dtype=None,
         i1 = min(i0 + block_q, rows)
         tile = dict(ctx, keep=None if keep is None else keep[..., i0:i1, :])
         args = (q_b[..., i0:i1, :], k_h, v_h, allowed[..., i0:i1, :], additive[..., i0:i1, :])
-        chunks = [range(0, S)] if split is None else [range(j, min(j + split, S))
-                                                      for j in range(0, S, split)]
+        chunks = (
+            [range(0, S)]
+            if split is None
+            else [range(j, min(j + split, S)) for j in range(0, S, split)]
+        )
         parts = [_stream(*args, keys, tile) for keys in chunks]
         m, l, O = parts[0] if split is None else _combine(parts, tile)  # noqa: E741
         out[..., i0:i1, :], lse[..., i0:i1] = _finish(m, l, O, tile)

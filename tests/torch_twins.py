@@ -25,8 +25,7 @@ def _torch():
 def torch_grads(forward, arrays, grad_out, **options):
     """Gradients of ``sum(grad_out * forward(*arrays, **options))`` w.r.t. every array."""
     torch = _torch()
-    leaves = [torch.tensor(np.asarray(a, dtype=np.float64), requires_grad=True)
-              for a in arrays]
+    leaves = [torch.tensor(np.asarray(a, dtype=np.float64), requires_grad=True) for a in arrays]
     out = forward(*leaves, **options)
     (out * torch.tensor(np.asarray(grad_out, dtype=np.float64))).sum().backward()
     return [leaf.grad.numpy() for leaf in leaves]
@@ -40,15 +39,19 @@ def mgk_torch(q, keys, v, *, allowed, log_pi=None, sigma2=1.0, mode="soft", row_
     sigma2 = torch.tensor(np.array(np.broadcast_to(sigma2, keys.shape[:-1]), dtype=np.float64))
     dist = ((q[:, None, None, :] - keys[None]) ** 2).sum(-1) / (2 * sigma2[None])
     if mode == "soft":
-        prior = (torch.full(keys.shape[:-1], -math.log(comps), dtype=torch.float64)
-                 if log_pi is None else torch.tensor(np.array(log_pi, dtype=np.float64)))
+        prior = (
+            torch.full(keys.shape[:-1], -math.log(comps), dtype=torch.float64)
+            if log_pi is None
+            else torch.tensor(np.array(log_pi, dtype=np.float64))
+        )
         scores = torch.logsumexp(prior[None] - dist, dim=-1)
     else:
         scores = torch.amax(-dist, dim=-1)
     mask = torch.tensor(np.array(allowed, dtype=bool))
     scores = torch.where(mask, scores, torch.tensor(-math.inf, dtype=torch.float64))
-    top = torch.amax(torch.where(mask, scores, torch.tensor(-1e300, dtype=torch.float64)), -1,
-                     keepdim=True).detach()
+    top = torch.amax(
+        torch.where(mask, scores, torch.tensor(-1e300, dtype=torch.float64)), -1, keepdim=True
+    ).detach()
     expo = torch.where(mask, torch.exp(scores - top), torch.zeros((), dtype=torch.float64))
     total = expo.sum(-1, keepdim=True)
     if row_eps:

@@ -96,9 +96,13 @@ def cpu_info() -> dict:
         llvm_cpu = llvm.get_host_cpu_name()
     except Exception:  # pragma: no cover - llvmlite comes with numba
         llvm_cpu = None
-    return {"cpu_model": model, "llvm_cpu": llvm_cpu,
-            "numba_cpu_name": os.environ.get("NUMBA_CPU_NAME"),
-            "cores": os.cpu_count(), "loadavg": list(os.getloadavg())}
+    return {
+        "cpu_model": model,
+        "llvm_cpu": llvm_cpu,
+        "numba_cpu_name": os.environ.get("NUMBA_CPU_NAME"),
+        "cores": os.cpu_count(),
+        "loadavg": list(os.getloadavg()),
+    }
 
 
 def _torch():
@@ -118,8 +122,9 @@ def _inputs(batch, heads, length, keys, dim, dtype, seed=0, kv_heads=None):
     return q, k, v
 
 
-def bench_shape(name, batch, heads, length, keys, dim, dtype, args, torch, kv_heads=None,
-                saved_backward=False):
+def bench_shape(
+    name, batch, heads, length, keys, dim, dtype, args, torch, kv_heads=None, saved_backward=False
+):
     """Time one shape on every path; returns a JSON-ready row. ``saved_backward`` adds the
     backward pass reusing a saved forward to the interleaved race."""
     kv_heads = heads if kv_heads is None else kv_heads
@@ -127,8 +132,17 @@ def bench_shape(name, batch, heads, length, keys, dim, dtype, args, torch, kv_he
     flops = 4.0 * batch * heads * length * keys * dim
     spec = canonicalize(q, k, v)
     numba_cpu.forward(spec)  # compile / warm
-    row = {"shape": name, "B": batch, "H": heads, "K": kv_heads, "L": length, "S": keys,
-           "D": dim, "dtype": np.dtype(dtype).name, "flops_forward": flops}
+    row = {
+        "shape": name,
+        "B": batch,
+        "H": heads,
+        "K": kv_heads,
+        "L": length,
+        "S": keys,
+        "D": dim,
+        "dtype": np.dtype(dtype).name,
+        "flops_forward": flops,
+    }
     fns = {"numba": lambda: numba_cpu.forward(spec)}
     if torch is not None:
         tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
@@ -151,11 +165,13 @@ def bench_shape(name, batch, heads, length, keys, dim, dtype, args, torch, kv_he
     if args.backward:
         grad = np.random.default_rng(1).standard_normal((batch, heads, length, dim))
         numba_cpu.backward(spec, grad)
-        row["numba_backward_s"] = _best(lambda: numba_cpu.backward(spec, grad), args.repeat,
-                                        args.budget)
+        row["numba_backward_s"] = _best(
+            lambda: numba_cpu.backward(spec, grad), args.repeat, args.budget
+        )
         saved = numba_cpu.saved_forward(spec)
         row["numba_backward_pass_s"] = _best(
-            lambda: numba_cpu.backward(spec, grad, saved=saved), args.repeat, args.budget)
+            lambda: numba_cpu.backward(spec, grad, saved=saved), args.repeat, args.budget
+        )
         if torch is not None:
             tq, tk, tv = (torch.from_numpy(a).requires_grad_() for a in (q, k, v))
             tg = torch.from_numpy(grad.astype(dtype))
@@ -218,11 +234,19 @@ def bench_compile() -> dict:
 
     result = {}
     with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, NUMBA_CACHE_DIR=cache,
-                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        env = dict(
+            os.environ,
+            NUMBA_CACHE_DIR=cache,
+            PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        )
         for phase in ("compile", "cached"):
-            done = subprocess.run([sys.executable, "-m", "refattn.kernels"], env=env,
-                                  capture_output=True, text=True, check=True)
+            done = subprocess.run(
+                [sys.executable, "-m", "refattn.kernels"],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             for line in done.stdout.splitlines():
                 if ":" in line and line.strip().endswith(" s"):
                     name, seconds = line.split(":")
@@ -233,25 +257,39 @@ def bench_compile() -> dict:
 def bench_long(length: int, dim: int) -> dict:
     """L = S = ``length``, one head, float64 forward in a fresh process: time and peak RSS."""
     script = _LONG_SCRIPT.format(root=str(ROOT), length=length, dim=dim)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    )
     elapsed, peak, base, finite = done.stdout.split()
     flops = 4.0 * length * length * dim
-    return {"shape": f"long L={length}", "B": 1, "H": 1, "L": length, "S": length, "D": dim,
-            "dtype": "float64", "numba_s": float(elapsed),
-            "numba_gflops": flops / float(elapsed) / 1e9,
-            "peak_rss_bytes": int(peak), "rss_before_bytes": int(base),
-            "finite": finite == "True"}
+    return {
+        "shape": f"long L={length}",
+        "B": 1,
+        "H": 1,
+        "L": length,
+        "S": length,
+        "D": dim,
+        "dtype": "float64",
+        "numba_s": float(elapsed),
+        "numba_gflops": flops / float(elapsed) / 1e9,
+        "peak_rss_bytes": int(peak),
+        "rss_before_bytes": int(base),
+        "finite": finite == "True",
+    }
 
 
 #: (name, row index, key, comparison, threshold) of the speed targets
 TARGETS = [
     ("float64 forward B1 H8 L=S=1024 D64 >= 1.0x torch", 0, "numba_over_torch", ">=", 1.0),
     ("float32 forward, same shape, >= 0.6x torch", 1, "numba_over_torch", ">=", 0.6),
-    ("GQA decode L1 S8192 H32/K8 D128 float64 >= 0.5x torch", 2, "numba_over_torch", ">=",
-     0.5),
-    ("backward pass (saved forward) <= 2.5x the forward", 0, "backward_pass_over_forward",
-     "<=", 2.5),
+    ("GQA decode L1 S8192 H32/K8 D128 float64 >= 0.5x torch", 2, "numba_over_torch", ">=", 0.5),
+    (
+        "backward pass (saved forward) <= 2.5x the forward",
+        0,
+        "backward_pass_over_forward",
+        "<=",
+        2.5,
+    ),
     ("L = S = 65536, one head: peak RSS under 1 GiB", 3, "peak_rss_bytes", "<=", 2.0**30),
 ]
 
@@ -259,11 +297,11 @@ TARGETS = [
 def run_targets(args, torch):
     """The shapes of the speed targets; returns (rows, [target results])."""
     rows = [
-        bench_shape("B1 H8 L1024", 1, 8, 1024, 1024, 64, "float64", args, torch,
-                    saved_backward=True),
+        bench_shape(
+            "B1 H8 L1024", 1, 8, 1024, 1024, 64, "float64", args, torch, saved_backward=True
+        ),
         bench_shape("B1 H8 L1024", 1, 8, 1024, 1024, 64, "float32", args, torch),
-        bench_shape("GQA decode L1 S8192", 1, 32, 1, 8192, 128, "float64", args, torch,
-                    kv_heads=8),
+        bench_shape("GQA decode L1 S8192", 1, 32, 1, 8192, 128, "float64", args, torch, kv_heads=8),
         bench_long(65536, 64),
     ]
     for row in rows:
@@ -273,8 +311,11 @@ def run_targets(args, torch):
         value = rows[index].get(key)
         met = value is not None and (value >= threshold if op == ">=" else value <= threshold)
         results.append({"target": name, "value": value, "met": bool(met)})
-        shown = "n/a" if value is None else (f"{value / 2**30:.2f} GiB" if "rss" in key
-                                             else f"{value:.2f}")
+        shown = (
+            "n/a"
+            if value is None
+            else (f"{value / 2**30:.2f} GiB" if "rss" in key else f"{value:.2f}")
+        )
         print(f"  [{'met' if met else 'NOT met'}] {name}: {shown}", flush=True)
     return rows, results
 
@@ -284,21 +325,27 @@ def _fmt(row, key, spec="{:8.1f}"):
 
 
 def print_row(row):
-    line = (f"{row['shape']:>18} {row['dtype']:>8}  numba {_fmt(row, 'numba_gflops')}  "
-            f"torch {_fmt(row, 'torch_gflops')}  numpy {_fmt(row, 'numpy_gflops')} GFLOP/s"
-            f"  numba/torch {_fmt(row, 'numba_over_torch', '{:5.2f}')}"
-            f"  numba/numpy {_fmt(row, 'numba_over_numpy', '{:6.1f}')}")
+    line = (
+        f"{row['shape']:>18} {row['dtype']:>8}  numba {_fmt(row, 'numba_gflops')}  "
+        f"torch {_fmt(row, 'torch_gflops')}  numpy {_fmt(row, 'numpy_gflops')} GFLOP/s"
+        f"  numba/torch {_fmt(row, 'numba_over_torch', '{:5.2f}')}"
+        f"  numba/numpy {_fmt(row, 'numba_over_numpy', '{:6.1f}')}"
+    )
     if "backward_pass_over_forward" in row and "backward_over_forward" not in row:
         line += f"  backward pass/fwd {row['backward_pass_over_forward']:.2f}"
     if "backward_over_forward" in row:
-        line += (f"  vjp/fwd {row['backward_over_forward']:.2f}"
-                 f" (backward pass alone {row['backward_pass_over_forward']:.2f})"
-                 f"  bwd {row['numba_backward_gflops']:.1f} GFLOP/s")
+        line += (
+            f"  vjp/fwd {row['backward_over_forward']:.2f}"
+            f" (backward pass alone {row['backward_pass_over_forward']:.2f})"
+            f"  bwd {row['numba_backward_gflops']:.1f} GFLOP/s"
+        )
         if "numba_backward_over_torch" in row:
             line += f" (vs torch {row['numba_backward_over_torch']:.2f})"
     if "peak_rss_bytes" in row:
-        line += (f"  {row['numba_s']:.1f} s, peak RSS {row['peak_rss_bytes'] / 2**30:.2f} GiB "
-                 f"(before the inputs: {row['rss_before_bytes'] / 2**30:.2f} GiB)")
+        line += (
+            f"  {row['numba_s']:.1f} s, peak RSS {row['peak_rss_bytes'] / 2**30:.2f} GiB "
+            f"(before the inputs: {row['rss_before_bytes'] / 2**30:.2f} GiB)"
+        )
     print(line, flush=True)
 
 
@@ -325,38 +372,73 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 4096, 16384],
-                        help="L = S values (batch 1, --heads heads)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    parser.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=[512, 1024, 4096, 16384],
+        help="L = S values (batch 1, --heads heads)",
+    )
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--dim", type=int, default=64, help="D = E")
     parser.add_argument("--dtypes", nargs="+", default=["float64", "float32"])
-    parser.add_argument("--decode-keys", type=int, default=4096,
-                        help="S of the decode shape (L = 1); 0 skips it")
+    parser.add_argument(
+        "--decode-keys", type=int, default=4096, help="S of the decode shape (L = 1); 0 skips it"
+    )
     parser.add_argument("--backward", action="store_true", help="also time the vjp")
-    parser.add_argument("--long", type=int, nargs="?", const=65536, default=0,
-                        help="also run L = S = LONG (default 65536), one head, float64, "
-                             "in a fresh process and report its peak RSS")
+    parser.add_argument(
+        "--long",
+        type=int,
+        nargs="?",
+        const=65536,
+        default=0,
+        help="also run L = S = LONG (default 65536), one head, float64, "
+        "in a fresh process and report its peak RSS",
+    )
     parser.add_argument("--repeat", type=int, default=5, help="best of this many calls")
-    parser.add_argument("--budget", type=float, default=20.0,
-                        help="stop repeating a measurement after this many seconds")
-    parser.add_argument("--numpy-max-plane", type=int, default=4096 * 4096,
-                        help="skip the NumPy path (which forms L x S planes) above this L*S")
-    parser.add_argument("--median", action="store_true",
-                        help="report the median of the interleaved calls (default: the best)")
-    parser.add_argument("--settle", type=float, default=None,
-                        help="sleep this many seconds before each timed call so that the "
-                             "previous library's spinning worker threads go idle (default 0; "
-                             "0.05 with --targets)")
-    parser.add_argument("--targets", action="store_true",
-                        help="time only the speed targets' shapes (median of --repeat "
-                             "interleaved calls) and say which are met")
-    parser.add_argument("--compile", action="store_true",
-                        help="also time the first compile of every kernel path and dtype from "
-                             "an empty Numba cache, and the load from the cache (fresh "
-                             "processes)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=20.0,
+        help="stop repeating a measurement after this many seconds",
+    )
+    parser.add_argument(
+        "--numpy-max-plane",
+        type=int,
+        default=4096 * 4096,
+        help="skip the NumPy path (which forms L x S planes) above this L*S",
+    )
+    parser.add_argument(
+        "--median",
+        action="store_true",
+        help="report the median of the interleaved calls (default: the best)",
+    )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=None,
+        help="sleep this many seconds before each timed call so that the "
+        "previous library's spinning worker threads go idle (default 0; "
+        "0.05 with --targets)",
+    )
+    parser.add_argument(
+        "--targets",
+        action="store_true",
+        help="time only the speed targets' shapes (median of --repeat "
+        "interleaved calls) and say which are met",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time the first compile of every kernel path and dtype from "
+        "an empty Numba cache, and the load from the cache (fresh "
+        "processes)",
+    )
     parser.add_argument("--json", type=Path, help="write the rows and machine info here")
     parser.add_argument("--plot", type=Path, help="write a GFLOP/s plot (needs matplotlib)")
     args = parser.parse_args(argv)
@@ -369,10 +451,13 @@ def main(argv=None):
     if torch is not None:
         torch.set_num_threads(numba.get_num_threads())
     info = cpu_info()
-    print(f"refattn bench: {info['cpu_model']} (LLVM cpu {info['llvm_cpu']}, NUMBA_CPU_NAME "
-          f"{info['numba_cpu_name']}), numba {numba.__version__} ({numba.get_num_threads()} "
-          f"threads), torch {torch.__version__ if torch else 'absent'}, load "
-          f"{' '.join(f'{x:.2f}' for x in info['loadavg'])}", flush=True)
+    print(
+        f"refattn bench: {info['cpu_model']} (LLVM cpu {info['llvm_cpu']}, NUMBA_CPU_NAME "
+        f"{info['numba_cpu_name']}), numba {numba.__version__} ({numba.get_num_threads()} "
+        f"threads), torch {torch.__version__ if torch else 'absent'}, load "
+        f"{' '.join(f'{x:.2f}' for x in info['loadavg'])}",
+        flush=True,
+    )
     rows = []
     targets = None
     if args.targets:
@@ -380,12 +465,34 @@ def main(argv=None):
         rows, targets = run_targets(args, torch)
     for dtype in args.dtypes if not args.targets else ():
         for length in args.lengths:
-            rows.append(bench_shape(f"B1 H{args.heads} L{length}", 1, args.heads, length,
-                                    length, args.dim, dtype, args, torch))
+            rows.append(
+                bench_shape(
+                    f"B1 H{args.heads} L{length}",
+                    1,
+                    args.heads,
+                    length,
+                    length,
+                    args.dim,
+                    dtype,
+                    args,
+                    torch,
+                )
+            )
             print_row(rows[-1])
         if args.decode_keys:
-            rows.append(bench_shape(f"decode L1 S{args.decode_keys}", 1, args.heads, 1,
-                                    args.decode_keys, args.dim, dtype, args, torch))
+            rows.append(
+                bench_shape(
+                    f"decode L1 S{args.decode_keys}",
+                    1,
+                    args.heads,
+                    1,
+                    args.decode_keys,
+                    args.dim,
+                    dtype,
+                    args,
+                    torch,
+                )
+            )
             print_row(rows[-1])
     if args.long and not args.targets:
         rows.append(bench_long(args.long, args.dim))
@@ -393,17 +500,29 @@ def main(argv=None):
     compile_times = None
     if args.compile:
         compile_times = bench_compile()
-        print("first compile (empty cache) / cached load, s: " + ", ".join(
-            f"{name} {seconds:.1f}" for name, seconds in compile_times.items()), flush=True)
+        print(
+            "first compile (empty cache) / cached load, s: "
+            + ", ".join(f"{name} {seconds:.1f}" for name, seconds in compile_times.items()),
+            flush=True,
+        )
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(f"peak RSS of this process {peak / 2**30:.2f} GiB; load after "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    print(
+        f"peak RSS of this process {peak / 2**30:.2f} GiB; load after "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        flush=True,
+    )
     if args.json:
-        info |= {"threads": threads, "peak_rss_bytes": peak, "numba": numba.__version__,
-                 "torch": torch.__version__ if torch else None, "machine": platform.machine(),
-                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                 "statistic": "median" if args.median else "best", "settle_s": args.settle,
-                 "loadavg_after": list(os.getloadavg())}
+        info |= {
+            "threads": threads,
+            "peak_rss_bytes": peak,
+            "numba": numba.__version__,
+            "torch": torch.__version__ if torch else None,
+            "machine": platform.machine(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "statistic": "median" if args.median else "best",
+            "settle_s": args.settle,
+            "loadavg_after": list(os.getloadavg()),
+        }
         report = {"info": info, "rows": rows}
         if targets is not None:
             report["targets"] = targets

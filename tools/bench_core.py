@@ -38,10 +38,18 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     results = {}
     q, k, v = (rng.standard_normal((2, 64, 64)) for _ in range(3))
-    for name, dtype in (("float64", np.float64), ("float32", np.float32),
-                        ("float16", np.float16), ("bfloat16", ml_dtypes.bfloat16)):
-        seconds = _timed(lambda dtype=dtype: refattn.attention(
-            q, k, v, precision="exact", out_dtype=dtype, return_lse=True), repeat=1)
+    for name, dtype in (
+        ("float64", np.float64),
+        ("float32", np.float32),
+        ("float16", np.float16),
+        ("bfloat16", ml_dtypes.bfloat16),
+    ):
+        seconds = _timed(
+            lambda dtype=dtype: refattn.attention(
+                q, k, v, precision="exact", out_dtype=dtype, return_lse=True
+            ),
+            repeat=1,
+        )
         results[f"exact_fwd_H2_L64_S64_D64_{name}_s"] = seconds
         print(f"exact forward+lse H2 L=S=D=E=64 -> {name:9s}: {seconds:6.2f} s")
     grad = rng.standard_normal((2, 64, 64))
@@ -56,14 +64,18 @@ def main(argv=None):
         tracemalloc.stop()
         plane = keys * keys * 8
         results[f"f64_peak_bytes_L{keys}_S{keys}"] = peak
-        print(f"float64 path, one head L=S={keys}: peak {peak / 2**20:8.1f} MiB = "
-              f"{peak / plane:4.1f} x one (L, S) float64 plane")
+        print(
+            f"float64 path, one head L=S={keys}: peak {peak / 2**20:8.1f} MiB = "
+            f"{peak / plane:4.1f} x one (L, S) float64 plane"
+        )
     q8, k8, v8 = (rng.standard_normal((1, 8, 1024, 64)) for _ in range(3))
     seconds = _timed(lambda: refattn.attention(q8, k8, v8))
     flops = 4 * 8 * 1024 * 1024 * 64
     results["f64_B1_H8_L1024_D64_s"] = seconds
-    print(f"float64 path B1 H8 L1024 D64: {seconds * 1e3:7.1f} ms ({flops / seconds / 1e9:.1f} "
-          "GFLOP/s)")
+    print(
+        f"float64 path B1 H8 L1024 D64: {seconds * 1e3:7.1f} ms ({flops / seconds / 1e9:.1f} "
+        "GFLOP/s)"
+    )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2, sort_keys=True)

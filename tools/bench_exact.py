@@ -44,8 +44,7 @@ from refattn import config
 PRESETS = {
     "default": dict(B=1, H=2, L=256, S=256, D=64, E=64, in_dtype="float64", out_dtype="float64"),
     "h8": dict(B=1, H=8, L=1024, S=1024, D=64, E=64, in_dtype="float64", out_dtype="float64"),
-    "h32": dict(B=1, H=32, L=4096, S=4096, D=128, E=128, in_dtype="bfloat16",
-                out_dtype="float32"),
+    "h32": dict(B=1, H=32, L=4096, S=4096, D=128, E=128, in_dtype="bfloat16", out_dtype="float32"),
 }
 SWITCH = {"forward": "EXACT_ENGINE", "vjp": "EXACT_VJP_ENGINE"}
 
@@ -130,8 +129,7 @@ def call(kind, path, q, k, v, grad, out_dtype):
     if kind == "forward":
         if path == "numba":
             return refattn.attention(q, k, v, backend="numba", return_lse=True)
-        return refattn.attention(q, k, v, precision="exact", out_dtype=out_dtype,
-                                 return_lse=True)
+        return refattn.attention(q, k, v, precision="exact", out_dtype=out_dtype, return_lse=True)
     if path == "numba":
         return refattn.attention_vjp(q, k, v, grad, backend="numba")
     return refattn.attention_vjp(q, k, v, grad, precision="exact", out_dtype=out_dtype)
@@ -186,8 +184,9 @@ def exact_run(kind, name, shape, args, arrays):
         with vjp_stats(sink) if kind == "vjp" else contextlib.nullcontext():
             try:
                 with time_limit(args.timeout):
-                    row["s"] = best_of(lambda: call(kind, name, q, k, v, grad, out_dtype),
-                                       args.repeat)
+                    row["s"] = best_of(
+                        lambda: call(kind, name, q, k, v, grad, out_dtype), args.repeat
+                    )
             except RunTimeout:
                 row["timed_out_s"] = args.timeout
                 return row
@@ -220,8 +219,7 @@ def _fmt_seconds(row):
     if row["s"] is not None:
         return f"{row['s']:9.3f} s"
     if "timed_out_s" in row:
-        return (f"timed out after {row['timed_out_s']:.0f} s (estimate "
-                f"{row['estimate_s']:.0f} s)")
+        return f"timed out after {row['timed_out_s']:.0f} s (estimate {row['estimate_s']:.0f} s)"
     return f"skipped (estimate {row['estimate_s']:.0f} s)"
 
 
@@ -231,8 +229,9 @@ def report(kind, result):
     fraction = "n/a" if exact["fallback"] is None else f"{100 * exact['fallback']:.4f} %"
     print(f"  {kind:7s} numba ({result['numba_inputs']}) {numba_s:9.4f} s")
     print(f"  {kind:7s} exact {_fmt_seconds(exact)}   referee fallback {fraction}")
-    print(f"  {kind:7s} old   {_fmt_seconds(old)}" + (f"   ({old['note']})" if "note" in old
-                                                       else ""))
+    print(
+        f"  {kind:7s} old   {_fmt_seconds(old)}" + (f"   ({old['note']})" if "note" in old else "")
+    )
     ratios = {}
     if exact["s"] is not None:
         ratios["exact/numba"] = exact["s"] / numba_s
@@ -246,9 +245,11 @@ def report(kind, result):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
     for letter in "BHLSDE":
         parser.add_argument(f"--{letter}", type=int, help=f"override the preset's {letter}")
@@ -256,12 +257,24 @@ def main(argv=None):
     parser.add_argument("--out-dtype", choices=["float64", "float32", "bfloat16", "float16"])
     parser.add_argument("--which", choices=["forward", "vjp", "both"], default="both")
     parser.add_argument("--repeat", type=int, default=3, help="best of N (default 3)")
-    parser.add_argument("--slice-rows", type=int, default=4,
-                        help="query rows of the slice that estimates an exact run (default 4)")
-    parser.add_argument("--old-budget", type=float, default=120.0,
-                        help="skip an exact run whose estimate exceeds this (s, default 120)")
-    parser.add_argument("--timeout", type=float, default=600.0,
-                        help="abandon one full exact run after this many seconds (default 600)")
+    parser.add_argument(
+        "--slice-rows",
+        type=int,
+        default=4,
+        help="query rows of the slice that estimates an exact run (default 4)",
+    )
+    parser.add_argument(
+        "--old-budget",
+        type=float,
+        default=120.0,
+        help="skip an exact run whose estimate exceeds this (s, default 120)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="abandon one full exact run after this many seconds (default 600)",
+    )
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args(argv)
     shape = dict(PRESETS[args.preset])
@@ -273,10 +286,15 @@ def main(argv=None):
             shape[name] = getattr(args, name)
     load = os.getloadavg()
     cpu = cpu_name()
-    print(f"bench_exact: {cpu}, {os.cpu_count()} cores, load {load[0]:.2f} {load[1]:.2f} "
-          f"{load[2]:.2f}")
-    print("shape " + " ".join(f"{x}={shape[x]}" for x in "BHLSDE")
-          + f" {shape['in_dtype']} -> {shape['out_dtype']}")
+    print(
+        f"bench_exact: {cpu}, {os.cpu_count()} cores, load {load[0]:.2f} {load[1]:.2f} "
+        f"{load[2]:.2f}"
+    )
+    print(
+        "shape "
+        + " ".join(f"{x}={shape[x]}" for x in "BHLSDE")
+        + f" {shape['in_dtype']} -> {shape['out_dtype']}"
+    )
     arrays = inputs(shape)
     kinds = ["forward", "vjp"] if args.which == "both" else [args.which]
     results = {"cpu": cpu, "cores": os.cpu_count(), "load": list(load), "shape": shape}

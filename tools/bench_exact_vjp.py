@@ -73,15 +73,22 @@ def main(argv=None):
     fast_grads = refattn.attention_vjp(q, k, v, do, precision="exact", **opts)
     numba_times, fast_times = [], []
     for _ in range(args.reps):
-        numba_times.append(_timed(lambda: refattn.attention_vjp(
-            q, k, v, do, backend="numba", **opts))[0])
-        fast_times.append(_timed(lambda: refattn.attention_vjp(
-            q, k, v, do, precision="exact", **opts))[0])
+        numba_times.append(
+            _timed(lambda: refattn.attention_vjp(q, k, v, do, backend="numba", **opts))[0]
+        )
+        fast_times.append(
+            _timed(lambda: refattn.attention_vjp(q, k, v, do, precision="exact", **opts))[0]
+        )
     spec = canonicalize(q, k, v, **opts)
     _, heads, _, length, _, _, vdim = spec.dims
     stats = {}
-    exact_vjp(spec, check_cotangent(spec, do, "grad_out", (heads, length, vdim)), None,
-              np.dtype("float64"), stats=stats)
+    exact_vjp(
+        spec,
+        check_cotangent(spec, do, "grad_out", (heads, length, vdim)),
+        None,
+        np.dtype("float64"),
+        stats=stats,
+    )
     report = {
         "shape": f"B{args.batch} H{args.heads} K{kv_heads} L{args.length} S{keys} D{args.dim}",
         "causal": args.causal,
@@ -95,20 +102,21 @@ def main(argv=None):
         "load_average": os.getloadavg(),
     }
     report["ratio"] = report["fast_exact_vjp_s"] / report["numba_float64_vjp_s"]
-    report["ratio_of_minima"] = (report["fast_exact_vjp_min_s"]
-                                 / report["numba_float64_vjp_min_s"])
+    report["ratio_of_minima"] = report["fast_exact_vjp_min_s"] / report["numba_float64_vjp_min_s"]
     if args.referee:
         old = config.EXACT_VJP_ENGINE
         config.EXACT_VJP_ENGINE = "referee"
         try:
-            seconds, grads = _timed(lambda: refattn.attention_vjp(
-                q, k, v, do, precision="exact", **opts))
+            seconds, grads = _timed(
+                lambda: refattn.attention_vjp(q, k, v, do, precision="exact", **opts)
+            )
         finally:
             config.EXACT_VJP_ENGINE = old
         report["referee_exact_vjp_s"] = seconds
         report["referee_bits_equal"] = all(
             np.array_equal(a.view(np.int64), b.view(np.int64))
-            for a, b in zip(fast_grads[:3], grads[:3], strict=True))
+            for a, b in zip(fast_grads[:3], grads[:3], strict=True)
+        )
         report["load_average_after"] = os.getloadavg()
     for key, value in report.items():
         print(f"{key}: {value}")

@@ -40,48 +40,78 @@ def _timed(fn, repeat):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", type=int, nargs=6, default=[1, 2, 256, 256, 64, 64],
-                        metavar=("B", "H", "L", "S", "D", "E"))
-    parser.add_argument("--input", default="float64",
-                        choices=["float64", "float32", "float16", "bfloat16"])
-    parser.add_argument("--out", nargs="+", default=["float64"],
-                        choices=["float64", "float32", "float16", "bfloat16"])
+    parser.add_argument(
+        "--shape",
+        type=int,
+        nargs=6,
+        default=[1, 2, 256, 256, 64, 64],
+        metavar=("B", "H", "L", "S", "D", "E"),
+    )
+    parser.add_argument(
+        "--input", default="float64", choices=["float64", "float32", "float16", "bfloat16"]
+    )
+    parser.add_argument(
+        "--out",
+        nargs="+",
+        default=["float64"],
+        choices=["float64", "float32", "float16", "bfloat16"],
+    )
     parser.add_argument("--repeat", type=int, default=2)
-    parser.add_argument("--referee", action="store_true",
-                        help="also time the old (referee) engine and check bit identity")
+    parser.add_argument(
+        "--referee",
+        action="store_true",
+        help="also time the old (referee) engine and check bit identity",
+    )
     parser.add_argument("--causal", action="store_true", help="causal (bottom-right) masking")
     parser.add_argument("--lse", action="store_true", help="also return the lse")
     args = parser.parse_args(argv)
     batch, heads, length, keys, dim, vdim = args.shape
     rng = np.random.default_rng(0)
     dtype = ml_dtypes.bfloat16 if args.input == "bfloat16" else np.dtype(args.input)
-    q, k, v = (rng.standard_normal(s).astype(dtype) for s in (
-        (batch, heads, length, dim), (batch, heads, keys, dim), (batch, heads, keys, vdim)))
+    q, k, v = (
+        rng.standard_normal(s).astype(dtype)
+        for s in (
+            (batch, heads, length, dim),
+            (batch, heads, keys, dim),
+            (batch, heads, keys, vdim),
+        )
+    )
     wide = [x.astype(np.float64) for x in (q, k, v)]
     opts = dict(causal=args.causal, align="bottom_right") if args.causal else {}
     refattn.attention(*(x[:, :1, :8] for x in wide), backend="numba", **opts)  # compile
-    numba_time, _ = _timed(lambda: refattn.attention(*wide, backend="numba", **opts),
-                           args.repeat)
+    numba_time, _ = _timed(lambda: refattn.attention(*wide, backend="numba", **opts), args.repeat)
     opts["return_lse"] = args.lse
-    print(f"shape B,H,L,S,D,E = {args.shape}, inputs {args.input}, causal {args.causal}; load "
-          f"{os.getloadavg()[0]:.1f}; numba float64 kernel {numba_time * 1e3:.1f} ms")
+    print(
+        f"shape B,H,L,S,D,E = {args.shape}, inputs {args.input}, causal {args.causal}; load "
+        f"{os.getloadavg()[0]:.1f}; numba float64 kernel {numba_time * 1e3:.1f} ms"
+    )
     for out in args.out:
         config.EXACT_ENGINE = "fast"
-        refattn.attention(*(x[:, :1, :8] for x in (q, k, v)), precision="exact",
-                          out_dtype=out, **opts)
-        fast, result = _timed(lambda out=out: refattn.attention(
-            q, k, v, precision="exact", out_dtype=out, **opts), args.repeat)
-        print(f"  exact -> {out}: {fast * 1e3:.1f} ms = {fast / numba_time:.1f}x numba; "
-              f"{fast_attention.fallback_stats()}")
+        refattn.attention(
+            *(x[:, :1, :8] for x in (q, k, v)), precision="exact", out_dtype=out, **opts
+        )
+        fast, result = _timed(
+            lambda out=out: refattn.attention(q, k, v, precision="exact", out_dtype=out, **opts),
+            args.repeat,
+        )
+        print(
+            f"  exact -> {out}: {fast * 1e3:.1f} ms = {fast / numba_time:.1f}x numba; "
+            f"{fast_attention.fallback_stats()}"
+        )
         if args.referee:
             config.EXACT_ENGINE = "referee"
-            slow, reference = _timed(lambda out=out: refattn.attention(
-                q, k, v, precision="exact", out_dtype=out, **opts), 1)
+            slow, reference = _timed(
+                lambda out=out: refattn.attention(
+                    q, k, v, precision="exact", out_dtype=out, **opts
+                ),
+                1,
+            )
             config.EXACT_ENGINE = "fast"
-            same = np.array_equal(np.asarray(result, np.float64),
-                                  np.asarray(reference, np.float64))
-            print(f"  referee -> {out}: {slow:.2f} s = {slow / numba_time:.0f}x numba; "
-                  f"bit-identical: {same}")
+            same = np.array_equal(np.asarray(result, np.float64), np.asarray(reference, np.float64))
+            print(
+                f"  referee -> {out}: {slow:.2f} s = {slow / numba_time:.0f}x numba; "
+                f"bit-identical: {same}"
+            )
     print(f"load after: {os.getloadavg()[0]:.1f}")
 
 

@@ -37,8 +37,15 @@ def bench_generate(suite: str, workers: int, keep: bool) -> dict:
     golden.generate(suite, out, workers=workers, progress=False)
     seconds = time.perf_counter() - start
     problems = golden.verify(out)
-    figures = {"suite": suite, "workers": workers, "cases": len(catalogue.suite(suite)),
-               "seconds": seconds, "bytes": _size(out), "problems": len(problems), "dir": out}
+    figures = {
+        "suite": suite,
+        "workers": workers,
+        "cases": len(catalogue.suite(suite)),
+        "seconds": seconds,
+        "bytes": _size(out),
+        "problems": len(problems),
+        "dir": out,
+    }
     if not keep:
         shutil.rmtree(out)
     return figures
@@ -56,26 +63,42 @@ def slowest(suite: str, count: int) -> list[tuple[float, str]]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--suite", action="append", choices=catalogue.SUITES,
-                        help="suite to time (repeatable; default: smoke and default)")
-    parser.add_argument("--workers", type=int, action="append",
-                        help="worker processes (repeatable; default: 1 and 2)")
-    parser.add_argument("--slowest", type=int, default=0, metavar="N",
-                        help="also list the N slowest cases of each suite")
+    parser.add_argument(
+        "--suite",
+        action="append",
+        choices=catalogue.SUITES,
+        help="suite to time (repeatable; default: smoke and default)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        action="append",
+        help="worker processes (repeatable; default: 1 and 2)",
+    )
+    parser.add_argument(
+        "--slowest",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also list the N slowest cases of each suite",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the generated directories")
     args = parser.parse_args(argv)
     suites = args.suite or ["smoke", "default"]
     workers = args.workers or [1, 2]
-    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
-          f"python {platform.python_version()}")
+    print(
+        f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
+        f"python {platform.python_version()}"
+    )
     print(f"{'suite':8s} {'workers':>7s} {'cases':>6s} {'seconds':>8s} {'MB':>6s} problems")
     status = 0
     for suite in suites:
         for count in workers:
             f = bench_generate(suite, count, args.keep)
-            print(f"{f['suite']:8s} {f['workers']:7d} {f['cases']:6d} {f['seconds']:8.1f} "
-                  f"{f['bytes'] / 1e6:6.2f} {f['problems']}" + (f"  {f['dir']}" if args.keep
-                                                                  else ""))
+            print(
+                f"{f['suite']:8s} {f['workers']:7d} {f['cases']:6d} {f['seconds']:8.1f} "
+                f"{f['bytes'] / 1e6:6.2f} {f['problems']}" + (f"  {f['dir']}" if args.keep else "")
+            )
             status |= f["problems"] > 0
         if args.slowest:
             for seconds, name in slowest(suite, args.slowest):

@@ -21,10 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", default="default")
-    parser.add_argument("--fixtures", default=None, help="fixture directory (default: a "
-                                                         "temporary one)")
-    parser.add_argument("--adapter", action="append", help="adapter name (repeatable; default "
-                                                           "refattn-float64)")
+    parser.add_argument(
+        "--fixtures", default=None, help="fixture directory (default: a temporary one)"
+    )
+    parser.add_argument(
+        "--adapter", action="append", help="adapter name (repeatable; default refattn-float64)"
+    )
     parser.add_argument("--dtype", default="all")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--json", help="write the figures as JSON")
@@ -49,8 +51,11 @@ def main(argv=None) -> int:
         report = validate(name, fixtures=fixtures, dtype=dtype, progress=False)
         seconds = time.perf_counter() - start
         counts = {c: report.counts(c) for c in ("conformance", "robustness")}
-        figures["adapters"][name] = {"seconds": round(seconds, 2), "passed": report.passed,
-                                     "counts": counts}
+        figures["adapters"][name] = {
+            "seconds": round(seconds, 2),
+            "passed": report.passed,
+            "counts": counts,
+        }
         print(f"{name:16s} {seconds:7.2f} s  passed={report.passed}  {counts}", flush=True)
     print(json.dumps(figures, indent=2))
     if args.json:

@@ -50,8 +50,11 @@ def _fixtures(args) -> list:
     if args.fixtures:
         found = golden.load(args.fixtures)
     else:
-        found = (golden.build(c) for c in catalogue.suite(args.suite)
-                 if not patterns or any(fnmatch.fnmatchcase(c.name, p) for p in patterns))
+        found = (
+            golden.build(c)
+            for c in catalogue.suite(args.suite)
+            if not patterns or any(fnmatch.fnmatchcase(c.name, p) for p in patterns)
+        )
     chosen = []
     for fixture in found:
         case = fixture.case if hasattr(fixture, "case") else fixture
@@ -75,8 +78,9 @@ def _without_grades() -> None:
 def _failures(impl, fixtures, tier) -> dict[str, list[str]]:
     """dtype -> names of the conformance cases ``impl`` fails in ``tier`` (verdict fail or
     error; "unsupported" cases, e.g. sinks for kernels without them, are not counted)."""
-    report = validate(impl, fixtures=fixtures, dtype=None, progress=False, tolerance=tier,
-                      diagnose=False)
+    report = validate(
+        impl, fixtures=fixtures, dtype=None, progress=False, tolerance=tier, diagnose=False
+    )
     failed: dict[str, list[str]] = {}
     for result in report.results:
         if result.verdict in ("fail", "error"):
@@ -99,20 +103,33 @@ def _row(name, counts, dtypes, need=None, affects=None):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--fixtures", help="a directory written by refattn-oracle generate")
-    source.add_argument("--suite", default="default",
-                        help="build this suite's fixtures in memory (default: default)")
-    parser.add_argument("--dtype", action="append", choices=DTYPES,
-                        help="only these dtypes (repeatable; default: all)")
+    source.add_argument(
+        "--suite",
+        default="default",
+        help="build this suite's fixtures in memory (default: default)",
+    )
+    parser.add_argument(
+        "--dtype",
+        action="append",
+        choices=DTYPES,
+        help="only these dtypes (repeatable; default: all)",
+    )
     parser.add_argument("--cases", action="append", help="case name patterns (repeatable)")
     parser.add_argument("--kernels", action="append", help="only these kernels (repeatable)")
-    parser.add_argument("--need", type=int, default=5,
-                        help="failures each broken kernel must reach per dtype (default 5)")
-    parser.add_argument("--list", action="store_true",
-                        help="also list the failing cases of each broken kernel")
+    parser.add_argument(
+        "--need",
+        type=int,
+        default=5,
+        help="failures each broken kernel must reach per dtype (default 5)",
+    )
+    parser.add_argument(
+        "--list", action="store_true", help="also list the failing cases of each broken kernel"
+    )
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
@@ -120,8 +137,10 @@ def main(argv=None) -> int:
     fixtures = _fixtures(args)
     dtypes = [d for d in DTYPES if any(f.case.dtype == d for f in fixtures)]
     totals = {d: sum(f.case.dtype == d for f in fixtures) for d in dtypes}
-    print(f"{len(fixtures)} conformance cases ({', '.join(f'{d}: {totals[d]}' for d in dtypes)})"
-          f", loaded in {time.perf_counter() - start:.0f} s")
+    print(
+        f"{len(fixtures)} conformance cases ({', '.join(f'{d}: {totals[d]}' for d in dtypes)})"
+        f", loaded in {time.perf_counter() - start:.0f} s"
+    )
     print("cells: failures in the default tier / in the tight tier")
     print(f"{'kernel':<22}" + "".join(f"{d:>12}" for d in dtypes))
     wanted = set(args.kernels or [*CORRECT, *TILED_BROKEN])
@@ -140,9 +159,11 @@ def main(argv=None) -> int:
         for name, counts in listing:
             for dtype in dtypes:
                 print(f"{name} {dtype}: {' '.join(sorted(counts['tight'].get(dtype, [])))}")
-    print(f"({time.perf_counter() - start:.0f} s; must-reach: broken kernels >= {args.need} "
-          f"failures per affected dtype, narrow accumulators in the tight tier; correct "
-          f"kernels 0 in both tiers)")
+    print(
+        f"({time.perf_counter() - start:.0f} s; must-reach: broken kernels >= {args.need} "
+        f"failures per affected dtype, narrow accumulators in the tight tier; correct "
+        f"kernels 0 in both tiers)"
+    )
     return 0
 
 

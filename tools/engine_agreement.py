@@ -32,7 +32,8 @@ def _same(a, b) -> bool:
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)
     return a.shape == b.shape and bool(
-        ((a == b) & (np.signbit(a) == np.signbit(b)) | (np.isnan(a) & np.isnan(b))).all())
+        ((a == b) & (np.signbit(a) == np.signbit(b)) | (np.isnan(a) & np.isnan(b))).all()
+    )
 
 
 def _spec(case, inputs):
@@ -64,21 +65,31 @@ def _whole(case, inputs) -> list[str]:
     for engine in ("fast", "referee"):
         config.EXACT_ENGINE = config.EXACT_VJP_ENGINE = engine
         for dtype in dict.fromkeys([case.dtype, "float64"]):
-            out, lse = attention(q, k, v, **options, return_lse=True, precision="exact",
-                                 out_dtype=dtype)
+            out, lse = attention(
+                q, k, v, **options, return_lse=True, precision="exact", out_dtype=dtype
+            )
             got[engine, "out", dtype], got[engine, "lse", dtype] = out, lse
             if case.grads:
-                grads = attention_vjp(q, k, v, inputs["grad_out"],
-                                      grad_lse=inputs.get("grad_lse"), **options,
-                                      precision="exact", out_dtype=dtype)
+                grads = attention_vjp(
+                    q,
+                    k,
+                    v,
+                    inputs["grad_out"],
+                    grad_lse=inputs.get("grad_lse"),
+                    **options,
+                    precision="exact",
+                    out_dtype=dtype,
+                )
                 for name in ("dq", "dk", "dv", "dbias", "dsinks"):
                     value = getattr(grads, name, None)
                     if value is not None:
                         got[engine, name, dtype] = value
     config.EXACT_ENGINE = config.EXACT_VJP_ENGINE = "fast"
-    return [f"{name}[{dtype}]" for (engine, name, dtype) in got
-            if engine == "fast" and not _same(got[engine, name, dtype],
-                                              got["referee", name, dtype])]
+    return [
+        f"{name}[{dtype}]"
+        for (engine, name, dtype) in got
+        if engine == "fast" and not _same(got[engine, name, dtype], got["referee", name, dtype])
+    ]
 
 
 def _sampled(case, inputs, planes: int, extra: int) -> tuple[list[str], int]:
@@ -112,11 +123,16 @@ def _sampled(case, inputs, planes: int, extra: int) -> tuple[list[str], int]:
                 if not _same(o[0, 0, 0], out[b, h, i]) or not _same(g[0, 0, 0], lse[b, h, i]):
                     diffs.append(f"out/lse[{dtype}] row {(b, h, i)}")
                 if dq is not None:  # dbias of the one-row spec has the row's own shape
-                    sub = dataclasses.replace(sub, bias_shape=None if sub.bias is None
-                                              else sub.bias.shape)
-                    ref = exact_vjp(sub, do[b:b + 1, h:h + 1, i:i + 1],
-                                    None if dl is None else dl[b:b + 1, h:h + 1, i:i + 1],
-                                    out.dtype, engine="referee")[0]
+                    sub = dataclasses.replace(
+                        sub, bias_shape=None if sub.bias is None else sub.bias.shape
+                    )
+                    ref = exact_vjp(
+                        sub,
+                        do[b : b + 1, h : h + 1, i : i + 1],
+                        None if dl is None else dl[b : b + 1, h : h + 1, i : i + 1],
+                        out.dtype,
+                        engine="referee",
+                    )[0]
                     if not _same(ref[0, 0, 0], dq[b, h, i]):
                         diffs.append(f"dq[{dtype}] row {(b, h, i)}")
     return diffs, count
@@ -141,36 +157,46 @@ def _check(name: str, full_below: int, planes: int, extra: int, sample: str = ""
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", action="append", default=None)
-    parser.add_argument("--full-below", type=int, default=2_000_000,
-                        help="multiply-adds below which a case is compared whole")
+    parser.add_argument(
+        "--full-below",
+        type=int,
+        default=2_000_000,
+        help="multiply-adds below which a case is compared whole",
+    )
     parser.add_argument("--planes", type=int, default=4)
     parser.add_argument("--random-rows", type=int, default=2)
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--match", default="", help="only cases whose name contains this")
-    parser.add_argument("--sample", default="",
-                        help="compare cases whose name contains this on sampled rows only "
-                             "(e.g. grad-gap: the referee's whole vjp takes minutes)")
+    parser.add_argument(
+        "--sample",
+        default="",
+        help="compare cases whose name contains this on sampled rows only "
+        "(e.g. grad-gap: the referee's whole vjp takes minutes)",
+    )
     args = parser.parse_args(argv)
     from oracle import catalogue
 
     names = []
     for suite in args.suite or ["default"]:
         for case in catalogue.suite(suite):
-            if case.function == "attention" and args.match in case.name \
-                    and case.name not in names:
+            if case.function == "attention" and args.match in case.name and case.name not in names:
                 names.append(case.name)
     print(f"{len(names)} attention cases; load {os.getloadavg()[0]:.1f}", flush=True)
     bad = 0
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        futures = [pool.submit(_check, name, args.full_below, args.planes, args.random_rows,
-                               args.sample) for name in names]
+        futures = [
+            pool.submit(_check, name, args.full_below, args.planes, args.random_rows, args.sample)
+            for name in names
+        ]
         for future in futures:
             name, how, diffs, seconds = future.result()
             bad += bool(diffs)
-            print(f"{'DIFF' if diffs else 'same'} {name}: {how}, {seconds:.1f} s"
-                  + (f": {diffs[:5]}" if diffs else ""), flush=True)
-    print(f"{len(names) - bad} of {len(names)} cases identical; load "
-          f"{os.getloadavg()[0]:.1f}")
+            print(
+                f"{'DIFF' if diffs else 'same'} {name}: {how}, {seconds:.1f} s"
+                + (f": {diffs[:5]}" if diffs else ""),
+                flush=True,
+            )
+    print(f"{len(names) - bad} of {len(names)} cases identical; load {os.getloadavg()[0]:.1f}")
     return 1 if bad else 0
 
 

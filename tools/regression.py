@@ -40,21 +40,31 @@ def _impl(name: str):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--fixtures", type=Path, help="directory written by "
-                                                      "`refattn-oracle generate`")
+    source.add_argument(
+        "--fixtures", type=Path, help="directory written by `refattn-oracle generate`"
+    )
     source.add_argument("--suite", help="suite built in memory (default: smoke)")
     parser.add_argument("--impl", choices=sorted(IMPLS), default="numba")
     parser.add_argument("--dtype", default="all", choices=(*DTYPES, "all"))
     parser.add_argument("--grads", action="store_true", help="also check the vjp")
     parser.add_argument("--strict", action="store_true", help="robustness failures fail too")
-    parser.add_argument("--case", action="append", metavar="PATTERN",
-                        help="only cases matching this fnmatch pattern (repeatable)")
-    parser.add_argument("--json", type=Path, help="write the JSON report(s) here "
-                                                  "(one file per dtype: NAME.DTYPE.json)")
+    parser.add_argument(
+        "--case",
+        action="append",
+        metavar="PATTERN",
+        help="only cases matching this fnmatch pattern (repeatable)",
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        help="write the JSON report(s) here (one file per dtype: NAME.DTYPE.json)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
 
@@ -62,12 +72,18 @@ def main(argv=None) -> int:
 
     impl = _impl(args.impl)
     dtypes = DTYPES if args.dtype == "all" else (args.dtype,)
-    source = ({"fixtures": str(args.fixtures)} if args.fixtures
-              else {"suite": args.suite or "smoke"})
+    source = {"fixtures": str(args.fixtures)} if args.fixtures else {"suite": args.suite or "smoke"}
     passed = True
     for dtype in dtypes:
-        report = validate(impl, dtype=dtype, grads=args.grads, strict=args.strict,
-                          progress=not args.quiet, cases=args.case, **source)
+        report = validate(
+            impl,
+            dtype=dtype,
+            grads=args.grads,
+            strict=args.strict,
+            progress=not args.quiet,
+            cases=args.case,
+            **source,
+        )
         if not report.results:
             continue
         print(report.summary(), flush=True)

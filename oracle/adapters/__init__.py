@@ -234,8 +234,12 @@ class Adapter:
             )
         (dtype,) = dtypes
         if dtype.name.startswith("float8") and not self.takes_float8:
-            self.unsupported("q", f"<{dtype.name}>", "no float8 inputs with descale factors "
-                             "(dequantising them here would hand it another problem)")
+            self.unsupported(
+                "q",
+                f"<{dtype.name}>",
+                "no float8 inputs with descale factors "
+                "(dequantising them here would hand it another problem)",
+            )
         spec = canonicalize(q, k, v, **options)
         if spec.empty_rows == "nan" and has_empty_rows(spec):
             self.unsupported(
@@ -272,8 +276,16 @@ def alignment_matters(spec) -> bool:
 
 
 def reject_common(
-    adapter: Adapter, spec, *, softcap=False, window=False, lse=None, return_lse=False,
-    sinks=False, kv_lengths=False, alibi=False
+    adapter: Adapter,
+    spec,
+    *,
+    softcap=False,
+    window=False,
+    lse=None,
+    return_lse=False,
+    sinks=False,
+    kv_lengths=False,
+    alibi=False,
 ) -> None:
     """Raise NotImplementedError for the options most peers lack.
 
@@ -283,8 +295,11 @@ def reject_common(
     masks and ``gqa="tile"`` (with H != K) are never supported.
     """
     if spec.sinks is not None and not sinks:
-        adapter.unsupported("sinks", "<logits>", "no attention-sink option (a logit in every "
-                            "row's normaliser with no value)")
+        adapter.unsupported(
+            "sinks",
+            "<logits>",
+            "no attention-sink option (a logit in every row's normaliser with no value)",
+        )
     if spec.kv_lengths is not None and not kv_lengths:
         adapter.unsupported("kv_lengths", spec.kv_lengths.tolist(), "no per-row key lengths")
     if spec.alibi_slopes is not None and not alibi:

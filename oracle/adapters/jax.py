@@ -67,10 +67,12 @@ class JaxDotProductAttention(Adapter):
         jax.config.update("jax_enable_x64", True)
 
     def _check(self, spec, return_lse):
-        reject_common(self, spec, window=True, lse=True, return_lse=return_lse,
-                      kv_lengths=True)
-        if spec.kv_lengths is not None and spec.align == "bottom_right" and (
-                spec.causal or spec.window is not None):
+        reject_common(self, spec, window=True, lse=True, return_lse=return_lse, kv_lengths=True)
+        if (
+            spec.kv_lengths is not None
+            and spec.align == "bottom_right"
+            and (spec.causal or spec.window is not None)
+        ):
             self.unsupported(
                 "kv_lengths",
                 spec.kv_lengths.tolist(),
@@ -83,8 +85,11 @@ class JaxDotProductAttention(Adapter):
                 f"E={spec.v.shape[-1]} != D={spec.q.shape[-1]}",
                 "value must have the key's shape",
             )
-        if spec.kv_lengths is None and spec.offset != 0 and (
-                spec.causal or spec.window is not None):
+        if (
+            spec.kv_lengths is None
+            and spec.offset != 0
+            and (spec.causal or spec.window is not None)
+        ):
             self.unsupported(
                 "align",
                 spec.align,

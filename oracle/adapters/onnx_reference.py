@@ -136,8 +136,14 @@ class OnnxAttentionBase(Adapter):
 
     def _model_inputs(self, spec, return_lse):
         """(attributes, feeds) for the spec, or NotImplementedError."""
-        reject_common(self, spec, softcap=True, window=self.has_window, return_lse=return_lse,
-                      kv_lengths=self.opset >= 24)
+        reject_common(
+            self,
+            spec,
+            softcap=True,
+            window=self.has_window,
+            return_lse=return_lse,
+            kv_lengths=self.opset >= 24,
+        )
         dtype = spec.q.dtype
         attributes = {}
         if spec.scale is not None:

@@ -46,14 +46,18 @@ class _KernelAdapter(Adapter):
 
         unknown = sorted(set(options) - set(OPTION_NAMES))
         if unknown:
-            raise TypeError(f"{self.name}: unknown option(s) {unknown}; an adapter takes "
-                            f"{', '.join(OPTION_NAMES)}")
+            raise TypeError(
+                f"{self.name}: unknown option(s) {unknown}; an adapter takes "
+                f"{', '.join(OPTION_NAMES)}"
+            )
         options = dict(options)
         return_lse = bool(options.pop("return_lse", False))
         dtypes = {np.asarray(a).dtype for a in (q, k, v)}
         if len(dtypes) != 1:
-            raise TypeError(f"{self.name}: q, k, v must share one dtype, got "
-                            f"{[np.asarray(a).dtype.name for a in (q, k, v)]}")
+            raise TypeError(
+                f"{self.name}: q, k, v must share one dtype, got "
+                f"{[np.asarray(a).dtype.name for a in (q, k, v)]}"
+            )
         return canonicalize(q, k, v, **options), return_lse
 
     def __call__(self, q, k, v, **options):
@@ -83,8 +87,11 @@ class _KernelAdapter(Adapter):
         spec, _ = self._canonical(q, k, v, options)
         _, heads, _, length, _, _, vdim = spec.dims
         do = check_cotangent(spec, grad_out, "grad_out", (heads, length, vdim))
-        dl = None if grad_lse is None else check_cotangent(spec, grad_lse, "grad_lse",
-                                                            (heads, length))
+        dl = (
+            None
+            if grad_lse is None
+            else check_cotangent(spec, grad_lse, "grad_lse", (heads, length))
+        )
         work = fold(spec, alibi_into_bias=True) if needs_fold(spec) else spec
         dq, dk, dv, dbias = self._module().attention_vjp(work, do, dl)
         dsinks = None
@@ -95,12 +102,18 @@ class _KernelAdapter(Adapter):
         if spec.bias is None:
             dbias = None
         if dbias is not None and np.shape(dbias) != spec.bias_shape:
-            dbias = reduce_to(np.asarray(dbias, np.float64).reshape(
-                spec.batch_shape + dbias.shape[1:]), spec.bias_shape)
+            dbias = reduce_to(
+                np.asarray(dbias, np.float64).reshape(spec.batch_shape + dbias.shape[1:]),
+                spec.bias_shape,
+            )
         dtype = output_dtype(q)
-        return (round_to(spec.unflatten(dq), dtype), round_to(spec.unflatten(dk), dtype),
-                round_to(spec.unflatten(dv), dtype), round_to(dbias, dtype),
-                round_to(dsinks, dtype))
+        return (
+            round_to(spec.unflatten(dq), dtype),
+            round_to(spec.unflatten(dk), dtype),
+            round_to(spec.unflatten(dv), dtype),
+            round_to(dbias, dtype),
+            round_to(dsinks, dtype),
+        )
 
 
 class RefattnNumba(_KernelAdapter):
@@ -125,9 +138,11 @@ class RefattnCuda(_KernelAdapter):
         from refattn.kernels import cuda
 
         if not cuda.available():
-            raise ImportError("no CUDA device (numba.cuda.is_available() is False); set "
-                              "NUMBA_ENABLE_CUDASIM=1 before numba is imported to use the "
-                              "simulator")
+            raise ImportError(
+                "no CUDA device (numba.cuda.is_available() is False); set "
+                "NUMBA_ENABLE_CUDASIM=1 before numba is imported to use the "
+                "simulator"
+            )
 
     def _module(self):
         from refattn.kernels import cuda

@@ -77,18 +77,31 @@ class TorchFlexAttention(Adapter):
     def _check(self, spec):
         alibi = spec.alibi_slopes
         if alibi is not None and spec.kv_lengths is not None:
-            self.unsupported("alibi_slopes", "<slopes>", "the adapter's ALiBi score_mod uses "
-                             "one alignment offset; with kv_lengths it is per row")
+            self.unsupported(
+                "alibi_slopes",
+                "<slopes>",
+                "the adapter's ALiBi score_mod uses "
+                "one alignment offset; with kv_lengths it is per row",
+            )
         # ALiBi is a score_mod here (flex's own arithmetic), not a bias folded by the adapter
-        reject_common(self, spec, softcap=True, window=True, lse=True, return_lse=True,
-                      kv_lengths=True, alibi=True)
+        reject_common(
+            self,
+            spec,
+            softcap=True,
+            window=True,
+            lse=True,
+            return_lse=True,
+            kv_lengths=True,
+            alibi=True,
+        )
 
     def _mods(self, spec, bias=None):
         """(score_mod or None, block_mask or None) of the spec, captured tensors on the CPU."""
         batch, heads, length = spec.q.shape[:3]
         keys = spec.k.shape[2]
-        allowed = np.stack([np.stack([spec.allowed(b, h) for h in range(heads)])
-                            for b in range(batch)])
+        allowed = np.stack(
+            [np.stack([spec.allowed(b, h) for h in range(heads)]) for b in range(batch)]
+        )
         block_mask = None
         if not allowed.all():
             table = torch.from_numpy(np.ascontiguousarray(allowed))
@@ -119,8 +132,12 @@ class TorchFlexAttention(Adapter):
 
     def _flex(self, spec, q, k, v, bias, return_lse):
         score_mod, block_mask = self._mods(spec, bias)
-        kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=spec.scale,
-                      enable_gqa=q.shape[1] != k.shape[1])
+        kwargs = dict(
+            score_mod=score_mod,
+            block_mask=block_mask,
+            scale=spec.scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "called without torch.compile()"
             if not return_lse:
@@ -136,8 +153,10 @@ class TorchFlexAttention(Adapter):
             return None
         finite = np.where(np.isneginf(spec.bias), 0.0, spec.bias)  # -inf: in the block mask
         bias = exact_cast(finite, spec.q.dtype, "bias", self.peer)
-        return to_torch(np.ascontiguousarray(np.broadcast_to(bias, spec.bias.shape)),
-                        requires_grad=requires_grad)
+        return to_torch(
+            np.ascontiguousarray(np.broadcast_to(bias, spec.bias.shape)),
+            requires_grad=requires_grad,
+        )
 
     def _forward(self, spec, return_lse):
         self._check(spec)
@@ -158,12 +177,14 @@ class TorchFlexAttention(Adapter):
         spec, _ = self._canonical(q, k, v, options)
         self._check(spec)
         if spec.bias is not None:
-            self.unsupported("bias", "<gradient>", "the adapter gives no dbias (a captured "
-                             "score_mod tensor)")
+            self.unsupported(
+                "bias", "<gradient>", "the adapter gives no dbias (a captured score_mod tensor)"
+            )
         shape = spec.batch_shape
         if spec.single_head or tuple(np.shape(q)[:-3]) != tuple(shape) or len(shape) != 1:
-            self.unsupported("q", f"<shape {np.shape(q)}>", "the adapter's vjp takes 4-D "
-                             "(B, H, L, D) inputs")
+            self.unsupported(
+                "q", f"<shape {np.shape(q)}>", "the adapter's vjp takes 4-D (B, H, L, D) inputs"
+            )
         leaves = [to_torch(np.asarray(a), requires_grad=True) for a in (q, k, v)]
         out, _ = self._flex(spec, *leaves, None, False)
         out.backward(to_torch(np.asarray(grad_out)))

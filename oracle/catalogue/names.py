@@ -8,8 +8,17 @@ Examples
 
 from __future__ import annotations
 
-__all__ = ["DTYPES", "DTYPE_TAGS", "CATEGORIES", "ATTENTION_OPTIONS", "OPTION_NAMES",
-           "ARRAY_OPTIONS", "FP8_DTYPES", "FP8_TRUTH_DTYPES", "FP8_OPTIONS"]
+__all__ = [
+    "DTYPES",
+    "DTYPE_TAGS",
+    "CATEGORIES",
+    "ATTENTION_OPTIONS",
+    "OPTION_NAMES",
+    "ARRAY_OPTIONS",
+    "FP8_DTYPES",
+    "FP8_TRUTH_DTYPES",
+    "FP8_OPTIONS",
+]
 
 #: The case dtypes, widest first (every case is built in each of them).
 DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -19,15 +28,38 @@ DTYPE_TAGS = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": 
 CATEGORIES = ("conformance", "robustness")
 #: Keywords of refattn.attention an implementation under test receives (besides q, k, v).
 ATTENTION_OPTIONS = (
-    "scale", "bias", "mask", "causal", "window", "align", "softcap", "alibi_slopes", "gqa",
-    "dropout_mask", "dropout_p", "empty_rows", "sinks", "kv_lengths", "q_descale", "k_descale",
+    "scale",
+    "bias",
+    "mask",
+    "causal",
+    "window",
+    "align",
+    "softcap",
+    "alibi_slopes",
+    "gqa",
+    "dropout_mask",
+    "dropout_p",
+    "empty_rows",
+    "sinks",
+    "kv_lengths",
+    "q_descale",
+    "k_descale",
     "v_descale",
 )
 #: Keywords of refattn.attention / attention_vjp the catalogue must exercise.
 OPTION_NAMES = ATTENTION_OPTIONS + ("grad_out", "grad_lse")
 #: The array-valued options: built by the catalogue, stored among a fixture's inputs.
-ARRAY_OPTIONS = ("mask", "bias", "dropout_mask", "alibi_slopes", "sinks", "kv_lengths",
-                 "q_descale", "k_descale", "v_descale")
+ARRAY_OPTIONS = (
+    "mask",
+    "bias",
+    "dropout_mask",
+    "alibi_slopes",
+    "sinks",
+    "kv_lengths",
+    "q_descale",
+    "k_descale",
+    "v_descale",
+)
 #: Input formats of the fp8 cases (ml_dtypes names), by recipe value ``fp8``.
 FP8_DTYPES = {"e4m3fn": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 #: Case dtypes (the truth's) of the fp8 cases: FlashAttention 3 returns bfloat16 for float8

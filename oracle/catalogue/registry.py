@@ -25,8 +25,16 @@ import numpy as np
 from . import attention, variants
 from .case import Case
 
-__all__ = ["SUITES", "INPUT_BUILDERS", "suite_names", "suite", "get", "make_inputs",
-           "register_suite", "unregister_suite"]
+__all__ = [
+    "SUITES",
+    "INPUT_BUILDERS",
+    "suite_names",
+    "suite",
+    "get",
+    "make_inputs",
+    "register_suite",
+    "unregister_suite",
+]
 
 #: The built-in (attention) suites; the variants' and registered suites follow them.
 SUITES = attention.SUITES
@@ -41,6 +49,7 @@ INPUT_BUILDERS: dict[str, Callable[[Case], dict[str, np.ndarray]]] = {
 def _variant_suite(name):
     def factory():
         return [c for c in variants.variant_cases() if name in c.suites]
+
     return factory
 
 

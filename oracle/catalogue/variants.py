@@ -155,42 +155,95 @@ def _mixture_n(case: Case) -> int:
 
 
 FUNCTIONS: dict[str, Function] = {
-    "gmm.attention": Function("refattn.gmm", "attention", ("q", "keys", "values"), ("out",),
-                              _mixture_n, 3),
-    "gmm.adapt_keys": Function("refattn.gmm", "adapt_keys", ("queries", "keys0"), ("out",),
-                               lambda c: c.shapes.D + 3 * (c.shapes.L + c.shapes.S) + 12, 3),
-    "gmm.adapt_priors": Function("refattn.gmm", "adapt_priors", ("queries", "keys", "pi0"),
-                                 ("out",),
-                                 lambda c: c.shapes.D + 3 * (c.shapes.L + c.shapes.S) + 12, 3),
-    "mgk.attention": Function("refattn.mgk", "attention", ("q", "keys", "v"), ("out",),
-                              _mixture_n, 3),
+    "gmm.attention": Function(
+        "refattn.gmm", "attention", ("q", "keys", "values"), ("out",), _mixture_n, 3
+    ),
+    "gmm.adapt_keys": Function(
+        "refattn.gmm",
+        "adapt_keys",
+        ("queries", "keys0"),
+        ("out",),
+        lambda c: c.shapes.D + 3 * (c.shapes.L + c.shapes.S) + 12,
+        3,
+    ),
+    "gmm.adapt_priors": Function(
+        "refattn.gmm",
+        "adapt_priors",
+        ("queries", "keys", "pi0"),
+        ("out",),
+        lambda c: c.shapes.D + 3 * (c.shapes.L + c.shapes.S) + 12,
+        3,
+    ),
+    "mgk.attention": Function(
+        "refattn.mgk", "attention", ("q", "keys", "v"), ("out",), _mixture_n, 3
+    ),
     "mgk.linear_attention": Function(
-        "refattn.mgk", "linear_attention", ("q", "keys", "v", "pi"), ("out",),
-        lambda c: 2 * (c.shapes.D + int(c.recipe.get("R", 1)) + c.shapes.S + 4) + 2, 3),
-    "hopfield.retrieve": Function("refattn.hopfield", "retrieve", ("xi", "X"), ("out",),
-                                  _mixture_n, 3),
-    "hopfield.energy": Function("refattn.hopfield", "energy", ("xi", "X"), ("out",),
-                                lambda c: c.shapes.D + c.shapes.S + 6, 2),
-    "meanfield.naive_step": Function("refattn.meanfield", "naive_step", ("m", "J", "x"),
-                                     ("out",), lambda c: c.shapes.L * c.shapes.D + 1, 0),
-    "meanfield.adaptive_tap": Function("refattn.meanfield", "adaptive_tap", ("x", "J"),
-                                       ("means", "cavity_var", "chi_diag"),
-                                       lambda c: 3 * c.shapes.L * c.shapes.D, 2),
-    "meanfield.ising_tap": Function("refattn.meanfield", "ising_tap", ("x", "J"),
-                                    ("means", "cavity_var", "chi_diag"),
-                                    lambda c: 3 * c.shapes.L + 8, 2),
-    "meanfield.deq_attention": Function("refattn.meanfield", "deq_attention", ("x", "J"),
-                                        ("means",), lambda c: 3 * c.shapes.L * c.shapes.D, 2),
+        "refattn.mgk",
+        "linear_attention",
+        ("q", "keys", "v", "pi"),
+        ("out",),
+        lambda c: 2 * (c.shapes.D + int(c.recipe.get("R", 1)) + c.shapes.S + 4) + 2,
+        3,
+    ),
+    "hopfield.retrieve": Function(
+        "refattn.hopfield", "retrieve", ("xi", "X"), ("out",), _mixture_n, 3
+    ),
+    "hopfield.energy": Function(
+        "refattn.hopfield",
+        "energy",
+        ("xi", "X"),
+        ("out",),
+        lambda c: c.shapes.D + c.shapes.S + 6,
+        2,
+    ),
+    "meanfield.naive_step": Function(
+        "refattn.meanfield",
+        "naive_step",
+        ("m", "J", "x"),
+        ("out",),
+        lambda c: c.shapes.L * c.shapes.D + 1,
+        0,
+    ),
+    "meanfield.adaptive_tap": Function(
+        "refattn.meanfield",
+        "adaptive_tap",
+        ("x", "J"),
+        ("means", "cavity_var", "chi_diag"),
+        lambda c: 3 * c.shapes.L * c.shapes.D,
+        2,
+    ),
+    "meanfield.ising_tap": Function(
+        "refattn.meanfield",
+        "ising_tap",
+        ("x", "J"),
+        ("means", "cavity_var", "chi_diag"),
+        lambda c: 3 * c.shapes.L + 8,
+        2,
+    ),
+    "meanfield.deq_attention": Function(
+        "refattn.meanfield",
+        "deq_attention",
+        ("x", "J"),
+        ("means",),
+        lambda c: 3 * c.shapes.L * c.shapes.D,
+        2,
+    ),
 }
 
 
 #: Case-name prefix of each function's cases (``f"{prefix}-*"`` selects exactly them).
 PREFIXES = {
-    "gmm.attention": "gmm-attn", "gmm.adapt_keys": "gmm-keys", "gmm.adapt_priors": "gmm-priors",
-    "mgk.attention": "mgk", "mgk.linear_attention": "mlk",
-    "hopfield.retrieve": "hopfield-retrieve", "hopfield.energy": "hopfield-energy",
-    "meanfield.naive_step": "meanfield-naive", "meanfield.adaptive_tap": "meanfield-atap",
-    "meanfield.ising_tap": "meanfield-ising", "meanfield.deq_attention": "meanfield-deq",
+    "gmm.attention": "gmm-attn",
+    "gmm.adapt_keys": "gmm-keys",
+    "gmm.adapt_priors": "gmm-priors",
+    "mgk.attention": "mgk",
+    "mgk.linear_attention": "mlk",
+    "hopfield.retrieve": "hopfield-retrieve",
+    "hopfield.energy": "hopfield-energy",
+    "meanfield.naive_step": "meanfield-naive",
+    "meanfield.adaptive_tap": "meanfield-atap",
+    "meanfield.ising_tap": "meanfield-ising",
+    "meanfield.deq_attention": "meanfield-deq",
 }
 
 
@@ -229,103 +282,349 @@ def _entries() -> list[_Entry]:
     mix = _mix(1, 2, 6, 10, 8, 8)
     return [
         # --- GMM attention (Movellan & Gabbur eqs. (13)-(14)) ----------------------------------
-        e("gmm.attention", "gmm-attn-basic", small, "one EM step, uniform prior (plain attention)",
-          smoke=_SMOKE, options={"alpha": 0.5, "beta": 0.5, "iters": 1}),
-        e("gmm.attention", "gmm-attn-iters3", mix, "three EM steps, scalar alpha and beta",
-          options={"alpha": 0.25, "beta": 0.5, "iters": 3}),
-        e("gmm.attention", "gmm-attn-magnitude", mix, "magnitude prior (eqs. (15)-(18)), two steps",
-          options={"alpha": 0.125, "beta": 0.25, "prior": "magnitude", "iters": 2}),
-        e("gmm.attention", "gmm-attn-prior-array", mix, "log prior array, v_init, two steps",
-          options={"alpha": 0.25, "beta": 0.5, "iters": 2},
-          recipe={"prior": True, "v_init": True}),
-        e("gmm.attention", "gmm-attn-per-unit", mix, "per-unit alpha and beta arrays (root of eq. "
-          "(12)), two steps", recipe={"alpha": True, "beta": True}, options={"iters": 2}),
-        e("gmm.adapt_keys", "gmm-keys", small, "key adaptation, paper form (eq. (28))",
-          smoke=_SMOKE, options={"alpha": 0.5, "gamma": 1.0, "iters": 1, "form": "paper"}),
-        e("gmm.adapt_keys", "gmm-keys-map", mix, "key adaptation, MAP form, magnitude "
-          "prior, two iterations", options={"alpha": 0.25, "gamma": 0.5, "iters": 2,
-                                             "form": "map", "prior": "magnitude"}),
-        e("gmm.adapt_priors", "gmm-priors", small, "Dirichlet prior adaptation, paper form "
-          "(eq. (33))", smoke=_SMOKE,
-          options={"alpha": 0.5, "eta": 1.0, "iters": 1, "form": "paper"}),
-        e("gmm.adapt_priors", "gmm-priors-map", mix, "prior adaptation, MAP form, three "
-          "iterations", options={"alpha": 0.25, "eta": 2.0, "iters": 3, "form": "map"}),
+        e(
+            "gmm.attention",
+            "gmm-attn-basic",
+            small,
+            "one EM step, uniform prior (plain attention)",
+            smoke=_SMOKE,
+            options={"alpha": 0.5, "beta": 0.5, "iters": 1},
+        ),
+        e(
+            "gmm.attention",
+            "gmm-attn-iters3",
+            mix,
+            "three EM steps, scalar alpha and beta",
+            options={"alpha": 0.25, "beta": 0.5, "iters": 3},
+        ),
+        e(
+            "gmm.attention",
+            "gmm-attn-magnitude",
+            mix,
+            "magnitude prior (eqs. (15)-(18)), two steps",
+            options={"alpha": 0.125, "beta": 0.25, "prior": "magnitude", "iters": 2},
+        ),
+        e(
+            "gmm.attention",
+            "gmm-attn-prior-array",
+            mix,
+            "log prior array, v_init, two steps",
+            options={"alpha": 0.25, "beta": 0.5, "iters": 2},
+            recipe={"prior": True, "v_init": True},
+        ),
+        e(
+            "gmm.attention",
+            "gmm-attn-per-unit",
+            mix,
+            "per-unit alpha and beta arrays (root of eq. (12)), two steps",
+            recipe={"alpha": True, "beta": True},
+            options={"iters": 2},
+        ),
+        e(
+            "gmm.adapt_keys",
+            "gmm-keys",
+            small,
+            "key adaptation, paper form (eq. (28))",
+            smoke=_SMOKE,
+            options={"alpha": 0.5, "gamma": 1.0, "iters": 1, "form": "paper"},
+        ),
+        e(
+            "gmm.adapt_keys",
+            "gmm-keys-map",
+            mix,
+            "key adaptation, MAP form, magnitude prior, two iterations",
+            options={"alpha": 0.25, "gamma": 0.5, "iters": 2, "form": "map", "prior": "magnitude"},
+        ),
+        e(
+            "gmm.adapt_priors",
+            "gmm-priors",
+            small,
+            "Dirichlet prior adaptation, paper form (eq. (33))",
+            smoke=_SMOKE,
+            options={"alpha": 0.5, "eta": 1.0, "iters": 1, "form": "paper"},
+        ),
+        e(
+            "gmm.adapt_priors",
+            "gmm-priors-map",
+            mix,
+            "prior adaptation, MAP form, three iterations",
+            options={"alpha": 0.25, "eta": 2.0, "iters": 3, "form": "map"},
+        ),
         # --- MGK / MLK (Nguyen et al. 2022) ---------------------------------------------------
-        e("mgk.attention", "mgk-soft", small, "soft MGK, R = 2, uniform pi", smoke=_SMOKE,
-          options={"sigma2": 2.0}, recipe={"R": 2}),
-        e("mgk.attention", "mgk-soft-logpi", mix, "soft MGK, R = 2, log_pi array, sigma2 = 4",
-          default=("float64",), options={"sigma2": 4.0}, recipe={"R": 2, "log_pi": True}),
-        e("mgk.attention", "mgk-hard", mix, "hard MGK (N9), R = 2",
-          options={"sigma2": 2.0, "mode": "hard"}, recipe={"R": 2}),
-        e("mgk.attention", "mgk-normalized", mix, "normalized soft MGK, sigma2 per component",
-          options={"normalized": True}, recipe={"R": 2, "sigma2": True}),
-        e("mgk.attention", "mgk-mask", mix, "soft MGK with a random mask (some empty rows)",
-          options={"sigma2": 2.0}, recipe={"R": 2, "mask": True}),
-        e("mgk.attention", "mgk-causal-br", _mix(1, 2, 5, 9, 8, 8),
-          "soft MGK, causal bottom_right, L < S",
-          options={"sigma2": 2.0, "causal": True, "align": "bottom_right"}, recipe={"R": 2}),
-        e("mgk.attention", "mgk-window", mix, "hard MGK, window (3, 1), top_left",
-          options={"sigma2": 2.0, "mode": "hard", "window": (3, 1)}, recipe={"R": 3}),
-        e("mgk.linear_attention", "mlk-basic", small, "linear MLK attention, R = 2",
-          smoke=_SMOKE, recipe={"R": 2}),
-        e("mgk.linear_attention", "mlk-causal", mix, "causal linear MLK attention, R = 3",
-          options={"causal": True}, recipe={"R": 3}),
+        e(
+            "mgk.attention",
+            "mgk-soft",
+            small,
+            "soft MGK, R = 2, uniform pi",
+            smoke=_SMOKE,
+            options={"sigma2": 2.0},
+            recipe={"R": 2},
+        ),
+        e(
+            "mgk.attention",
+            "mgk-soft-logpi",
+            mix,
+            "soft MGK, R = 2, log_pi array, sigma2 = 4",
+            default=("float64",),
+            options={"sigma2": 4.0},
+            recipe={"R": 2, "log_pi": True},
+        ),
+        e(
+            "mgk.attention",
+            "mgk-hard",
+            mix,
+            "hard MGK (N9), R = 2",
+            options={"sigma2": 2.0, "mode": "hard"},
+            recipe={"R": 2},
+        ),
+        e(
+            "mgk.attention",
+            "mgk-normalized",
+            mix,
+            "normalized soft MGK, sigma2 per component",
+            options={"normalized": True},
+            recipe={"R": 2, "sigma2": True},
+        ),
+        e(
+            "mgk.attention",
+            "mgk-mask",
+            mix,
+            "soft MGK with a random mask (some empty rows)",
+            options={"sigma2": 2.0},
+            recipe={"R": 2, "mask": True},
+        ),
+        e(
+            "mgk.attention",
+            "mgk-causal-br",
+            _mix(1, 2, 5, 9, 8, 8),
+            "soft MGK, causal bottom_right, L < S",
+            options={"sigma2": 2.0, "causal": True, "align": "bottom_right"},
+            recipe={"R": 2},
+        ),
+        e(
+            "mgk.attention",
+            "mgk-window",
+            mix,
+            "hard MGK, window (3, 1), top_left",
+            options={"sigma2": 2.0, "mode": "hard", "window": (3, 1)},
+            recipe={"R": 3},
+        ),
+        e(
+            "mgk.linear_attention",
+            "mlk-basic",
+            small,
+            "linear MLK attention, R = 2",
+            smoke=_SMOKE,
+            recipe={"R": 2},
+        ),
+        e(
+            "mgk.linear_attention",
+            "mlk-causal",
+            mix,
+            "causal linear MLK attention, R = 3",
+            options={"causal": True},
+            recipe={"R": 3},
+        ),
         # --- Hopfield (Ramsauer et al.) -------------------------------------------------------
-        e("hopfield.retrieve", "hopfield-retrieve", small, "one retrieval update",
-          smoke=_SMOKE, options={"beta": 0.5, "steps": 1}),
-        e("hopfield.retrieve", "hopfield-retrieve-steps3", mix, "three updates, beta 1/4",
-          options={"beta": 0.25, "steps": 3}),
-        e("hopfield.energy", "hopfield-energy", small, "energy (E), constant 0", smoke=_SMOKE,
-          options={"beta": 0.5}),
-        e("hopfield.energy", "hopfield-energy-constant", mix, "energy with the paper's constant",
-          options={"beta": 2.0, "constant": True}),
+        e(
+            "hopfield.retrieve",
+            "hopfield-retrieve",
+            small,
+            "one retrieval update",
+            smoke=_SMOKE,
+            options={"beta": 0.5, "steps": 1},
+        ),
+        e(
+            "hopfield.retrieve",
+            "hopfield-retrieve-steps3",
+            mix,
+            "three updates, beta 1/4",
+            options={"beta": 0.25, "steps": 3},
+        ),
+        e(
+            "hopfield.energy",
+            "hopfield-energy",
+            small,
+            "energy (E), constant 0",
+            smoke=_SMOKE,
+            options={"beta": 0.5},
+        ),
+        e(
+            "hopfield.energy",
+            "hopfield-energy-constant",
+            mix,
+            "energy with the paper's constant",
+            options={"beta": 2.0, "constant": True},
+        ),
         # --- gradients (grads=True: exact vjps in the fixture; present only for the functions
         # whose module has a ``<function>_vjp``, see vjp_of) ------------------------------------
-        e("mgk.attention", "mgk-soft-grad", small, "vjp of soft MGK, R = 2", smoke=("float64",),
-          options={"sigma2": 2.0}, recipe={"R": 2}, grads=True),
-        e("mgk.attention", "mgk-hard-grad", small, "vjp of hard MGK (ties split equally)",
-          options={"sigma2": 2.0, "mode": "hard"}, recipe={"R": 2}, grads=True),
-        e("mgk.attention", "mgk-mask-grad", small, "vjp of soft MGK with a random mask",
-          options={"sigma2": 2.0}, recipe={"R": 2, "mask": True}, grads=True),
-        e("mgk.linear_attention", "mlk-grad", small, "vjp of linear MLK attention",
-          smoke=("float64",), recipe={"R": 2}, grads=True),
-        e("mgk.linear_attention", "mlk-causal-grad", small, "vjp of causal linear MLK",
-          options={"causal": True}, recipe={"R": 2}, grads=True),
-        e("hopfield.retrieve", "hopfield-retrieve-grad", small, "vjp of one retrieval update",
-          smoke=("float64",), options={"beta": 0.5, "steps": 1}, grads=True),
-        e("hopfield.retrieve", "hopfield-retrieve-steps2-grad", small, "vjp of two updates",
-          options={"beta": 0.25, "steps": 2}, grads=True),
-        e("gmm.attention", "gmm-attn-grad", small, "vjp of one EM step", smoke=("float64",),
-          options={"alpha": 0.5, "beta": 0.5, "iters": 1}, grads=True),
-        e("gmm.attention", "gmm-attn-iters2-grad", small, "vjp of two EM steps",
-          options={"alpha": 0.25, "beta": 0.5, "iters": 2}, grads=True),
-        e("gmm.adapt_keys", "gmm-keys-grad", small, "vjp of key adaptation (eq. (28))",
-          smoke=("float64",), options={"alpha": 0.5, "gamma": 1.0, "iters": 1, "form": "paper"},
-          grads=True),
-        e("gmm.adapt_priors", "gmm-priors-grad", small, "vjp of prior adaptation (eq. (33))",
-          smoke=("float64",), options={"alpha": 0.5, "eta": 1.0, "iters": 1, "form": "paper"},
-          grads=True),
-        e("meanfield.adaptive_tap", "meanfield-atap-grad", _sites(1, 4, 2), "vjp of the "
-          "adaptive TAP means", smoke=("float64",), grads=True),
-        e("meanfield.ising_tap", "meanfield-ising-grad", _sites(1, 5, 1), "vjp of the "
-          "binary-spin TAP means", smoke=("float64",), grads=True),
-        e("meanfield.deq_attention", "meanfield-deq-grad", _sites(1, 4, 2), "vjp of the DEQ "
-          "fixed point", smoke=("float64",), grads=True),
+        e(
+            "mgk.attention",
+            "mgk-soft-grad",
+            small,
+            "vjp of soft MGK, R = 2",
+            smoke=("float64",),
+            options={"sigma2": 2.0},
+            recipe={"R": 2},
+            grads=True,
+        ),
+        e(
+            "mgk.attention",
+            "mgk-hard-grad",
+            small,
+            "vjp of hard MGK (ties split equally)",
+            options={"sigma2": 2.0, "mode": "hard"},
+            recipe={"R": 2},
+            grads=True,
+        ),
+        e(
+            "mgk.attention",
+            "mgk-mask-grad",
+            small,
+            "vjp of soft MGK with a random mask",
+            options={"sigma2": 2.0},
+            recipe={"R": 2, "mask": True},
+            grads=True,
+        ),
+        e(
+            "mgk.linear_attention",
+            "mlk-grad",
+            small,
+            "vjp of linear MLK attention",
+            smoke=("float64",),
+            recipe={"R": 2},
+            grads=True,
+        ),
+        e(
+            "mgk.linear_attention",
+            "mlk-causal-grad",
+            small,
+            "vjp of causal linear MLK",
+            options={"causal": True},
+            recipe={"R": 2},
+            grads=True,
+        ),
+        e(
+            "hopfield.retrieve",
+            "hopfield-retrieve-grad",
+            small,
+            "vjp of one retrieval update",
+            smoke=("float64",),
+            options={"beta": 0.5, "steps": 1},
+            grads=True,
+        ),
+        e(
+            "hopfield.retrieve",
+            "hopfield-retrieve-steps2-grad",
+            small,
+            "vjp of two updates",
+            options={"beta": 0.25, "steps": 2},
+            grads=True,
+        ),
+        e(
+            "gmm.attention",
+            "gmm-attn-grad",
+            small,
+            "vjp of one EM step",
+            smoke=("float64",),
+            options={"alpha": 0.5, "beta": 0.5, "iters": 1},
+            grads=True,
+        ),
+        e(
+            "gmm.attention",
+            "gmm-attn-iters2-grad",
+            small,
+            "vjp of two EM steps",
+            options={"alpha": 0.25, "beta": 0.5, "iters": 2},
+            grads=True,
+        ),
+        e(
+            "gmm.adapt_keys",
+            "gmm-keys-grad",
+            small,
+            "vjp of key adaptation (eq. (28))",
+            smoke=("float64",),
+            options={"alpha": 0.5, "gamma": 1.0, "iters": 1, "form": "paper"},
+            grads=True,
+        ),
+        e(
+            "gmm.adapt_priors",
+            "gmm-priors-grad",
+            small,
+            "vjp of prior adaptation (eq. (33))",
+            smoke=("float64",),
+            options={"alpha": 0.5, "eta": 1.0, "iters": 1, "form": "paper"},
+            grads=True,
+        ),
+        e(
+            "meanfield.adaptive_tap",
+            "meanfield-atap-grad",
+            _sites(1, 4, 2),
+            "vjp of the adaptive TAP means",
+            smoke=("float64",),
+            grads=True,
+        ),
+        e(
+            "meanfield.ising_tap",
+            "meanfield-ising-grad",
+            _sites(1, 5, 1),
+            "vjp of the binary-spin TAP means",
+            smoke=("float64",),
+            grads=True,
+        ),
+        e(
+            "meanfield.deq_attention",
+            "meanfield-deq-grad",
+            _sites(1, 4, 2),
+            "vjp of the DEQ fixed point",
+            smoke=("float64",),
+            grads=True,
+        ),
         # --- mean field (Bal 2021) ------------------------------------------------------------
-        e("meanfield.naive_step", "meanfield-naive", _sites(2, 4, 2), "one naive update "
-          "(eq. (23) without correction), self-couplings kept", smoke=_SMOKE,
-          recipe={"diagonal": True}),
-        e("meanfield.adaptive_tap", "meanfield-atap", _sites(2, 4, 2), "adaptive TAP, Gaussian "
-          "prior, site reading", smoke=_SMOKE),
-        e("meanfield.adaptive_tap", "meanfield-atap-prior", _sites(1, 3, 2), "adaptive TAP with "
-          "a prior precision matrix", recipe={"prior_precision": True}),
-        e("meanfield.ising_tap", "meanfield-ising", _sites(2, 5, 1), "binary-spin TAP",
-          smoke=_SMOKE),
-        e("meanfield.deq_attention", "meanfield-deq", _sites(2, 4, 2), "deep implicit attention "
-          "fixed point without correction", smoke=_SMOKE),
-        e("meanfield.deq_attention", "meanfield-deq-keep", _sites(1, 5, 2), "DEQ fixed point, "
-          "self-couplings kept (diagonal='keep')", options={"diagonal": "keep"},
-          recipe={"diagonal": True}),
+        e(
+            "meanfield.naive_step",
+            "meanfield-naive",
+            _sites(2, 4, 2),
+            "one naive update (eq. (23) without correction), self-couplings kept",
+            smoke=_SMOKE,
+            recipe={"diagonal": True},
+        ),
+        e(
+            "meanfield.adaptive_tap",
+            "meanfield-atap",
+            _sites(2, 4, 2),
+            "adaptive TAP, Gaussian prior, site reading",
+            smoke=_SMOKE,
+        ),
+        e(
+            "meanfield.adaptive_tap",
+            "meanfield-atap-prior",
+            _sites(1, 3, 2),
+            "adaptive TAP with a prior precision matrix",
+            recipe={"prior_precision": True},
+        ),
+        e(
+            "meanfield.ising_tap",
+            "meanfield-ising",
+            _sites(2, 5, 1),
+            "binary-spin TAP",
+            smoke=_SMOKE,
+        ),
+        e(
+            "meanfield.deq_attention",
+            "meanfield-deq",
+            _sites(2, 4, 2),
+            "deep implicit attention fixed point without correction",
+            smoke=_SMOKE,
+        ),
+        e(
+            "meanfield.deq_attention",
+            "meanfield-deq-keep",
+            _sites(1, 5, 2),
+            "DEQ fixed point, self-couplings kept (diagonal='keep')",
+            options={"diagonal": "keep"},
+            recipe={"diagonal": True},
+        ),
     ]
 
 
@@ -343,15 +642,27 @@ def _expand(entry: _Entry) -> list[Case]:
     for dtype in DTYPES:
         in_smoke = dtype in entry.smoke
         in_default = in_smoke or dtype in entry.default
-        suites = tuple(s for s, member in zip(SUITES, (in_smoke, in_default), strict=True)
-                       if member)
+        suites = tuple(
+            s for s, member in zip(SUITES, (in_smoke, in_default), strict=True) if member
+        )
         if not suites:
             continue
         name = f"{entry.tag}-{_tag(entry.shapes, entry.function)}-{DTYPE_TAGS[dtype]}"
-        out.append(Case(name=name, suites=suites, category="conformance", dtype=dtype,
-                        shapes=entry.shapes, options=dict(entry.options),
-                        recipe=dict(entry.recipe), seed=seed_of(name), grads=entry.grads,
-                        description=entry.description, function=entry.function))
+        out.append(
+            Case(
+                name=name,
+                suites=suites,
+                category="conformance",
+                dtype=dtype,
+                shapes=entry.shapes,
+                options=dict(entry.options),
+                recipe=dict(entry.recipe),
+                seed=seed_of(name),
+                grads=entry.grads,
+                description=entry.description,
+                function=entry.function,
+            )
+        )
     return out
 
 
@@ -373,6 +684,7 @@ def variant_cases() -> list[Case]:
 # ---------------------------------------------------------------------------------------------
 # Inputs
 # ---------------------------------------------------------------------------------------------
+
 
 def _distribution(stream, name, shape) -> np.ndarray:
     """Dyadic distributions over the last axis that sum to exactly 1 in every dtype.
@@ -438,11 +750,11 @@ def _inputs64(case: Case) -> dict[str, np.ndarray]:
             import mpmath
 
             pi = _distribution(st, "pi", (b, H, S, R))
-            out["log_pi"] = np.vectorize(lambda p: float(mpmath.log(mpmath.mpf(p))),
-                                         otypes=[np.float64])(pi)
+            out["log_pi"] = np.vectorize(
+                lambda p: float(mpmath.log(mpmath.mpf(p))), otypes=[np.float64]
+            )(pi)
         if recipe.get("sigma2"):
-            out["sigma2"] = np.ldexp(1.0, (st.uniform("sigma2", (b, H, S, R)) * 4).astype(int)
-                                     - 1)
+            out["sigma2"] = np.ldexp(1.0, (st.uniform("sigma2", (b, H, S, R)) * 4).astype(int) - 1)
         if recipe.get("mask"):
             mask = st.bernoulli("mask", (b, H, L, S), Fraction(3, 4))
             mask[:, :, 1::4, :] = False  # every fourth row empty: its output is 0
@@ -460,7 +772,8 @@ def _inputs64(case: Case) -> dict[str, np.ndarray]:
         if recipe.get("prior_precision"):
             # symmetric positive definite, dyadic entries (exact in every dtype)
             out["prior_precision"] = np.diag(np.full(D, 2.0)) + np.ldexp(
-                np.ones((D, D)) - np.eye(D), -1)
+                np.ones((D, D)) - np.eye(D), -1
+            )
     elif fn == "meanfield.ising_tap":
         out["x"] = st.gaussian("x", (b, L))
         J = _couplings(st, (L, L), keep_diagonal=False)
@@ -490,13 +803,16 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
         forward = call_refattn(case, raw)
         shape = np.shape(forward[FUNCTIONS[case.function].outputs[0]])
         raw["grad_out"] = Streams(case.seed).gaussian("grad_out", shape)
-    return {name: (x if name in BOOL_INPUTS else seeding.to_dtype(x, case.dtype))
-            for name, x in raw.items()}
+    return {
+        name: (x if name in BOOL_INPUTS else seeding.to_dtype(x, case.dtype))
+        for name, x in raw.items()
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # Truth
 # ---------------------------------------------------------------------------------------------
+
 
 def _function(case: Case):
     import importlib
@@ -575,12 +891,12 @@ def truth(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]
     dtypes = [case.dtype] if case.dtype == "float64" else [case.dtype, "float64"]
     for dtype in dtypes:
         suffix = "" if dtype == case.dtype else "_f64"
-        for name, value in call_refattn(case, inputs, precision="exact",
-                                        out_dtype=dtype).items():
+        for name, value in call_refattn(case, inputs, precision="exact", out_dtype=dtype).items():
             result[name + suffix] = np.asarray(value)
         if case.grads:
-            for name, value in call_refattn_vjp(case, inputs, precision="exact",
-                                                out_dtype=dtype).items():
+            for name, value in call_refattn_vjp(
+                case, inputs, precision="exact", out_dtype=dtype
+            ).items():
                 result[name + suffix] = np.asarray(value)
     if case.dtype == "float64":
         for name in list(result):

@@ -82,7 +82,8 @@ def _score_terms(spec, b, h):
         extra += np.abs(alibi)
     cap = 0.0 if spec.softcap is None else spec.softcap
     delta = gamma(dim + 2) * abs(spec.scale_float) * (np.abs(q) @ np.abs(k).T) + gamma(4) * (
-        np.abs(scores) + extra + cap)
+        np.abs(scores) + extra + cap
+    )
     delta = np.where(allowed, delta, 0.0)
     if spec.sinks is not None:  # the sink: an exact, always-allowed logit with no value
         column = np.full((scores.shape[0], 1), spec.sinks[h])
@@ -109,8 +110,11 @@ def _weights(scores, allowed, delta):
     with np.errstate(divide="ignore"):  # empty rows: lse = -inf, no weights
         lse = top[:, 0] + np.log(total[:, 0])
     finite = np.isfinite(lse)
-    lse_err = np.where(finite, delta.max(axis=1) + gamma(keys + 3) + UNIT_ROUNDOFF * np.abs(
-        np.where(finite, lse, 0.0)), 0.0)
+    lse_err = np.where(
+        finite,
+        delta.max(axis=1) + gamma(keys + 3) + UNIT_ROUNDOFF * np.abs(np.where(finite, lse, 0.0)),
+        0.0,
+    )
     # w = e^{t - m} / (1 + s): the numerator errs by delta + gamma_2 (1 + |t - m|), the
     # denominator by the p-weighted mean of the same plus gamma_{S+2} (sum and division)
     own = np.where(allowed, delta + gamma(2) * (1 + np.abs(scores - top)), 0.0)
@@ -144,7 +148,8 @@ def _beyond_range_rows(spec, b, h, kept, v_abs, keep, out_b, lse_b):
         return
     top = np.where(kept[rows][:, :, None], v_abs[None], 0.0).max(axis=1, initial=0.0)
     out_b[b, h][rows] = (2 + gamma(kept.shape[1] + 2)) * keep * top + _underflow_term(
-        kept[rows], v_abs, keep)
+        kept[rows], v_abs, keep
+    )
     lse_b[b, h][rows] = np.inf
 
 
@@ -161,8 +166,11 @@ def float64_forward_bound(q, k, v, **options):
     out_bound, lse_bound : ndarrays
         ``|float64 - exact| <= bound`` elementwise for finite inputs (see the module notes).
     """
-    options = {k_: v_ for k_, v_ in options.items()
-               if k_ not in ("precision", "out_dtype", "return_lse", "return_weights", "backend")}
+    options = {
+        k_: v_
+        for k_, v_ in options.items()
+        if k_ not in ("precision", "out_dtype", "return_lse", "return_weights", "backend")
+    }
     spec = canonicalize(q, k, v, **options)
     batch, heads, _, length, keys, _, vdim = spec.dims
     out_b = np.zeros((batch, heads, length, vdim))
@@ -202,16 +210,22 @@ def float64_vjp_bound(q, k, v, grad_out, *, grad_lse=None, **options):
     product) and the sums over rows and batch by ``gamma_{L+B}`` of the terms' magnitudes
     ``w_sink (|g| + |Delta|)``.
     """
-    options = {k_: v_ for k_, v_ in options.items()
-               if k_ not in ("precision", "out_dtype", "backend")}
+    options = {
+        k_: v_ for k_, v_ in options.items() if k_ not in ("precision", "out_dtype", "backend")
+    }
     spec = canonicalize(q, k, v, **options)
     batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
     do_all = np.asarray(grad_out, np.float64).reshape(batch, heads, length, vdim)
-    g_all = None if grad_lse is None else np.asarray(grad_lse, np.float64).reshape(
-        batch, heads, length)
+    g_all = (
+        None if grad_lse is None else np.asarray(grad_lse, np.float64).reshape(batch, heads, length)
+    )
     group = heads // kv_heads
-    bounds = [np.zeros((batch, heads, length, dim)), np.zeros((batch, kv_heads, keys, dim)),
-              np.zeros((batch, kv_heads, keys, vdim)), np.zeros((batch, heads, length, keys))]
+    bounds = [
+        np.zeros((batch, heads, length, dim)),
+        np.zeros((batch, kv_heads, keys, dim)),
+        np.zeros((batch, kv_heads, keys, vdim)),
+        np.zeros((batch, heads, length, keys)),
+    ]
     keep = 1.0 / (1.0 - spec.dropout_p)
     sink_err, sink_abs = np.zeros(heads), np.zeros(heads)
     for b in range(batch):
@@ -220,8 +234,9 @@ def float64_vjp_bound(q, k, v, grad_out, *, grad_lse=None, **options):
             scores, allowed, delta, raw = _score_terms(spec, b, h)
             w, rho, lse_err = _weights(scores, allowed, delta)
             w_sink = None if spec.sinks is None else w[:, keys]
-            w, rho, allowed, scores, delta, raw = _keys_only(keys, w, rho, allowed, scores,
-                                                              delta, raw)
+            w, rho, allowed, scores, delta, raw = _keys_only(
+                keys, w, rho, allowed, scores, delta, raw
+            )
             kept = allowed if spec.dropout_mask is None else allowed & spec.dropout_mask[b, h]
             q_ = np.abs(np.asarray(spec.q[b, h], np.float64))
             k_ = np.abs(np.asarray(spec.k[b, g], np.float64))
@@ -237,12 +252,16 @@ def float64_vjp_bound(q, k, v, grad_out, *, grad_lse=None, **options):
             inner = dp_abs + delta_abs + g_abs
             ds_abs = w * inner
             ds_err = np.where(
-                allowed, w * rho * inner + w * (dp_err + delta_err + gamma(3) * inner), 0.0)
+                allowed, w * rho * inner + w * (dp_err + delta_err + gamma(3) * inner), 0.0
+            )
             # gradual underflow (absolute, eta = 2**-1074 per rounding; see _underflow_term):
             # products in dP and Delta, the weights themselves (4 eta each), the final sums
             bounds[2][b, g] += ETA * (4 * keep * (kept.T.astype(float) @ do) + length + 2)
-            ds_eta = np.where(allowed, w * (2 * (vdim + 2) * keep + keys + 2) * ETA
-                              + 4 * ETA * inner + 3 * ETA, 0.0)
+            ds_eta = np.where(
+                allowed,
+                w * (2 * (vdim + 2) * keep + keys + 2) * ETA + 4 * ETA * inner + 3 * ETA,
+                0.0,
+            )
             ds_err = ds_err + ds_eta
             bounds[3][b, h] = ds_err
             if w_sink is not None:
@@ -258,10 +277,10 @@ def float64_vjp_bound(q, k, v, grad_out, *, grad_lse=None, **options):
                 factor_err = 2 * delta_raw / spec.softcap + gamma(4)
                 ds_err = ds_err + ds_abs * factor_err + ETA
             s = abs(spec.scale_float)
-            bounds[0][b, h] = s * (ds_err @ k_ + gamma(keys + 2) * ds_abs @ k_) + (
-                keys + 2) * ETA
-            bounds[1][b, g] += s * (ds_err.T @ q_ + gamma(group * length + 2) * ds_abs.T @ q_) + (
-                length + 2) * ETA
+            bounds[0][b, h] = s * (ds_err @ k_ + gamma(keys + 2) * ds_abs @ k_) + (keys + 2) * ETA
+            bounds[1][b, g] += (
+                s * (ds_err.T @ q_ + gamma(group * length + 2) * ds_abs.T @ q_) + (length + 2) * ETA
+            )
     result = tuple(spec.unflatten(x) for x in bounds)
     if spec.sinks is not None:
         result += (sink_err + gamma(length + batch) * sink_abs,)
@@ -280,8 +299,21 @@ def _heads(x, name):
     return x if x.ndim > 2 else x[None]
 
 
-def grad_scales(q, k, v, grad_out, weights, dropped, *, grad_lse=None, scale=None, bias=None,
-                gqa="interleave", sink_weights=None, **_ignored) -> dict:
+def grad_scales(
+    q,
+    k,
+    v,
+    grad_out,
+    weights,
+    dropped,
+    *,
+    grad_lse=None,
+    scale=None,
+    bias=None,
+    gqa="interleave",
+    sink_weights=None,
+    **_ignored,
+) -> dict:
     """Natural scales of dq, dk, dv, dbias, shaped like them: the gradients' sums taken over
     absolute values (non-finite inputs count as 0),
 
@@ -323,8 +355,11 @@ def grad_scales(q, k, v, grad_out, weights, dropped, *, grad_lse=None, scale=Non
     dq = s * np.matmul(g, expand_kv(_finite_abs(k3), heads, gqa))
     dk = fold_kv(s * np.matmul(np.swapaxes(g, -1, -2), _finite_abs(q3)), kv_heads, gqa)
     dv = fold_kv(np.matmul(np.swapaxes(_finite_abs(dropped), -1, -2), d_out), kv_heads, gqa)
-    scales = {"dq": reduce_to(dq, np.shape(q)), "dk": reduce_to(dk, np.shape(k)),
-              "dv": reduce_to(dv, np.shape(v))}
+    scales = {
+        "dq": reduce_to(dq, np.shape(q)),
+        "dk": reduce_to(dk, np.shape(k)),
+        "dv": reduce_to(dv, np.shape(v)),
+    }
     if bias is not None:
         scales["dbias"] = reduce_to(g, np.shape(bias))
     if sink_weights is not None:

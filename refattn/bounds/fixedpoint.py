@@ -29,9 +29,16 @@ def fixed_point_forward_bound(residual_norm, inverse_norm, rounding_scale, n, dt
     return float(inverse_norm) * (float(residual_norm) + gamma(n, dtype) * float(rounding_scale))
 
 
-
-def implicit_vjp_bound(adjoint_residual, inverse_norm, adjoint_scale, n, *, state_error=0.0,
-                       sensitivity=0.0, dtype="float64"):
+def implicit_vjp_bound(
+    adjoint_residual,
+    inverse_norm,
+    adjoint_scale,
+    n,
+    *,
+    state_error=0.0,
+    sensitivity=0.0,
+    dtype="float64",
+):
     """Bound on ``||u - u*||`` for the adjoint ``u*`` of an implicit vector-Jacobian product.
 
     The adjoint solves ``A(z*)^T u* = g`` (``A = I - f'`` for a fixed point ``z* = f(z*)``, or
@@ -50,5 +57,6 @@ def implicit_vjp_bound(adjoint_residual, inverse_norm, adjoint_scale, n, *, stat
     >>> bool(implicit_vjp_bound(0.0, 2.0, 1.0, 3) == fixed_point_forward_bound(0.0, 2.0, 1.0, 3))
     True
     """
-    return fixed_point_forward_bound(adjoint_residual, inverse_norm, adjoint_scale, n, dtype) \
-        + float(inverse_norm) * float(sensitivity) * float(state_error)
+    return fixed_point_forward_bound(
+        adjoint_residual, inverse_norm, adjoint_scale, n, dtype
+    ) + float(inverse_norm) * float(sensitivity) * float(state_error)

@@ -146,17 +146,31 @@ def online_backward_bound(spec, weights, grad_out, grad_lse, dtype, chunks):
     batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
     group = heads // kv_heads
     big = float(mags.max(initial=0.0))
-    theta = (4 * gamma(dim + 4, dtype) * (big + 1) + 2 * gamma(max(vdim, 1), dtype)
-             + gamma(dim, dtype) + 2 * gamma(keys + 8, dtype)
-             + 2 * gamma(length * group + chunks + 8, dtype) + gamma(16, dtype))
+    theta = (
+        4 * gamma(dim + 4, dtype) * (big + 1)
+        + 2 * gamma(max(vdim, 1), dtype)
+        + gamma(dim, dtype)
+        + 2 * gamma(keys + 8, dtype)
+        + 2 * gamma(length * group + chunks + 8, dtype)
+        + gamma(16, dtype)
+    )
     pre = np.abs(np.nan_to_num(weights, nan=0.0))
     if spec.bias is not None:
         bias = np.asarray(spec.bias, np.float64)
     else:
         bias = None
-    scales = grad_scales(np.asarray(spec.q, np.float64), np.asarray(spec.k, np.float64),
-                         np.asarray(spec.v, np.float64), grad_out, pre, dropped,
-                         grad_lse=grad_lse, scale=spec.scale_float, bias=bias, gqa=spec.gqa)
+    scales = grad_scales(
+        np.asarray(spec.q, np.float64),
+        np.asarray(spec.k, np.float64),
+        np.asarray(spec.v, np.float64),
+        grad_out,
+        pre,
+        dropped,
+        grad_lse=grad_lse,
+        scale=spec.scale_float,
+        bias=bias,
+        gqa=spec.gqa,
+    )
     bounds = {name: theta * value for name, value in scales.items()}
     under = _backward_underflow(spec, weights, grad_out, grad_lse, dtype, chunks)
     bounds = {name: value + under[name] for name, value in bounds.items()}
@@ -176,11 +190,16 @@ def _backward_underflow(spec, weights, grad_out, grad_lse, dtype, chunks):
     batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
     eta, keep, scale = _eta(dtype), 1.0 / (1.0 - spec.dropout_p), abs(spec.scale_float)
     grad_out = np.reshape(grad_out, (batch, heads, length, vdim))
-    glse = (np.zeros((batch, heads, length)) if grad_lse is None
-            else _finite_abs(np.reshape(grad_lse, (batch, heads, length))))
-    under = {"dq": np.zeros((batch, heads, length, dim)),
-             "dk": np.zeros((batch, kv_heads, keys, dim)),
-             "dv": np.zeros((batch, kv_heads, keys, vdim))}
+    glse = (
+        np.zeros((batch, heads, length))
+        if grad_lse is None
+        else _finite_abs(np.reshape(grad_lse, (batch, heads, length)))
+    )
+    under = {
+        "dq": np.zeros((batch, heads, length, dim)),
+        "dk": np.zeros((batch, kv_heads, keys, dim)),
+        "dv": np.zeros((batch, kv_heads, keys, vdim)),
+    }
     if spec.bias is not None:
         under["dbias"] = np.zeros((batch, heads, length, keys))
     for b in range(batch):
@@ -191,11 +210,11 @@ def _backward_underflow(spec, weights, grad_out, grad_lse, dtype, chunks):
             d_p = keep * d_out @ _finite_abs(spec.v[b, g]).T
             w = _finite_abs(weights[b, h])
             delta = (w * d_p).sum(axis=1, keepdims=True) + glse[b, h][:, None]
-            ds = np.where(allowed, eta * (4 * (d_p + delta) + w * (2 * vdim + 4) * keep + 4),
-                          0.0)
+            ds = np.where(allowed, eta * (4 * (d_p + delta) + w * (2 * vdim + 4) * keep + 4), 0.0)
             under["dq"][b, h] = scale * ds @ _finite_abs(spec.k[b, g]) + eta * (keys + 8)
             under["dk"][b, g] += scale * ds.T @ _finite_abs(spec.q[b, h]) + eta * (
-                length + chunks + 8)
+                length + chunks + 8
+            )
             under["dv"][b, g] += 4 * eta * keep * kept.T @ d_out + eta * (length + chunks + 8)
             if "dbias" in under:
                 under["dbias"][b, h] = ds

@@ -15,8 +15,14 @@ import numpy as np
 
 from .unit import gamma, unit_roundoff
 
-__all__ = ["logit_lse_bound", "mixture_bound", "iterated_bound", "ratio_bound",
-           "mgk_vjp_bound", "mlk_vjp_bound"]
+__all__ = [
+    "logit_lse_bound",
+    "mixture_bound",
+    "iterated_bound",
+    "ratio_bound",
+    "mgk_vjp_bound",
+    "mlk_vjp_bound",
+]
 
 
 def logit_lse_bound(term_scale, n, dim, lse_magnitude=0.0, dtype="float64"):
@@ -30,8 +36,9 @@ def logit_lse_bound(term_scale, n, dim, lse_magnitude=0.0, dtype="float64"):
     >>> bool(logit_lse_bound(0.0, 1, 0) == gamma(5))
     True
     """
-    return (gamma(dim + 2, dtype) * float(term_scale)
-            + gamma(n + 4, dtype) * (1.0 + abs(float(lse_magnitude))))
+    return gamma(dim + 2, dtype) * float(term_scale) + gamma(n + 4, dtype) * (
+        1.0 + abs(float(lse_magnitude))
+    )
 
 
 def mixture_bound(term_scale, n, dim, value_scale, dtype="float64"):
@@ -46,8 +53,9 @@ def mixture_bound(term_scale, n, dim, value_scale, dtype="float64"):
     >>> bool(mixture_bound(0.0, 1, 0, 1.0) == gamma(13))
     True
     """
-    return float(value_scale) * (4 * gamma(dim + 2, dtype) * float(term_scale)
-                                 + gamma(3 * n + 10, dtype))
+    return float(value_scale) * (
+        4 * gamma(dim + 2, dtype) * float(term_scale) + gamma(3 * n + 10, dtype)
+    )
 
 
 def iterated_bound(step_bound, lipschitz, iters):
@@ -78,16 +86,19 @@ def _mgk_term_scale(q, keys, sigma2, log_pi, normalized):
     reach = (np.abs(q).max(initial=0.0) + np.abs(keys).max(initial=0.0)) ** 2 * dim
     scale = reach / (2 * float(s2.min()))
     if normalized:
-        scale += dim * max(abs(math.log(2 * math.pi * float(s2.min()))),
-                           abs(math.log(2 * math.pi * float(s2.max()))))
+        scale += dim * max(
+            abs(math.log(2 * math.pi * float(s2.min()))),
+            abs(math.log(2 * math.pi * float(s2.max()))),
+        )
     if log_pi is not None:
         finite = np.asarray(log_pi, dtype=np.float64)
         scale += float(np.abs(finite[np.isfinite(finite)]).max(initial=0.0))
     return scale + math.log(keys.shape[-2])
 
 
-def mgk_vjp_bound(q, keys, v, grad_out, *, sigma2=1.0, log_pi=None, normalized=False,
-                  dtype="float64"):
+def mgk_vjp_bound(
+    q, keys, v, grad_out, *, sigma2=1.0, log_pi=None, normalized=False, dtype="float64"
+):
     """First-order bound on the float64 error of :func:`refattn.mgk.attention_vjp`, per element.
 
     With ``T`` the term scale of the component terms (every term and score is at most ``T``
@@ -125,16 +136,22 @@ def mgk_vjp_bound(q, keys, v, grad_out, *, sigma2=1.0, log_pi=None, normalized=F
     e_s = gamma(dim + 2, dtype) * term + gamma(comps + 4, dtype) * (1 + term)
     e_w = 2 * (2 * e_s + gamma(units + 3, dtype) + 4 * u * term)
     e_rho = 2 * (2 * e_s + gamma(comps + 3, dtype) + 4 * u * term)
-    eps = (2 * e_w + 2 * e_rho + gamma(v.shape[-1], dtype) + gamma(units + 2, dtype)
-           + gamma(units * comps + length + dim + 4, dtype) + 3 * u)
+    eps = (
+        2 * e_w
+        + 2 * e_rho
+        + gamma(v.shape[-1], dtype)
+        + gamma(units + 2, dtype)
+        + gamma(units * comps + length + dim + 4, dtype)
+        + 3 * u
+    )
     s2 = np.broadcast_to(np.asarray(sigma2, dtype=np.float64), keys.shape[:-1])
     top = (np.abs(g) @ np.swapaxes(np.abs(v), -1, -2)).max(axis=-1)  # M_i (..., L)
-    reach = np.abs(q[..., :, None, None, :] - keys[..., None, :, :, :]) / s2[..., None, :, :,
-                                                                                None]
+    reach = np.abs(q[..., :, None, None, :] - keys[..., None, :, :, :]) / s2[..., None, :, :, None]
     dq = eps * 2 * top[..., None] * reach.max(axis=(-3, -2))
     dkeys = eps * 2 * np.einsum("...l,...lsrd->...srd", top, reach)
     dv = (2 * e_w + gamma(length + 1, dtype)) * np.broadcast_to(
-        np.abs(g).sum(axis=-2)[..., None, :], v.shape[:-2] + (units, v.shape[-1]))
+        np.abs(g).sum(axis=-2)[..., None, :], v.shape[:-2] + (units, v.shape[-1])
+    )
     return {"dq": dq, "dkeys": dkeys, "dv": np.array(dv)}
 
 
@@ -170,8 +187,15 @@ def mlk_vjp_bound(q, keys, v, grad_out, *, pi, allowed=None, dtype="float64"):
     u = unit_roundoff(dtype)
     n = dim + comps + units + 4
     e_k, e_d = gamma(dim + comps + 4, dtype), gamma(units + dim + comps + 4, dtype)
-    eps = 2 * (gamma(v.shape[-1] + 1, dtype) + e_d + e_k + 2 * gamma(2 * n + 2, dtype)
-               + gamma(length + units, dtype) + gamma(comps + 2, dtype) + 4 * u)
+    eps = 2 * (
+        gamma(v.shape[-1] + 1, dtype)
+        + e_d
+        + e_k
+        + 2 * gamma(2 * n + 2, dtype)
+        + gamma(length + units, dtype)
+        + gamma(comps + 2, dtype)
+        + 4 * u
+    )
 
     def feature(x):
         return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
@@ -186,8 +210,9 @@ def mlk_vjp_bound(q, keys, v, grad_out, *, pi, allowed=None, dtype="float64"):
     den = kappa.sum(axis=-1, keepdims=True)
     den = np.where(den > 0, den, np.inf)  # rows with no allowed key: every gradient is 0
     big_v = np.abs(v).max(initial=0.0)
-    reach = (np.abs(g) @ np.swapaxes(np.abs(v), -1, -2)
-             + np.abs(g).sum(axis=-1, keepdims=True) * big_v) / den
+    reach = (
+        np.abs(g) @ np.swapaxes(np.abs(v), -1, -2) + np.abs(g).sum(axis=-1, keepdims=True) * big_v
+    ) / den
     reach = np.where(keep, reach, 0.0)  # A_ij
     dq = eps * slope(q) * (reach @ m)
     dkeys = eps * pi[..., None] * slope(keys) * (np.swapaxes(reach, -1, -2) @ a)[..., None, :]

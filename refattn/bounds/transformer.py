@@ -21,8 +21,14 @@ from ..transformer import Float64Ops, moment_exponent, scaled_moments
 from .unit import ETA, UNIT_ROUNDOFF, gamma
 from .unit import gamma as gamma_n
 
-__all__ = ["Tracked", "TrackedOps", "transformer_forward_bound", "layer_norm_vjp_bound",
-           "feed_forward_vjp_bound", "multihead_attention_vjp_bound"]
+__all__ = [
+    "Tracked",
+    "TrackedOps",
+    "transformer_forward_bound",
+    "layer_norm_vjp_bound",
+    "feed_forward_vjp_bound",
+    "multihead_attention_vjp_bound",
+]
 
 
 class Tracked:
@@ -94,9 +100,15 @@ class TrackedOps:
         # sigma: half the variance's relative error + gamma_2; divide, gain, shift: 3 units
         mean_round = gamma(width + 1) * np.abs(x_val).mean(axis=-1, keepdims=True)
         sigma_rel = 0.5 * gamma(width + 4) * var / sigma**2 + gamma(2)
-        rounding = gain * ((mean_round + UNIT_ROUNDOFF * np.abs(centred)) / sigma
-                           + normed * (sigma_rel + gamma(2))) + UNIT_ROUNDOFF * np.abs(val) \
-            + 3 * ETA  # division, gain and shift may each round a subnormal result by eta
+        rounding = (
+            gain
+            * (
+                (mean_round + UNIT_ROUNDOFF * np.abs(centred)) / sigma
+                + normed * (sigma_rel + gamma(2))
+            )
+            + UNIT_ROUNDOFF * np.abs(val)
+            + 3 * ETA
+        )  # division, gain and shift may each round a subnormal result by eta
         return Tracked(val, propagated + rounding)
 
     @staticmethod
@@ -113,8 +125,10 @@ class TrackedOps:
 
     @staticmethod
     def positions(length, dim, base, layout):
-        return Tracked(Float64Ops.positions(length, dim, base, layout),
-                       _positions_bound(length, dim, base, layout))
+        return Tracked(
+            Float64Ops.positions(length, dim, base, layout),
+            _positions_bound(length, dim, base, layout),
+        )
 
 
 def _attention_plane_bound(spec, errs, b, h):
@@ -141,13 +155,15 @@ def _attention_plane_bound(spec, errs, b, h):
     if spec.dropout_mask is not None:
         weights = np.where(spec.dropout_mask[b, h], weights, 0.0) / (1.0 - spec.dropout_p)
     magnitude = scale * (np.abs(q) @ np.abs(k).T)
-    own = 2 * gamma(dim + 6) * (magnitude + np.abs(np.where(allowed, scores, 0.0))
-                                 + np.abs(finite_lse) + 1)
+    own = (
+        2
+        * gamma(dim + 6)
+        * (magnitude + np.abs(np.where(allowed, scores, 0.0)) + np.abs(finite_lse) + 1)
+    )
     propagated = scale * (dq @ np.abs(k).T + np.abs(q) @ dk.T)
     propagated = np.where(allowed, propagated, 0.0)
     relative = own + propagated + propagated.max(axis=1, keepdims=True)
-    return (weights * relative) @ np.abs(v) + weights @ dv + gamma(keys + 3) * (
-        weights @ np.abs(v))
+    return (weights * relative) @ np.abs(v) + weights @ dv + gamma(keys + 3) * (weights @ np.abs(v))
 
 
 def _positions_bound(length, dim, base, layout):
@@ -241,25 +257,36 @@ def layer_norm_vjp_bound(x, grad_out, *, gamma=None, beta=None, eps=1e-5, axis=-
     centred, var, scaled_eps = scaled_moments(x, p.eps)
     sigma = np.sqrt(var + scaled_eps)
     xhat = centred / sigma
-    centred_err = gamma_n(width + 1) * np.abs(np.ldexp(x, -shift)).mean(axis=-1, keepdims=True) \
-        + UNIT_ROUNDOFF * np.abs(centred)
+    centred_err = gamma_n(width + 1) * np.abs(np.ldexp(x, -shift)).mean(
+        axis=-1, keepdims=True
+    ) + UNIT_ROUNDOFF * np.abs(centred)
     rho = 0.5 * gamma_n(width + 4) * var / sigma**2 + gamma_n(3)
     xhat_err = np.abs(xhat) * (rho + UNIT_ROUNDOFF) + centred_err / sigma
     gain = 1.0 if p.gamma is None else p.gamma
     dxhat = g * gain
     dxhat_err = 0.0 if p.gamma is None else UNIT_ROUNDOFF * np.abs(dxhat)
     m1 = dxhat.mean(axis=-1, keepdims=True)
-    m1_err = np.mean(dxhat_err + 0 * dxhat, axis=-1, keepdims=True) \
-        + gamma_n(width + 1) * np.abs(dxhat).mean(axis=-1, keepdims=True)
+    m1_err = np.mean(dxhat_err + 0 * dxhat, axis=-1, keepdims=True) + gamma_n(width + 1) * np.abs(
+        dxhat
+    ).mean(axis=-1, keepdims=True)
     m2 = (dxhat * xhat).mean(axis=-1, keepdims=True)
-    m2_err = (np.abs(dxhat) * xhat_err + dxhat_err * np.abs(xhat)).mean(axis=-1, keepdims=True) \
-        + gamma_n(width + 2) * np.abs(dxhat * xhat).mean(axis=-1, keepdims=True)
+    m2_err = (np.abs(dxhat) * xhat_err + dxhat_err * np.abs(xhat)).mean(
+        axis=-1, keepdims=True
+    ) + gamma_n(width + 2) * np.abs(dxhat * xhat).mean(axis=-1, keepdims=True)
     inner = dxhat - m1 - xhat * m2
-    inner_err = dxhat_err + m1_err + xhat_err * np.abs(m2) + np.abs(xhat) * m2_err \
+    inner_err = (
+        dxhat_err
+        + m1_err
+        + xhat_err * np.abs(m2)
+        + np.abs(xhat) * m2_err
         + gamma_n(3) * (np.abs(dxhat) + np.abs(m1) + np.abs(xhat * m2))
+    )
     dx_err = np.ldexp((inner_err + np.abs(inner) * (rho + 2 * UNIT_ROUNDOFF)) / sigma, -shift)
-    dgamma = None if p.gamma is None else _row_sum(np.abs(g) * xhat_err) \
-        + gamma_n(rows + 1) * _row_sum(np.abs(g * xhat))
+    dgamma = (
+        None
+        if p.gamma is None
+        else _row_sum(np.abs(g) * xhat_err) + gamma_n(rows + 1) * _row_sum(np.abs(g * xhat))
+    )
     dbeta = None if p.beta is None else gamma_n(rows) * _row_sum(np.abs(g))
     return T.LayerNormGrads(plan.finish(dx_err), dgamma, dbeta)
 
@@ -289,8 +316,9 @@ def feed_forward_vjp_bound(x, W1, b1, W2, b2, grad_out, activation="relu"):
     rows = int(np.prod(x.shape[:-1], dtype=int))
     width, hidden_width = p.W1.shape
     h = Float64Ops.linear(x, p.W1, p.b1)
-    h_err = gamma_n(width + 1) * (np.abs(x) @ np.abs(p.W1)
-                                  + (0.0 if p.b1 is None else np.abs(p.b1)))
+    h_err = gamma_n(width + 1) * (
+        np.abs(x) @ np.abs(p.W1) + (0.0 if p.b1 is None else np.abs(p.b1))
+    )
     a = Float64Ops.activation(h, p.activation)
     if p.activation == "relu":
         a_err, slope = h_err, (h > 0).astype(float)
@@ -310,8 +338,7 @@ def feed_forward_vjp_bound(x, W1, b1, W2, b2, grad_out, activation="relu"):
         return v.reshape(-1, v.shape[-1])
 
     dW2 = flat(a_err).T @ flat(np.abs(g)) + gamma_n(rows) * (flat(np.abs(a)).T @ flat(np.abs(g)))
-    dW1 = flat(np.abs(x)).T @ flat(dh_err) + gamma_n(rows) * (flat(np.abs(x)).T
-                                                             @ flat(np.abs(dh)))
+    dW1 = flat(np.abs(x)).T @ flat(dh_err) + gamma_n(rows) * (flat(np.abs(x)).T @ flat(np.abs(dh)))
     db1 = None if p.b1 is None else _row_sum(dh_err) + gamma_n(rows) * _row_sum(np.abs(dh))
     db2 = None if p.b2 is None else gamma_n(rows) * _row_sum(np.abs(g))
     dx = dh_err @ np.abs(p.W1.T) + gamma_n(hidden_width) * (np.abs(dh) @ np.abs(p.W1.T))
@@ -332,8 +359,9 @@ def _unheads(x):
 def _plane_weights(spec, b, h):
     """float64 weights (L, S) of one plane (the float64 path's scores and masked softmax)."""
     g = spec.kv_head[h]
-    scores = spec.scale_float * (np.asarray(spec.q[b, h], np.float64)
-                                 @ np.asarray(spec.k[b, g], np.float64).T)
+    scores = spec.scale_float * (
+        np.asarray(spec.q[b, h], np.float64) @ np.asarray(spec.k[b, g], np.float64).T
+    )
     if spec.bias is not None:
         scores = scores + np.where(np.isneginf(spec.bias[b, h]), 0.0, spec.bias[b, h])
     alibi = spec.alibi(h)
@@ -355,17 +383,22 @@ def _attention_vjp_propagated(q, k, v, do, errors, kwargs):
     full = spec.batch_shape + (heads, length, vdim)
     do_all = np.broadcast_to(do, full).reshape(batch, heads, length, vdim)
     edo_all = np.broadcast_to(errors[3], full).reshape(do_all.shape)
-    out = [np.zeros((batch, heads, length, dim)), np.zeros((batch, kv_heads, keys, dim)),
-           np.zeros((batch, kv_heads, keys, vdim))]
+    out = [
+        np.zeros((batch, heads, length, dim)),
+        np.zeros((batch, kv_heads, keys, dim)),
+        np.zeros((batch, kv_heads, keys, vdim)),
+    ]
     s = abs(spec.scale_float)
     for b in range(batch):
         for h in range(heads):
             g = spec.kv_head[h]
             P, allowed = _plane_weights(spec, b, h)
-            q_, k_, v_ = (np.asarray(a, np.float64) for a in (spec.q[b, h], spec.k[b, g],
-                                                               spec.v[b, g]))
-            eq, ek, ev = (np.asarray(a, np.float64) for a in (flat.q[b, h], flat.k[b, g],
-                                                               flat.v[b, g]))
+            q_, k_, v_ = (
+                np.asarray(a, np.float64) for a in (spec.q[b, h], spec.k[b, g], spec.v[b, g])
+            )
+            eq, ek, ev = (
+                np.asarray(a, np.float64) for a in (flat.q[b, h], flat.k[b, g], flat.v[b, g])
+            )
             dO, edO = do_all[b, h], edo_all[b, h]
             e_t = np.where(allowed, s * (eq @ np.abs(k_).T + np.abs(q_) @ ek.T), 0.0)
             e_P = P * (e_t + (P * e_t).sum(axis=1, keepdims=True))
@@ -381,9 +414,23 @@ def _attention_vjp_propagated(q, k, v, do, errors, kwargs):
     return tuple(spec.unflatten(x) for x in out)
 
 
-def multihead_attention_vjp_bound(x_q, x_kv, W_Q, W_K, W_V, W_O, grad_out, *, b_Q=None,
-                                  b_K=None, b_V=None, b_O=None, num_heads, num_kv_heads=None,
-                                  **attention_kwargs):
+def multihead_attention_vjp_bound(
+    x_q,
+    x_kv,
+    W_Q,
+    W_K,
+    W_V,
+    W_O,
+    grad_out,
+    *,
+    b_Q=None,
+    b_K=None,
+    b_V=None,
+    b_O=None,
+    num_heads,
+    num_kv_heads=None,
+    **attention_kwargs,
+):
     """First-order bound on the float64 error of
     :func:`refattn.transformer.multihead_attention_vjp`.
 
@@ -407,23 +454,43 @@ def multihead_attention_vjp_bound(x_q, x_kv, W_Q, W_K, W_V, W_O, grad_out, *, b_
     """
     from .attention import float64_vjp_bound
 
-    if attention_kwargs.get("softcap") is not None or attention_kwargs.get("dropout_p") or \
-            attention_kwargs.get("dropout_mask") is not None:
+    if (
+        attention_kwargs.get("softcap") is not None
+        or attention_kwargs.get("dropout_p")
+        or attention_kwargs.get("dropout_mask") is not None
+    ):
         raise ValueError("multihead_attention_vjp_bound: softcap and dropout are not covered")
-    plan = T.composition(T.multihead_attention, x_q, x_kv, W_Q, W_K, W_V, W_O, b_Q=b_Q,
-                         b_K=b_K, b_V=b_V, b_O=b_O, num_heads=num_heads,
-                         num_kv_heads=num_kv_heads, **attention_kwargs)
+    plan = T.composition(
+        T.multihead_attention,
+        x_q,
+        x_kv,
+        W_Q,
+        W_K,
+        W_V,
+        W_O,
+        b_Q=b_Q,
+        b_K=b_K,
+        b_V=b_V,
+        b_O=b_O,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        **attention_kwargs,
+    )
     xq, xkv, p = plan.inputs["x_q"], plan.inputs["x_kv"], plan.params
     g = np.asarray(grad_out, dtype=np.float64)
     kwargs = dict(attention_kwargs)
 
     def project(x, W, bias):
-        err = gamma_n(W.shape[0] + 1) * (np.abs(x) @ np.abs(W)
-                                         + (0.0 if bias is None else np.abs(bias)))
+        err = gamma_n(W.shape[0] + 1) * (
+            np.abs(x) @ np.abs(W) + (0.0 if bias is None else np.abs(bias))
+        )
         return Float64Ops.linear(x, W, bias), err
 
-    (q, eq), (k, ek), (v, ev) = project(xq, p.W_Q, p.b_Q), project(xkv, p.W_K, p.b_K), \
-        project(xkv, p.W_V, p.b_V)
+    (q, eq), (k, ek), (v, ev) = (
+        project(xq, p.W_Q, p.b_Q),
+        project(xkv, p.W_K, p.b_K),
+        project(xkv, p.W_V, p.b_V),
+    )
     H, K = p.num_heads, p.num_kv_heads
     qh, kh, vh = _heads(q, H), _heads(k, K), _heads(v, K)
     eqh, ekh, evh = _heads(eq, H), _heads(ek, K), _heads(ev, K)
@@ -431,8 +498,9 @@ def multihead_attention_vjp_bound(x_q, x_kv, W_Q, W_K, W_V, W_O, grad_out, *, b_
     o_val, o_err = _unheads(o.val), _unheads(o.err)
     rows = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
     count = rows(g).shape[0]
-    dW_O = rows(o_err).T @ rows(np.abs(g)) + gamma_n(count) * (rows(np.abs(o_val)).T
-                                                                @ rows(np.abs(g)))
+    dW_O = rows(o_err).T @ rows(np.abs(g)) + gamma_n(count) * (
+        rows(np.abs(o_val)).T @ rows(np.abs(g))
+    )
     db_O = None if p.b_O is None else gamma_n(count) * np.abs(rows(g)).sum(axis=0)
     do = g @ p.W_O.T
     e_do = gamma_n(p.W_O.shape[1]) * (np.abs(g) @ np.abs(p.W_O.T))
@@ -447,18 +515,21 @@ def multihead_attention_vjp_bound(x_q, x_kv, W_Q, W_K, W_V, W_O, grad_out, *, b_
             return _unheads(np.abs(value)), _unheads(err)
         summed = value.size // target.size
         magnitude = reduce_to(np.abs(value), target.shape)
-        return _unheads(magnitude), _unheads(reduce_to(err, target.shape)
-                                             + gamma_n(summed) * magnitude)
+        return _unheads(magnitude), _unheads(
+            reduce_to(err, target.shape) + gamma_n(summed) * magnitude
+        )
 
     (dq_abs, e_dq), (dk_abs, e_dk), (dv_abs, e_dv) = (
-        reduced(c, a + b, t) for c, a, b, t in zip(computed, own, moved, (qh, kh, vh),
-                                                   strict=True))
+        reduced(c, a + b, t) for c, a, b, t in zip(computed, own, moved, (qh, kh, vh), strict=True)
+    )
 
     def backward(x, W, bias, d_abs, e_d, batch_rows):
-        dW = rows(np.abs(x)).T @ rows(e_d) + gamma_n(batch_rows) * (rows(np.abs(x)).T
-                                                                     @ rows(d_abs))
-        db = None if bias is None else rows(e_d).sum(axis=0) + gamma_n(batch_rows) * \
-            rows(d_abs).sum(axis=0)
+        dW = rows(np.abs(x)).T @ rows(e_d) + gamma_n(batch_rows) * (rows(np.abs(x)).T @ rows(d_abs))
+        db = (
+            None
+            if bias is None
+            else rows(e_d).sum(axis=0) + gamma_n(batch_rows) * rows(d_abs).sum(axis=0)
+        )
         dx = e_d @ np.abs(W.T) + gamma_n(W.shape[1]) * (d_abs @ np.abs(W.T))
         return dx, dW, db
 
@@ -467,11 +538,13 @@ def multihead_attention_vjp_bound(x_q, x_kv, W_Q, W_K, W_V, W_O, grad_out, *, b_
     dv_x, dW_V, db_V = backward(xkv, p.W_V, p.b_V, dv_abs, e_dv, rows(dv_abs).shape[0])
     dx_kv = dk_x + dv_x + UNIT_ROUNDOFF * (dk_abs @ np.abs(p.W_K.T) + dv_abs @ np.abs(p.W_V.T))
     if x_kv is None:
-        dx_q = dq_x + dx_kv + UNIT_ROUNDOFF * (dq_abs @ np.abs(p.W_Q.T)
-                                               + dk_abs @ np.abs(p.W_K.T)
-                                               + dv_abs @ np.abs(p.W_V.T))
+        dx_q = (
+            dq_x
+            + dx_kv
+            + UNIT_ROUNDOFF
+            * (dq_abs @ np.abs(p.W_Q.T) + dk_abs @ np.abs(p.W_K.T) + dv_abs @ np.abs(p.W_V.T))
+        )
         dx_kv = None
     else:
         dx_q = dq_x
-    return T.MultiheadAttentionGrads(dx_q, dx_kv, dW_Q, dW_K, dW_V, dW_O, db_Q, db_K, db_V,
-                                     db_O)
+    return T.MultiheadAttentionGrads(dx_q, dx_kv, dW_Q, dW_K, dW_V, dW_O, db_Q, db_K, db_V, db_O)

@@ -55,12 +55,42 @@ from mpmath import mp, mpf
 from ..bounds import unit
 
 __all__ = [
-    "U", "DD_REL", "DD_ADD_D_REL", "DD_ADD_REL", "DD_MUL_D_REL", "DD_MUL_REL", "DD_DIV_D_REL",
-    "DD_DIV_REL", "EXP_REL", "EXP_MIN_ARG", "EXP_MAX_ARG", "EXP_DEGREE", "TANH_ABS",
-    "SAFE_MIN", "SAFE_MAX", "BOUND_SAFETY",
-    "fma", "two_sum", "fast_two_sum", "two_prod", "dd_add", "dd_add_d", "dd_mul", "dd_mul_d",
-    "dd_div", "dd_div_d", "exp_dd", "log_dd", "tanh_dd", "dd_of_fraction", "dd_of_exact",
-    "dot_bound", "exp_d", "EXP_D_REL", "EXP_D_DEGREE", "gamma_up",
+    "U",
+    "DD_REL",
+    "DD_ADD_D_REL",
+    "DD_ADD_REL",
+    "DD_MUL_D_REL",
+    "DD_MUL_REL",
+    "DD_DIV_D_REL",
+    "DD_DIV_REL",
+    "EXP_REL",
+    "EXP_MIN_ARG",
+    "EXP_MAX_ARG",
+    "EXP_DEGREE",
+    "TANH_ABS",
+    "SAFE_MIN",
+    "SAFE_MAX",
+    "BOUND_SAFETY",
+    "fma",
+    "two_sum",
+    "fast_two_sum",
+    "two_prod",
+    "dd_add",
+    "dd_add_d",
+    "dd_mul",
+    "dd_mul_d",
+    "dd_div",
+    "dd_div_d",
+    "exp_dd",
+    "log_dd",
+    "tanh_dd",
+    "dd_of_fraction",
+    "dd_of_exact",
+    "dot_bound",
+    "exp_d",
+    "EXP_D_REL",
+    "EXP_D_DEGREE",
+    "gamma_up",
 ]
 
 U = 2.0**-53
@@ -72,8 +102,9 @@ DD_DIV_D_REL = 3 * U**2
 DD_DIV_REL = 15 * U**2 + 56 * U**3
 #: The per-operation relative bound used in every analysis (covers all of the above by 4x).
 DD_REL = 2.0**-100
-assert DD_REL >= 4 * max(DD_ADD_D_REL, DD_ADD_REL, DD_MUL_D_REL, DD_MUL_REL, DD_DIV_D_REL,
-                         DD_DIV_REL)
+assert DD_REL >= 4 * max(
+    DD_ADD_D_REL, DD_ADD_REL, DD_MUL_D_REL, DD_MUL_REL, DD_DIV_D_REL, DD_DIV_REL
+)
 
 #: Magnitudes the fast path accepts (nonzero values outside go to the referee): far from
 #: float64 underflow (2**-1022, with a 53-bit low word) and overflow (2**1024).
@@ -110,7 +141,8 @@ else:
         def codegen(context, builder, signature, args):
             d = ir.DoubleType()
             fn = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(d, [d, d, d]), "llvm.fma.f64")
+                builder.module, ir.FunctionType(d, [d, d, d]), "llvm.fma.f64"
+            )
             return builder.call(fn, args)
 
         return sig, codegen
@@ -435,8 +467,8 @@ def log_dd(zh, zl):
         return math.nan, 0.0, math.inf
     # |computed delta - true delta| <= (1 + |delta|)(EXP_REL + DD_REL)(1 + DD_REL) + DD_REL |delta|
     d_err = (1.0 + ad) * (EXP_REL + 3 * DD_REL) + 2 * DD_REL * ad
-    sh, sl = dd_mul(dh, dl, dh, dl)           # delta^2
-    ch, cl = dd_mul(sh, sl, dh, dl)           # delta^3
+    sh, sl = dd_mul(dh, dl, dh, dl)  # delta^2
+    ch, cl = dd_mul(sh, sl, dh, dl)  # delta^3
     ch, cl = dd_div_d(ch, cl, 3.0)
     sh, sl = sh * 0.5, sl * 0.5
     th, tl = dd_add(dh, dl, -sh, -sl)

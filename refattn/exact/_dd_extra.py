@@ -36,8 +36,15 @@ from ._dd import (
     two_sum,
 )
 
-__all__ = ["EXP_FAST_REL", "EXP_FAST_BUDGET", "exp_dd_fast", "round_decision",
-           "decide_dd_compiled", "decide_dd_fast", "decide_one"]
+__all__ = [
+    "EXP_FAST_REL",
+    "EXP_FAST_BUDGET",
+    "exp_dd_fast",
+    "round_decision",
+    "decide_dd_compiled",
+    "decide_dd_fast",
+    "decide_one",
+]
 
 _JIT = dict(fastmath=False, boundscheck=False, cache=True, nogil=True)
 _STEPS = 1024  # table 2**(j/1024): |r| <= ln2/2048 < 3.4e-4
@@ -131,7 +138,6 @@ def exp_dd_fast(xh, xl):
     return ah * scale, al * scale
 
 
-
 @njit(**_JIT)
 def round_decision(xh, xl, err, p, emin, max_finite):
     """(y, decided): ``y`` the value of ``xh + xl`` rounded to the format (``p`` significand
@@ -221,14 +227,22 @@ def decide_one(mh, ml, r, p, emin, max_finite):
     v = ml + e
     hh = s + v
     hl = v - (hh - s)
-    ok = (abs(lh) < np.inf and abs(hh) < np.inf and abs(ll) < np.inf
-          and abs(hl) < np.inf and lh != 0.0 and hh != 0.0 and abs(wide) < np.inf)
+    ok = (
+        abs(lh) < np.inf
+        and abs(hh) < np.inf
+        and abs(ll) < np.inf
+        and abs(hl) < np.inf
+        and lh != 0.0
+        and hh != 0.0
+        and abs(wide) < np.inf
+    )
     if not ok:
         return 0.0, False
     low = _round_dd_scalar(lh, ll, p, emin, max_finite)
     high = _round_dd_scalar(hh, hl, p, emin, max_finite)
-    return low, (low == high and math.copysign(1.0, low) == math.copysign(1.0, high)
-                 and abs(low) < np.inf)
+    return low, (
+        low == high and math.copysign(1.0, low) == math.copysign(1.0, high) and abs(low) < np.inf
+    )
 
 
 @njit(**_JIT)
@@ -248,8 +262,10 @@ def decide_dd_fast(mid_hi, mid_lo, rad, fmt):
     :class:`refattn.exact.rounding.Format`."""
     mid_hi = np.asarray(mid_hi, np.float64)
     shape = mid_hi.shape
-    flat = [np.ascontiguousarray(np.broadcast_to(np.asarray(x, np.float64), shape)).reshape(-1)
-            for x in (mid_hi, mid_lo, rad)]
+    flat = [
+        np.ascontiguousarray(np.broadcast_to(np.asarray(x, np.float64), shape)).reshape(-1)
+        for x in (mid_hi, mid_lo, rad)
+    ]
     values = np.empty(flat[0].size)
     decided = np.empty(flat[0].size, dtype=np.bool_)
     decide_dd_compiled(*flat, fmt.p, fmt.emin, float(fmt.max_finite), values, decided)

@@ -162,9 +162,14 @@ from ._stream import compact_view, key_intervals
 from .rounding import round_exact
 
 _JIT = dict(fastmath=False, boundscheck=False, cache=True, nogil=True)
-__all__ = ["INPUT_LIMIT", "UNDERFLOW_TERM", "fast_inputs_ok", "gradient_enclosures",
-           "reduce_enclosure",
-           "decide"]
+__all__ = [
+    "INPUT_LIMIT",
+    "UNDERFLOW_TERM",
+    "fast_inputs_ok",
+    "gradient_enclosures",
+    "reduce_enclosure",
+    "decide",
+]
 
 #: Inputs (and the scale, softcap, ALiBi terms) must be below this magnitude for the fast step.
 INPUT_LIMIT = 2.0**60
@@ -225,8 +230,9 @@ def _softcap(cap, sh, sl, se, fh, fl, fe):
         yh, yl = dd_div_d(sh[j], sl[j], cap)
         ey = se[j] / cap * _SAFE + DD_REL * abs(yh)
         sign = 1.0 if yh >= 0.0 else -1.0
-        big_h, big_l, big_e = _exp_with_error(-2.0 * abs(yh), -2.0 * sign * yl,
-                                              _expm1_bound(2.0 * ey))
+        big_h, big_l, big_e = _exp_with_error(
+            -2.0 * abs(yh), -2.0 * sign * yl, _expm1_bound(2.0 * ey)
+        )
         den_h, den_l = dd_add_d(big_h, big_l, 1.0)
         num_h, num_l = dd_add_d(-big_h, -big_l, 1.0)
         th_h, th_l = dd_div(num_h, num_l, den_h, den_l)
@@ -239,8 +245,9 @@ def _softcap(cap, sh, sl, se, fh, fl, fe):
 
 
 @njit(**_JIT)
-def _add_terms(b, h, i, j0, sh, sl, se, bias, bias_st, slopes, offset, alibi_keys, has_bias,
-               has_alibi, allowed):
+def _add_terms(
+    b, h, i, j0, sh, sl, se, bias, bias_st, slopes, offset, alibi_keys, has_bias, has_alibi, allowed
+):
     """Bias and ALiBi terms of keys ``j0 + t`` (t indexes the scratch row) in place."""
     base = b * bias_st[0] + h * bias_st[1] + i * bias_st[2]
     for t in range(sh.shape[0]):
@@ -345,7 +352,7 @@ def _dots(arow, bt, j0, outh, outl, oute, b_l1, cn):
     for d in range(n):
         a = arow[d]
         amax = max(amax, abs(a))
-        row = bt[d, j0:j0 + keys]  # a slice, not bt[d, j0 + j]: the loop then vectorizes
+        row = bt[d, j0 : j0 + keys]  # a slice, not bt[d, j0 + j]: the loop then vectorizes
         for j in range(keys):
             b = row[j]
             p = a * b
@@ -391,8 +398,9 @@ def _y_of(xh, xl, xe, xr_h, xr_l, xr_e):
 
 
 @njit(**_JIT)
-def _ds_of(is_ref, yh, yl, ye, acc_h, acc_l, acc_e, dropout, kf_h, kf_l, kf_e, has_glse, g_i,
-           w_h, w_l, w_e):
+def _ds_of(
+    is_ref, yh, yl, ye, acc_h, acc_l, acc_e, dropout, kf_h, kf_l, kf_e, has_glse, g_i, w_h, w_l, w_e
+):
     """``dS_j = w_j (kf (y_j - D) + g)`` (``-D`` for the reference key) with its error."""
     if is_ref:
         th, tl, te = -acc_h, -acc_l, acc_e
@@ -429,22 +437,89 @@ def _single_dt(g_i, has_softcap, f_h, f_l, f_e):
 
 
 @njit(**_JIT)
-def _block_scores(b, h, i, a, qrow, kt_bg, allowed, bias, bias_st, slopes, opts, fopts, k_l1,
-                  sh, sl, se, fh, fl, fe):
+def _block_scores(
+    b,
+    h,
+    i,
+    a,
+    qrow,
+    kt_bg,
+    allowed,
+    bias,
+    bias_st,
+    slopes,
+    opts,
+    fopts,
+    k_l1,
+    sh,
+    sl,
+    se,
+    fh,
+    fl,
+    fe,
+):
     """Scores (and the softcap derivative) of the keys ``a .. a + n`` of row i (scratch
     rows of length n): each element is computed by itself, so any key range gives the same
     bits as the whole row."""
     _scores(qrow, kt_bg, a, fopts[0], fopts[1], fopts[2], sh, sl, se, k_l1, fopts[7])
     if opts[2]:
         _softcap(fopts[3], sh, sl, se, fh, fl, fe)
-    _add_terms(b, h, i, a, sh, sl, se, bias, bias_st, slopes, opts[7 + b], opts[3], opts[0],
-               opts[1], allowed)
+    _add_terms(
+        b,
+        h,
+        i,
+        a,
+        sh,
+        sl,
+        se,
+        bias,
+        bias_st,
+        slopes,
+        opts[7 + b],
+        opts[3],
+        opts[0],
+        opts[1],
+        allowed,
+    )
 
 
 @njit(**_JIT)
-def _block_ds(b, h, i, a, kind, r, st, g_i, has_glse, qrow, kt_bg, vt_bg, dorow, allowed,
-              kept, bias, bias_st, slopes, opts, fopts, k_l1, v_l1, sh, sl, se, fh, fl, fe,
-              dh, dl, de, wh, wl, we):
+def _block_ds(
+    b,
+    h,
+    i,
+    a,
+    kind,
+    r,
+    st,
+    g_i,
+    has_glse,
+    qrow,
+    kt_bg,
+    vt_bg,
+    dorow,
+    allowed,
+    kept,
+    bias,
+    bias_st,
+    slopes,
+    opts,
+    fopts,
+    k_l1,
+    v_l1,
+    sh,
+    sl,
+    se,
+    fh,
+    fl,
+    fe,
+    dh,
+    dl,
+    de,
+    wh,
+    wl,
+    we,
+):
     """Recompute, for the keys ``a .. a + n`` of row i (scratch rows of length n), the scores
     and softcap derivative (sh .. fe) and, for a kind-1 row (:func:`_row`), the weights
     (wh, wl, we) and dS (dh, dl, de) of its allowed keys from pass A's row statistics ``st``
@@ -453,8 +528,27 @@ def _block_ds(b, h, i, a, kind, r, st, g_i, has_glse, qrow, kt_bg, vt_bg, dorow,
     bit-identical to pass A's. Used by pass B (dk, dv) and pass C (dbias)."""
     dropout = opts[4]
     kf_h, kf_l, kf_e = fopts[4], fopts[5], fopts[6]
-    _block_scores(b, h, i, a, qrow, kt_bg, allowed, bias, bias_st, slopes, opts, fopts, k_l1,
-                  sh, sl, se, fh, fl, fe)
+    _block_scores(
+        b,
+        h,
+        i,
+        a,
+        qrow,
+        kt_bg,
+        allowed,
+        bias,
+        bias_st,
+        slopes,
+        opts,
+        fopts,
+        k_l1,
+        sh,
+        sl,
+        se,
+        fh,
+        fl,
+        fe,
+    )
     if kind != 1:
         return
     _dots(dorow, vt_bg, a, dh, dl, de, v_l1, fopts[8])
@@ -472,15 +566,67 @@ def _block_ds(b, h, i, a, kind, r, st, g_i, has_glse, qrow, kt_bg, vt_bg, dorow,
                 yh, yl, ye = _y_of(dh[t], dl[t], de[t], st[9], st[10], st[11])
             else:
                 yh, yl, ye = _y_of(0.0, 0.0, 0.0, st[9], st[10], st[11])
-        dh[t], dl[t], de[t] = _ds_of(j == r, yh, yl, ye, st[12], st[13], st[14], dropout,
-                                     kf_h, kf_l, kf_e, has_glse, g_i, w_h, w_l, w_e)
+        dh[t], dl[t], de[t] = _ds_of(
+            j == r,
+            yh,
+            yl,
+            ye,
+            st[12],
+            st[13],
+            st[14],
+            dropout,
+            kf_h,
+            kf_l,
+            kf_e,
+            has_glse,
+            g_i,
+            w_h,
+            w_l,
+            w_e,
+        )
         wh[t], wl[t], we[t] = w_h, w_l, w_e
 
 
 @njit(**_JIT)
-def _row(b, h, i, lo, qrow, kt_bg, vt_bg, dorow, g_i, has_glse, allowed, kept, bias,
-         bias_st, slopes, opts, fopts, k_l1, v_l1, sh, sl, se, fh, fl, fe, wh, wl, we, dh, dl,
-         de, dsh, dsl, dse, stat, has_sink, sigma):
+def _row(
+    b,
+    h,
+    i,
+    lo,
+    qrow,
+    kt_bg,
+    vt_bg,
+    dorow,
+    g_i,
+    has_glse,
+    allowed,
+    kept,
+    bias,
+    bias_st,
+    slopes,
+    opts,
+    fopts,
+    k_l1,
+    v_l1,
+    sh,
+    sl,
+    se,
+    fh,
+    fl,
+    fe,
+    wh,
+    wl,
+    we,
+    dh,
+    dl,
+    de,
+    dsh,
+    dsl,
+    dse,
+    stat,
+    has_sink,
+    sigma,
+):
     """dS (dsh, dsl, dse) and dT (in place of the scores arrays) of the keys ``lo .. lo + n``
     of one row (every allowed key of the row lies there); the row statistics that pass B
     needs into ``stat`` (see :func:`_pass_a`).
@@ -501,9 +647,27 @@ def _row(b, h, i, lo, qrow, kt_bg, vt_bg, dorow, g_i, has_glse, allowed, kept, b
     keys = sh.shape[0]
     real = keys - 1 if has_sink else keys
     if real > 0:
-        _block_scores(b, h, i, lo, qrow, kt_bg, allowed[:real], bias, bias_st, slopes, opts,
-                      fopts, k_l1, sh[:real], sl[:real], se[:real], fh[:real], fl[:real],
-                      fe[:real])
+        _block_scores(
+            b,
+            h,
+            i,
+            lo,
+            qrow,
+            kt_bg,
+            allowed[:real],
+            bias,
+            bias_st,
+            slopes,
+            opts,
+            fopts,
+            k_l1,
+            sh[:real],
+            sl[:real],
+            se[:real],
+            fh[:real],
+            fl[:real],
+            fe[:real],
+        )
     if has_sink:
         allowed[real], kept[real] = True, True
         sh[real], sl[real], se[real] = sigma, 0.0, 0.0
@@ -523,8 +687,7 @@ def _row(b, h, i, lo, qrow, kt_bg, vt_bg, dorow, g_i, has_glse, allowed, kept, b
                 sh[j], sl[j], se[j] = 0.0, 0.0, 0.0
         wh[only] = 1.0
         dsh[only] = g_i
-        sh[only], sl[only], se[only] = _single_dt(g_i, has_softcap, fh[only], fl[only],
-                                                  fe[only])
+        sh[only], sl[only], se[only] = _single_dt(g_i, has_softcap, fh[only], fl[only], fe[only])
         return 2, only
     r, ih, il, rho_inv = _weights(sh, sl, se, allowed, wh, wl, we, fopts[9])
     stat[0], stat[1], stat[2] = sh[r], sl[r], se[r]
@@ -558,15 +721,30 @@ def _row(b, h, i, lo, qrow, kt_bg, vt_bg, dorow, g_i, has_glse, allowed, kept, b
         mag += abs(ph)
     acc_h, acc_l = two_sum(acc_h, acc_c)
     # products: DD_REL each; the compensated sum: the smaller of its two bounds
-    acc_e = (acc_e + (DD_REL * mag + min(fopts[9] * mag, _U * arun * BOUND_SAFETY)) * _SAFE) \
-        * _SAFE
+    acc_e = (acc_e + (DD_REL * mag + min(fopts[9] * mag, _U * arun * BOUND_SAFETY)) * _SAFE) * _SAFE
     for j in range(keys):
         if not allowed[j]:
             dsh[j], dsl[j], dse[j] = 0.0, 0.0, 0.0
             sh[j], sl[j], se[j] = 0.0, 0.0, 0.0
             continue
-        ds_h, ds_l, ds_e = _ds_of(j == r, dh[j], dl[j], de[j], acc_h, acc_l, acc_e, dropout,
-                                  kf_h, kf_l, kf_e, has_glse, g_i, wh[j], wl[j], we[j])
+        ds_h, ds_l, ds_e = _ds_of(
+            j == r,
+            dh[j],
+            dl[j],
+            de[j],
+            acc_h,
+            acc_l,
+            acc_e,
+            dropout,
+            kf_h,
+            kf_l,
+            kf_e,
+            has_glse,
+            g_i,
+            wh[j],
+            wl[j],
+            we[j],
+        )
         dsh[j], dsl[j], dse[j] = ds_h, ds_l, ds_e
         if has_softcap:
             sh[j], sl[j], se[j] = _dt_of(ds_h, ds_l, ds_e, fh[j], fl[j], fe[j])
@@ -619,9 +797,38 @@ SINK_REF = -2
 
 
 @njit(parallel=True, **_JIT)
-def _pass_a(q, k, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, bias, bias_st,
-            slopes, kv_head, opts, fopts, k_l1, v_l1, k_col, dq, write_ds, dbias, istat, fstat,
-            bad, has_sink, sinks, dsink, row_sums):
+def _pass_a(
+    q,
+    k,
+    kt,
+    vt,
+    do,
+    glse,
+    has_glse,
+    rows_lo,
+    rows_hi,
+    masks,
+    mask_st,
+    bias,
+    bias_st,
+    slopes,
+    kv_head,
+    opts,
+    fopts,
+    k_l1,
+    v_l1,
+    k_col,
+    dq,
+    write_ds,
+    dbias,
+    istat,
+    fstat,
+    bad,
+    has_sink,
+    sinks,
+    dsink,
+    row_sums,
+):
     """Pass A, parallel over (batch, query head, block of ROW_BLOCK rows): each row's dS, dT
     and dq (and the dS enclosure ``dbias`` (3, B, H, L, S) when ``write_ds``; with
     ``row_sums`` instead, for a bias broadcast along the keys, each row's sum over its keys
@@ -643,9 +850,23 @@ def _pass_a(q, k, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, 
         g = kv_head[h]
         sigma = sinks[h] if has_sink else 0.0
         row = np.empty((15, keys + extra))
-        sh, sl, se, fh, fl, fe, wh, wl, we, dh, dl, de, dsh, dsl, dse = \
-            row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], row[8], row[9], \
-            row[10], row[11], row[12], row[13], row[14]
+        sh, sl, se, fh, fl, fe, wh, wl, we, dh, dl, de, dsh, dsl, dse = (
+            row[0],
+            row[1],
+            row[2],
+            row[3],
+            row[4],
+            row[5],
+            row[6],
+            row[7],
+            row[8],
+            row[9],
+            row[10],
+            row[11],
+            row[12],
+            row[13],
+            row[14],
+        )
         allowed = np.empty(keys + extra, np.bool_)
         kept = np.empty(keys + extra, np.bool_)
         dq_h, dq_c, dq_r, dq_p = np.zeros(dim), np.zeros(dim), np.zeros(dim), np.zeros(dim)
@@ -658,15 +879,47 @@ def _pass_a(q, k, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, 
             n = max(hi - lo, 0)
             m = n + extra
             if n > 0:
-                _allowed_row(b, h, i, lo, hi, masks, mask_st, bias, bias_st, opts, allowed,
-                             kept)
+                _allowed_row(b, h, i, lo, hi, masks, mask_st, bias, bias_st, opts, allowed, kept)
             g_i = glse[b, h, i] if has_glse else 0.0
-            kind, r = _row(b, h, i, lo, q[b, h, i], kt[b, g], vt[b, g],
-                           do[b, h, i], g_i, has_glse, allowed[:m], kept[:m], bias, bias_st,
-                           slopes, opts, fopts, k_l1[b, g], v_l1[b, g], sh[:m],
-                           sl[:m], se[:m], fh[:m], fl[:m], fe[:m], wh[:m], wl[:m], we[:m],
-                           dh[:m], dl[:m], de[:m], dsh[:m], dsl[:m], dse[:m], fstat[b, h, i],
-                           has_sink, sigma)
+            kind, r = _row(
+                b,
+                h,
+                i,
+                lo,
+                q[b, h, i],
+                kt[b, g],
+                vt[b, g],
+                do[b, h, i],
+                g_i,
+                has_glse,
+                allowed[:m],
+                kept[:m],
+                bias,
+                bias_st,
+                slopes,
+                opts,
+                fopts,
+                k_l1[b, g],
+                v_l1[b, g],
+                sh[:m],
+                sl[:m],
+                se[:m],
+                fh[:m],
+                fl[:m],
+                fe[:m],
+                wh[:m],
+                wl[:m],
+                we[:m],
+                dh[:m],
+                dl[:m],
+                de[:m],
+                dsh[:m],
+                dsl[:m],
+                dse[:m],
+                fstat[b, h, i],
+                has_sink,
+                sigma,
+            )
             if kind == 0:  # empty row: zero gradients, exactly
                 continue
             # dS = dT = 0 exactly when g = 0 and either a single key is allowed (weight 1,
@@ -685,8 +938,7 @@ def _pass_a(q, k, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, 
                 else:
                     dsink[0, b, h, i], dsink[1, b, h, i] = dsh[n], dsl[n]
                     # a sink-only row (kind 2) is exact: dS = g
-                    dsink[2, b, h, i] = (dse[n] * BOUND_SAFETY + UNDERFLOW_TERM
-                                         if kind == 1 else 0.0)
+                    dsink[2, b, h, i] = dse[n] * BOUND_SAFETY + UNDERFLOW_TERM if kind == 1 else 0.0
             if row_sums:  # sum_j dS_ij as _reduce sums a slot (terms in increasing j)
                 rs_h, rs_l, rs_e, rs_mag, rs_count = 0.0, 0.0, 0.0, 0.0, 0.0
                 for t in range(n):
@@ -703,9 +955,11 @@ def _pass_a(q, k, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, 
                     dbias[0, b, h, i, j] = dsh[t]
                     dbias[1, b, h, i, j] = dsl[t]
                     # excluded positions and single-key rows are exact
-                    dbias[2, b, h, i, j] = (dse[t] * BOUND_SAFETY + UNDERFLOW_TERM
-                                            if allowed[t] and kind == 1 and not zero_row
-                                            else 0.0)
+                    dbias[2, b, h, i, j] = (
+                        dse[t] * BOUND_SAFETY + UNDERFLOW_TERM
+                        if allowed[t] and kind == 1 and not zero_row
+                        else 0.0
+                    )
             dq_h[:] = 0.0
             dq_c[:] = 0.0
             dq_r[:] = 0.0
@@ -727,8 +981,9 @@ def _pass_a(q, k, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, 
                 continue
             for d in range(dim):
                 xh, xl = two_sum(dq_h[d], dq_c[d])
-                err = (min(emax * k_col[b, g, d], dq_p[d] * BOUND_SAFETY) + _U * dq_r[d]) \
-                    * BOUND_SAFETY
+                err = (
+                    min(emax * k_col[b, g, d], dq_p[d] * BOUND_SAFETY) + _U * dq_r[d]
+                ) * BOUND_SAFETY
                 if k_col[b, g, d] == 0.0:  # a zero column of k: every product is an exact 0
                     continue
                 _store_scaled(dq, (b, h, i, d), xh, xl, err, s_hi, s_lo, s_err)
@@ -737,8 +992,32 @@ def _pass_a(q, k, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, 
 
 
 @njit(parallel=True, **_JIT)
-def _pass_b(q, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, bias, bias_st,
-            slopes, group, opts, fopts, k_l1, v_l1, q_sum, do_sum, istat, fstat, dk, dv):
+def _pass_b(
+    q,
+    kt,
+    vt,
+    do,
+    glse,
+    has_glse,
+    rows_lo,
+    rows_hi,
+    masks,
+    mask_st,
+    bias,
+    bias_st,
+    slopes,
+    group,
+    opts,
+    fopts,
+    k_l1,
+    v_l1,
+    q_sum,
+    do_sum,
+    istat,
+    fstat,
+    dk,
+    dv,
+):
     """Pass B, parallel over (batch, kv head, block of KEY_BLOCK keys): dk and dv of the
     block's keys, summed over the group's query heads and their rows in increasing order.
     Each row's weights, dS and dT at these keys are recomputed from the inputs and pass A's
@@ -757,9 +1036,20 @@ def _pass_b(q, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, bia
         j0 = blk * KEY_BLOCK
         nb = min(keys, j0 + KEY_BLOCK) - j0
         row = np.empty((12, nb))
-        sh, sl, se, fh, fl, fe, dh, dl, de, wh, wl, we = \
-            row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], row[8], row[9], \
-            row[10], row[11]
+        sh, sl, se, fh, fl, fe, dh, dl, de, wh, wl, we = (
+            row[0],
+            row[1],
+            row[2],
+            row[3],
+            row[4],
+            row[5],
+            row[6],
+            row[7],
+            row[8],
+            row[9],
+            row[10],
+            row[11],
+        )
         allowed, kept = np.empty(nb, np.bool_), np.empty(nb, np.bool_)
         dk_h, dk_c, dk_r = np.zeros((nb, dim)), np.zeros((nb, dim)), np.zeros((nb, dim))
         dv_h, dv_c, dv_r = np.zeros((nb, vdim)), np.zeros((nb, vdim)), np.zeros((nb, vdim))
@@ -784,10 +1074,42 @@ def _pass_b(q, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, bia
                 _allowed_row(b, h, i, a, c, masks, mask_st, bias, bias_st, opts, allowed, kept)
                 st = fstat[b, h, i]
                 g_i = glse[b, h, i] if has_glse else 0.0
-                _block_ds(b, h, i, a, kind, r, st, g_i, has_glse, q[b, h, i], kt[b, g],
-                          vt[b, g], do[b, h, i], allowed[:n], kept[:n], bias, bias_st, slopes,
-                          opts, fopts, k_l1[b, g], v_l1[b, g], sh[:n], sl[:n], se[:n], fh[:n],
-                          fl[:n], fe[:n], dh[:n], dl[:n], de[:n], wh[:n], wl[:n], we[:n])
+                _block_ds(
+                    b,
+                    h,
+                    i,
+                    a,
+                    kind,
+                    r,
+                    st,
+                    g_i,
+                    has_glse,
+                    q[b, h, i],
+                    kt[b, g],
+                    vt[b, g],
+                    do[b, h, i],
+                    allowed[:n],
+                    kept[:n],
+                    bias,
+                    bias_st,
+                    slopes,
+                    opts,
+                    fopts,
+                    k_l1[b, g],
+                    v_l1[b, g],
+                    sh[:n],
+                    sl[:n],
+                    se[:n],
+                    fh[:n],
+                    fl[:n],
+                    fe[:n],
+                    dh[:n],
+                    dl[:n],
+                    de[:n],
+                    wh[:n],
+                    wl[:n],
+                    we[:n],
+                )
                 for t in range(n):
                     if not allowed[t]:
                         continue
@@ -821,15 +1143,21 @@ def _pass_b(q, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, bia
             j = j0 + x
             for d in range(dim if dk_terms[x] else 0):
                 xh, xl = two_sum(dk_h[x, d], dk_c[x, d])
-                err = (min(dk_emax[x] * q_sum[b, g, d], dk_p[x, d] * BOUND_SAFETY)
-                       + _U * dk_r[x, d]) * BOUND_SAFETY * BOUND_SAFETY
+                err = (
+                    (min(dk_emax[x] * q_sum[b, g, d], dk_p[x, d] * BOUND_SAFETY) + _U * dk_r[x, d])
+                    * BOUND_SAFETY
+                    * BOUND_SAFETY
+                )
                 if q_sum[b, g, d] == 0.0:  # q's column d is zero in every row of the group
                     continue
                 _store_scaled(dk, (b, g, j, d), xh, xl, err, s_hi, s_lo, s_err)
             for e in range(vdim if dv_terms[x] else 0):
                 xh, xl = two_sum(dv_h[x, e], dv_c[x, e])
-                err = (min(dv_emax[x] * do_sum[b, g, e], dv_p[x, e] * BOUND_SAFETY)
-                       + _U * dv_r[x, e]) * BOUND_SAFETY * BOUND_SAFETY
+                err = (
+                    (min(dv_emax[x] * do_sum[b, g, e], dv_p[x, e] * BOUND_SAFETY) + _U * dv_r[x, e])
+                    * BOUND_SAFETY
+                    * BOUND_SAFETY
+                )
                 if do_sum[b, g, e] == 0.0:  # dO's column e is zero in every row of the group
                     continue
                 if dropout:
@@ -840,9 +1168,33 @@ def _pass_b(q, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, bia
 
 
 @njit(parallel=True, **_JIT)
-def _pass_c(q, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, bias, bias_st,
-            slopes, kv_head, opts, fopts, k_l1, v_l1, istat, fstat, slot_b, slot_st, out, mag,
-            count):
+def _pass_c(
+    q,
+    kt,
+    vt,
+    do,
+    glse,
+    has_glse,
+    rows_lo,
+    rows_hi,
+    masks,
+    mask_st,
+    bias,
+    bias_st,
+    slopes,
+    kv_head,
+    opts,
+    fopts,
+    k_l1,
+    v_l1,
+    istat,
+    fstat,
+    slot_b,
+    slot_st,
+    out,
+    mag,
+    count,
+):
     """Pass C (a broadcast bias), parallel over blocks of KEY_BLOCK keys: the dS enclosure of
     every position (b, h, i, j) of the block's keys, recomputed from pass A's row statistics
     as pass B does (:func:`_block_ds`; bit-identical to pass A's dS and to the enclosure pass
@@ -860,9 +1212,23 @@ def _pass_c(q, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, bia
         j0 = blk * KEY_BLOCK
         nb = min(keys, j0 + KEY_BLOCK) - j0
         row = np.empty((15, nb))
-        sh, sl, se, fh, fl, fe, dh, dl, de, wh, wl, we, vh, vl, ve = \
-            row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], row[8], row[9], \
-            row[10], row[11], row[12], row[13], row[14]
+        sh, sl, se, fh, fl, fe, dh, dl, de, wh, wl, we, vh, vl, ve = (
+            row[0],
+            row[1],
+            row[2],
+            row[3],
+            row[4],
+            row[5],
+            row[6],
+            row[7],
+            row[8],
+            row[9],
+            row[10],
+            row[11],
+            row[12],
+            row[13],
+            row[14],
+        )
         allowed, kept = np.empty(nb, np.bool_), np.empty(nb, np.bool_)
         for b in range(batch):
             for h in range(heads):
@@ -881,13 +1247,45 @@ def _pass_c(q, kt, vt, do, glse, has_glse, rows_lo, rows_hi, masks, mask_st, bia
                         c = min(j0 + nb, rows_hi[b, i])
                         if a < c:
                             n = c - a
-                            _allowed_row(b, h, i, a, c, masks, mask_st, bias, bias_st, opts,
-                                         allowed, kept)
-                            _block_ds(b, h, i, a, kind, r, fstat[b, h, i], g_i, has_glse,
-                                      q[b, h, i], kt[b, g], vt[b, g], do[b, h, i], allowed[:n],
-                                      kept[:n], bias, bias_st, slopes, opts, fopts, k_l1[b, g],
-                                      v_l1[b, g], sh[:n], sl[:n], se[:n], fh[:n], fl[:n],
-                                      fe[:n], dh[:n], dl[:n], de[:n], wh[:n], wl[:n], we[:n])
+                            _allowed_row(
+                                b, h, i, a, c, masks, mask_st, bias, bias_st, opts, allowed, kept
+                            )
+                            _block_ds(
+                                b,
+                                h,
+                                i,
+                                a,
+                                kind,
+                                r,
+                                fstat[b, h, i],
+                                g_i,
+                                has_glse,
+                                q[b, h, i],
+                                kt[b, g],
+                                vt[b, g],
+                                do[b, h, i],
+                                allowed[:n],
+                                kept[:n],
+                                bias,
+                                bias_st,
+                                slopes,
+                                opts,
+                                fopts,
+                                k_l1[b, g],
+                                v_l1[b, g],
+                                sh[:n],
+                                sl[:n],
+                                se[:n],
+                                fh[:n],
+                                fl[:n],
+                                fe[:n],
+                                dh[:n],
+                                dl[:n],
+                                de[:n],
+                                wh[:n],
+                                wl[:n],
+                                we[:n],
+                            )
                             for t in range(n):
                                 if not allowed[t]:
                                     continue
@@ -952,8 +1350,7 @@ def _store_scaled(out, index, xh, xl, err, f_h, f_l, f_e):
 def _decide_all(enc, p, emin, max_finite, out, decided):
     flat_h, flat_l, flat_e = enc[0].ravel(), enc[1].ravel(), enc[2].ravel()
     for n in range(flat_h.shape[0]):
-        out[n], decided[n] = round_decision(flat_h[n], flat_l[n], flat_e[n], p, emin,
-                                            max_finite)
+        out[n], decided[n] = round_decision(flat_h[n], flat_l[n], flat_e[n], p, emin, max_finite)
 
 
 def decide(enc: np.ndarray, fmt):
@@ -995,8 +1392,10 @@ def fast_inputs_ok(spec, grad_out, grad_lse) -> bool:
             return False
     _, _, _, length, keys, _, _ = spec.dims
     reach = int(np.abs(_alibi_offsets(spec)).max(initial=0))
-    if spec.alibi_slopes is not None and not (
-            np.abs(spec.alibi_slopes) * (length + keys + reach + 1) < INPUT_LIMIT).all():
+    if (
+        spec.alibi_slopes is not None
+        and not (np.abs(spec.alibi_slopes) * (length + keys + reach + 1) < INPUT_LIMIT).all()
+    ):
         return False
     scale = abs(spec.scale_float)
     if scale != 0.0 and not 2.0**-60 < scale < INPUT_LIMIT:
@@ -1010,8 +1409,9 @@ def fast_inputs_ok(spec, grad_out, grad_lse) -> bool:
 def _allowed_plane(b, h, rows_lo, rows_hi, masks, mask_st, bias, bias_st, opts, allowed, kept):
     for i in range(allowed.shape[0]):
         lo, hi = rows_lo[b, i], rows_hi[b, i]
-        _allowed_row(b, h, i, lo, hi, masks, mask_st, bias, bias_st, opts, allowed[i, lo:],
-                     kept[i, lo:])
+        _allowed_row(
+            b, h, i, lo, hi, masks, mask_st, bias, bias_st, opts, allowed[i, lo:], kept[i, lo:]
+        )
 
 
 def allowed_plane(spec, b, h):
@@ -1024,12 +1424,25 @@ def allowed_plane(spec, b, h):
     mask_f, mask_st = compact_view(spec.mask, np.bool_)
     drop_f, drop_st = compact_view(spec.dropout_mask, np.bool_)
     bias, bias_st = compact_view(spec.bias, np.float64)
-    opts = np.array([spec.bias is not None, 0, 0, 0, 0, spec.mask is not None,
-                     spec.dropout_mask is not None], np.int64)
+    opts = np.array(
+        [spec.bias is not None, 0, 0, 0, 0, spec.mask is not None, spec.dropout_mask is not None],
+        np.int64,
+    )
     allowed = np.zeros((length, keys), np.bool_)
     kept = np.zeros((length, keys), np.bool_)
-    _allowed_plane(b, h, rows_lo, rows_hi, (mask_f, drop_f), np.stack([mask_st, drop_st]),
-                   bias, bias_st, opts, allowed, kept)
+    _allowed_plane(
+        b,
+        h,
+        rows_lo,
+        rows_hi,
+        (mask_f, drop_f),
+        np.stack([mask_st, drop_st]),
+        bias,
+        bias_st,
+        opts,
+        allowed,
+        kept,
+    )
     return allowed, kept
 
 
@@ -1123,22 +1536,45 @@ def gradient_enclosures(spec, grad_out, grad_lse, *, stream_dbias=True):
     masks = (mask_f, drop_f)
     mask_st = np.stack([mask_st, drop_st])
     bias, bias_st = compact_view(spec.bias, f64)
-    slopes = (np.ascontiguousarray(spec.alibi_slopes, f64) if spec.alibi_slopes is not None
-              else np.zeros(1))
+    slopes = (
+        np.ascontiguousarray(spec.alibi_slopes, f64)
+        if spec.alibi_slopes is not None
+        else np.zeros(1)
+    )
     group = np.array([np.flatnonzero(spec.kv_head == g) for g in range(kv_heads)], np.int64)
     # [has_bias, has_alibi, has_softcap, alibi_keys, dropout, has_mask, has_dropout_mask, o_0,
     # ..., o_{B-1}]: ALiBi applies to keys j < alibi_keys (a folded sink has none) with the
     # offset o_b of batch row b
     alibi_keys = keys if spec.alibi_keys is None else spec.alibi_keys
-    opts = np.concatenate([np.array([spec.bias is not None, spec.alibi_slopes is not None,
-                                     spec.softcap is not None, alibi_keys,
-                                     spec.dropout_p != 0, spec.mask is not None,
-                                     spec.dropout_mask is not None], np.int64),
-                           _alibi_offsets(spec)])
+    opts = np.concatenate(
+        [
+            np.array(
+                [
+                    spec.bias is not None,
+                    spec.alibi_slopes is not None,
+                    spec.softcap is not None,
+                    alibi_keys,
+                    spec.dropout_p != 0,
+                    spec.mask is not None,
+                    spec.dropout_mask is not None,
+                ],
+                np.int64,
+            ),
+            _alibi_offsets(spec),
+        ]
+    )
     # dot-product bounds per length: D (scores), E (dp), S (dq), G L (dk, dv)
-    fopts = np.array([*dd_of_exact(spec.scale_exact), spec.softcap or 1.0,
-                      *dd_of_fraction(spec.keep_scale), dot_bound(dim), dot_bound(vdim),
-                      dot_bound(keys), dot_bound(heads // kv_heads * length)])
+    fopts = np.array(
+        [
+            *dd_of_exact(spec.scale_exact),
+            spec.softcap or 1.0,
+            *dd_of_fraction(spec.keep_scale),
+            dot_bound(dim),
+            dot_bound(vdim),
+            dot_bound(keys),
+            dot_bound(heads // kv_heads * length),
+        ]
+    )
     dq = np.zeros((3, batch, heads, length, dim))
     dk = np.zeros((3, batch, kv_heads, keys, dim))
     dv = np.zeros((3, batch, kv_heads, keys, vdim))
@@ -1166,24 +1602,101 @@ def gradient_enclosures(spec, grad_out, grad_lse, *, stream_dbias=True):
         istat = np.zeros((batch, heads, length, 3), np.int64)
         fstat = np.zeros((batch, heads, length, N_STAT))
         bad_rows = np.zeros((batch, heads, -(-length // ROW_BLOCK)), np.bool_)
-        _pass_a(q, k, kt, vt, do, glse, grad_lse is not None, rows_lo, rows_hi, masks, mask_st,
-                bias, bias_st, slopes, kv_head, opts, fopts, k_l1, v_l1, k_col, dq, write_ds,
-                dbias, istat, fstat, bad_rows, has_sink, sinks, dsink, row_sums)
-        _pass_b(q, kt, vt, do, glse, grad_lse is not None, rows_lo, rows_hi, masks, mask_st,
-                bias, bias_st, slopes, group, opts, fopts, k_l1, v_l1, q_sum, do_sum, istat,
-                fstat, dk, dv)
+        _pass_a(
+            q,
+            k,
+            kt,
+            vt,
+            do,
+            glse,
+            grad_lse is not None,
+            rows_lo,
+            rows_hi,
+            masks,
+            mask_st,
+            bias,
+            bias_st,
+            slopes,
+            kv_head,
+            opts,
+            fopts,
+            k_l1,
+            v_l1,
+            k_col,
+            dq,
+            write_ds,
+            dbias,
+            istat,
+            fstat,
+            bad_rows,
+            has_sink,
+            sinks,
+            dsink,
+            row_sums,
+        )
+        _pass_b(
+            q,
+            kt,
+            vt,
+            do,
+            glse,
+            grad_lse is not None,
+            rows_lo,
+            rows_hi,
+            masks,
+            mask_st,
+            bias,
+            bias_st,
+            slopes,
+            group,
+            opts,
+            fopts,
+            k_l1,
+            v_l1,
+            q_sum,
+            do_sum,
+            istat,
+            fstat,
+            dk,
+            dv,
+        )
         if slots is not None:
             mag, count = np.zeros(reduced.shape[1]), np.zeros(reduced.shape[1])
-            _pass_c(q, kt, vt, do, glse, grad_lse is not None, rows_lo, rows_hi, masks,
-                    mask_st, bias, bias_st, slopes, kv_head, opts, fopts, k_l1, v_l1, istat,
-                    fstat, slots[0], slots[1], reduced, mag, count)
+            _pass_c(
+                q,
+                kt,
+                vt,
+                do,
+                glse,
+                grad_lse is not None,
+                rows_lo,
+                rows_hi,
+                masks,
+                mask_st,
+                bias,
+                bias_st,
+                slopes,
+                kv_head,
+                opts,
+                fopts,
+                k_l1,
+                v_l1,
+                istat,
+                fstat,
+                slots[0],
+                slots[1],
+                reduced,
+                mag,
+                count,
+            )
             _finish(reduced, mag, count)
         for h in range(heads):
             bad[:, kv_head[h]] |= bad_rows[:, h].any(axis=1)
     dsinks = None
     if has_sink:  # the sink's dS of every (b, h, i) into slot h, in their C order
-        index = np.broadcast_to(np.arange(heads, dtype=np.int64)[None, :, None],
-                                (batch, heads, length))
+        index = np.broadcast_to(
+            np.arange(heads, dtype=np.int64)[None, :, None], (batch, heads, length)
+        )
         dsinks = reduce_enclosure(dsink, index, (heads,))
     if spec.bias is None:
         return dq, dk, dv, None, dsinks, bad
@@ -1191,10 +1704,19 @@ def gradient_enclosures(spec, grad_out, grad_lse, *, stream_dbias=True):
         return dq, dk, dv, reduced.reshape((3,) + dbias_shape), dsinks, bad
     index, shape = spec.dbias_slots()
     if exact_rows:
-        nonempty = istat[..., 0] != 0 if batch and heads and length and keys else \
-            np.zeros((batch, heads, length), np.bool_)
-        return dq, dk, dv, _exact_row_sums(glse if grad_lse is not None else None, nonempty,
-                                            index[..., 0], shape), dsinks, bad
+        nonempty = (
+            istat[..., 0] != 0
+            if batch and heads and length and keys
+            else np.zeros((batch, heads, length), np.bool_)
+        )
+        return (
+            dq,
+            dk,
+            dv,
+            _exact_row_sums(glse if grad_lse is not None else None, nonempty, index[..., 0], shape),
+            dsinks,
+            bad,
+        )
     if row_sums:  # every key of a row shares the row's slot: the row sums into their slots
         return dq, dk, dv, reduce_enclosure(dbias[..., 0], index[..., 0], shape), dsinks, bad
     return dq, dk, dv, reduce_enclosure(dbias, index, shape), dsinks, bad

@@ -107,8 +107,9 @@ def log1p_bounds(lo, hi, prec: int):
     if hi[2] + hi[3] < -prec:
         return mpf_div(lo, mpf_add(one, lo, prec, round_ceiling), prec, round_floor), hi
     extra = prec + max(0, -(lo[2] + lo[3])) if lo[1] else 2 * prec
-    return log_bounds(mpf_add(one, lo, extra, round_floor),
-                      mpf_add(one, hi, extra, round_ceiling), extra)
+    return log_bounds(
+        mpf_add(one, lo, extra, round_floor), mpf_add(one, hi, extra, round_ceiling), extra
+    )
 
 
 def tanh_bounds(lo, hi, prec: int):

@@ -60,9 +60,18 @@ def compact_view(view, dtype):
     if view is None:
         return np.zeros(1, dtype), np.zeros(4, np.int64)
     view = np.asarray(view)
-    core = view[tuple(slice(0, 1) if st == 0 or n == 1 else slice(None)
-                      for st, n in zip(view.strides, view.shape, strict=True))]
+    core = view[
+        tuple(
+            slice(0, 1) if st == 0 or n == 1 else slice(None)
+            for st, n in zip(view.strides, view.shape, strict=True)
+        )
+    ]
     core = np.require(core, dtype, ["C", "W"])  # writable: the kernels see one array type
-    strides = np.array([0 if n == 1 else st // core.itemsize
-                        for st, n in zip(core.strides, core.shape, strict=True)], np.int64)
+    strides = np.array(
+        [
+            0 if n == 1 else st // core.itemsize
+            for st, n in zip(core.strides, core.shape, strict=True)
+        ],
+        np.int64,
+    )
     return core.ravel(), strides

@@ -298,7 +298,8 @@ class ExactForward:
             for i in range(length):
                 if plane.nan_rows[i] or (plane.empty[i] and spec.empty_rows == "nan"):
                     w_lo[b, h, i] = w_hi[b, h, i] = np.where(
-                        plane.allowed[i] | plane.empty[i], _NAN, 0.0)
+                        plane.allowed[i] | plane.empty[i], _NAN, 0.0
+                    )
                     continue
                 for j in np.flatnonzero(plane.allowed[i]):
                     lo, hi = F.exp_bounds(
@@ -332,8 +333,11 @@ class ExactForward:
             if not any(sums.values()):
                 return 0
         for work in _SIDE_PRECISIONS:
-            found = (self._out_side(plane, i, sums, work) if name == "out"
-                     else self._lse_side(plane, i, boundary, work))
+            found = (
+                self._out_side(plane, i, sums, work)
+                if name == "out"
+                else self._lse_side(plane, i, boundary, work)
+            )
             if found is not None:
                 return found
         return None
@@ -342,9 +346,13 @@ class ExactForward:
         """{first key of a group of equal scores: exact sum of keep_j v_je / (1 - p) - M}."""
         keep = self.spec.keep_scale * Fraction(2) ** plane.v.exp
         column = plane.v.ints[:, e]
-        return {members[0]: sum((keep * int(column[j]) if plane.kept[i, j] else Fraction(0))
-                                - boundary for j in members)
-                for members in self._groups(plane, i)}
+        return {
+            members[0]: sum(
+                (keep * int(column[j]) if plane.kept[i, j] else Fraction(0)) - boundary
+                for j in members
+            )
+            for members in self._groups(plane, i)
+        }
 
     def _out_side(self, plane, i, sums, work):
         _, _, diffs = self._row(plane, i, work)
@@ -369,8 +377,10 @@ class ExactForward:
                 x_lo = mpf_add(x_lo, e_lo, work, round_floor)
                 x_hi = mpf_add(x_hi, e_hi, work, round_ceiling)
         l_lo, l_hi = F.log1p_bounds(x_lo, x_hi, work)
-        return F.sign_of(mpf_add(mpf_sub(t_lo, m), l_lo, work, round_floor),
-                        mpf_add(mpf_sub(t_hi, m), l_hi, work, round_ceiling))
+        return F.sign_of(
+            mpf_add(mpf_sub(t_lo, m), l_lo, work, round_floor),
+            mpf_add(mpf_sub(t_hi, m), l_hi, work, round_ceiling),
+        )
 
     # -- exact ties -----------------------------------------------------------------------
     def _score_key(self, plane: _Plane, i: int, j: int):
@@ -379,8 +389,10 @@ class ExactForward:
         exact_scale = spec.scale_exact
         add = 0 if plane.add is None else int(plane.add[i, j])
         if isinstance(exact_scale, Fraction) and spec.softcap is None:
-            return (exact_scale * Fraction(int(plane.dot[i, j])) * Fraction(2) ** plane.dot_exp
-                    + Fraction(add) * Fraction(2) ** plane.add_exp)
+            return (
+                exact_scale * Fraction(int(plane.dot[i, j])) * Fraction(2) ** plane.dot_exp
+                + Fraction(add) * Fraction(2) ** plane.add_exp
+            )
         return (int(plane.dot[i, j]), add)
 
     def _groups(self, plane: _Plane, i: int) -> list[list[int]]:
@@ -394,7 +406,8 @@ class ExactForward:
         spec = self.spec
         dot = int(plane.dot[i, j])
         add = Fraction(0 if plane.add is None else int(plane.add[i, j])) * Fraction(2) ** (
-            plane.add_exp)
+            plane.add_exp
+        )
         if dot == 0:
             return add  # softcap(0) = 0 and the scale drops out
         if spec.softcap is not None or isinstance(spec.scale_exact, tuple):
@@ -414,8 +427,7 @@ class ExactForward:
             return None
         if name == "weights":
             j = index[3]
-            return Fraction(1, len(groups[0])) if len(groups) == 1 and plane.allowed[i, j] \
-                else None
+            return Fraction(1, len(groups[0])) if len(groups) == 1 and plane.allowed[i, j] else None
         e = index[3]
         column = plane.v.ints[:, e]
         means = set()
@@ -453,7 +465,8 @@ def _dyadic(x: float) -> tuple[int, int]:
 def _softcap(lo, hi, cap, work):
     """Enclosure of c * tanh(t / c) over [lo, hi] (c > 0: increasing)."""
     a, b = F.tanh_bounds(
-        mpf_div(lo, cap, work, round_floor), mpf_div(hi, cap, work, round_ceiling), work)
+        mpf_div(lo, cap, work, round_floor), mpf_div(hi, cap, work, round_ceiling), work
+    )
     return mpf_mul(a, cap, work, round_floor), mpf_mul(b, cap, work, round_ceiling)
 
 
@@ -464,8 +477,12 @@ def _log_sums(e_lo, e_hi, prec):
     """Per row, (lo, hi) of ``log(Z_i 2**-P)`` from the fixed-point sums (None for rows with
     no term: empty or NaN)."""
     z_lo, z_hi = e_lo.sum(axis=1), e_hi.sum(axis=1)
-    return [F.log_bounds(from_man_exp(int(lo), -prec), from_man_exp(int(hi), -prec), prec)
-            if hi else None for lo, hi in zip(z_lo, z_hi, strict=True)]
+    return [
+        F.log_bounds(from_man_exp(int(lo), -prec), from_man_exp(int(hi), -prec), prec)
+        if hi
+        else None
+        for lo, hi in zip(z_lo, z_hi, strict=True)
+    ]
 
 
 def _magnitude(x) -> int:
@@ -576,22 +593,35 @@ def exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_we
     column is dropped from the weights.
     """
     if spec.sinks is not None:
-        out, lse, weights = exact_forward(fold(spec, alibi_into_bias=False), out_dtype,
-                                          return_lse=return_lse, return_weights=return_weights)
+        out, lse, weights = exact_forward(
+            fold(spec, alibi_into_bias=False),
+            out_dtype,
+            return_lse=return_lse,
+            return_weights=return_weights,
+        )
         return out, lse, None if weights is None else weights[..., :-1]
     engine = ExactForward(spec)
     out = correctly_round(
-        lambda p: engine.at(p)["out"], out_dtype,
+        lambda p: engine.at(p)["out"],
+        out_dtype,
         fallback=lambda ix: engine.exact_value("out", ix),
-        decide=lambda ix, m: engine.side("out", ix, m), what="out")
+        decide=lambda ix, m: engine.side("out", ix, m),
+        what="out",
+    )
     lse = weights = None
     if return_lse:
         lse = correctly_round(
-            lambda p: engine.at(p)["lse"], out_dtype,
+            lambda p: engine.at(p)["lse"],
+            out_dtype,
             fallback=lambda ix: engine.exact_value("lse", ix),
-            decide=lambda ix, m: engine.side("lse", ix, m), what="lse")
+            decide=lambda ix, m: engine.side("lse", ix, m),
+            what="lse",
+        )
     if return_weights:
         weights = correctly_round(
-            engine.weights, out_dtype,
-            fallback=lambda ix: engine.exact_value("weights", ix), what="weights")
+            engine.weights,
+            out_dtype,
+            fallback=lambda ix: engine.exact_value("weights", ix),
+            what="weights",
+        )
     return out, lse, weights

@@ -68,8 +68,10 @@ class ExactVJP:
 
     def __init__(self, spec: AttentionSpec, grad_out: np.ndarray, grad_lse):
         if spec.sinks is not None:  # the forward engine has no sink: fold it into a key first
-            raise ValueError("ExactVJP: expected a spec without sinks (fold it first: "
-                             "refattn._fold.fold(spec, alibi_into_bias=False))")
+            raise ValueError(
+                "ExactVJP: expected a spec without sinks (fold it first: "
+                "refattn._fold.fold(spec, alibi_into_bias=False))"
+            )
         self.spec = spec
         self.forward = ExactForward(spec)
         self.do = F.to_fixed(grad_out)  # (B, H, L, E)
@@ -116,9 +118,11 @@ class ExactVJP:
             x = from_man_exp(int(plane.dot[i, j]), plane.dot_exp)
             a, c = sorted(
                 (mpf_mul(x, s_lo, work, round_floor), mpf_mul(x, s_hi, work, round_ceiling)),
-                key=lambda r: F.floor_scaled(r, work))
-            t_lo, t_hi = F.tanh_bounds(mpf_div(a, cap, work, round_floor),
-                                       mpf_div(c, cap, work, round_ceiling), prec)
+                key=lambda r: F.floor_scaled(r, work),
+            )
+            t_lo, t_hi = F.tanh_bounds(
+                mpf_div(a, cap, work, round_floor), mpf_div(c, cap, work, round_ceiling), prec
+            )
             th_lo, th_hi = F.floor_scaled(t_lo, prec), F.ceil_scaled(t_hi, prec)
             sq_hi = max(th_lo * th_lo, th_hi * th_hi)
             sq_lo = 0 if th_lo <= 0 <= th_hi else min(th_lo * th_lo, th_hi * th_hi)
@@ -162,9 +166,11 @@ class ExactVJP:
                 # T = keep (dP'' - Delta) + g, as kd * T * 2**-c (mid2, rad2)
                 shift_x = e_x - prec - c
                 t_mid = keep.numerator * np.left_shift(
-                    2 * np.left_shift(dpk, prec) - delta_m[:, None], shift_x)
+                    2 * np.left_shift(dpk, prec) - delta_m[:, None], shift_x
+                )
                 t_rad = keep.numerator * np.left_shift(
-                    np.broadcast_to(delta_r[:, None], dpk.shape), shift_x)
+                    np.broadcast_to(delta_r[:, None], dpk.shape), shift_x
+                )
                 if self.g is not None:
                     g_row = np.left_shift(self.g.ints[b, h], e_g - c)[:, None]
                     t_mid = t_mid + 2 * keep.denominator * g_row
@@ -186,12 +192,13 @@ class ExactVJP:
         # with softcap, dT's (mid2, rad2) form carries one more factor 1/2 (see _halve_scale)
         dt_scale = ds_scale / 2 if spec.softcap is not None else ds_scale
         return {
-            "dq": _scaled_bounds(dq_mid, dq_rad, dt_scale * Fraction(2) ** k.exp,
-                                 (scale_lo, scale_hi)),
-            "dk": _scaled_bounds(dk_mid, dk_rad, dt_scale * Fraction(2) ** q.exp,
-                                 (scale_lo, scale_hi)),
-            "dv": _scaled_bounds(dv_mid, dv_rad, keep * Fraction(2) ** (do.exp - prec) / 2,
-                                 None),
+            "dq": _scaled_bounds(
+                dq_mid, dq_rad, dt_scale * Fraction(2) ** k.exp, (scale_lo, scale_hi)
+            ),
+            "dk": _scaled_bounds(
+                dk_mid, dk_rad, dt_scale * Fraction(2) ** q.exp, (scale_lo, scale_hi)
+            ),
+            "dv": _scaled_bounds(dv_mid, dv_rad, keep * Fraction(2) ** (do.exp - prec) / 2, None),
             "ds": (ds_mid, ds_rad, ds_scale),
         }
 
@@ -230,14 +237,22 @@ class ExactVJP:
         keep = spec.keep_scale
         g = int(spec.kv_head[h])
         weight = Fraction(1, n)
-        dpp = [Fraction(int(x)) * Fraction(2) ** (self.do.exp + self.v.exp) * keep
-               if plane.kept[i, j] else Fraction(0)
-               for j, x in enumerate(self.do.ints[b, h, i] @ self.v.ints[b, g].T)]
+        dpp = [
+            Fraction(int(x)) * Fraction(2) ** (self.do.exp + self.v.exp) * keep
+            if plane.kept[i, j]
+            else Fraction(0)
+            for j, x in enumerate(self.do.ints[b, h, i] @ self.v.ints[b, g].T)
+        ]
         delta = sum(weight * dpp[j] for j in groups[0])
-        g_i = 0 if self.g is None else Fraction(int(self.g.ints[b, h, i])) * Fraction(2) ** (
-            self.g.exp)
-        return [weight * (dpp[j] - delta + g_i) if plane.allowed[i, j] else Fraction(0)
-                for j in range(len(dpp))]
+        g_i = (
+            0
+            if self.g is None
+            else Fraction(int(self.g.ints[b, h, i])) * Fraction(2) ** (self.g.exp)
+        )
+        return [
+            weight * (dpp[j] - delta + g_i) if plane.allowed[i, j] else Fraction(0)
+            for j in range(len(dpp))
+        ]
 
     # -- a result a hair from a rounding boundary ----------------------------------------
     def side(self, name: str, index: tuple, boundary: Fraction):
@@ -296,11 +311,15 @@ class ExactVJP:
             if j in top:  # 1/Z - 1/n = -(Z - n) / (n Z)
                 den_lo = mpf_mul(from_man_exp(n, 0), z_lo, work, round_floor)
                 den_hi = mpf_mul(from_man_exp(n, 0), z_hi, work, round_ceiling)
-                delta[j] = (mpf_neg(mpf_div(rest_hi, den_lo, work, round_ceiling)),
-                            mpf_neg(mpf_div(rest_lo, den_hi, work, round_floor)))
+                delta[j] = (
+                    mpf_neg(mpf_div(rest_hi, den_lo, work, round_ceiling)),
+                    mpf_neg(mpf_div(rest_lo, den_hi, work, round_floor)),
+                )
             else:
-                delta[j] = (mpf_div(e_lo, z_hi, work, round_floor),
-                            mpf_div(e_hi, z_lo, work, round_ceiling))
+                delta[j] = (
+                    mpf_div(e_lo, z_hi, work, round_floor),
+                    mpf_div(e_hi, z_lo, work, round_ceiling),
+                )
         self._splits[key] = (exact, delta)
         return exact, delta
 
@@ -316,8 +335,11 @@ class ExactVJP:
         dots = self.do.ints[b, h, i] @ self.v.ints[b, g].T
         unit = spec.keep_scale * Fraction(2) ** (self.do.exp + self.v.exp)
         dp = {j: unit * (int(dots[j]) if plane.kept[i, j] else 0) for j in exact}
-        g_i = Fraction(0) if self.g is None else Fraction(int(self.g.ints[b, h, i])) * \
-            Fraction(2) ** self.g.exp
+        g_i = (
+            Fraction(0)
+            if self.g is None
+            else Fraction(int(self.g.ints[b, h, i])) * Fraction(2) ** self.g.exp
+        )
         heads, tails = {}, {}
         for j in exact:
             t_head = g_i + sum((exact[k] * (dp[j] - dp[k]) for k in exact), Fraction(0))
@@ -374,8 +396,9 @@ class ExactVJP:
                         continue
                     heads, tails = split
                     if name == "dv":
-                        factor = spec.keep_scale * _exact_value(self.do.ints[b, h, i, col],
-                                                                self.do.exp)
+                        factor = spec.keep_scale * _exact_value(
+                            self.do.ints[b, h, i, col], self.do.exp
+                        )
                     else:
                         factor = _exact_value(self.q.ints[b, h, i, col], self.q.exp)
                     head += heads[j] * factor
@@ -390,8 +413,9 @@ class ExactVJP:
             found = F.sign_of(*_add(tail, _point(head - boundary / exact, work), work))
             return None if found is None else (found if exact > 0 else -found)
         # s = 1/sqrt(D) > 0: boundary / s = boundary sqrt(D), enclosed
-        root_lo, root_hi = (mpf_sqrt(from_man_exp(exact[1], 0), work, rnd)
-                            for rnd in (round_floor, round_ceiling))
+        root_lo, root_hi = (
+            mpf_sqrt(from_man_exp(exact[1], 0), work, rnd) for rnd in (round_floor, round_ceiling)
+        )
         shift = _interval_times(*_point(-boundary, work), (root_lo, root_hi), work)
         return F.sign_of(*_add(_add(tail, _point(head, work), work), shift, work))
 
@@ -422,8 +446,12 @@ class ExactVJP:
                     groups = self.forward._groups(plane, int(i))
                     if len(groups) != 1:
                         return None
-                    total += (Fraction(1, len(groups[0])) * spec.keep_scale
-                              * int(self.do.ints[b, h, i, col]) * Fraction(2) ** self.do.exp)
+                    total += (
+                        Fraction(1, len(groups[0]))
+                        * spec.keep_scale
+                        * int(self.do.ints[b, h, i, col])
+                        * Fraction(2) ** self.do.exp
+                    )
                 else:
                     row = self._rational_row(b, int(h), int(i))
                     if row is None:
@@ -505,8 +533,10 @@ def _exact_value(man, exp) -> Fraction:
 
 def _point(x: Fraction, work):
     """An exact rational as a (lo, hi) enclosure at ``work`` bits."""
-    return (from_rational(x.numerator, x.denominator, work, round_floor),
-            from_rational(x.numerator, x.denominator, work, round_ceiling))
+    return (
+        from_rational(x.numerator, x.denominator, work, round_floor),
+        from_rational(x.numerator, x.denominator, work, round_ceiling),
+    )
 
 
 def _add(a, b, work):
@@ -524,8 +554,12 @@ def _sum_scaled(terms, work):
 
 def _interval_times(lo, hi, other, work):
     """[lo, hi] times the interval ``other`` (every sign case)."""
-    products = [mpf_mul(a, c, work, rnd) for a in (lo, hi) for c in other
-                for rnd in (round_floor, round_ceiling)]
+    products = [
+        mpf_mul(a, c, work, rnd)
+        for a in (lo, hi)
+        for c in other
+        for rnd in (round_floor, round_ceiling)
+    ]
     low = products[0]
     high = products[0]
     for x in products[1:]:
@@ -540,8 +574,7 @@ def _raw_ratio(raw):
     return (man << exp, 1) if exp >= 0 else (man, 1 << -exp)
 
 
-def exact_vjp(spec: AttentionSpec, grad_out, grad_lse, out_dtype, *, engine=None,
-              stats=None):
+def exact_vjp(spec: AttentionSpec, grad_out, grad_lse, out_dtype, *, engine=None, stats=None):
     """Correctly rounded (dq, dk, dv, dbias) in the flat layout (dbias in bias's shape).
 
     With ``spec.sinks`` (H,) the fourth element is the flat ``(dbias.ravel(), dsinks)``
@@ -577,8 +610,12 @@ def exact_vjp(spec: AttentionSpec, grad_out, grad_lse, out_dtype, *, engine=None
         stats.update(elements=total, fast=0, referee=total)
     # NaN/Inf inputs: refattn.attention.attention_vjp takes the non-finite pattern from the
     # float64 path (the exact engine encloses finite values only)
-    return (results["dq"], results["dk"], results["dv"],
-            _flat_dbias(spec, results.get("dbias"), results.get("dsinks")))
+    return (
+        results["dq"],
+        results["dk"],
+        results["dv"],
+        _flat_dbias(spec, results.get("dbias"), results.get("dsinks")),
+    )
 
 
 _NAMES = ("dq", "dk", "dv", "dbias")
@@ -602,14 +639,20 @@ def _referee_vjp(spec, grad_out, grad_lse, out_dtype, names):
         if name == "dbias":
             if spec.bias is not None:
                 results[name] = correctly_round(
-                    engine.dbias, out_dtype, what="dbias",
+                    engine.dbias,
+                    out_dtype,
+                    what="dbias",
                     fallback=lambda ix: engine.exact_value("dbias", ix),
-                    decide=lambda ix, m: engine.side("dbias", ix, m))
+                    decide=lambda ix, m: engine.side("dbias", ix, m),
+                )
             continue
         results[name] = correctly_round(
-            lambda p, name=name: engine.at(p)[name], out_dtype,
+            lambda p, name=name: engine.at(p)[name],
+            out_dtype,
             fallback=lambda ix, name=name: engine.exact_value(name, ix),
-            decide=lambda ix, m, name=name: engine.side(name, ix, m), what=name)
+            decide=lambda ix, m, name=name: engine.side(name, ix, m),
+            what=name,
+        )
     return results
 
 
@@ -622,8 +665,7 @@ def _referee_with_sinks(spec, grad_out, grad_lse, out_dtype, names):
     inner = [n for n in names if n not in ("dbias", "dsinks")]
     if "dsinks" in names or ("dbias" in names and spec.bias is not None):
         inner.append("dbias")
-    results = _referee_vjp(fold(spec, alibi_into_bias=False), grad_out, grad_lse, out_dtype,
-                           inner)
+    results = _referee_vjp(fold(spec, alibi_into_bias=False), grad_out, grad_lse, out_dtype, inner)
     for name in ("dk", "dv"):
         if name in results:
             results[name] = results[name][..., :keys, :]
@@ -671,8 +713,12 @@ def _fast_then_referee(spec, grad_out, grad_lse, out_dtype, stats):
         _referee_units(spec, grad_out, grad_lse, out_dtype, values, todo)
     dtype = fmt.dtype
     cast = {name: value.astype(dtype) for name, value in values.items()}
-    return (cast["dq"], cast["dk"], cast["dv"],
-            _flat_dbias(spec, cast.get("dbias"), cast.get("dsinks")))
+    return (
+        cast["dq"],
+        cast["dk"],
+        cast["dv"],
+        _flat_dbias(spec, cast.get("dbias"), cast.get("dsinks")),
+    )
 
 
 def _referee_units(spec, grad_out, grad_lse, out_dtype, values, todo):
@@ -686,17 +732,21 @@ def _referee_units(spec, grad_out, grad_lse, out_dtype, values, todo):
     keeps the original indices for causal, window and ALiBi and whose key length becomes a
     mask), unless its unit goes to the referee anyway, which then settles its dq too.
     """
-    units = set(zip(*np.nonzero(todo["dk"].any(axis=(2, 3)) | todo["dv"].any(axis=(2, 3))),
-                    strict=True))
+    units = set(
+        zip(*np.nonzero(todo["dk"].any(axis=(2, 3)) | todo["dv"].any(axis=(2, 3))), strict=True)
+    )
     units = {(int(b), int(g)) for b, g in units}
     for b, g in sorted(units):
         heads = np.flatnonzero(spec.kv_head == g)
         sub = _unit_spec(spec, b, g, heads)
-        names = [n for n in ("dq", "dk", "dv")
-                 if todo[n][b, heads if n == "dq" else [g]].any()]
-        ref = _referee_vjp(sub, grad_out[b:b + 1, heads],
-                           None if grad_lse is None else grad_lse[b:b + 1, heads],
-                           out_dtype, names)
+        names = [n for n in ("dq", "dk", "dv") if todo[n][b, heads if n == "dq" else [g]].any()]
+        ref = _referee_vjp(
+            sub,
+            grad_out[b : b + 1, heads],
+            None if grad_lse is None else grad_lse[b : b + 1, heads],
+            out_dtype,
+            names,
+        )
         for name in names:
             where = (b, heads) if name == "dq" else (b, [g])
             mask = todo[name][where]
@@ -706,26 +756,38 @@ def _referee_units(spec, grad_out, grad_lse, out_dtype, values, todo):
         if (b, int(spec.kv_head[h])) in units:
             continue
         sub = row_spec(spec, b, h, i, i + 1)
-        ref = _referee_vjp(sub, grad_out[b:b + 1, h:h + 1, i:i + 1],
-                           None if grad_lse is None else grad_lse[b:b + 1, h:h + 1, i:i + 1],
-                           out_dtype, ["dq"])
+        ref = _referee_vjp(
+            sub,
+            grad_out[b : b + 1, h : h + 1, i : i + 1],
+            None if grad_lse is None else grad_lse[b : b + 1, h : h + 1, i : i + 1],
+            out_dtype,
+            ["dq"],
+        )
         mask = todo["dq"][b, h, i]
         values["dq"][b, h, i] = np.where(mask, ref["dq"][0, 0, 0], values["dq"][b, h, i])
 
 
 def _unit_spec(spec: AttentionSpec, b: int, g: int, heads):
     """The spec of batch b restricted to the query heads of kv head g (one kv head)."""
+
     def rows(x):
-        return None if x is None else x[b:b + 1][:, heads]
+        return None if x is None else x[b : b + 1][:, heads]
 
     return dataclasses.replace(
-        spec, q=spec.q[b:b + 1][:, heads], k=spec.k[b:b + 1, g:g + 1],
-        v=spec.v[b:b + 1, g:g + 1], batch_shape=(1,), single_head=False, bias=rows(spec.bias),
+        spec,
+        q=spec.q[b : b + 1][:, heads],
+        k=spec.k[b : b + 1, g : g + 1],
+        v=spec.v[b : b + 1, g : g + 1],
+        batch_shape=(1,),
+        single_head=False,
+        bias=rows(spec.bias),
         bias_shape=None if spec.bias is None else (1, len(heads)) + spec.bias.shape[2:],
-        mask=rows(spec.mask), dropout_mask=rows(spec.dropout_mask),
+        mask=rows(spec.mask),
+        dropout_mask=rows(spec.dropout_mask),
         alibi_slopes=None if spec.alibi_slopes is None else spec.alibi_slopes[heads],
         sinks=None if spec.sinks is None else spec.sinks[heads],
         kv_head=np.zeros(len(heads), dtype=spec.kv_head.dtype),
-        kv_lengths=None if spec.kv_lengths is None else spec.kv_lengths[b:b + 1],
-        alibi_offsets=None if spec.alibi_offsets is None else spec.alibi_offsets[b:b + 1],
-        dbias_index=None)
+        kv_lengths=None if spec.kv_lengths is None else spec.kv_lengths[b : b + 1],
+        alibi_offsets=None if spec.alibi_offsets is None else spec.alibi_offsets[b : b + 1],
+        dbias_index=None,
+    )

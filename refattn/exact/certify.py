@@ -84,8 +84,9 @@ def _plane_balls(spec, b, h, arb):
             continue
         scores = []
         for j in cols:
-            t = scale * sum((arb(float(a)) * arb(float(c)) for a, c in zip(q[i], k[j],
-                                                                           strict=True)), arb(0))
+            t = scale * sum(
+                (arb(float(a)) * arb(float(c)) for a, c in zip(q[i], k[j], strict=True)), arb(0)
+            )
             if spec.softcap is not None:
                 cap = arb(spec.softcap)
                 t = cap * (t / cap).tanh()
@@ -98,8 +99,11 @@ def _plane_balls(spec, b, h, arb):
         weights = [(s - row_lse).exp() for s in scores]
         row_out = []
         for e in range(v.shape[1]):
-            terms = [w * keep * arb(float(v[j, e])) for w, j in zip(weights, cols, strict=True)
-                     if kept[i, j]]
+            terms = [
+                w * keep * arb(float(v[j, e]))
+                for w, j in zip(weights, cols, strict=True)
+                if kept[i, j]
+            ]
             row_out.append(sum(terms, arb(0)))
         out.append(row_out)
         lse.append(row_lse)
@@ -156,13 +160,20 @@ def certify_attention(q, k, v, out, lse=None, *, out_dtype=None, max_prec=4096, 
                         continue
                     balls = _plane_balls(spec, b, h, arb)
                     for n, _ in enumerate(targets):
-                        _decide(balls[n], targets[n][b, h], pending[n][b, h],
-                                certified[n][b, h], contradicted[n][b, h], fmt)
+                        _decide(
+                            balls[n],
+                            targets[n][b, h],
+                            pending[n][b, h],
+                            certified[n][b, h],
+                            contradicted[n][b, h],
+                            fmt,
+                        )
             prec *= 2
     finally:
         flint.ctx.prec = saved
-    flat = [np.concatenate([a.ravel() for a in group])
-            for group in (certified, contradicted, pending)]
+    flat = [
+        np.concatenate([a.ravel() for a in group]) for group in (certified, contradicted, pending)
+    ]
     return CertificationReport(flat[0], flat[1], flat[2], prec // 2)
 
 

@@ -90,9 +90,19 @@ from ._stream import compact_view, key_intervals
 from .attention import exact_forward
 from .rounding import format_of
 
-__all__ = ["fast_exact_forward", "fallback_stats", "row_spec", "rounds_to_zero",
-           "exactness_scales", "allowed_rule", "rule_allowed", "CUT", "TINY",
-           "WEIGHT_TINY_ARG", "WEIGHT_ZERO_ARG"]
+__all__ = [
+    "fast_exact_forward",
+    "fallback_stats",
+    "row_spec",
+    "rounds_to_zero",
+    "exactness_scales",
+    "allowed_rule",
+    "rule_allowed",
+    "CUT",
+    "TINY",
+    "WEIGHT_TINY_ARG",
+    "WEIGHT_ZERO_ARG",
+]
 
 #: Exponent arguments below CUT contribute ``0 <= e < TINY`` (an absolute radius).
 CUT = -400.0
@@ -174,7 +184,15 @@ def _bias_in_range(x):
 def _score(i, j, sj, cj, qn_i, kn_j, prm, bv, has_bias):
     """(t_hi, t_lo, err) of the score of key j from its dot product (s, c)."""
     scale_hi, scale_lo, scale_err, dot_rel, cap, slope, offset, alibi_keys = (
-        prm[0], prm[1], prm[2], prm[3], prm[4], prm[5], prm[6], prm[13])
+        prm[0],
+        prm[1],
+        prm[2],
+        prm[3],
+        prm[4],
+        prm[5],
+        prm[6],
+        prm[13],
+    )
     dh, dl = D.two_sum(sj, cj)
     derr = dot_rel * qn_i * kn_j
     th, tl = D.dd_mul(dh, dl, scale_hi, scale_lo)
@@ -209,8 +227,7 @@ def _finish_row(b, h, i, top, zh, zl, zr, ns, nc, nr, prm, want_lse, p, emin, ma
     ok = True
     if want_lse:
         gh, gl = D.dd_add_d(lh, ll, top)
-        value, dec = decide_one(gh, gl, (lerr + D.DD_REL * abs(gh)) * D.BOUND_SAFETY, p, emin,
-                                maxf)
+        value, dec = decide_one(gh, gl, (lerr + D.DD_REL * abs(gh)) * D.BOUND_SAFETY, p, emin, maxf)
         lse[b, h, i] = value
         ok = ok and dec
     zlow = zh - zr
@@ -248,16 +265,51 @@ def _row_weights(b, h, i, lo, state, x_h, x_l, x_r, lz_h, lz_l, lz_r, p, emin, m
             ok = False
             continue
         eh, el = exp_dd_fast(ah, al)
-        value, dec = decide_one(eh, el, (EXP_FAST_REL + 2.0 * ae) * (1.0 + _RHO_MAX) * eh
-                                * D.BOUND_SAFETY, p, emin, maxf)
+        value, dec = decide_one(
+            eh,
+            el,
+            (EXP_FAST_REL + 2.0 * ae) * (1.0 + _RHO_MAX) * eh * D.BOUND_SAFETY,
+            p,
+            emin,
+            maxf,
+        )
         w[b, h, i, j] = value
         ok = ok and dec
     return ok
 
 
 @numba.jit(**_JIT)
-def _dd_row(b, h, i, q, kT, v, qn, kn, vmax, prm, kvh, lohi, mk, mstr, bs, bstr, dr, dstr,
-            has_mask, has_bias, has_drop, want_lse, want_w, p, emin, maxf, out, lse, w):
+def _dd_row(
+    b,
+    h,
+    i,
+    q,
+    kT,
+    v,
+    qn,
+    kn,
+    vmax,
+    prm,
+    kvh,
+    lohi,
+    mk,
+    mstr,
+    bs,
+    bstr,
+    dr,
+    dstr,
+    has_mask,
+    has_bias,
+    has_drop,
+    want_lse,
+    want_w,
+    p,
+    emin,
+    maxf,
+    out,
+    lse,
+    w,
+):
     """Double-double first step of query row i of plane (b, h) (module docstring, 1-6);
     returns its status."""
     g = kvh[h]
@@ -280,8 +332,9 @@ def _dd_row(b, h, i, q, kT, v, qn, kn, vmax, prm, kvh, lohi, mk, mstr, bs, bstr,
         j = lo + jj
         st, bv = 2, 0.0
         if rule_arrays:
-            st, bv = _key_state(b, h, i, j, mk, mstr, bs, bstr, dr, dstr, has_mask, has_bias,
-                                has_drop)
+            st, bv = _key_state(
+                b, h, i, j, mk, mstr, bs, bstr, dr, dstr, has_mask, has_bias, has_drop
+            )
         state[jj] = st
         if st == 0:
             continue
@@ -335,8 +388,9 @@ def _dd_row(b, h, i, q, kT, v, qn, kn, vmax, prm, kvh, lohi, mk, mstr, bs, bstr,
         if xh < CUT:
             tiny += TINY
         else:
-            rho = max(rho, (EXP_FAST_REL + 2.0 * D.DD_REL * abs(xh) * D.BOUND_SAFETY)
-                      * (1.0 + _RHO_MAX))
+            rho = max(
+                rho, (EXP_FAST_REL + 2.0 * D.DD_REL * abs(xh) * D.BOUND_SAFETY) * (1.0 + _RHO_MAX)
+            )
             eh, el = exp_dd_fast(xh, xl)
             zs, es = D.two_sum(zs, eh)
             zc += es + el
@@ -350,24 +404,80 @@ def _dd_row(b, h, i, q, kT, v, qn, kn, vmax, prm, kvh, lohi, mk, mstr, bs, bstr,
     if zv > 0.0:  # the valued keys' mass (e > 0 above CUT): Z, or less when a sink holds most
         mass = min(zh + zr, zv * (1.0 + rho) * (1.0 + 2.0**-20))
         nr = nr + ((sum_rel + rho) * vmax[b, g] * mass) * D.BOUND_SAFETY
-    ok, lz_h, lz_l, lz_r = _finish_row(b, h, i, top, zh, zl, zr, ns, nc, nr, pr, want_lse, p,
-                                       emin, maxf, out, lse)
+    ok, lz_h, lz_l, lz_r = _finish_row(
+        b, h, i, top, zh, zl, zr, ns, nc, nr, pr, want_lse, p, emin, maxf, out, lse
+    )
     if ok and want_w:
         ok = _row_weights(b, h, i, lo, state, s, c, err, lz_h, lz_l, lz_r, p, emin, maxf, w)
     return _OK if ok else _UNDECIDED
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
-def _forward_dd(items, q, kT, v, qn, kn, vmax, prm, kvh, lohi, mk, mstr, bs, bstr, dr, dstr,
-                has_mask, has_bias, has_drop, want_lse, want_w, p, emin, maxf,
-                out, lse, w, status):
+def _forward_dd(
+    items,
+    q,
+    kT,
+    v,
+    qn,
+    kn,
+    vmax,
+    prm,
+    kvh,
+    lohi,
+    mk,
+    mstr,
+    bs,
+    bstr,
+    dr,
+    dstr,
+    has_mask,
+    has_bias,
+    has_drop,
+    want_lse,
+    want_w,
+    p,
+    emin,
+    maxf,
+    out,
+    lse,
+    w,
+    status,
+):
     """Double-double first step for the query rows ``items`` ((n, 3): b, h, i), in parallel
     over rows of every plane."""
     for r in prange(items.shape[0]):
         b, h, i = items[r, 0], items[r, 1], items[r, 2]
-        status[b, h, i] = _dd_row(b, h, i, q, kT, v, qn, kn, vmax, prm, kvh, lohi, mk, mstr,
-                                  bs, bstr, dr, dstr, has_mask, has_bias, has_drop, want_lse,
-                                  want_w, p, emin, maxf, out, lse, w)
+        status[b, h, i] = _dd_row(
+            b,
+            h,
+            i,
+            q,
+            kT,
+            v,
+            qn,
+            kn,
+            vmax,
+            prm,
+            kvh,
+            lohi,
+            mk,
+            mstr,
+            bs,
+            bstr,
+            dr,
+            dstr,
+            has_mask,
+            has_bias,
+            has_drop,
+            want_lse,
+            want_w,
+            p,
+            emin,
+            maxf,
+            out,
+            lse,
+            w,
+        )
 
 
 @numba.jit(**_JIT)
@@ -375,12 +485,18 @@ def _score_d(i, j, sj, qn_i, kn_j, prm, bv, has_bias, gdim):
     """(t, err): the score of key j in double precision from its dot product s (fma chain,
     error <= gamma_D |q_i|.|k_j|), each rounding bounded by 1.01 u |result|."""
     scale_hi, scale_lo, scale_err, cap, slope, offset, alibi_keys = (
-        prm[0], prm[1], prm[2], prm[4], prm[5], prm[6], prm[13])
+        prm[0],
+        prm[1],
+        prm[2],
+        prm[4],
+        prm[5],
+        prm[6],
+        prm[13],
+    )
     u = 1.01 * D.U
     derr = gdim * qn_i * kn_j
     t = sj * scale_hi
-    err = (abs(scale_hi) * derr + (abs(sj) + derr) * (abs(scale_lo) + scale_err)
-           + u * abs(t))
+    err = abs(scale_hi) * derr + (abs(sj) + derr) * (abs(scale_lo) + scale_err) + u * abs(t)
     if cap > 0.0:
         yh, yl = D.dd_div_d(t, 0.0, cap)
         err = err / cap + D.DD_REL * abs(yh)
@@ -400,9 +516,42 @@ def _score_d(i, j, sj, qn_i, kn_j, prm, bv, has_bias, gdim):
 
 
 @numba.jit(**_JIT)
-def _d_block(b, h, i0, nb_rows, q, kT, v, qn, kn, qs, ks, vmax, vnorm, prm, kvh, lohi,
-             mk, mstr, bs, bstr, dr, dstr, has_mask, has_bias, has_drop, want_lse, want_w,
-             p, emin, maxf, out, lse, w, status):
+def _d_block(
+    b,
+    h,
+    i0,
+    nb_rows,
+    q,
+    kT,
+    v,
+    qn,
+    kn,
+    qs,
+    ks,
+    vmax,
+    vnorm,
+    prm,
+    kvh,
+    lohi,
+    mk,
+    mstr,
+    bs,
+    bstr,
+    dr,
+    dstr,
+    has_mask,
+    has_bias,
+    has_drop,
+    want_lse,
+    want_w,
+    p,
+    emin,
+    maxf,
+    out,
+    lse,
+    w,
+    status,
+):
     """Double-precision first step of rows i0 .. i0 + nb_rows - 1 of plane (b, h), which share
     each load of K^T and V (each row's arithmetic is the same sequence as alone: no bit depends
     on the blocking). The keys run over the union of the rows' intervals; the blocked sums
@@ -443,8 +592,9 @@ def _d_block(b, h, i0, nb_rows, q, kT, v, qn, kn, qs, ks, vmax, vnorm, prm, kvh,
             j = lo + jj
             st, bv = 2, 0.0
             if rule_arrays:
-                st, bv = _key_state(b, h, i, j, mk, mstr, bs, bstr, dr, dstr, has_mask,
-                                    has_bias, has_drop)
+                st, bv = _key_state(
+                    b, h, i, j, mk, mstr, bs, bstr, dr, dstr, has_mask, has_bias, has_drop
+                )
             state[rr, jj] = st
             if st == 0:
                 continue
@@ -518,8 +668,9 @@ def _d_block(b, h, i0, nb_rows, q, kT, v, qn, kn, qs, ks, vmax, vnorm, prm, kvh,
             if x < CUT:
                 tiny[rr] += TINY
             else:
-                rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * u * abs(x) * D.BOUND_SAFETY)
-                              * (1.0 + _RHO_MAX))
+                rho[rr] = max(
+                    rho[rr], (D.EXP_D_REL + 2.0 * u * abs(x) * D.BOUND_SAFETY) * (1.0 + _RHO_MAX)
+                )
                 zr_ += D.exp_d(x)
         for e in range(vdim):
             nsum[rr, e] += nb[rr, e]
@@ -531,16 +682,46 @@ def _d_block(b, h, i0, nb_rows, q, kT, v, qn, kn, qs, ks, vmax, vnorm, prm, kvh,
         # sum_j e_j |v_je| <= min(vmax_e sum_j e_j, sqrt(sum_j e_j^2) ||v_e||) (the second
         # by Cauchy-Schwarz; the float sums are within gamma_S < 2**-27 of their values)
         acc = np.minimum(vmax[b, g] * (zr_ + zrad), math.sqrt(e2[rr]) * vnorm[b, g])
-        nr = (gg * acc * (1.0 + gsum) * (1.0 + rho[rr])) * D.BOUND_SAFETY \
-            + TINY * tiny_v[rr]
-        ok, lz_h, lz_l, lz_r = _finish_row(b, h, i, top[rr], zr_, 0.0, zrad, nsum[rr], zeros,
-                                           nr, pr, want_lse, p, emin, maxf, out, lse)
+        nr = (gg * acc * (1.0 + gsum) * (1.0 + rho[rr])) * D.BOUND_SAFETY + TINY * tiny_v[rr]
+        ok, lz_h, lz_l, lz_r = _finish_row(
+            b,
+            h,
+            i,
+            top[rr],
+            zr_,
+            0.0,
+            zrad,
+            nsum[rr],
+            zeros,
+            nr,
+            pr,
+            want_lse,
+            p,
+            emin,
+            maxf,
+            out,
+            lse,
+        )
         if ok and want_w:
             r0 = lohi[b, i, 0] - lo
             r1 = lohi[b, i, 1] - lo
-            ok = _row_weights(b, h, i, lo + r0, state[rr, r0:r1], s[rr, r0:r1],
-                              np.zeros(r1 - r0), err[rr, r0:r1], lz_h, lz_l, lz_r, p, emin,
-                              maxf, w)
+            ok = _row_weights(
+                b,
+                h,
+                i,
+                lo + r0,
+                state[rr, r0:r1],
+                s[rr, r0:r1],
+                np.zeros(r1 - r0),
+                err[rr, r0:r1],
+                lz_h,
+                lz_l,
+                lz_r,
+                p,
+                emin,
+                maxf,
+                w,
+            )
         status[b, h, i] = _OK if ok else _UNDECIDED
 
 
@@ -580,16 +761,79 @@ def _row_facts(x, bits, norms, scales, ok):
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
-def _forward_d(blocks, q, kT, v, qn, kn, qs, ks, vmax, vnorm, prm, kvh, lohi, mk, mstr, bs,
-               bstr, dr, dstr, has_mask, has_bias, has_drop, want_lse, want_w, p, emin, maxf,
-               out, lse, w, status):
+def _forward_d(
+    blocks,
+    q,
+    kT,
+    v,
+    qn,
+    kn,
+    qs,
+    ks,
+    vmax,
+    vnorm,
+    prm,
+    kvh,
+    lohi,
+    mk,
+    mstr,
+    bs,
+    bstr,
+    dr,
+    dstr,
+    has_mask,
+    has_bias,
+    has_drop,
+    want_lse,
+    want_w,
+    p,
+    emin,
+    maxf,
+    out,
+    lse,
+    w,
+    status,
+):
     """Double-precision first step (for targets of <= 24 bits) over ``blocks`` ((n, 4): b, h,
     first row, row count <= ROW_BLOCK), in parallel over the blocks of every plane: fma chains
     with gamma_n bounds (Higham 2002, eq. (3.5)) and :func:`refattn.exact._dd.exp_d`."""
     for r in prange(blocks.shape[0]):
-        _d_block(blocks[r, 0], blocks[r, 1], blocks[r, 2], blocks[r, 3], q, kT, v, qn, kn, qs,
-                 ks, vmax, vnorm, prm, kvh, lohi, mk, mstr, bs, bstr, dr, dstr, has_mask,
-                 has_bias, has_drop, want_lse, want_w, p, emin, maxf, out, lse, w, status)
+        _d_block(
+            blocks[r, 0],
+            blocks[r, 1],
+            blocks[r, 2],
+            blocks[r, 3],
+            q,
+            kT,
+            v,
+            qn,
+            kn,
+            qs,
+            ks,
+            vmax,
+            vnorm,
+            prm,
+            kvh,
+            lohi,
+            mk,
+            mstr,
+            bs,
+            bstr,
+            dr,
+            dstr,
+            has_mask,
+            has_bias,
+            has_drop,
+            want_lse,
+            want_w,
+            p,
+            emin,
+            maxf,
+            out,
+            lse,
+            w,
+            status,
+        )
 
 
 # ------------------------------------------------------------------------------ wrapper
@@ -648,19 +892,28 @@ def row_spec(spec: AttentionSpec, b: int, h: int, start: int, stop: int) -> Atte
     mask = rows(spec.mask)
     if spec.kv_lengths is not None:  # the row's own key length becomes part of the mask
         own = np.arange(spec.k.shape[-2]) < spec.kv_lengths[b]
-        mask = np.broadcast_to(own, (1, 1, stop - start, own.size)) if mask is None \
-            else mask & own
+        mask = np.broadcast_to(own, (1, 1, stop - start, own.size)) if mask is None else mask & own
     return dataclasses.replace(
-        spec, q=spec.q[b : b + 1, h : h + 1, start:stop], k=spec.k[b : b + 1, g : g + 1],
-        v=spec.v[b : b + 1, g : g + 1], batch_shape=(1,), single_head=False,
-        bias=rows(spec.bias), mask=mask, dropout_mask=rows(spec.dropout_mask),
+        spec,
+        q=spec.q[b : b + 1, h : h + 1, start:stop],
+        k=spec.k[b : b + 1, g : g + 1],
+        v=spec.v[b : b + 1, g : g + 1],
+        batch_shape=(1,),
+        single_head=False,
+        bias=rows(spec.bias),
+        mask=mask,
+        dropout_mask=rows(spec.dropout_mask),
         bias_shape=None if spec.bias is None else (1, 1, stop - start, spec.bias.shape[-1]),
         alibi_slopes=None if spec.alibi_slopes is None else spec.alibi_slopes[h : h + 1],
         sinks=None if spec.sinks is None else spec.sinks[h : h + 1],
-        kv_head=np.zeros(1, dtype=np.int64), offset=spec.row_offset(b) + start,
-        kv_lengths=None, dbias_index=None,
-        alibi_offsets=None if spec.alibi_offsets is None else np.array(
-            [spec.alibi_offsets[b] + start], dtype=np.int64))
+        kv_head=np.zeros(1, dtype=np.int64),
+        offset=spec.row_offset(b) + start,
+        kv_lengths=None,
+        dbias_index=None,
+        alibi_offsets=None
+        if spec.alibi_offsets is None
+        else np.array([spec.alibi_offsets[b] + start], dtype=np.int64),
+    )
 
 
 def _runs(rows: np.ndarray):
@@ -695,7 +948,10 @@ def allowed_rule(spec: AttentionSpec) -> _Rule:
         compact_view(spec.mask, np.bool_),
         compact_view(spec.bias, np.float64),
         compact_view(spec.dropout_mask, np.bool_),
-        spec.mask is not None, spec.bias is not None, spec.dropout_mask is not None)
+        spec.mask is not None,
+        spec.bias is not None,
+        spec.dropout_mask is not None,
+    )
 
 
 def rule_allowed(rule: _Rule, b: int, h: int, keys: int) -> tuple[np.ndarray, np.ndarray]:
@@ -706,8 +962,18 @@ def rule_allowed(rule: _Rule, b: int, h: int, keys: int) -> tuple[np.ndarray, np
     kept = np.zeros_like(allowed)
     for i, (lo, hi) in enumerate(lohi):
         for j in range(lo, hi):
-            state, _ = _key_state(b, h, i, j, *rule.mask, *rule.bias, *rule.drop,
-                                  rule.has_mask, rule.has_bias, rule.has_drop)
+            state, _ = _key_state(
+                b,
+                h,
+                i,
+                j,
+                *rule.mask,
+                *rule.bias,
+                *rule.drop,
+                rule.has_mask,
+                rule.has_bias,
+                rule.has_drop,
+            )
             allowed[i, j], kept[i, j] = state > 0, state == 2
     return allowed, kept
 
@@ -718,28 +984,45 @@ def _params(spec: AttentionSpec):
     batch, heads, _, _, keys, dim, _ = spec.dims
     scale_hi, scale_lo, scale_err = D.dd_of_exact(spec.scale_exact)
     cap = 0.0 if spec.softcap is None else float(spec.softcap)
-    slopes = np.zeros(heads) if spec.alibi_slopes is None else np.asarray(
-        spec.alibi_slopes, dtype=np.float64)
+    slopes = (
+        np.zeros(heads)
+        if spec.alibi_slopes is None
+        else np.asarray(spec.alibi_slopes, dtype=np.float64)
+    )
     keep_hi, keep_lo, keep_err = D.dd_of_fraction(spec.keep_scale)
     alibi_keys = keys if spec.alibi_keys is None else spec.alibi_keys
 
     def in_range(x):
         return (x == 0) | ((np.abs(x) >= D.SAFE_MIN) & (np.abs(x) <= D.SAFE_MAX))
 
-    ok = np.broadcast_to(in_range(slopes) & bool(in_range(scale_hi) and in_range(cap)),
-                         (batch, heads))
+    ok = np.broadcast_to(
+        in_range(slopes) & bool(in_range(scale_hi) and in_range(cap)), (batch, heads)
+    )
     sink = spec.sinks is not None  # one more term in Z: the sums' bounds count it
     sinks = np.zeros(heads) if not sink else np.asarray(spec.sinks, dtype=np.float64)
     ok = ok & in_range(sinks)[None, :]
     prm = np.empty((batch, heads, 16))
-    prm[...] = [scale_hi, scale_lo, scale_err, D.dot_bound(dim), cap, 0.0, 0.0,
-                D.dot_bound(2 * (keys + sink)), keep_hi, keep_lo, keep_err, D.gamma_up(dim),
-                D.gamma_up(SUM_BLOCK + keys // SUM_BLOCK + 2 + sink), float(alibi_keys),
-                float(sink), 0.0]
+    prm[...] = [
+        scale_hi,
+        scale_lo,
+        scale_err,
+        D.dot_bound(dim),
+        cap,
+        0.0,
+        0.0,
+        D.dot_bound(2 * (keys + sink)),
+        keep_hi,
+        keep_lo,
+        keep_err,
+        D.gamma_up(dim),
+        D.gamma_up(SUM_BLOCK + keys // SUM_BLOCK + 2 + sink),
+        float(alibi_keys),
+        float(sink),
+        0.0,
+    ]
     prm[:, :, 15] = sinks[None, :]
     prm[:, :, 5] = slopes[None, :]
-    prm[:, :, 6] = np.array([spec.alibi_offset(b) for b in range(batch)],
-                            dtype=np.float64)[:, None]
+    prm[:, :, 6] = np.array([spec.alibi_offset(b) for b in range(batch)], dtype=np.float64)[:, None]
     return prm, ok
 
 
@@ -774,8 +1057,7 @@ class _Inputs:
         self.rule = allowed_rule(spec)
 
 
-def fast_exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False,
-                       return_weights=False):
+def fast_exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_weights=False):
     """Correctly rounded (out, lse, weights) in the flat (B, H, ...) layout, bit-identical to
     :func:`refattn.exact.attention.exact_forward` (see the module docstring).
 
@@ -802,9 +1084,26 @@ def fast_exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False,
     if out.size or lse.size:
         x = _Inputs(spec)
         rule = x.rule
-        common = (x.prm, x.kvh, rule.lohi, *rule.mask, *rule.bias, *rule.drop, rule.has_mask,
-                  rule.has_bias, rule.has_drop, return_lse, return_weights, fmt.p, fmt.emin,
-                  float(fmt.max_finite), out, lse, weights, status)
+        common = (
+            x.prm,
+            x.kvh,
+            rule.lohi,
+            *rule.mask,
+            *rule.bias,
+            *rule.drop,
+            rule.has_mask,
+            rule.has_bias,
+            rule.has_drop,
+            return_lse,
+            return_weights,
+            fmt.p,
+            fmt.emin,
+            float(fmt.max_finite),
+            out,
+            lse,
+            weights,
+            status,
+        )
         planes = np.argwhere(x.ok)
         if fmt.p <= 24 and planes.size:
             starts = np.arange(0, length, ROW_BLOCK)
@@ -827,8 +1126,9 @@ def fast_exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False,
         referee_rows += rows.size
         for start, stop in _runs(rows):
             sub = row_spec(spec, int(b), int(h), start, stop)
-            o, g, w = exact_forward(sub, out_dtype, return_lse=return_lse,
-                                    return_weights=return_weights)
+            o, g, w = exact_forward(
+                sub, out_dtype, return_lse=return_lse, return_weights=return_weights
+            )
             out[b, h, start:stop] = o[0, 0]
             if return_lse:
                 lse[b, h, start:stop] = g[0, 0]
@@ -837,13 +1137,20 @@ def fast_exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False,
     total_rows = batch * heads * length
     per_row = vdim + return_lse + keys * return_weights
     _LAST_STATS.clear()
-    _LAST_STATS.update(rows=total_rows, referee_rows=referee_rows,
-                       elements=total_rows * per_row, referee_elements=referee_rows * per_row,
-                       double_rows=step_rows["double"],
-                       double_double_rows=step_rows["double-double"])
+    _LAST_STATS.update(
+        rows=total_rows,
+        referee_rows=referee_rows,
+        elements=total_rows * per_row,
+        referee_elements=referee_rows * per_row,
+        double_rows=step_rows["double"],
+        double_double_rows=step_rows["double-double"],
+    )
     dtype = fmt.dtype
-    return (out.astype(dtype), lse.astype(dtype) if return_lse else None,
-            weights.astype(dtype) if return_weights else None)
+    return (
+        out.astype(dtype),
+        lse.astype(dtype) if return_lse else None,
+        weights.astype(dtype) if return_weights else None,
+    )
 
 
 def fallback_stats() -> dict:

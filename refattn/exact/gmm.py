@@ -18,8 +18,15 @@ from .autodiff import primal
 from .numbers import NotRational, dot, is_zero, sqdist
 from .rows import batch_rows, exact_rows, exact_vjp_rows
 
-__all__ = ["attention", "log_posterior", "adapt_keys", "adapt_priors", "attention_vjp",
-           "adapt_keys_vjp", "adapt_priors_vjp"]
+__all__ = [
+    "attention",
+    "log_posterior",
+    "adapt_keys",
+    "adapt_priors",
+    "attention_vjp",
+    "adapt_keys_vjp",
+    "adapt_priors_vjp",
+]
 
 
 class _ExactModel(NamedTuple):
@@ -105,8 +112,10 @@ def _log_posterior_exact(ops, m, x: _ExactModel, a, v):
 def _mix(weights, values):
     """sum_u w_u mu_u, an object vector (E,)."""
     dim_v = values.shape[1]
-    return np.array([sum((w * values[u, e] for u, w in enumerate(weights) if w != 0), 0)
-                     for e in range(dim_v)], dtype=object)
+    return np.array(
+        [sum((w * values[u, e] for u, w in enumerate(weights) if w != 0), 0) for e in range(dim_v)],
+        dtype=object,
+    )
 
 
 def _em_row(ops, m, x: _ExactModel, b, i, v_init, iters, want_trace=False):
@@ -126,8 +135,7 @@ def _em_row(ops, m, x: _ExactModel, b, i, v_init, iters, want_trace=False):
             vb = _value_logits_exact(m, x, v, x.beta_log)
             logits = [None if s is None else s + t for s, t in zip(a, vb, strict=False)]
         if x.beta_log is not None:  # eq. (12) with per-unit beta: weights w_u beta_u / sum
-            logits = [None if s is None else s + t for s, t in zip(logits, x.beta_log,
-                                                                   strict=True)]
+            logits = [None if s is None else s + t for s, t in zip(logits, x.beta_log, strict=True)]
         v = _mix(ops.softmax(logits), x.values)
         if want_trace:
             trace.append(_trace_entry(ops, m, x, i, allowed, v))
@@ -215,7 +223,9 @@ def attention(m, v_init, iters, want_trace, dtype):
     table = exact_rows(
         batch_rows(batch, length),
         lambda ops, row: _attention_row_exact(ops, m, v_init, iters, want_trace, row),
-        dtype, "gmm.attention")
+        dtype,
+        "gmm.attention",
+    )
     values = table[:, :dim_v].reshape(batch + (length, dim_v))
     trace = table[:, dim_v:].reshape(batch + (length, iters)) if want_trace else None
     return values, trace
@@ -227,8 +237,9 @@ def log_posterior(m, v, dtype):
     def row_value(ops, row):
         b, i = row
         x = _exact_model(ops, m, b)
-        return [_log_posterior_exact(ops, m, x, _query_logits_exact(m, x, x.q[i]),
-                                     ops.array(v[b][i]))]
+        return [
+            _log_posterior_exact(ops, m, x, _query_logits_exact(m, x, x.q[i]), ops.array(v[b][i]))
+        ]
 
     batch, length = m.q.shape[:-2], m.q.shape[-2]
     table = exact_rows(batch_rows(batch, length), row_value, dtype, "gmm.log_posterior")
@@ -270,8 +281,9 @@ def _exact_vjp(m, inputs, run, grad, dtype, what):
     def run_model(ops, leaves, b):
         return run(ops, _exact_model(ops, m, b)._replace(**leaves), b)
 
-    return exact_vjp_rows(m.q.shape[:-2], [(name, arr, 2) for name, arr in inputs], run_model,
-                          grad, dtype, what)
+    return exact_vjp_rows(
+        m.q.shape[:-2], [(name, arr, 2) for name, arr in inputs], run_model, grad, dtype, what
+    )
 
 
 def attention_vjp(m, inputs, v_init, iters, grad, dtype):

@@ -25,8 +25,13 @@ def _energy_exact(ops, state, patterns, beta, constant):
 def _update_exact(ops, state, patterns, beta):
     weights = ops.softmax([beta * dot(x, state) for x in patterns])
     dim = len(state)
-    return np.array([sum((w * patterns[j][d] for j, w in enumerate(weights)
-                          if not is_zero(w)), 0) for d in range(dim)], dtype=object)
+    return np.array(
+        [
+            sum((w * patterns[j][d] for j, w in enumerate(weights) if not is_zero(w)), 0)
+            for d in range(dim)
+        ],
+        dtype=object,
+    )
 
 
 def _max_norm2(ops, patterns):
@@ -45,8 +50,11 @@ def energy(xi, patterns, beta, constant, dtype):
 
     def row_energy(ops, row):
         b, i = row
-        return [_energy_exact(ops, ops.array(xi[b][i]), ops.array(patterns[b]),
-                              ops.scalar(beta), constant)]
+        return [
+            _energy_exact(
+                ops, ops.array(xi[b][i]), ops.array(patterns[b]), ops.scalar(beta), constant
+            )
+        ]
 
     rows = batch_rows(batch, length)
     table = exact_rows(rows, row_energy, dtype, "hopfield.energy")
@@ -128,5 +136,6 @@ def retrieve_vjp(xi, patterns, grad_out, beta, steps, shapes, dtype):
             dxi.append(grad)
         return dxi, dpats
 
-    return exact_grads(batch, batch_grads, [(length, dim), (units, dim)], shapes, dtype,
-                       "hopfield.retrieve_vjp")
+    return exact_grads(
+        batch, batch_grads, [(length, dim), (units, dim)], shapes, dtype, "hopfield.retrieve_vjp"
+    )

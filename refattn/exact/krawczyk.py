@@ -25,8 +25,15 @@ from mpmath.libmp import mpf_lt
 
 from . import intervals as I
 
-__all__ = ["Arithmetic", "FLOAT_OPS", "MP_OPS", "IV_OPS", "Krawczyk", "strictly_inside",
-           "solve_linear"]
+__all__ = [
+    "Arithmetic",
+    "FLOAT_OPS",
+    "MP_OPS",
+    "IV_OPS",
+    "Krawczyk",
+    "strictly_inside",
+    "solve_linear",
+]
 
 
 @dataclass(frozen=True)
@@ -60,9 +67,11 @@ class Krawczyk:
         for row, col, value in self._entries(problem.jacobian(self.u0, FLOAT_OPS)):
             jac[row, col] += value
         if not np.isfinite(jac).all() or np.linalg.cond(jac) > 1 / np.finfo(np.float64).eps:
-            raise ArithmeticError(f"{what}: the fixed point is not isolated (singular Jacobian "
-                                  f"of the fixed-point equations); the exact path cannot "
-                                  f"certify it")
+            raise ArithmeticError(
+                f"{what}: the fixed point is not isolated (singular Jacobian "
+                f"of the fixed-point equations); the exact path cannot "
+                f"certify it"
+            )
         self.C = np.linalg.inv(jac)
 
     def _entries(self, entries):
@@ -97,20 +106,25 @@ class Krawczyk:
             g = self.problem.residual(point, IV_OPS)
             delta = C.dot(np.array([g[r] for r in self.rows], dtype=object))
             scale = max([1] + [abs(float(v)) for v in self.u])
-            radius = 4 * (max(abs(float(d.b)) + abs(float(d.a)) for d in delta)
-                          + scale * 2.0 ** (8 - prec))
+            radius = 4 * (
+                max(abs(float(d.b)) + abs(float(d.a)) for d in delta) + scale * 2.0 ** (8 - prec)
+            )
             box = list(point)
             for var in self.free:
                 box[var] = point[var] + iv.mpf([-radius, radius])
             contraction = self._identity_minus(C, self.problem.jacobian(box, IV_OPS))
             offsets = np.array([box[v] - point[v] for v in self.free], dtype=object)
-            krawczyk = np.array([point[v] for v in self.free], dtype=object) - delta \
+            krawczyk = (
+                np.array([point[v] for v in self.free], dtype=object)
+                - delta
                 + contraction.dot(offsets)
+            )
             for k, var in enumerate(self.free):
                 if not strictly_inside(krawczyk[k], box[var]):
                     raise ArithmeticError(
                         f"{self.what}: Krawczyk certification failed at {prec} bits (unknown "
-                        f"{var}); the float64 iterate may not be near an isolated fixed point")
+                        f"{var}); the float64 iterate may not be near an isolated fixed point"
+                    )
                 box[var] = krawczyk[k]
             return box
 
@@ -162,12 +176,13 @@ def solve_linear(A, b, prec, what):
         for k in range(n):
             contraction[k, k] += 1
         scale = max([1] + [abs(float(v)) for v in w])
-        radius = 4 * (max(abs(float(v.b)) + abs(float(v.a)) for v in z)
-                      + scale * 2.0 ** (8 - prec))
+        radius = 4 * (max(abs(float(v.b)) + abs(float(v.a)) for v in z) + scale * 2.0 ** (8 - prec))
         box = np.array([iv.mpf([-radius, radius])] * n, dtype=object)
         inclusion = z + contraction.dot(box)
         for k in range(n):
             if not strictly_inside(inclusion[k], box[k]):
-                raise ArithmeticError(f"{what}: the adjoint linear system could not be "
-                                      f"certified at {prec} bits (unknown {k})")
+                raise ArithmeticError(
+                    f"{what}: the adjoint linear system could not be "
+                    f"certified at {prec} bits (unknown {k})"
+                )
         return list(point + inclusion)

@@ -104,8 +104,9 @@ class _Rows:
         top, _, diffs = row
         l_lo, l_hi = F.log1p_bounds(*self.tail(row, work), work)
         if kind == "lse":
-            return [mpf_add(top, l_lo, work, round_floor)], [mpf_add(top, l_hi, work,
-                                                                     round_ceiling)]
+            return [mpf_add(top, l_lo, work, round_floor)], [
+                mpf_add(top, l_hi, work, round_ceiling)
+            ]
         one = from_man_exp(1, 0)
         x_lo, x_hi = self.tail(row, work)
         z_lo = mpf_add(one, x_lo, work, round_floor)
@@ -137,18 +138,23 @@ class _Rows:
                 one = from_man_exp(1, 0)
                 z_lo = mpf_mul(m, mpf_add(one, x_lo, work, round_floor), work, round_floor)
                 z_hi = mpf_mul(m, mpf_add(one, x_hi, work, round_ceiling), work, round_ceiling)
-                found = F.sign_of(mpf_sub(e_lo, z_hi, work, round_floor),
-                                  mpf_sub(e_hi, z_lo, work, round_ceiling))
+                found = F.sign_of(
+                    mpf_sub(e_lo, z_hi, work, round_floor), mpf_sub(e_hi, z_lo, work, round_ceiling)
+                )
             else:
                 l_lo, l_hi = F.log1p_bounds(x_lo, x_hi, work)
                 if kind == "lse":
                     base = mpf_sub(top, m)
-                    found = F.sign_of(mpf_add(base, l_lo, work, round_floor),
-                                      mpf_add(base, l_hi, work, round_ceiling))
+                    found = F.sign_of(
+                        mpf_add(base, l_lo, work, round_floor),
+                        mpf_add(base, l_hi, work, round_ceiling),
+                    )
                 else:
                     base = mpf_sub(diffs[j], m)
-                    found = F.sign_of(mpf_sub(base, l_hi, work, round_floor),
-                                      mpf_sub(base, l_lo, work, round_ceiling))
+                    found = F.sign_of(
+                        mpf_sub(base, l_hi, work, round_floor),
+                        mpf_sub(base, l_lo, work, round_ceiling),
+                    )
             if found is not None:
                 return found
         return None
@@ -157,8 +163,12 @@ class _Rows:
 def _round_rows(x, allowed, kind, dtype):
     """The referee: correctly rounded (rows, n) results of every row of (rows, n) inputs."""
     rows = _Rows(np.asarray(x, dtype=np.float64), np.asarray(allowed, dtype=bool))
-    return correctly_round(lambda prec: rows.enclose(kind, prec), dtype,
-                           decide=lambda ix, m: rows.side(kind, ix, m), what=kind)
+    return correctly_round(
+        lambda prec: rows.enclose(kind, prec),
+        dtype,
+        decide=lambda ix, m: rows.side(kind, ix, m),
+        what=kind,
+    )
 
 
 def _fast_then_referee(x, allowed, dtype, fast, kind):

@@ -19,10 +19,21 @@ from .krawczyk import Krawczyk, solve_linear
 from .rationals import fractions, invert, round_rationals
 from .rounding import correctly_round
 
-__all__ = ["naive_step", "adaptive_tap_site", "adaptive_tap_prior", "ising_tap", "deq_linear",
-           "deq_contraction", "PRIOR_EXACT_MAX_SIZE", "linear_fixed_point_vjp", "ising_tap_vjp",
-           "deq_contraction_vjp", "softmax_couplings",
-           "softmax_couplings_vjp", "softmax_couplings_backward"]
+__all__ = [
+    "naive_step",
+    "adaptive_tap_site",
+    "adaptive_tap_prior",
+    "ising_tap",
+    "deq_linear",
+    "deq_contraction",
+    "PRIOR_EXACT_MAX_SIZE",
+    "linear_fixed_point_vjp",
+    "ising_tap_vjp",
+    "deq_contraction_vjp",
+    "softmax_couplings",
+    "softmax_couplings_vjp",
+    "softmax_couplings_backward",
+]
 
 
 def naive_step(m, J, x, batch, dtype):
@@ -49,15 +60,17 @@ def _site_closed_form(x, J, P, batch):
         if system is None or J.ndim > 4:  # a shared (unbatched) J is solved once
             chi = invert(Pbig - big(Jb[None])[0], "Sigma^-1 - J")
             chi_diag = diag_blocks(chi[None], n, d)[0]
-            inverses = [invert(block, f"chi_ii (site {i})")
-                        for i, block in enumerate(chi_diag)]
+            inverses = [invert(block, f"chi_ii (site {i})") for i, block in enumerate(chi_diag)]
             system = chi, chi_diag, Pf - np.stack(inverses)
         chi, chi_diag, V = system
         means.append(chi.dot(xb).reshape(n, d))
         cavity.append(V)
         chis.append(chi_diag)
-    return np.array(means, dtype=object), np.array(cavity, dtype=object), \
-        np.array(chis, dtype=object)
+    return (
+        np.array(means, dtype=object),
+        np.array(cavity, dtype=object),
+        np.array(chis, dtype=object),
+    )
 
 
 def adaptive_tap_site(x, J, P, batch, dtype):
@@ -93,8 +106,9 @@ class _TapPriorProblem:
         self.P = P.tolist()
         self.offset = n * d * d
         # structural nonzeros of P + V - J in each row: the diagonal block and J's nonzeros
-        self.support = [[t for t in range(n * d) if t // d == r // d or self.J[r][t] != 0]
-                        for r in range(n * d)]
+        self.support = [
+            [t for t in range(n * d) if t // d == r // d or self.J[r][t] != 0] for r in range(n * d)
+        ]
 
     def _blocks(self, u, ops):
         d, D = self.d, self.size
@@ -113,11 +127,17 @@ class _TapPriorProblem:
     def residual(self, u, ops):
         n, d, D = self.n, self.d, self.size
         P, Y, A = self._blocks(u, ops)
-        out = [sum(A(r, t) * Y(t, s) for t in self.support[r]) - (1 if r == s else 0)
-               for r in range(D) for s in range(D)]
-        out.extend(sum(P[i][a][b] * Y(i * d + b, i * d + c) for b in range(d))
-                   - (1 if a == c else 0)
-                   for i in range(n) for a in range(d) for c in range(d))
+        out = [
+            sum(A(r, t) * Y(t, s) for t in self.support[r]) - (1 if r == s else 0)
+            for r in range(D)
+            for s in range(D)
+        ]
+        out.extend(
+            sum(P[i][a][b] * Y(i * d + b, i * d + c) for b in range(d)) - (1 if a == c else 0)
+            for i in range(n)
+            for a in range(d)
+            for c in range(d)
+        )
         return out
 
     def jacobian(self, u, ops):
@@ -134,8 +154,10 @@ class _TapPriorProblem:
             for a in range(d):
                 for c in range(d):
                     row = D * D + i * d * d + a * d + c
-                    entries.extend((row, self.offset + (i * d + b) * D + i * d + c, P[i][a][b])
-                                   for b in range(d))
+                    entries.extend(
+                        (row, self.offset + (i * d + b) * D + i * d + c, P[i][a][b])
+                        for b in range(d)
+                    )
         return entries
 
 
@@ -146,25 +168,32 @@ def adaptive_tap_prior(V, x, J, P, batch, dtype):
     n, d = x.shape[-2:]
     size = int(np.prod(batch, dtype=int))
     means, _, _ = _site_closed_form(x, J, P, batch)  # the means do not depend on V
-    sigma = np.stack([invert(block, f"prior_precision (site {i})")
-                      for i, block in enumerate(fractions(P, "prior_precision"))])
+    sigma = np.stack(
+        [
+            invert(block, f"prior_precision (site {i})")
+            for i, block in enumerate(fractions(P, "prior_precision"))
+        ]
+    )
     Js = np.broadcast_to(J, (*batch, n, n, d, d)).reshape(size, n, n, d, d)
     Vs = V.reshape(size, n, d, d)
     certifiers = []
     for b in range(size):
         if b == 0 or J.ndim > 4:  # V depends on J only: a shared J is certified once
-            Pbig, Vbig = block_diag(P[None])[0], block_diag(Vs[b:b + 1])[0]
-            Y = np.linalg.inv(Pbig + Vbig - big(Js[b:b + 1])[0])
+            Pbig, Vbig = block_diag(P[None])[0], block_diag(Vs[b : b + 1])[0]
+            Y = np.linalg.inv(Pbig + Vbig - big(Js[b : b + 1])[0])
             u0 = np.concatenate([Vs[b].ravel(), Y.ravel()])
-            certifiers.append(Krawczyk(_TapPriorProblem(Js[b], P), u0, range(len(u0)),
-                                        "adaptive_tap"))
+            certifiers.append(
+                Krawczyk(_TapPriorProblem(Js[b], P), u0, range(len(u0)), "adaptive_tap")
+            )
     isolated = _isolated_sites(Js, scalar=False)
     means_flat, block = means.reshape(size, -1), n * d * d
 
     def evaluate(prec):
         boxes = [c.enclose(prec)[:block] for c in certifiers]
-        rows = [list(means_flat[b]) + boxes[min(b, len(boxes) - 1)] + list(sigma.ravel())
-                for b in range(size)]
+        rows = [
+            list(means_flat[b]) + boxes[min(b, len(boxes) - 1)] + list(sigma.ravel())
+            for b in range(size)
+        ]
         return I.endpoints(np.array(rows, dtype=object))
 
     def exact_zero(index):
@@ -174,13 +203,14 @@ def adaptive_tap_prior(V, x, J, P, batch, dtype):
             return 0  # an isolated site has chi_ii = (P_i + V_i)^{-1} = P_i^{-1}: V_i = 0
         return None
 
-    out = correctly_round(evaluate, dtype, max_prec=_CERTIFIED_MAX_PREC, fallback=exact_zero,
-                          what="adaptive_tap")
+    out = correctly_round(
+        evaluate, dtype, max_prec=_CERTIFIED_MAX_PREC, fallback=exact_zero, what="adaptive_tap"
+    )
     iterations = np.array([certifiers[min(b, len(certifiers) - 1)].steps for b in range(size)])
     return (
         out[:, : n * d].reshape(*batch, n, d),
-        out[:, n * d: n * d + block].reshape(*batch, n, d, d),
-        out[:, n * d + block:].reshape(*batch, n, d, d),
+        out[:, n * d : n * d + block].reshape(*batch, n, d, d),
+        out[:, n * d + block :].reshape(*batch, n, d, d),
         iterations.reshape(batch),
     )
 
@@ -189,8 +219,11 @@ def _isolated_sites(J, scalar):
     """Sites with no coupling in or out (their cavity variance is exactly 0)."""
     axes = (-1,) if scalar else (-3, -2, -1)
     rows = (J != 0).any(axis=axes)
-    cols = (np.swapaxes(J, -1, -2) != 0).any(axis=(-1,)) if scalar else \
-        (np.swapaxes(J, -3, -4) != 0).any(axis=axes)
+    cols = (
+        (np.swapaxes(J, -1, -2) != 0).any(axis=(-1,))
+        if scalar
+        else (np.swapaxes(J, -3, -4) != 0).any(axis=axes)
+    )
     return ~(rows | cols)
 
 
@@ -213,9 +246,12 @@ class _IsingProblem:
         self.nonzero = (J != 0).tolist()
 
     def residual(self, u, ops):
-        n, J, x = self.n, [[ops.num(v) for v in row] for row in self.J], \
-            [ops.num(v) for v in self.x]
-        m, lam, Y = u[:n], u[n:2 * n], u[2 * n:]
+        n, J, x = (
+            self.n,
+            [[ops.num(v) for v in row] for row in self.J],
+            [ops.num(v) for v in self.x],
+        )
+        m, lam, Y = u[:n], u[n : 2 * n], u[2 * n :]
         out = []
         for i in range(n):
             s = sum(J[i][j] * m[j] for j in range(n)) - lam[i] * m[i] + m[i] / (1 - m[i] * m[i])
@@ -228,9 +264,13 @@ class _IsingProblem:
         return out
 
     def jacobian(self, u, ops):
-        n, J, x, nonzero = self.n, [[ops.num(v) for v in row] for row in self.J], \
-            [ops.num(v) for v in self.x], self.nonzero
-        m, lam, Y = u[:n], u[n:2 * n], u[2 * n:]
+        n, J, x, nonzero = (
+            self.n,
+            [[ops.num(v) for v in row] for row in self.J],
+            [ops.num(v) for v in self.x],
+            self.nonzero,
+        )
+        m, lam, Y = u[:n], u[n : 2 * n], u[2 * n :]
         entries = []
         for i in range(n):
             c = 1 - m[i] * m[i]
@@ -243,8 +283,11 @@ class _IsingProblem:
             for l in range(n):
                 row = n + k * n + l
                 entries.append((row, n + k, Y[k * n + l]))
-                entries.extend((row, 2 * n + p * n + l, (lam[k] if p == k else 0) - J[k][p])
-                               for p in range(n) if p == k or nonzero[k][p])
+                entries.extend(
+                    (row, 2 * n + p * n + l, (lam[k] if p == k else 0) - J[k][p])
+                    for p in range(n)
+                    if p == k or nonzero[k][p]
+                )
         for i in range(n):
             entries.append((n + n * n + i, i, 2 * m[i]))
             entries.append((n + n * n + i, 2 * n + i * n + i, 1))
@@ -257,22 +300,21 @@ def _ising_certifier(m, V, J, x):
     m = m if free_m else np.zeros(n)
     lam = V + 1 / (1 - m * m)
     u0 = np.concatenate([m, lam, np.linalg.inv(np.diag(lam) - J).ravel()])
-    return Krawczyk(_IsingProblem(J, x), u0, range(0 if free_m else n, 2 * n + n * n),
-                     "ising_tap")
+    return Krawczyk(_IsingProblem(J, x), u0, range(0 if free_m else n, 2 * n + n * n), "ising_tap")
 
 
 def _ising_outputs(box, n):
-    m, lam, Y = box[:n], box[n:2 * n], box[2 * n:]
-    return m + [lam[i] - 1 / (1 - m[i] * m[i]) for i in range(n)] + \
-        [Y[i * n + i] for i in range(n)]
+    m, lam, Y = box[:n], box[n : 2 * n], box[2 * n :]
+    return m + [lam[i] - 1 / (1 - m[i] * m[i]) for i in range(n)] + [Y[i * n + i] for i in range(n)]
 
 
 def ising_tap(m, V, J, x, batch, dtype):
     """Correctly rounded (means, cavity_var, chi_diag, iterations) of the certified binary-spin
     fixed points near the float64 (m, V), per flattened sample."""
     n = x.shape[-1]
-    certifiers = [_ising_certifier(mb, Vb, Jb, xb) for mb, Vb, Jb, xb in
-                  zip(m, V, J, x, strict=True)]
+    certifiers = [
+        _ising_certifier(mb, Vb, Jb, xb) for mb, Vb, Jb, xb in zip(m, V, J, x, strict=True)
+    ]
     isolated = _isolated_sites(J, scalar=True)
 
     def evaluate(prec):
@@ -289,8 +331,9 @@ def ising_tap(m, V, J, x, batch, dtype):
             return 0
         return None
 
-    out = correctly_round(evaluate, dtype, max_prec=_CERTIFIED_MAX_PREC, fallback=exact_zero,
-                          what="ising_tap").reshape(len(certifiers), 3, n)
+    out = correctly_round(
+        evaluate, dtype, max_prec=_CERTIFIED_MAX_PREC, fallback=exact_zero, what="ising_tap"
+    ).reshape(len(certifiers), 3, n)
     iterations = np.array([c.steps for c in certifiers], dtype=int)
     return (*(out[:, k].reshape(*batch, n) for k in range(3)), iterations.reshape(batch))
 
@@ -325,7 +368,8 @@ def deq_contraction(z0, x, J, correction, lipschitz, dtype):
     if max(q) >= 1:
         raise ValueError(
             f"deq_attention: the exact path needs a max-norm contraction, but ||J||_inf + "
-            f"lipschitz = {float(max(q))!r} >= 1")
+            f"lipschitz = {float(max(q))!r} >= 1"
+        )
     state = {"z": z0, "iterations": 0}
 
     def T(z, Jbig, xi):
@@ -345,14 +389,20 @@ def deq_contraction(z0, x, J, correction, lipschitz, dtype):
                     break
                 z = np.vectorize(lambda v: v.mid, otypes=[object])(image)
             if max(gap) > scale:
-                raise ArithmeticError(f"deq_attention: no contraction to 2**{8 - prec} within "
-                                      f"{64 * prec} iterations at {prec} bits")
+                raise ArithmeticError(
+                    f"deq_attention: no contraction to 2**{8 - prec} within "
+                    f"{64 * prec} iterations at {prec} bits"
+                )
             state["z"], state["iterations"] = np.vectorize(float)(z), step
-            radius = [(I.point(qb) / (1 - I.point(qb)) * iv.mpf(g)).b for qb, g in
-                      zip(q, gap, strict=True)]
+            radius = [
+                (I.point(qb) / (1 - I.point(qb)) * iv.mpf(g)).b
+                for qb, g in zip(q, gap, strict=True)
+            ]
             flat = image.reshape(size, -1)
-            enclosure = np.array([[v + iv.mpf([-radius[b], radius[b]]) for v in flat[b]]
-                                  for b in range(size)], dtype=object)
+            enclosure = np.array(
+                [[v + iv.mpf([-radius[b], radius[b]]) for v in flat[b]] for b in range(size)],
+                dtype=object,
+            )
         return I.endpoints(enclosure)
 
     z = correctly_round(evaluate, dtype, max_prec=_CERTIFIED_MAX_PREC, what="deq_attention")
@@ -377,7 +427,7 @@ def linear_fixed_point_vjp(x, J, P, g, batch, keep_diagonal, dtype):
     inverse = None
     for b in range(size):
         if inverse is None or J.ndim > 4:  # a shared J is inverted once
-            inverse = invert(Pbig - big(Js[b:b + 1])[0], "the coupling matrix P - J")
+            inverse = invert(Pbig - big(Js[b : b + 1])[0], "the coupling matrix P - J")
         m = inverse.dot(xs[b]).reshape(n, d)
         u = inverse.T.dot(gs[b]).reshape(n, d)
         dx[b] = u
@@ -387,8 +437,10 @@ def linear_fixed_point_vjp(x, J, P, g, batch, keep_diagonal, dtype):
                 dJ[b, i, i] = Fraction(0)
     dx = reduce_to(dx.reshape(*batch, n, d), x.shape)
     dJ = reduce_to(dJ.reshape(*batch, n, n, d, d), J.shape)
-    return (round_rationals(dx, dtype, "dx").reshape(x.shape),
-            round_rationals(dJ, dtype, "dJ").reshape(J.shape))
+    return (
+        round_rationals(dx, dtype, "dx").reshape(x.shape),
+        round_rationals(dJ, dtype, "dJ").reshape(J.shape),
+    )
 
 
 def _ising_adjoint_matrix(m, lam, Y, J, n):
@@ -411,7 +463,7 @@ def _ising_adjoint_matrix(m, lam, Y, J, n):
 
 def _ising_sample_vjp(box, J, g, n, zero_field, prec):
     """(dx, dJ) intervals of one sample from its certified box (m, Lambda, Y)."""
-    m, lam, Y = box[:n], box[n:2 * n], box[2 * n:]
+    m, lam, Y = box[:n], box[n : 2 * n], box[2 * n :]
     Jv = [[I.point(v) for v in row] for row in J.tolist()]
     A = _ising_adjoint_matrix(m, lam, Y, Jv, n)
     rhs = [I.point(v) for v in g.tolist()] + [iv.mpf(0)] * n
@@ -422,8 +474,11 @@ def _ising_sample_vjp(box, J, g, n, zero_field, prec):
     dJ = np.empty((n, n), dtype=object)
     for p in range(n):
         for q in range(n):
-            dJ[p, q] = iv.mpf(0) if p == q else w1c[p] * m[q] - sum(
-                w[n + i] * Y[i * n + p] * Y[q * n + i] for i in range(n))
+            dJ[p, q] = (
+                iv.mpf(0)
+                if p == q
+                else w1c[p] * m[q] - sum(w[n + i] * Y[i * n + p] * Y[q * n + i] for i in range(n))
+            )
     return np.array(w1c, dtype=object), dJ
 
 
@@ -433,19 +488,24 @@ def ising_tap_vjp(m, V, J, x, g, batch, x_shape, J_shape, dtype):
     :func:`ising_tap`, the adjoint linear system by :func:`refattn.exact.krawczyk.solve_linear`
     on the interval Jacobian over that box, and dx, dJ summed over the batch, rounded once."""
     n = x.shape[-1]
-    certifiers = [_ising_certifier(mb, Vb, Jb, xb) for mb, Vb, Jb, xb in
-                  zip(m, V, J, x, strict=True)]
+    certifiers = [
+        _ising_certifier(mb, Vb, Jb, xb) for mb, Vb, Jb, xb in zip(m, V, J, x, strict=True)
+    ]
     zero_field = [not (xb != 0).any() for xb in x]
 
     def evaluate(prec):
         boxes = [c.enclose(prec) for c in certifiers]
         with I.workprec(prec):
-            grads = [_ising_sample_vjp(box, Jb, gb, n, zf, prec)
-                     for box, Jb, gb, zf in zip(boxes, J, g, zero_field, strict=True)]
-            dx = reduce_to(np.array([a for a, _ in grads], dtype=object).reshape(*batch, n),
-                           x_shape)
-            dJ = reduce_to(np.array([b for _, b in grads], dtype=object).reshape(*batch, n, n),
-                           J_shape)
+            grads = [
+                _ising_sample_vjp(box, Jb, gb, n, zf, prec)
+                for box, Jb, gb, zf in zip(boxes, J, g, zero_field, strict=True)
+            ]
+            dx = reduce_to(
+                np.array([a for a, _ in grads], dtype=object).reshape(*batch, n), x_shape
+            )
+            dJ = reduce_to(
+                np.array([b for _, b in grads], dtype=object).reshape(*batch, n, n), J_shape
+            )
         return I.endpoints(np.concatenate([dx.ravel(), dJ.ravel()]))
 
     out = correctly_round(evaluate, dtype, max_prec=_CERTIFIED_MAX_PREC, what="ising_tap_vjp")
@@ -460,8 +520,11 @@ def _contract(T, start, q, prec, norm):
     ``T(z_k) + [-r, r]``, ``r = q / (1 - q) ||T(z_k) - z_k||`` and the float64 ``z_k``."""
     size, width = start.shape
     z = I.to_intervals(start)
-    scale = max([1] + [_upper(v) for v in z.ravel()]) * mpf(2) ** (8 - prec) * \
-        (width if norm == "1" else 1)
+    scale = (
+        max([1] + [_upper(v) for v in z.ravel()])
+        * mpf(2) ** (8 - prec)
+        * (width if norm == "1" else 1)
+    )
     best, stalled = None, 0
     for _ in range(64 * prec):
         image = T(z)
@@ -469,8 +532,10 @@ def _contract(T, start, q, prec, norm):
         if norm == "inf":
             gap = [max(_upper(v) for v in row) for row in rows]
         else:
-            gap = [mp.make_mpf(sum((iv.mpf(_upper(v)) for v in row), iv.mpf(0))._mpi_[1])
-                   for row in rows]
+            gap = [
+                mp.make_mpf(sum((iv.mpf(_upper(v)) for v in row), iv.mpf(0))._mpi_[1])
+                for row in rows
+            ]
         # the bound holds at every step; stop when it is tight, or when the widths of the
         # enclosed map (an interval box of z* in the adjoint) keep the gap from shrinking
         stalled = stalled + 1 if best is not None and max(gap) >= best else 0
@@ -478,15 +543,18 @@ def _contract(T, start, q, prec, norm):
         if max(gap) <= scale or stalled >= 4:
             break
         z = np.vectorize(lambda v: v.mid, otypes=[object])(image)
-    radius = [(I.point(qb) / (1 - I.point(qb)) * iv.mpf(gb)).b
-              for qb, gb in zip(q, gap, strict=True)]
-    enclosure = np.array([[v + iv.mpf([-radius[b], radius[b]]) for v in image[b]]
-                          for b in range(size)], dtype=object)
+    radius = [
+        (I.point(qb) / (1 - I.point(qb)) * iv.mpf(gb)).b for qb, gb in zip(q, gap, strict=True)
+    ]
+    enclosure = np.array(
+        [[v + iv.mpf([-radius[b], radius[b]]) for v in image[b]] for b in range(size)], dtype=object
+    )
     return enclosure, np.vectorize(float)(z)
 
 
-def deq_contraction_vjp(z0, u0, x, J, g, correction, correction_vjp, lipschitz,
-                        keep_diagonal, shapes, dtype):
+def deq_contraction_vjp(
+    z0, u0, x, J, g, correction, correction_vjp, lipschitz, keep_diagonal, shapes, dtype
+):
     """Correctly rounded (dx, dJ) of deep implicit attention with a correction: ``z*``
     enclosed by the max-norm contraction of :func:`deq_contraction`, then the adjoint
     ``u = J^T u - f'(z*)^T u + g`` enclosed by the same constant ``q = ||J||_inf + L`` in the
@@ -500,7 +568,8 @@ def deq_contraction_vjp(z0, u0, x, J, g, correction, correction_vjp, lipschitz,
     if max(q) >= 1:
         raise ValueError(
             f"deq_attention_vjp: the exact path needs a max-norm contraction, but ||J||_inf + "
-            f"lipschitz = {float(max(q))!r} >= 1")
+            f"lipschitz = {float(max(q))!r} >= 1"
+        )
     state = {"z": z0.reshape(size, width), "u": u0.reshape(size, width)}
     x_shape, J_shape = shapes
 
@@ -512,16 +581,18 @@ def deq_contraction_vjp(z0, u0, x, J, g, correction, correction_vjp, lipschitz,
 
             def forward(z):
                 coupled = np.matmul(Jbig, z[..., None])[..., 0] + xi
-                return coupled - np.asarray(correction(z.reshape(*batch, n, d)),
-                                            dtype=object).reshape(size, width)
+                return coupled - np.asarray(
+                    correction(z.reshape(*batch, n, d)), dtype=object
+                ).reshape(size, width)
 
             Z, state["z"] = _contract(forward, state["z"], q, prec, "inf")
             Zs = Z.reshape(*batch, n, d)
 
             def adjoint(u):
                 coupled = np.matmul(np.swapaxes(Jbig, -1, -2), u[..., None])[..., 0] + gi
-                return coupled - np.asarray(correction_vjp(Zs, u.reshape(*batch, n, d)),
-                                            dtype=object).reshape(size, width)
+                return coupled - np.asarray(
+                    correction_vjp(Zs, u.reshape(*batch, n, d)), dtype=object
+                ).reshape(size, width)
 
             U, state["u"] = _contract(adjoint, state["u"], q, prec, "1")
             U = U.reshape(size, n, d)
@@ -533,8 +604,7 @@ def deq_contraction_vjp(z0, u0, x, J, g, correction, correction_vjp, lipschitz,
             dJ = reduce_to(dJ.reshape(*batch, n, n, d, d), J_shape)
         return I.endpoints(np.concatenate([dx.ravel(), dJ.ravel()]))
 
-    out = correctly_round(evaluate, dtype, max_prec=_CERTIFIED_MAX_PREC,
-                          what="deq_attention_vjp")
+    out = correctly_round(evaluate, dtype, max_prec=_CERTIFIED_MAX_PREC, what="deq_attention_vjp")
     split = int(np.prod(x_shape, dtype=int))
     return out[:split].reshape(x_shape), out[split:].reshape(J_shape)
 
@@ -553,8 +623,7 @@ def _coupling_weights(x, allowed, Q, K, s):
         if row.size == 0:
             continue
         top = max(row, key=lambda j: mpf(scores[i, j]._mpi_[1]))
-        terms = {j: iv.mpf(1) if j == top else I.exp(scores[i, j] - scores[i, top])
-                 for j in row}
+        terms = {j: iv.mpf(1) if j == top else I.exp(scores[i, j] - scores[i, top]) for j in row}
         total = sum(terms.values())
         for j in row:
             weights[i, j] = terms[j] / total
@@ -592,10 +661,14 @@ def softmax_couplings_vjp(x, W_Q, W_K, W_V, allowed, scale, G, x_shape, dtype):
             parts = []
             for xb, allowed_b, Gb in zip(xs, masks, Gs, strict=True):
                 A, q, k = _coupling_weights(xb, allowed_b, Q, K, s)
-                parts.append(softmax_couplings_backward(I.to_intervals(xb), Q, K, V, A, q, k,
-                                                        I.to_intervals(Gb), s))
-            dx = reduce_to(np.array([p[0] for p in parts], dtype=object).reshape(
-                *batch, n, d), x_shape)
+                parts.append(
+                    softmax_couplings_backward(
+                        I.to_intervals(xb), Q, K, V, A, q, k, I.to_intervals(Gb), s
+                    )
+                )
+            dx = reduce_to(
+                np.array([p[0] for p in parts], dtype=object).reshape(*batch, n, d), x_shape
+            )
             rest = [sum(p[m] for p in parts) for m in (1, 2, 3)]
         return I.endpoints(np.concatenate([a.ravel() for a in [dx, *rest]]))
 
@@ -603,7 +676,7 @@ def softmax_couplings_vjp(x, W_Q, W_K, W_V, allowed, scale, G, x_shape, dtype):
     out, start = [], 0
     for shape in shapes:
         size = int(np.prod(shape, dtype=int))
-        out.append(flat[start:start + size].reshape(shape))
+        out.append(flat[start : start + size].reshape(shape))
         start += size
     return out
 
@@ -620,8 +693,11 @@ def softmax_couplings(x, W_Q, W_K, W_V, allowed, scale, dtype):
     def evaluate(prec):
         with I.workprec(prec):
             s = 1 / I.sqrt(I.point(W_Q.shape[1])) if scale is None else I.point(scale)
-            Q, K, V = I.to_intervals(W_Q), I.to_intervals(W_K), [[I.point(v) for v in row]
-                                                                  for row in values]
+            Q, K, V = (
+                I.to_intervals(W_Q),
+                I.to_intervals(W_K),
+                [[I.point(v) for v in row] for row in values],
+            )
             out = np.empty((len(xs), n, n, d, d), dtype=object)
             out[...] = iv.mpf(0)
             for b, (xb, allowed_b) in enumerate(zip(xs, masks, strict=True)):
@@ -630,5 +706,4 @@ def softmax_couplings(x, W_Q, W_K, W_V, allowed, scale, dtype):
                     out[b, i, j] = [[A[i, j] * v for v in line] for line in V]
         return I.endpoints(out)
 
-    return correctly_round(evaluate, dtype, what="softmax_couplings").reshape(
-        *batch, n, n, d, d)
+    return correctly_round(evaluate, dtype, what="softmax_couplings").reshape(*batch, n, n, d, d)

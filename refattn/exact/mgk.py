@@ -20,8 +20,14 @@ from . import intervals as I
 from .numbers import NotRational, dot, is_zero, sqdist
 from .rows import UNKNOWN, batch_rows, exact_grads, exact_rows
 
-__all__ = ["attention", "attention_vjp", "em_update_pi", "linear_attention",
-           "linear_attention_vjp", "LM_EPS"]
+__all__ = [
+    "attention",
+    "attention_vjp",
+    "em_update_pi",
+    "linear_attention",
+    "linear_attention_vjp",
+    "LM_EPS",
+]
 
 #: The constant of the public language-modelling MLK denominator (see refattn.mgk).
 LM_EPS = 1e-5
@@ -53,8 +59,9 @@ def _iv_max(values):
     return iv.mpf([lo, hi])
 
 
-def _component_terms_exact(ops, qrow, kj, log_pi_j, sig_j, sig_log_j, mode, normalized,
-                           sigma_varies):
+def _component_terms_exact(
+    ops, qrow, kj, log_pi_j, sig_j, sig_log_j, mode, normalized, sigma_varies
+):
     terms = []
     for r in range(len(kj)):
         if mode == "soft" and log_pi_j[r] is None:
@@ -95,8 +102,20 @@ def _exact_inputs(ops, q, keys, log_pi, sigma2, sigma_varies, normalized, b):
     return _ExactInputs(ops.array(q[b]), ops.array(keys[b]), lp, sig, sig_log)
 
 
-def attention(q, clean_keys, v, log_pi, sigma2, sigma_varies, mode, normalized, allowed,
-              poisoned, row_eps, dtype):
+def attention(
+    q,
+    clean_keys,
+    v,
+    log_pi,
+    sigma2,
+    sigma_varies,
+    mode,
+    normalized,
+    allowed,
+    poisoned,
+    row_eps,
+    dtype,
+):
     """MGK attention (..., L, E) rounded once: rows in ``poisoned`` are NaN, keys with non-finite
     entries enter as ``clean_keys`` (their rows are poisoned or excluded by ``allowed``)."""
     batch, length, units = allowed.shape[:-2], q.shape[-2], clean_keys.shape[-3]
@@ -111,14 +130,24 @@ def attention(q, clean_keys, v, log_pi, sigma2, sigma_varies, mode, normalized, 
             if not allowed[b][i][j]:
                 scores.append(None)
                 continue
-            terms = _component_terms_exact(ops, x.q[i], x.keys[j], x.log_pi[j], x.sigma2[j],
-                                           None if x.sigma_log is None else x.sigma_log[j],
-                                           mode, normalized, sigma_varies)
+            terms = _component_terms_exact(
+                ops,
+                x.q[i],
+                x.keys[j],
+                x.log_pi[j],
+                x.sigma2[j],
+                None if x.sigma_log is None else x.sigma_log[j],
+                mode,
+                normalized,
+                sigma_varies,
+            )
             scores.append(_key_score(ops, terms, mode) if terms else None)
         weights = _weights_and_rest(ops, scores, row_eps)[0]
         values = ops.array(np.where(allowed[b][i][:, None], v[b], 0.0))
-        return [sum((w * values[j, e] for j, w in enumerate(weights) if not is_zero(w)), 0)
-                for e in range(v.shape[-1])]
+        return [
+            sum((w * values[j, e] for j, w in enumerate(weights) if not is_zero(w)), 0)
+            for e in range(v.shape[-1])
+        ]
 
     rows = batch_rows(batch, length)
     table = exact_rows(rows, row_out, dtype, "mgk.attention")
@@ -140,11 +169,17 @@ def _hard_tops(q, keys, sigma2, with_log):
         for i in range(qf.shape[-2]):
             qi = [Fraction(x) for x in qf[b][i]]
             for j in range(kf.shape[-3]):
-                terms = [(-sum(((a - Fraction(c)) ** 2 for a, c in zip(qi, kf[b][j][r],
-                                                                       strict=True)),
-                               Fraction(0)) / (2 * Fraction(sf[b][j][r])),
-                          Fraction(sf[b][j][r]) if with_log else 0)
-                         for r in range(kf.shape[-2])]
+                terms = [
+                    (
+                        -sum(
+                            ((a - Fraction(c)) ** 2 for a, c in zip(qi, kf[b][j][r], strict=True)),
+                            Fraction(0),
+                        )
+                        / (2 * Fraction(sf[b][j][r])),
+                        Fraction(sf[b][j][r]) if with_log else 0,
+                    )
+                    for r in range(kf.shape[-2])
+                ]
                 tops[b, i, j] = _argmax(terms, dim)
     return tops
 
@@ -171,8 +206,21 @@ def _argmax(terms, dim):
         prec *= 2
 
 
-def attention_vjp(q, keys, v, go, log_pi, sigma2, sigma_varies, mode, normalized, allowed,
-                  row_eps, dtype, shapes=None):
+def attention_vjp(
+    q,
+    keys,
+    v,
+    go,
+    log_pi,
+    sigma2,
+    sigma_varies,
+    mode,
+    normalized,
+    allowed,
+    row_eps,
+    dtype,
+    shapes=None,
+):
     """(dq, dkeys, dv) of MGK attention, summed to ``shapes`` (default: the broadcast shapes)
     and rounded once (one Ziv loop over every element)."""
     batch = allowed.shape[:-2]
@@ -199,8 +247,7 @@ def attention_vjp(q, keys, v, go, log_pi, sigma2, sigma_varies, mode, normalized
         return dq, dk, dv
 
     def row_vjp(ops, x, b, i, v_x, g_x, dq, dk, dv):
-        scores, shares = _row_scores(ops, x, b, i, allowed, mode, normalized,
-                                     sigma_varies, tops)
+        scores, shares = _row_scores(ops, x, b, i, allowed, mode, normalized, sigma_varies, tops)
         weights, rest = _weights_and_rest(ops, scores, row_eps)
         cols = [j for j, w in enumerate(weights) if not is_zero(w)]
         dots = {j: dot(g_x[i], v_x[j]) for j in cols}
@@ -222,8 +269,14 @@ def attention_vjp(q, keys, v, go, log_pi, sigma2, sigma_varies, mode, normalized
                     dq[i][d] = dq[i][d] - coef * diff
                     dk[j][r][d] = dk[j][r][d] + coef * diff
 
-    return exact_grads(batch, batch_grads, [(length, dim), (units, comps, dim), (units, evalue)],
-                       shapes, dtype, "mgk.attention_vjp")
+    return exact_grads(
+        batch,
+        batch_grads,
+        [(length, dim), (units, comps, dim), (units, evalue)],
+        shapes,
+        dtype,
+        "mgk.attention_vjp",
+    )
 
 
 def _row_unknown(dq, dk, dv, i, allowed_row):
@@ -260,8 +313,9 @@ def _row_scores(ops, x, b, i, allowed, mode, normalized, sigma_varies, tops):
         if mode == "hard":
             top = tops[b, i, j]
             share = 1 if len(top) == 1 else Fraction(1, len(top))
-            shares.append([(r, share if ops.rational or len(top) == 1 else I.point(share))
-                           for r in top])
+            shares.append(
+                [(r, share if ops.rational or len(top) == 1 else I.point(share)) for r in top]
+            )
         elif len(present) == 1:
             shares.append([(present[0][0], 1)])
         else:
@@ -302,22 +356,32 @@ def em_update_pi(q, keys, log_pi, sigma2, sigma_varies, allowed, pi_update, dtyp
                         term = term - x.sigma_log[j][r] * q.shape[-1] / 2
                     flat.append(term)
             if pi_update == "per_key":  # softmax over r within each allowed key
-                flat = [w for j in range(units)
-                        for w in (ops.softmax(flat[j * comps:(j + 1) * comps])
-                                  if allowed[b][i][j] else [0] * comps)]
+                flat = [
+                    w
+                    for j in range(units)
+                    for w in (
+                        ops.softmax(flat[j * comps : (j + 1) * comps])
+                        if allowed[b][i][j]
+                        else [0] * comps
+                    )
+                ]
             else:
                 flat = ops.softmax(flat)
             resp.append(flat)
         if pi_update == "per_key":
             return _per_key_pi(ops, resp, log_pi[b], allowed[b], units, comps) + [
-                w for row in resp for w in row]
+                w for row in resp for w in row
+            ]
         pi = []
         for j in range(units):
             den = sum((resp[i][j * comps + r] for i in range(length) for r in range(comps)), 0)
             for r in range(comps):
                 if is_zero(den):
-                    pi.append(ops.exp(ops.scalar(log_pi[b][j][r]))
-                              if not np.isneginf(log_pi[b][j][r]) else 0)
+                    pi.append(
+                        ops.exp(ops.scalar(log_pi[b][j][r]))
+                        if not np.isneginf(log_pi[b][j][r])
+                        else 0
+                    )
                     continue
                 pi.append(sum((resp[i][j * comps + r] for i in range(length)), 0) / den)
         return pi + [w for row in resp for w in row]
@@ -325,8 +389,10 @@ def em_update_pi(q, keys, log_pi, sigma2, sigma_varies, allowed, pi_update, dtyp
     rows = list(np.ndindex(*batch))
     table = exact_rows(rows, batch_out, dtype, "mgk.em_update_pi")
     n_pi = units * comps
-    return (table[:, :n_pi].reshape(comp_shape),
-            table[:, n_pi:].reshape(batch + (length, units, comps)))
+    return (
+        table[:, :n_pi].reshape(comp_shape),
+        table[:, n_pi:].reshape(batch + (length, units, comps)),
+    )
 
 
 def _per_key_pi(ops, resp, log_pi, allowed, units, comps):
@@ -337,8 +403,7 @@ def _per_key_pi(ops, resp, log_pi, allowed, units, comps):
         rows = [i for i in range(len(resp)) if allowed[i][j]]
         for r in range(comps):
             if not rows:
-                pi.append(ops.exp(ops.scalar(log_pi[j][r])) if not np.isneginf(log_pi[j][r])
-                          else 0)
+                pi.append(ops.exp(ops.scalar(log_pi[j][r])) if not np.isneginf(log_pi[j][r]) else 0)
                 continue
             pi.append(sum((resp[i][j * comps + r] for i in rows), 0) / len(rows))
     return pi
@@ -358,7 +423,7 @@ def _inv_root(ops, n, k):
     """n^(-1/k) for an integer n >= 1 (exact when n is a k-th power)."""
     if ops.rational:
         root = round(n ** (1.0 / k))
-        if root ** k != n:
+        if root**k != n:
             raise NotRational
         return Fraction(1, root)
     value = I.point(float(n))
@@ -390,10 +455,19 @@ def _features(ops, qf, kf, pif, form):
     dphi_q = [[_dphi(ops, qf[i, d], qx[i, d]) for d in range(dim)] for i in range(length)]
     if form == "lra":
         cq, ck = _inv_root(ops, length, 4), _inv_root(ops, units, 4)
-        exact_u = [[sum((Fraction(pif[j, r]) * Fraction(kf[j, r, d]) for r in range(comps)),
-                        Fraction(0)) for d in range(dim)] for j in range(units)]
-        ux = [[sum((pix[j, r] * kx[j, r, d] for r in range(comps)), 0) for d in range(dim)]
-              for j in range(units)]
+        exact_u = [
+            [
+                sum(
+                    (Fraction(pif[j, r]) * Fraction(kf[j, r, d]) for r in range(comps)), Fraction(0)
+                )
+                for d in range(dim)
+            ]
+            for j in range(units)
+        ]
+        ux = [
+            [sum((pix[j, r] * kx[j, r, d] for r in range(comps)), 0) for d in range(dim)]
+            for j in range(units)
+        ]
         a = [[p * cq for p in row] for row in phi_q]
         m = [[_phi(ops, exact_u[j][d], ux[j][d]) * ck for d in range(dim)] for j in range(units)]
 
@@ -401,16 +475,24 @@ def _features(ops, qf, kf, pif, form):
             return [[da[i][d] * cq * dphi_q[i][d] for d in range(dim)] for i in range(length)]
 
         def back_k(dm):
-            du = [[dm[j][d] * ck * _dphi(ops, exact_u[j][d], ux[j][d]) for d in range(dim)]
-                  for j in range(units)]
-            return [[[pix[j, r] * du[j][d] for d in range(dim)] for r in range(comps)]
-                    for j in range(units)]
+            du = [
+                [dm[j][d] * ck * _dphi(ops, exact_u[j][d], ux[j][d]) for d in range(dim)]
+                for j in range(units)
+            ]
+            return [
+                [[pix[j, r] * du[j][d] for d in range(dim)] for r in range(comps)]
+                for j in range(units)
+            ]
 
         return _Features(a, m, back_q, back_k)
-    phi_k = [[[_phi(ops, kf[j, r, d], kx[j, r, d]) for d in range(dim)] for r in range(comps)]
-             for j in range(units)]
-    dphi_k = [[[_dphi(ops, kf[j, r, d], kx[j, r, d]) for d in range(dim)]
-               for r in range(comps)] for j in range(units)]
+    phi_k = [
+        [[_phi(ops, kf[j, r, d], kx[j, r, d]) for d in range(dim)] for r in range(comps)]
+        for j in range(units)
+    ]
+    dphi_k = [
+        [[_dphi(ops, kf[j, r, d], kx[j, r, d]) for d in range(dim)] for r in range(comps)]
+        for j in range(units)
+    ]
     if form == "mixture":
         a, qsum, hat_k, ksum = phi_q, None, phi_k, None
     else:  # "lm": every feature vector normalised to sum 1 over d
@@ -418,8 +500,10 @@ def _features(ops, qf, kf, pif, form):
         pairs = [[_normalised(ops, phi_k[j][r]) for r in range(comps)] for j in range(units)]
         hat_k = [[pair[0] for pair in row] for row in pairs]
         ksum = [[pair[1] for pair in row] for row in pairs]
-    m = [[sum((pix[j, r] * hat_k[j][r][d] for r in range(comps)), 0) for d in range(dim)]
-         for j in range(units)]
+    m = [
+        [sum((pix[j, r] * hat_k[j][r][d] for r in range(comps)), 0) for d in range(dim)]
+        for j in range(units)
+    ]
 
     def through_norm(dhat, hat, total):
         if total is None:
@@ -428,9 +512,17 @@ def _features(ops, qf, kf, pif, form):
         return [(g - inner) / total for g in dhat]
 
     def back_q(da):
-        return [[g * dp for g, dp in zip(through_norm(da[i], a[i], None if qsum is None
-                                                      else qsum[i]), dphi_q[i], strict=True)]
-                for i in range(length)]
+        return [
+            [
+                g * dp
+                for g, dp in zip(
+                    through_norm(da[i], a[i], None if qsum is None else qsum[i]),
+                    dphi_q[i],
+                    strict=True,
+                )
+            ]
+            for i in range(length)
+        ]
 
     def back_k(dm):
         out = []
@@ -510,9 +602,14 @@ def linear_attention_vjp(q, keys, v, go, pi, allowed, form, shapes, dtype):
             else:  # dkappa_j = c (e dP_j + sum_k kappa_k (dP_j - dP_k)) / (Dn + e)^2
                 den = sum(kernels.values(), 0) + eps
                 factor = scale / (den * den)
-                dkernel = {j: factor * (eps * dots[j] + sum(
-                    (kernels[k] * (dots[j] - dots[k]) for k in cols if k != j), 0))
-                    for j in cols}
+                dkernel = {
+                    j: factor
+                    * (
+                        eps * dots[j]
+                        + sum((kernels[k] * (dots[j] - dots[k]) for k in cols if k != j), 0)
+                    )
+                    for j in cols
+                }
                 weight = scale / den
             for j in cols:
                 # the row's weight of v_j: exactly 1 for a lone key of the "mixture" form
@@ -526,5 +623,11 @@ def linear_attention_vjp(q, keys, v, go, pi, allowed, form, shapes, dtype):
                     dm[j][d] = dm[j][d] + dkernel[j] * feats.a[i][d]
         return feats.back_q(da), feats.back_k(dm), dv
 
-    return exact_grads(batch, batch_grads, [(length, dim), (units, comps, dim), (units, evalue)],
-                       shapes, dtype, "mgk.linear_attention_vjp")
+    return exact_grads(
+        batch,
+        batch_grads,
+        [(length, dim), (units, comps, dim), (units, evalue)],
+        shapes,
+        dtype,
+        "mgk.linear_attention_vjp",
+    )

@@ -18,8 +18,16 @@ from mpmath import iv
 
 from . import intervals as I
 
-__all__ = ["NotRational", "IntervalOps", "RationalOps", "INTERVAL", "RATIONAL", "is_zero",
-           "dot", "sqdist"]
+__all__ = [
+    "NotRational",
+    "IntervalOps",
+    "RationalOps",
+    "INTERVAL",
+    "RATIONAL",
+    "is_zero",
+    "dot",
+    "sqdist",
+]
 
 
 class NotRational(Exception):

@@ -93,9 +93,7 @@ def format_of(dtype) -> Format:
     except TypeError as exc:
         raise TypeError(f"out_dtype: expected a floating dtype, got {dtype!r}") from exc
     if name not in FORMATS:
-        raise TypeError(
-            f"out_dtype: expected one of {sorted(FORMATS)}, got dtype {name!r}"
-        )
+        raise TypeError(f"out_dtype: expected one of {sorted(FORMATS)}, got dtype {name!r}")
     return FORMATS[name]
 
 
@@ -159,7 +157,7 @@ def round_exact(x, fmt: Format) -> float:
     if twice > d or (twice == d and n & 1):
         n += 1
     if quantum_exp + n.bit_length() - 1 > fmt.emax:  # IEEE 754 overflow: unbounded-exponent
-        value = math.inf                                  # result exceeds the largest finite
+        value = math.inf  # result exceeds the largest finite
     else:
         value = math.ldexp(float(n), quantum_exp)
     return -value if negative else value
@@ -264,8 +262,15 @@ def decide_dd(mid_hi, mid_lo, rad, dtype):
             h = s + v
             ends.append((h, v - (h - s)))  # FastTwoSum(s, v): JMP 2017 Alg. 4
         (lh, ll), (hh, hl) = ends
-        ok = (np.isfinite(lh) & np.isfinite(hh) & np.isfinite(ll) & np.isfinite(hl)
-              & (lh != 0) & (hh != 0) & np.isfinite(wide))
+        ok = (
+            np.isfinite(lh)
+            & np.isfinite(hh)
+            & np.isfinite(ll)
+            & np.isfinite(hl)
+            & (lh != 0)
+            & (hh != 0)
+            & np.isfinite(wide)
+        )
         zero = np.zeros_like(lh)
         low = round_dd(np.where(ok, lh, zero), np.where(ok, ll, zero), dtype)
         high = round_dd(np.where(ok, hh, zero), np.where(ok, hl, zero), dtype)

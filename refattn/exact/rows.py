@@ -97,8 +97,7 @@ def exact_grads(batch, batch_grads, inner_shapes, shapes, dtype, what):
     """
 
     def evaluate(ops, _row):
-        per_arg = [np.empty(tuple(batch) + tuple(shape), dtype=object)
-                   for shape in inner_shapes]
+        per_arg = [np.empty(tuple(batch) + tuple(shape), dtype=object) for shape in inner_shapes]
         for b in np.ndindex(*batch):
             try:
                 grads_b = batch_grads(ops, b)
@@ -107,7 +106,7 @@ def exact_grads(batch, batch_grads, inner_shapes, shapes, dtype, what):
                     raise
                 grads_b = [np.full(shape, UNKNOWN, dtype=object) for shape in inner_shapes]
             for target, grads in zip(per_arg, grads_b, strict=True):
-                inner = target.shape[len(batch):]
+                inner = target.shape[len(batch) :]
                 for index in np.ndindex(*inner):
                     value = grads
                     for k in index:
@@ -120,7 +119,7 @@ def exact_grads(batch, batch_grads, inner_shapes, shapes, dtype, what):
     out, start = [], 0
     for shape in shapes:
         size = int(np.prod(shape, dtype=np.int64))
-        out.append(table[start:start + size].reshape(shape))
+        out.append(table[start : start + size].reshape(shape))
         start += size
     return tuple(out)
 
@@ -149,18 +148,19 @@ def exact_vjp_rows(batch, inputs, run, grad, dtype, what):
     When an input is broadcast along the batch its gradient sums over batch elements, and
     that sum is part of the exact value: all batch elements are then one row of the Ziv loop.
     """
-    per_element = all(arr.shape[:arr.ndim - rank] == batch for _, arr, rank in inputs)
+    per_element = all(arr.shape[: arr.ndim - rank] == batch for _, arr, rank in inputs)
     rows = [[b] for b in np.ndindex(*batch)] if per_element else [list(np.ndindex(*batch))]
 
     def row_grads(ops, group):
         ad = AutodiffOps(ops)
-        leaves = [ad.variables(ops.array(arr[group[0]] if per_element else arr))
-                  for _, arr, _ in inputs]
+        leaves = [
+            ad.variables(ops.array(arr[group[0]] if per_element else arr)) for _, arr, _ in inputs
+        ]
         outputs, cotangents = [], []
         for b in group:
             fields = {}
             for (name, arr, rank), leaf in zip(inputs, leaves, strict=True):
-                core = arr.shape[arr.ndim - rank:]
+                core = arr.shape[arr.ndim - rank :]
                 fields[name] = leaf if per_element else np.broadcast_to(leaf, batch + core)[b]
             outputs.extend(run(ad, fields, b))
             cotangents.extend(ops.scalar(g) for g in np.ravel(grad[b]))
@@ -169,9 +169,9 @@ def exact_vjp_rows(batch, inputs, run, grad, dtype, what):
     table = exact_rows(rows, row_grads, dtype, what)
     out, start = [], 0
     for _, arr, rank in inputs:
-        core = arr.shape[arr.ndim - rank:]
+        core = arr.shape[arr.ndim - rank :]
         size = int(np.prod(core)) if per_element else arr.size
-        part = table[:, start:start + size]
+        part = table[:, start : start + size]
         out.append(part.reshape(batch + core) if per_element else part.reshape(arr.shape))
         start += size
     return tuple(out)

@@ -185,8 +185,9 @@ def positions(length: int, dim: int, base, layout: str) -> np.ndarray:
     """
     half = dim // 2
     log_base = I.log(I.point(base))
-    inv_freq = [I.exp(-(I.point(Fraction(2 * i, dim))) * log_base) if i else iv.mpf(1)
-                for i in range(half)]
+    inv_freq = [
+        I.exp(-(I.point(Fraction(2 * i, dim))) * log_base) if i else iv.mpf(1) for i in range(half)
+    ]
     table = np.empty((length, dim), dtype=object)
     for pos in range(length):
         for i, freq in enumerate(inv_freq):
@@ -266,13 +267,16 @@ def attention(q, k, v, spec) -> np.ndarray:
                     continue
                 logits = _row_logits(spec, scores, b, h, i, row, cap, slope)
                 top = max(range(len(logits)), key=lambda n: mpf(logits[n]._mpi_[1]))
-                weights = [iv.mpf(1) if n == top else I.exp(t - logits[top])
-                           for n, t in enumerate(logits)]
+                weights = [
+                    iv.mpf(1) if n == top else I.exp(t - logits[top]) for n, t in enumerate(logits)
+                ]
                 total = sum(weights)
                 if keep_scale is not None:
                     keep = spec.dropout_mask[b, h, i]
-                    weights = [w * keep_scale if keep[j] else _ZERO
-                               for w, j in zip(weights, row, strict=True)]
+                    weights = [
+                        w * keep_scale if keep[j] else _ZERO
+                        for w, j in zip(weights, row, strict=True)
+                    ]
                 acc = sum(v[b, g, j] * w for w, j in zip(weights, row, strict=True))
                 out[b, h, i] = list(acc / total)
     return out.reshape(batch_shape + out.shape[1:])
@@ -412,14 +416,21 @@ def attention_vjp(q, k, v, grad_out, spec):
                     continue
                 logits = _row_logits(spec, scores, b, h, i, row, cap, slope)
                 top = max(range(len(logits)), key=lambda n: mpf(logits[n]._mpi_[1]))
-                weights = [iv.mpf(1) if n == top else I.exp(t - logits[top])
-                           for n, t in enumerate(logits)]
+                weights = [
+                    iv.mpf(1) if n == top else I.exp(t - logits[top]) for n, t in enumerate(logits)
+                ]
                 total = sum(weights)
                 probs = [w / total for w in weights]
-                kept = [iv.mpf(1) if keep_scale is None else
-                        (keep_scale if spec.dropout_mask[b, h, i, j] else _ZERO) for j in row]
-                dprobs = [kappa * np.dot(do[b, h, i], v[b, g, j])
-                          for kappa, j in zip(kept, row, strict=True)]
+                kept = [
+                    iv.mpf(1)
+                    if keep_scale is None
+                    else (keep_scale if spec.dropout_mask[b, h, i, j] else _ZERO)
+                    for j in row
+                ]
+                dprobs = [
+                    kappa * np.dot(do[b, h, i], v[b, g, j])
+                    for kappa, j in zip(kept, row, strict=True)
+                ]
                 delta = sum(p * dp for p, dp in zip(probs, dprobs, strict=True))
                 for n, j in enumerate(row):
                     dt = probs[n] * (dprobs[n] - delta)
@@ -430,8 +441,10 @@ def attention_vjp(q, k, v, grad_out, spec):
                     dk[b, g, j] = dk[b, g, j] + q[b, h, i] * dt
                     dv[b, g, j] = dv[b, g, j] + do[b, h, i] * (kept[n] * probs[n])
     grads = (dq, dk, dv)
-    return tuple(reduce_to(a.reshape(batch_shape + a.shape[1:]), shape)
-                 for a, shape in zip(grads, shapes, strict=True))
+    return tuple(
+        reduce_to(a.reshape(batch_shape + a.shape[1:]), shape)
+        for a, shape in zip(grads, shapes, strict=True)
+    )
 
 
 def _relu_slope(x):
@@ -465,8 +478,11 @@ def layer_norm_vjp(x, gamma, eps, grad_out):
     sigma = I.sqrt(var + I.point(eps))
     xhat = centred / sigma
     dxhat = grad_out if gamma is None else grad_out * gamma
-    dx = (dxhat - dxhat.sum(axis=-1, keepdims=True) / width
-          - xhat * (dxhat * xhat).sum(axis=-1, keepdims=True) / width) / sigma
+    dx = (
+        dxhat
+        - dxhat.sum(axis=-1, keepdims=True) / width
+        - xhat * (dxhat * xhat).sum(axis=-1, keepdims=True) / width
+    ) / sigma
     rows = (-1, width)
     return dx, (grad_out * xhat).reshape(rows).sum(axis=0), grad_out.reshape(rows).sum(axis=0)
 
@@ -482,8 +498,11 @@ class EnclosureVJPOps(EnclosureOps):
     @staticmethod
     def linear_vjp(x, W, has_bias, g):
         rows_x, rows_g = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
-        return (np.matmul(g, W.T), np.matmul(rows_x.T, rows_g),
-                rows_g.sum(axis=0) if has_bias else None)
+        return (
+            np.matmul(g, W.T),
+            np.matmul(rows_x.T, rows_g),
+            rows_g.sum(axis=0) if has_bias else None,
+        )
 
     @staticmethod
     def activation_vjp(x, name, g):
@@ -499,8 +518,7 @@ class EnclosureVJPOps(EnclosureOps):
         return attention_vjp(q, k, v, g, replace(spec, empty_rows="zero"))
 
 
-def round_vjp(chain, inputs, params, grad_out, dtype, what, *, map_params,
-              zero_arrays=()) -> list:
+def round_vjp(chain, inputs, params, grad_out, dtype, what, *, map_params, zero_arrays=()) -> list:
     """Gradients of ``sum(grad_out * chain(ops, *inputs, params))`` with respect to the inputs
     and every parameter array (:func:`refattn._tape.backward_pass` order), as the exact
     derivative of the whole composition: forward and backward pass enclosed over
@@ -515,11 +533,14 @@ def round_vjp(chain, inputs, params, grad_out, dtype, what, *, map_params,
     def evaluate(prec):
         ops = EnclosureVJPOps()
         with I.workprec(prec):
-            grads = backward_pass(Tape(ops), chain, args, params, grad_out, I.to_intervals,
-                                  map_params)
+            grads = backward_pass(
+                Tape(ops), chain, args, params, grad_out, I.to_intervals, map_params
+            )
         if any(np.any(rows) for rows in ops.nan_rows):
-            raise ValueError(f"{what}: the exact vector-Jacobian product does not support "
-                             "empty rows with empty_rows='nan' (NaN outputs)")
+            raise ValueError(
+                f"{what}: the exact vector-Jacobian product does not support "
+                "empty rows with empty_rows='nan' (NaN outputs)"
+            )
         sizes[:] = [(g.shape, g.size) for g in grads]
         return I.endpoints(np.concatenate([g.ravel() for g in grads]))
 
@@ -534,6 +555,6 @@ def round_vjp(chain, inputs, params, grad_out, dtype, what, *, map_params,
     flat = correctly_round(evaluate, dtype, what=what, fallback=exact_zero)
     out, start = [], 0
     for shape, size in sizes:
-        out.append(flat[start:start + size].reshape(shape))
+        out.append(flat[start : start + size].reshape(shape))
         start += size
     return out

@@ -16,5 +16,12 @@ from ._dispatch import (
     precompile,
 )
 
-__all__ = ["attention", "attention_vjp", "compute_dtype", "COMPILE_MESSAGE", "announce_compile",
-           "precompile", "PATHS"]
+__all__ = [
+    "attention",
+    "attention_vjp",
+    "compute_dtype",
+    "COMPILE_MESSAGE",
+    "announce_compile",
+    "precompile",
+    "PATHS",
+]

@@ -13,12 +13,23 @@ from ._dispatch import PATHS, precompile
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m refattn.kernels",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--dtypes", nargs="+", default=["float64", "float32"],
-                        choices=["float64", "float32"], help="compute dtypes (default both)")
-    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS),
-                        help="kernel paths (default all)")
+    parser = argparse.ArgumentParser(
+        prog="python -m refattn.kernels", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["float64", "float32"],
+        choices=["float64", "float32"],
+        help="compute dtypes (default both)",
+    )
+    parser.add_argument(
+        "--paths",
+        nargs="+",
+        default=list(PATHS),
+        choices=list(PATHS),
+        help="kernel paths (default all)",
+    )
     args = parser.parse_args(argv)
 
     def report(path, dtype, seconds):

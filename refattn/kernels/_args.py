@@ -30,8 +30,13 @@ def plane(view):
     data = np.require(compact, requirements=["C"])
     if data.dtype == np.bool_:
         data = data.view(np.uint8)
-    strides = np.array([0 if st == 0 else ds // data.itemsize
-                        for st, ds in zip(view.strides, data.strides, strict=True)], np.int64)
+    strides = np.array(
+        [
+            0 if st == 0 else ds // data.itemsize
+            for st, ds in zip(view.strides, data.strides, strict=True)
+        ],
+        np.int64,
+    )
     return read_only(data.reshape(-1)), strides
 
 
@@ -75,15 +80,33 @@ def kernel_arguments(spec, dtype):
     ([1, 2, 3, 2, 5, 4, 4], [0, 0])
     """
     batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
-    left, right = (-1, -1) if spec.window is None else (
-        -1 if spec.window[0] is None else spec.window[0],
-        -1 if spec.window[1] is None else spec.window[1])
+    left, right = (
+        (-1, -1)
+        if spec.window is None
+        else (
+            -1 if spec.window[0] is None else spec.window[0],
+            -1 if spec.window[1] is None else spec.window[1],
+        )
+    )
     dims = np.array([batch, heads, length, kv_heads, keys, dim, vdim], np.int64)
-    opts = np.array([spec.offset, spec.causal, left, right, spec.softcap is not None,
-                     spec.bias is not None, spec.mask is not None, spec.alibi_slopes is not None,
-                     spec.dropout_mask is not None, spec.empty_rows == "nan"], np.int64)
-    fopts = np.array([spec.scale_float, spec.softcap or 1.0, 1.0 / (1.0 - spec.dropout_p),
-                      -np.inf], dtype)
+    opts = np.array(
+        [
+            spec.offset,
+            spec.causal,
+            left,
+            right,
+            spec.softcap is not None,
+            spec.bias is not None,
+            spec.mask is not None,
+            spec.alibi_slopes is not None,
+            spec.dropout_mask is not None,
+            spec.empty_rows == "nan",
+        ],
+        np.int64,
+    )
+    fopts = np.array(
+        [spec.scale_float, spec.softcap or 1.0, 1.0 / (1.0 - spec.dropout_p), -np.inf], dtype
+    )
     bias, bstr = plane(spec.bias)
     mask, mstr = plane(spec.mask)
     drop, dstr = plane(spec.dropout_mask)
@@ -91,8 +114,11 @@ def kernel_arguments(spec, dtype):
         mask = read_only(mask.astype(np.uint8))
     if drop.dtype != np.uint8:
         drop = read_only(drop.astype(np.uint8))
-    slopes = read_only(np.zeros(1) if spec.alibi_slopes is None else np.require(
-        spec.alibi_slopes, np.float64, ["C"]))
+    slopes = read_only(
+        np.zeros(1)
+        if spec.alibi_slopes is None
+        else np.require(spec.alibi_slopes, np.float64, ["C"])
+    )
     # read-only views: no copy of a read-only (e.g. broadcast-view) input, one array type
     q, k, v = (read_only(np.require(a, dtype, ["C"])) for a in (spec.q, spec.k, spec.v))
     kv_head = read_only(np.require(spec.kv_head, np.int64, ["C"]))

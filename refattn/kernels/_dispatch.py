@@ -11,12 +11,21 @@ import sys
 
 import numpy as np
 
-__all__ = ["attention", "attention_vjp", "compute_dtype", "COMPILE_MESSAGE", "announce_compile",
-           "precompile", "PATHS"]
+__all__ = [
+    "attention",
+    "attention_vjp",
+    "compute_dtype",
+    "COMPILE_MESSAGE",
+    "announce_compile",
+    "precompile",
+    "PATHS",
+]
 
-COMPILE_MESSAGE = ("refattn: compiling Numba kernels for this CPU (first use, 10-20 s per path "
-                   "and dtype; cached afterwards; `python -m refattn.kernels` compiles all "
-                   "ahead of time)")
+COMPILE_MESSAGE = (
+    "refattn: compiling Numba kernels for this CPU (first use, 10-20 s per path "
+    "and dtype; cached afterwards; `python -m refattn.kernels` compiles all "
+    "ahead of time)"
+)
 #: The separately compiled kernel paths of :mod:`.numba_cpu` (each compiles on first use).
 PATHS = ("forward", "decode", "backward")
 _announced = []
@@ -47,8 +56,11 @@ def announce_compile(module, *, names: str = "") -> None:
     """
     if _announced:
         return
-    entries = [f for f in vars(module).values()
-               if getattr(f, "targetoptions", {}).get("parallel") and names in f.__name__]
+    entries = [
+        f
+        for f in vars(module).values()
+        if getattr(f, "targetoptions", {}).get("parallel") and names in f.__name__
+    ]
     if not all(_cached_for_this_cpu(f) for f in entries):
         _announced.append(True)
         print(COMPILE_MESSAGE, file=sys.stderr, flush=True)
@@ -174,8 +186,11 @@ def precompile(dtypes=("float64", "float32"), paths=PATHS, *, report=None) -> di
                 raise ValueError(f"paths: {path!r} is not one of {PATHS}")
             # the smallest shapes that take each path (decode: a key split of its own)
             length, keys = (1, numba_cpu.SPLIT_KEYS + 1) if path == "decode" else (2, 2)
-            spec = canonicalize(np.zeros((1, length, 4), dtype), np.zeros((1, keys, 4), dtype),
-                                np.zeros((1, keys, 4), dtype))
+            spec = canonicalize(
+                np.zeros((1, length, 4), dtype),
+                np.zeros((1, keys, 4), dtype),
+                np.zeros((1, keys, 4), dtype),
+            )
             start = time.perf_counter()
             if path == "backward":
                 numba_cpu.backward(spec, np.zeros((1, 1, length, 4), dtype))

@@ -27,10 +27,29 @@ import numba
 import numpy as np
 from numba import njit
 
-__all__ = ["JIT", "KERNEL_OPTIONS", "vload", "vstore", "vzero", "vfma", "vadd", "vmax",
-           "vlane", "fma", "as_float", "lanes", "vexp", "vsubs", "vmuls", "vmul", "vkeep", "vsum",
-           "vbest",
-           "exp_float64", "exp_float32"]
+__all__ = [
+    "JIT",
+    "KERNEL_OPTIONS",
+    "vload",
+    "vstore",
+    "vzero",
+    "vfma",
+    "vadd",
+    "vmax",
+    "vlane",
+    "fma",
+    "as_float",
+    "lanes",
+    "vexp",
+    "vsubs",
+    "vmuls",
+    "vmul",
+    "vkeep",
+    "vsum",
+    "vbest",
+    "exp_float64",
+    "exp_float32",
+]
 
 #: Whether Numba compiles (False under ``NUMBA_DISABLE_JIT=1``).
 JIT = not numba.config.DISABLE_JIT
@@ -111,8 +130,7 @@ if JIT:
         def codegen(context, builder, sig, args):
             lt = context.get_value_type(sig.args[1])
             fnty = ir.FunctionType(lt, [lt] * 3)
-            fn = cgutils.get_or_insert_function(builder.module, fnty,
-                                                f"llvm.fma.{_llvm_name(lt)}")
+            fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.fma.{_llvm_name(lt)}")
             return builder.call(fn, [_splat(builder, lt, args[0]), args[1], args[2]])
 
         return x(a, x, y), codegen
@@ -131,8 +149,9 @@ if JIT:
         def codegen(context, builder, sig, args):
             lt = context.get_value_type(sig.args[0])
             fnty = ir.FunctionType(lt, [lt] * 2)
-            fn = cgutils.get_or_insert_function(builder.module, fnty,
-                                                f"llvm.maxnum.{_llvm_name(lt)}")
+            fn = cgutils.get_or_insert_function(
+                builder.module, fnty, f"llvm.maxnum.{_llvm_name(lt)}"
+            )
             return builder.call(fn, args)
 
         return x(x, y), codegen
@@ -171,10 +190,10 @@ else:  # pragma: no cover - exercised by the NUMBA_DISABLE_JIT=1 test tier
 
     def vload(arr, start):
         width = 64 // arr.itemsize
-        return arr[start:start + width].copy()
+        return arr[start : start + width].copy()
 
     def vstore(arr, start, x):
-        arr[start:start + x.size] = x
+        arr[start : start + x.size] = x
 
     def vzero(arr):
         return np.zeros(64 // arr.itemsize, arr.dtype)
@@ -322,8 +341,9 @@ if JIT:
 
         def call(name, *args):
             fnty = ir.FunctionType(lt, [lt] * len(args))
-            fn = cgutils.get_or_insert_function(builder.module, fnty,
-                                                f"llvm.{name}.{_llvm_name(lt)}")
+            fn = cgutils.get_or_insert_function(
+                builder.module, fnty, f"llvm.{name}.{_llvm_name(lt)}"
+            )
             return builder.call(fn, list(args))
 
         t = call("floor", builder.fadd(builder.fmul(x, const(log2e)), const(0.5)))
@@ -350,8 +370,7 @@ if JIT:
         """exp of every lane (bit-identical to :func:`exp_float64` / :func:`exp_float32`)."""
 
         def codegen(context, builder, sig, args):
-            return _vexp_codegen(context, builder, context.get_value_type(sig.args[0]),
-                                 args[0])
+            return _vexp_codegen(context, builder, context.get_value_type(sig.args[0]), args[0])
 
         return x(x), codegen
 
@@ -421,8 +440,9 @@ if JIT:
             best = builder.extract_element(args[0], ir.Constant(ir.IntType(32), 0))
             for w in range(1, context.get_value_type(sig.args[0]).count):
                 lane = builder.extract_element(args[0], ir.Constant(ir.IntType(32), w))
-                take = builder.or_(builder.fcmp_ordered(">", lane, best),
-                                   builder.fcmp_unordered("uno", best, best))
+                take = builder.or_(
+                    builder.fcmp_ordered(">", lane, best), builder.fcmp_unordered("uno", best, best)
+                )
                 best = builder.select(take, lane, best)
             return best
 

@@ -57,14 +57,17 @@ def available() -> bool:
 
 def _require_cuda():
     if cuda is None:  # pragma: no cover
-        raise RuntimeError("refattn.kernels.cuda needs numba's CUDA target; install "
-                           "numba-cuda (pip install refattn[cuda])")
+        raise RuntimeError(
+            "refattn.kernels.cuda needs numba's CUDA target; install "
+            "numba-cuda (pip install refattn[cuda])"
+        )
     if not cuda.is_available():
         raise RuntimeError(
             "refattn.kernels.cuda: no CUDA device is available (numba.cuda.is_available() is "
             "False). Install an NVIDIA driver and the CUDA toolkit (pip install "
             "refattn[cuda]), or run on the simulator with NUMBA_ENABLE_CUDASIM=1 set before "
-            "numba is imported; the CPU kernels are backend='numba'.")
+            "numba is imported; the CPU kernels are backend='numba'."
+        )
     return cuda
 
 
@@ -125,8 +128,9 @@ def _build(dtype):
         return opts[8] == 0 or drop[dstr[0] * b + dstr[1] * h + dstr[2] * i + dstr[3] * j] != 0
 
     @cuda.jit
-    def forward(q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr,
-                slopes, out, lse):
+    def forward(
+        q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes, out, lse
+    ):
         heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
         bh = cuda.blockIdx.y
         b = bh // heads
@@ -162,8 +166,9 @@ def _build(dtype):
                     j = c0 + jj
                     if j < lo or j > hi:
                         continue
-                    ok, t, _ = score(qrow, ks, jj, dim, b, h, i, j, opts, fopts, bias, bstr,
-                                     mask, mstr, slopes)
+                    ok, t, _ = score(
+                        qrow, ks, jj, dim, b, h, i, j, opts, fopts, bias, bstr, mask, mstr, slopes
+                    )
                     if not ok or t == -math.inf:
                         continue
                     if t > m:
@@ -191,8 +196,27 @@ def _build(dtype):
                 lse[b, h, i] = m + math.log(total)
 
     @cuda.jit
-    def grad_q(q, k, v, kv_head, grad_out, lse, delta, dims, opts, fopts, bias, bstr, mask,
-               mstr, drop, dstr, slopes, dq, dbias):
+    def grad_q(
+        q,
+        k,
+        v,
+        kv_head,
+        grad_out,
+        lse,
+        delta,
+        dims,
+        opts,
+        fopts,
+        bias,
+        bstr,
+        mask,
+        mstr,
+        drop,
+        dstr,
+        slopes,
+        dq,
+        dbias,
+    ):
         heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
         bh = cuda.blockIdx.y
         b = bh // heads
@@ -232,8 +256,9 @@ def _build(dtype):
                     j = c0 + jj
                     if j < lo or j > hi:
                         continue
-                    ok, t, deriv = score(qrow, ks, jj, dim, b, h, i, j, opts, fopts, bias, bstr,
-                                         mask, mstr, slopes)
+                    ok, t, deriv = score(
+                        qrow, ks, jj, dim, b, h, i, j, opts, fopts, bias, bstr, mask, mstr, slopes
+                    )
                     if not ok or t == -math.inf:
                         continue
                     p = math.exp(t - row_lse)
@@ -254,8 +279,27 @@ def _build(dtype):
                 dq[b, h, i, d] = dqrow[d]
 
     @cuda.jit
-    def grad_kv(q, k, v, kv_head, grad_out, lse, delta, dims, opts, fopts, bias, bstr, mask,
-                mstr, drop, dstr, slopes, dk_part, dv_part):
+    def grad_kv(
+        q,
+        k,
+        v,
+        kv_head,
+        grad_out,
+        lse,
+        delta,
+        dims,
+        opts,
+        fopts,
+        bias,
+        bstr,
+        mask,
+        mstr,
+        drop,
+        dstr,
+        slopes,
+        dk_part,
+        dv_part,
+    ):
         heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
         bh = cuda.blockIdx.y
         b = bh // heads
@@ -299,8 +343,9 @@ def _build(dtype):
                         continue
                     # score(q_i, k_j): the same expression and order as in forward / grad_q
                     qrow = qs[rr]
-                    ok, t, deriv = score(qrow, ktile, 0, dim, b, h, i, j, opts, fopts, bias,
-                                         bstr, mask, mstr, slopes)
+                    ok, t, deriv = score(
+                        qrow, ktile, 0, dim, b, h, i, j, opts, fopts, bias, bstr, mask, mstr, slopes
+                    )
                     if not ok or t == -math.inf:
                         continue
                     p = math.exp(t - row_lse)
@@ -331,8 +376,9 @@ def _prepare(spec, dtype):
     dtype = compute_dtype(spec.q.dtype) if dtype is None else np.dtype(dtype)
     _, _, _, _, _, dim, vdim = spec.dims
     if max(dim, vdim) > MAX_FEATURES:
-        raise ValueError(f"q/v: the CUDA kernels take D, E <= {MAX_FEATURES}, got D={dim}, "
-                         f"E={vdim}")
+        raise ValueError(
+            f"q/v: the CUDA kernels take D, E <= {MAX_FEATURES}, got D={dim}, E={vdim}"
+        )
     return dtype, kernel_arguments(spec, dtype)
 
 
@@ -372,8 +418,11 @@ def attention_vjp(spec, grad_out, grad_lse=None, *, dtype=None, threads=THREADS)
     batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
     opts = args[5].copy()
     opts[9] = 0  # the backward needs lse = -inf on empty rows
-    device_args = [cuda.to_device(a) for a in args[:5]] + [cuda.to_device(opts)] + \
-        [cuda.to_device(a) for a in args[6:]]
+    device_args = (
+        [cuda.to_device(a) for a in args[:5]]
+        + [cuda.to_device(opts)]
+        + [cuda.to_device(a) for a in args[6:]]
+    )
     out = cuda.device_array((batch, heads, length, vdim), dtype)
     lse = cuda.device_array((batch, heads, length), dtype)
     dq = cuda.to_device(np.zeros((batch, heads, length, dim), dtype))
@@ -393,10 +442,38 @@ def attention_vjp(spec, grad_out, grad_lse=None, *, dtype=None, threads=THREADS)
         q, k, v, kv_head = device_args[:4]
         rest = device_args[4:]
         grad_dev, delta_dev = cuda.to_device(grad_out), cuda.to_device(delta)
-        _launch(grad_q, length, batch * heads, threads, q, k, v, kv_head, grad_dev, lse,
-                delta_dev, *rest, dq, dbias)
-        _launch(grad_kv, keys, batch * heads, threads, q, k, v, kv_head, grad_dev, lse,
-                delta_dev, *rest, dk_part, dv_part)
+        _launch(
+            grad_q,
+            length,
+            batch * heads,
+            threads,
+            q,
+            k,
+            v,
+            kv_head,
+            grad_dev,
+            lse,
+            delta_dev,
+            *rest,
+            dq,
+            dbias,
+        )
+        _launch(
+            grad_kv,
+            keys,
+            batch * heads,
+            threads,
+            q,
+            k,
+            v,
+            kv_head,
+            grad_dev,
+            lse,
+            delta_dev,
+            *rest,
+            dk_part,
+            dv_part,
+        )
     dk_part, dv_part = dk_part.copy_to_host(), dv_part.copy_to_host()
     dk = np.zeros((batch, kv_heads, keys, dim), dtype)
     dv = np.zeros((batch, kv_heads, keys, vdim), dtype)

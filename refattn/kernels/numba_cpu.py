@@ -507,8 +507,9 @@ def _row_max_scaled(row, count, factor):
 
 
 @njit(**_OPTS)
-def _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr, mask, mstr,
-                   slopes, deriv):
+def _finish_scores(
+    s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr, mask, mstr, slopes, deriv
+):
     """Turn raw q.k tile into final scores in place; -inf marks excluded positions.
 
     Returns True when the tile has no excluded position (the fast paths may then skip
@@ -516,8 +517,12 @@ def _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr, mask,
     """
     keys, offset = dims[4], opts[0]
     causal, left, right = opts[1] != 0, opts[2], opts[3]
-    has_softcap, has_bias, has_mask, has_alibi = opts[4] != 0, opts[5] != 0, opts[6] != 0, \
-        opts[7] != 0
+    has_softcap, has_bias, has_mask, has_alibi = (
+        opts[4] != 0,
+        opts[5] != 0,
+        opts[6] != 0,
+        opts[7] != 0,
+    )
     scale, cap = fopts[0], fopts[1]
     neg_inf = fopts[3]
     lo_first, hi_first = _row_range(r0, keys, offset, causal, left, right)
@@ -604,8 +609,27 @@ def _pack_keys(k, v, k_t, v_blk, v_finite):
 
 
 @njit(**_OPTS)
-def _forward_unit(q, k_pack, v_pack, v_fin, kv_head, unit, nqb, dims, opts, fopts, bias, bstr,
-                  mask, mstr, drop, dstr, slopes, out, lse):
+def _forward_unit(
+    q,
+    k_pack,
+    v_pack,
+    v_fin,
+    kv_head,
+    unit,
+    nqb,
+    dims,
+    opts,
+    fopts,
+    bias,
+    bstr,
+    mask,
+    mstr,
+    drop,
+    dstr,
+    slopes,
+    out,
+    lse,
+):
     heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
     b = unit // (heads * nqb)
     h = (unit // nqb) % heads
@@ -642,8 +666,9 @@ def _forward_unit(q, k_pack, v_pack, v_fin, kv_head, unit, nqb, dims, opts, fopt
         if _raw_scores_suffice(nr, nc, r0, c0, dims, opts, fopts, BLOCK_K):
             clean, factor = True, fopts[0]
         else:
-            clean = _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr,
-                                   mask, mstr, slopes, deriv)
+            clean = _finish_scores(
+                s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr, mask, mstr, slopes, deriv
+            )
         for r in range(nr):
             row = s[r]
             prow = p[r]
@@ -680,8 +705,10 @@ def _forward_unit(q, k_pack, v_pack, v_fin, kv_head, unit, nqb, dims, opts, fopt
                     if s[r, c] == -np.inf:
                         continue
                     j = c0 + c
-                    if has_drop and drop[dstr[0] * b + dstr[1] * h + dstr[2] * (r0 + r) +
-                                         dstr[3] * j] == 0:
+                    if (
+                        has_drop
+                        and drop[dstr[0] * b + dstr[1] * h + dstr[2] * (r0 + r) + dstr[3] * j] == 0
+                    ):
                         continue
                     w = weights[r, c]
                     for e in range(vdim):
@@ -705,13 +732,49 @@ def _forward_unit(q, k_pack, v_pack, v_fin, kv_head, unit, nqb, dims, opts, fopt
 
 
 @njit(parallel=True, **_OPTS)
-def _forward_units(q, k_pack, v_pack, v_fin, kv_head, dims, opts, fopts, bias, bstr, mask, mstr,
-                   drop, dstr, slopes, out, lse):
+def _forward_units(
+    q,
+    k_pack,
+    v_pack,
+    v_fin,
+    kv_head,
+    dims,
+    opts,
+    fopts,
+    bias,
+    bstr,
+    mask,
+    mstr,
+    drop,
+    dstr,
+    slopes,
+    out,
+    lse,
+):
     batch, heads, length = dims[0], dims[1], dims[2]
     nqb = -(-length // BLOCK_Q)
     for unit in prange(batch * heads * nqb):
-        _forward_unit(q, k_pack, v_pack, v_fin, kv_head, np.int64(unit), nqb, dims, opts,
-                      fopts, bias, bstr, mask, mstr, drop, dstr, slopes, out, lse)
+        _forward_unit(
+            q,
+            k_pack,
+            v_pack,
+            v_fin,
+            kv_head,
+            np.int64(unit),
+            nqb,
+            dims,
+            opts,
+            fopts,
+            bias,
+            bstr,
+            mask,
+            mstr,
+            drop,
+            dstr,
+            slopes,
+            out,
+            lse,
+        )
 
 
 def split_keys(heads: int, kv_heads: int, length: int, keys: int) -> int:
@@ -730,28 +793,83 @@ def split_keys(heads: int, kv_heads: int, length: int, keys: int) -> int:
     return -(-keys // SPLIT_KEYS)
 
 
-def _forward(q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes,
-             out, lse):
+def _forward(
+    q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes, out, lse
+):
     """Short queries: key splits (:func:`_split_forward`); otherwise pack the key blocks
     (:func:`_pack_keys`) and run the query-block units."""
     batch, heads, length, kv_heads, keys = (int(x) for x in dims[:5])
     nsplit = split_keys(heads, kv_heads, length, keys)
     if nsplit:
-        group_heads = np.array([[h for h in range(heads) if kv_head[h] == g]
-                                for g in range(kv_heads)], np.int64)
+        group_heads = np.array(
+            [[h for h in range(heads) if kv_head[h] == g] for g in range(kv_heads)], np.int64
+        )
         with parallel_chunksize(1):
-            _split_forward(q, k, v, group_heads, nsplit, dims, opts, fopts, bias, bstr, mask,
-                           mstr, drop, dstr, slopes, out, lse)
+            _split_forward(
+                q,
+                k,
+                v,
+                group_heads,
+                nsplit,
+                dims,
+                opts,
+                fopts,
+                bias,
+                bstr,
+                mask,
+                mstr,
+                drop,
+                dstr,
+                slopes,
+                out,
+                lse,
+            )
         return
     k_pack, v_pack, v_fin = _packed_keys(k, v)
     with parallel_chunksize(1):
-        _forward_units(q, k_pack, v_pack, v_fin, kv_head, dims, opts, fopts, bias, bstr, mask,
-                       mstr, drop, dstr, slopes, out, lse)
+        _forward_units(
+            q,
+            k_pack,
+            v_pack,
+            v_fin,
+            kv_head,
+            dims,
+            opts,
+            fopts,
+            bias,
+            bstr,
+            mask,
+            mstr,
+            drop,
+            dstr,
+            slopes,
+            out,
+            lse,
+        )
 
 
 @njit(**_OPTS)
-def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, bias, bstr, mask, mstr,
-                drop, dstr, slopes, part_m, part_total, part_acc):
+def _split_unit(
+    q,
+    k,
+    v,
+    group_heads,
+    unit,
+    nsplit,
+    dims,
+    opts,
+    fopts,
+    bias,
+    bstr,
+    mask,
+    mstr,
+    drop,
+    dstr,
+    slopes,
+    part_m,
+    part_total,
+    part_acc,
+):
     """One (batch, kv head, key split) of the short-query path: the L rows of every query
     head of the group form one tile, so each key block is loaded once per group."""
     kv_heads, length, keys, dim, vdim = dims[3], dims[2], dims[4], dims[5], dims[6]
@@ -793,9 +911,24 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, bias, bst
         clean = True
         for t in range(group):
             r0 = t * length
-            clean &= _finish_scores(s[r0:r0 + length], length, nc, first_row, c0, b,
-                                    group_heads[g, t], dims, opts, fopts, bias, bstr, mask,
-                                    mstr, slopes, deriv[r0:r0 + length])
+            clean &= _finish_scores(
+                s[r0 : r0 + length],
+                length,
+                nc,
+                first_row,
+                c0,
+                b,
+                group_heads[g, t],
+                dims,
+                opts,
+                fopts,
+                bias,
+                bstr,
+                mask,
+                mstr,
+                slopes,
+                deriv[r0 : r0 + length],
+            )
         for r in range(rows):
             row = s[r]
             prow = p[r]
@@ -822,8 +955,18 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, bias, bst
         if has_drop:
             for t in range(group):
                 r0 = t * length
-                _dropout_weights(p[r0:r0 + length], pd[r0:r0 + length], length, nc, first_row,
-                                 c0, b, group_heads[g, t], drop, dstr)
+                _dropout_weights(
+                    p[r0 : r0 + length],
+                    pd[r0 : r0 + length],
+                    length,
+                    nc,
+                    first_row,
+                    c0,
+                    b,
+                    group_heads[g, t],
+                    drop,
+                    dstr,
+                )
             weights = pd
         if v_finite or (clean and not has_drop):
             _matmul_n(weights, v_blk, nc, rows, epad, acc)
@@ -833,8 +976,10 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, bias, bst
                 for c in range(nc):
                     if s[r, c] == -np.inf:
                         continue
-                    if has_drop and drop[dstr[0] * b + dstr[1] * h + dstr[2] * i +
-                                         dstr[3] * (c0 + c)] == 0:
+                    if (
+                        has_drop
+                        and drop[dstr[0] * b + dstr[1] * h + dstr[2] * i + dstr[3] * (c0 + c)] == 0
+                    ):
                         continue
                     w = weights[r, c]
                     for e in range(vdim):
@@ -848,8 +993,25 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, bias, bst
 
 
 @njit(parallel=True, **_OPTS)
-def _split_forward(q, k, v, group_heads, nsplit, dims, opts, fopts, bias, bstr, mask, mstr,
-                   drop, dstr, slopes, out, lse):
+def _split_forward(
+    q,
+    k,
+    v,
+    group_heads,
+    nsplit,
+    dims,
+    opts,
+    fopts,
+    bias,
+    bstr,
+    mask,
+    mstr,
+    drop,
+    dstr,
+    slopes,
+    out,
+    lse,
+):
     """Short-query forward: key splits of SPLIT_KEYS keys per (batch, kv head) run as
     independent units; their partial (max, sum, accumulator) are then combined per row in
     increasing split order (the split size is fixed, so the order depends on the shapes
@@ -862,8 +1024,27 @@ def _split_forward(q, k, v, group_heads, nsplit, dims, opts, fopts, bias, bstr, 
     part_acc = np.empty((batch, heads, length, nsplit, epad), dt)
     zero = np.zeros(1, dt)
     for unit in prange(batch * kv_heads * nsplit):
-        _split_unit(q, k, v, group_heads, np.int64(unit), nsplit, dims, opts, fopts, bias,
-                    bstr, mask, mstr, drop, dstr, slopes, part_m, part_total, part_acc)
+        _split_unit(
+            q,
+            k,
+            v,
+            group_heads,
+            np.int64(unit),
+            nsplit,
+            dims,
+            opts,
+            fopts,
+            bias,
+            bstr,
+            mask,
+            mstr,
+            drop,
+            dstr,
+            slopes,
+            part_m,
+            part_total,
+            part_acc,
+        )
     keep_scale = fopts[2]
     nan_rows = opts[9] != 0
     for row in prange(batch * heads * length):
@@ -908,8 +1089,9 @@ def _pad(features, width):
 def _padded(features, dtype):
     """:func:`_pad` for a dtype's 64-byte vectors."""
     width = 64 // np.dtype(dtype).itemsize
-    return max(_TILE_VECTORS * width, -(-features // (_TILE_VECTORS * width)) * _TILE_VECTORS
-               * width)
+    return max(
+        _TILE_VECTORS * width, -(-features // (_TILE_VECTORS * width)) * _TILE_VECTORS * width
+    )
 
 
 def _packed_keys(k, v):
@@ -927,9 +1109,32 @@ def _packed_keys(k, v):
 # backward
 # --------------------------------------------------------------------------------------
 @njit(**_OPTS)
-def _backward_unit(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, unit, nchunks,
-                   dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes, dq, dk_part,
-                   dv_part, dbias):
+def _backward_unit(
+    q,
+    kt_pack,
+    k_pack,
+    vt_pack,
+    kv_head,
+    grad_out,
+    lse,
+    delta,
+    unit,
+    nchunks,
+    dims,
+    opts,
+    fopts,
+    bias,
+    bstr,
+    mask,
+    mstr,
+    drop,
+    dstr,
+    slopes,
+    dq,
+    dk_part,
+    dv_part,
+    dbias,
+):
     heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
     nqb = -(-length // BLOCK_Q)
     b = unit // (heads * nchunks)
@@ -988,8 +1193,24 @@ def _backward_unit(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, u
             if plain and _raw_scores_suffice(nr, nc, r0, c0, dims, opts, fopts, BLOCK_K):
                 factor = scale
             else:
-                _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, bias, bstr, mask,
-                               mstr, slopes, deriv)
+                _finish_scores(
+                    s,
+                    nr,
+                    nc,
+                    r0,
+                    c0,
+                    b,
+                    h,
+                    dims,
+                    opts,
+                    fopts,
+                    bias,
+                    bstr,
+                    mask,
+                    mstr,
+                    slopes,
+                    deriv,
+                )
             _matmul_t(do_t, v_t, vdim, rows, BLOCK_K, dp, True)
             for r in range(nr):
                 i = r0 + r
@@ -1036,8 +1257,8 @@ def _backward_unit(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, u
                 for c in range(BLOCK_K):
                     dsrow[c] = dsrow[c] * scale
             _matmul_n(ds, k_blk, nc, rows, dpad, dq_acc)
-            _matmul_t(ds, q_blk, nr, BLOCK_K, dpad, dk_out[c0:c0 + BLOCK_K])
-            _matmul_t(p, do_blk, nr, BLOCK_K, epad, dv_out[c0:c0 + BLOCK_K])
+            _matmul_t(ds, q_blk, nr, BLOCK_K, dpad, dk_out[c0 : c0 + BLOCK_K])
+            _matmul_t(p, do_blk, nr, BLOCK_K, epad, dv_out[c0 : c0 + BLOCK_K])
         for r in range(nr):
             dq[b, h, r0 + r, :] = dq_acc[r, :dim]
 
@@ -1060,14 +1281,59 @@ def _pack_keys_backward(k, v, kt_pack, k_pack, vt_pack):
 
 
 @njit(parallel=True, **_OPTS)
-def _backward_units(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, nchunks, dims,
-                    opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes, dq, dk_part,
-                    dv_part, dbias):
+def _backward_units(
+    q,
+    kt_pack,
+    k_pack,
+    vt_pack,
+    kv_head,
+    grad_out,
+    lse,
+    delta,
+    nchunks,
+    dims,
+    opts,
+    fopts,
+    bias,
+    bstr,
+    mask,
+    mstr,
+    drop,
+    dstr,
+    slopes,
+    dq,
+    dk_part,
+    dv_part,
+    dbias,
+):
     batch, heads = dims[0], dims[1]
     for unit in prange(batch * heads * nchunks):
-        _backward_unit(q, kt_pack, k_pack, vt_pack, kv_head, grad_out, lse, delta, np.int64(unit),
-                       nchunks, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes,
-                       dq, dk_part, dv_part, dbias)
+        _backward_unit(
+            q,
+            kt_pack,
+            k_pack,
+            vt_pack,
+            kv_head,
+            grad_out,
+            lse,
+            delta,
+            np.int64(unit),
+            nchunks,
+            dims,
+            opts,
+            fopts,
+            bias,
+            bstr,
+            mask,
+            mstr,
+            drop,
+            dstr,
+            slopes,
+            dq,
+            dk_part,
+            dv_part,
+            dbias,
+        )
 
 
 def _backward(q, k, v, kv_head, *rest):
@@ -1231,9 +1497,30 @@ def backward(spec, grad_out, grad_lse=None, dtype=None, *, saved=None):
     dv_part = np.empty((batch, heads, nchunks, kpad, epad), dtype)
     dbias = np.zeros((batch, heads, length, keys), dtype) if spec.bias is not None else None
     if length and keys:
-        _backward(q, k, v, kv_head, grad_out, lse, delta, nchunks, dims, opts, fopts, bias,
-                  bstr, mask, mstr, drop, dstr, slopes, dq, dk_part, dv_part,
-                  dbias if dbias is not None else np.zeros((1, 1, 1, 1), dtype))
+        _backward(
+            q,
+            k,
+            v,
+            kv_head,
+            grad_out,
+            lse,
+            delta,
+            nchunks,
+            dims,
+            opts,
+            fopts,
+            bias,
+            bstr,
+            mask,
+            mstr,
+            drop,
+            dstr,
+            slopes,
+            dq,
+            dk_part,
+            dv_part,
+            dbias if dbias is not None else np.zeros((1, 1, 1, 1), dtype),
+        )
     dk = _sum_parts(dk_part, kv_head, kv_heads, keys, dim, length)
     dv = _sum_parts(dv_part, kv_head, kv_heads, keys, vdim, length)
     return dq, dk, dv, dbias

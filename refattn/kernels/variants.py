@@ -82,14 +82,22 @@ import numpy as np
 try:
     from numba import njit, prange
 except ImportError as error:  # pragma: no cover - numba is a core dependency
-    raise ImportError("refattn.kernels.variants needs numba (pip install numba); "
-                      "use backend='numpy' without it") from error
+    raise ImportError(
+        "refattn.kernels.variants needs numba (pip install numba); use backend='numpy' without it"
+    ) from error
 
 from .. import _checks
 from ..masks import check_window, offset_of
 
-__all__ = ["KEY_BLOCK", "ROW_BLOCK", "UNIT_BLOCK", "mgk_attention", "gmm_attention", "mgk_flops",
-           "gmm_flops"]
+__all__ = [
+    "KEY_BLOCK",
+    "ROW_BLOCK",
+    "UNIT_BLOCK",
+    "mgk_attention",
+    "gmm_attention",
+    "mgk_flops",
+    "gmm_flops",
+]
 
 #: Keys per streamed MGK block (the block's R * KEY_BLOCK distances stay in L1).
 KEY_BLOCK = 64
@@ -226,8 +234,28 @@ def _mgk_key_score(dist, first, j, b, two_sigma2, log_pi, norm, hard, use_norm, 
 
 
 @njit(**_OPTS)
-def _mgk_rows(b, i0, i1, q, keys_t, two_sigma2, log_pi, norm, v, bad_q, bad_key, mask, has_mask,
-              causal, left, right, offset, hard, use_norm, out):
+def _mgk_rows(
+    b,
+    i0,
+    i1,
+    q,
+    keys_t,
+    two_sigma2,
+    log_pi,
+    norm,
+    v,
+    bad_q,
+    bad_key,
+    mask,
+    has_mask,
+    causal,
+    left,
+    right,
+    offset,
+    hard,
+    use_norm,
+    out,
+):
     """Rows i0 <= i < i1 of batch element b, one key block at a time for all the rows, so a
     block of keys (and then of values) is loaded once per row block, not once per row. Every
     row still does exactly the operations, in exactly the order, of a row on its own."""
@@ -283,7 +311,7 @@ def _mgk_rows(b, i0, i1, q, keys_t, two_sigma2, log_pi, norm, v, bad_q, bad_key,
                 # a slice indexed from 0: numba then knows no index is negative and emits no
                 # wrap-around select, so LLVM vectorises the lanes (independent components;
                 # each dist[c] still sums d = 0, 1, ... in order, whatever the row grouping)
-                krow = keys_t[b, d, c0:c0 + count]
+                krow = keys_t[b, d, c0 : c0 + count]
                 for c in range(count):
                     k = krow[c]
                     y0, y1, y2, y3 = x0 - k, x1 - k, x2 - k, x3 - k
@@ -300,8 +328,9 @@ def _mgk_rows(b, i0, i1, q, keys_t, two_sigma2, log_pi, norm, v, bad_q, bad_key,
                     if has_mask and not mask[b, i, j]:
                         scores[r, j] = -math.inf
                         continue
-                    scores[r, j] = _mgk_key_score(dist, (j - start) * R, j, b, two_sigma2,
-                                                  log_pi, norm, hard, use_norm, terms)
+                    scores[r, j] = _mgk_key_score(
+                        dist, (j - start) * R, j, b, two_sigma2, log_pi, norm, hard, use_norm, terms
+                    )
     # softmax over the keys and the weighted values (_softmax_mix, value blocks shared by the
     # rows): w_j = exp(s_j - top) / (1 + sum_{j != top} exp(s_j - top)), index order
     top_index = np.full(rows, -1, dtype=np.int64)
@@ -309,7 +338,7 @@ def _mgk_rows(b, i0, i1, q, keys_t, two_sigma2, log_pi, norm, v, bad_q, bad_key,
     total = np.zeros(rows)
     for r in range(rows):
         if live[r]:
-            top_index[r], top[r] = _top(scores[r, lo[r]:hi[r]], hi[r] - lo[r], False)
+            top_index[r], top[r] = _top(scores[r, lo[r] : hi[r]], hi[r] - lo[r], False)
     for j0 in range(block_lo, block_hi, KEY_BLOCK):
         for r in range(rows):
             if top_index[r] < 0:
@@ -335,29 +364,80 @@ def _mgk_rows(b, i0, i1, q, keys_t, two_sigma2, log_pi, norm, v, bad_q, bad_key,
 
 
 @njit(parallel=True, **_OPTS)
-def _mgk_kernel(q, keys_t, two_sigma2, log_pi, norm, v, bad_q, bad_key, mask, has_mask, causal,
-                left, right, offset, hard, use_norm, out):
+def _mgk_kernel(
+    q,
+    keys_t,
+    two_sigma2,
+    log_pi,
+    norm,
+    v,
+    bad_q,
+    bad_key,
+    mask,
+    has_mask,
+    causal,
+    left,
+    right,
+    offset,
+    hard,
+    use_norm,
+    out,
+):
     B, L = q.shape[0], q.shape[1]
     blocks = (L + ROW_BLOCK - 1) // ROW_BLOCK
     for n in prange(B * blocks):  # work units fixed by the shapes alone, never by threads
         b = n // blocks
         i0 = (n - b * blocks) * ROW_BLOCK
-        _mgk_rows(b, i0, min(i0 + ROW_BLOCK, L), q, keys_t, two_sigma2, log_pi, norm, v, bad_q,
-                  bad_key, mask, has_mask, causal, left, right, offset, hard, use_norm, out)
+        _mgk_rows(
+            b,
+            i0,
+            min(i0 + ROW_BLOCK, L),
+            q,
+            keys_t,
+            two_sigma2,
+            log_pi,
+            norm,
+            v,
+            bad_q,
+            bad_key,
+            mask,
+            has_mask,
+            causal,
+            left,
+            right,
+            offset,
+            hard,
+            use_norm,
+            out,
+        )
 
 
 def _flat(x, tail):
     """float64, C-contiguous, writeable, batch flattened: shape (B,) + tail."""
-    return np.array(np.reshape(_checks.as_float64(x), (-1,) + tuple(tail)), dtype=np.float64,
-                    order="C")
+    return np.array(
+        np.reshape(_checks.as_float64(x), (-1,) + tuple(tail)), dtype=np.float64, order="C"
+    )
 
 
 def _clean(x):
     return np.where(np.isfinite(x), x, 0.0)
 
 
-def mgk_attention(q, keys, v, *, log_pi, sigma2, sigma_varies, mode="soft", normalized=False,
-                  mask=None, causal=False, window=None, align="top_left"):
+def mgk_attention(
+    q,
+    keys,
+    v,
+    *,
+    log_pi,
+    sigma2,
+    sigma_varies,
+    mode="soft",
+    normalized=False,
+    mask=None,
+    causal=False,
+    window=None,
+    align="top_left",
+):
     """The Numba kernel of :func:`refattn.mgk.attention` (float64; same semantics).
 
     Called by ``refattn.mgk.attention(..., backend="numba")`` after its validation.
@@ -402,20 +482,36 @@ def mgk_attention(q, keys, v, *, log_pi, sigma2, sigma_varies, mode="soft", norm
     two_sigma2 = _flat(2 * sigma2, (S * R,))
     log_pi = _flat(np.broadcast_to(log_pi, batch + (S, R)), (S * R,))
     use_norm = bool(normalized and sigma_varies)
-    norm = (_flat(D / 2 * np.log(2 * math.pi * sigma2), (S * R,)) if use_norm
-            else np.zeros((1, 1)))
+    norm = _flat(D / 2 * np.log(2 * math.pi * sigma2), (S * R,)) if use_norm else np.zeros((1, 1))
     offset = offset_of(align, L, S)
     left, right = check_window(window) or (None, None)
     if mask is None:
         mask_arr, has_mask = np.ones((1, 1, 1), dtype=np.bool_), False
     else:
-        mask_arr = _checks.broadcast(_checks.bool_array(mask, "mask"), batch + (L, S), "mask",
-                                     "(..., L, S) of q and keys")
+        mask_arr = _checks.broadcast(
+            _checks.bool_array(mask, "mask"), batch + (L, S), "mask", "(..., L, S) of q and keys"
+        )
         mask_arr, has_mask = np.array(mask_arr.reshape(-1, L, S), order="C"), True
     out = np.zeros((q64.shape[0], L, E))
-    _mgk_kernel(_clean(q64), keys_t, two_sigma2, log_pi, norm, _clean(v64), bad_q, bad_key,
-                mask_arr, has_mask, bool(causal), -1 if left is None else left,
-                -1 if right is None else right, offset, mode == "hard", use_norm, out)
+    _mgk_kernel(
+        _clean(q64),
+        keys_t,
+        two_sigma2,
+        log_pi,
+        norm,
+        _clean(v64),
+        bad_q,
+        bad_key,
+        mask_arr,
+        has_mask,
+        bool(causal),
+        -1 if left is None else left,
+        -1 if right is None else right,
+        offset,
+        mode == "hard",
+        use_norm,
+        out,
+    )
     return out.reshape(batch + (L, E))
 
 
@@ -431,8 +527,9 @@ def mgk_flops(L, S, R, D, E, B=1):
 
 
 @njit(**_OPTS)
-def _gmm_query_logits(b, qrow, keys_t, coef_a, add1, half_alpha, add2, magnitude, has_add1,
-                      sub_qq, has_add2, acc, a):
+def _gmm_query_logits(
+    b, qrow, keys_t, coef_a, add1, half_alpha, add2, magnitude, has_add1, sub_qq, has_add2, acc, a
+):
     """a_u of eqs. (14)/(17): coef_a * (||q - xi||^2 or q . xi) [+ add1] [- alpha/2 ||q||^2]
     [+ (D/2) log alpha], the NumPy path's order."""
     D = qrow.shape[0]
@@ -447,7 +544,7 @@ def _gmm_query_logits(b, qrow, keys_t, coef_a, add1, half_alpha, add2, magnitude
             acc[u] = 0.0
         for d in range(D):
             qd = qrow[d]
-            krow = keys_t[b, d, u0:u0 + count]  # slice from 0: vectorisable (see _mgk_row)
+            krow = keys_t[b, d, u0 : u0 + count]  # slice from 0: vectorisable (see _mgk_row)
             if magnitude:
                 for u in range(count):
                     acc[u] += qd * krow[u]
@@ -478,7 +575,7 @@ def _gmm_value_logits(b, vrow, values_t, coef_b, add3, has_add3, a, acc, out):
             acc[u] = 0.0
         for e in range(E):
             ve = vrow[e]
-            mrow = values_t[b, e, u0:u0 + count]
+            mrow = values_t[b, e, u0 : u0 + count]
             for u in range(count):
                 diff = ve - mrow[u]
                 acc[u] += diff * diff
@@ -491,9 +588,37 @@ def _gmm_value_logits(b, vrow, values_t, coef_b, add3, has_add3, a, acc, out):
 
 
 @njit(**_OPTS)
-def _gmm_row(b, i, q, keys_t, values, values_t, coef_a, add1, half_alpha, add2, coef_b, add3,
-             add4, magnitude, has_add1, sub_qq, has_add2, has_add3, has_add4, v_init, has_init,
-             iters, tol, has_tol, want_trace, trace_const, out, trace, done):
+def _gmm_row(
+    b,
+    i,
+    q,
+    keys_t,
+    values,
+    values_t,
+    coef_a,
+    add1,
+    half_alpha,
+    add2,
+    coef_b,
+    add3,
+    add4,
+    magnitude,
+    has_add1,
+    sub_qq,
+    has_add2,
+    has_add3,
+    has_add4,
+    v_init,
+    has_init,
+    iters,
+    tol,
+    has_tol,
+    want_trace,
+    trace_const,
+    out,
+    trace,
+    done,
+):
     S = values.shape[1]
     E = values.shape[2]
     a = np.empty(S)
@@ -501,8 +626,21 @@ def _gmm_row(b, i, q, keys_t, values, values_t, coef_a, add1, half_alpha, add2, 
     acc = np.empty(min(S, UNIT_BLOCK))
     v = np.zeros(E)
     new = np.empty(E)
-    _gmm_query_logits(b, q[b, i], keys_t, coef_a, add1, half_alpha, add2, magnitude, has_add1,
-                      sub_qq, has_add2, acc, a)
+    _gmm_query_logits(
+        b,
+        q[b, i],
+        keys_t,
+        coef_a,
+        add1,
+        half_alpha,
+        add2,
+        magnitude,
+        has_add1,
+        sub_qq,
+        has_add2,
+        acc,
+        a,
+    )
     have_v = has_init
     if has_init:
         for e in range(E):
@@ -538,16 +676,69 @@ def _gmm_row(b, i, q, keys_t, values, values_t, coef_a, add1, half_alpha, add2, 
 
 
 @njit(parallel=True, **_OPTS)
-def _gmm_kernel(q, keys_t, values, values_t, coef_a, add1, half_alpha, add2, coef_b, add3, add4,
-                magnitude, has_add1, sub_qq, has_add2, has_add3, has_add4, v_init, has_init,
-                iters, tol, has_tol, want_trace, trace_const, out, trace, done):
+def _gmm_kernel(
+    q,
+    keys_t,
+    values,
+    values_t,
+    coef_a,
+    add1,
+    half_alpha,
+    add2,
+    coef_b,
+    add3,
+    add4,
+    magnitude,
+    has_add1,
+    sub_qq,
+    has_add2,
+    has_add3,
+    has_add4,
+    v_init,
+    has_init,
+    iters,
+    tol,
+    has_tol,
+    want_trace,
+    trace_const,
+    out,
+    trace,
+    done,
+):
     B, L = q.shape[0], q.shape[1]
     for n in prange(B * L):
         b = n // L
-        _gmm_row(b, n - b * L, q, keys_t, values, values_t, coef_a, add1, half_alpha, add2,
-                 coef_b, add3, add4, magnitude, has_add1, sub_qq, has_add2, has_add3, has_add4,
-                 v_init, has_init, iters, tol, has_tol, want_trace, trace_const, out, trace,
-                 done)
+        _gmm_row(
+            b,
+            n - b * L,
+            q,
+            keys_t,
+            values,
+            values_t,
+            coef_a,
+            add1,
+            half_alpha,
+            add2,
+            coef_b,
+            add3,
+            add4,
+            magnitude,
+            has_add1,
+            sub_qq,
+            has_add2,
+            has_add3,
+            has_add4,
+            v_init,
+            has_init,
+            iters,
+            tol,
+            has_tol,
+            want_trace,
+            trace_const,
+            out,
+            trace,
+            done,
+        )
 
 
 def _per_unit(x, batch, S):
@@ -614,14 +805,40 @@ def gmm_attention(model, v_init, iters, tol, want_trace):
     out = np.empty((B, L, E))
     trace = np.full((B, L, iters) if want_trace else (1, 1, 1), np.nan)
     done = np.zeros((B, L), dtype=np.int64)
-    _gmm_kernel(q64, keys_t, values, values_t, coef_a, add1, half_alpha, add2, coef_b, add3,
-                add4, magnitude, m.kind != "uniform", sub_qq, bool(m.alpha_varies),
-                bool(m.beta_varies), bool(m.beta_varies), init, has_init, int(iters),
-                0.0 if tol is None else float(tol), tol is not None, bool(want_trace),
-                trace_const, out, trace, done)
-    return (out.reshape(batch + (L, E)),
-            trace.reshape(batch + (L, iters)) if want_trace else None,
-            done.reshape(batch + (L,)))
+    _gmm_kernel(
+        q64,
+        keys_t,
+        values,
+        values_t,
+        coef_a,
+        add1,
+        half_alpha,
+        add2,
+        coef_b,
+        add3,
+        add4,
+        magnitude,
+        m.kind != "uniform",
+        sub_qq,
+        bool(m.alpha_varies),
+        bool(m.beta_varies),
+        bool(m.beta_varies),
+        init,
+        has_init,
+        int(iters),
+        0.0 if tol is None else float(tol),
+        tol is not None,
+        bool(want_trace),
+        trace_const,
+        out,
+        trace,
+        done,
+    )
+    return (
+        out.reshape(batch + (L, E)),
+        trace.reshape(batch + (L, iters)) if want_trace else None,
+        done.reshape(batch + (L,)),
+    )
 
 
 def gmm_flops(L, S, D, E, iters, B=1, trace=False, v_init=False):

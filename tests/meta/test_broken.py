@@ -23,11 +23,15 @@ _BUILT: dict = {}  # case name -> Fixture: each exact truth is built once per se
 
 
 def _build(patterns=None, kernel_scale=True):
-    chosen = [case for case in catalogue.suite("default") if case.function == "attention"
-              and (kernel_scale or not case.name.startswith("k-"))]
+    chosen = [
+        case
+        for case in catalogue.suite("default")
+        if case.function == "attention" and (kernel_scale or not case.name.startswith("k-"))
+    ]
     if patterns is not None:
-        chosen = [case for case in chosen
-                  if any(fnmatch.fnmatchcase(case.name, p) for p in patterns)]
+        chosen = [
+            case for case in chosen if any(fnmatch.fnmatchcase(case.name, p) for p in patterns)
+        ]
     for case in chosen:
         if case.name not in _BUILT:
             _BUILT[case.name] = golden.build(case)
@@ -55,8 +59,14 @@ def positive_long_fixture():
     k = rng.standard_normal((1, 1, S, D)).astype(np.float16)
     v = (1 + 0.25 * rng.standard_normal((1, 1, S, E))).astype(np.float16)
     out, lse = attention(q, k, v, precision="exact", return_lse=True)
-    case = Case("positive-long-H1K1-L2S2048-D4E4-f16", ("tests",), "conformance", "float16",
-                Shapes(1, 1, 1, L, S, D, E), description="values around 1, long rows")
+    case = Case(
+        "positive-long-H1K1-L2S2048-D4E4-f16",
+        ("tests",),
+        "conformance",
+        "float16",
+        Shapes(1, 1, 1, L, S, D, E),
+        description="values around 1, long rows",
+    )
     return Fixture(case, {"q": q, "k": k, "v": v}, {}, {"out_f64": out, "lse_f64": lse})
 
 
@@ -73,11 +83,13 @@ def test_broken_implementation_is_caught(name, default_fixtures, positive_long_f
     assert not report.passed, f"{name}: passed {[r.name for r in report.results]}"
     for result in report.results:
         assert result.verdict == "fail", f"{name}: {result.explain()}"
-        assert result.worst is not None and result.worst.error > result.worst.threshold, \
+        assert result.worst is not None and result.worst.error > result.worst.threshold, (
             result.explain()
+        )
         if broken.diagnosis is not None:
-            assert any(broken.diagnosis in d for d in result.diagnosis), \
+            assert any(broken.diagnosis in d for d in result.diagnosis), (
                 f"{name}: expected diagnosis {broken.diagnosis!r}\n{result.explain()}"
+            )
 
 
 @pytest.mark.parametrize("impl_name", ["textbook", "refattn-float64"])

@@ -39,8 +39,10 @@ def test_names_unique_readable_and_seeded():
 
 def test_suites_nested_and_sized():
     smoke, default, full = (catalogue.suite(s) for s in ("smoke", "default", "full"))
-    for small, big, label in ((smoke, default, "smoke in default"),
-                              (default, full, "default in full")):
+    for small, big, label in (
+        (smoke, default, "smoke in default"),
+        (default, full, "default in full"),
+    ):
         missing = {c.name for c in small} - {c.name for c in big}
         assert not missing, f"{label}: {sorted(missing)}"
     assert len(smoke) < len(default) < len(full), (len(smoke), len(default), len(full))
@@ -64,8 +66,7 @@ def test_spec_round_trip():
 def test_every_option_covered_in_default(dtype, default_suite, default_inputs):
     """Validation runs one dtype at a time, so every dtype must exercise every option."""
     fp8_only = () if dtype in FP8_TRUTH_DTYPES else FP8_OPTIONS
-    used: dict[str, set] = {name: set() for name in catalogue.OPTION_NAMES
-                            if name not in fp8_only}
+    used: dict[str, set] = {name: set() for name in catalogue.OPTION_NAMES if name not in fp8_only}
     for case in (c for c in default_suite if c.dtype == dtype):
         for name, value in case.options.items():
             used[name].add(json.dumps(value))
@@ -74,10 +75,12 @@ def test_every_option_covered_in_default(dtype, default_suite, default_inputs):
                 used[name].add("array")
     missing = [name for name, values in used.items() if not values]
     assert not missing, f"{dtype}: options never exercised by the default suite: {missing}"
-    for name, wanted in (("align", {'"top_left"', '"bottom_right"'}),
-                         ("gqa", {'"interleave"', '"tile"'}),
-                         ("empty_rows", {'"zero"', '"nan"'}),
-                         ("window", {"[3, 2]", "[4, null]", "[null, 1]"})):
+    for name, wanted in (
+        ("align", {'"top_left"', '"bottom_right"'}),
+        ("gqa", {'"interleave"', '"tile"'}),
+        ("empty_rows", {'"zero"', '"nan"'}),
+        ("window", {"[3, 2]", "[4, null]", "[null, 1]"}),
+    ):
         assert wanted <= used[name], f"{dtype}: {name} covers {used[name]}, wants {wanted}"
 
 
@@ -92,15 +95,19 @@ def test_default_covers_shapes_dtypes_inputs(default_suite):
         "decode (L = 1)": any(s.L == 1 for s in shapes),
         "S >= 4096": any(s.S >= 4096 for s in shapes),
         "batch > 1": any(s.batch > 1 for s in shapes),
-        "causal both aligns": {c.options.get("align") for c in default_suite
-                               if c.options.get("causal")} >= {"top_left", "bottom_right"},
+        "causal both aligns": {
+            c.options.get("align") for c in default_suite if c.options.get("causal")
+        }
+        >= {"top_left", "bottom_right"},
         "all dtypes": {c.dtype for c in default_suite} == set(catalogue.DTYPES),
         "both categories": {c.category for c in default_suite} == set(catalogue.CATEGORIES),
         "gradients": any(c.grads for c in default_suite),
         "adversarial kinds": {c.recipe.get("qkv") for c in default_suite}
         >= {"gap", "ties", "ascending", "descending", "cancel"},
-        "Gaussian scales": len({c.recipe.get("sigma") for c in default_suite
-                                if c.recipe.get("qkv") == "gaussian"}) >= 3,
+        "Gaussian scales": len(
+            {c.recipe.get("sigma") for c in default_suite if c.recipe.get("qkv") == "gaussian"}
+        )
+        >= 3,
         "masks": {c.recipe.get("mask") for c in default_suite}
         >= {"padding", "random", "empty-rows"},
         "poison kinds": {c.recipe.get("poison") for c in default_suite} >= {"nan", "inf"},
@@ -114,8 +121,11 @@ def test_inputs_shapes_and_dtypes(default_suite, default_inputs):
     for case in default_suite:
         n = case.shapes
         inputs = default_inputs[case.name]
-        expected = {"q": (n.batch, n.H, n.L, n.D), "k": (n.batch, n.K, n.S, n.D),
-                    "v": (n.batch, n.K, n.S, n.E)}
+        expected = {
+            "q": (n.batch, n.H, n.L, n.D),
+            "k": (n.batch, n.K, n.S, n.D),
+            "v": (n.batch, n.K, n.S, n.E),
+        }
         fp8 = case.recipe.get("fp8")
         input_dtype = FP8_DTYPES[fp8] if fp8 else case.dtype
         for name, shape in expected.items():
@@ -142,28 +152,36 @@ def test_default_covers_new_options(default_suite, default_inputs):
     """sinks (empty rows, causal bottom_right, GQA, gradients), kv_lengths (ragged, both
     alignments, an empty cache, a window, gradients), both together in a GQA decode, and
     float8 inputs in both formats, in the dtypes the options exist for."""
+
     def having(*names, **where):
-        return [c for c in default_suite
-                if all(n in default_inputs[c.name] for n in names)
-                and all(c.options.get(k) == v for k, v in where.items())]
+        return [
+            c
+            for c in default_suite
+            if all(n in default_inputs[c.name] for n in names)
+            and all(c.options.get(k) == v for k, v in where.items())
+        ]
 
     checks = {
-        "sinks with empty rows": any(c.recipe.get("mask") == "empty-rows"
-                                     for c in having("sinks")),
+        "sinks with empty rows": any(c.recipe.get("mask") == "empty-rows" for c in having("sinks")),
         "sinks causal bottom_right": bool(having("sinks", causal=True, align="bottom_right")),
         "sinks GQA": any(c.shapes.H > c.shapes.K for c in having("sinks")),
         "dsinks": any(c.grads for c in having("sinks")),
-        "kv_lengths ragged": any(len(set(default_inputs[c.name]["kv_lengths"].tolist())) > 1
-                                 for c in having("kv_lengths")),
+        "kv_lengths ragged": any(
+            len(set(default_inputs[c.name]["kv_lengths"].tolist())) > 1
+            for c in having("kv_lengths")
+        ),
         "kv_lengths top_left causal": bool(having("kv_lengths", causal=True, align="top_left")),
-        "kv_lengths bottom_right causal": bool(having("kv_lengths", causal=True,
-                                                      align="bottom_right")),
-        "kv_lengths 0": any(0 in default_inputs[c.name]["kv_lengths"].tolist()
-                            for c in having("kv_lengths")),
+        "kv_lengths bottom_right causal": bool(
+            having("kv_lengths", causal=True, align="bottom_right")
+        ),
+        "kv_lengths 0": any(
+            0 in default_inputs[c.name]["kv_lengths"].tolist() for c in having("kv_lengths")
+        ),
         "kv_lengths window": any(c.options.get("window") for c in having("kv_lengths")),
         "kv_lengths gradients": any(c.grads for c in having("kv_lengths")),
-        "gpt-oss decode": any(c.shapes.L == 1 and c.shapes.H > c.shapes.K
-                              for c in having("sinks", "kv_lengths")),
+        "gpt-oss decode": any(
+            c.shapes.L == 1 and c.shapes.H > c.shapes.K for c in having("sinks", "kv_lengths")
+        ),
         "fp8 formats": {c.recipe.get("fp8") for c in default_suite} - {None} == set(FP8_DTYPES),
     }
     missing = [what for what, ok in checks.items() if not ok]
@@ -187,11 +205,24 @@ def test_inputs_deterministic():
 # Bernoulli thresholds, rounding to the dtype). They are independent of NumPy's Generator
 # algorithms; a change here changes every fixture's inputs and must bump the schema.
 _PINNED_CASE = Case(
-    name="pinned", suites=("full",), category="conformance", dtype="bfloat16",
-    shapes=Shapes(2, 2, 1, 3, 5, 4, 3), options={"dropout_p": 0.25, "causal": True},
-    recipe={"qkv": "gaussian", "sigma": 2.0, "mask": "padding", "bias": "gaussian",
-            "dropout": True, "alibi": True, "poison": "nan", "grad_lse": True},
-    seed=20261122, grads=True,
+    name="pinned",
+    suites=("full",),
+    category="conformance",
+    dtype="bfloat16",
+    shapes=Shapes(2, 2, 1, 3, 5, 4, 3),
+    options={"dropout_p": 0.25, "causal": True},
+    recipe={
+        "qkv": "gaussian",
+        "sigma": 2.0,
+        "mask": "padding",
+        "bias": "gaussian",
+        "dropout": True,
+        "alibi": True,
+        "poison": "nan",
+        "grad_lse": True,
+    },
+    seed=20261122,
+    grads=True,
 )
 _PINNED_RAW = "029ea546113180fe066d4f43bfe140077af073db8ac85f5f9b3c288ca6c4c73f"
 _PINNED_INPUTS = "504b0426a9063978ce06e9171d061f20c3143775ed1a6c8bfea21f0a36b1c7ae"
@@ -211,7 +242,8 @@ def test_raw_stream_golden_hash():
     normal = seeding.gaussian(seeding.stream_key(7, "q"), (16,))
     digest = hashlib.sha256(words.astype("<u8").tobytes() + normal.astype("<f8").tobytes())
     assert digest.hexdigest() == _PINNED_RAW, (
-        f"SplitMix64/Irwin-Hall stream changed: sha256 {digest.hexdigest()} != {_PINNED_RAW}")
+        f"SplitMix64/Irwin-Hall stream changed: sha256 {digest.hexdigest()} != {_PINNED_RAW}"
+    )
 
 
 def test_inputs_golden_hash(monkeypatch):
@@ -229,7 +261,10 @@ def test_splitmix64_reference_values():
     # SplitMix64 of state 0 (Steele, Lea & Flood 2014; the reference C code's first outputs)
     words = seeding.raw(0, 3)
     assert [int(w) for w in words] == [
-        0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F], [hex(int(w)) for w in words]
+        0xE220A8397B1DCDAF,
+        0x6E789E6AA1B965F4,
+        0x06C45D188009454F,
+    ], [hex(int(w)) for w in words]
 
 
 def test_gaussian_moments():
@@ -249,8 +284,10 @@ def _scores(case, inputs):
     return scale * np.einsum("bhld,bhsd->bhls", q, np.repeat(k, group, axis=1))
 
 
-@pytest.mark.parametrize("name", ["gap-H2K2-L24S40-D32E32-f16", "gap-H2K2-L24S40-D32E32-bf16",
-                                  "grad-gap-H2K2-L8S12-D16E16-f64"])
+@pytest.mark.parametrize(
+    "name",
+    ["gap-H2K2-L24S40-D32E32-f16", "gap-H2K2-L24S40-D32E32-bf16", "grad-gap-H2K2-L8S12-D16E16-f64"],
+)
 def test_gap_exceeds_40(name):
     case = catalogue.get(name)
     top2 = np.sort(_scores(case, catalogue.make_inputs(case)), axis=-1)[..., -2:]
@@ -310,9 +347,16 @@ def test_poison_only_where_excluded(default_suite):
 
 
 def test_register_suite_extension_point():
-    extra = Case(name="variant-demo", suites=("variants",), category="conformance",
-                 dtype="float64", shapes=Shapes(1, 1, 1, 2, 3, 4, 4), seed=1,
-                 recipe={"qkv": "gaussian"}, function="gmm_attention")
+    extra = Case(
+        name="variant-demo",
+        suites=("variants",),
+        category="conformance",
+        dtype="float64",
+        shapes=Shapes(1, 1, 1, 2, 3, 4, 4),
+        seed=1,
+        recipe={"qkv": "gaussian"},
+        function="gmm_attention",
+    )
     catalogue.register_suite("variants", lambda: [extra])
     try:
         assert catalogue.suite("variants") == [extra]
@@ -338,7 +382,7 @@ def test_suite_names_lists_registered_suites():
     from oracle import catalogue
 
     names = catalogue.suite_names()
-    assert names[:len(catalogue.SUITES)] == list(catalogue.SUITES)
+    assert names[: len(catalogue.SUITES)] == list(catalogue.SUITES)
     assert "variants-default" in names and "variants-smoke" in names
     for name in names:
         assert catalogue.suite(name), name
@@ -355,8 +399,9 @@ def test_kernel_suite_cases():
     in_default = [c for c in kernel if c.name in default]
     assert in_default and len(in_default) < len(kernel)
     assert all(c.shapes.S < 16384 for c in in_default)
-    assert {c.name for c in catalogue.suite("default") if c.name.startswith("k-")} <= \
-        {c.name for c in kernel}
+    assert {c.name for c in catalogue.suite("default") if c.name.startswith("k-")} <= {
+        c.name for c in kernel
+    }
     per_dtype = {d: sum(c.dtype == d for c in in_default) for d in catalogue.DTYPES}
     assert per_dtype["float64"] == per_dtype["float32"] >= 20, per_dtype
     assert per_dtype["float16"] == per_dtype["bfloat16"] > per_dtype["float32"], per_dtype
@@ -371,8 +416,11 @@ def test_kernel_suite_cases():
 
 @pytest.mark.parametrize("recipe", ["outlier", "sink", "late-max", "offset"])
 def test_kernel_distributions(recipe):
-    case = next(c for c in catalogue.suite("kernel")
-                if c.recipe.get("qkv") == recipe and c.dtype == "float32")
+    case = next(
+        c
+        for c in catalogue.suite("kernel")
+        if c.recipe.get("qkv") == recipe and c.dtype == "float32"
+    )
     inputs = catalogue.make_inputs(case)
     again = catalogue.make_inputs(case)
     assert all(np.array_equal(inputs[n], again[n]) for n in inputs)

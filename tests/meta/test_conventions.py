@@ -14,19 +14,37 @@ from oracle.validate import validate
 pytest.importorskip("torch")
 pytestmark = pytest.mark.peers
 
-LAYOUT_IMPLS = {"bhld": "tests.convention_impls:attention_bhld",
-                "blhd": "tests.convention_impls:flash_attn_func",
-                "packed": "tests.convention_impls:flash_attn_varlen_func",
-                "paged": "tests.convention_impls:flash_attn_with_kvcache"}
-CASES = ["basic-*", "causal-tl-*", "gqa-interleave-*", "mqa-interleave-*", "long-*",
-         "decode-*", "batch-*", "mask-padding-*"]
+LAYOUT_IMPLS = {
+    "bhld": "tests.convention_impls:attention_bhld",
+    "blhd": "tests.convention_impls:flash_attn_func",
+    "packed": "tests.convention_impls:flash_attn_varlen_func",
+    "paged": "tests.convention_impls:flash_attn_with_kvcache",
+}
+CASES = [
+    "basic-*",
+    "causal-tl-*",
+    "gqa-interleave-*",
+    "mqa-interleave-*",
+    "long-*",
+    "decode-*",
+    "batch-*",
+    "mask-padding-*",
+]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUT_IMPLS))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_torch_function_in_each_layout_passes(layout, dtype):
-    report = validate(LAYOUT_IMPLS[layout], suite="default", dtype=dtype, cases=CASES,
-                      framework="torch", layout=layout, progress=False, isolate=False)
+    report = validate(
+        LAYOUT_IMPLS[layout],
+        suite="default",
+        dtype=dtype,
+        cases=CASES,
+        framework="torch",
+        layout=layout,
+        progress=False,
+        isolate=False,
+    )
     verdicts = {r.name: r.verdict for r in report.results}
     assert report.passed, [r.explain() for r in report.failures]
     judged = [n for n, v in verdicts.items() if v == "pass"]
@@ -36,19 +54,34 @@ def test_torch_function_in_each_layout_passes(layout, dtype):
 
 
 def test_paged_kernel_ignoring_the_block_table_fails():
-    report = validate("tests.convention_impls:paged_ignoring_table", suite="default",
-                      dtype="float32", cases=["basic-*", "batch-*"], framework="torch",
-                      layout="paged", progress=False, isolate=False)
+    report = validate(
+        "tests.convention_impls:paged_ignoring_table",
+        suite="default",
+        dtype="float32",
+        cases=["basic-*", "batch-*"],
+        framework="torch",
+        layout="paged",
+        progress=False,
+        isolate=False,
+    )
     assert not report.passed
 
 
-@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
-                                   ml_dtypes.float8_e5m2, np.float16, np.float64])
+@pytest.mark.parametrize(
+    "dtype",
+    [ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, np.float16, np.float64],
+)
 def test_bits_round_trip_through_torch(dtype):
-    bits = np.arange(256, dtype=np.uint8) if np.dtype(dtype).itemsize == 1 else \
-        np.arange(-2**15, 2**15, 97, dtype=np.int64)
-    values = (bits.astype(np.uint8) if np.dtype(dtype).itemsize == 1 else
-              bits.astype(np.dtype(f"i{np.dtype(dtype).itemsize}"))).view(dtype)
+    bits = (
+        np.arange(256, dtype=np.uint8)
+        if np.dtype(dtype).itemsize == 1
+        else np.arange(-(2**15), 2**15, 97, dtype=np.int64)
+    )
+    values = (
+        bits.astype(np.uint8)
+        if np.dtype(dtype).itemsize == 1
+        else bits.astype(np.dtype(f"i{np.dtype(dtype).itemsize}"))
+    ).view(dtype)
     values = values.reshape(1, 1, -1, 1)
     echo = wrap(lambda q, k, v, **_: q, framework="torch")
     back = echo(values, values, values)
@@ -57,8 +90,22 @@ def test_bits_round_trip_through_torch(dtype):
 
 
 def test_cli_framework_and_layout(capsys):
-    code = main(["validate", "--impl", LAYOUT_IMPLS["blhd"], "--suite", "smoke", "--dtype",
-                 "float32", "--framework", "torch", "--layout", "blhd", "--quiet"])
+    code = main(
+        [
+            "validate",
+            "--impl",
+            LAYOUT_IMPLS["blhd"],
+            "--suite",
+            "smoke",
+            "--dtype",
+            "float32",
+            "--framework",
+            "torch",
+            "--layout",
+            "blhd",
+            "--quiet",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
 
@@ -73,9 +120,16 @@ def test_bad_convention_names_the_argument():
 
 def test_jax_function_in_its_own_layout():
     pytest.importorskip("jax")
-    report = validate("tests.convention_impls:jax_dot_product_attention", suite="default",
-                      dtype="float32", cases=["basic-*", "causal-tl-*", "gqa-interleave-*"],
-                      framework="jax", layout="blhd", progress=False, isolate=False)
+    report = validate(
+        "tests.convention_impls:jax_dot_product_attention",
+        suite="default",
+        dtype="float32",
+        cases=["basic-*", "causal-tl-*", "gqa-interleave-*"],
+        framework="jax",
+        layout="blhd",
+        progress=False,
+        isolate=False,
+    )
     assert report.passed, [r.explain() for r in report.failures]
     assert sum(r.verdict == "pass" for r in report.results) >= 3
 
@@ -84,10 +138,28 @@ def test_pytest_plugin_takes_the_convention():
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "oracle", "-q",
-                          "-p", "no:cacheprovider", "--refattn-impl",
-                          LAYOUT_IMPLS["packed"], "--refattn-layout", "packed",
-                          "--refattn-framework", "torch", "--refattn-dtype", "float32"],
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--pyargs",
+            "oracle",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--refattn-impl",
+            LAYOUT_IMPLS["packed"],
+            "--refattn-layout",
+            "packed",
+            "--refattn-framework",
+            "torch",
+            "--refattn-dtype",
+            "float32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert " passed" in run.stdout

@@ -22,18 +22,40 @@ BLOCK_CASES = [
 
 def _case(tag, shapes, options=None, recipe=None, grads=False, dtype="float32"):
     name = f"dist-{tag}-{shapes.tag()}-{dtype}"
-    return Case(name, ("test",), "conformance", dtype, shapes, options or {}, recipe or {},
-                seed=seed_of(name), grads=grads)
+    return Case(
+        name,
+        ("test",),
+        "conformance",
+        dtype,
+        shapes,
+        options or {},
+        recipe or {},
+        seed=seed_of(name),
+        grads=grads,
+    )
 
 
 SYNTHETIC = [
-    _case("gqa-tile-alibi", Shapes(2, 4, 2, 5, 7, 8, 6),
-          {"gqa": "tile", "causal": True, "align": "bottom_right"}, {"alibi": True}),
-    _case("gqa-mask-bias", Shapes(2, 4, 1, 6, 9, 4, 4), {"window": (2, 1)},
-          {"mask": "padding", "bias": "gaussian"}),
+    _case(
+        "gqa-tile-alibi",
+        Shapes(2, 4, 2, 5, 7, 8, 6),
+        {"gqa": "tile", "causal": True, "align": "bottom_right"},
+        {"alibi": True},
+    ),
+    _case(
+        "gqa-mask-bias",
+        Shapes(2, 4, 1, 6, 9, 4, 4),
+        {"window": (2, 1)},
+        {"mask": "padding", "bias": "gaussian"},
+    ),
     _case("dropout", Shapes(2, 2, 2, 4, 6, 4, 4), {"dropout_p": 0.25}, {"dropout": True}),
-    _case("grads", Shapes(3, 4, 2, 5, 6, 4, 4), {"causal": True},
-          {"bias": "gaussian", "grad_lse": True}, grads=True),
+    _case(
+        "grads",
+        Shapes(3, 4, 2, 5, 6, 4, 4),
+        {"causal": True},
+        {"bias": "gaussian", "grad_lse": True},
+        grads=True,
+    ),
 ]
 
 
@@ -54,8 +76,10 @@ def test_blocks_reassemble_bit_identically(case, monkeypatch):
     if case.grads:
         assert all(h is None for _, h in blocks)  # dk, dv sum over the heads of a group
     parts = [distribute.block_truth(case.spec_json(), block)["truth"] for block in blocks]
-    _same_truth(golden.TRUTH_BUILDERS["attention"](case, inputs),
-                distribute.assemble(case, blocks, parts, inputs))
+    _same_truth(
+        golden.TRUTH_BUILDERS["attention"](case, inputs),
+        distribute.assemble(case, blocks, parts, inputs),
+    )
 
 
 def test_broadcast_batch_is_not_split_for_gradients(monkeypatch):
@@ -80,8 +104,9 @@ def _manifest_files(directory: Path) -> dict:
 def cluster():
     distributed = pytest.importorskip("distributed")
     # ":0": a free port for the scheduler's HTTP server (8787 may be taken by another cluster)
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                  dashboard_address=":0") as local:
+    with distributed.LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+    ) as local:
         yield local
 
 
@@ -92,8 +117,13 @@ def test_dask_generation_is_byte_identical(cluster, tmp_path, monkeypatch):
     cases = [c for c in catalogue.suite("smoke")] + [catalogue.get(BLOCK_CASES[0])]
     local = golden.generate("mixed", tmp_path / "local", cases=cases, progress=False)
     with distributed.Client(cluster) as client:
-        remote = golden.generate("mixed", tmp_path / "dask", cases=cases, progress=False,
-                                 runner=distribute.dask_runner(None, client=client))
+        remote = golden.generate(
+            "mixed",
+            tmp_path / "dask",
+            cases=cases,
+            progress=False,
+            runner=distribute.dask_runner(None, client=client),
+        )
     assert _manifest_files(local) == _manifest_files(remote)
     assert (local / golden.MANIFEST).read_bytes() == (remote / golden.MANIFEST).read_bytes()
     assert golden.verify(remote) == []
@@ -102,13 +132,40 @@ def test_dask_generation_is_byte_identical(cluster, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_cli_dask_executor(cluster, tmp_path, capsys):
     out = tmp_path / "fixtures"
-    code = main(["generate", "--suite", "smoke", "--out", str(out), "--quiet",
-                 "--executor", "dask", "--scheduler", cluster.scheduler_address])
+    code = main(
+        [
+            "generate",
+            "--suite",
+            "smoke",
+            "--out",
+            str(out),
+            "--quiet",
+            "--executor",
+            "dask",
+            "--scheduler",
+            cluster.scheduler_address,
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     assert golden.verify(out) == []
-    code = main(["validate", "--adapter", "refattn-float64", "--impl",
-                 "tests.broken_impls:missing_scale", "--suite", "smoke", "--dtype", "float32",
-                 "--quiet", "--executor", "dask", "--scheduler", cluster.scheduler_address])
+    code = main(
+        [
+            "validate",
+            "--adapter",
+            "refattn-float64",
+            "--impl",
+            "tests.broken_impls:missing_scale",
+            "--suite",
+            "smoke",
+            "--dtype",
+            "float32",
+            "--quiet",
+            "--executor",
+            "dask",
+            "--scheduler",
+            cluster.scheduler_address,
+        ]
+    )
     text = capsys.readouterr().out
     assert code == 1  # the broken implementation fails, the other passes
     assert text.count("no failures") == 1
@@ -120,19 +177,26 @@ def test_validate_many_merges_reports(cluster):
 
     with distributed.Client(cluster) as client:
         reports = distribute.validate_many(
-            ["refattn-float64", "tests.broken_impls:missing_scale"], client=client,
-            suite="smoke", dtype="float32", cases="basic-*")
+            ["refattn-float64", "tests.broken_impls:missing_scale"],
+            client=client,
+            suite="smoke",
+            dtype="float32",
+            cases="basic-*",
+        )
     good, bad = reports["refattn-float64"], reports["tests.broken_impls:missing_scale"]
     assert good.passed and [r.verdict for r in good.results] == ["pass"] * len(good.results)
     assert not bad.passed and {r.verdict for r in bad.results} == {"fail"}
     assert [r.name for r in good.results] == [r.name for r in bad.results]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["generate", "--suite", "smoke", "--out", "x", "--executor", "dask"], "--scheduler"),
-    (["generate", "--suite", "smoke", "--out", "x", "--scheduler", "tcp://h:1"], "only with"),
-    (["validate", "--suite", "smoke"], "--adapter NAME"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "--suite", "smoke", "--out", "x", "--executor", "dask"], "--scheduler"),
+        (["generate", "--suite", "smoke", "--out", "x", "--scheduler", "tcp://h:1"], "only with"),
+        (["validate", "--suite", "smoke"], "--adapter NAME"),
+    ],
+)
 def test_executor_usage_errors(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
@@ -140,10 +204,21 @@ def test_executor_usage_errors(argv, message, capsys):
 
 def test_unreachable_scheduler_is_one_line(tmp_path, capsys):
     pytest.importorskip("distributed")
-    code = main(["generate", "--suite", "smoke", "--out", str(tmp_path / "f"), "--quiet",
-                 "--executor", "dask", "--scheduler", "tcp://127.0.0.1:9"])
+    code = main(
+        [
+            "generate",
+            "--suite",
+            "smoke",
+            "--out",
+            str(tmp_path / "f"),
+            "--quiet",
+            "--executor",
+            "dask",
+            "--scheduler",
+            "tcp://127.0.0.1:9",
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err
-    assert err.startswith("refattn-oracle: error: scheduler: cannot reach") and \
-        err.count("\n") == 1
+    assert err.startswith("refattn-oracle: error: scheduler: cannot reach") and err.count("\n") == 1
     assert not np.any([p.suffix == ".npz" for p in (tmp_path / "f").glob("*")])

@@ -36,9 +36,32 @@ from oracle import cli, golden
 pytestmark = pytest.mark.fuzz
 
 _CASES = ("basic-H2K2-L5S7-D8E8-f32", "basic-H2K2-L5S7-D8E8-f64")
-_BAD_VALUES = (5, None, 12, "x", True, False, [], {}, 1.5, -1, "", 2**70, ["x"], {"a": 1},
-               "../x.npz", "/etc/passwd", "../../../outside/x.npz", "a/b.npz", "..", ".",
-               "x\\y.npz", "nul\0.npz", "manifest.json", "\u00e9.npz")
+_BAD_VALUES = (
+    5,
+    None,
+    12,
+    "x",
+    True,
+    False,
+    [],
+    {},
+    1.5,
+    -1,
+    "",
+    2**70,
+    ["x"],
+    {"a": 1},
+    "../x.npz",
+    "/etc/passwd",
+    "../../../outside/x.npz",
+    "a/b.npz",
+    "..",
+    ".",
+    "x\\y.npz",
+    "nul\0.npz",
+    "manifest.json",
+    "\u00e9.npz",
+)
 _TOP_KEYS = ("schema_version", "generator", "refattn_version", "suite", "truth_kind", "cases")
 _ENTRY_KEYS = ("name", "spec", "seed", "dtype", "category", "file", "sha256", "truth_kind")
 _ROOT = Path(__file__).resolve().parents[2]
@@ -136,27 +159,34 @@ def _mutations():
         for value in _BAD_VALUES:
             yield f"{key}={value!r}", lambda m, key=key, value=value: {**m, key: value}
     for key in _ENTRY_KEYS:
+
         def drop(m, key=key):
             m["cases"][0].pop(key)
             return m
+
         yield f"cases[0] drop {key}", drop
         for value in _BAD_VALUES:
+
             def put(m, key=key, value=value):
                 m["cases"][0][key] = value
                 return m
+
             yield f"cases[0].{key}={value!r}", put
     for key in ("name", "dtype", "shapes", "options", "seed", "suites", "category"):
         for value in _BAD_VALUES[:14]:
+
             def spec(m, key=key, value=value):
                 m["cases"][0]["spec"][key] = value
                 return m
+
             yield f"spec.{key}={value!r}", spec
     for value in (5, None, "x", True, [], [5], [None]):
         yield f"manifest={value!r}", lambda m, value=value: value
     yield "duplicate entry", lambda m: {**m, "cases": [m["cases"][0], *m["cases"]]}
-    yield "duplicate file", lambda m: {**m, "cases": [m["cases"][0],
-                                                      {**m["cases"][1],
-                                                       "file": m["cases"][0]["file"]}]}
+    yield (
+        "duplicate file",
+        lambda m: {**m, "cases": [m["cases"][0], {**m["cases"][1], "file": m["cases"][0]["file"]}]},
+    )
     yield "no cases", lambda m: {**m, "cases": []}
 
 
@@ -180,7 +210,7 @@ def test_fuzz_random_manifest_bytes(tmp_path, reference):
         directory = _fresh(reference, tmp_path / "d")
         if index % 3 == 0:
             cut = rng.randrange(len(text))
-            new = text[:cut] + text[cut + 1:] if index % 2 else text[:cut]
+            new = text[:cut] + text[cut + 1 :] if index % 2 else text[:cut]
         elif index % 3 == 1:
             chars = list(text)
             for _ in range(rng.randint(1, 4)):
@@ -226,8 +256,15 @@ def test_fuzz_fixture_files(tmp_path, reference):
     good = (reference / f"{_CASES[0]}.npz").read_bytes()
     (outside / "x.npz").write_bytes(good)
     tries = []
-    for target in ("../outside/x.npz", str(outside / "x.npz"), "/etc/passwd",
-                   "../../../outside/x.npz", "sub/x.npz", "..", "/dev/null"):
+    for target in (
+        "../outside/x.npz",
+        str(outside / "x.npz"),
+        "/etc/passwd",
+        "../../../outside/x.npz",
+        "sub/x.npz",
+        "..",
+        "/dev/null",
+    ):
         tries.append((f"file={target}", lambda d, t=target: _set_file(d, 0, file_name=t)))
 
     def symlink_file(d):
@@ -292,9 +329,11 @@ def test_fuzz_fixture_files(tmp_path, reference):
 # writers: destinations, flags, lock, deletions, modes
 # ---------------------------------------------------------------------------------------------
 
+
 def _listing(directory: Path) -> dict[str, bytes]:
-    return {p.name: (p.read_bytes() if p.is_file() else b"<dir>")
-            for p in sorted(directory.iterdir())}
+    return {
+        p.name: (p.read_bytes() if p.is_file() else b"<dir>") for p in sorted(directory.iterdir())
+    }
 
 
 def test_fuzz_bad_destinations_and_flags(tmp_path, monkeypatch):
@@ -366,8 +405,13 @@ def test_fuzz_failing_disk(tmp_path, monkeypatch, failure):
 
 def test_fuzz_user_files_survive_and_modes_follow_umask(tmp_path):
     tally = collections.Counter()
-    user_files = {".user.tmp": b"1", ".basic-H2K2-L5S7-D8E8-f32.npz.abc.tmp": b"2",
-                  "notes.txt": b"3", "user.npz": b"4", ".refattn-1-abc.txt": b"5"}
+    user_files = {
+        ".user.tmp": b"1",
+        ".basic-H2K2-L5S7-D8E8-f32.npz.abc.tmp": b"2",
+        "notes.txt": b"3",
+        "user.npz": b"4",
+        ".refattn-1-abc.txt": b"5",
+    }
     chosen = [cases.get(_CASES[0])]
     for mask in (0o022, 0o002, 0o077, 0o027, 0o000):
         out = tmp_path / f"umask-{mask:03o}"
@@ -400,8 +444,13 @@ def test_fuzz_manifest_cannot_make_generate_delete_user_files(tmp_path, referenc
     """A planted manifest naming user files (outside, absolute, renamed) deletes nothing."""
     tally = collections.Counter()
     victim_outside = tmp_path / "victim.npz"
-    for target in ("../victim.npz", str(victim_outside), "notes.npz", "user.npz",
-                   f"../{tmp_path.name}/victim.npz"):
+    for target in (
+        "../victim.npz",
+        str(victim_outside),
+        "notes.npz",
+        "user.npz",
+        f"../{tmp_path.name}/victim.npz",
+    ):
         directory = _fresh(reference, tmp_path / "d")
         victim_outside.write_text("outside")
         (directory / "notes.npz").write_text("inside")
@@ -410,8 +459,11 @@ def test_fuzz_manifest_cannot_make_generate_delete_user_files(tmp_path, referenc
         manifest["cases"].append({**manifest["cases"][0], "name": "planted", "file": target})
         _write_manifest(directory, manifest)
         golden.generate("smoke", directory, cases=[cases.get(_CASES[0])], progress=False)
-        lost = [p for p in (victim_outside, directory / "notes.npz", directory / "user.npz")
-                if not p.exists()]
+        lost = [
+            p
+            for p in (victim_outside, directory / "notes.npz", directory / "user.npz")
+            if not p.exists()
+        ]
         tally[f"BAD deleted {lost} [{target}]" if lost else "nothing deleted"] += 1
     _tally_ok(tally, "planted manifests")
 
@@ -442,10 +494,28 @@ def test_fuzz_two_concurrent_generate_processes(tmp_path):
     """Two writers into one directory with different dtypes: no unlisted file at the end."""
     out = tmp_path / "race"
     env = {**os.environ, "PYTHONPATH": str(_ROOT)}
-    commands = [[sys.executable, "-m", "oracle.cli", "generate", "--suite", "smoke", "--quiet",
-                 "--out", str(out), "--dtype", dtype] for dtype in ("float32", "float64")]
-    procs = [subprocess.Popen(c, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for c in commands]
+    commands = [
+        [
+            sys.executable,
+            "-m",
+            "oracle.cli",
+            "generate",
+            "--suite",
+            "smoke",
+            "--quiet",
+            "--out",
+            str(out),
+            "--dtype",
+            dtype,
+        ]
+        for dtype in ("float32", "float64")
+    ]
+    procs = [
+        subprocess.Popen(
+            c, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for c in commands
+    ]
     results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
     for p in procs:
         p.stdout.close()
@@ -469,9 +539,23 @@ def test_fuzz_two_concurrent_generate_processes(tmp_path):
 # validation: nothing passes by accident
 # ---------------------------------------------------------------------------------------------
 
-_MISBEHAVING = ("calls_sys_exit", "calls_os_exit", "hangs", "segfaults", "eats_memory",
-                "complex_out", "int_out", "object_out", "list_out", "none_out", "scalar_out",
-                "wrong_shape", "empty_tuple", "nan_out", "raises_keyboard_free")
+_MISBEHAVING = (
+    "calls_sys_exit",
+    "calls_os_exit",
+    "hangs",
+    "segfaults",
+    "eats_memory",
+    "complex_out",
+    "int_out",
+    "object_out",
+    "list_out",
+    "none_out",
+    "scalar_out",
+    "wrong_shape",
+    "empty_tuple",
+    "nan_out",
+    "raises_keyboard_free",
+)
 _TIMEOUT = 4.0  # seconds per case for the hanging implementation (bounds the harness)
 
 
@@ -489,10 +573,25 @@ def test_fuzz_misbehaving_implementations(tmp_path):
     tally = collections.Counter()
     for name in _MISBEHAVING:
         start = time.monotonic()
-        code, data = _validate_cli(["--impl", f"fuzz_impls:{name}", "--suite", "smoke",
-                                    "--dtype", "float32", "--case", "BASIC-*",
-                                    "--case", "causal-*", "--timeout", str(_TIMEOUT),
-                                    "--memory-limit", "4096"], tmp_path / "r.json")
+        code, data = _validate_cli(
+            [
+                "--impl",
+                f"fuzz_impls:{name}",
+                "--suite",
+                "smoke",
+                "--dtype",
+                "float32",
+                "--case",
+                "BASIC-*",
+                "--case",
+                "causal-*",
+                "--timeout",
+                str(_TIMEOUT),
+                "--memory-limit",
+                "4096",
+            ],
+            tmp_path / "r.json",
+        )
         took = time.monotonic() - start
         if isinstance(code, str):
             outcome = code
@@ -517,8 +616,14 @@ def test_fuzz_selection_never_passes_empty(tmp_path, reference):
 
     tally = collections.Counter()
     base = ["--impl", "fuzz_impls:good", "--suite", "smoke", "--dtype", "float32"]
-    for pattern, expect in (("BASIC-*-F32", 1), ("basic-*-f32", 1), ("Causal*", 1),
-                            ("nomatch*", 0), ("", 0), ("[", 0)):
+    for pattern, expect in (
+        ("BASIC-*-F32", 1),
+        ("basic-*-f32", 1),
+        ("Causal*", 1),
+        ("nomatch*", 0),
+        ("", 0),
+        ("[", 0),
+    ):
         code, data = _validate_cli([*base, "--case", pattern], tmp_path / "r.json")
         if expect == 0:
             ok = code == 2 and data is None
@@ -529,8 +634,9 @@ def test_fuzz_selection_never_passes_empty(tmp_path, reference):
     manifest = _manifest(empty)
     manifest["cases"] = []
     _write_manifest(empty, manifest)
-    code, _ = _validate_cli(["--impl", "fuzz_impls:good", "--fixtures", str(empty)],
-                            tmp_path / "r.json")
+    code, _ = _validate_cli(
+        ["--impl", "fuzz_impls:good", "--fixtures", str(empty)], tmp_path / "r.json"
+    )
     tally["ok" if code == 2 else f"BAD empty manifest: exit {code}"] += 1
     import fuzz_impls
 
@@ -548,28 +654,74 @@ def test_fuzz_grads_without_vjp_and_coverage(tmp_path):
     """--grads without a vjp is never a pass; thin coverage is said; --require fails it; a
     minimal (q, k, v, scale, causal) function is judged on causal cases."""
     tally = collections.Counter()
-    code, data = _validate_cli(["--impl", "fuzz_impls:good", "--suite", "default", "--dtype",
-                                "float32", "--case", "grad-bias-*", "--grads"],
-                               tmp_path / "r.json")
+    code, data = _validate_cli(
+        [
+            "--impl",
+            "fuzz_impls:good",
+            "--suite",
+            "default",
+            "--dtype",
+            "float32",
+            "--case",
+            "grad-bias-*",
+            "--grads",
+        ],
+        tmp_path / "r.json",
+    )
     grads = [r for r in data["results"]] if data else []
     ok = grads and all(r["verdict"] != "pass" for r in grads) and "gradients" in data["untested"]
     tally["grads unsupported" if ok else f"BAD --grads without vjp: {code}"] += 1
-    code, _ = _validate_cli(["--impl", "fuzz_impls:good", "--suite", "default", "--dtype",
-                             "float32", "--case", "grad-bias-*", "--grads", "--require",
-                             "gradients"], tmp_path / "r.json")
+    code, _ = _validate_cli(
+        [
+            "--impl",
+            "fuzz_impls:good",
+            "--suite",
+            "default",
+            "--dtype",
+            "float32",
+            "--case",
+            "grad-bias-*",
+            "--grads",
+            "--require",
+            "gradients",
+        ],
+        tmp_path / "r.json",
+    )
     tally["require fails" if code == 1 else f"BAD --require gradients exit {code}"] += 1
-    code, data = _validate_cli(["--impl", "fuzz_impls:minimal_bottom_right", "--suite",
-                                "default", "--dtype", "float32", "--case", "causal-*"],
-                               tmp_path / "r.json")
+    code, data = _validate_cli(
+        [
+            "--impl",
+            "fuzz_impls:minimal_bottom_right",
+            "--suite",
+            "default",
+            "--dtype",
+            "float32",
+            "--case",
+            "causal-*",
+        ],
+        tmp_path / "r.json",
+    )
     causal = data["coverage"]["feature"].get("causal", {}) if data else {}
     ok = code == 1 and causal.get("judged", 0) > 0
     tally["alignment bug caught" if ok else f"BAD bottom-right bug: exit {code} {causal}"] += 1
-    code, data = _validate_cli(["--impl", "fuzz_impls:minimal", "--suite", "smoke", "--dtype",
-                                "float32", "--require", "mask,causal"], tmp_path / "r.json")
+    code, data = _validate_cli(
+        [
+            "--impl",
+            "fuzz_impls:minimal",
+            "--suite",
+            "smoke",
+            "--dtype",
+            "float32",
+            "--require",
+            "mask,causal",
+        ],
+        tmp_path / "r.json",
+    )
     ok = code == 1 and data and "mask" in data["untested"] and not data["passed"]
     tally["thin coverage fails with --require" if ok else f"BAD minimal: exit {code}"] += 1
-    code, _ = _validate_cli(["--impl", "fuzz_impls:good", "--require", "nonsense"],
-                            tmp_path / "r.json")
+    code, _ = _validate_cli(
+        ["--impl", "fuzz_impls:good", "--require", "nonsense"], tmp_path / "r.json"
+    )
     tally["unknown feature refused" if code == 2 else f"BAD --require nonsense {code}"] += 1
     _tally_ok(tally, "grads and coverage")
 
@@ -577,6 +729,7 @@ def test_fuzz_grads_without_vjp_and_coverage(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # newcomer friction: failure text, terminal table, HTML report, plugin sys.path
 # ---------------------------------------------------------------------------------------------
+
 
 def test_fuzz_report_texts(tmp_path):
     import re
@@ -587,8 +740,9 @@ def test_fuzz_report_texts(tmp_path):
     from oracle.validate import validate
 
     tally = collections.Counter()
-    report = validate(fuzz_impls.nan_out, suite="smoke", dtype="float32", progress=False,
-                      isolate=False)
+    report = validate(
+        fuzz_impls.nan_out, suite="smoke", dtype="float32", progress=False, isolate=False
+    )
     for result in report.failures:
         text = result.explain()
         shown = set(re.findall(r"threshold ([0-9.e+-]+)", text))
@@ -615,32 +769,61 @@ def test_fuzz_plugin_finds_module_in_cwd(tmp_path):
     (tmp_path / "my_attention.py").write_text(
         "from refattn import attention\n\n"
         "def attn(q, k, v, **options):\n"
-        "    return attention(q, k, v, **options)\n")
+        "    return attention(q, k, v, **options)\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(_ROOT)}
     env.pop("PYTEST_ADDOPTS", None)
     script = Path(sys.executable).parent / "pytest"  # the console script: no cwd on sys.path
     if not script.exists():
         pytest.skip("no pytest console script next to the interpreter")
-    proc = subprocess.run([str(script), "--pyargs", "oracle", "-q",
-                           "-p", "no:cacheprovider", "--refattn-impl", "my_attention:attn",
-                           "--refattn-suite", "smoke", "--refattn-dtype", "float64"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            str(script),
+            "--pyargs",
+            "oracle",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--refattn-impl",
+            "my_attention:attn",
+            "--refattn-suite",
+            "smoke",
+            "--refattn-dtype",
+            "float64",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     tally = collections.Counter()
     ok = proc.returncode == 0 and "passed" in proc.stdout
-    tally["plugin imported ./my_attention.py" if ok else
-          f"BAD plugin rc {proc.returncode}: {proc.stdout[-300:]} {proc.stderr[-300:]}"] += 1
+    tally[
+        "plugin imported ./my_attention.py"
+        if ok
+        else f"BAD plugin rc {proc.returncode}: {proc.stdout[-300:]} {proc.stderr[-300:]}"
+    ] += 1
     _tally_ok(tally, "plugin sys.path")
 
 
 def test_fuzz_script_without_main_guard(tmp_path):
     """A plain script calling oracle.validate (no __main__ guard) runs isolated and ends."""
     script = tmp_path / "check.py"
-    script.write_text("import oracle\nimport fuzz_impls\n"
-                      "report = oracle.validate(fuzz_impls.good, suite='smoke', progress=False)\n"
-                      "print('isolated', report.isolated, 'passed', report.passed)\n")
+    script.write_text(
+        "import oracle\nimport fuzz_impls\n"
+        "report = oracle.validate(fuzz_impls.good, suite='smoke', progress=False)\n"
+        "print('isolated', report.isolated, 'passed', report.passed)\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_ROOT), str(_ROOT / "tests")])}
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     tally = collections.Counter()
     ok = proc.returncode == 0 and "isolated True passed True" in proc.stdout
     tally["ran isolated" if ok else f"BAD rc {proc.returncode}: {proc.stderr[-300:]}"] += 1

@@ -70,13 +70,18 @@ def _naive_inputs(fixture, b):
     return arrays
 
 
-@pytest.mark.parametrize("name", ["causal-br-H2K2-L4S7-D8E8-f32",
-                                  "mask-empty-rows-H2K2-L6S7-D8E8-f16",
-                                  "sinks-empty-rows-H2K2-L9S11-D16E16-f32",
-                                  "kv-lengths-zero-B3H2K2-L6S16-D16E16-f16",
-                                  "sinks-kv-decode-B3H8K2-L1S64-D32E32-bf16",
-                                  "fp8-e4m3-H2K2-L12S20-D16E16-bf16",
-                                  "fp8-e5m2-H2K2-L12S20-D16E16-bf16"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "causal-br-H2K2-L4S7-D8E8-f32",
+        "mask-empty-rows-H2K2-L6S7-D8E8-f16",
+        "sinks-empty-rows-H2K2-L9S11-D16E16-f32",
+        "kv-lengths-zero-B3H2K2-L6S16-D16E16-f16",
+        "sinks-kv-decode-B3H8K2-L1S64-D32E32-bf16",
+        "fp8-e4m3-H2K2-L12S20-D16E16-bf16",
+        "fp8-e5m2-H2K2-L12S20-D16E16-bf16",
+    ],
+)
 def test_truth_matches_independent_naive_reference(name):
     """The stored truth equals tests/naive/attention.py at 60 digits rounded once to the dtype
     (also for sinks, per-row key lengths and float8 inputs)."""
@@ -90,9 +95,13 @@ def test_truth_matches_independent_naive_reference(name):
         if "mask" in fixture.inputs:
             mask = np.broadcast_to(fixture.inputs["mask"][b], (n.H, n.L, n.S))
         out, lse, _ = naive_attention(
-            *_naive_inputs(fixture, b), mask=mask, **case.options, dps=60,
+            *_naive_inputs(fixture, b),
+            mask=mask,
+            **case.options,
+            dps=60,
             sinks=None if sinks is None else sinks.astype(np.float64),
-            kv_length=None if lengths is None else int(lengths[b]))
+            kv_length=None if lengths is None else int(lengths[b]),
+        )
         for key, nested in (("out", out), ("lse", lse)):
             for suffix, dtype in (("", case.dtype), ("_f64", "float64")):
                 want = round_nested(nested, dtype)
@@ -100,8 +109,10 @@ def test_truth_matches_independent_naive_reference(name):
                 same = (got == want) | (np.isnan(got) & np.isnan(want))
                 if not same.all():
                     index = np.argwhere(~same)[0]
-                    pytest.fail(f"{name}: truth/{key}{suffix} at batch {b} {tuple(index)}: "
-                                f"{got[tuple(index)]!r} != naive {want[tuple(index)]!r}")
+                    pytest.fail(
+                        f"{name}: truth/{key}{suffix} at batch {b} {tuple(index)}: "
+                        f"{got[tuple(index)]!r} != naive {want[tuple(index)]!r}"
+                    )
 
 
 def test_build_contents(some_cases):
@@ -264,7 +275,8 @@ def test_interrupted_run_resumes(tmp_path, reference_dir, some_cases, monkeypatc
     assert golden.MANIFEST not in leftovers, "manifest written by an interrupted run"
     assert not [n for n in leftovers if n.endswith(".tmp")], f"temp files left: {leftovers}"
     assert sorted(n for n in leftovers if n.endswith(".npz")) == sorted(
-        f"{n}.npz" for n in calls[:2])
+        f"{n}.npz" for n in calls[:2]
+    )
     assert golden.verify(out), "verify must reject an incomplete directory"
 
     calls.clear()
@@ -299,8 +311,9 @@ def test_atomic_write_leaves_nothing_on_failure(tmp_path, monkeypatch):
 
 
 def test_dtype_filter_and_bad_arguments(tmp_path, some_cases):
-    out = golden.generate("smoke", tmp_path / "f32", cases=some_cases, dtypes=["float32"],
-                          progress=False)
+    out = golden.generate(
+        "smoke", tmp_path / "f32", cases=some_cases, dtypes=["float32"], progress=False
+    )
     names = [e["name"] for e in json.loads((out / golden.MANIFEST).read_text())["cases"]]
     assert names == [c.name for c in some_cases if c.dtype == "float32"]
     assert golden.verify(out) == []

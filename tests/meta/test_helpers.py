@@ -20,26 +20,30 @@ from tests.helpers import (
 NAN, INF = math.nan, math.inf
 
 
-@pytest.mark.parametrize("value, truth, error", [
-    (1.0, 1.0, 0.0),
-    (NAN, NAN, 0.0),
-    (INF, INF, 0.0),
-    (-INF, -INF, 0.0),
-    (0.0, -0.0, 0.0),
-    (1.5, 1.0, 0.5),
-    (NAN, 1.0, INF),
-    (1.0, NAN, INF),
-    (1.0, INF, INF),
-    (INF, 1.0, INF),
-    (INF, -INF, INF),
-    (NAN, INF, INF),
-])
+@pytest.mark.parametrize(
+    "value, truth, error",
+    [
+        (1.0, 1.0, 0.0),
+        (NAN, NAN, 0.0),
+        (INF, INF, 0.0),
+        (-INF, -INF, 0.0),
+        (0.0, -0.0, 0.0),
+        (1.5, 1.0, 0.5),
+        (NAN, 1.0, INF),
+        (1.0, NAN, INF),
+        (1.0, INF, INF),
+        (INF, 1.0, INF),
+        (INF, -INF, INF),
+        (NAN, INF, INF),
+    ],
+)
 def test_one_nan_inf_rule(value, truth, error):
     assert elementwise_error(value, truth)[()] == error
 
 
-@pytest.mark.parametrize("value, truth", [(NAN, 1.0), (1.0, NAN), (INF, 1.0), (1.0, -INF),
-                                          (INF, -INF)])
+@pytest.mark.parametrize(
+    "value, truth", [(NAN, 1.0), (1.0, NAN), (INF, 1.0), (1.0, -INF), (INF, -INF)]
+)
 def test_within_never_excuses_a_nan_or_inf_disagreement(value, truth):
     with pytest.raises(AssertionError):
         assert_within(np.array([value]), np.array([truth]), np.inf, what="x")
@@ -92,9 +96,11 @@ def test_same_bits_dtype_check():
 @pytest.mark.parametrize("helper", ["bits", "within", "norm"])
 def test_shapes_must_match(helper):
     value, truth = np.zeros((2, 3)), np.zeros(3)
-    call = {"bits": lambda: assert_same_bits(value, truth, what="x"),
-            "within": lambda: assert_within(value, truth, 1.0, what="x"),
-            "norm": lambda: assert_norm_within(value, truth, 1.0, what="x")}[helper]
+    call = {
+        "bits": lambda: assert_same_bits(value, truth, what="x"),
+        "within": lambda: assert_within(value, truth, 1.0, what="x"),
+        "norm": lambda: assert_norm_within(value, truth, 1.0, what="x"),
+    }[helper]
     with pytest.raises(AssertionError, match=r"shape \(2, 3\), truth has shape \(3,\)"):
         call()
 

@@ -16,12 +16,16 @@ from oracle.invariance import CHECKS, check_invariance, parse_checks
 from oracle.validate import validate
 from refattn import attention
 
-CASES = ["basic-H2K2-L24S40-D32E32-f32", "causal-tl-H2K2-L24S24-D32E32-f32",
-         "mask-padding-B2H2K2-L12S24-D16E16-f32"]
+CASES = [
+    "basic-H2K2-L24S40-D32E32-f32",
+    "causal-tl-H2K2-L24S24-D32E32-f32",
+    "mask-padding-B2H2K2-L12S24-D16E16-f32",
+]
 
 
-def _kernel(q, k, v, *, chunk, order=None, mask=None, causal=False, align="top_left",
-            scale=None, **options):
+def _kernel(
+    q, k, v, *, chunk, order=None, mask=None, causal=False, align="top_left", scale=None, **options
+):
     """float32 online softmax over key chunks of ``chunk`` (the reduction order under test)."""
     if options.get("window") is not None or options.get("bias") is not None:
         raise NotImplementedError("planted kernels take mask and causal only")
@@ -40,7 +44,7 @@ def _kernel(q, k, v, *, chunk, order=None, mask=None, causal=False, align="top_l
     total = np.zeros(q.shape[:-1], np.float32)
     acc = np.zeros((*q.shape[:-1], v.shape[-1]), np.float32)
     for start in range(0, keys, chunk):
-        cols = order[start:start + chunk]
+        cols = order[start : start + chunk]
         scores = np.zeros((*q.shape[:-1], len(cols)), np.float32)
         for d in range(q.shape[-1]):  # explicit order: no BLAS blocking keyed on the shapes
             scores += q[..., :, None, d] * k[..., None, cols, d]
@@ -88,8 +92,12 @@ def key_count_dependent(q, k, v, **options):
     return _kernel(q, k, v, chunk=5 if k.shape[-2] > 64 else 3, **options)
 
 
-PLANTED = {batch_dependent: "batch-invariance", racy: "determinism",
-           length_dependent: "decode", key_count_dependent: "padding-invariance"}
+PLANTED = {
+    batch_dependent: "batch-invariance",
+    racy: "determinism",
+    length_dependent: "decode",
+    key_count_dependent: "padding-invariance",
+}
 
 
 @pytest.fixture(scope="module")
@@ -102,16 +110,21 @@ def test_planted_bug_is_caught_by_its_check_only(impl, fixtures):
     for fixture in fixtures:
         verdicts = {c: check_invariance(impl, fixture, c) for c in CHECKS}
         failing = {c for c, r in verdicts.items() if r.verdict == "fail"}
-        assert PLANTED[impl] in failing, (fixture.name, {c: r.message for c, r in
-                                                         verdicts.items()})
-        assert failing <= {PLANTED[impl]} | ({"determinism", "decode", "batch-invariance",
-                                              "padding-invariance"} if impl is racy else set())
+        assert PLANTED[impl] in failing, (fixture.name, {c: r.message for c, r in verdicts.items()})
+        assert failing <= {PLANTED[impl]} | (
+            {"determinism", "decode", "batch-invariance", "padding-invariance"}
+            if impl is racy
+            else set()
+        )
         message = verdicts[PLANTED[impl]].message
         assert "[" in message and "vs" in message and "tolerance" in message
 
 
-@pytest.mark.parametrize("impl", [fixed_order, lambda q, k, v, **o: attention(
-    q, k, v, **o, precision="exact")], ids=["fixed-order", "refattn-exact"])
+@pytest.mark.parametrize(
+    "impl",
+    [fixed_order, lambda q, k, v, **o: attention(q, k, v, **o, precision="exact")],
+    ids=["fixed-order", "refattn-exact"],
+)
 def test_reproducible_implementations_pass(impl, fixtures):
     for fixture in fixtures:
         for check in CHECKS:
@@ -123,9 +136,9 @@ def test_numba_kernels_pass(fixtures):
     pytest.importorskip("numba")
     for fixture in fixtures:
         for check in CHECKS:
-            result = check_invariance(lambda q, k, v, **o: attention(q, k, v, **o,
-                                                                     backend="numba"),
-                                      fixture, check)
+            result = check_invariance(
+                lambda q, k, v, **o: attention(q, k, v, **o, backend="numba"), fixture, check
+            )
             assert result.verdict == "pass", (fixture.name, check, result.message)
 
 
@@ -147,38 +160,62 @@ def test_torch_sdpa_single_thread_is_deterministic_and_batch_invariant(fixtures)
 
 
 def test_validate_runs_each_check_as_its_own_verdict():
-    report = validate(batch_dependent, suite="smoke", dtype="float32", cases="basic-*",
-                      checks="determinism,batch-invariance", progress=False, isolate=False)
+    report = validate(
+        batch_dependent,
+        suite="smoke",
+        dtype="float32",
+        cases="basic-*",
+        checks="determinism,batch-invariance",
+        progress=False,
+        isolate=False,
+    )
     names = [r.name for r in report.results]
     assert any(n.endswith("::determinism") for n in names)
     failing = [r for r in report.results if r.verdict == "fail"]
-    assert failing and all(r.category == "invariance" and r.name.endswith("::batch-invariance")
-                           for r in failing)
+    assert failing and all(
+        r.category == "invariance" and r.name.endswith("::batch-invariance") for r in failing
+    )
     assert not report.passed
     assert "--check batch-invariance" in failing[0].reproduce
 
 
 def test_cli_check_flag(capsys):
-    code = main(["validate", "--adapter", "refattn-exact", "--suite", "smoke", "--dtype",
-                 "float32", "--case", "basic-*", "--check", "determinism,decode", "--quiet"])
+    code = main(
+        [
+            "validate",
+            "--adapter",
+            "refattn-exact",
+            "--suite",
+            "smoke",
+            "--dtype",
+            "float32",
+            "--case",
+            "basic-*",
+            "--check",
+            "determinism,decode",
+            "--quiet",
+        ]
+    )
     assert code == 0, capsys.readouterr()
-    code = main(["validate", "--adapter", "refattn-exact", "--suite", "smoke", "--check",
-                 "nope"])
+    code = main(["validate", "--adapter", "refattn-exact", "--suite", "smoke", "--check", "nope"])
     assert code == 2
     assert "checks: unknown check(s) ['nope']" in capsys.readouterr().err
 
 
 def test_parse_checks():
     assert parse_checks("decode, determinism") == ("decode", "determinism")
-    assert parse_checks(["batch-invariance", "decode,decode"]) == ("batch-invariance",
-                                                                   "decode")
+    assert parse_checks(["batch-invariance", "decode,decode"]) == ("batch-invariance", "decode")
     with pytest.raises(ValueError, match="checks: unknown"):
         parse_checks("speed")
 
 
 def test_take_batch_keeps_broadcast_arrays():
-    inputs = {"q": np.zeros((3, 2, 4, 8)), "k": np.zeros((1, 2, 5, 8)),
-              "mask": np.ones((4, 5), bool), "bias": np.zeros((3, 1, 4, 5))}
+    inputs = {
+        "q": np.zeros((3, 2, 4, 8)),
+        "k": np.zeros((1, 2, 5, 8)),
+        "mask": np.ones((4, 5), bool),
+        "bias": np.zeros((3, 1, 4, 5)),
+    }
     part = take_batch(inputs, [2, 0, 2])
     assert part["q"].shape == (3, 2, 4, 8) and part["k"].shape == (1, 2, 5, 8)
     assert part["mask"] is inputs["mask"] and part["bias"].shape == (3, 1, 4, 5)
@@ -188,8 +225,11 @@ def test_take_batch_keeps_broadcast_arrays():
 
 def test_take_batch_moves_per_row_lengths_and_descales():
     """kv_lengths (B,) and the fp8 descales (B, K) follow their batch element, at B = 1 too."""
-    inputs = {"q": np.zeros((3, 2, 4, 8)), "kv_lengths": np.array([4, 5, 6]),
-              "k_descale": np.arange(6.0).reshape(3, 2)}
+    inputs = {
+        "q": np.zeros((3, 2, 4, 8)),
+        "kv_lengths": np.array([4, 5, 6]),
+        "k_descale": np.arange(6.0).reshape(3, 2),
+    }
     part = take_batch(inputs, [2, 0])
     assert part["kv_lengths"].tolist() == [6, 4]
     assert part["k_descale"].tolist() == [[4.0, 5.0], [0.0, 1.0]]
@@ -197,16 +237,20 @@ def test_take_batch_moves_per_row_lengths_and_descales():
     assert single["kv_lengths"].tolist() == [3, 3]
 
 
-@pytest.mark.parametrize("pattern", ["kv-lengths-causal-br-*-f32", "sinks-kv-decode-B*-f32",
-                                     "fp8-e4m3-causal-gqa-*"])
+@pytest.mark.parametrize(
+    "pattern", ["kv-lengths-causal-br-*-f32", "sinks-kv-decode-B*-f32", "fp8-e4m3-causal-gqa-*"]
+)
 def test_new_options_are_checked_for_invariance(pattern):
     """Cases with per-row key lengths, sinks and fp8 descales run every check (a batch
     surgery that left kv_lengths or the descales behind would be an error, not a verdict)."""
-    (case,) = [c for c in catalogue.suite("default") if c.function == "attention"
-               and fnmatch.fnmatchcase(c.name, pattern)]
+    (case,) = [
+        c
+        for c in catalogue.suite("default")
+        if c.function == "attention" and fnmatch.fnmatchcase(c.name, pattern)
+    ]
     fixture = golden.build(case)
     for check in CHECKS:
-        result = check_invariance(lambda q, k, v, **o: attention(q, k, v, **o,
-                                                                 precision="exact"),
-                                  fixture, check)
+        result = check_invariance(
+            lambda q, k, v, **o: attention(q, k, v, **o, precision="exact"), fixture, check
+        )
         assert result.verdict == "pass", (case.name, check, result.message)

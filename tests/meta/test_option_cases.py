@@ -10,16 +10,28 @@ from oracle.validate import validate
 
 _PATTERNS = ["sinks*", "kv-lengths*", "grad-sinks*", "grad-kv*", "fp8*", "poison-nan-kv*"]
 #: one case per option family and kind, for the default tier of the Numba kernels
-_NUMBA_QUICK = ["sinks-empty-rows-*-f32", "kv-lengths-zero-*-f32", "sinks-kv-decode-B*-f32",
-                "grad-sinks-kv-gqa-*-f32", "fp8-e4m3-H*-bf16"]
+_NUMBA_QUICK = [
+    "sinks-empty-rows-*-f32",
+    "kv-lengths-zero-*-f32",
+    "sinks-kv-decode-B*-f32",
+    "grad-sinks-kv-gqa-*-f32",
+    "fp8-e4m3-H*-bf16",
+]
 
 
 def _check(adapter, patterns):
     __tracebackhide__ = True
-    report = validate(adapter, suite="default", dtype=None, grads=True, strict=True,
-                      progress=False, isolate=False, cases=patterns)
-    bad = [f"{r.name}: {r.verdict} ({r.message})" for r in report.results
-           if r.verdict != "pass"]
+    report = validate(
+        adapter,
+        suite="default",
+        dtype=None,
+        grads=True,
+        strict=True,
+        progress=False,
+        isolate=False,
+        cases=patterns,
+    )
+    bad = [f"{r.name}: {r.verdict} ({r.message})" for r in report.results if r.verdict != "pass"]
     assert not bad, f"{adapter} on the new option cases:\n" + "\n".join(bad)
     return report
 
@@ -62,12 +74,18 @@ def _sinks_ignored(q, k, v, sinks=None, **options):
     return attention(q, k, v, **options)
 
 
-@pytest.mark.parametrize(("impl", "name", "label"), [
-    (_padding_mask_reading, "kv-lengths-causal-br-B3H2K2-L8S24-D16E16-f32",
-     "kv_lengths as a key-padding mask"),
-    (_sinks_ignored, "sinks-causal-br-H2K2-L12S32-D16E16-f32", "sinks ignored"),
-    (_sinks_ignored, "sinks-kv-decode-B3H8K2-L1S64-D32E32-bf16", "sinks ignored"),
-])
+@pytest.mark.parametrize(
+    ("impl", "name", "label"),
+    [
+        (
+            _padding_mask_reading,
+            "kv-lengths-causal-br-B3H2K2-L8S24-D16E16-f32",
+            "kv_lengths as a key-padding mask",
+        ),
+        (_sinks_ignored, "sinks-causal-br-H2K2-L12S32-D16E16-f32", "sinks ignored"),
+        (_sinks_ignored, "sinks-kv-decode-B3H8K2-L1S64-D32E32-bf16", "sinks ignored"),
+    ],
+)
 def test_other_readings_fail_and_are_diagnosed(impl, name, label):
     from oracle import catalogue, golden
     from oracle.judge import check_fixture
@@ -87,7 +105,8 @@ def test_vjp_without_dsinks_is_unsupported():
         return attention(q, k, v, **options)
 
     impl.vjp = lambda q, k, v, grad_out, **options: tuple(
-        attention_vjp(q, k, v, grad_out, **options))[:4]
+        attention_vjp(q, k, v, grad_out, **options)
+    )[:4]
     fixture = golden.build(catalogue.get("grad-sinks-H2K2-L8S12-D16E16-f64"))
     result = check_fixture(impl, fixture, grads=True)
     assert result.verdict == "unsupported" and "dsinks" in result.message, result.message

@@ -20,40 +20,88 @@ from tiled_kernels import TILED_BROKEN, flash, split_kv, tiled  # noqa: E402
 
 #: broken kernel -> the default cases it must fail (five or more of one dtype it affects: the
 #: smallest kernel-scale cases of default that carry its bug class)
-_TILES = ("k-tile-H2K2-L65S65-*-f32", "k-tile-causal-H2K2-L65S65-*-f32",
-          "k-causal-l-gt-s-B2H2K2-L70S64-*-f32", "k-causal-l-gt-s-H4K2-L100S40-*-f32",
-          "l-lt-s-*-f32")
+_TILES = (
+    "k-tile-H2K2-L65S65-*-f32",
+    "k-tile-causal-H2K2-L65S65-*-f32",
+    "k-causal-l-gt-s-B2H2K2-L70S64-*-f32",
+    "k-causal-l-gt-s-H4K2-L100S40-*-f32",
+    "l-lt-s-*-f32",
+)
 CASES = {
     "tile_off_by_one": ("k-tile-H2K2-L64S64-*-f32", *_TILES[:3], "l-lt-s-*-f32"),
-    "partial_tile": (*_TILES[:2], "k-causal-l-gt-s-H2K2-L130S70-*-f32",
-                     "k-tile-H2K2-L129S129-*-f32", "l-lt-s-*-f32"),
+    "partial_tile": (
+        *_TILES[:2],
+        "k-causal-l-gt-s-H2K2-L130S70-*-f32",
+        "k-tile-H2K2-L129S129-*-f32",
+        "l-lt-s-*-f32",
+    ),
     "partial_query_tile": _TILES[:4] + ("k-tile-H2K2-L129S129-*-f32",),
-    "no_late_rescale": ("l-lt-s-*-f32", "k-window-l-gt-s-*-f32",
-                        "k-tile-H2K2-L129S129-*-f32", "k-peaky-late-*-f32", "decode-*-f32"),
-    "split_combine": ("decode-*-f32", "k-tile-H2K2-L257S257-*-f32", "k-peaky-late-*-f32",
-                      "k-uniform-*-f32", "k-sink-*-f32"),
-    "accumulate_float16": ("basic-H2K2-L24S40-*-f32", "d-ne-e-*-f32", "scale-*-f32",
-                           "k-tile-H2K2-L65S65-*-f32"),
-    "accumulate_bfloat16": ("basic-H2K2-L24S40-*-f32", "d-ne-e-*-f32", "scale-*-f32",
-                            "k-tile-H2K2-L65S65-*-f32"),
+    "no_late_rescale": (
+        "l-lt-s-*-f32",
+        "k-window-l-gt-s-*-f32",
+        "k-tile-H2K2-L129S129-*-f32",
+        "k-peaky-late-*-f32",
+        "decode-*-f32",
+    ),
+    "split_combine": (
+        "decode-*-f32",
+        "k-tile-H2K2-L257S257-*-f32",
+        "k-peaky-late-*-f32",
+        "k-uniform-*-f32",
+        "k-sink-*-f32",
+    ),
+    "accumulate_float16": (
+        "basic-H2K2-L24S40-*-f32",
+        "d-ne-e-*-f32",
+        "scale-*-f32",
+        "k-tile-H2K2-L65S65-*-f32",
+    ),
+    "accumulate_bfloat16": (
+        "basic-H2K2-L24S40-*-f32",
+        "d-ne-e-*-f32",
+        "scale-*-f32",
+        "k-tile-H2K2-L65S65-*-f32",
+    ),
     "lse_log2": ("basic-*-f32", "l-lt-s-*-f32", "scale-*-f32", "k-tile-H2K2-L64S64-*-f32"),
-    "causal_offset": ("causal-br-empty-H*-f32", "causal-br-empty-nan-*-f32",
-                      "k-causal-l-gt-s-B2H2K2-L70S64-*-f32",
-                      "k-causal-l-gt-s-H4K2-L100S40-*-f32", "k-window-l-gt-s-*-f32"),
+    "causal_offset": (
+        "causal-br-empty-H*-f32",
+        "causal-br-empty-nan-*-f32",
+        "k-causal-l-gt-s-B2H2K2-L70S64-*-f32",
+        "k-causal-l-gt-s-H4K2-L100S40-*-f32",
+        "k-window-l-gt-s-*-f32",
+    ),
 }
 
-_CORRECT = ("basic-*", "l-lt-s-*", "decode-*", "long-*", "causal-*", "mask-*", "gqa-*",
-            "bias-*", "softcap-*", "alibi-*", "dropout-*", "cancel-*", "gap-*", "window-*",
-            "k-tile-H2K2-L65S65-*", "gauss-s0.25-*")
+_CORRECT = (
+    "basic-*",
+    "l-lt-s-*",
+    "decode-*",
+    "long-*",
+    "causal-*",
+    "mask-*",
+    "gqa-*",
+    "bias-*",
+    "softcap-*",
+    "alibi-*",
+    "dropout-*",
+    "cancel-*",
+    "gap-*",
+    "window-*",
+    "k-tile-H2K2-L65S65-*",
+    "gauss-s0.25-*",
+)
 
 
 @pytest.fixture(scope="module")
 def fixtures():
     patterns = {p for ps in CASES.values() for p in ps} | set(_CORRECT)
-    chosen = [c for c in catalogue.suite("default")
-              if c.function == "attention"
-              and any(fnmatch.fnmatchcase(c.name, p) for p in patterns)
-              and (not c.name.startswith("k-") or c.dtype in ("float32", "float16"))]
+    chosen = [
+        c
+        for c in catalogue.suite("default")
+        if c.function == "attention"
+        and any(fnmatch.fnmatchcase(c.name, p) for p in patterns)
+        and (not c.name.startswith("k-") or c.dtype in ("float32", "float16"))
+    ]
     return {c.name: golden.build(c) for c in chosen}
 
 
@@ -65,8 +113,9 @@ def _pick(fixtures, patterns):
 @pytest.mark.parametrize("impl", [tiled, flash, split_kv], ids=lambda f: f.__name__)
 def test_correct_tiled_kernels_pass(impl, tier, fixtures):
     chosen = _pick(fixtures, _CORRECT)
-    report = validate(impl, fixtures=chosen, dtype=None, progress=False, strict=True,
-                      tolerance=tier)
+    report = validate(
+        impl, fixtures=chosen, dtype=None, progress=False, strict=True, tolerance=tier
+    )
     failed = [r.explain() for r in report.results if r.verdict != "pass"]
     assert not failed, "\n".join(failed)
 
@@ -79,8 +128,9 @@ def test_broken_tiled_kernel_fails_with_diagnosis(name, fixtures):
     report = validate(impl, fixtures=chosen, dtype=None, progress=False)
     for result in report.results:
         assert result.verdict == "fail", f"{name}: {result.explain()}"
-        assert any(diagnosis in d for d in result.diagnosis), \
+        assert any(diagnosis in d for d in result.diagnosis), (
             f"{name}: expected {diagnosis!r}\n{result.explain()}"
+        )
 
 
 def test_tight_tier_catches_half_accumulation(fixtures):
@@ -106,16 +156,20 @@ def test_grades_name_flash_attention(fixtures):
 
 def test_tolerance_tier_is_checked():
     with pytest.raises(ValueError, match="tolerance"):
-        validate("refattn-float64", suite="smoke", cases="basic-*", tolerance="loose",
-                 progress=False)
+        validate(
+            "refattn-float64", suite="smoke", cases="basic-*", tolerance="loose", progress=False
+        )
 
 
 def _float32_textbook(q, k, v, **options):
     options.pop("return_lse", None)
-    low = {n: (x.astype(np.float32) if isinstance(x, np.ndarray) and x.dtype.kind == "f"
-               else x) for n, x in options.items()}
-    return textbook_attention(q.astype(np.float32), k.astype(np.float32),
-                              v.astype(np.float32), dtype="float32", **low).out
+    low = {
+        n: (x.astype(np.float32) if isinstance(x, np.ndarray) and x.dtype.kind == "f" else x)
+        for n, x in options.items()
+    }
+    return textbook_attention(
+        q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), dtype="float32", **low
+    ).out
 
 
 def test_float64_computed_in_float32_is_named(fixtures):
@@ -146,11 +200,13 @@ def _perturbed_rows(select):
     """The float64 textbook with the rows ``select(q, k, v, options)`` (a bool (..., H, L))
     off by a relative 2**-4: an error no modelled alternative (nor a narrower precision)
     explains."""
+
     def impl(q, k, v, **options):
         options.pop("return_lse", None)
         out = textbook_attention(q, k, v, dtype="float64", **options).out
         rows = select(q, k, v, options)
         return np.where(rows[..., None], out * (1 + 2.0**-4), out).astype(q.dtype)
+
     return impl
 
 
@@ -162,13 +218,18 @@ def _late_max(q, k, v, options):
 def test_concentration_names_late_max_rows_and_the_partial_query_tile():
     """When nothing modelled fits, the diagnosis says where the failing rows concentrate."""
     fixture = golden.build(catalogue.get("k-tiles-H2K2-L200S300-D64E64-f32"))
-    late = validate(_perturbed_rows(_late_max), fixtures=[fixture], dtype=None,
-                    progress=False).results[0]
+    late = validate(
+        _perturbed_rows(_late_max), fixtures=[fixture], dtype=None, progress=False
+    ).results[0]
     assert late.verdict == "fail"
-    assert any("max past the first tile of 64 keys" in d for d in late.diagnosis), \
-        late.explain()
-    tail = validate(_perturbed_rows(lambda q, k, v, o: np.arange(q.shape[-2]) >= 192),
-                    fixtures=[fixture], dtype=None, progress=False).results[0]
-    assert any("partial query tile of 64 (rows 192..199)" in d for d in tail.diagnosis), \
+    assert any("max past the first tile of 64 keys" in d for d in late.diagnosis), late.explain()
+    tail = validate(
+        _perturbed_rows(lambda q, k, v, o: np.arange(q.shape[-2]) >= 192),
+        fixtures=[fixture],
+        dtype=None,
+        progress=False,
+    ).results[0]
+    assert any("partial query tile of 64 (rows 192..199)" in d for d in tail.diagnosis), (
         tail.explain()
+    )
     assert not any("max past the first tile" in d for d in tail.diagnosis), tail.explain()

@@ -77,9 +77,9 @@ def test_probabilistic_gamma_bounds_float32_sums(rng, n):
 
 
 def test_accumulation_dtype():
-    assert [tol.accumulation_dtype(d).name for d in ("float64", "float32", "float16",
-                                                     "bfloat16")] == [
-        "float64", "float32", "float32", "float32"]
+    assert [
+        tol.accumulation_dtype(d).name for d in ("float64", "float32", "float16", "bfloat16")
+    ] == ["float64", "float32", "float32", "float32"]
 
 
 OPTION_SETS = {
@@ -117,18 +117,28 @@ def test_textbook_float64_matches_naive(rng, name):
     result = baseline.textbook_attention(q, k, v, dtype="float64", **options)
     allowed = np.broadcast_to(result.allowed, result.weights.shape)
     magnitude = tol.score_magnitude(q, k, **options)
-    floors = tol.forward_floors("float64", D=5, S=6, L=3, E=3, G=2, magnitude=magnitude,
-                                allowed=allowed, n_stored=3, dropout=True)
+    floors = tol.forward_floors(
+        "float64",
+        D=5,
+        S=6,
+        L=3,
+        E=3,
+        G=2,
+        magnitude=magnitude,
+        allowed=allowed,
+        n_stored=3,
+        dropout=True,
+    )
     dropped = weights
     if options.get("dropout_mask") is not None:
         dropped = np.where(options["dropout_mask"], weights, 0) / (1 - options["dropout_p"])
-    err = tol.normalised_error(result.out, out, tol.output_scale(dropped, v, gqa=options.get(
-        "gqa")), "float64")
+    err = tol.normalised_error(
+        result.out, out, tol.output_scale(dropped, v, gqa=options.get("gqa")), "float64"
+    )
     limit = floors["out"] + tol.unit_roundoff("float64")
     worst = np.unravel_index(np.argmax(err - limit), err.shape)
     assert np.all(err <= limit), (name, worst, result.out[worst], out[worst], limit[worst[:-1]])
-    lerr = tol.normalised_error(result.lse, lse, tol.lse_scale(lse, weights, magnitude),
-                                "float64")
+    lerr = tol.normalised_error(result.lse, lse, tol.lse_scale(lse, weights, magnitude), "float64")
     assert np.all(lerr <= floors["lse"] + tol.unit_roundoff("float64")), (name, lerr.max())
 
 
@@ -136,8 +146,9 @@ def test_textbook_float64_matches_naive(rng, name):
 def test_textbook_half_types_round_to_dtype(rng, dtype):
     q, k, v, options = _make(rng, {}, dtype="float32")
     fmt_dtype = format_of(dtype).dtype
-    result = baseline.textbook_attention(q.astype(fmt_dtype), k.astype(fmt_dtype),
-                                         v.astype(fmt_dtype), **options)
+    result = baseline.textbook_attention(
+        q.astype(fmt_dtype), k.astype(fmt_dtype), v.astype(fmt_dtype), **options
+    )
     assert result.out.dtype == fmt_dtype and result.lse.dtype == fmt_dtype, result.out.dtype
 
 
@@ -148,23 +159,37 @@ def test_textbook_vjp_matches_refattn(rng):
     options.update(softcap=3.0, causal=True, align="bottom_right", gqa="tile")
     grad_out = rng.standard_normal((4, 3, 3))
     grad_lse = rng.standard_normal((4, 3))
-    ours = baseline.textbook_attention_vjp(q, k, v, grad_out, grad_lse=grad_lse,
-                                           dtype="float64", **options)
+    ours = baseline.textbook_attention_vjp(
+        q, k, v, grad_out, grad_lse=grad_lse, dtype="float64", **options
+    )
     theirs = attention_vjp(q, k, v, grad_out, grad_lse=grad_lse, **options)
     _, _, weights = attention(q, k, v, return_lse=True, return_weights=True, **options)
     dropped = np.where(options["dropout_mask"], weights, 0) / (1 - options["dropout_p"])
     scales = tol.grad_scales(q, k, v, grad_out, weights, dropped, grad_lse=grad_lse, **options)
     magnitude = tol.score_magnitude(q, k, **options)
-    floor = tol.forward_floors("float64", D=5, S=6, L=3, E=3, G=2, magnitude=magnitude,
-                               allowed=np.ones(weights.shape, bool), n_stored=3,
-                               dropout=True)["grad"]
+    floor = tol.forward_floors(
+        "float64",
+        D=5,
+        S=6,
+        L=3,
+        E=3,
+        G=2,
+        magnitude=magnitude,
+        allowed=np.ones(weights.shape, bool),
+        n_stored=3,
+        dropout=True,
+    )["grad"]
     for i, name in enumerate(("dq", "dk", "dv", "dbias", "dsinks")):
         a, b = ours[i], theirs[i] if i < len(theirs) else None
         if a is None and b is None:  # no sinks here
             continue
         err = tol.normalised_error(a, b, scales[name], "float64")
-        assert np.all(err <= 2 * floor), (name, np.unravel_index(err.argmax(), err.shape),
-                                          err.max(), 2 * floor)
+        assert np.all(err <= 2 * floor), (
+            name,
+            np.unravel_index(err.argmax(), err.shape),
+            err.max(),
+            2 * floor,
+        )
 
 
 def test_textbook_sinks_and_kv_lengths_match_refattn(rng):
@@ -177,26 +202,41 @@ def test_textbook_sinks_and_kv_lengths_match_refattn(rng):
     v = rng.standard_normal((2, 2, 6, 3))
     grad_out = rng.standard_normal((2, 4, 3, 3))
     grad_lse = rng.standard_normal((2, 4, 3))
-    options = dict(sinks=rng.standard_normal(4), kv_lengths=np.array([2, 6]), causal=True,
-                   align="bottom_right")
+    options = dict(
+        sinks=rng.standard_normal(4), kv_lengths=np.array([2, 6]), causal=True, align="bottom_right"
+    )
     book = baseline.textbook_attention(q, k, v, dtype="float64", **options)
     out, lse, weights = attention(q, k, v, return_lse=True, return_weights=True, **options)
     magnitude = tol.score_magnitude(q, k, **options)
-    floors = tol.forward_floors("float64", D=5, S=6, L=3, E=3, G=2, magnitude=magnitude,
-                                allowed=book.allowed)
+    floors = tol.forward_floors(
+        "float64", D=5, S=6, L=3, E=3, G=2, magnitude=magnitude, allowed=book.allowed
+    )
     scale = tol.output_scale(weights, v)
     assert np.all(tol.normalised_error(book.out, out, scale, "float64") <= floors["out"])
-    assert np.all(tol.normalised_error(book.lse, lse, tol.lse_scale(lse, weights, magnitude),
-                                       "float64") <= floors["lse"])
+    assert np.all(
+        tol.normalised_error(book.lse, lse, tol.lse_scale(lse, weights, magnitude), "float64")
+        <= floors["lse"]
+    )
     assert (book.out[0, :, 0] == 0).all(), "row 0 of batch 0 has no key (S_0 - L < 0): out 0"
     np.testing.assert_array_equal(book.lse[0, :, 0], options["sinks"])
-    ours = baseline.textbook_attention_vjp(q, k, v, grad_out, grad_lse=grad_lse,
-                                           dtype="float64", **options)
+    ours = baseline.textbook_attention_vjp(
+        q, k, v, grad_out, grad_lse=grad_lse, dtype="float64", **options
+    )
     theirs = attention_vjp(q, k, v, grad_out, grad_lse=grad_lse, **options)
-    scales = tol.grad_scales(q, k, v, grad_out, weights, weights, grad_lse=grad_lse,
-                             sink_weights=book.sink_weights, **options)
-    floor = tol.forward_floors("float64", D=5, S=6, L=3, E=3, G=2, magnitude=magnitude,
-                               allowed=book.allowed)["grad"]
+    scales = tol.grad_scales(
+        q,
+        k,
+        v,
+        grad_out,
+        weights,
+        weights,
+        grad_lse=grad_lse,
+        sink_weights=book.sink_weights,
+        **options,
+    )
+    floor = tol.forward_floors(
+        "float64", D=5, S=6, L=3, E=3, G=2, magnitude=magnitude, allowed=book.allowed
+    )["grad"]
     for name, a, b in zip(("dq", "dk", "dv", "dbias", "dsinks"), ours, theirs, strict=True):
         if a is None and b is None:
             continue
@@ -206,8 +246,9 @@ def test_textbook_sinks_and_kv_lengths_match_refattn(rng):
 
 def test_threshold_rule():
     t = tol.threshold(np.array([1e-7, 4e-7]), 1e-7, "float32")
-    assert t.value == pytest.approx(tol.K_FORWARD * 4e-7 + tol.unit_roundoff("float32"),
-                                    rel=tol.gamma(2))
+    assert t.value == pytest.approx(
+        tol.K_FORWARD * 4e-7 + tol.unit_roundoff("float32"), rel=tol.gamma(2)
+    )
     void = tol.threshold(np.array([np.inf]), 3e-6, "float32", k=tol.K_BACKWARD)
     assert void.baseline is None and void.value == 3e-6 + tol.unit_roundoff("float32")
     assert "void" in void.formula()
@@ -215,14 +256,18 @@ def test_threshold_rule():
 
 def test_floor_grows_with_score_range_and_length():
     allowed = np.ones((1, 1, 4), bool)
-    small = tol.forward_floors("float16", D=8, S=4, L=1, E=8, G=1,
-                               magnitude=np.full((1, 1, 4), 1.0), allowed=allowed)
-    large = tol.forward_floors("float16", D=8, S=4, L=1, E=8, G=1,
-                               magnitude=np.full((1, 1, 4), 40.0), allowed=allowed)
-    longer = tol.forward_floors("float32", D=8, S=4096, L=1, E=8, G=1,
-                                magnitude=np.full((1, 1, 4), 1.0), allowed=allowed)
-    shorter = tol.forward_floors("float32", D=8, S=16, L=1, E=8, G=1,
-                                 magnitude=np.full((1, 1, 4), 1.0), allowed=allowed)
+    small = tol.forward_floors(
+        "float16", D=8, S=4, L=1, E=8, G=1, magnitude=np.full((1, 1, 4), 1.0), allowed=allowed
+    )
+    large = tol.forward_floors(
+        "float16", D=8, S=4, L=1, E=8, G=1, magnitude=np.full((1, 1, 4), 40.0), allowed=allowed
+    )
+    longer = tol.forward_floors(
+        "float32", D=8, S=4096, L=1, E=8, G=1, magnitude=np.full((1, 1, 4), 1.0), allowed=allowed
+    )
+    shorter = tol.forward_floors(
+        "float32", D=8, S=16, L=1, E=8, G=1, magnitude=np.full((1, 1, 4), 1.0), allowed=allowed
+    )
     assert large["out"].max() > 10 * small["out"].max(), (small, large)
     assert longer["out"].max() > shorter["out"].max(), (shorter, longer)
 
@@ -245,18 +290,43 @@ def test_element_floor_covers_the_textbook_and_is_below_the_row_floor(rng, dtype
         q = (sigma * rng.standard_normal((H, L, D))).astype(store)
         k = (sigma * rng.standard_normal((H, S, D))).astype(store)
         v = rng.standard_normal((H, S, E)).astype(store)
-        out, _, weights = attention(q, k, v, return_lse=True, return_weights=True,
-                                    precision="exact")
+        out, _, weights = attention(
+            q, k, v, return_lse=True, return_weights=True, precision="exact"
+        )
         base = baseline.textbook_attention(q, k, v)
         magnitude = tol.score_magnitude(q, k)
-        floor = tol.output_floor(dtype, weights=weights, dropped=weights, magnitude=magnitude,
-                                 dots=tol.scaled_dots(q, k), v=v, out=out, D=D, S=S,
-                                 count=out.size)
+        floor = tol.output_floor(
+            dtype,
+            weights=weights,
+            dropped=weights,
+            magnitude=magnitude,
+            dots=tol.scaled_dots(q, k),
+            v=v,
+            out=out,
+            D=D,
+            S=S,
+            count=out.size,
+        )
         err = tol.normalised_error(base.out, out, tol.output_scale(weights, v), dtype)
         limit = floor + tol.unit_roundoff(dtype)
         worst = np.unravel_index(np.argmax(err / limit), err.shape)
-        assert np.all(err <= limit), (dtype, sigma, worst, base.out[worst], out[worst],
-                                      limit[worst])
-        rows = tol.forward_floors(dtype, D=D, S=S, L=L, E=E, G=1, magnitude=magnitude,
-                                  allowed=np.ones(weights.shape, bool), count=out.size)["out"]
+        assert np.all(err <= limit), (
+            dtype,
+            sigma,
+            worst,
+            base.out[worst],
+            out[worst],
+            limit[worst],
+        )
+        rows = tol.forward_floors(
+            dtype,
+            D=D,
+            S=S,
+            L=L,
+            E=E,
+            G=1,
+            magnitude=magnitude,
+            allowed=np.ones(weights.shape, bool),
+            count=out.size,
+        )["out"]
         assert np.all(floor <= rows), (dtype, sigma, float(floor.max()), float(rows.max()))

@@ -26,8 +26,7 @@ from broken_impls import missing_scale, textbook  # noqa: E402
 
 @pytest.fixture(scope="module")
 def smoke():
-    return [golden.build(case) for case in catalogue.suite("smoke")
-            if case.function == "attention"]
+    return [golden.build(case) for case in catalogue.suite("smoke") if case.function == "attention"]
 
 
 def _first(fixtures, category="conformance", dtype="float32"):
@@ -75,10 +74,31 @@ def test_wrong_shape_fails(smoke):
 
 
 def test_impl_without_return_lse(smoke):
-    def impl(q, k, v, *, scale=None, causal=False, align="top_left", gqa="interleave",
-             mask=None, bias=None, empty_rows="zero"):
-        return textbook(q, k, v, scale=scale, causal=causal, align=align, gqa=gqa, mask=mask,
-                        bias=bias, empty_rows=empty_rows)
+    def impl(
+        q,
+        k,
+        v,
+        *,
+        scale=None,
+        causal=False,
+        align="top_left",
+        gqa="interleave",
+        mask=None,
+        bias=None,
+        empty_rows="zero",
+    ):
+        return textbook(
+            q,
+            k,
+            v,
+            scale=scale,
+            causal=causal,
+            align=align,
+            gqa=gqa,
+            mask=mask,
+            bias=bias,
+            empty_rows=empty_rows,
+        )
 
     result = check_fixture(impl, _first(smoke))
     assert result.verdict == "pass" and "lse" not in result.checks, result.explain()
@@ -148,25 +168,46 @@ def test_reports_json_junit_html(smoke, tmp_path):
 def test_cli_validate_exit_codes(tmp_path, capsys):
     args = ["validate", "--suite", "smoke", "--dtype", "float32", "--quiet"]
     assert main([*args, "--impl", "broken_impls:textbook"]) == 0
-    assert main([*args, "--impl", "broken_impls:missing_scale",
-                 "--json", str(tmp_path / "r.json")]) == 1
+    assert (
+        main([*args, "--impl", "broken_impls:missing_scale", "--json", str(tmp_path / "r.json")])
+        == 1
+    )
     assert json.loads((tmp_path / "r.json").read_text())["passed"] is False
     out = capsys.readouterr().out
     assert "reproduce: refattn-oracle validate --impl broken_impls:missing_scale" in out, out
     assert main([*args, "--impl", "no_such_module:f"]) == 2
     assert "cannot import module 'no_such_module'" in capsys.readouterr().err
     assert main([*args, "--adapter", "no-such"]) == 2
-    assert main(["validate", "--impl", "broken_impls:textbook", "--fixtures",
-                 str(tmp_path / "missing")]) == 2
+    assert (
+        main(
+            ["validate", "--impl", "broken_impls:textbook", "--fixtures", str(tmp_path / "missing")]
+        )
+        == 2
+    )
 
 
 def test_cli_generate_verify_validate_fixtures(tmp_path, capsys):
     out = tmp_path / "fx"
-    assert main(["generate", "--suite", "smoke", "--out", str(out), "--dtype", "float32",
-                 "--quiet"]) == 0
+    assert (
+        main(["generate", "--suite", "smoke", "--out", str(out), "--dtype", "float32", "--quiet"])
+        == 0
+    )
     assert main(["verify", str(out)]) == 0
-    assert main(["validate", "--impl", "broken_impls:textbook", "--fixtures", str(out),
-                 "--dtype", "float32", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "validate",
+                "--impl",
+                "broken_impls:textbook",
+                "--fixtures",
+                str(out),
+                "--dtype",
+                "float32",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert main(["list", "cases", "--suite", "smoke"]) == 0
     assert "basic-" in capsys.readouterr().out
 
@@ -183,8 +224,14 @@ def _plugin_args():
 def _pytest(*args, cwd=ROOT):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     env.pop("REFATTN_IMPL", None)
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.slow
@@ -199,8 +246,9 @@ def test_pytest_plugin(tmp_path):
     assert "test_case[basic-H" in bad.stdout, bad.stdout
     skips = tmp_path / "skips.txt"
     skips.write_text("# everything but the robustness case\n*-f32  # all float32\n")
-    skipped = _pytest(*base, "--refattn-impl", "broken_impls:missing_scale",
-                      "--refattn-skips", str(skips))
+    skipped = _pytest(
+        *base, "--refattn-impl", "broken_impls:missing_scale", "--refattn-skips", str(skips)
+    )
     assert skipped.returncode == 0 and "skipped" in skipped.stdout, skipped.stdout
     wrong = _pytest(*base, "--refattn-impl", "no_such_module:f")
     assert wrong.returncode != 0 and "no_such_module" in wrong.stdout + wrong.stderr
@@ -216,9 +264,24 @@ def test_pytest_plugin_is_inert_in_other_runs(tmp_path):
 def test_python_m_oracle_in_a_fresh_interpreter():
     """`python -m oracle` (= refattn-oracle) with nothing imported beforehand."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    run = subprocess.run([sys.executable, "-m", "oracle", "validate", "--impl",
-                          "broken_impls:missing_scale", "--suite", "smoke", "--quiet"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "oracle",
+            "validate",
+            "--impl",
+            "broken_impls:missing_scale",
+            "--suite",
+            "smoke",
+            "--quiet",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 1 and "matches no scale" in run.stdout, (run.stdout, run.stderr)
 
 
@@ -228,12 +291,31 @@ def test_leaked_poison_is_not_diagnosed_as_a_convention():
     poisoned key."""
     from oracle import validate
 
-    def dense(q, k, v, *, causal=False, window=None, align="top_left", mask=None, bias=None,
-              scale=None, return_lse=False, **options):
+    def dense(
+        q,
+        k,
+        v,
+        *,
+        causal=False,
+        window=None,
+        align="top_left",
+        mask=None,
+        bias=None,
+        scale=None,
+        return_lse=False,
+        **options,
+    ):
         import refattn
 
-        allowed = refattn.allowed_mask(q.shape[-2], k.shape[-2], mask=mask, bias=bias,
-                                       causal=causal, window=window, align=align)
+        allowed = refattn.allowed_mask(
+            q.shape[-2],
+            k.shape[-2],
+            mask=mask,
+            bias=bias,
+            causal=causal,
+            window=window,
+            align=align,
+        )
         q64, k64, v64 = (np.asarray(a, np.float64) for a in (q, k, v))
         s = (q64 @ np.swapaxes(k64, -1, -2)) * (scale or q.shape[-1] ** -0.5)
         with np.errstate(all="ignore"):
@@ -242,8 +324,9 @@ def test_leaked_poison_is_not_diagnosed_as_a_convention():
             out = (w / w.sum(axis=-1, keepdims=True)) @ v64
         return out.astype(q.dtype)
 
-    report = validate(dense, suite="default", dtype="float32", cases=["poison-nan-causal-*"],
-                      progress=False)
+    report = validate(
+        dense, suite="default", dtype="float32", cases=["poison-nan-causal-*"], progress=False
+    )
     (result,) = report.results
     assert result.verdict == "fail"
     assert not any("matches" in d for d in result.diagnosis), result.diagnosis

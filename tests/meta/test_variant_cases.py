@@ -42,8 +42,11 @@ def test_names_unique_prefixed_and_disjoint_from_attention():
     for case in default:
         prefix = vc.PREFIXES[case.function]
         assert fnmatch.fnmatchcase(case.name, f"{prefix}-*"), (case.name, prefix)
-        others = [p for f, p in vc.PREFIXES.items()
-                  if f != case.function and fnmatch.fnmatchcase(case.name, f"{p}-*")]
+        others = [
+            p
+            for f, p in vc.PREFIXES.items()
+            if f != case.function and fnmatch.fnmatchcase(case.name, f"{p}-*")
+        ]
         assert not others, f"{case.name}: also matched by prefixes {others}"
 
 
@@ -96,12 +99,14 @@ def test_inputs_are_pinned():
     cases = catalogue.suite(DEFAULT)
     found = _inputs_digest([c for c in cases if not c.grads])
     assert found == PINNED_INPUTS_SHA256, (
-        f"variants-default inputs changed: sha256 {found}, pinned {PINNED_INPUTS_SHA256}")
+        f"variants-default inputs changed: sha256 {found}, pinned {PINNED_INPUTS_SHA256}"
+    )
     for function in sorted({c.function for c in cases if c.grads}):
         found = _inputs_digest([c for c in cases if c.grads and c.function == function])
         assert found == PINNED_GRAD_INPUTS_SHA256.get(function), (
             f"{function} gradient-case inputs: sha256 {found}, pinned "
-            f"{PINNED_GRAD_INPUTS_SHA256.get(function)}")
+            f"{PINNED_GRAD_INPUTS_SHA256.get(function)}"
+        )
 
 
 # ----------------------------------------------------------------------------- truths
@@ -114,8 +119,7 @@ def _slices(lead):
 def _reference(case, inputs):
     """Independent mpmath/Fraction evaluation (the variants' own test references), rounded
     to the case dtype, as {output: float64 array}."""
-    x = {k: (v if v.dtype == bool else np.asarray(v).astype(np.float64))
-         for k, v in inputs.items()}
+    x = {k: (v if v.dtype == bool else np.asarray(v).astype(np.float64)) for k, v in inputs.items()}
     o, fn, dtype = case.options, case.function, case.dtype
     if fn.startswith("meanfield."):
         return _meanfield_reference(case, x)
@@ -124,33 +128,68 @@ def _reference(case, inputs):
     for index in _slices(lead):
         s = {k: v[index] for k, v in x.items()}
         if fn == "gmm.attention":
-            values, _ = naive_gmm(s["q"], s["keys"], s["values"], alpha=s.get("alpha", o.get(
-                "alpha")), beta=s.get("beta", o.get("beta", 0.0)), prior=s.get(
-                "prior", o.get("prior", "uniform")), v_init=s.get("v_init"),
-                iters=o.get("iters", 1))
+            values, _ = naive_gmm(
+                s["q"],
+                s["keys"],
+                s["values"],
+                alpha=s.get("alpha", o.get("alpha")),
+                beta=s.get("beta", o.get("beta", 0.0)),
+                prior=s.get("prior", o.get("prior", "uniform")),
+                v_init=s.get("v_init"),
+                iters=o.get("iters", 1),
+            )
         elif fn == "gmm.adapt_keys":
-            values = naive_adapt_keys(s["queries"], s["keys0"], alpha=o["alpha"],
-                                      gamma=o["gamma"], prior=o.get("prior", "uniform"),
-                                      iters=o["iters"], form=o["form"])
+            values = naive_adapt_keys(
+                s["queries"],
+                s["keys0"],
+                alpha=o["alpha"],
+                gamma=o["gamma"],
+                prior=o.get("prior", "uniform"),
+                iters=o["iters"],
+                form=o["form"],
+            )
         elif fn == "gmm.adapt_priors":
-            values = naive_adapt_priors(s["queries"], s["keys"], alpha=o["alpha"], eta=o["eta"],
-                                        pi0=list(s["pi0"]), iters=o["iters"], form=o["form"])
+            values = naive_adapt_priors(
+                s["queries"],
+                s["keys"],
+                alpha=o["alpha"],
+                eta=o["eta"],
+                pi0=list(s["pi0"]),
+                iters=o["iters"],
+                form=o["form"],
+            )
         elif fn == "mgk.attention":
-            values = naive_mgk(s["q"], s["keys"], s["v"], log_pi=s.get("log_pi"),
-                               sigma2=s.get("sigma2", o.get("sigma2", 1.0)),
-                               mode=o.get("mode", "soft"), normalized=o.get("normalized", False),
-                               mask=s.get("mask"), causal=o.get("causal", False),
-                               window=o.get("window"), align=o.get("align", "top_left"))
+            values = naive_mgk(
+                s["q"],
+                s["keys"],
+                s["v"],
+                log_pi=s.get("log_pi"),
+                sigma2=s.get("sigma2", o.get("sigma2", 1.0)),
+                mode=o.get("mode", "soft"),
+                normalized=o.get("normalized", False),
+                mask=s.get("mask"),
+                causal=o.get("causal", False),
+                window=o.get("window"),
+                align=o.get("align", "top_left"),
+            )
         elif fn == "mgk.linear_attention":
-            values = naive_linear(s["q"], s["keys"], s["v"], pi=s["pi"],
-                                  causal=o.get("causal", False))
+            values = naive_linear(
+                s["q"], s["keys"], s["v"], pi=s["pi"], causal=o.get("causal", False)
+            )
         elif fn == "hopfield.retrieve":
             values, _ = naive_retrieve(s["xi"], s["X"], o["beta"], o["steps"])
         elif fn == "hopfield.energy":
             with mpmath.workdps(DPS):
                 patterns = [[mpmath.mpf(float(a)) for a in row] for row in s["X"]]
-                values = [naive_energy([mpmath.mpf(float(a)) for a in row], patterns,
-                                       o["beta"], o.get("constant", False)) for row in s["xi"]]
+                values = [
+                    naive_energy(
+                        [mpmath.mpf(float(a)) for a in row],
+                        patterns,
+                        o["beta"],
+                        o.get("constant", False),
+                    )
+                    for row in s["xi"]
+                ]
         out.append(round_nested(values, dtype))
     result = np.stack(out)
     return {"out": result.reshape(*lead, *result.shape[1:])}
@@ -164,15 +203,18 @@ def _big(J):
 def _meanfield_reference(case, x):
     fn, dtype = case.function, case.dtype
     if fn == "meanfield.naive_step":
-        exact = [exact_naive_step(m, x["J"], xb) for m, xb in zip(x["m"], x["x"],
-                                                                      strict=True)]
+        exact = [exact_naive_step(m, x["J"], xb) for m, xb in zip(x["m"], x["x"], strict=True)]
         return {"out": round_nested(exact, dtype)}
     if fn == "meanfield.ising_tap":
         res = meanfield.ising_tap(x["x"], x["J"])  # the root near the float64 solution
-        outs = [mp_ising(xb, x["J"], m0, v0) for xb, m0, v0 in
-                zip(x["x"], res.means, res.cavity_var, strict=True)]
-        return {name: round_nested([o[k].tolist() for o in outs], dtype)
-                for k, name in enumerate(("means", "cavity_var", "chi_diag"))}
+        outs = [
+            mp_ising(xb, x["J"], m0, v0)
+            for xb, m0, v0 in zip(x["x"], res.means, res.cavity_var, strict=True)
+        ]
+        return {
+            name: round_nested([o[k].tolist() for o in outs], dtype)
+            for k, name in enumerate(("means", "cavity_var", "chi_diag"))
+        }
     J = x["J"]
     N, d = J.shape[0], J.shape[2]
     prior = x.get("prior_precision", np.eye(d))
@@ -182,9 +224,11 @@ def _meanfield_reference(case, x):
     if fn == "meanfield.adaptive_tap":
         chi = mp_inverse(P, _big(J))
         with mpmath.workdps(DPS):
-            blocks = [chi[i * d:(i + 1) * d, i * d:(i + 1) * d] for i in range(N)]
-            cavity = [(mpmath.matrix(prior.tolist()) - mpmath.matrix(b.tolist()) ** -1).tolist()
-                      for b in blocks]
+            blocks = [chi[i * d : (i + 1) * d, i * d : (i + 1) * d] for i in range(N)]
+            cavity = [
+                (mpmath.matrix(prior.tolist()) - mpmath.matrix(b.tolist()) ** -1).tolist()
+                for b in blocks
+            ]
         batch = x["x"].shape[0]
         result["chi_diag"] = round_nested([[b.tolist() for b in blocks]] * batch, dtype)
         result["cavity_var"] = round_nested([cavity] * batch, dtype)
@@ -211,8 +255,9 @@ def test_truth_equals_independent_reference(case):
     for name, expected in reference.items():
         stored = fixture.truth[name]
         assert np.dtype(stored.dtype).name == case.dtype, (case.name, name, stored.dtype)
-        assert_same_bits(np.asarray(stored).astype(np.float64), expected,
-                         what=f"{case.name} truth/{name}")
+        assert_same_bits(
+            np.asarray(stored).astype(np.float64), expected, what=f"{case.name} truth/{name}"
+        )
 
 
 # ----------------------------------------------------------------------------- files
@@ -273,8 +318,10 @@ def test_default_generation_is_deterministic(tmp_path, capsys):
     assert _shas(first) == _shas(second)
     assert golden.verify(first) == []
     with capsys.disabled():
-        print(f"\n[variants-default: {len(_shas(first))} cases generated in {seconds:.2f} s "
-              f"on 2 workers]")
+        print(
+            f"\n[variants-default: {len(_shas(first))} cases generated in {seconds:.2f} s "
+            f"on 2 workers]"
+        )
 
 
 # ----------------------------------------------------------------------------- judge
@@ -284,24 +331,33 @@ def _linear_attention_slices(q, keys, v, pi, **options):
     # refattn's non-causal float64 linear_attention mis-broadcasts batch dimensions: one
     # (batch, head) slice at a time
     lead = q.shape[:-2]
-    rows = [mgk.linear_attention(q[i], keys[i], v[i], pi=pi[i], **options)
-            for i in np.ndindex(*lead)]
+    rows = [
+        mgk.linear_attention(q[i], keys[i], v[i], pi=pi[i], **options) for i in np.ndindex(*lead)
+    ]
     return np.stack(rows).reshape(*lead, *rows[0].shape)
 
 
 REFATTN64 = {
-    "gmm.attention": gmm.attention, "gmm.adapt_keys": gmm.adapt_keys,
-    "gmm.adapt_priors": gmm.adapt_priors, "mgk.attention": mgk.attention,
-    "mgk.linear_attention": _linear_attention_slices, "hopfield.retrieve": hopfield.retrieve,
-    "hopfield.energy": hopfield.energy, "meanfield.naive_step": meanfield.naive_step,
-    "meanfield.adaptive_tap": meanfield.adaptive_tap, "meanfield.ising_tap": meanfield.ising_tap,
+    "gmm.attention": gmm.attention,
+    "gmm.adapt_keys": gmm.adapt_keys,
+    "gmm.adapt_priors": gmm.adapt_priors,
+    "mgk.attention": mgk.attention,
+    "mgk.linear_attention": _linear_attention_slices,
+    "hopfield.retrieve": hopfield.retrieve,
+    "hopfield.energy": hopfield.energy,
+    "meanfield.naive_step": meanfield.naive_step,
+    "meanfield.adaptive_tap": meanfield.adaptive_tap,
+    "meanfield.ising_tap": meanfield.ising_tap,
     "meanfield.deq_attention": meanfield.deq_attention,
 }
 
 
 def _only(suite, function, dtypes=None):
-    return [c for c in catalogue.suite(suite) if c.function == function
-            and (dtypes is None or c.dtype in dtypes)]
+    return [
+        c
+        for c in catalogue.suite(suite)
+        if c.function == function and (dtypes is None or c.dtype in dtypes)
+    ]
 
 
 def _explain(report):
@@ -310,17 +366,20 @@ def _explain(report):
 
 @pytest.mark.parametrize("function", sorted(vc.FUNCTIONS))
 def test_refattn_float64_paths_pass_smoke(function):
-    report = V.validate(REFATTN64[function], suite=_only(SMOKE, function), dtype=None,
-                        progress=False)
+    report = V.validate(
+        REFATTN64[function], suite=_only(SMOKE, function), dtype=None, progress=False
+    )
     assert report.results and report.passed, _explain(report)
     assert all(r.verdict == "pass" and r.checks for r in report.results), _explain(report)
 
 
 def test_validate_by_name_runs_variant_suite():
-    report = V.validate(mgk.attention, suite=SMOKE, dtype="float32", cases=["mgk-*"],
-                        progress=False)
-    assert [r.name for r in report.results] == [c.name for c in _only(SMOKE, "mgk.attention",
-                                                                      ("float32",))]
+    report = V.validate(
+        mgk.attention, suite=SMOKE, dtype="float32", cases=["mgk-*"], progress=False
+    )
+    assert [r.name for r in report.results] == [
+        c.name for c in _only(SMOKE, "mgk.attention", ("float32",))
+    ]
     assert report.passed, _explain(report)
 
 
@@ -333,10 +392,12 @@ def _textbook_retrieve(xi, X, *, beta, steps):
 
 
 def test_low_precision_textbook_passes_in_every_dtype():
-    report = V.validate(_textbook_retrieve, suite=_only(DEFAULT, "hopfield.retrieve"),
-                        dtype=None, progress=False)
-    assert len(report.results) == len(_only(DEFAULT, "hopfield.retrieve")) and report.passed, \
+    report = V.validate(
+        _textbook_retrieve, suite=_only(DEFAULT, "hopfield.retrieve"), dtype=None, progress=False
+    )
+    assert len(report.results) == len(_only(DEFAULT, "hopfield.retrieve")) and report.passed, (
         _explain(report)
+    )
 
 
 def _mgk_numpy(q, keys, v, *, sigma2=1.0, sign=-1.0, dtype=np.float64):
@@ -352,11 +413,15 @@ def _mgk_numpy(q, keys, v, *, sigma2=1.0, sign=-1.0, dtype=np.float64):
 
 def test_float32_arithmetic_mgk_passes():
     # an honest implementation computing everything in float32 is no false alarm
-    chosen = [c for c in _only(DEFAULT, "mgk.attention", ("float32",))
-              if set(c.recipe) <= {"R"} and set(c.options) == {"sigma2"}]
+    chosen = [
+        c
+        for c in _only(DEFAULT, "mgk.attention", ("float32",))
+        if set(c.recipe) <= {"R"} and set(c.options) == {"sigma2"}
+    ]
     assert chosen
-    report = V.validate(lambda **kw: _mgk_numpy(**kw, dtype=np.float32), suite=chosen,
-                        dtype=None, progress=False)
+    report = V.validate(
+        lambda **kw: _mgk_numpy(**kw, dtype=np.float32), suite=chosen, dtype=None, progress=False
+    )
     assert report.passed, _explain(report)
     worst = max(r.worst.error / r.worst.threshold for r in report.results)
     assert worst > 0, "float32 arithmetic should not be exact"
@@ -367,27 +432,44 @@ def _deq_transposed(x, J, **options):
 
 
 BROKEN = [
-    ("mgk without the minus sign", "mgk.attention",
-     lambda q, keys, v, sigma2: _mgk_numpy(q, keys, v, sigma2=sigma2, sign=1.0),
-     lambda q, keys, v, sigma2: _mgk_numpy(q, keys, v, sigma2=sigma2)),
-    ("gmm with beta ignored", "gmm.attention",
-     lambda **kw: gmm.attention(**{**kw, "beta": 0.0}), gmm.attention),
-    ("hopfield with beta squared", "hopfield.retrieve",
-     lambda xi, X, beta, steps: hopfield.retrieve(xi, X, beta=beta * beta, steps=steps),
-     hopfield.retrieve),
-    ("deq with J_ji for J_ij", "meanfield.deq_attention", _deq_transposed,
-     meanfield.deq_attention),
+    (
+        "mgk without the minus sign",
+        "mgk.attention",
+        lambda q, keys, v, sigma2: _mgk_numpy(q, keys, v, sigma2=sigma2, sign=1.0),
+        lambda q, keys, v, sigma2: _mgk_numpy(q, keys, v, sigma2=sigma2),
+    ),
+    (
+        "gmm with beta ignored",
+        "gmm.attention",
+        lambda **kw: gmm.attention(**{**kw, "beta": 0.0}),
+        gmm.attention,
+    ),
+    (
+        "hopfield with beta squared",
+        "hopfield.retrieve",
+        lambda xi, X, beta, steps: hopfield.retrieve(xi, X, beta=beta * beta, steps=steps),
+        hopfield.retrieve,
+    ),
+    ("deq with J_ji for J_ij", "meanfield.deq_attention", _deq_transposed, meanfield.deq_attention),
 ]
 
 
 @pytest.mark.parametrize("label, function, broken, correct", BROKEN, ids=[b[0] for b in BROKEN])
 def test_broken_variant_fails(label, function, broken, correct):
-    chosen = [c for c in _only(DEFAULT, function, ("float64", "float32"))
-              if set(c.recipe) <= {"R"} and c.options.get("mode", "soft") == "soft"
-              and not c.options.get("causal") and c.options.get("window") is None][:2]
+    chosen = [
+        c
+        for c in _only(DEFAULT, function, ("float64", "float32"))
+        if set(c.recipe) <= {"R"}
+        and c.options.get("mode", "soft") == "soft"
+        and not c.options.get("causal")
+        and c.options.get("window") is None
+    ][:2]
     if function == "gmm.attention":  # beta only acts from the second EM step on
-        chosen = [c for c in _only(DEFAULT, function, ("float64", "float32"))
-                  if c.options.get("iters", 1) > 1 and not c.recipe]
+        chosen = [
+            c
+            for c in _only(DEFAULT, function, ("float64", "float32"))
+            if c.options.get("iters", 1) > 1 and not c.recipe
+        ]
     assert chosen, f"no case for {label}"
     good = V.validate(correct, suite=chosen, dtype=None, progress=False)
     assert good.passed, f"the correct twin of {label} fails:\n{_explain(good)}"

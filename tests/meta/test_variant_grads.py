@@ -18,9 +18,13 @@ SMOKE, DEFAULT = "variants-smoke", "variants-default"
 
 
 def _grad_cases(suite, function=None, dtypes=None):
-    return [c for c in catalogue.suite(suite) if c.grads
-            and (function is None or c.function == function)
-            and (dtypes is None or c.dtype in dtypes)]
+    return [
+        c
+        for c in catalogue.suite(suite)
+        if c.grads
+        and (function is None or c.function == function)
+        and (dtypes is None or c.dtype in dtypes)
+    ]
 
 
 def _explain(report):
@@ -40,8 +44,7 @@ def test_gradient_cases_exist_exactly_for_functions_with_a_vjp():
 @pytest.mark.parametrize("case", _grad_cases(SMOKE), ids=lambda c: c.name)
 def test_fixture_gradients_are_the_exact_vjp(case):
     fixture = golden.build(case)
-    exact = vc.call_refattn_vjp(case, fixture.inputs, precision="exact",
-                                out_dtype=case.dtype)
+    exact = vc.call_refattn_vjp(case, fixture.inputs, precision="exact", out_dtype=case.dtype)
     assert set(exact) == set(vc.grad_names(case.function))
     for name, value in exact.items():
         assert_same_bits(fixture.truth[name], value, what=f"{case.name} truth/{name}")
@@ -59,8 +62,9 @@ def test_refattn_float64_vjps_pass(function):
     """Every function with gradient cases: refattn's float64 vjp (found as f_vjp beside the
     plain function) passes its own gradient cases."""
     chosen = _grad_cases(DEFAULT, function, ("float64", "float32"))
-    report = V.validate(_refattn_function(function), suite=chosen, dtype=None, grads=True,
-                        progress=False)
+    report = V.validate(
+        _refattn_function(function), suite=chosen, dtype=None, grads=True, progress=False
+    )
     assert report.passed, _explain(report)
     for result in report.results:
         grads = [n for n in result.checks if n.startswith("d")]
@@ -90,17 +94,22 @@ def _hopfield_without_key_path(xi, X, grad_out, *, beta, steps):
 
 
 BROKEN = [
-    ("mgk vjp with dq of the wrong sign", "mgk.attention",
-     _with_vjp(mgk.attention, _flipped_dq)),
-    ("hopfield vjp without the key path", "hopfield.retrieve",
-     _with_vjp(hopfield.retrieve, _hopfield_without_key_path)),
+    ("mgk vjp with dq of the wrong sign", "mgk.attention", _with_vjp(mgk.attention, _flipped_dq)),
+    (
+        "hopfield vjp without the key path",
+        "hopfield.retrieve",
+        _with_vjp(hopfield.retrieve, _hopfield_without_key_path),
+    ),
 ]
 
 
 @pytest.mark.parametrize("label, function, impl", BROKEN, ids=[b[0] for b in BROKEN])
 def test_broken_vjp_fails(label, function, impl):
-    chosen = [c for c in _grad_cases(DEFAULT, function, ("float64", "float32"))
-              if c.options.get("steps", 1) == 1][:2]
+    chosen = [
+        c
+        for c in _grad_cases(DEFAULT, function, ("float64", "float32"))
+        if c.options.get("steps", 1) == 1
+    ][:2]
     report = V.validate(impl, suite=chosen, dtype=None, grads=True, progress=False)
     verdicts = {r.name: r.verdict for r in report.results}
     assert verdicts and all(v == "fail" for v in verdicts.values()), f"{label}: {verdicts}"
@@ -108,20 +117,23 @@ def test_broken_vjp_fails(label, function, impl):
     assert failing and all(n.startswith("d") for n in failing), failing
 
 
-def _float32_torch_vjp(q, keys, v, grad_out, *, sigma2=1.0, mode="soft", mask=None,
-                       **_options):
+def _float32_torch_vjp(q, keys, v, grad_out, *, sigma2=1.0, mode="soft", mask=None, **_options):
     """An honest float32 implementation: the soft/hard MGK forward in float32 torch,
     differentiated by autograd (uniform pi)."""
     import torch
 
     from refattn.masks import allowed_mask
 
-    leaves = [torch.tensor(np.asarray(a, dtype=np.float32), requires_grad=True)
-              for a in (q, keys, v)]
+    leaves = [
+        torch.tensor(np.asarray(a, dtype=np.float32), requires_grad=True) for a in (q, keys, v)
+    ]
     qs, ks, vs = leaves
     length, units = q.shape[-2], keys.shape[-3]
-    allowed = torch.tensor(np.broadcast_to(allowed_mask(length, units, mask=mask),
-                                           q.shape[:-2] + (length, units)).copy())
+    allowed = torch.tensor(
+        np.broadcast_to(
+            allowed_mask(length, units, mask=mask), q.shape[:-2] + (length, units)
+        ).copy()
+    )
     dist = ((qs[..., :, None, None, :] - ks[..., None, :, :, :]) ** 2).sum(-1) / (2 * sigma2)
     if mode == "soft":
         scores = torch.logsumexp(-dist, -1) - float(np.log(keys.shape[-2]))
@@ -137,11 +149,17 @@ def _float32_torch_vjp(q, keys, v, grad_out, *, sigma2=1.0, mode="soft", mask=No
 def test_float32_vjp_is_no_false_alarm():
     pytest.importorskip("torch")
     chosen = [c for c in _grad_cases(DEFAULT, "mgk.attention") if c.dtype != "float64"]
-    report = V.validate(_with_vjp(mgk.attention, _float32_torch_vjp), suite=chosen,
-                        dtype=None, grads=True, progress=False)
+    report = V.validate(
+        _with_vjp(mgk.attention, _float32_torch_vjp),
+        suite=chosen,
+        dtype=None,
+        grads=True,
+        progress=False,
+    )
     assert report.passed, _explain(report)
-    worst = max(c.max_error for r in report.results for n, c in r.checks.items()
-                if n.startswith("d"))
+    worst = max(
+        c.max_error for r in report.results for n, c in r.checks.items() if n.startswith("d")
+    )
     assert worst > 0, "float32 arithmetic should not be exact"
 
 
@@ -172,9 +190,14 @@ def _naive_forward(case, inputs, h):
     o = case.options
     if case.function == "mgk.attention":
         mask = inputs.get("mask")
-        return lambda q, k, v: naive_mgk(q, k, v, sigma2=o.get("sigma2", 1.0),
-                                         mode=o.get("mode", "soft"),
-                                         mask=None if mask is None else mask[0, h])
+        return lambda q, k, v: naive_mgk(
+            q,
+            k,
+            v,
+            sigma2=o.get("sigma2", 1.0),
+            mode=o.get("mode", "soft"),
+            mask=None if mask is None else mask[0, h],
+        )
     if case.function == "mgk.linear_attention":
         pi = np.asarray(inputs["pi"], dtype=np.float64)[0, h]
         return lambda q, k, v: naive_linear(q, k, v, pi=pi, causal=o.get("causal", False))
@@ -182,8 +205,15 @@ def _naive_forward(case, inputs, h):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [c for c in _grad_cases(SMOKE) if c.function in (
-    "mgk.attention", "mgk.linear_attention", "hopfield.retrieve")], ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "case",
+    [
+        c
+        for c in _grad_cases(SMOKE)
+        if c.function in ("mgk.attention", "mgk.linear_attention", "hopfield.retrieve")
+    ],
+    ids=lambda c: c.name,
+)
 def test_fixture_gradients_round_the_richardson_derivative(case):
     """The stored float64 gradients against an independent reference: central differences of
     the mpmath twins with Richardson extrapolation, head by head."""
@@ -196,8 +226,10 @@ def test_fixture_gradients_round_the_richardson_derivative(case):
     arrays = [np.asarray(inputs[n[1:]], dtype=np.float64) for n in names]
     grad_out = np.asarray(inputs["grad_out"], dtype=np.float64)
     for h in range(case.shapes.H):
-        derivative = naive_vjp(_naive_forward(case, inputs, h), [a[0, h] for a in arrays],
-                               grad_out[0, h])
+        derivative = naive_vjp(
+            _naive_forward(case, inputs, h), [a[0, h] for a in arrays], grad_out[0, h]
+        )
         for name, deriv in zip(names, derivative, strict=True):
-            assert_rounds_derivative(fixture.truth[name][0, h], deriv,
-                                     what=f"{case.name} truth/{name} head {h}")
+            assert_rounds_derivative(
+                fixture.truth[name][0, h], deriv, what=f"{case.name} truth/{name} head {h}"
+            )

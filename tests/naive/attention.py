@@ -76,8 +76,9 @@ def naive_attention(
                             continue
                     if bias is not None and bias[h][i][j] == -math.inf:
                         continue
-                    s = sc * mpmath.fsum(_exact(q[h, i, d]) * _exact(k[g, j, d])
-                                         for d in range(dim))
+                    s = sc * mpmath.fsum(
+                        _exact(q[h, i, d]) * _exact(k[g, j, d]) for d in range(dim)
+                    )
                     if softcap is not None:
                         c = _exact(softcap)
                         s = c * mpmath.tanh(s / c)
@@ -106,30 +107,40 @@ def naive_attention(
                 rest = mpmath.fsum(mpmath.exp(s - top) for s in logits if s != top)
                 # lse = top + log(n) + log1p(rest / n): the exact top plus a tail that may be
                 # as small as exp(-1e9)
-                row_lse = exact_plus_small(top, mpmath.log(n_lead)
-                                           + mpmath.log1p(rest / n_lead))
+                row_lse = exact_plus_small(top, mpmath.log(n_lead) + mpmath.log1p(rest / n_lead))
                 # w_j = 1 / sum_k e^{s_k - s_j}: exactly 1/n for n equal scores (exp(0) == 1),
                 # so outputs that are exact rounding ties stay exact in the reference
-                row_w = [1 / mpmath.fsum(mpmath.exp(s - scores[j]) for s in logits)
-                         if j in scores else mpmath.mpf(0) for j in range(keys)]
+                row_w = [
+                    1 / mpmath.fsum(mpmath.exp(s - scores[j]) for s in logits)
+                    if j in scores
+                    else mpmath.mpf(0)
+                    for j in range(keys)
+                ]
                 keep_scale = 1 / (1 - _exact(dropout_p))
                 row_out = []
                 for e in range(vdim):
-                    kept = [row_w[j] * keep_scale * _exact(v[g, j, e])
-                            if dropout_mask is None or dropout_mask[h][i][j] else
-                            mpmath.mpf(0) for j in scores]
+                    kept = [
+                        row_w[j] * keep_scale * _exact(v[g, j, e])
+                        if dropout_mask is None or dropout_mask[h][i][j]
+                        else mpmath.mpf(0)
+                        for j in scores
+                    ]
                     if not all(mpmath.isfinite(x) for x in kept):
                         row_out.append(mpmath.fsum(kept))
                         continue
                     # out = mean over the leaders + sum_j w_j (v'_j - mean): a head computed
                     # at HEAD_PREC bits and a small tail (exp(-1e9) off a midpoint, say)
                     with mpmath.workprec(HEAD_PREC):
-                        values = {j: (1 / (1 - _exact(dropout_p))) * _exact(v[g, j, e])
-                                  if dropout_mask is None or dropout_mask[h][i][j] else
-                                  mpmath.mpf(0) for j in scores}
+                        values = {
+                            j: (1 / (1 - _exact(dropout_p))) * _exact(v[g, j, e])
+                            if dropout_mask is None or dropout_mask[h][i][j]
+                            else mpmath.mpf(0)
+                            for j in scores
+                        }
                         head = mpmath.fsum(values[j] for j in leaders) / n_lead
-                    tail = mpmath.fsum(row_w[j] * (values[j] - head)
-                                       for j in scores if scores[j] != top)
+                    tail = mpmath.fsum(
+                        row_w[j] * (values[j] - head) for j in scores if scores[j] != top
+                    )
                     if sink is not None and not sink_leads:  # the sink's value is 0
                         tail -= head / mpmath.fsum(mpmath.exp(s - sink) for s in logits)
                     row_out.append(exact_plus_small(head, tail))
@@ -171,8 +182,10 @@ def naive_attention_rounded(q, k, v, opts, dtype):
         if name in full:
             full[name] = np.broadcast_to(full[name], (heads, length, keys))
     spread = score_spread(q, k, **full)
-    return tuple(round_stable(lambda dps, n=n: naive_attention(q, k, v, dps=dps, **full)[n],
-                              dtype, spread) for n in range(3))
+    return tuple(
+        round_stable(lambda dps, n=n: naive_attention(q, k, v, dps=dps, **full)[n], dtype, spread)
+        for n in range(3)
+    )
 
 
 def naive_attention_vjp(q, k, v, grad_out, *, scale=None, dps=60):
@@ -191,8 +204,13 @@ def naive_attention_vjp(q, k, v, grad_out, *, scale=None, dps=60):
     length, dim = q.shape
     keys, vdim = v.shape
     with mpmath.workdps(dps):
-        scores = [[mpmath.fsum(_exact(q[i, d]) * _exact(k[j, d]) for d in range(dim))
-                   for j in range(keys)] for i in range(length)]  # unscaled (exact at dps)
+        scores = [
+            [
+                mpmath.fsum(_exact(q[i, d]) * _exact(k[j, d]) for d in range(dim))
+                for j in range(keys)
+            ]
+            for i in range(length)
+        ]  # unscaled (exact at dps)
         sc = 1 / mpmath.sqrt(dim) if scale is None else _exact(scale)
         exact, delta = [], []
         for row in scores:
@@ -200,12 +218,24 @@ def naive_attention_vjp(q, k, v, grad_out, *, scale=None, dps=60):
             leaders = [j for j in range(keys) if row[j] == top]
             n = len(leaders)
             rest = mpmath.fsum(mpmath.exp(sc * (t - top)) for t in row if t != top)
-            exact.append([mpmath.mpf(1) / n if j in leaders else mpmath.mpf(0)
-                          for j in range(keys)])
-            delta.append([-rest / (n * (n + rest)) if j in leaders else
-                          mpmath.exp(sc * (row[j] - top)) / (n + rest) for j in range(keys)])
-        dp = [[mpmath.fsum(_exact(grad_out[i, e]) * _exact(v[j, e]) for e in range(vdim))
-               for j in range(keys)] for i in range(length)]
+            exact.append(
+                [mpmath.mpf(1) / n if j in leaders else mpmath.mpf(0) for j in range(keys)]
+            )
+            delta.append(
+                [
+                    -rest / (n * (n + rest))
+                    if j in leaders
+                    else mpmath.exp(sc * (row[j] - top)) / (n + rest)
+                    for j in range(keys)
+                ]
+            )
+        dp = [
+            [
+                mpmath.fsum(_exact(grad_out[i, e]) * _exact(v[j, e]) for e in range(vdim))
+                for j in range(keys)
+            ]
+            for i in range(length)
+        ]
         head_s, tail_s = [], []
         for i in range(length):
             a, dl = exact[i], delta[i]
@@ -231,13 +261,35 @@ def naive_attention_vjp(q, k, v, grad_out, *, scale=None, dps=60):
                 head = head * (1 / mpmath.sqrt(dim) if scale is None else _exact(scale))
             return exact_plus_small(head, sc * tail)
 
-        dq = [[scaled(split_sum([(head_s[i][j], tail_s[i][j], _exact(k[j, d]))
-                                 for j in range(keys)])) for d in range(dim)]
-              for i in range(length)]
-        dk = [[scaled(split_sum([(head_s[i][j], tail_s[i][j], _exact(q[i, d]))
-                                 for i in range(length)])) for d in range(dim)]
-              for j in range(keys)]
-        dv = [[exact_plus_small(*split_sum([(exact[i][j], delta[i][j], _exact(grad_out[i, e]))
-                                            for i in range(length)]))
-               for e in range(vdim)] for j in range(keys)]
+        dq = [
+            [
+                scaled(
+                    split_sum([(head_s[i][j], tail_s[i][j], _exact(k[j, d])) for j in range(keys)])
+                )
+                for d in range(dim)
+            ]
+            for i in range(length)
+        ]
+        dk = [
+            [
+                scaled(
+                    split_sum(
+                        [(head_s[i][j], tail_s[i][j], _exact(q[i, d])) for i in range(length)]
+                    )
+                )
+                for d in range(dim)
+            ]
+            for j in range(keys)
+        ]
+        dv = [
+            [
+                exact_plus_small(
+                    *split_sum(
+                        [(exact[i][j], delta[i][j], _exact(grad_out[i, e])) for i in range(length)]
+                    )
+                )
+                for e in range(vdim)
+            ]
+            for j in range(keys)
+        ]
     return dq, dk, dv

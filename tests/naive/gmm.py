@@ -23,8 +23,15 @@ from .mp import (
     squared_distance,
 )
 
-__all__ = ["DPS", "naive_gmm", "naive_adapt_keys", "naive_adapt_priors", "naive_log_prior",
-           "naive_query_terms", "naive_value_terms"]
+__all__ = [
+    "DPS",
+    "naive_gmm",
+    "naive_adapt_keys",
+    "naive_adapt_priors",
+    "naive_log_prior",
+    "naive_query_terms",
+    "naive_value_terms",
+]
 
 #: Decimal digits of the twins' mpmath evaluations.
 DPS = 60
@@ -35,8 +42,11 @@ def naive_log_prior(prior, keys, values, alpha, beta):
     if isinstance(prior, str) and prior == "uniform":
         return [mpmath.mpf(0)] * units
     if isinstance(prior, str):  # magnitude, eq. (15) up to log k
-        return [alpha[u] / 2 * squared_distance(keys[u], 0 * keys[u])
-                + beta[u] / 2 * squared_distance(values[u], 0 * values[u]) for u in range(units)]
+        return [
+            alpha[u] / 2 * squared_distance(keys[u], 0 * keys[u])
+            + beta[u] / 2 * squared_distance(values[u], 0 * values[u])
+            for u in range(units)
+        ]
     return [-mpmath.inf if np.isneginf(x) else mp(x) for x in prior]
 
 
@@ -44,24 +54,45 @@ def naive_query_terms(q_row, keys, values, alpha, beta, prior):
     """log p(u) + log p(q | u) with the full Gaussian normaliser, eq. (7)."""
     dim = len(q_row)
     log_p = naive_log_prior(prior, keys, values, alpha, beta)
-    return [log_p[u] + dim / mpmath.mpf(2) * mpmath.log(alpha[u] / (2 * mpmath.pi))
-            - alpha[u] / 2 * squared_distance(q_row, keys[u]) for u in range(len(keys))]
+    return [
+        log_p[u]
+        + dim / mpmath.mpf(2) * mpmath.log(alpha[u] / (2 * mpmath.pi))
+        - alpha[u] / 2 * squared_distance(q_row, keys[u])
+        for u in range(len(keys))
+    ]
 
 
 def naive_value_terms(v, values, beta):
     dim_v = len(v)
-    return [dim_v / mpmath.mpf(2) * mpmath.log(beta[u] / (2 * mpmath.pi))
-            - beta[u] / 2 * squared_distance(v, values[u]) for u in range(len(values))]
+    return [
+        dim_v / mpmath.mpf(2) * mpmath.log(beta[u] / (2 * mpmath.pi))
+        - beta[u] / 2 * squared_distance(v, values[u])
+        for u in range(len(values))
+    ]
 
 
 def _without_normalisers(terms, precisions, dim):
     """Take the Gaussian normalisers (dim/2) log(precision_u / 2 pi) back out of ``terms``."""
-    return [t - dim / mpmath.mpf(2) * mpmath.log(p / (2 * mpmath.pi))
-            for t, p in zip(terms, precisions, strict=True)]
+    return [
+        t - dim / mpmath.mpf(2) * mpmath.log(p / (2 * mpmath.pi))
+        for t, p in zip(terms, precisions, strict=True)
+    ]
 
 
-def naive_gmm(q, keys, values, *, alpha, beta, prior="uniform", v_init=None, iters=1,
-              allowed=None, empty_rows="zero", normalisers=True):
+def naive_gmm(
+    q,
+    keys,
+    values,
+    *,
+    alpha,
+    beta,
+    prior="uniform",
+    v_init=None,
+    iters=1,
+    allowed=None,
+    empty_rows="zero",
+    normalisers=True,
+):
     """Eqs. (13)-(14) for every query row, with v_init None -> w = p(u | q). Returns
     (values list of lists, trace list of lists) of mpf; trace only where beta > 0.
 
@@ -97,12 +128,16 @@ def naive_gmm(q, keys, values, *, alpha, beta, prior="uniform", v_init=None, ite
                 if len(set(beta_u)) > 1 and normalisers:  # the root of eq. (12), per-unit beta
                     weights = [exact_mul(w, b) for w, b in zip(weights, beta_in, strict=True)]
                 total = exact_sum(weights)
-                v = [exact_div(exact_sum(exact_mul(weights[u], values[u][e])
-                                         for u in range(units)), total)
-                     for e in range(values.shape[1])]
+                v = [
+                    exact_div(
+                        exact_sum(exact_mul(weights[u], values[u][e]) for u in range(units)), total
+                    )
+                    for e in range(values.shape[1])
+                ]
                 if all(b > 0 for b in beta_u):
-                    joint = [s + t for s, t in zip(a, naive_value_terms(v, values, beta_u),
-                                                   strict=True)]
+                    joint = [
+                        s + t for s, t in zip(a, naive_value_terms(v, values, beta_u), strict=True)
+                    ]
                     trace.append(lse(joint) - lse(a))
             out.append(v)
             traces.append(trace)
@@ -120,11 +155,17 @@ def naive_adapt_keys(queries, keys0, *, alpha, gamma, prior, iters, form):
         for _ in range(iters):
             weights = []
             for q_row in queries:
-                log_p = ([alpha_u[u] / 2 * mpmath.fsum(mp(x) ** 2 for x in xi[u])
-                          for u in range(units)]
-                         if prior == "magnitude" else [mpmath.mpf(0)] * units)
-                logits = [log_p[u] + dim / mpmath.mpf(2) * mpmath.log(alpha_u[u])
-                          - alpha_u[u] / 2 * squared_distance(xi[u], q_row) for u in range(units)]
+                log_p = (
+                    [alpha_u[u] / 2 * mpmath.fsum(mp(x) ** 2 for x in xi[u]) for u in range(units)]
+                    if prior == "magnitude"
+                    else [mpmath.mpf(0)] * units
+                )
+                logits = [
+                    log_p[u]
+                    + dim / mpmath.mpf(2) * mpmath.log(alpha_u[u])
+                    - alpha_u[u] / 2 * squared_distance(xi[u], q_row)
+                    for u in range(units)
+                ]
                 weights.append(softmax_weights(logits))
             new = []
             for k in range(units):
@@ -133,19 +174,36 @@ def naive_adapt_keys(queries, keys0, *, alpha, gamma, prior, iters, form):
                     continue
                 g, a = gamma_u[k], alpha_in[k]
                 total = exact_sum(w[k] for w in weights)
-                sums = [exact_sum(exact_mul(w[k], q[d])
-                                  for w, q in zip(weights, queries, strict=True))
-                        for d in range(dim)]
+                sums = [
+                    exact_sum(exact_mul(w[k], q[d]) for w, q in zip(weights, queries, strict=True))
+                    for d in range(dim)
+                ]
                 if form == "paper":
-                    new.append([exact_div(exact_sum([exact_mul(g, xi0[k][d]),
-                                                     exact_mul(a, exact_div(sums[d], total))]),
-                                          exact_sum([a, g])) for d in range(dim)])
+                    new.append(
+                        [
+                            exact_div(
+                                exact_sum(
+                                    [
+                                        exact_mul(g, xi0[k][d]),
+                                        exact_mul(a, exact_div(sums[d], total)),
+                                    ]
+                                ),
+                                exact_sum([a, g]),
+                            )
+                            for d in range(dim)
+                        ]
+                    )
                 else:  # "map": prior centred on xi^0; "map_recentred": on the current keys
                     centre = xi[k] if form == "map_recentred" else xi0[k]
-                    new.append([exact_div(exact_sum([exact_mul(g, centre[d]),
-                                                     exact_mul(a, sums[d])]),
-                                          exact_sum([g, exact_mul(a, total)]))
-                                for d in range(dim)])
+                    new.append(
+                        [
+                            exact_div(
+                                exact_sum([exact_mul(g, centre[d]), exact_mul(a, sums[d])]),
+                                exact_sum([g, exact_mul(a, total)]),
+                            )
+                            for d in range(dim)
+                        ]
+                    )
             xi = new
         return xi
 
@@ -160,13 +218,19 @@ def naive_adapt_priors(queries, keys, *, alpha, eta, pi0, iters, form):
         for _ in range(iters):
             w_bar = [Fraction(0)] * units
             for q_row in queries:
-                logits = [(mpmath.log(mp(pi[u])) if pi[u] > 0 else -mpmath.inf)
-                          + dim / mpmath.mpf(2) * mpmath.log(alpha_u[u])
-                          - alpha_u[u] / 2 * squared_distance(q_row, keys[u]) for u in range(units)]
+                logits = [
+                    (mpmath.log(mp(pi[u])) if pi[u] > 0 else -mpmath.inf)
+                    + dim / mpmath.mpf(2) * mpmath.log(alpha_u[u])
+                    - alpha_u[u] / 2 * squared_distance(q_row, keys[u])
+                    for u in range(units)
+                ]
                 weights = softmax_weights(logits)
                 w_bar = [exact_sum([w_bar[u], weights[u]]) for u in range(units)]
-            mass = ([exact_mul(w_bar[k], exact_sum([1, eta_u[k]])) for k in range(units)]
-                    if form == "paper" else [exact_sum([w_bar[k], eta_u[k]]) for k in range(units)])
+            mass = (
+                [exact_mul(w_bar[k], exact_sum([1, eta_u[k]])) for k in range(units)]
+                if form == "paper"
+                else [exact_sum([w_bar[k], eta_u[k]]) for k in range(units)]
+            )
             norm = exact_sum(mass)
             pi = [exact_div(m, norm) for m in mass]
         return pi

@@ -25,8 +25,20 @@ def _log_gauss(torch, x, means, precision):
     return dim / 2 * torch.log(precision / (2 * math.pi)) - precision / 2 * sq
 
 
-def torch_attention(torch, q, keys, values, *, alpha, beta, prior="uniform", v_init=None,
-                    iters=1, allowed=None, normalisers=True):
+def torch_attention(
+    torch,
+    q,
+    keys,
+    values,
+    *,
+    alpha,
+    beta,
+    prior="uniform",
+    v_init=None,
+    iters=1,
+    allowed=None,
+    normalisers=True,
+):
     """EM value inference (eqs. (13)-(14)); ``normalisers=False``: the E-step without the
     Gaussian normalisers and the plain mean as M-step. Empty rows (``allowed``) give 0."""
     units = keys.shape[0]
@@ -69,8 +81,9 @@ def _responsibilities(torch, queries, keys, alpha_u, log_prior):
     return torch.softmax(log_prior + _log_gauss(torch, queries, keys, alpha_u), dim=-1)
 
 
-def torch_adapt_keys(torch, queries, keys0, *, alpha, gamma, prior="uniform", iters=1,
-                     form="paper"):
+def torch_adapt_keys(
+    torch, queries, keys0, *, alpha, gamma, prior="uniform", iters=1, form="paper"
+):
     """Key adaptation: eqs. (28)-(29) ("paper"), the once-counted MAP form centred on the
     initial keys ("map") or on the current keys ("map_recentred")."""
     units = keys0.shape[0]
@@ -81,8 +94,11 @@ def torch_adapt_keys(torch, queries, keys0, *, alpha, gamma, prior="uniform", it
     a = alpha_u[:, None]
     keys = keys0
     for _ in range(iters):
-        log_prior = (alpha_u / 2 * (keys**2).sum(-1) if prior == "magnitude"
-                     else torch.zeros(units, dtype=torch.float64))
+        log_prior = (
+            alpha_u / 2 * (keys**2).sum(-1)
+            if prior == "magnitude"
+            else torch.zeros(units, dtype=torch.float64)
+        )
         w = _responsibilities(torch, queries, keys, alpha_u, log_prior)
         total = w.sum(0)[:, None]
         sums = w.T @ queries
@@ -101,8 +117,7 @@ def torch_adapt_priors(torch, queries, keys, *, alpha, eta, pi0, iters=1, form="
     alpha_u = _per_unit(torch, alpha, units)
     pi = torch.as_tensor(pi0, dtype=torch.float64)
     pi = pi / pi.sum()
-    eta_u = eta * pi if isinstance(eta, float | int) else torch.as_tensor(eta,
-                                                                          dtype=torch.float64)
+    eta_u = eta * pi if isinstance(eta, float | int) else torch.as_tensor(eta, dtype=torch.float64)
     for _ in range(iters):
         w_bar = _responsibilities(torch, queries, keys, alpha_u, torch.log(pi)).sum(0)
         mass = w_bar * (1 + eta_u) if form == "paper" else w_bar + eta_u

@@ -37,8 +37,10 @@ def naive_retrieve(xi, X, beta, steps):
             for _ in range(steps):
                 scores = [mp(beta) * _dot(x, [mp(a) for a in state]) for x in patterns]
                 weights = softmax_weights(scores)
-                state = [exact_sum(exact_mul(w, x[d]) for w, x in zip(weights, X, strict=True))
-                         for d in range(len(state))]
+                state = [
+                    exact_sum(exact_mul(w, x[d]) for w, x in zip(weights, X, strict=True))
+                    for d in range(len(state))
+                ]
                 trace.append(naive_energy([mp(a) for a in state], patterns, beta))
             states.append(state)
             energies.append(trace)

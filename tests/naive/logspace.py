@@ -35,8 +35,9 @@ def naive_logspace(x, where, dps):
                 lse.append(exact_plus_small(top, shift))
             else:
                 shift = None
-                lse.append(mpmath.log(mpmath.fsum(mpmath.exp(a) for a in vals)) if vals
-                           else -mpmath.inf)
+                lse.append(
+                    mpmath.log(mpmath.fsum(mpmath.exp(a) for a in vals)) if vals else -mpmath.inf
+                )
             soft_row, log_row = [], []
             for a, k in zip(row, keep, strict=True):
                 if not k:
@@ -64,5 +65,7 @@ def naive_logspace_rounded(x, where, dtype):
     finite = np.where(where & np.isfinite(x), x.astype(np.float64), 0.0)
     spread = float(finite.max()) / 2 - float(finite.min()) / 2  # (halves: no overflow)
     spread = 2 * min(spread, 1e300)
-    return tuple(round_stable(lambda dps, n=n: naive_logspace(x, where, dps)[n], dtype,
-                              spread) for n in range(3))
+    return tuple(
+        round_stable(lambda dps, n=n: naive_logspace(x, where, dps)[n], dtype, spread)
+        for n in range(3)
+    )

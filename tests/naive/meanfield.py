@@ -13,9 +13,19 @@ import numpy as np
 
 from .mp import richardson_gradient
 
-__all__ = ["DPS", "exact_naive_step", "mp_matrix", "mp_solve", "mp_inverse", "mp_ising",
-           "richardson_gradient", "linear_means_loss", "deq_loss", "ising_loss",
-           "mp_softmax_couplings"]
+__all__ = [
+    "DPS",
+    "exact_naive_step",
+    "mp_matrix",
+    "mp_solve",
+    "mp_inverse",
+    "mp_ising",
+    "richardson_gradient",
+    "linear_means_loss",
+    "deq_loss",
+    "ising_loss",
+    "mp_softmax_couplings",
+]
 
 #: Decimal digits of the mpmath evaluations.
 DPS = 50
@@ -24,9 +34,20 @@ DPS = 50
 def exact_naive_step(m, J, x):
     """``m_i <- sum_j J_ij m_j + x_i`` for one sample, in exact Fractions (nested lists)."""
     n, d = m.shape
-    return [[sum((Fraction(float(J[i, j, a, b])) * Fraction(float(m[j, b]))
-                  for j in range(n) for b in range(d)), Fraction(float(x[i, a])))
-             for a in range(d)] for i in range(n)]
+    return [
+        [
+            sum(
+                (
+                    Fraction(float(J[i, j, a, b])) * Fraction(float(m[j, b]))
+                    for j in range(n)
+                    for b in range(d)
+                ),
+                Fraction(float(x[i, a])),
+            )
+            for a in range(d)
+        ]
+        for i in range(n)
+    ]
 
 
 def mp_matrix(P, J):
@@ -44,8 +65,9 @@ def mp_solve(P, J, rhs):
 def mp_inverse(P, J):
     with mpmath.workdps(DPS):
         inv = mp_matrix(P, J) ** -1
-        return np.array([[inv[i, j] for j in range(inv.cols)] for i in range(inv.rows)],
-                        dtype=object)
+        return np.array(
+            [[inv[i, j] for j in range(inv.cols)] for i in range(inv.rows)], dtype=object
+        )
 
 
 def mp_ising(x, J, m0, V0):
@@ -59,15 +81,23 @@ def mp_ising(x, J, m0, V0):
             m, V = u[:n], u[n:]
             lam = mpmath.diag([V[i] + 1 / (1 - m[i] ** 2) for i in range(n)])
             chi = (lam - Jm) ** -1
-            return ([m[i] - mpmath.tanh(mpmath.fsum(Jm[i, j] * m[j] for j in range(n))
-                                        - V[i] * m[i] + xs[i]) for i in range(n)]
-                    + [chi[i, i] - (1 - m[i] ** 2) for i in range(n)])
+            return [
+                m[i]
+                - mpmath.tanh(mpmath.fsum(Jm[i, j] * m[j] for j in range(n)) - V[i] * m[i] + xs[i])
+                for i in range(n)
+            ] + [chi[i, i] - (1 - m[i] ** 2) for i in range(n)]
 
-        root = mpmath.findroot(equations, [mpmath.mpf(float(v)) for v in (*m0, *V0)],
-                               tol=mpmath.mpf(10) ** (-2 * DPS + 10))
+        root = mpmath.findroot(
+            equations,
+            [mpmath.mpf(float(v)) for v in (*m0, *V0)],
+            tol=mpmath.mpf(10) ** (-2 * DPS + 10),
+        )
         m, V = [root[i] for i in range(n)], [root[n + i] for i in range(n)]
-        return (np.array(m, dtype=object), np.array(V, dtype=object),
-                np.array([1 - v ** 2 for v in m], dtype=object))
+        return (
+            np.array(m, dtype=object),
+            np.array(V, dtype=object),
+            np.array([1 - v**2 for v in m], dtype=object),
+        )
 
 
 # ----------------------------------------------------------------------------- gradients
@@ -75,8 +105,9 @@ def mp_ising(x, J, m0, V0):
 
 def _blocks_matrix(J, n, d):
     """(N, N, d, d) nested values -> mpmath (N d, N d) matrix with row (i, a), column (j, b)."""
-    return mpmath.matrix([[J[i][j][a][b] for j in range(n) for b in range(d)]
-                          for i in range(n) for a in range(d)])
+    return mpmath.matrix(
+        [[J[i][j][a][b] for j in range(n) for b in range(d)] for i in range(n) for a in range(d)]
+    )
 
 
 def _split(flat, x_shape, J_shape):
@@ -94,8 +125,13 @@ def linear_means_loss(x_shape, J_shape, P, g):
 
     def loss(flat):
         x, J = _split(flat, x_shape, J_shape)
-        A = mpmath.matrix([[P[i * d + a][j * d + b] for j in range(n) for b in range(d)]
-                           for i in range(n) for a in range(d)]) - _blocks_matrix(J, n, d)
+        A = mpmath.matrix(
+            [
+                [P[i * d + a][j * d + b] for j in range(n) for b in range(d)]
+                for i in range(n)
+                for a in range(d)
+            ]
+        ) - _blocks_matrix(J, n, d)
         m = mpmath.lu_solve(A, mpmath.matrix(list(x.ravel())))
         return mpmath.fsum(float(gk) * m[k] for k, gk in enumerate(np.ravel(g)))
 
@@ -113,11 +149,16 @@ def deq_loss(x_shape, J_shape, g, correction, z0):
         xs = list(x.ravel())
 
         def equations(*z):
-            return [z[r] - mpmath.fsum(Jm[r, c] * z[c] for c in range(n * d)) + correction(z[r])
-                    - xs[r] for r in range(n * d)]
+            return [
+                z[r] - mpmath.fsum(Jm[r, c] * z[c] for c in range(n * d)) + correction(z[r]) - xs[r]
+                for r in range(n * d)
+            ]
 
-        z = mpmath.findroot(equations, [mpmath.mpf(float(v)) for v in np.ravel(z0)],
-                            tol=mpmath.mpf(10) ** (-2 * DPS + 10))
+        z = mpmath.findroot(
+            equations,
+            [mpmath.mpf(float(v)) for v in np.ravel(z0)],
+            tol=mpmath.mpf(10) ** (-2 * DPS + 10),
+        )
         return mpmath.fsum(float(gk) * z[k] for k, gk in enumerate(np.ravel(g)))
 
     return loss
@@ -147,8 +188,9 @@ def mp_softmax_couplings(x, W_Q, W_K, W_V, allowed):
         out[...] = mpmath.mpf(0)
         for i in range(n):
             keys = [j for j in range(n) if allowed[i, j]]
-            scores = {j: scale * mpmath.fsum(q[i, c] * k[j, c] for c in range(q.cols))
-                      for j in keys}
+            scores = {
+                j: scale * mpmath.fsum(q[i, c] * k[j, c] for c in range(q.cols)) for j in keys
+            }
             total = mpmath.fsum(mpmath.exp(s) for s in scores.values())
             for j in keys:
                 weight = mpmath.exp(scores[j]) / total

@@ -46,8 +46,21 @@ def _component(q_row, k, s2, log_p, mode, normalized):
     return term
 
 
-def naive_mgk(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=False, mask=None,
-              causal=False, window=None, align="top_left", row_eps=0.0):
+def naive_mgk(
+    q,
+    keys,
+    v,
+    *,
+    log_pi=None,
+    sigma2=1.0,
+    mode="soft",
+    normalized=False,
+    mask=None,
+    causal=False,
+    window=None,
+    align="top_left",
+    row_eps=0.0,
+):
     """Rows h_i = sum_j P_ij v_j; with ``row_eps`` the weights are e^{s_ij} / (sum_j e^{s_ij}
     + row_eps) (the public language-modelling code's extra 1e-6 in the row normaliser)."""
     length, (units, comps) = len(q), keys.shape[:2]
@@ -62,12 +75,16 @@ def naive_mgk(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=Fa
                     continue
                 terms = []
                 for r in range(comps):
-                    log_p = (-mpmath.log(comps) if log_pi is None else
-                             (-mpmath.inf if np.isneginf(log_pi[j][r]) else mp(log_pi[j][r])))
+                    log_p = (
+                        -mpmath.log(comps)
+                        if log_pi is None
+                        else (-mpmath.inf if np.isneginf(log_pi[j][r]) else mp(log_pi[j][r]))
+                    )
                     if mode == "soft" and log_p == -mpmath.inf:
                         continue
-                    terms.append(_component(q[i], keys[j][r], mp(s2[j][r]), log_p, mode,
-                                            normalized))
+                    terms.append(
+                        _component(q[i], keys[j][r], mp(s2[j][r]), log_p, mode, normalized)
+                    )
                 scores[j] = lse(terms) if mode == "soft" else max(terms)
             if not scores:
                 out.append([mpmath.mpf(0)] * v.shape[1])
@@ -76,10 +93,13 @@ def naive_mgk(q, keys, v, *, log_pi=None, sigma2=1.0, mode="soft", normalized=Fa
                 total = mpmath.fsum(mpmath.exp(s) for s in scores.values()) + mp(row_eps)
                 weights = {j: mpmath.exp(s) / total for j, s in scores.items()}
             else:
-                weights = dict(zip(scores, softmax_weights(list(scores.values())),
-                                   strict=True))
-            out.append([exact_sum(exact_mul(w, v[j][e]) for j, w in weights.items())
-                        for e in range(v.shape[1])])
+                weights = dict(zip(scores, softmax_weights(list(scores.values())), strict=True))
+            out.append(
+                [
+                    exact_sum(exact_mul(w, v[j][e]) for j, w in weights.items())
+                    for e in range(v.shape[1])
+                ]
+            )
         return out
 
 
@@ -92,9 +112,12 @@ def naive_em(q, keys, *, log_pi, sigma2, mask=None, pi_update="joint"):
     with mpmath.workdps(DPS):
         resp = [[[mpmath.mpf(0)] * comps for _ in range(units)] for _ in range(length)]
         for i in range(length):
-            terms = {(j, r): _component(q[i], keys[j][r], mp(s2[j][r]), mp(log_pi[j][r]),
-                                        "soft", True)
-                     for j in range(units) for r in range(comps) if allowed[i, j]}
+            terms = {
+                (j, r): _component(q[i], keys[j][r], mp(s2[j][r]), mp(log_pi[j][r]), "soft", True)
+                for j in range(units)
+                for r in range(comps)
+                if allowed[i, j]
+            }
             if not terms:
                 continue
             for (j, r), w in zip(terms, softmax_weights(list(terms.values())), strict=True):
@@ -102,8 +125,14 @@ def naive_em(q, keys, *, log_pi, sigma2, mask=None, pi_update="joint"):
         pi = []
         for j in range(units):
             den = exact_sum(resp[i][j][r] for i in range(length) for r in range(comps))
-            pi.append([exact_div(exact_sum(resp[i][j][r] for i in range(length)), den) if den else
-                       mpmath.exp(mp(log_pi[j][r])) for r in range(comps)])
+            pi.append(
+                [
+                    exact_div(exact_sum(resp[i][j][r] for i in range(length)), den)
+                    if den
+                    else mpmath.exp(mp(log_pi[j][r]))
+                    for r in range(comps)
+                ]
+            )
         return pi, resp
 
 
@@ -116,16 +145,25 @@ def _naive_em_per_key(q, keys, log_pi, s2, allowed):
             for j in range(units):
                 if not allowed[i, j]:
                     continue
-                dens = [mpmath.exp(_component(q[i], keys[j][r], mp(s2[j][r]),
-                                              mp(log_pi[j][r]), "soft", True))
-                        for r in range(comps)]
+                dens = [
+                    mpmath.exp(
+                        _component(q[i], keys[j][r], mp(s2[j][r]), mp(log_pi[j][r]), "soft", True)
+                    )
+                    for r in range(comps)
+                ]
                 total = mpmath.fsum(dens)
                 resp[i][j] = [d / total for d in dens]
         pi = []
         for j in range(units):
             rows = [i for i in range(length) if allowed[i, j]]
-            pi.append([mpmath.fsum(resp[i][j][r] for i in rows) / len(rows) if rows else
-                       mpmath.exp(mp(log_pi[j][r])) for r in range(comps)])
+            pi.append(
+                [
+                    mpmath.fsum(resp[i][j][r] for i in rows) / len(rows)
+                    if rows
+                    else mpmath.exp(mp(log_pi[j][r]))
+                    for r in range(comps)
+                ]
+            )
         return pi, resp
 
 
@@ -134,8 +172,9 @@ def _phi(x):
     return x + 1 if x > 0 else mpmath.exp(x)
 
 
-def naive_linear(q, keys, v, *, pi, causal=False, mask=None, window=None, align="top_left",
-                 mlk_form="mixture"):
+def naive_linear(
+    q, keys, v, *, pi, causal=False, mask=None, window=None, align="top_left", mlk_form="mixture"
+):
     """MLK rows from the three readings' descriptions.
 
     "mixture": ratio of sum_j phi(q).(sum_r pi phi(k_jr)) v_j over the same sum without v_j;
@@ -146,29 +185,45 @@ def naive_linear(q, keys, v, *, pi, causal=False, mask=None, window=None, align=
     length, (units, comps, dim) = len(q), keys.shape
     allowed = naive_allowed(length, units, mask=mask, causal=causal, window=window, align=align)
     with mpmath.workdps(DPS):
+
         def unit(vec):
             total = mpmath.fsum(vec)
             return [x / total for x in vec]
 
         if mlk_form == "lra":
             root = mpmath.root(mpmath.mpf(length) * units, 4)
-            mixed = [[_phi(mpmath.fsum(mp(pi[j][r]) * mp(keys[j][r][d]) for r in range(comps)))
-                      for d in range(dim)] for j in range(units)]
+            mixed = [
+                [
+                    _phi(mpmath.fsum(mp(pi[j][r]) * mp(keys[j][r][d]) for r in range(comps)))
+                    for d in range(dim)
+                ]
+                for j in range(units)
+            ]
         else:
-            feats = [[(unit if mlk_form == "lm" else list)([_phi(x) for x in keys[j][r]])
-                      for r in range(comps)] for j in range(units)]
-            mixed = [[mpmath.fsum(mp(pi[j][r]) * feats[j][r][d] for r in range(comps))
-                      for d in range(dim)] for j in range(units)]
+            feats = [
+                [
+                    (unit if mlk_form == "lm" else list)([_phi(x) for x in keys[j][r]])
+                    for r in range(comps)
+                ]
+                for j in range(units)
+            ]
+            mixed = [
+                [
+                    mpmath.fsum(mp(pi[j][r]) * feats[j][r][d] for r in range(comps))
+                    for d in range(dim)
+                ]
+                for j in range(units)
+            ]
         out = []
         for i in range(length):
             phi_q = [_phi(x) for x in q[i]]
             if mlk_form == "lm":
                 phi_q = unit(phi_q)
             cols = [j for j in range(units) if allowed[i, j]]
-            kernels = {j: mpmath.fsum(a * b for a, b in zip(phi_q, mixed[j], strict=True))
-                       for j in cols}
-            num = [mpmath.fsum(kernels[j] * mp(v[j][e]) for j in cols)
-                   for e in range(v.shape[1])]
+            kernels = {
+                j: mpmath.fsum(a * b for a, b in zip(phi_q, mixed[j], strict=True)) for j in cols
+            }
+            num = [mpmath.fsum(kernels[j] * mp(v[j][e]) for j in cols) for e in range(v.shape[1])]
             if mlk_form == "lra":
                 out.append([n / root for n in num])
             elif mlk_form == "lm":

@@ -18,9 +18,23 @@ from fractions import Fraction
 import mpmath
 import numpy as np
 
-__all__ = ["mp", "exact_fraction", "per_unit", "squared_distance", "lse", "softmax_weights",
-           "exact_sum", "exact_mul", "exact_div", "richardson_derivative", "naive_vjp",
-           "central_vjp", "STEP_BITS", "SAFETY", "richardson_gradient"]
+__all__ = [
+    "mp",
+    "exact_fraction",
+    "per_unit",
+    "squared_distance",
+    "lse",
+    "softmax_weights",
+    "exact_sum",
+    "exact_mul",
+    "exact_div",
+    "richardson_derivative",
+    "naive_vjp",
+    "central_vjp",
+    "STEP_BITS",
+    "SAFETY",
+    "richardson_gradient",
+]
 
 #: Step of the central differences, 2**-STEP_BITS times max(1, |x|).
 STEP_BITS = 50
@@ -115,12 +129,13 @@ def richardson_derivative(f, x, h):
         diffs.append((f(x + step) - f(x - step)) / (2 * step))
     first = [(4 * diffs[k + 1] - diffs[k]) / 3 for k in range(2)]
     second = (16 * first[1] - first[0]) / 15
-    rounding = abs(f(x)) * mpmath.mpf(10) ** (-mpmath.mp.dps + 5) / (h / 4) + \
-        mpmath.mpf(10) ** (-mpmath.mp.dps + 5)
+    rounding = abs(f(x)) * mpmath.mpf(10) ** (-mpmath.mp.dps + 5) / (h / 4) + mpmath.mpf(10) ** (
+        -mpmath.mp.dps + 5
+    )
     return second, abs(second - first[1]) + rounding
 
 
-def naive_vjp(forward, arrays, grad_out, *, dps=60, step=2.0 ** -24):
+def naive_vjp(forward, arrays, grad_out, *, dps=60, step=2.0**-24):
     """Central-difference vjp of ``sum(grad_out * forward(*arrays))`` by
     :func:`richardson_derivative`, for every element of every array: a list (one per array)
     of object arrays of (derivative, error estimate) pairs (mpf), at ``dps`` digits.
@@ -128,8 +143,10 @@ def naive_vjp(forward, arrays, grad_out, *, dps=60, step=2.0 ** -24):
     ``forward`` takes object arrays of mpf (the perturbed inputs) and returns nested lists.
     """
     with mpmath.workdps(dps):
-        base = [np.array([[mp(x) for x in np.ravel(a)]], dtype=object).reshape(np.shape(a))
-                for a in arrays]
+        base = [
+            np.array([[mp(x) for x in np.ravel(a)]], dtype=object).reshape(np.shape(a))
+            for a in arrays
+        ]
         weights = np.asarray(grad_out, dtype=np.float64)
 
         def objective(index, position):
@@ -137,19 +154,23 @@ def naive_vjp(forward, arrays, grad_out, *, dps=60, step=2.0 ** -24):
                 args = [a.copy() for a in base]
                 args[index][position] = x
                 out = np.array(forward(*args), dtype=object)
-                return mpmath.fsum(mp(o) * mp(w) for o, w in zip(out.ravel(),
-                                                                 weights.ravel(),
-                                                                 strict=True))
+                return mpmath.fsum(
+                    mp(o) * mp(w) for o, w in zip(out.ravel(), weights.ravel(), strict=True)
+                )
+
             return f
 
         result = []
         for index, a in enumerate(base):
             grads = np.empty(a.shape + (2,), dtype=object)
             for position in np.ndindex(*a.shape):
-                grads[position] = richardson_derivative(objective(index, position),
-                                                        a[position], step)
+                grads[position] = richardson_derivative(
+                    objective(index, position), a[position], step
+                )
             result.append(grads)
         return result
+
+
 def _flatten(nested):
     if isinstance(nested, list | tuple):
         return [x for item in nested for x in _flatten(item)]
@@ -169,8 +190,10 @@ def central_vjp(function, arrays, grad, *, dps):
     weights = [mp(g) for g in np.ravel(grad)]
     results = []
     with mpmath.workdps(dps):
-        base = [np.array([mp(x) for x in np.ravel(a)], dtype=object).reshape(np.shape(a))
-                for a in arrays]
+        base = [
+            np.array([mp(x) for x in np.ravel(a)], dtype=object).reshape(np.shape(a))
+            for a in arrays
+        ]
 
         def projected(which, index, step):
             moved = [b.copy() for b in base]
@@ -191,6 +214,8 @@ def central_vjp(function, arrays, grad, *, dps):
                 error[index] = SAFETY * abs(fine - coarse)
             results.append((estimate, error))
     return results
+
+
 def richardson_gradient(loss, theta, free, dps=50):
     """Gradient of ``loss`` (a function of a flat list of mpf) at the float array ``theta`` by
     central differences with one Richardson step, at ``dps`` digits.

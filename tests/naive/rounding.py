@@ -14,8 +14,7 @@ import math
 import mpmath
 import numpy as np
 
-__all__ = ["to_float_array", "round_to_dtype", "round_nested", "round_stable",
-           "exact_plus_small"]
+__all__ = ["to_float_array", "round_to_dtype", "round_nested", "round_stable", "exact_plus_small"]
 
 
 def to_float_array(nested) -> np.ndarray:
@@ -61,8 +60,7 @@ def round_to_dtype(value, dtype):
             return -0.0 if sign else 0.0
         if man and exp + bc > 1100:  # |value| >= 2**1099: beyond every format's range
             return -math.inf if sign else math.inf
-        value = (-1) ** sign * Fraction(int(man)) * Fraction(2) ** int(exp) if man else \
-            Fraction(0)
+        value = (-1) ** sign * Fraction(int(man)) * Fraction(2) ** int(exp) if man else Fraction(0)
     value = Fraction(value)
     dtype = np.dtype(dtype)
     if value == 0:
@@ -87,8 +85,9 @@ def round_to_dtype(value, dtype):
         if best is None or key < best[0]:
             best = (key, float(cand))
     top = _max_finite(dtype)
-    half_ulp = (top - Fraction(float(_neighbours(np.array([float(top)]).astype(dtype)[0],
-                                                  dtype)[0]))) / 2
+    half_ulp = (
+        top - Fraction(float(_neighbours(np.array([float(top)]).astype(dtype)[0], dtype)[0]))
+    ) / 2
     if abs(value) >= top + half_ulp:
         return math.inf if value > 0 else -math.inf
     return best[1]
@@ -99,8 +98,11 @@ def _max_finite(dtype):
 
     import ml_dtypes
 
-    info = ml_dtypes.finfo(dtype) if np.dtype(dtype).kind == "V" or np.dtype(dtype).name == \
-        "bfloat16" else np.finfo(dtype)
+    info = (
+        ml_dtypes.finfo(dtype)
+        if np.dtype(dtype).kind == "V" or np.dtype(dtype).name == "bfloat16"
+        else np.finfo(dtype)
+    )
     return Fraction(float(info.max))
 
 
@@ -149,6 +151,7 @@ def round_stable(compute, dtype, spread=0.0):
     first = round_nested(compute(digits), dtype)
     second = round_nested(compute(2 * digits), dtype)
     same = np.array_equal(first, second, equal_nan=True) and np.array_equal(
-        np.signbit(first), np.signbit(second))
+        np.signbit(first), np.signbit(second)
+    )
     assert same, f"reference rounding differs between {digits} and {2 * digits} digits"
     return first

@@ -11,8 +11,17 @@ from __future__ import annotations
 import mpmath
 import numpy as np
 
-__all__ = ["mp_array", "naive_linear", "naive_layer_norm", "naive_attention_rows", "naive_mha",
-           "naive_feed_forward", "naive_encoder", "naive_decoder", "naive_positions"]
+__all__ = [
+    "mp_array",
+    "naive_linear",
+    "naive_layer_norm",
+    "naive_attention_rows",
+    "naive_mha",
+    "naive_feed_forward",
+    "naive_encoder",
+    "naive_decoder",
+    "naive_positions",
+]
 
 
 def mp_array(a) -> np.ndarray:
@@ -82,8 +91,14 @@ def naive_mha(x_q, x_kv, p, allowed):
     blocks = []
     for h in range(heads):
         g = h // (heads // kv_heads)
-        blocks.append(naive_attention_rows(q[:, h * dim:(h + 1) * dim], k[:, g * dim:(g + 1) * dim],
-                                         v[:, g * vdim:(g + 1) * vdim], allowed))
+        blocks.append(
+            naive_attention_rows(
+                q[:, h * dim : (h + 1) * dim],
+                k[:, g * dim : (g + 1) * dim],
+                v[:, g * vdim : (g + 1) * vdim],
+                allowed,
+            )
+        )
     return naive_linear(np.concatenate(blocks, axis=1), p.W_O, p.b_O)
 
 
@@ -93,8 +108,9 @@ def naive_feed_forward(x, p):
     if p.activation == "relu":
         act = np.vectorize(lambda t: max(t, 0), otypes=[object])(hidden)
     else:
-        act = np.vectorize(lambda t: t / 2 * (1 + mpmath.erf(t / mpmath.sqrt(2))),
-                           otypes=[object])(hidden)
+        act = np.vectorize(lambda t: t / 2 * (1 + mpmath.erf(t / mpmath.sqrt(2))), otypes=[object])(
+            hidden
+        )
     return naive_linear(act, p.W2, p.b2)
 
 
