@@ -9,7 +9,7 @@ Every function has two paths: ``precision="float64"`` (fast NumPy, log-space) an
 ``precision="exact"`` (every output element the exact result rounded once to ``out_dtype``).
 """
 
-from . import bounds, fixedpoint, gmm, hopfield, masks, meanfield, mgk, transformer
+from . import bounds, fixedpoint, gmm, hopfield, masks, meanfield, mgk, spec, transformer
 from ._version import __version__
 from .attention import AttentionGrads, AttentionSinkGrads, attention, attention_vjp
 from .exact.rounding import UndecidedRoundingError
@@ -49,5 +49,6 @@ __all__ = [
     "meanfield",
     "transformer",
     "masks",
+    "spec",
     "bounds",
 ]

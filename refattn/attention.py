@@ -13,9 +13,8 @@ import numpy as np
 
 from . import _checks
 from ._broadcast import reduce_to
-from ._fold import fold, needs_fold, split_sink_grads
-from ._spec import AttentionSpec, canonicalize, check_cotangent
 from .logspace import masked_softmax
+from .spec import AttentionSpec, canonicalize, check_cotangent, fold, needs_fold, split_sink_grads
 
 __all__ = ["attention", "attention_vjp", "AttentionGrads", "AttentionSinkGrads", "BACKENDS"]
 

@@ -10,11 +10,11 @@ import pytest
 from helpers import assert_same_bits, vjp_problem
 
 import refattn
-from refattn._spec import canonicalize, check_cotangent
 from refattn.exact import _fast_vjp
 from refattn.exact import attention_vjp as vjp_module
 from refattn.exact.attention_vjp import exact_vjp
 from refattn.exact.rounding import FORMATS
+from refattn.spec import canonicalize, check_cotangent
 
 BATCH, HEADS, KV_HEADS, LENGTH, KEYS = 2, 4, 2, 7, 9
 SINKS = np.array([0.5, -1.0, 2.0, 0.0])

@@ -9,11 +9,10 @@ import pytest
 from helpers import assert_same_bits, vjp_problem
 
 import refattn
-from refattn._fold import fold
-from refattn._spec import canonicalize, check_cotangent
 from refattn.exact import _fast_vjp
 from refattn.exact.attention_vjp import exact_vjp
 from refattn.exact.rounding import FORMATS
+from refattn.spec import canonicalize, check_cotangent, fold
 
 
 def _problem(seed=0, batch=2, heads=4, kv_heads=2, length=7, keys=9, dim=4, vdim=3):

@@ -151,7 +151,7 @@ def test_row_spec_keeps_original_row_indices():
         alibi_slopes=np.array([0.5, 0.25]),
         bias=np.arange(63.0).reshape(7, 9) / 8,
     )
-    spec = refattn._spec.canonicalize(q, k, v, **opts)
+    spec = refattn.spec.canonicalize(q, k, v, **opts)
     full = refattn.exact.attention.exact_forward(spec, np.dtype(np.float64), return_lse=True)
     part = refattn.exact.attention.exact_forward(
         FA.row_spec(spec, 0, 1, 3, 6), np.dtype(np.float64), return_lse=True
@@ -289,8 +289,7 @@ def test_scores_far_beyond_exp_domain_match_the_referee():
 
 def _option_specs():
     """Specs of every option that shapes the allowed set, sinks folded as the exact path does."""
-    from refattn._fold import fold
-    from refattn._spec import canonicalize
+    from refattn.spec import canonicalize, fold
 
     rng = np.random.default_rng(11)
     q, k, v = (rng.standard_normal(s) for s in ((2, 4, 9, 3), (2, 2, 13, 3), (2, 2, 13, 2)))

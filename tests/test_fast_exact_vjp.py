@@ -19,10 +19,10 @@ from oracle import catalogue
 from oracle.catalogue.attention import make_inputs
 from oracle.golden import call_options
 from refattn import config
-from refattn._spec import canonicalize, check_cotangent
 from refattn.exact._dd_extra import EXP_FAST_REL, exp_dd_fast, round_decision
 from refattn.exact.attention_vjp import exact_vjp
 from refattn.exact.rounding import FORMATS, round_exact
+from refattn.spec import canonicalize, check_cotangent
 
 OUT_DTYPES = ("float64", "float32", "float16", "bfloat16")
 

@@ -29,9 +29,9 @@ import pytest
 import refattn
 from refattn import gmm, hopfield, mgk
 from refattn import transformer as T
-from refattn._spec import canonicalize
 from refattn.bounds import float64_forward_bound, float64_vjp_bound, transformer_forward_bound
 from refattn.kernels import numba_cpu
+from refattn.spec import canonicalize
 
 RAGGED = [[1.0, 2.0], [3.0]]
 ACCEPTABLE = {"named-error", "correct", "unsupported"}

@@ -11,10 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import refattn
-from refattn._fold import fold
-from refattn._spec import canonicalize
 from refattn.bounds import float64_forward_bound, float64_vjp_bound
 from refattn.bounds.unit import unit_roundoff
+from refattn.spec import canonicalize, fold
 from tests.helpers import assert_same_bits as assert_exact
 from tests.helpers import assert_within
 from tests.naive.attention import naive_attention, naive_attention_rounded

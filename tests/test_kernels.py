@@ -27,8 +27,8 @@ from helpers import assert_within
 
 import refattn
 from oracle.tolerance import ulp_distance
-from refattn._spec import canonicalize
 from refattn.kernels import numba_cpu
+from refattn.spec import canonicalize
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 import refattn
-from refattn._spec import canonicalize
 from refattn.kernels import cuda as kcuda
 from refattn.kernels import numba_cpu
+from refattn.spec import canonicalize
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))

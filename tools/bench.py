@@ -46,8 +46,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import refattn  # noqa: E402
-from refattn._spec import canonicalize  # noqa: E402
 from refattn.kernels import numba_cpu  # noqa: E402
+from refattn.spec import canonicalize  # noqa: E402
 
 
 def _best(fn, repeat: int, budget: float) -> float:
@@ -201,7 +201,7 @@ def bench_shape(
 _LONG_SCRIPT = """
 import resource, sys, time, numpy as np
 sys.path.insert(0, {root!r})
-from refattn._spec import canonicalize
+from refattn.spec import canonicalize
 from refattn.kernels import numba_cpu
 def high_water():
     # VmHWM after "5 > clear_refs" is the peak since the reset (Linux); else ru_maxrss

@@ -33,8 +33,8 @@ import numpy as np
 
 import refattn
 from refattn import config
-from refattn._spec import canonicalize, check_cotangent
 from refattn.exact.attention_vjp import exact_vjp
+from refattn.spec import canonicalize, check_cotangent
 
 
 def _inputs(batch, heads, kv_heads, length, keys, dim, seed=0):

@@ -38,7 +38,7 @@ def _same(a, b) -> bool:
 
 def _spec(case, inputs):
     from oracle.golden import call_options
-    from refattn._spec import canonicalize
+    from refattn.spec import canonicalize
 
     options = call_options(case, inputs)
     spec = canonicalize(inputs["q"], inputs["k"], inputs["v"], **options)

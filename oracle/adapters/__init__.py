@@ -31,7 +31,7 @@ Rules every adapter follows (the oracle must see the peer's real behaviour):
   to the case dtype (a float16 bias of ``-slope * |i - j|`` is not the exact ALiBi term), so
   the oracle would judge the adapter's rounding, not the peer.
 * Shapes: refattn's leading batch dims broadcast; 2-D q, k, v are one head. Adapters flatten
-  the batch to one axis (via :func:`refattn._spec.canonicalize`, which also validates every
+  the batch to one axis (via :func:`refattn.spec.canonicalize`, which also validates every
   option exactly as :func:`refattn.attention` does) and restore it on the way out.
 
 Adapters (:func:`get` by name, :func:`available` for the importable ones; pip extra):
@@ -195,7 +195,7 @@ class Adapter:
     """Base of every adapter: option checking, batch flattening, output restoring.
 
     Subclasses set :attr:`name` and :attr:`peer` and implement :meth:`_forward`, which
-    receives the canonical :class:`refattn._spec.AttentionSpec` (q (B, H, L, D), k (B, K, S, D),
+    receives the canonical :class:`refattn.spec.AttentionSpec` (q (B, H, L, D), k (B, K, S, D),
     v (B, K, S, E), bias / mask (B, H, L, S) views) and ``return_lse`` and returns
     ``out`` (B, H, L, E) and ``lse`` (B, H, L) or None.
     """
@@ -216,7 +216,7 @@ class Adapter:
         return out, spec.unflatten(np.asarray(lse))
 
     def _canonical(self, q, k, v, options):
-        from refattn._spec import canonicalize
+        from refattn.spec import canonicalize
 
         unknown = sorted(set(options) - set(OPTION_NAMES))
         if unknown:

@@ -12,7 +12,7 @@ suite there. A GPU run of the oracle is one command::
 Both support every option of :func:`refattn.attention` except ``return_weights`` and expose
 ``.vjp(q, k, v, grad_out, grad_lse=None, **options) -> (dq, dk, dv, dbias, dsinks)``.
 sinks and kv_lengths are rewritten for the kernels as :func:`refattn.attention` does it
-(``refattn._fold``: an explicit mask and one more key for the sink); float8 inputs compute
+(``refattn.spec``: an explicit mask and one more key for the sink); float8 inputs compute
 from their exact dequantised values and their results are rounded to bfloat16.
 
 Examples
@@ -42,7 +42,7 @@ class _KernelAdapter(Adapter):
 
     def _canonical(self, q, k, v, options):
         """As :meth:`Adapter._canonical`, but empty_rows="nan" is supported (not a peer)."""
-        from refattn._spec import canonicalize
+        from refattn.spec import canonicalize
 
         unknown = sorted(set(options) - set(OPTION_NAMES))
         if unknown:
@@ -65,7 +65,7 @@ class _KernelAdapter(Adapter):
         return super().__call__(q, k, v, **options)
 
     def _forward(self, spec, return_lse):
-        from refattn._fold import fold, needs_fold
+        from refattn.spec import fold, needs_fold
 
         work = fold(spec, alibi_into_bias=True) if needs_fold(spec) else spec
         out, lse = self._module().attention(work, return_lse=True)
@@ -76,8 +76,7 @@ class _KernelAdapter(Adapter):
         """(dq, dk, dv, dbias, dsinks) in the input dtype (bfloat16 for float8 inputs); dbias
         has bias's own shape, dsinks (H,) (None without bias / sinks)."""
         from refattn._broadcast import reduce_to
-        from refattn._fold import fold, needs_fold
-        from refattn._spec import check_cotangent
+        from refattn.spec import check_cotangent, fold, needs_fold
 
         unknown = sorted(set(options) - set(OPTION_NAMES))
         if unknown:
@@ -95,7 +94,7 @@ class _KernelAdapter(Adapter):
         work = fold(spec, alibi_into_bias=True) if needs_fold(spec) else spec
         dq, dk, dv, dbias = self._module().attention_vjp(work, do, dl)
         dsinks = None
-        if spec.sinks is not None:  # the sink is the folded key's bias column (refattn._fold)
+        if spec.sinks is not None:  # the sink is the folded key's bias column (refattn.spec)
             keys = spec.k.shape[2]
             dsinks = np.asarray(dbias, np.float64)[..., -1].sum(axis=(0, 2))
             dk, dv, dbias = dk[..., :keys, :], dv[..., :keys, :], dbias[..., :-1]

@@ -11,7 +11,7 @@ refattn            flex_attention
 =================  ==================================================================
 scale              ``scale=``
 mask, causal,      one ``mask_mod`` reading the allowed set (B, H, L, S) of refattn's
-window, align,     spec (:meth:`refattn._spec.AttentionSpec.allowed`: mask, causal and
+window, align,     spec (:meth:`refattn.spec.AttentionSpec.allowed`: mask, causal and
 kv_lengths         window at the case's alignment, keys past each row's length, -inf
                    bias entries), through ``create_block_mask``
 softcap            ``score_mod``: ``c * tanh(score / c)`` on the scaled score (Gemma 2)

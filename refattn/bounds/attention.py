@@ -56,7 +56,7 @@ import math
 import numpy as np
 
 from .._broadcast import expand_kv, fold_kv, reduce_to
-from .._spec import canonicalize
+from ..spec import canonicalize
 from .unit import ETA, UNIT_ROUNDOFF, gamma
 
 __all__ = ["float64_forward_bound", "float64_vjp_bound", "grad_scales"]

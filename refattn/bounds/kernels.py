@@ -97,10 +97,10 @@ def online_forward_bound(spec, weights, dtype, rescalings):
     weights. ``out`` also carries the absolute underflow term (module notes)
     ``eta (4 k sum_{kept j} |v_je| + S + n_b + 8)`` with ``k = 1/(1-p)``.
 
-    ``spec`` is an :class:`~refattn._spec.AttentionSpec`, ``weights`` the float64 pre-dropout
+    ``spec`` is an :class:`~refattn.spec.AttentionSpec`, ``weights`` the float64 pre-dropout
     weights (B, H, L, S) of the NumPy path.
 
-    >>> import refattn._spec as S
+    >>> import refattn.spec as S
     >>> spec = S.canonicalize(np.ones((1, 1)), np.ones((2, 1)), np.ones((2, 1)))
     >>> out, lse = online_forward_bound(spec, np.full((1, 1, 1, 2), 0.5), np.float64, 1)
     >>> bool(0 < out.max() < 1e-14), out.shape
@@ -135,7 +135,7 @@ def online_backward_bound(spec, weights, grad_out, grad_lse, dtype, chunks):
     absolute values, :func:`refattn.bounds.grad_scales`), plus the absolute underflow terms
     of :func:`_backward_underflow` (module notes).
 
-    >>> import refattn._spec as S
+    >>> import refattn.spec as S
     >>> spec = S.canonicalize(np.ones((1, 1)), np.ones((2, 1)), np.ones((2, 1)))
     >>> dq, dk, dv, dbias = online_backward_bound(
     ...     spec, np.full((1, 1, 1, 2), 0.5), np.ones((1, 1, 1, 1)), None, np.float64, 1)

@@ -15,8 +15,8 @@ from scipy.special import erf as scipy_erf
 
 from .. import transformer as T
 from .._broadcast import reduce_to
-from .._spec import canonicalize
 from ..logspace import masked_logsumexp, masked_softmax
+from ..spec import canonicalize
 from ..transformer import Float64Ops, moment_exponent, scaled_moments
 from .unit import ETA, UNIT_ROUNDOFF, gamma
 from .unit import gamma as gamma_n

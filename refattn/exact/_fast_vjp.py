@@ -77,7 +77,7 @@ Error analysis (``u = 2**-53``; every bound below is an upper bound of the exact
 Any non-finite intermediate in a (batch, kv head) unit marks the whole unit undecided.
 
 Sinks (``spec.sinks`` (H,), finite, below :data:`INPUT_LIMIT`) are native, with the semantics
-of :func:`refattn._fold.fold` (one more key with key 0, value 0 and score exactly the logit
+of :func:`refattn.spec.fold` (one more key with key 0, value 0 and score exactly the logit
 ``sigma_h``: no scale, softcap, bias or ALiBi) but no (B, H, L, S + 1) array: pass A's scratch
 row of the keys ``lo .. hi`` (length n) gets the sink as entry n (always allowed and kept,
 score ``(sigma_h, 0)`` with error 0, softcap derivative 1, ``dp = 0`` exactly), and the
@@ -1418,7 +1418,7 @@ def allowed_plane(spec, b, h):
     """(allowed, kept) bool (L, S) of plane (b, h) as the kernels compute them row by row
     (:func:`refattn.exact._stream.key_intervals` and the un-broadcast mask, bias and
     keep-mask): for tests, which
-    compare them with :meth:`refattn._spec.AttentionSpec.allowed`."""
+    compare them with :meth:`refattn.spec.AttentionSpec.allowed`."""
     _, _, _, length, keys, _, _ = spec.dims
     rows_lo, rows_hi = key_intervals(spec)
     mask_f, mask_st = compact_view(spec.mask, np.bool_)
@@ -1749,7 +1749,7 @@ def _finish(out, mag, count):
 
 def reduce_enclosure(enc, index, shape):
     """Sum a (3, B, H, L, S) enclosure into the slots ``index`` (B, H, L, S) of an array of
-    ``shape`` (:meth:`refattn._spec.AttentionSpec.dbias_slots`; -1: left out), in the fixed
+    ``shape`` (:meth:`refattn.spec.AttentionSpec.dbias_slots`; -1: left out), in the fixed
     C order of the (B, H, L, S) positions (any other (3,) + shape with its index: the sinks'
     (3, B, H, L) into (H,))."""
     shape = tuple(shape)

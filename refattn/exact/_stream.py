@@ -4,7 +4,7 @@ Row i of batch row b may read key j when ``lo_i <= j < hi_i`` (:func:`key_interv
 window, key length) and, only where the caller passed them, the mask allows it and the bias is
 not -inf; the dropout keep-mask then selects the kept keys. The mask, bias and keep-mask are
 read from their un-broadcast elements (:func:`compact_view`). Together this is the one rule of
-:meth:`refattn._spec.AttentionSpec.allowed`; the forward (:mod:`refattn.exact.fast_attention`)
+:meth:`refattn.spec.AttentionSpec.allowed`; the forward (:mod:`refattn.exact.fast_attention`)
 and the vjp (:mod:`refattn.exact._fast_vjp`) share it.
 """
 
@@ -21,12 +21,12 @@ def key_intervals(spec):
     Row i of batch row b may read key j exactly when ``lo <= j < hi`` (before the explicit
     mask, -inf bias and dropout): ``j <= i + o`` (causal), ``i + o - left <= j <= i + o +
     right`` (window, a None side unbounded) and ``j < S_b`` (``kv_lengths``), with ``o`` the
-    row offset :meth:`refattn._spec.AttentionSpec.row_offset` (the semantics of
+    row offset :meth:`refattn.spec.AttentionSpec.row_offset` (the semantics of
     :func:`refattn.masks.structural_mask`). An empty interval has ``lo == hi``.
 
     Examples
     --------
-    >>> from refattn._spec import canonicalize
+    >>> from refattn.spec import canonicalize
     >>> spec = canonicalize(np.zeros((3, 2)), np.zeros((4, 2)), np.zeros((4, 1)), causal=True,
     ...                     window=(1, None))
     >>> [x.ravel().tolist() for x in key_intervals(spec)]

@@ -55,8 +55,7 @@ from mpmath.libmp import (
 )
 
 from .. import config
-from .._fold import fold
-from .._spec import AttentionSpec
+from ..spec import AttentionSpec, fold
 from . import _fixed as F
 from .rounding import correctly_round
 
@@ -588,7 +587,7 @@ def _to_float(x) -> float:
 def exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_weights=False):
     """Correctly rounded (out, lse, weights) in the flat (B, H, ...) layout.
 
-    A spec with ``sinks`` is folded first (:func:`refattn._fold.fold`: the sink becomes one
+    A spec with ``sinks`` is folded first (:func:`refattn.spec.fold`: the sink becomes one
     more key with value 0 and its logit as bias, ALiBi kept exact) and the sink's weight
     column is dropped from the weights.
     """

@@ -42,8 +42,7 @@ from mpmath.libmp import (
 )
 
 from .. import config
-from .._fold import fold, split_sink_grads
-from .._spec import AttentionSpec
+from ..spec import AttentionSpec, fold, split_sink_grads
 from . import _fast_vjp as _fast
 from . import _fixed as F
 from .attention import ExactForward, scale_bounds
@@ -70,7 +69,7 @@ class ExactVJP:
         if spec.sinks is not None:  # the forward engine has no sink: fold it into a key first
             raise ValueError(
                 "ExactVJP: expected a spec without sinks (fold it first: "
-                "refattn._fold.fold(spec, alibi_into_bias=False))"
+                "refattn.spec.fold(spec, alibi_into_bias=False))"
             )
         self.spec = spec
         self.forward = ExactForward(spec)
@@ -578,7 +577,7 @@ def exact_vjp(spec: AttentionSpec, grad_out, grad_lse, out_dtype, *, engine=None
     """Correctly rounded (dq, dk, dv, dbias) in the flat layout (dbias in bias's shape).
 
     With ``spec.sinks`` (H,) the fourth element is the flat ``(dbias.ravel(), dsinks)``
-    (:func:`refattn._fold.split_sink_grads` splits it; dsinks ``= sum_{b,i} dS_{i,sink}``,
+    (:func:`refattn.spec.split_sink_grads` splits it; dsinks ``= sum_{b,i} dS_{i,sink}``,
     the sink's column of the folded spec, rounded once); dk and dv have the S keys.
 
     ``engine`` "fast" (the default, :data:`refattn.config.EXACT_VJP_ENGINE`) computes double-
@@ -590,7 +589,7 @@ def exact_vjp(spec: AttentionSpec, grad_out, grad_lse, out_dtype, *, engine=None
     Examples
     --------
     >>> import numpy as np
-    >>> from refattn._spec import canonicalize
+    >>> from refattn.spec import canonicalize
     >>> spec = canonicalize(np.zeros((1, 2)), np.zeros((2, 2)), np.array([[1.0], [3.0]]))
     >>> stats = {}
     >>> dq, dk, dv, dbias = exact_vjp(spec, np.ones((1, 1, 1, 1)), None, np.dtype("float64"),
@@ -658,7 +657,7 @@ def _referee_vjp(spec, grad_out, grad_lse, out_dtype, names):
 
 def _referee_with_sinks(spec, grad_out, grad_lse, out_dtype, names):
     """:func:`_referee_vjp` of a spec with sinks: the referee runs on the folded spec
-    (:func:`refattn._fold.fold`, the sink as one more key, ALiBi exact), whose dk, dv are cut
+    (:func:`refattn.spec.fold`, the sink as one more key, ALiBi exact), whose dk, dv are cut
     back to the S keys and whose flat dbias ``(dbias, dsinks)`` (one rounding per element) is
     split into "dbias" (with bias) and "dsinks"."""
     keys = spec.dims[4]

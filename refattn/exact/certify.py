@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._spec import canonicalize
+from ..spec import canonicalize
 from .rounding import format_of, round_exact
 
 __all__ = ["CertificationReport", "certify_attention"]

@@ -35,7 +35,7 @@ each row's arithmetic is fixed by the shapes alone, so no bit depends on the thr
    logit, exact, in the max and in Z (added after the keys, and counted in the sums' bounds)
    with no value: a row with no allowed key holds it alone (out 0, lse = sigma_h), and the
    weights stay those of the keys. Nothing is folded: the referee alone folds the sink into
-   one more key (:func:`refattn._fold.fold`), for the rows it is given.
+   one more key (:func:`refattn.spec.fold`), for the rows it is given.
 3. Exponentials. ``e_ij = exp_dd_fast(x_ij)`` (``x <= 0``: a 1024-entry table) with relative error
    ``rho_ij <= (EXP_FAST_REL + 2 err(x_ij)) (1 + 2**-20)`` (``|e^d - 1| <= 2|d|`` for |d| <= 1;
    rows with an error above 2**-20 are left to the referee). Keys with ``x < CUT`` (-400)
@@ -83,7 +83,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from .._spec import AttentionSpec
+from ..spec import AttentionSpec
 from . import _dd as D
 from ._dd_extra import EXP_FAST_REL, decide_one, exp_dd_fast
 from ._stream import compact_view, key_intervals
@@ -159,7 +159,7 @@ def _row_dots(qrow, kT, lo, hi, s, c):
 def _key_state(b, h, i, j, mk, mstr, bs, bstr, dr, dstr, has_mask, has_bias, has_drop):
     """(state, bias) of key j inside row i's structural interval: state 0 excluded (mask, or
     bias -inf), 1 allowed, 2 allowed and kept (dropout); the bias value (0 without bias).
-    The one rule of :meth:`refattn._spec.AttentionSpec.allowed`, read from the compact
+    The one rule of :meth:`refattn.spec.AttentionSpec.allowed`, read from the compact
     (un-broadcast)
     arrays of :func:`refattn.exact._stream.compact_view`."""
     if has_mask and not mk[b * mstr[0] + h * mstr[1] + i * mstr[2] + j * mstr[3]]:
@@ -878,7 +878,7 @@ def row_spec(spec: AttentionSpec, b: int, h: int, start: int, stop: int) -> Atte
 
     Examples
     --------
-    >>> from refattn._spec import canonicalize
+    >>> from refattn.spec import canonicalize
     >>> spec = canonicalize(np.zeros((4, 2)), np.zeros((4, 2)), np.zeros((4, 1)), causal=True)
     >>> sub = row_spec(spec, 0, 0, 2, 4)
     >>> sub.q.shape, sub.offset
@@ -1068,7 +1068,7 @@ def fast_exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, retu
     Examples
     --------
     >>> import numpy as np
-    >>> from refattn._spec import canonicalize
+    >>> from refattn.spec import canonicalize
     >>> spec = canonicalize(np.zeros((1, 2)), np.zeros((2, 2)), np.array([[1.0], [2.0]]))
     >>> out, _, _ = fast_exact_forward(spec, np.float64)
     >>> out.tolist()

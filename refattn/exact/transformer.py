@@ -34,8 +34,8 @@ from mpmath.libmp import (
 
 from .. import config
 from .._broadcast import reduce_to
-from .._spec import canonicalize
 from .._tape import Tape, backward_pass
+from ..spec import canonicalize
 from . import intervals as I
 from .rounding import correctly_round
 
@@ -231,8 +231,8 @@ def attention(q, k, v, spec) -> np.ndarray:
     Parameters
     ----------
     q, k, v : object arrays (..., H, L, D), (..., K, S, D), (..., K, S, E) of intervals
-    spec : refattn._spec.AttentionSpec
-        The validated keywords, from :func:`refattn._spec.canonicalize` called on arrays of
+    spec : refattn.spec.AttentionSpec
+        The validated keywords, from :func:`refattn.spec.canonicalize` called on arrays of
         the same shapes (allowed set, bias, ALiBi, GQA head map, dropout, empty rows).
 
     Returns

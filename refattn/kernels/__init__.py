@@ -1,8 +1,8 @@
 """Fast deterministic attention kernels: Numba CPU (:mod:`.numba_cpu`) and numba.cuda
 (:mod:`.cuda`, imported lazily: ``from refattn.kernels import cuda``).
 
-:func:`attention` and :func:`attention_vjp` take an :class:`~refattn._spec.AttentionSpec`
-(see :func:`refattn._spec.canonicalize`); ``refattn.attention(..., backend="numba")`` is the
+:func:`attention` and :func:`attention_vjp` take an :class:`~refattn.spec.AttentionSpec`
+(see :func:`refattn.spec.canonicalize`); ``refattn.attention(..., backend="numba")`` is the
 user-facing entry point.
 """
 

@@ -1,6 +1,6 @@
 """The argument layout shared by the CPU (:mod:`.numba_cpu`) and CUDA (:mod:`.cuda`) kernels.
 
-An :class:`~refattn._spec.AttentionSpec` becomes a fixed tuple of flat arrays (kernels take no
+An :class:`~refattn.spec.AttentionSpec` becomes a fixed tuple of flat arrays (kernels take no
 Python objects): the tensors in the compute dtype, the shape vector ``dims``, the integer and
 float option vectors ``opts`` and ``fopts``, and every optional (B, H, L, S) plane (bias, mask,
 dropout) as flat data with element strides (0 on broadcast axes).
@@ -73,7 +73,7 @@ def kernel_arguments(spec, dtype):
 
     Examples
     --------
-    >>> from refattn._spec import canonicalize
+    >>> from refattn.spec import canonicalize
     >>> spec = canonicalize(np.zeros((1, 2, 3, 4)), np.zeros((1, 2, 5, 4)), np.zeros((1, 2, 5, 4)))
     >>> args = kernel_arguments(spec, np.float64)
     >>> args[4].tolist(), args[5][:2].tolist()

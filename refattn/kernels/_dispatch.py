@@ -1,4 +1,4 @@
-"""Thin wrappers from an :class:`~refattn._spec.AttentionSpec` to the kernels.
+"""Thin wrappers from an :class:`~refattn.spec.AttentionSpec` to the kernels.
 
 The kernels (:mod:`refattn.kernels.numba_cpu`, :mod:`refattn.kernels.cuda`) are loops over one
 work unit; these wrappers own the choice of compute dtype and the return conventions that
@@ -92,7 +92,7 @@ def attention(spec, *, return_lse: bool = False, dtype=None):
     Parameters
     ----------
     spec : AttentionSpec
-        From :func:`refattn._spec.canonicalize` (flat batch: q (B, H, L, D), ...).
+        From :func:`refattn.spec.canonicalize` (flat batch: q (B, H, L, D), ...).
     return_lse : bool
         Also return the log-sum-exp (B, H, L) of the final scores (pre-dropout).
     dtype : {None, float64, float32}
@@ -104,7 +104,7 @@ def attention(spec, *, return_lse: bool = False, dtype=None):
 
     Examples
     --------
-    >>> from refattn._spec import canonicalize
+    >>> from refattn.spec import canonicalize
     >>> q = k = v = np.ones((1, 1, 2, 8))
     >>> attention(canonicalize(q, k, v, causal=True))[0, 0, :, 0].tolist()
     [1.0, 1.0]
@@ -173,7 +173,7 @@ def precompile(dtypes=("float64", "float32"), paths=PATHS, *, report=None) -> di
     """
     import time
 
-    from .._spec import canonicalize
+    from ..spec import canonicalize
     from . import numba_cpu
 
     times = {}

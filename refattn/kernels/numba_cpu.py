@@ -1389,13 +1389,13 @@ def forward(spec, dtype=None):
 
     Parameters
     ----------
-    spec : refattn._spec.AttentionSpec
+    spec : refattn.spec.AttentionSpec
     dtype : float dtype, optional
         Compute dtype (default :func:`compute_dtype` of q's dtype).
 
     Examples
     --------
-    >>> from refattn._spec import canonicalize
+    >>> from refattn.spec import canonicalize
     >>> q = np.zeros((1, 1, 1, 4)); k = np.zeros((1, 1, 2, 4))
     >>> v = np.array([[[[1.0], [3.0]]]])
     >>> out, lse = forward(canonicalize(q, k, v))
@@ -1459,7 +1459,7 @@ def backward(spec, grad_out, grad_lse=None, dtype=None, *, saved=None):
 
     Parameters
     ----------
-    spec : refattn._spec.AttentionSpec
+    spec : refattn.spec.AttentionSpec
     grad_out : array (B, H, L, E)
     grad_lse : array (B, H, L), optional
     dtype : float dtype, optional
@@ -1470,7 +1470,7 @@ def backward(spec, grad_out, grad_lse=None, dtype=None, *, saved=None):
 
     Examples
     --------
-    >>> from refattn._spec import canonicalize
+    >>> from refattn.spec import canonicalize
     >>> q = np.zeros((1, 1, 1, 4)); k = np.zeros((1, 1, 2, 4))
     >>> v = np.array([[[[1.0], [3.0]]]])
     >>> dq, dk, dv, dbias = backward(canonicalize(q, k, v), np.ones((1, 1, 1, 1)))
