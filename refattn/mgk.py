@@ -611,7 +611,7 @@ def em_update_pi(
         responsibilities ``p(z_r = 1 | t_j = 1, q_i) = softmax_r(log pi_jr + log N(q_i | k_jr,
         sigma2_jr))``: ``pi_jr = mean_{i: (i, j) allowed} p(z_r | t_j, q_i)``. It weighs every
         query equally instead of by ``p(t_j | q_i)`` (the two pi differ by 0.11 on the
-        two-query example of tests/test_mgk_vjp.py). The public code also adds 1e-6 to the
+        two-query example of tests/concepts/test_mgk_vjp.py). The public code also adds 1e-6 to the
         per-key normaliser, omits the Gaussian normaliser (the same when sigma2 is shared) and
         averages over every query; refattn keeps the normaliser, adds nothing and averages
         over the allowed queries.

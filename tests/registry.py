@@ -252,7 +252,7 @@ def gmm_vjp_bound(term_scale, n, dim, grads, grad_out, value_scale, iters, lipsc
     :func:`~refattn.bounds.mixture_bound` with value scale ``G = max|exact grad| + max|grad_out|
     * value_scale``, and propagated over the ``iters`` forward and ``iters`` reverse steps by
     :func:`iterated_bound` with the Lipschitz factor ``lipschitz`` of one EM step (the forward
-    tests' ``1 + beta max |mu_u - mu_w|^2``). tests/test_gmm_vjp.py measures its margin.
+    tests' ``1 + beta max |mu_u - mu_w|^2``). tests/concepts/test_gmm_vjp.py measures its margin.
     """
     scale = max(float(np.max(np.abs(g), initial=0.0)) for g in grads)
     scale += float(np.max(np.abs(grad_out), initial=0.0)) * (value_scale + 1)

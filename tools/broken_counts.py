@@ -1,6 +1,6 @@
 """How many conformance cases each deliberately broken tiled kernel fails, per dtype and tier.
 
-The tiled kernels of ``tests/tiled_kernels.py`` (three correct ones: ``tiled``, ``flash``,
+The tiled kernels of ``tests/planted/tiled_kernels.py`` (three correct ones: ``tiled``, ``flash``,
 ``split_kv``; nine broken ones, ``TILED_BROKEN``) are validated on a fixture directory written
 by ``refattn-oracle generate`` (or, with ``--suite``, on fixtures built in memory) in both
 tolerance tiers (``default`` and ``tight``). The table gives, per kernel and dtype,
@@ -27,13 +27,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from tiled_kernels import TILED_BROKEN, flash, split_kv, tiled  # noqa: E402
+sys.path.insert(0, str(ROOT))
 
 from oracle import catalogue, golden, judge  # noqa: E402
 from oracle.catalogue.names import DTYPES  # noqa: E402
 from oracle.validate import validate  # noqa: E402
+from tests.planted.tiled_kernels import TILED_BROKEN, flash, split_kv, tiled  # noqa: E402
 
 #: broken kernel -> (dtypes it affects, the tier its must-reach is counted in)
 AFFECTS = {name: (DTYPES, "default") for name in TILED_BROKEN}

@@ -250,7 +250,7 @@ def decide_dd_compiled(mid_hi, mid_lo, rad, p, emin, max_finite, values, decided
     """:func:`refattn.exact.rounding.decide_dd` compiled, elementwise over 1-d arrays: the same
     widening of ``rad``, the same double-double ends and the same rule (both ends finite,
     nonzero and rounding to the same bits); writes ``values`` (the low end's rounding, 0 where
-    an end is not finite or zero) and ``decided``. ``tests/test_dd.py`` checks it against
+    an end is not finite or zero) and ``decided``. ``tests/exact/test_dd.py`` checks it against
     ``decide_dd`` bit for bit."""
     for i in range(mid_hi.shape[0]):
         values[i], decided[i] = decide_one(mid_hi[i], mid_lo[i], rad[i], p, emin, max_finite)

@@ -942,7 +942,7 @@ class _Rule(NamedTuple):
 
 def allowed_rule(spec: AttentionSpec) -> _Rule:
     """The rule the kernels read the allowed set and the dropout keep-mask from; equal to
-    :meth:`AttentionSpec.allowed` (``tests/test_fast_exact.py`` checks it)."""
+    :meth:`AttentionSpec.allowed` (``tests/exact/test_fast_exact.py`` checks it)."""
     return _Rule(
         np.stack(key_intervals(spec), axis=-1),
         compact_view(spec.mask, np.bool_),

@@ -17,7 +17,7 @@ from oracle.golden import Fixture
 from oracle.validate import validate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from broken_impls import BROKEN, textbook  # noqa: E402
+from tests.planted.broken_impls import BROKEN, textbook  # noqa: E402
 
 _BUILT: dict = {}  # case name -> Fixture: each exact truth is built once per session
 

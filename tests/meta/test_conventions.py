@@ -15,10 +15,10 @@ pytest.importorskip("torch")
 pytestmark = pytest.mark.peers
 
 LAYOUT_IMPLS = {
-    "bhld": "tests.convention_impls:attention_bhld",
-    "blhd": "tests.convention_impls:flash_attn_func",
-    "packed": "tests.convention_impls:flash_attn_varlen_func",
-    "paged": "tests.convention_impls:flash_attn_with_kvcache",
+    "bhld": "tests.planted.convention_impls:attention_bhld",
+    "blhd": "tests.planted.convention_impls:flash_attn_func",
+    "packed": "tests.planted.convention_impls:flash_attn_varlen_func",
+    "paged": "tests.planted.convention_impls:flash_attn_with_kvcache",
 }
 CASES = [
     "basic-*",
@@ -55,7 +55,7 @@ def test_torch_function_in_each_layout_passes(layout, dtype):
 
 def test_paged_kernel_ignoring_the_block_table_fails():
     report = validate(
-        "tests.convention_impls:paged_ignoring_table",
+        "tests.planted.convention_impls:paged_ignoring_table",
         suite="default",
         dtype="float32",
         cases=["basic-*", "batch-*"],
@@ -121,7 +121,7 @@ def test_bad_convention_names_the_argument():
 def test_jax_function_in_its_own_layout():
     pytest.importorskip("jax")
     report = validate(
-        "tests.convention_impls:jax_dot_product_attention",
+        "tests.planted.convention_impls:jax_dot_product_attention",
         suite="default",
         dtype="float32",
         cases=["basic-*", "causal-tl-*", "gqa-interleave-*"],

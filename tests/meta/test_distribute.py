@@ -154,7 +154,7 @@ def test_cli_dask_executor(cluster, tmp_path, capsys):
             "--adapter",
             "refattn-float64",
             "--impl",
-            "tests.broken_impls:missing_scale",
+            "tests.planted.broken_impls:missing_scale",
             "--suite",
             "smoke",
             "--dtype",
@@ -177,13 +177,13 @@ def test_validate_many_merges_reports(cluster):
 
     with distributed.Client(cluster) as client:
         reports = distribute.validate_many(
-            ["refattn-float64", "tests.broken_impls:missing_scale"],
+            ["refattn-float64", "tests.planted.broken_impls:missing_scale"],
             client=client,
             suite="smoke",
             dtype="float32",
             cases="basic-*",
         )
-    good, bad = reports["refattn-float64"], reports["tests.broken_impls:missing_scale"]
+    good, bad = reports["refattn-float64"], reports["tests.planted.broken_impls:missing_scale"]
     assert good.passed and [r.verdict for r in good.results] == ["pass"] * len(good.results)
     assert not bad.passed and {r.verdict for r in bad.results} == {"fail"}
     assert [r.name for r in good.results] == [r.name for r in bad.results]

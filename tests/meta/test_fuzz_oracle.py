@@ -576,7 +576,7 @@ def test_fuzz_misbehaving_implementations(tmp_path):
         code, data = _validate_cli(
             [
                 "--impl",
-                f"fuzz_impls:{name}",
+                f"tests.planted.fuzz_impls:{name}",
                 "--suite",
                 "smoke",
                 "--dtype",
@@ -615,7 +615,7 @@ def test_fuzz_selection_never_passes_empty(tmp_path, reference):
     from oracle.validate import validate
 
     tally = collections.Counter()
-    base = ["--impl", "fuzz_impls:good", "--suite", "smoke", "--dtype", "float32"]
+    base = ["--impl", "tests.planted.fuzz_impls:good", "--suite", "smoke", "--dtype", "float32"]
     for pattern, expect in (
         ("BASIC-*-F32", 1),
         ("basic-*-f32", 1),
@@ -635,10 +635,10 @@ def test_fuzz_selection_never_passes_empty(tmp_path, reference):
     manifest["cases"] = []
     _write_manifest(empty, manifest)
     code, _ = _validate_cli(
-        ["--impl", "fuzz_impls:good", "--fixtures", str(empty)], tmp_path / "r.json"
+        ["--impl", "tests.planted.fuzz_impls:good", "--fixtures", str(empty)], tmp_path / "r.json"
     )
     tally["ok" if code == 2 else f"BAD empty manifest: exit {code}"] += 1
-    import fuzz_impls
+    import tests.planted.fuzz_impls as fuzz_impls
 
     report = validate(fuzz_impls.good, suite="smoke", cases="causal*", progress=False)
     names = [r.name for r in report.results]
@@ -657,7 +657,7 @@ def test_fuzz_grads_without_vjp_and_coverage(tmp_path):
     code, data = _validate_cli(
         [
             "--impl",
-            "fuzz_impls:good",
+            "tests.planted.fuzz_impls:good",
             "--suite",
             "default",
             "--dtype",
@@ -674,7 +674,7 @@ def test_fuzz_grads_without_vjp_and_coverage(tmp_path):
     code, _ = _validate_cli(
         [
             "--impl",
-            "fuzz_impls:good",
+            "tests.planted.fuzz_impls:good",
             "--suite",
             "default",
             "--dtype",
@@ -691,7 +691,7 @@ def test_fuzz_grads_without_vjp_and_coverage(tmp_path):
     code, data = _validate_cli(
         [
             "--impl",
-            "fuzz_impls:minimal_bottom_right",
+            "tests.planted.fuzz_impls:minimal_bottom_right",
             "--suite",
             "default",
             "--dtype",
@@ -707,7 +707,7 @@ def test_fuzz_grads_without_vjp_and_coverage(tmp_path):
     code, data = _validate_cli(
         [
             "--impl",
-            "fuzz_impls:minimal",
+            "tests.planted.fuzz_impls:minimal",
             "--suite",
             "smoke",
             "--dtype",
@@ -720,7 +720,7 @@ def test_fuzz_grads_without_vjp_and_coverage(tmp_path):
     ok = code == 1 and data and "mask" in data["untested"] and not data["passed"]
     tally["thin coverage fails with --require" if ok else f"BAD minimal: exit {code}"] += 1
     code, _ = _validate_cli(
-        ["--impl", "fuzz_impls:good", "--require", "nonsense"], tmp_path / "r.json"
+        ["--impl", "tests.planted.fuzz_impls:good", "--require", "nonsense"], tmp_path / "r.json"
     )
     tally["unknown feature refused" if code == 2 else f"BAD --require nonsense {code}"] += 1
     _tally_ok(tally, "grads and coverage")
@@ -734,8 +734,7 @@ def test_fuzz_grads_without_vjp_and_coverage(tmp_path):
 def test_fuzz_report_texts(tmp_path):
     import re
 
-    import fuzz_impls
-
+    import tests.planted.fuzz_impls as fuzz_impls
     from oracle.report import PLOT_HINT, plotting_available
     from oracle.validate import validate
 

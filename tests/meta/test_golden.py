@@ -9,10 +9,10 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from naive.attention import naive_attention
-from naive.rounding import round_nested
 
 from oracle import catalogue, golden
+from tests.naive.attention import naive_attention
+from tests.naive.rounding import round_nested
 
 # cheap cases touching every stored member kind: bfloat16 bits, bool masks, grads with dbias
 _NAMES = (

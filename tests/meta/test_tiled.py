@@ -1,4 +1,4 @@
-"""Tiled kernels (tests/tiled_kernels.py): the correct ones pass both tolerance tiers, the
+"""Tiled kernels (tests/planted/tiled_kernels.py): the correct ones pass both tolerance tiers, the
 broken ones fail with the right diagnosis; accuracy grades name what a kernel does."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from oracle.baseline import textbook_attention
 from oracle.validate import validate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiled_kernels import TILED_BROKEN, flash, split_kv, tiled  # noqa: E402
+from tests.planted.tiled_kernels import TILED_BROKEN, flash, split_kv, tiled  # noqa: E402
 
 #: broken kernel -> the default cases it must fail (five or more of one dtype it affects: the
 #: smallest kernel-scale cases of default that carry its bug class)

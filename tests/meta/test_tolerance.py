@@ -15,8 +15,8 @@ from oracle import tolerance as tol
 from refattn.exact.rounding import format_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from naive.attention import naive_attention  # noqa: E402
-from naive.rounding import to_float_array  # noqa: E402
+from tests.naive.attention import naive_attention  # noqa: E402
+from tests.naive.rounding import to_float_array  # noqa: E402
 
 
 @pytest.fixture

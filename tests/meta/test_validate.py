@@ -21,7 +21,7 @@ from oracle.validate import resolve_impl, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
-from broken_impls import missing_scale, textbook  # noqa: E402
+from tests.planted.broken_impls import missing_scale, textbook  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -138,9 +138,9 @@ def test_resolve_impl_errors():
     with pytest.raises(ImportError, match="no_such_module"):
         resolve_impl("no_such_module:f")
     with pytest.raises(AttributeError, match="nope"):
-        resolve_impl("broken_impls:nope")
+        resolve_impl("tests.planted.broken_impls:nope")
     with pytest.raises(ValueError, match="module:function"):
-        resolve_impl("broken_impls:")
+        resolve_impl("tests.planted.broken_impls:")
     with pytest.raises(KeyError, match="unknown adapter"):
         resolve_impl("no-such-adapter")
 
@@ -167,20 +167,36 @@ def test_reports_json_junit_html(smoke, tmp_path):
 
 def test_cli_validate_exit_codes(tmp_path, capsys):
     args = ["validate", "--suite", "smoke", "--dtype", "float32", "--quiet"]
-    assert main([*args, "--impl", "broken_impls:textbook"]) == 0
+    assert main([*args, "--impl", "tests.planted.broken_impls:textbook"]) == 0
     assert (
-        main([*args, "--impl", "broken_impls:missing_scale", "--json", str(tmp_path / "r.json")])
+        main(
+            [
+                *args,
+                "--impl",
+                "tests.planted.broken_impls:missing_scale",
+                "--json",
+                str(tmp_path / "r.json"),
+            ]
+        )
         == 1
     )
     assert json.loads((tmp_path / "r.json").read_text())["passed"] is False
     out = capsys.readouterr().out
-    assert "reproduce: refattn-oracle validate --impl broken_impls:missing_scale" in out, out
+    assert (
+        "reproduce: refattn-oracle validate --impl tests.planted.broken_impls:missing_scale" in out
+    ), out
     assert main([*args, "--impl", "no_such_module:f"]) == 2
     assert "cannot import module 'no_such_module'" in capsys.readouterr().err
     assert main([*args, "--adapter", "no-such"]) == 2
     assert (
         main(
-            ["validate", "--impl", "broken_impls:textbook", "--fixtures", str(tmp_path / "missing")]
+            [
+                "validate",
+                "--impl",
+                "tests.planted.broken_impls:textbook",
+                "--fixtures",
+                str(tmp_path / "missing"),
+            ]
         )
         == 2
     )
@@ -198,7 +214,7 @@ def test_cli_generate_verify_validate_fixtures(tmp_path, capsys):
             [
                 "validate",
                 "--impl",
-                "broken_impls:textbook",
+                "tests.planted.broken_impls:textbook",
                 "--fixtures",
                 str(out),
                 "--dtype",
@@ -239,15 +255,19 @@ def test_pytest_plugin(tmp_path):
     base = [*_plugin_args(), "--pyargs", "oracle", "-q", "--refattn-suite", "smoke"]
     inert = _pytest(*base)
     assert inert.returncode == 0 and "1 skipped" in inert.stdout, inert.stdout
-    good = _pytest(*base, "--refattn-impl", "broken_impls:textbook")
+    good = _pytest(*base, "--refattn-impl", "tests.planted.broken_impls:textbook")
     assert good.returncode == 0 and "passed" in good.stdout, good.stdout
-    bad = _pytest(*base, "--refattn-impl", "broken_impls:missing_scale", "-rf")
+    bad = _pytest(*base, "--refattn-impl", "tests.planted.broken_impls:missing_scale", "-rf")
     assert bad.returncode == 1 and "matches no scale" in bad.stdout, bad.stdout
     assert "test_case[basic-H" in bad.stdout, bad.stdout
     skips = tmp_path / "skips.txt"
     skips.write_text("# everything but the robustness case\n*-f32  # all float32\n")
     skipped = _pytest(
-        *base, "--refattn-impl", "broken_impls:missing_scale", "--refattn-skips", str(skips)
+        *base,
+        "--refattn-impl",
+        "tests.planted.broken_impls:missing_scale",
+        "--refattn-skips",
+        str(skips),
     )
     assert skipped.returncode == 0 and "skipped" in skipped.stdout, skipped.stdout
     wrong = _pytest(*base, "--refattn-impl", "no_such_module:f")
@@ -271,7 +291,7 @@ def test_python_m_oracle_in_a_fresh_interpreter():
             "oracle",
             "validate",
             "--impl",
-            "broken_impls:missing_scale",
+            "tests.planted.broken_impls:missing_scale",
             "--suite",
             "smoke",
             "--quiet",

@@ -6,14 +6,14 @@ from __future__ import annotations
 import mpmath
 import numpy as np
 import pytest
-from helpers import assert_within
 from hypothesis import given
-from naive.attention import naive_attention
-from strategies import attention_cases
 
 import refattn
 from oracle.tolerance import ulp
 from refattn.bounds import float64_vjp_bound
+from tests.helpers import assert_within
+from tests.naive.attention import naive_attention
+from tests.strategies import attention_cases
 
 STEP = mpmath.mpf(2) ** -40  # central-difference step; truncation ~ STEP**2 |f'''|
 

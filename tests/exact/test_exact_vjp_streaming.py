@@ -6,13 +6,13 @@ from __future__ import annotations
 import numba
 import numpy as np
 import pytest
-from helpers import assert_same_bits, vjp_problem
 
 import refattn
 from refattn.exact import _fast_vjp
 from refattn.exact.attention_vjp import exact_vjp
 from refattn.exact.rounding import FORMATS
 from refattn.spec import canonicalize, check_cotangent, fold
+from tests.helpers import assert_same_bits, vjp_problem
 
 
 def _problem(seed=0, batch=2, heads=4, kv_heads=2, length=7, keys=9, dim=4, vdim=3):

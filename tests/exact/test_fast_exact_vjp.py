@@ -9,10 +9,8 @@ from fractions import Fraction
 import mpmath
 import numpy as np
 import pytest
-from helpers import assert_same_bits, vjp_problem
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import attention_cases
 
 import refattn
 from oracle import catalogue
@@ -23,6 +21,8 @@ from refattn.exact._dd_extra import EXP_FAST_REL, exp_dd_fast, round_decision
 from refattn.exact.attention_vjp import exact_vjp
 from refattn.exact.rounding import FORMATS, round_exact
 from refattn.spec import canonicalize, check_cotangent
+from tests.helpers import assert_same_bits, vjp_problem
+from tests.strategies import attention_cases
 
 OUT_DTYPES = ("float64", "float32", "float16", "bfloat16")
 

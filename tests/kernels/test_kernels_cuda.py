@@ -21,9 +21,9 @@ from refattn.kernels import cuda as kcuda
 from refattn.kernels import numba_cpu
 from refattn.spec import canonicalize
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import assert_within  # noqa: E402
+from tests.helpers import assert_within  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(
     not kcuda.available(), reason="no CUDA device and NUMBA_ENABLE_CUDASIM is not set"

@@ -11,7 +11,8 @@ import sys
 import time
 
 import numpy as np
-from broken_impls import textbook
+
+from tests.planted.broken_impls import textbook
 
 
 def _out(q, k, v, options):

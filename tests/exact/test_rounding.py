@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from naive.rounding import round_to_dtype
 
 from refattn.exact import intervals as I
 from refattn.exact.rounding import (
@@ -19,6 +18,7 @@ from refattn.exact.rounding import (
     correctly_round,
     round_exact,
 )
+from tests.naive.rounding import round_to_dtype
 
 NAMES = sorted(FORMATS)
 

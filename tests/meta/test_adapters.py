@@ -12,10 +12,10 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import assert_within
 
 from oracle import adapters
 from oracle.tolerance import gamma
+from tests.helpers import assert_within
 
 pytestmark = pytest.mark.peers
 
@@ -496,7 +496,7 @@ def test_measure_peers_tool_writes_json(tmp_path, capsys):
     import json
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "tools" / "measure_peers.py"
+    path = Path(__file__).resolve().parents[2] / "tools" / "measure_peers.py"
     spec = importlib.util.spec_from_file_location("measure_peers", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

@@ -269,7 +269,7 @@ def _engine_agreement(*args):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     done = subprocess.run(
         [sys.executable, str(root / "tools" / "engine_agreement.py"), *args],
         cwd=root,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from refattn.kernels import COMPILE_MESSAGE
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 TINY = textwrap.dedent("""
     from numba import njit

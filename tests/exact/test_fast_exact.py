@@ -13,11 +13,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from strategies import attention_cases, logspace_rows
 
 import refattn
 from refattn import config
 from refattn.exact import fast_attention as FA
+from tests.strategies import attention_cases, logspace_rows
 
 OUT_DTYPES = ["float64", "float32", "float16", "bfloat16"]
 
@@ -219,13 +219,13 @@ def test_one_by_one_plane_with_bias(out_dtype):
 
 def test_kernel_bodies_run_without_jit():
     """NUMBA_DISABLE_JIT=1: the first-step kernels run as Python (coverage of their bodies)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, NUMBA_DISABLE_JIT="1", PYTHONPATH=str(root))
     cmd = [
         sys.executable,
         "-m",
         "pytest",
-        str(root / "tests" / "test_fast_exact.py"),
+        str(root / "tests" / "exact" / "test_fast_exact.py"),
         "-q",
         "-p",
         "no:cacheprovider",
@@ -365,7 +365,7 @@ def test_row_facts_scales_are_exactness_scales(dtype):
 
 def test_bits_do_not_depend_on_thread_count():
     """The same bytes with NUMBA_NUM_THREADS=1 and 2 (rows run in parallel over every plane)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     code = (
         "import numpy as np, ml_dtypes, refattn, hashlib\n"
         "rng = np.random.default_rng(3)\n"

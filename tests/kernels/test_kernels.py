@@ -23,14 +23,14 @@ from pathlib import Path
 import mpmath
 import numpy as np
 import pytest
-from helpers import assert_within
 
 import refattn
 from oracle.tolerance import ulp_distance
 from refattn.kernels import numba_cpu
 from refattn.spec import canonicalize
+from tests.helpers import assert_within
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # name -> (shape overrides, options builder(rng, B, H, L, S) -> dict)
 _B, _H = 2, 2
@@ -302,7 +302,7 @@ def test_kernel_bodies_run_without_jit():
         sys.executable,
         "-m",
         "pytest",
-        str(ROOT / "tests" / "test_kernels.py"),
+        str(ROOT / "tests" / "kernels" / "test_kernels.py"),
         "-q",
         "-p",
         "no:cacheprovider",

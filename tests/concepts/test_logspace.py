@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_same_bits
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import logspace_rows
 
 import refattn
+from tests.helpers import assert_same_bits
+from tests.strategies import logspace_rows
 
 
 @given(case=logspace_rows(), shift=st.integers(-20, 20))

@@ -5,7 +5,7 @@ digits) with Richardson extrapolation and an error estimate (tests.naive.mp.naiv
 exact path must round that derivative bit for bit wherever its interval decides the rounding.
 The float64 paths are held to the oracle's gradient floor
 (:func:`oracle.variant_scales.grad_floor_terms`, :func:`oracle.tolerance.variant_floor`),
-also against torch autograd of independent float64 twins (tests/torch_twins.py, skipped
+also against torch autograd of independent float64 twins (tests/planted/torch_twins.py, skipped
 without torch). Each public-code reading is compared with a twin written from its description.
 """
 
@@ -313,7 +313,7 @@ def test_retrieve_vjp_with_tol_stops_rows(rng):
 )
 def test_mgk_vjp_against_torch(options, rng):
     pytest.importorskip("torch")
-    from tests.torch_twins import mgk_torch, torch_grads
+    from tests.planted.torch_twins import mgk_torch, torch_grads
 
     q, keys, v, g = _mgk_problem(rng)
     allowed = naive_allowed(
@@ -339,7 +339,7 @@ def test_mgk_vjp_against_torch(options, rng):
 @pytest.mark.parametrize("form", mgk.MLK_FORMS)
 def test_linear_vjp_against_torch(form, rng):
     pytest.importorskip("torch")
-    from tests.torch_twins import mlk_torch, torch_grads
+    from tests.planted.torch_twins import mlk_torch, torch_grads
 
     q, keys, v, g = _mgk_problem(rng)
     pi = np.array([[0.25, 0.75], [0.5, 0.5], [0.125, 0.875]])
@@ -359,7 +359,7 @@ def test_linear_vjp_against_torch(form, rng):
 
 def test_retrieve_vjp_against_torch(rng):
     pytest.importorskip("torch")
-    from tests.torch_twins import retrieve_torch, torch_grads
+    from tests.planted.torch_twins import retrieve_torch, torch_grads
 
     xi, X, g = rng.standard_normal((2, 3)), rng.standard_normal((4, 3)), rng.standard_normal((2, 3))
     theirs = torch_grads(retrieve_torch, (xi, X), g, beta=0.75, steps=2)

@@ -31,7 +31,7 @@ from tests.helpers import assert_same_bits, assert_within
 from tests.registry import gmm_term_scale, mgk_term_scale
 from tests.strategies import gmm_cases
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 JITLESS = os.environ.get("NUMBA_DISABLE_JIT") == "1"
 
 
@@ -478,7 +478,7 @@ def _digest():
     return digest.hexdigest()
 
 
-_DIGEST_SCRIPT = "from tests.test_kernels_variants import _digest; print(_digest())"
+_DIGEST_SCRIPT = "from tests.kernels.test_kernels_variants import _digest; print(_digest())"
 
 
 def _run(code_or_args, env_extra, timeout):

@@ -11,10 +11,15 @@ import ml_dtypes
 import mpmath
 import numpy as np
 import pytest
-from helpers import assert_same_bits, assert_within
 from hypothesis import given
 from hypothesis import strategies as st
-from naive.transformer import (
+
+import refattn.transformer as T
+from oracle.tolerance import gamma, transformer_forward_bound
+from refattn import bounds
+from refattn.attention import attention
+from tests.helpers import assert_same_bits, assert_within
+from tests.naive.transformer import (
     mp_array,
     naive_decoder,
     naive_encoder,
@@ -23,12 +28,7 @@ from naive.transformer import (
     naive_mha,
     naive_positions,
 )
-from strategies import head_layouts, position_shifts
-
-import refattn.transformer as T
-from oracle.tolerance import gamma, transformer_forward_bound
-from refattn import bounds
-from refattn.attention import attention
+from tests.strategies import head_layouts, position_shifts
 
 DTYPES = ["float64", "float32", "float16", "bfloat16"]
 FORMAT = {

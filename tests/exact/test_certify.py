@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import attention_cases
 
 import refattn
+from tests.strategies import attention_cases
 
 pytest.importorskip("flint", reason="python-flint (the 'certify' extra) is not installed")
 from refattn.exact.certify import certify_attention  # noqa: E402

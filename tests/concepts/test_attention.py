@@ -6,15 +6,15 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import assert_same_bits, assert_within
 from hypothesis import given
 from hypothesis import strategies as st
-from naive.attention import naive_attention_rounded
-from strategies import attention_cases
 
 import refattn
 from oracle.tolerance import ulp_distance
 from refattn.bounds import float64_forward_bound
+from tests.helpers import assert_same_bits, assert_within
+from tests.naive.attention import naive_attention_rounded
+from tests.strategies import attention_cases
 
 DTYPES = ("float64", "float32", "float16", "bfloat16")
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import numba
 import numpy as np
 import pytest
-from helpers import assert_same_bits, vjp_problem
 
 import refattn
 from refattn.exact import _fast_vjp
@@ -15,6 +14,7 @@ from refattn.exact import attention_vjp as vjp_module
 from refattn.exact.attention_vjp import exact_vjp
 from refattn.exact.rounding import FORMATS
 from refattn.spec import canonicalize, check_cotangent
+from tests.helpers import assert_same_bits, vjp_problem
 
 BATCH, HEADS, KV_HEADS, LENGTH, KEYS = 2, 4, 2, 7, 9
 SINKS = np.array([0.5, -1.0, 2.0, 0.0])
