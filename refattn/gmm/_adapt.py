@@ -8,7 +8,14 @@ import numpy as np
 from .. import _checks
 from ..exact import gmm as exact
 from ._float64 import keys_states64, priors_states64, widened
-from ._model import KEY_FORMS, PRIOR_FORMS, build_model, iteration_count, unit_parameter
+from ._model import (
+    ATTENTION_FORMS,
+    KEY_FORMS,
+    PRIOR_FORMS,
+    build_model,
+    iteration_count,
+    unit_parameter,
+)
 
 
 def _check_gamma(gamma, batch, units):
@@ -24,6 +31,10 @@ def adapt_keys(
     prior="uniform",
     iters=1,
     form="paper",
+    values=None,
+    beta=0.0,
+    v_init=None,
+    e_step="paper",
     precision="float64",
     out_dtype=None,
 ):
@@ -57,6 +68,28 @@ def adapt_keys(
     xi^0, i.e. ``iters`` chained one-iteration "map" adaptations. It equals "map" for
     ``iters=1``.
 
+    **The public code's key E-step** (same file, ``update_weights``, which the key loop calls
+    again after every key update) is the attention E-step at the current keys, so it keeps
+    every term of the attention weights; three options give it:
+
+    * ``values=mu, beta=beta`` with ``prior="magnitude"``: the prior keeps
+      ``+beta_u ||mu_u||^2 / 2`` (eq. (15) in full; without values the E-step drops it, a
+      relative difference of 0.29 in the keys after 3 iterations at alpha = 1/sqrt(D),
+      beta = 0.5, inputs ~ N(0, 1), L = 6, S = 5, D = 4, E = 3);
+    * ``values=mu, beta=beta, v_init=v``: the value likelihood ``-beta_u ||v_i - mu_u||^2 / 2``
+      of query i's value enters its responsibilities (eq. (5) with the value term, i.e.
+      ``w_u^i = p(u | q_i, v_i)``; 0.33 relative on the same problem when left out);
+    * ``e_step="unnormalised"``: no normaliser ``(D/2) log alpha_u`` (nor ``(E/2) log beta_u``
+      with v_init) in the responsibilities, as ``attention(form="unnormalised")``; it matters
+      for per-unit alpha (0.12 relative with alpha_u ~ U(0.3, 3)).
+
+    ``form="map_recentred", e_step="unnormalised"`` with these inputs reproduces the public
+    loop (``key_adaptation=True``, ``key_adaptation_iters=iters``, ``zeta_prior_precision``
+    = gamma, or gamma = 0 when it is None; ``pi=None``; per-unit or shared alpha and beta;
+    ``magnitude_priors`` = ``prior="magnitude"``; no positional embeddings) to 2e-16
+    relative in float64 (tests/concepts/test_gmm_public.py). The public code's 1e-20 added
+    to the sum of the max-shifted weights (a sum >= 1) changes no float64 weight.
+
     Parameters
     ----------
     queries : array (..., L, D)
@@ -67,10 +100,23 @@ def adapt_keys(
         Key-prior precision of eq. (25).
     prior : {"uniform", "magnitude"} or array (..., S) of log p(u)
         Unit prior of the E-step. "magnitude" is ``p(u) ∝ exp(alpha ||xi^t_u||^2 / 2)`` (eq.
-        (15) without values) evaluated at the current keys; the M-step, as eqs. (26)-(28),
-        does not differentiate the prior.
+        (15) without values; with ``values``, plus ``beta_u ||mu_u||^2 / 2``) evaluated at
+        the current keys; the M-step, as eqs. (26)-(28), does not differentiate the prior.
     iters : int >= 1
     form : {"paper", "map", "map_recentred"}
+        The M-step.
+    values : array (..., S, E), optional
+        Expected values mu_u of the units (constants here). Default None: the E-step has no
+        value terms (eq. (23)).
+    beta : float or array (..., S), >= 0
+        Value precisions (eq. (8)); used only with ``values``.
+    v_init : array (..., L, E), optional
+        Values v_i whose likelihood ``N(v_i; mu_u, beta_u^-1 I)`` enters the responsibilities
+        of query i (needs ``values``).
+    e_step : {"paper", "unnormalised"}
+        "paper" (default): the responsibilities with the Gaussian normalisers (D/2) log
+        alpha_u and (E/2) log beta_u (they cancel when the precisions are shared).
+        "unnormalised": without them (the public code).
     precision, out_dtype : as :func:`attention`.
 
     Notes
@@ -95,18 +141,51 @@ def adapt_keys(
     [[1.0, 0.0]]
     """
     precision = _checks.precision(precision)
-    m, gamma, form, iters = keys_problem(queries, keys0, alpha, gamma, prior, iters, form)
+    m, gamma, form, iters = keys_problem(
+        queries, keys0, alpha, gamma, prior, iters, form, values, beta, v_init, e_step
+    )
     if precision == "float64":
         return keys_states64(widened(m), gamma, form, iters)[-1]
     return exact.adapt_keys(m, gamma, form, iters, _checks.out_dtype(out_dtype))
 
 
-def keys_problem(queries, keys0, alpha, gamma, prior, iters, form):
-    """Validated (model, gamma (B..., S), form, iters) of :func:`adapt_keys`."""
+def keys_problem(
+    queries,
+    keys0,
+    alpha,
+    gamma,
+    prior,
+    iters,
+    form,
+    values=None,
+    beta=0.0,
+    v_init=None,
+    e_step="paper",
+):
+    """Validated (model, gamma (B..., S), form, iters) of :func:`adapt_keys`: the model holds
+    the E-step's reading (``form`` = e_step), the values and v_init (B..., L, E) if given."""
     form = _checks.choice(form, "form", KEY_FORMS)
+    e_step = _checks.choice(e_step, "e_step", ATTENTION_FORMS)
+    if values is None and (v_init is not None or np.any(np.asarray(beta) != 0)):
+        raise ValueError(
+            "values: v_init and beta > 0 add value terms to the key E-step, which need the "
+            "expected values mu_u (..., S, E); pass values or leave v_init=None, beta=0"
+        )
     m = build_model(
-        queries, keys0, None, alpha, 0.0, prior, need_values=False, names=("queries", "keys0")
+        queries,
+        keys0,
+        values,
+        alpha,
+        beta,
+        prior,
+        need_values=values is not None,
+        names=("queries", "keys0"),
     )
+    m = m._replace(form=e_step)
+    if v_init is not None:
+        v_init = _checks.finite_array(v_init, "v_init", 2)
+        want = m.q.shape[:-1] + (m.values.shape[-1],)
+        m = m._replace(v_init=_checks.broadcast(v_init, want, "v_init", "(..., L, E)"))
     iters = iteration_count(iters)
     gamma = _check_gamma(gamma, m.keys.shape[:-2], m.keys.shape[-2])
     return m, gamma, form, iters

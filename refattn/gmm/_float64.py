@@ -18,6 +18,7 @@ def widened(m: Model) -> Model:
         q=_checks.as_float64(m.q),
         keys=_checks.as_float64(m.keys),
         values=None if m.values is None else _checks.as_float64(m.values),
+        v_init=None if m.v_init is None else _checks.as_float64(m.v_init),
     )
 
 
@@ -158,10 +159,13 @@ def attention64(m: Model, v_init, iters, tol, want_trace):
 
 
 def responsibilities64(m: Model, keys, log_prior_now):
-    """log w^i_k = log p(u_k | q_i) (eq. (23)), (..., L, S)."""
+    """log w^i_k = log p(u_k | q_i) (eq. (23)), or log p(u_k | q_i, v_i) when the model has
+    values v_i (``adapt_keys(v_init=...)``), (..., L, S)."""
     if log_prior_now is not None:
         m = m._replace(kind="array", log_prior=log_prior_now)
     logits = query_logits64(m, m.q, keys)
+    if m.v_init is not None:
+        logits = logits + value_logits64(m, m.v_init)
     from ..logspace import log_softmax
 
     return log_softmax(logits, axis=-1, where=~np.isneginf(logits))

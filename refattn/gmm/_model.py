@@ -109,6 +109,8 @@ class Model(NamedTuple):
     allowed: np.ndarray | None = None  # (B..., L, S) bool, True = attend; None: all
     form: str = "paper"  # "paper" or "unnormalised" (see ATTENTION_FORMS)
     empty_rows: str = "zero"
+    # adapt_keys only: values v_i (B..., L, E) whose likelihood enters the key E-step
+    v_init: np.ndarray | None = None
 
 
 def build_model(q, keys, values, alpha, beta, prior, *, need_values=True, names=("q", "keys")):

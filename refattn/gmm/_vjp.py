@@ -295,6 +295,10 @@ def adapt_keys_vjp(
     prior="uniform",
     iters=1,
     form="paper",
+    values=None,
+    beta=0.0,
+    v_init=None,
+    e_step="paper",
     precision="float64",
     out_dtype=None,
 ):
@@ -319,7 +323,8 @@ def adapt_keys_vjp(
     queries : array (..., L, D)
     keys0 : array (..., S, D)
     grad_out : array (..., S, D)
-    alpha, gamma, prior, iters, form : as :func:`adapt_keys` (constants).
+    alpha, gamma, prior, iters, form, values, beta, v_init, e_step
+        As :func:`adapt_keys` (constants: values and v_init are not differentiated).
     precision, out_dtype : as :func:`attention_vjp`.
 
     Returns
@@ -335,7 +340,9 @@ def adapt_keys_vjp(
     [[0.5, 0.5]]
     """
     precision = _checks.precision(precision)
-    m, gamma, form, iters = keys_problem(queries, keys0, alpha, gamma, prior, iters, form)
+    m, gamma, form, iters = keys_problem(
+        queries, keys0, alpha, gamma, prior, iters, form, values, beta, v_init, e_step
+    )
     grad = cotangent(grad_out, m.keys.shape, "(..., S, D)", 2)
     originals = passed_arrays([("q", queries, 2), ("keys", keys0, 2)])
     if precision == "exact":

@@ -25,12 +25,20 @@ far keys win. Scores are log-space throughout:
 then ``h_i = sum_j softmax_j(s_ij) v_j`` over the allowed keys. The public transformer-mgk code
 forms ``sum_r pi exp(.)`` directly and returns 0/0 = NaN (or 0) once every exponential of a row
 underflows; here every exponential is of a max-shifted score.
+
+Public-code readings (named options, defaults follow the notes; repository
+minhtannguyen/transformer-mgk): ``attention(row_eps=1e-6)`` (MGKAttn's row guard),
+``attention(pi_form="free")`` (rbf2keys: independent clamped pi_0, pi_1),
+``em_update_pi(pi_update="per_key", normalized=False, component_eps=1e-6)`` (soft2keys' pi
+update, and the LRA soft_em update), ``linear_attention(mlk_form="lra" | "lm")``. Each
+function's docstring says which configuration it reproduces, how closely, and what the
+public code does that refattn leaves to the caller (pooling pi over the batch).
 """
 
 from ._em import EMResult, em_update_pi
 from ._gaussian import attention, attention_vjp
 from ._inputs import BACKENDS as BACKENDS
-from ._inputs import FEATURE_MAPS, LM_EPS, MLK_FORMS, MODES, PI_UPDATES, MGKGrads
+from ._inputs import FEATURE_MAPS, LM_EPS, MLK_FORMS, MODES, PI_FORMS, PI_UPDATES, MGKGrads
 from ._linear import linear_attention, linear_attention_vjp
 
 __all__ = [
@@ -45,5 +53,6 @@ __all__ = [
     "FEATURE_MAPS",
     "MLK_FORMS",
     "PI_UPDATES",
+    "PI_FORMS",
     "LM_EPS",
 ]

@@ -14,6 +14,7 @@ from ..logspace import logsumexp, softmax
 from ._inputs import (
     BACKENDS,
     MODES,
+    PI_FORMS,
     MGKGrads,
     allowed_set,
     checked_log_pi,
@@ -73,6 +74,7 @@ def attention(
     window=None,
     align="top_left",
     row_eps=0.0,
+    pi_form="distribution",
     precision="float64",
     out_dtype=None,
     backend="numpy",
@@ -117,6 +119,17 @@ def attention(
         1e-6 to the row sum of ``sum_r pi exp(.)``: every weight of row i shrinks by the
         factor ``Z_i / (Z_i + row_eps)``, ``Z_i = sum_j e^{s_ij}`` (about 9% at Z_i = 1e-5).
         Evaluated in log-space as ``exp(s_ij - logaddexp(lse_j s_ij, log row_eps))``.
+    pi_form : {"distribution", "free"}
+        "distribution" (default): each key's weights pi_jr must sum to 1 (the mixture of
+        (N4)). "free": any non-negative weights (log_pi any real or -inf), used as given --
+        the public code's ``update_mode="rbf2keys"`` (same file, class MGKAttn), which learns
+        pi_0 and pi_1 of every key position as independent parameters and clamps each to [0,
+        1] without normalising; that is the configuration the repository trains. With
+        ``log_pi = log(clip([pi0, pi1], 0, 1))``, ``sigma2 = (sqrt(D), sqrt(D) / 3)``,
+        ``normalized=False``, ``row_eps=1e-6``, ``causal=True, align="bottom_right"`` (the
+        memory precedes the segment) it reproduces that attention to 3e-16 relative
+        (tests/concepts/test_mgk_public.py); renormalising pi instead moves the output by
+        0.08-0.17 relative (D = 16, input scales 0.5-1).
     precision : {"float64", "exact"}
     out_dtype : dtype, optional (exact path)
     backend : {"numpy", "numba"}
@@ -159,7 +172,9 @@ def attention(
     q, keys, v, batch = validated_inputs(q, keys, v)
     comp_shape = batch + keys.shape[-3:-1]
     sigma2, sigma_varies = checked_sigma2(sigma2, comp_shape)
-    log_pi, _ = checked_log_pi(log_pi, comp_shape)
+    log_pi, _ = checked_log_pi(
+        log_pi, comp_shape, _checks.choice(pi_form, "pi_form", PI_FORMS) == "distribution"
+    )
     if backend == "numba":
         from ..kernels import announce_compile, variants
         from ..kernels.variants import mgk_attention
@@ -188,7 +203,7 @@ def attention(
             _clean(q64), _clean(keys64), log_pi, sigma2, sigma_varies, mode, normalized
         )
         scores = _scores64(terms, mode)
-        weights = _weights64(scores, allowed & ~np.isneginf(scores), row_eps)
+        weights = guarded_softmax64(scores, allowed & ~np.isneginf(scores), row_eps)
         out = weights @ _clean(v64)
         return np.where(poisoned[..., None], np.nan, out)
 
@@ -235,6 +250,7 @@ def attention_vjp(
     window=None,
     align="top_left",
     row_eps=0.0,
+    pi_form="distribution",
     precision="float64",
     out_dtype=None,
 ):
@@ -266,7 +282,7 @@ def attention_vjp(
         As :func:`attention` (finite values).
     grad_out : array (..., L, E)
         The cotangent of the output.
-    log_pi, sigma2, mode, normalized, mask, causal, window, align, row_eps
+    log_pi, sigma2, mode, normalized, mask, causal, window, align, row_eps, pi_form
         As :func:`attention`; log_pi and sigma2 are constants here (no gradient).
     precision : {"float64", "exact"}
         "exact": every element the exact derivative, rounded once to out_dtype (rigorous
@@ -301,7 +317,9 @@ def attention_vjp(
     q, keys, v, batch, go = vjp_inputs(q, keys, v, grad_out)
     comp_shape = batch + keys.shape[-3:-1]
     sigma2, sigma_varies = checked_sigma2(sigma2, comp_shape)
-    log_pi, _ = checked_log_pi(log_pi, comp_shape)
+    log_pi, _ = checked_log_pi(
+        log_pi, comp_shape, _checks.choice(pi_form, "pi_form", PI_FORMS) == "distribution"
+    )
     length, units = q.shape[-2], keys.shape[-3]
     allowed = allowed_set(length, units, batch, mask, causal, window, align)
     if precision == "exact":
@@ -340,7 +358,7 @@ def _attention_vjp64(
     terms = component_terms64(q, keys, log_pi, sigma2, sigma_varies, mode, normalized)
     scores = _scores64(terms, mode)
     where = allowed & ~np.isneginf(scores)
-    weights = _weights64(scores, where, row_eps)
+    weights = guarded_softmax64(scores, where, row_eps)
     if mode == "soft":
         with np.errstate(invalid="ignore"):
             share = np.where(
@@ -366,7 +384,7 @@ def _row_eps(row_eps):
     return row_eps
 
 
-def _weights64(scores, where, row_eps):
+def guarded_softmax64(scores, where, row_eps):
     """softmax_j(s_ij) over ``where``; with ``row_eps`` > 0 the normaliser gains row_eps."""
     if not row_eps:
         return softmax(scores, axis=-1, where=where)

@@ -21,6 +21,9 @@ MLK_FORMS = ("mixture", "lra", "lm")
 #: ``em_update_pi(pi_update=...)``: refattn's joint responsibilities, or the public code's
 #: per-key average (see :func:`em_update_pi`).
 PI_UPDATES = ("joint", "per_key")
+#: ``attention(pi_form=...)``: each key's mixture weights a distribution (the notes' (N4)), or
+#: free non-negative weights (the public code's rbf2keys: learnt pi_0, pi_1, clamped to [0, 1]).
+PI_FORMS = ("distribution", "free")
 #: The constant the public language-modelling code adds to the MLK denominator
 #: (``mlk_form="lm"``), taken at its float64 value.
 LM_EPS = exact.LM_EPS
@@ -89,8 +92,9 @@ def _distribution_slack(dtype, count):
     return count * (eps if eps is not None else float(np.finfo(dtype).eps))
 
 
-def checked_log_pi(log_pi, shape):
-    """log pi_jr, broadcast to (..., S, R); each key's mixture must be a distribution."""
+def checked_log_pi(log_pi, shape, distribution=True):
+    """log pi_jr, broadcast to (..., S, R); each key's mixture must be a distribution unless
+    ``distribution`` is False (then any log weights, -inf allowed, NaN and +inf not)."""
     components = shape[-1]
     if log_pi is None:
         return np.full(shape, -math.log(components)), np.float64
@@ -101,6 +105,8 @@ def checked_log_pi(log_pi, shape):
             f"log_pi: NaN or +inf found (shape {wide.shape}); expected log mixture weights"
         )
     wide = _checks.broadcast(wide, shape, "log_pi", "(..., S, R)")
+    if not distribution:
+        return wide, arr.dtype
     totals = logsumexp(wide, axis=-1)
     slack = _distribution_slack(arr.dtype, components + 2)
     if not (np.abs(totals) <= slack).all():
