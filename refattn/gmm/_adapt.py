@@ -86,7 +86,7 @@ def adapt_keys(
     ``form="map_recentred", e_step="unnormalised"`` with these inputs reproduces the public
     loop (``key_adaptation=True``, ``key_adaptation_iters=iters``, ``zeta_prior_precision``
     = gamma, or gamma = 0 when it is None; ``pi=None``; per-unit or shared alpha and beta;
-    ``magnitude_priors`` = ``prior="magnitude"``; no positional embeddings) to 2e-16
+    ``magnitude_priors`` = ``prior="magnitude"``; no positional embeddings) within 4e-16
     relative in float64 (tests/concepts/test_gmm_public.py). The public code's 1e-20 added
     to the sum of the max-shifted weights (a sum >= 1) changes no float64 weight.
 

@@ -127,7 +127,7 @@ def attention(
         1] without normalising; that is the configuration the repository trains. With
         ``log_pi = log(clip([pi0, pi1], 0, 1))``, ``sigma2 = (sqrt(D), sqrt(D) / 3)``,
         ``normalized=False``, ``row_eps=1e-6``, ``causal=True, align="bottom_right"`` (the
-        memory precedes the segment) it reproduces that attention to 3e-16 relative
+        memory precedes the segment) it reproduces that attention within 4e-16 relative
         (tests/concepts/test_mgk_public.py); renormalising pi instead moves the output by
         0.08-0.17 relative (D = 16, input scales 0.5-1).
     precision : {"float64", "exact"}
