@@ -32,6 +32,7 @@ from refattn import transformer as T
 from refattn.bounds import float64_forward_bound, float64_vjp_bound, transformer_forward_bound
 from refattn.kernels import numba_cpu
 from refattn.spec import canonicalize
+from tests.concepts.params import random_attention_params
 
 RAGGED = [[1.0, 2.0], [3.0]]
 ACCEPTABLE = {"named-error", "correct", "unsupported"}
@@ -576,7 +577,7 @@ def layer_norm_tries(rng):
 
 
 def mha_tries(rng):
-    p = T.random_attention_params(4, 2, seed=1)
+    p = random_attention_params(4, 2, seed=1)
     x = rng.standard_normal((3, 4))
 
     def call(**kw):
