@@ -105,6 +105,15 @@ def _coupling_inputs(x, W_Q, W_K, W_V, scale, mask, causal, window, align):
     if values.shape != (d, d):
         raise ValueError(f"W_V: expected shape (d, d) = ({d}, {d}), got {values.shape}")
     scale = _checks.real_scalar(scale, "scale", allow_none=True)
+    if mask is not None:
+        mask = _checks.bool_array(mask, "mask")
+        try:  # checked here: allowed_mask's own broadcast would fail naming nothing
+            np.broadcast_shapes(mask.shape, x.shape[:-2] + (n, n))
+        except ValueError:
+            raise ValueError(
+                f"mask: expected a shape broadcastable to (B..., N, N) = "
+                f"{x.shape[:-2] + (n, n)} of x {x.shape}, got shape {mask.shape}"
+            ) from None
     allowed = masks.allowed_mask(n, n, mask=mask, causal=causal, window=window, align=align)
     allowed = np.broadcast_to(allowed, np.broadcast_shapes(allowed.shape, x.shape[:-2] + (n, n)))
     return x, W_Q, W_K, values, scale, allowed

@@ -16,6 +16,7 @@ from ._model import (
     apply_diagonal,
     batch_shape,
     check_solver_options,
+    checked_image,
     couplings,
     exact_result,
     spins,
@@ -52,7 +53,9 @@ def deq_attention(
     J : array_like, float, (B..., N, N, d, d)
     correction : callable or None
         ``f``: maps z of shape (B..., N, d) to an array of the same shape. Should act per
-        sample (the solver freezes converged samples). None means ``f = 0``.
+        sample (the solver freezes converged samples). None means ``f = 0``. A result of
+        another shape, of non-real dtype, or with NaN/Inf at a finite z raises a
+        ValueError/TypeError naming ``correction`` (never broadcast).
     z0 : array_like, optional
         Initial iterate (default zeros), broadcastable to (B..., N, d).
     diagonal : {"error", "zero", "keep"}
@@ -103,7 +106,7 @@ def deq_attention(
     J = apply_diagonal(couplings(J, n, d), diagonal, ("error", "zero", "keep"))
     if correction is not None and not callable(correction):
         raise TypeError(f"correction: expected a callable or None, got {type(correction).__name__}")
-    batch = batch_shape((x, 2), (J, 4))
+    batch = batch_shape(x=(x, 2), J=(J, 4))
     options = check_solver_options(solver_options)
     if precision == "exact" and correction is None:
         return exact_result(
@@ -121,7 +124,9 @@ def deq_attention(
 
     def update(z):
         coupled = np.einsum("...ijxy,...jy->...ix", Jb, z) + xb
-        return coupled if correction is None else coupled - np.asarray(correction(z))
+        if correction is None:
+            return coupled
+        return coupled - checked_image(correction(z), z, "correction")
 
     res = fp.solve(update, start, tol=tol, max_iter=max_iter, state_ndim=2, **options)
     if precision == "exact":

@@ -68,14 +68,15 @@ def couplings(J, n, d, name="J"):
     return J
 
 
-def batch_shape(*pairs):
-    """Broadcast batch shape of (array, core_ndim) pairs, or a ValueError naming the shapes."""
+def batch_shape(**named):
+    """Broadcast batch shape of ``name=(array, core_ndim)`` arguments, or a ValueError naming
+    the arguments and their shapes."""
     try:
-        return np.broadcast_shapes(*(a.shape[: a.ndim - k] for a, k in pairs))
+        return np.broadcast_shapes(*(a.shape[: a.ndim - k] for a, k in named.values()))
     except ValueError:
-        shapes = ", ".join(str(a.shape) for a, _ in pairs)
+        shapes = ", ".join(f"{name} {a.shape}" for name, (a, _) in named.items())
         raise ValueError(
-            f"batch dimensions of the inputs do not broadcast: shapes {shapes}"
+            f"{', '.join(named)}: the batch dimensions (B...) do not broadcast: shapes {shapes}"
         ) from None
 
 
@@ -110,7 +111,8 @@ def prior_blocks(prior_precision, n, d):
     """``Sigma^{-1}`` as (N, d, d) float64 blocks, checked symmetric positive definite."""
     if prior_precision is None:
         return np.broadcast_to(np.eye(d), (n, d, d))
-    if np.ndim(prior_precision) == 0:
+    # as_array: np.ndim of a ragged list would raise NumPy's own error, naming nothing
+    if np.ndim(_checks.as_array(prior_precision, "prior_precision")) == 0:
         value = _checks.real_scalar(prior_precision, "prior_precision", positive=True)
         return np.broadcast_to(value * np.eye(d), (n, d, d))
     p = _checks.as_float64(_checks.float_array(prior_precision, "prior_precision"))
@@ -186,3 +188,32 @@ def zero_self_couplings(dJ, scalar=False):
     else:
         dJ[..., sites, sites, :, :] = 0
     return dJ
+
+
+def checked_image(value, like, name, like_name="z"):
+    """``value``, the caller's ``name`` evaluated at ``like`` (the iterate), as an array of
+    ``like``'s shape holding real numbers, finite wherever ``like`` is finite; otherwise an
+    error naming ``name``, the shapes and what was expected (not NumPy's broadcast error from
+    inside the solver)."""
+    try:
+        image = np.asarray(value)
+    except ValueError:  # a ragged sequence
+        raise ValueError(
+            f"{name}: expected an array of the shape of {like_name} {like.shape}, got a ragged "
+            f"{type(value).__name__}"
+        ) from None
+    if image.shape != like.shape:
+        raise ValueError(
+            f"{name}: expected an array of the shape of {like_name} {like.shape} (B..., N, d), "
+            f"got shape {image.shape} ({type(value).__name__}, dtype {image.dtype})"
+        )
+    if image.dtype.kind not in "biuf":
+        raise TypeError(
+            f"{name}: expected real numbers, got dtype {image.dtype} with shape {image.shape}"
+        )
+    if not np.isfinite(image).all() and np.isfinite(like).all():
+        raise ValueError(
+            f"{name}: returned NaN or Inf (shape {image.shape}) at a finite {like_name}; "
+            "expected finite values"
+        )
+    return image

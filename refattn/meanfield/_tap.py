@@ -68,7 +68,7 @@ def naive_step(m, J, x, *, precision="float64", out_dtype=None):
     x = spins(x, "x")
     if x.shape[-2:] != (n, d):
         raise ValueError(f"x: expected shape (..., N, d) = (..., {n}, {d}) like m, got {x.shape}")
-    batch = batch_shape((m, 2), (J, 4), (x, 2))
+    batch = batch_shape(m=(m, 2), J=(J, 4), x=(x, 2))
     if precision == "float64":
         return np.einsum("...ijxy,...jy->...ix", J, m) + x
     return exact.naive_step(m, J, x, batch, _checks.out_dtype(out_dtype))
@@ -183,7 +183,7 @@ def adaptive_tap(
     n, d = x.shape[-2:]
     J = apply_diagonal(couplings(J, n, d), diagonal, ("error", "zero"))
     P = prior_blocks(prior_precision, n, d)
-    batch = batch_shape((x, 2), (J, 4))
+    batch = batch_shape(x=(x, 2), J=(J, 4))
     options = check_solver_options(solver_options)
     if precision == "exact" and response == "site":
         return exact_result(
@@ -330,7 +330,7 @@ def ising_tap(
             f"{x.shape}, got {J.shape}"
         )
     J = apply_diagonal(J, diagonal, ("error", "zero"), scalar=True)
-    batch = batch_shape((x, 1), (J, 2))
+    batch = batch_shape(x=(x, 1), J=(J, 2))
     options = check_solver_options(solver_options)
     size = int(np.prod(batch, dtype=int))
     xb = np.broadcast_to(x, (*batch, n)).reshape(size, n)

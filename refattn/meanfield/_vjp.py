@@ -18,6 +18,7 @@ from ._model import (
     apply_diagonal,
     batch_shape,
     check_solver_options,
+    checked_image,
     cotangent,
     couplings,
     flat_batch,
@@ -115,7 +116,7 @@ def adaptive_tap_vjp(
     n, d = x.shape[-2:]
     J = apply_diagonal(couplings(J, n, d), diagonal, ("error", "zero"))
     P = prior_blocks(prior_precision, n, d)
-    batch = batch_shape((x, 2), (J, 4))
+    batch = batch_shape(x=(x, 2), J=(J, 4))
     check_solver_options(solver_options)
     g = cotangent(grad_out, (*batch, n, d))
     if precision == "exact":
@@ -218,7 +219,7 @@ def ising_tap_vjp(
             f"{x.shape}, got {J.shape}"
         )
     J = apply_diagonal(J, diagonal, ("error", "zero"), scalar=True)
-    batch = batch_shape((x, 1), (J, 2))
+    batch = batch_shape(x=(x, 1), J=(J, 2))
     g = cotangent(grad_out, (*batch, n))
     res = ising_tap(x, J, tol=tol, max_iter=max_iter, **check_solver_options(solver_options))
     m, V = (a.reshape(-1, n) for a in (res.means, res.cavity_var))
@@ -274,9 +275,9 @@ def deq_attention_vjp(
     correction : callable or None
         ``f`` of :func:`deq_attention` (keyword here).
     correction_vjp : callable, required with a correction
-        ``correction_vjp(z, v) -> v^T f'(z)`` (arrays of the shape of z, per sample). On the
-        exact path it must also accept object arrays of ``mpmath.iv.mpf`` intervals (z a box)
-        and return enclosures.
+        ``correction_vjp(z, v) -> v^T f'(z)`` (arrays of the shape of z, per sample; checked
+        as ``correction`` is, against the shape of v). On the exact path it must also accept
+        object arrays of ``mpmath.iv.mpf`` intervals (z a box) and return enclosures.
     precision : {"float64", "exact"}
         "float64": without a correction, ``u = (I - J)^{-T} g`` by a LAPACK solve; with one,
         :func:`refattn.fixedpoint.solve` on the adjoint map. "exact": without a correction,
@@ -312,7 +313,7 @@ def deq_attention_vjp(
             "correction_vjp: a correction needs its vector-Jacobian product "
             f"correction_vjp(z, v) -> v^T f'(z), got {type(correction_vjp).__name__}"
         )
-    batch = batch_shape((x, 2), (J, 4))
+    batch = batch_shape(x=(x, 2), J=(J, 4))
     g = cotangent(grad_out, (*batch, n, d))
     options = check_solver_options(solver_options)
     if correction is None:
@@ -329,7 +330,8 @@ def deq_attention_vjp(
     Jb = np.broadcast_to(J, (*batch, n, n, d, d))
 
     def adjoint(u):
-        return np.einsum("...ijab,...ia->...jb", Jb, u) + g - np.asarray(correction_vjp(z, u))
+        image = checked_image(correction_vjp(z, u), u, "correction_vjp", "v")
+        return np.einsum("...ijab,...ia->...jb", Jb, u) + g - image
 
     u = fp.solve(
         adjoint, np.zeros((*batch, n, d)), tol=tol, max_iter=max_iter, state_ndim=2, **options

@@ -194,6 +194,13 @@ def mha_plan(
 ) -> Composition:
     x_q = float_input(x_q, "x_q")
     x_kv = x_q if x_kv is None else float_input(x_kv, "x_kv")
+    try:  # checked here: attention's own check names its q, k, v, not these arguments
+        np.broadcast_shapes(x_q.shape[:-2], x_kv.shape[:-2])
+    except ValueError:
+        raise ValueError(
+            f"x_q, x_kv: the batch dimensions (...) do not broadcast: x_q {x_q.shape}, "
+            f"x_kv {x_kv.shape}"
+        ) from None
     params = check_attention(
         x_q, x_kv, AttentionParams(W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, num_heads, num_kv_heads)
     )

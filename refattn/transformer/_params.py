@@ -140,47 +140,51 @@ def _heads_of(cols, heads, name, what, heads_name="num_heads"):
     return cols // heads
 
 
-def check_attention(x_q, x_kv, p: AttentionParams) -> AttentionParams:
-    """Validate shapes; returns the params with arrays (input dtypes kept)."""
-    heads = _count(p.num_heads, "num_heads")
-    kv_heads = heads if p.num_kv_heads is None else _count(p.num_kv_heads, "num_kv_heads")
+def check_attention(
+    x_q, x_kv, p: AttentionParams, prefix="", sources=("x_q", "x_kv")
+) -> AttentionParams:
+    """Validate shapes; returns the params with arrays (input dtypes kept). Errors name each
+    field as ``prefix + field`` (e.g. ``params.cross_attn.W_K``) and the inputs by
+    ``sources``, the names the caller gave them."""
+    q_name, kv_name = sources
+    heads = _count(p.num_heads, prefix + "num_heads")
+    kv_heads = heads if p.num_kv_heads is None else _count(p.num_kv_heads, prefix + "num_kv_heads")
     if heads % kv_heads:
         raise ValueError(
-            f"num_heads: {heads} is not a multiple of num_kv_heads {kv_heads} (GQA needs H % K "
-            "== 0)"
+            f"{prefix}num_heads: {heads} is not a multiple of num_kv_heads {kv_heads} (GQA needs "
+            "H % K == 0)"
         )
-    W_Q = _matrix(p.W_Q, "W_Q", x_q.shape[-1], f"x_q {x_q.shape}")
-    W_K = _matrix(p.W_K, "W_K", x_kv.shape[-1], f"x_kv {x_kv.shape}")
-    W_V = _matrix(p.W_V, "W_V", x_kv.shape[-1], f"x_kv {x_kv.shape}")
-    dim = _heads_of(W_Q.shape[1], heads, "W_Q", "D")
+    W_Q = _matrix(p.W_Q, prefix + "W_Q", x_q.shape[-1], f"{q_name} {x_q.shape}")
+    W_K = _matrix(p.W_K, prefix + "W_K", x_kv.shape[-1], f"{kv_name} {x_kv.shape}")
+    W_V = _matrix(p.W_V, prefix + "W_V", x_kv.shape[-1], f"{kv_name} {x_kv.shape}")
+    dim = _heads_of(W_Q.shape[1], heads, prefix + "W_Q", "D", prefix + "num_heads")
     if W_K.shape[1] != kv_heads * dim:
         raise ValueError(
-            f"W_K: expected {kv_heads * dim} columns (num_kv_heads {kv_heads} x D {dim} from "
-            f"W_Q {W_Q.shape}), got shape {W_K.shape}"
+            f"{prefix}W_K: expected {kv_heads * dim} columns (num_kv_heads {kv_heads} x D {dim} "
+            f"from W_Q {W_Q.shape}), got shape {W_K.shape}"
         )
-    vdim = _heads_of(W_V.shape[1], kv_heads, "W_V", "E", "num_kv_heads")
-    W_O = _matrix(p.W_O, "W_O", heads * vdim)
+    vdim = _heads_of(W_V.shape[1], kv_heads, prefix + "W_V", "E", prefix + "num_kv_heads")
+    W_O = _matrix(p.W_O, prefix + "W_O", heads * vdim)
     return AttentionParams(
         W_Q,
         W_K,
         W_V,
         W_O,
-        _vector(p.b_Q, "b_Q", W_Q.shape[1]),
-        _vector(p.b_K, "b_K", W_K.shape[1]),
-        _vector(p.b_V, "b_V", W_V.shape[1]),
-        _vector(p.b_O, "b_O", W_O.shape[1]),
+        _vector(p.b_Q, prefix + "b_Q", W_Q.shape[1]),
+        _vector(p.b_K, prefix + "b_K", W_K.shape[1]),
+        _vector(p.b_V, prefix + "b_V", W_V.shape[1]),
+        _vector(p.b_O, prefix + "b_O", W_O.shape[1]),
         heads,
         kv_heads,
     )
 
 
-def check_ffn(x, p: FeedForwardParams) -> FeedForwardParams:
-    _checks.choice(p.activation, "activation", ACTIVATIONS)
-    W1 = _matrix(p.W1, "W1", x.shape[-1], f"x {x.shape}")
-    W2 = _matrix(p.W2, "W2", W1.shape[1], f"the hidden layer: W1 {W1.shape}")
-    return FeedForwardParams(
-        W1, _vector(p.b1, "b1", W1.shape[1]), W2, _vector(p.b2, "b2", W2.shape[1]), p.activation
-    )
+def check_ffn(x, p: FeedForwardParams, prefix="") -> FeedForwardParams:
+    _checks.choice(p.activation, prefix + "activation", ACTIVATIONS)
+    W1 = _matrix(p.W1, prefix + "W1", x.shape[-1], f"x {x.shape}")
+    W2 = _matrix(p.W2, prefix + "W2", W1.shape[1], f"the hidden layer: W1 {W1.shape}")
+    b1 = _vector(p.b1, prefix + "b1", W1.shape[1])
+    return FeedForwardParams(W1, b1, W2, _vector(p.b2, prefix + "b2", W2.shape[1]), p.activation)
 
 
 def check_norm(width, p: NormParams, prefix="") -> NormParams:
@@ -242,13 +246,31 @@ def convert(obj, fn):
 # ----------------------------------------------------------------------------- two backends
 
 
+def _check_fields(p, kinds: dict) -> None:
+    """Each field of a block's params holds the dataclass it needs (else a TypeError naming
+    ``params.<field>``, not an AttributeError from inside the chain)."""
+    for name, kind in kinds.items():
+        value = getattr(p, name)
+        if not isinstance(value, kind):
+            raise TypeError(f"params.{name}: expected {kind.__name__}, got {type(value).__name__}")
+
+
 def check_encoder(x, p):
     if not isinstance(p, EncoderParams):
         raise TypeError(f"params: expected an EncoderParams, got {type(p).__name__}")
+    _check_fields(
+        p,
+        {
+            "attn": AttentionParams,
+            "ffn": FeedForwardParams,
+            "norm1": NormParams,
+            "norm2": NormParams,
+        },
+    )
     width = x.shape[-1]
-    attn = check_attention(x, x, p.attn)
+    attn = check_attention(x, x, p.attn, "params.attn.", ("x", "x"))
     _check_model_width(attn.W_O, width, "params.attn.W_O")
-    ffn = check_ffn(x, p.ffn)
+    ffn = check_ffn(x, p.ffn, "params.ffn.")
     _check_model_width(ffn.W2, width, "params.ffn.W2")
     return EncoderParams(
         attn,
@@ -268,12 +290,21 @@ def _check_model_width(W, width, name):
 def check_decoder(x, memory, p):
     if not isinstance(p, DecoderParams):
         raise TypeError(f"params: expected a DecoderParams, got {type(p).__name__}")
+    _check_fields(
+        p,
+        {
+            "self_attn": AttentionParams,
+            "cross_attn": AttentionParams,
+            "ffn": FeedForwardParams,
+            **{norm: NormParams for norm in ("norm1", "norm2", "norm3")},
+        },
+    )
     width = x.shape[-1]
-    self_attn = check_attention(x, x, p.self_attn)
+    self_attn = check_attention(x, x, p.self_attn, "params.self_attn.", ("x", "x"))
     _check_model_width(self_attn.W_O, width, "params.self_attn.W_O")
-    cross_attn = check_attention(x, memory, p.cross_attn)
+    cross_attn = check_attention(x, memory, p.cross_attn, "params.cross_attn.", ("x", "memory"))
     _check_model_width(cross_attn.W_O, width, "params.cross_attn.W_O")
-    ffn = check_ffn(x, p.ffn)
+    ffn = check_ffn(x, p.ffn, "params.ffn.")
     _check_model_width(ffn.W2, width, "params.ffn.W2")
     norms = [check_norm(width, getattr(p, n), f"params.{n}.") for n in ("norm1", "norm2", "norm3")]
     return DecoderParams(self_attn, cross_attn, ffn, *norms)
