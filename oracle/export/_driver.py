@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 import refattn
 
 from .. import golden
@@ -171,3 +173,19 @@ def _manifest(fmt: Format, fixtures: Path, entries: list[dict], extra: dict) -> 
         **extra,
         "cases": entries,
     }
+
+
+def has_empty_row(spec) -> bool:
+    """Whether a row of a canonical :class:`refattn.spec.AttentionSpec` has no allowed key."""
+    lo, hi = spec.intervals()
+    if (hi <= lo).any():
+        return True
+    batch, heads, _, length, keys, _, _ = spec.dims
+    columns = np.arange(keys)
+    structural = ((columns >= lo[..., None]) & (columns < hi[..., None]))[:, None]
+    allowed = np.broadcast_to(structural, (batch, heads, length, keys))
+    if spec.mask is not None:
+        allowed = allowed & spec.mask
+    if spec.bias is not None:
+        allowed = allowed & (spec.bias != -np.inf)
+    return bool((~allowed.any(-1)).any())

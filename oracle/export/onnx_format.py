@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import golden
-from ._driver import Format, publish
+from ._driver import Format, has_empty_row, publish
 
 try:  # imported here so that oracle.export names the missing package in one line
     import onnx
@@ -138,7 +138,7 @@ def node_plan(fixture: golden.Fixture) -> dict:
         allowed &= ((columns >= lo[..., None]) & (columns < hi[..., None]))[:, None]
     if "mask" in inputs:
         allowed &= np.broadcast_to(inputs["mask"], allowed.shape)
-    if options.get("empty_rows", "zero") == "nan" and _has_empty_row(spec):
+    if options.get("empty_rows", "zero") == "nan" and has_empty_row(spec):
         return {"skipped": "empty_rows='nan': the node returns zero rows for empty rows"}
     graph_inputs = {name: inputs[name] for name in ("q", "k", "v")}
     if "bias" in inputs:
@@ -159,21 +159,6 @@ def node_plan(fixture: golden.Fixture) -> dict:
         "output": fixture.truth["out"],
         "folded": folded,
     }
-
-
-def _has_empty_row(spec) -> bool:
-    lo, hi = spec.intervals()
-    if (hi <= lo).any():
-        return True
-    batch, heads, _, length, keys, _, _ = spec.dims
-    columns = np.arange(keys)
-    structural = ((columns >= lo[..., None]) & (columns < hi[..., None]))[:, None]
-    allowed = np.broadcast_to(structural, (batch, heads, length, keys))
-    if spec.mask is not None:
-        allowed = allowed & spec.mask
-    if spec.bias is not None:
-        allowed = allowed & (spec.bias != -np.inf)
-    return bool((~allowed.any(-1)).any())
 
 
 _NODE_INPUTS = ("Q", "K", "V", "attn_mask", "past_key", "past_value", "nonpad_kv_seqlen")
