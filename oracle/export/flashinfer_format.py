@@ -42,6 +42,8 @@ __all__ = ["FORMAT", "OP_TYPE", "workload_plan", "read_workload"]
 
 OP_TYPE = "gqa_ragged"
 _DTYPES = ("float32", "float16", "bfloat16")
+#: flashinfer-bench judges a solution at a fixed absolute and relative tolerance of 1e-2.
+BENCH_TOLERANCE = 1e-2
 _UUID_NAMESPACE = uuid.UUID("8a5b0d5e-2f1c-4c61-9d0a-7c2f0e6b5a11")
 
 # The reference ``run`` of every exported definition (written for refattn; same call as the

@@ -159,3 +159,196 @@ def test_failure_leaves_no_partial_files(smoke_dir, tmp_path, monkeypatch):
     assert [n for n in left if n.endswith(".tmp")] == []
     assert left == sorted([golden.LOCK_FILE, f"{calls[0]}.safetensors"])
     assert os.path.getsize(tmp_path / f"{calls[0]}.safetensors") > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# onnx
+# ---------------------------------------------------------------------------------------------
+
+
+def _inputs_only(name: str) -> golden.Fixture:
+    """A fixture with inputs and a placeholder truth: enough to plan an export (no exact run)."""
+    case = catalogue.get(name)
+    inputs = catalogue.make_inputs(case)
+    n = case.shapes
+    out = np.zeros(
+        (n.batch, n.H, n.L, n.E),
+        np.dtype(case.dtype) if case.dtype != "bfloat16" else inputs["q"].dtype,
+    )
+    return golden.Fixture(case, inputs, golden.call_options(case, inputs), {"out": out})
+
+
+@pytest.fixture(scope="module")
+def onnx_dir(smoke_dir, tmp_path_factory):
+    pytest.importorskip("onnx", reason="onnx not installed")
+    return oracle.export("onnx", smoke_dir, tmp_path_factory.mktemp("onnx"), progress=False)
+
+
+def test_onnx_folders_hold_the_exact_output(smoke_dir, onnx_dir):
+    import onnx
+    from onnx import numpy_helper
+
+    manifest = json.loads((onnx_dir / EXPORT_MANIFEST).read_text())
+    reference = {f.name: f for f in golden.load(smoke_dir)}
+    skipped = {e["name"]: e["skipped"] for e in manifest["cases"] if e["skipped"]}
+    assert list(skipped) == ["poison-nan-padding-B2H2K2-L5S10-D8E8-f32"]
+    assert "poison-nan-padding" in (onnx_dir / "README.md").read_text()
+    for entry in manifest["cases"]:
+        if entry["skipped"]:
+            continue
+        folder = onnx_dir / entry["name"]
+        onnx.checker.check_model(onnx.load(str(folder / "model.onnx")))
+        expected = numpy_helper.to_array(
+            onnx.load_tensor(str(folder / "test_data_set_0/output_0.pb"))
+        )
+        assert _same_bits(expected, reference[entry["name"]].truth["out"])
+
+
+def test_onnx_reference_and_onnxruntime_pass_wide_dtypes(onnx_dir):
+    from oracle.export.onnx_check import run_export_folder
+
+    runtimes = ["reference"]
+    try:
+        import onnxruntime  # noqa: F401
+
+        runtimes.append("onnxruntime")
+    except ImportError:
+        pass
+    manifest = json.loads((onnx_dir / EXPORT_MANIFEST).read_text())
+    dtype = {e["name"]: e["dtype"] for e in manifest["cases"]}
+    outcomes = run_export_folder(onnx_dir, runtimes)
+    # float16/bfloat16 runtimes compute in the case dtype: outside the runner's rtol, reported
+    wide = [o for o in outcomes if dtype[o.name] in ("float32", "float64")]
+    assert wide and all(o.passed for o in wide), [o for o in wide if not o.passed]
+    assert all(o.cause for o in outcomes if not o.passed)
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("alibi-H4K4-L12S24-D16E16-f32", "ALiBi"),
+        ("poison-nan-padding-B2H2K2-L5S10-D8E8-f32", "NaN/Inf in k"),
+    ],
+)
+def test_onnx_unexpressible_cases_give_the_reason(name, reason):
+    pytest.importorskip("onnx", reason="onnx not installed")
+    from oracle.export.onnx_format import node_plan
+
+    assert reason in node_plan(_inputs_only(name))["skipped"]
+
+
+def test_onnx_structure_is_native_or_folded_from_refattn_spec():
+    pytest.importorskip("onnx", reason="onnx not installed")
+    from oracle.export.onnx_format import node_plan
+    from refattn.spec import allowed_mask
+
+    plan = node_plan(_inputs_only("causal-br-H2K2-L4S7-D8E8-f32"))
+    assert plan["attributes"] == {"is_causal": 1} and plan["opset"] == 24
+    assert plan["inputs"]["nonpad_kv_seqlen"].tolist() == [7]
+    windowed = [c for c in catalogue.suite("default") if c.options.get("window")]
+    fixture = _inputs_only(windowed[0].name)
+    plan = node_plan(fixture)
+    options = fixture.case.options
+    expected = allowed_mask(
+        fixture.case.shapes.L,
+        fixture.case.shapes.S,
+        causal=options.get("causal", False),
+        window=options["window"],
+        align=options.get("align", "top_left"),
+    )
+    mask = plan["inputs"]["attn_mask"]
+    allowed = mask if mask.dtype == bool else mask != -np.inf
+    if "mask" not in fixture.inputs and "bias" not in fixture.inputs:
+        assert (allowed == expected).all()
+    assert plan["folded"] and "is_causal" not in plan["attributes"]
+
+
+# ---------------------------------------------------------------------------------------------
+# flashinfer-trace
+# ---------------------------------------------------------------------------------------------
+
+#: cheap default cases the gqa_ragged definitions can state (smoke's D=8 has an irrational scale)
+_FLASHINFER_CASES = ("batch-B3H2K2-L8S12-D16E16-bf16", "causal-br-H2K2-L12S32-D16E16-f16")
+
+
+@pytest.fixture(scope="module")
+def flashinfer_dirs(smoke_dir, tmp_path_factory):
+    fixtures = tmp_path_factory.mktemp("fi-fixtures")
+    cases = [catalogue.get(n) for n in _FLASHINFER_CASES] + catalogue.suite("smoke")
+    golden.generate("smoke", fixtures, cases=cases, progress=False)
+    out = oracle.export("flashinfer-trace", fixtures, tmp_path_factory.mktemp("fi"), progress=False)
+    return fixtures, out
+
+
+def test_flashinfer_round_trip(flashinfer_dirs):
+    from oracle.export.flashinfer_format import read_workload
+
+    fixtures, out = flashinfer_dirs
+    manifest = json.loads((out / EXPORT_MANIFEST).read_text())
+    exported = {e["name"]: e for e in manifest["cases"] if not e["skipped"]}
+    assert sorted(exported) == sorted(_FLASHINFER_CASES)
+    assert any("irrational" in e["skipped"] for e in manifest["cases"] if e["skipped"])
+    for fixture in golden.load(fixtures, names=list(exported)):
+        entry = exported[fixture.name]
+        back = read_workload(out, entry["definition"], fixture.name)
+        n = fixture.case.shapes
+        q = back["tensors"]["q"].reshape(n.batch, n.L, n.H, n.D).transpose(0, 2, 1, 3)
+        assert _same_bits(q, fixture.inputs["q"])
+        assert _same_bits(back["tensors"]["k"][: n.S], fixture.inputs["k"][0].transpose(1, 0, 2))
+        output = back["expected"]["output"].reshape(n.batch, n.L, n.H, n.E).transpose(0, 2, 1, 3)
+        assert _same_bits(output, fixture.truth["out"])
+        lse = back["expected"]["lse"].reshape(n.batch, n.L, n.H).transpose(0, 2, 1)
+        assert _same_bits(lse, (fixture.truth["lse_f64"] / np.log(2.0)).astype(np.float32))
+        definition = json.loads(
+            (out / f"definitions/gqa_ragged/{entry['definition']}.json").read_text()
+        )
+        _check_definition_schema(definition)
+        assert back["trace"]["workload"]["axes"]["total_q"] == n.batch * n.L
+
+
+def _check_definition_schema(definition: dict) -> None:
+    """The structural rules of flashinfer_bench.data.definition.Definition (no package needed)."""
+    import ast
+
+    assert definition["name"] and definition["op_type"] and definition["axes"]
+    for spec in [*definition["inputs"].values(), *definition["outputs"].values()]:
+        assert all(axis in definition["axes"] for axis in spec["shape"] or [])
+    module = ast.parse(definition["reference"])
+    assert any(isinstance(node, ast.FunctionDef) and node.name == "run" for node in module.body)
+
+
+def test_flashinfer_reference_is_within_the_bench_tolerance(flashinfer_dirs):
+    torch = pytest.importorskip("torch", reason="torch not installed")
+    from oracle.export.flashinfer_format import BENCH_TOLERANCE, read_workload
+
+    _, out = flashinfer_dirs
+    manifest = json.loads((out / EXPORT_MANIFEST).read_text())
+    for entry in manifest["cases"]:
+        if entry["skipped"]:
+            continue
+        definition = json.loads(
+            (out / f"definitions/gqa_ragged/{entry['definition']}.json").read_text()
+        )
+        namespace: dict = {}
+        exec(compile(definition["reference"], entry["definition"], "exec"), namespace)
+        back = read_workload(out, entry["definition"], entry["name"])
+        tensors = {k: _torch_of(torch, v) for k, v in back["tensors"].items()}
+        output, lse = namespace["run"](**tensors)
+        exact = back["expected"]["output"].astype(np.float64)
+        np.testing.assert_allclose(
+            output.double().numpy(), exact, rtol=BENCH_TOLERANCE, atol=BENCH_TOLERANCE
+        )
+        np.testing.assert_allclose(
+            lse.double().numpy(),
+            back["expected"]["lse"],
+            rtol=BENCH_TOLERANCE,
+            atol=BENCH_TOLERANCE,
+        )
+
+
+def _torch_of(torch, value):
+    if not isinstance(value, np.ndarray):
+        return value
+    if value.dtype.name == "bfloat16":
+        return torch.from_numpy(value.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(value))
