@@ -37,15 +37,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx  # ModuleNotFoundError(name="onnx") when absent: oracle.export names it
+from onnx import TensorProto, helper, numpy_helper
 
 from .. import golden
 from ._driver import Format, has_empty_row, publish
-
-try:  # imported here so that oracle.export names the missing package in one line
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-except ImportError as exc:  # pragma: no cover - exercised when onnx is absent
-    raise ImportError(str(exc), name="onnx") from None
 
 __all__ = ["FORMAT", "node_plan", "OPSET_WITHOUT_LENGTHS", "OPSET_WITH_LENGTHS"]
 
@@ -130,12 +126,13 @@ def node_plan(fixture: golden.Fixture) -> dict:
     )
     refattn_offsets = np.array([spec.row_offset(b) for b in range(batch)], np.int64)
     native_causal = causal and window is None and (node_offsets == refattn_offsets).all()
-    allowed = np.ones((batch, heads, length, keys), bool)
     folded = (causal or window is not None) and not native_causal
+    lo, hi = spec.intervals()  # (B, L): the structural rule of refattn.spec
+    columns = np.arange(keys)
+    structural = ((columns >= lo[..., None]) & (columns < hi[..., None]))[:, None]
+    allowed = np.ones((batch, heads, length, keys), bool)
     if folded:
-        lo, hi = spec.intervals()  # (B, L): the structural rule of refattn.spec
-        columns = np.arange(keys)
-        allowed &= ((columns >= lo[..., None]) & (columns < hi[..., None]))[:, None]
+        allowed &= structural
     if "mask" in inputs:
         allowed &= np.broadcast_to(inputs["mask"], allowed.shape)
     if options.get("empty_rows", "zero") == "nan" and has_empty_row(spec):
@@ -143,7 +140,10 @@ def node_plan(fixture: golden.Fixture) -> dict:
     graph_inputs = {name: inputs[name] for name in ("q", "k", "v")}
     if "bias" in inputs:
         bias = np.broadcast_to(inputs["bias"], allowed.shape)
-        graph_inputs["attn_mask"] = np.where(allowed, bias, -np.inf).astype(bias.dtype)
+        # -inf at every excluded position, natively causal ones included: a bias poisoned
+        # there (NaN) would otherwise reach the sum, as -inf + NaN is NaN
+        excluded = ~(allowed & structural)
+        graph_inputs["attn_mask"] = np.where(excluded, -np.inf, bias).astype(bias.dtype)
     elif folded or "mask" in inputs:
         graph_inputs["attn_mask"] = allowed
     if lengths is not None:
