@@ -32,11 +32,12 @@ def add_export_parser(sub) -> None:
 
 def run_export_command(args) -> int:
     """Handler of ``refattn-oracle export`` (returns the exit code)."""
-    from .export import EXPORT_MANIFEST, ExportError, export
+    from .export import EXPORT_MANIFEST, export
+    from .golden import FixtureError  # ExportError's base: also a corrupt fixture file
 
     try:
         out = export(args.format, args.fixtures, args.out, names=args.case, progress=not args.quiet)
-    except (ExportError, KeyError) as exc:
+    except (FixtureError, KeyError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) else exc
         print(f"refattn-oracle: error: {message}", file=sys.stderr)
         return 2

@@ -53,7 +53,6 @@ class Format:
     name: str
     write: Callable  # (fixture, staging: Path, out: Path) -> dict
     finish: Callable = field(default=lambda out, entries, staging: {})  # -> extra manifest keys
-    requires: tuple[str, ...] = ()
 
 
 def precision_contract(truth_kind: str) -> dict:

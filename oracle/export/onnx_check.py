@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 __all__ = ["RUNTIMES", "RTOL", "ATOL", "Outcome", "run_folder", "run_export_folder"]
@@ -34,6 +35,8 @@ class Outcome:
     cause: str | None = None
     max_abs_error: float | None = None
     max_ulps: float | None = None
+    normwise_eps: float | None = None  # max |err| / (max |truth| * eps of the case dtype)
+    actual: np.ndarray | None = None
 
 
 def _load(folder: Path):
@@ -89,6 +92,9 @@ def run_folder(folder, runtime: str) -> Outcome:
     error = np.abs(wide_actual - wide_expected)
     max_abs = float(np.nanmax(error)) if error.size and not np.isnan(error).all() else 0.0
     ulps = _ulps(actual.astype(expected.dtype), expected) if expected.size else 0.0
+    scale = float(np.nanmax(np.abs(wide_expected))) if expected.size else 0.0
+    eps = float(ml_dtypes.finfo(expected.dtype).eps)
+    normwise = max_abs / (scale * eps) if scale > 0 else max_abs / eps
     try:
         Runner.assert_similar_outputs([wide_expected], [wide_actual], RTOL, ATOL)
     except AssertionError as exc:
@@ -98,8 +104,9 @@ def run_folder(folder, runtime: str) -> Outcome:
         cause += f"; max |err| {max_abs:.3g} = {ulps:.3g} ulp of {expected.dtype}"
         if nan > 0:
             cause += f"; {nan} NaN where the truth is finite"
-        return Outcome(folder.name, runtime, False, cause, max_abs, ulps)
-    return Outcome(folder.name, runtime, True, None, max_abs, ulps)
+        cause += f" ({normwise:.3g} eps of max |truth|)"
+        return Outcome(folder.name, runtime, False, cause, max_abs, ulps, normwise, actual)
+    return Outcome(folder.name, runtime, True, None, max_abs, ulps, normwise, actual)
 
 
 def run_export_folder(out, runtimes=RUNTIMES) -> list[Outcome]:

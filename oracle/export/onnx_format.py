@@ -249,4 +249,4 @@ def _finish(out: Path, entries: list[dict], staging: Path) -> dict:
     return {"readme": "README.md", "node": "Attention", "domain": "ai.onnx"}
 
 
-FORMAT = Format("onnx", _write, _finish, requires=("onnx",))
+FORMAT = Format("onnx", _write, _finish)

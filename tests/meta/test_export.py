@@ -352,3 +352,12 @@ def _torch_of(torch, value):
     if value.dtype.name == "bfloat16":
         return torch.from_numpy(value.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(np.ascontiguousarray(value))
+
+
+def test_missing_package_is_one_line(smoke_dir, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "onnx", None)  # makes `import onnx` fail
+    monkeypatch.delitem(sys.modules, "oracle.export.onnx_format", raising=False)
+    with pytest.raises(ExportError, match="needs the package 'onnx'"):
+        oracle.export("onnx", smoke_dir, tmp_path, progress=False)
