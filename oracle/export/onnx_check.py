@@ -110,15 +110,18 @@ def run_folder(folder, runtime: str) -> Outcome:
 
 
 def run_export_folder(out, runtimes=RUNTIMES) -> list[Outcome]:
-    """Run every exported case of an ONNX export directory on each runtime."""
-    out = Path(out)
+    """Run every exported case of an ONNX export directory on each runtime.
+
+    The folders are discovered by onnx's own backend-test loader
+    (``onnx.backend.test.loader.load_model_tests(data_dir, kind)`` with ``kind`` the export
+    directory's name), which also supplies each test's ``rtol``/``atol``.
+    """
+    from onnx.backend.test.loader import load_model_tests
+
+    out = Path(out).resolve()
     manifest = json.loads((out / "export.json").read_text())
-    outcomes = []
-    for entry in manifest["cases"]:
-        if entry.get("skipped"):
-            continue
-        for runtime in runtimes:
-            outcome = run_folder(out / entry["name"], runtime)
-            outcome.name = entry["name"]
-            outcomes.append(outcome)
-    return outcomes
+    exported = {e["name"] for e in manifest["cases"] if not e.get("skipped")}
+    tests = sorted(load_model_tests(str(out.parent), out.name), key=lambda t: t.name)
+    if {t.name for t in tests} != exported:
+        raise ValueError(f"{out}: the backend-test loader does not see the exported folders")
+    return [run_folder(test.model_dir, runtime) for test in tests for runtime in runtimes]
