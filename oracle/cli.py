@@ -42,6 +42,7 @@ import os
 import sys
 
 from .catalogue.names import DTYPES
+from .export_cli import add_export_parser, run_export_command
 
 __all__ = ["main", "build_parser"]
 
@@ -203,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     lst.add_argument("what", nargs="?", default="suites", choices=("suites", "cases", "adapters"))
     lst.add_argument("--suite", default="default")
     lst.add_argument("--dtype", choices=DTYPES)
+    add_export_parser(sub)
     return parser
 
 
@@ -399,9 +401,13 @@ def _list(args) -> int:
 def main(argv=None) -> int:
     """Entry point of ``refattn-oracle`` (returns the exit code)."""
     args = build_parser().parse_args(argv)
-    handler = {"generate": _generate, "verify": _verify, "validate": _validate, "list": _list}[
-        args.command
-    ]
+    handler = {
+        "generate": _generate,
+        "verify": _verify,
+        "validate": _validate,
+        "list": _list,
+        "export": run_export_command,
+    }[args.command]
     try:
         return handler(args)
     except FileNotFoundError as err:
