@@ -141,7 +141,7 @@ def test_numba_kernels_pass(fixtures):
             assert result.verdict == "pass", (fixture.name, check, result.message)
 
 
-@pytest.mark.peers
+@pytest.mark.peers("torch")
 def test_torch_sdpa_single_thread_is_deterministic_and_batch_invariant(fixtures):
     torch = pytest.importorskip("torch")
     from oracle.impls import resolve_impl
