@@ -13,6 +13,7 @@ Each :class:`Entry` works on a *case*, the keyword dict drawn from its ``strateg
   profile's, so ``HYPOTHESIS_PROFILE=dev`` explores more);
 * ``out_dtype(case)`` -- the dtype every exact output must have, when the case asks for one;
 * ``functions`` -- the public functions the row covers (default: its name without ``[dtype]``);
+* ``marks`` -- pytest marks of the row's tests (``slow`` where one row costs minutes);
 * ``reason`` -- why a row has no naive twin (``naive=None``: a :func:`gap` row) or no float64
   bound (``bound=None``), and where that function is checked instead.
 
@@ -33,6 +34,7 @@ from functools import partial
 import ml_dtypes
 import mpmath
 import numpy as np
+import pytest
 from hypothesis import strategies as st
 
 import refattn
@@ -99,6 +101,7 @@ class Entry:
     out_dtype: Callable[[dict], np.dtype] | None = None
     functions: tuple[str, ...] = ()
     reason: str = ""
+    marks: tuple = ()
 
     @property
     def covers(self) -> tuple[str, ...]:
@@ -877,7 +880,9 @@ def _layer_norm_cases(draw):
         x=rng.standard_normal((rows, width)) * 3 + 1,
         gamma=rng.standard_normal(width),
         beta=rng.standard_normal(width),
-        eps=draw(st.sampled_from([0.0, 1e-5])),
+        # eps > 0: with eps = 0 a width-2 row normalises to exactly -1, +1 and gamma * 1 + beta
+        # can be a tie of float64, which an enclosure cannot decide (UndecidedRoundingError)
+        eps=1e-5,
     )
 
 
@@ -1167,7 +1172,9 @@ REGISTRY: dict[str, Entry] = {
             bound=_attention_vjp_bound,
             strategy=_attention_vjp_cases,
             label=lambda c: f"q {c['q'].shape}, k {c['k'].shape}, scale={c['scale']}",
-            examples=(10, 10),
+            examples=(5, 5),
+            # the first call compiles the fast exact vjp engine (minutes on a loaded machine)
+            marks=(pytest.mark.slow,),
         ),
         Entry(
             "mgk.em_update_pi",

@@ -80,7 +80,7 @@ def _settings(examples):
 
 
 def _rows(condition):
-    return [pytest.param(e, id=n) for n, e in REGISTRY.items() if condition(e)]
+    return [pytest.param(e, id=n, marks=e.marks) for n, e in REGISTRY.items() if condition(e)]
 
 
 def test_every_public_function_has_a_row():
