@@ -25,7 +25,6 @@ WITHOUT_TWIN = {
     "meanfield.ising_tap",
     "meanfield.adaptive_tap",
     "meanfield.deq_attention",
-    "meanfield.softmax_couplings",
     "meanfield.ising_tap_vjp",
     "meanfield.adaptive_tap_vjp",
     "meanfield.deq_attention_vjp",
@@ -52,6 +51,7 @@ WITHOUT_BOUND = {
     "logspace[bfloat16]",
     "hopfield.retrieve",
     "hopfield.retrieve_vjp",
+    "meanfield.softmax_couplings",
 }
 
 
