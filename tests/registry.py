@@ -48,6 +48,7 @@ from refattn.bounds import (
     float64_forward_bound,
     float64_vjp_bound,
     gamma,
+    layer_norm_vjp_bound,
     mgk_vjp_bound,
     mlk_vjp_bound,
     transformer_forward_bound,
@@ -1171,6 +1172,54 @@ _TRANSFORMER_ROWS = [
     ),
 ]
 
+# ----------------------------------------------------------------- transformer vjps (dx)
+
+
+def _grads_dict(grads):
+    """A vjp's NamedTuple as a mapping, without the fields it leaves None."""
+    return {name: value for name, value in grads._asdict().items() if value is not None}
+
+
+def _with_grad(strategy):
+    """Cases of ``strategy`` plus a cotangent of the output's shape (from the case's seed)."""
+
+    @st.composite
+    def build(draw):
+        case = draw(strategy())
+        rows, width = case["x"].shape
+        rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+        return dict(case, grad=rng.standard_normal((rows, width)))
+
+    return build
+
+
+def _layer_norm_vjp_call(case, **extra):
+    grads = transformer.layer_norm_vjp(
+        case["x"],
+        case["grad"],
+        gamma=case["gamma"],
+        beta=case["beta"],
+        eps=case["eps"],
+        **extra,
+    )
+    return _grads_dict(grads)
+
+
+def _layer_norm_vjp_naive(case):
+    """dx only (the parameter gradients are checked in tests/concepts/test_transformer_vjp.py):
+    the Richardson derivative of the layer-norm twin."""
+    norm = transformer.NormParams(gamma=case["gamma"], beta=case["beta"], eps=case["eps"])
+    (dx,) = naive_vjp(lambda x: naive_layer_norm(x, norm), (case["x"],), case["grad"])
+    return {"dx": dx}
+
+
+def _layer_norm_vjp_bound(case):
+    bounds = layer_norm_vjp_bound(
+        case["x"], case["grad"], gamma=case["gamma"], beta=case["beta"], eps=case["eps"]
+    )
+    return _grads_dict(bounds)
+
+
 # ----------------------------------------------------------------------------- rows without a twin
 
 _VJP_ELSEWHERE = (
@@ -1215,7 +1264,6 @@ _GAPS = [
             _VJP_ELSEWHERE.format(where="tests/concepts/test_transformer_vjp.py"),
         )
         for name in (
-            "layer_norm_vjp",
             "feed_forward_vjp",
             "multihead_attention_vjp",
             "encoder_block_vjp",
@@ -1370,6 +1418,19 @@ REGISTRY: dict[str, Entry] = {
             "spelled out in tests/concepts/test_meanfield_vjp.py, not yet a registry column",
         ),
         *_TRANSFORMER_ROWS,
+        Entry(
+            "transformer.layer_norm_vjp",
+            fast=_layer_norm_vjp_call,
+            exact=lambda case: _layer_norm_vjp_call(case, precision="exact"),
+            naive=_layer_norm_vjp_naive,
+            bound=_layer_norm_vjp_bound,
+            strategy=_with_grad(_layer_norm_cases),
+            label=lambda c: f"x {c['x'].shape}",
+            examples=(5, 10),
+            derivative=True,
+            reason="the twin checks dx; dgamma and dbeta are checked against central "
+            "differences and torch in tests/concepts/test_transformer_vjp.py",
+        ),
         *_GAPS,
     ]
 }
