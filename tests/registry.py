@@ -45,6 +45,7 @@ from oracle.tolerance import iterated_bound, logit_lse_bound, mixture_bound, rat
 from refattn import gmm, hopfield, meanfield, mgk, transformer
 from refattn.bounds import (
     UNIT_ROUNDOFF,
+    feed_forward_vjp_bound,
     float64_forward_bound,
     float64_vjp_bound,
     gamma,
@@ -1220,6 +1221,23 @@ def _layer_norm_vjp_bound(case):
     return _grads_dict(bounds)
 
 
+def _feed_forward_vjp_call(case, function=transformer.feed_forward_vjp, **extra):
+    p = case["encoder"].ffn
+    args = (case["x"], p.W1, p.b1, p.W2, p.b2, case["grad"], case["activation"])
+    return _grads_dict(function(*args, **extra))
+
+
+def _feed_forward_vjp_naive(case):
+    """dx only (the weight gradients are checked in tests/concepts/test_transformer_vjp.py)."""
+    ffn = case["encoder"].ffn
+    (dx,) = naive_vjp(lambda x: naive_feed_forward(x, ffn), (case["x"],), case["grad"])
+    return {"dx": dx}
+
+
+def _feed_forward_vjp_bound(case):
+    return _feed_forward_vjp_call(case, feed_forward_vjp_bound)
+
+
 # ----------------------------------------------------------------------------- rows without a twin
 
 _VJP_ELSEWHERE = (
@@ -1264,7 +1282,6 @@ _GAPS = [
             _VJP_ELSEWHERE.format(where="tests/concepts/test_transformer_vjp.py"),
         )
         for name in (
-            "feed_forward_vjp",
             "multihead_attention_vjp",
             "encoder_block_vjp",
             "decoder_block_vjp",
@@ -1429,6 +1446,19 @@ REGISTRY: dict[str, Entry] = {
             examples=(5, 10),
             derivative=True,
             reason="the twin checks dx; dgamma and dbeta are checked against central "
+            "differences and torch in tests/concepts/test_transformer_vjp.py",
+        ),
+        Entry(
+            "transformer.feed_forward_vjp",
+            fast=_feed_forward_vjp_call,
+            exact=lambda case: _feed_forward_vjp_call(case, precision="exact"),
+            naive=_feed_forward_vjp_naive,
+            bound=_feed_forward_vjp_bound,
+            strategy=_with_grad(_block_cases),
+            label=lambda c: f"activation={c['activation']}",
+            examples=(4, 8),
+            derivative=True,
+            reason="the twin checks dx; the weight gradients are checked against central "
             "differences and torch in tests/concepts/test_transformer_vjp.py",
         ),
         *_GAPS,

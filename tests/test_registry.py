@@ -29,7 +29,6 @@ WITHOUT_TWIN = {
     "meanfield.adaptive_tap_vjp",
     "meanfield.deq_attention_vjp",
     "meanfield.softmax_couplings_vjp",
-    "transformer.feed_forward_vjp",
     "transformer.multihead_attention_vjp",
     "transformer.encoder_block_vjp",
     "transformer.decoder_block_vjp",
