@@ -500,6 +500,7 @@ def _torch_grads(torch, forward, inputs, params, g):
     return [t.grad.numpy() for t in leaves + param_leaves]
 
 
+@pytest.mark.peers("torch")
 @pytest.mark.parametrize("piece", ["layer_norm", "feed_forward", "mha", "encoder", "decoder"])
 def test_vjps_match_torch_autograd(rng, piece):
     torch = _torch()
