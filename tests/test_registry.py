@@ -33,9 +33,6 @@ WITHOUT_TWIN = {
     "transformer.encoder_block_vjp",
     "transformer.decoder_block_vjp",
     "transformer.composition",
-    "transformer.random_attention_params",
-    "transformer.random_encoder_params",
-    "transformer.random_decoder_params",
     "fixedpoint.solve",
     "fixedpoint.relative_residual",
 }
