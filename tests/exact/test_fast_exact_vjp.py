@@ -17,8 +17,9 @@ from oracle import catalogue
 from oracle.catalogue.attention import make_inputs
 from oracle.golden import call_options
 from refattn import config
-from refattn.exact._dd_extra import EXP_FAST_REL, exp_dd_fast, round_decision
 from refattn.exact.attention_vjp import exact_vjp
+from refattn.exact.fast.doubledouble import EXP_FAST_REL, exp_dd_fast
+from refattn.exact.fast.rounding_decision import round_decision
 from refattn.exact.rounding import FORMATS, round_exact
 from refattn.spec import canonicalize, check_cotangent
 from tests.helpers import assert_same_bits, vjp_problem
@@ -361,8 +362,8 @@ def test_enclosures_hold_the_exact_gradients(dtype, opts):
     """Every fast enclosure (hi + lo, radius) holds the referee's 300-bit interval: the
     running bounds of the compensated sums (scores, dp, sigma, D) are sound, also where they
     are far below the a-priori dot_bound (70 keys cross the 64-key block)."""
-    from refattn.exact import _fast_vjp
     from refattn.exact.attention_vjp import ExactVJP
+    from refattn.exact.fast import vjp as fast_vjp
 
     rng = np.random.default_rng(41)
     q, k, v = (rng.standard_normal((1, 2, n, 8)).astype(dtype) for n in (6, 70, 70))
@@ -374,7 +375,7 @@ def test_enclosures_hold_the_exact_gradients(dtype, opts):
     spec = canonicalize(q, k, v, **opts)
     d = check_cotangent(spec, do, "grad_out", (2, 6, 8))
     g = check_cotangent(spec, gl, "grad_lse", (2, 6))
-    encl = dict(zip(("dq", "dk", "dv"), _fast_vjp.gradient_enclosures(spec, d, g)[:3], strict=True))
+    encl = dict(zip(("dq", "dk", "dv"), fast_vjp.gradient_enclosures(spec, d, g)[:3], strict=True))
     ref = ExactVJP(spec, d, g).at(300)
     for name, enc in encl.items():
         lows, highs = ref[name]
