@@ -26,7 +26,7 @@ import numpy as np
 
 import refattn
 from refattn import config
-from refattn.exact import fast as fast_attention
+from refattn.exact import fast as fast_exact
 
 
 def _timed(fn, repeat):
@@ -96,7 +96,7 @@ def main(argv=None):
         )
         print(
             f"  exact -> {out}: {fast * 1e3:.1f} ms = {fast / numba_time:.1f}x numba; "
-            f"{fast_attention.fallback_stats()}"
+            f"{fast_exact.fallback_stats()}"
         )
         if args.referee:
             config.EXACT_ENGINE = "referee"

@@ -4,7 +4,11 @@ referee (the arbitrary-precision Ziv loop) on every option, dtype and hard input
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from fractions import Fraction
+from pathlib import Path
 
 import mpmath
 import numpy as np
@@ -384,3 +388,34 @@ def test_enclosures_hold_the_exact_gradients(dtype, opts):
             mid = Fraction(float(enc[(0, *ix)])) + Fraction(float(enc[(1, *ix)]))
             rad = Fraction(float(enc[(2, *ix)]))
             assert mid - rad <= lo and hi <= mid + rad, (name, ix, float(mid), float(rad))
+
+
+def test_vjp_kernel_bodies_run_without_jit():
+    """NUMBA_DISABLE_JIT=1: the vjp's kernels (passes A, B, C, the row pieces, the allowed set)
+    run as Python on small cases (coverage of their bodies), still bit-identical to the
+    referee: every option at once, a bias broadcast over heads (pass C), ties, single-key
+    rows, and sinks with empty rows and a bias broadcast along the keys."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, NUMBA_DISABLE_JIT="1", PYTHONPATH=str(root))
+    selection = (
+        "ties or single_key or (every_option and float64 and (everything or bias-heads))"
+        " or (with_sinks and float64 and (everything or bias_rows or kv_lengths_empty))"
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(root / "tests" / "exact" / "test_fast_exact_vjp.py"),
+        str(root / "tests" / "exact" / "test_exact_vjp_sinks.py"),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:benchmark",
+        "-x",
+        "-k",
+        selection,
+    ]
+    done = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"NUMBA_DISABLE_JIT=1 tier failed:\n{done.stdout[-3000:]}"
+    assert " passed" in done.stdout and " deselected" in done.stdout, done.stdout[-3000:]
