@@ -340,10 +340,8 @@ def test_allowed_rule_is_spec_allowed():
                 assert np.array_equal(allowed, want), (sorted(opts), b, h)
                 want_kept = want if spec.dropout_mask is None else want & spec.dropout_mask[b, h]
                 assert np.array_equal(kept, want_kept), (sorted(opts), b, h)
-        for part in (rule.mask, rule.bias, rule.drop):  # never larger than what was passed
-            assert part[0].size <= max(
-                1, spec.q.shape[0] * spec.q.shape[1] * spec.q.shape[2] * keys
-            )
+        for part in (rule.mask, rule.bias, rule.keep):  # never larger than what was passed
+            assert part.size <= max(1, spec.q.shape[0] * spec.q.shape[1] * spec.q.shape[2] * keys)
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32, ml_dtypes.bfloat16])
