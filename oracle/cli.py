@@ -26,15 +26,16 @@ error. ``validate`` exits with 0 only when no case fails (robustness cases count
 usage error: a bad ``--impl`` path or a module that raises, has a syntax error or exits at
 import (a run that judged no case never exits 0), an unknown adapter, suite, feature or check, a
 missing directory, an unusable report path (``--json``/``--junit``/``--html``: checked before
-the run), ``--impl`` and ``--adapter`` together, or an interrupt (Ctrl-C). Progress goes to
+the run) or an interrupt (Ctrl-C). Progress goes to
 stderr, the summary to stdout. An implementation that raises KeyboardInterrupt inside a case
 gets the verdict "error" for it (the worker ignores SIGINT, so only the implementation can raise
 it there); with ``--in-process`` it cannot be told from Ctrl-C and aborts the run (exit 2), and
-nothing protects the run from ``os._exit``. ``--impl`` (or ``--adapter``) may be repeated: each
-implementation gets its own summary (and report files ``NAME-<impl>.json``...) and the exit code
-is 1 if any fails. ``--executor dask --scheduler ADDRESS`` runs the cases (generate) or the
-(implementation, case) pairs (validate) on a Dask cluster (:mod:`oracle.distribute`); the
-fixtures are byte-identical to local ones. ``list cases`` with an unknown suite is exit 2 too.
+nothing protects the run from ``os._exit``. ``--impl``/``--adapter`` may be repeated and mixed:
+each implementation gets its own summary (headed ``== <impl>: passed|FAILED`` with ``--quiet``)
+and report files ``NAME-<impl>.json``..., and the exit code is 1 if any fails. ``--executor dask
+--scheduler ADDRESS`` runs the cases (generate) or the (implementation, case) pairs (validate) on
+a Dask cluster (:mod:`oracle.distribute`); the fixtures are byte-identical to local ones.
+``list cases`` with an unknown suite is exit 2 too.
 
 Examples
 --------
@@ -299,12 +300,6 @@ def _validate(args) -> int:
     specs = [*args.impl, *args.adapter]
     if not specs:
         return _err("give the implementation: --adapter NAME or --impl module:function")
-    if args.impl and args.adapter:
-        return _err(
-            f"give --impl or --adapter, not both (got --impl {' '.join(args.impl)} and "
-            f"--adapter {' '.join(args.adapter)}); repeat one of them for several "
-            f"implementations, or run once per flag"
-        )
     problem = _executor_problem(args) or _limits_problem(args, MAX_TIMEOUT)
     if problem:
         return _err(problem)
@@ -405,6 +400,8 @@ def _print_report(args, report, spec) -> str | None:
     """Summary and report files of one implementation (``spec`` names it when there are
     several: each file name gets ``-<spec>`` before its suffix); why a file could not be
     written, or None."""
+    if args.quiet and spec is not None:  # several implementations: say whose lines follow
+        print(f"== {spec}: {'passed' if report.passed else 'FAILED'}")
     print(
         report.summary()
         if not args.quiet

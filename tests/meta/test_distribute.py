@@ -151,8 +151,8 @@ def test_cli_dask_executor(cluster, tmp_path, capsys):
     code = main(
         [
             "validate",
-            "--impl",
-            "tests.planted.broken_impls:textbook",
+            "--adapter",
+            "refattn-float64",
             "--impl",
             "tests.planted.broken_impls:missing_scale",
             "--suite",

@@ -939,7 +939,6 @@ def test_fuzz_cli_selections_and_output_paths(tmp_path, monkeypatch):
     tries = [
         ("list unknown suite", ["list", "cases", "--suite", "nosuch"]),
         ("list empty suite", ["list", "cases", "--suite", ""]),
-        ("--impl and --adapter", [*base, "--impl", "tests.planted.fuzz_impls:good"]),
         ("unknown suite", [*base[:3], "--suite", "nosuch"]),
         ("fixtures is a file", [*base[:3], "--fixtures", str(tmp_path / "a-file")]),
         ("unknown check", [*base, "--check", "nope"]),
@@ -974,6 +973,21 @@ def test_fuzz_cli_selections_and_output_paths(tmp_path, monkeypatch):
             outcome = "refused"
         tally[outcome if not outcome.startswith("BAD") else f"{outcome} [{label}]"] += 1
     _tally_ok(tally, "selections and output paths")
+
+
+def test_fuzz_impl_and_adapter_together_are_both_judged(capsys):
+    """``--impl X --adapter Y`` (documented: repeatable and mixable) judges both, each summary
+    headed by its implementation, exit 1 when either fails: nothing is silently dropped."""
+    argv = ["validate", "--in-process", *_ONE_CASE]
+    argv += ["--adapter", "refattn-float64", "--impl", "tests.planted.broken_impls:missing_scale"]
+    code = cli.main(argv)
+    out = capsys.readouterr().out
+    headers = [line for line in out.splitlines() if line.startswith("== ")]
+    tally = collections.Counter()
+    expected = ["== tests.planted.broken_impls:missing_scale: FAILED", "== refattn-float64: passed"]
+    ok = code == 1 and headers == expected
+    tally["both judged, each named" if ok else f"BAD exit {code}, headers {headers}"] += 1
+    _tally_ok(tally, "--impl with --adapter")
 
 
 def test_fuzz_report_write_failing_after_the_run(tmp_path, monkeypatch):
