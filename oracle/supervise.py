@@ -39,11 +39,14 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
-__all__ = ["Supervisor", "DEFAULT_TIMEOUT", "MAX_TIMEOUT"]
+__all__ = ["Supervisor", "DEFAULT_TIMEOUT", "LOAD_TIMEOUT", "MAX_TIMEOUT"]
 
 #: seconds one case may take (implementation call, gradients and judging) before it is an error;
 #: generous because a JIT-compiled implementation compiles on its first call.
 DEFAULT_TIMEOUT = 300.0
+#: seconds the worker may take to load the implementation (at least; longer with a longer
+#: case timeout) before the run is refused
+LOAD_TIMEOUT = DEFAULT_TIMEOUT
 #: the longest timeout (about 11.6 days); waits beyond it overflow the OS's clock types
 MAX_TIMEOUT = 1e6
 
@@ -120,7 +123,8 @@ class Supervisor:
         ``"module:function"``, an adapter name, or a picklable callable (a module-level
         function); resolved once in the worker.
     timeout : float
-        Seconds one case may take before the worker is killed and the case is an "error".
+        Seconds one case may take before the worker is killed and the case is an "error"
+        (loading the implementation may take up to ``max(timeout, LOAD_TIMEOUT)``).
     memory_limit : int, optional
         Bytes of address space the worker may use (``RLIMIT_AS``); beyond it the case raises
         MemoryError or the worker dies, both an "error".
@@ -172,7 +176,9 @@ class Supervisor:
         self._send_connection = Connection(to_child_w, readable=False)
         self._connection = Connection(to_parent_r, writable=False)
         self._send_connection.send_bytes(request)
-        kind, message = self._receive(self.timeout, "loading the implementation")
+        # loading (imports, a JIT warm-up) is not a case: --timeout bounds cases, and a busy
+        # machine must not turn a slow import into a refused run
+        kind, message = self._receive(max(self.timeout, LOAD_TIMEOUT), "loading the implementation")
         if kind != "ready":
             self._stop()
             return message
@@ -188,7 +194,7 @@ class Supervisor:
         else:
             self._stop()
             return "died", (
-                f"timeout: no result within {self.timeout:g} s while {doing} "
+                f"timeout: no result within {timeout:g} s while {doing} "
                 f"(the worker was killed; raise --timeout if the case is just "
                 f"slow)"
             )
