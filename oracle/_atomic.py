@@ -35,6 +35,7 @@ __all__ = [
     "FixtureLockError",
     "destination",
     "is_temp_name",
+    "temp_name",
     "remove_stale_temps",
     "write_atomic",
     "writer_lock",
@@ -54,7 +55,8 @@ class FixtureLockError(FixtureError):
     """Another writer holds the lock of the output directory."""
 
 
-def _temp_name() -> str:
+def temp_name() -> str:
+    """A fresh temp-file name of this process (its pid, so a resume can tell dead writers)."""
     return f".refattn-{os.getpid()}-{secrets.token_hex(6)}{TMP_SUFFIX}"
 
 
@@ -69,7 +71,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     The temporary file is created exclusively with mode 0666, so the umask decides the final
     mode (as for any file a user's program writes); only that file is removed on failure.
     """
-    temp = path.parent / _temp_name()
+    temp = path.parent / temp_name()
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as handle:

@@ -311,7 +311,7 @@ def sha256_of(path) -> str:
     return digest.hexdigest()
 
 
-def _json_bytes(value) -> bytes:
+def json_bytes(value) -> bytes:
     return (json.dumps(value, sort_keys=True, indent=1, allow_nan=False) + "\n").encode()
 
 
@@ -533,7 +533,7 @@ def _generate_locked(
     def record(name: str, sha: str) -> None:
         done[name] = _entry(by_name[name], f"{name}.npz", sha)
         entries = [done[c.name] for c in selected if c.name in done]
-        _write_atomic(out / PARTIAL_MANIFEST, _json_bytes(_manifest(suite, entries)))
+        _write_atomic(out / PARTIAL_MANIFEST, json_bytes(_manifest(suite, entries)))
 
     with Progress(len(selected), f"generate {suite}", enabled=progress) as bar:
         bar.advance(n=len(selected) - len(todo))
@@ -541,7 +541,7 @@ def _generate_locked(
             record(name, sha)
             bar.advance(name)
     entries = [done[c.name] for c in selected]
-    _write_atomic(out / MANIFEST, _json_bytes(_manifest(suite, entries)))
+    _write_atomic(out / MANIFEST, json_bytes(_manifest(suite, entries)))
     (out / PARTIAL_MANIFEST).unlink(missing_ok=True)
     return out
 
@@ -613,10 +613,10 @@ def verify(directory) -> list[str]:
     True
     """
     root = Path(directory)
-    manifest, problems = _read_manifest(root)
+    manifest, problems = read_manifest(root)
     if problems:
         return problems
-    problems = _schema_problems(manifest)
+    problems = schema_problems(manifest)
     if problems:
         return problems
     listed = set()
@@ -635,7 +635,7 @@ def verify(directory) -> list[str]:
     return problems
 
 
-def _read_manifest(root: Path) -> tuple[Any, list[str]]:
+def read_manifest(root: Path) -> tuple[Any, list[str]]:
     if not root.is_dir():
         return None, [f"{root}: not a directory"]
     path = root / MANIFEST
@@ -651,7 +651,7 @@ def _read_manifest(root: Path) -> tuple[Any, list[str]]:
         return None, [f"{MANIFEST}: not valid JSON ({exc})"]
 
 
-def _schema_problems(manifest) -> list[str]:
+def schema_problems(manifest) -> list[str]:
     if not isinstance(manifest, dict):
         return [f"{MANIFEST}: expected a JSON object, got {type(manifest).__name__}"]
     version = manifest.get("schema_version")
@@ -810,8 +810,8 @@ def load(directory, *, names: Iterable[str] | None = None, check: bool = True) -
         message names the file and the problem.
     """
     root = Path(directory)
-    manifest, problems = _read_manifest(root)
-    problems = problems or _schema_problems(manifest)
+    manifest, problems = read_manifest(root)
+    problems = problems or schema_problems(manifest)
     if problems:
         more = (
             f" (and {len(problems) - 1} more; run `refattn-oracle verify {root}`)"

@@ -26,7 +26,7 @@ import numpy as np
 
 import refattn
 
-from .. import golden
+from .. import _atomic, golden
 from .._progress import Progress
 
 __all__ = [
@@ -68,7 +68,7 @@ def precision_contract(truth_kind: str) -> dict:
 
 
 def _staging(out: Path) -> Path:
-    staging = out / golden._temp_name()
+    staging = out / _atomic.temp_name()
     staging.mkdir(mode=0o777)
     return staging
 
@@ -82,7 +82,7 @@ def publish(staging: Path, out: Path, relative: str) -> None:
     source, target = staging / relative, out / relative
     target.parent.mkdir(parents=True, exist_ok=True)
     if source.is_dir() and target.exists():
-        aside = staging / (golden._temp_name() + "-old")
+        aside = staging / (_atomic.temp_name() + "-old")
         os.replace(target, aside)
         os.replace(source, target)
         shutil.rmtree(aside, ignore_errors=True)
@@ -91,8 +91,8 @@ def publish(staging: Path, out: Path, relative: str) -> None:
 
 
 def _fixture_names(fixtures: Path, names: Iterable[str] | None) -> list[str]:
-    manifest, problems = golden._read_manifest(fixtures)
-    problems = problems or golden._schema_problems(manifest)
+    manifest, problems = golden.read_manifest(fixtures)
+    problems = problems or golden.schema_problems(manifest)
     if problems:
         raise ExportError(f"fixtures: {problems[0]} (run `refattn-oracle verify {fixtures}`)")
     known = [e["name"] for e in manifest["cases"]]
@@ -116,7 +116,7 @@ def run_export(
         raise ExportError(f"fixtures: {fixtures} is not a directory")
     selected = _fixture_names(fixtures, names)
     try:
-        out = golden._destination(out)
+        out = _atomic.destination(out)
     except golden.FixtureError as exc:
         raise ExportError(str(exc)) from None
     if out.resolve() == fixtures.resolve():
@@ -128,13 +128,13 @@ def run_export(
             entries = _export_cases(fmt, fixtures, out, staging, selected, progress, check)
             extra = fmt.finish(out, entries, staging) or {}
             manifest = _manifest(fmt, fixtures, entries, extra)
-            golden._write_atomic(out / EXPORT_MANIFEST, golden._json_bytes(manifest))
+            _atomic.write_atomic(out / EXPORT_MANIFEST, golden.json_bytes(manifest))
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return out
 
 
-class _lock(golden._writer_lock):
+class _lock(_atomic.writer_lock):
     """``out``'s writer lock, failing at once with an ExportError when another writer holds it."""
 
     def __init__(self, out: Path):

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import golden
+from .. import _atomic, golden
 from ._driver import Format, has_empty_row, publish
 from .safetensors_format import read_safetensors, safetensors_bytes
 
@@ -244,7 +244,7 @@ def _write(fixture: golden.Fixture, staging: Path, out: Path) -> dict:
     for root, tensors in (("blob/workloads", plan["tensors"]), ("expected", plan["expected"])):
         relative = _relative(definition, fixture.name, root)
         (out / relative).parent.mkdir(parents=True, exist_ok=True)
-        golden._write_atomic(out / relative, safetensors_bytes(tensors, {"case": contract}))
+        _atomic.write_atomic(out / relative, safetensors_bytes(tensors, {"case": contract}))
         files.append(relative)
     counts = plan["tensors"]
     workload = {

@@ -40,7 +40,7 @@ import numpy as np
 import onnx  # ModuleNotFoundError(name="onnx") when absent: oracle.export names it
 from onnx import TensorProto, helper, numpy_helper
 
-from .. import golden
+from .. import _atomic, golden
 from ._driver import Format, has_empty_row, publish
 
 __all__ = ["FORMAT", "node_plan", "OPSET_WITHOUT_LENGTHS", "OPSET_WITH_LENGTHS"]
@@ -245,7 +245,7 @@ def _finish(out: Path, entries: list[dict], staging: Path) -> dict:
     ]
     skipped = [e for e in entries if e.get("skipped")]
     lines += [f"- `{e['name']}`: {e['skipped']}" for e in skipped] or ["(none)"]
-    golden._write_atomic(out / "README.md", ("\n".join(lines) + "\n").encode())
+    _atomic.write_atomic(out / "README.md", ("\n".join(lines) + "\n").encode())
     return {"readme": "README.md", "node": "Attention", "domain": "ai.onnx"}
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from .. import golden
+from .. import _atomic, golden
 from ..catalogue.case import Case
 from ._driver import EXPORT_MANIFEST, ExportError, Format, precision_contract
 
@@ -134,7 +134,7 @@ def fixture_tensors(fixture: golden.Fixture) -> tuple[dict[str, np.ndarray], dic
 def _write(fixture: golden.Fixture, staging: Path, out: Path) -> dict:
     data = safetensors_bytes(*fixture_tensors(fixture))
     file_name = f"{fixture.name}.safetensors"
-    golden._write_atomic(out / file_name, data)
+    _atomic.write_atomic(out / file_name, data)
     return {
         "name": fixture.name,
         "dtype": fixture.case.dtype,
