@@ -133,7 +133,6 @@ def test_reproducible_implementations_pass(impl, fixtures):
 
 
 def test_numba_kernels_pass(fixtures):
-    pytest.importorskip("numba")
     for fixture in fixtures:
         for check in CHECKS:
             result = check_invariance(
