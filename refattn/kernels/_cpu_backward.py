@@ -12,16 +12,16 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, parallel_chunksize, prange
 
-from ._cpu_scores import _finish_scores, _first_block, _raw_scores_suffice, _row_interval
+from ._cpu_scores import finish_scores, first_key_block, raw_scores_suffice, row_interval
 from ._cpu_tiles import (
     BLOCK_K,
     BLOCK_Q,
-    _load_rows,
-    _load_rows_t,
-    _matmul_n,
-    _matmul_t,
-    _pad,
-    _padded,
+    load_rows,
+    load_rows_t,
+    matmul_n,
+    matmul_t,
+    pad,
+    padded,
 )
 from ._simd import KERNEL_OPTIONS, fma, lanes, vexp, vkeep, vload, vmul, vmuls, vstore, vsubs
 
@@ -57,7 +57,7 @@ def backward_chunks(batch: int, heads: int, length: int, keys: int = 0) -> int:
 def _backward_unit(q, packed, kv_head, saved, unit, nchunks, dims, opts, fopts, terms, grads):
     """One (batch, head, query chunk): ``packed`` = (K^T, K, V^T blocks) from
     :func:`_pack_keys_backward`; ``saved`` = (dO, lse, delta); ``grads`` = (dq, dk partials, dv
-    partials, dbias); ``terms`` as in :func:`~._cpu_scores._finish_scores`."""
+    partials, dbias); ``terms`` as in :func:`~._cpu_scores.finish_scores`."""
     kt_pack, k_pack, vt_pack = packed
     grad_out, lse, delta = saved
     dq, dk_part, dv_part, dbias = grads
@@ -71,8 +71,8 @@ def _backward_unit(q, packed, kv_head, saved, unit, nchunks, dims, opts, fopts, 
     g = kv_head[h]
     dt = q.dtype
     width = lanes(q)
-    dpad = _pad(dim, width)
-    epad = _pad(vdim, width)
+    dpad = pad(dim, width)
+    epad = pad(vdim, width)
     q_t = np.empty((dim, BLOCK_Q), dt)
     q_blk = np.empty((BLOCK_Q, dpad), dt)
     do_t = np.empty((vdim, BLOCK_Q), dt)
@@ -94,12 +94,12 @@ def _backward_unit(q, packed, kv_head, saved, unit, nchunks, dims, opts, fopts, 
         r0 = qb * BLOCK_Q
         nr = min(BLOCK_Q, length - r0)
         rows = nr
-        _load_rows_t(q[b, h], r0, nr, q_t)
+        load_rows_t(q[b, h], r0, nr, q_t)
         # a non-finite q or k at an allowed position already makes dS non-finite there;
         # zeroing it here keeps it out of the rows/keys that exclude it (0 * NaN)
-        _load_rows(q[b, h], r0, nr, q_blk, True)
-        _load_rows_t(grad_out[b, h], r0, nr, do_t)
-        _load_rows(grad_out[b, h], r0, nr, do_blk)
+        load_rows(q[b, h], r0, nr, q_blk, True)
+        load_rows_t(grad_out[b, h], r0, nr, do_t)
+        load_rows(grad_out[b, h], r0, nr, do_blk)
         for r in range(nr):
             if lse[b, h, r0 + r] == -np.inf:  # empty row: zero gradients
                 q_blk[r, :] = 0
@@ -107,19 +107,19 @@ def _backward_unit(q, packed, kv_head, saved, unit, nchunks, dims, opts, fopts, 
                 q_t[:, r] = 0
                 do_t[:, r] = 0
         dq_acc[:, :] = 0
-        first = _first_block(r0, dims, opts, BLOCK_K)
-        _, hi_last = _row_interval(r0 + nr - 1, dims, opts)
+        first = first_key_block(r0, dims, opts, BLOCK_K)
+        _, hi_last = row_interval(r0 + nr - 1, dims, opts)
         for c0 in range(first, hi_last, BLOCK_K):
             nc = min(BLOCK_K, keys - c0)
             kb = c0 // BLOCK_K
             k_t, k_blk, v_t = kt_pack[b, g, kb], k_pack[b, g, kb], vt_pack[b, g, kb]
-            _matmul_t(q_t, k_t, dim, rows, BLOCK_K, s, True)
+            matmul_t(q_t, k_t, dim, rows, BLOCK_K, s, True)
             factor = one  # x * 1 is x: the scores in s are final
-            if plain and _raw_scores_suffice(nr, nc, r0, c0, dims, opts, fopts, BLOCK_K):
+            if plain and raw_scores_suffice(nr, nc, r0, c0, dims, opts, fopts, BLOCK_K):
                 factor = scale
             else:
-                _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, terms, deriv)
-            _matmul_t(do_t, v_t, vdim, rows, BLOCK_K, dp, True)
+                finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, terms, deriv)
+            matmul_t(do_t, v_t, vdim, rows, BLOCK_K, dp, True)
             for r in range(nr):
                 i = r0 + r
                 row_lse = lse[b, h, i]
@@ -164,9 +164,9 @@ def _backward_unit(q, packed, kv_head, saved, unit, nchunks, dims, opts, fopts, 
                             dsrow[c] = dsrow[c] * deriv[r, c]
                 for c in range(BLOCK_K):
                     dsrow[c] = dsrow[c] * scale
-            _matmul_n(ds, k_blk, nc, rows, dpad, dq_acc)
-            _matmul_t(ds, q_blk, nr, BLOCK_K, dpad, dk_out[c0 : c0 + BLOCK_K])
-            _matmul_t(p, do_blk, nr, BLOCK_K, epad, dv_out[c0 : c0 + BLOCK_K])
+            matmul_n(ds, k_blk, nc, rows, dpad, dq_acc)
+            matmul_t(ds, q_blk, nr, BLOCK_K, dpad, dk_out[c0 : c0 + BLOCK_K])
+            matmul_t(p, do_blk, nr, BLOCK_K, epad, dv_out[c0 : c0 + BLOCK_K])
         for r in range(nr):
             dq[b, h, r0 + r, :] = dq_acc[r, :dim]
 
@@ -183,9 +183,9 @@ def _pack_keys_backward(k, v, kt_pack, k_pack, vt_pack):
         n = unit % nkb
         c0 = n * BLOCK_K
         nc = min(BLOCK_K, keys - c0)
-        _load_rows_t(k[b, g], c0, nc, kt_pack[b, g, n])
-        _load_rows(k[b, g], c0, nc, k_pack[b, g, n], True)
-        _load_rows_t(v[b, g], c0, nc, vt_pack[b, g, n])
+        load_rows_t(k[b, g], c0, nc, kt_pack[b, g, n])
+        load_rows(k[b, g], c0, nc, k_pack[b, g, n], True)
+        load_rows_t(v[b, g], c0, nc, vt_pack[b, g, n])
 
 
 @njit(parallel=True, **_OPTS)
@@ -205,7 +205,7 @@ def backward_units(q, k, v, kv_head, saved, nchunks, dims, opts, fopts, terms, g
     vdim = v.shape[3]
     nkb = -(-keys // BLOCK_K)
     kt_pack = np.empty((batch, kv_heads, nkb, dim, BLOCK_K), k.dtype)
-    k_pack = np.empty((batch, kv_heads, nkb, BLOCK_K, _padded(dim, k.dtype)), k.dtype)
+    k_pack = np.empty((batch, kv_heads, nkb, BLOCK_K, padded(dim, k.dtype)), k.dtype)
     vt_pack = np.empty((batch, kv_heads, nkb, vdim, BLOCK_K), v.dtype)
     _pack_keys_backward(k, v, kt_pack, k_pack, vt_pack)
     packed = (kt_pack, k_pack, vt_pack)

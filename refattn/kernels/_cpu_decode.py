@@ -14,17 +14,17 @@ import math
 import numpy as np
 from numba import njit, parallel_chunksize, prange
 
-from ._cpu_scores import _dropout_weights, _finish_scores, _first_block, _row_interval
+from ._cpu_scores import dropout_weights, finish_scores, first_key_block, row_interval
 from ._cpu_tiles import (
     BLOCK_K,
     BLOCK_Q,
-    _exp,
-    _load_rows,
-    _load_rows_t,
-    _matmul_n,
-    _matmul_t,
-    _pad,
-    _row_max,
+    exp_compute,
+    load_rows,
+    load_rows_t,
+    matmul_n,
+    matmul_t,
+    pad,
+    row_max,
 )
 from ._simd import KERNEL_OPTIONS, fma, lanes, vadd, vexp, vload, vmuls, vstore, vsubs, vsum, vzero
 
@@ -85,19 +85,19 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, terms, pa
             for x in range(dim):
                 q_t[x, t * length + i] = src[i, x]
     has_drop = opts[8] != 0
-    first_row = np.int64(0)  # not a literal: one compiled _row_interval, _finish_scores, ...
-    _, hi_last = _row_interval(length - 1, dims, opts)
-    start = max(split * SPLIT_KEYS, _first_block(first_row, dims, opts, BLOCK_K))
+    first_row = np.int64(0)  # not a literal: one compiled row_interval, finish_scores, ...
+    _, hi_last = row_interval(length - 1, dims, opts)
+    start = max(split * SPLIT_KEYS, first_key_block(first_row, dims, opts, BLOCK_K))
     stop = min((split + 1) * SPLIT_KEYS, hi_last)
     for c0 in range(start, stop, BLOCK_K):
         nc = min(BLOCK_K, keys - c0)
-        _load_rows_t(k[b, g], c0, nc, k_t)
-        v_finite = _load_rows(v[b, g], c0, nc, v_blk)
-        _matmul_t(q_t, k_t, dim, rows, BLOCK_K, s, True)
+        load_rows_t(k[b, g], c0, nc, k_t)
+        v_finite = load_rows(v[b, g], c0, nc, v_blk)
+        matmul_t(q_t, k_t, dim, rows, BLOCK_K, s, True)
         clean = True
         for t in range(group):
             r0 = t * length
-            clean &= _finish_scores(
+            clean &= finish_scores(
                 s[r0 : r0 + length],
                 length,
                 nc,
@@ -115,7 +115,7 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, terms, pa
             row = s[r]
             prow = p[r]
             m_old = m[r]
-            m_new = max(m_old, _row_max(row, BLOCK_K))
+            m_new = max(m_old, row_max(row, BLOCK_K))
             if m_new == -np.inf:
                 prow[:] = 0
                 continue
@@ -126,7 +126,7 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, terms, pa
                 part = vadd(part, e)
             row_total = vsum(part)
             if m_new != m_old:
-                alpha = _exp(m_old - m_new)
+                alpha = exp_compute(m_old - m_new)
                 total[r] = total[r] * alpha
                 arow = acc[r]
                 for e0 in range(0, epad, width):
@@ -137,7 +137,7 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, terms, pa
         if has_drop:
             for t in range(group):
                 r0 = t * length
-                _dropout_weights(
+                dropout_weights(
                     p[r0 : r0 + length],
                     pd[r0 : r0 + length],
                     length,
@@ -151,7 +151,7 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, terms, pa
                 )
             weights = pd
         if v_finite or (clean and not has_drop):
-            _matmul_n(weights, v_blk, nc, rows, epad, acc)
+            matmul_n(weights, v_blk, nc, rows, epad, acc)
         else:
             for r in range(rows):
                 h, i = group_heads[g, r // length], r % length
@@ -182,7 +182,7 @@ def _split_forward(q, k, v, group_heads, nsplit, dims, opts, fopts, terms, out, 
     only)."""
     batch, heads, length, kv_heads, vdim = dims[0], dims[1], dims[2], dims[3], dims[6]
     dt = q.dtype
-    epad = _pad(vdim, lanes(q))
+    epad = pad(vdim, lanes(q))
     part_m = np.empty((batch, heads, length, nsplit), dt)
     part_total = np.empty((batch, heads, length, nsplit), dt)
     part_acc = np.empty((batch, heads, length, nsplit, epad), dt)
@@ -213,7 +213,7 @@ def _split_forward(q, k, v, group_heads, nsplit, dims, opts, fopts, terms, out, 
             m_t = part_m[b, h, i, t]
             if m_t == -np.inf:
                 continue
-            alpha = _exp(m_t - best)
+            alpha = exp_compute(m_t - best)
             total = fma(alpha, part_total[b, h, i, t], total)
             for e in range(vdim):
                 orow[e] = fma(alpha, part_acc[b, h, i, t, e], orow[e])

@@ -14,22 +14,22 @@ import numpy as np
 from numba import njit, parallel_chunksize, prange
 
 from ._cpu_scores import (
-    _dropout_weights,
-    _finish_scores,
-    _first_block,
-    _raw_scores_suffice,
-    _row_interval,
+    dropout_weights,
+    finish_scores,
+    first_key_block,
+    raw_scores_suffice,
+    row_interval,
 )
 from ._cpu_tiles import (
     BLOCK_K,
     BLOCK_Q,
-    _exp,
-    _load_rows,
-    _load_rows_t,
-    _matmul_n,
-    _matmul_t,
-    _padded,
-    _row_max_scaled,
+    exp_compute,
+    load_rows,
+    load_rows_t,
+    matmul_n,
+    matmul_t,
+    padded,
+    row_max_scaled,
 )
 from ._simd import KERNEL_OPTIONS, fma, lanes, vadd, vexp, vload, vmuls, vstore, vsubs, vsum, vzero
 
@@ -51,14 +51,14 @@ def _pack_keys(k, v, k_t, v_blk, v_finite):
         n = unit % nkb
         c0 = n * BLOCK_K
         nc = min(BLOCK_K, keys - c0)
-        _load_rows_t(k[b, g], c0, nc, k_t[b, g, n])
-        v_finite[b, g, n] = _load_rows(v[b, g], c0, nc, v_blk[b, g, n])
+        load_rows_t(k[b, g], c0, nc, k_t[b, g, n])
+        v_finite[b, g, n] = load_rows(v[b, g], c0, nc, v_blk[b, g, n])
 
 
 @njit(**_OPTS)
 def _forward_unit(q, packed, kv_head, unit, nqb, dims, opts, fopts, terms, out, lse):
     """One (batch, head, query block): ``packed`` = (K^T blocks, V blocks, V block finite)
-    from :func:`_packed_keys`; ``terms`` as in :func:`~._cpu_scores._finish_scores`."""
+    from :func:`_packed_keys`; ``terms`` as in :func:`~._cpu_scores.finish_scores`."""
     k_pack, v_pack, v_fin = packed
     drop, dstr = terms[4], terms[5]
     heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
@@ -80,33 +80,33 @@ def _forward_unit(q, packed, kv_head, unit, nqb, dims, opts, fopts, terms, out, 
     m = np.full(BLOCK_Q, -np.inf, dt)
     total = np.zeros(BLOCK_Q, dt)
     one = np.ones(1, dt)[0]
-    _load_rows_t(q[b, h], r0, nr, q_t)
+    load_rows_t(q[b, h], r0, nr, q_t)
     has_drop = opts[8] != 0
     # the key blocks that the [lo, hi) intervals of the block's rows reach (lo and hi grow
     # with the row)
-    first = _first_block(r0, dims, opts, BLOCK_K)
-    _, hi_last = _row_interval(r0 + nr - 1, dims, opts)
+    first = first_key_block(r0, dims, opts, BLOCK_K)
+    _, hi_last = row_interval(r0 + nr - 1, dims, opts)
     for c0 in range(first, hi_last, BLOCK_K):
         nc = min(BLOCK_K, keys - c0)
         kb = c0 // BLOCK_K
         k_t = k_pack[b, g, kb]
         v_blk = v_pack[b, g, kb]
         v_finite = v_fin[b, g, kb]
-        _matmul_t(q_t, k_t, dim, rows, BLOCK_K, s, True)
+        matmul_t(q_t, k_t, dim, rows, BLOCK_K, s, True)
         factor = one  # x * 1 is x: the scores in s are final
-        if _raw_scores_suffice(nr, nc, r0, c0, dims, opts, fopts, BLOCK_K):
+        if raw_scores_suffice(nr, nc, r0, c0, dims, opts, fopts, BLOCK_K):
             clean, factor = True, fopts[0]
         else:
-            clean = _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, terms, deriv)
+            clean = finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, terms, deriv)
         for r in range(nr):
             row = s[r]
             prow = p[r]
             m_old = m[r]
-            m_new = max(m_old, _row_max_scaled(row, BLOCK_K, factor))
+            m_new = max(m_old, row_max_scaled(row, BLOCK_K, factor))
             if m_new == -np.inf:
                 prow[:] = 0
                 continue
-            # exp of the tile row, lane-parallel; the lane sums in the _row_sum order
+            # exp of the tile row, lane-parallel; the lane sums in the row_sum order
             part = vzero(prow)
             for c in range(0, BLOCK_K, width):
                 e = vexp(vsubs(vmuls(vload(row, c), factor), m_new))
@@ -114,7 +114,7 @@ def _forward_unit(q, packed, kv_head, unit, nqb, dims, opts, fopts, terms, out, 
                 part = vadd(part, e)
             row_total = vsum(part)
             if m_new != m_old:
-                alpha = _exp(m_old - m_new)
+                alpha = exp_compute(m_old - m_new)
                 total[r] = total[r] * alpha
                 arow = acc[r]
                 for e0 in range(0, epad, width):
@@ -123,10 +123,10 @@ def _forward_unit(q, packed, kv_head, unit, nqb, dims, opts, fopts, terms, out, 
             total[r] = total[r] + row_total
         weights = p
         if has_drop:
-            _dropout_weights(p, pd, nr, nc, r0, c0, b, h, drop, dstr)
+            dropout_weights(p, pd, nr, nc, r0, c0, b, h, drop, dstr)
             weights = pd
         if v_finite or (clean and not has_drop):
-            _matmul_n(weights, v_blk, nc, rows, epad, acc)
+            matmul_n(weights, v_blk, nc, rows, epad, acc)
         else:
             # a non-finite value row may only reach the rows that keep it
             for r in range(nr):
@@ -173,7 +173,7 @@ def _packed_keys(k, v):
     batch, kv_heads, keys, dim = k.shape
     nkb = -(-keys // BLOCK_K)
     k_pack = np.empty((batch, kv_heads, nkb, dim, BLOCK_K), k.dtype)
-    v_pack = np.empty((batch, kv_heads, nkb, BLOCK_K, _padded(v.shape[3], v.dtype)), v.dtype)
+    v_pack = np.empty((batch, kv_heads, nkb, BLOCK_K, padded(v.shape[3], v.dtype)), v.dtype)
     v_fin = np.empty((batch, kv_heads, nkb), np.bool_)
     if k_pack.size or v_pack.size:
         _pack_keys(k, v, k_pack, v_pack, v_fin)

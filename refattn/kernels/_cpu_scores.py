@@ -18,20 +18,26 @@ from numba import njit
 from ..spec import WINDOW_CAP, key_interval_jit
 from ._simd import KERNEL_OPTIONS, lanes, vload, vmuls, vstore
 
-__all__: list[str] = []
+__all__ = [
+    "row_interval",
+    "first_key_block",
+    "raw_scores_suffice",
+    "finish_scores",
+    "dropout_weights",
+]
 
 _OPTS = KERNEL_OPTIONS
 
 
 @njit(**_OPTS)
-def _row_interval(i, dims, opts):
+def row_interval(i, dims, opts):
     """The half-open key interval [lo, hi) of query row ``i`` (:func:`refattn.spec.key_interval`
     with the kernels' option vectors: offset, causal, window sides; S keys)."""
     return key_interval_jit(i, opts[0], dims[4], opts[1] != 0, opts[2], opts[3])
 
 
 @njit(**_OPTS)
-def _first_block(r0, dims, opts, block):
+def first_key_block(r0, dims, opts, block):
     """The start of the key block holding the first key that row ``r0`` may read: its lo over
     unbounded keys (``WINDOW_CAP``, as :func:`refattn.spec.structural_mask` takes it), so a lo
     past S is not clamped to S and a block of rows that reads no key starts past the last key
@@ -41,7 +47,7 @@ def _first_block(r0, dims, opts, block):
 
 
 @njit(**_OPTS)
-def _raw_scores_suffice(nr, nc, r0, c0, dims, opts, fopts, width):
+def raw_scores_suffice(nr, nc, r0, c0, dims, opts, fopts, width):
     """Whether a q.k tile needs nothing but the scale (no option, every position allowed,
     a finite positive scale): its users then multiply each loaded score by the scale
     themselves (the same product, so the same bits) instead of a separate pass."""
@@ -50,13 +56,13 @@ def _raw_scores_suffice(nr, nc, r0, c0, dims, opts, fopts, width):
     scale = fopts[0]
     if not (scale > 0 and scale < np.inf):  # scaling keeps -inf (overflowed q.k) as -inf
         return False
-    _, hi_first = _row_interval(r0, dims, opts)
-    lo_last, _ = _row_interval(r0 + nr - 1, dims, opts)
+    _, hi_first = row_interval(r0, dims, opts)
+    lo_last, _ = row_interval(r0 + nr - 1, dims, opts)
     return lo_last <= c0 and hi_first >= c0 + nc
 
 
 @njit(**_OPTS)
-def _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, terms, deriv):
+def finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, terms, deriv):
     """Turn raw q.k tile into final scores in place; -inf marks excluded positions.
 
     ``terms`` is :func:`~refattn.kernels._args.kernel_arguments`' tuple of the optional
@@ -74,8 +80,8 @@ def _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, terms, deriv):
     )
     scale, cap = fopts[0], fopts[1]
     neg_inf = fopts[3]
-    _, hi_first = _row_interval(r0, dims, opts)
-    lo_last, _ = _row_interval(r0 + nr - 1, dims, opts)
+    _, hi_first = row_interval(r0, dims, opts)
+    lo_last, _ = row_interval(r0 + nr - 1, dims, opts)
     full = lo_last <= c0 and hi_first >= c0 + nc
     general = has_softcap or has_bias or has_mask or has_alibi
     width = s.shape[1]
@@ -89,7 +95,7 @@ def _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, terms, deriv):
     if not general:
         for r in range(nr):
             row = s[r]
-            lo, hi = _row_interval(r0 + r, dims, opts)
+            lo, hi = row_interval(r0 + r, dims, opts)
             jl = lo - c0
             jh = hi - c0
             for c in range(width):
@@ -101,7 +107,7 @@ def _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, terms, deriv):
     for r in range(nr):
         i = r0 + r
         row = s[r]
-        lo, hi = _row_interval(i, dims, opts)
+        lo, hi = row_interval(i, dims, opts)
         for c in range(width):
             j = c0 + c
             allowed = c < nc and j >= lo and j < hi
@@ -129,7 +135,7 @@ def _finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, terms, deriv):
 
 
 @njit(**_OPTS)
-def _dropout_weights(p, pd, nr, nc, r0, c0, b, h, drop, dstr):
+def dropout_weights(p, pd, nr, nc, r0, c0, b, h, drop, dstr):
     """pd[:nr, :nc] = p where the dropout mask keeps the position, else 0."""
     for r in range(nr):
         i = r0 + r

@@ -31,7 +31,20 @@ from ._simd import (
     vzero,
 )
 
-__all__ = ["BLOCK_Q", "BLOCK_K"]
+__all__ = [
+    "BLOCK_Q",
+    "BLOCK_K",
+    "exp_compute",
+    "matmul_t",
+    "matmul_n",
+    "row_sum",
+    "row_max",
+    "row_max_scaled",
+    "load_rows_t",
+    "load_rows",
+    "pad",
+    "padded",
+]
 
 #: Query rows per work unit / tile (a multiple of the 4-row register tile).
 BLOCK_Q = 64
@@ -48,10 +61,10 @@ if JIT:
     from numba import types
     from numba.core.extending import overload
 
-    def _exp(x):  # dispatched on the compute dtype below
+    def exp_compute(x):  # exp_float64 or exp_float32, dispatched on the compute dtype below
         raise NotImplementedError
 
-    @overload(_exp)
+    @overload(exp_compute)
     def _exp_overload(x):
         if x == types.float64:
             return lambda x: exp_float64(x)
@@ -61,7 +74,7 @@ if JIT:
 
 else:  # pragma: no cover
 
-    def _exp(x):
+    def exp_compute(x):
         with np.errstate(all="ignore"):
             return exp_float64(x) if isinstance(x, np.float64 | float) else exp_float32(x)
 
@@ -233,7 +246,7 @@ def _row_n(a, bm, count, row, col, out):
 
 
 @njit(**_OPTS)
-def _matmul_t(a, bm, count, rows, cols, out, fresh=False):
+def matmul_t(a, bm, count, rows, cols, out, fresh=False):
     """out[:rows, :cols] += a[:count, :rows].T @ bm[:count, :cols] (``=`` with ``fresh``:
     the tiles start from zero registers); 4 x 4-vector tiles, then rows one at a time (a
     decode step has one query row). ``cols`` is a multiple of four vectors."""
@@ -248,7 +261,7 @@ def _matmul_t(a, bm, count, rows, cols, out, fresh=False):
 
 
 @njit(**_OPTS)
-def _matmul_n(a, bm, count, rows, cols, out):
+def matmul_n(a, bm, count, rows, cols, out):
     """out[:rows, :cols] += a[:rows, :count] @ bm[:count, :cols]; 4 x 4-vector tiles, then
     rows one at a time. ``cols`` is a multiple of four vectors."""
     step = 2 * lanes(bm)
@@ -262,7 +275,7 @@ def _matmul_n(a, bm, count, rows, cols, out):
 
 
 @njit(**_OPTS)
-def _row_sum(row, count):
+def row_sum(row, count):
     """sum(row[:count]) in the documented lane order (row padded with zeros to a vector)."""
     width = lanes(row)
     acc = vzero(row)
@@ -272,7 +285,7 @@ def _row_sum(row, count):
 
 
 @njit(**_OPTS)
-def _row_max(row, count):
+def row_max(row, count):
     """max(row[:count]) ignoring NaN (-inf when all are -inf or NaN); order-free."""
     width = lanes(row)
     acc = vload(row, 0)
@@ -282,7 +295,7 @@ def _row_max(row, count):
 
 
 @njit(**_OPTS)
-def _load_rows_t(src, start, count, out):
+def load_rows_t(src, start, count, out):
     """out[:, :count] = src[start:start+count].T; the remaining columns are zeroed."""
     width = out.shape[0]
     pad = out.shape[1]
@@ -295,7 +308,7 @@ def _load_rows_t(src, start, count, out):
 
 
 @njit(**_OPTS)
-def _load_rows(src, start, count, out, zero_nonfinite=False):
+def load_rows(src, start, count, out, zero_nonfinite=False):
     """out[:count, :F] = src[start:start+count]; padding rows/columns are zeroed; returns
     whether every loaded value is finite (with ``zero_nonfinite`` non-finite values are
     stored as 0)."""
@@ -317,8 +330,8 @@ def _load_rows(src, start, count, out, zero_nonfinite=False):
 
 
 @njit(**_OPTS)
-def _row_max_scaled(row, count, factor):
-    """max(row[:count] * factor) ignoring NaN, as :func:`_row_max` of the scaled row."""
+def row_max_scaled(row, count, factor):
+    """max(row[:count] * factor) ignoring NaN, as :func:`row_max` of the scaled row."""
     width = lanes(row)
     acc = vmuls(vload(row, 0), factor)
     for c in range(width, count, width):
@@ -327,15 +340,15 @@ def _row_max_scaled(row, count, factor):
 
 
 @njit(**_OPTS)
-def _pad(features, width):
+def pad(features, width):
     """Features padded to a multiple of four vectors of ``width`` lanes (the register tile's
     width; at least one tile)."""
     tile = _TILE_VECTORS * width
     return max(tile, -(-features // tile) * tile)
 
 
-def _padded(features, dtype):
-    """:func:`_pad` for a dtype's 64-byte vectors."""
+def padded(features, dtype):
+    """:func:`pad` for a dtype's 64-byte vectors."""
     width = 64 // np.dtype(dtype).itemsize
     return max(
         _TILE_VECTORS * width, -(-features // (_TILE_VECTORS * width)) * _TILE_VECTORS * width

@@ -143,7 +143,7 @@ from ._args import kernel_arguments
 from ._cpu_backward import backward_chunks, backward_units, delta_rows, sum_parts
 from ._cpu_decode import SPLIT_KEYS, forward_splits, split_keys
 from ._cpu_forward import forward_blocks
-from ._cpu_tiles import BLOCK_K, BLOCK_Q, _padded
+from ._cpu_tiles import BLOCK_K, BLOCK_Q, padded
 from ._simd import exp_float32, exp_float64
 
 __all__ = [
@@ -265,7 +265,7 @@ def backward(spec, grad_out, grad_lse=None, dtype=None, *, saved=None):
     delta = np.empty((batch, heads, length), dtype)
     if delta.size:
         delta_rows(grad_out, out, glse, has_glse, delta)
-    dpad, epad = _padded(dim, dtype), _padded(vdim, dtype)
+    dpad, epad = padded(dim, dtype), padded(vdim, dtype)
     kpad = -(-keys // BLOCK_K) * BLOCK_K
     nchunks = backward_chunks(batch, heads, length, keys)
     # every unit zeroes its own partials and writes all its dq rows (in parallel)
