@@ -55,7 +55,10 @@ _KERNELS: dict = {}
 # into a few larger ones (a kernel cannot take a tuple of device arrays): ``ints`` (int64) =
 # dims (7), opts (10), the bias, mask and dropout strides (4 each), kv_head (H); ``flags``
 # (uint8, 2 rows) = the mask and dropout planes; ``stats`` = lse and delta (2, B, H, L).
-_DIMS, _OPTS, _BIAS_STRIDES, _MASK_STRIDES, _DROP_STRIDES, _KV_HEAD = 0, 7, 17, 21, 25, 29
+_N_DIMS, _N_OPTS = 7, 10  # the lengths of kernel_arguments' dims and opts
+_DIMS, _OPTS = 0, _N_DIMS
+_BIAS_STRIDES = _OPTS + _N_OPTS
+_MASK_STRIDES, _DROP_STRIDES, _KV_HEAD = _BIAS_STRIDES + 4, _BIAS_STRIDES + 8, _BIAS_STRIDES + 12
 
 
 def available() -> bool:
@@ -100,14 +103,14 @@ def _build(dtype):
     @cuda.jit(device=True)
     def row_interval(i, ints):
         """[lo, hi) of query row i: :func:`refattn.spec.key_interval` on the option layout."""
-        opts = ints[_OPTS : _OPTS + 10]
+        opts = ints[_OPTS:_BIAS_STRIDES]
         return key_interval_device(i, opts[0], ints[_DIMS + 4], opts[1] != 0, opts[2], opts[3])
 
     @cuda.jit(device=True)
     def score(qrow, ks, jj, b, h, i, j, ints, fopts, bias, flags, slopes):
         """(allowed, final score, d softcap / d raw) of position (i, j)."""
         dim = ints[_DIMS + 5]
-        opts = ints[_OPTS : _OPTS + 10]
+        opts = ints[_OPTS:_BIAS_STRIDES]
         bstr = ints[_BIAS_STRIDES : _BIAS_STRIDES + 4]
         mstr = ints[_MASK_STRIDES : _MASK_STRIDES + 4]
         mask = flags[0]
@@ -134,14 +137,14 @@ def _build(dtype):
 
     @cuda.jit(device=True)
     def kept(b, h, i, j, ints, flags):
-        opts = ints[_OPTS : _OPTS + 10]
+        opts = ints[_OPTS:_BIAS_STRIDES]
         dstr = ints[_DROP_STRIDES : _DROP_STRIDES + 4]
         drop = flags[1]
         return opts[8] == 0 or drop[dstr[0] * b + dstr[1] * h + dstr[2] * i + dstr[3] * j] != 0
 
     @cuda.jit
     def forward(q, k, v, ints, fopts, bias, flags, slopes, out, lse):
-        dims, opts, kv_head = ints[_DIMS : _DIMS + 7], ints[_OPTS : _OPTS + 10], ints[_KV_HEAD:]
+        dims, opts, kv_head = ints[_DIMS:_OPTS], ints[_OPTS:_BIAS_STRIDES], ints[_KV_HEAD:]
         heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
         bh = cuda.blockIdx.y
         b = bh // heads
@@ -206,7 +209,7 @@ def _build(dtype):
 
     @cuda.jit
     def grad_q(q, k, v, grad_out, stats, ints, fopts, bias, flags, slopes, dq, dbias):
-        dims, opts, kv_head = ints[_DIMS : _DIMS + 7], ints[_OPTS : _OPTS + 10], ints[_KV_HEAD:]
+        dims, opts, kv_head = ints[_DIMS:_OPTS], ints[_OPTS:_BIAS_STRIDES], ints[_KV_HEAD:]
         lse, delta = stats[0], stats[1]
         heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
         bh = cuda.blockIdx.y
@@ -269,7 +272,7 @@ def _build(dtype):
 
     @cuda.jit
     def grad_kv(q, k, v, grad_out, stats, ints, fopts, bias, flags, slopes, dk_part, dv_part):
-        dims, kv_head = ints[_DIMS : _DIMS + 7], ints[_KV_HEAD:]
+        dims, kv_head = ints[_DIMS:_OPTS], ints[_KV_HEAD:]
         lse, delta = stats[0], stats[1]
         heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
         bh = cuda.blockIdx.y
@@ -353,6 +356,8 @@ def _prepare(spec, dtype):
         )
     q, k, v, kv_head, dims, opts, fopts, terms = kernel_arguments(spec, dtype)
     bias, bstr, mask, mstr, drop, dstr, slopes = terms
+    if (dims.size, opts.size) != (_N_DIMS, _N_OPTS):  # pragma: no cover (layout drift)
+        raise AssertionError("refattn.kernels.cuda: update the option layout (_N_DIMS, _N_OPTS)")
     ints = np.concatenate([dims, opts, bstr, mstr, dstr, kv_head])
     flags = np.zeros((2, max(mask.size, drop.size)), np.uint8)
     flags[0, : mask.size] = mask
