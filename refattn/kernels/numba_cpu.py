@@ -197,12 +197,11 @@ def forward(spec, dtype=None):
 
 
 def _run_forward(spec, args, dtype):
-    batch, heads, _, length, _, _, vdim = spec.dims
+    """Short queries run key splits (:func:`split_keys`), the rest query blocks."""
+    batch, heads, kv_heads, length, keys, _, vdim = spec.dims
     out = np.empty((batch, heads, length, vdim), dtype)
     lse = np.empty((batch, heads, length), dtype)
     if lse.size:
-        # short queries: key splits; otherwise the query-block units
-        _, heads, length, kv_heads, keys = (int(x) for x in args[4][:5])
         nsplit = split_keys(heads, kv_heads, length, keys)
         if nsplit:
             forward_splits(nsplit, *args, out, lse)
