@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refattn._broadcast import expand_kv, fold_kv, reduce_to
+from refattn.broadcast import expand_kv, fold_kv, reduce_to
 from refattn.exact.rounding import format_of
 
 from .catalogue import seeding

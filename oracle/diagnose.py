@@ -717,7 +717,7 @@ def _exact_parts(q, k, v, options, allowed=None):
         keep = np.asarray(options["dropout_mask"], dtype=bool)
         w = np.where(keep, w, 0) / (1 - (options.get("dropout_p") or 0.0))
     w3 = w[None] if np.ndim(q) == 2 else w
-    from refattn._broadcast import expand_kv
+    from refattn.broadcast import expand_kv
 
     from .heads import with_heads
 

@@ -2,7 +2,7 @@
 
 q is (..., H, L, D), k (..., K, S, D), v (..., K, S, E); a 2-D array is one head. The GQA
 head mapping and the broadcast-gradient reduction are refattn's own
-(:mod:`refattn._broadcast`: ``expand_kv``, ``fold_kv``, ``reduce_to``).
+(:mod:`refattn.broadcast`: ``expand_kv``, ``fold_kv``, ``reduce_to``).
 
 Examples
 --------
@@ -59,7 +59,7 @@ def dequantised(x, descale, heads=None, gqa="interleave"):
         return values
     factor = np.asarray(descale, dtype=np.float64)[..., :, None, None]
     if heads is not None and factor.shape[-3] != heads:
-        from refattn._broadcast import expand_kv
+        from refattn.broadcast import expand_kv
 
         factor = expand_kv(factor, heads, gqa or "interleave")
     return values * factor

@@ -211,7 +211,6 @@ import numpy as np
 
 # The a-priori error bounds of refattn's own paths live in refattn.bounds (the library does not
 # depend on its oracle); they are re-exported here for the judging policy and the tests.
-from refattn._broadcast import expand_kv
 from refattn.bounds import (
     fixed_point_forward_bound,
     gamma,
@@ -223,6 +222,7 @@ from refattn.bounds import (
     transformer_forward_bound,
     unit_roundoff,
 )
+from refattn.broadcast import expand_kv
 from refattn.exact.rounding import format_of
 
 from .heads import alibi_bias, resolve_scale, with_heads

@@ -1095,7 +1095,7 @@ def _originals(arrays):
 
 def _reduced(grads, originals):
     """float64 gradients of the broadcast problem summed back to the arguments' shapes."""
-    from ._broadcast import reduce_to
+    from .broadcast import reduce_to
 
     return [reduce_to(g, arr.shape) for g, (_, arr) in zip(grads, originals, strict=True)]
 

@@ -56,7 +56,7 @@ import numpy as np
 from . import _checks
 from . import fixedpoint as fp
 from ._blocks import big, block_diag, diag_blocks
-from ._broadcast import reduce_to
+from .broadcast import reduce_to
 from .exact import meanfield as exact
 
 __all__ = [

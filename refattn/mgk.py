@@ -35,7 +35,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _checks
-from ._broadcast import reduce_to
+from .broadcast import reduce_to
 from .exact import mgk as exact
 from .logspace import log_softmax, logsumexp, softmax
 from .masks import allowed_mask
