@@ -19,6 +19,8 @@ import math
 
 import numpy as np
 
+from refattn.spec import offset_of
+
 __all__ = ["with_heads", "alibi_bias", "resolve_scale", "dequantised"]
 
 
@@ -35,7 +37,7 @@ def alibi_bias(slopes, L, S, align, length=None):
 
     ``length``: the row's own key length S_b (``kv_lengths``), to which bottom_right aligns
     (o = S_b - L); S by default."""
-    offset = 0 if align == "top_left" else (S if length is None else int(length)) - L
+    offset = offset_of(align, L, S if length is None else int(length))
     dist = np.abs(np.arange(L)[:, None] + offset - np.arange(S)[None, :]).astype(np.float64)
     slopes = np.asarray(slopes, dtype=np.float64)
     return -slopes[..., None, None] * dist
