@@ -31,6 +31,8 @@ __all__ = [
     "Case",
     "suite",
     "tolerance",
+    "export",
+    "load_safetensors",
 ]
 
 _LAZY = {
@@ -44,6 +46,7 @@ _LAZY = {
     "Fixture": ("oracle.golden", "Fixture"),
     "Case": ("oracle.catalogue", "Case"),
     "suite": ("oracle.catalogue", "suite"),
+    "load_safetensors": ("oracle.export", "load_safetensors"),
 }
 
 
@@ -53,7 +56,7 @@ def __getattr__(name):
         value = getattr(importlib.import_module(module), attribute)
         globals()[name] = value
         return value
-    if name in ("tolerance", "validate"):
+    if name in ("tolerance", "validate", "export"):
         # oracle.validate is the module, callable as the function (see oracle.validate)
         return importlib.import_module(f"oracle.{name}")
     raise AttributeError(f"module 'oracle' has no attribute {name!r}")

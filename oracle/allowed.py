@@ -2,9 +2,9 @@
 
 The rule itself (causal, window, alignment offset, key lengths, explicit mask, -inf bias) lives
 in :mod:`refattn.spec` (:func:`refattn.spec.key_interval` and the NumPy forms built on it); this
-module only applies it to the oracle's arrays, whose batch axes need not be flat and whose
-window may be one a diagnosis alternative made up. The baseline, the tolerance policy, the
-diagnosis and the case catalogue all take their allowed set from :func:`allowed_positions`.
+module only applies it to the oracle's arrays, whose batch axes need not be flat. The baseline,
+the tolerance policy, the diagnosis and the case catalogue all take their allowed set from
+:func:`allowed_positions`.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def allowed_positions(
     bias : array_like of float, optional
         Positions with bias -inf are excluded.
     causal, window, align
-        As in :func:`refattn.attention`. The window is not validated: the diagnosis
-        alternatives move a valid window's sides by one key.
+        As in :func:`refattn.attention` (the window checked by
+        :func:`refattn.spec.check_window` inside :func:`refattn.spec.structural_mask`).
     kv_lengths : array_like of int, optional
         Key length S_b of each batch row (batch shape): each row's causal/window set is aligned
         to its own length (``align="bottom_right"``: o = S_b - L) and keys j >= S_b are

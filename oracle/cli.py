@@ -15,18 +15,27 @@ Commands::
 
 ``generate`` takes an exclusive lock on DIR (a second writer fails, or waits with ``--wait``)
 and exits with 2 and a one-line message for an unusable destination (empty, a file, not
-writable, full disk), ``--workers`` below 1 or an unknown suite; ``verify`` prints one line per
+writable, full disk), ``--workers`` below 1 or an unknown suite; a rerun into DIR resumes and
+removes the temporary files of a run killed with SIGKILL; ``verify`` prints one line per
 problem and exits with 1, never a traceback. ``validate`` runs each case in a supervised
 worker process (reused from case to case): an implementation that exits, hangs past
 ``--timeout``, crashes or exhausts ``--memory-limit`` gets the verdict "error" for that case
 and the run goes on. Case patterns are case-insensitive; a selection of zero cases is a usage
 error. ``validate`` exits with 0 only when no case fails (robustness cases count only with
-``--strict``), 1 when some case fails and 2 on a usage error (bad ``--impl`` path, unknown
-adapter or suite, missing directory). Progress goes to stderr, the summary to stdout.
-``--impl``/``--adapter`` may be repeated: each implementation gets its own summary (and report
-files ``NAME-<impl>.json``...) and the exit code is 1 if any fails. ``--executor dask
---scheduler ADDRESS`` runs the cases (generate) or the (implementation, case) pairs (validate)
-on a Dask cluster (:mod:`oracle.distribute`); the fixtures are byte-identical to local ones.
+``--strict``), 1 when some case fails and 2 with one ``refattn-oracle: error:`` line on a
+usage error: a bad ``--impl`` path or a module that raises, has a syntax error or exits at
+import (a run that judged no case never exits 0), an unknown adapter, suite, feature or check, a
+missing directory, an unusable report path (``--json``/``--junit``/``--html``: checked before
+the run) or an interrupt (Ctrl-C). Progress goes to
+stderr, the summary to stdout. An implementation that raises KeyboardInterrupt inside a case
+gets the verdict "error" for it (the worker ignores SIGINT, so only the implementation can raise
+it there); with ``--in-process`` it cannot be told from Ctrl-C and aborts the run (exit 2), and
+nothing protects the run from ``os._exit``. ``--impl``/``--adapter`` may be repeated and mixed:
+each implementation gets its own summary (headed ``== <impl>: passed|FAILED`` with ``--quiet``)
+and report files ``NAME-<impl>.json``..., and the exit code is 1 if any fails. ``--executor dask
+--scheduler ADDRESS`` runs the cases (generate) or the (implementation, case) pairs (validate) on
+a Dask cluster (:mod:`oracle.distribute`); the fixtures are byte-identical to local ones.
+``list cases`` with an unknown suite is exit 2 too.
 
 Examples
 --------
@@ -42,6 +51,7 @@ import os
 import sys
 
 from .catalogue.names import DTYPES
+from .export_cli import add_export_parser, run_export_command
 
 __all__ = ["main", "build_parser"]
 
@@ -203,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     lst.add_argument("what", nargs="?", default="suites", choices=("suites", "cases", "adapters"))
     lst.add_argument("--suite", default="default")
     lst.add_argument("--dtype", choices=DTYPES)
+    add_export_parser(sub)
     return parser
 
 
@@ -285,18 +296,20 @@ def _validate(args) -> int:
     from pathlib import Path
 
     from . import validate as V  # the module (callable), see oracle/__init__.py
+    from .impls import locate_impl
+    from .supervise import MAX_TIMEOUT
 
     specs = [*args.impl, *args.adapter]
     if not specs:
         return _err("give the implementation: --adapter NAME or --impl module:function")
-    problem = _executor_problem(args)
+    problem = _executor_problem(args) or _limits_problem(args, MAX_TIMEOUT)
     if problem:
         return _err(problem)
     if args.impl and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # console scripts do not put the cwd on sys.path
     for spec in specs:
-        try:
-            V.resolve_impl(spec)
+        try:  # isolated runs import the module in the worker only (oracle.supervise)
+            (V.resolve_impl if args.in_process else locate_impl)(spec)
         except (ImportError, AttributeError, TypeError, ValueError, KeyError) as err:
             return _err(str(err).strip('"'))
     if args.fixtures is not None and not Path(args.fixtures).is_dir():
@@ -304,10 +317,9 @@ def _validate(args) -> int:
             f"--fixtures {args.fixtures}: no such directory "
             f"(write one with `refattn-oracle generate --out {args.fixtures}`)"
         )
-    if args.timeout is not None and not args.timeout > 0:
-        return _err(f"--timeout: expected seconds > 0, got {args.timeout:g}")
-    if args.memory_limit is not None and not args.memory_limit > 0:
-        return _err(f"--memory-limit: expected MiB > 0, got {args.memory_limit:g}")
+    problem = _report_paths_problem(args, specs)
+    if problem:
+        return _err(problem)
     memory = None if args.memory_limit is None else int(args.memory_limit * 2**20)
     options = dict(
         suite=args.suite,
@@ -338,13 +350,60 @@ def _validate(args) -> int:
     except (KeyError, ValueError) as err:
         return _err(str(err).strip('"'))
     for spec, report in reports.items():
-        _print_report(args, report, spec if len(reports) > 1 else None)
+        problem = _print_report(args, report, spec if len(reports) > 1 else None)
+        if problem:
+            return _err(problem)
     return 0 if all(report.passed for report in reports.values()) else 1
 
 
-def _print_report(args, report, spec) -> None:
+def _limits_problem(args, max_timeout: float) -> str | None:
+    # `not x > 0` is also true for NaN; inf overflows the clock / the int of RLIMIT_AS
+    if args.timeout is not None and not 0 < args.timeout <= max_timeout:
+        return f"--timeout: expected seconds in (0, {max_timeout:g}], got {args.timeout:g}"
+    if args.memory_limit is not None and not 0 < args.memory_limit < 2**43:
+        return f"--memory-limit: expected MiB in (0, {2**43:g}), got {args.memory_limit:g}"
+    return None
+
+
+_REPORT_FLAGS = ("json", "junit", "html")
+
+
+def _report_paths_problem(args, specs) -> str | None:
+    """Why a report file cannot be written, checked before the run (a run of hours must not
+    end in a traceback at the last step)."""
+    for flag in _REPORT_FLAGS:
+        path = getattr(args, flag)
+        if path is None:
+            continue
+        for spec in specs if len(specs) > 1 else [None]:
+            problem = _output_file_problem(_per_impl(path, spec))
+            if problem:
+                return f"--{flag} {path or repr(path)}: {problem}"
+    return None
+
+
+def _output_file_problem(path: str) -> str | None:
+    from pathlib import Path
+
+    if not path:
+        return "expected a file path, got an empty string"
+    file = Path(path)
+    if file.is_dir():
+        return "is a directory; expected a file path"
+    folder = file.parent
+    if not folder.is_dir():
+        return f"folder {folder} does not exist"
+    if not os.access(folder, os.W_OK | os.X_OK) or (file.exists() and not os.access(file, os.W_OK)):
+        return "not writable"
+    return None
+
+
+def _print_report(args, report, spec) -> str | None:
     """Summary and report files of one implementation (``spec`` names it when there are
-    several: each file name gets ``-<spec>`` before its suffix)."""
+    several: each file name gets ``-<spec>`` before its suffix); why a file could not be
+    written, or None."""
+    if args.quiet and spec is not None:  # several implementations: say whose lines follow
+        print(f"== {spec}: {'passed' if report.passed else 'FAILED'}")
     print(
         report.summary()
         if not args.quiet
@@ -354,16 +413,23 @@ def _print_report(args, report, spec) -> None:
         from .report import coverage_lines
 
         print("\n".join(coverage_lines(report)[-4:]))
-    if args.json:
-        report.to_json(_per_impl(args.json, spec))
-    if args.junit:
-        report.to_junit(_per_impl(args.junit, spec))
+    for flag in _REPORT_FLAGS:
+        if getattr(args, flag) is None:
+            continue
+        path = _per_impl(getattr(args, flag), spec)
+        try:
+            if flag == "html":
+                report.to_html(path, plots=args.plots)
+            else:
+                getattr(report, f"to_{flag}")(path)
+        except OSError as err:  # checked before the run; the disk can still fill up
+            return f"--{flag} {path}: cannot write the report ({err.strerror or err})"
     if args.html:
         from .report import PLOT_HINT, plotting_available
 
-        report.to_html(_per_impl(args.html, spec), plots=args.plots)
         if not plotting_available():
             print(f"refattn-oracle: {PLOT_HINT}", file=sys.stderr)
+    return None
 
 
 def _per_impl(path: str, spec) -> str:
@@ -383,7 +449,11 @@ def _list(args) -> int:
         for name in catalogue.suite_names():
             print(f"{name} {len(catalogue.suite(name))} cases")
     elif args.what == "cases":
-        for case in catalogue.suite(args.suite):
+        try:
+            cases = catalogue.suite(args.suite)
+        except (KeyError, ValueError) as err:
+            return _err(str(err).strip('"'))
+        for case in cases:
             if args.dtype is None or case.dtype == args.dtype:
                 grads = " grads" if case.grads else ""
                 print(f"{case.name}  [{case.category}{grads}]  {case.description}")
@@ -399,14 +469,19 @@ def _list(args) -> int:
 def main(argv=None) -> int:
     """Entry point of ``refattn-oracle`` (returns the exit code)."""
     args = build_parser().parse_args(argv)
-    handler = {"generate": _generate, "verify": _verify, "validate": _validate, "list": _list}[
-        args.command
-    ]
+    handler = {
+        "generate": _generate,
+        "verify": _verify,
+        "validate": _validate,
+        "list": _list,
+        "export": run_export_command,
+    }[args.command]
     try:
         return handler(args)
-    except FileNotFoundError as err:
-        return _err(str(err))
-    except KeyboardInterrupt:
+    except OSError as err:  # a path that vanished or became unusable mid-run: one line
+        where = f" ({err.filename})" if err.filename else ""
+        return _err(f"{err.strerror or err}{where}")
+    except KeyboardInterrupt:  # Ctrl-C (or, with --in-process, raised by the implementation)
         return _err("interrupted")
 
 

@@ -37,12 +37,15 @@ Atomicity and resume: every file is written to a temporary file of this run (nam
 ``.refattn-<pid>-<random>.tmp``, created with mode 0666 minus the umask) in the same directory
 and moved into place with ``os.replace``; progress is recorded in ``manifest.partial.json`` (also
 atomic) and ``manifest.json`` is written last. A rerun after an interruption skips every case
-whose file exists with the recorded sha256 and spec, and computes the rest.
+whose file exists with the recorded sha256 and spec, computes the rest and removes the temporary
+files of writers that are gone (a run killed with SIGKILL cannot remove its own), so the
+directory is byte-identical to one written in a single run (:mod:`oracle._atomic`).
 
 Safety: a writer holds an exclusive lock (``fcntl.flock`` on ``.refattn-oracle.lock`` in the
 directory) for the whole run; a second writer fails with :class:`FixtureLockError` or, with
-``wait=True``, waits. A run deletes only its own temporary files and the fixture files an earlier
-manifest of this directory recorded for cases no longer selected; any other file is left alone.
+``wait=True``, waits. A run deletes only temporary files of this module (its own, and those of
+dead writers) and the fixture files an earlier manifest of this directory recorded for cases no
+longer selected; any other file is left alone.
 Manifest ``file`` entries must be plain file names inside the directory (no path separator, no
 ``..``, not absolute, not a symlink); :func:`verify` and :func:`load` refuse anything else, naming
 the entry, and report every schema problem as one line (file, key, what was expected).
@@ -50,13 +53,11 @@ the entry, and report every schema problem as one line (file, key, what was expe
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import io
 import json
 import multiprocessing
 import os
-import secrets
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -69,6 +70,16 @@ import numpy as np
 import refattn
 
 from . import catalogue
+from ._atomic import (
+    LOCK_FILE,
+    TMP_SUFFIX,
+    FixtureError,
+    FixtureLockError,
+    destination,
+    remove_stale_temps,
+    writer_lock,
+)
+from ._atomic import write_atomic as _write_atomic
 from ._progress import Progress
 from .catalogue import variants
 from .catalogue.case import Case
@@ -98,19 +109,9 @@ MANIFEST = "manifest.json"
 PARTIAL_MANIFEST = "manifest.partial.json"
 GENERATOR = "oracle.golden"
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)
-_TMP_SUFFIX = ".tmp"
-LOCK_FILE = ".refattn-oracle.lock"
 
 #: ``runner(cases, out_dir)`` -> iterator of (case name, sha256) as each file is written.
 Runner = Callable[[list[Case], Path], Iterator[tuple[str, str]]]
-
-
-class FixtureError(ValueError):
-    """A fixture directory or destination that cannot be read or written (one-line message)."""
-
-
-class FixtureLockError(FixtureError):
-    """Another writer holds the lock of the output directory."""
 
 
 @dataclass
@@ -310,30 +311,7 @@ def sha256_of(path) -> str:
     return digest.hexdigest()
 
 
-def _temp_name() -> str:
-    return f".refattn-{os.getpid()}-{secrets.token_hex(6)}{_TMP_SUFFIX}"
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file of this run + os.replace.
-
-    The temporary file is created exclusively with mode 0666, so the umask decides the final
-    mode (as for any file a user's program writes); only that file is removed on failure.
-    """
-    temp = path.parent / _temp_name()
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-
-
-def _json_bytes(value) -> bytes:
+def json_bytes(value) -> bytes:
     return (json.dumps(value, sort_keys=True, indent=1, allow_nan=False) + "\n").encode()
 
 
@@ -526,63 +504,20 @@ def generate(
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers: expected an int >= 1, got {workers!r}")
     selected = _select(suite, dtypes, cases)
-    out = _destination(out_dir)
+    out = destination(out_dir)
     if runner is None:
 
         def runner(todo, out):
             return _run(todo, out, workers)
 
-    with _writer_lock(out, wait=wait):
+    with writer_lock(out, wait=wait):
         return _generate_locked(suite, selected, out, runner, progress)
-
-
-def _destination(out_dir) -> Path:
-    """The output directory, created if missing; FixtureError for anything unusable."""
-    if out_dir is None or str(out_dir) == "":
-        raise FixtureError("out: expected a directory path, got an empty string")
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise FixtureError(f"out: {out} exists and is not a directory")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise FixtureError(f"out: cannot create directory {out} ({exc.strerror})") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise FixtureError(f"out: directory {out} is not writable")
-    return out
-
-
-class _writer_lock:
-    """Exclusive ``flock`` on ``LOCK_FILE`` in ``out`` for one writer at a time."""
-
-    def __init__(self, out: Path, wait: bool):
-        self.path, self.wait, self.fd = out / LOCK_FILE, wait, None
-
-    def __enter__(self):
-        try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-        except OSError as exc:
-            raise FixtureError(
-                f"out: cannot create lock file {self.path} ({exc.strerror})"
-            ) from None
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            os.close(self.fd)
-            raise FixtureLockError(
-                f"out: another `generate` is writing into {self.path.parent} (lock "
-                f"{self.path.name} is held); wait for it or pass --wait"
-            ) from None
-        return self
-
-    def __exit__(self, *exc_info):
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
 
 
 def _generate_locked(
     suite: str, selected: list[Case], out: Path, runner: Runner, progress: bool
 ) -> Path:
+    remove_stale_temps(out)  # left by a run killed with SIGKILL; resumes match clean runs
     previous = _previous_entries(out)
     _remove_unselected(out, previous, selected)
     done: dict[str, dict] = {}
@@ -598,7 +533,7 @@ def _generate_locked(
     def record(name: str, sha: str) -> None:
         done[name] = _entry(by_name[name], f"{name}.npz", sha)
         entries = [done[c.name] for c in selected if c.name in done]
-        _write_atomic(out / PARTIAL_MANIFEST, _json_bytes(_manifest(suite, entries)))
+        _write_atomic(out / PARTIAL_MANIFEST, json_bytes(_manifest(suite, entries)))
 
     with Progress(len(selected), f"generate {suite}", enabled=progress) as bar:
         bar.advance(n=len(selected) - len(todo))
@@ -606,7 +541,7 @@ def _generate_locked(
             record(name, sha)
             bar.advance(name)
     entries = [done[c.name] for c in selected]
-    _write_atomic(out / MANIFEST, _json_bytes(_manifest(suite, entries)))
+    _write_atomic(out / MANIFEST, json_bytes(_manifest(suite, entries)))
     (out / PARTIAL_MANIFEST).unlink(missing_ok=True)
     return out
 
@@ -678,10 +613,10 @@ def verify(directory) -> list[str]:
     True
     """
     root = Path(directory)
-    manifest, problems = _read_manifest(root)
+    manifest, problems = read_manifest(root)
     if problems:
         return problems
-    problems = _schema_problems(manifest)
+    problems = schema_problems(manifest)
     if problems:
         return problems
     listed = set()
@@ -691,7 +626,7 @@ def verify(directory) -> list[str]:
     for path in sorted(root.iterdir()):
         if path.name in (MANIFEST, LOCK_FILE) or path.name in listed:
             continue
-        if path.name.startswith(".refattn-") and path.name.endswith(_TMP_SUFFIX):
+        if path.name.startswith(".refattn-") and path.name.endswith(TMP_SUFFIX):
             problems.append(
                 f"{path.name}: temporary file left by an interrupted run (safe to delete)"
             )
@@ -700,7 +635,7 @@ def verify(directory) -> list[str]:
     return problems
 
 
-def _read_manifest(root: Path) -> tuple[Any, list[str]]:
+def read_manifest(root: Path) -> tuple[Any, list[str]]:
     if not root.is_dir():
         return None, [f"{root}: not a directory"]
     path = root / MANIFEST
@@ -716,7 +651,7 @@ def _read_manifest(root: Path) -> tuple[Any, list[str]]:
         return None, [f"{MANIFEST}: not valid JSON ({exc})"]
 
 
-def _schema_problems(manifest) -> list[str]:
+def schema_problems(manifest) -> list[str]:
     if not isinstance(manifest, dict):
         return [f"{MANIFEST}: expected a JSON object, got {type(manifest).__name__}"]
     version = manifest.get("schema_version")
@@ -875,8 +810,8 @@ def load(directory, *, names: Iterable[str] | None = None, check: bool = True) -
         message names the file and the problem.
     """
     root = Path(directory)
-    manifest, problems = _read_manifest(root)
-    problems = problems or _schema_problems(manifest)
+    manifest, problems = read_manifest(root)
+    problems = problems or schema_problems(manifest)
     if problems:
         more = (
             f" (and {len(problems) - 1} more; run `refattn-oracle verify {root}`)"

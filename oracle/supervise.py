@@ -12,8 +12,12 @@ The worker is a fresh interpreter (``python -m oracle.supervise``, with this pro
 :func:`oracle.validate` needs no ``if __name__ == "__main__"`` guard.
 
 Protocol: the worker resolves the implementation once (a ``module:function`` string or an
-adapter name, or a picklable callable), then answers each request ``(fixture, grads, diagnose,
-reproduce)`` with the judged :class:`oracle.validate.CaseResult`; ``None`` asks it to stop.
+adapter name, or a picklable callable) and answers "ready" or "fatal" (why it could not: the
+caller refuses the run, see :meth:`Supervisor.start`), then answers each request ``(fixture,
+grads, diagnose, reproduce, check, tolerance)`` with the judged
+:class:`oracle.validate.CaseResult` ("result"), or "error" and one line when the implementation
+raised a BaseException the judge does not turn into a verdict (KeyboardInterrupt...); ``None``
+asks it to stop. The worker ignores SIGINT: a Ctrl-C stops the parent, which kills it.
 
 Examples
 --------
@@ -35,54 +39,79 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
-__all__ = ["Supervisor", "DEFAULT_TIMEOUT"]
+__all__ = ["Supervisor", "DEFAULT_TIMEOUT", "LOAD_TIMEOUT", "MAX_TIMEOUT"]
 
 #: seconds one case may take (implementation call, gradients and judging) before it is an error;
 #: generous because a JIT-compiled implementation compiles on its first call.
 DEFAULT_TIMEOUT = 300.0
+#: seconds the worker may take to load the implementation (at least; longer with a longer
+#: case timeout) before the run is refused
+LOAD_TIMEOUT = DEFAULT_TIMEOUT
+#: the longest timeout (about 11.6 days); waits beyond it overflow the OS's clock types
+MAX_TIMEOUT = 1e6
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line (resolve_impl's own errors already read as a sentence)."""
+    text = str(exc).strip().strip('"')
+    first = text.splitlines()[0] if text else ""
+    if isinstance(exc, (ImportError, AttributeError, TypeError, ValueError, KeyError)) and (
+        first.startswith("impl:")
+    ):
+        return first
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def _serve(receive, connection, impl_ref, memory_limit) -> None:  # pragma: no cover - worker
-    """Worker loop: resolve the implementation, then judge fixtures until told to stop."""
-    if memory_limit:
-        import resource
+    """Worker loop: resolve the implementation, then judge fixtures until told to stop.
 
-        resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
-    from .impls import resolve_impl
-    from .judge import check_fixture
-
+    Anything the implementation raises, BaseExceptions included (KeyboardInterrupt: the worker
+    ignores SIGINT, so only the implementation can raise it here), is reported on one line:
+    "fatal" while loading it, "error" for one case (the worker goes on serving).
+    """
     convention = None
     if isinstance(impl_ref, tuple):  # (reference, calling convention of oracle.conventions)
         impl_ref, convention = impl_ref
     try:
+        if memory_limit:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
+        from . import judge  # noqa: F401 - loaded before the first case's clock starts
+        from .impls import resolve_impl
+
         impl, _ = resolve_impl(impl_ref)
         if convention:
             from .conventions import wrap
 
             impl = wrap(impl, **convention)
-    except Exception as exc:  # noqa: BLE001 - reported to the parent as every case's error
-        connection.send(("fatal", f"{type(exc).__name__}: {exc}"))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which refuses the run
+        connection.send(("fatal", _one_line(exc)))
         return
     connection.send(("ready", None))
     while True:
         request = receive.recv()
         if request is None:
             return
-        fixture, grads, diagnose, reproduce, check, tolerance = request
-        if check is None:
-            result = check_fixture(
-                impl,
-                fixture,
-                grads=grads,
-                diagnose=diagnose,
-                reproduce=reproduce,
-                tolerance=tolerance,
-            )
+        try:
+            result = _judge(impl, request)
+        except BaseException as exc:  # noqa: BLE001 - the case's verdict is "error"
+            connection.send(("error", f"the implementation raised {_one_line(exc)}"))
         else:
-            from .invariance import check_invariance
+            connection.send(("result", result))
 
-            result = check_invariance(impl, fixture, check, reproduce=reproduce)
-        connection.send(("result", result))
+
+def _judge(impl, request):  # pragma: no cover - worker
+    from .judge import check_fixture
+
+    fixture, grads, diagnose, reproduce, check, tolerance = request
+    if check is None:
+        return check_fixture(
+            impl, fixture, grads=grads, diagnose=diagnose, reproduce=reproduce, tolerance=tolerance
+        )
+    from .invariance import check_invariance
+
+    return check_invariance(impl, fixture, check, reproduce=reproduce)
 
 
 class Supervisor:
@@ -94,7 +123,8 @@ class Supervisor:
         ``"module:function"``, an adapter name, or a picklable callable (a module-level
         function); resolved once in the worker.
     timeout : float
-        Seconds one case may take before the worker is killed and the case is an "error".
+        Seconds one case may take before the worker is killed and the case is an "error"
+        (loading the implementation may take up to ``max(timeout, LOAD_TIMEOUT)``).
     memory_limit : int, optional
         Bytes of address space the worker may use (``RLIMIT_AS``); beyond it the case raises
         MemoryError or the worker dies, both an "error".
@@ -103,8 +133,10 @@ class Supervisor:
     def __init__(
         self, impl_ref, *, timeout: float = DEFAULT_TIMEOUT, memory_limit: int | None = None
     ):
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"timeout: expected seconds > 0, got {timeout!r}")
+        if isinstance(timeout, bool) or not (
+            isinstance(timeout, (int, float)) and 0 < timeout <= MAX_TIMEOUT
+        ):
+            raise ValueError(f"timeout: expected seconds in (0, {MAX_TIMEOUT:g}], got {timeout!r}")
         if memory_limit is not None and (not isinstance(memory_limit, int) or memory_limit <= 0):
             raise ValueError(f"memory_limit: expected bytes > 0, got {memory_limit!r}")
         self.impl_ref, self.timeout, self.memory_limit = impl_ref, float(timeout), memory_limit
@@ -116,6 +148,14 @@ class Supervisor:
 
     def __exit__(self, *exc_info):
         self.close()
+
+    def start(self) -> str | None:
+        """Start the worker now if none runs (it loads the implementation): None, or why it
+        could not (the import failed, exited, crashed or timed out: no case can be judged)."""
+        if self._process is not None:
+            return None
+        self.starts += 1
+        return self._start()
 
     def _start(self) -> str | None:
         to_child_r, to_child_w = os.pipe()
@@ -136,7 +176,9 @@ class Supervisor:
         self._send_connection = Connection(to_child_w, readable=False)
         self._connection = Connection(to_parent_r, writable=False)
         self._send_connection.send_bytes(request)
-        kind, message = self._receive(self.timeout, "starting the worker")
+        # loading (imports, a JIT warm-up) is not a case: --timeout bounds cases, and a busy
+        # machine must not turn a slow import into a refused run
+        kind, message = self._receive(max(self.timeout, LOAD_TIMEOUT), "loading the implementation")
         if kind != "ready":
             self._stop()
             return message
@@ -152,7 +194,7 @@ class Supervisor:
         else:
             self._stop()
             return "died", (
-                f"timeout: no result within {self.timeout:g} s while {doing} "
+                f"timeout: no result within {timeout:g} s while {doing} "
                 f"(the worker was killed; raise --timeout if the case is just "
                 f"slow)"
             )
@@ -196,17 +238,18 @@ class Supervisor:
         from .results import CaseResult
 
         start = time.perf_counter()
-        problem = None
-        if self._process is None:
-            self.starts += 1
-            problem = self._start()
+        problem = self.start()
         if problem is None:
             try:
                 self._send_connection.send((fixture, grads, diagnose, reproduce, check, tolerance))
             except (OSError, EOFError):
                 kind, problem = "died", self._death("sending the case")
             else:
-                kind, payload = self._receive(self.timeout, f"running {fixture.case.name}")
+                try:
+                    kind, payload = self._receive(self.timeout, f"running {fixture.case.name}")
+                except KeyboardInterrupt:  # Ctrl-C: stop the worker now, not after the case
+                    self._stop()
+                    raise
                 if kind == "result":
                     return payload
                 problem = payload
@@ -242,6 +285,9 @@ class Supervisor:
 
 def _main(argv) -> None:  # pragma: no cover - the worker's entry point
     """``python -m oracle.supervise READ_FD WRITE_FD``: serve cases over the two pipes."""
+    # Ctrl-C in a terminal signals the whole process group: only the parent should react (it
+    # stops the run and this worker); a KeyboardInterrupt here is then the implementation's own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     receive = Connection(int(argv[0]), writable=False)
     send = Connection(int(argv[1]), readable=False)
     impl_ref, memory_limit = pickle.loads(receive.recv_bytes())

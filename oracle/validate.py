@@ -42,7 +42,7 @@ from . import catalogue, golden
 from . import tolerance as tol
 from ._progress import Progress
 from .features import KNOWN_FEATURES, case_features
-from .impls import resolve_impl
+from .impls import is_module_spec, locate_impl, resolve_impl
 from .judge import check_fixture
 from .results import Report
 
@@ -236,6 +236,10 @@ def validate(
     ValueError
         No case selected (an empty suite, directory or pattern match): a run that checks
         nothing never passes.
+    ImportError
+        The implementation cannot be loaded: its module is missing, raises or exits at import,
+        or (isolated) the worker process dies or times out loading it. With ``isolate`` a
+        ``"module:function"`` is imported in the worker only.
     """
     from .supervise import DEFAULT_TIMEOUT, Supervisor
 
@@ -251,10 +255,16 @@ def validate(
 
     convention = check_convention(layout, framework, device)
     default_convention = convention == check_convention()
-    fn, spec = resolve_impl(impl)
-    if spec is None and isinstance(impl, str):
-        spec = impl
-    fn = wrap(fn, **convention)
+    if isolate and is_module_spec(impl):
+        # only the worker imports it: a module that exits, crashes or hangs at import cannot
+        # end this process (with rc 0 for sys.exit(0)) or stall it; Supervisor.start says why
+        locate_impl(impl)
+        unwrapped, fn, spec = None, None, impl
+    else:
+        unwrapped, spec = resolve_impl(impl)
+        if spec is None and isinstance(impl, str):
+            spec = impl
+        fn = wrap(unwrapped, **convention)
     patterns = _patterns(cases)
     label, items, source_arg = _sources(suite, fixtures, dtype, patterns)
     if not items:
@@ -270,7 +280,7 @@ def validate(
         source_flag = f"--fixtures {source_arg}"
     else:
         source_flag = f"--suite {source_arg}"
-    worker_ref = _worker_ref(impl, resolve_impl(impl)[0], spec) if isolate else None
+    worker_ref = _worker_ref(impl, unwrapped, spec) if isolate else None
     if worker_ref is not None and not default_convention:
         worker_ref = (worker_ref, convention)
     supervisor = (
@@ -284,6 +294,7 @@ def validate(
     )
     results = []
     start = time.perf_counter()
+    _start_worker(supervisor, spec or _impl_name(fn, spec))
     try:
         with Progress(
             len(items), f"validate {_impl_name(fn, spec)}", enabled=progress, stream=sys.stderr
@@ -351,6 +362,21 @@ def validate(
     report.required = required
     report.tolerance = tolerance
     return report
+
+
+def _start_worker(supervisor, name) -> None:
+    """Start the worker before the first case: an implementation it cannot load (the import
+    raised, exited or crashed, a timeout or the memory limit) is an ImportError naming it,
+    never a run of "error" verdicts that judged nothing."""
+    problem = None if supervisor is None else supervisor.start()
+    if problem is None:
+        return
+    supervisor.close()
+    if not problem.startswith(("impl:", "the worker", "timeout")):
+        problem = f"loading it in the worker raised {problem}"
+    if supervisor.memory_limit and "Memory" in problem:
+        problem += f" (under a memory limit of {supervisor.memory_limit / 2**20:g} MiB)"
+    raise ImportError(problem if problem.startswith("impl:") else f"impl {name}: {problem}")
 
 
 def _invariance(fn, supervisor, fixture, check, repro):

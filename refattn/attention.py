@@ -387,7 +387,7 @@ def attention(
             raise ValueError("backend: the exact path has a single implementation; use 'numpy'")
         from . import config
         from .exact.attention import exact_forward
-        from .exact.fast_attention import fast_exact_forward
+        from .exact.fast import fast_exact_forward
 
         # both engines take sinks natively (the referee folds them into one more key)
         engine = fast_exact_forward if config.EXACT_ENGINE == "fast" else exact_forward

@@ -226,7 +226,7 @@ def structural_mask(
     """
     rows = np.asarray(rows, dtype=np.int64).reshape(-1)
     cols = np.asarray(cols, dtype=np.int64).reshape(-1)
-    left, right = window_sides(window)
+    left, right = window_sides(check_window(window))
     lo, hi = _intervals(rows, int(offset), WINDOW_CAP, bool(causal), left, right)
     return (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
 

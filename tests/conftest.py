@@ -1,7 +1,21 @@
-"""Shared test configuration: hypothesis profiles, tiers, mpmath hygiene."""
+"""Shared test configuration: hypothesis profiles, tiers, peers, mpmath hygiene.
+
+What the default run (``python -m pytest``, command 2) leaves out is *deselected* at collection,
+not skipped, and counted in one line each of the terminal summary:
+
+* ``xslow`` sweeps: run them with ``REFATTN_XSLOW=1``;
+* peer tests (``@pytest.mark.peers("torch")``: the test needs that import name) whose peer
+  framework is not installed: ``pip install -e ".[peers]"`` installs them all. A module that
+  parametrises over peers by a ``peer`` argument maps each value to its import name in a
+  module-level ``_PEER_MODULE`` dict (tests/meta/test_adapters.py).
+
+Under pytest-xdist (``-n`` in setup.cfg) the workers collect and deselect; each sends its counts
+back in ``workeroutput`` and the controller prints them once.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import mpmath
@@ -19,14 +33,75 @@ settings.register_profile(
 settings.register_profile("dev", max_examples=200, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+PEERS_EXTRA = 'pip install -e ".[peers]"'
+_COUNTS = "refattn_not_run"  # the config attribute and workeroutput key of the counts
+
+# A pytest started by a test (NUMBA_DISABLE_JIT tier, cudasim, the oracle's plugin) runs in one
+# process: the PYTEST_ADDOPTS it inherits overrides setup.cfg's ``-n`` (the command line still
+# wins over both), so nested runs do not start worker pools of their own.
+os.environ["PYTEST_ADDOPTS"] = (os.environ.get("PYTEST_ADDOPTS", "") + " -n 0").strip()
+
+
+def _installed(name: str) -> bool:
+    """Whether the top-level package of import name ``name`` can be found (nothing imported)."""
+    return importlib.util.find_spec(name.split(".")[0]) is not None
+
+
+def _peer_modules(item) -> set[str]:
+    """The import names a peer test needs: its ``peers`` markers' arguments, plus the module of
+    its ``peer`` parameter when its module maps peers to modules in ``_PEER_MODULE``."""
+    needed = {name for marker in item.iter_markers("peers") for name in marker.args}
+    peer_modules = getattr(item.module, "_PEER_MODULE", None)
+    callspec = getattr(item, "callspec", None)
+    if peer_modules and callspec is not None and "peer" in callspec.params:
+        needed.add(peer_modules[callspec.params["peer"]])
+    return needed
+
 
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("REFATTN_XSLOW") == "1":
-        return
-    skip = pytest.mark.skip(reason="xslow: set REFATTN_XSLOW=1 to run")
+    xslow = os.environ.get("REFATTN_XSLOW") == "1"
+    kept, not_run = [], {"xslow": 0, "peers": 0, "missing": set()}
     for item in items:
-        if "xslow" in item.keywords:
-            item.add_marker(skip)
+        missing = {name for name in _peer_modules(item) if not _installed(name)}
+        if missing:
+            not_run["peers"] += 1
+            not_run["missing"] |= missing
+        elif "xslow" in item.keywords and not xslow:
+            not_run["xslow"] += 1
+        else:
+            kept.append(item)
+    if len(kept) != len(items):
+        run = set(kept)
+        config.hook.pytest_deselected(items=[item for item in items if item not in run])
+        items[:] = kept
+    setattr(config, _COUNTS, not_run)
+    workeroutput = getattr(config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: the controller prints the summary
+        workeroutput[_COUNTS] = {**not_run, "missing": sorted(not_run["missing"])}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist controller: every worker collects the same items, so any worker's counts do."""
+    counts = getattr(node, "workeroutput", {}).get(_COUNTS)
+    if counts is not None:
+        setattr(node.config, _COUNTS, {**counts, "missing": set(counts["missing"])})
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    not_run = getattr(config, _COUNTS, None)
+    if not not_run:
+        return
+    if not_run["peers"]:
+        missing = ", ".join(sorted(not_run["missing"]))
+        terminalreporter.write_line(
+            f"refattn: {not_run['peers']} peer tests not run: {missing} not installed "
+            f"({PEERS_EXTRA})"
+        )
+    if not_run["xslow"]:
+        terminalreporter.write_line(
+            f"refattn: {not_run['xslow']} xslow tests not run (REFATTN_XSLOW=1 runs them)"
+        )
 
 
 @pytest.fixture(autouse=True)

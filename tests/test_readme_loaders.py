@@ -45,6 +45,7 @@ def _expected(fixture):
     return members
 
 
+@pytest.mark.peers("torch")
 def test_torch_loader_reads_bfloat16_bits(bf16_fixture):
     torch = pytest.importorskip("torch")
     block = re.search(r"```python\n(.*?)```", _section(), re.S).group(1)
@@ -65,6 +66,7 @@ def test_torch_loader_reads_bfloat16_bits(bf16_fixture):
         np.testing.assert_array_equal(got, want, err_msg=name)
 
 
+@pytest.mark.peers("jax")
 def test_jax_conversion_reads_bfloat16_bits(bf16_fixture):
     jnp = pytest.importorskip("jax.numpy")
     line = re.search(r"`(jnp\.asarray\(npz\[n\].*?)`", _section()).group(1)

@@ -105,7 +105,7 @@ def vjp_stats(sink: dict):
 def forward_fraction():
     """Fraction of elements the referee settled in the last fast forward call, or None."""
     try:
-        from refattn.exact.fast_attention import fallback_stats
+        from refattn.exact.fast import fallback_stats
     except ImportError:
         return None
     stats = fallback_stats()

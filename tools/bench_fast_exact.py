@@ -3,7 +3,7 @@
 
 Prints, per output dtype, the exact forward's time, its ratio to ``backend="numba"`` on the same
 inputs (converted to float64), the fallback statistics
-(:func:`refattn.exact.fast_attention.fallback_stats`) and, with ``--referee``, the old engine's
+(:func:`refattn.exact.fast.fallback_stats`) and, with ``--referee``, the old engine's
 time and a bit-identity check. The load average is printed with the figures (the machine may be
 shared: ratios move less than absolute times). The exact (B, H, L, S, D, E) shapes the issue
 names::
@@ -26,7 +26,7 @@ import numpy as np
 
 import refattn
 from refattn import config
-from refattn.exact import fast_attention
+from refattn.exact import fast as fast_exact
 
 
 def _timed(fn, repeat):
@@ -96,7 +96,7 @@ def main(argv=None):
         )
         print(
             f"  exact -> {out}: {fast * 1e3:.1f} ms = {fast / numba_time:.1f}x numba; "
-            f"{fast_attention.fallback_stats()}"
+            f"{fast_exact.fallback_stats()}"
         )
         if args.referee:
             config.EXACT_ENGINE = "referee"

@@ -6,7 +6,7 @@ and, for gradient cases, dq, dk, dv and dbias/dsinks from ``config.EXACT_ENGINE`
 ``EXACT_VJP_ENGINE`` "fast" against "referee". Larger cases -- the kernel-scale ones, where the
 referee would take hours -- are compared on sampled query rows: every output row depends on
 its own query row only, and so does every dq row, so the referee run on a one-row spec
-(:func:`refattn.exact.fast_attention.row_spec`) gives the exact rounded values of those rows.
+(:func:`refattn.exact.fast.row_spec`) gives the exact rounded values of those rows.
 The sampled rows are the rows at and next to the 64- and 128-row tile boundaries, the first
 and last rows and ``--random-rows`` more per plane, on up to ``--planes`` (batch, head)
 planes. dk and dv of large cases sum over every row and are not compared here.
@@ -96,7 +96,7 @@ def _sampled(case, inputs, planes: int, extra: int) -> tuple[list[str], int]:
     """Differences on sampled rows, and the number of rows compared."""
     from refattn.exact.attention import exact_forward
     from refattn.exact.attention_vjp import exact_vjp
-    from refattn.exact.fast_attention import fast_exact_forward, row_spec
+    from refattn.exact.fast import fast_exact_forward, row_spec
 
     spec = _spec(case, inputs)
     batch, heads, _, length, _, _, vdim = spec.dims

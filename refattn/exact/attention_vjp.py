@@ -43,10 +43,10 @@ from mpmath.libmp import (
 
 from .. import config
 from ..spec import AttentionSpec, fold, split_sink_grads
-from . import _fast_vjp as _fast
 from . import _fixed as F
+from . import fast as _fast
 from .attention import ExactForward, scale_bounds
-from .fast_attention import row_spec
+from .fast import row_spec
 from .rounding import correctly_round, format_of
 
 __all__ = ["exact_vjp"]
@@ -581,7 +581,7 @@ def exact_vjp(spec: AttentionSpec, grad_out, grad_lse, out_dtype, *, engine=None
     the sink's column of the folded spec, rounded once); dk and dv have the S keys.
 
     ``engine`` "fast" (the default, :data:`refattn.config.EXACT_VJP_ENGINE`) computes double-
-    double enclosures first (:mod:`refattn.exact._fast_vjp`) and sends only the undecided
+    double enclosures first (:mod:`refattn.exact.fast.vjp`) and sends only the undecided
     elements to the referee; "referee" runs the referee (:class:`ExactVJP` and the Ziv loop)
     on everything. Both return the same bits. ``stats``, a dict, receives the element counts
     ``elements``, ``fast`` (decided by the first step) and ``referee``.
@@ -727,7 +727,7 @@ def _referee_units(spec, grad_out, grad_lse, out_dtype, values, todo):
     ``dv_j`` sum over every row of every query head of the group, and each row's weights need
     the row's whole normaliser ``Z_i`` (every key), so no smaller spec determines them. An
     undecided dq element depends on its query row alone (``dq_i = s sum_j dT_ij k_j``): it
-    sends that row (:func:`refattn.exact.fast_attention.row_spec`, a one-row spec whose offset
+    sends that row (:func:`refattn.exact.fast.row_spec`, a one-row spec whose offset
     keeps the original indices for causal, window and ALiBi and whose key length becomes a
     mask), unless its unit goes to the referee anyway, which then settles its dq too.
     """

@@ -156,14 +156,27 @@ def _attention_row_exact(ops, m, v_init, iters, want_trace, row):
     return v + trace
 
 
+def _key_logits_exact(m, x: _ExactModel, qrow, v_rows, i):
+    """The key E-step logits of query i: the query logits, plus the value likelihood of v_i
+    (with its normaliser (E/2) log beta_u in the paper form) when ``adapt_keys`` has v_init."""
+    a = _query_logits_exact(m, x, qrow)
+    if v_rows is None:
+        return a
+    b = _value_logits_exact(m, x, v_rows[i], x.beta_log)
+    return [None if s is None else s + t for s, t in zip(a, b, strict=True)]
+
+
 def _adapt_keys_exact(ops, m, gamma, form, iters, b, x=None):
     x = _exact_model(ops, m, b) if x is None else x
     keys0 = x.keys
     keys = keys0.copy()
     units, dim = keys.shape
+    v_rows = None if m.v_init is None else [ops.array(row) for row in m.v_init[b]]
     for _ in range(iters):
         xt = x._replace(keys=keys)
-        weights = [ops.softmax(_query_logits_exact(m, xt, qrow)) for qrow in x.q]
+        weights = [
+            ops.softmax(_key_logits_exact(m, xt, qrow, v_rows, i)) for i, qrow in enumerate(x.q)
+        ]
         new = keys.copy()
         for k in range(units):
             if math.isinf(gamma[b][k]):

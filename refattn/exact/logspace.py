@@ -11,7 +11,7 @@ With the row maximum ``m`` (an input, exact) and the exact differences ``d_j = x
 * a result a hair from a rounding boundary (``lse = midpoint + exp(-1e9)``) is settled by the
   sign of ``result - boundary`` (:meth:`_Rows.side`), never by raising the precision.
 
-A compiled double-double first step (:mod:`refattn.exact.fast_logspace`) decides almost every
+A compiled double-double first step (:mod:`refattn.exact.fast.logspace`) decides almost every
 row; only the rows it leaves undecided run through the engine above (the referee).
 
 NaN and infinite entries are handled exactly (an included NaN gives NaN, an included +inf gives
@@ -37,7 +37,7 @@ from mpmath.libmp import (
 
 from .. import config
 from . import _fixed as F
-from .fast_logspace import fast_logsumexp, fast_softmax
+from .fast import fast_logsumexp, fast_softmax
 from .rounding import correctly_round, format_of
 
 __all__ = ["logsumexp", "softmax"]

@@ -358,6 +358,18 @@ def _upper(value):
     return mp.make_mpf(abs(value)._mpi_[1])
 
 
+def _enclosure_image(value, shape, name, like_name):
+    """``value``, the caller's ``name`` evaluated on an interval box, as an object array of
+    ``shape``; any other shape raises an error naming ``name`` (never a reshape error)."""
+    image = np.asarray(value, dtype=object)
+    if image.shape != tuple(shape):
+        raise ValueError(
+            f"{name}: on the exact path, expected an array of enclosures of the shape of "
+            f"{like_name} {tuple(shape)}, got shape {image.shape}"
+        )
+    return image
+
+
 def deq_contraction(z0, x, J, correction, lipschitz, dtype):
     """(z, iterations): certified enclosure of z* = T(z*), T(z) = J z - f(z) + x, by the
     contraction bound, refined from the float64 fixed point ``z0`` and rounded once."""
@@ -374,7 +386,7 @@ def deq_contraction(z0, x, J, correction, lipschitz, dtype):
 
     def T(z, Jbig, xi):
         coupled = np.matmul(Jbig, z.reshape(size, n * d, 1)).reshape(*batch, n, d) + xi
-        return coupled - np.asarray(correction(z), dtype=object).reshape(*batch, n, d)
+        return coupled - _enclosure_image(correction(z), z.shape, "correction", "z")
 
     def evaluate(prec):
         with I.workprec(prec):
@@ -581,17 +593,19 @@ def deq_contraction_vjp(
 
             def forward(z):
                 coupled = np.matmul(Jbig, z[..., None])[..., 0] + xi
-                return coupled - np.asarray(
-                    correction(z.reshape(*batch, n, d)), dtype=object
-                ).reshape(size, width)
+                image = correction(z.reshape(*batch, n, d))
+                return coupled - _enclosure_image(image, (*batch, n, d), "correction", "z").reshape(
+                    size, width
+                )
 
             Z, state["z"] = _contract(forward, state["z"], q, prec, "inf")
             Zs = Z.reshape(*batch, n, d)
 
             def adjoint(u):
                 coupled = np.matmul(np.swapaxes(Jbig, -1, -2), u[..., None])[..., 0] + gi
-                return coupled - np.asarray(
-                    correction_vjp(Zs, u.reshape(*batch, n, d)), dtype=object
+                image = correction_vjp(Zs, u.reshape(*batch, n, d))
+                return coupled - _enclosure_image(
+                    image, (*batch, n, d), "correction_vjp", "v"
                 ).reshape(size, width)
 
             U, state["u"] = _contract(adjoint, state["u"], q, prec, "1")

@@ -334,14 +334,16 @@ def _weights_and_rest(ops, scores, row_eps):
     return [0 if s is None else ops.exp(s - log_den) for s in scores], ops.exp(log_eps - log_den)
 
 
-def em_update_pi(q, keys, log_pi, sigma2, sigma_varies, allowed, pi_update, dtype):
+def em_update_pi(
+    q, keys, log_pi, sigma2, sigma_varies, allowed, pi_update, normalized, component_eps, dtype
+):
     """(pi (..., S, R), responsibilities (..., L, S, R)) of one EM step, rounded once."""
     batch = allowed.shape[:-2]
     length, units, comps = q.shape[-2], keys.shape[-3], keys.shape[-2]
     comp_shape = batch + keys.shape[-3:-1]
 
     def batch_out(ops, b):
-        x = _exact_inputs(ops, q, keys, log_pi, sigma2, sigma_varies, True, b)
+        x = _exact_inputs(ops, q, keys, log_pi, sigma2, sigma_varies, normalized, b)
         resp = []
         for i in range(length):
             flat = []
@@ -352,7 +354,7 @@ def em_update_pi(q, keys, log_pi, sigma2, sigma_varies, allowed, pi_update, dtyp
                         continue
                     term = -sqdist(x.q[i], x.keys[j][r]) / (2 * x.sigma2[j][r])
                     term = term + x.log_pi[j][r]
-                    if sigma_varies:  # the Gaussian normaliser cancels when sigma2 is shared
+                    if normalized and sigma_varies:  # cancels when sigma2 is shared
                         term = term - x.sigma_log[j][r] * q.shape[-1] / 2
                     flat.append(term)
             if pi_update == "per_key":  # softmax over r within each allowed key
@@ -360,7 +362,7 @@ def em_update_pi(q, keys, log_pi, sigma2, sigma_varies, allowed, pi_update, dtyp
                     w
                     for j in range(units)
                     for w in (
-                        ops.softmax(flat[j * comps : (j + 1) * comps])
+                        _weights_and_rest(ops, flat[j * comps : (j + 1) * comps], component_eps)[0]
                         if allowed[b][i][j]
                         else [0] * comps
                     )

@@ -2,15 +2,26 @@
 
 An :class:`~refattn.spec.AttentionSpec` becomes a fixed tuple of flat arrays (kernels take no
 Python objects): the tensors in the compute dtype, the shape vector ``dims``, the integer and
-float option vectors ``opts`` and ``fopts``, and every optional (B, H, L, S) plane (bias, mask,
-dropout) as flat data with element strides (0 on broadcast axes).
+float option vectors ``opts`` and ``fopts``, and the tuple ``terms`` of the optional
+per-position terms: every (B, H, L, S) plane (bias, mask, dropout) as flat data with element
+strides (0 on broadcast axes), and the ALiBi slopes.
+
+Compiled functions take these records (and the kernels' own tuples of work arrays) instead of
+long positional lists: a heterogeneous tuple of arrays costs nothing in Numba (it is passed as
+its fields), and no compiled function takes more than 12 parameters. The CUDA kernels cannot
+take tuples of device arrays, so :mod:`.cuda` stacks the same arrays into a few larger ones.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["kernel_arguments", "plane", "read_only"]
+from ..spec import window_sides
+
+__all__ = ["TERMS", "kernel_arguments", "plane", "read_only"]
+
+#: The fields of ``terms``, the last element of :func:`kernel_arguments`, in order.
+TERMS = ("bias", "bias_strides", "mask", "mask_strides", "drop", "drop_strides", "slopes")
 
 
 def plane(view):
@@ -62,14 +73,16 @@ def read_only(array):
 def kernel_arguments(spec, dtype):
     """The kernels' positional arguments for ``spec`` in compute ``dtype``.
 
-    Returns ``(q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr,
-    slopes)``: q, k, v C-contiguous in ``dtype``; ``kv_head`` (H,) int64; ``dims`` =
+    Returns ``(q, k, v, kv_head, dims, opts, fopts, terms)``: q, k, v C-contiguous in
+    ``dtype``; ``kv_head`` (H,) int64; ``dims`` =
     ``[B, H, L, K, S, D, E]`` int64; ``opts`` int64 = ``[offset, causal, left, right,
     has_softcap, has_bias, has_mask, has_alibi, has_dropout, empty_rows_nan]`` (window sides
     -1 when unbounded); ``fopts`` in ``dtype`` = ``[scale, softcap (1 when off), 1/(1-p),
-    -inf]``; each optional (B, H, L, S) plane as (flat data, element strides) from
-    :func:`plane` (mask and dropout as uint8); ``slopes`` (H,) float64 or a dummy. Every
-    array input is a read-only view (:func:`read_only`): the kernels never write to them.
+    -inf]``; ``terms`` = ``(bias, bias_strides, mask, mask_strides, drop, drop_strides,
+    slopes)`` (:data:`TERMS`): each optional (B, H, L, S) plane as (flat data, element
+    strides) from :func:`plane` (mask and dropout as uint8) and ``slopes`` (H,) float64 or a
+    dummy. Every array input is a read-only view (:func:`read_only`): the kernels never write
+    to them.
 
     Examples
     --------
@@ -80,14 +93,7 @@ def kernel_arguments(spec, dtype):
     ([1, 2, 3, 2, 5, 4, 4], [0, 0])
     """
     batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
-    left, right = (
-        (-1, -1)
-        if spec.window is None
-        else (
-            -1 if spec.window[0] is None else spec.window[0],
-            -1 if spec.window[1] is None else spec.window[1],
-        )
-    )
+    left, right = window_sides(spec.window)  # -1: an unbounded side (spec.UNBOUNDED)
     dims = np.array([batch, heads, length, kv_heads, keys, dim, vdim], np.int64)
     opts = np.array(
         [
@@ -122,4 +128,5 @@ def kernel_arguments(spec, dtype):
     # read-only views: no copy of a read-only (e.g. broadcast-view) input, one array type
     q, k, v = (read_only(np.require(a, dtype, ["C"])) for a in (spec.q, spec.k, spec.v))
     kv_head = read_only(np.require(spec.kv_head, np.int64, ["C"]))
-    return q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes
+    terms = (bias, bstr, mask, mstr, drop, dstr, slopes)
+    return q, k, v, kv_head, dims, opts, fopts, terms

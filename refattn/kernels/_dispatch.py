@@ -26,7 +26,8 @@ COMPILE_MESSAGE = (
     "and dtype; cached afterwards; `python -m refattn.kernels` compiles all "
     "ahead of time)"
 )
-#: The separately compiled kernel paths of :mod:`.numba_cpu` (each compiles on first use).
+#: The separately compiled kernel paths of :mod:`.numba_cpu` (each compiles on first use):
+#: ``_cpu_forward``, ``_cpu_decode`` and ``_cpu_backward``.
 PATHS = ("forward", "decode", "backward")
 _announced = []
 
@@ -50,15 +51,18 @@ def _cached_for_this_cpu(dispatcher) -> bool:
 def announce_compile(module, *, names: str = "") -> None:
     """Print :data:`COMPILE_MESSAGE` to stderr once per process before a Numba compile.
 
-    ``module``'s entry kernels (its ``parallel=True`` dispatchers whose name contains
-    ``names``) are checked; if one is neither in memory nor cached on disk for this CPU, the
-    call about to run will compile (18-120 s here), so the user is told why it is silent.
+    The entry kernels of ``module`` (a module or a tuple of modules: their ``parallel=True``
+    dispatchers whose name contains ``names``) are checked; if one is neither in memory nor
+    cached on disk for this CPU, the call about to run will compile (18-120 s here), so the
+    user is told why it is silent.
     """
     if _announced:
         return
+    modules = module if isinstance(module, tuple) else (module,)
     entries = [
         f
-        for f in vars(module).values()
+        for one in modules
+        for f in vars(one).values()
         if getattr(f, "targetoptions", {}).get("parallel") and names in f.__name__
     ]
     if not all(_cached_for_this_cpu(f) for f in entries):
@@ -109,9 +113,9 @@ def attention(spec, *, return_lse: bool = False, dtype=None):
     >>> attention(canonicalize(q, k, v, causal=True))[0, 0, :, 0].tolist()
     [1.0, 1.0]
     """
-    from . import numba_cpu
+    from . import _cpu_decode, _cpu_forward, numba_cpu
 
-    announce_compile(numba_cpu, names="forward")
+    announce_compile((_cpu_forward, _cpu_decode), names="forward")
     out, lse = numba_cpu.forward(spec, _dtype(spec, dtype))
     return (out, lse) if return_lse else out
 
@@ -135,9 +139,9 @@ def attention_vjp(spec, grad_out, grad_lse=None, *, dtype=None):
     query heads sharing a kv head; dbias (B, H, L, S) or None without bias (the caller sums
     it back to the bias's own shape). Empty rows have zero gradients.
     """
-    from . import numba_cpu
+    from . import _cpu_backward, _cpu_decode, _cpu_forward, numba_cpu
 
-    announce_compile(numba_cpu)
+    announce_compile((_cpu_forward, _cpu_decode, _cpu_backward))
     return numba_cpu.backward(spec, grad_out, grad_lse, _dtype(spec, dtype))
 
 

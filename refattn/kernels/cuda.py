@@ -33,6 +33,8 @@ import math
 
 import numpy as np
 
+from ..spec import key_interval
+
 try:  # numba's CUDA target imports without a GPU; kernels need it as a module global
     from numba import cuda
 except ImportError:  # pragma: no cover
@@ -48,6 +50,15 @@ MAX_FEATURES = 128
 THREADS = 64
 
 _KERNELS: dict = {}
+
+# The option layout of the CUDA kernels: the arrays of :func:`._args.kernel_arguments` stacked
+# into a few larger ones (a kernel cannot take a tuple of device arrays): ``ints`` (int64) =
+# dims (7), opts (10), the bias, mask and dropout strides (4 each), kv_head (H); ``flags``
+# (uint8, 2 rows) = the mask and dropout planes; ``stats`` = lse and delta (2, B, H, L).
+_N_DIMS, _N_OPTS = 7, 10  # the lengths of kernel_arguments' dims and opts
+_DIMS, _OPTS = 0, _N_DIMS
+_BIAS_STRIDES = _OPTS + _N_OPTS
+_MASK_STRIDES, _DROP_STRIDES, _KV_HEAD = _BIAS_STRIDES + 4, _BIAS_STRIDES + 8, _BIAS_STRIDES + 12
 
 
 def available() -> bool:
@@ -85,23 +96,24 @@ def _build(dtype):
 
     nb_dtype = numba.float64 if dtype == np.float64 else numba.float32
     tile, width = TILE, MAX_FEATURES
+    # the one allowed-set rule (refattn.spec), compiled from the same Python function as the
+    # CPU kernels' key_interval_jit
+    key_interval_device = cuda.jit(device=True)(key_interval)
 
     @cuda.jit(device=True)
-    def row_range(i, keys, offset, causal, left, right):
-        diag = i + offset
-        lo = 0
-        hi = keys - 1
-        if causal:
-            hi = min(hi, diag)
-        if left >= 0:
-            lo = max(lo, diag - left)
-        if right >= 0:
-            hi = min(hi, diag + right)
-        return lo, hi
+    def row_interval(i, ints):
+        """[lo, hi) of query row i: :func:`refattn.spec.key_interval` on the option layout."""
+        opts = ints[_OPTS:_BIAS_STRIDES]
+        return key_interval_device(i, opts[0], ints[_DIMS + 4], opts[1] != 0, opts[2], opts[3])
 
     @cuda.jit(device=True)
-    def score(qrow, ks, jj, dim, b, h, i, j, opts, fopts, bias, bstr, mask, mstr, slopes):
+    def score(qrow, ks, jj, b, h, i, j, ints, fopts, bias, flags, slopes):
         """(allowed, final score, d softcap / d raw) of position (i, j)."""
+        dim = ints[_DIMS + 5]
+        opts = ints[_OPTS:_BIAS_STRIDES]
+        bstr = ints[_BIAS_STRIDES : _BIAS_STRIDES + 4]
+        mstr = ints[_MASK_STRIDES : _MASK_STRIDES + 4]
+        mask = flags[0]
         if opts[6] != 0 and mask[mstr[0] * b + mstr[1] * h + mstr[2] * i + mstr[3] * j] == 0:
             return False, 0.0, 0.0
         bv = 0.0
@@ -124,13 +136,15 @@ def _build(dtype):
         return True, t, deriv
 
     @cuda.jit(device=True)
-    def kept(b, h, i, j, opts, drop, dstr):
+    def kept(b, h, i, j, ints, flags):
+        opts = ints[_OPTS:_BIAS_STRIDES]
+        dstr = ints[_DROP_STRIDES : _DROP_STRIDES + 4]
+        drop = flags[1]
         return opts[8] == 0 or drop[dstr[0] * b + dstr[1] * h + dstr[2] * i + dstr[3] * j] != 0
 
     @cuda.jit
-    def forward(
-        q, k, v, kv_head, dims, opts, fopts, bias, bstr, mask, mstr, drop, dstr, slopes, out, lse
-    ):
+    def forward(q, k, v, ints, fopts, bias, flags, slopes, out, lse):
+        dims, opts, kv_head = ints[_DIMS:_OPTS], ints[_OPTS:_BIAS_STRIDES], ints[_KV_HEAD:]
         heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
         bh = cuda.blockIdx.y
         b = bh // heads
@@ -143,9 +157,9 @@ def _build(dtype):
         qrow = cuda.local.array(width, nb_dtype)
         acc = cuda.local.array(width, nb_dtype)
         active = i < length
-        lo, hi = 0, -1
+        lo, hi = 0, 0
         if active:
-            lo, hi = row_range(i, keys, opts[0], opts[1] != 0, opts[2], opts[3])
+            lo, hi = row_interval(i, ints)
             for d in range(dim):
                 qrow[d] = q[b, h, i, d]
             for e in range(vdim):
@@ -164,11 +178,9 @@ def _build(dtype):
             if active:
                 for jj in range(min(tile, keys - c0)):
                     j = c0 + jj
-                    if j < lo or j > hi:
+                    if j < lo or j >= hi:
                         continue
-                    ok, t, _ = score(
-                        qrow, ks, jj, dim, b, h, i, j, opts, fopts, bias, bstr, mask, mstr, slopes
-                    )
+                    ok, t, _ = score(qrow, ks, jj, b, h, i, j, ints, fopts, bias, flags, slopes)
                     if not ok or t == -math.inf:
                         continue
                     if t > m:
@@ -179,7 +191,7 @@ def _build(dtype):
                         m = t
                     p = math.exp(t - m)
                     total += p
-                    if kept(b, h, i, j, opts, drop, dstr):
+                    if kept(b, h, i, j, ints, flags):
                         for e in range(vdim):
                             acc[e] += p * vs[jj, e]
             cuda.syncthreads()
@@ -196,27 +208,9 @@ def _build(dtype):
                 lse[b, h, i] = m + math.log(total)
 
     @cuda.jit
-    def grad_q(
-        q,
-        k,
-        v,
-        kv_head,
-        grad_out,
-        lse,
-        delta,
-        dims,
-        opts,
-        fopts,
-        bias,
-        bstr,
-        mask,
-        mstr,
-        drop,
-        dstr,
-        slopes,
-        dq,
-        dbias,
-    ):
+    def grad_q(q, k, v, grad_out, stats, ints, fopts, bias, flags, slopes, dq, dbias):
+        dims, opts, kv_head = ints[_DIMS:_OPTS], ints[_OPTS:_BIAS_STRIDES], ints[_KV_HEAD:]
+        lse, delta = stats[0], stats[1]
         heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
         bh = cuda.blockIdx.y
         b = bh // heads
@@ -230,13 +224,13 @@ def _build(dtype):
         dorow = cuda.local.array(width, nb_dtype)
         dqrow = cuda.local.array(width, nb_dtype)
         active = i < length
-        lo, hi = 0, -1
+        lo, hi = 0, 0
         row_lse = -math.inf
         d_i = 0.0
         if active:
             row_lse = lse[b, h, i]
             d_i = delta[b, h, i]
-            lo, hi = row_range(i, keys, opts[0], opts[1] != 0, opts[2], opts[3])
+            lo, hi = row_interval(i, ints)
             for d in range(dim):
                 qrow[d] = q[b, h, i, d]
                 dqrow[d] = 0.0
@@ -254,16 +248,14 @@ def _build(dtype):
             if active and row_lse != -math.inf:
                 for jj in range(min(tile, keys - c0)):
                     j = c0 + jj
-                    if j < lo or j > hi:
+                    if j < lo or j >= hi:
                         continue
-                    ok, t, deriv = score(
-                        qrow, ks, jj, dim, b, h, i, j, opts, fopts, bias, bstr, mask, mstr, slopes
-                    )
+                    ok, t, deriv = score(qrow, ks, jj, b, h, i, j, ints, fopts, bias, flags, slopes)
                     if not ok or t == -math.inf:
                         continue
                     p = math.exp(t - row_lse)
                     dp = 0.0
-                    if kept(b, h, i, j, opts, drop, dstr):
+                    if kept(b, h, i, j, ints, flags):
                         for e in range(vdim):
                             dp += dorow[e] * vs[jj, e]
                         dp = dp * fopts[2]
@@ -279,27 +271,9 @@ def _build(dtype):
                 dq[b, h, i, d] = dqrow[d]
 
     @cuda.jit
-    def grad_kv(
-        q,
-        k,
-        v,
-        kv_head,
-        grad_out,
-        lse,
-        delta,
-        dims,
-        opts,
-        fopts,
-        bias,
-        bstr,
-        mask,
-        mstr,
-        drop,
-        dstr,
-        slopes,
-        dk_part,
-        dv_part,
-    ):
+    def grad_kv(q, k, v, grad_out, stats, ints, fopts, bias, flags, slopes, dk_part, dv_part):
+        dims, kv_head = ints[_DIMS:_OPTS], ints[_KV_HEAD:]
+        lse, delta = stats[0], stats[1]
         heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
         bh = cuda.blockIdx.y
         b = bh // heads
@@ -338,19 +312,19 @@ def _build(dtype):
                     row_lse = lse[b, h, i]
                     if row_lse == -math.inf:
                         continue
-                    lo, hi = row_range(i, keys, opts[0], opts[1] != 0, opts[2], opts[3])
-                    if j < lo or j > hi:
+                    lo, hi = row_interval(i, ints)
+                    if j < lo or j >= hi:
                         continue
                     # score(q_i, k_j): the same expression and order as in forward / grad_q
                     qrow = qs[rr]
                     ok, t, deriv = score(
-                        qrow, ktile, 0, dim, b, h, i, j, opts, fopts, bias, bstr, mask, mstr, slopes
+                        qrow, ktile, 0, b, h, i, j, ints, fopts, bias, flags, slopes
                     )
                     if not ok or t == -math.inf:
                         continue
                     p = math.exp(t - row_lse)
                     dp = 0.0
-                    if kept(b, h, i, j, opts, drop, dstr):
+                    if kept(b, h, i, j, ints, flags):
                         w = p * fopts[2]
                         for e in range(vdim):
                             dp += dos[rr, e] * vrow[e]
@@ -370,6 +344,7 @@ def _build(dtype):
 
 
 def _prepare(spec, dtype):
+    """(compute dtype, host arrays ``(q, k, v, ints, fopts, bias, flags, slopes)``)."""
     from ._args import kernel_arguments
     from ._dispatch import compute_dtype
 
@@ -379,7 +354,15 @@ def _prepare(spec, dtype):
         raise ValueError(
             f"q/v: the CUDA kernels take D, E <= {MAX_FEATURES}, got D={dim}, E={vdim}"
         )
-    return dtype, kernel_arguments(spec, dtype)
+    q, k, v, kv_head, dims, opts, fopts, terms = kernel_arguments(spec, dtype)
+    bias, bstr, mask, mstr, drop, dstr, slopes = terms
+    if (dims.size, opts.size) != (_N_DIMS, _N_OPTS):  # pragma: no cover (layout drift)
+        raise AssertionError("refattn.kernels.cuda: update the option layout (_N_DIMS, _N_OPTS)")
+    ints = np.concatenate([dims, opts, bstr, mstr, dstr, kv_head])
+    flags = np.zeros((2, max(mask.size, drop.size)), np.uint8)
+    flags[0, : mask.size] = mask
+    flags[1, : drop.size] = drop
+    return dtype, (q, k, v, ints, fopts, bias, flags, slopes)
 
 
 def _launch(kernel, rows, batch_heads, threads, *args):
@@ -416,13 +399,13 @@ def attention_vjp(spec, grad_out, grad_lse=None, *, dtype=None, threads=THREADS)
     _require_cuda()
     forward, grad_q, grad_kv = _kernels(dtype)
     batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
-    opts = args[5].copy()
-    opts[9] = 0  # the backward needs lse = -inf on empty rows
-    device_args = (
-        [cuda.to_device(a) for a in args[:5]]
-        + [cuda.to_device(opts)]
-        + [cuda.to_device(a) for a in args[6:]]
+    q, k, v, ints, fopts, bias, flags, slopes = args
+    ints = ints.copy()
+    ints[_OPTS + 9] = 0  # the backward needs lse = -inf on empty rows
+    q, k, v, ints, fopts, bias, flags, slopes = (
+        cuda.to_device(a) for a in (q, k, v, ints, fopts, bias, flags, slopes)
     )
+    options = (ints, fopts, bias, flags, slopes)
     out = cuda.device_array((batch, heads, length, vdim), dtype)
     lse = cuda.device_array((batch, heads, length), dtype)
     dq = cuda.to_device(np.zeros((batch, heads, length, dim), dtype))
@@ -431,7 +414,7 @@ def attention_vjp(spec, grad_out, grad_lse=None, *, dtype=None, threads=THREADS)
     dbias_shape = (batch, heads, length, keys) if spec.bias is not None else (1, 1, 1, 1)
     dbias = cuda.to_device(np.zeros(dbias_shape, dtype))
     if length and keys and batch * heads:
-        _launch(forward, length, batch * heads, threads, *device_args, out, lse)
+        _launch(forward, length, batch * heads, threads, q, k, v, *options, out, lse)
         host_out = out.copy_to_host()
         grad_out = np.ascontiguousarray(grad_out, dtype)
         delta = np.zeros((batch, heads, length), dtype)
@@ -439,24 +422,10 @@ def attention_vjp(spec, grad_out, grad_lse=None, *, dtype=None, threads=THREADS)
             delta += grad_out[..., e] * host_out[..., e]
         if grad_lse is not None:
             delta -= np.asarray(grad_lse, dtype)
-        q, k, v, kv_head = device_args[:4]
-        rest = device_args[4:]
-        grad_dev, delta_dev = cuda.to_device(grad_out), cuda.to_device(delta)
+        stats = cuda.to_device(np.stack([lse.copy_to_host(), delta]))
+        grad_dev = cuda.to_device(grad_out)
         _launch(
-            grad_q,
-            length,
-            batch * heads,
-            threads,
-            q,
-            k,
-            v,
-            kv_head,
-            grad_dev,
-            lse,
-            delta_dev,
-            *rest,
-            dq,
-            dbias,
+            grad_q, length, batch * heads, threads, q, k, v, grad_dev, stats, *options, dq, dbias
         )
         _launch(
             grad_kv,
@@ -466,11 +435,9 @@ def attention_vjp(spec, grad_out, grad_lse=None, *, dtype=None, threads=THREADS)
             q,
             k,
             v,
-            kv_head,
             grad_dev,
-            lse,
-            delta_dev,
-            *rest,
+            stats,
+            *options,
             dk_part,
             dv_part,
         )

@@ -87,7 +87,7 @@ except ImportError as error:  # pragma: no cover - numba is a core dependency
     ) from error
 
 from .. import _checks
-from ..masks import check_window, offset_of
+from ..spec import check_window, key_interval_jit, offset_of, window_sides
 
 __all__ = [
     "KEY_BLOCK",
@@ -183,21 +183,6 @@ def _softmax_mix(x, n, rows, out):
 # --------------------------------------------------------------------------------------------
 
 
-@njit(**_OPTS)
-def _key_range(i, S, causal, left, right, offset):
-    """[lo, hi) of the keys the causal/window structure allows row i (-1 = unbounded side)."""
-    diag = i + offset
-    lo = 0
-    hi = S
-    if causal:
-        hi = min(hi, diag + 1)
-    if left >= 0:
-        lo = max(lo, diag - left)
-    if right >= 0:
-        hi = min(hi, diag + right + 1)
-    return lo, max(lo, hi)
-
-
 @njit(inline="always", **_OPTS)  # called per (row, key): a call would cost more than the work
 def _mgk_key_score(dist, first, j, b, two_sigma2, log_pi, norm, hard, use_norm, terms):
     """s_ij from the R squared distances dist[first:first+R] of key j (the NumPy term order:
@@ -234,31 +219,18 @@ def _mgk_key_score(dist, first, j, b, two_sigma2, log_pi, norm, hard, use_norm, 
 
 
 @njit(**_OPTS)
-def _mgk_rows(
-    b,
-    i0,
-    i1,
-    q,
-    keys_t,
-    two_sigma2,
-    log_pi,
-    norm,
-    v,
-    bad_q,
-    bad_key,
-    mask,
-    has_mask,
-    causal,
-    left,
-    right,
-    offset,
-    hard,
-    use_norm,
-    out,
-):
+def _mgk_rows(b, i0, i1, q, v, components, poison, mask, has_mask, rule, form, out):
     """Rows i0 <= i < i1 of batch element b, one key block at a time for all the rows, so a
     block of keys (and then of values) is loaded once per row block, not once per row. Every
-    row still does exactly the operations, in exactly the order, of a row on its own."""
+    row still does exactly the operations, in exactly the order, of a row on its own.
+
+    ``components`` = (keys_t, two_sigma2, log_pi, norm); ``poison`` = (bad_q, bad_key);
+    ``rule`` = (offset, causal, left, right) of :func:`refattn.spec.key_interval`; ``form`` =
+    (hard, use_norm)."""
+    keys_t, two_sigma2, log_pi, norm = components
+    bad_q, bad_key = poison
+    offset, causal, left, right = rule
+    hard, use_norm = form
     D = q.shape[2]
     S = v.shape[1]
     E = v.shape[2]
@@ -270,7 +242,7 @@ def _mgk_rows(
     block_lo, block_hi = S, 0
     for r in range(rows):
         i = i0 + r
-        lo[r], hi[r] = _key_range(i, S, causal, left, right, offset)
+        lo[r], hi[r] = key_interval_jit(i, offset, S, causal, left, right)
         poisoned = bad_q[b, i]
         for j in range(lo[r], hi[r]):
             if bad_key[b, j] and (not has_mask or mask[b, i, j]):
@@ -364,52 +336,14 @@ def _mgk_rows(
 
 
 @njit(parallel=True, **_OPTS)
-def _mgk_kernel(
-    q,
-    keys_t,
-    two_sigma2,
-    log_pi,
-    norm,
-    v,
-    bad_q,
-    bad_key,
-    mask,
-    has_mask,
-    causal,
-    left,
-    right,
-    offset,
-    hard,
-    use_norm,
-    out,
-):
+def _mgk_kernel(q, v, components, poison, mask, has_mask, rule, form, out):
     B, L = q.shape[0], q.shape[1]
     blocks = (L + ROW_BLOCK - 1) // ROW_BLOCK
     for n in prange(B * blocks):  # work units fixed by the shapes alone, never by threads
         b = n // blocks
         i0 = (n - b * blocks) * ROW_BLOCK
-        _mgk_rows(
-            b,
-            i0,
-            min(i0 + ROW_BLOCK, L),
-            q,
-            keys_t,
-            two_sigma2,
-            log_pi,
-            norm,
-            v,
-            bad_q,
-            bad_key,
-            mask,
-            has_mask,
-            causal,
-            left,
-            right,
-            offset,
-            hard,
-            use_norm,
-            out,
-        )
+        i1 = min(i0 + ROW_BLOCK, L)
+        _mgk_rows(b, i0, i1, q, v, components, poison, mask, has_mask, rule, form, out)
 
 
 def _flat(x, tail):
@@ -484,7 +418,7 @@ def mgk_attention(
     use_norm = bool(normalized and sigma_varies)
     norm = _flat(D / 2 * np.log(2 * math.pi * sigma2), (S * R,)) if use_norm else np.zeros((1, 1))
     offset = offset_of(align, L, S)
-    left, right = check_window(window) or (None, None)
+    left, right = window_sides(check_window(window))
     if mask is None:
         mask_arr, has_mask = np.ones((1, 1, 1), dtype=np.bool_), False
     else:
@@ -495,21 +429,13 @@ def mgk_attention(
     out = np.zeros((q64.shape[0], L, E))
     _mgk_kernel(
         _clean(q64),
-        keys_t,
-        two_sigma2,
-        log_pi,
-        norm,
         _clean(v64),
-        bad_q,
-        bad_key,
+        (keys_t, two_sigma2, log_pi, norm),
+        (bad_q, bad_key),
         mask_arr,
         has_mask,
-        bool(causal),
-        -1 if left is None else left,
-        -1 if right is None else right,
-        offset,
-        mode == "hard",
-        use_norm,
+        (offset, bool(causal), left, right),
+        (mode == "hard", use_norm),
         out,
     )
     return out.reshape(batch + (L, E))
@@ -527,11 +453,11 @@ def mgk_flops(L, S, R, D, E, B=1):
 
 
 @njit(**_OPTS)
-def _gmm_query_logits(
-    b, qrow, keys_t, coef_a, add1, half_alpha, add2, magnitude, has_add1, sub_qq, has_add2, acc, a
-):
+def _gmm_query_logits(b, qrow, keys_t, query_terms, acc, a):
     """a_u of eqs. (14)/(17): coef_a * (||q - xi||^2 or q . xi) [+ add1] [- alpha/2 ||q||^2]
-    [+ (D/2) log alpha], the NumPy path's order."""
+    [+ (D/2) log alpha], the NumPy path's order; ``query_terms`` = (coef_a, add1, half_alpha,
+    add2, magnitude, has_add1, sub_qq, has_add2)."""
+    coef_a, add1, half_alpha, add2, magnitude, has_add1, sub_qq, has_add2 = query_terms
     D = qrow.shape[0]
     S = a.shape[0]
     qq = 0.0
@@ -588,37 +514,17 @@ def _gmm_value_logits(b, vrow, values_t, coef_b, add3, has_add3, a, acc, out):
 
 
 @njit(**_OPTS)
-def _gmm_row(
-    b,
-    i,
-    q,
-    keys_t,
-    values,
-    values_t,
-    coef_a,
-    add1,
-    half_alpha,
-    add2,
-    coef_b,
-    add3,
-    add4,
-    magnitude,
-    has_add1,
-    sub_qq,
-    has_add2,
-    has_add3,
-    has_add4,
-    v_init,
-    has_init,
-    iters,
-    tol,
-    has_tol,
-    want_trace,
-    trace_const,
-    out,
-    trace,
-    done,
-):
+def _gmm_row(b, i, model, query_terms, value_terms, init, stopping, tracing, results):
+    """The EM iterations of query row i of batch element b: ``model`` = (q, keys_t, values,
+    values_t); ``query_terms`` as :func:`_gmm_query_logits`; ``value_terms`` = (coef_b, add3,
+    add4, has_add3, has_add4); ``init`` = (v_init, has_init); ``stopping`` = (iters, tol,
+    has_tol); ``tracing`` = (want_trace, trace_const); ``results`` = (out, trace, done)."""
+    q, keys_t, values, values_t = model
+    coef_b, add3, add4, has_add3, has_add4 = value_terms
+    v_init, has_init = init
+    iters, tol, has_tol = stopping
+    want_trace, trace_const = tracing
+    out, trace, done = results
     S = values.shape[1]
     E = values.shape[2]
     a = np.empty(S)
@@ -626,21 +532,7 @@ def _gmm_row(
     acc = np.empty(min(S, UNIT_BLOCK))
     v = np.zeros(E)
     new = np.empty(E)
-    _gmm_query_logits(
-        b,
-        q[b, i],
-        keys_t,
-        coef_a,
-        add1,
-        half_alpha,
-        add2,
-        magnitude,
-        has_add1,
-        sub_qq,
-        has_add2,
-        acc,
-        a,
-    )
+    _gmm_query_logits(b, q[b, i], keys_t, query_terms, acc, a)
     have_v = has_init
     if has_init:
         for e in range(E):
@@ -676,69 +568,12 @@ def _gmm_row(
 
 
 @njit(parallel=True, **_OPTS)
-def _gmm_kernel(
-    q,
-    keys_t,
-    values,
-    values_t,
-    coef_a,
-    add1,
-    half_alpha,
-    add2,
-    coef_b,
-    add3,
-    add4,
-    magnitude,
-    has_add1,
-    sub_qq,
-    has_add2,
-    has_add3,
-    has_add4,
-    v_init,
-    has_init,
-    iters,
-    tol,
-    has_tol,
-    want_trace,
-    trace_const,
-    out,
-    trace,
-    done,
-):
-    B, L = q.shape[0], q.shape[1]
+def _gmm_kernel(model, query_terms, value_terms, init, stopping, tracing, results):
+    """Every (batch, row) of :func:`_gmm_row` as one work unit (the arguments are its own)."""
+    B, L = model[0].shape[0], model[0].shape[1]
     for n in prange(B * L):
         b = n // L
-        _gmm_row(
-            b,
-            n - b * L,
-            q,
-            keys_t,
-            values,
-            values_t,
-            coef_a,
-            add1,
-            half_alpha,
-            add2,
-            coef_b,
-            add3,
-            add4,
-            magnitude,
-            has_add1,
-            sub_qq,
-            has_add2,
-            has_add3,
-            has_add4,
-            v_init,
-            has_init,
-            iters,
-            tol,
-            has_tol,
-            want_trace,
-            trace_const,
-            out,
-            trace,
-            done,
-        )
+        _gmm_row(b, n - b * L, model, query_terms, value_terms, init, stopping, tracing, results)
 
 
 def _per_unit(x, batch, S):
@@ -806,33 +641,22 @@ def gmm_attention(model, v_init, iters, tol, want_trace):
     trace = np.full((B, L, iters) if want_trace else (1, 1, 1), np.nan)
     done = np.zeros((B, L), dtype=np.int64)
     _gmm_kernel(
-        q64,
-        keys_t,
-        values,
-        values_t,
-        coef_a,
-        add1,
-        half_alpha,
-        add2,
-        coef_b,
-        add3,
-        add4,
-        magnitude,
-        m.kind != "uniform",
-        sub_qq,
-        bool(m.alpha_varies),
-        bool(m.beta_varies),
-        bool(m.beta_varies),
-        init,
-        has_init,
-        int(iters),
-        0.0 if tol is None else float(tol),
-        tol is not None,
-        bool(want_trace),
-        trace_const,
-        out,
-        trace,
-        done,
+        (q64, keys_t, values, values_t),
+        (
+            coef_a,
+            add1,
+            half_alpha,
+            add2,
+            magnitude,
+            m.kind != "uniform",
+            sub_qq,
+            bool(m.alpha_varies),
+        ),
+        (coef_b, add3, add4, bool(m.beta_varies), bool(m.beta_varies)),
+        (init, has_init),
+        (int(iters), 0.0 if tol is None else float(tol), tol is not None),
+        (bool(want_trace), trace_const),
+        (out, trace, done),
     )
     return (
         out.reshape(batch + (L, E)),

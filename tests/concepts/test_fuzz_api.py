@@ -21,17 +21,23 @@ from __future__ import annotations
 import collections
 import re
 import warnings
+from dataclasses import replace
 
 import mpmath
 import numpy as np
 import pytest
 
 import refattn
-from refattn import gmm, hopfield, mgk
+from refattn import gmm, hopfield, meanfield, mgk
 from refattn import transformer as T
 from refattn.bounds import float64_forward_bound, float64_vjp_bound, transformer_forward_bound
 from refattn.kernels import numba_cpu
 from refattn.spec import canonicalize
+from tests.concepts.params import (
+    random_attention_params,
+    random_decoder_params,
+    random_encoder_params,
+)
 
 RAGGED = [[1.0, 2.0], [3.0]]
 ACCEPTABLE = {"named-error", "correct", "unsupported"}
@@ -576,7 +582,7 @@ def layer_norm_tries(rng):
 
 
 def mha_tries(rng):
-    p = T.random_attention_params(4, 2, seed=1)
+    p = random_attention_params(4, 2, seed=1)
     x = rng.standard_normal((3, 4))
 
     def call(**kw):
@@ -871,4 +877,163 @@ def test_fuzz_public_api_has_no_unacceptable_outcome():
         for label, o in results
         if o not in ACCEPTABLE and label not in OWNED_ELSEWHERE
     ]
+    assert not bad, f"{len(bad)} unacceptable of {len(results)}:\n" + "\n".join(bad)
+
+
+# ----------------------------------------------------------------------------- transformer and
+# mean-field inputs (issue 28): the caller's callables and the parameter dataclasses. Kept apart
+# from all_tries so that its counts read on their own.
+
+
+def _deq_problem():
+    """x (N=3, d=2) and couplings J with ||J||_inf = 0.2 (the DEQ map contracts)."""
+    x = np.array([[0.5, -0.25], [1.0, 0.0], [-0.5, 0.75]])
+    J = np.zeros((3, 3, 2, 2))
+    J[0, 1] = J[1, 2] = J[2, 0] = 0.1 * np.eye(2)
+    return x, J
+
+
+def _quarter(z):
+    return 0.25 * z
+
+
+def _same_means_as_quarter(x, J):
+    """The fixed point equals, bit for bit, the one with the ndarray correction z / 4 (a valid
+    result spelled as a list or in float32 must not change a bit)."""
+
+    def check(result):
+        return np.array_equal(result.means, meanfield.deq_attention(x, J, _quarter).means)
+
+    return check
+
+
+def _random_encoder_params_seed_x():
+    builder = getattr(T, "random_encoder_params", None)
+    if builder is None:
+        return None  # moved to tests/concepts/params.py: no public seed left to validate
+    return builder(4, 2, 8, seed="x")
+
+
+def transformer_meanfield_tries():
+    x, J = _deq_problem()
+    wrong_images = {
+        "wrong shape": lambda z: np.ones(5),
+        "transposed": lambda z: z.T,
+        "scalar": lambda z: 0.0,
+        "extra axis": lambda z: z[None],
+        "ragged": lambda z: RAGGED,
+        "complex": lambda z: z * 1j,
+        "str": lambda z: "abc",
+        "None": lambda z: None,
+        "NaN": lambda z: z * np.nan,
+        "inf": lambda z: np.full(z.shape, np.inf),
+    }
+    tries = []
+    for bad, f in wrong_images.items():
+        tries.append(
+            Try(
+                f"meanfield.deq_attention correction returns {bad}",
+                ["correction"],
+                lambda f=f: meanfield.deq_attention(x, J, f),
+            )
+        )
+        tries.append(
+            Try(
+                f"meanfield.deq_attention_vjp correction_vjp returns {bad}",
+                ["correction_vjp"],
+                lambda f=f: meanfield.deq_attention_vjp(
+                    x, J, x, correction=_quarter, correction_vjp=lambda z, v: f(v)
+                ),
+            )
+        )
+    tries.append(
+        Try(
+            "meanfield.deq_attention exact correction returns wrong shape",
+            ["correction"],
+            lambda: meanfield.deq_attention(
+                x,
+                J,
+                lambda z: z if z.dtype != object else z[:1],
+                precision="exact",
+                lipschitz=1.0 / 8,
+            ),
+        )
+    )
+    for label, f in (("a list", lambda z: (0.25 * z).tolist()), ("float32", lambda z: z / 4)):
+        tries.append(
+            Try(
+                f"meanfield.deq_attention correction returns {label}",
+                ["correction"],
+                lambda f=f: meanfield.deq_attention(x, J, f),
+                lambda res: np.array_equal(
+                    res.means, meanfield.deq_attention(x, J, _quarter).means
+                ),
+            )
+        )
+    for name, call, names in (
+        ("meanfield.naive_step", lambda v: meanfield.naive_step(v, J, x), ["m", "J", "x"]),
+        ("meanfield.adaptive_tap", lambda v: meanfield.adaptive_tap(v, J), ["x", "J"]),
+        ("meanfield.deq_attention", lambda v: meanfield.deq_attention(v, J), ["x", "J"]),
+        ("meanfield.ising_tap", lambda v: meanfield.ising_tap(v, np.zeros((2, 2))), ["x", "J"]),
+        (
+            "meanfield.adaptive_tap prior_precision",
+            lambda v: meanfield.adaptive_tap(x, J, prior_precision=v),
+            ["prior_precision"],
+        ),
+        (
+            "meanfield.softmax_couplings mask",
+            lambda v: meanfield.softmax_couplings(x, np.eye(2), np.eye(2), mask=v),
+            ["mask"],
+        ),
+    ):
+        for bad, value in ARRAY_BAD.items():
+            tries.append(Try(f"{name} {bad}", names, lambda c=call, v=value: c(v)))
+    tries += [
+        Try(
+            "meanfield.naive_step batch dims",
+            ["m", "J"],
+            lambda: meanfield.naive_step(np.ones((2, 3, 2)), np.ones((4, 3, 3, 2, 2)), x),
+        ),
+        Try(
+            "meanfield.softmax_couplings mask batch",
+            ["mask"],
+            lambda: meanfield.softmax_couplings(
+                np.ones((2, 3, 2)), np.eye(2), np.eye(2), mask=np.ones((4, 3, 3), bool)
+            ),
+        ),
+        Try("transformer.random_encoder_params seed='x'", ["seed"], _random_encoder_params_seed_x),
+        Try(
+            "transformer.multihead_attention batch dims",
+            ["x_q", "x_kv"],
+            lambda: T.multihead_attention(
+                np.ones((2, 3, 4)), np.ones((5, 3, 4)), *[np.eye(4)] * 4, num_heads=2
+            ),
+        ),
+    ]
+    params = random_encoder_params(4, 2, 8, seed=0)
+    for field in ("attn", "ffn", "norm1", "norm2"):
+        tries.append(
+            Try(
+                f"transformer.encoder_block params.{field}=None",
+                [f"params.{field}"],
+                lambda f=field: T.encoder_block(np.ones((3, 4)), replace(params, **{f: None})),
+            )
+        )
+    decoder = random_decoder_params(4, 2, 8, seed=0)
+    tries.append(
+        Try(
+            "transformer.decoder_block memory width",
+            ["params.cross_attn.W_K", "memory"],
+            lambda: T.decoder_block(np.ones((3, 4)), np.ones((5, 3)), decoder),
+        )
+    )
+    return tries
+
+
+def test_fuzz_transformer_and_meanfield_inputs():
+    results = [(t.label, outcome(t)) for t in transformer_meanfield_tries()]
+    counts = collections.Counter(o for _, o in results)
+    outcomes = dict(sorted(counts.items()))
+    print(f"\nfuzz transformer/meanfield: {len(results)} tries, outcomes {outcomes}")
+    bad = [f"{label}: {o}" for label, o in results if o not in ACCEPTABLE]
     assert not bad, f"{len(bad)} unacceptable of {len(results)}:\n" + "\n".join(bad)

@@ -142,6 +142,7 @@ def _torch_grads(function, arrays, grad):
     return [leaf.grad.numpy() for leaf in leaves]
 
 
+@pytest.mark.peers("torch")
 @pytest.mark.parametrize("name", list(ATTENTION_CASES))
 def test_attention_vjp_matches_torch_autograd(name):
     from tests.naive.gmm_torch import torch_attention
@@ -197,6 +198,7 @@ def test_adapt_keys_vjp(index):
         assert_within(value, want, bound, what=f"{what} float64 {field}")
 
 
+@pytest.mark.peers("torch")
 @pytest.mark.parametrize("index", range(len(KEY_CASES)))
 def test_adapt_keys_vjp_matches_torch_autograd(index):
     from tests.naive.gmm_torch import torch_adapt_keys
@@ -253,6 +255,7 @@ def test_adapt_priors_vjp(index):
         assert_within(value, want, bound, what=f"{what} float64 {field}")
 
 
+@pytest.mark.peers("torch")
 @pytest.mark.parametrize("index", range(len(PRIOR_CASES)))
 def test_adapt_priors_vjp_matches_torch_autograd(index):
     from tests.naive.gmm_torch import torch_adapt_priors

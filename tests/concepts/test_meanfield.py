@@ -12,17 +12,13 @@ import pytest
 from hypothesis import given
 
 from oracle.tolerance import fixed_point_forward_bound, gamma, ulp, unit_roundoff
+from refattn.attention import attention
 from refattn.exact import intervals as I
 from refattn.fixedpoint import NotConvergedError
 from refattn.meanfield import adaptive_tap, deq_attention, ising_tap, naive_step
 from tests.helpers import assert_norm_within, assert_same_bits, assert_within
 from tests.naive.meanfield import DPS, exact_naive_step, mp_inverse, mp_ising, mp_solve
 from tests.strategies import weak_vector_couplings
-
-try:
-    from refattn.attention import attention
-except ImportError:  # pragma: no cover - the lead's module lands separately
-    attention = None
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -111,7 +107,6 @@ def _softmax_couplings(X, WQ, WK, WV):
     return weights, J, score_size
 
 
-@pytest.mark.skipif(attention is None, reason="refattn.attention not available")
 def test_softmax_attention_plus_residual_is_one_naive_step(rng):
     # Bal 2021 section 4.2: X'_i = sum_j softmax(...)_ij [X W_V]_j + X_i
     N, d = 5, 4

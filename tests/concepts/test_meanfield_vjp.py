@@ -482,6 +482,7 @@ def _float64_bound(sensitivity, solve_term, state, truth_state, value):
     return solve_term + sensitivity * state_error + gamma(len(value)) * np.linalg.norm(value)
 
 
+@pytest.mark.peers("torch")
 def test_deq_vjp_matches_torch_autograd(rng):
     torch = _torch()
     n, d = 3, 2
@@ -533,6 +534,7 @@ def test_deq_vjp_matches_torch_autograd(rng):
     )
 
 
+@pytest.mark.peers("torch")
 def test_adaptive_tap_vjp_matches_torch_autograd(rng):
     torch = _torch()
     n, d = 3, 2
@@ -565,6 +567,7 @@ def test_adaptive_tap_vjp_matches_torch_autograd(rng):
     )
 
 
+@pytest.mark.peers("torch")
 def test_ising_vjp_matches_torch_autograd(ising_case):
     torch = _torch()
     x, J, g = ising_case

@@ -308,11 +308,11 @@ def test_retrieve_vjp_with_tol_stops_rows(rng):
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.peers("torch")
 @pytest.mark.parametrize(
     "options", MGK_OPTIONS[:2] + MGK_OPTIONS[4:], ids=lambda o: ",".join(sorted(o))
 )
 def test_mgk_vjp_against_torch(options, rng):
-    pytest.importorskip("torch")
     from tests.planted.torch_twins import mgk_torch, torch_grads
 
     q, keys, v, g = _mgk_problem(rng)
@@ -336,9 +336,9 @@ def test_mgk_vjp_against_torch(options, rng):
         _assert_float64_grad(fast_value, truth, floor, f"refattn float64 {name} vs exact")
 
 
+@pytest.mark.peers("torch")
 @pytest.mark.parametrize("form", mgk.MLK_FORMS)
 def test_linear_vjp_against_torch(form, rng):
-    pytest.importorskip("torch")
     from tests.planted.torch_twins import mlk_torch, torch_grads
 
     q, keys, v, g = _mgk_problem(rng)
@@ -357,8 +357,8 @@ def test_linear_vjp_against_torch(form, rng):
         _assert_float64_grad(fast_value, truth, floor, f"refattn {name} vs exact ({form})")
 
 
+@pytest.mark.peers("torch")
 def test_retrieve_vjp_against_torch(rng):
-    pytest.importorskip("torch")
     from tests.planted.torch_twins import retrieve_torch, torch_grads
 
     xi, X, g = rng.standard_normal((2, 3)), rng.standard_normal((4, 3)), rng.standard_normal((2, 3))

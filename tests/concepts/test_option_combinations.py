@@ -311,7 +311,6 @@ def test_float64_inside_its_bound(options, new):
 def test_numba_inside_the_kernel_bound(options):
     """The kernels' forward and backward (dsinks: the sink column's dbias bound summed over
     batch and rows, plus the float64 sum of those B L terms)."""
-    pytest.importorskip("numba")
     from refattn.kernels import numba_cpu
 
     q, k, v, rng = _inputs(23)

@@ -18,6 +18,11 @@ import refattn.transformer as T
 from oracle.tolerance import gamma, transformer_forward_bound
 from refattn import bounds
 from refattn.attention import attention
+from tests.concepts.params import (
+    random_attention_params,
+    random_decoder_params,
+    random_encoder_params,
+)
 from tests.helpers import assert_same_bits, assert_within
 from tests.naive.transformer import (
     mp_array,
@@ -83,13 +88,13 @@ def rows(rng):
 
 @pytest.fixture
 def encoder_params():
-    return T.random_encoder_params(4, 2, 6, seed=7)
+    return random_encoder_params(4, 2, 6, seed=7)
 
 
 @pytest.fixture
 def mha_case(rng):
     """Cross attention with GQA (H=2, K=1), biases, x_q (3, 4), x_kv (5, 3)."""
-    params = T.random_attention_params(4, 2, seed=11, num_kv_heads=1, kv_dim=3, head_dim=2)
+    params = random_attention_params(4, 2, seed=11, num_kv_heads=1, kv_dim=3, head_dim=2)
     return rng.standard_normal((3, 4)), rng.standard_normal((5, 3)), params
 
 
@@ -160,7 +165,7 @@ def test_positions_exact_correctly_rounded(dtype, layout):
 def test_mha_exact_low_precision_inputs_and_large_gaps(rng, dtype):
     """float16/bfloat16 inputs and weights taken at their exact values; scores with logit
     gaps above 40 (x scaled by 8)."""
-    p = T.random_attention_params(4, 2, seed=13, dtype=_dtype(dtype))
+    p = random_attention_params(4, 2, seed=13, dtype=_dtype(dtype))
     x = (rng.standard_normal((3, 4)) * 8).astype(_dtype(dtype))
     got = _mha_call(x, None, p, precision="exact", out_dtype=dtype)
     wide = T.AttentionParams(
@@ -216,7 +221,7 @@ def test_mha_exact_causal_self(encoder_params, rng):
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 @pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
 def test_feed_forward_exact_correctly_rounded(rng, activation, dtype):
-    p = T.random_encoder_params(4, 2, 6, seed=3, activation=activation).ffn
+    p = random_encoder_params(4, 2, 6, seed=3, activation=activation).ffn
     x = rng.standard_normal((3, 4))
     got = T.feed_forward(x, p.W1, p.b1, p.W2, p.b2, activation, precision="exact", out_dtype=dtype)
     with mpmath.workdps(DPS):
@@ -227,7 +232,7 @@ def test_feed_forward_exact_correctly_rounded(rng, activation, dtype):
 @pytest.mark.parametrize("norm", ["post", "pre"])
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 def test_encoder_exact_correctly_rounded(rng, norm, activation):
-    p = T.random_encoder_params(4, 2, 6, seed=5, activation=activation)
+    p = random_encoder_params(4, 2, 6, seed=5, activation=activation)
     x = rng.standard_normal((3, 4))
     got = T.encoder_block(x, p, norm=norm, precision="exact")
     with mpmath.workdps(DPS):
@@ -240,7 +245,7 @@ def test_encoder_exact_correctly_rounded(rng, norm, activation):
     [("post", "float64"), ("post", "float16"), ("pre", "float32"), ("pre", "bfloat16")],
 )
 def test_decoder_exact_correctly_rounded(rng, norm, dtype):
-    p = T.random_decoder_params(4, 2, 6, seed=9, memory_dim=3, num_kv_heads=1)
+    p = random_decoder_params(4, 2, 6, seed=9, memory_dim=3, num_kv_heads=1)
     x, memory = rng.standard_normal((3, 4)), rng.standard_normal((2, 3))
     got = T.decoder_block(x, memory, p, norm=norm, precision="exact", out_dtype=dtype)
     with mpmath.workdps(DPS):
@@ -250,7 +255,7 @@ def test_decoder_exact_correctly_rounded(rng, norm, dtype):
 
 def test_encoder_exact_larger_gqa(rng):
     """A larger block (L=6, M=8, H=4, K=2, F=16, batch of 2) against the mpmath loops."""
-    p = T.random_encoder_params(8, 4, 16, seed=21, num_kv_heads=2, activation="gelu")
+    p = random_encoder_params(8, 4, 16, seed=21, num_kv_heads=2, activation="gelu")
     x = rng.standard_normal((2, 6, 8))
     got = T.encoder_block(x, p, precision="exact")
     with mpmath.workdps(DPS):
@@ -311,9 +316,7 @@ def test_float64_mha_within_bound(mha_case, kwargs):
 def test_float64_mha_within_bound_random_layouts(case, mqa, input_scale):
     heads, dim, seed = case
     rng = np.random.default_rng(seed)
-    p = T.random_attention_params(
-        3, heads, seed=seed, head_dim=dim, num_kv_heads=1 if mqa else heads
-    )
+    p = random_attention_params(3, heads, seed=seed, head_dim=dim, num_kv_heads=1 if mqa else heads)
     x_q, x_kv = rng.standard_normal((2, 3)) * input_scale, rng.standard_normal((4, 3))
     _bounded(_mha_call, x_q, x_kv, p, case=f"MHA H={heads} D={dim} mqa={mqa} seed={seed}")
 
@@ -322,13 +325,13 @@ def test_float64_blocks_within_bound(rng):
     x, memory = rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 5, 4))
     for norm in ("post", "pre"):
         for activation in ("relu", "gelu"):
-            enc = T.random_encoder_params(4, 2, 6, seed=1, activation=activation)
-            dec = T.random_decoder_params(4, 2, 6, seed=2, activation=activation)
+            enc = random_encoder_params(4, 2, 6, seed=1, activation=activation)
+            dec = random_decoder_params(4, 2, 6, seed=2, activation=activation)
             _bounded(T.encoder_block, x, enc, norm=norm, case=f"encoder {norm} {activation}")
             _bounded(
                 T.decoder_block, x, memory, dec, norm=norm, case=f"decoder {norm} {activation}"
             )
-        ffn = T.random_encoder_params(4, 2, 6, seed=1, activation="gelu").ffn
+        ffn = random_encoder_params(4, 2, 6, seed=1, activation="gelu").ffn
         _bounded(T.feed_forward, x * 4, ffn.W1, ffn.b1, ffn.W2, ffn.b2, "gelu", case="ffn gelu")
 
 
@@ -498,7 +501,7 @@ def test_mha_head_permutation_and_key_permutation(case):
     of x_kv leaves the exact output unchanged, bit for bit."""
     heads, dim, seed = case
     rng = np.random.default_rng(seed)
-    p = T.random_attention_params(3, heads, seed=seed, head_dim=dim)
+    p = random_attention_params(3, heads, seed=seed, head_dim=dim)
     x_q, x_kv = rng.standard_normal((2, 3)), rng.standard_normal((3, 3))
     perm = rng.permutation(heads)
     cols = np.concatenate([np.arange(h * dim, (h + 1) * dim) for h in perm])
@@ -612,7 +615,7 @@ def test_encoder_empty_rows_nan(rng, encoder_params):
 
 def test_decoder_is_causal(rng):
     """Row i of the decoder output does not depend on x rows after i (masked self-attention)."""
-    p = T.random_decoder_params(4, 2, 6, seed=4)
+    p = random_decoder_params(4, 2, 6, seed=4)
     x, memory = rng.standard_normal((4, 4)), rng.standard_normal((3, 4))
     changed = x.copy()
     changed[2:] = rng.standard_normal((2, 4))
@@ -627,7 +630,7 @@ def test_decoder_is_causal(rng):
 def test_decoder_memory_mask_empty_row(rng):
     """A query row with no allowed memory key gets zero cross-attention (empty_rows="zero"),
     so the cross sublayer contributes only b_O."""
-    p = T.random_decoder_params(4, 2, 6, seed=6)
+    p = random_decoder_params(4, 2, 6, seed=6)
     x, memory = rng.standard_normal((2, 4)), rng.standard_normal((3, 4))
     mask = np.array([[False] * 3, [True] * 3])
     got = T.decoder_block(x, memory, p, memory_mask=mask, precision="exact")
@@ -714,21 +717,21 @@ def test_mha_bad_input(change, error, name):
         (lambda: T.feed_forward(np.ones((2, 3)), _eye(3), None, _eye(4), None), ValueError, "W2"),
         (
             lambda: T.encoder_block(
-                np.ones((2, 4)), T.random_encoder_params(4, 2, 6, seed=0), norm="sandwich"
+                np.ones((2, 4)), random_encoder_params(4, 2, 6, seed=0), norm="sandwich"
             ),
             ValueError,
             "norm",
         ),
         (lambda: T.encoder_block(np.ones((2, 4)), {"attn": None}), TypeError, "params"),
         (
-            lambda: T.encoder_block(np.ones((2, 3)), T.random_encoder_params(4, 2, 6, seed=0)),
+            lambda: T.encoder_block(np.ones((2, 3)), random_encoder_params(4, 2, 6, seed=0)),
             ValueError,
             "W_Q",
         ),
         (
             lambda: T.encoder_block(
                 np.ones((2, 4)),
-                T.random_encoder_params(4, 2, 6, seed=0),
+                random_encoder_params(4, 2, 6, seed=0),
                 mask=np.ones((3, 3), dtype=bool),
             ),
             ValueError,
@@ -736,7 +739,7 @@ def test_mha_bad_input(change, error, name):
         ),
         (
             lambda: T.decoder_block(
-                np.ones((2, 4)), np.ones((3, 5)), T.random_decoder_params(4, 2, 6, seed=0)
+                np.ones((2, 4)), np.ones((3, 5)), random_decoder_params(4, 2, 6, seed=0)
             ),
             ValueError,
             "W_K",

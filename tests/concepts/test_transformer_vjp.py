@@ -28,6 +28,11 @@ from refattn.bounds import (
     layer_norm_vjp_bound,
     multihead_attention_vjp_bound,
 )
+from tests.concepts.params import (
+    random_attention_params,
+    random_decoder_params,
+    random_encoder_params,
+)
 from tests.helpers import assert_same_bits, assert_within
 from tests.naive.mp import richardson_gradient
 from tests.naive.transformer import (
@@ -180,7 +185,7 @@ def test_layer_norm_vjp_without_affine_and_bad_cotangent(rng):
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 def test_feed_forward_vjp_exact_against_richardson(rng, activation):
-    p = T.random_encoder_params(4, 2, 6, seed=5, activation=activation).ffn
+    p = random_encoder_params(4, 2, 6, seed=5, activation=activation).ffn
     x = rng.standard_normal((3, 4))
     g = rng.standard_normal((3, 4))
     grads = T.feed_forward_vjp(x, p.W1, p.b1, p.W2, p.b2, g, activation, precision="exact")
@@ -269,11 +274,11 @@ _MHA_NAMES = ("dW_Q", "dW_K", "dW_V", "dW_O", "db_Q", "db_K", "db_V", "db_O")
 @pytest.mark.parametrize("case", ["cross_gqa", "self_causal"])
 def test_mha_vjp_exact_against_richardson(rng, case):
     if case == "cross_gqa":
-        p = T.random_attention_params(4, 2, seed=11, num_kv_heads=1, kv_dim=3, head_dim=2)
+        p = random_attention_params(4, 2, seed=11, num_kv_heads=1, kv_dim=3, head_dim=2)
         x_q, x_kv, kw = rng.standard_normal((3, 4)), rng.standard_normal((4, 3)), {}
         allowed = np.ones((3, 4), bool)
     else:
-        p = T.random_attention_params(4, 2, seed=12)
+        p = random_attention_params(4, 2, seed=12)
         x_q, x_kv, kw = rng.standard_normal((3, 4)), None, {"causal": True}
         allowed = np.tril(np.ones((3, 3), bool))
     g = rng.standard_normal((3, 4))
@@ -297,7 +302,7 @@ def test_mha_vjp_exact_against_richardson(rng, case):
 
 
 def test_mha_vjp_masked_keys_get_exact_zero_gradients(rng):
-    p = T.random_attention_params(4, 1, seed=3)
+    p = random_attention_params(4, 1, seed=3)
     x = rng.standard_normal((3, 4))
     mask = np.array([[True, True, False]] * 3)  # key 2 is never attended
     exact = _mha_grads(x, x.copy(), p, rng.standard_normal((3, 4)), mask=mask, precision="exact")
@@ -306,7 +311,7 @@ def test_mha_vjp_masked_keys_get_exact_zero_gradients(rng):
 
 def test_mha_vjp_broadcast_memory_sums_over_the_batch(rng):
     # x_q (B, L, M) against one shared x_kv (S, N): dx_kv and the key/value weights sum B
-    p = T.random_attention_params(4, 2, seed=8)
+    p = random_attention_params(4, 2, seed=8)
     x_q, x_kv, g = (rng.standard_normal(s) for s in ((2, 3, 4), (2, 4), (2, 3, 4)))
     exact = _mha_grads(x_q, x_kv, p, g, precision="exact")
     approx = _mha_grads(x_q, x_kv, p, g)
@@ -337,7 +342,7 @@ def test_mha_float64_bound_holds_on_random_layouts(seed):
     # self/cross attention, MHA/GQA, causal or a key mask, inputs of two magnitudes
     rng = np.random.default_rng(100 + seed)
     heads, kv_heads = (1, None) if seed % 2 == 0 else (2, 1 + seed % 3 // 2)
-    p = T.random_attention_params(4, heads, seed=seed, num_kv_heads=kv_heads)
+    p = random_attention_params(4, heads, seed=seed, num_kv_heads=kv_heads)
     x_q = rng.standard_normal((3, 4)) * (1, 4)[seed % 2]
     x_kv = None if seed < 2 else rng.standard_normal((4, 4))
     kw = (
@@ -380,7 +385,7 @@ def _check_block(rng, grads_exact, grads_float, forward, inputs, params, g, coun
 
 @pytest.mark.parametrize("norm", ["post", "pre"])
 def test_encoder_vjp_exact_against_richardson(rng, norm):
-    p = T.random_encoder_params(4, 2, 6, seed=21)
+    p = random_encoder_params(4, 2, 6, seed=21)
     x, g = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
     exact = T.encoder_block_vjp(x, p, g, norm=norm, precision="exact")
     approx = T.encoder_block_vjp(x, p, g, norm=norm)
@@ -399,7 +404,7 @@ def test_encoder_vjp_exact_against_richardson(rng, norm):
 
 @pytest.mark.parametrize("norm", ["post", "pre"])
 def test_decoder_vjp_exact_against_richardson(rng, norm):
-    p = T.random_decoder_params(4, 2, 6, seed=22)
+    p = random_decoder_params(4, 2, 6, seed=22)
     x, memory, g = (rng.standard_normal(s) for s in ((3, 4), (2, 4), (3, 4)))
     exact = T.decoder_block_vjp(x, memory, p, g, norm=norm, precision="exact")
     approx = T.decoder_block_vjp(x, memory, p, g, norm=norm)
@@ -418,7 +423,7 @@ def test_decoder_vjp_exact_against_richardson(rng, norm):
 
 @pytest.mark.slow
 def test_encoder_vjp_exact_against_richardson_every_coordinate(rng):
-    p = T.random_encoder_params(4, 2, 6, seed=23)
+    p = random_encoder_params(4, 2, 6, seed=23)
     x, g = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
     exact = T.encoder_block_vjp(x, p, g, precision="exact")
     approx = T.encoder_block_vjp(x, p, g)
@@ -495,6 +500,7 @@ def _torch_grads(torch, forward, inputs, params, g):
     return [t.grad.numpy() for t in leaves + param_leaves]
 
 
+@pytest.mark.peers("torch")
 @pytest.mark.parametrize("piece", ["layer_norm", "feed_forward", "mha", "encoder", "decoder"])
 def test_vjps_match_torch_autograd(rng, piece):
     torch = _torch()
@@ -507,7 +513,7 @@ def test_vjps_match_torch_autograd(rng, piece):
         )
         exact = list(grads)
     elif piece == "feed_forward":
-        params, inputs = T.random_encoder_params(4, 2, 6, seed=31, activation="gelu").ffn, [x]
+        params, inputs = random_encoder_params(4, 2, 6, seed=31, activation="gelu").ffn, [x]
         forward = lambda h, q: _torch_ffn(torch, h, q)  # noqa: E731
         exact = list(
             T.feed_forward_vjp(
@@ -515,18 +521,18 @@ def test_vjps_match_torch_autograd(rng, piece):
             )
         )
     elif piece == "mha":
-        params, inputs = T.random_attention_params(4, 2, seed=32, num_kv_heads=1), [x, memory]
+        params, inputs = random_attention_params(4, 2, seed=32, num_kv_heads=1), [x, memory]
         allowed = np.ones((3, 2), bool)
         forward = lambda a, b, q: _torch_mha(torch, a, b, q, allowed)  # noqa: E731
         grads = _mha_grads(x, memory, params, g, precision="exact")
         exact = list(grads[:2]) + [getattr(grads, n) for n in _MHA_NAMES]
     elif piece == "encoder":
-        params, inputs = T.random_encoder_params(4, 2, 6, seed=33), [x]
+        params, inputs = random_encoder_params(4, 2, 6, seed=33), [x]
         forward = lambda h, q: _torch_encoder(torch, h, q)  # noqa: E731
         grads = T.encoder_block_vjp(x, params, g, precision="exact")
         exact = [grads.dx] + [a for _, a in _arrays(grads.dparams)]
     else:
-        params, inputs = T.random_decoder_params(4, 2, 6, seed=34), [x, memory]
+        params, inputs = random_decoder_params(4, 2, 6, seed=34), [x, memory]
         forward = lambda h, m, q: _torch_decoder(torch, h, m, q)  # noqa: E731
         grads = T.decoder_block_vjp(x, memory, params, g, precision="exact")
         exact = [grads.dx, grads.dmemory] + [a for _, a in _arrays(grads.dparams)]

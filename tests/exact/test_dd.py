@@ -1,6 +1,6 @@
-"""refattn.exact._dd (double-double arithmetic, exp/log/tanh with stated bounds) and the
-double-double rounding decision of refattn.exact.rounding, against mpmath at 250 bits and the
-exact rational rounding."""
+"""refattn.exact.fast.doubledouble (double-double arithmetic, exp/log/tanh with stated bounds)
+and the double-double rounding decision of refattn.exact.rounding, against mpmath at 250 bits
+and the exact rational rounding."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from refattn.exact import _dd as D
-from refattn.exact._dd_extra import decide_dd_fast
+from refattn.exact.fast import doubledouble as D
+from refattn.exact.fast.rounding_decision import decide_dd_fast
 from refattn.exact.rounding import FORMATS, decide_dd, round_dd, round_exact
 
 NAMES = sorted(FORMATS)

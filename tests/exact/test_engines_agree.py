@@ -8,8 +8,7 @@ compared bit for bit, NaN and the sign of zero included.
 
 Tiers: the 36 smallest attention cases (smoke and the like, ~6 s each on a loaded 2-core
 machine) are ``slow``; the other attention cases and the variants' cases (whose exact paths do
-not go through these engines) are ``xslow`` (REFATTN_XSLOW=1). Without the switch
-(a tree without the fast engine) every test is skipped, saying so.
+not go through these engines) are ``xslow`` (REFATTN_XSLOW=1).
 """
 
 from __future__ import annotations
@@ -62,11 +61,6 @@ def engines(name: str):
 
 @pytest.mark.parametrize("case", _all_cases())
 def test_fast_engine_is_the_referee_bit_for_bit(case):
-    if not hasattr(config, "EXACT_ENGINE"):
-        pytest.skip(
-            "refattn.config.EXACT_ENGINE is absent: this tree has no fast exact engine "
-            "to compare with the referee (merge branch fastexact)"
-        )
     with engines("referee"):
         referee = golden.build(case).truth
     with engines("fast"):

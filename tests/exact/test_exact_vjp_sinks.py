@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import refattn
-from refattn.exact import _fast_vjp
 from refattn.exact import attention_vjp as vjp_module
 from refattn.exact.attention_vjp import exact_vjp
+from refattn.exact.fast import vjp as fast_vjp
 from refattn.exact.rounding import FORMATS
 from refattn.spec import canonicalize, check_cotangent
 from tests.helpers import assert_same_bits, vjp_problem
@@ -144,7 +144,7 @@ def test_the_fast_path_does_not_fold(monkeypatch):
     got = exact_vjp(spec, d, g, np.dtype("float64"), engine="fast", stats=stats)
     assert stats["referee"] == 0, stats
     _assert_identical(got, want, "no fold")
-    dq, dk, dv, dbias, dsinks, bad = _fast_vjp.gradient_enclosures(spec, d, g)
+    dq, dk, dv, dbias, dsinks, bad = fast_vjp.gradient_enclosures(spec, d, g)
     assert dk.shape == (3, BATCH, KV_HEADS, KEYS, 4) and dbias.shape == (3, HEADS, 1, KEYS)
     assert dsinks.shape == (3, HEADS) and not bad.any()
 
@@ -167,7 +167,7 @@ def test_sinks_do_not_depend_on_the_thread_count():
     try:
         for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS), saved}):
             numba.set_num_threads(threads)
-            runs.append(_fast_vjp.gradient_enclosures(spec, d, g))
+            runs.append(fast_vjp.gradient_enclosures(spec, d, g))
     finally:
         numba.set_num_threads(saved)
     for got in runs[1:]:
@@ -192,10 +192,10 @@ def test_public_exact_vjp_with_sinks_matches_the_referee(monkeypatch):
 
 def test_sinks_beyond_the_input_limit_go_to_the_referee():
     _, q, k, v, do, gl = _problem(seed=1)
-    spec, d, g = _spec_and_cotangents(q, k, v, do, gl, sinks=SINKS * _fast_vjp.INPUT_LIMIT)
-    assert not _fast_vjp.fast_inputs_ok(spec, d, g)
+    spec, d, g = _spec_and_cotangents(q, k, v, do, gl, sinks=SINKS * fast_vjp.INPUT_LIMIT)
+    assert not fast_vjp.fast_inputs_ok(spec, d, g)
     spec, d, g = _spec_and_cotangents(q, k, v, do, gl, sinks=SINKS)
-    assert _fast_vjp.fast_inputs_ok(spec, d, g)
+    assert fast_vjp.fast_inputs_ok(spec, d, g)
 
 
 def test_the_referee_engine_refuses_an_unfolded_sink():

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 import refattn
-from refattn.exact import _fast_vjp
 from refattn.exact.attention_vjp import exact_vjp
+from refattn.exact.fast import vjp as fast_vjp
+from refattn.exact.fast.allowed_set import allowed_plane
 from refattn.exact.rounding import FORMATS
 from refattn.spec import canonicalize, check_cotangent, fold
 from tests.helpers import assert_same_bits, vjp_problem
@@ -61,7 +62,7 @@ def test_row_allowed_sets_equal_the_spec(name):
     batch, heads = spec.dims[:2]
     for b in range(batch):
         for h in range(heads):
-            allowed, kept = _fast_vjp.allowed_plane(spec, b, h)
+            allowed, kept = allowed_plane(spec, b, h)
             want = spec.allowed(b, h)
             np.testing.assert_array_equal(allowed, want, err_msg=f"{name} b={b} h={h}")
             keep = want if spec.dropout_mask is None else want & spec.dropout_mask[b, h]
@@ -99,7 +100,7 @@ def _per_thread_count(spec, do, gl, **kwargs):
     try:
         for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS), saved}):
             numba.set_num_threads(threads)
-            runs.append(_fast_vjp.gradient_enclosures(spec, d, g, **kwargs))
+            runs.append(fast_vjp.gradient_enclosures(spec, d, g, **kwargs))
     finally:
         numba.set_num_threads(saved)
     return runs
@@ -199,12 +200,12 @@ def test_streamed_dbias_has_the_reduced_enclosures_bits(case, with_glse):
     bias = rng.standard_normal(shape)
     bias.flat[3] = -np.inf
     spec = canonicalize(q, k, v, bias=bias, **opts)
-    assert _fast_vjp._dbias_stream_slots(spec) is not None
+    assert fast_vjp._dbias_stream_slots(spec) is not None
     _, heads, _, length, _, _, vdim = spec.dims
     d = check_cotangent(spec, do, "grad_out", (heads, length, vdim))
     g = check_cotangent(spec, gl, "grad_lse", (heads, length)) if with_glse else None
-    new = _fast_vjp.gradient_enclosures(spec, d, g)
-    old = _fast_vjp.gradient_enclosures(spec, d, g, stream_dbias=False)
+    new = fast_vjp.gradient_enclosures(spec, d, g)
+    old = fast_vjp.gradient_enclosures(spec, d, g, stream_dbias=False)
     assert new[3].shape == (3,) + tuple(shape)
     assert new[4] is None  # dsinks: no sinks
     for what, a, b in zip(("dq", "dk", "dv", "dbias", "dsinks", "bad"), new, old, strict=True):
@@ -237,13 +238,13 @@ def test_streamed_dbias_with_a_batch_of_two_axes(shape):
     q = rng.standard_normal((2, 3, 2, 5, 4))
     k, v = rng.standard_normal((2, 3, 2, 6, 4)), rng.standard_normal((2, 3, 2, 6, 3))
     spec = canonicalize(q, k, v, bias=rng.standard_normal(shape), causal=True)
-    assert _fast_vjp._dbias_stream_slots(spec) is not None
+    assert fast_vjp._dbias_stream_slots(spec) is not None
     _, heads, _, length, _, _, vdim = spec.dims
     d = check_cotangent(
         spec, rng.standard_normal((2, 3, 2, 5, 3)), "grad_out", (heads, length, vdim)
     )
-    new = _fast_vjp.gradient_enclosures(spec, d, None)[3]
-    old = _fast_vjp.gradient_enclosures(spec, d, None, stream_dbias=False)[3]
+    new = fast_vjp.gradient_enclosures(spec, d, None)[3]
+    old = fast_vjp.gradient_enclosures(spec, d, None, stream_dbias=False)[3]
     assert new.shape == (3,) + shape
     assert_same_bits(new, old, what="dbias", case=str(shape))
 
@@ -252,7 +253,7 @@ def _along_keys_problem(shape, with_glse, seed=31):
     rng, q, k, v, do, gl = _problem(seed=seed)
     opts = dict(causal=True, kv_lengths=np.array([9, 3]), align="bottom_right", softcap=2.0)
     spec = canonicalize(q, k, v, bias=rng.standard_normal(shape), **opts)
-    assert _fast_vjp._along_keys(spec)
+    assert fast_vjp._along_keys(spec)
     _, heads, _, length, _, _, vdim = spec.dims
     d = check_cotangent(spec, do, "grad_out", (heads, length, vdim))
     g = check_cotangent(spec, gl, "grad_lse", (heads, length)) if with_glse else None
@@ -264,7 +265,7 @@ def test_dbias_along_the_keys_is_summed_by_rows(shape):
     """A bias broadcast along the keys: its dbias is the exact sum of the rows' grad_lse (no
     (B, H, L, S) enclosure); the decided bits are the referee's."""
     spec, _, d, g = _along_keys_problem(shape, True)
-    enclosure = _fast_vjp.gradient_enclosures(spec, d, g)[3]
+    enclosure = fast_vjp.gradient_enclosures(spec, d, g)[3]
     assert enclosure.shape == (3,) + shape
     for out_dtype in ("float64", "float32"):
         fast = _grads(spec, d, g, out_dtype, "fast")

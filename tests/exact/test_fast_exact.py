@@ -1,4 +1,4 @@
-"""The fast exact attention engine (refattn.exact.fast_attention) is bit-identical to the
+"""The fast exact attention engine (refattn.exact.fast.forward) is bit-identical to the
 referee engine (refattn.exact.attention) on every option, dtype and hard input, and really falls
 back to the referee where the first step cannot decide."""
 
@@ -16,7 +16,8 @@ from hypothesis import given, settings
 
 import refattn
 from refattn import config
-from refattn.exact import fast_attention as FA
+from refattn.exact.fast import allowed_set, forward_kernels
+from refattn.exact.fast import forward as FA
 from tests.strategies import attention_cases, logspace_rows
 
 OUT_DTYPES = ["float64", "float32", "float16", "bfloat16"]
@@ -240,7 +241,7 @@ def test_kernel_bodies_run_without_jit():
 def _row_facts(x):
     """(ok, norms, scales) of the rows of a 2-D float64 array by the compiled pass."""
     ok, norms, scales = np.empty(len(x), bool), np.empty(len(x)), np.empty(len(x))
-    FA._row_facts(x, x.view(np.int64), norms, scales, ok)
+    forward_kernels.row_facts(x, x.view(np.int64), norms, scales, ok)
     return ok, norms, scales
 
 
@@ -330,19 +331,17 @@ def test_allowed_rule_is_spec_allowed():
     """The kernels' allowed set (key intervals + compact mask, bias, dropout mask) is the one
     rule of AttentionSpec.allowed, on every plane of every option that shapes it."""
     for opts, spec in _option_specs():
-        rule = FA.allowed_rule(spec)
+        rule = allowed_set.allowed_rule(spec)
         batch, heads, _, _, keys, _, _ = spec.dims
         for b in range(batch):
             for h in range(heads):
-                allowed, kept = FA.rule_allowed(rule, b, h, keys)
+                allowed, kept = allowed_set.rule_allowed(rule, b, h, keys)
                 want = spec.allowed(b, h)
                 assert np.array_equal(allowed, want), (sorted(opts), b, h)
                 want_kept = want if spec.dropout_mask is None else want & spec.dropout_mask[b, h]
                 assert np.array_equal(kept, want_kept), (sorted(opts), b, h)
-        for part in (rule.mask, rule.bias, rule.drop):  # never larger than what was passed
-            assert part[0].size <= max(
-                1, spec.q.shape[0] * spec.q.shape[1] * spec.q.shape[2] * keys
-            )
+        for part in (rule.mask, rule.bias, rule.keep):  # never larger than what was passed
+            assert part.size <= max(1, spec.q.shape[0] * spec.q.shape[1] * spec.q.shape[2] * keys)
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32, ml_dtypes.bfloat16])

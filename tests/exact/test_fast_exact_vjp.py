@@ -4,7 +4,11 @@ referee (the arbitrary-precision Ziv loop) on every option, dtype and hard input
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from fractions import Fraction
+from pathlib import Path
 
 import mpmath
 import numpy as np
@@ -17,8 +21,9 @@ from oracle import catalogue
 from oracle.catalogue.attention import make_inputs
 from oracle.golden import call_options
 from refattn import config
-from refattn.exact._dd_extra import EXP_FAST_REL, exp_dd_fast, round_decision
 from refattn.exact.attention_vjp import exact_vjp
+from refattn.exact.fast.doubledouble import EXP_FAST_REL, exp_dd_fast
+from refattn.exact.fast.rounding_decision import round_decision
 from refattn.exact.rounding import FORMATS, round_exact
 from refattn.spec import canonicalize, check_cotangent
 from tests.helpers import assert_same_bits, vjp_problem
@@ -361,8 +366,8 @@ def test_enclosures_hold_the_exact_gradients(dtype, opts):
     """Every fast enclosure (hi + lo, radius) holds the referee's 300-bit interval: the
     running bounds of the compensated sums (scores, dp, sigma, D) are sound, also where they
     are far below the a-priori dot_bound (70 keys cross the 64-key block)."""
-    from refattn.exact import _fast_vjp
     from refattn.exact.attention_vjp import ExactVJP
+    from refattn.exact.fast import vjp as fast_vjp
 
     rng = np.random.default_rng(41)
     q, k, v = (rng.standard_normal((1, 2, n, 8)).astype(dtype) for n in (6, 70, 70))
@@ -374,7 +379,7 @@ def test_enclosures_hold_the_exact_gradients(dtype, opts):
     spec = canonicalize(q, k, v, **opts)
     d = check_cotangent(spec, do, "grad_out", (2, 6, 8))
     g = check_cotangent(spec, gl, "grad_lse", (2, 6))
-    encl = dict(zip(("dq", "dk", "dv"), _fast_vjp.gradient_enclosures(spec, d, g)[:3], strict=True))
+    encl = dict(zip(("dq", "dk", "dv"), fast_vjp.gradient_enclosures(spec, d, g)[:3], strict=True))
     ref = ExactVJP(spec, d, g).at(300)
     for name, enc in encl.items():
         lows, highs = ref[name]
@@ -383,3 +388,34 @@ def test_enclosures_hold_the_exact_gradients(dtype, opts):
             mid = Fraction(float(enc[(0, *ix)])) + Fraction(float(enc[(1, *ix)]))
             rad = Fraction(float(enc[(2, *ix)]))
             assert mid - rad <= lo and hi <= mid + rad, (name, ix, float(mid), float(rad))
+
+
+def test_vjp_kernel_bodies_run_without_jit():
+    """NUMBA_DISABLE_JIT=1: the vjp's kernels (passes A, B, C, the row pieces, the allowed set)
+    run as Python on small cases (coverage of their bodies), still bit-identical to the
+    referee: every option at once, a bias broadcast over heads (pass C), ties, single-key
+    rows, and sinks with empty rows and a bias broadcast along the keys."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, NUMBA_DISABLE_JIT="1", PYTHONPATH=str(root))
+    selection = (
+        "ties or single_key or (every_option and float64 and (everything or bias-heads))"
+        " or (with_sinks and float64 and (everything or bias_rows or kv_lengths_empty))"
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(root / "tests" / "exact" / "test_fast_exact_vjp.py"),
+        str(root / "tests" / "exact" / "test_exact_vjp_sinks.py"),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:benchmark",
+        "-x",
+        "-k",
+        selection,
+    ]
+    done = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"NUMBA_DISABLE_JIT=1 tier failed:\n{done.stdout[-3000:]}"
+    assert " passed" in done.stdout and " deselected" in done.stdout, done.stdout[-3000:]

@@ -239,7 +239,6 @@ def test_kv_lengths_bottom_right_is_not_the_padded_mask_reading():
 
 @pytest.mark.parametrize("options", OPTION_SETS[:4], ids=str)
 def test_numba_inside_the_kernel_bound(options):
-    pytest.importorskip("numba")
     from refattn.kernels import numba_cpu
 
     q, k, v, rng = _inputs(13)

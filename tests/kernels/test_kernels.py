@@ -247,9 +247,8 @@ def _digest(arrays) -> str:
 
 
 _DIGEST_SCRIPT = """
-import sys, numpy as np, refattn, hashlib
-sys.path.insert(0, {tests!r})
-from test_kernels import _build, _digest
+import numpy as np, refattn
+from tests.kernels.test_kernels import _build, _digest
 q, k, v, opts, go, gl = _build("everything", np.float64, seed=11)
 out, lse = refattn.attention(q, k, v, return_lse=True, backend="numba", **opts)
 g = refattn.attention_vjp(q, k, v, go, grad_lse=gl, backend="numba", **opts)
@@ -264,7 +263,7 @@ print(_digest([out, lse, *g, o32, *g32, *split]))
 
 def _run_digest(threads: int) -> str:
     env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
-    script = _DIGEST_SCRIPT.format(tests=str(ROOT / "tests"))
+    script = _DIGEST_SCRIPT
     done = subprocess.run(
         [sys.executable, "-W", "error", "-c", script],
         env=env,

@@ -11,8 +11,7 @@ from oracle.cli import main
 from oracle.conventions import check_convention, page_size, wrap
 from oracle.validate import validate
 
-pytest.importorskip("torch")
-pytestmark = pytest.mark.peers
+pytestmark = pytest.mark.peers("torch")
 
 LAYOUT_IMPLS = {
     "bhld": "tests.planted.convention_impls:attention_bhld",
@@ -118,8 +117,8 @@ def test_bad_convention_names_the_argument():
     assert page_size(255) == 16 and page_size(4096) == 64
 
 
+@pytest.mark.peers("jax")
 def test_jax_function_in_its_own_layout():
-    pytest.importorskip("jax")
     report = validate(
         "tests.planted.convention_impls:jax_dot_product_attention",
         suite="default",

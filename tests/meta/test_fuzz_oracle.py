@@ -814,7 +814,8 @@ def test_fuzz_script_without_main_guard(tmp_path):
         "report = oracle.validate(fuzz_impls.good, suite='smoke', progress=False)\n"
         "print('isolated', report.isolated, 'passed', report.passed)\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_ROOT), str(_ROOT / "tests")])}
+    planted = _ROOT / "tests" / "planted"  # fuzz_impls lives there since tests/ has layers
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_ROOT), str(planted)])}
     proc = subprocess.run(
         [sys.executable, str(script)],
         cwd=tmp_path,
@@ -827,3 +828,243 @@ def test_fuzz_script_without_main_guard(tmp_path):
     ok = proc.returncode == 0 and "isolated True passed True" in proc.stdout
     tally["ran isolated" if ok else f"BAD rc {proc.returncode}: {proc.stderr[-300:]}"] += 1
     _tally_ok(tally, "script without main guard")
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 28: no run that judged nothing exits 0; every bad input gets one line and exit 2
+# ---------------------------------------------------------------------------------------------
+
+#: module source -> what the implementation does; each written into tmp_path as its own module
+_IMPORT_TIME = {
+    "exits_0": "import sys\nsys.exit(0)\n",
+    "exits_3": "import sys\nsys.exit(3)\n",
+    "os_exits_0": "import os\nos._exit(0)\n",
+    "raises": "raise RuntimeError('boom at import')\n",
+    "syntax_error": "def attention(:\n",
+}
+_IN_A_CASE = {
+    "keyboard_interrupt": "def attention(q, k, v, **options):\n    raise KeyboardInterrupt\n",
+}
+_ONE_CASE = ["--suite", "smoke", "--dtype", "float32", "--case", "basic-*", "--quiet"]
+
+
+def _user_modules(tmp_path, monkeypatch, sources) -> None:
+    """Write each source as module ``fuzz28_<name>`` in tmp_path, the cwd and on sys.path
+    (names of their own: the import system caches modules)."""
+    for name, source in sources.items():
+        tail = (
+            "" if "def attention" in source else "\ndef attention(q, k, v, **options):\n    pass\n"
+        )
+        (tmp_path / f"fuzz28_{name}.py").write_text(source + tail)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def _cli_fd(argv, capfd) -> tuple[int | str, str]:
+    """Exit code and all stderr text of one CLI call: this process's and what reached file
+    descriptor 2 from elsewhere (the worker process writes there)."""
+    import contextlib
+    import io
+
+    capfd.readouterr()
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = cli.main(argv)
+    except SystemExit as exc:  # argparse usage errors
+        code = exc.code
+    except Exception as exc:  # the harness's point: any exception here is a finding
+        return f"BAD traceback in CLI {argv}: {exc!r}", ""
+    return code, err.getvalue() + capfd.readouterr().err
+
+
+def test_fuzz_user_module_misbehaves_at_import(tmp_path, monkeypatch, capfd):
+    """sys.exit / os._exit / an exception / a SyntaxError at import: one line, exit 2, never
+    the exit 0 of a run that judged nothing (isolated and, but for os._exit, in-process)."""
+    _user_modules(tmp_path, monkeypatch, _IMPORT_TIME)
+    tally = collections.Counter()
+    for name in _IMPORT_TIME:
+        modes = [[]] if name == "os_exits_0" else [[], ["--in-process"]]
+        for mode in modes:
+            argv = ["validate", "--impl", f"fuzz28_{name}:attention", *_ONE_CASE, *mode]
+            code, err = _cli_fd(argv, capfd)
+            lines = err.strip().splitlines()
+            if isinstance(code, str):
+                outcome = code
+            elif code != 2:
+                outcome = f"BAD exit {code} (a run that judged nothing)"
+            elif "Traceback" in err or len(lines) != 1 or f"fuzz28_{name}" not in err:
+                outcome = f"BAD not one line naming the module: {err[-300:]!r}"
+            else:
+                outcome = "refused"
+            label = f"{name}{' in-process' if mode else ''}"
+            tally[outcome if not outcome.startswith("BAD") else f"{outcome} [{label}]"] += 1
+    _tally_ok(tally, "import-time misbehaviour")
+
+
+def test_fuzz_keyboard_interrupt_inside_a_case(tmp_path, monkeypatch, capfd):
+    """Isolated: the verdict "error" naming KeyboardInterrupt, no worker traceback, exit 1.
+    In-process (it cannot be told from Ctrl-C there): a clean abort, one line, exit 2."""
+    _user_modules(tmp_path, monkeypatch, _IN_A_CASE)
+    tally = collections.Counter()
+    impl = ["--impl", "fuzz28_keyboard_interrupt:attention"]
+    report = tmp_path / "r.json"
+    code, err = _cli_fd(["validate", *impl, *_ONE_CASE, "--json", str(report)], capfd)
+    data = json.loads(report.read_text()) if report.exists() else None
+    verdicts = [(r["verdict"], r["message"]) for r in data["results"]] if data else []
+    if isinstance(code, str):
+        outcome = code
+    elif code != 1 or not verdicts:
+        outcome = f"BAD exit {code}, results {verdicts}"
+    elif "Traceback" in err:
+        outcome = f"BAD worker traceback on stderr: {err[-300:]!r}"
+    elif not all(v == "error" and "KeyboardInterrupt" in m for v, m in verdicts):
+        outcome = f"BAD verdicts {verdicts}"
+    else:
+        outcome = "error verdict"
+    tally[outcome] += 1
+    code, err = _cli_fd(["validate", *impl, *_ONE_CASE, "--in-process"], capfd)
+    one_line = len(err.strip().splitlines()) == 1 and "interrupted" in err
+    tally["aborted (in-process)" if code == 2 and one_line else f"BAD in-process {code}"] += 1
+    _tally_ok(tally, "KeyboardInterrupt in a case")
+
+
+def test_fuzz_cli_selections_and_output_paths(tmp_path, monkeypatch):
+    """Every selection and output path the CLI takes, made bad: exit 2 and one line, checked
+    before any case runs (report paths included: a long run must not end in a traceback)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-dir").mkdir()
+    (tmp_path / "a-file").write_text("user data")
+    base = ["validate", "--adapter", "refattn-float64", *_ONE_CASE]
+    tries = [
+        ("list unknown suite", ["list", "cases", "--suite", "nosuch"]),
+        ("list empty suite", ["list", "cases", "--suite", ""]),
+        ("unknown suite", [*base[:3], "--suite", "nosuch"]),
+        ("fixtures is a file", [*base[:3], "--fixtures", str(tmp_path / "a-file")]),
+        ("unknown check", [*base, "--check", "nope"]),
+        ("unknown feature", [*base, "--require", "nope"]),
+        ("case matches nothing", [*base[:5], "--case", "nomatch*"]),
+        ("timeout inf", [*base, "--timeout", "inf"]),
+        ("timeout nan", [*base, "--timeout", "nan"]),
+        ("timeout 1e300", [*base, "--timeout", "1e300"]),
+        ("memory-limit inf", [*base, "--memory-limit", "inf"]),
+        ("memory-limit 1e30", [*base, "--memory-limit", "1e30"]),
+        ("impl relative module", ["validate", "--impl", ".x:f", *_ONE_CASE]),
+        ("impl no function", ["validate", "--impl", "tests.planted.fuzz_impls:", *_ONE_CASE]),
+        ("impl not callable", ["validate", "--impl", "oracle.cli:__all__", *_ONE_CASE]),
+    ]
+    for flag in ("--json", "--junit", "--html"):
+        tries += [
+            (f"{flag} a directory", [*base, flag, str(tmp_path / "a-dir")]),
+            (f"{flag} empty", [*base, flag, ""]),
+            (f"{flag} missing folder", [*base, flag, str(tmp_path / "no" / "r")]),
+            (f"{flag} under a file", [*base, flag, str(tmp_path / "a-file" / "r")]),
+        ]
+    tally = collections.Counter()
+    for label, argv in tries:
+        code = _cli(argv)
+        if isinstance(code, str):
+            outcome = code
+        elif code != 2:
+            outcome = f"BAD exit {code}"
+        elif (tmp_path / "a-file").read_text() != "user data":
+            outcome = "BAD changed a user's file"
+        else:
+            outcome = "refused"
+        tally[outcome if not outcome.startswith("BAD") else f"{outcome} [{label}]"] += 1
+    _tally_ok(tally, "selections and output paths")
+
+
+def test_fuzz_impl_and_adapter_together_are_both_judged(capsys):
+    """``--impl X --adapter Y`` (documented: repeatable and mixable) judges both, each summary
+    headed by its implementation, exit 1 when either fails: nothing is silently dropped."""
+    argv = ["validate", "--in-process", *_ONE_CASE]
+    argv += ["--adapter", "refattn-float64", "--impl", "tests.planted.broken_impls:missing_scale"]
+    code = cli.main(argv)
+    out = capsys.readouterr().out
+    headers = [line for line in out.splitlines() if line.startswith("== ")]
+    tally = collections.Counter()
+    expected = ["== tests.planted.broken_impls:missing_scale: FAILED", "== refattn-float64: passed"]
+    ok = code == 1 and headers == expected
+    tally["both judged, each named" if ok else f"BAD exit {code}, headers {headers}"] += 1
+    _tally_ok(tally, "--impl with --adapter")
+
+
+def test_fuzz_report_write_failing_after_the_run(tmp_path, monkeypatch):
+    """The disk fills up while the report is written: one line and exit 2, after the summary."""
+    from oracle.results import Report
+
+    def full_disk(self, path):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(Report, "to_json", full_disk)
+    argv = ["validate", "--adapter", "refattn-float64", *_ONE_CASE, "--in-process"]
+    code = _cli([*argv, "--json", str(tmp_path / "r.json")])
+    tally = collections.Counter()
+    tally["refused" if code == 2 else f"BAD exit {code}"] += 1
+    _tally_ok(tally, "report write failing")
+
+
+_BLOCKING_GENERATE = """
+import os, sys, time
+from oracle import catalogue, golden
+real_replace = os.replace
+def replace_then_block(src, dst):
+    if str(dst).endswith({last!r}):  # the last fixture's temp file is complete: stop here
+        print("temp file written", flush=True)
+        time.sleep(600)
+    real_replace(src, dst)
+os.replace = replace_then_block
+golden.generate("smoke", sys.argv[1], cases=[catalogue.get(n) for n in {names!r}],
+                progress=False)
+"""
+
+
+def _generate_until_killed(out: Path) -> list[str]:
+    """Run generate in a subprocess, SIGKILL it while its last temp file exists; return the
+    temp files it left."""
+    import select
+    import signal
+
+    script = _BLOCKING_GENERATE.format(last=f"{_CASES[-1]}.npz", names=list(_CASES))
+    env = {**os.environ, "PYTHONPATH": str(_ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(out)], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 300)
+        assert ready and proc.stdout.readline().strip() == "temp file written", "no temp file"
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(60) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(60)
+        proc.stdout.close()
+    return sorted(p.name for p in out.iterdir() if p.name.endswith(".tmp"))
+
+
+def test_fuzz_resume_after_sigkill_matches_a_clean_run(tmp_path, reference):
+    """generate killed with SIGKILL mid-write leaves its temp file; the resumed run removes it
+    (its writer is gone) and the folder is byte-identical to a clean run's. Temp files of a live
+    writer and files that only look like temp files stay."""
+    tally = collections.Counter()
+    out = tmp_path / "killed"
+    left = _generate_until_killed(out)
+    tally["temp file left by the kill" if left else "BAD kill left no temp file (no test)"] += 1
+    golden.generate("smoke", out, cases=[cases.get(n) for n in _CASES], progress=False)
+    same = _listing(out) == _listing(reference)
+    stray = sorted(set(_listing(out)) ^ set(_listing(reference)))
+    tally["byte-identical to a clean run" if same else f"BAD resume differs: {stray}"] += 1
+    planted = _fresh(reference, tmp_path / "planted")
+    alive = f".refattn-{os.getppid()}-{'0' * 12}.tmp"  # a live process: maybe still writing
+    lookalikes = [".refattn-1-abc.tmp", ".refattn-x-000000000000.tmp", ".refattn-7-0.tmp.bak"]
+    dead = f".refattn-{2**22 + 1}-{'a' * 12}.tmp"  # above Linux's pid_max: never alive
+    for name in (alive, dead, *lookalikes):
+        (planted / name).write_bytes(b"partial")
+    golden.generate("smoke", planted, cases=[cases.get(n) for n in _CASES], progress=False)
+    names = set(_listing(planted))
+    kept = {alive, *lookalikes} <= names
+    tally["live writer's and look-alike files kept" if kept else "BAD deleted a file"] += 1
+    tally["dead writer's temp file removed" if dead not in names else "BAD stale temp kept"] += 1
+    _tally_ok(tally, "resume after SIGKILL")

@@ -46,14 +46,12 @@ def test_float64_path_passes_every_option_case():
 
 
 def test_numba_kernels_pass_option_cases():
-    pytest.importorskip("numba")
     report = _check("refattn-numba", _NUMBA_QUICK)
     assert len(report.results) == len(_NUMBA_QUICK)
 
 
 @pytest.mark.slow
 def test_numba_kernels_pass_every_option_case():
-    pytest.importorskip("numba")
     _check("refattn-numba", _PATTERNS)
 
 

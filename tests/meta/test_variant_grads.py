@@ -146,8 +146,8 @@ def _float32_torch_vjp(q, keys, v, grad_out, *, sigma2=1.0, mode="soft", mask=No
     return mgk.MGKGrads(*(t.grad.numpy().astype(q.dtype) for t in leaves))
 
 
+@pytest.mark.peers("torch")
 def test_float32_vjp_is_no_false_alarm():
-    pytest.importorskip("torch")
     chosen = [c for c in _grad_cases(DEFAULT, "mgk.attention") if c.dtype != "float64"]
     report = V.validate(
         _with_vjp(mgk.attention, _float32_torch_vjp),

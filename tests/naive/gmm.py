@@ -31,6 +31,9 @@ __all__ = [
     "naive_log_prior",
     "naive_query_terms",
     "naive_value_terms",
+    "naive_apple_adapt_keys",
+    "APPLE_EPS",
+    "PUBLIC_CODE_RTOL",
 ]
 
 #: Decimal digits of the twins' mpmath evaluations.
@@ -234,3 +237,88 @@ def naive_adapt_priors(queries, keys, *, alpha, eta, pi0, iters, form):
             norm = exact_sum(mass)
             pi = [exact_div(m, norm) for m in mass]
         return pi
+
+
+# --------------------------------------------------------------------------------------------
+# The authors' public code (apple/ml-probabilistic-attention, probabilisticattention.py),
+# written from its description: ProbabilisticAttention.forward's weight update (update_weights)
+# and its key-adaptation loop.
+# --------------------------------------------------------------------------------------------
+
+#: How closely an option that claims to reproduce a public configuration must agree with its
+#: twin in float64: relative to the largest |twin| entry (issue 29's requirement). The twins
+#: follow the public code's algebra at 60 digits; the options run refattn's log-space float64
+#: path, so what remains is the float64 path's own rounding (about 1e-15 at these scales).
+PUBLIC_CODE_RTOL = 1e-12
+
+#: The constant the public Apple code adds to the sum of the max-shifted weights. That sum is
+#: at least 1, so the constant moves a float64 weight by nothing at all (1 + 1e-20 == 1).
+APPLE_EPS = 1e-20
+
+
+def _apple_weights(q_row, keys, values, alpha_u, beta_u, v_row, magnitude):
+    """One row of update_weights: the log-weights formed from the expanded squares, a max
+    shift, exp, and the division by (sum + APPLE_EPS); no Gaussian normalisers."""
+    logits = []
+    q2 = mpmath.fsum(mp(x) ** 2 for x in q_row)
+    for u in range(len(keys)):
+        z2 = mpmath.fsum(mp(x) ** 2 for x in keys[u])
+        qz = mpmath.fsum(mp(a) * mp(b) for a, b in zip(q_row, keys[u], strict=True))
+        logit = -alpha_u[u] / 2 * (q2 + z2 - 2 * qz)
+        if v_row is not None:
+            v2 = mpmath.fsum(mp(x) ** 2 for x in v_row)
+            mu2 = mpmath.fsum(mp(x) ** 2 for x in values[u])
+            vmu = mpmath.fsum(mp(a) * mp(b) for a, b in zip(v_row, values[u], strict=True))
+            logit += -beta_u[u] / 2 * (v2 + mu2 - 2 * vmu)
+        if magnitude:  # magnitude_priors with pi None: log p(u) = alpha |zeta|^2/2 + beta |mu|^2/2
+            logit += alpha_u[u] / 2 * z2
+            if values is not None:
+                logit += beta_u[u] / 2 * mpmath.fsum(mp(x) ** 2 for x in values[u])
+        logits.append(logit)
+    top = max(logits)
+    shifted = [mpmath.exp(s - top) for s in logits]
+    total = mpmath.fsum(shifted) + mp(APPLE_EPS)
+    return [w / total for w in shifted]
+
+
+def naive_apple_adapt_keys(
+    queries, keys0, values=None, *, alpha, beta=0.0, gamma=None, prior="uniform", v_init=None, iters
+):
+    """The public code's key adaptation: ``iters`` times, the weights of update_weights at the
+    current keys (value terms from ``values``/``v_init`` as that function forms them), then
+    ``zeta = (gamma zeta + alpha sum_i w_i q_i) / (gamma + alpha sum_i w_i)`` per unit
+    (``gamma=None``: ``zeta = sum_i w_i q_i / sum_i w_i``). Returns the keys as mpf lists."""
+    units, dim = keys0.shape
+    with mpmath.workdps(DPS):
+        alpha_u, beta_u = per_unit(alpha, units), per_unit(beta, units)
+        gamma_u = None if gamma is None else per_unit(gamma, units)
+        zeta = [[mp(x) for x in row] for row in keys0]
+        for _ in range(iters):
+            weights = [
+                _apple_weights(
+                    q_row,
+                    zeta,
+                    values,
+                    alpha_u,
+                    beta_u,
+                    None if v_init is None else v_init[i],
+                    prior == "magnitude",
+                )
+                for i, q_row in enumerate(queries)
+            ]
+            new = []
+            for u in range(units):
+                total = mpmath.fsum(w[u] for w in weights)
+                sums = [
+                    mpmath.fsum(w[u] * mp(q[d]) for w, q in zip(weights, queries, strict=True))
+                    for d in range(dim)
+                ]
+                if gamma_u is None:
+                    new.append([s / total for s in sums])
+                else:
+                    g, a = gamma_u[u], alpha_u[u]
+                    new.append(
+                        [(g * zeta[u][d] + a * sums[d]) / (g + a * total) for d in range(dim)]
+                    )
+            zeta = new
+        return zeta

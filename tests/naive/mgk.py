@@ -12,7 +12,17 @@ import numpy as np
 from .gmm import DPS
 from .mp import exact_div, exact_mul, exact_sum, lse, mp, softmax_weights
 
-__all__ = ["naive_allowed", "naive_mgk", "naive_em", "naive_linear", "LM_EPS"]
+__all__ = [
+    "naive_allowed",
+    "naive_mgk",
+    "naive_em",
+    "naive_linear",
+    "naive_lm_soft2keys_pi",
+    "naive_lm_rbf2keys",
+    "lm_two_key_variances",
+    "LM_EPS",
+    "MGK_GUARD",
+]
 
 #: The constant of the public language-modelling MLK denominator (mlk_form="lm").
 LM_EPS = 1e-5
@@ -234,4 +244,78 @@ def naive_linear(
             else:
                 den = mpmath.fsum(kernels.values())
                 out.append([n / den for n in num])
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# The public transformer-mgk code (minhtannguyen/transformer-mgk), written from its
+# description: language-modeling/lmtool-fwms/src/mem_transformer.py, class MGKAttn, with two
+# keys per position (update modes "soft2keys" and "rbf2keys").
+# --------------------------------------------------------------------------------------------
+
+#: The guard MGKAttn adds to the per-key mixture (soft2keys pi update) and to the row sum.
+MGK_GUARD = 1e-6
+
+
+def lm_two_key_variances(dim):
+    """sigma^2 of the two keys: QK_distance0 = -(1/sqrt(D))/2 |q - k0|^2 and QK_distance1 =
+    -1.5/sqrt(D) |q - k1|^2, i.e. sigma^2_0 = sqrt(D), sigma^2_1 = sqrt(D) / 3."""
+    root = mpmath.sqrt(dim)
+    return root, root / 3
+
+
+def _two_key_kernels(q_row, k0_row, k1_row, dim):
+    """exp(QK_distance0), exp(QK_distance1): unnormalised Gaussian kernels (no (2 pi s2)^(-D/2))."""
+    s0, s1 = lm_two_key_variances(dim)
+    d0 = mpmath.fsum((mp(a) - mp(b)) ** 2 for a, b in zip(q_row, k0_row, strict=True))
+    d1 = mpmath.fsum((mp(a) - mp(b)) ** 2 for a, b in zip(q_row, k1_row, strict=True))
+    return mpmath.exp(-d0 / (2 * s0)), mpmath.exp(-d1 / (2 * s1))
+
+
+def naive_lm_soft2keys_pi(q, k0, k1, pi):
+    """The soft2keys training-time pi update: with e_r the kernels of the two keys,
+    ``resp0 = pi_j e0 / (pi_j e0 + (1 - pi_j) e1 + 1e-6)`` and ``pi_j <- sum_{b, i} resp0 /
+    (B L)``, pooled over the batch and every query (the attention mask is applied later).
+    q (B, L, D), k0 and k1 (B, S, D), pi (S,) the weight of key 0. Returns pi_new (S,) mpf."""
+    batch, length, dim = q.shape
+    units = k0.shape[1]
+    with mpmath.workdps(DPS):
+        out = []
+        for j in range(units):
+            p = mp(pi[j])
+            total = mpmath.mpf(0)
+            for b in range(batch):
+                for i in range(length):
+                    e0, e1 = _two_key_kernels(q[b, i], k0[b, j], k1[b, j], dim)
+                    total += p * e0 / (p * e0 + (1 - p) * e1 + mp(MGK_GUARD))
+            out.append(total / (batch * length))
+        return out
+
+
+def naive_lm_rbf2keys(q, k0, k1, v, pi0, pi1, *, causal=True):
+    """The rbf2keys attention of one batch element: ``attn = clamp(pi0_j, 0, 1) e0 +
+    clamp(pi1_j, 0, 1) e1`` (pi0, pi1 learnt independently, not normalised), masked
+    positions set to 0, each row divided by (its sum + 1e-6), times v. q (L, D), k0 and k1
+    (S, D), v (S, E), pi0 and pi1 (S,). Returns (L, E) mpf lists."""
+    length, dim = q.shape
+    units = k0.shape[0]
+    offset = units - length  # the memory (mems) precedes the current segment
+    with mpmath.workdps(DPS):
+        out = []
+        for i in range(length):
+            row = []
+            for j in range(units):
+                if causal and j > i + offset:
+                    row.append(mpmath.mpf(0))
+                    continue
+                e0, e1 = _two_key_kernels(q[i], k0[j], k1[j], dim)
+                c0, c1 = (min(max(mp(p), 0), 1) for p in (pi0[j], pi1[j]))
+                row.append(c0 * e0 + c1 * e1)
+            total = mpmath.fsum(row) + mp(MGK_GUARD)
+            out.append(
+                [
+                    mpmath.fsum(w / total * mp(v[j][e]) for j, w in enumerate(row))
+                    for e in range(v.shape[1])
+                ]
+            )
         return out

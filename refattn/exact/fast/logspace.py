@@ -1,7 +1,7 @@
 """Fast first step of the exact log-sum-exp, softmax and log-softmax (rows of float64 values).
 
 Per row with allowed entries ``x_j`` (the same double-double machinery as
-:mod:`refattn.exact.fast_attention`, Blanchard, Higham & Higham 2021, eq. (4.1)):
+:mod:`refattn.exact.fast.forward`, Blanchard, Higham & Higham 2021, eq. (4.1)):
 
 * ``m = max_j x_j``; ``x_j - m`` is exact as a double-double (TwoSum), so the only errors are
   those of ``e_j = exp_dd_fast(x_j - m)`` (relative ``EXP_FAST_REL``; arguments below ``CUT``
@@ -21,10 +21,12 @@ import numba
 import numpy as np
 from numba import prange
 
-from . import _dd as D
-from ._dd_extra import EXP_FAST_REL, decide_dd_fast, exp_dd_fast
-from .fast_attention import CUT, TINY, WEIGHT_TINY_ARG, WEIGHT_ZERO_ARG, rounds_to_zero
-from .rounding import format_of
+from ..rounding import format_of
+from . import doubledouble as D
+from .doubledouble import EXP_FAST_REL, exp_dd_fast
+from .forward import rounds_to_zero
+from .forward_kernels import CUT, TINY, WEIGHT_TINY_ARG, WEIGHT_ZERO_ARG
+from .rounding_decision import decide_dd_fast
 
 __all__ = ["fast_logsumexp", "fast_softmax"]
 

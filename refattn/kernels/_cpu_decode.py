@@ -1,0 +1,235 @@
+"""The short-query (decode) forward of the Numba CPU kernels (:mod:`.numba_cpu`): key splits.
+
+When the query rows of a whole kv-head group fit one tile (``(H/K) L <= BLOCK_Q``) and there is
+more than one split of :data:`SPLIT_KEYS` keys, work units are (batch, kv head, key split): the
+rows of all query heads of a group share each loaded key block, and each split leaves a partial
+(max, sum, accumulator) per row, combined in increasing split order (the split size is fixed,
+so the order depends on the shapes only).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, parallel_chunksize, prange
+
+from ._cpu_scores import dropout_weights, finish_scores, first_key_block, row_interval
+from ._cpu_tiles import (
+    BLOCK_K,
+    BLOCK_Q,
+    exp_compute,
+    load_rows,
+    load_rows_t,
+    matmul_n,
+    matmul_t,
+    pad,
+    row_max,
+)
+from ._simd import KERNEL_OPTIONS, fma, lanes, vadd, vexp, vload, vmuls, vstore, vsubs, vsum, vzero
+
+__all__ = ["SPLIT_KEYS", "split_keys", "forward_splits"]
+
+#: Keys per split of the short-query (decode) path: a fixed size, so that the number of
+#: splits and the order they are combined in depend on the key length only.
+SPLIT_KEYS = 1024
+
+_OPTS = KERNEL_OPTIONS
+
+
+def split_keys(heads: int, kv_heads: int, length: int, keys: int) -> int:
+    """Key splits of the short-query path (0: the query-block path runs); shapes only.
+
+    The short-query path runs when the query rows of a whole kv-head group fit one tile
+    (``(H / K) * L <= BLOCK_Q``) and there is more than one split of :data:`SPLIT_KEYS` keys.
+
+    Examples
+    --------
+    >>> split_keys(32, 8, 1, 8192), split_keys(8, 8, 1024, 1024)
+    (8, 0)
+    """
+    if (heads // kv_heads) * length > BLOCK_Q or keys <= SPLIT_KEYS:
+        return 0
+    return -(-keys // SPLIT_KEYS)
+
+
+@njit(**_OPTS)
+def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, terms, parts):
+    """One (batch, kv head, key split) of the short-query path: the L rows of every query
+    head of the group form one tile, so each key block is loaded once per group. ``parts`` =
+    (max, sum, accumulator) partials of every (b, h, row, split)."""
+    part_m, part_total, part_acc = parts
+    drop, dstr = terms[4], terms[5]
+    kv_heads, length, keys, dim, vdim = dims[3], dims[2], dims[4], dims[5], dims[6]
+    group = group_heads.shape[1]
+    b = unit // (kv_heads * nsplit)
+    g = (unit // nsplit) % kv_heads
+    split = unit % nsplit
+    rows = group * length
+    dt = q.dtype
+    width = lanes(q)
+    epad = part_acc.shape[4]
+    q_t = np.zeros((dim, BLOCK_Q), dt)
+    k_t = np.empty((dim, BLOCK_K), dt)
+    v_blk = np.empty((BLOCK_K, epad), dt)
+    s = np.empty((BLOCK_Q, BLOCK_K), dt)
+    p = np.zeros((BLOCK_Q, BLOCK_K), dt)
+    pd = np.zeros((BLOCK_Q, BLOCK_K), dt)
+    deriv = np.empty((BLOCK_Q, BLOCK_K), dt)
+    acc = np.zeros((BLOCK_Q, epad), dt)
+    m = np.full(BLOCK_Q, -np.inf, dt)
+    total = np.zeros(BLOCK_Q, dt)
+    for t in range(group):
+        src = q[b, group_heads[g, t]]
+        for i in range(length):
+            for x in range(dim):
+                q_t[x, t * length + i] = src[i, x]
+    has_drop = opts[8] != 0
+    first_row = np.int64(0)  # not a literal: one compiled row_interval, finish_scores, ...
+    _, hi_last = row_interval(length - 1, dims, opts)
+    start = max(split * SPLIT_KEYS, first_key_block(first_row, dims, opts, BLOCK_K))
+    stop = min((split + 1) * SPLIT_KEYS, hi_last)
+    for c0 in range(start, stop, BLOCK_K):
+        nc = min(BLOCK_K, keys - c0)
+        load_rows_t(k[b, g], c0, nc, k_t)
+        v_finite = load_rows(v[b, g], c0, nc, v_blk)
+        matmul_t(q_t, k_t, dim, rows, BLOCK_K, s, True)
+        clean = True
+        for t in range(group):
+            r0 = t * length
+            clean &= finish_scores(
+                s[r0 : r0 + length],
+                length,
+                nc,
+                first_row,
+                c0,
+                b,
+                group_heads[g, t],
+                dims,
+                opts,
+                fopts,
+                terms,
+                deriv[r0 : r0 + length],
+            )
+        for r in range(rows):
+            row = s[r]
+            prow = p[r]
+            m_old = m[r]
+            m_new = max(m_old, row_max(row, BLOCK_K))
+            if m_new == -np.inf:
+                prow[:] = 0
+                continue
+            part = vzero(prow)
+            for c in range(0, BLOCK_K, width):
+                e = vexp(vsubs(vload(row, c), m_new))
+                vstore(prow, c, e)
+                part = vadd(part, e)
+            row_total = vsum(part)
+            if m_new != m_old:
+                alpha = exp_compute(m_old - m_new)
+                total[r] = total[r] * alpha
+                arow = acc[r]
+                for e0 in range(0, epad, width):
+                    vstore(arow, e0, vmuls(vload(arow, e0), alpha))
+                m[r] = m_new
+            total[r] = total[r] + row_total
+        weights = p
+        if has_drop:
+            for t in range(group):
+                r0 = t * length
+                dropout_weights(
+                    p[r0 : r0 + length],
+                    pd[r0 : r0 + length],
+                    length,
+                    nc,
+                    first_row,
+                    c0,
+                    b,
+                    group_heads[g, t],
+                    drop,
+                    dstr,
+                )
+            weights = pd
+        if v_finite or (clean and not has_drop):
+            matmul_n(weights, v_blk, nc, rows, epad, acc)
+        else:
+            for r in range(rows):
+                h, i = group_heads[g, r // length], r % length
+                for c in range(nc):
+                    if s[r, c] == -np.inf:
+                        continue
+                    if (
+                        has_drop
+                        and drop[dstr[0] * b + dstr[1] * h + dstr[2] * i + dstr[3] * (c0 + c)] == 0
+                    ):
+                        continue
+                    w = weights[r, c]
+                    for e in range(vdim):
+                        acc[r, e] = fma(w, v_blk[c, e], acc[r, e])
+    for r in range(rows):
+        h, i = group_heads[g, r // length], r % length
+        part_m[b, h, i, split] = m[r]
+        part_total[b, h, i, split] = total[r]
+        for e in range(epad):
+            part_acc[b, h, i, split, e] = acc[r, e]
+
+
+@njit(parallel=True, **_OPTS)
+def _split_forward(q, k, v, group_heads, nsplit, dims, opts, fopts, terms, out, lse):
+    """Short-query forward: key splits of SPLIT_KEYS keys per (batch, kv head) run as
+    independent units; their partial (max, sum, accumulator) are then combined per row in
+    increasing split order (the split size is fixed, so the order depends on the shapes
+    only)."""
+    batch, heads, length, kv_heads, vdim = dims[0], dims[1], dims[2], dims[3], dims[6]
+    dt = q.dtype
+    epad = pad(vdim, lanes(q))
+    part_m = np.empty((batch, heads, length, nsplit), dt)
+    part_total = np.empty((batch, heads, length, nsplit), dt)
+    part_acc = np.empty((batch, heads, length, nsplit, epad), dt)
+    parts = (part_m, part_total, part_acc)
+    zero = np.zeros(1, dt)
+    for unit in prange(batch * kv_heads * nsplit):
+        _split_unit(q, k, v, group_heads, np.int64(unit), nsplit, dims, opts, fopts, terms, parts)
+    keep_scale = fopts[2]
+    nan_rows = opts[9] != 0
+    for row in prange(batch * heads * length):
+        b = row // (heads * length)
+        h = (row // length) % heads
+        i = row % length
+        best = part_m[b, h, i, 0]  # never NaN (row maxima skip NaN)
+        for t in range(1, nsplit):
+            best = max(best, part_m[b, h, i, t])
+        orow = out[b, h, i]
+        if best == -np.inf:
+            fill = np.nan if nan_rows else 0.0
+            for e in range(vdim):
+                orow[e] = fill
+            lse[b, h, i] = np.nan if nan_rows else -np.inf
+            continue
+        total = zero[0]
+        for e in range(vdim):
+            orow[e] = 0
+        for t in range(nsplit):
+            m_t = part_m[b, h, i, t]
+            if m_t == -np.inf:
+                continue
+            alpha = exp_compute(m_t - best)
+            total = fma(alpha, part_total[b, h, i, t], total)
+            for e in range(vdim):
+                orow[e] = fma(alpha, part_acc[b, h, i, t, e], orow[e])
+        inv = keep_scale / total
+        for e in range(vdim):
+            orow[e] = orow[e] * inv
+        lse[b, h, i] = best + math.log(total)
+
+
+def forward_splits(nsplit, q, k, v, kv_head, dims, opts, fopts, terms, out, lse):
+    """Run the ``nsplit`` key splits (:func:`split_keys`) per (batch, kv head) into ``out``
+    (B, H, L, E) and ``lse`` (B, H, L); the other arguments are
+    :func:`~refattn.kernels._args.kernel_arguments`."""
+    heads, kv_heads = int(dims[1]), int(dims[3])
+    group_heads = np.array(
+        [[h for h in range(heads) if kv_head[h] == g] for g in range(kv_heads)], np.int64
+    )
+    with parallel_chunksize(1):
+        _split_forward(q, k, v, group_heads, nsplit, dims, opts, fopts, terms, out, lse)

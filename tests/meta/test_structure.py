@@ -1,0 +1,116 @@
+"""The tree's shape rules (issue 21), checked in the default run.
+
+* ``ruff format --check`` and ``ruff check`` are clean (ruff is in the test extra);
+* no module under refattn/ or oracle/ is over :data:`MAX_MODULE_LINES` lines (one job each);
+* no Numba / numba.cuda compiled function takes more than :data:`MAX_COMPILED_PARAMETERS`
+  parameters (kernels take argument vectors/records, as refattn/kernels/_args.py does);
+* oracle/ and tools/ import only public refattn names (no ``refattn._x`` module or name).
+
+Each failure lists every offender with its count, so one run says all that is left to do.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_MODULE_LINES = 900
+MAX_COMPILED_PARAMETERS = 12
+# decorator names that compile a function (numba.njit, numba.cuda.jit, numba.vectorize, ...)
+COMPILERS = ("njit", "jit", "vectorize", "guvectorize", "generated_jit", "stencil")
+
+
+def _sources(*patterns: str) -> list[Path]:
+    return sorted(path for pattern in patterns for path in ROOT.glob(pattern))
+
+
+def _relative(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _compiles(decorator: ast.expr) -> bool:
+    """Whether a decorator is a Numba compiler, called or not (``@njit``, ``@cuda.jit(...)``)."""
+    target = decorator.func if isinstance(decorator, ast.Call) else decorator
+    name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+    return name in COMPILERS
+
+
+def _parameter_count(arguments: ast.arguments) -> int:
+    count = len(arguments.posonlyargs) + len(arguments.args) + len(arguments.kwonlyargs)
+    return count + (arguments.vararg is not None) + (arguments.kwarg is not None)
+
+
+def _private_refattn_imports(tree: ast.AST) -> list[str]:
+    """Dotted names imported from refattn with a private (``_``-prefixed) part."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        for name in names:
+            head, *parts = name.split(".")
+            if head == "refattn" and any(
+                part.startswith("_") and part != "__version__" for part in parts
+            ):
+                found.append(name)
+    return found
+
+
+def _ruff(*args: str) -> subprocess.CompletedProcess:
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed (it is in the test extra: pip install -e '.[test]')")
+    return subprocess.run(
+        [ruff, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def test_ruff_format_is_clean():
+    done = _ruff("format", "--check", ".")
+    assert done.returncode == 0, f"`ruff format` would change:\n{done.stdout}{done.stderr}"
+
+
+def test_ruff_check_is_clean():
+    done = _ruff("check", ".")
+    assert done.returncode == 0, f"`ruff check` finds:\n{done.stdout}{done.stderr}"
+
+
+def test_no_module_over_the_line_limit():
+    lengths = {
+        _relative(path): len(path.read_text().splitlines())
+        for path in _sources("refattn/**/*.py", "oracle/**/*.py")
+    }
+    over = {name: count for name, count in lengths.items() if count > MAX_MODULE_LINES}
+    assert not over, f"{len(over)} modules over {MAX_MODULE_LINES} lines: {over}"
+
+
+def test_no_compiled_function_over_the_parameter_limit():
+    over = {}
+    for path in _sources("refattn/**/*.py", "oracle/**/*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any(map(_compiles, node.decorator_list)):
+                count = _parameter_count(node.args)
+                if count > MAX_COMPILED_PARAMETERS:
+                    over[f"{_relative(path)}:{node.name}"] = count
+    assert not over, (
+        f"{len(over)} compiled functions over {MAX_COMPILED_PARAMETERS} parameters "
+        f"(pass an argument vector/record, see refattn/kernels/_args.py): {over}"
+    )
+
+
+def test_oracle_and_tools_import_only_public_refattn_names():
+    private = {
+        _relative(path): names
+        for path in _sources("oracle/**/*.py", "tools/**/*.py")
+        if (names := _private_refattn_imports(ast.parse(path.read_text())))
+    }
+    count = sum(map(len, private.values()))
+    assert not private, f"{count} private refattn imports from oracle/ and tools/: {private}"
