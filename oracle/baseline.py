@@ -20,15 +20,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refattn._broadcast import expand_kv, fold_kv, reduce_to
+from refattn.broadcast import expand_kv, fold_kv, reduce_to
 from refattn.exact.rounding import format_of
 
+from .allowed import allowed_positions
 from .catalogue import seeding
 from .catalogue.case import Case
 from .catalogue.names import ATTENTION_OPTIONS
 from .catalogue.variants import BOOL_INPUTS, call_refattn, call_refattn_vjp
 from .heads import alibi_bias, dequantised, resolve_scale, with_heads
-from .tolerance import accumulation_dtype, allowed_positions
+from .tolerance import accumulation_dtype
 
 __all__ = [
     "Textbook",
@@ -52,23 +53,6 @@ class Textbook(NamedTuple):
     allowed: np.ndarray
     #: the sink's weight ``exp(sigma_h - lse_i)`` (..., H, L) with ``sinks``, else None
     sink_weights: np.ndarray | None = None
-
-
-def _allowed(L, S, mask, bias, causal, window, align, kv_lengths):
-    """The allowed set; with ``kv_lengths`` (batch shape) each batch row's causal/window set
-    is aligned to its own key length and keys j >= S_b are excluded, (..., 1, L, S)."""
-    if kv_lengths is None:
-        return allowed_positions(
-            L, S, mask=mask, bias=bias, causal=causal, window=window, align=align
-        )
-    lengths = np.asarray(kv_lengths)
-    rows = np.zeros(lengths.shape + (1, L, S), dtype=bool)
-    for index in np.ndindex(lengths.shape):
-        own = int(lengths[index])
-        rows[index][0, :, :own] = allowed_positions(
-            L, own, causal=causal, window=window, align=align
-        )
-    return rows & allowed_positions(L, S, mask=mask, bias=bias)
 
 
 def _alibi(alibi_slopes, L, S, align, kv_lengths):
@@ -130,7 +114,16 @@ def _scores(
         raw = np.where(poisoned_k[..., None, :], np.nan, raw)
         scores = stored(raw * acc.type(resolve_scale(scale, D)))
     if allowed is None:
-        allowed = _allowed(L, S, mask, bias, causal, window, align, kv_lengths)
+        allowed = allowed_positions(
+            L,
+            S,
+            mask=mask,
+            bias=bias,
+            causal=causal,
+            window=window,
+            align=align,
+            kv_lengths=kv_lengths,
+        )
     additive = np.zeros((), dtype=acc)
     if bias is not None:
         additive = np.where(np.asarray(bias) == -np.inf, 0, np.asarray(bias, dtype=np.float64))

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import tolerance as tol
+from .allowed import allowed_positions
 from .baseline import textbook_attention
 
 __all__ = [
@@ -94,11 +95,28 @@ def _extra(**changes):
     return apply
 
 
-def _causal_shift(shift):
+def _causal_admits_one_more(options, extras):
+    """Causal frontier one key past the diagonal: the window's right side becomes 1."""
+    left, _ = options.get("window") or (None, None)
+    return {**options, "causal": False, "window": (left, 1)}, extras
+
+
+def _causal_excludes_diagonal(L, S):
+    """Causal frontier one key before the diagonal: the diagonal ``j = i + o_b`` (each row's
+    own offset, :func:`oracle.allowed.allowed_positions`) masked out. A window side cannot say
+    this: refattn.spec reads a side of -1 as unbounded."""
+
     def apply(options, extras):
-        left, right = options.get("window") or (None, None)
-        right = 0 if right is None else min(right, 0)
-        return {**options, "causal": False, "window": (left, right + shift)}, extras
+        diagonal = allowed_positions(
+            L,
+            S,
+            window=(0, 0),
+            align=options.get("align") or "top_left",
+            kv_lengths=options.get("kv_lengths"),
+        )
+        mask = options.get("mask")
+        mask = ~diagonal if mask is None else np.asarray(mask, dtype=bool) & ~diagonal
+        return {**options, "mask": mask}, extras
 
     return apply
 
@@ -129,15 +147,15 @@ def alternatives(options, *, H, K, L, S, D, E, has_empty, has_excluded) -> list[
         found.append(
             Alternative(
                 "causal excludes the diagonal (j < i + offset)",
-                frozenset({"causal", "window"}),
-                _causal_shift(-1),
+                frozenset({"causal", "window", "mask"}),
+                _causal_excludes_diagonal(L, S),
             )
         )
         found.append(
             Alternative(
                 "causal admits one key past the diagonal",
                 frozenset({"causal", "window"}),
-                _causal_shift(1),
+                _causal_admits_one_more,
             )
         )
     if window is not None:
@@ -717,7 +735,7 @@ def _exact_parts(q, k, v, options, allowed=None):
         keep = np.asarray(options["dropout_mask"], dtype=bool)
         w = np.where(keep, w, 0) / (1 - (options.get("dropout_p") or 0.0))
     w3 = w[None] if np.ndim(q) == 2 else w
-    from refattn._broadcast import expand_kv
+    from refattn.broadcast import expand_kv
 
     from .heads import with_heads
 

@@ -2,7 +2,7 @@
 
 q is (..., H, L, D), k (..., K, S, D), v (..., K, S, E); a 2-D array is one head. The GQA
 head mapping and the broadcast-gradient reduction are refattn's own
-(:mod:`refattn._broadcast`: ``expand_kv``, ``fold_kv``, ``reduce_to``).
+(:mod:`refattn.broadcast`: ``expand_kv``, ``fold_kv``, ``reduce_to``).
 
 Examples
 --------
@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from refattn.spec import offset_of
 
 __all__ = ["with_heads", "alibi_bias", "resolve_scale", "dequantised"]
 
@@ -35,7 +37,7 @@ def alibi_bias(slopes, L, S, align, length=None):
 
     ``length``: the row's own key length S_b (``kv_lengths``), to which bottom_right aligns
     (o = S_b - L); S by default."""
-    offset = 0 if align == "top_left" else (S if length is None else int(length)) - L
+    offset = offset_of(align, L, S if length is None else int(length))
     dist = np.abs(np.arange(L)[:, None] + offset - np.arange(S)[None, :]).astype(np.float64)
     slopes = np.asarray(slopes, dtype=np.float64)
     return -slopes[..., None, None] * dist
@@ -59,7 +61,7 @@ def dequantised(x, descale, heads=None, gqa="interleave"):
         return values
     factor = np.asarray(descale, dtype=np.float64)[..., :, None, None]
     if heads is not None and factor.shape[-3] != heads:
-        from refattn._broadcast import expand_kv
+        from refattn.broadcast import expand_kv
 
         factor = expand_kv(factor, heads, gqa or "interleave")
     return values * factor

@@ -211,7 +211,6 @@ import numpy as np
 
 # The a-priori error bounds of refattn's own paths live in refattn.bounds (the library does not
 # depend on its oracle); they are re-exported here for the judging policy and the tests.
-from refattn._broadcast import expand_kv
 from refattn.bounds import (
     fixed_point_forward_bound,
     gamma,
@@ -223,8 +222,10 @@ from refattn.bounds import (
     transformer_forward_bound,
     unit_roundoff,
 )
+from refattn.broadcast import expand_kv
 from refattn.exact.rounding import format_of
 
+from .allowed import allowed_positions
 from .heads import alibi_bias, resolve_scale, with_heads
 
 __all__ = [
@@ -341,30 +342,6 @@ def normalised_error(value, truth, scale, dtype) -> np.ndarray:
     same_inf = np.isinf(truth) & (value == truth)
     finite = np.isfinite(value) & np.isfinite(truth)
     return np.where(both_nan | same_inf, 0.0, np.where(finite, err, np.inf))
-
-
-def allowed_positions(
-    L, S, *, mask=None, bias=None, causal=False, window=None, align="top_left"
-) -> np.ndarray:
-    """The allowed set of docs/conventions.md: mask AND causal AND window AND bias > -inf.
-
-    Shape (L, S) or the broadcast of mask/bias with it.
-
-    >>> allowed_positions(2, 3, causal=True, align="bottom_right").astype(int).tolist()
-    [[1, 1, 0], [1, 1, 1]]
-    """
-    # the one definition of the rule; unvalidated, since the diagnosis alternatives use
-    # out-of-range windows (e.g. "causal admits one key past the diagonal")
-    from refattn.masks import offset_of, structural_mask
-
-    allowed = structural_mask(
-        range(L), range(S), causal=causal, window=window, offset=offset_of(align, L, S)
-    )
-    if mask is not None:
-        allowed = allowed & np.asarray(mask, dtype=bool)
-    if bias is not None:
-        allowed = allowed & ~(np.asarray(bias, dtype=np.float64) == -np.inf)
-    return allowed
 
 
 def _finite_abs(x):

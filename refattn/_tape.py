@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._broadcast import reduce_to
+from .broadcast import reduce_to
 
 __all__ = ["Tape", "Var", "backward_pass"]
 

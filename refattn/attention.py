@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _checks
-from ._broadcast import reduce_to
+from .broadcast import reduce_to
 from .logspace import masked_softmax
 from .spec import AttentionSpec, canonicalize, check_cotangent, fold, needs_fold, split_sink_grads
 

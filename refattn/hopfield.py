@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _checks
-from ._broadcast import reduce_to
+from .broadcast import reduce_to
 from .exact import hopfield as exact
 from .logspace import logsumexp
 

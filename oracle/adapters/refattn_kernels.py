@@ -75,7 +75,7 @@ class _KernelAdapter(Adapter):
     def vjp(self, q, k, v, grad_out, grad_lse=None, **options):
         """(dq, dk, dv, dbias, dsinks) in the input dtype (bfloat16 for float8 inputs); dbias
         has bias's own shape, dsinks (H,) (None without bias / sinks)."""
-        from refattn._broadcast import reduce_to
+        from refattn.broadcast import reduce_to
         from refattn.spec import check_cotangent, fold, needs_fold
 
         unknown = sorted(set(options) - set(OPTION_NAMES))

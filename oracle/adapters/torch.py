@@ -14,8 +14,9 @@ mask and bias      ``attn_mask = where(mask, bias, -inf)`` (torch takes one attn
 causal, top_left   ``is_causal=True``
 causal, bottom     ``attn_mask=torch.nn.attention.bias.causal_lower_right(L, S)``
 causal + mask/bias torch forbids is_causal with attn_mask: the causal set is materialised as
-                   a bool ``tril`` (diagonal 0 or S - L, the set torch itself builds for
-                   is_causal / causal_lower_right) and intersected with the mask
+                   a bool mask by refattn.spec (``spec.structural()``: j <= i + o, o = 0 or
+                   S - L, the set torch itself builds for is_causal / causal_lower_right)
+                   and intersected with the mask
 gqa interleave     ``enable_gqa=True`` (torch repeats kv heads with repeat_interleave)
 kv_lengths         a bool ``attn_mask`` (B, 1, L, S): keys j < S_b, intersected with the
                    causal set of each row's own alignment (offset S_b - L under
@@ -111,7 +112,8 @@ class TorchSDPA(Adapter):
                         warnings.simplefilter("ignore", UserWarning)
                         mask = causal_lower_right(length, keys)
             else:
-                structural = torch.ones(length, keys, dtype=torch.bool).tril(spec.offset)
+                # refattn.spec's causal set (j <= i + o) as a bool mask, (L, S)
+                structural = torch.from_numpy(spec.structural())
                 mask = structural if mask is None else mask & structural
         if bias is not None and mask is not None:
             attn_mask = torch.where(mask, bias, torch.tensor(-torch.inf, dtype=bias.dtype))

@@ -19,7 +19,7 @@ Examples
 
 from __future__ import annotations
 
-from .attention import allowed_positions
+from .attention import case_allowed
 from .case import Case, Shapes, seed_of
 from .names import ARRAY_OPTIONS, ATTENTION_OPTIONS, CATEGORIES, DTYPE_TAGS, DTYPES, OPTION_NAMES
 from .registry import (
@@ -51,5 +51,5 @@ __all__ = [
     "make_inputs",
     "register_suite",
     "unregister_suite",
-    "allowed_positions",
+    "case_allowed",
 ]

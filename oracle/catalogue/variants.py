@@ -51,13 +51,14 @@ R of MGK components per key is ``recipe["R"]``.
 
 Inputs (:func:`make_inputs`)
 ----------------------------
-Built from :mod:`oracle.catalogue.seeding` like the attention cases (SplitMix64 per named array,
-Irwin-Hall Gaussians, one rounding to the case dtype; machine- and NumPy-independent). Any
-normalisation uses powers of two (exact) or ``math.fsum`` (correctly rounded), never a
-NumPy reduction whose summation order could vary. Distributions (``pi0``, ``pi``,
-``log_pi``) are formed in float64 and rounded once; they sum to 1 within the few roundings
-the variants accept. Coupling matrices are scaled by a power of two so that the max row sum of
-``|J|`` is at most 1/2 (a contraction: every fixed point exists and is unique) with zero
+The rows are :mod:`oracle.catalogue.variant_families`; the float64 inputs
+:mod:`oracle.catalogue.variant_inputs`. Built from :mod:`oracle.catalogue.seeding` like the
+attention cases (SplitMix64 per named array, Irwin-Hall Gaussians, one rounding to the case dtype;
+machine- and NumPy-independent). Any normalisation uses powers of two (exact) or ``math.fsum``
+(correctly rounded), never a NumPy reduction whose summation order could vary. Distributions
+(``pi0``, ``pi``, ``log_pi``) are formed in float64 and rounded once; they sum to 1 within the few
+roundings the variants accept. Coupling matrices are scaled by a power of two so that the max row
+sum of ``|J|`` is at most 1/2 (a contraction: every fixed point exists and is unique) with zero
 diagonal blocks unless the case keeps them.
 
 Truth (:data:`TRUTH_BUILDERS`)
@@ -95,10 +96,8 @@ Gradients: scale :func:`oracle.variant_scales.grad_scale`, baseline refattn's fl
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from fractions import Fraction
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -107,6 +106,8 @@ from . import seeding
 from .case import Case, Shapes, seed_of
 from .names import DTYPE_TAGS, DTYPES
 from .seeding import Streams
+from .variant_families import Entry, entries
+from .variant_inputs import float64_inputs
 
 __all__ = [
     "SUITES",
@@ -247,387 +248,6 @@ PREFIXES = {
 }
 
 
-# ---------------------------------------------------------------------------------------------
-# The catalogue
-# ---------------------------------------------------------------------------------------------
-
-_ALL = DTYPES
-_SMOKE = ("float64", "float32")
-
-
-@dataclass(frozen=True)
-class _Entry:
-    function: str
-    tag: str
-    shapes: Shapes
-    description: str
-    smoke: tuple[str, ...] = ()
-    default: tuple[str, ...] = _ALL
-    options: Mapping[str, Any] = field(default_factory=dict)
-    recipe: Mapping[str, Any] = field(default_factory=dict)
-    grads: bool = False
-
-
-def _mix(batch, H, L, S, D, E):
-    return Shapes(batch, H, H, L, S, D, E)
-
-
-def _sites(batch, N, d):
-    return Shapes(batch, 1, 1, N, N, d, d)
-
-
-def _entries() -> list[_Entry]:
-    e = _Entry
-    small = _mix(1, 2, 4, 6, 4, 4)
-    mix = _mix(1, 2, 6, 10, 8, 8)
-    return [
-        # --- GMM attention (Movellan & Gabbur eqs. (13)-(14)) ----------------------------------
-        e(
-            "gmm.attention",
-            "gmm-attn-basic",
-            small,
-            "one EM step, uniform prior (plain attention)",
-            smoke=_SMOKE,
-            options={"alpha": 0.5, "beta": 0.5, "iters": 1},
-        ),
-        e(
-            "gmm.attention",
-            "gmm-attn-iters3",
-            mix,
-            "three EM steps, scalar alpha and beta",
-            options={"alpha": 0.25, "beta": 0.5, "iters": 3},
-        ),
-        e(
-            "gmm.attention",
-            "gmm-attn-magnitude",
-            mix,
-            "magnitude prior (eqs. (15)-(18)), two steps",
-            options={"alpha": 0.125, "beta": 0.25, "prior": "magnitude", "iters": 2},
-        ),
-        e(
-            "gmm.attention",
-            "gmm-attn-prior-array",
-            mix,
-            "log prior array, v_init, two steps",
-            options={"alpha": 0.25, "beta": 0.5, "iters": 2},
-            recipe={"prior": True, "v_init": True},
-        ),
-        e(
-            "gmm.attention",
-            "gmm-attn-per-unit",
-            mix,
-            "per-unit alpha and beta arrays (root of eq. (12)), two steps",
-            recipe={"alpha": True, "beta": True},
-            options={"iters": 2},
-        ),
-        e(
-            "gmm.adapt_keys",
-            "gmm-keys",
-            small,
-            "key adaptation, paper form (eq. (28))",
-            smoke=_SMOKE,
-            options={"alpha": 0.5, "gamma": 1.0, "iters": 1, "form": "paper"},
-        ),
-        e(
-            "gmm.adapt_keys",
-            "gmm-keys-map",
-            mix,
-            "key adaptation, MAP form, magnitude prior, two iterations",
-            options={"alpha": 0.25, "gamma": 0.5, "iters": 2, "form": "map", "prior": "magnitude"},
-        ),
-        e(
-            "gmm.adapt_priors",
-            "gmm-priors",
-            small,
-            "Dirichlet prior adaptation, paper form (eq. (33))",
-            smoke=_SMOKE,
-            options={"alpha": 0.5, "eta": 1.0, "iters": 1, "form": "paper"},
-        ),
-        e(
-            "gmm.adapt_priors",
-            "gmm-priors-map",
-            mix,
-            "prior adaptation, MAP form, three iterations",
-            options={"alpha": 0.25, "eta": 2.0, "iters": 3, "form": "map"},
-        ),
-        # --- MGK / MLK (Nguyen et al. 2022) ---------------------------------------------------
-        e(
-            "mgk.attention",
-            "mgk-soft",
-            small,
-            "soft MGK, R = 2, uniform pi",
-            smoke=_SMOKE,
-            options={"sigma2": 2.0},
-            recipe={"R": 2},
-        ),
-        e(
-            "mgk.attention",
-            "mgk-soft-logpi",
-            mix,
-            "soft MGK, R = 2, log_pi array, sigma2 = 4",
-            default=("float64",),
-            options={"sigma2": 4.0},
-            recipe={"R": 2, "log_pi": True},
-        ),
-        e(
-            "mgk.attention",
-            "mgk-hard",
-            mix,
-            "hard MGK (N9), R = 2",
-            options={"sigma2": 2.0, "mode": "hard"},
-            recipe={"R": 2},
-        ),
-        e(
-            "mgk.attention",
-            "mgk-normalized",
-            mix,
-            "normalized soft MGK, sigma2 per component",
-            options={"normalized": True},
-            recipe={"R": 2, "sigma2": True},
-        ),
-        e(
-            "mgk.attention",
-            "mgk-mask",
-            mix,
-            "soft MGK with a random mask (some empty rows)",
-            options={"sigma2": 2.0},
-            recipe={"R": 2, "mask": True},
-        ),
-        e(
-            "mgk.attention",
-            "mgk-causal-br",
-            _mix(1, 2, 5, 9, 8, 8),
-            "soft MGK, causal bottom_right, L < S",
-            options={"sigma2": 2.0, "causal": True, "align": "bottom_right"},
-            recipe={"R": 2},
-        ),
-        e(
-            "mgk.attention",
-            "mgk-window",
-            mix,
-            "hard MGK, window (3, 1), top_left",
-            options={"sigma2": 2.0, "mode": "hard", "window": (3, 1)},
-            recipe={"R": 3},
-        ),
-        e(
-            "mgk.linear_attention",
-            "mlk-basic",
-            small,
-            "linear MLK attention, R = 2",
-            smoke=_SMOKE,
-            recipe={"R": 2},
-        ),
-        e(
-            "mgk.linear_attention",
-            "mlk-causal",
-            mix,
-            "causal linear MLK attention, R = 3",
-            options={"causal": True},
-            recipe={"R": 3},
-        ),
-        # --- Hopfield (Ramsauer et al.) -------------------------------------------------------
-        e(
-            "hopfield.retrieve",
-            "hopfield-retrieve",
-            small,
-            "one retrieval update",
-            smoke=_SMOKE,
-            options={"beta": 0.5, "steps": 1},
-        ),
-        e(
-            "hopfield.retrieve",
-            "hopfield-retrieve-steps3",
-            mix,
-            "three updates, beta 1/4",
-            options={"beta": 0.25, "steps": 3},
-        ),
-        e(
-            "hopfield.energy",
-            "hopfield-energy",
-            small,
-            "energy (E), constant 0",
-            smoke=_SMOKE,
-            options={"beta": 0.5},
-        ),
-        e(
-            "hopfield.energy",
-            "hopfield-energy-constant",
-            mix,
-            "energy with the paper's constant",
-            options={"beta": 2.0, "constant": True},
-        ),
-        # --- gradients (grads=True: exact vjps in the fixture; present only for the functions
-        # whose module has a ``<function>_vjp``, see vjp_of) ------------------------------------
-        e(
-            "mgk.attention",
-            "mgk-soft-grad",
-            small,
-            "vjp of soft MGK, R = 2",
-            smoke=("float64",),
-            options={"sigma2": 2.0},
-            recipe={"R": 2},
-            grads=True,
-        ),
-        e(
-            "mgk.attention",
-            "mgk-hard-grad",
-            small,
-            "vjp of hard MGK (ties split equally)",
-            options={"sigma2": 2.0, "mode": "hard"},
-            recipe={"R": 2},
-            grads=True,
-        ),
-        e(
-            "mgk.attention",
-            "mgk-mask-grad",
-            small,
-            "vjp of soft MGK with a random mask",
-            options={"sigma2": 2.0},
-            recipe={"R": 2, "mask": True},
-            grads=True,
-        ),
-        e(
-            "mgk.linear_attention",
-            "mlk-grad",
-            small,
-            "vjp of linear MLK attention",
-            smoke=("float64",),
-            recipe={"R": 2},
-            grads=True,
-        ),
-        e(
-            "mgk.linear_attention",
-            "mlk-causal-grad",
-            small,
-            "vjp of causal linear MLK",
-            options={"causal": True},
-            recipe={"R": 2},
-            grads=True,
-        ),
-        e(
-            "hopfield.retrieve",
-            "hopfield-retrieve-grad",
-            small,
-            "vjp of one retrieval update",
-            smoke=("float64",),
-            options={"beta": 0.5, "steps": 1},
-            grads=True,
-        ),
-        e(
-            "hopfield.retrieve",
-            "hopfield-retrieve-steps2-grad",
-            small,
-            "vjp of two updates",
-            options={"beta": 0.25, "steps": 2},
-            grads=True,
-        ),
-        e(
-            "gmm.attention",
-            "gmm-attn-grad",
-            small,
-            "vjp of one EM step",
-            smoke=("float64",),
-            options={"alpha": 0.5, "beta": 0.5, "iters": 1},
-            grads=True,
-        ),
-        e(
-            "gmm.attention",
-            "gmm-attn-iters2-grad",
-            small,
-            "vjp of two EM steps",
-            options={"alpha": 0.25, "beta": 0.5, "iters": 2},
-            grads=True,
-        ),
-        e(
-            "gmm.adapt_keys",
-            "gmm-keys-grad",
-            small,
-            "vjp of key adaptation (eq. (28))",
-            smoke=("float64",),
-            options={"alpha": 0.5, "gamma": 1.0, "iters": 1, "form": "paper"},
-            grads=True,
-        ),
-        e(
-            "gmm.adapt_priors",
-            "gmm-priors-grad",
-            small,
-            "vjp of prior adaptation (eq. (33))",
-            smoke=("float64",),
-            options={"alpha": 0.5, "eta": 1.0, "iters": 1, "form": "paper"},
-            grads=True,
-        ),
-        e(
-            "meanfield.adaptive_tap",
-            "meanfield-atap-grad",
-            _sites(1, 4, 2),
-            "vjp of the adaptive TAP means",
-            smoke=("float64",),
-            grads=True,
-        ),
-        e(
-            "meanfield.ising_tap",
-            "meanfield-ising-grad",
-            _sites(1, 5, 1),
-            "vjp of the binary-spin TAP means",
-            smoke=("float64",),
-            grads=True,
-        ),
-        e(
-            "meanfield.deq_attention",
-            "meanfield-deq-grad",
-            _sites(1, 4, 2),
-            "vjp of the DEQ fixed point",
-            smoke=("float64",),
-            grads=True,
-        ),
-        # --- mean field (Bal 2021) ------------------------------------------------------------
-        e(
-            "meanfield.naive_step",
-            "meanfield-naive",
-            _sites(2, 4, 2),
-            "one naive update (eq. (23) without correction), self-couplings kept",
-            smoke=_SMOKE,
-            recipe={"diagonal": True},
-        ),
-        e(
-            "meanfield.adaptive_tap",
-            "meanfield-atap",
-            _sites(2, 4, 2),
-            "adaptive TAP, Gaussian prior, site reading",
-            smoke=_SMOKE,
-        ),
-        e(
-            "meanfield.adaptive_tap",
-            "meanfield-atap-prior",
-            _sites(1, 3, 2),
-            "adaptive TAP with a prior precision matrix",
-            recipe={"prior_precision": True},
-        ),
-        e(
-            "meanfield.ising_tap",
-            "meanfield-ising",
-            _sites(2, 5, 1),
-            "binary-spin TAP",
-            smoke=_SMOKE,
-        ),
-        e(
-            "meanfield.deq_attention",
-            "meanfield-deq",
-            _sites(2, 4, 2),
-            "deep implicit attention fixed point without correction",
-            smoke=_SMOKE,
-        ),
-        e(
-            "meanfield.deq_attention",
-            "meanfield-deq-keep",
-            _sites(1, 5, 2),
-            "DEQ fixed point, self-couplings kept (diagonal='keep')",
-            options={"diagonal": "keep"},
-            recipe={"diagonal": True},
-        ),
-    ]
-
-
 def _tag(shapes: Shapes, function: str) -> str:
     batch = f"B{shapes.batch}" if shapes.batch != 1 else ""
     if function.startswith("meanfield."):
@@ -635,7 +255,7 @@ def _tag(shapes: Shapes, function: str) -> str:
     return f"{batch}H{shapes.H}-L{shapes.L}S{shapes.S}-D{shapes.D}E{shapes.E}"
 
 
-def _expand(entry: _Entry) -> list[Case]:
+def _expand(entry: Entry) -> list[Case]:
     out = []
     if entry.grads and vjp_of(entry.function) is None:
         return out  # no vjp (yet): no gradient case
@@ -673,7 +293,7 @@ def variant_cases() -> list[Case]:
     """Every variant case (both suites), in catalogue order; names are unique."""
     global _CATALOGUE
     if _CATALOGUE is None:
-        catalogue = [c for entry in _entries() for c in _expand(entry)]
+        catalogue = [c for entry in entries() for c in _expand(entry)]
         names = [c.name for c in catalogue]
         if len(set(names)) != len(names):
             raise RuntimeError("oracle.catalogue: duplicate variant case names")
@@ -684,103 +304,6 @@ def variant_cases() -> list[Case]:
 # ---------------------------------------------------------------------------------------------
 # Inputs
 # ---------------------------------------------------------------------------------------------
-
-
-def _distribution(stream, name, shape) -> np.ndarray:
-    """Dyadic distributions over the last axis that sum to exactly 1 in every dtype.
-
-    Integer weights c in [1, 4] for all but the last entry, the last ``2**m - sum`` (>= 1,
-    < 2**(m-1) + 1: at most 7 significant bits, exact in bfloat16), divided by ``2**m``. A
-    rounded float distribution would not sum to 1 within the few roundings the variants
-    accept once upcast to the float64 of the baseline.
-    """
-    counts = 1 + (stream.uniform(name, shape) * 4).astype(np.int64)
-    head = counts[..., :-1].sum(axis=-1)  # integer sums: exact, order-independent
-    m = int(head.max()).bit_length() + 1 if shape[-1] > 1 else 0
-    counts[..., -1] = (1 << m) - head
-    return np.ldexp(counts.astype(np.float64), -m)
-
-
-def _couplings(stream, shape, keep_diagonal):
-    """Couplings with max row sum of |J| in (1/4, 1/2]: a power-of-two scale (exact)."""
-    N, d = shape[0], shape[2] if len(shape) == 4 else 1
-    J = stream.gaussian("J", shape)
-    if not keep_diagonal:
-        J[np.arange(N), np.arange(N)] = 0.0
-    big = np.swapaxes(J, 1, 2).reshape(N * d, N * d) if len(shape) == 4 else J
-    row = max(math.fsum(np.abs(r)) for r in big)
-    return np.ldexp(J, -(math.frexp(row)[1] + 1))
-
-
-def _inputs64(case: Case) -> dict[str, np.ndarray]:
-    n, recipe, fn = case.shapes, case.recipe, case.function
-    st = Streams(case.seed)
-    b, H, L, S, D, E = n.batch, n.H, n.L, n.S, n.D, n.E
-    R = int(recipe.get("R", 1))
-    out: dict[str, np.ndarray] = {}
-    if fn == "gmm.attention":
-        out["q"] = st.gaussian("q", (b, H, L, D))
-        out["keys"] = st.gaussian("keys", (b, H, S, D))
-        out["values"] = st.gaussian("values", (b, H, S, E))
-        if recipe.get("alpha"):
-            out["alpha"] = 0.125 + 0.375 * st.uniform("alpha", (b, H, S))
-        if recipe.get("beta"):
-            out["beta"] = 0.25 + 0.75 * st.uniform("beta", (b, H, S))
-        if recipe.get("prior"):
-            out["prior"] = st.gaussian("prior", (b, H, S))
-        if recipe.get("v_init"):
-            out["v_init"] = st.gaussian("v_init", (b, H, L, E))
-    elif fn == "gmm.adapt_keys":
-        out["queries"] = st.gaussian("queries", (b, H, L, D))
-        out["keys0"] = st.gaussian("keys0", (b, H, S, D))
-    elif fn == "gmm.adapt_priors":
-        out["queries"] = st.gaussian("queries", (b, H, L, D))
-        out["keys"] = st.gaussian("keys", (b, H, S, D))
-        out["pi0"] = _distribution(st, "pi0", (b, H, S))
-    elif fn in ("mgk.attention", "mgk.linear_attention"):
-        out["q"] = st.gaussian("q", (b, H, L, D))
-        out["keys"] = st.gaussian("keys", (b, H, S, R, D))
-        out["v"] = st.gaussian("v", (b, H, S, E))
-        if fn == "mgk.linear_attention":
-            out["pi"] = _distribution(st, "pi", (b, H, S, R))
-        if recipe.get("log_pi"):
-            # float64 cases only: a rounded log_pi is a distribution only within its own dtype's
-            # roundings, which the float64 baseline's check (float64 roundings) rejects
-            # (mpmath, not libm: the same bits on every machine)
-            import mpmath
-
-            pi = _distribution(st, "pi", (b, H, S, R))
-            out["log_pi"] = np.vectorize(
-                lambda p: float(mpmath.log(mpmath.mpf(p))), otypes=[np.float64]
-            )(pi)
-        if recipe.get("sigma2"):
-            out["sigma2"] = np.ldexp(1.0, (st.uniform("sigma2", (b, H, S, R)) * 4).astype(int) - 1)
-        if recipe.get("mask"):
-            mask = st.bernoulli("mask", (b, H, L, S), Fraction(3, 4))
-            mask[:, :, 1::4, :] = False  # every fourth row empty: its output is 0
-            out["mask"] = mask
-    elif fn in ("hopfield.retrieve", "hopfield.energy"):
-        out["xi"] = st.gaussian("xi", (b, H, L, D))
-        out["X"] = st.gaussian("X", (b, H, S, D))
-    elif fn == "meanfield.naive_step":
-        out["m"] = st.gaussian("m", (b, L, D))
-        out["J"] = _couplings(st, (L, L, D, D), keep_diagonal=True)
-        out["x"] = st.gaussian("x", (b, L, D))
-    elif fn in ("meanfield.adaptive_tap", "meanfield.deq_attention"):
-        out["x"] = st.gaussian("x", (b, L, D))
-        out["J"] = _couplings(st, (L, L, D, D), keep_diagonal=bool(recipe.get("diagonal")))
-        if recipe.get("prior_precision"):
-            # symmetric positive definite, dyadic entries (exact in every dtype)
-            out["prior_precision"] = np.diag(np.full(D, 2.0)) + np.ldexp(
-                np.ones((D, D)) - np.eye(D), -1
-            )
-    elif fn == "meanfield.ising_tap":
-        out["x"] = st.gaussian("x", (b, L))
-        J = _couplings(st, (L, L), keep_diagonal=False)
-        out["J"] = np.ldexp(J + J.T, -1)  # symmetric, same row-sum bound
-    else:
-        raise ValueError(f"make_inputs: unknown variant function {fn!r}")
-    return out
 
 
 #: The boolean inputs (kept as they are; every other input is a float array).
@@ -797,7 +320,7 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
     >>> sorted(inputs), inputs["keys"].shape, inputs["keys"].dtype.name
     (['keys', 'q', 'v'], (1, 2, 6, 2, 4), 'float32')
     """
-    raw = _inputs64(case)
+    raw = float64_inputs(case)
     if case.grads:
         # a cotangent shaped like the (first) output: the float64 path's shape
         forward = call_refattn(case, raw)

@@ -55,7 +55,7 @@ import math
 
 import numpy as np
 
-from .._broadcast import expand_kv, fold_kv, reduce_to
+from ..broadcast import expand_kv, fold_kv, reduce_to
 from ..spec import canonicalize
 from .unit import ETA, UNIT_ROUNDOFF, gamma
 

@@ -14,7 +14,7 @@ import numpy as np
 from scipy.special import erf as scipy_erf
 
 from .. import transformer as T
-from .._broadcast import reduce_to
+from ..broadcast import reduce_to
 from ..logspace import masked_logsumexp, masked_softmax
 from ..spec import canonicalize
 from ..transformer import Float64Ops, moment_exponent, scaled_moments

@@ -13,7 +13,7 @@ import numpy as np
 from mpmath import iv, mp, mpf
 
 from .._blocks import big, block_diag, diag_blocks
-from .._broadcast import reduce_to
+from ..broadcast import reduce_to
 from . import intervals as I
 from .krawczyk import Krawczyk, solve_linear
 from .rationals import fractions, invert, round_rationals

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _checks
-from .._broadcast import reduce_to
+from ..broadcast import reduce_to
 from . import intervals as I
 from .autodiff import AutodiffOps, vjp
 from .numbers import INTERVAL, RATIONAL, NotRational
@@ -81,7 +81,7 @@ def exact_grads(batch, batch_grads, inner_shapes, shapes, dtype, what):
     ``batch_grads(ops, b) -> nested lists``, one per argument of inner shape
     ``inner_shapes[k]`` (the argument's shape without the batch dimensions ``batch``); the
     per-batch gradients are summed exactly to the arguments' ``shapes`` (broadcast batch
-    dimensions, :func:`refattn._broadcast.reduce_to`) before the single rounding. Returns one
+    dimensions, :func:`refattn.broadcast.reduce_to`) before the single rounding. Returns one
     array per argument. In rational mode (the loop's fallback for elements on a rounding
     boundary) a batch element that raises :class:`NotRational` contributes :data:`UNKNOWN`
     to all its gradients, and ``batch_grads`` may add :data:`UNKNOWN` to the elements a

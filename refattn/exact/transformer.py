@@ -33,8 +33,8 @@ from mpmath.libmp import (
 )
 
 from .. import config
-from .._broadcast import reduce_to
 from .._tape import Tape, backward_pass
+from ..broadcast import reduce_to
 from ..spec import canonicalize
 from . import intervals as I
 from .rounding import correctly_round

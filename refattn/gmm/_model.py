@@ -196,6 +196,6 @@ def passed_arrays(arrays):
 
 def summed_to_arguments(grads, originals):
     """float64 gradients of the broadcast problem summed back to the arguments' shapes."""
-    from .._broadcast import reduce_to
+    from ..broadcast import reduce_to
 
     return [reduce_to(g, arr.shape) for g, (_, arr) in zip(grads, originals, strict=True)]

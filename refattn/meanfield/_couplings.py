@@ -9,7 +9,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import _checks
-from .._broadcast import reduce_to
+from ..broadcast import reduce_to
 from ..exact import meanfield as exact
 from ._model import spins
 

@@ -10,7 +10,7 @@ import numpy as np
 from .. import _checks
 from .. import fixedpoint as fp
 from .._blocks import big, block_diag
-from .._broadcast import reduce_to
+from ..broadcast import reduce_to
 from ..exact import meanfield as exact
 from ._deq import deq_attention
 from ._model import (

@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from .. import _checks
-from .._broadcast import reduce_to
+from ..broadcast import reduce_to
 from ..exact import mgk as exact
 from ..logspace import logsumexp, softmax
 from ._inputs import (

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import _checks
-from .._broadcast import reduce_to
+from ..broadcast import reduce_to
 from ..exact import mgk as exact
 from ._inputs import (
     FEATURE_MAPS,

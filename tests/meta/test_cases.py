@@ -328,7 +328,7 @@ def test_poison_only_where_excluded(default_suite):
     for case in (c for c in default_suite if c.recipe.get("poison")):
         inputs = catalogue.make_inputs(case)
         unbiased = {k: v for k, v in inputs.items() if k != "bias"}
-        allowed = catalogue.allowed_positions(case, unbiased)
+        allowed = catalogue.case_allowed(case, unbiased)
         poisoned = 0
         if "bias" in inputs:
             bad = ~np.isfinite(inputs["bias"].astype(np.float64))

@@ -42,7 +42,7 @@ import numpy as np
 
 from oracle.heads import alibi_bias, resolve_scale
 from oracle.tolerance import accumulation_dtype, allowed_positions
-from refattn._broadcast import expand_kv
+from refattn.broadcast import expand_kv
 from refattn.exact.rounding import format_of
 
 __all__ = ["tiled_attention", "tiled", "flash", "split_kv", "TILED_BROKEN", "BUGS"]
