@@ -804,15 +804,22 @@ def _judge_variant_outputs(case, fixture, outputs, truths, base, floor, k, check
 
 
 def _variant_vjp(impl):
-    """``impl.vjp``, or for a plain function ``f`` the ``f_vjp`` defined beside it."""
+    """``impl.vjp``, or for a plain function ``f`` the ``f_vjp`` beside it: in its module or,
+    for a function defined in a package's private module (``refattn.gmm._forward``), in the
+    nearest enclosing package that has one (``refattn.gmm.attention_vjp``)."""
     vjp = getattr(impl, "vjp", None)
     if vjp is not None:
         return vjp
     import sys
 
-    module = sys.modules.get(getattr(impl, "__module__", None) or "")
     name = getattr(impl, "__name__", None)
-    return getattr(module, f"{name}_vjp", None) if module is not None and name else None
+    parts = (getattr(impl, "__module__", None) or "").split(".")
+    while name and parts and parts[0]:
+        found = getattr(sys.modules.get(".".join(parts)), f"{name}_vjp", None)
+        if found is not None:
+            return found
+        parts.pop()
+    return None
 
 
 def _check_variant_grads(case, fixture, vjp, forward_condition, checks):
