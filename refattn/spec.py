@@ -61,6 +61,7 @@ __all__ = [
     "needs_fold",
     "offset_of",
     "position_allowed",
+    "position_allowed_jit",
     "split_sink_grads",
     "structural_mask",
     "window_sides",
@@ -176,6 +177,10 @@ def position_allowed(has_mask, mask_value, has_bias, bias_value):
     return (not has_mask or bool(mask_value)) and (not has_bias or bias_value != -math.inf)
 
 
+#: :func:`position_allowed` compiled for the Numba CPU paths.
+position_allowed_jit = numba.njit(cache=True, fastmath=False)(position_allowed)
+
+
 @numba.njit(cache=True, fastmath=False)
 def _intervals(rows, offset, keys, causal, left, right):
     lo = np.empty(rows.shape[0], np.int64)
@@ -197,6 +202,14 @@ def key_intervals(length: int, offset: int, keys: int, *, causal=False, window=N
     left, right = window_sides(check_window(window))
     rows = np.arange(length, dtype=np.int64)
     return _intervals(rows, int(offset), int(keys), bool(causal), left, right)
+
+
+def _interval_mask(rows, cols, offset, keys, causal, left, right) -> np.ndarray:
+    """(rows, cols) bool: ``lo_i <= j < hi_i`` with :func:`key_interval` of each row."""
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    cols = np.asarray(cols, dtype=np.int64).reshape(-1)
+    lo, hi = _intervals(rows, int(offset), int(keys), bool(causal), left, right)
+    return (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
 
 
 def structural_mask(
@@ -224,11 +237,8 @@ def structural_mask(
     >>> structural_mask(range(2), range(3), causal=True, offset=1).astype(int).tolist()
     [[1, 1, 0], [1, 1, 1]]
     """
-    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-    cols = np.asarray(cols, dtype=np.int64).reshape(-1)
     left, right = window_sides(check_window(window))
-    lo, hi = _intervals(rows, int(offset), WINDOW_CAP, bool(causal), left, right)
-    return (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
+    return _interval_mask(rows, cols, offset, WINDOW_CAP, causal, left, right)
 
 
 def allowed_mask(
@@ -375,11 +385,10 @@ class AttentionSpec:
         _, _, _, length, keys, _, _ = self.dims
         rows = np.arange(length) if rows is None else rows
         cols = np.arange(keys) if cols is None else cols
-        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-        cols = np.asarray(cols, dtype=np.int64).reshape(-1)
         left, right = window_sides(self.window)
-        lo, hi = _intervals(rows, self.row_offset(b), self.key_count(b), self.causal, left, right)
-        return (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
+        return _interval_mask(
+            rows, cols, self.row_offset(b), self.key_count(b), self.causal, left, right
+        )
 
     def allowed(self, b: int, h: int) -> np.ndarray:
         """Allowed set (L, S) of batch b, query head h (mask, causal, window, key length,

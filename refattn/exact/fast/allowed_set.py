@@ -3,7 +3,7 @@
 Row i of batch row b may read key j when ``lo_i <= j < hi_i`` (the structural key interval of
 :meth:`refattn.spec.AttentionSpec.intervals`: causal, window, key length) and, only where the
 caller passed them, the mask allows it and the bias is not -inf
-(:func:`refattn.spec.position_allowed`, compiled here); the dropout keep-mask then selects the
+(:func:`refattn.spec.position_allowed`, compiled there); the dropout keep-mask then selects the
 kept keys. The mask, bias and keep-mask are read from their un-broadcast elements
 (:func:`compact_view`). Together this is the one rule of
 :meth:`refattn.spec.AttentionSpec.allowed`, taken from :mod:`refattn.spec`; the forward
@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from ...spec import AttentionSpec, position_allowed
+from ...spec import AttentionSpec, position_allowed_jit
 
 __all__ = [
     "AllowedRule",
@@ -31,9 +31,6 @@ __all__ = [
 ]
 
 _JIT = dict(nopython=True, cache=True, fastmath=False, error_model="numpy", nogil=True)
-
-#: :func:`refattn.spec.position_allowed` compiled for the kernels (the one per-position rule).
-position_allowed_jit = numba.njit(cache=True, fastmath=False)(position_allowed)
 
 
 def compact_view(view, dtype):
