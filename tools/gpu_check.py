@@ -20,9 +20,12 @@ atomically, so a run cut short still leaves the phases it finished):
     the CUDA kernels against the Numba CPU kernels on the same cases, element by element: how
     many outputs (and gradients) are bit-identical, the largest difference in units of the
     compute dtype's roundoff, and the cases that differ. The CPU kernels evaluate ``a * b + c``
-    as two roundings; nvcc/NVVM contract it into one fused multiply-add unless told otherwise,
-    so bit differences there are expected and bounded (each FMA rounds once where the CPU
-    rounds twice; refattn's kernel error bounds hold for both).
+    as two roundings; NVVM contracts it into one fused multiply-add, and the CPU kernels
+    also sum in another order (64-key tiles, SIMD across outputs) than the one-thread-per-row
+    CUDA kernels: agreement is measured, not required (both must pass the conformance cases;
+    refattn's kernel error bounds hold for both). Differences are given in units of the compute
+    dtype's epsilon times the array's largest magnitude. Each case also runs twice on the
+    device: a bit difference between the two runs is counted as non-determinism.
 ``torch``
     torch's CUDA SDPA with each backend forced (flash, efficient, cuDNN, math) and compiled
     flex_attention (:mod:`tools.gpu_impls`), through ``--framework torch --device cuda`` in
@@ -182,14 +185,16 @@ def _fixtures(source, patterns=None):
 
 
 def _ulps(a, b, dtype):
+    """Largest |a - b| in units of the compute dtype's epsilon times the array's largest |b|
+    (an element-wise ulp count would explode where a weighted sum cancels to near zero)."""
     import numpy as np
 
-    eps = np.finfo(dtype).eps
-    scale = np.maximum(np.abs(b), np.finfo(dtype).tiny)
-    diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
-    with np.errstate(invalid="ignore"):
-        ulp = np.where(np.isnan(a) & np.isnan(b), 0.0, diff / (scale * eps))
-    return float(np.nanmax(ulp)) if ulp.size else 0.0
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    finite = np.isfinite(a) & np.isfinite(b)
+    if not finite.any():
+        return 0.0
+    scale = max(float(np.abs(b[finite]).max()), np.finfo(dtype).tiny)
+    return float(np.abs(a[finite] - b[finite]).max() / (scale * np.finfo(dtype).eps))
 
 
 def _same_bits(a, b) -> bool:
