@@ -21,6 +21,9 @@ author validates the function they ship, with no wrapper of their own:
     pages are stored in reverse order behind one unused page, and every slot no sequence owns
     holds NaN, so a kernel that ignores the block table or the lengths fails.
 
+``layout="dsa"``
+    blhd with sparse ``indices`` (B, L, K, T) (:mod:`oracle.layouts_sparse`).
+
 ``framework="torch"`` (with ``device="cpu"`` or ``"cuda"``) passes torch tensors on the device
 (bfloat16 and float8 reinterpreted bit for bit, never converted by value; masks as torch.bool,
 indices as torch.int32) and brings the results back; ``framework="jax"`` passes ``jax.Array``
@@ -53,9 +56,11 @@ import functools
 import ml_dtypes
 import numpy as np
 
+from .layouts_sparse import dsa_layout  # layout="dsa": blhd with indices (B, L, K, T)
+
 __all__ = ["LAYOUTS", "FRAMEWORKS", "DEVICES", "wrap", "page_size", "check_convention"]
 
-LAYOUTS = ("bhld", "blhd", "packed", "paged")
+LAYOUTS = ("bhld", "blhd", "packed", "paged", "dsa")
 FRAMEWORKS = ("numpy", "torch", "jax")
 DEVICES = ("cpu", "cuda")
 _PER_POSITION = ("mask", "bias", "dropout_mask")
@@ -235,7 +240,7 @@ def _paged(q, k, v, options):
     return (_to_blhd(q), caches[0], caches[1]), kwargs, unpack
 
 
-_LAYOUT_IN = {"bhld": _bhld, "blhd": _blhd, "packed": _packed, "paged": _paged}
+_LAYOUT_IN = {"bhld": _bhld, "blhd": _blhd, "packed": _packed, "paged": _paged, "dsa": dsa_layout}
 
 
 # ---------------------------------------------------------------------------------------------

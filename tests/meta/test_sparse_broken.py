@@ -27,6 +27,7 @@ def _fixtures(patterns):
     return [_BUILT[case.name] for case in chosen]
 
 
+@pytest.mark.slow  # builds ~30 exact fixtures (minutes on 2 cores)
 @pytest.mark.parametrize("name", sorted(SPARSE_BROKEN))
 def test_sparse_bug_is_caught_and_named(name):
     broken = SPARSE_BROKEN[name]
@@ -44,6 +45,7 @@ def test_sparse_bug_is_caught_and_named(name):
 SMALL = ("sparse-sentinels-*", "sparse-empty-rows-*", "sparse-blocks64-causal-*-f32")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", [sparse_textbook, "refattn-float64"], ids=["textbook", "f64"])
 def test_no_false_alarm_on_small_sparse_cases(impl):
     report = validate(impl, fixtures=_fixtures(SMALL), dtype=None, strict=True, progress=False)

@@ -86,7 +86,13 @@ SPARSE_BROKEN = {
     ),
     "duplicates_twice": SparseBroken(
         duplicates_twice,
-        ("sparse-duplicates-*", "grad-sparse-duplicates-*-f32"),
+        (
+            "sparse-duplicates-*-f32",
+            "sparse-duplicates-*-f64",
+            "grad-sparse-duplicates-*-f32",
+            "grad-sparse-duplicates-*-f64",
+            "sparse-duplicates-*-f16",
+        ),
         "duplicates counted twice",
     ),
     "one_based": SparseBroken(
