@@ -56,7 +56,10 @@ import functools
 import ml_dtypes
 import numpy as np
 
-from .layouts_sparse import dsa_layout  # layout="dsa": blhd with indices (B, L, K, T)
+from .layouts_sparse import (
+    dsa_layout,
+    refused_keyword,
+)  # layout="dsa": blhd with indices (B, L, K, T)
 
 __all__ = ["LAYOUTS", "FRAMEWORKS", "DEVICES", "wrap", "page_size", "check_convention"]
 
@@ -111,7 +114,12 @@ def wrap(impl, *, layout="bhld", framework="numpy", device="cpu"):
     @functools.wraps(impl)
     def forward(q, k, v, **options):
         args, kwargs, unpack = _LAYOUT_IN[layout](q, k, v, options)
-        result = impl(*(bridge.to(a) for a in args), **{n: bridge.to(a) for n, a in kwargs.items()})
+        try:
+            result = impl(
+                *(bridge.to(a) for a in args), **{n: bridge.to(a) for n, a in kwargs.items()}
+            )
+        except TypeError as err:  # a DSA keyword refused: "unsupported"
+            raise refused_keyword(err, layout) from err
         out, lse = (
             (result[0], result[1] if len(result) > 1 else None)
             if isinstance(result, (tuple, list))

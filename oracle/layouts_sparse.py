@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["dsa_layout"]
+__all__ = ["DSA_KEYWORDS", "dsa_layout", "refused_keyword"]
 
 
 def _swap(a):
@@ -43,3 +43,18 @@ def dsa_layout(q, k, v, options):
         return np.asarray(x) if what == "lse" else _swap(np.asarray(x))
 
     return (_swap(q), _swap(k), _swap(v)), kwargs, unpack
+
+
+#: The keywords the DSA convention introduces (refused ones make a case "unsupported").
+DSA_KEYWORDS = ("indices", "block_indices", "block_size")
+
+
+def refused_keyword(err: TypeError, layout: str) -> Exception:
+    """A TypeError refusing one of the DSA keywords as NotImplementedError (the case is
+    "unsupported", as for refattn's own keyword names); any other error unchanged."""
+    text = str(err)
+    if layout == "dsa" and "keyword argument" in text:
+        for name in DSA_KEYWORDS:
+            if f"'{name}'" in text:
+                return NotImplementedError(f"the implementation does not accept {name}= ({text})")
+    return err

@@ -60,3 +60,14 @@ def test_no_false_alarm_on_every_sparse_case(impl):
     report = validate(impl, fixtures=fixtures, dtype=None, strict=True, progress=False)
     failed = [r.explain() for r in report.results if r.verdict != "pass"]
     assert report.passed and not failed, "\n".join(failed)
+
+
+def test_implementation_without_key_indices_is_unsupported():
+    """An implementation that does not take ``key_indices=`` reports the case "unsupported"
+    (never a pass, never a failure)."""
+
+    def dense_only(q, k, v, *, scale=None, return_lse=False):
+        return sparse_textbook(q, k, v, scale=scale, return_lse=return_lse)
+
+    report = validate(dense_only, fixtures=_fixtures(["sparse-topk1-*-f32"]), dtype=None)
+    assert [r.verdict for r in report.results] == ["unsupported"], report.summary()
