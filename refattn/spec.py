@@ -20,7 +20,10 @@ variants' masks and the oracle): see ``docs/architecture.md``.
   CPU), ``numba.cuda.jit(device=True)(key_interval)`` (CUDA); the NumPy forms
   (:func:`key_intervals`, :func:`structural_mask`, :func:`allowed_mask`,
   :meth:`AttentionSpec.allowed`) are built on it. :func:`position_allowed` is the per-position
-  half (explicit mask, -inf bias).
+  half (explicit mask, -inf bias). Sparse key indices (``key_indices``,
+  ``key_block_indices``: :mod:`refattn.sparse_indices`) are one more factor
+  ``[j \\in I_{b, g(h), i}]``: :func:`canonicalize` ANDs their set into the mask, so every
+  path reads them through this rule.
 * **The canonical call**: :func:`canonicalize` validates the arguments of
   :func:`refattn.attention` once and returns an :class:`AttentionSpec` whose arrays have a flat
   batch axis: q (B, H, L, D), k (B, K, S, D), v (B, K, S, E), and bias / mask / dropout_mask as
