@@ -29,6 +29,7 @@ from .catalogue.case import Case
 from .catalogue.names import ATTENTION_OPTIONS
 from .catalogue.variants import BOOL_INPUTS, call_refattn, call_refattn_vjp
 from .heads import alibi_bias, dequantised, resolve_scale, with_heads
+from .sparse import indices_as_mask
 from .tolerance import accumulation_dtype
 
 __all__ = [
@@ -213,6 +214,7 @@ def textbook_attention(
     unknown = set(options) - set(ATTENTION_OPTIONS)
     if unknown:
         raise TypeError(f"textbook_attention: unknown options {sorted(unknown)}")
+    options = indices_as_mask(q, k, options)  # sparse key indices: their set, as a mask
     q, k, v, options = dequantised_inputs(q, k, v, options)
     opt = {name: options.get(name) for name in ATTENTION_OPTIONS}
     dtype = np.asarray(q).dtype if dtype is None else dtype
@@ -279,6 +281,7 @@ def textbook_attention_vjp(q, k, v, grad_out, *, grad_lse=None, dtype=None, **op
     unknown = set(options) - set(ATTENTION_OPTIONS)
     if unknown:
         raise TypeError(f"textbook_attention_vjp: unknown options {sorted(unknown)}")
+    options = indices_as_mask(q, k, options)  # sparse key indices: their set, as a mask
     q, k, v, options = dequantised_inputs(q, k, v, options)
     opt = {name: options.get(name) for name in ATTENTION_OPTIONS}
     dtype = np.asarray(q).dtype if dtype is None else dtype
@@ -363,6 +366,7 @@ def storage_accumulation_attention(
     failing output that is no worse than this is diagnosed as such.
     """
     store = format_of(dtype).dtype
+    options = indices_as_mask(q, k, options)  # sparse key indices: their set, as a mask
     q, k, v, options = dequantised_inputs(q, k, v, options)
     o = {name: options.get(name) for name in ATTENTION_OPTIONS}
     scores, allowed, _ = _scores(

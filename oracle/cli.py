@@ -51,6 +51,7 @@ import os
 import sys
 
 from .catalogue.names import DTYPES
+from .conventions import LAYOUTS
 from .export_cli import add_export_parser, run_export_command
 
 __all__ = ["main", "build_parser"]
@@ -161,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     val.add_argument(
         "--layout",
-        choices=("bhld", "blhd", "packed", "paged"),
+        choices=LAYOUTS,
         default="bhld",
         help="the implementation's layout (default: %(default)s; see oracle.conventions)",
     )

@@ -21,6 +21,9 @@ author validates the function they ship, with no wrapper of their own:
     pages are stored in reverse order behind one unused page, and every slot no sequence owns
     holds NaN, so a kernel that ignores the block table or the lengths fails.
 
+``layout="dsa"``
+    blhd with sparse ``indices`` (B, L, K, T) (:mod:`oracle.layouts_sparse`).
+
 ``framework="torch"`` (with ``device="cpu"`` or ``"cuda"``) passes torch tensors on the device
 (bfloat16 and float8 reinterpreted bit for bit, never converted by value; masks as torch.bool,
 indices as torch.int32) and brings the results back; ``framework="jax"`` passes ``jax.Array``
@@ -53,9 +56,14 @@ import functools
 import ml_dtypes
 import numpy as np
 
+from .layouts_sparse import (
+    dsa_layout,
+    refused_keyword,
+)  # layout="dsa": blhd with indices (B, L, K, T)
+
 __all__ = ["LAYOUTS", "FRAMEWORKS", "DEVICES", "wrap", "page_size", "check_convention"]
 
-LAYOUTS = ("bhld", "blhd", "packed", "paged")
+LAYOUTS = ("bhld", "blhd", "packed", "paged", "dsa")
 FRAMEWORKS = ("numpy", "torch", "jax")
 DEVICES = ("cpu", "cuda")
 _PER_POSITION = ("mask", "bias", "dropout_mask")
@@ -106,7 +114,12 @@ def wrap(impl, *, layout="bhld", framework="numpy", device="cpu"):
     @functools.wraps(impl)
     def forward(q, k, v, **options):
         args, kwargs, unpack = _LAYOUT_IN[layout](q, k, v, options)
-        result = impl(*(bridge.to(a) for a in args), **{n: bridge.to(a) for n, a in kwargs.items()})
+        try:
+            result = impl(
+                *(bridge.to(a) for a in args), **{n: bridge.to(a) for n, a in kwargs.items()}
+            )
+        except TypeError as err:  # a DSA keyword refused: "unsupported"
+            raise refused_keyword(err, layout) from err
         out, lse = (
             (result[0], result[1] if len(result) > 1 else None)
             if isinstance(result, (tuple, list))
@@ -235,7 +248,7 @@ def _paged(q, k, v, options):
     return (_to_blhd(q), caches[0], caches[1]), kwargs, unpack
 
 
-_LAYOUT_IN = {"bhld": _bhld, "blhd": _blhd, "packed": _packed, "paged": _paged}
+_LAYOUT_IN = {"bhld": _bhld, "blhd": _blhd, "packed": _packed, "paged": _paged, "dsa": dsa_layout}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ import numpy as np
 from . import tolerance as tol
 from .allowed import allowed_positions
 from .baseline import textbook_attention
+from .diagnose_sparse import sparse_alternatives, sparse_lse_models
 
 __all__ = [
     "Alternative",
@@ -253,7 +254,7 @@ def alternatives(options, *, H, K, L, S, D, E, has_empty, has_excluded) -> list[
                 _padding_reading(S),
             )
         )
-    return found
+    return found + sparse_alternatives(options, H=H, L=L, S=S, alternative=Alternative)
 
 
 def _padding_reading(S):
@@ -541,7 +542,7 @@ def diagnose_lse(q, k, v, options, lse, *, limit, dtype) -> list[str]:
             ),
             ("lse without the row max (log of the max-shifted normaliser)", truth - row_max),
             ("lse is the row max only (the normaliser's log missing)", row_max),
-        ]
+        ] + sparse_lse_models(truth)
         for label, model in candidates:
             if _fits(lse, model, scale, limit, dtype):
                 found.append(f"lse matches {label}")

@@ -242,6 +242,10 @@ def attention(
     q_descale=None,
     k_descale=None,
     v_descale=None,
+    key_indices=None,
+    key_block_indices=None,
+    key_block_size=None,
+    index_reading="set",
 ):
     """Scaled dot-product attention with pinned semantics.
 
@@ -309,6 +313,23 @@ def attention(
         ``x * descale[b, g]`` (g the kv head; q's query head h uses its kv head's factor,
         FlashAttention 3); the truth is the exact result of the dequantised values. Only
         float8 inputs take a factor.
+    key_indices : int array broadcastable to (..., K, L, T), optional
+        Token-level sparse attention (DeepSeek Sparse Attention's top-k indices, FlashMLA's
+        sparse ``indices``, in refattn's bhld order: per batch row, kv head g and query
+        row i): row i of every query head reading kv head g attends only to the set
+        ``{idx[g, i, t] : 0 <= idx < S}``, intersected with every other restriction;
+        entries < 0 (the -1 sentinel) or >= S are ignored and a position listed twice counts
+        once (see ``index_reading``). A row left with no key follows ``empty_rows``.
+    key_block_indices : int array broadcastable to (..., K, L, T), optional
+        Block-sparse attention (NSA, MoBA): the listed block numbers c select the keys
+        ``[c s, (c + 1) s)`` (clipped to S); the same as ``key_indices`` holding every token
+        of those blocks. Needs ``key_block_size``; not together with ``key_indices``.
+    key_block_size : int >= 1, optional
+        s, the keys per block of ``key_block_indices``.
+    index_reading : {"set", "multiset"}
+        "set": duplicates count once (the set of listed positions). "multiset": what a plain
+        gather kernel computes, a position listed n times enters the softmax n times
+        (:mod:`refattn.sparse_multiset`; on the exact path without ALiBi or weights).
     return_lse, return_weights : bool
         Also return lse (..., H, L) and/or weights (..., H, L, S).
     precision : {"float64", "exact"}
@@ -381,7 +402,42 @@ def attention(
         q_descale=q_descale,
         k_descale=k_descale,
         v_descale=v_descale,
+        key_indices=key_indices,
+        key_block_indices=key_block_indices,
+        key_block_size=key_block_size,
+        index_reading=index_reading,
     )
+    if spec.index_reading == "multiset":
+        from . import sparse_multiset
+
+        if precision == "exact":
+            sparse_multiset.check_exact(spec, weights=return_weights)
+        out, lse, weights = sparse_multiset.scatter_forward(
+            spec,
+            *_forward_paths(
+                sparse_multiset.gather_spec(spec, alibi_into_bias=precision != "exact"),
+                precision,
+                backend,
+                out_dtype,
+                return_lse,
+                return_weights,
+            ),
+        )
+    else:
+        out, lse, weights = _forward_paths(
+            spec, precision, backend, out_dtype, return_lse, return_weights
+        )
+    results = [spec.unflatten(out)]
+    if return_lse:
+        results.append(spec.unflatten(lse))
+    if return_weights:
+        results.append(spec.unflatten(weights))
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+def _forward_paths(spec, precision, backend, out_dtype, return_lse, return_weights):
+    """(out, lse, weights or None) of the canonical spec, flat (B, H, L, ...), on the
+    requested path."""
     if precision == "exact":
         if backend != "numpy":
             raise ValueError("backend: the exact path has a single implementation; use 'numpy'")
@@ -408,12 +464,7 @@ def attention(
         weights = None
     else:
         out, lse, weights = _forward_float64(spec, return_weights)
-    results = [spec.unflatten(out)]
-    if return_lse:
-        results.append(spec.unflatten(lse))
-    if return_weights:
-        results.append(spec.unflatten(weights))
-    return results[0] if len(results) == 1 else tuple(results)
+    return out, lse, weights
 
 
 # --------------------------------------------------------------------------------------
@@ -488,6 +539,10 @@ def attention_vjp(
     q_descale=None,
     k_descale=None,
     v_descale=None,
+    key_indices=None,
+    key_block_indices=None,
+    key_block_size=None,
+    index_reading="set",
 ) -> AttentionGrads:
     """Vector-Jacobian product of :func:`attention` (its backward pass).
 
@@ -557,10 +612,43 @@ def attention_vjp(
         q_descale=q_descale,
         k_descale=k_descale,
         v_descale=v_descale,
+        key_indices=key_indices,
+        key_block_indices=key_block_indices,
+        key_block_size=key_block_size,
+        index_reading=index_reading,
     )
     _, heads, _, length, keys, _, vdim = spec.dims
     do = check_cotangent(spec, grad_out, "grad_out", (heads, length, vdim))
     dl = None if grad_lse is None else check_cotangent(spec, grad_lse, "grad_lse", (heads, length))
+    if spec.index_reading == "multiset":
+        from . import sparse_multiset
+
+        if precision == "exact":
+            sparse_multiset.check_exact(spec, vjp=True)
+        gathered = sparse_multiset.gather_spec(spec)
+        rows = (gathered.q.shape[0], heads, 1)
+        dq, dk, dv, dbias, dsinks = _vjp_paths(
+            gathered,
+            do.transpose(0, 2, 1, 3).reshape(rows + (vdim,)),
+            None if dl is None else dl.transpose(0, 2, 1).reshape(rows),
+            precision,
+            backend,
+            out_dtype,
+        )
+        dq, dk, dv, dbias = sparse_multiset.scatter_vjp(spec, dq, dk, dv, dbias)
+        dbias = None if spec.bias is None else dbias
+    else:
+        dq, dk, dv, dbias, dsinks = _vjp_paths(spec, do, dl, precision, backend, out_dtype)
+    if precision != "exact" and dbias is not None and dbias.shape != spec.bias_shape:
+        dbias = reduce_to(dbias.reshape(spec.batch_shape + dbias.shape[1:]), spec.bias_shape)
+    grads = (spec.unflatten(dq), spec.unflatten(dk), spec.unflatten(dv), dbias)
+    return AttentionGrads(*grads) if dsinks is None else AttentionSinkGrads(*grads, dsinks)
+
+
+def _vjp_paths(spec, do, dl, precision, backend, out_dtype):
+    """(dq, dk, dv, dbias, dsinks) of the canonical spec, flat, on the requested path (the
+    exact path's dbias already reduced to bias's shape, the float paths' (B, H, L, S))."""
+    keys = spec.dims[4]
     dsinks = None
     if precision == "exact":
         from .exact.attention_vjp import exact_vjp
@@ -573,24 +661,20 @@ def attention_vjp(
             dbias, dsinks = split_sink_grads(spec, dbias)
         if _has_nonfinite(spec, do, dl):
             dq, dk, dv, dbias, dsinks = _nonfinite_pattern(spec, do, dl, dq, dk, dv, dbias, dsinks)
-    else:
-        if backend == "numba":
-            from . import kernels
+    elif backend == "numba":
+        from . import kernels
 
-            _check_numba_range(spec, kernels.compute_dtype(spec.q.dtype))
-            work = fold(spec, alibi_into_bias=True) if needs_fold(spec) else spec
-            dq, dk, dv, dbias = kernels.attention_vjp(work, do, dl)
-            if spec.sinks is not None:
-                dsinks = dbias[..., -1].sum(axis=(0, 2))
-                dk, dv, dbias = dk[..., :keys, :], dv[..., :keys, :], dbias[..., :-1]
-            if spec.bias is None:
-                dbias = None
-        else:
-            dq, dk, dv, dbias, dsinks = _vjp_float64(spec, do, dl)
-        if dbias is not None and dbias.shape != spec.bias_shape:
-            dbias = reduce_to(dbias.reshape(spec.batch_shape + dbias.shape[1:]), spec.bias_shape)
-    grads = (spec.unflatten(dq), spec.unflatten(dk), spec.unflatten(dv), dbias)
-    return AttentionGrads(*grads) if dsinks is None else AttentionSinkGrads(*grads, dsinks)
+        _check_numba_range(spec, kernels.compute_dtype(spec.q.dtype))
+        work = fold(spec, alibi_into_bias=True) if needs_fold(spec) else spec
+        dq, dk, dv, dbias = kernels.attention_vjp(work, do, dl)
+        if spec.sinks is not None:
+            dsinks = dbias[..., -1].sum(axis=(0, 2))
+            dk, dv, dbias = dk[..., :keys, :], dv[..., :keys, :], dbias[..., :-1]
+        if spec.bias is None:
+            dbias = None
+    else:
+        dq, dk, dv, dbias, dsinks = _vjp_float64(spec, do, dl)
+    return dq, dk, dv, dbias, dsinks
 
 
 def _has_nonfinite(spec, grad_out, grad_lse) -> bool:

@@ -20,7 +20,10 @@ variants' masks and the oracle): see ``docs/architecture.md``.
   CPU), ``numba.cuda.jit(device=True)(key_interval)`` (CUDA); the NumPy forms
   (:func:`key_intervals`, :func:`structural_mask`, :func:`allowed_mask`,
   :meth:`AttentionSpec.allowed`) are built on it. :func:`position_allowed` is the per-position
-  half (explicit mask, -inf bias).
+  half (explicit mask, -inf bias). Sparse key indices (``key_indices``,
+  ``key_block_indices``: :mod:`refattn.sparse_indices`) are one more factor
+  ``[j \\in I_{b, g(h), i}]``: :func:`canonicalize` ANDs their set into the mask, so every
+  path reads them through this rule.
 * **The canonical call**: :func:`canonicalize` validates the arguments of
   :func:`refattn.attention` once and returns an :class:`AttentionSpec` whose arrays have a flat
   batch axis: q (B, H, L, D), k (B, K, S, D), v (B, K, S, E), and bias / mask / dropout_mask as
@@ -40,7 +43,7 @@ from fractions import Fraction
 import numba
 import numpy as np
 
-from . import _checks
+from . import _checks, sparse_indices
 
 __all__ = [
     "ALIGNS",
@@ -317,6 +320,11 @@ class AttentionSpec:
     alibi_offsets: np.ndarray | None = None  # (B,) int64: ALiBi's o_b, overriding row_offset
     alibi_keys: int | None = None  # ALiBi applies to keys j < alibi_keys (a folded sink: none)
     dbias_index: np.ndarray | None = None  # (B, H, L, S) int64 slot of each dS in dbias (-1: none)
+    # sparse key selection (refattn.sparse_indices): the validated (B, K, L, T) int64 indices
+    # (-1 for ignored entries; blocks already expanded). With index_reading="set" their set is
+    # already ANDed into ``mask``; "multiset" is computed by refattn.sparse_multiset's gather.
+    key_indices: np.ndarray | None = None
+    index_reading: str = "set"
 
     @property
     def dims(self):
@@ -517,6 +525,10 @@ def canonicalize(
     q_descale=None,
     k_descale=None,
     v_descale=None,
+    key_indices=None,
+    key_block_indices=None,
+    key_block_size=None,
+    index_reading="set",
 ) -> AttentionSpec:
     """Validate refattn.attention's arguments and return the canonical :class:`AttentionSpec`."""
     q, k, v = _dequantize(q, k, v, q_descale, k_descale, v_descale, gqa)
@@ -596,8 +608,34 @@ def canonicalize(
         kv_lengths=lengths,
         sinks=sink_values,
     )
+    indices = sparse_indices.canonical_indices(
+        key_indices,
+        key_block_indices,
+        key_block_size,
+        index_reading,
+        batch_shape=tuple(batch_shape),
+        kv_heads=kv_heads,
+        length=length,
+        keys=keys,
+        single_head=single,
+    )
+    if indices is not None:
+        spec = _with_indices(spec, indices, index_reading)
     _check_bias_values(spec)
     return spec
+
+
+def _with_indices(spec: AttentionSpec, indices: np.ndarray, reading: str) -> AttentionSpec:
+    """The spec with its key indices; the set reading ANDs the listed set into the mask (one
+    (B, K, L, S) plane per kv head, broadcast over the query heads when K = 1)."""
+    changes = dict(key_indices=indices, index_reading=reading)
+    if reading == "set":
+        batch, heads, kv_heads, length, keys, _, _ = spec.dims
+        listed = sparse_indices.index_mask(indices, keys)
+        target = (batch, heads, length, keys)
+        listed = np.broadcast_to(listed, target) if kv_heads == 1 else listed[:, spec.kv_head]
+        changes["mask"] = listed if spec.mask is None else spec.mask & listed
+    return dataclasses.replace(spec, **changes)
 
 
 def _kv_lengths(kv_lengths, batch_shape, keys):

@@ -294,6 +294,8 @@ def reject_common(
     score function of its own, never a bias folded by the adapter). Caller-given dropout
     masks and ``gqa="tile"`` (with H != K) are never supported.
     """
+    if spec.key_indices is not None:  # no peer takes sparse key indices
+        adapter.unsupported("key_indices", "<indices>", "no sparse key-index option")
     if spec.sinks is not None and not sinks:
         adapter.unsupported(
             "sinks",

@@ -40,7 +40,8 @@ key/value position that no query may attend and into every excluded bias positio
 batch row, the last S; "ragged-zero": the first 0, an empty cache), ``fp8`` ("e4m3fn" |
 "e5m2": q, k, v quantised per (batch, kv head) as FlashAttention 3's callers do, descale =
 amax / largest float8 in float32, stored as float8 with ``q_descale``, ``k_descale``,
-``v_descale`` (batch, K); the case dtype, bfloat16, is the truth's).
+``v_descale`` (batch, K); the case dtype, bfloat16, is the truth's), ``key_indices`` /
+``key_blocks`` (sparse key selection: :mod:`oracle.catalogue.attention_sparse_inputs`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from refattn.exact.rounding import format_of
 
 from ..allowed import allowed_positions
 from . import seeding
+from .attention_sparse_inputs import sparse_inputs
 from .case import Case, Shapes
 from .names import FP8_DTYPES
 from .seeding import Streams
@@ -96,6 +98,7 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
         inputs["sinks"] = seeding.to_dtype(sinks, case.dtype)
     if recipe.get("kv_lengths"):
         inputs["kv_lengths"] = _kv_lengths(stream, n, recipe["kv_lengths"])
+    inputs.update(sparse_inputs(stream, n, recipe, case.options))  # key_indices, key_blocks
     if recipe.get("mask"):
         inputs["mask"] = _MASKS[recipe["mask"]](stream, n)
     if recipe.get("bias"):

@@ -58,7 +58,15 @@ BUGS = (
 )
 
 
-_UNSUPPORTED = ("sinks", "kv_lengths", "q_descale", "k_descale", "v_descale")
+_UNSUPPORTED = (
+    "sinks",
+    "kv_lengths",
+    "q_descale",
+    "k_descale",
+    "v_descale",
+    "key_indices",
+    "key_block_indices",
+)
 
 
 def _prepare(q, k, v, options, acc, bug):
