@@ -29,7 +29,8 @@ compute ``0 * NaN``), so these cases fail a validation only under ``--strict``.
 
 The rows live in :mod:`oracle.catalogue.attention_families` (semantics, adversarial inputs,
 gradients), :mod:`oracle.catalogue.attention_option_families` (sinks, kv_lengths, float8) and
-:mod:`oracle.catalogue.attention_kernel_families` (kernel-scale); their inputs in
+:mod:`oracle.catalogue.attention_kernel_families` (kernel-scale),
+:mod:`oracle.catalogue.attention_long_families` (long rows: 2k to 128k keys); their inputs in
 :mod:`oracle.catalogue.attention_inputs` (recipe keys, seeding, poison).
 """
 
@@ -39,6 +40,7 @@ from .attention_entry import KERNEL_SUITES, SUITES, Entry
 from .attention_families import entries
 from .attention_inputs import case_allowed, make_inputs
 from .attention_kernel_families import DEFAULT_TILE_LENGTHS, TILE_LENGTHS, kernel_entries
+from .attention_long_families import long_entries
 from .case import Case, seed_of
 from .names import DTYPE_TAGS, DTYPES
 
@@ -90,7 +92,7 @@ def attention_cases() -> dict[str, Case]:
     global _CATALOGUE
     if _CATALOGUE is None:
         catalogue: dict[str, Case] = {}
-        for entry in [*entries(), *kernel_entries()]:
+        for entry in [*entries(), *kernel_entries(), *long_entries()]:
             for case in _expand(entry):
                 if case.name in catalogue:
                     raise RuntimeError(f"oracle.catalogue: duplicate case name {case.name!r}")
