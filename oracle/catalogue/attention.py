@@ -30,7 +30,8 @@ compute ``0 * NaN``), so these cases fail a validation only under ``--strict``.
 The rows live in :mod:`oracle.catalogue.attention_families` (semantics, adversarial inputs,
 gradients), :mod:`oracle.catalogue.attention_option_families` (sinks, kv_lengths, float8) and
 :mod:`oracle.catalogue.attention_kernel_families` (kernel-scale),
-:mod:`oracle.catalogue.attention_long_families` (long rows: 2k to 128k keys); their inputs in
+:mod:`oracle.catalogue.attention_long_families` (long rows: 2k to 128k keys),
+:mod:`oracle.catalogue.attention_worst_families` (worst cases); their inputs in
 :mod:`oracle.catalogue.attention_inputs` (recipe keys, seeding, poison).
 """
 
@@ -41,6 +42,7 @@ from .attention_families import entries
 from .attention_inputs import case_allowed, make_inputs
 from .attention_kernel_families import DEFAULT_TILE_LENGTHS, TILE_LENGTHS, kernel_entries
 from .attention_long_families import long_entries
+from .attention_worst_families import worst_entries
 from .case import Case, seed_of
 from .names import DTYPE_TAGS, DTYPES
 
@@ -92,7 +94,7 @@ def attention_cases() -> dict[str, Case]:
     global _CATALOGUE
     if _CATALOGUE is None:
         catalogue: dict[str, Case] = {}
-        for entry in [*entries(), *kernel_entries(), *long_entries()]:
+        for entry in [*entries(), *kernel_entries(), *long_entries(), *worst_entries()]:
             for case in _expand(entry):
                 if case.name in catalogue:
                     raise RuntimeError(f"oracle.catalogue: duplicate case name {case.name!r}")
