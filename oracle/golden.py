@@ -34,7 +34,9 @@ and machine.
 
 ``manifest.json``: ``schema_version``, ``generator``, ``refattn_version``, ``suite``,
 ``truth_kind`` and ``cases``: one entry per case in catalogue order with ``name``, ``spec``,
-``seed``, ``dtype``, ``category``, ``file``, ``sha256``, ``truth_kind``.
+``seed``, ``dtype``, ``category``, ``file``, ``sha256``, ``truth_kind``, ``contract`` (the
+truth's dtype and rounding, :func:`oracle.contract.case_contract`); ``precision_contract``: what
+the folder promises, readable without refattn (:func:`oracle.contract.folder_contract`).
 
 Atomicity and resume: every file is written to a temporary file of this run (named
 ``.refattn-<pid>-<random>.tmp``, created with mode 0666 minus the umask) in the same directory
@@ -72,7 +74,7 @@ import numpy as np
 
 import refattn
 
-from . import catalogue, golden_compact
+from . import catalogue, contract, golden_compact
 from ._atomic import (
     LOCK_FILE,
     TMP_SUFFIX,
@@ -338,6 +340,7 @@ def _entry(case: Case, file_name: str, sha: str) -> dict:
         "file": file_name,
         "sha256": sha,
         "truth_kind": TRUTH_KIND,
+        "contract": contract.case_contract(case),
     }
 
 
@@ -348,6 +351,7 @@ def _manifest(suite_name: str, entries: list[dict]) -> dict:
         "refattn_version": refattn.__version__,
         "suite": suite_name,
         "truth_kind": TRUTH_KIND,
+        "precision_contract": contract.folder_contract(TRUTH_KIND),
         "cases": entries,
     }
 
