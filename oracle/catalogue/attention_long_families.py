@@ -16,7 +16,7 @@ sizes (4097, 8191, 32769, 20481 = 5 * 4096 + 1, ...).
 from __future__ import annotations
 
 from . import attention_long_inputs  # noqa: F401 - registers the "long-grid" recipe
-from .attention_entry import ALL, KERNEL_SUITES, Entry
+from .attention_entry import ALL, Entry
 from .case import Shapes
 
 __all__ = ["DECODE_LENGTHS", "long_entries"]
@@ -36,7 +36,6 @@ def _e(tag, shapes, description, options=None, recipe=None) -> Entry:
         description,
         default=ALL,
         full=ALL,
-        extra=KERNEL_SUITES,
         options=dict(options or {}),
         recipe={**_GRID, **(recipe or {})},
     )
