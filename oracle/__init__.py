@@ -33,6 +33,7 @@ __all__ = [
     "tolerance",
     "export",
     "load_safetensors",
+    "power",
 ]
 
 _LAZY = {
@@ -56,7 +57,7 @@ def __getattr__(name):
         value = getattr(importlib.import_module(module), attribute)
         globals()[name] = value
         return value
-    if name in ("tolerance", "validate", "export"):
+    if name in ("tolerance", "validate", "export", "power"):
         # oracle.validate is the module, callable as the function (see oracle.validate)
         return importlib.import_module(f"oracle.{name}")
     raise AttributeError(f"module 'oracle' has no attribute {name!r}")

@@ -215,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     lst.add_argument("--suite", default="default")
     lst.add_argument("--dtype", choices=DTYPES)
     add_export_parser(sub)
+    from .power import add_parser as add_power_parser
+
+    add_power_parser(sub)
     return parser
 
 
@@ -467,6 +470,16 @@ def _list(args) -> int:
     return 0
 
 
+def _power(args) -> int:
+    from . import golden
+    from .power import run_command
+
+    try:
+        return run_command(args)
+    except (golden.FixtureError, ValueError, KeyError) as err:
+        return _err(str(err).strip('"'))
+
+
 def main(argv=None) -> int:
     """Entry point of ``refattn-oracle`` (returns the exit code)."""
     args = build_parser().parse_args(argv)
@@ -476,6 +489,7 @@ def main(argv=None) -> int:
         "validate": _validate,
         "list": _list,
         "export": run_export_command,
+        "power": _power,
     }[args.command]
     try:
         return handler(args)

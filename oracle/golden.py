@@ -12,6 +12,9 @@ readable by ``numpy.load(path, allow_pickle=False)`` or any npy reader:
 
 * ``inputs/<name>``: q, k, v and, as the case needs, mask, bias, dropout_mask, alibi_slopes,
   sinks, kv_lengths (int32), q_descale, k_descale, v_descale (float32), grad_out, grad_lse;
+  a long-row case (recipe ``compact``) stores none: its ``regenerated`` member (JSON: each
+  input's dtype, shape and npy sha256) lets :func:`load` rebuild them bit-identically from the
+  case spec and check them (:mod:`oracle.golden_compact`);
 * ``truth/<name>``: out, out_f64, lse, lse_f64 and, for gradient cases, dq, dk, dv (dbias when
   the case has a bias, dsinks when it has sinks) with their ``_f64`` twins.
   ``out``/``lse``/``d*`` are in the case dtype;
@@ -31,7 +34,9 @@ and machine.
 
 ``manifest.json``: ``schema_version``, ``generator``, ``refattn_version``, ``suite``,
 ``truth_kind`` and ``cases``: one entry per case in catalogue order with ``name``, ``spec``,
-``seed``, ``dtype``, ``category``, ``file``, ``sha256``, ``truth_kind``.
+``seed``, ``dtype``, ``category``, ``file``, ``sha256``, ``truth_kind``, ``contract`` (the
+truth's dtype and rounding, :func:`oracle.contract.case_contract`); ``precision_contract``: what
+the folder promises, readable without refattn (:func:`oracle.contract.folder_contract`).
 
 Atomicity and resume: every file is written to a temporary file of this run (named
 ``.refattn-<pid>-<random>.tmp``, created with mode 0666 minus the umask) in the same directory
@@ -69,7 +74,7 @@ import numpy as np
 
 import refattn
 
-from . import catalogue
+from . import catalogue, contract, golden_compact
 from ._atomic import (
     LOCK_FILE,
     TMP_SUFFIX,
@@ -282,7 +287,12 @@ def fixture_bytes(fixture: Fixture) -> bytes:
     """The exact bytes of a fixture's .npz file."""
     members: dict[str, np.ndarray] = {}
     listed: dict[str, list[str]] = {"bfloat16": []}
+    compact = golden_compact.is_compact(fixture.case)
     for group, arrays in (("inputs", fixture.inputs), ("truth", fixture.truth)):
+        if compact and group == "inputs":  # regenerated on load (oracle.golden_compact)
+            record = golden_compact.regeneration_record(arrays, _npy_bytes, _storable)
+            members[golden_compact.MEMBER] = _json_member(record)
+            continue
         for name, array in arrays.items():
             key = f"{group}/{name}"
             members[key], kind = _storable(array)
@@ -330,6 +340,7 @@ def _entry(case: Case, file_name: str, sha: str) -> dict:
         "file": file_name,
         "sha256": sha,
         "truth_kind": TRUTH_KIND,
+        "contract": contract.case_contract(case),
     }
 
 
@@ -340,6 +351,7 @@ def _manifest(suite_name: str, entries: list[dict]) -> dict:
         "refattn_version": refattn.__version__,
         "suite": suite_name,
         "truth_kind": TRUTH_KIND,
+        "precision_contract": contract.folder_contract(TRUTH_KIND),
         "cases": entries,
     }
 
@@ -780,6 +792,9 @@ def _parse_fixture(path: Path) -> Fixture:
         for key in meta.get(kind, []):
             members[key] = members[key].view(getattr(ml_dtypes, kind))
     inputs = {k.split("/", 1)[1]: a for k, a in members.items() if k.startswith("inputs/")}
+    if golden_compact.MEMBER in members:
+        record = members.pop(golden_compact.MEMBER)
+        inputs = golden_compact.regenerate(case, record, _npy_bytes, _storable, path.name)
     truth = {k.split("/", 1)[1]: a for k, a in members.items() if k.startswith("truth/")}
     return Fixture(
         case=case,

@@ -150,8 +150,13 @@ def _quantised(inputs, n: Shapes, fp8: str) -> dict[str, np.ndarray]:
 
 
 def _kv_lengths(stream, n: Shapes, kind: str) -> np.ndarray:
-    """int32 (batch,) key lengths in [1, S] (the last row S); "ragged-zero": the first is 0."""
+    """int32 (batch,) key lengths in [1, S] (the last row S); "ragged-zero": the first is 0;
+    "near-end": S - 96 .. S - 1 (the last row S)."""
     lengths = 1 + (stream.uniform("kv_lengths", (n.batch,)) * n.S).astype(np.int64)
+    if kind == "near-end":  # long caches a few keys short of S: tails inside the last tiles
+        lengths = n.S - 1 - (stream.uniform("kv_lengths", (n.batch,)) * 96).astype(np.int64)
+        lengths[-1] = n.S
+        return lengths.astype(np.int32)
     lengths[-1] = n.S
     lengths[0] = 0 if kind == "ragged-zero" else min(lengths[0], max(1, n.S // 2))
     return lengths.astype(np.int32)
