@@ -211,7 +211,10 @@ class Signature:
             elif isinstance(rule, Refuse):
                 self.refuse(option, value, rule.reason)
             elif isinstance(rule, Convert):
-                converted = rule.convert(value, call)
+                try:
+                    converted = rule.convert(value, call)
+                except NotImplementedError as err:
+                    raise NotImplementedError(f"{self.name}: {err}") from None
                 kwargs.update(converted if rule.name is None else {rule.name: converted})
             else:
                 kwargs[rule] = value

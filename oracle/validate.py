@@ -42,6 +42,7 @@ from . import catalogue, golden
 from . import tolerance as tol
 from ._progress import Progress
 from .features import KNOWN_FEATURES, case_features
+from .guidance import FIRST_CASES, check_first_cases
 from .impls import is_module_spec, locate_impl, resolve_impl
 from .judge import check_fixture
 from .results import Report
@@ -387,6 +388,10 @@ def validate(
                         )
                     )
                 bar.advance(f"{result.name}: {result.verdict}")
+                if len(results) <= 8 * FIRST_CASES * (1 + len(checks)):
+                    check_first_cases(
+                        results, lambda: unwrapped or _importable(spec), convention, len(items)
+                    )
     finally:
         if supervisor is not None:
             supervisor.close()
@@ -397,6 +402,14 @@ def validate(
     report.required = required
     report.tolerance = tolerance
     return report
+
+
+def _importable(spec):
+    """The implementation behind ``spec`` in this process, for guidance only (None if not)."""
+    try:
+        return resolve_impl(spec)[0] if spec else None
+    except Exception:  # noqa: BLE001 - guidance must never replace the run's own error
+        return None
 
 
 def _start_worker(supervisor, name) -> None:
