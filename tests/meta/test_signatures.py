@@ -311,3 +311,44 @@ def test_flash_attention_without_flags_gets_guidance():
             progress=False,
             isolate=False,
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# The README's FlashAttention functions pass with their presets
+# ---------------------------------------------------------------------------------------------
+
+
+def _readme_functions() -> dict:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = text.index("### Signature presets")
+    block = re.search(r"```python\n(.*?)```", text[start:], re.S).group(1)
+    namespace: dict = {}
+    exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 (the README's own code)
+    return namespace
+
+
+@pytest.mark.peers("torch")
+@pytest.mark.parametrize(
+    ("preset", "function"),
+    [
+        ("flash_attn", "flash_attn_func"),
+        ("flash_attn_varlen", "flash_attn_varlen_func"),
+        ("flash_attn_with_kvcache", "flash_attn_with_kvcache"),
+    ],
+)
+def test_readme_flash_attention_examples_pass(preset, function):
+    report = validate(
+        _readme_functions()[function],
+        suite="default",
+        dtype="bfloat16",
+        cases=["causal-br-H2K2-L12*", "window-both-br-*", "gqa-interleave-H8*", "kv-lengths-B3*"],
+        signature=preset,
+        progress=False,
+        isolate=False,
+    )
+    verdicts = {_short(r.name): r.verdict for r in report.results}
+    assert report.passed, [r.explain() for r in report.failures]
+    assert verdicts["causal-br"] == verdicts["window-both-br"] == "pass", verdicts
+    assert verdicts["kv-lengths"] == ("unsupported" if preset == "flash_attn" else "pass")
