@@ -34,7 +34,8 @@ library is one table entry.
   the residual (lse) (B, T, N); value and query head dims equal (D != E is refused).
 * ``flashinfer``: ``flashinfer.single_prefill_with_kv_cache(q, k, v, custom_mask, ..., causal,
   kv_layout="NHD", ..., sm_scale, window_left=-1, logits_soft_cap, ..., return_lse)``: one
-  sequence, (L, H, D) (NHD); causal bottom-right; a window is its left side only; lse (L, H).
+  sequence, (L, H, D) (NHD); causal bottom-right; a window is its left side only; its lse
+  (L, H) is in base 2, so it is not asked for yet (the output is judged alone).
 * ``xformers``: ``xformers.ops.memory_efficient_attention(query, key, value, attn_bias, p,
   scale)``: (B, M, H, K) tensors with equal q and k/v heads (its 4-D form); causal, window, key
   lengths and mask as one additive ``attn_bias`` tensor of 0 and -inf (exact in any dtype), the
@@ -505,10 +506,12 @@ PRESETS = {
             "window": Convert(None, _flashinfer_window),
             "softcap": "logits_soft_cap",
             "kv_lengths": "kv_lengths",  # one sequence: the layout cuts k and v to S_0
-            "return_lse": _when("return_lse", True),
+            # its lse is in base 2 (consumers such as vLLM treat it so): until refattn takes
+            # an lse base, the lse is not asked for and the output alone is judged
+            "return_lse": Refuse("its lse is in base 2 (return_lse: the output is judged alone)"),
         },
         check=_flashinfer_check,
-        lse_axes=(1, 0),  # (L, H)
+        lse_axes=(1, 0),  # (L, H), for when its lse is judged
         drop=("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"),
     ),
     "xformers": Signature(
