@@ -87,6 +87,21 @@ def test_torch_and_jax_speak_their_own_names():
     assert spoken["key_value_seq_lengths"].tolist() == [4]
 
 
+def test_flashinfer_speaks_its_names_and_refuses_what_it_lacks():
+    options = {"causal": True, "align": "bottom_right", "window": (2, None), "softcap": 3.0}
+    assert get("flashinfer").translate(options, _call(options)) == {
+        "causal": True,
+        "window_left": 2,
+        "logits_soft_cap": 3.0,
+    }
+    with pytest.raises(NotImplementedError, match="one sequence"):
+        get("flashinfer").translate({}, _call({}, batch=2))
+    with pytest.raises(NotImplementedError, match="base 2"):  # the judge retries without
+        get("flashinfer").translate({"return_lse": True}, _call({}))
+    with pytest.raises(NotImplementedError, match="window_left is its only window side"):
+        get("flashinfer").translate({"window": (2, 3)}, _call({"window": (2, 3)}, L=5, S=5))
+
+
 def test_jax_refuses_d_ne_e_as_unsupported():
     with pytest.raises(NotImplementedError, match="E = 8 != query/key head dim D = 4"):
         get("jax").translate({}, _call({}, E=8))
