@@ -367,3 +367,26 @@ def test_readme_flash_attention_examples_pass(preset, function):
     assert report.passed, [r.explain() for r in report.failures]
     assert verdicts["causal-br"] == verdicts["window-both-br"] == "pass", verdicts
     assert verdicts["kv-lengths"] == ("unsupported" if preset == "flash_attn" else "pass")
+
+
+@pytest.mark.peers("torch")
+@pytest.mark.parametrize(
+    ("preset", "function", "judged"),
+    [
+        ("flashinfer", "single_prefill_with_kv_cache", ["causal-br", "softcap", "window-left"]),
+        ("xformers", "memory_efficient_attention", ["causal-br", "kv-lengths", "mask-random"]),
+    ],
+)
+def test_flashinfer_and_xformers_signatures(preset, function, judged):
+    report = validate(
+        f"tests.planted.library_like:{function}",
+        suite="default",
+        dtype="float32",
+        cases=["causal-br-H2K2-L12*", "softcap-H*", "window-left-*", "kv-lengths-B3*", "mask-r*"],
+        signature=preset,
+        progress=False,
+        isolate=False,
+    )
+    verdicts = {_short(r.name): r.verdict for r in report.results}
+    assert report.passed, [r.explain() for r in report.failures]
+    assert all(verdicts[name] == "pass" for name in judged), verdicts
