@@ -50,6 +50,7 @@ import argparse
 import os
 import sys
 
+from . import signatures
 from .catalogue.names import DTYPES
 from .conventions import LAYOUTS
 from .export_cli import add_export_parser, run_export_command
@@ -178,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="cpu",
         help="device of torch tensors (default: %(default)s)",
     )
+    signatures.add_arguments(val)
     val.add_argument(
         "--check",
         action="append",
@@ -341,6 +343,7 @@ def _validate(args) -> int:
         framework=args.framework,
         device=args.device,
         tolerance=args.tolerance,
+        **signatures.options_of(args),
     )
     try:
         if args.executor == "dask":

@@ -9,17 +9,20 @@ author validates the function they ship, with no wrapper of their own:
     q (B, L, H, D), k (B, S, K, D), v (B, S, K, E); returns out (B, L, H, E) and optionally
     lse (B, H, L) (FlashAttention's ``flash_attn_func`` layout and lse).
 ``layout="packed"``
-    Variable-length batches packed along the tokens: q (B*L, H, D), k (B*S, K, D),
-    v (B*S, K, E) with keywords ``cu_seqlens_q``, ``cu_seqlens_k`` (int32 (B + 1,), the
+    Variable-length batches packed along the tokens: q (B*L, H, D), k (sum S_b, K, D),
+    v (sum S_b, K, E) with keywords ``cu_seqlens_q``, ``cu_seqlens_k`` (int32 (B + 1,), the
     cumulative lengths), ``max_seqlen_q``, ``max_seqlen_k``; returns out (B*L, H, E) and
-    optionally lse (H, B*L) (``flash_attn_varlen_func``).
+    optionally lse (H, B*L) (``flash_attn_varlen_func``). A case's ``kv_lengths`` make the
+    key sequences ragged (sequence b packs its first S_b keys, ``cu_seqlens_k`` their
+    cumulative sum): the keyword itself is not passed.
 ``layout="paged"``
     A paged KV cache: q (B, L, H, D); ``k`` and ``v`` are the caches (P, page, K, D) and
     (P, page, K, E) with keywords ``block_table`` (int32 (B, pages per sequence)) and
-    ``cache_seqlens`` (int32 (B,)); returns out (B, L, H, E), optionally lse (B, H, L)
-    (``flash_attn_with_kvcache``). The page size is the case's (16 keys for S < 256, else 64);
-    pages are stored in reverse order behind one unused page, and every slot no sequence owns
-    holds NaN, so a kernel that ignores the block table or the lengths fails.
+    ``cache_seqlens`` (int32 (B,): the case's ``kv_lengths``, else S); returns out
+    (B, L, H, E), optionally lse (B, H, L) (``flash_attn_with_kvcache``). The page size is
+    the case's (16 keys for S < 256, else 64); pages are stored in reverse order behind one
+    unused page, and every slot no sequence owns (past S_b too) holds NaN, so a kernel that
+    ignores the block table or the lengths fails.
 
 ``layout="dsa"``
     blhd with sparse ``indices`` (B, L, K, T) (:mod:`oracle.layouts_sparse`).
@@ -32,7 +35,9 @@ indices as torch.int32) and brings the results back; ``framework="jax"`` passes 
 Every other keyword (``causal``, ``scale``, ``window``, ``align``, ``softcap``, ``gqa``,
 ``alibi_slopes``...) keeps refattn's name and meaning. ``mask``, ``bias`` and ``dropout_mask``
 keep their (B, H, L, S) layout in ``bhld``/``blhd``; ``packed`` and ``paged`` carry no such
-per-position arrays (a case that needs one is "unsupported"). Gradients (``impl.vjp(q, k, v,
+per-position arrays (a case that needs one is "unsupported" with the message
+:data:`NOT_EXPRESSIBLE`). ``signature=`` (:mod:`oracle.signatures`) renames and converts the
+options into a library's own keywords and conventions. Gradients (``impl.vjp(q, k, v,
 grad_out, **options)``, grads in the impl's layout) are converted for ``bhld``/``blhd``.
 
 Examples
@@ -61,7 +66,15 @@ from .layouts_sparse import (
     refused_keyword,
 )  # layout="dsa": blhd with indices (B, L, K, T)
 
-__all__ = ["LAYOUTS", "FRAMEWORKS", "DEVICES", "wrap", "page_size", "check_convention"]
+__all__ = [
+    "LAYOUTS",
+    "FRAMEWORKS",
+    "DEVICES",
+    "NOT_EXPRESSIBLE",
+    "wrap",
+    "page_size",
+    "check_convention",
+]
 
 LAYOUTS = ("bhld", "blhd", "packed", "paged", "dsa")
 FRAMEWORKS = ("numpy", "torch", "jax")
@@ -69,8 +82,50 @@ DEVICES = ("cpu", "cuda")
 _PER_POSITION = ("mask", "bias", "dropout_mask")
 
 
-def check_convention(layout="bhld", framework="numpy", device="cpu") -> dict:
-    """The convention as a dict, or ValueError naming the bad argument."""
+def check_convention(
+    layout="bhld",
+    framework="numpy",
+    device="cpu",
+    signature=None,
+    causal_align=None,
+    keywords=None,
+) -> dict:
+    """The convention as a dict, or ValueError naming the bad argument.
+
+    ``signature`` (a preset of :mod:`oracle.signatures`) brings its layout and framework
+    (an explicit other one is an error); ``causal_align`` and ``keywords`` declare a
+    function's own conventions without a preset (:func:`oracle.signatures.declared`). The
+    dict has those keys only when they are given.
+    """
+    extra = {}
+    if signature is not None:
+        from .signatures import get
+
+        preset = get(signature)
+        if causal_align is not None or keywords:
+            raise ValueError(
+                f"signature: {preset.name!r} fixes the keywords and the alignment; "
+                f"causal_align / keywords are for a function without a preset"
+            )
+        for name, value, own in (
+            ("layout", layout, preset.layout),
+            ("framework", framework, preset.framework),
+        ):
+            if value not in (own, {"layout": "bhld", "framework": "numpy"}[name]):
+                raise ValueError(
+                    f"{name}: {value!r} conflicts with signature {preset.name!r}, which takes "
+                    f"{name} {own!r} (leave --{name} out)"
+                )
+        layout, framework = preset.layout, preset.framework
+        extra["signature"] = signature
+    elif causal_align is not None or keywords:
+        from .signatures import declared
+
+        declared(layout, causal_align, keywords)  # a clear error for a bad declaration
+        if causal_align is not None:
+            extra["causal_align"] = causal_align
+        if keywords:
+            extra["keywords"] = keywords
     for name, value, allowed in (
         ("layout", layout, LAYOUTS),
         ("framework", framework, FRAMEWORKS),
@@ -80,7 +135,7 @@ def check_convention(layout="bhld", framework="numpy", device="cpu") -> dict:
             raise ValueError(f"{name}: expected one of {list(allowed)}, got {value!r}")
     if device != "cpu" and framework != "torch":
         raise ValueError(f"device: {device!r} needs framework='torch' (got {framework!r})")
-    return {"layout": layout, "framework": framework, "device": device}
+    return {"layout": layout, "framework": framework, "device": device, **extra}
 
 
 def page_size(keys: int) -> int:
@@ -88,7 +143,16 @@ def page_size(keys: int) -> int:
     return 16 if keys < 256 else 64
 
 
-def wrap(impl, *, layout="bhld", framework="numpy", device="cpu"):
+def wrap(
+    impl,
+    *,
+    layout="bhld",
+    framework="numpy",
+    device="cpu",
+    signature=None,
+    causal_align=None,
+    keywords=None,
+):
     """``impl`` in the given convention, as an ``impl(q, k, v, **options)`` of the oracle's.
 
     Parameters
@@ -99,6 +163,12 @@ def wrap(impl, *, layout="bhld", framework="numpy", device="cpu"):
     framework : {"numpy", "torch", "jax"}
     device : {"cpu", "cuda"}
         Where torch tensors live (torch only).
+    signature : str or oracle.signatures.Signature, optional
+        A library's keyword names and conventions (:mod:`oracle.signatures`); it brings its
+        layout and framework.
+    causal_align, keywords
+        A function's own declared conventions without a preset
+        (:func:`oracle.signatures.declared`).
 
     Returns
     -------
@@ -106,14 +176,18 @@ def wrap(impl, *, layout="bhld", framework="numpy", device="cpu"):
         Taking and returning NumPy arrays in ``bhld``; ``.vjp`` too when ``impl`` has one and
         the layout is ``bhld`` or ``blhd``.
     """
-    check_convention(layout, framework, device)
-    if layout == "bhld" and framework == "numpy":
+    convention = check_convention(layout, framework, device, signature, causal_align, keywords)
+    layout, framework = convention["layout"], convention["framework"]
+    speaks = _speaker(convention)
+    if layout == "bhld" and framework == "numpy" and speaks is None:
         return impl
     bridge = _Bridge(framework, device)
 
     @functools.wraps(impl)
     def forward(q, k, v, **options):
         args, kwargs, unpack = _LAYOUT_IN[layout](q, k, v, options)
+        if speaks is not None:
+            kwargs = speaks(q, k, v, options, kwargs)
         try:
             result = impl(
                 *(bridge.to(a) for a in args), **{n: bridge.to(a) for n, a in kwargs.items()}
@@ -126,9 +200,14 @@ def wrap(impl, *, layout="bhld", framework="numpy", device="cpu"):
             else (result, None)
         )
         out = unpack(bridge.back(out), "out")
-        return out if lse is None else (out, unpack(bridge.back(lse), "lse"))
+        if lse is None:
+            return out
+        lse = bridge.back(lse)
+        if speaks is not None and speaks.lse_axes is not None:
+            lse = np.transpose(lse, speaks.lse_axes)
+        return out, unpack(lse, "lse")
 
-    if hasattr(impl, "vjp") and layout in ("bhld", "blhd"):
+    if hasattr(impl, "vjp") and layout in ("bhld", "blhd") and speaks is None:
 
         def vjp(q, k, v, grad_out, **options):
             to = _to_blhd if layout == "blhd" else _same
@@ -143,8 +222,37 @@ def wrap(impl, *, layout="bhld", framework="numpy", device="cpu"):
             return type(grads)(*back) if hasattr(grads, "_fields") else tuple(back)
 
         forward.vjp = vjp
-    forward.convention = {"layout": layout, "framework": framework, "device": device}
+    forward.convention = convention
     return forward
+
+
+def _speaker(convention):
+    """None, or ``speak(q, k, v, options, kwargs) -> kwargs`` putting the layout's keywords
+    and the options (refattn's names) into the function's own keywords
+    (:mod:`oracle.signatures`)."""
+    from .signatures import Call, declared, get
+
+    if "signature" in convention:
+        preset = get(convention["signature"])
+    else:
+        preset = declared(
+            convention["layout"], convention.get("causal_align"), convention.get("keywords")
+        )
+    if preset is None:
+        return None
+
+    def speak(q, k, v, options, kwargs):
+        # the layout's own keywords (cu_seqlens, block_table...) pass as they are; options it
+        # consumed (kv_lengths as ragged lengths) are gone from kwargs
+        own = {n: x for n, x in kwargs.items() if n in options}
+        layout_words = {n: x for n, x in kwargs.items() if n not in options}
+        spoken = preset.translate(own, Call.of(q, k, v, options))
+        for name in preset.drop:
+            layout_words.pop(name, None)
+        return {**spoken, **layout_words}
+
+    speak.lse_axes = preset.lse_axes
+    return speak
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,12 +279,25 @@ def _blhd(q, k, v, options):
     return (_to_blhd(q), _to_blhd(k), _to_blhd(v)), dict(options), unpack
 
 
+#: The message of a case the layout cannot carry (reports count these apart from the
+#: options a function lacks: nothing the user can do about them in this layout).
+NOT_EXPRESSIBLE = "not expressible in this layout"
+
+
 def _no_per_position(options, layout):
     present = [n for n in _PER_POSITION if options.get(n) is not None]
     if present:
         raise NotImplementedError(
-            f"the {layout} layout carries no per-position arrays ({', '.join(present)})"
+            f"{', '.join(present)}: {NOT_EXPRESSIBLE} ({layout} carries no (B, H, L, S) arrays)"
         )
+
+
+def _ragged(options, batch, keys):
+    """Each sequence's key count: ``kv_lengths`` (B,), consumed here, or S for all."""
+    lengths = options.pop("kv_lengths", None)
+    if lengths is None:
+        return np.full(batch, keys, dtype=np.int32)
+    return np.broadcast_to(np.asarray(lengths, dtype=np.int32).reshape(-1), (batch,)).copy()
 
 
 def _dense4(q, k, v):
@@ -192,17 +313,25 @@ def _dense4(q, k, v):
 
 def _packed(q, k, v, options):
     _no_per_position(options, "packed")
+    options = dict(options)
     q, k, v = _dense4(q, k, v)
     batch, heads, rows, _ = q.shape
-    keys = k.shape[-2]
+    lengths = _ragged(options, batch, k.shape[-2])  # ragged keys: sequence b packs S_b of them
     cu_q = np.arange(batch + 1, dtype=np.int32) * rows
-    cu_k = np.arange(batch + 1, dtype=np.int32) * keys
+    cu_k = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
-    def pack(a):
-        return np.ascontiguousarray(np.swapaxes(a, 1, 2).reshape(-1, *a.shape[1:2], a.shape[3]))
+    def pack(a, counts=None):
+        tokens = np.swapaxes(a, 1, 2)  # (B, len, heads, .)
+        if counts is not None:
+            tokens = np.concatenate([tokens[b, : counts[b]] for b in range(batch)])
+        return np.ascontiguousarray(tokens.reshape(-1, *a.shape[1:2], a.shape[3]))
 
     kwargs = dict(
-        options, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=rows, max_seqlen_k=keys
+        options,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=rows,
+        max_seqlen_k=int(lengths.max(initial=0)),
     )
 
     def unpack(x, what):
@@ -214,14 +343,16 @@ def _packed(q, k, v, options):
             np.asarray(x).reshape(batch, rows, heads, -1).transpose(0, 2, 1, 3)
         )
 
-    return (pack(q), pack(k), pack(v)), kwargs, unpack
+    return (pack(q), pack(k, lengths), pack(v, lengths)), kwargs, unpack
 
 
 def _paged(q, k, v, options):
     _no_per_position(options, "paged")
+    options = dict(options)
     q, k, v = _dense4(q, k, v)
     batch, heads, rows, _ = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
+    lengths = _ragged(options, batch, keys)  # slots past S_b stay NaN
     page = page_size(keys)
     per_seq = -(-keys // page)
     pages = batch * per_seq + 1  # page 0 is never used
@@ -233,13 +364,13 @@ def _paged(q, k, v, options):
         seq = np.swapaxes(a, 1, 2)  # (B, S, K, .)
         for b in range(batch):
             for p in range(per_seq):
-                chunk = seq[b, p * page : (p + 1) * page]
+                chunk = seq[b, p * page : min((p + 1) * page, lengths[b])]
                 cache[table[b, p], : len(chunk)] = chunk
         caches.append(cache)
     kwargs = dict(
         options,
         block_table=table.astype(np.int32),
-        cache_seqlens=np.full(batch, keys, dtype=np.int32),
+        cache_seqlens=lengths,
     )
 
     def unpack(x, what):

@@ -83,12 +83,16 @@ def _refattn_defaults() -> dict:
     }
 
 
-def passed_options(options) -> dict:
+def passed_options(options, impl=None) -> dict:
     """The options an implementation receives: those equal to :func:`refattn.attention`'s
     defaults are left out (the implementation's own defaults then apply), so a function that
     follows the calling convention but lacks a keyword (``align``, ``gqa``, ``empty_rows``...)
-    is still judged on every case that uses that keyword's default."""
-    defaults = _refattn_defaults()
+    is still judged on every case that uses that keyword's default. A keyword ``impl``'s
+    signature declares with another default (``align="bottom_right"``) is compared with that
+    default instead (:func:`oracle.signatures.function_defaults`)."""
+    from .signatures import function_defaults
+
+    defaults = {**_refattn_defaults(), **function_defaults(impl)}
     return {
         name: np.copy(x) if isinstance(x, np.ndarray) else x
         for name, x in options.items()
@@ -104,7 +108,7 @@ def call_forward(impl, q, k, v, options):
     options equal to refattn's defaults left out); returns float64 (out, lse or None).
 
     A TypeError refusing one of the options is a NotImplementedError ("unsupported")."""
-    copies = passed_options(options)
+    copies = passed_options(options, impl)
     try:
         result = impl(np.copy(q), np.copy(k), np.copy(v), **copies, return_lse=True)
     except (TypeError, NotImplementedError) as err:
@@ -398,7 +402,9 @@ def _check_grads(ctx, fixture, impl, checks):
     inputs = fixture.inputs
     grad_out, grad_lse = inputs.get("grad_out"), inputs.get("grad_lse")
     extra = {} if grad_lse is None else {"grad_lse": np.copy(grad_lse)}
-    options = passed_options({n: x for n, x in fixture.options.items() if n != "return_lse"})
+    options = passed_options(
+        {n: x for n, x in fixture.options.items() if n != "return_lse"}, impl.vjp
+    )
     result = impl.vjp(
         np.copy(inputs["q"]),
         np.copy(inputs["k"]),

@@ -261,11 +261,32 @@ class Report:
         coverage = self.coverage()
         rows = {**coverage["feature"], **coverage["shape"]}
         wanted = self._headline()
+        quiet = set(self.not_expressible) - set(self.required)
         return [
             f
             for f in dict.fromkeys((*wanted, *self.required))
-            if rows.get(f, {}).get("judged", 0) == 0
+            if rows.get(f, {}).get("judged", 0) == 0 and f not in quiet
         ]
+
+    @property
+    def not_expressible(self) -> dict[str, str]:
+        """{feature: why} for the features no case judged because the calling convention
+        cannot carry them (a packed or paged layout has no place for a (B, H, L, S) mask):
+        nothing the implementation's author can act on, so not in :attr:`untested`; a report
+        shows them once as "not expressible in this layout"."""
+        from .conventions import NOT_EXPRESSIBLE
+
+        found: dict[str, str] = {}
+        judged = set()
+        for r in self.results:
+            if r.verdict in ("pass", "fail"):
+                judged.update(r.features)
+            elif r.verdict == "unsupported" and NOT_EXPRESSIBLE in (r.message or ""):
+                named = r.message.split(":", 1)[0]
+                for feature in r.features:
+                    if feature in named:
+                        found.setdefault(feature, r.message)
+        return {f: why for f, why in found.items() if f not in judged}
 
     def _headline(self) -> list[str]:
         # attention results carry shape classes; a run of variant cases only has no headline

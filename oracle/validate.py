@@ -42,6 +42,7 @@ from . import catalogue, golden
 from . import tolerance as tol
 from ._progress import Progress
 from .features import KNOWN_FEATURES, case_features
+from .guidance import FIRST_CASES, check_first_cases
 from .impls import is_module_spec, locate_impl, resolve_impl
 from .judge import check_fixture
 from .results import Report
@@ -139,13 +140,31 @@ def reproduce_command(
         + (" --strict" if strict else "")
         + (f" --tolerance {tolerance}" if tolerance != "default" else "")
         + (f" --check {check}" if check else "")
-        + "".join(
-            f" --{name} {value}"
-            for name, value in (convention or {}).items()
-            if value != {"layout": "bhld", "framework": "numpy", "device": "cpu"}[name]
-        )
+        + _convention_flags(convention)
     )
     return f"refattn-oracle validate {impl_part} {source_flag} --dtype {dtype} --case {name}{extra}"
+
+
+def _convention_flags(convention) -> str:
+    """The command-line flags of a calling convention (those that differ from the default;
+    a preset's layout and framework are its own)."""
+    convention = dict(convention or {})
+    flags = []
+    if "signature" in convention:
+        preset = convention.pop("signature")
+        flags.append(f" --signature {getattr(preset, 'name', preset)}")
+        convention.pop("layout", None), convention.pop("framework", None)
+    defaults = {"layout": "bhld", "framework": "numpy", "device": "cpu"}
+    for name, value in convention.items():
+        if name == "keywords":
+            from .signatures import parse_keywords
+
+            flags += [f" --keyword {a}={b}" for a, b in parse_keywords(value).items()]
+        elif name == "causal_align":
+            flags.append(f" --causal-align {value}")
+        elif value != defaults[name]:
+            flags.append(f" --{name} {value}")
+    return "".join(flags)
 
 
 def validate(
@@ -168,6 +187,9 @@ def validate(
     layout="bhld",
     framework="numpy",
     device="cpu",
+    signature=None,
+    causal_align=None,
+    keywords=None,
 ) -> Report:
     """Validate ``impl`` on a suite or a fixture directory in one dtype.
 
@@ -222,6 +244,17 @@ def validate(
         (default), "blhd", "packed" (varlen with cu_seqlens) or "paged" (KV cache pages and a
         block table); framework "numpy" (default), "torch" (tensors on ``device``, "cpu" or
         "cuda") or "jax".
+    signature : str, optional
+        The implementation speaks a library's keywords and conventions
+        (:mod:`oracle.signatures`: "flash_attn", "flash_attn_varlen",
+        "flash_attn_with_kvcache", "torch_sdpa", "jax", "flashinfer", "xformers"); it brings
+        its layout and framework. A case the library cannot express is "unsupported".
+    causal_align : {"top_left", "bottom_right"}, optional
+        Without a preset: the alignment the implementation's ``causal`` (window, ALiBi) uses;
+        a case of the other alignment with L != S is "unsupported".
+    keywords : dict or list of "option=name", optional
+        Without a preset: the implementation's names for refattn's options
+        (``{"scale": "softmax_scale"}``).
 
     Options equal to :func:`refattn.attention`'s defaults are not passed to the
     implementation (:func:`passed_options`): its own defaults then apply.
@@ -253,9 +286,10 @@ def validate(
         tol.unit_roundoff(dtype)  # a clear error for an unknown dtype
     from .conventions import check_convention, wrap
 
-    convention = check_convention(layout, framework, device)
+    convention = check_convention(layout, framework, device, signature, causal_align, keywords)
     default_convention = convention == check_convention()
-    if isolate and is_module_spec(impl):
+    in_worker = isinstance(convention.get("signature", ""), str)  # a Signature object is not
+    if isolate and in_worker and is_module_spec(impl):
         # only the worker imports it: a module that exits, crashes or hangs at import cannot
         # end this process (with rc 0 for sys.exit(0)) or stall it; Supervisor.start says why
         locate_impl(impl)
@@ -281,6 +315,8 @@ def validate(
     else:
         source_flag = f"--suite {source_arg}"
     worker_ref = _worker_ref(impl, unwrapped, spec) if isolate else None
+    if not in_worker:
+        worker_ref = None
     if worker_ref is not None and not default_convention:
         worker_ref = (worker_ref, convention)
     supervisor = (
@@ -352,6 +388,10 @@ def validate(
                         )
                     )
                 bar.advance(f"{result.name}: {result.verdict}")
+                if len(results) <= 8 * FIRST_CASES * (1 + len(checks)):
+                    check_first_cases(
+                        results, lambda: unwrapped or _importable(spec), convention, len(items)
+                    )
     finally:
         if supervisor is not None:
             supervisor.close()
@@ -362,6 +402,14 @@ def validate(
     report.required = required
     report.tolerance = tolerance
     return report
+
+
+def _importable(spec):
+    """The implementation behind ``spec`` in this process, for guidance only (None if not)."""
+    try:
+        return resolve_impl(spec)[0] if spec else None
+    except Exception:  # noqa: BLE001 - guidance must never replace the run's own error
+        return None
 
 
 def _start_worker(supervisor, name) -> None:

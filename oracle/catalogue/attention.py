@@ -13,10 +13,11 @@ Suites
 four dtypes, because an implementation is validated one dtype at a time, plus 24 kernel-scale
 rows per dtype: lengths around the 64/128 tiles, several query and key tiles, L > S
 bottom_right, real head dims, GQA, ragged batches and the kernel input distributions over 300
-keys, and five more in float16 and bfloat16 for 16-bit accumulators, 23 long rows per dtype
-over 1k to 128k keys whose fixtures regenerate their inputs, and 8 worst-case rows per dtype) and ``"full"`` (default plus larger shapes: S = 4096 with
-D = 64, sliding windows over 1024 keys, D = 128, batches of padded sequences). smoke is a
-subset of default, which is a subset of full. ``"kernel"`` holds every kernel-scale case
+keys, and five more in float16 and bfloat16 for 16-bit accumulators, 23 long rows per dtype over
+1k to 128k keys whose fixtures regenerate their inputs, and 8 worst-case rows per dtype) and
+``"full"`` (default plus larger shapes: S = 4096 with D = 64, sliding windows over 1024 keys, D
+= 128, batches of padded sequences). smoke is a subset of default, which is a subset of full.
+``"kernel"`` holds every kernel-scale case
 (:func:`oracle.catalogue.attention_kernel_families.kernel_entries`), the costly ones (S up to
 65536, a 32k-key decode) included.
 
