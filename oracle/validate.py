@@ -361,6 +361,7 @@ def validate(
     report.isolated = supervisor is not None
     report.required = required
     report.tolerance = tolerance
+    report.use_layout(convention["layout"])
     return report
 
 
