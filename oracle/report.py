@@ -167,10 +167,16 @@ def verdict_lines(report) -> list[str]:
     for category in ("conformance", "robustness", "invariance"):
         counts = report.counts(category)
         if sum(counts.values()):
-            lines.append(f"{category}: " + ", ".join(f"{n} {v}" for v, n in counts.items()))
-    warnings = getattr(report, "warnings", None)
+            lines.append(
+                f"{category}: "
+                + ", ".join(f"{n} {v}" for v, n in counts.items() if n or v != "warning")
+            )
+    warnings = report.counts("invariance")["warning"]
     if warnings:
-        lines.append(f"warnings: {len(warnings)} (see the cases marked 'warning')")
+        fails = "fail the run (--strict-invariance)" if report.strict_invariance else "pass"
+        lines.append(
+            f"invariance warnings: {warnings} (bits differ, within the tolerance: these {fails})"
+        )
     if any(r.category == "robustness" for r in report.results):
         lines.append(f"note: {ROBUSTNESS_NOTE}" + (" (strict: on)" if report.strict else ""))
     lines += [f"note: {note}" for note in tile_tracking(report.results)]

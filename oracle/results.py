@@ -22,7 +22,7 @@ from .tolerance import Threshold, ulp_distance
 
 __all__ = ["VERDICTS", "Worst", "Grade", "grade_of", "Check", "CaseResult", "Report"]
 
-VERDICTS = ("pass", "fail", "unsupported", "error")
+VERDICTS = ("pass", "fail", "unsupported", "error", "warning")  # warning: invariance only
 
 
 @dataclass
@@ -252,6 +252,7 @@ class Report:
     required: tuple = ()  # features that must have been judged (--require)
     tolerance: str = "default"  # the tier (oracle.tolerance.TIERS)
     layout: str = "bhld"  # the implementation's layout: indices are shown in its order
+    strict_invariance: bool = False  # invariance warnings (bits differ, within tolerance) fail
 
     def use_layout(self, layout: str) -> None:
         """Show every index in the caller's ``layout`` order (the errors stay in refattn's)."""
@@ -322,7 +323,12 @@ class Report:
     @property
     def failures(self) -> list[CaseResult]:
         """The results that make the run fail."""
-        return [r for r in self.results if r.failed and (self.strict or r.category != "robustness")]
+        return [
+            r
+            for r in self.results
+            if (r.failed and (self.strict or r.category != "robustness"))
+            or (r.verdict == "warning" and self.strict_invariance)
+        ]
 
     def counts(self, category: str | None = None) -> dict[str, int]:
         """Number of results per verdict (optionally in one category)."""

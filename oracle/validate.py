@@ -168,6 +168,7 @@ def validate(
     layout="bhld",
     framework="numpy",
     device="cpu",
+    strict_invariance=False,
 ) -> Report:
     """Validate ``impl`` on a suite or a fixture directory in one dtype.
 
@@ -215,13 +216,17 @@ def validate(
         fails. Untested headline features are reported in any case.
     checks : str or iterable of str
         Invariance checks of :mod:`oracle.invariance` ("determinism", "batch-invariance",
-        "decode"; a comma list is fine) run on every attention conformance case, each its own
-        result ``<case>::<check>`` in category "invariance" (a failure fails the run).
+        "padding-invariance", "decode"; a comma list is fine) run on every attention
+        conformance case, each its own result ``<case>::<check>`` in category "invariance" (a
+        failure fails the run; bits that differ within the tolerance are a "warning").
     layout, framework, device : str
         The implementation's calling convention (:mod:`oracle.conventions`): layout "bhld"
         (default), "blhd", "packed" (varlen with cu_seqlens) or "paged" (KV cache pages and a
         block table); framework "numpy" (default), "torch" (tensors on ``device``, "cpu" or
         "cuda") or "jax".
+    strict_invariance : bool
+        Invariance warnings (bits that differ while the deviating run stays within the
+        tolerance) fail the run too.
 
     Options equal to :func:`refattn.attention`'s defaults are not passed to the
     implementation (:func:`passed_options`): its own defaults then apply.
@@ -362,6 +367,7 @@ def validate(
     report.required = required
     report.tolerance = tolerance
     report.use_layout(convention["layout"])
+    report.strict_invariance = bool(strict_invariance)
     return report
 
 
