@@ -188,7 +188,8 @@ def worst_lines(report, n=5) -> list[str]:
     worst = worst_failures(report.results, n)
     if not worst:
         return []
-    lines = [f"Worst failures ({len(worst)} of {len(report.failures)}):"]
+    failing = sum(r.failed for r in report.results)
+    lines = [f"Worst failures ({len(worst)} of {failing}; {len(report.failures)} fail the run):"]
     for r in worst:
         note = "; ".join(r.diagnosis) or r.message
         lines.append(

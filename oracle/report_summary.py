@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+import textwrap
 
 import numpy as np
 
@@ -29,7 +30,7 @@ __all__ = [
     "key_map",
 ]
 
-_KEYWORD = re.compile(r"does not accept (\w+)=")
+_KEYWORD = re.compile(r"(?:does not accept|has no equivalent of) (\w+)=")
 _NUMBER = re.compile(r"\b\d+(\.\d+)?\b")
 
 
@@ -43,25 +44,34 @@ def _reason(message: str) -> str:
     return _NUMBER.sub("N", text)
 
 
-def unsupported_groups(results) -> dict[str, int]:
-    """{reason: number of unsupported cases}, most frequent first."""
+def unsupported_groups(results, *, examples=None) -> dict[str, int]:
+    """{reason: number of unsupported cases}, most frequent first; ``examples`` (a dict) gets
+    one message per reason."""
     counts: dict[str, int] = {}
     for r in results:
         if r.verdict == "unsupported":
             key = _reason(r.message)
             counts[key] = counts.get(key, 0) + 1
+            if examples is not None:
+                examples.setdefault(key, (r.message or "").splitlines()[0] if r.message else "")
     return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
 
 def unsupported_lines(results) -> list[str]:
     """One table of the unsupported cases: count and what was missing (the keyword refused,
     or the implementation's message)."""
-    groups = unsupported_groups(results)
+    examples: dict = {}
+    groups = unsupported_groups(results, examples=examples)
     if not groups:
         return []
     total = sum(groups.values())
     lines = [f"Unsupported ({total} cases, never a pass), by what is missing:"]
-    lines += [f"  {n:5d}  {reason}" for reason, n in groups.items()]
+    for reason, n in groups.items():
+        lines.append(f"  {n:5d}  {reason}")
+        if reason.endswith("=") and examples.get(reason):
+            lines += textwrap.wrap(
+                f"e.g. {examples[reason]}", 110, initial_indent=" " * 9, subsequent_indent=" " * 11
+            )
     return lines
 
 

@@ -205,7 +205,7 @@ class CaseResult:
                     f"{check.threshold.formula(check.worst.index, shape)}"
                 )
                 ratio = check.textbook_ratio
-                if ratio is not None:
+                if ratio is not None and math.isfinite(ratio):
                     lines.append(
                         f"    FlashAttention-style ratio: max error {ratio:.3g}x the "
                         f"{self.dtype} textbook's"
