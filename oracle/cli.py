@@ -54,6 +54,7 @@ from . import signatures
 from .catalogue.names import DTYPES
 from .conventions import LAYOUTS
 from .export_cli import add_export_parser, run_export_command
+from .invariance import CHECKS as INVARIANCE_CHECKS
 
 __all__ = ["main", "build_parser"]
 
@@ -137,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--plots",
         choices=("failures", "all", "none"),
         default="failures",
-        help="plots in the HTML report: failing checks (default), every case, or none",
+        help="plots in the HTML report: the 12 worst failing cases (default), every case, or none",
     )
     val.add_argument("--strict", action="store_true", help="robustness failures fail the run")
     val.add_argument(
@@ -186,7 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CHECK",
         default=[],
         help="invariance checks on every conformance case, each its own verdict "
-        "(comma list or repeatable): determinism, batch-invariance, decode",
+        "(comma list or repeatable): " + ", ".join(INVARIANCE_CHECKS) + "; bits that differ "
+        "within the tolerance are a warning",
+    )
+    val.add_argument(
+        "--strict-invariance",
+        action="store_true",
+        help="invariance warnings (bits differ, within the tolerance) fail the run",
     )
     val.add_argument(
         "--timeout",
@@ -344,6 +351,7 @@ def _validate(args) -> int:
         device=args.device,
         tolerance=args.tolerance,
         **signatures.options_of(args),
+        strict_invariance=args.strict_invariance,
     )
     try:
         if args.executor == "dask":

@@ -16,8 +16,11 @@ batch only (dk and dv sum over the query heads of a kv group), and only when k, 
 carry their own batch dimension (otherwise dk, dv or dbias sum over the batch).
 
 ``validate_many`` runs several implementations over the same cases, one Dask task per
-(implementation, case), each in the usual supervised worker process of :mod:`oracle.validate`
-on the Dask worker, and returns one merged :class:`~oracle.results.Report` per implementation.
+(implementation, chunk of cases), one chunk per Dask worker: each task is one usual supervised
+worker process of :mod:`oracle.validate` kept across its cases (the implementation and its
+framework are imported once per worker, not once per case), and returns one merged
+:class:`~oracle.results.Report` per implementation. An implementation a worker cannot import
+is an ImportError that names the worker.
 
 Workers need refattn installed at the same version as the client (checked: a mismatch is an
 error naming both versions) and, for ``--impl module:function``, the implementation importable.
@@ -268,11 +271,47 @@ def _run_cases(client, todo: list[Case], out: Path) -> Iterator[tuple[str, str]]
 # ---------------------------------------------------------------------------------------------
 
 
-def _validate_one(impl: str, case_name: str, kwargs: dict):
+def _validate_chunk(impl: str, case_names: list, kwargs: dict) -> dict:
+    """Validate ``impl`` on several cases in one supervised worker process (runs on a Dask
+    worker: the implementation is imported once per chunk, not once per case). An
+    implementation the worker cannot load comes back as ``{"import_error", "worker"}``, so
+    the client reports it as the worker's, not its own."""
     from .validate import validate
 
-    report = validate(impl, cases=[case_name], progress=False, **kwargs)
-    return report.results
+    try:
+        report = validate(impl, cases=list(case_names), progress=False, **kwargs)
+    except ImportError as err:
+        return {"import_error": str(err), "worker": _worker_name()}
+    return {"results": report.results}
+
+
+def _worker_name() -> str:
+    try:
+        from distributed import get_worker
+
+        return get_worker().address
+    except (ImportError, ValueError):  # pragma: no cover - outside a Dask worker
+        import socket
+
+        return socket.gethostname()
+
+
+def _chunks(names: list, n: int) -> list:
+    """``names`` dealt round-robin into at most ``n`` non-empty chunks (costs interleave)."""
+    return [chunk for chunk in (names[i::n] for i in range(max(1, n))) if chunk]
+
+
+def _gather_results(active, impl, parts, names) -> list:
+    results = []
+    for part in active.gather(parts):
+        if "import_error" in part:
+            raise ImportError(
+                f"on the Dask worker {part['worker']}: {part['import_error']} (the client "
+                f"itself was not asked to import {impl!r}; install it on every worker)"
+            )
+        results += part["results"]
+    order = {name: i for i, name in enumerate(names)}
+    return sorted(results, key=lambda r: (order.get(r.name.split("::")[0], len(order)), r.name))
 
 
 def validate_many(
@@ -316,18 +355,18 @@ def validate_many(
     active = _client(scheduler) if own else client
     start = time.perf_counter()
     try:
+        workers = len(active.scheduler_info().get("workers", {})) or 1
+        options = {**source, "dtype": dtype, **kwargs}
         futures = {
             impl: [
-                active.submit(
-                    _validate_one, impl, name, {**source, "dtype": dtype, **kwargs}, pure=False
-                )
-                for name in names
+                active.submit(_validate_chunk, impl, chunk, options, pure=False)
+                for chunk in _chunks(names, workers)
             ]
             for impl in impls
         }
         reports = {}
         for impl, parts in futures.items():
-            results = [result for part in active.gather(parts) for result in part]
+            results = _gather_results(active, impl, parts, names)
             label = f"suite {suite or 'smoke'}" if fixtures is None else f"fixtures {fixtures}"
             report = Report(
                 impl,
@@ -339,6 +378,8 @@ def validate_many(
                 kwargs.get("grads", False),
             )
             report.isolated = kwargs.get("isolate", True)
+            report.strict_invariance = bool(kwargs.get("strict_invariance", False))
+            report.use_layout(kwargs.get("layout", "bhld"))
             reports[impl] = report
         return reports
     finally:

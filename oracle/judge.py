@@ -62,6 +62,9 @@ from .baseline import (
     variant_vjp_baseline,
 )
 from .catalogue.variants import FUNCTIONS, forward_inputs, grad_names, outputs_of
+from .diagnose_models import ORDER_ONE
+from .diagnose_tiles import storage_dtype
+from .report_summary import key_map
 from .results import CaseResult, Check, Worst, grade_of
 from .variant_scales import condition, grad_floor_terms, grad_scale, natural_scale
 
@@ -167,7 +170,7 @@ def _truth_rounded(fixture, name):
     return None if value is None else np.asarray(value).astype(np.float64)
 
 
-def _judge(quantity, value, truth, scale, threshold, dtype, rounded=None) -> Check:
+def _judge(quantity, value, truth, scale, threshold, dtype, rounded=None, own=None) -> Check:
     errors = tol.normalised_error(value, truth, scale, dtype)
     limit = np.broadcast_to(np.asarray(threshold.value, dtype=np.float64), errors.shape)
     over = errors > limit
@@ -186,7 +189,8 @@ def _judge(quantity, value, truth, scale, threshold, dtype, rounded=None) -> Che
         float(limit[index]) if limit.size else 0.0,
     )
     passed = not over.any()
-    grade = grade_of(value, truth, dtype, rounded)
+    # graded in the quantity's own storage type (a float32 lse of bfloat16 inputs)
+    grade = grade_of(value, truth, own or dtype, rounded if own in (None, dtype) else None)
     grade.sq = float(np.sum(np.where(np.isfinite(errors), errors, 0.0) ** 2))
     # errors are kept for every check: the HTML report plots any case on request
     return Check(
@@ -389,6 +393,7 @@ def _check_forward(ctx, fixture, out, lse, checks):
             threshold,
             ctx.dtype,
             rounded=_truth_rounded(fixture, "lse"),
+            own=storage_dtype(lse, ctx.dtype),
         )
     return None
 
@@ -523,6 +528,7 @@ def _run_checks(impl, fixture, grads, diagnose, result, tier="default"):
         )
         if diagnose:
             result.diagnosis = _diagnosis(ctx, fixture, out, result.checks, lse)
+            result.key_map = key_map(out, _truth(fixture, "out"), ctx.v, ctx.options.get("gqa"))
     elif notes:
         result.verdict = "unsupported"  # gradients were asked for: never a pass
     result.message = "; ".join(x for x in [result.message, *notes] if x)
@@ -563,7 +569,9 @@ def _diagnosis(ctx, fixture, out, checks, lse=None) -> list[str]:
                 np.broadcast_to(np.asarray(grad.threshold.value), grad.errors.shape),
             )
     out_failed = check is not None and not check.passed and out.shape == truth.shape
-    lower = [_lower_precision(ctx, c, fixture) for c in failing]
+    # errors of the order of the output itself: no precision model or online-softmax hint
+    small = max(c.max_error for c in failing) < ORDER_ONE
+    lower = [_lower_precision(ctx, c, fixture) for c in failing if small]
     lower_dtype = (
         lower[0][0] if lower and all(x is not None and x[0] == lower[0][0] for x in lower) else None
     )
@@ -619,13 +627,15 @@ def _diagnosis(ctx, fixture, out, checks, lse=None) -> list[str]:
     errors = check.errors if check.errors is not None else np.zeros(out.shape)
     limit = np.broadcast_to(np.asarray(check.threshold.value), out.shape)
     where = []  # where the failing rows concentrate (partial query tile, late max)
-    if np.isfinite(out).all() and np.isfinite(errors).all():
+    if small and np.isfinite(out).all() and np.isfinite(errors).all():
         where = _diagnose.concentration(ctx.q, ctx.k, ctx.v, ctx.options, errors, limit)
-    if tol.accumulation_dtype(ctx.dtype) != np.dtype(ctx.dtype) and np.isfinite(check.errors).all():
+    if not small:
+        pass
+    elif tol.accumulation_dtype(ctx.dtype) != np.dtype(ctx.dtype) and np.isfinite(errors).all():
         found = _storage_accumulation(ctx, out, truth, check)
         if found:
             return notes + [found] + where
-    if np.isfinite(check.errors).all():
+    if small and np.isfinite(check.errors).all():
         scale = tol.output_scale(ctx.dropped, ctx.v, gqa=ctx.options.get("gqa"))
         found = _diagnose.narrow_accumulation(
             ctx.q,

@@ -7,6 +7,7 @@ never both: pluggy refuses to register one module under two names)::
     pytest --pyargs oracle --refattn-impl mypkg.attn:attention [--refattn-suite default]
            [--refattn-fixtures DIR] [--refattn-dtype float16] [--refattn-skips FILE]
            [--refattn-xfails FILE] [--refattn-strict] [--refattn-grads]
+           [--refattn-require causal,mask]
 
 The current directory is put on ``sys.path`` (as ``refattn-oracle validate --impl`` does),
 so a module next to where pytest runs is found. Each option has an environment twin
@@ -22,6 +23,12 @@ runs them; cases with ``sinks`` / ``kv_lengths`` pass those keywords (see
 Skip/xfail files (like array-api-tests): one fnmatch pattern over case names per line, ``#``
 starts a comment.
 
+Each case runs in one supervised worker process kept across the session, as
+``refattn-oracle validate`` runs it (an implementation that exits, crashes or hangs makes that
+case an error, never the end of the session); the coverage table (judged / unsupported / error
+per feature, dtype and shape class) is printed at the end, and ``--refattn-require FEATURES``
+(env ``REFATTN_REQUIRE``) fails the session unless some case judged each feature.
+
 The plugin is inert unless an implementation is given: it only adds command-line options and
 a report-header line; the tests live in :mod:`oracle.test_conformance`, which pytest collects
 only when asked to (``--pyargs oracle`` or a path inside the package), never from a project's
@@ -33,7 +40,7 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["settings", "read_patterns"]
+__all__ = ["settings", "read_patterns", "session", "Session"]
 
 _OPTIONS = {
     # name: (environment variable, default, help)
@@ -46,6 +53,11 @@ _OPTIONS = {
     "layout": ("REFATTN_LAYOUT", "bhld", "the implementation's layout: bhld, blhd, packed, paged"),
     "framework": ("REFATTN_FRAMEWORK", "numpy", "arrays it takes: numpy, torch, jax"),
     "device": ("REFATTN_DEVICE", "cpu", "device of torch tensors: cpu, cuda"),
+    "require": (
+        "REFATTN_REQUIRE",
+        None,
+        "comma list of features some case must judge, else the session fails (causal, mask...)",
+    ),
 }
 
 
@@ -86,6 +98,7 @@ def settings(config) -> dict | None:
     values["grads"] = bool(config.getoption("refattn_grads", default=False))
     if values["dtype"] == "all":
         values["dtype"] = None
+    values["require"] = _required(values["require"])
     from .conventions import check_convention
 
     try:
@@ -113,6 +126,104 @@ def read_patterns(path) -> list[str]:
     with open(path, encoding="utf-8") as handle:
         lines = (line.split("#", 1)[0].strip() for line in handle)
         return [line for line in lines if line]
+
+
+def _required(text) -> tuple:
+    from .features import KNOWN_FEATURES
+
+    names = [p.strip().lower() for p in str(text or "").split(",") if p.strip()]
+    unknown = [n for n in names if n not in KNOWN_FEATURES]
+    if unknown:
+        import pytest
+
+        raise pytest.UsageError(
+            f"--refattn-require: unknown feature(s) {unknown}; expected some of "
+            f"{list(KNOWN_FEATURES)}"
+        )
+    return tuple(dict.fromkeys(names))
+
+
+class Session:
+    """The plugin's state over one pytest session: the supervised worker process every case
+    runs in (as ``refattn-oracle validate`` does: an implementation that exits, crashes or
+    hangs is that case's "error", not the end of pytest) and the results, from which the
+    coverage table is printed at the end and ``--refattn-require`` is checked."""
+
+    def __init__(self, values):
+        self.values = values
+        self.results = []
+        self.supervisor = None
+
+    def run(self, fixture, reproduce):
+        from .supervise import DEFAULT_TIMEOUT, Supervisor
+
+        if self.supervisor is None:
+            ref = self.values["impl"]
+            if self.values["convention"] != {
+                "layout": "bhld",
+                "framework": "numpy",
+                "device": "cpu",
+            }:
+                ref = (ref, self.values["convention"])
+            self.supervisor = Supervisor(ref, timeout=DEFAULT_TIMEOUT)
+        result = self.supervisor.run(fixture, grads=self.values["grads"], reproduce=reproduce)
+        from .features import case_features
+
+        result.features, result.shape_classes = case_features(
+            fixture.case, self.values["grads"], fixture.inputs
+        )
+        self.results.append(result)
+        return result
+
+    def report(self):
+        from .results import Report
+
+        values = self.values
+        source = (
+            f"fixtures {values['fixtures']}"
+            if values["fixtures"]
+            else (f"suite {values['suite'] or 'smoke'}")
+        )
+        report = Report(values["impl"], values["dtype"], source, values["strict"], self.results)
+        report.grads, report.isolated = values["grads"], True
+        report.required = values["require"]
+        return report
+
+    def close(self):
+        if self.supervisor is not None:
+            self.supervisor.close()
+            self.supervisor = None
+
+
+_SESSIONS: dict = {}
+
+
+def session(config) -> Session | None:
+    """The :class:`Session` of this pytest run (None without an implementation)."""
+    values = settings(config)
+    if values is None:
+        return None
+    return _SESSIONS.setdefault(id(config), Session(values))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    state = _SESSIONS.get(id(session.config))
+    if state is None:
+        return
+    state.close()
+    if state.results and state.report().missing_required and session.exitstatus == 0:
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    state = _SESSIONS.pop(id(config), None)
+    if state is None or not state.results:
+        return
+    from .report import coverage_lines
+
+    terminalreporter.section("refattn oracle coverage")
+    for line in coverage_lines(state.report()):
+        terminalreporter.write_line(line)
 
 
 def pytest_report_header(config):

@@ -30,6 +30,9 @@ from xml.etree import ElementTree as ET
 
 import numpy as np
 
+from .diagnose_tiles import tile_tracking
+from .report_summary import ulp_meaningful, unsupported_lines, worst_failures
+
 __all__ = [
     "summary_table",
     "grade_lines",
@@ -64,8 +67,21 @@ def _ratio_text(result) -> str:
 
 
 def _ulp_text(result) -> str:
+    """The worst element's ulp distance, only on a failing case and where the truth is not far
+    below the element's scale (near a cancellation "1e+05 ulp" says nothing)."""
     worst = result.worst
-    return "-" if worst is None else f"{worst.ulp:.3g}"
+    if worst is None or not result.failed or not ulp_meaningful(worst):
+        return "-"
+    return f"{worst.ulp:.3g}"
+
+
+def _textbook_text(result) -> str:
+    """The FlashAttention-style ratio of the worst check: its max error over the same-dtype
+    textbook's ("-" without a baseline)."""
+    worst = result.worst
+    check = None if worst is None else result.checks.get(worst.quantity)
+    ratio = None if check is None else check.textbook_ratio
+    return "-" if ratio is None else f"{ratio:.3g}"
 
 
 def _headline(report) -> str:
@@ -86,15 +102,17 @@ def grade_lines(report) -> list[str]:
     grades = report.grades()
     if not grades:
         return []
-    lines = ["Accuracy grades (conformance cases judged):"]
+    lines = ["Accuracy grades (passing conformance cases; x textbook: FlashAttention's ratio):"]
     for dtype, by_name in grades.items():
         for name, g in by_name.items():
             rounded = g["correctly_rounded"]
             share = "-" if rounded is None else f"{100 * rounded:.1f}%"
+            ratio = g.get("textbook_ratio")
+            textbook = "" if ratio is None else f" ({_num(ratio)}x the {dtype} textbook's)"
             lines.append(
                 f"  {dtype} {name}: {share} correctly rounded, ulp median "
                 f"{_num(g['ulp_median'])} p99 {_num(g['ulp_p99'])} max "
-                f"{_num(g['ulp_max'])}, rms error {_num(g['rms_error'])}"
+                f"{_num(g['ulp_max'])}, rms error {_num(g['rms_error'])}{textbook}"
             )
             if g["models"]:
                 fits = (
@@ -119,45 +137,103 @@ def _nearest(g) -> str:
     return f"{label}, {rms / finite[label]:.2g}x its error"
 
 
-def summary_table(report, *, details=True) -> str:
-    """A plain-text table (one row per case) plus details of every failing case."""
-    rows = [("case", "category", "verdict", "err/thr", "ulp", "diagnosis / message")]
+_COLUMNS = ("case", "category", "verdict", "err/thr", "x textbook", "ulp", "diagnosis / message")
+
+
+def _case_rows(report) -> list[tuple]:
+    """One row per judged or errored case (the unsupported ones are collapsed elsewhere)."""
+    rows = []
     for r in report.results:
+        if r.verdict == "unsupported":
+            continue
+        note = "; ".join(r.diagnosis) or (r.message if r.verdict != "pass" else "")
+        rows.append(
+            (
+                r.name,
+                r.category,
+                r.verdict,
+                _ratio_text(r),
+                _textbook_text(r),
+                _ulp_text(r),
+                note,
+            )
+        )
+    return rows
+
+
+def verdict_lines(report) -> list[str]:
+    """Verdict counts per category, then the run's notes (robustness, S mod T tracking)."""
+    lines = []
+    for category in ("conformance", "robustness", "invariance"):
+        counts = report.counts(category)
+        if sum(counts.values()):
+            lines.append(
+                f"{category}: "
+                + ", ".join(f"{n} {v}" for v, n in counts.items() if n or v != "warning")
+            )
+    warnings = report.counts("invariance")["warning"]
+    if warnings:
+        fails = "fail the run (--strict-invariance)" if report.strict_invariance else "pass"
+        lines.append(
+            f"invariance warnings: {warnings} (bits differ, within the tolerance: these {fails})"
+        )
+    if any(r.category == "robustness" for r in report.results):
+        lines.append(f"note: {ROBUSTNESS_NOTE}" + (" (strict: on)" if report.strict else ""))
+    lines += [f"note: {note}" for note in tile_tracking(report.results)]
+    return lines
+
+
+def worst_lines(report, n=5) -> list[str]:
+    """The worst failures, one line each: case, err/thr, FlashAttention ratio, diagnosis."""
+    worst = worst_failures(report.results, n)
+    if not worst:
+        return []
+    failing = sum(r.failed for r in report.results)
+    lines = [f"Worst failures ({len(worst)} of {failing}; {len(report.failures)} fail the run):"]
+    for r in worst:
         note = "; ".join(r.diagnosis) or r.message
-        rows.append((r.name, r.category, r.verdict, _ratio_text(r), _ulp_text(r), note))
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    indent = sum(widths) + 2 * 5
+        lines.append(
+            f"  {r.name}: {r.verdict}, err/thr {_ratio_text(r)}, x textbook "
+            f"{_textbook_text(r)}" + (f": {note}" if note else "")
+        )
+    return lines
+
+
+def summary_table(report, *, details=True) -> str:
+    """Plain text: the summary first (verdict counts, coverage, grades, worst failures), then
+    one row per judged case, the unsupported cases as one table, and the failures' details."""
+    lines = [_headline(report), "", *verdict_lines(report), "", *coverage_lines(report)]
+    grades = grade_lines(report)
+    if grades:
+        lines += ["", *grades]
+    worst = worst_lines(report)
+    if worst:
+        lines += ["", *worst]
+    rows = [_COLUMNS, *_case_rows(report)]
+    widths = [max(len(row[i]) for row in rows) for i in range(6)]
+    indent = sum(widths) + 2 * 6
     # the full reason, wrapped under its column (never cut)
     room = max(_NOTE_WIDTH, shutil.get_terminal_size((_TERMINAL, 24)).columns - indent)
-    lines = [_headline(report), ""]
+    lines.append("")
     for i, row in enumerate(rows):
-        wrapped = textwrap.wrap(row[5], room, break_on_hyphens=False) or [""]
+        wrapped = textwrap.wrap(row[6], room, break_on_hyphens=False) or [""]
         lines.append(
-            "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False))
-            + "  "
+            ("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  ")
             + wrapped[0]
         )
         lines += [" " * indent + more for more in wrapped[1:]]
         if i == 0:
             lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 20)
-    lines.append("")
-    for category in ("conformance", "robustness", "invariance"):
-        counts = report.counts(category)
-        if sum(counts.values()):
-            lines.append(f"{category}: " + ", ".join(f"{n} {v}" for v, n in counts.items()))
-    if any(r.category == "robustness" for r in report.results):
-        lines.append(f"note: {ROBUSTNESS_NOTE}" + (" (strict: on)" if report.strict else ""))
-    lines += ["", *coverage_lines(report)]
-    grades = grade_lines(report)
-    if grades:
-        lines += ["", *grades]
+    unsupported = unsupported_lines(report.results)
+    if unsupported:
+        lines += ["", *unsupported]
     lines.append(f"time: {report.seconds:.2f} s")
     if details:
         failing = [r for r in report.results if r.failed]
         if failing:
             lines += ["", "Failures:"]
             lines += [r.explain() for r in failing]
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def coverage_lines(report) -> list[str]:
@@ -280,17 +356,43 @@ def _matplotlib():
     return Figure
 
 
+#: Failing cases plotted in the HTML report by default (the worst ones): the page stays under
+#: ~1 MB and its drawing under the run's own time.
+MAX_PLOTS = 12
+#: Largest side of a heatmap (errors are max-pooled to it: a failing element never vanishes).
+MAX_SIDE = 96
+
+
 def _png(fig) -> str:
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=80, bbox_inches="tight")
+    fig.savefig(buffer, format="png", dpi=56)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
+def _heatmap(ax, grid, limit, cmap, title):
+    """log10(error / threshold), max-pooled to :data:`MAX_SIDE`; NaN/Inf in cyan."""
+    bad = ~np.isfinite(grid)
+    pooled = _pool2(np.where(bad, np.inf, np.where(grid > 0, grid, 0.0)), MAX_SIDE)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        shown = np.ma.masked_invalid(np.log10(np.where(pooled > 0, pooled, np.nan) / limit))
+    shown = np.ma.masked_where(~np.isfinite(pooled), shown)
+    image = ax.imshow(shown, aspect="auto", cmap=cmap, interpolation="nearest")
+    ax.set_title(title + (f"; {int(bad.sum())} NaN/Inf (cyan)" if bad.any() else ""), fontsize=8)
+    return image
+
+
+def _pool2(grid, size):
+    from .report_summary import max_pool
+
+    return max_pool(np.asarray(grid, dtype=np.float64), size)
+
+
 def _plots(Figure, result, every=False) -> list[str]:
-    """Heatmap (rows x last axis) and histogram of log10 normalised error per check, as <img>
-    tags: the failing checks, or every check with ``every``. Non-finite errors (NaN or Inf
-    where the truth is finite: failures) are drawn in a loud colour and counted in the title,
-    never left blank as if they passed."""
+    """One figure per check (the failing ones, or every one with ``every``): the error heatmap
+    (rows x last axis, max-pooled), for a failing output the (query, key) map of
+    :func:`oracle.report_summary.key_alignment` (a key-position bug lights up its column),
+    and the histogram of log10 normalised error. Non-finite errors (failures) are drawn in a
+    loud colour and counted, never left blank as if they passed."""
     tags = []
     for check in result.checks.values():
         if (check.passed and not every) or check.errors is None:
@@ -298,23 +400,25 @@ def _plots(Figure, result, every=False) -> list[str]:
         errors = np.asarray(check.errors, dtype=np.float64)
         limit = float(np.max(check.threshold.value))
         bad = ~np.isfinite(errors)
-        fig = Figure(figsize=(9, 3.2))
-        ax_map, ax_hist = fig.subplots(1, 2)
+        keys = result.key_map if check.quantity == "out" and not check.passed else None
+        fig = Figure(figsize=(10 if keys is not None else 7.5, 2.6))
+        axes = fig.subplots(1, 3 if keys is not None else 2)
         grid = errors.reshape(-1, errors.shape[-1]) if errors.ndim >= 2 else errors[None]
         cmap = matplotlib_colormap("magma").with_extremes(bad="#00e0ff")
+        image = _heatmap(axes[0], grid, limit, cmap, f"{check.quantity}: rows x last axis")
+        fig.colorbar(image, ax=axes[0], label="log10(err/thr)")
+        if keys is not None:
+            shown = axes[1].imshow(keys, aspect="auto", cmap="viridis", vmin=0, vmax=1)
+            axes[1].set_xlabel("key (pooled)", fontsize=8)
+            axes[1].set_ylabel("query (pooled)", fontsize=8)
+            axes[1].set_title("|cos(error_i, v_j - out_i)|, worst head", fontsize=8)
+            fig.colorbar(shown, ax=axes[1])
+        ax_hist = axes[-1]
         with np.errstate(divide="ignore", invalid="ignore"):
-            shown = np.ma.masked_invalid(np.log10(np.where(grid > 0, grid, np.nan) / limit))
-            shown = np.ma.masked_where(~np.isfinite(grid), shown)
-            image = ax_map.imshow(shown, aspect="auto", cmap=cmap, interpolation="nearest")
             finite = errors[~bad]
             values = np.log10(finite[finite > 0])
-        fig.colorbar(image, ax=ax_map, label="log10(error / threshold)")
-        title = f"{check.quantity}: rows x last axis"
-        if bad.any():
-            title += f"; {int(bad.sum())} NaN/Inf (cyan: FAIL)"
-        ax_map.set_title(title)
         if values.size:
-            ax_hist.hist(values, bins=40, color="#4060a0")
+            ax_hist.hist(values, bins=30, color="#4060a0")
         ax_hist.axvline(math.log10(limit), color="red", label="threshold")
         if bad.any():
             ax_hist.axvline(
@@ -323,9 +427,10 @@ def _plots(Figure, result, every=False) -> list[str]:
                 linewidth=4,
                 label=f"{int(bad.sum())} NaN/Inf (fail)",
             )
-        ax_hist.set_xlabel("log10(normalised error)")
-        ax_hist.set_title("FAIL" if not check.passed else "pass")
-        ax_hist.legend()
+        ax_hist.set_xlabel("log10(normalised error)", fontsize=8)
+        ax_hist.set_title("FAIL" if not check.passed else "pass", fontsize=8)
+        ax_hist.legend(fontsize=7)
+        fig.tight_layout()
         tags.append(
             f'<img alt="{html.escape(check.quantity)} errors" '
             f'src="data:image/png;base64,{_png(fig)}">'
@@ -340,12 +445,22 @@ def matplotlib_colormap(name):
     return matplotlib.colormaps[name].copy()
 
 
-def to_html(report, path, *, plots="failures") -> Path:
-    """A standalone HTML page: summary table, one section per case (every table link has its
-    anchor), details of failing cases and plots.
+def _table(header, rows, classes=None) -> str:
+    esc = html.escape
+    cells = ["<table><tr>" + "".join(f"<th>{esc(h)}</th>" for h in header) + "</tr>"]
+    for i, row in enumerate(rows):
+        style = f" class='{esc(classes[i])}'" if classes and classes[i] else ""
+        cells.append(f"<tr{style}>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>")
+    return "".join(cells) + "</table>"
 
-    ``plots``: "failures" (default; every failing check), "all" (every check of every case)
-    or "none".
+
+def to_html(report, path, *, plots="failures", max_plots=MAX_PLOTS) -> Path:
+    """A standalone HTML page: the summary first (verdict counts, coverage, accuracy grades,
+    worst failures), then the case table (every link has its anchor), the unsupported cases
+    as one table, and one section per case with the details and plots of failing cases.
+
+    ``plots``: "failures" (default; the ``max_plots`` worst failing cases, their failing
+    checks), "all" (every check of every case, no cap) or "none".
     """
     if plots not in ("failures", "all", "none"):
         raise ValueError(f"plots: expected 'failures', 'all' or 'none', got {plots!r}")
@@ -357,49 +472,66 @@ def to_html(report, path, *, plots="failures") -> Path:
         "tr.fail{background:#fdd}tr.error{background:#fcb}tr.unsupported{color:#888}"
         "pre{background:#f4f4f4;padding:6px}</style></head><body>",
         f"<h1>{esc(_headline(report))}</h1>",
+        f"<h2>Summary</h2><pre>{esc(chr(10).join(verdict_lines(report)))}</pre>",
     ]
-    if Figure is None and plots != "none":
-        parts.append(f"<p><em>{esc(PLOT_HINT)}</em></p>")
-    parts.append(
-        "<table><tr><th>case</th><th>category</th><th>verdict</th><th>err/thr</th>"
-        "<th>ulp</th><th>diagnosis / message</th></tr>"
-    )
-    for r in report.results:
-        note = "; ".join(r.diagnosis) or r.message
-        parts.append(
-            f"<tr class='{esc(r.verdict)}'><td><a href='#{_anchor(r.name)}'>"
-            f"{esc(r.name)}</a></td><td>{esc(r.category)}</td><td>{esc(r.verdict)}"
-            f"</td><td>{_ratio_text(r)}</td><td>{_ulp_text(r)}</td><td>{esc(note)}"
-            f"</td></tr>"
-        )
-    parts.append("</table>")
-    text = summary_table(report, details=False).split("\n\n")[-2:]
-    parts.append(f"<pre>{esc(chr(10).join(text))}</pre>")
-    parts.append(
-        "<h2>Coverage</h2><table><tr><th>kind</th><th>name</th><th>judged</th>"
-        "<th>unsupported</th><th>error</th></tr>"
-    )
-    for group, rows in report.coverage().items():
-        for name, row in rows.items():
-            style = " class='fail'" if row["judged"] == 0 else ""
-            parts.append(
-                f"<tr{style}><td>{group}</td><td>{esc(name)}</td><td>{row['judged']}"
-                f"</td><td>{row['unsupported']}</td><td>{row['error']}</td></tr>"
-            )
-    parts.append("</table>")
-    grades = grade_lines(report)
-    if grades:
-        parts.append(f"<h2>Accuracy grades</h2><pre>{esc(chr(10).join(grades[1:]))}</pre>")
     if report.untested:
         parts.append(
             f"<p class='fail'><strong>NOT TESTED: {esc(', '.join(report.untested))}</strong></p>"
         )
-    for r in report.results:
-        parts.append(
-            f"<h2 id='{_anchor(r.name)}'>{esc(r.name)}: {esc(r.verdict)}</h2>"
-            f"<pre>{esc(r.explain())}</pre>"
+    coverage = [
+        (group, esc(name), row["judged"], row["unsupported"], row["error"])
+        for group, rows in report.coverage().items()
+        for name, row in rows.items()
+    ]
+    parts.append("<h2>Coverage</h2>")
+    parts.append(
+        _table(
+            ("kind", "name", "judged", "unsupported", "error"),
+            coverage,
+            ["fail" if row[2] == 0 else "" for row in coverage],
         )
-        if Figure is not None and (r.failed or plots == "all"):
+    )
+    grades = grade_lines(report)
+    if grades:
+        parts.append(f"<h2>Accuracy grades</h2><pre>{esc(chr(10).join(grades))}</pre>")
+    worst = worst_lines(report)
+    if worst:
+        parts.append(f"<h2>Worst failures</h2><pre>{esc(chr(10).join(worst[1:]))}</pre>")
+    if Figure is None and plots != "none":
+        parts.append(f"<p><em>{esc(PLOT_HINT)}</em></p>")
+    rows = _case_rows(report)
+    parts.append("<h2>Cases</h2>")
+    parts.append(
+        _table(
+            _COLUMNS,
+            [
+                (f"<a href='#{_anchor(row[0])}'>{esc(row[0])}</a>", *map(esc, row[1:]))
+                for row in rows
+            ],
+            [row[2] for row in rows],
+        )
+    )
+    unsupported = unsupported_lines(report.results)
+    if unsupported:
+        parts.append(f"<h2>Unsupported</h2><pre>{esc(chr(10).join(unsupported))}</pre>")
+    plotted = (
+        {r.name for r in worst_failures(report.results, max_plots)}
+        if plots == "failures"
+        else {r.name for r in report.results}
+    )
+    if plots == "failures" and len(report.failures) > len(plotted):
+        parts.append(
+            f"<p><em>plots for the {len(plotted)} worst failures "
+            f"(to_html(max_plots=...) draws more)</em></p>"
+        )
+    for r in report.results:
+        if r.verdict == "unsupported":
+            continue
+        parts.append(
+            f"<h3 id='{_anchor(r.name)}'>{esc(r.name)}: {esc(r.verdict)}</h3>"
+            + (f"<pre>{esc(r.explain())}</pre>" if r.verdict != "pass" else "")
+        )
+        if Figure is not None and r.name in plotted and (r.failed or plots == "all"):
             parts += _plots(Figure, r, every=plots == "all")
     parts.append("</body></html>")
     path = Path(path)

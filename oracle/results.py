@@ -22,7 +22,7 @@ from .tolerance import Threshold, ulp_distance
 
 __all__ = ["VERDICTS", "Worst", "Grade", "grade_of", "Check", "CaseResult", "Report"]
 
-VERDICTS = ("pass", "fail", "unsupported", "error")
+VERDICTS = ("pass", "fail", "unsupported", "error", "warning")  # warning: invariance only
 
 
 @dataclass
@@ -36,16 +36,22 @@ class Worst:
     error: float  # normalised error (T1)
     ulp: float  # |value - truth| in ulp of the dtype
     threshold: float
+    layout: str = "bhld"  # the caller's layout, the order ``index`` is given in
 
     def describe(self) -> str:
+        from .report_summary import to_caller_layout, ulp_meaningful
+
+        index = ", ".join(map(str, to_caller_layout(self.index, self.quantity, self.layout)))
+        where = "" if self.layout == "bhld" else f" ({self.layout} order)"
+        ulp = (
+            f" ({self.ulp:.3g} ulp)"
+            if ulp_meaningful(self)
+            else " (ulp not shown: the truth is far below the element's scale)"
+        )
+        relation = ">" if self.error > self.threshold else "<="
         return (
-            f"{self.quantity}[{', '.join(map(str, self.index))}] = {self.value!r}, "
-            f"truth {self.truth!r}, normalised error {self.error:.3g} "
-            f"({self.ulp:.3g} ulp) > threshold {self.threshold:.3g}"
-            if self.error > self.threshold
-            else f"{self.quantity}[{', '.join(map(str, self.index))}] = {self.value!r}, "
-            f"truth {self.truth!r}, normalised error {self.error:.3g} "
-            f"({self.ulp:.3g} ulp) <= threshold {self.threshold:.3g}"
+            f"{self.quantity}[{index}]{where} = {self.value!r}, truth {self.truth!r}, "
+            f"normalised error {self.error:.3g}{ulp} {relation} threshold {self.threshold:.3g}"
         )
 
 
@@ -117,10 +123,22 @@ class Check:
     errors: np.ndarray | None = field(default=None, repr=False)  # kept for failing checks
     grade: Grade | None = field(default=None, repr=False)
 
+    @property
+    def textbook_ratio(self) -> float | None:
+        """The FlashAttention-style ratio: this check's largest normalised error over the
+        same-dtype textbook's (the baseline of (T2)); None where there is no baseline."""
+        base = self.threshold.baseline
+        if base is None:
+            return None
+        if base <= 0:
+            return 0.0 if self.max_error == 0 else math.inf
+        return self.max_error / base
+
     def to_dict(self) -> dict:
         grade = {} if self.grade is None else {"grade": self.grade.summary()}
         return {
             **grade,
+            "textbook_ratio": _json_float(self.textbook_ratio),
             "quantity": self.quantity,
             "passed": self.passed,
             "max_error": _json_float(self.max_error),
@@ -152,6 +170,7 @@ class CaseResult:
     description: str = ""
     features: list[str] = field(default_factory=list)
     shape_classes: list[str] = field(default_factory=list)
+    key_map: np.ndarray | None = field(default=None, repr=False)  # (L, S) |cos|, failing out
 
     @property
     def worst(self) -> Worst | None:
@@ -185,6 +204,12 @@ class CaseResult:
                     f"{check.worst.threshold:.3g} = "
                     f"{check.threshold.formula(check.worst.index, shape)}"
                 )
+                ratio = check.textbook_ratio
+                if ratio is not None and math.isfinite(ratio):
+                    lines.append(
+                        f"    FlashAttention-style ratio: max error {ratio:.3g}x the "
+                        f"{self.dtype} textbook's"
+                    )
         for note in self.diagnosis:
             lines.append(f"  diagnosis: {note}")
         if self.category == "robustness" and self.failed:
@@ -226,6 +251,15 @@ class Report:
     isolated: bool = False  # cases ran in a supervised worker process
     required: tuple = ()  # features that must have been judged (--require)
     tolerance: str = "default"  # the tier (oracle.tolerance.TIERS)
+    layout: str = "bhld"  # the implementation's layout: indices are shown in its order
+    strict_invariance: bool = False  # invariance warnings (bits differ, within tolerance) fail
+
+    def use_layout(self, layout: str) -> None:
+        """Show every index in the caller's ``layout`` order (the errors stay in refattn's)."""
+        self.layout = layout
+        for r in self.results:
+            for check in r.checks.values():
+                check.worst.layout = layout
 
     @property
     def passed(self) -> bool:
@@ -310,7 +344,12 @@ class Report:
     @property
     def failures(self) -> list[CaseResult]:
         """The results that make the run fail."""
-        return [r for r in self.results if r.failed and (self.strict or r.category != "robustness")]
+        return [
+            r
+            for r in self.results
+            if (r.failed and (self.strict or r.category != "robustness"))
+            or (r.verdict == "warning" and self.strict_invariance)
+        ]
 
     def counts(self, category: str | None = None) -> dict[str, int]:
         """Number of results per verdict (optionally in one category)."""
@@ -318,9 +357,12 @@ class Report:
         return {v: sum(r.verdict == v for r in chosen) for v in VERDICTS}
 
     def grades(self) -> dict:
-        """Accuracy grades per dtype and quantity over the judged conformance cases:
+        """Accuracy grades per dtype and quantity over the passing conformance cases:
         ``{dtype: {quantity: {"elements", "correctly_rounded", "ulp_median", "ulp_p99",
-        "ulp_max", "nonfinite", "rms_error", "consistent_with", "models"}}}``.
+        "ulp_max", "nonfinite", "rms_error", "consistent_with", "models", "textbook_ratio"}}}``.
+
+        ``textbook_ratio`` is the FlashAttention-style ratio: the rms error over the same-dtype
+        textbook's (the error model whose label says "textbook"), None without that model.
 
         ``rms_error`` is the root mean square normalised error (T1); ``models`` the same for
         each error model of :func:`oracle.diagnose.error_models` on the same cases, and
@@ -329,8 +371,8 @@ class Report:
         """
         pooled: dict = {}
         for r in self.results:
-            if r.category != "conformance" or r.verdict not in ("pass", "fail"):
-                continue
+            if r.category != "conformance" or r.verdict != "pass":
+                continue  # a failing case's errors say what is wrong, not how accurate
             for name, check in r.checks.items():
                 if check.grade is not None:
                     pooled.setdefault(r.dtype, {}).setdefault(name, []).append(check.grade)
@@ -385,6 +427,12 @@ def _pool(grades) -> dict:
     summary["rms_error"] = _json_float(rms)
     summary["models"] = {m: _json_float(x) for m, x in models.items()}
     summary["consistent_with"] = consistent_with(rms, models)
+    textbook = [x for m, x in models.items() if "textbook" in m]
+    summary["textbook_ratio"] = (
+        _json_float(rms / textbook[0] if textbook[0] > 0 else (0.0 if rms == 0 else math.inf))
+        if textbook
+        else None
+    )
     return summary
 
 

@@ -74,16 +74,14 @@ def pytest_generate_tests(metafunc):
 
 def test_case(oracle_item, request):
     from oracle import golden
-    from oracle.conventions import wrap
-    from oracle.judge import check_fixture
+    from oracle.pytest_plugin import session
     from oracle.validate import reproduce_command, resolve_impl
 
     __tracebackhide__ = True
     values = settings(request.config)
     item, source_flag = oracle_item
     fixture = item if hasattr(item, "truth") else golden.build(item)
-    impl, spec = resolve_impl(values["impl"])
-    impl = wrap(impl, **values["convention"])
+    _, spec = resolve_impl(values["impl"])
     spec = spec or values["impl"]
     repro = reproduce_command(
         spec,
@@ -94,7 +92,8 @@ def test_case(oracle_item, request):
         values["strict"],
         convention=values["convention"],
     )
-    result = check_fixture(impl, fixture, grads=values["grads"], reproduce=repro)
+    # supervised, as the CLI runs it; the session prints the coverage table at the end
+    result = session(request.config).run(fixture, repro)
     if result.verdict == "unsupported":
         pytest.skip(f"unsupported: {result.message}")
     if result.failed:

@@ -190,6 +190,7 @@ def validate(
     signature=None,
     causal_align=None,
     keywords=None,
+    strict_invariance=False,
 ) -> Report:
     """Validate ``impl`` on a suite or a fixture directory in one dtype.
 
@@ -237,8 +238,9 @@ def validate(
         fails. Untested headline features are reported in any case.
     checks : str or iterable of str
         Invariance checks of :mod:`oracle.invariance` ("determinism", "batch-invariance",
-        "decode"; a comma list is fine) run on every attention conformance case, each its own
-        result ``<case>::<check>`` in category "invariance" (a failure fails the run).
+        "padding-invariance", "decode"; a comma list is fine) run on every attention
+        conformance case, each its own result ``<case>::<check>`` in category "invariance" (a
+        failure fails the run; bits that differ within the tolerance are a "warning").
     layout, framework, device : str
         The implementation's calling convention (:mod:`oracle.conventions`): layout "bhld"
         (default), "blhd", "packed" (varlen with cu_seqlens) or "paged" (KV cache pages and a
@@ -255,6 +257,9 @@ def validate(
     keywords : dict or list of "option=name", optional
         Without a preset: the implementation's names for refattn's options
         (``{"scale": "softmax_scale"}``).
+    strict_invariance : bool
+        Invariance warnings (bits that differ while the deviating run stays within the
+        tolerance) fail the run too.
 
     Options equal to :func:`refattn.attention`'s defaults are not passed to the
     implementation (:func:`passed_options`): its own defaults then apply.
@@ -401,6 +406,8 @@ def validate(
     report.isolated = supervisor is not None
     report.required = required
     report.tolerance = tolerance
+    report.use_layout(convention["layout"])
+    report.strict_invariance = bool(strict_invariance)
     return report
 
 

@@ -222,3 +222,31 @@ def test_unreachable_scheduler_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("refattn-oracle: error: scheduler: cannot reach") and err.count("\n") == 1
     assert not np.any([p.suffix == ".npz" for p in (tmp_path / "f").glob("*")])
+
+
+@pytest.mark.slow
+def test_validate_many_reuses_workers_and_names_worker_import_errors(cluster):
+    import distributed
+
+    with distributed.Client(cluster) as client:
+        with pytest.raises(ImportError, match="on the Dask worker tcp://"):
+            distribute.validate_many(
+                ["no_such_module_anywhere:attn"], client=client, suite="smoke", dtype="float32"
+            )
+        reports = distribute.validate_many(
+            ["refattn-float64"], client=client, suite="smoke", dtype="float32"
+        )
+    from oracle.validate import select_cases
+
+    names = [r.name for r in reports["refattn-float64"].results]
+    assert names == list(select_cases(suite="smoke", dtype="float32"))  # case order kept
+    assert reports["refattn-float64"].passed
+    # one task (one supervised worker process) per Dask worker, not one per case
+    assert len(distribute._chunks(names, 2)) == 2
+
+
+def test_chunks_deal_round_robin():
+    from oracle.distribute import _chunks
+
+    assert _chunks(list("abcde"), 2) == [["a", "c", "e"], ["b", "d"]]
+    assert _chunks(["a"], 4) == [["a"]]

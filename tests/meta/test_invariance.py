@@ -109,7 +109,8 @@ def fixtures():
 def test_planted_bug_is_caught_by_its_check_only(impl, fixtures):
     for fixture in fixtures:
         verdicts = {c: check_invariance(impl, fixture, c) for c in CHECKS}
-        failing = {c for c, r in verdicts.items() if r.verdict == "fail"}
+        # bits that differ within the tolerance are a warning (issue 25): still caught
+        failing = {c for c, r in verdicts.items() if r.verdict in ("fail", "warning")}
         assert PLANTED[impl] in failing, (fixture.name, {c: r.message for c, r in verdicts.items()})
         assert failing <= {PLANTED[impl]} | (
             {"determinism", "decode", "batch-invariance", "padding-invariance"}
@@ -170,12 +171,39 @@ def test_validate_runs_each_check_as_its_own_verdict():
     )
     names = [r.name for r in report.results]
     assert any(n.endswith("::determinism") for n in names)
-    failing = [r for r in report.results if r.verdict == "fail"]
-    assert failing and all(
-        r.category == "invariance" and r.name.endswith("::batch-invariance") for r in failing
+    warned = [r for r in report.results if r.verdict == "warning"]
+    assert warned and all(
+        r.category == "invariance" and r.name.endswith("::batch-invariance") for r in warned
     )
-    assert not report.passed
-    assert "--check batch-invariance" in failing[0].reproduce
+    assert "--check batch-invariance" in warned[0].reproduce
+
+
+def test_within_tolerance_bits_warn_unless_strict_invariance():
+    """A batch-dependent reduction order changes bits but stays within the tolerance: a
+    warning with its own count (the run passes), a failure with strict_invariance."""
+    kwargs = dict(
+        suite="smoke",
+        dtype="float32",
+        cases="basic-*",
+        checks="batch-invariance",
+        progress=False,
+        isolate=False,
+    )
+    lenient = validate(batch_dependent, **kwargs)
+    assert lenient.passed and lenient.counts("invariance")["warning"] > 0, lenient.summary()
+    assert "invariance warnings:" in lenient.summary()
+    assert "within the tolerance: a warning" in lenient.summary()
+    strict = validate(batch_dependent, strict_invariance=True, **kwargs)
+    assert not strict.passed and strict.failures, strict.summary()
+
+
+def test_help_lists_every_check(capsys):
+    with pytest.raises(SystemExit):
+        main(["validate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for check in CHECKS:
+        assert check in text, check
+    assert "--strict-invariance" in text
 
 
 def test_cli_check_flag(capsys):

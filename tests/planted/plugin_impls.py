@@ -1,0 +1,18 @@
+"""Implementations for the pytest plugin's supervision tests (tests/meta/test_plugin_session.py)."""
+
+from __future__ import annotations
+
+import os
+
+from oracle.baseline import textbook_attention
+
+__all__ = ["exits_on_causal"]
+
+
+def exits_on_causal(q, k, v, return_lse=False, **options):
+    """Correct textbook attention, except that a causal call ends the process (``os._exit``):
+    run in the pytest process, it would end the whole session."""
+    if options.get("causal"):
+        os._exit(3)
+    result = textbook_attention(q, k, v, **options)
+    return (result.out, result.lse) if return_lse else result.out
