@@ -242,6 +242,9 @@ def attention(
     q_descale=None,
     k_descale=None,
     v_descale=None,
+    q_block_scale=None,
+    k_block_scale=None,
+    v_block_scale=None,
 ):
     """Scaled dot-product attention with pinned semantics.
 
@@ -308,7 +311,7 @@ def attention(
         Inputs of dtype float8_e4m3fn or float8_e5m2 (ml_dtypes) are dequantised exactly as
         ``x * descale[b, g]`` (g the kv head; q's query head h uses its kv head's factor,
         FlashAttention 3); the truth is the exact result of the dequantised values. Only
-        float8 inputs take a factor.
+        float8 inputs take a factor (and float4 ones: their global scale, see below).
     return_lse, return_weights : bool
         Also return lse (..., H, L) and/or weights (..., H, L, S).
     precision : {"float64", "exact"}
@@ -329,6 +332,13 @@ def attention(
     backend : {"numpy", "numba"}
         "numba" runs the deterministic Numba CPU kernels (float64 path only; float32 inputs
         compute in float32).
+    q_block_scale, k_block_scale, v_block_scale : array, optional
+        Shapes (..., H, L, D/n), (..., K, S, D/n), (..., K, S, E/n).
+        Block scales of float4_e2m1fn inputs (NVFP4: float8_e4m3fn, n = 16; MXFP4:
+        float8_e8m0fnu, n = 32; blocks of n consecutive features of each position): the
+        input is ``x[..., d] * block_scale[..., d // n] * descale``, taken exactly (see
+        :mod:`refattn.blockscale`; docs/conventions.md, "fp4 inputs"). Required for float4
+        inputs, an error for any other.
 
     Returns
     -------
@@ -381,6 +391,9 @@ def attention(
         q_descale=q_descale,
         k_descale=k_descale,
         v_descale=v_descale,
+        q_block_scale=q_block_scale,
+        k_block_scale=k_block_scale,
+        v_block_scale=v_block_scale,
     )
     if precision == "exact":
         if backend != "numpy":
@@ -488,6 +501,9 @@ def attention_vjp(
     q_descale=None,
     k_descale=None,
     v_descale=None,
+    q_block_scale=None,
+    k_block_scale=None,
+    v_block_scale=None,
 ) -> AttentionGrads:
     """Vector-Jacobian product of :func:`attention` (its backward pass).
 
@@ -523,8 +539,8 @@ def attention_vjp(
         ``sum_{b,i} w_sink (g_i - Delta_i)`` (on the exact path rounded once, like every
         dbias element, with or without a bias). Empty
         rows contribute zero gradients. ALiBi slopes, masks, key lengths and the dropout mask
-        get no gradient; float8 inputs get the gradient with respect to their dequantised
-        values.
+        get no gradient; float8 and float4 inputs get the gradient with respect to their
+        dequantised values (``x * block_scale * descale``); scales get none.
 
     Examples
     --------
@@ -557,6 +573,9 @@ def attention_vjp(
         q_descale=q_descale,
         k_descale=k_descale,
         v_descale=v_descale,
+        q_block_scale=q_block_scale,
+        k_block_scale=k_block_scale,
+        v_block_scale=v_block_scale,
     )
     _, heads, _, length, keys, _, vdim = spec.dims
     do = check_cotangent(spec, grad_out, "grad_out", (heads, length, vdim))
