@@ -23,6 +23,7 @@ KNOWN_FEATURES = (
     "sinks",
     "kv-lengths",
     "fp8",
+    "fp4",
     "single-query",
     "L<S",
     "L=S",
@@ -43,7 +44,8 @@ def case_features(case, grads=False, inputs=()) -> tuple[list[str], list[str]]:
 
     Features: causal, align-bottom-right, window, mask, bias, gqa, softcap, dropout, alibi,
     scale, empty-rows-nan, poison (robustness), gradients (only when ``grads`` is asked),
-    sinks, kv-lengths, fp8 (float8 q, k, v with descales).
+    sinks, kv-lengths, fp8 (float8 q, k, v with descales), fp4 (float4 k, v with block
+    scales).
     Shape classes: single-query (L = 1), L<S, L=S, L>S, long-rows (S >= 512), batched (B > 1).
     Variant cases give their function name (and gradients, when asked on a gradient case).
     """
@@ -70,8 +72,9 @@ def case_features(case, grads=False, inputs=()) -> tuple[list[str], list[str]]:
         ("sinks", "sinks"),
         ("kv_lengths", "kv-lengths"),
         ("q_descale", "fp8"),
+        ("k_block_scale", "fp4"),
     ):
-        if name in inputs:
+        if name in inputs and not (feature == "fp8" and "k_block_scale" in inputs):
             features.append(feature)
     if n.H != n.K:
         features.append("gqa")
