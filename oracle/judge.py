@@ -62,6 +62,7 @@ from .baseline import (
     variant_vjp_baseline,
 )
 from .catalogue.variants import FUNCTIONS, forward_inputs, grad_names, outputs_of
+from .diagnose_fp4 import diagnose_fp4
 from .results import CaseResult, Check, Worst, grade_of
 from .variant_scales import condition, grad_floor_terms, grad_scale, natural_scale
 
@@ -568,6 +569,12 @@ def _diagnosis(ctx, fixture, out, checks, lse=None) -> list[str]:
             ctx.k,
             ctx.v,
             ctx.options,
+            out,
+            limit=np.asarray(check.threshold.value),
+            dtype=ctx.dtype,
+        ) or diagnose_fp4(  # fp4 block-scale misreadings (oracle/diagnose_fp4.py)
+            fixture.inputs,
+            fixture.options,
             out,
             limit=np.asarray(check.threshold.value),
             dtype=ctx.dtype,
