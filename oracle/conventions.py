@@ -22,7 +22,8 @@ author validates the function they ship, with no wrapper of their own:
     holds NaN, so a kernel that ignores the block table or the lengths fails.
 
 ``framework="torch"`` (with ``device="cpu"`` or ``"cuda"``) passes torch tensors on the device
-(bfloat16 and float8 reinterpreted bit for bit, never converted by value; masks as torch.bool,
+(bfloat16 and float8 reinterpreted bit for bit, never converted by value; float4_e2m1fn as
+torch.uint8 codes, one per byte; masks as torch.bool,
 indices as torch.int32) and brings the results back; ``framework="jax"`` passes ``jax.Array``
 (float64 needs ``jax_enable_x64``, which :func:`wrap` turns on for float64 inputs).
 
@@ -246,6 +247,8 @@ _BIT_VIEWS = {
     "bfloat16": (np.int16, "bfloat16"),
     "float8_e4m3fn": (np.uint8, "float8_e4m3fn"),
     "float8_e5m2": (np.uint8, "float8_e5m2"),
+    "float8_e8m0fnu": (np.uint8, "float8_e8m0fnu"),
+    "float4_e2m1fn": (np.uint8, "uint8"),  # torch has no unpacked fp4: one code per byte
 }
 
 

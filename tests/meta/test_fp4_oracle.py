@@ -53,3 +53,19 @@ def test_planted_fp4_bug_is_caught_in_every_dtype(name):
     assert len(failed) >= 5
     assert all(any(label in d for d in r.diagnosis) for r in failed)
     assert _run(fp4_correct, _fixtures("*")) == []
+
+
+@pytest.mark.peers("torch")
+def test_torch_fp4_implementation_passes_every_fp4_case():
+    """tests/naive/fp4_torch.py, written from the description, through framework="torch"
+    (fp4 as uint8 codes, e8m0/e4m3 scales as torch float8), gradients included."""
+    report = validate(
+        "tests.naive.fp4_torch:attention",
+        fixtures=_fixtures("*-f32"),
+        dtype=None,
+        grads=True,
+        framework="torch",
+        progress=False,
+        isolate=False,
+    )
+    assert [r.case for r in report.results if r.verdict != "pass"] == []
