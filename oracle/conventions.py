@@ -20,6 +20,9 @@ author validates the function they ship, with no wrapper of their own:
     (``flash_attn_with_kvcache``). The page size is the case's (16 keys for S < 256, else 64);
     pages are stored in reverse order behind one unused page, and every slot no sequence owns
     holds NaN, so a kernel that ignores the block table or the lengths fails.
+``layout="fp4-paged"``
+    A paged fp4 KV cache packed two e2m1 codes per uint8 (low nibble first) with paged block
+    scales (:mod:`oracle.layouts_fp4`); only cases with fp4 k and v.
 
 ``framework="torch"`` (with ``device="cpu"`` or ``"cuda"``) passes torch tensors on the device
 (bfloat16 and float8 reinterpreted bit for bit, never converted by value; float4_e2m1fn as
@@ -54,9 +57,11 @@ import functools
 import ml_dtypes
 import numpy as np
 
+from .layouts_fp4 import fp4_paged
+
 __all__ = ["LAYOUTS", "FRAMEWORKS", "DEVICES", "wrap", "page_size", "check_convention"]
 
-LAYOUTS = ("bhld", "blhd", "packed", "paged")
+LAYOUTS = ("bhld", "blhd", "packed", "paged", "fp4-paged")
 FRAMEWORKS = ("numpy", "torch", "jax")
 DEVICES = ("cpu", "cuda")
 _PER_POSITION = ("mask", "bias", "dropout_mask")
@@ -237,6 +242,7 @@ def _paged(q, k, v, options):
 
 
 _LAYOUT_IN = {"bhld": _bhld, "blhd": _blhd, "packed": _packed, "paged": _paged}
+_LAYOUT_IN["fp4-paged"] = fp4_paged  # a packed fp4 KV cache (oracle/layouts_fp4.py)
 
 
 # ---------------------------------------------------------------------------------------------

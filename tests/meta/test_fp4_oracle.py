@@ -69,3 +69,22 @@ def test_torch_fp4_implementation_passes_every_fp4_case():
         isolate=False,
     )
     assert [r.case for r in report.results if r.verdict != "pass"] == []
+
+
+def test_fp4_paged_convention():
+    """The packed, paged fp4 cache (oracle/layouts_fp4.py): read low nibble first it passes
+    every fp4 case; read high nibble first it fails them, diagnosed as swapped nibbles."""
+    from tests.planted.fp4_impls import fp4_paged, fp4_paged_high_first
+
+    fixtures = _fixtures("fp4-*-f32")
+
+    def failures(impl):
+        report = validate(
+            impl, fixtures=fixtures, dtype=None, layout="fp4-paged", progress=False, isolate=False
+        )
+        return [r for r in report.results if r.verdict != "pass"]
+
+    assert failures(fp4_paged) == []
+    wrong = failures(fp4_paged_high_first)
+    assert len(wrong) >= 5
+    assert all(any("packed nibbles swapped" in d for d in r.diagnosis) for r in wrong)

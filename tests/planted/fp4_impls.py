@@ -88,3 +88,51 @@ FP4_BROKEN = {
     "global-scale-missing": (fp4_global_scale_missing, "global scale (descale) missing"),
     "nibbles-swapped": (fp4_nibbles_swapped, "packed nibbles swapped"),
 }
+
+
+def _unpack(packed, high_first=False):
+    """e2m1 codes (..., 2 W) of packed bytes (..., W)."""
+    packed = np.asarray(packed, dtype=np.uint8)
+    low, high = packed & 0x0F, packed >> 4
+    first, second = (high, low) if high_first else (low, high)
+    return np.stack([first, second], axis=-1).reshape(packed.shape[:-1] + (-1,))
+
+
+def _gather(cache, table, keys):
+    """(B, K, S, X) of a paged cache (P, page, K, X) along the block table."""
+    pages = cache[table]  # (B, per_seq, page, K, X)
+    seq = pages.reshape(table.shape[0], -1, *cache.shape[2:])[:, :keys]
+    return np.swapaxes(seq, 1, 2)
+
+
+def _make_paged(high_first=False):
+    def impl(q, k_cache, v_cache, *, block_table, cache_seqlens, **options):
+        keys = int(np.max(cache_seqlens))
+        f4 = np.dtype(ml_dtypes.float4_e2m1fn)
+        args = {}
+        for name, cache in (("k", k_cache), ("v", v_cache)):
+            codes = _unpack(_gather(cache, block_table, keys), high_first)
+            args[name] = codes.view(f4)
+            args[f"{name}_block_scale"] = _gather(
+                options.pop(f"{name}_block_scale"), block_table, keys
+            )
+        if q.dtype == np.uint8:
+            q = _unpack(q, high_first).view(f4)
+            options["q_block_scale"] = np.swapaxes(options["q_block_scale"], 1, 2)
+        q = np.swapaxes(q, 1, 2)
+        result = _make()(q, args["k"], args["v"], **_scales_of(args), **options)
+        if isinstance(result, tuple):
+            return np.swapaxes(result[0], 1, 2), result[1]
+        return np.swapaxes(result, 1, 2)
+
+    impl.__name__ = "fp4_paged_high_first" if high_first else "fp4_paged"
+    return impl
+
+
+def _scales_of(args):
+    return {n: x for n, x in args.items() if n.endswith("_block_scale")}
+
+
+#: the fp4-paged convention read correctly / with the nibbles of each byte swapped
+fp4_paged = _make_paged()
+fp4_paged_high_first = _make_paged(high_first=True)
