@@ -668,7 +668,8 @@ def _dequantize(q, k, v, q_descale, k_descale, v_descale, gqa, block_scales=None
         if raw.dtype.name not in FP8_DTYPES and name not in quantised:
             out.append(raw)
             continue
-        values = raw.astype(np.float64)  # exact: every float8 (and block-scaled fp4) value
+        # exact: every float8 value is a float64 (fp4 ones are already float64)
+        values = raw if name in quantised else raw.astype(np.float64)
         if descale is not None:
             kind = _checks.float_array(descale, f"{name}_descale").dtype.name
             if kind != "float32":  # float64 factors could make the product round
