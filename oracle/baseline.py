@@ -65,10 +65,20 @@ def _alibi(alibi_slopes, L, S, align, kv_lengths):
 
 
 def dequantised_inputs(q, k, v, options):
-    """float8 q, k, v dequantised exactly (float64) and the options without the descales;
-    other inputs are returned unchanged."""
-    if not any(np.asarray(x).dtype.name.startswith("float8") for x in (q, k, v)):
+    """float8 q, k, v (and float4 ones with their block scales) dequantised exactly (float64)
+    and the options without the descales and block scales; other inputs are returned
+    unchanged."""
+    if not any(np.asarray(x).dtype.name.startswith(("float8", "float4")) for x in (q, k, v)):
         return q, k, v, options
+    blocks = ("q_block_scale", "k_block_scale", "v_block_scale")
+    if any(options.get(n) is not None for n in blocks):  # fp4: block scales first, exactly
+        from refattn.blockscale import dequantize_blocks, is_fp4
+
+        q, k, v = (
+            dequantize_blocks(x, options.get(f"{n}_block_scale"), n) if is_fp4(x) else x
+            for n, x in zip("qkv", (q, k, v), strict=True)
+        )
+        options = {n: x for n, x in options.items() if n not in blocks}
     gqa = options.get("gqa") or "interleave"
     heads = with_heads(q, "q").shape[-3]
     q = dequantised(q, options.get("q_descale"), heads, gqa)

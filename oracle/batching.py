@@ -40,10 +40,17 @@ BATCH_AXIS = {
     "q_descale": -2,
     "k_descale": -2,
     "v_descale": -2,
+    "q_block_scale": -4,
+    "k_block_scale": -4,
+    "v_block_scale": -4,
 }
 #: inputs that always carry the batch (never broadcast over it): per-row key lengths and the
 #: per-(batch, kv head) descale factors follow their batch element even at batch size 1
-_ALWAYS = ("q", "k", "v", "kv_lengths", "q_descale", "k_descale", "v_descale")
+_ALWAYS = ("q", "k", "v", "kv_lengths", "q_descale", "k_descale", "v_descale") + (
+    "q_block_scale",
+    "k_block_scale",
+    "v_block_scale",
+)
 
 
 def batch_size(inputs: Mapping[str, np.ndarray]) -> int:

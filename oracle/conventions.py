@@ -27,8 +27,13 @@ author validates the function they ship, with no wrapper of their own:
 ``layout="dsa"``
     blhd with sparse ``indices`` (B, L, K, T) (:mod:`oracle.layouts_sparse`).
 
+``layout="fp4-paged"``
+    A paged fp4 KV cache packed two e2m1 codes per uint8 (low nibble first) with paged block
+    scales (:mod:`oracle.layouts_fp4`); only cases with fp4 k and v.
+
 ``framework="torch"`` (with ``device="cpu"`` or ``"cuda"``) passes torch tensors on the device
-(bfloat16 and float8 reinterpreted bit for bit, never converted by value; masks as torch.bool,
+(bfloat16 and float8 reinterpreted bit for bit, never converted by value; float4_e2m1fn as
+torch.uint8 codes, one per byte; masks as torch.bool,
 indices as torch.int32) and brings the results back; ``framework="jax"`` passes ``jax.Array``
 (float64 needs ``jax_enable_x64``, which :func:`wrap` turns on for float64 inputs).
 
@@ -61,6 +66,7 @@ import functools
 import ml_dtypes
 import numpy as np
 
+from .layouts_fp4 import fp4_paged
 from .layouts_sparse import (
     dsa_layout,
     refused_keyword,
@@ -76,7 +82,7 @@ __all__ = [
     "check_convention",
 ]
 
-LAYOUTS = ("bhld", "blhd", "packed", "paged", "dsa")
+LAYOUTS = ("bhld", "blhd", "packed", "paged", "dsa", "fp4-paged")
 FRAMEWORKS = ("numpy", "torch", "jax")
 DEVICES = ("cpu", "cuda")
 _PER_POSITION = ("mask", "bias", "dropout_mask")
@@ -380,6 +386,7 @@ def _paged(q, k, v, options):
 
 
 _LAYOUT_IN = {"bhld": _bhld, "blhd": _blhd, "packed": _packed, "paged": _paged, "dsa": dsa_layout}
+_LAYOUT_IN["fp4-paged"] = fp4_paged  # a packed fp4 KV cache (oracle/layouts_fp4.py)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,6 +397,8 @@ _BIT_VIEWS = {
     "bfloat16": (np.int16, "bfloat16"),
     "float8_e4m3fn": (np.uint8, "float8_e4m3fn"),
     "float8_e5m2": (np.uint8, "float8_e5m2"),
+    "float8_e8m0fnu": (np.uint8, "float8_e8m0fnu"),
+    "float4_e2m1fn": (np.uint8, "uint8"),  # torch has no unpacked fp4: one code per byte
 }
 
 

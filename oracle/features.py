@@ -25,6 +25,7 @@ KNOWN_FEATURES = (
     "fp8",
     "sparse-indices",
     "sparse-blocks",
+    "fp4",
     "single-query",
     "L<S",
     "L=S",
@@ -45,7 +46,8 @@ def case_features(case, grads=False, inputs=()) -> tuple[list[str], list[str]]:
 
     Features: causal, align-bottom-right, window, mask, bias, gqa, softcap, dropout, alibi,
     scale, empty-rows-nan, poison (robustness), gradients (only when ``grads`` is asked),
-    sinks, kv-lengths, fp8 (float8 q, k, v with descales), sparse-indices, sparse-blocks.
+    sinks, kv-lengths, fp8 (float8 q, k, v with descales), fp4 (float4 k, v with block
+    scales), sparse-indices, sparse-blocks.
     Shape classes: single-query (L = 1), L<S, L=S, L>S, long-rows (S >= 512), batched (B > 1).
     Variant cases give their function name (and gradients, when asked on a gradient case).
     """
@@ -74,8 +76,9 @@ def case_features(case, grads=False, inputs=()) -> tuple[list[str], list[str]]:
         ("q_descale", "fp8"),
         ("key_indices", "sparse-indices"),
         ("key_block_indices", "sparse-blocks"),
+        ("k_block_scale", "fp4"),
     ):
-        if name in inputs:
+        if name in inputs and not (feature == "fp8" and "k_block_scale" in inputs):
             features.append(feature)
     if n.H != n.K:
         features.append("gqa")

@@ -25,7 +25,8 @@ readable by ``numpy.load(path, allow_pickle=False)`` or any npy reader:
   stored as their uint16 bit patterns (npy has no bfloat16 type; view them as
   ``ml_dtypes.bfloat16``, which :func:`load` does); fixtures with float8 inputs (the fp8
   cases) also have ``float8_e4m3fn`` / ``float8_e5m2``: members stored as uint8 bit patterns,
-  to view as that ml_dtypes type.
+  to view as that ml_dtypes type (fp4 cases likewise ``float4_e2m1fn``, one code per byte,
+  and ``float8_e8m0fnu``; their ``*_block_scale`` inputs are stored like the descales).
 
 Bytes are a pure function of the case: members are sorted, every ZIP date is 1980-01-01, the npy
 headers are written here (not by the installed NumPy), JSON has sorted keys and Python's
@@ -273,7 +274,13 @@ def _npz_bytes(members: Mapping[str, np.ndarray]) -> bytes:
 
 #: The ml_dtypes formats npy cannot name, stored as their bit patterns (uint16 / uint8) and
 #: listed under their name in the ``meta`` member.
-_BIT_PATTERN_DTYPES = {"bfloat16": np.uint16, "float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8}
+_BIT_PATTERN_DTYPES = {
+    "bfloat16": np.uint16,
+    "float8_e4m3fn": np.uint8,
+    "float8_e5m2": np.uint8,
+    "float4_e2m1fn": np.uint8,  # one code per byte (the low nibble), as ml_dtypes stores it
+    "float8_e8m0fnu": np.uint8,
+}
 
 
 def _storable(array: np.ndarray) -> tuple[np.ndarray, str | None]:

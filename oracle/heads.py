@@ -52,9 +52,10 @@ def dequantised(x, descale, heads=None, gqa="interleave"):
     """float8 ``x`` (..., X, N, M) times its float32 ``descale`` (..., K) as float64 (exact:
     4 significant bits times 24 fit in float64's 53). ``heads`` = H for q, whose head h uses
     the factor of the kv head it reads; other arrays (and ``descale=None``) pass through
-    unless float8 (then taken as float64 values)."""
+    unless float8 (then taken as float64 values). fp4 values already multiplied by their block
+    scales (float64) take their descale the same way."""
     x = np.asarray(x)
-    if not x.dtype.name.startswith("float8"):
+    if not x.dtype.name.startswith("float8") and descale is None:
         return x
     values = x.astype(np.float64)
     if descale is None:

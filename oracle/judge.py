@@ -62,6 +62,7 @@ from .baseline import (
     variant_vjp_baseline,
 )
 from .catalogue.variants import FUNCTIONS, forward_inputs, grad_names, outputs_of
+from .diagnose_fp4 import diagnose_fp4
 from .diagnose_models import ORDER_ONE
 from .diagnose_tiles import storage_dtype
 from .report_summary import key_map
@@ -582,6 +583,12 @@ def _diagnosis(ctx, fixture, out, checks, lse=None) -> list[str]:
             ctx.k,
             ctx.v,
             ctx.options,
+            out,
+            limit=np.asarray(check.threshold.value),
+            dtype=ctx.dtype,
+        ) or diagnose_fp4(  # fp4 block-scale misreadings (oracle/diagnose_fp4.py)
+            fixture.inputs,
+            fixture.options,
             out,
             limit=np.asarray(check.threshold.value),
             dtype=ctx.dtype,

@@ -246,6 +246,9 @@ def attention(
     key_block_indices=None,
     key_block_size=None,
     index_reading="set",
+    q_block_scale=None,
+    k_block_scale=None,
+    v_block_scale=None,
 ):
     """Scaled dot-product attention with pinned semantics.
 
@@ -312,7 +315,7 @@ def attention(
         Inputs of dtype float8_e4m3fn or float8_e5m2 (ml_dtypes) are dequantised exactly as
         ``x * descale[b, g]`` (g the kv head; q's query head h uses its kv head's factor,
         FlashAttention 3); the truth is the exact result of the dequantised values. Only
-        float8 inputs take a factor.
+        float8 inputs take a factor (and float4 ones: their global scale, see below).
     key_indices : int array broadcastable to (..., K, L, T), optional
         Token-level sparse attention (DeepSeek Sparse Attention's top-k indices, FlashMLA's
         sparse ``indices``, in refattn's bhld order: per batch row, kv head g and query
@@ -350,6 +353,13 @@ def attention(
     backend : {"numpy", "numba"}
         "numba" runs the deterministic Numba CPU kernels (float64 path only; float32 inputs
         compute in float32).
+    q_block_scale, k_block_scale, v_block_scale : array, optional
+        Shapes (..., H, L, D/n), (..., K, S, D/n), (..., K, S, E/n).
+        Block scales of float4_e2m1fn inputs (NVFP4: float8_e4m3fn, n = 16; MXFP4:
+        float8_e8m0fnu, n = 32; blocks of n consecutive features of each position): the
+        input is ``x[..., d] * block_scale[..., d // n] * descale``, taken exactly (see
+        :mod:`refattn.blockscale`; docs/conventions.md, "fp4 inputs"). Required for float4
+        inputs, an error for any other.
 
     Returns
     -------
@@ -406,6 +416,9 @@ def attention(
         key_block_indices=key_block_indices,
         key_block_size=key_block_size,
         index_reading=index_reading,
+        q_block_scale=q_block_scale,
+        k_block_scale=k_block_scale,
+        v_block_scale=v_block_scale,
     )
     if spec.index_reading == "multiset":
         from . import sparse_multiset
@@ -543,6 +556,9 @@ def attention_vjp(
     key_block_indices=None,
     key_block_size=None,
     index_reading="set",
+    q_block_scale=None,
+    k_block_scale=None,
+    v_block_scale=None,
 ) -> AttentionGrads:
     """Vector-Jacobian product of :func:`attention` (its backward pass).
 
@@ -578,8 +594,8 @@ def attention_vjp(
         ``sum_{b,i} w_sink (g_i - Delta_i)`` (on the exact path rounded once, like every
         dbias element, with or without a bias). Empty
         rows contribute zero gradients. ALiBi slopes, masks, key lengths and the dropout mask
-        get no gradient; float8 inputs get the gradient with respect to their dequantised
-        values.
+        get no gradient; float8 and float4 inputs get the gradient with respect to their
+        dequantised values (``x * block_scale * descale``); scales get none.
 
     Examples
     --------
@@ -616,6 +632,9 @@ def attention_vjp(
         key_block_indices=key_block_indices,
         key_block_size=key_block_size,
         index_reading=index_reading,
+        q_block_scale=q_block_scale,
+        k_block_scale=k_block_scale,
+        v_block_scale=v_block_scale,
     )
     _, heads, _, length, keys, _, vdim = spec.dims
     do = check_cotangent(spec, grad_out, "grad_out", (heads, length, vdim))

@@ -44,6 +44,7 @@ import numba
 import numpy as np
 
 from . import _checks, sparse_indices
+from .blockscale import dequantize_blocks, is_fp4
 
 __all__ = [
     "ALIGNS",
@@ -529,9 +530,13 @@ def canonicalize(
     key_block_indices=None,
     key_block_size=None,
     index_reading="set",
+    q_block_scale=None,
+    k_block_scale=None,
+    v_block_scale=None,
 ) -> AttentionSpec:
     """Validate refattn.attention's arguments and return the canonical :class:`AttentionSpec`."""
-    q, k, v = _dequantize(q, k, v, q_descale, k_descale, v_descale, gqa)
+    blocks = {"q": q_block_scale, "k": k_block_scale, "v": v_block_scale}
+    q, k, v = _dequantize(q, k, v, q_descale, k_descale, v_descale, gqa, blocks)
     q, k, v, single = _heads(q, k, v)
     heads, kv_heads, length, keys = _check_core_shapes(q, k, v)
     try:
@@ -660,34 +665,49 @@ def _kv_lengths(kv_lengths, batch_shape, keys):
     )
 
 
-def _dequantize(q, k, v, q_descale, k_descale, v_descale, gqa):
+def _dequantize(q, k, v, q_descale, k_descale, v_descale, gqa, block_scales=None):
     """q, k, v as float arrays; fp8 inputs (ml_dtypes float8_e4m3fn / float8_e5m2) times their
     float32 descale factors, exactly (a float8 significand has at most 4 bits and a float32
     one 24: the product needs at most 28 of float64's 53 and stays in its range), as
-    float64."""
+    float64. fp4 inputs (float4_e2m1fn) are first multiplied by their NVFP4/MXFP4 block
+    scales (:func:`refattn.blockscale.dequantize_blocks`, exact too), then by the descale."""
+    block_scales = block_scales or {}
     arrays = {}
     for name, x, descale in (("q", q, q_descale), ("k", k, k_descale), ("v", v, v_descale)):
         raw = _checks.as_array(x, name) if x is not None else None
+        blocks = block_scales.get(name)
+        if raw is not None and is_fp4(raw):
+            arrays[name] = (dequantize_blocks(raw, blocks, name), descale)
+            continue
+        if blocks is not None:
+            raise ValueError(
+                f"{name}_block_scale: only float4_e2m1fn inputs take block scales "
+                f"({name} has dtype {getattr(raw, 'dtype', None)})"
+            )
         if raw is not None and raw.dtype.name in FP8_DTYPES:
             arrays[name] = (raw, descale)
         else:
             if descale is not None:
                 raise ValueError(
-                    f"{name}_descale: only float8 inputs take a descale factor "
+                    f"{name}_descale: only float8 inputs and float4 ones take a descale factor "
                     f"({name} has dtype {getattr(raw, 'dtype', None)})"
                 )
             arrays[name] = (_checks.float_array(x, name), None)
-    if all(d is None and a.dtype.name not in FP8_DTYPES for a, d in arrays.values()):
+    quantised = {n for n, x in (("q", q), ("k", k), ("v", v)) if is_fp4(x)}
+    if not quantised and all(
+        d is None and a.dtype.name not in FP8_DTYPES for a, d in arrays.values()
+    ):
         return arrays["q"][0], arrays["k"][0], arrays["v"][0]
     kv_heads = arrays["k"][0].shape[-3] if arrays["k"][0].ndim >= 3 else 1
     heads = arrays["q"][0].shape[-3] if arrays["q"][0].ndim >= 3 else 1
     out = []
     for name in ("q", "k", "v"):
         raw, descale = arrays[name]
-        if raw.dtype.name not in FP8_DTYPES:
+        if raw.dtype.name not in FP8_DTYPES and name not in quantised:
             out.append(raw)
             continue
-        values = raw.astype(np.float64)  # exact: every float8 value is a float64
+        # exact: every float8 value is a float64 (fp4 ones are already float64)
+        values = raw if name in quantised else raw.astype(np.float64)
         if descale is not None:
             kind = _checks.float_array(descale, f"{name}_descale").dtype.name
             if kind != "float32":  # float64 factors could make the product round

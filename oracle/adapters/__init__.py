@@ -23,10 +23,10 @@ Rules every adapter follows (the oracle must see the peer's real behaviour):
 * A value is never rounded on its way to the peer. An option whose value the peer can only
   take in a narrower format (ONNX's 32-bit ``scale`` and ``softcap`` attributes, a float bias
   in another dtype than q) is passed when it converts exactly and is unsupported otherwise.
-* float8 inputs reach no peer here (an adapter would have to dequantise them: another
-  problem); sinks reach only peers with an attention-sink input; ``kv_lengths`` is mapped to
-  a peer's per-row key lengths or, where the adapter can state the same allowed set exactly,
-  to a boolean mask (see each module's table).
+* float8 and float4 (block-scaled) inputs reach no peer here (an adapter would have to
+  dequantise them: another problem); sinks reach only peers with an attention-sink input;
+  ``kv_lengths`` is mapped to a peer's per-row key lengths or, where the adapter can state
+  the same allowed set exactly, to a boolean mask (see each module's table).
 * ALiBi is unsupported by every peer here: folding it into a float bias would round the bias
   to the case dtype (a float16 bias of ``-slope * |i - j|`` is not the exact ALiBi term), so
   the oracle would judge the adapter's rounding, not the peer.
@@ -226,6 +226,8 @@ class Adapter:
             )
         options = dict(options)
         return_lse = bool(options.pop("return_lse", False))
+        if any(np.asarray(a).dtype.name.startswith("float4") for a in (q, k, v)):
+            self.unsupported("k", "<float4_e2m1fn>", "no fp4 inputs with block scales")
         dtypes = {np.asarray(a).dtype for a in (q, k, v)}
         if len(dtypes) != 1:
             raise TypeError(

@@ -39,8 +39,11 @@ __all__ = ["RefattnFloat64", "RefattnExact", "round_to", "output_dtype"]
 
 def output_dtype(q) -> np.dtype:
     """The dtype results are rounded to: q's, or bfloat16 for float8 q (FlashAttention 3's
-    output type for float8 inputs; the oracle's fp8 cases are bfloat16 cases)."""
+    output type for float8 inputs; the oracle's fp8 cases are bfloat16 cases), float32 for
+    float4 q (the fp4 cases' widest truth dtype)."""
     dtype = np.asarray(q).dtype
+    if dtype.name.startswith("float4"):  # fp4 q: the widest fp4 kernel output
+        return np.dtype(np.float32)
     return np.dtype(format_of("bfloat16").dtype) if dtype.name.startswith("float8") else dtype
 
 

@@ -8,6 +8,7 @@ them); the kernel-scale rows follow them (:mod:`oracle.catalogue.attention_kerne
 from __future__ import annotations
 
 from .attention_entry import ALL, BASE, GRAD, MID, SMALL, Entry
+from .attention_fp4_families import fp4_entries
 from .attention_option_families import option_entries
 from .attention_sparse_families import sparse_entries
 from .case import Shapes
@@ -444,6 +445,7 @@ def entries() -> list[Entry]:
         # --- sinks, per-row key lengths (KV cache), fp8 inputs ------------------------------
         *option_entries(gauss),
         *sparse_entries(gauss),
+        *fp4_entries(gauss),  # NVFP4 / MXFP4 block-scaled inputs
         # --- full only: larger shapes ---------------------------------------------------------
         e(
             "basic",

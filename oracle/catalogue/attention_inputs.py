@@ -42,6 +42,9 @@ batch row, the last S; "ragged-zero": the first 0, an empty cache), ``fp8`` ("e4
 amax / largest float8 in float32, stored as float8 with ``q_descale``, ``k_descale``,
 ``v_descale`` (batch, K); the case dtype, bfloat16, is the truth's), ``key_indices`` /
 ``key_blocks`` (sparse key selection: :mod:`oracle.catalogue.attention_sparse_inputs`).
+``v_descale`` (batch, K); the case dtype, bfloat16, is the truth's), ``fp4`` ("nvfp4" |
+"mxfp4", with ``fp4_q`` and ``fp4_blocks``: k, v (and q) as float4_e2m1fn with
+``*_block_scale`` and, for NVFP4, ``*_descale``; see :mod:`oracle.catalogue.fp4_inputs`).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from ..allowed import allowed_positions
 from . import seeding
 from .attention_sparse_inputs import sparse_inputs
 from .case import Case, Shapes
+from .fp4_inputs import quantised_fp4
 from .names import FP8_DTYPES
 from .seeding import Streams
 
@@ -83,7 +87,7 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
     stream = Streams(case.seed)
     fp8 = recipe.get("fp8")
     kind = recipe.get("qkv", "gaussian")
-    qkv_dtype = "float64" if fp8 else case.dtype
+    qkv_dtype = "float64" if fp8 or recipe.get("fp4") else case.dtype
     if kind in _RECIPE_QKV:
         q, k, v = _RECIPE_QKV[kind](
             stream, n, qkv_dtype, case.options, float(recipe.get("sigma", 1.0)), recipe
@@ -93,6 +97,15 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
     inputs = {"q": q, "k": k, "v": v}
     if fp8:
         inputs.update(_quantised(inputs, n, FP8_DTYPES[fp8]))
+    if recipe.get("fp4"):  # fp4 k, v (and q); the rest rounded to the case dtype
+        inputs.update(quantised_fp4(inputs, n, recipe))
+        inputs.update(
+            {
+                x: seeding.to_dtype(inputs[x], case.dtype)
+                for x in "qkv"
+                if inputs[x].dtype == np.float64
+            }
+        )
     if recipe.get("sinks"):
         sinks = 2.0 + 2.0 * stream.gaussian("sinks", (n.H,))
         inputs["sinks"] = seeding.to_dtype(sinks, case.dtype)

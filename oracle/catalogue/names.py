@@ -18,6 +18,9 @@ __all__ = [
     "FP8_DTYPES",
     "FP8_TRUTH_DTYPES",
     "FP8_OPTIONS",
+    "FP4_FORMATS",
+    "FP4_TRUTH_DTYPES",
+    "FP4_OPTIONS",
 ]
 
 #: The case dtypes, widest first (every case is built in each of them).
@@ -48,6 +51,9 @@ ATTENTION_OPTIONS = (
     "key_indices",
     "key_block_indices",
     "key_block_size",
+    "q_block_scale",
+    "k_block_scale",
+    "v_block_scale",
 )
 #: Keywords of refattn.attention / attention_vjp the catalogue must exercise.
 OPTION_NAMES = ATTENTION_OPTIONS + ("grad_out", "grad_lse")
@@ -64,6 +70,9 @@ ARRAY_OPTIONS = (
     "v_descale",
     "key_indices",
     "key_block_indices",
+    "q_block_scale",
+    "k_block_scale",
+    "v_block_scale",
 )
 #: Input formats of the fp8 cases (ml_dtypes names), by recipe value ``fp8``.
 FP8_DTYPES = {"e4m3fn": "float8_e4m3fn", "e5m2": "float8_e5m2"}
@@ -72,3 +81,9 @@ FP8_DTYPES = {"e4m3fn": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 FP8_TRUTH_DTYPES = ("bfloat16",)
 #: The options only fp8 cases carry (so only the dtypes of FP8_TRUTH_DTYPES exercise them).
 FP8_OPTIONS = ("q_descale", "k_descale", "v_descale")
+#: fp4 formats by recipe value ``fp4``: (block scale dtype, values per scale).
+FP4_FORMATS = {"nvfp4": ("float8_e4m3fn", 16), "mxfp4": ("float8_e8m0fnu", 32)}
+#: Case dtypes (the truth's) of the fp4 cases: k, v (and q) fp4, the rest in the case dtype.
+FP4_TRUTH_DTYPES = ("bfloat16", "float16", "float32")
+#: The options only fp4 cases carry.
+FP4_OPTIONS = ("q_block_scale", "k_block_scale", "v_block_scale")

@@ -69,6 +69,8 @@ def _why_not(fixture: golden.Fixture) -> str | None:
         return f"function {case.function!r} is not attention"
     if "q_descale" in inputs or inputs["q"].dtype.name.startswith("float8"):
         return "float8 inputs with descales: the node's T1 has no float8 type"
+    if "k_block_scale" in inputs or "q_block_scale" in inputs:
+        return "fp4 inputs with block scales: the node has no float4 type or block scales"
     if "sinks" in inputs:
         return "attention sinks: the node has no sink input"
     if "key_indices" in inputs or "key_block_indices" in inputs:

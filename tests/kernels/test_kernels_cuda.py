@@ -177,3 +177,33 @@ def test_cuda_kernels_under_simulator():
     assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], (
         f"cudasim run did not run the kernels:\n{done.stdout[-2000:]}"
     )
+
+
+@pytest.mark.cudasim
+@needs_cuda
+def test_cuda_fp4_inputs_match_float64():
+    """NVFP4 k, v with block scales and a global scale reach the CUDA kernels dequantised
+    exactly by canonicalize (the same spec as every path)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((1, 2, 3, 16))
+    codes = rng.integers(0, 16, size=(2, 1, 1, 5, 16)).astype(np.uint8)
+    k, v = (c.view(ml_dtypes.float4_e2m1fn) for c in codes)
+    scales = rng.uniform(0.25, 2, size=(2, 1, 1, 5, 1)).astype(ml_dtypes.float8_e4m3fn)
+    opts = {
+        "k_block_scale": scales[0],
+        "v_block_scale": scales[1],
+        "k_descale": np.array([[0.75]], np.float32),
+        "causal": True,
+        "align": "bottom_right",
+    }
+    spec = canonicalize(q, k, v, **opts)
+    out, lse = kcuda.attention(spec, return_lse=True, threads=4)
+    ref_out, ref_lse, weights = refattn.attention(
+        q, k, v, return_lse=True, return_weights=True, **opts
+    )
+    ob, lb = numba_cpu.forward_error_bound(spec, weights, np.float64, rescalings=5)
+    ob2, lb2 = numba_cpu.forward_error_bound(spec, weights, np.float64)
+    assert_within(out, ref_out, ob + ob2, what="out", case="fp4")
+    assert_within(lse, ref_lse, lb + lb2, what="lse", case="fp4")

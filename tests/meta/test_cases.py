@@ -11,7 +11,13 @@ import pytest
 
 from oracle import catalogue
 from oracle.catalogue import Case, Shapes, seeding
-from oracle.catalogue.names import FP8_DTYPES, FP8_OPTIONS, FP8_TRUTH_DTYPES
+from oracle.catalogue.names import (
+    FP4_OPTIONS,
+    FP4_TRUTH_DTYPES,
+    FP8_DTYPES,
+    FP8_OPTIONS,
+    FP8_TRUTH_DTYPES,
+)
 
 _NAME = re.compile(r"^[a-z0-9.\-]+-(B\d+)?H\d+K\d+-L\d+S\d+-D\d+E\d+-(f64|f32|f16|bf16)$")
 
@@ -66,6 +72,7 @@ def test_spec_round_trip():
 def test_every_option_covered_in_default(dtype, default_suite, default_inputs):
     """Validation runs one dtype at a time, so every dtype must exercise every option."""
     fp8_only = () if dtype in FP8_TRUTH_DTYPES else FP8_OPTIONS
+    fp8_only += () if dtype in FP4_TRUTH_DTYPES else FP4_OPTIONS
     used: dict[str, set] = {name: set() for name in catalogue.OPTION_NAMES if name not in fp8_only}
     for case in (c for c in default_suite if c.dtype == dtype):
         for name, value in case.options.items():
@@ -128,9 +135,11 @@ def test_inputs_shapes_and_dtypes(default_suite, default_inputs):
         }
         fp8 = case.recipe.get("fp8")
         input_dtype = FP8_DTYPES[fp8] if fp8 else case.dtype
+        fp4 = {"k", "v", "q"} if case.recipe.get("fp4_q") else {"k", "v"}
         for name, shape in expected.items():
             assert inputs[name].shape == shape, f"{case.name}: {name} {inputs[name].shape}"
-            assert inputs[name].dtype.name == input_dtype, f"{case.name}: {name} dtype"
+            want = "float4_e2m1fn" if case.recipe.get("fp4") and name in fp4 else input_dtype
+            assert inputs[name].dtype.name == want, f"{case.name}: {name} dtype"
             if fp8:
                 descale = inputs[f"{name}_descale"]
                 assert descale.dtype == np.float32 and descale.shape == (n.batch, n.K)

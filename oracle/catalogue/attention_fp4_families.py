@@ -1,0 +1,74 @@
+"""The attention case families of fp4 inputs with block scales (NVFP4, MXFP4)."""
+
+from __future__ import annotations
+
+from .attention_entry import Entry
+from .case import Shapes
+from .names import FP4_TRUTH_DTYPES
+
+__all__ = ["fp4_entries"]
+
+
+def fp4_entries(gauss) -> list[Entry]:
+    """NVFP4 and MXFP4 k, v (and q) at D 64/128/256, zero and max-magnitude blocks, scale
+    collapse, GQA, causal, a decode over ragged cache lengths, gradients; in every output
+    dtype of an fp4 kernel (bfloat16, float16, float32)."""
+    e = Entry
+    dtypes = {"default": FP4_TRUTH_DTYPES, "full": FP4_TRUTH_DTYPES}
+    br = {"causal": True, "align": "bottom_right"}
+    rows = []
+    for fmt in ("nvfp4", "mxfp4"):
+        name = fmt.upper()
+        recipe = {**gauss, "fp4": fmt}
+        for dim in (64, 128, 256):
+            rows.append(
+                e(
+                    f"fp4-{fmt}-d{dim}",
+                    Shapes(1, 4, 2, 6, 24, dim, dim),
+                    f"{name} k, v with block scales, D = {dim}, GQA",
+                    options={"gqa": "interleave"},
+                    recipe=recipe,
+                    **dtypes,
+                )
+            )
+        rows += [
+            e(
+                f"fp4-{fmt}-zero-max-blocks",
+                Shapes(1, 2, 2, 5, 18, 128, 128),
+                f"{name}: all-zero blocks and blocks at the largest code and scale",
+                recipe={**recipe, "fp4_blocks": "zero-max"},
+                **dtypes,
+            ),
+            e(
+                f"fp4-{fmt}-scale-collapse",
+                Shapes(1, 2, 2, 5, 18, 64, 64),
+                f"{name}: half the positions 2**-14 smaller (block scales collapse)",
+                recipe={**recipe, "fp4_blocks": "collapse"},
+                **dtypes,
+            ),
+            e(
+                f"fp4-{fmt}-qkv-causal",
+                Shapes(1, 4, 2, 8, 16, 64, 64),
+                f"{name} q, k and v, causal bottom_right, GQA tile",
+                options={**br, "gqa": "tile"},
+                recipe={**recipe, "fp4_q": True},
+                **dtypes,
+            ),
+            e(
+                f"fp4-{fmt}-decode-kv",
+                Shapes(3, 8, 2, 1, 40, 128, 128),
+                f"{name} decode over ragged cache lengths",
+                options={**br, "gqa": "interleave"},
+                recipe={**recipe, "kv_lengths": "ragged"},
+                **dtypes,
+            ),
+            e(
+                f"grad-fp4-{fmt}",
+                Shapes(1, 2, 2, 4, 12, 64, 64),
+                f"{name} gradients (of the dequantised values)",
+                recipe={**recipe, "fp4_q": True, "grad_lse": True},
+                grads=True,
+                **dtypes,
+            ),
+        ]
+    return rows
