@@ -48,6 +48,7 @@ __all__ = [
     "EMPTY_ROWS",
     "FP8_DTYPES",
     "GQA_MODES",
+    "NORMALIZERS",
     "UNBOUNDED",
     "WINDOW_CAP",
     "allowed_mask",
@@ -317,6 +318,7 @@ class AttentionSpec:
     alibi_offsets: np.ndarray | None = None  # (B,) int64: ALiBi's o_b, overriding row_offset
     alibi_keys: int | None = None  # ALiBi applies to keys j < alibi_keys (a folded sink: none)
     dbias_index: np.ndarray | None = None  # (B, H, L, S) int64 slot of each dS in dbias (-1: none)
+    normalizer: str = "softmax"  # "softmax" or "sigmoid" (NORMALIZERS)
 
     @property
     def dims(self):
@@ -517,8 +519,10 @@ def canonicalize(
     q_descale=None,
     k_descale=None,
     v_descale=None,
+    normalizer="softmax",
 ) -> AttentionSpec:
     """Validate refattn.attention's arguments and return the canonical :class:`AttentionSpec`."""
+    _check_normalizer(normalizer, sinks)
     q, k, v = _dequantize(q, k, v, q_descale, k_descale, v_descale, gqa)
     q, k, v, single = _heads(q, k, v)
     heads, kv_heads, length, keys = _check_core_shapes(q, k, v)
@@ -595,9 +599,25 @@ def canonicalize(
         empty_rows=empty_rows,
         kv_lengths=lengths,
         sinks=sink_values,
+        normalizer=normalizer,
     )
     _check_bias_values(spec)
     return spec
+
+
+#: The score normalisers: "softmax" (weights ``exp(t - lse)``) and "sigmoid" (weights
+#: ``sigmoid(t)``, no normaliser; Ramapuram et al. 2024, docs/conventions.md).
+NORMALIZERS = ("softmax", "sigmoid")
+
+
+def _check_normalizer(normalizer, sinks) -> None:
+    """``normalizer`` is one of :data:`NORMALIZERS`; sinks need a normaliser to join."""
+    _checks.choice(normalizer, "normalizer", NORMALIZERS)
+    if normalizer == "sigmoid" and sinks is not None:
+        raise ValueError(
+            "sinks: normalizer='sigmoid' has no normaliser for a sink to join (each weight is "
+            "sigmoid(t_ij) on its own); pass sinks only with normalizer='softmax'"
+        )
 
 
 def _kv_lengths(kv_lengths, batch_shape, keys):
