@@ -84,7 +84,9 @@ class ExactSigmoidForward(ExactForward):
         out_lo = np.empty((batch, heads, length, vdim), dtype=object)
         out_hi = np.empty_like(out_lo)
         for (b, h), plane in self.planes.items():
-            self._sigmoid_outputs(plane, self._fixed_weights(plane, prec), prec, out_lo[b, h], out_hi[b, h])
+            self._sigmoid_outputs(
+                plane, self._fixed_weights(plane, prec), prec, out_lo[b, h], out_hi[b, h]
+            )
         return {"out": (out_lo, out_hi)}
 
     def _fixed_weights(self, plane: _Plane, prec: int):
@@ -179,7 +181,9 @@ class ExactSigmoidForward(ExactForward):
         return Fraction(total, 2) * Fraction(2) ** plane.v.exp * self.spec.keep_scale
 
 
-def exact_sigmoid_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_weights=False):
+def exact_sigmoid_forward(
+    spec: AttentionSpec, out_dtype, *, return_lse=False, return_weights=False
+):
     """Correctly rounded (out, None, weights) of a sigmoid call in the flat (B, H, ...) layout."""
     if return_lse:
         raise ValueError("return_lse: normalizer='sigmoid' has no log-sum-exp")
