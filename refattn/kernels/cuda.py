@@ -91,11 +91,10 @@ def _kernels(dtype):
     return _KERNELS[key]
 
 
-def _build(dtype):
-    import numba
-
-    nb_dtype = numba.float64 if dtype == np.float64 else numba.float32
-    tile, width = TILE, MAX_FEATURES
+def device_functions(nb_dtype):
+    """The device functions shared by the kernels of one compute dtype: ``row_interval(i,
+    ints)``, ``score(...) -> (allowed, final score, d softcap / d raw)`` and ``kept(...)``
+    (also used by :mod:`.cuda_sigmoid`)."""
     # the one allowed-set rule (refattn.spec), compiled from the same Python function as the
     # CPU kernels' key_interval_jit
     key_interval_device = cuda.jit(device=True)(key_interval)
@@ -141,6 +140,16 @@ def _build(dtype):
         dstr = ints[_DROP_STRIDES : _DROP_STRIDES + 4]
         drop = flags[1]
         return opts[8] == 0 or drop[dstr[0] * b + dstr[1] * h + dstr[2] * i + dstr[3] * j] != 0
+
+    return row_interval, score, kept
+
+
+def _build(dtype):
+    import numba
+
+    nb_dtype = numba.float64 if dtype == np.float64 else numba.float32
+    tile, width = TILE, MAX_FEATURES
+    row_interval, score, kept = device_functions(nb_dtype)
 
     @cuda.jit
     def forward(q, k, v, ints, fopts, bias, flags, slopes, out, lse):
@@ -376,6 +385,10 @@ def attention(spec, *, return_lse=False, dtype=None, threads=THREADS):
     ``dtype``: compute dtype (default float64 for float64 inputs, else float32);
     ``threads``: query rows per block.
     """
+    if spec.normalizer == "sigmoid":
+        from . import cuda_sigmoid
+
+        return cuda_sigmoid.attention(spec, return_lse=return_lse, dtype=dtype, threads=threads)
     dtype, args = _prepare(spec, dtype)
     _require_cuda()
     forward, _, _ = _kernels(dtype)
@@ -395,6 +408,10 @@ def attention_vjp(spec, grad_out, grad_lse=None, *, dtype=None, threads=THREADS)
     dk, dv are summed over the query heads of each kv group on the host in increasing head
     order (deterministic); empty rows have zero gradients.
     """
+    if spec.normalizer == "sigmoid":
+        from . import cuda_sigmoid
+
+        return cuda_sigmoid.attention_vjp(spec, grad_out, grad_lse, dtype=dtype, threads=threads)
     dtype, args = _prepare(spec, dtype)
     _require_cuda()
     forward, grad_q, grad_kv = _kernels(dtype)
