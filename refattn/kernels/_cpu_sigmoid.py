@@ -15,7 +15,8 @@ path for prefill and decode alike: a decode step is rows of L = 1), deterministi
 
 The sigmoid is ``1 / (1 + e^{-t})`` for ``t >= 0`` and ``e^t / (1 + e^t)`` otherwise with the
 kernels' polynomial exponential (:func:`~._cpu_tiles.exp_compute`), and the derivative
-``sigma(t) sigma(-t)``. ``fastmath`` is off. Error bound: :func:`refattn.bounds.sigmoid_kernel_bound`.
+``sigma(t) sigma(-t)``. ``fastmath`` is off. Error bound:
+:func:`refattn.bounds.sigmoid_forward_bound` with the compute dtype.
 """
 
 from __future__ import annotations

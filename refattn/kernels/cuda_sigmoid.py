@@ -60,7 +60,7 @@ def _build(dtype):
     @cuda.jit
     def forward(q, k, v, ints, fopts, bias, flags, slopes, out):
         heads, length = ints[ints_dims + 1], ints[ints_dims + 2]
-        keys, dim, vdim = ints[ints_dims + 4], ints[ints_dims + 5], ints[ints_dims + 6]
+        dim, vdim = ints[ints_dims + 5], ints[ints_dims + 6]
         bh = cuda.blockIdx.y
         b, h = bh // heads, bh % heads
         g = ints[ints_kv + h]
