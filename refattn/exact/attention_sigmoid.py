@@ -52,7 +52,7 @@ from .. import config
 from ..spec import AttentionSpec
 from . import _fixed as F
 from . import intervals as I
-from .attention import ExactForward, _Plane, _ScoreArithmetic, scale_bounds
+from .attention import ExactForward, ExactPlane, ScoreArithmetic, scale_bounds
 from .rounding import correctly_round
 
 __all__ = ["ExactSigmoidForward", "exact_sigmoid_forward", "exact_sigmoid_vjp", "sigmoid_bounds"]
@@ -89,7 +89,7 @@ class ExactSigmoidForward(ExactForward):
             )
         return {"out": (out_lo, out_hi)}
 
-    def _fixed_weights(self, plane: _Plane, prec: int):
+    def _fixed_weights(self, plane: ExactPlane, prec: int):
         """Per row the shift c_i and fixed-point enclosures (W_lo, W_hi) (L, S) of
         ``2**(P - c_i) sigma(t_ij)`` (0 where excluded)."""
         work = prec + config.ELEMENTARY_GUARD_BITS
@@ -214,8 +214,8 @@ class _SigmoidVJP:
     def __init__(self, spec: AttentionSpec, grad_out: np.ndarray):
         self.spec = spec
         batch, heads, *_ = spec.dims
-        self.planes = {(b, h): _Plane(spec, b, h) for b in range(batch) for h in range(heads)}
-        self.arith = _ScoreArithmetic(spec)
+        self.planes = {(b, h): ExactPlane(spec, b, h) for b in range(batch) for h in range(heads)}
+        self.arith = ScoreArithmetic(spec)
         finite = lambda x: np.nan_to_num(np.asarray(x, np.float64), nan=0.0, posinf=0.0, neginf=0.0)  # noqa: E731
         self.q, self.k, self.v = finite(spec.q), finite(spec.k), finite(spec.v)
         self.do = finite(grad_out)
