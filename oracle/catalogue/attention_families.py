@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .attention_entry import ALL, BASE, GRAD, MID, SMALL, Entry
 from .attention_option_families import option_entries
+from .attention_sigmoid_families import sigmoid_entries
 from .case import Shapes
 
 __all__ = ["entries"]
@@ -442,6 +443,7 @@ def entries() -> list[Entry]:
         ),
         # --- sinks, per-row key lengths (KV cache), fp8 inputs ------------------------------
         *option_entries(gauss),
+        *sigmoid_entries(gauss),
         # --- full only: larger shapes ---------------------------------------------------------
         e(
             "basic",

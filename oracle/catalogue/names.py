@@ -45,6 +45,7 @@ ATTENTION_OPTIONS = (
     "q_descale",
     "k_descale",
     "v_descale",
+    "normalizer",
 )
 #: Keywords of refattn.attention / attention_vjp the catalogue must exercise.
 OPTION_NAMES = ATTENTION_OPTIONS + ("grad_out", "grad_lse")
