@@ -56,6 +56,7 @@ import numpy as np
 from . import tolerance as tol
 from .allowed import allowed_positions
 from .baseline import textbook_attention
+from .diagnose_sigmoid import sigmoid_alternatives
 
 __all__ = [
     "Alternative",
@@ -240,6 +241,7 @@ def alternatives(options, *, H, K, L, S, D, E, has_empty, has_excluded) -> list[
         )
     if options.get("sinks") is not None:
         found.append(Alternative("sinks ignored", frozenset({"sinks"}), _set(sinks=None)))
+    found += [Alternative(lb, ks, _set(**ch)) for lb, ks, ch in sigmoid_alternatives(options)]
     if (
         options.get("kv_lengths") is not None
         and (causal or window is not None)
