@@ -85,3 +85,28 @@ def test_correct_sigmoid_passes_every_case_with_gradients():
     failed = [r.explain() for r in report.results if r.verdict != "pass"]
     assert report.passed and not failed, "\n".join(failed)
     assert any("dq" in r.checks for r in report.results)
+
+
+def _torch_passes(patterns, grads):
+    from tests.naive.sigmoid_torch import sigmoid_attention
+
+    fixtures = _fixtures(patterns)
+    report = validate(
+        sigmoid_attention, fixtures=fixtures, dtype=None, framework="torch", grads=grads,
+        progress=False,
+    )  # fmt: skip
+    failed = [r.explain() for r in report.results if r.verdict != "pass"]
+    assert report.passed and not failed, "\n".join(failed)
+
+
+@pytest.mark.peers("torch")
+def test_torch_sigmoid_passes():
+    """The torch implementation written from the description: no false alarm (--framework
+    torch); every case, every dtype, with gradients: the slow twin below."""
+    _torch_passes(["sigmoid-log-s-*-f32", "sigmoid-mask-empty-rows-*-f32"], grads=False)
+
+
+@pytest.mark.slow
+@pytest.mark.peers("torch")
+def test_torch_sigmoid_passes_every_case_with_gradients():
+    _torch_passes(["sigmoid*"], grads=True)
