@@ -534,15 +534,19 @@ def _build_sigmoid(dtype):
                 out[b, h, i, e] = acc[e] * fopts[2]
 
     @cuda.jit(device=True)
-    def ds_of(qrow, ks, j, b, h, i, ints, fopts, bias, flags, slopes, v, g, grad_out):
-        """(allowed, w kept-scaled, dS, dT) of position (i, j)."""
-        ok, t, deriv = score(qrow, ks, j, b, h, i, j, ints, fopts, bias, flags, slopes)
-        if not ok or t == -math.inf or not kept(b, h, i, j, ints, flags):
-            return False, 0.0, 0.0, 0.0
-        vdim = ints[ints_dims + 6]
+    def dp_of(grad_out, v, b, h, g, i, j, vdim):
+        """dO_i . v_j, sequential over E."""
         dp = nb_dtype(0.0)
         for e in range(vdim):
             dp += grad_out[b, h, i, e] * v[b, g, j, e]
+        return dp
+
+    @cuda.jit(device=True)
+    def ds_of(qrow, ks, j, b, h, i, ints, fopts, bias, flags, slopes, dp):
+        """(allowed and kept, w kept-scaled, dS, dT) of position (i, j) given dP = dO_i . v_j."""
+        ok, t, deriv = score(qrow, ks, j, b, h, i, j, ints, fopts, bias, flags, slopes)
+        if not ok or t == -math.inf or not kept(b, h, i, j, ints, flags):
+            return False, 0.0, 0.0, 0.0
         w = sigmoid(t)
         ds = w * sigmoid(-t) * (dp * fopts[2])
         return True, w * fopts[2], ds, ds * deriv
@@ -563,9 +567,8 @@ def _build_sigmoid(dtype):
         lo, hi = row_interval(i, ints)
         ks = k[b, g]
         for j in range(lo, hi):
-            ok, _, ds, dt = ds_of(
-                qrow, ks, j, b, h, i, ints, fopts, bias, flags, slopes, v, g, grad_out
-            )
+            dp = dp_of(grad_out, v, b, h, g, i, j, ints[ints_dims + 6])
+            ok, _, ds, dt = ds_of(qrow, ks, j, b, h, i, ints, fopts, bias, flags, slopes, dp)
             if not ok:
                 continue
             if ints[ints_opts + 5] != 0:
@@ -591,9 +594,8 @@ def _build_sigmoid(dtype):
                 continue
             for d in range(dim):
                 qrow[d] = q[b, h, i, d]
-            ok, w, _, dt = ds_of(
-                qrow, ks, j, b, h, i, ints, fopts, bias, flags, slopes, v, g, grad_out
-            )
+            dp = dp_of(grad_out, v, b, h, g, i, j, vdim)
+            ok, w, _, dt = ds_of(qrow, ks, j, b, h, i, ints, fopts, bias, flags, slopes, dp)
             if not ok:
                 continue
             for d in range(dim):
