@@ -186,6 +186,19 @@ def _softmax(scores, allowed, empty_rows, acc, sinks=None):
     return weights, lse, sink
 
 
+def _sigmoid(scores, allowed, empty_rows, acc):
+    """Weights sigma(t) on the allowed set (``normalizer="sigmoid"``: no normaliser, lse NaN)
+    in the stable two-branch form, in ``acc``."""
+    with np.errstate(all="ignore"):
+        safe = np.where(allowed, scores, 0).astype(acc)
+        e = np.exp(-np.abs(safe))
+        weights = np.where(allowed, np.where(safe >= 0, 1 / (1 + e), e / (1 + e)), 0)
+    empty = ~allowed.any(axis=-1)
+    if empty_rows != "zero":
+        weights = np.where(empty[..., None], np.nan, weights)
+    return weights.astype(acc), np.full(weights.shape[:-1], np.nan, acc), None
+
+
 def _weights_at_v(weights, v, acc):
     """``weights @ v`` where a NaN/Inf value reaches only the rows that give it weight."""
     bad = ~np.isfinite(v)
@@ -249,7 +262,12 @@ def textbook_attention(
         allowed,
         opt["kv_lengths"],
     )
-    weights, lse, sink = _softmax(scores, allowed, opt["empty_rows"] or "zero", acc, opt["sinks"])
+    if opt["normalizer"] == "sigmoid":
+        weights, lse, sink = _sigmoid(scores, allowed, opt["empty_rows"] or "zero", acc)
+    else:
+        weights, lse, sink = _softmax(
+            scores, allowed, opt["empty_rows"] or "zero", acc, opt["sinks"]
+        )
     weights = weights.astype(store).astype(acc)
     dropped = _dropped(weights, opt["dropout_mask"], opt["dropout_p"] or 0.0, acc, store)
     H = scores.shape[-3]
@@ -323,7 +341,12 @@ def textbook_attention_vjp(q, k, v, grad_out, *, grad_lse=None, dtype=None, **op
         None,
         opt["kv_lengths"],
     )
-    weights, _, sink = _softmax(scores, allowed, "zero", acc, opt["sinks"])
+    sigmoid = opt["normalizer"] == "sigmoid"
+    if sigmoid:  # dS = sigma(t) sigma(-t) dP: no Delta
+        weights, _, sink = _sigmoid(scores, allowed, "zero", acc)
+        weights_neg, _, _ = _sigmoid(-scores, allowed, "zero", acc)
+    else:
+        weights, _, sink = _softmax(scores, allowed, "zero", acc, opt["sinks"])
     weights = stored(weights)
     dO = with_heads(grad_out, "grad_out").astype(acc)
     k_h = expand_kv(k3, H, gqa).astype(acc)
@@ -336,6 +359,8 @@ def textbook_attention_vjp(q, k, v, grad_out, *, grad_lse=None, dtype=None, **op
             dP = stored(np.where(keep, dP, 0) * rescale)
         delta = (weights * dP).sum(axis=-1, keepdims=True)
         dS = dP - delta
+        if sigmoid:
+            dS = stored(weights_neg) * dP
         if grad_lse is not None:
             dS = dS + np.asarray(grad_lse, dtype=acc)[..., None]
         dsinks = None
@@ -400,6 +425,10 @@ def storage_accumulation_attention(
     with np.errstate(all="ignore"):
         masked = np.where(allowed, scores, -np.inf)
         top = masked.max(axis=-1, keepdims=True)
+        if o["normalizer"] == "sigmoid":  # no normaliser: only the value sum is modelled
+            weights = _sigmoid(scores, allowed, "zero", np.float32)[0].astype(store)
+            sums = tuple(s for s in sums if s != "normaliser")
+            o = dict(o, sinks=None)
         if o["sinks"] is not None:  # the sink: one more normaliser term, no value
             sink = np.asarray(o["sinks"], dtype=np.float64)[:, None, None]
             top = np.maximum(top, sink)
@@ -411,7 +440,8 @@ def storage_accumulation_attention(
             total = np.add.accumulate(terms, axis=-1, dtype=store)[..., -1:]
         else:
             total = terms.astype(np.float32).sum(axis=-1, keepdims=True)
-        weights = (terms / total).astype(store)
+        if o["normalizer"] != "sigmoid":
+            weights = (terms / total).astype(store)
         if o["sinks"] is not None:
             weights = weights[..., :-1]
         if o["dropout_mask"] is not None:

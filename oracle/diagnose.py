@@ -57,6 +57,7 @@ from .baseline import textbook_attention
 from .diagnose_alternative import Alternative
 from .diagnose_models import error_models, exact_parts, narrow_accumulation  # noqa: F401
 from .diagnose_peers import peer_alternatives
+from .diagnose_sigmoid import sigmoid_alternatives
 from .diagnose_sparse import sparse_alternatives, sparse_lse_models
 from .diagnose_tiles import tile_alternatives
 
@@ -230,6 +231,7 @@ def alternatives(options, *, H, K, L, S, D, E, has_empty, has_excluded) -> list[
         )
     if options.get("sinks") is not None:
         found.append(Alternative("sinks ignored", frozenset({"sinks"}), _set(sinks=None)))
+    found += [Alternative(lb, ks, _set(**ch)) for lb, ks, ch in sigmoid_alternatives(options)]
     if (
         options.get("kv_lengths") is not None
         and (causal or window is not None)

@@ -26,6 +26,7 @@ KNOWN_FEATURES = (
     "sparse-indices",
     "sparse-blocks",
     "fp4",
+    "sigmoid",
     "single-query",
     "L<S",
     "L=S",
@@ -47,7 +48,8 @@ def case_features(case, grads=False, inputs=()) -> tuple[list[str], list[str]]:
     Features: causal, align-bottom-right, window, mask, bias, gqa, softcap, dropout, alibi,
     scale, empty-rows-nan, poison (robustness), gradients (only when ``grads`` is asked),
     sinks, kv-lengths, fp8 (float8 q, k, v with descales), fp4 (float4 k, v with block
-    scales), sparse-indices, sparse-blocks.
+    scales), sparse-indices, sparse-blocks, sigmoid
+    (``normalizer="sigmoid"``).
     Shape classes: single-query (L = 1), L<S, L=S, L>S, long-rows (S >= 512), batched (B > 1).
     Variant cases give their function name (and gradients, when asked on a gradient case).
     """
@@ -84,6 +86,8 @@ def case_features(case, grads=False, inputs=()) -> tuple[list[str], list[str]]:
         features.append("gqa")
     if options.get("empty_rows") == "nan":
         features.append("empty-rows-nan")
+    if options.get("normalizer") == "sigmoid":
+        features.append("sigmoid")
     if case.category == "robustness":
         features.append("poison")
     if grads and case.grads:

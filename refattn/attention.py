@@ -56,6 +56,7 @@ class _PlaneF64(NamedTuple):
     raw_scores: np.ndarray  # scale * q.k (L, S), before softcap
     weights: np.ndarray  # (L, S) pre-dropout, 0 where excluded
     lse: np.ndarray  # (L,)
+    derivative: np.ndarray | None = None  # (L, S) sigma'(t~) (normalizer="sigmoid" only)
 
 
 _MAX_EXPONENT = 1000  # scaled scores are kept below 2**1000 (sums of a few stay finite)
@@ -125,6 +126,8 @@ def _plane_float64(spec: AttentionSpec, b: int, h: int) -> _PlaneF64:
         if alibi is not None:
             scores, extra = scores + alibi, extra + alibi
         exponent = None
+        if spec.normalizer == "sigmoid":  # no normaliser: saturated scores are exact enough
+            return _sigmoid_plane(spec, b, h, scores, allowed, raw, overflow)
         if products is not None and spec.softcap is None:
             exponent = np.zeros(scores.shape[:1] + (1,), dtype=int)
             scores[overflow], exponent[overflow] = _scaled_scores(
@@ -146,6 +149,19 @@ def _plane_float64(spec: AttentionSpec, b: int, h: int) -> _PlaneF64:
         weights[bad] = np.where(allowed[bad], np.nan, 0.0)
     kept = allowed if spec.dropout_mask is None else allowed & spec.dropout_mask[b, h]
     return _PlaneF64(allowed, kept, raw, weights, lse)
+
+
+def _sigmoid_plane(spec, b, h, scores, allowed, raw, overflow) -> _PlaneF64:
+    """The plane of ``normalizer="sigmoid"``: w = sigmoid(t~) on the allowed set (no lse)."""
+    from ._sigmoid import sigmoid_plane
+
+    weights, derivative = sigmoid_plane(scores, allowed)
+    lse = np.full(scores.shape[0], np.nan)
+    bad = (np.isinf(scores) & allowed).any(axis=1) & ~overflow
+    if bad.any():  # Inf in q or an allowed key: the row is NaN, as with softmax
+        weights[bad] = np.where(allowed[bad], np.nan, 0.0)
+    kept = allowed if spec.dropout_mask is None else allowed & spec.dropout_mask[b, h]
+    return _PlaneF64(allowed, kept, raw, weights, lse, derivative)
 
 
 def _weighted_values(spec, plane: _PlaneF64, v: np.ndarray) -> np.ndarray:
@@ -249,6 +265,7 @@ def attention(
     q_block_scale=None,
     k_block_scale=None,
     v_block_scale=None,
+    normalizer="softmax",
 ):
     """Scaled dot-product attention with pinned semantics.
 
@@ -333,6 +350,15 @@ def attention(
         "set": duplicates count once (the set of listed positions). "multiset": what a plain
         gather kernel computes, a position listed n times enters the softmax n times
         (:mod:`refattn.sparse_multiset`; on the exact path without ALiBi or weights).
+    normalizer : {"softmax", "sigmoid"}
+        "sigmoid" (Ramapuram et al. 2024, "Theory, Analysis, and Best Practices for Sigmoid
+        Self-Attention", eq. (2); FlashSigmoid): ``w_ij = sigmoid(t~_ij)`` on the allowed set
+        and ``out_i = sum_j kappa_ij w_ij v_j / (1 - p)``, with no normaliser (t~ after
+        softcap, bias and ALiBi; excluded keys contribute nothing; an empty row gives 0, or
+        NaN under ``empty_rows="nan"``). The paper's bias ``b = -log(S)`` is not implicit:
+        pass it as ``bias=-math.log(S)`` (a scalar broadcasts). ``return_lse`` and ``sinks``
+        are errors (there is no normaliser); ``return_weights`` returns the sigmoids.
+        float64 bound: :func:`refattn.bounds.sigmoid_forward_bound`.
     return_lse, return_weights : bool
         Also return lse (..., H, L) and/or weights (..., H, L, S).
     precision : {"float64", "exact"}
@@ -391,6 +417,11 @@ def attention(
     _checks.precision(precision)
     _checks.choice(backend, "backend", BACKENDS)
     _checks.out_dtype(out_dtype)  # validated on every path (the float64 path returns float64)
+    if normalizer == "sigmoid" and return_lse:
+        raise ValueError(
+            "return_lse: normalizer='sigmoid' has no log-sum-exp (the weights are sigmoid(t) "
+            "with no normaliser); pass return_lse=False"
+        )
     spec = canonicalize(
         q,
         k,
@@ -419,6 +450,7 @@ def attention(
         q_block_scale=q_block_scale,
         k_block_scale=k_block_scale,
         v_block_scale=v_block_scale,
+        normalizer=normalizer,
     )
     if spec.index_reading == "multiset":
         from . import sparse_multiset
@@ -460,6 +492,8 @@ def _forward_paths(spec, precision, backend, out_dtype, return_lse, return_weigh
 
         # both engines take sinks natively (the referee folds them into one more key)
         engine = fast_exact_forward if config.EXACT_ENGINE == "fast" else exact_forward
+        if spec.normalizer == "sigmoid":  # the fast engine is softmax-specific
+            from .exact.attention_sigmoid import exact_sigmoid_forward as engine
         out, lse, weights = engine(
             spec, _checks.out_dtype(out_dtype), return_lse=return_lse, return_weights=return_weights
         )
@@ -506,15 +540,12 @@ def _vjp_float64(spec: AttentionSpec, grad_out: np.ndarray, grad_lse):
                 bad = ~np.isfinite(v).all(axis=1)
                 if bad.any():  # a non-finite kept value poisons the rows that keep it
                     dp[:, bad] = np.where(plane.kept[:, bad], do @ v[bad].T, 0.0) * keep
-                delta = (plane.weights * dp).sum(axis=1, keepdims=True)
-                if dsinks is not None:  # d lse / d sink = w_sink; d out / d sink = -w_sink out
-                    w_sink = np.exp(spec.sinks[h] - plane.lse)
-                    lse_part = 0.0 if grad_lse is None else grad_lse[b, h]
-                    dsinks[b, h] = np.sum(w_sink * (lse_part - delta[:, 0]))
-                ds = plane.weights * (dp - delta)
-                if grad_lse is not None:
-                    ds = ds + plane.weights * grad_lse[b, h][:, None]
-                ds = np.where(plane.allowed, ds, 0.0)
+            if plane.derivative is not None:  # sigmoid: dS = sigma'(t~) dP, no Delta term
+                with np.errstate(invalid="ignore"):
+                    ds = np.where(plane.allowed, plane.derivative * dp, 0.0)
+                ds = np.where(np.isnan(plane.weights), np.nan, ds)
+            else:
+                ds = _softmax_ds(spec, plane, dp, grad_lse, dsinks, b, h)
             if dbias is not None:
                 dbias[b, h] = ds
             if spec.softcap is not None:
@@ -523,6 +554,20 @@ def _vjp_float64(spec: AttentionSpec, grad_out: np.ndarray, grad_lse):
             dq[b, h] = ds @ k
             dk[b, g] += ds.T @ q
     return dq, dk, dv, dbias, None if dsinks is None else dsinks.sum(axis=0)
+
+
+def _softmax_ds(spec, plane, dp, grad_lse, dsinks, b, h):
+    """dS of the softmax: w (dP - Delta + g), and the sink's gradient into ``dsinks``."""
+    with np.errstate(invalid="ignore"):
+        delta = (plane.weights * dp).sum(axis=1, keepdims=True)
+        if dsinks is not None:  # d lse / d sink = w_sink; d out / d sink = -w_sink out
+            w_sink = np.exp(spec.sinks[h] - plane.lse)
+            lse_part = 0.0 if grad_lse is None else grad_lse[b, h]
+            dsinks[b, h] = np.sum(w_sink * (lse_part - delta[:, 0]))
+        ds = plane.weights * (dp - delta)
+        if grad_lse is not None:
+            ds = ds + plane.weights * grad_lse[b, h][:, None]
+        return np.where(plane.allowed, ds, 0.0)
 
 
 def attention_vjp(
@@ -559,6 +604,7 @@ def attention_vjp(
     q_block_scale=None,
     k_block_scale=None,
     v_block_scale=None,
+    normalizer="softmax",
 ) -> AttentionGrads:
     """Vector-Jacobian product of :func:`attention` (its backward pass).
 
@@ -581,7 +627,11 @@ def attention_vjp(
     grad_out : array, the shape of attention's output
         dO.
     grad_lse : array (..., H, L), optional
-        g, the cotangent of lse.
+        g, the cotangent of lse (an error with ``normalizer="sigmoid"``).
+    normalizer : {"softmax", "sigmoid"}
+        As in :func:`attention`. With "sigmoid" the weights are ``P = sigma(t~)`` and
+        ``dS_ij = sigma'(t~_ij) dP_ij`` with ``sigma' = sigma(t~) sigma(-t~)`` (no Delta_i, no
+        g); dV, dT, dQ, dK and dbias follow as above.
     precision : {"float64", "exact"}
         "exact": every gradient element is the exact value rounded once to ``out_dtype``.
 
@@ -635,6 +685,7 @@ def attention_vjp(
         q_block_scale=q_block_scale,
         k_block_scale=k_block_scale,
         v_block_scale=v_block_scale,
+        normalizer=normalizer,
     )
     _, heads, _, length, keys, _, vdim = spec.dims
     do = check_cotangent(spec, grad_out, "grad_out", (heads, length, vdim))
@@ -668,10 +719,14 @@ def _vjp_paths(spec, do, dl, precision, backend, out_dtype):
     """(dq, dk, dv, dbias, dsinks) of the canonical spec, flat, on the requested path (the
     exact path's dbias already reduced to bias's shape, the float paths' (B, H, L, S))."""
     keys = spec.dims[4]
+    if dl is not None and spec.normalizer == "sigmoid":
+        raise ValueError("grad_lse: normalizer='sigmoid' has no log-sum-exp to take a cotangent")
     dsinks = None
     if precision == "exact":
         from .exact.attention_vjp import exact_vjp
 
+        if spec.normalizer == "sigmoid":
+            from .exact.attention_sigmoid import exact_sigmoid_vjp as exact_vjp
         # the exact path reduces dbias to bias's shape itself (the sum is part of the exact
         # value that is rounded once) and takes sinks natively: with a sink its dbias is
         # (dbias, dsinks) flat, dsinks the sum of the sink's dS over batch and rows

@@ -52,6 +52,7 @@ __all__ = [
     "EMPTY_ROWS",
     "FP8_DTYPES",
     "GQA_MODES",
+    "NORMALIZERS",
     "UNBOUNDED",
     "WINDOW_CAP",
     "allowed_mask",
@@ -326,6 +327,7 @@ class AttentionSpec:
     # already ANDed into ``mask``; "multiset" is computed by refattn.sparse_multiset's gather.
     key_indices: np.ndarray | None = None
     index_reading: str = "set"
+    normalizer: str = "softmax"  # "softmax" or "sigmoid" (NORMALIZERS)
 
     @property
     def dims(self):
@@ -533,8 +535,10 @@ def canonicalize(
     q_block_scale=None,
     k_block_scale=None,
     v_block_scale=None,
+    normalizer="softmax",
 ) -> AttentionSpec:
     """Validate refattn.attention's arguments and return the canonical :class:`AttentionSpec`."""
+    _check_normalizer(normalizer, sinks)
     blocks = {"q": q_block_scale, "k": k_block_scale, "v": v_block_scale}
     q, k, v = _dequantize(q, k, v, q_descale, k_descale, v_descale, gqa, blocks)
     q, k, v, single = _heads(q, k, v)
@@ -612,6 +616,7 @@ def canonicalize(
         empty_rows=empty_rows,
         kv_lengths=lengths,
         sinks=sink_values,
+        normalizer=normalizer,
     )
     indices = sparse_indices.canonical_indices(
         key_indices,
@@ -641,6 +646,21 @@ def _with_indices(spec: AttentionSpec, indices: np.ndarray, reading: str) -> Att
         listed = np.broadcast_to(listed, target) if kv_heads == 1 else listed[:, spec.kv_head]
         changes["mask"] = listed if spec.mask is None else spec.mask & listed
     return dataclasses.replace(spec, **changes)
+
+
+#: The score normalisers: "softmax" (weights ``exp(t - lse)``) and "sigmoid" (weights
+#: ``sigmoid(t)``, no normaliser; Ramapuram et al. 2024, docs/conventions.md).
+NORMALIZERS = ("softmax", "sigmoid")
+
+
+def _check_normalizer(normalizer, sinks) -> None:
+    """``normalizer`` is one of :data:`NORMALIZERS`; sinks need a normaliser to join."""
+    _checks.choice(normalizer, "normalizer", NORMALIZERS)
+    if normalizer == "sigmoid" and sinks is not None:
+        raise ValueError(
+            "sinks: normalizer='sigmoid' has no normaliser for a sink to join (each weight is "
+            "sigmoid(t_ij) on its own); pass sinks only with normalizer='softmax'"
+        )
 
 
 def _kv_lengths(kv_lengths, batch_shape, keys):

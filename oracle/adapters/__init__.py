@@ -288,16 +288,20 @@ def reject_common(
     sinks=False,
     kv_lengths=False,
     alibi=False,
+    sigmoid=False,
 ) -> None:
     """Raise NotImplementedError for the options most peers lack.
 
     ``softcap`` / ``window`` / ``sinks`` / ``kv_lengths``: whether the peer takes them;
-    ``lse``: whether it returns lse; ``alibi``: whether the peer computes ALiBi itself (a
+    ``lse``: whether it returns lse; ``sigmoid``: whether it takes ``normalizer="sigmoid"``;
+    ``alibi``: whether the peer computes ALiBi itself (a
     score function of its own, never a bias folded by the adapter). Caller-given dropout
     masks and ``gqa="tile"`` (with H != K) are never supported.
     """
     if spec.key_indices is not None:  # no peer takes sparse key indices
         adapter.unsupported("key_indices", "<indices>", "no sparse key-index option")
+    if spec.normalizer == "sigmoid" and not sigmoid:
+        adapter.unsupported("normalizer", "sigmoid", "no sigmoid normaliser (softmax only)")
     if spec.sinks is not None and not sinks:
         adapter.unsupported(
             "sinks",

@@ -31,7 +31,8 @@ Recipe keys (``Case.recipe``)
   with eps ~ 2**-(p/2) of the dtype: outputs nearly cancel (sum_j w_j |v_j| >> |out|).
 
 ``sigma`` (q/k scale), ``mask`` ("padding" | "random" | "empty-rows"), ``bias`` ("gaussian" |
-"neginf", the latter with -inf entries and one all -inf row per head), ``bias_shape``
+"minus-log-s": a (1, 1, 1, 1) bias of -log(S), sigmoid attention's b | "neginf", the latter
+with -inf entries and one all -inf row per head), ``bias_shape``
 ("full" | "broadcast"), ``alibi`` (power-of-two slopes 2**-(1 + 8h // H)), ``dropout``
 (keep-mask drawn with P(keep) = 1 - dropout_p), ``poison`` ("nan" | "inf": written into every
 key/value position that no query may attend and into every excluded bias position),
@@ -324,6 +325,8 @@ _MASKS = {"padding": _mask_padding, "random": _mask_random, "empty-rows": _mask_
 
 
 def _bias(stream, n, dtype, recipe):
+    if recipe["bias"] == "minus-log-s":  # sigmoid attention's b = -log(S) (Ramapuram et al.)
+        return seeding.to_dtype(np.full((1, 1, 1, 1), -math.log(n.S)), dtype)
     shape = (
         (1, 1, n.L, n.S) if recipe.get("bias_shape") == "broadcast" else (n.batch, n.H, n.L, n.S)
     )

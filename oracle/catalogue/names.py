@@ -54,6 +54,7 @@ ATTENTION_OPTIONS = (
     "q_block_scale",
     "k_block_scale",
     "v_block_scale",
+    "normalizer",
 )
 #: Keywords of refattn.attention / attention_vjp the catalogue must exercise.
 OPTION_NAMES = ATTENTION_OPTIONS + ("grad_out", "grad_lse")

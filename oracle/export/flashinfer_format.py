@@ -101,6 +101,8 @@ def _why_not(fixture: golden.Fixture) -> str | None:
         return f"dtype {case.dtype}: the schema's tensor dtypes have no float64"
     if inputs["q"].dtype.name.startswith("float8"):
         return "float8 inputs with descales: gqa_ragged takes q, k, v of one dtype, no descale"
+    if options.get("normalizer") == "sigmoid":
+        return "normalizer='sigmoid': gqa_ragged computes a softmax (and its lse)"
     if "k_block_scale" in inputs or "q_block_scale" in inputs:
         return "fp4 inputs with block scales: gqa_ragged has no block-scale input"
     for name in (

@@ -75,6 +75,8 @@ def _why_not(fixture: golden.Fixture) -> str | None:
         return "attention sinks: the node has no sink input"
     if "key_indices" in inputs or "key_block_indices" in inputs:
         return "sparse key indices: the node has no index input"
+    if options.get("normalizer") == "sigmoid":
+        return "normalizer='sigmoid': the node computes a softmax"
     if "dropout_mask" in inputs or options.get("dropout_p", 0.0):
         return "dropout: the node has no keep-mask input"
     if "alibi_slopes" in inputs:

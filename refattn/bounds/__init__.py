@@ -8,6 +8,7 @@ the oracle's judging policy take their a-priori bounds from here.
 * :mod:`.attention`: :func:`refattn.attention` / :func:`refattn.attention_vjp` float64 path
   (running error analysis, see its module notes) and the gradients' natural scales.
 * :mod:`.kernels`: the online-softmax kernels of :mod:`refattn.kernels`.
+* :mod:`.sigmoid`: sigmoid attention (``normalizer="sigmoid"``), float64 path and kernels.
 * :mod:`.mixtures`: log-space softmax mixtures (gmm, mgk, hopfield), EM iterations, ratios.
 * :mod:`.fixedpoint`: iterates of fixed-point maps (fixedpoint, meanfield).
 * :mod:`.transformer`: the pieces of :mod:`refattn.transformer` (first-order analysis along
@@ -25,6 +26,7 @@ from .mixtures import (
     mlk_vjp_bound,
     ratio_bound,
 )
+from .sigmoid import sigmoid_forward_bound, sigmoid_vjp_bound
 from .transformer import (
     feed_forward_vjp_bound,
     layer_norm_vjp_bound,
@@ -34,6 +36,8 @@ from .transformer import (
 from .unit import ETA, UNIT_ROUNDOFF, gamma, unit_roundoff
 
 __all__ = [
+    "sigmoid_forward_bound",
+    "sigmoid_vjp_bound",
     "UNIT_ROUNDOFF",
     "ETA",
     "unit_roundoff",

@@ -312,6 +312,7 @@ def grad_scales(
     bias=None,
     gqa="interleave",
     sink_weights=None,
+    normalizer="softmax",
     **_ignored,
 ) -> dict:
     """Natural scales of dq, dk, dv, dbias, shaped like them: the gradients' sums taken over
@@ -326,7 +327,8 @@ def grad_scales(
     with ``|dP| = |dO| |V|^T`` (times the dropout rescaling) and ``Delta_i = sum_j p_ij |dP_ij|``;
     with ``sink_weights`` (the sinks' weights ``w_sink`` (..., H, L)) also
     ``\\widehat{d\\sigma}_h = \\sum_{b,i} w_{sink} (\\Delta_i + |\\bar\\ell_i|)`` (H,), the
-    magnitude of ``dsinks = sum_{b,i} w_sink (grad_lse_i - Delta_i)``.
+    magnitude of ``dsinks = sum_{b,i} w_sink (grad_lse_i - Delta_i)``. With
+    ``normalizer="sigmoid"`` (``dS = sigma' dP``, ``sigma' <= sigma = p``) Delta_i is 0.
     The rounding errors of a gradient computed in a given order are proportional to these
     (used by the kernels' backward bound and by the oracle's judging policy).
 
@@ -349,6 +351,8 @@ def grad_scales(
     rescale = np.divide(_finite_abs(dropped), p, out=np.ones_like(p), where=p > 0)
     d_p = np.matmul(d_out, np.swapaxes(expand_kv(_finite_abs(v3), heads, gqa), -1, -2)) * rescale
     delta = (p * d_p).sum(axis=-1, keepdims=True)
+    if normalizer == "sigmoid":  # dS = sigma' dP with sigma' <= sigma = p: no Delta term
+        delta = np.zeros_like(delta)
     g_lse = 0.0 if grad_lse is None else _finite_abs(grad_lse)[..., None]
     g = p * (d_p + delta + g_lse)
     s = abs(1.0 / math.sqrt(dim) if scale is None else float(scale))

@@ -59,7 +59,7 @@ from ..spec import AttentionSpec, fold
 from . import _fixed as F
 from .rounding import correctly_round
 
-__all__ = ["ExactForward", "exact_forward", "scale_bounds"]
+__all__ = ["ExactForward", "ExactPlane", "ScoreArithmetic", "exact_forward", "scale_bounds"]
 
 _NAN = float("nan")
 
@@ -624,3 +624,9 @@ def exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_we
             what="weights",
         )
     return out, lse, weights
+
+
+#: Public names of the plane data and the score arithmetic (the sigmoid engine,
+#: :mod:`refattn.exact.attention_sigmoid`, reuses both).
+ExactPlane = _Plane
+ScoreArithmetic = _ScoreArithmetic

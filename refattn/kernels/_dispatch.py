@@ -115,6 +115,8 @@ def attention(spec, *, return_lse: bool = False, dtype=None):
     """
     from . import _cpu_decode, _cpu_forward, numba_cpu
 
+    if spec.normalizer == "sigmoid":  # no lse: a per-row plain sum (refattn.kernels._cpu_sigmoid)
+        return _sigmoid_attention(spec, return_lse, _dtype(spec, dtype))
     announce_compile((_cpu_forward, _cpu_decode), names="forward")
     out, lse = numba_cpu.forward(spec, _dtype(spec, dtype))
     return (out, lse) if return_lse else out
@@ -141,8 +143,24 @@ def attention_vjp(spec, grad_out, grad_lse=None, *, dtype=None):
     """
     from . import _cpu_backward, _cpu_decode, _cpu_forward, numba_cpu
 
+    if spec.normalizer == "sigmoid":
+        from . import _cpu_sigmoid
+
+        if grad_lse is not None:
+            raise ValueError("grad_lse: normalizer='sigmoid' has no log-sum-exp")
+        announce_compile(_cpu_sigmoid)
+        return _cpu_sigmoid.sigmoid_backward(spec, grad_out, _dtype(spec, dtype))
     announce_compile((_cpu_forward, _cpu_decode, _cpu_backward))
     return numba_cpu.backward(spec, grad_out, grad_lse, _dtype(spec, dtype))
+
+
+def _sigmoid_attention(spec, return_lse, dtype):
+    """The sigmoid forward; its "lse" is NaN (there is no normaliser)."""
+    from . import _cpu_sigmoid
+
+    announce_compile(_cpu_sigmoid, names="forward")
+    out = _cpu_sigmoid.sigmoid_forward(spec, dtype)
+    return (out, np.full(out.shape[:-1], np.nan, dtype)) if return_lse else out
 
 
 def precompile(dtypes=("float64", "float32"), paths=PATHS, *, report=None) -> dict:

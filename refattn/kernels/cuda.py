@@ -91,11 +91,10 @@ def _kernels(dtype):
     return _KERNELS[key]
 
 
-def _build(dtype):
-    import numba
-
-    nb_dtype = numba.float64 if dtype == np.float64 else numba.float32
-    tile, width = TILE, MAX_FEATURES
+def device_functions(nb_dtype):
+    """The device functions shared by the kernels of one compute dtype: ``row_interval(i,
+    ints)``, ``score(...) -> (allowed, final score, d softcap / d raw)`` and ``kept(...)``
+    (also used by the sigmoid kernels)."""
     # the one allowed-set rule (refattn.spec), compiled from the same Python function as the
     # CPU kernels' key_interval_jit
     key_interval_device = cuda.jit(device=True)(key_interval)
@@ -141,6 +140,16 @@ def _build(dtype):
         dstr = ints[_DROP_STRIDES : _DROP_STRIDES + 4]
         drop = flags[1]
         return opts[8] == 0 or drop[dstr[0] * b + dstr[1] * h + dstr[2] * i + dstr[3] * j] != 0
+
+    return row_interval, score, kept
+
+
+def _build(dtype):
+    import numba
+
+    nb_dtype = numba.float64 if dtype == np.float64 else numba.float32
+    tile, width = TILE, MAX_FEATURES
+    row_interval, score, kept = device_functions(nb_dtype)
 
     @cuda.jit
     def forward(q, k, v, ints, fopts, bias, flags, slopes, out, lse):
@@ -376,6 +385,8 @@ def attention(spec, *, return_lse=False, dtype=None, threads=THREADS):
     ``dtype``: compute dtype (default float64 for float64 inputs, else float32);
     ``threads``: query rows per block.
     """
+    if spec.normalizer == "sigmoid":
+        return _sigmoid_attention(spec, return_lse, dtype, threads)
     dtype, args = _prepare(spec, dtype)
     _require_cuda()
     forward, _, _ = _kernels(dtype)
@@ -395,6 +406,8 @@ def attention_vjp(spec, grad_out, grad_lse=None, *, dtype=None, threads=THREADS)
     dk, dv are summed over the query heads of each kv group on the host in increasing head
     order (deterministic); empty rows have zero gradients.
     """
+    if spec.normalizer == "sigmoid":
+        return _sigmoid_vjp(spec, grad_out, grad_lse, dtype, threads)
     dtype, args = _prepare(spec, dtype)
     _require_cuda()
     forward, grad_q, grad_kv = _kernels(dtype)
@@ -440,6 +453,191 @@ def attention_vjp(spec, grad_out, grad_lse=None, *, dtype=None, threads=THREADS)
             *options,
             dk_part,
             dv_part,
+        )
+    dk_part, dv_part = dk_part.copy_to_host(), dv_part.copy_to_host()
+    dk = np.zeros((batch, kv_heads, keys, dim), dtype)
+    dv = np.zeros((batch, kv_heads, keys, vdim), dtype)
+    for h in range(heads):  # increasing head order within each kv group
+        dk[:, spec.kv_head[h]] += dk_part[:, h]
+        dv[:, spec.kv_head[h]] += dv_part[:, h]
+    return dq.copy_to_host(), dk, dv, (dbias.copy_to_host() if spec.bias is not None else None)
+
+
+# --------------------------------------------------------------------------------------
+# sigmoid attention (normalizer="sigmoid"): no normaliser, so no online rescaling. One
+# thread owns one query row (forward, dq, dbias) or one key of one query head (dk, dv);
+# every sum runs sequentially in that thread (keys, resp. query rows, in increasing
+# order; the heads of a kv group are added on the host in increasing head order), as in
+# refattn.kernels._cpu_sigmoid.
+# --------------------------------------------------------------------------------------
+_SIGMOID_KERNELS: dict = {}
+
+
+def _sigmoid_kernels(dtype):
+    key = np.dtype(dtype).name
+    if key not in _SIGMOID_KERNELS:
+        _require_cuda()
+        _SIGMOID_KERNELS[key] = _build_sigmoid(np.dtype(dtype))
+    return _SIGMOID_KERNELS[key]
+
+
+def _build_sigmoid(dtype):
+    """The sigmoid kernels (forward, dq and dbias, dk and dv) of one compute dtype."""
+    import numba
+
+    nb_dtype = numba.float64 if dtype == np.float64 else numba.float32
+    width = MAX_FEATURES
+    row_interval, score, kept = device_functions(nb_dtype)
+    ints_dims, ints_opts, ints_kv = _DIMS, _OPTS, _KV_HEAD
+
+    @cuda.jit(device=True)
+    def sigmoid(t):
+        if t >= 0:
+            return 1.0 / (1.0 + math.exp(-t))
+        e = math.exp(t)
+        return e / (1.0 + e)
+
+    @cuda.jit
+    def forward(q, k, v, ints, fopts, bias, flags, slopes, out):
+        heads, length = ints[ints_dims + 1], ints[ints_dims + 2]
+        dim, vdim = ints[ints_dims + 5], ints[ints_dims + 6]
+        bh = cuda.blockIdx.y
+        b, h = bh // heads, bh % heads
+        g = ints[ints_kv + h]
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if i >= length:
+            return
+        qrow = cuda.local.array(width, nb_dtype)
+        acc = cuda.local.array(width, nb_dtype)
+        for d in range(dim):
+            qrow[d] = q[b, h, i, d]
+        for e in range(vdim):
+            acc[e] = 0.0
+        lo, hi = row_interval(i, ints)
+        any_allowed = False
+        ks = k[b, g]
+        for j in range(lo, hi):
+            ok, t, _ = score(qrow, ks, j, b, h, i, j, ints, fopts, bias, flags, slopes)
+            if not ok or t == -math.inf:
+                continue
+            any_allowed = True
+            if kept(b, h, i, j, ints, flags):
+                w = sigmoid(t)
+                for e in range(vdim):
+                    acc[e] += w * v[b, g, j, e]
+        if not any_allowed:
+            fill = math.nan if ints[ints_opts + 9] != 0 else 0.0
+            for e in range(vdim):
+                out[b, h, i, e] = fill
+        else:
+            for e in range(vdim):
+                out[b, h, i, e] = acc[e] * fopts[2]
+
+    @cuda.jit(device=True)
+    def dp_of(grad_out, v, b, h, g, i, j, vdim):
+        """dO_i . v_j, sequential over E."""
+        dp = nb_dtype(0.0)
+        for e in range(vdim):
+            dp += grad_out[b, h, i, e] * v[b, g, j, e]
+        return dp
+
+    @cuda.jit(device=True)
+    def ds_of(qrow, ks, j, b, h, i, ints, fopts, bias, flags, slopes, dp):
+        """(allowed and kept, w kept-scaled, dS, dT) of position (i, j) given dP = dO_i . v_j."""
+        ok, t, deriv = score(qrow, ks, j, b, h, i, j, ints, fopts, bias, flags, slopes)
+        if not ok or t == -math.inf or not kept(b, h, i, j, ints, flags):
+            return False, 0.0, 0.0, 0.0
+        w = sigmoid(t)
+        ds = w * sigmoid(-t) * (dp * fopts[2])
+        return True, w * fopts[2], ds, ds * deriv
+
+    @cuda.jit
+    def grad_q(q, k, v, grad_out, ints, fopts, bias, flags, slopes, dq, dbias):
+        heads, length = ints[ints_dims + 1], ints[ints_dims + 2]
+        dim = ints[ints_dims + 5]
+        bh = cuda.blockIdx.y
+        b, h = bh // heads, bh % heads
+        g = ints[ints_kv + h]
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if i >= length:
+            return
+        qrow = cuda.local.array(width, nb_dtype)
+        for d in range(dim):
+            qrow[d] = q[b, h, i, d]
+        lo, hi = row_interval(i, ints)
+        ks = k[b, g]
+        for j in range(lo, hi):
+            dp = dp_of(grad_out, v, b, h, g, i, j, ints[ints_dims + 6])
+            ok, _, ds, dt = ds_of(qrow, ks, j, b, h, i, ints, fopts, bias, flags, slopes, dp)
+            if not ok:
+                continue
+            if ints[ints_opts + 5] != 0:
+                dbias[b, h, i, j] = ds
+            for d in range(dim):
+                dq[b, h, i, d] += dt * fopts[0] * k[b, g, j, d]
+
+    @cuda.jit
+    def grad_kv(q, k, v, grad_out, ints, fopts, bias, flags, slopes, dk_part, dv_part):
+        heads, length, keys = ints[ints_dims + 1], ints[ints_dims + 2], ints[ints_dims + 4]
+        dim, vdim = ints[ints_dims + 5], ints[ints_dims + 6]
+        bh = cuda.blockIdx.y
+        b, h = bh // heads, bh % heads
+        g = ints[ints_kv + h]
+        j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if j >= keys:
+            return
+        qrow = cuda.local.array(width, nb_dtype)
+        ks = k[b, g]
+        for i in range(length):
+            lo, hi = row_interval(i, ints)
+            if j < lo or j >= hi:
+                continue
+            for d in range(dim):
+                qrow[d] = q[b, h, i, d]
+            dp = dp_of(grad_out, v, b, h, g, i, j, vdim)
+            ok, w, _, dt = ds_of(qrow, ks, j, b, h, i, ints, fopts, bias, flags, slopes, dp)
+            if not ok:
+                continue
+            for d in range(dim):
+                dk_part[b, h, j, d] += dt * fopts[0] * qrow[d]
+            for e in range(vdim):
+                dv_part[b, h, j, e] += w * grad_out[b, h, i, e]
+
+    return forward, grad_q, grad_kv
+
+
+def _sigmoid_attention(spec, return_lse, dtype, threads):
+    """Sigmoid forward of ``spec`` on the GPU: out (B, H, L, E) (no lse: an error)."""
+    if return_lse:
+        raise ValueError("return_lse: normalizer='sigmoid' has no log-sum-exp")
+    dtype, args = _prepare(spec, dtype)
+    forward, _, _ = _sigmoid_kernels(dtype)
+    batch, heads, _, length, _, _, vdim = spec.dims
+    out = cuda.to_device(np.zeros((batch, heads, length, vdim), dtype))
+    if length and batch * heads:
+        _launch(forward, length, batch * heads, threads, *(cuda.to_device(a) for a in args), out)
+    return out.copy_to_host()
+
+
+def _sigmoid_vjp(spec, grad_out, grad_lse, dtype, threads):
+    """(dq, dk, dv, dbias) of sigmoid attention on the GPU; dbias (B, H, L, S) or None."""
+    if grad_lse is not None:
+        raise ValueError("grad_lse: normalizer='sigmoid' has no log-sum-exp")
+    dtype, args = _prepare(spec, dtype)
+    _, grad_q, grad_kv = _sigmoid_kernels(dtype)
+    batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
+    q, k, v, ints, fopts, bias, flags, slopes = (cuda.to_device(a) for a in args)
+    options = (ints, fopts, bias, flags, slopes)
+    grad_dev = cuda.to_device(np.ascontiguousarray(grad_out, dtype))
+    dq = cuda.to_device(np.zeros((batch, heads, length, dim), dtype))
+    dk_part = cuda.to_device(np.zeros((batch, heads, keys, dim), dtype))
+    dv_part = cuda.to_device(np.zeros((batch, heads, keys, vdim), dtype))
+    dbias_shape = (batch, heads, length, keys) if spec.bias is not None else (1, 1, 1, 1)
+    dbias = cuda.to_device(np.zeros(dbias_shape, dtype))
+    if length and keys and batch * heads:
+        _launch(grad_q, length, batch * heads, threads, q, k, v, grad_dev, *options, dq, dbias)
+        _launch(
+            grad_kv, keys, batch * heads, threads, q, k, v, grad_dev, *options, dk_part, dv_part
         )
     dk_part, dv_part = dk_part.copy_to_host(), dv_part.copy_to_host()
     dk = np.zeros((batch, kv_heads, keys, dim), dtype)

@@ -192,8 +192,17 @@ def forward(spec, dtype=None):
     >>> out.ravel().tolist(), bool(np.isclose(lse.item(), np.log(2.0)))
     ([2.0], True)
     """
+    _softmax_only(spec)
     dtype = compute_dtype(spec.q.dtype) if dtype is None else np.dtype(dtype)
     return _run_forward(spec, kernel_arguments(spec, dtype), dtype)
+
+
+def _softmax_only(spec):
+    if spec.normalizer != "softmax":  # the online softmax: sigmoid has kernels of its own
+        raise ValueError(
+            f"normalizer: these kernels compute the softmax, got {spec.normalizer!r}; "
+            "refattn.kernels.attention / attention_vjp dispatch sigmoid to _cpu_sigmoid"
+        )
 
 
 def _run_forward(spec, args, dtype):
@@ -254,6 +263,7 @@ def backward(spec, grad_out, grad_lse=None, dtype=None, *, saved=None):
     >>> dv.ravel().tolist(), dbias is None
     ([0.5, 0.5], True)
     """
+    _softmax_only(spec)
     dtype = compute_dtype(spec.q.dtype) if dtype is None else np.dtype(dtype)
     q, k, v, kv_head, dims, opts, fopts, terms = kernel_arguments(spec, dtype)
     batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
