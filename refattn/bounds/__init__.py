@@ -18,7 +18,7 @@ the oracle's judging policy take their a-priori bounds from here.
 from .attention import float64_forward_bound, float64_vjp_bound, grad_scales
 from .fixedpoint import fixed_point_forward_bound, implicit_vjp_bound
 from .kernels import online_backward_bound, online_forward_bound
-from .merge import merge_bound
+from .merge import merge_bound, merge_vjp_bound
 from .mixtures import (
     iterated_bound,
     logit_lse_bound,
@@ -58,4 +58,5 @@ __all__ = [
     "feed_forward_vjp_bound",
     "multihead_attention_vjp_bound",
     "merge_bound",
+    "merge_vjp_bound",
 ]

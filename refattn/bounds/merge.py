@@ -21,7 +21,7 @@ import numpy as np
 
 from .unit import UNIT_ROUNDOFF, gamma
 
-__all__ = ["merge_bound"]
+__all__ = ["merge_bound", "merge_vjp_bound"]
 
 
 def merge_bound(outs, lses, *, lse_base="e"):
@@ -47,3 +47,26 @@ def merge_bound(outs, lses, *, lse_base="e"):
     lse = shift + np.log1p(np.maximum(np.exp(d).sum(axis=0) - 1.0, 0.0)) / c
     lse_bound = 2 * gamma(4 * states + 8) + 2 * UNIT_ROUNDOFF * np.abs(lse)
     return out_bound, np.where(np.isfinite(top), lse_bound, 0.0)
+
+
+def merge_vjp_bound(outs, lses, grad_out, grad_lse=None, *, lse_base="e"):
+    """(douts bound, dlses bound) of :func:`refattn.merge_states_vjp`: a first-order
+    estimate (no proof claimed), ``gamma_{4P+8}`` plus the shift's ``3u |d_p|`` relative to
+    the magnitudes of the terms ``w_p |dO|`` and ``w_p (c |dO| . (|out_p| + |out|) + |g|)``."""
+    outs = np.asarray(outs, dtype=np.float64)
+    lses = np.asarray(lses, dtype=np.float64)
+    grad_out = np.abs(np.asarray(grad_out, dtype=np.float64))
+    g = 0.0 if grad_lse is None else np.abs(np.asarray(grad_lse, dtype=np.float64))
+    states = lses.shape[0]
+    c = 1.0 if lse_base == "e" else math.log(2.0)
+    finite = np.isfinite(lses)
+    top = np.max(np.where(finite, lses, -np.inf), axis=0)
+    shift = np.where(np.isfinite(top), top, 0.0)
+    d = np.where(finite, (np.where(finite, lses, shift) - shift) * c, -np.inf)
+    w = np.exp(d) / np.exp(d).sum(axis=0).clip(min=1.0)
+    rel = 2 * gamma(4 * states + 8) + 3 * UNIT_ROUNDOFF * np.abs(np.where(finite, d, 0.0))
+    size = np.abs(np.where(finite[..., None], outs, 0.0))
+    merged = np.einsum("p...,p...e->...e", w, size)
+    douts = (w * rel)[..., None] * grad_out
+    spread = np.einsum("p...e,...e->p...", size + merged, grad_out)
+    return douts, w * rel * (c * spread + g) * 2

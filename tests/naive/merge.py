@@ -119,3 +119,21 @@ def mp_merge(outs, lses, base2):
                 / total
             )
     return flat_out + flat_lse
+
+
+def naive_lse_base2_rounded(q, k, v, opts, dtype):
+    """attention's base-2 lse (``lse / ln 2``) from the loop twin, rounded once to ``dtype``."""
+    from .attention import naive_attention, score_spread
+
+    heads, length, keys = q.shape[0], q.shape[1], k.shape[1]
+    full = dict(opts)
+    for name in ("mask", "bias", "dropout_mask"):
+        if name in full:
+            full[name] = np.broadcast_to(full[name], (heads, length, keys))
+
+    def compute(dps):
+        lse = naive_attention(q, k, v, dps=dps, **full)[1]
+        with mpmath.workdps(dps):
+            return [[x / mpmath.log(2) for x in row] for row in lse]
+
+    return round_stable(compute, dtype, score_spread(q, k, **full))
