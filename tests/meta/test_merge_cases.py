@@ -15,7 +15,9 @@ MIN_FAILURES = 5
 
 
 def _run(impl, dtype="float32", cases=None):
-    return validate(impl, suite="merge-default", dtype=dtype, progress=False, cases=cases)
+    return validate(
+        impl, suite="merge-default", dtype=dtype, progress=False, cases=cases, isolate=False
+    )
 
 
 @pytest.mark.slow
@@ -41,7 +43,7 @@ def test_each_planted_bug_fails_and_is_named(bug):
 
 
 def _smoke(impl):
-    return validate(impl, suite="merge-smoke", dtype="float32", progress=False)
+    return validate(impl, suite="merge-smoke", dtype="float32", progress=False, isolate=False)
 
 
 def test_smoke_correct_pairwise_passes_and_each_bug_is_named():
