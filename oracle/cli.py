@@ -178,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="device of torch tensors (default: %(default)s)",
     )
     val.add_argument(
+        "--merge-convention",
+        choices=("stacked", "pair"),
+        default=None,
+        help="merge cases (suites merge-*): impl(outs, lses) or impl(out_a, lse_a, out_b, "
+        "lse_b); runs in process (see oracle.merge_conventions)",
+    )
+    val.add_argument(
         "--check",
         action="append",
         metavar="CHECK",
@@ -338,13 +345,27 @@ def _validate(args) -> int:
         device=args.device,
         tolerance=args.tolerance,
     )
+    if args.merge_convention or (args.suite or "").startswith("merge"):
+        from .merge_conventions import adapt
+
+        convention = args.merge_convention or "stacked"
+        specs = [(V.resolve_impl(spec)[0], spec) for spec in specs]
+        specs = {name: adapt(fn, convention, args.framework, args.device) for fn, name in specs}
+        options.update(isolate=False, framework="numpy")
     try:
         if args.executor == "dask":
             from .distribute import validate_many
 
             reports = validate_many(specs, scheduler=args.scheduler, **options)
         else:
-            reports = {spec: V.validate(spec, progress=not args.quiet, **options) for spec in specs}
+            reports = {
+                spec: V.validate(
+                    specs[spec] if isinstance(specs, dict) else spec,
+                    progress=not args.quiet,
+                    **options,
+                )
+                for spec in specs
+            }
     except ImportError as err:
         return _err(str(err))
     except (KeyError, ValueError) as err:

@@ -39,10 +39,45 @@ def stacked(pair):
     return merge
 
 
-def adapt(impl, convention: str):
-    """``impl`` in the stacked convention (a ValueError names an unknown convention)."""
+def adapt(impl, convention: str = "stacked", framework: str = "numpy", device: str = "cpu"):
+    """``impl`` as a NumPy function in the stacked convention: a pairwise ``impl`` folded by
+    :func:`stacked`; a torch ``impl`` (``framework="torch"``) given tensors on ``device``
+    (bit for bit, bfloat16 through an int16 view) and its results brought back."""
     if convention not in CONVENTIONS:
         raise ValueError(
             f"merge convention: expected one of {list(CONVENTIONS)}, got {convention!r}"
         )
-    return impl if convention == "stacked" else stacked(impl)
+    if framework not in ("numpy", "torch"):
+        raise ValueError(f"framework: merge cases take 'numpy' or 'torch', got {framework!r}")
+    fn = impl if framework == "numpy" else _torch_bridge(impl, device)
+    return fn if convention == "stacked" else stacked(fn)
+
+
+def _torch_bridge(impl, device):
+    import numpy as np
+
+    try:
+        import torch
+    except ImportError:
+        raise ImportError("framework 'torch' needs torch: pip install -e \".[torch]\"") from None
+
+    def to(a):
+        if not isinstance(a, np.ndarray):
+            return a
+        own = np.array(a, copy=True, order="C")
+        if a.dtype.name == "bfloat16":
+            return torch.from_numpy(own.view(np.int16)).view(torch.bfloat16).to(device)
+        return torch.from_numpy(own).to(device)
+
+    def back(x):
+        if isinstance(x, torch.Tensor):
+            x = x.detach().cpu()
+            return x.float().numpy() if x.dtype == torch.bfloat16 else x.numpy()
+        return np.asarray(x)
+
+    def merge(*args, **kwargs):
+        result = impl(*(to(a) for a in args), **{k: to(v) for k, v in kwargs.items()})
+        return tuple(back(x) for x in result)
+
+    merge.__name__ = getattr(impl, "__name__", "merge")
+    return merge

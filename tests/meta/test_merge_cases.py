@@ -54,3 +54,19 @@ def test_smoke_correct_pairwise_passes_and_each_bug_is_named():
     for bug, impl in BROKEN_MERGES.items():
         failing = [r for r in _smoke(impl).results if r.verdict != "pass"]
         assert any(n.startswith(bug) for r in failing for n in r.diagnosis), bug
+
+
+@pytest.mark.parametrize("convention", ["stacked", "pair"])
+def test_torch_merge_from_the_description_passes(convention):
+    pytest.importorskip("torch")
+    from tests.naive import merge_torch
+
+    impl = merge_torch.merge_states if convention == "stacked" else merge_torch.merge_state
+    report = validate(
+        adapt(impl, convention, "torch"),
+        suite="merge-smoke",
+        dtype="float32",
+        progress=False,
+        isolate=False,
+    )
+    assert report.passed, [(r.name, r.message) for r in report.results if r.verdict != "pass"]
