@@ -56,9 +56,9 @@ def test_smoke_correct_pairwise_passes_and_each_bug_is_named():
         assert any(n.startswith(bug) for r in failing for n in r.diagnosis), bug
 
 
+@pytest.mark.peers("torch")
 @pytest.mark.parametrize("convention", ["stacked", "pair"])
 def test_torch_merge_from_the_description_passes(convention):
-    pytest.importorskip("torch")
     from tests.naive import merge_torch
 
     impl = merge_torch.merge_states if convention == "stacked" else merge_torch.merge_state
