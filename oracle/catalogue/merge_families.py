@@ -166,21 +166,18 @@ def condition(case: Case) -> float:
     return 3.0 + int(case.recipe["P"])
 
 
-def register() -> None:
+def register(input_builders, register_suite) -> None:
     """Add the function to the variant machinery (idempotent): its :class:`Function` row, truth
-    and inputs builders, case-name prefix and the suites."""
-    from . import registry
-
+    and inputs builders (into ``input_builders``, the catalogue's), case-name prefix and the
+    suites (with the catalogue's ``register_suite``)."""
     variants.FUNCTIONS[FUNCTION] = variants.Function(
         "refattn", "merge_states", ("outs", "lses"), ("out", "lse"), _roundings, 1
     )
     variants.PREFIXES[FUNCTION] = "merge"
     variants.TRUTH_BUILDERS[FUNCTION] = variants.truth
-    registry.INPUT_BUILDERS[FUNCTION] = make_inputs
+    input_builders[FUNCTION] = make_inputs
     for suite in SUITES:
-        registry.register_suite(
-            suite, lambda suite=suite: [c for c in merge_cases() if suite in c.suites]
-        )
+        register_suite(suite, lambda suite=suite: [c for c in merge_cases() if suite in c.suites])
 
 
 def _roundings(case: Case) -> int:

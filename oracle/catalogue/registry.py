@@ -115,4 +115,4 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
 # the merge_states family hooks itself into the variant machinery (suites merge-*)
 from . import merge_families as _merge_families  # noqa: E402
 
-_merge_families.register()
+_merge_families.register(INPUT_BUILDERS, register_suite)
