@@ -182,6 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     signatures.add_arguments(val)
     val.add_argument(
+        "--merge-convention",
+        choices=("stacked", "pair"),
+        default=None,
+        help="merge cases (suites merge-*): impl(outs, lses) or impl(out_a, lse_a, out_b, "
+        "lse_b); runs in process (see oracle.merge_conventions)",
+    )
+    val.add_argument(
         "--check",
         action="append",
         metavar="CHECK",
@@ -353,13 +360,27 @@ def _validate(args) -> int:
         **signatures.options_of(args),
         strict_invariance=args.strict_invariance,
     )
+    if args.merge_convention or (args.suite or "").startswith("merge"):
+        from .merge_conventions import adapt
+
+        convention = args.merge_convention or "stacked"
+        specs = [(V.resolve_impl(spec)[0], spec) for spec in specs]
+        specs = {name: adapt(fn, convention, args.framework, args.device) for fn, name in specs}
+        options.update(isolate=False, framework="numpy")
     try:
         if args.executor == "dask":
             from .distribute import validate_many
 
             reports = validate_many(specs, scheduler=args.scheduler, **options)
         else:
-            reports = {spec: V.validate(spec, progress=not args.quiet, **options) for spec in specs}
+            reports = {
+                spec: V.validate(
+                    specs[spec] if isinstance(specs, dict) else spec,
+                    progress=not args.quiet,
+                    **options,
+                )
+                for spec in specs
+            }
     except ImportError as err:
         return _err(str(err))
     except (KeyError, ValueError) as err:

@@ -788,6 +788,10 @@ def _check_variant(impl, fixture, reproduce, grads=False):
             else:
                 problems += _check_variant_grads(case, fixture, vjp, cond, result.checks)
         failing = [c for c in result.checks.values() if not c.passed]
+        if (problems or failing) and case.function == "merge_states":
+            from .diagnose_merge import diagnose_merge
+
+            result.diagnosis += diagnose_merge(fixture.inputs, case.options, outputs, truths)
         if problems or failing:
             result.verdict = "fail"
             result.message = "; ".join(

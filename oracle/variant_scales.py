@@ -26,6 +26,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from .catalogue import merge_families
 from .catalogue.case import Case
 from .catalogue.variants import FUNCTIONS
 
@@ -45,6 +46,8 @@ def natural_scale(
 ) -> np.ndarray:
     """The denominator of (T1) for output ``name`` of ``case`` (see the module docstring)."""
     fn = case.function
+    if fn == "merge_states":
+        return merge_families.natural_scale(inputs, name, truth64)
     x = {k: _f64(v) for k, v in inputs.items()}
     if fn in ("gmm.attention", "mgk.attention", "mgk.linear_attention"):
         values = x["values"] if fn == "gmm.attention" else x["v"]
@@ -141,6 +144,8 @@ def condition(
     (their scales already sum the terms' magnitudes).
     """
     fn, opts = case.function, case.options
+    if fn == "merge_states":
+        return merge_families.condition(case)
     x = {k: _f64(v) for k, v in inputs.items()}
     if fn == "gmm.attention":
         q, keys, values = x["q"], x["keys"], x["values"]

@@ -15,6 +15,7 @@ from .attention import AttentionGrads, AttentionSinkGrads, attention, attention_
 from .exact.rounding import UndecidedRoundingError
 from .logspace import log_softmax, logsumexp, softmax
 from .masks import allowed_mask
+from .merge import MergeGrads, merge_states, merge_states_vjp
 from .transformer import (
     decoder_block,
     encoder_block,
@@ -41,6 +42,9 @@ __all__ = [
     "encoder_block",
     "decoder_block",
     "UndecidedRoundingError",
+    "merge_states",
+    "merge_states_vjp",
+    "MergeGrads",
     # submodules: the probabilistic variants and the error bounds
     "gmm",
     "mgk",

@@ -266,6 +266,7 @@ def attention(
     k_block_scale=None,
     v_block_scale=None,
     normalizer="softmax",
+    lse_base="e",
 ):
     """Scaled dot-product attention with pinned semantics.
 
@@ -386,6 +387,12 @@ def attention(
         input is ``x[..., d] * block_scale[..., d // n] * descale``, taken exactly (see
         :mod:`refattn.blockscale`; docs/conventions.md, "fp4 inputs"). Required for float4
         inputs, an error for any other.
+    lse_base : {"e", 2}
+        Base of the returned lse (only with ``return_lse=True``; a ValueError otherwise):
+        2 returns ``lse_i / ln 2 = log2 sum_j 2^(t~_ij / ln 2)``, the base-2 lse FlashInfer's
+        kernels return and :func:`refattn.merge_states` reads with ``lse_base=2``. float64 /
+        numba: the natural lse divided by ln 2 (bound ``(Delta_i + 2u |lse_i|) / ln 2``);
+        exact: ``lse_i / ln 2`` rounded once.
 
     Returns
     -------
@@ -422,6 +429,7 @@ def attention(
             "return_lse: normalizer='sigmoid' has no log-sum-exp (the weights are sigmoid(t) "
             "with no normaliser); pass return_lse=False"
         )
+    base = _lse_base(lse_base, return_lse)
     spec = canonicalize(
         q,
         k,
@@ -466,11 +474,12 @@ def attention(
                 out_dtype,
                 return_lse,
                 return_weights,
+                base,
             ),
         )
     else:
         out, lse, weights = _forward_paths(
-            spec, precision, backend, out_dtype, return_lse, return_weights
+            spec, precision, backend, out_dtype, return_lse, return_weights, base
         )
     results = [spec.unflatten(out)]
     if return_lse:
@@ -480,7 +489,7 @@ def attention(
     return results[0] if len(results) == 1 else tuple(results)
 
 
-def _forward_paths(spec, precision, backend, out_dtype, return_lse, return_weights):
+def _forward_paths(spec, precision, backend, out_dtype, return_lse, return_weights, base=1.0):
     """(out, lse, weights or None) of the canonical spec, flat (B, H, L, ...), on the
     requested path."""
     if precision == "exact":
@@ -497,6 +506,8 @@ def _forward_paths(spec, precision, backend, out_dtype, return_lse, return_weigh
         out, lse, weights = engine(
             spec, _checks.out_dtype(out_dtype), return_lse=return_lse, return_weights=return_weights
         )
+        if base != 1.0:
+            lse = _exact_lse_base2(spec, engine, lse, _checks.out_dtype(out_dtype))
     elif backend == "numba":
         if return_weights:
             raise NotImplementedError(
@@ -511,7 +522,31 @@ def _forward_paths(spec, precision, backend, out_dtype, return_lse, return_weigh
         weights = None
     else:
         out, lse, weights = _forward_float64(spec, return_weights)
+    if base != 1.0 and precision != "exact":
+        lse = lse / base  # one rounding more: |error| <= (Delta_i + 2u |lse_i|) / ln 2
     return out, lse, weights
+
+
+def _lse_base(value, return_lse) -> float:
+    """The factor ln(base) of ``lse_base`` (1 for "e"); base 2 needs ``return_lse``."""
+    from .merge import base_factor
+
+    base = base_factor(value)
+    if base != 1.0 and not return_lse:
+        raise ValueError(
+            f"lse_base: {value!r} only applies with return_lse=True (it sets the base of the "
+            "returned lse); got return_lse=False"
+        )
+    return base
+
+
+def _exact_lse_base2(spec, engine, lse, out_dtype):
+    """lse / ln 2 rounded once, from the correctly rounded float64 natural lse."""
+    from .exact.lse_base2 import exact_lse_base2
+
+    if np.dtype(out_dtype) != np.float64:
+        lse = engine(spec, np.dtype(np.float64), return_lse=True, return_weights=False)[1]
+    return exact_lse_base2(spec, np.asarray(lse, dtype=np.float64), out_dtype)
 
 
 # --------------------------------------------------------------------------------------
@@ -605,6 +640,7 @@ def attention_vjp(
     k_block_scale=None,
     v_block_scale=None,
     normalizer="softmax",
+    lse_base="e",
 ) -> AttentionGrads:
     """Vector-Jacobian product of :func:`attention` (its backward pass).
 
@@ -634,6 +670,11 @@ def attention_vjp(
         g); dV, dT, dQ, dK and dbias follow as above.
     precision : {"float64", "exact"}
         "exact": every gradient element is the exact value rounded once to ``out_dtype``.
+    lse_base : {"e", 2}
+        The base of the lse whose cotangent ``grad_lse`` is: with 2 the gradient is that of
+        ``lse / ln 2`` (g enters as ``g / ln 2``). precision="exact" with a nonzero base-2
+        ``grad_lse`` is a NotImplementedError (``g / ln 2`` is irrational and the exact vjp
+        takes g at its exact binary value).
 
     Returns
     -------
@@ -690,6 +731,15 @@ def attention_vjp(
     _, heads, _, length, keys, _, vdim = spec.dims
     do = check_cotangent(spec, grad_out, "grad_out", (heads, length, vdim))
     dl = None if grad_lse is None else check_cotangent(spec, grad_lse, "grad_lse", (heads, length))
+    base = _lse_base(lse_base, True)
+    if base != 1.0 and dl is not None:
+        if precision == "exact" and np.any(dl != 0):
+            raise NotImplementedError(
+                "lse_base=2 with a nonzero grad_lse on precision='exact': the exact vjp holds "
+                "grad_lse as an exact binary value and g / ln 2 is irrational; use "
+                "precision='float64' or pass the cotangent of the natural lse"
+            )
+        dl = dl / base  # d lse2 = d lse / ln 2: the natural cotangent is g / ln 2
     if spec.index_reading == "multiset":
         from . import sparse_multiset
 

@@ -50,6 +50,7 @@ from refattn.bounds import (
     float64_vjp_bound,
     gamma,
     layer_norm_vjp_bound,
+    merge_bound,
     mgk_vjp_bound,
     mlk_vjp_bound,
     transformer_forward_bound,
@@ -60,6 +61,7 @@ from tests.naive.gmm import DPS, naive_adapt_keys, naive_adapt_priors, naive_gmm
 from tests.naive.hopfield import naive_energy, naive_retrieve
 from tests.naive.logspace import naive_logspace_rounded
 from tests.naive.meanfield import exact_naive_step, mp_softmax_couplings
+from tests.naive.merge import naive_merge_rounded
 from tests.naive.mgk import naive_allowed, naive_em, naive_linear, naive_mgk
 from tests.naive.mp import central_vjp, mp, naive_vjp
 from tests.naive.rounding import round_nested
@@ -77,6 +79,7 @@ from tests.strategies import (
     gmm_cases,
     linear_problems,
     logspace_rows,
+    merge_states_cases,
     mgk_problems,
     mixture_problems,
     weak_vector_couplings,
@@ -1308,11 +1311,78 @@ _GAPS = [
 
 # ----------------------------------------------------------------------------- the table
 
+# ----------------------------------------------------------------------------- merge_states
+
+_MERGE_DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+
+def _merge_cases(*, nonfinite=True, dtypes=_MERGE_DTYPES):
+    @st.composite
+    def build(draw):
+        outs, lses, base2 = draw(merge_states_cases(nonfinite=nonfinite))
+        return dict(
+            outs=outs, lses=lses, base=2 if base2 else "e", dtype=draw(st.sampled_from(dtypes))
+        )
+
+    return build
+
+
+def _merge_fast(case):
+    out, lse = refattn.merge_states(case["outs"], case["lses"], lse_base=case["base"])
+    return {"out": out, "lse": lse}
+
+
+def _merge_exact(case):
+    out, lse = refattn.merge_states(
+        case["outs"],
+        case["lses"],
+        lse_base=case["base"],
+        precision="exact",
+        out_dtype=_np_dtype(case["dtype"]),
+    )
+    return {"out": out, "lse": lse}
+
+
+def _merge_naive(case):
+    out, lse = naive_merge_rounded(
+        case["outs"], case["lses"], case["base"] == 2, _np_dtype(case["dtype"])
+    )
+    return {"out": out, "lse": lse}
+
+
+def _merge_bound(case):
+    """refattn.bounds.merge_bound plus the exact path's own float64 rounding (u |exact|)."""
+    out_bound, lse_bound = merge_bound(case["outs"], case["lses"], lse_base=case["base"])
+    exact = _merge_exact(case)
+    half = {k: UNIT_ROUNDOFF * np.abs(np.where(np.isfinite(v), v, 0.0)) for k, v in exact.items()}
+    return {"out": out_bound + half["out"], "lse": lse_bound + half["lse"]}
+
+
+_MERGE_ENTRY = Entry(
+    "merge_states",
+    fast=_merge_fast,
+    exact=_merge_exact,
+    naive=_merge_naive,
+    bound=_merge_bound,
+    strategy=_merge_cases(),
+    label=lambda c: f"base={c['base']} dtype={c['dtype']} outs {c['outs'].shape}",
+    bound_strategy=_merge_cases(dtypes=("float64",)),
+    out_dtype=lambda case: _np_dtype(case["dtype"]),
+)
+
+
+_MERGE_VJP_REASON = (
+    "float64 only (no exact path yet): tests/concepts/test_merge.py checks it against central "
+    "differences of the mpmath twin (tests.naive.merge.mp_merge)"
+)
+
 REGISTRY: dict[str, Entry] = {
     e.name: e
     for e in [
         *(_attention_entry(dtype) for dtype in ("float64", "float32", "float16", "bfloat16")),
         *(_logspace_entry(dtype) for dtype in ("float64", "float32", "float16", "bfloat16")),
+        _MERGE_ENTRY,
+        gap("merge_states_vjp", _MERGE_VJP_REASON),
         Entry(
             "gmm.attention",
             fast=_out(_gmm_fast),

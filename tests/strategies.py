@@ -390,3 +390,34 @@ def hard_attention_cases(draw, max_keys=5):
     perm = rng.permutation(keys)
     opts = {"scale": 1.0}
     return q, k[:, perm], v[:, perm], opts, target
+
+
+# ------------------------------------------------------------------------------ merged states
+MERGE_LSE_STYLES = ("integers", "plain", "gaps", "ties")
+
+
+@_st.composite
+def merge_states_cases(draw, max_states=5, max_rows=3, max_vdim=3, nonfinite=True):
+    """(outs (P, 1, L, E), lses (P, 1, L), base2): states with empty ones (lse -inf), integer
+    lses (exact base-2 weights), lse gaps up to 1e5, ties; optionally NaN/inf inputs."""
+    states = draw(_st.integers(1, max_states))
+    rows, vdim = draw(_st.integers(1, max_rows)), draw(_st.integers(1, max_vdim))
+    rng = _np.random.default_rng(draw(_st.integers(0, 2**32 - 1)))
+    style = draw(_st.sampled_from(MERGE_LSE_STYLES))
+    shape = (states, 1, rows)
+    if style == "integers":
+        lses = rng.integers(-6, 6, shape).astype(float)
+    elif style == "ties":
+        lses = _np.full(shape, float(rng.normal()))
+    else:
+        lses = rng.normal(size=shape) * (30.0 if style == "plain" else 1e5)
+    lses[rng.random(shape) < draw(_st.sampled_from([0.0, 0.3, 1.0]))] = -_np.inf
+    outs = rng.normal(size=shape + (vdim,))
+    if draw(_st.booleans()):
+        outs = _np.round(outs * 4) / 4  # dyadic outputs: exact cancellations, midpoints
+    if nonfinite and draw(_st.integers(0, 4)) == 0:
+        specials = _np.array([_np.nan, _np.inf, -_np.inf])
+        outs.flat[rng.integers(outs.size)] = specials[rng.integers(3)]
+        if draw(_st.booleans()):
+            lses.flat[rng.integers(lses.size)] = specials[rng.integers(3)]
+    return outs, lses, draw(_st.booleans())

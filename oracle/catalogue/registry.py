@@ -110,3 +110,9 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
     (['k', 'q', 'v'], (1, 2, 5, 8), 'float32')
     """
     return INPUT_BUILDERS[case.function](case)
+
+
+# the merge_states family hooks itself into the variant machinery (suites merge-*)
+from . import merge_families as _merge_families  # noqa: E402
+
+_merge_families.register(INPUT_BUILDERS, register_suite)

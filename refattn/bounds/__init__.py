@@ -11,6 +11,7 @@ the oracle's judging policy take their a-priori bounds from here.
 * :mod:`.sigmoid`: sigmoid attention (``normalizer="sigmoid"``), float64 path and kernels.
 * :mod:`.mixtures`: log-space softmax mixtures (gmm, mgk, hopfield), EM iterations, ratios.
 * :mod:`.fixedpoint`: iterates of fixed-point maps (fixedpoint, meanfield).
+* :mod:`.merge`: :func:`refattn.merge_states`' float64 path.
 * :mod:`.transformer`: the pieces of :mod:`refattn.transformer` (first-order analysis along
   the same composition).
 """
@@ -18,6 +19,7 @@ the oracle's judging policy take their a-priori bounds from here.
 from .attention import float64_forward_bound, float64_vjp_bound, grad_scales
 from .fixedpoint import fixed_point_forward_bound, implicit_vjp_bound
 from .kernels import online_backward_bound, online_forward_bound
+from .merge import merge_bound, merge_vjp_bound
 from .mixtures import (
     iterated_bound,
     logit_lse_bound,
@@ -59,4 +61,6 @@ __all__ = [
     "layer_norm_vjp_bound",
     "feed_forward_vjp_bound",
     "multihead_attention_vjp_bound",
+    "merge_bound",
+    "merge_vjp_bound",
 ]
