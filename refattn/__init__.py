@@ -11,7 +11,13 @@ Every function has two paths: ``precision="float64"`` (fast NumPy, log-space) an
 
 from . import bounds, fixedpoint, gmm, hopfield, masks, meanfield, mgk, spec, transformer
 from ._version import __version__
-from .attention import AttentionGrads, AttentionSinkGrads, attention, attention_vjp
+from .attention import (
+    AttentionGrads,
+    AttentionLatentGrads,
+    AttentionSinkGrads,
+    attention,
+    attention_vjp,
+)
 from .exact.rounding import UndecidedRoundingError
 from .logspace import log_softmax, logsumexp, softmax
 from .masks import allowed_mask
@@ -29,6 +35,7 @@ __all__ = [
     "attention",
     "attention_vjp",
     "AttentionGrads",
+    "AttentionLatentGrads",
     "AttentionSinkGrads",
     "logsumexp",
     "softmax",

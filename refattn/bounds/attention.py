@@ -209,6 +209,10 @@ def float64_vjp_bound(q, k, v, grad_out, *, grad_lse=None, **options):
     ``w_sink (r |g - Delta| + |Delta err| + gamma_2 |g - Delta|)`` (the difference and the
     product) and the sums over rows and batch by ``gamma_{L+B}`` of the terms' magnitudes
     ``w_sink (|g| + |Delta|)``.
+
+    With ``qv`` the bounds are those of ``q' = [q, qv]``, ``k' = [k, v]`` split back: dq, dk
+    (D features), dv adds the last E features of dk' (``s dT^T qv``) and the rounding of that sum,
+    and the bound of dqv (``dq'[..., D:]``) comes last.
     """
     options = {
         k_: v_ for k_, v_ in options.items() if k_ not in ("precision", "out_dtype", "backend")
@@ -228,6 +232,7 @@ def float64_vjp_bound(q, k, v, grad_out, *, grad_lse=None, **options):
     ]
     keep = 1.0 / (1.0 - spec.dropout_p)
     sink_err, sink_abs = np.zeros(heads), np.zeros(heads)
+    magnitudes = [np.zeros_like(bounds[2]), np.zeros_like(bounds[1])]  # |P'|^T|dO|, s|dT|^T|q|
     for b in range(batch):
         for h in range(heads):
             g = spec.kv_head[h]
@@ -281,9 +286,21 @@ def float64_vjp_bound(q, k, v, grad_out, *, grad_lse=None, **options):
             bounds[1][b, g] += (
                 s * (ds_err.T @ q_ + gamma(group * length + 2) * ds_abs.T @ q_) + (length + 2) * ETA
             )
+            magnitudes[0][b, g] += wk.T @ do
+            magnitudes[1][b, g] += s * ds_abs.T @ q_
+    dqv = None
+    if spec.qv_features:  # dv = P'^T dO + dk'[D:]: both bounds, and the sum's rounding
+        cut = dim - spec.qv_features
+        tail, tail_mag = bounds[1][..., cut:], magnitudes[1][..., cut:]
+        bounds[2] = bounds[2] + tail + gamma(2) * (magnitudes[0] + tail_mag + bounds[2] + tail)
+        bounds[2] += ETA
+        dqv = bounds[0][..., cut:]
+        bounds[0], bounds[1] = bounds[0][..., :cut], bounds[1][..., :cut]
     result = tuple(spec.unflatten(x) for x in bounds)
     if spec.sinks is not None:
         result += (sink_err + gamma(length + batch) * sink_abs,)
+    if dqv is not None:
+        result += (spec.unflatten(dqv),)
     return result
 
 
