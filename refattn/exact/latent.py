@@ -28,7 +28,7 @@ import numpy as np
 from .. import config
 from ..spec import AttentionSpec, fold
 from . import fast as _fast
-from .attention_vjp import ExactVJP, _unit_spec
+from .attention_vjp import ExactVJP, unit_spec
 from .rounding import correctly_round, format_of
 
 __all__ = ["exact_latent_dv"]
@@ -116,11 +116,12 @@ def exact_latent_dv(spec: AttentionSpec, grad_out, grad_lse, out_dtype) -> np.nd
     _, dk, dv, _, _, bad = _fast.gradient_enclosures(spec, grad_out, grad_lse)
     values, decided = _fast.decide(_dd_sum(dv, dk[..., -latent:]), fmt)
     todo = ~decided | bad[:, :, None, None]
-    units = sorted({(int(b), int(g)) for b, g in zip(*np.nonzero(todo.any(axis=(2, 3))))})
+    pending = np.nonzero(todo.any(axis=(2, 3)))
+    units = sorted({(int(b), int(g)) for b, g in zip(*pending, strict=True)})
     for b, g in units:
         heads = np.flatnonzero(spec.kv_head == g)
         ref = _referee_dv(
-            _unit_spec(spec, b, g, heads),
+            unit_spec(spec, b, g, heads),
             grad_out[b : b + 1, heads],
             None if grad_lse is None else grad_lse[b : b + 1, heads],
             out_dtype,
