@@ -41,6 +41,7 @@ import numba
 import numpy as np
 
 from . import _checks
+from ._qv import fold_qv, split_qv_grads
 
 __all__ = [
     "ALIGNS",
@@ -318,8 +319,8 @@ class AttentionSpec:
     alibi_offsets: np.ndarray | None = None  # (B,) int64: ALiBi's o_b, overriding row_offset
     alibi_keys: int | None = None  # ALiBi applies to keys j < alibi_keys (a folded sink: none)
     dbias_index: np.ndarray | None = None  # (B, H, L, S) int64 slot of each dS in dbias (-1: none)
-    # qv (FlashAttention 3, MLA): q holds [q, qv] and k holds [k, v] (:func:`_fold_qv`); the
-    # last qv_features of their D features are the latent part (0: no qv)
+    # qv (FlashAttention 3, MLA): q holds [q, qv] and k holds [k, v] (refattn._qv.fold_qv);
+    # the last qv_features of their D features are the latent part (0: no qv)
     qv_features: int = 0
 
     @property
@@ -538,7 +539,7 @@ def canonicalize(
         latent = _dequantize(raw_qv, k, v, q_descale, k_descale, v_descale, gqa)[0]
     q, k, v = _dequantize(q, k, v, q_descale, k_descale, v_descale, gqa)
     if qv is not None:
-        q, k = _fold_qv(q, k, v, latent)
+        q, k = fold_qv(q, k, v, latent)
     q, k, v, single = _heads(q, k, v)
     heads, kv_heads, length, keys = _check_core_shapes(q, k, v)
     try:
@@ -618,52 +619,6 @@ def canonicalize(
     )
     _check_bias_values(spec)
     return spec
-
-
-def _fold_qv(q, k, v, latent):
-    """``(q', k') = ([q, qv], [k, v])`` along the features (exact: the scores' dot product
-    over D + E features is ``q . k + qv . v``). qv must have q's shape but E features (v's);
-    its leading dims broadcast with q's."""
-    vdim = v.shape[-1] if v.ndim else 0
-    if (
-        latent.ndim != q.ndim
-        or latent.shape[-2:] != q.shape[-2:-1] + (vdim,)
-        or (q.ndim >= 3 and latent.shape[-3] != q.shape[-3])
-    ):
-        raise ValueError(
-            f"qv: expected shape (..., H, L, E) = q's {q.shape} with E = v's {vdim} features, "
-            f"got {latent.shape}"
-        )
-    if k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(f"qv: needs v {v.shape} with k's leading shape {k.shape[:-1]}")
-    try:
-        q_lead = np.broadcast_shapes(q.shape[:-1], latent.shape[:-1])
-    except ValueError:
-        raise ValueError(
-            f"qv: leading dims {latent.shape} do not broadcast with q {q.shape}"
-        ) from None
-    q_dtype = np.result_type(q.dtype, latent.dtype)
-    k_dtype = k.dtype if k.dtype == v.dtype else np.dtype(np.float64)  # exact either way
-    q_full = np.concatenate(
-        [np.broadcast_to(q, q_lead + q.shape[-1:]), np.broadcast_to(latent, q_lead + (vdim,))],
-        axis=-1,
-        dtype=q_dtype,
-    )
-    k_full = np.concatenate([k, v], axis=-1, dtype=k_dtype)
-    return q_full, k_full
-
-
-def split_qv_grads(spec: AttentionSpec, dq, dk, dv, *, summed=False):
-    """``(dq, dk, dv, dqv)`` from the gradients of a qv spec's ``q' = [q, qv]``, ``k' = [k,
-    v]``: ``dq = dq'[..., :D]``, ``dqv = dq'[..., D:]``, ``dk = dk'[..., :D]`` and
-    ``dv = dv_values + dk'[..., D:]`` (v enters both the values and the scores; that sum is
-    rounded once more here, unless ``summed``: the exact path passes the exactly summed dv,
-    :mod:`refattn.exact.latent`)."""
-    if not spec.qv_features:
-        return dq, dk, dv, None
-    dim = dq.shape[-1] - spec.qv_features
-    total = dv if summed else dv + dk[..., dim:]
-    return dq[..., :dim], dk[..., :dim], total, dq[..., dim:]
 
 
 def _kv_lengths(kv_lengths, batch_shape, keys):
