@@ -9,7 +9,7 @@ Every function has two paths: ``precision="float64"`` (fast NumPy, log-space) an
 ``precision="exact"`` (every output element the exact result rounded once to ``out_dtype``).
 """
 
-from . import bounds, fixedpoint, gmm, hopfield, masks, meanfield, mgk, spec, transformer
+from . import bounds, fixedpoint, gmm, hopfield, masks, meanfield, mgk, mla, spec, transformer
 from ._version import __version__
 from .attention import (
     AttentionGrads,
@@ -50,6 +50,7 @@ __all__ = [
     "UndecidedRoundingError",
     # submodules: the probabilistic variants and the error bounds
     "gmm",
+    "mla",
     "mgk",
     "hopfield",
     "fixedpoint",
