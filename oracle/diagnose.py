@@ -56,6 +56,7 @@ import numpy as np
 from . import tolerance as tol
 from .allowed import allowed_positions
 from .baseline import textbook_attention
+from .diagnose_latent import latent_alternatives
 
 __all__ = [
     "Alternative",
@@ -253,6 +254,7 @@ def alternatives(options, *, H, K, L, S, D, E, has_empty, has_excluded) -> list[
                 _padding_reading(S),
             )
         )
+    found += latent_alternatives(options, D=D, E=E, alternative=Alternative, set_options=_set)
     return found
 
 

@@ -8,6 +8,7 @@ them); the kernel-scale rows follow them (:mod:`oracle.catalogue.attention_kerne
 from __future__ import annotations
 
 from .attention_entry import ALL, BASE, GRAD, MID, SMALL, Entry
+from .attention_latent_families import latent_entries
 from .attention_option_families import option_entries
 from .case import Shapes
 
@@ -442,6 +443,7 @@ def entries() -> list[Entry]:
         ),
         # --- sinks, per-row key lengths (KV cache), fp8 inputs ------------------------------
         *option_entries(gauss),
+        *latent_entries(gauss),
         # --- full only: larger shapes ---------------------------------------------------------
         e(
             "basic",

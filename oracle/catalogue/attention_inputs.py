@@ -56,6 +56,7 @@ from refattn.exact.rounding import format_of
 
 from ..allowed import allowed_positions
 from . import seeding
+from .attention_latent_families import latent_inputs
 from .case import Case, Shapes
 from .names import FP8_DTYPES
 from .seeding import Streams
@@ -91,6 +92,7 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
     inputs = {"q": q, "k": k, "v": v}
     if fp8:
         inputs.update(_quantised(inputs, n, FP8_DTYPES[fp8]))
+    inputs.update(latent_inputs(stream, n, case, inputs))  # qv, v = k[..., :E] (MLA)
     if recipe.get("sinks"):
         sinks = 2.0 + 2.0 * stream.gaussian("sinks", (n.H,))
         inputs["sinks"] = seeding.to_dtype(sinks, case.dtype)

@@ -45,6 +45,7 @@ ATTENTION_OPTIONS = (
     "q_descale",
     "k_descale",
     "v_descale",
+    "qv",
 )
 #: Keywords of refattn.attention / attention_vjp the catalogue must exercise.
 OPTION_NAMES = ATTENTION_OPTIONS + ("grad_out", "grad_lse")
@@ -59,6 +60,7 @@ ARRAY_OPTIONS = (
     "q_descale",
     "k_descale",
     "v_descale",
+    "qv",
 )
 #: Input formats of the fp8 cases (ml_dtypes names), by recipe value ``fp8``.
 FP8_DTYPES = {"e4m3fn": "float8_e4m3fn", "e5m2": "float8_e5m2"}

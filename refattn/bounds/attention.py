@@ -329,6 +329,7 @@ def grad_scales(
     bias=None,
     gqa="interleave",
     sink_weights=None,
+    qv=None,
     **_ignored,
 ) -> dict:
     """Natural scales of dq, dk, dv, dbias, shaped like them: the gradients' sums taken over
@@ -343,7 +344,8 @@ def grad_scales(
     with ``|dP| = |dO| |V|^T`` (times the dropout rescaling) and ``Delta_i = sum_j p_ij |dP_ij|``;
     with ``sink_weights`` (the sinks' weights ``w_sink`` (..., H, L)) also
     ``\\widehat{d\\sigma}_h = \\sum_{b,i} w_{sink} (\\Delta_i + |\\bar\\ell_i|)`` (H,), the
-    magnitude of ``dsinks = sum_{b,i} w_sink (grad_lse_i - Delta_i)``.
+    magnitude of ``dsinks = sum_{b,i} w_sink (grad_lse_i - Delta_i)``. With ``qv`` the scales
+    of ``q' = [q, qv]``, ``k' = [k, v]`` split back (dv adds the last E of dk', dqv those of dq').
     The rounding errors of a gradient computed in a given order are proportional to these
     (used by the kernels' backward bound and by the oracle's judging policy).
 
@@ -358,6 +360,9 @@ def grad_scales(
     ([[[2.0]]], [[[0.5], [0.5]]])
     """
     gqa = gqa or "interleave"
+    if qv is not None:
+        extra = {"scale": scale, "bias": bias, "gqa": gqa, "sink_weights": sink_weights}
+        return _latent_scales(q, k, v, qv, grad_out, weights, dropped, grad_lse=grad_lse, **extra)
     q3, k3, v3 = _heads(q, "q"), _heads(k, "k"), _heads(v, "v")
     heads, dim = q3.shape[-3], q3.shape[-1]
     kv_heads = k3.shape[-3]
@@ -382,4 +387,17 @@ def grad_scales(
     if sink_weights is not None:
         per_row = _heads(_finite_abs(sink_weights) * (delta + g_lse)[..., 0], "sink_weights")
         scales["dsinks"] = per_row.reshape((-1,) + per_row.shape[-2:]).sum(axis=(0, 2))
+    return scales
+
+
+def _latent_scales(q, k, v, qv, grad_out, weights, dropped, **options) -> dict:
+    """:func:`grad_scales` of a call with ``qv``: those of ``[q, qv]``, ``[k, v]`` split."""
+    wide = [np.asarray(x, np.float64) for x in (q, qv, k, v)]
+    q_full = np.concatenate(wide[:2], axis=-1)
+    k_full = np.concatenate(wide[2:], axis=-1)
+    scales = grad_scales(q_full, k_full, v, grad_out, weights, dropped, **options)
+    dim = np.shape(q)[-1]
+    dq, dk = scales["dq"], scales["dk"]
+    scales.update(dq=dq[..., :dim], dqv=dq[..., dim:], dk=dk[..., :dim])
+    scales["dv"] = scales["dv"] + dk[..., dim:]
     return scales
