@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     val.add_argument(
         "--layout",
-        choices=("bhld", "blhd", "packed", "paged"),
+        choices=("bhld", "blhd", "packed", "paged", "latent-paged"),
         default="bhld",
         help="the implementation's layout (default: %(default)s; see oracle.conventions)",
     )

@@ -21,6 +21,11 @@ author validates the function they ship, with no wrapper of their own:
     pages are stored in reverse order behind one unused page, and every slot no sequence owns
     holds NaN, so a kernel that ignores the block table or the lengths fails.
 
+``layout="latent-paged"``
+    FlashMLA's latent cache: ``impl(q, cache, head_dim_v=, block_table=, cache_seqlens=)``
+    with one cache (P, page, 1, D) whose first E features are the values
+    (:mod:`oracle.layouts_latent`).
+
 ``framework="torch"`` (with ``device="cpu"`` or ``"cuda"``) passes torch tensors on the device
 (bfloat16 and float8 reinterpreted bit for bit, never converted by value; masks as torch.bool,
 indices as torch.int32) and brings the results back; ``framework="jax"`` passes ``jax.Array``
@@ -53,9 +58,11 @@ import functools
 import ml_dtypes
 import numpy as np
 
+from .layouts_latent import latent_paged_layout
+
 __all__ = ["LAYOUTS", "FRAMEWORKS", "DEVICES", "wrap", "page_size", "check_convention"]
 
-LAYOUTS = ("bhld", "blhd", "packed", "paged")
+LAYOUTS = ("bhld", "blhd", "packed", "paged", "latent-paged")
 FRAMEWORKS = ("numpy", "torch", "jax")
 DEVICES = ("cpu", "cuda")
 _PER_POSITION = ("mask", "bias", "dropout_mask")
@@ -236,6 +243,7 @@ def _paged(q, k, v, options):
 
 
 _LAYOUT_IN = {"bhld": _bhld, "blhd": _blhd, "packed": _packed, "paged": _paged}
+_LAYOUT_IN["latent-paged"] = latent_paged_layout(_paged)  # FlashMLA: oracle.layouts_latent
 
 
 # ---------------------------------------------------------------------------------------------

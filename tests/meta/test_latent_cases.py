@@ -101,3 +101,21 @@ def test_every_default_latent_case():
         _check_broken(name, fixtures, 5)
     _check_correct([f for f in fixtures if not f.case.grads])
     assert np.all([f.truth for f in fixtures])
+
+
+def test_latent_paged_convention():
+    """A FlashMLA-style kernel validated in its own convention: the MLA cases pass, values
+    read from the wrong end of the cache row fail, and a case whose v is not k's slice is
+    "unsupported"."""
+    from tests.planted.latent_paged import flashmla_like, values_from_the_end
+
+    fixtures = [f for f in _fixtures(("float32",)) if not f.case.grads]
+    report = validate(flashmla_like, fixtures=fixtures, dtype=None, layout="latent-paged",
+                      progress=False)  # fmt: skip
+    verdicts = {r.name: r.verdict for r in report.results}
+    mla = [n for n in verdicts if n.startswith("mla-")]
+    assert mla and all(verdicts[n] == "pass" for n in mla), verdicts
+    assert all(verdicts[n] == "unsupported" for n in verdicts if n.startswith("qv-")), verdicts
+    broken = validate(values_from_the_end, fixtures=[f for f in fixtures if f.case.name in mla],
+                      dtype=None, layout="latent-paged", progress=False)  # fmt: skip
+    assert {r.verdict for r in broken.results} == {"fail"}
