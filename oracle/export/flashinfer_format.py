@@ -101,7 +101,7 @@ def _why_not(fixture: golden.Fixture) -> str | None:
         return f"dtype {case.dtype}: the schema's tensor dtypes have no float64"
     if inputs["q"].dtype.name.startswith("float8"):
         return "float8 inputs with descales: gqa_ragged takes q, k, v of one dtype, no descale"
-    for name in ("mask", "bias", "alibi_slopes", "sinks", "dropout_mask"):
+    for name in ("mask", "bias", "alibi_slopes", "sinks", "dropout_mask", "qv"):
         if name in inputs:
             return f"{name}: gqa_ragged has no such input"
     for name in ("softcap", "window"):

@@ -71,6 +71,8 @@ def _why_not(fixture: golden.Fixture) -> str | None:
         return "float8 inputs with descales: the node's T1 has no float8 type"
     if "sinks" in inputs:
         return "attention sinks: the node has no sink input"
+    if "qv" in inputs:
+        return "qv (FlashAttention 3's latent term): the node has no such input"
     if "dropout_mask" in inputs or options.get("dropout_p", 0.0):
         return "dropout: the node has no keep-mask input"
     if "alibi_slopes" in inputs:
