@@ -226,3 +226,25 @@ def test_bad_qv_names_itself():
         refattn.attention(q, k, v, qv=qv.astype(np.float32))
     with pytest.raises(ValueError, match="qv: expected shape"):
         refattn.attention(q, k, v, qv=qv[:, :1])
+
+
+def test_exact_vjp_with_gqa_sinks_bias_and_key_length():
+    """dq, dk, dv, dqv with two query heads on one kv head, sinks, a bias and a key length
+    (bottom_right causal), against central differences of the twin."""
+    rng = np.random.default_rng(8)
+    q, qv = rng.standard_normal((2, 2, 2)), rng.standard_normal((2, 2, 2))
+    k, v = rng.standard_normal((1, 3, 2)), rng.standard_normal((1, 3, 2))
+    grad = rng.standard_normal((2, 2, 2))
+    sinks, bias = rng.standard_normal(2), rng.standard_normal((2, 2, 3))
+    opts = {"causal": True, "align": "bottom_right", "sinks": sinks, "bias": bias}
+    got = refattn.attention_vjp(
+        q[None], k[None], v[None], grad[None], qv=qv[None], kv_lengths=np.array([2]),
+        precision="exact", **{**opts, "bias": bias[None]},
+    )  # fmt: skip
+
+    def forward(q_, k_, v_, qv_):
+        return naive_attention(q_, k_, v_, qv=qv_, kv_length=2, **opts)[0]
+
+    truth = central_vjp(forward, (q, k, v, qv), grad, dps=50)
+    for name, (estimate, error) in zip(("dq", "dk", "dv", "dqv"), truth, strict=True):
+        _assert_rounds_to(getattr(got, name)[0], estimate, error, f"exact {name} gqa sinks")
