@@ -19,7 +19,7 @@ from tests.planted.latent_impls import BROKEN_LATENT
 
 _LATENT = ("mla-*", "qv-*", "grad-qv-*", "grad-mla-*")
 #: the default tier's cases (the 576-wide decode cases take seconds each to build)
-_CHEAP = ("mla-decode-H16*", "qv-*", "grad-qv-*", "grad-mla-*")
+_CHEAP = ("mla-decode-H16*", "qv-H4*", "grad-qv-*")
 _BUILT: dict = {}
 
 
@@ -57,7 +57,7 @@ def _check_correct(fixtures):
 
 @pytest.mark.parametrize("name", sorted(BROKEN_LATENT))
 def test_planted_latent_bug_is_caught_and_named(name):
-    _check_broken(name, _fixtures(("float32",)), 2)
+    _check_broken(name, _fixtures(("float32",)), 1)
 
 
 def test_correct_implementations_pass_and_qv_is_passed_on():
