@@ -23,6 +23,7 @@ KNOWN_FEATURES = (
     "sinks",
     "kv-lengths",
     "fp8",
+    "qv",
     "single-query",
     "L<S",
     "L=S",
@@ -43,7 +44,7 @@ def case_features(case, grads=False, inputs=()) -> tuple[list[str], list[str]]:
 
     Features: causal, align-bottom-right, window, mask, bias, gqa, softcap, dropout, alibi,
     scale, empty-rows-nan, poison (robustness), gradients (only when ``grads`` is asked),
-    sinks, kv-lengths, fp8 (float8 q, k, v with descales).
+    sinks, kv-lengths, fp8 (float8 q, k, v with descales), qv (FlashAttention 3's latent term).
     Shape classes: single-query (L = 1), L<S, L=S, L>S, long-rows (S >= 512), batched (B > 1).
     Variant cases give their function name (and gradients, when asked on a gradient case).
     """
@@ -70,6 +71,7 @@ def case_features(case, grads=False, inputs=()) -> tuple[list[str], list[str]]:
         ("sinks", "sinks"),
         ("kv_lengths", "kv-lengths"),
         ("q_descale", "fp8"),
+        ("qv", "qv"),
     ):
         if name in inputs:
             features.append(feature)
