@@ -286,14 +286,18 @@ def reject_common(
     sinks=False,
     kv_lengths=False,
     alibi=False,
+    qv=False,
 ) -> None:
     """Raise NotImplementedError for the options most peers lack.
 
-    ``softcap`` / ``window`` / ``sinks`` / ``kv_lengths``: whether the peer takes them;
+    ``softcap`` / ``window`` / ``sinks`` / ``kv_lengths`` / ``qv``: whether the peer takes
+    them;
     ``lse``: whether it returns lse; ``alibi``: whether the peer computes ALiBi itself (a
     score function of its own, never a bias folded by the adapter). Caller-given dropout
     masks and ``gqa="tile"`` (with H != K) are never supported.
     """
+    if spec.qv_features and not qv:
+        adapter.unsupported("qv", "<latent queries>", "no qv (FlashAttention 3's latent term)")
     if spec.sinks is not None and not sinks:
         adapter.unsupported(
             "sinks",
