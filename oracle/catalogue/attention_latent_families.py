@@ -52,16 +52,16 @@ def latent_entries(gauss) -> list[Entry]:
     return [
         e(
             "mla-decode",
-            Shapes(1, 16, 1, 1, 256, 576, 512),
-            "MLA absorbed decode: 16 heads read one 576-wide latent key, v = k[..., :512], "
+            Shapes(1, 8, 1, 1, 128, 576, 512),
+            "MLA absorbed decode: 8 heads read one 576-wide latent key, v = k[..., :512], "
             "scale 1/sqrt(192)",
             options=model,
             recipe=mla,
         ),
         e(
             "mla-decode-h128",
-            Shapes(1, 128, 1, 1, 256, 576, 512),
-            "MLA absorbed decode with DeepSeek-V3's 128 heads: K 1, S 256, scale 1/sqrt(192)",
+            Shapes(1, 128, 1, 1, 128, 576, 512),
+            "MLA absorbed decode with DeepSeek-V3's 128 heads: K 1, S 128, scale 1/sqrt(192)",
             default=("bfloat16",),
             options=model,
             recipe=mla,
@@ -77,14 +77,14 @@ def latent_entries(gauss) -> list[Entry]:
         ),
         e(
             "mla-decode-kv-lengths",
-            Shapes(2, 16, 1, 2, 192, 576, 512),
+            Shapes(2, 8, 1, 2, 96, 576, 512),
             "MLA decode, 2 query rows (speculative), per-row cache lengths, causal bottom_right",
             options={**model, **br},
             recipe={**mla, "kv_lengths": "ragged"},
         ),
         e(
             "mla-decode-fp8",
-            Shapes(1, 16, 1, 1, 256, 576, 512),
+            Shapes(1, 8, 1, 1, 128, 576, 512),
             "MLA decode with a float8_e4m3fn latent cache (v = k's slice, k's descale)",
             options=model,
             recipe={**mla, "fp8": "e4m3fn"},

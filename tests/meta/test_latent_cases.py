@@ -19,7 +19,7 @@ from tests.planted.latent_impls import BROKEN_LATENT
 
 _LATENT = ("mla-*", "qv-*", "grad-qv-*", "grad-mla-*")
 #: the default tier's cases (the 576-wide decode cases take seconds each to build)
-_CHEAP = ("mla-decode-H16*", "qv-H4*", "grad-qv-*")
+_CHEAP = ("mla-decode-H8*", "qv-H4*", "grad-qv-*")
 _BUILT: dict = {}
 
 
