@@ -103,6 +103,7 @@ def test_every_default_latent_case():
     assert np.all([f.truth for f in fixtures])
 
 
+@pytest.mark.slow
 def test_latent_paged_convention():
     """A FlashMLA-style kernel validated in its own convention: the MLA cases pass, values
     read from the wrong end of the cache row fail, and a case whose v is not k's slice is

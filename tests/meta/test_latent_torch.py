@@ -12,6 +12,7 @@ from tests.meta.test_latent_cases import _fixtures
 pytest.importorskip("torch")
 
 
+@pytest.mark.slow
 def test_torch_twin_passes_the_latent_cases():
     from tests.naive.latent_torch import attention
 
