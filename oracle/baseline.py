@@ -29,6 +29,7 @@ from .catalogue.case import Case
 from .catalogue.names import ATTENTION_OPTIONS
 from .catalogue.variants import BOOL_INPUTS, call_refattn, call_refattn_vjp
 from .heads import alibi_bias, dequantised, resolve_scale, with_heads
+from .latent import fold_latent, split_latent
 from .sparse import indices_as_mask
 from .tolerance import accumulation_dtype
 
@@ -238,6 +239,8 @@ def textbook_attention(
     if unknown:
         raise TypeError(f"textbook_attention: unknown options {sorted(unknown)}")
     options = indices_as_mask(q, k, options)  # sparse key indices: their set, as a mask
+    if options.get("qv") is not None:  # q' = [q, qv], k' = [k, v] (oracle.latent)
+        q, k, options = fold_latent(*dequantised_inputs(q, k, v, options))
     q, k, v, options = dequantised_inputs(q, k, v, options)
     opt = {name: options.get(name) for name in ATTENTION_OPTIONS}
     dtype = np.asarray(q).dtype if dtype is None else dtype
@@ -310,6 +313,18 @@ def textbook_attention_vjp(q, k, v, grad_out, *, grad_lse=None, dtype=None, **op
     if unknown:
         raise TypeError(f"textbook_attention_vjp: unknown options {sorted(unknown)}")
     options = indices_as_mask(q, k, options)  # sparse key indices: their set, as a mask
+    if options.get("qv") is not None:  # (..., dqv) last: oracle.latent
+        folded = fold_latent(*dequantised_inputs(q, k, v, options))
+        grads = textbook_attention_vjp(
+            folded[0],
+            folded[1],
+            np.asarray(v, folded[1].dtype),
+            grad_out,
+            grad_lse=grad_lse,
+            dtype=dtype,
+            **folded[2],
+        )
+        return split_latent(grads, np.shape(q)[-1])
     q, k, v, options = dequantised_inputs(q, k, v, options)
     opt = {name: options.get(name) for name in ATTENTION_OPTIONS}
     dtype = np.asarray(q).dtype if dtype is None else dtype

@@ -31,6 +31,11 @@ author validates the function they ship, with no wrapper of their own:
     A paged fp4 KV cache packed two e2m1 codes per uint8 (low nibble first) with paged block
     scales (:mod:`oracle.layouts_fp4`); only cases with fp4 k and v.
 
+``layout="latent-paged"``
+    FlashMLA's latent cache: ``impl(q, cache, head_dim_v=, block_table=, cache_seqlens=)``
+    with one cache (P, page, 1, D) whose first E features are the values
+    (:mod:`oracle.layouts_latent`).
+
 ``framework="torch"`` (with ``device="cpu"`` or ``"cuda"``) passes torch tensors on the device
 (bfloat16 and float8 reinterpreted bit for bit, never converted by value; float4_e2m1fn as
 torch.uint8 codes, one per byte; masks as torch.bool,
@@ -67,6 +72,7 @@ import ml_dtypes
 import numpy as np
 
 from .layouts_fp4 import fp4_paged
+from .layouts_latent import latent_paged_layout
 from .layouts_sparse import (
     dsa_layout,
     refused_keyword,
@@ -82,7 +88,7 @@ __all__ = [
     "check_convention",
 ]
 
-LAYOUTS = ("bhld", "blhd", "packed", "paged", "dsa", "fp4-paged")
+LAYOUTS = ("bhld", "blhd", "packed", "paged", "dsa", "fp4-paged", "latent-paged")
 FRAMEWORKS = ("numpy", "torch", "jax")
 DEVICES = ("cpu", "cuda")
 _PER_POSITION = ("mask", "bias", "dropout_mask")
@@ -387,6 +393,7 @@ def _paged(q, k, v, options):
 
 _LAYOUT_IN = {"bhld": _bhld, "blhd": _blhd, "packed": _packed, "paged": _paged, "dsa": dsa_layout}
 _LAYOUT_IN["fp4-paged"] = fp4_paged  # a packed fp4 KV cache (oracle/layouts_fp4.py)
+_LAYOUT_IN["latent-paged"] = latent_paged_layout(_paged)  # FlashMLA: oracle.layouts_latent
 
 
 # ---------------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ from . import tolerance as tol
 from .allowed import allowed_positions
 from .baseline import textbook_attention
 from .diagnose_alternative import Alternative
+from .diagnose_latent import latent_alternatives
 from .diagnose_models import error_models, exact_parts, narrow_accumulation  # noqa: F401
 from .diagnose_peers import peer_alternatives
 from .diagnose_sigmoid import sigmoid_alternatives
@@ -246,6 +247,7 @@ def alternatives(options, *, H, K, L, S, D, E, has_empty, has_excluded) -> list[
             )
         )
     found += peer_alternatives(options, L=L, S=S, D=D, has_empty=has_empty)
+    found += latent_alternatives(options, D=D, E=E, alternative=Alternative, set_options=_set)
     return found + sparse_alternatives(options, H=H, L=L, S=S, alternative=Alternative)
 
 

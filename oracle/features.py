@@ -27,6 +27,7 @@ KNOWN_FEATURES = (
     "sparse-blocks",
     "fp4",
     "sigmoid",
+    "qv",
     "single-query",
     "L<S",
     "L=S",
@@ -49,7 +50,7 @@ def case_features(case, grads=False, inputs=()) -> tuple[list[str], list[str]]:
     scale, empty-rows-nan, poison (robustness), gradients (only when ``grads`` is asked),
     sinks, kv-lengths, fp8 (float8 q, k, v with descales), fp4 (float4 k, v with block
     scales), sparse-indices, sparse-blocks, sigmoid
-    (``normalizer="sigmoid"``).
+    (``normalizer="sigmoid"``), qv (FlashAttention 3's latent term).
     Shape classes: single-query (L = 1), L<S, L=S, L>S, long-rows (S >= 512), batched (B > 1).
     Variant cases give their function name (and gradients, when asked on a gradient case).
     """
@@ -79,6 +80,7 @@ def case_features(case, grads=False, inputs=()) -> tuple[list[str], list[str]]:
         ("key_indices", "sparse-indices"),
         ("key_block_indices", "sparse-blocks"),
         ("k_block_scale", "fp4"),
+        ("qv", "qv"),
     ):
         if name in inputs and not (feature == "fp8" and "k_block_scale" in inputs):
             features.append(feature)

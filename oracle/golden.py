@@ -195,7 +195,7 @@ def _attention_truth(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, 
                 precision="exact",
                 out_dtype=dtype,
             )
-            for name in ("dq", "dk", "dv", "dbias", "dsinks"):
+            for name in ("dq", "dk", "dv", "dbias", "dsinks", "dqv"):
                 value = getattr(grads, name, None)
                 if value is not None:
                     truth[name + suffix] = value

@@ -71,7 +71,7 @@ from .variant_scales import condition, grad_floor_terms, grad_scale, natural_sca
 
 __all__ = ["check_fixture", "run_guarded", "call_forward"]
 
-_GRADS = ("dq", "dk", "dv", "dbias", "dsinks")
+_GRADS = ("dq", "dk", "dv", "dbias", "dsinks", "dqv")
 
 
 def _refattn_defaults() -> dict:
@@ -439,6 +439,8 @@ def _check_grads(ctx, fixture, impl, checks):
         raise NotImplementedError(
             "dsinks: the implementation's vjp returns no gradient of the sinks (a fifth value)"
         )
+    if _truth(fixture, "dqv") is not None and (len(result) < 6 or result[5] is None):
+        raise NotImplementedError("qv: the implementation's vjp returns no dqv (a sixth value)")
     for position, name in enumerate(_GRADS):
         truth = _truth(fixture, name)
         if truth is None or position >= len(result) or result[position] is None:

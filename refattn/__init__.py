@@ -9,9 +9,15 @@ Every function has two paths: ``precision="float64"`` (fast NumPy, log-space) an
 ``precision="exact"`` (every output element the exact result rounded once to ``out_dtype``).
 """
 
-from . import bounds, fixedpoint, gmm, hopfield, masks, meanfield, mgk, spec, transformer
+from . import bounds, fixedpoint, gmm, hopfield, masks, meanfield, mgk, mla, spec, transformer
 from ._version import __version__
-from .attention import AttentionGrads, AttentionSinkGrads, attention, attention_vjp
+from .attention import (
+    AttentionGrads,
+    AttentionLatentGrads,
+    AttentionSinkGrads,
+    attention,
+    attention_vjp,
+)
 from .exact.rounding import UndecidedRoundingError
 from .logspace import log_softmax, logsumexp, softmax
 from .masks import allowed_mask
@@ -30,6 +36,7 @@ __all__ = [
     "attention",
     "attention_vjp",
     "AttentionGrads",
+    "AttentionLatentGrads",
     "AttentionSinkGrads",
     "logsumexp",
     "softmax",
@@ -47,6 +54,7 @@ __all__ = [
     "MergeGrads",
     # submodules: the probabilistic variants and the error bounds
     "gmm",
+    "mla",
     "mgk",
     "hopfield",
     "fixedpoint",

@@ -14,9 +14,24 @@ import numpy as np
 from . import _checks
 from .broadcast import reduce_to
 from .logspace import masked_softmax
-from .spec import AttentionSpec, canonicalize, check_cotangent, fold, needs_fold, split_sink_grads
+from .spec import (
+    AttentionSpec,
+    canonicalize,
+    check_cotangent,
+    fold,
+    needs_fold,
+    split_qv_grads,
+    split_sink_grads,
+)
 
-__all__ = ["attention", "attention_vjp", "AttentionGrads", "AttentionSinkGrads", "BACKENDS"]
+__all__ = [
+    "attention",
+    "attention_vjp",
+    "AttentionGrads",
+    "AttentionLatentGrads",
+    "AttentionSinkGrads",
+    "BACKENDS",
+]
 
 BACKENDS = ("numpy", "numba")
 
@@ -29,6 +44,18 @@ class AttentionGrads(NamedTuple):
     dk: np.ndarray
     dv: np.ndarray
     dbias: np.ndarray | None
+
+
+class AttentionLatentGrads(NamedTuple):
+    """Gradients of attention with ``qv``: :class:`AttentionSinkGrads`'s five (dsinks None
+    without sinks) and dqv (..., H, L, E), so that dqv always takes the sixth position."""
+
+    dq: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
+    dbias: np.ndarray | None
+    dsinks: np.ndarray | None
+    dqv: np.ndarray
 
 
 class AttentionSinkGrads(NamedTuple):
@@ -267,6 +294,7 @@ def attention(
     v_block_scale=None,
     normalizer="softmax",
     lse_base="e",
+    qv=None,
 ):
     """Scaled dot-product attention with pinned semantics.
 
@@ -360,6 +388,12 @@ def attention(
         pass it as ``bias=-math.log(S)`` (a scalar broadcasts). ``return_lse`` and ``sinks``
         are errors (there is no normaliser); ``return_weights`` returns the sigmoids.
         float64 bound: :func:`refattn.bounds.sigmoid_forward_bound`.
+    qv : array (..., H, L, E), optional
+        FlashAttention 3's ``qv`` (multi-head latent attention, :mod:`refattn.mla`): the raw
+        score becomes ``t_ij = s (q_i . k_j + qv_i . v_j)`` and the default scale
+        ``1/sqrt(D + E)``. q's dtype; a float8 qv is dequantised with ``q_descale``. Every
+        path computes it as ``q' = [q, qv]``, ``k' = [k, v]`` (exact: the D + E products are
+        summed as one dot product; the bounds are those of D + E features).
     return_lse, return_weights : bool
         Also return lse (..., H, L) and/or weights (..., H, L, S).
     precision : {"float64", "exact"}
@@ -459,6 +493,7 @@ def attention(
         k_block_scale=k_block_scale,
         v_block_scale=v_block_scale,
         normalizer=normalizer,
+        qv=qv,
     )
     if spec.index_reading == "multiset":
         from . import sparse_multiset
@@ -641,6 +676,7 @@ def attention_vjp(
     v_block_scale=None,
     normalizer="softmax",
     lse_base="e",
+    qv=None,
 ) -> AttentionGrads:
     """Vector-Jacobian product of :func:`attention` (its backward pass).
 
@@ -678,8 +714,11 @@ def attention_vjp(
 
     Returns
     -------
-    AttentionGrads or AttentionSinkGrads
-        (dq, dk, dv, dbias), and with ``sinks`` (dq, dk, dv, dbias, dsinks). dk and dv sum
+    AttentionGrads, AttentionSinkGrads or AttentionLatentGrads
+        (dq, dk, dv, dbias), and with ``sinks`` (dq, dk, dv, dbias, dsinks); with ``qv``
+        (dq, dk, dv, dbias, dsinks, dqv) (dsinks None without sinks), where
+        ``dqv = s dT V`` and dv gains the score term: ``dv = P'^T dO + s dT^T qv`` (on the
+        exact path that sum is rounded once). dk and dv sum
         over the G query heads sharing a kv head; dbias has bias's own shape (summed over its
         broadcast dimensions) and is None without bias. dsinks (H,) is
         ``sum_{b,i} w_sink (g_i - Delta_i)`` (on the exact path rounded once, like every
@@ -727,6 +766,7 @@ def attention_vjp(
         k_block_scale=k_block_scale,
         v_block_scale=v_block_scale,
         normalizer=normalizer,
+        qv=qv,
     )
     _, heads, _, length, keys, _, vdim = spec.dims
     do = check_cotangent(spec, grad_out, "grad_out", (heads, length, vdim))
@@ -761,7 +801,12 @@ def attention_vjp(
         dq, dk, dv, dbias, dsinks = _vjp_paths(spec, do, dl, precision, backend, out_dtype)
     if precision != "exact" and dbias is not None and dbias.shape != spec.bias_shape:
         dbias = reduce_to(dbias.reshape(spec.batch_shape + dbias.shape[1:]), spec.bias_shape)
+    dqv = None
+    if spec.qv_features:
+        dq, dk, dv, dqv = split_qv_grads(spec, dq, dk, dv, summed=precision == "exact")
     grads = (spec.unflatten(dq), spec.unflatten(dk), spec.unflatten(dv), dbias)
+    if dqv is not None:
+        return AttentionLatentGrads(*grads, dsinks, spec.unflatten(dqv))
     return AttentionGrads(*grads) if dsinks is None else AttentionSinkGrads(*grads, dsinks)
 
 
@@ -781,6 +826,10 @@ def _vjp_paths(spec, do, dl, precision, backend, out_dtype):
         # value that is rounded once) and takes sinks natively: with a sink its dbias is
         # (dbias, dsinks) flat, dsinks the sum of the sink's dS over batch and rows
         dq, dk, dv, dbias = exact_vjp(spec, do, dl, _checks.out_dtype(out_dtype))
+        if spec.qv_features:  # dv's two terms summed exactly, rounded once
+            from .exact.latent import exact_latent_dv
+
+            dv = exact_latent_dv(spec, do, dl, _checks.out_dtype(out_dtype))
         if spec.sinks is not None:
             dbias, dsinks = split_sink_grads(spec, dbias)
         if _has_nonfinite(spec, do, dl):
@@ -812,6 +861,8 @@ def _nonfinite_pattern(spec, grad_out, grad_lse, dq, dk, dv, dbias, dsinks=None)
     """The exact gradients with the NaN/Inf entries of the float64 path's (IEEE propagation
     of non-finite inputs; the exact engine encloses the finite values)."""
     ref = _vjp_float64(spec, grad_out, grad_lse)
+    if spec.qv_features:  # the exact dv already holds the score term: so does the pattern's
+        ref = (ref[0], ref[1], ref[2] + ref[1][..., -spec.qv_features :], *ref[3:])
     fixed = []
     for exact, approx in zip((dq, dk, dv), ref[:3], strict=True):
         exact = exact.copy()

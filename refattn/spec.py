@@ -44,6 +44,7 @@ import numba
 import numpy as np
 
 from . import _checks, sparse_indices
+from ._qv import fold_qv, split_qv_grads
 from .blockscale import dequantize_blocks, is_fp4
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "offset_of",
     "position_allowed",
     "position_allowed_jit",
+    "split_qv_grads",
     "split_sink_grads",
     "structural_mask",
     "window_sides",
@@ -328,6 +330,9 @@ class AttentionSpec:
     key_indices: np.ndarray | None = None
     index_reading: str = "set"
     normalizer: str = "softmax"  # "softmax" or "sigmoid" (NORMALIZERS)
+    # qv (FlashAttention 3, MLA): q holds [q, qv] and k holds [k, v] (refattn._qv.fold_qv);
+    # the last qv_features of their D features are the latent part (0: no qv)
+    qv_features: int = 0
 
     @property
     def dims(self):
@@ -536,11 +541,28 @@ def canonicalize(
     k_block_scale=None,
     v_block_scale=None,
     normalizer="softmax",
+    qv=None,
 ) -> AttentionSpec:
-    """Validate refattn.attention's arguments and return the canonical :class:`AttentionSpec`."""
+    """Validate refattn.attention's arguments and return the canonical :class:`AttentionSpec`.
+
+    With ``qv`` the spec holds ``q' = [q, qv]`` and ``k' = [k, v]`` (D + E features, the last
+    ``qv_features = E`` of them latent): ``q' . k' = q . k + qv . v`` exactly, so every path
+    computes the FlashAttention 3 score unchanged, and the default scale ``1/sqrt(D')`` is
+    FlashAttention 3's ``1/sqrt(D + E)``. :func:`split_qv_grads` maps the gradients back.
+    """
     _check_normalizer(normalizer, sinks)
     blocks = {"q": q_block_scale, "k": k_block_scale, "v": v_block_scale}
+    latent = None
+    if qv is not None:  # qv is q's latent part: q's dtype, and q_descale when float8
+        raw_qv, raw_q = _checks.as_array(qv, "qv"), _checks.as_array(q, "q")
+        if raw_qv.dtype != raw_q.dtype:
+            raise TypeError(f"qv: expected q's dtype {raw_q.dtype}, got {raw_qv.dtype}")
+        latent = _dequantize(
+            raw_qv, k, v, q_descale, k_descale, v_descale, gqa, {**blocks, "q": None}
+        )[0]
     q, k, v = _dequantize(q, k, v, q_descale, k_descale, v_descale, gqa, blocks)
+    if qv is not None:
+        q, k = fold_qv(q, k, v, latent)
     q, k, v, single = _heads(q, k, v)
     heads, kv_heads, length, keys = _check_core_shapes(q, k, v)
     try:
@@ -617,6 +639,7 @@ def canonicalize(
         kv_lengths=lengths,
         sinks=sink_values,
         normalizer=normalizer,
+        qv_features=0 if qv is None else int(v.shape[-1]),
     )
     indices = sparse_indices.canonical_indices(
         key_indices,

@@ -1300,6 +1300,15 @@ _GAPS = [
     ),
     *(
         gap(
+            f"mla.{name}",
+            "a rearrangement of MLA's weights into attention calls (refattn.attention is the "
+            "numerics): absorbed == non-absorbed, exactly on a dyadic grid, in "
+            "tests/concepts/test_mla.py",
+        )
+        for name in ("absorbed_inputs", "multihead_inputs", "output_projection", "model_scale")
+    ),
+    *(
+        gap(
             f"fixedpoint.{name}",
             "a generic solver / its residual on the caller's map, no exact path; tested on "
             "contractive affine maps with closed-form fixed points in "

@@ -16,7 +16,7 @@ from tests.registry import REGISTRY
 
 # the concept modules whose __all__ functions the table covers (masks, spec and bounds are the
 # rules and bounds the rows use, tested in their own files)
-CONCEPT_MODULES = ("gmm", "mgk", "hopfield", "meanfield", "transformer", "fixedpoint")
+CONCEPT_MODULES = ("gmm", "mgk", "hopfield", "meanfield", "transformer", "fixedpoint", "mla")
 
 # rows with no naive twin: each says why in its ``reason`` and where it is checked instead
 WITHOUT_TWIN = {
@@ -36,6 +36,10 @@ WITHOUT_TWIN = {
     "fixedpoint.solve",
     "fixedpoint.relative_residual",
     "merge_states_vjp",
+    "mla.absorbed_inputs",
+    "mla.multihead_inputs",
+    "mla.output_projection",
+    "mla.model_scale",
 }
 # rows with a twin but no float64 bound of their own
 WITHOUT_BOUND = {

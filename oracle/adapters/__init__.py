@@ -289,10 +289,11 @@ def reject_common(
     kv_lengths=False,
     alibi=False,
     sigmoid=False,
+    qv=False,
 ) -> None:
     """Raise NotImplementedError for the options most peers lack.
 
-    ``softcap`` / ``window`` / ``sinks`` / ``kv_lengths``: whether the peer takes them;
+    ``softcap`` / ``window`` / ``sinks`` / ``kv_lengths`` / ``qv``: whether the peer takes them;
     ``lse``: whether it returns lse; ``sigmoid``: whether it takes ``normalizer="sigmoid"``;
     ``alibi``: whether the peer computes ALiBi itself (a
     score function of its own, never a bias folded by the adapter). Caller-given dropout
@@ -302,6 +303,8 @@ def reject_common(
         adapter.unsupported("key_indices", "<indices>", "no sparse key-index option")
     if spec.normalizer == "sigmoid" and not sigmoid:
         adapter.unsupported("normalizer", "sigmoid", "no sigmoid normaliser (softmax only)")
+    if spec.qv_features and not qv:
+        adapter.unsupported("qv", "<latent queries>", "no qv (FlashAttention 3's latent term)")
     if spec.sinks is not None and not sinks:
         adapter.unsupported(
             "sinks",

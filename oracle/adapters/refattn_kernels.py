@@ -82,7 +82,7 @@ class _KernelAdapter(Adapter):
         """(dq, dk, dv, dbias, dsinks) in the input dtype (bfloat16 for float8 inputs); dbias
         has bias's own shape, dsinks (H,) (None without bias / sinks)."""
         from refattn.broadcast import reduce_to
-        from refattn.spec import check_cotangent, fold, needs_fold
+        from refattn.spec import check_cotangent, fold, needs_fold, split_qv_grads
 
         unknown = sorted(set(options) - set(OPTION_NAMES))
         if unknown:
@@ -112,13 +112,15 @@ class _KernelAdapter(Adapter):
                 spec.bias_shape,
             )
         dtype = output_dtype(q)
-        return (
+        dq, dk, dv, dqv = split_qv_grads(spec, dq, dk, dv)  # qv: dqv sixth (refattn._qv)
+        grads = (
             round_to(spec.unflatten(dq), dtype),
             round_to(spec.unflatten(dk), dtype),
             round_to(spec.unflatten(dv), dtype),
             round_to(dbias, dtype),
             round_to(dsinks, dtype),
         )
+        return grads if dqv is None else grads + (round_to(spec.unflatten(dqv), dtype),)
 
 
 class RefattnNumba(_KernelAdapter):

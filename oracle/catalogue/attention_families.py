@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .attention_entry import ALL, BASE, GRAD, MID, SMALL, Entry
 from .attention_fp4_families import fp4_entries
+from .attention_latent_families import latent_entries
 from .attention_option_families import option_entries
 from .attention_sigmoid_families import sigmoid_entries
 from .attention_sparse_families import sparse_entries
@@ -448,6 +449,7 @@ def entries() -> list[Entry]:
         *sparse_entries(gauss),
         *fp4_entries(gauss),  # NVFP4 / MXFP4 block-scaled inputs
         *sigmoid_entries(gauss),
+        *latent_entries(gauss),
         # --- full only: larger shapes ---------------------------------------------------------
         e(
             "basic",

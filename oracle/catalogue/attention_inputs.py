@@ -61,6 +61,7 @@ from refattn.exact.rounding import format_of
 
 from ..allowed import allowed_positions
 from . import seeding
+from .attention_latent_families import latent_inputs
 from .attention_sparse_inputs import sparse_inputs
 from .case import Case, Shapes
 from .fp4_inputs import quantised_fp4
@@ -107,6 +108,7 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
                 if inputs[x].dtype == np.float64
             }
         )
+    inputs.update(latent_inputs(stream, n, case, inputs))  # qv, v = k[..., :E] (MLA)
     if recipe.get("sinks"):
         sinks = 2.0 + 2.0 * stream.gaussian("sinks", (n.H,))
         inputs["sinks"] = seeding.to_dtype(sinks, case.dtype)

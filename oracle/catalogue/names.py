@@ -55,6 +55,7 @@ ATTENTION_OPTIONS = (
     "k_block_scale",
     "v_block_scale",
     "normalizer",
+    "qv",
 )
 #: Keywords of refattn.attention / attention_vjp the catalogue must exercise.
 OPTION_NAMES = ATTENTION_OPTIONS + ("grad_out", "grad_lse")
@@ -74,6 +75,7 @@ ARRAY_OPTIONS = (
     "q_block_scale",
     "k_block_scale",
     "v_block_scale",
+    "qv",
 )
 #: Input formats of the fp8 cases (ml_dtypes names), by recipe value ``fp8``.
 FP8_DTYPES = {"e4m3fn": "float8_e4m3fn", "e5m2": "float8_e5m2"}

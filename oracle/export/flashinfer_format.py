@@ -113,6 +113,7 @@ def _why_not(fixture: golden.Fixture) -> str | None:
         "dropout_mask",
         "key_indices",
         "key_block_indices",
+        "qv",
     ):
         if name in inputs:
             return f"{name}: gqa_ragged has no such input"

@@ -77,6 +77,8 @@ def _why_not(fixture: golden.Fixture) -> str | None:
         return "sparse key indices: the node has no index input"
     if options.get("normalizer") == "sigmoid":
         return "normalizer='sigmoid': the node computes a softmax"
+    if "qv" in inputs:
+        return "qv (FlashAttention 3's latent term): the node has no such input"
     if "dropout_mask" in inputs or options.get("dropout_p", 0.0):
         return "dropout: the node has no keep-mask input"
     if "alibi_slopes" in inputs:

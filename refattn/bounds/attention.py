@@ -209,6 +209,10 @@ def float64_vjp_bound(q, k, v, grad_out, *, grad_lse=None, **options):
     ``w_sink (r |g - Delta| + |Delta err| + gamma_2 |g - Delta|)`` (the difference and the
     product) and the sums over rows and batch by ``gamma_{L+B}`` of the terms' magnitudes
     ``w_sink (|g| + |Delta|)``.
+
+    With ``qv`` the bounds are those of ``q' = [q, qv]``, ``k' = [k, v]`` split back: dq, dk
+    (D features), dv adds the last E features of dk' (``s dT^T qv``) and the rounding of that sum,
+    and the bound of dqv (``dq'[..., D:]``) comes last.
     """
     options = {
         k_: v_ for k_, v_ in options.items() if k_ not in ("precision", "out_dtype", "backend")
@@ -228,6 +232,7 @@ def float64_vjp_bound(q, k, v, grad_out, *, grad_lse=None, **options):
     ]
     keep = 1.0 / (1.0 - spec.dropout_p)
     sink_err, sink_abs = np.zeros(heads), np.zeros(heads)
+    magnitudes = [np.zeros_like(bounds[2]), np.zeros_like(bounds[1])]  # |P'|^T|dO|, s|dT|^T|q|
     for b in range(batch):
         for h in range(heads):
             g = spec.kv_head[h]
@@ -281,9 +286,21 @@ def float64_vjp_bound(q, k, v, grad_out, *, grad_lse=None, **options):
             bounds[1][b, g] += (
                 s * (ds_err.T @ q_ + gamma(group * length + 2) * ds_abs.T @ q_) + (length + 2) * ETA
             )
+            magnitudes[0][b, g] += wk.T @ do
+            magnitudes[1][b, g] += s * ds_abs.T @ q_
+    dqv = None
+    if spec.qv_features:  # dv = P'^T dO + dk'[D:]: both bounds, and the sum's rounding
+        cut = dim - spec.qv_features
+        tail, tail_mag = bounds[1][..., cut:], magnitudes[1][..., cut:]
+        bounds[2] = bounds[2] + tail + gamma(2) * (magnitudes[0] + tail_mag + bounds[2] + tail)
+        bounds[2] += ETA
+        dqv = bounds[0][..., cut:]
+        bounds[0], bounds[1] = bounds[0][..., :cut], bounds[1][..., :cut]
     result = tuple(spec.unflatten(x) for x in bounds)
     if spec.sinks is not None:
         result += (sink_err + gamma(length + batch) * sink_abs,)
+    if dqv is not None:
+        result += (spec.unflatten(dqv),)
     return result
 
 
@@ -313,6 +330,7 @@ def grad_scales(
     gqa="interleave",
     sink_weights=None,
     normalizer="softmax",
+    qv=None,
     **_ignored,
 ) -> dict:
     """Natural scales of dq, dk, dv, dbias, shaped like them: the gradients' sums taken over
@@ -328,7 +346,9 @@ def grad_scales(
     with ``sink_weights`` (the sinks' weights ``w_sink`` (..., H, L)) also
     ``\\widehat{d\\sigma}_h = \\sum_{b,i} w_{sink} (\\Delta_i + |\\bar\\ell_i|)`` (H,), the
     magnitude of ``dsinks = sum_{b,i} w_sink (grad_lse_i - Delta_i)``. With
-    ``normalizer="sigmoid"`` (``dS = sigma' dP``, ``sigma' <= sigma = p``) Delta_i is 0.
+    ``normalizer="sigmoid"`` (``dS = sigma' dP``, ``sigma' <= sigma = p``) Delta_i is 0. With
+    ``qv`` the scales of ``q' = [q, qv]``, ``k' = [k, v]`` split back (dv adds the last E of
+    dk', dqv those of dq').
     The rounding errors of a gradient computed in a given order are proportional to these
     (used by the kernels' backward bound and by the oracle's judging policy).
 
@@ -343,6 +363,10 @@ def grad_scales(
     ([[[2.0]]], [[[0.5], [0.5]]])
     """
     gqa = gqa or "interleave"
+    if qv is not None:
+        extra = {"scale": scale, "bias": bias, "gqa": gqa, "sink_weights": sink_weights}
+        extra["normalizer"] = normalizer
+        return _latent_scales(q, k, v, qv, grad_out, weights, dropped, grad_lse=grad_lse, **extra)
     q3, k3, v3 = _heads(q, "q"), _heads(k, "k"), _heads(v, "v")
     heads, dim = q3.shape[-3], q3.shape[-1]
     kv_heads = k3.shape[-3]
@@ -369,4 +393,17 @@ def grad_scales(
     if sink_weights is not None:
         per_row = _heads(_finite_abs(sink_weights) * (delta + g_lse)[..., 0], "sink_weights")
         scales["dsinks"] = per_row.reshape((-1,) + per_row.shape[-2:]).sum(axis=(0, 2))
+    return scales
+
+
+def _latent_scales(q, k, v, qv, grad_out, weights, dropped, **options) -> dict:
+    """:func:`grad_scales` of a call with ``qv``: those of ``[q, qv]``, ``[k, v]`` split."""
+    wide = [np.asarray(x, np.float64) for x in (q, qv, k, v)]
+    q_full = np.concatenate(wide[:2], axis=-1)
+    k_full = np.concatenate(wide[2:], axis=-1)
+    scales = grad_scales(q_full, k_full, v, grad_out, weights, dropped, **options)
+    dim = np.shape(q)[-1]
+    dq, dk = scales["dq"], scales["dk"]
+    scales.update(dq=dq[..., :dim], dqv=dq[..., dim:], dk=dk[..., :dim])
+    scales["dv"] = scales["dv"] + dk[..., dim:]
     return scales

@@ -737,7 +737,7 @@ def _referee_units(spec, grad_out, grad_lse, out_dtype, values, todo):
     units = {(int(b), int(g)) for b, g in units}
     for b, g in sorted(units):
         heads = np.flatnonzero(spec.kv_head == g)
-        sub = _unit_spec(spec, b, g, heads)
+        sub = unit_spec(spec, b, g, heads)
         names = [n for n in ("dq", "dk", "dv") if todo[n][b, heads if n == "dq" else [g]].any()]
         ref = _referee_vjp(
             sub,
@@ -766,7 +766,7 @@ def _referee_units(spec, grad_out, grad_lse, out_dtype, values, todo):
         values["dq"][b, h, i] = np.where(mask, ref["dq"][0, 0, 0], values["dq"][b, h, i])
 
 
-def _unit_spec(spec: AttentionSpec, b: int, g: int, heads):
+def unit_spec(spec: AttentionSpec, b: int, g: int, heads):
     """The spec of batch b restricted to the query heads of kv head g (one kv head)."""
 
     def rows(x):

@@ -207,3 +207,38 @@ def test_cuda_fp4_inputs_match_float64():
     ob2, lb2 = numba_cpu.forward_error_bound(spec, weights, np.float64)
     assert_within(out, ref_out, ob + ob2, what="out", case="fp4")
     assert_within(lse, ref_lse, lb + lb2, what="lse", case="fp4")
+
+
+@pytest.mark.cudasim
+@needs_cuda
+def test_cuda_qv_matches_float64():
+    """FlashAttention 3's qv reaches the CUDA kernels through the folded spec (q' = [q, qv],
+    k' = [k, v]); the gradients split back as refattn.attention_vjp does."""
+    from refattn.bounds.unit import unit_roundoff
+    from refattn.spec import split_qv_grads
+
+    q, k, v, _, grad_out, grad_lse = _inputs("plain")
+    qv = np.random.default_rng(1).standard_normal(q.shape[:-1] + v.shape[-1:])
+    opts = {"causal": True, "align": "bottom_right", "qv": qv}
+    spec = canonicalize(q, k, v, **opts)
+    out, lse = kcuda.attention(spec, return_lse=True, threads=4)
+    ref_out, ref_lse, weights = refattn.attention(
+        q, k, v, return_lse=True, return_weights=True, **opts
+    )
+    keys = spec.dims[4]
+    ob, lb = numba_cpu.forward_error_bound(spec, weights, np.float64, rescalings=keys)
+    ob2, lb2 = numba_cpu.forward_error_bound(spec, weights, np.float64)
+    assert_within(out, ref_out, ob + ob2, what="out", case="qv")
+    assert_within(lse, ref_lse, lb + lb2, what="lse", case="qv")
+    got = split_qv_grads(spec, *kcuda.attention_vjp(spec, grad_out, grad_lse, threads=4)[:3])
+    ref = refattn.attention_vjp(q, k, v, grad_out, grad_lse=grad_lse, **opts)
+    dq_b, dk_b, dv_b, _ = numba_cpu.backward_error_bound(spec, weights, grad_out, grad_lse)
+    cut = q.shape[-1]
+    u = unit_roundoff("float64")
+    # both runs add the two terms of dv once more: twice the terms' bounds, and the roundings
+    dv_bound = 2 * (dv_b + dk_b[..., cut:]) + 4 * u * np.abs(ref.dv)
+    bounds = (2 * dq_b[..., :cut], 2 * dk_b[..., :cut], dv_bound, 2 * dq_b[..., cut:])
+    for what, value, truth, bound in zip(
+        ("dq", "dk", "dv", "dqv"), got, (ref.dq, ref.dk, ref.dv, ref.dqv), bounds, strict=True
+    ):
+        assert_within(value, truth, bound, what=what, case="qv")

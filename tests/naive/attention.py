@@ -41,8 +41,12 @@ def naive_attention(
     sinks=None,
     kv_length=None,
     dps=60,
+    qv=None,
 ):
     """Single-batch attention by loops: q (H, L, D), k (K, S, D), v (K, S, E).
+
+    ``qv`` (H, L, E): FlashAttention 3's latent term, ``s (q_i . k_j + qv_i . v_j)``, with the
+    default scale ``1/sqrt(D + E)`` (docs/conventions.md, "Latent attention").
 
     Returns (out, lse, weights) as nested lists of mpf at ``dps`` decimal digits.
     bias, mask, dropout_mask must already have shape (H, L, S) (or be None). ``sinks`` (H,):
@@ -54,7 +58,8 @@ def naive_attention(
     kv_heads, keys, vdim = v.shape
     group = heads // kv_heads
     with mpmath.workdps(dps):
-        sc = 1 / mpmath.sqrt(dim) if scale is None else _exact(scale)
+        width = dim if qv is None else dim + vdim
+        sc = 1 / mpmath.sqrt(width) if scale is None else _exact(scale)
         own = keys if kv_length is None else int(kv_length)
         offset = 0 if align == "top_left" else own - length
         out, lse, weights = [], [], []
@@ -76,9 +81,12 @@ def naive_attention(
                             continue
                     if bias is not None and bias[h][i][j] == -math.inf:
                         continue
-                    s = sc * mpmath.fsum(
-                        _exact(q[h, i, d]) * _exact(k[g, j, d]) for d in range(dim)
-                    )
+                    dot = mpmath.fsum(_exact(q[h, i, d]) * _exact(k[g, j, d]) for d in range(dim))
+                    if qv is not None:
+                        dot += mpmath.fsum(
+                            _exact(qv[h][i][e]) * _exact(v[g, j, e]) for e in range(vdim)
+                        )
+                    s = sc * dot
                     if softcap is not None:
                         c = _exact(softcap)
                         s = c * mpmath.tanh(s / c)
@@ -153,10 +161,16 @@ def naive_attention(
         return out, lse, weights
 
 
-def score_spread(q, k, *, scale=None, bias=None, alibi_slopes=None, sinks=None, **_):
-    """A bound on max - min of the finite attention scores (for :func:`round_stable`)."""
+def score_spread(
+    q, k, *, scale=None, bias=None, alibi_slopes=None, sinks=None, qv=None, v=None, **_
+):
+    """A bound on max - min of the finite attention scores (for :func:`round_stable`); with
+    ``qv`` the latent term reads ``v``."""
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
+    if qv is not None:  # the bound of the scores over the D + E features
+        q = np.concatenate([q, np.asarray(qv, np.float64)], axis=-1)
+        k = np.concatenate([k, np.asarray(v, np.float64)], axis=-1)
     s = 1 / math.sqrt(q.shape[-1]) if scale is None else abs(float(scale))
     qn = np.abs(np.where(np.isfinite(q), q, 0)).sum(axis=-1).max(initial=0)
     kn = np.abs(np.where(np.isfinite(k), k, 0)).max(initial=0)
@@ -181,7 +195,7 @@ def naive_attention_rounded(q, k, v, opts, dtype):
     for name in ("mask", "bias", "dropout_mask"):
         if name in full:
             full[name] = np.broadcast_to(full[name], (heads, length, keys))
-    spread = score_spread(q, k, **full)
+    spread = score_spread(q, k, v=v, **full)
     return tuple(
         round_stable(lambda dps, n=n: naive_attention(q, k, v, dps=dps, **full)[n], dtype, spread)
         for n in range(3)

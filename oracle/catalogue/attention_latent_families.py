@@ -1,0 +1,131 @@
+"""The attention case families of latent attention: FlashAttention 3's ``qv`` and MLA's
+absorbed decode (docs/conventions.md, "Latent attention").
+
+Recipe keys (read by :func:`latent_inputs`, called from
+:func:`oracle.catalogue.attention_inputs.make_inputs`): ``qv`` ("gaussian": qv (batch, H, L, E)
+i.i.d. Gaussian in the case dtype) and ``latent_v`` (True: v is the first E features of k, the
+MLA latent cache read as values, FlashMLA's ``head_dim_v``; with fp8 inputs v is k's float8
+slice and takes ``k_descale``).
+
+MLA decode cases carry DeepSeek-V3's model scale ``1/sqrt(128 + 64)`` as an explicit
+``scale`` (the key is 576 wide: an implementation that scales by ``1/sqrt(576)`` fails them).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import seeding
+from .attention_entry import Entry
+from .case import Shapes
+from .names import FP8_TRUTH_DTYPES
+
+__all__ = ["latent_entries", "latent_inputs", "MLA_SCALE"]
+
+#: DeepSeek-V3's softmax scale: the model's head dim, 128 nope + 64 rope features.
+MLA_SCALE = 1.0 / math.sqrt(128 + 64)
+
+
+def latent_inputs(stream, n: Shapes, case, inputs: dict) -> dict:
+    """The recipe's latent arrays (``qv``; v as a slice of k), in place of / beside
+    ``inputs``; returns the arrays to add or replace."""
+    recipe, extra = case.recipe, {}
+    if recipe.get("qv"):
+        qv = stream.gaussian("qv", (n.batch, n.H, n.L, n.E))
+        extra["qv"] = seeding.to_dtype(qv, case.dtype)
+    if recipe.get("latent_v"):
+        extra["v"] = np.ascontiguousarray(inputs["k"][..., : n.E])
+        if "k_descale" in inputs:
+            extra["v_descale"] = inputs["k_descale"].copy()
+    return extra
+
+
+def latent_entries(gauss) -> list[Entry]:
+    """MLA absorbed decode (D 576 / E 512, K 1, the model scale), qv at L > 1, gradients."""
+    e = Entry
+    mla = {**gauss, "latent_v": True}
+    qv = {**gauss, "qv": "gaussian"}
+    br = {"causal": True, "align": "bottom_right"}
+    model = {"scale": MLA_SCALE}
+    return [
+        e(
+            "mla-decode",
+            Shapes(1, 8, 1, 1, 128, 576, 512),
+            "MLA absorbed decode: 8 heads read one 576-wide latent key, v = k[..., :512], "
+            "scale 1/sqrt(192)",
+            options=model,
+            recipe=mla,
+        ),
+        e(
+            "mla-decode-h128",
+            Shapes(1, 128, 1, 1, 128, 576, 512),
+            "MLA absorbed decode with DeepSeek-V3's 128 heads: K 1, S 128, scale 1/sqrt(192)",
+            default=("bfloat16",),
+            options=model,
+            recipe=mla,
+        ),
+        e(
+            "mla-decode-h128-long",
+            Shapes(1, 128, 1, 1, 2048, 576, 512),
+            "MLA absorbed decode at DeepSeek-V3 size: H 128, K 1, S 2048 (full suite)",
+            default=(),
+            full=("bfloat16",),
+            options=model,
+            recipe=mla,
+        ),
+        e(
+            "mla-decode-kv-lengths",
+            Shapes(2, 8, 1, 2, 96, 576, 512),
+            "MLA decode, 2 query rows (speculative), per-row cache lengths, causal bottom_right",
+            options={**model, **br},
+            recipe={**mla, "kv_lengths": "ragged"},
+        ),
+        e(
+            "mla-decode-fp8",
+            Shapes(1, 8, 1, 1, 128, 576, 512),
+            "MLA decode with a float8_e4m3fn latent cache (v = k's slice, k's descale)",
+            options=model,
+            recipe={**mla, "fp8": "e4m3fn"},
+            default=FP8_TRUTH_DTYPES,
+            full=FP8_TRUTH_DTYPES,
+        ),
+        e(
+            "qv",
+            Shapes(1, 4, 1, 12, 20, 16, 32),
+            "FlashAttention 3's qv: s (q.k + qv.v), default scale 1/sqrt(D + E)",
+            recipe=qv,
+        ),
+        e(
+            "qv-causal-gqa",
+            Shapes(2, 8, 2, 12, 24, 16, 32),
+            "qv with causal bottom_right and GQA",
+            options={**br, "gqa": "interleave"},
+            recipe=qv,
+        ),
+        e(
+            "qv-mla-form",
+            Shapes(1, 8, 1, 6, 64, 64, 512),
+            "FlashAttention 3's MLA form: q, k the 64 rope features, qv/v the 512 latent ones, "
+            "scale 1/sqrt(192)",
+            options={**model, **br},
+            recipe=qv,
+        ),
+        e(
+            "grad-qv",
+            Shapes(1, 4, 2, 8, 12, 16, 16),
+            "dq, dk, dv (both of v's terms) and dqv, causal top_left",
+            options={"causal": True},
+            recipe={**qv, "grad_lse": True},
+            grads=True,
+        ),
+        e(
+            "grad-mla",
+            Shapes(1, 4, 1, 4, 16, 72, 64),
+            "gradients of a small absorbed MLA call (v = k[..., :E]) with the model scale",
+            options=model,
+            recipe=mla,
+            grads=True,
+        ),
+    ]
