@@ -1,6 +1,7 @@
 """fp4 inputs with block scales (NVFP4, MXFP4): the dequantisation rule, stated once.
 
-:func:`refattn.spec.canonicalize` calls :func:`dequantize_blocks` from its ``_dequantize`` (the
+:func:`refattn.spec.canonicalize` calls :func:`dequantize_blocks` through
+:func:`refattn.quantized.dequantize_inputs` (the
 one home of input formats), so every path (float64, exact, Numba CPU, CUDA; forward and vjp)
 sees the same float64 values.
 

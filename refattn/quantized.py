@@ -1,0 +1,102 @@
+"""Quantised inputs of :func:`refattn.attention`: float8 (with descale factors) and float4
+(NVFP4 / MXFP4 block scales), turned into their exact float64 values.
+
+:func:`refattn.spec.canonicalize` calls :func:`dequantize_inputs` first, so every path (float64,
+exact, Numba, CUDA; forward and vjp) sees the same dequantised values and the truth is the exact
+result of those values (docs/conventions.md, "float8 inputs" and "fp4 inputs").
+
+Examples
+--------
+>>> import numpy as np, ml_dtypes
+>>> q = np.ones((1, 1, 2), ml_dtypes.float8_e4m3fn)
+>>> k = v = np.ones((1, 1, 2))
+>>> dq, dk, dv = dequantize_inputs(q, k, v, np.array([0.5], np.float32), None, None, "interleave")
+>>> dq.tolist()
+[[[0.5, 0.5]]]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _checks
+from .blockscale import dequantize_blocks, is_fp4
+
+__all__ = ["FP8_DTYPES", "dequantize_inputs"]
+
+#: float8 input dtypes (ml_dtypes names) that take a ``*_descale`` factor
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+
+
+def dequantize_inputs(q, k, v, q_descale, k_descale, v_descale, gqa, block_scales=None):
+    """q, k, v as float arrays; fp8 inputs (ml_dtypes float8_e4m3fn / float8_e5m2) times their
+    float32 descale factors, exactly (a float8 significand has at most 4 bits and a float32
+    one 24: the product needs at most 28 of float64's 53 and stays in its range), as
+    float64. fp4 inputs (float4_e2m1fn) are first multiplied by their NVFP4/MXFP4 block
+    scales (:func:`refattn.blockscale.dequantize_blocks`, exact too), then by the descale."""
+    block_scales = block_scales or {}
+    arrays = {}
+    for name, x, descale in (("q", q, q_descale), ("k", k, k_descale), ("v", v, v_descale)):
+        raw = _checks.as_array(x, name) if x is not None else None
+        blocks = block_scales.get(name)
+        if raw is not None and is_fp4(raw):
+            arrays[name] = (dequantize_blocks(raw, blocks, name), descale)
+            continue
+        if blocks is not None:
+            raise ValueError(
+                f"{name}_block_scale: only float4_e2m1fn inputs take block scales "
+                f"({name} has dtype {getattr(raw, 'dtype', None)})"
+            )
+        if raw is not None and raw.dtype.name in FP8_DTYPES:
+            arrays[name] = (raw, descale)
+        else:
+            if descale is not None:
+                raise ValueError(
+                    f"{name}_descale: only float8 inputs and float4 ones take a descale factor "
+                    f"({name} has dtype {getattr(raw, 'dtype', None)})"
+                )
+            arrays[name] = (_checks.float_array(x, name), None)
+    quantised = {n for n, x in (("q", q), ("k", k), ("v", v)) if is_fp4(x)}
+    if not quantised and all(
+        d is None and a.dtype.name not in FP8_DTYPES for a, d in arrays.values()
+    ):
+        return arrays["q"][0], arrays["k"][0], arrays["v"][0]
+    kv_heads = arrays["k"][0].shape[-3] if arrays["k"][0].ndim >= 3 else 1
+    heads = arrays["q"][0].shape[-3] if arrays["q"][0].ndim >= 3 else 1
+    out = []
+    for name in ("q", "k", "v"):
+        raw, descale = arrays[name]
+        if raw.dtype.name not in FP8_DTYPES and name not in quantised:
+            out.append(raw)
+            continue
+        # exact: every float8 value is a float64 (fp4 ones are already float64)
+        values = raw if name in quantised else raw.astype(np.float64)
+        if descale is not None:
+            kind = _checks.float_array(descale, f"{name}_descale").dtype.name
+            if kind != "float32":  # float64 factors could make the product round
+                raise TypeError(
+                    f"{name}_descale: expected float32 factors (FlashAttention 3's "
+                    f"descale type), got {kind}"
+                )
+            factor = _checks.as_float64(np.asarray(descale))
+            if not np.isfinite(factor).all() or (factor <= 0).any():
+                raise ValueError(f"{name}_descale: expected finite positive factors")
+            per_head = factor[..., None, None] if factor.ndim else factor
+            if factor.ndim:
+                if factor.shape[-1] != kv_heads:
+                    raise ValueError(
+                        f"{name}_descale: expected shape (..., K = {kv_heads}) "
+                        f"(one factor per batch row and kv head), got "
+                        f"{factor.shape}"
+                    )
+                if name == "q":  # query head h uses the factor of the kv head it reads
+                    group = heads // kv_heads
+                    reads = (
+                        np.arange(heads) // group
+                        if gqa == "interleave"
+                        else np.arange(heads) % kv_heads
+                    )
+                    per_head = np.take(per_head, reads, axis=-3)
+            values = values * per_head  # exact, see above
+        out.append(values)
+    return tuple(out)
