@@ -175,10 +175,62 @@ def merge_states(outs, lses, *, lse_base="e", precision="float64", out_dtype=Non
     dtype = _checks.out_dtype(out_dtype)
     outs, lses, _ = _states(outs, lses)
     if precision == "exact":
+        if c == 1.0 and _attention_shaped(outs, lses):
+            return _exact_as_attention(outs, lses, dtype)
         from .exact.merge import exact_merge
 
         return exact_merge(outs, lses, c != 1.0, dtype)
     return _merge_float64(outs, lses, c)
+
+
+#: rows per call of the exact attention engine in :func:`_exact_as_attention` (bounds memory)
+_ROWS_PER_CALL = 8192
+
+
+def _attention_shaped(outs, lses) -> bool:
+    """True when every lse is finite or -inf and every live state's out is finite: the merge
+    is then attention over the states (see :func:`_exact_as_attention`)."""
+    if np.isnan(lses).any() or np.isposinf(lses).any():
+        return False
+    live = np.isfinite(lses)[..., None]
+    return bool(np.isfinite(np.where(live, outs, 0.0)).all())
+
+
+def _exact_as_attention(outs, lses, dtype):
+    """The exact base-e merge through refattn's exact attention engine.
+
+    A natural-log merge of one row is attention of one query over P keys whose scores are the
+    lses: with ``q = 0``, ``k = 0`` (D = 1), ``bias_p = lse_p`` and ``v_p = out_p`` the score is
+    ``0 * 0 + lse_p = lse_p`` exactly, so the softmax weights are ``exp(lse_p - lse)``, the
+    output ``sum_p exp(lse_p - lse) out_p`` and the log-sum-exp ``log sum_p exp(lse_p)``;
+    an empty state (lse -inf) is an excluded key (its out never read), all empty an empty row
+    (out 0, lse -inf). The engine (fast double-double enclosures, the referee behind them)
+    rounds each element once, as :func:`refattn.exact.merge.exact_merge` does; base 2 and
+    non-finite inputs go there (2^x is not an exact score, and its rules for NaN/+inf differ).
+    """
+    from .attention import attention
+
+    states, vdim = outs.shape[0], outs.shape[-1]
+    rest = lses.shape[1:]
+    values = np.moveaxis(outs, 0, -2).reshape(-1, states, vdim)
+    scores = np.moveaxis(lses, 0, -1).reshape(-1, states)
+    rows = scores.shape[0]
+    out = np.empty((rows, vdim), dtype)
+    lse = np.empty(rows, dtype)
+    for lo in range(0, rows, _ROWS_PER_CALL):
+        hi = min(rows, lo + _ROWS_PER_CALL)
+        n = hi - lo
+        got_out, got_lse = attention(
+            np.zeros((n, 1, 1, 1)),
+            np.zeros((n, 1, states, 1)),
+            values[lo:hi, None],
+            bias=scores[lo:hi, None, None, :],
+            precision="exact",
+            out_dtype=dtype,
+            return_lse=True,
+        )
+        out[lo:hi], lse[lo:hi] = got_out[:, 0, 0], got_lse[:, 0, 0]
+    return out.reshape(rest + (vdim,)), lse.reshape(rest)
 
 
 def merge_states_vjp(outs, lses, grad_out, *, grad_lse=None, lse_base="e"):

@@ -2,16 +2,17 @@
 """Time refattn.merge_states: the exact path and the float64 path, in the same run.
 
 The target shape is 64 states of H32 L4096 E128 (16.8 M output elements; the float32 states
-alone are 4.3 GB). The exact path is pure Python (mpmath enclosures per element, Ziv loop), so
-it is timed on ``--rows`` of the L query rows and the full-shape time extrapolated linearly
-(rows are independent: the cost is per (row, E) element and per state). The float64 path is
+alone are 4.3 GB). The exact path is timed on ``--rows`` of the L query rows and the full-shape
+time extrapolated linearly (rows are independent: the cost is per (row, E) element and per
+state). Base e runs on refattn's exact attention engine (a merge is attention over the states
+with the lses as scores); base 2 on the per-element mpmath path, far slower (time few rows). The float64 path is
 timed on the same rows and, with ``--full-float64``, on the whole shape. The report gives
 ``uptime``'s load before and after: the machine may be shared.
 
 Examples::
 
-    python tools/bench_merge.py                       # P64 H32 L4096 E128, exact on 2 rows
-    python tools/bench_merge.py --rows 8 --dtype bfloat16 --base 2
+    python tools/bench_merge.py --rows 512            # P64 H32 L4096 E128, exact on 512 rows
+    python tools/bench_merge.py --rows 2 --dtype bfloat16 --base 2
     python tools/bench_merge.py --full-float64        # also the float64 path on all of L
 """
 
