@@ -360,12 +360,12 @@ def _matplotlib():
 #: ~1 MB and its drawing under the run's own time.
 MAX_PLOTS = 12
 #: Largest side of a heatmap (errors are max-pooled to it: a failing element never vanishes).
-MAX_SIDE = 96
+MAX_SIDE = 64
 
 
 def _png(fig) -> str:
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=56)
+    fig.savefig(buffer, format="png", dpi=48)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
