@@ -360,12 +360,12 @@ def _matplotlib():
 #: ~1 MB and its drawing under the run's own time.
 MAX_PLOTS = 12
 #: Largest side of a heatmap (errors are max-pooled to it: a failing element never vanishes).
-MAX_SIDE = 96
+MAX_SIDE = 64
 
 
 def _png(fig) -> str:
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=56)
+    fig.savefig(buffer, format="png", dpi=48)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
@@ -388,13 +388,19 @@ def _pool2(grid, size):
 
 
 def _plots(Figure, result, every=False) -> list[str]:
-    """One figure per check (the failing ones, or every one with ``every``): the error heatmap
+    """One figure per case (its worst failing check; every check with ``every``): the heatmap
     (rows x last axis, max-pooled), for a failing output the (query, key) map of
     :func:`oracle.report_summary.key_alignment` (a key-position bug lights up its column),
     and the histogram of log10 normalised error. Non-finite errors (failures) are drawn in a
     loud colour and counted, never left blank as if they passed."""
     tags = []
-    for check in result.checks.values():
+    checks = list(result.checks.values())
+    if not every:  # the worst failing check only: one figure per case keeps the page fast
+        failing = [c for c in checks if not c.passed and c.errors is not None]
+        worst = result.worst
+        checks = [c for c in failing if worst is not None and c.quantity == worst.quantity][:1]
+        checks = checks or failing[:1]
+    for check in checks:
         if (check.passed and not every) or check.errors is None:
             continue
         errors = np.asarray(check.errors, dtype=np.float64)
@@ -430,7 +436,7 @@ def _plots(Figure, result, every=False) -> list[str]:
         ax_hist.set_xlabel("log10(normalised error)", fontsize=8)
         ax_hist.set_title("FAIL" if not check.passed else "pass", fontsize=8)
         ax_hist.legend(fontsize=7)
-        fig.tight_layout()
+        fig.subplots_adjust(left=0.06, right=0.98, bottom=0.2, top=0.88, wspace=0.35)
         tags.append(
             f'<img alt="{html.escape(check.quantity)} errors" '
             f'src="data:image/png;base64,{_png(fig)}">'
