@@ -5,9 +5,9 @@ The target shape is 64 states of H32 L4096 E128 (16.8 M output elements; the flo
 alone are 4.3 GB). The exact path is timed on ``--rows`` of the L query rows and the full-shape
 time extrapolated linearly (rows are independent: the cost is per (row, E) element and per
 state). Base e runs on refattn's exact attention engine (a merge is attention over the states
-with the lses as scores); base 2 on the per-element mpmath path, far slower (time few rows). The float64 path is
-timed on the same rows and, with ``--full-float64``, on the whole shape. The report gives
-``uptime``'s load before and after: the machine may be shared.
+with the lses as scores); base 2 on the per-element mpmath path, far slower (time few rows). The
+float64 path is timed on the same rows and, with ``--full-float64``, on the whole shape. The
+report gives ``uptime``'s load before and after: the machine may be shared.
 
 Examples::
 
