@@ -27,11 +27,11 @@ import numpy as np
 from . import _checks
 from .exact.merge import nonfinite_pattern
 
-__all__ = ["merge_states", "merge_states_vjp", "MergeGrads", "LSE_BASES"]
+__all__ = ["as_attention", "merge_states", "merge_states_vjp", "MergeGrads", "LSE_BASES"]
 
 #: The accepted ``lse_base`` values: "e" (natural log, refattn's default) or 2 (FlashInfer).
 LSE_BASES = ("e", 2)
-_BACKENDS = ("numpy",)
+_BACKENDS = ("numpy", "numba")
 LN2 = math.log(2.0)
 
 
@@ -126,8 +126,11 @@ def merge_states(outs, lses, *, lse_base="e", precision="float64", out_dtype=Non
     out_dtype : dtype, optional
         Output dtype of the exact path (float64 default; float32, float16, bfloat16); the
         float64 path returns float64 (the argument is still checked).
-    backend : {"numpy"}
-        The float64 path's implementation.
+    backend : {"numpy", "numba"}
+        The float64 path's implementation: "numpy" (log-space NumPy, bound above) or "numba"
+        (refattn's Numba CPU attention kernel on :func:`as_attention`'s inputs, base e and
+        finite-or-empty states only; within that kernel's forward bound,
+        :func:`refattn.kernels.numba_cpu.forward_error_bound`).
 
     Returns
     -------
@@ -174,9 +177,16 @@ def merge_states(outs, lses, *, lse_base="e", precision="float64", out_dtype=Non
     _checks.choice(backend, "backend", _BACKENDS)
     dtype = _checks.out_dtype(out_dtype)
     outs, lses, _ = _states(outs, lses)
+    if backend == "numba" and precision != "exact":
+        if c != 1.0 or not _attention_shaped(outs, lses):
+            raise NotImplementedError(
+                "backend='numba': base-e states whose lses are finite or -inf (with finite outs "
+                "where live) only; use backend='numpy' for base 2 or non-finite inputs"
+            )
+        return _via_attention(outs, lses, precision="float64", backend="numba")
     if precision == "exact":
         if c == 1.0 and _attention_shaped(outs, lses):
-            return _exact_as_attention(outs, lses, dtype)
+            return _via_attention(outs, lses, precision="exact", out_dtype=dtype)
         from .exact.merge import exact_merge
 
         return exact_merge(outs, lses, c != 1.0, dtype)
@@ -196,45 +206,75 @@ def _attention_shaped(outs, lses) -> bool:
     return bool(np.isfinite(np.where(live, outs, 0.0)).all())
 
 
-def _exact_as_attention(outs, lses, dtype):
-    """The exact base-e merge through refattn's exact attention engine.
+def as_attention(outs, lses):
+    """The attention problem whose solution is the base-e merge of ``outs``, ``lses``.
 
-    A natural-log merge of one row is attention of one query over P keys whose scores are the
-    lses: with ``q = 0``, ``k = 0`` (D = 1), ``bias_p = lse_p`` and ``v_p = out_p`` the score is
-    ``0 * 0 + lse_p = lse_p`` exactly, so the softmax weights are ``exp(lse_p - lse)``, the
-    output ``sum_p exp(lse_p - lse) out_p`` and the log-sum-exp ``log sum_p exp(lse_p)``;
-    an empty state (lse -inf) is an excluded key (its out never read), all empty an empty row
-    (out 0, lse -inf). The engine (fast double-double enclosures, the referee behind them)
-    rounds each element once, as :func:`refattn.exact.merge.exact_merge` does; base 2 and
-    non-finite inputs go there (2^x is not an exact score, and its rules for NaN/+inf differ).
+    A natural-log merge of one row is attention of one query over the P states as keys, their
+    lses as scores: with ``q = 0``, ``k = 0`` (D = 1), ``bias_p = lse_p`` and ``v_p = out_p``
+    the score is ``0 * 0 + lse_p = lse_p`` exactly, so the softmax weights are
+    ``exp(lse_p - lse)``, the output ``sum_p exp(lse_p - lse) out_p`` and the log-sum-exp
+    ``log sum_p exp(lse_p)``. An empty state (lse -inf) is an excluded key (its out never
+    read); all states empty make an empty row (out 0, lse -inf). The vjp carries over too:
+    ``d out_p = dv_p`` and ``d lse_p = dbias_p``.
+
+    Parameters
+    ----------
+    outs : array (P, ..., L, E)
+    lses : array (P, ..., L)
+
+    Returns
+    -------
+    dict
+        ``q`` (N, 1, 1, 1), ``k`` (N, 1, P, 1), ``v`` (N, 1, P, E), ``bias`` (N, 1, 1, P) with
+        one batch row per merged row (N = the product of ``...`` and L), float64.
+
+    Examples
+    --------
+    >>> import numpy as np, refattn
+    >>> outs = np.array([[[[1.0]]], [[[3.0]]]]); lses = np.zeros((2, 1, 1))
+    >>> problem = refattn.merge.as_attention(outs, lses)
+    >>> out, lse = refattn.attention(**problem, return_lse=True)
+    >>> out.ravel().tolist(), lse.ravel().round(12).tolist()
+    ([2.0], [0.69314718056])
     """
+    outs, lses, _ = _states(outs, lses)
+    states, vdim = outs.shape[0], outs.shape[-1]
+    values = np.moveaxis(outs, 0, -2).reshape(-1, 1, states, vdim)
+    scores = np.moveaxis(lses, 0, -1).reshape(-1, 1, 1, states)
+    rows = scores.shape[0]
+    return {
+        "q": np.zeros((rows, 1, 1, 1)),
+        "k": np.zeros((rows, 1, states, 1)),
+        "v": values,
+        "bias": scores,
+    }
+
+
+def _via_attention(outs, lses, **options):
+    """The base-e merge through :func:`refattn.attention` on :func:`as_attention`'s problem,
+    ``_ROWS_PER_CALL`` rows at a time (the engines round each element once on the exact path:
+    bit-identical to :func:`refattn.exact.merge.exact_merge`; base 2 and non-finite inputs go
+    there, since 2^x is not an exact score and their NaN/+inf rules differ)."""
     from .attention import attention
 
-    states, vdim = outs.shape[0], outs.shape[-1]
-    rest = lses.shape[1:]
-    values = np.moveaxis(outs, 0, -2).reshape(-1, states, vdim)
-    scores = np.moveaxis(lses, 0, -1).reshape(-1, states)
-    rows = scores.shape[0]
-    out = np.empty((rows, vdim), dtype)
-    lse = np.empty(rows, dtype)
+    rest, vdim = lses.shape[1:], outs.shape[-1]
+    problem = as_attention(outs, lses)
+    rows = problem["bias"].shape[0]
+    parts_out, parts_lse = [], []
     for lo in range(0, rows, _ROWS_PER_CALL):
-        hi = min(rows, lo + _ROWS_PER_CALL)
-        n = hi - lo
-        got_out, got_lse = attention(
-            np.zeros((n, 1, 1, 1)),
-            np.zeros((n, 1, states, 1)),
-            values[lo:hi, None],
-            bias=scores[lo:hi, None, None, :],
-            precision="exact",
-            out_dtype=dtype,
-            return_lse=True,
-        )
-        out[lo:hi], lse[lo:hi] = got_out[:, 0, 0], got_lse[:, 0, 0]
+        chunk = {name: x[lo : lo + _ROWS_PER_CALL] for name, x in problem.items()}
+        out, lse = attention(**chunk, return_lse=True, **options)
+        parts_out.append(out[:, 0, 0])
+        parts_lse.append(lse[:, 0, 0])
+    out = np.concatenate(parts_out) if parts_out else np.zeros((0, vdim))
+    lse = np.concatenate(parts_lse) if parts_lse else np.zeros(0)
     return out.reshape(rest + (vdim,)), lse.reshape(rest)
 
 
-def merge_states_vjp(outs, lses, grad_out, *, grad_lse=None, lse_base="e"):
-    """Vector-Jacobian product of :func:`merge_states` (float64).
+def merge_states_vjp(
+    outs, lses, grad_out, *, grad_lse=None, lse_base="e", precision="float64", out_dtype=None
+):
+    """Vector-Jacobian product of :func:`merge_states`.
 
     With weights ``w_p = b^{lse_p - lse}``, ``c = ln b``, cotangents ``dO`` (of out) and ``g``
     (of lse, in the same base):
@@ -255,6 +295,12 @@ def merge_states_vjp(outs, lses, grad_out, *, grad_lse=None, lse_base="e"):
         dO.
     grad_lse : array (..., L), optional
         g.
+    precision : {"float64", "exact"}
+        "exact": every element of douts and dlses the exact value rounded once to
+        ``out_dtype``, through the exact attention vjp of :func:`as_attention`'s problem
+        (``douts = dv``, ``dlses = dbias``); base e with finite-or-empty states only.
+    out_dtype : dtype, optional
+        Output dtype of the exact path.
 
     Returns
     -------
@@ -270,8 +316,12 @@ def merge_states_vjp(outs, lses, grad_out, *, grad_lse=None, lse_base="e"):
     ([0.5, 0.5], [-0.5, 0.5])
     """
     c = base_factor(lse_base)
+    _checks.precision(precision)
+    dtype = _checks.out_dtype(out_dtype)
     outs, lses, _ = _states(outs, lses)
     do = _cotangent(grad_out, outs.shape[1:], "grad_out")
+    if precision == "exact":
+        return _exact_vjp(outs, lses, do, grad_lse, c, dtype)
     g = (
         np.zeros(lses.shape[1:])
         if grad_lse is None
@@ -292,3 +342,31 @@ def _cotangent(x, shape, name):
     if arr.shape != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {arr.shape}")
     return arr
+
+
+def _exact_vjp(outs, lses, do, grad_lse, c, dtype):
+    """merge_states_vjp's exact path: the exact attention vjp of :func:`as_attention`."""
+    from .attention import attention_vjp
+
+    if c != 1.0 or not _attention_shaped(outs, lses):
+        raise NotImplementedError(
+            "merge_states_vjp(precision='exact'): base-e states whose lses are finite or -inf "
+            "(with finite outs where live) only; the base-2 cotangent g / ln 2 is irrational"
+        )
+    states, vdim = outs.shape[0], outs.shape[-1]
+    rest = lses.shape[1:]
+    problem = as_attention(outs, lses)
+    rows = problem["bias"].shape[0]
+    g = None
+    if grad_lse is not None:
+        g = _cotangent(grad_lse, rest, "grad_lse").reshape(rows, 1, 1)
+    grads = attention_vjp(
+        **problem,
+        grad_out=do.reshape(rows, 1, 1, vdim),
+        grad_lse=g,
+        precision="exact",
+        out_dtype=dtype,
+    )
+    douts = np.moveaxis(grads.dv[:, 0].reshape(rest + (states, vdim)), -2, 0)
+    dlses = np.moveaxis(grads.dbias[:, 0, 0].reshape(rest + (states,)), -1, 0)
+    return MergeGrads(douts, dlses)

@@ -317,3 +317,82 @@ def test_vjp_of_empty_states_is_zero():
     grads = refattn.merge_states_vjp(outs, lses, np.ones((1, 1, 1)), grad_lse=np.ones((1, 1)))
     assert grads.douts[1].tolist() == [[[0.0]]] and grads.dlses[1].tolist() == [[0.0]]
     assert grads.douts[0].tolist() == [[[1.0]]] and grads.dlses[0].tolist() == [[1.0]]
+
+
+@settings(max_examples=6, deadline=None)
+@given(case=merge_states_cases(max_states=4, max_rows=2, max_vdim=3, nonfinite=False))
+def test_numba_merge_within_the_kernel_bound(case):
+    """backend="numba" runs the Numba attention kernel on merge.as_attention's problem: within
+    that kernel's forward bound of the exact merge (base e; base 2 is refused)."""
+    from refattn.kernels import numba_cpu
+    from refattn.spec import canonicalize
+
+    outs, lses, base2 = case
+    lses = np.where(np.isfinite(lses), np.clip(lses, -600, 600), -np.inf)  # no exp overflow
+    if base2:
+        with pytest.raises(NotImplementedError, match="numba"):
+            refattn.merge_states(outs, lses, lse_base=2, backend="numba")
+        return
+    out, lse = refattn.merge_states(outs, lses, backend="numba")
+    exact_out, exact_lse = refattn.merge_states(outs, lses, precision="exact")
+    problem = refattn.merge.as_attention(outs, lses)
+    spec = canonicalize(**problem)
+    _, _, weights = refattn.attention(**problem, return_lse=True, return_weights=True)
+    keys = problem["k"].shape[2]
+    out_b, lse_b = numba_cpu.forward_error_bound(spec, weights, np.float64, rescalings=keys)
+    assert_within(out, exact_out, out_b.reshape(out.shape), what="numba merge out")
+    finite = np.isfinite(exact_lse)
+    assert_same_bits(np.isfinite(lse), finite, what="finite lse")
+    assert_within(lse[finite], exact_lse[finite], lse_b.reshape(lse.shape)[finite], what="lse")
+
+
+def _mp_merge_vjp(outs, lses, do, g):
+    """Closed-form merge vjp in 60-digit mpmath (base e), rounded to float64 once."""
+    import mpmath
+
+    with mpmath.workdps(60):
+        douts = np.zeros(outs.shape)
+        dlses = np.zeros(lses.shape)
+        for r in np.ndindex(*lses.shape[1:]):
+            live = [p for p in range(lses.shape[0]) if np.isfinite(lses[(p, *r)])]
+            if not live:
+                continue
+            top = max(mpmath.mpf(float(lses[(p, *r)])) for p in live)
+            e = {p: mpmath.exp(mpmath.mpf(float(lses[(p, *r)])) - top) for p in live}
+            z = mpmath.fsum(e.values())
+            w = {p: e[p] / z for p in live}
+            vdim = outs.shape[-1]
+            out = [
+                mpmath.fsum(w[p] * mpmath.mpf(float(outs[(p, *r, j)])) for p in live)
+                for j in range(vdim)
+            ]
+            for p in live:
+                dot = mpmath.fsum(
+                    mpmath.mpf(float(do[(*r, j)])) * (mpmath.mpf(float(outs[(p, *r, j)])) - out[j])
+                    for j in range(vdim)
+                )
+                dlses[(p, *r)] = float(w[p] * (dot + mpmath.mpf(float(g[r]))))
+                for j in range(vdim):
+                    douts[(p, *r, j)] = float(w[p] * mpmath.mpf(float(do[(*r, j)])))
+    return douts, dlses
+
+
+@settings(max_examples=5, deadline=None)
+@given(case=merge_states_cases(max_states=3, max_rows=2, max_vdim=2, nonfinite=False))
+def test_exact_merge_vjp_is_the_rounded_closed_form(case):
+    """merge_states_vjp(precision="exact"): the exact attention vjp of as_attention's problem,
+    bit-identical to the 60-digit closed form rounded once (base e)."""
+    outs, lses, _ = case
+    lses = np.where(np.isfinite(lses), np.clip(lses, -600, 600), -np.inf)
+    rng = np.random.default_rng(1)
+    do, g = rng.normal(size=outs.shape[1:]), rng.normal(size=lses.shape[1:])
+    got = refattn.merge_states_vjp(outs, lses, do, grad_lse=g, precision="exact")
+    douts, dlses = _mp_merge_vjp(outs, lses, do, g)
+    assert_same_bits(got.douts, douts, what="douts")
+    assert_same_bits(got.dlses, dlses, what="dlses")
+
+
+def test_exact_merge_vjp_refuses_base2():
+    outs, lses = np.ones((2, 1, 1, 1)), np.zeros((2, 1, 1))
+    with pytest.raises(NotImplementedError, match="base-2"):
+        refattn.merge_states_vjp(outs, lses, np.ones((1, 1, 1)), lse_base=2, precision="exact")
