@@ -11,7 +11,9 @@ Families (every dtype): random states; empty states (lse -inf, out 0) among live
 where every state is empty; large lse gaps; base-2 lses; states of attention over S split at
 tile boundaries (multiples of 64) and at ragged ones (the states are the exact chunk
 attention rounded to the case dtype, so the truth is the merge of the rounded states: truth
-(1) of docs/conventions.md); 64 states.
+(1) of docs/conventions.md); chunked prefill (a block of L queries, the last L positions,
+against its cached keys in full and its own keys causally: merged, causal bottom-right
+attention over all S keys); 64 states.
 
 Examples
 --------
@@ -61,6 +63,16 @@ _FAMILIES = (
         False,
     ),
     ("merge-many-P64", 64, {"style": "random", "empty": 10, "empty_rows": 1}, {}, False),
+    # chunked prefill: the L query rows are the last L positions; the cache (split at the cuts)
+    # is attended in full, the block's own keys causally (together: causal bottom-right)
+    ("merge-prefill-P2", 2, {"style": "chunks", "cuts": (), "S": 68, "prefill": True}, {}, False),
+    (
+        "merge-prefill-split-P3",
+        3,
+        {"style": "chunks", "cuts": (64,), "S": 133, "prefill": True},
+        {},
+        False,
+    ),
 )
 _SHAPES = Shapes(1, 2, 2, 4, 0, 16, 8)  # H2 L4 E8 (S, D: of the chunk attention)
 
@@ -104,13 +116,16 @@ def _chunk_states(case: Case, st: Streams):
     q = seeding.to_dtype(st.gaussian("q", (n.H, n.L, n.D)), case.dtype)
     k = seeding.to_dtype(st.gaussian("k", (n.H, n.S, n.D)), case.dtype)
     v = seeding.to_dtype(st.gaussian("v", (n.H, n.S, n.E)), case.dtype)
-    edges = [0, *recipe["cuts"], n.S]
+    prefill = bool(recipe.get("prefill"))
+    edges = [0, *recipe["cuts"], *([n.S - n.L] if prefill else []), n.S]
     outs, lses = [], []
     for a, b in zip(edges, edges[1:], strict=False):
+        own_block = prefill and b == n.S  # the query block against its own keys: causal
         out, lse = refattn.attention(
             q,
             k[:, a:b],
             v[:, a:b],
+            causal=own_block,
             return_lse=True,
             precision="exact",
             out_dtype=case.dtype,

@@ -84,6 +84,34 @@ def test_float64_chunks_merged_match_attention_over_the_union(seed, cuts):
     assert_within(lse, truth_lse, bound_lse, what="merged float64 chunks: lse", case=str(pieces))
 
 
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), cut=st.integers(0, 5))
+def test_chunked_prefill_merged_is_causal_bottom_right(seed, cut):
+    """A block of L queries (the last L positions) against its cached keys in full (split at
+    ``cut``) and its own L keys causally, merged exactly from exact float64 states: causal
+    bottom-right attention over all S keys, within the states' own roundings."""
+    q, k, v = _problem(seed)
+    keys, length = k.shape[1], q.shape[1]
+    cache = keys - length
+    pieces = _chunks(cache, [cut])
+    outs, lses = _chunked(q, k, v, pieces, scale=1.0, precision="exact")
+    own = refattn.attention(
+        q, k[:, cache:], v[:, cache:], scale=1.0, causal=True, return_lse=True, precision="exact"
+    )
+    outs, lses = np.concatenate([outs, own[0][None]]), np.concatenate([lses, own[1][None]])
+    out, lse = refattn.merge_states(outs, lses, precision="exact")
+    truth_out, truth_lse = refattn.attention(
+        q, k, v, scale=1.0, causal=True, align="bottom_right", return_lse=True, precision="exact"
+    )
+    # each state is its exact value rounded once (u relative); the merge adds one rounding
+    spread = np.abs(outs - truth_out).max(axis=(0, -1))
+    rounding = UNIT_ROUNDOFF * (np.abs(outs).max(axis=0) + np.abs(truth_out))
+    bound_out = rounding + (2 * UNIT_ROUNDOFF * np.abs(lses).max(axis=0) * spread)[..., None]
+    assert_within(out, truth_out, bound_out, what="chunked prefill: out", case=str(pieces))
+    bound_lse = UNIT_ROUNDOFF * (np.abs(lses).max(axis=0) + 2 * np.abs(truth_lse))
+    assert_within(lse, truth_lse, bound_lse, what="chunked prefill: lse", case=str(pieces))
+
+
 @settings(max_examples=3)
 @given(
     seed=st.integers(0, 2**32 - 1),
