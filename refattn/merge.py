@@ -31,7 +31,7 @@ __all__ = ["as_attention", "merge_states", "merge_states_vjp", "MergeGrads", "LS
 
 #: The accepted ``lse_base`` values: "e" (natural log, refattn's default) or 2 (FlashInfer).
 LSE_BASES = ("e", 2)
-_BACKENDS = ("numpy", "numba")
+_BACKENDS = ("numpy", "numba", "cuda")
 LN2 = math.log(2.0)
 
 
@@ -126,11 +126,11 @@ def merge_states(outs, lses, *, lse_base="e", precision="float64", out_dtype=Non
     out_dtype : dtype, optional
         Output dtype of the exact path (float64 default; float32, float16, bfloat16); the
         float64 path returns float64 (the argument is still checked).
-    backend : {"numpy", "numba"}
-        The float64 path's implementation: "numpy" (log-space NumPy, bound above) or "numba"
-        (refattn's Numba CPU attention kernel on :func:`as_attention`'s inputs, base e and
-        finite-or-empty states only; within that kernel's forward bound,
-        :func:`refattn.kernels.numba_cpu.forward_error_bound`).
+    backend : {"numpy", "numba", "cuda"}
+        The float64 path's implementation: "numpy" (log-space NumPy, bound above), "numba"
+        or "cuda" (refattn's Numba CPU or numba.cuda attention kernel on
+        :func:`as_attention`'s inputs, base e and finite-or-empty states only; within that
+        kernel's forward bound, :func:`refattn.kernels.numba_cpu.forward_error_bound`).
 
     Returns
     -------
@@ -177,12 +177,14 @@ def merge_states(outs, lses, *, lse_base="e", precision="float64", out_dtype=Non
     _checks.choice(backend, "backend", _BACKENDS)
     dtype = _checks.out_dtype(out_dtype)
     outs, lses, _ = _states(outs, lses)
-    if backend == "numba" and precision != "exact":
+    if backend != "numpy" and precision != "exact":
         if c != 1.0 or not _attention_shaped(outs, lses):
             raise NotImplementedError(
-                "backend='numba': base-e states whose lses are finite or -inf (with finite outs "
-                "where live) only; use backend='numpy' for base 2 or non-finite inputs"
+                f"backend={backend!r}: base-e states whose lses are finite or -inf (with finite "
+                "outs where live) only; use backend='numpy' for base 2 or non-finite inputs"
             )
+        if backend == "cuda":
+            return _via_cuda(outs, lses)
         return _via_attention(outs, lses, precision="float64", backend="numba")
     if precision == "exact":
         if c == 1.0 and _attention_shaped(outs, lses):
@@ -248,6 +250,16 @@ def as_attention(outs, lses):
         "v": values,
         "bias": scores,
     }
+
+
+def _via_cuda(outs, lses):
+    """The base-e merge on the numba.cuda attention kernels (compute dtype float64)."""
+    from .kernels import cuda
+    from .spec import canonicalize
+
+    rest, vdim = lses.shape[1:], outs.shape[-1]
+    out, lse = cuda.attention(canonicalize(**as_attention(outs, lses)), return_lse=True)
+    return out[:, 0, 0].reshape(rest + (vdim,)), lse[:, 0, 0].reshape(rest)
 
 
 def _via_attention(outs, lses, **options):

@@ -242,3 +242,22 @@ def test_cuda_qv_matches_float64():
         ("dq", "dk", "dv", "dqv"), got, (ref.dq, ref.dk, ref.dv, ref.dqv), bounds, strict=True
     ):
         assert_within(value, truth, bound, what=what, case="qv")
+
+
+@pytest.mark.cudasim
+@needs_cuda
+def test_cuda_merge_states_within_the_kernel_bound():
+    """merge_states(backend="cuda"): the CUDA attention kernel on merge.as_attention's problem,
+    within the kernel forward bound of the exact merge."""
+    rng = np.random.default_rng(4)
+    outs = rng.standard_normal((3, 1, 2, 2))
+    lses = rng.standard_normal((3, 1, 2)) * 4
+    lses[1, 0, 0] = -np.inf
+    out, lse = refattn.merge_states(outs, lses, backend="cuda")
+    exact_out, exact_lse = refattn.merge_states(outs, lses, precision="exact")
+    problem = refattn.merge.as_attention(outs, lses)
+    spec = canonicalize(**problem)
+    _, _, weights = refattn.attention(**problem, return_lse=True, return_weights=True)
+    ob, lb = numba_cpu.forward_error_bound(spec, weights, np.float64, rescalings=3)
+    assert_within(out, exact_out, ob.reshape(out.shape), what="out", case="merge")
+    assert_within(lse, exact_lse, lb.reshape(lse.shape), what="lse", case="merge")
