@@ -284,7 +284,15 @@ def _via_attention(outs, lses, **options):
 
 
 def merge_states_vjp(
-    outs, lses, grad_out, *, grad_lse=None, lse_base="e", precision="float64", out_dtype=None
+    outs,
+    lses,
+    grad_out,
+    *,
+    grad_lse=None,
+    lse_base="e",
+    precision="float64",
+    out_dtype=None,
+    backend="numpy",
 ):
     """Vector-Jacobian product of :func:`merge_states`.
 
@@ -313,6 +321,10 @@ def merge_states_vjp(
         (``douts = dv``, ``dlses = dbias``); base e with finite-or-empty states only.
     out_dtype : dtype, optional
         Output dtype of the exact path.
+    backend : {"numpy", "numba", "cuda"}
+        The float64 path's implementation: the closed form above in NumPy, or the vjp of
+        refattn's Numba CPU / numba.cuda attention kernels on :func:`as_attention`'s problem
+        (base e, finite-or-empty states; within the kernels' backward bound).
 
     Returns
     -------
@@ -332,8 +344,11 @@ def merge_states_vjp(
     dtype = _checks.out_dtype(out_dtype)
     outs, lses, _ = _states(outs, lses)
     do = _cotangent(grad_out, outs.shape[1:], "grad_out")
+    _checks.choice(backend, "backend", _BACKENDS)
     if precision == "exact":
         return _exact_vjp(outs, lses, do, grad_lse, c, dtype)
+    if backend != "numpy":
+        return _kernel_vjp(outs, lses, do, grad_lse, c, backend)
     g = (
         np.zeros(lses.shape[1:])
         if grad_lse is None
@@ -354,6 +369,33 @@ def _cotangent(x, shape, name):
     if arr.shape != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {arr.shape}")
     return arr
+
+
+def _kernel_vjp(outs, lses, do, grad_lse, c, backend):
+    """merge_states_vjp on refattn's attention kernels (dv, dbias of as_attention's problem)."""
+    if c != 1.0 or not _attention_shaped(outs, lses):
+        raise NotImplementedError(
+            f"merge_states_vjp(backend={backend!r}): base-e states whose lses are finite or "
+            "-inf (with finite outs where live) only; use backend='numpy'"
+        )
+    states, vdim = outs.shape[0], outs.shape[-1]
+    rest = lses.shape[1:]
+    problem = as_attention(outs, lses)
+    rows = problem["bias"].shape[0]
+    grad_out = do.reshape(rows, 1, 1, vdim)
+    g = None if grad_lse is None else _cotangent(grad_lse, rest, "grad_lse").reshape(rows, 1, 1)
+    if backend == "cuda":
+        from .kernels import cuda
+        from .spec import canonicalize
+
+        _, _, dv, dbias = cuda.attention_vjp(canonicalize(**problem), grad_out, g)
+    else:
+        from .attention import attention_vjp
+
+        _, _, dv, dbias = attention_vjp(**problem, grad_out=grad_out, grad_lse=g, backend="numba")
+    douts = np.moveaxis(dv[:, 0].reshape(rest + (states, vdim)), -2, 0)
+    dlses = np.moveaxis(np.asarray(dbias)[:, 0, 0].reshape(rest + (states,)), -1, 0)
+    return MergeGrads(douts, dlses)
 
 
 def _exact_vjp(outs, lses, do, grad_lse, c, dtype):

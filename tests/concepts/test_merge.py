@@ -424,3 +424,31 @@ def test_exact_merge_vjp_refuses_base2():
     outs, lses = np.ones((2, 1, 1, 1)), np.zeros((2, 1, 1))
     with pytest.raises(NotImplementedError, match="base-2"):
         refattn.merge_states_vjp(outs, lses, np.ones((1, 1, 1)), lse_base=2, precision="exact")
+
+
+@settings(max_examples=4, deadline=None)
+@given(case=merge_states_cases(max_states=4, max_rows=2, max_vdim=3, nonfinite=False))
+def test_numba_merge_vjp_within_the_kernel_bound(case):
+    """merge_states_vjp(backend="numba"): the Numba attention vjp of as_attention's problem,
+    within that kernel's backward bound of the exact vjp (base e)."""
+    from refattn.kernels import numba_cpu
+    from refattn.spec import canonicalize
+
+    outs, lses, _ = case
+    lses = np.where(np.isfinite(lses), np.clip(lses, -600, 600), -np.inf)
+    rng = np.random.default_rng(2)
+    do, g = rng.normal(size=outs.shape[1:]), rng.normal(size=lses.shape[1:])
+    got = refattn.merge_states_vjp(outs, lses, do, grad_lse=g, backend="numba")
+    exact = refattn.merge_states_vjp(outs, lses, do, grad_lse=g, precision="exact")
+    problem = refattn.merge.as_attention(outs, lses)
+    rows, vdim = problem["bias"].shape[0], outs.shape[-1]
+    _, _, weights = refattn.attention(**problem, return_lse=True, return_weights=True)
+    bounds = numba_cpu.backward_error_bound(
+        canonicalize(**problem), weights, do.reshape(rows, 1, 1, vdim), g.reshape(rows, 1, 1)
+    )
+    dv_bound = np.moveaxis(
+        bounds[2][:, 0].reshape(lses.shape[1:] + outs.shape[:1] + (vdim,)), -2, 0
+    )
+    dbias_bound = np.moveaxis(bounds[3][:, 0, 0].reshape(lses.shape[1:] + outs.shape[:1]), -1, 0)
+    assert_within(got.douts, exact.douts, dv_bound, what="numba merge douts")
+    assert_within(got.dlses, exact.dlses, dbias_bound, what="numba merge dlses")
