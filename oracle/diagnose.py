@@ -449,6 +449,14 @@ def _fits(out, truth, scale, limit, dtype) -> bool:
     return bool(np.all(err <= limit))
 
 
+#: multiply-adds the single alternatives of one failing case may cost (the named ones come
+#: first, the kernel models after): the long rows (S up to 128k) get the first few
+ALTERNATIVES_WORK_CAP = 2**34
+#: largest evaluation (multiply-adds) for which pairs of alternatives are tried (kernel-scale
+#: rows of a few hundred keys are; long rows are not)
+PAIRS_WORK_CAP = 2**27
+
+
 def diagnose(q, k, v, options, out, *, limit, dtype, max_pairs=True) -> list[str]:
     """Labels of the alternatives whose float64 truth ``out`` fits within ``limit``.
 
@@ -467,6 +475,13 @@ def diagnose(q, k, v, options, out, *, limit, dtype, max_pairs=True) -> list[str
     candidates = alternatives(
         options, H=H, K=K, L=L, S=S, D=D, E=E, has_empty=has_empty, has_excluded=has_excluded
     ) + kernel_alternatives(L, S)
+    # each alternative is a textbook evaluation of ~rows * S * (D + E) multiply-adds: long rows
+    # get the single alternatives within a budget, pairs only on small cases
+    work = int(np.prod(np.shape(q3)[:-1])) * S * (D + E)
+    if work * len(candidates) > ALTERNATIVES_WORK_CAP:
+        candidates = candidates[: max(ALTERNATIVES_WORK_CAP // max(work, 1), 0)]
+    if work > PAIRS_WORK_CAP:
+        max_pairs = False
     magnitude = tol.score_magnitude(q, k, **options)
     f64 = tol.forward_floors(
         "float64", D=D, S=S, L=L, E=E, G=max(H // K, 1), magnitude=magnitude, allowed=allowed
