@@ -113,8 +113,10 @@ def call_forward(impl, q, k, v, options):
 
     A TypeError refusing one of the options is a NotImplementedError ("unsupported")."""
     copies = passed_options(options, impl)
+    # a sigmoid case has no log-sum-exp to ask for (normalizer="sigmoid" refuses return_lse)
+    ask_lse = {} if options.get("normalizer") == "sigmoid" else {"return_lse": True}
     try:
-        result = impl(np.copy(q), np.copy(k), np.copy(v), **copies, return_lse=True)
+        result = impl(np.copy(q), np.copy(k), np.copy(v), **copies, **ask_lse)
     except (TypeError, NotImplementedError) as err:
         if "return_lse" not in str(err) and "lse" not in str(err):
             raise _unsupported_keyword(err, copies) from err

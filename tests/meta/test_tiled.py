@@ -101,6 +101,7 @@ def fixtures():
         if c.function == "attention"
         and any(fnmatch.fnmatchcase(c.name, p) for p in patterns)
         and (not c.name.startswith("k-") or c.dtype in ("float32", "float16"))
+        and c.shapes.S <= 4096  # the 2k-128k-key long rows: oracle.power's (slow) tests
     ]
     return {c.name: golden.build(c) for c in chosen}
 
