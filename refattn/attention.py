@@ -564,7 +564,7 @@ def _forward_paths(spec, precision, backend, out_dtype, return_lse, return_weigh
 
 def _lse_base(value, return_lse) -> float:
     """The factor ln(base) of ``lse_base`` (1 for "e"); base 2 needs ``return_lse``."""
-    from .merge import base_factor
+    from .logspace import base_factor
 
     base = base_factor(value)
     if base != 1.0 and not return_lse:

@@ -19,7 +19,31 @@ import numpy as np
 from . import _checks
 from .exact import logspace as exact
 
-__all__ = ["logsumexp", "softmax", "log_softmax", "masked_logsumexp", "masked_softmax"]
+__all__ = [
+    "logsumexp",
+    "softmax",
+    "log_softmax",
+    "masked_logsumexp",
+    "masked_softmax",
+    "LSE_BASES",
+    "base_factor",
+]
+
+#: The accepted ``lse_base`` values: "e" (natural log, refattn's default) or 2 (FlashInfer's
+#: base-2 lse), of :func:`refattn.attention` and :func:`refattn.merge_states`.
+LSE_BASES = ("e", 2)
+LN2 = float(np.log(2.0))
+
+
+def base_factor(value) -> float:
+    """The factor c with ``natural lse = c * lse`` of an ``lse_base`` argument (1 or ln 2).
+
+    >>> base_factor("e"), round(base_factor(2), 6)
+    (1.0, 0.693147)
+    """
+    if isinstance(value, bool) or value not in LSE_BASES:
+        raise ValueError(f"lse_base: expected 'e' (natural log) or 2 (base-2 lse), got {value!r}")
+    return 1.0 if value == "e" else LN2
 
 
 def _prepare(x, axis, where):

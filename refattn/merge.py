@@ -19,20 +19,17 @@ This module holds the float64 path and the dispatch; the exact path is
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import numpy as np
 
 from . import _checks
 from .exact.merge import nonfinite_pattern
+from .logspace import LSE_BASES, base_factor
 
 __all__ = ["as_attention", "merge_states", "merge_states_vjp", "MergeGrads", "LSE_BASES"]
 
-#: The accepted ``lse_base`` values: "e" (natural log, refattn's default) or 2 (FlashInfer).
-LSE_BASES = ("e", 2)
 _BACKENDS = ("numpy", "numba", "cuda")
-LN2 = math.log(2.0)
 
 
 class MergeGrads(NamedTuple):
@@ -40,13 +37,6 @@ class MergeGrads(NamedTuple):
 
     douts: np.ndarray
     dlses: np.ndarray
-
-
-def base_factor(value) -> float:
-    """The factor c with ``natural lse = c * lse`` of an ``lse_base`` argument (1 or ln 2)."""
-    if isinstance(value, bool) or value not in LSE_BASES:
-        raise ValueError(f"lse_base: expected 'e' (natural log) or 2 (base-2 lse), got {value!r}")
-    return 1.0 if value == "e" else LN2
 
 
 def _states(outs, lses):
