@@ -336,9 +336,9 @@ def merge_states_vjp(
     do = _cotangent(grad_out, outs.shape[1:], "grad_out")
     _checks.choice(backend, "backend", _BACKENDS)
     if precision == "exact":
-        return _exact_vjp(outs, lses, do, grad_lse, c, dtype)
+        return _vjp_via_attention(outs, lses, do, grad_lse, c, dtype=dtype)
     if backend != "numpy":
-        return _kernel_vjp(outs, lses, do, grad_lse, c, backend)
+        return _vjp_via_attention(outs, lses, do, grad_lse, c, backend=backend)
     g = (
         np.zeros(lses.shape[1:])
         if grad_lse is None
@@ -361,12 +361,16 @@ def _cotangent(x, shape, name):
     return arr
 
 
-def _kernel_vjp(outs, lses, do, grad_lse, c, backend):
-    """merge_states_vjp on refattn's attention kernels (dv, dbias of as_attention's problem)."""
+def _vjp_via_attention(outs, lses, do, grad_lse, c, *, backend="numpy", dtype=None):
+    """merge_states_vjp as the attention vjp of :func:`as_attention`'s problem
+    (``douts = dv``, ``dlses = dbias``): exact when ``dtype`` is given, else on refattn's
+    Numba CPU or numba.cuda kernels (``backend``)."""
     if c != 1.0 or not _attention_shaped(outs, lses):
+        where = "precision='exact'" if dtype is not None else f"backend={backend!r}"
         raise NotImplementedError(
-            f"merge_states_vjp(backend={backend!r}): base-e states whose lses are finite or "
-            "-inf (with finite outs where live) only; use backend='numpy'"
+            f"merge_states_vjp({where}): base-e states whose lses are finite or -inf (with "
+            "finite outs where live) only; the base-2 cotangent g / ln 2 is irrational exactly "
+            "and the kernels take natural lses: use backend='numpy'"
         )
     states, vdim = outs.shape[0], outs.shape[-1]
     rest = lses.shape[1:]
@@ -374,7 +378,7 @@ def _kernel_vjp(outs, lses, do, grad_lse, c, backend):
     rows = problem["bias"].shape[0]
     grad_out = do.reshape(rows, 1, 1, vdim)
     g = None if grad_lse is None else _cotangent(grad_lse, rest, "grad_lse").reshape(rows, 1, 1)
-    if backend == "cuda":
+    if backend == "cuda" and dtype is None:
         from .kernels import cuda
         from .spec import canonicalize
 
@@ -382,35 +386,10 @@ def _kernel_vjp(outs, lses, do, grad_lse, c, backend):
     else:
         from .attention import attention_vjp
 
-        _, _, dv, dbias = attention_vjp(**problem, grad_out=grad_out, grad_lse=g, backend="numba")
+        path = {"precision": "exact", "out_dtype": dtype} if dtype is not None else {}
+        _, _, dv, dbias = attention_vjp(
+            **problem, grad_out=grad_out, grad_lse=g, backend="numpy" if path else backend, **path
+        )
     douts = np.moveaxis(dv[:, 0].reshape(rest + (states, vdim)), -2, 0)
     dlses = np.moveaxis(np.asarray(dbias)[:, 0, 0].reshape(rest + (states,)), -1, 0)
-    return MergeGrads(douts, dlses)
-
-
-def _exact_vjp(outs, lses, do, grad_lse, c, dtype):
-    """merge_states_vjp's exact path: the exact attention vjp of :func:`as_attention`."""
-    from .attention import attention_vjp
-
-    if c != 1.0 or not _attention_shaped(outs, lses):
-        raise NotImplementedError(
-            "merge_states_vjp(precision='exact'): base-e states whose lses are finite or -inf "
-            "(with finite outs where live) only; the base-2 cotangent g / ln 2 is irrational"
-        )
-    states, vdim = outs.shape[0], outs.shape[-1]
-    rest = lses.shape[1:]
-    problem = as_attention(outs, lses)
-    rows = problem["bias"].shape[0]
-    g = None
-    if grad_lse is not None:
-        g = _cotangent(grad_lse, rest, "grad_lse").reshape(rows, 1, 1)
-    grads = attention_vjp(
-        **problem,
-        grad_out=do.reshape(rows, 1, 1, vdim),
-        grad_lse=g,
-        precision="exact",
-        out_dtype=dtype,
-    )
-    douts = np.moveaxis(grads.dv[:, 0].reshape(rest + (states, vdim)), -2, 0)
-    dlses = np.moveaxis(grads.dbias[:, 0, 0].reshape(rest + (states,)), -1, 0)
     return MergeGrads(douts, dlses)
