@@ -21,7 +21,7 @@ from refattn.bounds import float64_forward_bound, float64_vjp_bound
 from refattn.bounds.unit import unit_roundoff
 from refattn.spec import canonicalize, fold
 from tests.helpers import assert_same_bits, assert_within
-from tests.naive.attention import naive_attention, naive_attention_rounded
+from tests.naive.attention import naive_attention, naive_batch_rounded
 from tests.naive.mp import central_vjp
 from tests.naive.rounding import round_nested
 
@@ -53,18 +53,11 @@ def _options(options, rng, shape):
 
 
 def _twin(q, k, v, qv, opts, dtype, sinks=None, kv_lengths=None):
-    outs, lses = [], []
-    for b in range(q.shape[0]):
-        row = {key: (val[b] if key == "bias" else val) for key, val in opts.items()}
-        row["qv"] = qv[b]
-        if sinks is not None:
-            row["sinks"] = sinks
-        if kv_lengths is not None:
-            row["kv_length"] = int(kv_lengths[b])
-        out, lse, _ = naive_attention_rounded(q[b], k[b], v[b], row, dtype)
-        outs.append(out)
-        lses.append(lse)
-    return np.stack(outs), np.stack(lses)
+    per_row = {"qv": qv, **({"bias": opts["bias"]} if "bias" in opts else {})}
+    rest = {key: val for key, val in opts.items() if key != "bias"}
+    return naive_batch_rounded(
+        q, k, v, rest, dtype, sinks=sinks, kv_lengths=kv_lengths, per_row=per_row
+    )
 
 
 @settings(max_examples=4, deadline=None)

@@ -16,7 +16,7 @@ from refattn.bounds.unit import unit_roundoff
 from refattn.spec import canonicalize, fold
 from tests.helpers import assert_same_bits as assert_exact
 from tests.helpers import assert_within
-from tests.naive.attention import naive_attention, naive_attention_rounded
+from tests.naive.attention import naive_attention, naive_attention_rounded, naive_batch_rounded
 
 DTYPES = ["float64", "float32", "float16", "bfloat16"]
 
@@ -41,17 +41,7 @@ OPTION_SETS = [
 
 def _naive(q, k, v, opts, dtype, sinks=None, kv_lengths=None):
     """The loop twin per batch row, rounded once to dtype (out, lse)."""
-    outs, lses = [], []
-    for b in range(q.shape[0]):
-        row = dict(opts)
-        if sinks is not None:
-            row["sinks"] = sinks
-        if kv_lengths is not None:
-            row["kv_length"] = int(kv_lengths[b])
-        out, lse, _ = naive_attention_rounded(q[b], k[b], v[b], row, dtype)
-        outs.append(out)
-        lses.append(lse)
-    return np.stack(outs), np.stack(lses)
+    return naive_batch_rounded(q, k, v, opts, dtype, sinks=sinks, kv_lengths=kv_lengths)
 
 
 @settings(max_examples=12, deadline=None)

@@ -202,6 +202,24 @@ def naive_attention_rounded(q, k, v, opts, dtype):
     )
 
 
+def naive_batch_rounded(q, k, v, opts, dtype, *, sinks=None, kv_lengths=None, per_row=None):
+    """:func:`naive_attention_rounded` per batch row, stacked (out, lse): ``kv_lengths[b]``
+    becomes the row's ``kv_length``; ``per_row`` (name -> (B, ...) array) gives options that
+    differ by batch row (a per-row bias, qv)."""
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        row = dict(opts)
+        row.update({name: value[b] for name, value in (per_row or {}).items()})
+        if sinks is not None:
+            row["sinks"] = sinks
+        if kv_lengths is not None:
+            row["kv_length"] = int(kv_lengths[b])
+        out, lse, _ = naive_attention_rounded(q[b], k[b], v[b], row, dtype)
+        outs.append(out)
+        lses.append(lse)
+    return np.stack(outs), np.stack(lses)
+
+
 def naive_attention_vjp(q, k, v, grad_out, *, scale=None, dps=60):
     """(dq, dk, dv) of plain single-head attention by loops: q (L, D), k (S, D), v (S, E),
     grad_out (L, E); nested lists of mpf.
