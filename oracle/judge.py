@@ -349,14 +349,14 @@ def _check_forward(ctx, fixture, out, lse, checks):
     out, problem = _shape_check("out", out, truth_out)
     if problem:
         return problem
-    base = textbook_attention(ctx.q, ctx.k, ctx.v, dtype=ctx.dtype, **ctx.options)
-    scale = tol.output_scale(ctx.dropped, ctx.v, gqa=ctx.options.get("gqa"))
-    if ctx.single:
-        scale = scale[0]
-    base_err = _finite_part(tol.normalised_error(base.out, truth_out, scale, ctx.dtype), truth_out)
-    threshold = _forward_threshold(
-        ctx, base_err, ctx.output_floor(truth_out, truth_out.size, ctx.tier)
-    )
+    if getattr(ctx, "forward", None) is None:  # the fixture's own part, kept on ctx
+        base = textbook_attention(ctx.q, ctx.k, ctx.v, dtype=ctx.dtype, **ctx.options)
+        scale = tol.output_scale(ctx.dropped, ctx.v, gqa=ctx.options.get("gqa"))
+        scale = scale[0] if ctx.single else scale
+        err = _finite_part(tol.normalised_error(base.out, truth_out, scale, ctx.dtype), truth_out)
+        floor = ctx.output_floor(truth_out, truth_out.size, ctx.tier)
+        ctx.forward = base, scale, _forward_threshold(ctx, err, floor)
+    base, scale, threshold = ctx.forward
     checks["out"] = _judge(
         "out", out, truth_out, scale, threshold, ctx.dtype, rounded=_truth_rounded(fixture, "out")
     )
@@ -379,15 +379,14 @@ def _check_forward(ctx, fixture, out, lse, checks):
         lse, problem = _shape_check("lse", lse, truth_lse)
         if problem:
             return problem
-        weights = ctx.exact64.weights
-        magnitude = ctx.magnitude[0] if ctx.single else ctx.magnitude
-        lscale = tol.lse_scale(truth_lse, weights, magnitude)
-        base_err = _finite_part(
-            tol.normalised_error(base.lse, truth_lse, lscale, ctx.dtype), truth_lse
-        )
-        threshold = _forward_threshold(
-            ctx, base_err, ctx.lse_floor(truth_lse, truth_lse.size, ctx.tier)
-        )
+        if getattr(ctx, "lse_parts", None) is None:
+            magnitude = ctx.magnitude[0] if ctx.single else ctx.magnitude
+            lscale = tol.lse_scale(truth_lse, ctx.exact64.weights, magnitude)
+            err = tol.normalised_error(base.lse, truth_lse, lscale, ctx.dtype)
+            floor = ctx.lse_floor(truth_lse, truth_lse.size, ctx.tier)
+            threshold = _forward_threshold(ctx, _finite_part(err, truth_lse), floor)
+            ctx.lse_parts = lscale, threshold
+        lscale, threshold = ctx.lse_parts
         checks["lse"] = _judge(
             "lse",
             lse,
@@ -516,7 +515,13 @@ def _run_checks(impl, fixture, grads, diagnose, result, tier="default"):
     inputs = fixture.inputs
     options = {n: x for n, x in fixture.options.items() if n != "return_lse"}
     out, lse = call_forward(impl, inputs["q"], inputs["k"], inputs["v"], options)
-    ctx = _Context(fixture, tier)
+    # a run judging one fixture many times (oracle.power) keeps its contexts, ungraded
+    memo = getattr(fixture, "judge_memo", None)
+    ctx = memo.get(tier) if memo is not None else None
+    if ctx is None:
+        ctx = _Context(fixture, tier, grade=memo is None)
+        if memo is not None:
+            memo[tier] = ctx
     with np.errstate(all="ignore"):
         problem = _check_forward(ctx, fixture, out, lse, result.checks)
         notes = []
