@@ -9,7 +9,7 @@ Commands::
                             (--suite NAME | --fixtures DIR) [--dtype D] [--case PATTERN ...]
                             [--json F] [--junit F] [--html F [--plots WHICH]] [--strict]
                             [--grads] [--require FEATURE ...] [--timeout SECONDS]
-                            [--memory-limit MIB] [--in-process]
+                            [--memory-limit MIB] [--in-process] [--workers N]
                             [--executor dask --scheduler ADDRESS]
     refattn-oracle list [suites | cases --suite NAME | adapters]
 
@@ -225,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     val.add_argument("--quiet", action="store_true", help="no progress bar, failures only")
     _executor_args(val, "(implementation, case) pairs")
+    val.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="supervised worker processes running cases concurrently (default: "
+        "%(default)s; results in case order, as a serial run's)",
+    )
 
     lst = sub.add_parser("list", help="list suites, cases or adapters")
     lst.add_argument("what", nargs="?", default="suites", choices=("suites", "cases", "adapters"))
@@ -360,6 +367,10 @@ def _validate(args) -> int:
         **signatures.options_of(args),
         strict_invariance=args.strict_invariance,
     )
+    if args.workers < 1:
+        return _err(f"--workers: expected an integer >= 1, got {args.workers}")
+    if args.executor != "dask":
+        options["workers"] = args.workers
     if args.merge_convention or (args.suite or "").startswith("merge"):
         from .merge_conventions import adapt
 
