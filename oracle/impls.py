@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-__all__ = ["resolve_impl", "callable_spec", "is_module_spec", "locate_impl"]
+__all__ = ["resolve_impl", "callable_spec", "is_module_spec", "locate_impl", "adapter_located"]
 
 
 def resolve_impl(impl):
@@ -93,7 +93,7 @@ def locate_impl(impl) -> None:
     ImportError: impl: cannot import module 'no_such_module_xyz' ...
     """
     if not is_module_spec(impl):
-        if not _adapter_located(impl):
+        if not adapter_located(impl):
             resolve_impl(impl)
         return
     module_name, _ = _split(impl)
@@ -109,9 +109,15 @@ def locate_impl(impl) -> None:
         )
 
 
-def _adapter_located(impl) -> bool:
+def adapter_located(impl) -> bool:
     """Whether ``impl`` names an adapter whose peer package is installed, found without
-    importing it (the supervised worker imports it; the caller need not pay for torch too)."""
+    importing it (the supervised worker imports it; the caller need not pay for torch too).
+
+    Examples
+    --------
+    >>> adapter_located("refattn-float64"), adapter_located("mypkg:attention")
+    (True, False)
+    """
     import importlib.util
 
     from . import adapters

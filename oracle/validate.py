@@ -43,7 +43,7 @@ from . import tolerance as tol
 from ._progress import Progress
 from .features import KNOWN_FEATURES, case_features
 from .guidance import FIRST_CASES, check_first_cases
-from .impls import _adapter_located, is_module_spec, locate_impl, resolve_impl
+from .impls import adapter_located, is_module_spec, locate_impl, resolve_impl
 from .judge import check_fixture
 from .results import Report
 
@@ -327,7 +327,7 @@ def validate(
     convention = check_convention(layout, framework, device, signature, causal_align, keywords)
     default_convention = convention == check_convention()
     in_worker = isinstance(convention.get("signature", ""), str)  # a Signature object is not
-    if isolate and in_worker and (is_module_spec(impl) or _adapter_located(impl)):
+    if isolate and in_worker and (is_module_spec(impl) or adapter_located(impl)):
         # only the worker imports it: a module that exits, crashes or hangs at import cannot
         # end this process (with rc 0 for sys.exit(0)) or stall it; Supervisor.start says why
         locate_impl(impl)
