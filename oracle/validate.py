@@ -217,6 +217,7 @@ def validate(
     keywords=None,
     strict_invariance=False,
     workers=1,
+    refusals_are_errors=False,
 ) -> Report:
     """Validate ``impl`` on a suite or a fixture directory in one dtype.
 
@@ -291,6 +292,9 @@ def validate(
         invariance checks included, come in case order and are those of the serial run. An
         implementation that cannot run isolated (a lambda, ``isolate=False``) runs serially in
         this process whatever ``workers`` says.
+    refusals_are_errors : bool
+        An implementation's refusal of a case (a ValueError "... must match" and the like,
+        :mod:`oracle.refusals`) is "unsupported" with its message; True makes it "error".
 
     Options equal to :func:`refattn.attention`'s defaults are not passed to the
     implementation (:func:`passed_options`): its own defaults then apply.
@@ -437,6 +441,10 @@ def validate(
         for worker in pool:
             if worker is not None:
                 worker.close()
+    if refusals_are_errors:
+        from .refusals import refusals_as_errors
+
+        refusals_as_errors(results)
     report = Report(
         _impl_name(fn, spec), dtype, label, strict, results, time.perf_counter() - start, grads
     )
