@@ -74,6 +74,8 @@ def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=N
     if p:
         raise NotImplementedError("this sketch draws no dropout")
     grouped = query.ndim == 5
+    if not grouped and query.shape[2] != key.shape[2]:  # as xformers: GQA only in 5-D
+        raise ValueError("query and key must have the same number of heads in the BMHK form")
     if grouped:  # fold (G, H) into one head axis: key/value heads are repeated along H
         b, m, g, h, _ = query.shape
         query, key, value = (
