@@ -218,6 +218,7 @@ def validate(
     strict_invariance=False,
     workers=1,
     refusals_are_errors=False,
+    keep_worker=False,
 ) -> Report:
     """Validate ``impl`` on a suite or a fixture directory in one dtype.
 
@@ -295,6 +296,10 @@ def validate(
     refusals_are_errors : bool
         An implementation's refusal of a case (a ValueError "... must match" and the like,
         :mod:`oracle.refusals`) is "unsupported" with its message; True makes it "error".
+    keep_worker : bool
+        Keep the supervised worker process running after the run, for the next run of the
+        same implementation in this process (:mod:`oracle.worker_cache`; the Dask executor
+        sets it: each Dask worker keeps one child across its tasks).
 
     Options equal to :func:`refattn.attention`'s defaults are not passed to the
     implementation (:func:`passed_options`): its own defaults then apply.
@@ -361,15 +366,17 @@ def validate(
         worker_ref = None
     if worker_ref is not None and not default_convention:
         worker_ref = (worker_ref, convention)
-    supervisor = (
-        None
-        if worker_ref is None
-        else Supervisor(
-            worker_ref,
-            timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
-            memory_limit=memory_limit,
-        )
+    limits = dict(
+        timeout=DEFAULT_TIMEOUT if timeout is None else timeout, memory_limit=memory_limit
     )
+    if worker_ref is None:
+        supervisor = None
+    elif keep_worker:  # a Dask worker keeps its supervised child across tasks
+        from .worker_cache import kept_supervisor
+
+        supervisor = kept_supervisor(worker_ref, **limits)
+    else:
+        supervisor = Supervisor(worker_ref, **limits)
 
     def run_item(item, worker) -> list:
         """The case's result and its invariance checks, run by ``worker`` (or in process)."""
@@ -439,7 +446,7 @@ def validate(
                     done(run_item(item, supervisor))
     finally:
         for worker in pool:
-            if worker is not None:
+            if worker is not None and not (keep_worker and worker is supervisor):
                 worker.close()
     if refusals_are_errors:
         from .refusals import refusals_as_errors

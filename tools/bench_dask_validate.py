@@ -6,9 +6,10 @@
 Runs, over the same cases: the local serial validation (one supervised worker process, as
 ``refattn-oracle validate``), the local parallel one (``--workers N``, N = ``--dask-workers``)
 and ``oracle.distribute.validate_many`` on a ``LocalCluster`` of N single-threaded worker
-processes. Prints each wall time (the cluster's start-up apart: a Dask user's scheduler is
-already running), the ratios, the verdict counts (which must agree) and the load average
-before and after (the figures mean little on a loaded machine). Needs
+processes, twice (the second run finds each Dask worker's supervised child kept from the
+first: :mod:`oracle.worker_cache`). Prints each wall time (the cluster's start-up apart: a
+Dask user's scheduler is already running), the ratios, the verdict counts (which must agree)
+and the load average before and after (the figures mean little on a loaded machine). Needs
 ``pip install dask distributed``.
 """
 
@@ -55,6 +56,9 @@ def main(argv=None) -> None:
         start = time.perf_counter()
         remote = validate_many([args.adapter], client=client, **source)[args.adapter]
         t_dask = time.perf_counter() - start
+        start = time.perf_counter()  # again: each Dask worker kept its supervised child
+        again = validate_many([args.adapter], client=client, **source)[args.adapter]
+        t_again = time.perf_counter() - start
     same = (
         [r.verdict for r in serial.results]
         == [r.verdict for r in remote.results]
@@ -66,6 +70,11 @@ def main(argv=None) -> None:
     print(f"dask ({n} workers; cluster start-up {t_cluster:.1f} s apart): {t_dask:.1f} s")
     print(f"dask / local --workers {n}: {t_dask / t_local:.2f}")
     print(f"dask / local serial: {t_dask / t_serial:.2f}")
+    print(
+        f"dask again on the same cluster (children kept): {t_again:.1f} s, "
+        f"{t_again / t_local:.2f}x local --workers {n}, counts agree: "
+        f"{again.counts() == remote.counts()}"
+    )
     print(f"load after: {os.getloadavg()}")
 
 
