@@ -49,3 +49,17 @@ def test_workers_argument_and_in_process_callables():
         progress=False,
     )
     assert [r.verdict for r in report.results] == ["pass"] and not report.isolated
+
+
+def test_kept_worker_is_reused_across_runs():
+    from oracle import worker_cache
+
+    options = dict(suite="smoke", dtype="float64", cases=["basic-*"], progress=False)
+    try:
+        for _ in range(2):
+            report = validate("refattn-float64", keep_worker=True, **options)
+            assert [r.verdict for r in report.results] == ["pass"]
+        (kept,) = worker_cache._KEPT.values()
+        assert kept.starts == 1  # one worker process served both runs
+    finally:
+        worker_cache.close_kept()
