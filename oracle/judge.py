@@ -111,7 +111,16 @@ def call_forward(impl, q, k, v, options):
     """Run ``impl``'s forward as the judge does (``return_lse=True`` first, then without it;
     options equal to refattn's defaults left out); returns float64 (out, lse or None).
 
-    A TypeError refusing one of the options is a NotImplementedError ("unsupported")."""
+    A TypeError refusing one of the options is a NotImplementedError ("unsupported"), and so
+    is an exception that reads as the implementation's refusal of the case
+    (:func:`oracle.refusals.as_refusal`)."""
+    from .refusals import refusing
+
+    with refusing():
+        return _call_forward(impl, q, k, v, options)
+
+
+def _call_forward(impl, q, k, v, options):
     copies = passed_options(options, impl)
     # a sigmoid case has no log-sum-exp to ask for (normalizer="sigmoid" refuses return_lse)
     ask_lse = {} if options.get("normalizer") == "sigmoid" else {"return_lse": True}
