@@ -173,7 +173,7 @@ def test_exact_matches_loop_twin(seed, fmt, style, which, options, dtype):
 
 
 @pytest.mark.slow
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(**CASES)
 def test_exact_matches_loop_twin_more(seed, fmt, style, which, options, dtype):
     _check_exact(seed, fmt, style, which, options, dtype)

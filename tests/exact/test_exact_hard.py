@@ -242,7 +242,13 @@ def _sampled_rows_match(length, keys, dim, rows, seed, **opts):
 
 @pytest.mark.slow
 def test_rows_crossing_key_tiles():
-    _sampled_rows_match(130, 300, 128, rows=(0, 64, 129), seed=7)
+    # the last, partial query tile; each sampled row costs its 60-digit twin (~5 s)
+    _sampled_rows_match(130, 300, 128, rows=(129,), seed=7)
+
+
+@pytest.mark.xslow
+def test_rows_crossing_key_tiles_first_tiles():
+    _sampled_rows_match(130, 300, 128, rows=(0, 64), seed=7)
 
 
 def test_vjp_dbias_signed_zeros():

@@ -278,7 +278,7 @@ def test_dbias_along_the_keys_is_summed_by_rows(shape):
 def test_dbias_along_the_keys_without_grad_lse_is_zero(shape):
     """Without grad_lse a row's dS sums to exactly 0: dbias is +0, decided by the first step,
     and a bias constant along each row changes no weight, so dq, dk, dv are those of the call
-    without bias (the referee's; its own proof of the zero dbias is the slow test below)."""
+    without bias (the referee's; its own proof of the zero dbias is the xslow test below)."""
     spec, plain, d, _ = _along_keys_problem(shape, False)
     stats = {}
     fast = exact_vjp(spec, d, None, np.dtype("float64"), engine="fast", stats=stats)
@@ -289,7 +289,7 @@ def test_dbias_along_the_keys_without_grad_lse_is_zero(shape):
         assert_same_bits(a, b, what=what, case=str(shape), check_dtype=True)
 
 
-@pytest.mark.slow
+@pytest.mark.xslow  # the referee's own proof of a zero dbias: about a minute
 def test_dbias_along_the_keys_without_grad_lse_matches_the_referee():
     spec, _, d, _ = _along_keys_problem((), False)
     fast = _grads(spec, d, None, "float64", "fast")

@@ -313,7 +313,7 @@ def test_verify_names_a_missing_truth_member(tmp_path):
     assert problems and "truth/chi_diag_f64" in problems[0], problems
 
 
-@pytest.mark.slow
+@pytest.mark.xslow  # the smoke suite's twin above runs by default (1 vs 2 workers)
 def test_default_generation_is_deterministic(tmp_path, capsys):
     start = time.perf_counter()
     first = golden.generate(DEFAULT, tmp_path / "a", progress=False, workers=2)
