@@ -524,13 +524,11 @@ def _run_checks(impl, fixture, grads, diagnose, result, tier="default"):
     inputs = fixture.inputs
     options = {n: x for n, x in fixture.options.items() if n != "return_lse"}
     out, lse = call_forward(impl, inputs["q"], inputs["k"], inputs["v"], options)
-    # a run judging one fixture many times (oracle.power) keeps its contexts, ungraded
-    memo = getattr(fixture, "judge_memo", None)
-    ctx = memo.get(tier) if memo is not None else None
-    if ctx is None:
-        ctx = _Context(fixture, tier, grade=memo is None)
-        if memo is not None:
-            memo[tier] = ctx
+    memo = getattr(fixture, "judge_memo", None)  # oracle.power: contexts kept, ungraded
+    if memo is None:
+        ctx = _Context(fixture, tier)
+    elif (ctx := memo.get(tier)) is None:
+        ctx = memo[tier] = _Context(fixture, tier, grade=False)
     with np.errstate(all="ignore"):
         problem = _check_forward(ctx, fixture, out, lse, result.checks)
         notes = []
