@@ -65,46 +65,14 @@ from .catalogue.variants import FUNCTIONS, forward_inputs, grad_names, outputs_o
 from .diagnose_fp4 import diagnose_fp4
 from .diagnose_models import ORDER_ONE
 from .diagnose_tiles import storage_dtype
+from .passing import passed_options
 from .report_summary import key_map
 from .results import CaseResult, Check, Worst, grade_of
 from .variant_scales import condition, grad_floor_terms, grad_scale, natural_scale
 
-__all__ = ["check_fixture", "run_guarded", "call_forward"]
+__all__ = ["check_fixture", "run_guarded", "call_forward", "passed_options"]
 
 _GRADS = ("dq", "dk", "dv", "dbias", "dsinks", "dqv")
-
-
-def _refattn_defaults() -> dict:
-    import inspect
-
-    from refattn.attention import attention
-
-    parameters = inspect.signature(attention).parameters.items()
-    return {
-        name: p.default
-        for name, p in parameters
-        if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is not p.empty
-    }
-
-
-def passed_options(options, impl=None) -> dict:
-    """The options an implementation receives: those equal to :func:`refattn.attention`'s
-    defaults are left out (the implementation's own defaults then apply), so a function that
-    follows the calling convention but lacks a keyword (``align``, ``gqa``, ``empty_rows``...)
-    is still judged on every case that uses that keyword's default. A keyword ``impl``'s
-    signature declares with another default (``align="bottom_right"``) is compared with that
-    default instead (:func:`oracle.signatures.function_defaults`)."""
-    from .signatures import function_defaults
-
-    defaults = {**_refattn_defaults(), **function_defaults(impl)}
-    return {
-        name: np.copy(x) if isinstance(x, np.ndarray) else x
-        for name, x in options.items()
-        if isinstance(x, np.ndarray)
-        or name not in defaults
-        or type(x) is not type(defaults[name])
-        or x != defaults[name]
-    }
 
 
 def call_forward(impl, q, k, v, options):

@@ -236,7 +236,7 @@ def phase_agreement(summary, clock, source):
     import numpy as np
 
     from oracle.adapters.refattn_kernels import RefattnCuda, RefattnNumba
-    from oracle.judge import passed_options
+    from oracle.passing import passed_options
 
     gpu, cpu = RefattnCuda(), RefattnNumba()
     totals = {

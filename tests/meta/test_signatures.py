@@ -12,7 +12,7 @@ import pytest
 from oracle import signatures
 from oracle.conventions import NOT_EXPRESSIBLE, check_convention, wrap
 from oracle.guidance import ConventionError, hint
-from oracle.judge import passed_options
+from oracle.passing import passed_options
 from oracle.signatures import Call, get
 from oracle.validate import validate
 from refattn import attention
