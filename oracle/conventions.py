@@ -197,15 +197,26 @@ def wrap(
 
     @functools.wraps(impl)
     def forward(q, k, v, **options):
-        args, kwargs, unpack = _LAYOUT_IN[layout](q, k, v, options)
-        if speaks is not None:
-            kwargs = speaks(q, k, v, options, kwargs)
+        try:
+            args, kwargs, unpack = _LAYOUT_IN[layout](q, k, v, options)
+            if speaks is not None:
+                kwargs = speaks(q, k, v, options, kwargs)
+        except Exception as err:
+            err.oracle_conversion = True  # raised here, not by impl (oracle.refusal)
+            raise
         try:
             result = impl(
                 *(bridge.to(a) for a in args), **{n: bridge.to(a) for n, a in kwargs.items()}
             )
         except TypeError as err:  # a DSA keyword refused: "unsupported"
             raise refused_keyword(err, layout) from err
+        try:
+            return back(result, unpack)
+        except Exception as err:
+            err.oracle_returned = True  # impl returned something unreadable (oracle.refusal)
+            raise
+
+    def back(result, unpack):
         out, lse = (
             (result[0], result[1] if len(result) > 1 else None)
             if isinstance(result, (tuple, list))

@@ -17,6 +17,8 @@ readable by ``numpy.load(path, allow_pickle=False)`` or any npy reader:
   case spec and check them (:mod:`oracle.golden_compact`);
 * ``truth/<name>``: out, out_f64, lse, lse_f64 and, for gradient cases, dq, dk, dv (dbias when
   the case has a bias, dsinks when it has sinks) with their ``_f64`` twins.
+  A refusal case (category "refusal", :mod:`oracle.refusal`) stores its malformed inputs and
+  no truth; its ``truth_kind`` (meta and manifest entry) is "refusal".
   ``out``/``lse``/``d*`` are in the case dtype;
 * ``case``: the case spec (0-d unicode array holding JSON, see :meth:`oracle.catalogue.Case.spec`);
 * ``options``: the scalar keywords to pass to an implementation (0-d unicode array of JSON);
@@ -75,7 +77,7 @@ import numpy as np
 
 import refattn
 
-from . import catalogue, contract, golden_compact
+from . import catalogue, contract, golden_compact, refusal
 from ._atomic import (
     LOCK_FILE,
     TMP_SUFFIX,
@@ -236,8 +238,10 @@ def build(case: Case) -> Fixture:
             f"(known: {sorted(TRUTH_BUILDERS)})"
         )
     inputs = catalogue.make_inputs(case)
-    truth = TRUTH_BUILDERS[case.function](case, inputs)
-    return Fixture(case=case, inputs=inputs, options=call_options(case, inputs), truth=truth)
+    refuse = refusal.is_refusal(case)  # malformed inputs, no truth (oracle.refusal)
+    truth = (refusal.refusal_truth if refuse else TRUTH_BUILDERS[case.function])(case, inputs)
+    kind = refusal.TRUTH_KIND if refuse else TRUTH_KIND
+    return Fixture(case, inputs, call_options(case, inputs), truth, truth_kind=kind)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,9 +355,13 @@ def _entry(case: Case, file_name: str, sha: str) -> dict:
         "category": case.category,
         "file": file_name,
         "sha256": sha,
-        "truth_kind": TRUTH_KIND,
+        "truth_kind": _truth_kind(case),
         "contract": contract.case_contract(case),
     }
+
+
+def _truth_kind(case: Case) -> str:
+    return refusal.TRUTH_KIND if refusal.is_refusal(case) else TRUTH_KIND
 
 
 def _manifest(suite_name: str, entries: list[dict]) -> dict:
@@ -743,7 +751,7 @@ def _case_entry_problems(index: int, entry, names: dict, files: dict) -> list[st
     for key, expected in (
         ("dtype", case.dtype),
         ("category", case.category),
-        ("truth_kind", TRUTH_KIND),
+        ("truth_kind", _truth_kind(case)),
     ):
         if entry[key] != expected:
             problems.append(
@@ -774,6 +782,8 @@ def _entry_problems(root: Path, entry: dict) -> list[str]:
     required = ["q", "k", "v"], ["out", "out_f64", "lse", "lse_f64"]
     if fixture.case.function != "attention":
         required = variants.required_members(fixture.case)
+    elif refusal.is_refusal(fixture.case):
+        required = ["q", "k", "v"], []
     elif fixture.case.grads:
         required[1].extend(["dq", "dk", "dv", "dq_f64", "dk_f64", "dv_f64"])
     missing = [f"inputs/{n}" for n in required[0] if n not in fixture.inputs]
