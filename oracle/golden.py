@@ -109,6 +109,7 @@ __all__ = [
     "verify",
     "load",
     "sha256_of",
+    "truth_kind_of",
 ]
 
 SCHEMA_VERSION = 1
@@ -240,8 +241,7 @@ def build(case: Case) -> Fixture:
     inputs = catalogue.make_inputs(case)
     refuse = refusal.is_refusal(case)  # malformed inputs, no truth (oracle.refusal)
     truth = (refusal.refusal_truth if refuse else TRUTH_BUILDERS[case.function])(case, inputs)
-    kind = refusal.TRUTH_KIND if refuse else TRUTH_KIND
-    return Fixture(case, inputs, call_options(case, inputs), truth, truth_kind=kind)
+    return Fixture(case, inputs, call_options(case, inputs), truth, truth_kind_of(case))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,12 +355,13 @@ def _entry(case: Case, file_name: str, sha: str) -> dict:
         "category": case.category,
         "file": file_name,
         "sha256": sha,
-        "truth_kind": _truth_kind(case),
+        "truth_kind": truth_kind_of(case),
         "contract": contract.case_contract(case),
     }
 
 
-def _truth_kind(case: Case) -> str:
+def truth_kind_of(case: Case) -> str:
+    """The truth kind of ``case``'s fixture: "refusal" for a refusal case, else TRUTH_KIND."""
     return refusal.TRUTH_KIND if refusal.is_refusal(case) else TRUTH_KIND
 
 
@@ -751,7 +752,7 @@ def _case_entry_problems(index: int, entry, names: dict, files: dict) -> list[st
     for key, expected in (
         ("dtype", case.dtype),
         ("category", case.category),
-        ("truth_kind", _truth_kind(case)),
+        ("truth_kind", truth_kind_of(case)),
     ):
         if entry[key] != expected:
             problems.append(

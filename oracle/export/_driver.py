@@ -40,6 +40,8 @@ __all__ = [
 
 EXPORT_MANIFEST = "export.json"
 EXPORT_SCHEMA_VERSION = 1
+#: Why a refusal case (malformed inputs a kernel must refuse, oracle.refusal) is not exported.
+_NO_TRUTH = "refusal case: malformed inputs a kernel must refuse, no truth to export"
 
 
 class ExportError(golden.FixtureError):
@@ -151,7 +153,10 @@ def _export_cases(fmt, fixtures, out, staging, selected, progress, check) -> lis
     entries = []
     with Progress(len(selected), f"export {fmt.name}", enabled=progress) as bar:
         for fixture in golden.load(fixtures, names=selected, check=check):
-            entries.append(fmt.write(fixture, staging, out))
+            if golden.truth_kind_of(fixture.case) != golden.TRUTH_KIND:
+                entries.append({"name": fixture.name, "skipped": _NO_TRUTH})
+            else:
+                entries.append(fmt.write(fixture, staging, out))
             bar.advance(fixture.name)
     for entry in entries:
         entry.setdefault("skipped", None)
