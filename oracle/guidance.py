@@ -135,9 +135,13 @@ def check_first_cases(results, load_impl, convention, total) -> None:
     flag; otherwise return. ``load_impl()`` gives the implementation (or None), called only
     then."""
     ran = [r for r in results if r.category != "invariance"]
-    # an option the function lacks says nothing about its convention; a keyword it refuses does
+    # an option the function lacks says nothing about its convention; a keyword it refuses does;
+    # a refusal case (oracle.refusal) passes by raising: it says nothing either
     first = [
-        r for r in ran if r.verdict != "unsupported" or "does not accept" in (r.message or "")
+        r
+        for r in ran
+        if r.category != "refusal"
+        and (r.verdict != "unsupported" or "does not accept" in (r.message or ""))
     ][:FIRST_CASES]
     if not first or (len(first) < FIRST_CASES and len(ran) < total):
         return
