@@ -296,7 +296,7 @@ def textbook_attention(
 
 def _refuse_malformed(k, v, kv_lengths):
     """Refuse what refattn.attention refuses and the broadcasting below would accept (the
-    refusal cases, oracle.refusal): k and v of different (K, S), kv_lengths outside [0, S]."""
+    refusal cases, oracle.refusal_cases): k and v of different (K, S), kv_lengths outside [0, S]."""
     k_shape, v_shape = np.shape(k), np.shape(v)
     if k_shape[-3:-1] != v_shape[-3:-1]:
         raise ValueError(f"v: expected (..., K, S, E) matching k {k_shape}, got {v_shape}")

@@ -202,7 +202,7 @@ def wrap(
             if speaks is not None:
                 kwargs = speaks(q, k, v, options, kwargs)
         except Exception as err:
-            err.oracle_conversion = True  # raised here, not by impl (oracle.refusal)
+            err.oracle_conversion = True  # raised here, not by impl (oracle.refusal_cases)
             raise
         try:
             result = impl(
@@ -213,7 +213,7 @@ def wrap(
         try:
             return back(result, unpack)
         except Exception as err:
-            err.oracle_returned = True  # impl returned something unreadable (oracle.refusal)
+            err.oracle_returned = True  # impl returned something unreadable (oracle.refusal_cases)
             raise
 
     def back(result, unpack):

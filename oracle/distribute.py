@@ -45,7 +45,8 @@ import numpy as np
 
 import refattn
 
-from . import catalogue, golden, refusal
+from . import catalogue, golden
+from . import refusal_cases as refusal
 from .catalogue.case import Case
 from .results import Report
 
@@ -150,7 +151,7 @@ def block_truth(spec_json: str, block) -> dict:
     inputs = catalogue.make_inputs(case)
     if block is not None:
         inputs = _block_inputs(case, inputs, block)
-    refuse = refusal.is_refusal(case)  # malformed inputs: no truth (oracle.refusal)
+    refuse = refusal.is_refusal(case)  # malformed inputs: no truth (oracle.refusal_cases)
     truth = (refusal.refusal_truth if refuse else golden.TRUTH_BUILDERS[case.function])(
         case, inputs
     )

@@ -53,7 +53,7 @@ def case_features(case, grads=False, inputs=()) -> tuple[list[str], list[str]]:
     (``normalizer="sigmoid"``), qv (FlashAttention 3's latent term).
     Shape classes: single-query (L = 1), L<S, L=S, L>S, long-rows (S >= 512), batched (B > 1).
     Variant cases give their function name (and gradients, when asked on a gradient case);
-    refusal cases (malformed inputs, :mod:`oracle.refusal`) give "refusal" alone.
+    refusal cases (malformed inputs, :mod:`oracle.refusal_cases`) give "refusal" alone.
     """
     n, options = case.shapes, case.options
     if case.function != "attention":

@@ -17,7 +17,7 @@ readable by ``numpy.load(path, allow_pickle=False)`` or any npy reader:
   case spec and check them (:mod:`oracle.golden_compact`);
 * ``truth/<name>``: out, out_f64, lse, lse_f64 and, for gradient cases, dq, dk, dv (dbias when
   the case has a bias, dsinks when it has sinks) with their ``_f64`` twins.
-  A refusal case (category "refusal", :mod:`oracle.refusal`) stores its malformed inputs and
+  A refusal case (category "refusal", :mod:`oracle.refusal_cases`) stores its malformed inputs and
   no truth; its ``truth_kind`` (meta and manifest entry) is "refusal".
   ``out``/``lse``/``d*`` are in the case dtype;
 * ``case``: the case spec (0-d unicode array holding JSON, see :meth:`oracle.catalogue.Case.spec`);
@@ -77,7 +77,8 @@ import numpy as np
 
 import refattn
 
-from . import catalogue, contract, golden_compact, refusal
+from . import catalogue, contract, golden_compact
+from . import refusal_cases as refusal
 from ._atomic import (
     LOCK_FILE,
     TMP_SUFFIX,
@@ -239,7 +240,7 @@ def build(case: Case) -> Fixture:
             f"(known: {sorted(TRUTH_BUILDERS)})"
         )
     inputs = catalogue.make_inputs(case)
-    refuse = refusal.is_refusal(case)  # malformed inputs, no truth (oracle.refusal)
+    refuse = refusal.is_refusal(case)  # malformed inputs, no truth (oracle.refusal_cases)
     truth = (refusal.refusal_truth if refuse else TRUTH_BUILDERS[case.function])(case, inputs)
     return Fixture(case, inputs, call_options(case, inputs), truth, truth_kind_of(case))
 

@@ -136,7 +136,7 @@ def check_first_cases(results, load_impl, convention, total) -> None:
     then."""
     ran = [r for r in results if r.category != "invariance"]
     # an option the function lacks says nothing about its convention; a keyword it refuses does;
-    # a refusal case (oracle.refusal) passes by raising: it says nothing either
+    # a refusal case (oracle.refusal_cases) passes by raising: it says nothing either
     first = [
         r
         for r in ran

@@ -65,7 +65,7 @@ from .catalogue.variants import FUNCTIONS, forward_inputs, grad_names, outputs_o
 from .diagnose_fp4 import diagnose_fp4
 from .diagnose_models import ORDER_ONE
 from .diagnose_tiles import storage_dtype
-from .refusal import check_refusal, is_refusal
+from .refusal_cases import check_refusal, is_refusal
 from .report_summary import key_map
 from .results import CaseResult, Check, Worst, grade_of
 from .variant_scales import condition, grad_floor_terms, grad_scale, natural_scale
@@ -475,7 +475,7 @@ def check_fixture(
     module; they ignore ``diagnose``.
     """
     case = fixture.case
-    if is_refusal(case):  # malformed inputs: the implementation must raise (oracle.refusal)
+    if is_refusal(case):  # malformed inputs: the implementation must raise (oracle.refusal_cases)
         return check_refusal(impl, fixture, reproduce, passed_options(fixture.options, impl))
     if case.function != "attention":
         return _check_variant(impl, fixture, reproduce, grads)

@@ -56,7 +56,7 @@ ROBUSTNESS_NOTE = (
     "refattn guarantees such poison never reaches the output; peers legitimately differ "
     "(0 * NaN = NaN in a dense weights @ v), so these cases fail a run only with --strict."
 )
-#: Printed when a run holds refusal cases (oracle.refusal).
+#: Printed when a run holds refusal cases (oracle.refusal_cases).
 REFUSAL_NOTE = (
     "Refusal cases hold malformed inputs (q and k of different head dims, k and v of different "
     "key counts, masks that do not broadcast, kv_lengths past S...) that a kernel must refuse "

@@ -41,7 +41,7 @@ __all__ = [
 
 EXPORT_MANIFEST = "export.json"
 EXPORT_SCHEMA_VERSION = 1
-#: Why a refusal case (malformed inputs a kernel must refuse, oracle.refusal) has no ONNX node
+#: Why a refusal case (malformed inputs a kernel must refuse, oracle.refusal_cases) has no ONNX node
 #: or FlashInfer workload (safetensors exports its inputs and contract, without truth).
 NO_TRUTH = "refusal case: malformed inputs a kernel must refuse, no truth to export"
 

@@ -97,7 +97,7 @@ def test_safetensors_torch_loader_gives_device_tensors(smoke_dir, safetensors_di
     reference = {f.name: f for f in golden.load(smoke_dir)}
     for fixture in oracle.load_safetensors(safetensors_dir, framework="torch", device="cpu"):
         assert fixture.inputs["q"].device.type == "cpu"
-        if fixture.case.category == "refusal":  # malformed inputs, no truth (oracle.refusal)
+        if fixture.case.category == "refusal":  # malformed inputs, no truth (oracle.refusal_cases)
             assert fixture.truth == {}
             continue
         assert isinstance(fixture.truth["out"], torch.Tensor)

@@ -1,4 +1,4 @@
-"""The refusal cases (oracle.refusal): malformed inputs a kernel must refuse with an error."""
+"""The refusal cases (oracle.refusal_cases): malformed inputs a kernel must refuse with an error."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import json
 import numpy as np
 import pytest
 
-from oracle import catalogue, golden, refusal
+from oracle import catalogue, golden
+from oracle import refusal_cases as refusal
 from oracle.catalogue.names import DTYPES
 from oracle.report import to_junit
 from oracle.validate import validate
 from refattn import attention
-from tests.planted.refusal_impls import unchecked_attention
+from tests.planted.unchecked_impls import unchecked_attention
 
 KINDS = (
     "head-dim",
