@@ -9,7 +9,8 @@ Commands::
                             (--suite NAME | --fixtures DIR) [--dtype D] [--case PATTERN ...]
                             [--json F] [--junit F] [--html F [--plots WHICH]] [--strict]
                             [--grads] [--require FEATURE ...] [--timeout SECONDS]
-                            [--memory-limit MIB] [--in-process]
+                            [--memory-limit MIB] [--in-process] [--workers N]
+                            [--refusals-are-errors]
                             [--executor dask --scheduler ADDRESS]
     refattn-oracle list [suites | cases --suite NAME | adapters]
 
@@ -227,6 +228,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     val.add_argument("--quiet", action="store_true", help="no progress bar, failures only")
     _executor_args(val, "(implementation, case) pairs")
+    val.add_argument(
+        "--refusals-are-errors",
+        action="store_true",
+        help="an implementation's refusal of a case (ValueError '... must match', "
+        "'not supported'...; see oracle.refusals) is an error, not 'unsupported'",
+    )
+    val.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="supervised worker processes running cases concurrently (default: "
+        "%(default)s; results in case order, as a serial run's)",
+    )
 
     lst = sub.add_parser("list", help="list suites, cases or adapters")
     lst.add_argument("what", nargs="?", default="suites", choices=("suites", "cases", "adapters"))
@@ -362,6 +376,12 @@ def _validate(args) -> int:
         **signatures.options_of(args),
         strict_invariance=args.strict_invariance,
     )
+    if args.workers < 1:
+        return _err(f"--workers: expected an integer >= 1, got {args.workers}")
+    if args.executor != "dask":
+        options["workers"] = args.workers
+    if args.refusals_are_errors:
+        options["refusals_are_errors"] = True
     if args.merge_convention or (args.suite or "").startswith("merge"):
         from .merge_conventions import adapt
 

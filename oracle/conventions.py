@@ -190,7 +190,7 @@ def wrap(
     """
     convention = check_convention(layout, framework, device, signature, causal_align, keywords)
     layout, framework = convention["layout"], convention["framework"]
-    speaks = _speaker(convention)
+    speaks = _speaker(convention, impl)
     if layout == "bhld" and framework == "numpy" and speaks is None:
         return impl
     bridge = _Bridge(framework, device)
@@ -199,8 +199,10 @@ def wrap(
     def forward(q, k, v, **options):
         try:
             args, kwargs, unpack = _LAYOUT_IN[layout](q, k, v, options)
+            back = _same
             if speaks is not None:
                 kwargs = speaks(q, k, v, options, kwargs)
+                args, kwargs, back = speaks.adapt(args, kwargs, q, k, v, options)
         except Exception as err:
             err.oracle_conversion = True  # raised here, not by impl (oracle.refusal_cases)
             raise
@@ -211,23 +213,25 @@ def wrap(
         except TypeError as err:  # a DSA keyword refused: "unsupported"
             raise refused_keyword(err, layout) from err
         try:
-            return back(result, unpack)
+            return read_back(result, unpack, back)
         except Exception as err:
             err.oracle_returned = True  # impl returned something unreadable (oracle.refusal_cases)
             raise
 
-    def back(result, unpack):
+    def read_back(result, unpack, back):
         out, lse = (
             (result[0], result[1] if len(result) > 1 else None)
             if isinstance(result, (tuple, list))
             else (result, None)
         )
-        out = unpack(bridge.back(out), "out")
+        out = unpack(back(bridge.back(out)), "out")
         if lse is None:
             return out
         lse = bridge.back(lse)
         if speaks is not None and speaks.lse_axes is not None:
             lse = np.transpose(lse, speaks.lse_axes)
+        if speaks is not None and speaks.lse_factor != 1.0:  # a base-2 lse: to natural log
+            lse = (np.asarray(lse, dtype=np.float64) * speaks.lse_factor).astype(lse.dtype)
         return out, unpack(lse, "lse")
 
     if hasattr(impl, "vjp") and layout in ("bhld", "blhd") and speaks is None:
@@ -249,7 +253,7 @@ def wrap(
     return forward
 
 
-def _speaker(convention):
+def _speaker(convention, impl=None):
     """None, or ``speak(q, k, v, options, kwargs) -> kwargs`` putting the layout's keywords
     and the options (refattn's names) into the function's own keywords
     (:mod:`oracle.signatures`)."""
@@ -275,7 +279,27 @@ def _speaker(convention):
         return {**spoken, **layout_words}
 
     speak.lse_axes = preset.lse_axes
+    from refattn.logspace import base_factor
+
+    speak.lse_factor = base_factor(preset.lse_base)
+    parameters = _parameter_names(impl) if preset.adapt is not None else set()
+
+    def adapt(args, kwargs, q, k, v, options):
+        if preset.adapt is None:
+            return args, kwargs, _same
+        return preset.adapt(args, kwargs, Call.of(q, k, v, options), parameters)
+
+    speak.adapt = adapt
     return speak
+
+
+def _parameter_names(impl) -> set:
+    import inspect
+
+    try:
+        return set(inspect.signature(impl).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 # ---------------------------------------------------------------------------------------------

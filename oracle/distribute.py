@@ -18,7 +18,8 @@ carry their own batch dimension (otherwise dk, dv or dbias sum over the batch).
 ``validate_many`` runs several implementations over the same cases, one Dask task per
 (implementation, chunk of cases), one chunk per Dask worker: each task is one usual supervised
 worker process of :mod:`oracle.validate` kept across its cases (the implementation and its
-framework are imported once per worker, not once per case), and returns one merged
+framework are imported once per Dask worker, not once per case, and the child is kept for the
+worker's next tasks: :mod:`oracle.worker_cache`), and returns one merged
 :class:`~oracle.results.Report` per implementation. An implementation a worker cannot import
 is an ImportError that names the worker.
 
@@ -287,7 +288,7 @@ def _validate_chunk(impl: str, case_names: list, kwargs: dict) -> dict:
     from .validate import validate
 
     try:
-        report = validate(impl, cases=list(case_names), progress=False, **kwargs)
+        report = validate(impl, cases=list(case_names), progress=False, keep_worker=True, **kwargs)
     except ImportError as err:
         return {"import_error": str(err), "worker": _worker_name()}
     return {"results": report.results}

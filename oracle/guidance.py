@@ -129,6 +129,13 @@ def _shape_note(result) -> str:
     return f"{result.verdict}: {message}"
 
 
+def _said_no(message) -> bool:
+    """A refused keyword or a refusal of :mod:`oracle.refusals` (it may name a convention)."""
+    from .refusals import REFUSED
+
+    return "does not accept" in (message or "") or (message or "").startswith(REFUSED)
+
+
 def check_first_cases(results, load_impl, convention, total) -> None:
     """Raise :class:`ConventionError` when the first :data:`FIRST_CASES` attention results
     (of ``total`` selected) all raised or returned a wrong shape and :func:`hint` names a
@@ -140,16 +147,11 @@ def check_first_cases(results, load_impl, convention, total) -> None:
     first = [
         r
         for r in ran
-        if r.category != "refusal"
-        and (r.verdict != "unsupported" or "does not accept" in (r.message or ""))
+        if r.category != "refusal" and (r.verdict != "unsupported" or _said_no(r.message))
     ][:FIRST_CASES]
     if not first or (len(first) < FIRST_CASES and len(ran) < total):
         return
-    broken = all(
-        r.verdict == "error"
-        or (r.verdict == "unsupported" and "does not accept" in (r.message or ""))
-        for r in first
-    )
+    broken = all(r.verdict == "error" or (r.verdict == "unsupported") for r in first)
     if not broken:
         return
     messages = [_shape_note(r) for r in first]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-__all__ = ["resolve_impl", "callable_spec", "is_module_spec", "locate_impl"]
+__all__ = ["resolve_impl", "callable_spec", "is_module_spec", "locate_impl", "adapter_located"]
 
 
 def resolve_impl(impl):
@@ -93,7 +93,8 @@ def locate_impl(impl) -> None:
     ImportError: impl: cannot import module 'no_such_module_xyz' ...
     """
     if not is_module_spec(impl):
-        resolve_impl(impl)
+        if not adapter_located(impl):
+            resolve_impl(impl)
         return
     module_name, _ = _split(impl)
     top = module_name.partition(".")[0]
@@ -106,6 +107,28 @@ def locate_impl(impl) -> None:
             f"impl: cannot import module {module_name!r} of {impl!r}: no module named "
             f"{top!r} (is it on sys.path / PYTHONPATH?)"
         )
+
+
+def adapter_located(impl) -> bool:
+    """Whether ``impl`` names an adapter whose peer package is installed, found without
+    importing it (the supervised worker imports it; the caller need not pay for torch too).
+
+    Examples
+    --------
+    >>> adapter_located("refattn-float64"), adapter_located("mypkg:attention")
+    (True, False)
+    """
+    import importlib.util
+
+    from . import adapters
+
+    entry = adapters._REGISTRY.get(impl) if isinstance(impl, str) else None
+    if entry is None or entry.probe:
+        return False
+    try:
+        return importlib.util.find_spec(entry.peer.partition(".")[0]) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def callable_spec(impl):

@@ -15,6 +15,7 @@ bugs sit where this module puts them (``bug=``):
 ``partial_query_tile`` the last, partial query tile is never written (its rows stay 0)
                        when there is a full one
 ``no_late_rescale``    ``O`` is not rescaled when the running max moves (``l`` is)
+``skip_rescale=n``     the same, only for the key tiles starting past ``n`` keys
 ``split_combine``      split-KV partial outputs combined with weights ``l_s`` (each relative
                        to its own split's max) instead of ``exp(lse_s - lse)``
 ``accumulate=float16`` ``O`` and ``l`` (and each tile's ``P @ V``) summed in float16 / bfloat16
@@ -203,7 +204,8 @@ def _stream(q_t, k_h, v_h, allowed, additive, keys, ctx):
                 terms = (p_mm[..., :, :, None] * clean[..., None, :, :]).astype(half)
                 pv = np.add.accumulate(terms, axis=-2, dtype=half)[..., -1, :].astype(acc)
             pv = np.where(used.any(axis=-2), np.nan, pv)
-        kept = O if bug == "no_late_rescale" else alpha[..., None] * O
+        skip = bug == "no_late_rescale" or j0 >= ctx["skip_rescale"]
+        kept = O if skip else alpha[..., None] * O
         O = kept + pv
         if half is not None:
             O, l = _rounded(O, half), _rounded(l, half)  # noqa: E741
@@ -264,6 +266,7 @@ def tiled_attention(
     split=None,
     return_lse=False,
     narrow=(None, 0, "pv"),
+    skip_rescale=None,
     **options,
 ):
     """Blocked online-softmax attention (see the module docstring for ``bug``).
@@ -296,6 +299,7 @@ def tiled_attention(
         keep=None,
         narrow=(None if narrow[0] is None else format_of(narrow[0]).dtype, *narrow[1:]),
         rescale=acc.type(1) / (acc.type(1) - acc.type(options.get("dropout_p") or 0.0)),
+        skip_rescale=math.inf if skip_rescale is None else skip_rescale,
     )
     k_h, v_h, allowed, additive = _prepare(q, k, v, options, acc, bug)
     L, S = q.shape[-2], k.shape[-2]
@@ -369,6 +373,13 @@ POWER_BROKEN = {
             f"split-KV chunks of {n} combined without their maxima",
         )
         for n in (1024, 4096)
+    },
+    **{
+        f"no_rescale_after_{depth // 1024}k": (
+            _broken(skip_rescale=depth),
+            f"the accumulator not rescaled when the max moves past {depth} keys",
+        )
+        for depth in (1024, 4096, 8192, 32768)
     },
     **{
         f"narrow_{which}_after_{depth // 1024}k": (

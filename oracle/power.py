@@ -92,22 +92,30 @@ def _select(suite, fixtures, dtypes, cases, without) -> list:
     return chosen
 
 
-def _failures(impl, fixtures, tier) -> dict[str, list[str]]:
-    from .validate import validate
+class _Replay:
+    """``impl`` called once per fixture: the second tier judges the same output again."""
 
-    report = validate(
-        impl,
-        fixtures=fixtures,
-        dtype=None,
-        progress=False,
-        tolerance=tier,
-        diagnose=False,
-        isolate=False,
-    )
-    failed: dict[str, list[str]] = {}
-    for result in report.results:
-        if result.verdict in ("fail", "error"):
-            failed.setdefault(result.dtype, []).append(result.name)
+    def __init__(self, impl):
+        self.impl, self.result = impl, None
+
+    def __call__(self, *args, **kwargs):
+        if self.result is None:
+            self.result = self.impl(*args, **kwargs)
+        return self.result
+
+
+def _failures(impl, fixtures) -> dict[str, dict[str, list[str]]]:
+    """Per tier and dtype, the cases ``impl`` fails (one call of ``impl`` per case; the
+    fixtures' impl-independent judging parts are kept on them across kernels)."""
+    from .judge import check_fixture
+
+    failed: dict[str, dict[str, list[str]]] = {tier: {} for tier in TIERS}
+    for fixture in fixtures:
+        replay = _Replay(impl)
+        for tier in TIERS:
+            result = check_fixture(replay, fixture, diagnose=False, tolerance=tier)
+            if result.verdict in ("fail", "error"):
+                failed[tier].setdefault(result.dtype, []).append(result.name)
     return failed
 
 
@@ -165,9 +173,10 @@ def power(
         chosen = _supported(impl, chosen)
     counts = {d: sum(f.case.dtype == d for f in chosen) for d in DTYPES}
     result = PowerResult(cases={d: n for d, n in counts.items() if n})
+    for fixture in chosen:
+        fixture.judge_memo = {}  # the judge's fixture-only work, once for every kernel
     for index, name in enumerate(names, 1):
-        kernel = KERNELS[name][0]
-        result.failures[name] = {tier: _failures(kernel, chosen, tier) for tier in TIERS}
+        result.failures[name] = _failures(KERNELS[name][0], chosen)
         if progress:
             print(
                 f"[{index}/{len(names)}] {name} ({time.perf_counter() - start:.0f} s)",

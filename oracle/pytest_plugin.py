@@ -7,12 +7,14 @@ never both: pluggy refuses to register one module under two names)::
     pytest --pyargs oracle --refattn-impl mypkg.attn:attention [--refattn-suite default]
            [--refattn-fixtures DIR] [--refattn-dtype float16] [--refattn-skips FILE]
            [--refattn-xfails FILE] [--refattn-strict] [--refattn-grads]
-           [--refattn-require causal,mask]
+           [--refattn-require causal,mask] [--refattn-signature flash_attn]
+           [--refattn-causal-align bottom_right] [--refattn-keyword scale=softmax_scale]
 
 The current directory is put on ``sys.path`` (as ``refattn-oracle validate --impl`` does),
 so a module next to where pytest runs is found. Each option has an environment twin
 (``REFATTN_IMPL``, ``REFATTN_SUITE``, ``REFATTN_FIXTURES``,
-``REFATTN_DTYPE``, ``REFATTN_SKIPS``, ``REFATTN_XFAILS``). ``--refattn-impl`` takes
+``REFATTN_DTYPE``, ``REFATTN_SKIPS``, ``REFATTN_XFAILS``, ``REFATTN_SIGNATURE``,
+``REFATTN_CAUSAL_ALIGN``, ``REFATTN_KEYWORD``). ``--refattn-impl`` takes
 ``module:function`` or an adapter name. Test ids are the case names; a failure shows the worst
 element, the threshold, the diagnosis and a one-line reproduction. Unsupported cases
 (NotImplementedError) are skipped; robustness and refusal failures xfail unless
@@ -20,6 +22,9 @@ element, the threshold, the diagnosis and a one-line reproduction. Unsupported c
 The fp8 cases (float8 q, k, v with descales) are bfloat16 cases: ``--refattn-dtype bfloat16``
 runs them; cases with ``sinks`` / ``kv_lengths`` pass those keywords (see
 :mod:`oracle.judge` for the calling convention, ``dsinks`` included).
+``--refattn-signature``, ``--refattn-causal-align`` and ``--refattn-keyword`` are the CLI's
+``--signature``, ``--causal-align`` and ``--keyword`` (:mod:`oracle.signatures`): a function
+written with a library's own signature is tested as it stands.
 
 Skip/xfail files (like array-api-tests): one fnmatch pattern over case names per line, ``#``
 starts a comment.
@@ -59,6 +64,23 @@ _OPTIONS = {
         None,
         "comma list of features some case must judge, else the session fails (causal, mask...)",
     ),
+    "signature": (
+        "REFATTN_SIGNATURE",
+        None,
+        "the implementation speaks this library's keywords and conventions (flash_attn, "
+        "flash_attn_varlen, flash_attn_with_kvcache, flashinfer, xformers, torch_sdpa, jax)",
+    ),
+    "causal_align": (
+        "REFATTN_CAUSAL_ALIGN",
+        None,
+        "without a signature: the alignment of its causal/window (top_left, bottom_right)",
+    ),
+    "keyword": (
+        "REFATTN_KEYWORD",
+        None,
+        "without a signature: its name for a refattn option, OPTION=NAME (repeatable or a "
+        "comma list, e.g. scale=softmax_scale)",
+    ),
 }
 
 
@@ -66,9 +88,10 @@ def pytest_addoption(parser):
     group = parser.getgroup("refattn-oracle", "refattn oracle conformance tests")
     for name, (env, default, text) in _OPTIONS.items():
         group.addoption(
-            f"--refattn-{name}",
+            f"--refattn-{name.replace('_', '-')}",
             dest=f"refattn_{name}",
             default=None,
+            action="append" if name == "keyword" else "store",
             help=f"{text} (env {env}; default {default})",
         )
     group.addoption(
@@ -104,12 +127,18 @@ def settings(config) -> dict | None:
 
     try:
         values["convention"] = check_convention(
-            values.pop("layout"), values.pop("framework"), values.pop("device")
+            values.pop("layout"),
+            values.pop("framework"),
+            values.pop("device"),
+            values.pop("signature"),
+            values.pop("causal_align"),
+            values.pop("keyword"),
         )
     except ValueError as err:
         import pytest
 
-        raise pytest.UsageError(f"--refattn-{str(err).split(':')[0]}: {err}") from None
+        option = str(err).split(":")[0].replace("_", "-")
+        raise pytest.UsageError(f"--refattn-{option}: {err}") from None
     return values
 
 

@@ -66,6 +66,11 @@ def unsupported_lines(results) -> list[str]:
         return []
     total = sum(groups.values())
     lines = [f"Unsupported ({total} cases, never a pass), by what is missing:"]
+    from .refusals import REFUSED
+
+    refused = sum(n for reason, n in groups.items() if reason.startswith(REFUSED))
+    if refused:
+        lines.append(f"  ({refused} {REFUSED}: --refusals-are-errors makes them errors)")
     for reason, n in groups.items():
         lines.append(f"  {n:5d}  {reason}")
         if reason.endswith("=") and examples.get(reason):

@@ -24,7 +24,9 @@ library is one table entry.
   as a ragged ``cu_seqlens_k``; lse (H, total_q).
 * ``flash_attn_with_kvcache``: ``flash_attn_with_kvcache(q, k_cache, v_cache, ...,
   cache_seqlens, block_table, softmax_scale, causal, window_size, softcap, alibi_slopes,
-  return_softmax_lse)``: a paged cache, key lengths as ``cache_seqlens``.
+  return_softmax_lse)``: a paged cache, key lengths as ``cache_seqlens``; the block table is
+  ``block_table`` (FlashAttention 2) or ``page_table`` (FlashAttention 3), whichever the
+  function's signature takes.
 * ``torch_sdpa``: ``torch.nn.functional.scaled_dot_product_attention(query, key, value,
   attn_mask, dropout_p, is_causal, scale, enable_gqa)``: (B, H, L, D); ``is_causal`` top-left;
   a bool ``attn_mask`` (True = attend) or a float one (added); no lse.
@@ -35,11 +37,12 @@ library is one table entry.
 * ``flashinfer``: ``flashinfer.single_prefill_with_kv_cache(q, k, v, custom_mask, ..., causal,
   kv_layout="NHD", ..., sm_scale, window_left=-1, logits_soft_cap, ..., return_lse)``: one
   sequence, (L, H, D) (NHD); causal bottom-right; a window is its left side only; its lse
-  (L, H) is in base 2, so it is not asked for yet (the output is judged alone).
+  (L, H) is in base 2 (``return_lse=True``), brought to the natural log before it is judged.
 * ``xformers``: ``xformers.ops.memory_efficient_attention(query, key, value, attn_bias, p,
-  scale)``: (B, M, H, K) tensors with equal q and k/v heads (its 4-D form); causal, window, key
-  lengths and mask as one additive ``attn_bias`` tensor of 0 and -inf (exact in any dtype), the
-  bias added where allowed; no lse.
+  scale)``: (B, M, H, K) tensors, grouped-query heads in its 5-D (B, M, G, H, K) form
+  (:func:`oracle.signatures_adapt.xformers_groups`); causal, window, key lengths and mask as
+  one additive ``attn_bias`` tensor of 0 and -inf (exact in any dtype), the bias added where
+  allowed; no lse.
 
 Without a preset a function may declare its conventions (:func:`declared`): the alignment of
 its ``causal`` (``causal_align="bottom_right"``) and keyword renames (``scale=softmax_scale``);
@@ -65,6 +68,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from .signatures_adapt import kvcache_page_table, xformers_groups
 
 __all__ = [
     "Signature",
@@ -166,6 +171,14 @@ class Signature:
         The permutation that brings its lse to the layout's lse axes.
     drop : tuple
         Layout keywords it does not take.
+    lse_base : {"e", 2}
+        The base of its lse (FlashInfer's is base 2): it is brought to refattn's natural log
+        (:func:`refattn.logspace.base_factor`) before it is judged.
+    adapt : callable, optional
+        ``adapt(args, kwargs, call, parameters) -> (args, kwargs, back)``: the positional
+        arrays and keywords reshaped for the library (xformers' 5-D grouped heads, FlashAttention
+        3's ``page_table``: :mod:`oracle.signatures_adapt`), ``parameters`` the function's own
+        parameter names, ``back(out)`` the output brought back to the layout's form.
     """
 
     name: str
@@ -179,6 +192,8 @@ class Signature:
     check: object = None
     lse_axes: tuple | None = None
     drop: tuple = ()
+    lse_base: object = "e"
+    adapt: object = None
 
     def refuse(self, option, value, reason):
         shown = "<array>" if isinstance(value, np.ndarray) else repr(value)
@@ -384,15 +399,6 @@ def _flashinfer_window(window, call):
     return {"window_left": -1 if left is None or left >= 2**62 else int(left)}
 
 
-def _xformers_check(call):
-    if call.heads != call.kv_heads:
-        return (
-            f"H = {call.heads} != K = {call.kv_heads}: memory_efficient_attention's 4-D form "
-            f"takes equal heads (GQA needs its 5-D (B, M, G, H, K) form)"
-        )
-    return None
-
-
 def _xformers_extra(call):
     """causal, window, key lengths and mask as one additive attn_bias of 0 / -inf (exact)."""
     from .allowed import allowed_positions
@@ -457,6 +463,7 @@ PRESETS = {
             "kv_lengths": "kv_lengths",  # the layout passes them as cache_seqlens
             "return_lse": _when("return_softmax_lse", True),
         },
+        adapt=kvcache_page_table,  # FlashAttention 3 names block_table page_table
     ),
     "torch_sdpa": Signature(
         "torch_sdpa",
@@ -506,13 +513,12 @@ PRESETS = {
             "window": Convert(None, _flashinfer_window),
             "softcap": "logits_soft_cap",
             "kv_lengths": "kv_lengths",  # one sequence: the layout cuts k and v to S_0
-            # its lse is in base 2 (consumers such as vLLM treat it so): until refattn takes
-            # an lse base, the lse is not asked for and the output alone is judged
-            "return_lse": Refuse("its lse is in base 2 (return_lse: the output is judged alone)"),
+            "return_lse": _when("return_lse", True),
         },
         check=_flashinfer_check,
-        lse_axes=(1, 0),  # (L, H), for when its lse is judged
+        lse_axes=(1, 0),  # its lse is (L, H)
         drop=("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"),
+        lse_base=2,  # a base-2 log-sum-exp (consumers such as vLLM treat it so)
     ),
     "xformers": Signature(
         "xformers",
@@ -532,7 +538,7 @@ PRESETS = {
             "return_lse": Refuse("memory_efficient_attention returns no lse (return_lse)"),
         },
         extra=_xformers_extra,
-        check=_xformers_check,
+        adapt=xformers_groups,  # grouped heads in its 5-D (B, M, G, H, K) form
     ),
 }
 

@@ -43,7 +43,7 @@ from . import tolerance as tol
 from ._progress import Progress
 from .features import KNOWN_FEATURES, case_features
 from .guidance import FIRST_CASES, check_first_cases
-from .impls import is_module_spec, locate_impl, resolve_impl
+from .impls import adapter_located, is_module_spec, locate_impl, resolve_impl
 from .judge import check_fixture
 from .results import Report
 
@@ -77,6 +77,24 @@ def _select(items, dtype, cases):
         yield item
 
 
+def _manifest_names(fixtures, dtype, cases) -> list[str] | None:
+    """The names of the manifest's cases that ``dtype`` and the patterns select (None: the
+    manifest is unusable, or a case's entry lacks a name or dtype)."""
+    manifest, problems = golden.read_manifest(Path(fixtures))
+    entries = None if problems or not isinstance(manifest, dict) else manifest.get("cases")
+    if not isinstance(entries, list) or not all(
+        isinstance(e, dict) and isinstance(e.get("name"), str) and "dtype" in e for e in entries
+    ):
+        return None
+    patterns = [p.lower() for p in cases]
+    return [
+        e["name"]
+        for e in entries
+        if (dtype is None or e["dtype"] == dtype)
+        and (not patterns or any(fnmatch.fnmatchcase(e["name"].lower(), p) for p in patterns))
+    ]
+
+
 def _patterns(cases) -> list[str]:
     if cases is None:
         return []
@@ -95,7 +113,10 @@ def _sources(suite, fixtures, dtype, cases):
         raise ValueError("validate: give suite= or fixtures=, not both")
     if fixtures is not None:
         if isinstance(fixtures, (str, Path)):
-            items = list(_select(golden.load(fixtures), dtype, cases))
+            # only the selected files are read (a directory holds hundreds): the manifest names
+            # them; an unusable manifest is load's own clear error
+            names = _manifest_names(fixtures, dtype, cases)
+            items = list(_select(golden.load(fixtures, names=names), dtype, cases))
             return f"fixtures {fixtures}", items, str(fixtures)
         return "fixtures", list(_select(fixtures, dtype, cases)), None
     suite = "smoke" if suite is None else suite
@@ -108,6 +129,10 @@ def select_cases(*, suite=None, fixtures=None, dtype="float32", cases=None) -> l
     """Names of the cases :func:`validate` would run with these arguments (ValueError if
     none), e.g. to split a run over several machines (:mod:`oracle.distribute`)."""
     patterns = _patterns(cases)
+    if isinstance(fixtures, (str, Path)) and suite is None:
+        names = _manifest_names(fixtures, dtype, patterns)  # names only: no file is read
+        if names:
+            return names
     label, items, _ = _sources(suite, fixtures, dtype, patterns)
     if not items:
         raise ValueError(
@@ -191,6 +216,9 @@ def validate(
     causal_align=None,
     keywords=None,
     strict_invariance=False,
+    workers=1,
+    refusals_are_errors=False,
+    keep_worker=False,
 ) -> Report:
     """Validate ``impl`` on a suite or a fixture directory in one dtype.
 
@@ -260,6 +288,18 @@ def validate(
     strict_invariance : bool
         Invariance warnings (bits that differ while the deviating run stays within the
         tolerance) fail the run too.
+    workers : int
+        Supervised worker processes running cases concurrently (default 1); the results,
+        invariance checks included, come in case order and are those of the serial run. An
+        implementation that cannot run isolated (a lambda, ``isolate=False``) runs serially in
+        this process whatever ``workers`` says.
+    refusals_are_errors : bool
+        An implementation's refusal of a case (a ValueError "... must match" and the like,
+        :mod:`oracle.refusals`) is "unsupported" with its message; True makes it "error".
+    keep_worker : bool
+        Keep the supervised worker process running after the run, for the next run of the
+        same implementation in this process (:mod:`oracle.worker_cache`; the Dask executor
+        sets it: each Dask worker keeps one child across its tasks).
 
     Options equal to :func:`refattn.attention`'s defaults are not passed to the
     implementation (:func:`passed_options`): its own defaults then apply.
@@ -285,6 +325,8 @@ def validate(
     from .invariance import applies, parse_checks
 
     checks = parse_checks(checks)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers: expected an integer >= 1, got {workers!r}")
 
     tol.check_tier(tolerance)
     if dtype is not None:
@@ -294,7 +336,7 @@ def validate(
     convention = check_convention(layout, framework, device, signature, causal_align, keywords)
     default_convention = convention == check_convention()
     in_worker = isinstance(convention.get("signature", ""), str)  # a Signature object is not
-    if isolate and in_worker and is_module_spec(impl):
+    if isolate and in_worker and (is_module_spec(impl) or adapter_located(impl)):
         # only the worker imports it: a module that exits, crashes or hangs at import cannot
         # end this process (with rc 0 for sys.exit(0)) or stall it; Supervisor.start says why
         locate_impl(impl)
@@ -324,82 +366,92 @@ def validate(
         worker_ref = None
     if worker_ref is not None and not default_convention:
         worker_ref = (worker_ref, convention)
-    supervisor = (
-        None
-        if worker_ref is None
-        else Supervisor(
-            worker_ref,
-            timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
-            memory_limit=memory_limit,
-        )
+    limits = dict(
+        timeout=DEFAULT_TIMEOUT if timeout is None else timeout, memory_limit=memory_limit
     )
+    if worker_ref is None:
+        supervisor = None
+    elif keep_worker:  # a Dask worker keeps its supervised child across tasks
+        from .worker_cache import kept_supervisor
+
+        supervisor = kept_supervisor(worker_ref, **limits)
+    else:
+        supervisor = Supervisor(worker_ref, **limits)
+
+    def run_item(item, worker) -> list:
+        """The case's result and its invariance checks, run by ``worker`` (or in process)."""
+        fixture = golden.build(item) if not hasattr(item, "truth") else item
+        repro = reproduce_command(
+            spec,
+            source_flag,
+            fixture.case.dtype,
+            fixture.case.name,
+            grads,
+            strict,
+            tolerance,
+            convention=convention,
+        )
+        judged = dict(grads=grads, diagnose=diagnose, reproduce=repro, tolerance=tolerance)
+        if worker is None:
+            result = check_fixture(fn, fixture, **judged)
+        else:
+            result = worker.run(fixture, **judged)
+        result.features, result.shape_classes = case_features(fixture.case, grads, fixture.inputs)
+        found = [result]
+        for check in checks if applies(fixture) else ():
+            again = reproduce_command(
+                spec,
+                source_flag,
+                fixture.case.dtype,
+                fixture.case.name,
+                False,
+                False,
+                check=check,
+                convention=convention,
+            )
+            found.append(_invariance(fn, worker, fixture, check, again))
+        return found
+
     results = []
     start = time.perf_counter()
-    _start_worker(supervisor, spec or _impl_name(fn, spec))
+    pool = [supervisor]
+    if supervisor is not None and workers > 1:
+        from .validate_parallel import more_supervisors
+
+        pool += more_supervisors(supervisor, min(workers, len(items)) - 1)
     try:
+        if len(pool) > 1:  # every worker loads the implementation at once
+            from .validate_parallel import start_concurrently
+
+            start_concurrently(pool)
+        _start_worker(supervisor, spec or _impl_name(fn, spec))
         with Progress(
             len(items), f"validate {_impl_name(fn, spec)}", enabled=progress, stream=sys.stderr
         ) as bar:
-            for item in items:
-                fixture = golden.build(item) if not hasattr(item, "truth") else item
-                repro = reproduce_command(
-                    spec,
-                    source_flag,
-                    fixture.case.dtype,
-                    fixture.case.name,
-                    grads,
-                    strict,
-                    tolerance,
-                    convention=convention,
-                )
-                if supervisor is None:
-                    result = check_fixture(
-                        fn,
-                        fixture,
-                        grads=grads,
-                        diagnose=diagnose,
-                        reproduce=repro,
-                        tolerance=tolerance,
-                    )
-                else:
-                    result = supervisor.run(
-                        fixture,
-                        grads=grads,
-                        diagnose=diagnose,
-                        reproduce=repro,
-                        tolerance=tolerance,
-                    )
-                result.features, result.shape_classes = case_features(
-                    fixture.case, grads, fixture.inputs
-                )
-                results.append(result)
-                for check in checks if applies(fixture) else ():
-                    results.append(
-                        _invariance(
-                            fn,
-                            supervisor,
-                            fixture,
-                            check,
-                            reproduce_command(
-                                spec,
-                                source_flag,
-                                fixture.case.dtype,
-                                fixture.case.name,
-                                False,
-                                False,
-                                check=check,
-                                convention=convention,
-                            ),
-                        )
-                    )
-                bar.advance(f"{result.name}: {result.verdict}")
+
+            def done(found) -> None:
+                results.extend(found)
+                bar.advance(f"{found[0].name}: {found[0].verdict}")
                 if len(results) <= 8 * FIRST_CASES * (1 + len(checks)):
                     check_first_cases(
                         results, lambda: unwrapped or _importable(spec), convention, len(items)
                     )
+
+            if len(pool) > 1:
+                from .validate_parallel import run_in_order
+
+                run_in_order(items, pool, run_item, done)
+            else:
+                for item in items:
+                    done(run_item(item, supervisor))
     finally:
-        if supervisor is not None:
-            supervisor.close()
+        for worker in pool:
+            if worker is not None and not (keep_worker and worker is supervisor):
+                worker.close()
+    if refusals_are_errors:
+        from .refusals import refusals_as_errors
+
+        refusals_as_errors(results)
     report = Report(
         _impl_name(fn, spec), dtype, label, strict, results, time.perf_counter() - start, grads
     )

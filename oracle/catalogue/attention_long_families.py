@@ -19,7 +19,7 @@ from . import attention_long_inputs  # noqa: F401 - registers the "long-grid" re
 from .attention_entry import ALL, Entry
 from .case import Shapes
 
-__all__ = ["DECODE_LENGTHS", "long_entries"]
+__all__ = ["DECODE_LENGTHS", "long_entries", "fade_entries"]
 
 #: Key lengths of the decode rows: 2k to 128k, several one key off a power of two.
 DECODE_LENGTHS = (2048, 4097, 8191, 16384, 32769, 65536, 131072)
@@ -153,6 +153,7 @@ def long_entries() -> list[Entry]:
             _GQA_BR,
             {"jumps": [4096, 8192, 32768]},
         ),
+        *fade_entries(),
         _e(
             "long-splits",
             _rows(2, 20481),
@@ -161,3 +162,34 @@ def long_entries() -> list[Entry]:
         ),
     ]
     return rows
+
+
+#: (L, S, H, options, jumps) of the ``long-fade`` rows: mass before key 32768, a faint tail
+#: after it, and maxima that move in the tail.
+_FADES = (
+    (1, 81921, 2, _GQA_BR, [36000, 38000]),
+    (2, 49153, 1, None, [40000]),
+    (4, 65536, 1, _BR, [33000, 50000, 60000]),
+    (1, 98304, 2, _GQA_BR, [70000]),
+    (1, 131072, 2, _GQA_BR, [100000, 120000]),
+    (2, 73729, 2, {"gqa": "interleave"}, [50000]),
+    (1, 114689, 1, _BR, [90000]),
+)
+
+
+def fade_entries() -> list[Entry]:
+    """Rows whose mass sits in the first 32768 keys and whose faint tail (about e^-3 the
+    weight per key, ``v`` shifted so the output does not cancel) a float16 accumulator past
+    1k to 32k keys drops; maxima that move 33k to 120k keys deep (by 0.5 each, from a lift
+    to 11) catch a rescale skipped past any of those depths."""
+    return [
+        _e(
+            "long-fade",
+            _rows(L, S, H=H),
+            f"{L} quer{'y' if L == 1 else 'ies'} over {S} keys: the mass in the first 32768, "
+            f"a faint tail after it (a narrow accumulator drops it), maxima moving at {jumps}",
+            options,
+            {"fade": 32768, "jumps": jumps, "jump_base": 11.0, "jump_step": 0.5},
+        )
+        for L, S, H, options, jumps in _FADES
+    ]

@@ -14,6 +14,13 @@ Recipe (``Case.recipe``, ``qkv = "long-grid"``)
 about ``8 + 4 m`` (the rest of the row has scores of about N(0, 1.3)), so the row maximum moves
 late in the row, after thousands of keys: a kernel that skips the ``exp(m_old - m_new)``
 rescale of its accumulator there is off by the whole earlier mass.
+``jump_base``, ``jump_step`` (default 8 and 4): the lifted score of ``jumps[m]`` is
+``jump_base + jump_step m`` (with ``fade``: exactly, the jump keys' other components zeroed).
+``fade`` (a key index, optional): the row's mass sits before key ``fade`` (every score there is
+lifted by 3, the keys from ``fade`` on weigh about e^-3 as much) and ``v`` is shifted by -1 before
+it and +1 from it on, so the output does not cancel: a kernel whose float16 accumulator (of the
+denominator or of ``P @ V``) past ``fade`` keys drops the faint tail's tile sums (each under
+half an ulp of the sum) is off by the tail's whole mass, about 5% at twice ``fade`` keys.
 ``sigma`` (a power of two, default 1): q and k are multiplied by it (exact).
 """
 
@@ -51,14 +58,25 @@ def _qkv_long_grid(stream, n, dtype, options, sigma, recipe):
     k = sigma * grid(seed, "k", (n.batch, n.K, n.S, n.D))
     v = grid(seed, "v", (n.batch, n.K, n.S, n.E))
     jumps = [int(j) for j in recipe.get("jumps", ())]
-    if jumps:
-        scale = float(options.get("scale") or 1 / np.sqrt(n.D))
+    scale = float(options.get("scale") or 1 / np.sqrt(n.D))
+    fade = recipe.get("fade")
+    if fade is not None:
         q[..., 0] = 2.0
+        # scale * 2 * k[:fade, 0] = 3 (a power-of-two multiple of 3/2: exact everywhere)
+        k[..., :fade, 0] = 3.0 / (2.0 * scale)
+        k[..., fade:, 0] = 0.0
+        v[..., :fade, :] -= 1.0  # |v| < 4 on the 2**-6 grid: still 8 significant bits
+        v[..., fade:, :] += 1.0
+    if jumps:
+        q[..., 0] = 2.0
+        base, step = float(recipe.get("jump_base", 8.0)), float(recipe.get("jump_step", 4.0))
         for m, j in enumerate(jumps):
-            # scale * 2 * k[j, 0] = 8 + 4 m, rounded to 8 significant bits (exact everywhere)
-            target = (8.0 + 4.0 * m) / (2.0 * scale)
+            # scale * 2 * k[j, 0] = base + step m, rounded to 8 significant bits (exact)
+            target = (base + step * m) / (2.0 * scale)
             exponent = np.frexp(target)[1]
             k[..., j, 0] = np.ldexp(np.round(np.ldexp(target, 8 - exponent)), exponent - 8)
+            if fade is not None:
+                k[..., j, 1:] = 0.0  # the lifted score exactly: the mass stays in the head
     return tuple(_exact_cast(x, dtype) for x in (q, k, v))
 
 

@@ -20,6 +20,7 @@ LONG_TAGS = (
     "long-alibi",
     "long-late-max",
     "long-splits",
+    "long-fade",
 )
 WORST_TAGS = (
     "worst-peaky-x5",
@@ -85,3 +86,16 @@ def test_compact_fixture_refuses_other_inputs(tmp_path, monkeypatch):
     monkeypatch.setattr(attention_long_inputs, "grid", lambda *a: real(*a) * 0.5)
     with pytest.raises(golden.FixtureError, match="regenerated input"):
         golden._read_fixture(tmp_path / f"{case.name}.npz")
+
+
+def test_fade_inputs_keep_the_mass_before_32k_and_lift_jumps_exactly():
+    case = catalogue.get("long-fade-H1K1-L2S49153-D16E16-bf16")
+    inputs = catalogue.make_inputs(case)
+    q, k, v = (inputs[x].astype(np.float64)[0, 0] for x in "qkv")
+    scores = q @ k.T * 0.25
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    head, tail = weights[:, :32768].sum(axis=-1), weights[:, 32768:].sum(axis=-1)
+    assert np.all(tail < head) and np.all(tail > 0)
+    # the lifted key's score is exactly jump_base (its other components are zero)
+    assert np.all(scores[:, 40000] == case.recipe["jump_base"])
+    assert np.all(v[:32768] < 1) and np.all(v[32768:] >= -1)

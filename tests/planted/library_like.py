@@ -50,9 +50,11 @@ def single_prefill_with_kv_cache(
         allowed &= key <= diagonal
     if window_left >= 0:
         allowed &= key >= diagonal - window_left
-    out = _softmax_attend(q, k, vh, scores.masked_fill(~allowed, float("-inf")))
-    if return_lse:
-        raise NotImplementedError("this sketch returns no lse")
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    out = _softmax_attend(q, k, vh, scores)
+    if return_lse:  # FlashInfer's lse: base 2, (L, H)
+        lse = torch.logsumexp(scores, -1) / torch.log(torch.tensor(2.0))
+        return out.transpose(0, 1), lse.transpose(0, 1).float()
     return out.transpose(0, 1)
 
 

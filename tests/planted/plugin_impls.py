@@ -6,7 +6,7 @@ import os
 
 from oracle.baseline import textbook_attention
 
-__all__ = ["exits_on_causal"]
+__all__ = ["exits_on_causal", "flash_attn_numpy"]
 
 
 def exits_on_causal(q, k, v, return_lse=False, **options):
@@ -14,5 +14,15 @@ def exits_on_causal(q, k, v, return_lse=False, **options):
     run in the pytest process, it would end the whole session."""
     if options.get("causal"):
         os._exit(3)
+    result = textbook_attention(q, k, v, **options)
+    return (result.out, result.lse) if return_lse else result.out
+
+
+def flash_attn_numpy(q, k, v, *, softmax_scale=None, causal=False, return_lse=False):
+    """FlashAttention's keyword names and causal convention (``softmax_scale``; ``causal``
+    bottom-right aligned, as FlashAttention >= 2.1) over NumPy (B, H, L, D) arrays: correct
+    when declared with ``--refattn-causal-align bottom_right --refattn-keyword
+    scale=softmax_scale``."""
+    options = {"scale": softmax_scale, "causal": causal, "align": "bottom_right"}
     result = textbook_attention(q, k, v, **options)
     return (result.out, result.lse) if return_lse else result.out
