@@ -243,6 +243,7 @@ def textbook_attention(
         q, k, options = fold_latent(*dequantised_inputs(q, k, v, options))
     q, k, v, options = dequantised_inputs(q, k, v, options)
     opt = {name: options.get(name) for name in ATTENTION_OPTIONS}
+    _refuse_malformed(k, v, opt["kv_lengths"])
     dtype = np.asarray(q).dtype if dtype is None else dtype
     store = format_of(dtype).dtype
     acc = accumulation_dtype(dtype)
@@ -291,6 +292,23 @@ def textbook_attention(
             )
         )
     return result
+
+
+def _refuse_malformed(k, v, kv_lengths):
+    """Refuse what refattn.attention refuses and the broadcasting below would accept (the
+    refusal cases, oracle.refusal_cases): k and v of different (K, S), kv_lengths outside [0, S]."""
+    k_shape, v_shape = np.shape(k), np.shape(v)
+    if k_shape[-3:-1] != v_shape[-3:-1]:
+        raise ValueError(f"v: expected (..., K, S, E) matching k {k_shape}, got {v_shape}")
+    lengths = None if kv_lengths is None else np.asarray(kv_lengths)
+    if (
+        lengths is not None
+        and lengths.size
+        and not 0 <= lengths.min() <= lengths.max() <= k_shape[-2]
+    ):
+        raise ValueError(
+            f"kv_lengths: expected lengths in [0, S = {k_shape[-2]}], got {lengths.tolist()}"
+        )
 
 
 def _dropped(weights, dropout_mask, dropout_p, acc, store):

@@ -22,8 +22,8 @@ problem and exits with 1, never a traceback. ``validate`` runs each case in a su
 worker process (reused from case to case): an implementation that exits, hangs past
 ``--timeout``, crashes or exhausts ``--memory-limit`` gets the verdict "error" for that case
 and the run goes on. Case patterns are case-insensitive; a selection of zero cases is a usage
-error. ``validate`` exits with 0 only when no case fails (robustness cases count only with
-``--strict``), 1 when some case fails and 2 with one ``refattn-oracle: error:`` line on a
+error. ``validate`` exits with 0 only when no case fails (robustness and refusal cases count only
+with ``--strict``), 1 when some case fails and 2 with one ``refattn-oracle: error:`` line on a
 usage error: a bad ``--impl`` path or a module that raises, has a syntax error or exits at
 import (a run that judged no case never exits 0), an unknown adapter, suite, feature or check, a
 missing directory, an unusable report path (``--json``/``--junit``/``--html``: checked before
@@ -141,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="failures",
         help="plots in the HTML report: the 12 worst failing cases (default), every case, or none",
     )
-    val.add_argument("--strict", action="store_true", help="robustness failures fail the run")
+    val.add_argument(
+        "--strict", action="store_true", help="robustness and refusal failures fail the run"
+    )
     val.add_argument(
         "--tolerance",
         choices=("default", "tight"),

@@ -46,6 +46,9 @@ def folder_contract(truth_kind: str) -> dict:
             "conformance": "the pinned semantics: a disagreeing implementation is wrong or "
             "uses another convention",
             "robustness": "NaN/Inf poison at excluded positions: fails only under --strict",
+            "refusal": "malformed inputs (shapes that do not fit, kv_lengths past S...) a "
+            "kernel must refuse with an error; no truth (truth_kind 'refusal', expect "
+            "'refuse'): an implementation that returns an array fails, only under --strict",
         },
         "regenerated_inputs": "a case whose fixture has a 'regenerated' member stores no "
         "inputs: they are rebuilt from the case spec and seed (oracle.catalogue.make_inputs; "
@@ -55,7 +58,16 @@ def folder_contract(truth_kind: str) -> dict:
 
 
 def case_contract(case: Case) -> dict:
-    """The per-case part: the dtypes of its truths and how they were rounded."""
+    """The per-case part: the dtypes of its truths and how they were rounded (a refusal
+    case: what it expects instead)."""
+    if case.category == "refusal":
+        return {
+            "expect": "refuse",
+            "truth": "none: the inputs are malformed (see the case description); a correct "
+            "implementation raises an error instead of returning an array",
+            "inputs": "stored",
+            "gradients": False,
+        }
     return {
         "rounded_to": case.dtype,
         "also_float64": "the _f64 members",

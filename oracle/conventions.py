@@ -197,17 +197,28 @@ def wrap(
 
     @functools.wraps(impl)
     def forward(q, k, v, **options):
-        args, kwargs, unpack = _LAYOUT_IN[layout](q, k, v, options)
-        back = _same
-        if speaks is not None:
-            kwargs = speaks(q, k, v, options, kwargs)
-            args, kwargs, back = speaks.adapt(args, kwargs, q, k, v, options)
+        try:
+            args, kwargs, unpack = _LAYOUT_IN[layout](q, k, v, options)
+            back = _same
+            if speaks is not None:
+                kwargs = speaks(q, k, v, options, kwargs)
+                args, kwargs, back = speaks.adapt(args, kwargs, q, k, v, options)
+        except Exception as err:
+            err.oracle_conversion = True  # raised here, not by impl (oracle.refusal_cases)
+            raise
         try:
             result = impl(
                 *(bridge.to(a) for a in args), **{n: bridge.to(a) for n, a in kwargs.items()}
             )
         except TypeError as err:  # a DSA keyword refused: "unsupported"
             raise refused_keyword(err, layout) from err
+        try:
+            return read_back(result, unpack, back)
+        except Exception as err:
+            err.oracle_returned = True  # impl returned something unreadable (oracle.refusal_cases)
+            raise
+
+    def read_back(result, unpack, back):
         out, lse = (
             (result[0], result[1] if len(result) > 1 else None)
             if isinstance(result, (tuple, list))

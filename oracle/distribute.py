@@ -47,6 +47,7 @@ import numpy as np
 import refattn
 
 from . import catalogue, golden
+from . import refusal_cases as refusal
 from .catalogue.case import Case
 from .results import Report
 
@@ -151,7 +152,10 @@ def block_truth(spec_json: str, block) -> dict:
     inputs = catalogue.make_inputs(case)
     if block is not None:
         inputs = _block_inputs(case, inputs, block)
-    truth = golden.TRUTH_BUILDERS[case.function](case, inputs)
+    refuse = refusal.is_refusal(case)  # malformed inputs: no truth (oracle.refusal_cases)
+    truth = (refusal.refusal_truth if refuse else golden.TRUTH_BUILDERS[case.function])(
+        case, inputs
+    )
     return {"refattn_version": refattn.__version__, "truth": truth}
 
 
@@ -261,7 +265,11 @@ def _run_cases(client, todo: list[Case], out: Path) -> Iterator[tuple[str, str]]
             case, inputs = entry["case"], entry["inputs"]
             truth = assemble(case, entry["blocks"], entry["parts"], inputs)
             fixture = golden.Fixture(
-                case=case, inputs=inputs, options=golden.call_options(case, inputs), truth=truth
+                case=case,
+                inputs=inputs,
+                options=golden.call_options(case, inputs),
+                truth=truth,
+                truth_kind=golden.truth_kind_of(case),
             )
             del pending[name]
             yield golden.write_fixture(fixture, out)

@@ -52,11 +52,14 @@ def case_features(case, grads=False, inputs=()) -> tuple[list[str], list[str]]:
     scales), sparse-indices, sparse-blocks, sigmoid
     (``normalizer="sigmoid"``), qv (FlashAttention 3's latent term).
     Shape classes: single-query (L = 1), L<S, L=S, L>S, long-rows (S >= 512), batched (B > 1).
-    Variant cases give their function name (and gradients, when asked on a gradient case).
+    Variant cases give their function name (and gradients, when asked on a gradient case);
+    refusal cases (malformed inputs, :mod:`oracle.refusal_cases`) give "refusal" alone.
     """
     n, options = case.shapes, case.options
     if case.function != "attention":
         return [case.function] + (["gradients"] if grads and case.grads else []), []
+    if case.category == "refusal":  # malformed inputs: they test no option
+        return ["refusal"], []
     features = []
     if options.get("causal"):
         features.append("causal")

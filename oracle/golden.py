@@ -17,6 +17,8 @@ readable by ``numpy.load(path, allow_pickle=False)`` or any npy reader:
   case spec and check them (:mod:`oracle.golden_compact`);
 * ``truth/<name>``: out, out_f64, lse, lse_f64 and, for gradient cases, dq, dk, dv (dbias when
   the case has a bias, dsinks when it has sinks) with their ``_f64`` twins.
+  A refusal case (category "refusal", :mod:`oracle.refusal_cases`) stores its malformed inputs and
+  no truth; its ``truth_kind`` (meta and manifest entry) is "refusal".
   ``out``/``lse``/``d*`` are in the case dtype;
 * ``case``: the case spec (0-d unicode array holding JSON, see :meth:`oracle.catalogue.Case.spec`);
 * ``options``: the scalar keywords to pass to an implementation (0-d unicode array of JSON);
@@ -76,6 +78,7 @@ import numpy as np
 import refattn
 
 from . import catalogue, contract, golden_compact
+from . import refusal_cases as refusal
 from ._atomic import (
     LOCK_FILE,
     TMP_SUFFIX,
@@ -107,6 +110,7 @@ __all__ = [
     "verify",
     "load",
     "sha256_of",
+    "truth_kind_of",
 ]
 
 SCHEMA_VERSION = 1
@@ -236,8 +240,9 @@ def build(case: Case) -> Fixture:
             f"(known: {sorted(TRUTH_BUILDERS)})"
         )
     inputs = catalogue.make_inputs(case)
-    truth = TRUTH_BUILDERS[case.function](case, inputs)
-    return Fixture(case=case, inputs=inputs, options=call_options(case, inputs), truth=truth)
+    refuse = refusal.is_refusal(case)  # malformed inputs, no truth (oracle.refusal_cases)
+    truth = (refusal.refusal_truth if refuse else TRUTH_BUILDERS[case.function])(case, inputs)
+    return Fixture(case, inputs, call_options(case, inputs), truth, truth_kind_of(case))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,9 +356,14 @@ def _entry(case: Case, file_name: str, sha: str) -> dict:
         "category": case.category,
         "file": file_name,
         "sha256": sha,
-        "truth_kind": TRUTH_KIND,
+        "truth_kind": truth_kind_of(case),
         "contract": contract.case_contract(case),
     }
+
+
+def truth_kind_of(case: Case) -> str:
+    """The truth kind of ``case``'s fixture: "refusal" for a refusal case, else TRUTH_KIND."""
+    return refusal.TRUTH_KIND if refusal.is_refusal(case) else TRUTH_KIND
 
 
 def _manifest(suite_name: str, entries: list[dict]) -> dict:
@@ -743,7 +753,7 @@ def _case_entry_problems(index: int, entry, names: dict, files: dict) -> list[st
     for key, expected in (
         ("dtype", case.dtype),
         ("category", case.category),
-        ("truth_kind", TRUTH_KIND),
+        ("truth_kind", truth_kind_of(case)),
     ):
         if entry[key] != expected:
             problems.append(
@@ -774,6 +784,8 @@ def _entry_problems(root: Path, entry: dict) -> list[str]:
     required = ["q", "k", "v"], ["out", "out_f64", "lse", "lse_f64"]
     if fixture.case.function != "attention":
         required = variants.required_members(fixture.case)
+    elif refusal.is_refusal(fixture.case):
+        required = ["q", "k", "v"], []
     elif fixture.case.grads:
         required[1].extend(["dq", "dk", "dv", "dq_f64", "dk_f64", "dv_f64"])
     missing = [f"inputs/{n}" for n in required[0] if n not in fixture.inputs]

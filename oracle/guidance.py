@@ -142,8 +142,13 @@ def check_first_cases(results, load_impl, convention, total) -> None:
     flag; otherwise return. ``load_impl()`` gives the implementation (or None), called only
     then."""
     ran = [r for r in results if r.category != "invariance"]
-    # an option the function lacks says nothing about its convention; a keyword it refuses does
-    first = [r for r in ran if r.verdict != "unsupported" or _said_no(r.message)][:FIRST_CASES]
+    # an option the function lacks says nothing about its convention; a keyword it refuses does;
+    # a refusal case (oracle.refusal_cases) passes by raising: it says nothing either
+    first = [
+        r
+        for r in ran
+        if r.category != "refusal" and (r.verdict != "unsupported" or _said_no(r.message))
+    ][:FIRST_CASES]
     if not first or (len(first) < FIRST_CASES and len(ran) < total):
         return
     broken = all(r.verdict == "error" or (r.verdict == "unsupported") for r in first)

@@ -66,6 +66,7 @@ from .diagnose_fp4 import diagnose_fp4
 from .diagnose_models import ORDER_ONE
 from .diagnose_tiles import storage_dtype
 from .passing import passed_options
+from .refusal_cases import check_refusal, is_refusal
 from .report_summary import key_map
 from .results import CaseResult, Check, Worst, grade_of
 from .variant_scales import condition, grad_floor_terms, grad_scale, natural_scale
@@ -450,6 +451,8 @@ def check_fixture(
     module; they ignore ``diagnose``.
     """
     case = fixture.case
+    if is_refusal(case):  # malformed inputs: the implementation must raise (oracle.refusal_cases)
+        return check_refusal(impl, fixture, reproduce, passed_options(fixture.options, impl))
     if case.function != "attention":
         return _check_variant(impl, fixture, reproduce, grads)
     result = CaseResult(

@@ -17,7 +17,8 @@ so a module next to where pytest runs is found. Each option has an environment t
 ``REFATTN_CAUSAL_ALIGN``, ``REFATTN_KEYWORD``). ``--refattn-impl`` takes
 ``module:function`` or an adapter name. Test ids are the case names; a failure shows the worst
 element, the threshold, the diagnosis and a one-line reproduction. Unsupported cases
-(NotImplementedError) are skipped; robustness failures xfail unless ``--refattn-strict``.
+(NotImplementedError) are skipped; robustness and refusal failures xfail unless
+``--refattn-strict``.
 The fp8 cases (float8 q, k, v with descales) are bfloat16 cases: ``--refattn-dtype bfloat16``
 runs them; cases with ``sinks`` / ``kv_lengths`` pass those keywords (see
 :mod:`oracle.judge` for the calling convention, ``dsinks`` included).
@@ -98,7 +99,7 @@ def pytest_addoption(parser):
         dest="refattn_strict",
         action="store_true",
         default=False,
-        help="robustness failures fail instead of xfail",
+        help="robustness and refusal failures fail instead of xfail",
     )
     group.addoption(
         "--refattn-grads",

@@ -30,6 +30,7 @@ from xml.etree import ElementTree as ET
 
 import numpy as np
 
+from .catalogue.names import STRICT_ONLY
 from .diagnose_tiles import tile_tracking
 from .report_summary import ulp_meaningful, unsupported_lines, worst_failures
 
@@ -42,6 +43,7 @@ __all__ = [
     "to_html",
     "PLOT_HINT",
     "ROBUSTNESS_NOTE",
+    "REFUSAL_NOTE",
     "plotting_available",
 ]
 
@@ -54,6 +56,14 @@ ROBUSTNESS_NOTE = (
     "refattn guarantees such poison never reaches the output; peers legitimately differ "
     "(0 * NaN = NaN in a dense weights @ v), so these cases fail a run only with --strict."
 )
+#: Printed when a run holds refusal cases (oracle.refusal_cases).
+REFUSAL_NOTE = (
+    "Refusal cases hold malformed inputs (q and k of different head dims, k and v of different "
+    "key counts, masks that do not broadcast, kv_lengths past S...) that a kernel must refuse "
+    "with an error; an implementation that returns an array fails them. Real peers do not "
+    "refuse them all, so they fail a run only with --strict."
+)
+_CATEGORIES = ("conformance", "robustness", "refusal", "invariance")
 
 
 def _ratio_text(result) -> str:
@@ -164,7 +174,7 @@ def _case_rows(report) -> list[tuple]:
 def verdict_lines(report) -> list[str]:
     """Verdict counts per category, then the run's notes (robustness, S mod T tracking)."""
     lines = []
-    for category in ("conformance", "robustness", "invariance"):
+    for category in _CATEGORIES:
         counts = report.counts(category)
         if sum(counts.values()):
             lines.append(
@@ -179,6 +189,8 @@ def verdict_lines(report) -> list[str]:
         )
     if any(r.category == "robustness" for r in report.results):
         lines.append(f"note: {ROBUSTNESS_NOTE}" + (" (strict: on)" if report.strict else ""))
+    if any(r.category == "refusal" for r in report.results):
+        lines.append(f"note: {REFUSAL_NOTE}" + (" (strict: on)" if report.strict else ""))
     lines += [f"note: {note}" for note in tile_tracking(report.results)]
     return lines
 
@@ -272,7 +284,7 @@ def to_dict(report) -> dict:
         "grads": report.grads,
         "passed": report.passed,
         "seconds": round(report.seconds, 3),
-        "counts": {c: report.counts(c) for c in ("conformance", "robustness", "invariance")},
+        "counts": {c: report.counts(c) for c in _CATEGORIES},
         "coverage": report.coverage(),
         "untested": report.untested,
         "required": list(report.required),
@@ -301,7 +313,8 @@ def to_json(report, path=None) -> str:
 
 
 def to_junit(report, path=None) -> str:
-    """JUnit XML: one testcase per case; robustness failures without ``strict`` are skipped
+    """JUnit XML: one testcase per case; robustness and refusal failures without ``strict`` are
+    skipped
     (with the failure text) so that CI dashboards agree with :attr:`Report.passed`."""
     suite = ET.Element(
         "testsuite",
@@ -322,9 +335,9 @@ def to_junit(report, path=None) -> str:
         if r.verdict == "unsupported":
             ET.SubElement(case, "skipped", message=f"unsupported: {r.message}")
             n_skip += 1
-        elif r.failed and r.category == "robustness" and not report.strict:
+        elif r.failed and r.category in STRICT_ONLY and not report.strict:
             ET.SubElement(
-                case, "skipped", message="robustness failure (fails only with --strict)"
+                case, "skipped", message=f"{r.category} failure (fails only with --strict)"
             ).text = text
             n_skip += 1
         elif r.verdict == "fail":

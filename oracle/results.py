@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .catalogue.names import STRICT_ONLY
 from .features import HEADLINE_FEATURES, SHAPE_CLASSES
 from .tolerance import Threshold, ulp_distance
 
@@ -212,8 +213,8 @@ class CaseResult:
                     )
         for note in self.diagnosis:
             lines.append(f"  diagnosis: {note}")
-        if self.category == "robustness" and self.failed:
-            lines.append("  (robustness case: fails the run only with --strict)")
+        if self.category in STRICT_ONLY and self.failed:
+            lines.append(f"  ({self.category} case: fails the run only with --strict)")
         if self.reproduce:
             lines.append(f"  reproduce: {self.reproduce}")
         return "\n".join(lines)
@@ -347,7 +348,7 @@ class Report:
         return [
             r
             for r in self.results
-            if (r.failed and (self.strict or r.category != "robustness"))
+            if (r.failed and (self.strict or r.category not in STRICT_ONLY))
             or (r.verdict == "warning" and self.strict_invariance)
         ]
 

@@ -14,7 +14,8 @@ four dtypes, because an implementation is validated one dtype at a time, plus 24
 rows per dtype: lengths around the 64/128 tiles, several query and key tiles, L > S
 bottom_right, real head dims, GQA, ragged batches and the kernel input distributions over 300
 keys, and five more in float16 and bfloat16 for 16-bit accumulators, 23 long rows per dtype over
-1k to 128k keys whose fixtures regenerate their inputs, and 8 worst-case rows per dtype) and
+1k to 128k keys whose fixtures regenerate their inputs, 8 worst-case rows per dtype and 10
+refusal rows per dtype) and
 ``"full"`` (default plus larger shapes: S = 4096 with D = 64, sliding windows over 1024 keys, D
 = 128, batches of padded sequences). smoke is a subset of default, which is a subset of full.
 ``"kernel"`` holds every kernel-scale case
@@ -27,12 +28,15 @@ Categories
 convention. ``"robustness"``: NaN/Inf poison at *excluded* key, value or bias positions;
 refattn guarantees the poison never reaches the output, peers legitimately differ (many
 compute ``0 * NaN``), so these cases fail a validation only under ``--strict``.
+``"refusal"``: malformed inputs a kernel must refuse with an error (no truth; fail only under
+``--strict``, :mod:`oracle.catalogue.attention_refusal_families`).
 
 The rows live in :mod:`oracle.catalogue.attention_families` (semantics, adversarial inputs,
 gradients), :mod:`oracle.catalogue.attention_option_families` (sinks, kv_lengths, float8) and
 :mod:`oracle.catalogue.attention_kernel_families` (kernel-scale),
 :mod:`oracle.catalogue.attention_long_families` (long rows: 2k to 128k keys),
-:mod:`oracle.catalogue.attention_worst_families` (worst cases); their inputs in
+:mod:`oracle.catalogue.attention_worst_families` (worst cases),
+:mod:`oracle.catalogue.attention_refusal_families` (refusal cases); their inputs in
 :mod:`oracle.catalogue.attention_inputs` (recipe keys, seeding, poison).
 """
 
@@ -43,6 +47,7 @@ from .attention_families import entries
 from .attention_inputs import case_allowed, make_inputs
 from .attention_kernel_families import DEFAULT_TILE_LENGTHS, TILE_LENGTHS, kernel_entries
 from .attention_long_families import long_entries
+from .attention_refusal_families import refusal_entries
 from .attention_worst_families import worst_entries
 from .case import Case, seed_of
 from .names import DTYPE_TAGS, DTYPES
@@ -95,7 +100,13 @@ def attention_cases() -> dict[str, Case]:
     global _CATALOGUE
     if _CATALOGUE is None:
         catalogue: dict[str, Case] = {}
-        for entry in [*entries(), *kernel_entries(), *long_entries(), *worst_entries()]:
+        for entry in [
+            *entries(),
+            *kernel_entries(),
+            *long_entries(),
+            *worst_entries(),
+            *refusal_entries(),
+        ]:
             for case in _expand(entry):
                 if case.name in catalogue:
                     raise RuntimeError(f"oracle.catalogue: duplicate case name {case.name!r}")

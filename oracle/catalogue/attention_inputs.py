@@ -68,7 +68,10 @@ from .fp4_inputs import quantised_fp4
 from .names import FP8_DTYPES
 from .seeding import Streams
 
-__all__ = ["make_inputs", "case_allowed"]
+__all__ = ["make_inputs", "case_allowed", "RECIPE_INPUTS"]
+
+#: recipe "qkv" value -> builder(stream, case) of every input of the case (families register)
+RECIPE_INPUTS: dict = {}
 
 
 def make_inputs(case: Case) -> dict[str, np.ndarray]:
@@ -89,6 +92,8 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
     stream = Streams(case.seed)
     fp8 = recipe.get("fp8")
     kind = recipe.get("qkv", "gaussian")
+    if kind in RECIPE_INPUTS:  # whole input sets (the refusal cases' malformed inputs)
+        return RECIPE_INPUTS[kind](stream, case)
     qkv_dtype = "float64" if fp8 or recipe.get("fp4") else case.dtype
     if kind in _RECIPE_QKV:
         q, k, v = _RECIPE_QKV[kind](

@@ -19,9 +19,8 @@ random inputs rarely reach (see each builder's docstring).
                        kept in the input type, or P@V before normalisation, overflows
 =====================  ========================================================================
 
-Shapes a kernel should refuse (GQA with H not a multiple of K, q and k of different head dims)
-are not cases of the catalogue: a fixture holds a truth, and refusal is checked by
-:func:`refattn.spec.canonicalize`'s own tests.
+Shapes a kernel should refuse (GQA with H not a multiple of K, q and k of different head dims,
+...) are the refusal family: :mod:`oracle.catalogue.attention_refusal_families`.
 """
 
 from __future__ import annotations

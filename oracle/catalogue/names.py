@@ -12,6 +12,7 @@ __all__ = [
     "DTYPES",
     "DTYPE_TAGS",
     "CATEGORIES",
+    "STRICT_ONLY",
     "ATTENTION_OPTIONS",
     "OPTION_NAMES",
     "ARRAY_OPTIONS",
@@ -27,8 +28,11 @@ __all__ = [
 DTYPES = ("float64", "float32", "float16", "bfloat16")
 #: The dtype part of a case name.
 DTYPE_TAGS = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-#: "conformance": the pinned semantics; "robustness": poison at excluded positions.
-CATEGORIES = ("conformance", "robustness")
+#: "conformance": the pinned semantics; "robustness": poison at excluded positions;
+#: "refusal": malformed inputs a kernel must refuse (no truth, see attention_refusal_families).
+CATEGORIES = ("conformance", "robustness", "refusal")
+#: The categories whose failures fail a validation only under strict (--strict).
+STRICT_ONLY = ("robustness", "refusal")
 #: Keywords of refattn.attention an implementation under test receives (besides q, k, v).
 ATTENTION_OPTIONS = (
     "scale",

@@ -36,10 +36,14 @@ __all__ = [
     "run_export",
     "publish",
     "precision_contract",
+    "NO_TRUTH",
 ]
 
 EXPORT_MANIFEST = "export.json"
 EXPORT_SCHEMA_VERSION = 1
+#: Why a refusal case (malformed inputs a kernel must refuse, oracle.refusal_cases) has no ONNX node
+#: or FlashInfer workload (safetensors exports its inputs and contract, without truth).
+NO_TRUTH = "refusal case: malformed inputs a kernel must refuse, no truth to export"
 
 
 class ExportError(golden.FixtureError):
