@@ -3,8 +3,8 @@
 ``refattn-oracle power`` (and ``oracle.power(...)``) validates refattn's library of tiled
 attention kernels (:mod:`oracle.planted`: three correct ones, the negative control, and the
 planted bugs of ``TILED_BROKEN`` and ``POWER_BROKEN``: tile off-by-one, dropped partial tiles,
-late rescale, narrow accumulators for P@V and for the denominator switching on past 1k, 4k,
-8k or 32k keys, split-KV combines without the max at several chunk sizes, lse in base 2,
+late rescale and rescales skipped past 1k, 4k, 8k or 32k keys, narrow accumulators for P@V
+and for the denominator switching on past those depths, split-KV combines without the max at several chunk sizes, lse in base 2,
 wrong causal offsets, 16-bit positions, an ignored scale, the softcap order) on a suite or a
 fixture folder, in both tolerance tiers, and reports per bug how many conformance cases catch
 it (per dtype: ``default tier / tight tier``) and which. With ``impl`` (or ``--impl`` /
