@@ -3,17 +3,19 @@
 ``refattn-oracle power`` (and ``oracle.power(...)``) validates refattn's library of tiled
 attention kernels (:mod:`oracle.planted`: three correct ones, the negative control, and the
 planted bugs of ``TILED_BROKEN`` and ``POWER_BROKEN``: tile off-by-one, dropped partial tiles,
-late rescale and rescales skipped past 1k, 4k, 8k or 32k keys, narrow accumulators for P@V
-and for the denominator switching on past those depths, split-KV combines without the max at several chunk sizes, lse in base 2,
-wrong causal offsets, 16-bit positions, an ignored scale, the softcap order) on a suite or a
-fixture folder, in both tolerance tiers, and reports per bug how many conformance cases catch
-it (per dtype: ``default tier / tight tier``) and which. With ``impl`` (or ``--impl`` /
-``--adapter``) the cases are first restricted to those the user's implementation supports
-(it does not answer "unsupported"), and ``without`` drops the cases of named options, so the
-table answers: can the suite I run catch what my kernel might do wrong?
+late rescale and rescales skipped past 1k, 4k, 8k or 32k keys, narrow accumulators for P@V and
+for the denominator switching on past those depths, split-KV combines without the max at
+several chunk sizes, lse in base 2, wrong causal offsets, 16-bit positions, an ignored scale,
+the softcap order) on a suite or a fixture folder, in both tolerance tiers, and reports per bug
+how many conformance cases catch it (per dtype: ``default tier / tight tier``) and which. With
+``impl`` (or ``--impl`` / ``--adapter``) the cases are first restricted to those the user's
+implementation supports (it does not answer "unsupported"), and ``without`` drops the cases of
+named options, so the table answers: can the suite I run catch what my kernel might do wrong?
 
 Robustness cases are not counted (peers legitimately differ there); the tiled kernels do not
-support sinks, kv_lengths or float8 descales, so those cases count for no planted kernel.
+support sinks, kv_lengths or float8 descales, so those cases count for no planted kernel. A
+bug only an option can show (:data:`NEEDS`: the softcap order, the causal offsets) is "not
+applicable" when no selected case uses that option (an implementation without softcap).
 
 Examples
 --------
@@ -51,6 +53,10 @@ KERNELS = {
 }
 TIERS = ("default", "tight")
 
+#: Planted bugs that only an option can show: with no selected case using it (the user's
+#: implementation does not support it), the bug is "not applicable", not "WEAK".
+NEEDS = {"softcap_order": "softcap", "causal_offset": "causal", "causal_top_left": "causal"}
+
 
 @dataclass
 class PowerResult:
@@ -59,6 +65,7 @@ class PowerResult:
     cases: dict[str, int]
     failures: dict[str, dict[str, dict[str, list[str]]]] = field(default_factory=dict)
     seconds: float = 0.0
+    options: set[str] = field(default_factory=set)  # the options some selected case uses
 
     def caught(self, kernel: str, dtype: str, tier: str = "default") -> int:
         return len(self.failures[kernel][tier].get(dtype, []))
@@ -173,6 +180,7 @@ def power(
         chosen = _supported(impl, chosen)
     counts = {d: sum(f.case.dtype == d for f in chosen) for d in DTYPES}
     result = PowerResult(cases={d: n for d, n in counts.items() if n})
+    result.options = {name for f in chosen for name in f.options if _uses(f, name)}
     for fixture in chosen:
         fixture.judge_memo = {}  # the judge's fixture-only work, once for every kernel
     for index, name in enumerate(names, 1):
@@ -197,7 +205,9 @@ def render(result: PowerResult, *, need: int = 5, list_cases: bool = False) -> s
     ]
     for name, tiers in result.failures.items():
         cells = [f"{result.caught(name, d)}/{result.caught(name, d, 'tight')}" for d in dtypes]
-        if KERNELS[name][1]:
+        if name in NEEDS and NEEDS[name] not in result.options:
+            verdict = f"not applicable: no case uses {NEEDS[name]}"
+        elif KERNELS[name][1]:
             weakest = min(result.caught(name, d, "tight") for d in dtypes) if dtypes else 0
             verdict = "caught" if weakest >= need else f"WEAK (< {need} in some dtype)"
         else:

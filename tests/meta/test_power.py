@@ -40,3 +40,16 @@ def test_cli_power(capsys):
     )
     out = capsys.readouterr().out
     assert code == 0 and "tiled" in out and "control: no false alarm" in out
+
+
+def test_a_bug_of_an_unused_option_is_not_applicable():
+    result = power(
+        suite="smoke",
+        cases=["basic-*"],
+        dtypes=["float32"],
+        kernels=["tiled", "softcap_order"],
+        progress=False,
+    )
+    assert "softcap" not in result.options
+    assert "not applicable: no case uses softcap" in render(result)
+    assert "WEAK" not in render(result)
