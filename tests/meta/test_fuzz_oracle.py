@@ -539,12 +539,11 @@ def test_fuzz_two_concurrent_generate_processes(tmp_path):
 # validation: nothing passes by accident
 # ---------------------------------------------------------------------------------------------
 
+#: the ones that end, stall or kill the worker process (default run), then bad outputs (the
+#: default run keeps two of them; every one runs in the xslow twin)
+_MISBEHAVING_PROCESS = ("calls_sys_exit", "calls_os_exit", "hangs", "segfaults", "eats_memory")
 _MISBEHAVING = (
-    "calls_sys_exit",
-    "calls_os_exit",
-    "hangs",
-    "segfaults",
-    "eats_memory",
+    *_MISBEHAVING_PROCESS,
     "complex_out",
     "int_out",
     "object_out",
@@ -568,10 +567,20 @@ def _validate_cli(argv, json_path):
 
 
 def test_fuzz_misbehaving_implementations(tmp_path):
-    """Exit, os._exit, hang, segfault, memory blow-up and bad outputs: each an error verdict
-    for the case, the run goes on to the next case and exits 1 with a report."""
+    """Exit, os._exit, hang, segfault, memory blow-up and two bad outputs: each an error
+    verdict for the case, the run goes on to the next case and exits 1 with a report."""
+    _misbehaving(tmp_path, (*_MISBEHAVING_PROCESS, "object_out", "wrong_shape"))
+
+
+@pytest.mark.xslow
+def test_fuzz_every_misbehaving_implementation(tmp_path):
+    """The same for every misbehaving implementation (each bad output kind)."""
+    _misbehaving(tmp_path, _MISBEHAVING)
+
+
+def _misbehaving(tmp_path, names):
     tally = collections.Counter()
-    for name in _MISBEHAVING:
+    for name in names:
         start = time.monotonic()
         code, data = _validate_cli(
             [
