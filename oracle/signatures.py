@@ -379,7 +379,31 @@ def _jax_check(call):
             f"value head dim E = {call.value_dim} != query/key head dim D = {call.dim}: "
             f"jax.nn.dot_product_attention requires them equal"
         )
+    if _has_empty_rows(call):
+        return (
+            "a query row with no allowed key: jax.nn.dot_product_attention fills masked "
+            "scores with a large finite negative (the row averages every value; a -inf bias "
+            "gives NaN), and has no keyword for refattn's empty rows (0, lse -inf)"
+        )
     return None
+
+
+def _has_empty_rows(call):
+    """Whether some query row of the case has no allowed key (docs/conventions.md's set)."""
+    from .allowed import allowed_positions
+
+    o = call.options
+    allowed = allowed_positions(
+        call.length,
+        call.keys,
+        mask=o.get("mask"),
+        bias=o.get("bias"),
+        causal=bool(o.get("causal")),
+        window=o.get("window"),
+        align=o.get("align") or "top_left",
+        kv_lengths=o.get("kv_lengths"),
+    )
+    return bool((~np.asarray(allowed).any(axis=-1)).any())
 
 
 def _flashinfer_check(call):
