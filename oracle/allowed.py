@@ -13,7 +13,7 @@ import numpy as np
 
 from refattn.spec import offset_of, structural_mask
 
-__all__ = ["allowed_positions"]
+__all__ = ["allowed_positions", "options_allowed"]
 
 
 def _structural(L, S, causal, window, align, keys=None):
@@ -87,3 +87,24 @@ def allowed_positions(
     if bias is not None:
         allowed = allowed & ~(np.asarray(bias, dtype=np.float64) == -np.inf)
     return allowed
+
+
+def options_allowed(L, S, options, *, bias=True) -> np.ndarray:
+    """:func:`allowed_positions` of an options dict in refattn's names (mask, bias, causal,
+    window, align, kv_lengths; ``bias=False`` leaves a -inf bias out of the set).
+
+    Examples
+    --------
+    >>> options_allowed(2, 3, {"causal": True}).astype(int).tolist()
+    [[1, 0, 0], [1, 1, 0]]
+    """
+    return allowed_positions(
+        L,
+        S,
+        mask=options.get("mask"),
+        bias=options.get("bias") if bias else None,
+        causal=bool(options.get("causal")),
+        window=options.get("window"),
+        align=options.get("align") or "top_left",
+        kv_lengths=options.get("kv_lengths"),
+    )

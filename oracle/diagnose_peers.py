@@ -31,24 +31,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .allowed import allowed_positions
+from .allowed import options_allowed
 from .diagnose_alternative import Alternative
 from .heads import resolve_scale
 
 __all__ = ["peer_alternatives"]
-
-
-def _allowed(options, L, S):
-    return allowed_positions(
-        L,
-        S,
-        mask=options.get("mask"),
-        bias=options.get("bias"),
-        causal=bool(options.get("causal")),
-        window=options.get("window"),
-        align=options.get("align") or "top_left",
-        kv_lengths=options.get("kv_lengths"),
-    )
 
 
 def _explicit(options, mask):
@@ -64,7 +51,7 @@ def _explicit(options, mask):
 
 def _empty_rows_see_all(L, S):
     def apply(options, extras):
-        allowed = np.asarray(_allowed(options, L, S), dtype=bool)
+        allowed = np.asarray(options_allowed(L, S, options), dtype=bool)
         empty = ~allowed.any(axis=-1, keepdims=True)
         return _explicit(options, allowed | empty), extras
 
@@ -74,7 +61,7 @@ def _empty_rows_see_all(L, S):
 def _last_row_full(L, S):
     def apply(options, extras):
         rule = {**options, "align": "top_left"}
-        allowed = np.array(np.broadcast_to(_allowed(rule, L, S), np.shape(_allowed(rule, L, S))))
+        allowed = np.array(options_allowed(L, S, rule))
         allowed[..., -1, :] = True
         mask = options.get("mask")
         if mask is not None:

@@ -231,6 +231,7 @@ class _Context:
         K, S = k3.shape[-3], k3.shape[-2]
         self.sizes = dict(D=D, S=S, L=L, E=np.shape(self.v)[-1], G=max(H // K, 1))
         self.single = np.ndim(self.q) == 2
+        self.forward = self.lse_parts = None  # out's and lse's fixture-only judging parts
 
     def floors(self, count):
         n_stored = (
@@ -327,7 +328,7 @@ def _check_forward(ctx, fixture, out, lse, checks):
     out, problem = _shape_check("out", out, truth_out)
     if problem:
         return problem
-    if getattr(ctx, "forward", None) is None:  # the fixture's own part, kept on ctx
+    if ctx.forward is None:
         base = textbook_attention(ctx.q, ctx.k, ctx.v, dtype=ctx.dtype, **ctx.options)
         scale = tol.output_scale(ctx.dropped, ctx.v, gqa=ctx.options.get("gqa"))
         scale = scale[0] if ctx.single else scale
@@ -357,7 +358,7 @@ def _check_forward(ctx, fixture, out, lse, checks):
         lse, problem = _shape_check("lse", lse, truth_lse)
         if problem:
             return problem
-        if getattr(ctx, "lse_parts", None) is None:
+        if ctx.lse_parts is None:
             magnitude = ctx.magnitude[0] if ctx.single else ctx.magnitude
             lscale = tol.lse_scale(truth_lse, ctx.exact64.weights, magnitude)
             err = tol.normalised_error(base.lse, truth_lse, lscale, ctx.dtype)

@@ -390,19 +390,9 @@ def _jax_check(call):
 
 def _has_empty_rows(call):
     """Whether some query row of the case has no allowed key (docs/conventions.md's set)."""
-    from .allowed import allowed_positions
+    from .allowed import options_allowed
 
-    o = call.options
-    allowed = allowed_positions(
-        call.length,
-        call.keys,
-        mask=o.get("mask"),
-        bias=o.get("bias"),
-        causal=bool(o.get("causal")),
-        window=o.get("window"),
-        align=o.get("align") or "top_left",
-        kv_lengths=o.get("kv_lengths"),
-    )
+    allowed = options_allowed(call.length, call.keys, call.options)
     return bool((~np.asarray(allowed).any(axis=-1)).any())
 
 
@@ -425,7 +415,7 @@ def _flashinfer_window(window, call):
 
 def _xformers_extra(call):
     """causal, window, key lengths and mask as one additive attn_bias of 0 / -inf (exact)."""
-    from .allowed import allowed_positions
+    from .allowed import options_allowed
 
     opts = call.options
     structural = any(
@@ -434,15 +424,7 @@ def _xformers_extra(call):
     )
     if not structural:
         return {}
-    allowed = allowed_positions(
-        call.length,
-        call.keys,
-        mask=opts.get("mask"),
-        causal=bool(opts.get("causal")),
-        window=opts.get("window"),
-        align=opts.get("align", "top_left"),
-        kv_lengths=opts.get("kv_lengths"),
-    )
+    allowed = options_allowed(call.length, call.keys, opts, bias=False)
     dtype = call.dtype
     bias = opts.get("bias")
     if bias is not None:
