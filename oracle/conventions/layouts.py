@@ -68,6 +68,7 @@ Examples
 from __future__ import annotations
 
 import functools
+import inspect
 
 import ml_dtypes
 import numpy as np
@@ -78,6 +79,8 @@ from oracle.conventions.layouts_sparse import (  # layout="dsa": blhd with indic
     dsa_layout,
     refused_keyword,
 )
+from oracle.conventions.signatures import Call, declared, get
+from refattn.logspace import base_factor
 
 __all__ = [
     "LAYOUTS",
@@ -113,8 +116,6 @@ def check_convention(
     """
     extra = {}
     if signature is not None:
-        from oracle.conventions.signatures import get
-
         preset = get(signature)
         if causal_align is not None or keywords:
             raise ValueError(
@@ -133,8 +134,6 @@ def check_convention(
         layout, framework = preset.layout, preset.framework
         extra["signature"] = signature
     elif causal_align is not None or keywords:
-        from oracle.conventions.signatures import declared
-
         declared(layout, causal_align, keywords)  # a clear error for a bad declaration
         if causal_align is not None:
             extra["causal_align"] = causal_align
@@ -262,8 +261,6 @@ def _speaker(convention, impl=None):
     """None, or ``speak(q, k, v, options, kwargs) -> kwargs`` putting the layout's keywords
     and the options (refattn's names) into the function's own keywords
     (:mod:`oracle.conventions.signatures`)."""
-    from oracle.conventions.signatures import Call, declared, get
-
     if "signature" in convention:
         preset = get(convention["signature"])
     else:
@@ -284,8 +281,6 @@ def _speaker(convention, impl=None):
         return {**spoken, **layout_words}
 
     speak.lse_axes = preset.lse_axes
-    from refattn.logspace import base_factor
-
     speak.lse_factor = base_factor(preset.lse_base)
     parameters = _parameter_names(impl) if preset.adapt is not None else set()
 
@@ -299,8 +294,6 @@ def _speaker(convention, impl=None):
 
 
 def _parameter_names(impl) -> set:
-    import inspect
-
     try:
         return set(inspect.signature(impl).parameters)
     except (TypeError, ValueError):
@@ -458,6 +451,7 @@ class _Bridge:
         self.framework, self.device = framework, device
         if framework == "torch":
             try:
+                # optional package (torch extra)
                 import torch
             except ImportError:
                 raise ImportError(
@@ -468,6 +462,7 @@ class _Bridge:
             self.torch = torch
         elif framework == "jax":
             try:
+                # optional package (jax extra)
                 import jax
                 import jax.numpy as jnp
             except ImportError:

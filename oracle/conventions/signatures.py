@@ -67,11 +67,15 @@ align='top_left' with L = 3 != S = 5 cannot be expressed
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from oracle.adapters import exact_cast
+from oracle.catalogue.names import ATTENTION_OPTIONS
 from oracle.conventions.signatures_adapt import kvcache_page_table, xformers_groups
+from oracle.reading.allowed import options_allowed
 
 __all__ = [
     "Signature",
@@ -281,8 +285,6 @@ def _nan_rows(value, call):
 
 
 def _float32_slopes(value, call):
-    from oracle.adapters import exact_cast
-
     return exact_cast(value, np.float32, "alibi_slopes", "FlashAttention")
 
 
@@ -349,8 +351,6 @@ def _sdpa_attn_mask(call):
         allowed = tril if allowed is None else allowed & tril
     if bias is None:
         return {"attn_mask": allowed}
-    from oracle.adapters import exact_cast
-
     dtype = call.dtype
     bias = exact_cast(np.asarray(bias), dtype, "bias", "torch scaled_dot_product_attention")
     if allowed is not None:
@@ -370,8 +370,6 @@ def _jax_lengths(value, call):
 
 
 def _jax_bias(value, call):
-    from oracle.adapters import exact_cast
-
     dtype = call.dtype
     return exact_cast(np.asarray(value), dtype, "bias", "jax.nn.dot_product_attention")
 
@@ -393,8 +391,6 @@ def _jax_check(call):
 
 def _has_empty_rows(call):
     """Whether some query row of the case has no allowed key (docs/conventions.md's set)."""
-    from oracle.reading.allowed import options_allowed
-
     allowed = options_allowed(call.length, call.keys, call.options)
     return bool((~np.asarray(allowed).any(axis=-1)).any())
 
@@ -418,8 +414,6 @@ def _flashinfer_window(window, call):
 
 def _xformers_extra(call):
     """causal, window, key lengths and mask as one additive attn_bias of 0 / -inf (exact)."""
-    from oracle.reading.allowed import options_allowed
-
     opts = call.options
     structural = any(
         opts.get(n) is not None and opts.get(n) is not False
@@ -431,8 +425,6 @@ def _xformers_extra(call):
     dtype = call.dtype
     bias = opts.get("bias")
     if bias is not None:
-        from oracle.adapters import exact_cast
-
         bias = exact_cast(np.asarray(bias), dtype, "bias", "xformers memory_efficient_attention")
     else:
         bias = np.zeros((), dtype=dtype)
@@ -563,8 +555,6 @@ def get(name) -> Signature:
 
 def parse_keywords(keywords) -> dict:
     """``["scale=softmax_scale", ...]`` (or a dict) -> {refattn option: the function's name}."""
-    from oracle.catalogue.names import ATTENTION_OPTIONS
-
     if isinstance(keywords, dict):
         pairs = dict(keywords)
     else:
@@ -615,10 +605,6 @@ def function_defaults(impl) -> dict:
     Empty for an implementation behind a signature preset or declared renames (its options
     reach it translated, with their absence meaning refattn's default) and for one whose
     signature cannot be read."""
-    import inspect
-
-    from oracle.catalogue.names import ATTENTION_OPTIONS
-
     convention = getattr(impl, "convention", None) or {}
     if impl is None or {"signature", "causal_align", "keywords"} & set(convention):
         return {}

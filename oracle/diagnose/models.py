@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes  # noqa: F401 - registers bfloat16 with NumPy
 import numpy as np
 
 from oracle.judging import tolerance as tol
 from oracle.reading.baseline import textbook_attention
+from oracle.reading.heads import with_heads
+from refattn.broadcast import expand_kv
 
 __all__ = ["error_models", "narrow_accumulation", "ORDER_ONE"]
 
@@ -45,8 +48,6 @@ def cast_to(x, dtype):
         rounded = ((bits + half) >> np.uint64(13)) << np.uint64(13)
         out = rounded.astype(np.uint32).view(np.float32).astype(np.float64)
         return np.where(np.isfinite(x), out, x)
-    import ml_dtypes  # noqa: F401 - registers bfloat16 with NumPy
-
     name = "bfloat16" if dtype == "bfloat16" else dtype
     with np.errstate(over="ignore"):
         return x.astype(np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else name).astype(
@@ -55,8 +56,6 @@ def cast_to(x, dtype):
 
 
 def _narrow_dtype(name):
-    import ml_dtypes
-
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
@@ -69,9 +68,6 @@ def exact_parts(q, k, v, options, allowed=None):
         keep = np.asarray(options["dropout_mask"], dtype=bool)
         w = np.where(keep, w, 0) / (1 - (options.get("dropout_p") or 0.0))
     w3 = w[None] if np.ndim(q) == 2 else w
-    from oracle.reading.heads import with_heads
-    from refattn.broadcast import expand_kv
-
     v_h = expand_kv(
         with_heads(np.asarray(v, dtype=np.float64), "v"),
         w3.shape[-3],

@@ -182,6 +182,7 @@ def _files(path: Path, names: Iterable[str] | None) -> list[Path]:
 
 def _torch_tensors(path: Path, device) -> dict:
     try:
+        # optional packages (export and torch extras)
         from safetensors.torch import load_file
     except ImportError:
         raise ExportError(

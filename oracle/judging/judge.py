@@ -48,6 +48,7 @@ Examples
 from __future__ import annotations
 
 import math
+import sys
 import time
 
 import numpy as np
@@ -55,11 +56,13 @@ import numpy as np
 from oracle.catalogue.variants import FUNCTIONS, forward_inputs, grad_names, outputs_of
 from oracle.diagnose import diagnosis as _diagnose
 from oracle.diagnose.fp4 import diagnose_fp4
+from oracle.diagnose.merge import diagnose_merge
 from oracle.diagnose.models import ORDER_ONE
 from oracle.diagnose.tiles import storage_dtype
 from oracle.judging import tolerance as tol
 from oracle.judging.must_refuse import check_refusal, is_refusal
 from oracle.judging.passing import passed_options
+from oracle.judging.refused import refusing
 from oracle.judging.results import CaseResult, Check, Worst, grade_of
 from oracle.judging.variant_scales import condition, grad_floor_terms, grad_scale, natural_scale
 from oracle.reading.baseline import (
@@ -84,8 +87,6 @@ def call_forward(impl, q, k, v, options):
     A TypeError refusing one of the options is a NotImplementedError ("unsupported"), and so
     is an exception that reads as the implementation's refusal of the case
     (:func:`oracle.judging.refused.as_refusal`)."""
-    from oracle.judging.refused import refusing
-
     with refusing():
         return _call_forward(impl, q, k, v, options)
 
@@ -787,8 +788,6 @@ def _check_variant(impl, fixture, reproduce, grads=False):
                 problems += _check_variant_grads(case, fixture, vjp, cond, result.checks)
         failing = [c for c in result.checks.values() if not c.passed]
         if (problems or failing) and case.function == "merge_states":
-            from oracle.diagnose.merge import diagnose_merge
-
             result.diagnosis += diagnose_merge(fixture.inputs, case.options, outputs, truths)
         if problems or failing:
             result.verdict = "fail"
@@ -835,8 +834,6 @@ def _variant_vjp(impl):
     vjp = getattr(impl, "vjp", None)
     if vjp is not None:
         return vjp
-    import sys
-
     name = getattr(impl, "__name__", None)
     parts = (getattr(impl, "__module__", None) or "").split(".")
     while name and parts and parts[0]:

@@ -18,8 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from oracle.catalogue.names import STRICT_ONLY
+from oracle.conventions.layouts import NOT_EXPRESSIBLE
 from oracle.judging.tolerance import Threshold, ulp_distance
 from oracle.reading.features import HEADLINE_FEATURES, SHAPE_CLASSES
+from oracle.report.formats import summary_table, to_dict, to_html, to_json, to_junit
+from oracle.report.summary import to_caller_layout, ulp_meaningful
 
 __all__ = ["VERDICTS", "Worst", "Grade", "grade_of", "Check", "CaseResult", "Report"]
 
@@ -40,8 +43,6 @@ class Worst:
     layout: str = "bhld"  # the caller's layout, the order ``index`` is given in
 
     def describe(self) -> str:
-        from oracle.report.summary import to_caller_layout, ulp_meaningful
-
         index = ", ".join(map(str, to_caller_layout(self.index, self.quantity, self.layout)))
         where = "" if self.layout == "bhld" else f" ({self.layout} order)"
         ulp = (
@@ -310,8 +311,6 @@ class Report:
         cannot carry them (a packed or paged layout has no place for a (B, H, L, S) mask):
         nothing the implementation's author can act on, so not in :attr:`untested`; a report
         shows them once as "not expressible in this layout"."""
-        from oracle.conventions.layouts import NOT_EXPRESSIBLE
-
         found: dict[str, str] = {}
         judged = set()
         for r in self.results:
@@ -384,28 +383,18 @@ class Report:
         }
 
     def summary(self) -> str:
-        from oracle.report.formats import summary_table
-
         return summary_table(self)
 
     def to_dict(self) -> dict:
-        from oracle.report.formats import to_dict
-
         return to_dict(self)
 
     def to_json(self, path=None) -> str:
-        from oracle.report.formats import to_json
-
         return to_json(self, path)
 
     def to_junit(self, path=None) -> str:
-        from oracle.report.formats import to_junit
-
         return to_junit(self, path)
 
     def to_html(self, path, *, plots="failures") -> Path:
-        from oracle.report.formats import to_html
-
         return to_html(self, path, plots=plots)
 
     def __repr__(self) -> str:

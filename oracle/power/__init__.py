@@ -38,7 +38,9 @@ from dataclasses import dataclass, field
 from oracle.catalogue import suite as catalogue_suite
 from oracle.catalogue.names import DTYPES
 from oracle.fixtures import golden
+from oracle.judging.judge import check_fixture
 from oracle.power.planted import POWER_BROKEN, TILED_BROKEN, flash, split_kv, tiled
+from oracle.run.validate import validate
 
 __all__ = ["power", "PowerResult", "KERNELS", "CORRECT", "render"]
 
@@ -114,8 +116,6 @@ class _Replay:
 def _failures(impl, fixtures) -> dict[str, dict[str, list[str]]]:
     """Per tier and dtype, the cases ``impl`` fails (one call of ``impl`` per case; the
     fixtures' impl-independent judging parts are kept on them across kernels)."""
-    from oracle.judging.judge import check_fixture
-
     failed: dict[str, dict[str, list[str]]] = {tier: {} for tier in TIERS}
     for fixture in fixtures:
         replay = _Replay(impl)
@@ -128,8 +128,6 @@ def _failures(impl, fixtures) -> dict[str, dict[str, list[str]]]:
 
 def _supported(impl, fixtures) -> list:
     """The fixtures ``impl`` does not answer "unsupported" (its options)."""
-    from oracle.run.validate import validate
-
     report = validate(impl, fixtures=fixtures, dtype=None, progress=False, diagnose=False)
     refused = {r.name for r in report.results if r.verdict == "unsupported"}
     return [f for f in fixtures if f.name not in refused]

@@ -32,7 +32,8 @@ import numpy as np
 
 from oracle.catalogue.names import STRICT_ONLY
 from oracle.diagnose.tiles import tile_tracking
-from oracle.report.summary import ulp_meaningful, unsupported_lines, worst_failures
+from oracle.judging.tolerance import FAILURE_PROBABILITY, K_BACKWARD, K_FORWARD
+from oracle.report.summary import max_pool, ulp_meaningful, unsupported_lines, worst_failures
 
 __all__ = [
     "summary_table",
@@ -274,8 +275,6 @@ def coverage_lines(report) -> list[str]:
 
 def to_dict(report) -> dict:
     """JSON-ready dictionary of the whole run."""
-    from oracle.judging.tolerance import FAILURE_PROBABILITY, K_BACKWARD, K_FORWARD
-
     return {
         "impl": report.impl,
         "dtype": report.dtype,
@@ -360,6 +359,7 @@ def plotting_available() -> bool:
 
 def _matplotlib():
     try:
+        # optional package (plot extra)
         import matplotlib
     except ImportError:
         return None
@@ -395,8 +395,6 @@ def _heatmap(ax, grid, limit, cmap, title):
 
 
 def _pool2(grid, size):
-    from oracle.report.summary import max_pool
-
     return max_pool(np.asarray(grid, dtype=np.float64), size)
 
 
@@ -459,6 +457,7 @@ def _plots(Figure, result, every=False) -> list[str]:
 
 def matplotlib_colormap(name):
     """A copy of matplotlib's colormap ``name`` (safe to modify)."""
+    # optional package (plot extra)
     import matplotlib
 
     return matplotlib.colormaps[name].copy()

@@ -20,6 +20,8 @@ import textwrap
 
 import numpy as np
 
+from oracle.judging.refused import REFUSED
+
 __all__ = [
     "unsupported_groups",
     "unsupported_lines",
@@ -66,8 +68,6 @@ def unsupported_lines(results) -> list[str]:
         return []
     total = sum(groups.values())
     lines = [f"Unsupported ({total} cases, never a pass), by what is missing:"]
-    from oracle.judging.refused import REFUSED
-
     refused = sum(n for reason, n in groups.items() if reason.startswith(REFUSED))
     if refused:
         lines.append(f"  ({refused} {REFUSED}: --refusals-are-errors makes them errors)")

@@ -39,6 +39,7 @@ Examples
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -51,6 +52,7 @@ from oracle.catalogue.case import Case
 from oracle.fixtures import golden
 from oracle.judging import must_refuse as refusal
 from oracle.judging.results import Report
+from oracle.run.validate import select_cases, validate
 
 __all__ = ["plan_blocks", "block_truth", "assemble", "dask_runner", "validate_many", "SPLIT_COST"]
 
@@ -62,6 +64,7 @@ _BATCHED = ("q", "k", "v", "mask", "bias", "dropout_mask", "grad_out")  # (B, H|
 
 def _client(scheduler):
     try:
+        # optional package (dask extra)
         from distributed import Client
     except ImportError:  # pragma: no cover - exercised only without the extra
         raise ImportError(
@@ -229,6 +232,7 @@ def dask_runner(scheduler, *, client=None):
 
 
 def _run_cases(client, todo: list[Case], out: Path) -> Iterator[tuple[str, str]]:
+    # optional package (dask extra)
     from distributed import as_completed
 
     pending: dict[str, dict] = {}
@@ -287,8 +291,6 @@ def _validate_chunk(impl: str, case_names: list, kwargs: dict) -> dict:
     worker: the implementation is imported once per chunk, not once per case). An
     implementation the worker cannot load comes back as ``{"import_error", "worker"}``, so
     the client reports it as the worker's, not its own."""
-    from oracle.run.validate import validate
-
     try:
         report = validate(impl, cases=list(case_names), progress=False, keep_worker=True, **kwargs)
     except ImportError as err:
@@ -298,12 +300,11 @@ def _validate_chunk(impl: str, case_names: list, kwargs: dict) -> dict:
 
 def _worker_name() -> str:
     try:
+        # optional package (dask extra)
         from distributed import get_worker
 
         return get_worker().address
     except (ImportError, ValueError):  # pragma: no cover - outside a Dask worker
-        import socket
-
         return socket.gethostname()
 
 
@@ -353,8 +354,6 @@ def validate_many(
     dict
         implementation -> :class:`~oracle.judging.results.Report`, the results in case order.
     """
-    from oracle.run.validate import select_cases
-
     impls = list(impls)
     if not impls or not all(isinstance(i, str) and i for i in impls):
         raise ValueError(

@@ -41,14 +41,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from oracle import catalogue
+from oracle.conventions.layouts import check_convention, wrap
+from oracle.conventions.signatures import parse_keywords
 from oracle.diagnose.guidance import FIRST_CASES, check_first_cases
 from oracle.fixtures import golden
 from oracle.judging import tolerance as tol
 from oracle.judging.judge import check_fixture
+from oracle.judging.refused import refusals_as_errors
 from oracle.judging.results import Report
 from oracle.reading.features import KNOWN_FEATURES, case_features
 from oracle.run.impls import adapter_located, is_module_spec, locate_impl, resolve_impl
+from oracle.run.invariance import applies, check_invariance, parse_checks
+from oracle.run.parallel import more_supervisors, run_in_order, start_concurrently
 from oracle.run.progress import Progress
+from oracle.run.supervise import DEFAULT_TIMEOUT, Supervisor
+from oracle.run.worker_cache import kept_supervisor
 
 __all__ = ["validate", "resolve_impl", "reproduce_command", "select_cases"]
 
@@ -185,8 +192,6 @@ def _convention_flags(convention) -> str:
     defaults = {"layout": "bhld", "framework": "numpy", "device": "cpu"}
     for name, value in convention.items():
         if name == "keywords":
-            from oracle.conventions.signatures import parse_keywords
-
             flags += [f" --keyword {a}={b}" for a, b in parse_keywords(value).items()]
         elif name == "causal_align":
             flags.append(f" --causal-align {value}")
@@ -322,8 +327,6 @@ def validate(
         or (isolated) the worker process dies or times out loading it. With ``isolate`` a
         ``"module:function"`` is imported in the worker only.
     """
-    from oracle.run.invariance import parse_checks
-
     required = _required(require)
     checks = parse_checks(checks)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -331,8 +334,6 @@ def validate(
     tol.check_tier(tolerance)
     if dtype is not None:
         tol.unit_roundoff(dtype)  # a clear error for an unknown dtype
-    from oracle.conventions.layouts import check_convention
-
     convention = check_convention(layout, framework, device, signature, causal_align, keywords)
     unwrapped, fn, spec = _implementation(impl, isolate, convention)
     label, items, source_flag = _selection(suite, fixtures, dtype, cases)
@@ -343,8 +344,6 @@ def validate(
     start = time.perf_counter()
     results = _run_items(run, items, supervisor, unwrapped, workers, progress, keep_worker)
     if refusals_are_errors:
-        from oracle.judging.refused import refusals_as_errors
-
         refusals_as_errors(results)
     report = Report(
         _impl_name(fn, spec), dtype, label, strict, results, time.perf_counter() - start, grads
@@ -366,8 +365,6 @@ def _implementation(impl, isolate, convention):
     """``(unwrapped, fn, spec)``: the implementation, wrapped in its convention, and the
     ``module:function`` or adapter name a worker resolves it from (both None when only the
     worker imports it)."""
-    from oracle.conventions.layouts import wrap
-
     if isolate and _in_worker(convention) and (is_module_spec(impl) or adapter_located(impl)):
         # only the worker imports it: a module that exits, crashes or hangs at import cannot
         # end this process (with rc 0 for sys.exit(0)) or stall it; Supervisor.start says why
@@ -403,9 +400,6 @@ def _selection(suite, fixtures, dtype, cases):
 def _supervisor(impl, unwrapped, spec, convention, isolate, keep_worker, timeout, memory_limit):
     """The supervised worker that runs the cases, or None (the implementation runs in this
     process)."""
-    from oracle.conventions.layouts import check_convention
-    from oracle.run.supervise import DEFAULT_TIMEOUT, Supervisor
-
     worker_ref = _worker_ref(impl, unwrapped, spec) if isolate else None
     if not _in_worker(convention):
         worker_ref = None
@@ -417,8 +411,6 @@ def _supervisor(impl, unwrapped, spec, convention, isolate, keep_worker, timeout
     if worker_ref is None:
         return None
     if keep_worker:  # a Dask worker keeps its supervised child across tasks
-        from oracle.run.worker_cache import kept_supervisor
-
         return kept_supervisor(worker_ref, **limits)
     return Supervisor(worker_ref, **limits)
 
@@ -440,8 +432,6 @@ class _Run:
 
     def item(self, item, worker) -> list:
         """The case's result and its invariance checks, run by ``worker`` (or in process)."""
-        from oracle.run.invariance import applies
-
         fixture = golden.build(item) if not hasattr(item, "truth") else item
         repro = reproduce_command(
             self.spec,
@@ -486,13 +476,9 @@ def _run_items(run, items, supervisor, unwrapped, workers, progress, keep_worker
     results = []
     pool = [supervisor]
     if supervisor is not None and workers > 1:
-        from oracle.run.parallel import more_supervisors
-
         pool += more_supervisors(supervisor, min(workers, len(items)) - 1)
     try:
         if len(pool) > 1:  # every worker loads the implementation at once
-            from oracle.run.parallel import start_concurrently
-
             start_concurrently(pool)
         _start_worker(supervisor, spec or _impl_name(fn, spec))
         with Progress(
@@ -508,8 +494,6 @@ def _run_items(run, items, supervisor, unwrapped, workers, progress, keep_worker
                     )
 
             if len(pool) > 1:
-                from oracle.run.parallel import run_in_order
-
                 run_in_order(items, pool, run.item, done)
             else:
                 for item in items:
@@ -545,8 +529,6 @@ def _start_worker(supervisor, name) -> None:
 
 
 def _invariance(fn, supervisor, fixture, check, repro):
-    from oracle.run.invariance import check_invariance
-
     if supervisor is None:
         return check_invariance(fn, fixture, check, reproduce=repro)
     return supervisor.run(fixture, reproduce=repro, check=check)
