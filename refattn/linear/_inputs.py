@@ -43,6 +43,7 @@ class LinearCall:
     beta : None or (B, HV, T)
     h0 : None or (N, HV, D, E)
     segments : ((batch row, start, stop), ...) one per sequence n = 0 .. N-1
+    scale : the float64 scale (``default_scale``: it is 1/sqrt(D), exact on the exact path)
     """
 
     q: np.ndarray
@@ -53,6 +54,7 @@ class LinearCall:
     h0: np.ndarray | None
     segments: tuple
     scale: float
+    default_scale: bool
     qk_l2norm: bool
     gate_base: str
     key_heads: int
@@ -194,6 +196,7 @@ def canonicalize(
         h0=None if h0 is None else _checks.as_float64(h0),
         segments=segments,
         scale=_scale(scale, q.shape[-1]),
+        default_scale=scale is None,
         qk_l2norm=_flag(qk_l2norm, "qk_l2norm"),
         gate_base=_base(gate_base),
         key_heads=q.shape[1],
