@@ -29,6 +29,7 @@ import math
 
 import numpy as np
 
+from .. import config
 from .unit import gamma
 
 __all__ = ["linear_forward_bound", "linear_vjp_bound", "rounding_count"]
@@ -51,8 +52,8 @@ def _per_step(q, k, v, g, beta, scale, qk_l2norm, gate_base):
     k = np.repeat(np.asarray(k, np.float64), group, axis=1)
     rq = rk = np.ones(v.shape[:3])
     if qk_l2norm:
-        rq = 1.0 / np.sqrt(_norm(q) ** 2 + 1e-6)
-        rk = 1.0 / np.sqrt(_norm(k) ** 2 + 1e-6)
+        rq = 1.0 / np.sqrt(_norm(q) ** 2 + config.LINEAR_L2NORM_EPS)
+        rk = 1.0 / np.sqrt(_norm(k) ** 2 + config.LINEAR_L2NORM_EPS)
     steps = {
         "q": abs(scale) * _norm(q) * rq,
         "k": _norm(k) * rk,

@@ -22,13 +22,15 @@ from fractions import Fraction
 import numpy as np
 from mpmath import mp
 
-from ..linear._inputs import L2NORM_EPS, LinearCall
+from .. import config
 from . import intervals as I
 from .autodiff import AutodiffOps, lift, vjp
 from .numbers import INTERVAL, RATIONAL, NotRational
 from .rounding import correctly_round
 
 __all__ = ["exact_linear_attention", "exact_linear_attention_vjp"]
+
+# ``call`` below is a refattn.linear._inputs.LinearCall (the canonical call, float64 arrays).
 
 
 class _IntervalArith:
@@ -102,7 +104,7 @@ class _AutodiffArith:
         return self.ad.exp(self.ad.log(x) * lift(self.base.const(-0.5)))
 
 
-def _scale(arith, call: LinearCall):
+def _scale(arith, call):
     """The output scale as a constant of ``arith`` (the exact 1/sqrt(D) by default)."""
     if isinstance(arith, _AutodiffArith):
         return lift(_scale(arith.base, call))
@@ -115,14 +117,14 @@ def _scale(arith, call: LinearCall):
 
 
 def _normalise(arith, x):
-    total = arith.const(L2NORM_EPS)
+    total = arith.const(config.LINEAR_L2NORM_EPS)
     for value in x:
         total = total + value * value
     r = arith.inv_sqrt(total)
     return [value * r for value in x]
 
 
-def _recurrence(arith, seq, scale, call: LinearCall):
+def _recurrence(arith, seq, scale, call):
     """(o rows (T_n lists of E numbers), final state (D lists of E)) of one sequence and value
     head; ``seq`` holds its inputs as lists of numbers of ``arith``: q, k (T_n, D), v (T_n, E),
     g (T_n or T_n x D, or None), beta (T_n or None), h0 (D x E or None)."""
@@ -172,7 +174,7 @@ def _values(arith, array):
     return out.tolist()
 
 
-def _sequence(call: LinearCall, n: int, j: int):
+def _sequence(call, n: int, j: int):
     """The float64 input slices of sequence n, value head j."""
     b, start, stop = call.segments[n]
     return {
@@ -190,7 +192,7 @@ def _forward_row(arith, call, n, j):
     return _recurrence(arith, seq, _scale(arith, call), call)
 
 
-def _flat_index(call: LinearCall):
+def _flat_index(call):
     """flat output index -> (sequence, value head) and the places of each row's results."""
     out_size = call.v.size
     owner = {}
@@ -200,7 +202,7 @@ def _flat_index(call: LinearCall):
     return out_size, owner
 
 
-def exact_linear_attention(call: LinearCall, dtype):
+def exact_linear_attention(call, dtype):
     """(o (B, HV, T, E), final (N, HV, D, E)) correctly rounded to ``dtype``."""
     heads = call.v.shape[1]
     out_size, owner = _flat_index(call)
@@ -288,7 +290,7 @@ def _vjp_row(arith_base, call, do, dht, n, h):
     return result
 
 
-def exact_linear_attention_vjp(call: LinearCall, do, dht, dtype):
+def exact_linear_attention_vjp(call, do, dht, dtype):
     """(dq, dk, dv, dg, dbeta, dh0) correctly rounded to ``dtype`` (None where absent)."""
     key_heads = call.key_heads
     b_shape = (call.q.shape[0], key_heads) + call.q.shape[2:]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import _checks
+from .. import _checks, config
 
 __all__ = [
     "LinearCall",
@@ -28,7 +28,7 @@ __all__ = [
 
 #: The epsilon inside the root of the query/key normalisation, ``x / sqrt(sum x^2 + eps)``
 #: (flash-linear-attention's ``l2norm`` and transformers' qwen3_next ``l2norm`` default).
-L2NORM_EPS = 1e-6
+L2NORM_EPS = config.LINEAR_L2NORM_EPS
 GATE_BASES = ("e", "2")
 BACKENDS = ("numpy", "numba")
 
