@@ -175,7 +175,13 @@ def naive_linear_rounded(q, k, v, g=None, beta=None, *, dtype="float64", **opts)
 
         return at
 
-    return round_stable(compute(0), dtype), round_stable(compute(1), dtype)
+    batch, length = np.shape(q)[0], np.shape(q)[2]
+    sequences = len(_sequences(batch, length, opts.get("cu_seqlens")))
+    state_shape = (sequences, np.shape(v)[1], np.shape(q)[-1], np.shape(v)[-1])
+    return (
+        round_stable(compute(0), dtype).reshape(np.shape(v)),  # (T = 0 loses E in lists)
+        round_stable(compute(1), dtype).reshape(state_shape),
+    )
 
 
 class _Floats:
