@@ -77,12 +77,12 @@ def _segments(shape, cu_seqlens):
     return [(0, a, b) for a, b in zip(cu, cu[1:], strict=False)]
 
 
-def _amplification(s, t):
-    """(m_t, w_t): the delta-rule map's norm and the weight of the k v^T term."""
-    if s["b"] is None:
-        return np.ones_like(s["k"][..., t]), np.ones_like(s["k"][..., t])
-    b, kk = s["b"][..., t], s["k"][..., t] ** 2
-    return np.maximum(1.0, np.abs(1.0 - b * kk)), b
+def _amplification(kn, b):
+    """(m_t, w_t): the delta-rule map's norm and the weight of the k v^T term, from ||k_t||
+    and |beta_t| (None without the delta rule)."""
+    if b is None:
+        return np.ones_like(kn), np.ones_like(kn)
+    return np.maximum(1.0, np.abs(1.0 - b * kn * kn)), b
 
 
 def _forward_pass(s, n0, norms, span, g_n):
@@ -92,8 +92,8 @@ def _forward_pass(s, n0, norms, span, g_n):
     big_n, err = np.zeros((heads, stop - start)), np.zeros((heads, stop - start))
     prev_n, prev_e = n0, g_n * n0
     for i, t in enumerate(range(start, stop)):
-        m, w = _amplification({k: (None if x is None else x[b_row]) for k, x in s.items()}, t)
         a, kn, vn = s["a"][b_row, :, t], s["k"][b_row, :, t], s["v"][b_row, :, t]
+        m, w = _amplification(kn, None if s["b"] is None else s["b"][b_row, :, t])
         b = 0.0 if s["b"] is None else s["b"][b_row, :, t]
         apriori = a * m * prev_n + w * kn * vn
         now = apriori if norms is None else np.minimum(apriori, norms[b_row, :, t] + prev_e)
@@ -165,10 +165,9 @@ def _adjoint_pass(s, span, norms_err, do_n, dht_n, g_n, log_base):
     p_norm, lam = dht_n, g_n * dht_n
     for i in range(stop - start - 1, -1, -1):
         t = start + i
-        row = {k: (None if x is None else x[b_row]) for k, x in s.items()}
-        m, w = _amplification(row, t)
-        a, kn, vn, qn = (row[x][:, t] for x in ("a", "k", "v", "q"))
-        b = np.zeros(heads) if row["b"] is None else row["b"][:, t]
+        a, kn, vn, qn = (s[x][b_row, :, t] for x in ("a", "k", "v", "q"))
+        m, _ = _amplification(kn, None if s["b"] is None else s["b"][b_row, :, t])
+        b = np.zeros(heads) if s["b"] is None else s["b"][b_row, :, t]
         n_prev = big_n[:, i - 1] if i else s["n0"]
         e_prev = err[:, i - 1] if i else g_n * s["n0"]
         dn = do_n[b_row, :, t]
@@ -177,7 +176,7 @@ def _adjoint_pass(s, span, norms_err, do_n, dht_n, g_n, log_base):
         u_norm = vn + a * n_prev * kn
         u_err = a * e_prev * kn + g_n * u_norm
         out["q"][:, i] = (err[:, i] + g_n * big_n[:, i]) * dn
-        if row["b"] is None:
+        if s["b"] is None:
             out["k"][:, i] = lam * vn + g_n * p_norm * vn
             out["v"][:, i] = lam * kn + g_n * p_norm * kn
         else:
