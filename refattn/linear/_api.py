@@ -193,9 +193,9 @@ def linear_attention(
 
         out, final = exact_linear_attention(call, dtype)
     elif backend == "numba":
-        from ..kernels.linear_cpu import linear_forward
+        from . import _kernels
 
-        out, final = linear_forward(call)
+        out, final = _kernels.forward(call)
     else:
         out, final = _float64.forward(call)
     return (out, final) if output_final_state else out
@@ -270,9 +270,9 @@ def linear_attention_vjp(
 
         return LinearAttentionGrads(*exact_linear_attention_vjp(call, do, dht, dtype))
     if backend == "numba":
-        from ..kernels.linear_cpu import linear_backward
+        from . import _kernels
 
-        grads = linear_backward(call, do, dht)
+        grads = _kernels.backward(call, do, dht)
     else:
         grads = _float64.backward(call, do, dht)
     return _assemble(call, grads)
