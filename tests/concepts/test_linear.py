@@ -11,6 +11,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -205,3 +208,13 @@ def test_packed_sequences_need_batch_one():
     q, k, v, g, beta = _problem(9, batch=2)
     with pytest.raises(ValueError, match=r"cu_seqlens: packed sequences need batch B = 1"):
         refattn.linear_attention(q, k, v, g, beta, cu_seqlens=np.array([0, 5]))
+
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "linear.md"
+
+
+@pytest.mark.parametrize("index", range(2))
+def test_docs_page_code_blocks_run(index):
+    blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.S)
+    assert len(blocks) == 2, "docs/linear.md: expected two python blocks"
+    exec(compile(blocks[index], f"docs/linear.md block {index}", "exec"), {})
