@@ -35,29 +35,27 @@ _GATE, _BETA, _LOG_BASE = 0, 1, 2
 
 
 @njit(**_OPTS)
-def _step(state, a, k, v, beta, has_gate, has_beta, decayed, u):
-    """One update of ``state`` (D, E) in place; ``decayed`` receives S' and ``u`` the
-    delta-rule residual (when used)."""
+def _step(state, a, k, v, beta, has_beta, u):
+    """One update of ``state`` (D, E) in place (``a`` is all ones without gates: the
+    products by 1 are exact); ``u`` receives the delta-rule residual."""
     dim, edim = state.shape
-    for d in range(dim):
-        for e in range(edim):
-            decayed[d, e] = state[d, e] * a[d] if has_gate else state[d, e]
     if has_beta:
         for e in range(edim):
             u[e] = 0
         for d in range(dim):
             for e in range(edim):
-                u[e] += decayed[d, e] * k[d]
+                state[d, e] = state[d, e] * a[d]
+                u[e] += state[d, e] * k[d]
         for e in range(edim):
             u[e] = v[e] - u[e]
         for d in range(dim):
             scaled = beta * k[d]
             for e in range(edim):
-                state[d, e] = decayed[d, e] + scaled * u[e]
+                state[d, e] = state[d, e] + scaled * u[e]
     else:
         for d in range(dim):
             for e in range(edim):
-                state[d, e] = decayed[d, e] + k[d] * v[e]
+                state[d, e] = state[d, e] * a[d] + k[d] * v[e]
 
 
 @njit(parallel=True, **_OPTS)
@@ -65,31 +63,22 @@ def _forward(ins, beta, h0, seg, params, out, final):
     """ins = (qs, k, v, a) (B, HV, T, D|E); out (B, HV, T, E); final (N, HV, D, E)."""
     qs, k, v, a = ins
     heads, dim, edim = v.shape[1], k.shape[3], v.shape[3]
-    has_gate, has_beta = params[_GATE] != 0.0, params[_BETA] != 0.0
+    has_beta = params[_BETA] != 0.0
     for unit in prange(seg.shape[0] * heads):
         n, j = unit // heads, unit % heads
         b, start, stop = seg[n, 0], seg[n, 1], seg[n, 2]
         state = h0[n, j].copy()
-        decayed = np.empty((dim, edim), dtype=state.dtype)
         u = np.empty(edim, dtype=state.dtype)
-        zero = np.zeros(1, dtype=state.dtype)[0]  # accumulators in the compute dtype
+        row = np.empty(edim, dtype=state.dtype)
         for t in range(start, stop):
-            _step(
-                state,
-                a[b, j, t],
-                k[b, j, t],
-                v[b, j, t],
-                beta[b, j, t],
-                has_gate,
-                has_beta,
-                decayed,
-                u,
-            )
+            _step(state, a[b, j, t], k[b, j, t], v[b, j, t], beta[b, j, t], has_beta, u)
+            # o[e] = sum_d S[d, e] qs[d], sequential in d for every e (lanes over e)
             for e in range(edim):
-                acc = zero
-                for d in range(dim):
-                    acc += state[d, e] * qs[b, j, t, d]
-                out[b, j, t, e] = acc
+                row[e] = 0
+            for d in range(dim):
+                for e in range(edim):
+                    row[e] += state[d, e] * qs[b, j, t, d]
+            out[b, j, t] = row
         final[n, j] = state
 
 
@@ -106,7 +95,10 @@ def _reverse_step(grads, d_state, before, t, place, ins, beta_t, params, work):
     zero = work[5][0]  # 0 in the compute dtype: accumulators stay in it
     log_base = work[5][1]
     state[:, :] = before
-    _step(state, a[b, j, t], k[b, j, t], v[b, j, t], beta_t, has_gate, has_beta, decayed, u)
+    _step(state, a[b, j, t], k[b, j, t], v[b, j, t], beta_t, has_beta, u)
+    for d in range(dim):
+        for e in range(edim):
+            decayed[d, e] = before[d, e] * a[b, j, t, d]  # S', as the step formed it
     for d in range(dim):
         for e in range(edim):
             d_state[d, e] += qs[b, j, t, d] * do[b, j, t, e]
@@ -116,10 +108,12 @@ def _reverse_step(grads, d_state, before, t, place, ins, beta_t, params, work):
             acc += state[d, e] * do[b, j, t, e]
         dqs[b, j, t, d] = acc
     for e in range(edim):
-        acc = zero
-        for d in range(dim):
-            acc += d_state[d, e] * k[b, j, t, d]
-        du[e] = beta_t * acc if has_beta else acc
+        du[e] = zero
+    for d in range(dim):
+        for e in range(edim):
+            du[e] += d_state[d, e] * k[b, j, t, d]
+    for e in range(edim):
+        du[e] = beta_t * du[e] if has_beta else du[e]
         dv[b, j, t, e] = du[e]
     for d in range(dim):
         acc = zero
@@ -157,7 +151,7 @@ def _backward(ins, beta, states, seg, params, grads, dbeta, dh0):
     qs, k, v, a, do = ins
     h0, dht = states
     heads, dim, edim = v.shape[1], k.shape[3], v.shape[3]
-    has_gate, has_beta = params[_GATE] != 0.0, params[_BETA] != 0.0
+    has_beta = params[_BETA] != 0.0
     for unit in prange(seg.shape[0] * heads):
         n, j = unit // heads, unit % heads
         b, start, stop = seg[n, 0], seg[n, 1], seg[n, 2]
@@ -178,41 +172,21 @@ def _backward(ins, beta, states, seg, params, grads, dbeta, dh0):
             np.empty(1, dtype=h0.dtype),
             np.array([0.0, params[_LOG_BASE]]).astype(h0.dtype),
         )
-        scratch = np.empty((dim, edim), dtype=h0.dtype)
         u = np.empty(edim, dtype=h0.dtype)
         state = h0[n, j].copy()
         for t in range(start, stop):
             if (t - start) % block == 0:
                 saved[(t - start) // block] = state
-            _step(
-                state,
-                a[b, j, t],
-                k[b, j, t],
-                v[b, j, t],
-                beta[b, j, t],
-                has_gate,
-                has_beta,
-                scratch,
-                u,
-            )
+            _step(state, a[b, j, t], k[b, j, t], v[b, j, t], beta[b, j, t], has_beta, u)
         d_state = dht[n, j].copy()
         for index in range(blocks - 1, -1, -1):
             first = start + index * block
             last = min(first + block, stop)
             states_block[0] = saved[index]
             for t in range(first, last - 1):
-                states_block[t - first + 1] = states_block[t - first]
-                _step(
-                    states_block[t - first + 1],
-                    a[b, j, t],
-                    k[b, j, t],
-                    v[b, j, t],
-                    beta[b, j, t],
-                    has_gate,
-                    has_beta,
-                    scratch,
-                    u,
-                )
+                here = states_block[t - first + 1]
+                here[:, :] = states_block[t - first]
+                _step(here, a[b, j, t], k[b, j, t], v[b, j, t], beta[b, j, t], has_beta, u)
             for t in range(last - 1, first - 1, -1):
                 _reverse_step(
                     grads,
@@ -245,8 +219,8 @@ def linear_forward(ins, beta, h0, seg, params):
     """
     dtype = ins[0].dtype
     _check_dtype(dtype)
-    out = np.zeros(ins[2].shape, dtype=dtype)
-    final = np.zeros(h0.shape, dtype=dtype)
+    out = np.empty(ins[2].shape, dtype=dtype)  # every element is written: segments tile T
+    final = np.empty(h0.shape, dtype=dtype)
     if out.size or final.size:
         _forward(ins, beta, h0, seg, params, out, final)
     return out, final

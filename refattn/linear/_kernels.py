@@ -39,7 +39,7 @@ def forward(call: LinearCall, compute_dtype="float64"):
     """(o, final) as float64 arrays, computed by the kernel in ``compute_dtype``."""
     ins, beta, h0, seg, params = _prepared(call, compute_dtype)
     out, final = linear_cpu.linear_forward(ins, beta, h0, seg, params)
-    return out.astype(np.float64), final.astype(np.float64)
+    return out.astype(np.float64, copy=False), final.astype(np.float64, copy=False)
 
 
 def backward(call: LinearCall, do, dht, compute_dtype="float64") -> dict:
