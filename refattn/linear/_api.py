@@ -191,6 +191,7 @@ def linear_attention(
     if precision == "exact":
         from ..exact.linear import exact_linear_attention
 
+        _finite(call)
         out, final = exact_linear_attention(call, dtype)
     elif backend == "numba":
         from . import _kernels
@@ -268,6 +269,7 @@ def linear_attention_vjp(
     if precision == "exact":
         from ..exact.linear import exact_linear_attention_vjp
 
+        _finite(call)
         return LinearAttentionGrads(*exact_linear_attention_vjp(call, do, dht, dtype))
     if backend == "numba":
         from . import _kernels
@@ -294,6 +296,18 @@ def _assemble(call, grads) -> LinearAttentionGrads:
         dbeta=grads["beta"],
         dh0=None if call.h0 is None else grads["h0"],
     )
+
+
+def _finite(call):
+    """The exact path takes finite inputs only (named on failure)."""
+    for name in ("q", "k", "v", "g", "beta", "h0"):
+        array = getattr(call, name)
+        if array is not None and not np.isfinite(array).all():
+            shown = "initial_state" if name == "h0" else name
+            raise ValueError(
+                f"{shown}: precision='exact' needs finite values (shape {array.shape}); "
+                "NaN/Inf found"
+            )
 
 
 def _bound_options(options):

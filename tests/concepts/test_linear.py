@@ -218,3 +218,10 @@ def test_docs_page_code_blocks_run(index):
     blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.S)
     assert len(blocks) == 2, "docs/linear.md: expected two python blocks"
     exec(compile(blocks[index], f"docs/linear.md block {index}", "exec"), {})
+
+
+def test_exact_path_refuses_non_finite_inputs():
+    q, k, v, g, beta = _problem(10)
+    v[0, 1, 2, 0] = np.nan
+    with pytest.raises(ValueError, match=r"v: precision='exact' needs finite values"):
+        refattn.linear_attention(q, k, v, g, beta, precision="exact")
