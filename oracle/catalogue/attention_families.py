@@ -19,10 +19,34 @@ __all__ = ["entries"]
 
 
 def entries() -> list[Entry]:
-    e = Entry
+    """Every row of this module and of the option families, in catalogue order."""
     gauss = {"qkv": "gaussian", "sigma": 1.0}
-    rows = [
-        # --- smoke: one tiny case per headline feature --------------------------------------
+    return [
+        *smoke_rows(gauss),
+        *shape_rows(gauss),
+        *gqa_rows(gauss),
+        *causal_window_rows(gauss),
+        *softcap_bias_rows(gauss),
+        *mask_rows(gauss),
+        *dropout_rows(gauss),
+        *distribution_rows(gauss),
+        *adversarial_rows(gauss),
+        *poison_rows(gauss),
+        *gradient_rows(gauss),
+        # --- sinks, per-row key lengths (KV cache), fp8 inputs ------------------------------
+        *option_entries(gauss),
+        *sparse_entries(gauss),
+        *fp4_entries(gauss),  # NVFP4 / MXFP4 block-scaled inputs
+        *sigmoid_entries(gauss),
+        *latent_entries(gauss),
+        *large_rows(gauss),
+    ]
+
+
+def smoke_rows(gauss: dict) -> list[Entry]:
+    """Smoke: one tiny case per headline feature."""
+    e = Entry
+    return [
         e("basic", SMALL, "Gaussian q, k, v; no options", smoke=ALL, recipe=gauss),
         e(
             "causal-br",
@@ -57,7 +81,13 @@ def entries() -> list[Entry]:
             recipe={**gauss, "bias": "gaussian"},
             grads=True,
         ),
-        # --- shapes ---------------------------------------------------------------------------
+    ]
+
+
+def shape_rows(gauss: dict) -> list[Entry]:
+    """Shapes: L versus S, D versus E, decode, long, batch, explicit scale."""
+    e = Entry
+    return [
         e("basic", BASE, "Gaussian q, k, v; no options", recipe=gauss),
         e("l-gt-s", Shapes(1, 2, 2, 40, 12, 32, 32), "more queries than keys", recipe=gauss),
         e("l-lt-s", Shapes(1, 2, 2, 5, 97, 32, 32), "fewer queries than keys", recipe=gauss),
@@ -99,7 +129,13 @@ def entries() -> list[Entry]:
             options={"scale": 0.3},
             recipe=gauss,
         ),
-        # --- GQA / MQA ------------------------------------------------------------------------
+    ]
+
+
+def gqa_rows(gauss: dict) -> list[Entry]:
+    """GQA and MQA in both head layouts (interleave, tile)."""
+    e = Entry
+    return [
         e(
             "gqa-interleave",
             Shapes(1, 8, 2, 12, 20, 16, 16),
@@ -128,7 +164,13 @@ def entries() -> list[Entry]:
             options={"gqa": "tile"},
             recipe=gauss,
         ),
-        # --- causal and windows ---------------------------------------------------------------
+    ]
+
+
+def causal_window_rows(gauss: dict) -> list[Entry]:
+    """Causal masks in both alignments, empty rows, sliding windows."""
+    e = Entry
+    return [
         e(
             "causal-tl",
             Shapes(1, 2, 2, 24, 24, 32, 32),
@@ -206,7 +248,13 @@ def entries() -> list[Entry]:
             options={"causal": True, "window": (3, None), "align": "top_left"},
             recipe=gauss,
         ),
-        # --- softcap, ALiBi, bias -------------------------------------------------------------
+    ]
+
+
+def softcap_bias_rows(gauss: dict) -> list[Entry]:
+    """Softcap, ALiBi and additive bias."""
+    e = Entry
+    return [
         e(
             "softcap",
             MID,
@@ -261,7 +309,13 @@ def entries() -> list[Entry]:
             options={"empty_rows": "zero"},
             recipe={**gauss, "bias": "neginf"},
         ),
-        # --- masks, empty rows ----------------------------------------------------------------
+    ]
+
+
+def mask_rows(gauss: dict) -> list[Entry]:
+    """Boolean masks and empty rows."""
+    e = Entry
+    return [
         e(
             "mask-padding",
             Shapes(2, 2, 2, 12, 24, 16, 16),
@@ -276,7 +330,13 @@ def entries() -> list[Entry]:
             options={"empty_rows": "nan"},
             recipe={**gauss, "mask": "empty-rows"},
         ),
-        # --- dropout --------------------------------------------------------------------------
+    ]
+
+
+def dropout_rows(gauss: dict) -> list[Entry]:
+    """Dropout keep-masks."""
+    e = Entry
+    return [
         e(
             "dropout",
             BASE,
@@ -291,7 +351,13 @@ def entries() -> list[Entry]:
             options={"dropout_p": 0.1, "causal": True, "align": "top_left"},
             recipe={**gauss, "dropout": True},
         ),
-        # --- input distributions --------------------------------------------------------------
+    ]
+
+
+def distribution_rows(gauss: dict) -> list[Entry]:
+    """Input distributions: small and large logits."""
+    e = Entry
+    return [
         e(
             "gauss-s0.25",
             BASE,
@@ -306,7 +372,13 @@ def entries() -> list[Entry]:
             default=(),
             recipe={"qkv": "gaussian", "sigma": 8.0},
         ),
-        # --- adversarial ----------------------------------------------------------------------
+    ]
+
+
+def adversarial_rows(gauss: dict) -> list[Entry]:
+    """Adversarial inputs: logit gaps, ties, monotone scores, cancellation."""
+    e = Entry
+    return [
         e("gap", BASE, "logit gaps > 40 (overflow without max shift)", recipe={"qkv": "gap"}),
         e("ties", BASE, "three-way exact ties at the row maximum", recipe={"qkv": "ties"}),
         e("ascending", BASE, "scores ascending along keys", recipe={"qkv": "ascending"}),
@@ -324,7 +396,13 @@ def entries() -> list[Entry]:
             options={"causal": True, "align": "top_left"},
             recipe={"qkv": "gap"},
         ),
-        # --- robustness: poison at excluded positions -----------------------------------------
+    ]
+
+
+def poison_rows(gauss: dict) -> list[Entry]:
+    """Robustness: NaN/Inf poison at excluded positions."""
+    e = Entry
+    return [
         e(
             "poison-nan-padding",
             Shapes(2, 2, 2, 5, 10, 8, 8),
@@ -356,7 +434,13 @@ def entries() -> list[Entry]:
             options={"window": (2, 1), "align": "bottom_right"},
             recipe={**gauss, "bias": "gaussian", "poison": "inf"},
         ),
-        # --- gradients ------------------------------------------------------------------------
+    ]
+
+
+def gradient_rows(gauss: dict) -> list[Entry]:
+    """Gradients (``grads=True``) of every option."""
+    e = Entry
+    return [
         e("grad-basic", GRAD, "gradients dq, dk, dv", recipe=gauss, grads=True),
         e(
             "grad-bias-bcast",
@@ -444,13 +528,13 @@ def entries() -> list[Entry]:
             recipe={"qkv": "cancel"},
             grads=True,
         ),
-        # --- sinks, per-row key lengths (KV cache), fp8 inputs ------------------------------
-        *option_entries(gauss),
-        *sparse_entries(gauss),
-        *fp4_entries(gauss),  # NVFP4 / MXFP4 block-scaled inputs
-        *sigmoid_entries(gauss),
-        *latent_entries(gauss),
-        # --- full only: larger shapes ---------------------------------------------------------
+    ]
+
+
+def large_rows(gauss: dict) -> list[Entry]:
+    """Full only (mostly): larger shapes."""
+    e = Entry
+    return [
         e(
             "basic",
             Shapes(2, 8, 2, 64, 96, 64, 64),
@@ -543,4 +627,3 @@ def entries() -> list[Entry]:
             grads=True,
         ),
     ]
-    return rows

@@ -11,11 +11,20 @@ __all__ = ["option_entries"]
 
 def option_entries(gauss) -> list[Entry]:
     """Cases of the options sinks, kv_lengths and float8 inputs (fp8 cases: bfloat16 only)."""
+    return [
+        *sink_rows(gauss),
+        *kv_length_rows(gauss),
+        *option_gradient_rows(gauss),
+        *combination_rows(gauss),
+        *fp8_rows(gauss),
+    ]
+
+
+def sink_rows(gauss) -> list[Entry]:
+    """Attention sinks: one extra logit per head in every normaliser."""
     e = Entry
     sinks = {**gauss, "sinks": "gaussian"}
-    ragged = {**gauss, "kv_lengths": "ragged"}
     br = {"causal": True, "align": "bottom_right"}
-    fp8 = {"default": FP8_TRUTH_DTYPES, "full": FP8_TRUTH_DTYPES}
     return [
         e(
             "sinks",
@@ -44,6 +53,16 @@ def option_entries(gauss) -> list[Entry]:
             options={"gqa": "interleave"},
             recipe=sinks,
         ),
+    ]
+
+
+def kv_length_rows(gauss) -> list[Entry]:
+    """Per-row key lengths (a KV cache), alone and with sinks in a decode."""
+    e = Entry
+    sinks = {**gauss, "sinks": "gaussian"}
+    ragged = {**gauss, "kv_lengths": "ragged"}
+    br = {"causal": True, "align": "bottom_right"}
+    return [
         e(
             "kv-lengths",
             Shapes(3, 2, 2, 8, 24, 16, 16),
@@ -100,6 +119,16 @@ def option_entries(gauss) -> list[Entry]:
             options=br,
             recipe={**ragged, "poison": "nan"},
         ),
+    ]
+
+
+def option_gradient_rows(gauss) -> list[Entry]:
+    """Gradients with sinks and per-row key lengths (``dsinks``)."""
+    e = Entry
+    sinks = {**gauss, "sinks": "gaussian"}
+    ragged = {**gauss, "kv_lengths": "ragged"}
+    br = {"causal": True, "align": "bottom_right"}
+    return [
         e(
             "grad-sinks",
             GRAD,
@@ -132,6 +161,16 @@ def option_entries(gauss) -> list[Entry]:
             recipe={**sinks, "kv_lengths": "ragged", "grad_lse": True},
             grads=True,
         ),
+    ]
+
+
+def combination_rows(gauss) -> list[Entry]:
+    """Sinks and key lengths together with ALiBi and bias."""
+    e = Entry
+    sinks = {**gauss, "sinks": "gaussian"}
+    ragged = {**gauss, "kv_lengths": "ragged"}
+    br = {"causal": True, "align": "bottom_right"}
+    return [
         e(
             "sinks-alibi-causal-br",
             Shapes(1, 4, 2, 8, 20, 16, 16),
@@ -163,6 +202,16 @@ def option_entries(gauss) -> list[Entry]:
             },
             grads=True,
         ),
+    ]
+
+
+def fp8_rows(gauss) -> list[Entry]:
+    """Float8 q, k, v with float32 descales (bfloat16 truth only)."""
+    e = Entry
+    sinks = {**gauss, "sinks": "gaussian"}
+    br = {"causal": True, "align": "bottom_right"}
+    fp8 = {"default": FP8_TRUTH_DTYPES, "full": FP8_TRUTH_DTYPES}
+    return [
         e(
             "fp8-e4m3",
             MID,

@@ -131,6 +131,35 @@ def _window_alternatives(window):
 
 def alternatives(options, *, H, K, L, S, D, E, has_empty, has_excluded) -> list[Alternative]:
     """The named alternatives that can change the result of a case with these options/sizes."""
+    causal, window = bool(options.get("causal")), options.get("window")
+    align = options.get("align") or "top_left"
+    found = _structure_alternatives(options, H=H, K=K, L=L, S=S)
+    found += _softcap_and_empty_alternatives(
+        options, has_empty=has_empty, has_excluded=has_excluded
+    )
+    found += _polarity_alternatives(options)
+    found += _scale_and_ignored_alternatives(options, D=D, E=E)
+    found += [Alternative(lb, ks, _set(**ch)) for lb, ks, ch in sigmoid_alternatives(options)]
+    if (
+        options.get("kv_lengths") is not None
+        and (causal or window is not None)
+        and align == "bottom_right"
+    ):
+        found.append(
+            Alternative(
+                "kv_lengths as a key-padding mask (causal/window aligned to "
+                "the padded S, not to each row's length)",
+                frozenset({"kv_lengths", "mask"}),
+                _padding_reading(S),
+            )
+        )
+    found += peer_alternatives(options, L=L, S=S, D=D, has_empty=has_empty)
+    found += latent_alternatives(options, D=D, E=E, alternative=Alternative, set_options=_set)
+    return found + sparse_alternatives(options, H=H, L=L, S=S, alternative=Alternative)
+
+
+def _structure_alternatives(options, *, H, K, L, S) -> list[Alternative]:
+    """The other alignment, causal off by one key, window readings, the other GQA layout."""
     found = []
     causal, window = bool(options.get("causal")), options.get("window")
     align = options.get("align") or "top_left"
@@ -158,6 +187,12 @@ def alternatives(options, *, H, K, L, S, D, E, has_empty, has_excluded) -> list[
     if K > 1 and H // K > 1:
         other = "tile" if gqa == "interleave" else "interleave"
         found.append(Alternative(f"gqa={other!r}", frozenset({"gqa"}), _set(gqa=other)))
+    return found
+
+
+def _softcap_and_empty_alternatives(options, *, has_empty, has_excluded) -> list[Alternative]:
+    """Softcap in another place of the score pipeline; other readings of empty rows."""
+    found = []
     if options.get("softcap") is not None:
         if options.get("bias") is not None or options.get("alibi_slopes") is not None:
             found.append(
@@ -188,6 +223,12 @@ def alternatives(options, *, H, K, L, S, D, E, has_empty, has_excluded) -> list[
                 _extra(empty_uniform=True),
             )
         )
+    return found
+
+
+def _polarity_alternatives(options) -> list[Alternative]:
+    """Inverted boolean masks; dropout without its rescale."""
+    found = []
     if options.get("mask") is not None:
         inverted = ~np.asarray(options["mask"], dtype=bool)
         found.append(
@@ -215,6 +256,12 @@ def alternatives(options, *, H, K, L, S, D, E, has_empty, has_excluded) -> list[
                 _set(dropout_mask=inverted),
             )
         )
+    return found
+
+
+def _scale_and_ignored_alternatives(options, *, D, E) -> list[Alternative]:
+    """Another default scale or none; bias, ALiBi or sinks ignored."""
+    found = []
     scale = options.get("scale")
     if scale is None and D != E:
         found.append(
@@ -234,23 +281,7 @@ def alternatives(options, *, H, K, L, S, D, E, has_empty, has_excluded) -> list[
         )
     if options.get("sinks") is not None:
         found.append(Alternative("sinks ignored", frozenset({"sinks"}), _set(sinks=None)))
-    found += [Alternative(lb, ks, _set(**ch)) for lb, ks, ch in sigmoid_alternatives(options)]
-    if (
-        options.get("kv_lengths") is not None
-        and (causal or window is not None)
-        and align == "bottom_right"
-    ):
-        found.append(
-            Alternative(
-                "kv_lengths as a key-padding mask (causal/window aligned to "
-                "the padded S, not to each row's length)",
-                frozenset({"kv_lengths", "mask"}),
-                _padding_reading(S),
-            )
-        )
-    found += peer_alternatives(options, L=L, S=S, D=D, has_empty=has_empty)
-    found += latent_alternatives(options, D=D, E=E, alternative=Alternative, set_options=_set)
-    return found + sparse_alternatives(options, H=H, L=L, S=S, alternative=Alternative)
+    return found
 
 
 def _padding_reading(S):

@@ -537,29 +537,7 @@ def _diagnosis(ctx, fixture, out, checks, lse=None) -> list[str]:
     failing = [c for c in checks.values() if not c.passed]
     if not failing:
         return []
-    notes = []
-    lse_check = checks.get("lse")
-    if lse_check is not None and not lse_check.passed and lse is not None:
-        notes = _diagnose.diagnose_lse(
-            ctx.q,
-            ctx.k,
-            ctx.v,
-            ctx.options,
-            np.reshape(lse, lse_check.errors.shape),
-            limit=np.asarray(lse_check.threshold.value),
-            dtype=ctx.dtype,
-        )
-    for grad in failing:
-        if (
-            grad.quantity in ("dk", "dv")
-            and grad.errors is not None
-            and np.isfinite(grad.errors).all()
-        ):
-            notes = notes + _diagnose.key_concentration(
-                grad.quantity,
-                grad.errors,
-                np.broadcast_to(np.asarray(grad.threshold.value), grad.errors.shape),
-            )
+    notes = _lse_and_key_notes(ctx, checks, failing, lse)
     out_failed = check is not None and not check.passed and out.shape == truth.shape
     # errors of the order of the output itself: no precision model or online-softmax hint
     small = max(c.max_error for c in failing) < ORDER_ONE
@@ -657,6 +635,35 @@ def _diagnosis(ctx, fixture, out, checks, lse=None) -> list[str]:
         + _diagnose.describe_failure(out, truth, errors, limit, inputs_poisoned=poisoned)
         + where
     )
+
+
+def _lse_and_key_notes(ctx, checks, failing, lse) -> list[str]:
+    """Notes that come before the output's diagnosis: the lse conventions, and where the
+    errors of a failing ``dk`` or ``dv`` concentrate among the keys."""
+    notes = []
+    lse_check = checks.get("lse")
+    if lse_check is not None and not lse_check.passed and lse is not None:
+        notes = _diagnose.diagnose_lse(
+            ctx.q,
+            ctx.k,
+            ctx.v,
+            ctx.options,
+            np.reshape(lse, lse_check.errors.shape),
+            limit=np.asarray(lse_check.threshold.value),
+            dtype=ctx.dtype,
+        )
+    for grad in failing:
+        if (
+            grad.quantity in ("dk", "dv")
+            and grad.errors is not None
+            and np.isfinite(grad.errors).all()
+        ):
+            notes = notes + _diagnose.key_concentration(
+                grad.quantity,
+                grad.errors,
+                np.broadcast_to(np.asarray(grad.threshold.value), grad.errors.shape),
+            )
+    return notes
 
 
 def _storage_accumulation(ctx, out, truth, check) -> str | None:
