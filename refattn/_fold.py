@@ -1,5 +1,6 @@
 """Folding (:func:`refattn.spec.fold`): an equivalent :class:`refattn.spec.AttentionSpec` with
-fewer options, for the paths that do not implement an option natively.
+fewer options, for the paths that do not implement an option natively; and
+:func:`with_indices`, the spec with its sparse key indices (the set reading as a mask).
 
 Re-exported by :mod:`refattn.spec` (its public home); the spec's own methods
 (:meth:`~refattn.spec.AttentionSpec.allowed`, ``alibi``, ``alibi_offset``) state the rule
@@ -10,7 +11,11 @@ nothing from :mod:`refattn.spec` (which imports it).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+
+from . import sparse_indices
 
 
 # --------------------------------------------------------------------------------------
@@ -143,3 +148,16 @@ def _sink_slots(spec) -> dict:
         n_bias + np.arange(heads, dtype=np.int64)[None, :, None, None], (batch, heads, length, 1)
     )
     return dict(dbias_index=np.concatenate([user, sink], axis=-1), bias_shape=(n_bias + heads,))
+
+
+def with_indices(spec, indices: np.ndarray, reading: str):
+    """The spec with its key indices; the set reading ANDs the listed set into the mask (one
+    (B, K, L, S) plane per kv head, broadcast over the query heads when K = 1)."""
+    changes = dict(key_indices=indices, index_reading=reading)
+    if reading == "set":
+        batch, heads, kv_heads, length, keys, _, _ = spec.dims
+        listed = sparse_indices.index_mask(indices, keys)
+        target = (batch, heads, length, keys)
+        listed = np.broadcast_to(listed, target) if kv_heads == 1 else listed[:, spec.kv_head]
+        changes["mask"] = listed if spec.mask is None else spec.mask & listed
+    return dataclasses.replace(spec, **changes)

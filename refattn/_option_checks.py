@@ -4,6 +4,8 @@ code here).
 
 Every check takes ``(value, name, shape)``, ``shape`` the :class:`CallShape` of the call, and
 returns the spec fields it sets (``{name: checked value}``; a bias also sets ``bias_shape``).
+The cross-option rule of ``normalizer`` and ``sinks``, and the cotangents of the vjp
+(:func:`check_cotangent`, re-exported by :mod:`refattn.spec`) are checked here too.
 Shapes in the letters of :mod:`refattn`: B batch, H query heads, K kv heads, L query length,
 S key length, D and E the feature sizes.
 """
@@ -225,3 +227,23 @@ def bad_bias_values(spec) -> None:
                         f"bias: {plane[i, j]} at an allowed position (batch {b}, head {h}, "
                         f"row {i}, key {j}); NaN/+inf bias is only allowed where masked"
                     )
+
+
+def normalizer(value, sinks, choices) -> None:
+    """``normalizer`` is one of ``choices``; sinks need a normaliser to join."""
+    _checks.choice(value, "normalizer", choices)
+    if value == "sigmoid" and sinks is not None:
+        raise ValueError(
+            "sinks: normalizer='sigmoid' has no normaliser for a sink to join (each weight is "
+            "sigmoid(t_ij) on its own); pass sinks only with normalizer='softmax'"
+        )
+
+
+def check_cotangent(spec, grad, name: str, tail_shape: tuple) -> np.ndarray:
+    """A cotangent (``grad_out`` or ``grad_lse``) checked against the output's shape and
+    flattened like the spec: (B, *tail_shape), float64."""
+    grad = _checks.as_float64(_checks.float_array(grad, name))
+    expected = spec.batch_shape + tail_shape if not spec.single_head else tail_shape[1:]
+    if grad.shape != expected:
+        raise ValueError(f"{name}: expected shape {expected} (the output's), got {grad.shape}")
+    return grad.reshape((spec.q.shape[0],) + tail_shape)

@@ -51,7 +51,8 @@ import numba
 import numpy as np
 
 from . import _checks, _option_checks, sparse_indices
-from ._fold import fold, needs_fold, split_sink_grads
+from ._fold import fold, needs_fold, split_sink_grads, with_indices
+from ._option_checks import check_cotangent
 from ._qv import split_qv_grads
 from .quantized import FP8_DTYPES
 
@@ -352,6 +353,8 @@ class Option:
         through (its ``**attention_kwargs``).
     gradient : str or None
         The field of :func:`refattn.attention_vjp`'s result that holds its own gradient.
+    batch_axis : int or None
+        The axis (from the end) of an array option's batch dimensions (None: it has none).
     """
 
     name: str
@@ -363,6 +366,7 @@ class Option:
     unit: str = ""
     core: bool = False
     gradient: str | None = None
+    batch_axis: int | None = None
 
 
 #: The kinds of :attr:`Option.kind`, each with one check in :mod:`refattn._option_checks`
@@ -401,8 +405,9 @@ OPTIONS = (
         "added to the scores after softcap; -inf excludes a position",
         core=True,
         gradient="dbias",
+        batch_axis=-4,
     ),
-    Option("mask", None, "bool plane", "allowed", "True = attend", core=True),
+    Option("mask", None, "bool plane", "allowed", "True = attend", core=True, batch_axis=-4),
     Option("causal", False, "bool", "interval", "allow only j <= i + o", core=True),
     Option(
         "window",
@@ -447,7 +452,15 @@ OPTIONS = (
         choices=GQA_MODES,
         core=True,
     ),
-    Option("dropout_mask", None, "bool plane", "output", "the keep-mask kappa", core=True),
+    Option(
+        "dropout_mask",
+        None,
+        "bool plane",
+        "output",
+        "the keep-mask kappa",
+        core=True,
+        batch_axis=-4,
+    ),
     Option(
         "dropout_p",
         0.0,
@@ -480,12 +493,28 @@ OPTIONS = (
         "per-batch",
         "interval",
         "per batch row key length S_b (a mask when folded)",
+        batch_axis=-1,
     ),
-    Option("q_descale", None, "descale", "inputs", "float8 q dequantised as q * descale"),
-    Option("k_descale", None, "descale", "inputs", "float8 k dequantised as k * descale"),
-    Option("v_descale", None, "descale", "inputs", "float8 v dequantised as v * descale"),
-    Option("key_indices", None, "indices", "indices", "token-level sparse key indices"),
-    Option("key_block_indices", None, "indices", "indices", "block-sparse key block numbers"),
+    Option(
+        "q_descale", None, "descale", "inputs", "float8 q dequantised as q * descale", batch_axis=-2
+    ),
+    Option(
+        "k_descale", None, "descale", "inputs", "float8 k dequantised as k * descale", batch_axis=-2
+    ),
+    Option(
+        "v_descale", None, "descale", "inputs", "float8 v dequantised as v * descale", batch_axis=-2
+    ),
+    Option(
+        "key_indices", None, "indices", "indices", "token-level sparse key indices", batch_axis=-4
+    ),
+    Option(
+        "key_block_indices",
+        None,
+        "indices",
+        "indices",
+        "block-sparse key block numbers",
+        batch_axis=-4,
+    ),
     Option("key_block_size", None, "int", "indices", "keys per block of key_block_indices"),
     Option(
         "index_reading",
@@ -495,9 +524,15 @@ OPTIONS = (
         "a key listed twice counts once (set) or twice (multiset)",
         choices=sparse_indices.INDEX_READINGS,
     ),
-    Option("q_block_scale", None, "block scale", "inputs", "float4 q's per-block scales"),
-    Option("k_block_scale", None, "block scale", "inputs", "float4 k's per-block scales"),
-    Option("v_block_scale", None, "block scale", "inputs", "float4 v's per-block scales"),
+    Option(
+        "q_block_scale", None, "block scale", "inputs", "float4 q's per-block scales", batch_axis=-4
+    ),
+    Option(
+        "k_block_scale", None, "block scale", "inputs", "float4 k's per-block scales", batch_axis=-4
+    ),
+    Option(
+        "v_block_scale", None, "block scale", "inputs", "float4 v's per-block scales", batch_axis=-4
+    ),
     Option(
         "normalizer",
         "softmax",
@@ -513,6 +548,7 @@ OPTIONS = (
         "inputs",
         "latent queries: t = s (q.k + qv.v), held as q' = [q, qv], k' = [k, v]",
         gradient="dqv",
+        batch_axis=-4,
     ),
 )
 
@@ -734,11 +770,11 @@ class AttentionSpec:
             return None
         return -self.alibi_slopes[h] * self.alibi_distance(b)
 
-    def without(self, *into: str, **changes) -> AttentionSpec:
-        """This spec with the options folding into ``into`` switched off (their defaults,
-        :func:`field_defaults`) and ``changes`` applied: how a rewrite (:func:`fold`, the
-        multiset gather) drops the options it has written out."""
-        return dataclasses.replace(self, **{**field_defaults(*into), **changes})
+    def without(self, into: str, *more: str, **changes) -> AttentionSpec:
+        """This spec with the options folding into ``into`` (and ``more``) switched off (their
+        defaults, :func:`field_defaults`) and ``changes`` applied: how a rewrite (:func:`fold`,
+        the multiset gather) drops the options it has written out."""
+        return dataclasses.replace(self, **{**field_defaults(into, *more), **changes})
 
     def unflatten(self, array: np.ndarray) -> np.ndarray:
         """(B, H, ...) -> batch_shape + (H, ...); for 2-D inputs the head axis is dropped."""
@@ -758,7 +794,7 @@ def canonicalize(q, k, v, **options) -> AttentionSpec:
     """
     check_option_names(options, "canonicalize")
     values = {**defaults(), **options}
-    _check_normalizer(values["normalizer"], values["sinks"])
+    _option_checks.normalizer(values["normalizer"], values["sinks"], NORMALIZERS)
     q, k, v = _option_checks.dequantised(q, k, v, values)
     q, k, v, single = _option_checks.split_heads(q, k, v)
     shape = _option_checks.core_shape(q, k, v)
@@ -787,7 +823,7 @@ def canonicalize(q, k, v, **options) -> AttentionSpec:
         single_head=single,
     )
     if indices is not None:
-        spec = _with_indices(spec, indices, values["index_reading"])
+        spec = with_indices(spec, indices, values["index_reading"])
     _option_checks.bad_bias_values(spec)
     return spec
 
@@ -827,36 +863,3 @@ def _checked_fields(values: dict, shape) -> dict:
             "keep-mask broadcastable to (..., H, L, S)"
         )
     return fields
-
-
-def _with_indices(spec: AttentionSpec, indices: np.ndarray, reading: str) -> AttentionSpec:
-    """The spec with its key indices; the set reading ANDs the listed set into the mask (one
-    (B, K, L, S) plane per kv head, broadcast over the query heads when K = 1)."""
-    changes = dict(key_indices=indices, index_reading=reading)
-    if reading == "set":
-        batch, heads, kv_heads, length, keys, _, _ = spec.dims
-        listed = sparse_indices.index_mask(indices, keys)
-        target = (batch, heads, length, keys)
-        listed = np.broadcast_to(listed, target) if kv_heads == 1 else listed[:, spec.kv_head]
-        changes["mask"] = listed if spec.mask is None else spec.mask & listed
-    return dataclasses.replace(spec, **changes)
-
-
-def _check_normalizer(normalizer, sinks) -> None:
-    """``normalizer`` is one of :data:`NORMALIZERS`; sinks need a normaliser to join."""
-    _checks.choice(normalizer, "normalizer", NORMALIZERS)
-    if normalizer == "sigmoid" and sinks is not None:
-        raise ValueError(
-            "sinks: normalizer='sigmoid' has no normaliser for a sink to join (each weight is "
-            "sigmoid(t_ij) on its own); pass sinks only with normalizer='softmax'"
-        )
-
-
-def check_cotangent(spec: AttentionSpec, grad, name: str, tail_shape: tuple) -> np.ndarray:
-    """A cotangent (``grad_out`` or ``grad_lse``) checked against the output's shape and
-    flattened like the spec: (B, *tail_shape), float64."""
-    grad = _checks.as_float64(_checks.float_array(grad, name))
-    expected = spec.batch_shape + tail_shape if not spec.single_head else tail_shape[1:]
-    if grad.shape != expected:
-        raise ValueError(f"{name}: expected shape {expected} (the output's), got {grad.shape}")
-    return grad.reshape((spec.q.shape[0],) + tail_shape)
