@@ -1,12 +1,14 @@
 """refattn's oracle: golden fixtures, tolerance policy, validation of implementations.
 
 * :func:`generate` / :func:`verify` / :func:`load` / :func:`build` -- golden fixtures
-  (:mod:`oracle.golden`) of the case catalogue (:mod:`oracle.catalogue`, :func:`suite`).
+  (:mod:`oracle.fixtures.golden`) of the case catalogue (:mod:`oracle.catalogue`, :func:`suite`).
 * :func:`validate` -- run an implementation on a suite or a fixture directory and get a
-  :class:`Report` (:mod:`oracle.validate`, :mod:`oracle.results`); every fixture is judged by
-  :func:`check_fixture` (:mod:`oracle.judge`) under the one tolerance policy
-  (:mod:`oracle.tolerance`, against the textbook baseline of :mod:`oracle.baseline`) with
-  convention diagnosis (:mod:`oracle.diagnose`).
+  :class:`Report` (:mod:`oracle.run.validate`, :mod:`oracle.judging.results`); every fixture is
+  judged by
+  :func:`check_fixture` (:mod:`oracle.judging.judge`) under the one tolerance policy
+  (:mod:`oracle.judging.tolerance`, against the textbook baseline of
+  :mod:`oracle.reading.baseline`) with
+  convention diagnosis (:mod:`oracle.diagnose.diagnosis`).
 * Command line: ``refattn-oracle`` (:mod:`oracle.cli`); pytest: ``pytest --pyargs oracle
   --refattn-impl module:function`` (:mod:`oracle.pytest_plugin`).
 
@@ -37,17 +39,24 @@ __all__ = [
 ]
 
 _LAZY = {
-    "Report": ("oracle.results", "Report"),
-    "CaseResult": ("oracle.results", "CaseResult"),
-    "check_fixture": ("oracle.judge", "check_fixture"),
-    "generate": ("oracle.golden", "generate"),
-    "verify": ("oracle.golden", "verify"),
-    "load": ("oracle.golden", "load"),
-    "build": ("oracle.golden", "build"),
-    "Fixture": ("oracle.golden", "Fixture"),
+    "Report": ("oracle.judging.results", "Report"),
+    "CaseResult": ("oracle.judging.results", "CaseResult"),
+    "check_fixture": ("oracle.judging.judge", "check_fixture"),
+    "generate": ("oracle.fixtures.golden", "generate"),
+    "verify": ("oracle.fixtures.golden", "verify"),
+    "load": ("oracle.fixtures.golden", "load"),
+    "build": ("oracle.fixtures.golden", "build"),
+    "Fixture": ("oracle.fixtures.golden", "Fixture"),
     "Case": ("oracle.catalogue", "Case"),
     "suite": ("oracle.catalogue", "suite"),
     "load_safetensors": ("oracle.export", "load_safetensors"),
+}
+
+_MODULES = {
+    "tolerance": "oracle.judging.tolerance",
+    "validate": "oracle.run.validate",
+    "export": "oracle.export",
+    "power": "oracle.power",
 }
 
 
@@ -57,9 +66,9 @@ def __getattr__(name):
         value = getattr(importlib.import_module(module), attribute)
         globals()[name] = value
         return value
-    if name in ("tolerance", "validate", "export", "power"):
-        # oracle.validate is the module, callable as the function (see oracle.validate)
-        return importlib.import_module(f"oracle.{name}")
+    if name in _MODULES:
+        # oracle.validate and oracle.power are modules callable as their function
+        return importlib.import_module(_MODULES[name])
     raise AttributeError(f"module 'oracle' has no attribute {name!r}")
 
 

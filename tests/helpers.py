@@ -12,7 +12,7 @@ NaN or are equal (equal infinities included); any other element's error is
 threshold. An infinite error always fails: NaN against a number, a number against an
 infinity and opposite infinities are never excused, whatever the threshold.
 
-Thresholds come from the caller (oracle.tolerance or refattn's bounds), never from here.
+Thresholds come from the caller (oracle.judging.tolerance or refattn's bounds), never from here.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import os
 
 import numpy as np
 
-from oracle.tolerance import ulp, ulp_distance
+from oracle.judging.tolerance import ulp, ulp_distance
 
 __all__ = [
     "shared_judging",

@@ -6,7 +6,7 @@ Each :class:`Entry` works on a *case*, the keyword dict drawn from its ``strateg
 * ``fast(case)`` -- the float64 path; ``exact(case)`` -- the exact path (correctly rounded);
 * ``naive(case)`` -- the independent loop twin (:mod:`naive`), rounded once to the case dtype;
 * ``bound(case)`` -- the documented a-priori bound on ``|fast - exact|`` (from
-  oracle.tolerance / refattn's bounds, never a literal); None: no float64 check (the
+  oracle.judging.tolerance / refattn's bounds, never a literal); None: no float64 check (the
   per-dtype attention rows share the float64 row's);
 * ``strategy()`` / ``bound_strategy()`` -- hypothesis strategies of cases for the exactness and
   the bound checks, with ``examples`` = (exactness, bound) example counts (None: the hypothesis
@@ -41,7 +41,7 @@ import pytest
 from hypothesis import strategies as st
 
 import refattn
-from oracle.tolerance import iterated_bound, logit_lse_bound, mixture_bound, ratio_bound
+from oracle.judging.tolerance import iterated_bound, logit_lse_bound, mixture_bound, ratio_bound
 from refattn import gmm, hopfield, meanfield, mgk, transformer
 from refattn.bounds import (
     UNIT_ROUNDOFF,

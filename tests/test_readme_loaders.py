@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from oracle import golden
+from oracle.fixtures import golden
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 SECTION = "## Using the fixtures from torch / JAX"

@@ -5,9 +5,9 @@
 
 Runs, over the same cases: the local serial validation (one supervised worker process, as
 ``refattn-oracle validate``), the local parallel one (``--workers N``, N = ``--dask-workers``)
-and ``oracle.distribute.validate_many`` on a ``LocalCluster`` of N single-threaded worker
+and ``oracle.run.distribute.validate_many`` on a ``LocalCluster`` of N single-threaded worker
 processes, twice (the second run finds each Dask worker's supervised child kept from the
-first: :mod:`oracle.worker_cache`). Prints each wall time (the cluster's start-up apart: a
+first: :mod:`oracle.run.worker_cache`). Prints each wall time (the cluster's start-up apart: a
 Dask user's scheduler is already running), the ratios, the verdict counts (which must agree)
 and the load average before and after (the figures mean little on a loaded machine). Needs
 ``pip install dask distributed``.
@@ -31,8 +31,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     import distributed
 
-    from oracle.distribute import validate_many
-    from oracle.validate import validate
+    from oracle.run.distribute import validate_many
+    from oracle.run.validate import validate
 
     dtype = None if args.dtype == "all" else args.dtype
     source = dict(suite=args.suite, fixtures=args.fixtures, dtype=dtype, cases=args.case)

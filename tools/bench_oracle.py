@@ -1,4 +1,4 @@
-"""Time golden-fixture generation of the oracle's suites (oracle.golden.generate).
+"""Time golden-fixture generation of the oracle's suites (oracle.fixtures.golden.generate).
 
 Examples
 --------
@@ -6,8 +6,9 @@ Examples
     python tools/bench_oracle.py --suite full --workers 2 --slowest 15
 
 Each run writes into a fresh temporary directory (removed afterwards unless --keep), checks it
-with oracle.golden.verify and reports wall time, case count, size on disk and, with --slowest,
-the most expensive cases (timed one by one with oracle.golden.build in this process).
+with oracle.fixtures.golden.verify and reports wall time, case count, size on disk and, with
+--slowest,
+the most expensive cases (timed one by one with oracle.fixtures.golden.build in this process).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oracle import catalogue, golden  # noqa: E402
+from oracle import catalogue
+from oracle.fixtures import golden  # noqa: E402
 
 
 def _size(directory: Path) -> int:

@@ -32,8 +32,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the figures as JSON")
     args = parser.parse_args(argv)
 
-    from oracle import golden
-    from oracle.validate import validate
+    from oracle.fixtures import golden
+    from oracle.run.validate import validate
 
     directory = Path(args.fixtures or f"/tmp/refattn-fixtures-{args.suite}")
     figures = {"suite": args.suite, "fixtures": str(directory)}

@@ -37,7 +37,7 @@ def _same(a, b) -> bool:
 
 
 def _spec(case, inputs):
-    from oracle.golden import call_options
+    from oracle.fixtures.golden import call_options
     from refattn.spec import canonicalize
 
     options = call_options(case, inputs)
@@ -56,7 +56,7 @@ def _sample_rows(length: int, rng, extra: int) -> list[int]:
 
 def _whole(case, inputs) -> list[str]:
     """Names of the truths where the fast engine differs from the referee (whole case)."""
-    from oracle.golden import call_options
+    from oracle.fixtures.golden import call_options
     from refattn import attention, attention_vjp, config
 
     options = call_options(case, inputs)

@@ -131,7 +131,7 @@ def _report_digest(report) -> dict:
 
 
 def _validate(impl, source, dtype, tier, **kw):
-    from oracle.validate import validate
+    from oracle.run.validate import validate
 
     report = validate(impl, dtype=dtype, tolerance=tier, grads=True, progress=False, **source, **kw)
     print(f"  {getattr(impl, 'name', impl)} {dtype} {tier}: {report.counts()}", flush=True)
@@ -166,7 +166,7 @@ def phase_kernels(summary, clock, source, dtypes):
 def _fixtures(source, patterns=None):
     import fnmatch
 
-    from oracle import golden
+    from oracle.fixtures import golden
 
     if patterns:
         chosen = _fixtures(source)
@@ -236,7 +236,7 @@ def phase_agreement(summary, clock, source):
     import numpy as np
 
     from oracle.adapters.refattn_kernels import RefattnCuda, RefattnNumba
-    from oracle.passing import passed_options
+    from oracle.judging.passing import passed_options
 
     gpu, cpu = RefattnCuda(), RefattnNumba()
     totals = {

@@ -6,7 +6,8 @@ output (every element the exact real result rounded once to the dtype, refattn's
 ``precision="exact"``) is compared with each implementation's output:
 
 * ``correct``: the fraction of output elements that equal the correctly rounded result;
-* ``ulp``: |impl - exact| in ulps of the dtype at the exact value (oracle.tolerance.ulp_distance),
+* ``ulp``: |impl - exact| in ulps of the dtype at the exact value
+  (oracle.judging.tolerance.ulp_distance),
   reported as median, 99th percentile and maximum (the maximum is usually a near-cancelling
   element, whose ulp is tiny next to the terms summed);
 * ``nat``: max |impl - exact| / (u nat), the error in unit roundoffs of the natural scale
@@ -40,7 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from oracle import adapters  # noqa: E402
-from oracle.tolerance import ulp_distance, unit_roundoff  # noqa: E402
+from oracle.judging.tolerance import ulp_distance, unit_roundoff  # noqa: E402
 from refattn.attention import attention  # noqa: E402
 from refattn.exact.rounding import format_of  # noqa: E402
 

@@ -3,7 +3,7 @@
 
 Runs the Numba CPU kernels (``--impl numba``, default), the numba.cuda kernels (``--impl
 cuda``; on a machine without a GPU set NUMBA_ENABLE_CUDASIM=1 and keep to small suites) or the
-float64 NumPy path (``--impl float64``) through :func:`oracle.validate.validate` and exits
+float64 NumPy path (``--impl float64``) through :func:`oracle.run.validate.validate` and exits
 with 0 only when every case passes (robustness cases count with ``--strict``).
 
 Examples::
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
 
-    from oracle.validate import validate
+    from oracle.run.validate import validate
 
     impl = _impl(args.impl)
     dtypes = DTYPES if args.dtype == "all" else (args.dtype,)

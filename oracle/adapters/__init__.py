@@ -69,7 +69,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..catalogue.names import ATTENTION_OPTIONS
+from oracle.catalogue.names import ATTENTION_OPTIONS
 
 __all__ = [
     "Adapter",

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import Adapter, exact_cast, reject_common
+from oracle.adapters import Adapter, exact_cast, reject_common
 
 __all__ = ["JaxDotProductAttention"]
 

@@ -65,7 +65,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from . import Adapter, exact_cast, reject_common
+from oracle.adapters import Adapter, exact_cast, reject_common
 
 __all__ = ["OnnxAttentionBase", "OnnxReferenceAttention", "build_attention_model", "ELEM_TYPES"]
 

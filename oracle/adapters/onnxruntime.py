@@ -36,7 +36,7 @@ import numpy as np
 import onnxruntime
 from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 
-from .onnx_reference import OnnxAttentionBase
+from oracle.adapters.onnx_reference import OnnxAttentionBase
 
 __all__ = ["OnnxRuntimeAttention"]
 

@@ -56,7 +56,7 @@ import onnxruntime
 from onnx import TensorProto, helper
 from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 
-from . import Adapter, exact_cast, reject_common
+from oracle.adapters import Adapter, exact_cast, reject_common
 
 __all__ = ["OnnxRuntimeGQA"]
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import OPTION_NAMES, Adapter
-from .refattn_numpy import output_dtype, round_to
+from oracle.adapters import OPTION_NAMES, Adapter
+from oracle.adapters.refattn_numpy import output_dtype, round_to
 
 __all__ = ["RefattnNumba", "RefattnCuda"]
 

@@ -29,10 +29,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from oracle.adapters import OPTION_NAMES, Adapter
 from refattn.attention import attention, attention_vjp
 from refattn.exact.rounding import format_of, round_array
-
-from . import OPTION_NAMES, Adapter
 
 __all__ = ["RefattnFloat64", "RefattnExact", "round_to", "output_dtype"]
 

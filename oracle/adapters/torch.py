@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from . import Adapter, exact_cast, reject_common
+from oracle.adapters import Adapter, exact_cast, reject_common
 
 __all__ = ["TorchSDPA", "to_torch", "from_torch"]
 

@@ -56,8 +56,8 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from . import Adapter, exact_cast, reject_common
-from .torch import from_torch, to_torch
+from oracle.adapters import Adapter, exact_cast, reject_common
+from oracle.adapters.torch import from_torch, to_torch
 
 try:  # torch >= 2.9: return_aux; older: return_lse
     from torch.nn.attention.flex_attention import AuxRequest

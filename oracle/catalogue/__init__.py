@@ -19,10 +19,17 @@ Examples
 
 from __future__ import annotations
 
-from .attention import case_allowed
-from .case import Case, Shapes, seed_of
-from .names import ARRAY_OPTIONS, ATTENTION_OPTIONS, CATEGORIES, DTYPE_TAGS, DTYPES, OPTION_NAMES
-from .registry import (
+from oracle.catalogue.attention import case_allowed
+from oracle.catalogue.case import Case, Shapes, seed_of
+from oracle.catalogue.names import (
+    ARRAY_OPTIONS,
+    ATTENTION_OPTIONS,
+    CATEGORIES,
+    DTYPE_TAGS,
+    DTYPES,
+    OPTION_NAMES,
+)
+from oracle.catalogue.registry import (
     INPUT_BUILDERS,
     SUITES,
     get,

@@ -42,15 +42,19 @@ gradients), :mod:`oracle.catalogue.attention_option_families` (sinks, kv_lengths
 
 from __future__ import annotations
 
-from .attention_entry import KERNEL_SUITES, SUITES, Entry
-from .attention_families import entries
-from .attention_inputs import case_allowed, make_inputs
-from .attention_kernel_families import DEFAULT_TILE_LENGTHS, TILE_LENGTHS, kernel_entries
-from .attention_long_families import long_entries
-from .attention_refusal_families import refusal_entries
-from .attention_worst_families import worst_entries
-from .case import Case, seed_of
-from .names import DTYPE_TAGS, DTYPES
+from oracle.catalogue.attention_entry import KERNEL_SUITES, SUITES, Entry
+from oracle.catalogue.attention_families import entries
+from oracle.catalogue.attention_inputs import case_allowed, make_inputs
+from oracle.catalogue.attention_kernel_families import (
+    DEFAULT_TILE_LENGTHS,
+    TILE_LENGTHS,
+    kernel_entries,
+)
+from oracle.catalogue.attention_long_families import long_entries
+from oracle.catalogue.attention_refusal_families import refusal_entries
+from oracle.catalogue.attention_worst_families import worst_entries
+from oracle.catalogue.case import Case, seed_of
+from oracle.catalogue.names import DTYPE_TAGS, DTYPES
 
 __all__ = [
     "SUITES",

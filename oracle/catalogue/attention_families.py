@@ -7,13 +7,13 @@ them); the kernel-scale rows follow them (:mod:`oracle.catalogue.attention_kerne
 
 from __future__ import annotations
 
-from .attention_entry import ALL, BASE, GRAD, MID, SMALL, Entry
-from .attention_fp4_families import fp4_entries
-from .attention_latent_families import latent_entries
-from .attention_option_families import option_entries
-from .attention_sigmoid_families import sigmoid_entries
-from .attention_sparse_families import sparse_entries
-from .case import Shapes
+from oracle.catalogue.attention_entry import ALL, BASE, GRAD, MID, SMALL, Entry
+from oracle.catalogue.attention_fp4_families import fp4_entries
+from oracle.catalogue.attention_latent_families import latent_entries
+from oracle.catalogue.attention_option_families import option_entries
+from oracle.catalogue.attention_sigmoid_families import sigmoid_entries
+from oracle.catalogue.attention_sparse_families import sparse_entries
+from oracle.catalogue.case import Shapes
 
 __all__ = ["entries"]
 

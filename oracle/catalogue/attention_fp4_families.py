@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .attention_entry import Entry
-from .case import Shapes
-from .names import FP4_TRUTH_DTYPES
+from oracle.catalogue.attention_entry import Entry
+from oracle.catalogue.case import Shapes
+from oracle.catalogue.names import FP4_TRUTH_DTYPES
 
 __all__ = ["fp4_entries"]
 

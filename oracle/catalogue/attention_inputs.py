@@ -57,16 +57,15 @@ from fractions import Fraction
 import ml_dtypes
 import numpy as np
 
+from oracle.catalogue import seeding
+from oracle.catalogue.attention_latent_families import latent_inputs
+from oracle.catalogue.attention_sparse_inputs import sparse_inputs
+from oracle.catalogue.case import Case, Shapes
+from oracle.catalogue.fp4_inputs import quantised_fp4
+from oracle.catalogue.names import FP8_DTYPES
+from oracle.catalogue.seeding import Streams
+from oracle.reading.allowed import allowed_positions
 from refattn.exact.rounding import format_of
-
-from ..allowed import allowed_positions
-from . import seeding
-from .attention_latent_families import latent_inputs
-from .attention_sparse_inputs import sparse_inputs
-from .case import Case, Shapes
-from .fp4_inputs import quantised_fp4
-from .names import FP8_DTYPES
-from .seeding import Streams
 
 __all__ = ["make_inputs", "case_allowed", "RECIPE_INPUTS"]
 
@@ -347,7 +346,7 @@ def _bias(stream, n, dtype, recipe):
 def case_allowed(case: Case, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
     """Boolean (batch, H, L, S): positions a query of ``case`` may attend.
 
-    The allowed set of :func:`oracle.allowed.allowed_positions` (refattn.spec's rule: mask,
+    The allowed set of :func:`oracle.reading.allowed.allowed_positions` (refattn.spec's rule: mask,
     causal, window, key length, finite bias) from the case's own options and inputs; used to
     place poison and by tests.
     """

@@ -3,8 +3,8 @@ groups, ragged batches and the input distributions that stress a tiled online so
 
 from __future__ import annotations
 
-from .attention_entry import ALL, HALF, KERNEL_SUITES, Entry
-from .case import Shapes
+from oracle.catalogue.attention_entry import ALL, HALF, KERNEL_SUITES, Entry
+from oracle.catalogue.case import Shapes
 
 __all__ = ["TILE_LENGTHS", "DEFAULT_TILE_LENGTHS", "kernel_entries"]
 

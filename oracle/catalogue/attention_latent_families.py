@@ -17,10 +17,10 @@ import math
 
 import numpy as np
 
-from . import seeding
-from .attention_entry import Entry
-from .case import Shapes
-from .names import FP8_TRUTH_DTYPES
+from oracle.catalogue import seeding
+from oracle.catalogue.attention_entry import Entry
+from oracle.catalogue.case import Shapes
+from oracle.catalogue.names import FP8_TRUTH_DTYPES
 
 __all__ = ["latent_entries", "latent_inputs", "MLA_SCALE"]
 

@@ -9,15 +9,15 @@ query block. The truth of a row costs its length only, so these cases keep few q
 (L = 1 to 16, two blocks of 64 and 128) and small head dims (D = E = 16); their inputs come
 from :mod:`oracle.catalogue.attention_long_inputs` and their fixtures store no inputs (recipe
 ``compact``: regenerated on load and checked against their sha256, see
-:mod:`oracle.golden_compact`). Key lengths straddle the 64/128 tiles and the split-KV chunk
+:mod:`oracle.fixtures.compact`). Key lengths straddle the 64/128 tiles and the split-KV chunk
 sizes (4097, 8191, 32769, 20481 = 5 * 4096 + 1, ...).
 """
 
 from __future__ import annotations
 
-from . import attention_long_inputs  # noqa: F401 - registers the "long-grid" recipe
-from .attention_entry import ALL, Entry
-from .case import Shapes
+from oracle.catalogue import attention_long_inputs  # noqa: F401 - registers the "long-grid" recipe
+from oracle.catalogue.attention_entry import ALL, Entry
+from oracle.catalogue.case import Shapes
 
 __all__ = ["DECODE_LENGTHS", "long_entries", "fade_entries"]
 

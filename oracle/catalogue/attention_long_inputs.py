@@ -5,7 +5,7 @@ A long row (S up to 131072 keys) holds millions of inputs; the Irwin-Hall Gaussi
 object array, so these cases draw instead, from one SplitMix64 word per element, values on the
 256-point grid ``(w >> 56) - 128`` times ``2**-6`` (uniform on [-2, 2), eight significant bits:
 exactly representable in float64, float32, float16 and bfloat16, so the case dtype's rounding
-is exact and a cast). Fixtures of these cases store no inputs: :mod:`oracle.golden_compact`
+is exact and a cast). Fixtures of these cases store no inputs: :mod:`oracle.fixtures.compact`
 regenerates them on load and checks their sha256.
 
 Recipe (``Case.recipe``, ``qkv = "long-grid"``)
@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import attention_inputs
-from .seeding import raw, stream_key
+from oracle.catalogue import attention_inputs
+from oracle.catalogue.seeding import raw, stream_key
 
 __all__ = ["grid"]
 

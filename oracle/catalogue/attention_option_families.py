@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .attention_entry import GRAD, MID, Entry
-from .case import Shapes
-from .names import FP8_TRUTH_DTYPES
+from oracle.catalogue.attention_entry import GRAD, MID, Entry
+from oracle.catalogue.case import Shapes
+from oracle.catalogue.names import FP8_TRUTH_DTYPES
 
 __all__ = ["option_entries"]
 

@@ -24,7 +24,8 @@ its shape and what was expected.
 One case per dtype, in ``default`` and ``full`` (float32 in ``smoke``). Their category is
 ``"refusal"``: a fixture stores the malformed inputs and no truth; its manifest entry's
 ``truth_kind`` is ``"refusal"`` and its contract says ``"expect": "refuse"``. The judge
-(:mod:`oracle.refusal_cases`) passes an implementation that raises and fails one that returns an
+(:mod:`oracle.judging.must_refuse`) passes an implementation that raises and fails one that returns
+an
 array. torch 2.13's ``scaled_dot_product_attention`` itself returns numbers for k and v of
 different key or head counts, so a refusal failure, like a robustness one, fails a validation
 only under ``--strict``.
@@ -34,9 +35,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import attention_inputs, seeding
-from .attention_entry import ALL, SMALL, Entry
-from .case import Case, Shapes
+from oracle.catalogue import attention_inputs, seeding
+from oracle.catalogue.attention_entry import ALL, SMALL, Entry
+from oracle.catalogue.case import Case, Shapes
 
 __all__ = ["CATEGORY", "refusal_entries", "malformation"]
 

@@ -10,8 +10,8 @@ receives ``normalizer="sigmoid"`` as a keyword; one that does not accept it is "
 
 from __future__ import annotations
 
-from .attention_entry import GRAD, MID, Entry
-from .case import Shapes
+from oracle.catalogue.attention_entry import GRAD, MID, Entry
+from oracle.catalogue.case import Shapes
 
 __all__ = ["sigmoid_entries"]
 

@@ -5,9 +5,9 @@ indices"); inputs from :mod:`oracle.catalogue.attention_sparse_inputs`."""
 
 from __future__ import annotations
 
-from .attention_entry import Entry
-from .case import Shapes
-from .names import FP8_TRUTH_DTYPES
+from oracle.catalogue.attention_entry import Entry
+from oracle.catalogue.case import Shapes
+from oracle.catalogue.names import FP8_TRUTH_DTYPES
 
 __all__ = ["sparse_entries"]
 

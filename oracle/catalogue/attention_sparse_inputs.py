@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .case import Shapes
+from oracle.catalogue.case import Shapes
 
 __all__ = ["sparse_inputs"]
 

@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from oracle.catalogue import attention_inputs, seeding
+from oracle.catalogue.attention_entry import ALL, Entry
+from oracle.catalogue.attention_long_inputs import grid
+from oracle.catalogue.case import Shapes
 from refattn.exact.rounding import format_of
-
-from . import attention_inputs, seeding
-from .attention_entry import ALL, Entry
-from .attention_long_inputs import grid
-from .case import Shapes
 
 __all__ = ["worst_entries"]
 

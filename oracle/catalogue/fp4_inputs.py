@@ -21,7 +21,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .names import FP4_FORMATS
+from oracle.catalogue.names import FP4_FORMATS
 
 __all__ = ["quantised_fp4"]
 

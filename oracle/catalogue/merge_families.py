@@ -2,9 +2,9 @@
 
 Each case holds P attention states ``outs (P, 1, H, L, E)``, ``lses (P, 1, H, L)`` in the case
 dtype and the exact merge of those (rounded) states as its truth (``Case.function =
-"merge_states"``; judged by the variant machinery of :mod:`oracle.judge`, which calls
+"merge_states"``; judged by the variant machinery of :mod:`oracle.judging.judge`, which calls
 ``impl(outs=..., lses=..., **options)``, options ``lse_base`` for base-2 cases; see
-:mod:`oracle.merge_conventions` for the pairwise convention ``impl(out_a, lse_a, out_b,
+:mod:`oracle.conventions.merge` for the pairwise convention ``impl(out_a, lse_a, out_b,
 lse_b)``).
 
 Families (every dtype): random states; empty states (lse -inf, out 0) among live ones; rows
@@ -30,10 +30,10 @@ import functools
 
 import numpy as np
 
-from . import seeding, variants
-from .case import Case, Shapes, seed_of
-from .names import DTYPE_TAGS, DTYPES
-from .seeding import Streams
+from oracle.catalogue import seeding, variants
+from oracle.catalogue.case import Case, Shapes, seed_of
+from oracle.catalogue.names import DTYPE_TAGS, DTYPES
+from oracle.catalogue.seeding import Streams
 
 __all__ = ["SUITES", "FUNCTION", "merge_cases", "make_inputs", "register"]
 

@@ -4,7 +4,7 @@ The attention suites (:mod:`oracle.catalogue.attention`: smoke, default, full) a
 variant suites (:mod:`oracle.catalogue.variants`: variants-smoke, variants-default) are
 listed here. Further suites register with :func:`register_suite`; their cases set
 ``Case.function`` to the refattn function whose exact path gives the truth, add an inputs
-builder to :data:`INPUT_BUILDERS`, and :mod:`oracle.golden` dispatches on ``Case.function``
+builder to :data:`INPUT_BUILDERS`, and :mod:`oracle.fixtures.golden` dispatches on ``Case.function``
 (``golden.TRUTH_BUILDERS``).
 
 Examples
@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from . import attention, variants
-from .case import Case
+from oracle.catalogue import attention, variants
+from oracle.catalogue.case import Case
 
 __all__ = [
     "SUITES",
@@ -113,6 +113,6 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
 
 
 # the merge_states family hooks itself into the variant machinery (suites merge-*)
-from . import merge_families as _merge_families  # noqa: E402
+from oracle.catalogue import merge_families as _merge_families  # noqa: E402
 
 _merge_families.register(INPUT_BUILDERS, register_suite)

@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .case import Shapes
-from .names import DTYPES
+from oracle.catalogue.case import Shapes
+from oracle.catalogue.names import DTYPES
 
 __all__ = ["Entry", "entries"]
 

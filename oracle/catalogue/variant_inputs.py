@@ -11,8 +11,8 @@ from fractions import Fraction
 
 import numpy as np
 
-from .case import Case
-from .seeding import Streams
+from oracle.catalogue.case import Case
+from oracle.catalogue.seeding import Streams
 
 __all__ = ["float64_inputs"]
 

@@ -22,7 +22,7 @@ bytes do not depend on it.
 
 Examples
 --------
->>> from oracle.validate import validate
+>>> from oracle.run.validate import validate
 >>> from refattn import mgk
 >>> report = validate(mgk.attention, suite="variants-smoke", dtype="float32",
 ...                            cases=["mgk-*"], progress=False)
@@ -71,7 +71,7 @@ Outputs are ``out`` for single-array functions, ``means``, ``cavity_var``, ``chi
 ``adaptive_tap`` and ``ising_tap`` and ``means`` for ``deq_attention`` (its correction is
 None).
 
-Calling convention of an implementation under test (:func:`oracle.judge.check_fixture`)
+Calling convention of an implementation under test (:func:`oracle.judging.judge.check_fixture`)
 --------------------------------------------------------------------------------------
 ``impl(**inputs, **options)``: every array argument is in ``fixture.inputs`` under the refattn
 function's parameter name (case dtype; ``ml_dtypes.bfloat16`` for bfloat16), every scalar
@@ -86,12 +86,14 @@ tuple in :func:`grad_names` order or a mapping); no vjp gives "unsupported".
 
 Judging
 -------
-Like attention: normalised error (T1 of :mod:`oracle.tolerance`) by the natural scale of the
-function (:func:`oracle.variant_scales.natural_scale`), threshold (T2) with the baseline rule
-and the floor :func:`oracle.tolerance.variant_floor` (V1); see :mod:`oracle.variant_scales`.
-Gradients: scale :func:`oracle.variant_scales.grad_scale`, baseline refattn's float64 vjp
-(:func:`oracle.baseline.variant_vjp_baseline`), floor (V1) with
-:func:`oracle.variant_scales.grad_floor_terms`, ``k =`` K_BACKWARD.
+Like attention: normalised error (T1 of :mod:`oracle.judging.tolerance`) by the natural scale of the
+function (:func:`oracle.judging.variant_scales.natural_scale`), threshold (T2) with the baseline
+rule
+and the floor :func:`oracle.judging.tolerance.variant_floor` (V1); see
+:mod:`oracle.judging.variant_scales`.
+Gradients: scale :func:`oracle.judging.variant_scales.grad_scale`, baseline refattn's float64 vjp
+(:func:`oracle.reading.baseline.variant_vjp_baseline`), floor (V1) with
+:func:`oracle.judging.variant_scales.grad_floor_terms`, ``k =`` K_BACKWARD.
 """
 
 from __future__ import annotations
@@ -102,12 +104,12 @@ from typing import Any
 
 import numpy as np
 
-from . import seeding
-from .case import Case, Shapes, seed_of
-from .names import DTYPE_TAGS, DTYPES
-from .seeding import Streams
-from .variant_families import Entry, entries
-from .variant_inputs import float64_inputs
+from oracle.catalogue import seeding
+from oracle.catalogue.case import Case, Shapes, seed_of
+from oracle.catalogue.names import DTYPE_TAGS, DTYPES
+from oracle.catalogue.seeding import Streams
+from oracle.catalogue.variant_families import Entry, entries
+from oracle.catalogue.variant_inputs import float64_inputs
 
 __all__ = [
     "SUITES",
@@ -138,7 +140,7 @@ class Function:
     """A variant function: its module attribute, array inputs, outputs and floor sizes.
 
     ``n_roundings(case)`` is ``n`` and ``n_stored`` the stored stages of (V1) in
-    :func:`oracle.tolerance.variant_floor`.
+    :func:`oracle.judging.tolerance.variant_floor`.
     """
 
     module: str
@@ -427,7 +429,7 @@ def truth(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]
     return result
 
 
-#: Case.function -> truth builder; merged into :data:`oracle.golden.TRUTH_BUILDERS`.
+#: Case.function -> truth builder; merged into :data:`oracle.fixtures.golden.TRUTH_BUILDERS`.
 TRUTH_BUILDERS = {name: truth for name in FUNCTIONS}
 #: Case.function -> inputs builder; merged into :data:`oracle.catalogue.INPUT_BUILDERS`.
 INPUT_BUILDERS = {name: make_inputs for name in FUNCTIONS}

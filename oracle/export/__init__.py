@@ -16,7 +16,7 @@ and writes ``out``:
 
 Every format writes ``export.json`` last: the precision contract, counts and one entry per
 case, either its files or ``"skipped"``: why the target cannot state the case (never exported
-under other semantics). Writes are atomic as in :func:`oracle.golden.generate`.
+under other semantics). Writes are atomic as in :func:`oracle.fixtures.golden.generate`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import sys
 import types
 from pathlib import Path
 
-from ._driver import EXPORT_MANIFEST, ExportError, run_export
-from .safetensors_format import load_safetensors
+from oracle.export._driver import EXPORT_MANIFEST, ExportError, run_export
+from oracle.export.safetensors_format import load_safetensors
 
 __all__ = ["export", "FORMATS", "ExportError", "EXPORT_MANIFEST", "load_safetensors"]
 
@@ -84,7 +84,7 @@ def export(format: str, fixtures, out, *, names=None, progress: bool = True, che
 
 
 class _CallableModule(types.ModuleType):
-    """``oracle.export`` is both this package and the function (as ``oracle.validate``)."""
+    """``oracle.export`` is both this package and the function (as ``oracle.run.validate``)."""
 
     def __call__(self, format, fixtures, out, **kwargs) -> Path:
         return export(format, fixtures, out, **kwargs)

@@ -4,9 +4,10 @@ Each format is a :class:`Format`: ``write(fixture, staging, out) -> entry`` writ
 files under ``staging`` (a temporary directory of this run inside ``out``) and returns its
 manifest entry (``{"name", "files", ...}`` or ``{"name", "skipped": reason}``); ``finish(out,
 entries, staging)`` writes the format's shared files. Fixtures are read one at a time
-(:func:`oracle.golden.load`), so memory stays that of one case.
+(:func:`oracle.fixtures.golden.load`), so memory stays that of one case.
 
-Atomicity (as :func:`oracle.golden.generate`): the writer holds ``out``'s lock, every file is
+Atomicity (as :func:`oracle.fixtures.golden.generate`): the writer holds ``out``'s lock, every file
+is
 first written under the staging directory ``.refattn-<pid>-<random>.tmp`` and moved into place
 with ``os.replace`` once complete; ``export.json`` (the manifest) is removed at the start and
 written last, so a directory with an ``export.json`` is complete. On any failure the staging
@@ -25,9 +26,9 @@ from pathlib import Path
 import numpy as np
 
 import refattn
-
-from .. import _atomic, golden
-from .._progress import Progress
+from oracle.fixtures import atomic as _atomic
+from oracle.fixtures import golden
+from oracle.run.progress import Progress
 
 __all__ = [
     "Format",
@@ -41,7 +42,8 @@ __all__ = [
 
 EXPORT_MANIFEST = "export.json"
 EXPORT_SCHEMA_VERSION = 1
-#: Why a refusal case (malformed inputs a kernel must refuse, oracle.refusal_cases) has no ONNX node
+#: Why a refusal case (malformed inputs a kernel must refuse, oracle.judging.must_refuse) has no
+# ONNX node
 #: or FlashInfer workload (safetensors exports its inputs and contract, without truth).
 NO_TRUTH = "refusal case: malformed inputs a kernel must refuse, no truth to export"
 

@@ -34,9 +34,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import _atomic, golden
-from ._driver import NO_TRUTH, Format, has_empty_row, publish
-from .safetensors_format import read_safetensors, safetensors_bytes
+from oracle.export._driver import NO_TRUTH, Format, has_empty_row, publish
+from oracle.export.safetensors_format import read_safetensors, safetensors_bytes
+from oracle.fixtures import atomic as _atomic
+from oracle.fixtures import golden
 
 __all__ = ["FORMAT", "OP_TYPE", "workload_plan", "read_workload"]
 

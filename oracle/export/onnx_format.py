@@ -40,8 +40,9 @@ import numpy as np
 import onnx  # ModuleNotFoundError(name="onnx") when absent: oracle.export names it
 from onnx import TensorProto, helper, numpy_helper
 
-from .. import _atomic, golden
-from ._driver import NO_TRUTH, Format, has_empty_row, publish
+from oracle.export._driver import NO_TRUTH, Format, has_empty_row, publish
+from oracle.fixtures import atomic as _atomic
+from oracle.fixtures import golden
 
 __all__ = ["FORMAT", "node_plan", "OPSET_WITHOUT_LENGTHS", "OPSET_WITH_LENGTHS"]
 

@@ -27,9 +27,10 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from .. import _atomic, golden
-from ..catalogue.case import Case
-from ._driver import EXPORT_MANIFEST, ExportError, Format, precision_contract
+from oracle.catalogue.case import Case
+from oracle.export._driver import EXPORT_MANIFEST, ExportError, Format, precision_contract
+from oracle.fixtures import atomic as _atomic
+from oracle.fixtures import golden
 
 __all__ = [
     "FORMAT",
@@ -210,7 +211,7 @@ def load_safetensors(
 
     Returns
     -------
-    Iterator of :class:`oracle.golden.Fixture` whose ``inputs``, ``truth`` and array
+    Iterator of :class:`oracle.fixtures.golden.Fixture` whose ``inputs``, ``truth`` and array
     ``options`` are of ``framework``.
 
     Examples

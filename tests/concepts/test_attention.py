@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import refattn
-from oracle.tolerance import ulp_distance
+from oracle.judging.tolerance import ulp_distance
 from refattn.bounds import float64_forward_bound
 from tests.helpers import assert_same_bits, assert_within
 from tests.naive.attention import naive_attention_rounded

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 
 import refattn
-from oracle.tolerance import ulp
+from oracle.judging.tolerance import ulp
 from refattn.bounds import float64_vjp_bound
 from tests.helpers import assert_within
 from tests.naive.attention import naive_attention

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 
-from oracle.tolerance import fixed_point_forward_bound, unit_roundoff
+from oracle.judging.tolerance import fixed_point_forward_bound, unit_roundoff
 from refattn.fixedpoint import (
     NotConvergedError,
     NotConvergedWarning,

@@ -2,7 +2,7 @@
 
 Truth is the loop-level mpmath twin of tests/naive/gmm.py, from the paper's equations (60 digits,
 independent of refattn); the exact path must equal it rounded once, the float64 path must lie
-within the documented first-order bounds of oracle.tolerance.
+within the documented first-order bounds of oracle.judging.tolerance.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oracle.tolerance import iterated_bound, logit_lse_bound, mixture_bound
+from oracle.judging.tolerance import iterated_bound, logit_lse_bound, mixture_bound
 from refattn import gmm
 from refattn.attention import attention
 from refattn.exact.rounding import FORMATS

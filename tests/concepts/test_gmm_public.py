@@ -17,7 +17,7 @@ import math
 import numpy as np
 import pytest
 
-from oracle.tolerance import iterated_bound, mixture_bound
+from oracle.judging.tolerance import iterated_bound, mixture_bound
 from refattn import gmm
 from tests.helpers import assert_within
 from tests.naive.gmm import DPS, PUBLIC_CODE_RTOL, naive_apple_adapt_keys

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oracle.tolerance import mixture_bound
+from oracle.judging.tolerance import mixture_bound
 from refattn import hopfield
 from refattn.attention import attention
 from tests.helpers import assert_same_bits, assert_within

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 
-from oracle.tolerance import fixed_point_forward_bound, gamma, ulp, unit_roundoff
+from oracle.judging.tolerance import fixed_point_forward_bound, gamma, ulp, unit_roundoff
 from refattn.attention import attention
 from refattn.exact import intervals as I
 from refattn.fixedpoint import NotConvergedError

@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 
-from oracle.tolerance import mixture_bound
+from oracle.judging.tolerance import mixture_bound
 from refattn import mgk
 from refattn.bounds import mgk_vjp_bound
 from tests.helpers import assert_within

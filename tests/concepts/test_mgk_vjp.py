@@ -4,7 +4,8 @@ Truth for the vjps: central differences of the loop-level mpmath twins (tests/na
 digits) with Richardson extrapolation and an error estimate (tests.naive.mp.naive_vjp); the
 exact path must round that derivative bit for bit wherever its interval decides the rounding.
 The float64 paths are held to the oracle's gradient floor
-(:func:`oracle.variant_scales.grad_floor_terms`, :func:`oracle.tolerance.variant_floor`),
+(:func:`oracle.judging.variant_scales.grad_floor_terms`,
+:func:`oracle.judging.tolerance.variant_floor`),
 also against torch autograd of independent float64 twins (tests/planted/torch_twins.py, skipped
 without torch). Each public-code reading is compared with a twin written from its description.
 """
@@ -19,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oracle.catalogue import Case, Shapes
-from oracle.tolerance import mixture_bound, normalised_error, ratio_bound, variant_floor
-from oracle.variant_scales import condition, grad_floor_terms, grad_scale
+from oracle.judging.tolerance import mixture_bound, normalised_error, ratio_bound, variant_floor
+from oracle.judging.variant_scales import condition, grad_floor_terms, grad_scale
 from refattn import hopfield, mgk
 from refattn.attention import attention_vjp
 from refattn.bounds import float64_vjp_bound, gamma, mgk_vjp_bound, mlk_vjp_bound

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import refattn
-from oracle.tolerance import ulp
+from oracle.judging.tolerance import ulp
 from refattn.bounds import float64_forward_bound, float64_vjp_bound
 from tests.concepts.test_option_combinations import _twin_grads
 from tests.helpers import assert_same_bits, assert_within

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import refattn.transformer as T
-from oracle.tolerance import gamma, transformer_forward_bound
+from oracle.judging.tolerance import gamma, transformer_forward_bound
 from refattn import bounds
 from refattn.attention import attention
 from tests.concepts.params import (
@@ -279,7 +279,7 @@ def _bounded(function, *args, case, **kwargs):
 
 
 def test_bound_uses_the_tolerance_policy_gamma():
-    """The transformer bound's gamma_n is the one of refattn.bounds, oracle.tolerance's."""
+    """The transformer bound's gamma_n is the one of refattn.bounds, oracle.judging.tolerance's."""
     for n in (1, 7, 64, 4099):
         assert bounds.gamma(n) == gamma(n, "float64"), f"gamma_{n}: {bounds.gamma(n)} != {gamma(n)}"
 

@@ -2,7 +2,8 @@
 
 ``refattn.config.EXACT_ENGINE`` (forward) and ``EXACT_VJP_ENGINE`` (vjp) select "fast" (the
 compiled first step, undecided rows / elements re-evaluated by the referee) or "referee" (the
-arbitrary-precision engine alone). Each case's fixture truth (oracle.golden.build: out, lse and,
+arbitrary-precision engine alone). Each case's fixture truth (oracle.fixtures.golden.build: out,
+lse and,
 for gradient cases, dq, dk, dv, dbias in the case dtype and float64) is built under both and
 compared bit for bit, NaN and the sign of zero included.
 
@@ -17,7 +18,8 @@ import contextlib
 
 import pytest
 
-from oracle import catalogue, golden
+from oracle import catalogue
+from oracle.fixtures import golden
 from refattn import config
 from tests.helpers import assert_same_bits
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import refattn
 from oracle import catalogue
 from oracle.catalogue.attention import make_inputs
-from oracle.golden import call_options
+from oracle.fixtures.golden import call_options
 from refattn import config
 from refattn.exact.attention_vjp import exact_vjp
 from refattn.exact.fast.doubledouble import EXP_FAST_REL, exp_dd_fast

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import refattn
-from oracle.tolerance import ulp_distance
+from oracle.judging.tolerance import ulp_distance
 from refattn.kernels import numba_cpu
 from refattn.spec import canonicalize
 from tests.helpers import assert_within

@@ -2,7 +2,8 @@
 
 Truth is the float64 NumPy path (itself tested against the exact path in test_gmm/test_mgk)
 and, on small cases, the exact path. Both float64 paths lie within the NumPy path's documented
-bound (oracle.tolerance.mixture_bound / iterated_bound) of the exact result, so the kernel may
+bound (oracle.judging.tolerance.mixture_bound / iterated_bound) of the exact result, so the kernel
+may
 differ from the NumPy path by at most twice that bound, and from the exact path by the bound.
 
 Tiers: the default tier runs the compiled kernels; ``test_disable_jit_tier`` reruns the
@@ -25,7 +26,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oracle.tolerance import gamma, iterated_bound, logit_lse_bound, mixture_bound
+from oracle.judging.tolerance import gamma, iterated_bound, logit_lse_bound, mixture_bound
 from refattn import gmm, mgk
 from tests.helpers import assert_same_bits, assert_within
 from tests.registry import gmm_term_scale, mgk_term_scale

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from oracle import adapters
-from oracle.tolerance import gamma
+from oracle.judging.tolerance import gamma
 from tests.helpers import assert_within
 
 pytestmark = pytest.mark.peers
@@ -200,7 +200,8 @@ def _score_magnitude(q, k, options):
 def agreement_threshold(q, k, v, options, natural, lse, dtype):
     """Per-element bounds on |impl - exact| for out (..., H, L, E) and lse (..., H, L).
 
-    The one place this test module derives tolerances (to switch to oracle.tolerance's policy
+    The one place this test module derives tolerances (to switch to oracle.judging.tolerance's
+    policy
     once it exists). With u the unit roundoff of the implementation dtype and
     ``a_i = max_j |s| sum_d |q_id k_jd| + |b_ij|`` the size of the score computation:
 
@@ -521,7 +522,8 @@ _OPTION_CASE_PREFIXES = ("sinks", "kv-lengths", "grad-sinks", "grad-kv", "fp8")
 @pytest.fixture(scope="module")
 def option_fixtures():
     """Fixtures (exact truths) of the default suite's conformance cases of the new options."""
-    from oracle import catalogue, golden
+    from oracle import catalogue
+    from oracle.fixtures import golden
 
     return [
         golden.build(case)
@@ -542,7 +544,7 @@ def _expected_failure(peer: str, case) -> bool:
 def test_option_cases_pass_or_are_unsupported(peer, option_fixtures):
     """No false alarm on the new options: a peer that cannot express sinks, per-row key lengths
     or float8 inputs answers "unsupported"; whatever it runs passes the oracle's judge."""
-    from oracle.judge import check_fixture
+    from oracle.judging.judge import check_fixture
 
     impl = _adapter(peer)
     verdicts = {}

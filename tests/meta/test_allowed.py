@@ -1,4 +1,5 @@
-"""The oracle's one allowed-set helper (oracle.allowed) and the diagnosis alternatives that move
+"""The oracle's one allowed-set helper (oracle.reading.allowed) and the diagnosis alternatives that
+move
 the causal frontier, each checked against a loop over (i, j) that states the rule directly."""
 
 from __future__ import annotations
@@ -8,9 +9,9 @@ import itertools
 import numpy as np
 import pytest
 
-from oracle.allowed import allowed_positions
-from oracle.baseline import textbook_attention
-from oracle.diagnose import alternatives
+from oracle.diagnose.diagnosis import alternatives
+from oracle.reading.allowed import allowed_positions
+from oracle.reading.baseline import textbook_attention
 
 SETTINGS = [
     dict(causal=causal, window=window, align=align)

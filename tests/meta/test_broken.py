@@ -10,11 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from oracle import catalogue, golden
+from oracle import catalogue
 from oracle.catalogue import Case, Shapes
 from oracle.catalogue.names import DTYPE_TAGS
-from oracle.golden import Fixture
-from oracle.validate import validate
+from oracle.fixtures import golden
+from oracle.fixtures.golden import Fixture
+from oracle.run.validate import validate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.helpers import shared_judging  # noqa: E402

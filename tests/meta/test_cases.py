@@ -383,7 +383,7 @@ def test_register_suite_extension_point():
 _PINNED_SMOKE = "8edccea40a918d85fa09c553f25444ac3a16d08da1277fb338fd755f1ae12f5a"
 
 
-#: The refusal cases of smoke (oracle.refusal_cases), pinned apart.
+#: The refusal cases of smoke (oracle.judging.must_refuse), pinned apart.
 _PINNED_SMOKE_REFUSAL = "c8d30e0441a4f275a9a1b907abc2accb9361dd63d41e006316adaf8e426cad7a"
 
 

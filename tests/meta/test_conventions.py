@@ -1,4 +1,5 @@
-"""oracle.conventions: torch functions in each layout are validated as they are; bfloat16 and
+"""oracle.conventions.layouts: torch functions in each layout are validated as they are; bfloat16
+and
 float8 cross the NumPy/torch boundary bit for bit."""
 
 from __future__ import annotations
@@ -8,8 +9,8 @@ import numpy as np
 import pytest
 
 from oracle.cli import main
-from oracle.conventions import check_convention, page_size, wrap
-from oracle.validate import validate
+from oracle.conventions.layouts import check_convention, page_size, wrap
+from oracle.run.validate import validate
 
 pytestmark = pytest.mark.peers("torch")
 

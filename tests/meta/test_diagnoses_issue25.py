@@ -15,10 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from oracle import catalogue, golden
-from oracle.baseline import textbook_attention
-from oracle.diagnose_tiles import tile_tracking
-from oracle.validate import validate
+from oracle import catalogue
+from oracle.diagnose.tiles import tile_tracking
+from oracle.fixtures import golden
+from oracle.reading.baseline import textbook_attention
+from oracle.run.validate import validate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.planted.diagnosis_impls import PLANTED, partial_tile_minus_one  # noqa: E402

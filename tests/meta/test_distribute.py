@@ -1,4 +1,4 @@
-"""oracle.distribute: blocks of a case reassemble to the very same truth, and a Dask cluster
+"""oracle.run.distribute: blocks of a case reassemble to the very same truth, and a Dask cluster
 writes the very same bytes as local generation."""
 
 from __future__ import annotations
@@ -9,9 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from oracle import catalogue, distribute, golden
+from oracle import catalogue
 from oracle.catalogue.case import Case, Shapes, seed_of
 from oracle.cli import main
+from oracle.fixtures import golden
+from oracle.run import distribute
 
 # cases whose blocks cover every slicing rule: GQA both mappings, broadcast mask, bias, ALiBi,
 # dropout, gradients with a batch, grad_lse, causal bottom-right
@@ -236,7 +238,7 @@ def test_validate_many_reuses_workers_and_names_worker_import_errors(cluster):
         reports = distribute.validate_many(
             ["refattn-float64"], client=client, suite="smoke", dtype="float32"
         )
-    from oracle.validate import select_cases
+    from oracle.run.validate import select_cases
 
     names = [r.name for r in reports["refattn-float64"].results]
     assert names == list(select_cases(suite="smoke", dtype="float32"))  # case order kept
@@ -246,7 +248,7 @@ def test_validate_many_reuses_workers_and_names_worker_import_errors(cluster):
 
 
 def test_chunks_deal_round_robin():
-    from oracle.distribute import _chunks
+    from oracle.run.distribute import _chunks
 
     assert _chunks(list("abcde"), 2) == [["a", "c", "e"], ["b", "d"]]
     assert _chunks(["a"], 4) == [["a"]]

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 import oracle
-from oracle import catalogue, golden
+from oracle import catalogue
 from oracle.export import EXPORT_MANIFEST, ExportError
 from oracle.export._driver import NO_TRUTH
 from oracle.export.safetensors_format import read_safetensors
+from oracle.fixtures import golden
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +98,9 @@ def test_safetensors_torch_loader_gives_device_tensors(smoke_dir, safetensors_di
     reference = {f.name: f for f in golden.load(smoke_dir)}
     for fixture in oracle.load_safetensors(safetensors_dir, framework="torch", device="cpu"):
         assert fixture.inputs["q"].device.type == "cpu"
-        if fixture.case.category == "refusal":  # malformed inputs, no truth (oracle.refusal_cases)
+        if (
+            fixture.case.category == "refusal"
+        ):  # malformed inputs, no truth (oracle.judging.must_refuse)
             assert fixture.truth == {}
             continue
         assert isinstance(fixture.truth["out"], torch.Tensor)

@@ -7,8 +7,9 @@ import fnmatch
 
 import pytest
 
-from oracle import catalogue, golden
-from oracle.validate import validate
+from oracle import catalogue
+from oracle.fixtures import golden
+from oracle.run.validate import validate
 from tests.planted.fp4_impls import FP4_BROKEN, fp4_correct
 
 _BUILT: dict = {}
@@ -72,7 +73,8 @@ def test_torch_fp4_implementation_passes_every_fp4_case():
 
 
 def test_fp4_paged_convention():
-    """The packed, paged fp4 cache (oracle/layouts_fp4.py): read low nibble first it passes
+    """The packed, paged fp4 cache (oracle/conventions/layouts_fp4.py): read low nibble first it
+    passes
     every fp4 case; read high nibble first it fails them, diagnosed as swapped nibbles."""
     from tests.planted.fp4_impls import fp4_paged, fp4_paged_high_first
 

@@ -1,7 +1,8 @@
 """Fuzz harness of the oracle's trust rules (issue #11): fixture files and destinations.
 
 Every try records one outcome in a tally; the acceptable outcomes are a clear rejection (verify
-lists problems, load raises :class:`oracle.golden.FixtureError` or ``KeyError``, the CLI exits
+lists problems, load raises :class:`oracle.fixtures.golden.FixtureError` or ``KeyError``, the CLI
+exits
 with 1 or 2 and one ``refattn-oracle: error:`` line) or a clean acceptance of a harmless change.
 Unacceptable: a traceback (any other exception), a directory that verifies with nothing checked,
 a file read from outside the directory, a hang, a stray or half-written file, a deletion of a
@@ -31,7 +32,8 @@ import numpy as np
 import pytest
 
 from oracle import catalogue as cases
-from oracle import cli, golden
+from oracle import cli
+from oracle.fixtures import golden
 
 pytestmark = pytest.mark.fuzz
 
@@ -621,7 +623,7 @@ def _misbehaving(tmp_path, names):
 def test_fuzz_selection_never_passes_empty(tmp_path, reference):
     """Patterns are case-insensitive; zero selected cases (pattern, empty manifest) is exit 2;
     cases= accepts a string."""
-    from oracle.validate import validate
+    from oracle.run.validate import validate
 
     tally = collections.Counter()
     base = ["--impl", "tests.planted.fuzz_impls:good", "--suite", "smoke", "--dtype", "float32"]
@@ -744,8 +746,8 @@ def test_fuzz_report_texts(tmp_path):
     import re
 
     import tests.planted.fuzz_impls as fuzz_impls
-    from oracle.report import PLOT_HINT, plotting_available
-    from oracle.validate import validate
+    from oracle.report.formats import PLOT_HINT, plotting_available
+    from oracle.run.validate import validate
 
     tally = collections.Counter()
     report = validate(
@@ -816,7 +818,7 @@ def test_fuzz_plugin_finds_module_in_cwd(tmp_path):
 
 
 def test_fuzz_script_without_main_guard(tmp_path):
-    """A plain script calling oracle.validate (no __main__ guard) runs isolated and ends."""
+    """A plain script calling oracle.run.validate (no __main__ guard) runs isolated and ends."""
     script = tmp_path / "check.py"
     script.write_text(
         "import oracle\nimport fuzz_impls\n"
@@ -1001,7 +1003,7 @@ def test_fuzz_impl_and_adapter_together_are_both_judged(capsys):
 
 def test_fuzz_report_write_failing_after_the_run(tmp_path, monkeypatch):
     """The disk fills up while the report is written: one line and exit 2, after the summary."""
-    from oracle.results import Report
+    from oracle.judging.results import Report
 
     def full_disk(self, path):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))

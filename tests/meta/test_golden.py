@@ -1,4 +1,4 @@
-"""Meta tests of oracle.golden: truth, determinism, atomic writes, resume, verify, load."""
+"""Meta tests of oracle.fixtures.golden: truth, determinism, atomic writes, resume, verify, load."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from oracle import catalogue, golden
+from oracle import catalogue
+from oracle.fixtures import golden
 from tests.naive.attention import naive_attention
 from tests.naive.rounding import round_nested
 
@@ -336,7 +337,7 @@ def test_regenerating_a_subset_drops_stale_files(tmp_path, reference_dir, some_c
 def test_progress_bar_log_mode():
     import io
 
-    from oracle._progress import Progress
+    from oracle.run.progress import Progress
 
     stream = io.StringIO()
     with Progress(40, "gen", stream=stream) as bar:

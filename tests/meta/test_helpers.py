@@ -8,7 +8,7 @@ import traceback
 import numpy as np
 import pytest
 
-from oracle.tolerance import ulp
+from oracle.judging.tolerance import ulp
 from tests.helpers import (
     assert_norm_within,
     assert_same_bits,

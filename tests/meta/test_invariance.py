@@ -1,4 +1,4 @@
-"""oracle.invariance: planted reproducibility bugs are caught, each by its own check, and
+"""oracle.run.invariance: planted reproducibility bugs are caught, each by its own check, and
 implementations without them pass."""
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ import itertools
 import numpy as np
 import pytest
 
-from oracle import catalogue, golden
-from oracle.batching import take_batch
+from oracle import catalogue
 from oracle.cli import main
-from oracle.invariance import CHECKS, check_invariance, parse_checks
-from oracle.validate import validate
+from oracle.fixtures import golden
+from oracle.reading.batching import take_batch
+from oracle.run.invariance import CHECKS, check_invariance, parse_checks
+from oracle.run.validate import validate
 from refattn import attention
 
 CASES = [
@@ -145,7 +146,7 @@ def test_numba_kernels_pass(fixtures):
 @pytest.mark.peers("torch")
 def test_torch_sdpa_single_thread_is_deterministic_and_batch_invariant(fixtures):
     torch = pytest.importorskip("torch")
-    from oracle.impls import resolve_impl
+    from oracle.run.impls import resolve_impl
 
     impl, _ = resolve_impl("torch")
     threads = torch.get_num_threads()

@@ -11,9 +11,10 @@ import fnmatch
 import numpy as np
 import pytest
 
-from oracle import catalogue, golden
+from oracle import catalogue
 from oracle.catalogue.names import DTYPE_TAGS
-from oracle.validate import validate
+from oracle.fixtures import golden
+from oracle.run.validate import validate
 from tests.planted.broken_impls import textbook
 from tests.planted.latent_impls import BROKEN_LATENT
 

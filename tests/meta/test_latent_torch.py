@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from oracle.validate import validate
+from oracle.run.validate import validate
 from tests.meta.test_latent_cases import _fixtures
 
 pytest.importorskip("torch")

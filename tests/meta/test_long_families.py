@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from oracle import catalogue, golden
+from oracle import catalogue
 from oracle.catalogue.attention_long_families import DECODE_LENGTHS
+from oracle.fixtures import golden
 
 LONG_TAGS = (
     "long-decode",

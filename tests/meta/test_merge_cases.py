@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 import refattn
-from oracle.merge_conventions import adapt
-from oracle.validate import validate
+from oracle.conventions.merge import adapt
+from oracle.run.validate import validate
 from tests.planted.merge_impls import BROKEN_MERGES, merge_ok, merge_pair_ok
 
 MIN_FAILURES = 5

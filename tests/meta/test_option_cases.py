@@ -1,12 +1,13 @@
 """refattn's own implementations validated on the catalogue's cases of sinks, per-row key
-lengths and float8 inputs (the oracle's judge, thresholds of oracle.tolerance): they must pass
+lengths and float8 inputs (the oracle's judge, thresholds of oracle.judging.tolerance): they must
+pass
 every one, gradients (dsinks included) too."""
 
 from __future__ import annotations
 
 import pytest
 
-from oracle.validate import validate
+from oracle.run.validate import validate
 
 _PATTERNS = ["sinks*", "kv-lengths*", "grad-sinks*", "grad-kv*", "fp8*", "poison-nan-kv*"]
 #: one case per option family and kind, for the default tier of the Numba kernels
@@ -85,8 +86,9 @@ def _sinks_ignored(q, k, v, sinks=None, **options):
     ],
 )
 def test_other_readings_fail_and_are_diagnosed(impl, name, label):
-    from oracle import catalogue, golden
-    from oracle.judge import check_fixture
+    from oracle import catalogue
+    from oracle.fixtures import golden
+    from oracle.judging.judge import check_fixture
 
     result = check_fixture(impl, golden.build(catalogue.get(name)))
     assert result.verdict == "fail", f"{name}: {result.verdict} ({result.message})"
@@ -95,8 +97,9 @@ def test_other_readings_fail_and_are_diagnosed(impl, name, label):
 
 def test_vjp_without_dsinks_is_unsupported():
     """A gradient case with sinks whose vjp returns no dsinks is never a pass."""
-    from oracle import catalogue, golden
-    from oracle.judge import check_fixture
+    from oracle import catalogue
+    from oracle.fixtures import golden
+    from oracle.judging.judge import check_fixture
     from refattn.attention import attention, attention_vjp
 
     def impl(q, k, v, **options):

@@ -1,4 +1,4 @@
-"""The refusal cases (oracle.refusal_cases): malformed inputs a kernel must refuse with an error."""
+"""The refusal cases (oracle.judging.must_refuse): malformed inputs a kernel must refuse."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from oracle import catalogue, golden
-from oracle import refusal_cases as refusal
+from oracle import catalogue
 from oracle.catalogue.names import DTYPES
-from oracle.report import to_junit
-from oracle.validate import validate
+from oracle.fixtures import golden
+from oracle.judging import must_refuse as refusal
+from oracle.report.formats import to_junit
+from oracle.run.validate import validate
 from refattn import attention
 from tests.planted.unchecked_impls import unchecked_attention
 
@@ -129,7 +130,7 @@ def test_layouts_that_cannot_carry_a_malformation_say_so(layout):
 
 
 def test_an_error_of_the_conversion_is_not_a_refusal():
-    """oracle.conventions tags what its own conversion raises: never counted as a refusal."""
+    """oracle.conventions.layouts tags what its own conversion raises: never a refusal."""
     fixture = golden.build(catalogue.get("refuse-batch-B2H2K2-L5S7-D8E8-f32"))
 
     def converting(q, k, v, **options):
@@ -170,7 +171,7 @@ def test_fixture_folder_records_the_expectation(tmp_path):
 
 
 def test_power_and_features_leave_refusal_cases_out():
-    from oracle.features import case_features
+    from oracle.reading.features import case_features
 
     case = catalogue.get("refuse-gqa-heads-H3K2-L5S7-D8E8-f32")
     assert case_features(case, False, catalogue.make_inputs(case)) == (["refusal"], [])

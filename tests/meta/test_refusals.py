@@ -1,4 +1,5 @@
-"""oracle.refusals: an implementation's refusal of a case in its framework's words (ValueError
+"""oracle.judging.refused: an implementation's refusal of a case in its framework's words
+(ValueError
 "... must match", an assert "only supports") is "unsupported" with its message, counted in the
 report; other exceptions, wrong shapes and the oracle's own conversion errors stay "error" /
 "fail"; ``refusals_are_errors`` turns refusals back into errors."""
@@ -10,12 +11,12 @@ from pathlib import Path
 import pytest
 
 import oracle
-from oracle import golden
 from oracle.catalogue import get
-from oracle.judge import check_fixture
-from oracle.refusals import REFUSED, as_refusal
-from oracle.report_summary import unsupported_lines
-from oracle.validate import validate
+from oracle.fixtures import golden
+from oracle.judging.judge import check_fixture
+from oracle.judging.refused import REFUSED, as_refusal
+from oracle.report.summary import unsupported_lines
+from oracle.run.validate import validate
 from tests.planted import refusal_impls as impls
 
 _GQA = "gqa-interleave-H4K2-L5S6-D8E8-f32"

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from oracle.report import summary_table, to_html
-from oracle.report_summary import key_alignment, ulp_meaningful, unsupported_groups
-from oracle.results import CaseResult, Check, Report, Worst
-from oracle.tolerance import Threshold
+from oracle.judging.results import CaseResult, Check, Report, Worst
+from oracle.judging.tolerance import Threshold
+from oracle.report.formats import summary_table, to_html
+from oracle.report.summary import key_alignment, ulp_meaningful, unsupported_groups
 
 
 def _check(quantity, passed, error, truth=1.0, value=None, index=(0, 1, 2, 3)):

@@ -8,8 +8,9 @@ import fnmatch
 
 import pytest
 
-from oracle import catalogue, golden
-from oracle.validate import validate
+from oracle import catalogue
+from oracle.fixtures import golden
+from oracle.run.validate import validate
 from tests.planted.sigmoid_impls import SIGMOID_BROKEN, sigmoid_textbook
 
 _BUILT: dict = {}

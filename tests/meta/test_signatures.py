@@ -1,4 +1,5 @@
-"""oracle.signatures: a function written with a library's real signature and conventions is
+"""oracle.conventions.signatures: a function written with a library's real signature and
+conventions is
 validated as it stands (--signature), or declares its own (--causal-align, --keyword);
 packed/paged layouts carry ragged key lengths; the first cases' failures name the flag."""
 
@@ -9,12 +10,12 @@ import re
 import numpy as np
 import pytest
 
-from oracle import signatures
-from oracle.conventions import NOT_EXPRESSIBLE, check_convention, wrap
-from oracle.guidance import ConventionError, hint
-from oracle.passing import passed_options
-from oracle.signatures import Call, get
-from oracle.validate import validate
+from oracle.conventions import signatures
+from oracle.conventions.layouts import NOT_EXPRESSIBLE, check_convention, wrap
+from oracle.conventions.signatures import Call, get
+from oracle.diagnose.guidance import ConventionError, hint
+from oracle.judging.passing import passed_options
+from oracle.run.validate import validate
 from refattn import attention
 
 

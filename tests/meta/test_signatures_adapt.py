@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from oracle.signatures import get
-from oracle.validate import validate
+from oracle.conventions.signatures import get
+from oracle.run.validate import validate
 from tests.planted import library_like_numpy as lib
 
 _SMOKE = dict(suite="smoke", dtype="float32", progress=False, isolate=False)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from oracle.validate import validate
+from oracle.run.validate import validate
 
 pytestmark = pytest.mark.peers("torch")
 

@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from oracle import catalogue, golden
-from oracle.baseline import textbook_attention
-from oracle.validate import validate
+from oracle import catalogue
+from oracle.fixtures import golden
+from oracle.reading.baseline import textbook_attention
+from oracle.run.validate import validate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.helpers import shared_judging  # noqa: E402

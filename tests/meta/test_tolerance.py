@@ -1,5 +1,5 @@
-"""The tolerance policy (oracle.tolerance): errors, scales, floors, thresholds; and the
-textbook baseline it compares against (oracle.baseline)."""
+"""The tolerance policy (oracle.judging.tolerance): errors, scales, floors, thresholds; and the
+textbook baseline it compares against (oracle.reading.baseline)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from oracle import baseline
-from oracle import tolerance as tol
+from oracle.judging import tolerance as tol
+from oracle.reading import baseline
 from refattn.exact.rounding import format_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

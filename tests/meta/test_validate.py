@@ -1,4 +1,4 @@
-"""oracle.validate, reports, the refattn-oracle CLI and the pytest plugin."""
+"""oracle.run.validate, reports, the refattn-oracle CLI and the pytest plugin."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 
 import oracle
-from oracle import catalogue, golden
+from oracle import catalogue
 from oracle.cli import main
-from oracle.judge import check_fixture
-from oracle.results import Report
-from oracle.validate import resolve_impl, validate
+from oracle.fixtures import golden
+from oracle.judging.judge import check_fixture
+from oracle.judging.results import Report
+from oracle.run.validate import resolve_impl, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -309,7 +310,7 @@ def test_leaked_poison_is_not_diagnosed_as_a_convention():
     """A dense implementation (scores + -inf at excluded positions, then weights @ v) leaks
     NaN from excluded keys; no alternative convention may "explain" that by admitting the
     poisoned key."""
-    from oracle import validate
+    from oracle.run import validate
 
     def dense(
         q,

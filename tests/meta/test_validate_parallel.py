@@ -8,7 +8,7 @@ import io
 
 import pytest
 
-from oracle.validate import validate
+from oracle.run.validate import validate
 
 _CASES = ["basic-*", "causal-*", "gqa-*", "mask-*"]
 
@@ -52,7 +52,7 @@ def test_workers_argument_and_in_process_callables():
 
 
 def test_kept_worker_is_reused_across_runs():
-    from oracle import worker_cache
+    from oracle.run import worker_cache
 
     options = dict(suite="smoke", dtype="float64", cases=["basic-*"], progress=False)
     try:

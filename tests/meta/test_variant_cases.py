@@ -11,11 +11,12 @@ import mpmath
 import numpy as np
 import pytest
 
-from oracle import catalogue, golden
-from oracle import validate as V
-from oracle.baseline import textbook_attention
+from oracle import catalogue
 from oracle.catalogue import merge_families
 from oracle.catalogue import variants as vc
+from oracle.fixtures import golden
+from oracle.reading.baseline import textbook_attention
+from oracle.run import validate as V
 from refattn import gmm, hopfield, meanfield, mgk
 from tests.helpers import assert_same_bits
 from tests.naive.gmm import DPS, naive_adapt_keys, naive_adapt_priors, naive_gmm

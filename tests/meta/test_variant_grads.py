@@ -8,9 +8,10 @@ import importlib
 import numpy as np
 import pytest
 
-from oracle import catalogue, golden
-from oracle import validate as V
+from oracle import catalogue
 from oracle.catalogue import variants as vc
+from oracle.fixtures import golden
+from oracle.run import validate as V
 from refattn import hopfield, mgk
 from tests.helpers import assert_same_bits
 
@@ -176,7 +177,7 @@ def test_no_vjp_is_unsupported_and_forward_only_passes():
 
 
 def test_grad_scale_is_per_sample_magnitude():
-    from oracle.variant_scales import grad_scale
+    from oracle.judging.variant_scales import grad_scale
 
     truth = np.array([[[1.0, -3.0]], [[0.5, 0.25]]])
     assert grad_scale(truth).tolist() == [[[3.0, 3.0]], [[0.5, 0.5]]]

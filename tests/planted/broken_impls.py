@@ -1,7 +1,7 @@
 """Deliberately broken attention implementations (the oracle must catch every one of them).
 
 Each is a plain ``impl(q, k, v, **options)`` in the calling convention of
-:func:`oracle.validate`, computing in the case dtype like a real implementation would
+:func:`oracle.run.validate`, computing in the case dtype like a real implementation would
 (float32 accumulation for the half types). Each carries ``BROKEN[name]``: the case-name
 patterns it must fail and the diagnosis it must receive (None when no named alternative
 describes the bug: numerical bugs have no convention to match).
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from oracle.baseline import textbook_attention
-from oracle.tolerance import accumulation_dtype, allowed_positions
+from oracle.judging.tolerance import accumulation_dtype, allowed_positions
+from oracle.reading.baseline import textbook_attention
 
 __all__ = ["BROKEN", "Broken", "textbook"]
 

@@ -1,5 +1,6 @@
 """Implementations under test written as kernel authors write them: torch tensors in their own
-layout, FlashAttention-style signatures (validated through oracle.conventions, no wrapper)."""
+layout, FlashAttention-style signatures (validated through oracle.conventions.layouts, no
+wrapper)."""
 
 from __future__ import annotations
 

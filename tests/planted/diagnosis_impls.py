@@ -1,6 +1,6 @@
 """Planted implementations for the diagnoses of issue 25 (item 4).
 
-Each is an ``impl(q, k, v, **options)`` in :func:`oracle.validate`'s calling convention that
+Each is an ``impl(q, k, v, **options)`` in :func:`oracle.run.validate`'s calling convention that
 reproduces one bug or one real peer's convention the oracle must *name*:
 
 ======================================  =================================================
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from oracle.baseline import textbook_attention
-from oracle.heads import resolve_scale
-from oracle.tolerance import allowed_positions
+from oracle.judging.tolerance import allowed_positions
+from oracle.reading.baseline import textbook_attention
+from oracle.reading.heads import resolve_scale
 
 __all__ = ["PLANTED", "TILE"]
 

@@ -1,4 +1,5 @@
-"""A FlashMLA-style implementation in the ``latent-paged`` convention (oracle.layouts_latent):
+"""A FlashMLA-style implementation in the ``latent-paged`` convention
+(oracle.conventions.layouts_latent):
 it gathers each sequence's rows of the one latent cache through the block table, reads the
 first ``head_dim_v`` features as values and calls refattn on them; ``values_from_the_end``
 reads the *last* ``head_dim_v`` features as values (it must fail)."""

@@ -3,7 +3,7 @@ and grouped 5-D) and FlashAttention 3's ``flash_attn_with_kvcache`` (``page_tabl
 libraries' own signatures, NumPy underneath (no torch needed): validated with a preset whose
 framework is set to "numpy" (``get(name).replace(framework="numpy")``).
 
-Each computes in float64 (oracle.baseline.textbook_attention) and rounds once to the input
+Each computes in float64 (oracle.reading.baseline.textbook_attention) and rounds once to the input
 dtype; FlashInfer's lse is returned in base 2, (L, H), as FlashInfer returns it.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from oracle.baseline import textbook_attention
+from oracle.reading.baseline import textbook_attention
 
 __all__ = [
     "single_prefill_with_kv_cache",

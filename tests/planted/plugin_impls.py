@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from oracle.baseline import textbook_attention
+from oracle.reading.baseline import textbook_attention
 
 __all__ = ["exits_on_causal", "flash_attn_numpy"]
 

@@ -3,7 +3,7 @@ a refusal is "unsupported" with the message, anything else stays "error" or "fai
 
 from __future__ import annotations
 
-from oracle.baseline import textbook_attention
+from oracle.reading.baseline import textbook_attention
 
 __all__ = ["refuses_gqa", "says_bad_value", "index_error", "drops_a_column", "asserts_shape"]
 

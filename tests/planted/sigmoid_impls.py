@@ -1,14 +1,14 @@
 """Sigmoid attention implementations for the oracle's tests: a correct one and two planted
 bugs (each must fail at least 5 default cases, with its diagnosis named).
 
-In the calling convention of :func:`oracle.validate` (``impl(q, k, v, **options)``), computing
+In the calling convention of :func:`oracle.run.validate` (``impl(q, k, v, **options)``), computing
 in the case dtype with the oracle's textbook algorithm (float32 accumulation for the half
 types). ``SIGMOID_BROKEN[name]`` is a :class:`~tests.planted.broken_impls.Broken`.
 """
 
 from __future__ import annotations
 
-from oracle.baseline import textbook_attention, textbook_attention_vjp
+from oracle.reading.baseline import textbook_attention, textbook_attention_vjp
 
 from .broken_impls import Broken
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import refattn
-from oracle.baseline import textbook_attention
+from oracle.reading.baseline import textbook_attention
 
 __all__ = ["SPARSE_BROKEN", "SparseBroken", "sparse_textbook"]
 

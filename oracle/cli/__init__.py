@@ -1,0 +1,558 @@
+"""``refattn-oracle``: generate and verify golden fixtures, validate implementations.
+
+Commands::
+
+    refattn-oracle generate --suite NAME --out DIR [--dtype D ...] [--workers N] [--wait]
+                            [--executor dask --scheduler ADDRESS]
+    refattn-oracle verify DIR
+    refattn-oracle validate (--adapter NAME | --impl module:function) ...
+                            (--suite NAME | --fixtures DIR) [--dtype D] [--case PATTERN ...]
+                            [--json F] [--junit F] [--html F [--plots WHICH]] [--strict]
+                            [--grads] [--require FEATURE ...] [--timeout SECONDS]
+                            [--memory-limit MIB] [--in-process] [--workers N]
+                            [--refusals-are-errors]
+                            [--executor dask --scheduler ADDRESS]
+    refattn-oracle list [suites | cases --suite NAME | adapters]
+
+``generate`` takes an exclusive lock on DIR (a second writer fails, or waits with ``--wait``)
+and exits with 2 and a one-line message for an unusable destination (empty, a file, not
+writable, full disk), ``--workers`` below 1 or an unknown suite; a rerun into DIR resumes and
+removes the temporary files of a run killed with SIGKILL; ``verify`` prints one line per
+problem and exits with 1, never a traceback. ``validate`` runs each case in a supervised
+worker process (reused from case to case): an implementation that exits, hangs past
+``--timeout``, crashes or exhausts ``--memory-limit`` gets the verdict "error" for that case
+and the run goes on. Case patterns are case-insensitive; a selection of zero cases is a usage
+error. ``validate`` exits with 0 only when no case fails (robustness and refusal cases count only
+with ``--strict``), 1 when some case fails and 2 with one ``refattn-oracle: error:`` line on a
+usage error: a bad ``--impl`` path or a module that raises, has a syntax error or exits at
+import (a run that judged no case never exits 0), an unknown adapter, suite, feature or check, a
+missing directory, an unusable report path (``--json``/``--junit``/``--html``: checked before
+the run) or an interrupt (Ctrl-C). Progress goes to
+stderr, the summary to stdout. An implementation that raises KeyboardInterrupt inside a case
+gets the verdict "error" for it (the worker ignores SIGINT, so only the implementation can raise
+it there); with ``--in-process`` it cannot be told from Ctrl-C and aborts the run (exit 2), and
+nothing protects the run from ``os._exit``. ``--impl``/``--adapter`` may be repeated and mixed:
+each implementation gets its own summary (headed ``== <impl>: passed|FAILED`` with ``--quiet``)
+and report files ``NAME-<impl>.json``..., and the exit code is 1 if any fails. ``--executor dask
+--scheduler ADDRESS`` runs the cases (generate) or the (implementation, case) pairs (validate) on
+a Dask cluster (:mod:`oracle.run.distribute`); the fixtures are byte-identical to local ones.
+``list cases`` with an unknown suite is exit 2 too.
+
+Examples
+--------
+>>> main(["list", "suites"])  # doctest: +ELLIPSIS
+smoke ...
+0
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from oracle.catalogue.names import DTYPES
+from oracle.cli.export import add_export_parser, run_export_command
+from oracle.conventions import signatures
+from oracle.conventions.layouts import LAYOUTS
+from oracle.run.invariance import CHECKS as INVARIANCE_CHECKS
+
+__all__ = ["main", "build_parser"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors on one line (the usage text stays behind ``--help``)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="refattn-oracle",
+        description="Golden fixtures for attention and validation of implementations against "
+        "refattn's exact truth.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="write one .npz per case and manifest.json")
+    gen.add_argument("--suite", default="default", help="suite name (default: %(default)s)")
+    gen.add_argument("--out", required=True, help="output directory")
+    gen.add_argument(
+        "--dtype",
+        action="append",
+        choices=DTYPES,
+        help="only these dtypes (repeatable; default: all)",
+    )
+    gen.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="worker processes (default: %(default)s; the bytes do not depend on "
+        "it; try the number of cores, os.cpu_count())",
+    )
+    gen.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait for another generate writing into --out instead of failing",
+    )
+    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    _executor_args(gen, "cases, and blocks of one large case,")
+
+    ver = sub.add_parser("verify", help="check the sha256 of every fixture in DIR")
+    ver.add_argument("directory")
+
+    val = sub.add_parser("validate", help="validate an implementation")
+    val.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        help="adapter name (see `refattn-oracle list adapters`; repeatable)",
+    )
+    val.add_argument(
+        "--impl",
+        action="append",
+        default=[],
+        help="module:function of impl(q, k, v, **options) (repeatable)",
+    )
+    src = val.add_mutually_exclusive_group()
+    src.add_argument("--suite", help="suite built in memory (default: smoke)")
+    src.add_argument("--fixtures", help="directory written by `refattn-oracle generate`")
+    val.add_argument(
+        "--dtype",
+        default="float32",
+        choices=(*DTYPES, "all"),
+        help="implementation dtype (default: %(default)s)",
+    )
+    val.add_argument(
+        "--case",
+        action="append",
+        metavar="PATTERN",
+        help="only cases matching this fnmatch pattern (repeatable)",
+    )
+    val.add_argument("--json", metavar="FILE", help="write a JSON report")
+    val.add_argument("--junit", metavar="FILE", help="write a JUnit XML report")
+    val.add_argument(
+        "--html", metavar="FILE", help="write an HTML report (plots need refattn[plot])"
+    )
+    val.add_argument(
+        "--plots",
+        choices=("failures", "all", "none"),
+        default="failures",
+        help="plots in the HTML report: the 12 worst failing cases (default), every case, or none",
+    )
+    val.add_argument(
+        "--strict", action="store_true", help="robustness and refusal failures fail the run"
+    )
+    val.add_argument(
+        "--tolerance",
+        choices=("default", "tight"),
+        default="default",
+        help="tolerance tier: default (no false alarm on any correct algorithm) "
+        "or tight (the expected error of a correct float32-accumulating "
+        "kernel: narrower accumulation fails); see oracle.judging.tolerance",
+    )
+    val.add_argument(
+        "--grads",
+        action="store_true",
+        help="also check impl.vjp (gradient cases are 'unsupported' without one)",
+    )
+    val.add_argument(
+        "--require",
+        action="append",
+        metavar="FEATURE",
+        default=[],
+        help="fail unless some case with FEATURE was judged (repeatable or comma "
+        "list: causal, mask, gqa, long-rows, gradients, window, bias, ...)",
+    )
+    val.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="bhld",
+        help="the implementation's layout (default: %(default)s; see oracle.conventions.layouts)",
+    )
+    val.add_argument(
+        "--framework",
+        choices=("numpy", "torch", "jax"),
+        default="numpy",
+        help="arrays the implementation takes (default: %(default)s)",
+    )
+    val.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="device of torch tensors (default: %(default)s)",
+    )
+    signatures.add_arguments(val)
+    val.add_argument(
+        "--merge-convention",
+        choices=("stacked", "pair"),
+        default=None,
+        help="merge cases (suites merge-*): impl(outs, lses) or impl(out_a, lse_a, out_b, "
+        "lse_b); runs in process (see oracle.conventions.merge)",
+    )
+    val.add_argument(
+        "--check",
+        action="append",
+        metavar="CHECK",
+        default=[],
+        help="invariance checks on every conformance case, each its own verdict "
+        "(comma list or repeatable): " + ", ".join(INVARIANCE_CHECKS) + "; bits that differ "
+        "within the tolerance are a warning",
+    )
+    val.add_argument(
+        "--strict-invariance",
+        action="store_true",
+        help="invariance warnings (bits differ, within the tolerance) fail the run",
+    )
+    val.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds one case may take before it is an error (default: 300; "
+        "each case runs in a supervised worker process)",
+    )
+    val.add_argument(
+        "--memory-limit",
+        type=float,
+        default=None,
+        metavar="MIB",
+        help="address space of the worker process in MiB (default: no limit)",
+    )
+    val.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run the implementation in this process (no timeout or crash "
+        "protection; for debugging with pdb)",
+    )
+    val.add_argument("--quiet", action="store_true", help="no progress bar, failures only")
+    _executor_args(val, "(implementation, case) pairs")
+    val.add_argument(
+        "--refusals-are-errors",
+        action="store_true",
+        help="an implementation's refusal of a case (ValueError '... must match', "
+        "'not supported'...; see oracle.judging.refused) is an error, not 'unsupported'",
+    )
+    val.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="supervised worker processes running cases concurrently (default: "
+        "%(default)s; results in case order, as a serial run's)",
+    )
+
+    lst = sub.add_parser("list", help="list suites, cases or adapters")
+    lst.add_argument("what", nargs="?", default="suites", choices=("suites", "cases", "adapters"))
+    lst.add_argument("--suite", default="default")
+    lst.add_argument("--dtype", choices=DTYPES)
+    add_export_parser(sub)
+    from oracle.power import add_parser as add_power_parser
+
+    add_power_parser(sub)
+    return parser
+
+
+def _executor_args(parser, what: str) -> None:
+    parser.add_argument(
+        "--executor",
+        choices=("local", "dask"),
+        default="local",
+        help=f"where {what} run: local processes (default) or a Dask cluster "
+        f"(needs refattn[dask] and --scheduler)",
+    )
+    parser.add_argument(
+        "--scheduler",
+        metavar="ADDRESS",
+        help="Dask scheduler address, e.g. tcp://host:8786 (--executor dask)",
+    )
+
+
+def _executor_problem(args) -> str | None:
+    if args.executor == "dask" and not args.scheduler:
+        return "--executor dask needs --scheduler ADDRESS (e.g. tcp://host:8786)"
+    if args.executor != "dask" and args.scheduler:
+        return "--scheduler is used only with --executor dask"
+    return None
+
+
+def _err(message) -> int:
+    print(f"refattn-oracle: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _generate(args) -> int:
+    from oracle.fixtures import golden
+
+    if args.workers < 1:
+        return _err(f"--workers: expected an integer >= 1, got {args.workers}")
+    problem = _executor_problem(args)
+    if problem:
+        return _err(problem)
+    runner = None
+    if args.executor == "dask":
+        from oracle.run.distribute import dask_runner
+
+        runner = dask_runner(args.scheduler)
+    try:
+        path = golden.generate(
+            args.suite,
+            args.out,
+            dtypes=args.dtype,
+            workers=args.workers,
+            progress=not args.quiet,
+            wait=args.wait,
+            runner=runner,
+        )
+    except ImportError as err:
+        return _err(str(err))
+    except (golden.FixtureError, ValueError, KeyError) as err:
+        return _err(str(err).strip('"'))
+    except OSError as err:
+        where = f" ({err.filename})" if err.filename else ""
+        return _err(
+            f"writing fixtures into {args.out!r} failed: {err.strerror or err}{where}; "
+            f"the files already written are complete and a rerun resumes"
+        )
+    print(f"fixtures written to {path}")
+    return 0
+
+
+def _verify(args) -> int:
+    from oracle.fixtures import golden
+
+    problems = golden.verify(args.directory)
+    for problem in problems:
+        print(problem)
+    print("OK" if not problems else f"{len(problems)} problem(s)")
+    return 0 if not problems else 1
+
+
+def _validate(args) -> int:
+    from pathlib import Path
+
+    from oracle.run import validate as V  # the module (callable), see oracle/__init__.py
+    from oracle.run.impls import locate_impl
+    from oracle.run.supervise import MAX_TIMEOUT
+
+    specs = [*args.impl, *args.adapter]
+    if not specs:
+        return _err("give the implementation: --adapter NAME or --impl module:function")
+    problem = _executor_problem(args) or _limits_problem(args, MAX_TIMEOUT)
+    if problem:
+        return _err(problem)
+    if args.impl and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # console scripts do not put the cwd on sys.path
+    for spec in specs:
+        try:  # isolated runs import the module in the worker only (oracle.run.supervise)
+            (V.resolve_impl if args.in_process else locate_impl)(spec)
+        except (ImportError, AttributeError, TypeError, ValueError, KeyError) as err:
+            return _err(str(err).strip('"'))
+    if args.fixtures is not None and not Path(args.fixtures).is_dir():
+        return _err(
+            f"--fixtures {args.fixtures}: no such directory "
+            f"(write one with `refattn-oracle generate --out {args.fixtures}`)"
+        )
+    problem = _report_paths_problem(args, specs)
+    if problem:
+        return _err(problem)
+    memory = None if args.memory_limit is None else int(args.memory_limit * 2**20)
+    options = dict(
+        suite=args.suite,
+        fixtures=args.fixtures,
+        dtype=None if args.dtype == "all" else args.dtype,
+        grads=args.grads,
+        strict=args.strict,
+        cases=args.case,
+        isolate=not args.in_process,
+        timeout=args.timeout,
+        memory_limit=memory,
+        require=args.require,
+        checks=args.check,
+        layout=args.layout,
+        framework=args.framework,
+        device=args.device,
+        tolerance=args.tolerance,
+        **signatures.options_of(args),
+        strict_invariance=args.strict_invariance,
+    )
+    if args.workers < 1:
+        return _err(f"--workers: expected an integer >= 1, got {args.workers}")
+    if args.executor != "dask":
+        options["workers"] = args.workers
+    if args.refusals_are_errors:
+        options["refusals_are_errors"] = True
+    if args.merge_convention or (args.suite or "").startswith("merge"):
+        from oracle.conventions.merge import adapt
+
+        convention = args.merge_convention or "stacked"
+        specs = [(V.resolve_impl(spec)[0], spec) for spec in specs]
+        specs = {name: adapt(fn, convention, args.framework, args.device) for fn, name in specs}
+        options.update(isolate=False, framework="numpy")
+    try:
+        if args.executor == "dask":
+            from oracle.run.distribute import validate_many
+
+            reports = validate_many(specs, scheduler=args.scheduler, **options)
+        else:
+            reports = {
+                spec: V.validate(
+                    specs[spec] if isinstance(specs, dict) else spec,
+                    progress=not args.quiet,
+                    **options,
+                )
+                for spec in specs
+            }
+    except ImportError as err:
+        return _err(str(err))
+    except (KeyError, ValueError) as err:
+        return _err(str(err).strip('"'))
+    for spec, report in reports.items():
+        problem = _print_report(args, report, spec if len(reports) > 1 else None)
+        if problem:
+            return _err(problem)
+    return 0 if all(report.passed for report in reports.values()) else 1
+
+
+def _limits_problem(args, max_timeout: float) -> str | None:
+    # `not x > 0` is also true for NaN; inf overflows the clock / the int of RLIMIT_AS
+    if args.timeout is not None and not 0 < args.timeout <= max_timeout:
+        return f"--timeout: expected seconds in (0, {max_timeout:g}], got {args.timeout:g}"
+    if args.memory_limit is not None and not 0 < args.memory_limit < 2**43:
+        return f"--memory-limit: expected MiB in (0, {2**43:g}), got {args.memory_limit:g}"
+    return None
+
+
+_REPORT_FLAGS = ("json", "junit", "html")
+
+
+def _report_paths_problem(args, specs) -> str | None:
+    """Why a report file cannot be written, checked before the run (a run of hours must not
+    end in a traceback at the last step)."""
+    for flag in _REPORT_FLAGS:
+        path = getattr(args, flag)
+        if path is None:
+            continue
+        for spec in specs if len(specs) > 1 else [None]:
+            problem = _output_file_problem(_per_impl(path, spec))
+            if problem:
+                return f"--{flag} {path or repr(path)}: {problem}"
+    return None
+
+
+def _output_file_problem(path: str) -> str | None:
+    from pathlib import Path
+
+    if not path:
+        return "expected a file path, got an empty string"
+    file = Path(path)
+    if file.is_dir():
+        return "is a directory; expected a file path"
+    folder = file.parent
+    if not folder.is_dir():
+        return f"folder {folder} does not exist"
+    if not os.access(folder, os.W_OK | os.X_OK) or (file.exists() and not os.access(file, os.W_OK)):
+        return "not writable"
+    return None
+
+
+def _print_report(args, report, spec) -> str | None:
+    """Summary and report files of one implementation (``spec`` names it when there are
+    several: each file name gets ``-<spec>`` before its suffix); why a file could not be
+    written, or None."""
+    if args.quiet and spec is not None:  # several implementations: say whose lines follow
+        print(f"== {spec}: {'passed' if report.passed else 'FAILED'}")
+    print(
+        report.summary()
+        if not args.quiet
+        else "\n".join(r.explain() for r in report.failures) or "no failures"
+    )
+    if args.quiet and report.untested:
+        from oracle.report.formats import coverage_lines
+
+        print("\n".join(coverage_lines(report)[-4:]))
+    for flag in _REPORT_FLAGS:
+        if getattr(args, flag) is None:
+            continue
+        path = _per_impl(getattr(args, flag), spec)
+        try:
+            if flag == "html":
+                report.to_html(path, plots=args.plots)
+            else:
+                getattr(report, f"to_{flag}")(path)
+        except OSError as err:  # checked before the run; the disk can still fill up
+            return f"--{flag} {path}: cannot write the report ({err.strerror or err})"
+    if args.html:
+        from oracle.report.formats import PLOT_HINT, plotting_available
+
+        if not plotting_available():
+            print(f"refattn-oracle: {PLOT_HINT}", file=sys.stderr)
+    return None
+
+
+def _per_impl(path: str, spec) -> str:
+    if spec is None:
+        return path
+    from pathlib import Path
+
+    tag = "".join(c if c.isalnum() or c in "-_." else "_" for c in spec)
+    file = Path(path)
+    return str(file.with_name(f"{file.stem}-{tag}{file.suffix}"))
+
+
+def _list(args) -> int:
+    from oracle import catalogue
+
+    if args.what == "suites":
+        for name in catalogue.suite_names():
+            print(f"{name} {len(catalogue.suite(name))} cases")
+    elif args.what == "cases":
+        try:
+            cases = catalogue.suite(args.suite)
+        except (KeyError, ValueError) as err:
+            return _err(str(err).strip('"'))
+        for case in cases:
+            if args.dtype is None or case.dtype == args.dtype:
+                grads = " grads" if case.grads else ""
+                print(f"{case.name}  [{case.category}{grads}]  {case.description}")
+    else:
+        from oracle import adapters
+
+        usable = set(adapters.available())
+        for name in adapters.names():
+            print(f"{name}  {'available' if name in usable else 'not installed'}")
+    return 0
+
+
+def _power(args) -> int:
+    from oracle.fixtures import golden
+    from oracle.power import run_command
+
+    try:
+        return run_command(args)
+    except (golden.FixtureError, ValueError, KeyError) as err:
+        return _err(str(err).strip('"'))
+
+
+def main(argv=None) -> int:
+    """Entry point of ``refattn-oracle`` (returns the exit code)."""
+    args = build_parser().parse_args(argv)
+    handler = {
+        "generate": _generate,
+        "verify": _verify,
+        "validate": _validate,
+        "list": _list,
+        "export": run_export_command,
+        "power": _power,
+    }[args.command]
+    try:
+        return handler(args)
+    except OSError as err:  # a path that vanished or became unusable mid-run: one line
+        where = f" ({err.filename})" if err.filename else ""
+        return _err(f"{err.strerror or err}{where}")
+    except KeyboardInterrupt:  # Ctrl-C (or, with --in-process, raised by the implementation)
+        return _err("interrupted")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

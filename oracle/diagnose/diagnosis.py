@@ -1,0 +1,704 @@
+"""Convention diagnosis: which named alternative semantics does a failing output match?
+
+When a case fails, the oracle re-evaluates the truth in float64 under each *named alternative*
+of the conventions pinned in docs/conventions.md and reports those the implementation's output
+fits within the case's own threshold (:mod:`oracle.judging.tolerance`, (T2)). These are the silent
+mismatches that fill peers' issue trackers:
+
+=================================  ==========================================================
+label                              alternative
+=================================  ==========================================================
+``align='bottom_right'`` (etc.)    causal/window alignment flipped (flash-attention #951)
+``gqa='tile'`` (etc.)              query head h reads kv head h % K instead of h // G
+``softcap after bias``             ``c tanh((t + bias + alibi)/c)`` (onnx #7865)
+``softcap after mask``             excluded positions enter tanh as -inf and come out as ``-c``:
+                                   they stay in the softmax with weight ``~exp(-c)``
+``empty_rows='nan'`` (etc.)        fully-masked rows NaN instead of 0 (pytorch #103749)
+``fully masked rows average ...``  masking by ``finfo.min`` instead of removing: a row with
+                                   no allowed key averages every value (JAX, many kernels)
+``mask polarity inverted``         True = masked out
+``dropout without 1/(1-p)``        kept weights not rescaled
+``dropout_mask polarity inverted`` True = dropped
+``scale 1/sqrt(E)``                the value size instead of the key size
+``no scale``                       scale = 1
+``window=(l+-1, r)`` (etc.)        inclusive/exclusive window bounds
+``causal excludes the diagonal``   ``j < i + offset`` (and the converse, one key more)
+``bias ignored``, ``ALiBi ignored`` the additive term dropped
+``sinks ignored``                  no sink term in the normaliser
+``kv_lengths as a key-padding      causal/window aligned to the padded S (a padding mask)
+mask``                             instead of each row's own length (FlashAttention's
+                                   KV-cache reading, which refattn pins)
+=================================  ==========================================================
+
+Single alternatives are tried first; when none fits, pairs (lowerings often get several wrong
+at once, tracel-ai/burn #5783). The alternatives are evaluated by
+:func:`oracle.reading.baseline.textbook_attention` in float64, whose own error is at most the
+float64
+floor of (T5); that floor is added to the case threshold.
+
+Examples
+--------
+>>> import numpy as np
+>>> from oracle.diagnose.diagnosis import alternatives
+>>> [a.label for a in alternatives({"causal": True, "align": "top_left"}, H=2, K=2, L=2, S=3,
+...                                D=4, E=4, has_empty=False, has_excluded=True)][:2]
+["align='bottom_right'", 'causal excludes the diagonal (j < i + offset)']
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+
+from oracle.diagnose.alternative import Alternative
+from oracle.diagnose.latent import latent_alternatives
+from oracle.diagnose.models import error_models, exact_parts, narrow_accumulation  # noqa: F401
+from oracle.diagnose.peers import peer_alternatives
+from oracle.diagnose.sigmoid import sigmoid_alternatives
+from oracle.diagnose.sparse import sparse_alternatives, sparse_lse_models
+from oracle.diagnose.tiles import tile_alternatives
+from oracle.judging import tolerance as tol
+from oracle.reading.allowed import allowed_positions
+from oracle.reading.baseline import textbook_attention
+
+__all__ = [
+    "Alternative",
+    "alternatives",
+    "kernel_alternatives",
+    "diagnose",
+    "diagnose_lse",
+    "describe_failure",
+    "error_models",
+]
+
+
+def _set(**changes):
+    def apply(options, extras):
+        return {**options, **changes}, extras
+
+    return apply
+
+
+def _extra(**changes):
+    def apply(options, extras):
+        return options, {**extras, **changes}
+
+    return apply
+
+
+def _causal_admits_one_more(options, extras):
+    """Causal frontier one key past the diagonal: the window's right side becomes 1."""
+    left, _ = options.get("window") or (None, None)
+    return {**options, "causal": False, "window": (left, 1)}, extras
+
+
+def _causal_excludes_diagonal(L, S):
+    """Causal frontier one key before the diagonal: the diagonal ``j = i + o_b`` (each row's
+    own offset, :func:`oracle.reading.allowed.allowed_positions`) masked out. A window side cannot
+    say
+    this: refattn.spec reads a side of -1 as unbounded."""
+
+    def apply(options, extras):
+        diagonal = allowed_positions(
+            L,
+            S,
+            window=(0, 0),
+            align=options.get("align") or "top_left",
+            kv_lengths=options.get("kv_lengths"),
+        )
+        mask = options.get("mask")
+        mask = ~diagonal if mask is None else np.asarray(mask, dtype=bool) & ~diagonal
+        return {**options, "mask": mask}, extras
+
+    return apply
+
+
+def _window_alternatives(window):
+    left, right = window
+    found = []
+    for side, value in (("left", left), ("right", right)):
+        if value is None:
+            continue
+        for delta in (1, -1):
+            if value + delta < 0:
+                continue
+            new = (value + delta, right) if side == "left" else (left, value + delta)
+            found.append(Alternative(f"window={new}", frozenset({"window"}), _set(window=new)))
+    return found
+
+
+def alternatives(options, *, H, K, L, S, D, E, has_empty, has_excluded) -> list[Alternative]:
+    """The named alternatives that can change the result of a case with these options/sizes."""
+    found = []
+    causal, window = bool(options.get("causal")), options.get("window")
+    align = options.get("align") or "top_left"
+    if (causal or window is not None) and L != S:
+        other = "bottom_right" if align == "top_left" else "top_left"
+        found.append(Alternative(f"align={other!r}", frozenset({"align"}), _set(align=other)))
+    if causal:
+        found.append(
+            Alternative(
+                "causal excludes the diagonal (j < i + offset)",
+                frozenset({"causal", "window", "mask"}),
+                _causal_excludes_diagonal(L, S),
+            )
+        )
+        found.append(
+            Alternative(
+                "causal admits one key past the diagonal",
+                frozenset({"causal", "window"}),
+                _causal_admits_one_more,
+            )
+        )
+    if window is not None:
+        found.extend(_window_alternatives(window))
+    gqa = options.get("gqa") or "interleave"
+    if K > 1 and H // K > 1:
+        other = "tile" if gqa == "interleave" else "interleave"
+        found.append(Alternative(f"gqa={other!r}", frozenset({"gqa"}), _set(gqa=other)))
+    if options.get("softcap") is not None:
+        if options.get("bias") is not None or options.get("alibi_slopes") is not None:
+            found.append(
+                Alternative(
+                    "softcap after bias",
+                    frozenset({"softcap_order"}),
+                    _extra(softcap_order="after_bias"),
+                )
+            )
+        if has_excluded:
+            found.append(
+                Alternative(
+                    "softcap after mask (masked scores become -softcap)",
+                    frozenset({"softcap_order"}),
+                    _extra(softcap_order="after_mask"),
+                )
+            )
+    if has_empty:
+        other = "nan" if (options.get("empty_rows") or "zero") == "zero" else "zero"
+        found.append(
+            Alternative(f"empty_rows={other!r}", frozenset({"empty_rows"}), _set(empty_rows=other))
+        )
+        found.append(
+            Alternative(
+                "fully masked rows average every value (masking by a large "
+                "finite negative such as finfo.min)",
+                frozenset({"empty_rows"}),
+                _extra(empty_uniform=True),
+            )
+        )
+    if options.get("mask") is not None:
+        inverted = ~np.asarray(options["mask"], dtype=bool)
+        found.append(
+            Alternative(
+                "mask polarity inverted (True = masked out)",
+                frozenset({"mask"}),
+                _set(mask=inverted),
+            )
+        )
+    p = options.get("dropout_p") or 0.0
+    if options.get("dropout_mask") is not None:
+        if p > 0:
+            found.append(
+                Alternative(
+                    "dropout without the 1/(1-p) rescale",
+                    frozenset({"out_factor"}),
+                    _extra(out_factor=1 - p),
+                )
+            )
+        inverted = ~np.asarray(options["dropout_mask"], dtype=bool)
+        found.append(
+            Alternative(
+                "dropout_mask polarity inverted (True = dropped)",
+                frozenset({"dropout_mask"}),
+                _set(dropout_mask=inverted),
+            )
+        )
+    scale = options.get("scale")
+    if scale is None and D != E:
+        found.append(
+            Alternative(
+                "scale 1/sqrt(E) instead of 1/sqrt(D)",
+                frozenset({"scale"}),
+                _set(scale=1 / math.sqrt(E)),
+            )
+        )
+    if scale is None or scale != 1:
+        found.append(Alternative("no scale (scale=1)", frozenset({"scale"}), _set(scale=1.0)))
+    if options.get("bias") is not None:
+        found.append(Alternative("bias ignored", frozenset({"bias"}), _set(bias=None)))
+    if options.get("alibi_slopes") is not None:
+        found.append(
+            Alternative("ALiBi ignored", frozenset({"alibi_slopes"}), _set(alibi_slopes=None))
+        )
+    if options.get("sinks") is not None:
+        found.append(Alternative("sinks ignored", frozenset({"sinks"}), _set(sinks=None)))
+    found += [Alternative(lb, ks, _set(**ch)) for lb, ks, ch in sigmoid_alternatives(options)]
+    if (
+        options.get("kv_lengths") is not None
+        and (causal or window is not None)
+        and align == "bottom_right"
+    ):
+        found.append(
+            Alternative(
+                "kv_lengths as a key-padding mask (causal/window aligned to "
+                "the padded S, not to each row's length)",
+                frozenset({"kv_lengths", "mask"}),
+                _padding_reading(S),
+            )
+        )
+    found += peer_alternatives(options, L=L, S=S, D=D, has_empty=has_empty)
+    found += latent_alternatives(options, D=D, E=E, alternative=Alternative, set_options=_set)
+    return found + sparse_alternatives(options, H=H, L=L, S=S, alternative=Alternative)
+
+
+def _padding_reading(S):
+    """kv_lengths read as a plain key-padding mask (keys j >= S_b excluded, alignment to S)."""
+
+    def apply(options, extras):
+        lengths = np.asarray(options["kv_lengths"])
+        padding = (np.arange(S)[None, :] < lengths.reshape(-1, 1)).reshape(
+            lengths.shape + (1, 1, S)
+        )
+        mask = options.get("mask")
+        mask = padding if mask is None else np.asarray(mask, dtype=bool) & padding
+        return {**options, "kv_lengths": None, "mask": mask}, extras
+
+    return apply
+
+
+#: Tile sizes of real kernels (queries x keys blocks) the tile-bug alternatives try.
+TILE_SIZES = (64, 128)
+#: Keys per split of the split-KV alternatives.
+SPLIT_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def _drop_keys(rule):
+    def apply(options, extras):
+        return options, {**extras, "drop_keys": rule}
+
+    return apply
+
+
+def _reweight(rule):
+    def apply(options, extras):
+        return options, {**extras, "reweight": rule}
+
+    return apply
+
+
+def _zero_rows(first):
+    def apply(options, extras):
+        return options, {**extras, "zero_rows": first}
+
+    return apply
+
+
+def _segments(S, size):
+    """Index of the block of ``size`` keys each key belongs to."""
+    return np.arange(S) // size
+
+
+def _no_rescale(size):
+    """Weights of an online softmax whose output accumulator is not rescaled when the
+    running max moves: key j is weighted ``p_j exp(M - M_t(j))``, ``M_t`` the running max
+    of the log-weights after j's tile, ``M`` the row's (the normaliser is right)."""
+
+    def rule(w):
+        with np.errstate(divide="ignore"):
+            logw = np.log(w)
+        blocks = _segments(w.shape[-1], size)
+        running = np.full(w.shape[:-1], -np.inf)
+        factor = np.zeros_like(w)
+        for b in range(int(blocks[-1]) + 1):
+            cols = blocks == b
+            running = np.maximum(running, logw[..., cols].max(axis=-1))
+            with np.errstate(invalid="ignore"):
+                factor[..., cols] = np.exp(-running)[..., None]
+        return w * np.where(np.isfinite(factor), factor, 0) * w.max(axis=-1, keepdims=True)
+
+    return rule
+
+
+def _split_combine(size):
+    """Split-KV partial outputs combined by their normalisers ``l_s`` taken relative to each
+    split's own max (the ``exp(m_s - m)`` correction missing)."""
+
+    def rule(w):
+        blocks = _segments(w.shape[-1], size)
+        out = np.zeros_like(w)
+        for b in range(int(blocks[-1]) + 1):
+            cols = blocks == b
+            top = w[..., cols].max(axis=-1, keepdims=True)
+            out[..., cols] = np.divide(
+                w[..., cols], top, out=np.zeros_like(w[..., cols]), where=top > 0
+            )
+        total = out.sum(axis=-1, keepdims=True)
+        return np.divide(out, total, out=np.zeros_like(out), where=total > 0)
+
+    return rule
+
+
+def kernel_alternatives(L, S, *, tiles=TILE_SIZES, splits=SPLIT_SIZES) -> list[Alternative]:
+    """Alternatives that name the bugs of tiled kernels (blocks of ``tiles`` keys/queries,
+    split-KV chunks of ``splits`` keys), for a case with L queries and S keys."""
+    found = tile_alternatives(L, S, tiles=tiles)
+    for size in tiles:
+        if S >= size:
+            found.append(
+                Alternative(
+                    f"tile boundary: the last key of every full tile of {size} keys is skipped "
+                    f"(keys j = {size - 1} mod {size})",
+                    frozenset({"kernel"}),
+                    _drop_keys(
+                        lambda j, size=size, S=S: (j % size == size - 1) & (j < S // size * size)
+                    ),
+                )
+            )
+        if S > size and S % size:
+            found.append(
+                Alternative(
+                    f"partial key tile skipped: keys from {S // size * size} on (after the last "
+                    f"full tile of {size}) ignored",
+                    frozenset({"kernel"}),
+                    _drop_keys(lambda j, size=size, S=S: j >= S // size * size),
+                )
+            )
+        if L > size and L % size:
+            found.append(
+                Alternative(
+                    f"partial query tile not written: rows from {L // size * size} on (after the "
+                    f"last full tile of {size} queries) are zero",
+                    frozenset({"kernel"}),
+                    _zero_rows(L // size * size),
+                )
+            )
+        if S > size:
+            found.append(
+                Alternative(
+                    f"late rescale missing: the output accumulator is not rescaled when the "
+                    f"running max moves (online softmax over tiles of {size} keys)",
+                    frozenset({"kernel"}),
+                    _reweight(_no_rescale(size)),
+                )
+            )
+    for size in splits:
+        if S > size:
+            found.append(
+                Alternative(
+                    f"split-KV combine: partial outputs of {size}-key splits weighted by their "
+                    f"normalisers without the exp(m_s - m) max correction",
+                    frozenset({"kernel"}),
+                    _reweight(_split_combine(size)),
+                )
+            )
+    return found
+
+
+def _alternative_out(q, k, v, options, extras):
+    if "reweight" in extras or "zero_rows" in extras or "drop_keys" in extras:
+        return _kernel_out(q, k, v, options, extras)
+    result = textbook_attention(
+        q,
+        k,
+        v,
+        dtype="float64",
+        softcap_order=extras.get("softcap_order", "before_bias"),
+        **options,
+    )
+    factor = extras.get("out_factor", 1.0)
+    dropped = result.weights
+    if options.get("dropout_mask") is not None:
+        keep = np.asarray(options["dropout_mask"], dtype=bool)
+        dropped = np.where(keep, result.weights, 0) / (1 - (options.get("dropout_p") or 0.0))
+    out = result.out * factor
+    scale = tol.output_scale(dropped * factor, v, gqa=options.get("gqa"))
+    if extras.get("empty_uniform"):
+        empty = ~np.broadcast_to(result.allowed, result.weights.shape).any(axis=-1)
+        uniform = np.full(result.weights.shape, 1.0 / result.weights.shape[-1])
+        flat = textbook_attention(q, k, v, dtype="float64", gqa=options.get("gqa"), scale=0.0).out
+        out = np.where(empty[..., None], flat, out)
+        scale = np.where(
+            empty[..., None], tol.output_scale(uniform, v, gqa=options.get("gqa")), scale
+        )
+    return out, scale
+
+
+def _kernel_out(q, k, v, options, extras):
+    """Output and scale (float64) of a tiled-kernel alternative."""
+    base, w3, v_h = exact_parts(q, k, v, options)
+    single = np.ndim(q) == 2
+    if "drop_keys" in extras:
+        S = w3.shape[-1]
+        allowed = np.broadcast_to(base.allowed, base.weights.shape) & ~extras["drop_keys"](
+            np.arange(S)
+        )
+        _, w3, v_h = exact_parts(q, k, v, options, allowed=allowed)
+    if "reweight" in extras:
+        w3 = extras["reweight"](w3)
+    out = np.matmul(w3, v_h)
+    scale = np.matmul(np.abs(w3), np.abs(v_h))
+    if "zero_rows" in extras:
+        out[..., extras["zero_rows"] :, :] = 0.0
+    return (out[0], scale[0]) if single else (out, scale)
+
+
+def _fits(out, truth, scale, limit, dtype) -> bool:
+    if out.shape != truth.shape:
+        return False
+    err = tol.normalised_error(out, truth, scale, dtype)
+    return bool(np.all(err <= limit))
+
+
+#: multiply-adds the single alternatives of one failing case may cost (the named ones come
+#: first, the kernel models after): the long rows (S up to 128k) get the first few
+ALTERNATIVES_WORK_CAP = 2**34
+#: largest evaluation (multiply-adds) for which pairs of alternatives are tried (kernel-scale
+#: rows of a few hundred keys are; long rows are not)
+PAIRS_WORK_CAP = 2**27
+
+
+def diagnose(q, k, v, options, out, *, limit, dtype, max_pairs=True) -> list[str]:
+    """Labels of the alternatives whose float64 truth ``out`` fits within ``limit``.
+
+    ``limit`` is the case's output threshold (scalar or per row, (T2)); the float64 floor of the
+    textbook that evaluates the alternatives is added to it. Returns "matches <label>" strings
+    (a pair as "matches <a> + <b>"); an empty list when nothing fits.
+    """
+    out = np.asarray(out, dtype=np.float64)
+    q3 = q if np.ndim(q) > 2 else np.asarray(q)[None]
+    H, L, D = np.shape(q3)[-3:]
+    K, S, E = np.shape(k)[-3] if np.ndim(k) > 2 else 1, np.shape(k)[-2], np.shape(v)[-1]
+    base = textbook_attention(q, k, v, dtype="float64", **options)
+    allowed = np.broadcast_to(base.allowed, base.weights.shape)
+    has_empty = bool((~allowed.any(axis=-1)).any())
+    has_excluded = bool((~allowed).any())
+    candidates = alternatives(
+        options, H=H, K=K, L=L, S=S, D=D, E=E, has_empty=has_empty, has_excluded=has_excluded
+    ) + kernel_alternatives(L, S)
+    # each alternative is a textbook evaluation of ~rows * S * (D + E) multiply-adds: long rows
+    # get the single alternatives within a budget, pairs only on small cases
+    work = int(np.prod(np.shape(q3)[:-1])) * S * (D + E)
+    if work * len(candidates) > ALTERNATIVES_WORK_CAP:
+        candidates = candidates[: max(ALTERNATIVES_WORK_CAP // max(work, 1), 0)]
+    if work > PAIRS_WORK_CAP:
+        max_pairs = False
+    magnitude = tol.score_magnitude(q, k, **options)
+    f64 = tol.forward_floors(
+        "float64", D=D, S=S, L=L, E=E, G=max(H // K, 1), magnitude=magnitude, allowed=allowed
+    )["out"]
+    limit = np.asarray(limit) + float(np.max(f64))
+    if np.ndim(q) == 2 and np.ndim(limit) >= 3:
+        limit = limit[..., 0, :, :]
+    found = []
+    with np.errstate(all="ignore"):
+        finite = np.isfinite(_alternative_out(q, k, v, dict(options), {})[0])
+        bias = options.get("bias")
+        poisoned = not all(np.isfinite(np.asarray(a, np.float64)).all() for a in (q, k, v)) or (
+            bias is not None
+            and np.isnan(np.asarray(bias, np.float64)).any()
+            or bias is not None
+            and np.isposinf(np.asarray(bias, np.float64)).any()
+        )
+
+        def explains(opts, extras):
+            alt_out, scale = _alternative_out(q, k, v, opts, extras)
+            # with poisoned inputs, an alternative that is NaN where the truth is finite only
+            # "explains" leaked poison by admitting a poisoned (excluded) position: that is
+            # not a convention
+            if (
+                poisoned
+                and alt_out.shape == finite.shape
+                and (~np.isfinite(alt_out) & finite).any()
+            ):
+                return False
+            return _fits(out, alt_out, scale, limit, dtype)
+
+        for alt in candidates:
+            if explains(*alt.apply(dict(options), {})):
+                found.append(f"matches {alt.label}")
+        if found or not max_pairs:
+            return found
+        for first, second in itertools.combinations(candidates, 2):
+            if first.keys & second.keys:
+                continue
+            if explains(*second.apply(*first.apply(dict(options), {}))):
+                found.append(f"matches {first.label} + {second.label}")
+    return found
+
+
+def diagnose_lse(q, k, v, options, lse, *, limit, dtype) -> list[str]:
+    """Labels explaining a failing lse: log2 units, the row max left out (log of the shifted
+    normaliser), or one of the named alternatives (scale, bias, ALiBi, masks...) evaluated
+    for lse. ``limit`` is the lse threshold (normalised by the lse scale, (T2))."""
+    lse = np.asarray(lse, dtype=np.float64)
+    base = textbook_attention(q, k, v, dtype="float64", **options)
+    truth = np.asarray(base.lse, dtype=np.float64)
+    if lse.shape != truth.shape:
+        return []
+    magnitude = tol.score_magnitude(q, k, **options)
+    scale = tol.lse_scale(truth, base.weights, magnitude[0] if np.ndim(q) == 2 else magnitude)
+    limit = np.asarray(limit) + tol.unit_roundoff("float64") * 64
+    found = []
+    with np.errstate(all="ignore"):
+        top = np.where(
+            np.broadcast_to(base.allowed, base.weights.shape), np.log(base.weights), -np.inf
+        ).max(axis=-1)
+        row_max = truth + top  # top = max_j log p_j = max_j t_j - lse
+        candidates = [
+            (
+                "lse in log2 units (an exp2 kernel not converting back: lse / ln 2)",
+                truth / math.log(2),
+            ),
+            ("lse without the row max (log of the max-shifted normaliser)", truth - row_max),
+            ("lse is the row max only (the normaliser's log missing)", row_max),
+        ] + sparse_lse_models(truth)
+        for label, model in candidates:
+            if _fits(lse, model, scale, limit, dtype):
+                found.append(f"lse matches {label}")
+        if found:
+            return found
+        H, L, D = (np.shape(q) if np.ndim(q) > 2 else (1,) + np.shape(q))[-3:]
+        K = np.shape(k)[-3] if np.ndim(k) > 2 else 1
+        allowed = np.broadcast_to(base.allowed, base.weights.shape)
+        for alt in alternatives(
+            options,
+            H=H,
+            K=K,
+            L=L,
+            S=np.shape(k)[-2],
+            D=D,
+            E=np.shape(v)[-1],
+            has_empty=bool((~allowed.any(-1)).any()),
+            has_excluded=bool((~allowed).any()),
+        ):
+            opts, extras = alt.apply(dict(options), {})
+            if extras:
+                continue
+            model = textbook_attention(q, k, v, dtype="float64", **opts).lse
+            if _fits(lse, np.asarray(model, dtype=np.float64), scale, limit, dtype):
+                found.append(f"lse matches {alt.label}")
+    return found
+
+
+#: Share of the failing rows that must fall in one pattern for :func:`concentration` to name it.
+CONCENTRATION = 0.9
+
+
+def concentration(q, k, v, options, errors, limit, *, tiles=TILE_SIZES) -> list[str]:
+    """Where the failing rows of an output concentrate, when no modelled alternative fits.
+
+    Two patterns of tiled kernels are named, each only when at least :data:`CONCENTRATION` of
+    the failing query rows follow it and it is rarer among the other rows:
+
+    * the last, partial query tile: every failing row has an index ``i >= T floor(L / T)``
+      for a tile of ``T`` queries (``L > T``, ``L`` not a multiple of ``T``);
+    * rows whose max moves late: the row's largest allowed score (the float64 textbook's)
+      lies past the first tile of ``T`` keys, where an online softmax rescales its running
+      sums (a missing or wrong rescale shows on exactly those rows).
+
+    ``errors`` and ``limit`` have the output's shape (..., H, L, E). Returns notes (possibly
+    none).
+    """
+    bad = np.asarray(errors > limit)
+    if bad.ndim < 2 or not bad.any():
+        return []
+    rows = bad.any(axis=-1)  # (..., H, L)
+    L = rows.shape[-1]
+    notes = []
+    index = np.broadcast_to(np.arange(L), rows.shape)
+    for size in tiles:
+        start = size * (L // size)
+        if L > size and start < L and (index[rows] >= start).all() and (~rows[..., :start]).any():
+            notes.append(
+                f"the failing rows are all in the last, partial query tile of "
+                f"{size} (rows {start}..{L - 1}): a partial query tile mishandled?"
+            )
+            break
+    with np.errstate(all="ignore"):
+        base = textbook_attention(q, k, v, dtype="float64", **options)
+        allowed = np.broadcast_to(base.allowed, base.weights.shape)
+        logw = np.where(allowed, np.log(base.weights), -np.inf)
+    if logw.shape[:-1] != rows.shape:
+        return notes
+    has_key = allowed.any(axis=-1)
+    top = np.argmax(logw, axis=-1)
+    failing = rows & has_key
+    for size in tiles:
+        if logw.shape[-1] <= size or not failing.any():
+            continue
+        late = top >= size
+        share = float(late[failing].mean())
+        others = late[has_key & ~rows]
+        rest = float(others.mean()) if others.size else 0.0
+        if share >= CONCENTRATION and rest < share:
+            notes.append(
+                f"{share:.0%} of the failing rows have their max past the first tile "
+                f"of {size} keys ({rest:.0%} of the passing rows): the rescale of "
+                f"an online softmax when the running max moves?"
+            )
+            break
+    return notes
+
+
+def key_concentration(quantity, errors, limit, *, tiles=TILE_SIZES) -> list[str]:
+    """Where the failing keys of a per-key gradient (dk or dv, (..., K, S, D)) concentrate:
+    all on the last key of full tiles of ``T`` keys (``j mod T = T - 1``: a tile loop that
+    stops one key short), or all in the last, partial key tile (``j >= T floor(S / T)``: a
+    dropped partial tile). Named only when the failing keys follow the pattern and other
+    keys pass. Returns notes (possibly none).
+
+    >>> errors = np.zeros((1, 2, 200, 4)); errors[..., [63, 127], :] = 1.0
+    >>> note, = key_concentration("dk", errors, 0.5)
+    >>> note.split(": a ")[0]
+    'dk: the failing keys are all the last key of a full tile of 64 (j mod 64 = 63)'
+    >>> errors = np.zeros((1, 2, 200, 4)); errors[..., 195, :] = 1.0
+    >>> key_concentration("dv", errors, 0.5)[0].split(": a ")[0]
+    'dv: the failing keys are all in the last, partial key tile of 64 (keys 192..199)'
+    >>> key_concentration("dv", np.ones((1, 2, 200, 4)), 0.5)
+    []
+    """
+    bad = np.asarray(errors > limit)
+    if bad.ndim < 2 or not bad.any():
+        return []
+    keys = bad.any(axis=-1)
+    S = keys.shape[-1]
+    index = np.broadcast_to(np.arange(S), keys.shape)
+    failing, passing = index[keys], index[~keys]
+    for size in tiles:
+        if S > size and (failing % size == size - 1).all() and failing.max() < size * (S // size):
+            return [
+                f"{quantity}: the failing keys are all the last key of a full tile of "
+                f"{size} (j mod {size} = {size - 1}): a tile loop stopping one key short?"
+            ]
+    for size in tiles:
+        start = size * (S // size)
+        if S > size and start < S and (failing >= start).all() and (passing < start).any():
+            return [
+                f"{quantity}: the failing keys are all in the last, partial key tile of "
+                f"{size} (keys {start}..{S - 1}): a dropped or mishandled partial tile?"
+            ]
+    return []
+
+
+def describe_failure(value, truth, errors, limit, *, inputs_poisoned=False) -> list[str]:
+    """Plain observations on a failure when no alternative fits (NaN leaks, where errors sit)."""
+    value = np.asarray(value, dtype=np.float64)
+    truth = np.asarray(truth, dtype=np.float64)
+    notes = []
+    leaked = ~np.isfinite(value) & np.isfinite(truth)
+    if leaked.any():
+        where = "; poison at excluded positions reached the output" if inputs_poisoned else ""
+        notes.append(f"NaN/Inf in {int(leaked.sum())} elements where the truth is finite{where}")
+    missing = np.isnan(truth) & ~np.isnan(value)
+    if missing.any():
+        notes.append(f"finite values in {int(missing.sum())} elements where the truth is NaN")
+    bad = np.asarray(errors > limit)
+    if bad.any() and not leaked.any() and bad.ndim >= 2:
+        rows = bad.any(axis=-1)
+        notes.append(
+            f"{int(bad.sum())} of {bad.size} elements over the threshold, "
+            f"in {int(rows.sum())} of {rows.size} rows"
+        )
+    return notes

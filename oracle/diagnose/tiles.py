@@ -1,0 +1,119 @@
+"""Tile diagnoses of issue 25 (and the storage type a quantity is graded in): the
+last key of a partial key tile, and failures that track
+``S mod T`` across a run.
+
+A tiled kernel handles full tiles of ``T`` keys (64 or 128) on one code path and the last,
+partial tile (``S mod T`` keys) on another (a masked or remainder loop). Two of its bugs are
+named here:
+
+* :func:`tile_alternatives`: the remainder loop stops one key short, so key ``S - 1`` is never
+  read when ``S mod T != 0`` (a named alternative of
+  :func:`oracle.diagnose.diagnosis.kernel_alternatives`);
+* :func:`tile_tracking`: over a whole run, the failing cases are exactly those whose ``S`` is not
+  a multiple of ``T`` (a note of the report, whatever each case's own diagnosis says).
+
+Examples
+--------
+>>> [a.label.split(",")[0] for a in tile_alternatives(5, 97)]
+['the last key of the partial key tile of 64 is skipped (key 96']
+>>> from oracle.judging.results import CaseResult
+>>> results = [CaseResult(f"t-L4S{s}-f32", "conformance", "float32", v)
+...            for s, v in ((64, "pass"), (128, "pass"), (97, "fail"), (65, "fail"))]
+>>> tile_tracking(results)[0].split(":")[0]
+'failures track S mod 64'
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from oracle.diagnose.alternative import Alternative
+
+__all__ = ["tile_alternatives", "tile_tracking", "case_lengths", "storage_dtype"]
+
+#: Tile sizes (keys) tried; the same as :data:`oracle.diagnose.diagnosis.TILE_SIZES`.
+TILES = (64, 128)
+
+
+def _drop(rule):
+    def apply(options, extras):
+        return options, {**extras, "drop_keys": rule}
+
+    return apply
+
+
+def tile_alternatives(L, S, *, tiles=TILES) -> list:
+    """Alternatives naming the last key of a partial key tile skipped (key ``S - 1`` when
+    ``S mod T != 0``); one label (the key is the same for every tile size). Where the partial
+    tile is that one key, "partial key tile skipped" fits too."""
+    found = []
+    for size in tiles:
+        if S > size and S % size:
+            found.append(
+                Alternative(
+                    f"the last key of the partial key tile of {size} is skipped (key {S - 1}, "
+                    f"S mod {size} = {S % size}: a remainder loop stopping one key short)",
+                    frozenset({"kernel"}),
+                    _drop(lambda j, S=S: j == S - 1),
+                )
+            )
+            break  # the same key for every tile size: one label
+    return found
+
+
+def case_lengths(name: str):
+    """(L, S) read from a catalogue case name (``...-L65S129-...``), or None."""
+    match = re.search(r"L(\d+)S(\d+)", name)
+    return None if match is None else (int(match.group(1)), int(match.group(2)))
+
+
+def tile_tracking(results, *, tiles=TILES) -> list[str]:
+    """A note when the failing conformance cases are exactly those whose key length ``S`` is
+    not a multiple of a tile size ``T`` (at least two failures, and at least one passing case
+    with ``S`` a multiple of ``T`` above ``T``: the full-tile path is shown to work)."""
+    judged = [
+        (r, case_lengths(r.name))
+        for r in results
+        if r.category == "conformance" and r.verdict in ("pass", "fail")
+    ]
+    judged = [(r, lengths[1]) for r, lengths in judged if lengths is not None]
+    failing = [s for r, s in judged if r.verdict == "fail"]
+    if len(failing) < 2:
+        return []
+    for size in tiles:
+        ragged = np.array([s % size != 0 and s > size for _, s in judged])
+        failed = np.array([r.verdict == "fail" for r, _ in judged])
+        full = [s for r, s in judged if s % size == 0 and s >= size]
+        if failed.sum() and np.array_equal(ragged, failed) and full:
+            return [
+                f"failures track S mod {size}: all {int(failed.sum())} failing cases have S "
+                f"not a multiple of {size} (S > {size}), and the {len(full)} judged cases "
+                f"with S a multiple of {size} pass: the partial key tile (S mod {size} keys) "
+                f"is mishandled"
+            ]
+    return []
+
+
+def storage_dtype(values, dtype) -> str:
+    """The narrowest of ``dtype``, float32 and float64 that holds every finite value of
+    ``values`` (float64) exactly: the type an implementation stored a quantity in (a float32
+    lse returned for bfloat16 inputs is graded in float32, not bfloat16).
+
+    >>> storage_dtype(np.array([1.0, 1.5]), "bfloat16")
+    'bfloat16'
+    >>> storage_dtype(np.array([1 + 2**-20]), "bfloat16")
+    'float32'
+    """
+    from oracle.diagnose.models import cast_to
+
+    values = np.asarray(values, dtype=np.float64)
+    finite = values[np.isfinite(values)]
+    for name in dict.fromkeys((str(dtype), "float32")):
+        if name == "float64":
+            break
+        with np.errstate(all="ignore"):
+            if np.array_equal(cast_to(finite, name), finite):
+                return name
+    return "float64"

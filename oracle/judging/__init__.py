@@ -1,0 +1,10 @@
+"""Judging an implementation's outputs: the judge, the one tolerance policy, the results.
+
+* :mod:`oracle.judging.judge` -- run an implementation on a fixture, judge every output;
+* :mod:`oracle.judging.tolerance` -- THE tolerance policy (the only place thresholds live);
+* :mod:`oracle.judging.variant_scales` -- natural scales and condition factors of the variants;
+* :mod:`oracle.judging.results` -- :class:`Check`, :class:`CaseResult`, :class:`Report`;
+* :mod:`oracle.judging.passing` -- which of a case's options an implementation receives;
+* :mod:`oracle.judging.refused` -- an implementation's exception read as a refusal ("unsupported");
+* :mod:`oracle.judging.must_refuse` -- the refuse-* cases: inputs a kernel must refuse.
+"""

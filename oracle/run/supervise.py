@@ -1,0 +1,298 @@
+"""Supervised case runs: an implementation under test runs in a worker process.
+
+A validation must not pass by accident: an implementation that calls ``sys.exit`` or
+``os._exit``, hangs, crashes the interpreter (segfault) or exhausts memory would otherwise end
+the run with rc 0 and no report, or hang it. :class:`Supervisor` runs each case in a worker
+process that it reuses from case to case and restarts only after it died, and turns each of
+those events into the verdict "error" with the reason; the run goes on with the next case.
+
+The worker is a fresh interpreter (``python -m oracle.run.supervise``, with this process's
+``sys.path``) talking over two pipes with :mod:`multiprocessing.connection`: unlike the
+``spawn`` start method it never re-imports the caller's ``__main__``, so a script that calls
+:func:`oracle.run.validate` needs no ``if __name__ == "__main__"`` guard.
+
+Protocol: the worker resolves the implementation once (a ``module:function`` string or an
+adapter name, or a picklable callable) and answers "ready" or "fatal" (why it could not: the
+caller refuses the run, see :meth:`Supervisor.start`), then answers each request ``(fixture,
+grads, diagnose, reproduce, check, tolerance)`` with the judged
+:class:`oracle.run.validate.CaseResult` ("result"), or "error" and one line when the implementation
+raised a BaseException the judge does not turn into a verdict (KeyboardInterrupt...); ``None``
+asks it to stop. The worker ignores SIGINT: a Ctrl-C stops the parent, which kills it.
+
+Examples
+--------
+>>> from oracle import golden
+>>> from oracle.catalogue import get
+>>> fixture = golden.build(get("basic-H2K2-L5S7-D8E8-f64"))
+>>> with Supervisor("refattn-float64", timeout=120) as supervisor:
+...     supervisor.run(fixture).verdict
+'pass'
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+
+__all__ = ["Supervisor", "DEFAULT_TIMEOUT", "LOAD_TIMEOUT", "MAX_TIMEOUT"]
+
+#: seconds one case may take (implementation call, gradients and judging) before it is an error;
+#: generous because a JIT-compiled implementation compiles on its first call.
+DEFAULT_TIMEOUT = 300.0
+#: seconds the worker may take to load the implementation (at least; longer with a longer
+#: case timeout) before the run is refused
+LOAD_TIMEOUT = DEFAULT_TIMEOUT
+#: the longest timeout (about 11.6 days); waits beyond it overflow the OS's clock types
+MAX_TIMEOUT = 1e6
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line (resolve_impl's own errors already read as a sentence)."""
+    text = str(exc).strip().strip('"')
+    first = text.splitlines()[0] if text else ""
+    if isinstance(exc, (ImportError, AttributeError, TypeError, ValueError, KeyError)) and (
+        first.startswith("impl:")
+    ):
+        return first
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _serve(receive, connection, impl_ref, memory_limit) -> None:  # pragma: no cover - worker
+    """Worker loop: resolve the implementation, then judge fixtures until told to stop.
+
+    Anything the implementation raises, BaseExceptions included (KeyboardInterrupt: the worker
+    ignores SIGINT, so only the implementation can raise it here), is reported on one line:
+    "fatal" while loading it, "error" for one case (the worker goes on serving).
+    """
+    convention = None
+    if isinstance(impl_ref, tuple):  # (reference, calling convention of oracle.conventions.layouts)
+        impl_ref, convention = impl_ref
+    try:
+        if memory_limit:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
+        from oracle.judging import judge  # noqa: F401 - loaded before the first case's clock starts
+        from oracle.run.impls import resolve_impl
+
+        impl, _ = resolve_impl(impl_ref)
+        if convention:
+            from oracle.conventions.layouts import wrap
+
+            impl = wrap(impl, **convention)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which refuses the run
+        connection.send(("fatal", _one_line(exc)))
+        return
+    connection.send(("ready", None))
+    while True:
+        request = receive.recv()
+        if request is None:
+            return
+        try:
+            result = _judge(impl, request)
+        except BaseException as exc:  # noqa: BLE001 - the case's verdict is "error"
+            connection.send(("error", f"the implementation raised {_one_line(exc)}"))
+        else:
+            connection.send(("result", result))
+
+
+def _judge(impl, request):  # pragma: no cover - worker
+    from oracle.judging.judge import check_fixture
+
+    fixture, grads, diagnose, reproduce, check, tolerance = request
+    if check is None:
+        return check_fixture(
+            impl, fixture, grads=grads, diagnose=diagnose, reproduce=reproduce, tolerance=tolerance
+        )
+    from oracle.run.invariance import check_invariance
+
+    return check_invariance(impl, fixture, check, reproduce=reproduce)
+
+
+class Supervisor:
+    """Run cases of one implementation in a reusable worker process.
+
+    Parameters
+    ----------
+    impl_ref : str or callable
+        ``"module:function"``, an adapter name, or a picklable callable (a module-level
+        function); resolved once in the worker.
+    timeout : float
+        Seconds one case may take before the worker is killed and the case is an "error"
+        (loading the implementation may take up to ``max(timeout, LOAD_TIMEOUT)``).
+    memory_limit : int, optional
+        Bytes of address space the worker may use (``RLIMIT_AS``); beyond it the case raises
+        MemoryError or the worker dies, both an "error".
+    """
+
+    def __init__(
+        self, impl_ref, *, timeout: float = DEFAULT_TIMEOUT, memory_limit: int | None = None
+    ):
+        if isinstance(timeout, bool) or not (
+            isinstance(timeout, (int, float)) and 0 < timeout <= MAX_TIMEOUT
+        ):
+            raise ValueError(f"timeout: expected seconds in (0, {MAX_TIMEOUT:g}], got {timeout!r}")
+        if memory_limit is not None and (not isinstance(memory_limit, int) or memory_limit <= 0):
+            raise ValueError(f"memory_limit: expected bytes > 0, got {memory_limit!r}")
+        self.impl_ref, self.timeout, self.memory_limit = impl_ref, float(timeout), memory_limit
+        self._process = self._connection = self._send_connection = None
+        self.starts = 0  # worker processes started (1 unless a case killed one)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    def start(self) -> str | None:
+        """Start the worker now if none runs (it loads the implementation): None, or why it
+        could not (the import failed, exited, crashed or timed out: no case can be judged)."""
+        if self._process is not None:
+            return None
+        self.starts += 1
+        return self._start()
+
+    def _start(self) -> str | None:
+        to_child_r, to_child_w = os.pipe()
+        to_parent_r, to_parent_w = os.pipe()
+        paths = [p or os.getcwd() for p in sys.path]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+        request = pickle.dumps((self.impl_ref, self.memory_limit))
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "oracle.run.supervise", str(to_child_r), str(to_parent_w)],
+                pass_fds=(to_child_r, to_parent_w),
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            os.close(to_child_r)
+            os.close(to_parent_w)
+        self._send_connection = Connection(to_child_w, readable=False)
+        self._connection = Connection(to_parent_r, writable=False)
+        self._send_connection.send_bytes(request)
+        # loading (imports, a JIT warm-up) is not a case: --timeout bounds cases, and a busy
+        # machine must not turn a slow import into a refused run
+        kind, message = self._receive(max(self.timeout, LOAD_TIMEOUT), "loading the implementation")
+        if kind != "ready":
+            self._stop()
+            return message
+        return None
+
+    def _receive(self, timeout, doing):
+        """("result"/"ready"/"fatal", payload) or ("died", reason) for timeout and death."""
+        try:
+            if self._connection.poll(timeout):
+                return self._connection.recv()
+        except (EOFError, OSError):
+            pass
+        else:
+            self._stop()
+            return "died", (
+                f"timeout: no result within {timeout:g} s while {doing} "
+                f"(the worker was killed; raise --timeout if the case is just "
+                f"slow)"
+            )
+        return "died", self._death(doing)
+
+    def _death(self, doing) -> str:
+        try:
+            code = self._process.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None
+        self._stop()
+        if code is None:
+            return f"the worker stopped answering while {doing}"
+        if code < 0:
+            name = (
+                signal.Signals(-code).name
+                if -code in signal.Signals._value2member_map_
+                else f"signal {-code}"
+            )
+            hint = " (out of memory?)" if name == "SIGKILL" else ""
+            return f"the implementation crashed the worker ({name}{hint}) while {doing}"
+        return (
+            f"the worker exited with code {code} while {doing} (the implementation called "
+            f"os._exit or exit)"
+        )
+
+    def _stop(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait(5)
+        for connection in (self._connection, self._send_connection):
+            if connection is not None:
+                connection.close()
+        self._process = self._connection = self._send_connection = None
+
+    def run(
+        self, fixture, *, grads=False, diagnose=True, reproduce="", check=None, tolerance="default"
+    ):
+        """Judge one fixture in the worker (or run the invariance ``check`` of
+        :mod:`oracle.run.invariance` on it); any way the worker fails is an "error" result."""
+        from oracle.judging.results import CaseResult
+
+        start = time.perf_counter()
+        problem = self.start()
+        if problem is None:
+            try:
+                self._send_connection.send((fixture, grads, diagnose, reproduce, check, tolerance))
+            except (OSError, EOFError):
+                kind, problem = "died", self._death("sending the case")
+            else:
+                try:
+                    kind, payload = self._receive(self.timeout, f"running {fixture.case.name}")
+                except KeyboardInterrupt:  # Ctrl-C: stop the worker now, not after the case
+                    self._stop()
+                    raise
+                if kind == "result":
+                    return payload
+                problem = payload
+        case = fixture.case
+        name, category = (
+            (case.name, case.category) if check is None else (f"{case.name}::{check}", "invariance")
+        )
+        result = CaseResult(
+            name,
+            category,
+            case.dtype,
+            "error",
+            message=problem,
+            reproduce=reproduce,
+            description=getattr(case, "description", ""),
+        )
+        result.seconds = time.perf_counter() - start
+        return result
+
+    def close(self) -> None:
+        """Ask the worker to stop (and kill it if it does not)."""
+        if self._send_connection is not None:
+            try:
+                self._send_connection.send(None)
+            except (OSError, EOFError):
+                pass
+            try:
+                self._process.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        self._stop()
+
+
+def _main(argv) -> None:  # pragma: no cover - the worker's entry point
+    """``python -m oracle.run.supervise READ_FD WRITE_FD``: serve cases over the two pipes."""
+    # Ctrl-C in a terminal signals the whole process group: only the parent should react (it
+    # stops the run and this worker); a KeyboardInterrupt here is then the implementation's own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    receive = Connection(int(argv[0]), writable=False)
+    send = Connection(int(argv[1]), readable=False)
+    impl_ref, memory_limit = pickle.loads(receive.recv_bytes())
+    _serve(receive, send, impl_ref, memory_limit)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _main(sys.argv[1:])

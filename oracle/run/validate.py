@@ -1,0 +1,532 @@
+"""Validate an attention implementation against the oracle's cases.
+
+:func:`validate` runs an implementation on every case of a suite (fixtures built in memory by
+:func:`oracle.fixtures.golden.build`) or of a fixture directory
+(:func:`oracle.fixtures.golden.load`) in one
+dtype, judges each output element by the tolerance policy of :mod:`oracle.judging.tolerance`
+(normalised error (T1) against the threshold (T2)), diagnoses failures
+(:mod:`oracle.diagnose.diagnosis`) and returns a :class:`Report`.
+
+Calling conventions and verdicts are those of :func:`oracle.judging.judge.check_fixture`: attention
+cases call ``impl(q, k, v, **options)`` (and ``impl.vjp`` with ``grads``), variant cases
+(``Case.function`` other than "attention", suites "variants-smoke" and "variants-default")
+``impl(**inputs, **options)`` with the refattn function's parameter names.
+
+Verdicts
+--------
+``pass`` / ``fail`` (some element over its threshold, a wrong shape, NaN where the truth is
+finite...) / ``unsupported`` (the implementation raised NotImplementedError: never a pass) /
+``error`` (any other exception; the message is kept). Robustness cases (NaN/Inf poison at
+excluded positions) are reported in their own category and make :attr:`Report.passed` false
+only with ``strict=True``: refattn guarantees poison never reaches the output, but peers
+legitimately compute ``0 * NaN`` there.
+
+Examples
+--------
+>>> from oracle.run.validate import validate
+>>> report = validate("refattn-float64", suite="smoke", dtype="float64", cases=["basic-*"],
+...                   progress=False)
+>>> report.passed, [r.verdict for r in report.results]
+(True, ['pass'])
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import sys
+import time
+import types
+from collections.abc import Iterable
+from pathlib import Path
+
+from oracle import catalogue
+from oracle.diagnose.guidance import FIRST_CASES, check_first_cases
+from oracle.fixtures import golden
+from oracle.judging import tolerance as tol
+from oracle.judging.judge import check_fixture
+from oracle.judging.results import Report
+from oracle.reading.features import KNOWN_FEATURES, case_features
+from oracle.run.impls import adapter_located, is_module_spec, locate_impl, resolve_impl
+from oracle.run.progress import Progress
+
+__all__ = ["validate", "resolve_impl", "reproduce_command", "select_cases"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolving implementations
+# ---------------------------------------------------------------------------------------------
+
+
+def _impl_name(impl, spec):
+    if spec:
+        return spec
+    return getattr(impl, "name", None) or getattr(impl, "__name__", None) or type(impl).__name__
+
+
+# ---------------------------------------------------------------------------------------------
+# Running a suite
+# ---------------------------------------------------------------------------------------------
+
+
+def _select(items, dtype, cases):
+    patterns = [p.lower() for p in cases]
+    for item in items:
+        case = item.case if hasattr(item, "case") else item
+        if dtype is not None and case.dtype != dtype:
+            continue
+        if patterns and not any(fnmatch.fnmatchcase(case.name.lower(), p) for p in patterns):
+            continue
+        yield item
+
+
+def _manifest_names(fixtures, dtype, cases) -> list[str] | None:
+    """The names of the manifest's cases that ``dtype`` and the patterns select (None: the
+    manifest is unusable, or a case's entry lacks a name or dtype)."""
+    manifest, problems = golden.read_manifest(Path(fixtures))
+    entries = None if problems or not isinstance(manifest, dict) else manifest.get("cases")
+    if not isinstance(entries, list) or not all(
+        isinstance(e, dict) and isinstance(e.get("name"), str) and "dtype" in e for e in entries
+    ):
+        return None
+    patterns = [p.lower() for p in cases]
+    return [
+        e["name"]
+        for e in entries
+        if (dtype is None or e["dtype"] == dtype)
+        and (not patterns or any(fnmatch.fnmatchcase(e["name"].lower(), p) for p in patterns))
+    ]
+
+
+def _patterns(cases) -> list[str]:
+    if cases is None:
+        return []
+    if isinstance(cases, str):
+        return [cases]
+    patterns = list(cases)
+    bad = [p for p in patterns if not isinstance(p, str)]
+    if bad:
+        raise TypeError(f"cases: expected a pattern or a list of patterns (str), got {bad!r}")
+    return patterns
+
+
+def _sources(suite, fixtures, dtype, cases):
+    """(description, list of Fixture-or-Case); Cases are built lazily."""
+    if fixtures is not None and suite is not None:
+        raise ValueError("validate: give suite= or fixtures=, not both")
+    if fixtures is not None:
+        if isinstance(fixtures, (str, Path)):
+            # only the selected files are read (a directory holds hundreds): the manifest names
+            # them; an unusable manifest is load's own clear error
+            names = _manifest_names(fixtures, dtype, cases)
+            items = list(_select(golden.load(fixtures, names=names), dtype, cases))
+            return f"fixtures {fixtures}", items, str(fixtures)
+        return "fixtures", list(_select(fixtures, dtype, cases)), None
+    suite = "smoke" if suite is None else suite
+    if isinstance(suite, str):
+        return f"suite {suite}", list(_select(catalogue.suite(suite), dtype, cases)), suite
+    return "cases", list(_select(suite, dtype, cases)), None
+
+
+def select_cases(*, suite=None, fixtures=None, dtype="float32", cases=None) -> list[str]:
+    """Names of the cases :func:`validate` would run with these arguments (ValueError if
+    none), e.g. to split a run over several machines (:mod:`oracle.run.distribute`)."""
+    patterns = _patterns(cases)
+    if isinstance(fixtures, (str, Path)) and suite is None:
+        names = _manifest_names(fixtures, dtype, patterns)  # names only: no file is read
+        if names:
+            return names
+    label, items, _ = _sources(suite, fixtures, dtype, patterns)
+    if not items:
+        raise ValueError(
+            f"validate: no case selected ({label}, dtype {dtype or 'all'}); a "
+            f"run that checks nothing cannot pass"
+        )
+    return [(item.case if hasattr(item, "case") else item).name for item in items]
+
+
+def reproduce_command(
+    impl_spec,
+    source_flag,
+    dtype,
+    name,
+    grads,
+    strict,
+    tolerance="default",
+    check=None,
+    convention=None,
+):
+    """The ``refattn-oracle validate`` command line that re-runs one case (or one of its
+    invariance checks)."""
+    impl_part = (
+        "--impl <module:function>"
+        if impl_spec is None
+        else (f"--impl {impl_spec}" if ":" in impl_spec else f"--adapter {impl_spec}")
+    )
+    extra = (
+        (" --grads" if grads else "")
+        + (" --strict" if strict else "")
+        + (f" --tolerance {tolerance}" if tolerance != "default" else "")
+        + (f" --check {check}" if check else "")
+        + _convention_flags(convention)
+    )
+    return f"refattn-oracle validate {impl_part} {source_flag} --dtype {dtype} --case {name}{extra}"
+
+
+def _convention_flags(convention) -> str:
+    """The command-line flags of a calling convention (those that differ from the default;
+    a preset's layout and framework are its own)."""
+    convention = dict(convention or {})
+    flags = []
+    if "signature" in convention:
+        preset = convention.pop("signature")
+        flags.append(f" --signature {getattr(preset, 'name', preset)}")
+        convention.pop("layout", None), convention.pop("framework", None)
+    defaults = {"layout": "bhld", "framework": "numpy", "device": "cpu"}
+    for name, value in convention.items():
+        if name == "keywords":
+            from oracle.conventions.signatures import parse_keywords
+
+            flags += [f" --keyword {a}={b}" for a, b in parse_keywords(value).items()]
+        elif name == "causal_align":
+            flags.append(f" --causal-align {value}")
+        elif value != defaults[name]:
+            flags.append(f" --{name} {value}")
+    return "".join(flags)
+
+
+def validate(
+    impl,
+    *,
+    suite=None,
+    fixtures=None,
+    dtype="float32",
+    grads=False,
+    strict=False,
+    tolerance="default",
+    progress=True,
+    cases: str | Iterable[str] | None = None,
+    diagnose=True,
+    isolate=True,
+    timeout=None,
+    memory_limit=None,
+    require=(),
+    checks=(),
+    layout="bhld",
+    framework="numpy",
+    device="cpu",
+    signature=None,
+    causal_align=None,
+    keywords=None,
+    strict_invariance=False,
+    workers=1,
+    refusals_are_errors=False,
+    keep_worker=False,
+) -> Report:
+    """Validate ``impl`` on a suite or a fixture directory in one dtype.
+
+    Parameters
+    ----------
+    impl : callable or str
+        ``impl(q, k, v, **options)``, ``"module:function"`` or an adapter name.
+    suite : str or iterable of Case, optional
+        Suite name (fixtures built in memory with :func:`oracle.fixtures.golden.build`); default
+        "smoke" when neither suite nor fixtures is given.
+    fixtures : path or iterable of Fixture, optional
+        A directory written by ``refattn-oracle generate`` (read with
+        :func:`oracle.fixtures.golden.load`), or fixtures in memory.
+    dtype : {"float64", "float32", "float16", "bfloat16"} or None
+        Only cases of this dtype (None: every dtype).
+    grads : bool
+        Also check ``impl.vjp`` on the cases that carry gradients (a case whose gradients
+        cannot be checked because there is no ``vjp`` is "unsupported", never a pass).
+    strict : bool
+        Robustness failures fail the run too.
+    tolerance : {"default", "tight"}
+        The tolerance tier (:mod:`oracle.judging.tolerance`): "default" (T2) is free of false alarms
+        for any correct algorithm; "tight" (T7) follows the expected error of a correct
+        float32-accumulating kernel on the case, so narrower accumulation fails.
+    progress : bool
+        A progress bar on stderr.
+    cases : str or iterable of str, optional
+        Only the cases whose names match one of these fnmatch patterns (case-insensitive).
+    isolate : bool
+        Run the cases in a supervised worker process (:class:`oracle.run.supervise.Supervisor`):
+        an implementation that exits, hangs, crashes or exhausts memory gives that case the
+        verdict "error" and the run goes on. Needs an importable implementation (a
+        ``module:function`` string, an adapter name or a module-level function); other
+        callables (lambdas, closures) run in this process and :attr:`Report.isolated` is
+        false.
+    timeout : float, optional
+        Seconds one isolated case may take (default
+        :data:`oracle.run.supervise.DEFAULT_TIMEOUT`, 300 s: a JIT-compiled implementation
+        compiles on its first call).
+    memory_limit : int, optional
+        Bytes of address space the worker may use (no limit by default).
+    require : str or iterable of str
+        Features (see :func:`case_features`; e.g. "causal", "mask", "gqa", "long-rows",
+        "gradients") that must be judged (pass or fail) on at least one case, else the run
+        fails. Untested headline features are reported in any case.
+    checks : str or iterable of str
+        Invariance checks of :mod:`oracle.run.invariance` ("determinism", "batch-invariance",
+        "padding-invariance", "decode"; a comma list is fine) run on every attention
+        conformance case, each its own result ``<case>::<check>`` in category "invariance" (a
+        failure fails the run; bits that differ within the tolerance are a "warning").
+    layout, framework, device : str
+        The implementation's calling convention (:mod:`oracle.conventions.layouts`): layout "bhld"
+        (default), "blhd", "packed" (varlen with cu_seqlens) or "paged" (KV cache pages and a
+        block table); framework "numpy" (default), "torch" (tensors on ``device``, "cpu" or
+        "cuda") or "jax".
+    signature : str, optional
+        The implementation speaks a library's keywords and conventions
+        (:mod:`oracle.conventions.signatures`: "flash_attn", "flash_attn_varlen",
+        "flash_attn_with_kvcache", "torch_sdpa", "jax", "flashinfer", "xformers"); it brings
+        its layout and framework. A case the library cannot express is "unsupported".
+    causal_align : {"top_left", "bottom_right"}, optional
+        Without a preset: the alignment the implementation's ``causal`` (window, ALiBi) uses;
+        a case of the other alignment with L != S is "unsupported".
+    keywords : dict or list of "option=name", optional
+        Without a preset: the implementation's names for refattn's options
+        (``{"scale": "softmax_scale"}``).
+    strict_invariance : bool
+        Invariance warnings (bits that differ while the deviating run stays within the
+        tolerance) fail the run too.
+    workers : int
+        Supervised worker processes running cases concurrently (default 1); the results,
+        invariance checks included, come in case order and are those of the serial run. An
+        implementation that cannot run isolated (a lambda, ``isolate=False``) runs serially in
+        this process whatever ``workers`` says.
+    refusals_are_errors : bool
+        An implementation's refusal of a case (a ValueError "... must match" and the like,
+        :mod:`oracle.judging.refused`) is "unsupported" with its message; True makes it "error".
+    keep_worker : bool
+        Keep the supervised worker process running after the run, for the next run of the
+        same implementation in this process (:mod:`oracle.run.worker_cache`; the Dask executor
+        sets it: each Dask worker keeps one child across its tasks).
+
+    Options equal to :func:`refattn.attention`'s defaults are not passed to the
+    implementation (:func:`passed_options`): its own defaults then apply.
+
+    Returns
+    -------
+    Report
+        ``.passed`` and ``.results`` (one :class:`CaseResult` per case).
+
+    Raises
+    ------
+    ValueError
+        No case selected (an empty suite, directory or pattern match): a run that checks
+        nothing never passes.
+    ImportError
+        The implementation cannot be loaded: its module is missing, raises or exits at import,
+        or (isolated) the worker process dies or times out loading it. With ``isolate`` a
+        ``"module:function"`` is imported in the worker only.
+    """
+    from oracle.run.supervise import DEFAULT_TIMEOUT, Supervisor
+
+    required = _required(require)
+    from oracle.run.invariance import applies, parse_checks
+
+    checks = parse_checks(checks)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers: expected an integer >= 1, got {workers!r}")
+
+    tol.check_tier(tolerance)
+    if dtype is not None:
+        tol.unit_roundoff(dtype)  # a clear error for an unknown dtype
+    from oracle.conventions.layouts import check_convention, wrap
+
+    convention = check_convention(layout, framework, device, signature, causal_align, keywords)
+    default_convention = convention == check_convention()
+    in_worker = isinstance(convention.get("signature", ""), str)  # a Signature object is not
+    if isolate and in_worker and (is_module_spec(impl) or adapter_located(impl)):
+        # only the worker imports it: a module that exits, crashes or hangs at import cannot
+        # end this process (with rc 0 for sys.exit(0)) or stall it; Supervisor.start says why
+        locate_impl(impl)
+        unwrapped, fn, spec = None, None, impl
+    else:
+        unwrapped, spec = resolve_impl(impl)
+        if spec is None and isinstance(impl, str):
+            spec = impl
+        fn = wrap(unwrapped, **convention)
+    patterns = _patterns(cases)
+    label, items, source_arg = _sources(suite, fixtures, dtype, patterns)
+    if not items:
+        wanted = f", cases matching {patterns}" if patterns else ""
+        raise ValueError(
+            f"validate: no case selected ({label}, dtype {dtype or 'all'}"
+            f"{wanted}); a run that checks nothing cannot pass "
+            f"(see `refattn-oracle list cases`)"
+        )
+    if source_arg is None:
+        source_flag = "<the same fixtures>"
+    elif fixtures is not None:
+        source_flag = f"--fixtures {source_arg}"
+    else:
+        source_flag = f"--suite {source_arg}"
+    worker_ref = _worker_ref(impl, unwrapped, spec) if isolate else None
+    if not in_worker:
+        worker_ref = None
+    if worker_ref is not None and not default_convention:
+        worker_ref = (worker_ref, convention)
+    limits = dict(
+        timeout=DEFAULT_TIMEOUT if timeout is None else timeout, memory_limit=memory_limit
+    )
+    if worker_ref is None:
+        supervisor = None
+    elif keep_worker:  # a Dask worker keeps its supervised child across tasks
+        from oracle.run.worker_cache import kept_supervisor
+
+        supervisor = kept_supervisor(worker_ref, **limits)
+    else:
+        supervisor = Supervisor(worker_ref, **limits)
+
+    def run_item(item, worker) -> list:
+        """The case's result and its invariance checks, run by ``worker`` (or in process)."""
+        fixture = golden.build(item) if not hasattr(item, "truth") else item
+        repro = reproduce_command(
+            spec,
+            source_flag,
+            fixture.case.dtype,
+            fixture.case.name,
+            grads,
+            strict,
+            tolerance,
+            convention=convention,
+        )
+        judged = dict(grads=grads, diagnose=diagnose, reproduce=repro, tolerance=tolerance)
+        if worker is None:
+            result = check_fixture(fn, fixture, **judged)
+        else:
+            result = worker.run(fixture, **judged)
+        result.features, result.shape_classes = case_features(fixture.case, grads, fixture.inputs)
+        found = [result]
+        for check in checks if applies(fixture) else ():
+            again = reproduce_command(
+                spec,
+                source_flag,
+                fixture.case.dtype,
+                fixture.case.name,
+                False,
+                False,
+                check=check,
+                convention=convention,
+            )
+            found.append(_invariance(fn, worker, fixture, check, again))
+        return found
+
+    results = []
+    start = time.perf_counter()
+    pool = [supervisor]
+    if supervisor is not None and workers > 1:
+        from oracle.run.parallel import more_supervisors
+
+        pool += more_supervisors(supervisor, min(workers, len(items)) - 1)
+    try:
+        if len(pool) > 1:  # every worker loads the implementation at once
+            from oracle.run.parallel import start_concurrently
+
+            start_concurrently(pool)
+        _start_worker(supervisor, spec or _impl_name(fn, spec))
+        with Progress(
+            len(items), f"validate {_impl_name(fn, spec)}", enabled=progress, stream=sys.stderr
+        ) as bar:
+
+            def done(found) -> None:
+                results.extend(found)
+                bar.advance(f"{found[0].name}: {found[0].verdict}")
+                if len(results) <= 8 * FIRST_CASES * (1 + len(checks)):
+                    check_first_cases(
+                        results, lambda: unwrapped or _importable(spec), convention, len(items)
+                    )
+
+            if len(pool) > 1:
+                from oracle.run.parallel import run_in_order
+
+                run_in_order(items, pool, run_item, done)
+            else:
+                for item in items:
+                    done(run_item(item, supervisor))
+    finally:
+        for worker in pool:
+            if worker is not None and not (keep_worker and worker is supervisor):
+                worker.close()
+    if refusals_are_errors:
+        from oracle.judging.refused import refusals_as_errors
+
+        refusals_as_errors(results)
+    report = Report(
+        _impl_name(fn, spec), dtype, label, strict, results, time.perf_counter() - start, grads
+    )
+    report.isolated = supervisor is not None
+    report.required = required
+    report.tolerance = tolerance
+    report.use_layout(convention["layout"])
+    report.strict_invariance = bool(strict_invariance)
+    return report
+
+
+def _importable(spec):
+    """The implementation behind ``spec`` in this process, for guidance only (None if not)."""
+    try:
+        return resolve_impl(spec)[0] if spec else None
+    except Exception:  # noqa: BLE001 - guidance must never replace the run's own error
+        return None
+
+
+def _start_worker(supervisor, name) -> None:
+    """Start the worker before the first case: an implementation it cannot load (the import
+    raised, exited or crashed, a timeout or the memory limit) is an ImportError naming it,
+    never a run of "error" verdicts that judged nothing."""
+    problem = None if supervisor is None else supervisor.start()
+    if problem is None:
+        return
+    supervisor.close()
+    if not problem.startswith(("impl:", "the worker", "timeout")):
+        problem = f"loading it in the worker raised {problem}"
+    if supervisor.memory_limit and "Memory" in problem:
+        problem += f" (under a memory limit of {supervisor.memory_limit / 2**20:g} MiB)"
+    raise ImportError(problem if problem.startswith("impl:") else f"impl {name}: {problem}")
+
+
+def _invariance(fn, supervisor, fixture, check, repro):
+    from oracle.run.invariance import check_invariance
+
+    if supervisor is None:
+        return check_invariance(fn, fixture, check, reproduce=repro)
+    return supervisor.run(fixture, reproduce=repro, check=check)
+
+
+def _required(require) -> tuple:
+    names = [require] if isinstance(require, str) else list(require or ())
+    flat = [part.strip().lower() for name in names for part in str(name).split(",") if part.strip()]
+    unknown = [f for f in flat if f not in KNOWN_FEATURES]
+    if unknown:
+        raise ValueError(
+            f"require: unknown feature(s) {unknown}; expected some of {list(KNOWN_FEATURES)}"
+        )
+    return tuple(dict.fromkeys(flat))
+
+
+def _worker_ref(impl, fn, spec):
+    """What a worker process can resolve the implementation from, or None."""
+    if isinstance(impl, str):
+        return impl
+    if spec is not None and ":" in spec and not spec.startswith("__main__:"):
+        try:
+            resolved, _ = resolve_impl(spec)
+        except (ImportError, AttributeError, TypeError, ValueError):
+            return None
+        return spec if resolved is fn else None
+    return None
+
+
+class _CallableModule(types.ModuleType):
+    """``oracle.run.validate`` is both this module and the function: importing the submodule
+    (``from oracle.run.validate import Report``) rebinds the package attribute to the module, so
+    the module forwards calls to :func:`validate`."""
+
+    def __call__(self, impl, **kwargs) -> Report:
+        return validate(impl, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
