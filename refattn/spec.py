@@ -66,6 +66,7 @@ __all__ = [
     "NORMALIZERS",
     "OPTIONS",
     "OPTION_KINDS",
+    "SCALAR_KINDS",
     "Option",
     "UNBOUNDED",
     "WINDOW_CAP",
@@ -368,6 +369,11 @@ class Option:
     gradient: str | None = None
     batch_axis: int | None = None
 
+    @property
+    def is_array(self) -> bool:
+        """Whether its value is an array (a plane, per-head, per-batch, indices, scales, qv)."""
+        return self.kind not in SCALAR_KINDS
+
 
 #: The kinds of :attr:`Option.kind`, each with one check in :mod:`refattn._option_checks`
 #: (the kinds of the "inputs" and "indices" options are checked by the code they fold into:
@@ -390,6 +396,8 @@ OPTION_KINDS = (
     "indices",
     "int",
 )
+#: The kinds whose value is a scalar (or a pair, ``window``): the other options are arrays.
+SCALAR_KINDS = ("float", "positive float", "probability", "bool", "choice", "window", "int")
 #: The values of :attr:`Option.into`.
 FOLDS = ("scores", "interval", "allowed", "heads", "normaliser", "output", "inputs", "indices")
 

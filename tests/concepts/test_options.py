@@ -26,9 +26,6 @@ CALL_KEYWORDS = {
 }
 
 
-SCALAR_KINDS = ("float", "positive float", "probability", "bool", "choice", "window", "int")
-
-
 def _keyword_defaults(function) -> dict:
     parameters = inspect.signature(function).parameters.values()
     return {
@@ -58,8 +55,9 @@ def test_table_rows_are_well_formed():
         assert (row.name in fields) or row.into in ("inputs", "indices"), row
         assert row.doc and row.doc == row.doc.strip(), row
         # an array option (all kinds but the scalar ones and the per-head arrays) has a batch
-        has_batch = row.kind not in SCALAR_KINDS + ("per-head",)
+        has_batch = row.is_array and row.kind != "per-head"
         assert (row.batch_axis is not None) == has_batch, row
+        assert set(spec.SCALAR_KINDS) <= set(spec.OPTION_KINDS)
     grads = [row.gradient for row in spec.OPTIONS if row.gradient]
     assert set(grads) <= set(refattn.AttentionLatentGrads._fields)
 
