@@ -171,6 +171,8 @@ def _softmax(scores, allowed, empty_rows, acc, sinks=None):
         weights = terms / total
         lse = (top + np.log(total))[..., 0]
     fill = 0 if empty_rows == "zero" else np.nan
+    if empty_rows == "average":  # a declared reading (oracle.judging.empty_rows): weights 1/S
+        fill = 1.0 / scores.shape[-1]
     weights = np.where(empty[..., None], fill, weights).astype(acc)
     lse = np.where(empty, -np.inf if empty_rows == "zero" else np.nan, lse).astype(acc)
     return weights, lse, sink
