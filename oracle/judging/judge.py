@@ -54,6 +54,7 @@ import numpy as np
 
 from oracle.catalogue.variants import FUNCTIONS, forward_inputs, grad_names, outputs_of
 from oracle.diagnose import diagnosis as _diagnose
+from oracle.diagnose.budget import case_budget
 from oracle.diagnose.fp4 import diagnose_fp4
 from oracle.diagnose.models import ORDER_ONE
 from oracle.diagnose.tiles import storage_dtype
@@ -503,6 +504,7 @@ def run_guarded(result, check) -> CaseResult:
 
 
 def _run_checks(impl, fixture, grads, diagnose, result, tier="default"):
+    start = time.perf_counter()  # the judging time bounds the diagnosis (oracle.diagnose.budget)
     inputs = fixture.inputs
     options = {n: x for n, x in fixture.options.items() if n != "return_lse"}
     out, lse = call_forward(impl, inputs["q"], inputs["k"], inputs["v"], options)
@@ -525,9 +527,15 @@ def _run_checks(impl, fixture, grads, diagnose, result, tier="default"):
         result.message = problem or "; ".join(
             f"{c.quantity}: {c.n_failed} of {c.size} elements over the threshold" for c in failing
         )
-        if diagnose:  # values near overflow (worst-overflow) overflow the diagnoses' norms
-            with np.errstate(over="ignore", invalid="ignore"):
+        if diagnose:  # True, or the DiagnosisBudget of oracle.run.validate's diagnose_budget
+            # values near overflow (worst-overflow) overflow the diagnoses' norms
+            with (
+                np.errstate(over="ignore", invalid="ignore"),
+                case_budget(diagnose, time.perf_counter() - start, result.name) as spent,
+            ):
                 result.diagnosis = _diagnosis(ctx, fixture, out, result.checks, lse)
+            result.diagnosis += spent.notes(any("matches" in d for d in result.diagnosis))
+            with np.errstate(over="ignore", invalid="ignore"):
                 result.key_map = key_map(out, _truth(fixture, "out"), ctx.v, ctx.options.get("gqa"))
     elif notes:
         result.verdict = "unsupported"  # gradients were asked for: never a pass
