@@ -103,7 +103,7 @@ def tile_rows() -> list[Entry]:
         rows.append(
             _row(
                 "k-tile",
-                Shapes(1, 2, 2, min(n, 257), n, 64, 64),
+                Shapes(batch=1, H=2, K=2, L=min(n, 257), S=n, D=64, E=64),
                 f"L, S around the 64/128 tiles (S = {n}): tile boundaries, partial "
                 f"tiles, masked tails",
                 default=n in DEFAULT_TILE_LENGTHS,
@@ -113,7 +113,7 @@ def tile_rows() -> list[Entry]:
         rows.append(
             _row(
                 "k-tile-causal",
-                Shapes(1, 2, 2, n, n, 64, 64),
+                Shapes(batch=1, H=2, K=2, L=n, S=n, D=64, E=64),
                 f"causal, L = S = {n}: diagonal tiles cut by a tile boundary",
                 {"causal": True, "align": "top_left"},
                 default=n in (65, 129),
@@ -127,19 +127,19 @@ def offset_rows() -> list[Entry]:
     return [
         _row(
             "k-tiles",
-            Shapes(1, 2, 2, 200, 300, 64, 64),
+            Shapes(batch=1, H=2, K=2, L=200, S=300, D=64, E=64),
             "several query x key tiles (4 x 5), both partial; S > 256: two split-KV chunks",
             default=True,
         ),
         _row(
             "k-tiles-br",
-            Shapes(1, 2, 2, 130, 390, 128, 128),
+            Shapes(batch=1, H=2, K=2, L=130, S=390, D=128, E=128),
             "causal bottom_right over several tiles, L < S",
             {"causal": True, "align": "bottom_right"},
         ),
         _row(
             "k-causal-l-gt-s",
-            Shapes(1, 2, 2, 200, 70, 64, 64),
+            Shapes(batch=1, H=2, K=2, L=200, S=70, D=64, E=64),
             "causal bottom_right with L > S: a negative diagonal offset (first rows empty)",
             _BR_EMPTY,
             default=True,
@@ -148,35 +148,35 @@ def offset_rows() -> list[Entry]:
         # first rows attend; small and cheap, so every dtype has five of them
         _row(
             "k-causal-l-gt-s",
-            Shapes(1, 2, 2, 130, 70, 64, 64),
+            Shapes(batch=1, H=2, K=2, L=130, S=70, D=64, E=64),
             "causal bottom_right, L = 130 > S = 70 (offset -60) over partial query and key tiles",
             _BR_EMPTY,
             default=True,
         ),
         _row(
             "k-causal-l-gt-s",
-            Shapes(1, 2, 2, 200, 129, 64, 64),
+            Shapes(batch=1, H=2, K=2, L=200, S=129, D=64, E=64),
             "causal bottom_right, L = 200 > S = 129 (offset -71): several tiles of each",
             _BR_EMPTY,
             default=True,
         ),
         _row(
             "k-causal-l-gt-s",
-            Shapes(1, 4, 2, 100, 40, 32, 32),
+            Shapes(batch=1, H=4, K=2, L=100, S=40, D=32, E=32),
             "causal bottom_right with L > S and GQA (offset -60)",
             {**_BR_EMPTY, "gqa": "interleave"},
             default=True,
         ),
         _row(
             "k-causal-l-gt-s",
-            Shapes(2, 2, 2, 70, 64, 32, 32),
+            Shapes(batch=2, H=2, K=2, L=70, S=64, D=32, E=32),
             "causal bottom_right, L = 70 > S = 64, a batch of two (offset -6: few empty rows)",
             _BR_EMPTY,
             default=True,
         ),
         _row(
             "k-window-l-gt-s",
-            Shapes(1, 2, 2, 150, 100, 32, 32),
+            Shapes(batch=1, H=2, K=2, L=150, S=100, D=32, E=32),
             "window (32, 0) bottom_right with L > S: the window follows the negative offset",
             {"window": (32, 0), "align": "bottom_right", "empty_rows": "zero"},
             default=True,
@@ -189,13 +189,17 @@ def long_key_rows() -> list[Entry]:
     return [
         _row(
             "k-long",
-            Shapes(1, 1, 1, 4, 16384, 64, 64),
+            Shapes(batch=1, H=1, K=1, L=4, S=16384, D=64, E=64),
             "4 queries over 16384 keys: many key tiles, late max moves, split-KV",
         ),
-        _row("k-long", Shapes(1, 1, 1, 2, 65536, 64, 64), "2 queries over 65536 keys"),
+        _row(
+            "k-long",
+            Shapes(batch=1, H=1, K=1, L=2, S=65536, D=64, E=64),
+            "2 queries over 65536 keys",
+        ),
         _row(
             "k-decode",
-            Shapes(1, 8, 2, 1, 32768, 128, 128),
+            Shapes(batch=1, H=8, K=2, L=1, S=32768, D=128, E=128),
             "GQA decode L = 1 over 32768 keys (split-KV combine)",
             {"gqa": "interleave"},
         ),
@@ -209,7 +213,7 @@ def head_dim_rows() -> list[Entry]:
         rows.append(
             _row(
                 "k-headdim",
-                Shapes(1, 2, 2, 65, 129, D, D),
+                Shapes(batch=1, H=2, K=2, L=65, S=129, D=D, E=D),
                 f"head dim {D} over a partial tile: vector widths, odd dims",
                 default=D in (128, 59),
             )
@@ -217,7 +221,7 @@ def head_dim_rows() -> list[Entry]:
     rows.append(
         _row(
             "k-d-ne-e",
-            Shapes(1, 2, 2, 65, 129, 192, 128),
+            Shapes(batch=1, H=2, K=2, L=65, S=129, D=192, E=128),
             "D = 192, E = 128 (scale 1/sqrt(D), not E)",
         )
     )
@@ -231,7 +235,7 @@ def gqa_rows() -> list[Entry]:
         rows.append(
             _row(
                 "k-gqa",
-                Shapes(1, 8, K, 65, 200, 64, 64),
+                Shapes(batch=1, H=8, K=K, L=65, S=200, D=64, E=64),
                 f"GQA group size {8 // K} (H = 8, K = {K})",
                 {"gqa": "interleave"},
                 default=K == 2,
@@ -246,7 +250,7 @@ def ragged_rows() -> list[Entry]:
     rows.append(
         _row(
             "k-ragged",
-            Shapes(4, 2, 2, 65, 300, 64, 64),
+            Shapes(batch=4, H=2, K=2, L=65, S=300, D=64, E=64),
             "a batch whose rows have different key lengths (padding mask): per-row "
             "tails inside tiles",
             recipe={**_GAUSS, "mask": "padding"},
@@ -255,7 +259,7 @@ def ragged_rows() -> list[Entry]:
     rows.append(
         _row(
             "k-ragged",
-            Shapes(3, 2, 2, 65, 130, 64, 64),
+            Shapes(batch=3, H=2, K=2, L=65, S=130, D=64, E=64),
             "three rows of different key lengths (padding mask) over three key tiles",
             recipe={**_GAUSS, "mask": "padding"},
             default=True,
@@ -268,7 +272,11 @@ def distribution_rows() -> list[Entry]:
     """Each of :data:`DISTRIBUTIONS` over 1000 keys (kernel suite only)."""
     rows = []
     for tag, recipe, description in DISTRIBUTIONS:
-        rows.append(_row(tag, Shapes(1, 2, 2, 65, 1000, 64, 64), description, recipe=recipe))
+        rows.append(
+            _row(
+                tag, Shapes(batch=1, H=2, K=2, L=65, S=1000, D=64, E=64), description, recipe=recipe
+            )
+        )
     return rows
 
 
@@ -280,31 +288,31 @@ def half_accumulator_rows() -> list[Entry]:
     half_rows = [
         (
             "k-offset",
-            Shapes(1, 2, 2, 65, 129, 64, 64),
+            Shapes(batch=1, H=2, K=2, L=65, S=129, D=64, E=64),
             {"qkv": "offset", "offset": 64.0},
             "values 64 + N(0,1) over a partial key tile: a 16-bit P@V accumulator drifts",
         ),
         (
             "k-offset",
-            Shapes(1, 2, 2, 65, 129, 128, 128),
+            Shapes(batch=1, H=2, K=2, L=65, S=129, D=128, E=128),
             {"qkv": "offset", "offset": 64.0},
             "values 64 + N(0,1), D = E = 128: a 16-bit P@V accumulator drifts",
         ),
         (
             "k-sink",
-            Shapes(1, 2, 2, 65, 129, 64, 64),
+            Shapes(batch=1, H=2, K=2, L=65, S=129, D=64, E=64),
             {"qkv": "sink"},
             "a sink key over a partial key tile: a 16-bit normaliser and P@V accumulator",
         ),
         (
             "k-small-logits",
-            Shapes(1, 2, 2, 65, 129, 64, 64),
+            Shapes(batch=1, H=2, K=2, L=65, S=129, D=64, E=64),
             {"qkv": "gaussian", "sigma": 0.25},
             "small logits (sigma 1/4) over a partial key tile: nearly equal positive weights",
         ),
         (
             "k-small-logits",
-            Shapes(1, 2, 2, 65, 300, 64, 64),
+            Shapes(batch=1, H=2, K=2, L=65, S=300, D=64, E=64),
             {"qkv": "gaussian", "sigma": 0.25},
             "small logits (sigma 1/4) over 300 keys: nearly equal positive weights",
         ),
@@ -323,7 +331,7 @@ def distribution_default_rows() -> list[Entry]:
         rows.append(
             _row(
                 tag,
-                Shapes(1, 2, 2, 65, 300, 64, 64),
+                Shapes(batch=1, H=2, K=2, L=65, S=300, D=64, E=64),
                 description + " (S = 300)",
                 recipe=recipe,
                 default=True,

@@ -36,11 +36,11 @@ class Entry:
 
 
 def _mix(batch, H, L, S, D, E):
-    return Shapes(batch, H, H, L, S, D, E)
+    return Shapes(batch=batch, H=H, K=H, L=L, S=S, D=D, E=E)
 
 
 def _sites(batch, N, d):
-    return Shapes(batch, 1, 1, N, N, d, d)
+    return Shapes(batch=batch, H=1, K=1, L=N, S=N, D=d, E=d)
 
 
 _SMALL_MIX = _mix(1, 2, 4, 6, 4, 4)

@@ -58,6 +58,7 @@ from oracle.cli.export import add_export_parser, run_export_command
 from oracle.conventions import signatures
 from oracle.conventions.layouts import LAYOUTS
 from oracle.conventions.merge import adapt
+from oracle.diagnose.budget import DEFAULT_MULTIPLE
 from oracle.fixtures import golden
 from oracle.power import add_parser as add_power_parser
 from oracle.power import run_command
@@ -284,6 +285,15 @@ def _validate_run_args(val) -> None:
         help="run the implementation in this process (no timeout or crash "
         "protection; for debugging with pdb)",
     )
+    val.add_argument(
+        "--diagnose-budget",
+        type=float,
+        default=DEFAULT_MULTIPLE,
+        metavar="MULTIPLE",
+        help="a failing case's diagnosis may take MULTIPLE times its judging time "
+        "(default: %(default)g; inf: unbounded); a diagnosis that ran out says what it "
+        "tried (see oracle.diagnose.budget)",
+    )
     val.add_argument("--quiet", action="store_true", help="no progress bar, failures only")
     _executor_args(val, "(implementation, case) pairs")
     val.add_argument(
@@ -419,7 +429,10 @@ def _validate(args) -> int:
         tolerance=args.tolerance,
         **signatures.options_of(args),
         strict_invariance=args.strict_invariance,
+        diagnose_budget=args.diagnose_budget,
     )
+    if not args.diagnose_budget > 0:  # NaN too
+        return _err(f"--diagnose-budget: expected a multiple > 0, got {args.diagnose_budget:g}")
     if args.workers < 1:
         return _err(f"--workers: expected an integer >= 1, got {args.workers}")
     if args.executor != "dask":

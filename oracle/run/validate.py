@@ -32,6 +32,7 @@ Examples
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import sys
 import time
@@ -43,6 +44,7 @@ from pathlib import Path
 from oracle import catalogue
 from oracle.conventions.layouts import check_convention, wrap
 from oracle.conventions.signatures import parse_keywords
+from oracle.diagnose.budget import DEFAULT_MULTIPLE, DiagnosisBudget, set_reporter
 from oracle.diagnose.guidance import FIRST_CASES, check_first_cases
 from oracle.fixtures import golden
 from oracle.judging import tolerance as tol
@@ -212,6 +214,7 @@ def validate(
     progress=True,
     cases: str | Iterable[str] | None = None,
     diagnose=True,
+    diagnose_budget=DEFAULT_MULTIPLE,
     isolate=True,
     timeout=None,
     memory_limit=None,
@@ -255,6 +258,17 @@ def validate(
         A progress bar on stderr.
     cases : str or iterable of str, optional
         Only the cases whose names match one of these fnmatch patterns (case-insensitive).
+    diagnose : bool
+        Diagnose failing cases: which named alternative reading of the conventions (or which
+        tiled-kernel bug, narrower precision...) the output matches
+        (:mod:`oracle.diagnose.diagnosis`).
+    diagnose_budget : float
+        A failing case's diagnosis may take this many times the case's judging time
+        (default :data:`oracle.diagnose.budget.DEFAULT_MULTIPLE`, 5; at least
+        :data:`~oracle.diagnose.budget.FLOOR_SECONDS`; ``math.inf``: unbounded). Readings are
+        tried likeliest first; one whose evaluation is cheap is always tried (small cases are
+        diagnosed the same on any machine); a diagnosis that ran out says so in one line with
+        what it tried (:mod:`oracle.diagnose.budget`).
     isolate : bool
         Run the cases in a supervised worker process (:class:`oracle.run.supervise.Supervisor`):
         an implementation that exits, hangs, crashes or exhausts memory gives that case the
@@ -329,6 +343,7 @@ def validate(
     """
     required = _required(require)
     checks = parse_checks(checks)
+    budget = DiagnosisBudget.of(diagnose_budget)  # a clear error for a bad budget
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers: expected an integer >= 1, got {workers!r}")
     tol.check_tier(tolerance)
@@ -340,7 +355,9 @@ def validate(
     supervisor = _supervisor(
         impl, unwrapped, spec, convention, isolate, keep_worker, timeout, memory_limit
     )
-    run = _Run(fn, spec, source_flag, grads, strict, tolerance, diagnose, convention, checks)
+    run = _Run(
+        fn, spec, source_flag, grads, strict, tolerance, diagnose and budget, convention, checks
+    )
     start = time.perf_counter()
     results = _run_items(run, items, supervisor, unwrapped, workers, progress, keep_worker)
     if refusals_are_errors:
@@ -481,9 +498,12 @@ def _run_items(run, items, supervisor, unwrapped, workers, progress, keep_worker
         if len(pool) > 1:  # every worker loads the implementation at once
             start_concurrently(pool)
         _start_worker(supervisor, spec or _impl_name(fn, spec))
-        with Progress(
-            len(items), f"validate {_impl_name(fn, spec)}", enabled=progress, stream=sys.stderr
-        ) as bar:
+        with (
+            Progress(
+                len(items), f"validate {_impl_name(fn, spec)}", enabled=progress, stream=sys.stderr
+            ) as bar,
+            _notes_to(bar, pool),
+        ):
 
             def done(found) -> None:
                 results.extend(found)
@@ -503,6 +523,23 @@ def _run_items(run, items, supervisor, unwrapped, workers, progress, keep_worker
             if worker is not None and not (keep_worker and worker is supervisor):
                 worker.close()
     return results
+
+
+@contextlib.contextmanager
+def _notes_to(bar, pool):
+    """Progress notes of the diagnoses (oracle.diagnose.budget), in this process or from the
+    supervised workers, shown on ``bar`` while the run lasts."""
+    previous = set_reporter(bar.note)
+    for worker in pool:
+        if worker is not None:
+            worker.on_note = bar.note
+    try:
+        yield
+    finally:
+        set_reporter(previous)
+        for worker in pool:
+            if worker is not None:
+                worker.on_note = None
 
 
 def _importable(spec):
