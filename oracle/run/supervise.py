@@ -23,7 +23,7 @@ worker ignores SIGINT: a Ctrl-C stops the parent, which kills it.
 
 Examples
 --------
->>> from oracle import golden
+>>> from oracle.fixtures import golden
 >>> from oracle.catalogue import get
 >>> fixture = golden.build(get("basic-H2K2-L5S7-D8E8-f64"))
 >>> with Supervisor("refattn-float64", timeout=120) as supervisor:
