@@ -459,18 +459,21 @@ ALTERNATIVES_WORK_CAP = 2**34
 PAIRS_WORK_CAP = 2**27
 
 
-def diagnose(q, k, v, options, out, *, limit, dtype, max_pairs=True) -> list[str]:
+def diagnose(view, out, *, limit, max_pairs=True) -> list[str]:
     """Labels of the alternatives whose float64 truth ``out`` fits within ``limit``.
+
+    ``view`` is the case (:class:`oracle.reading.case.CaseView`).
 
     ``limit`` is the case's output threshold (scalar or per row, (T2)); the float64 floor of the
     textbook that evaluates the alternatives is added to it. Returns "matches <label>" strings
     (a pair as "matches <a> + <b>"); an empty list when nothing fits.
     """
+    q, k, v, options, dtype = view.q, view.k, view.v, view.options, view.dtype
     out = np.asarray(out, dtype=np.float64)
     q3 = q if np.ndim(q) > 2 else np.asarray(q)[None]
     H, L, D = np.shape(q3)[-3:]
     K, S, E = np.shape(k)[-3] if np.ndim(k) > 2 else 1, np.shape(k)[-2], np.shape(v)[-1]
-    base = textbook_attention(q, k, v, dtype="float64", **options)
+    base = view.exact64
     allowed = np.broadcast_to(base.allowed, base.weights.shape)
     has_empty = bool((~allowed.any(axis=-1)).any())
     has_excluded = bool((~allowed).any())
@@ -484,7 +487,7 @@ def diagnose(q, k, v, options, out, *, limit, dtype, max_pairs=True) -> list[str
         candidates = candidates[: max(ALTERNATIVES_WORK_CAP // max(work, 1), 0)]
     if work > PAIRS_WORK_CAP:
         max_pairs = False
-    magnitude = tol.score_magnitude(q, k, **options)
+    magnitude = view.magnitude
     f64 = tol.forward_floors(
         "float64", D=D, S=S, L=L, E=E, G=max(H // K, 1), magnitude=magnitude, allowed=allowed
     )["out"]
@@ -528,16 +531,18 @@ def diagnose(q, k, v, options, out, *, limit, dtype, max_pairs=True) -> list[str
     return found
 
 
-def diagnose_lse(q, k, v, options, lse, *, limit, dtype) -> list[str]:
+def diagnose_lse(view, lse, *, limit) -> list[str]:
     """Labels explaining a failing lse: log2 units, the row max left out (log of the shifted
     normaliser), or one of the named alternatives (scale, bias, ALiBi, masks...) evaluated
-    for lse. ``limit`` is the lse threshold (normalised by the lse scale, (T2))."""
+    for lse. ``view`` is the case (:class:`oracle.reading.case.CaseView`), ``limit`` the lse
+    threshold (normalised by the lse scale, (T2))."""
+    q, k, v, options, dtype = view.q, view.k, view.v, view.options, view.dtype
     lse = np.asarray(lse, dtype=np.float64)
-    base = textbook_attention(q, k, v, dtype="float64", **options)
+    base = view.exact64
     truth = np.asarray(base.lse, dtype=np.float64)
     if lse.shape != truth.shape:
         return []
-    magnitude = tol.score_magnitude(q, k, **options)
+    magnitude = view.magnitude
     scale = tol.lse_scale(truth, base.weights, magnitude[0] if np.ndim(q) == 2 else magnitude)
     limit = np.asarray(limit) + tol.unit_roundoff("float64") * 64
     found = []
@@ -586,7 +591,7 @@ def diagnose_lse(q, k, v, options, lse, *, limit, dtype) -> list[str]:
 CONCENTRATION = 0.9
 
 
-def concentration(q, k, v, options, errors, limit, *, tiles=TILE_SIZES) -> list[str]:
+def concentration(view, errors, limit, *, tiles=TILE_SIZES) -> list[str]:
     """Where the failing rows of an output concentrate, when no modelled alternative fits.
 
     Two patterns of tiled kernels are named, each only when at least :data:`CONCENTRATION` of
@@ -598,8 +603,8 @@ def concentration(q, k, v, options, errors, limit, *, tiles=TILE_SIZES) -> list[
       lies past the first tile of ``T`` keys, where an online softmax rescales its running
       sums (a missing or wrong rescale shows on exactly those rows).
 
-    ``errors`` and ``limit`` have the output's shape (..., H, L, E). Returns notes (possibly
-    none).
+    ``view`` is the case (:class:`oracle.reading.case.CaseView`); ``errors`` and ``limit``
+    have the output's shape (..., H, L, E). Returns notes (possibly none).
     """
     bad = np.asarray(errors > limit)
     if bad.ndim < 2 or not bad.any():
@@ -617,7 +622,7 @@ def concentration(q, k, v, options, errors, limit, *, tiles=TILE_SIZES) -> list[
             )
             break
     with np.errstate(all="ignore"):
-        base = textbook_attention(q, k, v, dtype="float64", **options)
+        base = view.exact64
         allowed = np.broadcast_to(base.allowed, base.weights.shape)
         logw = np.where(allowed, np.log(base.weights), -np.inf)
     if logw.shape[:-1] != rows.shape:

@@ -208,7 +208,7 @@ class Session:
         return result
 
     def report(self):
-        from oracle.judging.results import Report
+        from oracle.report.run_report import Report
 
         values = self.values
         source = (

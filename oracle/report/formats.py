@@ -9,7 +9,8 @@ The HTML report draws error heatmaps and histograms with matplotlib, an optional
 
 Examples
 --------
->>> from oracle.judging.results import Report, CaseResult
+>>> from oracle.judging.results import CaseResult
+>>> from oracle.report.run_report import Report
 >>> report = Report("demo", "float32", "suite smoke", False,
 ...                 [CaseResult("basic-f32", "conformance", "float32", "pass")])
 >>> print(summary_table(report).splitlines()[0])
@@ -395,7 +396,7 @@ def _heatmap(ax, grid, limit, cmap, title):
 
 
 def _pool2(grid, size):
-    from oracle.report.summary import max_pool
+    from oracle.diagnose.key_map import max_pool
 
     return max_pool(np.asarray(grid, dtype=np.float64), size)
 
