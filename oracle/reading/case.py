@@ -192,11 +192,11 @@ def fixture_key(fixture) -> str:
         for name in sorted(values):
             value = values[name]
             digest.update(f"{group}/{name}".encode())
-            if isinstance(value, np.ndarray) or np.ndim(value) > 0:
-                array = np.ascontiguousarray(value)
+            array = np.ascontiguousarray(value) if isinstance(value, np.ndarray) else None
+            if array is not None and array.dtype.kind != "O":
                 digest.update(f"{array.dtype.str}{array.shape}".encode())
                 digest.update(array.view(np.uint8).reshape(-1).data)
-            else:
+            else:  # scalars, strings, tuples such as window=(8, None)
                 digest.update(repr(value).encode())
     return digest.hexdigest()
 
