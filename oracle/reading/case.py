@@ -26,7 +26,7 @@ Examples
 >>> from oracle.fixtures.golden import build
 >>> view = read_case(build(get("basic-H2K2-L5S7-D8E8-f64")))
 >>> view.shapes["H"], view.shapes["S"], view.exact64.weights.shape
-(2, 7, (2, 5, 7))
+(2, 7, (1, 2, 5, 7))
 >>> view.q.flags.writeable
 False
 """
