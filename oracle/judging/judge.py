@@ -383,6 +383,7 @@ def check_fixture(
     for other in results[1:]:
         if results[0].verdict in ("unsupported", "error"):  # the one call refused or raised
             other.verdict, other.message = results[0].verdict, results[0].message
+            other.checks, other.diagnosis = {}, []
         other.seconds = results[0].seconds
         if other.verdict == "pass":
             other.reproduce = ""
@@ -437,17 +438,17 @@ def _run_checks(impl, fixture, grads, diagnose, results, tiers, grade=True):
     options = {n: x for n, x in fixture.options.items() if n != "return_lse"}
     out, lse = call_forward(impl, inputs["q"], inputs["k"], inputs["v"], options)
     view = read_case(fixture)
-    notes, gradients = [], None
-    if grads and _truth(fixture, "dq") is not None:
-        if hasattr(impl, "vjp"):
-            gradients = _call_vjp(impl, fixture)
-        else:
-            notes.append("gradients asked for but not checked: the implementation has no .vjp")
+    notes, gradients = [], []
+    wanted = grads and _truth(fixture, "dq") is not None
+    if wanted and not hasattr(impl, "vjp"):
+        notes.append("gradients asked for but not checked: the implementation has no .vjp")
     for tier, result in zip(tiers, results, strict=True):
         with np.errstate(all="ignore"):
             problem = _check_forward(view, fixture, tier, out, lse, result.checks, grade)
-            if problem is None and gradients is not None:
-                problem = _check_grads(view, fixture, gradients, result.checks)
+            if problem is None and wanted and not notes:
+                if not gradients:  # the vjp is called once, after a well-shaped forward
+                    gradients.append(_call_vjp(impl, fixture))
+                problem = _check_grads(view, fixture, gradients[0], result.checks)
         _verdict(view, fixture, result, problem, notes, diagnose, out, lse)
 
 
