@@ -217,7 +217,8 @@ def load_safetensors(
     Examples
     --------
     >>> import tempfile, oracle
-    >>> from oracle import catalogue, golden
+    >>> from oracle import catalogue
+    >>> from oracle.fixtures import golden
     >>> fixtures = golden.generate("smoke", tempfile.mkdtemp(), progress=False,
     ...                            cases=[catalogue.get("basic-H2K2-L5S7-D8E8-bf16")])
     >>> out = oracle.export("safetensors", fixtures, tempfile.mkdtemp(), progress=False)

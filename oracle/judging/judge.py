@@ -61,12 +61,14 @@ import numpy as np
 
 from oracle.catalogue.variants import FUNCTIONS, forward_inputs, grad_names, outputs_of
 from oracle.diagnose import diagnosis as _diagnose
+from oracle.diagnose.budget import case_budget
 from oracle.diagnose.fp4 import diagnose_fp4
 from oracle.diagnose.key_map import key_map
 from oracle.diagnose.models import ORDER_ONE
 from oracle.diagnose.tiles import storage_dtype
 from oracle.judging import parts
 from oracle.judging import tolerance as tol
+from oracle.judging.empty_rows import read_case
 from oracle.judging.must_refuse import check_refusal, is_refusal
 from oracle.judging.passing import passed_options
 from oracle.judging.results import CaseResult, Check, Worst, grade_of
@@ -76,7 +78,7 @@ from oracle.reading.baseline import (
     variant_baseline,
     variant_vjp_baseline,
 )
-from oracle.reading.case import read_case
+from oracle.reading.case import read_case as view_of
 
 __all__ = ["check_fixture", "run_guarded", "call_forward", "passed_options"]
 
@@ -182,6 +184,7 @@ def _truth_rounded(fixture, name):
 
 
 def _judge(quantity, value, truth, scale, threshold, dtype, rounded=None, own=None) -> Check:
+    threshold = tol.with_ulp_rule(threshold, truth, scale, dtype)  # no element unjudged (T8)
     errors = tol.normalised_error(value, truth, scale, dtype)
     limit = np.broadcast_to(np.asarray(threshold.value, dtype=np.float64), errors.shape)
     over = errors > limit
@@ -366,6 +369,8 @@ def check_fixture(
         return _with_tiers(found, tiers)
     if case.function != "attention":
         return _with_tiers(_check_variant(impl, fixture, reproduce, grads), tiers)
+    # a declared reading of rows with no allowed key (oracle.judging.empty_rows)
+    fixture, impl, note = read_case(fixture, impl, grads)
     results = [
         CaseResult(
             case.name,
@@ -387,6 +392,9 @@ def check_fixture(
         other.seconds = results[0].seconds
         if other.verdict == "pass":
             other.reproduce = ""
+    for result in results:
+        if note and result.verdict in ("pass", "fail"):
+            result.message = "; ".join(x for x in (result.message, note) if x)
     return _with_tiers(results[0], tiers, results[1:])
 
 
@@ -434,10 +442,11 @@ def run_guarded(result, check) -> CaseResult:
 def _run_checks(impl, fixture, grads, diagnose, results, tiers, grade=True):
     """Call ``impl`` once (and its vjp with ``grads``), then judge the outputs in each tier,
     filling ``results`` (one per tier)."""
+    start = time.perf_counter()  # the judging time bounds the diagnosis (oracle.diagnose.budget)
     inputs = fixture.inputs
     options = {n: x for n, x in fixture.options.items() if n != "return_lse"}
     out, lse = call_forward(impl, inputs["q"], inputs["k"], inputs["v"], options)
-    view = read_case(fixture)
+    view = view_of(fixture)
     notes, gradients = [], []
     wanted = grads and _truth(fixture, "dq") is not None
     if wanted and not hasattr(impl, "vjp"):
@@ -449,20 +458,29 @@ def _run_checks(impl, fixture, grads, diagnose, results, tiers, grade=True):
                 if not gradients:  # the vjp is called once, after a well-shaped forward
                     gradients.append(_call_vjp(impl, fixture))
                 problem = _check_grads(view, fixture, gradients[0], result.checks)
-        _verdict(view, fixture, result, problem, notes, diagnose, out, lse)
+        _verdict(view, fixture, result, problem, notes, (diagnose, start), out, lse)
 
 
-def _verdict(view, fixture, result, problem, notes, diagnose, out, lse):
+def _verdict(view, fixture, result, problem, notes, diagnosing, out, lse):
+    diagnose, start = diagnosing  # the judging start bounds the diagnosis
     failing = [c for c in result.checks.values() if not c.passed]
     if problem or failing:
         result.verdict = "fail"
         result.message = problem or "; ".join(
             f"{c.quantity}: {c.n_failed} of {c.size} elements over the threshold" for c in failing
         )
-        if diagnose:
-            with np.errstate(all="ignore"):
+        if diagnose:  # True, or the DiagnosisBudget of oracle.run.validate's diagnose_budget
+            # values near overflow (worst-overflow) overflow the diagnoses' norms
+            with (
+                np.errstate(over="ignore", invalid="ignore"),
+                case_budget(diagnose, time.perf_counter() - start, result.name) as spent,
+            ):
                 result.diagnosis = _diagnosis(view, fixture, out, result.checks, lse)
-            result.key_map = key_map(out, _truth(fixture, "out"), view.v, view.options.get("gqa"))
+            result.diagnosis += spent.notes(any("matches" in d for d in result.diagnosis))
+            with np.errstate(over="ignore", invalid="ignore"):
+                result.key_map = key_map(
+                    out, _truth(fixture, "out"), view.v, view.options.get("gqa")
+                )
     elif notes:
         result.verdict = "unsupported"  # gradients were asked for: never a pass
     result.message = "; ".join(x for x in [result.message, *notes] if x)
@@ -479,25 +497,7 @@ def _diagnosis(view, fixture, out, checks, lse=None) -> list[str]:
     failing = [c for c in checks.values() if not c.passed]
     if not failing:
         return []
-    notes = []
-    lse_check = checks.get("lse")
-    if lse_check is not None and not lse_check.passed and lse is not None:
-        notes = _diagnose.diagnose_lse(
-            view,
-            np.reshape(lse, lse_check.errors.shape),
-            limit=np.asarray(lse_check.threshold.value),
-        )
-    for grad in failing:
-        if (
-            grad.quantity in ("dk", "dv")
-            and grad.errors is not None
-            and np.isfinite(grad.errors).all()
-        ):
-            notes = notes + _diagnose.key_concentration(
-                grad.quantity,
-                grad.errors,
-                np.broadcast_to(np.asarray(grad.threshold.value), grad.errors.shape),
-            )
+    notes = _lse_and_key_notes(view, checks, failing, lse)
     out_failed = check is not None and not check.passed and out.shape == truth.shape
     # errors of the order of the output itself: no precision model or online-softmax hint
     small = max(c.max_error for c in failing) < ORDER_ONE
@@ -581,6 +581,31 @@ def _diagnosis(view, fixture, out, checks, lse=None) -> list[str]:
         + _diagnose.describe_failure(out, truth, errors, limit, inputs_poisoned=poisoned)
         + where
     )
+
+
+def _lse_and_key_notes(view, checks, failing, lse) -> list[str]:
+    """Notes that come before the output's diagnosis: the lse conventions, and where the
+    errors of a failing ``dk`` or ``dv`` concentrate among the keys."""
+    notes = []
+    lse_check = checks.get("lse")
+    if lse_check is not None and not lse_check.passed and lse is not None:
+        notes = _diagnose.diagnose_lse(
+            view,
+            np.reshape(lse, lse_check.errors.shape),
+            limit=np.asarray(lse_check.threshold.value),
+        )
+    for grad in failing:
+        if (
+            grad.quantity in ("dk", "dv")
+            and grad.errors is not None
+            and np.isfinite(grad.errors).all()
+        ):
+            notes = notes + _diagnose.key_concentration(
+                grad.quantity,
+                grad.errors,
+                np.broadcast_to(np.asarray(grad.threshold.value), grad.errors.shape),
+            )
+    return notes
 
 
 def _storage_accumulation(view, out, truth, check) -> str | None:

@@ -21,7 +21,8 @@ array for k and v of different key counts).
 
 Examples
 --------
->>> from oracle import catalogue, golden
+>>> from oracle import catalogue
+>>> from oracle.fixtures import golden
 >>> from refattn import attention
 >>> fixture = golden.build(catalogue.get("refuse-head-dim-H2K2-L5S7-D8E8-f32"))
 >>> fixture.truth, fixture.truth_kind

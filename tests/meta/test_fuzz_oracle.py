@@ -1018,7 +1018,8 @@ def test_fuzz_report_write_failing_after_the_run(tmp_path, monkeypatch):
 
 _BLOCKING_GENERATE = """
 import os, sys, time
-from oracle import catalogue, golden
+from oracle import catalogue
+from oracle.fixtures import golden
 real_replace = os.replace
 def replace_then_block(src, dst):
     if str(dst).endswith({last!r}):  # the last fixture's temp file is complete: stop here
