@@ -193,11 +193,12 @@ def _validate_judging_args(val) -> None:
     )
     val.add_argument(
         "--tolerance",
-        choices=("default", "tight"),
+        choices=("default", "tight", "both"),
         default="default",
         help="tolerance tier: default (no false alarm on any correct algorithm) "
         "or tight (the expected error of a correct float32-accumulating "
-        "kernel: narrower accumulation fails); see oracle.judging.tolerance",
+        "kernel: narrower accumulation fails), or both (one call per case, a report "
+        "per tier); see oracle.judging.tolerance",
     )
     val.add_argument(
         "--grads",
@@ -393,6 +394,8 @@ def _validate(args) -> int:
     if not specs:
         return _err("give the implementation: --adapter NAME or --impl module:function")
     problem = _executor_problem(args) or _limits_problem(args, MAX_TIMEOUT)
+    if args.tolerance == "both" and args.executor == "dask":
+        problem = "--tolerance both: not with --executor dask (run each tier)"
     if problem:
         return _err(problem)
     if args.impl and os.getcwd() not in sys.path:
@@ -460,6 +463,12 @@ def _validate(args) -> int:
         return _err(str(err))
     except (KeyError, ValueError) as err:
         return _err(str(err).strip('"'))
+    if args.tolerance == "both":  # one call per case judged in both tiers: a report per tier
+        reports = {
+            f"{s}@{t}": r
+            for s, x in reports.items()
+            for t, r in (("default", x), ("tight", x.tight))
+        }
     for spec, report in reports.items():
         problem = _print_report(args, report, spec if len(reports) > 1 else None)
         if problem:

@@ -488,8 +488,10 @@ ALTERNATIVES_WORK_CAP = 2**34
 PAIRS_WORK_CAP = 2**27
 
 
-def diagnose(q, k, v, options, out, *, limit, dtype, max_pairs=True) -> list[str]:
+def diagnose(view, out, *, limit, max_pairs=True) -> list[str]:
     """Labels of the alternatives whose float64 truth ``out`` fits within ``limit``.
+
+    ``view`` is the case (:class:`oracle.reading.case.CaseView`).
 
     ``limit`` is the case's output threshold (scalar or per row, (T2)); the float64 floor of the
     textbook that evaluates the alternatives is added to it. Returns "matches <label>" strings
@@ -502,13 +504,14 @@ def diagnose(q, k, v, options, out, *, limit, dtype, max_pairs=True) -> list[str
     each reading's errors are kept for the case: the judge's later calls at other limits reuse
     them.
     """
+    q, k, v, options, dtype = view.q, view.k, view.v, view.options, view.dtype
     out_arg, out = out, np.asarray(out, dtype=np.float64)
     spent = budget.current()
     case = (id(q), id(k), id(v), id(options), id(out_arg))
     setup = spent.memo.get(case)
     if setup is None:
         # the memo keys on identities: keeping the objects alive keeps the identities unique
-        setup = spent.memo[case] = (_CaseSetup(q, k, v, options), (q, k, v, options, out_arg))
+        setup = spent.memo[case] = (_CaseSetup(view), (q, k, v, options, out_arg))
     setup = setup[0]
     spent.rows = (setup.rows, setup.rows)
     limit = np.asarray(limit) + setup.floor64
@@ -557,12 +560,13 @@ class _CaseSetup:
     """What every diagnosis of a case needs once: its readings, their cost, the float64
     floor, where the truth is finite and whether the inputs carry poison."""
 
-    def __init__(self, q, k, v, options):
+    def __init__(self, view):
+        q, k, v, options = view.q, view.k, view.v, view.options
         q3 = q if np.ndim(q) > 2 else np.asarray(q)[None]
         H, L, D = np.shape(q3)[-3:]
         K, S, E = np.shape(k)[-3] if np.ndim(k) > 2 else 1, np.shape(k)[-2], np.shape(v)[-1]
         with np.errstate(all="ignore"):
-            base = textbook_attention(q, k, v, dtype="float64", **options)
+            base = view.exact64
             allowed = np.broadcast_to(base.allowed, base.weights.shape)
             candidates = alternatives(
                 options,
@@ -582,7 +586,7 @@ class _CaseSetup:
             if self.work * len(candidates) > ALTERNATIVES_WORK_CAP:
                 candidates = candidates[: max(ALTERNATIVES_WORK_CAP // max(self.work, 1), 0)]
             self.candidates, self.pairs = candidates, self.work <= PAIRS_WORK_CAP
-            magnitude = tol.score_magnitude(q, k, **options)
+            magnitude = view.magnitude
             f64 = tol.forward_floors(
                 "float64",
                 D=D,
@@ -643,16 +647,18 @@ class _Reading:
         return tol.normalised_error(self.out, alt_out, scale, self.dtype)
 
 
-def diagnose_lse(q, k, v, options, lse, *, limit, dtype) -> list[str]:
+def diagnose_lse(view, lse, *, limit) -> list[str]:
     """Labels explaining a failing lse: log2 units, the row max left out (log of the shifted
     normaliser), or one of the named alternatives (scale, bias, ALiBi, masks...) evaluated
-    for lse. ``limit`` is the lse threshold (normalised by the lse scale, (T2))."""
+    for lse. ``view`` is the case (:class:`oracle.reading.case.CaseView`), ``limit`` the lse
+    threshold (normalised by the lse scale, (T2))."""
+    q, k, v, options, dtype = view.q, view.k, view.v, view.options, view.dtype
     lse = np.asarray(lse, dtype=np.float64)
-    base = textbook_attention(q, k, v, dtype="float64", **options)
+    base = view.exact64
     truth = np.asarray(base.lse, dtype=np.float64)
     if lse.shape != truth.shape:
         return []
-    magnitude = tol.score_magnitude(q, k, **options)
+    magnitude = view.magnitude
     scale = tol.lse_scale(truth, base.weights, magnitude[0] if np.ndim(q) == 2 else magnitude)
     limit = np.asarray(limit) + tol.unit_roundoff("float64") * 64
     found = []
@@ -701,7 +707,7 @@ def diagnose_lse(q, k, v, options, lse, *, limit, dtype) -> list[str]:
 CONCENTRATION = 0.9
 
 
-def concentration(q, k, v, options, errors, limit, *, tiles=TILE_SIZES) -> list[str]:
+def concentration(view, errors, limit, *, tiles=TILE_SIZES) -> list[str]:
     """Where the failing rows of an output concentrate, when no modelled alternative fits.
 
     Two patterns of tiled kernels are named, each only when at least :data:`CONCENTRATION` of
@@ -713,8 +719,8 @@ def concentration(q, k, v, options, errors, limit, *, tiles=TILE_SIZES) -> list[
       lies past the first tile of ``T`` keys, where an online softmax rescales its running
       sums (a missing or wrong rescale shows on exactly those rows).
 
-    ``errors`` and ``limit`` have the output's shape (..., H, L, E). Returns notes (possibly
-    none).
+    ``view`` is the case (:class:`oracle.reading.case.CaseView`); ``errors`` and ``limit``
+    have the output's shape (..., H, L, E). Returns notes (possibly none).
     """
     bad = np.asarray(errors > limit)
     if bad.ndim < 2 or not bad.any():
@@ -732,7 +738,7 @@ def concentration(q, k, v, options, errors, limit, *, tiles=TILE_SIZES) -> list[
             )
             break
     with np.errstate(all="ignore"):
-        base = textbook_attention(q, k, v, dtype="float64", **options)
+        base = view.exact64
         allowed = np.broadcast_to(base.allowed, base.weights.shape)
         logw = np.where(allowed, np.log(base.weights), -np.inf)
     if logw.shape[:-1] != rows.shape:

@@ -87,7 +87,8 @@ def _uses(fixture, option: str) -> bool:
 
 
 def _select(suite, fixtures, dtypes, cases, without) -> list:
-    source = golden.load(fixtures) if fixtures is not None else None
+    # only the selected cases are read (and their long inputs regenerated)
+    source = golden.load(fixtures, cases=cases or None) if fixtures is not None else None
     if source is None:
         source = (
             golden.build(c)
@@ -109,26 +110,14 @@ def _select(suite, fixtures, dtypes, cases, without) -> list:
     return chosen
 
 
-class _Replay:
-    """``impl`` called once per fixture: the second tier judges the same output again."""
-
-    def __init__(self, impl):
-        self.impl, self.result = impl, None
-
-    def __call__(self, *args, **kwargs):
-        if self.result is None:
-            self.result = self.impl(*args, **kwargs)
-        return self.result
-
-
 def _failures(impl, fixtures) -> dict[str, dict[str, list[str]]]:
-    """Per tier and dtype, the cases ``impl`` fails (one call of ``impl`` per case; the
-    fixtures' impl-independent judging parts are kept on them across kernels)."""
+    """Per tier and dtype, the cases ``impl`` fails (one call of ``impl`` per case judged in
+    both tiers; the fixtures' impl-independent judging parts are computed once for every
+    kernel, :mod:`oracle.judging.parts`)."""
     failed: dict[str, dict[str, list[str]]] = {tier: {} for tier in TIERS}
     for fixture in fixtures:
-        replay = _Replay(impl)
-        for tier in TIERS:
-            result = check_fixture(replay, fixture, diagnose=False, tolerance=tier)
+        both = check_fixture(impl, fixture, diagnose=False, tolerance="both", grade=False)
+        for tier, result in zip(TIERS, (both, both.tight), strict=True):
             if result.verdict in ("fail", "error"):
                 failed[tier].setdefault(result.dtype, []).append(result.name)
     return failed
@@ -187,8 +176,6 @@ def power(
     counts = {d: sum(f.case.dtype == d for f in chosen) for d in DTYPES}
     result = PowerResult(cases={d: n for d, n in counts.items() if n})
     result.options = {name for f in chosen for name in f.options if _uses(f, name)}
-    for fixture in chosen:
-        fixture.judge_memo = {}  # the judge's fixture-only work, once for every kernel
     for index, name in enumerate(names, 1):
         result.failures[name] = _failures(KERNELS[name][0], chosen)
         if progress:

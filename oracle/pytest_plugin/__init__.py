@@ -207,7 +207,7 @@ class Session:
 
     def report(self):
         # start-up cost: refattn and Numba (~3 s) load only in a conformance session
-        from oracle.judging.results import Report
+        from oracle.report.run_report import Report
 
         values = self.values
         source = (

@@ -21,8 +21,8 @@ carry their own batch dimension (otherwise dk, dv or dbias sum over the batch).
 worker process of :mod:`oracle.run.validate` kept across its cases (the implementation and its
 framework are imported once per Dask worker, not once per case, and the child is kept for the
 worker's next tasks: :mod:`oracle.run.worker_cache`), and returns one merged
-:class:`~oracle.judging.results.Report` per implementation. An implementation a worker cannot import
-is an ImportError that names the worker.
+:class:`~oracle.report.run_report.Report` per implementation. An implementation a worker cannot
+import is an ImportError that names the worker.
 
 Workers need refattn installed at the same version as the client (checked: a mismatch is an
 error naming both versions) and, for ``--impl module:function``, the implementation importable.
@@ -51,7 +51,7 @@ from oracle import catalogue
 from oracle.catalogue.case import Case
 from oracle.fixtures import golden
 from oracle.judging import must_refuse as refusal
-from oracle.judging.results import Report
+from oracle.report.run_report import Report
 from oracle.run.validate import select_cases, validate
 
 __all__ = ["plan_blocks", "block_truth", "assemble", "dask_runner", "validate_many", "SPLIT_COST"]
@@ -352,7 +352,7 @@ def validate_many(
     Returns
     -------
     dict
-        implementation -> :class:`~oracle.judging.results.Report`, the results in case order.
+        implementation -> :class:`~oracle.report.run_report.Report`, the results in case order.
     """
     impls = list(impls)
     if not impls or not all(isinstance(i, str) and i for i in impls):

@@ -50,8 +50,8 @@ from oracle.fixtures import golden
 from oracle.judging import tolerance as tol
 from oracle.judging.judge import check_fixture
 from oracle.judging.refused import refusals_as_errors
-from oracle.judging.results import Report
 from oracle.reading.features import KNOWN_FEATURES, case_features
+from oracle.report.run_report import Report
 from oracle.run.impls import adapter_located, is_module_spec, locate_impl, resolve_impl
 from oracle.run.invariance import applies, check_invariance, parse_checks
 from oracle.run.parallel import more_supervisors, run_in_order, start_concurrently
@@ -128,7 +128,8 @@ def _sources(suite, fixtures, dtype, cases):
             # only the selected files are read (a directory holds hundreds): the manifest names
             # them; an unusable manifest is load's own clear error
             names = _manifest_names(fixtures, dtype, cases)
-            items = list(_select(golden.load(fixtures, names=names), dtype, cases))
+            chosen = golden.load(fixtures, names=names, cases=None if names else cases or None)
+            items = list(_select(chosen, dtype, cases))
             return f"fixtures {fixtures}", items, str(fixtures)
         return "fixtures", list(_select(fixtures, dtype, cases)), None
     suite = "smoke" if suite is None else suite
@@ -250,10 +251,12 @@ def validate(
         cannot be checked because there is no ``vjp`` is "unsupported", never a pass).
     strict : bool
         Robustness failures fail the run too.
-    tolerance : {"default", "tight"}
+    tolerance : {"default", "tight", "both"}
         The tolerance tier (:mod:`oracle.judging.tolerance`): "default" (T2) is free of false alarms
         for any correct algorithm; "tight" (T7) follows the expected error of a correct
-        float32-accumulating kernel on the case, so narrower accumulation fails.
+        float32-accumulating kernel on the case, so narrower accumulation fails. "both": each
+        case's one call judged in both tiers; the default tier's report is returned with the
+        tight tier's as its ``tight`` attribute.
     progress : bool
         A progress bar on stderr.
     cases : str or iterable of str, optional
@@ -346,7 +349,7 @@ def validate(
     budget = DiagnosisBudget.of(diagnose_budget)  # a clear error for a bad budget
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers: expected an integer >= 1, got {workers!r}")
-    tol.check_tier(tolerance)
+    tiers = tol.TIERS if tolerance == "both" else (tol.check_tier(tolerance),)
     if dtype is not None:
         tol.unit_roundoff(dtype)  # a clear error for an unknown dtype
     convention = check_convention(layout, framework, device, signature, causal_align, keywords)
@@ -362,15 +365,28 @@ def validate(
     results = _run_items(run, items, supervisor, unwrapped, workers, progress, keep_worker)
     if refusals_are_errors:
         refusals_as_errors(results)
-    report = Report(
-        _impl_name(fn, spec), dtype, label, strict, results, time.perf_counter() - start, grads
-    )
-    report.isolated = supervisor is not None
-    report.required = required
-    report.tolerance = tolerance
-    report.use_layout(convention["layout"])
-    report.strict_invariance = bool(strict_invariance)
-    return report
+    seconds = time.perf_counter() - start
+    reports = [
+        Report(_impl_name(fn, spec), dtype, label, strict, _of_tier(results, tier), seconds, grads)
+        for tier in tiers
+    ]
+    for report, tier in zip(reports, tiers, strict=True):
+        report.isolated = supervisor is not None
+        report.required = required
+        report.tolerance = tier
+        report.use_layout(convention["layout"])
+        report.strict_invariance = bool(strict_invariance)
+    if len(reports) > 1:
+        reports[0].tight = reports[1]
+    return reports[0]
+
+
+def _of_tier(results, tier) -> list:
+    """The results of ``tier``: each case's own, or its tight twin (``tolerance="both"``;
+    invariance checks have none and count in both)."""
+    if tier == "default":
+        return list(results)
+    return [r.tight if getattr(r, "tight", None) is not None else r for r in results]
 
 
 def _in_worker(convention) -> bool:
