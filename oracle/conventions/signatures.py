@@ -182,6 +182,10 @@ class Signature:
         3's ``page_table``: :mod:`oracle.conventions.signatures_adapt`), ``parameters`` the
         function's own
         parameter names, ``back(out)`` the output brought back to the layout's form.
+    empty_rows : {"zero", "nan", "average"}, optional
+        What the library gives rows with no allowed key when it has no option for it
+        (:mod:`oracle.judging.empty_rows`); None: refattn's ``empty_rows`` option is refused
+        unless it is the default.
     """
 
     name: str
@@ -197,6 +201,7 @@ class Signature:
     drop: tuple = ()
     lse_base: object = "e"
     adapt: object = None
+    empty_rows: str | None = None
 
     def refuse(self, option, value, reason):
         shown = "<array>" if isinstance(value, np.ndarray) else repr(value)
@@ -637,7 +642,8 @@ def function_defaults(impl) -> dict:
 
 
 def add_arguments(parser) -> None:
-    """``--signature``, ``--causal-align`` and ``--keyword`` of ``refattn-oracle validate``."""
+    """``--signature``, ``--causal-align``, ``--empty-rows`` and ``--keyword`` of
+    ``refattn-oracle validate``."""
     parser.add_argument(
         "--signature",
         choices=list(PRESETS),
@@ -651,6 +657,14 @@ def add_arguments(parser) -> None:
         default=None,
         help="without --signature: the alignment of the implementation's causal/window "
         "(FlashAttention >= 2.1: bottom_right); other cases with L != S are unsupported",
+    )
+    parser.add_argument(
+        "--empty-rows",
+        choices=("zero", "nan", "average"),
+        default=None,
+        help="what the implementation gives rows with no allowed key: zero (refattn's), nan "
+        "(0/0) or average (the mean of v over all keys: a large finite fill); cases it cannot "
+        "be judged on are unsupported (oracle.judging.empty_rows)",
     )
     parser.add_argument(
         "--keyword",
@@ -669,5 +683,6 @@ def options_of(args) -> dict:
         "signature": getattr(args, "signature", None),
         "causal_align": getattr(args, "causal_align", None),
         "keywords": list(getattr(args, "keyword", None) or ()),
+        "empty_rows": getattr(args, "empty_rows", None),
     }
     return {name: value for name, value in found.items() if value}

@@ -189,6 +189,8 @@ def _convention_flags(convention) -> str:
             flags += [f" --keyword {a}={b}" for a, b in parse_keywords(value).items()]
         elif name == "causal_align":
             flags.append(f" --causal-align {value}")
+        elif name == "empty_rows":
+            flags.append(f" --empty-rows {value}")
         elif value != defaults[name]:
             flags.append(f" --{name} {value}")
     return "".join(flags)
@@ -217,6 +219,7 @@ def validate(
     signature=None,
     causal_align=None,
     keywords=None,
+    empty_rows=None,
     strict_invariance=False,
     workers=1,
     refusals_are_errors=False,
@@ -287,6 +290,11 @@ def validate(
     keywords : dict or list of "option=name", optional
         Without a preset: the implementation's names for refattn's options
         (``{"scale": "softmax_scale"}``).
+    empty_rows : {"zero", "nan", "average"}, optional
+        What the implementation gives rows with no allowed key when it has no option for it
+        (:mod:`oracle.judging.empty_rows`): it never receives ``empty_rows``; cases with such
+        rows are judged against that reading, those it cannot be judged on (gradients under
+        "nan"/"average") are "unsupported". A signature preset may bring its own.
     strict_invariance : bool
         Invariance warnings (bits that differ while the deviating run stays within the
         tolerance) fail the run too.
@@ -335,7 +343,9 @@ def validate(
         tol.unit_roundoff(dtype)  # a clear error for an unknown dtype
     from oracle.conventions.layouts import check_convention, wrap
 
-    convention = check_convention(layout, framework, device, signature, causal_align, keywords)
+    convention = check_convention(
+        layout, framework, device, signature, causal_align, keywords, empty_rows
+    )
     default_convention = convention == check_convention()
     in_worker = isinstance(convention.get("signature", ""), str)  # a Signature object is not
     if isolate and in_worker and (is_module_spec(impl) or adapter_located(impl)):
