@@ -387,21 +387,23 @@ def _jax_check(call):
             f"value head dim E = {call.value_dim} != query/key head dim D = {call.dim}: "
             f"jax.nn.dot_product_attention requires them equal"
         )
-    if _has_empty_rows(call):
+    emptied, structural = np.broadcast_arrays(_empty_rows(call), _empty_rows(call, bias=False))
+    if (emptied & ~structural).any():
         return (
-            "a query row with no allowed key: jax.nn.dot_product_attention fills masked "
-            "scores with a large finite negative (the row averages every value; a -inf bias "
-            "gives NaN), and has no keyword for refattn's empty rows (0, lse -inf)"
+            "a -inf bias leaves a query row with no allowed key: jax.nn.dot_product_attention "
+            "adds the bias to its scores, so the row is NaN; rows emptied by mask, causal, "
+            "window or key lengths average every value (the preset's empty_rows='average')"
         )
     return None
 
 
-def _has_empty_rows(call):
-    """Whether some query row of the case has no allowed key (docs/conventions.md's set)."""
+def _empty_rows(call, bias=True):
+    """The query rows of the case with no allowed key (docs/conventions.md's set; ``bias=False``:
+    a -inf bias left out), a boolean (..., L)."""
     from oracle.reading.allowed import options_allowed
 
-    allowed = options_allowed(call.length, call.keys, call.options)
-    return bool((~np.asarray(allowed).any(axis=-1)).any())
+    allowed = options_allowed(call.length, call.keys, call.options, bias=bias)
+    return ~np.asarray(allowed).any(axis=-1)
 
 
 def _flashinfer_check(call):
@@ -513,6 +515,7 @@ PRESETS = {
         },
         check=_jax_check,
         lse_axes=(0, 2, 1),  # the residual is (B, T, N)
+        empty_rows="average",  # masked scores become one large finite negative
     ),
     "flashinfer": Signature(
         "flashinfer",

@@ -56,6 +56,7 @@ from oracle.catalogue.variants import FUNCTIONS, forward_inputs, grad_names, out
 from oracle.diagnose import diagnosis as _diagnose
 from oracle.diagnose.fp4 import diagnose_fp4
 from oracle.diagnose.models import ORDER_ONE
+from oracle.diagnose.rows import mark_empty_row, within_one_ulp
 from oracle.diagnose.tiles import storage_dtype
 from oracle.judging import tolerance as tol
 from oracle.judging.empty_rows import read_case
@@ -342,6 +343,8 @@ def _check_forward(ctx, fixture, out, lse, checks):
     checks["out"] = _judge(
         "out", out, truth_out, scale, threshold, ctx.dtype, rounded=_truth_rounded(fixture, "out")
     )
+    reading = ctx.options.get("empty_rows") or "zero"
+    mark_empty_row(checks["out"], ctx.exact64.allowed, ctx.options, reading)
     if ctx.grade:
         checks["out"].grade.models = {
             label: float(
@@ -379,6 +382,7 @@ def _check_forward(ctx, fixture, out, lse, checks):
             rounded=_truth_rounded(fixture, "lse"),
             own=storage_dtype(lse, ctx.dtype),
         )
+        mark_empty_row(checks["lse"], ctx.exact64.allowed, ctx.options, reading)
     return None
 
 
@@ -545,6 +549,11 @@ def _diagnosis(ctx, fixture, out, checks, lse=None) -> list[str]:
     failing = [c for c in checks.values() if not c.passed]
     if not failing:
         return []
+    own = {"out": ctx.dtype, "lse": storage_dtype(lse, ctx.dtype) if lse is not None else None}
+    values, truths = {"out": out, "lse": lse}, {n: _truth(fixture, n) for n in own}
+    sub_ulp = within_one_ulp(ctx.tier, failing, values, truths, own)
+    if sub_ulp:
+        return [sub_ulp]
     notes = []
     lse_check = checks.get("lse")
     if lse_check is not None and not lse_check.passed and lse is not None:
