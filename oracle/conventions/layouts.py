@@ -80,6 +80,7 @@ from oracle.conventions.layouts_sparse import (  # layout="dsa": blhd with indic
     refused_keyword,
 )
 from oracle.conventions.signatures import Call, declared, get
+from oracle.judging.empty_rows import check_reading, declare
 from refattn.logspace import base_factor
 
 __all__ = [
@@ -105,14 +106,17 @@ def check_convention(
     signature=None,
     causal_align=None,
     keywords=None,
+    empty_rows=None,
 ) -> dict:
     """The convention as a dict, or ValueError naming the bad argument.
+
+    ``empty_rows`` declares what the function gives rows with no allowed key ("zero", "nan",
+    "average": :mod:`oracle.judging.empty_rows`); a preset may bring its own.
 
     ``signature`` (a preset of :mod:`oracle.conventions.signatures`) brings its layout and framework
     (an explicit other one is an error); ``causal_align`` and ``keywords`` declare a
     function's own conventions without a preset (:func:`oracle.conventions.signatures.declared`).
-    The
-    dict has those keys only when they are given.
+    The dict has those keys only when they are given.
     """
     extra = {}
     if signature is not None:
@@ -139,6 +143,11 @@ def check_convention(
             extra["causal_align"] = causal_align
         if keywords:
             extra["keywords"] = keywords
+    empty_rows = check_reading(empty_rows)
+    if empty_rows is None and signature is not None:
+        empty_rows = getattr(get(signature), "empty_rows", None)
+    if empty_rows is not None:
+        extra["empty_rows"] = empty_rows
     for name, value, allowed in (
         ("layout", layout, LAYOUTS),
         ("framework", framework, FRAMEWORKS),
@@ -165,6 +174,7 @@ def wrap(
     signature=None,
     causal_align=None,
     keywords=None,
+    empty_rows=None,
 ):
     """``impl`` in the given convention, as an ``impl(q, k, v, **options)`` of the oracle's.
 
@@ -183,6 +193,9 @@ def wrap(
     causal_align, keywords
         A function's own declared conventions without a preset
         (:func:`oracle.conventions.signatures.declared`).
+    empty_rows : {"zero", "nan", "average"}, optional
+        What the function gives rows with no allowed key (:mod:`oracle.judging.empty_rows`):
+        it then never receives ``empty_rows`` and the judge reads such rows its way.
 
     Returns
     -------
@@ -190,11 +203,13 @@ def wrap(
         Taking and returning NumPy arrays in ``bhld``; ``.vjp`` too when ``impl`` has one and
         the layout is ``bhld`` or ``blhd``.
     """
-    convention = check_convention(layout, framework, device, signature, causal_align, keywords)
+    convention = check_convention(
+        layout, framework, device, signature, causal_align, keywords, empty_rows
+    )
     layout, framework = convention["layout"], convention["framework"]
     speaks = _speaker(convention, impl)
     if layout == "bhld" and framework == "numpy" and speaks is None:
-        return impl
+        return declare(impl, convention.get("empty_rows"))
     bridge = _Bridge(framework, device)
 
     @functools.wraps(impl)
@@ -254,7 +269,7 @@ def wrap(
 
         forward.vjp = vjp
     forward.convention = convention
-    return forward
+    return declare(forward, convention.get("empty_rows"))
 
 
 def _speaker(convention, impl=None):

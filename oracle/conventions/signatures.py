@@ -186,6 +186,10 @@ class Signature:
         3's ``page_table``: :mod:`oracle.conventions.signatures_adapt`), ``parameters`` the
         function's own
         parameter names, ``back(out)`` the output brought back to the layout's form.
+    empty_rows : {"zero", "nan", "average"}, optional
+        What the library gives rows with no allowed key when it has no option for it
+        (:mod:`oracle.judging.empty_rows`); None: refattn's ``empty_rows`` option is refused
+        unless it is the default.
     """
 
     name: str
@@ -201,6 +205,7 @@ class Signature:
     drop: tuple = ()
     lse_base: object = "e"
     adapt: object = None
+    empty_rows: str | None = None
 
     def refuse(self, option, value, reason):
         shown = "<array>" if isinstance(value, np.ndarray) else repr(value)
@@ -380,19 +385,21 @@ def _jax_check(call):
             f"value head dim E = {call.value_dim} != query/key head dim D = {call.dim}: "
             f"jax.nn.dot_product_attention requires them equal"
         )
-    if _has_empty_rows(call):
+    emptied, structural = np.broadcast_arrays(_empty_rows(call), _empty_rows(call, bias=False))
+    if (emptied & ~structural).any():
         return (
-            "a query row with no allowed key: jax.nn.dot_product_attention fills masked "
-            "scores with a large finite negative (the row averages every value; a -inf bias "
-            "gives NaN), and has no keyword for refattn's empty rows (0, lse -inf)"
+            "a -inf bias leaves a query row with no allowed key: jax.nn.dot_product_attention "
+            "adds the bias to its scores, so the row is NaN; rows emptied by mask, causal, "
+            "window or key lengths average every value (the preset's empty_rows='average')"
         )
     return None
 
 
-def _has_empty_rows(call):
-    """Whether some query row of the case has no allowed key (docs/conventions.md's set)."""
-    allowed = options_allowed(call.length, call.keys, call.options)
-    return bool((~np.asarray(allowed).any(axis=-1)).any())
+def _empty_rows(call, bias=True):
+    """The query rows of the case with no allowed key (docs/conventions.md's set; ``bias=False``:
+    a -inf bias left out), a boolean (..., L)."""
+    allowed = options_allowed(call.length, call.keys, call.options, bias=bias)
+    return ~np.asarray(allowed).any(axis=-1)
 
 
 def _flashinfer_check(call):
@@ -500,6 +507,7 @@ PRESETS = {
         },
         check=_jax_check,
         lse_axes=(0, 2, 1),  # the residual is (B, T, N)
+        empty_rows="average",  # masked scores become one large finite negative
     ),
     "flashinfer": Signature(
         "flashinfer",
@@ -623,7 +631,8 @@ def function_defaults(impl) -> dict:
 
 
 def add_arguments(parser) -> None:
-    """``--signature``, ``--causal-align`` and ``--keyword`` of ``refattn-oracle validate``."""
+    """``--signature``, ``--causal-align``, ``--empty-rows`` and ``--keyword`` of
+    ``refattn-oracle validate``."""
     parser.add_argument(
         "--signature",
         choices=list(PRESETS),
@@ -637,6 +646,14 @@ def add_arguments(parser) -> None:
         default=None,
         help="without --signature: the alignment of the implementation's causal/window "
         "(FlashAttention >= 2.1: bottom_right); other cases with L != S are unsupported",
+    )
+    parser.add_argument(
+        "--empty-rows",
+        choices=("zero", "nan", "average"),
+        default=None,
+        help="what the implementation gives rows with no allowed key: zero (refattn's), nan "
+        "(0/0) or average (the mean of v over all keys: a large finite fill); cases it cannot "
+        "be judged on are unsupported (oracle.judging.empty_rows)",
     )
     parser.add_argument(
         "--keyword",
@@ -655,5 +672,6 @@ def options_of(args) -> dict:
         "signature": getattr(args, "signature", None),
         "causal_align": getattr(args, "causal_align", None),
         "keywords": list(getattr(args, "keyword", None) or ()),
+        "empty_rows": getattr(args, "empty_rows", None),
     }
     return {name: value for name, value in found.items() if value}

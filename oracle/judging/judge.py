@@ -67,6 +67,7 @@ from oracle.diagnose.fp4 import diagnose_fp4
 from oracle.diagnose.key_map import key_map
 from oracle.diagnose.merge import diagnose_merge
 from oracle.diagnose.models import ORDER_ONE
+from oracle.diagnose.rows import mark_empty_row, within_one_ulp
 from oracle.diagnose.tiles import storage_dtype
 from oracle.judging import parts
 from oracle.judging import tolerance as tol
@@ -257,6 +258,8 @@ def _check_forward(view, fixture, tier, out, lse, checks, grade=True):
     threshold = parts.forward_threshold(tier, view.dtype, part["out/base"], part["out/floor"])
     rounded = _truth_rounded(fixture, "out")
     checks["out"] = _judge("out", out, truth_out, scale, threshold, view.dtype, rounded=rounded)
+    reading = view.options.get("empty_rows") or "zero"
+    mark_empty_row(checks["out"], view.exact64.allowed, view.options, reading)
     if grade:
         models = parts.judging_part(
             fixture,
@@ -281,6 +284,7 @@ def _check_forward(view, fixture, tier, out, lse, checks, grade=True):
             rounded=_truth_rounded(fixture, "lse"),
             own=storage_dtype(lse, view.dtype),
         )
+        mark_empty_row(checks["lse"], view.exact64.allowed, view.options, reading)
     return None
 
 
@@ -459,11 +463,11 @@ def _run_checks(impl, fixture, grads, diagnose, results, tiers, grade=True):
                 if not gradients:  # the vjp is called once, after a well-shaped forward
                     gradients.append(_call_vjp(impl, fixture))
                 problem = _check_grads(view, fixture, gradients[0], result.checks)
-        _verdict(view, fixture, result, problem, notes, (diagnose, start), out, lse)
+        _verdict(view, fixture, result, problem, notes, (diagnose, start, tier), out, lse)
 
 
 def _verdict(view, fixture, result, problem, notes, diagnosing, out, lse):
-    diagnose, start = diagnosing  # the judging start bounds the diagnosis
+    diagnose, start, tier = diagnosing  # the judging start bounds the diagnosis
     failing = [c for c in result.checks.values() if not c.passed]
     if problem or failing:
         result.verdict = "fail"
@@ -476,7 +480,7 @@ def _verdict(view, fixture, result, problem, notes, diagnosing, out, lse):
                 np.errstate(over="ignore", invalid="ignore"),
                 case_budget(diagnose, time.perf_counter() - start, result.name) as spent,
             ):
-                result.diagnosis = _diagnosis(view, fixture, out, result.checks, lse)
+                result.diagnosis = _diagnosis(view, fixture, tier, out, result.checks, lse)
             result.diagnosis += spent.notes(any("matches" in d for d in result.diagnosis))
             with np.errstate(over="ignore", invalid="ignore"):
                 result.key_map = key_map(
@@ -487,7 +491,7 @@ def _verdict(view, fixture, result, problem, notes, diagnosing, out, lse):
     result.message = "; ".join(x for x in [result.message, *notes] if x)
 
 
-def _diagnosis(view, fixture, out, checks, lse=None) -> list[str]:
+def _diagnosis(view, fixture, tier, out, checks, lse=None) -> list[str]:
     """What explains the failure, most specific first: lse conventions (log2 units, the row
     max, scale/bias alternatives); the pinned convention at a narrower working precision
     (preferred when a named alternative fits too: it is the likelier story); named
@@ -498,6 +502,11 @@ def _diagnosis(view, fixture, out, checks, lse=None) -> list[str]:
     failing = [c for c in checks.values() if not c.passed]
     if not failing:
         return []
+    own = {"out": view.dtype, "lse": storage_dtype(lse, view.dtype) if lse is not None else None}
+    values, truths = {"out": out, "lse": lse}, {n: _truth(fixture, n) for n in own}
+    sub_ulp = within_one_ulp(tier, failing, values, truths, own)
+    if sub_ulp:
+        return [sub_ulp]
     notes = _lse_and_key_notes(view, checks, failing, lse)
     out_failed = check is not None and not check.passed and out.shape == truth.shape
     # errors of the order of the output itself: no precision model or online-softmax hint

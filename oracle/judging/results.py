@@ -77,10 +77,19 @@ class Worst:
     ulp: float  # |value - truth| in ulp of the dtype
     threshold: float
     layout: str = "bhld"  # the caller's layout, the order ``index`` is given in
+    # the reading of empty rows when the element's row has no allowed key (scale 0: its
+    # normalised error is meaningless, oracle.diagnose.rows.mark_empty_row)
+    empty_row: str | None = None
 
     def describe(self) -> str:
         index = ", ".join(map(str, to_caller_layout(self.index, self.quantity, self.layout)))
         where = "" if self.layout == "bhld" else f" ({self.layout} order)"
+        if self.empty_row is not None:
+            whose = "refattn's reading" if self.empty_row == "zero" else "the declared reading"
+            return (
+                f"{self.quantity}[{index}]{where}: row has no allowed key: expected "
+                f"{self.truth!r} ({whose}, empty_rows={self.empty_row!r}), got {self.value!r}"
+            )
         ulp = (
             f" ({self.ulp:.3g} ulp)"
             if ulp_meaningful(self)

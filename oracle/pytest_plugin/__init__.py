@@ -9,12 +9,13 @@ never both: pluggy refuses to register one module under two names)::
            [--refattn-xfails FILE] [--refattn-strict] [--refattn-grads]
            [--refattn-require causal,mask] [--refattn-signature flash_attn]
            [--refattn-causal-align bottom_right] [--refattn-keyword scale=softmax_scale]
+           [--refattn-empty-rows nan]
 
 The current directory is put on ``sys.path`` (as ``refattn-oracle validate --impl`` does),
 so a module next to where pytest runs is found. Each option has an environment twin
 (``REFATTN_IMPL``, ``REFATTN_SUITE``, ``REFATTN_FIXTURES``,
 ``REFATTN_DTYPE``, ``REFATTN_SKIPS``, ``REFATTN_XFAILS``, ``REFATTN_SIGNATURE``,
-``REFATTN_CAUSAL_ALIGN``, ``REFATTN_KEYWORD``). ``--refattn-impl`` takes
+``REFATTN_CAUSAL_ALIGN``, ``REFATTN_KEYWORD``, ``REFATTN_EMPTY_ROWS``). ``--refattn-impl`` takes
 ``module:function`` or an adapter name. Test ids are the case names; a failure shows the worst
 element, the threshold, the diagnosis and a one-line reproduction. Unsupported cases
 (NotImplementedError) are skipped; robustness and refusal failures xfail unless
@@ -25,7 +26,8 @@ runs them; cases with ``sinks`` / ``kv_lengths`` pass those keywords (see
 ``--refattn-signature``, ``--refattn-causal-align`` and ``--refattn-keyword`` are the CLI's
 ``--signature``, ``--causal-align`` and ``--keyword`` (:mod:`oracle.conventions.signatures`): a
 function
-written with a library's own signature is tested as it stands.
+written with a library's own signature is tested as it stands. ``--refattn-empty-rows`` is the
+CLI's ``--empty-rows`` (:mod:`oracle.judging.empty_rows`).
 
 Skip/xfail files (like array-api-tests): one fnmatch pattern over case names per line, ``#``
 starts a comment.
@@ -80,6 +82,11 @@ _OPTIONS = {
         "REFATTN_CAUSAL_ALIGN",
         None,
         "without a signature: the alignment of its causal/window (top_left, bottom_right)",
+    ),
+    "empty_rows": (
+        "REFATTN_EMPTY_ROWS",
+        None,
+        "what it gives rows with no allowed key: zero (refattn's), nan, average",
     ),
     "keyword": (
         "REFATTN_KEYWORD",
@@ -140,6 +147,7 @@ def settings(config) -> dict | None:
             values.pop("signature"),
             values.pop("causal_align"),
             values.pop("keyword"),
+            values.pop("empty_rows"),
         )
     except ValueError as err:
         option = str(err).split(":")[0].replace("_", "-")

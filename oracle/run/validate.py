@@ -198,6 +198,8 @@ def _convention_flags(convention) -> str:
             flags += [f" --keyword {a}={b}" for a, b in parse_keywords(value).items()]
         elif name == "causal_align":
             flags.append(f" --causal-align {value}")
+        elif name == "empty_rows":
+            flags.append(f" --empty-rows {value}")
         elif value != defaults[name]:
             flags.append(f" --{name} {value}")
     return "".join(flags)
@@ -227,6 +229,7 @@ def validate(
     signature=None,
     causal_align=None,
     keywords=None,
+    empty_rows=None,
     strict_invariance=False,
     workers=1,
     refusals_are_errors=False,
@@ -310,6 +313,11 @@ def validate(
     keywords : dict or list of "option=name", optional
         Without a preset: the implementation's names for refattn's options
         (``{"scale": "softmax_scale"}``).
+    empty_rows : {"zero", "nan", "average"}, optional
+        What the implementation gives rows with no allowed key when it has no option for it
+        (:mod:`oracle.judging.empty_rows`): it never receives ``empty_rows``; cases with such
+        rows are judged against that reading, those it cannot be judged on (gradients under
+        "nan"/"average") are "unsupported". A signature preset may bring its own.
     strict_invariance : bool
         Invariance warnings (bits that differ while the deviating run stays within the
         tolerance) fail the run too.
@@ -352,7 +360,9 @@ def validate(
     tiers = tol.TIERS if tolerance == "both" else (tol.check_tier(tolerance),)
     if dtype is not None:
         tol.unit_roundoff(dtype)  # a clear error for an unknown dtype
-    convention = check_convention(layout, framework, device, signature, causal_align, keywords)
+    convention = check_convention(
+        layout, framework, device, signature, causal_align, keywords, empty_rows
+    )
     unwrapped, fn, spec = _implementation(impl, isolate, convention)
     label, items, source_flag = _selection(suite, fixtures, dtype, cases)
     supervisor = _supervisor(
