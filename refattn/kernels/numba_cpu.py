@@ -139,7 +139,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..bounds.kernels import online_backward_bound, online_forward_bound
-from ._args import kernel_arguments
+from ._args import DIM_KEYS, OPT_EMPTY_ROWS_NAN, kernel_arguments
 from ._cpu_backward import backward_chunks, backward_units, delta_rows, sum_parts
 from ._cpu_decode import SPLIT_KEYS, forward_splits, split_keys
 from ._cpu_forward import forward_blocks
@@ -225,7 +225,7 @@ def saved_forward(spec, dtype=None):
     dtype = compute_dtype(spec.q.dtype) if dtype is None else np.dtype(dtype)
     args = kernel_arguments(spec, dtype)
     zero_rows = args[5].copy()
-    zero_rows[9] = 0
+    zero_rows[OPT_EMPTY_ROWS_NAN] = 0
     return _run_forward(spec, args[:5] + (zero_rows,) + args[6:], dtype)
 
 
@@ -309,7 +309,7 @@ def forward_error_bound(spec, weights, dtype=np.float64, rescalings=None):
     one rescaling per key block and, on the short-query (split) path, two per key split of
     ``SPLIT_KEYS`` keys (one rescaling each, and the splits' combination).
     """
-    keys = spec.dims[4]
+    keys = spec.dims[DIM_KEYS]
     if rescalings is None:
         rescalings = -(-keys // BLOCK_K) + 2 * -(-keys // SPLIT_KEYS)
     return online_forward_bound(spec, weights, dtype, rescalings)
