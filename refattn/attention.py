@@ -233,6 +233,33 @@ def _forward_float64(spec: AttentionSpec, return_weights: bool):
     return out, lse, weights
 
 
+def _gathers(backend, precision, reading, listed, normalizer, return_weights, sinks, kv_lengths):
+    """Whether the Numba kernels gather the key indices ``listed`` = (key_indices,
+    key_block_indices, key_block_size) themselves (:func:`refattn.kernels.gathers`)."""
+    if backend != "numba" or (listed[0] is None and listed[1] is None):
+        return False
+    from .kernels import gathers
+
+    options = dict(
+        normalizer=normalizer, return_weights=return_weights, sinks=sinks, kv_lengths=kv_lengths
+    )
+    return gathers(
+        backend=backend,
+        precision=precision,
+        key_indices=listed[0],
+        key_block_indices=listed[1],
+        index_reading=reading,
+        options=options,
+    )
+
+
+def _gather_spec(spec, listed):
+    """:func:`refattn.kernels.gather_spec` of ``spec`` with ``listed`` (see :func:`_gathers`)."""
+    from .kernels import gather_spec
+
+    return gather_spec(spec, *listed)
+
+
 def _check_numba_range(spec: AttentionSpec, compute_dtype) -> None:
     """The Numba kernels form ``s q.k`` directly in their compute dtype: refuse inputs whose
     scores may exceed its range (they would turn into NaN) and say what handles them."""
@@ -464,6 +491,11 @@ def attention(
             "with no normaliser); pass return_lse=False"
         )
     base = _lse_base(lse_base, return_lse)
+    # set-read key indices on the Numba CPU forward: gathered by the kernel, no dense mask
+    listed = (key_indices, key_block_indices, key_block_size)
+    gather = _gathers(
+        backend, precision, index_reading, listed, normalizer, return_weights, sinks, kv_lengths
+    )
     spec = canonicalize(
         q,
         k,
@@ -485,9 +517,9 @@ def attention(
         q_descale=q_descale,
         k_descale=k_descale,
         v_descale=v_descale,
-        key_indices=key_indices,
-        key_block_indices=key_block_indices,
-        key_block_size=key_block_size,
+        key_indices=None if gather else key_indices,
+        key_block_indices=None if gather else key_block_indices,
+        key_block_size=None if gather else key_block_size,
         index_reading=index_reading,
         q_block_scale=q_block_scale,
         k_block_scale=k_block_scale,
@@ -495,6 +527,8 @@ def attention(
         normalizer=normalizer,
         qv=qv,
     )
+    if gather:
+        spec = _gather_spec(spec, listed)
     if spec.index_reading == "multiset":
         from . import sparse_multiset
 
@@ -737,6 +771,11 @@ def attention_vjp(
     _checks.precision(precision)
     _checks.choice(backend, "backend", BACKENDS)
     _checks.out_dtype(out_dtype)  # validated on every path (the float64 path returns float64)
+    # set-read key indices on the Numba CPU vjp: gathered by the kernel, no dense mask
+    listed = (key_indices, key_block_indices, key_block_size)
+    gather = _gathers(
+        backend, precision, index_reading, listed, normalizer, False, sinks, kv_lengths
+    )
     spec = canonicalize(
         q,
         k,
@@ -758,9 +797,9 @@ def attention_vjp(
         q_descale=q_descale,
         k_descale=k_descale,
         v_descale=v_descale,
-        key_indices=key_indices,
-        key_block_indices=key_block_indices,
-        key_block_size=key_block_size,
+        key_indices=None if gather else key_indices,
+        key_block_indices=None if gather else key_block_indices,
+        key_block_size=None if gather else key_block_size,
         index_reading=index_reading,
         q_block_scale=q_block_scale,
         k_block_scale=k_block_scale,
@@ -768,6 +807,8 @@ def attention_vjp(
         normalizer=normalizer,
         qv=qv,
     )
+    if gather:
+        spec = _gather_spec(spec, listed)
     _, heads, _, length, keys, _, vdim = spec.dims
     do = check_cotangent(spec, grad_out, "grad_out", (heads, length, vdim))
     dl = None if grad_lse is None else check_cotangent(spec, grad_lse, "grad_lse", (heads, length))
