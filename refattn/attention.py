@@ -265,8 +265,17 @@ def _check_numba_range(spec: AttentionSpec, compute_dtype) -> None:
     scores may exceed its range (they would turn into NaN) and say what handles them."""
 
     def top(x):
-        x = np.abs(np.asarray(x, np.float64))
-        return float(np.max(x, where=np.isfinite(x), initial=0.0))
+        # max |x| over the finite entries, in x's own dtype (float16, bfloat16, float8 widen
+        # exactly to float32): no float64 copy and no |x| array of a large k
+        x = np.asarray(x)
+        if x.dtype not in (np.float32, np.float64):
+            x = x.astype(np.float32)
+        high, low = (np.max(x), np.min(x)) if x.size else (0.0, 0.0)
+        if not (np.isfinite(high) and np.isfinite(low)):  # a second pass skips NaN and Inf
+            finite = np.isfinite(x)
+            high = np.max(x, where=finite, initial=0.0)
+            low = np.min(x, where=finite, initial=0.0)
+        return float(max(high, -low, 0.0))
 
     dim = spec.q.shape[-1]
     with np.errstate(over="ignore"):
