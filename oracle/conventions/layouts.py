@@ -72,6 +72,7 @@ import functools
 import ml_dtypes
 import numpy as np
 
+from oracle.conventions import linear_presets
 from oracle.conventions.layouts_fp4 import fp4_paged
 from oracle.conventions.layouts_latent import latent_paged_layout
 from oracle.conventions.layouts_sparse import (  # layout="dsa": blhd with indices (B, L, K, T)
@@ -192,6 +193,8 @@ def wrap(
         the layout is ``bhld`` or ``blhd``.
     """
     convention = check_convention(layout, framework, device, signature, causal_align, keywords)
+    if linear_presets.is_linear(signature):
+        return linear_presets.wrap(impl, signature, device)  # oracle.conventions.linear_presets
     layout, framework = convention["layout"], convention["framework"]
     speaks = _speaker(convention, impl)
     if layout == "bhld" and framework == "numpy" and speaks is None:

@@ -671,3 +671,9 @@ def options_of(args) -> dict:
         "keywords": list(getattr(args, "keyword", None) or ()),
     }
     return {name: value for name, value in found.items() if value}
+
+
+# the linear-attention presets (fla_*, transformers_gated_delta_rule) join the table
+from oracle.conventions.linear_presets import PRESETS as _LINEAR_PRESETS  # noqa: E402
+
+PRESETS.update(_LINEAR_PRESETS)

@@ -58,6 +58,7 @@ from oracle.diagnose.fp4 import diagnose_fp4
 from oracle.diagnose.models import ORDER_ONE
 from oracle.diagnose.tiles import storage_dtype
 from oracle.judging import tolerance as tol
+from oracle.judging.linear import check_linear, is_linear
 from oracle.judging.must_refuse import check_refusal, is_refusal
 from oracle.judging.passing import passed_options
 from oracle.judging.results import CaseResult, Check, Worst, grade_of
@@ -457,6 +458,8 @@ def check_fixture(
         case
     ):  # malformed inputs: the implementation must raise (oracle.judging.must_refuse)
         return check_refusal(impl, fixture, reproduce, passed_options(fixture.options, impl))
+    if is_linear(case):  # the linear-attention family (oracle.judging.linear)
+        return check_linear(impl, fixture, reproduce, grads, diagnose)
     if case.function != "attention":
         return _check_variant(impl, fixture, reproduce, grads)
     result = CaseResult(
