@@ -135,32 +135,77 @@ def _keywords(preset, options, bridge, state_dtype):
     return kwargs
 
 
+def _checked(preset, q, g, beta, options):
+    _check(preset, g, beta, options)
+    if options.get("scale") is not None and not preset.has_scale:
+        default = 1.0 / math.sqrt(np.shape(q)[-1])
+        if float(options["scale"]) != default:
+            _unsupported(preset, f"scale={options['scale']!r} (it uses 1/sqrt(K))")
+
+
+def _leaves(bridge, arrays, grad):
+    """Torch tensors of the (B, H, T, ...) arrays in the [B, T, H, ...] layout; with ``grad``
+    the leaves that the gradients are taken with respect to."""
+    torch = bridge.torch
+    leaves = {}
+    for name, x in arrays.items():
+        tensor = bridge.to(x)
+        if tensor is not None and grad:
+            tensor.requires_grad_(True)
+        leaves[name] = tensor
+    moved = {
+        n: None if t is None else torch.movedim(t, 2, 1).contiguous() for n, t in leaves.items()
+    }
+    return leaves, moved
+
+
+def _run(impl, preset, bridge, arrays, options, grad=False):
+    torch = bridge.torch
+    state_dtype = torch.float64 if np.asarray(arrays["q"]).dtype == np.float64 else torch.float32
+    leaves, moved = _leaves(bridge, arrays, grad)
+    args = [moved[n] for n in ("q", "k", "v", "g", "beta") if moved[n] is not None]
+    kwargs = _keywords(preset, options, bridge, state_dtype)
+    if grad and "initial_state" in kwargs:
+        kwargs["initial_state"].requires_grad_(True)
+        leaves["initial_state"] = kwargs["initial_state"]
+    o, state = impl(*args, **kwargs)[:2]
+    return leaves, o, state
+
+
 def wrap(impl, preset, device="cpu"):
-    """``impl`` (in ``preset``'s convention) as a function of refattn's convention."""
+    """``impl`` (in ``preset``'s convention) as a function of refattn's convention, with a
+    ``.vjp`` in refattn's (torch autograd through ``impl``)."""
     preset = get(preset)
 
     def forward(q, k, v, g=None, beta=None, *, output_final_state=False, **options):
-        _check(preset, g, beta, options)
-        if options.get("scale") is not None and not preset.has_scale:
-            default = 1.0 / math.sqrt(np.shape(q)[-1])
-            if float(options["scale"]) != default:
-                _unsupported(preset, f"scale={options['scale']!r} (it uses 1/sqrt(K))")
+        _checked(preset, q, g, beta, options)
+        bridge = _Torch(device)
+        arrays = dict(q=q, k=k, v=v, g=g, beta=beta)
+        _, o, state = _run(impl, preset, bridge, arrays, options)
+        o = bridge.back(bridge.torch.movedim(o, 1, 2).contiguous())
+        return (o, bridge.back(state)) if output_final_state else o
+
+    def vjp(q, k, v, g, beta, do, dht=None, **options):
+        _checked(preset, q, g, beta, options)
         bridge = _Torch(device)
         torch = bridge.torch
-        state_dtype = torch.float64 if np.asarray(q).dtype == np.float64 else torch.float32
-        args = [_blhd(bridge.to(x), torch) for x in (q, k, v)]
-        gate = bridge.to(g)
-        if gate is not None:
-            args.append(torch.movedim(gate, 2, 1).contiguous())
-        if beta is not None:
-            args.append(torch.movedim(bridge.to(beta), 2, 1).contiguous())
-        kwargs = _keywords(preset, options, bridge, state_dtype)
-        o, state = impl(*args, **kwargs)[:2]
-        o = bridge.back(torch.movedim(o, 1, 2).contiguous())
-        state = bridge.back(state)
-        return (o, state) if output_final_state else o
+        arrays = dict(q=q, k=k, v=v, g=g, beta=beta)
+        with torch.enable_grad():
+            leaves, o, state = _run(impl, preset, bridge, arrays, options, grad=True)
+            outputs, cotangents = [o], [torch.movedim(bridge.to(do), 2, 1).to(o.dtype)]
+            if dht is not None:
+                outputs.append(state)
+                cotangents.append(bridge.to(dht).to(state.dtype))
+            wanted = [t for t in leaves.values() if t is not None]
+            found = torch.autograd.grad(outputs, wanted, cotangents, allow_unused=True)
+        by_name = dict(zip([n for n, t in leaves.items() if t is not None], found, strict=True))
+        return tuple(
+            None if by_name.get(n) is None else bridge.back(by_name[n])
+            for n in ("q", "k", "v", "g", "beta", "initial_state")
+        )
 
     forward.__name__ = getattr(impl, "__name__", "linear")
+    forward.vjp = vjp
     forward.convention = {"signature": preset.name}
     return forward
 
