@@ -20,6 +20,7 @@ from .spec import (
     check_cotangent,
     fold,
     needs_fold,
+    options_in,
     split_qv_grads,
     split_sink_grads,
 )
@@ -455,46 +456,14 @@ def attention(
     >>> refattn.attention(q, k, v, causal=True).tolist()
     [[1.0]]
     """
-    _checks.precision(precision)
-    _checks.choice(backend, "backend", BACKENDS)
-    _checks.out_dtype(out_dtype)  # validated on every path (the float64 path returns float64)
+    _check_path(precision, backend, out_dtype)
     if normalizer == "sigmoid" and return_lse:
         raise ValueError(
             "return_lse: normalizer='sigmoid' has no log-sum-exp (the weights are sigmoid(t) "
             "with no normaliser); pass return_lse=False"
         )
     base = _lse_base(lse_base, return_lse)
-    spec = canonicalize(
-        q,
-        k,
-        v,
-        scale=scale,
-        bias=bias,
-        mask=mask,
-        causal=causal,
-        window=window,
-        align=align,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        gqa=gqa,
-        dropout_mask=dropout_mask,
-        dropout_p=dropout_p,
-        empty_rows=empty_rows,
-        sinks=sinks,
-        kv_lengths=kv_lengths,
-        q_descale=q_descale,
-        k_descale=k_descale,
-        v_descale=v_descale,
-        key_indices=key_indices,
-        key_block_indices=key_block_indices,
-        key_block_size=key_block_size,
-        index_reading=index_reading,
-        q_block_scale=q_block_scale,
-        k_block_scale=k_block_scale,
-        v_block_scale=v_block_scale,
-        normalizer=normalizer,
-        qv=qv,
-    )
+    spec = canonicalize(q, k, v, **options_in(locals()))
     if spec.index_reading == "multiset":
         from . import sparse_multiset
 
@@ -560,6 +529,13 @@ def _forward_paths(spec, precision, backend, out_dtype, return_lse, return_weigh
     if base != 1.0 and precision != "exact":
         lse = lse / base  # one rounding more: |error| <= (Delta_i + 2u |lse_i|) / ln 2
     return out, lse, weights
+
+
+def _check_path(precision, backend, out_dtype) -> None:
+    """The path arguments of :func:`attention` and :func:`attention_vjp`."""
+    _checks.precision(precision)
+    _checks.choice(backend, "backend", BACKENDS)
+    _checks.out_dtype(out_dtype)  # validated on every path (the float64 path returns float64)
 
 
 def _lse_base(value, return_lse) -> float:
@@ -734,40 +710,8 @@ def attention_vjp(
     >>> refattn.attention_vjp(q, k, v, np.ones((1, 1))).dv.tolist()
     [[0.5], [0.5]]
     """
-    _checks.precision(precision)
-    _checks.choice(backend, "backend", BACKENDS)
-    _checks.out_dtype(out_dtype)  # validated on every path (the float64 path returns float64)
-    spec = canonicalize(
-        q,
-        k,
-        v,
-        scale=scale,
-        bias=bias,
-        mask=mask,
-        causal=causal,
-        window=window,
-        align=align,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        gqa=gqa,
-        dropout_mask=dropout_mask,
-        dropout_p=dropout_p,
-        empty_rows=empty_rows,
-        sinks=sinks,
-        kv_lengths=kv_lengths,
-        q_descale=q_descale,
-        k_descale=k_descale,
-        v_descale=v_descale,
-        key_indices=key_indices,
-        key_block_indices=key_block_indices,
-        key_block_size=key_block_size,
-        index_reading=index_reading,
-        q_block_scale=q_block_scale,
-        k_block_scale=k_block_scale,
-        v_block_scale=v_block_scale,
-        normalizer=normalizer,
-        qv=qv,
-    )
+    _check_path(precision, backend, out_dtype)
+    spec = canonicalize(q, k, v, **options_in(locals()))
     _, heads, _, length, keys, _, vdim = spec.dims
     do = check_cotangent(spec, grad_out, "grad_out", (heads, length, vdim))
     dl = None if grad_lse is None else check_cotangent(spec, grad_lse, "grad_lse", (heads, length))

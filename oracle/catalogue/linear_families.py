@@ -226,7 +226,7 @@ def _shape_tag(shapes: Shapes) -> str:
 
 def _cases_of(row) -> list[Case]:
     form, tag, (batch, hv, heads, length, dim, edim), recipe, options, smoke, grads, text = row
-    shapes = Shapes(batch, hv, heads, length, length, dim, edim)
+    shapes = Shapes(batch=batch, H=hv, K=heads, L=length, S=length, D=dim, E=edim)
     out = []
     for dtype in DTYPES:
         name = f"lin-{form}-{tag}-{_shape_tag(shapes)}-{DTYPE_TAGS[dtype]}"

@@ -74,7 +74,7 @@ _FAMILIES = (
         False,
     ),
 )
-_SHAPES = Shapes(1, 2, 2, 4, 0, 16, 8)  # H2 L4 E8 (S, D: of the chunk attention)
+_SHAPES = Shapes(batch=1, H=2, K=2, L=4, S=0, D=16, E=8)  # H2 L4 E8 (S, D: of the chunk attention)
 
 
 def merge_cases() -> list[Case]:

@@ -55,6 +55,7 @@ from oracle.catalogue.names import DTYPES
 from oracle.cli.export import add_export_parser, run_export_command
 from oracle.conventions import signatures
 from oracle.conventions.layouts import LAYOUTS
+from oracle.diagnose.budget import DEFAULT_MULTIPLE
 from oracle.run.invariance import CHECKS as INVARIANCE_CHECKS
 
 __all__ = ["main", "build_parser"]
@@ -75,6 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
+    _add_generate(sub)
+    _add_verify(sub)
+    _add_validate(sub)
+    _add_list(sub)
+    add_export_parser(sub)
+    from oracle.power import add_parser as add_power_parser
+
+    add_power_parser(sub)
+    return parser
+
+
+def _add_generate(sub) -> None:
+    """The ``generate`` command."""
     gen = sub.add_parser("generate", help="write one .npz per case and manifest.json")
     gen.add_argument("--suite", default="default", help="suite name (default: %(default)s)")
     gen.add_argument("--out", required=True, help="output directory")
@@ -99,10 +113,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     _executor_args(gen, "cases, and blocks of one large case,")
 
+
+def _add_verify(sub) -> None:
+    """The ``verify`` command."""
     ver = sub.add_parser("verify", help="check the sha256 of every fixture in DIR")
     ver.add_argument("directory")
 
+
+def _add_validate(sub) -> None:
+    """The ``validate`` command (its options in the order of ``--help``)."""
     val = sub.add_parser("validate", help="validate an implementation")
+    _validate_selection_args(val)
+    _validate_report_args(val)
+    _validate_judging_args(val)
+    _validate_convention_args(val)
+    _validate_check_args(val)
+    _validate_run_args(val)
+
+
+def _validate_selection_args(val) -> None:
+    """What is validated: implementations, cases and the dtype."""
     val.add_argument(
         "--adapter",
         action="append",
@@ -130,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATTERN",
         help="only cases matching this fnmatch pattern (repeatable)",
     )
+
+
+def _validate_report_args(val) -> None:
+    """Report files."""
     val.add_argument("--json", metavar="FILE", help="write a JSON report")
     val.add_argument("--junit", metavar="FILE", help="write a JUnit XML report")
     val.add_argument(
@@ -141,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="failures",
         help="plots in the HTML report: the 12 worst failing cases (default), every case, or none",
     )
+
+
+def _validate_judging_args(val) -> None:
+    """How cases are judged: strictness, tolerance tier, gradients, required features."""
     val.add_argument(
         "--strict", action="store_true", help="robustness and refusal failures fail the run"
     )
@@ -165,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="fail unless some case with FEATURE was judged (repeatable or comma "
         "list: causal, mask, gqa, long-rows, gradients, window, bias, ...)",
     )
+
+
+def _validate_convention_args(val) -> None:
+    """The implementation's conventions: layout, framework, device, signature, merge."""
     val.add_argument(
         "--layout",
         choices=LAYOUTS,
@@ -191,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="merge cases (suites merge-*): impl(outs, lses) or impl(out_a, lse_a, out_b, "
         "lse_b); runs in process (see oracle.conventions.merge)",
     )
+
+
+def _validate_check_args(val) -> None:
+    """Invariance checks."""
     val.add_argument(
         "--check",
         action="append",
@@ -205,6 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="invariance warnings (bits differ, within the tolerance) fail the run",
     )
+
+
+def _validate_run_args(val) -> None:
+    """How the run goes: timeouts, memory, workers, executor, refusals."""
     val.add_argument(
         "--timeout",
         type=float,
@@ -226,6 +276,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the implementation in this process (no timeout or crash "
         "protection; for debugging with pdb)",
     )
+    val.add_argument(
+        "--diagnose-budget",
+        type=float,
+        default=DEFAULT_MULTIPLE,
+        metavar="MULTIPLE",
+        help="a failing case's diagnosis may take MULTIPLE times its judging time "
+        "(default: %(default)g; inf: unbounded); a diagnosis that ran out says what it "
+        "tried (see oracle.diagnose.budget)",
+    )
     val.add_argument("--quiet", action="store_true", help="no progress bar, failures only")
     _executor_args(val, "(implementation, case) pairs")
     val.add_argument(
@@ -242,15 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
         "%(default)s; results in case order, as a serial run's)",
     )
 
+
+def _add_list(sub) -> None:
+    """The ``list`` command."""
     lst = sub.add_parser("list", help="list suites, cases or adapters")
     lst.add_argument("what", nargs="?", default="suites", choices=("suites", "cases", "adapters"))
     lst.add_argument("--suite", default="default")
     lst.add_argument("--dtype", choices=DTYPES)
-    add_export_parser(sub)
-    from oracle.power import add_parser as add_power_parser
-
-    add_power_parser(sub)
-    return parser
 
 
 def _executor_args(parser, what: str) -> None:
@@ -375,7 +432,10 @@ def _validate(args) -> int:
         tolerance=args.tolerance,
         **signatures.options_of(args),
         strict_invariance=args.strict_invariance,
+        diagnose_budget=args.diagnose_budget,
     )
+    if not args.diagnose_budget > 0:  # NaN too
+        return _err(f"--diagnose-budget: expected a multiple > 0, got {args.diagnose_budget:g}")
     if args.workers < 1:
         return _err(f"--workers: expected an integer >= 1, got {args.workers}")
     if args.executor != "dask":

@@ -138,8 +138,11 @@ class Check:
 
     def to_dict(self) -> dict:
         grade = {} if self.grade is None else {"grade": self.grade.summary()}
+        fallback = self.threshold.n_fallback
+        one_ulp = {"one_ulp_rule_elements": fallback} if fallback else {}
         return {
             **grade,
+            **one_ulp,
             "textbook_ratio": _json_float(self.textbook_ratio),
             "quantity": self.quantity,
             "passed": self.passed,

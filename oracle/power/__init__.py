@@ -39,6 +39,7 @@ from oracle.catalogue import suite as catalogue_suite
 from oracle.catalogue.names import DTYPES
 from oracle.fixtures import golden
 from oracle.power.planted import POWER_BROKEN, TILED_BROKEN, flash, split_kv, tiled
+from refattn.spec import option as attention_option
 
 __all__ = ["power", "PowerResult", "KERNELS", "CORRECT", "render"]
 
@@ -55,7 +56,14 @@ TIERS = ("default", "tight")
 
 #: Planted bugs that only an option can show: with no selected case using it (the user's
 #: implementation does not support it), the bug is "not applicable", not "WEAK".
-NEEDS = {"softcap_order": "softcap", "causal_offset": "causal", "causal_top_left": "causal"}
+NEEDS = {
+    bug: attention_option(name).name  # a KeyError at import if refattn drops the option
+    for bug, name in (
+        ("softcap_order", "softcap"),
+        ("causal_offset", "causal"),
+        ("causal_top_left", "causal"),
+    )
+}
 
 
 @dataclass

@@ -4,7 +4,9 @@
 * no module under refattn/ or oracle/ is over :data:`MAX_MODULE_LINES` lines (one job each);
 * no Numba / numba.cuda compiled function takes more than :data:`MAX_COMPILED_PARAMETERS`
   parameters (kernels take argument vectors/records, as refattn/kernels/_args.py does);
-* oracle/ and tools/ import only public refattn names (no ``refattn._x`` module or name).
+* oracle/ and tools/ import only public refattn names (no ``refattn._x`` module or name);
+* the option list of refattn.attention (:data:`refattn.spec.OPTIONS`) is spelled out in at most
+  :data:`MAX_OPTION_LISTS` places of refattn/ and oracle/ (everything else reads the table).
 
 Each failure lists every offender with its count, so one run says all that is left to do.
 """
@@ -21,6 +23,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODULE_LINES = 900
 MAX_COMPILED_PARAMETERS = 12
+# places that may spell attention's option list: attention's and attention_vjp's signatures
+# (users and IDEs read them; tests/concepts/test_options.py holds them to the table)
+MAX_OPTION_LISTS = 4
+# this many option names in one def, call or literal is "the option list spelled out"
+OPTION_LIST_NAMES = 10
 # decorator names that compile a function (numba.njit, numba.cuda.jit, numba.vectorize, ...)
 COMPILERS = ("njit", "jit", "vectorize", "guvectorize", "generated_jit", "stencil")
 
@@ -114,3 +121,34 @@ def test_oracle_and_tools_import_only_public_refattn_names():
     }
     count = sum(map(len, private.values()))
     assert not private, f"{count} private refattn imports from oracle/ and tools/: {private}"
+
+
+def _spelled_names(node: ast.AST) -> set[str]:
+    """The names a def's parameters, a call's keywords or a literal's strings spell."""
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+        arguments = node.args
+        return {a.arg for a in arguments.posonlyargs + arguments.args + arguments.kwonlyargs}
+    if isinstance(node, ast.Call):
+        return {keyword.arg for keyword in node.keywords if keyword.arg}
+    elements = ()
+    if isinstance(node, ast.List | ast.Tuple | ast.Set):
+        elements = node.elts
+    elif isinstance(node, ast.Dict):
+        elements = [key for key in node.keys if key is not None]
+    return {e.value for e in elements if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+
+
+def test_the_option_list_is_spelled_out_in_few_places():
+    from refattn.spec import option_names
+
+    options = set(option_names())
+    spelled = [
+        f"{_relative(path)}:{node.lineno} ({type(node).__name__}, {len(names)} options)"
+        for path in _sources("refattn/**/*.py", "oracle/**/*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if len(names := _spelled_names(node) & options) >= OPTION_LIST_NAMES
+    ]
+    assert len(spelled) <= MAX_OPTION_LISTS, (
+        f"attention's option list is spelled out in {len(spelled)} places (at most "
+        f"{MAX_OPTION_LISTS}; read refattn.spec.OPTIONS instead): {spelled}"
+    )
