@@ -45,6 +45,7 @@ __all__ = [
     "required_members",
     "truth_kind",
     "register",
+    "sampled_positions",
 ]
 
 #: The outputs an implementation returns (with ``output_final_state=True``).
@@ -144,7 +145,8 @@ def _bounds_of(name: str):
 def truth(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Exact outputs (and gradients) rounded once to the case dtype and (``_f64``) to
     float64; the long rows: the float64 recurrence rounded once, with ``bound_o`` and
-    ``bound_final_state`` (float64), the a-priori bounds on its distance to the exact result."""
+    ``bound_final_state`` (float64), the a-priori bounds on its distance to the exact result,
+    o and bound_o kept at the steps ``positions`` only (:func:`sampled_positions`)."""
     result: dict[str, np.ndarray] = {}
     dtypes = [case.dtype] if case.dtype == "float64" else [case.dtype, "float64"]
     bounded = case.recipe.get("truth") == TRUTH_BOUNDED
@@ -167,7 +169,19 @@ def truth(case: Case, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]
     if bounded:
         bound_o, bound_state = _bounds_of(case.name)
         result["bound_o"], result["bound_final_state"] = bound_o, bound_state
+        positions = sampled_positions(case.shapes.L)
+        for name in [n for n in result if n.startswith(("o", "bound_o"))]:
+            result[name] = np.ascontiguousarray(result[name][:, :, positions])
+        result["positions"] = positions
     return result
+
+
+def sampled_positions(length: int) -> np.ndarray:
+    """The steps whose outputs a long row's fixture stores (every 256th and the last 128):
+    every output depends on the whole history, so sampled steps still see the errors carried
+    through all T steps, and the folder stays small."""
+    steps = np.union1d(np.arange(0, length, 256), np.arange(max(length - 128, 0), length))
+    return steps.astype(np.int64)
 
 
 def truth_kind(case: Case) -> str | None:

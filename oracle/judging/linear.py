@@ -37,7 +37,8 @@ transpose).
 (L4) *A truth with a bound.* The long rows' truth is the float64 recurrence rounded once, with
 a rigorous a-priori bound ``b`` on its distance to the exact result (truth kind
 "float64-bounded", :mod:`oracle.catalogue.linear_families`): their threshold adds ``b / s``
-(normalised by the element's scale ``s``).
+(normalised by the element's scale ``s``). Their fixtures keep o at sampled steps (member
+``positions``, :func:`oracle.catalogue.linear_inputs.sampled_positions`); o is judged there.
 
 Calling convention: ``impl(q, k, v, [g=..., beta=..., initial_state=..., cu_seqlens=...,]
 output_final_state=True, **case.options)`` with refattn's names and layout (q, k (B, H, T, D),
@@ -260,6 +261,8 @@ def _forward(impl, fixture, result, grads, notes):
     extra = None
     if case.recipe.get("truth") == TRUTH_BOUNDED:
         extra = {"o": fixture.truth["bound_o"], "final_state": fixture.truth["bound_final_state"]}
+    if "positions" in fixture.truth:  # a long row keeps sampled steps of o (L4)
+        produced, base, scales = _sampled(fixture.truth["positions"], produced, base, scales)
     floor_value = floor(case, fixture.inputs, options)
     problems = _judge_all(
         case, produced, truths, base, scales, floor_value, tol.K_FORWARD, result.checks, extra
@@ -271,6 +274,19 @@ def _forward(impl, fixture, result, grads, notes):
         else:
             problems += _check_grads(case, fixture, vjp, result.checks)
     return produced, truths, problems
+
+
+def _sampled(positions, produced, base, scales):
+    """o, its baseline and its scale at the stored steps (the other quantities whole)."""
+    steps = np.asarray(positions, dtype=np.int64)
+    produced = dict(produced)
+    length = np.shape(base["o"])[2]
+    if produced.get("o") is not None and np.ndim(produced["o"]) == 4:
+        if np.shape(produced["o"])[2] == length:
+            produced["o"] = np.asarray(produced["o"])[:, :, steps]
+    base = {**base, "o": base["o"][:, :, steps]}
+    scales = {**scales, "o": scales["o"][:, :, steps]}
+    return produced, base, scales
 
 
 def check_linear(impl, fixture, reproduce="", grads=False, diagnose=True) -> CaseResult:
