@@ -131,6 +131,7 @@ __all__ = [
     "outputs_of",
     "INPUT_BUILDERS",
     "BOOL_INPUTS",
+    "MEMBERS",
 ]
 
 #: The variant suites: variants-smoke within variants-default.
@@ -431,8 +432,14 @@ TRUTH_BUILDERS = {name: truth for name in FUNCTIONS}
 INPUT_BUILDERS = {name: make_inputs for name in FUNCTIONS}
 
 
+#: Case.function -> required_members(case) of a family with its own fixture members.
+MEMBERS: dict[str, Callable[[Case], tuple[list[str], list[str]]]] = {}
+
+
 def required_members(case: Case) -> tuple[list[str], list[str]]:
     """(inputs, truth) member names a fixture file of ``case`` must hold (for verify)."""
+    if case.function in MEMBERS:
+        return MEMBERS[case.function](case)
     spec = FUNCTIONS[case.function]
     outputs = spec.outputs + (grad_names(case.function) if case.grads else ())
     inputs = list(spec.inputs) + (["grad_out"] if case.grads else [])

@@ -73,6 +73,7 @@ import inspect
 import ml_dtypes
 import numpy as np
 
+from oracle.conventions import linear_presets
 from oracle.conventions.layouts_fp4 import fp4_paged
 from oracle.conventions.layouts_latent import latent_paged_layout
 from oracle.conventions.layouts_sparse import (  # layout="dsa": blhd with indices (B, L, K, T)
@@ -206,6 +207,8 @@ def wrap(
     convention = check_convention(
         layout, framework, device, signature, causal_align, keywords, empty_rows
     )
+    if linear_presets.is_linear(signature):
+        return linear_presets.wrap(impl, signature, device)  # oracle.conventions.linear_presets
     layout, framework = convention["layout"], convention["framework"]
     speaks = _speaker(convention, impl)
     if layout == "bhld" and framework == "numpy" and speaks is None:

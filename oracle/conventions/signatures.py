@@ -675,3 +675,9 @@ def options_of(args) -> dict:
         "empty_rows": getattr(args, "empty_rows", None),
     }
     return {name: value for name, value in found.items() if value}
+
+
+# the linear-attention presets (fla_*, transformers_gated_delta_rule) join the table
+from oracle.conventions.linear_presets import PRESETS as _LINEAR_PRESETS  # noqa: E402
+
+PRESETS.update(_LINEAR_PRESETS)

@@ -72,6 +72,7 @@ from oracle.diagnose.tiles import storage_dtype
 from oracle.judging import parts
 from oracle.judging import tolerance as tol
 from oracle.judging.empty_rows import read_case
+from oracle.judging.linear import check_linear, is_linear
 from oracle.judging.must_refuse import check_refusal, is_refusal
 from oracle.judging.passing import passed_options
 from oracle.judging.refused import refusing
@@ -372,6 +373,8 @@ def check_fixture(
     if is_refusal(case):  # malformed inputs: the implementation must raise (must_refuse)
         found = check_refusal(impl, fixture, reproduce, passed_options(fixture.options, impl))
         return _with_tiers(found, tiers)
+    if is_linear(case):  # the linear-attention family (oracle.judging.linear)
+        return _with_tiers(check_linear(impl, fixture, reproduce, grads, diagnose), tiers)
     if case.function != "attention":
         return _with_tiers(_check_variant(impl, fixture, reproduce, grads), tiers)
     # a declared reading of rows with no allowed key (oracle.judging.empty_rows)

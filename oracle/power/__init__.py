@@ -76,6 +76,7 @@ class PowerResult:
     failures: dict[str, dict[str, dict[str, list[str]]]] = field(default_factory=dict)
     seconds: float = 0.0
     options: set[str] = field(default_factory=set)  # the options some selected case uses
+    summed: bool = False  # a bug is caught by `need` cases over all dtypes (linear suites)
 
     def caught(self, kernel: str, dtype: str, tier: str = "default") -> int:
         return len(self.failures[kernel][tier].get(dtype, []))
@@ -165,6 +166,9 @@ def power(
     -------
     PowerResult
     """
+    if _linear.handles(suite, fixtures):  # the linear-attention suites (oracle.power.linear)
+        return _linear.power(suite=suite, dtypes=dtypes, cases=cases, kernels=kernels,
+                             progress=progress)  # fmt: skip
     start = time.perf_counter()
     names = list(kernels or KERNELS)
     unknown = [n for n in names if n not in KERNELS]
@@ -200,8 +204,9 @@ def render(result: PowerResult, *, need: int = 5, list_cases: bool = False) -> s
         cells = [f"{result.caught(name, d)}/{result.caught(name, d, 'tight')}" for d in dtypes]
         if name in NEEDS and NEEDS[name] not in result.options:
             verdict = f"not applicable: no case uses {NEEDS[name]}"
-        elif KERNELS[name][1]:
-            weakest = min(result.caught(name, d, "tight") for d in dtypes) if dtypes else 0
+        elif {**KERNELS, **_linear.KERNELS}[name][1]:
+            counted = sum if result.summed else min  # per dtype, or over the suite
+            weakest = counted(result.caught(name, d, "tight") for d in dtypes) if dtypes else 0
             verdict = "caught" if weakest >= need else f"WEAK (< {need} in some dtype)"
         else:
             clean = all(not tiers[t] for t in TIERS)
@@ -217,6 +222,10 @@ def render(result: PowerResult, *, need: int = 5, list_cases: bool = False) -> s
                     lines.append(f"{name} {dtype}: {' '.join(caught)}")
     lines.append(f"({result.seconds:.0f} s)")
     return "\n".join(lines)
+
+
+# the linear-attention kernels and their power run (they need PowerResult above)
+from oracle.power import linear as _linear  # noqa: E402
 
 
 class _CallableModule(types.ModuleType):
