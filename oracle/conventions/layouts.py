@@ -68,17 +68,21 @@ Examples
 from __future__ import annotations
 
 import functools
+import inspect
 
 import ml_dtypes
 import numpy as np
 
+from oracle.conventions import linear_presets
 from oracle.conventions.layouts_fp4 import fp4_paged
 from oracle.conventions.layouts_latent import latent_paged_layout
 from oracle.conventions.layouts_sparse import (  # layout="dsa": blhd with indices (B, L, K, T)
     dsa_layout,
     refused_keyword,
 )
+from oracle.conventions.signatures import Call, declared, get
 from oracle.judging.empty_rows import check_reading, declare
+from refattn.logspace import base_factor
 
 __all__ = [
     "LAYOUTS",
@@ -113,13 +117,10 @@ def check_convention(
     ``signature`` (a preset of :mod:`oracle.conventions.signatures`) brings its layout and framework
     (an explicit other one is an error); ``causal_align`` and ``keywords`` declare a
     function's own conventions without a preset (:func:`oracle.conventions.signatures.declared`).
-    The
-    dict has those keys only when they are given.
+    The dict has those keys only when they are given.
     """
     extra = {}
     if signature is not None:
-        from oracle.conventions.signatures import get
-
         preset = get(signature)
         if causal_align is not None or keywords:
             raise ValueError(
@@ -138,8 +139,6 @@ def check_convention(
         layout, framework = preset.layout, preset.framework
         extra["signature"] = signature
     elif causal_align is not None or keywords:
-        from oracle.conventions.signatures import declared
-
         declared(layout, causal_align, keywords)  # a clear error for a bad declaration
         if causal_align is not None:
             extra["causal_align"] = causal_align
@@ -147,8 +146,6 @@ def check_convention(
             extra["keywords"] = keywords
     empty_rows = check_reading(empty_rows)
     if empty_rows is None and signature is not None:
-        from oracle.conventions.signatures import get
-
         empty_rows = getattr(get(signature), "empty_rows", None)
     if empty_rows is not None:
         extra["empty_rows"] = empty_rows
@@ -210,6 +207,8 @@ def wrap(
     convention = check_convention(
         layout, framework, device, signature, causal_align, keywords, empty_rows
     )
+    if linear_presets.is_linear(signature):
+        return linear_presets.wrap(impl, signature, device)  # oracle.conventions.linear_presets
     layout, framework = convention["layout"], convention["framework"]
     speaks = _speaker(convention, impl)
     if layout == "bhld" and framework == "numpy" and speaks is None:
@@ -280,8 +279,6 @@ def _speaker(convention, impl=None):
     """None, or ``speak(q, k, v, options, kwargs) -> kwargs`` putting the layout's keywords
     and the options (refattn's names) into the function's own keywords
     (:mod:`oracle.conventions.signatures`)."""
-    from oracle.conventions.signatures import Call, declared, get
-
     if "signature" in convention:
         preset = get(convention["signature"])
     else:
@@ -302,8 +299,6 @@ def _speaker(convention, impl=None):
         return {**spoken, **layout_words}
 
     speak.lse_axes = preset.lse_axes
-    from refattn.logspace import base_factor
-
     speak.lse_factor = base_factor(preset.lse_base)
     parameters = _parameter_names(impl) if preset.adapt is not None else set()
 
@@ -317,8 +312,6 @@ def _speaker(convention, impl=None):
 
 
 def _parameter_names(impl) -> set:
-    import inspect
-
     try:
         return set(inspect.signature(impl).parameters)
     except (TypeError, ValueError):
@@ -342,11 +335,34 @@ def _bhld(q, k, v, options):
     return (q, k, v), dict(options), lambda x, what: x
 
 
+#: Options laid out per query row (B, H, L, X) or per key (B, K, S, X) beside q, k, v: every
+#: layout moves them with the tensor they belong to (q's rows: qv, q_block_scale, and the
+#: per-row index lists key_indices / key_block_indices (B, K, L, T); k's and v's keys: the
+#: block scales). The (B, H, L, S) mask, bias and dropout_mask are not among them.
+PER_ROW = ("qv", "q_block_scale", "key_indices", "key_block_indices")
+PER_KEY = {"k_block_scale": "k", "v_block_scale": "v"}
+
+
+def _moved(options, move_row, move_key=None):
+    """``options`` with every per-row array through ``move_row`` and every per-key one through
+    ``move_key`` (None: per-key arrays as they are)."""
+    moved = dict(options)
+    for name in PER_ROW:
+        if moved.get(name) is not None:
+            moved[name] = move_row(np.asarray(moved[name]))
+    if move_key is not None:
+        for name in PER_KEY:
+            if moved.get(name) is not None:
+                moved[name] = move_key(np.asarray(moved[name]))
+    return moved
+
+
 def _blhd(q, k, v, options):
     def unpack(x, what):
         return x if what == "lse" else _to_blhd(x)
 
-    return (_to_blhd(q), _to_blhd(k), _to_blhd(v)), dict(options), unpack
+    kwargs = _moved(options, _to_blhd, _to_blhd)
+    return (_to_blhd(q), _to_blhd(k), _to_blhd(v)), kwargs, unpack
 
 
 #: The message of a case the layout cannot carry (reports count these apart from the
@@ -396,6 +412,13 @@ def _packed(q, k, v, options):
             tokens = np.concatenate([tokens[b, : counts[b]] for b in range(batch)])
         return np.ascontiguousarray(tokens.reshape(-1, *a.shape[1:2], a.shape[3]))
 
+    def pack_rows(a):
+        return pack(np.broadcast_to(a, (batch, *a.shape[-3:])))
+
+    def pack_keys(a):
+        return pack(np.broadcast_to(a, (batch, *a.shape[-3:])), lengths)
+
+    options = _moved(options, pack_rows, pack_keys)
     kwargs = dict(
         options,
         cu_seqlens_q=cu_q,
@@ -428,15 +451,20 @@ def _paged(q, k, v, options):
     pages = batch * per_seq + 1  # page 0 is never used
     # logical page p of sequence b lives at physical page pages - 1 - (b * per_seq + p)
     table = pages - 1 - (np.arange(batch)[:, None] * per_seq + np.arange(per_seq)[None, :])
-    caches = []
-    for a in (k, v):
-        cache = np.full((pages, page, kv_heads, a.shape[-1]), np.nan, dtype=a.dtype)
+
+    def paged(a):
+        a = np.broadcast_to(a, (batch, *a.shape[-3:]))
+        cache = np.full((pages, page, a.shape[1], a.shape[-1]), _unowned(a.dtype), a.dtype)
         seq = np.swapaxes(a, 1, 2)  # (B, S, K, .)
         for b in range(batch):
             for p in range(per_seq):
                 chunk = seq[b, p * page : min((p + 1) * page, lengths[b])]
                 cache[table[b, p], : len(chunk)] = chunk
-        caches.append(cache)
+        return cache
+
+    caches = [paged(k), paged(v)]
+    assert caches[0].shape[2] == kv_heads
+    options = _moved(options, lambda a: _to_blhd(np.broadcast_to(a, (batch, *a.shape[-3:]))), paged)
     kwargs = dict(
         options,
         block_table=table.astype(np.int32),
@@ -449,7 +477,29 @@ def _paged(q, k, v, options):
     return (_to_blhd(q), caches[0], caches[1]), kwargs, unpack
 
 
-_LAYOUT_IN = {"bhld": _bhld, "blhd": _blhd, "packed": _packed, "paged": _paged, "dsa": dsa_layout}
+def _unowned(dtype):
+    """What a slot no sequence owns holds: NaN, or for a format without NaN (float4 codes,
+    e8m0 scales have one: 0xFF) its NaN code, else the largest value."""
+    dtype = np.dtype(dtype)
+    if dtype.name == "float8_e4m3fn":
+        return np.array(0x7F, np.uint8).view(dtype)
+    if dtype.name == "float8_e8m0fnu":
+        return np.array(0xFF, np.uint8).view(dtype)
+    if dtype.name == "float4_e2m1fn":
+        return np.array(0, np.uint8).view(dtype)
+    return np.nan
+
+
+def _dsa(q, k, v, options):
+    """The DSA convention, the per-row arrays (qv, q's block scales) and per-key ones (k's
+    and v's block scales) moved to blhd with q, k, v."""
+    moved = {n: x for n, x in options.items() if n not in ("key_indices", "key_block_indices")}
+    moved = _moved(moved, _to_blhd, _to_blhd)
+    rest = {n: options[n] for n in ("key_indices", "key_block_indices") if n in options}
+    return dsa_layout(q, k, v, {**moved, **rest})
+
+
+_LAYOUT_IN = {"bhld": _bhld, "blhd": _blhd, "packed": _packed, "paged": _paged, "dsa": _dsa}
 _LAYOUT_IN["fp4-paged"] = fp4_paged  # a packed fp4 KV cache (oracle/conventions/layouts_fp4.py)
 _LAYOUT_IN["latent-paged"] = latent_paged_layout(
     _paged
@@ -476,6 +526,7 @@ class _Bridge:
         self.framework, self.device = framework, device
         if framework == "torch":
             try:
+                # optional package (torch extra)
                 import torch
             except ImportError:
                 raise ImportError(
@@ -486,6 +537,7 @@ class _Bridge:
             self.torch = torch
         elif framework == "jax":
             try:
+                # optional package (jax extra)
                 import jax
                 import jax.numpy as jnp
             except ImportError:

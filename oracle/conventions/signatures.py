@@ -67,11 +67,15 @@ align='top_left' with L = 3 != S = 5 cannot be expressed
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from oracle.adapters import exact_cast
+from oracle.catalogue.names import ATTENTION_OPTIONS
 from oracle.conventions.signatures_adapt import kvcache_page_table, xformers_groups
+from oracle.reading.allowed import options_allowed
 
 __all__ = [
     "Signature",
@@ -286,8 +290,6 @@ def _nan_rows(value, call):
 
 
 def _float32_slopes(value, call):
-    from oracle.adapters import exact_cast
-
     return exact_cast(value, np.float32, "alibi_slopes", "FlashAttention")
 
 
@@ -354,8 +356,6 @@ def _sdpa_attn_mask(call):
         allowed = tril if allowed is None else allowed & tril
     if bias is None:
         return {"attn_mask": allowed}
-    from oracle.adapters import exact_cast
-
     dtype = call.dtype
     bias = exact_cast(np.asarray(bias), dtype, "bias", "torch scaled_dot_product_attention")
     if allowed is not None:
@@ -375,8 +375,6 @@ def _jax_lengths(value, call):
 
 
 def _jax_bias(value, call):
-    from oracle.adapters import exact_cast
-
     dtype = call.dtype
     return exact_cast(np.asarray(value), dtype, "bias", "jax.nn.dot_product_attention")
 
@@ -400,8 +398,6 @@ def _jax_check(call):
 def _empty_rows(call, bias=True):
     """The query rows of the case with no allowed key (docs/conventions.md's set; ``bias=False``:
     a -inf bias left out), a boolean (..., L)."""
-    from oracle.reading.allowed import options_allowed
-
     allowed = options_allowed(call.length, call.keys, call.options, bias=bias)
     return ~np.asarray(allowed).any(axis=-1)
 
@@ -425,8 +421,6 @@ def _flashinfer_window(window, call):
 
 def _xformers_extra(call):
     """causal, window, key lengths and mask as one additive attn_bias of 0 / -inf (exact)."""
-    from oracle.reading.allowed import options_allowed
-
     opts = call.options
     structural = any(
         opts.get(n) is not None and opts.get(n) is not False
@@ -438,8 +432,6 @@ def _xformers_extra(call):
     dtype = call.dtype
     bias = opts.get("bias")
     if bias is not None:
-        from oracle.adapters import exact_cast
-
         bias = exact_cast(np.asarray(bias), dtype, "bias", "xformers memory_efficient_attention")
     else:
         bias = np.zeros((), dtype=dtype)
@@ -571,8 +563,6 @@ def get(name) -> Signature:
 
 def parse_keywords(keywords) -> dict:
     """``["scale=softmax_scale", ...]`` (or a dict) -> {refattn option: the function's name}."""
-    from oracle.catalogue.names import ATTENTION_OPTIONS
-
     if isinstance(keywords, dict):
         pairs = dict(keywords)
     else:
@@ -623,10 +613,6 @@ def function_defaults(impl) -> dict:
     Empty for an implementation behind a signature preset or declared renames (its options
     reach it translated, with their absence meaning refattn's default) and for one whose
     signature cannot be read."""
-    import inspect
-
-    from oracle.catalogue.names import ATTENTION_OPTIONS
-
     convention = getattr(impl, "convention", None) or {}
     if impl is None or {"signature", "causal_align", "keywords"} & set(convention):
         return {}
@@ -689,3 +675,9 @@ def options_of(args) -> dict:
         "empty_rows": getattr(args, "empty_rows", None),
     }
     return {name: value for name, value in found.items() if value}
+
+
+# the linear-attention presets (fla_*, transformers_gated_delta_rule) join the table
+from oracle.conventions.linear_presets import PRESETS as _LINEAR_PRESETS  # noqa: E402
+
+PRESETS.update(_LINEAR_PRESETS)

@@ -50,6 +50,10 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
+from oracle.reading.features import KNOWN_FEATURES, case_features
+
 __all__ = ["settings", "read_patterns", "session", "Session"]
 
 _OPTIONS = {
@@ -132,6 +136,7 @@ def settings(config) -> dict | None:
     if values["dtype"] == "all":
         values["dtype"] = None
     values["require"] = _required(values["require"])
+    # start-up cost: numpy loads only with an implementation (pytest loads this plugin always)
     from oracle.conventions.layouts import check_convention
 
     try:
@@ -145,8 +150,6 @@ def settings(config) -> dict | None:
             values.pop("empty_rows"),
         )
     except ValueError as err:
-        import pytest
-
         option = str(err).split(":")[0].replace("_", "-")
         raise pytest.UsageError(f"--refattn-{option}: {err}") from None
     return values
@@ -169,13 +172,9 @@ def read_patterns(path) -> list[str]:
 
 
 def _required(text) -> tuple:
-    from oracle.reading.features import KNOWN_FEATURES
-
     names = [p.strip().lower() for p in str(text or "").split(",") if p.strip()]
     unknown = [n for n in names if n not in KNOWN_FEATURES]
     if unknown:
-        import pytest
-
         raise pytest.UsageError(
             f"--refattn-require: unknown feature(s) {unknown}; expected some of "
             f"{list(KNOWN_FEATURES)}"
@@ -195,6 +194,7 @@ class Session:
         self.supervisor = None
 
     def run(self, fixture, reproduce):
+        # start-up cost: loaded by the first case, not by every pytest run
         from oracle.run.supervise import DEFAULT_TIMEOUT, Supervisor
 
         if self.supervisor is None:
@@ -207,8 +207,6 @@ class Session:
                 ref = (ref, self.values["convention"])
             self.supervisor = Supervisor(ref, timeout=DEFAULT_TIMEOUT)
         result = self.supervisor.run(fixture, grads=self.values["grads"], reproduce=reproduce)
-        from oracle.reading.features import case_features
-
         result.features, result.shape_classes = case_features(
             fixture.case, self.values["grads"], fixture.inputs
         )
@@ -216,7 +214,8 @@ class Session:
         return result
 
     def report(self):
-        from oracle.judging.results import Report
+        # start-up cost: refattn and Numba (~3 s) load only in a conformance session
+        from oracle.report.run_report import Report
 
         values = self.values
         source = (
@@ -259,6 +258,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     state = _SESSIONS.pop(id(config), None)
     if state is None or not state.results:
         return
+    # start-up cost: refattn and Numba (~3 s) load only in a conformance session
     from oracle.report.formats import coverage_lines
 
     terminalreporter.section("refattn oracle coverage")

@@ -116,6 +116,8 @@ def _make_paged(high_first=False):
             args[f"{name}_block_scale"] = _gather(
                 options.pop(f"{name}_block_scale"), block_table, keys
             )
+        if np.any(np.asarray(cache_seqlens) != keys):  # per-row lengths: past S_b excluded
+            options["kv_lengths"] = np.asarray(cache_seqlens)
         if q.dtype == np.uint8:
             q = _unpack(q, high_first).view(f4)
             options["q_block_scale"] = np.swapaxes(options["q_block_scale"], 1, 2)
