@@ -9,10 +9,10 @@ docs/tile-kernels.md), in every dtype of default and full:
 
 =========================  ====================================================================
 ``tile``, ``tile-causal``  ``L = S`` in {64, 128, 256, 512, 1024}, ``D = E = 64``, H = K = 2
-                           (H = K = 1 from 512 on), no causal and causal (top-left =
+                           (H = K = 1 from 128 on), no causal and causal (top-left =
                            bottom-right when ``L = S``)
 ``tile``  (D = 128)        ``L = S`` in {64, 256}, ``D = E = 128``, both causal settings
-``tile-gqa[-causal]``      ``H = 4, K = 2`` (``H = 2, K = 1`` at 512; GQA, refattn's
+``tile-gqa[-causal]``      ``H = 2, K = 1`` (GQA, refattn's
                            ``gqa="interleave"`` default), ``L = S`` in {128, 512}, both causal
 ``tile-outlier``           outlier channels (3 dims of q and k 32x larger), 256 x 256
 ``tile-peaky-late-causal`` a row max that moves in every key tile (online rescale), causal
@@ -22,7 +22,7 @@ docs/tile-kernels.md), in every dtype of default and full:
 
 No option beyond ``causal`` (and its ``align``, which does not matter when ``L = S``) is set,
 so an implementation without ``mask``/``bias``/``gqa``/``empty_rows`` keywords receives none
-of them (options equal to refattn's defaults are not passed). Cases with ``L >= 512`` are
+of them (options equal to refattn's defaults are not passed). Cases with ``L >= 256`` are
 compact fixtures (:mod:`oracle.fixtures.compact`): load them with ``oracle.load``.
 """
 
@@ -55,14 +55,16 @@ def _entry(tag, shapes, description, causal, recipe=None) -> Entry:
     )
 
 
-#: From this length on a tile case has one kv head (two query heads with GQA) and its
-#: fixture stores no inputs (they are regenerated from the seed on load): the folder of
-#: ``default`` grows by a few MB, not by the 100 MB the stored inputs would take.
-_COMPACT_FROM = 512
+#: From this length on a tile case's fixture stores no inputs (they are regenerated from the
+#: seed on load), and from :data:`_ONE_KV_HEAD_FROM` on it has one kv head (two query heads
+#: with GQA): the tile cases add about 25 MB to the folder of ``default`` (the truths in the
+#: case dtype and in float64), not the 100 MB stored inputs and two heads throughout take.
+_COMPACT_FROM = 256
+_ONE_KV_HEAD_FROM = 128
 
 
 def _square(n, D, H=2, K=2) -> Shapes:
-    if n >= _COMPACT_FROM:
+    if n >= _ONE_KV_HEAD_FROM:
         H, K = H // K, 1
     return Shapes(1, H, K, n, n, D, D)
 
@@ -99,7 +101,7 @@ def tile_entries() -> list[Entry]:
         ("tile-sink", 128, False, {"qkv": "sink"}, "a sink key taking most of every row's weight"),
         (
             "tile-uniform",
-            512,
+            256,
             False,
             {"qkv": "gaussian", "sigma": 0.0625},
             "near-uniform rows (tiny logits)",
