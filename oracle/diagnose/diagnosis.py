@@ -548,12 +548,19 @@ def diagnose(view, out, *, limit, max_pairs=True) -> list[str]:
     found = []
     with np.errstate(all="ignore"):
         own = dict(options)  # apply() never changes its argument: one dict, one exact_parts
-        for index, alt in enumerate(setup.candidates, 1):
-            fits = explains(alt.label, index, len(setup.candidates), *alt.apply(own, {}))
+        applied = [(alt, *alt.apply(own, {})) for alt in setup.candidates]
+        # cheapest first (the list's order, the likeliest first, within a cost); the matches
+        # are reported in the list's order
+        order = sorted(range(len(applied)), key=lambda i: (_cost(own, *applied[i][1:]), i))
+        matched = {}
+        for count, i in enumerate(order, 1):
+            alt, opts, extras = applied[i]
+            fits = explains(alt.label, count, len(order), opts, extras)
             if fits is None:
-                return found
+                return [matched[i] for i in sorted(matched)]
             if fits:
-                found.append(named(alt.label, fits))
+                matched[i] = named(alt.label, fits)
+        found = [matched[i] for i in sorted(matched)]
         if found or not (max_pairs and setup.pairs):
             return found
         pairs = [
@@ -571,6 +578,15 @@ def diagnose(view, out, *, limit, max_pairs=True) -> list[str]:
             if fits:
                 found.append(named(label, fits))
     return found
+
+
+def _cost(own, opts, extras) -> int:
+    """0: a kernel model reweighting the case's own weights (no new evaluation); 1: one
+    textbook evaluation (another reading of the options); 2: a kernel model dropping keys."""
+    if "drop_keys" in extras:
+        return 2
+    kernel = "reweight" in extras or "zero_rows" in extras
+    return 0 if kernel and opts is own else 1
 
 
 class _CaseSetup:

@@ -270,7 +270,7 @@ def validate(
         (:mod:`oracle.diagnose.diagnosis`).
     diagnose_budget : float
         A failing case's diagnosis may take this many times the case's judging time
-        (default :data:`oracle.diagnose.budget.DEFAULT_MULTIPLE`, 5; at least
+        (default :data:`oracle.diagnose.budget.DEFAULT_MULTIPLE`, 2; at least
         :data:`~oracle.diagnose.budget.FLOOR_SECONDS`; ``math.inf``: unbounded). Readings are
         tried likeliest first; one whose evaluation is cheap is always tried (small cases are
         diagnosed the same on any machine); a diagnosis that ran out says so in one line with
