@@ -154,9 +154,11 @@ def reproduce_command(
     tolerance="default",
     check=None,
     convention=None,
+    extra_flags="",
 ):
     """The ``refattn-oracle validate`` command line that re-runs one case (or one of its
-    invariance checks)."""
+    invariance checks); ``extra_flags`` are those of an adapted implementation (a merge
+    convention's ``--merge-convention``, ``--framework``)."""
     impl_part = (
         "--impl <module:function>"
         if impl_spec is None
@@ -168,6 +170,7 @@ def reproduce_command(
         + (f" --tolerance {tolerance}" if tolerance != "default" else "")
         + (f" --check {check}" if check else "")
         + _convention_flags(convention)
+        + extra_flags
     )
     return f"refattn-oracle validate {impl_part} {source_flag} --dtype {dtype} --case {name}{extra}"
 
@@ -348,6 +351,8 @@ def validate(
         if spec is None and isinstance(impl, str):
             spec = impl
         fn = wrap(unwrapped, **convention)
+        spec = spec or getattr(unwrapped, "impl_spec", None)  # an adapted merge function's
+    extra_flags = getattr(unwrapped, "reproduce_flags", "")
     patterns = _patterns(cases)
     label, items, source_arg = _sources(suite, fixtures, dtype, patterns)
     if not items:
@@ -392,6 +397,7 @@ def validate(
             strict,
             tolerance,
             convention=convention,
+            extra_flags=extra_flags,
         )
         judged = dict(grads=grads, diagnose=diagnose, reproduce=repro, tolerance=tolerance)
         if worker is None:
