@@ -13,7 +13,9 @@ import pytest
 
 from oracle.conventions.merge import adapt
 from oracle.conventions.signatures import Call, get
+from oracle.diagnose.guidance import hint
 from oracle.run.validate import resolve_impl, validate
+from tests.planted import library_2026
 
 pytestmark = pytest.mark.peers("torch")
 
@@ -85,3 +87,20 @@ def test_flashmla_sparse_passes_the_mla_sparse_cases():
     verdicts.update(r.verdict for r in report.results)
     assert report.passed, [r.explain() for r in report.failures]
     assert verdicts["pass"] >= 1 and set(verdicts) <= {"pass", "unsupported"}, verdicts
+
+
+@pytest.mark.parametrize(
+    "function, preset",
+    [
+        ("flash_mla_sparse_fwd", "flashmla_sparse"),
+        ("flash_mla_with_kvcache", "flashmla_kvcache"),
+        ("trtllm_batch_decode_with_kv_cache", "flashinfer_trtllm_decode"),
+        ("merge_state", "flashinfer_merge_state"),
+        ("merge_states", "flashinfer_merge_states"),
+        ("flash_attn_func", "flash_attn_3"),
+        ("flash_attn_with_kvcache", "flash_attn_3_kvcache"),
+    ],
+)
+def test_first_case_guidance_names_the_matching_preset(function, preset):
+    said = hint(getattr(library_2026, function), [], {"layout": "bhld"})
+    assert said is not None and said.endswith(f"--signature {preset}"), said
