@@ -30,6 +30,7 @@ import functools
 
 import numpy as np
 
+import refattn
 from oracle.catalogue import seeding, variants
 from oracle.catalogue.case import Case, Shapes, seed_of
 from oracle.catalogue.names import DTYPE_TAGS, DTYPES
@@ -110,8 +111,6 @@ def _chunk_states_of(name: str):
 
 
 def _chunk_states(case: Case, st: Streams):
-    import refattn
-
     n, recipe = case.shapes, case.recipe
     q = seeding.to_dtype(st.gaussian("q", (n.H, n.L, n.D)), case.dtype)
     k = seeding.to_dtype(st.gaussian("k", (n.H, n.S, n.D)), case.dtype)

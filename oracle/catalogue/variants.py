@@ -98,6 +98,8 @@ Gradients: scale :func:`oracle.judging.variant_scales.grad_scale`, baseline refa
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -341,8 +343,6 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
 
 
 def _function(case: Case):
-    import importlib
-
     spec = FUNCTIONS[case.function]
     return getattr(importlib.import_module(spec.module), spec.attribute)
 
@@ -379,8 +379,6 @@ def vjp_of(function: str):
     ``d<name>`` per positional array argument; ``grad_out`` is the cotangent of f's first
     output (``out``; ``means`` for the mean-field fixed points).
     """
-    import importlib
-
     spec = FUNCTIONS[function]
     try:
         module = importlib.import_module(spec.module)
@@ -392,8 +390,6 @@ def vjp_of(function: str):
 def grad_names(function: str) -> tuple[str, ...]:
     """``d<name>`` for each positional array argument of the function's vjp (those before
     grad_out), or () without a vjp."""
-    import inspect
-
     vjp = vjp_of(function)
     if vjp is None:
         return ()

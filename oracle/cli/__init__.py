@@ -50,13 +50,24 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
+from oracle import adapters, catalogue
 from oracle.catalogue.names import DTYPES
 from oracle.cli.export import add_export_parser, run_export_command
 from oracle.conventions import signatures
 from oracle.conventions.layouts import LAYOUTS
+from oracle.conventions.merge import adapt
 from oracle.diagnose.budget import DEFAULT_MULTIPLE
+from oracle.fixtures import golden
+from oracle.power import add_parser as add_power_parser
+from oracle.power import run_command
+from oracle.report.formats import PLOT_HINT, coverage_lines, plotting_available
+from oracle.run import validate as V  # the module (callable), see oracle/__init__.py
+from oracle.run.distribute import dask_runner, validate_many
+from oracle.run.impls import locate_impl
 from oracle.run.invariance import CHECKS as INVARIANCE_CHECKS
+from oracle.run.supervise import MAX_TIMEOUT
 
 __all__ = ["main", "build_parser"]
 
@@ -81,8 +92,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_validate(sub)
     _add_list(sub)
     add_export_parser(sub)
-    from oracle.power import add_parser as add_power_parser
-
     add_power_parser(sub)
     return parser
 
@@ -184,11 +193,12 @@ def _validate_judging_args(val) -> None:
     )
     val.add_argument(
         "--tolerance",
-        choices=("default", "tight"),
+        choices=("default", "tight", "both"),
         default="default",
         help="tolerance tier: default (no false alarm on any correct algorithm) "
         "or tight (the expected error of a correct float32-accumulating "
-        "kernel: narrower accumulation fails); see oracle.judging.tolerance",
+        "kernel: narrower accumulation fails), or both (one call per case, a report "
+        "per tier); see oracle.judging.tolerance",
     )
     val.add_argument(
         "--grads",
@@ -339,8 +349,6 @@ def _err(message) -> int:
 
 
 def _generate(args) -> int:
-    from oracle.fixtures import golden
-
     if args.workers < 1:
         return _err(f"--workers: expected an integer >= 1, got {args.workers}")
     problem = _executor_problem(args)
@@ -348,8 +356,6 @@ def _generate(args) -> int:
         return _err(problem)
     runner = None
     if args.executor == "dask":
-        from oracle.run.distribute import dask_runner
-
         runner = dask_runner(args.scheduler)
     try:
         path = golden.generate(
@@ -376,8 +382,6 @@ def _generate(args) -> int:
 
 
 def _verify(args) -> int:
-    from oracle.fixtures import golden
-
     problems = golden.verify(args.directory)
     for problem in problems:
         print(problem)
@@ -386,16 +390,12 @@ def _verify(args) -> int:
 
 
 def _validate(args) -> int:
-    from pathlib import Path
-
-    from oracle.run import validate as V  # the module (callable), see oracle/__init__.py
-    from oracle.run.impls import locate_impl
-    from oracle.run.supervise import MAX_TIMEOUT
-
     specs = [*args.impl, *args.adapter]
     if not specs:
         return _err("give the implementation: --adapter NAME or --impl module:function")
     problem = _executor_problem(args) or _limits_problem(args, MAX_TIMEOUT)
+    if args.tolerance == "both" and args.executor == "dask":
+        problem = "--tolerance both: not with --executor dask (run each tier)"
     if problem:
         return _err(problem)
     if args.impl and os.getcwd() not in sys.path:
@@ -443,16 +443,12 @@ def _validate(args) -> int:
     if args.refusals_are_errors:
         options["refusals_are_errors"] = True
     if args.merge_convention or (args.suite or "").startswith("merge"):
-        from oracle.conventions.merge import adapt
-
         convention = args.merge_convention or "stacked"
         specs = [(V.resolve_impl(spec)[0], spec) for spec in specs]
         specs = {name: adapt(fn, convention, args.framework, args.device) for fn, name in specs}
         options.update(isolate=False, framework="numpy")
     try:
         if args.executor == "dask":
-            from oracle.run.distribute import validate_many
-
             reports = validate_many(specs, scheduler=args.scheduler, **options)
         else:
             reports = {
@@ -467,6 +463,12 @@ def _validate(args) -> int:
         return _err(str(err))
     except (KeyError, ValueError) as err:
         return _err(str(err).strip('"'))
+    if args.tolerance == "both":  # one call per case judged in both tiers: a report per tier
+        reports = {
+            f"{s}@{t}": r
+            for s, x in reports.items()
+            for t, r in (("default", x), ("tight", x.tight))
+        }
     for spec, report in reports.items():
         problem = _print_report(args, report, spec if len(reports) > 1 else None)
         if problem:
@@ -501,8 +503,6 @@ def _report_paths_problem(args, specs) -> str | None:
 
 
 def _output_file_problem(path: str) -> str | None:
-    from pathlib import Path
-
     if not path:
         return "expected a file path, got an empty string"
     file = Path(path)
@@ -528,8 +528,6 @@ def _print_report(args, report, spec) -> str | None:
         else "\n".join(r.explain() for r in report.failures) or "no failures"
     )
     if args.quiet and report.untested:
-        from oracle.report.formats import coverage_lines
-
         print("\n".join(coverage_lines(report)[-4:]))
     for flag in _REPORT_FLAGS:
         if getattr(args, flag) is None:
@@ -543,8 +541,6 @@ def _print_report(args, report, spec) -> str | None:
         except OSError as err:  # checked before the run; the disk can still fill up
             return f"--{flag} {path}: cannot write the report ({err.strerror or err})"
     if args.html:
-        from oracle.report.formats import PLOT_HINT, plotting_available
-
         if not plotting_available():
             print(f"refattn-oracle: {PLOT_HINT}", file=sys.stderr)
     return None
@@ -553,16 +549,12 @@ def _print_report(args, report, spec) -> str | None:
 def _per_impl(path: str, spec) -> str:
     if spec is None:
         return path
-    from pathlib import Path
-
     tag = "".join(c if c.isalnum() or c in "-_." else "_" for c in spec)
     file = Path(path)
     return str(file.with_name(f"{file.stem}-{tag}{file.suffix}"))
 
 
 def _list(args) -> int:
-    from oracle import catalogue
-
     if args.what == "suites":
         for name in catalogue.suite_names():
             print(f"{name} {len(catalogue.suite(name))} cases")
@@ -576,8 +568,6 @@ def _list(args) -> int:
                 grads = " grads" if case.grads else ""
                 print(f"{case.name}  [{case.category}{grads}]  {case.description}")
     else:
-        from oracle import adapters
-
         usable = set(adapters.available())
         for name in adapters.names():
             print(f"{name}  {'available' if name in usable else 'not installed'}")
@@ -585,9 +575,6 @@ def _list(args) -> int:
 
 
 def _power(args) -> int:
-    from oracle.fixtures import golden
-    from oracle.power import run_command
-
     try:
         return run_command(args)
     except (golden.FixtureError, ValueError, KeyError) as err:

@@ -68,6 +68,7 @@ Examples
 from __future__ import annotations
 
 import functools
+import inspect
 
 import ml_dtypes
 import numpy as np
@@ -79,6 +80,9 @@ from oracle.conventions.layouts_sparse import (  # layout="dsa": blhd with indic
     dsa_layout,
     refused_keyword,
 )
+from oracle.conventions.signatures import Call, declared, get
+from oracle.judging.empty_rows import check_reading, declare
+from refattn.logspace import base_factor
 
 __all__ = [
     "LAYOUTS",
@@ -103,19 +107,20 @@ def check_convention(
     signature=None,
     causal_align=None,
     keywords=None,
+    empty_rows=None,
 ) -> dict:
     """The convention as a dict, or ValueError naming the bad argument.
+
+    ``empty_rows`` declares what the function gives rows with no allowed key ("zero", "nan",
+    "average": :mod:`oracle.judging.empty_rows`); a preset may bring its own.
 
     ``signature`` (a preset of :mod:`oracle.conventions.signatures`) brings its layout and framework
     (an explicit other one is an error); ``causal_align`` and ``keywords`` declare a
     function's own conventions without a preset (:func:`oracle.conventions.signatures.declared`).
-    The
-    dict has those keys only when they are given.
+    The dict has those keys only when they are given.
     """
     extra = {}
     if signature is not None:
-        from oracle.conventions.signatures import get
-
         preset = get(signature)
         if causal_align is not None or keywords:
             raise ValueError(
@@ -134,13 +139,16 @@ def check_convention(
         layout, framework = preset.layout, preset.framework
         extra["signature"] = signature
     elif causal_align is not None or keywords:
-        from oracle.conventions.signatures import declared
-
         declared(layout, causal_align, keywords)  # a clear error for a bad declaration
         if causal_align is not None:
             extra["causal_align"] = causal_align
         if keywords:
             extra["keywords"] = keywords
+    empty_rows = check_reading(empty_rows)
+    if empty_rows is None and signature is not None:
+        empty_rows = getattr(get(signature), "empty_rows", None)
+    if empty_rows is not None:
+        extra["empty_rows"] = empty_rows
     for name, value, allowed in (
         ("layout", layout, LAYOUTS),
         ("framework", framework, FRAMEWORKS),
@@ -167,6 +175,7 @@ def wrap(
     signature=None,
     causal_align=None,
     keywords=None,
+    empty_rows=None,
 ):
     """``impl`` in the given convention, as an ``impl(q, k, v, **options)`` of the oracle's.
 
@@ -185,6 +194,9 @@ def wrap(
     causal_align, keywords
         A function's own declared conventions without a preset
         (:func:`oracle.conventions.signatures.declared`).
+    empty_rows : {"zero", "nan", "average"}, optional
+        What the function gives rows with no allowed key (:mod:`oracle.judging.empty_rows`):
+        it then never receives ``empty_rows`` and the judge reads such rows its way.
 
     Returns
     -------
@@ -192,13 +204,15 @@ def wrap(
         Taking and returning NumPy arrays in ``bhld``; ``.vjp`` too when ``impl`` has one and
         the layout is ``bhld`` or ``blhd``.
     """
-    convention = check_convention(layout, framework, device, signature, causal_align, keywords)
+    convention = check_convention(
+        layout, framework, device, signature, causal_align, keywords, empty_rows
+    )
     if linear_presets.is_linear(signature):
         return linear_presets.wrap(impl, signature, device)  # oracle.conventions.linear_presets
     layout, framework = convention["layout"], convention["framework"]
     speaks = _speaker(convention, impl)
     if layout == "bhld" and framework == "numpy" and speaks is None:
-        return impl
+        return declare(impl, convention.get("empty_rows"))
     bridge = _Bridge(framework, device)
 
     @functools.wraps(impl)
@@ -258,15 +272,13 @@ def wrap(
 
         forward.vjp = vjp
     forward.convention = convention
-    return forward
+    return declare(forward, convention.get("empty_rows"))
 
 
 def _speaker(convention, impl=None):
     """None, or ``speak(q, k, v, options, kwargs) -> kwargs`` putting the layout's keywords
     and the options (refattn's names) into the function's own keywords
     (:mod:`oracle.conventions.signatures`)."""
-    from oracle.conventions.signatures import Call, declared, get
-
     if "signature" in convention:
         preset = get(convention["signature"])
     else:
@@ -287,8 +299,6 @@ def _speaker(convention, impl=None):
         return {**spoken, **layout_words}
 
     speak.lse_axes = preset.lse_axes
-    from refattn.logspace import base_factor
-
     speak.lse_factor = base_factor(preset.lse_base)
     parameters = _parameter_names(impl) if preset.adapt is not None else set()
 
@@ -302,8 +312,6 @@ def _speaker(convention, impl=None):
 
 
 def _parameter_names(impl) -> set:
-    import inspect
-
     try:
         return set(inspect.signature(impl).parameters)
     except (TypeError, ValueError):
@@ -518,6 +526,7 @@ class _Bridge:
         self.framework, self.device = framework, device
         if framework == "torch":
             try:
+                # optional package (torch extra)
                 import torch
             except ImportError:
                 raise ImportError(
@@ -528,6 +537,7 @@ class _Bridge:
             self.torch = torch
         elif framework == "jax":
             try:
+                # optional package (jax extra)
                 import jax
                 import jax.numpy as jnp
             except ImportError:

@@ -19,6 +19,8 @@ Examples
 
 from __future__ import annotations
 
+import numpy as np
+
 __all__ = ["CONVENTIONS", "stacked", "adapt"]
 
 #: The merge conventions (CLI ``--merge-convention``).
@@ -54,9 +56,8 @@ def adapt(impl, convention: str = "stacked", framework: str = "numpy", device: s
 
 
 def _torch_bridge(impl, device):
-    import numpy as np
-
     try:
+        # optional package (torch extra)
         import torch
     except ImportError:
         raise ImportError("framework 'torch' needs torch: pip install -e \".[torch]\"") from None

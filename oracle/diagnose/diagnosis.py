@@ -49,10 +49,11 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 
 import numpy as np
 
-from oracle.diagnose import budget
+from oracle.diagnose import budget, sample
 from oracle.diagnose.alternative import Alternative
 from oracle.diagnose.latent import latent_alternatives
 from oracle.diagnose.models import error_models, exact_parts, narrow_accumulation  # noqa: F401
@@ -488,8 +489,10 @@ ALTERNATIVES_WORK_CAP = 2**34
 PAIRS_WORK_CAP = 2**27
 
 
-def diagnose(q, k, v, options, out, *, limit, dtype, max_pairs=True) -> list[str]:
+def diagnose(view, out, *, limit, max_pairs=True) -> list[str]:
     """Labels of the alternatives whose float64 truth ``out`` fits within ``limit``.
+
+    ``view`` is the case (:class:`oracle.reading.case.CaseView`).
 
     ``limit`` is the case's output threshold (scalar or per row, (T2)); the float64 floor of the
     textbook that evaluates the alternatives is added to it. Returns "matches <label>" strings
@@ -502,46 +505,63 @@ def diagnose(q, k, v, options, out, *, limit, dtype, max_pairs=True) -> list[str
     each reading's errors are kept for the case: the judge's later calls at other limits reuse
     them.
     """
+    q, k, v, options, dtype = view.q, view.k, view.v, view.options, view.dtype
     out_arg, out = out, np.asarray(out, dtype=np.float64)
     spent = budget.current()
     case = (id(q), id(k), id(v), id(options), id(out_arg))
-    setup = spent.memo.get(case)
-    if setup is None:
+    if case not in spent.memo:
         # the memo keys on identities: keeping the objects alive keeps the identities unique
-        setup = spent.memo[case] = (_CaseSetup(q, k, v, options), (q, k, v, options, out_arg))
-    setup = setup[0]
-    spent.rows = (setup.rows, setup.rows)
+        spent.memo[case] = (_CaseSetup(view), (q, k, v, options, out_arg))
+    setup = spent.memo[case][0]
     limit = np.asarray(limit) + setup.floor64
     if np.ndim(q) == 2 and np.ndim(limit) >= 3:
         limit = limit[..., 0, :, :]
-    candidates, work = setup.candidates, setup.work
-    reading = _Reading(q, k, v, options, out, setup.finite, setup.poisoned, dtype)
+    reading = _Reading(q, k, v, options, out, setup, dtype)
+    sample = setup.sampled(reading, limit)
+    spent.rows = (setup.sample_rows, setup.rows)
+    on_sample = sample.output(limit) if sample else limit
 
     def explains(label, index, total, opts, extras):
-        """True/False, or None when the budget stops before this reading."""
+        """True/False; "sample" when only the sample was affordable; None when the budget
+        stops before this reading."""
         error = spent.memo.get((case, label))
         if error is None:
-            if not spent.allows(work):
+            if not spent.allows(setup.sample_work):
                 return None
             spent.reading(index, total)
-            error = spent.memo[(case, label)] = reading.error(opts, extras)
-        return error is not False and bool(np.all(error <= limit))
+            error = spent.memo[(case, label)] = reading.error(opts, extras, sample)
+        if error is False or not np.all(error <= on_sample) or sample is None:
+            return error is not False and bool(np.all(error <= on_sample))
+        whole = spent.memo.get((case, label, "whole"))
+        if whole is None:  # confirmed on the whole case only when that is cheap
+            if setup.work > budget.CHEAP_WORK and spent.left() < reading.whole_seconds:
+                return "sample"
+            whole = spent.memo[(case, label, "whole")] = reading.error(opts, extras)
+        return whole is not False and bool(np.all(whole <= limit))
+
+    def named(label, fits):
+        shown = f"matches {label}"
+        if fits == "sample":
+            shown += f" (on a sample of {sample.rows.size} of {sample.L} query rows)"
+        return shown
 
     found = []
     with np.errstate(all="ignore"):
         own = dict(options)  # apply() never changes its argument: one dict, one exact_parts
-        for index, alt in enumerate(candidates, 1):
-            fits = explains(alt.label, index, len(candidates), *alt.apply(own, {}))
+        for index, alt in enumerate(setup.candidates, 1):
+            fits = explains(alt.label, index, len(setup.candidates), *alt.apply(own, {}))
             if fits is None:
                 return found
             if fits:
-                found.append(f"matches {alt.label}")
+                found.append(named(alt.label, fits))
         if found or not (max_pairs and setup.pairs):
             return found
-        pairs = [(a, b) for a, b in itertools.combinations(candidates, 2) if not a.keys & b.keys]
-        total = len(candidates) + len(pairs)
+        pairs = [
+            (a, b) for a, b in itertools.combinations(setup.candidates, 2) if not a.keys & b.keys
+        ]
+        total = len(setup.candidates) + len(pairs)
         firsts = {}  # each first reading applied once: its options dict is shared
-        for index, (first, second) in enumerate(pairs, len(candidates) + 1):
+        for index, (first, second) in enumerate(pairs, len(setup.candidates) + 1):
             label = f"{first.label} + {second.label}"
             if first.label not in firsts:
                 firsts[first.label] = first.apply(dict(options), {})
@@ -549,20 +569,22 @@ def diagnose(q, k, v, options, out, *, limit, dtype, max_pairs=True) -> list[str
             if fits is None:
                 break
             if fits:
-                found.append(f"matches {label}")
+                found.append(named(label, fits))
     return found
 
 
 class _CaseSetup:
     """What every diagnosis of a case needs once: its readings, their cost, the float64
-    floor, where the truth is finite and whether the inputs carry poison."""
+    floor, where the truth is finite, whether the inputs carry poison, and the sample of
+    query rows the readings are evaluated on (:mod:`oracle.diagnose.sample`)."""
 
-    def __init__(self, q, k, v, options):
+    def __init__(self, view):
+        q, k, v, options = view.q, view.k, view.v, view.options
         q3 = q if np.ndim(q) > 2 else np.asarray(q)[None]
         H, L, D = np.shape(q3)[-3:]
         K, S, E = np.shape(k)[-3] if np.ndim(k) > 2 else 1, np.shape(k)[-2], np.shape(v)[-1]
         with np.errstate(all="ignore"):
-            base = textbook_attention(q, k, v, dtype="float64", **options)
+            base = view.exact64
             allowed = np.broadcast_to(base.allowed, base.weights.shape)
             candidates = alternatives(
                 options,
@@ -582,7 +604,7 @@ class _CaseSetup:
             if self.work * len(candidates) > ALTERNATIVES_WORK_CAP:
                 candidates = candidates[: max(ALTERNATIVES_WORK_CAP // max(self.work, 1), 0)]
             self.candidates, self.pairs = candidates, self.work <= PAIRS_WORK_CAP
-            magnitude = tol.score_magnitude(q, k, **options)
+            magnitude = view.magnitude
             f64 = tol.forward_floors(
                 "float64",
                 D=D,
@@ -604,55 +626,95 @@ class _CaseSetup:
                 or bias is not None
                 and np.isposinf(np.asarray(bias, np.float64)).any()
             )
+        self.L, self.S = L, S
+        self.sample_rows, self.sample_work = self.rows, self.work
+        self._view = self._unsampled = object()
+
+    def sampled(self, reading, limit):
+        """The :class:`~oracle.diagnose.sample.RowView` of the failing pattern against the
+        first ``limit`` asked (chosen once), or None when the case is evaluated whole."""
+        if self._view is not self._unsampled:
+            return self._view
+        self._view = None
+        if (
+            self.L <= sample.SAMPLE_ROWS
+            or self.work <= budget.CHEAP_WORK
+            or not sample.can_sample(reading.q, reading.k, reading.v, reading.options)
+        ):
+            return None
+        with np.errstate(all="ignore"):
+            error = reading.error(dict(reading.options), {})
+            if error is False:
+                return None
+            failing = error > np.broadcast_to(limit, error.shape)
+        if not failing.any():
+            return None
+        rows = sample.choose_rows(failing.any(axis=-1), error.max(axis=-1))
+        self._view = sample.RowView(rows, self.L, self.S)
+        self.sample_rows = self.rows // self.L * rows.size
+        self.sample_work = self.work // self.L * rows.size
+        return self._view
 
 
 class _Reading:
-    """Evaluates one alternative reading of a case: its normalised error against ``out``."""
+    """Evaluates one alternative reading of a case: its normalised error against ``out``, on
+    the whole case or on a sample of its query rows."""
 
-    def __init__(self, q, k, v, options, out, finite, poisoned, dtype):
+    def __init__(self, q, k, v, options, out, setup, dtype):
         self.q, self.k, self.v, self.options, self.out = q, k, v, options, out
-        self.finite, self.poisoned, self.dtype = finite, poisoned, dtype
+        self.setup, self.dtype = setup, dtype
+        self.whole_seconds = 0.0  # the last sampled evaluation's time, scaled to the whole
         self._parts = {}
 
-    def _parts_of(self, opts):
+    def _parts_of(self, q, opts):
         """:func:`exact_parts` of ``opts`` computed once per options dict (the kernel models
         only reweight them; a pair's first reading gives every second one the same dict)."""
         kept = self._parts.get(id(opts))
         if kept is None:  # the dict is kept with its parts: its identity stays unique
-            kept = self._parts[id(opts)] = (opts, exact_parts(self.q, self.k, self.v, opts))
+            kept = self._parts[id(opts)] = (opts, exact_parts(q, self.k, self.v, opts))
         return kept[1]
 
-    def error(self, opts, extras):
-        """Normalised errors (out's shape), or False when the reading cannot explain ``out``."""
+    def error(self, opts, extras, view=None):
+        """Normalised errors (out's shape, or the sample's), or False when the reading cannot
+        explain ``out``."""
+        q, out, finite = self.q, self.out, self.setup.finite
+        start = time.perf_counter()
+        if view is not None:
+            opts, extras = view.reading(opts, extras)
+            q, out, finite = view.q(q), view.output(out), view.output(finite)
         if "reweight" in extras or "zero_rows" in extras or "drop_keys" in extras:
-            parts = self._parts_of(opts)
-            alt_out, scale = _kernel_out(self.q, self.k, self.v, opts, extras, parts)
+            parts = self._parts_of(q, opts)
+            alt_out, scale = _kernel_out(q, self.k, self.v, opts, extras, parts)
         else:
-            alt_out, scale = _alternative_out(self.q, self.k, self.v, opts, extras)
+            alt_out, scale = _alternative_out(q, self.k, self.v, opts, extras)
+        if view is not None:
+            self.whole_seconds = (time.perf_counter() - start) * view.L / view.rows.size
         # with poisoned inputs, an alternative that is NaN where the truth is finite only
         # "explains" leaked poison by admitting a poisoned (excluded) position: that is
         # not a convention
         if (
-            self.poisoned
-            and alt_out.shape == self.finite.shape
-            and (~np.isfinite(alt_out) & self.finite).any()
+            self.setup.poisoned
+            and alt_out.shape == finite.shape
+            and (~np.isfinite(alt_out) & finite).any()
         ):
             return False
-        if self.out.shape != alt_out.shape:
+        if out.shape != alt_out.shape:
             return False
-        return tol.normalised_error(self.out, alt_out, scale, self.dtype)
+        return tol.normalised_error(out, alt_out, scale, self.dtype)
 
 
-def diagnose_lse(q, k, v, options, lse, *, limit, dtype) -> list[str]:
+def diagnose_lse(view, lse, *, limit) -> list[str]:
     """Labels explaining a failing lse: log2 units, the row max left out (log of the shifted
     normaliser), or one of the named alternatives (scale, bias, ALiBi, masks...) evaluated
-    for lse. ``limit`` is the lse threshold (normalised by the lse scale, (T2))."""
+    for lse. ``view`` is the case (:class:`oracle.reading.case.CaseView`), ``limit`` the lse
+    threshold (normalised by the lse scale, (T2))."""
+    q, k, v, options, dtype = view.q, view.k, view.v, view.options, view.dtype
     lse = np.asarray(lse, dtype=np.float64)
-    base = textbook_attention(q, k, v, dtype="float64", **options)
+    base = view.exact64
     truth = np.asarray(base.lse, dtype=np.float64)
     if lse.shape != truth.shape:
         return []
-    magnitude = tol.score_magnitude(q, k, **options)
+    magnitude = view.magnitude
     scale = tol.lse_scale(truth, base.weights, magnitude[0] if np.ndim(q) == 2 else magnitude)
     limit = np.asarray(limit) + tol.unit_roundoff("float64") * 64
     found = []
@@ -677,6 +739,8 @@ def diagnose_lse(q, k, v, options, lse, *, limit, dtype) -> list[str]:
         H, L, D = (np.shape(q) if np.ndim(q) > 2 else (1,) + np.shape(q))[-3:]
         K = np.shape(k)[-3] if np.ndim(k) > 2 else 1
         allowed = np.broadcast_to(base.allowed, base.weights.shape)
+        spent = budget.current()
+        work = int(np.prod(base.weights.shape[:-1])) * np.shape(k)[-2] * (D + np.shape(v)[-1])
         for alt in alternatives(
             options,
             H=H,
@@ -691,6 +755,8 @@ def diagnose_lse(q, k, v, options, lse, *, limit, dtype) -> list[str]:
             opts, extras = alt.apply(dict(options), {})
             if extras:
                 continue
+            if not spent.allows(work):  # the case's diagnosis budget (oracle.diagnose.budget)
+                break
             model = textbook_attention(q, k, v, dtype="float64", **opts).lse
             if _fits(lse, np.asarray(model, dtype=np.float64), scale, limit, dtype):
                 found.append(f"lse matches {alt.label}")
@@ -701,7 +767,7 @@ def diagnose_lse(q, k, v, options, lse, *, limit, dtype) -> list[str]:
 CONCENTRATION = 0.9
 
 
-def concentration(q, k, v, options, errors, limit, *, tiles=TILE_SIZES) -> list[str]:
+def concentration(view, errors, limit, *, tiles=TILE_SIZES) -> list[str]:
     """Where the failing rows of an output concentrate, when no modelled alternative fits.
 
     Two patterns of tiled kernels are named, each only when at least :data:`CONCENTRATION` of
@@ -713,8 +779,8 @@ def concentration(q, k, v, options, errors, limit, *, tiles=TILE_SIZES) -> list[
       lies past the first tile of ``T`` keys, where an online softmax rescales its running
       sums (a missing or wrong rescale shows on exactly those rows).
 
-    ``errors`` and ``limit`` have the output's shape (..., H, L, E). Returns notes (possibly
-    none).
+    ``view`` is the case (:class:`oracle.reading.case.CaseView`); ``errors`` and ``limit``
+    have the output's shape (..., H, L, E). Returns notes (possibly none).
     """
     bad = np.asarray(errors > limit)
     if bad.ndim < 2 or not bad.any():
@@ -732,7 +798,7 @@ def concentration(q, k, v, options, errors, limit, *, tiles=TILE_SIZES) -> list[
             )
             break
     with np.errstate(all="ignore"):
-        base = textbook_attention(q, k, v, dtype="float64", **options)
+        base = view.exact64
         allowed = np.broadcast_to(base.allowed, base.weights.shape)
         logw = np.where(allowed, np.log(base.weights), -np.inf)
     if logw.shape[:-1] != rows.shape:

@@ -25,6 +25,9 @@ then reads each case through :func:`read_case`:
   NaN; the mean of ``v`` and -- the lse of an averaged row being the fill value's, which no
   convention pins -- no lse check on that case (noted in the result's message). The
   baseline and the thresholds of the other rows are computed under the same reading;
+* sigmoid attention (``normalizer="sigmoid"``) has no normaliser: a masked score's weight
+  ``sigmoid(fill)`` is 0 for a ``-inf`` or a large finite fill alike, so its empty rows are
+  expected 0 under every reading;
 * a case the reading cannot be judged on is "not expressible" (the verdict "unsupported",
   never a pass): gradients of a case with empty rows under ``"nan"`` or ``"average"`` (a NaN
   row poisons dk and dv; an averaged row gives every key a share of ``dO``).
@@ -149,6 +152,8 @@ def read_case(fixture, impl, grads=False):
     reading = reading_of(impl)
     if reading is None:
         return fixture, impl, ""
+    if fixture.options.get("normalizer") == "sigmoid":
+        reading = "zero"  # no normaliser: sigmoid(fill) is 0 for a -inf or large finite fill
     rows = empty_rows(fixture)
     if not rows.any():
         return fixture, impl, ""

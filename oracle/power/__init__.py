@@ -38,7 +38,9 @@ from dataclasses import dataclass, field
 from oracle.catalogue import suite as catalogue_suite
 from oracle.catalogue.names import DTYPES
 from oracle.fixtures import golden
+from oracle.judging.judge import check_fixture
 from oracle.power.planted import POWER_BROKEN, TILED_BROKEN, flash, split_kv, tiled
+from oracle.run.validate import validate
 from refattn.spec import option as attention_option
 
 __all__ = ["power", "PowerResult", "KERNELS", "CORRECT", "render"]
@@ -86,7 +88,8 @@ def _uses(fixture, option: str) -> bool:
 
 
 def _select(suite, fixtures, dtypes, cases, without) -> list:
-    source = golden.load(fixtures) if fixtures is not None else None
+    # only the selected cases are read (and their long inputs regenerated)
+    source = golden.load(fixtures, cases=cases or None) if fixtures is not None else None
     if source is None:
         source = (
             golden.build(c)
@@ -108,28 +111,14 @@ def _select(suite, fixtures, dtypes, cases, without) -> list:
     return chosen
 
 
-class _Replay:
-    """``impl`` called once per fixture: the second tier judges the same output again."""
-
-    def __init__(self, impl):
-        self.impl, self.result = impl, None
-
-    def __call__(self, *args, **kwargs):
-        if self.result is None:
-            self.result = self.impl(*args, **kwargs)
-        return self.result
-
-
 def _failures(impl, fixtures) -> dict[str, dict[str, list[str]]]:
-    """Per tier and dtype, the cases ``impl`` fails (one call of ``impl`` per case; the
-    fixtures' impl-independent judging parts are kept on them across kernels)."""
-    from oracle.judging.judge import check_fixture
-
+    """Per tier and dtype, the cases ``impl`` fails (one call of ``impl`` per case judged in
+    both tiers; the fixtures' impl-independent judging parts are computed once for every
+    kernel, :mod:`oracle.judging.parts`)."""
     failed: dict[str, dict[str, list[str]]] = {tier: {} for tier in TIERS}
     for fixture in fixtures:
-        replay = _Replay(impl)
-        for tier in TIERS:
-            result = check_fixture(replay, fixture, diagnose=False, tolerance=tier)
+        both = check_fixture(impl, fixture, diagnose=False, tolerance="both", grade=False)
+        for tier, result in zip(TIERS, (both, both.tight), strict=True):
             if result.verdict in ("fail", "error"):
                 failed[tier].setdefault(result.dtype, []).append(result.name)
     return failed
@@ -137,8 +126,6 @@ def _failures(impl, fixtures) -> dict[str, dict[str, list[str]]]:
 
 def _supported(impl, fixtures) -> list:
     """The fixtures ``impl`` does not answer "unsupported" (its options)."""
-    from oracle.run.validate import validate
-
     report = validate(impl, fixtures=fixtures, dtype=None, progress=False, diagnose=False)
     refused = {r.name for r in report.results if r.verdict == "unsupported"}
     return [f for f in fixtures if f.name not in refused]
@@ -193,8 +180,6 @@ def power(
     counts = {d: sum(f.case.dtype == d for f in chosen) for d in DTYPES}
     result = PowerResult(cases={d: n for d, n in counts.items() if n})
     result.options = {name for f in chosen for name in f.options if _uses(f, name)}
-    for fixture in chosen:
-        fixture.judge_memo = {}  # the judge's fixture-only work, once for every kernel
     for index, name in enumerate(names, 1):
         result.failures[name] = _failures(KERNELS[name][0], chosen)
         if progress:

@@ -29,6 +29,7 @@ from oracle.reading.allowed import allowed_positions
 from oracle.reading.heads import alibi_bias, dequantised, resolve_scale, with_heads
 from oracle.reading.latent import fold_latent, split_latent
 from oracle.reading.sparse import indices_as_mask
+from refattn.blockscale import dequantize_blocks, is_fp4
 from refattn.broadcast import expand_kv, fold_kv, reduce_to
 from refattn.exact.rounding import format_of
 
@@ -72,8 +73,6 @@ def dequantised_inputs(q, k, v, options):
         return q, k, v, options
     blocks = ("q_block_scale", "k_block_scale", "v_block_scale")
     if any(options.get(n) is not None for n in blocks):  # fp4: block scales first, exactly
-        from refattn.blockscale import dequantize_blocks, is_fp4
-
         q, k, v = (
             dequantize_blocks(x, options.get(f"{n}_block_scale"), n) if is_fp4(x) else x
             for n, x in zip("qkv", (q, k, v), strict=True)

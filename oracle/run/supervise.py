@@ -23,7 +23,7 @@ worker ignores SIGINT: a Ctrl-C stops the parent, which kills it.
 
 Examples
 --------
->>> from oracle import golden
+>>> from oracle.fixtures import golden
 >>> from oracle.catalogue import get
 >>> fixture = golden.build(get("basic-H2K2-L5S7-D8E8-f64"))
 >>> with Supervisor("refattn-float64", timeout=120) as supervisor:
@@ -76,14 +76,17 @@ def _serve(receive, connection, impl_ref, memory_limit) -> None:  # pragma: no c
         impl_ref, convention = impl_ref
     try:
         if memory_limit:
+            # POSIX only; set before the worker loads anything else
             import resource
 
             resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
+        # the worker's modules load under its memory limit, inside the try (failure: 'fatal')
         from oracle.judging import judge  # noqa: F401 - loaded before the first case's clock starts
         from oracle.run.impls import resolve_impl
 
         impl, _ = resolve_impl(impl_ref)
         if convention:
+            # the worker's modules load after its memory limit (see above)
             from oracle.conventions.layouts import wrap
 
             impl = wrap(impl, **convention)
@@ -91,6 +94,7 @@ def _serve(receive, connection, impl_ref, memory_limit) -> None:  # pragma: no c
         connection.send(("fatal", _one_line(exc)))
         return
     connection.send(("ready", None))
+    # worker side, as judge above (module-level imports run before the memory limit)
     from oracle.diagnose.budget import set_reporter
 
     set_reporter(lambda note: connection.send(("note", note)))  # the parent's progress bar
@@ -107,6 +111,7 @@ def _serve(receive, connection, impl_ref, memory_limit) -> None:  # pragma: no c
 
 
 def _judge(impl, request):  # pragma: no cover - worker
+    # worker side: loaded by _serve after the memory limit (module-level imports run first)
     from oracle.judging.judge import check_fixture
 
     fixture, grads, diagnose, reproduce, check, tolerance = request
@@ -114,6 +119,7 @@ def _judge(impl, request):  # pragma: no cover - worker
         return check_fixture(
             impl, fixture, grads=grads, diagnose=diagnose, reproduce=reproduce, tolerance=tolerance
         )
+    # worker side: loaded by _serve after the memory limit (module-level imports run first)
     from oracle.run.invariance import check_invariance
 
     return check_invariance(impl, fixture, check, reproduce=reproduce)
@@ -243,6 +249,7 @@ class Supervisor:
     ):
         """Judge one fixture in the worker (or run the invariance ``check`` of
         :mod:`oracle.run.invariance` on it); any way the worker fails is an "error" result."""
+        # keeps this module light: the worker runs it as __main__ before its memory limit
         from oracle.judging.results import CaseResult
 
         start = time.perf_counter()

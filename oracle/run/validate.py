@@ -42,15 +42,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from oracle import catalogue
+from oracle.conventions.layouts import check_convention, wrap
+from oracle.conventions.signatures import parse_keywords
 from oracle.diagnose.budget import DEFAULT_MULTIPLE, DiagnosisBudget, set_reporter
 from oracle.diagnose.guidance import FIRST_CASES, check_first_cases
 from oracle.fixtures import golden
 from oracle.judging import tolerance as tol
 from oracle.judging.judge import check_fixture
-from oracle.judging.results import Report
+from oracle.judging.refused import refusals_as_errors
 from oracle.reading.features import KNOWN_FEATURES, case_features
+from oracle.report.run_report import Report
 from oracle.run.impls import adapter_located, is_module_spec, locate_impl, resolve_impl
+from oracle.run.invariance import applies, check_invariance, parse_checks
+from oracle.run.parallel import more_supervisors, run_in_order, start_concurrently
 from oracle.run.progress import Progress
+from oracle.run.supervise import DEFAULT_TIMEOUT, Supervisor
+from oracle.run.worker_cache import kept_supervisor
 
 __all__ = ["validate", "resolve_impl", "reproduce_command", "select_cases"]
 
@@ -121,7 +128,8 @@ def _sources(suite, fixtures, dtype, cases):
             # only the selected files are read (a directory holds hundreds): the manifest names
             # them; an unusable manifest is load's own clear error
             names = _manifest_names(fixtures, dtype, cases)
-            items = list(_select(golden.load(fixtures, names=names), dtype, cases))
+            chosen = golden.load(fixtures, names=names, cases=None if names else cases or None)
+            items = list(_select(chosen, dtype, cases))
             return f"fixtures {fixtures}", items, str(fixtures)
         return "fixtures", list(_select(fixtures, dtype, cases)), None
     suite = "smoke" if suite is None else suite
@@ -187,11 +195,11 @@ def _convention_flags(convention) -> str:
     defaults = {"layout": "bhld", "framework": "numpy", "device": "cpu"}
     for name, value in convention.items():
         if name == "keywords":
-            from oracle.conventions.signatures import parse_keywords
-
             flags += [f" --keyword {a}={b}" for a, b in parse_keywords(value).items()]
         elif name == "causal_align":
             flags.append(f" --causal-align {value}")
+        elif name == "empty_rows":
+            flags.append(f" --empty-rows {value}")
         elif value != defaults[name]:
             flags.append(f" --{name} {value}")
     return "".join(flags)
@@ -221,6 +229,7 @@ def validate(
     signature=None,
     causal_align=None,
     keywords=None,
+    empty_rows=None,
     strict_invariance=False,
     workers=1,
     refusals_are_errors=False,
@@ -245,10 +254,12 @@ def validate(
         cannot be checked because there is no ``vjp`` is "unsupported", never a pass).
     strict : bool
         Robustness failures fail the run too.
-    tolerance : {"default", "tight"}
+    tolerance : {"default", "tight", "both"}
         The tolerance tier (:mod:`oracle.judging.tolerance`): "default" (T2) is free of false alarms
         for any correct algorithm; "tight" (T7) follows the expected error of a correct
-        float32-accumulating kernel on the case, so narrower accumulation fails.
+        float32-accumulating kernel on the case, so narrower accumulation fails. "both": each
+        case's one call judged in both tiers; the default tier's report is returned with the
+        tight tier's as its ``tight`` attribute.
     progress : bool
         A progress bar on stderr.
     cases : str or iterable of str, optional
@@ -302,6 +313,11 @@ def validate(
     keywords : dict or list of "option=name", optional
         Without a preset: the implementation's names for refattn's options
         (``{"scale": "softmax_scale"}``).
+    empty_rows : {"zero", "nan", "average"}, optional
+        What the implementation gives rows with no allowed key when it has no option for it
+        (:mod:`oracle.judging.empty_rows`): it never receives ``empty_rows``; cases with such
+        rows are judged against that reading, those it cannot be judged on (gradients under
+        "nan"/"average") are "unsupported". A signature preset may bring its own.
     strict_invariance : bool
         Invariance warnings (bits that differ while the deviating run stays within the
         tolerance) fail the run too.
@@ -336,19 +352,17 @@ def validate(
         or (isolated) the worker process dies or times out loading it. With ``isolate`` a
         ``"module:function"`` is imported in the worker only.
     """
-    from oracle.run.invariance import parse_checks
-
     required = _required(require)
     checks = parse_checks(checks)
     budget = DiagnosisBudget.of(diagnose_budget)  # a clear error for a bad budget
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers: expected an integer >= 1, got {workers!r}")
-    tol.check_tier(tolerance)
+    tiers = tol.TIERS if tolerance == "both" else (tol.check_tier(tolerance),)
     if dtype is not None:
         tol.unit_roundoff(dtype)  # a clear error for an unknown dtype
-    from oracle.conventions.layouts import check_convention
-
-    convention = check_convention(layout, framework, device, signature, causal_align, keywords)
+    convention = check_convention(
+        layout, framework, device, signature, causal_align, keywords, empty_rows
+    )
     unwrapped, fn, spec = _implementation(impl, isolate, convention)
     label, items, source_flag = _selection(suite, fixtures, dtype, cases)
     supervisor = _supervisor(
@@ -360,18 +374,29 @@ def validate(
     start = time.perf_counter()
     results = _run_items(run, items, supervisor, unwrapped, workers, progress, keep_worker)
     if refusals_are_errors:
-        from oracle.judging.refused import refusals_as_errors
-
         refusals_as_errors(results)
-    report = Report(
-        _impl_name(fn, spec), dtype, label, strict, results, time.perf_counter() - start, grads
-    )
-    report.isolated = supervisor is not None
-    report.required = required
-    report.tolerance = tolerance
-    report.use_layout(convention["layout"])
-    report.strict_invariance = bool(strict_invariance)
-    return report
+    seconds = time.perf_counter() - start
+    reports = [
+        Report(_impl_name(fn, spec), dtype, label, strict, _of_tier(results, tier), seconds, grads)
+        for tier in tiers
+    ]
+    for report, tier in zip(reports, tiers, strict=True):
+        report.isolated = supervisor is not None
+        report.required = required
+        report.tolerance = tier
+        report.use_layout(convention["layout"])
+        report.strict_invariance = bool(strict_invariance)
+    if len(reports) > 1:
+        reports[0].tight = reports[1]
+    return reports[0]
+
+
+def _of_tier(results, tier) -> list:
+    """The results of ``tier``: each case's own, or its tight twin (``tolerance="both"``;
+    invariance checks have none and count in both)."""
+    if tier == "default":
+        return list(results)
+    return [r.tight if getattr(r, "tight", None) is not None else r for r in results]
 
 
 def _in_worker(convention) -> bool:
@@ -383,8 +408,6 @@ def _implementation(impl, isolate, convention):
     """``(unwrapped, fn, spec)``: the implementation, wrapped in its convention, and the
     ``module:function`` or adapter name a worker resolves it from (both None when only the
     worker imports it)."""
-    from oracle.conventions.layouts import wrap
-
     if isolate and _in_worker(convention) and (is_module_spec(impl) or adapter_located(impl)):
         # only the worker imports it: a module that exits, crashes or hangs at import cannot
         # end this process (with rc 0 for sys.exit(0)) or stall it; Supervisor.start says why
@@ -420,9 +443,6 @@ def _selection(suite, fixtures, dtype, cases):
 def _supervisor(impl, unwrapped, spec, convention, isolate, keep_worker, timeout, memory_limit):
     """The supervised worker that runs the cases, or None (the implementation runs in this
     process)."""
-    from oracle.conventions.layouts import check_convention
-    from oracle.run.supervise import DEFAULT_TIMEOUT, Supervisor
-
     worker_ref = _worker_ref(impl, unwrapped, spec) if isolate else None
     if not _in_worker(convention):
         worker_ref = None
@@ -434,8 +454,6 @@ def _supervisor(impl, unwrapped, spec, convention, isolate, keep_worker, timeout
     if worker_ref is None:
         return None
     if keep_worker:  # a Dask worker keeps its supervised child across tasks
-        from oracle.run.worker_cache import kept_supervisor
-
         return kept_supervisor(worker_ref, **limits)
     return Supervisor(worker_ref, **limits)
 
@@ -457,8 +475,6 @@ class _Run:
 
     def item(self, item, worker) -> list:
         """The case's result and its invariance checks, run by ``worker`` (or in process)."""
-        from oracle.run.invariance import applies
-
         fixture = golden.build(item) if not hasattr(item, "truth") else item
         repro = reproduce_command(
             self.spec,
@@ -503,13 +519,9 @@ def _run_items(run, items, supervisor, unwrapped, workers, progress, keep_worker
     results = []
     pool = [supervisor]
     if supervisor is not None and workers > 1:
-        from oracle.run.parallel import more_supervisors
-
         pool += more_supervisors(supervisor, min(workers, len(items)) - 1)
     try:
         if len(pool) > 1:  # every worker loads the implementation at once
-            from oracle.run.parallel import start_concurrently
-
             start_concurrently(pool)
         _start_worker(supervisor, spec or _impl_name(fn, spec))
         with (
@@ -528,8 +540,6 @@ def _run_items(run, items, supervisor, unwrapped, workers, progress, keep_worker
                     )
 
             if len(pool) > 1:
-                from oracle.run.parallel import run_in_order
-
                 run_in_order(items, pool, run.item, done)
             else:
                 for item in items:
@@ -582,8 +592,6 @@ def _start_worker(supervisor, name) -> None:
 
 
 def _invariance(fn, supervisor, fixture, check, repro):
-    from oracle.run.invariance import check_invariance
-
     if supervisor is None:
         return check_invariance(fn, fixture, check, reproduce=repro)
     return supervisor.run(fixture, reproduce=repro, check=check)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from oracle.cli import main
-from oracle.diagnose import budget, diagnosis
+from oracle.diagnose import budget, diagnosis, sample
 from oracle.diagnose.budget import CHEAP_WORK, DiagnosisBudget, case_budget
 from oracle.reading.baseline import textbook_attention
 from oracle.run.progress import Progress
@@ -163,3 +163,33 @@ def test_cli_refuses_a_bad_budget(capsys):
         ["validate", "--adapter", "refattn-float64", "--suite", "smoke", "--diagnose-budget", "0"]
     )
     assert code == 2 and "--diagnose-budget" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"causal": True, "align": "bottom_right", "alibi_slopes": np.array([0.5, 0.25])},
+        {"window": (3, 2), "bias": "rows", "dropout_p": 0.25, "dropout_mask": "rows"},
+        {"mask": "rows", "softcap": 2.0, "bias": "rows", "empty_rows": "zero"},
+    ],
+)
+def test_every_reading_on_a_row_sample_is_the_whole_reading_on_those_rows(options):
+    L, S = 80, 150
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((1, 2, L, 8))
+    k, v = rng.standard_normal((2, 1, S, 8))
+    rows_shape = (1, 2, L, S)
+    for name, value in list(options.items()):
+        if isinstance(value, str) and value == "rows":  # a per-row array of the case shape
+            drawn = rng.random(rows_shape)
+            options[name] = drawn < 0.8 if "mask" in name else rng.standard_normal(rows_shape)
+    if "mask" in options:
+        options["mask"][..., 5, :] = False  # an empty row
+    out = textbook_attention(q, k, v, dtype="float64", **options).out
+    setup = diagnosis._CaseSetup(q, k, v, options)
+    reading = diagnosis._Reading(q, k, v, options, out, setup, "float32")
+    view = sample.RowView(np.array([0, 5, 6, 40, 63, 64, 79]), L, S)
+    for alt in setup.candidates:
+        opts, extras = alt.apply(dict(options), {})
+        whole, part = reading.error(opts, extras), reading.error(opts, extras, view)
+        np.testing.assert_array_equal(part, view.output(whole), err_msg=alt.label)
