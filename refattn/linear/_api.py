@@ -147,12 +147,15 @@ def linear_attention(
         final state is the exact real result rounded once to ``out_dtype``.
     out_dtype : dtype, optional
         The exact path's output dtype (float64, float32, float16, bfloat16); default float64.
-    backend : {"numpy", "numba", "numba-chunked"}
+    backend : {"numpy", "numba", "numba-chunked", "cuda"}
         The float64 path's implementation: NumPy, refattn's deterministic Numba CPU kernel of
         the recurrence (:mod:`refattn.kernels.linear_cpu`, float64 compute), or the chunked
         (WY / UT-transform) form of flash-linear-attention's chunk kernels
         (:mod:`refattn.kernels.linear_chunked`, chunks of 64 steps, float64 compute, forward
-        only), within :func:`refattn.linear.forward_error_bound` with the same ``backend``.
+        only), within :func:`refattn.linear.forward_error_bound` with the same ``backend``;
+        or the numba.cuda kernel of the recurrence (:mod:`refattn.kernels.linear_cuda`, one
+        thread block per sequence and value head, float64 compute, forward only; on the
+        device, or the simulator with ``NUMBA_ENABLE_CUDASIM=1``), bit-identical to "numba".
 
     Returns
     -------
@@ -204,6 +207,10 @@ def linear_attention(
         from . import _kernels
 
         out, final = _kernels.chunked_forward(call)
+    elif backend == "cuda":
+        from . import _kernels
+
+        out, final = _kernels.cuda_forward(call)
     else:
         out, final = _float64.forward(call)
     return (out, final) if output_final_state else out
@@ -243,7 +250,7 @@ def linear_attention_vjp(
         Cotangent of the final state.
     scale, initial_state, cu_seqlens, qk_l2norm, gate_base, backend :
         As :func:`linear_attention` (``backend="numba"``: the Numba CPU kernel's reverse pass;
-        ``"numba-chunked"`` has no reverse pass and is refused).
+        ``"numba-chunked"`` and ``"cuda"`` have no reverse pass and are refused).
     precision, out_dtype :
         "float64" (within :func:`refattn.linear.vjp_error_bound`) or "exact" (every gradient
         element the exact derivative rounded once to ``out_dtype``).
@@ -272,10 +279,10 @@ def linear_attention_vjp(
         qk_l2norm=qk_l2norm,
         gate_base=gate_base,
     )
-    if backend == "numba-chunked":
+    if backend in ("numba-chunked", "cuda"):
         raise ValueError(
-            "backend='numba-chunked': the chunked kernel has no reverse pass; pass "
-            "backend='numba' (the recurrent kernel) or 'numpy'"
+            f"backend={backend!r}: that kernel has no reverse pass; pass "
+            "backend='numba' (the recurrent CPU kernel) or 'numpy'"
         )
     call = _call(q, k, v, g, beta, options)
     do, dht = cotangents(call, do, dht)

@@ -9,7 +9,7 @@ from ..kernels import linear_chunked, linear_cpu
 from . import _float64
 from ._inputs import LinearCall
 
-__all__ = ["forward", "chunked_forward", "backward"]
+__all__ = ["forward", "chunked_forward", "cuda_forward", "backward"]
 
 
 def _prepared(call: LinearCall, compute_dtype):
@@ -56,6 +56,16 @@ def chunked_forward(call: LinearCall, compute_dtype="float64", chunk=linear_chun
     out, final = linear_chunked.chunked_forward(
         (qs, k, v, lg), beta, h0, seg, call.beta is not None, chunk
     )
+    return out.astype(np.float64, copy=False), final.astype(np.float64, copy=False)
+
+
+def cuda_forward(call: LinearCall, compute_dtype="float64", threads=None):
+    """(o, final) as float64 arrays from the numba.cuda kernel computing in ``compute_dtype``."""
+    from ..kernels import linear_cuda
+
+    ins, beta, h0, seg, _ = _prepared(call, compute_dtype)
+    threads = linear_cuda.THREADS if threads is None else threads
+    out, final = linear_cuda.linear_forward(ins, beta, h0, seg, call.beta is not None, threads)
     return out.astype(np.float64, copy=False), final.astype(np.float64, copy=False)
 
 
