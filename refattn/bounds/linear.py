@@ -30,9 +30,14 @@ import math
 import numpy as np
 
 from .. import config
-from .unit import gamma
+from .unit import gamma, unit_roundoff
 
-__all__ = ["linear_forward_bound", "linear_vjp_bound", "rounding_count"]
+__all__ = [
+    "linear_forward_bound",
+    "linear_chunked_forward_bound",
+    "linear_vjp_bound",
+    "rounding_count",
+]
 
 
 def rounding_count(dim: int) -> int:
@@ -273,3 +278,156 @@ def _shaped(steps, s, dh0, q, v, g, beta, scale, dim, heads):
             steps["g"] if np.ndim(g) == 3 else steps["g"][..., None], np.shape(g)
         ).copy()
     return out
+
+
+# --- the chunked (WY / UT-transform) form -------------------------------------------------
+
+
+def _log_decays(g, shape, gate_base):
+    """Natural-log decays (B, HV, T, Dg): Dg = 1 for a scalar gate (zeros without gates)."""
+    if g is None:
+        return np.zeros(shape[:3] + (1,))
+    g = np.asarray(g, np.float64)
+    lg = g[..., None] if g.ndim == 3 else g
+    return lg * math.log(2.0) if str(gate_base) == "2" else lg
+
+
+def _chunk_terms(kv, lg, beta):
+    """One chunk (rows r = 0 .. L-1 of one sequence and value head): Gamma_r = max_d exp(G_r),
+    Lambda = max_{j <= r, d} exp(G_r - G_j), sum_r max_d |log a_r|, and with the delta rule
+    ``||(I + A)^{-1}||_2`` and ``||A-bar||_F`` (A-bar_rj = |beta_r| Lambda ||k_r|| ||k_j||,
+    j < r), from float64 values of the exact quantities."""
+    cum = np.cumsum(lg, axis=0)
+    lam = float(np.exp((cum - np.minimum.accumulate(cum, axis=0)).max()))
+    terms = {
+        "gamma": np.exp(cum.max(axis=1)),
+        "lam": max(lam, 1.0),
+        "sum": float(np.abs(lg).max(axis=1).sum()),
+        "solve": 1.0,
+        "abar": 0.0,
+    }
+    if beta is not None:
+        ratio = np.exp(cum[:, None, :] - cum[None, :, :])  # (r, j, Dg)
+        ratio = np.broadcast_to(ratio, ratio.shape[:2] + (kv.shape[1],))
+        a = np.tril(beta[:, None] * np.einsum("rd,jd,rjd->rj", kv, kv, ratio), -1)
+        terms["solve"] = float(np.linalg.norm(np.linalg.inv(np.eye(len(kv)) + a), 2))
+        kn = np.sqrt(np.einsum("rd,rd->r", kv, kv))
+        outer = np.tril(np.outer(np.abs(beta) * kn, kn), -1)
+        terms["abar"] = terms["lam"] * float(np.sqrt(np.einsum("rj,rj->", outer, outer)))
+    return terms
+
+
+def _chunk_errors(s, x, n0, e0, dtype, dim):
+    """(output error bounds (L,), the state's local error, the chunk map's prefix norms (L,))
+    of one chunk given the start state's norm bound ``n0`` (see linear_chunked_forward_bound).
+
+    x = (k rows (L, D), natural log decays (L, Dg), beta (L,) or None, (b, j, t0))."""
+    kv, lg, beta, (b, j, t0) = x
+    length = len(kv)
+    span = slice(t0, t0 + length)
+    u, eta = unit_roundoff(dtype), float(np.finfo(np.dtype(dtype)).smallest_subnormal)
+    c = _chunk_terms(kv, lg, beta)
+    delta = (2 * gamma(length, dtype) + 4 * u) * c["sum"] + 2 * u + dim * eta
+    kn, vn, qn = s["k"][b, j, span], s["v"][b, j, span], s["q"][b, j, span]
+    gam = c["gamma"] + eta
+    k_f = float(np.sqrt(np.sum(kn * kn)))
+    if beta is None:
+        w_norm, w_err = float(np.sqrt(np.sum(vn * vn))), 0.0
+    else:
+        rho = float(np.sqrt(np.sum((beta * (vn + gam * kn * n0)) ** 2)))
+        w_norm = c["solve"] * rho
+        eps_a, eps_r = gamma(dim + 2, dtype) + delta, gamma(dim + 3, dtype) + delta
+        w_err = c["solve"] * ((eps_a + gamma(length, dtype)) * c["abar"] * w_norm + eps_r * rho)
+    m, _ = _amplification(kn, None if s["b"] is None else s["b"][b, j, span])
+    prefix = np.cumprod(s["a"][b, j, span] * m)
+    eps_o = gamma(dim + 2, dtype) + delta + gamma(length + 1, dtype)
+    spread = c["lam"] * k_f
+    out = qn * (prefix * e0 + eps_o * (gam * n0 + spread * w_norm) + spread * w_err)
+    local = (gamma(length + 3, dtype) + delta) * (gam[-1] * n0 + spread * w_norm)
+    return out, local + spread * w_err, prefix
+
+
+def linear_chunked_forward_bound(
+    q,
+    k,
+    v,
+    g=None,
+    beta=None,
+    *,
+    chunk=64,
+    scale=None,
+    initial_state=None,
+    cu_seqlens=None,
+    qk_l2norm=False,
+    gate_base="e",
+    state_norms=None,
+    dtype="float64",
+):
+    """Bound on ``|fl(o) - o|`` per element of o (B, HV, T, E) and of the final state
+    (N, HV, D, E) for the chunked form (:mod:`refattn.kernels.linear_chunked`, chunks of
+    ``chunk`` steps) computed in ``dtype``; first order in its unit roundoff u.
+
+    Per chunk of L steps starting from a state of norm at most N_0 (the norm bounds of
+    :func:`linear_forward_bound`'s pass, with the computed ``state_norms`` when given) and error
+    e_0, from quantities computed at run time:
+
+    * the decay ratios' relative error ``delta = (2 gamma_L + 4u) sum_r max_d |log a_r| + 2u``
+      (the cumulative sums of L log decays, their difference, the base-2 conversion, the
+      ``exp``; plus ``D eta`` for underflow): it grows with the chunk's total log decay;
+    * ``Gamma_r = max_d exp(G_r)``, ``Lambda = max_{j <= r} exp(G_r - G_j)`` (1 for decays
+      <= 1);
+    * delta rule: the triangular system ``(I + A) W = R`` solved by forward substitution
+      (Higham, *Accuracy and Stability*, Thm. 8.5: ``(I + A + E) W^ = R``, ``|E| <= gamma_L
+      |A|``) with A's own error ``(gamma_{D+2} + delta) A-bar``, R's ``(gamma_{D+3} + delta)
+      ||R||``: ``||W^ - W||_F <= ||(I + A)^{-1}||_2 ((gamma_{D+2} + delta + gamma_L)
+      ||A-bar||_F ||W|| + (gamma_{D+3} + delta) rho)``, ``||W||_F <= ||(I + A)^{-1}||_2 rho``,
+      ``rho = ||(|beta_r| (||v_r|| + Gamma_r ||k_r|| N_0))_r||_2``. ``||(I + A)^{-1}||_2`` is
+      the conditioning of the solve (computed in float64 per chunk; ``A-bar_rj = |beta_r|
+      Lambda ||k_r|| ||k_j||``). Without beta, ``W = V`` exactly;
+    * outputs ``|o_r err| <= ||qs_r|| (P_r e_0 + eps_o (Gamma_r N_0 + Lambda ||K||_F ||W||)
+      + Lambda ||K||_F ||W^ - W||)``, ``eps_o = gamma_{D+2} + delta + gamma_{L+1}``, with
+      ``P_r = prod_{t <= r} a_t m_t`` the exact chunk map's norm bound (module notes);
+    * the chunk's state: ``e_L = P_L e_0 + (gamma_{L+3} + delta) (Gamma_L N_0 + Lambda
+      ||K||_F ||W||) + Lambda ||K||_F ||W^ - W||``.
+
+    The rounding of the inputs to ``dtype`` (and the l2norm's) is covered by adding
+    :func:`linear_forward_bound` (same ``dtype``), whose per-step perturbations include it.
+
+    >>> import numpy as np
+    >>> q = k = v = np.ones((1, 1, 3, 2)); beta = np.full((1, 1, 3), 0.5)
+    >>> o_bound, s_bound = linear_chunked_forward_bound(q, k, v, None, beta, chunk=2)
+    >>> bool(o_bound.shape == (1, 1, 3, 2) and 0 < o_bound.max() < 1e-13)
+    True
+    """
+    v = np.asarray(v)
+    dim, group = np.shape(q)[-1], v.shape[1] // np.shape(q)[1]
+    scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
+    options = dict(scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    options.update(qk_l2norm=qk_l2norm, gate_base=gate_base, state_norms=state_norms)
+    o_rec, s_rec = linear_forward_bound(q, k, v, g, beta, dtype=dtype, **options)
+    s = _per_step(q, k, v, g, beta, scale, qk_l2norm, gate_base)
+    kv = np.repeat(np.asarray(k, np.float64), group, axis=1) * s["rk"][..., None]
+    lg = _log_decays(g, v.shape, gate_base)
+    betas = None if beta is None else np.asarray(beta, np.float64)
+    h0 = None if initial_state is None else np.asarray(initial_state, np.float64)
+    out, final = np.zeros(v.shape[:3]), np.zeros((len(_segments(v.shape, cu_seqlens)), v.shape[1]))
+    for n, (b, start, stop) in enumerate(_segments(v.shape, cu_seqlens)):
+        n0 = np.zeros(v.shape[1]) if h0 is None else _norm(h0[n].reshape(v.shape[1], -1))
+        big_n, _ = _forward_pass(s, n0, state_norms, (b, start, stop), gamma(rounding_count(dim)))
+        for j in range(v.shape[1]):
+            err = unit_roundoff(dtype) * n0[j]
+            for c0 in range(start, stop, int(chunk)):
+                c1 = min(c0 + int(chunk), stop)
+                start_norm = n0[j] if c0 == start else big_n[j, c0 - start - 1]
+                x = (
+                    kv[b, j, c0:c1],
+                    lg[b, j, c0:c1],
+                    None if betas is None else betas[b, j, c0:c1],
+                )
+                o_err, local, prefix = _chunk_errors(
+                    s, (*x, (b, j, c0)), start_norm, err, dtype, dim
+                )
+                out[b, j, c0:c1] = o_err
+                err = prefix[-1] * err + local
+            final[n, j] = err
+    return o_rec + out[..., None], s_rec + final[..., None, None]
