@@ -307,7 +307,8 @@ def _chunk_terms(kv, lg, beta):
         "abar": 0.0,
     }
     if beta is not None:
-        ratio = np.exp(cum[:, None, :] - cum[None, :, :])  # (r, j, Dg)
+        lower = np.tril(np.ones((len(kv), len(kv)), bool))[..., None]
+        ratio = np.exp(np.where(lower, cum[:, None, :] - cum[None, :, :], -np.inf))  # j <= r
         ratio = np.broadcast_to(ratio, ratio.shape[:2] + (kv.shape[1],))
         a = np.tril(beta[:, None] * np.einsum("rd,jd,rjd->rj", kv, kv, ratio), -1)
         terms["solve"] = float(np.linalg.norm(np.linalg.inv(np.eye(len(kv)) + a), 2))
