@@ -292,28 +292,29 @@ def _log_decays(g, shape, gate_base):
     return lg * math.log(2.0) if str(gate_base) == "2" else lg
 
 
-def _chunk_terms(kv, lg, beta):
-    """One chunk (rows r = 0 .. L-1 of one sequence and value head): Gamma_r = max_d exp(G_r),
-    Lambda = max_{j <= r, d} exp(G_r - G_j), sum_r max_d |log a_r|, and with the delta rule
-    ``||(I + A)^{-1}||_2`` and ``||A-bar||_F`` (A-bar_rj = |beta_r| Lambda ||k_r|| ||k_j||,
-    j < r), from float64 values of the exact quantities."""
+def _chunk_terms(kv, qv, lg, beta):
+    """One chunk (rows r = 0 .. L-1 of one sequence and value head), from float64 values of
+    the exact quantities: Gamma_r = max_d exp(G_r), sum_r max_d |log a_r|, the largest decay
+    ratios ``dmax_rj = max_d exp(G_r - G_j)`` (j <= r), ``|P|_rj = sum_d |qs_r[d] k_j[d]|
+    exp(G_r - G_j)[d]`` (j <= r) and with the delta rule ``|A|_rj = |beta_r| sum_d |k_r[d]
+    k_j[d]| exp(G_r - G_j)[d]`` (j < r) and ``|(I + A)^{-1}|``."""
+    length = len(kv)
     cum = np.cumsum(lg, axis=0)
-    lam = float(np.exp((cum - np.minimum.accumulate(cum, axis=0)).max()))
+    lower = np.tril(np.ones((length, length), bool))
+    ratio = np.exp(np.where(lower[..., None], cum[:, None, :] - cum[None, :, :], -np.inf))
+    full = np.broadcast_to(ratio, ratio.shape[:2] + (kv.shape[1],))  # (r, j, D)
     terms = {
         "gamma": np.exp(cum.max(axis=1)),
-        "lam": max(lam, 1.0),
         "sum": float(np.abs(lg).max(axis=1).sum()),
-        "solve": 1.0,
-        "abar": 0.0,
+        "dmax": ratio.max(axis=2),
+        "p": np.einsum("rd,jd,rjd->rj", np.abs(qv), np.abs(kv), full),
     }
     if beta is not None:
-        ratio = np.exp(cum[:, None, :] - cum[None, :, :])  # (r, j, Dg)
-        ratio = np.broadcast_to(ratio, ratio.shape[:2] + (kv.shape[1],))
-        a = np.tril(beta[:, None] * np.einsum("rd,jd,rjd->rj", kv, kv, ratio), -1)
-        terms["solve"] = float(np.linalg.norm(np.linalg.inv(np.eye(len(kv)) + a), 2))
-        kn = np.sqrt(np.einsum("rd,rd->r", kv, kv))
-        outer = np.tril(np.outer(np.abs(beta) * kn, kn), -1)
-        terms["abar"] = terms["lam"] * float(np.sqrt(np.einsum("rj,rj->", outer, outer)))
+        signed = np.tril(beta[:, None] * np.einsum("rd,jd,rjd->rj", kv, kv, full), -1)
+        terms["a"] = np.tril(
+            np.abs(beta)[:, None] * np.einsum("rd,jd,rjd->rj", *[np.abs(kv)] * 2, full), -1
+        )
+        terms["t"] = np.abs(np.linalg.inv(np.eye(length) + signed))
     return terms
 
 
@@ -321,30 +322,30 @@ def _chunk_errors(s, x, n0, e0, dtype, dim):
     """(output error bounds (L,), the state's local error, the chunk map's prefix norms (L,))
     of one chunk given the start state's norm bound ``n0`` (see linear_chunked_forward_bound).
 
-    x = (k rows (L, D), natural log decays (L, Dg), beta (L,) or None, (b, j, t0))."""
-    kv, lg, beta, (b, j, t0) = x
+    x = (k rows (L, D), scaled q rows (L, D), natural log decays (L, Dg), beta (L,) or None,
+    (b, j, t0))."""
+    kv, qv, lg, beta, (b, j, t0) = x
     length = len(kv)
     span = slice(t0, t0 + length)
     u, eta = unit_roundoff(dtype), float(np.finfo(np.dtype(dtype)).smallest_subnormal)
-    c = _chunk_terms(kv, lg, beta)
+    c = _chunk_terms(kv, qv, lg, beta)
     delta = (2 * gamma(length, dtype) + 4 * u) * c["sum"] + 2 * u + dim * eta
     kn, vn, qn = s["k"][b, j, span], s["v"][b, j, span], s["q"][b, j, span]
     gam = c["gamma"] + eta
-    k_f = float(np.sqrt(np.sum(kn * kn)))
     if beta is None:
-        w_norm, w_err = float(np.sqrt(np.sum(vn * vn))), 0.0
+        w_rows, w_err = vn, np.zeros(length)
     else:
-        rho = float(np.sqrt(np.sum((beta * (vn + gam * kn * n0)) ** 2)))
-        w_norm = c["solve"] * rho
+        rho = np.abs(beta) * (vn + gam * kn * n0)  # ||R_r||
+        w_rows = c["t"] @ rho
         eps_a, eps_r = gamma(dim + 2, dtype) + delta, gamma(dim + 3, dtype) + delta
-        w_err = c["solve"] * ((eps_a + gamma(length, dtype)) * c["abar"] * w_norm + eps_r * rho)
+        w_err = c["t"] @ ((eps_a + gamma(length, dtype)) * (c["a"] @ w_rows) + eps_r * rho)
     m, _ = _amplification(kn, None if s["b"] is None else s["b"][b, j, span])
     prefix = np.cumprod(s["a"][b, j, span] * m)
     eps_o = gamma(dim + 2, dtype) + delta + gamma(length + 1, dtype)
-    spread = c["lam"] * k_f
-    out = qn * (prefix * e0 + eps_o * (gam * n0 + spread * w_norm) + spread * w_err)
-    local = (gamma(length + 3, dtype) + delta) * (gam[-1] * n0 + spread * w_norm)
-    return out, local + spread * w_err, prefix
+    out = qn * prefix * e0 + eps_o * (gam * qn * n0 + c["p"] @ w_rows) + c["p"] @ w_err
+    spread = c["dmax"][-1] * kn
+    local = (gamma(length + 3, dtype) + delta) * (gam[-1] * n0 + spread @ w_rows)
+    return out, local + spread @ w_err, prefix
 
 
 def linear_chunked_forward_bound(
@@ -374,21 +375,22 @@ def linear_chunked_forward_bound(
     * the decay ratios' relative error ``delta = (2 gamma_L + 4u) sum_r max_d |log a_r| + 2u``
       (the cumulative sums of L log decays, their difference, the base-2 conversion, the
       ``exp``; plus ``D eta`` for underflow): it grows with the chunk's total log decay;
-    * ``Gamma_r = max_d exp(G_r)``, ``Lambda = max_{j <= r} exp(G_r - G_j)`` (1 for decays
-      <= 1);
+    * ``Gamma_r = max_d exp(G_r)``;
     * delta rule: the triangular system ``(I + A) W = R`` solved by forward substitution
       (Higham, *Accuracy and Stability*, Thm. 8.5: ``(I + A + E) W^ = R``, ``|E| <= gamma_L
-      |A|``) with A's own error ``(gamma_{D+2} + delta) A-bar``, R's ``(gamma_{D+3} + delta)
-      ||R||``: ``||W^ - W||_F <= ||(I + A)^{-1}||_2 ((gamma_{D+2} + delta + gamma_L)
-      ||A-bar||_F ||W|| + (gamma_{D+3} + delta) rho)``, ``||W||_F <= ||(I + A)^{-1}||_2 rho``,
-      ``rho = ||(|beta_r| (||v_r|| + Gamma_r ||k_r|| N_0))_r||_2``. ``||(I + A)^{-1}||_2`` is
-      the conditioning of the solve (computed in float64 per chunk; ``A-bar_rj = |beta_r|
-      Lambda ||k_r|| ||k_j||``). Without beta, ``W = V`` exactly;
-    * outputs ``|o_r err| <= ||qs_r|| (P_r e_0 + eps_o (Gamma_r N_0 + Lambda ||K||_F ||W||)
-      + Lambda ||K||_F ||W^ - W||)``, ``eps_o = gamma_{D+2} + delta + gamma_{L+1}``, with
-      ``P_r = prod_{t <= r} a_t m_t`` the exact chunk map's norm bound (module notes);
-    * the chunk's state: ``e_L = P_L e_0 + (gamma_{L+3} + delta) (Gamma_L N_0 + Lambda
-      ||K||_F ||W||) + Lambda ||K||_F ||W^ - W||``.
+      |A|``) with A's own error ``(gamma_{D+2} + delta) |A|`` and R's ``(gamma_{D+3} + delta)
+      rho``, componentwise over the rows (Skeel's condition of the solve, ``|(I + A)^{-1}|``
+      computed in float64 per chunk): ``||W_r|| <= (|T| rho)_r``, ``||W^_r - W_r|| <= (|T|
+      ((gamma_{D+2} + delta + gamma_L) |A| ||W|| + (gamma_{D+3} + delta) rho))_r``, with
+      ``T = (I + A)^{-1}``, ``rho_r = |beta_r| (||v_r|| + Gamma_r ||k_r|| N_0)`` and ``|A|_rj =
+      |beta_r| sum_d |k_r[d] k_j[d]| exp(G_r - G_j)[d]``. Without beta, ``W = V`` exactly;
+    * outputs ``|o_r err| <= ||qs_r|| P_r e_0 + eps_o (Gamma_r ||qs_r|| N_0 + (|P| ||W||)_r)
+      + (|P| ||W^ - W||)_r``, ``eps_o = gamma_{D+2} + delta + gamma_{L+1}``, ``|P|_rj = sum_d
+      |qs_r[d] k_j[d]| exp(G_r - G_j)[d]``, with ``P_r = prod_{t <= r} a_t m_t`` the exact
+      chunk map's norm bound (module notes);
+    * the chunk's state: ``e_L = P_L e_0 + (gamma_{L+3} + delta) (Gamma_L N_0 + sum_j
+      dmax_j ||k_j|| ||W_j||) + sum_j dmax_j ||k_j|| ||W^_j - W_j||``, ``dmax_j = max_d
+      exp(G_{L-1} - G_j)[d]``.
 
     The rounding of the inputs to ``dtype`` (and the l2norm's) is covered by adding
     :func:`linear_forward_bound` (same ``dtype``), whose per-step perturbations include it.
@@ -407,6 +409,7 @@ def linear_chunked_forward_bound(
     o_rec, s_rec = linear_forward_bound(q, k, v, g, beta, dtype=dtype, **options)
     s = _per_step(q, k, v, g, beta, scale, qk_l2norm, gate_base)
     kv = np.repeat(np.asarray(k, np.float64), group, axis=1) * s["rk"][..., None]
+    qv = np.repeat(np.asarray(q, np.float64), group, axis=1) * (abs(scale) * s["rq"][..., None])
     lg = _log_decays(g, v.shape, gate_base)
     betas = None if beta is None else np.asarray(beta, np.float64)
     h0 = None if initial_state is None else np.asarray(initial_state, np.float64)
@@ -421,6 +424,7 @@ def linear_chunked_forward_bound(
                 start_norm = n0[j] if c0 == start else big_n[j, c0 - start - 1]
                 x = (
                     kv[b, j, c0:c1],
+                    qv[b, j, c0:c1],
                     lg[b, j, c0:c1],
                     None if betas is None else betas[b, j, c0:c1],
                 )

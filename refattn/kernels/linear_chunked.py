@@ -2,9 +2,10 @@
 (:func:`refattn.linear_attention` with ``backend="numba-chunked"``), forward only.
 
 The chunked (WY / UT-transform) form of the gated delta rule that flash-linear-attention's
-chunk kernels compute (Yang et al. 2024, "Parallelizing Linear Transformers with the Delta Rule
-over Sequence Length", sec. 3, eqs. (4)-(8); with gates, Yang, Kautz & Hatamizadeh 2024, "Gated
-Delta Networks", sec. 3.3), written here for refattn's (D, E) state. Per sequence and value
+chunk kernels compute (the chunkwise WY representation of Yang et al. 2024, "Parallelizing
+Linear Transformers with the Delta Rule over Sequence Length"; with gates, Yang, Kautz &
+Hatamizadeh 2024, "Gated Delta Networks"; neither paper is among refattn's source documents, so
+no equation numbers are cited), derived here for refattn's (D, E) state. Per sequence and value
 head, per chunk of ``C`` steps r = 0 .. L-1 (L <= C) starting from the state S_0:
 
 * cumulative log decays ``G_r = sum_{s <= r} log a_s`` (sequential, per key row for a vector

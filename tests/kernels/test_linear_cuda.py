@@ -104,6 +104,7 @@ def test_missing_cuda_says_what_to_do():
         refattn.linear_attention(*args, backend="cuda", **opts)
 
 
+@pytest.mark.slow
 @pytest.mark.cudasim
 def test_linear_cuda_under_simulator():
     if linear_cuda.available():
