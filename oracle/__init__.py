@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 _LAZY = {
-    "Report": ("oracle.judging.results", "Report"),
+    "Report": ("oracle.report.run_report", "Report"),
     "CaseResult": ("oracle.judging.results", "CaseResult"),
     "check_fixture": ("oracle.judging.judge", "check_fixture"),
     "generate": ("oracle.fixtures.golden", "generate"),

@@ -9,7 +9,19 @@ Every function has two paths: ``precision="float64"`` (fast NumPy, log-space) an
 ``precision="exact"`` (every output element the exact result rounded once to ``out_dtype``).
 """
 
-from . import bounds, fixedpoint, gmm, hopfield, masks, meanfield, mgk, mla, spec, transformer
+from . import (
+    bounds,
+    fixedpoint,
+    gmm,
+    hopfield,
+    linear,
+    masks,
+    meanfield,
+    mgk,
+    mla,
+    spec,
+    transformer,
+)
 from ._version import __version__
 from .attention import (
     AttentionGrads,
@@ -19,6 +31,7 @@ from .attention import (
     attention_vjp,
 )
 from .exact.rounding import UndecidedRoundingError
+from .linear import LinearAttentionGrads, linear_attention, linear_attention_vjp
 from .logspace import log_softmax, logsumexp, softmax
 from .masks import allowed_mask
 from .merge import MergeGrads, merge_states, merge_states_vjp
@@ -52,6 +65,9 @@ __all__ = [
     "merge_states",
     "merge_states_vjp",
     "MergeGrads",
+    "linear_attention",
+    "linear_attention_vjp",
+    "LinearAttentionGrads",
     # submodules: the probabilistic variants and the error bounds
     "gmm",
     "mla",
@@ -59,6 +75,7 @@ __all__ = [
     "hopfield",
     "fixedpoint",
     "meanfield",
+    "linear",
     "transformer",
     "masks",
     "spec",

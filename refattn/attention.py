@@ -20,6 +20,7 @@ from .spec import (
     check_cotangent,
     fold,
     needs_fold,
+    options_in,
     split_qv_grads,
     split_sink_grads,
 )
@@ -233,13 +234,57 @@ def _forward_float64(spec: AttentionSpec, return_weights: bool):
     return out, lse, weights
 
 
+def _without_listed(options: dict, gather: bool) -> dict:
+    """The options with the listed key indices left out when a gather kernel reads them
+    (:func:`_gather_spec` puts them back on the spec, without a dense mask)."""
+    if gather:
+        options.update(key_indices=None, key_block_indices=None, key_block_size=None)
+    return options
+
+
+def _gathers(backend, precision, reading, listed, normalizer, return_weights, sinks, kv_lengths):
+    """Whether the Numba kernels gather the key indices ``listed`` = (key_indices,
+    key_block_indices, key_block_size) themselves (:func:`refattn.kernels.gathers`)."""
+    if backend != "numba" or (listed[0] is None and listed[1] is None):
+        return False
+    from .kernels import gathers
+
+    options = dict(
+        normalizer=normalizer, return_weights=return_weights, sinks=sinks, kv_lengths=kv_lengths
+    )
+    return gathers(
+        backend=backend,
+        precision=precision,
+        key_indices=listed[0],
+        key_block_indices=listed[1],
+        index_reading=reading,
+        options=options,
+    )
+
+
+def _gather_spec(spec, listed):
+    """:func:`refattn.kernels.gather_spec` of ``spec`` with ``listed`` (see :func:`_gathers`)."""
+    from .kernels import gather_spec
+
+    return gather_spec(spec, *listed)
+
+
 def _check_numba_range(spec: AttentionSpec, compute_dtype) -> None:
     """The Numba kernels form ``s q.k`` directly in their compute dtype: refuse inputs whose
     scores may exceed its range (they would turn into NaN) and say what handles them."""
 
     def top(x):
-        x = np.abs(np.asarray(x, np.float64))
-        return float(np.max(x, where=np.isfinite(x), initial=0.0))
+        # max |x| over the finite entries, in x's own dtype (float16, bfloat16, float8 widen
+        # exactly to float32): no float64 copy and no |x| array of a large k
+        x = np.asarray(x)
+        if x.dtype not in (np.float32, np.float64):
+            x = x.astype(np.float32)
+        high, low = (np.max(x), np.min(x)) if x.size else (0.0, 0.0)
+        if not (np.isfinite(high) and np.isfinite(low)):  # a second pass skips NaN and Inf
+            finite = np.isfinite(x)
+            high = np.max(x, where=finite, initial=0.0)
+            low = np.min(x, where=finite, initial=0.0)
+        return float(max(high, -low, 0.0))
 
     dim = spec.q.shape[-1]
     with np.errstate(over="ignore"):
@@ -455,46 +500,21 @@ def attention(
     >>> refattn.attention(q, k, v, causal=True).tolist()
     [[1.0]]
     """
-    _checks.precision(precision)
-    _checks.choice(backend, "backend", BACKENDS)
-    _checks.out_dtype(out_dtype)  # validated on every path (the float64 path returns float64)
+    _check_path(precision, backend, out_dtype)
     if normalizer == "sigmoid" and return_lse:
         raise ValueError(
             "return_lse: normalizer='sigmoid' has no log-sum-exp (the weights are sigmoid(t) "
             "with no normaliser); pass return_lse=False"
         )
     base = _lse_base(lse_base, return_lse)
-    spec = canonicalize(
-        q,
-        k,
-        v,
-        scale=scale,
-        bias=bias,
-        mask=mask,
-        causal=causal,
-        window=window,
-        align=align,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        gqa=gqa,
-        dropout_mask=dropout_mask,
-        dropout_p=dropout_p,
-        empty_rows=empty_rows,
-        sinks=sinks,
-        kv_lengths=kv_lengths,
-        q_descale=q_descale,
-        k_descale=k_descale,
-        v_descale=v_descale,
-        key_indices=key_indices,
-        key_block_indices=key_block_indices,
-        key_block_size=key_block_size,
-        index_reading=index_reading,
-        q_block_scale=q_block_scale,
-        k_block_scale=k_block_scale,
-        v_block_scale=v_block_scale,
-        normalizer=normalizer,
-        qv=qv,
+    # set-read key indices on the Numba CPU forward: gathered by the kernel, no dense mask
+    listed = (key_indices, key_block_indices, key_block_size)
+    gather = _gathers(
+        backend, precision, index_reading, listed, normalizer, return_weights, sinks, kv_lengths
     )
+    spec = canonicalize(q, k, v, **_without_listed(options_in(locals()), gather))
+    if gather:
+        spec = _gather_spec(spec, listed)
     if spec.index_reading == "multiset":
         from . import sparse_multiset
 
@@ -560,6 +580,13 @@ def _forward_paths(spec, precision, backend, out_dtype, return_lse, return_weigh
     if base != 1.0 and precision != "exact":
         lse = lse / base  # one rounding more: |error| <= (Delta_i + 2u |lse_i|) / ln 2
     return out, lse, weights
+
+
+def _check_path(precision, backend, out_dtype) -> None:
+    """The path arguments of :func:`attention` and :func:`attention_vjp`."""
+    _checks.precision(precision)
+    _checks.choice(backend, "backend", BACKENDS)
+    _checks.out_dtype(out_dtype)  # validated on every path (the float64 path returns float64)
 
 
 def _lse_base(value, return_lse) -> float:
@@ -734,40 +761,15 @@ def attention_vjp(
     >>> refattn.attention_vjp(q, k, v, np.ones((1, 1))).dv.tolist()
     [[0.5], [0.5]]
     """
-    _checks.precision(precision)
-    _checks.choice(backend, "backend", BACKENDS)
-    _checks.out_dtype(out_dtype)  # validated on every path (the float64 path returns float64)
-    spec = canonicalize(
-        q,
-        k,
-        v,
-        scale=scale,
-        bias=bias,
-        mask=mask,
-        causal=causal,
-        window=window,
-        align=align,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        gqa=gqa,
-        dropout_mask=dropout_mask,
-        dropout_p=dropout_p,
-        empty_rows=empty_rows,
-        sinks=sinks,
-        kv_lengths=kv_lengths,
-        q_descale=q_descale,
-        k_descale=k_descale,
-        v_descale=v_descale,
-        key_indices=key_indices,
-        key_block_indices=key_block_indices,
-        key_block_size=key_block_size,
-        index_reading=index_reading,
-        q_block_scale=q_block_scale,
-        k_block_scale=k_block_scale,
-        v_block_scale=v_block_scale,
-        normalizer=normalizer,
-        qv=qv,
+    _check_path(precision, backend, out_dtype)
+    # set-read key indices on the Numba CPU vjp: gathered by the kernel, no dense mask
+    listed = (key_indices, key_block_indices, key_block_size)
+    gather = _gathers(
+        backend, precision, index_reading, listed, normalizer, False, sinks, kv_lengths
     )
+    spec = canonicalize(q, k, v, **_without_listed(options_in(locals()), gather))
+    if gather:
+        spec = _gather_spec(spec, listed)
     _, heads, _, length, keys, _, vdim = spec.dims
     do = check_cotangent(spec, grad_out, "grad_out", (heads, length, vdim))
     dl = None if grad_lse is None else check_cotangent(spec, grad_lse, "grad_lse", (heads, length))

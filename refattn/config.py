@@ -23,3 +23,7 @@ EXACT_ENGINE = "fast"
 #: bounds, undecided elements re-evaluated by the referee) or "referee" (the arbitrary-precision
 #: Ziv loop on every element). Both give the same bits.
 EXACT_VJP_ENGINE = "fast"
+
+#: The epsilon inside the root of linear attention's q/k normalisation,
+#: ``x / sqrt(sum x^2 + eps)`` (flash-linear-attention's ``l2norm``; the float64 number 1e-6).
+LINEAR_L2NORM_EPS = 1e-6

@@ -22,8 +22,6 @@ path refuses them (and ALiBi, whose exact form the gather would lose).
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from .spec import AttentionSpec
@@ -91,8 +89,11 @@ def gather_spec(spec: AttentionSpec, *, alibi_into_bias: bool = True) -> Attenti
         alibi = gather_plane(-spec.alibi_slopes[None, :, None, None] * distance)
         bias = alibi if bias is None else bias + alibi
     keep = None if spec.dropout_mask is None else gather_plane(spec.dropout_mask)
-    return dataclasses.replace(
-        spec,
+    # the gathered rows hold their keys and allowed set explicitly: causal, window, align,
+    # kv_lengths and the indices are off
+    return spec.without(
+        "interval",
+        "indices",
         q=spec.q.transpose(0, 2, 1, 3).reshape(rows, heads, 1, dim),
         k=gather_keys(spec.k),
         v=gather_keys(spec.v),
@@ -101,15 +102,9 @@ def gather_spec(spec: AttentionSpec, *, alibi_into_bias: bool = True) -> Attenti
         bias=bias,
         bias_shape=None if bias is None else bias.shape,
         mask=allowed,
-        causal=False,
-        window=None,
-        align="top_left",
         offset=0,
         alibi_slopes=None if alibi_into_bias else spec.alibi_slopes,
         dropout_mask=keep,
-        kv_lengths=None,
-        key_indices=None,
-        index_reading="set",
     )
 
 

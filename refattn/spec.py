@@ -24,6 +24,13 @@ variants' masks and the oracle): see ``docs/architecture.md``.
   ``key_block_indices``: :mod:`refattn.sparse_indices`) are one more factor
   ``[j \\in I_{b, g(h), i}]``: :func:`canonicalize` ANDs their set into the mask, so every
   path reads them through this rule.
+* **The options** of :func:`refattn.attention`: :data:`OPTIONS`, one :class:`Option` record
+  per keyword (name, default, kind, what it folds into, a doc line, its gradient). The
+  signatures of :func:`refattn.attention` and :func:`refattn.attention_vjp` state them for
+  their readers (a test holds them to the table); everything else reads the table
+  (:func:`option_names`, :func:`defaults`, :func:`options_in`): :func:`canonicalize` checks
+  each option by its kind, :func:`fold` and the multiset gather reset the options they write
+  out, the transformer passes the ``core`` ones through, the oracle lists them.
 * **The canonical call**: :func:`canonicalize` validates the arguments of
   :func:`refattn.attention` once and returns an :class:`AttentionSpec` whose arrays have a flat
   batch axis: q (B, H, L, D), k (B, K, S, D), v (B, K, S, E), and bias / mask / dropout_mask as
@@ -43,29 +50,42 @@ from fractions import Fraction
 import numba
 import numpy as np
 
-from . import _checks, sparse_indices
-from ._qv import fold_qv, split_qv_grads
-from .quantized import FP8_DTYPES, dequantize_inputs
+from . import _checks, _option_checks, sparse_indices
+from ._fold import fold, needs_fold, split_sink_grads, with_indices
+from ._option_checks import check_cotangent
+from ._qv import split_qv_grads
+from .quantized import FP8_DTYPES
 
 __all__ = [
     "ALIGNS",
     "AttentionSpec",
     "EMPTY_ROWS",
+    "FOLDS",
     "FP8_DTYPES",
     "GQA_MODES",
     "NORMALIZERS",
+    "OPTIONS",
+    "OPTION_KINDS",
+    "SCALAR_KINDS",
+    "Option",
     "UNBOUNDED",
     "WINDOW_CAP",
     "allowed_mask",
     "canonicalize",
     "check_cotangent",
+    "check_option_names",
     "check_window",
+    "defaults",
+    "field_defaults",
     "fold",
     "key_interval",
     "key_interval_jit",
     "key_intervals",
     "needs_fold",
     "offset_of",
+    "option",
+    "option_names",
+    "options_in",
     "position_allowed",
     "position_allowed_jit",
     "split_qv_grads",
@@ -293,6 +313,313 @@ def allowed_mask(
 
 GQA_MODES = ("interleave", "tile")
 EMPTY_ROWS = ("zero", "nan")
+#: The score normalisers: "softmax" (weights ``exp(t - lse)``) and "sigmoid" (weights
+#: ``sigmoid(t)``, no normaliser; Ramapuram et al. 2024, docs/conventions.md).
+NORMALIZERS = ("softmax", "sigmoid")
+
+
+# --------------------------------------------------------------------------------------
+# the options of refattn.attention: one table
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Option:
+    """One keyword option of :func:`refattn.attention` and :func:`refattn.attention_vjp`: a
+    row of :data:`OPTIONS`.
+
+    Attributes
+    ----------
+    name : str
+        The keyword (and the :class:`AttentionSpec` field that holds its checked value, for
+        the options that :func:`canonicalize` does not fold into another field).
+    default
+        Its default: the option is off (or the convention is the common one).
+    kind : str
+        How :func:`canonicalize` checks it (one of :data:`OPTION_KINDS`).
+    into : str
+        What it folds into (one of :data:`FOLDS`): "scores" (the score ``t~``), "interval"
+        (the structural key interval of :func:`key_interval`), "allowed" (the allowed set's
+        per-position half), "heads" (the kv head of each query head), "normaliser", "output"
+        (the weights' use: dropout, empty rows), "inputs" (q, k, v themselves: dequantised or
+        extended before anything else reads them), "indices" (the sparse key indices).
+    doc : str
+        One line: what it is.
+    choices : tuple
+        The values of a "choice" option.
+    unit : str
+        What one element of a per-head array is (named in its error messages).
+    core : bool
+        One of the options of plain scaled dot-product attention (scores, masking, heads,
+        dropout, empty rows: all but sinks, key lengths, quantised inputs, sparse indices,
+        normalisers and latent queries). :mod:`refattn.transformer` passes exactly these
+        through (its ``**attention_kwargs``).
+    gradient : str or None
+        The field of :func:`refattn.attention_vjp`'s result that holds its own gradient.
+    batch_axis : int or None
+        The axis (from the end) of an array option's batch dimensions (None: it has none).
+    """
+
+    name: str
+    default: object
+    kind: str
+    into: str
+    doc: str
+    choices: tuple = ()
+    unit: str = ""
+    core: bool = False
+    gradient: str | None = None
+    batch_axis: int | None = None
+
+    @property
+    def is_array(self) -> bool:
+        """Whether its value is an array (a plane, per-head, per-batch, indices, scales, qv)."""
+        return self.kind not in SCALAR_KINDS
+
+
+#: The kinds of :attr:`Option.kind`, each with one check in :mod:`refattn._option_checks`
+#: (the kinds of the "inputs" and "indices" options are checked by the code they fold into:
+#: :func:`refattn.quantized.dequantize_inputs`, :func:`refattn._qv.fold_qv`,
+#: :func:`refattn.sparse_indices.canonical_indices`).
+OPTION_KINDS = (
+    "float",
+    "positive float",
+    "probability",
+    "bool",
+    "choice",
+    "window",
+    "float plane",
+    "bool plane",
+    "per-head",
+    "per-batch",
+    "descale",
+    "block scale",
+    "latent",
+    "indices",
+    "int",
+)
+#: The kinds whose value is a scalar (or a pair, ``window``): the other options are arrays.
+SCALAR_KINDS = ("float", "positive float", "probability", "bool", "choice", "window", "int")
+#: The values of :attr:`Option.into`.
+FOLDS = ("scores", "interval", "allowed", "heads", "normaliser", "output", "inputs", "indices")
+
+#: The options of :func:`refattn.attention`, in its signature's order: the one list every
+#: path, the transformer pass-through and the oracle read (see docs/architecture.md).
+OPTIONS = (
+    Option("scale", None, "float", "scores", "s in t = s q.k (None: 1/sqrt(D))", core=True),
+    Option(
+        "bias",
+        None,
+        "float plane",
+        "scores",
+        "added to the scores after softcap; -inf excludes a position",
+        core=True,
+        gradient="dbias",
+        batch_axis=-4,
+    ),
+    Option("mask", None, "bool plane", "allowed", "True = attend", core=True, batch_axis=-4),
+    Option("causal", False, "bool", "interval", "allow only j <= i + o", core=True),
+    Option(
+        "window",
+        None,
+        "window",
+        "interval",
+        "(left, right): allow only i + o - left <= j <= i + o + right",
+        core=True,
+    ),
+    Option(
+        "align",
+        "top_left",
+        "choice",
+        "interval",
+        "the diagonal offset o: 0 or S - L",
+        choices=ALIGNS,
+        core=True,
+    ),
+    Option(
+        "softcap",
+        None,
+        "positive float",
+        "scores",
+        "c tanh(t / c) on the raw scores",
+        core=True,
+    ),
+    Option(
+        "alibi_slopes",
+        None,
+        "per-head",
+        "scores",
+        "m_h: adds -m_h |i + o - j| (the float64 paths fold it into the bias)",
+        unit="slope",
+        core=True,
+    ),
+    Option(
+        "gqa",
+        "interleave",
+        "choice",
+        "heads",
+        "query head h reads kv head h // G or h % K",
+        choices=GQA_MODES,
+        core=True,
+    ),
+    Option(
+        "dropout_mask",
+        None,
+        "bool plane",
+        "output",
+        "the keep-mask kappa",
+        core=True,
+        batch_axis=-4,
+    ),
+    Option(
+        "dropout_p",
+        0.0,
+        "probability",
+        "output",
+        "kept weights scaled by 1/(1 - p)",
+        core=True,
+    ),
+    Option(
+        "empty_rows",
+        "zero",
+        "choice",
+        "output",
+        "rows with no allowed key: out 0, lse -inf, or NaN",
+        choices=EMPTY_ROWS,
+        core=True,
+    ),
+    Option(
+        "sinks",
+        None,
+        "per-head",
+        "normaliser",
+        "a logit per query head added to every row's normaliser (one more key when folded)",
+        unit="logit",
+        gradient="dsinks",
+    ),
+    Option(
+        "kv_lengths",
+        None,
+        "per-batch",
+        "interval",
+        "per batch row key length S_b (a mask when folded)",
+        batch_axis=-1,
+    ),
+    Option(
+        "q_descale", None, "descale", "inputs", "float8 q dequantised as q * descale", batch_axis=-2
+    ),
+    Option(
+        "k_descale", None, "descale", "inputs", "float8 k dequantised as k * descale", batch_axis=-2
+    ),
+    Option(
+        "v_descale", None, "descale", "inputs", "float8 v dequantised as v * descale", batch_axis=-2
+    ),
+    Option(
+        "key_indices", None, "indices", "indices", "token-level sparse key indices", batch_axis=-4
+    ),
+    Option(
+        "key_block_indices",
+        None,
+        "indices",
+        "indices",
+        "block-sparse key block numbers",
+        batch_axis=-4,
+    ),
+    Option("key_block_size", None, "int", "indices", "keys per block of key_block_indices"),
+    Option(
+        "index_reading",
+        "set",
+        "choice",
+        "indices",
+        "a key listed twice counts once (set) or twice (multiset)",
+        choices=sparse_indices.INDEX_READINGS,
+    ),
+    Option(
+        "q_block_scale", None, "block scale", "inputs", "float4 q's per-block scales", batch_axis=-4
+    ),
+    Option(
+        "k_block_scale", None, "block scale", "inputs", "float4 k's per-block scales", batch_axis=-4
+    ),
+    Option(
+        "v_block_scale", None, "block scale", "inputs", "float4 v's per-block scales", batch_axis=-4
+    ),
+    Option(
+        "normalizer",
+        "softmax",
+        "choice",
+        "normaliser",
+        "softmax, or sigmoid weights with no normaliser",
+        choices=NORMALIZERS,
+    ),
+    Option(
+        "qv",
+        None,
+        "latent",
+        "inputs",
+        "latent queries: t = s (q.k + qv.v), held as q' = [q, qv], k' = [k, v]",
+        gradient="dqv",
+        batch_axis=-4,
+    ),
+)
+
+
+def option_names() -> tuple[str, ...]:
+    """The names of :data:`OPTIONS`, in order.
+
+    Examples
+    --------
+    >>> option_names()[:3]
+    ('scale', 'bias', 'mask')
+    """
+    return tuple(option.name for option in OPTIONS)
+
+
+def option(name: str) -> Option:
+    """The :class:`Option` called ``name`` (a KeyError names the known options)."""
+    for row in OPTIONS:
+        if row.name == name:
+            return row
+    raise KeyError(
+        f"{name!r} is not an option of refattn.attention; expected one of {option_names()}"
+    )
+
+
+def defaults(*into: str) -> dict:
+    """``{name: default}`` of every option, or of those folding into one of ``into``.
+
+    Examples
+    --------
+    >>> defaults("interval")
+    {'causal': False, 'window': None, 'align': 'top_left', 'kv_lengths': None}
+    """
+    return {o.name: o.default for o in OPTIONS if not into or o.into in into}
+
+
+def field_defaults(*into: str) -> dict:
+    """:func:`defaults` of the options folding into one of ``into`` that
+    :class:`AttentionSpec` holds as fields: what a rewritten spec (:func:`fold`, the gather
+    of :mod:`refattn.sparse_multiset`) sets to switch them off.
+
+    Examples
+    --------
+    >>> field_defaults("indices")
+    {'key_indices': None, 'index_reading': 'set'}
+    """
+    fields = {field.name for field in dataclasses.fields(AttentionSpec)}
+    return {name: value for name, value in defaults(*into).items() if name in fields}
+
+
+def options_in(namespace) -> dict:
+    """``{name: namespace[name]}`` for every option: a function's ``locals()`` passed on as
+    keywords (``canonicalize(q, k, v, **options_in(locals()))``) without spelling the list."""
+    return {name: namespace[name] for name in option_names()}
+
+
+def check_option_names(names, where: str) -> None:
+    """A TypeError naming the first of ``names`` that is not an option (``where``: the
+    function that was called)."""
+    known = set(option_names())
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
 
 
 @dataclass(frozen=True)
@@ -451,421 +778,96 @@ class AttentionSpec:
             return None
         return -self.alibi_slopes[h] * self.alibi_distance(b)
 
+    def without(self, into: str, *more: str, **changes) -> AttentionSpec:
+        """This spec with the options folding into ``into`` (and ``more``) switched off (their
+        defaults, :func:`field_defaults`) and ``changes`` applied: how a rewrite (:func:`fold`,
+        the multiset gather) drops the options it has written out."""
+        return dataclasses.replace(self, **{**field_defaults(into, *more), **changes})
+
     def unflatten(self, array: np.ndarray) -> np.ndarray:
         """(B, H, ...) -> batch_shape + (H, ...); for 2-D inputs the head axis is dropped."""
         array = array.reshape(self.batch_shape + array.shape[1:])
         return array[0] if self.single_head else array
 
 
-def _heads(q, k, v):
-    if q.ndim == 2 and k.ndim == 2 and v.ndim == 2:
-        return q[None], k[None], v[None], True
-    for name, arr in (("q", q), ("k", k), ("v", v)):
-        if arr.ndim < 3:
-            raise ValueError(
-                f"{name}: expected shape (..., heads, length, features) (or 2-D q, k, v for a "
-                f"single head), got shape {arr.shape} with q {q.shape}, k {k.shape}, v {v.shape}"
-            )
-    return q, k, v, False
-
-
-def _check_core_shapes(q, k, v):
-    heads, length, dim = q.shape[-3:]
-    kv_heads, keys, kdim = k.shape[-3:]
-    if kdim != dim:
-        raise ValueError(f"k: feature size {kdim} != q's {dim} (q {q.shape}, k {k.shape})")
-    if v.shape[-3:-1] != (kv_heads, keys):
-        raise ValueError(
-            f"v: expected (..., {kv_heads}, {keys}, E) to match k {k.shape}, got {v.shape}"
-        )
-    if kv_heads == 0:
-        raise ValueError(f"k: expected at least one kv head (K >= 1), got k {k.shape}")
-    if heads % kv_heads:
-        raise ValueError(
-            f"q: {heads} query heads is not a multiple of k's {kv_heads} kv heads "
-            f"(q {q.shape}, k {k.shape})"
-        )
-    if dim == 0:
-        raise ValueError(f"q: feature size D must be >= 1, got q {q.shape}")
-    return heads, kv_heads, length, keys
-
-
-def _flat(arr: np.ndarray, batch_shape: tuple, tail: tuple) -> np.ndarray:
-    full = np.broadcast_to(arr, batch_shape + tail)
-    # an explicit batch size: reshape(-1, ...) is ambiguous when a trailing size is 0
-    return full.reshape((int(np.prod(batch_shape)),) + tail) if batch_shape else full[None]
-
-
-def _plane_array(value, name, batch_shape, plane, kind):
-    if value is None:
-        return None, None
-    arr = (
-        _checks.bool_array(value, name)
-        if kind == "bool"
-        else _checks.as_float64(_checks.float_array(value, name))
-    )
-    target = batch_shape + plane
-    return _flat(
-        _checks.broadcast(arr, target, name, "(..., H, L, S)"), batch_shape, plane
-    ), arr.shape
-
-
-def canonicalize(
-    q,
-    k,
-    v,
-    *,
-    scale=None,
-    bias=None,
-    mask=None,
-    causal=False,
-    window=None,
-    align="top_left",
-    softcap=None,
-    alibi_slopes=None,
-    gqa="interleave",
-    dropout_mask=None,
-    dropout_p=0.0,
-    empty_rows="zero",
-    sinks=None,
-    kv_lengths=None,
-    q_descale=None,
-    k_descale=None,
-    v_descale=None,
-    key_indices=None,
-    key_block_indices=None,
-    key_block_size=None,
-    index_reading="set",
-    q_block_scale=None,
-    k_block_scale=None,
-    v_block_scale=None,
-    normalizer="softmax",
-    qv=None,
-) -> AttentionSpec:
+def canonicalize(q, k, v, **options) -> AttentionSpec:
     """Validate refattn.attention's arguments and return the canonical :class:`AttentionSpec`.
 
-    With ``qv`` the spec holds ``q' = [q, qv]`` and ``k' = [k, v]`` (D + E features, the last
-    ``qv_features = E`` of them latent): ``q' . k' = q . k + qv . v`` exactly, so every path
-    computes the FlashAttention 3 score unchanged, and the default scale ``1/sqrt(D')`` is
-    FlashAttention 3's ``1/sqrt(D + E)``. :func:`split_qv_grads` maps the gradients back.
+    ``options`` are keywords of :data:`OPTIONS` (the rest take their defaults); each is
+    checked by its kind (:attr:`Option.kind`). With ``qv`` the spec holds ``q' = [q, qv]``
+    and ``k' = [k, v]`` (D + E features, the last ``qv_features = E`` of them latent):
+    ``q' . k' = q . k + qv . v`` exactly, so every path computes the FlashAttention 3 score
+    unchanged, and the default scale ``1/sqrt(D')`` is FlashAttention 3's ``1/sqrt(D + E)``.
+    :func:`split_qv_grads` maps the gradients back.
     """
-    _check_normalizer(normalizer, sinks)
-    blocks = {"q": q_block_scale, "k": k_block_scale, "v": v_block_scale}
-    latent = None
-    if qv is not None:  # qv is q's latent part: q's dtype, and q_descale when float8
-        raw_qv, raw_q = _checks.as_array(qv, "qv"), _checks.as_array(q, "q")
-        if raw_qv.dtype != raw_q.dtype:
-            raise TypeError(f"qv: expected q's dtype {raw_q.dtype}, got {raw_qv.dtype}")
-        latent = dequantize_inputs(
-            raw_qv, k, v, q_descale, k_descale, v_descale, gqa, {**blocks, "q": None}
-        )[0]
-    q, k, v = dequantize_inputs(q, k, v, q_descale, k_descale, v_descale, gqa, blocks)
-    if qv is not None:
-        q, k = fold_qv(q, k, v, latent)
-    q, k, v, single = _heads(q, k, v)
-    heads, kv_heads, length, keys = _check_core_shapes(q, k, v)
-    try:
-        batch_shape = np.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
-    except ValueError:
-        raise ValueError(
-            f"q, k, v: leading (batch) dims do not broadcast: q {q.shape}, k {k.shape}, v {v.shape}"
-        ) from None
-    plane = (heads, length, keys)
-    bias_flat, bias_shape = _plane_array(bias, "bias", batch_shape, plane, "float")
-    mask_flat, _ = _plane_array(mask, "mask", batch_shape, plane, "bool")
-    drop_flat, _ = _plane_array(dropout_mask, "dropout_mask", batch_shape, plane, "bool")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, int | float | np.floating):
-        raise TypeError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
-    if not 0.0 <= dropout_p < 1.0:  # compared exactly (a huge int does not overflow)
-        raise ValueError(f"dropout_p: expected a value in [0, 1), got {dropout_p!r}")
-    if dropout_p > 0 and dropout_mask is None:
+    check_option_names(options, "canonicalize")
+    values = {**defaults(), **options}
+    _option_checks.normalizer(values["normalizer"], values["sinks"], NORMALIZERS)
+    q, k, v = _option_checks.dequantised(q, k, v, values)
+    q, k, v, single = _option_checks.split_heads(q, k, v)
+    shape = _option_checks.core_shape(q, k, v)
+    fields = _checked_fields(values, shape)
+    batch_shape = shape.batch_shape
+    spec = AttentionSpec(
+        q=_option_checks.flat(q, batch_shape, q.shape[-3:]),
+        k=_option_checks.flat(k, batch_shape, k.shape[-3:]),
+        v=_option_checks.flat(v, batch_shape, v.shape[-3:]),
+        batch_shape=batch_shape,
+        single_head=single,
+        offset=offset_of(fields["align"], shape.length, shape.keys),
+        kv_head=_option_checks.kv_heads(fields["gqa"], shape.heads, k.shape[-3]),
+        qv_features=0 if values["qv"] is None else int(v.shape[-1]),
+        **fields,
+    )
+    indices = sparse_indices.canonical_indices(
+        values["key_indices"],
+        values["key_block_indices"],
+        values["key_block_size"],
+        values["index_reading"],
+        batch_shape=batch_shape,
+        kv_heads=k.shape[-3],
+        length=shape.length,
+        keys=shape.keys,
+        single_head=single,
+    )
+    if indices is not None:
+        spec = with_indices(spec, indices, values["index_reading"])
+    _option_checks.bad_bias_values(spec)
+    return spec
+
+
+def _field_check(row: Option):
+    """The check of an option's kind: ``check(value, name, shape) -> {field: value}``."""
+    if row.kind == "choice":
+        return _option_checks.choice(row.choices)
+    if row.kind == "per-head":
+        return _option_checks.per_head(row.unit)
+    if row.kind == "window":
+        return lambda value, name, shape: {name: check_window(value)}
+    return _KIND_CHECKS[row.kind]
+
+
+_KIND_CHECKS = {
+    "float": _option_checks.real,
+    "positive float": _option_checks.positive,
+    "probability": _option_checks.probability,
+    "bool": _option_checks.flag,
+    "float plane": _option_checks.float_plane,
+    "bool plane": _option_checks.bool_plane,
+    "per-batch": _option_checks.per_batch_length,
+}
+
+
+def _checked_fields(values: dict, shape) -> dict:
+    """The :class:`AttentionSpec` fields of the options that keep their own field (all but
+    the "inputs" and "indices" ones), each checked by its kind, in :data:`OPTIONS`' order."""
+    fields = {}
+    for row in OPTIONS:
+        if row.into not in ("inputs", "indices"):
+            fields.update(_field_check(row)(values[row.name], row.name, shape))
+    if fields["dropout_p"] > 0 and fields["dropout_mask"] is None:
         raise ValueError(
             "dropout_mask: dropout is deterministic in refattn; dropout_p > 0 needs a boolean "
             "keep-mask broadcastable to (..., H, L, S)"
         )
-    if softcap is not None:
-        softcap = _checks.real_scalar(softcap, "softcap", positive=True)
-    if scale is not None:
-        scale = _checks.real_scalar(scale, "scale")
-    slopes = None
-    if alibi_slopes is not None:
-        slopes = _checks.as_float64(_checks.float_array(alibi_slopes, "alibi_slopes"))
-        if slopes.shape != (heads,):
-            raise ValueError(
-                f"alibi_slopes: expected shape ({heads},) (one slope per query head), "
-                f"got {slopes.shape}"
-            )
-        if not np.isfinite(slopes).all():
-            raise ValueError("alibi_slopes: slopes must be finite")
-    _checks.choice(gqa, "gqa", GQA_MODES)
-    _checks.choice(empty_rows, "empty_rows", EMPTY_ROWS)
-    if not isinstance(causal, bool | np.bool_):
-        raise TypeError(f"causal: expected a bool, got {causal!r}")
-    group = heads // kv_heads
-    kv_head = np.arange(heads) // group if gqa == "interleave" else np.arange(heads) % kv_heads
-    sink_values = None
-    if sinks is not None:
-        sink_values = _checks.as_float64(_checks.float_array(sinks, "sinks"))
-        if sink_values.shape != (heads,):
-            raise ValueError(
-                f"sinks: expected shape ({heads},) (one logit per query head), "
-                f"got {sink_values.shape}"
-            )
-        if not np.isfinite(sink_values).all():
-            raise ValueError("sinks: expected finite logits")
-    lengths = _kv_lengths(kv_lengths, batch_shape, keys)
-    spec = AttentionSpec(
-        q=_flat(q, batch_shape, q.shape[-3:]),
-        k=_flat(k, batch_shape, k.shape[-3:]),
-        v=_flat(v, batch_shape, v.shape[-3:]),
-        batch_shape=tuple(batch_shape),
-        single_head=single,
-        scale=scale,
-        bias=bias_flat,
-        bias_shape=bias_shape,
-        mask=mask_flat,
-        causal=bool(causal),
-        window=check_window(window),
-        align=align,
-        offset=offset_of(align, length, keys),
-        softcap=softcap,
-        alibi_slopes=slopes,
-        gqa=gqa,
-        kv_head=kv_head,
-        dropout_mask=drop_flat,
-        dropout_p=float(dropout_p),
-        empty_rows=empty_rows,
-        kv_lengths=lengths,
-        sinks=sink_values,
-        normalizer=normalizer,
-        qv_features=0 if qv is None else int(v.shape[-1]),
-    )
-    indices = sparse_indices.canonical_indices(
-        key_indices,
-        key_block_indices,
-        key_block_size,
-        index_reading,
-        batch_shape=tuple(batch_shape),
-        kv_heads=kv_heads,
-        length=length,
-        keys=keys,
-        single_head=single,
-    )
-    if indices is not None:
-        spec = _with_indices(spec, indices, index_reading)
-    _check_bias_values(spec)
-    return spec
-
-
-def _with_indices(spec: AttentionSpec, indices: np.ndarray, reading: str) -> AttentionSpec:
-    """The spec with its key indices; the set reading ANDs the listed set into the mask (one
-    (B, K, L, S) plane per kv head, broadcast over the query heads when K = 1)."""
-    changes = dict(key_indices=indices, index_reading=reading)
-    if reading == "set":
-        batch, heads, kv_heads, length, keys, _, _ = spec.dims
-        listed = sparse_indices.index_mask(indices, keys)
-        target = (batch, heads, length, keys)
-        listed = np.broadcast_to(listed, target) if kv_heads == 1 else listed[:, spec.kv_head]
-        changes["mask"] = listed if spec.mask is None else spec.mask & listed
-    return dataclasses.replace(spec, **changes)
-
-
-#: The score normalisers: "softmax" (weights ``exp(t - lse)``) and "sigmoid" (weights
-#: ``sigmoid(t)``, no normaliser; Ramapuram et al. 2024, docs/conventions.md).
-NORMALIZERS = ("softmax", "sigmoid")
-
-
-def _check_normalizer(normalizer, sinks) -> None:
-    """``normalizer`` is one of :data:`NORMALIZERS`; sinks need a normaliser to join."""
-    _checks.choice(normalizer, "normalizer", NORMALIZERS)
-    if normalizer == "sigmoid" and sinks is not None:
-        raise ValueError(
-            "sinks: normalizer='sigmoid' has no normaliser for a sink to join (each weight is "
-            "sigmoid(t_ij) on its own); pass sinks only with normalizer='softmax'"
-        )
-
-
-def _kv_lengths(kv_lengths, batch_shape, keys):
-    """``kv_lengths`` as an int64 (B,) array with 0 <= S_b <= S, or None."""
-    if kv_lengths is None:
-        return None
-    lengths = _checks.as_array(kv_lengths, "kv_lengths")
-    if lengths.dtype.kind not in "iu":
-        raise TypeError(f"kv_lengths: expected integers, got dtype {lengths.dtype.name}")
-    if lengths.shape != tuple(batch_shape):
-        raise ValueError(
-            f"kv_lengths: expected shape {tuple(batch_shape)} (one length per "
-            f"batch row), got {lengths.shape}"
-        )
-    if lengths.size and (lengths.min() < 0 or lengths.max() > keys):
-        raise ValueError(
-            f"kv_lengths: expected lengths in [0, S = {keys}], got values in "
-            f"[{lengths.min()}, {lengths.max()}]"
-        )
-    return (
-        lengths.astype(np.int64).reshape(-1) if batch_shape else lengths.astype(np.int64).reshape(1)
-    )
-
-
-def _check_bias_values(spec: AttentionSpec) -> None:
-    """NaN or +inf bias at an allowed position is an error (it has no meaningful weight)."""
-    if spec.bias is None:
-        return
-    batch, heads = spec.bias.shape[:2]
-    for b in range(batch):
-        for h in range(heads):
-            plane = spec.bias[b, h]
-            bad = np.isnan(plane) | np.isposinf(plane)
-            if bad.any():
-                bad &= spec.allowed(b, h)
-                if bad.any():
-                    i, j = np.argwhere(bad)[0]
-                    raise ValueError(
-                        f"bias: {plane[i, j]} at an allowed position (batch {b}, head {h}, "
-                        f"row {i}, key {j}); NaN/+inf bias is only allowed where masked"
-                    )
-
-
-def check_cotangent(spec: AttentionSpec, grad, name: str, tail_shape: tuple) -> np.ndarray:
-    """A cotangent (``grad_out`` or ``grad_lse``) checked against the output's shape and
-    flattened like the spec: (B, *tail_shape), float64."""
-    grad = _checks.as_float64(_checks.float_array(grad, name))
-    expected = spec.batch_shape + tail_shape if not spec.single_head else tail_shape[1:]
-    if grad.shape != expected:
-        raise ValueError(f"{name}: expected shape {expected} (the output's), got {grad.shape}")
-    return grad.reshape((spec.q.shape[0],) + tail_shape)
-
-
-# --------------------------------------------------------------------------------------
-# folding: an equivalent spec with fewer options
-# --------------------------------------------------------------------------------------
-def needs_fold(spec: AttentionSpec) -> bool:
-    """True when ``spec`` uses an option that :func:`fold` rewrites for the kernels."""
-    return spec.sinks is not None or spec.kv_lengths is not None
-
-
-def _planes(spec, fn) -> np.ndarray:
-    batch, heads = spec.dims[:2]
-    return np.stack([np.stack([fn(b, h) for h in range(heads)]) for b in range(batch)])
-
-
-def fold(spec: AttentionSpec, *, alibi_into_bias: bool) -> AttentionSpec:
-    """``spec`` without kv_lengths and sinks.
-
-    Rewrite an :class:`AttentionSpec` into an equivalent one with fewer options, for the paths
-    that do not implement an option natively (the Numba kernels; the exact path for sinks).
-
-    * The allowed set (causal, window, per-row key lengths, mask, -inf bias) becomes an explicit
-      boolean mask, with causal/window/kv_lengths off: the same set, whatever the alignment.
-    * ALiBi: the float64 paths (``alibi_into_bias=True``) fold it into the bias
-      (``bias + (-m_h |i + o_b - j|)`` in float64: one more rounding). The exact paths keep it
-      native and exact: the folded spec pins each batch row's offset ``o_b``
-      (:attr:`AttentionSpec.alibi_offsets`, relative to the row's own key length under
-      ``align="bottom_right"``, as before the fold) and the keys it applies to
-      (:attr:`AttentionSpec.alibi_keys`: not the sink's).
-    * A sink becomes one more key: k = 0 and v = 0 (so its score is ``s * 0 = 0`` and softcap(0) =
-      0 exactly), bias = the sink logit, always allowed and kept, no ALiBi term. Its weight is the
-      sink's share of the normaliser and it adds nothing to the output, which is exactly the
-      sink's definition; the bias gradient of that column, summed over batch and rows, is the
-      sink's gradient. On the exact paths that sum is part of the one rounding: the folded spec's
-      :attr:`AttentionSpec.dbias_index` sends the caller's bias positions to the caller's dbias
-      (summed over bias's broadcast dimensions) and the sink column of head h to slot
-      ``n_bias + h``, so dbias comes back flat as ``(dbias.ravel(), dsinks)``
-      (:func:`split_sink_grads`).
-
-    ``alibi_into_bias=True`` (float64 paths) adds ALiBi to the bias; ``False`` (exact paths)
-    keeps it exact and native, and reduces the folded dbias to ``(dbias, dsinks)`` slots.
-    """
-    batch, heads, _, length, keys, _, _ = spec.dims
-    allowed = _planes(spec, spec.allowed)
-    bias = None if spec.bias is None else np.where(allowed, spec.bias, 0.0)
-    changes = dict(
-        mask=allowed,
-        causal=False,
-        window=None,
-        kv_lengths=None,
-        align="top_left",
-        offset=0,
-        bias=bias,
-        bias_shape=None if bias is None else bias.shape,
-    )
-    if spec.alibi_slopes is not None:
-        if alibi_into_bias:
-            alibi = _planes(spec, lambda b, h: spec.alibi(h, b))
-            changes.update(
-                alibi_slopes=None,
-                bias=alibi if bias is None else bias + alibi,
-                bias_shape=(batch, heads, length, keys),
-            )
-        else:
-            changes.update(
-                alibi_offsets=np.array(
-                    [spec.alibi_offset(b) for b in range(batch)], dtype=np.int64
-                ),
-                alibi_keys=keys if spec.alibi_keys is None else spec.alibi_keys,
-            )
-    if spec.sinks is not None:
-        changes.update(_sink_key(spec, allowed, changes["bias"], exact=not alibi_into_bias))
-    return dataclasses.replace(spec, **changes)
-
-
-def split_sink_grads(spec: AttentionSpec, flat: np.ndarray):
-    """(dbias in the caller's bias shape or None, dsinks (H,)) from the flat dbias of an
-    exact path's folded spec (``spec`` is the caller's, unfolded)."""
-    heads = spec.dims[1]
-    if spec.bias is None:
-        return None, flat[-heads:]
-    return flat[:-heads].reshape(spec.bias_shape), flat[-heads:]
-
-
-def _sink_key(spec, allowed, bias, exact) -> dict:
-    batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
-
-    def extend(array, fill):
-        column = np.full(array.shape[:-1] + (1,), fill, dtype=array.dtype)
-        return np.concatenate([np.broadcast_to(array, array.shape), column], axis=-1)
-
-    k = np.concatenate([spec.k, np.zeros((batch, kv_heads, 1, dim), spec.k.dtype)], axis=-2)
-    v = np.concatenate([spec.v, np.zeros((batch, kv_heads, 1, vdim), spec.v.dtype)], axis=-2)
-    sink_column = np.broadcast_to(spec.sinks[None, :, None, None], (1, heads, 1, 1))
-    if bias is None:  # broadcast over batch and rows: the exact dbias reduction is dsinks
-        bias = np.concatenate([np.zeros((1, heads, 1, keys)), sink_column], axis=-1)
-        bias = np.broadcast_to(bias, (batch, heads, length, keys + 1))
-        bias_shape = (1, heads, 1, keys + 1)
-    else:
-        bias = np.concatenate(
-            [bias, np.broadcast_to(sink_column, (batch, heads, length, 1))], axis=-1
-        )
-        bias_shape = bias.shape
-    keep = None if spec.dropout_mask is None else extend(spec.dropout_mask, True)
-    changes = dict(
-        k=k,
-        v=v,
-        mask=extend(allowed, True),
-        bias=bias,
-        bias_shape=bias_shape,
-        dropout_mask=keep,
-        sinks=None,
-    )
-    if exact:
-        changes.update(_sink_slots(spec))
-    return changes
-
-
-def _sink_slots(spec) -> dict:
-    """dbias_index and bias_shape of an exact path's folded spec: the caller's bias positions
-    to their dbias slots, the sink column of head h to slot ``n_bias + h``."""
-    batch, heads, _, length, keys, _, _ = spec.dims
-    if spec.bias is None:
-        user, n_bias = np.full((1, 1, 1, keys), -1, dtype=np.int64), 0
-    else:
-        shape = tuple(spec.bias_shape)
-        n_bias = int(np.prod(shape))
-        full = tuple(spec.batch_shape) + (heads, length, keys)
-        user = np.broadcast_to(np.arange(n_bias, dtype=np.int64).reshape(shape), full)
-        user = user.reshape((batch, heads, length, keys))
-    user = np.broadcast_to(user, (batch, heads, length, keys))
-    sink = np.broadcast_to(
-        n_bias + np.arange(heads, dtype=np.int64)[None, :, None, None], (batch, heads, length, 1)
-    )
-    return dict(dbias_index=np.concatenate([user, sink], axis=-1), bias_shape=(n_bias + heads,))
+    return fields

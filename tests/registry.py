@@ -59,6 +59,7 @@ from tests.concepts import params
 from tests.naive.attention import naive_attention_rounded, naive_attention_vjp
 from tests.naive.gmm import DPS, naive_adapt_keys, naive_adapt_priors, naive_gmm
 from tests.naive.hopfield import naive_energy, naive_retrieve
+from tests.naive.linear import naive_linear_rounded
 from tests.naive.logspace import naive_logspace_rounded
 from tests.naive.meanfield import exact_naive_step, mp_softmax_couplings
 from tests.naive.merge import naive_merge_rounded
@@ -77,6 +78,7 @@ from tests.naive.transformer import (
 from tests.strategies import (
     attention_cases,
     gmm_cases,
+    linear_attention_cases,
     linear_problems,
     logspace_rows,
     merge_states_cases,
@@ -1380,6 +1382,69 @@ _MERGE_ENTRY = Entry(
 )
 
 
+# ----------------------------------------------------------------------- linear attention
+
+
+def _recurrence_call(case, **extra):
+    o, state = refattn.linear_attention(
+        case["q"],
+        case["k"],
+        case["v"],
+        case["g"],
+        case["beta"],
+        output_final_state=True,
+        **case["opts"],
+        **extra,
+    )
+    return {"out": o, "state": state}
+
+
+def _recurrence_naive(case):
+    o, state = naive_linear_rounded(
+        case["q"],
+        case["k"],
+        case["v"],
+        case["g"],
+        case["beta"],
+        dtype=_np_dtype(case["dtype"]),
+        **case["opts"],
+    )
+    return {"out": o, "state": state}
+
+
+def _recurrence_bound(case):
+    """refattn.linear.forward_error_bound plus the exact path's own float64 rounding."""
+    o_bound, s_bound = refattn.linear.forward_error_bound(
+        case["q"], case["k"], case["v"], case["g"], case["beta"], **case["opts"]
+    )
+    exact = _recurrence_call(case, precision="exact")
+    return {
+        "out": o_bound + UNIT_ROUNDOFF * np.abs(exact["out"]),
+        "state": s_bound + UNIT_ROUNDOFF * np.abs(exact["state"]),
+    }
+
+
+_RECURRENCE_ENTRY = Entry(
+    "linear_attention",
+    fast=_recurrence_call,
+    exact=lambda case: _recurrence_call(
+        case, precision="exact", out_dtype=_np_dtype(case["dtype"])
+    ),
+    naive=_recurrence_naive,
+    bound=_recurrence_bound,
+    strategy=lambda: linear_attention_cases(dtypes=("float64", "float32", "float16", "bfloat16")),
+    label=lambda c: f"{c['form']} dtype={c['dtype']} v {c['v'].shape} {sorted(c['opts'])}",
+    examples=(30, 30),
+    bound_strategy=linear_attention_cases,
+    out_dtype=lambda case: _np_dtype(case["dtype"]),
+)
+_RECURRENCE_VJP_REASON = (
+    "its twin is a numerical derivative of every input (six arrays): "
+    "tests/exact/test_linear_exact.py checks the exact vjp against central differences of the "
+    "mpmath twin (tests.naive.linear.mp_linear), tests/concepts/test_linear.py the float64 "
+    "vjp within refattn.bounds.linear_vjp_bound"
+)
+
 _MERGE_VJP_REASON = (
     "float64 only (no exact path yet): tests/concepts/test_merge.py checks it against central "
     "differences of the mpmath twin (tests.naive.merge.mp_merge)"
@@ -1392,6 +1457,8 @@ REGISTRY: dict[str, Entry] = {
         *(_logspace_entry(dtype) for dtype in ("float64", "float32", "float16", "bfloat16")),
         _MERGE_ENTRY,
         gap("merge_states_vjp", _MERGE_VJP_REASON),
+        _RECURRENCE_ENTRY,
+        gap("linear_attention_vjp", _RECURRENCE_VJP_REASON),
         Entry(
             "gmm.attention",
             fast=_out(_gmm_fast),

@@ -421,3 +421,77 @@ def merge_states_cases(draw, max_states=5, max_rows=3, max_vdim=3, nonfinite=Tru
         if draw(_st.booleans()):
             lses.flat[rng.integers(lses.size)] = specials[rng.integers(3)]
     return outs, lses, draw(_st.booleans())
+
+
+# ------------------------------------------------------------------------------ linear attention
+#: The named forms of refattn.linear_attention: (gate kind, delta rule).
+LINEAR_FORMS = {
+    "gdn": ("scalar", True),
+    "kda": ("vector", True),
+    "deltanet": (None, True),
+    "gla": ("vector", False),
+    "simple_gla": ("scalar", False),
+    "linear": (None, False),
+}
+LINEAR_GATE_STYLES = ("moderate", "near_zero", "deep", "integers")
+
+
+def _linear_gates(rng, style, shape):
+    """Log gates: moderate (-2, 0], near 0 (|g| < 1e-3), deep (down to -20), or integers
+    (exact powers of two with gate_base 2)."""
+    if style == "near_zero":
+        return -rng.uniform(0.0, 1e-3, shape)
+    if style == "deep":
+        return -rng.uniform(0.0, 20.0, shape)
+    if style == "integers":
+        return -rng.integers(0, 3, shape).astype(float)
+    return -rng.uniform(0.0, 2.0, shape)
+
+
+def _linear_betas(rng, shape, style):
+    if style == "ends":
+        return rng.integers(0, 2, shape).astype(float)  # beta exactly 0 or 1
+    return rng.uniform(0.0, 1.0, shape)
+
+
+@_st.composite
+def linear_attention_cases(draw, dtypes=("float64",), max_length=4, max_dim=3, forms=None):
+    """A case of refattn.linear_attention: dict(q, k, v, g, beta, opts, dtype, form).
+
+    Every form, GVA (HV = G H), packed sequences (cu_seqlens with empty and 1-token
+    sequences), initial states, l2norm, gate base 2, gates near 0 and down to -20, beta at 0
+    and 1; inputs cast to the case dtype (their exact values are the inputs)."""
+    form = draw(_st.sampled_from(sorted(forms or LINEAR_FORMS)))
+    gate_kind, delta = LINEAR_FORMS[form]
+    dtype = draw(_st.sampled_from(dtypes))
+    rng = _np.random.default_rng(draw(_st.integers(0, 2**32 - 1)))
+    heads, group = draw(_st.integers(1, 2)), draw(_st.integers(1, 2))
+    length, dim, vdim = (
+        draw(_st.integers(0, max_length)),
+        draw(_st.integers(1, max_dim)),
+        draw(_st.integers(1, max_dim)),
+    )
+    packed = draw(_st.booleans())
+    batch = 1 if packed else draw(_st.integers(1, 2))
+    opts = {"qk_l2norm": draw(_st.booleans()), "gate_base": draw(_st.sampled_from(["e", "2"]))}
+    if packed:
+        cuts = sorted(draw(_st.lists(_st.integers(0, length), max_size=3)))
+        opts["cu_seqlens"] = _np.array([0, *cuts, length], dtype=_np.int64)
+    sequences = len(opts["cu_seqlens"]) - 1 if packed else batch
+    vheads = heads * group
+    cast = _target_dtype(dtype)
+    q = rng.normal(size=(batch, heads, length, dim)).astype(cast)
+    k = rng.normal(size=(batch, heads, length, dim)).astype(cast)
+    v = rng.normal(size=(batch, vheads, length, vdim)).astype(cast)
+    g = beta = None
+    if gate_kind is not None:
+        shape = (batch, vheads, length) + ((dim,) if gate_kind == "vector" else ())
+        g = _linear_gates(rng, draw(_st.sampled_from(LINEAR_GATE_STYLES)), shape).astype(cast)
+    if delta:
+        beta = _linear_betas(rng, (batch, vheads, length), draw(_st.sampled_from(["u", "ends"])))
+        beta = beta.astype(cast)
+    if draw(_st.booleans()):
+        opts["initial_state"] = rng.normal(size=(sequences, vheads, dim, vdim)).astype(cast)
+    if draw(_st.booleans()):
+        opts["scale"] = float(draw(_st.sampled_from([0.5, 1.0, 0.3])))
+    return dict(q=q, k=k, v=v, g=g, beta=beta, opts=opts, dtype=dtype, form=form)

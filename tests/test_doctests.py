@@ -20,6 +20,7 @@ SKIP = {
     "oracle.pytest_plugin",
     "oracle.pytest_plugin.test_conformance",
     "oracle.__main__",
+    "oracle.cli.__main__",
     "refattn.__main__",
 }
 

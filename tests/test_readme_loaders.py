@@ -1,8 +1,8 @@
 """README checks: the torch / JAX fixture loaders read bfloat16 correctly; CI runs command 2.
 
-The code is taken from README.md itself (so the documented loader is the tested one) and run on
-a bfloat16 smoke fixture; every member must equal ``oracle.load``'s value bit for bit. Skipped
-when torch / JAX are absent (they are not in the test extra).
+The loaders are taken from docs/fixtures.md itself (so the documented loader is the tested one)
+and run on a bfloat16 smoke fixture; every member must equal ``oracle.load``'s value bit for
+bit. Skipped when torch / JAX are absent (they are not in the test extra).
 """
 
 from __future__ import annotations
@@ -17,13 +17,15 @@ import pytest
 from oracle.fixtures import golden
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+FIXTURES_PAGE = README.parent / "docs" / "fixtures.md"
 SECTION = "## Using the fixtures from torch / JAX"
 
 
 def _section() -> str:
-    text = README.read_text()
+    text = FIXTURES_PAGE.read_text()
     start = text.index(SECTION)
-    end = text.index("\n## ", start + len(SECTION))
+    end = text.find("\n## ", start + len(SECTION))
+    end = len(text) if end < 0 else end
     return text[start:end]
 
 
@@ -50,7 +52,7 @@ def test_torch_loader_reads_bfloat16_bits(bf16_fixture):
     torch = pytest.importorskip("torch")
     block = re.search(r"```python\n(.*?)```", _section(), re.S).group(1)
     namespace: dict = {}
-    exec(compile(block, str(README), "exec"), namespace)  # noqa: S102 (the README's own code)
+    exec(compile(block, str(FIXTURES_PAGE), "exec"), namespace)  # noqa: S102 (the page's own code)
     path, fixture = bf16_fixture
     loaded = namespace["load_case"](path)
     expected = _expected(fixture)
@@ -84,7 +86,7 @@ def test_jax_conversion_reads_bfloat16_bits(bf16_fixture):
         if got.dtype == jnp.bfloat16:
             assert np.asarray(want).dtype.name == "bfloat16", name
             got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-        else:  # JAX keeps float64 only with jax_enable_x64 (the README says so)
+        else:  # JAX keeps float64 only with jax_enable_x64 (docs/fixtures.md says so)
             want = np.asarray(want).astype(got.dtype)
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=name)
 

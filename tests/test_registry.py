@@ -36,6 +36,7 @@ WITHOUT_TWIN = {
     "fixedpoint.solve",
     "fixedpoint.relative_residual",
     "merge_states_vjp",
+    "linear_attention_vjp",
     "mla.absorbed_inputs",
     "mla.multihead_inputs",
     "mla.output_projection",

@@ -37,7 +37,7 @@ from oracle.catalogue.seeding import to_dtype  # noqa: E402
 
 def _inputs(fmt, batch, heads, kv_heads, length, keys, dim):
     rng = np.random.default_rng(2026)
-    n = Shapes(batch, heads, kv_heads, length, keys, dim, dim)
+    n = Shapes(batch=batch, H=heads, K=kv_heads, L=length, S=keys, D=dim, E=dim)
     raw = {
         "q": rng.standard_normal((batch, heads, length, dim)),
         "k": rng.standard_normal((batch, kv_heads, keys, dim)),

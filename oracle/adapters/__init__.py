@@ -70,6 +70,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from oracle.catalogue.names import ATTENTION_OPTIONS
+from refattn.spec import canonicalize
 
 __all__ = [
     "Adapter",
@@ -216,8 +217,6 @@ class Adapter:
         return out, spec.unflatten(np.asarray(lse))
 
     def _canonical(self, q, k, v, options):
-        from refattn.spec import canonicalize
-
         unknown = sorted(set(options) - set(OPTION_NAMES))
         if unknown:
             raise TypeError(

@@ -233,6 +233,7 @@ class OnnxReferenceAttention(OnnxAttentionBase):
     fully_masked_rows = "zero"
 
     def _make_session(self, model):
+        # optional package (onnx extra): its reference evaluator loads when this adapter runs
         from onnx.reference import ReferenceEvaluator
 
         return ReferenceEvaluator(model)

@@ -30,6 +30,9 @@ import numpy as np
 
 from oracle.adapters import OPTION_NAMES, Adapter
 from oracle.adapters.refattn_numpy import output_dtype, round_to
+from refattn import kernels
+from refattn.broadcast import reduce_to
+from refattn.spec import canonicalize, check_cotangent, fold, needs_fold, split_qv_grads
 
 __all__ = ["RefattnNumba", "RefattnCuda"]
 
@@ -42,8 +45,6 @@ class _KernelAdapter(Adapter):
 
     def _canonical(self, q, k, v, options):
         """As :meth:`Adapter._canonical`, but empty_rows="nan" is supported (not a peer)."""
-        from refattn.spec import canonicalize
-
         unknown = sorted(set(options) - set(OPTION_NAMES))
         if unknown:
             raise TypeError(
@@ -71,8 +72,6 @@ class _KernelAdapter(Adapter):
         return super().__call__(q, k, v, **options)
 
     def _forward(self, spec, return_lse):
-        from refattn.spec import fold, needs_fold
-
         work = fold(spec, alibi_into_bias=True) if needs_fold(spec) else spec
         out, lse = self._module().attention(work, return_lse=True)
         dtype = self._dtype
@@ -81,9 +80,6 @@ class _KernelAdapter(Adapter):
     def vjp(self, q, k, v, grad_out, grad_lse=None, **options):
         """(dq, dk, dv, dbias, dsinks) in the input dtype (bfloat16 for float8 inputs); dbias
         has bias's own shape, dsinks (H,) (None without bias / sinks)."""
-        from refattn.broadcast import reduce_to
-        from refattn.spec import check_cotangent, fold, needs_fold, split_qv_grads
-
         unknown = sorted(set(options) - set(OPTION_NAMES))
         if unknown:
             raise TypeError(f"{self.name}: unknown option(s) {unknown}")
@@ -130,8 +126,6 @@ class RefattnNumba(_KernelAdapter):
     peer = "refattn Numba CPU kernels"
 
     def _module(self):
-        from refattn import kernels
-
         return kernels
 
 
@@ -142,6 +136,7 @@ class RefattnCuda(_KernelAdapter):
     peer = "refattn numba.cuda kernels"
 
     def __init__(self):
+        # numba.cuda (cuda extra, ~115 more modules) reads NUMBA_ENABLE_CUDASIM at import: only here
         from refattn.kernels import cuda
 
         if not cuda.available():
@@ -152,6 +147,7 @@ class RefattnCuda(_KernelAdapter):
             )
 
     def _module(self):
+        # numba.cuda (cuda extra, ~115 more modules) reads NUMBA_ENABLE_CUDASIM at import: only here
         from refattn.kernels import cuda
 
         return cuda

@@ -52,6 +52,7 @@ from oracle.catalogue.attention_kernel_families import (
 )
 from oracle.catalogue.attention_long_families import long_entries
 from oracle.catalogue.attention_refusal_families import refusal_entries
+from oracle.catalogue.attention_tile_families import tile_entries
 from oracle.catalogue.attention_worst_families import worst_entries
 from oracle.catalogue.case import Case, seed_of
 from oracle.catalogue.names import DTYPE_TAGS, DTYPES
@@ -109,6 +110,7 @@ def attention_cases() -> dict[str, Case]:
             *kernel_entries(),
             *long_entries(),
             *worst_entries(),
+            *tile_entries(),
             *refusal_entries(),
         ]:
             for case in _expand(entry):

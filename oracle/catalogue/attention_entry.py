@@ -25,10 +25,10 @@ KERNEL_SUITES = ("kernel",)
 
 ALL = DTYPES
 HALF = ("float16", "bfloat16")
-BASE = Shapes(1, 2, 2, 24, 40, 32, 32)
-SMALL = Shapes(1, 2, 2, 5, 7, 8, 8)
-MID = Shapes(1, 2, 2, 12, 20, 16, 16)
-GRAD = Shapes(1, 2, 2, 8, 12, 16, 16)
+BASE = Shapes(batch=1, H=2, K=2, L=24, S=40, D=32, E=32)
+SMALL = Shapes(batch=1, H=2, K=2, L=5, S=7, D=8, E=8)
+MID = Shapes(batch=1, H=2, K=2, L=12, S=20, D=16, E=16)
+GRAD = Shapes(batch=1, H=2, K=2, L=8, S=12, D=16, E=16)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ def fp4_entries(gauss) -> list[Entry]:
             rows.append(
                 e(
                     f"fp4-{fmt}-d{dim}",
-                    Shapes(1, 4, 2, 6, 24, dim, dim),
+                    Shapes(batch=1, H=4, K=2, L=6, S=24, D=dim, E=dim),
                     f"{name} k, v with block scales, D = {dim}, GQA",
                     options={"gqa": "interleave"},
                     recipe=recipe,
@@ -34,21 +34,21 @@ def fp4_entries(gauss) -> list[Entry]:
         rows += [
             e(
                 f"fp4-{fmt}-zero-max-blocks",
-                Shapes(1, 2, 2, 5, 18, 128, 128),
+                Shapes(batch=1, H=2, K=2, L=5, S=18, D=128, E=128),
                 f"{name}: all-zero blocks and blocks at the largest code and scale",
                 recipe={**recipe, "fp4_blocks": "zero-max"},
                 **dtypes,
             ),
             e(
                 f"fp4-{fmt}-scale-collapse",
-                Shapes(1, 2, 2, 5, 18, 64, 64),
+                Shapes(batch=1, H=2, K=2, L=5, S=18, D=64, E=64),
                 f"{name}: half the positions 2**-14 smaller (block scales collapse)",
                 recipe={**recipe, "fp4_blocks": "collapse"},
                 **dtypes,
             ),
             e(
                 f"fp4-{fmt}-qkv-causal",
-                Shapes(1, 4, 2, 8, 16, 64, 64),
+                Shapes(batch=1, H=4, K=2, L=8, S=16, D=64, E=64),
                 f"{name} q, k and v, causal bottom_right, GQA tile",
                 options={**br, "gqa": "tile"},
                 recipe={**recipe, "fp4_q": True},
@@ -56,7 +56,7 @@ def fp4_entries(gauss) -> list[Entry]:
             ),
             e(
                 f"fp4-{fmt}-decode-kv",
-                Shapes(3, 8, 2, 1, 40, 128, 128),
+                Shapes(batch=3, H=8, K=2, L=1, S=40, D=128, E=128),
                 f"{name} decode over ragged cache lengths",
                 options={**br, "gqa": "interleave"},
                 recipe={**recipe, "kv_lengths": "ragged"},
@@ -64,7 +64,7 @@ def fp4_entries(gauss) -> list[Entry]:
             ),
             e(
                 f"grad-fp4-{fmt}",
-                Shapes(1, 2, 2, 4, 12, 64, 64),
+                Shapes(batch=1, H=2, K=2, L=4, S=12, D=64, E=64),
                 f"{name} gradients (of the dequantised values)",
                 recipe={**recipe, "fp4_q": True, "grad_lse": True},
                 grads=True,

@@ -28,7 +28,7 @@ def fp4_tensor_entries(gauss) -> list[Entry]:
     return [
         e(
             "fp4-nvfp4-tensor-decode-kv",
-            Shapes(3, 8, 2, 1, 40, 128, 128),
+            Shapes(batch=3, H=8, K=2, L=1, S=40, D=128, E=128),
             "NVFP4 k, v with one global scale per tensor: decode over ragged cache lengths",
             options=decode,
             recipe={**recipe, "kv_lengths": "ragged"},
@@ -36,7 +36,7 @@ def fp4_tensor_entries(gauss) -> list[Entry]:
         ),
         e(
             "fp4-nvfp4-tensor-decode-d64",
-            Shapes(2, 8, 1, 1, 48, 64, 64),
+            Shapes(batch=2, H=8, K=1, L=1, S=48, D=64, E=64),
             "NVFP4 one-scale-per-tensor decode, D 64, MQA",
             options=decode,
             recipe=recipe,
@@ -44,7 +44,7 @@ def fp4_tensor_entries(gauss) -> list[Entry]:
         ),
         e(
             "fp4-nvfp4-tensor-decode-collapse",
-            Shapes(2, 4, 2, 1, 36, 128, 128),
+            Shapes(batch=2, H=4, K=2, L=1, S=36, D=128, E=128),
             "NVFP4 one-scale-per-tensor decode, half the positions 2**-14 smaller",
             options=decode,
             recipe={**recipe, "fp4_blocks": "collapse", "kv_lengths": "ragged"},

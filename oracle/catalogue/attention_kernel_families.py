@@ -16,45 +16,94 @@ TILE_LENGTHS = (1, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000, 2049)
 DEFAULT_TILE_LENGTHS = (1, 64, 65, 129, 257)
 
 
+#: The input distributions that stress a tiled online softmax: (tag, recipe, description).
+DISTRIBUTIONS = [
+    (
+        "k-outlier",
+        {"qkv": "outlier", "factor": 32.0, "channels": 3},
+        "outlier channels: 3 dims of q and k 32x larger (LLM activations)",
+    ),
+    ("k-sink", {"qkv": "sink"}, "a sink key (key 0) taking most of every row's weight"),
+    (
+        "k-peaky-late",
+        {"qkv": "late-max"},
+        "peaky rows whose max moves in every tile up to the last (online rescale)",
+    ),
+    (
+        "k-uniform",
+        {"qkv": "gaussian", "sigma": 0.0625},
+        "near-uniform rows (tiny logits): long sums of nearly equal terms",
+    ),
+    (
+        "k-offset",
+        {"qkv": "offset", "offset": 64.0},
+        "values with a large common offset (64 + N(0,1)): cancellation in P@V",
+    ),
+    (
+        "k-overflow16",
+        {"qkv": "gaussian", "sigma": 24.0},
+        "q.k beyond the float16 range unless the scale is applied first",
+    ),
+]
+
+_GAUSS = {"qkv": "gaussian", "sigma": 1.0}
+_BR_EMPTY = {"causal": True, "align": "bottom_right", "empty_rows": "zero"}
+
+
 def kernel_entries() -> list[Entry]:
     """Kernel-scale cases: lengths around tile sizes, long rows, real head dims, GQA groups,
     ragged batches and input distributions that stress a tiled online softmax."""
+    return [
+        *tile_rows(),
+        *offset_rows(),
+        *long_key_rows(),
+        *head_dim_rows(),
+        *gqa_rows(),
+        *ragged_rows(),
+        *distribution_rows(),
+        *half_accumulator_rows(),
+        *distribution_default_rows(),
+    ]
 
-    def e(tag, shapes, description, options=None, recipe=None, default=False):
-        if default == "half":  # rows for accumulators as narrow as the 16-bit input type
-            return Entry(
-                tag,
-                shapes,
-                description,
-                default=HALF,
-                full=HALF,
-                extra=KERNEL_SUITES,
-                options=dict(options or {}),
-                recipe=dict(recipe or gauss),
-            )
-        # default=True: also in default and full, every dtype (a bug class needs >= 5 cases
-        # of each dtype to fail); the rest (the costly truths: S >= 16384, the 32k decode,
-        # L = 257 over S = 1000/2049) only in the kernel suite
-        chosen = ALL if default else ()
+
+def _row(tag, shapes, description, options=None, recipe=None, default=False):
+    """One kernel-scale row: in the kernel suite; ``default=True`` also in default and full
+    (every dtype), ``default="half"`` in default and full for float16 and bfloat16 only."""
+    if default == "half":  # rows for accumulators as narrow as the 16-bit input type
         return Entry(
             tag,
             shapes,
             description,
-            default=chosen,
-            full=chosen,
+            default=HALF,
+            full=HALF,
             extra=KERNEL_SUITES,
             options=dict(options or {}),
-            recipe=dict(recipe or gauss),
+            recipe=dict(recipe or _GAUSS),
         )
+    # default=True: also in default and full, every dtype (a bug class needs >= 5 cases
+    # of each dtype to fail); the rest (the costly truths: S >= 16384, the 32k decode,
+    # L = 257 over S = 1000/2049) only in the kernel suite
+    chosen = ALL if default else ()
+    return Entry(
+        tag,
+        shapes,
+        description,
+        default=chosen,
+        full=chosen,
+        extra=KERNEL_SUITES,
+        options=dict(options or {}),
+        recipe=dict(recipe or _GAUSS),
+    )
 
-    gauss = {"qkv": "gaussian", "sigma": 1.0}
-    br_empty = {"causal": True, "align": "bottom_right", "empty_rows": "zero"}
+
+def tile_rows() -> list[Entry]:
+    """Lengths around the 64/128 tiles, without and with a causal diagonal."""
     rows = []
     for n in TILE_LENGTHS:
         rows.append(
-            e(
+            _row(
                 "k-tile",
-                Shapes(1, 2, 2, min(n, 257), n, 64, 64),
+                Shapes(batch=1, H=2, K=2, L=min(n, 257), S=n, D=64, E=64),
                 f"L, S around the 64/128 tiles (S = {n}): tile boundaries, partial "
                 f"tiles, masked tails",
                 default=n in DEFAULT_TILE_LENGTHS,
@@ -62,201 +111,227 @@ def kernel_entries() -> list[Entry]:
         )
     for n in (63, 65, 129, 257):
         rows.append(
-            e(
+            _row(
                 "k-tile-causal",
-                Shapes(1, 2, 2, n, n, 64, 64),
+                Shapes(batch=1, H=2, K=2, L=n, S=n, D=64, E=64),
                 f"causal, L = S = {n}: diagonal tiles cut by a tile boundary",
                 {"causal": True, "align": "top_left"},
                 default=n in (65, 129),
             )
         )
-    rows += [
-        e(
+    return rows
+
+
+def offset_rows() -> list[Entry]:
+    """Several tiles of each side; causal and windows with L > S (negative diagonal offsets)."""
+    return [
+        _row(
             "k-tiles",
-            Shapes(1, 2, 2, 200, 300, 64, 64),
+            Shapes(batch=1, H=2, K=2, L=200, S=300, D=64, E=64),
             "several query x key tiles (4 x 5), both partial; S > 256: two split-KV chunks",
             default=True,
         ),
-        e(
+        _row(
             "k-tiles-br",
-            Shapes(1, 2, 2, 130, 390, 128, 128),
+            Shapes(batch=1, H=2, K=2, L=130, S=390, D=128, E=128),
             "causal bottom_right over several tiles, L < S",
             {"causal": True, "align": "bottom_right"},
         ),
-        e(
+        _row(
             "k-causal-l-gt-s",
-            Shapes(1, 2, 2, 200, 70, 64, 64),
+            Shapes(batch=1, H=2, K=2, L=200, S=70, D=64, E=64),
             "causal bottom_right with L > S: a negative diagonal offset (first rows empty)",
-            br_empty,
+            _BR_EMPTY,
             default=True,
         ),
         # L > S bottom_right: a kernel that clamps the diagonal offset S - L at 0 lets the
         # first rows attend; small and cheap, so every dtype has five of them
-        e(
+        _row(
             "k-causal-l-gt-s",
-            Shapes(1, 2, 2, 130, 70, 64, 64),
+            Shapes(batch=1, H=2, K=2, L=130, S=70, D=64, E=64),
             "causal bottom_right, L = 130 > S = 70 (offset -60) over partial query and key tiles",
-            br_empty,
+            _BR_EMPTY,
             default=True,
         ),
-        e(
+        _row(
             "k-causal-l-gt-s",
-            Shapes(1, 2, 2, 200, 129, 64, 64),
+            Shapes(batch=1, H=2, K=2, L=200, S=129, D=64, E=64),
             "causal bottom_right, L = 200 > S = 129 (offset -71): several tiles of each",
-            br_empty,
+            _BR_EMPTY,
             default=True,
         ),
-        e(
+        _row(
             "k-causal-l-gt-s",
-            Shapes(1, 4, 2, 100, 40, 32, 32),
+            Shapes(batch=1, H=4, K=2, L=100, S=40, D=32, E=32),
             "causal bottom_right with L > S and GQA (offset -60)",
-            {**br_empty, "gqa": "interleave"},
+            {**_BR_EMPTY, "gqa": "interleave"},
             default=True,
         ),
-        e(
+        _row(
             "k-causal-l-gt-s",
-            Shapes(2, 2, 2, 70, 64, 32, 32),
+            Shapes(batch=2, H=2, K=2, L=70, S=64, D=32, E=32),
             "causal bottom_right, L = 70 > S = 64, a batch of two (offset -6: few empty rows)",
-            br_empty,
+            _BR_EMPTY,
             default=True,
         ),
-        e(
+        _row(
             "k-window-l-gt-s",
-            Shapes(1, 2, 2, 150, 100, 32, 32),
+            Shapes(batch=1, H=2, K=2, L=150, S=100, D=32, E=32),
             "window (32, 0) bottom_right with L > S: the window follows the negative offset",
             {"window": (32, 0), "align": "bottom_right", "empty_rows": "zero"},
             default=True,
         ),
-        e(
+    ]
+
+
+def long_key_rows() -> list[Entry]:
+    """Long rows and a long decode: many key tiles, split-KV (kernel suite only)."""
+    return [
+        _row(
             "k-long",
-            Shapes(1, 1, 1, 4, 16384, 64, 64),
+            Shapes(batch=1, H=1, K=1, L=4, S=16384, D=64, E=64),
             "4 queries over 16384 keys: many key tiles, late max moves, split-KV",
         ),
-        e("k-long", Shapes(1, 1, 1, 2, 65536, 64, 64), "2 queries over 65536 keys"),
-        e(
+        _row(
+            "k-long",
+            Shapes(batch=1, H=1, K=1, L=2, S=65536, D=64, E=64),
+            "2 queries over 65536 keys",
+        ),
+        _row(
             "k-decode",
-            Shapes(1, 8, 2, 1, 32768, 128, 128),
+            Shapes(batch=1, H=8, K=2, L=1, S=32768, D=128, E=128),
             "GQA decode L = 1 over 32768 keys (split-KV combine)",
             {"gqa": "interleave"},
         ),
     ]
+
+
+def head_dim_rows() -> list[Entry]:
+    """Real and odd head dimensions; D != E."""
+    rows = []
     for D in (64, 96, 128, 256, 59, 111):
         rows.append(
-            e(
+            _row(
                 "k-headdim",
-                Shapes(1, 2, 2, 65, 129, D, D),
+                Shapes(batch=1, H=2, K=2, L=65, S=129, D=D, E=D),
                 f"head dim {D} over a partial tile: vector widths, odd dims",
                 default=D in (128, 59),
             )
         )
     rows.append(
-        e(
+        _row(
             "k-d-ne-e",
-            Shapes(1, 2, 2, 65, 129, 192, 128),
+            Shapes(batch=1, H=2, K=2, L=65, S=129, D=192, E=128),
             "D = 192, E = 128 (scale 1/sqrt(D), not E)",
         )
     )
+    return rows
+
+
+def gqa_rows() -> list[Entry]:
+    """GQA group sizes 1, 4 and 8."""
+    rows = []
     for K in (8, 2, 1):
         rows.append(
-            e(
+            _row(
                 "k-gqa",
-                Shapes(1, 8, K, 65, 200, 64, 64),
+                Shapes(batch=1, H=8, K=K, L=65, S=200, D=64, E=64),
                 f"GQA group size {8 // K} (H = 8, K = {K})",
                 {"gqa": "interleave"},
                 default=K == 2,
             )
         )
+    return rows
+
+
+def ragged_rows() -> list[Entry]:
+    """Batches of different key lengths (padding masks)."""
+    rows = []
     rows.append(
-        e(
+        _row(
             "k-ragged",
-            Shapes(4, 2, 2, 65, 300, 64, 64),
+            Shapes(batch=4, H=2, K=2, L=65, S=300, D=64, E=64),
             "a batch whose rows have different key lengths (padding mask): per-row "
             "tails inside tiles",
-            recipe={**gauss, "mask": "padding"},
+            recipe={**_GAUSS, "mask": "padding"},
         )
     )
     rows.append(
-        e(
+        _row(
             "k-ragged",
-            Shapes(3, 2, 2, 65, 130, 64, 64),
+            Shapes(batch=3, H=2, K=2, L=65, S=130, D=64, E=64),
             "three rows of different key lengths (padding mask) over three key tiles",
-            recipe={**gauss, "mask": "padding"},
+            recipe={**_GAUSS, "mask": "padding"},
             default=True,
         )
     )
-    distributions = [
-        (
-            "k-outlier",
-            {"qkv": "outlier", "factor": 32.0, "channels": 3},
-            "outlier channels: 3 dims of q and k 32x larger (LLM activations)",
-        ),
-        ("k-sink", {"qkv": "sink"}, "a sink key (key 0) taking most of every row's weight"),
-        (
-            "k-peaky-late",
-            {"qkv": "late-max"},
-            "peaky rows whose max moves in every tile up to the last (online rescale)",
-        ),
-        (
-            "k-uniform",
-            {"qkv": "gaussian", "sigma": 0.0625},
-            "near-uniform rows (tiny logits): long sums of nearly equal terms",
-        ),
-        (
-            "k-offset",
-            {"qkv": "offset", "offset": 64.0},
-            "values with a large common offset (64 + N(0,1)): cancellation in P@V",
-        ),
-        (
-            "k-overflow16",
-            {"qkv": "gaussian", "sigma": 24.0},
-            "q.k beyond the float16 range unless the scale is applied first",
-        ),
-    ]
-    for tag, recipe, description in distributions:
-        rows.append(e(tag, Shapes(1, 2, 2, 65, 1000, 64, 64), description, recipe=recipe))
+    return rows
+
+
+def distribution_rows() -> list[Entry]:
+    """Each of :data:`DISTRIBUTIONS` over 1000 keys (kernel suite only)."""
+    rows = []
+    for tag, recipe, description in DISTRIBUTIONS:
+        rows.append(
+            _row(
+                tag, Shapes(batch=1, H=2, K=2, L=65, S=1000, D=64, E=64), description, recipe=recipe
+            )
+        )
+    return rows
+
+
+def half_accumulator_rows() -> list[Entry]:
+    """Float16 and bfloat16 rows that catch a 16-bit accumulator."""
+    rows = []
     # a float16/bfloat16 accumulator for inputs of that type is caught (tight tier) where the
     # terms are all positive: a common value offset, a dominant sink key, small logits
     half_rows = [
         (
             "k-offset",
-            Shapes(1, 2, 2, 65, 129, 64, 64),
+            Shapes(batch=1, H=2, K=2, L=65, S=129, D=64, E=64),
             {"qkv": "offset", "offset": 64.0},
             "values 64 + N(0,1) over a partial key tile: a 16-bit P@V accumulator drifts",
         ),
         (
             "k-offset",
-            Shapes(1, 2, 2, 65, 129, 128, 128),
+            Shapes(batch=1, H=2, K=2, L=65, S=129, D=128, E=128),
             {"qkv": "offset", "offset": 64.0},
             "values 64 + N(0,1), D = E = 128: a 16-bit P@V accumulator drifts",
         ),
         (
             "k-sink",
-            Shapes(1, 2, 2, 65, 129, 64, 64),
+            Shapes(batch=1, H=2, K=2, L=65, S=129, D=64, E=64),
             {"qkv": "sink"},
             "a sink key over a partial key tile: a 16-bit normaliser and P@V accumulator",
         ),
         (
             "k-small-logits",
-            Shapes(1, 2, 2, 65, 129, 64, 64),
+            Shapes(batch=1, H=2, K=2, L=65, S=129, D=64, E=64),
             {"qkv": "gaussian", "sigma": 0.25},
             "small logits (sigma 1/4) over a partial key tile: nearly equal positive weights",
         ),
         (
             "k-small-logits",
-            Shapes(1, 2, 2, 65, 300, 64, 64),
+            Shapes(batch=1, H=2, K=2, L=65, S=300, D=64, E=64),
             {"qkv": "gaussian", "sigma": 0.25},
             "small logits (sigma 1/4) over 300 keys: nearly equal positive weights",
         ),
     ]
     for tag, shapes, recipe, description in half_rows:
-        rows.append(e(tag, shapes, description, recipe=recipe, default="half"))
-    for tag, recipe, description in distributions:
+        rows.append(_row(tag, shapes, description, recipe=recipe, default="half"))
+    return rows
+
+
+def distribution_default_rows() -> list[Entry]:
+    """Each of :data:`DISTRIBUTIONS` over 300 keys (default's share)."""
+    rows = []
+    for tag, recipe, description in DISTRIBUTIONS:
         # the same inputs over 300 keys (five key tiles, the last partial; two split-KV
         # chunks) and a partial query tile: default's share of each distribution
         rows.append(
-            e(
+            _row(
                 tag,
-                Shapes(1, 2, 2, 65, 300, 64, 64),
+                Shapes(batch=1, H=2, K=2, L=65, S=300, D=64, E=64),
                 description + " (S = 300)",
                 recipe=recipe,
                 default=True,

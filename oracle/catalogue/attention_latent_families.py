@@ -52,7 +52,7 @@ def latent_entries(gauss) -> list[Entry]:
     return [
         e(
             "mla-decode",
-            Shapes(1, 8, 1, 1, 128, 576, 512),
+            Shapes(batch=1, H=8, K=1, L=1, S=128, D=576, E=512),
             "MLA absorbed decode: 8 heads read one 576-wide latent key, v = k[..., :512], "
             "scale 1/sqrt(192)",
             options=model,
@@ -60,7 +60,7 @@ def latent_entries(gauss) -> list[Entry]:
         ),
         e(
             "mla-decode-h128",
-            Shapes(1, 128, 1, 1, 128, 576, 512),
+            Shapes(batch=1, H=128, K=1, L=1, S=128, D=576, E=512),
             "MLA absorbed decode with DeepSeek-V3's 128 heads: K 1, S 128, scale 1/sqrt(192)",
             default=("bfloat16",),
             options=model,
@@ -68,7 +68,7 @@ def latent_entries(gauss) -> list[Entry]:
         ),
         e(
             "mla-decode-h128-long",
-            Shapes(1, 128, 1, 1, 2048, 576, 512),
+            Shapes(batch=1, H=128, K=1, L=1, S=2048, D=576, E=512),
             "MLA absorbed decode at DeepSeek-V3 size: H 128, K 1, S 2048 (full suite)",
             default=(),
             full=("bfloat16",),
@@ -77,14 +77,14 @@ def latent_entries(gauss) -> list[Entry]:
         ),
         e(
             "mla-decode-kv-lengths",
-            Shapes(2, 8, 1, 2, 96, 576, 512),
+            Shapes(batch=2, H=8, K=1, L=2, S=96, D=576, E=512),
             "MLA decode, 2 query rows (speculative), per-row cache lengths, causal bottom_right",
             options={**model, **br},
             recipe={**mla, "kv_lengths": "ragged"},
         ),
         e(
             "mla-decode-fp8",
-            Shapes(1, 8, 1, 1, 128, 576, 512),
+            Shapes(batch=1, H=8, K=1, L=1, S=128, D=576, E=512),
             "MLA decode with a float8_e4m3fn latent cache (v = k's slice, k's descale)",
             options=model,
             recipe={**mla, "fp8": "e4m3fn"},
@@ -93,20 +93,20 @@ def latent_entries(gauss) -> list[Entry]:
         ),
         e(
             "qv",
-            Shapes(1, 4, 1, 12, 20, 16, 32),
+            Shapes(batch=1, H=4, K=1, L=12, S=20, D=16, E=32),
             "FlashAttention 3's qv: s (q.k + qv.v), default scale 1/sqrt(D + E)",
             recipe=qv,
         ),
         e(
             "qv-causal-gqa",
-            Shapes(2, 8, 2, 12, 24, 16, 32),
+            Shapes(batch=2, H=8, K=2, L=12, S=24, D=16, E=32),
             "qv with causal bottom_right and GQA",
             options={**br, "gqa": "interleave"},
             recipe=qv,
         ),
         e(
             "qv-mla-form",
-            Shapes(1, 8, 1, 6, 64, 64, 512),
+            Shapes(batch=1, H=8, K=1, L=6, S=64, D=64, E=512),
             "FlashAttention 3's MLA form: q, k the 64 rope features, qv/v the 512 latent ones, "
             "scale 1/sqrt(192)",
             options={**model, **br},
@@ -114,7 +114,7 @@ def latent_entries(gauss) -> list[Entry]:
         ),
         e(
             "grad-qv",
-            Shapes(1, 4, 2, 8, 12, 16, 16),
+            Shapes(batch=1, H=4, K=2, L=8, S=12, D=16, E=16),
             "dq, dk, dv (both of v's terms) and dqv, causal top_left",
             options={"causal": True},
             recipe={**qv, "grad_lse": True},
@@ -122,7 +122,7 @@ def latent_entries(gauss) -> list[Entry]:
         ),
         e(
             "grad-mla",
-            Shapes(1, 4, 1, 4, 16, 72, 64),
+            Shapes(batch=1, H=4, K=1, L=4, S=16, D=72, E=64),
             "gradients of a small absorbed MLA call (v = k[..., :E]) with the model scale",
             options=model,
             recipe=mla,

@@ -42,7 +42,7 @@ def _e(tag, shapes, description, options=None, recipe=None) -> Entry:
 
 
 def _rows(L, S, H=1, K=1, batch=1) -> Shapes:
-    return Shapes(batch, H, K, L, S, 16, 16)
+    return Shapes(batch=batch, H=H, K=K, L=L, S=S, D=16, E=16)
 
 
 def long_entries() -> list[Entry]:

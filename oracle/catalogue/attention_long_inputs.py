@@ -26,6 +26,7 @@ half an ulp of the sum) is off by the tail's whole mass, about 5% at twice ``fad
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from oracle.catalogue import attention_inputs
@@ -43,8 +44,6 @@ def grid(seed: int, name: str, shape) -> np.ndarray:
 
 def _exact_cast(x: np.ndarray, dtype: str) -> np.ndarray:
     # every value has <= 8 significant bits and |x| < 2**14: the cast rounds nothing
-    import ml_dtypes
-
     target = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
     cast = x.astype(np.float32).astype(target)
     if not np.array_equal(cast.astype(np.float64), x):

@@ -28,7 +28,7 @@ def mla_sparse_entries(gauss) -> list[Entry]:
     return [
         e(
             "mla-sparse-prefill",
-            Shapes(1, 64, 1, 2, 8192, 576, 512),
+            Shapes(batch=1, H=64, K=1, L=2, S=8192, D=576, E=512),
             "DSA prefill rows: top-2048 of 8192 latent keys (-1 in every fourth slot), H 64, "
             "D 576 / E 512, scale 1/sqrt(192)",
             default=bf16,
@@ -38,7 +38,7 @@ def mla_sparse_entries(gauss) -> list[Entry]:
         ),
         e(
             "mla-sparse-decode-h128",
-            Shapes(1, 128, 1, 1, 8192, 576, 512),
+            Shapes(batch=1, H=128, K=1, L=1, S=8192, D=576, E=512),
             "DSA decode: top-2048 of 8192 latent keys, H 128, causal bottom_right, "
             "scale 1/sqrt(192)",
             default=bf16,
@@ -48,7 +48,7 @@ def mla_sparse_entries(gauss) -> list[Entry]:
         ),
         e(
             "mla-sparse-64k",
-            Shapes(1, 64, 1, 1, 65536, 576, 512),
+            Shapes(batch=1, H=64, K=1, L=1, S=65536, D=576, E=512),
             "DSA decode over 65536 latent keys: top-2048, H 64 (full only)",
             default=(),
             full=bf16,

@@ -11,11 +11,20 @@ __all__ = ["option_entries"]
 
 def option_entries(gauss) -> list[Entry]:
     """Cases of the options sinks, kv_lengths and float8 inputs (fp8 cases: bfloat16 only)."""
+    return [
+        *sink_rows(gauss),
+        *kv_length_rows(gauss),
+        *option_gradient_rows(gauss),
+        *combination_rows(gauss),
+        *fp8_rows(gauss),
+    ]
+
+
+def sink_rows(gauss) -> list[Entry]:
+    """Attention sinks: one extra logit per head in every normaliser."""
     e = Entry
     sinks = {**gauss, "sinks": "gaussian"}
-    ragged = {**gauss, "kv_lengths": "ragged"}
     br = {"causal": True, "align": "bottom_right"}
-    fp8 = {"default": FP8_TRUTH_DTYPES, "full": FP8_TRUTH_DTYPES}
     return [
         e(
             "sinks",
@@ -25,81 +34,101 @@ def option_entries(gauss) -> list[Entry]:
         ),
         e(
             "sinks-empty-rows",
-            Shapes(1, 2, 2, 9, 11, 16, 16),
+            Shapes(batch=1, H=2, K=2, L=9, S=11, D=16, E=16),
             "sinks with fully masked rows (out 0, lse = the sink)",
             options={"empty_rows": "zero"},
             recipe={**sinks, "mask": "empty-rows"},
         ),
         e(
             "sinks-causal-br",
-            Shapes(1, 2, 2, 12, 32, 16, 16),
+            Shapes(batch=1, H=2, K=2, L=12, S=32, D=16, E=16),
             "sinks, causal bottom_right",
             options=br,
             recipe=sinks,
         ),
         e(
             "sinks-gqa",
-            Shapes(1, 8, 2, 12, 20, 16, 16),
+            Shapes(batch=1, H=8, K=2, L=12, S=20, D=16, E=16),
             "sinks with GQA (one sink per query head)",
             options={"gqa": "interleave"},
             recipe=sinks,
         ),
+    ]
+
+
+def kv_length_rows(gauss) -> list[Entry]:
+    """Per-row key lengths (a KV cache), alone and with sinks in a decode."""
+    e = Entry
+    sinks = {**gauss, "sinks": "gaussian"}
+    ragged = {**gauss, "kv_lengths": "ragged"}
+    br = {"causal": True, "align": "bottom_right"}
+    return [
         e(
             "kv-lengths",
-            Shapes(3, 2, 2, 8, 24, 16, 16),
+            Shapes(batch=3, H=2, K=2, L=8, S=24, D=16, E=16),
             "per-row key lengths (a KV cache's cache_seqlens), no causal",
             recipe=ragged,
         ),
         e(
             "kv-lengths-causal-tl",
-            Shapes(3, 2, 2, 8, 24, 16, 16),
+            Shapes(batch=3, H=2, K=2, L=8, S=24, D=16, E=16),
             "per-row key lengths, causal top_left",
             options={"causal": True, "align": "top_left"},
             recipe=ragged,
         ),
         e(
             "kv-lengths-causal-br",
-            Shapes(3, 2, 2, 8, 24, 16, 16),
+            Shapes(batch=3, H=2, K=2, L=8, S=24, D=16, E=16),
             "per-row key lengths, causal bottom_right aligned to each row's own length",
             options=br,
             recipe=ragged,
         ),
         e(
             "kv-lengths-zero",
-            Shapes(3, 2, 2, 6, 16, 16, 16),
+            Shapes(batch=3, H=2, K=2, L=6, S=16, D=16, E=16),
             "per-row key lengths with an empty cache (length 0: empty rows)",
             options={**br, "empty_rows": "zero"},
             recipe={**gauss, "kv_lengths": "ragged-zero"},
         ),
         e(
             "kv-lengths-window",
-            Shapes(3, 2, 2, 8, 32, 16, 16),
+            Shapes(batch=3, H=2, K=2, L=8, S=32, D=16, E=16),
             "per-row key lengths with a (4, 0) window, bottom_right",
             options={"window": (4, 0), "align": "bottom_right"},
             recipe=ragged,
         ),
         e(
             "sinks-kv-decode",
-            Shapes(3, 8, 2, 1, 64, 32, 32),
+            Shapes(batch=3, H=8, K=2, L=1, S=64, D=32, E=32),
             "gpt-oss decode: L = 1, GQA, sinks, per-row cache lengths, causal bottom_right",
             options={**br, "gqa": "interleave"},
             recipe={**sinks, "kv_lengths": "ragged"},
         ),
         e(
             "sinks-kv-decode-window",
-            Shapes(3, 8, 2, 1, 64, 32, 32),
+            Shapes(batch=3, H=8, K=2, L=1, S=64, D=32, E=32),
             "gpt-oss sliding-window decode: sinks, cache lengths, window (16, 0)",
             options={"window": (16, 0), "align": "bottom_right", "gqa": "interleave"},
             recipe={**sinks, "kv_lengths": "ragged"},
         ),
         e(
             "poison-nan-kv-lengths",
-            Shapes(3, 2, 2, 4, 12, 8, 8),
+            Shapes(batch=3, H=2, K=2, L=4, S=12, D=8, E=8),
             "NaN in k and v beyond each row's key length (an unwritten KV cache)",
             category="robustness",
             options=br,
             recipe={**ragged, "poison": "nan"},
         ),
+    ]
+
+
+def option_gradient_rows(gauss) -> list[Entry]:
+    """Gradients with sinks and per-row key lengths (``dsinks``)."""
+    e = Entry
+    sinks = {**gauss, "sinks": "gaussian"}
+    ragged = {**gauss, "kv_lengths": "ragged"}
+    br = {"causal": True, "align": "bottom_right"}
+    return [
         e(
             "grad-sinks",
             GRAD,
@@ -110,7 +139,7 @@ def option_entries(gauss) -> list[Entry]:
         ),
         e(
             "grad-sinks-empty-rows",
-            Shapes(1, 2, 2, 9, 11, 16, 16),
+            Shapes(batch=1, H=2, K=2, L=9, S=11, D=16, E=16),
             "dsinks with fully masked rows",
             options={"empty_rows": "zero"},
             recipe={**sinks, "mask": "empty-rows"},
@@ -118,7 +147,7 @@ def option_entries(gauss) -> list[Entry]:
         ),
         e(
             "grad-kv-lengths",
-            Shapes(2, 2, 2, 6, 12, 16, 16),
+            Shapes(batch=2, H=2, K=2, L=6, S=12, D=16, E=16),
             "gradients with per-row key lengths, causal bottom_right",
             options=br,
             recipe=ragged,
@@ -126,15 +155,25 @@ def option_entries(gauss) -> list[Entry]:
         ),
         e(
             "grad-sinks-kv-gqa",
-            Shapes(2, 4, 2, 4, 12, 16, 16),
+            Shapes(batch=2, H=4, K=2, L=4, S=12, D=16, E=16),
             "dsinks with per-row key lengths and GQA",
             options={**br, "gqa": "interleave"},
             recipe={**sinks, "kv_lengths": "ragged", "grad_lse": True},
             grads=True,
         ),
+    ]
+
+
+def combination_rows(gauss) -> list[Entry]:
+    """Sinks and key lengths together with ALiBi and bias."""
+    e = Entry
+    sinks = {**gauss, "sinks": "gaussian"}
+    ragged = {**gauss, "kv_lengths": "ragged"}
+    br = {"causal": True, "align": "bottom_right"}
+    return [
         e(
             "sinks-alibi-causal-br",
-            Shapes(1, 4, 2, 8, 20, 16, 16),
+            Shapes(batch=1, H=4, K=2, L=8, S=20, D=16, E=16),
             "sinks with ALiBi (no ALiBi term on the sink), causal bottom_right, GQA",
             default=("float32",),
             options={**br, "gqa": "interleave"},
@@ -142,7 +181,7 @@ def option_entries(gauss) -> list[Entry]:
         ),
         e(
             "kv-lengths-alibi-decode",
-            Shapes(3, 4, 2, 1, 32, 16, 16),
+            Shapes(batch=3, H=4, K=2, L=1, S=32, D=16, E=16),
             "ALiBi decode over per-row cache lengths (distances from each row's own length)",
             default=("bfloat16",),
             options={**br, "gqa": "interleave"},
@@ -150,7 +189,7 @@ def option_entries(gauss) -> list[Entry]:
         ),
         e(
             "grad-sinks-bias-alibi",
-            Shapes(2, 2, 2, 4, 10, 16, 16),
+            Shapes(batch=2, H=2, K=2, L=4, S=10, D=16, E=16),
             "dsinks and dbias together, with ALiBi and per-row key lengths, causal bottom_right",
             default=("float64",),
             options=br,
@@ -163,6 +202,16 @@ def option_entries(gauss) -> list[Entry]:
             },
             grads=True,
         ),
+    ]
+
+
+def fp8_rows(gauss) -> list[Entry]:
+    """Float8 q, k, v with float32 descales (bfloat16 truth only)."""
+    e = Entry
+    sinks = {**gauss, "sinks": "gaussian"}
+    br = {"causal": True, "align": "bottom_right"}
+    fp8 = {"default": FP8_TRUTH_DTYPES, "full": FP8_TRUTH_DTYPES}
+    return [
         e(
             "fp8-e4m3",
             MID,
@@ -179,7 +228,7 @@ def option_entries(gauss) -> list[Entry]:
         ),
         e(
             "fp8-e4m3-causal-gqa",
-            Shapes(2, 8, 2, 12, 32, 32, 32),
+            Shapes(batch=2, H=8, K=2, L=12, S=32, D=32, E=32),
             "float8_e4m3fn, causal bottom_right, GQA, per-(batch, kv head) descales",
             options={**br, "gqa": "interleave"},
             recipe={**gauss, "fp8": "e4m3fn"},
@@ -187,7 +236,7 @@ def option_entries(gauss) -> list[Entry]:
         ),
         e(
             "fp8-e4m3-sinks-kv-decode",
-            Shapes(3, 8, 2, 1, 64, 32, 32),
+            Shapes(batch=3, H=8, K=2, L=1, S=64, D=32, E=32),
             "float8_e4m3fn decode with sinks and per-row cache lengths",
             options={**br, "gqa": "interleave"},
             recipe={**sinks, "kv_lengths": "ragged", "fp8": "e4m3fn"},

@@ -44,7 +44,7 @@ __all__ = ["CATEGORY", "refusal_entries", "malformation"]
 #: The category of these cases (catalogue.names.CATEGORIES).
 CATEGORY = "refusal"
 
-_BATCH2 = Shapes(2, 2, 2, 5, 7, 8, 8)
+_BATCH2 = Shapes(batch=2, H=2, K=2, L=5, S=7, D=8, E=8)
 
 
 def _gauss(stream, shape, dtype, name):
@@ -118,7 +118,11 @@ def refusal_entries() -> list[Entry]:
 
     return [
         e("head-dim", "head dims of q and k differ (D_q != D_k)"),
-        e("gqa-heads", "H = 3 query heads over K = 2 kv heads", Shapes(1, 3, 2, 5, 7, 8, 8)),
+        e(
+            "gqa-heads",
+            "H = 3 query heads over K = 2 kv heads",
+            Shapes(batch=1, H=3, K=2, L=5, S=7, D=8, E=8),
+        ),
         e("kv-keys", "k and v with different key counts"),
         e("kv-heads", "k and v with different kv head counts"),
         e("mask-shape", "a mask (L, S - 1) that does not broadcast to (B, H, L, S)"),

@@ -35,7 +35,7 @@ from refattn.exact.rounding import format_of
 
 __all__ = ["worst_entries"]
 
-_ROWS = Shapes(1, 2, 2, 12, 80, 16, 16)
+_ROWS = Shapes(batch=1, H=2, K=2, L=12, S=80, D=16, E=16)
 
 
 def _qkv_midpoint(stream, n, dtype, options, sigma, recipe):
@@ -143,7 +143,7 @@ def worst_entries() -> list[Entry]:
         e("worst-midpoint", _ROWS, "outputs a hair from a rounding midpoint", qkv="midpoint"),
         e(
             "worst-lse-neg120",
-            Shapes(1, 2, 2, 1, 40, 16, 16),
+            Shapes(batch=1, H=2, K=2, L=1, S=40, D=16, E=16),
             "single-query rows with lse about -120, forward and backward",
             qkv="lse-neg120",
             grads=True,

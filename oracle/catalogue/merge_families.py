@@ -30,6 +30,7 @@ import functools
 
 import numpy as np
 
+import refattn
 from oracle.catalogue import seeding, variants
 from oracle.catalogue.case import Case, Shapes, seed_of
 from oracle.catalogue.merge_large_families import LARGE_FAMILIES, large_lses
@@ -76,7 +77,7 @@ _FAMILIES = (
     ),
 )
 _FAMILIES += LARGE_FAMILIES  # large lses, base-2 empty states: merge_large_families
-_SHAPES = Shapes(1, 2, 2, 4, 0, 16, 8)  # H2 L4 E8 (S, D: of the chunk attention)
+_SHAPES = Shapes(batch=1, H=2, K=2, L=4, S=0, D=16, E=8)  # H2 L4 E8 (S, D: of the chunk attention)
 
 
 def merge_cases() -> list[Case]:
@@ -112,8 +113,6 @@ def _chunk_states_of(name: str):
 
 
 def _chunk_states(case: Case, st: Streams):
-    import refattn
-
     n, recipe = case.shapes, case.recipe
     q = seeding.to_dtype(st.gaussian("q", (n.H, n.L, n.D)), case.dtype)
     k = seeding.to_dtype(st.gaussian("k", (n.H, n.S, n.D)), case.dtype)

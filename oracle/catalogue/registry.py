@@ -116,3 +116,8 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
 from oracle.catalogue import merge_families as _merge_families  # noqa: E402
 
 _merge_families.register(INPUT_BUILDERS, register_suite)
+
+# the linear-attention family hooks itself in the same way (suites linear-*)
+from oracle.catalogue import linear_inputs as _linear_inputs  # noqa: E402
+
+_linear_inputs.register(INPUT_BUILDERS, register_suite)

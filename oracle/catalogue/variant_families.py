@@ -36,23 +36,38 @@ class Entry:
 
 
 def _mix(batch, H, L, S, D, E):
-    return Shapes(batch, H, H, L, S, D, E)
+    return Shapes(batch=batch, H=H, K=H, L=L, S=S, D=D, E=E)
 
 
 def _sites(batch, N, d):
-    return Shapes(batch, 1, 1, N, N, d, d)
+    return Shapes(batch=batch, H=1, K=1, L=N, S=N, D=d, E=d)
+
+
+_SMALL_MIX = _mix(1, 2, 4, 6, 4, 4)
+_MIX = _mix(1, 2, 6, 10, 8, 8)
 
 
 def entries() -> list[Entry]:
+    """Every variant row, in catalogue order (one family after another)."""
+    return [
+        *gmm_rows(),
+        *mgk_rows(),
+        *hopfield_rows(),
+        *mgk_gradient_rows(),
+        *other_gradient_rows(),
+        *meanfield_rows(),
+    ]
+
+
+def gmm_rows() -> list[Entry]:
+    """GMM attention (Movellan & Gabbur eqs. (13)-(14)) and its key and prior adaptation."""
     e = Entry
-    small = _mix(1, 2, 4, 6, 4, 4)
-    mix = _mix(1, 2, 6, 10, 8, 8)
     return [
         # --- GMM attention (Movellan & Gabbur eqs. (13)-(14)) ----------------------------------
         e(
             "gmm.attention",
             "gmm-attn-basic",
-            small,
+            _SMALL_MIX,
             "one EM step, uniform prior (plain attention)",
             smoke=_SMOKE,
             options={"alpha": 0.5, "beta": 0.5, "iters": 1},
@@ -60,21 +75,21 @@ def entries() -> list[Entry]:
         e(
             "gmm.attention",
             "gmm-attn-iters3",
-            mix,
+            _MIX,
             "three EM steps, scalar alpha and beta",
             options={"alpha": 0.25, "beta": 0.5, "iters": 3},
         ),
         e(
             "gmm.attention",
             "gmm-attn-magnitude",
-            mix,
+            _MIX,
             "magnitude prior (eqs. (15)-(18)), two steps",
             options={"alpha": 0.125, "beta": 0.25, "prior": "magnitude", "iters": 2},
         ),
         e(
             "gmm.attention",
             "gmm-attn-prior-array",
-            mix,
+            _MIX,
             "log prior array, v_init, two steps",
             options={"alpha": 0.25, "beta": 0.5, "iters": 2},
             recipe={"prior": True, "v_init": True},
@@ -82,7 +97,7 @@ def entries() -> list[Entry]:
         e(
             "gmm.attention",
             "gmm-attn-per-unit",
-            mix,
+            _MIX,
             "per-unit alpha and beta arrays (root of eq. (12)), two steps",
             recipe={"alpha": True, "beta": True},
             options={"iters": 2},
@@ -90,7 +105,7 @@ def entries() -> list[Entry]:
         e(
             "gmm.adapt_keys",
             "gmm-keys",
-            small,
+            _SMALL_MIX,
             "key adaptation, paper form (eq. (28))",
             smoke=_SMOKE,
             options={"alpha": 0.5, "gamma": 1.0, "iters": 1, "form": "paper"},
@@ -98,14 +113,14 @@ def entries() -> list[Entry]:
         e(
             "gmm.adapt_keys",
             "gmm-keys-map",
-            mix,
+            _MIX,
             "key adaptation, MAP form, magnitude prior, two iterations",
             options={"alpha": 0.25, "gamma": 0.5, "iters": 2, "form": "map", "prior": "magnitude"},
         ),
         e(
             "gmm.adapt_priors",
             "gmm-priors",
-            small,
+            _SMALL_MIX,
             "Dirichlet prior adaptation, paper form (eq. (33))",
             smoke=_SMOKE,
             options={"alpha": 0.5, "eta": 1.0, "iters": 1, "form": "paper"},
@@ -113,15 +128,22 @@ def entries() -> list[Entry]:
         e(
             "gmm.adapt_priors",
             "gmm-priors-map",
-            mix,
+            _MIX,
             "prior adaptation, MAP form, three iterations",
             options={"alpha": 0.25, "eta": 2.0, "iters": 3, "form": "map"},
         ),
+    ]
+
+
+def mgk_rows() -> list[Entry]:
+    """MGK and MLK attention (Nguyen et al. 2022)."""
+    e = Entry
+    return [
         # --- MGK / MLK (Nguyen et al. 2022) ---------------------------------------------------
         e(
             "mgk.attention",
             "mgk-soft",
-            small,
+            _SMALL_MIX,
             "soft MGK, R = 2, uniform pi",
             smoke=_SMOKE,
             options={"sigma2": 2.0},
@@ -130,7 +152,7 @@ def entries() -> list[Entry]:
         e(
             "mgk.attention",
             "mgk-soft-logpi",
-            mix,
+            _MIX,
             "soft MGK, R = 2, log_pi array, sigma2 = 4",
             default=("float64",),
             options={"sigma2": 4.0},
@@ -139,7 +161,7 @@ def entries() -> list[Entry]:
         e(
             "mgk.attention",
             "mgk-hard",
-            mix,
+            _MIX,
             "hard MGK (N9), R = 2",
             options={"sigma2": 2.0, "mode": "hard"},
             recipe={"R": 2},
@@ -147,7 +169,7 @@ def entries() -> list[Entry]:
         e(
             "mgk.attention",
             "mgk-normalized",
-            mix,
+            _MIX,
             "normalized soft MGK, sigma2 per component",
             options={"normalized": True},
             recipe={"R": 2, "sigma2": True},
@@ -155,7 +177,7 @@ def entries() -> list[Entry]:
         e(
             "mgk.attention",
             "mgk-mask",
-            mix,
+            _MIX,
             "soft MGK with a random mask (some empty rows)",
             options={"sigma2": 2.0},
             recipe={"R": 2, "mask": True},
@@ -171,7 +193,7 @@ def entries() -> list[Entry]:
         e(
             "mgk.attention",
             "mgk-window",
-            mix,
+            _MIX,
             "hard MGK, window (3, 1), top_left",
             options={"sigma2": 2.0, "mode": "hard", "window": (3, 1)},
             recipe={"R": 3},
@@ -179,7 +201,7 @@ def entries() -> list[Entry]:
         e(
             "mgk.linear_attention",
             "mlk-basic",
-            small,
+            _SMALL_MIX,
             "linear MLK attention, R = 2",
             smoke=_SMOKE,
             recipe={"R": 2},
@@ -187,16 +209,23 @@ def entries() -> list[Entry]:
         e(
             "mgk.linear_attention",
             "mlk-causal",
-            mix,
+            _MIX,
             "causal linear MLK attention, R = 3",
             options={"causal": True},
             recipe={"R": 3},
         ),
+    ]
+
+
+def hopfield_rows() -> list[Entry]:
+    """Modern Hopfield retrieval and energy (Ramsauer et al.)."""
+    e = Entry
+    return [
         # --- Hopfield (Ramsauer et al.) -------------------------------------------------------
         e(
             "hopfield.retrieve",
             "hopfield-retrieve",
-            small,
+            _SMALL_MIX,
             "one retrieval update",
             smoke=_SMOKE,
             options={"beta": 0.5, "steps": 1},
@@ -204,14 +233,14 @@ def entries() -> list[Entry]:
         e(
             "hopfield.retrieve",
             "hopfield-retrieve-steps3",
-            mix,
+            _MIX,
             "three updates, beta 1/4",
             options={"beta": 0.25, "steps": 3},
         ),
         e(
             "hopfield.energy",
             "hopfield-energy",
-            small,
+            _SMALL_MIX,
             "energy (E), constant 0",
             smoke=_SMOKE,
             options={"beta": 0.5},
@@ -219,16 +248,24 @@ def entries() -> list[Entry]:
         e(
             "hopfield.energy",
             "hopfield-energy-constant",
-            mix,
+            _MIX,
             "energy with the paper's constant",
             options={"beta": 2.0, "constant": True},
         ),
+    ]
+
+
+def mgk_gradient_rows() -> list[Entry]:
+    """Gradients of MGK and MLK attention (exact vjps in the fixture)."""
+    e = Entry
+    _mix(1, 2, 6, 10, 8, 8)
+    return [
         # --- gradients (grads=True: exact vjps in the fixture; present only for the functions
         # whose module has a ``<function>_vjp``, see vjp_of) ------------------------------------
         e(
             "mgk.attention",
             "mgk-soft-grad",
-            small,
+            _SMALL_MIX,
             "vjp of soft MGK, R = 2",
             smoke=("float64",),
             options={"sigma2": 2.0},
@@ -238,7 +275,7 @@ def entries() -> list[Entry]:
         e(
             "mgk.attention",
             "mgk-hard-grad",
-            small,
+            _SMALL_MIX,
             "vjp of hard MGK (ties split equally)",
             options={"sigma2": 2.0, "mode": "hard"},
             recipe={"R": 2},
@@ -247,7 +284,7 @@ def entries() -> list[Entry]:
         e(
             "mgk.attention",
             "mgk-mask-grad",
-            small,
+            _SMALL_MIX,
             "vjp of soft MGK with a random mask",
             options={"sigma2": 2.0},
             recipe={"R": 2, "mask": True},
@@ -256,7 +293,7 @@ def entries() -> list[Entry]:
         e(
             "mgk.linear_attention",
             "mlk-grad",
-            small,
+            _SMALL_MIX,
             "vjp of linear MLK attention",
             smoke=("float64",),
             recipe={"R": 2},
@@ -265,16 +302,24 @@ def entries() -> list[Entry]:
         e(
             "mgk.linear_attention",
             "mlk-causal-grad",
-            small,
+            _SMALL_MIX,
             "vjp of causal linear MLK",
             options={"causal": True},
             recipe={"R": 2},
             grads=True,
         ),
+    ]
+
+
+def other_gradient_rows() -> list[Entry]:
+    """Gradients of Hopfield retrieval, GMM attention and adaptation, and the mean-field solvers."""
+    e = Entry
+    _mix(1, 2, 6, 10, 8, 8)
+    return [
         e(
             "hopfield.retrieve",
             "hopfield-retrieve-grad",
-            small,
+            _SMALL_MIX,
             "vjp of one retrieval update",
             smoke=("float64",),
             options={"beta": 0.5, "steps": 1},
@@ -283,7 +328,7 @@ def entries() -> list[Entry]:
         e(
             "hopfield.retrieve",
             "hopfield-retrieve-steps2-grad",
-            small,
+            _SMALL_MIX,
             "vjp of two updates",
             options={"beta": 0.25, "steps": 2},
             grads=True,
@@ -291,7 +336,7 @@ def entries() -> list[Entry]:
         e(
             "gmm.attention",
             "gmm-attn-grad",
-            small,
+            _SMALL_MIX,
             "vjp of one EM step",
             smoke=("float64",),
             options={"alpha": 0.5, "beta": 0.5, "iters": 1},
@@ -300,7 +345,7 @@ def entries() -> list[Entry]:
         e(
             "gmm.attention",
             "gmm-attn-iters2-grad",
-            small,
+            _SMALL_MIX,
             "vjp of two EM steps",
             options={"alpha": 0.25, "beta": 0.5, "iters": 2},
             grads=True,
@@ -308,7 +353,7 @@ def entries() -> list[Entry]:
         e(
             "gmm.adapt_keys",
             "gmm-keys-grad",
-            small,
+            _SMALL_MIX,
             "vjp of key adaptation (eq. (28))",
             smoke=("float64",),
             options={"alpha": 0.5, "gamma": 1.0, "iters": 1, "form": "paper"},
@@ -317,7 +362,7 @@ def entries() -> list[Entry]:
         e(
             "gmm.adapt_priors",
             "gmm-priors-grad",
-            small,
+            _SMALL_MIX,
             "vjp of prior adaptation (eq. (33))",
             smoke=("float64",),
             options={"alpha": 0.5, "eta": 1.0, "iters": 1, "form": "paper"},
@@ -347,6 +392,15 @@ def entries() -> list[Entry]:
             smoke=("float64",),
             grads=True,
         ),
+    ]
+
+
+def meanfield_rows() -> list[Entry]:
+    """Mean-field attention (Bal 2021): naive, adaptive TAP, Ising TAP, DEQ."""
+    e = Entry
+    _mix(1, 2, 4, 6, 4, 4)
+    _mix(1, 2, 6, 10, 8, 8)
+    return [
         # --- mean field (Bal 2021) ------------------------------------------------------------
         e(
             "meanfield.naive_step",

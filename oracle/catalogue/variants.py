@@ -98,6 +98,8 @@ Gradients: scale :func:`oracle.judging.variant_scales.grad_scale`, baseline refa
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -129,6 +131,7 @@ __all__ = [
     "outputs_of",
     "INPUT_BUILDERS",
     "BOOL_INPUTS",
+    "MEMBERS",
 ]
 
 #: The variant suites: variants-smoke within variants-default.
@@ -340,8 +343,6 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
 
 
 def _function(case: Case):
-    import importlib
-
     spec = FUNCTIONS[case.function]
     return getattr(importlib.import_module(spec.module), spec.attribute)
 
@@ -378,8 +379,6 @@ def vjp_of(function: str):
     ``d<name>`` per positional array argument; ``grad_out`` is the cotangent of f's first
     output (``out``; ``means`` for the mean-field fixed points).
     """
-    import importlib
-
     spec = FUNCTIONS[function]
     try:
         module = importlib.import_module(spec.module)
@@ -391,8 +390,6 @@ def vjp_of(function: str):
 def grad_names(function: str) -> tuple[str, ...]:
     """``d<name>`` for each positional array argument of the function's vjp (those before
     grad_out), or () without a vjp."""
-    import inspect
-
     vjp = vjp_of(function)
     if vjp is None:
         return ()
@@ -435,8 +432,14 @@ TRUTH_BUILDERS = {name: truth for name in FUNCTIONS}
 INPUT_BUILDERS = {name: make_inputs for name in FUNCTIONS}
 
 
+#: Case.function -> required_members(case) of a family with its own fixture members.
+MEMBERS: dict[str, Callable[[Case], tuple[list[str], list[str]]]] = {}
+
+
 def required_members(case: Case) -> tuple[list[str], list[str]]:
     """(inputs, truth) member names a fixture file of ``case`` must hold (for verify)."""
+    if case.function in MEMBERS:
+        return MEMBERS[case.function](case)
     spec = FUNCTIONS[case.function]
     outputs = spec.outputs + (grad_names(case.function) if case.grads else ())
     inputs = list(spec.inputs) + (["grad_out"] if case.grads else [])

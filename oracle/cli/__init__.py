@@ -50,14 +50,26 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
+from oracle import adapters, catalogue
 from oracle.catalogue.names import DTYPES
 from oracle.cli.export import add_export_parser, run_export_command
 from oracle.conventions import signatures
 from oracle.conventions.layouts import LAYOUTS
 from oracle.conventions.merge import CONVENTIONS as MERGE_CONVENTIONS
 from oracle.conventions.merge import FLASHINFER as MERGE_FLASHINFER
+from oracle.conventions.merge import adapt
+from oracle.diagnose.budget import DEFAULT_MULTIPLE
+from oracle.fixtures import golden
+from oracle.power import add_parser as add_power_parser
+from oracle.power import run_command
+from oracle.report.formats import PLOT_HINT, coverage_lines, plotting_available
+from oracle.run import validate as V  # the module (callable), see oracle/__init__.py
+from oracle.run.distribute import dask_runner, validate_many
+from oracle.run.impls import locate_impl
 from oracle.run.invariance import CHECKS as INVARIANCE_CHECKS
+from oracle.run.supervise import MAX_TIMEOUT
 
 __all__ = ["main", "build_parser"]
 
@@ -77,6 +89,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
+    _add_generate(sub)
+    _add_verify(sub)
+    _add_validate(sub)
+    _add_list(sub)
+    add_export_parser(sub)
+    add_power_parser(sub)
+    return parser
+
+
+def _add_generate(sub) -> None:
+    """The ``generate`` command."""
     gen = sub.add_parser("generate", help="write one .npz per case and manifest.json")
     gen.add_argument("--suite", default="default", help="suite name (default: %(default)s)")
     gen.add_argument("--out", required=True, help="output directory")
@@ -101,10 +124,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     _executor_args(gen, "cases, and blocks of one large case,")
 
+
+def _add_verify(sub) -> None:
+    """The ``verify`` command."""
     ver = sub.add_parser("verify", help="check the sha256 of every fixture in DIR")
     ver.add_argument("directory")
 
+
+def _add_validate(sub) -> None:
+    """The ``validate`` command (its options in the order of ``--help``)."""
     val = sub.add_parser("validate", help="validate an implementation")
+    _validate_selection_args(val)
+    _validate_report_args(val)
+    _validate_judging_args(val)
+    _validate_convention_args(val)
+    _validate_check_args(val)
+    _validate_run_args(val)
+
+
+def _validate_selection_args(val) -> None:
+    """What is validated: implementations, cases and the dtype."""
     val.add_argument(
         "--adapter",
         action="append",
@@ -132,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATTERN",
         help="only cases matching this fnmatch pattern (repeatable)",
     )
+
+
+def _validate_report_args(val) -> None:
+    """Report files."""
     val.add_argument("--json", metavar="FILE", help="write a JSON report")
     val.add_argument("--junit", metavar="FILE", help="write a JUnit XML report")
     val.add_argument(
@@ -143,16 +186,21 @@ def build_parser() -> argparse.ArgumentParser:
         default="failures",
         help="plots in the HTML report: the 12 worst failing cases (default), every case, or none",
     )
+
+
+def _validate_judging_args(val) -> None:
+    """How cases are judged: strictness, tolerance tier, gradients, required features."""
     val.add_argument(
         "--strict", action="store_true", help="robustness and refusal failures fail the run"
     )
     val.add_argument(
         "--tolerance",
-        choices=("default", "tight"),
+        choices=("default", "tight", "both"),
         default="default",
         help="tolerance tier: default (no false alarm on any correct algorithm) "
         "or tight (the expected error of a correct float32-accumulating "
-        "kernel: narrower accumulation fails); see oracle.judging.tolerance",
+        "kernel: narrower accumulation fails), or both (one call per case, a report "
+        "per tier); see oracle.judging.tolerance",
     )
     val.add_argument(
         "--grads",
@@ -167,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="fail unless some case with FEATURE was judged (repeatable or comma "
         "list: causal, mask, gqa, long-rows, gradients, window, bias, ...)",
     )
+
+
+def _validate_convention_args(val) -> None:
+    """The implementation's conventions: layout, framework, device, signature, merge."""
     val.add_argument(
         "--layout",
         choices=LAYOUTS,
@@ -194,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
         "lse_b), or FlashInfer's merge_state / merge_states (torch, base-2 lse; also as "
         "--signature); runs in process (see oracle.conventions.merge)",
     )
+
+
+def _validate_check_args(val) -> None:
+    """Invariance checks."""
     val.add_argument(
         "--check",
         action="append",
@@ -208,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="invariance warnings (bits differ, within the tolerance) fail the run",
     )
+
+
+def _validate_run_args(val) -> None:
+    """How the run goes: timeouts, memory, workers, executor, refusals."""
     val.add_argument(
         "--timeout",
         type=float,
@@ -229,6 +289,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the implementation in this process (no timeout or crash "
         "protection; for debugging with pdb)",
     )
+    val.add_argument(
+        "--diagnose-budget",
+        type=float,
+        default=DEFAULT_MULTIPLE,
+        metavar="MULTIPLE",
+        help="a failing case's diagnosis may take MULTIPLE times its judging time "
+        "(default: %(default)g; inf: unbounded); a diagnosis that ran out says what it "
+        "tried (see oracle.diagnose.budget)",
+    )
     val.add_argument("--quiet", action="store_true", help="no progress bar, failures only")
     _executor_args(val, "(implementation, case) pairs")
     val.add_argument(
@@ -245,15 +314,13 @@ def build_parser() -> argparse.ArgumentParser:
         "%(default)s; results in case order, as a serial run's)",
     )
 
+
+def _add_list(sub) -> None:
+    """The ``list`` command."""
     lst = sub.add_parser("list", help="list suites, cases or adapters")
     lst.add_argument("what", nargs="?", default="suites", choices=("suites", "cases", "adapters"))
     lst.add_argument("--suite", default="default")
     lst.add_argument("--dtype", choices=DTYPES)
-    add_export_parser(sub)
-    from oracle.power import add_parser as add_power_parser
-
-    add_power_parser(sub)
-    return parser
 
 
 def _executor_args(parser, what: str) -> None:
@@ -285,8 +352,6 @@ def _err(message) -> int:
 
 
 def _generate(args) -> int:
-    from oracle.fixtures import golden
-
     if args.workers < 1:
         return _err(f"--workers: expected an integer >= 1, got {args.workers}")
     problem = _executor_problem(args)
@@ -294,8 +359,6 @@ def _generate(args) -> int:
         return _err(problem)
     runner = None
     if args.executor == "dask":
-        from oracle.run.distribute import dask_runner
-
         runner = dask_runner(args.scheduler)
     try:
         path = golden.generate(
@@ -322,8 +385,6 @@ def _generate(args) -> int:
 
 
 def _verify(args) -> int:
-    from oracle.fixtures import golden
-
     problems = golden.verify(args.directory)
     for problem in problems:
         print(problem)
@@ -332,16 +393,12 @@ def _verify(args) -> int:
 
 
 def _validate(args) -> int:
-    from pathlib import Path
-
-    from oracle.run import validate as V  # the module (callable), see oracle/__init__.py
-    from oracle.run.impls import locate_impl
-    from oracle.run.supervise import MAX_TIMEOUT
-
     specs = [*args.impl, *args.adapter]
     if not specs:
         return _err("give the implementation: --adapter NAME or --impl module:function")
     problem = _executor_problem(args) or _limits_problem(args, MAX_TIMEOUT)
+    if args.tolerance == "both" and args.executor == "dask":
+        problem = "--tolerance both: not with --executor dask (run each tier)"
     if problem:
         return _err(problem)
     if args.impl and os.getcwd() not in sys.path:
@@ -378,7 +435,10 @@ def _validate(args) -> int:
         tolerance=args.tolerance,
         **signatures.options_of(args),
         strict_invariance=args.strict_invariance,
+        diagnose_budget=args.diagnose_budget,
     )
+    if not args.diagnose_budget > 0:  # NaN too
+        return _err(f"--diagnose-budget: expected a multiple > 0, got {args.diagnose_budget:g}")
     if args.workers < 1:
         return _err(f"--workers: expected an integer >= 1, got {args.workers}")
     if args.executor != "dask":
@@ -396,8 +456,6 @@ def _validate(args) -> int:
         specs, options = _merge_specs(args, specs, options, V.resolve_impl)
     try:
         if args.executor == "dask":
-            from oracle.run.distribute import validate_many
-
             reports = validate_many(specs, scheduler=args.scheduler, **options)
         else:
             reports = {
@@ -412,6 +470,12 @@ def _validate(args) -> int:
         return _err(str(err))
     except (KeyError, ValueError) as err:
         return _err(str(err).strip('"'))
+    if args.tolerance == "both":  # one call per case judged in both tiers: a report per tier
+        reports = {
+            f"{s}@{t}": r
+            for s, x in reports.items()
+            for t, r in (("default", x), ("tight", x.tight))
+        }
     for spec, report in reports.items():
         problem = _print_report(args, report, spec if len(reports) > 1 else None)
         if problem:
@@ -433,7 +497,6 @@ def _merge_problem(args) -> str | None:
 
 def _merge_specs(args, specs, options, resolve_impl):
     """The implementations in the stacked convention, and the validate options for them."""
-    from oracle.conventions.merge import adapt
 
     convention = args.merge_convention or args.signature or "stacked"
     framework = "torch" if convention in MERGE_FLASHINFER else args.framework
@@ -474,8 +537,6 @@ def _report_paths_problem(args, specs) -> str | None:
 
 
 def _output_file_problem(path: str) -> str | None:
-    from pathlib import Path
-
     if not path:
         return "expected a file path, got an empty string"
     file = Path(path)
@@ -501,8 +562,6 @@ def _print_report(args, report, spec) -> str | None:
         else "\n".join(r.explain() for r in report.failures) or "no failures"
     )
     if args.quiet and report.untested:
-        from oracle.report.formats import coverage_lines
-
         print("\n".join(coverage_lines(report)[-4:]))
     for flag in _REPORT_FLAGS:
         if getattr(args, flag) is None:
@@ -516,8 +575,6 @@ def _print_report(args, report, spec) -> str | None:
         except OSError as err:  # checked before the run; the disk can still fill up
             return f"--{flag} {path}: cannot write the report ({err.strerror or err})"
     if args.html:
-        from oracle.report.formats import PLOT_HINT, plotting_available
-
         if not plotting_available():
             print(f"refattn-oracle: {PLOT_HINT}", file=sys.stderr)
     return None
@@ -526,16 +583,12 @@ def _print_report(args, report, spec) -> str | None:
 def _per_impl(path: str, spec) -> str:
     if spec is None:
         return path
-    from pathlib import Path
-
     tag = "".join(c if c.isalnum() or c in "-_." else "_" for c in spec)
     file = Path(path)
     return str(file.with_name(f"{file.stem}-{tag}{file.suffix}"))
 
 
 def _list(args) -> int:
-    from oracle import catalogue
-
     if args.what == "suites":
         for name in catalogue.suite_names():
             print(f"{name} {len(catalogue.suite(name))} cases")
@@ -549,8 +602,6 @@ def _list(args) -> int:
                 grads = " grads" if case.grads else ""
                 print(f"{case.name}  [{case.category}{grads}]  {case.description}")
     else:
-        from oracle import adapters
-
         usable = set(adapters.available())
         for name in adapters.names():
             print(f"{name}  {'available' if name in usable else 'not installed'}")
@@ -558,9 +609,6 @@ def _list(args) -> int:
 
 
 def _power(args) -> int:
-    from oracle.fixtures import golden
-    from oracle.power import run_command
-
     try:
         return run_command(args)
     except (golden.FixtureError, ValueError, KeyError) as err:

@@ -13,6 +13,11 @@ from __future__ import annotations
 import json
 import sys
 
+from oracle.export import EXPORT_MANIFEST, export
+from oracle.fixtures.golden import (
+    FixtureError,  # ExportError's base: also a corrupt fixture file
+)
+
 __all__ = ["add_export_parser", "run_export_command"]
 
 _FORMATS = ("safetensors", "onnx", "flashinfer-trace")
@@ -32,11 +37,6 @@ def add_export_parser(sub) -> None:
 
 def run_export_command(args) -> int:
     """Handler of ``refattn-oracle export`` (returns the exit code)."""
-    from oracle.export import EXPORT_MANIFEST, export
-    from oracle.fixtures.golden import (
-        FixtureError,  # ExportError's base: also a corrupt fixture file
-    )
-
     try:
         out = export(args.format, args.fixtures, args.out, names=args.case, progress=not args.quiet)
     except (FixtureError, KeyError) as exc:

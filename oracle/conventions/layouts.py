@@ -68,10 +68,12 @@ Examples
 from __future__ import annotations
 
 import functools
+import inspect
 
 import ml_dtypes
 import numpy as np
 
+from oracle.conventions import linear_presets
 from oracle.conventions.expressible import NOT_EXPRESSIBLE
 from oracle.conventions.layouts_fp4 import fp4_paged
 from oracle.conventions.layouts_latent import latent_paged_layout
@@ -81,6 +83,9 @@ from oracle.conventions.layouts_sparse import (  # layout="dsa": blhd with indic
     refused_keyword,
 )
 from oracle.conventions.layouts_trtllm import trtllm_fp4_layout
+from oracle.conventions.signatures import Call, declared, get
+from oracle.judging.empty_rows import check_reading, declare
+from refattn.logspace import base_factor
 
 __all__ = [
     "LAYOUTS",
@@ -115,19 +120,20 @@ def check_convention(
     signature=None,
     causal_align=None,
     keywords=None,
+    empty_rows=None,
 ) -> dict:
     """The convention as a dict, or ValueError naming the bad argument.
+
+    ``empty_rows`` declares what the function gives rows with no allowed key ("zero", "nan",
+    "average": :mod:`oracle.judging.empty_rows`); a preset may bring its own.
 
     ``signature`` (a preset of :mod:`oracle.conventions.signatures`) brings its layout and framework
     (an explicit other one is an error); ``causal_align`` and ``keywords`` declare a
     function's own conventions without a preset (:func:`oracle.conventions.signatures.declared`).
-    The
-    dict has those keys only when they are given.
+    The dict has those keys only when they are given.
     """
     extra = {}
     if signature is not None:
-        from oracle.conventions.signatures import get
-
         preset = get(signature)
         if causal_align is not None or keywords:
             raise ValueError(
@@ -146,13 +152,16 @@ def check_convention(
         layout, framework = preset.layout, preset.framework
         extra["signature"] = signature
     elif causal_align is not None or keywords:
-        from oracle.conventions.signatures import declared
-
         declared(layout, causal_align, keywords)  # a clear error for a bad declaration
         if causal_align is not None:
             extra["causal_align"] = causal_align
         if keywords:
             extra["keywords"] = keywords
+    empty_rows = check_reading(empty_rows)
+    if empty_rows is None and signature is not None:
+        empty_rows = getattr(get(signature), "empty_rows", None)
+    if empty_rows is not None:
+        extra["empty_rows"] = empty_rows
     for name, value, allowed in (
         ("layout", layout, LAYOUTS),
         ("framework", framework, FRAMEWORKS),
@@ -179,6 +188,7 @@ def wrap(
     signature=None,
     causal_align=None,
     keywords=None,
+    empty_rows=None,
 ):
     """``impl`` in the given convention, as an ``impl(q, k, v, **options)`` of the oracle's.
 
@@ -197,6 +207,9 @@ def wrap(
     causal_align, keywords
         A function's own declared conventions without a preset
         (:func:`oracle.conventions.signatures.declared`).
+    empty_rows : {"zero", "nan", "average"}, optional
+        What the function gives rows with no allowed key (:mod:`oracle.judging.empty_rows`):
+        it then never receives ``empty_rows`` and the judge reads such rows its way.
 
     Returns
     -------
@@ -204,11 +217,15 @@ def wrap(
         Taking and returning NumPy arrays in ``bhld``; ``.vjp`` too when ``impl`` has one and
         the layout is ``bhld`` or ``blhd``.
     """
-    convention = check_convention(layout, framework, device, signature, causal_align, keywords)
+    convention = check_convention(
+        layout, framework, device, signature, causal_align, keywords, empty_rows
+    )
+    if linear_presets.is_linear(signature):
+        return linear_presets.wrap(impl, signature, device)  # oracle.conventions.linear_presets
     layout, framework = convention["layout"], convention["framework"]
     speaks = _speaker(convention, impl)
     if layout == "bhld" and framework == "numpy" and speaks is None:
-        return impl
+        return declare(impl, convention.get("empty_rows"))
     bridge = _Bridge(framework, device)
 
     @functools.wraps(impl)
@@ -272,15 +289,13 @@ def wrap(
 
         forward.vjp = vjp
     forward.convention = convention
-    return forward
+    return declare(forward, convention.get("empty_rows"))
 
 
 def _speaker(convention, impl=None):
     """None, or ``speak(q, k, v, options, kwargs) -> kwargs`` putting the layout's keywords
     and the options (refattn's names) into the function's own keywords
     (:mod:`oracle.conventions.signatures`)."""
-    from oracle.conventions.signatures import Call, declared, get
-
     if "signature" in convention:
         preset = get(convention["signature"])
     else:
@@ -302,8 +317,6 @@ def _speaker(convention, impl=None):
 
     speak.lse_axes = preset.lse_axes
     speak.lse_at, speak.always_lse, speak.fix_lse = preset.lse_at, preset.always_lse, preset.fix_lse
-    from refattn.logspace import base_factor
-
     speak.lse_factor = base_factor(preset.lse_base)
     parameters = _parameter_names(impl) if preset.adapt is not None else set()
 
@@ -322,8 +335,6 @@ def wants_lse(options) -> bool:
 
 
 def _parameter_names(impl) -> set:
-    import inspect
-
     try:
         return set(inspect.signature(impl).parameters)
     except (TypeError, ValueError):
@@ -535,6 +546,7 @@ class _Bridge:
         self.framework, self.device = framework, device
         if framework == "torch":
             try:
+                # optional package (torch extra)
                 import torch
             except ImportError:
                 raise ImportError(
@@ -545,6 +557,7 @@ class _Bridge:
             self.torch = torch
         elif framework == "jax":
             try:
+                # optional package (jax extra)
                 import jax
                 import jax.numpy as jnp
             except ImportError:

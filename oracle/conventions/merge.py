@@ -125,6 +125,7 @@ def flashinfer(impl, convention, device="cpu"):
 
 def _torch_bridge(impl, device):
     try:
+        # optional package (torch extra)
         import torch
     except ImportError:
         raise ImportError("framework 'torch' needs torch: pip install -e \".[torch]\"") from None

@@ -67,11 +67,15 @@ align='top_left' with L = 3 != S = 5 cannot be expressed
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from oracle.adapters import exact_cast
+from oracle.catalogue.names import ATTENTION_OPTIONS
 from oracle.conventions.signatures_adapt import kvcache_page_table, xformers_groups
+from oracle.reading.allowed import options_allowed
 
 __all__ = [
     "Signature",
@@ -182,6 +186,10 @@ class Signature:
         3's ``page_table``: :mod:`oracle.conventions.signatures_adapt`), ``parameters`` the
         function's own
         parameter names, ``back(out)`` the output brought back to the layout's form.
+    empty_rows : {"zero", "nan", "average"}, optional
+        What the library gives rows with no allowed key when it has no option for it
+        (:mod:`oracle.judging.empty_rows`); None: refattn's ``empty_rows`` option is refused
+        unless it is the default.
     lse_at : int
         Where the lse is among the returned values (FlashMLA's sparse prefill returns
         (out, max_logits, lse): 2).
@@ -206,6 +214,7 @@ class Signature:
     drop: tuple = ()
     lse_base: object = "e"
     adapt: object = None
+    empty_rows: str | None = None
     lse_at: int = 1
     always_lse: bool = False
     fix_lse: object = None
@@ -293,8 +302,6 @@ def _nan_rows(value, call):
 
 
 def _float32_slopes(value, call):
-    from oracle.adapters import exact_cast
-
     return exact_cast(value, np.float32, "alibi_slopes", "FlashAttention")
 
 
@@ -372,8 +379,6 @@ def _sdpa_attn_mask(call):
         allowed = tril if allowed is None else allowed & tril
     if bias is None:
         return {"attn_mask": allowed}
-    from oracle.adapters import exact_cast
-
     dtype = call.dtype
     bias = exact_cast(np.asarray(bias), dtype, "bias", "torch scaled_dot_product_attention")
     if allowed is not None:
@@ -393,8 +398,6 @@ def _jax_lengths(value, call):
 
 
 def _jax_bias(value, call):
-    from oracle.adapters import exact_cast
-
     dtype = call.dtype
     return exact_cast(np.asarray(value), dtype, "bias", "jax.nn.dot_product_attention")
 
@@ -405,21 +408,21 @@ def _jax_check(call):
             f"value head dim E = {call.value_dim} != query/key head dim D = {call.dim}: "
             f"jax.nn.dot_product_attention requires them equal"
         )
-    if _has_empty_rows(call):
+    emptied, structural = np.broadcast_arrays(_empty_rows(call), _empty_rows(call, bias=False))
+    if (emptied & ~structural).any():
         return (
-            "a query row with no allowed key: jax.nn.dot_product_attention fills masked "
-            "scores with a large finite negative (the row averages every value; a -inf bias "
-            "gives NaN), and has no keyword for refattn's empty rows (0, lse -inf)"
+            "a -inf bias leaves a query row with no allowed key: jax.nn.dot_product_attention "
+            "adds the bias to its scores, so the row is NaN; rows emptied by mask, causal, "
+            "window or key lengths average every value (the preset's empty_rows='average')"
         )
     return None
 
 
-def _has_empty_rows(call):
-    """Whether some query row of the case has no allowed key (docs/conventions.md's set)."""
-    from oracle.reading.allowed import options_allowed
-
-    allowed = options_allowed(call.length, call.keys, call.options)
-    return bool((~np.asarray(allowed).any(axis=-1)).any())
+def _empty_rows(call, bias=True):
+    """The query rows of the case with no allowed key (docs/conventions.md's set; ``bias=False``:
+    a -inf bias left out), a boolean (..., L)."""
+    allowed = options_allowed(call.length, call.keys, call.options, bias=bias)
+    return ~np.asarray(allowed).any(axis=-1)
 
 
 def _flashinfer_check(call):
@@ -441,8 +444,6 @@ def _flashinfer_window(window, call):
 
 def _xformers_extra(call):
     """causal, window, key lengths and mask as one additive attn_bias of 0 / -inf (exact)."""
-    from oracle.reading.allowed import options_allowed
-
     opts = call.options
     structural = any(
         opts.get(n) is not None and opts.get(n) is not False
@@ -454,8 +455,6 @@ def _xformers_extra(call):
     dtype = call.dtype
     bias = opts.get("bias")
     if bias is not None:
-        from oracle.adapters import exact_cast
-
         bias = exact_cast(np.asarray(bias), dtype, "bias", "xformers memory_efficient_attention")
     else:
         bias = np.zeros((), dtype=dtype)
@@ -531,6 +530,7 @@ PRESETS = {
         },
         check=_jax_check,
         lse_axes=(0, 2, 1),  # the residual is (B, T, N)
+        empty_rows="average",  # masked scores become one large finite negative
     ),
     "flashinfer": Signature(
         "flashinfer",
@@ -609,8 +609,6 @@ def get(name) -> Signature:
 
 def parse_keywords(keywords) -> dict:
     """``["scale=softmax_scale", ...]`` (or a dict) -> {refattn option: the function's name}."""
-    from oracle.catalogue.names import ATTENTION_OPTIONS
-
     if isinstance(keywords, dict):
         pairs = dict(keywords)
     else:
@@ -661,10 +659,6 @@ def function_defaults(impl) -> dict:
     Empty for an implementation behind a signature preset or declared renames (its options
     reach it translated, with their absence meaning refattn's default) and for one whose
     signature cannot be read."""
-    import inspect
-
-    from oracle.catalogue.names import ATTENTION_OPTIONS
-
     convention = getattr(impl, "convention", None) or {}
     if impl is None or {"signature", "causal_align", "keywords"} & set(convention):
         return {}
@@ -683,7 +677,8 @@ def function_defaults(impl) -> dict:
 
 
 def add_arguments(parser) -> None:
-    """``--signature``, ``--causal-align`` and ``--keyword`` of ``refattn-oracle validate``."""
+    """``--signature``, ``--causal-align``, ``--empty-rows`` and ``--keyword`` of
+    ``refattn-oracle validate``."""
     parser.add_argument(
         "--signature",
         choices=[*PRESETS, *MERGE_PRESETS],
@@ -698,6 +693,14 @@ def add_arguments(parser) -> None:
         default=None,
         help="without --signature: the alignment of the implementation's causal/window "
         "(FlashAttention >= 2.1: bottom_right); other cases with L != S are unsupported",
+    )
+    parser.add_argument(
+        "--empty-rows",
+        choices=("zero", "nan", "average"),
+        default=None,
+        help="what the implementation gives rows with no allowed key: zero (refattn's), nan "
+        "(0/0) or average (the mean of v over all keys: a large finite fill); cases it cannot "
+        "be judged on are unsupported (oracle.judging.empty_rows)",
     )
     parser.add_argument(
         "--keyword",
@@ -716,5 +719,12 @@ def options_of(args) -> dict:
         "signature": getattr(args, "signature", None),
         "causal_align": getattr(args, "causal_align", None),
         "keywords": list(getattr(args, "keyword", None) or ()),
+        "empty_rows": getattr(args, "empty_rows", None),
     }
     return {name: value for name, value in found.items() if value}
+
+
+# the linear-attention presets (fla_*, transformers_gated_delta_rule) join the table
+from oracle.conventions.linear_presets import PRESETS as _LINEAR_PRESETS  # noqa: E402
+
+PRESETS.update(_LINEAR_PRESETS)

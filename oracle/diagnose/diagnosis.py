@@ -49,9 +49,11 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 
 import numpy as np
 
+from oracle.diagnose import budget, sample
 from oracle.diagnose.alternative import Alternative
 from oracle.diagnose.latent import latent_alternatives
 from oracle.diagnose.models import error_models, exact_parts, narrow_accumulation  # noqa: F401
@@ -131,6 +133,35 @@ def _window_alternatives(window):
 
 def alternatives(options, *, H, K, L, S, D, E, has_empty, has_excluded) -> list[Alternative]:
     """The named alternatives that can change the result of a case with these options/sizes."""
+    causal, window = bool(options.get("causal")), options.get("window")
+    align = options.get("align") or "top_left"
+    found = _structure_alternatives(options, H=H, K=K, L=L, S=S)
+    found += _softcap_and_empty_alternatives(
+        options, has_empty=has_empty, has_excluded=has_excluded
+    )
+    found += _polarity_alternatives(options)
+    found += _scale_and_ignored_alternatives(options, D=D, E=E)
+    found += [Alternative(lb, ks, _set(**ch)) for lb, ks, ch in sigmoid_alternatives(options)]
+    if (
+        options.get("kv_lengths") is not None
+        and (causal or window is not None)
+        and align == "bottom_right"
+    ):
+        found.append(
+            Alternative(
+                "kv_lengths as a key-padding mask (causal/window aligned to "
+                "the padded S, not to each row's length)",
+                frozenset({"kv_lengths", "mask"}),
+                _padding_reading(S),
+            )
+        )
+    found += peer_alternatives(options, L=L, S=S, D=D, has_empty=has_empty)
+    found += latent_alternatives(options, D=D, E=E, alternative=Alternative, set_options=_set)
+    return found + sparse_alternatives(options, H=H, L=L, S=S, alternative=Alternative)
+
+
+def _structure_alternatives(options, *, H, K, L, S) -> list[Alternative]:
+    """The other alignment, causal off by one key, window readings, the other GQA layout."""
     found = []
     causal, window = bool(options.get("causal")), options.get("window")
     align = options.get("align") or "top_left"
@@ -158,6 +189,12 @@ def alternatives(options, *, H, K, L, S, D, E, has_empty, has_excluded) -> list[
     if K > 1 and H // K > 1:
         other = "tile" if gqa == "interleave" else "interleave"
         found.append(Alternative(f"gqa={other!r}", frozenset({"gqa"}), _set(gqa=other)))
+    return found
+
+
+def _softcap_and_empty_alternatives(options, *, has_empty, has_excluded) -> list[Alternative]:
+    """Softcap in another place of the score pipeline; other readings of empty rows."""
+    found = []
     if options.get("softcap") is not None:
         if options.get("bias") is not None or options.get("alibi_slopes") is not None:
             found.append(
@@ -188,6 +225,12 @@ def alternatives(options, *, H, K, L, S, D, E, has_empty, has_excluded) -> list[
                 _extra(empty_uniform=True),
             )
         )
+    return found
+
+
+def _polarity_alternatives(options) -> list[Alternative]:
+    """Inverted boolean masks; dropout without its rescale."""
+    found = []
     if options.get("mask") is not None:
         inverted = ~np.asarray(options["mask"], dtype=bool)
         found.append(
@@ -215,6 +258,12 @@ def alternatives(options, *, H, K, L, S, D, E, has_empty, has_excluded) -> list[
                 _set(dropout_mask=inverted),
             )
         )
+    return found
+
+
+def _scale_and_ignored_alternatives(options, *, D, E) -> list[Alternative]:
+    """Another default scale or none; bias, ALiBi or sinks ignored."""
+    found = []
     scale = options.get("scale")
     if scale is None and D != E:
         found.append(
@@ -234,23 +283,7 @@ def alternatives(options, *, H, K, L, S, D, E, has_empty, has_excluded) -> list[
         )
     if options.get("sinks") is not None:
         found.append(Alternative("sinks ignored", frozenset({"sinks"}), _set(sinks=None)))
-    found += [Alternative(lb, ks, _set(**ch)) for lb, ks, ch in sigmoid_alternatives(options)]
-    if (
-        options.get("kv_lengths") is not None
-        and (causal or window is not None)
-        and align == "bottom_right"
-    ):
-        found.append(
-            Alternative(
-                "kv_lengths as a key-padding mask (causal/window aligned to "
-                "the padded S, not to each row's length)",
-                frozenset({"kv_lengths", "mask"}),
-                _padding_reading(S),
-            )
-        )
-    found += peer_alternatives(options, L=L, S=S, D=D, has_empty=has_empty)
-    found += latent_alternatives(options, D=D, E=E, alternative=Alternative, set_options=_set)
-    return found + sparse_alternatives(options, H=H, L=L, S=S, alternative=Alternative)
+    return found
 
 
 def _padding_reading(S):
@@ -295,9 +328,14 @@ def _zero_rows(first):
     return apply
 
 
-def _segments(S, size):
-    """Index of the block of ``size`` keys each key belongs to."""
-    return np.arange(S) // size
+def _blocks(x, size, fill):
+    """``x`` (..., S) padded with ``fill`` to whole blocks of ``size`` keys, as
+    (..., blocks, size): the per-block reductions below are then one vectorised pass (O(S))."""
+    S = x.shape[-1]
+    count = -(-S // size)
+    padded = np.full(x.shape[:-1] + (count * size,), fill, dtype=x.dtype)
+    padded[..., :S] = x
+    return padded.reshape(x.shape[:-1] + (count, size))
 
 
 def _no_rescale(size):
@@ -308,14 +346,9 @@ def _no_rescale(size):
     def rule(w):
         with np.errstate(divide="ignore"):
             logw = np.log(w)
-        blocks = _segments(w.shape[-1], size)
-        running = np.full(w.shape[:-1], -np.inf)
-        factor = np.zeros_like(w)
-        for b in range(int(blocks[-1]) + 1):
-            cols = blocks == b
-            running = np.maximum(running, logw[..., cols].max(axis=-1))
-            with np.errstate(invalid="ignore"):
-                factor[..., cols] = np.exp(-running)[..., None]
+        running = np.maximum.accumulate(_blocks(logw, size, -np.inf).max(axis=-1), axis=-1)
+        with np.errstate(invalid="ignore", over="ignore"):
+            factor = np.repeat(np.exp(-running), size, axis=-1)[..., : w.shape[-1]]
         return w * np.where(np.isfinite(factor), factor, 0) * w.max(axis=-1, keepdims=True)
 
     return rule
@@ -326,14 +359,10 @@ def _split_combine(size):
     split's own max (the ``exp(m_s - m)`` correction missing)."""
 
     def rule(w):
-        blocks = _segments(w.shape[-1], size)
-        out = np.zeros_like(w)
-        for b in range(int(blocks[-1]) + 1):
-            cols = blocks == b
-            top = w[..., cols].max(axis=-1, keepdims=True)
-            out[..., cols] = np.divide(
-                w[..., cols], top, out=np.zeros_like(w[..., cols]), where=top > 0
-            )
+        blocks = _blocks(w, size, 0.0)  # weights are >= 0: padding never is a block's max
+        top = blocks.max(axis=-1, keepdims=True)
+        out = np.divide(blocks, top, out=np.zeros_like(blocks), where=top > 0)
+        out = np.ascontiguousarray(out.reshape(w.shape[:-1] + (-1,))[..., : w.shape[-1]])
         total = out.sum(axis=-1, keepdims=True)
         return np.divide(out, total, out=np.zeros_like(out), where=total > 0)
 
@@ -425,9 +454,10 @@ def _alternative_out(q, k, v, options, extras):
     return out, scale
 
 
-def _kernel_out(q, k, v, options, extras):
-    """Output and scale (float64) of a tiled-kernel alternative."""
-    base, w3, v_h = exact_parts(q, k, v, options)
+def _kernel_out(q, k, v, options, extras, parts=None):
+    """Output and scale (float64) of a tiled-kernel alternative; ``parts`` are
+    :func:`exact_parts` of ``options`` when already computed."""
+    base, w3, v_h = parts or exact_parts(q, k, v, options)
     single = np.ndim(q) == 2
     if "drop_keys" in extras:
         S = w3.shape[-1]
@@ -459,85 +489,248 @@ ALTERNATIVES_WORK_CAP = 2**34
 PAIRS_WORK_CAP = 2**27
 
 
-def diagnose(q, k, v, options, out, *, limit, dtype, max_pairs=True) -> list[str]:
+def diagnose(view, out, *, limit, max_pairs=True) -> list[str]:
     """Labels of the alternatives whose float64 truth ``out`` fits within ``limit``.
+
+    ``view`` is the case (:class:`oracle.reading.case.CaseView`).
 
     ``limit`` is the case's output threshold (scalar or per row, (T2)); the float64 floor of the
     textbook that evaluates the alternatives is added to it. Returns "matches <label>" strings
     (a pair as "matches <a> + <b>"); an empty list when nothing fits.
+
+    The readings are evaluated in order (the named conventions, the likeliest, first; then the
+    kernel models; pairs last, only when no single reading fits) within the case's diagnosis
+    budget (:mod:`oracle.diagnose.budget`): a reading that is not cheap is not started once the
+    budget is spent, and the case's budget record says what was tried. The case's set-up and
+    each reading's errors are kept for the case: the judge's later calls at other limits reuse
+    them.
     """
-    out = np.asarray(out, dtype=np.float64)
-    q3 = q if np.ndim(q) > 2 else np.asarray(q)[None]
-    H, L, D = np.shape(q3)[-3:]
-    K, S, E = np.shape(k)[-3] if np.ndim(k) > 2 else 1, np.shape(k)[-2], np.shape(v)[-1]
-    base = textbook_attention(q, k, v, dtype="float64", **options)
-    allowed = np.broadcast_to(base.allowed, base.weights.shape)
-    has_empty = bool((~allowed.any(axis=-1)).any())
-    has_excluded = bool((~allowed).any())
-    candidates = alternatives(
-        options, H=H, K=K, L=L, S=S, D=D, E=E, has_empty=has_empty, has_excluded=has_excluded
-    ) + kernel_alternatives(L, S)
-    # each alternative is a textbook evaluation of ~rows * S * (D + E) multiply-adds: long rows
-    # get the single alternatives within a budget, pairs only on small cases
-    work = int(np.prod(np.shape(q3)[:-1])) * S * (D + E)
-    if work * len(candidates) > ALTERNATIVES_WORK_CAP:
-        candidates = candidates[: max(ALTERNATIVES_WORK_CAP // max(work, 1), 0)]
-    if work > PAIRS_WORK_CAP:
-        max_pairs = False
-    magnitude = tol.score_magnitude(q, k, **options)
-    f64 = tol.forward_floors(
-        "float64", D=D, S=S, L=L, E=E, G=max(H // K, 1), magnitude=magnitude, allowed=allowed
-    )["out"]
-    limit = np.asarray(limit) + float(np.max(f64))
+    q, k, v, options, dtype = view.q, view.k, view.v, view.options, view.dtype
+    out_arg, out = out, np.asarray(out, dtype=np.float64)
+    spent = budget.current()
+    case = (id(q), id(k), id(v), id(options), id(out_arg))
+    if case not in spent.memo:
+        # the memo keys on identities: keeping the objects alive keeps the identities unique
+        spent.memo[case] = (_CaseSetup(view), (q, k, v, options, out_arg))
+    setup = spent.memo[case][0]
+    limit = np.asarray(limit) + setup.floor64
     if np.ndim(q) == 2 and np.ndim(limit) >= 3:
         limit = limit[..., 0, :, :]
+    reading = _Reading(q, k, v, options, out, setup, dtype)
+    sample = setup.sampled(reading, limit)
+    spent.rows = (setup.sample_rows, setup.rows)
+    on_sample = sample.output(limit) if sample else limit
+
+    def explains(label, index, total, opts, extras):
+        """True/False; "sample" when only the sample was affordable; None when the budget
+        stops before this reading."""
+        error = spent.memo.get((case, label))
+        if error is None:
+            if not spent.allows(setup.sample_work):
+                return None
+            spent.reading(index, total)
+            error = spent.memo[(case, label)] = reading.error(opts, extras, sample)
+        if error is False or not np.all(error <= on_sample) or sample is None:
+            return error is not False and bool(np.all(error <= on_sample))
+        whole = spent.memo.get((case, label, "whole"))
+        if whole is None:  # confirmed on the whole case only when that is cheap
+            if setup.work > budget.CHEAP_WORK and spent.left() < reading.whole_seconds:
+                return "sample"
+            whole = spent.memo[(case, label, "whole")] = reading.error(opts, extras)
+        return whole is not False and bool(np.all(whole <= limit))
+
+    def named(label, fits):
+        shown = f"matches {label}"
+        if fits == "sample":
+            shown += f" (on a sample of {sample.rows.size} of {sample.L} query rows)"
+        return shown
+
     found = []
     with np.errstate(all="ignore"):
-        finite = np.isfinite(_alternative_out(q, k, v, dict(options), {})[0])
-        bias = options.get("bias")
-        poisoned = not all(np.isfinite(np.asarray(a, np.float64)).all() for a in (q, k, v)) or (
-            bias is not None
-            and np.isnan(np.asarray(bias, np.float64)).any()
-            or bias is not None
-            and np.isposinf(np.asarray(bias, np.float64)).any()
-        )
-
-        def explains(opts, extras):
-            alt_out, scale = _alternative_out(q, k, v, opts, extras)
-            # with poisoned inputs, an alternative that is NaN where the truth is finite only
-            # "explains" leaked poison by admitting a poisoned (excluded) position: that is
-            # not a convention
-            if (
-                poisoned
-                and alt_out.shape == finite.shape
-                and (~np.isfinite(alt_out) & finite).any()
-            ):
-                return False
-            return _fits(out, alt_out, scale, limit, dtype)
-
-        for alt in candidates:
-            if explains(*alt.apply(dict(options), {})):
-                found.append(f"matches {alt.label}")
-        if found or not max_pairs:
+        own = dict(options)  # apply() never changes its argument: one dict, one exact_parts
+        applied = [(alt, *alt.apply(own, {})) for alt in setup.candidates]
+        # cheapest first (the list's order, the likeliest first, within a cost); the matches
+        # are reported in the list's order
+        order = sorted(range(len(applied)), key=lambda i: (_cost(own, *applied[i][1:]), i))
+        matched = {}
+        for count, i in enumerate(order, 1):
+            alt, opts, extras = applied[i]
+            fits = explains(alt.label, count, len(order), opts, extras)
+            if fits is None:
+                return [matched[i] for i in sorted(matched)]
+            if fits:
+                matched[i] = named(alt.label, fits)
+        found = [matched[i] for i in sorted(matched)]
+        if found or not (max_pairs and setup.pairs):
             return found
-        for first, second in itertools.combinations(candidates, 2):
-            if first.keys & second.keys:
-                continue
-            if explains(*second.apply(*first.apply(dict(options), {}))):
-                found.append(f"matches {first.label} + {second.label}")
+        pairs = [
+            (a, b) for a, b in itertools.combinations(setup.candidates, 2) if not a.keys & b.keys
+        ]
+        total = len(setup.candidates) + len(pairs)
+        firsts = {}  # each first reading applied once: its options dict is shared
+        for index, (first, second) in enumerate(pairs, len(setup.candidates) + 1):
+            label = f"{first.label} + {second.label}"
+            if first.label not in firsts:
+                firsts[first.label] = first.apply(dict(options), {})
+            fits = explains(label, index, total, *second.apply(*firsts[first.label]))
+            if fits is None:
+                break
+            if fits:
+                found.append(named(label, fits))
     return found
 
 
-def diagnose_lse(q, k, v, options, lse, *, limit, dtype) -> list[str]:
+def _cost(own, opts, extras) -> int:
+    """0: a kernel model reweighting the case's own weights (no new evaluation); 1: one
+    textbook evaluation (another reading of the options); 2: a kernel model dropping keys."""
+    if "drop_keys" in extras:
+        return 2
+    kernel = "reweight" in extras or "zero_rows" in extras
+    return 0 if kernel and opts is own else 1
+
+
+class _CaseSetup:
+    """What every diagnosis of a case needs once: its readings, their cost, the float64
+    floor, where the truth is finite, whether the inputs carry poison, and the sample of
+    query rows the readings are evaluated on (:mod:`oracle.diagnose.sample`)."""
+
+    def __init__(self, view):
+        q, k, v, options = view.q, view.k, view.v, view.options
+        q3 = q if np.ndim(q) > 2 else np.asarray(q)[None]
+        H, L, D = np.shape(q3)[-3:]
+        K, S, E = np.shape(k)[-3] if np.ndim(k) > 2 else 1, np.shape(k)[-2], np.shape(v)[-1]
+        with np.errstate(all="ignore"):
+            base = view.exact64
+            allowed = np.broadcast_to(base.allowed, base.weights.shape)
+            candidates = alternatives(
+                options,
+                H=H,
+                K=K,
+                L=L,
+                S=S,
+                D=D,
+                E=E,
+                has_empty=bool((~allowed.any(axis=-1)).any()),
+                has_excluded=bool((~allowed).any()),
+            ) + kernel_alternatives(L, S)
+            # each alternative is a textbook evaluation of ~rows * S * (D + E) multiply-adds:
+            # long rows get the single alternatives within a budget, pairs only on small cases
+            self.rows = int(np.prod(np.shape(q3)[:-1]))
+            self.work = self.rows * S * (D + E)
+            if self.work * len(candidates) > ALTERNATIVES_WORK_CAP:
+                candidates = candidates[: max(ALTERNATIVES_WORK_CAP // max(self.work, 1), 0)]
+            self.candidates, self.pairs = candidates, self.work <= PAIRS_WORK_CAP
+            magnitude = view.magnitude
+            f64 = tol.forward_floors(
+                "float64",
+                D=D,
+                S=S,
+                L=L,
+                E=E,
+                G=max(H // K, 1),
+                magnitude=magnitude,
+                allowed=allowed,
+            )["out"]
+            self.floor64 = float(np.max(f64))
+            self.finite = np.isfinite(base.out)
+            bias = options.get("bias")
+            self.poisoned = not all(
+                np.isfinite(np.asarray(a, np.float64)).all() for a in (q, k, v)
+            ) or (
+                bias is not None
+                and np.isnan(np.asarray(bias, np.float64)).any()
+                or bias is not None
+                and np.isposinf(np.asarray(bias, np.float64)).any()
+            )
+        self.L, self.S = L, S
+        self.sample_rows, self.sample_work = self.rows, self.work
+        self._view = self._unsampled = object()
+
+    def sampled(self, reading, limit):
+        """The :class:`~oracle.diagnose.sample.RowView` of the failing pattern against the
+        first ``limit`` asked (chosen once), or None when the case is evaluated whole."""
+        if self._view is not self._unsampled:
+            return self._view
+        self._view = None
+        if (
+            self.L <= sample.SAMPLE_ROWS
+            or self.work <= budget.CHEAP_WORK
+            or not sample.can_sample(reading.q, reading.k, reading.v, reading.options)
+        ):
+            return None
+        with np.errstate(all="ignore"):
+            error = reading.error(dict(reading.options), {})
+            if error is False:
+                return None
+            failing = error > np.broadcast_to(limit, error.shape)
+        if not failing.any():
+            return None
+        rows = sample.choose_rows(failing.any(axis=-1), error.max(axis=-1))
+        self._view = sample.RowView(rows, self.L, self.S)
+        self.sample_rows = self.rows // self.L * rows.size
+        self.sample_work = self.work // self.L * rows.size
+        return self._view
+
+
+class _Reading:
+    """Evaluates one alternative reading of a case: its normalised error against ``out``, on
+    the whole case or on a sample of its query rows."""
+
+    def __init__(self, q, k, v, options, out, setup, dtype):
+        self.q, self.k, self.v, self.options, self.out = q, k, v, options, out
+        self.setup, self.dtype = setup, dtype
+        self.whole_seconds = 0.0  # the last sampled evaluation's time, scaled to the whole
+        self._parts = {}
+
+    def _parts_of(self, q, opts):
+        """:func:`exact_parts` of ``opts`` computed once per options dict (the kernel models
+        only reweight them; a pair's first reading gives every second one the same dict)."""
+        kept = self._parts.get(id(opts))
+        if kept is None:  # the dict is kept with its parts: its identity stays unique
+            kept = self._parts[id(opts)] = (opts, exact_parts(q, self.k, self.v, opts))
+        return kept[1]
+
+    def error(self, opts, extras, view=None):
+        """Normalised errors (out's shape, or the sample's), or False when the reading cannot
+        explain ``out``."""
+        q, out, finite = self.q, self.out, self.setup.finite
+        start = time.perf_counter()
+        if view is not None:
+            opts, extras = view.reading(opts, extras)
+            q, out, finite = view.q(q), view.output(out), view.output(finite)
+        if "reweight" in extras or "zero_rows" in extras or "drop_keys" in extras:
+            parts = self._parts_of(q, opts)
+            alt_out, scale = _kernel_out(q, self.k, self.v, opts, extras, parts)
+        else:
+            alt_out, scale = _alternative_out(q, self.k, self.v, opts, extras)
+        if view is not None:
+            self.whole_seconds = (time.perf_counter() - start) * view.L / view.rows.size
+        # with poisoned inputs, an alternative that is NaN where the truth is finite only
+        # "explains" leaked poison by admitting a poisoned (excluded) position: that is
+        # not a convention
+        if (
+            self.setup.poisoned
+            and alt_out.shape == finite.shape
+            and (~np.isfinite(alt_out) & finite).any()
+        ):
+            return False
+        if out.shape != alt_out.shape:
+            return False
+        return tol.normalised_error(out, alt_out, scale, self.dtype)
+
+
+def diagnose_lse(view, lse, *, limit) -> list[str]:
     """Labels explaining a failing lse: log2 units, the row max left out (log of the shifted
     normaliser), or one of the named alternatives (scale, bias, ALiBi, masks...) evaluated
-    for lse. ``limit`` is the lse threshold (normalised by the lse scale, (T2))."""
+    for lse. ``view`` is the case (:class:`oracle.reading.case.CaseView`), ``limit`` the lse
+    threshold (normalised by the lse scale, (T2))."""
+    q, k, v, options, dtype = view.q, view.k, view.v, view.options, view.dtype
     lse = np.asarray(lse, dtype=np.float64)
-    base = textbook_attention(q, k, v, dtype="float64", **options)
+    base = view.exact64
     truth = np.asarray(base.lse, dtype=np.float64)
     if lse.shape != truth.shape:
         return []
-    magnitude = tol.score_magnitude(q, k, **options)
+    magnitude = view.magnitude
     scale = tol.lse_scale(truth, base.weights, magnitude[0] if np.ndim(q) == 2 else magnitude)
     limit = np.asarray(limit) + tol.unit_roundoff("float64") * 64
     found = []
@@ -562,6 +755,8 @@ def diagnose_lse(q, k, v, options, lse, *, limit, dtype) -> list[str]:
         H, L, D = (np.shape(q) if np.ndim(q) > 2 else (1,) + np.shape(q))[-3:]
         K = np.shape(k)[-3] if np.ndim(k) > 2 else 1
         allowed = np.broadcast_to(base.allowed, base.weights.shape)
+        spent = budget.current()
+        work = int(np.prod(base.weights.shape[:-1])) * np.shape(k)[-2] * (D + np.shape(v)[-1])
         for alt in alternatives(
             options,
             H=H,
@@ -576,6 +771,8 @@ def diagnose_lse(q, k, v, options, lse, *, limit, dtype) -> list[str]:
             opts, extras = alt.apply(dict(options), {})
             if extras:
                 continue
+            if not spent.allows(work):  # the case's diagnosis budget (oracle.diagnose.budget)
+                break
             model = textbook_attention(q, k, v, dtype="float64", **opts).lse
             if _fits(lse, np.asarray(model, dtype=np.float64), scale, limit, dtype):
                 found.append(f"lse matches {alt.label}")
@@ -586,7 +783,7 @@ def diagnose_lse(q, k, v, options, lse, *, limit, dtype) -> list[str]:
 CONCENTRATION = 0.9
 
 
-def concentration(q, k, v, options, errors, limit, *, tiles=TILE_SIZES) -> list[str]:
+def concentration(view, errors, limit, *, tiles=TILE_SIZES) -> list[str]:
     """Where the failing rows of an output concentrate, when no modelled alternative fits.
 
     Two patterns of tiled kernels are named, each only when at least :data:`CONCENTRATION` of
@@ -598,8 +795,8 @@ def concentration(q, k, v, options, errors, limit, *, tiles=TILE_SIZES) -> list[
       lies past the first tile of ``T`` keys, where an online softmax rescales its running
       sums (a missing or wrong rescale shows on exactly those rows).
 
-    ``errors`` and ``limit`` have the output's shape (..., H, L, E). Returns notes (possibly
-    none).
+    ``view`` is the case (:class:`oracle.reading.case.CaseView`); ``errors`` and ``limit``
+    have the output's shape (..., H, L, E). Returns notes (possibly none).
     """
     bad = np.asarray(errors > limit)
     if bad.ndim < 2 or not bad.any():
@@ -617,7 +814,7 @@ def concentration(q, k, v, options, errors, limit, *, tiles=TILE_SIZES) -> list[
             )
             break
     with np.errstate(all="ignore"):
-        base = textbook_attention(q, k, v, dtype="float64", **options)
+        base = view.exact64
         allowed = np.broadcast_to(base.allowed, base.weights.shape)
         logw = np.where(allowed, np.log(base.weights), -np.inf)
     if logw.shape[:-1] != rows.shape:

@@ -32,6 +32,7 @@ import numpy as np
 
 from oracle.judging import tolerance as tol
 from oracle.reading.baseline import textbook_attention
+from oracle.reading.heads import dequantised
 
 __all__ = ["fp4_alternatives", "diagnose_fp4"]
 
@@ -150,8 +151,6 @@ def diagnose_fp4(inputs, options, out, *, limit, dtype) -> list[str]:
 def _descaled(q, k, v, options, names, keep):
     """The values times their descale (per batch row and kv head; q per its kv head), or
     without it; the options without descales."""
-    from oracle.reading.heads import dequantised
-
     arrays = {"q": q, "k": k, "v": v}
     heads = np.shape(q)[-3]
     gqa = options.get("gqa") or "interleave"

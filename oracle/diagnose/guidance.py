@@ -24,6 +24,9 @@ its keywords look like FlashAttention's flash_attn_func: try --signature flash_a
 from __future__ import annotations
 
 import inspect
+import re
+
+from oracle.judging.refused import REFUSED
 
 __all__ = ["ConventionError", "FIRST_CASES", "hint", "check_first_cases"]
 
@@ -151,8 +154,6 @@ def _shape_note(result) -> str:
     """ "fail: transposed" when a wrong output shape is the layout's transposition."""
     message = result.message or ""
     if "has shape" in message:
-        import re
-
         shapes = re.findall(r"\(([\d, ]+)\)", message)
         if len(shapes) >= 2:
             got, want = (tuple(int(x) for x in s.split(",") if x.strip()) for s in shapes[:2])
@@ -163,8 +164,6 @@ def _shape_note(result) -> str:
 
 def _said_no(message) -> bool:
     """A refused keyword or a refusal (:mod:`oracle.judging.refused`; it may name a convention)."""
-    from oracle.judging.refused import REFUSED
-
     return "does not accept" in (message or "") or (message or "").startswith(REFUSED)
 
 

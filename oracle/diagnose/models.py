@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes  # noqa: F401 - registers bfloat16 with NumPy
 import numpy as np
 
 from oracle.judging import tolerance as tol
 from oracle.reading.baseline import textbook_attention
+from oracle.reading.heads import with_heads
+from refattn.broadcast import expand_kv
 
 __all__ = ["error_models", "narrow_accumulation", "ORDER_ONE"]
 
@@ -45,8 +48,6 @@ def cast_to(x, dtype):
         rounded = ((bits + half) >> np.uint64(13)) << np.uint64(13)
         out = rounded.astype(np.uint32).view(np.float32).astype(np.float64)
         return np.where(np.isfinite(x), out, x)
-    import ml_dtypes  # noqa: F401 - registers bfloat16 with NumPy
-
     name = "bfloat16" if dtype == "bfloat16" else dtype
     with np.errstate(over="ignore"):
         return x.astype(np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else name).astype(
@@ -55,23 +56,20 @@ def cast_to(x, dtype):
 
 
 def _narrow_dtype(name):
-    import ml_dtypes
-
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
-def exact_parts(q, k, v, options, allowed=None):
+def exact_parts(q, k, v, options, allowed=None, base=None):
     """float64 textbook, weights (post-dropout, with a head axis), v expanded to the query
-    heads; ``allowed`` overrides the allowed set."""
-    base = textbook_attention(q, k, v, dtype="float64", allowed=allowed, **options)
+    heads; ``allowed`` overrides the allowed set; ``base``: the float64 textbook already
+    evaluated (:attr:`oracle.reading.case.CaseView.exact64`)."""
+    if base is None:
+        base = textbook_attention(q, k, v, dtype="float64", allowed=allowed, **options)
     w = np.where(np.isfinite(base.weights), base.weights, 0.0)
     if options.get("dropout_mask") is not None:
         keep = np.asarray(options["dropout_mask"], dtype=bool)
         w = np.where(keep, w, 0) / (1 - (options.get("dropout_p") or 0.0))
     w3 = w[None] if np.ndim(q) == 2 else w
-    from oracle.reading.heads import with_heads
-    from refattn.broadcast import expand_kv
-
     v_h = expand_kv(
         with_heads(np.asarray(v, dtype=np.float64), "v"),
         w3.shape[-3],
@@ -99,15 +97,18 @@ def _flash_model(w3, v_h, p_dtype, sums="float32"):
     return pv * np.where(top > 0, top, 0)
 
 
-def narrow_accumulation(q, k, v, options, out, truth, scale, dtype, *, k_factor=2.0):
+def narrow_accumulation(view, out, truth, scale, *, k_factor=2.0):
     """A label when ``out``'s errors are of the size of ``P @ V`` summed key by key in
-    float16 or bfloat16 (the closest in its largest normalised error), else None."""
+    float16 or bfloat16 (the closest in its largest normalised error), else None.
+
+    ``view`` is the case (:class:`oracle.reading.case.CaseView`)."""
+    q, k, v, options, dtype = view.q, view.k, view.v, view.options, view.dtype
     err = float(np.max(tol.normalised_error(out, truth, scale, dtype)))
     if not math.isfinite(err):
         return None
     fits = []
     with np.errstate(all="ignore"):
-        _, w3, v_h = exact_parts(q, k, v, options)
+        _, w3, v_h = exact_parts(q, k, v, options, base=view.exact64)
         if w3.size * v_h.shape[-1] > MODEL_SIZE_CAP:
             return None
         for half in _HALVES:
@@ -127,7 +128,7 @@ def narrow_accumulation(q, k, v, options, out, truth, scale, dtype, *, k_factor=
     )
 
 
-def error_models(q, k, v, options, dtype, *, rounded=None) -> dict:
+def error_models(view, *, rounded=None) -> dict:
     """Outputs (float64, shaped like out) of the error models a grade compares against.
 
     By case dtype: the textbook in the dtype (float32 sums, stages stored in the dtype);
@@ -137,16 +138,17 @@ def error_models(q, k, v, options, dtype, *, rounded=None) -> dict:
     and "correctly rounded" (the truth rounded once, ``rounded``). Score rounding is not
     modelled where the label does not say so (the models isolate one effect each).
     """
+    q, k, v, options, dtype = view.q, view.k, view.v, view.options, view.dtype
     dtype = str(np.dtype(dtype)) if dtype != "bfloat16" else dtype
     models = {}
     single = np.ndim(q) == 2
     with np.errstate(all="ignore"):
-        base, w3, v_h = exact_parts(q, k, v, options)
+        base, w3, v_h = exact_parts(q, k, v, options, base=view.exact64)
 
         def shaped(x):
             return x[0] if single else x
 
-        text = textbook_attention(q, k, v, dtype=dtype, **options).out
+        text = view.textbook(dtype).out
         models[
             f"float32 sums, scores and weights stored in {dtype} (textbook)"
             if dtype in _HALVES

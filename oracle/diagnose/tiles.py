@@ -30,6 +30,7 @@ import re
 import numpy as np
 
 from oracle.diagnose.alternative import Alternative
+from oracle.diagnose.models import cast_to
 
 __all__ = ["tile_alternatives", "tile_tracking", "case_lengths", "storage_dtype"]
 
@@ -106,8 +107,6 @@ def storage_dtype(values, dtype) -> str:
     >>> storage_dtype(np.array([1 + 2**-20]), "bfloat16")
     'float32'
     """
-    from oracle.diagnose.models import cast_to
-
     values = np.asarray(values, dtype=np.float64)
     finite = values[np.isfinite(values)]
     for name in dict.fromkeys((str(dtype), "float32")):

@@ -38,6 +38,7 @@ from oracle.export._driver import NO_TRUTH, Format, has_empty_row, publish
 from oracle.export.safetensors_format import read_safetensors, safetensors_bytes
 from oracle.fixtures import atomic as _atomic
 from oracle.fixtures import golden
+from refattn.spec import canonicalize
 
 __all__ = ["FORMAT", "OP_TYPE", "workload_plan", "read_workload"]
 
@@ -171,8 +172,6 @@ def workload_plan(fixture: golden.Fixture) -> dict:
     """The definition, workload tensors and exact outputs of a case (or ``{"skipped": why}``)."""
     reason = _why_not(fixture)
     if reason is None and fixture.case.options.get("empty_rows", "zero") == "nan":
-        from refattn.spec import canonicalize
-
         spec = canonicalize(
             fixture.inputs["q"], fixture.inputs["k"], fixture.inputs["v"], **fixture.options
         )

@@ -40,6 +40,7 @@ class Outcome:
 
 
 def _load(folder: Path):
+    # optional package (onnx extra)
     import onnx
     from onnx import numpy_helper
 
@@ -57,9 +58,11 @@ def _run(model, inputs, runtime: str):
     names = [i.name for i in model.graph.input]
     feeds = dict(zip(names, inputs, strict=True))
     if runtime == "reference":
+        # optional package (onnx extra)
         from onnx.reference import ReferenceEvaluator
 
         return ReferenceEvaluator(model).run(None, feeds)[0]
+    # optional package (onnx extra)
     import onnxruntime
 
     session = onnxruntime.InferenceSession(
@@ -79,6 +82,7 @@ def _ulps(actual: np.ndarray, expected: np.ndarray) -> float:
 
 def run_folder(folder, runtime: str) -> Outcome:
     """Run one exported backend-test folder on ``runtime`` ("onnxruntime" or "reference")."""
+    # optional package (onnx extra)
     from onnx.backend.test.runner import Runner
 
     folder = Path(folder)
@@ -116,6 +120,7 @@ def run_export_folder(out, runtimes=RUNTIMES) -> list[Outcome]:
     (``onnx.backend.test.loader.load_model_tests(data_dir, kind)`` with ``kind`` the export
     directory's name), which also supplies each test's ``rtol``/``atol``.
     """
+    # optional package (onnx extra)
     from onnx.backend.test.loader import load_model_tests
 
     out = Path(out).resolve()

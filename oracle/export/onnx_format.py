@@ -43,6 +43,7 @@ from onnx import TensorProto, helper, numpy_helper
 from oracle.export._driver import NO_TRUTH, Format, has_empty_row, publish
 from oracle.fixtures import atomic as _atomic
 from oracle.fixtures import golden
+from refattn.spec import canonicalize
 
 __all__ = ["FORMAT", "node_plan", "OPSET_WITHOUT_LENGTHS", "OPSET_WITH_LENGTHS"]
 
@@ -109,8 +110,6 @@ def _why_not(fixture: golden.Fixture) -> str | None:
 
 
 def _canonical(fixture: golden.Fixture):
-    from refattn.spec import canonicalize
-
     return canonicalize(
         fixture.inputs["q"], fixture.inputs["k"], fixture.inputs["v"], **fixture.options
     )

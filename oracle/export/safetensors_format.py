@@ -182,6 +182,7 @@ def _files(path: Path, names: Iterable[str] | None) -> list[Path]:
 
 def _torch_tensors(path: Path, device) -> dict:
     try:
+        # optional packages (export and torch extras)
         from safetensors.torch import load_file
     except ImportError:
         raise ExportError(
@@ -217,7 +218,8 @@ def load_safetensors(
     Examples
     --------
     >>> import tempfile, oracle
-    >>> from oracle import catalogue, golden
+    >>> from oracle import catalogue
+    >>> from oracle.fixtures import golden
     >>> fixtures = golden.generate("smoke", tempfile.mkdtemp(), progress=False,
     ...                            cases=[catalogue.get("basic-H2K2-L5S7-D8E8-bf16")])
     >>> out = oracle.export("safetensors", fixtures, tempfile.mkdtemp(), progress=False)

@@ -14,9 +14,14 @@ Attention: ``impl(q, k, v, **options)`` with NumPy arrays of the case dtype
 (``ml_dtypes.bfloat16`` for bfloat16) and :func:`refattn.attention`'s keyword names. The
 oracle first adds ``return_lse=True``; an implementation that rejects that keyword (TypeError
 naming it) or raises NotImplementedError for it is called again without it and its lse is not
-checked. It returns ``out`` or ``(out, lse)``. Gradients (``grads=True``, cases that carry
-them) come from ``impl.vjp(q, k, v, grad_out, [grad_lse=...,] **options) -> (dq, dk, dv[,
-dbias[, dsinks]])`` (dsinks (H,) for cases with sinks). float8 inputs (fp8 cases) are passed
+checked. A TypeError naming ``return_lse`` (the signature has no such keyword) is remembered:
+for the rest of the process that implementation is called once per case, without it. A
+NotImplementedError may depend on the case (lse refused with some option only), so it costs
+the second call on every case that raises it (the signature presets of
+:mod:`oracle.conventions.signatures` raise it before the implementation runs). It returns
+``out`` or ``(out, lse)``. Gradients (``grads=True``, cases that carry them) come from
+``impl.vjp(q, k, v, grad_out, [grad_lse=...,] **options) -> (dq, dk, dv[, dbias[,
+dsinks]])`` (dsinks (H,) for cases with sinks). float8 inputs (fp8 cases) are passed
 as stored, with their ``q_descale``/``k_descale``/``v_descale``; the output is judged in the
 case dtype (bfloat16). Variants: ``impl(**inputs, **options)`` with the refattn function's
 parameter names (see :mod:`oracle.catalogue.variants`); their gradients (``grads=True`` on a
@@ -47,34 +52,40 @@ Examples
 
 from __future__ import annotations
 
+import copy
 import math
+import sys
 import time
+import weakref
 
 import numpy as np
 
 from oracle.catalogue.variants import FUNCTIONS, forward_inputs, grad_names, outputs_of
 from oracle.diagnose import diagnosis as _diagnose
+from oracle.diagnose.budget import case_budget
 from oracle.diagnose.fp4 import diagnose_fp4
+from oracle.diagnose.key_map import key_map
+from oracle.diagnose.merge import diagnose_merge
 from oracle.diagnose.models import ORDER_ONE
+from oracle.diagnose.rows import mark_empty_row, within_one_ulp
 from oracle.diagnose.tiles import storage_dtype
+from oracle.judging import parts
 from oracle.judging import tolerance as tol
+from oracle.judging.empty_rows import read_case
+from oracle.judging.linear import check_linear, is_linear
 from oracle.judging.must_refuse import check_refusal, is_refusal
 from oracle.judging.passing import passed_options
+from oracle.judging.refused import refusing
 from oracle.judging.results import CaseResult, Check, Worst, grade_of
 from oracle.judging.variant_scales import condition, grad_floor_terms, grad_scale, natural_scale
 from oracle.reading.baseline import (
-    dequantised_inputs,
     storage_accumulation_attention,
-    textbook_attention,
-    textbook_attention_vjp,
     variant_baseline,
     variant_vjp_baseline,
 )
-from oracle.report.summary import key_map
+from oracle.reading.case import read_case as view_of
 
 __all__ = ["check_fixture", "run_guarded", "call_forward", "passed_options"]
-
-_GRADS = ("dq", "dk", "dv", "dbias", "dsinks", "dqv")
 
 
 def call_forward(impl, q, k, v, options):
@@ -84,21 +95,44 @@ def call_forward(impl, q, k, v, options):
     A TypeError refusing one of the options is a NotImplementedError ("unsupported"), and so
     is an exception that reads as the implementation's refusal of the case
     (:func:`oracle.judging.refused.as_refusal`)."""
-    from oracle.judging.refused import refusing
-
     with refusing():
         return _call_forward(impl, q, k, v, options)
 
 
+#: implementations whose signature refuses ``return_lse`` (a TypeError naming it): for the
+#: rest of the process they are called once per case, without it
+_NO_LSE_KEYWORD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _refuses_lse_keyword(impl) -> bool:
+    try:
+        return impl in _NO_LSE_KEYWORD
+    except TypeError:  # not weakly referenceable: asked again each case
+        return False
+
+
+def _remember_no_lse_keyword(impl, err) -> None:
+    if isinstance(err, TypeError) and "'return_lse'" in str(err):
+        try:
+            _NO_LSE_KEYWORD[impl] = True
+        except TypeError:
+            pass
+
+
 def _call_forward(impl, q, k, v, options):
     copies = passed_options(options, impl)
-    # a sigmoid case has no log-sum-exp to ask for (normalizer="sigmoid" refuses return_lse)
-    ask_lse = {} if options.get("normalizer") == "sigmoid" else {"return_lse": True}
+    # a sigmoid case has no log-sum-exp to ask for (normalizer="sigmoid" refuses return_lse);
+    # an implementation that took no return_lse keyword is not offered it again
+    no_lse = options.get("normalizer") == "sigmoid" or _refuses_lse_keyword(impl)
+    ask_lse = {} if no_lse else {"return_lse": True}
     try:
         result = impl(np.copy(q), np.copy(k), np.copy(v), **copies, **ask_lse)
     except (TypeError, NotImplementedError) as err:
         if "return_lse" not in str(err) and "lse" not in str(err):
             raise _unsupported_keyword(err, copies) from err
+        if not ask_lse:  # the lse was not asked for: the refusal is of something else
+            raise _unsupported_keyword(err, copies) from err
+        _remember_no_lse_keyword(impl, err)
         try:
             result = impl(np.copy(q), np.copy(k), np.copy(v), **copies)
         except TypeError as again:
@@ -153,6 +187,7 @@ def _truth_rounded(fixture, name):
 
 
 def _judge(quantity, value, truth, scale, threshold, dtype, rounded=None, own=None) -> Check:
+    threshold = tol.with_ulp_rule(threshold, truth, scale, dtype)  # no element unjudged (T8)
     errors = tol.normalised_error(value, truth, scale, dtype)
     limit = np.broadcast_to(np.asarray(threshold.value, dtype=np.float64), errors.shape)
     over = errors > limit
@@ -205,189 +240,58 @@ def _truth(fixture, name):
     return None
 
 
-class _Context:
-    """Float64 weights, magnitudes and floors of one fixture (shared by every check)."""
-
-    def __init__(self, fixture, tier="default", grade=True):
-        self.tier = tol.check_tier(tier)
-        self.grade = grade
-        inputs, options = fixture.inputs, fixture.options
-        self.q, self.k, self.v = inputs["q"], inputs["k"], inputs["v"]
-        self.options = {n: x for n, x in options.items() if n != "return_lse"}
-        # float8 inputs: every scale, floor and baseline is of the dequantised values
-        self.q, self.k, self.v, self.options = dequantised_inputs(
-            self.q, self.k, self.v, self.options
-        )
-        self.dtype = fixture.case.dtype
-        self.exact64 = textbook_attention(self.q, self.k, self.v, dtype="float64", **self.options)
-        weights = self.exact64.weights
-        self.dropped = weights
-        if self.options.get("dropout_mask") is not None:
-            keep = np.asarray(self.options["dropout_mask"], dtype=bool)
-            self.dropped = np.where(keep, weights, 0) / (1 - (self.options.get("dropout_p") or 0.0))
-        self.magnitude = tol.score_magnitude(self.q, self.k, **self.options)
-        q3 = self.q if np.ndim(self.q) > 2 else np.asarray(self.q)[None]
-        H, L, D = q3.shape[-3:]
-        k3 = self.k if np.ndim(self.k) > 2 else np.asarray(self.k)[None]
-        K, S = k3.shape[-3], k3.shape[-2]
-        self.sizes = dict(D=D, S=S, L=L, E=np.shape(self.v)[-1], G=max(H // K, 1))
-        self.single = np.ndim(self.q) == 2
-        self.forward = self.lse_parts = None  # out's and lse's fixture-only judging parts
-
-    def floors(self, count):
-        n_stored = (
-            1
-            + (self.options.get("softcap") is not None)
-            + (self.options.get("bias") is not None or self.options.get("alibi_slopes") is not None)
-        )
-        allowed = (
-            np.broadcast_to(self.exact64.allowed, self.exact64.weights.shape)
-            if not self.single
-            else np.broadcast_to(self.exact64.allowed, self.magnitude.shape)
-        )
-        floors = tol.forward_floors(
-            self.dtype,
-            **self.sizes,
-            magnitude=self.magnitude,
-            allowed=allowed,
-            n_stored=int(n_stored),
-            dropout=self.options.get("dropout_mask") is not None,
-            count=count,
-        )
-        if self.single:
-            floors["out"], floors["lse"] = floors["out"][0], floors["lse"][0]
-        return floors
-
-    def _element_args(self, count):
-        def heads(x):
-            return x[None] if self.single else x
-
-        n_stored = (
-            1
-            + (self.options.get("softcap") is not None)
-            + (self.options.get("bias") is not None or self.options.get("alibi_slopes") is not None)
-        )
-        return dict(
-            weights=heads(self.exact64.weights),
-            magnitude=self.magnitude,
-            dots=tol.scaled_dots(self.q, self.k, **self.options),
-            D=self.sizes["D"],
-            S=self.sizes["S"],
-            n_stored=int(n_stored),
-            softcap=self.options.get("softcap") is not None,
-            count=count,
-        ), heads
-
-    def output_floor(self, truth, count, tier="default"):
-        """Element-wise floor (T6) of the output (the model (T7) in the tight tier)."""
-        args, heads = self._element_args(count)
-        rule = tol.output_expected if tier == "tight" else tol.output_floor
-        floor = rule(
-            self.dtype,
-            **args,
-            dropped=heads(self.dropped),
-            v=self.v,
-            out=heads(truth),
-            gqa=self.options.get("gqa"),
-            dropout=self.options.get("dropout_mask") is not None,
-        )
-        return floor[0] if self.single else floor
-
-    def expected(self, key, dtype, truth, count):
-        """The tight-tier model (T7) of ``key`` ("out" or "lse") evaluated at ``dtype``."""
-        args, heads = self._element_args(count)
-        if key == "out":
-            value = tol.output_expected(
-                dtype,
-                **args,
-                dropped=heads(self.dropped),
-                v=self.v,
-                out=heads(truth),
-                gqa=self.options.get("gqa"),
-                dropout=self.options.get("dropout_mask") is not None,
-            )
-        else:
-            value = tol.lse_expected(dtype, **args, lse=heads(truth))
-        return value[0] if self.single else value
-
-    def lse_floor(self, truth, count, tier="default"):
-        """Element-wise floor (T6) of lse (the model (T7) in the tight tier)."""
-        args, heads = self._element_args(count)
-        rule = tol.lse_expected if tier == "tight" else tol.lse_floor
-        floor = rule(self.dtype, **args, lse=heads(truth))
-        return floor[0] if self.single else floor
-
-
-def _forward_threshold(ctx, base_err, floor):
-    if ctx.tier == "tight":
-        return tol.Threshold(tol.K_FORWARD, None, floor, tol.unit_roundoff(ctx.dtype), "tight")
-    return tol.threshold(base_err, floor, ctx.dtype, k=tol.K_FORWARD)
-
-
-def _check_forward(ctx, fixture, out, lse, checks):
+def _check_forward(view, fixture, tier, out, lse, checks, grade=True):
+    """Judge out (and lse) in ``tier`` with the fixture's judging parts
+    (:func:`oracle.judging.parts.forward_part`, computed once per fixture and tier)."""
     truth_out = _truth(fixture, "out")
     out, problem = _shape_check("out", out, truth_out)
     if problem:
         return problem
-    if ctx.forward is None:
-        base = textbook_attention(ctx.q, ctx.k, ctx.v, dtype=ctx.dtype, **ctx.options)
-        scale = tol.output_scale(ctx.dropped, ctx.v, gqa=ctx.options.get("gqa"))
-        scale = scale[0] if ctx.single else scale
-        err = _finite_part(tol.normalised_error(base.out, truth_out, scale, ctx.dtype), truth_out)
-        floor = ctx.output_floor(truth_out, truth_out.size, ctx.tier)
-        ctx.forward = base, scale, _forward_threshold(ctx, err, floor)
-    base, scale, threshold = ctx.forward
-    checks["out"] = _judge(
-        "out", out, truth_out, scale, threshold, ctx.dtype, rounded=_truth_rounded(fixture, "out")
-    )
-    if ctx.grade:
-        checks["out"].grade.models = {
-            label: float(
-                np.sum(
-                    _finite_part(
-                        tol.normalised_error(model, truth_out, scale, ctx.dtype), truth_out
-                    )
-                    ** 2
-                )
-            )
-            for label, model in _diagnose.error_models(
-                ctx.q, ctx.k, ctx.v, ctx.options, ctx.dtype, rounded=_truth_rounded(fixture, "out")
-            ).items()
-        }
     truth_lse = _truth(fixture, "lse")
+    part = parts.judging_part(
+        fixture,
+        view.key,
+        tier,
+        lambda: parts.forward_part(view, truth_out, truth_lse, tier),
+        parts.forward_valid(truth_out, truth_lse),
+    )
+    scale = part["out/scale"]
+    threshold = parts.forward_threshold(tier, view.dtype, part["out/base"], part["out/floor"])
+    rounded = _truth_rounded(fixture, "out")
+    checks["out"] = _judge("out", out, truth_out, scale, threshold, view.dtype, rounded=rounded)
+    reading = view.options.get("empty_rows") or "zero"
+    mark_empty_row(checks["out"], view.exact64.allowed, view.options, reading)
+    if grade:
+        models = parts.judging_part(
+            fixture,
+            view.key,
+            "models",
+            lambda: parts.models_part(view, truth_out, scale, rounded),
+            lambda found: isinstance(found.get("models"), dict),
+        )
+        checks["out"].grade.models = dict(models["models"])
     if lse is not None and truth_lse is not None:
         lse, problem = _shape_check("lse", lse, truth_lse)
         if problem:
             return problem
-        if ctx.lse_parts is None:
-            magnitude = ctx.magnitude[0] if ctx.single else ctx.magnitude
-            lscale = tol.lse_scale(truth_lse, ctx.exact64.weights, magnitude)
-            err = tol.normalised_error(base.lse, truth_lse, lscale, ctx.dtype)
-            floor = ctx.lse_floor(truth_lse, truth_lse.size, ctx.tier)
-            threshold = _forward_threshold(ctx, _finite_part(err, truth_lse), floor)
-            ctx.lse_parts = lscale, threshold
-        lscale, threshold = ctx.lse_parts
+        threshold = parts.forward_threshold(tier, view.dtype, part["lse/base"], part["lse/floor"])
         checks["lse"] = _judge(
             "lse",
             lse,
             truth_lse,
-            lscale,
+            part["lse/scale"],
             threshold,
-            ctx.dtype,
+            view.dtype,
             rounded=_truth_rounded(fixture, "lse"),
-            own=storage_dtype(lse, ctx.dtype),
+            own=storage_dtype(lse, view.dtype),
         )
+        mark_empty_row(checks["lse"], view.exact64.allowed, view.options, reading)
     return None
 
 
-def _finite_part(errors, truth):
-    """Baseline errors where the truth is finite (a NaN truth says nothing about accuracy)."""
-    return np.where(np.isfinite(truth), errors, 0.0)
-
-
-def _check_grads(ctx, fixture, impl, checks):
+def _call_vjp(impl, fixture):
     inputs = fixture.inputs
-    grad_out, grad_lse = inputs.get("grad_out"), inputs.get("grad_lse")
+    grad_lse = inputs.get("grad_lse")
     extra = {} if grad_lse is None else {"grad_lse": np.copy(grad_lse)}
     options = passed_options(
         {n: x for n, x in fixture.options.items() if n != "return_lse"}, impl.vjp
@@ -396,81 +300,129 @@ def _check_grads(ctx, fixture, impl, checks):
         np.copy(inputs["q"]),
         np.copy(inputs["k"]),
         np.copy(inputs["v"]),
-        np.copy(grad_out),
+        np.copy(inputs["grad_out"]),
         **extra,
         **options,
     )
-    result = tuple(result)
-    scales = tol.grad_scales(
-        ctx.q,
-        ctx.k,
-        ctx.v,
-        grad_out,
-        ctx.exact64.weights,
-        ctx.dropped,
-        grad_lse=grad_lse,
-        sink_weights=ctx.exact64.sink_weights,
-        **ctx.options,
+    return tuple(result)
+
+
+def _grads_valid(truths):
+    def valid(found) -> bool:
+        for name, truth in truths.items():
+            np.broadcast_shapes(found[f"{name}/scale"].shape, truth.shape)
+            if found[f"{name}/base"].shape != truth.shape:
+                return False
+        return found["floor"].shape == () and found["count"].shape == ()
+
+    return valid
+
+
+def _check_grads(view, fixture, result, checks):
+    """Judge the gradients ``result`` of the implementation's vjp with the fixture's
+    gradient parts (:func:`oracle.judging.parts.grads_part`)."""
+    inputs = fixture.inputs
+    count = sum(np.size(r) for r in result if r is not None)
+    truths = {n: t for n in parts.GRADS if (t := _truth(fixture, n)) is not None}
+    part = parts.judging_part(
+        fixture,
+        view.key,
+        "grads",
+        lambda: parts.grads_part(view, inputs["grad_out"], inputs.get("grad_lse"), truths, count),
+        _grads_valid(truths),
     )
-    base = textbook_attention_vjp(
-        ctx.q, ctx.k, ctx.v, grad_out, grad_lse=grad_lse, dtype=ctx.dtype, **ctx.options
-    )
-    floor = ctx.floors(sum(np.size(r) for r in result if r is not None))["grad"]
-    if _truth(fixture, "dsinks") is not None and (len(result) < 5 or result[4] is None):
+    floor = part["floor"] if int(part["count"]) == count else parts.floors(view, count)["grad"]
+    if "dsinks" in truths and (len(result) < 5 or result[4] is None):
         raise NotImplementedError(
             "dsinks: the implementation's vjp returns no gradient of the sinks (a fifth value)"
         )
-    if _truth(fixture, "dqv") is not None and (len(result) < 6 or result[5] is None):
+    if "dqv" in truths and (len(result) < 6 or result[5] is None):
         raise NotImplementedError("qv: the implementation's vjp returns no dqv (a sixth value)")
-    for position, name in enumerate(_GRADS):
-        truth = _truth(fixture, name)
+    for position, name in enumerate(parts.GRADS):
+        truth = truths.get(name)
         if truth is None or position >= len(result) or result[position] is None:
             continue
         value, problem = _shape_check(name, _as_float64(result[position], name), truth)
         if problem:
             return problem
-        base_err = _finite_part(
-            tol.normalised_error(base[position], truth, scales[name], ctx.dtype), truth
-        )
-        threshold = tol.threshold(base_err, floor, ctx.dtype, k=tol.K_BACKWARD)
-        checks[name] = _judge(name, value, truth, scales[name], threshold, ctx.dtype)
+        threshold = tol.threshold(part[f"{name}/base"], floor, view.dtype, k=tol.K_BACKWARD)
+        checks[name] = _judge(name, value, truth, part[f"{name}/scale"], threshold, view.dtype)
     return None
 
 
 def check_fixture(
-    impl, fixture, *, grads=False, diagnose=True, reproduce="", tolerance="default"
+    impl, fixture, *, grads=False, diagnose=True, reproduce="", tolerance="default", grade=True
 ) -> CaseResult:
     """Run ``impl`` on one fixture and judge it (see the module docstring for verdicts).
 
-    ``tolerance``: "default" (T2) or "tight" (T7 for out and lse; gradients and variants
-    keep T2), see :mod:`oracle.judging.tolerance`.
+    ``tolerance``: "default" (T2), "tight" (T7 for out and lse; gradients and variants
+    keep T2), see :mod:`oracle.judging.tolerance`, or "both": one call of ``impl`` judged in
+    both tiers, the default tier's result returned with the tight tier's as its ``tight``
+    attribute. ``grade``: attach the accuracy grade's error models to out's check.
 
     Attention fixtures call ``impl(q, k, v, **options)`` (and ``impl.vjp`` with ``grads``);
     variant fixtures (``Case.function`` other than "attention") call
     ``impl(**inputs, **options)`` (inputs without grad_out) and, with ``grads`` on a case
     that carries gradients, ``vjp(**inputs, **options)`` (grad_out included) with ``vjp``
     the implementation's ``.vjp`` or, for a plain function ``f``, the ``f_vjp`` of its
-    module; they ignore ``diagnose``.
+    module; they ignore ``diagnose``. The fixture-only judging work (baselines, scales,
+    floors) is done once per fixture and tier and kept (:mod:`oracle.judging.parts`).
     """
+    tiers = _tiers(tolerance)
     case = fixture.case
-    if is_refusal(
-        case
-    ):  # malformed inputs: the implementation must raise (oracle.judging.must_refuse)
-        return check_refusal(impl, fixture, reproduce, passed_options(fixture.options, impl))
+    if is_refusal(case):  # malformed inputs: the implementation must raise (must_refuse)
+        found = check_refusal(impl, fixture, reproduce, passed_options(fixture.options, impl))
+        return _with_tiers(found, tiers)
+    if is_linear(case):  # the linear-attention family (oracle.judging.linear)
+        return _with_tiers(check_linear(impl, fixture, reproduce, grads, diagnose), tiers)
     if case.function != "attention":
-        return _check_variant(impl, fixture, reproduce, grads)
-    result = CaseResult(
-        case.name,
-        case.category,
-        case.dtype,
-        "pass",
-        reproduce=reproduce,
-        description=getattr(case, "description", ""),
+        return _with_tiers(_check_variant(impl, fixture, reproduce, grads), tiers)
+    # a declared reading of rows with no allowed key (oracle.judging.empty_rows)
+    fixture, impl, note = read_case(fixture, impl, grads)
+    results = [
+        CaseResult(
+            case.name,
+            case.category,
+            case.dtype,
+            "pass",
+            reproduce=reproduce,
+            description=getattr(case, "description", ""),
+        )
+        for _ in tiers
+    ]
+    run_guarded(
+        results[0], lambda: _run_checks(impl, fixture, grads, diagnose, results, tiers, grade)
     )
-    tol.check_tier(tolerance)
-    return run_guarded(
-        result, lambda: _run_checks(impl, fixture, grads, diagnose, result, tolerance)
-    )
+    for other in results[1:]:
+        if results[0].verdict in ("unsupported", "error"):  # the one call refused or raised
+            other.verdict, other.message = results[0].verdict, results[0].message
+            other.checks, other.diagnosis = {}, []
+        other.seconds = results[0].seconds
+        if other.verdict == "pass":
+            other.reproduce = ""
+    for result in results:
+        if note and result.verdict in ("pass", "fail"):
+            result.message = "; ".join(x for x in (result.message, note) if x)
+    return _with_tiers(results[0], tiers, results[1:])
+
+
+def _tiers(tolerance) -> tuple:
+    """The tiers ``tolerance`` asks for: one of :data:`~oracle.judging.tolerance.TIERS` or
+    "both"."""
+    if tolerance == "both":
+        return tol.TIERS
+    return (tol.check_tier(tolerance),)
+
+
+def _with_tiers(result, tiers, others=None):
+    """``result`` with the tight tier's result attached when both tiers were asked for
+    (variants and refusals judge the same way in both)."""
+    if len(tiers) > 1:
+        if others is None:
+            others = [copy.copy(result)]
+            others[0].checks = dict(result.checks)
+        result.tight = others[0]
+    return result
 
 
 def run_guarded(result, check) -> CaseResult:
@@ -495,38 +447,54 @@ def run_guarded(result, check) -> CaseResult:
     return result
 
 
-def _run_checks(impl, fixture, grads, diagnose, result, tier="default"):
+def _run_checks(impl, fixture, grads, diagnose, results, tiers, grade=True):
+    """Call ``impl`` once (and its vjp with ``grads``), then judge the outputs in each tier,
+    filling ``results`` (one per tier)."""
+    start = time.perf_counter()  # the judging time bounds the diagnosis (oracle.diagnose.budget)
     inputs = fixture.inputs
     options = {n: x for n, x in fixture.options.items() if n != "return_lse"}
     out, lse = call_forward(impl, inputs["q"], inputs["k"], inputs["v"], options)
-    memo = getattr(fixture, "judge_memo", None)  # oracle.power: contexts kept, ungraded
-    if memo is None:
-        ctx = _Context(fixture, tier)
-    elif (ctx := memo.get(tier)) is None:
-        ctx = memo[tier] = _Context(fixture, tier, grade=False)
-    with np.errstate(all="ignore"):
-        problem = _check_forward(ctx, fixture, out, lse, result.checks)
-        notes = []
-        if problem is None and grads and _truth(fixture, "dq") is not None:
-            if hasattr(impl, "vjp"):
-                problem = _check_grads(ctx, fixture, impl, result.checks)
-            else:
-                notes.append("gradients asked for but not checked: the implementation has no .vjp")
+    view = view_of(fixture)
+    notes, gradients = [], []
+    wanted = grads and _truth(fixture, "dq") is not None
+    if wanted and not hasattr(impl, "vjp"):
+        notes.append("gradients asked for but not checked: the implementation has no .vjp")
+    for tier, result in zip(tiers, results, strict=True):
+        with np.errstate(all="ignore"):
+            problem = _check_forward(view, fixture, tier, out, lse, result.checks, grade)
+            if problem is None and wanted and not notes:
+                if not gradients:  # the vjp is called once, after a well-shaped forward
+                    gradients.append(_call_vjp(impl, fixture))
+                problem = _check_grads(view, fixture, gradients[0], result.checks)
+        _verdict(view, fixture, result, problem, notes, (diagnose, start, tier), out, lse)
+
+
+def _verdict(view, fixture, result, problem, notes, diagnosing, out, lse):
+    diagnose, start, tier = diagnosing  # the judging start bounds the diagnosis
     failing = [c for c in result.checks.values() if not c.passed]
     if problem or failing:
         result.verdict = "fail"
         result.message = problem or "; ".join(
             f"{c.quantity}: {c.n_failed} of {c.size} elements over the threshold" for c in failing
         )
-        if diagnose:
-            result.diagnosis = _diagnosis(ctx, fixture, out, result.checks, lse)
-            result.key_map = key_map(out, _truth(fixture, "out"), ctx.v, ctx.options.get("gqa"))
+        if diagnose:  # True, or the DiagnosisBudget of oracle.run.validate's diagnose_budget
+            # values near overflow (worst-overflow) overflow the diagnoses' norms
+            with (
+                np.errstate(over="ignore", invalid="ignore"),
+                case_budget(diagnose, time.perf_counter() - start, result.name) as spent,
+            ):
+                result.diagnosis = _diagnosis(view, fixture, tier, out, result.checks, lse)
+            result.diagnosis += spent.notes(any("matches" in d for d in result.diagnosis))
+            with np.errstate(over="ignore", invalid="ignore"):
+                result.key_map = key_map(
+                    out, _truth(fixture, "out"), view.v, view.options.get("gqa")
+                )
     elif notes:
         result.verdict = "unsupported"  # gradients were asked for: never a pass
     result.message = "; ".join(x for x in [result.message, *notes] if x)
 
 
-def _diagnosis(ctx, fixture, out, checks, lse=None) -> list[str]:
+def _diagnosis(view, fixture, tier, out, checks, lse=None) -> list[str]:
     """What explains the failure, most specific first: lse conventions (log2 units, the row
     max, scale/bias alternatives); the pinned convention at a narrower working precision
     (preferred when a named alternative fits too: it is the likelier story); named
@@ -537,52 +505,31 @@ def _diagnosis(ctx, fixture, out, checks, lse=None) -> list[str]:
     failing = [c for c in checks.values() if not c.passed]
     if not failing:
         return []
-    notes = []
-    lse_check = checks.get("lse")
-    if lse_check is not None and not lse_check.passed and lse is not None:
-        notes = _diagnose.diagnose_lse(
-            ctx.q,
-            ctx.k,
-            ctx.v,
-            ctx.options,
-            np.reshape(lse, lse_check.errors.shape),
-            limit=np.asarray(lse_check.threshold.value),
-            dtype=ctx.dtype,
-        )
-    for grad in failing:
-        if (
-            grad.quantity in ("dk", "dv")
-            and grad.errors is not None
-            and np.isfinite(grad.errors).all()
-        ):
-            notes = notes + _diagnose.key_concentration(
-                grad.quantity,
-                grad.errors,
-                np.broadcast_to(np.asarray(grad.threshold.value), grad.errors.shape),
-            )
+    own = {"out": view.dtype, "lse": storage_dtype(lse, view.dtype) if lse is not None else None}
+    values, truths = {"out": out, "lse": lse}, {n: _truth(fixture, n) for n in own}
+    sub_ulp = within_one_ulp(tier, failing, values, truths, own)
+    if sub_ulp:
+        return [sub_ulp]
+    notes = _lse_and_key_notes(view, checks, failing, lse)
     out_failed = check is not None and not check.passed and out.shape == truth.shape
     # errors of the order of the output itself: no precision model or online-softmax hint
     small = max(c.max_error for c in failing) < ORDER_ONE
-    lower = [_lower_precision(ctx, c, fixture) for c in failing if small]
+    lower = [_lower_precision(view, c, fixture) for c in failing if small]
     lower_dtype = (
         lower[0][0] if lower and all(x is not None and x[0] == lower[0][0] for x in lower) else None
     )
     found = []
     if out_failed:
         found = _diagnose.diagnose(
-            ctx.q,
-            ctx.k,
-            ctx.v,
-            ctx.options,
+            view,
             out,
             limit=np.asarray(check.threshold.value),
-            dtype=ctx.dtype,
         ) or diagnose_fp4(  # fp4 block-scale misreadings (oracle/diagnose/fp4.py)
             fixture.inputs,
             fixture.options,
             out,
             limit=np.asarray(check.threshold.value),
-            dtype=ctx.dtype,
+            dtype=view.dtype,
         )
     if lower_dtype is not None:
         # both explain it: the alternative wins only if it fits at least as snugly (within
@@ -590,13 +537,9 @@ def _diagnosis(ctx, fixture, out, checks, lse=None) -> list[str]:
         snug = max(x[1] for x in lower)
         if found and snug < 1:
             found = _diagnose.diagnose(
-                ctx.q,
-                ctx.k,
-                ctx.v,
-                ctx.options,
+                view,
                 out,
                 limit=snug * np.asarray(check.threshold.value),
-                dtype=ctx.dtype,
                 max_pairs=False,
             )
         if not found:
@@ -611,12 +554,10 @@ def _diagnosis(ctx, fixture, out, checks, lse=None) -> list[str]:
         return notes + found
     if not out_failed:
         return notes
-    for dtype in _NARROWER.get(ctx.dtype, ()):
+    for dtype in _NARROWER.get(view.dtype, ()):
         # a convention mismatch seen through a narrower working precision (its T7 model)
-        limit = ctx.expected("out", dtype, truth, check.size) + tol.unit_roundoff(dtype)
-        found = _diagnose.diagnose(
-            ctx.q, ctx.k, ctx.v, ctx.options, out, limit=limit, dtype=ctx.dtype
-        )
+        limit = parts.expected(view, "out", dtype, truth, check.size) + tol.unit_roundoff(dtype)
+        found = _diagnose.diagnose(view, out, limit=limit)
         if found:
             return notes + [
                 f"{label} (at {dtype} accuracy: the implementation seems to compute in {dtype})"
@@ -626,30 +567,26 @@ def _diagnosis(ctx, fixture, out, checks, lse=None) -> list[str]:
     limit = np.broadcast_to(np.asarray(check.threshold.value), out.shape)
     where = []  # where the failing rows concentrate (partial query tile, late max)
     if small and np.isfinite(out).all() and np.isfinite(errors).all():
-        where = _diagnose.concentration(ctx.q, ctx.k, ctx.v, ctx.options, errors, limit)
+        where = _diagnose.concentration(view, errors, limit)
     if not small:
         pass
-    elif tol.accumulation_dtype(ctx.dtype) != np.dtype(ctx.dtype) and np.isfinite(errors).all():
-        found = _storage_accumulation(ctx, out, truth, check)
+    elif tol.accumulation_dtype(view.dtype) != np.dtype(view.dtype) and np.isfinite(errors).all():
+        found = _storage_accumulation(view, out, truth, check)
         if found:
             return notes + [found] + where
     if small and np.isfinite(check.errors).all():
-        scale = tol.output_scale(ctx.dropped, ctx.v, gqa=ctx.options.get("gqa"))
+        scale = tol.output_scale(view.dropped, view.v, gqa=view.options.get("gqa"))
         found = _diagnose.narrow_accumulation(
-            ctx.q,
-            ctx.k,
-            ctx.v,
-            ctx.options,
+            view,
             out,
             truth,
-            scale[0] if ctx.single else scale,
-            ctx.dtype,
+            scale[0] if view.single else scale,
         )
         if found:
             return notes + [found] + where
     poisoned = any(
         not np.isfinite(np.asarray(x, dtype=np.float64)).all()
-        for x in {**fixture.inputs, **ctx.options}.values()
+        for x in {**fixture.inputs, **view.options}.values()
         if isinstance(x, np.ndarray) and (x.dtype.kind == "f" or x.dtype.name in _HALF_NAMES)
     )
     return (
@@ -659,10 +596,35 @@ def _diagnosis(ctx, fixture, out, checks, lse=None) -> list[str]:
     )
 
 
-def _storage_accumulation(ctx, out, truth, check) -> str | None:
+def _lse_and_key_notes(view, checks, failing, lse) -> list[str]:
+    """Notes that come before the output's diagnosis: the lse conventions, and where the
+    errors of a failing ``dk`` or ``dv`` concentrate among the keys."""
+    notes = []
+    lse_check = checks.get("lse")
+    if lse_check is not None and not lse_check.passed and lse is not None:
+        notes = _diagnose.diagnose_lse(
+            view,
+            np.reshape(lse, lse_check.errors.shape),
+            limit=np.asarray(lse_check.threshold.value),
+        )
+    for grad in failing:
+        if (
+            grad.quantity in ("dk", "dv")
+            and grad.errors is not None
+            and np.isfinite(grad.errors).all()
+        ):
+            notes = notes + _diagnose.key_concentration(
+                grad.quantity,
+                grad.errors,
+                np.broadcast_to(np.asarray(grad.threshold.value), grad.errors.shape),
+            )
+    return notes
+
+
+def _storage_accumulation(view, out, truth, check) -> str | None:
     """Half types: does the output match a textbook that sums in the storage dtype?"""
-    scale = tol.output_scale(ctx.dropped, ctx.v, gqa=ctx.options.get("gqa"))
-    scale = scale[0] if ctx.single else scale
+    scale = tol.output_scale(view.dropped, view.v, gqa=view.options.get("gqa"))
+    scale = scale[0] if view.single else scale
     fits = []
     for sums, what in (
         (("normaliser",), "the softmax normaliser"),
@@ -670,17 +632,17 @@ def _storage_accumulation(ctx, out, truth, check) -> str | None:
         (("normaliser", "values"), "the softmax normaliser and weights @ v"),
     ):
         model = storage_accumulation_attention(
-            ctx.q, ctx.k, ctx.v, ctx.options, ctx.dtype, sums=sums
+            view.q, view.k, view.v, view.options, view.dtype, sums=sums
         )
-        model_error = float(np.max(tol.normalised_error(model, truth, scale, ctx.dtype)))
-        if check.max_error <= tol.K_FORWARD * model_error + tol.unit_roundoff(ctx.dtype):
-            distance = float(np.max(tol.normalised_error(out, model, scale, ctx.dtype)))
+        model_error = float(np.max(tol.normalised_error(model, truth, scale, view.dtype)))
+        if check.max_error <= tol.K_FORWARD * model_error + tol.unit_roundoff(view.dtype):
+            distance = float(np.max(tol.normalised_error(out, model, scale, view.dtype)))
             fits.append((distance, what, model_error))
     if not fits:
         return None
     _, what, model_error = min(fits)  # the model closest to the output names the sum
     return (
-        f"errors consistent with accumulating {what} in {ctx.dtype} (no float32 "
+        f"errors consistent with accumulating {what} in {view.dtype} (no float32 "
         f"accumulator; such a textbook has normalised error {model_error:.3g} here)"
     )
 
@@ -688,20 +650,20 @@ def _storage_accumulation(ctx, out, truth, check) -> str | None:
 _NARROWER = {"float64": ("float32", "float16", "bfloat16"), "float32": ("float16", "bfloat16")}
 
 
-def _narrower_limit(ctx, key, dtype, count) -> float:
+def _narrower_limit(view, key, dtype, count) -> float:
     """k F + u of ``dtype`` for quantity ``key`` ("out", "lse" or "grad") of this case."""
     k = tol.K_BACKWARD if key == "grad" else tol.K_FORWARD
     floors = tol.forward_floors(
         dtype,
-        **ctx.sizes,
-        magnitude=ctx.magnitude,
-        allowed=np.broadcast_to(ctx.exact64.allowed, ctx.magnitude.shape),
+        **view.sizes,
+        magnitude=view.magnitude,
+        allowed=np.broadcast_to(view.exact64.allowed, view.magnitude.shape),
         count=count,
     )
     return k * float(np.max(floors[key])) + tol.unit_roundoff(dtype)
 
 
-def _lower_precision(ctx, check, fixture) -> tuple | None:
+def _lower_precision(view, check, fixture) -> tuple | None:
     """(dtype, largest error / limit) for the narrower dtype whose expected error covers
     every error of ``check``, if any:
     for out and lse the tight-tier model (T7) evaluated at that dtype (realistic: what a
@@ -710,12 +672,12 @@ def _lower_precision(ctx, check, fixture) -> tuple | None:
     if check.errors is None or not np.isfinite(check.errors).all():
         return None
     key = check.quantity if check.quantity in ("out", "lse") else "grad"
-    for dtype in _NARROWER.get(ctx.dtype, ()):
+    for dtype in _NARROWER.get(view.dtype, ()):
         if key == "grad":
-            limit = _narrower_limit(ctx, key, dtype, check.size)
+            limit = _narrower_limit(view, key, dtype, check.size)
         else:
             truth = _truth(fixture, key)
-            limit = ctx.expected(key, dtype, truth, check.size) + tol.unit_roundoff(dtype)
+            limit = parts.expected(view, key, dtype, truth, check.size) + tol.unit_roundoff(dtype)
         if np.all(check.errors <= limit):
             with np.errstate(divide="ignore", invalid="ignore"):
                 ratio = float(np.max(np.where(check.errors > 0, check.errors / limit, 0.0)))
@@ -780,8 +742,6 @@ def _check_variant(impl, fixture, reproduce, grads=False):
                 problems += _check_variant_grads(case, fixture, vjp, cond, result.checks)
         failing = [c for c in result.checks.values() if not c.passed]
         if (problems or failing) and case.function == "merge_states":
-            from oracle.diagnose.merge import diagnose_merge
-
             result.diagnosis += diagnose_merge(fixture.inputs, case.options, outputs, truths)
         if problems or failing:
             result.verdict = "fail"
@@ -828,8 +788,6 @@ def _variant_vjp(impl):
     vjp = getattr(impl, "vjp", None)
     if vjp is not None:
         return vjp
-    import sys
-
     name = getattr(impl, "__name__", None)
     parts = (getattr(impl, "__module__", None) or "").split(".")
     while name and parts and parts[0]:

@@ -21,7 +21,8 @@ array for k and v of different key counts).
 
 Examples
 --------
->>> from oracle import catalogue, golden
+>>> from oracle import catalogue
+>>> from oracle.fixtures import golden
 >>> from refattn import attention
 >>> fixture = golden.build(catalogue.get("refuse-head-dim-H2K2-L5S7-D8E8-f32"))
 >>> fixture.truth, fixture.truth_kind
@@ -43,7 +44,9 @@ import numpy as np
 
 from oracle.catalogue.attention_refusal_families import CATEGORY, malformation
 from oracle.catalogue.case import Case
+from oracle.conventions.signatures import declared, get
 from oracle.judging.results import CaseResult
+from refattn import attention
 
 #: The message of a refusal case a calling convention cannot carry (oracle.conventions.layouts).
 NOT_EXPRESSIBLE = "not expressible in this layout"
@@ -71,8 +74,6 @@ def is_refusal(case: Case) -> bool:
 
 def refusal_truth(case: Case, inputs) -> dict[str, np.ndarray]:
     """No truth arrays; raises RuntimeError when refattn.attention accepts the inputs."""
-    from refattn import attention
-
     options = {**case.options, **{n: x for n, x in inputs.items() if n not in ("q", "k", "v")}}
     try:
         out = attention(inputs["q"], inputs["k"], inputs["v"], **options)
@@ -168,8 +169,6 @@ def not_expressible(case: Case, convention) -> str | None:
     option = _IN_OPTIONS.get(kind)
     if option is None:
         return None
-    from oracle.conventions.signatures import declared, get
-
     if "signature" in convention:
         preset = get(convention["signature"])
     else:

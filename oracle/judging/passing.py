@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
+
+from oracle.conventions.signatures import function_defaults
+from refattn.attention import attention
 
 __all__ = ["passed_options"]
 
 
 def _refattn_defaults() -> dict:
-    import inspect
-
-    from refattn.attention import attention
-
     parameters = inspect.signature(attention).parameters.items()
     return {
         name: p.default
@@ -27,8 +28,6 @@ def passed_options(options, impl=None) -> dict:
     is still judged on every case that uses that keyword's default. A keyword ``impl``'s
     signature declares with another default (``align="bottom_right"``) is compared with that
     default instead (:func:`oracle.conventions.signatures.function_defaults`)."""
-    from oracle.conventions.signatures import function_defaults
-
     defaults = {**_refattn_defaults(), **function_defaults(impl)}
     return {
         name: np.copy(x) if isinstance(x, np.ndarray) else x

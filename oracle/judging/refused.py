@@ -21,6 +21,25 @@ counted as refused. The rule, all three conditions:
    supports", "does not support", "must be", "must match", "must equal", "must divide", "must
    have", "should be", "cannot handle", "is not allowed", "too large" / "too long" ...).
 
+Frameworks raise their own exception classes; they are recognised by class name and module
+(the class or any base: its ``__module__``'s top package and ``__name__``), without importing
+the framework (:data:`FRAMEWORK_REFUSALS`, :data:`FRAMEWORK_ARGUMENT_ERRORS`):
+
+* classes that *mean* "not implemented" are a refusal whatever their message, like
+  NotImplementedError: ONNX Runtime's ``NotImplemented``, Paddle's ``Unimplemented`` /
+  ``UnimplementedError``, TensorFlow's ``UnimplementedError``;
+* argument errors count as condition 3's types (a refusal when the message reads as one):
+  ONNX Runtime's ``InvalidArgument`` and ``Fail`` ("head_size must be a multiple of 8"),
+  Triton's ``InterpreterError`` and ``CompilationError`` (which wrap the kernel's own message,
+  "Both operands must be same dtype", searched through the whole text and the exception's
+  cause), Paddle's ``NotFound`` / ``InvalidArgument`` (and ``...Error``; "kernel ... is not
+  registered"), TensorFlow's ``InvalidArgumentError``; JAX raises the built-in TypeError and
+  ValueError from its shape checks (already condition 3's types).
+
+Paddle also writes its error kind in the message, ``(Unimplemented) ...`` or ``(NotFound) ...``:
+those tags count like the classes. The line shown is the first line of the message that reads as
+a refusal (a compiler's error shows its source first).
+
 NotImplementedError is "unsupported" as before, with its own message (the implementation said
 so explicitly). Anything else (a crash, ``IndexError``, ``ZeroDivisionError``, a ValueError
 with another message) stays "error". ``validate(..., refusals_are_errors=True)``
@@ -49,6 +68,9 @@ __all__ = [
     "REFUSED",
     "REFUSAL_PATTERN",
     "as_refusal",
+    "framework_kind",
+    "FRAMEWORK_REFUSALS",
+    "FRAMEWORK_ARGUMENT_ERRORS",
     "refusing",
     "is_refusal",
     "refusals_as_errors",
@@ -62,12 +84,40 @@ REFUSAL_PATTERN = re.compile(
     r"not (?:yet )?supported|\bunsupported\b|not (?:yet )?implemented|\bonly supports?\b"
     r"|\bsupports? only\b|\b(?:does not|doesn't|do not|don't|cannot|can't) (?:support|handle)"
     r"|\bmust (?:be|match|equal|divide|have)\b|\bshould (?:be|match|equal)\b"
-    r"|\bis not allowed\b|\bnot allowed\b|\btoo (?:large|long|big|small)\b",
+    r"|\bis not allowed\b|\bnot allowed\b|\btoo (?:large|long|big|small)\b"
+    r"|\bis not registered\b|\(unimplemented\)",
     re.IGNORECASE,
 )
 
+#: (top package, class name) of framework exceptions that mean "not implemented": a refusal
+#: whatever the message.
+FRAMEWORK_REFUSALS = frozenset(
+    {
+        ("onnxruntime", "NotImplemented"),
+        ("paddle", "Unimplemented"),
+        ("paddle", "UnimplementedError"),
+        ("tensorflow", "UnimplementedError"),
+    }
+)
+
+#: (top package, class name) of framework argument errors: a refusal when the message reads as
+#: one (:data:`REFUSAL_PATTERN`), like ValueError.
+FRAMEWORK_ARGUMENT_ERRORS = frozenset(
+    {
+        ("onnxruntime", "InvalidArgument"),
+        ("onnxruntime", "Fail"),
+        ("triton", "InterpreterError"),
+        ("triton", "CompilationError"),
+        ("paddle", "NotFound"),
+        ("paddle", "NotFoundError"),
+        ("paddle", "InvalidArgument"),
+        ("paddle", "InvalidArgumentError"),
+        ("tensorflow", "InvalidArgumentError"),
+    }
+)
+
 _TYPES = (ValueError, RuntimeError, TypeError, AssertionError)
-_ORACLE = Path(__file__).resolve().parent
+_ORACLE = Path(__file__).resolve().parents[1]  # the oracle package, not this stage's folder
 _IMPLEMENTATIONS = _ORACLE / "adapters"
 
 
@@ -89,17 +139,47 @@ def _oracle_raised(err: BaseException) -> bool:
     return inside and _IMPLEMENTATIONS not in where.parents
 
 
+def framework_kind(err: BaseException) -> str | None:
+    """ "refusal" or "argument" for a framework exception class of the module docstring's
+    tables (the class or one of its bases, read by top package and name), else None.
+
+    >>> NotImplemented_ = type("NotImplemented", (Exception,), {"__module__": "onnxruntime.capi"})
+    >>> framework_kind(NotImplemented_("no kernel for this dtype"))
+    'refusal'
+    """
+    for cls in type(err).__mro__:
+        key = ((cls.__module__ or "").split(".")[0], cls.__name__)
+        if key in FRAMEWORK_REFUSALS:
+            return "refusal"
+        if key in FRAMEWORK_ARGUMENT_ERRORS:
+            return "argument"
+    return None
+
+
+def _refusal_text(err: BaseException) -> str:
+    """The exception's message and those of the exceptions it wraps (a compiler's error
+    wraps the kernel's own)."""
+    texts, seen = [], set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        texts.append(str(err).strip())
+        err = err.__cause__ or err.__context__
+    return "\n".join(t for t in texts if t)
+
+
 def as_refusal(err: BaseException) -> NotImplementedError | None:
     """The NotImplementedError("refused by the implementation: ...") that ``err``, raised by
     an implementation's forward call, stands for, or None when it is no refusal (see the
     module's rule)."""
-    if not isinstance(err, _TYPES) or _oracle_raised(err):
+    kind = framework_kind(err)
+    if (kind is None and not isinstance(err, _TYPES)) or _oracle_raised(err):
         return None
-    text = str(err).strip()
-    if not REFUSAL_PATTERN.search(text):
+    text = _refusal_text(err)
+    if kind != "refusal" and not REFUSAL_PATTERN.search(text):
         return None
-    first = text.splitlines()[0] if text else ""
-    return NotImplementedError(f"{REFUSED}: {type(err).__name__}: {first}".rstrip(": "))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    said = [line for line in lines if REFUSAL_PATTERN.search(line)] or lines or [""]
+    return NotImplementedError(f"{REFUSED}: {type(err).__name__}: {said[0]}".rstrip(": "))
 
 
 @contextmanager

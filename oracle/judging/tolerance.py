@@ -197,6 +197,32 @@ split-KV variant pass both tiers; a float16/bfloat16 ``P @ V`` accumulator fails
 tier where rows are long or nearly uniform (it passes (T2)). Gradients and the variant
 families keep (T2) in the tight tier.
 
+4. Values near overflow; elements with no finite threshold (T8)
+---------------------------------------------------------------
+The floors (T6) and (T7) hold second moments of the values (``sum_j c_ij^2 a_ij^2`` with
+``c_ij`` linear in ``v``, ``sum_j e_ij^2 v_je^2``, ``(s_ie)^2``). Formed directly they
+overflow when the values lie near the top of the dtype (``worst-overflow`` in float64: ``v``
+about ``2**1015``, ``v^2 = inf``) and then ``inf - inf`` made the floor NaN on most elements;
+they underflow for values near the bottom. Both floors are homogeneous of degree 0 in one value
+column (numerator and natural scale are of degree 1 in ``v_e`` and ``o_e``), so they are
+computed with every column ``v_{.e}`` and the truth ``o_{.e}`` divided by a power of two
+near its largest magnitude (exact; :func:`_column_unit`), and the natural scale divided by the
+same power.
+
+No element is ever left unjudged: where the rule (T2) or (T7) still gives no finite value (a
+NaN or infinite floor or baseline), the element is judged by the dtype's own exactness,
+
+.. math::
+
+    T_{ie} = \\mathrm{ulp}_{dtype}(o_{ie}) \\,/\\, \\max(s_{ie}, \\tau)       \\qquad (T8)
+
+i.e. it must lie within one ulp of the exact truth (faithful rounding; a correctly rounded
+value is within half an ulp), and where even (T8) is not finite (a NaN or infinite truth or
+scale) the limit is 0: only a value equal to the truth passes (:func:`with_ulp_rule`). A NaN
+threshold compared with ``>`` is never exceeded, so without (T8) such an element would pass
+whatever the implementation returned. The report counts the elements judged by (T8)
+(``one_ulp_rule_elements``) and the worst element's threshold names the rule.
+
 The same model evaluated at a *narrower* dtype is the diagnosis' realistic limit for "the
 implementation computes in float32 / float16 / bfloat16" (:mod:`oracle.judging.judge`): what a
 correct kernel computing in that dtype shows (bfloat16 torch SDPA reaches normalised errors
@@ -206,7 +232,7 @@ of 4e-4 to 1.2e-3 on the default suite; (T5) would admit 0.25).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -247,6 +273,7 @@ __all__ = [
     "allowed_positions",
     "Threshold",
     "threshold",
+    "with_ulp_rule",
     "forward_floors",
     "output_floor",
     "lse_floor",
@@ -478,12 +505,12 @@ def output_floor(
     (:func:`scaled_dots`), ``out`` the float64 truth.
     """
     u, ua, delta, lam, acc = _score_terms(dtype, count, D, n_stored)
-    p, pa, d, v_h, o, spread = _value_spread(weights, dropped, magnitude, v, out, gqa)
+    p, pa, d, v_h, o, spread, unit = _value_spread(weights, dropped, magnitude, v, out, gqa)
     worst = (pa * d) @ np.abs(v_h) + np.abs(o) * pa.sum(-1)[..., None]
     independent = delta * np.minimum(lam * np.sqrt(np.maximum(spread, 0.0)), worst)
     coherent, rows = _coherent(p, dots, d, v_h, o, magnitude, softcap)
     second_order = 1 + delta * rows + u * rows
-    scale = np.maximum(output_scale(dropped, v, gqa=gqa), _tiny(dtype))
+    scale = np.maximum(output_scale(dropped, v, gqa=gqa), _tiny(dtype)) / unit
     drop = (ua + u) if dropout else 0.0
     first = (independent + u * coherent) * second_order / scale
     return first + 2 * probabilistic_gamma(S, acc, count=count) + 4 * ua + 2 * u + drop
@@ -558,13 +585,13 @@ def output_expected(
     coherent scale rounding and the final rounding; see the module docstring.
     """
     u, ua, score_var, sums_std, lam = _expected_terms(dtype, D, S, n_stored, count)
-    p, pa, d, v_h, o, spread = _value_spread(weights, dropped, magnitude, v, out, gqa)
+    p, pa, d, v_h, o, spread, unit = _value_spread(weights, dropped, magnitude, v, out, gqa)
     # each weight rounded to the dtype (a subnormal weight by half its spacing), exp in acc
     fmt = format_of(dtype)
     sub = math.ldexp(1.0, fmt.emin - fmt.p)
     rounding = np.maximum(p * u * math.sqrt(1 + dropout), sub) ** 2 + (p * ua) ** 2 * 2
     p_var = (rounding * d * d) @ (v_h * v_h) / 3
-    scale = np.maximum(output_scale(dropped, v, gqa=gqa), _tiny(dtype))
+    scale = np.maximum(output_scale(dropped, v, gqa=gqa), _tiny(dtype)) / unit
     coherent, rows = _coherent(p, dots, d, v_h, o, magnitude, softcap)
     _, _, delta, _, _ = _score_terms(dtype, count, D, n_stored)
     second_order = 1 + (delta + u) * rows
@@ -602,18 +629,45 @@ class Threshold:
     floor: np.ndarray | float
     u_out: float
     tier: str = "default"
+    #: the one-ulp limits (T8) of the elements whose rule gives no finite threshold
+    fallback: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def rule(self):
+        """T of (T2) / (T7) as computed, broadcastable to the quantity (may hold NaN)."""
+        base = 0.0 if self.baseline is None else self.k * self.baseline
+        with np.errstate(invalid="ignore"):
+            return np.maximum(base, self.floor) + self.u_out
 
     @property
     def value(self):
-        """T, broadcastable to the quantity."""
-        base = 0.0 if self.baseline is None else self.k * self.baseline
-        return np.maximum(base, self.floor) + self.u_out
+        """T, broadcastable to the quantity: the rule's value where it is finite, the one-ulp
+        limit (T8) elsewhere (:func:`with_ulp_rule`)."""
+        rule = self.rule
+        if self.fallback is None:
+            return rule
+        return np.where(np.isfinite(rule), rule, self.fallback)
+
+    @property
+    def n_fallback(self) -> int:
+        """How many elements are judged by the one-ulp rule (T8) because the rule gave no
+        finite threshold."""
+        if self.fallback is None:
+            return 0
+        rule = np.broadcast_to(self.rule, np.shape(self.fallback))
+        return int(np.count_nonzero(~np.isfinite(rule)))
 
     def formula(self, index=None, shape=None) -> str:
         """``max(k x baseline, floor) + u_out`` in numbers: the floor at ``index`` of a quantity
         of ``shape`` when both are given (so the text shows the threshold of that element),
         else the largest floor."""
         base = "void" if self.baseline is None else f"{self.baseline:.3g}"
+        fallback = self._fallback_at(index, shape)
+        if fallback is not None:
+            return (
+                f"no finite threshold from the rule (floor nan or inf): one-ulp rule (T8) "
+                f"{fallback:.3g}"
+            )
         if index is not None and shape is not None and np.ndim(self.floor):
             floor = float(
                 np.broadcast_to(np.asarray(self.floor, dtype=np.float64), shape)[tuple(index)]
@@ -626,6 +680,42 @@ class Threshold:
                 f"+ u_out {self.u_out:.3g}"
             )
         return f"max({self.k:g} x baseline {base}, floor {floor:.3g}) + u_out {self.u_out:.3g}"
+
+    def _fallback_at(self, index, shape):
+        """The one-ulp limit at ``index`` when that element has no finite rule, else None."""
+        if self.fallback is None or index is None or shape is None:
+            return None
+        where = tuple(index)
+        rule = float(np.broadcast_to(self.rule, shape)[where])
+        if math.isfinite(rule):
+            return None
+        return float(np.broadcast_to(self.fallback, shape)[where])
+
+
+def with_ulp_rule(limits: Threshold, truth, scale, dtype) -> Threshold:
+    """``limits`` with the one-ulp rule (T8) attached where its rule gives no finite value.
+
+    No element passes unjudged: where (T2) or (T7) is NaN or infinite the element must lie
+    within one ulp of ``dtype`` of the exact truth (faithful rounding), i.e. its normalised
+    error (T1) at most ``ulp(truth) / max(scale, tiny)``; where even that is not finite (a
+    NaN or infinite truth or scale) the limit is 0 (only an equal value passes).
+
+    >>> t = Threshold(2.0, None, np.array([1e-7, np.nan]), 2**-24)
+    >>> t = with_ulp_rule(t, np.array([1.0, 1.0]), np.array([1.0, 1.0]), "float32")
+    >>> t.n_fallback, float(t.value[1]) == 2**-23
+    (1, True)
+    """
+    truth = np.asarray(truth, dtype=np.float64)
+    rule = np.broadcast_to(limits.rule, truth.shape)
+    if np.isfinite(rule).all():
+        return limits
+    scale = np.broadcast_to(np.asarray(scale, dtype=np.float64), truth.shape)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        one_ulp = ulp(np.where(np.isfinite(truth), truth, 0.0), dtype) / np.maximum(
+            scale, _tiny(dtype)
+        )
+    one_ulp = np.where(np.isfinite(one_ulp) & np.isfinite(truth), one_ulp, 0.0)
+    return replace(limits, fallback=one_ulp)
 
 
 def threshold(baseline_error, floor, dtype, *, k=K_FORWARD) -> Threshold:
@@ -697,16 +787,29 @@ def _coherent(p, dots, d, v_h, o, magnitude, softcap):
     return coherent, rows
 
 
+def _column_unit(v_h) -> np.ndarray:
+    """A power of two at most ``max_j |v_je|`` per value column (..., 1, E); 1 for a zero
+    column. The floors divide v and the truth by it (exactly) so that their second moments
+    neither overflow (values near the dtype's overflow squared) nor underflow (T6/T7 in scaled
+    units; the module docstring's "Values near overflow")."""
+    top = np.abs(v_h).max(axis=-2, keepdims=True) if v_h.shape[-2] else np.zeros(1)
+    exponent = np.frexp(top)[1] - 1
+    return np.where(top > 0, np.ldexp(1.0, exponent), 1.0)
+
+
 def _value_spread(weights, dropped, magnitude, v, out, gqa):
-    """(p, pa, d, v_h, o, spread): the finite weights, weights times the score magnitude,
-    the dropout factor per weight, finite values per query head, the finite truth, and
-    ``sum_j (pa_j d_j)^2 (v_j - o)^2``: the second moment both tiers' output terms use."""
+    """(p, pa, d, v_h, o, spread, unit): the finite weights, weights times the score
+    magnitude, the dropout factor per weight, finite values per query head and the finite truth
+    both divided by :func:`_column_unit` ``unit``, and ``sum_j (pa_j d_j)^2 (v_j - o)^2`` in
+    those units: the second moment both tiers' output terms use."""
     p = _finite_abs(weights)
     d = np.divide(_finite_abs(dropped), p, out=np.zeros_like(p), where=p > 0)
     v_h = v if np.ndim(v) == 2 else expand_kv(with_heads(v, "v"), p.shape[-3], gqa or "interleave")
     v_h = np.where(np.isfinite(v_h), v_h, 0.0).astype(np.float64)
-    o = np.where(np.isfinite(out), out, 0.0)
+    unit = _column_unit(v_h)
+    v_h = v_h / unit
+    o = np.where(np.isfinite(out), out, 0.0) / unit
     pa = p * magnitude
     w2 = pa * pa
     spread = (w2 * d * d) @ (v_h * v_h) - 2 * o * ((w2 * d) @ v_h) + o * o * w2.sum(-1)[..., None]
-    return p, pa, d, v_h, o, spread
+    return p, pa, d, v_h, o, spread, unit

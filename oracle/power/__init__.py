@@ -38,7 +38,10 @@ from dataclasses import dataclass, field
 from oracle.catalogue import suite as catalogue_suite
 from oracle.catalogue.names import DTYPES
 from oracle.fixtures import golden
+from oracle.judging.judge import check_fixture
 from oracle.power.planted import POWER_BROKEN, TILED_BROKEN, flash, split_kv, tiled
+from oracle.run.validate import validate
+from refattn.spec import option as attention_option
 
 __all__ = ["power", "PowerResult", "KERNELS", "CORRECT", "render"]
 
@@ -55,7 +58,14 @@ TIERS = ("default", "tight")
 
 #: Planted bugs that only an option can show: with no selected case using it (the user's
 #: implementation does not support it), the bug is "not applicable", not "WEAK".
-NEEDS = {"softcap_order": "softcap", "causal_offset": "causal", "causal_top_left": "causal"}
+NEEDS = {
+    bug: attention_option(name).name  # a KeyError at import if refattn drops the option
+    for bug, name in (
+        ("softcap_order", "softcap"),
+        ("causal_offset", "causal"),
+        ("causal_top_left", "causal"),
+    )
+}
 
 
 @dataclass
@@ -66,6 +76,7 @@ class PowerResult:
     failures: dict[str, dict[str, dict[str, list[str]]]] = field(default_factory=dict)
     seconds: float = 0.0
     options: set[str] = field(default_factory=set)  # the options some selected case uses
+    summed: bool = False  # a bug is caught by `need` cases over all dtypes (linear suites)
 
     def caught(self, kernel: str, dtype: str, tier: str = "default") -> int:
         return len(self.failures[kernel][tier].get(dtype, []))
@@ -77,7 +88,8 @@ def _uses(fixture, option: str) -> bool:
 
 
 def _select(suite, fixtures, dtypes, cases, without) -> list:
-    source = golden.load(fixtures) if fixtures is not None else None
+    # only the selected cases are read (and their long inputs regenerated)
+    source = golden.load(fixtures, cases=cases or None) if fixtures is not None else None
     if source is None:
         source = (
             golden.build(c)
@@ -99,28 +111,14 @@ def _select(suite, fixtures, dtypes, cases, without) -> list:
     return chosen
 
 
-class _Replay:
-    """``impl`` called once per fixture: the second tier judges the same output again."""
-
-    def __init__(self, impl):
-        self.impl, self.result = impl, None
-
-    def __call__(self, *args, **kwargs):
-        if self.result is None:
-            self.result = self.impl(*args, **kwargs)
-        return self.result
-
-
 def _failures(impl, fixtures) -> dict[str, dict[str, list[str]]]:
-    """Per tier and dtype, the cases ``impl`` fails (one call of ``impl`` per case; the
-    fixtures' impl-independent judging parts are kept on them across kernels)."""
-    from oracle.judging.judge import check_fixture
-
+    """Per tier and dtype, the cases ``impl`` fails (one call of ``impl`` per case judged in
+    both tiers; the fixtures' impl-independent judging parts are computed once for every
+    kernel, :mod:`oracle.judging.parts`)."""
     failed: dict[str, dict[str, list[str]]] = {tier: {} for tier in TIERS}
     for fixture in fixtures:
-        replay = _Replay(impl)
-        for tier in TIERS:
-            result = check_fixture(replay, fixture, diagnose=False, tolerance=tier)
+        both = check_fixture(impl, fixture, diagnose=False, tolerance="both", grade=False)
+        for tier, result in zip(TIERS, (both, both.tight), strict=True):
             if result.verdict in ("fail", "error"):
                 failed[tier].setdefault(result.dtype, []).append(result.name)
     return failed
@@ -128,8 +126,6 @@ def _failures(impl, fixtures) -> dict[str, dict[str, list[str]]]:
 
 def _supported(impl, fixtures) -> list:
     """The fixtures ``impl`` does not answer "unsupported" (its options)."""
-    from oracle.run.validate import validate
-
     report = validate(impl, fixtures=fixtures, dtype=None, progress=False, diagnose=False)
     refused = {r.name for r in report.results if r.verdict == "unsupported"}
     return [f for f in fixtures if f.name not in refused]
@@ -170,6 +166,9 @@ def power(
     -------
     PowerResult
     """
+    if _linear.handles(suite, fixtures):  # the linear-attention suites (oracle.power.linear)
+        return _linear.power(suite=suite, dtypes=dtypes, cases=cases, kernels=kernels,
+                             progress=progress)  # fmt: skip
     start = time.perf_counter()
     names = list(kernels or KERNELS)
     unknown = [n for n in names if n not in KERNELS]
@@ -181,8 +180,6 @@ def power(
     counts = {d: sum(f.case.dtype == d for f in chosen) for d in DTYPES}
     result = PowerResult(cases={d: n for d, n in counts.items() if n})
     result.options = {name for f in chosen for name in f.options if _uses(f, name)}
-    for fixture in chosen:
-        fixture.judge_memo = {}  # the judge's fixture-only work, once for every kernel
     for index, name in enumerate(names, 1):
         result.failures[name] = _failures(KERNELS[name][0], chosen)
         if progress:
@@ -207,8 +204,9 @@ def render(result: PowerResult, *, need: int = 5, list_cases: bool = False) -> s
         cells = [f"{result.caught(name, d)}/{result.caught(name, d, 'tight')}" for d in dtypes]
         if name in NEEDS and NEEDS[name] not in result.options:
             verdict = f"not applicable: no case uses {NEEDS[name]}"
-        elif KERNELS[name][1]:
-            weakest = min(result.caught(name, d, "tight") for d in dtypes) if dtypes else 0
+        elif {**KERNELS, **_linear.KERNELS}[name][1]:
+            counted = sum if result.summed else min  # per dtype, or over the suite
+            weakest = counted(result.caught(name, d, "tight") for d in dtypes) if dtypes else 0
             verdict = "caught" if weakest >= need else f"WEAK (< {need} in some dtype)"
         else:
             clean = all(not tiers[t] for t in TIERS)
@@ -224,6 +222,10 @@ def render(result: PowerResult, *, need: int = 5, list_cases: bool = False) -> s
                     lines.append(f"{name} {dtype}: {' '.join(caught)}")
     lines.append(f"({result.seconds:.0f} s)")
     return "\n".join(lines)
+
+
+# the linear-attention kernels and their power run (they need PowerResult above)
+from oracle.power import linear as _linear  # noqa: E402
 
 
 class _CallableModule(types.ModuleType):

@@ -52,6 +52,7 @@ from oracle.judging.tolerance import accumulation_dtype, allowed_positions
 from oracle.reading.heads import alibi_bias, resolve_scale
 from refattn.broadcast import expand_kv
 from refattn.exact.rounding import format_of
+from refattn.spec import OPTIONS
 
 __all__ = ["tiled_attention", "tiled", "flash", "split_kv", "TILED_BROKEN", "POWER_BROKEN", "BUGS"]
 
@@ -66,25 +67,11 @@ BUGS = (
 )
 
 
-#: the keywords the tiled kernels implement; any other option (sinks, kv_lengths, float8
-#: descales, sparse indices, qv, block scales, another normaliser, ...) is refused, so a new
-#: refattn option makes their cases "unsupported" without touching this module
-_SUPPORTED = frozenset(
-    (
-        "scale",
-        "causal",
-        "align",
-        "window",
-        "mask",
-        "bias",
-        "softcap",
-        "alibi_slopes",
-        "gqa",
-        "dropout_mask",
-        "dropout_p",
-        "empty_rows",
-    )
-)
+#: the keywords the tiled kernels implement: the ``core`` options of refattn.spec.OPTIONS (plain
+#: scaled dot-product attention); any other option (sinks, kv_lengths, float8 descales, sparse
+#: indices, qv, block scales, another normaliser, ...) is refused, so a new refattn option that
+#: is not ``core`` makes their cases "unsupported" without touching this module
+_SUPPORTED = frozenset(row.name for row in OPTIONS if row.core)
 
 
 def _prepare(q, k, v, options, acc, bug):

@@ -9,12 +9,13 @@ never both: pluggy refuses to register one module under two names)::
            [--refattn-xfails FILE] [--refattn-strict] [--refattn-grads]
            [--refattn-require causal,mask] [--refattn-signature flash_attn]
            [--refattn-causal-align bottom_right] [--refattn-keyword scale=softmax_scale]
+           [--refattn-empty-rows nan]
 
 The current directory is put on ``sys.path`` (as ``refattn-oracle validate --impl`` does),
 so a module next to where pytest runs is found. Each option has an environment twin
 (``REFATTN_IMPL``, ``REFATTN_SUITE``, ``REFATTN_FIXTURES``,
 ``REFATTN_DTYPE``, ``REFATTN_SKIPS``, ``REFATTN_XFAILS``, ``REFATTN_SIGNATURE``,
-``REFATTN_CAUSAL_ALIGN``, ``REFATTN_KEYWORD``). ``--refattn-impl`` takes
+``REFATTN_CAUSAL_ALIGN``, ``REFATTN_KEYWORD``, ``REFATTN_EMPTY_ROWS``). ``--refattn-impl`` takes
 ``module:function`` or an adapter name. Test ids are the case names; a failure shows the worst
 element, the threshold, the diagnosis and a one-line reproduction. Unsupported cases
 (NotImplementedError) are skipped; robustness and refusal failures xfail unless
@@ -25,7 +26,8 @@ runs them; cases with ``sinks`` / ``kv_lengths`` pass those keywords (see
 ``--refattn-signature``, ``--refattn-causal-align`` and ``--refattn-keyword`` are the CLI's
 ``--signature``, ``--causal-align`` and ``--keyword`` (:mod:`oracle.conventions.signatures`): a
 function
-written with a library's own signature is tested as it stands.
+written with a library's own signature is tested as it stands. ``--refattn-empty-rows`` is the
+CLI's ``--empty-rows`` (:mod:`oracle.judging.empty_rows`).
 
 Skip/xfail files (like array-api-tests): one fnmatch pattern over case names per line, ``#``
 starts a comment.
@@ -47,6 +49,10 @@ from __future__ import annotations
 
 import os
 import sys
+
+import pytest
+
+from oracle.reading.features import KNOWN_FEATURES, case_features
 
 __all__ = ["settings", "read_patterns", "session", "Session"]
 
@@ -76,6 +82,11 @@ _OPTIONS = {
         "REFATTN_CAUSAL_ALIGN",
         None,
         "without a signature: the alignment of its causal/window (top_left, bottom_right)",
+    ),
+    "empty_rows": (
+        "REFATTN_EMPTY_ROWS",
+        None,
+        "what it gives rows with no allowed key: zero (refattn's), nan, average",
     ),
     "keyword": (
         "REFATTN_KEYWORD",
@@ -125,6 +136,7 @@ def settings(config) -> dict | None:
     if values["dtype"] == "all":
         values["dtype"] = None
     values["require"] = _required(values["require"])
+    # start-up cost: numpy loads only with an implementation (pytest loads this plugin always)
     from oracle.conventions.layouts import check_convention
 
     try:
@@ -135,10 +147,9 @@ def settings(config) -> dict | None:
             values.pop("signature"),
             values.pop("causal_align"),
             values.pop("keyword"),
+            values.pop("empty_rows"),
         )
     except ValueError as err:
-        import pytest
-
         option = str(err).split(":")[0].replace("_", "-")
         raise pytest.UsageError(f"--refattn-{option}: {err}") from None
     return values
@@ -161,13 +172,9 @@ def read_patterns(path) -> list[str]:
 
 
 def _required(text) -> tuple:
-    from oracle.reading.features import KNOWN_FEATURES
-
     names = [p.strip().lower() for p in str(text or "").split(",") if p.strip()]
     unknown = [n for n in names if n not in KNOWN_FEATURES]
     if unknown:
-        import pytest
-
         raise pytest.UsageError(
             f"--refattn-require: unknown feature(s) {unknown}; expected some of "
             f"{list(KNOWN_FEATURES)}"
@@ -187,6 +194,7 @@ class Session:
         self.supervisor = None
 
     def run(self, fixture, reproduce):
+        # start-up cost: loaded by the first case, not by every pytest run
         from oracle.run.supervise import DEFAULT_TIMEOUT, Supervisor
 
         if self.supervisor is None:
@@ -199,8 +207,6 @@ class Session:
                 ref = (ref, self.values["convention"])
             self.supervisor = Supervisor(ref, timeout=DEFAULT_TIMEOUT)
         result = self.supervisor.run(fixture, grads=self.values["grads"], reproduce=reproduce)
-        from oracle.reading.features import case_features
-
         result.features, result.shape_classes = case_features(
             fixture.case, self.values["grads"], fixture.inputs
         )
@@ -208,7 +214,8 @@ class Session:
         return result
 
     def report(self):
-        from oracle.judging.results import Report
+        # start-up cost: refattn and Numba (~3 s) load only in a conformance session
+        from oracle.report.run_report import Report
 
         values = self.values
         source = (
@@ -251,6 +258,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     state = _SESSIONS.pop(id(config), None)
     if state is None or not state.results:
         return
+    # start-up cost: refattn and Numba (~3 s) load only in a conformance session
     from oracle.report.formats import coverage_lines
 
     terminalreporter.section("refattn oracle coverage")

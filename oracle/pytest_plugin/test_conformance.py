@@ -10,13 +10,13 @@ import fnmatch
 
 import pytest
 
-from oracle.pytest_plugin import read_patterns, settings
+from oracle import catalogue
+from oracle.fixtures import golden
+from oracle.pytest_plugin import read_patterns, session, settings
+from oracle.run.validate import reproduce_command, resolve_impl
 
 
 def _items(values):
-    from oracle import catalogue
-    from oracle.fixtures import golden
-
     dtype = values["dtype"]
     if values["fixtures"]:
         found = list(golden.load(values["fixtures"]))
@@ -53,8 +53,6 @@ def pytest_generate_tests(metafunc):
             ids=["no-impl"],
         )
         return
-    from oracle.run.validate import resolve_impl
-
     try:
         resolve_impl(values["impl"])
     except (ImportError, AttributeError, TypeError, ValueError, KeyError) as err:
@@ -74,10 +72,6 @@ def pytest_generate_tests(metafunc):
 
 
 def test_case(oracle_item, request):
-    from oracle.fixtures import golden
-    from oracle.pytest_plugin import session
-    from oracle.run.validate import reproduce_command, resolve_impl
-
     __tracebackhide__ = True
     values = settings(request.config)
     item, source_flag = oracle_item

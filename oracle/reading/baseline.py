@@ -29,6 +29,7 @@ from oracle.reading.allowed import allowed_positions
 from oracle.reading.heads import alibi_bias, dequantised, resolve_scale, with_heads
 from oracle.reading.latent import fold_latent, split_latent
 from oracle.reading.sparse import indices_as_mask
+from refattn.blockscale import dequantize_blocks, is_fp4
 from refattn.broadcast import expand_kv, fold_kv, reduce_to
 from refattn.exact.rounding import format_of
 
@@ -72,8 +73,6 @@ def dequantised_inputs(q, k, v, options):
         return q, k, v, options
     blocks = ("q_block_scale", "k_block_scale", "v_block_scale")
     if any(options.get(n) is not None for n in blocks):  # fp4: block scales first, exactly
-        from refattn.blockscale import dequantize_blocks, is_fp4
-
         q, k, v = (
             dequantize_blocks(x, options.get(f"{n}_block_scale"), n) if is_fp4(x) else x
             for n, x in zip("qkv", (q, k, v), strict=True)
@@ -88,26 +87,16 @@ def dequantised_inputs(q, k, v, options):
     return q, k, v, rest
 
 
-def _scores(
-    q,
-    k,
-    v,
-    dtype,
-    scale,
-    bias,
-    mask,
-    causal,
-    window,
-    align,
-    softcap,
-    alibi_slopes,
-    gqa,
-    softcap_order,
-    allowed,
-    kv_lengths=None,
-):
+def _scores(q, k, v, dtype, opt, softcap_order, allowed):
     """Final scores in the accumulation dtype (rounded through ``dtype`` at each stored stage),
-    the allowed set and the pre-softcap capped scores (for the softcap derivative)."""
+    the allowed set and the pre-softcap capped scores (for the softcap derivative). ``opt``
+    holds every option (None where not given)."""
+    scale, bias, mask, window, softcap = (
+        opt[n] for n in ("scale", "bias", "mask", "window", "softcap")
+    )
+    alibi_slopes, kv_lengths = opt["alibi_slopes"], opt["kv_lengths"]
+    causal, align = bool(opt["causal"]), opt["align"] or "top_left"
+    gqa = opt["gqa"] or "interleave"
     acc = accumulation_dtype(dtype)
     store = format_of(dtype).dtype
 
@@ -181,6 +170,8 @@ def _softmax(scores, allowed, empty_rows, acc, sinks=None):
         weights = terms / total
         lse = (top + np.log(total))[..., 0]
     fill = 0 if empty_rows == "zero" else np.nan
+    if empty_rows == "average":  # a declared reading (oracle.judging.empty_rows): weights 1/S
+        fill = 1.0 / scores.shape[-1]
     weights = np.where(empty[..., None], fill, weights).astype(acc)
     lse = np.where(empty, -np.inf if empty_rows == "zero" else np.nan, lse).astype(acc)
     return weights, lse, sink
@@ -247,24 +238,7 @@ def textbook_attention(
     store = format_of(dtype).dtype
     acc = accumulation_dtype(dtype)
     squeeze = np.asarray(q).ndim == 2
-    scores, allowed, _ = _scores(
-        q,
-        k,
-        v,
-        dtype,
-        opt["scale"],
-        opt["bias"],
-        opt["mask"],
-        bool(opt["causal"]),
-        opt["window"],
-        opt["align"] or "top_left",
-        opt["softcap"],
-        opt["alibi_slopes"],
-        opt["gqa"] or "interleave",
-        softcap_order,
-        allowed,
-        opt["kv_lengths"],
-    )
+    scores, allowed, _ = _scores(q, k, v, dtype, opt, softcap_order, allowed)
     if opt["normalizer"] == "sigmoid":
         weights, lse, sink = _sigmoid(scores, allowed, opt["empty_rows"] or "zero", acc)
     else:
@@ -356,24 +330,7 @@ def textbook_attention_vjp(q, k, v, grad_out, *, grad_lse=None, dtype=None, **op
     q3, k3, v3 = with_heads(q, "q"), with_heads(k, "k"), with_heads(v, "v")
     H, D = q3.shape[-3], q3.shape[-1]
     K = k3.shape[-3]
-    scores, allowed, capped = _scores(
-        q,
-        k,
-        v,
-        dtype,
-        opt["scale"],
-        opt["bias"],
-        opt["mask"],
-        bool(opt["causal"]),
-        opt["window"],
-        opt["align"] or "top_left",
-        opt["softcap"],
-        opt["alibi_slopes"],
-        gqa,
-        "before_bias",
-        None,
-        opt["kv_lengths"],
-    )
+    scores, allowed, capped = _scores(q, k, v, dtype, opt, "before_bias", None)
     sigmoid = opt["normalizer"] == "sigmoid"
     if sigmoid:  # dS = sigma(t) sigma(-t) dP: no Delta
         weights, _, sink = _sigmoid(scores, allowed, "zero", acc)
@@ -437,24 +394,7 @@ def storage_accumulation_attention(
     options = indices_as_mask(q, k, options)  # sparse key indices: their set, as a mask
     q, k, v, options = dequantised_inputs(q, k, v, options)
     o = {name: options.get(name) for name in ATTENTION_OPTIONS}
-    scores, allowed, _ = _scores(
-        q,
-        k,
-        v,
-        dtype,
-        o["scale"],
-        o["bias"],
-        o["mask"],
-        bool(o["causal"]),
-        o["window"],
-        o["align"] or "top_left",
-        o["softcap"],
-        o["alibi_slopes"],
-        o["gqa"] or "interleave",
-        "before_bias",
-        None,
-        o["kv_lengths"],
-    )
+    scores, allowed, _ = _scores(q, k, v, dtype, o, "before_bias", None)
     with np.errstate(all="ignore"):
         masked = np.where(allowed, scores, -np.inf)
         top = masked.max(axis=-1, keepdims=True)

@@ -1,10 +1,11 @@
 """Batch surgery on attention inputs: take and reorder batch elements, keeping broadcast
 dimensions broadcast.
 
-q, k, v, mask, bias, dropout_mask and grad_out carry the batch on axis -4 (their trailing axes
-are (heads, rows, columns)); grad_lse on axis -3; kv_lengths (B,) on its only axis; the fp8
-descale factors (B, K) on axis -2. An array whose batch axis is missing, or is of
-size 1 while the batch is larger, broadcasts over the batch and is left as it is.
+q, k, v, mask, bias, dropout_mask, the sparse key indices, qv, the fp4 block scales and grad_out
+carry the batch on axis -4 (their trailing axes are (heads, rows, columns)); grad_lse on axis
+-3; kv_lengths (B,) on its only axis; the fp8 descale factors (B, K) on axis -2. An array whose
+batch axis is missing, or is of size 1 while the batch is larger, broadcasts over the batch
+and is left as it is.
 
 Examples
 --------
@@ -24,32 +25,25 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from refattn.spec import OPTIONS
+
 __all__ = ["BATCH_AXIS", "batch_size", "take_batch"]
 
-#: name -> batch axis (from the end) of the attention inputs that may carry a batch
+#: name -> batch axis (from the end) of the attention inputs that may carry a batch: q, k, v
+#: and the cotangents, and every array option by its ``batch_axis`` in refattn.spec.OPTIONS
 BATCH_AXIS = {
     "q": -4,
     "k": -4,
     "v": -4,
-    "mask": -4,
-    "bias": -4,
-    "dropout_mask": -4,
+    **{row.name: row.batch_axis for row in OPTIONS if row.batch_axis is not None},
     "grad_out": -4,
     "grad_lse": -3,
-    "kv_lengths": -1,
-    "q_descale": -2,
-    "k_descale": -2,
-    "v_descale": -2,
-    "q_block_scale": -4,
-    "k_block_scale": -4,
-    "v_block_scale": -4,
 }
 #: inputs that always carry the batch (never broadcast over it): per-row key lengths and the
-#: per-(batch, kv head) descale factors follow their batch element even at batch size 1
-_ALWAYS = ("q", "k", "v", "kv_lengths", "q_descale", "k_descale", "v_descale") + (
-    "q_block_scale",
-    "k_block_scale",
-    "v_block_scale",
+#: per-(batch, kv head) descale and block-scale factors follow their batch element even at
+#: batch size 1
+_ALWAYS = ("q", "k", "v") + tuple(
+    row.name for row in OPTIONS if row.kind in ("per-batch", "descale", "block scale")
 )
 
 

@@ -1,5 +1,5 @@
 """The features and shape classes a case exercises: the vocabulary of the coverage table of
-:class:`oracle.judging.results.Report` and of ``--require``."""
+:class:`oracle.report.run_report.Report` and of ``--require``."""
 
 from __future__ import annotations
 

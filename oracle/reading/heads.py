@@ -19,6 +19,7 @@ import math
 
 import numpy as np
 
+from refattn.broadcast import expand_kv
 from refattn.spec import offset_of
 
 __all__ = ["with_heads", "alibi_bias", "resolve_scale", "dequantised"]
@@ -62,7 +63,5 @@ def dequantised(x, descale, heads=None, gqa="interleave"):
         return values
     factor = np.asarray(descale, dtype=np.float64)[..., :, None, None]
     if heads is not None and factor.shape[-3] != heads:
-        from refattn.broadcast import expand_kv
-
         factor = expand_kv(factor, heads, gqa or "interleave")
     return values * factor

@@ -9,7 +9,8 @@ The HTML report draws error heatmaps and histograms with matplotlib, an optional
 
 Examples
 --------
->>> from oracle.judging.results import Report, CaseResult
+>>> from oracle.judging.results import CaseResult
+>>> from oracle.report.run_report import Report
 >>> report = Report("demo", "float32", "suite smoke", False,
 ...                 [CaseResult("basic-f32", "conformance", "float32", "pass")])
 >>> print(summary_table(report).splitlines()[0])
@@ -31,7 +32,9 @@ from xml.etree import ElementTree as ET
 import numpy as np
 
 from oracle.catalogue.names import STRICT_ONLY
+from oracle.diagnose.key_map import max_pool
 from oracle.diagnose.tiles import tile_tracking
+from oracle.judging.tolerance import FAILURE_PROBABILITY, K_BACKWARD, K_FORWARD
 from oracle.report.summary import ulp_meaningful, unsupported_lines, worst_failures
 
 __all__ = [
@@ -274,8 +277,6 @@ def coverage_lines(report) -> list[str]:
 
 def to_dict(report) -> dict:
     """JSON-ready dictionary of the whole run."""
-    from oracle.judging.tolerance import FAILURE_PROBABILITY, K_BACKWARD, K_FORWARD
-
     return {
         "impl": report.impl,
         "dtype": report.dtype,
@@ -360,6 +361,7 @@ def plotting_available() -> bool:
 
 def _matplotlib():
     try:
+        # optional package (plot extra)
         import matplotlib
     except ImportError:
         return None
@@ -395,8 +397,6 @@ def _heatmap(ax, grid, limit, cmap, title):
 
 
 def _pool2(grid, size):
-    from oracle.report.summary import max_pool
-
     return max_pool(np.asarray(grid, dtype=np.float64), size)
 
 
@@ -459,6 +459,7 @@ def _plots(Figure, result, every=False) -> list[str]:
 
 def matplotlib_colormap(name):
     """A copy of matplotlib's colormap ``name`` (safe to modify)."""
+    # optional package (plot extra)
     import matplotlib
 
     return matplotlib.colormaps[name].copy()

@@ -21,8 +21,8 @@ carry their own batch dimension (otherwise dk, dv or dbias sum over the batch).
 worker process of :mod:`oracle.run.validate` kept across its cases (the implementation and its
 framework are imported once per Dask worker, not once per case, and the child is kept for the
 worker's next tasks: :mod:`oracle.run.worker_cache`), and returns one merged
-:class:`~oracle.judging.results.Report` per implementation. An implementation a worker cannot import
-is an ImportError that names the worker.
+:class:`~oracle.report.run_report.Report` per implementation. An implementation a worker cannot
+import is an ImportError that names the worker.
 
 Workers need refattn installed at the same version as the client (checked: a mismatch is an
 error naming both versions) and, for ``--impl module:function``, the implementation importable.
@@ -39,6 +39,7 @@ Examples
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -50,7 +51,8 @@ from oracle import catalogue
 from oracle.catalogue.case import Case
 from oracle.fixtures import golden
 from oracle.judging import must_refuse as refusal
-from oracle.judging.results import Report
+from oracle.report.run_report import Report
+from oracle.run.validate import select_cases, validate
 
 __all__ = ["plan_blocks", "block_truth", "assemble", "dask_runner", "validate_many", "SPLIT_COST"]
 
@@ -62,6 +64,7 @@ _BATCHED = ("q", "k", "v", "mask", "bias", "dropout_mask", "grad_out")  # (B, H|
 
 def _client(scheduler):
     try:
+        # optional package (dask extra)
         from distributed import Client
     except ImportError:  # pragma: no cover - exercised only without the extra
         raise ImportError(
@@ -229,6 +232,7 @@ def dask_runner(scheduler, *, client=None):
 
 
 def _run_cases(client, todo: list[Case], out: Path) -> Iterator[tuple[str, str]]:
+    # optional package (dask extra)
     from distributed import as_completed
 
     pending: dict[str, dict] = {}
@@ -287,8 +291,6 @@ def _validate_chunk(impl: str, case_names: list, kwargs: dict) -> dict:
     worker: the implementation is imported once per chunk, not once per case). An
     implementation the worker cannot load comes back as ``{"import_error", "worker"}``, so
     the client reports it as the worker's, not its own."""
-    from oracle.run.validate import validate
-
     try:
         report = validate(impl, cases=list(case_names), progress=False, keep_worker=True, **kwargs)
     except ImportError as err:
@@ -298,12 +300,11 @@ def _validate_chunk(impl: str, case_names: list, kwargs: dict) -> dict:
 
 def _worker_name() -> str:
     try:
+        # optional package (dask extra)
         from distributed import get_worker
 
         return get_worker().address
     except (ImportError, ValueError):  # pragma: no cover - outside a Dask worker
-        import socket
-
         return socket.gethostname()
 
 
@@ -351,10 +352,8 @@ def validate_many(
     Returns
     -------
     dict
-        implementation -> :class:`~oracle.judging.results.Report`, the results in case order.
+        implementation -> :class:`~oracle.report.run_report.Report`, the results in case order.
     """
-    from oracle.run.validate import select_cases
-
     impls = list(impls)
     if not impls or not all(isinstance(i, str) and i for i in impls):
         raise ValueError(

@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
+from oracle import adapters
+
 __all__ = ["resolve_impl", "callable_spec", "is_module_spec", "locate_impl", "adapter_located"]
 
 
@@ -21,8 +23,6 @@ def resolve_impl(impl):
             f"got {type(impl).__name__}"
         )
     if ":" not in impl:
-        from oracle import adapters
-
         return adapters.get(impl), None
     module_name, attr = _split(impl)
     obj = _import(module_name, impl)
@@ -119,10 +119,6 @@ def adapter_located(impl) -> bool:
     >>> adapter_located("refattn-float64"), adapter_located("mypkg:attention")
     (True, False)
     """
-    import importlib.util
-
-    from oracle import adapters
-
     entry = adapters._REGISTRY.get(impl) if isinstance(impl, str) else None
     if entry is None or entry.probe:
         return False

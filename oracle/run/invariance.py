@@ -31,7 +31,8 @@ Robustness and variant cases are not checked.
 
 Examples
 --------
->>> from oracle import catalogue, golden
+>>> from oracle import catalogue
+>>> from oracle.fixtures import golden
 >>> from refattn import attention
 >>> fixture = golden.build(catalogue.get("basic-H2K2-L5S7-D8E8-f32"))
 >>> exact = lambda q, k, v, **options: attention(q, k, v, **options, precision="exact")

@@ -24,13 +24,13 @@ from __future__ import annotations
 import queue
 import threading
 
+from oracle.run.supervise import Supervisor
+
 __all__ = ["more_supervisors", "start_concurrently", "run_in_order"]
 
 
 def more_supervisors(first, count: int) -> list:
     """``count`` more :class:`~oracle.run.supervise.Supervisor` like ``first`` (not started)."""
-    from oracle.run.supervise import Supervisor
-
     made = type(first) if isinstance(first, Supervisor) else Supervisor
     return [
         made(first.impl_ref, timeout=first.timeout, memory_limit=first.memory_limit)

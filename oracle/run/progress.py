@@ -1,7 +1,10 @@
 """A small dependency-free progress bar on stderr.
 
 On a terminal the bar redraws one line (``\\r``); elsewhere (CI logs, pipes) it prints a line
-at every tenth of the work so logs stay short. Disabled bars print nothing.
+at every tenth of the work so logs stay short. Disabled bars print nothing. :meth:`Progress.note`
+shows what the current step is doing (a long diagnosis: "diagnosing <case>: reading 7 of 23",
+with the steps left) on the bar's line; in logs at most one such line every
+:data:`NOTE_EVERY` seconds.
 
 Examples
 --------
@@ -12,16 +15,23 @@ Examples
 ...     bar.advance("second")
 >>> "2/2" in stream.getvalue()
 True
+>>> with Progress(3, "demo", stream=stream) as bar:
+...     bar.note("diagnosing case-a")
+>>> stream.getvalue().splitlines()[-1]
+'demo [............................] 0/3  diagnosing case-a (3 left)'
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 __all__ = ["Progress"]
 
 _WIDTH = 28
+#: Seconds between two note lines in a log (not a terminal).
+NOTE_EVERY = 10.0
 
 
 def _clock(seconds: float) -> str:
@@ -53,6 +63,9 @@ class Progress:
         self._start = 0.0
         self._reported_tenth = -1
         self._tty = False
+        self._noted = -NOTE_EVERY
+        self._lock = threading.Lock()  # notes may come from the threads of parallel workers
+        self._written = 0  # length of the last note on a terminal: the next line covers it
 
     def __enter__(self) -> Progress:
         self.stream = self.stream or sys.stderr
@@ -80,7 +93,31 @@ class Progress:
         )
         self.stream.flush()
 
-    def _line(self, note: str) -> str:
+    def note(self, text: str) -> None:
+        """Show what the current step is doing, with the number of steps left."""
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        with self._lock:
+            if not self._tty and now - self._noted < NOTE_EVERY:
+                return
+            self._noted = now
+            left = self.total - self.done
+            if self._tty:
+                line = self._line("", width=0) + f"  {text[:72]} ({left} left)"
+                self._written = len(line)
+                self.stream.write("\r" + line)
+            else:
+                self.stream.write(f"{self.label} [{self._bar()}] {self.done}/{self.total}  ")
+                self.stream.write(f"{text} ({left} left)\n")
+            self.stream.flush()
+
+    def _bar(self) -> str:
+        fraction = self.done / self.total if self.total else 1.0
+        filled = int(round(_WIDTH * fraction))
+        return "#" * filled + "." * (_WIDTH - filled)
+
+    def _line(self, note: str, width: int = 100) -> str:
         fraction = self.done / self.total if self.total else 1.0
         filled = int(round(_WIDTH * fraction))
         elapsed = time.monotonic() - self._start
@@ -90,4 +127,4 @@ class Progress:
         line = f"{self.label} [{bar}] {self.done}/{self.total} {tail}"
         if note:
             line += f"  {note[:48]}"
-        return line.ljust(100) if self._tty else line
+        return line.ljust(max(width, self._written if width else 0)) if self._tty else line

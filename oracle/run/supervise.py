@@ -17,11 +17,13 @@ caller refuses the run, see :meth:`Supervisor.start`), then answers each request
 grads, diagnose, reproduce, check, tolerance)`` with the judged
 :class:`oracle.run.validate.CaseResult` ("result"), or "error" and one line when the implementation
 raised a BaseException the judge does not turn into a verdict (KeyboardInterrupt...); ``None``
-asks it to stop. The worker ignores SIGINT: a Ctrl-C stops the parent, which kills it.
+asks it to stop. Before its answer the worker may send ("note", text) progress notes (a long
+diagnosis, :mod:`oracle.diagnose.budget`), handed to :attr:`Supervisor.on_note`. The
+worker ignores SIGINT: a Ctrl-C stops the parent, which kills it.
 
 Examples
 --------
->>> from oracle import golden
+>>> from oracle.fixtures import golden
 >>> from oracle.catalogue import get
 >>> fixture = golden.build(get("basic-H2K2-L5S7-D8E8-f64"))
 >>> with Supervisor("refattn-float64", timeout=120) as supervisor:
@@ -74,14 +76,17 @@ def _serve(receive, connection, impl_ref, memory_limit) -> None:  # pragma: no c
         impl_ref, convention = impl_ref
     try:
         if memory_limit:
+            # POSIX only; set before the worker loads anything else
             import resource
 
             resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
+        # the worker's modules load under its memory limit, inside the try (failure: 'fatal')
         from oracle.judging import judge  # noqa: F401 - loaded before the first case's clock starts
         from oracle.run.impls import resolve_impl
 
         impl, _ = resolve_impl(impl_ref)
         if convention:
+            # the worker's modules load after its memory limit (see above)
             from oracle.conventions.layouts import wrap
 
             impl = wrap(impl, **convention)
@@ -89,6 +94,10 @@ def _serve(receive, connection, impl_ref, memory_limit) -> None:  # pragma: no c
         connection.send(("fatal", _one_line(exc)))
         return
     connection.send(("ready", None))
+    # worker side, as judge above (module-level imports run before the memory limit)
+    from oracle.diagnose.budget import set_reporter
+
+    set_reporter(lambda note: connection.send(("note", note)))  # the parent's progress bar
     while True:
         request = receive.recv()
         if request is None:
@@ -102,6 +111,7 @@ def _serve(receive, connection, impl_ref, memory_limit) -> None:  # pragma: no c
 
 
 def _judge(impl, request):  # pragma: no cover - worker
+    # worker side: loaded by _serve after the memory limit (module-level imports run first)
     from oracle.judging.judge import check_fixture
 
     fixture, grads, diagnose, reproduce, check, tolerance = request
@@ -109,6 +119,7 @@ def _judge(impl, request):  # pragma: no cover - worker
         return check_fixture(
             impl, fixture, grads=grads, diagnose=diagnose, reproduce=reproduce, tolerance=tolerance
         )
+    # worker side: loaded by _serve after the memory limit (module-level imports run first)
     from oracle.run.invariance import check_invariance
 
     return check_invariance(impl, fixture, check, reproduce=reproduce)
@@ -142,6 +153,8 @@ class Supervisor:
         self.impl_ref, self.timeout, self.memory_limit = impl_ref, float(timeout), memory_limit
         self._process = self._connection = self._send_connection = None
         self.starts = 0  # worker processes started (1 unless a case killed one)
+        #: ``on_note(text)`` receives the worker's progress notes (a long diagnosis); None: dropped
+        self.on_note = None
 
     def __enter__(self):
         return self
@@ -184,8 +197,9 @@ class Supervisor:
             return message
         return None
 
-    def _receive(self, timeout, doing):
-        """("result"/"ready"/"fatal", payload) or ("died", reason) for timeout and death."""
+    def _receive(self, timeout, doing, limit=None):
+        """("result"/"ready"/"fatal"/"note", payload) or ("died", reason) for timeout and
+        death; ``limit`` is the timeout the reason names (default ``timeout``)."""
         try:
             if self._connection.poll(timeout):
                 return self._connection.recv()
@@ -194,7 +208,7 @@ class Supervisor:
         else:
             self._stop()
             return "died", (
-                f"timeout: no result within {timeout:g} s while {doing} "
+                f"timeout: no result within {limit or timeout:g} s while {doing} "
                 f"(the worker was killed; raise --timeout if the case is just "
                 f"slow)"
             )
@@ -235,6 +249,7 @@ class Supervisor:
     ):
         """Judge one fixture in the worker (or run the invariance ``check`` of
         :mod:`oracle.run.invariance` on it); any way the worker fails is an "error" result."""
+        # keeps this module light: the worker runs it as __main__ before its memory limit
         from oracle.judging.results import CaseResult
 
         start = time.perf_counter()
@@ -246,7 +261,7 @@ class Supervisor:
                 kind, problem = "died", self._death("sending the case")
             else:
                 try:
-                    kind, payload = self._receive(self.timeout, f"running {fixture.case.name}")
+                    kind, payload = self._result(fixture.case.name, start)
                 except KeyboardInterrupt:  # Ctrl-C: stop the worker now, not after the case
                     self._stop()
                     raise
@@ -268,6 +283,17 @@ class Supervisor:
         )
         result.seconds = time.perf_counter() - start
         return result
+
+    def _result(self, name, start):
+        """The case's answer; progress notes on the way go to :attr:`on_note` (the case's
+        timeout runs from ``start`` across them)."""
+        while True:
+            left = max(self.timeout - (time.perf_counter() - start), 0.0)
+            kind, payload = self._receive(left, f"running {name}", self.timeout)
+            if kind != "note":
+                return kind, payload
+            if self.on_note is not None:
+                self.on_note(payload)
 
     def close(self) -> None:
         """Ask the worker to stop (and kill it if it does not)."""

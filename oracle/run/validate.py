@@ -32,22 +32,32 @@ Examples
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import sys
 import time
 import types
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from oracle import catalogue
+from oracle.conventions.layouts import check_convention, wrap
+from oracle.conventions.signatures import parse_keywords
+from oracle.diagnose.budget import DEFAULT_MULTIPLE, DiagnosisBudget, set_reporter
 from oracle.diagnose.guidance import FIRST_CASES, check_first_cases
 from oracle.fixtures import golden
 from oracle.judging import tolerance as tol
 from oracle.judging.judge import check_fixture
-from oracle.judging.results import Report
+from oracle.judging.refused import refusals_as_errors
 from oracle.reading.features import KNOWN_FEATURES, case_features
+from oracle.report.run_report import Report
 from oracle.run.impls import adapter_located, is_module_spec, locate_impl, resolve_impl
+from oracle.run.invariance import applies, check_invariance, parse_checks
+from oracle.run.parallel import more_supervisors, run_in_order, start_concurrently
 from oracle.run.progress import Progress
+from oracle.run.supervise import DEFAULT_TIMEOUT, Supervisor
+from oracle.run.worker_cache import kept_supervisor
 
 __all__ = ["validate", "resolve_impl", "reproduce_command", "select_cases"]
 
@@ -118,7 +128,8 @@ def _sources(suite, fixtures, dtype, cases):
             # only the selected files are read (a directory holds hundreds): the manifest names
             # them; an unusable manifest is load's own clear error
             names = _manifest_names(fixtures, dtype, cases)
-            items = list(_select(golden.load(fixtures, names=names), dtype, cases))
+            chosen = golden.load(fixtures, names=names, cases=None if names else cases or None)
+            items = list(_select(chosen, dtype, cases))
             return f"fixtures {fixtures}", items, str(fixtures)
         return "fixtures", list(_select(fixtures, dtype, cases)), None
     suite = "smoke" if suite is None else suite
@@ -187,11 +198,11 @@ def _convention_flags(convention) -> str:
     defaults = {"layout": "bhld", "framework": "numpy", "device": "cpu"}
     for name, value in convention.items():
         if name == "keywords":
-            from oracle.conventions.signatures import parse_keywords
-
             flags += [f" --keyword {a}={b}" for a, b in parse_keywords(value).items()]
         elif name == "causal_align":
             flags.append(f" --causal-align {value}")
+        elif name == "empty_rows":
+            flags.append(f" --empty-rows {value}")
         elif value != defaults[name]:
             flags.append(f" --{name} {value}")
     return "".join(flags)
@@ -209,6 +220,7 @@ def validate(
     progress=True,
     cases: str | Iterable[str] | None = None,
     diagnose=True,
+    diagnose_budget=DEFAULT_MULTIPLE,
     isolate=True,
     timeout=None,
     memory_limit=None,
@@ -220,6 +232,7 @@ def validate(
     signature=None,
     causal_align=None,
     keywords=None,
+    empty_rows=None,
     strict_invariance=False,
     workers=1,
     refusals_are_errors=False,
@@ -244,14 +257,27 @@ def validate(
         cannot be checked because there is no ``vjp`` is "unsupported", never a pass).
     strict : bool
         Robustness failures fail the run too.
-    tolerance : {"default", "tight"}
+    tolerance : {"default", "tight", "both"}
         The tolerance tier (:mod:`oracle.judging.tolerance`): "default" (T2) is free of false alarms
         for any correct algorithm; "tight" (T7) follows the expected error of a correct
-        float32-accumulating kernel on the case, so narrower accumulation fails.
+        float32-accumulating kernel on the case, so narrower accumulation fails. "both": each
+        case's one call judged in both tiers; the default tier's report is returned with the
+        tight tier's as its ``tight`` attribute.
     progress : bool
         A progress bar on stderr.
     cases : str or iterable of str, optional
         Only the cases whose names match one of these fnmatch patterns (case-insensitive).
+    diagnose : bool
+        Diagnose failing cases: which named alternative reading of the conventions (or which
+        tiled-kernel bug, narrower precision...) the output matches
+        (:mod:`oracle.diagnose.diagnosis`).
+    diagnose_budget : float
+        A failing case's diagnosis may take this many times the case's judging time
+        (default :data:`oracle.diagnose.budget.DEFAULT_MULTIPLE`, 2; at least
+        :data:`~oracle.diagnose.budget.FLOOR_SECONDS`; ``math.inf``: unbounded). Readings are
+        tried likeliest first; one whose evaluation is cheap is always tried (small cases are
+        diagnosed the same on any machine); a diagnosis that ran out says so in one line with
+        what it tried (:mod:`oracle.diagnose.budget`).
     isolate : bool
         Run the cases in a supervised worker process (:class:`oracle.run.supervise.Supervisor`):
         an implementation that exits, hangs, crashes or exhausts memory gives that case the
@@ -290,6 +316,11 @@ def validate(
     keywords : dict or list of "option=name", optional
         Without a preset: the implementation's names for refattn's options
         (``{"scale": "softmax_scale"}``).
+    empty_rows : {"zero", "nan", "average"}, optional
+        What the implementation gives rows with no allowed key when it has no option for it
+        (:mod:`oracle.judging.empty_rows`): it never receives ``empty_rows``; cases with such
+        rows are judged against that reading, those it cannot be judged on (gradients under
+        "nan"/"average") are "unsupported". A signature preset may bring its own.
     strict_invariance : bool
         Invariance warnings (bits that differ while the deviating run stays within the
         tolerance) fail the run too.
@@ -324,35 +355,86 @@ def validate(
         or (isolated) the worker process dies or times out loading it. With ``isolate`` a
         ``"module:function"`` is imported in the worker only.
     """
-    from oracle.run.supervise import DEFAULT_TIMEOUT, Supervisor
-
     required = _required(require)
-    from oracle.run.invariance import applies, parse_checks
-
     checks = parse_checks(checks)
+    budget = DiagnosisBudget.of(diagnose_budget)  # a clear error for a bad budget
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers: expected an integer >= 1, got {workers!r}")
-
-    tol.check_tier(tolerance)
+    tiers = tol.TIERS if tolerance == "both" else (tol.check_tier(tolerance),)
     if dtype is not None:
         tol.unit_roundoff(dtype)  # a clear error for an unknown dtype
-    from oracle.conventions.layouts import check_convention, wrap
+    convention = check_convention(
+        layout, framework, device, signature, causal_align, keywords, empty_rows
+    )
+    unwrapped, fn, spec = _implementation(impl, isolate, convention)
+    label, items, source_flag = _selection(suite, fixtures, dtype, cases)
+    supervisor = _supervisor(
+        impl, unwrapped, spec, convention, isolate, keep_worker, timeout, memory_limit
+    )
+    run = _Run(
+        fn,
+        spec,
+        source_flag,
+        grads,
+        strict,
+        tolerance,
+        diagnose and budget,
+        convention,
+        checks,
+        extra_flags=getattr(unwrapped, "reproduce_flags", ""),  # an adapted merge function's
+    )
+    start = time.perf_counter()
+    results = _run_items(run, items, supervisor, unwrapped, workers, progress, keep_worker)
+    if refusals_are_errors:
+        refusals_as_errors(results)
+    seconds = time.perf_counter() - start
+    reports = [
+        Report(_impl_name(fn, spec), dtype, label, strict, _of_tier(results, tier), seconds, grads)
+        for tier in tiers
+    ]
+    for report, tier in zip(reports, tiers, strict=True):
+        report.isolated = supervisor is not None
+        report.required = required
+        report.tolerance = tier
+        report.use_layout(convention["layout"])
+        report.strict_invariance = bool(strict_invariance)
+    if len(reports) > 1:
+        reports[0].tight = reports[1]
+    return reports[0]
 
-    convention = check_convention(layout, framework, device, signature, causal_align, keywords)
-    default_convention = convention == check_convention()
-    in_worker = isinstance(convention.get("signature", ""), str)  # a Signature object is not
-    if isolate and in_worker and (is_module_spec(impl) or adapter_located(impl)):
+
+def _of_tier(results, tier) -> list:
+    """The results of ``tier``: each case's own, or its tight twin (``tolerance="both"``;
+    invariance checks have none and count in both)."""
+    if tier == "default":
+        return list(results)
+    return [r.tight if getattr(r, "tight", None) is not None else r for r in results]
+
+
+def _in_worker(convention) -> bool:
+    """Whether a worker process can rebuild the convention (a Signature object cannot)."""
+    return isinstance(convention.get("signature", ""), str)
+
+
+def _implementation(impl, isolate, convention):
+    """``(unwrapped, fn, spec)``: the implementation, wrapped in its convention, and the
+    ``module:function`` or adapter name a worker resolves it from (both None when only the
+    worker imports it)."""
+    if isolate and _in_worker(convention) and (is_module_spec(impl) or adapter_located(impl)):
         # only the worker imports it: a module that exits, crashes or hangs at import cannot
         # end this process (with rc 0 for sys.exit(0)) or stall it; Supervisor.start says why
         locate_impl(impl)
-        unwrapped, fn, spec = None, None, impl
-    else:
-        unwrapped, spec = resolve_impl(impl)
-        if spec is None and isinstance(impl, str):
-            spec = impl
-        fn = wrap(unwrapped, **convention)
-        spec = spec or getattr(unwrapped, "impl_spec", None)  # an adapted merge function's
-    extra_flags = getattr(unwrapped, "reproduce_flags", "")
+        return None, None, impl
+    unwrapped, spec = resolve_impl(impl)
+    if spec is None and isinstance(impl, str):
+        spec = impl
+    spec = spec or getattr(unwrapped, "impl_spec", None)  # an adapted merge function's
+    return unwrapped, wrap(unwrapped, **convention), spec
+
+
+def _selection(suite, fixtures, dtype, cases):
+    """``(label, items, source_flag)``: the selected cases or fixtures and the command-line
+    flag that selects them again (ValueError when none is selected)."""
     patterns = _patterns(cases)
     label, items, source_arg = _sources(suite, fixtures, dtype, patterns)
     if not items:
@@ -368,107 +450,137 @@ def validate(
         source_flag = f"--fixtures {source_arg}"
     else:
         source_flag = f"--suite {source_arg}"
+    return label, items, source_flag
+
+
+def _supervisor(impl, unwrapped, spec, convention, isolate, keep_worker, timeout, memory_limit):
+    """The supervised worker that runs the cases, or None (the implementation runs in this
+    process)."""
     worker_ref = _worker_ref(impl, unwrapped, spec) if isolate else None
-    if not in_worker:
+    if not _in_worker(convention):
         worker_ref = None
-    if worker_ref is not None and not default_convention:
+    if worker_ref is not None and convention != check_convention():
         worker_ref = (worker_ref, convention)
     limits = dict(
         timeout=DEFAULT_TIMEOUT if timeout is None else timeout, memory_limit=memory_limit
     )
     if worker_ref is None:
-        supervisor = None
-    elif keep_worker:  # a Dask worker keeps its supervised child across tasks
-        from oracle.run.worker_cache import kept_supervisor
+        return None
+    if keep_worker:  # a Dask worker keeps its supervised child across tasks
+        return kept_supervisor(worker_ref, **limits)
+    return Supervisor(worker_ref, **limits)
 
-        supervisor = kept_supervisor(worker_ref, **limits)
-    else:
-        supervisor = Supervisor(worker_ref, **limits)
 
-    def run_item(item, worker) -> list:
+@dataclass(frozen=True)
+class _Run:
+    """What judging one case needs: the wrapped implementation, its name for the reproduce
+    command, and the settings of the run."""
+
+    fn: object
+    spec: str | None
+    source_flag: str
+    grads: bool
+    strict: bool
+    tolerance: str
+    diagnose: bool
+    convention: dict
+    checks: tuple
+    extra_flags: str = ""
+
+    def item(self, item, worker) -> list:
         """The case's result and its invariance checks, run by ``worker`` (or in process)."""
         fixture = golden.build(item) if not hasattr(item, "truth") else item
         repro = reproduce_command(
-            spec,
-            source_flag,
+            self.spec,
+            self.source_flag,
             fixture.case.dtype,
             fixture.case.name,
-            grads,
-            strict,
-            tolerance,
-            convention=convention,
-            extra_flags=extra_flags,
+            self.grads,
+            self.strict,
+            self.tolerance,
+            convention=self.convention,
+            extra_flags=self.extra_flags,
         )
-        judged = dict(grads=grads, diagnose=diagnose, reproduce=repro, tolerance=tolerance)
+        judged = dict(
+            grads=self.grads, diagnose=self.diagnose, reproduce=repro, tolerance=self.tolerance
+        )
         if worker is None:
-            result = check_fixture(fn, fixture, **judged)
+            result = check_fixture(self.fn, fixture, **judged)
         else:
             result = worker.run(fixture, **judged)
-        result.features, result.shape_classes = case_features(fixture.case, grads, fixture.inputs)
+        result.features, result.shape_classes = case_features(
+            fixture.case, self.grads, fixture.inputs
+        )
         found = [result]
-        for check in checks if applies(fixture) else ():
+        for check in self.checks if applies(fixture) else ():
             again = reproduce_command(
-                spec,
-                source_flag,
+                self.spec,
+                self.source_flag,
                 fixture.case.dtype,
                 fixture.case.name,
                 False,
                 False,
                 check=check,
-                convention=convention,
+                convention=self.convention,
             )
-            found.append(_invariance(fn, worker, fixture, check, again))
+            found.append(_invariance(self.fn, worker, fixture, check, again))
         return found
 
+
+def _run_items(run, items, supervisor, unwrapped, workers, progress, keep_worker) -> list:
+    """Every item's results in case order, on ``workers`` supervised workers (or in process);
+    the workers are closed after (but a kept one)."""
+    fn, spec = run.fn, run.spec
     results = []
-    start = time.perf_counter()
     pool = [supervisor]
     if supervisor is not None and workers > 1:
-        from oracle.run.parallel import more_supervisors
-
         pool += more_supervisors(supervisor, min(workers, len(items)) - 1)
     try:
         if len(pool) > 1:  # every worker loads the implementation at once
-            from oracle.run.parallel import start_concurrently
-
             start_concurrently(pool)
         _start_worker(supervisor, spec or _impl_name(fn, spec))
-        with Progress(
-            len(items), f"validate {_impl_name(fn, spec)}", enabled=progress, stream=sys.stderr
-        ) as bar:
+        with (
+            Progress(
+                len(items), f"validate {_impl_name(fn, spec)}", enabled=progress, stream=sys.stderr
+            ) as bar,
+            _notes_to(bar, pool),
+        ):
 
             def done(found) -> None:
                 results.extend(found)
                 bar.advance(f"{found[0].name}: {found[0].verdict}")
-                if len(results) <= 8 * FIRST_CASES * (1 + len(checks)):
+                if len(results) <= 8 * FIRST_CASES * (1 + len(run.checks)):
                     check_first_cases(
-                        results, lambda: unwrapped or _importable(spec), convention, len(items)
+                        results, lambda: unwrapped or _importable(spec), run.convention, len(items)
                     )
 
             if len(pool) > 1:
-                from oracle.run.parallel import run_in_order
-
-                run_in_order(items, pool, run_item, done)
+                run_in_order(items, pool, run.item, done)
             else:
                 for item in items:
-                    done(run_item(item, supervisor))
+                    done(run.item(item, supervisor))
     finally:
         for worker in pool:
             if worker is not None and not (keep_worker and worker is supervisor):
                 worker.close()
-    if refusals_are_errors:
-        from oracle.judging.refused import refusals_as_errors
+    return results
 
-        refusals_as_errors(results)
-    report = Report(
-        _impl_name(fn, spec), dtype, label, strict, results, time.perf_counter() - start, grads
-    )
-    report.isolated = supervisor is not None
-    report.required = required
-    report.tolerance = tolerance
-    report.use_layout(convention["layout"])
-    report.strict_invariance = bool(strict_invariance)
-    return report
+
+@contextlib.contextmanager
+def _notes_to(bar, pool):
+    """Progress notes of the diagnoses (oracle.diagnose.budget), in this process or from the
+    supervised workers, shown on ``bar`` while the run lasts."""
+    previous = set_reporter(bar.note)
+    for worker in pool:
+        if worker is not None:
+            worker.on_note = bar.note
+    try:
+        yield
+    finally:
+        set_reporter(previous)
+        for worker in pool:
+            if worker is not None:
+                worker.on_note = None
 
 
 def _importable(spec):
@@ -495,8 +607,6 @@ def _start_worker(supervisor, name) -> None:
 
 
 def _invariance(fn, supervisor, fixture, check, repro):
-    from oracle.run.invariance import check_invariance
-
     if supervisor is None:
         return check_invariance(fn, fixture, check, reproduce=repro)
     return supervisor.run(fixture, reproduce=repro, check=check)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import atexit
 import pickle
 
+from oracle.run.supervise import Supervisor
+
 __all__ = ["kept_supervisor", "close_kept"]
 
 _KEPT: dict = {}
@@ -29,8 +31,6 @@ _KEPT: dict = {}
 def kept_supervisor(impl_ref, *, timeout, memory_limit=None):
     """The kept :class:`~oracle.run.supervise.Supervisor` of ``impl_ref`` with these limits (made,
     not started, on first use)."""
-    from oracle.run.supervise import Supervisor
-
     key = (pickle.dumps(impl_ref), float(timeout), memory_limit)
     if key not in _KEPT:
         _KEPT[key] = Supervisor(impl_ref, timeout=timeout, memory_limit=memory_limit)

@@ -12,6 +12,8 @@ the oracle's judging policy take their a-priori bounds from here.
 * :mod:`.mixtures`: log-space softmax mixtures (gmm, mgk, hopfield), EM iterations, ratios.
 * :mod:`.fixedpoint`: iterates of fixed-point maps (fixedpoint, meanfield).
 * :mod:`.merge`: :func:`refattn.merge_states`' float64 path.
+* :mod:`.linear`: the linear-attention recurrence (:func:`refattn.linear_attention`), float64
+  and the Numba kernels, forward and vjp (running error analysis in norms).
 * :mod:`.transformer`: the pieces of :mod:`refattn.transformer` (first-order analysis along
   the same composition).
 """
@@ -19,6 +21,7 @@ the oracle's judging policy take their a-priori bounds from here.
 from .attention import float64_forward_bound, float64_vjp_bound, grad_scales
 from .fixedpoint import fixed_point_forward_bound, implicit_vjp_bound
 from .kernels import online_backward_bound, online_forward_bound
+from .linear import linear_forward_bound, linear_vjp_bound
 from .merge import merge_bound, merge_vjp_bound
 from .mixtures import (
     iterated_bound,
@@ -63,4 +66,6 @@ __all__ = [
     "multihead_attention_vjp_bound",
     "merge_bound",
     "merge_vjp_bound",
+    "linear_forward_bound",
+    "linear_vjp_bound",
 ]

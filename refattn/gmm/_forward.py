@@ -28,10 +28,24 @@ class GMMResult(NamedTuple):
 # --------------------------------------------------------------------------------------------
 
 
-def attention_model(
-    q, keys, values, alpha, beta, prior, form, mask, causal, window, align, empty_rows, v_init
+def attention_problem(
+    q,
+    keys,
+    values,
+    alpha,
+    beta,
+    prior,
+    form,
+    mask,
+    causal,
+    window,
+    align,
+    empty_rows,
+    v_init,
+    iters,
 ):
-    """(validated model with its allowed set, v_init broadcast to (B..., L, E) or None)."""
+    """The checked arguments of :func:`attention` and :func:`attention_vjp`: (the model with
+    its allowed set, v_init broadcast to (B..., L, E) or None, the iteration count)."""
     m = build_model(q, keys, values, alpha, beta, prior)
     m = m._replace(
         form=_checks.choice(form, "form", ATTENTION_FORMS),
@@ -42,7 +56,7 @@ def attention_model(
         v_init = _checks.finite_array(v_init, "v_init", 2)
         want = m.q.shape[:-1] + (m.values.shape[-1],)
         v_init = _checks.broadcast(v_init, want, "v_init", "(..., L, E)")
-    return m, v_init
+    return m, v_init, iteration_count(iters)
 
 
 def attention(
@@ -172,10 +186,22 @@ def attention(
             "backend: 'numba' runs the float64 path only; pass "
             "precision='float64' or backend='numpy'"
         )
-    m, v_init = attention_model(
-        q, keys, values, alpha, beta, prior, form, mask, causal, window, align, empty_rows, v_init
+    m, v_init, iters = attention_problem(
+        q,
+        keys,
+        values,
+        alpha,
+        beta,
+        prior,
+        form,
+        mask,
+        causal,
+        window,
+        align,
+        empty_rows,
+        v_init,
+        iters,
     )
-    iters = iteration_count(iters)
     tol = _checks.iteration_tol(tol, precision, "`iters` iterations")
     if return_trace and (m.beta == 0).any():
         raise ValueError(

@@ -23,8 +23,8 @@ from ._float64 import (
     unit_totals64,
     widened,
 )
-from ._forward import attention_model
-from ._model import Model, cotangent, iteration_count, passed_arrays, summed_to_arguments
+from ._forward import attention_problem
+from ._model import Model, cotangent, passed_arrays, summed_to_arguments
 
 
 class AttentionVJP(NamedTuple):
@@ -270,10 +270,22 @@ def attention_vjp(
     [[0.731059], [0.268941]]
     """
     precision = _checks.precision(precision)
-    m, v_init = attention_model(
-        q, keys, values, alpha, beta, prior, form, mask, causal, window, align, empty_rows, v_init
+    m, v_init, iters = attention_problem(
+        q,
+        keys,
+        values,
+        alpha,
+        beta,
+        prior,
+        form,
+        mask,
+        causal,
+        window,
+        align,
+        empty_rows,
+        v_init,
+        iters,
     )
-    iters = iteration_count(iters)
     grad = cotangent(grad_out, m.q.shape[:-1] + (m.values.shape[-1],), "(..., L, E)", 2)
     originals = passed_arrays([("q", q, 2), ("keys", keys, 2), ("values", values, 2)])
     if precision == "exact":

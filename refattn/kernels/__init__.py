@@ -8,15 +8,21 @@ user-facing entry point.
 
 from ._dispatch import (
     COMPILE_MESSAGE,
+    GATHER,
     PATHS,
     announce_compile,
     attention,
     attention_vjp,
     compute_dtype,
+    gather_spec,
+    gathers,
     precompile,
 )
 
 __all__ = [
+    "GATHER",
+    "gather_spec",
+    "gathers",
     "attention",
     "attention_vjp",
     "compute_dtype",

@@ -18,10 +18,60 @@ import numpy as np
 
 from ..spec import window_sides
 
-__all__ = ["TERMS", "kernel_arguments", "plane", "read_only"]
-
+#: The slots of ``dims``, in :attr:`refattn.spec.AttentionSpec.dims`' order (B, H, K, L, S, D, E).
+DIMS = ("batch", "heads", "kv_heads", "length", "keys", "dim", "vdim")
+#: The slots of the integer option vector ``opts`` (window sides -1 when unbounded).
+OPTS = (
+    "offset",
+    "causal",
+    "left",
+    "right",
+    "has_softcap",
+    "has_bias",
+    "has_mask",
+    "has_alibi",
+    "has_dropout",
+    "empty_rows_nan",
+)
 #: The fields of ``terms``, the last element of :func:`kernel_arguments`, in order.
 TERMS = ("bias", "bias_strides", "mask", "mask_strides", "drop", "drop_strides", "slopes")
+#: The slots of the float option vector ``fopts`` (softcap 1 when off; keep_scale 1/(1-p)).
+FOPTS = ("scale", "softcap", "keep_scale", "neg_inf")
+
+
+def index_constants(prefix: str, names) -> dict:
+    """``{PREFIX + NAME: slot}`` for a tuple of slot names: the kernels read an argument vector
+    by these module-level ints (compile-time constants in Numba), never by a bare number.
+
+    Examples
+    --------
+    >>> index_constants("DIM_", ("batch", "heads"))
+    {'DIM_BATCH': 0, 'DIM_HEADS': 1}
+    """
+    return {prefix + name.upper(): slot for slot, name in enumerate(names)}
+
+
+# DIM_BATCH ... DIM_VDIM, OPT_OFFSET ... OPT_EMPTY_ROWS_NAN, FOPT_SCALE ... FOPT_NEG_INF,
+# TERM_BIAS ... TERM_SLOPES
+_SLOTS = {
+    **index_constants("DIM_", DIMS),
+    **index_constants("OPT_", OPTS),
+    **index_constants("FOPT_", FOPTS),
+    **index_constants("TERM_", TERMS),
+}
+globals().update(_SLOTS)
+
+__all__ = [  # noqa: PLE0604 (the slot constants are generated from the tuples above)
+    "DIMS",
+    "OPTS",
+    "FOPTS",
+    "TERMS",
+    "index_constants",
+    "kernel_arguments",
+    "plane",
+    "read_only",
+    *_SLOTS,
+]
 
 
 def plane(view):
@@ -75,14 +125,15 @@ def kernel_arguments(spec, dtype):
 
     Returns ``(q, k, v, kv_head, dims, opts, fopts, terms)``: q, k, v C-contiguous in
     ``dtype``; ``kv_head`` (H,) int64; ``dims`` =
-    ``[B, H, L, K, S, D, E]`` int64; ``opts`` int64 = ``[offset, causal, left, right,
-    has_softcap, has_bias, has_mask, has_alibi, has_dropout, empty_rows_nan]`` (window sides
-    -1 when unbounded); ``fopts`` in ``dtype`` = ``[scale, softcap (1 when off), 1/(1-p),
-    -inf]``; ``terms`` = ``(bias, bias_strides, mask, mask_strides, drop, drop_strides,
-    slopes)`` (:data:`TERMS`): each optional (B, H, L, S) plane as (flat data, element
-    strides) from :func:`plane` (mask and dropout as uint8) and ``slopes`` (H,) float64 or a
-    dummy. Every array input is a read-only view (:func:`read_only`): the kernels never write
-    to them.
+    ``[B, H, K, L, S, D, E]`` int64 (:data:`DIMS`); ``opts`` int64 (:data:`OPTS`: offset,
+    causal, left, right, has_softcap, has_bias, has_mask, has_alibi, has_dropout,
+    empty_rows_nan; window sides -1 when unbounded); ``fopts`` in ``dtype`` (:data:`FOPTS`:
+    scale, softcap (1 when off), 1/(1-p), -inf); the kernels read them by the slot
+    constants (``DIM_KEYS``, ``OPT_CAUSAL``, ``FOPT_SCALE``, ...); ``terms`` = ``(bias,
+    bias_strides, mask, mask_strides, drop, drop_strides, slopes)`` (:data:`TERMS`): each
+    optional (B, H, L, S) plane as (flat data, element strides) from :func:`plane` (mask
+    and dropout as uint8) and ``slopes`` (H,) float64 or a dummy. Every array input is a
+    read-only view (:func:`read_only`): the kernels never write to them.
 
     Examples
     --------
@@ -90,29 +141,30 @@ def kernel_arguments(spec, dtype):
     >>> spec = canonicalize(np.zeros((1, 2, 3, 4)), np.zeros((1, 2, 5, 4)), np.zeros((1, 2, 5, 4)))
     >>> args = kernel_arguments(spec, np.float64)
     >>> args[4].tolist(), args[5][:2].tolist()
-    ([1, 2, 3, 2, 5, 4, 4], [0, 0])
+    ([1, 2, 2, 3, 5, 4, 4], [0, 0])
     """
-    batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
     left, right = window_sides(spec.window)  # -1: an unbounded side (spec.UNBOUNDED)
-    dims = np.array([batch, heads, length, kv_heads, keys, dim, vdim], np.int64)
-    opts = np.array(
-        [
-            spec.offset,
-            spec.causal,
-            left,
-            right,
-            spec.softcap is not None,
-            spec.bias is not None,
-            spec.mask is not None,
-            spec.alibi_slopes is not None,
-            spec.dropout_mask is not None,
-            spec.empty_rows == "nan",
-        ],
-        np.int64,
+    dims = np.array(spec.dims, np.int64)
+    option_values = dict(
+        offset=spec.offset,
+        causal=spec.causal,
+        left=left,
+        right=right,
+        has_softcap=spec.softcap is not None,
+        has_bias=spec.bias is not None,
+        has_mask=spec.mask is not None,
+        has_alibi=spec.alibi_slopes is not None,
+        has_dropout=spec.dropout_mask is not None,
+        empty_rows_nan=spec.empty_rows == "nan",
     )
-    fopts = np.array(
-        [spec.scale_float, spec.softcap or 1.0, 1.0 / (1.0 - spec.dropout_p), -np.inf], dtype
+    opts = np.array([option_values[name] for name in OPTS], np.int64)
+    float_values = dict(
+        scale=spec.scale_float,
+        softcap=spec.softcap or 1.0,
+        keep_scale=1.0 / (1.0 - spec.dropout_p),
+        neg_inf=-np.inf,
     )
+    fopts = np.array([float_values[name] for name in FOPTS], dtype)
     bias, bstr = plane(spec.bias)
     mask, mstr = plane(spec.mask)
     drop, dstr = plane(spec.dropout_mask)

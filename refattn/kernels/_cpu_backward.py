@@ -12,6 +12,21 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, parallel_chunksize, prange
 
+from ._args import (
+    DIM_BATCH,
+    DIM_DIM,
+    DIM_HEADS,
+    DIM_KEYS,
+    DIM_LENGTH,
+    DIM_VDIM,
+    FOPT_KEEP_SCALE,
+    FOPT_SCALE,
+    OPT_HAS_BIAS,
+    OPT_HAS_DROPOUT,
+    OPT_HAS_SOFTCAP,
+    TERM_DROP,
+    TERM_DROP_STRIDES,
+)
 from ._cpu_scores import finish_scores, first_key_block, raw_scores_suffice, row_interval
 from ._cpu_tiles import (
     BLOCK_K,
@@ -61,8 +76,9 @@ def _backward_unit(q, packed, kv_head, saved, unit, nchunks, dims, opts, fopts, 
     kt_pack, k_pack, vt_pack = packed
     grad_out, lse, delta = saved
     dq, dk_part, dv_part, dbias = grads
-    drop, dstr = terms[4], terms[5]
-    heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
+    drop, dstr = terms[TERM_DROP], terms[TERM_DROP_STRIDES]
+    heads, length, keys = dims[DIM_HEADS], dims[DIM_LENGTH], dims[DIM_KEYS]
+    dim, vdim = dims[DIM_DIM], dims[DIM_VDIM]
     nqb = -(-length // BLOCK_Q)
     b = unit // (heads * nchunks)
     h = (unit // nchunks) % heads
@@ -83,8 +99,12 @@ def _backward_unit(q, packed, kv_head, saved, unit, nchunks, dims, opts, fopts, 
     ds = np.zeros((BLOCK_Q, BLOCK_K), dt)
     deriv = np.empty((BLOCK_Q, BLOCK_K), dt)
     dq_acc = np.empty((BLOCK_Q, dpad), dt)
-    has_softcap, has_bias, has_drop = opts[4] != 0, opts[5] != 0, opts[8] != 0
-    scale, keep_scale = fopts[0], fopts[2]
+    has_softcap, has_bias, has_drop = (
+        opts[OPT_HAS_SOFTCAP] != 0,
+        opts[OPT_HAS_BIAS] != 0,
+        opts[OPT_HAS_DROPOUT] != 0,
+    )
+    scale, keep_scale = fopts[FOPT_SCALE], fopts[FOPT_KEEP_SCALE]
     plain = not (has_softcap or has_bias or has_drop)
     one = np.ones(1, dt)[0]
     dk_out, dv_out = dk_part[b, h, chunk], dv_part[b, h, chunk]
@@ -190,7 +210,7 @@ def _pack_keys_backward(k, v, kt_pack, k_pack, vt_pack):
 
 @njit(parallel=True, **_OPTS)
 def _backward_units(q, packed, kv_head, saved, nchunks, dims, opts, fopts, terms, grads):
-    batch, heads = dims[0], dims[1]
+    batch, heads = dims[DIM_BATCH], dims[DIM_HEADS]
     for unit in prange(batch * heads * nchunks):
         _backward_unit(
             q, packed, kv_head, saved, np.int64(unit), nchunks, dims, opts, fopts, terms, grads

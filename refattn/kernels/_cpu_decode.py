@@ -14,6 +14,20 @@ import math
 import numpy as np
 from numba import njit, parallel_chunksize, prange
 
+from ._args import (
+    DIM_BATCH,
+    DIM_DIM,
+    DIM_HEADS,
+    DIM_KEYS,
+    DIM_KV_HEADS,
+    DIM_LENGTH,
+    DIM_VDIM,
+    FOPT_KEEP_SCALE,
+    OPT_EMPTY_ROWS_NAN,
+    OPT_HAS_DROPOUT,
+    TERM_DROP,
+    TERM_DROP_STRIDES,
+)
 from ._cpu_scores import dropout_weights, finish_scores, first_key_block, row_interval
 from ._cpu_tiles import (
     BLOCK_K,
@@ -59,8 +73,9 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, terms, pa
     head of the group form one tile, so each key block is loaded once per group. ``parts`` =
     (max, sum, accumulator) partials of every (b, h, row, split)."""
     part_m, part_total, part_acc = parts
-    drop, dstr = terms[4], terms[5]
-    kv_heads, length, keys, dim, vdim = dims[3], dims[2], dims[4], dims[5], dims[6]
+    drop, dstr = terms[TERM_DROP], terms[TERM_DROP_STRIDES]
+    kv_heads, length, keys = dims[DIM_KV_HEADS], dims[DIM_LENGTH], dims[DIM_KEYS]
+    dim, vdim = dims[DIM_DIM], dims[DIM_VDIM]
     group = group_heads.shape[1]
     b = unit // (kv_heads * nsplit)
     g = (unit // nsplit) % kv_heads
@@ -84,7 +99,7 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, terms, pa
         for i in range(length):
             for x in range(dim):
                 q_t[x, t * length + i] = src[i, x]
-    has_drop = opts[8] != 0
+    has_drop = opts[OPT_HAS_DROPOUT] != 0
     first_row = np.int64(0)  # not a literal: one compiled row_interval, finish_scores, ...
     _, hi_last = row_interval(length - 1, dims, opts)
     start = max(split * SPLIT_KEYS, first_key_block(first_row, dims, opts, BLOCK_K))
@@ -180,7 +195,8 @@ def _split_forward(q, k, v, group_heads, nsplit, dims, opts, fopts, terms, out, 
     independent units; their partial (max, sum, accumulator) are then combined per row in
     increasing split order (the split size is fixed, so the order depends on the shapes
     only)."""
-    batch, heads, length, kv_heads, vdim = dims[0], dims[1], dims[2], dims[3], dims[6]
+    batch, heads, length = dims[DIM_BATCH], dims[DIM_HEADS], dims[DIM_LENGTH]
+    kv_heads, vdim = dims[DIM_KV_HEADS], dims[DIM_VDIM]
     dt = q.dtype
     epad = pad(vdim, lanes(q))
     part_m = np.empty((batch, heads, length, nsplit), dt)
@@ -190,8 +206,8 @@ def _split_forward(q, k, v, group_heads, nsplit, dims, opts, fopts, terms, out, 
     zero = np.zeros(1, dt)
     for unit in prange(batch * kv_heads * nsplit):
         _split_unit(q, k, v, group_heads, np.int64(unit), nsplit, dims, opts, fopts, terms, parts)
-    keep_scale = fopts[2]
-    nan_rows = opts[9] != 0
+    keep_scale = fopts[FOPT_KEEP_SCALE]
+    nan_rows = opts[OPT_EMPTY_ROWS_NAN] != 0
     for row in prange(batch * heads * length):
         b = row // (heads * length)
         h = (row // length) % heads
@@ -227,7 +243,7 @@ def forward_splits(nsplit, q, k, v, kv_head, dims, opts, fopts, terms, out, lse)
     """Run the ``nsplit`` key splits (:func:`split_keys`) per (batch, kv head) into ``out``
     (B, H, L, E) and ``lse`` (B, H, L); the other arguments are
     :func:`~refattn.kernels._args.kernel_arguments`."""
-    heads, kv_heads = int(dims[1]), int(dims[3])
+    heads, kv_heads = int(dims[DIM_HEADS]), int(dims[DIM_KV_HEADS])
     group_heads = np.array(
         [[h for h in range(heads) if kv_head[h] == g] for g in range(kv_heads)], np.int64
     )

@@ -13,6 +13,20 @@ import math
 import numpy as np
 from numba import njit, parallel_chunksize, prange
 
+from ._args import (
+    DIM_BATCH,
+    DIM_DIM,
+    DIM_HEADS,
+    DIM_KEYS,
+    DIM_LENGTH,
+    DIM_VDIM,
+    FOPT_KEEP_SCALE,
+    FOPT_SCALE,
+    OPT_EMPTY_ROWS_NAN,
+    OPT_HAS_DROPOUT,
+    TERM_DROP,
+    TERM_DROP_STRIDES,
+)
 from ._cpu_scores import (
     dropout_weights,
     finish_scores,
@@ -60,8 +74,9 @@ def _forward_unit(q, packed, kv_head, unit, nqb, dims, opts, fopts, terms, out, 
     """One (batch, head, query block): ``packed`` = (K^T blocks, V blocks, V block finite)
     from :func:`_packed_keys`; ``terms`` as in :func:`~._cpu_scores.finish_scores`."""
     k_pack, v_pack, v_fin = packed
-    drop, dstr = terms[4], terms[5]
-    heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
+    drop, dstr = terms[TERM_DROP], terms[TERM_DROP_STRIDES]
+    heads, length, keys = dims[DIM_HEADS], dims[DIM_LENGTH], dims[DIM_KEYS]
+    dim, vdim = dims[DIM_DIM], dims[DIM_VDIM]
     b = unit // (heads * nqb)
     h = (unit // nqb) % heads
     r0 = (unit % nqb) * BLOCK_Q
@@ -81,7 +96,7 @@ def _forward_unit(q, packed, kv_head, unit, nqb, dims, opts, fopts, terms, out, 
     total = np.zeros(BLOCK_Q, dt)
     one = np.ones(1, dt)[0]
     load_rows_t(q[b, h], r0, nr, q_t)
-    has_drop = opts[8] != 0
+    has_drop = opts[OPT_HAS_DROPOUT] != 0
     # the key blocks that the [lo, hi) intervals of the block's rows reach (lo and hi grow
     # with the row)
     first = first_key_block(r0, dims, opts, BLOCK_K)
@@ -95,7 +110,7 @@ def _forward_unit(q, packed, kv_head, unit, nqb, dims, opts, fopts, terms, out, 
         matmul_t(q_t, k_t, dim, rows, BLOCK_K, s, True)
         factor = one  # x * 1 is x: the scores in s are final
         if raw_scores_suffice(nr, nc, r0, c0, dims, opts, fopts, BLOCK_K):
-            clean, factor = True, fopts[0]
+            clean, factor = True, fopts[FOPT_SCALE]
         else:
             clean = finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, terms, deriv)
         for r in range(nr):
@@ -142,8 +157,8 @@ def _forward_unit(q, packed, kv_head, unit, nqb, dims, opts, fopts, terms, out, 
                     w = weights[r, c]
                     for e in range(vdim):
                         acc[r, e] = fma(w, v_blk[c, e], acc[r, e])
-    keep_scale = fopts[2]
-    nan_rows = opts[9] != 0
+    keep_scale = fopts[FOPT_KEEP_SCALE]
+    nan_rows = opts[OPT_EMPTY_ROWS_NAN] != 0
     for r in range(nr):
         i = r0 + r
         orow = out[b, h, i]
@@ -162,7 +177,7 @@ def _forward_unit(q, packed, kv_head, unit, nqb, dims, opts, fopts, terms, out, 
 
 @njit(parallel=True, **_OPTS)
 def _forward_units(q, packed, kv_head, dims, opts, fopts, terms, out, lse):
-    batch, heads, length = dims[0], dims[1], dims[2]
+    batch, heads, length = dims[DIM_BATCH], dims[DIM_HEADS], dims[DIM_LENGTH]
     nqb = -(-length // BLOCK_Q)
     for unit in prange(batch * heads * nqb):
         _forward_unit(q, packed, kv_head, np.int64(unit), nqb, dims, opts, fopts, terms, out, lse)

@@ -16,6 +16,20 @@ import numpy as np
 from numba import njit
 
 from ..spec import WINDOW_CAP, key_interval_jit
+from ._args import (
+    DIM_KEYS,
+    FOPT_NEG_INF,
+    FOPT_SCALE,
+    FOPT_SOFTCAP,
+    OPT_CAUSAL,
+    OPT_HAS_ALIBI,
+    OPT_HAS_BIAS,
+    OPT_HAS_MASK,
+    OPT_HAS_SOFTCAP,
+    OPT_LEFT,
+    OPT_OFFSET,
+    OPT_RIGHT,
+)
 from ._simd import KERNEL_OPTIONS, lanes, vload, vmuls, vstore
 
 __all__ = [
@@ -33,7 +47,9 @@ _OPTS = KERNEL_OPTIONS
 def row_interval(i, dims, opts):
     """The half-open key interval [lo, hi) of query row ``i`` (:func:`refattn.spec.key_interval`
     with the kernels' option vectors: offset, causal, window sides; S keys)."""
-    return key_interval_jit(i, opts[0], dims[4], opts[1] != 0, opts[2], opts[3])
+    return key_interval_jit(
+        i, opts[OPT_OFFSET], dims[DIM_KEYS], opts[OPT_CAUSAL] != 0, opts[OPT_LEFT], opts[OPT_RIGHT]
+    )
 
 
 @njit(**_OPTS)
@@ -42,7 +58,9 @@ def first_key_block(r0, dims, opts, block):
     unbounded keys (``WINDOW_CAP``, as :func:`refattn.spec.structural_mask` takes it), so a lo
     past S is not clamped to S and a block of rows that reads no key starts past the last key
     block, as it always did (running that block would only turn -0 partials into +0)."""
-    lo, _ = key_interval_jit(r0, opts[0], WINDOW_CAP, opts[1] != 0, opts[2], opts[3])
+    lo, _ = key_interval_jit(
+        r0, opts[OPT_OFFSET], WINDOW_CAP, opts[OPT_CAUSAL] != 0, opts[OPT_LEFT], opts[OPT_RIGHT]
+    )
     return lo // block * block
 
 
@@ -51,9 +69,15 @@ def raw_scores_suffice(nr, nc, r0, c0, dims, opts, fopts, width):
     """Whether a q.k tile needs nothing but the scale (no option, every position allowed,
     a finite positive scale): its users then multiply each loaded score by the scale
     themselves (the same product, so the same bits) instead of a separate pass."""
-    if opts[4] != 0 or opts[5] != 0 or opts[6] != 0 or opts[7] != 0 or nc != width:
+    if (
+        opts[OPT_HAS_SOFTCAP] != 0
+        or opts[OPT_HAS_BIAS] != 0
+        or opts[OPT_HAS_MASK] != 0
+        or opts[OPT_HAS_ALIBI] != 0
+        or nc != width
+    ):
         return False
-    scale = fopts[0]
+    scale = fopts[FOPT_SCALE]
     if not (scale > 0 and scale < np.inf):  # scaling keeps -inf (overflowed q.k) as -inf
         return False
     _, hi_first = row_interval(r0, dims, opts)
@@ -71,15 +95,15 @@ def finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, terms, deriv):
     active.
     """
     bias, bstr, mask, mstr, _, _, slopes = terms
-    offset = opts[0]
-    has_softcap, has_bias, has_mask, has_alibi = (
-        opts[4] != 0,
-        opts[5] != 0,
-        opts[6] != 0,
-        opts[7] != 0,
+    offset = opts[OPT_OFFSET]
+    has_softcap, has_bias, has_mask = (
+        opts[OPT_HAS_SOFTCAP] != 0,
+        opts[OPT_HAS_BIAS] != 0,
+        opts[OPT_HAS_MASK] != 0,
     )
-    scale, cap = fopts[0], fopts[1]
-    neg_inf = fopts[3]
+    has_alibi = opts[OPT_HAS_ALIBI] != 0
+    scale, cap = fopts[FOPT_SCALE], fopts[FOPT_SOFTCAP]
+    neg_inf = fopts[FOPT_NEG_INF]
     _, hi_first = row_interval(r0, dims, opts)
     lo_last, _ = row_interval(r0 + nr - 1, dims, opts)
     full = lo_last <= c0 and hi_first >= c0 + nc

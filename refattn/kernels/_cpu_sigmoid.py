@@ -24,7 +24,24 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._args import kernel_arguments
+from ._args import (
+    DIM_BATCH,
+    DIM_DIM,
+    DIM_HEADS,
+    DIM_KEYS,
+    DIM_KV_HEADS,
+    DIM_LENGTH,
+    DIM_VDIM,
+    FOPT_KEEP_SCALE,
+    FOPT_SCALE,
+    OPT_EMPTY_ROWS_NAN,
+    OPT_HAS_BIAS,
+    OPT_HAS_DROPOUT,
+    OPT_HAS_SOFTCAP,
+    TERM_DROP,
+    TERM_DROP_STRIDES,
+    kernel_arguments,
+)
 from ._cpu_scores import finish_scores
 from ._cpu_tiles import exp_compute
 from ._simd import KERNEL_OPTIONS, fma, lanes
@@ -51,7 +68,7 @@ def _zero(x):
 def _scores(q, k, g, b, h, i, dims, opts, fopts, terms, s, deriv):
     """Final scores of row i into s[0, :S] (-inf where excluded), softcap's derivative into
     deriv[0, :S]."""
-    keys, dim = dims[4], dims[5]
+    keys, dim = dims[DIM_KEYS], dims[DIM_DIM]
     qrow = q[b, h, i]
     krows = k[b, g]
     for j in range(s.shape[1]):
@@ -65,7 +82,7 @@ def _scores(q, k, g, b, h, i, dims, opts, fopts, terms, s, deriv):
 
 @njit(**_OPTS)
 def _forward_row(q, k, v, kv_head, unit, dims, opts, fopts, terms, out):
-    heads, length, keys, vdim = dims[1], dims[2], dims[4], dims[6]
+    heads, length, keys, vdim = dims[DIM_HEADS], dims[DIM_LENGTH], dims[DIM_KEYS], dims[DIM_VDIM]
     b = unit // (heads * length)
     h = (unit // length) % heads
     i = unit % length
@@ -77,8 +94,8 @@ def _forward_row(q, k, v, kv_head, unit, dims, opts, fopts, terms, out):
     acc = np.zeros(vdim, dt)
     one = np.ones(1, dt)[0]
     _scores(q, k, g, b, h, i, dims, opts, fopts, terms, s, deriv)
-    drop, dstr = terms[4], terms[5]
-    has_drop = opts[8] != 0
+    drop, dstr = terms[TERM_DROP], terms[TERM_DROP_STRIDES]
+    has_drop = opts[OPT_HAS_DROPOUT] != 0
     any_allowed = False
     for j in range(keys):
         t = s[0, j]
@@ -92,18 +109,18 @@ def _forward_row(q, k, v, kv_head, unit, dims, opts, fopts, terms, out):
             acc[e] = fma(w, v[b, g, j, e], acc[e])
     orow = out[b, h, i]
     if not any_allowed:
-        fill = np.nan if opts[9] != 0 else 0.0
+        fill = np.nan if opts[OPT_EMPTY_ROWS_NAN] != 0 else 0.0
         for e in range(vdim):
             orow[e] = fill
         return
-    keep = fopts[2]
+    keep = fopts[FOPT_KEEP_SCALE]
     for e in range(vdim):
         orow[e] = acc[e] * keep
 
 
 @njit(parallel=True, **_OPTS)
 def _forward_rows(q, k, v, kv_head, dims, opts, fopts, terms, out):
-    total = dims[0] * dims[1] * dims[2]
+    total = dims[DIM_BATCH] * dims[DIM_HEADS] * dims[DIM_LENGTH]
     for unit in prange(total):
         _forward_row(q, k, v, kv_head, np.int64(unit), dims, opts, fopts, terms, out)
 
@@ -111,7 +128,8 @@ def _forward_rows(q, k, v, kv_head, dims, opts, fopts, terms, out):
 @njit(**_OPTS)
 def _backward_group(q, k, v, kv_head, unit, dims, opts, fopts, terms, grad_out, grads):
     dq, dk, dv, dbias = grads
-    heads, length, kv_heads, keys, dim, vdim = dims[1], dims[2], dims[3], dims[4], dims[5], dims[6]
+    heads, length, kv_heads = dims[DIM_HEADS], dims[DIM_LENGTH], dims[DIM_KV_HEADS]
+    keys, dim, vdim = dims[DIM_KEYS], dims[DIM_DIM], dims[DIM_VDIM]
     b = unit // kv_heads
     g = unit % kv_heads
     dt = q.dtype
@@ -119,9 +137,13 @@ def _backward_group(q, k, v, kv_head, unit, dims, opts, fopts, terms, grad_out, 
     s = np.empty((1, width), dt)
     deriv = np.empty((1, width), dt)
     one = np.ones(1, dt)[0]
-    drop, dstr = terms[4], terms[5]
-    has_drop, has_softcap, has_bias = opts[8] != 0, opts[4] != 0, opts[5] != 0
-    scale, keep = fopts[0], fopts[2]
+    drop, dstr = terms[TERM_DROP], terms[TERM_DROP_STRIDES]
+    has_drop, has_softcap, has_bias = (
+        opts[OPT_HAS_DROPOUT] != 0,
+        opts[OPT_HAS_SOFTCAP] != 0,
+        opts[OPT_HAS_BIAS] != 0,
+    )
+    scale, keep = fopts[FOPT_SCALE], fopts[FOPT_KEEP_SCALE]
     for h in range(heads):
         if kv_head[h] != g:
             continue
@@ -154,7 +176,7 @@ def _backward_group(q, k, v, kv_head, unit, dims, opts, fopts, terms, grad_out, 
 
 @njit(parallel=True, **_OPTS)
 def _backward_groups(q, k, v, kv_head, dims, opts, fopts, terms, grad_out, grads):
-    for unit in prange(dims[0] * dims[3]):
+    for unit in prange(dims[DIM_BATCH] * dims[DIM_KV_HEADS]):
         _backward_group(q, k, v, kv_head, np.int64(unit), dims, opts, fopts, terms, grad_out, grads)
 
 

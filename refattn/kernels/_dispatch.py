@@ -12,6 +12,9 @@ import sys
 import numpy as np
 
 __all__ = [
+    "GATHER",
+    "gathers",
+    "gather_spec",
     "attention",
     "attention_vjp",
     "compute_dtype",
@@ -68,6 +71,62 @@ def announce_compile(module, *, names: str = "") -> None:
     if not all(_cached_for_this_cpu(f) for f in entries):
         _announced.append(True)
         print(COMPILE_MESSAGE, file=sys.stderr, flush=True)
+
+
+#: The ``index_reading`` of a spec whose key indices the Numba CPU forward gathers itself (set
+#: reading; the listed set is NOT in the spec's mask): :func:`gather_spec`.
+GATHER = "gather"
+
+
+def gathers(*, backend, precision, key_indices, key_block_indices, index_reading, options):
+    """Whether ``refattn.attention`` hands the set-read key indices to the gather kernel
+    (:mod:`._cpu_gather`) instead of ANDing them into a dense mask: backend "numba", the
+    float64 precision, the set reading, the softmax, no weights returned, and no option that
+    :func:`refattn.spec.fold` rewrites (sinks, kv_lengths). ``options``: the call's other
+    keywords by name (``normalizer``, ``return_weights``, ``sinks``, ``kv_lengths``)."""
+    return (
+        backend == "numba"
+        and precision == "float64"
+        and index_reading == "set"
+        and (key_indices is not None or key_block_indices is not None)
+        and options.get("normalizer", "softmax") == "softmax"
+        and not options.get("return_weights", False)
+        and options.get("sinks") is None
+        and options.get("kv_lengths") is None
+    )
+
+
+def gather_spec(spec, key_indices, key_block_indices=None, key_block_size=None):
+    """``spec`` (canonicalised without key indices) with its validated (B, K, L, T) key indices
+    (:func:`refattn.sparse_indices.canonical_indices`, the set reading) kept as lists for the
+    gather kernel: ``index_reading`` = :data:`GATHER`, the mask left as the caller's (no dense
+    (B, K, L, S) plane of the listed set is built).
+
+    Examples
+    --------
+    >>> from refattn.spec import canonicalize
+    >>> spec = canonicalize(np.ones((1, 4)), np.ones((3, 4)), np.arange(3.0)[:, None])
+    >>> spec = gather_spec(spec, np.array([[2, 2, -1]]))
+    >>> attention(spec).ravel().tolist()
+    [2.0]
+    """
+    import dataclasses
+
+    from ..sparse_indices import canonical_indices
+
+    _, _, kv_heads, length, keys, _, _ = spec.dims
+    indices = canonical_indices(
+        key_indices,
+        key_block_indices,
+        key_block_size,
+        "set",
+        batch_shape=tuple(spec.batch_shape),
+        kv_heads=kv_heads,
+        length=length,
+        keys=keys,
+        single_head=spec.single_head,
+    )
+    return dataclasses.replace(spec, key_indices=indices, index_reading=GATHER)
 
 
 def compute_dtype(dtype) -> np.dtype:

@@ -34,6 +34,29 @@ import math
 import numpy as np
 
 from ..spec import key_interval
+from ._args import (
+    DIM_DIM,
+    DIM_HEADS,
+    DIM_KEYS,
+    DIM_KV_HEADS,
+    DIM_LENGTH,
+    DIM_VDIM,
+    DIMS,
+    FOPT_KEEP_SCALE,
+    FOPT_SCALE,
+    FOPT_SOFTCAP,
+    OPT_CAUSAL,
+    OPT_EMPTY_ROWS_NAN,
+    OPT_HAS_ALIBI,
+    OPT_HAS_BIAS,
+    OPT_HAS_DROPOUT,
+    OPT_HAS_MASK,
+    OPT_HAS_SOFTCAP,
+    OPT_LEFT,
+    OPT_OFFSET,
+    OPT_RIGHT,
+    OPTS,
+)
 
 try:  # numba's CUDA target imports without a GPU; kernels need it as a module global
     from numba import cuda
@@ -53,12 +76,21 @@ _KERNELS: dict = {}
 
 # The option layout of the CUDA kernels: the arrays of :func:`._args.kernel_arguments` stacked
 # into a few larger ones (a kernel cannot take a tuple of device arrays): ``ints`` (int64) =
-# dims (7), opts (10), the bias, mask and dropout strides (4 each), kv_head (H); ``flags``
-# (uint8, 2 rows) = the mask and dropout planes; ``stats`` = lse and delta (2, B, H, L).
-_N_DIMS, _N_OPTS = 7, 10  # the lengths of kernel_arguments' dims and opts
-_DIMS, _OPTS = 0, _N_DIMS
-_BIAS_STRIDES = _OPTS + _N_OPTS
+# dims, opts, the bias, mask and dropout strides (4 each), kv_head (H); ``flags`` (uint8, 2
+# rows) = the mask and dropout planes; ``stats`` = lse and delta (2, B, H, L). A slot of dims
+# or opts is read as ``ints[_DIMS + DIM_KEYS]``, ``ints[_OPTS + OPT_CAUSAL]``.
+_DIMS, _OPTS = 0, len(DIMS)
+_BIAS_STRIDES = _OPTS + len(OPTS)
 _MASK_STRIDES, _DROP_STRIDES, _KV_HEAD = _BIAS_STRIDES + 4, _BIAS_STRIDES + 8, _BIAS_STRIDES + 12
+# the ints slots the kernels read, as plain module constants (compile-time in numba.cuda)
+_I_HEADS, _I_KV_HEADS = _DIMS + DIM_HEADS, _DIMS + DIM_KV_HEADS
+_I_LENGTH, _I_KEYS = _DIMS + DIM_LENGTH, _DIMS + DIM_KEYS
+_I_DIM, _I_VDIM = _DIMS + DIM_DIM, _DIMS + DIM_VDIM
+_I_OFFSET, _I_CAUSAL = _OPTS + OPT_OFFSET, _OPTS + OPT_CAUSAL
+_I_LEFT, _I_RIGHT = _OPTS + OPT_LEFT, _OPTS + OPT_RIGHT
+_I_SOFTCAP, _I_BIAS = _OPTS + OPT_HAS_SOFTCAP, _OPTS + OPT_HAS_BIAS
+_I_MASK, _I_ALIBI = _OPTS + OPT_HAS_MASK, _OPTS + OPT_HAS_ALIBI
+_I_DROPOUT, _I_NAN_ROWS = _OPTS + OPT_HAS_DROPOUT, _OPTS + OPT_EMPTY_ROWS_NAN
 
 
 def available() -> bool:
@@ -102,65 +134,101 @@ def device_functions(nb_dtype):
     @cuda.jit(device=True)
     def row_interval(i, ints):
         """[lo, hi) of query row i: :func:`refattn.spec.key_interval` on the option layout."""
-        opts = ints[_OPTS:_BIAS_STRIDES]
-        return key_interval_device(i, opts[0], ints[_DIMS + 4], opts[1] != 0, opts[2], opts[3])
+        return key_interval_device(
+            i, ints[_I_OFFSET], ints[_I_KEYS], ints[_I_CAUSAL] != 0, ints[_I_LEFT], ints[_I_RIGHT]
+        )
 
     @cuda.jit(device=True)
     def score(qrow, ks, jj, b, h, i, j, ints, fopts, bias, flags, slopes):
         """(allowed, final score, d softcap / d raw) of position (i, j)."""
-        dim = ints[_DIMS + 5]
-        opts = ints[_OPTS:_BIAS_STRIDES]
+        dim = ints[_I_DIM]
         bstr = ints[_BIAS_STRIDES : _BIAS_STRIDES + 4]
         mstr = ints[_MASK_STRIDES : _MASK_STRIDES + 4]
         mask = flags[0]
-        if opts[6] != 0 and mask[mstr[0] * b + mstr[1] * h + mstr[2] * i + mstr[3] * j] == 0:
+        if ints[_I_MASK] != 0 and mask[mstr[0] * b + mstr[1] * h + mstr[2] * i + mstr[3] * j] == 0:
             return False, 0.0, 0.0
         bv = 0.0
-        if opts[5] != 0:
+        if ints[_I_BIAS] != 0:
             bv = bias[bstr[0] * b + bstr[1] * h + bstr[2] * i + bstr[3] * j]
             if bv == -math.inf:
                 return False, 0.0, 0.0
         acc = nb_dtype(0.0)
         for d in range(dim):
             acc += qrow[d] * ks[jj, d]
-        t = acc * fopts[0]
+        t = acc * fopts[FOPT_SCALE]
         deriv = 1.0
-        if opts[4] != 0:
-            th = math.tanh(t / fopts[1])
-            t = fopts[1] * th
+        if ints[_I_SOFTCAP] != 0:
+            th = math.tanh(t / fopts[FOPT_SOFTCAP])
+            t = fopts[FOPT_SOFTCAP] * th
             deriv = 1.0 - th * th
         t = t + bv
-        if opts[7] != 0:
-            t = t - slopes[h] * abs(i + opts[0] - j)
+        if ints[_I_ALIBI] != 0:
+            t = t - slopes[h] * abs(i + ints[_I_OFFSET] - j)
         return True, t, deriv
 
     @cuda.jit(device=True)
     def kept(b, h, i, j, ints, flags):
-        opts = ints[_OPTS:_BIAS_STRIDES]
         dstr = ints[_DROP_STRIDES : _DROP_STRIDES + 4]
         drop = flags[1]
-        return opts[8] == 0 or drop[dstr[0] * b + dstr[1] * h + dstr[2] * i + dstr[3] * j] != 0
+        return (
+            ints[_I_DROPOUT] == 0
+            or drop[dstr[0] * b + dstr[1] * h + dstr[2] * i + dstr[3] * j] != 0
+        )
 
     return row_interval, score, kept
 
 
+def _unit_functions():
+    """The prologue every kernel of :func:`_build` shares, as two device functions:
+    ``unit(ints) -> (b, h, g, tx, index)`` (this thread's batch, query head, kv head,
+    thread within the block and row or key index) and ``stage(dst_a, dst_b, src_a, src_b,
+    start, count, dim, vdim, tx)``, the whole block copying rows ``start .. start + TILE`` of
+    two (count, features) sources into shared tiles (D and E features)."""
+
+    @cuda.jit(device=True)
+    def unit(ints):
+        heads = ints[_I_HEADS]
+        bh = cuda.blockIdx.y
+        h = bh % heads
+        tx = cuda.threadIdx.x
+        return bh // heads, h, ints[_KV_HEAD + h], tx, cuda.blockIdx.x * cuda.blockDim.x + tx
+
+    @cuda.jit(device=True)
+    def stage(dst_a, dst_b, src_a, src_b, start, count, dim, vdim, tx):
+        width = dst_a.shape[1]
+        for x in range(tx, dst_a.shape[0] * width, cuda.blockDim.x):
+            rr = x // width
+            d = x % width
+            if start + rr < count and d < dim:
+                dst_a[rr, d] = src_a[start + rr, d]
+            if start + rr < count and d < vdim:
+                dst_b[rr, d] = src_b[start + rr, d]
+
+    return unit, stage
+
+
 def _build(dtype):
+    """The forward, dq and dk/dv kernels of one compute dtype."""
     import numba
 
     nb_dtype = numba.float64 if dtype == np.float64 else numba.float32
+    shared = device_functions(nb_dtype) + _unit_functions()
+    return (
+        _build_forward(nb_dtype, shared),
+        _build_grad_q(nb_dtype, shared),
+        _build_grad_kv(nb_dtype, shared),
+    )
+
+
+def _build_forward(nb_dtype, shared):
+    """The forward kernel: one thread per query row, the online softmax key by key."""
     tile, width = TILE, MAX_FEATURES
-    row_interval, score, kept = device_functions(nb_dtype)
+    row_interval, score, kept, unit, stage = shared
 
     @cuda.jit
     def forward(q, k, v, ints, fopts, bias, flags, slopes, out, lse):
-        dims, opts, kv_head = ints[_DIMS:_OPTS], ints[_OPTS:_BIAS_STRIDES], ints[_KV_HEAD:]
-        heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
-        bh = cuda.blockIdx.y
-        b = bh // heads
-        h = bh % heads
-        g = kv_head[h]
-        tx = cuda.threadIdx.x
-        i = cuda.blockIdx.x * cuda.blockDim.x + tx
+        length, keys, dim, vdim = ints[_I_LENGTH], ints[_I_KEYS], ints[_I_DIM], ints[_I_VDIM]
+        b, h, g, tx, i = unit(ints)
         ks = cuda.shared.array((tile, width), nb_dtype)
         vs = cuda.shared.array((tile, width), nb_dtype)
         qrow = cuda.local.array(width, nb_dtype)
@@ -176,13 +244,7 @@ def _build(dtype):
         m = -math.inf
         total = 0.0
         for c0 in range(0, keys, tile):
-            for x in range(tx, tile * width, cuda.blockDim.x):
-                jj = x // width
-                d = x % width
-                if c0 + jj < keys and d < dim:
-                    ks[jj, d] = k[b, g, c0 + jj, d]
-                if c0 + jj < keys and d < vdim:
-                    vs[jj, d] = v[b, g, c0 + jj, d]
+            stage(ks, vs, k[b, g], v[b, g], c0, keys, dim, vdim, tx)
             cuda.syncthreads()
             if active:
                 for jj in range(min(tile, keys - c0)):
@@ -206,27 +268,29 @@ def _build(dtype):
             cuda.syncthreads()
         if active:
             if total == 0.0:
-                fill = math.nan if opts[9] != 0 else 0.0
+                fill = math.nan if ints[_I_NAN_ROWS] != 0 else 0.0
                 for e in range(vdim):
                     out[b, h, i, e] = fill
-                lse[b, h, i] = math.nan if opts[9] != 0 else -math.inf
+                lse[b, h, i] = math.nan if ints[_I_NAN_ROWS] != 0 else -math.inf
             else:
-                inv = fopts[2] / total
+                inv = fopts[FOPT_KEEP_SCALE] / total
                 for e in range(vdim):
                     out[b, h, i, e] = acc[e] * inv
                 lse[b, h, i] = m + math.log(total)
 
+    return forward
+
+
+def _build_grad_q(nb_dtype, shared):
+    """The dq (and dbias) kernel: one thread per query row, keys in increasing order."""
+    tile, width = TILE, MAX_FEATURES
+    row_interval, score, kept, unit, stage = shared
+
     @cuda.jit
     def grad_q(q, k, v, grad_out, stats, ints, fopts, bias, flags, slopes, dq, dbias):
-        dims, opts, kv_head = ints[_DIMS:_OPTS], ints[_OPTS:_BIAS_STRIDES], ints[_KV_HEAD:]
+        length, keys, dim, vdim = ints[_I_LENGTH], ints[_I_KEYS], ints[_I_DIM], ints[_I_VDIM]
         lse, delta = stats[0], stats[1]
-        heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
-        bh = cuda.blockIdx.y
-        b = bh // heads
-        h = bh % heads
-        g = kv_head[h]
-        tx = cuda.threadIdx.x
-        i = cuda.blockIdx.x * cuda.blockDim.x + tx
+        b, h, g, tx, i = unit(ints)
         ks = cuda.shared.array((tile, width), nb_dtype)
         vs = cuda.shared.array((tile, width), nb_dtype)
         qrow = cuda.local.array(width, nb_dtype)
@@ -246,13 +310,7 @@ def _build(dtype):
             for e in range(vdim):
                 dorow[e] = grad_out[b, h, i, e]
         for c0 in range(0, keys, tile):
-            for x in range(tx, tile * width, cuda.blockDim.x):
-                jj = x // width
-                d = x % width
-                if c0 + jj < keys and d < dim:
-                    ks[jj, d] = k[b, g, c0 + jj, d]
-                if c0 + jj < keys and d < vdim:
-                    vs[jj, d] = v[b, g, c0 + jj, d]
+            stage(ks, vs, k[b, g], v[b, g], c0, keys, dim, vdim, tx)
             cuda.syncthreads()
             if active and row_lse != -math.inf:
                 for jj in range(min(tile, keys - c0)):
@@ -267,11 +325,11 @@ def _build(dtype):
                     if kept(b, h, i, j, ints, flags):
                         for e in range(vdim):
                             dp += dorow[e] * vs[jj, e]
-                        dp = dp * fopts[2]
+                        dp = dp * fopts[FOPT_KEEP_SCALE]
                     ds = p * (dp - d_i)
-                    if opts[5] != 0:
+                    if ints[_I_BIAS] != 0:
                         dbias[b, h, i, j] = ds
-                    ds = ds * deriv * fopts[0]
+                    ds = ds * deriv * fopts[FOPT_SCALE]
                     for d in range(dim):
                         dqrow[d] += ds * ks[jj, d]
             cuda.syncthreads()
@@ -279,17 +337,19 @@ def _build(dtype):
             for d in range(dim):
                 dq[b, h, i, d] = dqrow[d]
 
+    return grad_q
+
+
+def _build_grad_kv(nb_dtype, shared):
+    """The dk, dv kernel: one thread per key of one query head, rows in increasing order."""
+    tile, width = TILE, MAX_FEATURES
+    row_interval, score, kept, unit, stage = shared
+
     @cuda.jit
     def grad_kv(q, k, v, grad_out, stats, ints, fopts, bias, flags, slopes, dk_part, dv_part):
-        dims, kv_head = ints[_DIMS:_OPTS], ints[_KV_HEAD:]
+        length, keys, dim, vdim = ints[_I_LENGTH], ints[_I_KEYS], ints[_I_DIM], ints[_I_VDIM]
         lse, delta = stats[0], stats[1]
-        heads, length, keys, dim, vdim = dims[1], dims[2], dims[4], dims[5], dims[6]
-        bh = cuda.blockIdx.y
-        b = bh // heads
-        h = bh % heads
-        g = kv_head[h]
-        tx = cuda.threadIdx.x
-        j = cuda.blockIdx.x * cuda.blockDim.x + tx
+        b, h, g, tx, j = unit(ints)
         qs = cuda.shared.array((tile, width), nb_dtype)
         dos = cuda.shared.array((tile, width), nb_dtype)
         krow = cuda.local.array(width, nb_dtype)
@@ -307,13 +367,7 @@ def _build(dtype):
                 vrow[e] = v[b, g, j, e]
                 dvrow[e] = 0.0
         for r0 in range(0, length, tile):
-            for x in range(tx, tile * width, cuda.blockDim.x):
-                rr = x // width
-                d = x % width
-                if r0 + rr < length and d < dim:
-                    qs[rr, d] = q[b, h, r0 + rr, d]
-                if r0 + rr < length and d < vdim:
-                    dos[rr, d] = grad_out[b, h, r0 + rr, d]
+            stage(qs, dos, q[b, h], grad_out[b, h], r0, length, dim, vdim, tx)
             cuda.syncthreads()
             if active:
                 for rr in range(min(tile, length - r0)):
@@ -334,12 +388,12 @@ def _build(dtype):
                     p = math.exp(t - row_lse)
                     dp = 0.0
                     if kept(b, h, i, j, ints, flags):
-                        w = p * fopts[2]
+                        w = p * fopts[FOPT_KEEP_SCALE]
                         for e in range(vdim):
                             dp += dos[rr, e] * vrow[e]
                             dvrow[e] += w * dos[rr, e]
-                        dp = dp * fopts[2]
-                    ds = p * (dp - delta[b, h, i]) * deriv * fopts[0]
+                        dp = dp * fopts[FOPT_KEEP_SCALE]
+                    ds = p * (dp - delta[b, h, i]) * deriv * fopts[FOPT_SCALE]
                     for d in range(dim):
                         dkrow[d] += ds * qs[rr, d]
             cuda.syncthreads()
@@ -349,7 +403,7 @@ def _build(dtype):
             for e in range(vdim):
                 dv_part[b, h, j, e] = dvrow[e]
 
-    return forward, grad_q, grad_kv
+    return grad_kv
 
 
 def _prepare(spec, dtype):
@@ -365,8 +419,6 @@ def _prepare(spec, dtype):
         )
     q, k, v, kv_head, dims, opts, fopts, terms = kernel_arguments(spec, dtype)
     bias, bstr, mask, mstr, drop, dstr, slopes = terms
-    if (dims.size, opts.size) != (_N_DIMS, _N_OPTS):  # pragma: no cover (layout drift)
-        raise AssertionError("refattn.kernels.cuda: update the option layout (_N_DIMS, _N_OPTS)")
     ints = np.concatenate([dims, opts, bstr, mstr, dstr, kv_head])
     flags = np.zeros((2, max(mask.size, drop.size)), np.uint8)
     flags[0, : mask.size] = mask
@@ -414,7 +466,7 @@ def attention_vjp(spec, grad_out, grad_lse=None, *, dtype=None, threads=THREADS)
     batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
     q, k, v, ints, fopts, bias, flags, slopes = args
     ints = ints.copy()
-    ints[_OPTS + 9] = 0  # the backward needs lse = -inf on empty rows
+    ints[_I_NAN_ROWS] = 0  # the backward needs lse = -inf on empty rows
     q, k, v, ints, fopts, bias, flags, slopes = (
         cuda.to_device(a) for a in (q, k, v, ints, fopts, bias, flags, slopes)
     )
@@ -486,9 +538,12 @@ def _build_sigmoid(dtype):
     import numba
 
     nb_dtype = numba.float64 if dtype == np.float64 else numba.float32
-    width = MAX_FEATURES
-    row_interval, score, kept = device_functions(nb_dtype)
-    ints_dims, ints_opts, ints_kv = _DIMS, _OPTS, _KV_HEAD
+    shared = device_functions(nb_dtype) + _unit_functions()[:1] + (_sigmoid_device(),)
+    return (_build_sigmoid_forward(nb_dtype, shared),) + _build_sigmoid_grads(nb_dtype, shared)
+
+
+def _sigmoid_device():
+    """sigmoid(t) as a device function (the form that does not overflow for either sign)."""
 
     @cuda.jit(device=True)
     def sigmoid(t):
@@ -497,14 +552,18 @@ def _build_sigmoid(dtype):
         e = math.exp(t)
         return e / (1.0 + e)
 
+    return sigmoid
+
+
+def _build_sigmoid_forward(nb_dtype, shared):
+    """The sigmoid forward kernel: one thread per query row, keys in increasing order."""
+    width = MAX_FEATURES
+    row_interval, score, kept, unit, sigmoid = shared
+
     @cuda.jit
     def forward(q, k, v, ints, fopts, bias, flags, slopes, out):
-        heads, length = ints[ints_dims + 1], ints[ints_dims + 2]
-        dim, vdim = ints[ints_dims + 5], ints[ints_dims + 6]
-        bh = cuda.blockIdx.y
-        b, h = bh // heads, bh % heads
-        g = ints[ints_kv + h]
-        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        length, dim, vdim = ints[_I_LENGTH], ints[_I_DIM], ints[_I_VDIM]
+        b, h, g, _, i = unit(ints)
         if i >= length:
             return
         qrow = cuda.local.array(width, nb_dtype)
@@ -526,12 +585,20 @@ def _build_sigmoid(dtype):
                 for e in range(vdim):
                     acc[e] += w * v[b, g, j, e]
         if not any_allowed:
-            fill = math.nan if ints[ints_opts + 9] != 0 else 0.0
+            fill = math.nan if ints[_I_NAN_ROWS] != 0 else 0.0
             for e in range(vdim):
                 out[b, h, i, e] = fill
         else:
             for e in range(vdim):
-                out[b, h, i, e] = acc[e] * fopts[2]
+                out[b, h, i, e] = acc[e] * fopts[FOPT_KEEP_SCALE]
+
+    return forward
+
+
+def _build_sigmoid_grads(nb_dtype, shared):
+    """The sigmoid dq (and dbias) and dk, dv kernels."""
+    width = MAX_FEATURES
+    row_interval, score, kept, unit, sigmoid = shared
 
     @cuda.jit(device=True)
     def dp_of(grad_out, v, b, h, g, i, j, vdim):
@@ -548,17 +615,13 @@ def _build_sigmoid(dtype):
         if not ok or t == -math.inf or not kept(b, h, i, j, ints, flags):
             return False, 0.0, 0.0, 0.0
         w = sigmoid(t)
-        ds = w * sigmoid(-t) * (dp * fopts[2])
-        return True, w * fopts[2], ds, ds * deriv
+        ds = w * sigmoid(-t) * (dp * fopts[FOPT_KEEP_SCALE])
+        return True, w * fopts[FOPT_KEEP_SCALE], ds, ds * deriv
 
     @cuda.jit
     def grad_q(q, k, v, grad_out, ints, fopts, bias, flags, slopes, dq, dbias):
-        heads, length = ints[ints_dims + 1], ints[ints_dims + 2]
-        dim = ints[ints_dims + 5]
-        bh = cuda.blockIdx.y
-        b, h = bh // heads, bh % heads
-        g = ints[ints_kv + h]
-        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        length, dim = ints[_I_LENGTH], ints[_I_DIM]
+        b, h, g, _, i = unit(ints)
         if i >= length:
             return
         qrow = cuda.local.array(width, nb_dtype)
@@ -567,23 +630,20 @@ def _build_sigmoid(dtype):
         lo, hi = row_interval(i, ints)
         ks = k[b, g]
         for j in range(lo, hi):
-            dp = dp_of(grad_out, v, b, h, g, i, j, ints[ints_dims + 6])
+            dp = dp_of(grad_out, v, b, h, g, i, j, ints[_I_VDIM])
             ok, _, ds, dt = ds_of(qrow, ks, j, b, h, i, ints, fopts, bias, flags, slopes, dp)
             if not ok:
                 continue
-            if ints[ints_opts + 5] != 0:
+            if ints[_I_BIAS] != 0:
                 dbias[b, h, i, j] = ds
             for d in range(dim):
-                dq[b, h, i, d] += dt * fopts[0] * k[b, g, j, d]
+                dq[b, h, i, d] += dt * fopts[FOPT_SCALE] * k[b, g, j, d]
 
     @cuda.jit
     def grad_kv(q, k, v, grad_out, ints, fopts, bias, flags, slopes, dk_part, dv_part):
-        heads, length, keys = ints[ints_dims + 1], ints[ints_dims + 2], ints[ints_dims + 4]
-        dim, vdim = ints[ints_dims + 5], ints[ints_dims + 6]
-        bh = cuda.blockIdx.y
-        b, h = bh // heads, bh % heads
-        g = ints[ints_kv + h]
-        j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        length, keys = ints[_I_LENGTH], ints[_I_KEYS]
+        dim, vdim = ints[_I_DIM], ints[_I_VDIM]
+        b, h, g, _, j = unit(ints)
         if j >= keys:
             return
         qrow = cuda.local.array(width, nb_dtype)
@@ -599,11 +659,11 @@ def _build_sigmoid(dtype):
             if not ok:
                 continue
             for d in range(dim):
-                dk_part[b, h, j, d] += dt * fopts[0] * qrow[d]
+                dk_part[b, h, j, d] += dt * fopts[FOPT_SCALE] * qrow[d]
             for e in range(vdim):
                 dv_part[b, h, j, e] += w * grad_out[b, h, i, e]
 
-    return forward, grad_q, grad_kv
+    return grad_q, grad_kv
 
 
 def _sigmoid_attention(spec, return_lse, dtype, threads):

@@ -139,10 +139,12 @@ from __future__ import annotations
 import numpy as np
 
 from ..bounds.kernels import online_backward_bound, online_forward_bound
-from ._args import kernel_arguments
+from ._args import DIM_KEYS, OPT_EMPTY_ROWS_NAN, kernel_arguments, read_only
 from ._cpu_backward import backward_chunks, backward_units, delta_rows, sum_parts
 from ._cpu_decode import SPLIT_KEYS, forward_splits, split_keys
 from ._cpu_forward import forward_blocks
+from ._cpu_gather import gather_forward, sorted_indices
+from ._cpu_gather_backward import gather_backward
 from ._cpu_tiles import BLOCK_K, BLOCK_Q, padded
 from ._simd import exp_float32, exp_float64
 
@@ -212,7 +214,9 @@ def _run_forward(spec, args, dtype):
     lse = np.empty((batch, heads, length), dtype)
     if lse.size:
         nsplit = split_keys(heads, kv_heads, length, keys)
-        if nsplit:
+        if spec.index_reading == "gather":  # the listed keys only (refattn.kernels._cpu_gather)
+            gather_forward(sorted_indices(spec.key_indices), *args, out, lse)
+        elif nsplit:
             forward_splits(nsplit, *args, out, lse)
         else:
             forward_blocks(*args, out, lse)
@@ -225,7 +229,7 @@ def saved_forward(spec, dtype=None):
     dtype = compute_dtype(spec.q.dtype) if dtype is None else np.dtype(dtype)
     args = kernel_arguments(spec, dtype)
     zero_rows = args[5].copy()
-    zero_rows[9] = 0
+    zero_rows[OPT_EMPTY_ROWS_NAN] = 0
     return _run_forward(spec, args[:5] + (zero_rows,) + args[6:], dtype)
 
 
@@ -264,11 +268,14 @@ def backward(spec, grad_out, grad_lse=None, dtype=None, *, saved=None):
     ([0.5, 0.5], True)
     """
     _softmax_only(spec)
+    if spec.index_reading == "gather":  # the listed keys only (_cpu_gather_backward)
+        return _gather_vjp(spec, grad_out, grad_lse, dtype, saved)
     dtype = compute_dtype(spec.q.dtype) if dtype is None else np.dtype(dtype)
     q, k, v, kv_head, dims, opts, fopts, terms = kernel_arguments(spec, dtype)
     batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
     out, lse = saved_forward(spec, dtype) if saved is None else saved
-    grad_out = np.ascontiguousarray(grad_out, dtype)
+    # read-only like every kernel input: one array type for the row loads (one specialisation)
+    grad_out = read_only(np.ascontiguousarray(grad_out, dtype))
     has_glse = grad_lse is not None
     glse = np.ascontiguousarray(grad_lse, dtype) if has_glse else np.zeros((1, 1, 1), dtype)
     delta = np.empty((batch, heads, length), dtype)
@@ -296,6 +303,30 @@ def backward(spec, grad_out, grad_lse=None, dtype=None, *, saved=None):
     return dq, dk, dv, dbias
 
 
+def _gather_vjp(spec, grad_out, grad_lse, dtype, saved):
+    """(dq, dk, dv, dbias) of a gather spec (:func:`refattn.kernels.gather_spec`) by
+    :func:`~refattn.kernels._cpu_gather_backward.gather_backward`."""
+    dtype = compute_dtype(spec.q.dtype) if dtype is None else np.dtype(dtype)
+    args = kernel_arguments(spec, dtype)
+    batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
+    out, lse = saved_forward(spec, dtype) if saved is None else saved
+    grad_out = read_only(np.ascontiguousarray(grad_out, dtype))
+    has_glse = grad_lse is not None
+    glse = np.ascontiguousarray(grad_lse, dtype) if has_glse else np.zeros((1, 1, 1), dtype)
+    delta = np.empty((batch, heads, length), dtype)
+    if delta.size:
+        delta_rows(grad_out, out, glse, has_glse, delta)
+    dq = np.zeros((batch, heads, length, dim), dtype)
+    dk = np.zeros((batch, kv_heads, keys, dim), dtype)
+    dv = np.zeros((batch, kv_heads, keys, vdim), dtype)
+    dbias = np.zeros((batch, heads, length, keys), dtype) if spec.bias is not None else None
+    if length and keys:
+        grads = (dq, dk, dv, dbias if dbias is not None else np.zeros((1, 1, 1, 1), dtype))
+        listed = sorted_indices(spec.key_indices)
+        gather_backward(listed, args, (grad_out, lse, delta), grads)
+    return dq, dk, dv, dbias
+
+
 # --------------------------------------------------------------------------------------
 # a-priori error bounds (refattn.bounds.kernels; used by the tests: small shapes)
 # --------------------------------------------------------------------------------------
@@ -309,7 +340,7 @@ def forward_error_bound(spec, weights, dtype=np.float64, rescalings=None):
     one rescaling per key block and, on the short-query (split) path, two per key split of
     ``SPLIT_KEYS`` keys (one rescaling each, and the splits' combination).
     """
-    keys = spec.dims[4]
+    keys = spec.dims[DIM_KEYS]
     if rescalings is None:
         rescalings = -(-keys // BLOCK_K) + 2 * -(-keys // SPLIT_KEYS)
     return online_forward_bound(spec, weights, dtype, rescalings)

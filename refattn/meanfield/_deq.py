@@ -13,11 +13,9 @@ from .. import fixedpoint as fp
 from ..exact import meanfield as exact
 from ._model import (
     MeanFieldResult,
-    apply_diagonal,
-    batch_shape,
     check_solver_options,
     checked_image,
-    couplings,
+    deq_problem,
     exact_result,
     spins,
 )
@@ -101,12 +99,8 @@ def deq_attention(
     [2.0, 2.0]
     """
     precision = _checks.precision(precision)
-    x = spins(x, "x")
+    x, J, batch = deq_problem(x, J, diagonal, correction)
     n, d = x.shape[-2:]
-    J = apply_diagonal(couplings(J, n, d), diagonal, ("error", "zero", "keep"))
-    if correction is not None and not callable(correction):
-        raise TypeError(f"correction: expected a callable or None, got {type(correction).__name__}")
-    batch = batch_shape(x=(x, 2), J=(J, 4))
     options = check_solver_options(solver_options)
     if precision == "exact" and correction is None:
         return exact_result(

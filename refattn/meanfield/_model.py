@@ -135,6 +135,45 @@ def prior_blocks(prior_precision, n, d):
     return p
 
 
+def tap_problem(x, J, prior_precision, response, diagonal):
+    """The checked ``(x, J, P, batch)`` of adaptive TAP (:func:`adaptive_tap` and its vjp):
+    spins x (B..., N, d), couplings J (B..., N, N, d, d) under the ``diagonal`` policy, the
+    prior precision as (N, d, d) blocks P and the broadcast batch shape."""
+    _checks.choice(response, "response", ("site", "prior"))
+    x = spins(x, "x")
+    n, d = x.shape[-2:]
+    J = apply_diagonal(couplings(J, n, d), diagonal, ("error", "zero"))
+    P = prior_blocks(prior_precision, n, d)
+    return x, J, P, batch_shape(x=(x, 2), J=(J, 4))
+
+
+def ising_problem(x, J, diagonal):
+    """The checked ``(x, J, batch)`` of binary-spin TAP (:func:`ising_tap` and its vjp):
+    fields x (B..., N), couplings J (B..., N, N) under the ``diagonal`` policy."""
+    x = _checks.as_float64(_checks.float_array(x, "x", ndim_min=1))
+    n = x.shape[-1]
+    J = _checks.as_float64(_checks.float_array(J, "J", ndim_min=2))
+    if J.shape[-2:] != (n, n):
+        raise ValueError(
+            f"J: expected shape (..., N, N) = (..., {n}, {n}) to match x of shape "
+            f"{x.shape}, got {J.shape}"
+        )
+    J = apply_diagonal(J, diagonal, ("error", "zero"), scalar=True)
+    return x, J, batch_shape(x=(x, 1), J=(J, 2))
+
+
+def deq_problem(x, J, diagonal, correction):
+    """The checked ``(x, J, batch)`` of the DEQ (:func:`deq_attention` and its vjp): spins x
+    (B..., N, d), couplings J (B..., N, N, d, d) under the ``diagonal`` policy (``"keep"``
+    allowed), and a callable or None ``correction``."""
+    x = spins(x, "x")
+    n, d = x.shape[-2:]
+    J = apply_diagonal(couplings(J, n, d), diagonal, ("error", "zero", "keep"))
+    if correction is not None and not callable(correction):
+        raise TypeError(f"correction: expected a callable or None, got {type(correction).__name__}")
+    return x, J, batch_shape(x=(x, 2), J=(J, 4))
+
+
 def check_solver_options(options):
     allowed = {"method", "memory", "damping", "lam", "atol", "on_fail"}
     unknown = set(options) - allowed

@@ -13,13 +13,13 @@ from .._blocks import big, block_diag, diag_blocks
 from ..exact import meanfield as exact
 from ._model import (
     MeanFieldResult,
-    apply_diagonal,
     batch_shape,
     check_solver_options,
     couplings,
     exact_result,
-    prior_blocks,
+    ising_problem,
     spins,
+    tap_problem,
 )
 
 
@@ -178,12 +178,8 @@ def adaptive_tap(
     ([2.0, 2.0], [1.33333333, 1.33333333])
     """
     precision = _checks.precision(precision)
-    _checks.choice(response, "response", ("site", "prior"))
-    x = spins(x, "x")
+    x, J, P, batch = tap_problem(x, J, prior_precision, response, diagonal)
     n, d = x.shape[-2:]
-    J = apply_diagonal(couplings(J, n, d), diagonal, ("error", "zero"))
-    P = prior_blocks(prior_precision, n, d)
-    batch = batch_shape(x=(x, 2), J=(J, 4))
     options = check_solver_options(solver_options)
     if precision == "exact" and response == "site":
         return exact_result(
@@ -321,16 +317,8 @@ def ising_tap(
     (True, True)
     """
     precision = _checks.precision(precision)
-    x = _checks.as_float64(_checks.float_array(x, "x", ndim_min=1))
+    x, J, batch = ising_problem(x, J, diagonal)
     n = x.shape[-1]
-    J = _checks.as_float64(_checks.float_array(J, "J", ndim_min=2))
-    if J.shape[-2:] != (n, n):
-        raise ValueError(
-            f"J: expected shape (..., N, N) = (..., {n}, {n}) to match x of shape "
-            f"{x.shape}, got {J.shape}"
-        )
-    J = apply_diagonal(J, diagonal, ("error", "zero"), scalar=True)
-    batch = batch_shape(x=(x, 1), J=(J, 2))
     options = check_solver_options(solver_options)
     size = int(np.prod(batch, dtype=int))
     xb = np.broadcast_to(x, (*batch, n)).reshape(size, n)

@@ -15,15 +15,13 @@ from ..exact import meanfield as exact
 from ._deq import deq_attention
 from ._model import (
     MeanFieldGrads,
-    apply_diagonal,
-    batch_shape,
     check_solver_options,
     checked_image,
     cotangent,
-    couplings,
+    deq_problem,
     flat_batch,
-    prior_blocks,
-    spins,
+    ising_problem,
+    tap_problem,
     zero_self_couplings,
 )
 from ._tap import ising_tap
@@ -111,12 +109,8 @@ def adaptive_tap_vjp(
     ([1.333333333333, 0.666666666667], [2.666666666667])
     """
     precision = _checks.precision(precision)
-    _checks.choice(response, "response", ("site", "prior"))
-    x = spins(x, "x")
+    x, J, P, batch = tap_problem(x, J, prior_precision, response, diagonal)
     n, d = x.shape[-2:]
-    J = apply_diagonal(couplings(J, n, d), diagonal, ("error", "zero"))
-    P = prior_blocks(prior_precision, n, d)
-    batch = batch_shape(x=(x, 2), J=(J, 4))
     check_solver_options(solver_options)
     g = cotangent(grad_out, (*batch, n, d))
     if precision == "exact":
@@ -210,16 +204,8 @@ def ising_tap_vjp(
     [0.786447733, 0.940014849]
     """
     precision = _checks.precision(precision)
-    x = _checks.as_float64(_checks.float_array(x, "x", ndim_min=1))
+    x, J, batch = ising_problem(x, J, diagonal)
     n = x.shape[-1]
-    J = _checks.as_float64(_checks.float_array(J, "J", ndim_min=2))
-    if J.shape[-2:] != (n, n):
-        raise ValueError(
-            f"J: expected shape (..., N, N) = (..., {n}, {n}) to match x of shape "
-            f"{x.shape}, got {J.shape}"
-        )
-    J = apply_diagonal(J, diagonal, ("error", "zero"), scalar=True)
-    batch = batch_shape(x=(x, 1), J=(J, 2))
     g = cotangent(grad_out, (*batch, n))
     res = ising_tap(x, J, tol=tol, max_iter=max_iter, **check_solver_options(solver_options))
     m, V = (a.reshape(-1, n) for a in (res.means, res.cavity_var))
@@ -304,16 +290,14 @@ def deq_attention_vjp(
     ([1.0, 0.5], [2.0])
     """
     precision = _checks.precision(precision)
-    x = spins(x, "x")
+    x, J, batch = deq_problem(x, J, diagonal, correction)
     n, d = x.shape[-2:]
-    J = apply_diagonal(couplings(J, n, d), diagonal, ("error", "zero", "keep"))
     keep = diagonal == "keep"
     if correction is not None and not callable(correction_vjp):
         raise TypeError(
             "correction_vjp: a correction needs its vector-Jacobian product "
             f"correction_vjp(z, v) -> v^T f'(z), got {type(correction_vjp).__name__}"
         )
-    batch = batch_shape(x=(x, 2), J=(J, 4))
     g = cotangent(grad_out, (*batch, n, d))
     options = check_solver_options(solver_options)
     if correction is None:

@@ -14,13 +14,11 @@ from ..logspace import logsumexp, softmax
 from ._inputs import (
     BACKENDS,
     MODES,
-    PI_FORMS,
     MGKGrads,
     allowed_set,
-    checked_log_pi,
-    checked_sigma2,
-    validated_inputs,
-    vjp_inputs,
+    cotangent,
+    finite,
+    gaussian_problem,
 )
 
 
@@ -167,13 +165,8 @@ def attention(
         raise ValueError(
             "backend: the numba kernel has no row_eps; pass row_eps=0 or backend='numpy'"
         )
-    if v is None:
-        raise TypeError("v: expected a float array (..., S, E), got None")
-    q, keys, v, batch = validated_inputs(q, keys, v)
-    comp_shape = batch + keys.shape[-3:-1]
-    sigma2, sigma_varies = checked_sigma2(sigma2, comp_shape)
-    log_pi, _ = checked_log_pi(
-        log_pi, comp_shape, _checks.choice(pi_form, "pi_form", PI_FORMS) == "distribution"
+    q, keys, v, batch, sigma2, sigma_varies, log_pi = gaussian_problem(
+        q, keys, v, sigma2, log_pi, pi_form
     )
     if backend == "numba":
         from ..kernels import announce_compile, variants
@@ -314,12 +307,11 @@ def attention_vjp(
     mode = _checks.choice(mode, "mode", MODES)
     row_eps = _row_eps(row_eps)
     shapes = tuple(np.shape(a) for a in (q, keys, v))
-    q, keys, v, batch, go = vjp_inputs(q, keys, v, grad_out)
-    comp_shape = batch + keys.shape[-3:-1]
-    sigma2, sigma_varies = checked_sigma2(sigma2, comp_shape)
-    log_pi, _ = checked_log_pi(
-        log_pi, comp_shape, _checks.choice(pi_form, "pi_form", PI_FORMS) == "distribution"
+    q, keys, v, batch, sigma2, sigma_varies, log_pi = gaussian_problem(
+        q, keys, v, sigma2, log_pi, pi_form
     )
+    finite("the vjp expects finite values", ("q", q), ("keys", keys), ("v", v))
+    go = cotangent(grad_out, q, v, batch)
     length, units = q.shape[-2], keys.shape[-3]
     allowed = allowed_set(length, units, batch, mask, causal, window, align)
     if precision == "exact":

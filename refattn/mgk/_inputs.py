@@ -143,17 +143,47 @@ def checked_pi(pi, shape, distribution=True):
 # --------------------------------------------------------------------------------------------
 
 
-def vjp_inputs(q, keys, v, grad_out):
-    """Validated (q, keys, v, batch, grad_out broadcast to (..., L, E)); all finite."""
+def finite(message, *named) -> None:
+    """A ValueError ``"<name>: <message> (shape ...)"`` for the first array with NaN or Inf."""
+    for name, arr in named:
+        if not np.isfinite(_checks.as_float64(arr)).all():
+            raise ValueError(f"{name}: {message} (shape {arr.shape})")
+
+
+def gaussian_problem(q, keys, v, sigma2, log_pi, pi_form):
+    """The checked ``(q, keys, v, batch, sigma2, sigma_varies, log_pi)`` of
+    :func:`refattn.mgk.attention` and its vjp (arrays broadcast to the batch)."""
     if v is None:
         raise TypeError("v: expected a float array (..., S, E), got None")
     q, keys, v, batch = validated_inputs(q, keys, v)
+    comp_shape = batch + keys.shape[-3:-1]
+    sigma2, sigma_varies = checked_sigma2(sigma2, comp_shape)
+    distribution = _checks.choice(pi_form, "pi_form", PI_FORMS) == "distribution"
+    log_pi, _ = checked_log_pi(log_pi, comp_shape, distribution)
+    return q, keys, v, batch, sigma2, sigma_varies, log_pi
+
+
+def linear_problem(q, keys, v, pi, feature_map, mlk_form, mask, causal, window, align):
+    """The checked ``(q, keys, v, batch, pi, form, allowed)`` of
+    :func:`refattn.mgk.linear_attention` and its vjp (finite inputs only)."""
+    _checks.choice(feature_map, "feature_map", FEATURE_MAPS)
+    form = _checks.choice(mlk_form, "mlk_form", MLK_FORMS)
+    if v is None:
+        raise TypeError("v: expected a float array (..., S, E), got None")
+    q, keys, v, batch = validated_inputs(q, keys, v)
+    pi = checked_pi(pi, batch + keys.shape[-3:-1], form == "mixture")
+    finite("expected finite values", ("q", q), ("keys", keys), ("v", v))
+    length, units = q.shape[-2], keys.shape[-3]
+    allowed = allowed_set(length, units, batch, mask, causal, window, align)
+    return q, keys, v, batch, pi, form, allowed
+
+
+def cotangent(grad_out, q, v, batch):
+    """``grad_out`` broadcast to the output's (..., L, E), finite."""
     go = _checks.float_array(grad_out, "grad_out", ndim_min=2)
     go = _checks.broadcast(go, batch + (q.shape[-2], v.shape[-1]), "grad_out", "(..., L, E)")
-    for name, arr in (("q", q), ("keys", keys), ("v", v), ("grad_out", go)):
-        if not np.isfinite(_checks.as_float64(arr)).all():
-            raise ValueError(f"{name}: the vjp expects finite values (shape {arr.shape})")
-    return q, keys, v, batch, go
+    finite("the vjp expects finite values", ("grad_out", go))
+    return go
 
 
 def allowed_set(length, units, batch, mask, causal=False, window=None, align="top_left"):

@@ -12,14 +12,10 @@ from .. import _checks
 from ..broadcast import reduce_to
 from ..exact import mgk as exact
 from ._inputs import (
-    FEATURE_MAPS,
     LM_EPS,
-    MLK_FORMS,
     MGKGrads,
-    allowed_set,
-    checked_pi,
-    validated_inputs,
-    vjp_inputs,
+    cotangent,
+    linear_problem,
 )
 
 
@@ -112,17 +108,9 @@ def linear_attention(
     [[2.0]]
     """
     precision = _checks.precision(precision)
-    _checks.choice(feature_map, "feature_map", FEATURE_MAPS)
-    form = _checks.choice(mlk_form, "mlk_form", MLK_FORMS)
-    if v is None:
-        raise TypeError("v: expected a float array (..., S, E), got None")
-    q, keys, v, batch = validated_inputs(q, keys, v)
-    pi = checked_pi(pi, batch + keys.shape[-3:-1], form == "mixture")
-    for name, arr in (("q", q), ("keys", keys), ("v", v)):
-        if not np.isfinite(_checks.as_float64(arr)).all():
-            raise ValueError(f"{name}: expected finite values (shape {arr.shape})")
-    length, units = q.shape[-2], keys.shape[-3]
-    allowed = allowed_set(length, units, batch, mask, causal, window, align)
+    q, keys, v, batch, pi, form, allowed = linear_problem(
+        q, keys, v, pi, feature_map, mlk_form, mask, causal, window, align
+    )
     if precision == "exact":
         return exact.linear_attention(q, keys, v, pi, allowed, form, _checks.out_dtype(out_dtype))
     q64, keys64, v64 = (_checks.as_float64(a) for a in (q, keys, v))
@@ -264,13 +252,11 @@ def linear_attention_vjp(
     [[0.3333333333333333], [0.6666666666666666]]
     """
     precision = _checks.precision(precision)
-    _checks.choice(feature_map, "feature_map", FEATURE_MAPS)
-    form = _checks.choice(mlk_form, "mlk_form", MLK_FORMS)
     shapes = tuple(np.shape(a) for a in (q, keys, v))
-    q, keys, v, batch, go = vjp_inputs(q, keys, v, grad_out)
-    pi = checked_pi(pi, batch + keys.shape[-3:-1], form == "mixture")
-    length, units = q.shape[-2], keys.shape[-3]
-    allowed = allowed_set(length, units, batch, mask, causal, window, align)
+    q, keys, v, batch, pi, form, allowed = linear_problem(
+        q, keys, v, pi, feature_map, mlk_form, mask, causal, window, align
+    )
+    go = cotangent(grad_out, q, v, batch)
     if precision == "exact":
         return MGKGrads(
             *exact.linear_attention_vjp(

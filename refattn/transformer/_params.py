@@ -13,24 +13,14 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 
 from .. import _checks
+from ..spec import OPTIONS
 
 ACTIVATIONS = ("relu", "gelu")
 NORMS = ("post", "pre")
 LAYOUTS = ("interleave", "concat")
-ATTENTION_KEYWORDS = (
-    "scale",
-    "bias",
-    "mask",
-    "causal",
-    "window",
-    "align",
-    "softcap",
-    "alibi_slopes",
-    "gqa",
-    "dropout_mask",
-    "dropout_p",
-    "empty_rows",
-)
+#: The options of :func:`refattn.attention` the transformer functions pass through (their
+#: ``**attention_kwargs``): the rows of :data:`refattn.spec.OPTIONS` marked ``core``.
+ATTENTION_KEYWORDS = tuple(option.name for option in OPTIONS if option.core)
 
 
 # ----------------------------------------------------------------------------- parameters

@@ -62,7 +62,7 @@ def _floor(function, inputs, options, truth):
         ("test",),
         "conformance",
         "float64",
-        Shapes(1, 1, 1, length, units, dim, vdim),
+        Shapes(batch=1, H=1, K=1, L=length, S=units, D=dim, E=vdim),
         options=options,
         recipe={"R": comps},
         function=function,

@@ -6,7 +6,7 @@ tests/naive/transformer.py (no refattn code) for the exact path (correctly round
 and torch autograd of an independent float64 implementation of the lecture notes' pieces.
 The float64 gradients of layer norm, feed-forward and multi-head attention are checked against
 the first-order bounds of refattn.bounds (``layer_norm_vjp_bound``, ``feed_forward_vjp_bound``,
-``multihead_attention_vjp_bound``); the blocks have no such bound yet (see README) and are
+``multihead_attention_vjp_bound``); the blocks have no such bound yet (see docs/variants.md) and are
 compared with the exact path at a
 first-order estimate, ``gamma(n)`` times the gradients' largest magnitude, ``n`` the number of
 differentiated scalars (every rounding of the reverse pass is one of at most that many terms

@@ -72,7 +72,7 @@ def positive_long_fixture():
         ("tests",),
         "conformance",
         "float16",
-        Shapes(1, 1, 1, L, S, D, E),
+        Shapes(batch=1, H=1, K=1, L=L, S=S, D=D, E=E),
         description="values around 1, long rows",
     )
     return Fixture(case, {"q": q, "k": k, "v": v}, {}, {"out_f64": out, "lse_f64": lse})

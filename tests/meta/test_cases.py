@@ -220,7 +220,7 @@ _PINNED_CASE = Case(
     suites=("full",),
     category="conformance",
     dtype="bfloat16",
-    shapes=Shapes(2, 2, 1, 3, 5, 4, 3),
+    shapes=Shapes(batch=2, H=2, K=1, L=3, S=5, D=4, E=3),
     options={"dropout_p": 0.25, "causal": True},
     recipe={
         "qkv": "gaussian",
@@ -363,7 +363,7 @@ def test_register_suite_extension_point():
         suites=("variants",),
         category="conformance",
         dtype="float64",
-        shapes=Shapes(1, 1, 1, 2, 3, 4, 4),
+        shapes=Shapes(batch=1, H=1, K=1, L=2, S=3, D=4, E=4),
         seed=1,
         recipe={"qkv": "gaussian"},
         function="gmm_attention",

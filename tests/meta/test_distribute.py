@@ -40,20 +40,25 @@ def _case(tag, shapes, options=None, recipe=None, grads=False, dtype="float32"):
 SYNTHETIC = [
     _case(
         "gqa-tile-alibi",
-        Shapes(2, 4, 2, 5, 7, 8, 6),
+        Shapes(batch=2, H=4, K=2, L=5, S=7, D=8, E=6),
         {"gqa": "tile", "causal": True, "align": "bottom_right"},
         {"alibi": True},
     ),
     _case(
         "gqa-mask-bias",
-        Shapes(2, 4, 1, 6, 9, 4, 4),
+        Shapes(batch=2, H=4, K=1, L=6, S=9, D=4, E=4),
         {"window": (2, 1)},
         {"mask": "padding", "bias": "gaussian"},
     ),
-    _case("dropout", Shapes(2, 2, 2, 4, 6, 4, 4), {"dropout_p": 0.25}, {"dropout": True}),
+    _case(
+        "dropout",
+        Shapes(batch=2, H=2, K=2, L=4, S=6, D=4, E=4),
+        {"dropout_p": 0.25},
+        {"dropout": True},
+    ),
     _case(
         "grads",
-        Shapes(3, 4, 2, 5, 6, 4, 4),
+        Shapes(batch=3, H=4, K=2, L=5, S=6, D=4, E=4),
         {"causal": True},
         {"bias": "gaussian", "grad_lse": True},
         grads=True,

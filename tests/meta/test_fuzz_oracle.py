@@ -1003,7 +1003,7 @@ def test_fuzz_impl_and_adapter_together_are_both_judged(capsys):
 
 def test_fuzz_report_write_failing_after_the_run(tmp_path, monkeypatch):
     """The disk fills up while the report is written: one line and exit 2, after the summary."""
-    from oracle.judging.results import Report
+    from oracle.report.run_report import Report
 
     def full_disk(self, path):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
@@ -1018,7 +1018,8 @@ def test_fuzz_report_write_failing_after_the_run(tmp_path, monkeypatch):
 
 _BLOCKING_GENERATE = """
 import os, sys, time
-from oracle import catalogue, golden
+from oracle import catalogue
+from oracle.fixtures import golden
 real_replace = os.replace
 def replace_then_block(src, dst):
     if str(dst).endswith({last!r}):  # the last fixture's temp file is complete: stop here

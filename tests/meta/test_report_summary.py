@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from oracle.judging.results import CaseResult, Check, Report, Worst
+from oracle.judging.results import CaseResult, Check, Worst
 from oracle.judging.tolerance import Threshold
 from oracle.report.formats import summary_table, to_html
+from oracle.report.run_report import Report
 from oracle.report.summary import key_alignment, ulp_meaningful, unsupported_groups
 
 

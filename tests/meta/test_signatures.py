@@ -109,19 +109,18 @@ def test_jax_refuses_d_ne_e_as_unsupported():
         get("jax").translate({}, _call({}, E=8))
 
 
-def test_jax_refuses_rows_with_no_allowed_key_as_unsupported():
-    """JAX masks with a large finite negative: a row with no allowed key holds the average of
-    v (NaN under a -inf bias), refattn's is 0; the case is not expressible, not a fail."""
+def test_jax_averages_masked_rows_and_refuses_rows_a_bias_empties():
+    """JAX masks with a large finite negative: a row the mask empties holds the average of v
+    (the preset's empty_rows="average", judged so); a -inf bias makes the row NaN: not
+    expressible, not a fail."""
+    assert get("jax").empty_rows == "average"
     mask = np.ones((1, 2, 3, 5), dtype=bool)
     mask[0, 1, 2] = False
-    with pytest.raises(NotImplementedError, match="no allowed key"):
-        get("jax").translate({"mask": mask}, _call({"mask": mask}))
+    assert "mask" in get("jax").translate({"mask": mask}, _call({"mask": mask}))
     bias = np.zeros((1, 2, 3, 5))
     bias[0, 0, 1] = -np.inf
     with pytest.raises(NotImplementedError, match="no allowed key"):
         get("jax").translate({"bias": bias}, _call({"bias": bias}))
-    mask[0, 1, 2, 4] = True  # every row keeps a key: judged
-    assert "mask" in get("jax").translate({"mask": mask}, _call({"mask": mask}))
 
 
 def test_xformers_gets_the_allowed_set_as_an_exact_bias():
@@ -346,18 +345,19 @@ def test_flash_attention_without_flags_gets_guidance():
 
 
 # ---------------------------------------------------------------------------------------------
-# The README's FlashAttention functions pass with their presets
+# The documented FlashAttention functions (docs/presets-and-layouts.md) pass with their presets
 # ---------------------------------------------------------------------------------------------
 
 
 def _readme_functions() -> dict:
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    start = text.index("### Signature presets")
+    page = Path(__file__).resolve().parents[2] / "docs" / "presets-and-layouts.md"
+    text = page.read_text()
+    start = text.index("## Signature presets")
     block = re.search(r"```python\n(.*?)```", text[start:], re.S).group(1)
     namespace: dict = {}
-    exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 (the README's own code)
+    exec(compile(block, str(page), "exec"), namespace)  # noqa: S102 (the page's own code)
     return namespace
 
 

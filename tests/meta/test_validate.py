@@ -17,7 +17,7 @@ from oracle import catalogue
 from oracle.cli import main
 from oracle.fixtures import golden
 from oracle.judging.judge import check_fixture
-from oracle.judging.results import Report
+from oracle.report.run_report import Report
 from oracle.run.validate import resolve_impl, validate
 
 ROOT = Path(__file__).resolve().parents[2]

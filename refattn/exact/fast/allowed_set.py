@@ -19,6 +19,7 @@ import numba
 import numpy as np
 
 from ...spec import AttentionSpec, position_allowed_jit
+from ._params import R_ROWS_HI, R_ROWS_LO, RULE
 
 __all__ = [
     "AllowedRule",
@@ -149,6 +150,10 @@ def allowed_row(rule, b, h, i, lo, hi, allowed, kept):
         kept[j - lo] = ok and (not has_keep or keep[k0 + j * keep_st[3]])
 
 
+if AllowedRule._fields != RULE:  # pragma: no cover (the one layout, read by name in the kernels)
+    raise AssertionError("AllowedRule: its fields must be refattn.exact.fast._params.RULE")
+
+
 def rule_allowed(rule: AllowedRule, b: int, h: int, keys: int) -> tuple[np.ndarray, np.ndarray]:
     """(allowed, kept) (L, S) of plane (b, h) as the forward kernels read them from ``rule``
     (the key intervals and :func:`key_state`), for tests."""
@@ -164,7 +169,7 @@ def rule_allowed(rule: AllowedRule, b: int, h: int, keys: int) -> tuple[np.ndarr
 
 @numba.jit(**_JIT)
 def _allowed_plane(rule, b, h, allowed, kept):
-    rows_lo, rows_hi = rule[0], rule[1]
+    rows_lo, rows_hi = rule[R_ROWS_LO], rule[R_ROWS_HI]
     for i in range(allowed.shape[0]):
         lo, hi = rows_lo[b, i], rows_hi[b, i]
         allowed_row(rule, b, h, i, lo, hi, allowed[i, lo:], kept[i, lo:])

@@ -85,6 +85,7 @@ from ...spec import AttentionSpec
 from ..attention import exact_forward
 from ..rounding import format_of
 from . import doubledouble as D
+from ._params import P_ALIBI_OFFSET, P_SINK, P_SLOPE, PRM
 from .allowed_set import allowed_rule
 from .forward_kernels import OK, ROW_BLOCK, SUM_BLOCK, UNDECIDED, forward_d, forward_dd, row_facts
 
@@ -216,28 +217,30 @@ def kernel_params(spec: AttentionSpec):
     sink = spec.sinks is not None  # one more term in Z: the sums' bounds count it
     sinks = np.zeros(heads) if not sink else np.asarray(spec.sinks, dtype=np.float64)
     ok = ok & in_range(sinks)[None, :]
-    prm = np.empty((batch, heads, 16))
-    prm[...] = [
-        scale_hi,
-        scale_lo,
-        scale_err,
-        D.dot_bound(dim),
-        cap,
-        0.0,
-        0.0,
-        D.dot_bound(2 * (keys + sink)),
-        keep_hi,
-        keep_lo,
-        keep_err,
-        D.gamma_up(dim),
-        D.gamma_up(SUM_BLOCK + keys // SUM_BLOCK + 2 + sink),
-        float(alibi_keys),
-        float(sink),
-        0.0,
-    ]
-    prm[:, :, 15] = sinks[None, :]
-    prm[:, :, 5] = slopes[None, :]
-    prm[:, :, 6] = np.array([spec.alibi_offset(b) for b in range(batch)], dtype=np.float64)[:, None]
+    values = dict(
+        scale_hi=scale_hi,
+        scale_lo=scale_lo,
+        scale_err=scale_err,
+        dot_rel=D.dot_bound(dim),
+        softcap=cap,
+        slope=0.0,
+        alibi_offset=0.0,
+        sum_rel=D.dot_bound(2 * (keys + sink)),
+        keep_hi=keep_hi,
+        keep_lo=keep_lo,
+        keep_err=keep_err,
+        gamma_dim=D.gamma_up(dim),
+        gamma_sum=D.gamma_up(SUM_BLOCK + keys // SUM_BLOCK + 2 + sink),
+        alibi_keys=float(alibi_keys),
+        has_sink=float(sink),
+        sink=0.0,
+    )
+    prm = np.empty((batch, heads, len(PRM)))
+    prm[...] = [values[name] for name in PRM]
+    prm[:, :, P_SINK] = sinks[None, :]
+    prm[:, :, P_SLOPE] = slopes[None, :]
+    offsets = np.array([spec.alibi_offset(b) for b in range(batch)], dtype=np.float64)
+    prm[:, :, P_ALIBI_OFFSET] = offsets[:, None]
     return prm, ok
 
 

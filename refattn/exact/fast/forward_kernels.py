@@ -18,6 +18,29 @@ import numpy as np
 from numba import prange
 
 from . import doubledouble as D
+from ._params import (
+    P_ALIBI_KEYS,
+    P_ALIBI_OFFSET,
+    P_DOT_REL,
+    P_GAMMA_DIM,
+    P_GAMMA_SUM,
+    P_HAS_SINK,
+    P_KEEP_ERR,
+    P_KEEP_HI,
+    P_KEEP_LO,
+    P_SCALE_ERR,
+    P_SCALE_HI,
+    P_SCALE_LO,
+    P_SINK,
+    P_SLOPE,
+    P_SOFTCAP,
+    P_SUM_REL,
+    R_HAS_BIAS,
+    R_HAS_KEEP,
+    R_HAS_MASK,
+    R_ROWS_HI,
+    R_ROWS_LO,
+)
 from .allowed_set import key_state
 from .doubledouble import EXP_FAST_REL, exp_dd_fast
 from .rounding_decision import decide_one
@@ -98,14 +121,14 @@ def _bias_in_range(x):
 def _score(i, j, sj, cj, qn_i, kn_j, prm, bv, has_bias):
     """(t_hi, t_lo, err) of the score of key j from its dot product (s, c)."""
     scale_hi, scale_lo, scale_err, dot_rel, cap, slope, offset, alibi_keys = (
-        prm[0],
-        prm[1],
-        prm[2],
-        prm[3],
-        prm[4],
-        prm[5],
-        prm[6],
-        prm[13],
+        prm[P_SCALE_HI],
+        prm[P_SCALE_LO],
+        prm[P_SCALE_ERR],
+        prm[P_DOT_REL],
+        prm[P_SOFTCAP],
+        prm[P_SLOPE],
+        prm[P_ALIBI_OFFSET],
+        prm[P_ALIBI_KEYS],
     )
     dh, dl = D.two_sum(sj, cj)
     derr = dot_rel * qn_i * kn_j
@@ -139,7 +162,7 @@ def _finish_row(index, top, z, sums, prm, target, results):
     ns, nc, nr = sums
     want_lse, _, p, emin, maxf = target
     out, lse = results[0], results[1]
-    keep_hi, keep_lo, keep_err = prm[8], prm[9], prm[10]
+    keep_hi, keep_lo, keep_err = prm[P_KEEP_HI], prm[P_KEEP_LO], prm[P_KEEP_ERR]
     if not zr < 0.5 * zh:
         return False, 0.0, 0.0, 0.0
     lh, ll, lerr = D.log_dd(zh, zl)
@@ -209,14 +232,20 @@ def _dd_row(b, h, i, inputs, rule, target, results):
     1-6); returns its status. ``inputs``, ``rule``, ``target``, ``results``: the argument
     records of :func:`forward_dd`."""
     q, kT, v, qn, kn, _, _, vmax, _, prm, kvh = inputs
-    rows_lo, rows_hi, has_mask, has_bias, has_drop = rule[0], rule[1], rule[8], rule[9], rule[10]
+    rows_lo, rows_hi, has_mask, has_bias, has_drop = (
+        rule[R_ROWS_LO],
+        rule[R_ROWS_HI],
+        rule[R_HAS_MASK],
+        rule[R_HAS_BIAS],
+        rule[R_HAS_KEEP],
+    )
     want_w = target[1]
     g = kvh[h]
     lo, hi = rows_lo[b, i], rows_hi[b, i]
     n = hi - lo
     vdim = v.shape[3]
     pr = prm[b, h]
-    sum_rel = pr[7]
+    sum_rel = pr[P_SUM_REL]
     vp = v[b, g]  # the plane's (S, E) values
     knp = kn[b, g]
     qn_i = qn[b, h, i]
@@ -241,7 +270,7 @@ def _dd_row(b, h, i, inputs, rule, target, results):
         s[jj], c[jj], err[jj] = th, tl, e
         if th > top:
             top = th
-    has_sink, sink = pr[14] != 0.0, pr[15]
+    has_sink, sink = pr[P_HAS_SINK] != 0.0, pr[P_SINK]
     if has_sink and sink > top:  # the sink: one more logit in the max and in Z, no value
         top = sink
     if top == -np.inf:
@@ -331,13 +360,13 @@ def _score_d(i, j, sj, qn_i, kn_j, prm, bv, has_bias, gdim):
     """(t, err): the score of key j in double precision from its dot product s (fma chain,
     error <= gamma_D |q_i|.|k_j|), each rounding bounded by 1.01 u |result|."""
     scale_hi, scale_lo, scale_err, cap, slope, offset, alibi_keys = (
-        prm[0],
-        prm[1],
-        prm[2],
-        prm[4],
-        prm[5],
-        prm[6],
-        prm[13],
+        prm[P_SCALE_HI],
+        prm[P_SCALE_LO],
+        prm[P_SCALE_ERR],
+        prm[P_SOFTCAP],
+        prm[P_SLOPE],
+        prm[P_ALIBI_OFFSET],
+        prm[P_ALIBI_KEYS],
     )
     u = 1.01 * D.U
     derr = gdim * qn_i * kn_j
@@ -362,46 +391,54 @@ def _score_d(i, j, sj, qn_i, kn_j, prm, bv, has_bias, gdim):
 
 
 @numba.jit(**_JIT)
-def _d_block(b, h, i0, nb_rows, inputs, rule, target, results):
-    """Double-precision first step of rows i0 .. i0 + nb_rows - 1 of plane (b, h), which share
-    each load of K^T and V (each row's arithmetic is the same sequence as alone: no bit depends
-    on the blocking). The keys run over the union of the rows' intervals; the blocked sums
-    restart at multiples of SUM_BLOCK of the key index j itself. The argument records are
-    those of :func:`forward_dd`."""
-    q, kT, v, qn, kn, qs, ks, vmax, vnorm, prm, kvh = inputs
-    rows_lo, rows_hi, has_mask, has_bias, has_drop = rule[0], rule[1], rule[8], rule[9], rule[10]
-    want_w = target[1]
-    status = results[3]
-    g = kvh[h]
-    pr = prm[b, h]
-    gdim = pr[11]
-    gsum = pr[12]
-    u = 1.01 * D.U
-    vdim = v.shape[3]
-    vp = v[b, g]  # the plane's (S, E) values
-    knp = kn[b, g]
-    ksp = ks[b, g]
-    rule_arrays = has_mask or has_bias or has_drop
+def _block_interval(rows_lo, rows_hi, b, i0, nb_rows):
+    """The union [lo, hi) of the key intervals of rows i0 .. i0 + nb_rows - 1 of batch row b."""
     lo = rows_lo[b, i0]
     hi = rows_hi[b, i0]
     for rr in range(1, nb_rows):
         lo = min(lo, rows_lo[b, i0 + rr])
         hi = max(hi, rows_hi[b, i0 + rr])
+    return lo, hi
+
+
+@numba.jit(**_JIT)
+def _block_dots(qp, kTp, i0, nb_rows, lo, hi, s):
+    """s[rr, j - lo] = q_{i0 + rr} . k_j for lo <= j < hi by one fma chain over D each (``qp``
+    the plane's (L, D) queries, ``kTp`` its (D, S) keys)."""
     n = max(hi - lo, 0)
-    s = np.zeros((ROW_BLOCK, n))
-    err = np.zeros((ROW_BLOCK, n))
-    state = np.zeros((ROW_BLOCK, n), np.int8)
-    bad = np.zeros(ROW_BLOCK, np.bool_)
-    for d in range(q.shape[3]):
-        row = kT[b, g, d, lo:hi]  # a slice: the loop below then vectorizes
+    for d in range(qp.shape[1]):
+        row = kTp[d, lo:hi]  # a slice: the loop below then vectorizes
         for rr in range(nb_rows):
-            a = q[b, h, i0 + rr, d]
+            a = qp[i0 + rr, d]
             if a == 0.0:
                 continue
             srow = s[rr]
             for jj in range(n):
                 srow[jj] = D.fma(a, row[jj], srow[jj])
-    top = np.full(ROW_BLOCK, -np.inf)
+
+
+@numba.jit(**_JIT)
+def _block_scores(b, h, i0, nb_rows, lo, hi, inputs, rule, work):
+    """The scores (t, err) of rows i0 .. i0 + nb_rows - 1 of plane (b, h) over the keys
+    [lo, hi) in place of their dot products, with each key's state (0 excluded, 1 dropped,
+    2 kept), each row's maximum score and whether a bias value is out of the first steps'
+    range: ``work`` = (s, err, state, bad, top) (:func:`_d_block`)."""
+    q, kT, _, qn, kn, qs, ks, _, _, prm, kvh = inputs
+    rows_lo, rows_hi, has_mask, has_bias, has_drop = (
+        rule[R_ROWS_LO],
+        rule[R_ROWS_HI],
+        rule[R_HAS_MASK],
+        rule[R_HAS_BIAS],
+        rule[R_HAS_KEEP],
+    )
+    s, err, state, bad, top = work
+    g = kvh[h]
+    pr = prm[b, h]
+    gdim = pr[P_GAMMA_DIM]
+    knp = kn[b, g]
+    ksp = ks[b, g]
+    rule_arrays = has_mask or has_bias or has_drop
+    _block_dots(q[b, h], kT[b, g], i0, nb_rows, lo, hi, s)
     for rr in range(nb_rows):
         i = i0 + rr
         for jj in range(rows_lo[b, i] - lo, rows_hi[b, i] - lo):
@@ -420,7 +457,34 @@ def _d_block(b, h, i0, nb_rows, inputs, rule, target, results):
             s[rr, jj], err[rr, jj] = t, e
             if t > top[rr]:
                 top[rr] = t
-    has_sink, sink = pr[14] != 0.0, pr[15]
+
+
+@numba.jit(**_JIT)
+def _d_block(b, h, i0, nb_rows, inputs, rule, target, results):
+    """Double-precision first step of rows i0 .. i0 + nb_rows - 1 of plane (b, h), which share
+    each load of K^T and V (each row's arithmetic is the same sequence as alone: no bit depends
+    on the blocking). The keys run over the union of the rows' intervals; the blocked sums
+    restart at multiples of SUM_BLOCK of the key index j itself. The argument records are
+    those of :func:`forward_dd`."""
+    _, _, v, _, _, _, _, vmax, vnorm, prm, kvh = inputs
+    rows_lo, rows_hi = rule[R_ROWS_LO], rule[R_ROWS_HI]
+    want_w = target[1]
+    status = results[3]
+    g = kvh[h]
+    pr = prm[b, h]
+    gsum = pr[P_GAMMA_SUM]
+    u = 1.01 * D.U
+    vdim = v.shape[3]
+    vp = v[b, g]  # the plane's (S, E) values
+    lo, hi = _block_interval(rows_lo, rows_hi, b, i0, nb_rows)
+    n = max(hi - lo, 0)
+    s = np.zeros((ROW_BLOCK, n))
+    err = np.zeros((ROW_BLOCK, n))
+    state = np.zeros((ROW_BLOCK, n), np.int8)
+    bad = np.zeros(ROW_BLOCK, np.bool_)
+    top = np.full(ROW_BLOCK, -np.inf)
+    _block_scores(b, h, i0, nb_rows, lo, hi, inputs, rule, (s, err, state, bad, top))
+    has_sink, sink = pr[P_HAS_SINK] != 0.0, pr[P_SINK]
     if has_sink:  # the sink: one more logit in the max and in Z, no value
         for rr in range(nb_rows):
             top[rr] = max(top[rr], sink)

@@ -142,6 +142,7 @@ import numpy as np
 
 from .._fixed import to_fixed
 from ..rounding import round_exact
+from ._params import VJP_FOPTS, VJP_OPTS, VO_OFFSETS
 from .allowed_set import allowed_rule, compact_view
 from .doubledouble import dd_of_exact, dd_of_fraction, dot_bound
 from .vjp_passes import (
@@ -277,6 +278,44 @@ def _along_keys(spec) -> bool:
     return keys > 1 and (not shape or shape[-1] == 1)
 
 
+def _vjp_options(spec):
+    """The vjp kernels' ``opts`` (int64: :data:`~refattn.exact.fast._params.VJP_OPTS`, then the
+    ALiBi offset of each batch row) and ``fopts`` (float64:
+    :data:`~refattn.exact.fast._params.VJP_FOPTS`; the dot-product bounds per length: D
+    (scores), E (dp), S (dq), G L (dk, dv))."""
+    batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
+    # ALiBi applies to keys j < alibi_keys (a folded sink has none) with the offset o_b of
+    # batch row b (the B offsets follow the named slots)
+    alibi_keys = keys if spec.alibi_keys is None else spec.alibi_keys
+    flags = dict(
+        has_bias=spec.bias is not None,
+        has_alibi=spec.alibi_slopes is not None,
+        has_softcap=spec.softcap is not None,
+        alibi_keys=alibi_keys,
+        dropout=spec.dropout_p != 0,
+        has_mask=spec.mask is not None,
+        has_dropout_mask=spec.dropout_mask is not None,
+    )
+    named = np.array([flags[name] for name in VJP_OPTS[:VO_OFFSETS]], np.int64)
+    opts = np.concatenate([named, _alibi_offsets(spec)])
+    scale_dd, keep_dd = dd_of_exact(spec.scale_exact), dd_of_fraction(spec.keep_scale)
+    floats = dict(
+        scale_hi=scale_dd[0],
+        scale_lo=scale_dd[1],
+        scale_err=scale_dd[2],
+        softcap=spec.softcap or 1.0,
+        keep_hi=keep_dd[0],
+        keep_lo=keep_dd[1],
+        keep_err=keep_dd[2],
+        dot_d=dot_bound(dim),
+        dot_e=dot_bound(vdim),
+        dot_s=dot_bound(keys),
+        dot_gl=dot_bound(heads // kv_heads * length),
+    )
+    fopts = np.array([floats[name] for name in VJP_FOPTS])
+    return opts, fopts
+
+
 def gradient_enclosures(spec, grad_out, grad_lse, *, stream_dbias=True):
     """dd enclosures (3, ...) of dq (B, H, L, D), dk (B, K, S, D), dv (B, K, S, E), dbias
     (3,) + :meth:`AttentionSpec.dbias_slots`'s shape (None without bias) and dsinks (3, H)
@@ -314,39 +353,7 @@ def gradient_enclosures(spec, grad_out, grad_lse, *, stream_dbias=True):
         else np.zeros(1)
     )
     group = np.array([np.flatnonzero(spec.kv_head == g) for g in range(kv_heads)], np.int64)
-    # [has_bias, has_alibi, has_softcap, alibi_keys, dropout, has_mask, has_dropout_mask, o_0,
-    # ..., o_{B-1}]: ALiBi applies to keys j < alibi_keys (a folded sink has none) with the
-    # offset o_b of batch row b
-    alibi_keys = keys if spec.alibi_keys is None else spec.alibi_keys
-    opts = np.concatenate(
-        [
-            np.array(
-                [
-                    spec.bias is not None,
-                    spec.alibi_slopes is not None,
-                    spec.softcap is not None,
-                    alibi_keys,
-                    spec.dropout_p != 0,
-                    spec.mask is not None,
-                    spec.dropout_mask is not None,
-                ],
-                np.int64,
-            ),
-            _alibi_offsets(spec),
-        ]
-    )
-    # dot-product bounds per length: D (scores), E (dp), S (dq), G L (dk, dv)
-    fopts = np.array(
-        [
-            *dd_of_exact(spec.scale_exact),
-            spec.softcap or 1.0,
-            *dd_of_fraction(spec.keep_scale),
-            dot_bound(dim),
-            dot_bound(vdim),
-            dot_bound(keys),
-            dot_bound(heads // kv_heads * length),
-        ]
-    )
+    opts, fopts = _vjp_options(spec)
     dq = np.zeros((3, batch, heads, length, dim))
     dk = np.zeros((3, batch, kv_heads, keys, dim))
     dv = np.zeros((3, batch, kv_heads, keys, vdim))

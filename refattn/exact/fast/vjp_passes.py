@@ -22,6 +22,18 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from ._params import (
+    R_ROWS_HI,
+    R_ROWS_LO,
+    VF_KEEP_ERR,
+    VF_KEEP_HI,
+    VF_KEEP_LO,
+    VF_SCALE_ERR,
+    VF_SCALE_HI,
+    VF_SCALE_LO,
+    VO_DROPOUT,
+    VO_HAS_SOFTCAP,
+)
 from .allowed_set import allowed_row
 from .doubledouble import BOUND_SAFETY, DD_REL, dd_add, two_sum
 from .doubledouble import U as _U
@@ -66,6 +78,79 @@ N_STAT = 15
 SINK_REF = -2
 
 
+@njit(**_JIT)
+def _row_ds_out(index, lo, n, bounded, allowed, ds, dbias_out):
+    """Pass A's dS outputs of row ``index`` = (b, h, i) over its keys lo .. lo + n - 1: with
+    ``row_sums`` the row's sum of dS (summed as :func:`reduce_slots` sums a slot, terms in
+    increasing j), with ``write_ds`` every dS enclosure (``dbias_out`` of :func:`dq_pass`).
+    ``bounded``: the row has errors (kind 1, not a zero row); excluded positions and
+    single-key rows are exact."""
+    b, h, i = index
+    dsh, dsl, dse = ds
+    write_ds, row_sums, dbias = dbias_out
+    if row_sums:
+        rs_h, rs_l, rs_e, rs_mag, rs_count = 0.0, 0.0, 0.0, 0.0, 0.0
+        for t in range(n):
+            rs_h, rs_l = dd_add(rs_h, rs_l, dsh[t], dsl[t])
+            if allowed[t] and bounded:
+                rs_e += dse[t] * BOUND_SAFETY + UNDERFLOW_TERM
+            rs_mag += abs(dsh[t])
+            rs_count += 1.0
+        dbias[0, b, h, i, 0], dbias[1, b, h, i, 0] = rs_h, rs_l
+        dbias[2, b, h, i, 0] = (rs_e + rs_count * DD_REL * rs_mag * _SAFE) * BOUND_SAFETY
+    if write_ds:
+        for t in range(n):
+            j = lo + t
+            dbias[0, b, h, i, j] = dsh[t]
+            dbias[1, b, h, i, j] = dsl[t]
+            dbias[2, b, h, i, j] = (
+                dse[t] * BOUND_SAFETY + UNDERFLOW_TERM if allowed[t] and bounded else 0.0
+            )
+
+
+@njit(**_JIT)
+def _row_dq(index, lo, n, row_kind, allowed, dt, checked, plane_keys, dq_row, fopts, dq, check):
+    """Pass A's dq of row ``index`` = (b, h, i) from its dT enclosures ``dt`` = (hi, lo,
+    error) at the keys lo .. lo + n - 1 (``plane_keys`` = the plane's (S, D) keys and their
+    (D,) column sums :func:`input_norms` ``k_col``), stored scaled by
+    the scale; ``row_kind`` = (kind, reference, zero row) of :func:`row_gradients`.
+    ``dq_row`` = 4 (D,) work arrays. Returns ``check`` plus the row's finiteness terms
+    (``checked`` = the weight and dS errors, in the key order)."""
+    b, h, i = index
+    kind, r, zero_row = row_kind
+    sh, sl, se = dt
+    we, dse = checked
+    dq_h, dq_c, dq_r, dq_p = dq_row
+    kp, k_col = plane_keys
+    dq_h[:] = 0.0
+    dq_c[:] = 0.0
+    dq_r[:] = 0.0
+    dq_p[:] = 0.0
+    emax = 0.0
+    # the real keys only: the sink's key is 0, it adds exactly nothing to dq
+    for t in range(n):
+        if not allowed[t]:
+            continue
+        check += se[t] + abs(sh[t]) + we[t] + dse[t]
+        if zero_row:
+            continue
+        j = lo + t
+        emax = max(emax, se[t])
+        accumulate(sh[t], sl[t], kp[j], dq_h, dq_c, dq_r)
+        for d in range(kp.shape[1]):
+            dq_p[d] += se[t] * abs(kp[j, d])
+    if zero_row or (kind == 2 and r == n):  # dq = 0 exactly (the sink's key is 0)
+        return check
+    s_hi, s_lo, s_err = fopts[VF_SCALE_HI], fopts[VF_SCALE_LO], fopts[VF_SCALE_ERR]
+    for d in range(kp.shape[1]):
+        xh, xl = two_sum(dq_h[d], dq_c[d])
+        err = (min(emax * k_col[d], dq_p[d] * BOUND_SAFETY) + _U * dq_r[d]) * BOUND_SAFETY
+        if k_col[d] == 0.0:  # a zero column of k: every product is an exact 0
+            continue
+        store_scaled(dq, (b, h, i, d), xh, xl, err, s_hi, s_lo, s_err)
+    return check
+
+
 @njit(parallel=True, **_JIT)
 def dq_pass(tensors, lse_grad, rule, terms, kv_head, norms, sink, dbias_out, stats, dq, bad):
     """Pass A, parallel over (batch, query head, block of ROW_BLOCK rows): each row's dS, dT
@@ -87,15 +172,13 @@ def dq_pass(tensors, lse_grad, rule, terms, kv_head, norms, sink, dbias_out, sta
     fstat)."""
     q, k, kt, vt, do = tensors
     has_glse, glse = lse_grad
-    rows_lo, rows_hi = rule[0], rule[1]
+    rows_lo, rows_hi = rule[R_ROWS_LO], rule[R_ROWS_HI]
     fopts = terms[2]
     k_l1, v_l1, k_col = norms[0], norms[1], norms[2]
     has_sink, sinks, dsink = sink
-    write_ds, row_sums, dbias = dbias_out
     istat, fstat = stats
     batch, heads, length, dim = q.shape
     keys = kt.shape[3]
-    s_hi, s_lo, s_err = fopts[0], fopts[1], fopts[2]
     blocks = (length + ROW_BLOCK - 1) // ROW_BLOCK
     extra = 1 if has_sink else 0
     for item in prange(batch * heads * blocks):
@@ -175,56 +258,67 @@ def dq_pass(tensors, lse_grad, rule, terms, kv_head, norms, sink, dbias_out, sta
                     dsink[0, b, h, i], dsink[1, b, h, i] = dsh[n], dsl[n]
                     # a sink-only row (kind 2) is exact: dS = g
                     dsink[2, b, h, i] = dse[n] * BOUND_SAFETY + UNDERFLOW_TERM if kind == 1 else 0.0
-            if row_sums:  # sum_j dS_ij as _reduce sums a slot (terms in increasing j)
-                rs_h, rs_l, rs_e, rs_mag, rs_count = 0.0, 0.0, 0.0, 0.0, 0.0
-                for t in range(n):
-                    rs_h, rs_l = dd_add(rs_h, rs_l, dsh[t], dsl[t])
-                    if allowed[t] and kind == 1 and not zero_row:
-                        rs_e += dse[t] * BOUND_SAFETY + UNDERFLOW_TERM
-                    rs_mag += abs(dsh[t])
-                    rs_count += 1.0
-                dbias[0, b, h, i, 0], dbias[1, b, h, i, 0] = rs_h, rs_l
-                dbias[2, b, h, i, 0] = (rs_e + rs_count * DD_REL * rs_mag * _SAFE) * BOUND_SAFETY
-            if write_ds:
-                for t in range(n):
-                    j = lo + t
-                    dbias[0, b, h, i, j] = dsh[t]
-                    dbias[1, b, h, i, j] = dsl[t]
-                    # excluded positions and single-key rows are exact
-                    dbias[2, b, h, i, j] = (
-                        dse[t] * BOUND_SAFETY + UNDERFLOW_TERM
-                        if allowed[t] and kind == 1 and not zero_row
-                        else 0.0
-                    )
-            dq_h[:] = 0.0
-            dq_c[:] = 0.0
-            dq_r[:] = 0.0
-            dq_p[:] = 0.0
-            emax = 0.0
-            # the real keys only: the sink's key is 0, it adds exactly nothing to dq
-            for t in range(n):
-                if not allowed[t]:
-                    continue
-                check += se[t] + abs(sh[t]) + we[t] + dse[t]
-                if zero_row:
-                    continue
-                j = lo + t
-                emax = max(emax, se[t])
-                accumulate(sh[t], sl[t], k[b, g, j], dq_h, dq_c, dq_r)
-                for d in range(dim):
-                    dq_p[d] += se[t] * abs(k[b, g, j, d])
-            if zero_row or (kind == 2 and r == n):  # dq = 0 exactly (the sink's key is 0)
-                continue
-            for d in range(dim):
-                xh, xl = two_sum(dq_h[d], dq_c[d])
-                err = (
-                    min(emax * k_col[b, g, d], dq_p[d] * BOUND_SAFETY) + _U * dq_r[d]
-                ) * BOUND_SAFETY
-                if k_col[b, g, d] == 0.0:  # a zero column of k: every product is an exact 0
-                    continue
-                store_scaled(dq, (b, h, i, d), xh, xl, err, s_hi, s_lo, s_err)
+            _row_ds_out(
+                (b, h, i), lo, n, kind == 1 and not zero_row, allowed, (dsh, dsl, dse), dbias_out
+            )
+            dq_row = (dq_h, dq_c, dq_r, dq_p)
+            check = _row_dq(
+                (b, h, i),
+                lo,
+                n,
+                (kind, r, zero_row),
+                allowed,
+                (sh, sl, se),
+                (we, dse),
+                (k[b, g], k_col[b, g]),
+                dq_row,
+                fopts,
+                dq,
+                check,
+            )
         if not math.isfinite(check):
             bad[b, h, blk] = True
+
+
+@njit(**_JIT)
+def _store_dkdv(b, g, j0, nb, sums, col_sums, opts, fopts, dk, dv):
+    """Pass B's dk (scaled by the scale) and dv (scaled by the keep scale with dropout) of
+    the keys j0 .. j0 + nb - 1 of plane (b, g) from their Dot2 sums, error sums, largest
+    errors and term counts ``sums`` = (dk's, dv's) and the group's column sums of q and dO
+    ``col_sums`` (:func:`input_norms`)."""
+    dk_h, dk_c, dk_r, dk_p, dk_emax, dk_terms = sums[0]
+    dv_h, dv_c, dv_r, dv_p, dv_emax, dv_terms = sums[1]
+    q_sum, do_sum = col_sums
+    dim, vdim = dk_h.shape[1], dv_h.shape[1]
+    dropout = opts[VO_DROPOUT]
+    s_hi, s_lo, s_err = fopts[VF_SCALE_HI], fopts[VF_SCALE_LO], fopts[VF_SCALE_ERR]
+    kf_h, kf_l, kf_e = fopts[VF_KEEP_HI], fopts[VF_KEEP_LO], fopts[VF_KEEP_ERR]
+    for x in range(nb):
+        j = j0 + x
+        for d in range(dim if dk_terms[x] else 0):
+            xh, xl = two_sum(dk_h[x, d], dk_c[x, d])
+            err = (
+                (min(dk_emax[x] * q_sum[d], dk_p[x, d] * BOUND_SAFETY) + _U * dk_r[x, d])
+                * BOUND_SAFETY
+                * BOUND_SAFETY
+            )
+            if q_sum[d] == 0.0:  # q's column d is zero in every row of the group
+                continue
+            store_scaled(dk, (b, g, j, d), xh, xl, err, s_hi, s_lo, s_err)
+        for e in range(vdim if dv_terms[x] else 0):
+            xh, xl = two_sum(dv_h[x, e], dv_c[x, e])
+            err = (
+                (min(dv_emax[x] * do_sum[e], dv_p[x, e] * BOUND_SAFETY) + _U * dv_r[x, e])
+                * BOUND_SAFETY
+                * BOUND_SAFETY
+            )
+            if do_sum[e] == 0.0:  # dO's column e is zero in every row of the group
+                continue
+            if dropout:
+                store_scaled(dv, (b, g, j, e), xh, xl, err, kf_h, kf_l, kf_e)
+            else:
+                dv[0, b, g, j, e], dv[1, b, g, j, e] = xh, xl
+                dv[2, b, g, j, e] = err * BOUND_SAFETY + UNDERFLOW_TERM
 
 
 @njit(parallel=True, **_JIT)
@@ -237,15 +331,13 @@ def dkdv_pass(tensors, lse_grad, rule, terms, group, norms, stats, dk, dv):
     records are those of :func:`dq_pass`; ``group`` (K, G) the query heads of each kv head."""
     q, _, kt, vt, do = tensors
     has_glse, glse = lse_grad
-    rows_lo, rows_hi = rule[0], rule[1]
+    rows_lo, rows_hi = rule[R_ROWS_LO], rule[R_ROWS_HI]
     opts, fopts = terms[1], terms[2]
     k_l1, v_l1, q_sum, do_sum = norms[0], norms[1], norms[3], norms[4]
     istat, fstat = stats
     batch, kv_heads, dim, keys = kt.shape
     length, vdim = q.shape[2], vt.shape[2]
-    dropout, has_softcap = opts[4], opts[2]
-    s_hi, s_lo, s_err = fopts[0], fopts[1], fopts[2]
-    kf_h, kf_l, kf_e = fopts[4], fopts[5], fopts[6]
+    has_softcap = opts[VO_HAS_SOFTCAP]
     blocks = (keys + KEY_BLOCK - 1) // KEY_BLOCK
     for item in prange(batch * kv_heads * blocks):
         b = item // (kv_heads * blocks)
@@ -339,32 +431,11 @@ def dkdv_pass(tensors, lse_grad, rule, terms, group, norms, stats, dk, dv):
                             dv_p[x, e] += w_e * abs(do[b, h, i, e])
                         dv_terms[x] += 1
                         dv_emax[x] = max(dv_emax[x], w_e)
-        for x in range(nb):
-            j = j0 + x
-            for d in range(dim if dk_terms[x] else 0):
-                xh, xl = two_sum(dk_h[x, d], dk_c[x, d])
-                err = (
-                    (min(dk_emax[x] * q_sum[b, g, d], dk_p[x, d] * BOUND_SAFETY) + _U * dk_r[x, d])
-                    * BOUND_SAFETY
-                    * BOUND_SAFETY
-                )
-                if q_sum[b, g, d] == 0.0:  # q's column d is zero in every row of the group
-                    continue
-                store_scaled(dk, (b, g, j, d), xh, xl, err, s_hi, s_lo, s_err)
-            for e in range(vdim if dv_terms[x] else 0):
-                xh, xl = two_sum(dv_h[x, e], dv_c[x, e])
-                err = (
-                    (min(dv_emax[x] * do_sum[b, g, e], dv_p[x, e] * BOUND_SAFETY) + _U * dv_r[x, e])
-                    * BOUND_SAFETY
-                    * BOUND_SAFETY
-                )
-                if do_sum[b, g, e] == 0.0:  # dO's column e is zero in every row of the group
-                    continue
-                if dropout:
-                    store_scaled(dv, (b, g, j, e), xh, xl, err, kf_h, kf_l, kf_e)
-                else:
-                    dv[0, b, g, j, e], dv[1, b, g, j, e] = xh, xl
-                    dv[2, b, g, j, e] = err * BOUND_SAFETY + UNDERFLOW_TERM
+        sums = (
+            (dk_h, dk_c, dk_r, dk_p, dk_emax, dk_terms),
+            (dv_h, dv_c, dv_r, dv_p, dv_emax, dv_terms),
+        )
+        _store_dkdv(b, g, j0, nb, sums, (q_sum[b, g], do_sum[b, g]), opts, fopts, dk, dv)
 
 
 @njit(parallel=True, **_JIT)
@@ -383,7 +454,7 @@ def dbias_pass(tensors, lse_grad, rule, terms, kv_head, norms, stats, slots, sum
     mag, count)."""
     q, _, kt, vt, do = tensors
     has_glse, glse = lse_grad
-    rows_lo, rows_hi = rule[0], rule[1]
+    rows_lo, rows_hi = rule[R_ROWS_LO], rule[R_ROWS_HI]
     k_l1, v_l1 = norms[0], norms[1]
     istat, fstat = stats
     slot_b, slot_st = slots

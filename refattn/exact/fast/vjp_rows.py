@@ -15,6 +15,26 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ._params import (
+    R_BIAS,
+    R_BIAS_STRIDES,
+    VF_DOT_D,
+    VF_DOT_E,
+    VF_DOT_S,
+    VF_KEEP_ERR,
+    VF_KEEP_HI,
+    VF_KEEP_LO,
+    VF_SCALE_ERR,
+    VF_SCALE_HI,
+    VF_SCALE_LO,
+    VF_SOFTCAP,
+    VO_ALIBI_KEYS,
+    VO_DROPOUT,
+    VO_HAS_ALIBI,
+    VO_HAS_BIAS,
+    VO_HAS_SOFTCAP,
+    VO_OFFSETS,
+)
 from .doubledouble import (
     BOUND_SAFETY,
     DD_REL,
@@ -123,8 +143,13 @@ def _add_terms(index, j0, scores, allowed, rule, slopes, opts):
     ``scores`` = (hi, lo, error); the bias is the rule's (:mod:`.allowed_set`)."""
     b, h, i = index
     sh, sl, se = scores
-    bias, bias_st = rule[4], rule[5]
-    offset, alibi_keys, has_bias, has_alibi = opts[7 + b], opts[3], opts[0], opts[1]
+    bias, bias_st = rule[R_BIAS], rule[R_BIAS_STRIDES]
+    offset, alibi_keys, has_bias, has_alibi = (
+        opts[VO_OFFSETS + b],
+        opts[VO_ALIBI_KEYS],
+        opts[VO_HAS_BIAS],
+        opts[VO_HAS_ALIBI],
+    )
     base = b * bias_st[0] + h * bias_st[1] + i * bias_st[2]
     for t in range(sh.shape[0]):
         if not allowed[t]:
@@ -327,9 +352,21 @@ def _block_scores(index, a, row_inputs, allowed, rule, terms, scores, deriv):
     slopes, opts, fopts = terms
     sh, sl, se = scores
     fh, fl, fe = deriv
-    _scores(qrow, kt_bg, a, fopts[0], fopts[1], fopts[2], sh, sl, se, k_l1, fopts[7])
-    if opts[2]:
-        _softcap(fopts[3], sh, sl, se, fh, fl, fe)
+    _scores(
+        qrow,
+        kt_bg,
+        a,
+        fopts[VF_SCALE_HI],
+        fopts[VF_SCALE_LO],
+        fopts[VF_SCALE_ERR],
+        sh,
+        sl,
+        se,
+        k_l1,
+        fopts[VF_DOT_D],
+    )
+    if opts[VO_HAS_SOFTCAP]:
+        _softcap(fopts[VF_SOFTCAP], sh, sl, se, fh, fl, fe)
     _add_terms(index, a, scores, allowed, rule, slopes, opts)
 
 
@@ -353,11 +390,11 @@ def block_ds(index, a, row_stats, glse, row_inputs, sets, rule, terms, scratch):
     sh, sl, se = scores
     dh, dl, de = ds
     wh, wl, we = weights
-    keep = (opts[4], fopts[4], fopts[5], fopts[6])
+    keep = (opts[VO_DROPOUT], fopts[VF_KEEP_HI], fopts[VF_KEEP_LO], fopts[VF_KEEP_ERR])
     _block_scores(index, a, row_inputs, allowed, rule, terms, scores, deriv)
     if kind != 1:
         return
-    _dots(dorow, vt_bg, a, dh, dl, de, v_l1, fopts[8])
+    _dots(dorow, vt_bg, a, dh, dl, de, v_l1, fopts[VF_DOT_E])
     for t in range(allowed.shape[0]):
         if not allowed[t]:
             continue
@@ -406,8 +443,8 @@ def row_gradients(index, lo, row_inputs, glse, sets, rule, terms, scratch, stat,
     opts, fopts = terms[1], terms[2]
     (sh, sl, se), (fh, fl, fe), (wh, wl, we), (dh, dl, de), (dsh, dsl, dse) = scratch
     has_sink, sigma = sink
-    has_softcap = opts[2]
-    keep = (opts[4], fopts[4], fopts[5], fopts[6])
+    has_softcap = opts[VO_HAS_SOFTCAP]
+    keep = (opts[VO_DROPOUT], fopts[VF_KEEP_HI], fopts[VF_KEEP_LO], fopts[VF_KEEP_ERR])
     keys = sh.shape[0]
     real = keys - 1 if has_sink else keys
     if real > 0:
@@ -442,10 +479,10 @@ def row_gradients(index, lo, row_inputs, glse, sets, rule, terms, scratch, stat,
         dsh[only] = g_i
         sh[only], sl[only], se[only] = single_dt(g_i, has_softcap, fh[only], fl[only], fe[only])
         return 2, only
-    r, ih, il, rho_inv = _weights(sh, sl, se, allowed, wh, wl, we, fopts[9])
+    r, ih, il, rho_inv = _weights(sh, sl, se, allowed, wh, wl, we, fopts[VF_DOT_S])
     stat[0], stat[1], stat[2] = sh[r], sl[r], se[r]
     if real > 0:
-        _dots(dorow, vt_bg, lo, dh[:real], dl[:real], de[:real], v_l1, fopts[8])
+        _dots(dorow, vt_bg, lo, dh[:real], dl[:real], de[:real], v_l1, fopts[VF_DOT_E])
     if has_sink:  # dp of the sink: dO . 0 = 0 exactly
         dh[real], dl[real], de[real] = 0.0, 0.0, 0.0
     # x_j = kappa_j dp_j (kf applied after); y_j = x_j - x_r in place (y_r = 0 exactly)
@@ -474,7 +511,9 @@ def row_gradients(index, lo, row_inputs, glse, sets, rule, terms, scratch, stat,
         mag += abs(ph)
     acc_h, acc_l = two_sum(acc_h, acc_c)
     # products: DD_REL each; the compensated sum: the smaller of its two bounds
-    acc_e = (acc_e + (DD_REL * mag + min(fopts[9] * mag, _U * arun * BOUND_SAFETY)) * _SAFE) * _SAFE
+    acc_e = (
+        acc_e + (DD_REL * mag + min(fopts[VF_DOT_S] * mag, _U * arun * BOUND_SAFETY)) * _SAFE
+    ) * _SAFE
     for j in range(keys):
         if not allowed[j]:
             dsh[j], dsl[j], dse[j] = 0.0, 0.0, 0.0

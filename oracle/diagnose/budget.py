@@ -1,0 +1,183 @@
+"""The time budget of a failing case's diagnosis, bounded by the case's own judging time.
+
+A diagnosis re-evaluates the case under each named alternative reading
+(:mod:`oracle.diagnose.diagnosis`): one float64 textbook evaluation per reading (pairs of
+readings on small cases), each as costly as the float64 truth the judge already computed. On
+long rows (S up to 128k keys) dozens of readings cost minutes where the judging took seconds.
+The budget bounds them:
+
+* a diagnosis may take ``multiple`` times the case's judging time (the implementation's call
+  and the judge; :data:`DEFAULT_MULTIPLE`), and at least :data:`FLOOR_SECONDS`;
+* readings are evaluated cheapest and likeliest first; every reading whose evaluation is cheap
+  (:data:`CHEAP_WORK` multiply-adds or fewer) is always tried, so the diagnosis of a small case
+  never depends on the machine's load;
+* a diagnosis that ran out of budget says so in one line with what it tried
+  (:meth:`CaseBudget.notes`), e.g. "diagnosis stopped after 6.0 s (budget 2x judging): tried 7
+  of 23 readings on 2 of 2 rows; none matched".
+
+The per-case record also keeps each reading's evaluation (``CaseBudget.memo``): the judge asks
+the same readings again at narrower working precisions, which then cost nothing.
+
+:func:`case_budget` opens the record around one case's diagnosis (the judge does,
+:func:`oracle.judging.judge.check_fixture`); :func:`current` is the open one, or an unbounded
+record outside a case. :func:`set_reporter` installs a function that receives one-line progress
+notes ("diagnosing <case>: reading 7 of 23"): the progress bar of :func:`oracle.run.validate`.
+
+Examples
+--------
+>>> with case_budget(DiagnosisBudget(multiple=5.0), judging_seconds=2.0, name="c") as spent:
+...     spent.seconds
+10.0
+>>> DiagnosisBudget.of(True).multiple == DEFAULT_MULTIPLE, DiagnosisBudget.of(math.inf).bounded
+(True, False)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+
+__all__ = [
+    "DiagnosisBudget",
+    "CaseBudget",
+    "case_budget",
+    "current",
+    "set_reporter",
+    "DEFAULT_MULTIPLE",
+    "FLOOR_SECONDS",
+    "CHEAP_WORK",
+]
+
+#: A diagnosis may take this many times its case's judging time (``diagnose_budget=`` of
+#: :func:`oracle.run.validate`, ``--diagnose-budget`` of ``refattn-oracle validate``). A kernel
+#: whose failures no reading explains spends the whole budget (and the reading in progress) on
+#: every failing case: at 2, ``validate`` over the long rows of the default suite, two thirds of
+#: them failing, stays under 3x its time without diagnoses (tools/bench_diagnose.py).
+DEFAULT_MULTIPLE = 2.0
+#: Seconds a diagnosis may take whatever its judging took (a case judged in milliseconds).
+FLOOR_SECONDS = 1.0
+#: Multiply-adds (rows x S x (D + E)) of one reading's evaluation under which it is always
+#: tried, budget or not: the diagnosis of a small case is the same on any machine.
+CHEAP_WORK = 2**21
+#: Seconds between two progress notes of one diagnosis.
+NOTE_INTERVAL = 1.0
+
+
+@dataclass(frozen=True)
+class DiagnosisBudget:
+    """How long a failing case's diagnosis may take: ``multiple`` times its judging time
+    (``math.inf``: unbounded), at least ``floor`` seconds. Picklable: it travels to the
+    supervised worker as the ``diagnose`` argument of the judge."""
+
+    multiple: float = DEFAULT_MULTIPLE
+    floor: float = FLOOR_SECONDS
+
+    def __post_init__(self):
+        if isinstance(self.multiple, bool) or not (
+            isinstance(self.multiple, (int, float)) and self.multiple > 0
+        ):
+            raise ValueError(
+                f"diagnose_budget: expected a multiple of the judging time > 0 (math.inf: "
+                f"unbounded), got {self.multiple!r}"
+            )
+
+    @classmethod
+    def of(cls, setting) -> DiagnosisBudget:
+        """The budget a ``diagnose`` / ``diagnose_budget`` setting names: True or None the
+        default, a number the multiple, a budget itself."""
+        if isinstance(setting, cls):
+            return setting
+        if setting is True or setting is None:
+            return cls()
+        return cls(multiple=setting)
+
+    @property
+    def bounded(self) -> bool:
+        return math.isfinite(self.multiple)
+
+    def seconds(self, judging_seconds: float) -> float:
+        """The seconds a diagnosis of a case judged in ``judging_seconds`` may take."""
+        return max(self.multiple * max(judging_seconds, 0.0), self.floor)
+
+
+@dataclass
+class CaseBudget:
+    """The diagnosis of one case: its deadline, what it tried, and the memo of its readings."""
+
+    budget: DiagnosisBudget
+    seconds: float
+    name: str = ""
+    start: float = field(default_factory=time.perf_counter)
+    tried: int = 0
+    total: int = 0
+    rows: tuple = (0, 0)
+    stopped: bool = False
+    memo: dict = field(default_factory=dict)
+    _noted: float = 0.0
+
+    def left(self) -> float:
+        """Seconds left (inf when unbounded)."""
+        return self.seconds - (time.perf_counter() - self.start)
+
+    def allows(self, work: float) -> bool:
+        """May a reading costing ``work`` multiply-adds be evaluated now? Cheap ones always;
+        others while time is left. A refusal marks the diagnosis as stopped."""
+        if work <= CHEAP_WORK or self.left() > 0:
+            return True
+        self.stopped = True
+        return False
+
+    def reading(self, index: int, total: int) -> None:
+        """Record that reading ``index`` (1-based) of ``total`` is being evaluated."""
+        self.tried, self.total = max(self.tried, index), max(self.total, total)
+        now = time.perf_counter()
+        if _reporter is not None and self.name and now - self._noted >= NOTE_INTERVAL:
+            self._noted = now
+            _reporter(f"diagnosing {self.name}: reading {index} of {total}")
+
+    def notes(self, found: bool) -> list[str]:
+        """One line when the diagnosis stopped on its budget, else none."""
+        if not self.stopped:
+            return []
+        spent = time.perf_counter() - self.start
+        sampled, rows = self.rows
+        on = f" on {sampled} of {rows} rows" if rows else ""
+        return [
+            f"diagnosis stopped after {spent:.1f} s (budget {self.budget.multiple:g}x judging): "
+            f"tried {self.tried} of {self.total} readings{on}; "
+            + ("the readings above matched" if found else "none matched")
+        ]
+
+
+_UNBOUNDED = DiagnosisBudget(multiple=math.inf)
+_open: list[CaseBudget] = []
+_reporter = None
+
+
+def current() -> CaseBudget:
+    """The open case's budget, or a fresh unbounded one (a direct call of a diagnosis)."""
+    return _open[-1] if _open else CaseBudget(_UNBOUNDED, math.inf)
+
+
+@contextlib.contextmanager
+def case_budget(setting, judging_seconds: float, name: str = ""):
+    """Open the budget of one case's diagnosis (``setting`` as :meth:`DiagnosisBudget.of`)."""
+    budget = DiagnosisBudget.of(setting)
+    spent = CaseBudget(budget, budget.seconds(judging_seconds), name)
+    if _reporter is not None and name:
+        _reporter(f"diagnosing {name}")
+        spent._noted = time.perf_counter()
+    _open.append(spent)
+    try:
+        yield spent
+    finally:
+        _open.remove(spent)
+
+
+def set_reporter(reporter) -> object:
+    """Install ``reporter(note)`` for progress notes (None: none); returns the previous one."""
+    global _reporter
+    previous, _reporter = _reporter, reporter
+    return previous

@@ -1,0 +1,165 @@
+#!/usr/bin/env python
+"""Time the 2025-26 attention workloads on refattn's Numba kernels against plain PyTorch.
+
+Usage: python tools/bench_2026.py [--case dsa|softmax|nvfp4|all] [--repeat N] [--skip-exact]
+                                  [--json FILE]
+
+Cases (every figure is the best of ``--repeat`` timed calls after one warm-up call, which
+compiles; ratios are of the same run, and the machine's load average is printed with them:
+the machine may be shared, so compare within a run):
+
+* ``dsa``: one DeepSeek Sparse Attention decode step, B1 H16 K1 L1 S=16384 T=512 top-k keys,
+  D=576 E=512 (v the first 512 features of the latent key, MLA's absorbed form; scale
+  1/sqrt(192)), float32: refattn's Numba gather kernel (``key_indices``) against a plain torch
+  implementation (gather the T rows, softmax, matmul) and refattn's exact path
+  (``precision="exact"``, every element rounded once to float32) against the Numba kernel;
+* ``softmax``: float32 causal B1 H8 L=S=1024 D=E=64, the Numba kernel against
+  ``torch.nn.functional.scaled_dot_product_attention``;
+* ``nvfp4``: an NVFP4 GQA decode step B1 H8 K2 L1 S=8192 D=E=128 (float4_e2m1fn codes with
+  float8_e4m3fn scales per block of 16 features), the Numba kernel.
+
+torch is optional (``pip install torch``): without it the torch columns are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+import refattn
+
+
+def _best(fn, repeat):
+    fn()  # warm-up: compiles
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def _dsa_inputs(rng):
+    heads, keys, top, dim, vdim = 16, 16384, 512, 576, 512
+    q = rng.standard_normal((1, heads, 1, dim)).astype(np.float32)
+    k = rng.standard_normal((1, 1, keys, dim)).astype(np.float32)
+    v = np.ascontiguousarray(k[..., :vdim])
+    idx = rng.permutation(keys)[:top].astype(np.int64)[None, None, None, :]
+    return q, k, v, idx, 1 / np.sqrt(192.0)
+
+
+def bench_dsa(repeat, skip_exact):
+    """DSA decode step: Numba gather vs torch gather, and exact vs Numba."""
+    q, k, v, idx, scale = _dsa_inputs(np.random.default_rng(0))
+    result = {"shape": "B1 H16 K1 L1 S16384 T512 D576 E512 float32"}
+
+    def numba():
+        return refattn.attention(q, k, v, key_indices=idx, scale=scale, backend="numba")
+
+    result["numba_s"] = _best(numba, repeat)
+    torch = _torch()
+    if torch is not None:
+        tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+        tidx = torch.from_numpy(idx[0, 0, 0])
+
+        def plain():
+            keys = tk[0, 0].index_select(0, tidx)  # (T, D)
+            values = tv[0, 0].index_select(0, tidx)  # (T, E)
+            weights = torch.softmax((tq[0, :, 0] @ keys.T) * scale, dim=-1)  # (H, T)
+            return weights @ values
+
+        with torch.inference_mode():
+            result["torch_s"] = _best(plain, repeat)
+        result["numba_over_torch"] = result["numba_s"] / result["torch_s"]
+    if not skip_exact:
+
+        def exact():
+            return refattn.attention(
+                q, k, v, key_indices=idx, scale=scale, precision="exact", out_dtype="float32"
+            )
+
+        result["exact_s"] = _best(exact, 1)
+        result["exact_over_numba"] = result["exact_s"] / result["numba_s"]
+    return result
+
+
+def bench_softmax(repeat):
+    """float32 causal B1 H8 L=S=1024 D64: Numba vs torch SDPA."""
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 8, 1024, 64)).astype(np.float32) for _ in range(3))
+    result = {"shape": "B1 H8 L=S=1024 D=E=64 float32 causal"}
+    result["numba_s"] = _best(
+        lambda: refattn.attention(q, k, v, causal=True, backend="numba"), repeat
+    )
+    torch = _torch()
+    if torch is not None:
+        tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        with torch.inference_mode():
+            result["torch_s"] = _best(lambda: sdpa(tq, tk, tv, is_causal=True), repeat)
+        result["numba_over_torch"] = result["numba_s"] / result["torch_s"]
+    return result
+
+
+def bench_nvfp4(repeat):
+    """NVFP4 GQA decode step B1 H8 K2 L1 S=8192 D=E=128 on the Numba kernel."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(2)
+    fp4, fp8 = ml_dtypes.float4_e2m1fn, ml_dtypes.float8_e4m3fn
+
+    def codes(shape):
+        return rng.standard_normal(shape).clip(-6, 6).astype(fp4)
+
+    def scales(shape):
+        return (rng.random(shape[:-1] + (shape[-1] // 16,)) + 0.5).astype(fp8)
+
+    q, k, v = codes((1, 8, 1, 128)), codes((1, 2, 8192, 128)), codes((1, 2, 8192, 128))
+    blocks = dict(
+        q_block_scale=scales(q.shape), k_block_scale=scales(k.shape), v_block_scale=scales(v.shape)
+    )
+    result = {"shape": "B1 H8 K2 L1 S8192 D=E=128 NVFP4"}
+    result["numba_s"] = _best(lambda: refattn.attention(q, k, v, backend="numba", **blocks), repeat)
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", choices=["dsa", "softmax", "nvfp4", "all"], default="all")
+    parser.add_argument("--repeat", type=int, default=5, help="timed calls per figure")
+    parser.add_argument("--skip-exact", action="store_true", help="dsa: skip the exact path")
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
+    args = parser.parse_args(argv)
+    cases = ["dsa", "softmax", "nvfp4"] if args.case == "all" else [args.case]
+    results = {"load_before": os.getloadavg()}
+    for case in cases:
+        if case == "dsa":
+            results[case] = bench_dsa(args.repeat, args.skip_exact)
+        elif case == "softmax":
+            results[case] = bench_softmax(args.repeat)
+        else:
+            results[case] = bench_nvfp4(args.repeat)
+        print(case, json.dumps(results[case]), flush=True)
+    results["load_after"] = os.getloadavg()
+    print(
+        "load average (1, 5, 15 min) before", results["load_before"], "after", results["load_after"]
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
