@@ -2,8 +2,8 @@
 
 When a case fails, the oracle re-evaluates the truth in float64 under each *named alternative*
 of the conventions pinned in docs/conventions.md and reports those the implementation's output
-fits within the case's own threshold (:mod:`oracle.judging.tolerance`, (T2)). These are the silent
-mismatches that fill peers' issue trackers:
+fits within the case's own threshold (:mod:`oracle.judging.tolerance`, (T2)). These are the
+silent mismatches that fill peers' issue trackers:
 
 =================================  ==========================================================
 label                              alternative
@@ -33,8 +33,7 @@ mask``                             instead of each row's own length (FlashAttent
 Single alternatives are tried first; when none fits, pairs (lowerings often get several wrong
 at once, tracel-ai/burn #5783). The alternatives are evaluated by
 :func:`oracle.reading.baseline.textbook_attention` in float64, whose own error is at most the
-float64
-floor of (T5); that floor is added to the case threshold.
+float64 floor of (T5); that floor is added to the case threshold.
 
 Examples
 --------
