@@ -11,6 +11,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from oracle.catalogue import registry
+from oracle.catalogue.case import Case, Shapes, seed_of
 from oracle.conventions.merge import adapt
 from oracle.conventions.signatures import Call, get
 from oracle.diagnose.guidance import hint
@@ -104,3 +106,55 @@ def test_flashmla_sparse_passes_the_mla_sparse_cases():
 def test_first_case_guidance_names_the_matching_preset(function, preset):
     said = hint(getattr(library_2026, function), [], {"layout": "bhld"})
     assert said is not None and said.endswith(f"--signature {preset}"), said
+
+
+@pytest.fixture
+def small_mla_sparse_suite():
+    """Small MLA-shaped sparse cases (v = k[..., :E], K 1) with sentinels, duplicates, empty
+    rows, past-the-end entries, causal bottom-right and ragged lengths, float32 and bfloat16
+    (the mla-sparse-* cases of default are 8192 keys wide)."""
+    cases = []
+    rows = (
+        ("sentinels", {"scale": 0.2}, "sentinels", {}),
+        ("causal", {"scale": 0.2, "causal": True, "align": "bottom_right"}, "duplicates", {}),
+        (
+            "ragged",
+            {"scale": 0.2, "empty_rows": "zero"},
+            "past-end+empty-rows",
+            {"kv_lengths": "ragged"},
+        ),
+    )
+    for dtype in ("float32", "bfloat16"):
+        for tag, options, kind, more in rows:
+            name = f"presets-mla-sparse-{tag}-{dtype}"
+            recipe = {"qkv": "gaussian", "latent_v": True, "key_indices": kind, "topk": 8}
+            cases.append(
+                Case(
+                    name,
+                    ("presets-mla-sparse",),
+                    "conformance",
+                    dtype,
+                    Shapes(2, 4, 1, 3, 40, 24, 16),
+                    options=options,
+                    recipe={**recipe, **more},
+                    seed=seed_of(name),
+                    description="small MLA-shaped sparse case",
+                    function="attention",
+                )
+            )
+    registry.register_suite("presets-mla-sparse", lambda: cases)
+    yield "presets-mla-sparse"
+    registry.unregister_suite("presets-mla-sparse")
+
+
+def test_flashmla_sparse_passes_small_mla_sparse_cases(small_mla_sparse_suite):
+    report = validate(
+        f"{LIB}:flash_mla_sparse_fwd",
+        suite=small_mla_sparse_suite,
+        dtype=None,
+        signature="flashmla_sparse",
+        progress=False,
+        isolate=False,
+    )
+    assert report.passed, [r.explain() for r in report.failures]
+    assert [r.verdict for r in report.results] == ["pass"] * 6
