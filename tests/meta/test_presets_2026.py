@@ -134,7 +134,7 @@ def small_mla_sparse_suite():
                     ("presets-mla-sparse",),
                     "conformance",
                     dtype,
-                    Shapes(2, 4, 1, 3, 40, 24, 16),
+                    Shapes(batch=2, H=4, K=1, L=3, S=40, D=24, E=16),
                     options=options,
                     recipe={**recipe, **more},
                     seed=seed_of(name),
