@@ -248,9 +248,9 @@ def _check_forward(view, fixture, tier, out, lse, checks, grade=True):
     if problem:
         return problem
     truth_lse = _truth(fixture, "lse")
-    part = parts.judging_part(
+    part = _part(
         fixture,
-        view.key,
+        view,
         tier,
         lambda: parts.forward_part(view, truth_out, truth_lse, tier),
         parts.forward_valid(truth_out, truth_lse),
@@ -262,9 +262,9 @@ def _check_forward(view, fixture, tier, out, lse, checks, grade=True):
     reading = view.options.get("empty_rows") or "zero"
     mark_empty_row(checks["out"], view.exact64.allowed, view.options, reading)
     if grade:
-        models = parts.judging_part(
+        models = _part(
             fixture,
-            view.key,
+            view,
             "models",
             lambda: parts.models_part(view, truth_out, scale, rounded),
             lambda found: isinstance(found.get("models"), dict),
@@ -287,6 +287,20 @@ def _check_forward(view, fixture, tier, out, lse, checks, grade=True):
         )
         mark_empty_row(checks["lse"], view.exact64.allowed, view.options, reading)
     return None
+
+
+#: seconds of judging work served from the cache in this thread's current case: the
+#: diagnosis budget (oracle.diagnose.budget) is a multiple of the judging time as if computed
+_SAVED = [0.0]
+
+
+def _part(fixture, view, name, compute, valid) -> dict:
+    """:func:`oracle.judging.parts.judging_part`, crediting a cached part's cost to the case."""
+    start = time.perf_counter()
+    found = parts.judging_part(fixture, view.key, name, compute, valid)
+    took = time.perf_counter() - start
+    _SAVED[0] += max(float(found.get("seconds", 0.0)) - took, 0.0)
+    return found
 
 
 def _call_vjp(impl, fixture):
@@ -324,9 +338,9 @@ def _check_grads(view, fixture, result, checks):
     inputs = fixture.inputs
     count = sum(np.size(r) for r in result if r is not None)
     truths = {n: t for n in parts.GRADS if (t := _truth(fixture, n)) is not None}
-    part = parts.judging_part(
+    part = _part(
         fixture,
-        view.key,
+        view,
         "grads",
         lambda: parts.grads_part(view, inputs["grad_out"], inputs.get("grad_lse"), truths, count),
         _grads_valid(truths),
@@ -451,6 +465,7 @@ def _run_checks(impl, fixture, grads, diagnose, results, tiers, grade=True):
     """Call ``impl`` once (and its vjp with ``grads``), then judge the outputs in each tier,
     filling ``results`` (one per tier)."""
     start = time.perf_counter()  # the judging time bounds the diagnosis (oracle.diagnose.budget)
+    _SAVED[0] = 0.0
     inputs = fixture.inputs
     options = {n: x for n, x in fixture.options.items() if n != "return_lse"}
     out, lse = call_forward(impl, inputs["q"], inputs["k"], inputs["v"], options)
@@ -466,7 +481,9 @@ def _run_checks(impl, fixture, grads, diagnose, results, tiers, grade=True):
                 if not gradients:  # the vjp is called once, after a well-shaped forward
                     gradients.append(_call_vjp(impl, fixture))
                 problem = _check_grads(view, fixture, gradients[0], result.checks)
-        _verdict(view, fixture, result, problem, notes, (diagnose, start, tier), out, lse)
+        _verdict(
+            view, fixture, result, problem, notes, (diagnose, start - _SAVED[0], tier), out, lse
+        )
 
 
 def _verdict(view, fixture, result, problem, notes, diagnosing, out, lse):

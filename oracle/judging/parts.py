@@ -30,6 +30,7 @@ import hashlib
 import io
 import json
 import os
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -126,7 +127,10 @@ def judging_part(fixture, key: str, part: str, compute, valid) -> dict:
     if found is not None and not _accepted(valid, found):
         found = None
     if found is None:
+        start = time.perf_counter()
         found = compute()
+        # what the part cost: a cached part credits it to the case's diagnosis budget
+        found["seconds"] = np.asarray(time.perf_counter() - start)
         if path is not None:
             _write(path, key, part, found)
     _MEMORY[memo_key] = found
