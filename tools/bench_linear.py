@@ -1,10 +1,13 @@
-"""Benchmark refattn.linear_attention: float64 NumPy against the Numba CPU kernel, same run.
+"""Benchmark refattn.linear_attention: float64 NumPy against the Numba CPU kernels, same run.
 
 Cases (Gated DeltaNet: scalar gate, beta, qk_l2norm):
 
 * prefill: B=1, H=16, T=4096, D=E=128 (``--length``, ``--heads``, ``--dim`` change it);
 * decode: one step from a cached state, B=1, H=32, T=1, D=E=128;
 * exact: a small case (B=1, H=1, T=4, D=E=4) on the exact path (float64 and bfloat16 outputs).
+
+Prefill also times the chunked kernel (``backend="numba-chunked"``, chunks of 64 steps)
+against the recurrent one (``--skip-numpy`` leaves the NumPy recurrence out of prefill).
 
 Prints the machine load (``os.getloadavg``) before and after, the best of ``--repeat`` wall
 times and the NumPy / Numba ratio of each case. The first Numba call compiles (or loads the
@@ -45,19 +48,25 @@ def _load():
     return "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
 
 
-def _compare(name, args, options, repeat):
+def _compare(name, args, options, repeat, backends=("numpy", "numba")):
     def run(backend):
         return refattn.linear_attention(*args, qk_l2norm=True, backend=backend, **options)
 
-    start = time.perf_counter()
-    run("numba")
-    first = time.perf_counter() - start
-    numpy_time = _best(lambda: run("numpy"), repeat)
-    numba_time = _best(lambda: run("numba"), repeat)
-    print(
-        f"{name}: numpy {numpy_time * 1e3:.2f} ms, numba {numba_time * 1e3:.2f} ms "
-        f"(first call {first:.2f} s), numpy/numba {numpy_time / numba_time:.1f}x"
+    times = {}
+    for backend in backends:
+        if backend != "numpy":
+            start = time.perf_counter()
+            run(backend)
+            first = time.perf_counter() - start
+            print(f"{name}: {backend} first call {first:.2f} s")
+        times[backend] = _best(lambda backend=backend: run(backend), repeat)
+    shown = ", ".join(f"{b} {t * 1e3:.2f} ms" for b, t in times.items())
+    ratios = ", ".join(
+        f"{b}/{c} {times[b] / times[c]:.2f}x"
+        for b, c in (("numpy", "numba"), ("numba", "numba-chunked"))
+        if b in times and c in times
     )
+    print(f"{name}: {shown}; {ratios}")
 
 
 def main(argv=None):
@@ -68,12 +77,18 @@ def main(argv=None):
     parser.add_argument("--dim", type=int, default=128, help="D = E (default 128)")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per case (best of)")
     parser.add_argument("--skip-prefill", action="store_true", help="decode and exact only")
+    parser.add_argument("--skip-numpy", action="store_true", help="prefill: the Numba kernels only")
     args = parser.parse_args(argv)
     print(_load())
     if not args.skip_prefill:
         prefill = _gdn(1, args.heads, args.length, args.dim)
+        backends = ("numba", "numba-chunked")
         _compare(
-            f"GDN prefill B1 H{args.heads} T{args.length} D=E={args.dim}", prefill, {}, args.repeat
+            f"GDN prefill B1 H{args.heads} T{args.length} D=E={args.dim}",
+            prefill,
+            {},
+            args.repeat,
+            backends if args.skip_numpy else ("numpy", *backends),
         )
     q, k, v, g, beta = _gdn(1, args.decode_heads, 1, args.dim, seed=1)
     state = np.random.default_rng(2).standard_normal((1, args.decode_heads, args.dim, args.dim))

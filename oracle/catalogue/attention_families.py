@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from oracle.catalogue.attention_entry import ALL, BASE, GRAD, MID, SMALL, Entry
 from oracle.catalogue.attention_fp4_families import fp4_entries
+from oracle.catalogue.attention_fp4_tensor_families import fp4_tensor_entries
 from oracle.catalogue.attention_latent_families import latent_entries
+from oracle.catalogue.attention_mla_sparse_families import mla_sparse_entries
 from oracle.catalogue.attention_option_families import option_entries
 from oracle.catalogue.attention_sigmoid_families import sigmoid_entries
 from oracle.catalogue.attention_sparse_families import sparse_entries
@@ -37,8 +39,10 @@ def entries() -> list[Entry]:
         *option_entries(gauss),
         *sparse_entries(gauss),
         *fp4_entries(gauss),  # NVFP4 / MXFP4 block-scaled inputs
+        *fp4_tensor_entries(gauss),  # NVFP4 with one global scale per tensor
         *sigmoid_entries(gauss),
         *latent_entries(gauss),
+        *mla_sparse_entries(gauss),  # DSA top-2048 over a 576-wide latent cache
         *large_rows(gauss),
     ]
 

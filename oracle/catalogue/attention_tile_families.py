@@ -66,7 +66,7 @@ _ONE_KV_HEAD_FROM = 128
 def _square(n, D, H=2, K=2) -> Shapes:
     if n >= _ONE_KV_HEAD_FROM:
         H, K = H // K, 1
-    return Shapes(1, H, K, n, n, D, D)
+    return Shapes(batch=1, H=H, K=K, L=n, S=n, D=D, E=D)
 
 
 def tile_entries() -> list[Entry]:

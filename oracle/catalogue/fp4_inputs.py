@@ -1,6 +1,8 @@
 """Inputs of the fp4 cases: NVFP4 / MXFP4 quantisation as callers of fp4 KV caches do it.
 
-Recipe keys: ``fp4`` ("nvfp4" | "mxfp4"), ``fp4_q`` (quantise q too), ``fp4_blocks``
+Recipe keys: ``fp4`` ("nvfp4" | "mxfp4"), ``fp4_q`` (quantise q too), ``fp4_global``
+("head": NVFP4's global scale per (batch, kv head), the default; "tensor": one per tensor,
+as FlashInfer's and TensorRT-LLM's NVFP4 caches carry it), ``fp4_blocks``
 ("zero-max": every third position's blocks all zero, every third + 1 all at the tensor's
 amax, so its codes are +-6 and, for NVFP4, its scale the largest; "collapse": every other
 position scaled by 2**-14 (NVFP4: its e4m3 block scales fall to subnormals or 0, so blocks
@@ -38,7 +40,7 @@ def quantised_fp4(inputs, n, recipe) -> dict[str, np.ndarray]:
     for name in names:
         x = _shaped(inputs[name], recipe.get("fp4_blocks"))
         if fmt == "nvfp4":
-            descale = _global_scale(x, n, name)
+            descale = _global_scale(x, n, name, recipe.get("fp4_global", "head"))
             per_head = descale.astype(np.float64)[..., None, None]
             if name == "q":
                 per_head = np.repeat(per_head, n.H // n.K, axis=1)
@@ -63,9 +65,13 @@ def _shaped(x, style):
     return x
 
 
-def _global_scale(x, n, name):
+def _global_scale(x, n, name, scope="head"):
+    """NVFP4's global scale (float32 (batch, K)): per (batch, kv head), or with ``scope``
+    "tensor" one for the whole tensor (FlashInfer's and TensorRT-LLM's caches), repeated."""
     group = x.reshape(n.batch, n.K, -1)  # q (batch, H, L, D): its kv head's query group
     amax = np.abs(group).max(axis=-1)
+    if scope == "tensor":
+        amax = np.full(amax.shape, np.abs(group).max())
     return np.maximum(amax / (6.0 * 448.0), np.finfo(np.float32).tiny).astype(np.float32)
 
 

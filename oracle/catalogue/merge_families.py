@@ -33,6 +33,7 @@ import numpy as np
 import refattn
 from oracle.catalogue import seeding, variants
 from oracle.catalogue.case import Case, Shapes, seed_of
+from oracle.catalogue.merge_large_families import LARGE_FAMILIES, large_lses
 from oracle.catalogue.names import DTYPE_TAGS, DTYPES
 from oracle.catalogue.seeding import Streams
 
@@ -75,6 +76,7 @@ _FAMILIES = (
         False,
     ),
 )
+_FAMILIES += LARGE_FAMILIES  # large lses, base-2 empty states: merge_large_families
 _SHAPES = Shapes(batch=1, H=2, K=2, L=4, S=0, D=16, E=8)  # H2 L4 E8 (S, D: of the chunk attention)
 
 
@@ -144,8 +146,10 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
         outs, lses = (np.copy(x) for x in _chunk_states_of(case.name))
     else:
         outs = st.gaussian("outs", (states, 1, n.H, n.L, n.E))
-        scale = 3.0 if recipe["style"] == "random" else 1.0
+        scale = 3.0 if recipe["style"] in ("random", "large") else 1.0
         lses = st.gaussian("lses", (states, 1, n.H, n.L)) * scale
+        if recipe["style"] == "large":  # near +-1e4: exp over/underflows without the max
+            lses = large_lses(lses / scale, recipe["sign"])
         if recipe["style"] == "gaps":  # states 1e1 .. 1e4 below the leader
             lses = lses - np.ldexp(1.0, (np.arange(states) % 14))[:, None, None, None]
         empty = int(recipe.get("empty", 0))

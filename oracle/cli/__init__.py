@@ -57,6 +57,8 @@ from oracle.catalogue.names import DTYPES
 from oracle.cli.export import add_export_parser, run_export_command
 from oracle.conventions import signatures
 from oracle.conventions.layouts import LAYOUTS
+from oracle.conventions.merge import CONVENTIONS as MERGE_CONVENTIONS
+from oracle.conventions.merge import FLASHINFER as MERGE_FLASHINFER
 from oracle.conventions.merge import adapt
 from oracle.diagnose.budget import DEFAULT_MULTIPLE
 from oracle.fixtures import golden
@@ -238,10 +240,11 @@ def _validate_convention_args(val) -> None:
     signatures.add_arguments(val)
     val.add_argument(
         "--merge-convention",
-        choices=("stacked", "pair"),
+        choices=MERGE_CONVENTIONS,
         default=None,
-        help="merge cases (suites merge-*): impl(outs, lses) or impl(out_a, lse_a, out_b, "
-        "lse_b); runs in process (see oracle.conventions.merge)",
+        help="merge cases (suites merge-*): impl(outs, lses), impl(out_a, lse_a, out_b, "
+        "lse_b), or FlashInfer's merge_state / merge_states (torch, base-2 lse; also as "
+        "--signature); runs in process (see oracle.conventions.merge)",
     )
 
 
@@ -442,11 +445,15 @@ def _validate(args) -> int:
         options["workers"] = args.workers
     if args.refusals_are_errors:
         options["refusals_are_errors"] = True
-    if args.merge_convention or (args.suite or "").startswith("merge"):
-        convention = args.merge_convention or "stacked"
-        specs = [(V.resolve_impl(spec)[0], spec) for spec in specs]
-        specs = {name: adapt(fn, convention, args.framework, args.device) for fn, name in specs}
-        options.update(isolate=False, framework="numpy")
+    if (
+        args.merge_convention
+        or (args.suite or "").startswith("merge")
+        or (args.signature in MERGE_FLASHINFER)
+    ):
+        problem = _merge_problem(args)
+        if problem:
+            return _err(problem)
+        specs, options = _merge_specs(args, specs, options, V.resolve_impl)
     try:
         if args.executor == "dask":
             reports = validate_many(specs, scheduler=args.scheduler, **options)
@@ -474,6 +481,33 @@ def _validate(args) -> int:
         if problem:
             return _err(problem)
     return 0 if all(report.passed for report in reports.values()) else 1
+
+
+def _merge_problem(args) -> str | None:
+    """Why the flags cannot run merge cases (an attention preset on a merge suite)."""
+    if args.signature is not None and args.signature not in MERGE_FLASHINFER:
+        return (
+            f"--signature {args.signature} is an attention preset; merge suites take "
+            f"--merge-convention or --signature {' / '.join(MERGE_FLASHINFER)}"
+        )
+    if args.signature and args.merge_convention and args.signature != args.merge_convention:
+        return f"--signature {args.signature} conflicts with --merge-convention"
+    return None
+
+
+def _merge_specs(args, specs, options, resolve_impl):
+    """The implementations in the stacked convention, and the validate options for them."""
+
+    convention = args.merge_convention or args.signature or "stacked"
+    framework = "torch" if convention in MERGE_FLASHINFER else args.framework
+    adapted = {}
+    for spec in specs:
+        fn = adapt(resolve_impl(spec)[0], convention, framework, args.device)
+        fn.impl_spec = spec  # the reproduce line names it, with the merge flags
+        adapted[spec] = fn
+    options = {n: x for n, x in options.items() if n != "signature"}
+    options.update(isolate=False, framework="numpy", layout="bhld")
+    return adapted, options
 
 
 def _limits_problem(args, max_timeout: float) -> str | None:

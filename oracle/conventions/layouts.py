@@ -74,12 +74,15 @@ import ml_dtypes
 import numpy as np
 
 from oracle.conventions import linear_presets
+from oracle.conventions.expressible import NOT_EXPRESSIBLE
 from oracle.conventions.layouts_fp4 import fp4_paged
 from oracle.conventions.layouts_latent import latent_paged_layout
+from oracle.conventions.layouts_mla_sparse import mla_sparse_layout
 from oracle.conventions.layouts_sparse import (  # layout="dsa": blhd with indices (B, L, K, T)
     dsa_layout,
     refused_keyword,
 )
+from oracle.conventions.layouts_trtllm import trtllm_fp4_layout
 from oracle.conventions.signatures import Call, declared, get
 from oracle.judging.empty_rows import check_reading, declare
 from refattn.logspace import base_factor
@@ -94,7 +97,17 @@ __all__ = [
     "check_convention",
 ]
 
-LAYOUTS = ("bhld", "blhd", "packed", "paged", "dsa", "fp4-paged", "latent-paged")
+LAYOUTS = (
+    "bhld",
+    "blhd",
+    "packed",
+    "paged",
+    "dsa",
+    "fp4-paged",
+    "latent-paged",
+    "mla-sparse",
+    "trtllm-fp4",
+)
 FRAMEWORKS = ("numpy", "torch", "jax")
 DEVICES = ("cpu", "cuda")
 _PER_POSITION = ("mask", "bias", "dropout_mask")
@@ -233,28 +246,32 @@ def wrap(
         except TypeError as err:  # a DSA keyword refused: "unsupported"
             raise refused_keyword(err, layout) from err
         try:
-            return read_back(result, unpack, back)
+            return read_back(result, unpack, back, options)
         except Exception as err:
             err.oracle_returned = (
                 True  # impl returned something unreadable (oracle.judging.must_refuse)
             )
             raise
 
-    def read_back(result, unpack, back):
+    def read_back(result, unpack, back, options):
+        at = 1 if speaks is None else speaks.lse_at
         out, lse = (
-            (result[0], result[1] if len(result) > 1 else None)
+            (result[0], result[at] if len(result) > at else None)
             if isinstance(result, (tuple, list))
             else (result, None)
         )
         out = unpack(back(bridge.back(out)), "out")
-        if lse is None:
+        if lse is None or (speaks is not None and speaks.always_lse and not wants_lse(options)):
             return out
         lse = bridge.back(lse)
         if speaks is not None and speaks.lse_axes is not None:
             lse = np.transpose(lse, speaks.lse_axes)
         if speaks is not None and speaks.lse_factor != 1.0:  # a base-2 lse: to natural log
             lse = (np.asarray(lse, dtype=np.float64) * speaks.lse_factor).astype(lse.dtype)
-        return out, unpack(lse, "lse")
+        lse = unpack(lse, "lse")
+        if speaks is not None and speaks.fix_lse is not None:
+            lse = speaks.fix_lse(lse, options)
+        return out, lse
 
     if hasattr(impl, "vjp") and layout in ("bhld", "blhd") and speaks is None:
 
@@ -299,6 +316,7 @@ def _speaker(convention, impl=None):
         return {**spoken, **layout_words}
 
     speak.lse_axes = preset.lse_axes
+    speak.lse_at, speak.always_lse, speak.fix_lse = preset.lse_at, preset.always_lse, preset.fix_lse
     speak.lse_factor = base_factor(preset.lse_base)
     parameters = _parameter_names(impl) if preset.adapt is not None else set()
 
@@ -309,6 +327,11 @@ def _speaker(convention, impl=None):
 
     speak.adapt = adapt
     return speak
+
+
+def wants_lse(options) -> bool:
+    """Whether the case asks for the lse (``return_lse``)."""
+    return bool(options.get("return_lse"))
 
 
 def _parameter_names(impl) -> set:
@@ -363,11 +386,6 @@ def _blhd(q, k, v, options):
 
     kwargs = _moved(options, _to_blhd, _to_blhd)
     return (_to_blhd(q), _to_blhd(k), _to_blhd(v)), kwargs, unpack
-
-
-#: The message of a case the layout cannot carry (reports count these apart from the
-#: options a function lacks: nothing the user can do about them in this layout).
-NOT_EXPRESSIBLE = "not expressible in this layout"
 
 
 def _no_per_position(options, layout):
@@ -501,6 +519,8 @@ def _dsa(q, k, v, options):
 
 _LAYOUT_IN = {"bhld": _bhld, "blhd": _blhd, "packed": _packed, "paged": _paged, "dsa": _dsa}
 _LAYOUT_IN["fp4-paged"] = fp4_paged  # a packed fp4 KV cache (oracle/conventions/layouts_fp4.py)
+_LAYOUT_IN["mla-sparse"] = mla_sparse_layout  # FlashMLA's sparse prefill
+_LAYOUT_IN["trtllm-fp4"] = trtllm_fp4_layout  # FlashInfer's TensorRT-LLM NVFP4 decode
 _LAYOUT_IN["latent-paged"] = latent_paged_layout(
     _paged
 )  # FlashMLA: oracle.conventions.layouts_latent
@@ -545,6 +565,8 @@ class _Bridge:
             self.jax, self.jnp = jax, jnp
 
     def to(self, a):
+        if isinstance(a, tuple):  # (k_cache, v_cache) pairs (FlashInfer's kv_cache)
+            return tuple(self.to(x) for x in a)
         if not isinstance(a, np.ndarray):
             return a
         if self.framework == "numpy":

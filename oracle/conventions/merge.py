@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["CONVENTIONS", "stacked", "adapt"]
+__all__ = ["CONVENTIONS", "FLASHINFER", "stacked", "adapt", "flashinfer"]
 
-#: The merge conventions (CLI ``--merge-convention``).
-CONVENTIONS = ("stacked", "pair")
+#: The merge conventions (CLI ``--merge-convention``; the FlashInfer ones also as
+#: ``--signature``).
+CONVENTIONS = ("stacked", "pair", "flashinfer_merge_state", "flashinfer_merge_states")
+#: The conventions that are a library's own functions (torch, base-2 lse).
+FLASHINFER = ("flashinfer_merge_state", "flashinfer_merge_states")
 
 
 def stacked(pair):
@@ -51,8 +54,73 @@ def adapt(impl, convention: str = "stacked", framework: str = "numpy", device: s
         )
     if framework not in ("numpy", "torch"):
         raise ValueError(f"framework: merge cases take 'numpy' or 'torch', got {framework!r}")
-    fn = impl if framework == "numpy" else _torch_bridge(impl, device)
-    return fn if convention == "stacked" else stacked(fn)
+    if convention in FLASHINFER:
+        fn, framework = flashinfer(impl, convention, device), "torch"
+    else:
+        fn = impl if framework == "numpy" else _torch_bridge(impl, device)
+        fn = fn if convention == "stacked" else stacked(fn)
+    # what a reproduce line must repeat (oracle.run.validate.reproduce_command)
+    fn.reproduce_flags = (
+        f" --merge-convention {convention}"
+        + (f" --framework {framework}" if framework != "numpy" else "")
+        + (f" --device {device}" if device != "cpu" else "")
+    )
+    return fn
+
+
+def _float32_base2(lses, base):
+    """The case's lses (P, ..., L) as FlashInfer's s: float32, base 2. A base-2 case's lses
+    convert exactly (or the case is not expressible: a float64 lse); a natural-log case's are
+    multiplied by log2(e) in float64 and rounded once to float32 (the conversion any base-e
+    caller of FlashInfer makes)."""
+    lses = np.asarray(lses)
+    if lses.dtype == np.float64:
+        raise NotImplementedError(
+            "not expressible in this layout: FlashInfer's merge takes float32 lse (s); the "
+            "case's lses are float64"
+        )
+    wide = lses.astype(np.float64)
+    if base != 2:
+        with np.errstate(invalid="ignore"):
+            wide = wide * np.log2(np.e)
+    return wide.astype(np.float32)
+
+
+def flashinfer(impl, convention, device="cpu"):
+    """FlashInfer's ``merge_state(v_a, s_a, v_b, s_b) -> (V, S)`` (folded left to right) or
+    ``merge_states(v, s) -> (V, S)`` as a stacked-convention NumPy function: v (seq, heads,
+    dim) / (seq, states, heads, dim), s float32 base-2 (seq, heads) / (seq, states, heads),
+    seq = the case's B * L rows; S brought back to the case's base."""
+    bridge = _torch_bridge(lambda *a: a, device)  # its to / back only
+
+    def merge(outs, lses, lse_base="e", **options):
+        if options:
+            raise NotImplementedError(f"{convention}: no keyword for {sorted(options)}")
+        outs = np.asarray(outs)
+        states, heads, rows = outs.shape[0], outs.shape[-3], outs.shape[-2]
+        v = np.moveaxis(outs.reshape(states, -1, heads, rows, outs.shape[-1]), 3, 2)
+        v = np.ascontiguousarray(v.reshape(states, -1, heads, outs.shape[-1]))  # (P, seq, H, E)
+        s = _float32_base2(lses, lse_base)
+        s = np.ascontiguousarray(
+            np.moveaxis(s.reshape(states, -1, heads, rows), 3, 2).reshape(states, -1, heads)
+        )
+        if convention == "flashinfer_merge_states":
+            big_v = np.ascontiguousarray(np.moveaxis(v, 0, 1))
+            merged, merged_s = impl(bridge.to(big_v), bridge.to(np.moveaxis(s, 0, 1).copy()))
+        else:
+            merged, merged_s = bridge.to(v[0]), bridge.to(s[0])
+            for p in range(1, states):
+                merged, merged_s = impl(merged, merged_s, bridge.to(v[p]), bridge.to(s[p]))
+        out, lse = bridge.back(merged), bridge.back(merged_s).astype(np.float64)
+        if lse_base != 2:
+            lse = lse * np.log(2.0)
+        shape = outs.shape[1:-3]
+        out = np.moveaxis(out.reshape(*shape, rows, heads, -1), -2, -3)
+        lse = np.moveaxis(lse.reshape(*shape, rows, heads), -1, -2)
+        return out, lse
+
+    merge.__name__ = f"{convention}({getattr(impl, '__name__', 'merge')})"
+    return merge
 
 
 def _torch_bridge(impl, device):
@@ -80,5 +148,6 @@ def _torch_bridge(impl, device):
         result = impl(*(to(a) for a in args), **{k: to(v) for k, v in kwargs.items()})
         return tuple(back(x) for x in result)
 
+    merge.to, merge.back = to, back
     merge.__name__ = getattr(impl, "__name__", "merge")
     return merge

@@ -190,6 +190,15 @@ class Signature:
         What the library gives rows with no allowed key when it has no option for it
         (:mod:`oracle.judging.empty_rows`); None: refattn's ``empty_rows`` option is refused
         unless it is the default.
+    lse_at : int
+        Where the lse is among the returned values (FlashMLA's sparse prefill returns
+        (out, max_logits, lse): 2).
+    always_lse : bool
+        The function returns its lse whether asked or not (dropped when the case does not
+        ask for it).
+    fix_lse : callable, optional
+        ``fix_lse(lse, options) -> lse`` (bhld axes, natural log): the library's reading of the
+        lse brought to refattn's (FlashMLA: +inf on empty rows, the sink left out).
     """
 
     name: str
@@ -206,6 +215,9 @@ class Signature:
     lse_base: object = "e"
     adapt: object = None
     empty_rows: str | None = None
+    lse_at: int = 1
+    always_lse: bool = False
+    fix_lse: object = None
 
     def refuse(self, option, value, reason):
         shown = "<array>" if isinstance(value, np.ndarray) else repr(value)
@@ -327,6 +339,17 @@ _FLASH = {
         "or flash_attn_with_kvcache)"
     ),
     "return_lse": _when("return_attn_probs", True),
+    "qv": Refuse(
+        "FlashAttention 2's flash_attn_func has no qv; FlashAttention 3's (hopper) takes it: "
+        "--signature flash_attn_3"
+    ),
+    **{
+        name: Refuse(
+            "FlashAttention 2 takes no float8 descales; FlashAttention 3's (hopper) "
+            "flash_attn_func takes q_descale, k_descale, v_descale: --signature flash_attn_3"
+        )
+        for name in ("q_descale", "k_descale", "v_descale")
+    },
 }
 
 
@@ -552,10 +575,33 @@ PRESETS = {
 }
 
 
+# the presets of the 2025-26 kernels (FlashAttention 3, FlashMLA, FlashInfer's TensorRT-LLM
+# decode) live beside this table: oracle/conventions/signatures_2026.py
+from oracle.conventions.signatures_2026 import MERGE_PRESETS, presets_2026  # noqa: E402
+
+PRESETS.update(
+    presets_2026(
+        {
+            "Signature": Signature,
+            "Convert": Convert,
+            "Refuse": Refuse,
+            "common": _COMMON,
+            "flash": _FLASH,
+            "when": _when,
+        }
+    )
+)
+
+
 def get(name) -> Signature:
     """The preset called ``name`` (a :class:`Signature` is returned as is)."""
     if isinstance(name, Signature):
         return name
+    if name in MERGE_PRESETS:
+        raise ValueError(
+            f"signature: {name!r} is a merge function's convention: use it on a merge suite "
+            f"(merge-smoke, merge-default) or as merge_convention"
+        )
     if name not in PRESETS:
         raise ValueError(f"signature: expected one of {list(PRESETS)}, got {name!r}")
     return PRESETS[name]
@@ -635,10 +681,11 @@ def add_arguments(parser) -> None:
     ``refattn-oracle validate``."""
     parser.add_argument(
         "--signature",
-        choices=list(PRESETS),
+        choices=[*PRESETS, *MERGE_PRESETS],
         default=None,
         help="the implementation speaks this library's keywords and conventions (it brings "
-        "its layout and framework; see oracle.conventions.signatures)",
+        "its layout and framework; see oracle.conventions.signatures; "
+        "flashinfer_merge_state / flashinfer_merge_states on merge suites)",
     )
     parser.add_argument(
         "--causal-align",

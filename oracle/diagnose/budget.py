@@ -11,12 +11,12 @@ The budget bounds them:
 * readings are evaluated cheapest and likeliest first; every reading whose evaluation is cheap
   (:data:`CHEAP_WORK` multiply-adds or fewer) is always tried, so the diagnosis of a small case
   never depends on the machine's load;
-* a diagnosis that ran out of budget says so in one line with what it tried (:meth:`CaseBudget.
-  notes`), e.g. "diagnosis stopped after 10.0 s (budget 5x judging): tried 7 of 23 readings on
-  2 of 2 rows; none matched".
+* a diagnosis that ran out of budget says so in one line with what it tried
+  (:meth:`CaseBudget.notes`), e.g. "diagnosis stopped after 6.0 s (budget 2x judging): tried 7
+  of 23 readings on 2 of 2 rows; none matched".
 
-The per-case record also keeps each reading's evaluation (:meth:`CaseBudget.memo`): the
-judge asks the same readings again at narrower working precisions, which then cost nothing.
+The per-case record also keeps each reading's evaluation (``CaseBudget.memo``): the judge asks
+the same readings again at narrower working precisions, which then cost nothing.
 
 :func:`case_budget` opens the record around one case's diagnosis (the judge does,
 :func:`oracle.judging.judge.check_fixture`); :func:`current` is the open one, or an unbounded
@@ -51,8 +51,11 @@ __all__ = [
 ]
 
 #: A diagnosis may take this many times its case's judging time (``diagnose_budget=`` of
-#: :func:`oracle.run.validate`, ``--diagnose-budget`` of ``refattn-oracle validate``).
-DEFAULT_MULTIPLE = 5.0
+#: :func:`oracle.run.validate`, ``--diagnose-budget`` of ``refattn-oracle validate``). A kernel
+#: whose failures no reading explains spends the whole budget (and the reading in progress) on
+#: every failing case: at 2, ``validate`` over the long rows of the default suite, two thirds of
+#: them failing, stays under 3x its time without diagnoses (tools/bench_diagnose.py).
+DEFAULT_MULTIPLE = 2.0
 #: Seconds a diagnosis may take whatever its judging took (a case judged in milliseconds).
 FLOOR_SECONDS = 1.0
 #: Multiply-adds (rows x S x (D + E)) of one reading's evaluation under which it is always

@@ -2,8 +2,8 @@
 
 When a case fails, the oracle re-evaluates the truth in float64 under each *named alternative*
 of the conventions pinned in docs/conventions.md and reports those the implementation's output
-fits within the case's own threshold (:mod:`oracle.judging.tolerance`, (T2)). These are the silent
-mismatches that fill peers' issue trackers:
+fits within the case's own threshold (:mod:`oracle.judging.tolerance`, (T2)). These are the
+silent mismatches that fill peers' issue trackers:
 
 =================================  ==========================================================
 label                              alternative
@@ -33,8 +33,7 @@ mask``                             instead of each row's own length (FlashAttent
 Single alternatives are tried first; when none fits, pairs (lowerings often get several wrong
 at once, tracel-ai/burn #5783). The alternatives are evaluated by
 :func:`oracle.reading.baseline.textbook_attention` in float64, whose own error is at most the
-float64
-floor of (T5); that floor is added to the case threshold.
+float64 floor of (T5); that floor is added to the case threshold.
 
 Examples
 --------
@@ -548,12 +547,19 @@ def diagnose(view, out, *, limit, max_pairs=True) -> list[str]:
     found = []
     with np.errstate(all="ignore"):
         own = dict(options)  # apply() never changes its argument: one dict, one exact_parts
-        for index, alt in enumerate(setup.candidates, 1):
-            fits = explains(alt.label, index, len(setup.candidates), *alt.apply(own, {}))
+        applied = [(alt, *alt.apply(own, {})) for alt in setup.candidates]
+        # cheapest first (the list's order, the likeliest first, within a cost); the matches
+        # are reported in the list's order
+        order = sorted(range(len(applied)), key=lambda i: (_cost(own, *applied[i][1:]), i))
+        matched = {}
+        for count, i in enumerate(order, 1):
+            alt, opts, extras = applied[i]
+            fits = explains(alt.label, count, len(order), opts, extras)
             if fits is None:
-                return found
+                return [matched[i] for i in sorted(matched)]
             if fits:
-                found.append(named(alt.label, fits))
+                matched[i] = named(alt.label, fits)
+        found = [matched[i] for i in sorted(matched)]
         if found or not (max_pairs and setup.pairs):
             return found
         pairs = [
@@ -571,6 +577,15 @@ def diagnose(view, out, *, limit, max_pairs=True) -> list[str]:
             if fits:
                 found.append(named(label, fits))
     return found
+
+
+def _cost(own, opts, extras) -> int:
+    """0: a kernel model reweighting the case's own weights (no new evaluation); 1: one
+    textbook evaluation (another reading of the options); 2: a kernel model dropping keys."""
+    if "drop_keys" in extras:
+        return 2
+    kernel = "reweight" in extras or "zero_rows" in extras
+    return 0 if kernel and opts is own else 1
 
 
 class _CaseSetup:

@@ -10,6 +10,8 @@ a failing output it explains within the case's threshold is reported as "matches
   kernel walks the scale memory of each position with the other format's block size (stride
   and index), so position s, feature d reads flat entry ``s * (D / n') + d // n'`` of the
   (..., S * D / n) scales (wrapping at the end);
+* ``block size misread``: the position's own scale row, each scale applied to 32 (NVFP4
+  data) or 16 (MXFP4 data) features: feature d reads scale ``d // n'`` of its row;
 * ``block scales along the position axis``: the scale memory read as (..., D / n, S), block b
   of position s taken from flat entry ``b * S + s``;
 * ``global scale (descale) missing``: the ``*_descale`` of NVFP4 arrays ignored;
@@ -55,9 +57,11 @@ def _per_value(x, scale, block, reading):
     flat = scale.astype(np.float64).reshape(scale.shape[:-2] + (-1,))
     d = np.arange(feats)
     s = np.arange(n_pos)[:, None]
+    other = 32 if block == 16 else 16
     if reading == "stride":
-        other = 32 if block == 16 else 16
         index = (s * (feats // other) + d[None, :] // other) % flat.shape[-1]
+    elif reading == "block":  # the row found right, each scale read for `other` features
+        index = s * n_blocks + np.minimum(d[None, :] // other, n_blocks - 1)
     elif reading == "positions":
         index = (d[None, :] // block) * n_pos + s
     else:
@@ -87,6 +91,13 @@ def fp4_alternatives(inputs) -> list[tuple[str, dict]]:
             else ("16 values (NVFP4 blocks on MXFP4 data)")
         )
         found.append((f"block scales applied per {wrong}", {"reading": "stride", "kind": kind}))
+        found.append(
+            (
+                f"block size misread: each scale of a position applied to {wrong.split(' (')[0]}"
+                f" (scale b read for features b*{32 if kind == 'float8_e4m3fn' else 16}..)",
+                {"reading": "block", "kind": kind},
+            )
+        )
     found.append(
         (
             "block scales along the position axis (scale rows read as columns)",

@@ -59,6 +59,26 @@ _MESSAGES = (
 
 #: Parameter names that give a library's signature away (checked in order).
 _PARAMETERS = (
+    # the 2025-26 kernels first: their names overlap the older ones' (k_cache, sm_scale)
+    ({"kv", "indices", "sm_scale", "d_v"}, "flashmla_sparse", "FlashMLA's flash_mla_sparse_fwd"),
+    (
+        {"head_dim_v", "tile_scheduler_metadata"},
+        "flashmla_kvcache",
+        "FlashMLA's flash_mla_with_kvcache",
+    ),
+    (
+        {"kv_cache", "bmm1_scale", "bmm2_scale"},
+        "flashinfer_trtllm_decode",
+        "FlashInfer's trtllm_batch_decode_with_kv_cache",
+    ),
+    (
+        {"v_a", "s_a", "v_b", "s_b"},
+        "flashinfer_merge_state",
+        "FlashInfer's merge_state (a merge: on merge suites, or --merge-convention "
+        "flashinfer_merge_state)",
+    ),
+    ({"page_table", "qv"}, "flash_attn_3_kvcache", "FlashAttention 3's flash_attn_with_kvcache"),
+    ({"qv", "q_descale", "softmax_scale"}, "flash_attn_3", "FlashAttention 3's flash_attn_func"),
     ({"cu_seqlens_q", "softmax_scale"}, "flash_attn_varlen", "flash_attn_varlen_func"),
     ({"k_cache"}, "flash_attn_with_kvcache", "flash_attn_with_kvcache"),
     ({"cache_seqlens", "softmax_scale"}, "flash_attn_with_kvcache", "flash_attn_with_kvcache"),
@@ -68,6 +88,16 @@ _PARAMETERS = (
     ({"is_causal", "attn_mask"}, "torch_sdpa", "scaled_dot_product_attention"),
     ({"sm_scale"}, "flashinfer", "single_prefill_with_kv_cache"),
     ({"attn_bias"}, "xformers", "memory_efficient_attention"),
+)
+
+
+_MERGE_STATES = (
+    (
+        {"merge_states"},
+        "flashinfer_merge_states",
+        "FlashInfer's merge_states (a merge: on merge suites, or --merge-convention "
+        "flashinfer_merge_states)",
+    ),
 )
 
 
@@ -105,7 +135,9 @@ def hint(impl, messages, convention) -> str | None:
         )
     names = _parameters(impl) if impl is not None else set()
     if "signature" not in convention:
-        for needed, preset, library in _PARAMETERS:
+        if {"v", "s"} == names & {"v", "s"} and len(names) == 2:  # merge_states(v, s)
+            names = names | {"merge_states"}
+        for needed, preset, library in _MERGE_STATES + _PARAMETERS:
             if needed <= names:
                 parts.append(
                     f"its keywords look like {_library(library)}: try --signature {preset}"

@@ -7,7 +7,12 @@ the elements that fail) gets the alternative's name:
 * "base-2 lse merged as natural": base-2 lses weighed by ``e^(lse_p - lse)``;
 * "empty-state merge gives NaN": NaN where the truth is an all-empty row (0, -inf);
 * "empty chunk with a finite lse": an lse of -inf replaced by 0 (an empty chunk that
-  returned a finite lse), so its zero out counts.
+  returned a finite lse), so its zero out counts;
+* "natural lse merged as base 2": natural-log lses weighed by ``2^(lse_p - lse)`` (a
+  base-2-only merge such as FlashInfer's handed natural lses);
+* "merge without the max subtraction": ``e^lse_p`` overflowing (or underflowing to 0/0) where
+  the truth is finite;
+* "merged lse returned in base 2 / the natural log": out right, the lse times log2(e) or ln 2.
 
 Examples
 --------
@@ -62,6 +67,15 @@ def diagnose_merge(inputs, options, outputs, truths=None) -> list[str]:
             notes.append(
                 "base-2 lse merged as natural: matches the natural-log merge of the base-2 lses"
             )
+    else:
+        alt = _named(refattn.merge_states(outs, lses, lse_base=2))
+        if "out" in got and _closer(got["out"], alt["out"], truth["out"]):
+            notes.append(
+                "natural lse merged as base 2: matches the base-2 merge of the natural-log lses"
+            )
+    notes += _overflow_notes(outs, lses, base, got, truth)
+    if not notes:  # out right: the lse alone in the other base
+        notes += _lse_base_notes(base, got, truth)
     empty_rows = ~np.isfinite(lses).any(axis=0)
     if empty_rows.any() and any(np.isnan(v[empty_rows]).any() for v in got.values()):
         notes.append(
@@ -77,3 +91,46 @@ def diagnose_merge(inputs, options, outputs, truths=None) -> list[str]:
                 "with lse 0 (an empty chunk must return lse -inf, which weighs 0)"
             )
     return notes
+
+
+def _without_max(outs, lses, base):
+    """The merge as sum_p e^lse_p o_p / sum_p e^lse_p with no max subtracted (float64)."""
+    factor = np.log(2.0) if base == 2 else 1.0
+    with np.errstate(all="ignore"):
+        weights = np.exp(lses * factor)
+        total = weights.sum(axis=0)
+        out = (weights[..., None] * outs).sum(axis=0) / total[..., None]
+        return {"out": out, "lse": np.log(total) / factor}
+
+
+def _overflow_notes(outs, lses, base, got, truth) -> list[str]:
+    """ "merge without the max subtraction" where that merge overflows or underflows (inf,
+    NaN or 0/0) on rows the truth has finite, and the failing output is not finite there."""
+    alt = _without_max(outs, lses, base)
+    bad = ~np.isfinite(alt["out"]) & np.isfinite(truth["out"])
+    if not bad.any() or "out" not in got:
+        return []
+    if np.isfinite(got["out"][bad]).any():
+        return []
+    return [
+        "merge without the max subtraction: e^lse overflows (or underflows to 0/0) at "
+        f"|lse| ~ {np.nanmax(np.abs(np.where(np.isfinite(lses), lses, np.nan))):.3g}; "
+        "subtract the row's largest lse first"
+    ]
+
+
+def _lse_base_notes(base, got, truth) -> list[str]:
+    """The merged lse returned in the other base (out right)."""
+    if "lse" not in got:
+        return []
+    factor = np.log2(np.e) if base != 2 else np.log(2.0)
+    want, value = truth["lse"], got["lse"]
+    live = np.isfinite(want) & (np.abs(want) > 1.0)
+    if not live.any():
+        return []
+    with np.errstate(all="ignore"):
+        near = np.abs(value[live] - want[live] * factor) < np.abs(value[live] - want[live])
+    if near.all():
+        other = "base 2" if base != 2 else "the natural log"
+        return [f"merged lse returned in {other}: lse x {factor:.6g}"]
+    return []

@@ -3,6 +3,8 @@
 Each is the set refattn pins, read the way a real kernel gets it wrong, evaluated by the
 oracle's textbook like every alternative of :mod:`oracle.diagnose.diagnosis`:
 
+* a sentinel clamped to key 0 by a gather (key 0 then enters once per -1 slot: the clamp and
+  the multiset reading together);
 * a sentinel read as a key (-1 wrapping to key S - 1 as a Python/gather index does, or
   clamped to key 0); past-the-end entries clamped to key S - 1;
 * duplicates counted twice (a plain gather: a position listed n times has weight
@@ -26,6 +28,15 @@ def _with_indices(change):
     def apply(options, extras):
         idx = np.asarray(options["key_indices"]).astype(np.int64)
         return {**options, "key_indices": change(idx)}, extras
+
+    return apply
+
+
+def _then(first, second):
+    """One alternative's change after another's."""
+
+    def apply(options, extras):
+        return second(*first(options, extras))
 
     return apply
 
@@ -80,6 +91,13 @@ def sparse_alternatives(options, *, H, L, S, alternative) -> list:
                     "sentinel read as a key (clamped to key 0)",
                     keys,
                     _with_indices(lambda i: np.maximum(i, 0)),
+                )
+            )
+            found.append(
+                alternative(
+                    "sentinel clamped to key 0 by a gather (key 0 counted once per -1 slot)",
+                    frozenset({"key_indices", "bias"}),
+                    _then(_with_indices(lambda i: np.maximum(i, 0)), _counted_twice(H, L, S)),
                 )
             )
         if (idx >= S).any():

@@ -74,10 +74,12 @@ def unsupported_lines(results) -> list[str]:
     if refused:
         lines.append(f"  ({refused} {REFUSED}: --refusals-are-errors makes them errors)")
     for reason, n in groups.items():
+        example = examples.get(reason) or ""
         lines.append(f"  {n:5d}  {reason}")
-        if reason.endswith("=") and examples.get(reason):
+        shapes_hidden = _NUMBER.search(example) is not None  # the N row, then real shapes
+        if (reason.endswith("=") or shapes_hidden) and example and example != reason:
             lines += textwrap.wrap(
-                f"e.g. {examples[reason]}", 110, initial_indent=" " * 9, subsequent_indent=" " * 11
+                f"e.g. {example}", 110, initial_indent=" " * 9, subsequent_indent=" " * 11
             )
     return lines
 

@@ -165,9 +165,11 @@ def reproduce_command(
     tolerance="default",
     check=None,
     convention=None,
+    extra_flags="",
 ):
     """The ``refattn-oracle validate`` command line that re-runs one case (or one of its
-    invariance checks)."""
+    invariance checks); ``extra_flags`` are those of an adapted implementation (a merge
+    convention's ``--merge-convention``, ``--framework``)."""
     impl_part = (
         "--impl <module:function>"
         if impl_spec is None
@@ -179,6 +181,7 @@ def reproduce_command(
         + (f" --tolerance {tolerance}" if tolerance != "default" else "")
         + (f" --check {check}" if check else "")
         + _convention_flags(convention)
+        + extra_flags
     )
     return f"refattn-oracle validate {impl_part} {source_flag} --dtype {dtype} --case {name}{extra}"
 
@@ -270,7 +273,7 @@ def validate(
         (:mod:`oracle.diagnose.diagnosis`).
     diagnose_budget : float
         A failing case's diagnosis may take this many times the case's judging time
-        (default :data:`oracle.diagnose.budget.DEFAULT_MULTIPLE`, 5; at least
+        (default :data:`oracle.diagnose.budget.DEFAULT_MULTIPLE`, 2; at least
         :data:`~oracle.diagnose.budget.FLOOR_SECONDS`; ``math.inf``: unbounded). Readings are
         tried likeliest first; one whose evaluation is cheap is always tried (small cases are
         diagnosed the same on any machine); a diagnosis that ran out says so in one line with
@@ -369,7 +372,16 @@ def validate(
         impl, unwrapped, spec, convention, isolate, keep_worker, timeout, memory_limit
     )
     run = _Run(
-        fn, spec, source_flag, grads, strict, tolerance, diagnose and budget, convention, checks
+        fn,
+        spec,
+        source_flag,
+        grads,
+        strict,
+        tolerance,
+        diagnose and budget,
+        convention,
+        checks,
+        extra_flags=getattr(unwrapped, "reproduce_flags", ""),  # an adapted merge function's
     )
     start = time.perf_counter()
     results = _run_items(run, items, supervisor, unwrapped, workers, progress, keep_worker)
@@ -416,6 +428,7 @@ def _implementation(impl, isolate, convention):
     unwrapped, spec = resolve_impl(impl)
     if spec is None and isinstance(impl, str):
         spec = impl
+    spec = spec or getattr(unwrapped, "impl_spec", None)  # an adapted merge function's
     return unwrapped, wrap(unwrapped, **convention), spec
 
 
@@ -472,6 +485,7 @@ class _Run:
     diagnose: bool
     convention: dict
     checks: tuple
+    extra_flags: str = ""
 
     def item(self, item, worker) -> list:
         """The case's result and its invariance checks, run by ``worker`` (or in process)."""
@@ -485,6 +499,7 @@ class _Run:
             self.strict,
             self.tolerance,
             convention=self.convention,
+            extra_flags=self.extra_flags,
         )
         judged = dict(
             grads=self.grads, diagnose=self.diagnose, reproduce=repro, tolerance=self.tolerance

@@ -30,9 +30,14 @@ import math
 import numpy as np
 
 from .. import config
-from .unit import gamma
+from .unit import gamma, unit_roundoff
 
-__all__ = ["linear_forward_bound", "linear_vjp_bound", "rounding_count"]
+__all__ = [
+    "linear_forward_bound",
+    "linear_chunked_forward_bound",
+    "linear_vjp_bound",
+    "rounding_count",
+]
 
 
 def rounding_count(dim: int) -> int:
@@ -273,3 +278,160 @@ def _shaped(steps, s, dh0, q, v, g, beta, scale, dim, heads):
             steps["g"] if np.ndim(g) == 3 else steps["g"][..., None], np.shape(g)
         ).copy()
     return out
+
+
+# --- the chunked (WY / UT-transform) form -------------------------------------------------
+
+
+def _log_decays(g, shape, gate_base):
+    """Natural-log decays (B, HV, T, Dg): Dg = 1 for a scalar gate (zeros without gates)."""
+    if g is None:
+        return np.zeros(shape[:3] + (1,))
+    g = np.asarray(g, np.float64)
+    lg = g[..., None] if g.ndim == 3 else g
+    return lg * math.log(2.0) if str(gate_base) == "2" else lg
+
+
+def _chunk_terms(kv, qv, lg, beta):
+    """One chunk (rows r = 0 .. L-1 of one sequence and value head), from float64 values of
+    the exact quantities: Gamma_r = max_d exp(G_r), sum_r max_d |log a_r|, the largest decay
+    ratios ``dmax_rj = max_d exp(G_r - G_j)`` (j <= r), ``|P|_rj = sum_d |qs_r[d] k_j[d]|
+    exp(G_r - G_j)[d]`` (j <= r) and with the delta rule ``|A|_rj = |beta_r| sum_d |k_r[d]
+    k_j[d]| exp(G_r - G_j)[d]`` (j < r) and ``|(I + A)^{-1}|``."""
+    length = len(kv)
+    cum = np.cumsum(lg, axis=0)
+    lower = np.tril(np.ones((length, length), bool))
+    ratio = np.exp(np.where(lower[..., None], cum[:, None, :] - cum[None, :, :], -np.inf))
+    full = np.broadcast_to(ratio, ratio.shape[:2] + (kv.shape[1],))  # (r, j, D)
+    terms = {
+        "gamma": np.exp(cum.max(axis=1)),
+        "sum": float(np.abs(lg).max(axis=1).sum()),
+        "dmax": ratio.max(axis=2),
+        "p": np.einsum("rd,jd,rjd->rj", np.abs(qv), np.abs(kv), full),
+    }
+    if beta is not None:
+        signed = np.tril(beta[:, None] * np.einsum("rd,jd,rjd->rj", kv, kv, full), -1)
+        terms["a"] = np.tril(
+            np.abs(beta)[:, None] * np.einsum("rd,jd,rjd->rj", *[np.abs(kv)] * 2, full), -1
+        )
+        terms["t"] = np.abs(np.linalg.inv(np.eye(length) + signed))
+    return terms
+
+
+def _chunk_errors(s, x, n0, e0, dtype, dim):
+    """(output error bounds (L,), the state's local error, the chunk map's prefix norms (L,))
+    of one chunk given the start state's norm bound ``n0`` (see linear_chunked_forward_bound).
+
+    x = (k rows (L, D), scaled q rows (L, D), natural log decays (L, Dg), beta (L,) or None,
+    (b, j, t0))."""
+    kv, qv, lg, beta, (b, j, t0) = x
+    length = len(kv)
+    span = slice(t0, t0 + length)
+    u, eta = unit_roundoff(dtype), float(np.finfo(np.dtype(dtype)).smallest_subnormal)
+    c = _chunk_terms(kv, qv, lg, beta)
+    delta = (2 * gamma(length, dtype) + 4 * u) * c["sum"] + 2 * u + dim * eta
+    kn, vn, qn = s["k"][b, j, span], s["v"][b, j, span], s["q"][b, j, span]
+    gam = c["gamma"] + eta
+    if beta is None:
+        w_rows, w_err = vn, np.zeros(length)
+    else:
+        rho = np.abs(beta) * (vn + gam * kn * n0)  # ||R_r||
+        w_rows = c["t"] @ rho
+        eps_a, eps_r = gamma(dim + 2, dtype) + delta, gamma(dim + 3, dtype) + delta
+        w_err = c["t"] @ ((eps_a + gamma(length, dtype)) * (c["a"] @ w_rows) + eps_r * rho)
+    m, _ = _amplification(kn, None if s["b"] is None else s["b"][b, j, span])
+    prefix = np.cumprod(s["a"][b, j, span] * m)
+    eps_o = gamma(dim + 2, dtype) + delta + gamma(length + 1, dtype)
+    out = qn * prefix * e0 + eps_o * (gam * qn * n0 + c["p"] @ w_rows) + c["p"] @ w_err
+    spread = c["dmax"][-1] * kn
+    local = (gamma(length + 3, dtype) + delta) * (gam[-1] * n0 + spread @ w_rows)
+    return out, local + spread @ w_err, prefix
+
+
+def linear_chunked_forward_bound(
+    q,
+    k,
+    v,
+    g=None,
+    beta=None,
+    *,
+    chunk=64,
+    scale=None,
+    initial_state=None,
+    cu_seqlens=None,
+    qk_l2norm=False,
+    gate_base="e",
+    state_norms=None,
+    dtype="float64",
+):
+    """Bound on ``|fl(o) - o|`` per element of o (B, HV, T, E) and of the final state
+    (N, HV, D, E) for the chunked form (:mod:`refattn.kernels.linear_chunked`, chunks of
+    ``chunk`` steps) computed in ``dtype``; first order in its unit roundoff u.
+
+    Per chunk of L steps starting from a state of norm at most N_0 (the norm bounds of
+    :func:`linear_forward_bound`'s pass, with the computed ``state_norms`` when given) and error
+    e_0, from quantities computed at run time:
+
+    * the decay ratios' relative error ``delta = (2 gamma_L + 4u) sum_r max_d |log a_r| + 2u``
+      (the cumulative sums of L log decays, their difference, the base-2 conversion, the
+      ``exp``; plus ``D eta`` for underflow): it grows with the chunk's total log decay;
+    * ``Gamma_r = max_d exp(G_r)``;
+    * delta rule: the triangular system ``(I + A) W = R`` solved by forward substitution
+      (Higham, *Accuracy and Stability*, Thm. 8.5: ``(I + A + E) W^ = R``, ``|E| <= gamma_L
+      |A|``) with A's own error ``(gamma_{D+2} + delta) |A|`` and R's ``(gamma_{D+3} + delta)
+      rho``, componentwise over the rows (Skeel's condition of the solve, ``|(I + A)^{-1}|``
+      computed in float64 per chunk): ``||W_r|| <= (|T| rho)_r``, ``||W^_r - W_r|| <= (|T|
+      ((gamma_{D+2} + delta + gamma_L) |A| ||W|| + (gamma_{D+3} + delta) rho))_r``, with
+      ``T = (I + A)^{-1}``, ``rho_r = |beta_r| (||v_r|| + Gamma_r ||k_r|| N_0)`` and ``|A|_rj =
+      |beta_r| sum_d |k_r[d] k_j[d]| exp(G_r - G_j)[d]``. Without beta, ``W = V`` exactly;
+    * outputs ``|o_r err| <= ||qs_r|| P_r e_0 + eps_o (Gamma_r ||qs_r|| N_0 + (|P| ||W||)_r)
+      + (|P| ||W^ - W||)_r``, ``eps_o = gamma_{D+2} + delta + gamma_{L+1}``, ``|P|_rj = sum_d
+      |qs_r[d] k_j[d]| exp(G_r - G_j)[d]``, with ``P_r = prod_{t <= r} a_t m_t`` the exact
+      chunk map's norm bound (module notes);
+    * the chunk's state: ``e_L = P_L e_0 + (gamma_{L+3} + delta) (Gamma_L N_0 + sum_j
+      dmax_j ||k_j|| ||W_j||) + sum_j dmax_j ||k_j|| ||W^_j - W_j||``, ``dmax_j = max_d
+      exp(G_{L-1} - G_j)[d]``.
+
+    The rounding of the inputs to ``dtype`` (and the l2norm's) is covered by adding
+    :func:`linear_forward_bound` (same ``dtype``), whose per-step perturbations include it.
+
+    >>> import numpy as np
+    >>> q = k = v = np.ones((1, 1, 3, 2)); beta = np.full((1, 1, 3), 0.5)
+    >>> o_bound, s_bound = linear_chunked_forward_bound(q, k, v, None, beta, chunk=2)
+    >>> bool(o_bound.shape == (1, 1, 3, 2) and 0 < o_bound.max() < 1e-13)
+    True
+    """
+    v = np.asarray(v)
+    dim, group = np.shape(q)[-1], v.shape[1] // np.shape(q)[1]
+    scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
+    options = dict(scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    options.update(qk_l2norm=qk_l2norm, gate_base=gate_base, state_norms=state_norms)
+    o_rec, s_rec = linear_forward_bound(q, k, v, g, beta, dtype=dtype, **options)
+    s = _per_step(q, k, v, g, beta, scale, qk_l2norm, gate_base)
+    kv = np.repeat(np.asarray(k, np.float64), group, axis=1) * s["rk"][..., None]
+    qv = np.repeat(np.asarray(q, np.float64), group, axis=1) * (abs(scale) * s["rq"][..., None])
+    lg = _log_decays(g, v.shape, gate_base)
+    betas = None if beta is None else np.asarray(beta, np.float64)
+    h0 = None if initial_state is None else np.asarray(initial_state, np.float64)
+    out, final = np.zeros(v.shape[:3]), np.zeros((len(_segments(v.shape, cu_seqlens)), v.shape[1]))
+    for n, (b, start, stop) in enumerate(_segments(v.shape, cu_seqlens)):
+        n0 = np.zeros(v.shape[1]) if h0 is None else _norm(h0[n].reshape(v.shape[1], -1))
+        big_n, _ = _forward_pass(s, n0, state_norms, (b, start, stop), gamma(rounding_count(dim)))
+        for j in range(v.shape[1]):
+            err = unit_roundoff(dtype) * n0[j]
+            for c0 in range(start, stop, int(chunk)):
+                c1 = min(c0 + int(chunk), stop)
+                start_norm = n0[j] if c0 == start else big_n[j, c0 - start - 1]
+                x = (
+                    kv[b, j, c0:c1],
+                    qv[b, j, c0:c1],
+                    lg[b, j, c0:c1],
+                    None if betas is None else betas[b, j, c0:c1],
+                )
+                o_err, local, prefix = _chunk_errors(
+                    s, (*x, (b, j, c0)), start_norm, err, dtype, dim
+                )
+                out[b, j, c0:c1] = o_err
+                err = prefix[-1] * err + local
+            final[n, j] = err
+    return o_rec + out[..., None], s_rec + final[..., None, None]

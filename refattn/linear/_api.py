@@ -7,7 +7,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import _checks
-from ..bounds.linear import linear_forward_bound, linear_vjp_bound
+from ..bounds.linear import linear_chunked_forward_bound, linear_forward_bound, linear_vjp_bound
 from . import _float64
 from ._inputs import BACKENDS, canonicalize, cotangents, fold_heads
 
@@ -147,9 +147,15 @@ def linear_attention(
         final state is the exact real result rounded once to ``out_dtype``.
     out_dtype : dtype, optional
         The exact path's output dtype (float64, float32, float16, bfloat16); default float64.
-    backend : {"numpy", "numba"}
-        The float64 path's implementation: NumPy, or refattn's deterministic Numba CPU kernel
-        (:mod:`refattn.kernels.linear_cpu`, float64 compute).
+    backend : {"numpy", "numba", "numba-chunked", "cuda"}
+        The float64 path's implementation: NumPy, refattn's deterministic Numba CPU kernel of
+        the recurrence (:mod:`refattn.kernels.linear_cpu`, float64 compute), or the chunked
+        (WY / UT-transform) form of flash-linear-attention's chunk kernels
+        (:mod:`refattn.kernels.linear_chunked`, chunks of 64 steps, float64 compute, forward
+        only), within :func:`refattn.linear.forward_error_bound` with the same ``backend``;
+        or the numba.cuda kernel of the recurrence (:mod:`refattn.kernels.linear_cuda`, one
+        thread block per sequence and value head, float64 compute, forward only; on the
+        device, or the simulator with ``NUMBA_ENABLE_CUDASIM=1``), bit-identical to "numba".
 
     Returns
     -------
@@ -197,6 +203,14 @@ def linear_attention(
         from . import _kernels
 
         out, final = _kernels.forward(call)
+    elif backend == "numba-chunked":
+        from . import _kernels
+
+        out, final = _kernels.chunked_forward(call)
+    elif backend == "cuda":
+        from . import _kernels
+
+        out, final = _kernels.cuda_forward(call)
     else:
         out, final = _float64.forward(call)
     return (out, final) if output_final_state else out
@@ -235,7 +249,8 @@ def linear_attention_vjp(
     dht : array (N, HV, D, E), optional
         Cotangent of the final state.
     scale, initial_state, cu_seqlens, qk_l2norm, gate_base, backend :
-        As :func:`linear_attention` (``backend="numba"``: the Numba CPU kernel's reverse pass).
+        As :func:`linear_attention` (``backend="numba"``: the Numba CPU kernel's reverse pass;
+        ``"numba-chunked"`` and ``"cuda"`` have no reverse pass and are refused).
     precision, out_dtype :
         "float64" (within :func:`refattn.linear.vjp_error_bound`) or "exact" (every gradient
         element the exact derivative rounded once to ``out_dtype``).
@@ -264,6 +279,11 @@ def linear_attention_vjp(
         qk_l2norm=qk_l2norm,
         gate_base=gate_base,
     )
+    if backend in ("numba-chunked", "cuda"):
+        raise ValueError(
+            f"backend={backend!r}: that kernel has no reverse pass; pass "
+            "backend='numba' (the recurrent CPU kernel) or 'numpy'"
+        )
     call = _call(q, k, v, g, beta, options)
     do, dht = cotangents(call, do, dht)
     if precision == "exact":
@@ -317,24 +337,31 @@ def _bound_options(options):
     }
 
 
-def forward_error_bound(q, k, v, g=None, beta=None, *, dtype="float64", **options):
+def forward_error_bound(q, k, v, g=None, beta=None, *, dtype="float64", backend="numpy", **options):
     """Per-element bounds (o (B, HV, T, E), final state (N, HV, D, E)) on the error of the
     float64 path (or a kernel computing in ``dtype``), from
-    :func:`refattn.bounds.linear_forward_bound` with the norms of the float64 path's states.
+    :func:`refattn.bounds.linear_forward_bound` with the norms of the float64 path's states;
+    ``backend="numba-chunked"``: the chunked form's bound
+    (:func:`refattn.bounds.linear.linear_chunked_forward_bound`, chunks of 64 steps: the
+    cumulative gate sums, the decay ratios and the triangular solve's conditioning).
 
     >>> import numpy as np
     >>> q = k = v = np.ones((1, 1, 3, 2))
     >>> o_bound, s_bound = forward_error_bound(q, k, v, beta=np.ones((1, 1, 3)))
     >>> bool(o_bound.max() < 1e-13)
     True
+    >>> beta = np.ones((1, 1, 3))
+    >>> o_chunked, _ = forward_error_bound(q, k, v, beta=beta, backend="numba-chunked")
+    >>> bool(o_bound.max() < o_chunked.max() < 1e-11)
+    True
     """
+    _checks.choice(backend, "backend", BACKENDS)
     full = dict(scale=None, initial_state=None, cu_seqlens=None, qk_l2norm=False, gate_base="e")
     full.update(options)
     call = _call(q, k, v, g, beta, full)
     norms = _float64.forward(call, keep_norms=True)[2]
-    return linear_forward_bound(
-        q, k, v, g, beta, state_norms=norms, dtype=dtype, **_bound_options(full)
-    )
+    bound = linear_chunked_forward_bound if backend == "numba-chunked" else linear_forward_bound
+    return bound(q, k, v, g, beta, state_norms=norms, dtype=dtype, **_bound_options(full))
 
 
 def vjp_error_bound(q, k, v, g, beta, do, dht=None, *, dtype="float64", **options):

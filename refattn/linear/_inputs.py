@@ -30,7 +30,7 @@ __all__ = [
 #: (flash-linear-attention's ``l2norm`` and transformers' qwen3_next ``l2norm`` default).
 L2NORM_EPS = config.LINEAR_L2NORM_EPS
 GATE_BASES = ("e", "2")
-BACKENDS = ("numpy", "numba")
+BACKENDS = ("numpy", "numba", "numba-chunked", "cuda")
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels import linear_cpu
+from ..kernels import linear_chunked, linear_cpu
 from . import _float64
 from ._inputs import LinearCall
 
-__all__ = ["forward", "backward"]
+__all__ = ["forward", "chunked_forward", "cuda_forward", "backward"]
 
 
 def _prepared(call: LinearCall, compute_dtype):
@@ -39,6 +39,33 @@ def forward(call: LinearCall, compute_dtype="float64"):
     """(o, final) as float64 arrays, computed by the kernel in ``compute_dtype``."""
     ins, beta, h0, seg, params = _prepared(call, compute_dtype)
     out, final = linear_cpu.linear_forward(ins, beta, h0, seg, params)
+    return out.astype(np.float64, copy=False), final.astype(np.float64, copy=False)
+
+
+def chunked_forward(call: LinearCall, compute_dtype="float64", chunk=linear_chunked.CHUNK):
+    """(o, final) as float64 arrays from the chunked kernel computing in ``compute_dtype``."""
+    (qs, k, v, _), beta, h0, seg, _ = _prepared(call, compute_dtype)
+    dtype = qs.dtype
+    if call.g is None:
+        lg = np.zeros(call.v.shape[:3] + (1,))
+    else:
+        lg = call.g if call.vector_gate else call.g[..., None]
+        if call.gate_base == "2":
+            lg = lg * np.log(2.0)
+    lg = np.ascontiguousarray(lg, dtype=dtype)
+    out, final = linear_chunked.chunked_forward(
+        (qs, k, v, lg), beta, h0, seg, call.beta is not None, chunk
+    )
+    return out.astype(np.float64, copy=False), final.astype(np.float64, copy=False)
+
+
+def cuda_forward(call: LinearCall, compute_dtype="float64", threads=None):
+    """(o, final) as float64 arrays from the numba.cuda kernel computing in ``compute_dtype``."""
+    from ..kernels import linear_cuda
+
+    ins, beta, h0, seg, _ = _prepared(call, compute_dtype)
+    threads = linear_cuda.THREADS if threads is None else threads
+    out, final = linear_cuda.linear_forward(ins, beta, h0, seg, call.beta is not None, threads)
     return out.astype(np.float64, copy=False), final.astype(np.float64, copy=False)
 
 

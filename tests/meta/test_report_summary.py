@@ -113,3 +113,20 @@ def test_html_summary_first_and_small(tmp_path):
     assert page.index("Summary") < page.index("Coverage") < page.index("<h2>Cases")
     assert len(page) < 1_000_000, len(page)
     assert page.count("<img") <= 12
+
+
+def test_unsupported_table_shows_real_shapes():
+    """Every group whose message has numbers keeps one real message (its shapes) under its
+    N row."""
+    from types import SimpleNamespace
+
+    from oracle.report.summary import unsupported_lines
+
+    results = [
+        SimpleNamespace(verdict="unsupported", message="k (1, 2, 40, 32): L = 5 != S = 7"),
+        SimpleNamespace(verdict="unsupported", message="k (1, 2, 60, 32): L = 6 != S = 9"),
+        SimpleNamespace(verdict="unsupported", message="alone: L = 3 != S = 4"),
+    ]
+    text = "\n".join(unsupported_lines(results))
+    assert "e.g. k (1, 2, 40, 32): L = 5 != S = 7" in text
+    assert "e.g. alone: L = 3 != S = 4" in text

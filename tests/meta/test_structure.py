@@ -201,19 +201,11 @@ def _long_functions(pattern: str) -> dict[str, int]:
     return found
 
 
-_LONG_IN_REFATTN = _long_functions("refattn/**/*.py")
-
-
 def test_no_oracle_function_over_the_code_line_limit():
     over = _long_functions("oracle/**/*.py")
     assert not over, f"{len(over)} functions over {MAX_FUNCTION_CODE_LINES} code lines: {over}"
 
 
-@pytest.mark.xfail(
-    bool(_LONG_IN_REFATTN),
-    reason=f"refattn functions still over {MAX_FUNCTION_CODE_LINES} code lines: {_LONG_IN_REFATTN}",
-    strict=False,
-)
 def test_no_refattn_function_over_the_code_line_limit():
     over = _long_functions("refattn/**/*.py")
     assert not over, f"{len(over)} functions over {MAX_FUNCTION_CODE_LINES} code lines: {over}"
