@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from oracle.cli import main
-from oracle.diagnose import budget, diagnosis, sample
+from oracle.diagnose import budget, diagnosis, sample, tiles
 from oracle.diagnose.budget import CHEAP_WORK, DiagnosisBudget, case_budget
 from oracle.reading.baseline import textbook_attention
 from oracle.reading.case import CaseView, _shapes
@@ -142,9 +142,9 @@ def test_vectorised_kernel_models_equal_their_loops(S):
     w[0, 0] = 0.0  # a row with no weight
     w /= np.maximum(w.sum(axis=-1, keepdims=True), 1e-300)
     for size in (64, 128):
-        np.testing.assert_array_equal(diagnosis._no_rescale(size)(w), _no_rescale_loop(w, size))
+        np.testing.assert_array_equal(tiles.no_rescale_weights(size)(w), _no_rescale_loop(w, size))
         np.testing.assert_array_equal(
-            diagnosis._split_combine(size)(w), _split_combine_loop(w, size)
+            tiles.split_combine_weights(size)(w), _split_combine_loop(w, size)
         )
 
 
