@@ -59,7 +59,7 @@ from oracle.diagnose.models import error_models, exact_parts, narrow_accumulatio
 from oracle.diagnose.peers import peer_alternatives
 from oracle.diagnose.sigmoid import sigmoid_alternatives
 from oracle.diagnose.sparse import sparse_alternatives, sparse_lse_models
-from oracle.diagnose.tiles import tile_alternatives
+from oracle.diagnose.tiles import no_rescale_weights, split_combine_weights, tile_alternatives
 from oracle.judging import tolerance as tol
 from oracle.reading.allowed import allowed_positions
 from oracle.reading.baseline import textbook_attention
@@ -327,47 +327,6 @@ def _zero_rows(first):
     return apply
 
 
-def _blocks(x, size, fill):
-    """``x`` (..., S) padded with ``fill`` to whole blocks of ``size`` keys, as
-    (..., blocks, size): the per-block reductions below are then one vectorised pass (O(S))."""
-    S = x.shape[-1]
-    count = -(-S // size)
-    padded = np.full(x.shape[:-1] + (count * size,), fill, dtype=x.dtype)
-    padded[..., :S] = x
-    return padded.reshape(x.shape[:-1] + (count, size))
-
-
-def _no_rescale(size):
-    """Weights of an online softmax whose output accumulator is not rescaled when the
-    running max moves: key j is weighted ``p_j exp(M - M_t(j))``, ``M_t`` the running max
-    of the log-weights after j's tile, ``M`` the row's (the normaliser is right)."""
-
-    def rule(w):
-        with np.errstate(divide="ignore"):
-            logw = np.log(w)
-        running = np.maximum.accumulate(_blocks(logw, size, -np.inf).max(axis=-1), axis=-1)
-        with np.errstate(invalid="ignore", over="ignore"):
-            factor = np.repeat(np.exp(-running), size, axis=-1)[..., : w.shape[-1]]
-        return w * np.where(np.isfinite(factor), factor, 0) * w.max(axis=-1, keepdims=True)
-
-    return rule
-
-
-def _split_combine(size):
-    """Split-KV partial outputs combined by their normalisers ``l_s`` taken relative to each
-    split's own max (the ``exp(m_s - m)`` correction missing)."""
-
-    def rule(w):
-        blocks = _blocks(w, size, 0.0)  # weights are >= 0: padding never is a block's max
-        top = blocks.max(axis=-1, keepdims=True)
-        out = np.divide(blocks, top, out=np.zeros_like(blocks), where=top > 0)
-        out = np.ascontiguousarray(out.reshape(w.shape[:-1] + (-1,))[..., : w.shape[-1]])
-        total = out.sum(axis=-1, keepdims=True)
-        return np.divide(out, total, out=np.zeros_like(out), where=total > 0)
-
-    return rule
-
-
 def kernel_alternatives(L, S, *, tiles=TILE_SIZES, splits=SPLIT_SIZES) -> list[Alternative]:
     """Alternatives that name the bugs of tiled kernels (blocks of ``tiles`` keys/queries,
     split-KV chunks of ``splits`` keys), for a case with L queries and S keys."""
@@ -408,7 +367,7 @@ def kernel_alternatives(L, S, *, tiles=TILE_SIZES, splits=SPLIT_SIZES) -> list[A
                     f"late rescale missing: the output accumulator is not rescaled when the "
                     f"running max moves (online softmax over tiles of {size} keys)",
                     frozenset({"kernel"}),
-                    _reweight(_no_rescale(size)),
+                    _reweight(no_rescale_weights(size)),
                 )
             )
     for size in splits:
@@ -418,7 +377,7 @@ def kernel_alternatives(L, S, *, tiles=TILE_SIZES, splits=SPLIT_SIZES) -> list[A
                     f"split-KV combine: partial outputs of {size}-key splits weighted by their "
                     f"normalisers without the exp(m_s - m) max correction",
                     frozenset({"kernel"}),
-                    _reweight(_split_combine(size)),
+                    _reweight(split_combine_weights(size)),
                 )
             )
     return found

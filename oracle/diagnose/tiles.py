@@ -32,7 +32,14 @@ import numpy as np
 from oracle.diagnose.alternative import Alternative
 from oracle.diagnose.models import cast_to
 
-__all__ = ["tile_alternatives", "tile_tracking", "case_lengths", "storage_dtype"]
+__all__ = [
+    "tile_alternatives",
+    "tile_tracking",
+    "case_lengths",
+    "storage_dtype",
+    "no_rescale_weights",
+    "split_combine_weights",
+]
 
 #: Tile sizes (keys) tried; the same as :data:`oracle.diagnose.diagnosis.TILE_SIZES`.
 TILES = (64, 128)
@@ -116,3 +123,58 @@ def storage_dtype(values, dtype) -> str:
             if np.array_equal(cast_to(finite, name), finite):
                 return name
     return "float64"
+
+
+# the kernel models of oracle.diagnose.diagnosis.kernel_alternatives: weights (..., S) of a
+# tiled kernel with the bug, from the pinned weights
+
+
+def _blocks(x, size, fill):
+    """``x`` (..., S) padded with ``fill`` to whole blocks of ``size`` keys, as
+    (..., blocks, size): the per-block reductions below are then one vectorised pass (O(S))."""
+    S = x.shape[-1]
+    count = -(-S // size)
+    padded = np.full(x.shape[:-1] + (count * size,), fill, dtype=x.dtype)
+    padded[..., :S] = x
+    return padded.reshape(x.shape[:-1] + (count, size))
+
+
+def no_rescale_weights(size):
+    """Weights of an online softmax whose output accumulator is not rescaled when the
+    running max moves: key j is weighted ``p_j exp(M - M_t(j))``, ``M_t`` the running max
+    of the log-weights after j's tile, ``M`` the row's (the normaliser is right; Milakov &
+    Gimelshein 2018, the rescale of Dao et al. 2022 Algorithm 1 line 12 left out).
+
+    >>> no_rescale_weights(2)(np.array([0.1, 0.2, 0.4, 0.3])).round(6).tolist()
+    [0.2, 0.4, 0.4, 0.3]
+    """
+
+    def rule(w):
+        with np.errstate(divide="ignore"):
+            logw = np.log(w)
+        running = np.maximum.accumulate(_blocks(logw, size, -np.inf).max(axis=-1), axis=-1)
+        with np.errstate(invalid="ignore", over="ignore"):
+            factor = np.repeat(np.exp(-running), size, axis=-1)[..., : w.shape[-1]]
+        return w * np.where(np.isfinite(factor), factor, 0) * w.max(axis=-1, keepdims=True)
+
+    return rule
+
+
+def split_combine_weights(size):
+    """Split-KV partial outputs combined by their normalisers ``l_s`` taken relative to each
+    split's own max (the ``exp(m_s - m)`` correction missing): each split's weights divided
+    by the split's largest, then normalised over the row.
+
+    >>> (split_combine_weights(2)(np.array([0.1, 0.2, 0.4, 0.3])) * 6.5).round(6).tolist()
+    [1.0, 2.0, 2.0, 1.5]
+    """
+
+    def rule(w):
+        blocks = _blocks(w, size, 0.0)  # weights are >= 0: padding never is a block's max
+        top = blocks.max(axis=-1, keepdims=True)
+        out = np.divide(blocks, top, out=np.zeros_like(blocks), where=top > 0)
+        out = np.ascontiguousarray(out.reshape(w.shape[:-1] + (-1,))[..., : w.shape[-1]])
+        total = out.sum(axis=-1, keepdims=True)
+        return np.divide(out, total, out=np.zeros_like(out), where=total > 0)
+
+    return rule

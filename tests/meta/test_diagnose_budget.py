@@ -9,20 +9,37 @@ import io
 import math
 import sys
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 import pytest
 
 from oracle.cli import main
-from oracle.diagnose import budget, diagnosis, sample
+from oracle.diagnose import budget, diagnosis, sample, tiles
 from oracle.diagnose.budget import CHEAP_WORK, DiagnosisBudget, case_budget
 from oracle.reading.baseline import textbook_attention
+from oracle.reading.case import CaseView, _shapes
 from oracle.run.progress import Progress
 from oracle.run.validate import validate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests.planted, in the worker too
 
 _SPENT = DiagnosisBudget(multiple=1.0, floor=0.0)  # zero seconds for a case judged in zero
+
+
+def _view(q, k, v, options, dtype="float32"):
+    """The case view of plain inputs (what the judge reads from a fixture)."""
+    return CaseView(
+        name="case",
+        dtype=dtype,
+        q=q,
+        k=k,
+        v=v,
+        options=MappingProxyType(dict(options)),
+        shapes=MappingProxyType(_shapes(q, k, v)),
+        single=np.ndim(q) == 2,
+        key=f"case-{id(q)}",
+    )
 
 
 def _inputs(L, S, D=16, seed=0):
@@ -51,11 +68,11 @@ def test_a_spent_budget_stops_costly_readings_and_says_what_it_tried():
     assert 4 * 20000 * 32 > CHEAP_WORK  # each reading is a costly one
     out = textbook_attention(q, k, v, dtype="float64", scale=1.0).out
     with case_budget(_SPENT, 0.0, "long") as spent:
-        found = diagnosis.diagnose(q, k, v, {}, out, limit=0.0, dtype="float32")
+        found = diagnosis.diagnose(_view(q, k, v, {}), out, limit=0.0)
     assert found == []  # "no scale (scale=1)" fits, but no reading was evaluated
     with case_budget(True, 10.0, "long"):
         assert "matches no scale (scale=1)" in diagnosis.diagnose(
-            q, k, v, {}, out, limit=1e-6, dtype="float32"
+            _view(q, k, v, {}), out, limit=1e-6
         )
     note = spent.notes(found=False)
     assert len(note) == 1 and note[0].startswith("diagnosis stopped after "), note
@@ -69,7 +86,7 @@ def test_cheap_readings_are_tried_whatever_the_budget():
     options = {"causal": True, "align": "top_left"}
     out = textbook_attention(q, k, v, dtype="float64", causal=True, align="bottom_right").out
     with case_budget(_SPENT, 0.0, "small") as spent:
-        found = diagnosis.diagnose(q, k, v, options, out, limit=1e-6, dtype="float32")
+        found = diagnosis.diagnose(_view(q, k, v, options), out, limit=1e-6)
     assert "matches align='bottom_right'" in found
     assert spent.notes(found=True) == []
 
@@ -81,10 +98,11 @@ def test_readings_are_kept_for_the_later_calls_of_the_case(monkeypatch):
     calls = []
     error = diagnosis._Reading.error
     monkeypatch.setattr(diagnosis._Reading, "error", lambda *a: calls.append(1) or error(*a))
+    view = _view(q, k, v, options)
     with case_budget(True, 1.0, "kept"):
-        first = diagnosis.diagnose(q, k, v, options, out, limit=1e-6, dtype="float32")
+        first = diagnosis.diagnose(view, out, limit=1e-6)
         evaluated = len(calls)
-        again = diagnosis.diagnose(q, k, v, options, out, limit=1e-9, dtype="float32")
+        again = diagnosis.diagnose(view, out, limit=1e-9)
     assert first == again == ["matches no scale (scale=1)"]
     assert evaluated > 1 and len(calls) == evaluated
 
@@ -124,9 +142,9 @@ def test_vectorised_kernel_models_equal_their_loops(S):
     w[0, 0] = 0.0  # a row with no weight
     w /= np.maximum(w.sum(axis=-1, keepdims=True), 1e-300)
     for size in (64, 128):
-        np.testing.assert_array_equal(diagnosis._no_rescale(size)(w), _no_rescale_loop(w, size))
+        np.testing.assert_array_equal(tiles.no_rescale_weights(size)(w), _no_rescale_loop(w, size))
         np.testing.assert_array_equal(
-            diagnosis._split_combine(size)(w), _split_combine_loop(w, size)
+            tiles.split_combine_weights(size)(w), _split_combine_loop(w, size)
         )
 
 
@@ -186,7 +204,7 @@ def test_every_reading_on_a_row_sample_is_the_whole_reading_on_those_rows(option
     if "mask" in options:
         options["mask"][..., 5, :] = False  # an empty row
     out = textbook_attention(q, k, v, dtype="float64", **options).out
-    setup = diagnosis._CaseSetup(q, k, v, options)
+    setup = diagnosis._CaseSetup(_view(q, k, v, options))
     reading = diagnosis._Reading(q, k, v, options, out, setup, "float32")
     view = sample.RowView(np.array([0, 5, 6, 40, 63, 64, 79]), L, S)
     for alt in setup.candidates:
