@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:
 from oracle import catalogue  # noqa: E402
 from oracle.diagnose.budget import DEFAULT_MULTIPLE  # noqa: E402
 from oracle.fixtures import golden  # noqa: E402
+from oracle.judging import parts  # noqa: E402
 from oracle.power.planted import POWER_BROKEN  # noqa: E402
 from oracle.run.validate import validate  # noqa: E402
 
@@ -65,6 +66,7 @@ def _fixtures(suite, dtype, patterns):
 
 def _run(kernel, fixtures, args, diagnose):
     impl = POWER_BROKEN[kernel][0]  # a partial: judged in this process (as `power` does)
+    parts.clear_memory()  # each run computes its judging parts, as a command-line run does
     start = time.perf_counter()
     report = validate(
         impl,
