@@ -24,7 +24,8 @@ def mla_sparse_entries(gauss) -> list[Entry]:
     e = Entry
     bf16 = ("bfloat16",)
     model = {"scale": MLA_SCALE}
-    recipe = {**gauss, "latent_v": True, "key_indices": "sentinels", "topk": 2048}
+    # compact: k (and v, its first 512 columns) regenerated on load, as the long rows are
+    recipe = {**gauss, "latent_v": True, "key_indices": "sentinels", "topk": 2048, "compact": True}
     return [
         e(
             "mla-sparse-prefill",
