@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
 import time
 import weakref
 
@@ -74,7 +73,7 @@ from oracle.judging import tolerance as tol
 from oracle.judging.empty_rows import read_case
 from oracle.judging.linear import check_linear, is_linear
 from oracle.judging.must_refuse import check_refusal, is_refusal
-from oracle.judging.passing import passed_options
+from oracle.judging.passing import passed_options, vjp_of
 from oracle.judging.refused import refusing
 from oracle.judging.results import CaseResult, Check, Worst, grade_of
 from oracle.judging.variant_scales import condition, grad_floor_terms, grad_scale, natural_scale
@@ -749,7 +748,7 @@ def _check_variant(impl, fixture, reproduce, grads=False):
             lambda name, truth64: natural_scale(case, fixture.inputs, name, truth64),
         )
         if grads and case.grads and "grad_out" in fixture.inputs:
-            vjp = _variant_vjp(impl)
+            vjp = vjp_of(impl)
             if vjp is None:
                 notes.append(
                     "gradients asked for but not checked: the implementation has "
@@ -796,23 +795,6 @@ def _judge_variant_outputs(case, fixture, outputs, truths, base, floor, k, check
             threshold = tol.threshold(base_err, floor, case.dtype, k=k)
             checks[name] = _judge(name, value, truth64, scale, threshold, case.dtype)
     return problems
-
-
-def _variant_vjp(impl):
-    """``impl.vjp``, or for a plain function ``f`` the ``f_vjp`` beside it: in its module or,
-    for a function defined in a package's private module (``refattn.gmm._forward``), in the
-    nearest enclosing package that has one (``refattn.gmm.attention_vjp``)."""
-    vjp = getattr(impl, "vjp", None)
-    if vjp is not None:
-        return vjp
-    name = getattr(impl, "__name__", None)
-    parts = (getattr(impl, "__module__", None) or "").split(".")
-    while name and parts and parts[0]:
-        found = getattr(sys.modules.get(".".join(parts)), f"{name}_vjp", None)
-        if found is not None:
-            return found
-        parts.pop()
-    return None
 
 
 def _check_variant_grads(case, fixture, vjp, forward_condition, checks):

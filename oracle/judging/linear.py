@@ -59,7 +59,6 @@ Examples
 
 from __future__ import annotations
 
-import sys
 import time
 
 import numpy as np
@@ -70,6 +69,7 @@ from oracle.catalogue.linear_families import FUNCTION, TRUTH_BOUNDED
 from oracle.catalogue.linear_inputs import GRADS, OUTPUTS, arrays_of
 from oracle.diagnose.linear import diagnose_linear
 from oracle.judging import tolerance as tol
+from oracle.judging.passing import vjp_of
 from oracle.judging.results import CaseResult, Check, Worst, grade_of
 from oracle.judging.variant_scales import grad_scale
 from oracle.reading.linear_baseline import L2NORM_EPS, recurrence, segments_of
@@ -79,7 +79,6 @@ __all__ = [
     "check_linear",
     "natural_scales",
     "floor",
-    "linear_vjp",
     "call_linear",
 ]
 
@@ -205,21 +204,6 @@ def _judge_all(case, produced, truths, base, scales, floor_value, k, checks, ext
     return problems
 
 
-def linear_vjp(impl):
-    """``impl.vjp``, or the ``<name>_vjp`` in the module of a plain function, or None."""
-    vjp = getattr(impl, "vjp", None)
-    if vjp is not None:
-        return vjp
-    name = getattr(impl, "__name__", None)
-    parts = (getattr(impl, "__module__", None) or "").split(".")
-    while name and parts and parts[0]:
-        found = getattr(sys.modules.get(".".join(parts)), f"{name}_vjp", None)
-        if found is not None:
-            return found
-        parts.pop()
-    return None
-
-
 def _grads_of(produced) -> dict:
     if isinstance(produced, dict):
         return {n: produced.get(n) for n in GRADS}
@@ -268,7 +252,7 @@ def _forward(impl, fixture, result, grads, notes):
         case, produced, truths, base, scales, floor_value, tol.K_FORWARD, result.checks, extra
     )
     if grads and case.grads:
-        vjp = linear_vjp(impl)
+        vjp = vjp_of(impl)
         if vjp is None:
             notes.append("gradients asked for but not checked: the implementation has no .vjp")
         else:

@@ -1,15 +1,17 @@
-"""Which of a case's options an implementation receives (:func:`passed_options`)."""
+"""What an implementation under test is handed and offers: which of a case's options it receives
+(:func:`passed_options`) and its vector-Jacobian product (:func:`vjp_of`)."""
 
 from __future__ import annotations
 
 import inspect
+import sys
 
 import numpy as np
 
 from oracle.conventions.signatures import function_defaults
 from refattn.attention import attention
 
-__all__ = ["passed_options"]
+__all__ = ["passed_options", "vjp_of"]
 
 
 def _refattn_defaults() -> dict:
@@ -37,3 +39,20 @@ def passed_options(options, impl=None) -> dict:
         or type(x) is not type(defaults[name])
         or x != defaults[name]
     }
+
+
+def vjp_of(impl):
+    """``impl.vjp``, or for a plain function ``f`` the ``f_vjp`` beside it: in its module or,
+    for a function defined in a package's private module (``refattn.gmm._forward``), in the
+    nearest enclosing package that has one (``refattn.gmm.attention_vjp``); None without one."""
+    vjp = getattr(impl, "vjp", None)
+    if vjp is not None:
+        return vjp
+    name = getattr(impl, "__name__", None)
+    parts = (getattr(impl, "__module__", None) or "").split(".")
+    while name and parts and parts[0]:
+        found = getattr(sys.modules.get(".".join(parts)), f"{name}_vjp", None)
+        if found is not None:
+            return found
+        parts.pop()
+    return None
