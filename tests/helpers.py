@@ -17,7 +17,6 @@ Thresholds come from the caller (oracle.judging.tolerance or refattn's bounds), 
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import numpy as np
@@ -25,7 +24,6 @@ import numpy as np
 from oracle.judging.tolerance import ulp, ulp_distance
 
 __all__ = [
-    "shared_judging",
     "assert_same_bits",
     "assert_within",
     "assert_norm_within",
@@ -215,21 +213,3 @@ def vjp_problem(seed=0, heads=2, kv_heads=2, length=5, keys=6, dim=4, vdim=3, ba
     do = rng.standard_normal((batch, heads, length, vdim))
     gl = rng.standard_normal((batch, heads, length))
     return rng, q, k, v, do, gl
-
-
-_JUDGE_MEMOS: dict = {}
-
-
-@contextlib.contextmanager
-def shared_judging(fixtures):
-    """Validations inside share the judge's fixture-only work (the memo
-    :mod:`oracle.power` uses: baselines, floors, thresholds; no accuracy grades), kept across
-    tests by fixture name; verdicts are unchanged. The fixtures are left as they were."""
-    fixtures = list(fixtures)
-    for fixture in fixtures:
-        fixture.judge_memo = _JUDGE_MEMOS.setdefault(fixture.name, {})
-    try:
-        yield fixtures
-    finally:
-        for fixture in fixtures:
-            del fixture.judge_memo

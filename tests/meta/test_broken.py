@@ -18,7 +18,6 @@ from oracle.fixtures.golden import Fixture
 from oracle.run.validate import validate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.helpers import shared_judging  # noqa: E402
 from tests.planted.broken_impls import BROKEN, textbook  # noqa: E402
 
 #: keys beyond which a default case is a long row, left to the power tests (their diagnoses
@@ -105,8 +104,7 @@ def test_no_false_alarm(impl_name, default_fixtures):
     """The oracle's own baseline and refattn's float64 path pass (robustness included: both
     remove excluded positions from every sum)."""
     impl = textbook if impl_name == "textbook" else "refattn-float64"
-    with shared_judging(default_fixtures) as chosen:
-        report = validate(impl, fixtures=chosen, dtype=None, strict=True, progress=False)
+    report = validate(impl, fixtures=default_fixtures, dtype=None, strict=True, progress=False)
     failed = [r.explain() for r in report.results if r.verdict != "pass"]
     assert report.passed and not failed, "\n".join(failed)
 
@@ -132,8 +130,7 @@ def test_no_false_alarm_on_every_default_case(impl_name):
 
 def _no_false_alarm_on(impl_name, fixtures):
     impl = textbook if impl_name == "textbook" else "refattn-float64"
-    with shared_judging(fixtures) as chosen:
-        report = validate(impl, fixtures=chosen, dtype=None, strict=True, progress=False)
+    report = validate(impl, fixtures=fixtures, dtype=None, strict=True, progress=False)
     failed = [r.explain() for r in report.results if r.verdict != "pass"]
     assert report.passed and not failed, "\n".join(failed)
 

@@ -17,7 +17,6 @@ from oracle.reading.baseline import textbook_attention
 from oracle.run.validate import validate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.helpers import shared_judging  # noqa: E402
 from tests.planted.tiled_kernels import TILED_BROKEN, flash, split_kv, tiled  # noqa: E402
 
 #: broken kernel -> the default cases it must fail (five or more of one dtype it affects: the
@@ -115,10 +114,10 @@ def _pick(fixtures, patterns):
 @pytest.mark.parametrize("tier", ["default", "tight"])
 @pytest.mark.parametrize("impl", [tiled, flash, split_kv], ids=lambda f: f.__name__)
 def test_correct_tiled_kernels_pass(impl, tier, fixtures):
-    with shared_judging(_pick(fixtures, _CORRECT)) as chosen:
-        report = validate(
-            impl, fixtures=chosen, dtype=None, progress=False, strict=True, tolerance=tier
-        )
+    chosen = _pick(fixtures, _CORRECT)
+    report = validate(
+        impl, fixtures=chosen, dtype=None, progress=False, strict=True, tolerance=tier
+    )
     failed = [r.explain() for r in report.results if r.verdict != "pass"]
     assert not failed, "\n".join(failed)
 
