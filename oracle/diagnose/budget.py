@@ -11,9 +11,18 @@ The budget bounds them:
 * readings are evaluated cheapest and likeliest first; every reading whose evaluation is cheap
   (:data:`CHEAP_WORK` multiply-adds or fewer) is always tried, so the diagnosis of a small case
   never depends on the machine's load;
+* a reading that is not cheap is started only when the time left covers it: its work times
+  the slowest rate (seconds per multiply-add) the case's evaluations have shown so far
+  (:meth:`CaseBudget.allows`), so the reading in progress seldom runs past the deadline;
+* the first reading that explains the failure on the whole case ends the search for further
+  costly readings (:func:`oracle.diagnose.diagnosis.diagnose`; cheap readings are still all
+  tried, so a small case keeps every name it matches);
+* the steps of a diagnosis outside the readings (the lower-precision models, where the
+  failing rows concentrate, the narrow-accumulation models, the fp4 misreadings) draw on the
+  same budget (:meth:`CaseBudget.step`): the budget is for the whole diagnosis of a case;
 * a diagnosis that ran out of budget says so in one line with what it tried
   (:meth:`CaseBudget.notes`), e.g. "diagnosis stopped after 6.0 s (budget 2x judging): tried 7
-  of 23 readings on 2 of 2 rows; none matched".
+  of 23 readings on 2 of 2 rows, concentration; skipped narrow accumulation; none matched".
 
 The per-case record also keeps each reading's evaluation (``CaseBudget.memo``): the judge asks
 the same readings again at narrower working precisions, which then cost nothing.
@@ -115,6 +124,9 @@ class CaseBudget:
     rows: tuple = (0, 0)
     stopped: bool = False
     memo: dict = field(default_factory=dict)
+    steps: dict = field(default_factory=dict)
+    reserved: dict = field(default_factory=dict)
+    rate: float = 0.0
     _noted: float = 0.0
 
     def left(self) -> float:
@@ -123,11 +135,38 @@ class CaseBudget:
 
     def allows(self, work: float) -> bool:
         """May a reading costing ``work`` multiply-adds be evaluated now? Cheap ones always;
-        others while time is left. A refusal marks the diagnosis as stopped."""
-        if work <= CHEAP_WORK or self.left() > 0:
+        others while the time left covers ``work`` at the slowest rate seen so far. A refusal
+        marks the diagnosis as stopped."""
+        if work <= CHEAP_WORK or self._covers(work):
             return True
         self.stopped = True
         return False
+
+    def _covers(self, work: float) -> bool:
+        """Does the time left cover ``work`` and the steps reserved, at the slowest rate?"""
+        return self.left() > self.rate * (work + sum(self.reserved.values()))
+
+    def measured(self, work: float, seconds: float) -> None:
+        """Record that an evaluation of ``work`` multiply-adds took ``seconds``."""
+        if work > 0:
+            self.rate = max(self.rate, seconds / work)
+
+    def reserve(self, name: str, work: float) -> None:
+        """Keep time for the step ``name`` to come (about ``work`` multiply-adds at the
+        readings' rate): the readings before it stop short of it (:meth:`allows`)."""
+        if work > CHEAP_WORK:
+            self.reserved[name] = work
+
+    def step(self, name: str, work: float) -> bool:
+        """May the step ``name`` (outside the readings, about ``work`` multiply-adds) run?
+        As :meth:`allows` (cheap steps always), its own reservation released; records it as
+        tried or skipped."""
+        self.reserved.pop(name, None)
+        allowed = work <= CHEAP_WORK or self._covers(work)
+        if not allowed:
+            self.stopped = True
+        self.steps.setdefault(name, allowed)
+        return allowed
 
     def reading(self, index: int, total: int) -> None:
         """Record that reading ``index`` (1-based) of ``total`` is being evaluated."""
@@ -144,9 +183,12 @@ class CaseBudget:
         spent = time.perf_counter() - self.start
         sampled, rows = self.rows
         on = f" on {sampled} of {rows} rows" if rows else ""
+        tried = "".join(f", {n}" for n, ran in self.steps.items() if ran)
+        skipped = [n for n, ran in self.steps.items() if not ran]
         return [
             f"diagnosis stopped after {spent:.1f} s (budget {self.budget.multiple:g}x judging): "
-            f"tried {self.tried} of {self.total} readings{on}; "
+            f"tried {self.tried} of {self.total} readings{on}{tried}; "
+            + (f"skipped {', '.join(skipped)}; " if skipped else "")
             + ("the readings above matched" if found else "none matched")
         ]
 

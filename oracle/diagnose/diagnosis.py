@@ -447,7 +447,7 @@ ALTERNATIVES_WORK_CAP = 2**34
 PAIRS_WORK_CAP = 2**27
 
 
-def diagnose(view, out, *, limit, max_pairs=True) -> list[str]:
+def diagnose(view, out, *, limit, max_pairs=True, costly=True) -> list[str]:
     """Labels of the alternatives whose float64 truth ``out`` fits within ``limit``.
 
     ``view`` is the case (:class:`oracle.reading.case.CaseView`).
@@ -458,10 +458,15 @@ def diagnose(view, out, *, limit, max_pairs=True) -> list[str]:
 
     The readings are evaluated in order (the named conventions, the likeliest, first; then the
     kernel models; pairs last, only when no single reading fits) within the case's diagnosis
-    budget (:mod:`oracle.diagnose.budget`): a reading that is not cheap is not started once the
-    budget is spent, and the case's budget record says what was tried. The case's set-up and
-    each reading's errors are kept for the case: the judge's later calls at other limits reuse
-    them.
+    budget (:mod:`oracle.diagnose.budget`): a reading that is not cheap is started only when
+    the time left covers it at the rate the case's evaluations have shown, and the case's
+    budget record says what was tried. The first costly reading that explains the whole case
+    ends the search (first match: the costly readings after it are not evaluated; cheap ones
+    all are, so a small case reports every reading it matches); ``costly=False`` searches the
+    cheap readings only (and those already evaluated for the case), the failure being
+    explained already (a narrower working precision, :mod:`oracle.judging.judge`). The
+    case's set-up and each reading's errors are kept for the case: the judge's later calls at
+    other limits reuse them.
     """
     q, k, v, options, dtype = view.q, view.k, view.v, view.options, view.dtype
     out_arg, out = out, np.asarray(out, dtype=np.float64)
@@ -475,27 +480,44 @@ def diagnose(view, out, *, limit, max_pairs=True) -> list[str]:
     if np.ndim(q) == 2 and np.ndim(limit) >= 3:
         limit = limit[..., 0, :, :]
     reading = _Reading(q, k, v, options, out, setup, dtype)
-    sample = setup.sampled(reading, limit)
+    start = time.perf_counter()
+    sample = setup.sampled(reading, limit)  # its first call evaluates the pinned reading
+    spent.measured(setup.work, time.perf_counter() - start)
     spent.rows = (setup.sample_rows, setup.rows)
     on_sample = sample.output(limit) if sample else limit
 
+    # a costly reading explained the whole case (or the caller had it explained): the costly
+    # ones stop there
+    decided = [] if costly else ["explained"]
+
+    def evaluate(key, opts, extras, view, work):
+        start = time.perf_counter()
+        error = spent.memo[key] = reading.error(opts, extras, view)
+        spent.measured(work, time.perf_counter() - start)
+        return error
+
     def explains(label, index, total, opts, extras):
         """True/False; "sample" when only the sample was affordable; None when the budget
-        stops before this reading."""
+        (or a decisive earlier match) stops before this reading."""
         error = spent.memo.get((case, label))
         if error is None:
-            if not spent.allows(setup.sample_work):
+            dear = setup.sample_work > budget.CHEAP_WORK
+            if (dear and decided) or not spent.allows(setup.sample_work):
                 return None
             spent.reading(index, total)
-            error = spent.memo[(case, label)] = reading.error(opts, extras, sample)
+            error = evaluate((case, label), opts, extras, sample, setup.sample_work)
         if error is False or not np.all(error <= on_sample) or sample is None:
-            return error is not False and bool(np.all(error <= on_sample))
+            fits = error is not False and bool(np.all(error <= on_sample))
+            decided.extend([label] if fits and setup.sample_work > budget.CHEAP_WORK else [])
+            return fits
         whole = spent.memo.get((case, label, "whole"))
         if whole is None:  # confirmed on the whole case only when that is cheap
             if setup.work > budget.CHEAP_WORK and spent.left() < reading.whole_seconds:
                 return "sample"
-            whole = spent.memo[(case, label, "whole")] = reading.error(opts, extras)
-        return whole is not False and bool(np.all(whole <= limit))
+            whole = evaluate((case, label, "whole"), opts, extras, None, setup.work)
+        fits = whole is not False and bool(np.all(whole <= limit))
+        decided.extend([label] if fits and setup.work > budget.CHEAP_WORK else [])
+        return fits
 
     def named(label, fits):
         shown = f"matches {label}"
@@ -505,16 +527,12 @@ def diagnose(view, out, *, limit, max_pairs=True) -> list[str]:
 
     found = []
     with np.errstate(all="ignore"):
-        own = dict(options)  # apply() never changes its argument: one dict, one exact_parts
-        applied = [(alt, *alt.apply(own, {})) for alt in setup.candidates]
-        # cheapest first (the list's order, the likeliest first, within a cost); the matches
-        # are reported in the list's order
-        order = sorted(range(len(applied)), key=lambda i: (_cost(own, *applied[i][1:]), i))
+        _, applied, order = setup.applied(options)
         matched = {}
         for count, i in enumerate(order, 1):
             alt, opts, extras = applied[i]
             fits = explains(alt.label, count, len(order), opts, extras)
-            if fits is None:
+            if fits is None and not decided:
                 return [matched[i] for i in sorted(matched)]
             if fits:
                 matched[i] = named(alt.label, fits)
@@ -603,6 +621,19 @@ class _CaseSetup:
         self.L, self.S = L, S
         self.sample_rows, self.sample_work = self.rows, self.work
         self._view = self._unsampled = object()
+        self._applied = None
+
+    def applied(self, options):
+        """(own, [(alternative, its options, its extras)], the order to evaluate them in),
+        built once for the case (some readings build masks or biases the size of the case):
+        ``own`` is the one dict of the case's options every reading is applied to, the order
+        the cheapest first (the list's order, the likeliest first, within a cost)."""
+        if self._applied is None:
+            own = dict(options)  # apply() never changes its argument: one dict, one exact_parts
+            applied = [(alt, *alt.apply(own, {})) for alt in self.candidates]
+            order = sorted(range(len(applied)), key=lambda i: (_cost(own, *applied[i][1:]), i))
+            self._applied = own, applied, order
+        return self._applied
 
     def sampled(self, reading, limit):
         """The :class:`~oracle.diagnose.sample.RowView` of the failing pattern against the
@@ -730,8 +761,11 @@ def diagnose_lse(view, lse, *, limit) -> list[str]:
             if extras:
                 continue
             if not spent.allows(work):  # the case's diagnosis budget (oracle.diagnose.budget)
+                spent.steps.setdefault("lse readings", False)
                 break
+            start = time.perf_counter()
             model = textbook_attention(q, k, v, dtype="float64", **opts).lse
+            spent.measured(work, time.perf_counter() - start)
             if _fits(lse, np.asarray(model, dtype=np.float64), scale, limit, dtype):
                 found.append(f"lse matches {alt.label}")
     return found

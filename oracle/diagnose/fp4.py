@@ -28,8 +28,11 @@ Examples
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
+from oracle.diagnose import budget
 from oracle.judging import tolerance as tol
 from oracle.reading.baseline import textbook_attention
 from oracle.reading.heads import dequantised
@@ -123,14 +126,25 @@ def _dequantised(inputs, names, change):
 
 def diagnose_fp4(inputs, options, out, *, limit, dtype) -> list[str]:
     """ "matches <label>" for each fp4 alternative whose float64 output explains ``out``
-    within ``limit`` (the case's output threshold); [] for a case without fp4 inputs."""
+    within ``limit`` (the case's output threshold); [] for a case without fp4 inputs.
+
+    Each alternative is one float64 evaluation of the case: they are tried within the case's
+    diagnosis budget (:mod:`oracle.diagnose.budget`; cheap ones always), and a diagnosis that
+    ran out says so (its "fp4 readings" skipped)."""
     names = _fp4_names({**inputs, **options})
     if not names:
         return []
     found = []
     out = np.asarray(out, dtype=np.float64)
     merged = {**inputs, **options}
+    spent = budget.current()  # the case's diagnosis budget: one float64 reading each
+    work = np.size(out) // max(np.shape(out)[-1], 1) * np.shape(inputs["k"])[-2]
+    work *= np.shape(inputs["q"])[-1] + np.shape(out)[-1]
     for label, change in fp4_alternatives(merged):
+        if not spent.allows(work):
+            spent.steps.setdefault("fp4 readings", False)
+            break
+        start = time.perf_counter()
         values = _dequantised(merged, names, change)
         q, k, v = (values.get(n, inputs[n]) for n in _NAMES)
         opts = {
@@ -143,6 +157,7 @@ def diagnose_fp4(inputs, options, out, *, limit, dtype) -> list[str]:
             if result.out.shape != out.shape:
                 continue
             err = tol.normalised_error(out, result.out, scale, dtype)
+        spent.measured(work, time.perf_counter() - start)
         if bool(np.all(err <= limit)):
             found.append(f"matches {label}")
     return found

@@ -14,6 +14,9 @@ the elements that fail) gets the alternative's name:
   the truth is finite;
 * "merged lse returned in base 2 / the natural log": out right, the lse times log2(e) or ln 2.
 
+The diagnosis costs at most four float64 merges of the case's inputs, each as costly as its
+truth, whatever the case: it needs no diagnosis budget (:mod:`oracle.diagnose.budget`).
+
 Examples
 --------
 >>> import numpy as np

@@ -23,7 +23,7 @@ from oracle.reading.baseline import textbook_attention
 from oracle.reading.heads import with_heads
 from refattn.broadcast import expand_kv
 
-__all__ = ["error_models", "narrow_accumulation", "ORDER_ONE"]
+__all__ = ["error_models", "narrow_accumulation", "narrow_accumulation_work", "ORDER_ONE"]
 
 #: Largest normalised error (a share of the output's own scale) a precision model may explain:
 #: errors of the order of the output itself are a semantic bug, never a narrow accumulator.
@@ -36,6 +36,10 @@ ORDER_ONE = 0.25
 #: Largest number of products (H L S E) for which the key-by-key narrow-sum model is run.
 MODEL_SIZE_CAP = 2**24
 _HALVES = ("bfloat16", "float16")
+#: Cost of one product of the key-by-key 16-bit sum (a float32 product rounded to the half
+#: type, then a sequential half-type sum) in multiply-adds of a float64 reading: the unit of
+#: :mod:`oracle.diagnose.budget` (measured on the long rows of the default suite: about 2.5).
+HALF_SUM_COST = 3
 
 
 def cast_to(x, dtype):
@@ -95,6 +99,15 @@ def _flash_model(w3, v_h, p_dtype, sums="float32"):
     else:
         pv = np.matmul(p, v_h)
     return pv * np.where(top > 0, top, 0)
+
+
+def narrow_accumulation_work(view) -> int:
+    """The work (multiply-adds of a float64 reading) of :func:`narrow_accumulation` on the
+    case ``view`` (:class:`oracle.reading.case.CaseView`): B H L S E products per half type;
+    0 when the case is over :data:`MODEL_SIZE_CAP` (the models are not run)."""
+    shapes = view.shapes
+    products = shapes["B"] * shapes["H"] * shapes["L"] * shapes["S"] * shapes["E"]
+    return 0 if products > MODEL_SIZE_CAP else products * len(_HALVES) * HALF_SUM_COST
 
 
 def narrow_accumulation(view, out, truth, scale, *, k_factor=2.0):

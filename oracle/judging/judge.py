@@ -60,12 +60,13 @@ import weakref
 import numpy as np
 
 from oracle.catalogue.variants import FUNCTIONS, forward_inputs, grad_names, outputs_of
+from oracle.diagnose import budget
 from oracle.diagnose import diagnosis as _diagnose
 from oracle.diagnose.budget import case_budget
 from oracle.diagnose.fp4 import diagnose_fp4
 from oracle.diagnose.key_map import key_map
 from oracle.diagnose.merge import diagnose_merge
-from oracle.diagnose.models import ORDER_ONE
+from oracle.diagnose.models import ORDER_ONE, narrow_accumulation_work
 from oracle.diagnose.rows import mark_empty_row, within_one_ulp
 from oracle.diagnose.tiles import storage_dtype
 from oracle.judging import parts
@@ -526,38 +527,30 @@ def _diagnosis(view, fixture, tier, out, checks, lse=None) -> list[str]:
     sub_ulp = within_one_ulp(tier, failing, values, truths, own)
     if sub_ulp:
         return [sub_ulp]
-    notes = _lse_and_key_notes(view, checks, failing, lse)
     out_failed = check is not None and not check.passed and out.shape == truth.shape
     # errors of the order of the output itself: no precision model or online-softmax hint
     small = max(c.max_error for c in failing) < ORDER_ONE
-    lower = [_lower_precision(view, c, fixture) for c in failing if small]
+    # the steps outside the readings draw on the case's budget (oracle.diagnose.budget): the
+    # precision models keep their time from the readings (the lse's and the output's)
+    spent, work = budget.current(), _reading_work(view)
+    if small:
+        spent.reserve("lower precision", _LOWER_PRECISION_COST * work * len(failing))
+    if small and out_failed:
+        spent.reserve("narrow accumulation", narrow_accumulation_work(view))
+    notes = _lse_and_key_notes(view, checks, failing, lse)
+    lower = [
+        _lower_precision(view, c, fixture)
+        for c in failing
+        if small and spent.step("lower precision", _LOWER_PRECISION_COST * work * len(failing))
+    ]
     lower_dtype = (
         lower[0][0] if lower and all(x is not None and x[0] == lower[0][0] for x in lower) else None
     )
     found = []
     if out_failed:
-        found = _diagnose.diagnose(
-            view,
-            out,
-            limit=np.asarray(check.threshold.value),
-        ) or diagnose_fp4(  # fp4 block-scale misreadings (oracle/diagnose/fp4.py)
-            fixture.inputs,
-            fixture.options,
-            out,
-            limit=np.asarray(check.threshold.value),
-            dtype=view.dtype,
-        )
+        snug = max(x[1] for x in lower) if lower_dtype is not None else None
+        found = _readings(view, fixture, out, check, snug)
     if lower_dtype is not None:
-        # both explain it: the alternative wins only if it fits at least as snugly (within
-        # the same fraction of its limit as the errors use of the narrower precision's)
-        snug = max(x[1] for x in lower)
-        if found and snug < 1:
-            found = _diagnose.diagnose(
-                view,
-                out,
-                limit=snug * np.asarray(check.threshold.value),
-                max_pairs=False,
-            )
         if not found:
             worst = max(c.max_error for c in failing)
             return notes + [
@@ -582,7 +575,13 @@ def _diagnosis(view, fixture, tier, out, checks, lse=None) -> list[str]:
     errors = check.errors if check.errors is not None else np.zeros(out.shape)
     limit = np.broadcast_to(np.asarray(check.threshold.value), out.shape)
     where = []  # where the failing rows concentrate (partial query tile, late max)
-    if small and np.isfinite(out).all() and np.isfinite(errors).all():
+    rows_work = work // (view.shapes["D"] + view.shapes["E"])
+    if (
+        small
+        and np.isfinite(out).all()
+        and np.isfinite(errors).all()
+        and spent.step("concentration", rows_work)
+    ):
         where = _diagnose.concentration(view, errors, limit)
     if not small:
         pass
@@ -590,7 +589,11 @@ def _diagnosis(view, fixture, tier, out, checks, lse=None) -> list[str]:
         found = _storage_accumulation(view, out, truth, check)
         if found:
             return notes + [found] + where
-    if small and np.isfinite(check.errors).all():
+    if (
+        small
+        and np.isfinite(check.errors).all()
+        and spent.step("narrow accumulation", narrow_accumulation_work(view))
+    ):
         scale = tol.output_scale(view.dropped, view.v, gqa=view.options.get("gqa"))
         found = _diagnose.narrow_accumulation(
             view,
@@ -610,6 +613,32 @@ def _diagnosis(view, fixture, tier, out, checks, lse=None) -> list[str]:
         + _diagnose.describe_failure(out, truth, errors, limit, inputs_poisoned=poisoned)
         + where
     )
+
+
+#: Work of the lower-precision models of one failing quantity (the tight-tier model at two
+#: narrower dtypes), in readings of the case (measured on the long rows of the default suite)
+_LOWER_PRECISION_COST = 3
+
+
+def _readings(view, fixture, out, check, snug) -> list[str]:
+    """The named readings that explain ``out`` (:mod:`oracle.diagnose.diagnosis`, then the fp4
+    misreadings of :mod:`oracle.diagnose.fp4`). When a narrower precision explains the errors
+    too (``snug``: the largest share of its limit they use; None when none does), a reading
+    wins only if it fits at least as snugly, and only the cheap readings are searched for
+    one: the precision decides the diagnosis as a first match does."""
+    limit = np.asarray(check.threshold.value)
+    if snug is not None and snug < 1:
+        return _diagnose.diagnose(view, out, limit=snug * limit, max_pairs=False, costly=False)
+    return _diagnose.diagnose(view, out, limit=limit, costly=snug is None) or diagnose_fp4(
+        fixture.inputs, fixture.options, out, limit=limit, dtype=view.dtype
+    )
+
+
+def _reading_work(view) -> int:
+    """Multiply-adds of one float64 reading of the case (B H L S (D + E)): the work unit of
+    the diagnosis budget (:mod:`oracle.diagnose.budget`)."""
+    shapes = view.shapes
+    return shapes["B"] * shapes["H"] * shapes["L"] * shapes["S"] * (shapes["D"] + shapes["E"])
 
 
 def _lse_and_key_notes(view, checks, failing, lse) -> list[str]:

@@ -11,12 +11,14 @@ import sys
 from pathlib import Path
 from types import MappingProxyType
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 from oracle.cli import main
 from oracle.diagnose import budget, diagnosis, sample, tiles
 from oracle.diagnose.budget import CHEAP_WORK, DiagnosisBudget, case_budget
+from oracle.diagnose.fp4 import diagnose_fp4
 from oracle.reading.baseline import textbook_attention
 from oracle.reading.case import CaseView, _shapes
 from oracle.run.progress import Progress
@@ -211,3 +213,58 @@ def test_every_reading_on_a_row_sample_is_the_whole_reading_on_those_rows(option
         opts, extras = alt.apply(dict(options), {})
         whole, part = reading.error(opts, extras), reading.error(opts, extras, view)
         np.testing.assert_array_equal(part, view.output(whole), err_msg=alt.label)
+
+
+def test_the_first_costly_match_ends_the_search(monkeypatch):
+    q, k, v = _inputs(4, 20000)
+    out = textbook_attention(q, k, v, dtype="float64", scale=1.0).out
+    labels = []
+    error = diagnosis._Reading.error
+
+    def counted(self, opts, extras, view=None):
+        labels.append("drop_keys" in extras)
+        return error(self, opts, extras, view)
+
+    monkeypatch.setattr(diagnosis._Reading, "error", counted)
+    view = _view(q, k, v, {})
+    with case_budget(math.inf, 1.0, "long"):
+        found = diagnosis.diagnose(view, out, limit=1e-6)
+        setup = next(iter(budget.current().memo.values()))[0]
+    assert found == ["matches no scale (scale=1)"]
+    # the readings dropping keys come after the named ones: none of them was evaluated
+    assert not any(labels) and len(labels) < len(setup.candidates)
+    with case_budget(math.inf, 1.0, "long"):  # explained already: the costly ones not searched
+        assert diagnosis.diagnose(view, out, limit=1e-6, costly=False) == []
+
+
+def test_steps_outside_the_readings_draw_on_the_budget_and_are_named():
+    spent = budget.CaseBudget(DiagnosisBudget(multiple=2.0), 10.0, "c")
+    spent.measured(CHEAP_WORK * 2, 2.0)  # one second per CHEAP_WORK multiply-adds
+    spent.reserve("narrow accumulation", CHEAP_WORK * 9)  # nine seconds kept
+    assert not spent.allows(CHEAP_WORK * 2) and spent.allows(CHEAP_WORK)  # cheap: always
+    assert spent.step("concentration", CHEAP_WORK)  # cheap
+    assert spent.step("narrow accumulation", CHEAP_WORK * 9)  # its reservation is its own
+    assert not spent.step("lower precision", CHEAP_WORK * 20)
+    note = spent.notes(found=False)
+    assert len(note) == 1, note
+    assert (
+        "tried 0 of 0 readings, concentration, narrow accumulation; skipped lower precision; "
+        "none matched" in note[0]
+    ), note
+
+
+def test_fp4_readings_are_within_the_budget(monkeypatch):
+    rng = np.random.default_rng(3)
+    codes = rng.integers(0, 16, (1, 1, 8, 32)).astype(np.uint8)
+    inputs = {
+        "q": rng.standard_normal((1, 1, 2, 32)).astype(np.float32),
+        "k": codes.view(ml_dtypes.float4_e2m1fn),
+        "k_block_scale": np.ones((1, 1, 8, 2), ml_dtypes.float8_e4m3fn),
+        "v": rng.standard_normal((1, 1, 8, 32)).astype(np.float32),
+    }
+    out = np.zeros((1, 1, 2, 32))
+    monkeypatch.setattr(budget, "CHEAP_WORK", 0)  # every fp4 reading a costly one
+    with case_budget(_SPENT, 0.0, "fp4") as spent:
+        assert diagnose_fp4(inputs, {}, out, limit=0.0, dtype="float32") == []
+    assert spent.steps == {"fp4 readings": False}
+    assert "skipped fp4 readings" in spent.notes(found=False)[0]
