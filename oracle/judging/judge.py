@@ -565,7 +565,7 @@ def _diagnosis(view, fixture, tier, out, checks, lse=None) -> list[str]:
         return notes
     for dtype in _NARROWER.get(view.dtype, ()):
         # a convention mismatch seen through a narrower working precision (its T7 model)
-        limit = parts.expected(view, "out", dtype, truth, check.size) + tol.unit_roundoff(dtype)
+        limit = _expected(view, "out", dtype, truth, check.size) + tol.unit_roundoff(dtype)
         found = _diagnose.diagnose(view, out, limit=limit)
         if found:
             return notes + [
@@ -632,6 +632,16 @@ def _readings(view, fixture, out, check, snug) -> list[str]:
     return _diagnose.diagnose(view, out, limit=limit, costly=snug is None) or diagnose_fp4(
         fixture.inputs, fixture.options, out, limit=limit, dtype=view.dtype
     )
+
+
+def _expected(view, key, dtype, truth, count):
+    """:func:`oracle.judging.parts.expected`, computed once per diagnosis of a case (the
+    lower-precision models and the readings at a narrower precision ask the same)."""
+    memo = budget.current().memo
+    found = memo.get(("expected", key, dtype))
+    if found is None:
+        found = memo[("expected", key, dtype)] = parts.expected(view, key, dtype, truth, count)
+    return found
 
 
 def _reading_work(view) -> int:
@@ -722,7 +732,7 @@ def _lower_precision(view, check, fixture) -> tuple | None:
             limit = _narrower_limit(view, key, dtype, check.size)
         else:
             truth = _truth(fixture, key)
-            limit = parts.expected(view, key, dtype, truth, check.size) + tol.unit_roundoff(dtype)
+            limit = _expected(view, key, dtype, truth, check.size) + tol.unit_roundoff(dtype)
         if np.all(check.errors <= limit):
             with np.errstate(divide="ignore", invalid="ignore"):
                 ratio = float(np.max(np.where(check.errors > 0, check.errors / limit, 0.0)))
