@@ -546,6 +546,8 @@ def _diagnosis(view, fixture, tier, out, checks, lse=None) -> list[str]:
     lower_dtype = (
         lower[0][0] if lower and all(x is not None and x[0] == lower[0][0] for x in lower) else None
     )
+    if out_failed:  # the readings at a narrower precision need its model of the output
+        spent.reserve("narrower precisions", _narrower_work(view, work))
     found = []
     if out_failed:
         snug = max(x[1] for x in lower) if lower_dtype is not None else None
@@ -563,7 +565,10 @@ def _diagnosis(view, fixture, tier, out, checks, lse=None) -> list[str]:
         return notes + found
     if not out_failed:
         return notes
-    for dtype in _NARROWER.get(view.dtype, ()):
+    narrower = _NARROWER.get(view.dtype, ())
+    if not spent.step("narrower precisions", _narrower_work(view, work)):
+        narrower = ()
+    for dtype in narrower:
         # a convention mismatch seen through a narrower working precision (its T7 model)
         limit = _expected(view, "out", dtype, truth, check.size) + tol.unit_roundoff(dtype)
         found = _diagnose.diagnose(view, out, limit=limit)
@@ -616,7 +621,8 @@ def _diagnosis(view, fixture, tier, out, checks, lse=None) -> list[str]:
 
 
 #: Work of the lower-precision models of one failing quantity (the tight-tier model at two
-#: narrower dtypes), in readings of the case (measured on the long rows of the default suite)
+#: narrower dtypes), in readings of the case (measured on the long rows of the default suite:
+#: 2 to 3)
 _LOWER_PRECISION_COST = 3
 
 
@@ -642,6 +648,14 @@ def _expected(view, key, dtype, truth, count):
     if found is None:
         found = memo[("expected", key, dtype)] = parts.expected(view, key, dtype, truth, count)
     return found
+
+
+def _narrower_work(view, work) -> int:
+    """Work of the models of the output at the narrower precisions not yet computed for the
+    case (:func:`_expected`), ``work`` being one reading's."""
+    memo = budget.current().memo
+    missing = [d for d in _NARROWER.get(view.dtype, ()) if ("expected", "out", d) not in memo]
+    return len(missing) * work * _LOWER_PRECISION_COST // 2
 
 
 def _reading_work(view) -> int:
