@@ -8,7 +8,8 @@ fixtures (built once, in memory, before any timing) twice, back to back: without
 with them at ``--budget`` (a multiple of each case's judging time,
 :mod:`oracle.diagnose.budget`), and prints both wall times and their ratio, the failing
 cases, the diagnoses that ran out of budget, and the load average before and after (the
-machine may be shared: absolute figures move with the load, the same-run ratio much less).
+machine may be shared: absolute figures move with the load, the same-run ratio much less; the
+ratio of the process's CPU times, printed beside it, moves least).
 ``--names`` prints every failing case's diagnosis.
 
 Examples::
@@ -67,7 +68,7 @@ def _fixtures(suite, dtype, patterns):
 def _run(kernel, fixtures, args, diagnose):
     impl = POWER_BROKEN[kernel][0]  # a partial: judged in this process (as `power` does)
     parts.clear_memory()  # each run computes its judging parts, as a command-line run does
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     report = validate(
         impl,
         fixtures=fixtures,
@@ -77,7 +78,7 @@ def _run(kernel, fixtures, args, diagnose):
         diagnose_budget=args.budget,
         isolate=False,
     )
-    return report, time.perf_counter() - start
+    return report, time.perf_counter() - start, time.process_time() - cpu
 
 
 def main(argv=None) -> int:
@@ -95,18 +96,20 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     fixtures = _fixtures(args.suite, args.dtype, args.case or ["long-*"])
     print(f"{len(fixtures)} fixtures built in {time.perf_counter() - start:.1f} s (not timed)")
-    totals = [0.0, 0.0]
+    totals = [0.0, 0.0, 0.0, 0.0]
     for kernel in kernels:
-        judged, plain = _run(kernel, fixtures, args, False)
-        diagnosed, with_diagnoses = _run(kernel, fixtures, args, True)
+        judged, plain, plain_cpu = _run(kernel, fixtures, args, False)
+        diagnosed, with_diagnoses, diagnoses_cpu = _run(kernel, fixtures, args, True)
         totals[0] += plain
         totals[1] += with_diagnoses
+        totals[2] += plain_cpu
+        totals[3] += diagnoses_cpu
         failing = [r for r in diagnosed.results if r.verdict == "fail"]
         stopped = [r for r in failing if any("diagnosis stopped" in d for d in r.diagnosis)]
         print(
             f"{kernel:22s} {len(failing):2d} failing: {plain:7.1f} s judged, "
-            f"{with_diagnoses:7.1f} s with diagnoses, ratio {with_diagnoses / plain:5.2f}, "
-            f"{len(stopped)} stopped on the budget"
+            f"{with_diagnoses:7.1f} s with diagnoses, ratio {with_diagnoses / plain:5.2f} "
+            f"(CPU time {diagnoses_cpu / plain_cpu:5.2f}), {len(stopped)} stopped on the budget"
         )
         if [r.verdict for r in judged.results] != [r.verdict for r in diagnosed.results]:
             print(f"  {kernel}: the verdicts differ between the two runs")
@@ -115,9 +118,10 @@ def main(argv=None) -> int:
             for line in result.diagnosis:
                 print(f"    {line}")
     ratio = totals[1] / totals[0] if totals[0] else math.nan
+    cpu = totals[3] / totals[2] if totals[2] else math.nan
     print(
         f"all: {totals[0]:.1f} s judged, {totals[1]:.1f} s with diagnoses, ratio {ratio:.2f} "
-        f"(budget {args.budget:g}x judging)"
+        f"(CPU time {cpu:.2f}; budget {args.budget:g}x judging)"
     )
     print(f"after: {_load()}")
     return 0
