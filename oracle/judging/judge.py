@@ -533,21 +533,26 @@ def _diagnosis(view, fixture, tier, out, checks, lse=None) -> list[str]:
     # the steps outside the readings draw on the case's budget (oracle.diagnose.budget): the
     # precision models keep their time from the readings (the lse's and the output's)
     spent, work = budget.current(), _reading_work(view)
+
+    def cost(steps_work):  # every step of a case whose readings are cheap is cheap too
+        return steps_work if work > budget.CHEAP_WORK else 0
+
     if small:
-        spent.reserve("lower precision", _LOWER_PRECISION_COST * work * len(failing))
+        spent.reserve("lower precision", cost(_LOWER_PRECISION_COST * work * len(failing)))
     if small and out_failed:
-        spent.reserve("narrow accumulation", narrow_accumulation_work(view))
+        spent.reserve("narrow accumulation", cost(narrow_accumulation_work(view)))
     notes = _lse_and_key_notes(view, checks, failing, lse)
     lower = [
         _lower_precision(view, c, fixture)
         for c in failing
-        if small and spent.step("lower precision", _LOWER_PRECISION_COST * work * len(failing))
+        if small
+        and spent.step("lower precision", cost(_LOWER_PRECISION_COST * work * len(failing)))
     ]
     lower_dtype = (
         lower[0][0] if lower and all(x is not None and x[0] == lower[0][0] for x in lower) else None
     )
     if out_failed:  # the readings at a narrower precision need its model of the output
-        spent.reserve("narrower precisions", _narrower_work(view, work))
+        spent.reserve("narrower precisions", cost(_narrower_work(view, work)))
     found = []
     if out_failed:
         snug = max(x[1] for x in lower) if lower_dtype is not None else None
@@ -566,7 +571,7 @@ def _diagnosis(view, fixture, tier, out, checks, lse=None) -> list[str]:
     if not out_failed:
         return notes
     narrower = _NARROWER.get(view.dtype, ())
-    if not spent.step("narrower precisions", _narrower_work(view, work)):
+    if not spent.step("narrower precisions", cost(_narrower_work(view, work))):
         narrower = ()
     for dtype in narrower:
         # a convention mismatch seen through a narrower working precision (its T7 model)
@@ -585,7 +590,7 @@ def _diagnosis(view, fixture, tier, out, checks, lse=None) -> list[str]:
         small
         and np.isfinite(out).all()
         and np.isfinite(errors).all()
-        and spent.step("concentration", rows_work)
+        and spent.step("concentration", cost(rows_work))
     ):
         where = _diagnose.concentration(view, errors, limit)
     if not small:
@@ -597,7 +602,7 @@ def _diagnosis(view, fixture, tier, out, checks, lse=None) -> list[str]:
     if (
         small
         and np.isfinite(check.errors).all()
-        and spent.step("narrow accumulation", narrow_accumulation_work(view))
+        and spent.step("narrow accumulation", cost(narrow_accumulation_work(view)))
     ):
         scale = tol.output_scale(view.dropped, view.v, gqa=view.options.get("gqa"))
         found = _diagnose.narrow_accumulation(
