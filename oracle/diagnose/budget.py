@@ -17,9 +17,12 @@ The budget bounds them:
 * the first reading that explains the failure on the whole case ends the search for further
   costly readings (:func:`oracle.diagnose.diagnosis.diagnose`; cheap readings are still all
   tried, so a small case keeps every name it matches);
-* the steps of a diagnosis outside the readings (the lower-precision models, where the
-  failing rows concentrate, the narrow-accumulation models, the fp4 misreadings) draw on the
-  same budget (:meth:`CaseBudget.step`): the budget is for the whole diagnosis of a case;
+* the steps of a diagnosis outside the readings (the lse readings, the lower-precision models,
+  the readings at a narrower precision, where the failing rows concentrate, the
+  narrow-accumulation models, the fp4 misreadings) draw on the same budget
+  (:meth:`CaseBudget.step`): the budget is for the whole diagnosis of a case. The steps that
+  come after the readings keep their time from them (:meth:`CaseBudget.reserve`), and every
+  step of a case whose readings are cheap is cheap too;
 * a diagnosis that ran out of budget says so in one line with what it tried
   (:meth:`CaseBudget.notes`), e.g. "diagnosis stopped after 6.0 s (budget 2x judging): tried 7
   of 23 readings on 2 of 2 rows, concentration; skipped narrow accumulation; none matched".

@@ -274,8 +274,10 @@ def validate(
     diagnose_budget : float
         A failing case's diagnosis may take this many times the case's judging time
         (default :data:`oracle.diagnose.budget.DEFAULT_MULTIPLE`, 2; at least
-        :data:`~oracle.diagnose.budget.FLOOR_SECONDS`; ``math.inf``: unbounded). Readings are
-        tried likeliest first; one whose evaluation is cheap is always tried (small cases are
+        :data:`~oracle.diagnose.budget.FLOOR_SECONDS`; ``math.inf``: unbounded), all its
+        steps together (readings, precision models, where the failing rows concentrate).
+        Readings are tried likeliest first and the first costly one that explains the case
+        ends the search; one whose evaluation is cheap is always tried (small cases are
         diagnosed the same on any machine); a diagnosis that ran out says so in one line with
         what it tried (:mod:`oracle.diagnose.budget`).
     isolate : bool
