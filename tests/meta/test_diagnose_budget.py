@@ -1,7 +1,9 @@
 """The diagnosis budget (oracle/diagnose/budget.py): a failing case's diagnosis is bounded by a
-multiple of its judging time, cheap readings are always tried, a diagnosis that ran out says
-what it tried, the readings are kept for the judge's later calls, the vectorised kernel models
-equal their loop twins, and the progress bar shows the diagnoses."""
+multiple of its judging time, cheap readings are always tried, the first costly match ends the
+search, the steps outside the readings (and the fp4 readings) draw on the same budget, a
+diagnosis that ran out says what it tried, the readings are kept for the judge's later calls,
+the vectorised kernel models equal their loop twins, and the progress bar shows the
+diagnoses."""
 
 from __future__ import annotations
 
