@@ -162,10 +162,10 @@ class CaseBudget:
 
     def step(self, name: str, work: float) -> bool:
         """May the step ``name`` (outside the readings, about ``work`` multiply-adds) run?
-        As :meth:`allows` (cheap steps always), its own reservation released; records it as
-        tried or skipped."""
-        self.reserved.pop(name, None)
-        allowed = work <= CHEAP_WORK or self._covers(work)
+        As :meth:`allows` (cheap steps always); a step with time reserved for it runs while
+        the deadline has not passed. Records it as tried or skipped."""
+        kept = self.reserved.pop(name, None) is not None
+        allowed = work <= CHEAP_WORK or (self.left() > 0 if kept else self._covers(work))
         if not allowed:
             self.stopped = True
         self.steps.setdefault(name, allowed)

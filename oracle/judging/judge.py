@@ -542,12 +542,9 @@ def _diagnosis(view, fixture, tier, out, checks, lse=None) -> list[str]:
     if small and out_failed:
         spent.reserve("narrow accumulation", cost(narrow_accumulation_work(view)))
     notes = _lse_and_key_notes(view, checks, failing, lse)
-    lower = [
-        _lower_precision(view, c, fixture)
-        for c in failing
-        if small
-        and spent.step("lower precision", cost(_LOWER_PRECISION_COST * work * len(failing)))
-    ]
+    lower = []  # every failing quantity's model, or none (one alone would name a precision)
+    if small and spent.step("lower precision", cost(_LOWER_PRECISION_COST * work * len(failing))):
+        lower = [_lower_precision(view, c, fixture) for c in failing]
     lower_dtype = (
         lower[0][0] if lower and all(x is not None and x[0] == lower[0][0] for x in lower) else None
     )
