@@ -279,11 +279,6 @@ def linear_attention_vjp(
         qk_l2norm=qk_l2norm,
         gate_base=gate_base,
     )
-    if backend in ("numba-chunked", "cuda"):
-        raise ValueError(
-            f"backend={backend!r}: that kernel has no reverse pass; pass "
-            "backend='numba' (the recurrent CPU kernel) or 'numpy'"
-        )
     call = _call(q, k, v, g, beta, options)
     do, dht = cotangents(call, do, dht)
     if precision == "exact":
@@ -291,10 +286,15 @@ def linear_attention_vjp(
 
         _finite(call)
         return LinearAttentionGrads(*exact_linear_attention_vjp(call, do, dht, dtype))
-    if backend == "numba":
+    if backend != "numpy":
         from . import _kernels
 
-        grads = _kernels.backward(call, do, dht)
+        kernel = {
+            "numba": _kernels.backward,
+            "numba-chunked": _kernels.chunked_backward,
+            "cuda": _kernels.cuda_backward,
+        }[backend]
+        grads = kernel(call, do, dht)
     else:
         grads = _float64.backward(call, do, dht)
     return _assemble(call, grads)
