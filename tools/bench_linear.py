@@ -9,6 +9,9 @@ Cases (Gated DeltaNet: scalar gate, beta, qk_l2norm):
 Prefill also times the chunked kernel (``backend="numba-chunked"``, chunks of 64 steps)
 against the recurrent one (``--skip-numpy`` leaves the NumPy recurrence out of prefill).
 
+``--vjp`` times only the vjp of the prefill case: the recurrent kernel
+(``backend="numba"``) against the chunked one (``backend="numba-chunked"``), same run.
+
 Prints the machine load (``os.getloadavg``) before and after, the best of ``--repeat`` wall
 times and the NumPy / Numba ratio of each case. The first Numba call compiles (or loads the
 on-disk cache) and is timed separately.
@@ -69,6 +72,28 @@ def _compare(name, args, options, repeat, backends=("numpy", "numba")):
     print(f"{name}: {shown}; {ratios}")
 
 
+def vjp_figures(heads, length, dim, repeat):
+    """The vjp of the GDN prefill (B1, ``heads``, ``length``, D=E=``dim``): numba against
+    numba-chunked in the same run, with the load before and after."""
+    args = _gdn(1, heads, length, dim)
+    do = np.random.default_rng(4).standard_normal(args[2].shape)
+    name = f"GDN vjp B1 H{heads} T{length} D=E={dim}"
+    print(_load())
+    times = {}
+    for backend in ("numba", "numba-chunked"):
+
+        def run(backend=backend):
+            return refattn.linear_attention_vjp(*args, do, qk_l2norm=True, backend=backend)
+
+        start = time.perf_counter()
+        run()
+        print(f"{name}: {backend} first call {time.perf_counter() - start:.2f} s")
+        times[backend] = _best(run, repeat)
+    shown = ", ".join(f"{b} {t:.2f} s" for b, t in times.items())
+    print(f"{name}: {shown}; numba/numba-chunked {times['numba'] / times['numba-chunked']:.2f}x")
+    print(_load())
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--length", type=int, default=4096, help="prefill T (default 4096)")
@@ -78,7 +103,11 @@ def main(argv=None):
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per case (best of)")
     parser.add_argument("--skip-prefill", action="store_true", help="decode and exact only")
     parser.add_argument("--skip-numpy", action="store_true", help="prefill: the Numba kernels only")
+    parser.add_argument("--vjp", action="store_true", help="the prefill vjp only (two kernels)")
     args = parser.parse_args(argv)
+    if args.vjp:
+        vjp_figures(args.heads, args.length, args.dim, args.repeat)
+        return
     print(_load())
     if not args.skip_prefill:
         prefill = _gdn(1, args.heads, args.length, args.dim)

@@ -1,5 +1,5 @@
 """Deterministic Numba CPU kernel of the linear-attention recurrence in chunked form
-(:func:`refattn.linear_attention` with ``backend="numba-chunked"``), forward only.
+(:func:`refattn.linear_attention` with ``backend="numba-chunked"``), forward and reverse mode.
 
 The chunked (WY / UT-transform) form of the gated delta rule that flash-linear-attention's
 chunk kernels compute (the chunkwise WY representation of Yang et al. 2024, "Parallelizing
@@ -26,6 +26,17 @@ not depend on the thread count. Compute dtype: the arrays' (float64 or float32).
 bound (the cumulative sums' rounding, the decay ratios, the triangular solve's conditioning) is
 :func:`refattn.bounds.linear.linear_chunked_forward_bound` (through
 :func:`refattn.linear.forward_error_bound` with ``backend="numba-chunked"``).
+
+Reverse mode (:func:`chunked_backward`): a chunked backward with boundary checkpoints, as
+chunk kernels recompute the states at chunk boundaries before their backward. Per (sequence,
+value head) the chunked forward above (outputs skipped) gives the states at the chunk
+boundaries; then, from the last chunk to the first, the chunk's states are recomputed step by
+step from its boundary state and each step is reversed from the last, by the recurrent kernel's
+functions (:func:`refattn.kernels.linear_cpu.reverse_span`, the adjoint of the recurrence of
+:func:`refattn.linear_attention`): a reverse recurrence within each chunk driven by the
+boundary states, not the backward of the WY form. Memory O(T / C D E + C D E) per work
+unit. The bound is :func:`refattn.bounds.linear.linear_chunked_vjp_bound` (the recurrent vjp's
+with the chunked form's boundary-state errors carried through each chunk).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """numba.cuda kernel of the linear-attention recurrence (:func:`refattn.linear_attention` with
-``backend="cuda"``), forward only.
+``backend="cuda"``), forward and reverse mode.
 
 One thread block per (sequence, value head); thread ``x`` owns the state columns
 ``e = x, x + blockDim, ...`` (a column ``S[:, e]`` (D,) in local memory) from the first step
@@ -15,6 +15,16 @@ the same order:
 ``fastmath=False`` (numba.cuda contracts multiply-adds into FMAs only under fastmath), so the
 results are bit-identical to the CPU kernel's for the same compute dtype and do not depend on
 the launch shape; the error bound is the same, :func:`refattn.bounds.linear_forward_bound`.
+
+Reverse mode (:func:`linear_backward`): the CPU kernel's reverse recurrence, with its
+checkpoints (every ``floor(sqrt(T_n))`` steps) and the block's recomputed states in global
+scratch memory. Each reversed step has a column half (thread x owns columns e = x, x +
+blockDim, ...: S_t recomputed from S_{t-1} with its residual u, ``dS += qs do^T``,
+``du = beta dS^T k``, dv) and a row half (thread x owns key rows d = x, x + blockDim, ...:
+``dqs = S_t do``, ``dsu = dS u``, dk, dg and the carry ``dS -> dS_{t-1}``), separated by
+barriers; thread 0 then forms ``dbeta = k . dsu``. Every sum runs in the CPU kernel's order,
+so the gradients are bit-identical to ``backend="numba"``'s for any launch shape and the
+bound is :func:`refattn.bounds.linear_vjp_bound`.
 
 The module imports without a GPU; the kernel compiles on first use and raises a RuntimeError
 that says what to do when neither a CUDA device nor the simulator (``NUMBA_ENABLE_CUDASIM=1``,
