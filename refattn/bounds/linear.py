@@ -21,6 +21,8 @@ normalisation's ``D + 4`` roundings; the rounding of the inputs to a narrower co
 The vjp bound follows the same scheme backwards (the adjoint state ``dS_{t-1} = diag(a_t)
 M_t^T (dS_t + scale q_t do_t^T)``, its norms ``P_t`` and errors, then each step's gradient as a
 bilinear form of quantities with known errors); it is uniform over each gradient's last axis.
+The chunked kernel's forward and vjp have their own bounds (:func:`linear_chunked_forward_bound`,
+:func:`linear_chunked_vjp_bound`, at the end of this module).
 """
 
 from __future__ import annotations
