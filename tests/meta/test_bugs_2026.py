@@ -52,7 +52,7 @@ TWIN_BUGS = {
         ("float32", "float64"),
         "scale of the key width 1/sqrt(",
     ),
-    "qv_dropped": ("default", QV, ("float64",), "qv term missing"),
+    "qv_dropped": ("default", QV, ("float32", "float64"), "qv term missing"),
 }
 SLOW = {"mla_scale_of_key_width", "qv_dropped"}
 

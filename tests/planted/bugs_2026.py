@@ -51,10 +51,10 @@ def _rounded(out, lse, dtype, return_lse):
 
 def sentinel_clamped_to_zero(q, k, v, return_lse=False, **options):
     """-1 clamped to 0, then a plain gather (the multiset reading)."""
-    idx = np.maximum(np.asarray(options.pop("key_indices"), np.int64), 0)
-    out, lse = refattn.attention(
-        q, k, v, key_indices=idx, index_reading="multiset", return_lse=True, **options
-    )
+    idx = options.pop("key_indices", None)
+    if idx is not None:
+        idx, options["index_reading"] = np.maximum(np.asarray(idx, np.int64), 0), "multiset"
+    out, lse = refattn.attention(q, k, v, key_indices=idx, return_lse=True, **options)
     return _rounded(out, lse, np.asarray(q).dtype, return_lse)
 
 
@@ -132,7 +132,7 @@ def correct_twin(q, k, v, return_lse=False, mistake=None, **options):
     if options.get("qv") is not None and options.get("scale") is None:
         options["scale"] = (D + E) ** -0.5  # FlashAttention 3's default with qv
     if mistake == "qv":
-        options.pop("qv")
+        options.pop("qv", None)
     if mistake == "key-width-scale":
         options["scale"] = D**-0.5
     if mistake == "off-by-one" and options.get("key_indices") is not None:
