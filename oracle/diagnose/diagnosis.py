@@ -445,16 +445,37 @@ ALTERNATIVES_WORK_CAP = 2**34
 #: largest evaluation (multiply-adds) for which pairs of alternatives are tried (kernel-scale
 #: rows of a few hundred keys are; long rows are not)
 PAIRS_WORK_CAP = 2**27
+#: a reading is named only if its largest error is at most this share of the pinned
+#: convention's (when :func:`diagnose` is given the pinned errors): a reading that merely
+#: fits as loosely as the pinned convention does (a near-uniform softmax, where scale**2 or a
+#: late rescale hardly moves the output) explains nothing a precision loss does not
+FIT_MARGIN = 0.5
 
 
-def diagnose(view, out, *, limit, max_pairs=True) -> list[str]:
+def _materially_better(error, pinned) -> bool:
+    """True when the reading's ``error`` is at most :data:`FIT_MARGIN` times the pinned
+    convention's largest finite error (``pinned`` None: no such requirement)."""
+    if pinned is None:
+        return True
+    finite = np.asarray(pinned)[np.isfinite(pinned)]
+    if finite.size == 0:
+        return True
+    with np.errstate(invalid="ignore"):
+        return bool(np.max(error) <= FIT_MARGIN * float(np.max(finite)))
+
+
+def diagnose(view, out, *, limit, max_pairs=True, pinned=None) -> list[str]:
     """Labels of the alternatives whose float64 truth ``out`` fits within ``limit``.
 
     ``view`` is the case (:class:`oracle.reading.case.CaseView`).
 
     ``limit`` is the case's output threshold (scalar or per row, (T2)); the float64 floor of the
     textbook that evaluates the alternatives is added to it. Returns "matches <label>" strings
-    (a pair as "matches <a> + <b>"); an empty list when nothing fits.
+    (a pair as "matches <a> + <b>"); an empty list when nothing fits. ``pinned``, when given,
+    is the normalised error of ``out`` against the pinned truth (out's shape): a reading is
+    then named only if it also fits materially better than the pinned convention
+    (:data:`FIT_MARGIN`), so that a precision loss is not named as a reading that hardly
+    changes this case's output.
 
     The readings are evaluated in order (the named conventions, the likeliest, first; then the
     kernel models; pairs last, only when no single reading fits) within the case's diagnosis
@@ -478,6 +499,9 @@ def diagnose(view, out, *, limit, max_pairs=True) -> list[str]:
     sample = setup.sampled(reading, limit)
     spent.rows = (setup.sample_rows, setup.rows)
     on_sample = sample.output(limit) if sample else limit
+    if pinned is not None and np.shape(pinned) != out.shape:
+        pinned = None  # not out's errors: no margin asked
+    pinned_sample = None if pinned is None or not sample else sample.output(pinned)
 
     def explains(label, index, total, opts, extras):
         """True/False; "sample" when only the sample was affordable; None when the budget
@@ -489,13 +513,17 @@ def diagnose(view, out, *, limit, max_pairs=True) -> list[str]:
             spent.reading(index, total)
             error = spent.memo[(case, label)] = reading.error(opts, extras, sample)
         if error is False or not np.all(error <= on_sample) or sample is None:
-            return error is not False and bool(np.all(error <= on_sample))
+            fits = error is not False and bool(np.all(error <= on_sample))
+            return fits and _materially_better(error, pinned)
+        if not _materially_better(error, pinned_sample):
+            return False
         whole = spent.memo.get((case, label, "whole"))
         if whole is None:  # confirmed on the whole case only when that is cheap
             if setup.work > budget.CHEAP_WORK and spent.left() < reading.whole_seconds:
                 return "sample"
             whole = spent.memo[(case, label, "whole")] = reading.error(opts, extras)
-        return whole is not False and bool(np.all(whole <= limit))
+        fits = whole is not False and bool(np.all(whole <= limit))
+        return fits and _materially_better(whole, pinned)
 
     def named(label, fits):
         shown = f"matches {label}"

@@ -540,6 +540,7 @@ def _diagnosis(view, fixture, tier, out, checks, lse=None) -> list[str]:
             view,
             out,
             limit=np.asarray(check.threshold.value),
+            pinned=check.errors,
         ) or diagnose_fp4(  # fp4 block-scale misreadings (oracle/diagnose/fp4.py)
             fixture.inputs,
             fixture.options,
@@ -557,6 +558,7 @@ def _diagnosis(view, fixture, tier, out, checks, lse=None) -> list[str]:
                 out,
                 limit=snug * np.asarray(check.threshold.value),
                 max_pairs=False,
+                pinned=check.errors,
             )
         if not found:
             worst = max(c.max_error for c in failing)
@@ -573,7 +575,7 @@ def _diagnosis(view, fixture, tier, out, checks, lse=None) -> list[str]:
     for dtype in _NARROWER.get(view.dtype, ()):
         # a convention mismatch seen through a narrower working precision (its T7 model)
         limit = parts.expected(view, "out", dtype, truth, check.size) + tol.unit_roundoff(dtype)
-        found = _diagnose.diagnose(view, out, limit=limit)
+        found = _diagnose.diagnose(view, out, limit=limit, pinned=check.errors)
         if found:
             return notes + [
                 f"{label} (at {dtype} accuracy: the implementation seems to compute in {dtype})"
