@@ -9,9 +9,27 @@ Cases (Gated DeltaNet: scalar gate, beta, qk_l2norm):
 Prefill also times the chunked kernel (``backend="numba-chunked"``, chunks of 64 steps)
 against the recurrent one (``--skip-numpy`` leaves the NumPy recurrence out of prefill).
 
+``--vjp`` times only the vjp of the prefill case: the recurrent kernel
+(``backend="numba"``) against the chunked one (``backend="numba-chunked"``), same run.
+
 Prints the machine load (``os.getloadavg``) before and after, the best of ``--repeat`` wall
 times and the NumPy / Numba ratio of each case. The first Numba call compiles (or loads the
 on-disk cache) and is timed separately.
+
+Figures (each flag runs that figure only, all given figures in the same run):
+
+* ``--exact-prefill``: the exact path (``precision="exact"``) against ``backend="numba"`` on the
+  GDN prefill. The exact path is timed on the subset ``--exact-heads`` x ``--exact-length``
+  (default 1 head, T = 256) and printed as measured, with its rate per (head, step) and per
+  output element; Numba is timed on that subset and on the full shape. No extrapolation is
+  printed as a measurement.
+* ``--exact-decode``: exact against Numba on one decode step from a cached state (B=1,
+  ``--decode-heads`` heads, T = 1, ``initial_state``, ``output_final_state``).
+* ``--transformers``: ``backend="numba"`` and ``"numba-chunked"`` against transformers'
+  qwen3_next ``torch_recurrent_gated_delta_rule`` and ``torch_chunk_gated_delta_rule`` on the
+  GDN prefill, float32 inputs, torch threads = Numba threads (``--threads``, default Numba's
+  count); needs torch and transformers. refattn's public kernels compute in float64, the torch
+  functions in float32.
 """
 
 from __future__ import annotations
@@ -69,6 +87,28 @@ def _compare(name, args, options, repeat, backends=("numpy", "numba")):
     print(f"{name}: {shown}; {ratios}")
 
 
+def vjp_figures(heads, length, dim, repeat):
+    """The vjp of the GDN prefill (B1, ``heads``, ``length``, D=E=``dim``): numba against
+    numba-chunked in the same run, with the load before and after."""
+    args = _gdn(1, heads, length, dim)
+    do = np.random.default_rng(4).standard_normal(args[2].shape)
+    name = f"GDN vjp B1 H{heads} T{length} D=E={dim}"
+    print(_load())
+    times = {}
+    for backend in ("numba", "numba-chunked"):
+
+        def run(backend=backend):
+            return refattn.linear_attention_vjp(*args, do, qk_l2norm=True, backend=backend)
+
+        start = time.perf_counter()
+        run()
+        print(f"{name}: {backend} first call {time.perf_counter() - start:.2f} s")
+        times[backend] = _best(run, repeat)
+    shown = ", ".join(f"{b} {t:.2f} s" for b, t in times.items())
+    print(f"{name}: {shown}; numba/numba-chunked {times['numba'] / times['numba-chunked']:.2f}x")
+    print(_load())
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--length", type=int, default=4096, help="prefill T (default 4096)")
@@ -78,7 +118,14 @@ def main(argv=None):
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per case (best of)")
     parser.add_argument("--skip-prefill", action="store_true", help="decode and exact only")
     parser.add_argument("--skip-numpy", action="store_true", help="prefill: the Numba kernels only")
+    parser.add_argument("--vjp", action="store_true", help="the prefill vjp only (two kernels)")
+    _figure_flags(parser)
     args = parser.parse_args(argv)
+    if args.vjp:
+        vjp_figures(args.heads, args.length, args.dim, args.repeat)
+        return
+    if _figures(args):
+        return
     print(_load())
     if not args.skip_prefill:
         prefill = _gdn(1, args.heads, args.length, args.dim)
@@ -108,6 +155,145 @@ def main(argv=None):
         )
         print(f"exact B1 H1 T4 D=E=4 -> {dtype}: {seconds * 1e3:.1f} ms")
     print(_load())
+
+
+# --- figures: exact vs Numba, Numba vs transformers -------------------------------------------
+
+
+def _figure_flags(parser):
+    figures = parser.add_argument_group("figures (each runs that figure only)")
+    figures.add_argument("--exact-prefill", action="store_true", help="exact vs Numba, prefill")
+    figures.add_argument("--exact-decode", action="store_true", help="exact vs Numba, decode")
+    figures.add_argument(
+        "--transformers",
+        action="store_true",
+        help="Numba vs transformers' torch_*_gated_delta_rule",
+    )
+    figures.add_argument("--exact-heads", type=int, default=1, help="exact prefill subset heads")
+    figures.add_argument("--exact-length", type=int, default=256, help="exact prefill subset T")
+    figures.add_argument("--threads", type=int, default=None, help="Numba (and torch) threads")
+
+
+def _figures(args):
+    """Run the figures the flags ask for; False when none is asked."""
+    chosen = [
+        (args.exact_prefill, _exact_prefill_figure),
+        (args.exact_decode, _exact_decode_figure),
+        (args.transformers, _transformers_figure),
+    ]
+    if not any(flag for flag, _ in chosen):
+        return False
+    import numba  # for its thread count only
+
+    threads = numba.get_num_threads()
+    numba.set_num_threads(threads if args.threads is None else args.threads)
+    print(f"{_load()}; numba threads {numba.get_num_threads()}; cores {os.cpu_count()}")
+    try:
+        for flag, figure in chosen:
+            if flag:
+                figure(args)
+                print(_load(), flush=True)
+    finally:
+        numba.set_num_threads(threads)
+    return True
+
+
+def _timed(function, repeat):
+    """(seconds of the first call, best of ``repeat`` further calls)."""
+    start = time.perf_counter()
+    function()
+    first = time.perf_counter() - start
+    return first, _best(function, repeat) if repeat else first
+
+
+def _linear(arrays, options, **how):
+    return refattn.linear_attention(*arrays, qk_l2norm=True, **options, **how)
+
+
+def _exact_prefill_figure(args):
+    shape = f"B1 H{args.heads} T{args.length} D=E={args.dim}"
+    heads, length = min(args.exact_heads, args.heads), min(args.exact_length, args.length)
+    full = _gdn(1, args.heads, args.length, args.dim)
+    subset = tuple(a[:, :heads, :length] for a in full)
+    options = {"output_final_state": True}
+    first, numba_full = _timed(lambda: _linear(full, options, backend="numba"), args.repeat)
+    print(f"exact-prefill: numba {shape}: {numba_full:.3f} s (first call {first:.2f} s)")
+    _, numba_sub = _timed(lambda: _linear(subset, options, backend="numba"), args.repeat)
+    part = f"B1 H{heads} T{length} D=E={args.dim}"
+    print(f"exact-prefill: numba {part} (subset): {numba_sub * 1e3:.2f} ms", flush=True)
+    print(f"exact-prefill: exact {part} (subset) started, {_load()}", flush=True)
+    exact, _ = _timed(lambda: _linear(subset, options, precision="exact"), 0)
+    steps = heads * length
+    print(
+        f"exact-prefill: exact {part} (subset, measured, one run): {exact:.1f} s = "
+        f"{exact / steps:.3f} s per (head, step) = {exact / (steps * args.dim) * 1e3:.2f} ms "
+        f"per output element; exact / numba on the subset {exact / numba_sub:.0f}x"
+    )
+
+
+def _exact_decode_figure(args):
+    heads, dim = args.decode_heads, args.dim
+    step = _gdn(1, heads, 1, dim, seed=1)
+    state = np.random.default_rng(2).standard_normal((1, heads, dim, dim))
+    options = {"initial_state": state, "output_final_state": True}
+    shape = f"B1 H{heads} T1 D=E={dim}"
+    first, numba_s = _timed(lambda: _linear(step, options, backend="numba"), max(args.repeat, 20))
+    print(f"exact-decode: numba {shape}: {numba_s * 1e3:.3f} ms (first call {first:.2f} s)")
+    exact, _ = _timed(lambda: _linear(step, options, precision="exact"), 0)
+    elements = heads * dim * (dim + 1)
+    print(
+        f"exact-decode: exact {shape} (measured, one run): {exact:.1f} s = "
+        f"{exact / elements * 1e3:.3f} ms per output element (o and final state); "
+        f"exact / numba {exact / numba_s:.0f}x"
+    )
+
+
+def _transformers_figure(args):
+    import numba  # thread count
+    import torch  # optional peer, only for this figure
+    from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(numba.get_num_threads())
+    try:
+        _transformers_runs(args, torch, qwen3_next)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _transformers_runs(args, torch, qwen3_next):
+    arrays = tuple(a.astype(np.float32) for a in _gdn(1, args.heads, args.length, args.dim))
+    q, k, v, g, beta = (
+        torch.from_numpy(np.ascontiguousarray(np.moveaxis(a, 2, 1))) for a in arrays
+    )
+    shape = f"B1 H{args.heads} T{args.length} D=E={args.dim} float32"
+    print(f"transformers: {shape}; torch {torch.__version__} threads {torch.get_num_threads()}")
+    options = {"output_final_state": True}
+    runs = {
+        "refattn numba": lambda: _linear(arrays, options, backend="numba"),
+        "refattn numba-chunked": lambda: _linear(arrays, options, backend="numba-chunked"),
+    }
+    for which in ("recurrent", "chunk"):
+        function = getattr(qwen3_next, f"torch_{which}_gated_delta_rule")
+        runs[f"transformers torch_{which}"] = lambda function=function: function(
+            q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True
+        )
+    times, outputs = {}, {}
+    with torch.inference_mode():
+        for name, run in runs.items():
+            first, times[name] = _timed(run, args.repeat)
+            out = run()[0]
+            outputs[name] = out if isinstance(out, np.ndarray) else np.moveaxis(out.numpy(), 1, 2)
+            print(
+                f"transformers: {name}: {times[name]:.3f} s (first call {first:.2f} s)", flush=True
+            )
+    base = outputs["refattn numba"]
+    for name, out in outputs.items():
+        gap = float(np.max(np.abs(out.astype(np.float64) - base)))
+        print(
+            f"transformers: {name} / refattn numba {times[name] / times['refattn numba']:.2f}x; "
+            f"max |o - o_numba| {gap:.2e}"
+        )
 
 
 if __name__ == "__main__":

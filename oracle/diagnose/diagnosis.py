@@ -445,16 +445,37 @@ ALTERNATIVES_WORK_CAP = 2**34
 #: largest evaluation (multiply-adds) for which pairs of alternatives are tried (kernel-scale
 #: rows of a few hundred keys are; long rows are not)
 PAIRS_WORK_CAP = 2**27
+#: a reading is named only if its largest error is at most this share of the pinned
+#: convention's (when :func:`diagnose` is given the pinned errors): a reading that merely
+#: fits as loosely as the pinned convention does (a near-uniform softmax, where scale**2 or a
+#: late rescale hardly moves the output) explains nothing a precision loss does not
+FIT_MARGIN = 0.5
 
 
-def diagnose(view, out, *, limit, max_pairs=True, costly=True) -> list[str]:
+def _materially_better(error, pinned) -> bool:
+    """True when the reading's ``error`` is at most :data:`FIT_MARGIN` times the pinned
+    convention's largest finite error (``pinned`` None: no such requirement)."""
+    if pinned is None:
+        return True
+    finite = np.asarray(pinned)[np.isfinite(pinned)]
+    if finite.size == 0:
+        return True
+    with np.errstate(invalid="ignore"):
+        return bool(np.max(error) <= FIT_MARGIN * float(np.max(finite)))
+
+
+def diagnose(view, out, *, limit, max_pairs=True, pinned=None, costly=True) -> list[str]:
     """Labels of the alternatives whose float64 truth ``out`` fits within ``limit``.
 
     ``view`` is the case (:class:`oracle.reading.case.CaseView`).
 
     ``limit`` is the case's output threshold (scalar or per row, (T2)); the float64 floor of the
     textbook that evaluates the alternatives is added to it. Returns "matches <label>" strings
-    (a pair as "matches <a> + <b>"); an empty list when nothing fits.
+    (a pair as "matches <a> + <b>"); an empty list when nothing fits. ``pinned``, when given,
+    is the normalised error of ``out`` against the pinned truth (out's shape): a reading is
+    then named only if it also fits materially better than the pinned convention
+    (:data:`FIT_MARGIN`), so that a precision loss is not named as a reading that hardly
+    changes this case's output.
 
     The readings are evaluated in order (the named conventions, the likeliest, first; then the
     kernel models; pairs last, only when no single reading fits) within the case's diagnosis
@@ -485,6 +506,9 @@ def diagnose(view, out, *, limit, max_pairs=True, costly=True) -> list[str]:
     spent.measured(setup.work, time.perf_counter() - start)
     spent.rows = (setup.sample_rows, setup.rows)
     on_sample = sample.output(limit) if sample else limit
+    if pinned is not None and np.shape(pinned) != out.shape:
+        pinned = None  # not out's errors: no margin asked
+    pinned_sample = None if pinned is None or not sample else sample.output(pinned)
 
     # a costly reading explained the whole case (or the caller had it explained): the costly
     # ones stop there
@@ -508,14 +532,18 @@ def diagnose(view, out, *, limit, max_pairs=True, costly=True) -> list[str]:
             error = evaluate((case, label), opts, extras, sample, setup.sample_work)
         if error is False or not np.all(error <= on_sample) or sample is None:
             fits = error is not False and bool(np.all(error <= on_sample))
+            fits = fits and _materially_better(error, pinned)
             decided.extend([label] if fits and setup.sample_work > budget.CHEAP_WORK else [])
             return fits
+        if not _materially_better(error, pinned_sample):
+            return False
         whole = spent.memo.get((case, label, "whole"))
         if whole is None:  # confirmed on the whole case only when that is cheap
             if setup.work > budget.CHEAP_WORK and spent.left() < reading.whole_seconds:
                 return "sample"
             whole = evaluate((case, label, "whole"), opts, extras, None, setup.work)
         fits = whole is not False and bool(np.all(whole <= limit))
+        fits = fits and _materially_better(whole, pinned)
         decided.extend([label] if fits and setup.work > budget.CHEAP_WORK else [])
         return fits
 
@@ -829,46 +857,6 @@ def concentration(view, errors, limit, *, tiles=TILE_SIZES) -> list[str]:
             )
             break
     return notes
-
-
-def key_concentration(quantity, errors, limit, *, tiles=TILE_SIZES) -> list[str]:
-    """Where the failing keys of a per-key gradient (dk or dv, (..., K, S, D)) concentrate:
-    all on the last key of full tiles of ``T`` keys (``j mod T = T - 1``: a tile loop that
-    stops one key short), or all in the last, partial key tile (``j >= T floor(S / T)``: a
-    dropped partial tile). Named only when the failing keys follow the pattern and other
-    keys pass. Returns notes (possibly none).
-
-    >>> errors = np.zeros((1, 2, 200, 4)); errors[..., [63, 127], :] = 1.0
-    >>> note, = key_concentration("dk", errors, 0.5)
-    >>> note.split(": a ")[0]
-    'dk: the failing keys are all the last key of a full tile of 64 (j mod 64 = 63)'
-    >>> errors = np.zeros((1, 2, 200, 4)); errors[..., 195, :] = 1.0
-    >>> key_concentration("dv", errors, 0.5)[0].split(": a ")[0]
-    'dv: the failing keys are all in the last, partial key tile of 64 (keys 192..199)'
-    >>> key_concentration("dv", np.ones((1, 2, 200, 4)), 0.5)
-    []
-    """
-    bad = np.asarray(errors > limit)
-    if bad.ndim < 2 or not bad.any():
-        return []
-    keys = bad.any(axis=-1)
-    S = keys.shape[-1]
-    index = np.broadcast_to(np.arange(S), keys.shape)
-    failing, passing = index[keys], index[~keys]
-    for size in tiles:
-        if S > size and (failing % size == size - 1).all() and failing.max() < size * (S // size):
-            return [
-                f"{quantity}: the failing keys are all the last key of a full tile of "
-                f"{size} (j mod {size} = {size - 1}): a tile loop stopping one key short?"
-            ]
-    for size in tiles:
-        start = size * (S // size)
-        if S > size and start < S and (failing >= start).all() and (passing < start).any():
-            return [
-                f"{quantity}: the failing keys are all in the last, partial key tile of "
-                f"{size} (keys {start}..{S - 1}): a dropped or mishandled partial tile?"
-            ]
-    return []
 
 
 def describe_failure(value, truth, errors, limit, *, inputs_poisoned=False) -> list[str]:

@@ -39,6 +39,7 @@ __all__ = [
     "storage_dtype",
     "no_rescale_weights",
     "split_combine_weights",
+    "key_concentration",
 ]
 
 #: Tile sizes (keys) tried; the same as :data:`oracle.diagnose.diagnosis.TILE_SIZES`.
@@ -178,3 +179,43 @@ def split_combine_weights(size):
         return np.divide(out, total, out=np.zeros_like(out), where=total > 0)
 
     return rule
+
+
+def key_concentration(quantity, errors, limit, *, tiles=TILES) -> list[str]:
+    """Where the failing keys of a per-key gradient (dk or dv, (..., K, S, D)) concentrate:
+    all on the last key of full tiles of ``T`` keys (``j mod T = T - 1``: a tile loop that
+    stops one key short), or all in the last, partial key tile (``j >= T floor(S / T)``: a
+    dropped partial tile). Named only when the failing keys follow the pattern and other
+    keys pass. Returns notes (possibly none).
+
+    >>> errors = np.zeros((1, 2, 200, 4)); errors[..., [63, 127], :] = 1.0
+    >>> note, = key_concentration("dk", errors, 0.5)
+    >>> note.split(": a ")[0]
+    'dk: the failing keys are all the last key of a full tile of 64 (j mod 64 = 63)'
+    >>> errors = np.zeros((1, 2, 200, 4)); errors[..., 195, :] = 1.0
+    >>> key_concentration("dv", errors, 0.5)[0].split(": a ")[0]
+    'dv: the failing keys are all in the last, partial key tile of 64 (keys 192..199)'
+    >>> key_concentration("dv", np.ones((1, 2, 200, 4)), 0.5)
+    []
+    """
+    bad = np.asarray(errors > limit)
+    if bad.ndim < 2 or not bad.any():
+        return []
+    keys = bad.any(axis=-1)
+    S = keys.shape[-1]
+    index = np.broadcast_to(np.arange(S), keys.shape)
+    failing, passing = index[keys], index[~keys]
+    for size in tiles:
+        if S > size and (failing % size == size - 1).all() and failing.max() < size * (S // size):
+            return [
+                f"{quantity}: the failing keys are all the last key of a full tile of "
+                f"{size} (j mod {size} = {size - 1}): a tile loop stopping one key short?"
+            ]
+    for size in tiles:
+        start = size * (S // size)
+        if S > size and start < S and (failing >= start).all() and (passing < start).any():
+            return [
+                f"{quantity}: the failing keys are all in the last, partial key tile of "
+                f"{size} (keys {start}..{S - 1}): a dropped or mishandled partial tile?"
+            ]
+    return []

@@ -68,7 +68,7 @@ from oracle.diagnose.key_map import key_map
 from oracle.diagnose.merge import diagnose_merge
 from oracle.diagnose.models import ORDER_ONE, narrow_accumulation_work
 from oracle.diagnose.rows import mark_empty_row, within_one_ulp
-from oracle.diagnose.tiles import storage_dtype
+from oracle.diagnose.tiles import key_concentration, storage_dtype
 from oracle.judging import parts
 from oracle.judging import tolerance as tol
 from oracle.judging.empty_rows import read_case
@@ -573,7 +573,7 @@ def _diagnosis(view, fixture, tier, out, checks, lse=None) -> list[str]:
     for dtype in narrower:
         # a convention mismatch seen through a narrower working precision (its T7 model)
         limit = _expected(view, "out", dtype, truth, check.size) + tol.unit_roundoff(dtype)
-        found = _diagnose.diagnose(view, out, limit=limit)
+        found = _diagnose.diagnose(view, out, limit=limit, pinned=check.errors)
         if found:
             return notes + [
                 f"{label} (at {dtype} accuracy: the implementation seems to compute in {dtype})"
@@ -634,10 +634,13 @@ def _readings(view, fixture, out, check, snug) -> list[str]:
     too (``snug``: the largest share of its limit they use; None when none does), a reading
     wins only if it fits at least as snugly, and only the cheap readings are searched for
     one: the precision decides the diagnosis as a first match does."""
-    limit = np.asarray(check.threshold.value)
+    limit, pinned = np.asarray(check.threshold.value), check.errors
     if snug is not None and snug < 1:
-        return _diagnose.diagnose(view, out, limit=snug * limit, max_pairs=False, costly=False)
-    return _diagnose.diagnose(view, out, limit=limit, costly=snug is None) or diagnose_fp4(
+        return _diagnose.diagnose(
+            view, out, limit=snug * limit, max_pairs=False, pinned=pinned, costly=False
+        )
+    found = _diagnose.diagnose(view, out, limit=limit, pinned=pinned, costly=snug is None)
+    return found or diagnose_fp4(
         fixture.inputs, fixture.options, out, limit=limit, dtype=view.dtype
     )
 
@@ -684,7 +687,7 @@ def _lse_and_key_notes(view, checks, failing, lse) -> list[str]:
             and grad.errors is not None
             and np.isfinite(grad.errors).all()
         ):
-            notes = notes + _diagnose.key_concentration(
+            notes = notes + key_concentration(
                 grad.quantity,
                 grad.errors,
                 np.broadcast_to(np.asarray(grad.threshold.value), grad.errors.shape),

@@ -21,6 +21,8 @@ normalisation's ``D + 4`` roundings; the rounding of the inputs to a narrower co
 The vjp bound follows the same scheme backwards (the adjoint state ``dS_{t-1} = diag(a_t)
 M_t^T (dS_t + scale q_t do_t^T)``, its norms ``P_t`` and errors, then each step's gradient as a
 bilinear form of quantities with known errors); it is uniform over each gradient's last axis.
+The chunked kernel's forward and vjp have their own bounds (:func:`linear_chunked_forward_bound`,
+:func:`linear_chunked_vjp_bound`, at the end of this module).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ __all__ = [
     "linear_forward_bound",
     "linear_chunked_forward_bound",
     "linear_vjp_bound",
+    "linear_chunked_vjp_bound",
     "rounding_count",
 ]
 
@@ -161,9 +164,10 @@ def linear_forward_bound(
 
 
 def _adjoint_pass(s, span, norms_err, do_n, dht_n, g_n, log_base):
-    """Per step error bounds of the step's gradients (dq_n, dk_n, dv, dbeta, dg) and of dh0."""
+    """Per step error bounds of the step's gradients (dq_n, dk_n, dv, dbeta, dg) and of dh0;
+    ``norms_err = (N_t, e_t, errors of the states before each step or None: e_{t-1})``."""
     b_row, start, stop = span
-    big_n, err = norms_err
+    big_n, err, err_before = norms_err
     heads = s["v"].shape[1]
     names = ("q", "k", "v", "beta", "g")
     out = {name: np.zeros((heads, stop - start)) for name in names}
@@ -174,7 +178,9 @@ def _adjoint_pass(s, span, norms_err, do_n, dht_n, g_n, log_base):
         m, _ = _amplification(kn, None if s["b"] is None else s["b"][b_row, :, t])
         b = np.zeros(heads) if s["b"] is None else s["b"][b_row, :, t]
         n_prev = big_n[:, i - 1] if i else s["n0"]
-        e_prev = err[:, i - 1] if i else g_n * s["n0"]
+        e_prev = (
+            err_before[:, i] if err_before is not None else err[:, i - 1] if i else g_n * s["n0"]
+        )
         dn = do_n[b_row, :, t]
         p_norm = p_norm + qn * dn
         lam = lam + g_n * (qn * dn + p_norm)
@@ -225,14 +231,25 @@ def linear_vjp_bound(
     >>> bool(bounds["dq"].max() < 1e-13), bounds["dg"] is None
     (True, True)
     """
+    options = dict(scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    options.update(qk_l2norm=qk_l2norm, gate_base=gate_base, state_norms=state_norms)
+    return _vjp_bound((q, k, v, g, beta), do, dht, options, dtype)
+
+
+def _vjp_bound(args, do, dht, options, dtype, extra=None):
+    """:func:`linear_vjp_bound`; ``extra = (after, before)`` (B, HV, T): errors added to the
+    forward pass's bounds on the states after and before each step (the chunked form's)."""
+    q, k, v, g, beta = args
     v = np.asarray(v)
     dim, heads = np.shape(q)[-1], np.shape(q)[1]
+    scale = options["scale"]
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
-    s = _per_step(q, k, v, g, beta, scale, qk_l2norm, gate_base)
+    s = _per_step(q, k, v, g, beta, scale, options["qk_l2norm"], options["gate_base"])
     g_n = gamma(rounding_count(dim), dtype)
-    log_base = math.log(2.0) if str(gate_base) == "2" else 1.0
-    segments = _segments(v.shape, cu_seqlens)
-    h0 = None if initial_state is None else np.asarray(initial_state, np.float64)
+    log_base = math.log(2.0) if str(options["gate_base"]) == "2" else 1.0
+    segments = _segments(v.shape, options["cu_seqlens"])
+    h0 = options["initial_state"]
+    h0 = None if h0 is None else np.asarray(h0, np.float64)
     do_n = _norm(np.asarray(do, np.float64))
     steps = {name: np.zeros(v.shape[:3]) for name in ("q", "k", "v", "beta", "g")}
     dh0 = np.zeros((len(segments), v.shape[1]))
@@ -243,9 +260,14 @@ def linear_vjp_bound(
             if dht is None
             else _norm(np.asarray(dht, np.float64)[n].reshape(v.shape[1], -1))
         )
-        fwd = _forward_pass(s, s["n0"], state_norms, span, g_n)
-        per, lam = _adjoint_pass(s, span, fwd, do_n, dht_n, g_n, log_base)
+        big_n, err = _forward_pass(s, s["n0"], options["state_norms"], span, g_n)
         b_row, start, stop = span
+        before = None
+        if extra is not None:
+            shifted = np.concatenate([g_n * s["n0"][:, None], err[:, :-1]], axis=1)
+            before = shifted + extra[1][b_row, :, start:stop]
+            err = err + extra[0][b_row, :, start:stop]
+        per, lam = _adjoint_pass(s, span, (big_n, err, before), do_n, dht_n, g_n, log_base)
         for name in steps:
             steps[name][b_row, :, start:stop] = per[name]
         dh0[n] = lam
@@ -401,12 +423,26 @@ def linear_chunked_forward_bound(
     >>> bool(o_bound.shape == (1, 1, 3, 2) and 0 < o_bound.max() < 1e-13)
     True
     """
-    v = np.asarray(v)
-    dim, group = np.shape(q)[-1], v.shape[1] // np.shape(q)[1]
+    dim = np.shape(q)[-1]
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
     options = dict(scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens)
     options.update(qk_l2norm=qk_l2norm, gate_base=gate_base, state_norms=state_norms)
     o_rec, s_rec = linear_forward_bound(q, k, v, g, beta, dtype=dtype, **options)
+    out, final, _ = _chunked_pass((q, k, v, g, beta), options, chunk, dtype)
+    return o_rec + out[..., None], s_rec + final[..., None, None]
+
+
+def _chunked_pass(args, options, chunk, dtype):
+    """The chunked form's own errors (beyond :func:`linear_forward_bound`'s): per step the
+    outputs' (B, HV, T), per sequence the final state's (N, HV), and per step the chunk-start
+    state's error carried by the exact map to the states after and before the step (the
+    pair (B, HV, T) ``(P_r e_0, P_{r-1} e_0)`` of each chunk, ``P_{-1} = 1``)."""
+    q, k, v, g, beta = args
+    v = np.asarray(v)
+    dim, group = np.shape(q)[-1], v.shape[1] // np.shape(q)[1]
+    scale, qk_l2norm = options["scale"], options["qk_l2norm"]
+    state_norms, initial_state = options["state_norms"], options["initial_state"]
+    cu_seqlens, gate_base = options["cu_seqlens"], options["gate_base"]
     s = _per_step(q, k, v, g, beta, scale, qk_l2norm, gate_base)
     kv = np.repeat(np.asarray(k, np.float64), group, axis=1) * s["rk"][..., None]
     qv = np.repeat(np.asarray(q, np.float64), group, axis=1) * (abs(scale) * s["rq"][..., None])
@@ -414,6 +450,7 @@ def linear_chunked_forward_bound(
     betas = None if beta is None else np.asarray(beta, np.float64)
     h0 = None if initial_state is None else np.asarray(initial_state, np.float64)
     out, final = np.zeros(v.shape[:3]), np.zeros((len(_segments(v.shape, cu_seqlens)), v.shape[1]))
+    after, before = np.zeros(v.shape[:3]), np.zeros(v.shape[:3])
     for n, (b, start, stop) in enumerate(_segments(v.shape, cu_seqlens)):
         n0 = np.zeros(v.shape[1]) if h0 is None else _norm(h0[n].reshape(v.shape[1], -1))
         big_n, _ = _forward_pass(s, n0, state_norms, (b, start, stop), gamma(rounding_count(dim)))
@@ -432,6 +469,56 @@ def linear_chunked_forward_bound(
                     s, (*x, (b, j, c0)), start_norm, err, dtype, dim
                 )
                 out[b, j, c0:c1] = o_err
+                after[b, j, c0:c1] = prefix * err
+                before[b, j, c0:c1] = np.concatenate([[1.0], prefix[:-1]]) * err
                 err = prefix[-1] * err + local
             final[n, j] = err
-    return o_rec + out[..., None], s_rec + final[..., None, None]
+    return out, final, (after, before)
+
+
+def linear_chunked_vjp_bound(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    do,
+    dht=None,
+    *,
+    chunk=64,
+    scale=None,
+    initial_state=None,
+    cu_seqlens=None,
+    qk_l2norm=False,
+    gate_base="e",
+    state_norms=None,
+    dtype="float64",
+):
+    """Bounds on the float error of the chunked kernel's vjp
+    (:func:`refattn.kernels.linear_chunked.chunked_backward`, chunks of ``chunk`` steps) per
+    element, the dict of :func:`linear_vjp_bound`.
+
+    The kernel takes the states at the chunk boundaries from the chunked form, then reverses
+    each chunk's steps with the recurrent vjp's operations, from states recomputed step by
+    step from the chunk's boundary state. Its rounding is the recurrent vjp's except for the
+    boundary states, whose error is the chunked form's (:func:`linear_chunked_forward_bound`:
+    ``e_rec + e_chunk`` at the chunk start). A state recomputed r steps into the chunk then errs
+    by at most ``e_rec,r + P_r e_chunk`` (the recurrence's own local errors are part of
+    ``e_rec,r``, the exact map carries the start error with norm ``P_r = prod a_t m_t``), so
+    this is :func:`linear_vjp_bound` with those forward errors for the states after and before
+    each step; the adjoint state does not depend on the forward states, so dh0's bound is the
+    recurrent one.
+
+    >>> import numpy as np
+    >>> q = k = v = do = np.ones((1, 1, 5, 2)); beta = np.full((1, 1, 5), 0.5)
+    >>> plain = linear_vjp_bound(q, k, v, None, beta, do)
+    >>> bounds = linear_chunked_vjp_bound(q, k, v, None, beta, do, chunk=2)
+    >>> bool((bounds["dk"] >= plain["dk"]).all() and bounds["dk"].max() < 1e-12)
+    True
+    """
+    dim = np.shape(q)[-1]
+    scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
+    options = dict(scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    options.update(qk_l2norm=qk_l2norm, gate_base=gate_base, state_norms=state_norms)
+    extra = _chunked_pass((q, k, v, g, beta), options, chunk, dtype)[2]
+    return _vjp_bound((q, k, v, g, beta), do, dht, options, dtype, extra)

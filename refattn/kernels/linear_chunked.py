@@ -1,5 +1,5 @@
 """Deterministic Numba CPU kernel of the linear-attention recurrence in chunked form
-(:func:`refattn.linear_attention` with ``backend="numba-chunked"``), forward only.
+(:func:`refattn.linear_attention` with ``backend="numba-chunked"``), forward and reverse mode.
 
 The chunked (WY / UT-transform) form of the gated delta rule that flash-linear-attention's
 chunk kernels compute (the chunkwise WY representation of Yang et al. 2024, "Parallelizing
@@ -26,6 +26,17 @@ not depend on the thread count. Compute dtype: the arrays' (float64 or float32).
 bound (the cumulative sums' rounding, the decay ratios, the triangular solve's conditioning) is
 :func:`refattn.bounds.linear.linear_chunked_forward_bound` (through
 :func:`refattn.linear.forward_error_bound` with ``backend="numba-chunked"``).
+
+Reverse mode (:func:`chunked_backward`): a chunked backward with boundary checkpoints, as
+chunk kernels recompute the states at chunk boundaries before their backward. Per (sequence,
+value head) the chunked forward above (outputs skipped) gives the states at the chunk
+boundaries; then, from the last chunk to the first, the chunk's states are recomputed step by
+step from its boundary state and each step is reversed from the last, by the recurrent kernel's
+functions (:func:`refattn.kernels.linear_cpu.reverse_span`, the adjoint of the recurrence of
+:func:`refattn.linear_attention`): a reverse recurrence within each chunk driven by the
+boundary states, not the backward of the WY form. Memory O(T / C D E + C D E) per work
+unit. The bound is :func:`refattn.bounds.linear.linear_chunked_vjp_bound` (the recurrent vjp's
+with the chunked form's boundary-state errors carried through each chunk).
 """
 
 from __future__ import annotations
@@ -35,7 +46,9 @@ import math
 import numpy as np
 from numba import njit, prange
 
-__all__ = ["chunked_forward", "CHUNK", "COMPUTE_DTYPES"]
+from . import linear_cpu
+
+__all__ = ["chunked_forward", "chunked_backward", "CHUNK", "COMPUTE_DTYPES"]
 
 _OPTS = dict(fastmath=False, boundscheck=False, cache=True, nogil=True)
 COMPUTE_DTYPES = ("float64", "float32")
@@ -97,11 +110,12 @@ def _residuals(state, seq, c0, length, cum, vector, work):
 
 @njit(**_OPTS)
 def _chunk(state, seq, out, c0, length, flags, work):
-    """One chunk: outputs of its steps into ``out`` (T, E), then the state update in place.
+    """One chunk: outputs of its steps into ``out`` (T, E) (``flags = (has_beta, vector,
+    outputs)``; without ``outputs`` only the state), then the state update in place.
 
     seq = (qs, k, v, lg, beta) of one (batch row, value head), each indexed by t first."""
     qs, k, v, lg = seq[0], seq[1], seq[2], seq[3]
-    has_beta, vector = flags
+    has_beta, vector, outputs = flags
     cum, w, scaled, row = work[0], work[1], work[3], work[4]
     _cumulative(cum, lg, c0, length)
     if has_beta:
@@ -110,7 +124,7 @@ def _chunk(state, seq, out, c0, length, flags, work):
         for r in range(length):
             for e in range(w.shape[1]):
                 w[r, e] = v[c0 + r, e]
-    for r in range(length):
+    for r in range(length if outputs else 0):
         t = c0 + r
         _read_state(row, state, qs[t], cum, r, vector, scaled)
         for j in range(r + 1):
@@ -131,28 +145,34 @@ def _chunk(state, seq, out, c0, length, flags, work):
                 state[d, e] += c * w[j, e]
 
 
+@njit(**_OPTS)
+def _chunk_work(state, chunk, gates):
+    """The work arrays of :func:`_chunk` in ``state``'s dtype (``gates`` = 1 or D)."""
+    dim, edim = state.shape
+    return (
+        np.zeros((chunk + 1, gates), dtype=state.dtype),
+        np.zeros((chunk, edim), dtype=state.dtype),
+        np.zeros((chunk, chunk), dtype=state.dtype),
+        np.zeros(dim, dtype=state.dtype),
+        np.zeros(edim, dtype=state.dtype),
+    )
+
+
 @njit(parallel=True, **_OPTS)
 def _forward(ins, beta, h0, seg, chunk, has_beta, out, final):
     """ins = (qs, k, v, lg): (B, HV, T, D|E), lg (B, HV, T, 1 or D) natural log decays."""
     qs, k, v, lg = ins
-    heads, dim, edim = v.shape[1], k.shape[3], v.shape[3]
+    heads = v.shape[1]
     vector = lg.shape[3] > 1
     for unit in prange(seg.shape[0] * heads):
         n, j = unit // heads, unit % heads
         b, start, stop = seg[n, 0], seg[n, 1], seg[n, 2]
         state = h0[n, j].copy()
-        dt = state.dtype
-        work = (
-            np.zeros((chunk + 1, lg.shape[3]), dtype=dt),
-            np.zeros((chunk, edim), dtype=dt),
-            np.zeros((chunk, chunk), dtype=dt),
-            np.zeros(dim, dtype=dt),
-            np.zeros(edim, dtype=dt),
-        )
+        work = _chunk_work(state, chunk, lg.shape[3])
         seq = (qs[b, j], k[b, j], v[b, j], lg[b, j], beta[b, j])
         for c0 in range(start, stop, chunk):
             length = min(chunk, stop - c0)
-            _chunk(state, seq, out[b, j], c0, length, (has_beta, vector), work)
+            _chunk(state, seq, out[b, j], c0, length, (has_beta, vector, True), work)
         final[n, j] = state
 
 
@@ -174,3 +194,55 @@ def chunked_forward(ins, beta, h0, seg, has_beta, chunk=CHUNK):
     if out.size or final.size:
         _forward(ins, beta, h0, seg, int(chunk), bool(has_beta), out, final)
     return out, final
+
+
+@njit(parallel=True, **_OPTS)
+def _backward(ins, lg, beta, states, seg, params, chunk, grads):
+    """ins = (qs, k, v, a, do); lg as :func:`_forward`'s; states = (h0, dht); params as
+    linear_cpu's [has gate, has beta, log(base)]; grads = (dqs, dk, dv, dg, dbeta, dh0)."""
+    qs, k, v = ins[0], ins[1], ins[2]
+    h0, dht = states
+    heads = v.shape[1]
+    has_beta, vector = params[1] != 0.0, lg.shape[3] > 1
+    for unit in prange(seg.shape[0] * heads):
+        n, j = unit // heads, unit % heads
+        b, start, stop = seg[n, 0], seg[n, 1], seg[n, 2]
+        chunks = (stop - start + chunk - 1) // chunk
+        state = h0[n, j].copy()
+        saved = np.empty((max(chunks, 1),) + state.shape, dtype=state.dtype)
+        work = _chunk_work(state, chunk, lg.shape[3])
+        seq = (qs[b, j], k[b, j], v[b, j], lg[b, j], beta[b, j])
+        # the states at the chunk boundaries, by the chunked form (no outputs)
+        for index in range(chunks):
+            c0 = start + index * chunk
+            saved[index] = state
+            if index < chunks - 1:
+                _chunk(state, seq, qs[b, j], c0, chunk, (has_beta, vector, False), work)
+        rwork = linear_cpu.reverse_work(state, chunk, params[2])
+        d_state = dht[n, j].copy()
+        for index in range(chunks - 1, -1, -1):
+            c0 = start + index * chunk
+            rwork[6][0] = saved[index]
+            span = (b, j, c0, min(c0 + chunk, stop))
+            linear_cpu.reverse_span(grads[:5], d_state, span, ins, beta, params, rwork)
+        grads[5][n, j] = d_state
+
+
+def chunked_backward(ins, lg, beta, states, seg, params, chunk=CHUNK):
+    """The reverse pass of the chunked form: (dqs, dk, dv, dg per key row (B, HV, T, D), dbeta,
+    dh0) in the arrays' dtype.
+
+    ``ins = (qs, k, v, a, do)`` as :func:`refattn.kernels.linear_cpu.linear_backward`'s (``a``
+    the decays, ones without gates), ``lg`` the natural-log decays of :func:`chunked_forward`,
+    ``states = (h0, dht)``, ``params`` float64 [has gate, has beta, log(base)].
+    """
+    dtype = ins[0].dtype
+    if dtype.name not in COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype: expected one of {list(COMPUTE_DTYPES)}, got {dtype}")
+    if int(chunk) < 1:
+        raise ValueError(f"chunk: expected a positive chunk length, got {chunk!r}")
+    grads = tuple(np.zeros(x.shape, dtype) for x in ins[:4])
+    grads += (np.zeros(beta.shape, dtype), np.array(states[1], dtype=dtype, copy=True))
+    if seg.shape[0] and ins[2].size:
+        _backward(ins, lg, beta, states, seg, params, int(chunk), grads)
+    return grads

@@ -25,7 +25,13 @@ import math
 import numpy as np
 from numba import njit, prange
 
-__all__ = ["linear_forward", "linear_backward", "COMPUTE_DTYPES"]
+__all__ = [
+    "linear_forward",
+    "linear_backward",
+    "reverse_span",
+    "reverse_work",
+    "COMPUTE_DTYPES",
+]
 
 #: fastmath off (the reduction orders are fixed), no bounds checks, cached, GIL released
 _OPTS = dict(fastmath=False, boundscheck=False, cache=True, nogil=True)
@@ -145,12 +151,53 @@ def _reverse_step(grads, d_state, before, t, place, ins, beta_t, params, work):
                 d_state[d, e] = d_state[d, e] * a[b, j, t, d]
 
 
+@njit(**_OPTS)
+def reverse_work(like, rows, log_base):
+    """The work arrays of :func:`reverse_span` in ``like``'s dtype: ``rows`` recomputed states
+    (rows, D, E) and the step's scratch; ``log_base`` the chain factor of dg."""
+    dim, edim = like.shape
+    return (
+        np.empty((dim, edim), dtype=like.dtype),
+        np.empty((dim, edim), dtype=like.dtype),
+        np.empty((2, edim), dtype=like.dtype),
+        np.empty((1, dim), dtype=like.dtype),
+        np.empty(1, dtype=like.dtype),
+        np.array([0.0, log_base]).astype(like.dtype),
+        np.empty((max(rows, 1), dim, edim), dtype=like.dtype),
+        np.empty(edim, dtype=like.dtype),
+    )
+
+
+@njit(**_OPTS)
+def reverse_span(grads, d_state, span, ins, beta, params, work):
+    """Reverse steps ``first .. last - 1`` of (b, j) (``span = (b, j, first, last)``) from the
+    state before step ``first``, given in ``work[6][0]``: the span's states are recomputed
+    forward (:func:`_step`) into ``work[6]``, then each step is reversed (:func:`_reverse_step`)
+    from the last; ``grads = (dqs, dk, dv, dg, dbeta)``, ``d_state`` holds dS on entry (after
+    step ``last - 1``) and dS before step ``first`` on exit."""
+    qs, k, v, a, do = ins
+    b, j, first, last = span
+    has_beta = params[_BETA] != 0.0
+    rows, u = work[6], work[7]
+    for t in range(first, last - 1):
+        here = rows[t - first + 1]
+        here[:, :] = rows[t - first]
+        _step(here, a[b, j, t], k[b, j, t], v[b, j, t], beta[b, j, t], has_beta, u)
+    step_grads = (grads[0], grads[1], grads[2], grads[3])
+    for t in range(last - 1, first - 1, -1):
+        _reverse_step(
+            step_grads, d_state, rows[t - first], t, (b, j), ins, beta[b, j, t], params, work
+        )
+        if has_beta:
+            grads[4][b, j, t] = work[4][0]
+
+
 @njit(parallel=True, **_OPTS)
 def _backward(ins, beta, states, seg, params, grads, dbeta, dh0):
     """ins = (qs, k, v, a, do); states = (h0, dht); grads = (dqs, dk, dv, dg)."""
     qs, k, v, a, do = ins
     h0, dht = states
-    heads, dim, edim = v.shape[1], k.shape[3], v.shape[3]
+    heads = v.shape[1]
     has_beta = params[_BETA] != 0.0
     for unit in prange(seg.shape[0] * heads):
         n, j = unit // heads, unit % heads
@@ -162,45 +209,20 @@ def _backward(ins, beta, states, seg, params, grads, dbeta, dh0):
         while block * block > length and block > 1:
             block -= 1
         blocks = (length + block - 1) // block
-        saved = np.empty((max(blocks, 1), dim, edim), dtype=h0.dtype)
-        states_block = np.empty((block, dim, edim), dtype=h0.dtype)
-        work = (
-            np.empty((dim, edim), dtype=h0.dtype),
-            np.empty((dim, edim), dtype=h0.dtype),
-            np.empty((2, edim), dtype=h0.dtype),
-            np.empty((1, dim), dtype=h0.dtype),
-            np.empty(1, dtype=h0.dtype),
-            np.array([0.0, params[_LOG_BASE]]).astype(h0.dtype),
-        )
-        u = np.empty(edim, dtype=h0.dtype)
+        work = reverse_work(h0[n, j], block, params[_LOG_BASE])
+        saved = np.empty((max(blocks, 1),) + h0[n, j].shape, dtype=h0.dtype)
         state = h0[n, j].copy()
         for t in range(start, stop):
             if (t - start) % block == 0:
                 saved[(t - start) // block] = state
-            _step(state, a[b, j, t], k[b, j, t], v[b, j, t], beta[b, j, t], has_beta, u)
+            _step(state, a[b, j, t], k[b, j, t], v[b, j, t], beta[b, j, t], has_beta, work[7])
         d_state = dht[n, j].copy()
+        all_grads = (grads[0], grads[1], grads[2], grads[3], dbeta)
         for index in range(blocks - 1, -1, -1):
             first = start + index * block
-            last = min(first + block, stop)
-            states_block[0] = saved[index]
-            for t in range(first, last - 1):
-                here = states_block[t - first + 1]
-                here[:, :] = states_block[t - first]
-                _step(here, a[b, j, t], k[b, j, t], v[b, j, t], beta[b, j, t], has_beta, u)
-            for t in range(last - 1, first - 1, -1):
-                _reverse_step(
-                    grads,
-                    d_state,
-                    states_block[t - first],
-                    t,
-                    (b, j),
-                    ins,
-                    beta[b, j, t],
-                    params,
-                    work,
-                )
-                if has_beta:
-                    dbeta[b, j, t] = work[4][0]
+            work[6][0] = saved[index]
+            span = (b, j, first, min(first + block, stop))
+            reverse_span(all_grads, d_state, span, ins, beta, params, work)
         dh0[n, j] = d_state
 
 

@@ -7,7 +7,12 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import _checks
-from ..bounds.linear import linear_chunked_forward_bound, linear_forward_bound, linear_vjp_bound
+from ..bounds.linear import (
+    linear_chunked_forward_bound,
+    linear_chunked_vjp_bound,
+    linear_forward_bound,
+    linear_vjp_bound,
+)
 from . import _float64
 from ._inputs import BACKENDS, canonicalize, cotangents, fold_heads
 
@@ -151,11 +156,12 @@ def linear_attention(
         The float64 path's implementation: NumPy, refattn's deterministic Numba CPU kernel of
         the recurrence (:mod:`refattn.kernels.linear_cpu`, float64 compute), or the chunked
         (WY / UT-transform) form of flash-linear-attention's chunk kernels
-        (:mod:`refattn.kernels.linear_chunked`, chunks of 64 steps, float64 compute, forward
-        only), within :func:`refattn.linear.forward_error_bound` with the same ``backend``;
-        or the numba.cuda kernel of the recurrence (:mod:`refattn.kernels.linear_cuda`, one
-        thread block per sequence and value head, float64 compute, forward only; on the
-        device, or the simulator with ``NUMBA_ENABLE_CUDASIM=1``), bit-identical to "numba".
+        (:mod:`refattn.kernels.linear_chunked`, chunks of 64 steps, float64 compute), within
+        :func:`refattn.linear.forward_error_bound` with the same ``backend``; or the
+        numba.cuda kernel of the recurrence (:mod:`refattn.kernels.linear_cuda`, one thread
+        block per sequence and value head, float64 compute; on the device, or the simulator
+        with ``NUMBA_ENABLE_CUDASIM=1``), bit-identical to "numba". Each has a vjp
+        (:func:`linear_attention_vjp`).
 
     Returns
     -------
@@ -238,8 +244,10 @@ def linear_attention_vjp(
     ``sum(do * o) + sum(dht * final_state)`` with respect to every input.
 
     Reverse mode through the recurrence (states recomputed per block of ~sqrt(T) steps from
-    checkpoints); with ``qk_l2norm`` the gradient flows through the normalisation. The gate
-    gradient is with respect to g as given (for ``gate_base="2"``, ``d 2**g / dg = 2**g ln 2``).
+    checkpoints; ``backend="numba-chunked"``: per chunk of 64 steps from the chunk's start
+    state computed by the chunked form); with ``qk_l2norm`` the gradient flows through the
+    normalisation. The gate gradient is with respect to g as given (for ``gate_base="2"``,
+    ``d 2**g / dg = 2**g ln 2``).
 
     Parameters
     ----------
@@ -249,10 +257,14 @@ def linear_attention_vjp(
     dht : array (N, HV, D, E), optional
         Cotangent of the final state.
     scale, initial_state, cu_seqlens, qk_l2norm, gate_base, backend :
-        As :func:`linear_attention` (``backend="numba"``: the Numba CPU kernel's reverse pass;
-        ``"numba-chunked"`` and ``"cuda"`` have no reverse pass and are refused).
+        As :func:`linear_attention`. ``backend="numba"``: the Numba CPU kernel's reverse pass;
+        ``"numba-chunked"``: the chunked kernel's (boundary states from the chunked forward,
+        each chunk reversed step by step), within :func:`refattn.linear.vjp_error_bound` with
+        ``backend="numba-chunked"``; ``"cuda"``: the numba.cuda reverse recurrence,
+        bit-identical to ``"numba"``.
     precision, out_dtype :
-        "float64" (within :func:`refattn.linear.vjp_error_bound`) or "exact" (every gradient
+        "float64" (within :func:`refattn.linear.vjp_error_bound` with the same ``backend``)
+        or "exact" (every gradient
         element the exact derivative rounded once to ``out_dtype``).
 
     Returns
@@ -279,11 +291,6 @@ def linear_attention_vjp(
         qk_l2norm=qk_l2norm,
         gate_base=gate_base,
     )
-    if backend in ("numba-chunked", "cuda"):
-        raise ValueError(
-            f"backend={backend!r}: that kernel has no reverse pass; pass "
-            "backend='numba' (the recurrent CPU kernel) or 'numpy'"
-        )
     call = _call(q, k, v, g, beta, options)
     do, dht = cotangents(call, do, dht)
     if precision == "exact":
@@ -291,10 +298,15 @@ def linear_attention_vjp(
 
         _finite(call)
         return LinearAttentionGrads(*exact_linear_attention_vjp(call, do, dht, dtype))
-    if backend == "numba":
+    if backend != "numpy":
         from . import _kernels
 
-        grads = _kernels.backward(call, do, dht)
+        kernel = {
+            "numba": _kernels.backward,
+            "numba-chunked": _kernels.chunked_backward,
+            "cuda": _kernels.cuda_backward,
+        }[backend]
+        grads = kernel(call, do, dht)
     else:
         grads = _float64.backward(call, do, dht)
     return _assemble(call, grads)
@@ -364,21 +376,29 @@ def forward_error_bound(q, k, v, g=None, beta=None, *, dtype="float64", backend=
     return bound(q, k, v, g, beta, state_norms=norms, dtype=dtype, **_bound_options(full))
 
 
-def vjp_error_bound(q, k, v, g, beta, do, dht=None, *, dtype="float64", **options):
+def vjp_error_bound(q, k, v, g, beta, do, dht=None, *, dtype="float64", backend="numpy", **options):
     """Per-element bounds (a dict dq, dk, dv, dg, dbeta, dh0) on the error of the float64
     :func:`linear_attention_vjp`, from :func:`refattn.bounds.linear_vjp_bound` with the norms
-    of the float64 path's states.
+    of the float64 path's states (the bound of backends "numpy", "numba" and "cuda");
+    ``backend="numba-chunked"``: the chunked kernel's
+    (:func:`refattn.bounds.linear.linear_chunked_vjp_bound`, chunks of 64 steps: the recurrent
+    bound with the chunked form's errors of the states at the chunk boundaries).
 
     >>> import numpy as np
     >>> q = k = v = do = np.ones((1, 1, 3, 2))
     >>> bool(vjp_error_bound(q, k, v, None, None, do)["dk"].max() < 1e-12)
     True
+    >>> chunked = vjp_error_bound(q, k, v, None, None, do, backend="numba-chunked")
+    >>> bool(chunked["dk"].max() < 1e-12)
+    True
     """
+    _checks.choice(backend, "backend", BACKENDS)
     full = dict(scale=None, initial_state=None, cu_seqlens=None, qk_l2norm=False, gate_base="e")
     full.update(options)
     call = _call(q, k, v, g, beta, full)
     norms = _float64.forward(call, keep_norms=True)[2]
-    bounds = linear_vjp_bound(
+    bound = linear_chunked_vjp_bound if backend == "numba-chunked" else linear_vjp_bound
+    bounds = bound(
         q, k, v, g, beta, do, dht, state_norms=norms, dtype=dtype, **_bound_options(full)
     )
     if call.h0 is None:

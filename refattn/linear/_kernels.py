@@ -9,7 +9,14 @@ from ..kernels import linear_chunked, linear_cpu
 from . import _float64
 from ._inputs import LinearCall
 
-__all__ = ["forward", "chunked_forward", "cuda_forward", "backward"]
+__all__ = [
+    "forward",
+    "chunked_forward",
+    "cuda_forward",
+    "backward",
+    "chunked_backward",
+    "cuda_backward",
+]
 
 
 def _prepared(call: LinearCall, compute_dtype):
@@ -42,17 +49,21 @@ def forward(call: LinearCall, compute_dtype="float64"):
     return out.astype(np.float64, copy=False), final.astype(np.float64, copy=False)
 
 
-def chunked_forward(call: LinearCall, compute_dtype="float64", chunk=linear_chunked.CHUNK):
-    """(o, final) as float64 arrays from the chunked kernel computing in ``compute_dtype``."""
-    (qs, k, v, _), beta, h0, seg, _ = _prepared(call, compute_dtype)
-    dtype = qs.dtype
+def _log_decays(call: LinearCall, dtype):
+    """The chunked kernels' natural-log decays (B, HV, T, 1 or D) in ``dtype``."""
     if call.g is None:
         lg = np.zeros(call.v.shape[:3] + (1,))
     else:
         lg = call.g if call.vector_gate else call.g[..., None]
         if call.gate_base == "2":
             lg = lg * np.log(2.0)
-    lg = np.ascontiguousarray(lg, dtype=dtype)
+    return np.ascontiguousarray(lg, dtype=dtype)
+
+
+def chunked_forward(call: LinearCall, compute_dtype="float64", chunk=linear_chunked.CHUNK):
+    """(o, final) as float64 arrays from the chunked kernel computing in ``compute_dtype``."""
+    (qs, k, v, _), beta, h0, seg, _ = _prepared(call, compute_dtype)
+    lg = _log_decays(call, qs.dtype)
     out, final = linear_chunked.chunked_forward(
         (qs, k, v, lg), beta, h0, seg, call.beta is not None, chunk
     )
@@ -69,15 +80,14 @@ def cuda_forward(call: LinearCall, compute_dtype="float64", threads=None):
     return out.astype(np.float64, copy=False), final.astype(np.float64, copy=False)
 
 
-def backward(call: LinearCall, do, dht, compute_dtype="float64") -> dict:
-    """The dict of :func:`refattn.linear._float64.backward`, computed by the kernel."""
-    ins, beta, h0, seg, params = _prepared(call, compute_dtype)
-    dtype = ins[0].dtype
+def _cotangents(call: LinearCall, do, dht, dtype):
     do = np.ascontiguousarray(do, dtype=dtype)
     dht = np.zeros(call.state_shape, dtype) if dht is None else np.ascontiguousarray(dht, dtype)
-    dqs, dk, dv, dg, dbeta, dh0 = linear_cpu.linear_backward(
-        (*ins, do), beta, (h0, dht), seg, params
-    )
+    return do, dht
+
+
+def _grads(call: LinearCall, dqs, dk, dv, dg, dbeta, dh0) -> dict:
+    """The kernels' gradients (dg per key row) -> the dict of the float64 path."""
     if call.g is None:
         dg = None
     elif not call.vector_gate:
@@ -90,3 +100,32 @@ def backward(call: LinearCall, do, dht, compute_dtype="float64") -> dict:
         "beta": None if call.beta is None else dbeta.astype(np.float64),
         "h0": dh0.astype(np.float64),
     }
+
+
+def backward(call: LinearCall, do, dht, compute_dtype="float64") -> dict:
+    """The dict of :func:`refattn.linear._float64.backward`, computed by the kernel."""
+    ins, beta, h0, seg, params = _prepared(call, compute_dtype)
+    do, dht = _cotangents(call, do, dht, ins[0].dtype)
+    return _grads(call, *linear_cpu.linear_backward((*ins, do), beta, (h0, dht), seg, params))
+
+
+def chunked_backward(
+    call: LinearCall, do, dht, compute_dtype="float64", chunk=linear_chunked.CHUNK
+) -> dict:
+    """The dict of :func:`refattn.linear._float64.backward`, from the chunked kernel."""
+    ins, beta, h0, seg, params = _prepared(call, compute_dtype)
+    do, dht = _cotangents(call, do, dht, ins[0].dtype)
+    lg = _log_decays(call, ins[0].dtype)
+    grads = linear_chunked.chunked_backward((*ins, do), lg, beta, (h0, dht), seg, params, chunk)
+    return _grads(call, *grads)
+
+
+def cuda_backward(call: LinearCall, do, dht, compute_dtype="float64", threads=None) -> dict:
+    """The dict of :func:`refattn.linear._float64.backward`, from the numba.cuda kernel."""
+    from ..kernels import linear_cuda
+
+    ins, beta, h0, seg, params = _prepared(call, compute_dtype)
+    do, dht = _cotangents(call, do, dht, ins[0].dtype)
+    threads = linear_cuda.THREADS if threads is None else threads
+    grads = linear_cuda.linear_backward((*ins, do), beta, (h0, dht), seg, params, threads)
+    return _grads(call, *grads)

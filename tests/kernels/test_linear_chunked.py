@@ -6,8 +6,13 @@
   result;
 * at the chunk boundaries of the default C = 64 (T = 63, 64, 65, 127, 128, 129): within the
   chunked bound plus the float64 path's bound of the float64 NumPy recurrence;
-* deterministic: bit-identical across runs and for 1 and 2 threads (subprocesses);
-* the vjp refuses the backend by name.
+* the vjp (boundary states from the chunked form, each chunk reversed step by step): every
+  form, float64 and float32 compute, chunks of 1 to 4 steps, within
+  refattn.bounds.linear.linear_chunked_vjp_bound of the exact vjp (each element the exact
+  derivative rounded once); at the default chunk boundaries and on packed sequences with empty
+  and 1-token sequences, within that bound plus the recurrent vjp's of the Numba recurrent
+  kernel's vjp;
+* deterministic: bit-identical across runs and for 1 and 2 threads (subprocesses).
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import refattn
-from refattn.bounds.linear import linear_chunked_forward_bound
-from refattn.linear import _float64, _inputs, _kernels
+from refattn.bounds.linear import linear_chunked_forward_bound, linear_chunked_vjp_bound
+from refattn.linear import _api, _float64, _inputs, _kernels
 from tests.helpers import assert_same_bits, assert_within
 from tests.naive.linear import naive_linear_rounded
 from tests.strategies import LINEAR_FORMS, linear_attention_cases
@@ -118,20 +123,108 @@ def test_bit_identical_across_runs():
     first = refattn.linear_attention(*args, backend="numba-chunked", **opts)
     second = refattn.linear_attention(*args, backend="numba-chunked", **opts)
     assert_same_bits(first, second, what="two runs of the chunked kernel")
+    do = np.ones_like(args[2])
+    one = refattn.linear_attention_vjp(*args, do, backend="numba-chunked", **opts)
+    two = refattn.linear_attention_vjp(*args, do, backend="numba-chunked", **opts)
+    for name, x, y in zip(one._fields, one, two, strict=True):
+        assert_same_bits(x, y, what=f"two runs of the chunked vjp: {name}")
 
 
-def test_the_vjp_refuses_the_chunked_backend():
-    args, opts = _problem(3, "gdn")
-    with pytest.raises(ValueError, match="numba-chunked"):
-        refattn.linear_attention_vjp(*args, np.ones((1, 2, 3, 3)), backend="numba-chunked")
+def _exact_grads(case, do, dht):
+    args = (case["q"], case["k"], case["v"], case["g"], case["beta"], do, dht)
+    return refattn.linear_attention_vjp(*args, precision="exact", **case["opts"])
+
+
+@pytest.mark.parametrize("compute", ["float64", "float32"])
+@pytest.mark.parametrize("form", sorted(LINEAR_FORMS))
+def test_chunked_vjp_within_the_bound(form, compute):
+    @settings(max_examples=4, deadline=None)
+    @given(
+        case=linear_attention_cases(forms=(form,), max_length=6), chunk=st.sampled_from([1, 2, 4])
+    )
+    def check(case, chunk):
+        call = _call(case)
+        rng = np.random.default_rng(7)
+        do = rng.normal(size=case["v"].shape)
+        dht = rng.normal(size=call.state_shape) if chunk != 4 else None
+        grads = _api._assemble(call, _kernels.chunked_backward(call, do, dht, compute, chunk))
+        truth = _exact_grads(case, do, dht)
+        args = (case["q"], case["k"], case["v"], case["g"], case["beta"], do, dht)
+        norms = _float64.forward(call, keep_norms=True)[2]
+        bounds = linear_chunked_vjp_bound(
+            *args, chunk=chunk, state_norms=norms, dtype=compute, **case["opts"]
+        )
+        half = refattn.bounds.UNIT_ROUNDOFF
+        for name in truth._fields:
+            ours, exact = getattr(grads, name), getattr(truth, name)
+            if exact is None:
+                assert ours is None, name
+                continue
+            bound = bounds[name] + half * np.abs(exact)
+            assert_within(ours, exact, bound, what=f"{form} {compute} chunk {chunk} {name}")
+
+    check()
+
+
+def _against_the_recurrent_vjp(args, opts, what):
+    """The chunked vjp and the recurrent kernel's each within their bound of the truth."""
+    rng = np.random.default_rng(len(what))
+    do = rng.normal(size=args[2].shape)
+    h0 = opts["initial_state"]
+    dht = rng.normal(size=h0.shape)
+    chunked = refattn.linear_attention_vjp(*args, do, dht, backend="numba-chunked", **opts)
+    recurrent = refattn.linear_attention_vjp(*args, do, dht, backend="numba", **opts)
+    bound = refattn.linear.vjp_error_bound(*args, do, dht, backend="numba-chunked", **opts)
+    plain = refattn.linear.vjp_error_bound(*args, do, dht, **opts)
+    for name in chunked._fields:
+        ours, theirs = getattr(chunked, name), getattr(recurrent, name)
+        if theirs is None:
+            assert ours is None, name
+            continue
+        assert_within(ours, theirs, bound[name] + plain[name], what=f"{what} {name}")
+
+
+@pytest.mark.parametrize("length", [63, 64, 65, 127, 128, 129])
+@pytest.mark.parametrize("form", ["gdn", "kda", "gla", "deltanet"])
+def test_chunked_vjp_at_the_chunk_boundaries(form, length):
+    args, opts = _problem(length, form)
+    _against_the_recurrent_vjp(args, opts, f"{form} T={length}")
+
+
+@pytest.mark.parametrize("form", ["gdn", "simple_gla", "linear"])
+def test_chunked_vjp_on_packed_sequences(form):
+    args, opts = _problem(131, form)
+    opts["cu_seqlens"] = np.array([0, 0, 1, 66, 66, 131])
+    opts["initial_state"] = np.random.default_rng(2).normal(size=(5, 2, 4, 3))
+    opts["gate_base"] = "2"
+    _against_the_recurrent_vjp(args, opts, f"packed {form}")
+
+
+def test_chunked_vjp_of_empty_and_one_token_sequences():
+    """Only empty and 1-token sequences: dh0 = dht on the empty ones; one chunk each."""
+    args, opts = _problem(2, "kda")
+    opts["cu_seqlens"] = np.array([0, 0, 1, 1, 2])
+    opts["initial_state"] = np.random.default_rng(3).normal(size=(4, 2, 4, 3))
+    dht = np.random.default_rng(4).normal(size=(4, 2, 4, 3))
+    grads = refattn.linear_attention_vjp(*args, np.ones((1, 2, 2, 3)), dht, **opts)
+    chunked = refattn.linear_attention_vjp(
+        *args, np.ones((1, 2, 2, 3)), dht, backend="numba-chunked", **opts
+    )
+    assert_same_bits(chunked.dh0[[0, 2]], dht[[0, 2]], what="dh0 of the empty sequences")
+    bounds = refattn.linear.vjp_error_bound(
+        *args, np.ones((1, 2, 2, 3)), dht, backend="numba-chunked", **opts
+    )
+    for name in grads._fields:
+        assert_within(getattr(chunked, name), getattr(grads, name), 2 * bounds[name], what=name)
 
 
 _DIGEST = """
-import hashlib, refattn
+import hashlib, numpy as np, refattn
 from tests.kernels.test_linear_chunked import _problem
 args, opts = _problem(140, "gdn", heads=4)
 o = refattn.linear_attention(*args, backend="numba-chunked", **opts)
-print(hashlib.sha256(o.tobytes()).hexdigest())
+grads = refattn.linear_attention_vjp(*args, np.ones_like(args[2]), backend="numba-chunked", **opts)
+print(hashlib.sha256(o.tobytes() + b"".join(x.tobytes() for x in grads)).hexdigest())
 """
 
 

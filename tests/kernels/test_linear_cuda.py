@@ -8,7 +8,10 @@ machine with a GPU the same tests run on the device.
 * every form (GVA, packed sequences, initial states, l2norm): bit-identical to the CPU kernel
   (backend="numba", same operations in the same order) and within the float64 path's bound of
   the float64 NumPy recurrence, for two launch shapes;
-* the vjp refuses the backend by name; a missing device says what to do.
+* the vjp (the reverse recurrence, every form, packed sequences with an empty one, dht): bit-
+  identical to the CPU kernel's vjp and within the vjp bound of the float64 NumPy vjp, float64
+  and float32 compute, for 1, 2 and 32 threads per block;
+* a missing device says what to do.
 """
 
 from __future__ import annotations
@@ -90,10 +93,43 @@ def test_cuda_float32_and_launch_shapes():
         assert_same_bits(x, z, what=f"float32 {what}: cuda and numba")
 
 
-def test_the_vjp_refuses_the_cuda_backend():
-    args, opts = _problem("gdn")
-    with pytest.raises(ValueError, match="'cuda'"):
-        refattn.linear_attention_vjp(*args, np.ones(args[2].shape), backend="cuda", **opts)
+def _cotangents(args, opts, seed=1):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=args[2].shape), rng.normal(size=opts["initial_state"].shape)
+
+
+@pytest.mark.cudasim
+@needs_cuda
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("form", sorted(LINEAR_FORMS))
+def test_cuda_vjp_matches_the_cpu_kernel_bit_for_bit(form, packed):
+    args, opts = _problem(form, packed, seed=len(form))
+    do, dht = _cotangents(args, opts)
+    grads = refattn.linear_attention_vjp(*args, do, dht, backend="cuda", **opts)
+    cpu = refattn.linear_attention_vjp(*args, do, dht, backend="numba", **opts)
+    ref = refattn.linear_attention_vjp(*args, do, dht, **opts)
+    bounds = refattn.linear.vjp_error_bound(*args, do, dht, **opts)
+    for name in grads._fields:
+        ours, theirs = getattr(grads, name), getattr(cpu, name)
+        if theirs is None:
+            assert ours is None and getattr(ref, name) is None, name
+            continue
+        assert_same_bits(ours, theirs, what=f"{form} cuda {name} against numba")
+        assert_within(ours, getattr(ref, name), 2 * bounds[name], what=f"{form} cuda {name}")
+
+
+@pytest.mark.cudasim
+@needs_cuda
+def test_cuda_vjp_float32_and_launch_shapes():
+    args, opts = _problem("kda", packed=True, seed=3)
+    call = _canonical(args, opts)
+    do, dht = _cotangents(args, opts, seed=2)
+    cpu = _kernels.backward(call, do, dht, "float32")
+    for threads in (1, 2, 32):
+        grads = _kernels.cuda_backward(call, do, dht, "float32", threads=threads)
+        for name, x in grads.items():
+            y = cpu[name]
+            assert_same_bits(x, y, what=f"float32 vjp {name}: cuda ({threads} threads) and numba")
 
 
 def test_missing_cuda_says_what_to_do():

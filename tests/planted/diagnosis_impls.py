@@ -20,6 +20,7 @@ reproduces one bug or one real peer's convention the oracle must *name*:
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from oracle.judging.tolerance import allowed_positions
@@ -114,3 +115,41 @@ PLANTED = {
         "last row",
     ),
 }
+
+
+def _bf16_sums(q, k, v, return_lse, options, values):
+    """q.k summed feature by feature in bfloat16 (every partial sum rounded to 8 bits), the
+    softmax in float32, then P@V summed key by key in bfloat16 (``values``) or in float32."""
+    bf = ml_dtypes.bfloat16
+    qb, kb, vb = (np.asarray(x).astype(bf) for x in (q, k, v))
+    group = qb.shape[-3] // kb.shape[-3]
+    kb, vb = (np.repeat(x, group, axis=-3) for x in (kb, vb))
+    scores = np.zeros(qb.shape[:-1] + (kb.shape[-2],), bf)
+    for d in range(qb.shape[-1]):
+        scores = (scores + qb[..., :, None, d] * kb[..., None, :, d]).astype(bf)
+    s = scores.astype(np.float32) * np.float32(resolve_scale(options.get("scale"), qb.shape[-1]))
+    top = s.max(axis=-1, keepdims=True)
+    w = np.exp(s - top)
+    total = w.sum(axis=-1, keepdims=True)
+    p = w / total
+    if values:
+        p, out = p.astype(bf), np.zeros(qb.shape[:-1] + (vb.shape[-1],), bf)
+        for j in range(vb.shape[-2]):
+            out = (out + p[..., :, j, None] * vb[..., None, j, :]).astype(bf)
+    else:
+        out = np.einsum("...ls,...se->...le", p, vb.astype(np.float32))
+    dtype = np.asarray(q).dtype
+    lse = (np.log(total) + top)[..., 0].astype(dtype)
+    out = np.asarray(out).astype(dtype)
+    return (out, lse) if return_lse else out
+
+
+def bf16_score_sums(q, k, v, return_lse=False, **options):
+    """A kernel summing q.k in bfloat16 (a precision loss, not a convention); unmasked cases
+    with no options only."""
+    return _bf16_sums(q, k, v, return_lse, options, values=False)
+
+
+def bf16_accumulation(q, k, v, return_lse=False, **options):
+    """A kernel summing q.k and P@V in bfloat16; unmasked cases with no options only."""
+    return _bf16_sums(q, k, v, return_lse, options, values=True)
