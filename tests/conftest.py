@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 
 import mpmath
 import pytest
@@ -40,6 +41,35 @@ _COUNTS = "refattn_not_run"  # the config attribute and workeroutput key of the 
 # process: the PYTEST_ADDOPTS it inherits overrides setup.cfg's ``-n`` (the command line still
 # wins over both), so nested runs do not start worker pools of their own.
 os.environ["PYTEST_ADDOPTS"] = (os.environ.get("PYTEST_ADDOPTS", "") + " -n 0").strip()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    """Under xdist with several workers, compile the Numba kernels once before the workers start.
+
+    Left to themselves, the workers compile what their first tests need, often the same kernels
+    at the same moment; :func:`refattn.kernels.precompile` with ``jobs`` = the workers compiles
+    each kernel once into Numba's on-disk cache, on every core, and the workers load it (a
+    warm cache loads in seconds). ``REFATTN_PRECOMPILE=0`` leaves compiling to the tests.
+    """
+    config = session.config
+    workers = getattr(config.option, "numprocesses", None)
+    if hasattr(config, "workerinput") or not isinstance(workers, int) or workers < 2:
+        return
+    if os.environ.get("REFATTN_PRECOMPILE") == "0" or os.environ.get("NUMBA_DISABLE_JIT") == "1":
+        return
+    from refattn.kernels import FAMILIES, precompile  # here: only the controller needs it
+
+    say = config.pluginmanager.get_plugin("terminalreporter")
+    say = say.write_line if say is not None else print
+    say(f"refattn: compiling (or loading) the Numba kernels in {workers} processes ...")
+    start = time.perf_counter()
+    try:
+        precompile(paths=FAMILIES, jobs=workers)
+    except RuntimeError as exc:  # the tests compile what they need (and report what fails)
+        say(f"refattn: precompiling the kernels failed, the tests compile them: {exc}")
+        return
+    say(f"refattn: the Numba kernels are ready ({time.perf_counter() - start:.0f} s)")
 
 
 def _installed(name: str) -> bool:

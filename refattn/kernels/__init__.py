@@ -8,6 +8,7 @@ user-facing entry point.
 
 from ._dispatch import (
     COMPILE_MESSAGE,
+    FAMILIES,
     GATHER,
     PATHS,
     announce_compile,
@@ -29,5 +30,6 @@ __all__ = [
     "COMPILE_MESSAGE",
     "announce_compile",
     "precompile",
+    "FAMILIES",
     "PATHS",
 ]

@@ -66,25 +66,26 @@ def _score(qrow, krow, b, h, i, j, opts, fopts, terms):
     multiply-adds over D, then the forward's order (scale -> softcap -> + bias -> + ALiBi)."""
     bias, bstr = terms[TERM_BIAS], terms[TERM_BIAS_STRIDES]
     mask, mstr, slopes = terms[TERM_MASK], terms[TERM_MASK_STRIDES], terms[TERM_SLOPES]
+    ty = qrow.dtype.type  # every step rounds to the compute dtype (float32 stays float32)
     if opts[OPT_HAS_MASK] != 0 and mask[mstr[0] * b + mstr[1] * h + mstr[2] * i + mstr[3] * j] == 0:
-        return False, qrow[0] * 0, qrow[0] * 0
-    raw = qrow[0] * 0
+        return False, ty(0), ty(0)
+    raw = ty(0)
     for x in range(qrow.shape[0]):
         raw = fma(qrow[x], krow[x], raw)
-    t = raw * fopts[FOPT_SCALE]
-    deriv = t * 0 + 1
+    t = ty(raw * fopts[FOPT_SCALE])
+    deriv = ty(1)
     if opts[OPT_HAS_SOFTCAP] != 0:
         cap = fopts[FOPT_SOFTCAP]
-        th = math.tanh(t / cap)
-        t = cap * th
-        deriv = 1.0 - th * th
+        th = ty(math.tanh(t / cap))
+        t = ty(cap * th)
+        deriv = ty(1) - th * th
     if opts[OPT_HAS_BIAS] != 0:
         bv = bias[bstr[0] * b + bstr[1] * h + bstr[2] * i + bstr[3] * j]
         if bv == -np.inf:
             return False, t, deriv
-        t = t + bv
+        t = ty(t + bv)
     if opts[OPT_HAS_ALIBI] != 0:
-        t = t - slopes[h] * abs(i + opts[OPT_OFFSET] - j)
+        t = ty(t - slopes[h] * abs(i + opts[OPT_OFFSET] - j))
     return t != -np.inf, t, deriv
 
 
@@ -104,6 +105,7 @@ def _row_grads(index, cols, count, tensors, saved, opts, fopts, terms, grads):
     has_drop, has_bias = opts[OPT_HAS_DROPOUT] != 0, opts[OPT_HAS_BIAS] != 0
     keep_scale, scale = fopts[FOPT_KEEP_SCALE], fopts[FOPT_SCALE]
     qrow, dorow, dqrow = q[b, h, i], grad_out[b, h, i], dq[b, h, i]
+    ty = q.dtype.type  # the compute dtype of every step (see _score)
     d_i = delta[b, h, i]
     for c in range(count):
         j = cols[c]
@@ -111,21 +113,21 @@ def _row_grads(index, cols, count, tensors, saved, opts, fopts, terms, grads):
         ok, t, deriv = _score(qrow, krow, b, h, i, j, opts, fopts, terms)
         if not ok:
             continue
-        p = exp_compute(t - row_lse)
+        p = ty(exp_compute(ty(t - row_lse)))
         kept = not has_drop or drop[dstr[0] * b + dstr[1] * h + dstr[2] * i + dstr[3] * j] != 0
-        dp = p * 0
+        dp = ty(0)
         if kept:
             for e in range(vrow.shape[0]):
                 dp = fma(dorow[e], vrow[e], dp)
-            dp = dp * keep_scale
-            w = p * keep_scale
+            dp = ty(dp * keep_scale)
+            w = ty(p * keep_scale)
             dvrow = dv[b, g, j]
             for e in range(vrow.shape[0]):
                 dvrow[e] = fma(w, dorow[e], dvrow[e])
-        ds = p * (dp - d_i)
+        ds = ty(p * ty(dp - d_i))
         if has_bias:
             dbias[b, h, i, j] = ds
-        dt = ds * deriv * scale
+        dt = ty(ty(ds * deriv) * scale)
         dkrow = dk[b, g, j]
         for x in range(qrow.shape[0]):
             dqrow[x] = fma(dt, krow[x], dqrow[x])

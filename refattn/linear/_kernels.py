@@ -35,8 +35,8 @@ def _prepared(call: LinearCall, compute_dtype):
     params = np.array([call.g is not None, call.beta is not None, log_base], dtype=np.float64)
     dtype = np.dtype(compute_dtype)
 
-    def cast(x):
-        return np.ascontiguousarray(x, dtype=dtype)
+    def cast(x):  # writable C arrays: one specialisation per dtype whatever the caller passed
+        return np.require(x, dtype, ["C", "W"])
 
     ins = (cast(q * call.scale), cast(k), cast(call.v), cast(a))
     return ins, cast(beta), cast(h0), seg, params
@@ -57,7 +57,7 @@ def _log_decays(call: LinearCall, dtype):
         lg = call.g if call.vector_gate else call.g[..., None]
         if call.gate_base == "2":
             lg = lg * np.log(2.0)
-    return np.ascontiguousarray(lg, dtype=dtype)
+    return np.require(lg, dtype, ["C", "W"])
 
 
 def chunked_forward(call: LinearCall, compute_dtype="float64", chunk=linear_chunked.CHUNK):
@@ -81,8 +81,8 @@ def cuda_forward(call: LinearCall, compute_dtype="float64", threads=None):
 
 
 def _cotangents(call: LinearCall, do, dht, dtype):
-    do = np.ascontiguousarray(do, dtype=dtype)
-    dht = np.zeros(call.state_shape, dtype) if dht is None else np.ascontiguousarray(dht, dtype)
+    do = np.require(do, dtype, ["C", "W"])
+    dht = np.zeros(call.state_shape, dtype) if dht is None else np.require(dht, dtype, ["C", "W"])
     return do, dht
 
 

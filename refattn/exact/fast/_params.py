@@ -13,6 +13,29 @@ constants generated from that tuple (compile-time constants in Numba), never by 
 
 from __future__ import annotations
 
+import numpy as np
+
+
+def frozen(a, dtype=None):
+    """``a`` as a C-contiguous, read-only array (a view when it already is C-contiguous).
+
+    Every array a compiled kernel only reads is handed over through this, so each kernel has one
+    Numba specialisation per dtype instead of one per mix of the callers' writable and
+    read-only (memory-mapped, broadcast, user-frozen) arrays: a kernel that wrote into it
+    would fail to compile, and the data are never copied to make them writable.
+
+    Examples
+    --------
+    >>> frozen(np.arange(3.0)).flags.writeable
+    False
+    """
+    a = np.ascontiguousarray(a, dtype=dtype)
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
 #: Slots of the forward's ``prm``: the scale as a double-double with its error, the relative
 #: bound of a D-term Dot2 dot product, the softcap (0: off), the head's ALiBi slope and the
 #: batch row's ALiBi offset, the relative bound of the sum of Z, the keep scale 1/(1-p) as a

@@ -85,7 +85,7 @@ from ...spec import AttentionSpec
 from ..attention import exact_forward
 from ..rounding import format_of
 from . import doubledouble as D
-from ._params import P_ALIBI_OFFSET, P_SINK, P_SLOPE, PRM
+from ._params import P_ALIBI_OFFSET, P_SINK, P_SLOPE, PRM, frozen
 from .allowed_set import allowed_rule
 from .forward_kernels import OK, ROW_BLOCK, SUM_BLOCK, UNDECIDED, forward_d, forward_dd, row_facts
 
@@ -259,7 +259,7 @@ class _Inputs:
         self.prm, ok = kernel_params(spec)
 
         def facts(a):  # (ok, norms, scales) of the rows of a's last axis
-            flat = a.reshape(int(np.prod(a.shape[:3])), a.shape[3])
+            flat = frozen(a.reshape(int(np.prod(a.shape[:3])), a.shape[3]))
             out = [np.empty(flat.shape[0], dtype) for dtype in (np.bool_, np.float64, np.float64)]
             if flat.shape[0]:
                 row_facts(flat, flat.view(np.int64), out[1], out[2], out[0])
@@ -301,7 +301,10 @@ def fast_exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, retu
     step_rows = {"double": 0, "double-double": 0}
     if out.size or lse.size:
         x = _Inputs(spec)
-        inputs = (x.q, x.kT, x.v, x.qn, x.kn, x.qs, x.ks, x.vmax, x.vnorm, x.prm, x.kvh)
+        inputs = tuple(
+            frozen(a)
+            for a in (x.q, x.kT, x.v, x.qn, x.kn, x.qs, x.ks, x.vmax, x.vnorm, x.prm, x.kvh)
+        )
         rule = x.rule.kernel_args()
         target = (return_lse, return_weights, fmt.p, fmt.emin, float(fmt.max_finite))
         results = (out, lse, weights, status)
@@ -317,7 +320,7 @@ def fast_exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, retu
             redo = x.ok[:, :, None] & (status == UNDECIDED)
         else:
             redo = np.broadcast_to(x.ok[:, :, None], status.shape)
-        items = np.argwhere(redo)
+        items = np.ascontiguousarray(np.argwhere(redo))  # argwhere's rows: one kernel layout
         if items.size:
             forward_dd(items, inputs, rule, target, results)
         step_rows["double-double"] = items.shape[0]

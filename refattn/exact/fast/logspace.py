@@ -23,6 +23,7 @@ from numba import prange
 
 from ..rounding import format_of
 from . import doubledouble as D
+from ._params import frozen
 from .doubledouble import EXP_FAST_REL, exp_dd_fast
 from .forward import rounds_to_zero
 from .forward_kernels import CUT, TINY, WEIGHT_TINY_ARG, WEIGHT_ZERO_ARG
@@ -123,8 +124,8 @@ def fast_logsumexp(x: np.ndarray, allowed: np.ndarray, dtype):
     ([0.6931471805599453], [True])
     """
     fmt = format_of(dtype)
-    x = np.ascontiguousarray(x, dtype=np.float64)
-    allowed = np.ascontiguousarray(allowed, dtype=bool)
+    x = frozen(x, np.float64)
+    allowed = frozen(allowed, bool)
     _, _, lse, ok = _first_step(x, allowed)
     values, decided = decide_dd_fast(lse[:, 0], lse[:, 1], lse[:, 2], fmt)
     return values, decided & ok
@@ -141,8 +142,8 @@ def fast_softmax(x: np.ndarray, allowed: np.ndarray, dtype, *, log: bool = False
     ([[0.5, 0.5]], [True])
     """
     fmt = format_of(dtype)
-    x = np.ascontiguousarray(x, dtype=np.float64)
-    allowed = np.ascontiguousarray(allowed, dtype=bool)
+    x = frozen(x, np.float64)
+    allowed = frozen(allowed, bool)
     top, lz, _, ok = _first_step(x, allowed)
     w = [np.zeros(x.shape) for _ in range(3)]
     tiny = np.zeros(x.shape, dtype=np.int8)

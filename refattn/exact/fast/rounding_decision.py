@@ -18,6 +18,7 @@ import math
 import numpy as np
 from numba import njit
 
+from ._params import frozen
 from .doubledouble import two_sum
 
 __all__ = [
@@ -155,7 +156,7 @@ def decide_dd_fast(mid_hi, mid_lo, rad, fmt):
     mid_hi = np.asarray(mid_hi, np.float64)
     shape = mid_hi.shape
     flat = [
-        np.ascontiguousarray(np.broadcast_to(np.asarray(x, np.float64), shape)).reshape(-1)
+        frozen(np.broadcast_to(np.asarray(x, np.float64), shape)).reshape(-1)
         for x in (mid_hi, mid_lo, rad)
     ]
     values = np.empty(flat[0].size)

@@ -142,7 +142,7 @@ import numpy as np
 
 from .._fixed import to_fixed
 from ..rounding import round_exact
-from ._params import VJP_FOPTS, VJP_OPTS, VO_OFFSETS
+from ._params import VJP_FOPTS, VJP_OPTS, VO_OFFSETS, frozen
 from .allowed_set import allowed_rule, compact_view
 from .doubledouble import dd_of_exact, dd_of_fraction, dot_bound
 from .vjp_passes import (
@@ -242,7 +242,7 @@ def _dbias_stream_slots(spec):
     slot_b = np.ascontiguousarray(index[..., 0, 0, 0], np.int64).reshape(-1)
     if slot_b.shape != (batch,):
         return None
-    return slot_b, strides
+    return frozen(slot_b), frozen(strides)
 
 
 def _exact_row_sums(glse, nonempty, index, shape):
@@ -340,20 +340,17 @@ def gradient_enclosures(spec, grad_out, grad_lse, *, stream_dbias=True):
     """
     batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
     f64 = np.float64
-    q = np.ascontiguousarray(spec.q, f64)
-    k = np.ascontiguousarray(spec.k, f64)
-    kt = np.ascontiguousarray(np.swapaxes(k, 2, 3))
-    vt = np.ascontiguousarray(np.swapaxes(np.asarray(spec.v, f64), 2, 3))
-    do = np.ascontiguousarray(grad_out, f64)
-    glse = np.ascontiguousarray(grad_lse, f64) if grad_lse is not None else np.zeros((1, 1, 1))
+    # the inputs the passes only read, read-only (one specialisation of each pass)
+    q = frozen(spec.q, f64)
+    k = frozen(spec.k, f64)
+    kt = frozen(np.swapaxes(k, 2, 3))
+    vt = frozen(np.swapaxes(np.asarray(spec.v, f64), 2, 3))
+    do = frozen(grad_out, f64)
+    glse = frozen(grad_lse if grad_lse is not None else np.zeros((1, 1, 1)), f64)
     rule = allowed_rule(spec).kernel_args()
-    slopes = (
-        np.ascontiguousarray(spec.alibi_slopes, f64)
-        if spec.alibi_slopes is not None
-        else np.zeros(1)
-    )
-    group = np.array([np.flatnonzero(spec.kv_head == g) for g in range(kv_heads)], np.int64)
-    opts, fopts = _vjp_options(spec)
+    slopes = frozen(spec.alibi_slopes if spec.alibi_slopes is not None else np.zeros(1), f64)
+    group = frozen(np.array([np.flatnonzero(spec.kv_head == g) for g in range(kv_heads)], np.int64))
+    opts, fopts = (frozen(a) for a in _vjp_options(spec))
     dq = np.zeros((3, batch, heads, length, dim))
     dk = np.zeros((3, batch, kv_heads, keys, dim))
     dv = np.zeros((3, batch, kv_heads, keys, vdim))
@@ -369,7 +366,7 @@ def gradient_enclosures(spec, grad_out, grad_lse, *, stream_dbias=True):
         dbias_shape = tuple(spec.bias_shape)
         reduced = np.zeros((3, int(np.prod(dbias_shape))))
     has_sink = spec.sinks is not None
-    sinks = np.ascontiguousarray(spec.sinks, f64) if has_sink else np.zeros(1)
+    sinks = frozen(spec.sinks if has_sink else np.zeros(1), f64)
     dsink = np.zeros((3, batch, heads, length)) if has_sink else np.zeros((3, 1, 1, 1))
     bad = np.zeros((batch, kv_heads), np.bool_)
     if batch and heads and length and (keys or has_sink):
@@ -381,7 +378,7 @@ def gradient_enclosures(spec, grad_out, grad_lse, *, stream_dbias=True):
         lse_grad = (grad_lse is not None, glse)
         terms = (slopes, opts, fopts)
         norms = (k_l1, v_l1, k_col, q_sum, do_sum)
-        kv_head = np.ascontiguousarray(spec.kv_head, np.int64)
+        kv_head = frozen(spec.kv_head, np.int64)
         istat = np.zeros((batch, heads, length, 3), np.int64)
         fstat = np.zeros((batch, heads, length, N_STAT))
         bad_rows = np.zeros((batch, heads, -(-length // ROW_BLOCK)), np.bool_)
@@ -449,5 +446,5 @@ def reduce_enclosure(enc, index, shape):
         return enc.reshape((3,) + shape)
     out = np.zeros((3, size))
     if flat.size:
-        reduce_slots(np.ascontiguousarray(enc), flat, out)
+        reduce_slots(np.ascontiguousarray(enc), frozen(flat), out)
     return out.reshape((3,) + shape)
