@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._arrays import read_only
 from ..spec import window_sides
 
 #: The slots of ``dims``, in :attr:`refattn.spec.AttentionSpec.dims`' order (B, H, K, L, S, D, E).
@@ -99,25 +100,6 @@ def plane(view):
         np.int64,
     )
     return read_only(data.reshape(-1)), strides
-
-
-def read_only(array):
-    """A read-only view of ``array`` (no copy).
-
-    The kernels only read their inputs: passing every input as a read-only view gives Numba
-    one array type whatever the caller's flags (one compiled specialisation), and never copies
-    an input just to make it writeable.
-
-    Examples
-    --------
-    >>> a = np.arange(3.0)
-    >>> view = read_only(a)
-    >>> view.flags.writeable, a.flags.writeable, np.shares_memory(a, view)
-    (False, True, True)
-    """
-    view = array.view()
-    view.flags.writeable = False
-    return view
 
 
 def kernel_arguments(spec, dtype):

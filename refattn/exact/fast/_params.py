@@ -15,25 +15,20 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..._arrays import read_only
+
 
 def frozen(a, dtype=None):
-    """``a`` as a C-contiguous, read-only array (a view when it already is C-contiguous).
-
-    Every array a compiled kernel only reads is handed over through this, so each kernel has one
-    Numba specialisation per dtype instead of one per mix of the callers' writable and
-    read-only (memory-mapped, broadcast, user-frozen) arrays: a kernel that wrote into it
-    would fail to compile, and the data are never copied to make them writable.
+    """``a`` as a C-contiguous, read-only array in ``dtype`` (a view when it already is
+    C-contiguous in that dtype): :func:`refattn._arrays.read_only` after the layout, so each
+    compiled pass has one specialisation per dtype.
 
     Examples
     --------
     >>> frozen(np.arange(3.0)).flags.writeable
     False
     """
-    a = np.ascontiguousarray(a, dtype=dtype)
-    if a.flags.writeable:
-        a = a.view()
-        a.flags.writeable = False
-    return a
+    return read_only(np.ascontiguousarray(a, dtype=dtype))
 
 
 #: Slots of the forward's ``prm``: the scale as a double-double with its error, the relative
