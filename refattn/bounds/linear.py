@@ -204,6 +204,20 @@ def _adjoint_pass(s, span, norms_err, do_n, dht_n, g_n, log_base):
     return out, lam
 
 
+def _options(q, scale, initial_state, cu_seqlens, qk_l2norm, gate_base, state_norms) -> dict:
+    """The public bounds' keyword options as the passes read them, the scale resolved (default
+    1/sqrt(D))."""
+    dim = np.shape(q)[-1]
+    return dict(
+        scale=1.0 / math.sqrt(dim) if scale is None else float(scale),
+        initial_state=initial_state,
+        cu_seqlens=cu_seqlens,
+        qk_l2norm=qk_l2norm,
+        gate_base=gate_base,
+        state_norms=state_norms,
+    )
+
+
 def linear_vjp_bound(
     q,
     k,
@@ -231,8 +245,7 @@ def linear_vjp_bound(
     >>> bool(bounds["dq"].max() < 1e-13), bounds["dg"] is None
     (True, True)
     """
-    options = dict(scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens)
-    options.update(qk_l2norm=qk_l2norm, gate_base=gate_base, state_norms=state_norms)
+    options = _options(q, scale, initial_state, cu_seqlens, qk_l2norm, gate_base, state_norms)
     return _vjp_bound((q, k, v, g, beta), do, dht, options, dtype)
 
 
@@ -243,7 +256,6 @@ def _vjp_bound(args, do, dht, options, dtype, extra=None):
     v = np.asarray(v)
     dim, heads = np.shape(q)[-1], np.shape(q)[1]
     scale = options["scale"]
-    scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
     s = _per_step(q, k, v, g, beta, scale, options["qk_l2norm"], options["gate_base"])
     g_n = gamma(rounding_count(dim), dtype)
     log_base = math.log(2.0) if str(options["gate_base"]) == "2" else 1.0
@@ -423,10 +435,7 @@ def linear_chunked_forward_bound(
     >>> bool(o_bound.shape == (1, 1, 3, 2) and 0 < o_bound.max() < 1e-13)
     True
     """
-    dim = np.shape(q)[-1]
-    scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
-    options = dict(scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens)
-    options.update(qk_l2norm=qk_l2norm, gate_base=gate_base, state_norms=state_norms)
+    options = _options(q, scale, initial_state, cu_seqlens, qk_l2norm, gate_base, state_norms)
     o_rec, s_rec = linear_forward_bound(q, k, v, g, beta, dtype=dtype, **options)
     out, final, _ = _chunked_pass((q, k, v, g, beta), options, chunk, dtype)
     return o_rec + out[..., None], s_rec + final[..., None, None]
@@ -516,9 +525,6 @@ def linear_chunked_vjp_bound(
     >>> bool((bounds["dk"] >= plain["dk"]).all() and bounds["dk"].max() < 1e-12)
     True
     """
-    dim = np.shape(q)[-1]
-    scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
-    options = dict(scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens)
-    options.update(qk_l2norm=qk_l2norm, gate_base=gate_base, state_norms=state_norms)
+    options = _options(q, scale, initial_state, cu_seqlens, qk_l2norm, gate_base, state_norms)
     extra = _chunked_pass((q, k, v, g, beta), options, chunk, dtype)[2]
     return _vjp_bound((q, k, v, g, beta), do, dht, options, dtype, extra)
