@@ -18,6 +18,9 @@ Thresholds come from the caller (oracle.judging.tolerance or refattn's bounds), 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -213,3 +216,21 @@ def vjp_problem(seed=0, heads=2, kv_heads=2, length=5, keys=6, dim=4, vdim=3, ba
     do = rng.standard_normal((batch, heads, length, vdim))
     gl = rng.standard_normal((batch, heads, length))
     return rng, q, k, v, do, gl
+
+
+def digest_with_threads(script: str, threads: int, *, flags=(), timeout=900) -> str:
+    """The last line ``script`` prints (a digest of its results) when run from the repository
+    root in a fresh interpreter with ``NUMBA_NUM_THREADS=threads``: the thread-count
+    determinism tests compare it across thread counts."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), PYTHONPATH=str(root))
+    done = subprocess.run(
+        [sys.executable, *flags, "-c", script],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, f"digest with {threads} threads failed:\n{done.stderr[-3000:]}"
+    return done.stdout.strip().splitlines()[-1]

@@ -28,7 +28,7 @@ import refattn
 from oracle.judging.tolerance import ulp_distance
 from refattn.kernels import numba_cpu
 from refattn.spec import canonicalize
-from tests.helpers import assert_within
+from tests.helpers import assert_within, digest_with_threads
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -261,23 +261,10 @@ print(_digest([out, lse, *g, o32, *g32, *split]))
 """
 
 
-def _run_digest(threads: int) -> str:
-    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
-    script = _DIGEST_SCRIPT
-    done = subprocess.run(
-        [sys.executable, "-W", "error", "-c", script],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, f"digest run with {threads} threads failed:\n{done.stderr}"
-    return done.stdout.strip().splitlines()[-1]
-
-
 def test_bit_identical_for_1_and_2_threads():
-    one, two = _run_digest(1), _run_digest(2)
+    one, two = (
+        digest_with_threads(_DIGEST_SCRIPT, n, flags=("-W", "error"), timeout=600) for n in (1, 2)
+    )
     assert one == two, f"results differ between NUMBA_NUM_THREADS=1 ({one}) and 2 ({two})"
 
 

@@ -17,11 +17,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -30,11 +25,9 @@ from hypothesis import strategies as st
 import refattn
 from refattn.bounds.linear import linear_chunked_forward_bound, linear_chunked_vjp_bound
 from refattn.linear import _api, _float64, _inputs, _kernels
-from tests.helpers import assert_same_bits, assert_within
+from tests.helpers import assert_same_bits, assert_within, digest_with_threads
 from tests.naive.linear import naive_linear_rounded
 from tests.strategies import LINEAR_FORMS, linear_attention_cases
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _call(case):
@@ -228,20 +221,6 @@ print(hashlib.sha256(o.tobytes() + b"".join(x.tobytes() for x in grads)).hexdige
 """
 
 
-def _digest(threads):
-    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
-    done = subprocess.run(
-        [sys.executable, "-c", _DIGEST],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, f"digest with {threads} threads failed:\n{done.stderr[-3000:]}"
-    return done.stdout.strip().splitlines()[-1]
-
-
 @pytest.mark.slow
 def test_bit_identical_for_1_and_2_threads():
-    assert _digest(1) == _digest(2)
+    assert digest_with_threads(_DIGEST, 1) == digest_with_threads(_DIGEST, 2)

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 
 import refattn
 from refattn.linear import _inputs, _kernels
-from tests.helpers import assert_same_bits, assert_within
+from tests.helpers import assert_same_bits, assert_within, digest_with_threads
 from tests.naive.linear import naive_linear_rounded
 from tests.strategies import LINEAR_FORMS, linear_attention_cases
 
@@ -111,23 +111,9 @@ print(hashlib.sha256(o.tobytes() + grads.dk.tobytes() + grads.dg.tobytes()).hexd
 """
 
 
-def _digest(threads):
-    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
-    done = subprocess.run(
-        [sys.executable, "-c", _DIGEST],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, f"digest with {threads} threads failed:\n{done.stderr[-3000:]}"
-    return done.stdout.strip().splitlines()[-1]
-
-
 @pytest.mark.slow
 def test_bit_identical_for_1_and_2_threads():
-    assert _digest(1) == _digest(2)
+    assert digest_with_threads(_DIGEST, 1) == digest_with_threads(_DIGEST, 2)
 
 
 @pytest.mark.slow
