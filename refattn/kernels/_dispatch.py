@@ -8,7 +8,9 @@ work unit; these wrappers own the choice of compute dtype and the return convent
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -310,8 +312,6 @@ def precompile(dtypes=("float64", "float32"), paths=PATHS, *, report=None, jobs:
     >>> list(times)
     [('forward', 'float64')]
     """
-    import time
-
     units = []
     for dtype in dtypes:
         dtype = np.dtype(dtype)
@@ -362,8 +362,6 @@ def _shares(units, jobs):
 
 def _precompile_parallel(units, jobs, report):
     """:func:`precompile` of ``units`` in ``jobs`` subprocesses (:func:`_shares`)."""
-    import subprocess
-
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "refattn.kernels", "--units"]
