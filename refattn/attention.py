@@ -287,14 +287,23 @@ def _check_numba_range(spec: AttentionSpec, compute_dtype) -> None:
         return float(max(high, -low, 0.0))
 
     dim = spec.q.shape[-1]
+    from .kernels import GATHER
+
+    k = spec.k
+    if spec.index_reading == GATHER:
+        # the gather kernel reads only the listed keys: check those rows, not all S of k (a
+        # sparse decode lists T << S keys); the union over batch rows and heads bounds each
+        listed = np.asarray(spec.key_indices)
+        keys = np.unique(listed[(listed >= 0) & (listed < k.shape[-2])])
+        k = np.take(k, keys, axis=-2)
     with np.errstate(over="ignore"):
-        largest = abs(spec.scale_float) * dim * top(spec.q) * top(spec.k)
+        largest = abs(spec.scale_float) * dim * top(spec.q) * top(k)
     wide = np.dtype(compute_dtype) == np.float64
     if largest > 2.0 ** (_MAX_EXPONENT if wide else _MAX_EXPONENT_FLOAT32):
         reach = f"{largest:.3g}" if np.isfinite(largest) else "beyond 1.8e308"
         raise ValueError(
             f"q, k, scale: scores scale*q.k may reach {reach} (max |q| {top(spec.q):.3g}, "
-            f"max |k| {top(spec.k):.3g}, D = {dim}), beyond what backend='numba' computes "
+            f"max |k| {top(k):.3g}, D = {dim}), beyond what backend='numba' computes "
             f"without overflow in {np.dtype(compute_dtype).name}; use backend='numpy' "
             "(float64, rescales such rows) or precision='exact'"
         )

@@ -293,17 +293,18 @@ def _gather_unit(q, k, v, heads, listed, b, i, dims, opts, fopts, terms, results
 
 
 @njit(parallel=True, **_OPTS)
-def _gather_units(q, k, v, group_heads, listed, dims, opts, fopts, terms, out, lse):
-    """Every (batch, kv head, query row, head block) unit, in parallel (one unit per task)."""
+def _gather_units(q, k, v, group_heads, listed, dims, opts, fopts, terms, out, lse, block):
+    """Every (batch, kv head, query row, block of ``block`` query heads) unit, in parallel
+    (one unit per task)."""
     batch, kv_heads, length = dims[DIM_BATCH], dims[DIM_KV_HEADS], dims[DIM_LENGTH]
     group = group_heads.shape[1]
-    nhb = -(-group // BLOCK_Q)
+    nhb = -(-group // block)
     for unit in prange(batch * kv_heads * length * nhb):
         b = unit // (kv_heads * length * nhb)
         g = (unit // (length * nhb)) % kv_heads
         i = (unit // nhb) % length
-        t0 = (unit % nhb) * BLOCK_Q
-        heads = group_heads[g, t0 : min(group, t0 + BLOCK_Q)]
+        t0 = (unit % nhb) * block
+        heads = group_heads[g, t0 : min(group, t0 + block)]
         _gather_unit(
             q, k[b, g], v[b, g], heads, listed[b, g, i], b, i, dims, opts, fopts, terms, (out, lse)
         )
@@ -317,5 +318,29 @@ def gather_forward(listed, q, k, v, kv_head, dims, opts, fopts, terms, out, lse)
     group_heads = np.array(
         [[h for h in range(heads) if kv_head[h] == g] for g in range(kv_heads)], np.int64
     )
+    block = head_block(int(dims[DIM_BATCH]) * kv_heads * int(dims[DIM_LENGTH]), heads // kv_heads)
     with parallel_chunksize(1):
-        _gather_units(q, k, v, group_heads, listed, dims, opts, fopts, terms, out, lse)
+        _gather_units(q, k, v, group_heads, listed, dims, opts, fopts, terms, out, lse, block)
+
+
+#: Below this many (batch, kv head, query row) units, the query heads of a group are split
+#: into blocks of :data:`SMALL_HEAD_BLOCK` so that a decode step (one row, one latent head,
+#: 16-128 query heads) has work for every thread.
+FEW_UNITS = 16
+SMALL_HEAD_BLOCK = 4
+
+
+def head_block(units: int, group: int) -> int:
+    """Query heads per task, fixed by the shapes alone (never by the thread count). Each
+    head's scores, softmax and sums are the same operations in any block (the 4-row tiles and
+    the single-row tail of :func:`~refattn.kernels._cpu_tiles.matmul_t` give the same bits
+    per element), so the blocking changes no bit, only the parallelism.
+
+    Examples
+    --------
+    >>> head_block(units=1, group=16), head_block(units=4096, group=16)
+    (4, 64)
+    """
+    if units < FEW_UNITS and group > SMALL_HEAD_BLOCK:
+        return SMALL_HEAD_BLOCK
+    return BLOCK_Q

@@ -37,6 +37,7 @@ COMPILE_MESSAGE = (
 #: ``_cpu_forward``, ``_cpu_decode`` and ``_cpu_backward``.
 PATHS = ("forward", "decode", "backward")
 _announced = []
+_all_cached = set()
 
 
 def _cached_for_this_cpu(dispatcher) -> bool:
@@ -66,6 +67,9 @@ def announce_compile(module, *, names: str = "") -> None:
     if _announced or os.environ.get("REFATTN_COMPILE_MESSAGE") == "0":
         return
     modules = module if isinstance(module, tuple) else (module,)
+    key = (tuple(one.__name__ for one in modules), names)
+    if key in _all_cached:  # checked before: every entry compiled or cached (reading Numba's
+        return  # on-disk index costs ~1 ms a call, a decode step costs less)
     entries = [
         f
         for one in modules
@@ -75,6 +79,8 @@ def announce_compile(module, *, names: str = "") -> None:
     if not all(_cached_for_this_cpu(f) for f in entries):
         _announced.append(True)
         print(COMPILE_MESSAGE, file=sys.stderr, flush=True)
+    else:
+        _all_cached.add(key)
 
 
 #: The ``index_reading`` of a spec whose key indices the Numba CPU forward gathers itself (set

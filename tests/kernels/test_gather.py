@@ -184,3 +184,22 @@ def test_gather_bits_do_not_depend_on_thread_count():
         assert run.returncode == 0, run.stderr[-2000:]
         outputs.add(run.stdout)
     assert len(outputs) == 1, "the gather forward's bits depend on NUMBA_NUM_THREADS"
+
+
+def test_range_check_reads_only_the_listed_keys():
+    """The pre-kernel range check looks at the keys the gather reads: a float32 key too large
+    for s q.k in float32 is refused when listed and harmless when not."""
+    q, k, v, idx, _ = _inputs(11)
+    q, k, v = (x.astype(np.float32) for x in (q, k, v))
+    huge = np.finfo(np.float32).max / 4
+    listed = np.unique(idx[(idx >= 0) & (idx < k.shape[-2])])
+    unlisted = np.setdiff1d(np.arange(k.shape[-2]), listed)
+    assert unlisted.size, "the case must leave some key unlisted"
+    far = k.copy()
+    far[..., unlisted[0], :] = huge
+    near = refattn.attention(q, k, v, key_indices=idx, backend="numba")
+    far_out = refattn.attention(q, far, v, key_indices=idx, backend="numba")
+    assert_same_bits(far_out, near, what="a large unlisted key")
+    k[..., listed[0], :] = huge
+    with pytest.raises(ValueError, match="q, k, scale: scores"):
+        refattn.attention(q, k, v, key_indices=idx, backend="numba")
