@@ -25,10 +25,11 @@ from mpmath import mp
 from .. import config
 from . import intervals as I
 from .autodiff import AutodiffOps, lift, vjp
+from .fast.linear import fast_linear_forward
 from .numbers import INTERVAL, RATIONAL, NotRational
-from .rounding import correctly_round
+from .rounding import correctly_round, format_of
 
-__all__ = ["exact_linear_attention", "exact_linear_attention_vjp"]
+__all__ = ["exact_linear_attention", "exact_linear_attention_vjp", "linear_fallback_stats"]
 
 # ``call`` below is a refattn.linear._inputs.LinearCall (the canonical call, float64 arrays).
 
@@ -192,60 +193,99 @@ def _forward_row(arith, call, n, j):
     return _recurrence(arith, seq, _scale(arith, call), call)
 
 
-def _flat_index(call):
-    """flat output index -> (sequence, value head) and the places of each row's results."""
-    out_size = call.v.size
-    owner = {}
-    for n, (b, start, stop) in enumerate(call.segments):
-        for t in range(start, stop):
-            owner[b, t] = n
-    return out_size, owner
+_LAST_STATS: dict = {}
 
 
-def exact_linear_attention(call, dtype):
-    """(o (B, HV, T, E), final (N, HV, D, E)) correctly rounded to ``dtype``."""
-    heads = call.v.shape[1]
-    out_size, owner = _flat_index(call)
-    final_shape = call.state_shape
+def linear_fallback_stats() -> dict:
+    """Statistics of the last :func:`exact_linear_attention` call: ``rows`` (sequence, value
+    head) and ``elements`` (of o and the final state) in total, ``fast_undecided_elements``
+    (elements the compiled first step left undecided, those of rows it could not bound
+    included), ``referee_rows`` and ``referee_elements`` (those of the rows the referee
+    evaluated), and the ``engine`` ("fast" or "referee").
 
-    def fill(arith, rows):
-        out = np.zeros(call.v.shape, dtype=object)
-        final = np.zeros(final_shape, dtype=object)
-        for n, j in rows:
-            b, start, _ = call.segments[n]
+    Examples
+    --------
+    >>> set(linear_fallback_stats()) <= {'rows', 'elements', 'fast_undecided_elements',
+    ...                                  'referee_rows', 'referee_elements', 'engine'}
+    True
+    """
+    return dict(_LAST_STATS)
+
+
+def _row_size(call, row):
+    """Number of results of one (sequence, value head) row: its o rows and its final state."""
+    _, start, stop = call.segments[row[0]]
+    return (stop - start) * call.v.shape[-1] + call.q.shape[-1] * call.v.shape[-1]
+
+
+def _referee(call, rows, dtype):
+    """The referee's correctly rounded results of ``rows``: one flat array, row after row, each
+    row's o rows (T_n x E) then its final state (D x E)."""
+    sizes = [_row_size(call, row) for row in rows]
+    offsets = np.cumsum([0, *sizes])
+
+    def fill(arith, subset):
+        flat = []
+        for n, j in subset:
             values, state = _forward_row(arith, call, n, j)
-            for t, row in enumerate(values):
-                out[b, j, start + t] = row
-            final[n, j] = state
-        return np.concatenate([out.ravel(), final.ravel()])
-
-    every = [(n, j) for n in range(len(call.segments)) for j in range(heads)]
+            flat += [x for row in values for x in row] + [x for row in state for x in row]
+        return np.array(flat, dtype=object)
 
     def evaluate(prec):
         with I.workprec(prec):
-            return I.endpoints(fill(_IntervalArith, every))
+            return I.endpoints(fill(_IntervalArith, rows))
 
     cache = {}
 
     def fallback(index):
         (flat,) = index
-        if flat < out_size:
-            b, j, t, _ = np.unravel_index(flat, call.v.shape)
-            row = (owner[int(b), int(t)], int(j))
-        else:
-            n, j, _, _ = np.unravel_index(flat - out_size, final_shape)
-            row = (int(n), int(j))
-        if row not in cache:
+        at = int(np.searchsorted(offsets, flat, side="right")) - 1
+        if at not in cache:
             try:
-                cache[row] = fill(_RationalArith, [row])
+                cache[at] = fill(_RationalArith, [rows[at]])
             except NotRational:
-                cache[row] = None
-        return None if cache[row] is None else cache[row][flat]
+                cache[at] = None
+        return None if cache[at] is None else cache[at][flat - offsets[at]]
 
-    if out_size + int(np.prod(final_shape)) == 0:
-        return np.zeros(call.v.shape, dtype), np.zeros(final_shape, dtype)
-    flat = correctly_round(evaluate, dtype, fallback=fallback, what="linear_attention")
-    return flat[:out_size].reshape(call.v.shape), flat[out_size:].reshape(final_shape)
+    return correctly_round(evaluate, dtype, fallback=fallback, what="linear_attention")
+
+
+def exact_linear_attention(call, dtype):
+    """(o (B, HV, T, E), final (N, HV, D, E)) correctly rounded to ``dtype``: the compiled
+    first step (:func:`refattn.exact.fast.linear.fast_linear_forward`) decides what it can, the
+    referee evaluates the (sequence, value head) rows that hold an undecided element
+    (``config.LINEAR_EXACT_ENGINE = "referee"``: every row)."""
+    fmt = format_of(dtype)
+    sequences, heads = call.state_shape[:2]
+    every = [(n, j) for n in range(sequences) for j in range(heads)]
+    engine = config.LINEAR_EXACT_ENGINE
+    if engine == "fast":
+        o, final, rows, undecided = fast_linear_forward(call, fmt)
+    else:
+        o, final, rows = np.zeros(call.v.shape), np.zeros(call.state_shape), every
+    elements = call.v.size + int(np.prod(call.state_shape))
+    referee_elements = 0
+    rows = [row for row in rows if _row_size(call, row)]
+    if rows:
+        flat = _referee(call, rows, fmt.dtype).astype(np.float64)
+        at = 0
+        for n, j in rows:
+            b, start, stop = call.segments[n]
+            size = (stop - start) * call.v.shape[-1]
+            o[b, j, start:stop] = flat[at : at + size].reshape(o[b, j, start:stop].shape)
+            final[n, j] = flat[at + size : at + _row_size(call, (n, j))].reshape(final.shape[2:])
+            at += _row_size(call, (n, j))
+        referee_elements = at
+    _LAST_STATS.clear()
+    _LAST_STATS.update(
+        rows=len(every),
+        elements=elements,
+        fast_undecided_elements=undecided if engine == "fast" else elements,
+        referee_rows=len(rows),
+        referee_elements=referee_elements,
+        engine=engine,
+    )
+    return o.astype(fmt.dtype), final.astype(fmt.dtype)
 
 
 # --------------------------------------------------------------------------- vjp
