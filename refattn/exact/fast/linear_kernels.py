@@ -9,10 +9,12 @@ plain update ``S = S' + k_t v_t^T``, and ``o_t = S^T (scale q_t)``.
 
 Error model (the bound each step uses)
 --------------------------------------
-* One double-double operation (:mod:`refattn.exact.fast.doubledouble`, Joldes-Muller-Popescu
-  2017) returns ``z~`` with ``|z~ - z| <= DD_REL |hi(z~)| + ETA``: ``DD_REL = 2**-100`` is at
-  least twice each proven relative bound measured against the exact result (so it also covers
-  the passage to the computed ``|z~|``), and ``ETA = 2**-1040`` is an absolute allowance for
+* One double-double operation (:mod:`refattn.exact.fast.doubledouble`: dd_add, dd_add_d,
+  dd_mul, dd_mul_d, Joldes-Muller-Popescu 2017 Alg. 6, 4, 12, 9) returns ``z~`` with
+  ``|z~ - z| <= OP_REL |hi(z~)| + ETA``: ``OP_REL = 2 max(DD_ADD_REL, DD_ADD_D_REL,
+  DD_MUL_REL, DD_MUL_D_REL) = 10 u^2`` is twice the largest proven relative bound, which is
+  measured against the exact result (the factor 2 covers the passage to the computed
+  ``|hi(z~)|``), and ``ETA = 2**-1040`` is an absolute allowance for
   underflow (gates down to -20 per step drive old state into the subnormals, where TwoProd is
   no longer exact: each of the dozen float operations of a double-double operation then errs
   by at most 2**-1075 more; ETA is 2**34 times that grain).
@@ -25,7 +27,7 @@ Error model (the bound each step uses)
   step at D = 128). The state therefore carries, per column e, a bound ``R_e`` on the 2-norm
   of the error vector ``S_exact[:, e] - S_mid[:, e]``; each element's radius is ``R_e``.
 * Decay. ``a = exp(g)`` (base e, ``g`` exact) or ``exp(g ln2)`` (base 2: ``ln2`` a
-  double-double with its error, the product a double-double with ``|g| err(ln2) + DD_REL``),
+  double-double with its error, the product a double-double with ``|g| err(ln2) + OP_REL``),
   by :func:`exp_dd` with ``EXP_REL``: ``|a - a~| <= |a~| (EXP_REL + 2 dx) GROW``
   (``|e^d - 1| <= 2|d|``). ``g = 0`` gives 1 and a base-2 integer gate ``2**g`` exactly;
   gates below the domain (``e^g`` or ``2**g`` under ``2**-893``) give ``a in [0, 2**-893]``
@@ -40,7 +42,9 @@ Error model (the bound each step uses)
   error of the computed ``beta (v - k^T S')``.
 * Plain update. ``R_new <= R' + rho_k |v_e| + (operation errors)``.
 * Dot products (``k^T S'`` and the output) sum double-double products with double-double
-  additions: error ``<= DD_REL (sum |products| + sum |partial sums|) + 2 D ETA``.
+  additions: error ``<= OP_REL (sum |products| + sum |partial sums|) + 2 D ETA``. The
+  elementwise errors of the decay and of the update (``OP_REL |x_d| + ETA`` per element) enter a
+  column's bound by their 2-norm, ``<= OP_REL ||x|| + sqrt(D) ETA`` (Minkowski).
 * Output. ``|o_exact - o~| <= (||qs|| + rho_q) R_new + rho_q ||S_new|| + (dot errors)``, with
   ``qs = scale q`` (the default scale the real ``1/sqrt(D)`` from ``dd_of_exact``).
 * Normalisation. ``s = eps + sum x_d^2`` in double-double (``ds`` from the dot rule),
@@ -62,7 +66,10 @@ import numpy as np
 from numba import prange
 
 from .doubledouble import (
-    DD_REL,
+    DD_ADD_D_REL,
+    DD_ADD_REL,
+    DD_MUL_D_REL,
+    DD_MUL_REL,
     EXP_REL,
     dd_add,
     dd_add_d,
@@ -72,8 +79,20 @@ from .doubledouble import (
     two_prod,
 )
 
-__all__ = ["linear_rows", "LINEAR_PRM", "ETA", "GROW", "INPUT_MAX", "STATE_MAX", "MAX_GATE"]
+__all__ = [
+    "linear_rows",
+    "LINEAR_PRM",
+    "OP_REL",
+    "ETA",
+    "GROW",
+    "INPUT_MAX",
+    "STATE_MAX",
+    "MAX_GATE",
+]
 
+#: Relative error of one double-double operation against the computed ``|hi(z~)|``: twice the
+#: largest proven bound of the operations used (dd_add, dd_add_d, dd_mul, dd_mul_d).
+OP_REL = 2 * max(DD_ADD_REL, DD_ADD_D_REL, DD_MUL_REL, DD_MUL_D_REL)
 ETA = 2.0**-1040
 GROW = 1.0 + 2.0**-30
 INPUT_MAX = 2.0**200
@@ -122,9 +141,9 @@ def _rsqrt_dd(sh, sl, ds):
     uh, ul = dd_mul(th, tl, yh, yl)
     eh, el = dd_add_d(-uh, -ul, 1.0)
     ay = abs(yh) + abs(yl)
-    e1 = DD_REL * abs(th) + ETA
-    e2 = ay * e1 + DD_REL * abs(uh) + ETA
-    bound = (abs(eh) + abs(el) + e2 + DD_REL * abs(eh) + ETA) * GROW
+    e1 = OP_REL * abs(th) + ETA
+    e2 = ay * e1 + OP_REL * abs(uh) + ETA
+    bound = (abs(eh) + abs(el) + e2 + OP_REL * abs(eh) + ETA) * GROW
     if not (bound <= 0.25 and ds <= 0.25 * sh):
         return yh, yl, -1.0
     return yh, yl, (ay * (bound + (1.0 + bound) * ds / sh)) * GROW + ETA
@@ -142,18 +161,18 @@ def _features(x, l2norm, eps, sc, out):
             ph, pl = two_prod(x[d], x[d])
             sh, sl = dd_add(sh, sl, ph, pl)
             acc += abs(ph) + abs(sh)
-        yh, yl, ry = _rsqrt_dd(sh, sl, DD_REL * acc * GROW + 2 * dim * ETA)
+        yh, yl, ry = _rsqrt_dd(sh, sl, OP_REL * acc * GROW + 2 * dim * ETA)
         if ry < 0.0:
             return False
     for d in range(dim):
         xh, xl = dd_mul_d(yh, yl, x[d])
         xr = 0.0
         if l2norm:
-            xr = (abs(x[d]) * ry + DD_REL * abs(xh)) * GROW + ETA
+            xr = (abs(x[d]) * ry + OP_REL * abs(xh)) * GROW + ETA
         ph, pl = dd_mul(xh, xl, sc[0], sc[1])
         ax, asc = abs(xh) + abs(xl), abs(sc[0]) + abs(sc[1])
         out[0, d], out[1, d] = ph, pl
-        out[2, d] = (ax * sc[2] + asc * xr + xr * sc[2] + DD_REL * abs(ph)) * GROW + ETA
+        out[2, d] = (ax * sc[2] + asc * xr + xr * sc[2] + OP_REL * abs(ph)) * GROW + ETA
     return True
 
 
@@ -171,7 +190,7 @@ def _decay(gv, base2, ln2):
     xh, xl, dx = gv, 0.0, 0.0
     if base2:
         xh, xl = dd_mul_d(ln2[0], ln2[1], gv)
-        dx = (abs(gv) * ln2[2] + DD_REL * abs(xh)) * GROW + ETA
+        dx = (abs(gv) * ln2[2] + OP_REL * abs(xh)) * GROW + ETA
     ah, al = exp_dd(xh, xl)
     return ah, al, (abs(ah) * (EXP_REL + 2.0 * dx)) * GROW + ETA, True
 
@@ -199,14 +218,13 @@ def _decay_column(s2, e, vec, gated, delta):
     (pred hi, pred lo, its operation error, ||S|| before, ||S'||, decay operation error)."""
     dim = s2.shape[2]
     ph_sum, pl_sum, pacc = 0.0, 0.0, 0.0
-    n_old, n_mid, cerr = 0.0, 0.0, 0.0
+    n_old, n_mid = 0.0, 0.0
     for d in range(dim):
         sh, sl = s2[0, e, d], s2[1, e, d]
         if gated:
             a = abs(sh) + abs(sl)
             n_old += a * a
             sh, sl = dd_mul(sh, sl, vec[6, d], vec[7, d])
-            cerr += abs(sh)
             s2[0, e, d], s2[1, e, d] = sh, sl
         a = abs(sh) + abs(sl)
         n_mid += a * a
@@ -214,20 +232,22 @@ def _decay_column(s2, e, vec, gated, delta):
             xh, xl = dd_mul(sh, sl, vec[3, d], vec[4, d])
             ph_sum, pl_sum = dd_add(ph_sum, pl_sum, xh, xl)
             pacc += abs(xh) + abs(ph_sum)
-    perr = DD_REL * pacc * GROW + 2 * dim * ETA
-    return ph_sum, pl_sum, perr, _norm_up(n_old, dim), _norm_up(n_mid, dim), cerr
+    perr = OP_REL * pacc * GROW + 2 * dim * ETA
+    return ph_sum, pl_sum, perr, _norm_up(n_old, dim), _norm_up(n_mid, dim)
 
 
 @numba.jit(**_JIT)
 def _update_column(s2, e, vec, th, tl, o_row):
     """Pass 2 over column e: S += k (th + tl) and the output dot product (written to
-    ``o_row[0:2, e]``). Returns (update operation error, ||S_new||, output operation error)."""
+    ``o_row[0:2]``). Returns (the 2-norm of the update's elementwise operation errors,
+    ||S_new||, the output's operation error)."""
     dim = s2.shape[2]
-    oh, ol, oacc, cerr, n_new = 0.0, 0.0, 0.0, 0.0, 0.0
+    oh, ol, oacc, n_prod, n_new = 0.0, 0.0, 0.0, 0.0, 0.0
     for d in range(dim):
         xh, xl = dd_mul(vec[3, d], vec[4, d], th, tl)
         sh, sl = dd_add(s2[0, e, d], s2[1, e, d], xh, xl)
-        cerr += abs(xh) + abs(sh)
+        a = abs(xh) + abs(xl)
+        n_prod += a * a
         s2[0, e, d], s2[1, e, d] = sh, sl
         a = abs(sh) + abs(sl)
         n_new += a * a
@@ -235,7 +255,9 @@ def _update_column(s2, e, vec, th, tl, o_row):
         oh, ol = dd_add(oh, ol, xh, xl)
         oacc += abs(xh) + abs(oh)
     o_row[0], o_row[1] = oh, ol
-    return DD_REL * cerr * GROW + 2 * dim * ETA, _norm_up(n_new, dim), DD_REL * oacc * GROW
+    n_new = _norm_up(n_new, dim)
+    uerr = OP_REL * (_norm_up(n_prod, dim) + n_new) * GROW + 2 * dim * ETA
+    return uerr, n_new, OP_REL * oacc * GROW
 
 
 @numba.jit(**_JIT)
@@ -250,15 +272,15 @@ def _step(s2, rad, vec, sc, v_t, b, o_t):
     if delta and not (b >= 0.0 and b * kx * kx * GROW <= 2.0):
         c = (1.0 + abs(b) * kx * kx) * GROW
     for e in range(s2.shape[1]):
-        ph, pl, perr, n_old, n_mid, cerr = _decay_column(s2, e, vec, gated, delta)
+        ph, pl, perr, n_old, n_mid = _decay_column(s2, e, vec, gated, delta)
         r = rad[e]
-        if gated:
-            r = (amax * r + rmax * n_old + DD_REL * cerr) * GROW + dim * ETA
+        if gated:  # the decay's elementwise errors OP_REL |S'_d| + ETA: 2-norm <= OP_REL ||S'||
+            r = (amax * r + rmax * n_old + OP_REL * n_mid) * GROW + dim * ETA
         if delta:
             dh, dl = dd_add_d(-ph, -pl, v_t[e])
-            derr = perr + DD_REL * abs(dh) + ETA
+            derr = perr + OP_REL * abs(dh) + ETA
             th, tl = dd_mul_d(dh, dl, b)
-            serr = abs(b) * derr + DD_REL * abs(th) + ETA
+            serr = abs(b) * derr + OP_REL * abs(th) + ETA
             prop = abs(b) * rk * (abs(dh) + abs(dl) + derr) + abs(b) * kx * rk * n_mid
             prop += kn * serr
             r = c * r + prop
