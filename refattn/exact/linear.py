@@ -1,14 +1,24 @@
 """Exact path of :func:`refattn.linear_attention` and its vjp: every element of o, of the
 final state and of every gradient is the exact real result, rounded once.
 
-The recurrence runs per (sequence, value head) on rigorous interval enclosures (the Ziv loop of
+Forward, first step: :func:`refattn.exact.fast.linear.fast_linear_forward` runs the recurrence
+per (sequence, value head) in compiled midpoint-radius double-double arithmetic with rigorous
+radii (:mod:`refattn.exact.fast.linear_kernels` states the error analysis) and decides each
+element whose enclosure rounds to one value of the target format (on ordinary inputs, all of
+them). Only the (sequence, value head) rows that hold an undecided element, or that the first
+step could not bound (a gate above 60, inputs above 2**200), go to the referee below; the merged
+result is bit-identical to the referee's alone (``config.LINEAR_EXACT_ENGINE = "referee"``
+forces it on every row). :func:`linear_fallback_stats` counts what the referee evaluated.
+
+Referee: the recurrence runs per row on rigorous interval enclosures (the Ziv loop of
 :func:`refattn.exact.rounding.correctly_round` doubles the working precision until each
 rounding is decided; the intervals widen along the recurrence, so long sequences need more
-bits, never a different method). Elements left on a rounding boundary are evaluated on exact
-rationals (:mod:`refattn.exact.numbers`) when the computation is rational: no gates, or base-2
-gates at integer values; no normalisation; ``scale`` given or ``1/sqrt(D)`` with D a square.
+bits, never a different method), about 1 s per (head, step) at D = E = 128: a row of T = 4096
+costs an hour. Elements left on a rounding boundary are evaluated on exact rationals
+(:mod:`refattn.exact.numbers`) when the computation is rational: no gates, or base-2 gates at
+integer values; no normalisation; ``scale`` given or ``1/sqrt(D)`` with D a square.
 The gradients are formed by reverse accumulation of the same evaluator
-(:mod:`refattn.exact.autodiff`).
+(:mod:`refattn.exact.autodiff`) on every element (no compiled first step).
 
 Pinned constants: the normalisation's eps is the float64 number nearest 1e-6, inside the
 root; the default scale is the real number ``1/sqrt(D)``.
