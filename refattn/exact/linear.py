@@ -185,9 +185,10 @@ def _values(arith, array):
     return out.tolist()
 
 
-def _sequence(call, n: int, j: int):
-    """The float64 input slices of sequence n, value head j."""
-    b, start, stop = call.segments[n]
+def _sequence(call, n: int, j: int, stop: int | None = None):
+    """The float64 input slices of sequence n, value head j (its tokens before ``stop``)."""
+    b, start, end = call.segments[n]
+    stop = end if stop is None else stop
     return {
         "q": call.q[b, j, start:stop],
         "k": call.k[b, j, start:stop],
@@ -198,8 +199,8 @@ def _sequence(call, n: int, j: int):
     }
 
 
-def _forward_row(arith, call, n, j):
-    seq = {name: _values(arith, x) for name, x in _sequence(call, n, j).items()}
+def _forward_row(arith, call, n, j, stop=None):
+    seq = {name: _values(arith, x) for name, x in _sequence(call, n, j, stop).items()}
     return _recurrence(arith, seq, _scale(arith, call), call)
 
 
@@ -210,8 +211,9 @@ def linear_fallback_stats() -> dict:
     """Statistics of the last :func:`exact_linear_attention` call: ``rows`` (sequence, value
     head) and ``elements`` (of o and the final state) in total, ``fast_undecided_elements``
     (elements the compiled first step left undecided, those of rows it could not bound
-    included), ``referee_rows`` and ``referee_elements`` (those of the rows the referee
-    evaluated), and the ``engine`` ("fast" or "referee").
+    included), ``referee_rows`` and ``referee_elements`` (the rows the referee evaluated, and
+    their elements it rounded: a row's o rows up to its last undecided one, and its final
+    state when that holds an undecided element), and the ``engine`` ("fast" or "referee").
 
     Examples
     --------
@@ -222,28 +224,31 @@ def linear_fallback_stats() -> dict:
     return dict(_LAST_STATS)
 
 
-def _row_size(call, row):
-    """Number of results of one (sequence, value head) row: its o rows and its final state."""
-    _, start, stop = call.segments[row[0]]
-    return (stop - start) * call.v.shape[-1] + call.q.shape[-1] * call.v.shape[-1]
+def _task_size(call, task):
+    """Number of results of a referee task (n, j, stop, with_state): the o rows of sequence n,
+    value head j before ``stop``, and its final state when asked for."""
+    n, _, stop, with_state = task
+    return (stop - call.segments[n][1]) * call.v.shape[-1] + with_state * (
+        call.q.shape[-1] * call.v.shape[-1]
+    )
 
 
-def _referee(call, rows, dtype):
-    """The referee's correctly rounded results of ``rows``: one flat array, row after row, each
-    row's o rows (T_n x E) then its final state (D x E)."""
-    sizes = [_row_size(call, row) for row in rows]
-    offsets = np.cumsum([0, *sizes])
+def _referee(call, tasks, dtype):
+    """The referee's correctly rounded results of ``tasks``: one flat array, task after task,
+    each its o rows (T x E) then, when asked for, its final state (D x E)."""
+    offsets = np.cumsum([0, *(_task_size(call, task) for task in tasks)])
 
     def fill(arith, subset):
         flat = []
-        for n, j in subset:
-            values, state = _forward_row(arith, call, n, j)
-            flat += [x for row in values for x in row] + [x for row in state for x in row]
+        for n, j, stop, with_state in subset:
+            values, state = _forward_row(arith, call, n, j, stop)
+            flat += [x for row in values for x in row]
+            flat += [x for row in state for x in row] if with_state else []
         return np.array(flat, dtype=object)
 
     def evaluate(prec):
         with I.workprec(prec):
-            return I.endpoints(fill(_IntervalArith, rows))
+            return I.endpoints(fill(_IntervalArith, tasks))
 
     cache = {}
 
@@ -252,7 +257,7 @@ def _referee(call, rows, dtype):
         at = int(np.searchsorted(offsets, flat, side="right")) - 1
         if at not in cache:
             try:
-                cache[at] = fill(_RationalArith, [rows[at]])
+                cache[at] = fill(_RationalArith, [tasks[at]])
             except NotRational:
                 cache[at] = None
         return None if cache[at] is None else cache[at][flat - offsets[at]]
@@ -263,36 +268,37 @@ def _referee(call, rows, dtype):
 def exact_linear_attention(call, dtype):
     """(o (B, HV, T, E), final (N, HV, D, E)) correctly rounded to ``dtype``: the compiled
     first step (:func:`refattn.exact.fast.linear.fast_linear_forward`) decides what it can, the
-    referee evaluates the (sequence, value head) rows that hold an undecided element
-    (``config.LINEAR_EXACT_ENGINE = "referee"``: every row)."""
+    referee evaluates the (sequence, value head) rows that hold an undecided element, up to
+    its last undecided o row when the row's final state is decided
+    (``config.LINEAR_EXACT_ENGINE = "referee"``: every row, whole)."""
     fmt = format_of(dtype)
     sequences, heads = call.state_shape[:2]
-    every = [(n, j) for n in range(sequences) for j in range(heads)]
     engine = config.LINEAR_EXACT_ENGINE
     if engine == "fast":
-        o, final, rows, undecided = fast_linear_forward(call, fmt)
+        o, final, tasks, undecided = fast_linear_forward(call, fmt)
     else:
-        o, final, rows = np.zeros(call.v.shape), np.zeros(call.state_shape), every
+        o, final = np.zeros(call.v.shape), np.zeros(call.state_shape)
+        tasks = [(n, j, call.segments[n][2], True) for n in range(sequences) for j in range(heads)]
     elements = call.v.size + int(np.prod(call.state_shape))
-    referee_elements = 0
-    rows = [row for row in rows if _row_size(call, row)]
-    if rows:
-        flat = _referee(call, rows, fmt.dtype).astype(np.float64)
-        at = 0
-        for n, j in rows:
-            b, start, stop = call.segments[n]
+    tasks = [task for task in tasks if _task_size(call, task)]
+    at = 0
+    if tasks:
+        flat = _referee(call, tasks, fmt.dtype).astype(np.float64)
+        for task in tasks:
+            n, j, stop, with_state = task
+            b, start, _ = call.segments[n]
             size = (stop - start) * call.v.shape[-1]
             o[b, j, start:stop] = flat[at : at + size].reshape(o[b, j, start:stop].shape)
-            final[n, j] = flat[at + size : at + _row_size(call, (n, j))].reshape(final.shape[2:])
-            at += _row_size(call, (n, j))
-        referee_elements = at
+            if with_state:
+                final[n, j] = flat[at + size : at + _task_size(call, task)].reshape(final.shape[2:])
+            at += _task_size(call, task)
     _LAST_STATS.clear()
     _LAST_STATS.update(
-        rows=len(every),
+        rows=sequences * heads,
         elements=elements,
         fast_undecided_elements=undecided if engine == "fast" else elements,
-        referee_rows=len(rows),
-        referee_elements=referee_elements,
+        referee_rows=len(tasks),
+        referee_elements=at,
         engine=engine,
     )
     return o.astype(fmt.dtype), final.astype(fmt.dtype)

@@ -90,25 +90,32 @@ def _contains(enclosure, truth, ok_rows, what):
         )
 
 
+def _check_enclosures(case, what):
+    """The kernel's enclosures of a case contain the 60-digit mpmath twin (rows it bounded);
+    returns the rows' ok flags."""
+    call = _canonical(case)
+    out, state, ok = linear_enclosures(call)
+    with mpmath.workdps(60):
+        o_true, s_true = naive_linear(
+            case["q"], case["k"], case["v"], case["g"], case["beta"], **case["opts"]
+        )
+        owner = {}
+        for n, (b, start, stop) in enumerate(call.segments):
+            owner.update({(b, t): n for t in range(start, stop)})
+        o_true = np.array(o_true, dtype=object).reshape(call.v.shape)
+        s_true = np.array(s_true, dtype=object).reshape(call.state_shape)
+        _contains(out, o_true, lambda i: ok[owner[i[0], i[2]], i[1]], f"{what} o")
+        _contains(state, s_true, lambda i: ok[i[0], i[1]], f"{what} state")
+    return ok
+
+
 @pytest.mark.parametrize("form", sorted(LINEAR_FORMS))
 def test_enclosures_contain_the_twin(form):
     @settings(max_examples=3 if JITLESS else 8)
     @given(case=linear_attention_cases(dtypes=DTYPES, forms=(form,), max_length=5))
     def check(case):
-        call = _canonical(case)
-        out, state, ok = linear_enclosures(call)
+        ok = _check_enclosures(case, form)
         assert ok.all()  # inputs and gates of these cases are within the kernel's range
-        with mpmath.workdps(60):
-            o_true, s_true = naive_linear(
-                case["q"], case["k"], case["v"], case["g"], case["beta"], **case["opts"]
-            )
-            owner = {}
-            for n, (b, start, stop) in enumerate(call.segments):
-                owner.update({(b, t): n for t in range(start, stop)})
-            o_true = np.array(o_true, dtype=object).reshape(call.v.shape)
-            s_true = np.array(s_true, dtype=object).reshape(call.state_shape)
-            _contains(out, o_true, lambda i: ok[owner[i[0], i[2]], i[1]], f"{form} o")
-            _contains(state, s_true, lambda i: ok[i[0], i[1]], f"{form} state")
 
     check()
 
@@ -151,11 +158,13 @@ def test_ordinary_cases_need_no_referee(dtype):
 
 @pytest.mark.parametrize(
     "change",
-    ["growing_gate", "huge_input", "deep_gate_e", "deep_gate_2", "integer_gates_2"],
+    ["growing_gate", "huge_input", "deep_gate_e", "deep_gate_2", "integer_gates_2", "subnormal"],
 )
 def test_hard_rows_bit_identical(change):
-    """Rows left to the referee (a gate above the kernel's range, an input above its range)
-    and decays below the exp domain (bounded by [0, 2**-893]) give the referee's bits."""
+    """Rows left to the referee (a gate above the kernel's range, an input above its range),
+    decays below the exp domain (bounded by [0, 2**-893]) and products in the subnormal range
+    (the absolute allowance ETA) give the referee's bits, and the enclosures of the rows the
+    kernel bounded contain the twin."""
     case = _gdn(heads=2, length=3, dim=2, seed=3)
     if change == "growing_gate":
         case["g"][0, 1, 1] = 80.0
@@ -166,9 +175,13 @@ def test_hard_rows_bit_identical(change):
     elif change == "deep_gate_2":
         case["g"][0, :, 1] = [-2000.0, -900.5]
         case["opts"]["gate_base"] = "2"
-    else:
+    elif change == "integer_gates_2":
         case["g"] = -np.arange(6.0).reshape(1, 2, 3) / 2
         case["opts"]["gate_base"] = "2"
+    else:
+        case["q"], case["k"] = case["q"] * 2.0**-530, case["k"] * 2.0**-530
+        case["opts"]["qk_l2norm"] = False
+    _check_enclosures(case, change)
     for dtype in ("float64", "bfloat16"):
         (o, state), stats = _exact("fast", case, _dtype(dtype))
         (o_ref, s_ref), _ = _exact("referee", case, _dtype(dtype))
@@ -195,3 +208,22 @@ print(hashlib.sha256(out.tobytes() + state.tobytes() + ok.tobytes()).hexdigest()
 @pytest.mark.skipif(JITLESS, reason="no threads without the JIT")
 def test_enclosures_bit_identical_for_1_and_2_threads():
     assert digest_with_threads(_DIGEST, 1) == digest_with_threads(_DIGEST, 2)
+
+
+def test_referee_evaluates_a_prefix_when_the_state_is_decided():
+    """o_0 = 257 is a bfloat16 midpoint (the first step cannot decide it), o_1, o_2 and the
+    final state (258, 260) are decided: the referee evaluates the first token's o row alone."""
+    ones = np.ones((1, 1, 3, 1))
+    case = dict(
+        q=ones,
+        k=ones,
+        v=np.array([257.0, 1.0, 2.0]).reshape(1, 1, 3, 1),
+        g=None,
+        beta=None,
+        opts={"scale": 1.0},
+    )
+    (o, state), stats = _exact("fast", case, _dtype("bfloat16"))
+    (o_ref, s_ref), _ = _exact("referee", case, _dtype("bfloat16"))
+    assert_same_bits(o, o_ref, what="o, fast vs referee")
+    assert_same_bits(state, s_ref, what="state, fast vs referee")
+    assert stats["fast_undecided_elements"] == stats["referee_elements"] == 1

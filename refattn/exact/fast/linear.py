@@ -80,30 +80,35 @@ def linear_enclosures(call):
 
 
 def fast_linear_forward(call, fmt):
-    """(o values, final-state values, referee rows, undecided count): float64 arrays of o
+    """(o values, final-state values, referee tasks, undecided count): float64 arrays of o
     (B, HV, T, E) and of the final state (N, HV, D, E) holding the correctly rounded value of
-    every decided element (the values of ``fmt``), the sorted list of (sequence n, value head
-    j) rows that hold an undecided element or that the compiled step could not bound, and the
-    number of elements left undecided (every element of a row it could not bound). ``fmt`` a
-    :class:`refattn.exact.rounding.Format`."""
+    every decided element (the values of ``fmt``); the referee's tasks ``(n, j, stop,
+    with_state)``, one per (sequence n, value head j) row that holds an undecided element or
+    that the compiled step could not bound: the row's tokens before ``stop`` (one past its last
+    undecided o row, or the sequence's end when its final state is undecided: ``with_state``);
+    and the number of elements left undecided (every element of a row it could not bound).
+    ``fmt`` a :class:`refattn.exact.rounding.Format`."""
     sequences, heads = call.state_shape[:2]
-    every = [(n, j) for n in range(sequences) for j in range(heads)]
     o = np.zeros(call.v.shape)
     final = np.zeros(call.state_shape)
+    whole = [(n, j, call.segments[n][2], True) for n in range(sequences) for j in range(heads)]
     if call.q.shape[-1] >= 2**20 or not abs(call.scale) <= INPUT_MAX:
-        return o, final, every, o.size + final.size
+        return o, final, whole, o.size + final.size
     out, state, ok = linear_enclosures(call)
     o, o_decided = decide_dd_fast(out[0], out[1], out[2], fmt)
     final, final_decided = decide_dd_fast(state[0], state[1], state[2], fmt)
     token_decided = o_decided.all(axis=-1)  # (B, HV, T)
-    rows, undecided = [], 0
-    for n, j in every:
-        b, start, stop = call.segments[n]
-        if ok[n, j] and final_decided[n, j].all() and token_decided[b, j, start:stop].all():
+    tasks, undecided = [], 0
+    for n, j, end, _ in whole:
+        b, start, _ = call.segments[n]
+        if not ok[n, j]:
+            tasks.append((n, j, end, True))
+            undecided += final_decided[n, j].size + o_decided[b, j, start:end].size
             continue
-        rows.append((n, j))
-        if ok[n, j]:
-            undecided += int((~final_decided[n, j]).sum() + (~o_decided[b, j, start:stop]).sum())
-        else:
-            undecided += final_decided[n, j].size + o_decided[b, j, start:stop].size
-    return o, final, rows, undecided
+        state_undecided = int((~final_decided[n, j]).sum())
+        late = np.flatnonzero(~token_decided[b, j, start:end])
+        if state_undecided or late.size:
+            stop = end if state_undecided else start + int(late[-1]) + 1
+            tasks.append((n, j, stop, bool(state_undecided)))
+            undecided += state_undecided + int((~o_decided[b, j, start:end]).sum())
+    return o, final, tasks, undecided
