@@ -6,7 +6,8 @@ per (sequence, value head) in compiled midpoint-radius double-double arithmetic 
 radii (:mod:`refattn.exact.fast.linear_kernels` states the error analysis) and decides each
 element whose enclosure rounds to one value of the target format (on ordinary inputs, all of
 them). Only the (sequence, value head) rows that hold an undecided element, or that the first
-step could not bound (a gate above 60, inputs above 2**200), go to the referee below; the merged
+step could not bound (a gate above 60, inputs above 2**200), go to the referee below (up to
+their last undecided o row when their final state is decided); the merged
 result is bit-identical to the referee's alone (``config.LINEAR_EXACT_ENGINE = "referee"``
 forces it on every row). :func:`linear_fallback_stats` counts what the referee evaluated.
 
