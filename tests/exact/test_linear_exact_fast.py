@@ -7,7 +7,8 @@
 * the exact path with the first step is bit-identical to the referee alone
   (``config.LINEAR_EXACT_ENGINE = "referee"``), in four output dtypes, and on rows the first
   step cannot bound (a growing gate, huge inputs) or whose decays leave the exp domain;
-* on ordinary cases it decides every element (the referee evaluates nothing);
+* on ordinary cases it decides every element (the referee evaluates nothing), and a row whose
+  final state is decided goes to the referee only up to its last undecided o row;
 * its enclosures do not depend on the number of Numba threads.
 """
 
