@@ -20,9 +20,10 @@ Figures (each flag runs that figure only, all given figures in the same run):
 
 * ``--exact-prefill``: the exact path (``precision="exact"``) against ``backend="numba"`` on the
   GDN prefill. The exact path is timed on the subset ``--exact-heads`` x ``--exact-length``
-  (default 1 head, T = 256) and printed as measured, with its rate per (head, step) and per
-  output element; Numba is timed on that subset and on the full shape. No extrapolation is
-  printed as a measurement.
+  (default 1 head, T = 256), or with ``--exact-full`` on the full shape, and printed as
+  measured, with its rate per (head, step) and per output element and the number of elements
+  the referee evaluated (``refattn.exact.linear.linear_fallback_stats``); Numba is timed on
+  that subset and on the full shape. No extrapolation is printed as a measurement.
 * ``--exact-decode``: exact against Numba on one decode step from a cached state (B=1,
   ``--decode-heads`` heads, T = 1, ``initial_state``, ``output_final_state``).
 * ``--transformers``: ``backend="numba"`` and ``"numba-chunked"`` against transformers'
@@ -171,6 +172,9 @@ def _figure_flags(parser):
     )
     figures.add_argument("--exact-heads", type=int, default=1, help="exact prefill subset heads")
     figures.add_argument("--exact-length", type=int, default=256, help="exact prefill subset T")
+    figures.add_argument(
+        "--exact-full", action="store_true", help="exact prefill on the full shape (no subset)"
+    )
     figures.add_argument("--threads", type=int, default=None, help="Numba (and torch) threads")
 
 
@@ -210,9 +214,23 @@ def _linear(arrays, options, **how):
     return refattn.linear_attention(*arrays, qk_l2norm=True, **options, **how)
 
 
+def _referee_share():
+    """The referee's share of the last exact call (refattn.exact.linear.linear_fallback_stats)."""
+    from refattn.exact.linear import linear_fallback_stats
+
+    stats = linear_fallback_stats()
+    return (
+        f"referee: {stats['referee_elements']} of {stats['elements']} elements "
+        f"({stats['referee_rows']} of {stats['rows']} rows; first step left "
+        f"{stats['fast_undecided_elements']} undecided)"
+    )
+
+
 def _exact_prefill_figure(args):
     shape = f"B1 H{args.heads} T{args.length} D=E={args.dim}"
     heads, length = min(args.exact_heads, args.heads), min(args.exact_length, args.length)
+    if args.exact_full:
+        heads, length = args.heads, args.length
     full = _gdn(1, args.heads, args.length, args.dim)
     subset = tuple(a[:, :heads, :length] for a in full)
     options = {"output_final_state": True}
@@ -220,14 +238,17 @@ def _exact_prefill_figure(args):
     print(f"exact-prefill: numba {shape}: {numba_full:.3f} s (first call {first:.2f} s)")
     _, numba_sub = _timed(lambda: _linear(subset, options, backend="numba"), args.repeat)
     part = f"B1 H{heads} T{length} D=E={args.dim}"
-    print(f"exact-prefill: numba {part} (subset): {numba_sub * 1e3:.2f} ms", flush=True)
-    print(f"exact-prefill: exact {part} (subset) started, {_load()}", flush=True)
+    which = "full shape" if args.exact_full else "subset"
+    print(f"exact-prefill: numba {part} ({which}): {numba_sub * 1e3:.2f} ms", flush=True)
+    _linear(tuple(a[:, :1, :2] for a in full), options, precision="exact")  # compile or load
+    print(f"exact-prefill: exact {part} ({which}) started, {_load()}", flush=True)
     exact, _ = _timed(lambda: _linear(subset, options, precision="exact"), 0)
     steps = heads * length
     print(
-        f"exact-prefill: exact {part} (subset, measured, one run): {exact:.1f} s = "
-        f"{exact / steps:.3f} s per (head, step) = {exact / (steps * args.dim) * 1e3:.2f} ms "
-        f"per output element; exact / numba on the subset {exact / numba_sub:.0f}x"
+        f"exact-prefill: exact {part} ({which}, measured, one run): {exact:.1f} s "
+        f"= {exact / steps * 1e3:.3f} ms per (head, step) = "
+        f"{exact / (steps * args.dim) * 1e6:.2f} us per output element; exact / numba "
+        f"{exact / numba_sub:.1f}x; {_referee_share()}; {_load()}"
     )
 
 
@@ -239,12 +260,12 @@ def _exact_decode_figure(args):
     shape = f"B1 H{heads} T1 D=E={dim}"
     first, numba_s = _timed(lambda: _linear(step, options, backend="numba"), max(args.repeat, 20))
     print(f"exact-decode: numba {shape}: {numba_s * 1e3:.3f} ms (first call {first:.2f} s)")
-    exact, _ = _timed(lambda: _linear(step, options, precision="exact"), 0)
+    first, exact = _timed(lambda: _linear(step, options, precision="exact"), args.repeat)
     elements = heads * dim * (dim + 1)
     print(
-        f"exact-decode: exact {shape} (measured, one run): {exact:.1f} s = "
-        f"{exact / elements * 1e3:.3f} ms per output element (o and final state); "
-        f"exact / numba {exact / numba_s:.0f}x"
+        f"exact-decode: exact {shape} (measured, best of {args.repeat}; first call "
+        f"{first:.2f} s): {exact * 1e3:.1f} ms = {exact / elements * 1e6:.3f} us per output "
+        f"element (o and final state); exact / numba {exact / numba_s:.0f}x; {_referee_share()}"
     )
 
 

@@ -1,14 +1,25 @@
 """Exact path of :func:`refattn.linear_attention` and its vjp: every element of o, of the
 final state and of every gradient is the exact real result, rounded once.
 
-The recurrence runs per (sequence, value head) on rigorous interval enclosures (the Ziv loop of
+Forward, first step: :func:`refattn.exact.fast.linear.fast_linear_forward` runs the recurrence
+per (sequence, value head) in compiled midpoint-radius double-double arithmetic with rigorous
+radii (:mod:`refattn.exact.fast.linear_kernels` states the error analysis) and decides each
+element whose enclosure rounds to one value of the target format (on ordinary inputs, all of
+them). Only the (sequence, value head) rows that hold an undecided element, or that the first
+step could not bound (a gate above 60, inputs above 2**200), go to the referee below (up to
+their last undecided o row when their final state is decided); the merged
+result is bit-identical to the referee's alone (``config.LINEAR_EXACT_ENGINE = "referee"``
+forces it on every row). :func:`linear_fallback_stats` counts what the referee evaluated.
+
+Referee: the recurrence runs per row on rigorous interval enclosures (the Ziv loop of
 :func:`refattn.exact.rounding.correctly_round` doubles the working precision until each
 rounding is decided; the intervals widen along the recurrence, so long sequences need more
-bits, never a different method). Elements left on a rounding boundary are evaluated on exact
-rationals (:mod:`refattn.exact.numbers`) when the computation is rational: no gates, or base-2
-gates at integer values; no normalisation; ``scale`` given or ``1/sqrt(D)`` with D a square.
+bits, never a different method), about 1 s per (head, step) at D = E = 128: a row of T = 4096
+costs an hour. Elements left on a rounding boundary are evaluated on exact rationals
+(:mod:`refattn.exact.numbers`) when the computation is rational: no gates, or base-2 gates at
+integer values; no normalisation; ``scale`` given or ``1/sqrt(D)`` with D a square.
 The gradients are formed by reverse accumulation of the same evaluator
-(:mod:`refattn.exact.autodiff`).
+(:mod:`refattn.exact.autodiff`) on every element (no compiled first step).
 
 Pinned constants: the normalisation's eps is the float64 number nearest 1e-6, inside the
 root; the default scale is the real number ``1/sqrt(D)``.
@@ -25,10 +36,11 @@ from mpmath import mp
 from .. import config
 from . import intervals as I
 from .autodiff import AutodiffOps, lift, vjp
+from .fast.linear import fast_linear_forward
 from .numbers import INTERVAL, RATIONAL, NotRational
-from .rounding import correctly_round
+from .rounding import correctly_round, format_of
 
-__all__ = ["exact_linear_attention", "exact_linear_attention_vjp"]
+__all__ = ["exact_linear_attention", "exact_linear_attention_vjp", "linear_fallback_stats"]
 
 # ``call`` below is a refattn.linear._inputs.LinearCall (the canonical call, float64 arrays).
 
@@ -174,9 +186,10 @@ def _values(arith, array):
     return out.tolist()
 
 
-def _sequence(call, n: int, j: int):
-    """The float64 input slices of sequence n, value head j."""
-    b, start, stop = call.segments[n]
+def _sequence(call, n: int, j: int, stop: int | None = None):
+    """The float64 input slices of sequence n, value head j (its tokens before ``stop``)."""
+    b, start, end = call.segments[n]
+    stop = end if stop is None else stop
     return {
         "q": call.q[b, j, start:stop],
         "k": call.k[b, j, start:stop],
@@ -187,65 +200,109 @@ def _sequence(call, n: int, j: int):
     }
 
 
-def _forward_row(arith, call, n, j):
-    seq = {name: _values(arith, x) for name, x in _sequence(call, n, j).items()}
+def _forward_row(arith, call, n, j, stop=None):
+    seq = {name: _values(arith, x) for name, x in _sequence(call, n, j, stop).items()}
     return _recurrence(arith, seq, _scale(arith, call), call)
 
 
-def _flat_index(call):
-    """flat output index -> (sequence, value head) and the places of each row's results."""
-    out_size = call.v.size
-    owner = {}
-    for n, (b, start, stop) in enumerate(call.segments):
-        for t in range(start, stop):
-            owner[b, t] = n
-    return out_size, owner
+_LAST_STATS: dict = {}
 
 
-def exact_linear_attention(call, dtype):
-    """(o (B, HV, T, E), final (N, HV, D, E)) correctly rounded to ``dtype``."""
-    heads = call.v.shape[1]
-    out_size, owner = _flat_index(call)
-    final_shape = call.state_shape
+def linear_fallback_stats() -> dict:
+    """Statistics of the last :func:`exact_linear_attention` call: ``rows`` (sequence, value
+    head) and ``elements`` (of o and the final state) in total, ``fast_undecided_elements``
+    (elements the compiled first step left undecided, those of rows it could not bound
+    included), ``referee_rows`` and ``referee_elements`` (the rows the referee evaluated, and
+    their elements it rounded: a row's o rows up to its last undecided one, and its final
+    state when that holds an undecided element), and the ``engine`` ("fast" or "referee").
 
-    def fill(arith, rows):
-        out = np.zeros(call.v.shape, dtype=object)
-        final = np.zeros(final_shape, dtype=object)
-        for n, j in rows:
-            b, start, _ = call.segments[n]
-            values, state = _forward_row(arith, call, n, j)
-            for t, row in enumerate(values):
-                out[b, j, start + t] = row
-            final[n, j] = state
-        return np.concatenate([out.ravel(), final.ravel()])
+    Examples
+    --------
+    >>> set(linear_fallback_stats()) <= {'rows', 'elements', 'fast_undecided_elements',
+    ...                                  'referee_rows', 'referee_elements', 'engine'}
+    True
+    """
+    return dict(_LAST_STATS)
 
-    every = [(n, j) for n in range(len(call.segments)) for j in range(heads)]
+
+def _task_size(call, task):
+    """Number of results of a referee task (n, j, stop, with_state): the o rows of sequence n,
+    value head j before ``stop``, and its final state when asked for."""
+    n, _, stop, with_state = task
+    return (stop - call.segments[n][1]) * call.v.shape[-1] + with_state * (
+        call.q.shape[-1] * call.v.shape[-1]
+    )
+
+
+def _referee(call, tasks, dtype):
+    """The referee's correctly rounded results of ``tasks``: one flat array, task after task,
+    each its o rows (T x E) then, when asked for, its final state (D x E)."""
+    offsets = np.cumsum([0, *(_task_size(call, task) for task in tasks)])
+
+    def fill(arith, subset):
+        flat = []
+        for n, j, stop, with_state in subset:
+            values, state = _forward_row(arith, call, n, j, stop)
+            flat += [x for row in values for x in row]
+            flat += [x for row in state for x in row] if with_state else []
+        return np.array(flat, dtype=object)
 
     def evaluate(prec):
         with I.workprec(prec):
-            return I.endpoints(fill(_IntervalArith, every))
+            return I.endpoints(fill(_IntervalArith, tasks))
 
     cache = {}
 
     def fallback(index):
         (flat,) = index
-        if flat < out_size:
-            b, j, t, _ = np.unravel_index(flat, call.v.shape)
-            row = (owner[int(b), int(t)], int(j))
-        else:
-            n, j, _, _ = np.unravel_index(flat - out_size, final_shape)
-            row = (int(n), int(j))
-        if row not in cache:
+        at = int(np.searchsorted(offsets, flat, side="right")) - 1
+        if at not in cache:
             try:
-                cache[row] = fill(_RationalArith, [row])
+                cache[at] = fill(_RationalArith, [tasks[at]])
             except NotRational:
-                cache[row] = None
-        return None if cache[row] is None else cache[row][flat]
+                cache[at] = None
+        return None if cache[at] is None else cache[at][flat - offsets[at]]
 
-    if out_size + int(np.prod(final_shape)) == 0:
-        return np.zeros(call.v.shape, dtype), np.zeros(final_shape, dtype)
-    flat = correctly_round(evaluate, dtype, fallback=fallback, what="linear_attention")
-    return flat[:out_size].reshape(call.v.shape), flat[out_size:].reshape(final_shape)
+    return correctly_round(evaluate, dtype, fallback=fallback, what="linear_attention")
+
+
+def exact_linear_attention(call, dtype):
+    """(o (B, HV, T, E), final (N, HV, D, E)) correctly rounded to ``dtype``: the compiled
+    first step (:func:`refattn.exact.fast.linear.fast_linear_forward`) decides what it can, the
+    referee evaluates the (sequence, value head) rows that hold an undecided element, up to
+    its last undecided o row when the row's final state is decided
+    (``config.LINEAR_EXACT_ENGINE = "referee"``: every row, whole)."""
+    fmt = format_of(dtype)
+    sequences, heads = call.state_shape[:2]
+    engine = config.LINEAR_EXACT_ENGINE
+    if engine == "fast":
+        o, final, tasks, undecided = fast_linear_forward(call, fmt)
+    else:
+        o, final = np.zeros(call.v.shape), np.zeros(call.state_shape)
+        tasks = [(n, j, call.segments[n][2], True) for n in range(sequences) for j in range(heads)]
+    elements = call.v.size + int(np.prod(call.state_shape))
+    tasks = [task for task in tasks if _task_size(call, task)]
+    at = 0
+    if tasks:
+        flat = _referee(call, tasks, fmt.dtype).astype(np.float64)
+        for task in tasks:
+            n, j, stop, with_state = task
+            b, start, _ = call.segments[n]
+            size = (stop - start) * call.v.shape[-1]
+            o[b, j, start:stop] = flat[at : at + size].reshape(o[b, j, start:stop].shape)
+            if with_state:
+                final[n, j] = flat[at + size : at + _task_size(call, task)].reshape(final.shape[2:])
+            at += _task_size(call, task)
+    _LAST_STATS.clear()
+    _LAST_STATS.update(
+        rows=sequences * heads,
+        elements=elements,
+        fast_undecided_elements=undecided if engine == "fast" else elements,
+        referee_rows=len(tasks),
+        referee_elements=at,
+        engine=engine,
+    )
+    return o.astype(fmt.dtype), final.astype(fmt.dtype)
 
 
 # --------------------------------------------------------------------------- vjp
