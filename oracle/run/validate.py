@@ -56,6 +56,7 @@ from oracle.report.run_report import Report
 from oracle.run.impls import adapter_located, is_module_spec, locate_impl, resolve_impl
 from oracle.run.invariance import applies, check_invariance, parse_checks
 from oracle.run.parallel import more_supervisors, run_in_order, start_concurrently
+from oracle.run.prefetch import Prefetched
 from oracle.run.progress import Progress
 from oracle.run.supervise import DEFAULT_TIMEOUT, Supervisor
 from oracle.run.worker_cache import kept_supervisor
@@ -130,7 +131,9 @@ def _sources(suite, fixtures, dtype, cases):
             # them; an unusable manifest is load's own clear error
             names = _manifest_names(fixtures, dtype, cases)
             chosen = golden.load(fixtures, names=names, cases=None if names else cases or None)
-            items = list(_select(chosen, dtype, cases))
+            items = _select(chosen, dtype, cases)
+            # read in a thread while the first cases are judged (oracle.run.prefetch)
+            items = Prefetched(items, len(names)) if names else list(items)
             return f"fixtures {fixtures}", items, str(fixtures)
         return "fixtures", list(_select(fixtures, dtype, cases)), None
     suite = "smoke" if suite is None else suite

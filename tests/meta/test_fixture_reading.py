@@ -1,6 +1,7 @@
 """Reading fixtures fast: oracle.fixtures.npz gives numpy.load's arrays, a compact fixture's
 rebuilt inputs are kept in the cache folder and checked like rebuilt ones, and judging a
-passing output reads the empty rows from the forward judging part (no float64 textbook)."""
+passing output reads the empty rows from the forward judging part (no float64 textbook), and
+validate reads the fixtures in a thread (oracle.run.prefetch)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from oracle.fixtures.npz import read_npz
 from oracle.judging import parts
 from oracle.judging.judge import check_fixture
 from oracle.reading import case as case_module
+from oracle.run.prefetch import Prefetched
 from refattn.attention import attention
 
 SMALL = "causal-br-H2K2-L4S7-D8E8-f32"
@@ -112,3 +114,18 @@ def test_a_passing_output_is_judged_without_the_float64_textbook(monkeypatch, tm
     monkeypatch.setattr(case_module, "textbook_attention", refuse)
     assert check_fixture(exact, fresh).verdict == "pass"
     parts.clear_memory()
+
+
+def test_prefetched_fixtures_come_in_order_and_errors_where_they_were():
+    def source():
+        yield from ("a", "b")
+        raise golden.FixtureError("c.npz: unreadable")
+
+    items = Prefetched(source(), 3)
+    assert len(items) == 3 and bool(items)
+    seen = []
+    with pytest.raises(golden.FixtureError, match="c.npz"):
+        for item in items:
+            seen.append(item)
+    assert seen == ["a", "b"]
+    assert not Prefetched(iter(()), 0)
