@@ -47,12 +47,6 @@ smoke ...
 
 from __future__ import annotations
 
-# isort: off
-# first: `refattn-oracle validate` starts its worker before the imports below (measured: they
-# take 2-3 s, as the worker's start does; oracle.cli.early)
-from oracle.cli import early  # noqa: F401
-# isort: on
-
 import argparse
 import os
 import sys

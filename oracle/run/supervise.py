@@ -42,7 +42,7 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
-__all__ = ["Supervisor", "DEFAULT_TIMEOUT", "LOAD_TIMEOUT", "MAX_TIMEOUT", "preload_worker"]
+__all__ = ["Supervisor", "DEFAULT_TIMEOUT", "LOAD_TIMEOUT", "MAX_TIMEOUT"]
 
 #: seconds one case may take (implementation call, gradients and judging) before it is an error;
 #: generous because a JIT-compiled implementation compiles on its first call.
@@ -172,10 +172,23 @@ class Supervisor:
         return self._start()
 
     def _start(self) -> str | None:
+        to_child_r, to_child_w = os.pipe()
+        to_parent_r, to_parent_w = os.pipe()
+        paths = [p or os.getcwd() for p in sys.path]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
         request = pickle.dumps((self.impl_ref, self.memory_limit))
-        # a worker preloaded by the command line (no memory limit: it imported before one)
-        spawned = _adopt_preloaded() if self.memory_limit is None else None
-        self._process, self._send_connection, self._connection = spawned or _spawn(False)
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "oracle.run.supervise", str(to_child_r), str(to_parent_w)],
+                pass_fds=(to_child_r, to_parent_w),
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            os.close(to_child_r)
+            os.close(to_parent_w)
+        self._send_connection = Connection(to_child_w, readable=False)
+        self._connection = Connection(to_parent_r, writable=False)
         self._send_connection.send_bytes(request)
         # loading (imports, a JIT warm-up) is not a case: --timeout bounds cases, and a busy
         # machine must not turn a slow import into a refused run
@@ -297,88 +310,14 @@ class Supervisor:
         self._stop()
 
 
-def _python_path() -> str:
-    """The PYTHONPATH a worker gets: this process's ``sys.path``."""
-    return os.pathsep.join(dict.fromkeys(p or os.getcwd() for p in sys.path))
-
-
-def _spawn(preload: bool) -> tuple:
-    """``(process, send connection, receive connection)`` of a new worker process."""
-    to_child_r, to_child_w = os.pipe()
-    to_parent_r, to_parent_w = os.pipe()
-    command = [sys.executable, "-m", "oracle.run.supervise", str(to_child_r), str(to_parent_w)]
-    try:
-        process = subprocess.Popen(
-            command + (["--preload"] if preload else []),
-            pass_fds=(to_child_r, to_parent_w),
-            env={**os.environ, "PYTHONPATH": _python_path()},
-            stdin=subprocess.DEVNULL,
-        )
-    finally:
-        os.close(to_child_r)
-        os.close(to_parent_w)
-    return process, Connection(to_child_w, readable=False), Connection(to_parent_r, writable=False)
-
-
-#: at most one worker started ahead by :func:`preload_worker`: (PYTHONPATH, spawned)
-_PRELOADED: list = []
-
-
-def preload_worker() -> None:
-    """Start a worker now that imports the judge (and refattn) before it knows its
-    implementation; the next :class:`Supervisor` without a memory limit takes it over if this
-    process's ``sys.path`` is still the same. ``refattn-oracle validate`` calls it before its
-    own imports (2-3 s each on a busy machine), so the two load side by side
-    (:mod:`oracle.cli.early`). Unused, it is stopped when this process exits."""
-    if not _PRELOADED:
-        _PRELOADED.append((_python_path(), _spawn(True)))
-
-
-def _adopt_preloaded():
-    """The preloaded worker's ``(process, send, receive)``, or None (none, dead, or started
-    with another ``sys.path``: then stopped)."""
-    if not _PRELOADED:
-        return None
-    path, spawned = _PRELOADED.pop()
-    if path == _python_path() and spawned[0].poll() is None:
-        return spawned
-    _discard(spawned)
-    return None
-
-
-def _discard(spawned) -> None:
-    process, send, receive = spawned
-    send.close()  # the worker reads end-of-file and exits
-    receive.close()
-    try:
-        process.wait(5)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(5)
-
-
-@atexit.register
-def _discard_preloaded() -> None:
-    while _PRELOADED:
-        _discard(_PRELOADED.pop()[1])
-
-
 def _main(argv) -> None:  # pragma: no cover - the worker's entry point
-    """``python -m oracle.run.supervise READ_FD WRITE_FD [--preload]``: serve cases over the
-    two pipes (``--preload``: import the judge before reading which implementation to load)."""
+    """``python -m oracle.run.supervise READ_FD WRITE_FD``: serve cases over the two pipes."""
     # Ctrl-C in a terminal signals the whole process group: only the parent should react (it
     # stops the run and this worker); a KeyboardInterrupt here is then the implementation's own
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     receive = Connection(int(argv[0]), writable=False)
     send = Connection(int(argv[1]), readable=False)
-    if argv[2:] == ["--preload"]:
-        # measured start-up cost: refattn and the judge load while the parent imports its own
-        from oracle.judging import judge  # noqa: F401
-        from oracle.run import impls  # noqa: F401
-    try:
-        impl_ref, memory_limit = pickle.loads(receive.recv_bytes())
-    except EOFError:  # a preloaded worker nobody took over
-        os._exit(0)
+    impl_ref, memory_limit = pickle.loads(receive.recv_bytes())
     _serve(receive, send, impl_ref, memory_limit)
     # told to stop: the exit handlers (the implementation's too) and the streams, then out
     # without tearing every module down (0.2-0.4 s a worker, which the parent waits for)
