@@ -6,8 +6,8 @@ transformers, equal head counts) are refused (NotImplementedError: "unsupported"
   (the eager path every model's attention shares), causal as transformers' own additive mask
   (``finfo.min`` above the top-left diagonal);
 * :func:`openvino_sdpa`: OpenVINO's ``opset13.scaled_dot_product_attention`` compiled for the
-  CPU plugin, inputs in the case dtype (no bfloat16: numpy has none), the plugin's default
-  inference precision; :func:`openvino_sdpa_f32` with ``INFERENCE_PRECISION_HINT="f32"``;
+  CPU plugin, inputs in the case dtype (bfloat16 passed as its bit patterns), the plugin's
+  default inference precision; :func:`openvino_sdpa_f32` with ``INFERENCE_PRECISION_HINT="f32"``;
 * :func:`ort_multihead`: onnxruntime's contrib operator ``com.microsoft.MultiHeadAttention``
   (CPU provider, float32) with ``unidirectional=1`` for causal, its (B, L, H D) layout.
 
@@ -81,20 +81,26 @@ def openvino_sdpa_f32(q, k, v, scale=None, causal=False, **options):
 def _openvino(q, k, v, scale, causal, options, config):
     _refuse_others("openvino", options)
     _top_left_only("openvino", q, k, causal, options)
-    if q.dtype.name not in ("float64", "float32", "float16"):
-        raise NotImplementedError(f"openvino: no numpy type for {q.dtype.name} inputs")
+    name = q.dtype.name
+    if name not in ("float64", "float32", "float16", "bfloat16"):
+        raise NotImplementedError(f"openvino: {name} inputs not mapped")
     import openvino as ov  # optional peer: imported on first use
 
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    key = (q.shape, k.shape, v.shape, q.dtype.name, scale, bool(causal), tuple(config.items()))
+    key = (q.shape, k.shape, v.shape, name, scale, bool(causal), tuple(config.items()))
     if key not in _OV_COMPILED:
-        element = {"float64": ov.Type.f64, "float32": ov.Type.f32, "float16": ov.Type.f16}
+        element = getattr(ov.Type, {"bfloat16": "bf16"}.get(name, name.replace("float", "f")))
         params = [
-            ov.opset13.parameter(list(x.shape), element[q.dtype.name], name=n)
+            ov.opset13.parameter(list(x.shape), element, name=n)
             for n, x in (("q", q), ("k", k), ("v", v))
         ]
-        scale_node = ov.opset13.constant(np.asarray(scale, dtype=q.dtype))
-        mask = ov.opset13.constant(np.zeros((), dtype=q.dtype))
+        if name == "bfloat16":  # constants made in float32, converted by the graph
+            scale_node, mask = (
+                ov.opset13.convert(ov.opset13.constant(np.float32(x)), "bf16") for x in (scale, 0)
+            )
+        else:
+            scale_node = ov.opset13.constant(np.asarray(scale, dtype=q.dtype))
+            mask = ov.opset13.constant(np.zeros((), dtype=q.dtype))
         sdpa = ov.opset13.scaled_dot_product_attention(
             *params, mask, scale_node, causal=bool(causal)
         )
@@ -103,8 +109,19 @@ def _openvino(q, k, v, scale, causal, options, config):
             model, "CPU", {"INFERENCE_NUM_THREADS": 1, **config}
         )
     compiled = _OV_COMPILED[key]
-    result = compiled([np.ascontiguousarray(x) for x in (q, k, v)])
-    return np.asarray(result[compiled.output(0)]).astype(q.dtype)
+    if name != "bfloat16":
+        result = compiled([np.ascontiguousarray(x) for x in (q, k, v)])
+        return np.asarray(result[compiled.output(0)]).astype(q.dtype)
+    # bfloat16 as its bit patterns; the output tensor's bits come back labelled float16
+    request = compiled.create_infer_request()
+    request.infer(
+        [
+            ov.Tensor(np.ascontiguousarray(x).view(np.uint16), list(x.shape), ov.Type.bf16)
+            for x in (q, k, v)
+        ]
+    )
+    bits = np.array(request.get_output_tensor(0).data).view(np.uint16)
+    return bits.view(q.dtype)
 
 
 _ORT_SESSIONS: dict = {}
