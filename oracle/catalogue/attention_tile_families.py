@@ -5,15 +5,16 @@ FlashAttention ports) take only ``L == S``, lengths that are a multiple of 64, n
 bias, causal top-left or none and ``D == E``. Almost every other case of ``default`` has a
 partial tile, a mask or ``L != S`` somewhere, so such a kernel would be judged on one case.
 The ``tile-*`` cases are exactly what it can run (``refattn-oracle validate --case 'tile-*'``;
-docs/tile-kernels.md), in every dtype of default and full:
+docs/tile-kernels.md), 21 in every dtype of default and full:
 
 =========================  ====================================================================
-``tile``, ``tile-causal``  ``L = S`` in {64, 128, 256, 512, 1024}, ``D = E = 64``, H = K = 2
-                           (H = K = 1 from 128 on), no causal and causal (top-left =
-                           bottom-right when ``L = S``)
-``tile``  (D = 128)        ``L = S`` in {64, 256}, ``D = E = 128``, both causal settings
-``tile-gqa[-causal]``      ``H = 2, K = 1`` (GQA, refattn's
-                           ``gqa="interleave"`` default), ``L = S`` in {128, 512}, both causal
+``tile``, ``tile-causal``  ``D = E = 64``: ``L = S`` in {64, 128, 192, 256} (192: three tiles,
+                           not a power of two) with and without causal, 512 without, 1024
+                           causal (top-left = bottom-right when ``L = S``); H = K = 2 at 64,
+                           one head from 128 on
+``tile``  (D = 128)        ``L = S`` in {64, 128}, ``D = E = 128``, both causal settings
+``tile-gqa[-causal]``      ``H = 2, K = 1`` (GQA, refattn's ``gqa="interleave"`` default),
+                           ``L = S = 128`` both causal settings, 256 without
 ``tile-outlier``           outlier channels (3 dims of q and k 32x larger), 256 x 256
 ``tile-peaky-late-causal`` a row max that moves in every key tile (online rescale), causal
 ``tile-sink``              a sink key taking most of every row's weight, 128 x 128
@@ -22,8 +23,8 @@ docs/tile-kernels.md), in every dtype of default and full:
 
 No option beyond ``causal`` (and its ``align``, which does not matter when ``L = S``) is set,
 so an implementation without ``mask``/``bias``/``gqa``/``empty_rows`` keywords receives none
-of them (options equal to refattn's defaults are not passed). Cases with ``L >= 256`` are
-compact fixtures (:mod:`oracle.fixtures.compact`): load them with ``oracle.load``.
+of them (options equal to refattn's defaults are not passed). Every tile case is a compact
+fixture (:mod:`oracle.fixtures.compact`: no stored inputs): load them with ``oracle.load``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from oracle.catalogue.case import Shapes
 __all__ = ["TILE_SIZES", "tile_entries"]
 
 #: The square lengths of the tile cases (whole 64-tiles).
-TILE_SIZES = (64, 128, 256, 512, 1024)
+TILE_SIZES = (64, 128, 192, 256, 512, 1024)
 
 _GAUSS = {"qkv": "gaussian", "sigma": 1.0}
 _CAUSAL = {"causal": True, "align": "top_left"}
@@ -56,11 +57,23 @@ def _entry(tag, shapes, description, causal, recipe=None) -> Entry:
 
 
 #: From this length on a tile case's fixture stores no inputs (they are regenerated from the
-#: seed on load), and from :data:`_ONE_KV_HEAD_FROM` on it has one kv head (two query heads
-#: with GQA): the 88 tile fixtures take 33 MB (the truths in the case dtype and in float64),
-#: not the 106 MB that stored inputs and two heads throughout took.
-_COMPACT_FROM = 256
+#: seed on load: every tile case), and from :data:`_ONE_KV_HEAD_FROM` on it has one kv head
+#: (two query heads with GQA). The exact truth costs ``H L S D`` and its storage ``H L D``
+#: (twice: in the case dtype and in float64): the 84 tile fixtures take 18.9 MB and 7.4 s of
+#: CPU to generate (the 88 of the previous selection, with 2 x 1024, 2 x 512, 2 x GQA 512 and
+#: stored inputs below 256, took 33.4 MB and 9.5 s; measured on one worker).
+_COMPACT_FROM = 64
 _ONE_KV_HEAD_FROM = 128
+
+#: (L = S, D = E, causal settings) of the plain and GQA rows: every length in both causal
+#: settings up to 256, then one setting each (the two largest hold most of the cost).
+_PLAIN = (
+    *((n, 64, (False, True)) for n in (64, 128, 192, 256)),
+    (512, 64, (False,)),
+    (1024, 64, (True,)),
+    *((n, 128, (False, True)) for n in (64, 128)),
+)
+_GQA = ((128, (False, True)), (256, (False,)))
 
 
 def _square(n, D, H=2, K=2) -> Shapes:
@@ -72,15 +85,12 @@ def _square(n, D, H=2, K=2) -> Shapes:
 def tile_entries() -> list[Entry]:
     """The tile-shaped rows (every dtype, default and full; see the module docstring)."""
     rows = []
-    for n in TILE_SIZES:
-        for causal in (False, True):
-            rows.append(_entry("tile", _square(n, 64), f"L = S = {n}, D = E = 64", causal))
-    for n in (64, 256):
-        for causal in (False, True):
-            rows.append(_entry("tile", _square(n, 128), f"L = S = {n}, D = E = 128", causal))
-    for n in (128, 512):
+    for n, D, settings in _PLAIN:
+        for causal in settings:
+            rows.append(_entry("tile", _square(n, D), f"L = S = {n}, D = E = {D}", causal))
+    for n, settings in _GQA:
         shapes = _square(n, 64, H=4)
-        for causal in (False, True):
+        for causal in settings:
             description = f"GQA H = {shapes.H}, K = {shapes.K}, L = S = {n}"
             rows.append(_entry("tile-gqa", shapes, description, causal))
     adversarial = [

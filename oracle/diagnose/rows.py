@@ -59,13 +59,16 @@ def within_one_ulp(tier, failing, values, truths, dtypes) -> str | None:
     )
 
 
-def mark_empty_row(check, allowed, options, reading="zero") -> None:
+def mark_empty_row(check, empty, options, reading="zero") -> None:
     """Mark ``check``'s worst element when its row has no allowed key (and no sink), so it is
-    shown as such rather than as a normalised error of 1e37-1e307 (:class:`Worst`)."""
+    shown as such rather than as a normalised error of 1e37-1e307 (:class:`Worst`).
+
+    ``empty`` marks the rows with no allowed key (the allowed set's ``~allowed.any(-1)``, kept
+    with the fixture's forward judging part: :func:`oracle.judging.parts.forward_part`)."""
     if check is None or check.errors is None or options.get("sinks") is not None:
         return
     rows_shape = check.errors.shape[:-1] if check.quantity == "out" else check.errors.shape
-    empty = ~np.asarray(allowed).any(axis=-1)
+    empty = np.asarray(empty, dtype=bool)
     try:
         empty = np.broadcast_to(empty, rows_shape)
     except ValueError:  # a layout the rows cannot be matched in: shown as before

@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -37,13 +36,15 @@ from pathlib import Path
 import numpy as np
 
 from oracle.diagnose.models import error_models
-from oracle.fixtures.atomic import JUDGE_CACHE, write_atomic
+from oracle.fixtures.atomic import CACHE_VARIABLE, JUDGE_CACHE, cache_folder, write_atomic
+from oracle.fixtures.npz import read_npz
 from oracle.judging import tolerance as tol
 from oracle.reading.baseline import textbook_attention_vjp
 
 __all__ = [
     "JUDGING_VERSION",
     "CACHE_FOLDER",
+    "CACHE_VARIABLE",
     "cache_dir",
     "judging_part",
     "clear_memory",
@@ -58,8 +59,6 @@ __all__ = [
 
 #: the folder inside a fixture directory that holds its judging parts
 CACHE_FOLDER = JUDGE_CACHE
-#: environment variable naming the cache folder ("off": no disk cache)
-CACHE_VARIABLE = "REFATTN_CACHE"
 #: parts kept in memory (least recently used dropped first)
 MEMORY_ENTRIES = 4096
 
@@ -103,11 +102,7 @@ def clear_memory() -> None:
 
 def cache_dir(fixture) -> Path | None:
     """The disk cache folder for ``fixture`` (see the module docstring), or None."""
-    named = os.environ.get(CACHE_VARIABLE)
-    if named is not None:
-        return None if named.strip().lower() in ("", "off", "0", "none") else Path(named)
-    origin = getattr(fixture, "origin", None)
-    return None if origin is None else Path(origin) / CACHE_FOLDER
+    return cache_folder(getattr(fixture, "origin", None))
 
 
 def judging_part(fixture, key: str, part: str, compute, valid) -> dict:
@@ -149,8 +144,7 @@ def _accepted(valid, arrays) -> bool:
 def _read(path: Path, key: str, part: str) -> dict | None:
     """The arrays of a cache file, or None when it is missing, unreadable or not this entry."""
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            members = {name: archive[name] for name in archive.files}
+        members = read_npz(path)  # numpy.load's arrays, faster (oracle.fixtures.npz)
         meta = json.loads(str(members.pop("meta")))
         json_names = meta.get("json", [])
         if meta.get("key") != key or meta.get("part") != part:
@@ -259,7 +253,9 @@ def forward_threshold(tier, dtype, base_err, floor) -> tol.Threshold:
 
 def forward_part(view, truth_out, truth_lse, tier) -> dict:
     """out's (and lse's, when the fixture has it) scale, baseline errors and floor in
-    ``tier``: "out/scale", "out/base", "out/floor" (and the same for "lse/")."""
+    ``tier``: "out/scale", "out/base", "out/floor" (and the same for "lse/"), and "empty":
+    the rows with no allowed key (the judge marks a worst element in one; kept here so that
+    judging a passing output never evaluates the float64 textbook)."""
     dtype = view.dtype
     base = view.textbook()
     scale = tol.output_scale(view.dropped, view.v, gqa=view.options.get("gqa"))
@@ -269,6 +265,7 @@ def forward_part(view, truth_out, truth_lse, tier) -> dict:
         "out/scale": scale,
         "out/base": finite_part(tol.normalised_error(base.out, truth_out, scale, dtype), truth_out),
         "out/floor": np.asarray(_out_rule(view, out_rule, dtype, truth_out, truth_out.size)),
+        "empty": ~np.asarray(view.exact64.allowed).any(axis=-1),
     }
     if truth_lse is not None:
         magnitude = view.magnitude[0] if view.single else view.magnitude
@@ -289,6 +286,7 @@ def forward_valid(truth_out, truth_lse):
             truth_out.shape
         )
         np.broadcast_shapes(found["out/floor"].shape, truth_out.shape)
+        fits = fits and found["empty"].dtype == bool
         if truth_lse is not None:
             fits = fits and found["lse/scale"].shape == truth_lse.shape
             np.broadcast_shapes(found["lse/floor"].shape, truth_lse.shape)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import sys
+import threading
 import time
 import types
 from collections.abc import Iterable
@@ -55,6 +56,7 @@ from oracle.report.run_report import Report
 from oracle.run.impls import adapter_located, is_module_spec, locate_impl, resolve_impl
 from oracle.run.invariance import applies, check_invariance, parse_checks
 from oracle.run.parallel import more_supervisors, run_in_order, start_concurrently
+from oracle.run.prefetch import Prefetched
 from oracle.run.progress import Progress
 from oracle.run.supervise import DEFAULT_TIMEOUT, Supervisor
 from oracle.run.worker_cache import kept_supervisor
@@ -129,7 +131,9 @@ def _sources(suite, fixtures, dtype, cases):
             # them; an unusable manifest is load's own clear error
             names = _manifest_names(fixtures, dtype, cases)
             chosen = golden.load(fixtures, names=names, cases=None if names else cases or None)
-            items = list(_select(chosen, dtype, cases))
+            items = _select(chosen, dtype, cases)
+            # read in a thread while the first cases are judged (oracle.run.prefetch)
+            items = Prefetched(items, len(names)) if names else list(items)
             return f"fixtures {fixtures}", items, str(fixtures)
         return "fixtures", list(_select(fixtures, dtype, cases)), None
     suite = "smoke" if suite is None else suite
@@ -369,10 +373,17 @@ def validate(
         layout, framework, device, signature, causal_align, keywords, empty_rows
     )
     unwrapped, fn, spec = _implementation(impl, isolate, convention)
-    label, items, source_flag = _selection(suite, fixtures, dtype, cases)
     supervisor = _supervisor(
         impl, unwrapped, spec, convention, isolate, keep_worker, timeout, memory_limit
     )
+    started = _start_early(supervisor)  # the worker loads while the fixtures are read
+    try:
+        label, items, source_flag = _selection(suite, fixtures, dtype, cases)
+    except BaseException:
+        started()
+        if supervisor is not None and not keep_worker:
+            supervisor.close()
+        raise
     run = _Run(
         fn,
         spec,
@@ -386,7 +397,7 @@ def validate(
         extra_flags=getattr(unwrapped, "reproduce_flags", ""),  # an adapted merge function's
     )
     start = time.perf_counter()
-    results = _run_items(run, items, supervisor, unwrapped, workers, progress, keep_worker)
+    results = _run_items(run, items, supervisor, unwrapped, workers, progress, keep_worker, started)
     if refusals_are_errors:
         refusals_as_errors(results)
     seconds = time.perf_counter() - start
@@ -529,18 +540,22 @@ class _Run:
         return found
 
 
-def _run_items(run, items, supervisor, unwrapped, workers, progress, keep_worker) -> list:
+def _run_items(
+    run, items, supervisor, unwrapped, workers, progress, keep_worker, started=None
+) -> list:
     """Every item's results in case order, on ``workers`` supervised workers (or in process);
-    the workers are closed after (but a kept one)."""
+    the workers are closed after (but a kept one). ``started()`` waits for the first
+    worker's start begun by :func:`_start_early` and returns its answer."""
     fn, spec = run.fn, run.spec
     results = []
     pool = [supervisor]
     if supervisor is not None and workers > 1:
         pool += more_supervisors(supervisor, min(workers, len(items)) - 1)
     try:
-        if len(pool) > 1:  # every worker loads the implementation at once
+        problem = None if started is None else started()
+        if len(pool) > 1 and problem is None:  # every worker loads the implementation at once
             start_concurrently(pool)
-        _start_worker(supervisor, spec or _impl_name(fn, spec))
+        _start_worker(supervisor, spec or _impl_name(fn, spec), problem)
         with (
             Progress(
                 len(items), f"validate {_impl_name(fn, spec)}", enabled=progress, stream=sys.stderr
@@ -593,11 +608,39 @@ def _importable(spec):
         return None
 
 
-def _start_worker(supervisor, name) -> None:
-    """Start the worker before the first case: an implementation it cannot load (the import
-    raised, exited or crashed, a timeout or the memory limit) is an ImportError naming it,
-    never a run of "error" verdicts that judged nothing."""
-    problem = None if supervisor is None else supervisor.start()
+def _start_early(supervisor):
+    """Begin starting ``supervisor``'s worker in a thread (it imports the implementation, 1-2 s,
+    while this process reads the fixtures); returns ``started()``, which waits for it and
+    returns :meth:`~oracle.run.supervise.Supervisor.start`'s answer (None: no worker)."""
+    if supervisor is None:
+        return lambda: None
+    answer: list = []
+
+    def start() -> None:
+        try:
+            answer.append(supervisor.start())
+        except BaseException as exc:  # noqa: BLE001 - raised again by started()
+            answer.append(exc)
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+
+    def started():
+        thread.join()
+        if isinstance(answer[0], BaseException):
+            raise answer[0]
+        return answer[0]
+
+    return started
+
+
+def _start_worker(supervisor, name, problem=None) -> None:
+    """Start the worker before the first case (``problem``: the answer of a start already
+    made): an implementation it cannot load (the import raised, exited or crashed, a timeout
+    or the memory limit) is an ImportError naming it, never a run of "error" verdicts that
+    judged nothing."""
+    if problem is None and supervisor is not None:
+        problem = supervisor.start()
     if problem is None:
         return
     supervisor.close()

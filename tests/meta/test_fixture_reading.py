@@ -1,0 +1,131 @@
+"""Reading fixtures fast: oracle.fixtures.npz gives numpy.load's arrays, a compact fixture's
+rebuilt inputs are kept in the cache folder and checked like rebuilt ones, and judging a
+passing output reads the empty rows from the forward judging part (no float64 textbook), and
+validate reads the fixtures in a thread (oracle.run.prefetch)."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import zipfile
+
+import numpy as np
+import pytest
+
+from oracle import catalogue
+from oracle.fixtures import golden
+from oracle.fixtures.npz import read_npz
+from oracle.judging import parts
+from oracle.judging.judge import check_fixture
+from oracle.reading import case as case_module
+from oracle.run.prefetch import Prefetched
+from refattn.attention import attention
+
+SMALL = "causal-br-H2K2-L4S7-D8E8-f32"
+COMPACT = "long-decode-H2K1-L1S2048-D16E16-f32"
+
+
+def _numpy_load(path):
+    with np.load(path, allow_pickle=False) as archive:
+        return {name: archive[name] for name in archive.files}
+
+
+def _assert_same(found, expected):
+    assert sorted(found) == sorted(expected)
+    for name, array in expected.items():
+        assert found[name].dtype == array.dtype and found[name].shape == array.shape, name
+        assert found[name].tobytes() == array.tobytes(), name
+        assert found[name].flags.writeable, name
+
+
+def test_read_npz_gives_numpy_loads_arrays(tmp_path):
+    fixture = golden.build(catalogue.get(SMALL))
+    golden.write_fixture(fixture, tmp_path)
+    (path,) = tmp_path.glob("*.npz")
+    _assert_same(read_npz(path), _numpy_load(path))
+    arrays = {
+        "a": np.arange(6, dtype=">f8").reshape(2, 3),
+        "fortran": np.asfortranarray(np.ones((2, 3))),
+        "flags": np.array([True, False]),
+        "empty": np.zeros((0, 4), np.float32),
+        "text": np.array("{}"),
+    }
+    np.savez(tmp_path / "plain.npz", **arrays)
+    np.savez_compressed(tmp_path / "packed.npz", **arrays)  # numpy's reader for these
+    for name in ("plain.npz", "packed.npz"):
+        _assert_same(read_npz(tmp_path / name), _numpy_load(tmp_path / name))
+
+
+def test_read_npz_refuses_object_arrays(tmp_path):
+    buffer = io.BytesIO()
+    np.save(buffer, np.array([{}], dtype=object), allow_pickle=True)
+    with zipfile.ZipFile(tmp_path / "obj.npz", "w") as archive:
+        archive.writestr("x.npy", buffer.getvalue())
+    with pytest.raises(ValueError):
+        read_npz(tmp_path / "obj.npz")
+
+
+@pytest.fixture(scope="module")
+def compact_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("compact")
+    golden.generate("default", folder, cases=[catalogue.get(COMPACT)], progress=False)
+    return folder
+
+
+def test_compact_inputs_are_kept_and_checked(compact_dir, monkeypatch):
+    monkeypatch.delenv("REFATTN_CACHE", raising=False)
+    rebuilt = catalogue.make_inputs(catalogue.get(COMPACT))
+    (first,) = golden.load(compact_dir)
+    (kept,) = (compact_dir / ".judge-cache").glob("inputs-*.npz")
+    (second,) = golden.load(compact_dir)
+    for fixture in (first, second):
+        _assert_same(fixture.inputs, rebuilt)
+    # a cache file that differs by one bit is rebuilt from the spec, never trusted
+    data = bytearray(kept.read_bytes())
+    data[len(data) // 2] ^= 1  # inside an input's values
+    kept.write_bytes(bytes(data))
+    (third,) = golden.load(compact_dir)
+    _assert_same(third.inputs, rebuilt)
+    assert kept.read_bytes() != bytes(data)  # written again from the rebuilt inputs
+
+
+def test_no_cache_file_when_caching_is_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("REFATTN_CACHE", "off")
+    golden.generate("default", tmp_path, cases=[catalogue.get(COMPACT)], progress=False)
+    (fixture,) = golden.load(tmp_path)
+    assert fixture.inputs["q"].shape[-2] == 1
+    assert not (tmp_path / ".judge-cache").exists()
+
+
+def test_a_passing_output_is_judged_without_the_float64_textbook(monkeypatch, tmp_path):
+    monkeypatch.setenv("REFATTN_CACHE", str(tmp_path))
+    parts.clear_memory()
+    fixture = golden.build(catalogue.get(SMALL))
+
+    def exact(q, k, v, **options):
+        return attention(q, k, v, **options, precision="exact")
+
+    assert check_fixture(exact, fixture).verdict == "pass"  # computes and keeps the parts
+    fresh = dataclasses.replace(fixture)  # a new view: nothing evaluated on it yet
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the float64 textbook was evaluated")
+
+    monkeypatch.setattr(case_module, "textbook_attention", refuse)
+    assert check_fixture(exact, fresh).verdict == "pass"
+    parts.clear_memory()
+
+
+def test_prefetched_fixtures_come_in_order_and_errors_where_they_were():
+    def source():
+        yield from ("a", "b")
+        raise golden.FixtureError("c.npz: unreadable")
+
+    items = Prefetched(source(), 3)
+    assert len(items) == 3 and bool(items)
+    seen = []
+    with pytest.raises(golden.FixtureError, match="c.npz"):
+        for item in items:
+            seen.append(item)
+    assert seen == ["a", "b"]
+    assert not Prefetched(iter(()), 0)
