@@ -158,3 +158,25 @@ def test_flashmla_sparse_passes_small_mla_sparse_cases(small_mla_sparse_suite):
     )
     assert report.passed, [r.explain() for r in report.failures]
     assert [r.verdict for r in report.results] == ["pass"] * 6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "function, signature",
+    [("flash_mla_with_kvcache", "flashmla_kvcache"), ("flash_mla_sparse_fwd", "flashmla_sparse")],
+)
+def test_flashmla_passes_the_dsa_decode_cases(function, signature, dtype):
+    """DSA decode on the paged latent cache (FlashMLA's sparse decode: ``indices`` into the
+    656-byte fp8 cache) and the same cases through the sparse prefill's flat layout."""
+    report = validate(
+        f"{LIB}:{function}",
+        suite="default",
+        dtype=dtype,
+        cases=["mla-dsa-decode-*"],
+        signature=signature,
+        progress=False,
+        isolate=False,
+    )
+    assert report.passed, [r.explain() for r in report.failures]
+    assert [r.verdict for r in report.results] == ["pass"] * 4

@@ -112,6 +112,18 @@ def _flash_allowed(rows, lengths, keys, causal, window_size):
     return allowed
 
 
+def _check_shapes(q, k, v, names=("k", "v")):
+    """FlashAttention 3's shape checks (its C++ ``CHECK_SHAPE`` / ``TORCH_CHECK``, raised as
+    RuntimeError): k (.., S, K, D) with q's D, v (.., S, K, E) with k's leading axes, H a
+    multiple of K."""
+    if k.shape[-1] != q.shape[-1]:
+        raise RuntimeError(f"{names[0]} must have head dim {q.shape[-1]}, got {tuple(k.shape)}")
+    if tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
+        raise RuntimeError(f"{names[1]} must have shape {tuple(k.shape[:-1])} + (headdim_v,)")
+    if q.shape[-2] % k.shape[-2]:
+        raise RuntimeError("Number of heads in key/value must divide number of heads in query")
+
+
 def _out_dtype(q):
     torch = _torch()
     return torch.bfloat16 if q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else q.dtype
@@ -139,6 +151,7 @@ def flash_attn_func(
     """FlashAttention 3: q (B, L, H, D), k (B, S, K, D), v (B, S, K, E), qv (B, L, H, E) ->
     out (B, L, H, E) [, lse (B, H, L) float32]."""
     torch = _torch()
+    _check_shapes(q, k, v)
     heads = q.shape[2]
     if softmax_scale is None:
         softmax_scale = (q.shape[-1] + (qv.shape[-1] if qv is not None else 0)) ** -0.5
@@ -199,6 +212,7 @@ def flash_attn_with_kvcache(
 ):
     """FlashAttention 3's decode: q (B, L, H, D), caches (P, page, K, D | E), page_table
     (B, pages), cache_seqlens (B,) -> out (B, L, H, E) [, lse (B, H, L) float32]."""
+    _check_shapes(q, k_cache, v_cache, ("k_cache", "v_cache"))
     heads = q.shape[2]
     if softmax_scale is None:
         softmax_scale = (q.shape[-1] + (qv.shape[-1] if qv is not None else 0)) ** -0.5
