@@ -21,8 +21,10 @@ Examples
 --------
 >>> import numpy as np
 >>> k = np.zeros((1, 576)); k[0, :128] = [1.5, -0.25] * 64; k[0, 512] = 3.0
->>> fp8_latent_cache(k).shape, float(fp8_latent_cache(k)[0, 0].astype(float))
-((1, 656), 1.5)
+>>> token = fp8_latent_cache(k)
+>>> code, scale = float(token[0, 0].astype(float)), float(token[0, 512:516].view(np.float32)[0])
+>>> token.shape, code, scale, code * scale
+((1, 656), 384.0, 0.00390625, 1.5)
 """
 
 from __future__ import annotations
