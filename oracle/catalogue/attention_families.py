@@ -11,7 +11,10 @@ from oracle.catalogue.attention_entry import ALL, BASE, GRAD, MID, SMALL, Entry
 from oracle.catalogue.attention_fp4_families import fp4_entries
 from oracle.catalogue.attention_fp4_tensor_families import fp4_tensor_entries
 from oracle.catalogue.attention_latent_families import latent_entries
-from oracle.catalogue.attention_mla_sparse_families import mla_sparse_entries
+from oracle.catalogue.attention_mla_sparse_families import (
+    mla_dsa_decode_entries,
+    mla_sparse_entries,
+)
 from oracle.catalogue.attention_option_families import option_entries
 from oracle.catalogue.attention_sigmoid_families import sigmoid_entries
 from oracle.catalogue.attention_sparse_families import sparse_entries
@@ -43,6 +46,7 @@ def entries() -> list[Entry]:
         *sigmoid_entries(gauss),
         *latent_entries(gauss),
         *mla_sparse_entries(gauss),  # DSA top-2048 over a 576-wide latent cache
+        *mla_dsa_decode_entries(gauss),  # DSA decode on a paged latent cache
         *large_rows(gauss),
     ]
 

@@ -19,6 +19,7 @@ Examples
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 __all__ = ["CONVENTIONS", "FLASHINFER", "stacked", "adapt", "flashinfer"]
@@ -68,11 +69,20 @@ def adapt(impl, convention: str = "stacked", framework: str = "numpy", device: s
     return fn
 
 
-def _float32_base2(lses, base):
+#: unit roundoffs of the case's output dtype by which converting a natural lse to FlashInfer's
+#: float32 base-2 s may move it (and so each state's weight) before the case is not expressible
+CONVERSION_ROUNDOFFS = 16
+
+
+def _float32_base2(lses, base, out_dtype):
     """The case's lses (P, ..., L) as FlashInfer's s: float32, base 2. A base-2 case's lses
     convert exactly (or the case is not expressible: a float64 lse); a natural-log case's are
     multiplied by log2(e) in float64 and rounded once to float32 (the conversion any base-e
-    caller of FlashInfer makes)."""
+    caller of FlashInfer makes). That rounding moves each lse by up to |lse| 2**-24 (natural
+    units) and the states' weights ``e^(lse_p - LSE)`` with it: when a weight moves by more
+    than :data:`CONVERSION_ROUNDOFFS` unit roundoffs of ``out_dtype`` the merge would be
+    judged on inputs it was not given, and the case is not expressible (merge-large-pos and
+    merge-large-neg, |lse| ~ 1e4, in float32)."""
     lses = np.asarray(lses)
     if lses.dtype == np.float64:
         raise NotImplementedError(
@@ -80,10 +90,55 @@ def _float32_base2(lses, base):
             "case's lses are float64"
         )
     wide = lses.astype(np.float64)
-    if base != 2:
-        with np.errstate(invalid="ignore"):
-            wide = wide * np.log2(np.e)
-    return wide.astype(np.float32)
+    if base == 2:
+        return wide.astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        s = (wide * np.log2(np.e)).astype(np.float32)
+        moved = np.abs(_weights(s.astype(np.float64) * np.log(2.0)) - _weights(wide))
+    allowed = CONVERSION_ROUNDOFFS * float(ml_dtypes.finfo(out_dtype).eps) / 2
+    if moved.size and np.nanmax(moved, initial=0.0) > allowed:
+        raise NotImplementedError(
+            "not expressible in this layout: FlashInfer's merge takes base-2 float32 s; "
+            f"converting this case's natural lses to it moves a state's weight by "
+            f"{np.nanmax(moved):.3g}, more than {CONVERSION_ROUNDOFFS} unit roundoffs of its "
+            f"{np.dtype(out_dtype).name} outputs ({allowed:.3g})"
+        )
+    return s
+
+
+def _fold_expressible(s, out_dtype):
+    """``merge_state`` folded left to right hands each intermediate S back as float32 (its
+    return dtype): not expressible when rounding one moves a state's weight by more than
+    :data:`CONVERSION_ROUNDOFFS` unit roundoffs of ``out_dtype`` (|S| ~ 1e4: merge-large-*),
+    the fold being the oracle's, not the function's."""
+    ln2 = np.log(2.0)
+    wide = s.astype(np.float64)
+    partial = wide[0]
+    allowed = CONVERSION_ROUNDOFFS * float(ml_dtypes.finfo(out_dtype).eps) / 2
+    with np.errstate(invalid="ignore", over="ignore"):
+        for p in range(1, wide.shape[0] - 1):
+            partial = np.logaddexp2(partial, wide[p])
+            rounded = partial.astype(np.float32).astype(np.float64)
+            rest = wide[p + 1 :]
+            exact = _weights(np.concatenate([partial[None], rest]) * ln2)
+            moved = np.abs(_weights(np.concatenate([rounded[None], rest]) * ln2) - exact)
+            if np.nanmax(moved, initial=0.0) > allowed:
+                raise NotImplementedError(
+                    "not expressible in this layout: merge_state folded left to right "
+                    "returns each intermediate S in float32; rounding one moves a state's "
+                    f"weight by {np.nanmax(moved):.3g}, more than {CONVERSION_ROUNDOFFS} unit "
+                    f"roundoffs of the {np.dtype(out_dtype).name} outputs ({allowed:.3g})"
+                )
+
+
+def _weights(lses):
+    """Each state's weight ``e^(lse_p - LSE)`` (P, ...) of natural lses (P, ...); 0 where a
+    row's states are all empty."""
+    top = np.max(lses, axis=0)
+    top = np.where(np.isfinite(top), top, 0.0)
+    raw = np.exp(lses - top)
+    total = raw.sum(axis=0)
+    return np.where(total > 0, raw / np.where(total > 0, total, 1.0), 0.0)
 
 
 def flashinfer(impl, convention, device="cpu"):
@@ -100,7 +155,7 @@ def flashinfer(impl, convention, device="cpu"):
         states, heads, rows = outs.shape[0], outs.shape[-3], outs.shape[-2]
         v = np.moveaxis(outs.reshape(states, -1, heads, rows, outs.shape[-1]), 3, 2)
         v = np.ascontiguousarray(v.reshape(states, -1, heads, outs.shape[-1]))  # (P, seq, H, E)
-        s = _float32_base2(lses, lse_base)
+        s = _float32_base2(lses, lse_base, outs.dtype)
         s = np.ascontiguousarray(
             np.moveaxis(s.reshape(states, -1, heads, rows), 3, 2).reshape(states, -1, heads)
         )
@@ -108,6 +163,7 @@ def flashinfer(impl, convention, device="cpu"):
             big_v = np.ascontiguousarray(np.moveaxis(v, 0, 1))
             merged, merged_s = impl(bridge.to(big_v), bridge.to(np.moveaxis(s, 0, 1).copy()))
         else:
+            _fold_expressible(s, outs.dtype)
             merged, merged_s = bridge.to(v[0]), bridge.to(s[0])
             for p in range(1, states):
                 merged, merged_s = impl(merged, merged_s, bridge.to(v[p]), bridge.to(s[p]))

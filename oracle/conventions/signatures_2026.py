@@ -25,7 +25,11 @@ express is "not expressible" (unsupported), with the reason, never a fail.
   cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits, softmax_scale, causal,
   is_fp8_kvcache, indices, attn_sink, ...) -> (out, lse)``: the latent paged cache
   (:mod:`oracle.conventions.layouts_latent`), causal bottom-right, ``tile_scheduler_metadata``
-  from ``flash_mla.get_mla_metadata()`` when FlashMLA is installed (else None).
+  from ``flash_mla.get_mla_metadata()`` when FlashMLA is installed (else None). A case with
+  ``key_indices`` is its sparse (DSA) decode: ``indices`` (B, s_q, topk) the keys' slots in the
+  paged cache (-1 invalid; causal, window and lengths folded in), the cache in the 656-byte
+  fp8 form with ``is_fp8_kvcache=True`` (its interface asserts both for sparse decode): cases
+  whose latent keys are not on that grid are not expressible.
 * ``flashinfer_trtllm_decode``: FlashInfer's ``trtllm_batch_decode_with_kv_cache`` on an NVFP4
   cache (:mod:`oracle.conventions.layouts_trtllm`): codes two per byte with ``kv_cache_sf``,
   ``bmm1_scale`` = q_scale * k_scale * sm_scale, ``bmm2_scale`` = v_scale, ``seq_lens``,
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from oracle.conventions.layouts_latent import fp8_latent_cache
 from oracle.conventions.layouts_mla_sparse import fix_lse
 
 __all__ = ["presets_2026", "MERGE_PRESETS"]
@@ -94,6 +99,15 @@ def _mla_metadata(call):
     except ImportError:
         return {"tile_scheduler_metadata": None}
     return {"tile_scheduler_metadata": flash_mla.get_mla_metadata()[0]}
+
+
+def _sparse_decode(args, kwargs, call, parameters):
+    """FlashMLA's sparse decode: with ``indices`` the cache goes in its 656-byte fp8 form and
+    ``is_fp8_kvcache=True`` (``flash_mla_with_kvcache`` asserts it for sparse attention)."""
+    if kwargs.get("indices") is None:
+        return args, kwargs, lambda out: out
+    q, cache = args
+    return (q, fp8_latent_cache(cache)), {**kwargs, "is_fp8_kvcache": True}, lambda out: out
 
 
 def _mla_sparse_scale(call):
@@ -194,6 +208,7 @@ def presets_2026(parts) -> dict:
                 "return_lse": Convert(None, _same),  # (out, lse) always
             },
             extra=_mla_metadata,
+            adapt=_sparse_decode,
             always_lse=True,
             fix_lse=_kvcache_fix,
         ),

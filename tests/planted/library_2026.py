@@ -5,10 +5,15 @@ computing in float64 and rounding once to the output dtype: FlashAttention 3's h
 ``flash_mla_with_kvcache``, FlashInfer's ``trtllm_batch_decode_with_kv_cache`` (NVFP4 cache) and
 ``merge_state`` / ``merge_states``. Each must pass its suite through ``--signature NAME`` with
 no wrapper (tests/meta/test_presets_2026.py). Nothing here imports refattn or the oracle.
+
+:func:`mistake` plants one named mistake in these functions for the duration of a call (the
+one-line bugs of tests/planted/library_bugs_2026.py); with none planted they are correct.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 __all__ = [
@@ -22,6 +27,26 @@ __all__ = [
 ]
 
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+#: the mistake planted for the current call (None: the correct functions)
+_MISTAKE = contextvars.ContextVar("library_2026_mistake", default=None)
+MISTAKES = ("off-by-one", "base2", "key-width-scale", "qv", "nibbles")
+
+
+@contextlib.contextmanager
+def mistake(name):
+    """Within the block, the functions make mistake ``name`` (one of :data:`MISTAKES`)."""
+    if name not in MISTAKES:
+        raise ValueError(f"mistake: {name!r} is not one of {MISTAKES}")
+    token = _MISTAKE.set(name)
+    try:
+        yield
+    finally:
+        _MISTAKE.reset(token)
+
+
+def _planted(name) -> bool:
+    return _MISTAKE.get() == name
 
 
 def _torch():
@@ -60,7 +85,7 @@ def _attend(q, k, v, allowed, scale, softcap=0.0, qv=None):
     kh = k.repeat_interleave(group, dim=2).permute(0, 2, 3, 1)  # (B, H, D, S)
     vh = v.repeat_interleave(group, dim=2).permute(0, 2, 1, 3)  # (B, H, S, E)
     scores = q.permute(0, 2, 1, 3) @ kh
-    if qv is not None:
+    if qv is not None and not _planted("qv"):
         scores = scores + qv.permute(0, 2, 1, 3) @ vh.transpose(-1, -2)
     scores = scores * scale
     if softcap:
@@ -85,6 +110,18 @@ def _flash_allowed(rows, lengths, keys, causal, window_size):
     if right >= 0:
         allowed = allowed & (j <= diag + right)
     return allowed
+
+
+def _check_shapes(q, k, v, names=("k", "v")):
+    """FlashAttention 3's shape checks (its C++ ``CHECK_SHAPE`` / ``TORCH_CHECK``, raised as
+    RuntimeError): k (.., S, K, D) with q's D, v (.., S, K, E) with k's leading axes, H a
+    multiple of K."""
+    if k.shape[-1] != q.shape[-1]:
+        raise RuntimeError(f"{names[0]} must have head dim {q.shape[-1]}, got {tuple(k.shape)}")
+    if tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
+        raise RuntimeError(f"{names[1]} must have shape {tuple(k.shape[:-1])} + (headdim_v,)")
+    if q.shape[-2] % k.shape[-2]:
+        raise RuntimeError("Number of heads in key/value must divide number of heads in query")
 
 
 def _out_dtype(q):
@@ -114,6 +151,7 @@ def flash_attn_func(
     """FlashAttention 3: q (B, L, H, D), k (B, S, K, D), v (B, S, K, E), qv (B, L, H, E) ->
     out (B, L, H, E) [, lse (B, H, L) float32]."""
     torch = _torch()
+    _check_shapes(q, k, v)
     heads = q.shape[2]
     if softmax_scale is None:
         softmax_scale = (q.shape[-1] + (qv.shape[-1] if qv is not None else 0)) ** -0.5
@@ -174,6 +212,7 @@ def flash_attn_with_kvcache(
 ):
     """FlashAttention 3's decode: q (B, L, H, D), caches (P, page, K, D | E), page_table
     (B, pages), cache_seqlens (B,) -> out (B, L, H, E) [, lse (B, H, L) float32]."""
+    _check_shapes(q, k_cache, v_cache, ("k_cache", "v_cache"))
     heads = q.shape[2]
     if softmax_scale is None:
         softmax_scale = (q.shape[-1] + (qv.shape[-1] if qv is not None else 0)) ** -0.5
@@ -208,11 +247,19 @@ def _sparse_rows(q, gathered, invalid, scale, d_v, attn_sink):
     return out, max_logits, lse
 
 
+def _read_indices(indices):
+    """The indices as int64, -1 (and every negative) kept."""
+    idx = indices.long()
+    if _planted("off-by-one"):  # a 1-based top-k list read by a 0-based gather
+        idx = _torch().where(idx >= 0, idx + 1, idx)
+    return idx
+
+
 def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
     """FlashMLA's sparse prefill: q (s_q, H, D), kv (s_kv, K, D), indices (s_q, K, T) int32
     (-1 or >= s_kv invalid) -> (out (s_q, H, d_v), max_logits (s_q, H), lse (s_q, H))."""
     torch = _torch()
-    idx = indices.long()
+    idx = _read_indices(indices)
     invalid = (idx < 0) | (idx >= kv.shape[0])
     if topk_length is not None:
         top = torch.arange(idx.shape[-1])[None, None, :]
@@ -221,6 +268,8 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk
     heads_kv = torch.arange(kv.shape[1])[None, :, None]
     gathered = kv.double()[safe, heads_kv]  # (s_q, K, T, D)
     out, max_logits, lse = _sparse_rows(q.double(), gathered, invalid, sm_scale, d_v, attn_sink)
+    if _planted("base2"):
+        lse = lse / math.log(2.0)
     return out.to(q.dtype), max_logits.float(), lse.float()
 
 
@@ -244,12 +293,23 @@ def flash_mla_with_kvcache(
 ):
     """FlashMLA's decode: q (B, s_q, H, D), k_cache (P, page, 1, D), block_table (B, pages),
     cache_seqlens (B,) -> (out (B, s_q, H, head_dim_v), lse (B, H, s_q) float32, +inf on rows
-    with no key); dense (bf16 cache) here."""
+    with no key). With ``indices`` (B, s_q, topk) int32 (each key's slot ``page * page_size +
+    offset`` in the cache, -1 invalid) the sparse decode: ``is_fp8_kvcache`` then, each token
+    656 bytes (512 e4m3 nope values, 4 float32 scales, one per 128, 64 bfloat16 rope values),
+    not causal; block_table and cache_seqlens unused."""
     torch = _torch()
-    if indices is not None or is_fp8_kvcache:
-        raise NotImplementedError("this twin computes FlashMLA's dense bf16-cache path only")
-    if softmax_scale is None:
+    if extra_k_cache is not None or extra_indices_in_kvcache is not None:
+        raise NotImplementedError("this twin computes no extra_k_cache")
+    if softmax_scale is None or _planted("key-width-scale"):
         softmax_scale = q.shape[-1] ** -0.5
+    if indices is not None:
+        assert not causal, "causal must be False when sparse attention is enabled"
+        assert is_fp8_kvcache, "is_fp8_kvcache must be True when sparse attention is enabled"
+        return _sparse_decode(
+            q, k_cache, indices, head_dim_v, softmax_scale, attn_sink, topk_length
+        )
+    if is_fp8_kvcache or topk_length is not None:
+        raise NotImplementedError("this twin computes the dense path on a bf16 cache only")
     keys = int(cache_seqlens.max())
     kf = _gather(k_cache, block_table, cache_seqlens).double()  # (B, S, 1, D)
     allowed = _flash_allowed(q.shape[1], cache_seqlens.long(), keys, causal, (-1, -1))
@@ -261,12 +321,43 @@ def flash_mla_with_kvcache(
     return out.to(q.dtype), lse.float()
 
 
+def _fp8_latent(k_cache):
+    """The 656-byte fp8 tokens (P, page, 1, 656) as float64 (P, page, 1, 576)."""
+    torch = _torch()
+    raw = k_cache.view(torch.uint8)
+    nope = raw[..., :512].contiguous().view(torch.float8_e4m3fn).double()
+    scales = raw[..., 512:528].contiguous().view(torch.float32).double()
+    rope = raw[..., 528:656].contiguous().view(torch.bfloat16).double()
+    return torch.cat([nope * scales.repeat_interleave(128, dim=-1), rope], dim=-1)
+
+
+def _sparse_decode(q, k_cache, indices, head_dim_v, scale, attn_sink, topk_length):
+    """FlashMLA's sparse decode over the cache's slots (see flash_mla_with_kvcache)."""
+    torch = _torch()
+    batch, rows, heads, _ = q.shape
+    flat = _fp8_latent(k_cache).reshape(-1, 576)
+    idx = _read_indices(indices).reshape(batch * rows, 1, -1)  # (N, 1, topk)
+    invalid = (idx < 0) | (idx >= flat.shape[0])
+    if topk_length is not None:
+        top = torch.arange(idx.shape[-1])[None, None, :]
+        lengths = topk_length.long().repeat_interleave(rows)[:, None, None]
+        invalid = invalid | (top >= lengths)
+    gathered = flat[torch.where(invalid, torch.zeros_like(idx), idx)]  # (N, 1, topk, 576)
+    gathered = torch.where(invalid[..., None], torch.zeros((), dtype=torch.float64), gathered)
+    q_rows = q.double().reshape(batch * rows, heads, -1)
+    out, _, lse = _sparse_rows(q_rows, gathered, invalid, scale, head_dim_v, attn_sink)
+    out = out.reshape(batch, rows, heads, head_dim_v)
+    return out.to(q.dtype), lse.reshape(batch, rows, heads).transpose(1, 2).float()
+
+
 def _fp4_values(packed, scales, block):
     """(..., X/2) uint8, two e2m1 codes per byte (low nibble first), and block scales
     (..., X/block) -> float64 (..., X)."""
     torch = _torch()
     table = torch.tensor(_E2M1 + tuple(-x for x in _E2M1), dtype=torch.float64)
     low, high = (packed & 0x0F).long(), (packed >> 4).long()
+    if _planted("nibbles"):
+        low, high = high, low
     codes = torch.stack([low, high], dim=-1).reshape(*packed.shape[:-1], -1)
     values = table[codes]
     scale = scales.double().repeat_interleave(block, dim=-1)
