@@ -71,15 +71,15 @@ __all__ = [
 #: whose failure no reading explains spends its whole budget, and the step in progress runs up
 #: to a sixth past it (measured): a kernel whose every case fails unexplained makes ``validate``
 #: take at most about 1 + 1.5 x 1.15 = 2.7 times its time without diagnoses, under the 3x a
-#: diagnosing run may cost. (At 2 that bound was 3.3x, and the planted long-row kernels of
+#: diagnosing run may cost. At 2 that bound was 3.3x, and the planted long-row kernels of
 #: ``power``, two thirds of whose judging time goes to cases no reading explains, measured
-#: 2.2-2.5x at an even load and just over 3x when the load rose between the two runs;
-#: tools/bench_diagnose.py.)
+#: 2.35-2.55x within one run and just over 3x when the load rose between the two runs; at 1.5,
+#: 1.5-2.25x (tools/bench_diagnose.py; docs/validating.md has the names it costs).
 DEFAULT_MULTIPLE = 1.5
 #: Seconds a diagnosis may take whatever its judging took (a case judged in milliseconds). It
 #: matters only to a case judged in under ``FLOOR_SECONDS / multiple`` whose readings are not
-#: cheap (cheap ones run whatever the budget): at 1 s it gave such long-row cases 3-6x their
-#: judging time, yet under a second per kernel in all (tools/bench_diagnose.py's per-case
+#: cheap (cheap ones run whatever the budget): at 1 s it gave such long-row cases about 3x
+#: their judging time, under a second per kernel in all (tools/bench_diagnose.py's per-case
 #: figures).
 FLOOR_SECONDS = 0.25
 #: Multiply-adds (rows x S x (D + E)) of one reading's evaluation under which it is always
