@@ -9,8 +9,12 @@ with them at ``--budget`` (a multiple of each case's judging time,
 :mod:`oracle.diagnose.budget`), and prints both wall times and their ratio, the failing
 cases, the diagnoses that ran out of budget, and the load average before and after (the
 machine may be shared: absolute figures move with the load, the same-run ratio much less; the
-ratio of the process's CPU times, printed beside it, moves least).
-``--names`` prints every failing case's diagnosis.
+ratio of the process's CPU times, printed beside it, moves least; "within the run" is the run
+with diagnoses against its own time less its diagnoses'). For each kernel it also
+prints the largest ratio of one case's diagnosis to that case's judging time (both measured in
+the run with diagnoses, :func:`oracle.diagnose.budget.recording`) and how many diagnoses had
+only the floor (:data:`~oracle.diagnose.budget.FLOOR_SECONDS`) as their budget.
+``--names`` prints every failing case's diagnosis, ``--cases`` each failing case's times.
 
 Examples::
 
@@ -34,6 +38,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from oracle import catalogue  # noqa: E402
+from oracle.diagnose import budget  # noqa: E402
 from oracle.diagnose.budget import DEFAULT_MULTIPLE  # noqa: E402
 from oracle.fixtures import golden  # noqa: E402
 from oracle.judging import parts  # noqa: E402
@@ -69,16 +74,46 @@ def _run(kernel, fixtures, args, diagnose):
     impl = POWER_BROKEN[kernel][0]  # a partial: judged in this process (as `power` does)
     parts.clear_memory()  # each run computes its judging parts, as a command-line run does
     start, cpu = time.perf_counter(), time.process_time()
-    report = validate(
-        impl,
-        fixtures=fixtures,
-        dtype=None,
-        progress=args.progress,
-        diagnose=diagnose,
-        diagnose_budget=args.budget,
-        isolate=False,
+    with budget.recording() as cases:
+        report = validate(
+            impl,
+            fixtures=fixtures,
+            dtype=None,
+            progress=args.progress,
+            diagnose=diagnose,
+            diagnose_budget=args.budget,
+            isolate=False,
+        )
+    return report, time.perf_counter() - start, time.process_time() - cpu, cases
+
+
+def _within(wall, cases) -> float:
+    """The run with diagnoses against its own judging (its wall time less the diagnoses'):
+    the ratio free of a load that changed between the two runs."""
+    diagnosing = sum(c.elapsed for c in cases)
+    return wall / (wall - diagnosing) if wall > diagnosing else math.nan
+
+
+def _per_case(cases, plain, args) -> str:
+    """The largest ratio of a case's diagnosis to its judging time, and the floor's share."""
+    if not cases:
+        return "  no diagnosis"
+    ratios = [(c.elapsed / max(c.judging, 1e-9), c) for c in cases]
+    ratio, worst = max(ratios, key=lambda x: x[0])
+    floored = [c for c in cases if c.seconds > c.budget.multiple * c.judging]
+    for c in cases if args.cases else ():
+        print(
+            f"  {c.name:42s} judged {plain.get(c.name, math.nan):5.2f} s alone, "
+            f"{c.judging:5.2f} s before its diagnosis, budget {c.seconds:5.2f} s, "
+            f"diagnosis {c.elapsed:5.2f} s ({c.elapsed / max(c.judging, 1e-9):4.1f}x)"
+            + (" stopped" if c.stopped else "")
+        )
+    return (
+        f"  per case: diagnosis at most {ratio:.2f}x its judging time ({worst.name}: "
+        f"{worst.elapsed:.2f} s for {worst.judging:.2f} s), {len(floored)} of {len(cases)} "
+        f"on the floor ({sum(c.elapsed for c in floored):.1f} s of "
+        f"{sum(c.elapsed for c in cases):.1f} s diagnosing)"
     )
-    return report, time.perf_counter() - start, time.process_time() - cpu
 
 
 def main(argv=None) -> int:
@@ -90,27 +125,31 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=DEFAULT_MULTIPLE, help="multiple")
     parser.add_argument("--progress", action="store_true", help="the progress bars on stderr")
     parser.add_argument("--names", action="store_true", help="print each failing diagnosis")
+    parser.add_argument("--cases", action="store_true", help="print each failing case's times")
     args = parser.parse_args(argv)
     kernels = args.kernel or list(LONG_ROW_KERNELS)
     print(f"before: {_load()} ({os.cpu_count()} CPUs)")
     start = time.perf_counter()
     fixtures = _fixtures(args.suite, args.dtype, args.case or ["long-*"])
     print(f"{len(fixtures)} fixtures built in {time.perf_counter() - start:.1f} s (not timed)")
-    totals = [0.0, 0.0, 0.0, 0.0]
+    totals, everything = [0.0, 0.0, 0.0, 0.0], []
     for kernel in kernels:
-        judged, plain, plain_cpu = _run(kernel, fixtures, args, False)
-        diagnosed, with_diagnoses, diagnoses_cpu = _run(kernel, fixtures, args, True)
+        judged, plain, plain_cpu, _ = _run(kernel, fixtures, args, False)
+        diagnosed, with_diagnoses, diagnoses_cpu, cases = _run(kernel, fixtures, args, True)
         totals[0] += plain
         totals[1] += with_diagnoses
         totals[2] += plain_cpu
         totals[3] += diagnoses_cpu
+        everything += cases
         failing = [r for r in diagnosed.results if r.verdict == "fail"]
         stopped = [r for r in failing if any("diagnosis stopped" in d for d in r.diagnosis)]
         print(
             f"{kernel:22s} {len(failing):2d} failing: {plain:7.1f} s judged, "
             f"{with_diagnoses:7.1f} s with diagnoses, ratio {with_diagnoses / plain:5.2f} "
-            f"(CPU time {diagnoses_cpu / plain_cpu:5.2f}), {len(stopped)} stopped on the budget"
+            f"(CPU time {diagnoses_cpu / plain_cpu:5.2f}; within the run "
+            f"{_within(with_diagnoses, cases):5.2f}), {len(stopped)} stopped on the budget"
         )
+        print(_per_case(cases, {r.name: r.seconds for r in judged.results}, args))
         if [r.verdict for r in judged.results] != [r.verdict for r in diagnosed.results]:
             print(f"  {kernel}: the verdicts differ between the two runs")
         for result in failing if args.names else ():
@@ -121,8 +160,15 @@ def main(argv=None) -> int:
     cpu = totals[3] / totals[2] if totals[2] else math.nan
     print(
         f"all: {totals[0]:.1f} s judged, {totals[1]:.1f} s with diagnoses, ratio {ratio:.2f} "
-        f"(CPU time {cpu:.2f}; budget {args.budget:g}x judging)"
+        f"(CPU time {cpu:.2f}; within the run {_within(totals[1], everything):.2f}; budget "
+        f"{args.budget:g}x judging)"
     )
+    if everything:
+        worst = max(everything, key=lambda c: c.elapsed / max(c.judging, 1e-9))
+        print(
+            f"per case: diagnosis at most {worst.elapsed / max(worst.judging, 1e-9):.2f}x its "
+            f"judging time ({worst.name}), {len(everything)} diagnoses"
+        )
     print(f"after: {_load()}")
     return 0
 

@@ -67,6 +67,21 @@ def test_budget_setting_and_seconds():
         validate("refattn-float64", suite="smoke", cases=["basic-*"], diagnose_budget=0)
 
 
+def test_recording_keeps_each_case_diagnosed_with_its_times():
+    q, k, v = _inputs(3, 5)
+    out = textbook_attention(q, k, v, dtype="float64", scale=1.0).out
+    with budget.recording() as cases:
+        with case_budget(True, 0.0, "small"):
+            diagnosis.diagnose(_view(q, k, v, {}), out, limit=1e-6)
+        with budget.recording() as inner, case_budget(2.0, 3.0, "judged"):
+            pass
+    with case_budget(True, 0.0, "unrecorded"):
+        pass
+    assert [c.name for c in cases] == ["small", "judged"] and [c.name for c in inner] == ["judged"]
+    assert cases[0].seconds == budget.FLOOR_SECONDS and cases[0].elapsed > 0
+    assert (cases[1].judging, cases[1].seconds) == (3.0, 6.0) and not cases[1].stopped
+
+
 def test_a_spent_budget_stops_costly_readings_and_says_what_it_tried():
     q, k, v = _inputs(4, 20000)
     assert 4 * 20000 * 32 > CHEAP_WORK  # each reading is a costly one
