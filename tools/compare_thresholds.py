@@ -18,6 +18,9 @@ relative change, and how many got stricter or looser); NaN/inf before and finite
     python tools/compare_thresholds.py --old /tmp/base --new . \
         --fixtures /tmp/refattn-default --dtype float32 --json /tmp/thresholds.json
 
+``--keep DIR`` keeps each tree's dump (``<fixtures>-old.npz``, ``<fixtures>-new.npz``: one
+array of thresholds per ``<case>|<tier>|<quantity>``) for a closer look at changed elements.
+
 Only the cases both trees' ``default`` suites hold are compared, and only those whose inputs
 the old tree's catalogue rebuilds byte for byte from the fixture's case (same seed, shapes
 and recipe: the same inputs, checked by sha256). The judging-parts disk cache is turned off
@@ -31,6 +34,7 @@ import hashlib
 import inspect
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -241,6 +245,8 @@ def compare(old_npz, new_npz, dtype_of) -> dict:
             missing.append(key)
             continue
         case, tier, quantity = key.split("|")
+        if case not in dtype_of:  # left out: its inputs differ between the trees
+            continue
         row = rows.setdefault(f"{dtype_of[case]}|{tier}|{_group(quantity)}", _new_row())
         _tally(row, old[key].astype(np.float64), new[key].astype(np.float64), key, changes)
     return {"rows": rows, "changes": changes, "unmatched": missing}
@@ -268,7 +274,19 @@ def run(args) -> dict:
     old, new = Path(args.old).resolve(), Path(args.new).resolve()
     report = {"old": str(old), "new": str(new), "fixtures": [], "seconds": {}}
     merged = {"rows": {}, "changes": [], "unmatched": [], "inputs_differ": []}
-    work = Path(tempfile.mkdtemp(prefix="thresholds-"))
+    work = Path(args.keep or tempfile.mkdtemp(prefix="thresholds-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        _compare_all(args, old, new, work, report, merged)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    report.update(merged)
+    return report
+
+
+def _compare_all(args, old, new, work, report, merged) -> None:
+    """Dump both trees' thresholds of each fixture directory into ``work`` and compare."""
     for directory in map(Path, args.fixtures):
         names, dtype_of = _common_cases(old, new, directory, args.dtype)
         names = names[: args.limit] if args.limit else names
@@ -295,8 +313,6 @@ def run(args) -> dict:
         for label, meta in metas.items():
             verdicts = merged.setdefault("verdicts", {}).setdefault(label, {})
             verdicts.update({n: m["verdicts"] for n, m in meta.items()})
-    report.update(merged)
-    return report
 
 
 def _print(report) -> None:
@@ -335,6 +351,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", action="append", help="only these dtypes (repeatable)")
     parser.add_argument("--limit", type=int, default=0, help="at most this many cases per dir")
     parser.add_argument("--json", help="write the full report here")
+    parser.add_argument("--keep", help="keep the dumps (<dir>-old.npz, <dir>-new.npz) here")
     args = parser.parse_args(argv)
     report = run(args)
     _print(report)

@@ -7,7 +7,11 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+from oracle.fixtures import golden
+
+GROUPS = ("forward", "grads")
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "compare_thresholds.py"
 
 
@@ -40,3 +44,16 @@ def test_elements_are_classified_identical_changed_gained_or_other(tmp_path):
     (change,) = found["changes"]
     assert change["key"] == "c|default|out" and change["index"] == [1]
     assert (change["old"], change["new"]) == (2.0, 1.5)
+
+
+@pytest.mark.slow
+def test_a_tree_compared_with_itself_is_identical_everywhere(tmp_path):
+    fixtures = golden.generate("smoke", tmp_path / "fixtures", dtypes=["float64"], progress=False)
+    root = str(TOOL.parents[1])
+    report = tmp_path / "report.json"
+    argv = ["--old", root, "--new", root, "--fixtures", str(fixtures), "--json", str(report)]
+    assert _tool().main(argv) == 0
+    rows = json.loads(report.read_text())["rows"]
+    assert set(rows) == {f"float64|{t}|{g}" for t in ("default", "tight") for g in GROUPS}
+    for row in rows.values():
+        assert row["elements"] > 0 and row["identical"] == row["elements"], row
