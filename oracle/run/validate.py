@@ -278,7 +278,7 @@ def validate(
     diagnose_budget : float
         A failing case's diagnosis may take this many times the case's judging time
         (default :data:`oracle.diagnose.budget.DEFAULT_MULTIPLE`, 1.5; at least
-        :data:`~oracle.diagnose.budget.FLOOR_SECONDS`, 0.25 s; ``math.inf``: unbounded), all its
+        :data:`~oracle.diagnose.budget.FLOOR_SECONDS`, 1 s; ``math.inf``: unbounded), all its
         steps together (readings, precision models, where the failing rows concentrate).
         Readings are tried likeliest first and the first costly one that explains the case
         ends the search; one whose evaluation is cheap is always tried (small cases are
