@@ -147,6 +147,22 @@ class PreparedKV:
 
         return self._get(("|v|", H, gqa), compute)
 
+    def allowed(self, L, S, **structure):
+        """:func:`oracle.reading.allowed.allowed_positions` of the options ``structure``, each
+        distinct set made once (arrays told apart by identity and kept, so that an identity
+        is never reused while it is a key); read-only."""
+        key = ("allowed", L, S) + tuple(
+            (name, id(x) if isinstance(x, np.ndarray) else repr(x))
+            for name, x in sorted(structure.items())
+        )
+
+        def compute():
+            allowed = allowed_positions(L, S, **structure).view()
+            allowed.flags.writeable = False
+            return allowed, structure  # the arrays kept alive with their identities
+
+        return self._get(key, compute)[0]
+
 
 def _keys(k, H, gqa, acc):
     k_h = expand_kv(k, H, gqa).astype(acc)
@@ -187,16 +203,10 @@ def _scores(q, k, v, dtype, opt, softcap_order, allowed, prepared=None):
             raw = np.where(poisoned_k[..., None, :], np.nan, raw)
         scores = stored(raw * acc.type(resolve_scale(scale, D)))
     if allowed is None:
-        allowed = allowed_positions(
-            L,
-            S,
-            mask=mask,
-            bias=bias,
-            causal=causal,
-            window=window,
-            align=align,
-            kv_lengths=kv_lengths,
-        )
+        structure = {"mask": mask, "bias": bias, "causal": causal, "window": window}
+        structure.update(align=align, kv_lengths=kv_lengths)
+        made = prepared.allowed if use else allowed_positions
+        allowed = made(L, S, **structure)
     additive = np.zeros((), dtype=acc)
     if bias is not None:
         additive = np.where(np.asarray(bias) == -np.inf, 0, np.asarray(bias, dtype=np.float64))
