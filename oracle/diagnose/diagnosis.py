@@ -62,7 +62,7 @@ from oracle.diagnose.sparse import sparse_alternatives, sparse_lse_models
 from oracle.diagnose.tiles import no_rescale_weights, split_combine_weights, tile_alternatives
 from oracle.judging import tolerance as tol
 from oracle.reading.allowed import allowed_positions
-from oracle.reading.baseline import PreparedKV, textbook_attention
+from oracle.reading.baseline import textbook_attention
 
 __all__ = [
     "Alternative",
@@ -384,7 +384,8 @@ def kernel_alternatives(L, S, *, tiles=TILE_SIZES, splits=SPLIT_SIZES) -> list[A
 
 
 def _alternative_out(q, k, v, options, extras, prepared=None):
-    """Output and scale (float64) of a reading; ``prepared`` the case's :class:`PreparedKV`."""
+    """Output and scale (float64) of a reading; ``prepared`` the case's
+    :class:`~oracle.reading.baseline.PreparedKV`."""
     if "reweight" in extras or "zero_rows" in extras or "drop_keys" in extras:
         return _kernel_out(q, k, v, options, extras, prepared=prepared)
     result = textbook_attention(
@@ -418,7 +419,7 @@ def _alternative_out(q, k, v, options, extras, prepared=None):
 def _kernel_out(q, k, v, options, extras, parts=None, prepared=None):
     """Output and scale (float64) of a tiled-kernel alternative; ``parts`` are
     :func:`exact_parts` of ``options`` when already computed; ``prepared`` the case's
-    :class:`PreparedKV`."""
+    :class:`~oracle.reading.baseline.PreparedKV`."""
     base, w3, v_h = parts or exact_parts(q, k, v, options, prepared=prepared)
     single = np.ndim(q) == 2
     if "drop_keys" in extras:
@@ -706,8 +707,8 @@ class _Reading:
         self.setup, self.dtype = setup, dtype
         self.whole_seconds = 0.0  # the last sampled evaluation's time, scaled to the whole
         self._parts = {}
-        # k and v as every reading converts them, made on first use, dropped with the reading
-        self.prepared = PreparedKV(k, v)
+        # k and v as every reading converts them, made on first use, kept for the case
+        self.prepared = budget.current().prepared(k, v)
 
     def _parts_of(self, q, opts):
         """:func:`exact_parts` of ``opts`` computed once per options dict (the kernel models
@@ -785,7 +786,7 @@ def diagnose_lse(view, lse, *, limit) -> list[str]:
         allowed = np.broadcast_to(base.allowed, base.weights.shape)
         spent = budget.current()
         work = int(np.prod(base.weights.shape[:-1])) * np.shape(k)[-2] * (D + np.shape(v)[-1])
-        prepared = PreparedKV(k, v)  # the readings' conversions of k and v, made once
+        prepared = spent.prepared(k, v)  # the readings' conversions of k and v, made once
         for alt in alternatives(
             options,
             H=H,
