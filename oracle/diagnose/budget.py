@@ -29,7 +29,9 @@ The budget bounds them:
   7 of 23 readings on 2 of 2 rows, concentration; skipped narrow accumulation; none matched".
 
 The per-case record also keeps each reading's evaluation (``CaseBudget.memo``): the judge asks
-the same readings again at narrower working precisions, which then cost nothing.
+the same readings again at narrower working precisions, which then cost nothing; and, while the
+case is open, its k and v as every reading converts them (:meth:`CaseBudget.prepared`, a
+:class:`~oracle.reading.baseline.PreparedKV`), dropped when the case closes.
 
 :func:`case_budget` opens the record around one case's diagnosis (the judge does,
 :func:`oracle.judging.judge.check_fixture`); :func:`current` is the open one, or an unbounded
@@ -53,6 +55,8 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
+
+from oracle.reading.baseline import PreparedKV
 
 __all__ = [
     "DiagnosisBudget",
@@ -149,6 +153,15 @@ class CaseBudget:
     judging: float = 0.0
     elapsed: float = 0.0
     _noted: float = 0.0
+    _prepared: dict = field(default_factory=dict)
+
+    def prepared(self, k, v) -> PreparedKV:
+        """The case's :class:`~oracle.reading.baseline.PreparedKV` of ``k`` and ``v`` (one per
+        pair of arrays, kept with them until the case closes)."""
+        key = (id(k), id(v))
+        if key not in self._prepared:
+            self._prepared[key] = PreparedKV(k, v)
+        return self._prepared[key]
 
     def left(self) -> float:
         """Seconds left (inf when unbounded)."""
@@ -239,6 +252,7 @@ def case_budget(setting, judging_seconds: float, name: str = ""):
         yield spent
     finally:
         _open.remove(spent)
+        spent._prepared.clear()  # the case's prepared arrays go with it
         spent.elapsed = time.perf_counter() - spent.start
         for kept in _recorders:
             kept.append(spent)

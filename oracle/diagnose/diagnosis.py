@@ -383,15 +383,18 @@ def kernel_alternatives(L, S, *, tiles=TILE_SIZES, splits=SPLIT_SIZES) -> list[A
     return found
 
 
-def _alternative_out(q, k, v, options, extras):
+def _alternative_out(q, k, v, options, extras, prepared=None):
+    """Output and scale (float64) of a reading; ``prepared`` the case's
+    :class:`~oracle.reading.baseline.PreparedKV`."""
     if "reweight" in extras or "zero_rows" in extras or "drop_keys" in extras:
-        return _kernel_out(q, k, v, options, extras)
+        return _kernel_out(q, k, v, options, extras, prepared=prepared)
     result = textbook_attention(
         q,
         k,
         v,
         dtype="float64",
         softcap_order=extras.get("softcap_order", "before_bias"),
+        prepared=prepared,
         **options,
     )
     factor = extras.get("out_factor", 1.0)
@@ -400,33 +403,39 @@ def _alternative_out(q, k, v, options, extras):
         keep = np.asarray(options["dropout_mask"], dtype=bool)
         dropped = np.where(keep, result.weights, 0) / (1 - (options.get("dropout_p") or 0.0))
     out = result.out * factor
-    scale = tol.output_scale(dropped * factor, v, gqa=options.get("gqa"))
+    scale = tol.output_scale(dropped * factor, v, gqa=options.get("gqa"), prepared=prepared)
     if extras.get("empty_uniform"):
         empty = ~np.broadcast_to(result.allowed, result.weights.shape).any(axis=-1)
         uniform = np.full(result.weights.shape, 1.0 / result.weights.shape[-1])
-        flat = textbook_attention(q, k, v, dtype="float64", gqa=options.get("gqa"), scale=0.0).out
-        out = np.where(empty[..., None], flat, out)
+        gqa = options.get("gqa")
+        flat = textbook_attention(q, k, v, dtype="float64", gqa=gqa, scale=0.0, prepared=prepared)
+        out = np.where(empty[..., None], flat.out, out)
         scale = np.where(
-            empty[..., None], tol.output_scale(uniform, v, gqa=options.get("gqa")), scale
+            empty[..., None], tol.output_scale(uniform, v, gqa=gqa, prepared=prepared), scale
         )
     return out, scale
 
 
-def _kernel_out(q, k, v, options, extras, parts=None):
+def _kernel_out(q, k, v, options, extras, parts=None, prepared=None):
     """Output and scale (float64) of a tiled-kernel alternative; ``parts`` are
-    :func:`exact_parts` of ``options`` when already computed."""
-    base, w3, v_h = parts or exact_parts(q, k, v, options)
+    :func:`exact_parts` of ``options`` when already computed; ``prepared`` the case's
+    :class:`~oracle.reading.baseline.PreparedKV`."""
+    base, w3, v_h = parts or exact_parts(q, k, v, options, prepared=prepared)
     single = np.ndim(q) == 2
     if "drop_keys" in extras:
         S = w3.shape[-1]
         allowed = np.broadcast_to(base.allowed, base.weights.shape) & ~extras["drop_keys"](
             np.arange(S)
         )
-        _, w3, v_h = exact_parts(q, k, v, options, allowed=allowed)
+        _, w3, v_h = exact_parts(q, k, v, options, allowed=allowed, prepared=prepared)
     if "reweight" in extras:
         w3 = extras["reweight"](w3)
     out = np.matmul(w3, v_h)
-    scale = np.matmul(np.abs(w3), np.abs(v_h))
+    if prepared is not None and prepared.applies(k, v):  # |v_h| of the case, kept
+        abs_v = prepared.abs_values(v_h.shape[-3], options.get("gqa") or "interleave")
+    else:
+        abs_v = np.abs(v_h)
+    scale = np.matmul(np.abs(w3), abs_v)
     if "zero_rows" in extras:
         out[..., extras["zero_rows"] :, :] = 0.0
     return (out[0], scale[0]) if single else (out, scale)
@@ -698,13 +707,16 @@ class _Reading:
         self.setup, self.dtype = setup, dtype
         self.whole_seconds = 0.0  # the last sampled evaluation's time, scaled to the whole
         self._parts = {}
+        # k and v as every reading converts them, made on first use, kept for the case
+        self.prepared = budget.current().prepared(k, v)
 
     def _parts_of(self, q, opts):
         """:func:`exact_parts` of ``opts`` computed once per options dict (the kernel models
         only reweight them; a pair's first reading gives every second one the same dict)."""
         kept = self._parts.get(id(opts))
         if kept is None:  # the dict is kept with its parts: its identity stays unique
-            kept = self._parts[id(opts)] = (opts, exact_parts(q, self.k, self.v, opts))
+            parts = exact_parts(q, self.k, self.v, opts, prepared=self.prepared)
+            kept = self._parts[id(opts)] = (opts, parts)
         return kept[1]
 
     def error(self, opts, extras, view=None):
@@ -717,9 +729,9 @@ class _Reading:
             q, out, finite = view.q(q), view.output(out), view.output(finite)
         if "reweight" in extras or "zero_rows" in extras or "drop_keys" in extras:
             parts = self._parts_of(q, opts)
-            alt_out, scale = _kernel_out(q, self.k, self.v, opts, extras, parts)
+            alt_out, scale = _kernel_out(q, self.k, self.v, opts, extras, parts, self.prepared)
         else:
-            alt_out, scale = _alternative_out(q, self.k, self.v, opts, extras)
+            alt_out, scale = _alternative_out(q, self.k, self.v, opts, extras, self.prepared)
         if view is not None:
             self.whole_seconds = (time.perf_counter() - start) * view.L / view.rows.size
         # with poisoned inputs, an alternative that is NaN where the truth is finite only
@@ -774,6 +786,7 @@ def diagnose_lse(view, lse, *, limit) -> list[str]:
         allowed = np.broadcast_to(base.allowed, base.weights.shape)
         spent = budget.current()
         work = int(np.prod(base.weights.shape[:-1])) * np.shape(k)[-2] * (D + np.shape(v)[-1])
+        prepared = spent.prepared(k, v)  # the readings' conversions of k and v, made once
         for alt in alternatives(
             options,
             H=H,
@@ -792,7 +805,7 @@ def diagnose_lse(view, lse, *, limit) -> list[str]:
                 spent.steps.setdefault("lse readings", False)
                 break
             start = time.perf_counter()
-            model = textbook_attention(q, k, v, dtype="float64", **opts).lse
+            model = textbook_attention(q, k, v, dtype="float64", prepared=prepared, **opts).lse
             spent.measured(work, time.perf_counter() - start)
             if _fits(lse, np.asarray(model, dtype=np.float64), scale, limit, dtype):
                 found.append(f"lse matches {alt.label}")

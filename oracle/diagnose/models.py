@@ -63,22 +63,24 @@ def _narrow_dtype(name):
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
-def exact_parts(q, k, v, options, allowed=None, base=None):
+def exact_parts(q, k, v, options, allowed=None, base=None, prepared=None):
     """float64 textbook, weights (post-dropout, with a head axis), v expanded to the query
     heads; ``allowed`` overrides the allowed set; ``base``: the float64 textbook already
-    evaluated (:attr:`oracle.reading.case.CaseView.exact64`)."""
+    evaluated (:attr:`oracle.reading.case.CaseView.exact64`); ``prepared``: the case's
+    :class:`~oracle.reading.baseline.PreparedKV` (the same parts, to the bit, sooner)."""
     if base is None:
-        base = textbook_attention(q, k, v, dtype="float64", allowed=allowed, **options)
+        base = textbook_attention(
+            q, k, v, dtype="float64", allowed=allowed, prepared=prepared, **options
+        )
     w = np.where(np.isfinite(base.weights), base.weights, 0.0)
     if options.get("dropout_mask") is not None:
         keep = np.asarray(options["dropout_mask"], dtype=bool)
         w = np.where(keep, w, 0) / (1 - (options.get("dropout_p") or 0.0))
     w3 = w[None] if np.ndim(q) == 2 else w
-    v_h = expand_kv(
-        with_heads(np.asarray(v, dtype=np.float64), "v"),
-        w3.shape[-3],
-        options.get("gqa") or "interleave",
-    )
+    gqa = options.get("gqa") or "interleave"
+    if prepared is not None and prepared.applies(k, v):  # v in float64, non-finite zeroed
+        return base, w3, prepared.values(w3.shape[-3], gqa, np.dtype(np.float64))[0]
+    v_h = expand_kv(with_heads(np.asarray(v, dtype=np.float64), "v"), w3.shape[-3], gqa)
     return base, w3, np.where(np.isfinite(v_h), v_h, 0.0)
 
 

@@ -407,14 +407,18 @@ def score_magnitude(
     return a
 
 
-def output_scale(weights, v, *, gqa="interleave") -> np.ndarray:
+def output_scale(weights, v, *, gqa="interleave", prepared=None) -> np.ndarray:
     """Natural scale of the output (T1): ``s_ie = sum_j w_ij |v_je|``, (..., H, L, E).
 
     ``weights`` are the float64 post-dropout weights (..., H, L, S); v (..., K, S, E).
+    ``prepared``: a :class:`oracle.reading.baseline.PreparedKV` of ``v``, whose expanded
+    ``|v|`` it reuses (the same operands: the same bits).
     """
     w = _finite_abs(weights)
     if w.ndim == 2:  # a single head: (L, S) weights, (S, E) values
         return w @ _finite_abs(v)
+    if prepared is not None and v is prepared.v:
+        return np.matmul(w, prepared.abs_values(w.shape[-3], gqa or "interleave"))
     v3 = with_heads(v, "v")
     return np.matmul(w, expand_kv(_finite_abs(v3), w.shape[-3], gqa or "interleave"))
 

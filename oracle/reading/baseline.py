@@ -35,6 +35,7 @@ from refattn.exact.rounding import format_of
 
 __all__ = [
     "Textbook",
+    "PreparedKV",
     "textbook_attention",
     "textbook_attention_vjp",
     "storage_accumulation_attention",
@@ -87,10 +88,98 @@ def dequantised_inputs(q, k, v, options):
     return q, k, v, rest
 
 
-def _scores(q, k, v, dtype, opt, softcap_order, allowed):
+class PreparedKV:
+    """What every evaluation of one case's k and v recomputes identically, computed once.
+
+    A diagnosis evaluates dozens of readings of one case (:mod:`oracle.diagnose.diagnosis`),
+    each a float64 :func:`textbook_attention` of the same k and v: on long rows (S up to 128k
+    keys) converting, expanding and cleaning k and v took most of a reading's time. This
+    keeps, per (H, gqa, dtype), k and v expanded to the query heads in the accumulation dtype
+    with their non-finite entries zeroed and where those were, and ``|v|`` expanded, each
+    computed exactly as an unprepared evaluation computes it (the same operations in the
+    same order: the results are the same to the bit). It applies only to the very arrays it
+    was made for (``k is prepared.k``, e.g. not to a latent reading's folded k); it is made
+    for one case and dropped with it.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> q = k = v = np.eye(2)
+    >>> kv = PreparedKV(k, v)
+    >>> a = textbook_attention(q, k, v, dtype="float64", prepared=kv).out
+    >>> bool((a == textbook_attention(q, k, v, dtype="float64").out).all())
+    True
+    """
+
+    def __init__(self, k, v):
+        self.k, self.v = k, v
+        self._kept = {}
+
+    def applies(self, k, v) -> bool:
+        return k is self.k and v is self.v
+
+    def _get(self, key, compute):
+        if key not in self._kept:
+            self._kept[key] = compute()
+        return self._kept[key]
+
+    def keys(self, H, gqa, acc):
+        """(k expanded to H heads in ``acc``, non-finite zeroed; keys with a non-finite
+        entry (..., H, S); whether any has one)."""
+        return self._get(("k", H, gqa, acc), lambda: _keys(with_heads(self.k, "k"), H, gqa, acc))
+
+    def values(self, H, gqa, acc):
+        """(v expanded to H heads in ``acc``, non-finite zeroed; where v is non-finite, in
+        ``acc``, or None where v is finite)."""
+
+        def compute():
+            clean, bad = _values(expand_kv(with_heads(self.v, "v"), H, gqa), acc)
+            return clean, bad.astype(acc) if bad.any() else None
+
+        return self._get(("v", H, gqa, acc), compute)
+
+    def abs_values(self, H, gqa):
+        """``|v|`` in float64 (non-finite: 0) expanded to H heads, (..., H, S, E)."""
+
+        def compute():
+            v3 = with_heads(np.asarray(self.v, dtype=np.float64), "v")
+            return expand_kv(np.where(np.isfinite(v3), np.abs(v3), 0.0), H, gqa)
+
+        return self._get(("|v|", H, gqa), compute)
+
+    def allowed(self, L, S, **structure):
+        """:func:`oracle.reading.allowed.allowed_positions` of the options ``structure``, each
+        distinct set made once (arrays told apart by identity and kept, so that an identity
+        is never reused while it is a key); read-only."""
+        key = ("allowed", L, S) + tuple(
+            (name, id(x) if isinstance(x, np.ndarray) else repr(x))
+            for name, x in sorted(structure.items())
+        )
+
+        def compute():
+            allowed = allowed_positions(L, S, **structure).view()
+            allowed.flags.writeable = False
+            return allowed, structure  # the arrays kept alive with their identities
+
+        return self._get(key, compute)[0]
+
+
+def _keys(k, H, gqa, acc):
+    k_h = expand_kv(k, H, gqa).astype(acc)
+    k_h = np.where(np.isfinite(k_h), k_h, 0)  # poison reaches only excluded scores
+    poisoned_k = ~np.isfinite(expand_kv(k, H, gqa)).all(axis=-1)
+    return k_h, poisoned_k, bool(poisoned_k.any())
+
+
+def _values(v, acc):
+    bad = ~np.isfinite(v)
+    return np.where(bad, 0, v).astype(acc), bad
+
+
+def _scores(q, k, v, dtype, opt, softcap_order, allowed, prepared=None):
     """Final scores in the accumulation dtype (rounded through ``dtype`` at each stored stage),
     the allowed set and the pre-softcap capped scores (for the softcap derivative). ``opt``
-    holds every option (None where not given)."""
+    holds every option (None where not given); ``prepared`` a :class:`PreparedKV` of k, v."""
     scale, bias, mask, window, softcap = (
         opt[n] for n in ("scale", "bias", "mask", "window", "softcap")
     )
@@ -103,27 +192,21 @@ def _scores(q, k, v, dtype, opt, softcap_order, allowed):
     def stored(x):
         return np.asarray(x, dtype=acc).astype(store).astype(acc)
 
+    use = prepared is not None and prepared.applies(k, v)
     q, k, v = with_heads(q, "q"), with_heads(k, "k"), with_heads(v, "v")
     H, L, D = q.shape[-3:]
     S = k.shape[-2]
-    k_h = expand_kv(k, H, gqa).astype(acc)
-    k_h = np.where(np.isfinite(k_h), k_h, 0)  # poison reaches only excluded scores
-    poisoned_k = ~np.isfinite(expand_kv(k, H, gqa)).all(axis=-1)
+    k_h, poisoned_k, poisoned = prepared.keys(H, gqa, acc) if use else _keys(k, H, gqa, acc)
     with np.errstate(all="ignore"):
         raw = np.matmul(q.astype(acc), np.swapaxes(k_h, -1, -2))
-        raw = np.where(poisoned_k[..., None, :], np.nan, raw)
+        if poisoned:
+            raw = np.where(poisoned_k[..., None, :], np.nan, raw)
         scores = stored(raw * acc.type(resolve_scale(scale, D)))
     if allowed is None:
-        allowed = allowed_positions(
-            L,
-            S,
-            mask=mask,
-            bias=bias,
-            causal=causal,
-            window=window,
-            align=align,
-            kv_lengths=kv_lengths,
-        )
+        structure = {"mask": mask, "bias": bias, "causal": causal, "window": window}
+        structure.update(align=align, kv_lengths=kv_lengths)
+        made = prepared.allowed if use else allowed_positions
+        allowed = made(L, S, **structure)
     additive = np.zeros((), dtype=acc)
     if bias is not None:
         additive = np.where(np.asarray(bias) == -np.inf, 0, np.asarray(bias, dtype=np.float64))
@@ -190,18 +273,24 @@ def _sigmoid(scores, allowed, empty_rows, acc):
     return weights.astype(acc), np.full(weights.shape[:-1], np.nan, acc), None
 
 
-def _weights_at_v(weights, v, acc):
-    """``weights @ v`` where a NaN/Inf value reaches only the rows that give it weight."""
-    bad = ~np.isfinite(v)
-    clean = np.where(bad, 0, v).astype(acc)
+def _weights_at_v(weights, v, acc, prepared=None):
+    """``weights @ v`` where a NaN/Inf value reaches only the rows that give it weight;
+    ``prepared``: (v clean in ``acc``, where v is non-finite in ``acc`` or None) already made."""
+    if prepared is None:
+        clean, bad = _values(v, acc)
+        bad = bad.astype(acc) if bad.any() else None
+    else:
+        clean, bad = prepared
     with np.errstate(all="ignore"):
         out = np.matmul(weights, clean)
-        hit = np.matmul((weights != 0).astype(acc), bad.astype(acc)) > 0
+        if bad is None:  # no poisoned value: no row is hit
+            return out
+        hit = np.matmul((weights != 0).astype(acc), bad) > 0
     return np.where(hit, np.nan, out)
 
 
 def textbook_attention(
-    q, k, v, *, dtype=None, softcap_order="before_bias", allowed=None, **options
+    q, k, v, *, dtype=None, softcap_order="before_bias", allowed=None, prepared=None, **options
 ) -> Textbook:
     """Textbook attention in ``dtype`` (the baseline of rule (T2) and the diagnosis engine).
 
@@ -216,6 +305,8 @@ def textbook_attention(
     keys only, the sink's own in ``sink_weights``), ``kv_lengths`` exclude keys j >= S_b and
     align each batch row to its own length, float8 q, k, v are dequantised exactly with
     their descales first (then taken in the accumulation dtype like any input).
+    ``prepared`` (a :class:`PreparedKV` of this k and v) reuses their conversions across the
+    evaluations of one case; the result is the same to the bit.
 
     Examples
     --------
@@ -238,7 +329,8 @@ def textbook_attention(
     store = format_of(dtype).dtype
     acc = accumulation_dtype(dtype)
     squeeze = np.asarray(q).ndim == 2
-    scores, allowed, _ = _scores(q, k, v, dtype, opt, softcap_order, allowed)
+    prepared = prepared if prepared is not None and prepared.applies(k, v) else None
+    scores, allowed, _ = _scores(q, k, v, dtype, opt, softcap_order, allowed, prepared)
     if opt["normalizer"] == "sigmoid":
         weights, lse, sink = _sigmoid(scores, allowed, opt["empty_rows"] or "zero", acc)
     else:
@@ -247,9 +339,11 @@ def textbook_attention(
         )
     weights = weights.astype(store).astype(acc)
     dropped = _dropped(weights, opt["dropout_mask"], opt["dropout_p"] or 0.0, acc, store)
-    H = scores.shape[-3]
-    v_h = expand_kv(with_heads(v, "v"), H, opt["gqa"] or "interleave")
-    out = _weights_at_v(dropped, v_h, acc)
+    H, gqa = scores.shape[-3], opt["gqa"] or "interleave"
+    if prepared is None:
+        out = _weights_at_v(dropped, expand_kv(with_heads(v, "v"), H, gqa), acc)
+    else:
+        out = _weights_at_v(dropped, None, acc, prepared.values(H, gqa, acc))
     result = Textbook(
         out.astype(store),
         lse.astype(store),
