@@ -24,7 +24,7 @@ def test_exact_figures_print_the_measured_subset(capsys):
     out = capsys.readouterr().out
     assert "exact B1 H1 T4 D=E=4 (subset, measured, one run)" in out, out
     assert "numba B1 H2 T16 D=E=4:" in out and "per (head, step)" in out, out
-    assert "exact B1 H2 T1 D=E=4 (measured, one run)" in out, out
+    assert "exact B1 H2 T1 D=E=4 (measured, best of" in out, out
     assert "GDN prefill" not in out  # a figure flag runs that figure only
 
 
