@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy.special import erf as scipy_erf
 
 from .. import transformer as T
 from ..broadcast import reduce_to
@@ -326,7 +325,7 @@ def feed_forward_vjp_bound(x, W1, b1, W2, b2, grad_out, activation="relu"):
     else:
         a_err = _GELU_LIPSCHITZ * h_err + gamma_n(8) * np.abs(h)
         density = np.exp(-0.5 * h * h) / math.sqrt(2 * math.pi)
-        cdf = 0.5 * (1 + scipy_erf(h / math.sqrt(2)))
+        cdf = 0.5 * (1 + Float64Ops.erf(h / math.sqrt(2)))
         slope = cdf + h * density
         slope_err = _GELU_CURVATURE * h_err + gamma_n(10) * (np.abs(cdf) + np.abs(h * density))
     t = g @ p.W2.T

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import scipy.special
 
 from ._params import AttentionParams, DecoderParams, EncoderParams, FeedForwardParams, NormParams
 
@@ -67,6 +66,14 @@ class Float64Ops:
     exact path's enclosures, or the bounds' error-tracking operations)."""
 
     @staticmethod
+    def erf(x):
+        """scipy.special.erf, imported on first use (scipy costs 0.2 s of ``import refattn``
+        and only GELU needs it)."""
+        from scipy.special import erf
+
+        return erf(x)
+
+    @staticmethod
     def linear(x, W, b):
         finite = np.isfinite(x).all(axis=-1)
         # rows holding NaN/Inf (e.g. masked memory rows) stay out of the matmul: whether a BLAS
@@ -82,7 +89,7 @@ class Float64Ops:
     def activation(x, name):
         if name == "relu":
             return np.maximum(x, 0.0)
-        return 0.5 * x * (1.0 + scipy.special.erf(x / math.sqrt(2.0)))
+        return 0.5 * x * (1.0 + Float64Ops.erf(x / math.sqrt(2.0)))
 
     @staticmethod
     def layer_norm(x, p: NormParams):
@@ -122,7 +129,7 @@ class Float64VJPOps(Float64Ops):
         if name == "relu":
             return g * (x > 0)  # the slope at 0 is 0 (torch's choice)
         density = np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
-        return g * (0.5 * (1.0 + scipy.special.erf(x / math.sqrt(2.0))) + x * density)
+        return g * (0.5 * (1.0 + Float64Ops.erf(x / math.sqrt(2.0))) + x * density)
 
     @staticmethod
     def layer_norm_vjp(x, p: NormParams, g):
