@@ -454,6 +454,26 @@ def _linear_betas(rng, shape, style):
     return rng.uniform(0.0, 1.0, shape)
 
 
+def linear_call(case):
+    """The canonical call (refattn.linear._inputs.LinearCall) of a
+    :func:`linear_attention_cases` case, as refattn.linear_attention builds it."""
+    from refattn.linear import _inputs
+
+    opts = case["opts"]
+    return _inputs.canonicalize(
+        case["q"],
+        case["k"],
+        case["v"],
+        case["g"],
+        case["beta"],
+        scale=opts.get("scale"),
+        initial_state=opts.get("initial_state"),
+        cu_seqlens=opts.get("cu_seqlens"),
+        qk_l2norm=opts.get("qk_l2norm", False),
+        gate_base=opts.get("gate_base", "e"),
+    )
+
+
 @_st.composite
 def linear_attention_cases(draw, dtypes=("float64",), max_length=4, max_dim=3, forms=None):
     """A case of refattn.linear_attention: dict(q, k, v, g, beta, opts, dtype, form).

@@ -26,10 +26,9 @@ import refattn
 from refattn import config
 from refattn.exact.fast.linear import linear_enclosures
 from refattn.exact.linear import linear_fallback_stats
-from refattn.linear._inputs import canonicalize
 from tests.helpers import assert_same_bits, digest_with_threads
 from tests.naive.linear import naive_linear
-from tests.strategies import LINEAR_FORMS, linear_attention_cases
+from tests.strategies import LINEAR_FORMS, linear_attention_cases, linear_call
 
 DTYPES = ("float64", "float32", "float16", "bfloat16")
 JITLESS = os.environ.get("NUMBA_DISABLE_JIT") == "1"
@@ -39,22 +38,6 @@ def _dtype(name):
     import ml_dtypes
 
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
-
-
-def _canonical(case):
-    opts = case["opts"]
-    return canonicalize(
-        case["q"],
-        case["k"],
-        case["v"],
-        case["g"],
-        case["beta"],
-        scale=opts.get("scale"),
-        initial_state=opts.get("initial_state"),
-        cu_seqlens=opts.get("cu_seqlens"),
-        qk_l2norm=opts.get("qk_l2norm", False),
-        gate_base=opts.get("gate_base", "e"),
-    )
 
 
 def _exact(engine, case, dtype):
@@ -94,7 +77,7 @@ def _contains(enclosure, truth, ok_rows, what):
 def _check_enclosures(case, what):
     """The kernel's enclosures of a case contain the 60-digit mpmath twin (rows it bounded);
     returns the rows' ok flags."""
-    call = _canonical(case)
+    call = linear_call(case)
     out, state, ok = linear_enclosures(call)
     with mpmath.workdps(60):
         o_true, s_true = naive_linear(

@@ -24,26 +24,10 @@ from hypothesis import strategies as st
 
 import refattn
 from refattn.bounds.linear import linear_chunked_forward_bound, linear_chunked_vjp_bound
-from refattn.linear import _api, _float64, _inputs, _kernels
+from refattn.linear import _api, _float64, _kernels
 from tests.helpers import assert_same_bits, assert_within, digest_with_threads
 from tests.naive.linear import naive_linear_rounded
-from tests.strategies import LINEAR_FORMS, linear_attention_cases
-
-
-def _call(case):
-    opts = case["opts"]
-    return _inputs.canonicalize(
-        case["q"],
-        case["k"],
-        case["v"],
-        case["g"],
-        case["beta"],
-        scale=opts.get("scale"),
-        initial_state=opts.get("initial_state"),
-        cu_seqlens=opts.get("cu_seqlens"),
-        qk_l2norm=opts["qk_l2norm"],
-        gate_base=opts["gate_base"],
-    )
+from tests.strategies import LINEAR_FORMS, linear_attention_cases, linear_call
 
 
 @pytest.mark.parametrize("compute", ["float64", "float32"])
@@ -54,7 +38,7 @@ def test_chunked_within_the_bound(form, compute):
         case=linear_attention_cases(forms=(form,), max_length=7), chunk=st.sampled_from([1, 2, 4])
     )
     def check(case, chunk):
-        call = _call(case)
+        call = linear_call(case)
         o, state = _kernels.chunked_forward(call, compute, chunk)
         args = (case["q"], case["k"], case["v"], case["g"], case["beta"])
         truth_o, truth_s = naive_linear_rounded(*args, **case["opts"])
@@ -136,7 +120,7 @@ def test_chunked_vjp_within_the_bound(form, compute):
         case=linear_attention_cases(forms=(form,), max_length=6), chunk=st.sampled_from([1, 2, 4])
     )
     def check(case, chunk):
-        call = _call(case)
+        call = linear_call(case)
         rng = np.random.default_rng(7)
         do = rng.normal(size=case["v"].shape)
         dht = rng.normal(size=call.state_shape) if chunk != 4 else None

@@ -20,28 +20,13 @@ import pytest
 from hypothesis import given, settings
 
 import refattn
-from refattn.linear import _inputs, _kernels
+from refattn.linear import _kernels
 from tests.helpers import assert_same_bits, assert_within, digest_with_threads
 from tests.naive.linear import naive_linear_rounded
-from tests.strategies import LINEAR_FORMS, linear_attention_cases
+from tests.strategies import LINEAR_FORMS, linear_attention_cases, linear_call
 
 ROOT = Path(__file__).resolve().parents[2]
 JITLESS = os.environ.get("NUMBA_DISABLE_JIT") == "1"
-
-
-def _call(case):
-    return _inputs.canonicalize(
-        case["q"],
-        case["k"],
-        case["v"],
-        case["g"],
-        case["beta"],
-        scale=case["opts"].get("scale"),
-        initial_state=case["opts"].get("initial_state"),
-        cu_seqlens=case["opts"].get("cu_seqlens"),
-        qk_l2norm=case["opts"]["qk_l2norm"],
-        gate_base=case["opts"]["gate_base"],
-    )
 
 
 @pytest.mark.parametrize("compute", ["float64", "float32"])
@@ -50,7 +35,7 @@ def test_forward_within_the_bound(form, compute):
     @settings(max_examples=3 if JITLESS else 6)
     @given(case=linear_attention_cases(forms=(form,), max_length=6))
     def check(case):
-        o, state = _kernels.forward(_call(case), compute)
+        o, state = _kernels.forward(linear_call(case), compute)
         args = (case["q"], case["k"], case["v"], case["g"], case["beta"])
         truth_o, truth_s = naive_linear_rounded(*args, **case["opts"])
         o_bound, s_bound = refattn.bounds.linear_forward_bound(*args, dtype=compute, **case["opts"])
