@@ -206,6 +206,16 @@ def assert_rounds_derivative(value, derivative, *, what, case="", dtype="float64
             )
 
 
+def assert_caught_and_named(results, name, *, at_least=5):
+    """A planted bug's validation ``results`` hold at least ``at_least`` failing cases (the
+    issues' "fails >= 5 cases of its suite"), and every failing one has a diagnosis line
+    containing ``name``."""
+    failures = [r for r in results if r.verdict == "fail"]
+    assert len(failures) >= at_least, [(r.name, r.verdict) for r in results]
+    unnamed = [(r.name, r.diagnosis) for r in failures if not any(name in d for d in r.diagnosis)]
+    assert not unnamed, unnamed
+
+
 def vjp_problem(seed=0, heads=2, kv_heads=2, length=5, keys=6, dim=4, vdim=3, batch=1):
     """(rng, q, k, v, grad_out, grad_lse): Gaussian inputs of an exact-vjp test in the
     (B, H, L, D) / (B, K, S, D) / (B, K, S, E) layout."""

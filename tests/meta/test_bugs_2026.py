@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from oracle.run.validate import validate
+from tests.helpers import assert_caught_and_named
 from tests.planted import bugs_2026 as bugs
 
 BUGS = {
@@ -71,12 +72,7 @@ def _failures(impl, suite, cases, dtypes):
 @pytest.mark.parametrize("bug", list(BUGS))
 def test_planted_bug_fails_and_is_named(bug):
     suite, cases, dtypes, name = BUGS[bug]
-    failures = [
-        r for r in _failures(getattr(bugs, bug), suite, cases, dtypes) if r.verdict == "fail"
-    ]
-    assert len(failures) >= 5, [r.name for r in failures]
-    unnamed = [r.name for r in failures if not any(name in d for d in r.diagnosis)]
-    assert not unnamed, unnamed
+    assert_caught_and_named(_failures(getattr(bugs, bug), suite, cases, dtypes), name)
 
 
 def _marked(names):
@@ -86,11 +82,7 @@ def _marked(names):
 @pytest.mark.parametrize("bug", _marked(TWIN_BUGS))
 def test_kernel_bug_fails_and_is_named(bug):
     suite, cases, dtypes, name = TWIN_BUGS[bug]
-    results = _failures(getattr(bugs, bug), suite, cases, dtypes)
-    failures = [r for r in results if r.verdict == "fail"]
-    assert len(failures) >= 5, [(r.name, r.verdict) for r in results]
-    unnamed = [(r.name, r.diagnosis) for r in failures if not any(name in d for d in r.diagnosis)]
-    assert not unnamed, unnamed
+    assert_caught_and_named(_failures(getattr(bugs, bug), suite, cases, dtypes), name)
 
 
 @pytest.mark.parametrize("bug", _marked(TWIN_BUGS))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from oracle.run.validate import validate
+from tests.helpers import assert_caught_and_named
 
 pytestmark = pytest.mark.peers("torch")
 
@@ -75,11 +76,7 @@ def _marked(names):
 @pytest.mark.parametrize("bug", _marked(TORCH_BUGS))
 def test_library_bug_fails_and_is_named(bug):
     _, signature, cases, name = TORCH_BUGS[bug]
-    results = _results(f"{BUGS}:{bug}", signature, cases)
-    failures = [r for r in results if r.verdict == "fail"]
-    assert len(failures) >= 5, [(r.name, r.verdict) for r in results]
-    unnamed = [(r.name, r.diagnosis) for r in failures if not any(name in d for d in r.diagnosis)]
-    assert not unnamed, unnamed
+    assert_caught_and_named(_results(f"{BUGS}:{bug}", signature, cases), name)
 
 
 @pytest.mark.parametrize("bug", _marked(TORCH_BUGS))
