@@ -290,10 +290,11 @@ def _check_numba_range(spec: AttentionSpec, compute_dtype) -> None:
     from .kernels import GATHER
 
     k = spec.k
-    if spec.index_reading == GATHER:
-        # the gather kernel reads only the listed keys: check those rows, not all S of k (a
-        # sparse decode lists T << S keys); the union over batch rows and heads bounds each
-        listed = np.asarray(spec.key_indices)
+    listed = np.asarray(spec.key_indices) if spec.index_reading == GATHER else None
+    if listed is not None and listed.size < k.shape[-2]:
+        # the gather kernel reads only the listed keys: a sparse decode lists T << S of them,
+        # so check those rows, not all of k (the union over batch rows and heads bounds
+        # each); a prefill lists more entries than k has rows, and k itself is cheaper
         keys = np.unique(listed[(listed >= 0) & (listed < k.shape[-2])])
         k = np.take(k, keys, axis=-2)
     with np.errstate(over="ignore"):

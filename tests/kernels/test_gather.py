@@ -187,9 +187,11 @@ def test_gather_bits_do_not_depend_on_thread_count():
 
 
 def test_range_check_reads_only_the_listed_keys():
-    """The pre-kernel range check looks at the keys the gather reads: a float32 key too large
-    for s q.k in float32 is refused when listed and harmless when not."""
-    q, k, v, idx, _ = _inputs(11)
+    """On a sparse decode (fewer listed entries than keys) the pre-kernel range check looks at
+    the keys the gather reads: a float32 key too large for s q.k in float32 is refused when
+    listed and harmless when not."""
+    q, k, v, idx, _ = _inputs(11, length=1, keys=400, width=20)
+    assert idx.size < k.shape[-2]
     q, k, v = (x.astype(np.float32) for x in (q, k, v))
     huge = np.finfo(np.float32).max / 4
     listed = np.unique(idx[(idx >= 0) & (idx < k.shape[-2])])
