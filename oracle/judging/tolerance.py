@@ -266,6 +266,7 @@ __all__ = [
     "accumulation_dtype",
     "probabilistic_gamma",
     "normalised_error",
+    "finite_abs",
     "output_scale",
     "lse_scale",
     "grad_scales",
@@ -372,7 +373,8 @@ def normalised_error(value, truth, scale, dtype) -> np.ndarray:
     return np.where(both_nan | same_inf, 0.0, np.where(finite, err, np.inf))
 
 
-def _finite_abs(x):
+def finite_abs(x):
+    """``|x|`` in float64 with every non-finite entry 0."""
     x = np.asarray(x, dtype=np.float64)
     return np.where(np.isfinite(x), np.abs(x), 0.0)
 
@@ -398,10 +400,10 @@ def score_magnitude(
     S = k3.shape[-2]
     k_h = expand_kv(k3, H, gqa or "interleave")
     a = abs(resolve_scale(scale, D)) * np.matmul(
-        _finite_abs(q3), np.swapaxes(_finite_abs(k_h), -1, -2)
+        finite_abs(q3), np.swapaxes(finite_abs(k_h), -1, -2)
     )
     if bias is not None:
-        a = a + _finite_abs(bias)
+        a = a + finite_abs(bias)
     if alibi_slopes is not None:
         a = a + np.abs(alibi_bias(alibi_slopes, L, S, align or "top_left"))
     return a
@@ -414,19 +416,19 @@ def output_scale(weights, v, *, gqa="interleave", prepared=None) -> np.ndarray:
     ``prepared``: a :class:`oracle.reading.baseline.PreparedKV` of ``v``, whose expanded
     ``|v|`` it reuses (the same operands: the same bits).
     """
-    w = _finite_abs(weights)
+    w = finite_abs(weights)
     if w.ndim == 2:  # a single head: (L, S) weights, (S, E) values
-        return w @ _finite_abs(v)
+        return w @ finite_abs(v)
     if prepared is not None and v is prepared.v:
         return np.matmul(w, prepared.abs_values(w.shape[-3], gqa or "interleave"))
     v3 = with_heads(v, "v")
-    return np.matmul(w, expand_kv(_finite_abs(v3), w.shape[-3], gqa or "interleave"))
+    return np.matmul(w, expand_kv(finite_abs(v3), w.shape[-3], gqa or "interleave"))
 
 
 def lse_scale(lse, weights, magnitude) -> np.ndarray:
     """Natural scale of lse: ``|lse_i| + sum_j p_ij a_ij + 1`` (module docstring, item 1)."""
-    spread = (_finite_abs(weights) * magnitude).sum(axis=-1)
-    return _finite_abs(lse) + spread + 1.0
+    spread = (finite_abs(weights) * magnitude).sum(axis=-1)
+    return finite_abs(lse) + spread + 1.0
 
 
 def forward_floors(
@@ -525,7 +527,7 @@ def lse_floor(
 ) -> np.ndarray:
     """Element-wise floor (T6) of lse, (..., H, L), normalised by :func:`lse_scale`."""
     u, ua, delta, lam, acc = _score_terms(dtype, count, D, n_stored)
-    p = _finite_abs(weights)
+    p = finite_abs(weights)
     pa = p * magnitude
     independent = delta * np.minimum(lam * np.sqrt((pa * pa).sum(-1)), pa.sum(-1))
     ps = p * dots
@@ -608,7 +610,7 @@ def lse_expected(
 ) -> np.ndarray:
     """Tight-tier threshold (T7) of lse, (..., H, L), normalised by :func:`lse_scale`."""
     u, ua, score_var, sums_std, lam = _expected_terms(dtype, D, S, n_stored, count)
-    p = _finite_abs(weights)
+    p = finite_abs(weights)
     pa = p * magnitude
     ps = p * dots
     coherent = np.abs(ps).sum(-1) if softcap else np.abs(ps.sum(-1))
@@ -806,8 +808,8 @@ def _value_spread(weights, dropped, magnitude, v, out, gqa):
     magnitude, the dropout factor per weight, finite values per query head and the finite truth
     both divided by :func:`_column_unit` ``unit``, and ``sum_j (pa_j d_j)^2 (v_j - o)^2`` in
     those units: the second moment both tiers' output terms use."""
-    p = _finite_abs(weights)
-    d = np.divide(_finite_abs(dropped), p, out=np.zeros_like(p), where=p > 0)
+    p = finite_abs(weights)
+    d = np.divide(finite_abs(dropped), p, out=np.zeros_like(p), where=p > 0)
     v_h = v if np.ndim(v) == 2 else expand_kv(with_heads(v, "v"), p.shape[-3], gqa or "interleave")
     v_h = np.where(np.isfinite(v_h), v_h, 0.0).astype(np.float64)
     unit = _column_unit(v_h)

@@ -24,7 +24,7 @@ from oracle.catalogue import seeding
 from oracle.catalogue.case import Case
 from oracle.catalogue.names import ATTENTION_OPTIONS
 from oracle.catalogue.variants import BOOL_INPUTS, call_refattn, call_refattn_vjp
-from oracle.judging.tolerance import accumulation_dtype
+from oracle.judging.tolerance import accumulation_dtype, finite_abs
 from oracle.reading.allowed import allowed_positions
 from oracle.reading.heads import alibi_bias, dequantised, resolve_scale, with_heads
 from oracle.reading.latent import fold_latent, split_latent
@@ -142,8 +142,7 @@ class PreparedKV:
         """``|v|`` in float64 (non-finite: 0) expanded to H heads, (..., H, S, E)."""
 
         def compute():
-            v3 = with_heads(np.asarray(self.v, dtype=np.float64), "v")
-            return expand_kv(np.where(np.isfinite(v3), np.abs(v3), 0.0), H, gqa)
+            return expand_kv(finite_abs(with_heads(self.v, "v")), H, gqa)
 
         return self._get(("|v|", H, gqa), compute)
 
