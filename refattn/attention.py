@@ -295,8 +295,9 @@ def _check_numba_range(spec: AttentionSpec, compute_dtype) -> None:
         # the gather kernel reads only the listed keys: a sparse decode lists T << S of them,
         # so check those rows, not all of k (the union over batch rows and heads bounds
         # each); a prefill lists more entries than k has rows, and k itself is cheaper
-        keys = np.unique(listed[(listed >= 0) & (listed < k.shape[-2])])
-        k = np.take(k, keys, axis=-2)
+        from .kernels import listed_keys
+
+        k = listed_keys(k, listed)
     with np.errstate(over="ignore"):
         largest = abs(spec.scale_float) * dim * top(spec.q) * top(k)
     wide = np.dtype(compute_dtype) == np.float64

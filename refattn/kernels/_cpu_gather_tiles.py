@@ -1,0 +1,263 @@
+"""Register tiles of the sparse-key gather forward (:mod:`._cpu_gather`) that read the listed
+key and value rows where they lie (no gathered copy, no transposition).
+
+Scores: ``s[r, c] = sum_x q[r, x] k[j_c, x]`` as a dot product of two contiguous rows. On a
+4-query x 4-key register tile the 16 products run lane-parallel over the features (lane l
+sums the features x = l (mod W), x sequential over the whole vectors of the row; W the
+lanes of a 64-byte vector), the lanes are then added by a fixed pairwise tree (:func:`vpairs`:
+lanes (0, 1), (2, 3), ... then pairs of those, ...), and the last ``D mod W`` features are
+added one by one with fused multiply-adds. A single dot product (:func:`dot_row`) runs the
+same operations, so every score has the same bits in any tile. Error: each score is a sum of
+D products with at most ``D / W + log2 W + D mod W <= D`` roundings in its chain, within the
+``gamma_{D+4}`` of :func:`refattn.bounds.kernels.online_forward_bound`.
+
+Values: ``acc[r, e] = sum_c p[r, c] v[j_c, e]``, c sequential (increasing key index), one
+fused multiply-add per term starting from zero, on 4-row x 4-vector tiles, single vectors and
+single columns: the same operation sequence per element in every tile, so the tiling (the head
+blocks, the value width) changes no bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ._simd import JIT, KERNEL_OPTIONS, fma, lanes, vfma, vlane, vload, vstore, vzero
+
+__all__ = ["vfmav", "vpairs", "dot_row", "raw_scores", "weighted_rows"]
+
+_OPTS = KERNEL_OPTIONS
+
+if JIT:
+    from llvmlite import ir
+    from numba.core import cgutils
+    from numba.core.extending import intrinsic
+
+    from ._simd import _llvm_name
+
+    @intrinsic
+    def vfmav(typingctx, x, y, z):
+        """x * y + z lane-wise, rounded once (``llvm.fma`` on vectors)."""
+
+        def codegen(context, builder, sig, args):
+            lt = context.get_value_type(sig.args[0])
+            fnty = ir.FunctionType(lt, [lt] * 3)
+            fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.fma.{_llvm_name(lt)}")
+            return builder.call(fn, list(args))
+
+        return x(x, y, z), codegen
+
+    @intrinsic
+    def vpairs(typingctx, x, y):
+        """[x0 + x1, x2 + x3, ..., y0 + y1, y2 + y3, ...]: adjacent lanes added, x's pairs in
+        the low half and y's in the high half (two shuffles and one add)."""
+
+        def codegen(context, builder, sig, args):
+            lt = context.get_value_type(sig.args[0])
+            i32 = ir.IntType(32)
+            count = lt.count
+
+            def lanes_of(first):
+                items = [ir.Constant(i32, 2 * t + first) for t in range(count)]
+                return ir.Constant(ir.VectorType(i32, count), items)
+
+            even = builder.shuffle_vector(args[0], args[1], lanes_of(0))
+            odd = builder.shuffle_vector(args[0], args[1], lanes_of(1))
+            return builder.fadd(even, odd)
+
+        return x(x, y), codegen
+
+else:  # pragma: no cover - the NUMBA_DISABLE_JIT=1 tier runs the bodies as Python
+
+    def vfmav(x, y, z):
+        return (x * y + z).astype(x.dtype)
+
+    def vpairs(x, y):
+        both = np.concatenate([x, y])
+        return (both[0::2] + both[1::2]).astype(x.dtype)
+
+
+@njit(**_OPTS)
+def _tail(qrow, krow, start, dim, total):
+    """total + q[x] k[x] for x in [start, dim), one fused multiply-add each, x increasing."""
+    for x in range(start, dim):
+        total = fma(qrow[x], krow[x], total)
+    return total
+
+
+@njit(**_OPTS)
+def dot_row(qrow, krow, dim):
+    """q . k of two rows of ``dim`` features in the order of :func:`_dots4x4` (lane-parallel
+    over whole vectors, the pairwise lane tree, then the tail features)."""
+    width = lanes(qrow)
+    whole = dim - dim % width
+    acc = vzero(qrow)
+    for x in range(0, whole, width):
+        acc = vfmav(vload(qrow, x), vload(krow, x), acc)
+    step = width
+    while step > 1:
+        acc = vpairs(acc, acc)
+        step //= 2
+    return _tail(qrow, krow, whole, dim, vlane(acc, 0))
+
+
+@njit(**_OPTS)
+def _dots4x4(qt, row, krows, dim, sums):
+    """sums[4a + c] = qt[row + a] . krows[c] (a, c < 4) before the tail features: 16
+    lane-parallel accumulators reduced by the pairwise lane tree (:func:`vpairs`)."""
+    width = lanes(qt)
+    whole = dim - dim % width
+    q0, q1, q2, q3 = qt[row], qt[row + 1], qt[row + 2], qt[row + 3]
+    k0, k1, k2, k3 = krows
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = vzero(q0)
+    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = vzero(q0)
+    for x in range(0, whole, width):
+        y0, y1, y2, y3 = vload(k0, x), vload(k1, x), vload(k2, x), vload(k3, x)
+        z = vload(q0, x)
+        a00, a01, a02, a03 = (
+            vfmav(z, y0, a00),
+            vfmav(z, y1, a01),
+            vfmav(z, y2, a02),
+            vfmav(z, y3, a03),
+        )
+        z = vload(q1, x)
+        a10, a11, a12, a13 = (
+            vfmav(z, y0, a10),
+            vfmav(z, y1, a11),
+            vfmav(z, y2, a12),
+            vfmav(z, y3, a13),
+        )
+        z = vload(q2, x)
+        a20, a21, a22, a23 = (
+            vfmav(z, y0, a20),
+            vfmav(z, y1, a21),
+            vfmav(z, y2, a22),
+            vfmav(z, y3, a23),
+        )
+        z = vload(q3, x)
+        a30, a31, a32, a33 = (
+            vfmav(z, y0, a30),
+            vfmav(z, y1, a31),
+            vfmav(z, y2, a32),
+            vfmav(z, y3, a33),
+        )
+    # the lane tree: after log2(W) levels of vpairs, each output's lanes are summed pairwise
+    t0 = vpairs(
+        vpairs(vpairs(a00, a01), vpairs(a02, a03)), vpairs(vpairs(a10, a11), vpairs(a12, a13))
+    )
+    t1 = vpairs(
+        vpairs(vpairs(a20, a21), vpairs(a22, a23)), vpairs(vpairs(a30, a31), vpairs(a32, a33))
+    )
+    if width == 16:  # float32: one more level holds all 16 sums in one vector
+        vstore(sums, 0, vpairs(t0, t1))
+    else:  # float64 (8 lanes): three levels, 8 sums per vector
+        vstore(sums, 0, t0)
+        vstore(sums, 8, t1)
+
+
+#: Listed keys per chunk of :func:`raw_scores`: 64 key rows (147 KiB at D 576 float32) stay
+#: in L2 while each 4-row block of queries (in L1) passes over them.
+KEY_CHUNK = 64
+
+
+@njit(**_OPTS)
+def raw_scores(qt, kp, cols, count, rows, s):
+    """s[r, c] = qt[r] . kp[cols[c]] for r < rows, c < count: chunks of :data:`KEY_CHUNK`
+    keys, 4-query x 4-key tiles within a chunk, the leftover rows and keys one at a time."""
+    full_rows, full_cols = rows - rows % 4, count - count % 4
+    for c0 in range(0, full_cols, KEY_CHUNK):
+        c1 = min(full_cols, c0 + KEY_CHUNK)
+        for row in range(0, full_rows, 4):
+            _score_tiles(qt, row, kp, cols, c0, c1, s)
+        for row in range(full_rows, rows):
+            for c in range(c0, c1):
+                s[row, c] = dot_row(qt[row], kp[cols[c]], qt.shape[1])
+    for c in range(full_cols, count):
+        krow = kp[cols[c]]
+        for row in range(rows):
+            s[row, c] = dot_row(qt[row], krow, qt.shape[1])
+
+
+@njit(**_OPTS)
+def _score_tiles(qt, row, kp, cols, c0, c1, s):
+    """s[row:row+4, c0:c1] by 4 x 4 tiles (c1 - c0 a multiple of 4)."""
+    dim = qt.shape[1]
+    whole = dim - dim % lanes(qt)
+    sums = np.empty(16, qt.dtype)
+    for c in range(c0, c1, 4):
+        krows = (kp[cols[c]], kp[cols[c + 1]], kp[cols[c + 2]], kp[cols[c + 3]])
+        _dots4x4(qt, row, krows, dim, sums)
+        for a in range(4):
+            for t in range(4):
+                s[row + a, c + t] = _tail(qt[row + a], krows[t], whole, dim, sums[4 * a + t])
+
+
+@njit(**_OPTS)
+def _weighted4(p, row, vp, cols, count, e0, acc):
+    """acc[row:row+4, e0:e0+4W] = sum_c p[row:row+4, c] vp[cols[c], e0:e0+4W], c increasing."""
+    width = lanes(acc)
+    e1, e2, e3 = e0 + width, e0 + 2 * width, e0 + 3 * width
+    p0, p1, p2, p3 = p[row], p[row + 1], p[row + 2], p[row + 3]
+    c00 = c01 = c02 = c03 = c10 = c11 = c12 = c13 = vzero(acc)
+    c20 = c21 = c22 = c23 = c30 = c31 = c32 = c33 = vzero(acc)
+    for c in range(count):
+        vrow = vp[cols[c]]
+        b0, b1, b2, b3 = vload(vrow, e0), vload(vrow, e1), vload(vrow, e2), vload(vrow, e3)
+        w = p0[c]
+        c00, c01, c02, c03 = vfma(w, b0, c00), vfma(w, b1, c01), vfma(w, b2, c02), vfma(w, b3, c03)
+        w = p1[c]
+        c10, c11, c12, c13 = vfma(w, b0, c10), vfma(w, b1, c11), vfma(w, b2, c12), vfma(w, b3, c13)
+        w = p2[c]
+        c20, c21, c22, c23 = vfma(w, b0, c20), vfma(w, b1, c21), vfma(w, b2, c22), vfma(w, b3, c23)
+        w = p3[c]
+        c30, c31, c32, c33 = vfma(w, b0, c30), vfma(w, b1, c31), vfma(w, b2, c32), vfma(w, b3, c33)
+    _store4(acc[row], e0, width, c00, c01, c02, c03)
+    _store4(acc[row + 1], e0, width, c10, c11, c12, c13)
+    _store4(acc[row + 2], e0, width, c20, c21, c22, c23)
+    _store4(acc[row + 3], e0, width, c30, c31, c32, c33)
+
+
+@njit(**_OPTS)
+def _store4(orow, e0, width, x0, x1, x2, x3):
+    vstore(orow, e0, x0)
+    vstore(orow, e0 + width, x1)
+    vstore(orow, e0 + 2 * width, x2)
+    vstore(orow, e0 + 3 * width, x3)
+
+
+@njit(**_OPTS)
+def _weighted1(prow, vp, cols, count, e0, orow):
+    """orow[e0:e0+W] = sum_c prow[c] vp[cols[c], e0:e0+W] (the operations of
+    :func:`_weighted4` for one row and one vector)."""
+    total = vzero(orow)
+    for c in range(count):
+        total = vfma(prow[c], vload(vp[cols[c]], e0), total)
+    vstore(orow, e0, total)
+
+
+@njit(**_OPTS)
+def weighted_rows(p, vp, cols, count, rows, vdim, acc):
+    """acc[:rows, :vdim] = p[:rows, :count] @ vp[cols[:count], :vdim] (``vp`` rows may be
+    wider than ``vdim``: a value that is the leading features of the key rows is read in
+    place); 4-row x 4-vector tiles, then single vectors, then single columns."""
+    width = lanes(acc)
+    tile = 4 * width
+    full_rows = rows - rows % 4
+    tiled = vdim - vdim % tile
+    whole = vdim - vdim % width
+    for e0 in range(0, tiled, tile):
+        for row in range(0, full_rows, 4):
+            _weighted4(p, row, vp, cols, count, e0, acc)
+        for row in range(full_rows, rows):
+            for e in range(e0, e0 + tile, width):
+                _weighted1(p[row], vp, cols, count, e, acc[row])
+    for e0 in range(tiled, whole, width):
+        for row in range(rows):
+            _weighted1(p[row], vp, cols, count, e0, acc[row])
+    for e in range(whole, vdim):
+        for row in range(rows):
+            prow = p[row]
+            total = vlane(vzero(acc), 0)
+            for c in range(count):
+                total = fma(prow[c], vp[cols[c], e], total)
+            acc[row, e] = total
