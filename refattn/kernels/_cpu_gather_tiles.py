@@ -33,7 +33,9 @@ if JIT:
     from numba.core import cgutils
     from numba.core.extending import intrinsic
 
-    from ._simd import _llvm_name
+    def _vector_name(vtype):
+        bits = 64 if isinstance(vtype.element, ir.DoubleType) else 32
+        return f"v{vtype.count}f{bits}"
 
     @intrinsic
     def vfmav(typingctx, x, y, z):
@@ -42,7 +44,9 @@ if JIT:
         def codegen(context, builder, sig, args):
             lt = context.get_value_type(sig.args[0])
             fnty = ir.FunctionType(lt, [lt] * 3)
-            fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.fma.{_llvm_name(lt)}")
+            fn = cgutils.get_or_insert_function(
+                builder.module, fnty, f"llvm.fma.{_vector_name(lt)}"
+            )
             return builder.call(fn, list(args))
 
         return x(x, y, z), codegen
