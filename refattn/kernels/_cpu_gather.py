@@ -332,7 +332,7 @@ def listed_top(k, listed, minus_one):
 #: that a decode step (one row, one latent head, 16-128 query heads) has work for every
 #: thread while each task still shares every listed key row among several heads.
 FEW_UNITS = 16
-SMALL_HEAD_BLOCK = 4
+SMALL_HEAD_BLOCK = 8
 FEW_TASKS = 8
 
 
@@ -345,11 +345,11 @@ def head_block(units: int, group: int) -> int:
     Examples
     --------
     >>> head_block(units=1, group=16), head_block(units=1, group=128)
-    (4, 16)
+    (8, 16)
     >>> head_block(units=4096, group=16)
     64
     """
     if units < FEW_UNITS and group > SMALL_HEAD_BLOCK:
         per_task = -(-group // FEW_TASKS)
-        return min(BLOCK_Q, max(SMALL_HEAD_BLOCK, -(-per_task // 4) * 4))
+        return min(BLOCK_Q, max(SMALL_HEAD_BLOCK, -(-per_task // 2) * 2))
     return BLOCK_Q
