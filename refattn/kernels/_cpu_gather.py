@@ -284,9 +284,8 @@ def gather_forward(listed, q, k, v, kv_head, dims, opts, fopts, terms, out, lse)
     (B, K, L, T) lists from :func:`sorted_indices`, the rest
     :func:`~refattn.kernels._args.kernel_arguments`."""
     heads, kv_heads = int(dims[DIM_HEADS]), int(dims[DIM_KV_HEADS])
-    group_heads = np.array(
-        [[h for h in range(heads) if kv_head[h] == g] for g in range(kv_heads)], np.int64
-    )
+    # row g: the query heads of kv head g in increasing order (every group has H / K heads)
+    group_heads = np.argsort(kv_head, kind="stable").reshape(kv_heads, heads // kv_heads)
     block = head_block(int(dims[DIM_BATCH]) * kv_heads * int(dims[DIM_LENGTH]), heads // kv_heads)
     with parallel_chunksize(1):
         _gather_units(q, k, v, group_heads, listed, dims, opts, fopts, terms, out, lse, block)
