@@ -119,8 +119,9 @@ def dot_row(qrow, krow, dim):
 
 
 @njit(**_OPTS)
-def _dots2x4(q0, q1, k0, k1, k2, k3, dim, sums):
-    """sums[4a + c] = (q0, q1)[a] . (k0, k1, k2, k3)[c] before the tail features: 8
+def _dots2x4(q0, q1, k0, k1, k2, k3, dim):
+    """A vector whose lane 4a + c is (q0, q1)[a] . (k0, k1, k2, k3)[c] before the tail
+    features: 8
     lane-parallel accumulators reduced by the pairwise lane tree (:func:`vpairs`). Two query
     rows by four keys (not 4 x 4): the 16-accumulator tile made LLVM spill registers once it
     unrolled the loop, and ran at about 0.65x this one's rate."""
@@ -141,7 +142,7 @@ def _dots2x4(q0, q1, k0, k1, k2, k3, dim, sums):
     tree = vpairs(low, vpairs(vpairs(a10, a11), vpairs(a12, a13)))
     if width == 16:
         tree = vpairs(tree, tree)
-    vstore(sums, 0, tree)
+    return tree
 
 
 #: Listed keys per chunk of :func:`raw_scores`: 64 key rows (147 KiB at D 576 float32) stay
@@ -172,14 +173,24 @@ def _score_tiles(qt, row, kp, cols, c0, c1, s):
     """s[row:row+2, c0:c1] by 2 x 4 tiles (c1 - c0 a multiple of 4)."""
     dim = qt.shape[1]
     whole = dim - dim % lanes(qt)
-    sums = np.empty(16, qt.dtype)  # one vector (8 used)
     q0, q1 = qt[row], qt[row + 1]
+    s0, s1 = s[row], s[row + 1]
     for c in range(c0, c1, 4):
         k0, k1, k2, k3 = kp[cols[c]], kp[cols[c + 1]], kp[cols[c + 2]], kp[cols[c + 3]]
-        _dots2x4(q0, q1, k0, k1, k2, k3, dim, sums)
-        for a in range(2):
-            for t in range(4):
-                s[row + a, c + t] = sums[4 * a + t]
+        tree = _dots2x4(q0, q1, k0, k1, k2, k3, dim)
+        # constant lane indices: the sums leave the register without a trip through memory
+        s0[c], s0[c + 1], s0[c + 2], s0[c + 3] = (
+            vlane(tree, 0),
+            vlane(tree, 1),
+            vlane(tree, 2),
+            vlane(tree, 3),
+        )
+        s1[c], s1[c + 1], s1[c + 2], s1[c + 3] = (
+            vlane(tree, 4),
+            vlane(tree, 5),
+            vlane(tree, 6),
+            vlane(tree, 7),
+        )
         if whole < dim:
             krows = (k0, k1, k2, k3)
             for a in range(2):
