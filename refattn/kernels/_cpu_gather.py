@@ -65,7 +65,7 @@ from ._args import (
     TERM_MASK_STRIDES,
     TERM_SLOPES,
 )
-from ._cpu_gather_tiles import raw_scores, weighted_rows
+from ._cpu_gather_tiles import lanes_const, raw_scores, weighted_rows
 from ._cpu_scores import row_interval
 from ._cpu_tiles import BLOCK_Q, row_max
 from ._simd import (
@@ -166,7 +166,7 @@ def _softmax_rows(s, p, rows, m, total):
     """p = exp(s - m) per row with m the row's maximum (NaN skipped) and total the lane sum
     of p in :func:`~refattn.kernels._cpu_tiles.row_sum`'s order; an empty row (m = -inf)
     gets p = 0, total = 0. ``s`` is padded with -inf to whole vectors."""
-    width = lanes(s)
+    width = lanes_const(s)
     for r in range(rows):
         row = s[r]
         prow = p[r]
@@ -295,7 +295,7 @@ def gather_forward(listed, q, k, v, kv_head, dims, opts, fopts, terms, out, lse)
 def _row_top(row, minus_one, best):
     """max(best, |x|) over the entries x of a contiguous row (NaN skipped; Inf kept);
     ``minus_one`` is -1 in the row's dtype."""
-    width = lanes(row)
+    width = lanes_const(row)
     whole = row.shape[0] - row.shape[0] % width
     acc = vzero(row)
     for x in range(0, whole, width):

@@ -24,7 +24,7 @@ from numba import njit
 
 from ._simd import JIT, KERNEL_OPTIONS, fma, lanes, vfma, vlane, vload, vstore, vzero
 
-__all__ = ["vfmav", "vpairs", "dot_row", "raw_scores", "weighted_rows"]
+__all__ = ["lanes_const", "vfmav", "vpairs", "dot_row", "raw_scores", "weighted_rows"]
 
 _OPTS = KERNEL_OPTIONS
 
