@@ -17,6 +17,12 @@ dq; query rows in increasing order for dk and dv; query heads of a kv group in i
 on the host), so results are deterministic and independent of the launch configuration. Excluded
 positions are skipped, never multiplied by zero, so NaN/Inf poison there cannot reach outputs.
 
+Sparse key lists (a spec from :func:`refattn.kernels.gather_spec`, set reading): the forward
+and dq threads walk their row's sorted list (duplicates once; entries < 0 or outside the row's
+interval skipped) instead of all S keys, and the dk/dv threads test their key's membership in
+each row's list by binary search: no dense (L, S) plane, and the bits of the dense kernels
+given the listed set as a mask (the same keys in the same order with the same operations).
+
 The module imports without a GPU; the kernels compile on first use and raise a RuntimeError
 that says what to do when neither a CUDA device nor the simulator
 (``NUMBA_ENABLE_CUDASIM=1``, set before numba is imported) is available.
