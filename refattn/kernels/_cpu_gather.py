@@ -316,13 +316,41 @@ def listed_top(k, listed, minus_one):
     is -1 in k's dtype."""
     keys = k.shape[2]
     best = 0.0
+    rows = np.empty(listed.shape[3], np.int64)
     for b in range(listed.shape[0]):
         for g in range(listed.shape[1]):
+            kb = k[b, g]
             for i in range(listed.shape[2]):
+                count = 0
                 for t in range(listed.shape[3]):
                     j = listed[b, g, i, t]
                     if 0 <= j < keys:
-                        best = _row_top(k[b, g, j], minus_one, best)
+                        rows[count] = j
+                        count += 1
+                full = count - count % 4
+                for t in range(0, full, 4):  # four rows at once: four misses in flight
+                    r0, r1, r2, r3 = kb[rows[t]], kb[rows[t + 1]], kb[rows[t + 2]], kb[rows[t + 3]]
+                    best = _rows_top4(r0, r1, r2, r3, minus_one, best)
+                for t in range(full, count):
+                    best = _row_top(kb[rows[t]], minus_one, best)
+    return best
+
+
+@njit(**_OPTS)
+def _rows_top4(r0, r1, r2, r3, minus_one, best):
+    """:func:`_row_top` of four rows read side by side (the maximum is order-free)."""
+    width = lanes_const(r0)
+    whole = r0.shape[0] - r0.shape[0] % width
+    a0 = a1 = vzero(r0)
+    for x in range(0, whole, width):
+        v0, v1, v2, v3 = vload(r0, x), vload(r1, x), vload(r2, x), vload(r3, x)
+        a0 = vmax(a0, vmax(vmax(v0, vmuls(v0, minus_one)), vmax(v1, vmuls(v1, minus_one))))
+        a1 = vmax(a1, vmax(vmax(v2, vmuls(v2, minus_one)), vmax(v3, vmuls(v3, minus_one))))
+    best = max(best, vbest(vmax(a0, a1)))
+    for row in (r0, r1, r2, r3):
+        for x in range(whole, row.shape[0]):
+            if abs(row[x]) > best:
+                best = abs(row[x])
     return best
 
 

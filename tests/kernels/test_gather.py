@@ -236,3 +236,20 @@ def test_range_check_reads_only_the_listed_keys():
     k[..., listed[0], :] = huge
     with pytest.raises(ValueError, match="q, k, scale: scores"):
         refattn.attention(q, k, v, key_indices=idx, backend="numba")
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("dim", [5, 16, 37])
+def test_listed_keys_is_the_largest_listed_magnitude(dtype, dim):
+    """The range check's compiled row reader (four rows side by side, vectors then the tail
+    features) returns max |x| over exactly the listed in-range rows, NaN skipped."""
+    rng = np.random.default_rng(dim)
+    k = rng.standard_normal((2, 3, 50, dim)).astype(dtype)
+    k[0, 1, 7, 2] = np.nan
+    k[1, 2, 9, -1] = -40.0
+    idx = rng.integers(-3, 55, (2, 3, 2, 11))
+    idx[1, 2, 0, 0] = 9
+    listed = [(b, g, j) for b in range(2) for g in range(3) for j in idx[b, g].ravel()]
+    rows = [k[b, g, j] for b, g, j in listed if 0 <= j < 50]
+    got = refattn.kernels.listed_keys(k, idx)
+    assert got.shape == (1,) and got[0] == np.nanmax(np.abs(np.array(rows)))
