@@ -48,7 +48,7 @@ from ._params import P_GAMMA_DIM, P_GAMMA_SUM, P_SUM_REL, frozen
 from .allowed_set import allowed_rule
 from .forward import kernel_params, record_stats, row_runs, row_spec
 from .forward_kernels import OK, ROW_BLOCK, SUM_BLOCK, UNDECIDED, row_facts
-from .gather_kernels import DOT_BLOCK, compact_lists, gather_d, gather_dd
+from .gather_kernels import DOT_BLOCK, compact_lists, gather_d, gather_dd, gather_rows, value_facts
 
 __all__ = ["gather_forward", "gather_row_spec", "SERIAL_WORK"]
 
@@ -108,6 +108,16 @@ def _serial_below(work: int):
         numba.set_num_threads(threads)
 
 
+def _gather(plane: np.ndarray, used: np.ndarray, out: np.ndarray) -> None:
+    """The rows ``used`` of a kv-head plane (S, X) into ``out[:U]`` as float64 (exact); other
+    float dtypes (float16, bfloat16, float8) go through float32, after the gather."""
+    if plane.dtype in (np.float32, np.float64):
+        gather_rows(plane, used, out)
+    else:
+        rows = np.asarray(plane[used], dtype=np.float32)
+        gather_rows(rows, np.arange(used.size), out)
+
+
 def _facts(a: np.ndarray):
     """(ok, norms, scales) of the rows of a (..., N, X) float64 array
     (:func:`refattn.exact.fast.forward_kernels.row_facts`)."""
@@ -143,22 +153,21 @@ class _Gathered:
         self.local = np.zeros_like(lists)
         k = np.zeros((batch, kv_heads, width, dim))
         self.v = np.zeros((batch, kv_heads, width, vdim))
+        self.vmax = np.zeros((batch, kv_heads, vdim))
+        v_ok = np.ones((batch, kv_heads), bool)
         for b in range(batch):
             for g in range(kv_heads):
-                u, local = used[b][g]
+                u, self.local[b, g] = used[b][g]
                 self.keys_of[b, g, : u.size] = u
-                self.local[b, g] = local
-                k[b, g, : u.size] = spec.k[b, g, u]
-                self.v[b, g, : u.size] = spec.v[b, g, u]
+                _gather(spec.k[b, g], u, k[b, g])
+                _gather(spec.v[b, g], u, self.v[b, g])
+                v_ok[b, g] = value_facts(self.v[b, g], u.size, self.vmax[b, g])
         self.counts = counts
         self.q = np.ascontiguousarray(spec.q, dtype=np.float64)
-        self.kT = np.ascontiguousarray(np.swapaxes(k, 2, 3))
         self.kvh = np.ascontiguousarray(spec.kv_head, dtype=np.int64)
         q_ok, self.qn, self.qs = _facts(self.q)
         k_ok, self.kn, self.ks = _facts(k)
-        size = np.abs(self.v)  # NaN compares False: not in range
-        v_ok = ((size == 0) | ((size >= D.SAFE_MIN) & (size <= D.SAFE_MAX))).all(axis=3)
-        self.vmax = np.max(size, axis=2, initial=0.0)
+        self.kT = np.ascontiguousarray(np.swapaxes(k, 2, 3))
         self.prm, ok = kernel_params(spec)
         listed = min(count, keys)  # the keys a row sums over: at most min(T, S)
         sink = spec.sinks is not None
@@ -166,7 +175,7 @@ class _Gathered:
         self.prm[:, :, P_GAMMA_DIM] = D.gamma_up(DOT_BLOCK + dim // DOT_BLOCK + 4)
         self.prm[:, :, P_GAMMA_SUM] = D.gamma_up(SUM_BLOCK + listed // SUM_BLOCK + 2 + sink)
         self.prm[:, :, P_SUM_REL] = D.dot_bound(2 * (listed + sink))
-        kv_ok = k_ok.all(axis=2) & v_ok.all(axis=2)
+        kv_ok = k_ok.all(axis=2) & v_ok
         self.ok = ok & q_ok.all(axis=2) & kv_ok[:, self.kvh] & (length > 0) & (keys > 0)
         self.rule = allowed_rule(spec)  # the caller's mask: the listed set is not in it
 

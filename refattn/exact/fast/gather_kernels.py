@@ -59,7 +59,7 @@ from .forward_kernels import (
     score_dd,
 )
 
-__all__ = ["compact_lists", "gather_d", "gather_dd", "DOT_BLOCK"]
+__all__ = ["compact_lists", "gather_rows", "value_facts", "gather_d", "gather_dd", "DOT_BLOCK"]
 
 #: Features per block of the double-precision step's dot products.
 DOT_BLOCK = 32
@@ -83,6 +83,34 @@ def compact_lists(idx, lists, counts):
                 n += 1
                 last = x
         counts[r] = n
+
+
+@numba.jit(**_JIT)
+def gather_rows(src, used, out):
+    """``out[c] = src[used[c]]`` as float64 (exact: ``src`` float32 or float64) for the
+    ``used.shape[0]`` gathered rows; no temporary of the source's dtype."""
+    for c in range(used.shape[0]):
+        row = src[used[c]]
+        dst = out[c]
+        for x in range(row.shape[0]):
+            dst[x] = row[x]
+
+
+@numba.jit(**_JIT)
+def value_facts(vp, count, vmax):
+    """Whether every gathered value of a plane (``vp[:count]``, (U, E)) is zero or of a
+    magnitude in [SAFE_MIN, SAFE_MAX] (NaN and Inf are not), and ``vmax[e] = max_c |v_ce|``."""
+    ok = True
+    for e in range(vmax.shape[0]):
+        vmax[e] = 0.0
+    for c in range(count):
+        for e in range(vp.shape[1]):
+            m = abs(vp[c, e])
+            if not (m == 0.0 or (m >= D.SAFE_MIN and m <= D.SAFE_MAX)):
+                ok = False
+            if m > vmax[e]:
+                vmax[e] = m
+    return ok
 
 
 @numba.jit(**_JIT)
