@@ -54,6 +54,8 @@ __all__ = ["gather_forward", "gather_row_spec", "SERIAL_WORK"]
 
 #: Setup passes over fewer elements than this run on the calling thread alone.
 SERIAL_WORK = 1 << 22
+#: Keys converted to float64 (with their facts) per pass through one small buffer.
+KEY_CHUNK = 64
 
 
 def gather_row_spec(spec: AttentionSpec, b: int, h: int, start: int, stop: int) -> AttentionSpec:
@@ -151,23 +153,25 @@ class _Gathered:
         width = max([1] + [u.size for row in used for u, _ in row])
         self.keys_of = np.zeros((batch, kv_heads, width), np.int64)
         self.local = np.zeros_like(lists)
-        k = np.zeros((batch, kv_heads, width, dim))
+        self.kT = np.zeros((batch, kv_heads, dim, width))
+        self.kn = np.zeros((batch, kv_heads, width))
+        self.ks = np.zeros((batch, kv_heads, width))
         self.v = np.zeros((batch, kv_heads, width, vdim))
         self.vmax = np.zeros((batch, kv_heads, vdim))
+        k_ok = np.ones((batch, kv_heads), bool)
         v_ok = np.ones((batch, kv_heads), bool)
-        for b in range(batch):
-            for g in range(kv_heads):
-                u, self.local[b, g] = used[b][g]
-                self.keys_of[b, g, : u.size] = u
-                _gather(spec.k[b, g], u, k[b, g])
-                _gather(spec.v[b, g], u, self.v[b, g])
-                v_ok[b, g] = value_facts(self.v[b, g], u.size, self.vmax[b, g])
+        with _serial_below(sum(u.size for row in used for u, _ in row) * (dim + vdim)):
+            for b in range(batch):
+                for g in range(kv_heads):
+                    u, self.local[b, g] = used[b][g]
+                    self.keys_of[b, g, : u.size] = u
+                    k_ok[b, g] = self._keys(spec.k[b, g], u, (b, g))
+                    _gather(spec.v[b, g], u, self.v[b, g])
+                    v_ok[b, g] = value_facts(self.v[b, g], u.size, self.vmax[b, g])
         self.counts = counts
         self.q = np.ascontiguousarray(spec.q, dtype=np.float64)
         self.kvh = np.ascontiguousarray(spec.kv_head, dtype=np.int64)
         q_ok, self.qn, self.qs = _facts(self.q)
-        k_ok, self.kn, self.ks = _facts(k)
-        self.kT = np.ascontiguousarray(np.swapaxes(k, 2, 3))
         self.prm, ok = kernel_params(spec)
         listed = min(count, keys)  # the keys a row sums over: at most min(T, S)
         sink = spec.sinks is not None
@@ -175,9 +179,26 @@ class _Gathered:
         self.prm[:, :, P_GAMMA_DIM] = D.gamma_up(DOT_BLOCK + dim // DOT_BLOCK + 4)
         self.prm[:, :, P_GAMMA_SUM] = D.gamma_up(SUM_BLOCK + listed // SUM_BLOCK + 2 + sink)
         self.prm[:, :, P_SUM_REL] = D.dot_bound(2 * (listed + sink))
-        kv_ok = k_ok.all(axis=2) & v_ok
+        kv_ok = k_ok & v_ok
         self.ok = ok & q_ok.all(axis=2) & kv_ok[:, self.kvh] & (length > 0) & (keys > 0)
         self.rule = allowed_rule(spec)  # the caller's mask: the listed set is not in it
+
+    def _keys(self, plane: np.ndarray, used: np.ndarray, bg) -> bool:
+        """The keys ``used`` of a kv-head plane (S, D) into the transposed table ``kT[bg]``
+        with their norms and exactness scales
+        (:func:`refattn.exact.fast.forward_kernels.row_facts`), KEY_CHUNK rows at a time
+        through one small buffer; returns whether all are in the first steps' range."""
+        rows = np.empty((min(KEY_CHUNK, max(used.size, 1)), plane.shape[-1]))
+        ok = np.empty(rows.shape[0], bool)
+        good = True
+        for c0 in range(0, used.size, KEY_CHUNK):
+            c1 = min(c0 + KEY_CHUNK, used.size)
+            chunk = rows[: c1 - c0]
+            _gather(plane, used[c0:c1], chunk)
+            row_facts(chunk, chunk.view(np.int64), self.kn[bg][c0:c1], self.ks[bg][c0:c1], ok)
+            good = good and bool(ok[: c1 - c0].all())
+            self.kT[bg][:, c0:c1] = chunk.T
+        return good
 
     def inputs(self) -> tuple:
         """The kernels' ``inputs`` record (:func:`refattn.exact.fast.gather_kernels.gather_d`)."""
