@@ -295,3 +295,16 @@ def test_gather_bits_do_not_depend_on_thread_count():
         digests.append(done.stdout.split()[-1])
     assert digests[0] == digests[1]
     assert hashlib.sha256(b"").hexdigest() not in digests
+
+
+def test_edge_shapes():
+    """Empty lists (T = 0), one head without batch axes, unsigned indices, block lists."""
+    rng = np.random.default_rng(6)
+    q, k, v = (rng.standard_normal(s) for s in ((3, 4), (5, 4), (5, 2)))
+    for listed in (
+        {"key_indices": np.zeros((3, 0), np.int64)},
+        {"key_indices": np.array([[0, 1], [4, 4], [-1, 9]])},
+        {"key_indices": np.array([[0, 1], [4, 4], [3, 2]], np.uint8)},
+        {"key_block_indices": np.array([[0], [1], [2]]), "key_block_size": 2},
+    ):
+        _assert_identical(q, k, v, return_lse=True, **listed)

@@ -139,7 +139,7 @@ class _Gathered:
         batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
         idx = np.ascontiguousarray(spec.key_indices, dtype=np.int64)
         count = idx.shape[-1]
-        flat = idx.reshape(-1, count)
+        flat = idx.reshape(int(np.prod(idx.shape[:3])), count)
         lists = np.zeros_like(flat)
         counts = np.zeros(flat.shape[0], np.int64)
         if flat.size:
