@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 
 import numba
 import numpy as np
@@ -96,6 +97,23 @@ def _union(lists: np.ndarray, counts: np.ndarray, keys: int):
     return used, local
 
 
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, shape: tuple) -> np.ndarray:
+    """A float64 work array of ``shape`` (uninitialised) kept for the calling thread's next
+    call of the same shape: a decode loop then writes its gathered keys and values into pages
+    it already holds instead of faulting in fresh ones on every step. Only the columns of the
+    listed keys are written and only those are read, so no stale entry is ever read."""
+    arrays = getattr(_SCRATCH, "arrays", None)
+    if arrays is None:
+        arrays = _SCRATCH.arrays = {}
+    array = arrays.get(name)
+    if array is None or array.shape != shape:
+        array = arrays[name] = np.empty(shape)
+    return array
+
+
 @contextlib.contextmanager
 def _serial_below(work: int):
     """Run the compiled kernels called inside on the calling thread alone when ``work``
@@ -153,10 +171,10 @@ class _Gathered:
         width = max([1] + [u.size for row in used for u, _ in row])
         self.keys_of = np.zeros((batch, kv_heads, width), np.int64)
         self.local = np.zeros_like(lists)
-        self.kT = np.zeros((batch, kv_heads, dim, width))
+        self.kT = _scratch("kT", (batch, kv_heads, dim, width))
         self.kn = np.zeros((batch, kv_heads, width))
         self.ks = np.zeros((batch, kv_heads, width))
-        self.v = np.zeros((batch, kv_heads, width, vdim))
+        self.v = _scratch("v", (batch, kv_heads, width, vdim))
         self.vmax = np.zeros((batch, kv_heads, vdim))
         k_ok = np.ones((batch, kv_heads), bool)
         v_ok = np.ones((batch, kv_heads), bool)
