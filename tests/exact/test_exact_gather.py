@@ -308,3 +308,17 @@ def test_edge_shapes():
         {"key_block_indices": np.array([[0], [1], [2]]), "key_block_size": 2},
     ):
         _assert_identical(q, k, v, return_lse=True, **listed)
+
+
+def test_reused_work_arrays_hold_no_stale_keys():
+    """Calls of one shape reuse the gathered tables: a later call listing fewer keys in some
+    planes (stale columns left behind) gives the same bytes as the dense mask."""
+    q, k, v, idx = _sparse_case(12, keys=40, top=48)
+    idx[0, 0, :, :40] = np.arange(40)  # one plane lists every key: the tables' width is 40
+    _assert_identical(q, k, v, key_indices=idx, out_dtype="float32", return_lse=True)
+    table = G._SCRATCH.arrays["kT"]
+    fewer = idx.copy()
+    fewer[1] = np.where(np.arange(48) < 4, fewer[1], -1)
+    q2, k2, v2, _ = _sparse_case(13, keys=40, top=48)
+    _assert_identical(q2, k2, v2, key_indices=fewer, out_dtype="float32", return_weights=True)
+    assert G._SCRATCH.arrays["kT"] is table
