@@ -25,10 +25,10 @@ Memory for a decode step (L = 1) is O(H T + U (D + E)); the weights, when asked 
 once: the results are bit-identical to those of the dense-mask engine
 (``config.EXACT_SPARSE_KEYS = "mask"``). The bounds are those of
 :mod:`refattn.exact.fast.forward`, with the counts of listed keys (``min(T, S)``) in place of
-S in the sums' gammas, blocked dot products in the double-precision step
-(:data:`~refattn.exact.fast.gather_kernels.DOT_BLOCK`) and ``A_e = sum_j e_j |v_je|`` summed
-beside N (``|N - N^| <= (gamma + rho)(1 + gamma)(1 + rho) A_e``), so that most rows are decided
-by the double-precision step.
+S in the sums' gammas; in the double-precision step, each dot product's error bounded by the
+magnitudes of its rounded partial sums (:func:`~refattn.exact.fast.gather_kernels.dot_error`)
+and ``A_e = sum_j e_j |v_je|`` summed beside N (``|N - N^| <= (gamma + rho)(1 + gamma)(1 +
+rho) A_e``), so that most rows are decided by the double-precision step.
 """
 
 from __future__ import annotations

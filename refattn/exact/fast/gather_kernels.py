@@ -10,9 +10,11 @@ them; a decode step lists T), and each row's list holds positions in that gather
 * :func:`gather_d`: the double-precision step (targets of at most 24 bits) for a query row
   and up to :data:`ROW_BLOCK` query heads of one kv head at once (they read the same list).
   The dot products are blocked fma chains (:data:`DOT_BLOCK` features per block, then the
-  block sums: ``|error| <= gamma_{DOT_BLOCK + ceil(D / DOT_BLOCK)} |q_i|.|k_j|``, Higham 2002,
-  sec. 4.2 and eq. (3.5)), and ``A_e = sum_j e_j |v_je|`` is summed beside ``N_e`` (the same
-  blocked sums), which bounds N's error more tightly than ``max_j |v_je| Z``.
+  block sums) whose error is bounded by ``u`` times the float sum of the magnitudes of every
+  rounded partial result (each rounding errs by at most ``u |result|``, Higham 2002, eq.
+  (4.3); :func:`dot_error`), far tighter than ``gamma_D ||q_i|| ||k_j||``; and
+  ``A_e = sum_j e_j |v_je|`` is summed beside ``N_e`` (the same blocked sums), which bounds
+  N's error more tightly than ``max_j |v_je| Z``.
 * :func:`gather_dd`: the double-double step, one query row per work item, with the per-key
   and per-row steps of :mod:`refattn.exact.fast.forward_kernels`.
 
@@ -59,7 +61,15 @@ from .forward_kernels import (
     score_dd,
 )
 
-__all__ = ["compact_lists", "gather_rows", "value_facts", "gather_d", "gather_dd", "DOT_BLOCK"]
+__all__ = [
+    "compact_lists",
+    "gather_rows",
+    "value_facts",
+    "dot_error",
+    "gather_d",
+    "gather_dd",
+    "DOT_BLOCK",
+]
 
 #: Features per block of the double-precision step's dot products.
 DOT_BLOCK = 32
