@@ -38,6 +38,8 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass
 
+from oracle.run.prefetch import Prefetched
+
 __all__ = ["StoredCases", "Batch", "serve_batch"]
 
 
@@ -78,7 +80,9 @@ def serve_batch(impl, batch, receive, send, judge, one_line) -> bool:  # pragma:
     from oracle.fixtures import golden
     from oracle.reading.features import case_features
 
-    fixtures = golden.load(batch.directory, names=batch.names)
+    # read (and hashed) in a thread while the cases before are judged: the file reads and
+    # the hashing release the GIL
+    fixtures = iter(Prefetched(_keyed(golden.load(batch.directory, names=batch.names)), 1))
     for reproduce in batch.reproduce:
         if receive.poll():
             request = receive.recv()
@@ -98,6 +102,17 @@ def serve_batch(impl, batch, receive, send, judge, one_line) -> bool:  # pragma:
         else:
             send(("result", result))
     return True
+
+
+def _keyed(fixtures):  # pragma: no cover - worker side
+    """The fixtures, each with its content key (:func:`oracle.reading.case.fixture_key`) as
+    ``content_key``: computed once, before any implementation is given copies of its inputs."""
+    # worker side, as in serve_batch
+    from oracle.reading.case import fixture_key
+
+    for fixture in fixtures:
+        fixture.content_key = fixture_key(fixture)
+        yield fixture
 
 
 def _picklable(exc, one_line):  # pragma: no cover - worker side
