@@ -78,11 +78,14 @@ def serve_batch(impl, batch, receive, send, judge, one_line) -> bool:  # pragma:
     single-case request tuple), answering each; False when the parent asked to stop."""
     # worker side: loaded after the memory limit and only by a worker given a batch
     from oracle.fixtures import golden
+    from oracle.judging import parts
     from oracle.reading.features import case_features
 
-    # read (and hashed) in a thread while the cases before are judged: the file reads and
-    # the hashing release the GIL
-    fixtures = iter(Prefetched(_keyed(golden.load(batch.directory, names=batch.names)), 1))
+    # read (and hashed, their judging parts too) in a thread while the cases before are
+    # judged: the file reads and the hashing release the GIL
+    names = _part_names(batch)
+    read = golden.load(batch.directory, names=batch.names)
+    fixtures = iter(Prefetched(_keyed(read, names), 1))
     for reproduce in batch.reproduce:
         if receive.poll():
             request = receive.recv()
@@ -101,17 +104,27 @@ def serve_batch(impl, batch, receive, send, judge, one_line) -> bool:  # pragma:
             send(("error", f"the implementation raised {one_line(exc)}"))
         else:
             send(("result", result))
+        parts.forget_ahead(fixture.content_key, names)
     return True
 
 
-def _keyed(fixtures):  # pragma: no cover - worker side
+def _part_names(batch) -> tuple:
+    """The judging parts (:mod:`oracle.judging.parts`) the batch's cases may use."""
+    tiers = ("default", "tight") if batch.tolerance == "both" else (batch.tolerance,)
+    return (*tiers, "models", *(("grads",) if batch.grads else ()))
+
+
+def _keyed(fixtures, names):  # pragma: no cover - worker side
     """The fixtures, each with its content key (:func:`oracle.reading.case.fixture_key`) as
-    ``content_key``: computed once, before any implementation is given copies of its inputs."""
+    ``content_key`` (computed once, before any implementation is given copies of its inputs)
+    and its judging parts ``names`` read ahead from the disk cache."""
     # worker side, as in serve_batch
+    from oracle.judging import parts
     from oracle.reading.case import fixture_key
 
     for fixture in fixtures:
         fixture.content_key = fixture_key(fixture)
+        parts.read_ahead(fixture, fixture.content_key, names)
         yield fixture
 
 
