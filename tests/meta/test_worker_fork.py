@@ -15,6 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from oracle import catalogue
@@ -167,3 +168,37 @@ def test_cli_with_a_forked_worker_reports_every_case(directory, tmp_path):
     assert [(r["name"], r["verdict"]) for r in results] == list(
         zip(CASES, ["pass", "error", "pass"], strict=True)
     )
+
+
+def test_parts_read_ahead_are_taken_once_and_checked(directory, tmp_path, monkeypatch):
+    """A judging part read ahead from the disk cache (the worker's reading thread) is taken by
+    the case's judging_part as a disk read would be: checked by ``valid``, recomputed when
+    refused, and not kept once taken or forgotten."""
+    from oracle.judging import parts
+    from oracle.reading.case import fixture_key
+
+    monkeypatch.setenv(parts.CACHE_VARIABLE, str(tmp_path / "cache"))
+    parts.clear_memory()
+    fixture = next(golden.load(directory, names=[CASES[0]]))
+    key = fixture_key(fixture)
+    computed = []
+
+    def compute():
+        computed.append(1)
+        return {"x": np.arange(3.0)}
+
+    parts.judging_part(fixture, key, "demo", compute, lambda found: True)
+    parts.clear_memory()
+    parts.read_ahead(fixture, key, ["demo", "absent"])
+    assert set(parts._AHEAD) == {(key, "demo")}
+    found = parts.judging_part(fixture, key, "demo", compute, lambda found: True)
+    assert computed == [1] and found["x"].tolist() == [0.0, 1.0, 2.0] and not parts._AHEAD
+    parts.clear_memory()
+    parts.read_ahead(fixture, key, ["demo"])
+    parts.judging_part(fixture, key, "demo", compute, lambda found: False)
+    assert computed == [1, 1] and not parts._AHEAD
+    parts.clear_memory()
+    parts.read_ahead(fixture, key, ["demo"])
+    parts.forget_ahead(key, ["demo"])
+    assert not parts._AHEAD
+    parts.clear_memory()
