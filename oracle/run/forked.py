@@ -39,6 +39,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 __all__ = ["FORK_VARIABLE", "ForkedProcess", "fork_problem", "fork_worker"]
 
@@ -126,7 +127,11 @@ def fork_worker(serve, read_fd: int, write_fd: int, parent_fds, *arguments) -> F
             stream.flush()
         except (AttributeError, OSError, ValueError):
             pass
-    pid = os.fork()
+    with warnings.catch_warnings():
+        # Python >= 3.12 warns about a fork in a process with several OS threads: here only
+        # native pools with fork handlers (OpenBLAS), fork_problem having checked the rest
+        warnings.filterwarnings("ignore", ".*multi-threaded.*fork", DeprecationWarning)
+        pid = os.fork()
     if pid:
         return ForkedProcess(pid)
     code = 1
