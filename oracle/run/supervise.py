@@ -213,9 +213,9 @@ class Supervisor:
         self.impl_ref, self.timeout, self.memory_limit = impl_ref, float(timeout), memory_limit
         self._process = self._connection = self._send_connection = None
         self._loading = False  # launched, its "ready" not yet received
-        self.starts = 0
+        self.starts = 0  # worker processes started (1 unless a case killed one)
         #: whether the last worker started is a fork of this process (:mod:`oracle.run.forked`)
-        self.forked = False  # worker processes started (1 unless a case killed one)
+        self.forked = False
         #: ``on_note(text)`` receives the worker's progress notes (a long diagnosis); None: dropped
         self.on_note = None
 
