@@ -616,6 +616,7 @@ def _run_items(
 
             if isinstance(items, StoredCases):
                 for result in run.stored(items, supervisor):
+                    _figures(result)  # while the worker judges the next case
                     done([result])
             elif len(pool) > 1:
                 run_in_order(items, pool, run.item, done)
@@ -627,6 +628,13 @@ def _run_items(
             if worker is not None and not (keep_worker and worker is supervisor):
                 worker.close()
     return results
+
+
+def _figures(result) -> None:
+    """Compute the report's figures of ``result``'s checks (and its tight twin's) now."""
+    for found in (result, getattr(result, "tight", None)):
+        for check in getattr(found, "checks", {}).values():
+            check.figures()
 
 
 @contextlib.contextmanager
