@@ -93,6 +93,9 @@ def _judging_version() -> str:
 JUDGING_VERSION = _judging_version()
 
 _MEMORY: OrderedDict = OrderedDict()
+#: parts read from the disk cache ahead of their case (:func:`read_ahead`), taken by
+#: :func:`judging_part` and checked there as any disk read
+_AHEAD: dict = {}
 
 
 def clear_memory() -> None:
@@ -103,6 +106,28 @@ def clear_memory() -> None:
 def cache_dir(fixture) -> Path | None:
     """The disk cache folder for ``fixture`` (see the module docstring), or None."""
     return cache_folder(getattr(fixture, "origin", None))
+
+
+def read_ahead(fixture, key: str, names) -> None:
+    """Read the disk-cached parts ``names`` of the fixture with content key ``key`` before
+    its case is judged (:mod:`oracle.run.stored` does it in its fixture-reading thread; dict
+    operations only, safe beside the judging thread); :func:`judging_part` takes them."""
+    folder = cache_dir(fixture)
+    for part in names if folder is not None else ():
+        if (key, part) not in _MEMORY:
+            found = _read(_path(folder, key, part), key, part)
+            if found is not None:
+                _AHEAD[(key, part)] = found
+
+
+def forget_ahead(key: str, names) -> None:
+    """Drop the parts read ahead for ``key`` that its case did not take."""
+    for part in names:
+        _AHEAD.pop((key, part), None)
+
+
+def _path(folder: Path, key: str, part: str) -> Path:
+    return folder / f"{key[:32]}-{part}-{JUDGING_VERSION}.npz"
 
 
 def judging_part(fixture, key: str, part: str, compute, valid) -> dict:
@@ -117,8 +142,10 @@ def judging_part(fixture, key: str, part: str, compute, valid) -> dict:
         _MEMORY.move_to_end(memo_key)
         return found
     folder = cache_dir(fixture)
-    path = None if folder is None else folder / f"{key[:32]}-{part}-{JUDGING_VERSION}.npz"
-    found = None if path is None else _read(path, key, part)
+    path = None if folder is None else _path(folder, key, part)
+    found = _AHEAD.pop(memo_key, None)
+    if found is None and path is not None:
+        found = _read(path, key, part)
     if found is not None and not _accepted(valid, found):
         found = None
     if found is None:

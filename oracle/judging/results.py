@@ -182,8 +182,22 @@ class Check:
             return 0.0 if self.max_error == 0 else math.inf
         return self.max_error / base
 
+    def figures(self) -> tuple:
+        """(largest threshold, largest floor, grade summary or None) of the report, computed
+        once: a check's arrays do not change once judged, and a run computes them while its
+        worker judges the next case (:mod:`oracle.run.stored`)."""
+        found = getattr(self, "_figures", None)
+        if found is None:
+            found = self._figures = (
+                json_float(float(np.max(self.threshold.value))),
+                json_float(float(np.max(self.threshold.floor))),
+                None if self.grade is None else self.grade.summary(),
+            )
+        return found
+
     def to_dict(self) -> dict:
-        grade = {} if self.grade is None else {"grade": self.grade.summary()}
+        limit, floor, summary = self.figures()
+        grade = {} if summary is None else {"grade": dict(summary)}
         fallback = self.threshold.n_fallback
         one_ulp = {"one_ulp_rule_elements": fallback} if fallback else {}
         return {
@@ -195,10 +209,10 @@ class Check:
             "max_error": json_float(self.max_error),
             "n_failed": self.n_failed,
             "size": self.size,
-            "threshold": json_float(float(np.max(self.threshold.value))),
+            "threshold": limit,
             "k": self.threshold.k,
             "baseline_error": json_float(self.threshold.baseline),
-            "floor": json_float(float(np.max(self.threshold.floor))),
+            "floor": floor,
             "u_out": self.threshold.u_out,
             "tier": self.threshold.tier,
             "worst": _worst_dict(self.worst),

@@ -6,9 +6,11 @@ the run with rc 0 and no report, or hang it. :class:`Supervisor` runs each case 
 process that it reuses from case to case and restarts only after it died, and turns each of
 those events into the verdict "error" with the reason; the run goes on with the next case.
 
-The worker is a fresh interpreter (``python -m oracle.run.supervise``, with this process's
-``sys.path``) talking over two pipes with :mod:`multiprocessing.connection`: unlike the
-``spawn`` start method it never re-imports the caller's ``__main__``, so a script that calls
+The worker is a fork of this process when that is safe (:mod:`oracle.run.forked`: it has
+every module this process imported, and only imports the implementation), else a fresh
+interpreter (``python -m oracle.run.supervise``, with this process's ``sys.path``); it talks
+over two pipes with :mod:`multiprocessing.connection`. Unlike the ``spawn`` start method it
+never re-imports the caller's ``__main__``, so a script that calls
 :func:`oracle.run.validate` needs no ``if __name__ == "__main__"`` guard.
 
 Protocol: the worker resolves the implementation once (a ``module:function`` string or an
@@ -42,6 +44,14 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None
+
+from oracle.run.forked import fork_problem, fork_worker
+from oracle.run.stored import Batch, serve_batch
+
 __all__ = ["Supervisor", "DEFAULT_TIMEOUT", "LOAD_TIMEOUT", "MAX_TIMEOUT"]
 
 #: seconds one case may take (implementation call, gradients and judging) before it is an error;
@@ -63,6 +73,51 @@ def _one_line(exc: BaseException) -> str:
     ):
         return first
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+#: bytes a pipe to or from the worker buffers (the Linux default is 64 KiB): a worker whose
+#: result is bigger waits, and a busy machine may schedule the reader late
+PIPE_BYTES = 2**20
+
+
+def _widen(fd) -> None:
+    """Let the pipe of ``fd`` buffer :data:`PIPE_BYTES` where the OS allows (Linux)."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    except (AttributeError, OSError, ValueError):
+        pass  # another OS, or more than /proc/sys/fs/pipe-max-size: the default size
+
+
+def _error_result(case, problem, reproduce, start, check=None):
+    """The "error" result of ``case`` (or of its invariance ``check``) whose worker failed."""
+    # keeps this module light: the worker runs it as __main__ before its memory limit
+    from oracle.judging.results import CaseResult
+
+    name, category = (
+        (case.name, case.category) if check is None else (f"{case.name}::{check}", "invariance")
+    )
+    result = CaseResult(
+        name,
+        category,
+        case.dtype,
+        "error",
+        message=problem,
+        reproduce=reproduce,
+        description=getattr(case, "description", ""),
+    )
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _features(stored, index, grads):
+    """The features of a stored case the worker did not read (read here, as a run that reads
+    its fixtures here would have: an unreadable file raises its error)."""
+    # keeps this module light, as _error_result
+    from oracle.fixtures import golden
+    from oracle.reading.features import case_features
+
+    fixture = next(golden.load(stored.directory, names=[stored.names[index]]))
+    return case_features(fixture.case, grads, fixture.inputs)
 
 
 def _serve(receive, connection, impl_ref, memory_limit) -> None:  # pragma: no cover - worker
@@ -103,6 +158,10 @@ def _serve(receive, connection, impl_ref, memory_limit) -> None:  # pragma: no c
         request = receive.recv()
         if request is None:
             return
+        if isinstance(request, Batch):  # cases of a fixture directory (oracle.run.stored)
+            if not serve_batch(impl, request, receive, connection.send, _judge, _one_line):
+                return
+            continue
         try:
             result = _judge(impl, request)
         except BaseException as exc:  # noqa: BLE001 - the case's verdict is "error"
@@ -153,7 +212,10 @@ class Supervisor:
             raise ValueError(f"memory_limit: expected bytes > 0, got {memory_limit!r}")
         self.impl_ref, self.timeout, self.memory_limit = impl_ref, float(timeout), memory_limit
         self._process = self._connection = self._send_connection = None
+        self._loading = False  # launched, its "ready" not yet received
         self.starts = 0  # worker processes started (1 unless a case killed one)
+        #: whether the last worker started is a fork of this process (:mod:`oracle.run.forked`)
+        self.forked = False
         #: ``on_note(text)`` receives the worker's progress notes (a long diagnosis); None: dropped
         self.on_note = None
 
@@ -166,30 +228,10 @@ class Supervisor:
     def start(self) -> str | None:
         """Start the worker now if none runs (it loads the implementation): None, or why it
         could not (the import failed, exited, crashed or timed out: no case can be judged)."""
-        if self._process is not None:
+        self.launch()
+        if not self._loading:
             return None
-        self.starts += 1
-        return self._start()
-
-    def _start(self) -> str | None:
-        to_child_r, to_child_w = os.pipe()
-        to_parent_r, to_parent_w = os.pipe()
-        paths = [p or os.getcwd() for p in sys.path]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
-        request = pickle.dumps((self.impl_ref, self.memory_limit))
-        try:
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", "oracle.run.supervise", str(to_child_r), str(to_parent_w)],
-                pass_fds=(to_child_r, to_parent_w),
-                env=env,
-                stdin=subprocess.DEVNULL,
-            )
-        finally:
-            os.close(to_child_r)
-            os.close(to_parent_w)
-        self._send_connection = Connection(to_child_w, readable=False)
-        self._connection = Connection(to_parent_r, writable=False)
-        self._send_connection.send_bytes(request)
+        self._loading = False
         # loading (imports, a JIT warm-up) is not a case: --timeout bounds cases, and a busy
         # machine must not turn a slow import into a refused run
         kind, message = self._receive(max(self.timeout, LOAD_TIMEOUT), "loading the implementation")
@@ -197,6 +239,54 @@ class Supervisor:
             self._stop()
             return message
         return None
+
+    def launch(self) -> None:
+        """Begin starting the worker if none runs, without waiting for it to load the
+        implementation (:meth:`start` waits). Called from the only thread of a process that
+        may fork (:func:`oracle.run.forked.fork_problem`), the worker is a fork of this
+        process; else a fresh interpreter."""
+        if self._process is not None:
+            return
+        self.starts += 1
+        to_child_r, to_child_w = os.pipe()
+        to_parent_r, to_parent_w = os.pipe()
+        _widen(to_child_w), _widen(to_parent_w)
+        self.forked = forked = fork_problem(self.memory_limit) is None
+        try:
+            if forked:
+                self._process = fork_worker(
+                    _serve_pipes,
+                    to_child_r,
+                    to_parent_w,
+                    (to_child_w, to_parent_r),
+                    self.impl_ref,
+                    self.memory_limit,
+                )
+            else:
+                self._process = self._spawn(to_child_r, to_parent_w)
+        except BaseException:
+            os.close(to_child_w)
+            os.close(to_parent_r)
+            raise
+        finally:
+            os.close(to_child_r)
+            os.close(to_parent_w)
+        self._send_connection = Connection(to_child_w, readable=False)
+        self._connection = Connection(to_parent_r, writable=False)
+        if not forked:
+            self._send_connection.send_bytes(pickle.dumps((self.impl_ref, self.memory_limit)))
+        self._loading = True
+
+    def _spawn(self, read_fd, write_fd):
+        """A fresh interpreter serving the pipes (``python -m oracle.run.supervise``)."""
+        paths = [p or os.getcwd() for p in sys.path]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+        return subprocess.Popen(
+            [sys.executable, "-m", "oracle.run.supervise", str(read_fd), str(write_fd)],
+            pass_fds=(read_fd, write_fd),
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
 
     def _receive(self, timeout, doing, limit=None):
         """("result"/"ready"/"fatal"/"note", payload) or ("died", reason) for timeout and
@@ -244,15 +334,13 @@ class Supervisor:
             if connection is not None:
                 connection.close()
         self._process = self._connection = self._send_connection = None
+        self._loading = False
 
     def run(
         self, fixture, *, grads=False, diagnose=True, reproduce="", check=None, tolerance="default"
     ):
         """Judge one fixture in the worker (or run the invariance ``check`` of
         :mod:`oracle.run.invariance` on it); any way the worker fails is an "error" result."""
-        # keeps this module light: the worker runs it as __main__ before its memory limit
-        from oracle.judging.results import CaseResult
-
         start = time.perf_counter()
         problem = self.start()
         if problem is None:
@@ -269,21 +357,57 @@ class Supervisor:
                 if kind == "result":
                     return payload
                 problem = payload
-        case = fixture.case
-        name, category = (
-            (case.name, case.category) if check is None else (f"{case.name}::{check}", "invariance")
-        )
-        result = CaseResult(
-            name,
-            category,
-            case.dtype,
-            "error",
-            message=problem,
-            reproduce=reproduce,
-            description=getattr(case, "description", ""),
-        )
-        result.seconds = time.perf_counter() - start
-        return result
+        return _error_result(fixture.case, problem, reproduce, start, check)
+
+    def run_stored(self, stored, reproduce, *, grads=False, diagnose=True, tolerance="default"):
+        """Judge the cases of ``stored`` (:class:`oracle.run.stored.StoredCases`; ``reproduce``:
+        their reproduce commands) in the worker, which reads their fixtures: yields each
+        case's result in order, its features set. Any way the worker fails is that case's
+        "error" and a new worker goes on from the next case; a fixture that cannot be read
+        raises its error when its case is reached."""
+        index, total = 0, len(stored)
+        while index < total:
+            start = time.perf_counter()
+            problem, features = self.start(), None
+            if problem is None:
+                batch = Batch(
+                    stored.directory,
+                    tuple(stored.names[index:]),
+                    tuple(reproduce[index:]),
+                    grads,
+                    diagnose,
+                    tolerance,
+                )
+                try:
+                    self._send_connection.send(batch)
+                except (OSError, EOFError):
+                    problem = self._death("sending the cases")
+            while problem is None and index < total:
+                try:
+                    kind, payload = self._result(stored.names[index], start)
+                except KeyboardInterrupt:  # Ctrl-C: stop the worker now, not after the case
+                    self._stop()
+                    raise
+                if kind == "raise":  # the fixture could not be read
+                    raise payload
+                if kind == "died":
+                    problem = payload
+                    break
+                if kind == "case":  # its fixture is read: the case's own clock starts
+                    start, features = time.perf_counter(), payload
+                    continue
+                result = payload
+                if kind == "error":
+                    result = _error_result(stored.cases[index], payload, reproduce[index], start)
+                start = time.perf_counter()  # the worker is on the next case
+                result.features, result.shape_classes = features or _features(stored, index, grads)
+                features, index = None, index + 1
+                yield result
+            if problem is not None:
+                result = _error_result(stored.cases[index], problem, reproduce[index], start)
+                result.features, result.shape_classes = features or _features(stored, index, grads)
+                index += 1
+                yield result
 
     def _result(self, name, start):
         """The case's answer; progress notes on the way go to :attr:`on_note` (the case's
@@ -308,6 +432,16 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 pass
         self._stop()
+
+
+def _serve_pipes(read_fd, write_fd, impl_ref, memory_limit) -> None:  # pragma: no cover
+    """The forked worker's loop (:mod:`oracle.run.forked`) over the two pipes."""
+    _serve(
+        Connection(read_fd, writable=False),
+        Connection(write_fd, readable=False),
+        impl_ref,
+        memory_limit,
+    )
 
 
 def _main(argv) -> None:  # pragma: no cover - the worker's entry point

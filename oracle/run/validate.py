@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from oracle import catalogue
+from oracle.catalogue.case import Case
 from oracle.conventions.layouts import check_convention, wrap
 from oracle.conventions.signatures import parse_keywords
 from oracle.diagnose.budget import DEFAULT_MULTIPLE, DiagnosisBudget, set_reporter
@@ -58,6 +59,7 @@ from oracle.run.invariance import applies, check_invariance, parse_checks
 from oracle.run.parallel import more_supervisors, run_in_order, start_concurrently
 from oracle.run.prefetch import Prefetched
 from oracle.run.progress import Progress
+from oracle.run.stored import StoredCases
 from oracle.run.supervise import DEFAULT_TIMEOUT, Supervisor
 from oracle.run.worker_cache import kept_supervisor
 
@@ -94,6 +96,13 @@ def _select(items, dtype, cases):
 def _manifest_names(fixtures, dtype, cases) -> list[str] | None:
     """The names of the manifest's cases that ``dtype`` and the patterns select (None: the
     manifest is unusable, or a case's entry lacks a name or dtype)."""
+    entries = _manifest_entries(fixtures, dtype, cases)
+    return None if entries is None else [e["name"] for e in entries]
+
+
+def _manifest_entries(fixtures, dtype, cases) -> list[dict] | None:
+    """The manifest's entries of the cases that ``dtype`` and the patterns select (None: as
+    :func:`_manifest_names`)."""
     manifest, problems = golden.read_manifest(Path(fixtures))
     entries = None if problems or not isinstance(manifest, dict) else manifest.get("cases")
     if not isinstance(entries, list) or not all(
@@ -102,11 +111,22 @@ def _manifest_names(fixtures, dtype, cases) -> list[str] | None:
         return None
     patterns = [p.lower() for p in cases]
     return [
-        e["name"]
+        e
         for e in entries
         if (dtype is None or e["dtype"] == dtype)
         and (not patterns or any(fnmatch.fnmatchcase(e["name"].lower(), p) for p in patterns))
     ]
+
+
+def _stored_cases(fixtures, entries) -> StoredCases | None:
+    """The selected cases for a worker that reads their fixtures itself
+    (:mod:`oracle.run.stored`), or None when a manifest entry's case cannot be rebuilt (the
+    fixtures are then read here, which reports the problem)."""
+    try:
+        cases = [Case.from_spec(e["spec"]) for e in entries]
+    except Exception:  # noqa: BLE001 - golden.load names what is wrong with the manifest
+        return None
+    return StoredCases(fixtures, [e["name"] for e in entries], cases)
 
 
 def _patterns(cases) -> list[str]:
@@ -121,15 +141,21 @@ def _patterns(cases) -> list[str]:
     return patterns
 
 
-def _sources(suite, fixtures, dtype, cases):
-    """(description, list of Fixture-or-Case); Cases are built lazily."""
+def _sources(suite, fixtures, dtype, cases, stored=False):
+    """(description, list of Fixture-or-Case); Cases are built lazily. ``stored``: the
+    selected cases of a fixture directory as :class:`~oracle.run.stored.StoredCases`, read by
+    the worker (when the manifest allows)."""
     if fixtures is not None and suite is not None:
         raise ValueError("validate: give suite= or fixtures=, not both")
     if fixtures is not None:
         if isinstance(fixtures, (str, Path)):
             # only the selected files are read (a directory holds hundreds): the manifest names
             # them; an unusable manifest is load's own clear error
-            names = _manifest_names(fixtures, dtype, cases)
+            entries = _manifest_entries(fixtures, dtype, cases)
+            names = None if entries is None else [e["name"] for e in entries]
+            found = _stored_cases(fixtures, entries) if stored and names else None
+            if found is not None:
+                return f"fixtures {fixtures}", found, str(fixtures)
             chosen = golden.load(fixtures, names=names, cases=None if names else cases or None)
             items = _select(chosen, dtype, cases)
             # read in a thread while the first cases are judged (oracle.run.prefetch)
@@ -377,8 +403,10 @@ def validate(
         impl, unwrapped, spec, convention, isolate, keep_worker, timeout, memory_limit
     )
     started = _start_early(supervisor)  # the worker loads while the fixtures are read
+    # one worker, no checks: it reads the fixtures of a directory itself (oracle.run.stored)
+    stored = supervisor is not None and workers == 1 and not checks and memory_limit is None
     try:
-        label, items, source_flag = _selection(suite, fixtures, dtype, cases)
+        label, items, source_flag = _selection(suite, fixtures, dtype, cases, stored)
     except BaseException:
         started()
         if supervisor is not None and not keep_worker:
@@ -445,11 +473,11 @@ def _implementation(impl, isolate, convention):
     return unwrapped, wrap(unwrapped, **convention), spec
 
 
-def _selection(suite, fixtures, dtype, cases):
+def _selection(suite, fixtures, dtype, cases, stored=False):
     """``(label, items, source_flag)``: the selected cases or fixtures and the command-line
     flag that selects them again (ValueError when none is selected)."""
     patterns = _patterns(cases)
-    label, items, source_arg = _sources(suite, fixtures, dtype, patterns)
+    label, items, source_arg = _sources(suite, fixtures, dtype, patterns, stored)
     if not items:
         wanted = f", cases matching {patterns}" if patterns else ""
         raise ValueError(
@@ -500,20 +528,35 @@ class _Run:
     checks: tuple
     extra_flags: str = ""
 
-    def item(self, item, worker) -> list:
-        """The case's result and its invariance checks, run by ``worker`` (or in process)."""
-        fixture = golden.build(item) if not hasattr(item, "truth") else item
-        repro = reproduce_command(
+    def reproduce(self, case) -> str:
+        """The command that re-runs ``case``."""
+        return reproduce_command(
             self.spec,
             self.source_flag,
-            fixture.case.dtype,
-            fixture.case.name,
+            case.dtype,
+            case.name,
             self.grads,
             self.strict,
             self.tolerance,
             convention=self.convention,
             extra_flags=self.extra_flags,
         )
+
+    def stored(self, items, worker):
+        """The results of the :class:`~oracle.run.stored.StoredCases` ``items``, judged by
+        ``worker``, which reads their fixtures (no invariance checks)."""
+        return worker.run_stored(
+            items,
+            [self.reproduce(case) for case in items],
+            grads=self.grads,
+            diagnose=self.diagnose,
+            tolerance=self.tolerance,
+        )
+
+    def item(self, item, worker) -> list:
+        """The case's result and its invariance checks, run by ``worker`` (or in process)."""
+        fixture = golden.build(item) if not hasattr(item, "truth") else item
+        repro = self.reproduce(fixture.case)
         judged = dict(
             grads=self.grads, diagnose=self.diagnose, reproduce=repro, tolerance=self.tolerance
         )
@@ -571,7 +614,11 @@ def _run_items(
                         results, lambda: unwrapped or _importable(spec), run.convention, len(items)
                     )
 
-            if len(pool) > 1:
+            if isinstance(items, StoredCases):
+                for result in run.stored(items, supervisor):
+                    _figures(result)  # while the worker judges the next case
+                    done([result])
+            elif len(pool) > 1:
                 run_in_order(items, pool, run.item, done)
             else:
                 for item in items:
@@ -581,6 +628,13 @@ def _run_items(
             if worker is not None and not (keep_worker and worker is supervisor):
                 worker.close()
     return results
+
+
+def _figures(result) -> None:
+    """Compute the report's figures of ``result``'s checks (and its tight twin's) now."""
+    for found in (result, getattr(result, "tight", None)):
+        for check in getattr(found, "checks", {}).values():
+            check.figures()
 
 
 @contextlib.contextmanager
@@ -609,9 +663,10 @@ def _importable(spec):
 
 
 def _start_early(supervisor):
-    """Begin starting ``supervisor``'s worker in a thread (it imports the implementation, 1-2 s,
-    while this process reads the fixtures); returns ``started()``, which waits for it and
-    returns :meth:`~oracle.run.supervise.Supervisor.start`'s answer (None: no worker)."""
+    """Begin starting ``supervisor``'s worker: launched here (forked before the fixture-reading
+    thread starts, :mod:`oracle.run.forked`), it loads the implementation while this process
+    reads the fixtures; returns ``started()``, which waits for it and returns
+    :meth:`~oracle.run.supervise.Supervisor.start`'s answer (None: no worker)."""
     if supervisor is None:
         return lambda: None
     answer: list = []
@@ -622,11 +677,18 @@ def _start_early(supervisor):
         except BaseException as exc:  # noqa: BLE001 - raised again by started()
             answer.append(exc)
 
-    thread = threading.Thread(target=start, daemon=True)
-    thread.start()
+    try:
+        supervisor.launch()
+    except BaseException as exc:  # noqa: BLE001 - raised again by started()
+        answer.append(exc)
+        thread = None
+    else:
+        thread = threading.Thread(target=start, daemon=True)
+        thread.start()
 
     def started():
-        thread.join()
+        if thread is not None:
+            thread.join()
         if isinstance(answer[0], BaseException):
             raise answer[0]
         return answer[0]

@@ -1,0 +1,140 @@
+"""Cases of a fixture directory judged by a supervised worker that reads the fixtures itself.
+
+Sending each fixture to the worker costs more than some implementations take on it: the
+float32 cases of ``default`` pickle to about 220 MB (the long rows' inputs), copied through a
+pipe case by case while the worker waits. When :func:`oracle.run.validate.validate` runs a
+fixture directory in one supervised worker (no invariance checks, no memory limit), the
+selected cases are :class:`StoredCases` instead: the worker is sent one :class:`Batch` (the
+directory, the case names and each case's reproduce command), reads the fixtures itself with
+:func:`oracle.fixtures.golden.load` (the same checks, the same errors) and streams the results
+back, one message per case, while this process reports them.
+
+Protocol, worker to parent, per case: ``("case", (features, shape classes))`` once its fixture
+is read (the coverage table's entries, known even if the case crashes the worker), then
+progress notes and ``("result", CaseResult)`` or ``("error", line)`` as for single cases
+(:mod:`oracle.run.supervise`); ``("raise", exception)`` when a fixture cannot be read (raised
+here where the run reaches that case, as reading it here would have). Between cases the
+worker looks for the parent's stop request (``None``).
+
+Isolation is that of single cases: a case whose call exits, crashes, hangs (the timeout runs
+from the previous case's answer, and again from the case's own ``"case"`` message) or exhausts
+memory is an "error" with the reason, and a new worker takes the batch on from the next case.
+
+Examples
+--------
+>>> import tempfile
+>>> from oracle import catalogue
+>>> from oracle.fixtures import golden
+>>> from oracle.run.validate import validate
+>>> out = golden.generate("smoke", tempfile.mkdtemp(), progress=False,
+...                       cases=[catalogue.get("basic-H2K2-L5S7-D8E8-f64")])
+>>> report = validate("refattn-float64", fixtures=out, dtype="float64", progress=False)
+>>> [(r.name, r.verdict, r.features) for r in report.results]
+[('basic-H2K2-L5S7-D8E8-f64', 'pass', [])]
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+
+from oracle.run.prefetch import Prefetched
+
+__all__ = ["StoredCases", "Batch", "serve_batch"]
+
+
+class StoredCases:
+    """The cases ``names`` (their :class:`~oracle.catalogue.Case` in ``cases``) of the fixture
+    directory ``directory``, to be read by the worker that judges them."""
+
+    def __init__(self, directory, names, cases):
+        self.directory, self.names, self.cases = str(directory), list(names), list(cases)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __bool__(self) -> bool:
+        return bool(self.names)
+
+    def __iter__(self):
+        return iter(self.cases)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One request for the cases ``names`` of ``directory``: judge each (with its
+    ``reproduce`` command) and answer case by case."""
+
+    directory: str
+    names: tuple
+    reproduce: tuple
+    grads: bool
+    diagnose: object
+    tolerance: str
+
+
+def serve_batch(impl, batch, receive, send, judge, one_line) -> bool:  # pragma: no cover
+    """Worker side: judge the batch's cases with ``judge(impl, request)`` (the worker's
+    single-case request tuple), answering each; False when the parent asked to stop."""
+    # worker side: loaded after the memory limit and only by a worker given a batch
+    from oracle.fixtures import golden
+    from oracle.judging import parts
+    from oracle.reading.features import case_features
+
+    # read (and hashed, their judging parts too) in a thread while the cases before are
+    # judged: the file reads and the hashing release the GIL
+    names = _part_names(batch)
+    read = golden.load(batch.directory, names=batch.names)
+    fixtures = iter(Prefetched(_keyed(read, names), 1))
+    for reproduce in batch.reproduce:
+        if receive.poll():
+            request = receive.recv()
+            if request is None:
+                return False
+        try:
+            fixture = next(fixtures)
+        except Exception as exc:  # noqa: BLE001 - the parent raises it where the run reaches it
+            send(("raise", _picklable(exc, one_line)))
+            return True
+        send(("case", case_features(fixture.case, batch.grads, fixture.inputs)))
+        request = (fixture, batch.grads, batch.diagnose, reproduce, None, batch.tolerance)
+        try:
+            result = judge(impl, request)
+        except BaseException as exc:  # noqa: BLE001 - the case's verdict is "error"
+            send(("error", f"the implementation raised {one_line(exc)}"))
+        else:
+            send(("result", result))
+        parts.forget_ahead(fixture.content_key, names)
+    return True
+
+
+def _part_names(batch) -> tuple:
+    """The judging parts (:mod:`oracle.judging.parts`) the batch's cases may use."""
+    tiers = ("default", "tight") if batch.tolerance == "both" else (batch.tolerance,)
+    return (*tiers, "models", *(("grads",) if batch.grads else ()))
+
+
+def _keyed(fixtures, names):  # pragma: no cover - worker side
+    """The fixtures, each with its content key (:func:`oracle.reading.case.fixture_key`) as
+    ``content_key`` (computed once, before any implementation is given copies of its inputs)
+    and its judging parts ``names`` read ahead from the disk cache."""
+    # worker side, as in serve_batch
+    from oracle.judging import parts
+    from oracle.reading.case import fixture_key
+
+    for fixture in fixtures:
+        fixture.content_key = fixture_key(fixture)
+        parts.read_ahead(fixture, fixture.content_key, names)
+        yield fixture
+
+
+def _picklable(exc, one_line):  # pragma: no cover - worker side
+    """``exc`` if it survives pickling, else a FixtureError with its line."""
+    # worker side, as in serve_batch
+    from oracle.fixtures.golden import FixtureError
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:  # noqa: BLE001 - any exception that cannot travel is described
+        return FixtureError(one_line(exc))
+    return exc
