@@ -626,3 +626,10 @@ def forward_d(blocks, inputs, rule, target, results):
         _d_block(
             blocks[r, 0], blocks[r, 1], blocks[r, 2], blocks[r, 3], inputs, rule, target, results
         )
+
+
+#: The score step, the compensated dot products and the bias range test under public names:
+#: the sigmoid first step (:mod:`refattn.exact.fast.sigmoid_kernels`) scores keys the same way.
+score_dd = _score
+row_dots = _row_dots
+bias_in_range = _bias_in_range
