@@ -1,4 +1,7 @@
-"""Numba CPU kernels of sigmoid attention (``normalizer="sigmoid"``): forward and backward.
+"""Scalar per-row Numba CPU kernels of sigmoid attention (``normalizer="sigmoid"``): forward
+and backward. The dispatch runs the tiled kernels of :mod:`._cpu_sigmoid_tiles` (the same
+operations in the same order, so the same bits); these remain their reference and run the vjp
+when an input holds inf or NaN.
 
 With no normaliser there is no online rescaling: each output is a plain sum over keys,
 ``out_i = sum_j kappa_ij sigma(t_ij) v_j / (1 - p)``. The kernels are per-row loops (one
