@@ -10,6 +10,11 @@ magnitudes outside [SAFE_MIN, SAFE_MAX] in q, k or v, or a scale, softcap or ALi
 outside it -- to the referee, :func:`refattn.exact.attention_sigmoid.exact_sigmoid_forward`,
 restricted to those rows (:func:`refattn.exact.fast.forward.row_spec`). The results are
 bit-identical to the referee's alone (``config.SIGMOID_EXACT_ENGINE = "referee"``).
+
+For targets of at most 24 bits (float32, float16, bfloat16) without weights, a cheaper
+double-precision step (:func:`refattn.exact.fast.sigmoid_kernels.sigmoid_d`: fma-chain scores
+with ``gamma_D`` bounds, ``exp_d``, an fma-chain sum with ``gamma_S``; radii about 2**-40
+relative) runs first; only the rows it leaves undecided run the double-double step.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from ._params import frozen
 from .allowed_set import allowed_rule
 from .forward import kernel_params, row_spec
 from .forward_kernels import row_facts
-from .sigmoid_kernels import OK, UNDECIDED, sigmoid_dd
+from .sigmoid_kernels import OK, UNDECIDED, sigmoid_d, sigmoid_dd
 
 __all__ = ["fast_sigmoid_forward", "sigmoid_enclosures", "sigmoid_fallback_stats"]
 
@@ -68,10 +73,11 @@ def _runs(rows: np.ndarray):
     return [(int(rows[a]), int(rows[z - 1]) + 1) for a, z in zip(starts, stops, strict=True)]
 
 
-def sigmoid_enclosures(spec: AttentionSpec):
-    """(hi, lo, radius) (B, H, L, E, 3) of the first step's enclosures of out (before the
-    rounding decision) and the status (B, H, L) of each row (OK where the row was enclosed and
-    decided for float64; rows of other status hold zeros or partial enclosures), for tests.
+def sigmoid_enclosures(spec: AttentionSpec, step: str = "double-double"):
+    """(hi, lo, radius) (B, H, L, E, 3) of one first step's enclosures of out (before the
+    rounding decision; ``step`` "double-double" or "double") and the status (B, H, L) of each
+    row (OK where the row was enclosed and decided for float64, or float32 for "double"; rows
+    of other status hold zeros or partial enclosures), for tests.
 
     Examples
     --------
@@ -86,26 +92,33 @@ def sigmoid_enclosures(spec: AttentionSpec):
     """
     batch, heads, _, length, _, _, vdim = spec.dims
     enclosure = np.zeros((batch, heads, length, vdim, 3))
-    _, _, status = _first_step(spec, format_of(np.float64), False, enclosure)
+    fmt = format_of(np.float64 if step == "double-double" else np.float32)
+    _, _, status = _first_step(spec, fmt, False, (enclosure, step))
     return enclosure, status
 
 
 def _first_step(spec, fmt, want_weights, enclosure=None):
-    """(out, weights, status) of the compiled first step on the planes it takes."""
+    """(out, weights, status) of the compiled first steps on the planes they take;
+    ``enclosure`` = (array, step name) runs that step alone and records its enclosures."""
     batch, heads, _, length, keys, _, vdim = spec.dims
     out = np.zeros((batch, heads, length, vdim))
     weights = np.zeros((batch, heads, length, keys) if want_weights else (1, 1, 1, 1))
     status = np.full((batch, heads, length), UNDECIDED, dtype=np.int8)
     if out.size and spec.sinks is None:
         inputs, ok = _inputs(spec)
-        items = np.ascontiguousarray(np.argwhere(np.broadcast_to(ok[:, :, None], status.shape)))
-        if items.size:
-            want_enclosure = enclosure is not None
-            if enclosure is None:
-                enclosure = np.zeros((1, 1, 1, 1, 3))
-            target = (bool(want_weights), want_enclosure, fmt.p, fmt.emin, float(fmt.max_finite))
-            rule = allowed_rule(spec).kernel_args()
-            sigmoid_dd(items, inputs, rule, target, (out, weights, status, enclosure))
+        todo = np.broadcast_to(ok[:, :, None], status.shape)
+        want_enclosure = enclosure is not None
+        steps = ("double", "double-double") if enclosure is None else (enclosure[1],)
+        enclosure = np.zeros((1, 1, 1, 1, 3)) if enclosure is None else enclosure[0]
+        target = (bool(want_weights), want_enclosure, fmt.p, fmt.emin, float(fmt.max_finite))
+        rule = allowed_rule(spec).kernel_args()
+        results = (out, weights, status, enclosure)
+        if fmt.p <= 24 and not want_weights and "double" in steps and todo.any():
+            sigmoid_d(np.ascontiguousarray(np.argwhere(todo)), inputs, rule, target, results)
+            todo = todo & (status == UNDECIDED)
+        items = np.ascontiguousarray(np.argwhere(todo))
+        if items.size and "double-double" in steps:
+            sigmoid_dd(items, inputs, rule, target, results)
     return out, weights, status
 
 

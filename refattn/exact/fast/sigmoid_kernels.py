@@ -44,9 +44,15 @@ from numba import prange
 
 from . import doubledouble as D
 from ._params import (
+    P_GAMMA_DIM,
     P_KEEP_ERR,
     P_KEEP_HI,
     P_KEEP_LO,
+    P_SCALE_ERR,
+    P_SCALE_HI,
+    P_SCALE_LO,
+    P_SLOPE,
+    P_SOFTCAP,
     P_SUM_REL,
     R_HAS_BIAS,
     R_HAS_KEEP,
@@ -55,11 +61,11 @@ from ._params import (
     R_ROWS_LO,
 )
 from .allowed_set import key_state
-from .doubledouble import EXP_FAST_REL, exp_dd_fast
+from .doubledouble import EXP_D_REL, EXP_FAST_REL, exp_d, exp_dd_fast
 from .forward_kernels import EMPTY, OK, UNDECIDED, bias_in_range, row_dots, score_dd
 from .rounding_decision import decide_one
 
-__all__ = ["sigmoid_dd", "FAR", "TINY", "OK", "EMPTY", "UNDECIDED"]
+__all__ = ["sigmoid_dd", "sigmoid_d", "FAR", "TINY", "OK", "EMPTY", "UNDECIDED"]
 
 #: Scores with ``|t^| > FAR`` take no exponential: their weight is within TINY of 0 or 1.
 FAR = 400.0
@@ -220,3 +226,138 @@ def sigmoid_dd(items, inputs, rule, target, results):
     for r in prange(items.shape[0]):
         b, h, i = items[r, 0], items[r, 1], items[r, 2]
         status[b, h, i] = _sigmoid_row(b, h, i, inputs, rule, target, results)
+
+
+# --------------------------------------------------------------------------------------
+# the double-precision step (targets of at most 24 bits)
+# --------------------------------------------------------------------------------------
+@numba.jit(**_JIT)
+def _row_scores_d(b, h, i, lo, inputs, rule, t, te, state):
+    """Scores t (float64) and their absolute bounds te of row i's keys lo .. lo + n, and the
+    key states; returns (any allowed key, every allowed score usable)."""
+    q, kT, _, qn, kn, prm, kvh = inputs
+    has_mask, has_bias, has_keep = rule[R_HAS_MASK], rule[R_HAS_BIAS], rule[R_HAS_KEEP]
+    g = kvh[h]
+    n = t.shape[0]
+    pr = prm[b, h]
+    scale_hi = pr[P_SCALE_HI]
+    scale_tail = abs(pr[P_SCALE_LO]) + pr[P_SCALE_ERR]
+    dot_err = abs(scale_hi) * pr[P_GAMMA_DIM] * qn[b, h, i] * (1.0 + 2.0**-40)
+    for jj in range(n):
+        t[jj] = 0.0
+    qrow, kTp, knp = q[b, h, i], kT[b, g], kn[b, g]
+    for d in range(qrow.shape[0]):  # fma chains sequential over D, lanes over keys
+        a = qrow[d]
+        row = kTp[d, lo : lo + n]
+        for jj in range(n):
+            t[jj] = D.fma(a, row[jj], t[jj])
+    any_allowed = False
+    for jj in range(n):
+        j = lo + jj
+        st, bv = 2, 0.0
+        if has_mask or has_bias or has_keep:
+            st, bv = key_state(rule, b, h, i, j)
+        state[jj] = st
+        if st == 0:
+            continue
+        any_allowed = True
+        if has_bias and not bias_in_range(bv):
+            return True, False
+        x = t[jj] * scale_hi
+        err = (dot_err * knp[j] + abs(t[jj]) * scale_tail + D.U * abs(x)) * (1.0 + 2.0**-40)
+        if has_bias:
+            x = x + bv
+            err = err + D.U * abs(x) * (1.0 + 2.0**-40)
+        t[jj] = x
+        te[jj] = err
+        if not err <= _DELTA_MAX:
+            return True, False
+    return any_allowed, True
+
+
+@numba.jit(**_JIT)
+def _weight_d(t, delta):
+    """(w, relative bound, absolute bound) of sigma(t) in double precision (exp_d; the
+    analysis of :func:`_weight` with EXP_D_REL and u for the two roundings)."""
+    if t < -FAR:
+        return 0.0, 0.0, TINY
+    if t > FAR:
+        return 1.0, 0.0, TINY
+    rho_e = (EXP_D_REL + 2.0 * delta) * (1.0 + _DELTA_MAX)
+    e = exp_d(-abs(t))
+    w = 1.0 / (1.0 + e) if t >= 0.0 else e / (1.0 + e)
+    return w, (2.0 * rho_e + 3.0 * D.U) * (1.0 + 2.0**-18), 0.0
+
+
+@numba.jit(**_JIT)
+def _sigmoid_row_d(b, h, i, inputs, rule, target, results):
+    """Double-precision first step of row i of plane (b, h) (OK, EMPTY or UNDECIDED: the
+    double-double step takes the undecided rows). ``N`` is an fma chain over the kept keys in
+    increasing order: ``|N^ - sum w^ v| <= gamma_n sum |w^ v|`` (Higham 2002, eq. (3.5))."""
+    v, prm = inputs[2], inputs[5]
+    rows_lo, rows_hi = rule[R_ROWS_LO], rule[R_ROWS_HI]
+    _, want_enclosure, p, emin, maxf = target
+    out = results[0]
+    pr = prm[b, h]
+    if pr[P_SOFTCAP] != 0.0 or pr[P_SLOPE] != 0.0:  # the double-double step scores those
+        return UNDECIDED
+    g = inputs[6][h]
+    lo, hi = rows_lo[b, i], rows_hi[b, i]
+    n = hi - lo
+    t = np.empty(n)
+    te = np.empty(n)
+    state = np.zeros(n, np.int8)
+    any_allowed, usable = _row_scores_d(b, h, i, lo, inputs, rule, t, te, state)
+    if not usable:
+        return UNDECIDED
+    if not any_allowed:
+        return EMPTY
+    vp = v[b, g]
+    vdim = vp.shape[1]
+    acc = np.zeros(vdim)
+    av = np.zeros(vdim)
+    far = np.zeros(vdim)
+    rho = 0.0
+    for jj in range(n):
+        if state[jj] != 2:
+            continue
+        w, rel, absolute = _weight_d(t[jj], te[jj])
+        rho = max(rho, rel)
+        vrow = vp[lo + jj]
+        if absolute > 0.0:
+            for e in range(vdim):
+                far[e] += abs(vrow[e])
+        for e in range(vdim):
+            x = vrow[e]
+            acc[e] = D.fma(w, x, acc[e])
+            av[e] += w * abs(x)
+    gam = 1.01 * (n + 2) * D.U / (1.0 - (n + 2) * D.U)
+    grow = (1.0 + rho) * (1.0 + gam) * (1.0 + 2.0**-50)
+    keep_hi = pr[P_KEEP_HI]
+    keep_tail = abs(pr[P_KEEP_LO]) + pr[P_KEEP_ERR]
+    ok = True
+    for e in range(vdim):
+        nr = ((gam + rho) * av[e] * grow + TINY * far[e]) * D.BOUND_SAFETY
+        o = acc[e] * keep_hi
+        rad = nr * abs(keep_hi) + (abs(acc[e]) + nr) * keep_tail + D.U * abs(o)
+        rad = rad * (1.0 + 2.0**-40) * D.BOUND_SAFETY
+        if want_enclosure:
+            enclosure = results[3]
+            enclosure[b, h, i, e, 0] = o
+            enclosure[b, h, i, e, 1] = 0.0
+            enclosure[b, h, i, e, 2] = rad
+        value, dec = decide_one(o, 0.0, rad, p, emin, maxf)
+        out[b, h, i, e] = value
+        ok = ok and dec
+    return OK if ok else UNDECIDED
+
+
+@numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
+def sigmoid_d(items, inputs, rule, target, results):
+    """The double-precision first step (targets of at most 24 bits, no weights) for the query
+    rows ``items``, in parallel over rows; the arguments are those of :func:`sigmoid_dd`.
+    Rows it leaves undecided run :func:`sigmoid_dd` next."""
+    status = results[2]
+    for r in prange(items.shape[0]):
+        b, h, i = items[r, 0], items[r, 1], items[r, 2]
+        status[b, h, i] = _sigmoid_row_d(b, h, i, inputs, rule, target, results)
