@@ -27,7 +27,7 @@ from ..rounding import format_of
 from ._params import frozen
 from .allowed_set import allowed_rule
 from .forward import kernel_params, row_spec
-from .forward_kernels import row_facts
+from .forward_kernels import ROW_BLOCK, row_facts
 from .sigmoid_kernels import OK, UNDECIDED, sigmoid_d, sigmoid_dd
 
 __all__ = ["fast_sigmoid_forward", "sigmoid_enclosures", "sigmoid_fallback_stats"]
@@ -36,13 +36,13 @@ _LAST_STATS: dict = {}
 
 
 def _facts(a):
-    """(ok, norms) of the rows of a's last axis (:func:`row_facts`)."""
+    """(ok, norms, exactness scales) of the rows of a's last axis (:func:`row_facts`)."""
     flat = frozen(a.reshape(int(np.prod(a.shape[:3])), a.shape[3]))
     ok = np.empty(flat.shape[0], np.bool_)
     norms, scales = np.empty(flat.shape[0]), np.empty(flat.shape[0])
     if flat.shape[0]:
         row_facts(flat, flat.view(np.int64), norms, scales, ok)
-    return ok.reshape(a.shape[:3]), norms.reshape(a.shape[:3])
+    return ok.reshape(a.shape[:3]), norms.reshape(a.shape[:3]), scales.reshape(a.shape[:3])
 
 
 def _inputs(spec: AttentionSpec):
@@ -53,14 +53,26 @@ def _inputs(spec: AttentionSpec):
     v = np.ascontiguousarray(spec.v, dtype=np.float64)
     kvh = np.ascontiguousarray(spec.kv_head, dtype=np.int64)
     prm, ok = kernel_params(spec)
-    q_ok, qn = _facts(q)
-    k_ok, kn = _facts(k)
-    v_ok, _ = _facts(np.ascontiguousarray(np.swapaxes(v, 2, 3)))
+    q_ok, qn, qs = _facts(q)
+    k_ok, kn, ks = _facts(k)
+    v_ok, vnorm, _ = _facts(np.ascontiguousarray(np.swapaxes(v, 2, 3)))
     kv_ok = k_ok.all(axis=2) & v_ok.all(axis=2)
     ok = ok & q_ok.all(axis=2) & kv_ok[:, kvh] & (length > 0) & (keys > 0)
     kT = np.ascontiguousarray(np.swapaxes(k, 2, 3))
-    record = tuple(frozen(a) for a in (q, kT, v, qn, kn, prm, kvh))
+    vmax = np.max(np.abs(v), axis=2, initial=0.0)
+    record = tuple(frozen(a) for a in (q, kT, v, qn, kn, qs, ks, vmax, vnorm, prm, kvh))
     return record, ok
+
+
+def _blocks(planes: np.ndarray, length: int) -> np.ndarray:
+    """(n, 4) int64 (b, h, first row, rows) of the row blocks of the planes taken."""
+    starts = np.arange(0, length, ROW_BLOCK)
+    taken = np.argwhere(planes)
+    blocks = np.empty((taken.shape[0] * starts.size, 4), dtype=np.int64)
+    blocks[:, :2] = np.repeat(taken, starts.size, axis=0)
+    blocks[:, 2] = np.tile(starts, taken.shape[0])
+    blocks[:, 3] = np.minimum(ROW_BLOCK, length - blocks[:, 2])
+    return blocks
 
 
 def _runs(rows: np.ndarray):
@@ -114,7 +126,7 @@ def _first_step(spec, fmt, want_weights, enclosure=None):
         rule = allowed_rule(spec).kernel_args()
         results = (out, weights, status, enclosure)
         if fmt.p <= 24 and not want_weights and "double" in steps and todo.any():
-            sigmoid_d(np.ascontiguousarray(np.argwhere(todo)), inputs, rule, target, results)
+            sigmoid_d(_blocks(ok, length), inputs, rule, target, results)
             todo = todo & (status == UNDECIDED)
         items = np.ascontiguousarray(np.argwhere(todo))
         if items.size and "double-double" in steps:

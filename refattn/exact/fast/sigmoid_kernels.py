@@ -44,15 +44,9 @@ from numba import prange
 
 from . import doubledouble as D
 from ._params import (
-    P_GAMMA_DIM,
     P_KEEP_ERR,
     P_KEEP_HI,
     P_KEEP_LO,
-    P_SCALE_ERR,
-    P_SCALE_HI,
-    P_SCALE_LO,
-    P_SLOPE,
-    P_SOFTCAP,
     P_SUM_REL,
     R_HAS_BIAS,
     R_HAS_KEEP,
@@ -62,7 +56,17 @@ from ._params import (
 )
 from .allowed_set import key_state
 from .doubledouble import EXP_D_REL, EXP_FAST_REL, exp_d, exp_dd_fast
-from .forward_kernels import EMPTY, OK, UNDECIDED, bias_in_range, row_dots, score_dd
+from .forward_kernels import (
+    EMPTY,
+    OK,
+    ROW_BLOCK,
+    UNDECIDED,
+    bias_in_range,
+    block_interval,
+    block_scores,
+    row_dots,
+    score_dd,
+)
 from .rounding_decision import decide_one
 
 __all__ = ["sigmoid_dd", "sigmoid_d", "FAR", "TINY", "OK", "EMPTY", "UNDECIDED"]
@@ -151,7 +155,7 @@ def _row_sums(lo, scores, state, vp, sums):
 @numba.jit(**_JIT)
 def _sigmoid_row(b, h, i, inputs, rule, target, results):
     """First step of query row i of plane (b, h); returns its status (OK, EMPTY, UNDECIDED)."""
-    q, kT, v, qn, kn, prm, kvh = inputs
+    q, kT, v, qn, kn, _, _, _, _, prm, kvh = inputs
     rows_lo, rows_hi = rule[R_ROWS_LO], rule[R_ROWS_HI]
     has_mask, has_bias, has_keep = rule[R_HAS_MASK], rule[R_HAS_BIAS], rule[R_HAS_KEEP]
     want_w, want_enclosure, p, emin, maxf = target
@@ -216,9 +220,10 @@ def _sigmoid_row(b, h, i, inputs, rule, target, results):
 def sigmoid_dd(items, inputs, rule, target, results):
     """The first step for the query rows ``items`` ((n, 3): b, h, i), in parallel over rows.
 
-    ``inputs`` = (q (B, H, L, D), kT (B, K, D, S), v (B, K, S, E) float64, qn (B, H, L), kn
-    (B, K, S) row-norm bounds, prm (B, H, 16) (:func:`refattn.exact.fast.forward.kernel_params`),
-    kv_head (H,)); ``rule`` = :meth:`refattn.exact.fast.allowed_set.AllowedRule.kernel_args`;
+    ``inputs`` = the softmax first steps' record
+    (:func:`refattn.exact.fast.forward_kernels.forward_dd`: q, kT, v, qn, kn, qs, ks, vmax,
+    vnorm, prm, kv_head); ``rule`` = :meth:`refattn.exact.fast.allowed_set.AllowedRule.
+    kernel_args`;
     ``target`` = (want_weights, want_enclosure, p, emin, max_finite) of the output format;
     ``results`` = (out (B, H, L, E), weights (B, H, L, S) or a dummy, status (B, H, L) int8,
     enclosure (B, H, L, E, 3): out's (hi, lo, radius) before rounding, or a dummy)."""
@@ -231,50 +236,6 @@ def sigmoid_dd(items, inputs, rule, target, results):
 # --------------------------------------------------------------------------------------
 # the double-precision step (targets of at most 24 bits)
 # --------------------------------------------------------------------------------------
-@numba.jit(**_JIT)
-def _row_scores_d(b, h, i, lo, inputs, rule, t, te, state):
-    """Scores t (float64) and their absolute bounds te of row i's keys lo .. lo + n, and the
-    key states; returns (any allowed key, every allowed score usable)."""
-    q, kT, _, qn, kn, prm, kvh = inputs
-    has_mask, has_bias, has_keep = rule[R_HAS_MASK], rule[R_HAS_BIAS], rule[R_HAS_KEEP]
-    g = kvh[h]
-    n = t.shape[0]
-    pr = prm[b, h]
-    scale_hi = pr[P_SCALE_HI]
-    scale_tail = abs(pr[P_SCALE_LO]) + pr[P_SCALE_ERR]
-    dot_err = abs(scale_hi) * pr[P_GAMMA_DIM] * qn[b, h, i] * (1.0 + 2.0**-40)
-    for jj in range(n):
-        t[jj] = 0.0
-    qrow, kTp, knp = q[b, h, i], kT[b, g], kn[b, g]
-    for d in range(qrow.shape[0]):  # fma chains sequential over D, lanes over keys
-        a = qrow[d]
-        row = kTp[d, lo : lo + n]
-        for jj in range(n):
-            t[jj] = D.fma(a, row[jj], t[jj])
-    any_allowed = False
-    for jj in range(n):
-        j = lo + jj
-        st, bv = 2, 0.0
-        if has_mask or has_bias or has_keep:
-            st, bv = key_state(rule, b, h, i, j)
-        state[jj] = st
-        if st == 0:
-            continue
-        any_allowed = True
-        if has_bias and not bias_in_range(bv):
-            return True, False
-        x = t[jj] * scale_hi
-        err = (dot_err * knp[j] + abs(t[jj]) * scale_tail + D.U * abs(x)) * (1.0 + 2.0**-40)
-        if has_bias:
-            x = x + bv
-            err = err + D.U * abs(x) * (1.0 + 2.0**-40)
-        t[jj] = x
-        te[jj] = err
-        if not err <= _DELTA_MAX:
-            return True, False
-    return any_allowed, True
-
-
 @numba.jit(**_JIT)
 def _weight_d(t, delta):
     """(w, relative bound, absolute bound) of sigma(t) in double precision (exp_d; the
@@ -290,74 +251,114 @@ def _weight_d(t, delta):
 
 
 @numba.jit(**_JIT)
-def _sigmoid_row_d(b, h, i, inputs, rule, target, results):
-    """Double-precision first step of row i of plane (b, h) (OK, EMPTY or UNDECIDED: the
-    double-double step takes the undecided rows). ``N`` is an fma chain over the kept keys in
-    increasing order: ``|N^ - sum w^ v| <= gamma_n sum |w^ v|`` (Higham 2002, eq. (3.5))."""
-    v, prm = inputs[2], inputs[5]
+def _block_weights(nb_rows, work, rows):
+    """Weights in place of the scores of a block (excluded and dropped keys weigh 0, a far key
+    is flagged in ``state`` as 3); per row the largest relative bound and whether every score
+    bound is small enough (``rows`` = (rho, usable))."""
+    s, err, state = work
+    rho, usable = rows
+    for rr in range(nb_rows):
+        for jj in range(s.shape[1]):
+            if state[rr, jj] != 2:
+                s[rr, jj] = 0.0
+                continue
+            if not err[rr, jj] <= _DELTA_MAX:
+                usable[rr] = False
+            w, rel, absolute = _weight_d(s[rr, jj], err[rr, jj])
+            s[rr, jj] = w
+            rho[rr] = max(rho[rr], rel)
+            if absolute > 0.0:
+                state[rr, jj] = 3
+
+
+@numba.jit(**_JIT)
+def _block_sums(vp, lo, nb_rows, work, sums):
+    """N (fma chains over the keys in increasing order), a_e and the far keys' |v| sums of a
+    block of rows; each V row is loaded once for the block."""
+    s, state = work
+    acc, av, far = sums
+    vdim = vp.shape[1]
+    for jj in range(s.shape[1]):
+        vrow = vp[lo + jj]
+        for rr in range(nb_rows):
+            w = s[rr, jj]
+            if state[rr, jj] == 3:
+                for e in range(vdim):
+                    far[rr, e] += abs(vrow[e])
+            if w == 0.0:
+                continue
+            arow = acc[rr]
+            brow = av[rr]
+            for e in range(vdim):
+                x = vrow[e]
+                arow[e] = D.fma(w, x, arow[e])
+                brow[e] += w * abs(x)
+
+
+@numba.jit(**_JIT)
+def _sigmoid_block_d(b, h, i0, nb_rows, inputs, rule, target, results):
+    """Double-precision first step of rows i0 .. i0 + nb_rows - 1 of plane (b, h), which share
+    each load of K^T and V (scores: :func:`~refattn.exact.fast.forward_kernels.block_scores`,
+    the softmax step's, fma chains with ``gamma_D`` bounds). ``N`` is an fma chain over the
+    kept keys in increasing order: ``|N^ - sum w^ v| <= gamma_n sum |w^ v|`` (Higham 2002,
+    eq. (3.5)). Sets each row's status (OK, EMPTY, or UNDECIDED: the double-double step
+    takes those)."""
+    v, prm, kvh = inputs[2], inputs[9], inputs[10]
     rows_lo, rows_hi = rule[R_ROWS_LO], rule[R_ROWS_HI]
     _, want_enclosure, p, emin, maxf = target
-    out = results[0]
+    out, status = results[0], results[2]
     pr = prm[b, h]
-    if pr[P_SOFTCAP] != 0.0 or pr[P_SLOPE] != 0.0:  # the double-double step scores those
-        return UNDECIDED
-    g = inputs[6][h]
-    lo, hi = rows_lo[b, i], rows_hi[b, i]
-    n = hi - lo
-    t = np.empty(n)
-    te = np.empty(n)
-    state = np.zeros(n, np.int8)
-    any_allowed, usable = _row_scores_d(b, h, i, lo, inputs, rule, t, te, state)
-    if not usable:
-        return UNDECIDED
-    if not any_allowed:
-        return EMPTY
-    vp = v[b, g]
-    vdim = vp.shape[1]
-    acc = np.zeros(vdim)
-    av = np.zeros(vdim)
-    far = np.zeros(vdim)
-    rho = 0.0
-    for jj in range(n):
-        if state[jj] != 2:
-            continue
-        w, rel, absolute = _weight_d(t[jj], te[jj])
-        rho = max(rho, rel)
-        vrow = vp[lo + jj]
-        if absolute > 0.0:
-            for e in range(vdim):
-                far[e] += abs(vrow[e])
-        for e in range(vdim):
-            x = vrow[e]
-            acc[e] = D.fma(w, x, acc[e])
-            av[e] += w * abs(x)
+    lo, hi = block_interval(rows_lo, rows_hi, b, i0, nb_rows)
+    n = max(hi - lo, 0)
+    s = np.zeros((ROW_BLOCK, n))
+    err = np.zeros((ROW_BLOCK, n))
+    state = np.zeros((ROW_BLOCK, n), np.int8)
+    bad = np.zeros(ROW_BLOCK, np.bool_)
+    top = np.full(ROW_BLOCK, -np.inf)
+    block_scores(b, h, i0, nb_rows, lo, hi, inputs, rule, (s, err, state, bad, top))
+    rho = np.zeros(ROW_BLOCK)
+    usable = np.ones(ROW_BLOCK, np.bool_)
+    _block_weights(nb_rows, (s, err, state), (rho, usable))
+    vdim = v.shape[3]
+    acc = np.zeros((ROW_BLOCK, vdim))
+    av = np.zeros((ROW_BLOCK, vdim))
+    far = np.zeros((ROW_BLOCK, vdim))
+    _block_sums(v[b, kvh[h]], lo, nb_rows, (s, state), (acc, av, far))
     gam = 1.01 * (n + 2) * D.U / (1.0 - (n + 2) * D.U)
-    grow = (1.0 + rho) * (1.0 + gam) * (1.0 + 2.0**-50)
     keep_hi = pr[P_KEEP_HI]
     keep_tail = abs(pr[P_KEEP_LO]) + pr[P_KEEP_ERR]
-    ok = True
-    for e in range(vdim):
-        nr = ((gam + rho) * av[e] * grow + TINY * far[e]) * D.BOUND_SAFETY
-        o = acc[e] * keep_hi
-        rad = nr * abs(keep_hi) + (abs(acc[e]) + nr) * keep_tail + D.U * abs(o)
-        rad = rad * (1.0 + 2.0**-40) * D.BOUND_SAFETY
-        if want_enclosure:
-            enclosure = results[3]
-            enclosure[b, h, i, e, 0] = o
-            enclosure[b, h, i, e, 1] = 0.0
-            enclosure[b, h, i, e, 2] = rad
-        value, dec = decide_one(o, 0.0, rad, p, emin, maxf)
-        out[b, h, i, e] = value
-        ok = ok and dec
-    return OK if ok else UNDECIDED
+    for rr in range(nb_rows):
+        i = i0 + rr
+        if bad[rr] or not usable[rr]:
+            status[b, h, i] = UNDECIDED
+            continue
+        if top[rr] == -np.inf:
+            status[b, h, i] = EMPTY
+            continue
+        grow = (1.0 + rho[rr]) * (1.0 + gam) * (1.0 + 2.0**-50)
+        ok = True
+        for e in range(vdim):
+            nr = ((gam + rho[rr]) * av[rr, e] * grow + TINY * far[rr, e]) * D.BOUND_SAFETY
+            o = acc[rr, e] * keep_hi
+            rad = nr * abs(keep_hi) + (abs(acc[rr, e]) + nr) * keep_tail + D.U * abs(o)
+            rad = rad * (1.0 + 2.0**-40) * D.BOUND_SAFETY
+            if want_enclosure:
+                enclosure = results[3]
+                enclosure[b, h, i, e, 0] = o
+                enclosure[b, h, i, e, 1] = 0.0
+                enclosure[b, h, i, e, 2] = rad
+            value, dec = decide_one(o, 0.0, rad, p, emin, maxf)
+            out[b, h, i, e] = value
+            ok = ok and dec
+        status[b, h, i] = OK if ok else UNDECIDED
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
-def sigmoid_d(items, inputs, rule, target, results):
-    """The double-precision first step (targets of at most 24 bits, no weights) for the query
-    rows ``items``, in parallel over rows; the arguments are those of :func:`sigmoid_dd`.
-    Rows it leaves undecided run :func:`sigmoid_dd` next."""
-    status = results[2]
-    for r in prange(items.shape[0]):
-        b, h, i = items[r, 0], items[r, 1], items[r, 2]
-        status[b, h, i] = _sigmoid_row_d(b, h, i, inputs, rule, target, results)
+def sigmoid_d(blocks, inputs, rule, target, results):
+    """The double-precision first step (targets of at most 24 bits, no weights) over
+    ``blocks`` ((n, 4): b, h, first row, rows <= ROW_BLOCK), in parallel over blocks; the other
+    arguments are those of :func:`sigmoid_dd`. Rows it leaves undecided run
+    :func:`sigmoid_dd` next."""
+    for r in prange(blocks.shape[0]):
+        b, h, i0, nb_rows = blocks[r, 0], blocks[r, 1], blocks[r, 2], blocks[r, 3]
+        _sigmoid_block_d(b, h, i0, nb_rows, inputs, rule, target, results)
