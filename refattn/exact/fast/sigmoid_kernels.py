@@ -60,6 +60,7 @@ from .forward_kernels import (
     EMPTY,
     OK,
     ROW_BLOCK,
+    SUM_BLOCK,
     UNDECIDED,
     bias_in_range,
     block_interval,
@@ -273,12 +274,20 @@ def _block_weights(nb_rows, work, rows):
 
 @numba.jit(**_JIT)
 def _block_sums(vp, lo, nb_rows, work, sums):
-    """N (fma chains over the keys in increasing order), a_e and the far keys' |v| sums of a
-    block of rows; each V row is loaded once for the block."""
+    """N, a_e and the far keys' |v| sums of a block of rows; each V row is loaded once for the
+    block. N is summed blocked (Higham 2002, sec. 4.2): an fma chain over each run of
+    :data:`~refattn.exact.fast.forward_kernels.SUM_BLOCK` keys (j in increasing order, runs
+    cut at multiples of SUM_BLOCK of j), each run's partial then added to the total, so
+    ``|N^ - sum w^ v| <= gamma_{SUM_BLOCK + n / SUM_BLOCK + 2} sum |w^ v|``."""
     s, state = work
-    acc, av, far = sums
+    acc, part, av, far = sums
     vdim = vp.shape[1]
     for jj in range(s.shape[1]):
+        if (lo + jj) % SUM_BLOCK == 0 and jj > 0:
+            for rr in range(nb_rows):
+                for e in range(vdim):
+                    acc[rr, e] += part[rr, e]
+                    part[rr, e] = 0.0
         vrow = vp[lo + jj]
         for rr in range(nb_rows):
             w = s[rr, jj]
@@ -287,12 +296,15 @@ def _block_sums(vp, lo, nb_rows, work, sums):
                     far[rr, e] += abs(vrow[e])
             if w == 0.0:
                 continue
-            arow = acc[rr]
+            prow = part[rr]
             brow = av[rr]
             for e in range(vdim):
                 x = vrow[e]
-                arow[e] = D.fma(w, x, arow[e])
+                prow[e] = D.fma(w, x, prow[e])
                 brow[e] += w * abs(x)
+    for rr in range(nb_rows):
+        for e in range(vdim):
+            acc[rr, e] += part[rr, e]
 
 
 @numba.jit(**_JIT)
@@ -321,10 +333,13 @@ def _sigmoid_block_d(b, h, i0, nb_rows, inputs, rule, target, results):
     _block_weights(nb_rows, (s, err, state), (rho, usable))
     vdim = v.shape[3]
     acc = np.zeros((ROW_BLOCK, vdim))
+    part = np.zeros((ROW_BLOCK, vdim))
     av = np.zeros((ROW_BLOCK, vdim))
     far = np.zeros((ROW_BLOCK, vdim))
-    _block_sums(v[b, kvh[h]], lo, nb_rows, (s, state), (acc, av, far))
-    gam = 1.01 * (n + 2) * D.U / (1.0 - (n + 2) * D.U)
+    _block_sums(v[b, kvh[h]], lo, nb_rows, (s, state), (acc, part, av, far))
+    terms = SUM_BLOCK + n // SUM_BLOCK + 4  # a_e's own float sum: gamma_{n + 2}, below
+    gam = 1.01 * terms * D.U / (1.0 - terms * D.U)
+    gam_a = 1.01 * (n + 2) * D.U / (1.0 - (n + 2) * D.U)
     keep_hi = pr[P_KEEP_HI]
     keep_tail = abs(pr[P_KEEP_LO]) + pr[P_KEEP_ERR]
     for rr in range(nb_rows):
@@ -335,7 +350,7 @@ def _sigmoid_block_d(b, h, i0, nb_rows, inputs, rule, target, results):
         if top[rr] == -np.inf:
             status[b, h, i] = EMPTY
             continue
-        grow = (1.0 + rho[rr]) * (1.0 + gam) * (1.0 + 2.0**-50)
+        grow = (1.0 + rho[rr]) * (1.0 + gam_a) * (1.0 + 2.0**-50)
         ok = True
         for e in range(vdim):
             nr = ((gam + rho[rr]) * av[rr, e] * grow + TINY * far[rr, e]) * D.BOUND_SAFETY
