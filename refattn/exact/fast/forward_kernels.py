@@ -628,11 +628,10 @@ def forward_d(blocks, inputs, rule, target, results):
         )
 
 
-#: The score steps (double-double per row, double per block of rows), the compensated dot
-#: products and the bias range test under public names: the sigmoid first steps
+#: The score steps (double-double per key, double per block of rows) and the bias range test
+#: under public names: the sigmoid first steps
 #: (:mod:`refattn.exact.fast.sigmoid_kernels`) score keys the same way.
 score_dd = _score
-row_dots = _row_dots
 bias_in_range = _bias_in_range
 block_interval = _block_interval
 block_scores = _block_scores

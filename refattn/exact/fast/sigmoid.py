@@ -64,6 +64,19 @@ def _inputs(spec: AttentionSpec):
     return record, ok
 
 
+def _row_groups(todo: np.ndarray) -> np.ndarray:
+    """(n, 3 + ROW_BLOCK) int64 (b, h, count, rows...): the rows ``todo`` (B, H, L) marks,
+    grouped by plane in increasing order, at most ROW_BLOCK a group."""
+    items = np.argwhere(todo)
+    groups = []
+    for b, h in np.unique(items[:, :2], axis=0):
+        rows = np.flatnonzero(todo[b, h])
+        for start in range(0, rows.size, ROW_BLOCK):
+            chunk = rows[start : start + ROW_BLOCK]
+            groups.append([b, h, chunk.size, *chunk, *([0] * (ROW_BLOCK - chunk.size))])
+    return np.array(groups, dtype=np.int64).reshape(-1, 3 + ROW_BLOCK)
+
+
 def _blocks(planes: np.ndarray, length: int) -> np.ndarray:
     """(n, 4) int64 (b, h, first row, rows) of the row blocks of the planes taken."""
     starts = np.arange(0, length, ROW_BLOCK)
@@ -128,9 +141,8 @@ def _first_step(spec, fmt, want_weights, enclosure=None):
         if fmt.p <= 24 and not want_weights and "double" in steps and todo.any():
             sigmoid_d(_blocks(ok, length), inputs, rule, target, results)
             todo = todo & (status == UNDECIDED)
-        items = np.ascontiguousarray(np.argwhere(todo))
-        if items.size and "double-double" in steps:
-            sigmoid_dd(items, inputs, rule, target, results)
+        if todo.any() and "double-double" in steps:
+            sigmoid_dd(_row_groups(todo), inputs, rule, target, results)
     return out, weights, status
 
 

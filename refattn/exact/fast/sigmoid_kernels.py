@@ -65,7 +65,6 @@ from .forward_kernels import (
     bias_in_range,
     block_interval,
     block_scores,
-    row_dots,
     score_dd,
 )
 from .rounding_decision import decide_one
@@ -124,114 +123,178 @@ def _row_weights(index, lo, scores, state, target, w):
 
 
 @numba.jit(**_JIT)
-def _row_sums(lo, scores, state, vp, sums):
-    """N (hi, compensation) and the radius data (a_e float sums, far |v| sums) of one row;
-    returns the largest relative weight bound rho (module docstring, 3)."""
-    th, tl, te = scores
-    ns, nc, av, far = sums
-    vdim = vp.shape[1]
-    rho = 0.0
-    for jj in range(state.shape[0]):
-        if state[jj] != 2:
-            continue
-        j = lo + jj
-        wh, wl, rel, absolute = _weight(th[jj], tl[jj], te[jj])
-        rho = max(rho, rel)
-        if absolute > 0.0:
-            for e in range(vdim):
-                far[e] += abs(vp[j, e])
-        if wh == 0.0:
-            continue
-        for e in range(vdim):
-            x = vp[j, e]
-            p = wh * x
-            ep = D.fma(wh, x, -p)
-            t, es = D.two_sum(ns[e], p)
-            ns[e] = t
-            nc[e] += ep + es + wl * x
-            av[e] += abs(wh) * abs(x)
-    return rho
+def _block_dots2(qp, kTp, rows, nb_rows, lo, hi, s, c):
+    """Compensated dot products (s, c) of the queries ``rows[:nb_rows]`` of the plane with the
+    keys lo <= j < hi (entry [rr, j - lo]); each (s, c) is the Dot2 chain over D of a row
+    alone, so the blocking changes no bit."""
+    n = max(hi - lo, 0)
+    for d in range(qp.shape[1]):
+        row = kTp[d, lo:hi]  # a slice: the loop below then vectorizes
+        for rr in range(nb_rows):
+            a = qp[rows[rr], d]
+            if a == 0.0:
+                continue
+            srow = s[rr]
+            crow = c[rr]
+            for jj in range(n):
+                p = a * row[jj]
+                ep = D.fma(a, row[jj], -p)
+                t, es = D.two_sum(srow[jj], p)
+                srow[jj] = t
+                crow[jj] += ep + es
 
 
 @numba.jit(**_JIT)
-def _sigmoid_row(b, h, i, inputs, rule, target, results):
-    """First step of query row i of plane (b, h); returns its status (OK, EMPTY, UNDECIDED)."""
-    q, kT, v, qn, kn, _, _, _, _, prm, kvh = inputs
+def _block_scores_dd(b, h, rows, nb_rows, lo, inputs, rule, work, row_status):
+    """Scores (module docstring, 1) of the block's rows in place of their dot products, the
+    key states, and each row's status so far (EMPTY: no allowed key; UNDECIDED: a bias out
+    of range or a score bound above 2**-20)."""
+    qn, kn, prm, kvh = inputs[3], inputs[4], inputs[9], inputs[10]
     rows_lo, rows_hi = rule[R_ROWS_LO], rule[R_ROWS_HI]
     has_mask, has_bias, has_keep = rule[R_HAS_MASK], rule[R_HAS_BIAS], rule[R_HAS_KEEP]
-    want_w, want_enclosure, p, emin, maxf = target
-    out, enclosure = results[0], results[3]
-    g = kvh[h]
-    lo, hi = rows_lo[b, i], rows_hi[b, i]
-    n = hi - lo
-    vdim = v.shape[3]
+    th, tl, te, state = work
     pr = prm[b, h]
-    knp = kn[b, g]
-    th = np.empty(n)
-    tl = np.empty(n)
-    te = np.zeros(n)
-    state = np.zeros(n, np.int8)
-    row_dots(q[b, h, i], kT[b, g], lo, hi, th, tl)
-    any_allowed = False
-    for jj in range(n):
-        j = lo + jj
-        st, bv = 2, 0.0
-        if has_mask or has_bias or has_keep:
-            st, bv = key_state(rule, b, h, i, j)
-        state[jj] = st
-        if st == 0:
-            continue
-        any_allowed = True
-        if has_bias and not bias_in_range(bv):
-            return UNDECIDED
-        th[jj], tl[jj], te[jj] = score_dd(
-            i, j, th[jj], tl[jj], qn[b, h, i], knp[j], pr, bv, has_bias
-        )
-        if not te[jj] <= _DELTA_MAX:
-            return UNDECIDED
-    if not any_allowed:
-        return EMPTY
-    ns = np.zeros(vdim)
-    nc = np.zeros(vdim)
-    av = np.zeros(vdim)
-    far = np.zeros(vdim)
-    rho = _row_sums(lo, (th, tl, te), state, v[b, g], (ns, nc, av, far))
+    knp = kn[b, kvh[h]]
+    for rr in range(nb_rows):
+        i = rows[rr]
+        row_status[rr] = EMPTY
+        for jj in range(rows_lo[b, i] - lo, rows_hi[b, i] - lo):
+            j = lo + jj
+            st, bv = 2, 0.0
+            if has_mask or has_bias or has_keep:
+                st, bv = key_state(rule, b, h, i, j)
+            state[rr, jj] = st
+            if st == 0:
+                continue
+            if row_status[rr] == EMPTY:
+                row_status[rr] = OK
+            if has_bias and not bias_in_range(bv):
+                row_status[rr] = UNDECIDED
+                break
+            th[rr, jj], tl[rr, jj], te[rr, jj] = score_dd(
+                i, j, th[rr, jj], tl[rr, jj], qn[b, h, i], knp[j], pr, bv, has_bias
+            )
+            if not te[rr, jj] <= _DELTA_MAX:
+                row_status[rr] = UNDECIDED
+                break
+
+
+@numba.jit(**_JIT)
+def _block_sums_dd(vp, lo, nb_rows, work, row_status, sums, rho):
+    """N (Dot2 over the 2 S products hi(w) v, lo(w) v), a_e and the far keys' |v| sums of the
+    block's rows (module docstring, 3); each V row is loaded once for the block."""
+    th, tl, te, state = work
+    ns, nc, av, far = sums
+    vdim = vp.shape[1]
+    for jj in range(th.shape[1]):
+        vrow = vp[lo + jj]
+        for rr in range(nb_rows):
+            if state[rr, jj] != 2 or row_status[rr] != OK:
+                continue
+            wh, wl, rel, absolute = _weight(th[rr, jj], tl[rr, jj], te[rr, jj])
+            rho[rr] = max(rho[rr], rel)
+            if absolute > 0.0:
+                for e in range(vdim):
+                    far[rr, e] += abs(vrow[e])
+            if wh == 0.0:
+                continue
+            srow, crow, arow = ns[rr], nc[rr], av[rr]
+            for e in range(vdim):
+                x = vrow[e]
+                p = wh * x
+                ep = D.fma(wh, x, -p)
+                t, es = D.two_sum(srow[e], p)
+                srow[e] = t
+                crow[e] += ep + es + wl * x
+                arow[e] += abs(wh) * abs(x)
+
+
+@numba.jit(**_JIT)
+def _finish_dd(index, n, rho, sums, pr, target, results):
+    """out = N keep_scale with its radius, rounded to the target (module docstring, 3-4);
+    returns whether every element is decided."""
+    b, h, i = index
+    ns, nc, av, far = sums
+    _, want_enclosure, p, emin, maxf = target
+    out, enclosure = results[0], results[3]
     grow = (1.0 + rho) * (1.0 + 1.01 * (n + 2) * D.U / (1.0 - (n + 2) * D.U)) * (1.0 + 2.0**-50)
     sum_rel = pr[P_SUM_REL]
     keep_hi, keep_lo, keep_err = pr[P_KEEP_HI], pr[P_KEEP_LO], pr[P_KEEP_ERR]
     ok = True
-    for e in range(vdim):
+    for e in range(ns.shape[0]):
         nr = ((sum_rel + rho) * av[e] * grow + TINY * far[e]) * D.BOUND_SAFETY
         nh, nl = D.two_sum(ns[e], nc[e])
         oh, ol = D.dd_mul(nh, nl, keep_hi, keep_lo)
         orad = nr * (abs(keep_hi) + keep_err) + (abs(nh) + nr) * keep_err + D.DD_REL * abs(oh)
+        orad = orad * D.BOUND_SAFETY
         if want_enclosure:
             enclosure[b, h, i, e, 0] = oh
             enclosure[b, h, i, e, 1] = ol
-            enclosure[b, h, i, e, 2] = orad * D.BOUND_SAFETY
-        value, dec = decide_one(oh, ol, orad * D.BOUND_SAFETY, p, emin, maxf)
+            enclosure[b, h, i, e, 2] = orad
+        value, dec = decide_one(oh, ol, orad, p, emin, maxf)
         out[b, h, i, e] = value
         ok = ok and dec
-    if ok and want_w:
-        ok = _row_weights((b, h, i), lo, (th, tl, te), state, target, results[1])
-    return OK if ok else UNDECIDED
+    return ok
+
+
+@numba.jit(**_JIT)
+def _sigmoid_block(b, h, rows, inputs, rule, target, results):
+    """The double-double first step of the query rows ``rows`` (at most ROW_BLOCK) of plane
+    (b, h), which share each load of K^T and V; sets each row's status."""
+    q, kT, v, prm, kvh = inputs[0], inputs[1], inputs[2], inputs[9], inputs[10]
+    rows_lo, rows_hi = rule[R_ROWS_LO], rule[R_ROWS_HI]
+    status = results[2]
+    nb_rows = rows.shape[0]
+    g = kvh[h]
+    lo, hi = rows_lo[b, rows[0]], rows_hi[b, rows[0]]
+    for rr in range(1, nb_rows):
+        lo, hi = min(lo, rows_lo[b, rows[rr]]), max(hi, rows_hi[b, rows[rr]])
+    n = max(hi - lo, 0)
+    work = (
+        np.zeros((ROW_BLOCK, n)),
+        np.zeros((ROW_BLOCK, n)),
+        np.zeros((ROW_BLOCK, n)),
+        np.zeros((ROW_BLOCK, n), np.int8),
+    )
+    _block_dots2(q[b, h], kT[b, g], rows, nb_rows, lo, hi, work[0], work[1])
+    row_status = np.zeros(ROW_BLOCK, np.int8)
+    _block_scores_dd(b, h, rows, nb_rows, lo, inputs, rule, work, row_status)
+    vdim = v.shape[3]
+    sums = (
+        np.zeros((ROW_BLOCK, vdim)),
+        np.zeros((ROW_BLOCK, vdim)),
+        np.zeros((ROW_BLOCK, vdim)),
+        np.zeros((ROW_BLOCK, vdim)),
+    )
+    rho = np.zeros(ROW_BLOCK)
+    _block_sums_dd(v[b, g], lo, nb_rows, work, row_status, sums, rho)
+    for rr in range(nb_rows):
+        i = rows[rr]
+        if row_status[rr] != OK:
+            status[b, h, i] = row_status[rr]
+            continue
+        row_sums = (sums[0][rr], sums[1][rr], sums[2][rr], sums[3][rr])
+        ok = _finish_dd((b, h, i), n, rho[rr], row_sums, prm[b, h], target, results)
+        if ok and target[0]:
+            scores = (work[0][rr], work[1][rr], work[2][rr])
+            ok = _row_weights((b, h, i), lo, scores, work[3][rr], target, results[1])
+        status[b, h, i] = OK if ok else UNDECIDED
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
-def sigmoid_dd(items, inputs, rule, target, results):
-    """The first step for the query rows ``items`` ((n, 3): b, h, i), in parallel over rows.
+def sigmoid_dd(blocks, inputs, rule, target, results):
+    """The double-double first step over ``blocks`` ((n, 3 + ROW_BLOCK): b, h, row count, then
+    that many query rows of plane (b, h)), in parallel over blocks.
 
     ``inputs`` = the softmax first steps' record
     (:func:`refattn.exact.fast.forward_kernels.forward_dd`: q, kT, v, qn, kn, qs, ks, vmax,
     vnorm, prm, kv_head); ``rule`` = :meth:`refattn.exact.fast.allowed_set.AllowedRule.
-    kernel_args`;
-    ``target`` = (want_weights, want_enclosure, p, emin, max_finite) of the output format;
-    ``results`` = (out (B, H, L, E), weights (B, H, L, S) or a dummy, status (B, H, L) int8,
-    enclosure (B, H, L, E, 3): out's (hi, lo, radius) before rounding, or a dummy)."""
-    status = results[2]
-    for r in prange(items.shape[0]):
-        b, h, i = items[r, 0], items[r, 1], items[r, 2]
-        status[b, h, i] = _sigmoid_row(b, h, i, inputs, rule, target, results)
+    kernel_args`; ``target`` = (want_weights, want_enclosure, p, emin, max_finite) of the output
+    format; ``results`` = (out (B, H, L, E), weights (B, H, L, S) or a dummy, status (B, H, L)
+    int8, enclosure (B, H, L, E, 3): out's (hi, lo, radius) before rounding, or a dummy)."""
+    for r in prange(blocks.shape[0]):
+        b, h, count = blocks[r, 0], blocks[r, 1], blocks[r, 2]
+        _sigmoid_block(b, h, blocks[r, 3 : 3 + count], inputs, rule, target, results)
 
 
 # --------------------------------------------------------------------------------------
