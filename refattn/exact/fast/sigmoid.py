@@ -20,6 +20,7 @@ relative) runs first; only the rows it leaves undecided run the double-double st
 from __future__ import annotations
 
 import numpy as np
+from numba import parallel_chunksize
 
 from ...spec import AttentionSpec
 from ..attention_sigmoid import exact_sigmoid_forward
@@ -138,11 +139,14 @@ def _first_step(spec, fmt, want_weights, enclosure=None):
         target = (bool(want_weights), want_enclosure, fmt.p, fmt.emin, float(fmt.max_finite))
         rule = allowed_rule(spec).kernel_args()
         results = (out, weights, status, enclosure)
-        if fmt.p <= 24 and not want_weights and "double" in steps and todo.any():
-            sigmoid_d(_blocks(ok, length), inputs, rule, target, results)
-            todo = todo & (status == UNDECIDED)
-        if todo.any() and "double-double" in steps:
-            sigmoid_dd(_row_groups(todo), inputs, rule, target, results)
+        # chunks of one block: causal blocks differ in cost, and equal contiguous chunks per
+        # thread would leave the costly late rows to one thread
+        with parallel_chunksize(1):
+            if fmt.p <= 24 and not want_weights and "double" in steps and todo.any():
+                sigmoid_d(_blocks(ok, length), inputs, rule, target, results)
+                todo = todo & (status == UNDECIDED)
+            if todo.any() and "double-double" in steps:
+                sigmoid_dd(_row_groups(todo), inputs, rule, target, results)
     return out, weights, status
 
 
