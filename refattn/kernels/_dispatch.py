@@ -245,8 +245,8 @@ def _sigmoid_vjp(spec, grad_out, dtype):
 #: What :func:`precompile` can compile: the Numba CPU attention paths of :data:`PATHS`, the
 #: sparse gather (forward and vjp), sigmoid attention (forward and vjp), the linear-attention
 #: kernels (recurrent and chunked, forward and vjp) and the exact engine's compiled first steps
-#: (attention forward and vjp, linear-attention forward; they compute in float64 and
-#: double-double whatever the dtype).
+#: (attention forward and vjp, sigmoid-attention forward, linear-attention forward; they
+#: compute in float64 and double-double whatever the dtype).
 FAMILIES = PATHS + ("gather", "sigmoid", "linear", "exact")
 
 
@@ -282,6 +282,7 @@ def _warm_attention(path, dtype):
         return attention_vjp(q, k, v, do, backend="numba", **options)
     if path == "exact":
         attention(q, k, v, precision="exact", out_dtype=dtype)
+        attention(q, k, v, precision="exact", out_dtype=dtype, normalizer="sigmoid")
         linear_attention(q, q, q, -np.abs(q[..., 0]), precision="exact", out_dtype=dtype)
         return attention_vjp(q, k, v, do, precision="exact", out_dtype=dtype)
     q, k, v = _tiny(dtype, 2, 2)
