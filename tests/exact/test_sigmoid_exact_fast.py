@@ -165,3 +165,23 @@ def test_rows_left_to_the_referee_are_identical(what):
         _, stats = _exact("fast", q, k, v, opts, out_dtype)
         if what != "all-zero scores":  # decided unless a sum lands on a midpoint
             assert stats["referee_rows"] > 0, f"{what}: no row went to the referee"
+
+
+def test_rows_the_double_step_leaves_are_decided_alike():
+    """float32 outputs: the rows the double-precision step leaves undecided (scattered rows,
+    grouped by plane for the double-double step) get the values the double-double step alone
+    gives every row (both are the correctly rounded values)."""
+    from refattn.exact.fast import sigmoid as fast
+    from refattn.exact.rounding import format_of
+
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((1, 2, 256, 64)).astype(np.float32) for _ in range(3))
+    spec = canonicalize(q, k, v, normalizer="sigmoid", causal=True, bias=-np.log(256.0))
+    fmt = format_of(np.float32)
+    scratch = np.zeros((1, 2, 256, 64, 3))
+    _, _, after_double = fast._first_step(spec, fmt, False, (scratch, "double"))
+    assert (after_double != OK).any(), "the double step decided every row: no leftover to test"
+    both, _, status = fast._first_step(spec, fmt, False)
+    alone, _, status_alone = fast._first_step(spec, fmt, False, (scratch, "double-double"))
+    assert (status == OK).all() and (status_alone == OK).all()
+    assert_same_bits(both, alone, what="double then double-double vs double-double alone")
