@@ -185,3 +185,22 @@ def test_rows_the_double_step_leaves_are_decided_alike():
     alone, _, status_alone = fast._first_step(spec, fmt, False, (scratch, "double-double"))
     assert (status == OK).all() and (status_alone == OK).all()
     assert_same_bits(both, alone, what="double then double-double vs double-double alone")
+
+
+@pytest.mark.parametrize("step", ["double-double", "double"])
+def test_enclosures_contain_the_twin_over_key_blocks(step):
+    """Rows of 150 keys (the double step's blocked sums restart every 64 keys)."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 3, 4)) * 2
+    k = rng.standard_normal((1, 150, 4))
+    v = rng.standard_normal((1, 150, 2))
+    opts = {"causal": True, "align": "bottom_right", "bias": rng.standard_normal((2, 3, 150))}
+    spec = canonicalize(q[None], k[None], v[None], normalizer="sigmoid", **opts)
+    enclosure, status = sigmoid_enclosures(spec, step)
+    assert (status == OK).all()
+    with mpmath.workdps(60):
+        truth, _ = naive_sigmoid_attention(q, k, v, **opts)
+        for h, i, e in np.ndindex(enclosure.shape[1:4]):
+            hi, lo, rad = (float(x) for x in enclosure[0, h, i, e])
+            gap = abs(truth[h][i][e] - (mpmath.mpf(hi) + mpmath.mpf(lo)))
+            assert gap <= rad, f"out[{h}, {i}, {e}]: {truth[h][i][e]} outside {hi} + {lo} +- {rad}"
