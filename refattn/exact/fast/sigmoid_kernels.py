@@ -180,22 +180,43 @@ def _block_scores_dd(b, h, rows, nb_rows, lo, inputs, rule, work, row_status):
 
 
 @numba.jit(**_JIT)
-def _block_sums_dd(vp, lo, nb_rows, work, row_status, sums, rho):
-    """N (Dot2 over the 2 S products hi(w) v, lo(w) v), a_e and the far keys' |v| sums of the
-    block's rows (module docstring, 3); each V row is loaded once for the block."""
+def _block_weights_dd(nb_rows, work, row_status, rho):
+    """Weights (module docstring, 2) of the kept keys of the block's rows in one pass, apart
+    from the sums (independent exponentials back to back, which the processor overlaps):
+    (hi, lo) in place of the score, the relative bound in place of the score bound, state 3
+    for a far key (absolute bound TINY); per row the largest relative bound."""
     th, tl, te, state = work
-    ns, nc, av, far = sums
-    vdim = vp.shape[1]
-    for jj in range(th.shape[1]):
-        vrow = vp[lo + jj]
-        for rr in range(nb_rows):
-            if state[rr, jj] != 2 or row_status[rr] != OK:
+    for rr in range(nb_rows):
+        if row_status[rr] != OK:
+            continue
+        for jj in range(th.shape[1]):
+            if state[rr, jj] != 2:
                 continue
             wh, wl, rel, absolute = _weight(th[rr, jj], tl[rr, jj], te[rr, jj])
+            th[rr, jj], tl[rr, jj], te[rr, jj] = wh, wl, rel
             rho[rr] = max(rho[rr], rel)
             if absolute > 0.0:
+                state[rr, jj] = 3
+
+
+@numba.jit(**_JIT)
+def _block_sums_dd(vp, lo, nb_rows, work, row_status, sums):
+    """N (Dot2 over the 2 S products hi(w) v, lo(w) v), a_e and the far keys' |v| sums of the
+    block's rows (module docstring, 3) from :func:`_block_weights_dd`'s weights; each V row
+    is loaded once for the block."""
+    wh_all, wl_all, _, state = work
+    ns, nc, av, far = sums
+    vdim = vp.shape[1]
+    for jj in range(wh_all.shape[1]):
+        vrow = vp[lo + jj]
+        for rr in range(nb_rows):
+            st = state[rr, jj]
+            if st < 2 or row_status[rr] != OK:
+                continue
+            if st == 3:
                 for e in range(vdim):
                     far[rr, e] += abs(vrow[e])
+            wh, wl = wh_all[rr, jj], wl_all[rr, jj]
             if wh == 0.0:
                 continue
             srow, crow, arow = ns[rr], nc[rr], av[rr]
@@ -267,7 +288,12 @@ def _sigmoid_block(b, h, rows, inputs, rule, target, results):
         np.zeros((ROW_BLOCK, vdim)),
     )
     rho = np.zeros(ROW_BLOCK)
-    _block_sums_dd(v[b, g], lo, nb_rows, work, row_status, sums, rho)
+    empty = np.empty((0, 0))
+    scores = (empty, empty, empty)  # the scores, kept for the weights when asked for
+    if target[0]:
+        scores = (work[0].copy(), work[1].copy(), work[2].copy())
+    _block_weights_dd(nb_rows, work, row_status, rho)
+    _block_sums_dd(v[b, g], lo, nb_rows, work, row_status, sums)
     for rr in range(nb_rows):
         i = rows[rr]
         if row_status[rr] != OK:
@@ -276,8 +302,8 @@ def _sigmoid_block(b, h, rows, inputs, rule, target, results):
         row_sums = (sums[0][rr], sums[1][rr], sums[2][rr], sums[3][rr])
         ok = _finish_dd((b, h, i), n, rho[rr], row_sums, prm[b, h], target, results)
         if ok and target[0]:
-            scores = (work[0][rr], work[1][rr], work[2][rr])
-            ok = _row_weights((b, h, i), lo, scores, work[3][rr], target, results[1])
+            row_scores = (scores[0][rr], scores[1][rr], scores[2][rr])
+            ok = _row_weights((b, h, i), lo, row_scores, work[3][rr], target, results[1])
         status[b, h, i] = OK if ok else UNDECIDED
 
 
