@@ -568,8 +568,12 @@ def _forward_paths(spec, precision, backend, out_dtype, return_lse, return_weigh
 
         # both engines take sinks natively (the referee folds them into one more key)
         engine = fast_exact_forward if config.EXACT_ENGINE == "fast" else exact_forward
-        if spec.normalizer == "sigmoid":  # the fast engine is softmax-specific
-            from .exact.attention_sigmoid import exact_sigmoid_forward as engine
+        if spec.normalizer == "sigmoid":  # its own engines (no normaliser)
+            from .exact.attention_sigmoid import exact_sigmoid_forward
+            from .exact.fast.sigmoid import fast_sigmoid_forward
+
+            fast = config.SIGMOID_EXACT_ENGINE == "fast"
+            engine = fast_sigmoid_forward if fast else exact_sigmoid_forward
         if spec.index_reading == GATHER_READING:  # listed keys kept as lists: no dense mask
             from .exact.fast.gather import gather_forward as engine
         out, lse, weights = engine(

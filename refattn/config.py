@@ -35,6 +35,11 @@ EXACT_VJP_ENGINE = "fast"
 #: arbitrary-precision referee) or "referee" (the referee on every row). Both give the same bits.
 LINEAR_EXACT_ENGINE = "fast"
 
+#: Engine of precision="exact" sigmoid attention (``normalizer="sigmoid"``) forward: "fast" (a
+#: compiled double-double first step decides most rows; the undecided rows go to the
+#: arbitrary-precision referee) or "referee" (the referee on every row). Both give the same bits.
+SIGMOID_EXACT_ENGINE = "fast"
+
 #: The epsilon inside the root of linear attention's q/k normalisation,
 #: ``x / sqrt(sum x^2 + eps)`` (flash-linear-attention's ``l2norm``; the float64 number 1e-6).
 LINEAR_L2NORM_EPS = 1e-6

@@ -2,7 +2,10 @@
 
 One bookkeeping serves the float64 path (``dtype="float64"``) and the Numba CPU and CUDA
 kernels (their compute dtype: float64, or float32 for narrower inputs), with ``u`` and
-Higham's ``gamma_n`` of that dtype (:mod:`.unit`).
+Higham's ``gamma_n`` of that dtype (:mod:`.unit`). The tiled CPU kernels
+(:mod:`refattn.kernels._cpu_sigmoid_tiles`) perform the scalar kernels' operations in the same
+order (one fma chain per score over D, one per output over the keys in increasing order), so
+the same bound holds for them term by term.
 
 Scores. As for softmax (:mod:`.attention`):
 ``delta_ij <= gamma_{D+2} |s| |q_i|.|k_j| + gamma_4 (|t~_ij| + |b_ij| + |a_ij| + c)``.

@@ -1,8 +1,9 @@
 """Exact sigmoid attention (``normalizer="sigmoid"``): the referee engine, forward and vjp.
 
 Every element is the exact real result rounded once (the Ziv loop of
-:func:`refattn.exact.rounding.correctly_round`). The fast exact engine
-(:mod:`refattn.exact.fast`) is softmax-specific; sigmoid calls run here.
+:func:`refattn.exact.rounding.correctly_round`). This is the referee: the default engine
+(:mod:`refattn.exact.fast.sigmoid`, ``config.SIGMOID_EXACT_ENGINE = "fast"``) decides most rows
+with a compiled double-double first step and sends only its undecided rows here.
 
 Forward, one (batch, head) plane at working precision P bits (the referee's score machinery,
 :class:`refattn.exact.attention.ExactForward`, reused as is):

@@ -1,4 +1,7 @@
-"""Numba CPU kernels of sigmoid attention (``normalizer="sigmoid"``): forward and backward.
+"""Scalar per-row Numba CPU kernels of sigmoid attention (``normalizer="sigmoid"``): forward
+and backward. The dispatch runs the tiled kernels of :mod:`._cpu_sigmoid_tiles` (the same
+operations in the same order, so the same bits); these remain their reference and run the vjp
+when an input holds inf or NaN.
 
 With no normaliser there is no online rescaling: each output is a plain sum over keys,
 ``out_i = sum_j kappa_ij sigma(t_ij) v_j / (1 - p)``. The kernels are per-row loops (one
@@ -46,13 +49,21 @@ from ._cpu_scores import finish_scores
 from ._cpu_tiles import exp_compute
 from ._simd import KERNEL_OPTIONS, fma, lanes
 
-__all__ = ["sigmoid_forward", "sigmoid_backward"]
+__all__ = ["sigmoid_forward", "sigmoid_backward", "sigmoid_compute"]
 
 _OPTS = KERNEL_OPTIONS
 
 
 @njit(**_OPTS)
-def _sigmoid(x, one):
+def sigmoid_compute(x, one):
+    """sigma(x) in the compute dtype (``one`` = 1 in it): ``1 / (1 + e^{-x})`` for ``x >= 0``,
+    ``e^x / (1 + e^x)`` otherwise (:func:`~._cpu_tiles.exp_compute`); never overflows.
+
+    Examples
+    --------
+    >>> float(sigmoid_compute(np.float64(0.0), np.float64(1.0)))
+    0.5
+    """
     if x >= 0:
         return one / (one + exp_compute(-x))
     e = exp_compute(x)
@@ -104,7 +115,7 @@ def _forward_row(q, k, v, kv_head, unit, dims, opts, fopts, terms, out):
         any_allowed = True
         if has_drop and drop[dstr[0] * b + dstr[1] * h + dstr[2] * i + dstr[3] * j] == 0:
             continue
-        w = _sigmoid(t, one)
+        w = sigmoid_compute(t, one)
         for e in range(vdim):
             acc[e] = fma(w, v[b, g, j, e], acc[e])
     orow = out[b, h, i]
@@ -158,12 +169,12 @@ def _backward_group(q, k, v, kv_head, unit, dims, opts, fopts, terms, grad_out, 
                     continue
                 if has_drop and drop[dstr[0] * b + dstr[1] * h + dstr[2] * i + dstr[3] * j] == 0:
                     continue
-                w = _sigmoid(t, one)
+                w = sigmoid_compute(t, one)
                 dp = _zero(q)
                 for e in range(vdim):
                     dp = fma(do[e], v[b, g, j, e], dp)
                     dv[b, g, j, e] = fma(w * keep, do[e], dv[b, g, j, e])
-                ds = w * _sigmoid(-t, one) * (dp * keep)
+                ds = w * sigmoid_compute(-t, one) * (dp * keep)
                 if has_bias:
                     dbias[b, h, i, j] = ds
                 if has_softcap:

@@ -215,7 +215,7 @@ def attention(spec, *, return_lse: bool = False, dtype=None):
     """
     from . import _cpu_decode, _cpu_forward, numba_cpu
 
-    if spec.normalizer == "sigmoid":  # no lse: a per-row plain sum (refattn.kernels._cpu_sigmoid)
+    if spec.normalizer == "sigmoid":  # no lse: plain sums (refattn.kernels._cpu_sigmoid_tiles)
         return _sigmoid_attention(spec, return_lse, _dtype(spec, dtype))
     announce_compile((_cpu_forward, _cpu_decode), names="forward")
     out, lse = numba_cpu.forward(spec, _dtype(spec, dtype))
@@ -244,30 +244,40 @@ def attention_vjp(spec, grad_out, grad_lse=None, *, dtype=None):
     from . import _cpu_backward, _cpu_decode, _cpu_forward, numba_cpu
 
     if spec.normalizer == "sigmoid":
-        from . import _cpu_sigmoid
-
         if grad_lse is not None:
             raise ValueError("grad_lse: normalizer='sigmoid' has no log-sum-exp")
-        announce_compile(_cpu_sigmoid)
-        return _cpu_sigmoid.sigmoid_backward(spec, grad_out, _dtype(spec, dtype))
+        return _sigmoid_vjp(spec, grad_out, _dtype(spec, dtype))
     announce_compile((_cpu_forward, _cpu_decode, _cpu_backward))
     return numba_cpu.backward(spec, grad_out, grad_lse, _dtype(spec, dtype))
 
 
 def _sigmoid_attention(spec, return_lse, dtype):
-    """The sigmoid forward; its "lse" is NaN (there is no normaliser)."""
-    from . import _cpu_sigmoid
+    """The sigmoid forward (tiled); its "lse" is NaN (there is no normaliser)."""
+    from . import _cpu_sigmoid_tiles
 
-    announce_compile(_cpu_sigmoid, names="forward")
-    out = _cpu_sigmoid.sigmoid_forward(spec, dtype)
+    announce_compile(_cpu_sigmoid_tiles, names="forward")
+    out = _cpu_sigmoid_tiles.sigmoid_forward_tiled(spec, dtype)
     return (out, np.full(out.shape[:-1], np.nan, dtype)) if return_lse else out
+
+
+def _sigmoid_vjp(spec, grad_out, dtype):
+    """The sigmoid vjp: the tiled kernel for finite q, k, v and grad_out, else the scalar
+    per-row kernel (the same bits where both apply; a zero weight must not meet inf there)."""
+    from . import _cpu_sigmoid, _cpu_sigmoid_tiles
+
+    finite = all(np.isfinite(x).all() for x in (spec.q, spec.k, spec.v, grad_out))
+    if finite:
+        announce_compile(_cpu_sigmoid_tiles)
+        return _cpu_sigmoid_tiles.sigmoid_backward_tiled(spec, grad_out, dtype)
+    announce_compile(_cpu_sigmoid)
+    return _cpu_sigmoid.sigmoid_backward(spec, grad_out, dtype)
 
 
 #: What :func:`precompile` can compile: the Numba CPU attention paths of :data:`PATHS`, the
 #: sparse gather (forward and vjp), sigmoid attention (forward and vjp), the linear-attention
 #: kernels (recurrent and chunked, forward and vjp) and the exact engine's compiled first steps
-#: (attention forward and vjp, linear-attention forward; they compute in float64 and
-#: double-double whatever the dtype).
+#: (attention forward and vjp, sigmoid-attention forward, linear-attention forward; they
+#: compute in float64 and double-double whatever the dtype).
 FAMILIES = PATHS + ("gather", "sigmoid", "linear", "exact")
 
 
@@ -305,6 +315,7 @@ def _warm_attention(path, dtype):
         return attention_vjp(q, k, v, do, backend="numba", **options)
     if path == "exact":
         attention(q, k, v, precision="exact", out_dtype=dtype)
+        attention(q, k, v, precision="exact", out_dtype=dtype, normalizer="sigmoid")
         linear_attention(q, q, q, -np.abs(q[..., 0]), precision="exact", out_dtype=dtype)
         return attention_vjp(q, k, v, do, precision="exact", out_dtype=dtype)
     q, k, v = _tiny(dtype, 2, 2)

@@ -49,6 +49,7 @@ __all__ = [
     "vbest",
     "exp_float64",
     "exp_float32",
+    "vsigmoid",
 ]
 
 #: Whether Numba compiles (False under ``NUMBA_DISABLE_JIT=1``).
@@ -448,6 +449,25 @@ if JIT:
 
         return x.dtype(x), codegen
 
+    @intrinsic
+    def vsigmoid(typingctx, x):
+        """sigma of every lane: ``e = exp(-|x|)`` (the operations of :func:`vexp`), then
+        ``1 / (1 + e)`` where ``x >= 0`` and ``e / (1 + e)`` elsewhere (NaN stays NaN)."""
+
+        def codegen(context, builder, sig, args):
+            lt = context.get_value_type(sig.args[0])
+            fabs = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(lt, [lt]), f"llvm.fabs.{_llvm_name(lt)}"
+            )
+            e = _vexp_codegen(context, builder, lt, builder.fneg(builder.call(fabs, [args[0]])))
+            one = ir.Constant(lt, [ir.Constant(lt.element, 1.0)] * lt.count)
+            den = builder.fadd(one, e)
+            zero = ir.Constant(lt, [ir.Constant(lt.element, 0.0)] * lt.count)
+            positive = builder.fcmp_ordered(">=", args[0], zero)
+            return builder.select(positive, builder.fdiv(one, den), builder.fdiv(e, den))
+
+        return x(x), codegen
+
 else:  # pragma: no cover
 
     def vsum(x):
@@ -478,3 +498,9 @@ else:  # pragma: no cover
 
     def vmuls(x, a):
         return (x * a).astype(x.dtype)
+
+    def vsigmoid(x):
+        with np.errstate(all="ignore"):
+            f = exp_float64 if x.dtype == np.float64 else exp_float32
+            e = np.array([f(-abs(value)) for value in x], x.dtype)
+            return np.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(x.dtype)

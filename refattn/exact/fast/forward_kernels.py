@@ -639,3 +639,6 @@ score_dd = _score
 score_d = _score_d
 finish_row = _finish_row
 row_weights = _row_weights
+# the sigmoid first steps (:mod:`refattn.exact.fast.sigmoid_kernels`) score keys the same way
+block_interval = _block_interval
+block_scores = _block_scores

@@ -1,0 +1,197 @@
+"""Fast exact sigmoid attention forward (``normalizer="sigmoid"``): the compiled first step,
+the referee for the rest (the host side).
+
+:func:`fast_sigmoid_forward` runs :func:`refattn.exact.fast.sigmoid_kernels.sigmoid_dd` (its
+module docstring holds the error analysis: double-double scores, ``sigma`` from the proven
+``exp_dd_fast`` enclosure with a rigorous bound on ``1 / (1 + e^{-t})``, Dot2 sums with
+midpoint-radius bounds, the rounding decision per element) on every query row of the planes
+it can take, and sends the rows it leaves undecided -- and whole planes with NaN/Inf or
+magnitudes outside [SAFE_MIN, SAFE_MAX] in q, k or v, or a scale, softcap or ALiBi slope
+outside it -- to the referee, :func:`refattn.exact.attention_sigmoid.exact_sigmoid_forward`,
+restricted to those rows (:func:`refattn.exact.fast.forward.row_spec`). The results are
+bit-identical to the referee's alone (``config.SIGMOID_EXACT_ENGINE = "referee"``).
+
+For targets of at most 24 bits (float32, float16, bfloat16) without weights, a cheaper
+double-precision step (:func:`refattn.exact.fast.sigmoid_kernels.sigmoid_d`: fma-chain scores
+with ``gamma_D`` bounds, ``exp_d``, an fma-chain sum with ``gamma_S``; radii about 2**-40
+relative) runs first; only the rows it leaves undecided run the double-double step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import parallel_chunksize
+
+from ...spec import AttentionSpec
+from ..attention_sigmoid import exact_sigmoid_forward
+from ..rounding import format_of
+from ._params import frozen
+from .allowed_set import allowed_rule
+from .forward import kernel_params, row_spec
+from .forward_kernels import ROW_BLOCK, row_facts
+from .sigmoid_kernels import OK, UNDECIDED, sigmoid_d, sigmoid_dd
+
+__all__ = ["fast_sigmoid_forward", "sigmoid_enclosures", "sigmoid_fallback_stats"]
+
+_LAST_STATS: dict = {}
+
+
+def _facts(a):
+    """(ok, norms, exactness scales) of the rows of a's last axis (:func:`row_facts`)."""
+    flat = frozen(a.reshape(int(np.prod(a.shape[:3])), a.shape[3]))
+    ok = np.empty(flat.shape[0], np.bool_)
+    norms, scales = np.empty(flat.shape[0]), np.empty(flat.shape[0])
+    if flat.shape[0]:
+        row_facts(flat, flat.view(np.int64), norms, scales, ok)
+    return ok.reshape(a.shape[:3]), norms.reshape(a.shape[:3]), scales.reshape(a.shape[:3])
+
+
+def _inputs(spec: AttentionSpec):
+    """(kernel input record, planes (B, H) the first step takes)."""
+    _, _, _, length, keys, _, _ = spec.dims
+    q = np.ascontiguousarray(spec.q, dtype=np.float64)
+    k = np.ascontiguousarray(spec.k, dtype=np.float64)
+    v = np.ascontiguousarray(spec.v, dtype=np.float64)
+    kvh = np.ascontiguousarray(spec.kv_head, dtype=np.int64)
+    prm, ok = kernel_params(spec)
+    q_ok, qn, qs = _facts(q)
+    k_ok, kn, ks = _facts(k)
+    v_ok, vnorm, _ = _facts(np.ascontiguousarray(np.swapaxes(v, 2, 3)))
+    kv_ok = k_ok.all(axis=2) & v_ok.all(axis=2)
+    ok = ok & q_ok.all(axis=2) & kv_ok[:, kvh] & (length > 0) & (keys > 0)
+    kT = np.ascontiguousarray(np.swapaxes(k, 2, 3))
+    vmax = np.max(np.abs(v), axis=2, initial=0.0)
+    record = tuple(frozen(a) for a in (q, kT, v, qn, kn, qs, ks, vmax, vnorm, prm, kvh))
+    return record, ok
+
+
+def _row_groups(todo: np.ndarray) -> np.ndarray:
+    """(n, 3 + ROW_BLOCK) int64 (b, h, count, rows...): the rows ``todo`` (B, H, L) marks,
+    grouped by plane in increasing order, at most ROW_BLOCK a group."""
+    items = np.argwhere(todo)
+    groups = []
+    for b, h in np.unique(items[:, :2], axis=0):
+        rows = np.flatnonzero(todo[b, h])
+        for start in range(0, rows.size, ROW_BLOCK):
+            chunk = rows[start : start + ROW_BLOCK]
+            groups.append([b, h, chunk.size, *chunk, *([0] * (ROW_BLOCK - chunk.size))])
+    return np.array(groups, dtype=np.int64).reshape(-1, 3 + ROW_BLOCK)
+
+
+def _blocks(planes: np.ndarray, length: int) -> np.ndarray:
+    """(n, 4) int64 (b, h, first row, rows) of the row blocks of the planes taken."""
+    starts = np.arange(0, length, ROW_BLOCK)
+    taken = np.argwhere(planes)
+    blocks = np.empty((taken.shape[0] * starts.size, 4), dtype=np.int64)
+    blocks[:, :2] = np.repeat(taken, starts.size, axis=0)
+    blocks[:, 2] = np.tile(starts, taken.shape[0])
+    blocks[:, 3] = np.minimum(ROW_BLOCK, length - blocks[:, 2])
+    return blocks
+
+
+def _runs(rows: np.ndarray):
+    """Maximal runs (start, stop) of consecutive sorted row indices."""
+    if rows.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    stops = np.concatenate([breaks, [rows.size]])
+    return [(int(rows[a]), int(rows[z - 1]) + 1) for a, z in zip(starts, stops, strict=True)]
+
+
+def sigmoid_enclosures(spec: AttentionSpec, step: str = "double-double"):
+    """(hi, lo, radius) (B, H, L, E, 3) of one first step's enclosures of out (before the
+    rounding decision; ``step`` "double-double" or "double") and the status (B, H, L) of each
+    row (OK where the row was enclosed and decided for float64, or float32 for "double"; rows
+    of other status hold zeros or partial enclosures), for tests.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn.spec import canonicalize
+    >>> spec = canonicalize(np.zeros((1, 2)), np.zeros((2, 2)), np.array([[1.0], [2.0]]),
+    ...                     normalizer="sigmoid")
+    >>> enclosure, status = sigmoid_enclosures(spec)
+    >>> hi, lo, radius = enclosure[0, 0, 0, 0]
+    >>> float(hi), float(lo), bool(0 < radius < 1e-25), status.tolist()
+    (1.5, 0.0, True, [[[0]]])
+    """
+    batch, heads, _, length, _, _, vdim = spec.dims
+    enclosure = np.zeros((batch, heads, length, vdim, 3))
+    fmt = format_of(np.float64 if step == "double-double" else np.float32)
+    _, _, status = _first_step(spec, fmt, False, (enclosure, step))
+    return enclosure, status
+
+
+def _first_step(spec, fmt, want_weights, enclosure=None):
+    """(out, weights, status) of the compiled first steps on the planes they take;
+    ``enclosure`` = (array, step name) runs that step alone and records its enclosures."""
+    batch, heads, _, length, keys, _, vdim = spec.dims
+    out = np.zeros((batch, heads, length, vdim))
+    weights = np.zeros((batch, heads, length, keys) if want_weights else (1, 1, 1, 1))
+    status = np.full((batch, heads, length), UNDECIDED, dtype=np.int8)
+    if out.size and spec.sinks is None:
+        inputs, ok = _inputs(spec)
+        todo = np.broadcast_to(ok[:, :, None], status.shape)
+        want_enclosure = enclosure is not None
+        steps = ("double", "double-double") if enclosure is None else (enclosure[1],)
+        enclosure = np.zeros((1, 1, 1, 1, 3)) if enclosure is None else enclosure[0]
+        target = (bool(want_weights), want_enclosure, fmt.p, fmt.emin, float(fmt.max_finite))
+        rule = allowed_rule(spec).kernel_args()
+        results = (out, weights, status, enclosure)
+        # chunks of one block: causal blocks differ in cost, and equal contiguous chunks per
+        # thread would leave the costly late rows to one thread
+        with parallel_chunksize(1):
+            if fmt.p <= 24 and not want_weights and "double" in steps and todo.any():
+                sigmoid_d(_blocks(ok, length), inputs, rule, target, results)
+                todo = todo & (status == UNDECIDED)
+            if todo.any() and "double-double" in steps:
+                sigmoid_dd(_row_groups(todo), inputs, rule, target, results)
+    return out, weights, status
+
+
+def fast_sigmoid_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_weights=False):
+    """Correctly rounded (out, None, weights) of a sigmoid call in the flat (B, H, ...) layout,
+    bit-identical to :func:`refattn.exact.attention_sigmoid.exact_sigmoid_forward` (see the
+    module docstring). Shapes: out (B, H, L, E), weights (B, H, L, S).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn.spec import canonicalize
+    >>> spec = canonicalize(np.zeros((1, 2)), np.zeros((2, 2)), np.array([[1.0], [2.0]]),
+    ...                     normalizer="sigmoid")
+    >>> fast_sigmoid_forward(spec, np.float64)[0].tolist()  # (1 + 2) / 2
+    [[[[1.5]]]]
+    """
+    if return_lse:
+        raise ValueError("return_lse: normalizer='sigmoid' has no log-sum-exp")
+    fmt = format_of(out_dtype)
+    batch, heads, _, length, _, _, _ = spec.dims
+    out, weights, status = _first_step(spec, fmt, return_weights)
+    referee_rows = 0
+    for b, h in np.argwhere((status != OK).any(axis=2)):
+        rows = np.flatnonzero(status[b, h] != OK)
+        referee_rows += rows.size
+        for start, stop in _runs(rows):
+            sub = row_spec(spec, int(b), int(h), start, stop)
+            o, _, w = exact_sigmoid_forward(sub, out_dtype, return_weights=return_weights)
+            out[b, h, start:stop] = o[0, 0]
+            if return_weights:
+                weights[b, h, start:stop] = w[0, 0]
+    _LAST_STATS.clear()
+    _LAST_STATS.update(rows=batch * heads * length, referee_rows=referee_rows)
+    dtype = fmt.dtype
+    return out.astype(dtype), None, weights.astype(dtype) if return_weights else None
+
+
+def sigmoid_fallback_stats() -> dict:
+    """``rows`` and ``referee_rows`` (rows the referee recomputed) of the last
+    :func:`fast_sigmoid_forward` call.
+
+    Examples
+    --------
+    >>> set(sigmoid_fallback_stats()) <= {"rows", "referee_rows"}
+    True
+    """
+    return dict(_LAST_STATS)
