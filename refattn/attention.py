@@ -12,6 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _checks
+from ._kv_codes import streamed_codes
 from .broadcast import reduce_to
 from .logspace import masked_softmax
 from .spec import (
@@ -269,13 +270,15 @@ def _gather_spec(spec, listed):
     return gather_spec(spec, *listed)
 
 
-def _check_numba_range(spec: AttentionSpec, compute_dtype) -> None:
+def _check_numba_range(spec: AttentionSpec, compute_dtype, k_rows=None) -> None:
     """The Numba kernels form ``s q.k`` directly in their compute dtype: refuse inputs whose
     scores may exceed its range (they would turn into NaN) and say what handles them."""
 
     def top(x):
         # max |x| over the finite entries, in x's own dtype (float16, bfloat16, float8 widen
         # exactly to float32): no float64 copy and no |x| array of a large k
+        if isinstance(x, tuple):  # QuantisedRows: streamed codes (refattn._kv_codes)
+            return codes_abs_max(x)
         x = np.asarray(x)
         if x.dtype not in (np.float32, np.float64):
             x = x.astype(np.float32)
@@ -287,9 +290,9 @@ def _check_numba_range(spec: AttentionSpec, compute_dtype) -> None:
         return float(max(high, -low, 0.0))
 
     dim = spec.q.shape[-1]
-    from .kernels import GATHER
+    from .kernels import GATHER, codes_abs_max
 
-    k = spec.k
+    k = spec.k if k_rows is None else k_rows
     listed = np.asarray(spec.key_indices) if spec.index_reading == GATHER else None
     if listed is not None and listed.size < k.shape[-2]:
         # the gather kernel reads only the listed keys: a sparse decode lists T << S of them,
@@ -522,7 +525,9 @@ def attention(
     gather = _gathers(
         backend, precision, index_reading, listed, normalizer, return_weights, sinks, kv_lengths
     )
-    spec = canonicalize(q, k, v, **_without_listed(options_in(locals()), gather))
+    options = _without_listed(options_in(locals()), gather)  # quantised k, v: codes streamed
+    k, v, options, codes = streamed_codes(q, k, v, options, backend, precision, gather)
+    spec = canonicalize(q, k, v, **options)
     if gather:
         spec = _gather_spec(spec, listed)
     if spec.index_reading == "multiset":
@@ -544,7 +549,7 @@ def attention(
         )
     else:
         out, lse, weights = _forward_paths(
-            spec, precision, backend, out_dtype, return_lse, return_weights, base
+            spec, precision, backend, out_dtype, return_lse, return_weights, base, codes
         )
     results = [spec.unflatten(out)]
     if return_lse:
@@ -554,9 +559,9 @@ def attention(
     return results[0] if len(results) == 1 else tuple(results)
 
 
-def _forward_paths(spec, precision, backend, out_dtype, return_lse, return_weights, base=1.0):
+def _forward_paths(spec, precision, backend, out_dtype, return_lse, return_weights, base, kv=None):
     """(out, lse, weights or None) of the canonical spec, flat (B, H, L, ...), on the
-    requested path."""
+    requested path; ``kv``: k, v streamed as codes (:func:`refattn._kv_codes.streamed_codes`)."""
     if precision == "exact":
         if backend != "numpy":
             raise ValueError("backend: the exact path has a single implementation; use 'numpy'")
@@ -581,9 +586,10 @@ def _forward_paths(spec, precision, backend, out_dtype, return_lse, return_weigh
             )
         from . import kernels
 
-        _check_numba_range(spec, kernels.compute_dtype(spec.q.dtype))
+        _check_numba_range(spec, kernels.compute_dtype(spec.q.dtype), kv and kv[0])
         work = fold(spec, alibi_into_bias=True) if needs_fold(spec) else spec
-        out, lse = kernels.attention(work, return_lse=True)
+        run = kernels.attention_codes if kv else kernels.attention
+        out, lse = run(work, *kv) if kv else run(work, return_lse=True)
         weights = None
     else:
         out, lse, weights = _forward_float64(spec, return_weights)
