@@ -13,12 +13,16 @@ place of each streamed input (every check of the call still runs; the rows' own 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import numpy as np
 
+from . import config
 from .blockscale import is_fp4
 from .quantized import FP8_DTYPES, quantised_rows
 
-__all__ = ["streamed_codes"]
+__all__ = ["streamed_codes", "kernel_forward", "with_codes", "with_values"]
 
 
 def _quantised(x) -> bool:
@@ -26,16 +30,19 @@ def _quantised(x) -> bool:
     return is_fp4(x) or name in FP8_DTYPES
 
 
-def streamed_codes(q, k, v, options: dict, backend, precision, gather):
+def streamed_codes(q, k, v, options: dict, backend, precision, other_path):
     """``(k, v, options, codes)`` for :func:`refattn.spec.canonicalize`: ``codes`` is None (the
     call dequantises as usual; k, v, options unchanged) or ``(k_rows, v_rows)``, the
     :class:`~refattn.quantized.QuantisedRows` of the streamed inputs (None for one that is not
     quantised), whose k, v are then float64 placeholders (zero strides) and whose options
     lack their descale and block scale.
 
-    Streamed: ``backend="numba"``, precision "float64", the softmax, no qv, sinks, kv_lengths or
-    listed key indices (they rewrite k or read it by index), and q, k, v with the same batch
-    dimensions (three or more axes).
+    Streamed: the softmax on ``backend="numba"`` (precision "float64"), or on the fast exact
+    engine (``precision="exact"``, both k and v quantised:
+    :mod:`refattn.exact.fast.codes_inputs`); no qv, sinks, kv_lengths or listed key indices
+    (they rewrite k or read it by index), and q, k, v with the same batch dimensions (three or
+    more axes). ``other_path``: the call reads k otherwise (the gather kernels; an lse in base
+    2, whose exact path re-runs the engine's referee on the spec).
 
     Examples
     --------
@@ -52,10 +59,11 @@ def streamed_codes(q, k, v, options: dict, backend, precision, gather):
         options[name] is not None
         for name in ("qv", "sinks", "kv_lengths", "key_indices", "key_block_indices")
     )
+    exact = precision == "exact"
+    fast_exact = exact and backend == "numpy" and config.EXACT_ENGINE == "fast"
     if (
-        backend != "numba"
-        or precision == "exact"
-        or gather
+        not (fast_exact or (backend == "numba" and not exact))
+        or other_path
         or skip
         or options["normalizer"] != "softmax"
         or not (_quantised(k) or _quantised(v))
@@ -70,7 +78,7 @@ def streamed_codes(q, k, v, options: dict, backend, precision, gather):
         else None
         for n, x in (("k", k), ("v", v))
     ]
-    if all(r is None for r in rows):
+    if all(r is None for r in rows) or (exact and any(r is None for r in rows)):
         return k, v, options, None
     options = dict(options)
     placed = []
@@ -80,3 +88,38 @@ def streamed_codes(q, k, v, options: dict, backend, precision, gather):
             x = np.broadcast_to(np.zeros((), np.float64), r.shape)
         placed.append(x)
     return placed[0], placed[1], options, tuple(rows)
+
+
+def kernel_forward(spec, kv):
+    """(out, lse) of the Numba forward: :func:`refattn.kernels.attention_codes` with the
+    streamed rows ``kv`` of :func:`streamed_codes`, or :func:`refattn.kernels.attention`."""
+    from . import kernels
+
+    return kernels.attention_codes(spec, *kv) if kv else kernels.attention(spec, return_lse=True)
+
+
+def with_codes(engine, kv):
+    """The exact engine (:func:`refattn.exact.fast.fast_exact_forward`) given the streamed
+    rows ``kv``, or ``engine`` itself when there are none."""
+    return functools.partial(engine, kv=kv) if kv else engine
+
+
+def with_values(spec, kv):
+    """``spec`` with the values of the streamed k and v in place of their placeholders.
+
+    Examples
+    --------
+    >>> import ml_dtypes
+    >>> from refattn.spec import canonicalize
+    >>> k = np.full((1, 1, 2, 2), 1.5, ml_dtypes.float8_e4m3fn)
+    >>> rows = quantised_rows(k, None, None, "k")
+    >>> spec = canonicalize(np.ones((1, 1, 1, 2)), np.zeros(k.shape), np.ones((1, 1, 2, 1)))
+    >>> with_values(spec, (rows, None)).k[0, 0].tolist()
+    [[1.5, 1.5], [1.5, 1.5]]
+    """
+    changes = {
+        name: rows.dequantised().reshape(getattr(spec, name).shape)
+        for name, rows in zip("kv", kv, strict=True)
+        if rows is not None
+    }
+    return dataclasses.replace(spec, **changes)

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _checks
-from ._kv_codes import streamed_codes
+from ._kv_codes import kernel_forward, streamed_codes, with_codes
 from .broadcast import reduce_to
 from .logspace import masked_softmax
 from .spec import (
@@ -526,7 +526,7 @@ def attention(
         backend, precision, index_reading, listed, normalizer, return_weights, sinks, kv_lengths
     )
     options = _without_listed(options_in(locals()), gather)  # quantised k, v: codes streamed
-    k, v, options, codes = streamed_codes(q, k, v, options, backend, precision, gather)
+    k, v, options, codes = streamed_codes(q, k, v, options, backend, precision, gather or base != 1)
     spec = canonicalize(q, k, v, **options)
     if gather:
         spec = _gather_spec(spec, listed)
@@ -573,6 +573,7 @@ def _forward_paths(spec, precision, backend, out_dtype, return_lse, return_weigh
         engine = fast_exact_forward if config.EXACT_ENGINE == "fast" else exact_forward
         if spec.normalizer == "sigmoid":  # the fast engine is softmax-specific
             from .exact.attention_sigmoid import exact_sigmoid_forward as engine
+        engine = with_codes(engine, kv)  # k, v streamed as codes (refattn._kv_codes)
         out, lse, weights = engine(
             spec, _checks.out_dtype(out_dtype), return_lse=return_lse, return_weights=return_weights
         )
@@ -588,8 +589,7 @@ def _forward_paths(spec, precision, backend, out_dtype, return_lse, return_weigh
 
         _check_numba_range(spec, kernels.compute_dtype(spec.q.dtype), kv and kv[0])
         work = fold(spec, alibi_into_bias=True) if needs_fold(spec) else spec
-        run = kernels.attention_codes if kv else kernels.attention
-        out, lse = run(work, *kv) if kv else run(work, return_lse=True)
+        out, lse = kernel_forward(work, kv)
         weights = None
     else:
         out, lse, weights = _forward_float64(spec, return_weights)

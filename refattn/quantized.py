@@ -41,6 +41,12 @@ def dequantize_inputs(q, k, v, q_descale, k_descale, v_descale, gqa, block_scale
     for name, x, descale in (("q", q, q_descale), ("k", k, k_descale), ("v", v, v_descale)):
         raw = _checks.as_array(x, name) if x is not None else None
         blocks = block_scales.get(name)
+        rows = _large_rows(raw, descale, blocks, name)
+        if rows is not None:  # the same values, in one compiled pass
+            from .kernels._cpu_codes import dequantised_rows
+
+            arrays[name] = (dequantised_rows(rows, np.float64), None)
+            continue
         if raw is not None and is_fp4(raw):
             arrays[name] = (dequantize_blocks(raw, blocks, name), descale)
             continue
@@ -86,6 +92,19 @@ def dequantize_inputs(q, k, v, q_descale, k_descale, v_descale, gqa, block_scale
             values = values * per_head  # exact, see above
         out.append(values)
     return tuple(out)
+
+
+#: Elements of a k or v from which :func:`dequantize_inputs` dequantises in a compiled pass
+#: (:func:`refattn.kernels._cpu_codes.dequantised_rows`; the same exact values) rather than
+#: by NumPy table look-ups and products.
+COMPILED_DEQUANTISE = 1 << 16
+
+
+def _large_rows(raw, descale, blocks, name):
+    """:func:`quantised_rows` of a large quantised k or v (None otherwise)."""
+    if name == "q" or raw is None or raw.size < COMPILED_DEQUANTISE:
+        return None
+    return quantised_rows(raw, descale, blocks, name)
 
 
 def descale_factors(descale, name: str, kv_heads: int) -> np.ndarray:

@@ -1,9 +1,10 @@
-"""Quantised k and v streamed as codes into the Numba forward (refattn._kv_codes,
-refattn.kernels._cpu_codes): the kernels dequantise each key block as they load it, and the
-results are bit-identical to those of the inputs dequantised whole (NVFP4, MXFP4, float8 with
-descales, a float k beside a float8 v; decode key splits and the query-block path; float64
-and float32 compute); the range check reads the codes; the checks keep their messages; the
-bits do not depend on the thread count."""
+"""Quantised k and v streamed as codes (refattn._kv_codes) into the Numba forward
+(refattn.kernels._cpu_codes: the kernels dequantise each key block as they load it) and the
+fast exact engine (refattn.exact.fast.codes_inputs): the results are bit-identical to those of
+the inputs dequantised whole (NVFP4, MXFP4, float8 with descales, a float k beside a float8 v;
+decode key splits and the query-block path; float64 and float32 compute; the exact engine's
+referee rows); the range check reads the codes; the checks keep their messages; the bits do
+not depend on the thread count."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import numpy as np
 import pytest
 
 import refattn
+from refattn.exact.fast.codes_inputs import codes_inputs
+from refattn.exact.fast.forward_kernels import row_facts
 from refattn.kernels import codes_abs_max
 from refattn.quantized import dequantize_inputs, quantised_rows
 from tests.helpers import assert_same_bits
@@ -171,3 +174,67 @@ def test_streamed_bits_do_not_depend_on_thread_count():
         assert run.returncode == 0, run.stderr[-2000:]
         outputs.add(run.stdout)
     assert len(outputs) == 1, "the streamed forward's bits depend on NUMBA_NUM_THREADS"
+
+
+@pytest.mark.parametrize(
+    "kind, shape, extra, out_dtype, tweak",
+    [
+        ("nvfp4", {"keys": 300}, {}, None, None),
+        ("nvfp4", {"keys": 300, "length": 3}, {"causal": True}, "bfloat16", None),
+        ("mxfp4", {"keys": 200}, {"softcap": 4.0}, "float32", None),
+        ("fp8", {"keys": 150}, {}, None, "zero column"),  # exact zeros: the referee's rows
+        ("nvfp4", {"keys": 120}, {}, None, "nan scale"),  # a NaN plane: the referee's
+    ],
+)
+def test_exact_engine_on_codes_gives_the_dequantised_inputs_bits(
+    kind, shape, extra, out_dtype, tweak
+):
+    """precision="exact" with k and v streamed as codes (refattn.exact.fast.codes_inputs):
+    the same bits as on the dequantised inputs, the referee's rows included."""
+    q, k, v, opts = _case(kind, 11, **shape)
+    if tweak == "zero column":
+        v[..., 0] = 0
+    if tweak == "nan scale":
+        opts["v_block_scale"].view(np.uint8)[0, 0, 5, 0] = 0x7F
+    call = dict(precision="exact", out_dtype=out_dtype, return_lse=True, **extra)
+    got = refattn.attention(q, k, v, **opts, **call)
+    dk, dv, rest = _dequantised(q, k, v, opts)
+    want = refattn.attention(q, dk, dv, **rest, **call)
+    case = f"{kind} {shape} {extra} {out_dtype} {tweak}"
+    assert_same_bits(got[0], want[0], what="out", case=case, check_dtype=True)
+    assert_same_bits(got[1], want[1], what="lse", case=case, check_dtype=True)
+
+
+def test_codes_inputs_hold_the_values_and_their_facts():
+    """K^T, V and the row / column facts from the codes equal those the engine computes from
+    the dequantised values (row_facts), NaN and zero scales included."""
+    for kind in ("nvfp4", "mxfp4", "fp8"):
+        q, k, v, opts = _case(kind, 12, keys=333)
+        if kind == "nvfp4":
+            opts["k_block_scale"].view(np.uint8)[0, 0, 3, 1] = 0x7F  # NaN
+            opts["k_block_scale"].view(np.uint8)[0, 1, 5, 1] = 0  # zero
+        rows = [
+            quantised_rows(x, opts.get(f"{n}_descale"), opts.get(f"{n}_block_scale"), n)
+            for n, x in (("k", k), ("v", v))
+        ]
+        k_t, values, k_facts, v_facts = codes_inputs(*rows, 2)
+        keys, vals = rows[0].dequantised(), rows[1].dequantised()
+        assert_same_bits(k_t, np.swapaxes(keys, 2, 3), what="kT", case=kind)
+        assert_same_bits(values, vals, what="v", case=kind)
+        for what, got, want in (
+            ("key rows", k_facts, _row_facts(keys)),
+            ("value columns", v_facts[:2], _row_facts(np.swapaxes(vals, 2, 3))[:2]),
+        ):
+            assert np.array_equal(got[0], want[0]), (kind, what)
+            for mine, theirs in zip(got[1:], want[1:], strict=True):  # ok rows
+                assert_same_bits(mine[want[0]], theirs[want[0]], what=what, case=kind)
+        top = np.max(np.abs(vals), axis=2, initial=0.0)
+        assert_same_bits(v_facts[2], top, what="max |v|", case=kind)
+
+
+def _row_facts(a):
+    """(ok, norms, scales) of the rows of a's last axis, by the engine's row_facts."""
+    flat = np.ascontiguousarray(a.reshape(-1, a.shape[-1]))
+    out = [np.empty(flat.shape[0], t) for t in (np.bool_, np.float64, np.float64)]
+    row_facts(flat, flat.view(np.int64), out[1], out[2], out[0])
+    return [o.reshape(a.shape[:3]) for o in out]
