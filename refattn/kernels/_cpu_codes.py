@@ -36,21 +36,19 @@ __all__ = ["load_keys_t", "load_values", "codes_abs_max", "dequantised_rows"]
 _OPTS = KERNEL_OPTIONS
 
 
-def load_keys_t(k, b, g, start, count, out):
-    """out[:, :count] = k[b, g, start:start+count].T (zero-padded columns), k an array or
-    quantised rows ``(codes, factors, table)`` (dequantised here); compiled code only."""
-    raise NotImplementedError("compiled code only (numba overload)")
-
-
-def load_values(v, b, g, start, count, out):
-    """out[:count, :E] = v[b, g, start:start+count] (zero padding); returns whether every
-    loaded value is finite; v an array or quantised rows; compiled code only."""
-    raise NotImplementedError("compiled code only (numba overload)")
-
-
 if JIT:
     from numba import types
     from numba.core.extending import overload
+
+    def load_keys_t(k, b, g, start, count, out):
+        """out[:, :count] = k[b, g, start:start+count].T (zero-padded columns), k an array
+        or quantised rows ``(codes, factors, table)`` (dequantised here)."""
+        raise NotImplementedError("compiled code only (numba overload)")
+
+    def load_values(v, b, g, start, count, out):
+        """out[:count, :E] = v[b, g, start:start+count] (zero padding); returns whether every
+        loaded value is finite; v an array or quantised rows."""
+        raise NotImplementedError("compiled code only (numba overload)")
 
     @overload(load_keys_t, jit_options=_OPTS)
     def _load_keys_t(k, b, g, start, count, out):
@@ -67,6 +65,20 @@ if JIT:
         if isinstance(v, types.BaseTuple):
             return _values_from_codes
         return None
+
+else:  # pragma: no cover  (NUMBA_DISABLE_JIT: the same loads in Python)
+
+    def load_keys_t(k, b, g, start, count, out):
+        """out[:, :count] = k[b, g, start:start+count].T (zero-padded columns)."""
+        if isinstance(k, tuple):
+            return _keys_from_codes(k, b, g, start, count, out)
+        return load_rows_t(k[b, g], start, count, out)
+
+    def load_values(v, b, g, start, count, out):
+        """out[:count, :E] = v[b, g, start:start+count]; whether every value is finite."""
+        if isinstance(v, tuple):
+            return _values_from_codes(v, b, g, start, count, out)
+        return load_rows(v[b, g], start, count, out)
 
 
 def _keys_from_codes(k, b, g, start, count, out):

@@ -16,7 +16,6 @@ import math
 import numba
 import numpy as np
 from numba import prange
-from numba.cpython.unsafe.numbers import trailing_zeros
 
 from . import doubledouble as D
 from ._params import (
@@ -51,6 +50,7 @@ __all__ = [
     "forward_d",
     "row_facts",
     "row_fact",
+    "trailing_zero_count",
     "CUT",
     "TINY",
     "WEIGHT_TINY_ARG",
@@ -582,6 +582,17 @@ def _d_block(b, h, i0, nb_rows, inputs, rule, target, results):
         status[b, h, i] = OK if ok else UNDECIDED
 
 
+if numba.config.DISABLE_JIT:  # pragma: no cover  (the intrinsic only compiles)
+
+    def trailing_zero_count(n):
+        """The number of trailing zero bits of the integer ``n`` != 0."""
+        n = int(n)
+        return (n & -n).bit_length() - 1
+
+else:
+    from numba.cpython.unsafe.numbers import trailing_zeros as trailing_zero_count
+
+
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
 def row_facts(x, bits, norms, scales, ok):
     """Per row of x (N, D) (``bits``: the same array viewed as int64), in a fixed order:
@@ -615,7 +626,7 @@ def row_fact(a, bits):
                 mant |= 1 << 52
             else:
                 biased = 1  # subnormal: the same scale as the smallest normal
-            tz = np.int64(trailing_zeros(mant))  # the lowest set bit (mant != 0)
+            tz = np.int64(trailing_zero_count(mant))  # the lowest set bit (mant != 0)
             low = min(low, biased - 1075 + tz)
     norm = math.sqrt(acc) * (1.0 + 2.0**-30) + 2.0**-1000
     g = 0 if low == 1 << 40 else low  # a zero row: its products are all 0
