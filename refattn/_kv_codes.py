@@ -21,8 +21,16 @@ import numpy as np
 from . import config
 from .blockscale import is_fp4
 from .quantized import FP8_DTYPES, quantised_rows
+from .spec import canonicalize
 
-__all__ = ["streamed_codes", "kernel_forward", "with_codes", "with_values"]
+__all__ = [
+    "streamed_codes",
+    "streamed_spec",
+    "k_extremes",
+    "kernel_forward",
+    "with_codes",
+    "with_values",
+]
 
 
 def _quantised(x) -> bool:
@@ -88,6 +96,23 @@ def streamed_codes(q, k, v, options: dict, backend, precision, other_path):
             x = np.broadcast_to(np.zeros((), np.float64), r.shape)
         placed.append(x)
     return placed[0], placed[1], options, tuple(rows)
+
+
+def streamed_spec(q, k, v, options: dict, backend, precision, other_path):
+    """``(spec, codes)``: :func:`refattn.spec.canonicalize` of the call after
+    :func:`streamed_codes` (the same arguments)."""
+    k, v, options, codes = streamed_codes(q, k, v, options, backend, precision, other_path)
+    return canonicalize(q, k, v, **options), codes
+
+
+def k_extremes(kv):
+    """None, or for streamed k rows a (1, 1) float64 array holding max |k| over its finite
+    values (:func:`refattn.kernels.codes_abs_max`): what the Numba range check reads of k."""
+    if not kv or kv[0] is None:
+        return None
+    from .kernels import codes_abs_max
+
+    return np.array([[codes_abs_max(kv[0])]])
 
 
 def kernel_forward(spec, kv):

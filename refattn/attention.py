@@ -12,7 +12,8 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _checks
-from ._kv_codes import kernel_forward, streamed_codes, with_codes
+from ._exact_sparse import GATHER_READING, exact_gathers
+from ._kv_codes import k_extremes, kernel_forward, streamed_spec, with_codes
 from .broadcast import reduce_to
 from .logspace import masked_softmax
 from .spec import (
@@ -277,8 +278,6 @@ def _check_numba_range(spec: AttentionSpec, compute_dtype, k_rows=None) -> None:
     def top(x):
         # max |x| over the finite entries, in x's own dtype (float16, bfloat16, float8 widen
         # exactly to float32): no float64 copy and no |x| array of a large k
-        if isinstance(x, tuple):  # QuantisedRows: streamed codes (refattn._kv_codes)
-            return codes_abs_max(x)
         x = np.asarray(x)
         if x.dtype not in (np.float32, np.float64):
             x = x.astype(np.float32)
@@ -290,7 +289,7 @@ def _check_numba_range(spec: AttentionSpec, compute_dtype, k_rows=None) -> None:
         return float(max(high, -low, 0.0))
 
     dim = spec.q.shape[-1]
-    from .kernels import GATHER, codes_abs_max
+    from .kernels import GATHER
 
     k = spec.k if k_rows is None else k_rows
     listed = np.asarray(spec.key_indices) if spec.index_reading == GATHER else None
@@ -298,8 +297,9 @@ def _check_numba_range(spec: AttentionSpec, compute_dtype, k_rows=None) -> None:
         # the gather kernel reads only the listed keys: a sparse decode lists T << S of them,
         # so check those rows, not all of k (the union over batch rows and heads bounds
         # each); a prefill lists more entries than k has rows, and k itself is cheaper
-        keys = np.unique(listed[(listed >= 0) & (listed < k.shape[-2])])
-        k = np.take(k, keys, axis=-2)
+        from .kernels import listed_keys
+
+        k = listed_keys(k, listed)
     with np.errstate(over="ignore"):
         largest = abs(spec.scale_float) * dim * top(spec.q) * top(k)
     wide = np.dtype(compute_dtype) == np.float64
@@ -524,10 +524,9 @@ def attention(
     listed = (key_indices, key_block_indices, key_block_size)
     gather = _gathers(
         backend, precision, index_reading, listed, normalizer, return_weights, sinks, kv_lengths
-    )
+    ) or exact_gathers(precision, backend, index_reading, listed, normalizer, bias, lse_base)
     options = _without_listed(options_in(locals()), gather)  # quantised k, v: codes streamed
-    k, v, options, codes = streamed_codes(q, k, v, options, backend, precision, gather or base != 1)
-    spec = canonicalize(q, k, v, **options)
+    spec, codes = streamed_spec(q, k, v, options, backend, precision, gather or base != 1)
     if gather:
         spec = _gather_spec(spec, listed)
     if spec.index_reading == "multiset":
@@ -573,8 +572,9 @@ def _forward_paths(spec, precision, backend, out_dtype, return_lse, return_weigh
         engine = fast_exact_forward if config.EXACT_ENGINE == "fast" else exact_forward
         if spec.normalizer == "sigmoid":  # the fast engine is softmax-specific
             from .exact.attention_sigmoid import exact_sigmoid_forward as engine
-        engine = with_codes(engine, kv)  # k, v streamed as codes (refattn._kv_codes)
-        out, lse, weights = engine(
+        if spec.index_reading == GATHER_READING:  # listed keys kept as lists: no dense mask
+            from .exact.fast.gather import gather_forward as engine
+        out, lse, weights = with_codes(engine, kv)(  # k, v as codes: refattn._kv_codes
             spec, _checks.out_dtype(out_dtype), return_lse=return_lse, return_weights=return_weights
         )
         if base != 1.0:
@@ -587,7 +587,7 @@ def _forward_paths(spec, precision, backend, out_dtype, return_lse, return_weigh
             )
         from . import kernels
 
-        _check_numba_range(spec, kernels.compute_dtype(spec.q.dtype), kv and kv[0])
+        _check_numba_range(spec, kernels.compute_dtype(spec.q.dtype), k_extremes(kv))
         work = fold(spec, alibi_into_bias=True) if needs_fold(spec) else spec
         out, lse = kernel_forward(work, kv)
         weights = None

@@ -19,6 +19,7 @@ from ._dispatch import (
     compute_dtype,
     gather_spec,
     gathers,
+    listed_keys,
     precompile,
 )
 
@@ -26,6 +27,7 @@ __all__ = [
     "GATHER",
     "gather_spec",
     "gathers",
+    "listed_keys",
     "attention",
     "attention_vjp",
     "attention_codes",

@@ -98,6 +98,8 @@ __all__ = [
     "rounds_to_zero",
     "exactness_scales",
     "kernel_params",
+    "record_stats",
+    "row_runs",
 ]
 
 _LAST_STATS: dict = {}
@@ -190,6 +192,17 @@ def _runs(rows: np.ndarray):
     starts = np.concatenate([[0], breaks])
     stops = np.concatenate([breaks, [rows.size]])
     return [(int(rows[a]), int(rows[z - 1]) + 1) for a, z in zip(starts, stops, strict=True)]
+
+
+#: Maximal runs (start, stop) of consecutive sorted row indices (shared with
+#: :mod:`refattn.exact.fast.gather`).
+row_runs = _runs
+
+
+def record_stats(**stats) -> None:
+    """Set what :func:`fallback_stats` returns (the engines of sparse keys record theirs)."""
+    _LAST_STATS.clear()
+    _LAST_STATS.update(stats)
 
 
 def kernel_params(spec: AttentionSpec):

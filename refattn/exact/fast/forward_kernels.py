@@ -644,3 +644,16 @@ def forward_d(blocks, inputs, rule, target, results):
         _d_block(
             blocks[r, 0], blocks[r, 1], blocks[r, 2], blocks[r, 3], inputs, rule, target, results
         )
+
+
+# The per-key and per-row steps above, shared with the gathered-keys kernels
+# (:mod:`refattn.exact.fast.gather_kernels`), which walk each row's listed keys instead of an
+# interval: the same arithmetic and the same bounds.
+RHO_MAX = _RHO_MAX
+dot2_step = _dot2_step
+row_dots = _row_dots
+bias_in_range = _bias_in_range
+score_dd = _score
+score_d = _score_d
+finish_row = _finish_row
+row_weights = _row_weights
