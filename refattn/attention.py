@@ -13,6 +13,7 @@ import numpy as np
 
 from . import _checks
 from ._exact_sparse import GATHER_READING, exact_gathers
+from ._kv_codes import k_extremes, kernel_forward, streamed_spec, with_codes
 from .broadcast import reduce_to
 from .logspace import masked_softmax
 from .spec import (
@@ -270,7 +271,7 @@ def _gather_spec(spec, listed):
     return gather_spec(spec, *listed)
 
 
-def _check_numba_range(spec: AttentionSpec, compute_dtype) -> None:
+def _check_numba_range(spec: AttentionSpec, compute_dtype, k_rows=None) -> None:
     """The Numba kernels form ``s q.k`` directly in their compute dtype: refuse inputs whose
     scores may exceed its range (they would turn into NaN) and say what handles them."""
 
@@ -290,7 +291,7 @@ def _check_numba_range(spec: AttentionSpec, compute_dtype) -> None:
     dim = spec.q.shape[-1]
     from .kernels import GATHER
 
-    k = spec.k
+    k = spec.k if k_rows is None else k_rows
     listed = np.asarray(spec.key_indices) if spec.index_reading == GATHER else None
     if listed is not None and listed.size < k.shape[-2]:
         # the gather kernel reads only the listed keys: a sparse decode lists T << S of them,
@@ -524,7 +525,8 @@ def attention(
     gather = _gathers(
         backend, precision, index_reading, listed, normalizer, return_weights, sinks, kv_lengths
     ) or exact_gathers(precision, backend, index_reading, listed, normalizer, bias, lse_base)
-    spec = canonicalize(q, k, v, **_without_listed(options_in(locals()), gather))
+    options = _without_listed(options_in(locals()), gather)  # quantised k, v: codes streamed
+    spec, codes = streamed_spec(q, k, v, options, backend, precision, gather or base != 1)
     if gather:
         spec = _gather_spec(spec, listed)
     if spec.index_reading == "multiset":
@@ -546,7 +548,7 @@ def attention(
         )
     else:
         out, lse, weights = _forward_paths(
-            spec, precision, backend, out_dtype, return_lse, return_weights, base
+            spec, precision, backend, out_dtype, return_lse, return_weights, base, codes
         )
     results = [spec.unflatten(out)]
     if return_lse:
@@ -556,9 +558,9 @@ def attention(
     return results[0] if len(results) == 1 else tuple(results)
 
 
-def _forward_paths(spec, precision, backend, out_dtype, return_lse, return_weights, base=1.0):
+def _forward_paths(spec, precision, backend, out_dtype, return_lse, return_weights, base, kv=None):
     """(out, lse, weights or None) of the canonical spec, flat (B, H, L, ...), on the
-    requested path."""
+    requested path; ``kv``: k, v streamed as codes (:func:`refattn._kv_codes.streamed_codes`)."""
     if precision == "exact":
         if backend != "numpy":
             raise ValueError("backend: the exact path has a single implementation; use 'numpy'")
@@ -576,7 +578,7 @@ def _forward_paths(spec, precision, backend, out_dtype, return_lse, return_weigh
             engine = fast_sigmoid_forward if fast else exact_sigmoid_forward
         if spec.index_reading == GATHER_READING:  # listed keys kept as lists: no dense mask
             from .exact.fast.gather import gather_forward as engine
-        out, lse, weights = engine(
+        out, lse, weights = with_codes(engine, kv)(  # k, v as codes: refattn._kv_codes
             spec, _checks.out_dtype(out_dtype), return_lse=return_lse, return_weights=return_weights
         )
         if base != 1.0:
@@ -589,9 +591,9 @@ def _forward_paths(spec, precision, backend, out_dtype, return_lse, return_weigh
             )
         from . import kernels
 
-        _check_numba_range(spec, kernels.compute_dtype(spec.q.dtype))
+        _check_numba_range(spec, kernels.compute_dtype(spec.q.dtype), k_extremes(kv))
         work = fold(spec, alibi_into_bias=True) if needs_fold(spec) else spec
-        out, lse = kernels.attention(work, return_lse=True)
+        out, lse = kernel_forward(work, kv)
         weights = None
     else:
         out, lse, weights = _forward_float64(spec, return_weights)

@@ -42,7 +42,14 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["FP4_DTYPES", "BLOCK_SIZES", "dequantize_blocks", "is_fp4"]
+__all__ = [
+    "FP4_DTYPES",
+    "BLOCK_SIZES",
+    "block_factors",
+    "code_table",
+    "dequantize_blocks",
+    "is_fp4",
+]
 
 #: The fp4 element formats that take a block scale.
 FP4_DTYPES = ("float4_e2m1fn",)
@@ -58,31 +65,28 @@ def is_fp4(x) -> bool:
     return getattr(getattr(x, "dtype", None), "name", None) in FP4_DTYPES
 
 
-def dequantize_blocks(x, block_scale, name: str) -> np.ndarray:
-    """fp4 ``x`` (..., N, D) times its block scales (..., N, D / n), exactly, as float64.
+def block_factors(x, block_scale, name: str):
+    """The checked block scales of fp4 ``x`` as float64 factors, and the block size n.
 
     Parameters
     ----------
-    x : float4_e2m1fn array (..., N, D)
-        The fp4 elements (N: S for k and v, L for q; D: the feature axis, E for v).
-    block_scale : float8_e4m3fn array (..., N, D / 16) or float8_e8m0fnu array (..., N, D / 32)
-        NVFP4 or MXFP4 block scales; the block size n comes from the dtype and must equal
-        D / (the scale's last axis).
-    name : str
-        "q", "k" or "v" (for the messages).
+    x, block_scale, name
+        As :func:`dequantize_blocks` (the same checks and messages).
 
     Returns
     -------
-    float64 array (..., N, D): ``x[..., d] * block_scale[..., d // n]``, exact (module
-    docstring); the global ``*_descale`` is applied by the caller.
+    factors : float64 array (..., N, D / n)
+        ``block_scale`` decoded exactly (every e4m3 / e8m0 value is a float64).
+    size : int
+        n: 16 (NVFP4) or 32 (MXFP4).
 
     Examples
     --------
     >>> import ml_dtypes, numpy as np
-    >>> x = np.full((1, 32), 1.5, ml_dtypes.float4_e2m1fn)
-    >>> s = np.array([[2.0]], ml_dtypes.float8_e8m0fnu)
-    >>> dequantize_blocks(x, s, "k")[0, :2].tolist()
-    [3.0, 3.0]
+    >>> x = np.zeros((1, 32), ml_dtypes.float4_e2m1fn)
+    >>> factors, size = block_factors(x, np.array([[4.0]], ml_dtypes.float8_e8m0fnu), "k")
+    >>> factors.tolist(), size
+    ([[4.0]], 32)
     """
     arg = f"{name}_block_scale"
     if block_scale is None:
@@ -117,6 +121,37 @@ def dequantize_blocks(x, block_scale, name: str) -> np.ndarray:
             f"{arg}: expected non-negative scales (NVFP4's scale is unsigned e4m3; the sign "
             f"bit is unused), got {factors[factors < 0][0]}"
         )
+    return factors, size
+
+
+def dequantize_blocks(x, block_scale, name: str) -> np.ndarray:
+    """fp4 ``x`` (..., N, D) times its block scales (..., N, D / n), exactly, as float64.
+
+    Parameters
+    ----------
+    x : float4_e2m1fn array (..., N, D)
+        The fp4 elements (N: S for k and v, L for q; D: the feature axis, E for v).
+    block_scale : float8_e4m3fn array (..., N, D / 16) or float8_e8m0fnu array (..., N, D / 32)
+        NVFP4 or MXFP4 block scales; the block size n comes from the dtype and must equal
+        D / (the scale's last axis).
+    name : str
+        "q", "k" or "v" (for the messages).
+
+    Returns
+    -------
+    float64 array (..., N, D): ``x[..., d] * block_scale[..., d // n]``, exact (module
+    docstring); the global ``*_descale`` is applied by the caller.
+
+    Examples
+    --------
+    >>> import ml_dtypes, numpy as np
+    >>> x = np.full((1, 32), 1.5, ml_dtypes.float4_e2m1fn)
+    >>> s = np.array([[2.0]], ml_dtypes.float8_e8m0fnu)
+    >>> dequantize_blocks(x, s, "k")[0, :2].tolist()
+    [3.0, 3.0]
+    """
+    factors, size = block_factors(x, block_scale, name)
+    blocks = factors.shape[-1]
     values = _decode(x).reshape(x.shape[:-1] + (blocks, size))  # exact
     return (values * factors[..., None]).reshape(x.shape)  # exact, see the module docstring
 
@@ -124,13 +159,28 @@ def dequantize_blocks(x, block_scale, name: str) -> np.ndarray:
 def _decode(x) -> np.ndarray:
     """float64 values of a one-byte ml_dtypes array through its 256-entry table (the cast
     itself is an element-by-element loop in ml_dtypes; the table holds the same values)."""
-    table = _TABLES.get(x.dtype.name)
+    return code_table(x.dtype)[np.ascontiguousarray(x).view(np.uint8)]
+
+
+def code_table(dtype) -> np.ndarray:
+    """float64 (256,): the value of every byte of a one-byte ml_dtypes format (fp4: the code
+    in the low nibble, the high one ignored); read-only, exact (every value is a float64).
+
+    Examples
+    --------
+    >>> import ml_dtypes
+    >>> code_table(ml_dtypes.float4_e2m1fn)[[0x01, 0x07, 0x17]].tolist()
+    [0.5, 6.0, 6.0]
+    """
+    dtype = np.dtype(dtype)
+    table = _TABLES.get(dtype.name)
     if table is None:
-        table = np.arange(256, dtype=np.uint8).view(x.dtype).astype(np.float64)
-        if x.dtype.name in FP4_DTYPES:  # the code sits in the low nibble
+        table = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float64)
+        if dtype.name in FP4_DTYPES:  # the code sits in the low nibble
             table = np.tile(table[:16], 16)
-        _TABLES[x.dtype.name] = table
-    return table[np.ascontiguousarray(x).view(np.uint8)]
+        table.flags.writeable = False
+        _TABLES[dtype.name] = table
+    return table
 
 
 _TABLES: dict = {}

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Time the 2025-26 attention workloads on refattn's Numba kernels against plain PyTorch.
 
-Usage: python tools/bench_2026.py [--case dsa|dsa-full|dsa-prefill|softmax|nvfp4|all]
-                                  [--repeat N] [--skip-exact] [--full] [--json FILE]
+Usage: python tools/bench_2026.py
+           [--case dsa|dsa-full|dsa-prefill|softmax|nvfp4|nvfp4-large|all]
+           [--repeat N] [--skip-exact] [--full] [--json FILE]
 
 Cases (every figure is the best of ``--repeat`` timed calls after one warm-up call, which
 compiles; ratios are of the same run, and the machine's load average is printed with them:
@@ -22,7 +23,12 @@ the machine may be shared, so compare within a run):
 * ``softmax``: float32 causal B1 H8 L=S=1024 D=E=64, the Numba kernel against
   ``torch.nn.functional.scaled_dot_product_attention``;
 * ``nvfp4``: an NVFP4 GQA decode step B1 H8 K2 L1 S=8192 D=E=128 (float4_e2m1fn codes with
-  float8_e4m3fn scales per block of 16 features), the Numba kernel.
+  float8_e4m3fn scales per block of 16 features and float32 global scales per kv head): the
+  Numba kernel (float64 compute, q being fp4; it dequantises each key block as it loads it)
+  against a plain torch implementation (dequantise codes * block scale * global scale by
+  table look-ups, then ``scaled_dot_product_attention(..., enable_gqa=True)``, in float32
+  and in float64), and the exact path against the Numba kernel; ``nvfp4-large``: the same at
+  B1 H32 K8 S=32768 (not part of ``all``).
 
 torch is optional (``pip install torch``): without it the torch columns are skipped.
 """
@@ -176,11 +182,10 @@ def bench_softmax(repeat):
     return result
 
 
-def bench_nvfp4(repeat):
-    """NVFP4 GQA decode step B1 H8 K2 L1 S=8192 D=E=128 on the Numba kernel."""
+def _nvfp4_inputs(rng, heads, kv_heads, keys, dim=128):
+    """fp4 q, k, v (B1, L1) with NVFP4 block scales and per-kv-head float32 global scales."""
     import ml_dtypes
 
-    rng = np.random.default_rng(2)
     fp4, fp8 = ml_dtypes.float4_e2m1fn, ml_dtypes.float8_e4m3fn
 
     def codes(shape):
@@ -189,24 +194,97 @@ def bench_nvfp4(repeat):
     def scales(shape):
         return (rng.random(shape[:-1] + (shape[-1] // 16,)) + 0.5).astype(fp8)
 
-    q, k, v = codes((1, 8, 1, 128)), codes((1, 2, 8192, 128)), codes((1, 2, 8192, 128))
-    blocks = dict(
-        q_block_scale=scales(q.shape), k_block_scale=scales(k.shape), v_block_scale=scales(v.shape)
+    q = codes((1, heads, 1, dim))
+    k, v = codes((1, kv_heads, keys, dim)), codes((1, kv_heads, keys, dim))
+    return dict(
+        q=q,
+        k=k,
+        v=v,
+        q_block_scale=scales(q.shape),
+        k_block_scale=scales(k.shape),
+        v_block_scale=scales(v.shape),
+        k_descale=(rng.random((1, kv_heads)) + 0.5).astype(np.float32),
+        v_descale=(rng.random((1, kv_heads)) + 0.5).astype(np.float32),
     )
-    result = {"shape": "B1 H8 K2 L1 S8192 D=E=128 NVFP4"}
-    result["numba_s"] = _best(lambda: refattn.attention(q, k, v, backend="numba", **blocks), repeat)
+
+
+def _torch_nvfp4(torch, args, dtype):
+    """A plain torch NVFP4 step: dequantise codes * block scale * global scale (table
+    look-ups, in ``dtype``), then scaled_dot_product_attention with GQA."""
+    import ml_dtypes
+
+    def table(kind):
+        return torch.from_numpy(np.arange(256, dtype=np.uint8).view(kind).astype(np.float64)).to(
+            dtype
+        )
+
+    fp4_values = table(ml_dtypes.float4_e2m1fn)
+    fp8_values = table(ml_dtypes.float8_e4m3fn)
+    raw = {
+        n: torch.from_numpy(np.asarray(a).view(np.uint8))
+        for n, a in args.items()
+        if "descale" not in n
+    }
+    glob = {n: torch.from_numpy(args[f"{n}_descale"].astype(np.float64)).to(dtype) for n in "kv"}
+
+    def dequantise(name):
+        x = fp4_values[raw[name].int()]
+        s = fp8_values[raw[f"{name}_block_scale"].int()].repeat_interleave(16, dim=-1)
+        x = x * s
+        return x * glob[name][..., None, None] if name in glob else x
+
+    def step():
+        q, k, v = dequantise("q"), dequantise("k"), dequantise("v")
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    return step
+
+
+def bench_nvfp4(repeat, skip_exact, heads=8, kv_heads=2, keys=8192):
+    """NVFP4 GQA decode step B1 H8 K2 L1 S=8192 D=E=128 (NVFP4 k, v and q): the Numba kernel
+    (float64 compute, q being fp4) against torch (dequantise + SDPA, float32 and float64),
+    and the exact path (every element rounded once to float64) against the Numba kernel."""
+    args = _nvfp4_inputs(np.random.default_rng(2), heads, kv_heads, keys)
+    result = {"shape": f"B1 H{heads} K{kv_heads} L1 S{keys} D=E=128 NVFP4"}
+    paths = {"numba_s": lambda: refattn.attention(**args, backend="numba")}
+    torch = _torch()
+    if torch is not None:
+        for name, dtype in (("torch_f32_s", torch.float32), ("torch_f64_s", torch.float64)):
+            paths[name] = _torch_nvfp4(torch, args, dtype)
+    if not skip_exact:
+        paths["exact_s"] = lambda: refattn.attention(**args, precision="exact")
+    result.update(_alternating(paths, repeat))
+    for name in paths:
+        if name != "numba_s":
+            over = "exact_over_numba" if name == "exact_s" else name[:-2] + "_over_numba"
+            result[over] = result[name] / result["numba_s"]
     return result
+
+
+def _alternating(paths, repeat):
+    """Best time of each path over ``repeat`` rounds, the paths timed in turn within each
+    round (after one warm-up call each), so that a change of the machine's load reaches
+    every path alike."""
+    for fn in paths.values():
+        fn()
+    best = dict.fromkeys(paths, float("inf"))
+    for _ in range(repeat):
+        for name, fn in paths.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--case",
-        choices=["dsa", "dsa-full", "dsa-prefill", "softmax", "nvfp4", "all"],
+        choices=["dsa", "dsa-full", "dsa-prefill", "softmax", "nvfp4", "nvfp4-large", "all"],
         default="all",
     )
     parser.add_argument("--repeat", type=int, default=5, help="timed calls per figure")
-    parser.add_argument("--skip-exact", action="store_true", help="dsa: skip the exact path")
+    parser.add_argument("--skip-exact", action="store_true", help="dsa, nvfp4: skip the exact path")
     parser.add_argument(
         "--full", action="store_true", help="dsa, dsa-prefill: the full-size problems"
     )
@@ -222,8 +300,10 @@ def main(argv=None):
             results[case] = bench_dsa_prefill(args.repeat, args.skip_exact, args.full)
         elif case == "softmax":
             results[case] = bench_softmax(args.repeat)
+        elif case == "nvfp4-large":
+            results[case] = bench_nvfp4(args.repeat, args.skip_exact, 32, 8, 32768)
         else:
-            results[case] = bench_nvfp4(args.repeat)
+            results[case] = bench_nvfp4(args.repeat, args.skip_exact)
         print(case, json.dumps(results[case]), flush=True)
     results["load_after"] = os.getloadavg()
     print(

@@ -6,6 +6,8 @@
 user-facing entry point.
 """
 
+from ._codes_forward import attention_codes
+from ._cpu_codes import codes_abs_max
 from ._dispatch import (
     COMPILE_MESSAGE,
     FAMILIES,
@@ -28,6 +30,8 @@ __all__ = [
     "listed_keys",
     "attention",
     "attention_vjp",
+    "attention_codes",
+    "codes_abs_max",
     "compute_dtype",
     "COMPILE_MESSAGE",
     "announce_compile",

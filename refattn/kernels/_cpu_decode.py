@@ -28,13 +28,12 @@ from ._args import (
     TERM_DROP,
     TERM_DROP_STRIDES,
 )
+from ._cpu_codes import load_keys_t, load_values
 from ._cpu_scores import dropout_weights, finish_scores, first_key_block, row_interval
 from ._cpu_tiles import (
     BLOCK_K,
     BLOCK_Q,
     exp_compute,
-    load_rows,
-    load_rows_t,
     matmul_n,
     matmul_t,
     pad,
@@ -106,8 +105,8 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, terms, pa
     stop = min((split + 1) * SPLIT_KEYS, hi_last)
     for c0 in range(start, stop, BLOCK_K):
         nc = min(BLOCK_K, keys - c0)
-        load_rows_t(k[b, g], c0, nc, k_t)
-        v_finite = load_rows(v[b, g], c0, nc, v_blk)
+        load_keys_t(k, b, g, c0, nc, k_t)  # k, v: arrays or quantised rows (_cpu_codes)
+        v_finite = load_values(v, b, g, c0, nc, v_blk)
         matmul_t(q_t, k_t, dim, rows, BLOCK_K, s, True)
         clean = True
         for t in range(group):

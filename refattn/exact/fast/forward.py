@@ -81,12 +81,14 @@ import dataclasses
 
 import numpy as np
 
+from ..._kv_codes import with_values
 from ...spec import AttentionSpec
 from ..attention import exact_forward
 from ..rounding import format_of
 from . import doubledouble as D
 from ._params import P_ALIBI_OFFSET, P_SINK, P_SLOPE, PRM, frozen
 from .allowed_set import allowed_rule
+from .codes_inputs import codes_inputs
 from .forward_kernels import OK, ROW_BLOCK, SUM_BLOCK, UNDECIDED, forward_d, forward_dd, row_facts
 
 __all__ = [
@@ -261,13 +263,10 @@ class _Inputs:
     """Float64 inputs of every plane, their norms and scales, and the planes the first steps
     take (the others go to the referee whole)."""
 
-    def __init__(self, spec: AttentionSpec):
+    def __init__(self, spec: AttentionSpec, kv=None):
         batch, heads, _, length, keys, _, _ = spec.dims
         f64 = np.float64
         self.q = np.ascontiguousarray(spec.q, dtype=f64)
-        k = np.ascontiguousarray(spec.k, dtype=f64)
-        self.kT = np.ascontiguousarray(np.swapaxes(k, 2, 3))
-        self.v = np.ascontiguousarray(spec.v, dtype=f64)
         self.kvh = np.ascontiguousarray(spec.kv_head, dtype=np.int64)
         self.prm, ok = kernel_params(spec)
 
@@ -279,22 +278,34 @@ class _Inputs:
             return [o.reshape(a.shape[:3]) for o in out]
 
         q_ok, self.qn, self.qs = facts(self.q)
-        k_ok, self.kn, self.ks = facts(k)
-        vT = np.ascontiguousarray(np.swapaxes(self.v, 2, 3))
-        v_ok, self.vnorm, _ = facts(vT)
+        if kv:  # k, v as codes (refattn._kv_codes): one compiled pass each, the same facts
+            self.kT, self.v, k_facts, v_facts = codes_inputs(*kv, batch)
+            (k_ok, self.kn, self.ks), (v_ok, self.vnorm, self.vmax) = k_facts, v_facts
+        else:
+            k = np.ascontiguousarray(spec.k, dtype=f64)
+            self.kT = np.ascontiguousarray(np.swapaxes(k, 2, 3))
+            self.v = np.ascontiguousarray(spec.v, dtype=f64)
+            k_ok, self.kn, self.ks = facts(k)
+            vT = np.ascontiguousarray(np.swapaxes(self.v, 2, 3))
+            v_ok, self.vnorm, _ = facts(vT)
+            self.vmax = np.max(np.abs(self.v), axis=2, initial=0.0)
         kv_ok = k_ok.all(axis=2) & v_ok.all(axis=2)
         self.ok = ok & q_ok.all(axis=2) & kv_ok[:, self.kvh] & (length > 0) & (keys > 0)
-        self.vmax = np.max(np.abs(self.v), axis=2, initial=0.0)
         self.rule = allowed_rule(spec)
 
 
-def fast_exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_weights=False):
+def fast_exact_forward(
+    spec: AttentionSpec, out_dtype, *, return_lse=False, return_weights=False, kv=None
+):
     """Correctly rounded (out, lse, weights) in the flat (B, H, ...) layout, bit-identical to
     :func:`refattn.exact.attention.exact_forward` (see the module docstring).
 
     The first steps run in parallel over the query rows (blocks of ROW_BLOCK rows) of every
     plane at once; each row's arithmetic depends on the shapes alone, so the bits do not
-    depend on the thread count.
+    depend on the thread count. ``kv``: k and v as :class:`refattn.quantized.QuantisedRows`
+    (``spec.k``, ``spec.v`` then placeholders: :func:`refattn._kv_codes.streamed_codes`); the
+    first steps read them through :func:`~refattn.exact.fast.codes_inputs.codes_inputs`, the
+    referee through their values.
 
     Examples
     --------
@@ -313,7 +324,7 @@ def fast_exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, retu
     status = np.full((batch, heads, length), UNDECIDED, dtype=np.int8)
     step_rows = {"double": 0, "double-double": 0}
     if out.size or lse.size:
-        x = _Inputs(spec)
+        x = _Inputs(spec, kv)
         inputs = tuple(
             frozen(a)
             for a in (x.q, x.kT, x.v, x.qn, x.kn, x.qs, x.ks, x.vmax, x.vnorm, x.prm, x.kvh)
@@ -338,6 +349,8 @@ def fast_exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, retu
             forward_dd(items, inputs, rule, target, results)
         step_rows["double-double"] = items.shape[0]
     referee_rows = 0
+    if kv and (status != OK).any():  # the referee reads the values themselves
+        spec = with_values(spec, kv)
     for b, h in np.argwhere((status != OK).any(axis=2)):
         rows = np.flatnonzero(status[b, h] != OK)
         referee_rows += rows.size

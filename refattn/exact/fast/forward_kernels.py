@@ -49,6 +49,8 @@ __all__ = [
     "forward_dd",
     "forward_d",
     "row_facts",
+    "row_fact",
+    "trailing_zero_count",
     "CUT",
     "TINY",
     "WEIGHT_TINY_ARG",
@@ -580,6 +582,17 @@ def _d_block(b, h, i0, nb_rows, inputs, rule, target, results):
         status[b, h, i] = OK if ok else UNDECIDED
 
 
+if numba.config.DISABLE_JIT:  # pragma: no cover  (the intrinsic only compiles)
+
+    def trailing_zero_count(n):
+        """The number of trailing zero bits of the integer ``n`` != 0."""
+        n = int(n)
+        return (n & -n).bit_length() - 1
+
+else:
+    from numba.cpython.unsafe.numbers import trailing_zeros as trailing_zero_count
+
+
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
 def row_facts(x, bits, norms, scales, ok):
     """Per row of x (N, D) (``bits``: the same array viewed as int64), in a fixed order:
@@ -587,32 +600,37 @@ def row_facts(x, bits, norms, scales, ok):
     of the 2-norm: the float sum of squares errs by at most gamma_D < 2**-30 relative for
     D < 2**22, covered by the factor 1 + 2**-30; 2**-1000 covers underflow) and ``scales``
     (:func:`exactness_scales`: the exponent of the lowest set bit from the bit pattern)."""
-    frac_mask = (1 << 52) - 1
     for n in prange(x.shape[0]):
-        good = True
-        acc = 0.0
-        low = 1 << 40
-        for d in range(x.shape[1]):
-            a = x[n, d]
-            m = abs(a)
-            if not (m == 0.0 or (m >= D.SAFE_MIN and m <= D.SAFE_MAX)):
-                good = False
-            acc += a * a
-            if m != 0.0:
-                w = bits[n, d]
-                biased = (w >> 52) & 0x7FF
-                mant = w & frac_mask
-                if biased != 0:
-                    mant |= 1 << 52
-                else:
-                    biased = 1  # subnormal: the same scale as the smallest normal
-                lowbit = mant & -mant  # a power of two below 2**53: exact as a float
-                tz = np.int64(math.frexp(float(lowbit))[1] - 1)
-                low = min(low, biased - 1075 + tz)
-        ok[n] = good
-        norms[n] = math.sqrt(acc) * (1.0 + 2.0**-30) + 2.0**-1000
-        g = 0 if low == 1 << 40 else low  # a zero row: its products are all 0
-        scales[n] = np.ldexp(norms[n], -g)
+        ok[n], norms[n], scales[n] = row_fact(x[n], bits[n])
+
+
+@numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy")
+def row_fact(a, bits):
+    """``(ok, norm, scale)`` of one row ``a`` (D,) (``bits``: viewed as int64), as
+    :func:`row_facts` states them."""
+    frac_mask = (1 << 52) - 1
+    good = True
+    acc = 0.0
+    low = 1 << 40
+    for d in range(a.shape[0]):
+        x = a[d]
+        m = abs(x)
+        if not (m == 0.0 or (m >= D.SAFE_MIN and m <= D.SAFE_MAX)):
+            good = False
+        acc += x * x
+        if m != 0.0:
+            w = bits[d]
+            biased = (w >> 52) & 0x7FF
+            mant = w & frac_mask
+            if biased != 0:
+                mant |= 1 << 52
+            else:
+                biased = 1  # subnormal: the same scale as the smallest normal
+            tz = np.int64(trailing_zero_count(mant))  # the lowest set bit (mant != 0)
+            low = min(low, biased - 1075 + tz)
+    norm = math.sqrt(acc) * (1.0 + 2.0**-30) + 2.0**-1000
+    g = 0 if low == 1 << 40 else low  # a zero row: its products are all 0
+    return good, norm, np.ldexp(norm, -g)
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
