@@ -14,6 +14,13 @@ import numpy as np
 from . import _checks
 from ._exact_sparse import GATHER_READING, exact_gathers
 from ._kv_codes import k_extremes, kernel_forward, streamed_spec, with_codes
+from ._numba_path import (
+    MAX_EXPONENT,
+    check_numba_range,
+    numba_gather_spec,
+    numba_gathers,
+    without_listed,
+)
 from .broadcast import reduce_to
 from .logspace import masked_softmax
 from .spec import (
@@ -89,8 +96,7 @@ class _PlaneF64(NamedTuple):
     derivative: np.ndarray | None = None  # (L, S) sigma'(t~) (normalizer="sigmoid" only)
 
 
-_MAX_EXPONENT = 1000  # scaled scores are kept below 2**1000 (sums of a few stay finite)
-_MAX_EXPONENT_FLOAT32 = 100  # the same margin below float32's 2**128 (numba float32 kernels)
+_MAX_EXPONENT = MAX_EXPONENT  # scaled scores are kept below 2**1000 (sums of a few stay finite)
 
 
 def _scaled_products(q: np.ndarray, k: np.ndarray, scale: float):
@@ -234,83 +240,6 @@ def _forward_float64(spec: AttentionSpec, return_weights: bool):
             if return_weights:
                 weights[b, h] = w
     return out, lse, weights
-
-
-def _without_listed(options: dict, gather: bool) -> dict:
-    """The options with the listed key indices left out when a gather kernel reads them
-    (:func:`_gather_spec` puts them back on the spec, without a dense mask)."""
-    if gather:
-        options.update(key_indices=None, key_block_indices=None, key_block_size=None)
-    return options
-
-
-def _gathers(backend, precision, reading, listed, normalizer, return_weights, sinks, kv_lengths):
-    """Whether the Numba kernels gather the key indices ``listed`` = (key_indices,
-    key_block_indices, key_block_size) themselves (:func:`refattn.kernels.gathers`)."""
-    if backend != "numba" or (listed[0] is None and listed[1] is None):
-        return False
-    from .kernels import gathers
-
-    options = dict(
-        normalizer=normalizer, return_weights=return_weights, sinks=sinks, kv_lengths=kv_lengths
-    )
-    return gathers(
-        backend=backend,
-        precision=precision,
-        key_indices=listed[0],
-        key_block_indices=listed[1],
-        index_reading=reading,
-        options=options,
-    )
-
-
-def _gather_spec(spec, listed):
-    """:func:`refattn.kernels.gather_spec` of ``spec`` with ``listed`` (see :func:`_gathers`)."""
-    from .kernels import gather_spec
-
-    return gather_spec(spec, *listed)
-
-
-def _check_numba_range(spec: AttentionSpec, compute_dtype, k_rows=None) -> None:
-    """The Numba kernels form ``s q.k`` directly in their compute dtype: refuse inputs whose
-    scores may exceed its range (they would turn into NaN) and say what handles them."""
-
-    def top(x):
-        # max |x| over the finite entries, in x's own dtype (float16, bfloat16, float8 widen
-        # exactly to float32): no float64 copy and no |x| array of a large k
-        x = np.asarray(x)
-        if x.dtype not in (np.float32, np.float64):
-            x = x.astype(np.float32)
-        high, low = (np.max(x), np.min(x)) if x.size else (0.0, 0.0)
-        if not (np.isfinite(high) and np.isfinite(low)):  # a second pass skips NaN and Inf
-            finite = np.isfinite(x)
-            high = np.max(x, where=finite, initial=0.0)
-            low = np.min(x, where=finite, initial=0.0)
-        return float(max(high, -low, 0.0))
-
-    dim = spec.q.shape[-1]
-    from .kernels import GATHER
-
-    k = spec.k if k_rows is None else k_rows
-    listed = np.asarray(spec.key_indices) if spec.index_reading == GATHER else None
-    if listed is not None and listed.size < k.shape[-2]:
-        # the gather kernel reads only the listed keys: a sparse decode lists T << S of them,
-        # so check those rows, not all of k (the union over batch rows and heads bounds
-        # each); a prefill lists more entries than k has rows, and k itself is cheaper
-        from .kernels import listed_keys
-
-        k = listed_keys(k, listed)
-    with np.errstate(over="ignore"):
-        largest = abs(spec.scale_float) * dim * top(spec.q) * top(k)
-    wide = np.dtype(compute_dtype) == np.float64
-    if largest > 2.0 ** (_MAX_EXPONENT if wide else _MAX_EXPONENT_FLOAT32):
-        reach = f"{largest:.3g}" if np.isfinite(largest) else "beyond 1.8e308"
-        raise ValueError(
-            f"q, k, scale: scores scale*q.k may reach {reach} (max |q| {top(spec.q):.3g}, "
-            f"max |k| {top(k):.3g}, D = {dim}), beyond what backend='numba' computes "
-            f"without overflow in {np.dtype(compute_dtype).name}; use backend='numpy' "
-            "(float64, rescales such rows) or precision='exact'"
-        )
 
 
 # --------------------------------------------------------------------------------------
@@ -522,13 +451,13 @@ def attention(
     base = _lse_base(lse_base, return_lse)
     # set-read key indices on the Numba CPU forward: gathered by the kernel, no dense mask
     listed = (key_indices, key_block_indices, key_block_size)
-    gather = _gathers(
+    gather = numba_gathers(
         backend, precision, index_reading, listed, normalizer, return_weights, sinks, kv_lengths
     ) or exact_gathers(precision, backend, index_reading, listed, normalizer, bias, lse_base)
-    options = _without_listed(options_in(locals()), gather)  # quantised k, v: codes streamed
+    options = without_listed(options_in(locals()), gather)  # quantised k, v: codes streamed
     spec, codes = streamed_spec(q, k, v, options, backend, precision, gather or base != 1)
     if gather:
-        spec = _gather_spec(spec, listed)
+        spec = numba_gather_spec(spec, listed)
     if spec.index_reading == "multiset":
         from . import sparse_multiset
 
@@ -591,7 +520,7 @@ def _forward_paths(spec, precision, backend, out_dtype, return_lse, return_weigh
             )
         from . import kernels
 
-        _check_numba_range(spec, kernels.compute_dtype(spec.q.dtype), k_extremes(kv))
+        check_numba_range(spec, kernels.compute_dtype(spec.q.dtype), k_extremes(kv))
         work = fold(spec, alibi_into_bias=True) if needs_fold(spec) else spec
         out, lse = kernel_forward(work, kv)
         weights = None
@@ -784,12 +713,12 @@ def attention_vjp(
     _check_path(precision, backend, out_dtype)
     # set-read key indices on the Numba CPU vjp: gathered by the kernel, no dense mask
     listed = (key_indices, key_block_indices, key_block_size)
-    gather = _gathers(
+    gather = numba_gathers(
         backend, precision, index_reading, listed, normalizer, False, sinks, kv_lengths
     )
-    spec = canonicalize(q, k, v, **_without_listed(options_in(locals()), gather))
+    spec = canonicalize(q, k, v, **without_listed(options_in(locals()), gather))
     if gather:
-        spec = _gather_spec(spec, listed)
+        spec = numba_gather_spec(spec, listed)
     _, heads, _, length, keys, _, vdim = spec.dims
     do = check_cotangent(spec, grad_out, "grad_out", (heads, length, vdim))
     dl = None if grad_lse is None else check_cotangent(spec, grad_lse, "grad_lse", (heads, length))
@@ -859,7 +788,7 @@ def _vjp_paths(spec, do, dl, precision, backend, out_dtype):
     elif backend == "numba":
         from . import kernels
 
-        _check_numba_range(spec, kernels.compute_dtype(spec.q.dtype))
+        check_numba_range(spec, kernels.compute_dtype(spec.q.dtype))
         work = fold(spec, alibi_into_bias=True) if needs_fold(spec) else spec
         dq, dk, dv, dbias = kernels.attention_vjp(work, do, dl)
         if spec.sinks is not None:
