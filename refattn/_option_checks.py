@@ -12,13 +12,28 @@ S key length, D and E the feature sizes.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
+import ml_dtypes
 import numpy as np
 
 from . import _checks
 from ._qv import fold_qv
 from .quantized import dequantize_inputs
+
+#: the supported float dtypes (:data:`refattn._checks.FLOAT_DTYPES`) as dtype objects
+_PLAIN_DTYPES = frozenset(np.dtype(getattr(ml_dtypes, n, n)) for n in _checks.FLOAT_DTYPES)
+#: the options that dequantise or fold an input (:func:`dequantised`)
+_QUANTISED_OPTIONS = (
+    "qv",
+    "q_descale",
+    "k_descale",
+    "v_descale",
+    "q_block_scale",
+    "k_block_scale",
+    "v_block_scale",
+)
 
 
 class CallShape(NamedTuple):
@@ -78,15 +93,25 @@ def core_shape(q, k, v) -> CallShape:
 
 
 def flat(arr: np.ndarray, batch_shape: tuple, tail: tuple) -> np.ndarray:
-    """``arr`` broadcast to ``batch_shape + tail`` with one flat batch axis (a view)."""
-    full = np.broadcast_to(arr, batch_shape + tail)
+    """``arr`` broadcast to ``batch_shape + tail`` with one flat batch axis (a read-only view,
+    as :func:`numpy.broadcast_to` gives; an array already of that shape is only reshaped, the
+    common case, at a fifth of broadcast_to's cost on a decode step)."""
+    if arr.shape == batch_shape + tail:
+        full = arr.view()
+        full.flags.writeable = False
+    else:
+        full = np.broadcast_to(arr, batch_shape + tail)
     # an explicit batch size: reshape(-1, ...) is ambiguous when a trailing size is 0
-    return full.reshape((int(np.prod(batch_shape)),) + tail) if batch_shape else full[None]
+    return full.reshape((math.prod(batch_shape),) + tail) if batch_shape else full[None]
 
 
 def dequantised(q, k, v, values):
     """q, k, v dequantised (the "descale" and "block scale" options: exact, any float8 or
     float4 input becomes its real values) with ``qv`` folded in (:func:`refattn._qv.fold_qv`)."""
+    if all(values[name] is None for name in _QUANTISED_OPTIONS) and all(
+        type(x) is np.ndarray and x.dtype in _PLAIN_DTYPES for x in (q, k, v)
+    ):
+        return q, k, v  # plain float arrays and no factor: what dequantize_inputs returns
     descales = (values["q_descale"], values["k_descale"], values["v_descale"])
     blocks = {
         "q": values["q_block_scale"],
