@@ -87,7 +87,18 @@ from ..rounding import format_of
 from . import doubledouble as D
 from ._params import P_ALIBI_OFFSET, P_SINK, P_SLOPE, PRM, frozen
 from .allowed_set import allowed_rule
-from .forward_kernels import OK, ROW_BLOCK, SUM_BLOCK, UNDECIDED, forward_d, forward_dd, row_facts
+from .forward_kernels import (
+    KEY_TILE,
+    OK,
+    ROW_BLOCK,
+    SUM_BLOCK,
+    UNDECIDED,
+    forward_d,
+    forward_dd,
+    key_facts,
+    row_facts,
+    value_facts,
+)
 
 __all__ = [
     "fast_exact_forward",
@@ -252,26 +263,36 @@ class _Inputs:
         batch, heads, _, length, keys, _, _ = spec.dims
         f64 = np.float64
         self.q = np.ascontiguousarray(spec.q, dtype=f64)
-        k = np.ascontiguousarray(spec.k, dtype=f64)
-        self.kT = np.ascontiguousarray(np.swapaxes(k, 2, 3))
-        self.v = np.ascontiguousarray(spec.v, dtype=f64)
+        k = frozen(spec.k, f64)
+        vdim = spec.v.shape[3]
+        epad = max(KEY_TILE, -(-vdim // KEY_TILE) * KEY_TILE)
+        if epad == vdim:
+            self.v = np.ascontiguousarray(spec.v, dtype=f64)
+        else:  # V with zero features up to a multiple of KEY_TILE (whole register tiles)
+            self.v = np.zeros(spec.v.shape[:3] + (epad,))
+            self.v[..., :vdim] = spec.v
+        v = self.v[..., :vdim]
         self.kvh = np.ascontiguousarray(spec.kv_head, dtype=np.int64)
         self.prm, ok = kernel_params(spec)
-
-        def facts(a):  # (ok, norms, scales) of the rows of a's last axis
-            flat = frozen(a.reshape(int(np.prod(a.shape[:3])), a.shape[3]))
-            out = [np.empty(flat.shape[0], dtype) for dtype in (np.bool_, np.float64, np.float64)]
-            if flat.shape[0]:
-                row_facts(flat, flat.view(np.int64), out[1], out[2], out[0])
-            return [o.reshape(a.shape[:3]) for o in out]
-
-        q_ok, self.qn, self.qs = facts(self.q)
-        k_ok, self.kn, self.ks = facts(k)
-        vT = np.ascontiguousarray(np.swapaxes(self.v, 2, 3))
-        v_ok, self.vnorm, _ = facts(vT)
+        # K^T with KEY_TILE zero keys past S (whole register tiles), with the keys' facts
+        self.kT = np.empty(k.shape[:2] + (k.shape[3], k.shape[2] + KEY_TILE))
+        self.kT[..., k.shape[2] :] = 0.0
+        k_ok = np.empty(k.shape[:3], np.bool_)
+        self.kn, self.ks = np.empty(k.shape[:3]), np.empty(k.shape[:3])
+        if k.size:
+            key_facts(k, self.kT, self.kn, self.ks, k_ok)
+        v_ok = np.ones(v.shape[:2] + (vdim,), np.bool_)
+        self.vnorm = np.full(v.shape[:2] + (vdim,), 2.0**-1000)
+        self.vmax = np.zeros(v.shape[:2] + (vdim,))
+        if v.size:
+            value_facts(frozen(self.v), self.vnorm, self.vmax, v_ok)
+        flat = frozen(self.q.reshape(int(np.prod(self.q.shape[:3])), self.q.shape[3]))
+        facts = [np.empty(flat.shape[0], dtype) for dtype in (np.bool_, np.float64, np.float64)]
+        if flat.shape[0]:
+            row_facts(flat, flat.view(np.int64), facts[1], facts[2], facts[0])
+        q_ok, self.qn, self.qs = (a.reshape(self.q.shape[:3]) for a in facts)
         kv_ok = k_ok.all(axis=2) & v_ok.all(axis=2)
         self.ok = ok & q_ok.all(axis=2) & kv_ok[:, self.kvh] & (length > 0) & (keys > 0)
-        self.vmax = np.max(np.abs(self.v), axis=2, initial=0.0)
         self.rule = allowed_rule(spec)
 
 
