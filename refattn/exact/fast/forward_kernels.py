@@ -17,6 +17,7 @@ import numba
 import numpy as np
 from numba import prange
 
+from ...kernels._cpu_tiles import matmul_n, matmul_t
 from . import doubledouble as D
 from ._params import (
     P_ALIBI_KEYS,
@@ -44,7 +45,6 @@ from ._params import (
 from .allowed_set import key_state
 from .doubledouble import EXP_FAST_REL, exp_dd_fast
 from .rounding_decision import decide_one
-from ...kernels._cpu_tiles import matmul_n, matmul_t
 
 __all__ = [
     "forward_dd",
