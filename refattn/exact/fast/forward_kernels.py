@@ -78,7 +78,8 @@ _RHO_MAX = 2.0**-20
 #: Key block of the double-precision sums (blocked summation, Higham 2002, sec. 4.2).
 SUM_BLOCK = 64
 #: Query rows the double-precision step processes together (cache reuse only: every dot
-#: product is the same fma chain over D). Chunking the keys as well measured slower.
+#: product is the same fma chain over D): each K^T chunk and V block is read once per 32 rows
+#: (8 rows left the step streaming K and V from memory).
 ROW_BLOCK = 32
 #: Work lanes of the double-precision step: lane w takes blocks w, w + WORKERS, ... with one
 #: scratch (which rows a lane takes changes no bit: each row's arithmetic is its own).
