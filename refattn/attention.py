@@ -12,6 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _checks
+from ._exact_sparse import GATHER_READING, exact_gathers
 from .broadcast import reduce_to
 from .logspace import masked_softmax
 from .spec import (
@@ -295,8 +296,9 @@ def _check_numba_range(spec: AttentionSpec, compute_dtype) -> None:
         # the gather kernel reads only the listed keys: a sparse decode lists T << S of them,
         # so check those rows, not all of k (the union over batch rows and heads bounds
         # each); a prefill lists more entries than k has rows, and k itself is cheaper
-        keys = np.unique(listed[(listed >= 0) & (listed < k.shape[-2])])
-        k = np.take(k, keys, axis=-2)
+        from .kernels import listed_keys
+
+        k = listed_keys(k, listed)
     with np.errstate(over="ignore"):
         largest = abs(spec.scale_float) * dim * top(spec.q) * top(k)
     wide = np.dtype(compute_dtype) == np.float64
@@ -521,7 +523,7 @@ def attention(
     listed = (key_indices, key_block_indices, key_block_size)
     gather = _gathers(
         backend, precision, index_reading, listed, normalizer, return_weights, sinks, kv_lengths
-    )
+    ) or exact_gathers(precision, backend, index_reading, listed, normalizer, bias, lse_base)
     spec = canonicalize(q, k, v, **_without_listed(options_in(locals()), gather))
     if gather:
         spec = _gather_spec(spec, listed)
@@ -568,6 +570,8 @@ def _forward_paths(spec, precision, backend, out_dtype, return_lse, return_weigh
         engine = fast_exact_forward if config.EXACT_ENGINE == "fast" else exact_forward
         if spec.normalizer == "sigmoid":  # the fast engine is softmax-specific
             from .exact.attention_sigmoid import exact_sigmoid_forward as engine
+        if spec.index_reading == GATHER_READING:  # listed keys kept as lists: no dense mask
+            from .exact.fast.gather import gather_forward as engine
         out, lse, weights = engine(
             spec, _checks.out_dtype(out_dtype), return_lse=return_lse, return_weights=return_weights
         )

@@ -19,6 +19,12 @@ DEFAULT_OUT_DTYPE = "float64"
 #: alone). Both give bit-identical results; "referee" is for tests and benchmarks.
 EXACT_ENGINE = "fast"
 
+#: How the fast exact forward reads set-read sparse key indices (``key_indices``,
+#: ``key_block_indices``): "gather" (each row visits only its listed keys,
+#: :mod:`refattn.exact.fast.gather`; no (L, S) plane) or "mask" (the listed set ANDed into a
+#: dense mask, every key of each row's interval walked). Both give bit-identical results.
+EXACT_SPARSE_KEYS = "gather"
+
 #: Engine of precision="exact" attention_vjp: "fast" (double-double enclosures with rigorous
 #: bounds, undecided elements re-evaluated by the referee) or "referee" (the arbitrary-precision
 #: Ziv loop on every element). Both give the same bits.

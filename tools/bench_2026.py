@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Time the 2025-26 attention workloads on refattn's Numba kernels against plain PyTorch.
 
-Usage: python tools/bench_2026.py [--case dsa|softmax|nvfp4|all] [--repeat N] [--skip-exact]
-                                  [--json FILE]
+Usage: python tools/bench_2026.py [--case dsa|dsa-full|dsa-prefill|softmax|nvfp4|all]
+                                  [--repeat N] [--skip-exact] [--full] [--json FILE]
 
 Cases (every figure is the best of ``--repeat`` timed calls after one warm-up call, which
 compiles; ratios are of the same run, and the machine's load average is printed with them:
@@ -13,6 +13,12 @@ the machine may be shared, so compare within a run):
   1/sqrt(192)), float32: refattn's Numba gather kernel (``key_indices``) against a plain torch
   implementation (gather the T rows, softmax, matmul) and refattn's exact path
   (``precision="exact"``, every element rounded once to float32) against the Numba kernel;
+  the Numba, torch and exact calls alternate, so that all see the same load;
+* ``dsa-full`` (or ``dsa --full``): the same for the full step, B1 H128 K1 L1 S=65536 T=2048
+  (not in ``all``);
+* ``dsa-prefill``: a causal top-k prefill, B1 H16 K1 L=S=2048 T=512 D=E=128 float32 (row i
+  lists min(T, i + 1) random keys of 0..i, -1 after them), exact against Numba; with
+  ``--full`` L=S=8192 T=2048;
 * ``softmax``: float32 causal B1 H8 L=S=1024 D=E=64, the Numba kernel against
   ``torch.nn.functional.scaled_dot_product_attention``;
 * ``nvfp4``: an NVFP4 GQA decode step B1 H8 K2 L1 S=8192 D=E=128 (float4_e2m1fn codes with
@@ -51,8 +57,11 @@ def _torch():
     return torch
 
 
-def _dsa_inputs(rng):
-    heads, keys, top, dim, vdim = 16, 16384, 512, 576, 512
+#: The DSA decode shapes: (H, S, T); D 576, E 512 (MLA's absorbed latent key and value).
+DSA_SHAPES = {"dsa": (16, 16384, 512), "full": (128, 65536, 2048)}
+
+
+def _dsa_inputs(rng, heads=16, keys=16384, top=512, dim=576, vdim=512):
     q = rng.standard_normal((1, heads, 1, dim)).astype(np.float32)
     k = rng.standard_normal((1, 1, keys, dim)).astype(np.float32)
     v = np.ascontiguousarray(k[..., :vdim])
@@ -60,29 +69,43 @@ def _dsa_inputs(rng):
     return q, k, v, idx, 1 / np.sqrt(192.0)
 
 
-def bench_dsa(repeat, skip_exact):
-    """DSA decode step: Numba gather vs torch gather, and exact vs Numba."""
-    q, k, v, idx, scale = _dsa_inputs(np.random.default_rng(0))
-    result = {"shape": "B1 H16 K1 L1 S16384 T512 D576 E512 float32"}
+def _alternating(fns, repeat):
+    """Best of ``repeat`` timed calls of each function, the functions called in turn (one
+    warm-up call each first), so that a change of the machine's load hits every side alike."""
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, kept in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            kept.append(time.perf_counter() - start)
+    return [min(kept) for kept in times]
+
+
+def bench_dsa(repeat, skip_exact, shape="dsa"):
+    """DSA decode step: Numba gather vs torch gather (alternating calls), and exact vs Numba."""
+    heads, keys, top = DSA_SHAPES[shape]
+    q, k, v, idx, scale = _dsa_inputs(np.random.default_rng(0), heads, keys, top)
+    result = {"shape": f"B1 H{heads} K1 L1 S{keys} T{top} D576 E512 float32"}
 
     def numba():
         return refattn.attention(q, k, v, key_indices=idx, scale=scale, backend="numba")
 
-    result["numba_s"] = _best(numba, repeat)
+    fns = [numba]
     torch = _torch()
     if torch is not None:
         tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
         tidx = torch.from_numpy(idx[0, 0, 0])
 
         def plain():
-            keys = tk[0, 0].index_select(0, tidx)  # (T, D)
-            values = tv[0, 0].index_select(0, tidx)  # (T, E)
-            weights = torch.softmax((tq[0, :, 0] @ keys.T) * scale, dim=-1)  # (H, T)
-            return weights @ values
+            with torch.inference_mode():
+                keys = tk[0, 0].index_select(0, tidx)  # (T, D)
+                values = tv[0, 0].index_select(0, tidx)  # (T, E)
+                weights = torch.softmax((tq[0, :, 0] @ keys.T) * scale, dim=-1)  # (H, T)
+                return weights @ values
 
-        with torch.inference_mode():
-            result["torch_s"] = _best(plain, repeat)
-        result["numba_over_torch"] = result["numba_s"] / result["torch_s"]
+        fns.append(plain)
     if not skip_exact:
 
         def exact():
@@ -90,7 +113,47 @@ def bench_dsa(repeat, skip_exact):
                 q, k, v, key_indices=idx, scale=scale, precision="exact", out_dtype="float32"
             )
 
-        result["exact_s"] = _best(exact, 1)
+        fns.append(exact)
+    times = _alternating(fns, repeat)
+    result["numba_s"] = times[0]
+    if torch is not None:
+        result["torch_s"] = times[1]
+        result["numba_over_torch"] = result["numba_s"] / result["torch_s"]
+    if not skip_exact:
+        result["exact_s"] = times[-1]
+        result["exact_over_numba"] = result["exact_s"] / result["numba_s"]
+    return result
+
+
+def _prefill_indices(rng, length, top):
+    """(1, 1, L, T) causal top-k lists: row i lists min(T, i + 1) distinct keys of 0..i."""
+    idx = np.full((1, 1, length, top), -1, dtype=np.int64)
+    for i in range(length):
+        count = min(top, i + 1)
+        idx[0, 0, i, :count] = rng.choice(i + 1, count, replace=False)
+    return idx
+
+
+def bench_dsa_prefill(repeat, skip_exact, full=False):
+    """Causal top-k prefill: exact vs the Numba gather kernel."""
+    rng = np.random.default_rng(3)
+    heads, length, top, dim = (16, 8192, 2048, 128) if full else (16, 2048, 512, 128)
+    q = rng.standard_normal((1, heads, length, dim)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 1, length, dim)).astype(np.float32) for _ in range(2))
+    idx = _prefill_indices(rng, length, top)
+    result = {"shape": f"B1 H{heads} K1 L=S={length} T{top} D=E={dim} float32 causal top-k"}
+    options = dict(key_indices=idx, causal=True)
+
+    def numba():
+        return refattn.attention(q, k, v, backend="numba", **options)
+
+    def exact():
+        return refattn.attention(q, k, v, precision="exact", out_dtype="float32", **options)
+
+    if skip_exact:
+        result["numba_s"] = _best(numba, repeat)
+    else:
+        result["numba_s"], result["exact_s"] = _alternating([numba, exact], repeat)
         result["exact_over_numba"] = result["exact_s"] / result["numba_s"]
     return result
 
@@ -137,16 +200,26 @@ def bench_nvfp4(repeat):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", choices=["dsa", "softmax", "nvfp4", "all"], default="all")
+    parser.add_argument(
+        "--case",
+        choices=["dsa", "dsa-full", "dsa-prefill", "softmax", "nvfp4", "all"],
+        default="all",
+    )
     parser.add_argument("--repeat", type=int, default=5, help="timed calls per figure")
     parser.add_argument("--skip-exact", action="store_true", help="dsa: skip the exact path")
+    parser.add_argument(
+        "--full", action="store_true", help="dsa, dsa-prefill: the full-size problems"
+    )
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
     cases = ["dsa", "softmax", "nvfp4"] if args.case == "all" else [args.case]
     results = {"load_before": os.getloadavg()}
     for case in cases:
-        if case == "dsa":
-            results[case] = bench_dsa(args.repeat, args.skip_exact)
+        if case in ("dsa", "dsa-full"):
+            shape = "full" if case == "dsa-full" or args.full else "dsa"
+            results[case] = bench_dsa(args.repeat, args.skip_exact, shape)
+        elif case == "dsa-prefill":
+            results[case] = bench_dsa_prefill(args.repeat, args.skip_exact, args.full)
         elif case == "softmax":
             results[case] = bench_softmax(args.repeat)
         else:

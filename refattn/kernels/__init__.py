@@ -17,6 +17,7 @@ from ._dispatch import (
     compute_dtype,
     gather_spec,
     gathers,
+    listed_keys,
     precompile,
 )
 
@@ -24,6 +25,7 @@ __all__ = [
     "GATHER",
     "gather_spec",
     "gathers",
+    "listed_keys",
     "attention",
     "attention_vjp",
     "compute_dtype",

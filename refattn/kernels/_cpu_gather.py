@@ -3,28 +3,33 @@
 With ``key_indices`` under the set reading (docs/conventions.md, "Sparse key indices") query
 row i of kv head g may attend to the set ``I_{b,g,i}`` of its listed keys only. Instead of a
 dense (B, K, L, S) mask and a walk over all S keys, each work unit (batch, kv head, query row,
-block of up to ``BLOCK_Q`` query heads of the group) visits the row's listed keys alone: the
-list, sorted once on the host, is read in increasing key order with the entries < 0, the
-repeated ones and those outside the row's structural interval ``[lo, hi)``
-(:func:`refattn.spec.key_interval`) skipped; blocks of ``BLOCK_K`` of those keys are gathered
-into the same K^T and V tiles as the dense kernels use, and every query head of the group at
-row i shares each gathered block (one tile of up to 64 rows). The rest of the allowed set
-(mask, -inf bias) and the optional terms are applied per gathered position exactly as
-:func:`~refattn.kernels._cpu_scores.finish_scores` applies them, and the online softmax
-(Milakov & Gimelshein 2018, Algorithm 3) streams over the gathered blocks:
+block of up to ``BLOCK_Q`` query heads of the group, :func:`head_block`) visits the row's
+listed keys alone: the list, sorted once on the host, is read in increasing key order with the
+entries < 0, the repeated ones and those outside the row's structural interval ``[lo, hi)``
+(:func:`refattn.spec.key_interval`) skipped. The listed key and value rows are read where
+they lie (no gathered copy; a value that is the leading E features of the key, MLA's absorbed
+form, is read from the key rows), and every query head of the unit shares each key row
+(:mod:`._cpu_gather_tiles`: 4-head x 4-key register tiles of dot products, 4-head x 4-vector
+tiles of the weighted value sum). The rest of the allowed set (mask, -inf bias) and the
+optional terms are applied per gathered position exactly as
+:func:`~refattn.kernels._cpu_scores.finish_scores` applies them. The row's T' <= T scores are
+all held, so the softmax takes two passes and no rescaling (Milakov & Gimelshein 2018,
+Algorithm 2, the safe softmax):
 
 .. math::
 
-    m^{(t)} = \\max(m^{(t-1)}, \\max_{j \\in J_t} s_j), \\qquad
-    \\ell^{(t)} = \\ell^{(t-1)} e^{m^{(t-1)} - m^{(t)}} + \\sum_{j \\in J_t} e^{s_j - m^{(t)}},
+    m = \\max_{j \\in I} s_j, \\qquad \\ell = \\sum_{j \\in I} e^{s_j - m}, \\qquad
+    o = \\frac{\\kappa}{\\ell} \\sum_{j \\in I} e^{s_j - m} v_j
 
-with ``J_t`` the t-th block of the row's listed keys in increasing order. Memory: the sorted
-(B, K, L, T) lists and per unit a few tiles, O(H T) for a decode step; work O(H L T (D + E)).
+(kappa = 1/(1-p) under dropout). Memory: the sorted (B, K, L, T) lists and per unit the
+scores and weights of its heads, O(H T) for a decode step; work O(H L T (D + E)).
 
 Determinism: every reduction runs in an order fixed by the listed keys (increasing key
-index) and the shapes: bit-identical for any number of threads. The order differs from the
-dense kernels' (which add the keys of 64-key blocks of all S keys), so the two paths agree
-within :func:`refattn.bounds.kernels.online_forward_bound`, not bit for bit.
+index) and the shapes (:mod:`._cpu_gather_tiles`): bit-identical for any number of threads
+and any head blocking. The order differs from the dense kernels' (which add the keys of
+64-key blocks of all S keys), so the two paths agree within
+:func:`refattn.bounds.kernels.online_forward_bound` (no rescaling here: n_b = 0 suffices),
+not bit for bit.
 """
 
 from __future__ import annotations
@@ -60,11 +65,26 @@ from ._args import (
     TERM_MASK_STRIDES,
     TERM_SLOPES,
 )
+from ._cpu_gather_tiles import lanes_const, raw_scores, weighted_rows
 from ._cpu_scores import row_interval
-from ._cpu_tiles import BLOCK_K, BLOCK_Q, exp_compute, matmul_n, matmul_t, pad, row_max
-from ._simd import KERNEL_OPTIONS, fma, lanes, vadd, vexp, vload, vmuls, vstore, vsubs, vsum, vzero
+from ._cpu_tiles import BLOCK_Q, row_max
+from ._simd import (
+    KERNEL_OPTIONS,
+    fma,
+    lanes,
+    vadd,
+    vbest,
+    vexp,
+    vload,
+    vmax,
+    vmuls,
+    vstore,
+    vsubs,
+    vsum,
+    vzero,
+)
 
-__all__ = ["gather_forward", "row_keys", "sorted_indices"]
+__all__ = ["gather_forward", "listed_top", "row_keys", "sorted_indices"]
 
 _OPTS = KERNEL_OPTIONS
 
@@ -95,30 +115,6 @@ def row_keys(listed, lo, hi, cols):
         count += 1
         last = j
     return count
-
-
-@njit(**_OPTS)
-def _gather_block(kp, vp, cols, c0, nc, k_t, v_blk):
-    """k_t[:, c] = kp[cols[c0 + c]] and v_blk[c] = vp[cols[c0 + c]] for c < nc (the rest and
-    the padding columns zeroed); returns whether every gathered value is finite."""
-    dim, vdim = kp.shape[1], vp.shape[1]
-    finite = True
-    for c in range(nc):
-        j = cols[c0 + c]
-        krow, vrow, orow = kp[j], vp[j], v_blk[c]
-        for x in range(dim):
-            k_t[x, c] = krow[x]
-        for e in range(vdim):
-            value = vrow[e]
-            orow[e] = value
-            finite &= math.isfinite(value)
-        for e in range(vdim, v_blk.shape[1]):
-            orow[e] = 0
-    for c in range(nc, k_t.shape[1]):
-        for x in range(dim):
-            k_t[x, c] = 0
-        v_blk[c, :] = 0
-    return finite
 
 
 @njit(**_OPTS)
@@ -166,72 +162,50 @@ def _gathered_scores(s, heads, nc, i, b, cols, c0, opts, fopts, terms):
 
 
 @njit(**_OPTS)
-def _softmax_step(s, p, rows, state):
-    """One block of the online softmax: p = exp(s - m_new) lane-parallel (the lane sums in
-    :func:`~refattn.kernels._cpu_tiles.row_sum`'s order), the accumulators rescaled when a
-    row's maximum grows; ``state`` = (m, total, acc)."""
-    m, total, acc = state
-    width = lanes(s)
-    epad = acc.shape[1]
+def _softmax_rows(s, p, rows, m, total):
+    """p = exp(s - m) per row with m the row's maximum (NaN skipped) and total the lane sum
+    of p in :func:`~refattn.kernels._cpu_tiles.row_sum`'s order; an empty row (m = -inf)
+    gets p = 0, total = 0. ``s`` is padded with -inf to whole vectors."""
+    width = lanes_const(s)
     for r in range(rows):
         row = s[r]
         prow = p[r]
-        m_old = m[r]
-        m_new = max(m_old, row_max(row, row.shape[0]))
-        if m_new == -np.inf:
+        top = row_max(row, row.shape[0])
+        m[r] = top
+        if top == -np.inf:
             prow[:] = 0
+            total[r] = 0
             continue
         part = vzero(prow)
         for c in range(0, row.shape[0], width):
-            e = vexp(vsubs(vload(row, c), m_new))
+            e = vexp(vsubs(vload(row, c), top))
             vstore(prow, c, e)
             part = vadd(part, e)
-        row_total = vsum(part)
-        if m_new != m_old:
-            alpha = exp_compute(m_old - m_new)
-            total[r] = total[r] * alpha
-            arow = acc[r]
-            for e0 in range(0, epad, width):
-                vstore(arow, e0, vmuls(vload(arow, e0), alpha))
-            m[r] = m_new
-        total[r] = total[r] + row_total
+        total[r] = vsum(part)
 
 
 @njit(**_OPTS)
-def _accumulate(s, p, pd, v_blk, nc, plain, where, terms, acc):
-    """acc += weights @ v_blk over the block's nc gathered keys: ``weights`` = p, or p with
-    the dropped positions zeroed (``pd``) under dropout; ``plain``: every value finite and no
-    position excluded or dropped (the tile product), else only the kept positions are read
-    (so that NaN/Inf at an excluded key cannot reach the output). ``where`` = (b, i, heads,
-    cols, c0, has_drop)."""
-    b, i, heads, cols, c0, has_drop = where
+def _accumulate_kept(s, p, vp, where, terms, vdim, acc):
+    """acc[r, :] = sum over the kept positions c of p[r, c] vp[cols[c], :] (c increasing,
+    one fused multiply-add per term, as :func:`~._cpu_gather_tiles.weighted_rows`), skipping
+    the excluded (-inf score) and dropped positions, so that NaN/Inf there cannot reach the
+    output. ``where`` = (b, i, heads, cols, count, has_drop)."""
+    b, i, heads, cols, count, has_drop = where
     drop, dstr = terms[TERM_DROP], terms[TERM_DROP_STRIDES]
-    rows = heads.shape[0]
-    weights = p
-    if has_drop:
-        for r in range(rows):
-            h = heads[r]
-            for c in range(nc):
-                j = cols[c0 + c]
-                keep = drop[dstr[0] * b + dstr[1] * h + dstr[2] * i + dstr[3] * j] != 0
-                pd[r, c] = p[r, c] if keep else 0
-            for c in range(nc, pd.shape[1]):
-                pd[r, c] = 0
-        weights = pd
-    if plain:
-        matmul_n(weights, v_blk, nc, rows, acc.shape[1], acc)
-        return
-    for r in range(rows):
+    acc[:] = 0
+    for r in range(heads.shape[0]):
         h = heads[r]
-        for c in range(nc):
+        arow = acc[r]
+        for c in range(count):
             if s[r, c] == -np.inf:
                 continue
-            j = cols[c0 + c]
+            j = cols[c]
             if has_drop and drop[dstr[0] * b + dstr[1] * h + dstr[2] * i + dstr[3] * j] == 0:
                 continue
-            w = weights[r, c]
-            for e in range(v_blk.shape[1]):
-                acc[r, e] = fma(w, v_blk[c, e], acc[r, e])
+            w = p[r, c]
+            vrow = vp[j]
+            for e in range(vdim):
+                arow[e] = fma(w, vrow[e], arow[e])
 
 
 @njit(**_OPTS)
@@ -257,38 +231,33 @@ def _write_rows(b, i, heads, state, opts, fopts, vdim, out, lse):
 
 
 @njit(**_OPTS)
-def _gather_unit(q, k, v, heads, listed, b, i, dims, opts, fopts, terms, results):
+def _gather_unit(q, kp, vp, heads, listed, b, i, dims, opts, fopts, terms, results):
     """One (batch, kv head, query row, block of the group's query heads ``heads``): the row's
-    listed keys ``listed`` (sorted, :func:`sorted_indices`) gathered in blocks of BLOCK_K;
-    ``results`` = (out, lse)."""
+    listed keys ``listed`` (sorted, :func:`sorted_indices`) read in place from ``kp``, ``vp``
+    (the kv head's (S, D) and (S, >= E) rows); ``results`` = (out, lse)."""
     out, lse = results
     dim, vdim = dims[DIM_DIM], dims[DIM_VDIM]
-    dt = q.dtype
     rows = heads.shape[0]
-    epad = pad(vdim, lanes(q))
-    q_t = np.zeros((dim, BLOCK_Q), dt)
-    k_t = np.empty((dim, BLOCK_K), dt)
-    v_blk = np.empty((BLOCK_K, epad), dt)
-    s = np.empty((BLOCK_Q, BLOCK_K), dt)
-    p = np.zeros((BLOCK_Q, BLOCK_K), dt)
-    pd = np.zeros((BLOCK_Q, BLOCK_K), dt)
-    state = (np.full(BLOCK_Q, -np.inf, dt), np.zeros(BLOCK_Q, dt), np.zeros((BLOCK_Q, epad), dt))
-    for r in range(rows):
-        src = q[b, heads[r], i]
-        for x in range(dim):
-            q_t[x, r] = src[x]
+    width = lanes(q)
     lo, hi = row_interval(i, dims, opts)
     cols = np.empty(listed.shape[0], np.int64)
     count = row_keys(listed, lo, hi, cols)
+    cpad = max(width, -(-count // width) * width)
+    qt = np.empty((rows, dim), q.dtype)
+    for r in range(rows):
+        qt[r] = q[b, heads[r], i]
+    s = np.empty((rows, cpad), q.dtype)
+    raw_scores(qt, kp, cols, count, rows, s)
+    clean = _gathered_scores(s, heads, count, i, b, cols, 0, opts, fopts, terms)
+    p = np.empty((rows, cpad), q.dtype)
+    state = (np.empty(rows, q.dtype), np.empty(rows, q.dtype), np.empty((rows, vdim), q.dtype))
+    _softmax_rows(s, p, rows, state[0], state[1])
     has_drop = opts[OPT_HAS_DROPOUT] != 0
-    for c0 in range(0, count, BLOCK_K):
-        nc = min(BLOCK_K, count - c0)
-        finite = _gather_block(k, v, cols, c0, nc, k_t, v_blk)
-        matmul_t(q_t, k_t, dim, rows, BLOCK_K, s, True)
-        clean = _gathered_scores(s[:rows], heads, nc, i, b, cols, c0, opts, fopts, terms)
-        _softmax_step(s, p, rows, state)
-        where = (b, i, heads, cols, c0, has_drop)
-        _accumulate(s, p, pd, v_blk, nc, finite and clean and not has_drop, where, terms, state[2])
+    if clean and not has_drop:  # every listed position allowed: the tile product
+        weighted_rows(p, vp, cols, count, rows, vdim, state[2])
+    else:
+        where = (b, i, heads, cols, count, has_drop)
+        _accumulate_kept(s, p, vp, where, terms, vdim, state[2])
     _write_rows(b, i, heads, state, opts, fopts, vdim, out, lse)
 
 
@@ -315,32 +284,99 @@ def gather_forward(listed, q, k, v, kv_head, dims, opts, fopts, terms, out, lse)
     (B, K, L, T) lists from :func:`sorted_indices`, the rest
     :func:`~refattn.kernels._args.kernel_arguments`."""
     heads, kv_heads = int(dims[DIM_HEADS]), int(dims[DIM_KV_HEADS])
-    group_heads = np.array(
-        [[h for h in range(heads) if kv_head[h] == g] for g in range(kv_heads)], np.int64
-    )
+    # row g: the query heads of kv head g in increasing order (every group has H / K heads)
+    group_heads = np.argsort(kv_head, kind="stable").reshape(kv_heads, heads // kv_heads)
     block = head_block(int(dims[DIM_BATCH]) * kv_heads * int(dims[DIM_LENGTH]), heads // kv_heads)
     with parallel_chunksize(1):
         _gather_units(q, k, v, group_heads, listed, dims, opts, fopts, terms, out, lse, block)
 
 
+@njit(**_OPTS)
+def _row_top(row, minus_one, best):
+    """max(best, |x|) over the entries x of a contiguous row (NaN skipped; Inf kept);
+    ``minus_one`` is -1 in the row's dtype."""
+    width = lanes_const(row)
+    whole = row.shape[0] - row.shape[0] % width
+    acc = vzero(row)
+    for x in range(0, whole, width):
+        value = vload(row, x)
+        acc = vmax(acc, vmax(value, vmuls(value, minus_one)))
+    best = max(best, vbest(acc))
+    for x in range(whole, row.shape[0]):
+        if abs(row[x]) > best:
+            best = abs(row[x])
+    return best
+
+
+@njit(**_OPTS)
+def listed_top(k, listed, minus_one):
+    """max |k[b, g, j, x]| over the rows j in [0, S) that ``listed`` (B, K, L, T) names for
+    (b, g), NaN skipped (Inf is returned as Inf): what the gather forward reads of k. Rows are
+    read once per listing, without a gathered copy (k's feature axis contiguous); ``minus_one``
+    is -1 in k's dtype."""
+    keys = k.shape[2]
+    best = 0.0
+    rows = np.empty(listed.shape[3], np.int64)
+    for b in range(listed.shape[0]):
+        for g in range(listed.shape[1]):
+            kb = k[b, g]
+            for i in range(listed.shape[2]):
+                count = 0
+                for t in range(listed.shape[3]):
+                    j = listed[b, g, i, t]
+                    if 0 <= j < keys:
+                        rows[count] = j
+                        count += 1
+                full = count - count % 4
+                for t in range(0, full, 4):  # four rows at once: four misses in flight
+                    r0, r1, r2, r3 = kb[rows[t]], kb[rows[t + 1]], kb[rows[t + 2]], kb[rows[t + 3]]
+                    best = _rows_top4(r0, r1, r2, r3, minus_one, best)
+                for t in range(full, count):
+                    best = _row_top(kb[rows[t]], minus_one, best)
+    return best
+
+
+@njit(**_OPTS)
+def _rows_top4(r0, r1, r2, r3, minus_one, best):
+    """:func:`_row_top` of four rows read side by side (the maximum is order-free)."""
+    width = lanes_const(r0)
+    whole = r0.shape[0] - r0.shape[0] % width
+    a0 = a1 = vzero(r0)
+    for x in range(0, whole, width):
+        v0, v1, v2, v3 = vload(r0, x), vload(r1, x), vload(r2, x), vload(r3, x)
+        a0 = vmax(a0, vmax(vmax(v0, vmuls(v0, minus_one)), vmax(v1, vmuls(v1, minus_one))))
+        a1 = vmax(a1, vmax(vmax(v2, vmuls(v2, minus_one)), vmax(v3, vmuls(v3, minus_one))))
+    best = max(best, vbest(vmax(a0, a1)))
+    for row in (r0, r1, r2, r3):
+        for x in range(whole, row.shape[0]):
+            if abs(row[x]) > best:
+                best = abs(row[x])
+    return best
+
+
 #: Below this many (batch, kv head, query row) units, the query heads of a group are split
-#: into blocks of :data:`SMALL_HEAD_BLOCK` so that a decode step (one row, one latent head,
-#: 16-128 query heads) has work for every thread.
+#: into blocks (at least :data:`SMALL_HEAD_BLOCK` heads, about :data:`FEW_TASKS` tasks) so
+#: that a decode step (one row, one latent head, 16-128 query heads) has work for every
+#: thread while each task still shares every listed key row among several heads.
 FEW_UNITS = 16
-SMALL_HEAD_BLOCK = 4
+SMALL_HEAD_BLOCK = 8
+FEW_TASKS = 8
 
 
 def head_block(units: int, group: int) -> int:
     """Query heads per task, fixed by the shapes alone (never by the thread count). Each
     head's scores, softmax and sums are the same operations in any block (the 4-row tiles and
-    the single-row tail of :func:`~refattn.kernels._cpu_tiles.matmul_t` give the same bits
-    per element), so the blocking changes no bit, only the parallelism.
+    the single rows of :mod:`._cpu_gather_tiles` give the same bits per element), so the
+    blocking changes no bit, only the parallelism.
 
     Examples
     --------
-    >>> head_block(units=1, group=16), head_block(units=4096, group=16)
-    (4, 64)
+    >>> head_block(units=1, group=16), head_block(units=1, group=128)
+    (8, 16)
+    >>> head_block(units=4096, group=16)
+    64
     """
     if units < FEW_UNITS and group > SMALL_HEAD_BLOCK:
-        return SMALL_HEAD_BLOCK
+        per_task = -(-group // FEW_TASKS)
+        return min(BLOCK_Q, max(SMALL_HEAD_BLOCK, -(-per_task // 2) * 2))
     return BLOCK_Q

@@ -18,6 +18,7 @@ __all__ = [
     "GATHER",
     "gathers",
     "gather_spec",
+    "listed_keys",
     "attention",
     "attention_vjp",
     "compute_dtype",
@@ -137,6 +138,36 @@ def gather_spec(spec, key_indices, key_block_indices=None, key_block_size=None):
         single_head=spec.single_head,
     )
     return dataclasses.replace(spec, key_indices=indices, index_reading=GATHER)
+
+
+def listed_keys(k, listed):
+    """What the range check of ``refattn.attention(..., backend="numba")`` reads of ``k``
+    (B, K, S, D) for a gather forward: the rows that the (B, K, L, T) ``listed`` indices name
+    (entries outside [0, S) ignored). A float32/float64 k with a contiguous feature axis is
+    read in place by a compiled loop and stands in as one value, its largest finite |x| over
+    those rows (no gathered copy of a decode step's T rows); otherwise the rows themselves
+    (NumPy, the distinct listed keys along S).
+
+    Examples
+    --------
+    >>> k = np.arange(12.0).reshape(1, 1, 4, 3)
+    >>> listed_keys(k, np.array([[[[0, 2, -1, 9]]]])).tolist()
+    [8.0]
+    """
+    from ._cpu_gather import listed_top
+
+    k, listed = np.asarray(k), np.asarray(listed, np.int64)
+    if (
+        k.dtype in (np.float32, np.float64)
+        and k.ndim == listed.ndim == 4
+        and k.shape[:2] == listed.shape[:2]
+        and k.strides[-1] == k.itemsize
+    ):
+        found = listed_top(k, listed, k.dtype.type(-1))
+        if np.isfinite(found):  # Inf among the rows: NumPy's pass skips it below
+            return np.array([found], k.dtype)
+    keys = np.unique(listed[(listed >= 0) & (listed < k.shape[-2])])
+    return np.take(k, keys, axis=-2)
 
 
 def compute_dtype(dtype) -> np.dtype:
@@ -269,6 +300,8 @@ def _warm_attention(path, dtype):
             else {"normalizer": "sigmoid"}
         )
         attention(q, k, v, backend="numba", **options)
+        if path == "gather":  # a decode's range check (fewer listed entries than keys)
+            listed_keys(k, np.zeros((1, 1, 1, 1), np.int64))
         return attention_vjp(q, k, v, do, backend="numba", **options)
     if path == "exact":
         attention(q, k, v, precision="exact", out_dtype=dtype)

@@ -17,6 +17,12 @@ dq; query rows in increasing order for dk and dv; query heads of a kv group in i
 on the host), so results are deterministic and independent of the launch configuration. Excluded
 positions are skipped, never multiplied by zero, so NaN/Inf poison there cannot reach outputs.
 
+Sparse key lists (a spec from :func:`refattn.kernels.gather_spec`, set reading): the forward
+and dq threads walk their row's sorted list (duplicates once; entries < 0 or outside the row's
+interval skipped) instead of all S keys, and the dk/dv threads test their key's membership in
+each row's list by binary search: no dense (L, S) plane, and the bits of the dense kernels
+given the listed set as a mask (the same keys in the same order with the same operations).
+
 The module imports without a GPU; the kernels compile on first use and raise a RuntimeError
 that says what to do when neither a CUDA device nor the simulator
 (``NUMBA_ENABLE_CUDASIM=1``, set before numba is imported) is available.
@@ -207,23 +213,56 @@ def _unit_functions():
     return unit, stage
 
 
+def _listed_functions():
+    """The sparse key lists (set reading) as the kernels read them: the host appends to
+    ``ints``, after kv_head, T (-1 without lists) and the (B, K, L, T) lists sorted along T
+    (:func:`refattn.kernels.gather_spec`). ``listed_start(ints, b, g, i) -> (start, T)``
+    locates row i's sorted list; ``listed_in(ints, b, g, i, j)`` says whether key j is in it
+    (a binary search; True without lists)."""
+
+    @cuda.jit(device=True)
+    def listed_start(ints, b, g, i):
+        base = _KV_HEAD + ints[_I_HEADS]
+        top = ints[base]
+        row = (b * ints[_I_KV_HEADS] + g) * ints[_I_LENGTH] + i
+        return base + 1 + row * top, top
+
+    @cuda.jit(device=True)
+    def listed_in(ints, b, g, i, j):
+        start, top = listed_start(ints, b, g, i)
+        if top < 0:
+            return True
+        lo, hi = start, start + top
+        while lo < hi:  # the first entry >= j
+            mid = (lo + hi) // 2
+            if ints[mid] < j:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo < start + top and ints[lo] == j
+
+    return listed_start, listed_in
+
+
 def _build(dtype):
     """The forward, dq and dk/dv kernels of one compute dtype."""
     import numba
 
     nb_dtype = numba.float64 if dtype == np.float64 else numba.float32
-    shared = device_functions(nb_dtype) + _unit_functions()
+    shared = device_functions(nb_dtype) + _unit_functions() + _listed_functions()
     return (
         _build_forward(nb_dtype, shared),
         _build_grad_q(nb_dtype, shared),
         _build_grad_kv(nb_dtype, shared),
+        _build_gather_forward(nb_dtype, shared),
+        _build_gather_grad_q(nb_dtype, shared),
     )
 
 
 def _build_forward(nb_dtype, shared):
     """The forward kernel: one thread per query row, the online softmax key by key."""
     tile, width = TILE, MAX_FEATURES
-    row_interval, score, kept, unit, stage = shared
+    row_interval, score, kept, unit, stage, _, listed_in = shared
 
     @cuda.jit
     def forward(q, k, v, ints, fopts, bias, flags, slopes, out, lse):
@@ -284,7 +323,7 @@ def _build_forward(nb_dtype, shared):
 def _build_grad_q(nb_dtype, shared):
     """The dq (and dbias) kernel: one thread per query row, keys in increasing order."""
     tile, width = TILE, MAX_FEATURES
-    row_interval, score, kept, unit, stage = shared
+    row_interval, score, kept, unit, stage, _, listed_in = shared
 
     @cuda.jit
     def grad_q(q, k, v, grad_out, stats, ints, fopts, bias, flags, slopes, dq, dbias):
@@ -343,7 +382,7 @@ def _build_grad_q(nb_dtype, shared):
 def _build_grad_kv(nb_dtype, shared):
     """The dk, dv kernel: one thread per key of one query head, rows in increasing order."""
     tile, width = TILE, MAX_FEATURES
-    row_interval, score, kept, unit, stage = shared
+    row_interval, score, kept, unit, stage, _, listed_in = shared
 
     @cuda.jit
     def grad_kv(q, k, v, grad_out, stats, ints, fopts, bias, flags, slopes, dk_part, dv_part):
@@ -376,7 +415,7 @@ def _build_grad_kv(nb_dtype, shared):
                     if row_lse == -math.inf:
                         continue
                     lo, hi = row_interval(i, ints)
-                    if j < lo or j >= hi:
+                    if j < lo or j >= hi or not listed_in(ints, b, g, i, j):
                         continue
                     # score(q_i, k_j): the same expression and order as in forward / grad_q
                     qrow = qs[rr]
@@ -406,6 +445,116 @@ def _build_grad_kv(nb_dtype, shared):
     return grad_kv
 
 
+def _build_gather_forward(nb_dtype, shared):
+    """The sparse-key forward: one thread per query row, its listed keys in increasing order
+    (duplicates once; entries < 0 or outside the row's interval skipped), read from global
+    memory; the arithmetic and order of ``forward`` on the listed set, so the same bits as
+    ``forward`` with that set as a dense mask."""
+    width = MAX_FEATURES
+    row_interval, score, kept, unit, _, listed_start, _ = shared
+
+    @cuda.jit
+    def forward_gather(q, k, v, ints, fopts, bias, flags, slopes, out, lse):
+        length, dim, vdim = ints[_I_LENGTH], ints[_I_DIM], ints[_I_VDIM]
+        b, h, g, _, i = unit(ints)
+        qrow = cuda.local.array(width, nb_dtype)
+        acc = cuda.local.array(width, nb_dtype)
+        if i >= length:
+            return
+        lo, hi = row_interval(i, ints)
+        start, top = listed_start(ints, b, g, i)
+        kb, vb = k[b, g], v[b, g]
+        for d in range(dim):
+            qrow[d] = q[b, h, i, d]
+        for e in range(vdim):
+            acc[e] = 0.0
+        m = -math.inf
+        total = 0.0
+        last = -1
+        for t in range(top):
+            j = ints[start + t]
+            if j < lo or j >= hi or j == last:
+                continue
+            last = j
+            ok, s, _ = score(qrow, kb, j, b, h, i, j, ints, fopts, bias, flags, slopes)
+            if not ok or s == -math.inf:
+                continue
+            if s > m:
+                alpha = math.exp(m - s)
+                total = total * alpha
+                for e in range(vdim):
+                    acc[e] = acc[e] * alpha
+                m = s
+            p = math.exp(s - m)
+            total += p
+            if kept(b, h, i, j, ints, flags):
+                for e in range(vdim):
+                    acc[e] += p * vb[j, e]
+        if total == 0.0:
+            fill = math.nan if ints[_I_NAN_ROWS] != 0 else 0.0
+            for e in range(vdim):
+                out[b, h, i, e] = fill
+            lse[b, h, i] = math.nan if ints[_I_NAN_ROWS] != 0 else -math.inf
+        else:
+            inv = fopts[FOPT_KEEP_SCALE] / total
+            for e in range(vdim):
+                out[b, h, i, e] = acc[e] * inv
+            lse[b, h, i] = m + math.log(total)
+
+    return forward_gather
+
+
+def _build_gather_grad_q(nb_dtype, shared):
+    """The sparse-key dq (and dbias) kernel: one thread per query row, its listed keys in
+    increasing order (the operations of ``grad_q`` on the listed set)."""
+    width = MAX_FEATURES
+    row_interval, score, kept, unit, _, listed_start, _ = shared
+
+    @cuda.jit
+    def grad_q_gather(q, k, v, grad_out, stats, ints, fopts, bias, flags, slopes, dq, dbias):
+        length, dim, vdim = ints[_I_LENGTH], ints[_I_DIM], ints[_I_VDIM]
+        b, h, g, _, i = unit(ints)
+        qrow = cuda.local.array(width, nb_dtype)
+        dorow = cuda.local.array(width, nb_dtype)
+        dqrow = cuda.local.array(width, nb_dtype)
+        if i >= length:
+            return
+        row_lse, d_i = stats[0, b, h, i], stats[1, b, h, i]
+        lo, hi = row_interval(i, ints)
+        start, top = listed_start(ints, b, g, i)
+        kb, vb = k[b, g], v[b, g]
+        for d in range(dim):
+            qrow[d] = q[b, h, i, d]
+            dqrow[d] = 0.0
+        for e in range(vdim):
+            dorow[e] = grad_out[b, h, i, e]
+        last = -1
+        for t in range(top if row_lse != -math.inf else 0):
+            j = ints[start + t]
+            if j < lo or j >= hi or j == last:
+                continue
+            last = j
+            ok, s, deriv = score(qrow, kb, j, b, h, i, j, ints, fopts, bias, flags, slopes)
+            if not ok or s == -math.inf:
+                continue
+            p = math.exp(s - row_lse)
+            dp = 0.0
+            if kept(b, h, i, j, ints, flags):
+                for e in range(vdim):
+                    dp += dorow[e] * vb[j, e]
+                dp = dp * fopts[FOPT_KEEP_SCALE]
+            ds = p * (dp - d_i)
+            if ints[_I_BIAS] != 0:
+                dbias[b, h, i, j] = ds
+            ds = ds * deriv * fopts[FOPT_SCALE]
+            for d in range(dim):
+                dqrow[d] += ds * kb[j, d]
+        for d in range(dim):
+            dq[b, h, i, d] = dqrow[d]
+
+    return grad_q_gather
+
+
 def _prepare(spec, dtype):
     """(compute dtype, host arrays ``(q, k, v, ints, fopts, bias, flags, slopes)``)."""
     from ._args import kernel_arguments
@@ -419,11 +568,22 @@ def _prepare(spec, dtype):
         )
     q, k, v, kv_head, dims, opts, fopts, terms = kernel_arguments(spec, dtype)
     bias, bstr, mask, mstr, drop, dstr, slopes = terms
-    ints = np.concatenate([dims, opts, bstr, mstr, dstr, kv_head])
+    ints = np.concatenate([dims, opts, bstr, mstr, dstr, kv_head, _listed_ints(spec)])
     flags = np.zeros((2, max(mask.size, drop.size)), np.uint8)
     flags[0, : mask.size] = mask
     flags[1, : drop.size] = drop
     return dtype, (q, k, v, ints, fopts, bias, flags, slopes)
+
+
+def _listed_ints(spec):
+    """[T, the (B, K, L, T) lists sorted along T, flat] of a gather spec
+    (:func:`refattn.kernels.gather_spec`: the set-read key indices kept as lists), else [-1]."""
+    from ._dispatch import GATHER
+
+    if spec.index_reading != GATHER:
+        return np.array([-1], np.int64)
+    listed = np.sort(np.asarray(spec.key_indices, np.int64), axis=-1)
+    return np.concatenate([[listed.shape[-1]], listed.ravel()])
 
 
 def _launch(kernel, rows, batch_heads, threads, *args):
@@ -431,17 +591,30 @@ def _launch(kernel, rows, batch_heads, threads, *args):
     kernel[blocks, threads](*args)
 
 
+def _gathers(spec) -> bool:
+    from ._dispatch import GATHER
+
+    if spec.index_reading == GATHER and spec.normalizer != "softmax":
+        raise NotImplementedError(
+            "key_indices: the CUDA sigmoid kernels take the listed set as a dense mask; "
+            "canonicalize(..., key_indices=...) instead of gather_spec"
+        )
+    return spec.index_reading == GATHER
+
+
 def attention(spec, *, return_lse=False, dtype=None, threads=THREADS):
     """Forward attention of ``spec`` on the GPU; returns out (B, H, L, E) [, lse (B, H, L)].
 
     ``dtype``: compute dtype (default float64 for float64 inputs, else float32);
-    ``threads``: query rows per block.
+    ``threads``: query rows per block. A gather spec (:func:`refattn.kernels.gather_spec`)
+    visits each row's listed keys only (set reading: duplicates once, -1 and out-of-range
+    entries ignored), with no dense (L, S) plane.
     """
-    if spec.normalizer == "sigmoid":
+    if not _gathers(spec) and spec.normalizer == "sigmoid":
         return _sigmoid_attention(spec, return_lse, dtype, threads)
     dtype, args = _prepare(spec, dtype)
     _require_cuda()
-    forward, _, _ = _kernels(dtype)
+    forward = _kernels(dtype)[3 if _gathers(spec) else 0]
     batch, heads, _, length, _, _, vdim = spec.dims
     out = cuda.device_array((batch, heads, length, vdim), dtype)
     lse = cuda.device_array((batch, heads, length), dtype)
@@ -458,11 +631,13 @@ def attention_vjp(spec, grad_out, grad_lse=None, *, dtype=None, threads=THREADS)
     dk, dv are summed over the query heads of each kv group on the host in increasing head
     order (deterministic); empty rows have zero gradients.
     """
-    if spec.normalizer == "sigmoid":
+    if not _gathers(spec) and spec.normalizer == "sigmoid":
         return _sigmoid_vjp(spec, grad_out, grad_lse, dtype, threads)
     dtype, args = _prepare(spec, dtype)
     _require_cuda()
-    forward, grad_q, grad_kv = _kernels(dtype)
+    forward, grad_q, grad_kv, forward_gather, grad_q_gather = _kernels(dtype)
+    if _gathers(spec):  # the listed keys only; grad_kv tests each key's membership
+        forward, grad_q = forward_gather, grad_q_gather
     batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
     q, k, v, ints, fopts, bias, flags, slopes = args
     ints = ints.copy()

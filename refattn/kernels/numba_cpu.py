@@ -139,7 +139,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..bounds.kernels import online_backward_bound, online_forward_bound
-from ._args import DIM_KEYS, OPT_EMPTY_ROWS_NAN, kernel_arguments, read_only
+from ._args import DIM_KEYS, DIM_VDIM, OPT_EMPTY_ROWS_NAN, kernel_arguments, read_only
 from ._cpu_backward import backward_chunks, backward_units, delta_rows, sum_parts
 from ._cpu_decode import SPLIT_KEYS, forward_splits, split_keys
 from ._cpu_forward import forward_blocks
@@ -196,7 +196,34 @@ def forward(spec, dtype=None):
     """
     _softmax_only(spec)
     dtype = compute_dtype(spec.q.dtype) if dtype is None else np.dtype(dtype)
+    if spec.index_reading == "gather" and _leading_features(spec.v, spec.k):
+        return _run_forward(spec, _values_in_keys(spec, dtype), dtype)
     return _run_forward(spec, kernel_arguments(spec, dtype), dtype)
+
+
+def _leading_features(v, k) -> bool:
+    """Whether ``v`` is ``k[..., :E]`` in memory (MLA's absorbed form: the value is the
+    leading features of the latent key), so the gather kernel reads the values from the key
+    rows instead of copying a non-contiguous (B, K, S, E) view."""
+    v, k = np.asarray(v), np.asarray(k)
+    return (
+        v.dtype == k.dtype
+        and v.shape[:-1] == k.shape[:-1]
+        and v.shape[-1] <= k.shape[-1]
+        and v.strides == k.strides
+        and v.__array_interface__["data"][0] == k.__array_interface__["data"][0]
+    )
+
+
+def _values_in_keys(spec, dtype):
+    """:func:`kernel_arguments` with v the (compute-dtype) key array itself and E in dims."""
+    import dataclasses
+
+    args = list(kernel_arguments(dataclasses.replace(spec, v=spec.k), dtype))
+    args[2] = args[1]
+    args[4] = args[4].copy()
+    args[4][DIM_VDIM] = spec.v.shape[-1]
+    return tuple(args)
 
 
 def _softmax_only(spec):

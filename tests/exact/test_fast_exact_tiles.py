@@ -59,7 +59,7 @@ def test_key_and_value_facts_equal_row_facts(keys, dim):
     kT = np.full((2, 3, dim, keys + pad), 7.0)
     kn, ks = np.empty(k.shape[:3]), np.empty(k.shape[:3])
     ok = np.empty(k.shape[:3], np.bool_)
-    FK.key_facts(k, kT, kn, ks, ok)
+    FK.plane_key_facts(k, kT, kn, ks, ok)
     assert np.array_equal(kT[..., :keys], np.swapaxes(k, 2, 3))
     assert (kT[..., keys:] == 7.0).all()  # the pad is the caller's
     want = _row_facts(k.reshape(-1, dim))
@@ -71,7 +71,7 @@ def test_key_and_value_facts_equal_row_facts(keys, dim):
     vn = np.empty((2, 3, dim))
     vm = np.empty((2, 3, dim))
     v_ok = np.empty((2, 3, dim), np.bool_)
-    FK.value_facts(frozen(v), vn, vm, v_ok)
+    FK.plane_value_facts(frozen(v), vn, vm, v_ok)
     want = _row_facts(np.ascontiguousarray(np.swapaxes(k, 2, 3)).reshape(-1, keys))
     assert np.array_equal(v_ok.reshape(-1), want[0])
     finite = want[0]

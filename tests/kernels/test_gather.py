@@ -171,6 +171,12 @@ v = rng.standard_normal((1, 2, 500, 8)); idx = rng.integers(-1, 500, (1, 2, 3, 2
 out, lse = refattn.attention(q, k, v, key_indices=idx, return_lse=True, backend="numba")
 g = refattn.attention_vjp(q, k, v, np.ones_like(out), key_indices=idx, backend="numba")
 print(out.tobytes().hex()[:4000], lse.tobytes().hex(), [x.tobytes().hex()[:2000] for x in g[:3]])
+for dtype in (np.float32, np.float64):  # a decode step, MLA's v = k[..., :E] read in place
+    q = rng.standard_normal((1, 40, 1, 70)).astype(dtype)
+    k = rng.standard_normal((1, 1, 900, 70)).astype(dtype)
+    idx = rng.permutation(900)[None, None, None, :301]
+    out = refattn.attention(q, k, k[..., :45], key_indices=idx, backend="numba")
+    print(out.tobytes().hex())
 """
 
 
@@ -184,6 +190,31 @@ def test_gather_bits_do_not_depend_on_thread_count():
         assert run.returncode == 0, run.stderr[-2000:]
         outputs.add(run.stdout)
     assert len(outputs) == 1, "the gather forward's bits depend on NUMBA_NUM_THREADS"
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_uneven_tiles_and_values_read_from_the_keys(dtype):
+    """Feature, value and head counts that are not multiples of the register tiles (D 37,
+    E 21, H 7, an odd number of listed keys) agree with the float64 path within the bound;
+    v = k[..., :E] (MLA's absorbed form, read from the key rows without a copy) gives the
+    bits of the same values passed as a contiguous array."""
+    rng = np.random.default_rng(12)
+    q = rng.standard_normal((1, 7, 2, 37)).astype(dtype)
+    k = rng.standard_normal((1, 1, 200, 37)).astype(dtype)
+    idx = rng.integers(-2, 205, (1, 1, 2, 61))
+    view = k[..., :21]
+    out, lse = refattn.attention(q, k, view, key_indices=idx, return_lse=True, backend="numba")
+    copied = refattn.attention(q, k, view.copy(), key_indices=idx, backend="numba")
+    assert_same_bits(out, copied, what="out", case="v = k[..., :E] vs a copy")
+    ref_out, ref_lse, weights = refattn.attention(
+        q, k, view, key_indices=idx, return_lse=True, return_weights=True
+    )
+    spec = canonicalize(q, k, view, key_indices=idx)
+    ct = refattn.kernels.compute_dtype(dtype)
+    kernel = numba_cpu.forward_error_bound(spec, weights, ct)
+    own = numba_cpu.forward_error_bound(spec, weights, np.float64)
+    assert_within(out, ref_out, kernel[0] + own[0], what="out", case="uneven tiles")
+    assert_within(lse, ref_lse, kernel[1] + own[1], what="lse", case="uneven tiles")
 
 
 def test_range_check_reads_only_the_listed_keys():
@@ -205,3 +236,20 @@ def test_range_check_reads_only_the_listed_keys():
     k[..., listed[0], :] = huge
     with pytest.raises(ValueError, match="q, k, scale: scores"):
         refattn.attention(q, k, v, key_indices=idx, backend="numba")
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("dim", [5, 16, 37])
+def test_listed_keys_is_the_largest_listed_magnitude(dtype, dim):
+    """The range check's compiled row reader (four rows side by side, vectors then the tail
+    features) returns max |x| over exactly the listed in-range rows, NaN skipped."""
+    rng = np.random.default_rng(dim)
+    k = rng.standard_normal((2, 3, 50, dim)).astype(dtype)
+    k[0, 1, 7, 2] = np.nan
+    k[1, 2, 9, -1] = -40.0
+    idx = rng.integers(-3, 55, (2, 3, 2, 11))
+    idx[1, 2, 0, 0] = 9
+    listed = [(b, g, j) for b in range(2) for g in range(3) for j in idx[b, g].ravel()]
+    rows = [k[b, g, j] for b, g, j in listed if 0 <= j < 50]
+    got = refattn.kernels.listed_keys(k, idx)
+    assert got.shape == (1,) and got[0] == np.nanmax(np.abs(np.array(rows)))

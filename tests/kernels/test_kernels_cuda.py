@@ -138,6 +138,76 @@ def test_cuda_is_deterministic_across_launch_shapes():
         assert np.array_equal(x, y, equal_nan=True), f"{what} depends on threads per block"
 
 
+def _listed(rng, shape, keys, width=9):
+    """(B, K, L, width) key lists with -1 sentinels, repeats and entries past S."""
+    return rng.integers(-2, keys + 3, size=shape[:2] + (shape[2], width))
+
+
+@pytest.mark.cudasim
+@needs_cuda
+@pytest.mark.parametrize("name", CASES)
+def test_cuda_gather_matches_dense_mask_and_float64(name):
+    """Sparse key lists (set reading) on the CUDA kernels: each row visits its listed keys
+    only, in increasing order, with the arithmetic of the dense kernels, so forward and vjp
+    have the bits of the dense kernels given the listed set as a mask, and agree with the
+    float64 path (and the Numba CPU gather kernel) within the kernels' bounds."""
+    from refattn.kernels import gather_spec
+
+    q, k, v, opts, grad_out, grad_lse = _inputs(name, seed=7)
+    idx = _listed(np.random.default_rng(8), (_B, k.shape[1], q.shape[2]), k.shape[2])
+    listed = gather_spec(canonicalize(q, k, v, **opts), idx)
+    dense = canonicalize(q, k, v, key_indices=idx, **opts)
+    got = kcuda.attention(listed, return_lse=True, threads=4)
+    want = kcuda.attention(dense, return_lse=True, threads=4)
+    for what, a, b in zip(("out", "lse"), got, want, strict=True):
+        assert np.array_equal(a, b, equal_nan=True), f"{name}: gather {what} != dense mask"
+    ref_out, ref_lse, weights = refattn.attention(
+        q, k, v, key_indices=idx, return_lse=True, return_weights=True, **opts
+    )
+    ob, lb = numba_cpu.forward_error_bound(dense, weights, np.float64, rescalings=k.shape[2])
+    ob2, lb2 = numba_cpu.forward_error_bound(dense, weights, np.float64)
+    assert_within(got[0], ref_out, ob + ob2, what="out", case=name)
+    assert_within(got[1], ref_lse, lb + lb2, what="lse", case=name)
+    cpu = refattn.attention(q, k, v, key_indices=idx, backend="numba", **opts)
+    assert_within(got[0], cpu, 2 * (ob + ob2), what="out vs the Numba CPU gather", case=name)
+    grads = kcuda.attention_vjp(listed, grad_out, grad_lse, threads=4)
+    dense_grads = kcuda.attention_vjp(dense, grad_out, grad_lse, threads=4)
+    for what, a, b in zip(("dq", "dk", "dv", "dbias"), grads, dense_grads, strict=True):
+        assert (a is None) == (b is None), f"{name}: {what}"
+        if a is not None:
+            assert np.array_equal(a, b, equal_nan=True), f"{name}: gather {what} != dense mask"
+
+
+@pytest.mark.cudasim
+@needs_cuda
+def test_cuda_gather_reads_the_lists_as_sets():
+    """Shuffled lists with repeats, -1 and out-of-range entries give the bits of the plain
+    lists; a key that no row lists may hold NaN/Inf without reaching the output."""
+    from refattn.kernels import gather_spec
+
+    q, k, v, opts, grad_out, _ = _inputs("plain", seed=9)
+    rng = np.random.default_rng(10)
+    keys = k.shape[2]
+    idx = np.stack([rng.permutation(keys - 5)[:6] for _ in range(k.shape[1] * q.shape[2])])
+    idx = idx.reshape(_B, k.shape[1], q.shape[2], 6)
+    noisy = np.concatenate([idx, idx[..., :3], np.full(idx.shape[:-1] + (2,), -1)], axis=-1)
+    noisy[..., -1] = keys + 4
+    noisy = rng.permuted(noisy, axis=-1)
+    unlisted = np.setdiff1d(np.arange(keys), idx)
+    assert unlisted.size, "the case must leave a key unlisted"
+    pk, pv = k.copy(), v.copy()
+    pk[:, :, unlisted] = np.nan
+    pv[:, :, unlisted] = np.inf
+    plain = kcuda.attention(gather_spec(canonicalize(q, k, v), idx), return_lse=True, threads=4)
+    dirty = kcuda.attention(gather_spec(canonicalize(q, pk, pv), noisy), return_lse=True)
+    for what, a, b in zip(("out", "lse"), dirty, plain, strict=True):
+        assert np.array_equal(a, b, equal_nan=True), f"set reading changed {what}"
+    grads = kcuda.attention_vjp(gather_spec(canonicalize(q, k, v), idx), grad_out, threads=4)
+    again = kcuda.attention_vjp(gather_spec(canonicalize(q, k, v), noisy), grad_out, threads=8)
+    for what, a, b in zip(("dq", "dk", "dv"), grads[:3], again[:3], strict=True):
+        assert np.array_equal(a, b), f"set reading changed {what}"
+
+
 def test_missing_cuda_says_what_to_do():
     if kcuda.available():
         pytest.skip("CUDA (or the simulator) is available here")

@@ -16,7 +16,7 @@ is read on the fly (:mod:`refattn.exact.fast.allowed_set`): a key interval
 passed them, the mask, ``bias == -inf`` and the dropout keep-mask read from their
 un-broadcast arrays; it equals :meth:`AttentionSpec.allowed`, the one rule of
 :mod:`refattn.masks`. The keys outside the interval are never visited, so causal rows cost
-about half. The first steps run in parallel over the rows (blocks of :data:`ROW_BLOCK` rows)
+about half. The first steps run in parallel over the rows (blocks of :data:`D_ROW_BLOCK` rows)
 of every plane at once -- a decode call (L = 1, many heads) is as parallel as a prefill -- and
 each row's arithmetic is fixed by the shapes alone, so no bit depends on the thread count.
 
@@ -88,16 +88,16 @@ from . import doubledouble as D
 from ._params import P_ALIBI_OFFSET, P_SINK, P_SLOPE, PRM, frozen
 from .allowed_set import allowed_rule
 from .forward_kernels import (
+    D_ROW_BLOCK,
     KEY_TILE,
     OK,
-    ROW_BLOCK,
     SUM_BLOCK,
     UNDECIDED,
     forward_d,
     forward_dd,
-    key_facts,
+    plane_key_facts,
+    plane_value_facts,
     row_facts,
-    value_facts,
 )
 
 __all__ = [
@@ -107,6 +107,8 @@ __all__ = [
     "rounds_to_zero",
     "exactness_scales",
     "kernel_params",
+    "record_stats",
+    "row_runs",
 ]
 
 _LAST_STATS: dict = {}
@@ -201,6 +203,17 @@ def _runs(rows: np.ndarray):
     return [(int(rows[a]), int(rows[z - 1]) + 1) for a, z in zip(starts, stops, strict=True)]
 
 
+#: Maximal runs (start, stop) of consecutive sorted row indices (shared with
+#: :mod:`refattn.exact.fast.gather`).
+row_runs = _runs
+
+
+def record_stats(**stats) -> None:
+    """Set what :func:`fallback_stats` returns (the engines of sparse keys record theirs)."""
+    _LAST_STATS.clear()
+    _LAST_STATS.update(stats)
+
+
 def kernel_params(spec: AttentionSpec):
     """(B, H, 16) scalar parameters of every plane's kernel and the (B, H) planes whose
     parameters are in range (the others go to the referee).
@@ -280,12 +293,12 @@ class _Inputs:
         k_ok = np.empty(k.shape[:3], np.bool_)
         self.kn, self.ks = np.empty(k.shape[:3]), np.empty(k.shape[:3])
         if k.size:
-            key_facts(k, self.kT, self.kn, self.ks, k_ok)
+            plane_key_facts(k, self.kT, self.kn, self.ks, k_ok)
         v_ok = np.ones(v.shape[:2] + (vdim,), np.bool_)
         self.vnorm = np.full(v.shape[:2] + (vdim,), 2.0**-1000)
         self.vmax = np.zeros(v.shape[:2] + (vdim,))
         if v.size:
-            value_facts(frozen(self.v), self.vnorm, self.vmax, v_ok)
+            plane_value_facts(frozen(self.v), self.vnorm, self.vmax, v_ok)
         flat = frozen(self.q.reshape(int(np.prod(self.q.shape[:3])), self.q.shape[3]))
         facts = [np.empty(flat.shape[0], dtype) for dtype in (np.bool_, np.float64, np.float64)]
         if flat.shape[0]:
@@ -300,7 +313,7 @@ def fast_exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, retu
     """Correctly rounded (out, lse, weights) in the flat (B, H, ...) layout, bit-identical to
     :func:`refattn.exact.attention.exact_forward` (see the module docstring).
 
-    The first steps run in parallel over the query rows (blocks of ROW_BLOCK rows) of every
+    The first steps run in parallel over the query rows (blocks of D_ROW_BLOCK rows) of every
     plane at once; each row's arithmetic depends on the shapes alone, so the bits do not
     depend on the thread count.
 
@@ -331,11 +344,11 @@ def fast_exact_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, retu
         results = (out, lse, weights, status)
         planes = np.argwhere(x.ok)
         if fmt.p <= 24 and planes.size:
-            starts = np.arange(0, length, ROW_BLOCK)
+            starts = np.arange(0, length, D_ROW_BLOCK)
             blocks = np.empty((planes.shape[0] * starts.size, 4), dtype=np.int64)
             blocks[:, :2] = np.repeat(planes, starts.size, axis=0)
             blocks[:, 2] = np.tile(starts, planes.shape[0])
-            blocks[:, 3] = np.minimum(ROW_BLOCK, length - blocks[:, 2])
+            blocks[:, 3] = np.minimum(D_ROW_BLOCK, length - blocks[:, 2])
             forward_d(blocks, inputs, rule, target, results)
             step_rows["double"] = planes.shape[0] * length
             redo = x.ok[:, :, None] & (status == UNDECIDED)

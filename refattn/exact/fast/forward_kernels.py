@@ -1,7 +1,7 @@
 """The compiled first steps of the fast exact forward (:mod:`refattn.exact.fast.forward` states
 the algorithm and its error bounds): the double-double step :func:`forward_dd`, one query row
 per work item, and the double-precision step :func:`forward_d` for targets of at most 24 bits,
-:data:`ROW_BLOCK` rows per work item, and :func:`row_facts` (the inputs' row norms, ranges and
+:data:`D_ROW_BLOCK` rows per work item, and :func:`row_facts` (the inputs' row norms, ranges and
 exactness scales).
 
 The kernels take argument records (tuples; :func:`forward_dd` lists them) rather than one
@@ -50,14 +50,15 @@ __all__ = [
     "forward_dd",
     "forward_d",
     "row_facts",
-    "key_facts",
-    "value_facts",
+    "plane_key_facts",
+    "plane_value_facts",
     "CUT",
     "TINY",
     "WEIGHT_TINY_ARG",
     "WEIGHT_ZERO_ARG",
     "SUM_BLOCK",
     "ROW_BLOCK",
+    "D_ROW_BLOCK",
     "KEY_TILE",
     "OK",
     "EMPTY",
@@ -77,10 +78,11 @@ WEIGHT_ZERO_ARG = -800.0
 _RHO_MAX = 2.0**-20
 #: Key block of the double-precision sums (blocked summation, Higham 2002, sec. 4.2).
 SUM_BLOCK = 64
-#: Query rows the double-precision step processes together (cache reuse only: every dot
-#: product is the same fma chain over D): each K^T chunk and V block is read once per 32 rows
-#: (8 rows left the step streaming K and V from memory).
-ROW_BLOCK = 32
+#: Query rows (query heads in the gathered-keys kernels) one work item processes together.
+ROW_BLOCK = 8
+#: Query rows the dense double-precision step processes together (cache reuse only: every dot
+#: product is the same fma chain over D): each K^T chunk and V block is read once per 32 rows.
+D_ROW_BLOCK = 32
 #: Work lanes of the double-precision step: lane w takes blocks w, w + WORKERS, ... with one
 #: scratch (which rows a lane takes changes no bit: each row's arithmetic is its own).
 WORKERS = 64
@@ -419,7 +421,7 @@ def _block_interval(rows_lo, rows_hi, b, i0, nb_rows):
 def _block_dots(qp, kTp, i0, nb_rows, lo, npad, s, qa):
     """s[rr, j - lo] = q_{i0 + rr} . k_j for lo <= j < lo + npad by one fma chain over D each,
     d = 0 .. D-1 in order from +0 (``qp`` the plane's (L, D) queries, ``kTp`` its (D, S + pad)
-    keys, zero past S; ``npad`` a multiple of :data:`KEY_TILE`; ``qa`` (D, ROW_BLOCK) scratch
+    keys, zero past S; ``npad`` a multiple of :data:`KEY_TILE`; ``qa`` (D, D_ROW_BLOCK) scratch
     for the rows' transpose): the register tiles of
     :func:`refattn.kernels._cpu_tiles.matmul_t` (lanes over keys, D sequential)."""
     dim = qp.shape[1]
@@ -627,7 +629,7 @@ def _d_values(lo, hi, nb_rows, p, vp, sums):
     block of the key index j is one fma chain from +0 in key order (the register tiles of
     :func:`refattn.kernels._cpu_tiles.matmul_n`, lanes over features), added to nsum at the
     block's end; a zero weight adds exactly nothing. ``sums`` = (nsum, nb scratch), both
-    (ROW_BLOCK, E padded)."""
+    (D_ROW_BLOCK, E padded)."""
     nsum, nb = sums
     epad = nsum.shape[1]
     nsum[:] = 0.0
@@ -644,23 +646,23 @@ def _d_values(lo, hi, nb_rows, p, vp, sums):
 
 @numba.jit(**_JIT)
 def _d_scratch(inputs):
-    """Scratch of :func:`_d_block` for any block of the call: (s, err, state, p) (ROW_BLOCK,
-    S + KEY_TILE), (xs, ex, use) (S + KEY_TILE,), qa (D, ROW_BLOCK), (nsum, nb) (ROW_BLOCK, E
+    """Scratch of :func:`_d_block` for any block of the call: (s, err, state, p) (D_ROW_BLOCK,
+    S + KEY_TILE), (xs, ex, use) (S + KEY_TILE,), qa (D, D_ROW_BLOCK), (nsum, nb) (D_ROW_BLOCK, E
     padded)."""
     q, kT, v = inputs[0], inputs[1], inputs[2]
     keys = kT.shape[3]
     epad = v.shape[3]
     return (
-        np.empty((ROW_BLOCK, keys)),
-        np.empty((ROW_BLOCK, keys)),
-        np.zeros((ROW_BLOCK, keys), np.int8),
-        np.zeros((ROW_BLOCK, keys)),
+        np.empty((D_ROW_BLOCK, keys)),
+        np.empty((D_ROW_BLOCK, keys)),
+        np.zeros((D_ROW_BLOCK, keys), np.int8),
+        np.zeros((D_ROW_BLOCK, keys)),
         np.zeros(keys),
         np.empty(keys),
         np.zeros(keys, np.int8),
-        np.zeros((q.shape[3], ROW_BLOCK)),
-        np.zeros((ROW_BLOCK, epad)),
-        np.zeros((ROW_BLOCK, epad)),
+        np.zeros((q.shape[3], D_ROW_BLOCK)),
+        np.zeros((D_ROW_BLOCK, epad)),
+        np.zeros((D_ROW_BLOCK, epad)),
     )
 
 
@@ -686,19 +688,19 @@ def _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch):
     lo, hi = _block_interval(rows_lo, rows_hi, b, i0, nb_rows)
     hi = max(hi, lo)
     s, err, state, p, xs, ex, use, qa, nsum, nb = scratch
-    bad = np.zeros(ROW_BLOCK, np.bool_)
-    top = np.full(ROW_BLOCK, -np.inf)
+    bad = np.zeros(D_ROW_BLOCK, np.bool_)
+    top = np.full(D_ROW_BLOCK, -np.inf)
     _block_scores(b, h, i0, nb_rows, lo, hi, inputs, rule, (s, err, state, bad, top, qa))
     all_kept = not (rule[R_HAS_MASK] or rule[R_HAS_BIAS] or rule[R_HAS_KEEP])
     has_sink, sink = pr[P_HAS_SINK] != 0.0, pr[P_SINK]
     if has_sink:  # the sink: one more logit in the max and in Z, no value
         for rr in range(nb_rows):
             top[rr] = max(top[rr], sink)
-    z = np.zeros(ROW_BLOCK)
-    e2 = np.zeros(ROW_BLOCK)
-    tiny = np.zeros(ROW_BLOCK)
-    tiny_v = np.zeros((ROW_BLOCK, vdim))
-    rho = np.zeros(ROW_BLOCK)
+    z = np.zeros(D_ROW_BLOCK)
+    e2 = np.zeros(D_ROW_BLOCK)
+    tiny = np.zeros(D_ROW_BLOCK)
+    tiny_v = np.zeros((D_ROW_BLOCK, vdim))
+    rho = np.zeros(D_ROW_BLOCK)
     _d_exps(
         i0,
         nb_rows,
@@ -785,7 +787,7 @@ def _row_fact(a, bits, n):
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
-def key_facts(k, kT, norms, scales, ok):
+def plane_key_facts(k, kT, norms, scales, ok):
     """K^T (B, K, D, S + pad; the pad untouched) of k (B, K, S, D) float64 and the
     :func:`row_facts` of every key row, in parallel over chunks of KEY_TILE keys of every
     plane (one pass over k)."""
@@ -807,7 +809,7 @@ def key_facts(k, kT, norms, scales, ok):
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
-def value_facts(v, vnorm, vmax, ok):
+def plane_value_facts(v, vnorm, vmax, ok):
     """Per feature e < vnorm.shape[2] of every plane of v (B, K, S, E) float64, E a multiple
     of KEY_TILE: ``ok`` (all finite, nonzero magnitudes in [SAFE_MIN, SAFE_MAX]), ``vnorm``
     (the 2-norm bound of :func:`row_facts`, the squares summed over the keys in order) and
@@ -853,7 +855,7 @@ def row_facts(x, bits, norms, scales, ok):
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
 def forward_d(blocks, inputs, rule, target, results):
     """Double-precision first step (for targets of <= 24 bits) over ``blocks`` ((n, 4): b, h,
-    first row, row count <= ROW_BLOCK), in parallel over the blocks of every plane: fma chains
+    first row, row count <= D_ROW_BLOCK), in parallel over the blocks of every plane: fma chains
     with gamma_n bounds (Higham 2002, eq. (3.5)) and
     :func:`refattn.exact.fast.doubledouble.exp_d`; the argument records are those of
     :func:`forward_dd`."""
@@ -864,3 +866,16 @@ def forward_d(blocks, inputs, rule, target, results):
         for r in range(w, count, workers):
             b, h, i0, nb_rows = blocks[r, 0], blocks[r, 1], blocks[r, 2], blocks[r, 3]
             _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch)
+
+
+# The per-key and per-row steps above, shared with the gathered-keys kernels
+# (:mod:`refattn.exact.fast.gather_kernels`), which walk each row's listed keys instead of an
+# interval: the same arithmetic and the same bounds.
+RHO_MAX = _RHO_MAX
+dot2_step = _dot2_step
+row_dots = _row_dots
+bias_in_range = _bias_in_range
+score_dd = _score
+score_d = _score_d
+finish_row = _finish_row
+row_weights = _row_weights

@@ -1,0 +1,342 @@
+"""Fast exact attention forward on sparse keys by gather: each query row visits only its listed
+keys (the host side; the kernels are :mod:`refattn.exact.fast.gather_kernels`).
+
+With ``key_indices`` or ``key_block_indices`` read as a set, query row i of plane (b, h) may
+attend to ``I_{b,g,i} = {idx[b, g, i, t] : 0 <= idx[b, g, i, t] < S}`` (g = kv_head[h];
+duplicates count once, -1 and out-of-range entries are ignored; :mod:`refattn.sparse_indices`)
+intersected with every other restriction. :func:`refattn.exact.fast.fast_exact_forward` reads
+that set from a dense (B, H, L, S) mask and walks every key of each row's interval; this
+engine never builds an (L, S) plane:
+
+* the validated (B, K, L, T) indices (block indices already expanded to tokens) become, per
+  row, the distinct positions ascending (:func:`~refattn.exact.fast.gather_kernels.compact_lists`);
+* the keys listed by some row of kv-head plane (b, g) -- U of them, ``U <= min(S, L T)``; one
+  decode row lists T -- are gathered once: their float64 rows, norms, ranges and exactness
+  scales (no float64 copy or range check of the unlisted keys: their values never enter);
+* the first steps (the double-precision one for targets of at most 24 bits, then the
+  double-double one, the referee for the rest) walk each row's listed keys inside its
+  structural interval; the mask, bias and dropout keep-mask are read per listed key, as in
+  :mod:`refattn.exact.fast.allowed_set`;
+* the referee (:func:`refattn.exact.attention.exact_forward`) gets the undecided rows alone,
+  with the listed set of those rows as a mask (:func:`gather_row_spec`).
+
+Memory for a decode step (L = 1) is O(H T + U (D + E)); the weights, when asked for, are the
+(B, H, L, S) output (+0 at every key not listed). Every element is the exact result rounded
+once: the results are bit-identical to those of the dense-mask engine
+(``config.EXACT_SPARSE_KEYS = "mask"``). The bounds are those of
+:mod:`refattn.exact.fast.forward`, with the counts of listed keys (``min(T, S)``) in place of
+S in the sums' gammas; in the double-precision step, each dot product's error bounded by the
+magnitudes of its rounded partial sums (:func:`~refattn.exact.fast.gather_kernels.dot_error`)
+and ``A_e = sum_j e_j |v_je|`` summed beside N (``|N - N^| <= (gamma + rho)(1 + gamma)(1 +
+rho) A_e``), so that most rows are decided by the double-precision step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+
+import numba
+import numpy as np
+
+from ...sparse_indices import index_mask
+from ...spec import AttentionSpec
+from ..attention import exact_forward
+from ..rounding import format_of
+from . import doubledouble as D
+from ._params import P_GAMMA_DIM, P_GAMMA_SUM, P_SUM_REL, frozen
+from .allowed_set import allowed_rule
+from .forward import kernel_params, record_stats, row_runs, row_spec
+from .forward_kernels import OK, ROW_BLOCK, SUM_BLOCK, UNDECIDED, row_facts
+from .gather_kernels import DOT_BLOCK, compact_lists, gather_d, gather_dd, gather_rows, value_facts
+
+__all__ = ["gather_forward", "gather_row_spec", "SERIAL_WORK"]
+
+#: Setup passes over fewer elements than this run on the calling thread alone.
+SERIAL_WORK = 1 << 22
+#: Keys converted to float64 (with their facts) per pass through one small buffer.
+KEY_CHUNK = 64
+
+
+def gather_row_spec(spec: AttentionSpec, b: int, h: int, start: int, stop: int) -> AttentionSpec:
+    """:func:`refattn.exact.fast.row_spec` of a gather spec: the rows ``start:stop`` of plane
+    (b, h) with their listed set ANDed into the mask (an (n, S) plane of those rows only), as
+    the referee reads it.
+
+    Examples
+    --------
+    >>> from refattn.kernels import gather_spec
+    >>> from refattn.spec import canonicalize
+    >>> spec = canonicalize(np.zeros((2, 2)), np.zeros((3, 2)), np.zeros((3, 1)))
+    >>> spec = gather_spec(spec, np.array([[2, -1], [0, 0]]))
+    >>> gather_row_spec(spec, 0, 0, 1, 2).mask[0, 0].tolist()
+    [[True, False, False]]
+    """
+    plain = dataclasses.replace(spec, key_indices=None, index_reading="set")
+    sub = row_spec(plain, b, h, start, stop)
+    g = int(spec.kv_head[h])
+    listed = index_mask(spec.key_indices[b : b + 1, g : g + 1, start:stop], spec.k.shape[-2])
+    return dataclasses.replace(sub, mask=listed if sub.mask is None else sub.mask & listed)
+
+
+def _union(lists: np.ndarray, counts: np.ndarray, keys: int):
+    """(U,) the positions listed by some row of one kv-head plane (``lists`` (L, T), ``counts``
+    (L,)) and each list entry's column among them (L, T) (0 past a row's count)."""
+    valid = np.arange(lists.shape[1]) < counts[:, None]
+    entries = lists[valid]
+    if entries.size > keys:  # a prefill: a presence vector, O(S + L T), no sort of L T entries
+        present = np.zeros(keys, bool)
+        present[entries] = True
+        used = np.flatnonzero(present)
+        column = np.cumsum(present) - 1
+        local = np.where(valid, column[np.where(valid, lists, 0)], 0)
+    else:
+        used = np.unique(entries)
+        local = np.where(valid, np.searchsorted(used, lists), 0)
+    return used, local
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, shape: tuple) -> np.ndarray:
+    """A float64 work array of ``shape`` (uninitialised) kept for the calling thread's next
+    call of the same shape: a decode loop then writes its gathered keys and values into pages
+    it already holds instead of faulting in fresh ones on every step. Only the columns of the
+    listed keys are written and only those are read, so no stale entry is ever read."""
+    arrays = getattr(_SCRATCH, "arrays", None)
+    if arrays is None:
+        arrays = _SCRATCH.arrays = {}
+    array = arrays.get(name)
+    if array is None or array.shape != shape:
+        array = arrays[name] = np.empty(shape)
+    return array
+
+
+@contextlib.contextmanager
+def _serial_below(work: int):
+    """Run the compiled kernels called inside on the calling thread alone when ``work``
+    (elements) is below :data:`SERIAL_WORK`: waking the worker threads costs more than such
+    a pass (and, on a loaded machine, waits for a free core). The bits never depend on it."""
+    threads = numba.get_num_threads()
+    if work < SERIAL_WORK and threads > 1:
+        numba.set_num_threads(1)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(threads)
+
+
+def _gather(plane: np.ndarray, used: np.ndarray, out: np.ndarray) -> None:
+    """The rows ``used`` of a kv-head plane (S, X) into ``out[:U]`` as float64 (exact); other
+    float dtypes (float16, bfloat16, float8) go through float32, after the gather."""
+    if plane.dtype in (np.float32, np.float64):
+        gather_rows(plane, used, out)
+    else:
+        rows = np.asarray(plane[used], dtype=np.float32)
+        gather_rows(rows, np.arange(used.size), out)
+
+
+def _facts(a: np.ndarray):
+    """(ok, norms, scales) of the rows of a (..., N, X) float64 array
+    (:func:`refattn.exact.fast.forward_kernels.row_facts`)."""
+    flat = frozen(a.reshape(-1, a.shape[-1]))
+    out = [np.empty(flat.shape[0], dtype) for dtype in (np.bool_, np.float64, np.float64)]
+    if flat.shape[0]:
+        with _serial_below(flat.size):
+            row_facts(flat, flat.view(np.int64), out[1], out[2], out[0])
+    return [o.reshape(a.shape[:-1]) for o in out]
+
+
+class _Gathered:
+    """Each row's listed columns, the gathered float64 keys and values of every kv-head plane
+    with their facts, the kernel parameters and the planes the first steps take."""
+
+    def __init__(self, spec: AttentionSpec):
+        batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
+        idx = np.ascontiguousarray(spec.key_indices, dtype=np.int64)
+        count = idx.shape[-1]
+        flat = idx.reshape(int(np.prod(idx.shape[:3])), count)
+        lists = np.zeros_like(flat)
+        counts = np.zeros(flat.shape[0], np.int64)
+        if flat.size:
+            with _serial_below(flat.size):
+                compact_lists(flat, lists, counts)
+        lists = lists.reshape(idx.shape)
+        counts = counts.reshape(idx.shape[:3])
+        used = [
+            [_union(lists[b, g], counts[b, g], keys) for g in range(kv_heads)] for b in range(batch)
+        ]
+        width = max([1] + [u.size for row in used for u, _ in row])
+        self.keys_of = np.zeros((batch, kv_heads, width), np.int64)
+        self.local = np.zeros_like(lists)
+        self.kT = _scratch("kT", (batch, kv_heads, dim, width))
+        self.kn = np.zeros((batch, kv_heads, width))
+        self.ks = np.zeros((batch, kv_heads, width))
+        self.v = _scratch("v", (batch, kv_heads, width, vdim))
+        self.vmax = np.zeros((batch, kv_heads, vdim))
+        k_ok = np.ones((batch, kv_heads), bool)
+        v_ok = np.ones((batch, kv_heads), bool)
+        with _serial_below(sum(u.size for row in used for u, _ in row) * (dim + vdim)):
+            for b in range(batch):
+                for g in range(kv_heads):
+                    u, self.local[b, g] = used[b][g]
+                    self.keys_of[b, g, : u.size] = u
+                    k_ok[b, g] = self._keys(spec.k[b, g], u, (b, g))
+                    _gather(spec.v[b, g], u, self.v[b, g])
+                    v_ok[b, g] = value_facts(self.v[b, g], u.size, self.vmax[b, g])
+        self.counts = counts
+        self.q = np.ascontiguousarray(spec.q, dtype=np.float64)
+        self.kvh = np.ascontiguousarray(spec.kv_head, dtype=np.int64)
+        q_ok, self.qn, self.qs = _facts(self.q)
+        self.prm, ok = kernel_params(spec)
+        listed = min(count, keys)  # the keys a row sums over: at most min(T, S)
+        sink = spec.sinks is not None
+        # the relative error of the dot products' magnitude sums (gather_kernels.dot_error)
+        self.prm[:, :, P_GAMMA_DIM] = D.gamma_up(DOT_BLOCK + dim // DOT_BLOCK + 4)
+        self.prm[:, :, P_GAMMA_SUM] = D.gamma_up(SUM_BLOCK + listed // SUM_BLOCK + 2 + sink)
+        self.prm[:, :, P_SUM_REL] = D.dot_bound(2 * (listed + sink))
+        kv_ok = k_ok & v_ok
+        self.ok = ok & q_ok.all(axis=2) & kv_ok[:, self.kvh] & (length > 0) & (keys > 0)
+        self.rule = allowed_rule(spec)  # the caller's mask: the listed set is not in it
+
+    def _keys(self, plane: np.ndarray, used: np.ndarray, bg) -> bool:
+        """The keys ``used`` of a kv-head plane (S, D) into the transposed table ``kT[bg]``
+        with their norms and exactness scales
+        (:func:`refattn.exact.fast.forward_kernels.row_facts`), KEY_CHUNK rows at a time
+        through one small buffer; returns whether all are in the first steps' range."""
+        rows = np.empty((min(KEY_CHUNK, max(used.size, 1)), plane.shape[-1]))
+        ok = np.empty(rows.shape[0], bool)
+        good = True
+        for c0 in range(0, used.size, KEY_CHUNK):
+            c1 = min(c0 + KEY_CHUNK, used.size)
+            chunk = rows[: c1 - c0]
+            _gather(plane, used[c0:c1], chunk)
+            row_facts(chunk, chunk.view(np.int64), self.kn[bg][c0:c1], self.ks[bg][c0:c1], ok)
+            good = good and bool(ok[: c1 - c0].all())
+            self.kT[bg][:, c0:c1] = chunk.T
+        return good
+
+    def inputs(self) -> tuple:
+        """The kernels' ``inputs`` record (:func:`refattn.exact.fast.gather_kernels.gather_d`)."""
+        return tuple(
+            frozen(a)
+            for a in (
+                self.q,
+                self.kT,
+                self.v,
+                self.qn,
+                self.kn,
+                self.qs,
+                self.ks,
+                self.vmax,
+                self.keys_of,
+                self.prm,
+                self.kvh,
+            )
+        )
+
+    def items(self, length: int) -> np.ndarray:
+        """Work items of the double-precision step: (b, i, head count, heads ...) for every
+        query row i and every block of up to ROW_BLOCK query heads of one kv head whose
+        planes the first steps take."""
+        blocks = []
+        rows = np.arange(length, dtype=np.int64)
+        for b in range(self.ok.shape[0]):
+            for g in range(self.kT.shape[1]):
+                heads = np.flatnonzero((self.kvh == g) & self.ok[b])
+                for start in range(0, heads.size, ROW_BLOCK):
+                    chunk = heads[start : start + ROW_BLOCK]
+                    block = np.zeros((length, 3 + ROW_BLOCK), np.int64)
+                    block[:, 0] = b
+                    block[:, 1] = rows
+                    block[:, 2] = chunk.size
+                    block[:, 3 : 3 + chunk.size] = chunk
+                    blocks.append(block)
+        return np.concatenate(blocks) if blocks else np.zeros((0, 3 + ROW_BLOCK), np.int64)
+
+
+def gather_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_weights=False):
+    """Correctly rounded (out, lse, weights) of a gather spec (set-read key indices kept as
+    lists, see the module docstring) in the flat (B, H, ...) layout, bit-identical to
+    :func:`refattn.exact.fast.fast_exact_forward` on the spec with the listed set as a mask.
+
+    Examples
+    --------
+    >>> from refattn.kernels import gather_spec
+    >>> from refattn.spec import canonicalize
+    >>> spec = canonicalize(np.zeros((1, 2)), np.zeros((3, 2)), np.array([[1.0], [2.0], [4.0]]))
+    >>> out, _, _ = gather_forward(gather_spec(spec, np.array([[2, 0, 2, -1, 7]])), np.float64)
+    >>> out.tolist()
+    [[[[2.5]]]]
+    """
+    fmt = format_of(out_dtype)
+    batch, heads, _, length, keys, _, vdim = spec.dims
+    out = np.zeros((batch, heads, length, vdim))
+    lse = np.zeros((batch, heads, length))
+    weights = np.zeros((batch, heads, length, keys) if return_weights else (1, 1, 1, 1))
+    status = np.full((batch, heads, length), UNDECIDED, dtype=np.int8)
+    step_rows = {"double": 0, "double-double": 0}
+    if out.size or lse.size:
+        x = _Gathered(spec)
+        inputs = x.inputs()
+        lists = (frozen(x.local), frozen(x.counts))
+        rule = x.rule.kernel_args()
+        target = (return_lse, return_weights, fmt.p, fmt.emin, float(fmt.max_finite))
+        results = (out, lse, weights, status)
+        per_row = int(x.counts.max(initial=0)) * (spec.q.shape[-1] + vdim)  # work of a row
+        if fmt.p <= 24:
+            items = x.items(length)
+            if items.size:
+                with _serial_below(int(x.ok.sum()) * length * per_row):
+                    gather_d(items, inputs, lists, rule, target, results)
+            step_rows["double"] = int(x.ok.sum()) * length
+            redo = x.ok[:, :, None] & (status == UNDECIDED)
+        else:
+            redo = np.broadcast_to(x.ok[:, :, None], status.shape)
+        rows = np.ascontiguousarray(np.argwhere(redo))
+        if rows.size:
+            with _serial_below(rows.shape[0] * per_row * 4):  # Dot2: ~4 fma chains' work
+                gather_dd(rows, inputs, lists, rule, target, results)
+        step_rows["double-double"] = rows.shape[0]
+    referee_rows = _referee(
+        spec, status, out_dtype, (out, lse, weights), return_lse, return_weights
+    )
+    per_row = vdim + return_lse + keys * return_weights
+    total_rows = batch * heads * length
+    record_stats(
+        rows=total_rows,
+        referee_rows=referee_rows,
+        elements=total_rows * per_row,
+        referee_elements=referee_rows * per_row,
+        double_rows=step_rows["double"],
+        double_double_rows=step_rows["double-double"],
+    )
+    dtype = fmt.dtype
+    return (
+        out.astype(dtype),
+        lse.astype(dtype) if return_lse else None,
+        weights.astype(dtype) if return_weights else None,
+    )
+
+
+def _referee(spec, status, out_dtype, results, return_lse, return_weights) -> int:
+    """The rows the first steps left (status not OK) by the referee, run by run of rows of
+    each plane with their listed set as a mask; returns their count."""
+    out, lse, weights = results
+    count = 0
+    for b, h in np.argwhere((status != OK).any(axis=2)):
+        rows = np.flatnonzero(status[b, h] != OK)
+        count += rows.size
+        for start, stop in row_runs(rows):
+            sub = gather_row_spec(spec, int(b), int(h), start, stop)
+            o, g, w = exact_forward(
+                sub, out_dtype, return_lse=return_lse, return_weights=return_weights
+            )
+            out[b, h, start:stop] = o[0, 0]
+            if return_lse:
+                lse[b, h, start:stop] = g[0, 0]
+            if return_weights:
+                weights[b, h, start:stop] = w[0, 0]
+    return count

@@ -1,0 +1,548 @@
+"""The compiled first steps of the fast exact forward on gathered keys
+(:mod:`refattn.exact.fast.gather` is the host side and states the algorithm).
+
+A query row i of plane (b, h) visits only its listed keys: the distinct valid positions of
+``key_indices[b, g, i]`` (g = kv_head[h]) inside the row's structural interval, ascending. The
+keys every row of a kv-head plane lists are gathered once (their float64 rows, ``U <= S`` of
+them; a decode step lists T), and each row's list holds positions in that gathered table.
+
+* :func:`compact_lists`: each row's distinct valid positions, ascending.
+* :func:`gather_d`: the double-precision step (targets of at most 24 bits) for a query row
+  and up to :data:`ROW_BLOCK` query heads of one kv head at once (they read the same list).
+  The dot products are blocked fma chains (:data:`DOT_BLOCK` features per block, then the
+  block sums) whose error is bounded by ``u`` times the float sum of the magnitudes of every
+  rounded partial result (each rounding errs by at most ``u |result|``, Higham 2002, eq.
+  (4.3); :func:`dot_error`), far tighter than ``gamma_D ||q_i|| ||k_j||``; and
+  ``A_e = sum_j e_j |v_je|`` is summed beside ``N_e`` (the same blocked sums), which bounds
+  N's error more tightly than ``max_j |v_je| Z``.
+* :func:`gather_dd`: the double-double step, one query row per work item, with the per-key
+  and per-row steps of :mod:`refattn.exact.fast.forward_kernels`.
+
+Each row's arithmetic is fixed by its list and the shapes alone: no bit depends on the thread
+count or on which rows share a work item.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import prange
+
+from . import doubledouble as D
+from ._params import (
+    P_GAMMA_DIM,
+    P_GAMMA_SUM,
+    P_HAS_SINK,
+    P_SINK,
+    P_SUM_REL,
+    R_HAS_BIAS,
+    R_HAS_KEEP,
+    R_HAS_MASK,
+    R_ROWS_HI,
+    R_ROWS_LO,
+)
+from .allowed_set import key_state
+from .doubledouble import EXP_FAST_REL, exp_dd_fast
+from .forward_kernels import (
+    CUT,
+    EMPTY,
+    OK,
+    RHO_MAX,
+    ROW_BLOCK,
+    SUM_BLOCK,
+    TINY,
+    UNDECIDED,
+    bias_in_range,
+    dot2_step,
+    finish_row,
+    row_dots,
+    row_weights,
+    score_d,
+    score_dd,
+)
+
+__all__ = [
+    "compact_lists",
+    "gather_rows",
+    "value_facts",
+    "dot_error",
+    "gather_d",
+    "gather_dd",
+    "DOT_BLOCK",
+]
+
+#: Features per block of the double-precision step's dot products.
+DOT_BLOCK = 32
+
+_JIT = dict(nopython=True, cache=True, fastmath=False, error_model="numpy")
+_PAR = dict(_JIT, parallel=True)
+
+
+@numba.jit(**_PAR)
+def compact_lists(idx, lists, counts):
+    """Per row r of ``idx`` (N, T) int64 (-1: not a position): its distinct positions,
+    ascending, into ``lists[r, :counts[r]]`` (the set reading: a position listed twice once)."""
+    for r in prange(idx.shape[0]):
+        row = np.sort(idx[r])
+        n = 0
+        last = -1
+        for t in range(row.shape[0]):
+            x = row[t]
+            if x > last:
+                lists[r, n] = x
+                n += 1
+                last = x
+        counts[r] = n
+
+
+@numba.jit(**_JIT)
+def gather_rows(src, used, out):
+    """``out[c] = src[used[c]]`` as float64 (exact: ``src`` float32 or float64) for the
+    ``used.shape[0]`` gathered rows; no temporary of the source's dtype."""
+    for c in range(used.shape[0]):
+        row = src[used[c]]
+        dst = out[c]
+        for x in range(row.shape[0]):
+            dst[x] = row[x]
+
+
+@numba.jit(**_JIT)
+def value_facts(vp, count, vmax):
+    """Whether every gathered value of a plane (``vp[:count]``, (U, E)) is zero or of a
+    magnitude in [SAFE_MIN, SAFE_MAX] (NaN and Inf are not), and ``vmax[e] = max_c |v_ce|``."""
+    ok = True
+    for e in range(vmax.shape[0]):
+        vmax[e] = 0.0
+    for c in range(count):
+        for e in range(vp.shape[1]):
+            m = abs(vp[c, e])
+            if not (m == 0.0 or (m >= D.SAFE_MIN and m <= D.SAFE_MAX)):
+                ok = False
+            if m > vmax[e]:
+                vmax[e] = m
+    return ok
+
+
+@numba.jit(**_JIT)
+def _row_columns(b, g, i, lists, keys_of, rule):
+    """The gathered-table columns (ascending) of row i's listed keys inside its structural
+    interval ``rows_lo[b, i] <= j < rows_hi[b, i]``."""
+    local, counts = lists
+    lo, hi = rule[R_ROWS_LO][b, i], rule[R_ROWS_HI][b, i]
+    sel = local[b, g, i, : counts[b, g, i]]
+    korig = keys_of[b, g]
+    a = 0
+    while a < sel.shape[0] and korig[sel[a]] < lo:
+        a += 1
+    z = a
+    while z < sel.shape[0] and korig[sel[z]] < hi:
+        z += 1
+    return sel[a:z]
+
+
+@numba.jit(**_JIT)
+def _key_columns(kTp, cols):
+    """(D, n) copy of the columns ``cols`` of a plane's gathered keys (D, U)."""
+    out = np.empty((kTp.shape[0], cols.shape[0]))
+    for d in range(kTp.shape[0]):
+        src = kTp[d]
+        dst = out[d]
+        for jj in range(cols.shape[0]):
+            dst[jj] = src[cols[jj]]
+    return out
+
+
+@numba.jit(**_JIT)
+def _contiguous(cols):
+    return cols.shape[0] > 0 and cols[cols.shape[0] - 1] - cols[0] == cols.shape[0] - 1
+
+
+@numba.jit(**_JIT)
+def _blocked_dots(qp, heads, nh, i, kcols, c0, s, sab):
+    """``s[rr, jj] = q_{heads[rr], i} . k_{c0 + jj}`` (``qp`` the batch row's (H, L, D)
+    queries, ``kcols`` (D, >= c0 + n) keys) by fma chains of DOT_BLOCK features whose block
+    sums are added in order, and ``sab[rr, jj]`` the float sum of the magnitudes of every
+    rounded result (the partial sums of the chains and of the block sums): each rounding errs
+    by at most u times its result's magnitude (Higham 2002, eq. (4.3)), so the dot product
+    errs by at most ``u sab`` up to the rounding of sab itself and underflow. A zero q feature
+    is skipped (fma(0, k, s) = s exactly: no rounding)."""
+    n = s.shape[1]
+    dim = qp.shape[2]
+    part = np.zeros((ROW_BLOCK, n))
+    pab = np.zeros((ROW_BLOCK, n))
+    for d0 in range(0, dim, DOT_BLOCK):
+        for d in range(d0, min(d0 + DOT_BLOCK, dim)):
+            row = kcols[d, c0 : c0 + n]  # a slice: the loop below then vectorizes
+            for rr in range(nh):
+                a = qp[heads[rr], i, d]
+                if a == 0.0:
+                    continue
+                prow = part[rr]
+                arow = pab[rr]
+                for jj in range(n):
+                    x = D.fma(a, row[jj], prow[jj])
+                    prow[jj] = x
+                    arow[jj] += abs(x)
+        for rr in range(nh):
+            srow = s[rr]
+            brow = sab[rr]
+            prow = part[rr]
+            arow = pab[rr]
+            for jj in range(n):
+                t = srow[jj] + prow[jj]
+                srow[jj] = t
+                brow[jj] += arow[jj] + abs(t)
+                prow[jj] = 0.0
+                arow[jj] = 0.0
+
+
+@numba.jit(**_JIT)
+def dot_error(sab, gdim, dim):
+    """The bound of a blocked fma dot product's error from its magnitude sum ``sab``
+    (:func:`_blocked_dots`): ``u sab`` times ``1 + gdim`` (gdim bounds the relative error of
+    sab's own float sum) and ``2**-1074`` per rounding for results in the subnormal range."""
+    tiny = (dim + dim // DOT_BLOCK + 4) * 2.0**-1074
+    return (D.U * sab) * (1.0 + gdim) * D.BOUND_SAFETY + tiny
+
+
+@numba.jit(**_JIT)
+def _d_scores(b, i, heads, cols, inputs, rule, work):
+    """The scores (t, err) of row i of the planes (b, heads[rr]) over the listed keys ``cols``
+    in place of their dot products, each key's state (0 excluded, 1 dropped, 2 kept), each
+    row's maximum and whether a bias value is out of range: ``work`` = (s, err, state, bad,
+    top)."""
+    q, _, _, _, _, qs, ksu, _, keys_of, prm, kvh = inputs
+    has_mask, has_bias, has_keep = rule[R_HAS_MASK], rule[R_HAS_BIAS], rule[R_HAS_KEEP]
+    s, err, state, bad, top = work  # err holds the dot products' magnitude sums
+    dim = q.shape[3]
+    g = kvh[heads[0]]
+    korig = keys_of[b, g]
+    rule_arrays = has_mask or has_bias or has_keep
+    for rr in range(heads.shape[0]):
+        h = heads[rr]
+        pr = prm[b, h]
+        gdim = pr[P_GAMMA_DIM]
+        for jj in range(cols.shape[0]):
+            c = cols[jj]
+            j = korig[c]
+            st, bv = 2, 0.0
+            if rule_arrays:
+                st, bv = key_state(rule, b, h, i, j)
+            state[rr, jj] = st
+            if st == 0:
+                continue
+            if has_bias and not bias_in_range(bv):
+                bad[rr] = True
+            # an fma chain proven exact (exactness_scales) carries no error; else the dot
+            # product's error bound from its magnitude sum (score_d's gamma |q| |k| <- 1 x 1)
+            derr = 0.0
+            if qs[b, h, i] * ksu[b, g, c] >= 2.0**52:
+                derr = dot_error(err[rr, jj], gdim, dim)
+            t, e = score_d(i, j, s[rr, jj], derr, 1.0, pr, bv, has_bias, 1.0)
+            s[rr, jj], err[rr, jj] = t, e
+            if t > top[rr]:
+                top[rr] = t
+
+
+@numba.jit(**_JIT)
+def _d_sums(vp, cols, nh, want_w, work, sums):
+    """Z, N_e and A_e = sum_j e_j |v_je| of each row over the listed keys in blocked sums
+    (restarting every SUM_BLOCK listed keys), with the tiny terms' counts and rho: ``sums`` =
+    (z, zb, nsum, nb, asum, ab, tiny, tiny_v, rho); ``vp`` the plane's gathered (U, E)
+    values."""
+    s, err, state, _, top = work
+    z, zb, nsum, nb, asum, ab, tiny, tiny_v, rho = sums
+    u = 1.01 * D.U
+    vdim = vp.shape[1]
+    ex = np.zeros(ROW_BLOCK)
+    use = np.zeros(ROW_BLOCK, dtype=np.bool_)
+    for jj in range(cols.shape[0]):
+        if (jj % SUM_BLOCK) == 0:  # blocked sums: gamma_{B + n/B} instead of gamma_n
+            _flush(nh, z, zb, nsum, nb, asum, ab)
+        vrow = vp[cols[jj]]
+        for rr in range(nh):
+            use[rr] = False
+            if state[rr, jj] == 0:
+                continue
+            x = s[rr, jj] - top[rr]
+            xe = (err[rr, jj] + u * abs(x)) * D.BOUND_SAFETY
+            if want_w:
+                s[rr, jj], err[rr, jj] = x, xe  # the shifted scores, kept for the weights
+            if x < CUT:
+                tiny[rr] += TINY
+                if state[rr, jj] == 2:
+                    for e in range(vdim):
+                        tiny_v[rr, e] += abs(vrow[e])
+                continue
+            rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * xe) * (1.0 + RHO_MAX))
+            ex[rr] = D.exp_d(x)
+            zb[rr] += ex[rr]
+            use[rr] = state[rr, jj] == 2
+        for rr in range(nh):
+            if use[rr]:
+                wgt = ex[rr]
+                nbr = nb[rr]
+                abr = ab[rr]
+                for e in range(vdim):
+                    ve = vrow[e]
+                    nbr[e] = D.fma(wgt, ve, nbr[e])
+                    abr[e] = D.fma(wgt, abs(ve), abr[e])
+    _flush(nh, z, zb, nsum, nb, asum, ab)
+
+
+@numba.jit(**_JIT)
+def _flush(nh, z, zb, nsum, nb, asum, ab):
+    """Add each row's current key block into its totals and clear the block."""
+    for rr in range(nh):
+        z[rr] += zb[rr]
+        zb[rr] = 0.0
+        for e in range(nsum.shape[1]):
+            nsum[rr, e] += nb[rr, e]
+            nb[rr, e] = 0.0
+            asum[rr, e] += ab[rr, e]
+            ab[rr, e] = 0.0
+
+
+@numba.jit(**_JIT)
+def _d_finish(b, h, i, rr, cols, korig, work, sums, prm, target, results):
+    """Status of row i of plane (b, h) (row rr of the work item) from its sums: out and lse
+    rounded, and the weights scattered to the listed keys (the rest of the row stays +0)."""
+    s, err, state, bad, top = work
+    z, _, nsum, _, asum, _, tiny, tiny_v, rho = sums
+    if bad[rr]:
+        return UNDECIDED
+    if top[rr] == -np.inf:
+        return EMPTY
+    pr = prm[b, h]
+    gsum = pr[P_GAMMA_SUM]
+    u = 1.01 * D.U
+    zr_ = z[rr]
+    rho_r = rho[rr]
+    tiny_r = tiny[rr]
+    if pr[P_HAS_SINK] != 0.0:  # the sink's term enters Z after the keys' blocks (gsum counts it)
+        x = pr[P_SINK] - top[rr]
+        if x < CUT:
+            tiny_r += TINY
+        else:
+            rho_r = max(rho_r, (D.EXP_D_REL + 2.0 * u * abs(x) * D.BOUND_SAFETY) * (1.0 + RHO_MAX))
+            zr_ += D.exp_d(x)
+    if not rho_r <= RHO_MAX:
+        return UNDECIDED
+    gg = gsum + rho_r
+    zrad = (gg * zr_ * (1.0 + gsum) + tiny_r) * D.BOUND_SAFETY
+    # sum_j e_j |v_je| <= (1 + rho)(1 + gsum) A_e (A_e: the float blocked sum of e^_j |v_je|)
+    nr = (gg * asum[rr] * (1.0 + gsum) * (1.0 + rho_r)) * D.BOUND_SAFETY + TINY * tiny_v[rr]
+    zeros = np.zeros(nsum.shape[1])
+    ok, lz_h, lz_l, lz_r = finish_row(
+        (b, h, i), top[rr], (zr_, 0.0, zrad), (nsum[rr], zeros, nr), pr, target, results
+    )
+    if ok and target[1]:
+        n = cols.shape[0]
+        shifted = (s[rr, :n], np.zeros(n), err[rr, :n])
+        ok = _scatter_weights(
+            (b, h, i), cols, korig, state[rr, :n], shifted, (lz_h, lz_l, lz_r), target, results[2]
+        )
+    return OK if ok else UNDECIDED
+
+
+@numba.jit(**_JIT)
+def _scatter_weights(index, cols, korig, state, shifted, log_z, target, w):
+    """The weights of the listed keys (:func:`refattn.exact.fast.forward_kernels.row_weights`
+    on the row's list) written at their key positions; returns whether all are decided."""
+    b, h, i = index
+    n = cols.shape[0]
+    row = np.zeros((1, 1, 1, n))
+    ok = row_weights((0, 0, 0), 0, state, shifted, log_z, target, row)
+    for jj in range(n):
+        w[b, h, i, korig[cols[jj]]] = row[0, 0, 0, jj]
+    return ok
+
+
+@numba.jit(**_JIT)
+def _d_item(item, inputs, lists, rule, target, results):
+    """Double-precision step of query row ``item[1]`` of batch row ``item[0]`` for the
+    ``item[2]`` query heads ``item[3:]`` of one kv head (which share its list and each load of
+    the listed keys and values)."""
+    b, i, nh = item[0], item[1], item[2]
+    heads = item[3 : 3 + nh]
+    q, kTu, vu, _, _, _, _, _, keys_of, prm, kvh = inputs
+    g = kvh[heads[0]]
+    cols = _row_columns(b, g, i, lists, keys_of, rule)
+    n = cols.shape[0]
+    vdim = vu.shape[3]
+    s = np.zeros((ROW_BLOCK, n))
+    sab = np.zeros((ROW_BLOCK, n))
+    if _contiguous(cols):  # a decode row lists the whole gathered table: no copy
+        _blocked_dots(q[b], heads, nh, i, kTu[b, g], cols[0], s, sab)
+    elif n > 0:
+        _blocked_dots(q[b], heads, nh, i, _key_columns(kTu[b, g], cols), 0, s, sab)
+    work = (
+        s,
+        sab,
+        np.zeros((ROW_BLOCK, n), np.int8),
+        np.zeros(ROW_BLOCK, np.bool_),
+        np.full(ROW_BLOCK, -np.inf),
+    )
+    _d_scores(b, i, heads, cols, inputs, rule, work)
+    top = work[4]
+    for rr in range(nh):
+        pr = prm[b, heads[rr]]
+        if pr[P_HAS_SINK] != 0.0:  # the sink: one more logit in the max and in Z, no value
+            top[rr] = max(top[rr], pr[P_SINK])
+    sums = (
+        np.zeros(ROW_BLOCK),
+        np.zeros(ROW_BLOCK),
+        np.zeros((ROW_BLOCK, vdim)),
+        np.zeros((ROW_BLOCK, vdim)),
+        np.zeros((ROW_BLOCK, vdim)),
+        np.zeros((ROW_BLOCK, vdim)),
+        np.zeros(ROW_BLOCK),
+        np.zeros((ROW_BLOCK, vdim)),
+        np.zeros(ROW_BLOCK),
+    )
+    _d_sums(vu[b, g], cols, nh, target[1], work, sums)
+    status = results[3]
+    for rr in range(nh):
+        h = heads[rr]
+        status[b, h, i] = _d_finish(
+            b, h, i, rr, cols, keys_of[b, g], work, sums, prm, target, results
+        )
+
+
+@numba.jit(**_PAR)
+def gather_d(items, inputs, lists, rule, target, results):
+    """Double-precision step (targets of at most 24 bits) over ``items`` ((n, 3 + ROW_BLOCK):
+    b, i, head count, heads of one kv head), in parallel.
+
+    ``inputs`` = (q (B, H, L, D), kTu (B, K, D, U), vu (B, K, U, E) (the gathered keys and
+    values), qn, knu (row norms), qs, ksu (exactness scales), vmaxu (B, K, E), keys_of
+    (B, K, U) (the key position of each gathered column), prm (B, H, 16), kv_head (H,));
+    ``lists`` = (local (B, K, L, T) columns of each row's distinct listed keys, ascending,
+    counts (B, K, L)); ``rule``, ``target``, ``results``: as
+    :func:`refattn.exact.fast.forward_kernels.forward_dd`."""
+    for r in prange(items.shape[0]):
+        _d_item(items[r], inputs, lists, rule, target, results)
+
+
+@numba.jit(**_JIT)
+def _dd_scores(b, h, i, cols, inputs, rule, work):
+    """Double-double scores of row i of plane (b, h) over the listed keys ``cols`` in place
+    of their Dot2 sums ``work`` = (s, c, err, state); returns (max score, bias out of
+    range)."""
+    q, kTu, _, qn, knu, _, _, _, keys_of, prm, kvh = inputs
+    has_mask, has_bias, has_keep = rule[R_HAS_MASK], rule[R_HAS_BIAS], rule[R_HAS_KEEP]
+    s, c, err, state = work
+    g = kvh[h]
+    n = cols.shape[0]
+    if n > 0:
+        row_dots(q[b, h, i], _key_columns(kTu[b, g], cols), 0, n, s, c)
+    korig = keys_of[b, g]
+    pr = prm[b, h]
+    top = -np.inf
+    for jj in range(n):
+        j = korig[cols[jj]]
+        st, bv = 2, 0.0
+        if has_mask or has_bias or has_keep:
+            st, bv = key_state(rule, b, h, i, j)
+        state[jj] = st
+        if st == 0:
+            continue
+        if has_bias and not bias_in_range(bv):
+            return top, True
+        th, tl, e = score_dd(i, j, s[jj], c[jj], qn[b, h, i], knu[b, g, cols[jj]], pr, bv, has_bias)
+        s[jj], c[jj], err[jj] = th, tl, e
+        if th > top:
+            top = th
+    return top, False
+
+
+@numba.jit(**_JIT)
+def _dd_row(b, h, i, inputs, lists, rule, target, results):
+    """Double-double step of query row i of plane (b, h) over its listed keys (the steps and
+    bounds of :func:`refattn.exact.fast.forward_kernels.forward_dd`); returns its status."""
+    _, _, vu, _, _, _, _, vmaxu, keys_of, prm, kvh = inputs
+    want_w = target[1]
+    g = kvh[h]
+    cols = _row_columns(b, g, i, lists, keys_of, rule)
+    n = cols.shape[0]
+    vdim = vu.shape[3]
+    pr = prm[b, h]
+    vp = vu[b, g]
+    s, c, err, state = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n, np.int8)
+    top, bad = _dd_scores(b, h, i, cols, inputs, rule, (s, c, err, state))
+    if bad:
+        return UNDECIDED
+    has_sink, sink = pr[P_HAS_SINK] != 0.0, pr[P_SINK]
+    if has_sink and sink > top:  # the sink: one more logit in the max and in Z, no value
+        top = sink
+    if top == -np.inf:
+        return EMPTY
+    ns, nc, tiny_v = np.zeros(vdim), np.zeros(vdim), np.zeros(vdim)
+    zs = zc = tiny = rho = zv = 0.0
+    for jj in range(n):
+        if state[jj] == 0:
+            continue
+        xh, xl = D.dd_add_d(s[jj], c[jj], -top)
+        xe = (err[jj] + D.DD_REL * abs(xh)) * D.BOUND_SAFETY
+        if want_w:
+            s[jj], c[jj], err[jj] = xh, xl, xe  # the shifted scores, kept for the weights
+        vrow = vp[cols[jj]]
+        if xh < CUT:
+            tiny += TINY
+            if state[jj] == 2:
+                for e in range(vdim):
+                    tiny_v[e] += abs(vrow[e])
+            continue
+        rho = max(rho, (EXP_FAST_REL + 2.0 * xe) * (1.0 + RHO_MAX))
+        eh, el = exp_dd_fast(xh, xl)
+        zs, es = D.two_sum(zs, eh)
+        zc += es + el
+        if state[jj] == 2:
+            for e in range(vdim):
+                ns[e], er = dot2_step(ns[e], eh, vrow[e])
+                nc[e] += er + el * vrow[e]
+            zv += eh
+    if has_sink:  # sink - top is exact (TwoSum); the term enters Z after the keys
+        xh, xl = D.two_sum(sink, -top)
+        if xh < CUT:
+            tiny += TINY
+        else:
+            rel = (EXP_FAST_REL + 2.0 * D.DD_REL * abs(xh) * D.BOUND_SAFETY) * (1.0 + RHO_MAX)
+            rho = max(rho, rel)
+            eh, el = exp_dd_fast(xh, xl)
+            zs, es = D.two_sum(zs, eh)
+            zc += es + el
+    if not rho <= RHO_MAX:
+        return UNDECIDED
+    sum_rel = pr[P_SUM_REL]
+    zh, zl = D.two_sum(zs, zc)
+    zr = ((sum_rel + rho) * zh + tiny) * D.BOUND_SAFETY
+    nr = TINY * tiny_v
+    if zv > 0.0:  # the valued keys' mass: Z, or less when a sink holds most of it
+        mass = min(zh + zr, zv * (1.0 + rho) * (1.0 + 2.0**-20))
+        nr = nr + ((sum_rel + rho) * vmaxu[b, g] * mass) * D.BOUND_SAFETY
+    ok, lz_h, lz_l, lz_r = finish_row(
+        (b, h, i), top, (zh, zl, zr), (ns, nc, nr), pr, target, results
+    )
+    if ok and want_w:
+        ok = _scatter_weights(
+            (b, h, i),
+            cols,
+            keys_of[b, g],
+            state,
+            (s, c, err),
+            (lz_h, lz_l, lz_r),
+            target,
+            results[2],
+        )
+    return OK if ok else UNDECIDED
+
+
+@numba.jit(**_PAR)
+def gather_dd(rows, inputs, lists, rule, target, results):
+    """Double-double step for the query rows ``rows`` ((n, 3): b, h, i), in parallel; the
+    argument records are those of :func:`gather_d`."""
+    status = results[3]
+    for r in prange(rows.shape[0]):
+        b, h, i = rows[r, 0], rows[r, 1], rows[r, 2]
+        status[b, h, i] = _dd_row(b, h, i, inputs, lists, rule, target, results)
