@@ -52,21 +52,41 @@ __all__ = ["forward_blocks"]
 _OPTS = KERNEL_OPTIONS
 
 
+@njit(**_OPTS)
+def _pack_block(k, v, unit, packed):
+    """Key block ``unit`` (of every (batch, kv head)) of :func:`_pack_keys`."""
+    k_t, v_blk, v_finite = packed
+    kv_heads, keys = k.shape[1], k.shape[2]
+    nkb = k_t.shape[2]
+    b = unit // (kv_heads * nkb)
+    g = (unit // nkb) % kv_heads
+    n = unit % nkb
+    c0 = n * BLOCK_K
+    nc = min(BLOCK_K, keys - c0)
+    load_rows_t(k[b, g], c0, nc, k_t[b, g, n])
+    v_finite[b, g, n] = load_rows(v[b, g], c0, nc, v_blk[b, g, n])
+
+
 @njit(parallel=True, **_OPTS)
 def _pack_keys(k, v, k_t, v_blk, v_finite):
     """Pack every key block once per (batch, kv head): k_t[b, g, n] = K block n transposed
     (D, BLOCK_K), v_blk[b, g, n] = V block n (BLOCK_K, E padded), zero-padded; v_finite[b,
     g, n] says whether the block's values are all finite. Pure copies (no arithmetic)."""
-    batch, kv_heads, keys = k.shape[0], k.shape[1], k.shape[2]
-    nkb = k_t.shape[2]
-    for unit in prange(batch * kv_heads * nkb):
-        b = unit // (kv_heads * nkb)
-        g = (unit // nkb) % kv_heads
-        n = unit % nkb
-        c0 = n * BLOCK_K
-        nc = min(BLOCK_K, keys - c0)
-        load_rows_t(k[b, g], c0, nc, k_t[b, g, n])
-        v_finite[b, g, n] = load_rows(v[b, g], c0, nc, v_blk[b, g, n])
+    for unit in prange(k.shape[0] * k.shape[1] * k_t.shape[2]):
+        _pack_block(k, v, unit, (k_t, v_blk, v_finite))
+
+
+@njit(**_OPTS)
+def _pack_keys_serial(k, v, k_t, v_blk, v_finite):
+    """:func:`_pack_keys` on one thread: for small inputs, where a parallel region's start
+    (and, on a busy machine, waiting for a second thread) costs more than the copies."""
+    for unit in range(k.shape[0] * k.shape[1] * k_t.shape[2]):
+        _pack_block(k, v, unit, (k_t, v_blk, v_finite))
+
+
+#: Up to this many elements of K and V together are packed on one thread (about a
+#: millisecond of copies).
+SERIAL_PACK = 1 << 21
 
 
 @njit(**_OPTS)
@@ -191,7 +211,8 @@ def _packed_keys(k, v):
     v_pack = np.empty((batch, kv_heads, nkb, BLOCK_K, padded(v.shape[3], v.dtype)), v.dtype)
     v_fin = np.empty((batch, kv_heads, nkb), np.bool_)
     if k_pack.size or v_pack.size:
-        _pack_keys(k, v, k_pack, v_pack, v_fin)
+        pack = _pack_keys_serial if k.size + v.size <= SERIAL_PACK else _pack_keys
+        pack(k, v, k_pack, v_pack, v_fin)
     return k_pack, v_pack, v_fin
 
 

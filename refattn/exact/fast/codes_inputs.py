@@ -19,7 +19,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from .forward_kernels import trailing_zero_count
+from . import doubledouble as D
 
 __all__ = ["codes_inputs"]
 
@@ -36,7 +36,7 @@ def _low_exponent(f):
     """The exponent of the lowest set bit of a positive normal float64 ``f``."""
     frac, exponent = math.frexp(f)
     mant = np.int64(frac * 2.0**53)  # exact: f = mant * 2**(exponent - 53)
-    return exponent - 53 + np.int64(trailing_zero_count(mant))
+    return exponent - 53 + np.int64(D.trailing_zeros(mant))
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)

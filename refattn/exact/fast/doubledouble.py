@@ -57,6 +57,7 @@ import numpy as np
 from mpmath import mp, mpf
 
 from ...bounds import unit
+from ...kernels._simd import as_float
 
 __all__ = [
     "U",
@@ -95,6 +96,8 @@ __all__ = [
     "dd_of_exact",
     "dot_bound",
     "exp_d",
+    "exp_d_core",
+    "trailing_zeros",
     "EXP_D_REL",
     "EXP_D_DEGREE",
     "gamma_up",
@@ -134,10 +137,26 @@ def _fma_exact(a, b, c):
 
 if numba.config.DISABLE_JIT:
     fma = _fma_exact
+
+    def trailing_zeros(n):
+        """The number of trailing zero bits of a nonzero int64."""
+        n = int(n)
+        return (n & -n).bit_length() - 1
+
 else:
     from llvmlite import ir
     from numba.core import cgutils, types
     from numba.extending import intrinsic
+
+    @intrinsic
+    def trailing_zeros(typingctx, n):
+        """The number of trailing zero bits of a nonzero int64 (LLVM's llvm.cttz.i64)."""
+        sig = types.int64(types.int64)
+
+        def codegen(context, builder, signature, args):
+            return builder.cttz(args[0], ir.Constant(ir.IntType(1), 1))
+
+        return sig, codegen
 
     @intrinsic
     def fma(typingctx, a, b, c):
@@ -438,14 +457,36 @@ def exp_d(x):
     """
     if not (x >= EXP_MIN_ARG - 1.0 and x <= EXP_MAX_ARG + 1.0):  # NaN too: never an index
         return math.nan
-    k = np.rint(x * _INV_LN2_64)
-    r = (x - k * _LN2_64_D[0]) - k * _LN2_64_D[1]
-    p = _EXP_D_COEF[EXP_D_DEGREE]
-    for n in range(EXP_D_DEGREE - 1, -1, -1):
-        p = p * r + _EXP_D_COEF[n]
+    return exp_d_core(x)
+
+
+_ROUND_SHIFT = 1.5 * 2.0**52  # (y + shift) - shift = rint(y) for |y| < 2**51 (ties to even)
+_EXP_D_C = tuple(float(c) for c in _EXP_D_COEF)
+assert len(_EXP_D_C) == 7  # the Horner steps below are written out for EXP_D_DEGREE = 6
+_EXP_D_C0, _EXP_D_C1, _EXP_D_C2, _EXP_D_C3, _EXP_D_C4, _EXP_D_C5, _EXP_D_C6 = _EXP_D_C
+_LN2_64_D0, _LN2_64_D1 = float(_LN2_64_D[0]), float(_LN2_64_D[1])
+
+
+@numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", boundscheck=False)
+def exp_d_core(x):
+    """:func:`exp_d` without its domain check, branch-free (a loop over it vectorises), for x
+    in [EXP_MIN_ARG - 1, EXP_MAX_ARG + 1]: the same IEEE operations, so the same bits. ``k =
+    rint(x 64 / ln 2)`` by the shift trick (|x 64/ln2| < 2**17); ``2**q`` (q = floor(k / 64),
+    a normal exponent on the domain) is built from its bits.
+
+    >>> exp_d_core(-1.0) == exp_d(-1.0)
+    True
+    """
+    k = (x * _INV_LN2_64 + _ROUND_SHIFT) - _ROUND_SHIFT
+    r = (x - k * _LN2_64_D0) - k * _LN2_64_D1
+    p = _EXP_D_C6 * r + _EXP_D_C5
+    p = p * r + _EXP_D_C4
+    p = p * r + _EXP_D_C3
+    p = p * r + _EXP_D_C2
+    p = p * r + _EXP_D_C1
+    p = p * r + _EXP_D_C0
     ki = np.int64(k)
-    j = ki & 63
-    return (p * _T_HI[j]) * _POW2[(ki - j) // 64 + _POW2_BIAS]
+    return (p * _T_HI[ki & 63]) * as_float(((ki >> 6) + 1023) << 52)
 
 
 # ------------------------------------------------------------------------------ log

@@ -16,7 +16,7 @@ is read on the fly (:mod:`refattn.exact.fast.allowed_set`): a key interval
 passed them, the mask, ``bias == -inf`` and the dropout keep-mask read from their
 un-broadcast arrays; it equals :meth:`AttentionSpec.allowed`, the one rule of
 :mod:`refattn.masks`. The keys outside the interval are never visited, so causal rows cost
-about half. The first steps run in parallel over the rows (blocks of :data:`ROW_BLOCK` rows)
+about half. The first steps run in parallel over the rows (blocks of :data:`D_ROW_BLOCK` rows)
 of every plane at once -- a decode call (L = 1, many heads) is as parallel as a prefill -- and
 each row's arithmetic is fixed by the shapes alone, so no bit depends on the thread count.
 
@@ -89,7 +89,18 @@ from . import doubledouble as D
 from ._params import P_ALIBI_OFFSET, P_SINK, P_SLOPE, PRM, frozen
 from .allowed_set import allowed_rule
 from .codes_inputs import codes_inputs
-from .forward_kernels import OK, ROW_BLOCK, SUM_BLOCK, UNDECIDED, forward_d, forward_dd, row_facts
+from .forward_kernels import (
+    D_ROW_BLOCK,
+    KEY_TILE,
+    OK,
+    SUM_BLOCK,
+    UNDECIDED,
+    forward_d,
+    forward_dd,
+    plane_key_facts,
+    plane_value_facts,
+    row_facts,
+)
 
 __all__ = [
     "fast_exact_forward",
@@ -269,26 +280,41 @@ class _Inputs:
         self.q = np.ascontiguousarray(spec.q, dtype=f64)
         self.kvh = np.ascontiguousarray(spec.kv_head, dtype=np.int64)
         self.prm, ok = kernel_params(spec)
-
-        def facts(a):  # (ok, norms, scales) of the rows of a's last axis
-            flat = frozen(a.reshape(int(np.prod(a.shape[:3])), a.shape[3]))
-            out = [np.empty(flat.shape[0], dtype) for dtype in (np.bool_, np.float64, np.float64)]
-            if flat.shape[0]:
-                row_facts(flat, flat.view(np.int64), out[1], out[2], out[0])
-            return [o.reshape(a.shape[:3]) for o in out]
-
-        q_ok, self.qn, self.qs = facts(self.q)
+        vdim = spec.v.shape[3]
+        epad = max(KEY_TILE, -(-vdim // KEY_TILE) * KEY_TILE)
         if kv:  # k, v as codes (refattn._kv_codes): one compiled pass each, the same facts
-            self.kT, self.v, k_facts, v_facts = codes_inputs(*kv, batch)
+            k_t, v, k_facts, v_facts = codes_inputs(*kv, batch)
             (k_ok, self.kn, self.ks), (v_ok, self.vnorm, self.vmax) = k_facts, v_facts
+            # the dense step's layout: KEY_TILE zero keys past S, E zero-padded to whole tiles
+            self.kT = np.zeros(k_t.shape[:3] + (k_t.shape[3] + KEY_TILE,))
+            self.kT[..., : k_t.shape[3]] = k_t
+            self.v = v if epad == vdim else np.zeros(v.shape[:3] + (epad,))
+            self.v[..., :vdim] = v
         else:
-            k = np.ascontiguousarray(spec.k, dtype=f64)
-            self.kT = np.ascontiguousarray(np.swapaxes(k, 2, 3))
-            self.v = np.ascontiguousarray(spec.v, dtype=f64)
-            k_ok, self.kn, self.ks = facts(k)
-            vT = np.ascontiguousarray(np.swapaxes(self.v, 2, 3))
-            v_ok, self.vnorm, _ = facts(vT)
-            self.vmax = np.max(np.abs(self.v), axis=2, initial=0.0)
+            k = frozen(spec.k, f64)
+            if epad == vdim:
+                self.v = np.ascontiguousarray(spec.v, dtype=f64)
+            else:  # V with zero features up to a multiple of KEY_TILE (whole register tiles)
+                self.v = np.zeros(spec.v.shape[:3] + (epad,))
+                self.v[..., :vdim] = spec.v
+            v = self.v[..., :vdim]
+            # K^T with KEY_TILE zero keys past S (whole register tiles), with the keys' facts
+            self.kT = np.empty(k.shape[:2] + (k.shape[3], k.shape[2] + KEY_TILE))
+            self.kT[..., k.shape[2] :] = 0.0
+            k_ok = np.empty(k.shape[:3], np.bool_)
+            self.kn, self.ks = np.empty(k.shape[:3]), np.empty(k.shape[:3])
+            if k.size:
+                plane_key_facts(k, self.kT, self.kn, self.ks, k_ok)
+            v_ok = np.ones(v.shape[:2] + (vdim,), np.bool_)
+            self.vnorm = np.full(v.shape[:2] + (vdim,), 2.0**-1000)
+            self.vmax = np.zeros(v.shape[:2] + (vdim,))
+            if v.size:
+                plane_value_facts(frozen(self.v), self.vnorm, self.vmax, v_ok)
+        flat = frozen(self.q.reshape(int(np.prod(self.q.shape[:3])), self.q.shape[3]))
+        facts = [np.empty(flat.shape[0], dtype) for dtype in (np.bool_, np.float64, np.float64)]
+        if flat.shape[0]:
+            row_facts(flat, flat.view(np.int64), facts[1], facts[2], facts[0])
+        q_ok, self.qn, self.qs = (a.reshape(self.q.shape[:3]) for a in facts)
         kv_ok = k_ok.all(axis=2) & v_ok.all(axis=2)
         self.ok = ok & q_ok.all(axis=2) & kv_ok[:, self.kvh] & (length > 0) & (keys > 0)
         self.rule = allowed_rule(spec)
@@ -300,7 +326,7 @@ def fast_exact_forward(
     """Correctly rounded (out, lse, weights) in the flat (B, H, ...) layout, bit-identical to
     :func:`refattn.exact.attention.exact_forward` (see the module docstring).
 
-    The first steps run in parallel over the query rows (blocks of ROW_BLOCK rows) of every
+    The first steps run in parallel over the query rows (blocks of D_ROW_BLOCK rows) of every
     plane at once; each row's arithmetic depends on the shapes alone, so the bits do not
     depend on the thread count. ``kv``: k and v as :class:`refattn.quantized.QuantisedRows`
     (``spec.k``, ``spec.v`` then placeholders: :func:`refattn._kv_codes.streamed_codes`); the
@@ -334,11 +360,11 @@ def fast_exact_forward(
         results = (out, lse, weights, status)
         planes = np.argwhere(x.ok)
         if fmt.p <= 24 and planes.size:
-            starts = np.arange(0, length, ROW_BLOCK)
+            starts = np.arange(0, length, D_ROW_BLOCK)
             blocks = np.empty((planes.shape[0] * starts.size, 4), dtype=np.int64)
             blocks[:, :2] = np.repeat(planes, starts.size, axis=0)
             blocks[:, 2] = np.tile(starts, planes.shape[0])
-            blocks[:, 3] = np.minimum(ROW_BLOCK, length - blocks[:, 2])
+            blocks[:, 3] = np.minimum(D_ROW_BLOCK, length - blocks[:, 2])
             forward_d(blocks, inputs, rule, target, results)
             step_rows["double"] = planes.shape[0] * length
             redo = x.ok[:, :, None] & (status == UNDECIDED)

@@ -1,7 +1,7 @@
 """The compiled first steps of the fast exact forward (:mod:`refattn.exact.fast.forward` states
 the algorithm and its error bounds): the double-double step :func:`forward_dd`, one query row
 per work item, and the double-precision step :func:`forward_d` for targets of at most 24 bits,
-:data:`ROW_BLOCK` rows per work item, and :func:`row_facts` (the inputs' row norms, ranges and
+:data:`D_ROW_BLOCK` rows per work item, and :func:`row_facts` (the inputs' row norms, ranges and
 exactness scales).
 
 The kernels take argument records (tuples; :func:`forward_dd` lists them) rather than one
@@ -17,6 +17,7 @@ import numba
 import numpy as np
 from numba import prange
 
+from ...kernels._cpu_tiles import matmul_n, matmul_t
 from . import doubledouble as D
 from ._params import (
     P_ALIBI_KEYS,
@@ -50,13 +51,16 @@ __all__ = [
     "forward_d",
     "row_facts",
     "row_fact",
-    "trailing_zero_count",
+    "plane_key_facts",
+    "plane_value_facts",
     "CUT",
     "TINY",
     "WEIGHT_TINY_ARG",
     "WEIGHT_ZERO_ARG",
     "SUM_BLOCK",
     "ROW_BLOCK",
+    "D_ROW_BLOCK",
+    "KEY_TILE",
     "OK",
     "EMPTY",
     "UNDECIDED",
@@ -75,9 +79,20 @@ WEIGHT_ZERO_ARG = -800.0
 _RHO_MAX = 2.0**-20
 #: Key block of the double-precision sums (blocked summation, Higham 2002, sec. 4.2).
 SUM_BLOCK = 64
-#: Query rows the double-precision step processes together (cache reuse only: every dot
-#: product is the same fma chain over D). Chunking the keys as well measured slower.
+#: Query rows (query heads in the gathered-keys kernels) one work item processes together.
 ROW_BLOCK = 8
+#: Query rows the dense double-precision step processes together (cache reuse only: every dot
+#: product is the same fma chain over D): each K^T chunk and V block is read once per 32 rows.
+D_ROW_BLOCK = 32
+#: Work lanes of the double-precision step: lane w takes blocks w, w + WORKERS, ... with one
+#: scratch (which rows a lane takes changes no bit: each row's arithmetic is its own).
+WORKERS = 64
+#: Keys per register tile of the double-precision step's dot products (four 64-byte vectors
+#: of float64): its key count is padded to a multiple of this, and K^T carries this many zero
+#: keys past S (and V zero features up to a multiple of it), so every tile load is in bounds.
+KEY_TILE = 32
+#: Keys per chunk of the double-precision step's dot products (a multiple of KEY_TILE).
+DOT_CHUNK = 256
 
 #: Row status of the first steps: decided, empty (no allowed key), undecided (to the referee).
 OK, EMPTY, UNDECIDED = 0, 1, 2
@@ -245,7 +260,7 @@ def _dd_row(b, h, i, inputs, rule, target, results):
     g = kvh[h]
     lo, hi = rows_lo[b, i], rows_hi[b, i]
     n = hi - lo
-    vdim = v.shape[3]
+    vdim = results[0].shape[3]
     pr = prm[b, h]
     sum_rel = pr[P_SUM_REL]
     vp = v[b, g]  # the plane's (S, E) values
@@ -404,19 +419,55 @@ def _block_interval(rows_lo, rows_hi, b, i0, nb_rows):
 
 
 @numba.jit(**_JIT)
-def _block_dots(qp, kTp, i0, nb_rows, lo, hi, s):
-    """s[rr, j - lo] = q_{i0 + rr} . k_j for lo <= j < hi by one fma chain over D each (``qp``
-    the plane's (L, D) queries, ``kTp`` its (D, S) keys)."""
-    n = max(hi - lo, 0)
-    for d in range(qp.shape[1]):
-        row = kTp[d, lo:hi]  # a slice: the loop below then vectorizes
-        for rr in range(nb_rows):
-            a = qp[i0 + rr, d]
-            if a == 0.0:
-                continue
-            srow = s[rr]
-            for jj in range(n):
-                srow[jj] = D.fma(a, row[jj], srow[jj])
+def _block_dots(qp, kTp, i0, nb_rows, lo, npad, s, qa):
+    """s[rr, j - lo] = q_{i0 + rr} . k_j for lo <= j < lo + npad by one fma chain over D each,
+    d = 0 .. D-1 in order from +0 (``qp`` the plane's (L, D) queries, ``kTp`` its (D, S + pad)
+    keys, zero past S; ``npad`` a multiple of :data:`KEY_TILE`; ``qa`` (D, D_ROW_BLOCK) scratch
+    for the rows' transpose): the register tiles of
+    :func:`refattn.kernels._cpu_tiles.matmul_t` (lanes over keys, D sequential)."""
+    dim = qp.shape[1]
+    for rr in range(nb_rows):
+        for d in range(dim):
+            qa[d, rr] = qp[i0 + rr, d]
+    for c in range(0, npad, DOT_CHUNK):  # a chunk of K^T stays in cache for all the rows
+        cols = min(DOT_CHUNK, npad - c)
+        matmul_t(qa, kTp[:, lo + c : lo + c + cols], dim, nb_rows, cols, s[:, c:], True)
+
+
+@numba.jit(**_JIT)
+def _plain_scores(i0, nb_rows, lo, rows, pr, keys, work):
+    """:func:`_block_scores` without mask, bias, dropout, softcap or ALiBi (every key of a row's
+    interval kept): the same score and radius as :func:`_score_d` in one tight loop per row.
+    ``rows`` = (rows_lo, rows_hi, qn, qs of the batch row / plane), ``keys`` = (kn, ks)."""
+    rows_lo, rows_hi, qn, qs = rows
+    knp, ksp = keys
+    s, err, state, _, top, _ = work
+    scale_hi, scale_lo, scale_err, gdim = (
+        pr[P_SCALE_HI],
+        pr[P_SCALE_LO],
+        pr[P_SCALE_ERR],
+        pr[P_GAMMA_DIM],
+    )
+    u = 1.01 * D.U
+    c1 = abs(scale_hi)
+    c2 = abs(scale_lo) + scale_err
+    for rr in range(nb_rows):
+        i = i0 + rr
+        qn_i, qs_i = qn[i], qs[i]
+        srow, erow, strow = s[rr], err[rr], state[rr]
+        m = top[rr]
+        for jj in range(rows_lo[i] - lo, rows_hi[i] - lo):
+            j = lo + jj
+            # an fma chain proven exact (exactness_scales) carries no error
+            gd = 0.0 if qs_i * ksp[j] < 2.0**52 else gdim
+            sj = srow[jj]
+            derr = gd * qn_i * knp[j]
+            t = sj * scale_hi
+            erow[jj] = c1 * derr + (abs(sj) + derr) * c2 + u * abs(t)
+            srow[jj] = t
+            strow[jj] = 2
+            m = max(m, t)
+        top[rr] = m
 
 
 @numba.jit(**_JIT)
@@ -424,7 +475,7 @@ def _block_scores(b, h, i0, nb_rows, lo, hi, inputs, rule, work):
     """The scores (t, err) of rows i0 .. i0 + nb_rows - 1 of plane (b, h) over the keys
     [lo, hi) in place of their dot products, with each key's state (0 excluded, 1 dropped,
     2 kept), each row's maximum score and whether a bias value is out of the first steps'
-    range: ``work`` = (s, err, state, bad, top) (:func:`_d_block`)."""
+    range: ``work`` = (s, err, state, bad, top, qa) (:func:`_d_block`)."""
     q, kT, _, qn, kn, qs, ks, _, _, prm, kvh = inputs
     rows_lo, rows_hi, has_mask, has_bias, has_drop = (
         rule[R_ROWS_LO],
@@ -433,14 +484,20 @@ def _block_scores(b, h, i0, nb_rows, lo, hi, inputs, rule, work):
         rule[R_HAS_BIAS],
         rule[R_HAS_KEEP],
     )
-    s, err, state, bad, top = work
+    s, err, state, bad, top, qa = work
     g = kvh[h]
     pr = prm[b, h]
     gdim = pr[P_GAMMA_DIM]
     knp = kn[b, g]
     ksp = ks[b, g]
     rule_arrays = has_mask or has_bias or has_drop
-    _block_dots(q[b, h], kT[b, g], i0, nb_rows, lo, hi, s)
+    npad = max(KEY_TILE, -(-(hi - lo) // KEY_TILE) * KEY_TILE)
+    _block_dots(q[b, h], kT[b, g], i0, nb_rows, lo, npad, s, qa)
+    if not rule_arrays and pr[P_SOFTCAP] == 0.0 and pr[P_SLOPE] == 0.0:
+        _plain_scores(
+            i0, nb_rows, lo, (rows_lo[b], rows_hi[b], qn[b, h], qs[b, h]), pr, (knp, ksp), work
+        )
+        return
     for rr in range(nb_rows):
         i = i0 + rr
         for jj in range(rows_lo[b, i] - lo, rows_hi[b, i] - lo):
@@ -462,56 +519,76 @@ def _block_scores(b, h, i0, nb_rows, lo, hi, inputs, rule, work):
 
 
 @numba.jit(**_JIT)
-def _d_block(b, h, i0, nb_rows, inputs, rule, target, results):
-    """Double-precision first step of rows i0 .. i0 + nb_rows - 1 of plane (b, h), which share
-    each load of K^T and V (each row's arithmetic is the same sequence as alone: no bit depends
-    on the blocking). The keys run over the union of the rows' intervals; the blocked sums
-    restart at multiples of SUM_BLOCK of the key index j itself. The argument records are
-    those of :func:`forward_dd`."""
-    _, _, v, _, _, _, _, vmax, vnorm, prm, kvh = inputs
-    rows_lo, rows_hi = rule[R_ROWS_LO], rule[R_ROWS_HI]
-    want_w = target[1]
-    status = results[3]
-    g = kvh[h]
-    pr = prm[b, h]
-    gsum = pr[P_GAMMA_SUM]
+def _plain_shift(rr, r0, r1, row, work, sums):
+    """The shifted scores of row rr's keys r0 <= jj < r1 when all are kept (:func:`_d_exps`'s
+    first loop without states): x = t - top and its radius (kept in s, err for the weights),
+    the exponent argument (0, unused, below CUT), ``use`` 2 or 0, the count of keys below CUT
+    as TINY each (an exact sum of powers of two), and rho from the largest radius above CUT
+    (rho is monotone in it, so the same as the key-by-key maximum). ``row`` = (top, want_w),
+    ``work`` = (s, err, xs, use), ``sums`` = (tiny, rho)."""
+    top, want_w = row
+    s, err, xs, use = work
+    tiny, rho = sums
     u = 1.01 * D.U
-    vdim = v.shape[3]
-    vp = v[b, g]  # the plane's (S, E) values
-    lo, hi = _block_interval(rows_lo, rows_hi, b, i0, nb_rows)
-    n = max(hi - lo, 0)
-    s = np.zeros((ROW_BLOCK, n))
-    err = np.zeros((ROW_BLOCK, n))
-    state = np.zeros((ROW_BLOCK, n), np.int8)
-    bad = np.zeros(ROW_BLOCK, np.bool_)
-    top = np.full(ROW_BLOCK, -np.inf)
-    _block_scores(b, h, i0, nb_rows, lo, hi, inputs, rule, (s, err, state, bad, top))
-    has_sink, sink = pr[P_HAS_SINK] != 0.0, pr[P_SINK]
-    if has_sink:  # the sink: one more logit in the max and in Z, no value
-        for rr in range(nb_rows):
-            top[rr] = max(top[rr], sink)
-    nsum = np.zeros((ROW_BLOCK, vdim))
-    nb = np.zeros((ROW_BLOCK, vdim))
-    e2 = np.zeros(ROW_BLOCK)
-    tiny_v = np.zeros((ROW_BLOCK, vdim))
-    z = np.zeros(ROW_BLOCK)
-    zb = np.zeros(ROW_BLOCK)
-    tiny = np.zeros(ROW_BLOCK)
-    rho = np.zeros(ROW_BLOCK)
-    ex = np.zeros(ROW_BLOCK)
-    use = np.zeros(ROW_BLOCK, dtype=np.bool_)
-    for jj in range(n):
-        j = lo + jj
-        if (j % SUM_BLOCK) == 0:  # blocked sums: gamma_{B + S/B} instead of gamma_S
-            for rr in range(nb_rows):
-                z[rr] += zb[rr]
-                zb[rr] = 0.0
-                for e in range(vdim):
-                    nsum[rr, e] += nb[rr, e]
-                    nb[rr, e] = 0.0
-        for rr in range(nb_rows):
-            use[rr] = False
-            if state[rr, jj] == 0:
+    srow, erow = s[rr], err[rr]
+    cut = 0
+    worst = -1.0
+    for jj in range(r0, r1):
+        x = srow[jj] - top
+        xe = (erow[jj] + u * abs(x)) * D.BOUND_SAFETY
+        if want_w:
+            srow[jj], erow[jj] = x, xe  # the shifted scores, kept for the weights
+        above = x >= CUT
+        xs[jj] = x if above else 0.0
+        use[jj] = 2 if above else 0
+        cut += 0 if above else 1
+        worst = max(worst, xe) if above else worst
+    tiny[rr] += cut * TINY
+    if worst >= 0.0:
+        rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * worst) * (1.0 + _RHO_MAX))
+
+
+@numba.jit(**_JIT)
+def _cut_values(rr, r0, r1, lo, row, vp, tiny_v):
+    """tiny_v[rr, e] += |v_je| for row rr's keys below CUT (all kept; ``row`` = (s, top,
+    want_w): s holds x itself when want_w, else the score t)."""
+    s, top, want_w = row
+    for jj in range(r0, r1):
+        x = s[rr, jj] if want_w else s[rr, jj] - top
+        if x < CUT:
+            for e in range(tiny_v.shape[1]):
+                tiny_v[rr, e] += abs(vp[lo + jj, e])
+
+
+@numba.jit(**_JIT)
+def _d_exps(i0, nb_rows, lo, hi, top, block_rows, work, sums):
+    """Exponentials of the block's rows into ``p`` (0 for keys that carry no value) and each
+    row's Z (blocked: a partial sum per SUM_BLOCK keys, restarting at multiples of SUM_BLOCK
+    of the key index j), sum of e^2, tiny count and |v| sum, and rho. ``block_rows`` = (rows_lo,
+    rows_hi of the batch row, want_w, plane values (S, E), whether every key of the rows'
+    intervals is kept: then :func:`_plain_shift`); ``work`` = (s, err, state, p, and the
+    scratch rows xs, ex, use); p is zero outside each row's interval up to hi - lo;
+    ``sums`` = (z, e2, tiny, tiny_v, rho). Per row: the shifted scores and their radii (keys
+    below CUT or excluded get a dummy argument 0 and use 0), then the exponentials in one
+    branch-free loop (:func:`refattn.exact.fast.doubledouble.exp_d_core`), then the sums in key
+    order, where an unused key adds an exact 0."""
+    rows_lo, rows_hi, want_w, vp, all_kept = block_rows
+    s, err, state, p, xs, ex, use = work
+    z, e2, tiny, tiny_v, rho = sums
+    u = 1.01 * D.U
+    vdim = tiny_v.shape[1]
+    for rr in range(nb_rows):
+        i = i0 + rr
+        r0, r1 = rows_lo[i] - lo, rows_hi[i] - lo
+        if all_kept:
+            _plain_shift(rr, r0, r1, (top[rr], want_w), (s, err, xs, use), (tiny, rho))
+            if tiny[rr] > 0.0:
+                _cut_values(rr, r0, r1, lo, (s, top[rr], want_w), vp, tiny_v)
+        for jj in range(r0 if not all_kept else r1, r1):
+            use[jj] = 0
+            xs[jj] = 0.0
+            st = state[rr, jj]
+            if st == 0:
                 continue
             x = s[rr, jj] - top[rr]
             xe = (err[rr, jj] + u * abs(x)) * D.BOUND_SAFETY
@@ -519,20 +596,123 @@ def _d_block(b, h, i0, nb_rows, inputs, rule, target, results):
                 s[rr, jj], err[rr, jj] = x, xe  # the shifted scores, kept for the weights
             if x < CUT:
                 tiny[rr] += TINY
-                if state[rr, jj] == 2:
+                if st == 2:
                     for e in range(vdim):
-                        tiny_v[rr, e] += abs(vp[j, e])
+                        tiny_v[rr, e] += abs(vp[lo + jj, e])
                 continue
             rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * xe) * (1.0 + _RHO_MAX))
-            ex[rr] = D.exp_d(x)
-            zb[rr] += ex[rr]
-            e2[rr] += ex[rr] * ex[rr]
-            use[rr] = state[rr, jj] == 2
+            xs[jj] = x
+            use[jj] = st
+        for jj in range(r0, r1):
+            ex[jj] = D.exp_d_core(xs[jj])  # CUT <= x <= 0 (0 a dummy): in exp_d's domain
+        zb = 0.0
+        zr = z[rr]
+        sq = e2[rr]
+        prow = p[rr]
+        prow[:r0] = 0.0
+        prow[r1 : hi - lo] = 0.0
+        for jj in range(r0, r1):
+            if ((lo + jj) % SUM_BLOCK) == 0:  # blocked sums: gamma_{B + S/B}, not gamma_S
+                zr += zb
+                zb = 0.0
+            uj = use[jj]
+            e = ex[jj] if uj != 0 else 0.0
+            zb += e
+            sq += e * e
+            prow[jj] = e if uj == 2 else 0.0
+        z[rr] = zr + zb
+        e2[rr] = sq
+
+
+@numba.jit(**_JIT)
+def _d_values(lo, hi, nb_rows, p, vp, sums):
+    """nsum[rr, :] = sum over the keys [lo, hi) of p[rr, j - lo] v_j, blocked: each SUM_BLOCK
+    block of the key index j is one fma chain from +0 in key order (the register tiles of
+    :func:`refattn.kernels._cpu_tiles.matmul_n`, lanes over features), added to nsum at the
+    block's end; a zero weight adds exactly nothing. ``sums`` = (nsum, nb scratch), both
+    (D_ROW_BLOCK, E padded)."""
+    nsum, nb = sums
+    epad = nsum.shape[1]
+    nsum[:] = 0.0
+    c0 = lo
+    while c0 < hi:
+        c1 = min(hi, (c0 // SUM_BLOCK + 1) * SUM_BLOCK)
+        nb[:] = 0.0
+        matmul_n(p[:, c0 - lo :], vp[c0:c1], c1 - c0, nb_rows, epad, nb)
         for rr in range(nb_rows):
-            if use[rr]:
-                wgt = ex[rr]
-                for e in range(vdim):
-                    nb[rr, e] = D.fma(wgt, vp[j, e], nb[rr, e])
+            for e in range(epad):
+                nsum[rr, e] += nb[rr, e]
+        c0 = c1
+
+
+@numba.jit(**_JIT)
+def _d_scratch(inputs):
+    """Scratch of :func:`_d_block` for any block of the call: (s, err, state, p) (D_ROW_BLOCK,
+    S + KEY_TILE), (xs, ex, use) (S + KEY_TILE,), qa (D, D_ROW_BLOCK), (nsum, nb) (D_ROW_BLOCK, E
+    padded)."""
+    q, kT, v = inputs[0], inputs[1], inputs[2]
+    keys = kT.shape[3]
+    epad = v.shape[3]
+    return (
+        np.empty((D_ROW_BLOCK, keys)),
+        np.empty((D_ROW_BLOCK, keys)),
+        np.zeros((D_ROW_BLOCK, keys), np.int8),
+        np.zeros((D_ROW_BLOCK, keys)),
+        np.zeros(keys),
+        np.empty(keys),
+        np.zeros(keys, np.int8),
+        np.zeros((q.shape[3], D_ROW_BLOCK)),
+        np.zeros((D_ROW_BLOCK, epad)),
+        np.zeros((D_ROW_BLOCK, epad)),
+    )
+
+
+@numba.jit(**_JIT)
+def _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch):
+    """Double-precision first step of rows i0 .. i0 + nb_rows - 1 of plane (b, h), which share
+    each load of K^T and V (each row's arithmetic is the same sequence as alone: no bit depends
+    on the blocking). The keys run over the union of the rows' intervals; the blocked sums
+    restart at multiples of SUM_BLOCK of the key index j itself. The argument records are
+    those of :func:`forward_dd` (``v`` padded with zero features to a multiple of
+    :data:`KEY_TILE`, ``kT`` with KEY_TILE zero keys past S); ``scratch``: :func:`_d_scratch`,
+    reused from block to block (read only where written for this block)."""
+    _, _, v, _, _, _, _, vmax, vnorm, prm, kvh = inputs
+    rows_lo, rows_hi = rule[R_ROWS_LO], rule[R_ROWS_HI]
+    want_w = target[1]
+    status = results[3]
+    vdim = results[0].shape[3]
+    g = kvh[h]
+    pr = prm[b, h]
+    gsum = pr[P_GAMMA_SUM]
+    u = 1.01 * D.U
+    vp = v[b, g]  # the plane's (S, E padded) values
+    lo, hi = _block_interval(rows_lo, rows_hi, b, i0, nb_rows)
+    hi = max(hi, lo)
+    s, err, state, p, xs, ex, use, qa, nsum, nb = scratch
+    bad = np.zeros(D_ROW_BLOCK, np.bool_)
+    top = np.full(D_ROW_BLOCK, -np.inf)
+    _block_scores(b, h, i0, nb_rows, lo, hi, inputs, rule, (s, err, state, bad, top, qa))
+    all_kept = not (rule[R_HAS_MASK] or rule[R_HAS_BIAS] or rule[R_HAS_KEEP])
+    has_sink, sink = pr[P_HAS_SINK] != 0.0, pr[P_SINK]
+    if has_sink:  # the sink: one more logit in the max and in Z, no value
+        for rr in range(nb_rows):
+            top[rr] = max(top[rr], sink)
+    z = np.zeros(D_ROW_BLOCK)
+    e2 = np.zeros(D_ROW_BLOCK)
+    tiny = np.zeros(D_ROW_BLOCK)
+    tiny_v = np.zeros((D_ROW_BLOCK, vdim))
+    rho = np.zeros(D_ROW_BLOCK)
+    _d_exps(
+        i0,
+        nb_rows,
+        lo,
+        hi,
+        top,
+        (rows_lo[b], rows_hi[b], want_w, vp, all_kept),
+        (s, err, state, p, xs, ex, use),
+        (z, e2, tiny, tiny_v, rho),
+    )
+    _d_values(lo, hi, nb_rows, p, vp, (nsum, nb))
     zeros = np.zeros(vdim)
     for rr in range(nb_rows):
         i = i0 + rr
@@ -542,7 +722,7 @@ def _d_block(b, h, i0, nb_rows, inputs, rule, target, results):
         if top[rr] == -np.inf:
             status[b, h, i] = EMPTY
             continue
-        zr_ = z[rr] + zb[rr]
+        zr_ = z[rr]
         if has_sink:  # the sink's term enters Z after the keys' blocks (gsum counts it)
             x = sink - top[rr]
             if x < CUT:
@@ -552,8 +732,6 @@ def _d_block(b, h, i0, nb_rows, inputs, rule, target, results):
                     rho[rr], (D.EXP_D_REL + 2.0 * u * abs(x) * D.BOUND_SAFETY) * (1.0 + _RHO_MAX)
                 )
                 zr_ += D.exp_d(x)
-        for e in range(vdim):
-            nsum[rr, e] += nb[rr, e]
         if not rho[rr] <= _RHO_MAX:
             status[b, h, i] = UNDECIDED
             continue
@@ -564,7 +742,7 @@ def _d_block(b, h, i0, nb_rows, inputs, rule, target, results):
         acc = np.minimum(vmax[b, g] * (zr_ + zrad), math.sqrt(e2[rr]) * vnorm[b, g])
         nr = (gg * acc * (1.0 + gsum) * (1.0 + rho[rr])) * D.BOUND_SAFETY + TINY * tiny_v[rr]
         ok, lz_h, lz_l, lz_r = _finish_row(
-            (b, h, i), top[rr], (zr_, 0.0, zrad), (nsum[rr], zeros, nr), pr, target, results
+            (b, h, i), top[rr], (zr_, 0.0, zrad), (nsum[rr, :vdim], zeros, nr), pr, target, results
         )
         if ok and want_w:
             r0 = rows_lo[b, i] - lo
@@ -582,15 +760,59 @@ def _d_block(b, h, i0, nb_rows, inputs, rule, target, results):
         status[b, h, i] = OK if ok else UNDECIDED
 
 
-if numba.config.DISABLE_JIT:  # pragma: no cover  (the intrinsic only compiles)
+@numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
+def plane_key_facts(k, kT, norms, scales, ok):
+    """K^T (B, K, D, S + pad; the pad untouched) of k (B, K, S, D) float64 and the
+    :func:`row_facts` of every key row, in parallel over chunks of KEY_TILE keys of every
+    plane (one pass over k)."""
+    batch, heads, keys, dim = k.shape
+    chunks = -(-keys // KEY_TILE)
+    for t in prange(batch * heads * chunks):
+        b = t // (heads * chunks)
+        g = (t // chunks) % heads
+        j0 = (t % chunks) * KEY_TILE
+        j1 = min(keys, j0 + KEY_TILE)
+        kp = k[b, g]
+        bits = kp.view(np.int64)
+        for j in range(j0, j1):
+            ok[b, g, j], norms[b, g, j], scales[b, g, j] = row_fact(kp[j], bits[j])
+        dst = kT[b, g]
+        for d in range(dim):
+            for j in range(j0, j1):
+                dst[d, j] = kp[j, d]
 
-    def trailing_zero_count(n):
-        """The number of trailing zero bits of the integer ``n`` != 0."""
-        n = int(n)
-        return (n & -n).bit_length() - 1
 
-else:
-    from numba.cpython.unsafe.numbers import trailing_zeros as trailing_zero_count
+@numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
+def plane_value_facts(v, vnorm, vmax, ok):
+    """Per feature e < vnorm.shape[2] of every plane of v (B, K, S, E) float64, E a multiple
+    of KEY_TILE: ``ok`` (all finite, nonzero magnitudes in [SAFE_MIN, SAFE_MAX]), ``vnorm``
+    (the 2-norm bound of :func:`row_facts`, the squares summed over the keys in order) and
+    ``vmax`` (max |v_je|), in parallel over chunks of KEY_TILE features of every plane (one
+    pass over v, no transpose; lanes over features)."""
+    batch, heads, keys, epad = v.shape
+    vdim = vnorm.shape[2]
+    chunks = epad // KEY_TILE
+    for t in prange(batch * heads * chunks):
+        b = t // (heads * chunks)
+        g = (t // chunks) % heads
+        e0 = (t % chunks) * KEY_TILE
+        vp = v[b, g]
+        acc = np.zeros(KEY_TILE)
+        big = np.zeros(KEY_TILE)
+        bad = np.zeros(KEY_TILE, np.int8)
+        for j in range(keys):
+            row = vp[j, e0 : e0 + KEY_TILE]
+            for e in range(KEY_TILE):
+                x = row[e]
+                m = abs(x)
+                inside = m == 0.0 or (m >= D.SAFE_MIN and m <= D.SAFE_MAX)
+                bad[e] |= 0 if inside else 1
+                acc[e] += x * x
+                big[e] = max(big[e], m)
+        for e in range(min(KEY_TILE, vdim - e0)):
+            ok[b, g, e0 + e] = bad[e] == 0
+            vnorm[b, g, e0 + e] = math.sqrt(acc[e]) * (1.0 + 2.0**-30) + 2.0**-1000
+            vmax[b, g, e0 + e] = big[e]
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
@@ -626,7 +848,7 @@ def row_fact(a, bits):
                 mant |= 1 << 52
             else:
                 biased = 1  # subnormal: the same scale as the smallest normal
-            tz = np.int64(trailing_zero_count(mant))  # the lowest set bit (mant != 0)
+            tz = np.int64(D.trailing_zeros(mant))  # the lowest set bit (mant != 0)
             low = min(low, biased - 1075 + tz)
     norm = math.sqrt(acc) * (1.0 + 2.0**-30) + 2.0**-1000
     g = 0 if low == 1 << 40 else low  # a zero row: its products are all 0
@@ -636,14 +858,17 @@ def row_fact(a, bits):
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
 def forward_d(blocks, inputs, rule, target, results):
     """Double-precision first step (for targets of <= 24 bits) over ``blocks`` ((n, 4): b, h,
-    first row, row count <= ROW_BLOCK), in parallel over the blocks of every plane: fma chains
+    first row, row count <= D_ROW_BLOCK), in parallel over the blocks of every plane: fma chains
     with gamma_n bounds (Higham 2002, eq. (3.5)) and
     :func:`refattn.exact.fast.doubledouble.exp_d`; the argument records are those of
     :func:`forward_dd`."""
-    for r in prange(blocks.shape[0]):
-        _d_block(
-            blocks[r, 0], blocks[r, 1], blocks[r, 2], blocks[r, 3], inputs, rule, target, results
-        )
+    count = blocks.shape[0]
+    workers = min(count, WORKERS)
+    for w in prange(workers):  # worker w takes blocks w, w + workers, ...: one scratch each
+        scratch = _d_scratch(inputs)
+        for r in range(w, count, workers):
+            b, h, i0, nb_rows = blocks[r, 0], blocks[r, 1], blocks[r, 2], blocks[r, 3]
+            _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch)
 
 
 # The per-key and per-row steps above, shared with the gathered-keys kernels
