@@ -14,7 +14,8 @@ the machine may be shared, so compare within a run):
   1/sqrt(192)), float32: refattn's Numba gather kernel (``key_indices``) against a plain torch
   implementation (gather the T rows, softmax, matmul) and refattn's exact path
   (``precision="exact"``, every element rounded once to float32) against the Numba kernel;
-  the Numba, torch and exact calls alternate, so that all see the same load;
+  the Numba, torch and exact calls alternate, so that all see the same load (each after three
+  untimed calls of its own, so that the other library's idle threads have stopped spinning);
 * ``dsa-full`` (or ``dsa --full``): the same for the full step, B1 H128 K1 L1 S=65536 T=2048
   (not in ``all``);
 * ``dsa-prefill``: a causal top-k prefill, B1 H16 K1 L=S=2048 T=512 D=E=128 float32 (row i
@@ -75,20 +76,6 @@ def _dsa_inputs(rng, heads=16, keys=16384, top=512, dim=576, vdim=512):
     return q, k, v, idx, 1 / np.sqrt(192.0)
 
 
-def _alternating(fns, repeat):
-    """Best of ``repeat`` timed calls of each function, the functions called in turn (one
-    warm-up call each first), so that a change of the machine's load hits every side alike."""
-    for fn in fns:
-        fn()
-    times = [[] for _ in fns]
-    for _ in range(repeat):
-        for fn, kept in zip(fns, times, strict=True):
-            start = time.perf_counter()
-            fn()
-            kept.append(time.perf_counter() - start)
-    return [min(kept) for kept in times]
-
-
 def bench_dsa(repeat, skip_exact, shape="dsa"):
     """DSA decode step: Numba gather vs torch gather (alternating calls), and exact vs Numba."""
     heads, keys, top = DSA_SHAPES[shape]
@@ -98,7 +85,7 @@ def bench_dsa(repeat, skip_exact, shape="dsa"):
     def numba():
         return refattn.attention(q, k, v, key_indices=idx, scale=scale, backend="numba")
 
-    fns = [numba]
+    paths = {"numba_s": numba}
     torch = _torch()
     if torch is not None:
         tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
@@ -111,7 +98,7 @@ def bench_dsa(repeat, skip_exact, shape="dsa"):
                 weights = torch.softmax((tq[0, :, 0] @ keys.T) * scale, dim=-1)  # (H, T)
                 return weights @ values
 
-        fns.append(plain)
+        paths["torch_s"] = plain
     if not skip_exact:
 
         def exact():
@@ -119,14 +106,11 @@ def bench_dsa(repeat, skip_exact, shape="dsa"):
                 q, k, v, key_indices=idx, scale=scale, precision="exact", out_dtype="float32"
             )
 
-        fns.append(exact)
-    times = _alternating(fns, repeat)
-    result["numba_s"] = times[0]
+        paths["exact_s"] = exact
+    result.update(_alternating(paths, repeat, settle=3))
     if torch is not None:
-        result["torch_s"] = times[1]
         result["numba_over_torch"] = result["numba_s"] / result["torch_s"]
     if not skip_exact:
-        result["exact_s"] = times[-1]
         result["exact_over_numba"] = result["exact_s"] / result["numba_s"]
     return result
 
@@ -159,7 +143,7 @@ def bench_dsa_prefill(repeat, skip_exact, full=False):
     if skip_exact:
         result["numba_s"] = _best(numba, repeat)
     else:
-        result["numba_s"], result["exact_s"] = _alternating([numba, exact], repeat)
+        result.update(_alternating({"numba_s": numba, "exact_s": exact}, repeat))
         result["exact_over_numba"] = result["exact_s"] / result["numba_s"]
     return result
 
@@ -261,15 +245,21 @@ def bench_nvfp4(repeat, skip_exact, heads=8, kv_heads=2, keys=8192):
     return result
 
 
-def _alternating(paths, repeat):
+def _alternating(paths, repeat, settle=0):
     """Best time of each path over ``repeat`` rounds, the paths timed in turn within each
     round (after one warm-up call each), so that a change of the machine's load reaches
-    every path alike."""
+    every path alike. ``settle`` > 0: within a round each path first runs ``settle`` untimed
+    calls, so that the previous path's worker threads have gone idle (torch's and Numba's
+    OpenMP pools spin for a while after a parallel region, and on a 2-core machine a
+    sub-millisecond call timed right after the other library's would time that spinning);
+    a decode loop calls one library at a time."""
     for fn in paths.values():
         fn()
     best = dict.fromkeys(paths, float("inf"))
     for _ in range(repeat):
         for name, fn in paths.items():
+            for _ in range(settle):
+                fn()
             start = time.perf_counter()
             fn()
             best[name] = min(best[name], time.perf_counter() - start)
