@@ -225,13 +225,59 @@ def _weighted4(vp, cols, nb, wts, use, e, acc):
 
 
 @numba.jit(**_JIT)
+def _weighted8(vp, cols, nb, wts, use, e, acc):
+    """:func:`_weighted4` for eight query rows (16 accumulators: each value vector and its
+    magnitude loaded once for the eight)."""
+    nsum, asum = acc
+    n0 = n1 = n2 = n3 = n4 = n5 = n6 = n7 = vzero(nsum[0])
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero(nsum[0])
+    for j in range(nb):
+        v = vload(vp[cols[j]], e)
+        av = vabs(v)
+        if use[0, j]:
+            n0, a0 = vfma(wts[0, j], v, n0), vfma(wts[0, j], av, a0)
+        if use[1, j]:
+            n1, a1 = vfma(wts[1, j], v, n1), vfma(wts[1, j], av, a1)
+        if use[2, j]:
+            n2, a2 = vfma(wts[2, j], v, n2), vfma(wts[2, j], av, a2)
+        if use[3, j]:
+            n3, a3 = vfma(wts[3, j], v, n3), vfma(wts[3, j], av, a3)
+        if use[4, j]:
+            n4, a4 = vfma(wts[4, j], v, n4), vfma(wts[4, j], av, a4)
+        if use[5, j]:
+            n5, a5 = vfma(wts[5, j], v, n5), vfma(wts[5, j], av, a5)
+        if use[6, j]:
+            n6, a6 = vfma(wts[6, j], v, n6), vfma(wts[6, j], av, a6)
+        if use[7, j]:
+            n7, a7 = vfma(wts[7, j], v, n7), vfma(wts[7, j], av, a7)
+    _add_lanes(nsum, e, (n0, n1, n2, n3, n4, n5, n6, n7))
+    _add_lanes(asum, e, (a0, a1, a2, a3, a4, a5, a6, a7))
+
+
+@numba.jit(**_JIT)
+def _add_lanes(total, e, parts):
+    """``total[r, e:e + W] += parts[r]`` for the eight rows."""
+    for r in numba.literal_unroll(range(8)):
+        vstore(total[r], e, vadd(vload(total[r], e), parts[r]))
+
+
+@numba.jit(**_JIT)
 def weighted_rows(vp, cols, nb, nh, wts, use, nsum, asum):
     """:func:`weighted_block` (over the keys 0 <= j < nb of ``cols``) for the rows
-    0 <= r < nh of ``wts``, ``use``, ``nsum``, ``asum``: four rows at a time sharing each
-    value vector on the whole W-feature vectors, the rest row by row (the same bits)."""
+    0 <= r < nh of ``wts``, ``use``, ``nsum``, ``asum``: eight, then four rows at a time
+    sharing each value vector on the whole W-feature vectors, the rest row by row (the same
+    bits)."""
     vdim = vp.shape[1]
     whole = vdim - vdim % W
     r = 0
+    while r + 8 <= nh:
+        acc = (nsum[r : r + 8], asum[r : r + 8])
+        for e in range(0, whole, W):
+            _weighted8(vp, cols, nb, wts[r : r + 8], use[r : r + 8], e, acc)
+        if whole < vdim:
+            for rr in range(r, r + 8):
+                _weighted_tail(vp, cols, nb, wts[rr], use[rr], whole, nsum[rr], asum[rr])
+        r += 8
     while r + 4 <= nh:
         acc = (nsum[r : r + 4], asum[r : r + 4])
         for e in range(0, whole, W):
