@@ -93,3 +93,15 @@ def test_value_rows_gather_widen_and_check():
     wide[11, 4] = 0.0
     assert GL.value_rows(wide, used, out, vmax)
     assert GL.value_rows(src, used[:2], out, vmax)
+
+
+@pytest.mark.parametrize("opts", [{}, {"causal": True}], ids=["plain", "causal"])
+def test_tiled_paths_match_the_dense_mask_engine(opts):
+    """Nine query heads per kv head (the eight- and four-row tiles and a single row), a value
+    width with a scalar tail, listed keys past whole tiles: the bytes of the dense-mask path."""
+    from tests.exact.test_exact_gather import _assert_identical, _sparse_case
+
+    q, k, v, idx = _sparse_case(5, heads=9, kv_heads=1, length=3, keys=200, top=70, dim=70)
+    v = np.random.default_rng(6).standard_normal((2, 1, 200, 45))
+    for out_dtype in ("float32", "float64"):
+        _assert_identical(q, k, v, key_indices=idx, out_dtype=out_dtype, return_lse=True, **opts)
