@@ -14,7 +14,8 @@ them; a decode step lists T), and each row's list holds positions in that gather
   rounded partial result (each rounding errs by at most ``u |result|``, Higham 2002, eq.
   (4.3); :func:`dot_error`), far tighter than ``gamma_D ||q_i|| ||k_j||``; and
   ``A_e = sum_j e_j |v_je|`` is summed beside ``N_e`` (the same blocked sums), which bounds
-  N's error more tightly than ``max_j |v_je| Z``.
+  N's error more tightly than ``max_j |v_je| Z``. Both run lane-wise on register tiles
+  (:mod:`refattn.exact.fast.gather_lanes`: the scalar loops' bits, lane by lane).
 * :func:`gather_dd`: the double-double step, one query row per work item, with the per-key
   and per-row steps of :mod:`refattn.exact.fast.forward_kernels`.
 
