@@ -49,14 +49,13 @@ from ._params import P_GAMMA_DIM, P_GAMMA_SUM, P_SUM_REL, frozen
 from .allowed_set import allowed_rule
 from .forward import kernel_params, record_stats, row_runs, row_spec
 from .forward_kernels import OK, ROW_BLOCK, SUM_BLOCK, UNDECIDED, row_facts
-from .gather_kernels import DOT_BLOCK, compact_lists, gather_d, gather_dd, gather_rows, value_facts
+from .gather_kernels import DOT_BLOCK, compact_lists, gather_d, gather_dd
+from .gather_lanes import key_facts, value_rows
 
 __all__ = ["gather_forward", "gather_row_spec", "SERIAL_WORK"]
 
 #: Setup passes over fewer elements than this run on the calling thread alone.
 SERIAL_WORK = 1 << 22
-#: Keys converted to float64 (with their facts) per pass through one small buffer.
-KEY_CHUNK = 64
 
 
 def gather_row_spec(spec: AttentionSpec, b: int, h: int, start: int, stop: int) -> AttentionSpec:
@@ -128,14 +127,13 @@ def _serial_below(work: int):
         numba.set_num_threads(threads)
 
 
-def _gather(plane: np.ndarray, used: np.ndarray, out: np.ndarray) -> None:
-    """The rows ``used`` of a kv-head plane (S, X) into ``out[:U]`` as float64 (exact); other
-    float dtypes (float16, bfloat16, float8) go through float32, after the gather."""
+def _source(plane: np.ndarray, used: np.ndarray):
+    """(rows, indices) the setup passes read the listed rows ``used`` of a kv-head plane (S, X)
+    from: the plane itself when float32 or float64 (widened exactly inside the pass), else
+    (float16, bfloat16, float8) the listed rows converted to float32 (exact) first."""
     if plane.dtype in (np.float32, np.float64):
-        gather_rows(plane, used, out)
-    else:
-        rows = np.asarray(plane[used], dtype=np.float32)
-        gather_rows(rows, np.arange(used.size), out)
+        return plane, used
+    return np.asarray(plane[used], dtype=np.float32), np.arange(used.size)
 
 
 def _facts(a: np.ndarray):
@@ -184,8 +182,8 @@ class _Gathered:
                     u, self.local[b, g] = used[b][g]
                     self.keys_of[b, g, : u.size] = u
                     k_ok[b, g] = self._keys(spec.k[b, g], u, (b, g))
-                    _gather(spec.v[b, g], u, self.v[b, g])
-                    v_ok[b, g] = value_facts(self.v[b, g], u.size, self.vmax[b, g])
+                    src, rows = _source(spec.v[b, g], u)
+                    v_ok[b, g] = value_rows(src, rows, self.v[b, g], self.vmax[b, g])
         self.counts = counts
         self.q = np.ascontiguousarray(spec.q, dtype=np.float64)
         self.kvh = np.ascontiguousarray(spec.kv_head, dtype=np.int64)
@@ -203,20 +201,16 @@ class _Gathered:
 
     def _keys(self, plane: np.ndarray, used: np.ndarray, bg) -> bool:
         """The keys ``used`` of a kv-head plane (S, D) into the transposed table ``kT[bg]``
-        with their norms and exactness scales
-        (:func:`refattn.exact.fast.forward_kernels.row_facts`), KEY_CHUNK rows at a time
-        through one small buffer; returns whether all are in the first steps' range."""
-        rows = np.empty((min(KEY_CHUNK, max(used.size, 1)), plane.shape[-1]))
-        ok = np.empty(rows.shape[0], bool)
-        good = True
-        for c0 in range(0, used.size, KEY_CHUNK):
-            c1 = min(c0 + KEY_CHUNK, used.size)
-            chunk = rows[: c1 - c0]
-            _gather(plane, used[c0:c1], chunk)
-            row_facts(chunk, chunk.view(np.int64), self.kn[bg][c0:c1], self.ks[bg][c0:c1], ok)
-            good = good and bool(ok[: c1 - c0].all())
-            self.kT[bg][:, c0:c1] = chunk.T
-        return good
+        with their norms, exactness scales and range check in one compiled pass
+        (:func:`refattn.exact.fast.gather_lanes.key_facts`: the bits of
+        :func:`refattn.exact.fast.forward_kernels.row_facts`); returns whether all are in the
+        first steps' range."""
+        ok = np.ones(used.size, bool)
+        if used.size:
+            src, rows = _source(plane, used)
+            with _serial_below(used.size * plane.shape[-1]):
+                key_facts(src, rows, self.kT[bg], self.kn[bg], self.ks[bg], ok)
+        return bool(ok.all())
 
     def inputs(self) -> tuple:
         """The kernels' ``inputs`` record (:func:`refattn.exact.fast.gather_kernels.gather_d`)."""

@@ -14,7 +14,8 @@ them; a decode step lists T), and each row's list holds positions in that gather
   rounded partial result (each rounding errs by at most ``u |result|``, Higham 2002, eq.
   (4.3); :func:`dot_error`), far tighter than ``gamma_D ||q_i|| ||k_j||``; and
   ``A_e = sum_j e_j |v_je|`` is summed beside ``N_e`` (the same blocked sums), which bounds
-  N's error more tightly than ``max_j |v_je| Z``.
+  N's error more tightly than ``max_j |v_je| Z``. Both run lane-wise on register tiles
+  (:mod:`refattn.exact.fast.gather_lanes`: the scalar loops' bits, lane by lane).
 * :func:`gather_dd`: the double-double step, one query row per work item, with the per-key
   and per-row steps of :mod:`refattn.exact.fast.forward_kernels`.
 
@@ -60,11 +61,10 @@ from .forward_kernels import (
     score_d,
     score_dd,
 )
+from .gather_lanes import W, dot_tiles, weighted_rows
 
 __all__ = [
     "compact_lists",
-    "gather_rows",
-    "value_facts",
     "dot_error",
     "gather_d",
     "gather_dd",
@@ -93,34 +93,6 @@ def compact_lists(idx, lists, counts):
                 n += 1
                 last = x
         counts[r] = n
-
-
-@numba.jit(**_JIT)
-def gather_rows(src, used, out):
-    """``out[c] = src[used[c]]`` as float64 (exact: ``src`` float32 or float64) for the
-    ``used.shape[0]`` gathered rows; no temporary of the source's dtype."""
-    for c in range(used.shape[0]):
-        row = src[used[c]]
-        dst = out[c]
-        for x in range(row.shape[0]):
-            dst[x] = row[x]
-
-
-@numba.jit(**_JIT)
-def value_facts(vp, count, vmax):
-    """Whether every gathered value of a plane (``vp[:count]``, (U, E)) is zero or of a
-    magnitude in [SAFE_MIN, SAFE_MAX] (NaN and Inf are not), and ``vmax[e] = max_c |v_ce|``."""
-    ok = True
-    for e in range(vmax.shape[0]):
-        vmax[e] = 0.0
-    for c in range(count):
-        for e in range(vp.shape[1]):
-            m = abs(vp[c, e])
-            if not (m == 0.0 or (m >= D.SAFE_MIN and m <= D.SAFE_MAX)):
-                ok = False
-            if m > vmax[e]:
-                vmax[e] = m
-    return ok
 
 
 @numba.jit(**_JIT)
@@ -158,28 +130,30 @@ def _contiguous(cols):
 
 
 @numba.jit(**_JIT)
-def _blocked_dots(qp, heads, nh, i, kcols, c0, s, sab):
+def _blocked_dots(qp, heads, nh, i, kcols, c0, j0, s, sab):
     """``s[rr, jj] = q_{heads[rr], i} . k_{c0 + jj}`` (``qp`` the batch row's (H, L, D)
     queries, ``kcols`` (D, >= c0 + n) keys) by fma chains of DOT_BLOCK features whose block
     sums are added in order, and ``sab[rr, jj]`` the float sum of the magnitudes of every
     rounded result (the partial sums of the chains and of the block sums): each rounding errs
     by at most u times its result's magnitude (Higham 2002, eq. (4.3)), so the dot product
     errs by at most ``u sab`` up to the rounding of sab itself and underflow. A zero q feature
-    is skipped (fma(0, k, s) = s exactly: no rounding)."""
+    is skipped (fma(0, k, s) = s exactly: no rounding). Only the columns ``j0 <= jj < n`` are
+    done here (:func:`refattn.exact.fast.gather_lanes.dot_tiles` does the same arithmetic
+    lane-wise on the first ones)."""
     n = s.shape[1]
     dim = qp.shape[2]
     part = np.zeros((ROW_BLOCK, n))
     pab = np.zeros((ROW_BLOCK, n))
     for d0 in range(0, dim, DOT_BLOCK):
         for d in range(d0, min(d0 + DOT_BLOCK, dim)):
-            row = kcols[d, c0 : c0 + n]  # a slice: the loop below then vectorizes
+            row = kcols[d, c0 : c0 + n]
             for rr in range(nh):
                 a = qp[heads[rr], i, d]
                 if a == 0.0:
                     continue
                 prow = part[rr]
                 arow = pab[rr]
-                for jj in range(n):
+                for jj in range(j0, n):
                     x = D.fma(a, row[jj], prow[jj])
                     prow[jj] = x
                     arow[jj] += abs(x)
@@ -188,7 +162,7 @@ def _blocked_dots(qp, heads, nh, i, kcols, c0, s, sab):
             brow = sab[rr]
             prow = part[rr]
             arow = pab[rr]
-            for jj in range(n):
+            for jj in range(j0, n):
                 t = srow[jj] + prow[jj]
                 srow[jj] = t
                 brow[jj] += arow[jj] + abs(t)
@@ -247,60 +221,43 @@ def _d_scores(b, i, heads, cols, inputs, rule, work):
 @numba.jit(**_JIT)
 def _d_sums(vp, cols, nh, want_w, work, sums):
     """Z, N_e and A_e = sum_j e_j |v_je| of each row over the listed keys in blocked sums
-    (restarting every SUM_BLOCK listed keys), with the tiny terms' counts and rho: ``sums`` =
-    (z, zb, nsum, nb, asum, ab, tiny, tiny_v, rho); ``vp`` the plane's gathered (U, E)
+    (SUM_BLOCK listed keys per block: each block's sums are fma chains from +0 over its keys in
+    order, then added to the totals), with the tiny terms' counts and rho: ``sums`` = (z, zb,
+    nsum, nb, asum, ab, tiny, tiny_v, rho) (nb, ab unused); ``vp`` the plane's gathered (U, E)
     values."""
     s, err, state, _, top = work
-    z, zb, nsum, nb, asum, ab, tiny, tiny_v, rho = sums
+    z, zb, nsum, _, asum, _, tiny, tiny_v, rho = sums
     u = 1.01 * D.U
     vdim = vp.shape[1]
-    ex = np.zeros(ROW_BLOCK)
-    use = np.zeros(ROW_BLOCK, dtype=np.bool_)
-    for jj in range(cols.shape[0]):
-        if (jj % SUM_BLOCK) == 0:  # blocked sums: gamma_{B + n/B} instead of gamma_n
-            _flush(nh, z, zb, nsum, nb, asum, ab)
-        vrow = vp[cols[jj]]
+    ex = np.zeros((ROW_BLOCK, SUM_BLOCK))
+    use = np.zeros((ROW_BLOCK, SUM_BLOCK), dtype=np.bool_)
+    for j0 in range(0, cols.shape[0], SUM_BLOCK):  # blocked sums: gamma_{B + n/B}, not gamma_n
+        j1 = min(j0 + SUM_BLOCK, cols.shape[0])
         for rr in range(nh):
-            use[rr] = False
-            if state[rr, jj] == 0:
-                continue
-            x = s[rr, jj] - top[rr]
-            xe = (err[rr, jj] + u * abs(x)) * D.BOUND_SAFETY
-            if want_w:
-                s[rr, jj], err[rr, jj] = x, xe  # the shifted scores, kept for the weights
-            if x < CUT:
-                tiny[rr] += TINY
-                if state[rr, jj] == 2:
-                    for e in range(vdim):
-                        tiny_v[rr, e] += abs(vrow[e])
-                continue
-            rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * xe) * (1.0 + RHO_MAX))
-            ex[rr] = D.exp_d(x)
-            zb[rr] += ex[rr]
-            use[rr] = state[rr, jj] == 2
+            zb[rr] = 0.0
+        for jj in range(j0, j1):
+            for rr in range(nh):
+                use[rr, jj - j0] = False
+                if state[rr, jj] == 0:
+                    continue
+                x = s[rr, jj] - top[rr]
+                xe = (err[rr, jj] + u * abs(x)) * D.BOUND_SAFETY
+                if want_w:
+                    s[rr, jj], err[rr, jj] = x, xe  # the shifted scores, kept for the weights
+                if x < CUT:
+                    tiny[rr] += TINY
+                    if state[rr, jj] == 2:
+                        vrow = vp[cols[jj]]
+                        for e in range(vdim):
+                            tiny_v[rr, e] += abs(vrow[e])
+                    continue
+                rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * xe) * (1.0 + RHO_MAX))
+                ex[rr, jj - j0] = D.exp_d(x)
+                zb[rr] += ex[rr, jj - j0]
+                use[rr, jj - j0] = state[rr, jj] == 2
         for rr in range(nh):
-            if use[rr]:
-                wgt = ex[rr]
-                nbr = nb[rr]
-                abr = ab[rr]
-                for e in range(vdim):
-                    ve = vrow[e]
-                    nbr[e] = D.fma(wgt, ve, nbr[e])
-                    abr[e] = D.fma(wgt, abs(ve), abr[e])
-    _flush(nh, z, zb, nsum, nb, asum, ab)
-
-
-@numba.jit(**_JIT)
-def _flush(nh, z, zb, nsum, nb, asum, ab):
-    """Add each row's current key block into its totals and clear the block."""
-    for rr in range(nh):
-        z[rr] += zb[rr]
-        zb[rr] = 0.0
-        for e in range(nsum.shape[1]):
-            nsum[rr, e] += nb[rr, e]
-            nb[rr, e] = 0.0
-            asum[rr, e] += ab[rr, e]
-            ab[rr, e] = 0.0
+            z[rr] += zb[rr]
+        weighted_rows(vp, cols[j0:j1], j1 - j0, nh, ex, use, nsum, asum)
 
 
 @numba.jit(**_JIT)
@@ -372,10 +329,18 @@ def _d_item(item, inputs, lists, rule, target, results):
     vdim = vu.shape[3]
     s = np.zeros((ROW_BLOCK, n))
     sab = np.zeros((ROW_BLOCK, n))
-    if _contiguous(cols):  # a decode row lists the whole gathered table: no copy
-        _blocked_dots(q[b], heads, nh, i, kTu[b, g], cols[0], s, sab)
-    elif n > 0:
-        _blocked_dots(q[b], heads, nh, i, _key_columns(kTu[b, g], cols), 0, s, sab)
+    if n > 0:
+        c0 = 0
+        kcols = kTu[b, g]
+        if _contiguous(cols):  # a decode row lists the whole gathered table: no copy
+            c0 = cols[0]
+        else:
+            kcols = _key_columns(kTu[b, g], cols)
+        qh = np.empty((nh, q.shape[3]))
+        for rr in range(nh):
+            qh[rr] = q[b, heads[rr], i]
+        dot_tiles(qh, kcols[:, c0:], n, DOT_BLOCK, s, sab)  # the full W-key tiles, lane-wise
+        _blocked_dots(q[b], heads, nh, i, kcols, c0, n - n % W, s, sab)  # the other keys
     work = (
         s,
         sab,
