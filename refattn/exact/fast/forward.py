@@ -110,7 +110,7 @@ __all__ = [
     "exactness_scales",
     "kernel_params",
     "record_stats",
-    "row_runs",
+    "referee_runs",
 ]
 
 _LAST_STATS: dict = {}
@@ -205,9 +205,28 @@ def _runs(rows: np.ndarray):
     return [(int(rows[a]), int(rows[z - 1]) + 1) for a, z in zip(starts, stops, strict=True)]
 
 
-#: Maximal runs (start, stop) of consecutive sorted row indices (shared with
-#: :mod:`refattn.exact.fast.gather`).
-row_runs = _runs
+def referee_runs(spec, status, out_dtype, results, asked, sub_spec) -> int:
+    """The rows the first steps left (``status`` not OK) by the referee, run by run of rows of
+    each plane (``sub_spec(spec, b, h, start, stop)`` the run's spec), written into
+    ``results`` = (out, lse, weights) (``asked`` = (return_lse, return_weights)); returns
+    their count."""
+    out, lse, weights = results
+    return_lse, return_weights = asked
+    count = 0
+    for b, h in np.argwhere((status != OK).any(axis=2)):
+        rows = np.flatnonzero(status[b, h] != OK)
+        count += rows.size
+        for start, stop in _runs(rows):
+            sub = sub_spec(spec, int(b), int(h), start, stop)
+            o, g, w = exact_forward(
+                sub, out_dtype, return_lse=return_lse, return_weights=return_weights
+            )
+            out[b, h, start:stop] = o[0, 0]
+            if return_lse:
+                lse[b, h, start:stop] = g[0, 0]
+            if return_weights:
+                weights[b, h, start:stop] = w[0, 0]
+    return count
 
 
 def record_stats(**stats) -> None:
@@ -377,19 +396,9 @@ def fast_exact_forward(
     referee_rows = 0
     if kv and (status != OK).any():  # the referee reads the values themselves
         spec = with_values(spec, kv)
-    for b, h in np.argwhere((status != OK).any(axis=2)):
-        rows = np.flatnonzero(status[b, h] != OK)
-        referee_rows += rows.size
-        for start, stop in _runs(rows):
-            sub = row_spec(spec, int(b), int(h), start, stop)
-            o, g, w = exact_forward(
-                sub, out_dtype, return_lse=return_lse, return_weights=return_weights
-            )
-            out[b, h, start:stop] = o[0, 0]
-            if return_lse:
-                lse[b, h, start:stop] = g[0, 0]
-            if return_weights:
-                weights[b, h, start:stop] = w[0, 0]
+    referee_rows += referee_runs(
+        spec, status, out_dtype, (out, lse, weights), (return_lse, return_weights), row_spec
+    )
     total_rows = batch * heads * length
     per_row = vdim + return_lse + keys * return_weights
     _LAST_STATS.clear()

@@ -42,13 +42,12 @@ import numpy as np
 
 from ...sparse_indices import index_mask
 from ...spec import AttentionSpec
-from ..attention import exact_forward
 from ..rounding import format_of
 from . import doubledouble as D
 from ._params import P_GAMMA_DIM, P_GAMMA_SUM, P_SUM_REL, frozen
 from .allowed_set import allowed_rule
-from .forward import kernel_params, record_stats, row_runs, row_spec
-from .forward_kernels import OK, ROW_BLOCK, SUM_BLOCK, UNDECIDED, row_facts
+from .forward import kernel_params, record_stats, referee_runs, row_spec
+from .forward_kernels import ROW_BLOCK, SUM_BLOCK, UNDECIDED, row_facts
 from .gather_kernels import DOT_BLOCK, compact_lists, gather_d, gather_dd
 from .gather_lanes import key_facts, value_rows
 
@@ -318,19 +317,6 @@ def gather_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_w
 def _referee(spec, status, out_dtype, results, return_lse, return_weights) -> int:
     """The rows the first steps left (status not OK) by the referee, run by run of rows of
     each plane with their listed set as a mask; returns their count."""
-    out, lse, weights = results
-    count = 0
-    for b, h in np.argwhere((status != OK).any(axis=2)):
-        rows = np.flatnonzero(status[b, h] != OK)
-        count += rows.size
-        for start, stop in row_runs(rows):
-            sub = gather_row_spec(spec, int(b), int(h), start, stop)
-            o, g, w = exact_forward(
-                sub, out_dtype, return_lse=return_lse, return_weights=return_weights
-            )
-            out[b, h, start:stop] = o[0, 0]
-            if return_lse:
-                lse[b, h, start:stop] = g[0, 0]
-            if return_weights:
-                weights[b, h, start:stop] = w[0, 0]
-    return count
+    return referee_runs(
+        spec, status, out_dtype, results, (return_lse, return_weights), gather_row_spec
+    )
