@@ -435,6 +435,21 @@ def _block_dots(qp, kTp, i0, nb_rows, lo, npad, s, qa):
 
 
 @numba.jit(**_JIT)
+def _block_dots_unpadded(qp, kTp, i0, nb_rows, lo, hi, s):
+    """s[rr, j - lo] = q_{i0 + rr} . k_j for lo <= j < hi by one fma chain over D each, d = 0
+    .. D-1 in order from +0 (``qp`` the plane's (L, D) queries, ``kTp`` its (D, S) keys, no
+    padding): :func:`_block_dots`'s chains, key by key."""
+    n = max(hi - lo, 0)
+    for d in range(qp.shape[1]):
+        row = kTp[d, lo:hi]  # a slice: the loop below then vectorizes
+        for rr in range(nb_rows):
+            a = qp[i0 + rr, d]
+            srow = s[rr]
+            for jj in range(n):
+                srow[jj] = D.fma(a, row[jj], srow[jj])
+
+
+@numba.jit(**_JIT)
 def _plain_scores(i0, nb_rows, lo, rows, pr, keys, work):
     """:func:`_block_scores` without mask, bias, dropout, softcap or ALiBi (every key of a row's
     interval kept): the same score and radius as :func:`_score_d` in one tight loop per row.
@@ -475,7 +490,10 @@ def _block_scores(b, h, i0, nb_rows, lo, hi, inputs, rule, work):
     """The scores (t, err) of rows i0 .. i0 + nb_rows - 1 of plane (b, h) over the keys
     [lo, hi) in place of their dot products, with each key's state (0 excluded, 1 dropped,
     2 kept), each row's maximum score and whether a bias value is out of the first steps'
-    range: ``work`` = (s, err, state, bad, top, qa) (:func:`_d_block`)."""
+    range: ``work`` = (s, err, state, bad, top, qa) (:func:`_d_block`). With ``qa`` of zero
+    columns (a caller whose K^T has no KEY_TILE padding and whose ``s`` has hi - lo columns:
+    the sigmoid step) the dot products are the same fma chains key by key, and every kept key's
+    state is written (no all-kept shortcut)."""
     q, kT, _, qn, kn, qs, ks, _, _, prm, kvh = inputs
     rows_lo, rows_hi, has_mask, has_bias, has_drop = (
         rule[R_ROWS_LO],
@@ -491,13 +509,15 @@ def _block_scores(b, h, i0, nb_rows, lo, hi, inputs, rule, work):
     knp = kn[b, g]
     ksp = ks[b, g]
     rule_arrays = has_mask or has_bias or has_drop
-    npad = max(KEY_TILE, -(-(hi - lo) // KEY_TILE) * KEY_TILE)
-    _block_dots(q[b, h], kT[b, g], i0, nb_rows, lo, npad, s, qa)
-    if not rule_arrays and pr[P_SOFTCAP] == 0.0 and pr[P_SLOPE] == 0.0:
-        _plain_scores(
-            i0, nb_rows, lo, (rows_lo[b], rows_hi[b], qn[b, h], qs[b, h]), pr, (knp, ksp), work
-        )
-        return
+    if qa.shape[1] == 0:  # K^T without KEY_TILE padding (the sigmoid step): the keys one by one
+        _block_dots_unpadded(q[b, h], kT[b, g], i0, nb_rows, lo, hi, s)
+    else:
+        npad = max(KEY_TILE, -(-(hi - lo) // KEY_TILE) * KEY_TILE)
+        _block_dots(q[b, h], kT[b, g], i0, nb_rows, lo, npad, s, qa)
+        if not rule_arrays and pr[P_SOFTCAP] == 0.0 and pr[P_SLOPE] == 0.0:
+            rows = (rows_lo[b], rows_hi[b], qn[b, h], qs[b, h])
+            _plain_scores(i0, nb_rows, lo, rows, pr, (knp, ksp), work)
+            return
     for rr in range(nb_rows):
         i = i0 + rr
         for jj in range(rows_lo[b, i] - lo, rows_hi[b, i] - lo):

@@ -416,7 +416,8 @@ def _sigmoid_block_d(b, h, i0, nb_rows, inputs, rule, target, results):
     state = np.zeros((ROW_BLOCK, n), np.int8)
     bad = np.zeros(ROW_BLOCK, np.bool_)
     top = np.full(ROW_BLOCK, -np.inf)
-    block_scores(b, h, i0, nb_rows, lo, hi, inputs, rule, (s, err, state, bad, top))
+    unpadded = np.zeros((0, 0))  # K^T has no tile padding here: block_scores' key-by-key dots
+    block_scores(b, h, i0, nb_rows, lo, hi, inputs, rule, (s, err, state, bad, top, unpadded))
     rho = np.zeros(ROW_BLOCK)
     usable = np.ones(ROW_BLOCK, np.bool_)
     _block_weights(nb_rows, (s, err, state), (rho, usable))
