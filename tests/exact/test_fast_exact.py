@@ -16,7 +16,7 @@ from hypothesis import given, settings
 
 import refattn
 from refattn import config
-from refattn.exact.fast import allowed_set, forward_kernels
+from refattn.exact.fast import allowed_set, facts
 from refattn.exact.fast import forward as FA
 from refattn.exact.fast._params import frozen
 from tests.strategies import attention_cases, logspace_rows
@@ -243,7 +243,7 @@ def _row_facts(x):
     """(ok, norms, scales) of the rows of a 2-D float64 array by the compiled pass."""
     ok, norms, scales = np.empty(len(x), bool), np.empty(len(x)), np.empty(len(x))
     x = frozen(x)  # as the engine passes it (one compiled specialisation)
-    forward_kernels.row_facts(x, x.view(np.int64), norms, scales, ok)
+    facts.row_facts(x, x.view(np.int64), norms, scales, ok)
     return ok, norms, scales
 
 

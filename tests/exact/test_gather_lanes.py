@@ -10,7 +10,8 @@ import pytest
 
 from refattn.exact.fast import gather_kernels as GK
 from refattn.exact.fast import gather_lanes as GL
-from refattn.exact.fast.forward_kernels import ROW_BLOCK, row_facts
+from refattn.exact.fast.facts import row_facts
+from refattn.exact.fast.forward_kernels import ROW_BLOCK
 
 # The lanes' pure-Python twins (NUMBA_DISABLE_JIT=1) do not fuse the fma: bits are compiled-only.
 pytestmark = pytest.mark.skipif(

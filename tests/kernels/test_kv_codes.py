@@ -18,7 +18,7 @@ import pytest
 
 import refattn
 from refattn.exact.fast.codes_inputs import codes_inputs
-from refattn.exact.fast.forward_kernels import row_facts
+from refattn.exact.fast.facts import row_facts
 from refattn.kernels import codes_abs_max
 from refattn.quantized import dequantize_inputs, quantised_rows
 from tests.helpers import assert_same_bits

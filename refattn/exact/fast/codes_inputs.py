@@ -4,7 +4,7 @@ When k and v reach :func:`refattn.exact.fast.fast_exact_forward` as
 :class:`refattn.quantized.QuantisedRows` (float8 with descales, NVFP4 / MXFP4 block scales;
 :mod:`refattn._kv_codes`), one compiled pass per input forms what the first steps read --
 K^T (B, K, D, S) with each key row's facts (finite and in range, 2-norm bound, exactness
-scale: :func:`~refattn.exact.fast.forward_kernels.row_fact`) and V (B, K, S, E) with each value
+scale: :func:`~refattn.exact.fast.facts.row_fact`) and V (B, K, S, E) with each value
 column's facts (in range, 2-norm bound over the keys, max |v|) -- instead of a whole float64
 k and v from ``canonicalize``, a transposed copy of each and three more passes. Each element is
 ``table[code] * factor``, exact in float64 (:mod:`refattn.blockscale`): the values, and every
@@ -43,7 +43,7 @@ def _low_exponent(f):
 def _keys(codes, factors, tables, k_t, facts):
     """K^T blocks of ``_KEYS`` keys per (b, g, block) unit; ``tables`` = (value, low exponent)
     of every code; ``facts`` = (ok, norms, scales) (B, K, S) of each key row as
-    :func:`~refattn.exact.fast.forward_kernels.row_fact` computes them on the values: the
+    :func:`~refattn.exact.fast.facts.row_fact` computes them on the values: the
     same sum of squares in the same order; every quantised value lies in [SAFE_MIN, SAFE_MAX]
     (:mod:`refattn.blockscale`), so a row is ok when that sum is finite; the lowest set bit
     of ``table[code] * factor`` is that of the code's value times that of the factor."""
@@ -86,7 +86,7 @@ def _keys(codes, factors, tables, k_t, facts):
 def _values(codes, factors, table, v, facts):
     """V per (b, g) unit; ``facts`` = (ok, norms, top) (B, K, E) of each value column: ok
     when its sum of squares is finite (see :func:`_keys`), the 2-norm bound of
-    :func:`~refattn.exact.fast.forward_kernels.row_fact` over the keys in increasing order,
+    :func:`~refattn.exact.fast.facts.row_fact` over the keys in increasing order,
     and max |v|."""
     ok, norms, top = facts
     batch, kv_heads, keys, vdim = codes.shape

@@ -89,6 +89,7 @@ from . import doubledouble as D
 from ._params import P_ALIBI_OFFSET, P_SINK, P_SLOPE, PRM, frozen
 from .allowed_set import allowed_rule
 from .codes_inputs import codes_inputs
+from .facts import plane_key_facts, plane_value_facts, row_facts
 from .forward_kernels import (
     D_ROW_BLOCK,
     KEY_TILE,
@@ -97,9 +98,6 @@ from .forward_kernels import (
     UNDECIDED,
     forward_d,
     forward_dd,
-    plane_key_facts,
-    plane_value_facts,
-    row_facts,
 )
 
 __all__ = [

@@ -46,8 +46,9 @@ from ..rounding import format_of
 from . import doubledouble as D
 from ._params import P_GAMMA_DIM, P_GAMMA_SUM, P_SUM_REL, frozen
 from .allowed_set import allowed_rule
+from .facts import row_facts
 from .forward import kernel_params, record_stats, referee_runs, row_spec
-from .forward_kernels import ROW_BLOCK, SUM_BLOCK, UNDECIDED, row_facts
+from .forward_kernels import ROW_BLOCK, SUM_BLOCK, UNDECIDED
 from .gather_kernels import DOT_BLOCK, compact_lists, gather_d, gather_dd
 from .gather_lanes import key_facts, value_rows
 
@@ -137,7 +138,7 @@ def _source(plane: np.ndarray, used: np.ndarray):
 
 def _facts(a: np.ndarray):
     """(ok, norms, scales) of the rows of a (..., N, X) float64 array
-    (:func:`refattn.exact.fast.forward_kernels.row_facts`)."""
+    (:func:`refattn.exact.fast.facts.row_facts`)."""
     flat = frozen(a.reshape(-1, a.shape[-1]))
     out = [np.empty(flat.shape[0], dtype) for dtype in (np.bool_, np.float64, np.float64)]
     if flat.shape[0]:
@@ -202,7 +203,7 @@ class _Gathered:
         """The keys ``used`` of a kv-head plane (S, D) into the transposed table ``kT[bg]``
         with their norms, exactness scales and range check in one compiled pass
         (:func:`refattn.exact.fast.gather_lanes.key_facts`: the bits of
-        :func:`refattn.exact.fast.forward_kernels.row_facts`); returns whether all are in the
+        :func:`refattn.exact.fast.facts.row_facts`); returns whether all are in the
         first steps' range."""
         ok = np.ones(used.size, bool)
         if used.size:

@@ -378,7 +378,7 @@ def _key_block(src, used, c0, c1, kT, facts):
 def key_facts(src, used, kT, norms, scales, ok):
     """The keys ``src[used[c]]`` (``src`` (S, D) float32 or float64, widened exactly) into
     the transposed table ``kT[:, c]`` with, per key, in the order of
-    :func:`refattn.exact.fast.forward_kernels.row_facts` (the same bits): ``ok[c]`` (all
+    :func:`refattn.exact.fast.facts.row_facts` (the same bits): ``ok[c]`` (all
     finite, nonzero magnitudes in [SAFE_MIN, SAFE_MAX]), ``norms[c]`` (an upper bound of the
     2-norm) and ``scales[c]`` (the norm over 2 to the exponent of the lowest set bit of the
     row). In parallel over blocks of KEY_BLOCK keys (each key's arithmetic is its own)."""

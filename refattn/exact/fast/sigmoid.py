@@ -27,8 +27,9 @@ from ..attention_sigmoid import exact_sigmoid_forward
 from ..rounding import format_of
 from ._params import frozen
 from .allowed_set import allowed_rule
+from .facts import row_facts
 from .forward import kernel_params, row_spec
-from .forward_kernels import ROW_BLOCK, row_facts
+from .forward_kernels import ROW_BLOCK
 from .sigmoid_kernels import OK, UNDECIDED, sigmoid_d, sigmoid_dd
 
 __all__ = ["fast_sigmoid_forward", "sigmoid_enclosures", "sigmoid_fallback_stats"]
