@@ -14,6 +14,7 @@ import pytest
 import refattn
 from refattn import config
 from refattn.exact.fast import doubledouble as D
+from refattn.exact.fast import facts as FF
 from refattn.exact.fast import forward_kernels as FK
 from refattn.exact.fast._params import frozen
 
@@ -41,7 +42,7 @@ def test_exp_d_core_is_exp_d_bit_for_bit():
 
 def _row_facts(flat):
     out = [np.empty(flat.shape[0], t) for t in (np.bool_, np.float64, np.float64)]
-    FK.row_facts(frozen(flat), frozen(flat).view(np.int64), out[1], out[2], out[0])
+    FF.row_facts(frozen(flat), frozen(flat).view(np.int64), out[1], out[2], out[0])
     return out
 
 
@@ -59,7 +60,7 @@ def test_key_and_value_facts_equal_row_facts(keys, dim):
     kT = np.full((2, 3, dim, keys + pad), 7.0)
     kn, ks = np.empty(k.shape[:3]), np.empty(k.shape[:3])
     ok = np.empty(k.shape[:3], np.bool_)
-    FK.plane_key_facts(k, kT, kn, ks, ok)
+    FF.plane_key_facts(k, kT, kn, ks, ok)
     assert np.array_equal(kT[..., :keys], np.swapaxes(k, 2, 3))
     assert (kT[..., keys:] == 7.0).all()  # the pad is the caller's
     want = _row_facts(k.reshape(-1, dim))
@@ -71,7 +72,7 @@ def test_key_and_value_facts_equal_row_facts(keys, dim):
     vn = np.empty((2, 3, dim))
     vm = np.empty((2, 3, dim))
     v_ok = np.empty((2, 3, dim), np.bool_)
-    FK.plane_value_facts(frozen(v), vn, vm, v_ok)
+    FF.plane_value_facts(frozen(v), vn, vm, v_ok)
     want = _row_facts(np.ascontiguousarray(np.swapaxes(k, 2, 3)).reshape(-1, keys))
     assert np.array_equal(v_ok.reshape(-1), want[0])
     finite = want[0]

@@ -1,8 +1,8 @@
 """The compiled first steps of the fast exact forward (:mod:`refattn.exact.fast.forward` states
 the algorithm and its error bounds): the double-double step :func:`forward_dd`, one query row
 per work item, and the double-precision step :func:`forward_d` for targets of at most 24 bits,
-:data:`D_ROW_BLOCK` rows per work item, and :func:`row_facts` (the inputs' row norms, ranges and
-exactness scales).
+:data:`D_ROW_BLOCK` rows per work item (the inputs' row norms, ranges and exactness scales:
+:mod:`refattn.exact.fast.facts`).
 
 The kernels take argument records (tuples; :func:`forward_dd` lists them) rather than one
 positional argument per array, as :mod:`refattn.kernels._args` does. Each row's arithmetic is
