@@ -107,7 +107,7 @@ __all__ = [
     "rounds_to_zero",
     "exactness_scales",
     "kernel_params",
-    "record_stats",
+    "finish_forward",
     "referee_runs",
 ]
 
@@ -227,10 +227,27 @@ def referee_runs(spec, status, out_dtype, results, asked, sub_spec) -> int:
     return count
 
 
-def record_stats(**stats) -> None:
-    """Set what :func:`fallback_stats` returns (the engines of sparse keys record theirs)."""
+def finish_forward(results, dtype, rows, step_rows, referee_rows):
+    """``results`` = (out, lse or None, weights or None) cast to ``dtype``, after recording
+    what :func:`fallback_stats` returns: ``rows`` = (row count, elements per row),
+    ``step_rows`` the rows each first step ran, ``referee_rows`` the referee's (the dense and
+    the gathered-keys engines end alike)."""
+    total, per_row = rows
     _LAST_STATS.clear()
-    _LAST_STATS.update(stats)
+    _LAST_STATS.update(
+        rows=total,
+        referee_rows=referee_rows,
+        elements=total * per_row,
+        referee_elements=referee_rows * per_row,
+        double_rows=step_rows["double"],
+        double_double_rows=step_rows["double-double"],
+    )
+    out, lse, weights = results
+    return (
+        out.astype(dtype),
+        None if lse is None else lse.astype(dtype),
+        None if weights is None else weights.astype(dtype),
+    )
 
 
 def kernel_params(spec: AttentionSpec):
@@ -397,23 +414,9 @@ def fast_exact_forward(
     referee_rows += referee_runs(
         spec, status, out_dtype, (out, lse, weights), (return_lse, return_weights), row_spec
     )
-    total_rows = batch * heads * length
-    per_row = vdim + return_lse + keys * return_weights
-    _LAST_STATS.clear()
-    _LAST_STATS.update(
-        rows=total_rows,
-        referee_rows=referee_rows,
-        elements=total_rows * per_row,
-        referee_elements=referee_rows * per_row,
-        double_rows=step_rows["double"],
-        double_double_rows=step_rows["double-double"],
-    )
-    dtype = fmt.dtype
-    return (
-        out.astype(dtype),
-        lse.astype(dtype) if return_lse else None,
-        weights.astype(dtype) if return_weights else None,
-    )
+    rows = batch * heads * length, vdim + return_lse + keys * return_weights
+    asked = (out, lse if return_lse else None, weights if return_weights else None)
+    return finish_forward(asked, fmt.dtype, rows, step_rows, referee_rows)
 
 
 def fallback_stats() -> dict:

@@ -47,7 +47,7 @@ from . import doubledouble as D
 from ._params import P_GAMMA_DIM, P_GAMMA_SUM, P_SUM_REL, frozen
 from .allowed_set import allowed_rule
 from .facts import row_facts
-from .forward import kernel_params, record_stats, referee_runs, row_spec
+from .forward import finish_forward, kernel_params, referee_runs, row_spec
 from .forward_kernels import ROW_BLOCK, SUM_BLOCK, UNDECIDED
 from .gather_kernels import DOT_BLOCK, compact_lists, gather_d, gather_dd
 from .gather_lanes import key_facts, value_rows
@@ -297,22 +297,9 @@ def gather_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_w
     referee_rows = _referee(
         spec, status, out_dtype, (out, lse, weights), return_lse, return_weights
     )
-    per_row = vdim + return_lse + keys * return_weights
-    total_rows = batch * heads * length
-    record_stats(
-        rows=total_rows,
-        referee_rows=referee_rows,
-        elements=total_rows * per_row,
-        referee_elements=referee_rows * per_row,
-        double_rows=step_rows["double"],
-        double_double_rows=step_rows["double-double"],
-    )
-    dtype = fmt.dtype
-    return (
-        out.astype(dtype),
-        lse.astype(dtype) if return_lse else None,
-        weights.astype(dtype) if return_weights else None,
-    )
+    rows = batch * heads * length, vdim + return_lse + keys * return_weights
+    asked = (out, lse if return_lse else None, weights if return_weights else None)
+    return finish_forward(asked, fmt.dtype, rows, step_rows, referee_rows)
 
 
 def _referee(spec, status, out_dtype, results, return_lse, return_weights) -> int:
