@@ -10,6 +10,7 @@ Every function has two paths: ``precision="float64"`` (fast NumPy, log-space) an
 """
 
 from . import (
+    _numba_cache,  # noqa: F401 (first: importing it removes stale Numba caches)
     bounds,
     fixedpoint,
     gmm,
