@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 import refattn
 from refattn import config
 from refattn._exact_sparse import exact_vjp_gathers
+from refattn.exact.attention_vjp import exact_vjp
 from refattn.exact.fast import vjp_gather as VG
+from refattn.exact.fast.gather_kernels import compact_lists
 from refattn.kernels import gather_spec
 from refattn.spec import canonicalize
 
@@ -137,6 +139,15 @@ def test_ties_and_empty_rows_match():
     q[0, 1] = 0.0  # every score of these rows is 0 (head 1 reads kv head 0)
     idx[0, 0] = [1, 2, 3, 3, -1]
     _assert_identical(q, k, v, do, key_indices=idx, out_dtype="float64")
+    # one kv head (its plane a broadcast view over the query heads) on the referee
+    q, k, v, do, idx = _sparse_case(5, heads=2, kv_heads=1)
+    q[0] = 0.0
+    stats = {}
+    _assert_identical(q, k, v, do, key_indices=idx, out_dtype="float64")
+    spec = gather_spec(canonicalize(q, k, v), idx)
+    compact, _ = VG.compact_spec(spec)
+    exact_vjp(compact, do, None, np.dtype("float64"), stats=stats)
+    assert stats["referee"] > 0
 
 
 def test_qv_latent_matches():
@@ -162,9 +173,25 @@ def test_a_sparse_decode_step_compacts_to_the_listed_keys():
     spec = gather_spec(canonicalize(q, k, v), idx)
     compact, keys_of = VG.compact_spec(spec)
     assert compact.k.shape == (1, 1, 32, 8) and compact.mask.shape == (1, 4, 1, 32)
+    assert compact.mask.strides[1] == 0  # one kv head: the query heads share its plane
     assert keys_of.ravel().tolist() == sorted(idx.ravel().tolist())
     do = rng.standard_normal((1, 4, 1, 4)).astype(np.float32)
     _assert_identical(q, k, v, do, key_indices=idx)
+
+
+def test_listed_rows_is_the_set_reading_of_compact_lists():
+    rng = np.random.default_rng(11)
+    idx = rng.integers(-3, 14, (2, 2, 3, 9))
+    q, k, v, _, _ = _sparse_case(0)
+    spec = gather_spec(canonicalize(q, k, v), np.where(idx < 0, -1, idx))
+    lists, counts = VG._listed_rows(spec)
+    flat = np.where((spec.key_indices >= 0) & (spec.key_indices < 13), spec.key_indices, -1)
+    flat = np.ascontiguousarray(flat, np.int64).reshape(-1, 9)
+    want, want_counts = np.zeros_like(flat), np.zeros(flat.shape[0], np.int64)
+    compact_lists(flat, want, want_counts)
+    assert counts.ravel().tolist() == want_counts.tolist()
+    valid = np.arange(9) < want_counts[:, None]
+    assert np.array_equal(lists.reshape(-1, 9)[valid], want[valid])
 
 
 def test_exact_vjp_gathers_only_where_it_applies():

@@ -44,23 +44,22 @@ import dataclasses
 import numpy as np
 
 from ...spec import AttentionSpec
-from .gather_kernels import compact_lists
 
 __all__ = ["compact_spec", "gather_vjp", "gathered_keys"]
 
 
 def _listed_rows(spec: AttentionSpec):
     """(lists, counts): each row's distinct listed positions ascending, (B, K, L, T) int64
-    (entries past ``counts[b, g, i]`` unused), of a gather spec's set-read indices."""
-    idx = np.ascontiguousarray(spec.key_indices, dtype=np.int64)
+    (entries past ``counts[b, g, i]`` unused), of a gather spec's set-read indices (the set
+    reading of :func:`refattn.exact.fast.gather_kernels.compact_lists`, in NumPy: no thread
+    pool to wake for a decode step's few lists)."""
+    idx = np.asarray(spec.key_indices, dtype=np.int64)
     keys = spec.dims[4]
-    idx = np.where((idx >= 0) & (idx < keys), idx, -1)  # out of range: not a position
-    flat = idx.reshape(-1, idx.shape[-1])
-    lists = np.zeros_like(flat)
-    counts = np.zeros(flat.shape[0], np.int64)
-    if flat.size:
-        compact_lists(flat, lists, counts)
-    return lists.reshape(idx.shape), counts.reshape(idx.shape[:3])
+    ordered = np.sort(np.where((idx >= 0) & (idx < keys), idx, -1), axis=-1)
+    first = ordered >= 0  # out of range: not a position; then the first of equal entries
+    first[..., 1:] &= ordered[..., 1:] != ordered[..., :-1]
+    moved = np.argsort(~first, axis=-1, kind="stable")  # the distinct positions first, in order
+    return np.take_along_axis(ordered, moved, axis=-1), first.sum(axis=-1)
 
 
 def gathered_keys(spec: AttentionSpec):
@@ -137,10 +136,13 @@ def compact_spec(spec: AttentionSpec):
     pos = keys_of[:, :, None, :]
     listed &= (lo[:, None, :, None] <= pos) & (pos < hi[:, None, :, None]) & (pos >= 0)
     kv_head = np.asarray(spec.kv_head, np.int64)
-    allowed = listed[:, kv_head]  # (B, H, L, W)
     cols = keys_of[:, kv_head]  # (B, H, W)
     if spec.mask is not None:
-        allowed &= _columns(spec.mask, cols)
+        allowed = listed[:, kv_head] & _columns(spec.mask, cols)  # (B, H, L, W)
+    elif kv_heads == 1:  # one kv head (MQA, MLA): the heads share its plane, a broadcast view
+        allowed = np.broadcast_to(listed, (batch, heads, length, width))
+    else:
+        allowed = listed[:, kv_head]
     dropout_mask = None if spec.dropout_mask is None else _columns(spec.dropout_mask, cols)
     k = np.zeros(keys_of.shape + spec.k.shape[-1:], spec.k.dtype)
     v = np.zeros(keys_of.shape + spec.v.shape[-1:], spec.v.dtype)
