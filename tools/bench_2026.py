@@ -22,10 +22,12 @@ the machine may be shared, so compare within a run):
   lists min(T, i + 1) random keys of 0..i, -1 after them), exact against Numba; with
   ``--full`` L=S=8192 T=2048;
 * ``dsa-vjp``: the backward of the ``dsa`` decode step (same shape and inputs, a Gaussian
-  cotangent of out): the exact vjp by gather (``precision="exact"``, the default
-  ``config.EXACT_SPARSE_KEYS = "gather"``: the listed keys compacted) against the exact vjp on
-  the dense mask (``"mask"``) and against refattn's Numba gather vjp (``backend="numba"``),
-  alternating; with ``--full`` the ``dsa-full`` shape (not in ``all``);
+  cotangent of out): the exact vjp by gather (``precision="exact"``, every element rounded
+  once to float32; the default ``config.EXACT_SPARSE_KEYS = "gather"``: the listed keys
+  compacted) against the exact vjp on the dense mask (``"mask"``) and against refattn's Numba
+  gather vjp (``backend="numba"``), alternating, with each exact route's peak NumPy memory
+  (``tracemalloc``, one call; the (S, D + E) dk, dv it returns included); with ``--full`` the
+  ``dsa-full`` shape (not in ``all``);
 * ``softmax``: float32 causal B1 H8 L=S=1024 D=E=64, the Numba kernel against
   ``torch.nn.functional.scaled_dot_product_attention``;
 * ``nvfp4``: an NVFP4 GQA decode step B1 H8 K2 L1 S=8192 D=E=128 (float4_e2m1fn codes with
@@ -45,6 +47,7 @@ import argparse
 import json
 import os
 import time
+import tracemalloc
 
 import numpy as np
 
@@ -139,7 +142,14 @@ def bench_dsa_vjp(repeat, skip_exact, shape="dsa"):
             config.EXACT_SPARSE_KEYS = mode
             try:
                 return refattn.attention_vjp(
-                    q, k, v, do, key_indices=idx, scale=scale, precision="exact"
+                    q,
+                    k,
+                    v,
+                    do,
+                    key_indices=idx,
+                    scale=scale,
+                    precision="exact",
+                    out_dtype="float32",
                 )
             finally:
                 config.EXACT_SPARSE_KEYS = saved
@@ -155,6 +165,11 @@ def bench_dsa_vjp(repeat, skip_exact, shape="dsa"):
             for a, b in zip(paths["exact_gather_s"]()[:3], paths["exact_mask_s"]()[:3], strict=True)
         )
         result["gather_bits_equal_mask"] = same
+        for name in ("exact_gather_s", "exact_mask_s"):  # peak NumPy memory of one call
+            tracemalloc.start()
+            paths[name]()
+            result[name[:-2] + "_peak_mib"] = tracemalloc.get_traced_memory()[1] / 2**20
+            tracemalloc.stop()
     result.update(_alternating(paths, repeat, settle=1))
     if not skip_exact:
         result["mask_over_gather"] = result["exact_mask_s"] / result["exact_gather_s"]
