@@ -20,18 +20,23 @@ from refattn.spec import canonicalize
 
 
 def _grads(mode, q, k, v, do, **opts):
-    saved = config.EXACT_SPARSE_KEYS
-    config.EXACT_SPARSE_KEYS = mode
+    """The exact gradients on the route ``mode``: "gather" (the compacted keys, whatever the
+    walk-length rule :func:`VG.gathers` would pick), "auto" (the rule's pick) or "mask"."""
+    saved = config.EXACT_SPARSE_KEYS, VG.gathers
+    config.EXACT_SPARSE_KEYS = "mask" if mode == "mask" else "gather"
+    if mode == "gather":
+        VG.gathers = lambda spec, keys_of: True
     try:
         return tuple(refattn.attention_vjp(q, k, v, do, precision="exact", **opts))
     finally:
-        config.EXACT_SPARSE_KEYS = saved
+        config.EXACT_SPARSE_KEYS, VG.gathers = saved
 
 
-def _assert_identical(q, k, v, do, **opts):
-    """Gather and dense-mask routes give the same bytes (NaN where both are NaN)."""
+def _assert_identical(q, k, v, do, mode="gather", **opts):
+    """The gather (or "auto") and dense-mask routes give the same bytes (NaN where both are
+    NaN)."""
     __tracebackhide__ = True
-    gathered = _grads("gather", q, k, v, do, **opts)
+    gathered = _grads(mode, q, k, v, do, **opts)
     dense = _grads("mask", q, k, v, do, **opts)
     assert len(gathered) == len(dense)
     for n, (a, b) in enumerate(zip(gathered, dense, strict=True)):
@@ -194,6 +199,23 @@ def test_listed_rows_is_the_set_reading_of_compact_lists():
     assert np.array_equal(lists.reshape(-1, 9)[valid], want[valid])
 
 
+def test_the_shorter_walk_is_chosen_and_both_match():
+    """A causal prefill listing nearly every key keeps the dense route (its intervals are
+    shorter); a decode step gathers; both give the dense route's bits."""
+    rng = np.random.default_rng(12)
+    q = rng.standard_normal((1, 2, 6, 3))
+    k = rng.standard_normal((1, 1, 6, 3))
+    v = rng.standard_normal((1, 1, 6, 2))
+    do = rng.standard_normal((1, 2, 6, 2))
+    idx = np.tile(np.arange(6), (1, 1, 6, 1))
+    spec = gather_spec(canonicalize(q, k, v, causal=True), idx)
+    assert not VG.gathers(spec, VG.gathered_keys(spec)[0])
+    _assert_identical(q, k, v, do, mode="auto", key_indices=idx, causal=True)
+    spec = gather_spec(canonicalize(q[:, :, :1], k, v), idx[:, :, :1, :2])
+    assert VG.gathers(spec, VG.gathered_keys(spec)[0])
+    _assert_identical(q[:, :, :1], k, v, do[:, :, :1], mode="auto", key_indices=idx[..., :1, :2])
+
+
 def test_exact_vjp_gathers_only_where_it_applies():
     listed = (np.zeros((1, 1)), None, None)
     assert exact_vjp_gathers("exact", "numpy", "set", listed, None, None)
@@ -214,12 +236,12 @@ def test_gather_vjp_is_the_default_route(monkeypatch):
     calls = []
     real = VG.compact_spec
 
-    def counting(spec):
+    def counting(spec, gathered=None):
         calls.append(spec.key_indices.shape)
-        return real(spec)
+        return real(spec, gathered)
 
     monkeypatch.setattr(VG, "compact_spec", counting)
-    q, k, v, do, idx = _sparse_case(8)
+    q, k, v, do, idx = _sparse_case(8, keys=40)  # each kv head lists at most 15 of 40 keys
     refattn.attention_vjp(q, k, v, do, key_indices=idx, precision="exact")
     assert calls == [idx.shape]
 

@@ -30,6 +30,11 @@ bias are left to the dense route), so ``dS_ij = w_ij (dP_ij - Delta_i + g_i)``,
 the same sums of the same nonzero terms (a key that no row allows adds exactly 0 to dq and has
 ``dk_j = dv_j = 0``). Each element is that exact value rounded once, on either route.
 
+The route is chosen by walk length (:func:`gathers`): the dense route walks each row's
+structural interval, the gather route each row's kv head's ``U`` compacted keys; a decode
+step (``U <= T << S``) gathers, a causal prefill whose rows together list nearly every key
+keeps the dense route (its causal intervals are half as long). Either gives the same bits.
+
 Cost: O(B K U (D + E)) to gather, the exact vjp on ``W`` keys instead of S (memory of its
 (B, H, L, W) allowed plane O(H L W), O(H T) for a decode step), and the (B, K, S, D + E)
 zero-filled dk, dv the caller receives. Unlisted keys' values are never read: a NaN or Inf in
@@ -43,9 +48,10 @@ import dataclasses
 
 import numpy as np
 
+from ...sparse_indices import index_mask
 from ...spec import AttentionSpec
 
-__all__ = ["compact_spec", "gather_vjp", "gathered_keys"]
+__all__ = ["compact_spec", "dense_spec", "gather_vjp", "gathered_keys", "gathers"]
 
 
 def _listed_rows(spec: AttentionSpec):
@@ -103,13 +109,14 @@ def _columns(plane, cols_of_head):
     return out
 
 
-def compact_spec(spec: AttentionSpec):
+def compact_spec(spec: AttentionSpec, gathered=None):
     """(compact, keys_of): the spec on the compacted key axis (module docstring) and the
     (B, K, W) original position of each compacted key (-1: a padding key no row allows).
 
     ``spec`` is a gather spec without bias or ALiBi (:func:`refattn.kernels.gather_spec`,
     ``index_reading="gather"``); ``compact`` is a plain spec (``index_reading="set"``, no key
-    indices) whose mask holds the listed set and the structural interval.
+    indices) whose mask holds the listed set and the structural interval; ``gathered``: its
+    :func:`gathered_keys` when already at hand.
 
     Examples
     --------
@@ -126,7 +133,7 @@ def compact_spec(spec: AttentionSpec):
     if spec.bias is not None or spec.alibi_slopes is not None or spec.dbias_index is not None:
         raise ValueError("spec: expected a gather spec without bias or ALiBi (a dense mask route)")
     batch, heads, kv_heads, length, keys, _, _ = spec.dims
-    keys_of, local, counts = gathered_keys(spec)
+    keys_of, local, counts = gathered_keys(spec) if gathered is None else gathered
     width = keys_of.shape[-1]
     listed = np.zeros((batch, kv_heads, length, width), np.bool_)
     valid = np.arange(local.shape[-1]) < counts[..., None]
@@ -168,6 +175,41 @@ def compact_spec(spec: AttentionSpec):
     return compact, keys_of
 
 
+def gathers(spec: AttentionSpec, keys_of: np.ndarray) -> bool:
+    """Whether the compacted keys are the shorter walk: the exact vjp visits, per query row,
+    every key of its structural interval ``[lo_i, hi_i)`` on the dense route (causal halves
+    a prefill's) and every compacted key of its kv head (``U_{b,g}``) on the gather route.
+    A decode step (U <= T << S) gathers; a causal prefill whose rows together list nearly
+    every key keeps the dense route, whose intervals are shorter. The bits are the same.
+
+    Examples
+    --------
+    >>> from refattn.kernels import gather_spec
+    >>> from refattn.spec import canonicalize
+    >>> spec = canonicalize(np.zeros((2, 2)), np.zeros((4, 2)), np.zeros((4, 1)), causal=True)
+    >>> gathers(spec, np.array([[[0, -1]]])), gathers(spec, np.array([[[0, 1, 2, 3]]]))
+    (True, False)
+    """
+    heads = spec.dims[1]
+    length = spec.dims[3]
+    lo, hi = spec.intervals()
+    dense = heads * int(np.maximum(hi - lo, 0).sum())
+    group = np.bincount(np.asarray(spec.kv_head, np.int64), minlength=keys_of.shape[1])
+    compact = length * int(((keys_of >= 0).sum(axis=-1) * group[None, :]).sum())
+    return compact <= dense
+
+
+def dense_spec(spec: AttentionSpec) -> AttentionSpec:
+    """The gather spec with its listed set ANDed into the mask (the dense route's spec: one
+    (B, K, L, S) plane, broadcast over the query heads when K = 1)."""
+    batch, heads, kv_heads, length, keys, _, _ = spec.dims
+    listed = index_mask(np.asarray(spec.key_indices, np.int64), keys)
+    target = (batch, heads, length, keys)
+    listed = np.broadcast_to(listed, target) if kv_heads == 1 else listed[:, spec.kv_head]
+    mask = listed if spec.mask is None else spec.mask & listed
+    return dataclasses.replace(spec, mask=mask, key_indices=None, index_reading="set")
+
+
 def _scatter(compact_grad, keys_of, keys):
     """(B, K, S, X) from the compacted (B, K, W, X): each listed key's row at its position,
     +0 at every other key."""
@@ -197,7 +239,10 @@ def gather_vjp(spec: AttentionSpec, paths):
     >>> gather_vjp(spec, paths)[2].ravel().tolist()
     [0.0, 0.5, 0.0, 0.5]
     """
-    compact, keys_of = compact_spec(spec)
+    gathered = gathered_keys(spec)
+    if not gathers(spec, gathered[0]):
+        return paths(dense_spec(spec))
+    compact, keys_of = compact_spec(spec, gathered)
     dq, dk, dv, dbias, dsinks = paths(compact)
     keys = spec.dims[4]
     return dq, _scatter(dk, keys_of, keys), _scatter(dv, keys_of, keys), dbias, dsinks
