@@ -81,6 +81,8 @@ OPTIONS = [
     {"kv_lengths": np.array([13, 6])},
     {"sinks": np.array([0.5, -1.0, 2.0, 0.0])},
     {"softcap": 3.0},
+    {"gqa": "tile"},
+    {"empty_rows": "nan"},
     {"mask": np.arange(13) % 3 != 1},
     {
         "dropout_p": 0.25,
@@ -100,6 +102,11 @@ def test_gather_vjp_matches_with_grad_lse(out_dtype):
     q, k, v, do, idx = _sparse_case(1)
     dl = np.random.default_rng(2).standard_normal(q.shape[:3])
     _assert_identical(q, k, v, do, key_indices=idx, grad_lse=dl, out_dtype=out_dtype)
+
+
+def test_two_dimensional_inputs_match():
+    q, k, v, do, idx = (a[0, 0] for a in _sparse_case(13))
+    _assert_identical(q, k, v, do, key_indices=idx, out_dtype="float32")
 
 
 def test_unlisted_keys_get_exactly_zero_gradient():
