@@ -73,10 +73,10 @@ def exact_vjp_gathers(precision, backend, index_reading, listed, bias, alibi_slo
     )
 
 
-def exact_gather_vjp(spec, paths):
-    """(dq, dk, dv, dbias, dsinks) of a gather spec on the exact path:
-    :func:`refattn.exact.fast.vjp_gather.gather_vjp` with ``paths(compact)`` the exact route
-    of a plain spec.
+def exact_gather_vjp(spec, grad_out, grad_lse, paths):
+    """(dq, dk, dv, dbias, dsinks) of a gather spec on the exact path with the cotangents
+    ``grad_out``, ``grad_lse``: :func:`refattn.exact.fast.vjp_gather.gather_vjp` with
+    ``paths(compact)`` the exact route of a plain spec.
 
     Examples
     --------
@@ -87,6 +87,8 @@ def exact_gather_vjp(spec, paths):
     >>> spec = canonicalize(np.zeros((1, 2)), np.zeros((3, 2)), np.arange(3.0)[:, None])
     >>> grads = exact_gather_vjp(
     ...     gather_spec(spec, np.array([[2, -1]])),
+    ...     np.ones((1, 1, 1, 1)),
+    ...     None,
     ...     lambda s: (*exact_vjp(s, np.ones((1, 1, 1, 1)), None, np.dtype("float64")), None),
     ... )
     >>> grads[2].ravel().tolist()
@@ -94,4 +96,4 @@ def exact_gather_vjp(spec, paths):
     """
     from .exact.fast.vjp_gather import gather_vjp
 
-    return gather_vjp(spec, paths)
+    return gather_vjp(spec, grad_out, grad_lse, paths)

@@ -770,7 +770,7 @@ def _vjp_paths(spec, do, dl, precision, backend, out_dtype):
     dsinks = None
     if precision == "exact" and spec.index_reading == GATHER_READING:  # the listed keys only
         return exact_gather_vjp(
-            spec, lambda compact: _vjp_paths(compact, do, dl, precision, backend, out_dtype)
+            spec, do, dl, lambda s: _vjp_paths(s, do, dl, precision, backend, out_dtype)
         )
     if precision == "exact":
         from .exact.attention_vjp import exact_vjp

@@ -128,6 +128,18 @@ def test_unlisted_non_finite_keys_change_nothing():
     assert all(np.isfinite(g).all() for g in grads[:3])
 
 
+def test_non_finite_rows_take_the_dense_route_pattern():
+    """A NaN cotangent or an Inf query reaches dv's and dk's columns at unlisted keys on the
+    dense route's float64 pattern: the gather route hands such calls to it."""
+    q, k, v, do, idx = _sparse_case(14)
+    do[0, 0, 1, 0] = np.nan
+    q[1, 1, 0, 1] = np.inf
+    _assert_identical(q, k, v, do, key_indices=idx, out_dtype="float32")
+    q, k, v, do, idx = _sparse_case(15)
+    k[0, 0, idx[0, 0, 0, 0], 1] = np.nan  # a listed key
+    _assert_identical(q, k, v, do, key_indices=idx, out_dtype="float32")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_narrow_inputs_match(dtype):
     import ml_dtypes

@@ -210,6 +210,11 @@ def dense_spec(spec: AttentionSpec) -> AttentionSpec:
     return dataclasses.replace(spec, mask=mask, key_indices=None, index_reading="set")
 
 
+def _finite(*arrays) -> bool:
+    """Whether every element of the arrays (None: none) is finite."""
+    return all(a is None or np.isfinite(np.asarray(a, np.float64)).all() for a in arrays)
+
+
 def _scatter(compact_grad, keys_of, keys):
     """(B, K, S, X) from the compacted (B, K, W, X): each listed key's row at its position,
     +0 at every other key."""
@@ -222,10 +227,16 @@ def _scatter(compact_grad, keys_of, keys):
     return out
 
 
-def gather_vjp(spec: AttentionSpec, paths):
+def gather_vjp(spec: AttentionSpec, grad_out, grad_lse, paths):
     """(dq, dk, dv, dbias, dsinks) of a gather spec (module docstring): ``paths(compact)`` is
     the exact route's (dq, dk, dv, dbias, dsinks) of a plain spec (``refattn.attention_vjp``'s,
-    the cotangents bound), run on the compacted spec; dk, dv come back with the S keys.
+    the cotangents ``grad_out`` (B, H, L, E) and ``grad_lse`` (B, H, L) or None bound), run on
+    the compacted spec; dk, dv come back with the S keys.
+
+    A NaN or Inf in q, the cotangents, the sinks or a listed key or value sends the call to
+    the dense route (:func:`dense_spec`): the positions of non-finite gradients are those of
+    the float64 path on the dense mask (``refattn.attention_vjp``), where a non-finite row
+    reaches every key of dv's or dk's column, listed or not.
 
     Examples
     --------
@@ -236,13 +247,15 @@ def gather_vjp(spec: AttentionSpec, paths):
     >>> spec = gather_spec(spec, np.array([[3, 1, 3, -1]]))
     >>> def paths(s):
     ...     return (*exact_vjp(s, np.ones((1, 1, 1, 1)), None, np.dtype("float64")), None)
-    >>> gather_vjp(spec, paths)[2].ravel().tolist()
+    >>> gather_vjp(spec, np.ones((1, 1, 1, 1)), None, paths)[2].ravel().tolist()
     [0.0, 0.5, 0.0, 0.5]
     """
     gathered = gathered_keys(spec)
     if not gathers(spec, gathered[0]):
         return paths(dense_spec(spec))
     compact, keys_of = compact_spec(spec, gathered)
+    if not _finite(spec.q, grad_out, grad_lse, spec.sinks, compact.k, compact.v):
+        return paths(dense_spec(spec))
     dq, dk, dv, dbias, dsinks = paths(compact)
     keys = spec.dims[4]
     return dq, _scatter(dk, keys_of, keys), _scatter(dv, keys_of, keys), dbias, dsinks
