@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _checks
-from ._exact_sparse import GATHER_READING, exact_gathers
+from ._exact_sparse import GATHER_READING, exact_gather_vjp, exact_gathers, exact_vjp_gathers
 from ._kv_codes import k_extremes, kernel_forward, streamed_spec, with_codes
 from ._numba_path import (
     MAX_EXPONENT,
@@ -711,11 +711,11 @@ def attention_vjp(
     [[0.5], [0.5]]
     """
     _check_path(precision, backend, out_dtype)
-    # set-read key indices on the Numba CPU vjp: gathered by the kernel, no dense mask
+    # set-read key indices on the Numba CPU vjp and the exact vjp: gathered, no dense mask
     listed = (key_indices, key_block_indices, key_block_size)
     gather = numba_gathers(
         backend, precision, index_reading, listed, normalizer, False, sinks, kv_lengths
-    )
+    ) or exact_vjp_gathers(precision, backend, index_reading, listed, bias, alibi_slopes)
     spec = canonicalize(q, k, v, **without_listed(options_in(locals()), gather))
     if gather:
         spec = numba_gather_spec(spec, listed)
@@ -768,6 +768,10 @@ def _vjp_paths(spec, do, dl, precision, backend, out_dtype):
     if dl is not None and spec.normalizer == "sigmoid":
         raise ValueError("grad_lse: normalizer='sigmoid' has no log-sum-exp to take a cotangent")
     dsinks = None
+    if precision == "exact" and spec.index_reading == GATHER_READING:  # the listed keys only
+        return exact_gather_vjp(
+            spec, do, dl, lambda s: _vjp_paths(s, do, dl, precision, backend, out_dtype)
+        )
     if precision == "exact":
         from .exact.attention_vjp import exact_vjp
 

@@ -23,6 +23,8 @@ EXACT_ENGINE = "fast"
 #: ``key_block_indices``): "gather" (each row visits only its listed keys,
 #: :mod:`refattn.exact.fast.gather`; no (L, S) plane) or "mask" (the listed set ANDed into a
 #: dense mask, every key of each row's interval walked). Both give bit-identical results.
+#: The exact ``attention_vjp`` reads them the same way: "gather" runs it on the listed keys
+#: compacted (:mod:`refattn.exact.fast.vjp_gather`; without bias or ALiBi), "mask" on all S.
 EXACT_SPARSE_KEYS = "gather"
 
 #: Engine of precision="exact" attention_vjp: "fast" (double-double enclosures with rigorous

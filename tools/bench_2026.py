@@ -2,7 +2,7 @@
 """Time the 2025-26 attention workloads on refattn's Numba kernels against plain PyTorch.
 
 Usage: python tools/bench_2026.py
-           [--case dsa|dsa-full|dsa-prefill|softmax|nvfp4|nvfp4-large|all]
+           [--case dsa|dsa-full|dsa-prefill|dsa-vjp|softmax|nvfp4|nvfp4-large|all]
            [--repeat N] [--skip-exact] [--full] [--json FILE]
 
 Cases (every figure is the best of ``--repeat`` timed calls after one warm-up call, which
@@ -21,6 +21,13 @@ the machine may be shared, so compare within a run):
 * ``dsa-prefill``: a causal top-k prefill, B1 H16 K1 L=S=2048 T=512 D=E=128 float32 (row i
   lists min(T, i + 1) random keys of 0..i, -1 after them), exact against Numba; with
   ``--full`` L=S=8192 T=2048;
+* ``dsa-vjp``: the backward of the ``dsa`` decode step (same shape and inputs, a Gaussian
+  cotangent of out): the exact vjp by gather (``precision="exact"``, every element rounded
+  once to float32; the default ``config.EXACT_SPARSE_KEYS = "gather"``: the listed keys
+  compacted) against the exact vjp on the dense mask (``"mask"``) and against refattn's Numba
+  gather vjp (``backend="numba"``), alternating, with each exact route's peak NumPy memory
+  (``tracemalloc``, one call; the (S, D + E) dk, dv it returns included); with ``--full`` the
+  ``dsa-full`` shape (not in ``all``);
 * ``softmax``: float32 causal B1 H8 L=S=1024 D=E=64, the Numba kernel against
   ``torch.nn.functional.scaled_dot_product_attention``;
 * ``nvfp4``: an NVFP4 GQA decode step B1 H8 K2 L1 S=8192 D=E=128 (float4_e2m1fn codes with
@@ -40,6 +47,7 @@ import argparse
 import json
 import os
 import time
+import tracemalloc
 
 import numpy as np
 
@@ -112,6 +120,61 @@ def bench_dsa(repeat, skip_exact, shape="dsa"):
         result["numba_over_torch"] = result["numba_s"] / result["torch_s"]
     if not skip_exact:
         result["exact_over_numba"] = result["exact_s"] / result["numba_s"]
+    return result
+
+
+def bench_dsa_vjp(repeat, skip_exact, shape="dsa"):
+    """DSA decode step's vjp: exact by gather vs exact on the dense mask vs Numba (alternating)."""
+    from refattn import config
+
+    heads, keys, top = DSA_SHAPES[shape]
+    rng = np.random.default_rng(0)
+    q, k, v, idx, scale = _dsa_inputs(rng, heads, keys, top)
+    do = rng.standard_normal((1, heads, 1, v.shape[-1])).astype(np.float32)
+    result = {"shape": f"B1 H{heads} K1 L1 S{keys} T{top} D576 E512 float32"}
+
+    def numba():
+        return refattn.attention_vjp(q, k, v, do, key_indices=idx, scale=scale, backend="numba")
+
+    def exact(mode):
+        def run():
+            saved = config.EXACT_SPARSE_KEYS
+            config.EXACT_SPARSE_KEYS = mode
+            try:
+                return refattn.attention_vjp(
+                    q,
+                    k,
+                    v,
+                    do,
+                    key_indices=idx,
+                    scale=scale,
+                    precision="exact",
+                    out_dtype="float32",
+                )
+            finally:
+                config.EXACT_SPARSE_KEYS = saved
+
+        return run
+
+    paths = {"numba_s": numba}
+    if not skip_exact:
+        paths["exact_gather_s"] = exact("gather")
+        paths["exact_mask_s"] = exact("mask")
+        same = all(
+            np.array_equal(a.view(np.uint32), b.view(np.uint32))
+            for a, b in zip(paths["exact_gather_s"]()[:3], paths["exact_mask_s"]()[:3], strict=True)
+        )
+        result["gather_bits_equal_mask"] = same
+        for name in ("exact_gather_s", "exact_mask_s"):  # peak NumPy memory of one call
+            tracemalloc.start()
+            paths[name]()
+            result[name[:-2] + "_peak_mib"] = tracemalloc.get_traced_memory()[1] / 2**20
+            tracemalloc.stop()
+    result.update(_alternating(paths, repeat, settle=1))
+    if not skip_exact:
+        result["mask_over_gather"] = result["exact_mask_s"] / result["exact_gather_s"]
+        result["gather_over_numba"] = result["exact_gather_s"] / result["numba_s"]
+    result["load"] = os.getloadavg()
     return result
 
 
@@ -270,7 +333,16 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--case",
-        choices=["dsa", "dsa-full", "dsa-prefill", "softmax", "nvfp4", "nvfp4-large", "all"],
+        choices=[
+            "dsa",
+            "dsa-full",
+            "dsa-prefill",
+            "dsa-vjp",
+            "softmax",
+            "nvfp4",
+            "nvfp4-large",
+            "all",
+        ],
         default="all",
     )
     parser.add_argument("--repeat", type=int, default=5, help="timed calls per figure")
@@ -286,6 +358,9 @@ def main(argv=None):
         if case in ("dsa", "dsa-full"):
             shape = "full" if case == "dsa-full" or args.full else "dsa"
             results[case] = bench_dsa(args.repeat, args.skip_exact, shape)
+        elif case == "dsa-vjp":
+            shape = "full" if args.full else "dsa"
+            results[case] = bench_dsa_vjp(args.repeat, args.skip_exact, shape)
         elif case == "dsa-prefill":
             results[case] = bench_dsa_prefill(args.repeat, args.skip_exact, args.full)
         elif case == "softmax":

@@ -13,6 +13,7 @@ Modules, each with one job:
 ``vjp_rows``           the vjp's per-row pieces (scores, weights, dS, dT, accumulations)
 ``vjp_passes``         the vjp's parallel passes (dq, dk/dv, dbias) and slot sums
 ``vjp``                the vjp's host side: enclosures, decisions, dbias reduction
+``vjp_gather``         the exact vjp on set-read sparse keys: the listed keys compacted
 """
 
 from .forward import fallback_stats, fast_exact_forward, row_spec
