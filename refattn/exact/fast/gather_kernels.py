@@ -8,7 +8,9 @@ them; a decode step lists T), and each row's list holds positions in that gather
 
 * :func:`compact_lists`: each row's distinct valid positions, ascending.
 * :func:`gather_d`: the double-precision step (targets of at most 24 bits) for a query row
-  and up to :data:`ROW_BLOCK` query heads of one kv head at once (they read the same list).
+  and up to :data:`HEAD_BLOCK` query heads of one kv head at once (they read the same list and
+  share each load of its keys and values: a decode step's heads stream the gathered table
+  once per work item, not once per eight heads).
   The dot products are blocked fma chains (:data:`DOT_BLOCK` features per block, then the
   block sums) whose error is bounded by ``u`` times the float sum of the magnitudes of every
   rounded partial result (each rounding errs by at most ``u |result|``, Higham 2002, eq.
@@ -54,7 +56,6 @@ from .forward_kernels import (
     EMPTY,
     OK,
     RHO_MAX,
-    ROW_BLOCK,
     SUM_BLOCK,
     TINY,
     UNDECIDED,
@@ -76,10 +77,14 @@ __all__ = [
     "gather_d",
     "gather_dd",
     "DOT_BLOCK",
+    "HEAD_BLOCK",
 ]
 
 #: Features per block of the double-precision step's dot products.
 DOT_BLOCK = 32
+
+#: Query heads one work item of the double-precision step takes at most.
+HEAD_BLOCK = 64
 
 _JIT = dict(nopython=True, cache=True, fastmath=False, error_model="numpy")
 _PAR = dict(_JIT, parallel=True)
@@ -149,8 +154,8 @@ def _blocked_dots(qp, heads, nh, i, kcols, c0, j0, s, sab):
     lane-wise on the first ones)."""
     n = s.shape[1]
     dim = qp.shape[2]
-    part = np.zeros((ROW_BLOCK, n))
-    pab = np.zeros((ROW_BLOCK, n))
+    part = np.zeros((s.shape[0], n))
+    pab = np.zeros((s.shape[0], n))
     for d0 in range(0, dim, DOT_BLOCK):
         for d in range(d0, min(d0 + DOT_BLOCK, dim)):
             row = kcols[d, c0 : c0 + n]
@@ -443,8 +448,8 @@ def _d_item(item, inputs, lists, rule, target, results):
     cols = _row_columns(b, g, i, lists, keys_of, rule)
     n = cols.shape[0]
     vdim = vu.shape[3]
-    s = np.zeros((ROW_BLOCK, n))
-    sab = np.zeros((ROW_BLOCK, n))
+    s = np.zeros((nh, n))
+    sab = np.zeros((nh, n))
     if n > 0:
         c0 = 0
         kcols = kTu[b, g]
@@ -460,9 +465,9 @@ def _d_item(item, inputs, lists, rule, target, results):
     work = (
         s,
         sab,
-        np.zeros((ROW_BLOCK, n), np.int8),
-        np.zeros(ROW_BLOCK, np.bool_),
-        np.full(ROW_BLOCK, -np.inf),
+        np.zeros((nh, n), np.int8),
+        np.zeros(nh, np.bool_),
+        np.full(nh, -np.inf),
     )
     _d_scores(b, i, heads, cols, inputs, rule, work)
     top = work[4]
@@ -471,15 +476,15 @@ def _d_item(item, inputs, lists, rule, target, results):
         if pr[P_HAS_SINK] != 0.0:  # the sink: one more logit in the max and in Z, no value
             top[rr] = max(top[rr], pr[P_SINK])
     sums = (
-        np.zeros(ROW_BLOCK),
-        np.zeros(ROW_BLOCK),
-        np.zeros((ROW_BLOCK, vdim)),
-        np.zeros((ROW_BLOCK, n)),
-        np.zeros((ROW_BLOCK, vdim)),
-        np.zeros((ROW_BLOCK, n), np.bool_),
-        np.zeros(ROW_BLOCK),
-        np.zeros((ROW_BLOCK, vdim)),
-        np.zeros(ROW_BLOCK),
+        np.zeros(nh),
+        np.zeros(nh),
+        np.zeros((nh, vdim)),
+        np.zeros((nh, n)),
+        np.zeros((nh, vdim)),
+        np.zeros((nh, n), np.bool_),
+        np.zeros(nh),
+        np.zeros((nh, vdim)),
+        np.zeros(nh),
     )
     _d_sums(vu[b, g], cols, nh, target[1], work, sums)
     status = results[3]
@@ -491,7 +496,7 @@ def _d_item(item, inputs, lists, rule, target, results):
 
 @numba.jit(**_PAR)
 def gather_d(items, inputs, lists, rule, target, results):
-    """Double-precision step (targets of at most 24 bits) over ``items`` ((n, 3 + ROW_BLOCK):
+    """Double-precision step (targets of at most 24 bits) over ``items`` ((n, 3 + HEAD_BLOCK):
     b, i, head count, heads of one kv head), in parallel.
 
     ``inputs`` = (q (B, H, L, D), kTu (B, K, D, U), vu (B, K, U, E) (the gathered keys and

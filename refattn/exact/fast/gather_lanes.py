@@ -162,16 +162,28 @@ def dot_tiles(qh, kcols, n, block, s, sab):
     """``s[r, c] = qh[r] . kcols[:, c]`` and the magnitude sums ``sab[r, c]`` for the rows of
     ``qh`` (R, D) and the first ``n - n % W`` columns of ``kcols`` (D, >= n), W keys per lane
     vector, four query rows at a time (their chains interleaved); the caller does the rest of
-    the columns. ``s`` and ``sab`` (>= R, >= n) are overwritten there."""
+    the columns. ``s`` and ``sab`` (>= R, >= n) are overwritten there. Each tile of W keys is
+    first copied into a contiguous (D, W) panel that every row then reads (one strided pass
+    over ``kcols`` per tile, however many rows: the copy changes no bit)."""
     rows = qh.shape[0]
     dim = qh.shape[1]
+    panel = np.empty((dim, W))
+    tile = np.zeros((4, W))
+    tile_ab = np.zeros((4, W))
     for c in range(0, n - n % W, W):
+        for d in range(dim):
+            vstore(panel[d], 0, vload(kcols[d], c))
         r = 0
         while r + 4 <= rows:
-            _dots4(qh[r : r + 4], kcols, c, dim, block, s[r : r + 4], sab[r : r + 4])
+            _dots4(qh[r : r + 4], panel, 0, dim, block, tile, tile_ab)
+            for rr in range(4):
+                vstore(s[r + rr], c, vload(tile[rr], 0))
+                vstore(sab[r + rr], c, vload(tile_ab[rr], 0))
             r += 4
         while r < rows:
-            _dots1(qh[r], kcols, c, dim, block, s[r], sab[r])
+            _dots1(qh[r], panel, 0, dim, block, tile[0], tile_ab[0])
+            vstore(s[r], c, vload(tile[0], 0))
+            vstore(sab[r], c, vload(tile_ab[0], 0))
             r += 1
 
 
