@@ -27,8 +27,14 @@ once: the results are bit-identical to those of the dense-mask engine
 :mod:`refattn.exact.fast.forward`, with the counts of listed keys (``min(T, S)``) in place of
 S in the sums' gammas; in the double-precision step, each dot product's error bounded by the
 magnitudes of its rounded partial sums (:func:`~refattn.exact.fast.gather_kernels.dot_error`)
-and ``A_e = sum_j e_j |v_je|`` summed beside N (``|N - N^| <= (gamma + rho)(1 + gamma)(1 +
-rho) A_e``), so that most rows are decided by the double-precision step.
+and ``A_e = sum_j e_j |v_je|`` (``|N - N^| <= (gamma + rho)(1 + gamma)(1 + rho) A_e``),
+so that most rows are decided by the double-precision step. A float32 target's outputs are
+decided from one-word quotients N^/Z^ with the cruder ``A_e <= vmax_e Z^ / ((1 - rho)(1 -
+gamma))`` first and A_e summed only for the features that leaves undecided
+(:func:`~refattn.exact.fast.gather_kernels.float32_outputs`); the exponentials' error is
+``rho = rel + d (1 + d)`` for a score error d (:func:`~refattn.exact.fast.gather_kernels.exp_rel`).
+A work item takes up to HEAD_BLOCK query heads of one kv head, so that a decode step reads
+its gathered keys and values once per item.
 """
 
 from __future__ import annotations

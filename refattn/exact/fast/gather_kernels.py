@@ -17,7 +17,10 @@ them; a decode step lists T), and each row's list holds positions in that gather
   (4.3); :func:`dot_error`), far tighter than ``gamma_D ||q_i|| ||k_j||``; and
   ``A_e = sum_j e_j |v_je|`` is summed beside ``N_e`` (the same blocked sums), which bounds
   N's error more tightly than ``max_j |v_je| Z``. Both run lane-wise on register tiles
-  (:mod:`refattn.exact.fast.gather_lanes`: the scalar loops' bits, lane by lane).
+  (:mod:`refattn.exact.fast.gather_lanes`: the scalar loops' bits, lane by lane). For a
+  float32 target (no lse, no weights, no keep scale) the outputs are decided from one-word
+  quotients (:func:`float32_outputs`), first with ``max_j |v_je| Z``, and A_e is summed
+  only for the features that bound leaves undecided.
 * :func:`gather_dd`: the double-double step, one query row per work item, with the per-key
   and per-row steps of :mod:`refattn.exact.fast.forward_kernels`.
 
