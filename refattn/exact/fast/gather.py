@@ -27,8 +27,14 @@ once: the results are bit-identical to those of the dense-mask engine
 :mod:`refattn.exact.fast.forward`, with the counts of listed keys (``min(T, S)``) in place of
 S in the sums' gammas; in the double-precision step, each dot product's error bounded by the
 magnitudes of its rounded partial sums (:func:`~refattn.exact.fast.gather_kernels.dot_error`)
-and ``A_e = sum_j e_j |v_je|`` summed beside N (``|N - N^| <= (gamma + rho)(1 + gamma)(1 +
-rho) A_e``), so that most rows are decided by the double-precision step.
+and ``A_e = sum_j e_j |v_je|`` (``|N - N^| <= (gamma + rho)(1 + gamma)(1 + rho) A_e``),
+so that most rows are decided by the double-precision step. A float32 target's outputs are
+decided from one-word quotients N^/Z^ with the cruder ``A_e <= vmax_e Z^ / ((1 - rho)(1 -
+gamma))`` first and A_e summed only for the features that leaves undecided
+(:func:`~refattn.exact.fast.gather_kernels.float32_outputs`); the exponentials' error is
+``rho = rel + d (1 + d)`` for a score error d (:func:`~refattn.exact.fast.gather_kernels.exp_rel`).
+A work item takes up to HEAD_BLOCK query heads of one kv head, so that a decode step reads
+its gathered keys and values once per item.
 """
 
 from __future__ import annotations
@@ -48,8 +54,8 @@ from ._params import P_GAMMA_DIM, P_GAMMA_SUM, P_SUM_REL, frozen
 from .allowed_set import allowed_rule
 from .facts import row_facts
 from .forward import finish_forward, kernel_params, referee_runs, row_spec
-from .forward_kernels import ROW_BLOCK, SUM_BLOCK, UNDECIDED
-from .gather_kernels import DOT_BLOCK, compact_lists, gather_d, gather_dd
+from .forward_kernels import SUM_BLOCK, UNDECIDED
+from .gather_kernels import DOT_BLOCK, HEAD_BLOCK, compact_lists, gather_d, gather_dd
 from .gather_lanes import key_facts, value_rows
 
 __all__ = ["gather_forward", "gather_row_spec", "SERIAL_WORK"]
@@ -231,24 +237,27 @@ class _Gathered:
             )
         )
 
-    def items(self, length: int) -> np.ndarray:
+    def items(self, length: int, threads: int) -> np.ndarray:
         """Work items of the double-precision step: (b, i, head count, heads ...) for every
-        query row i and every block of up to ROW_BLOCK query heads of one kv head whose
-        planes the first steps take."""
+        query row i and every block of query heads of one kv head whose planes the first
+        steps take: up to HEAD_BLOCK heads, fewer (whole multiples of 8) when there are fewer
+        rows than ``threads`` to share out (which rows share an item changes no bit)."""
         blocks = []
         rows = np.arange(length, dtype=np.int64)
         for b in range(self.ok.shape[0]):
             for g in range(self.kT.shape[1]):
                 heads = np.flatnonzero((self.kvh == g) & self.ok[b])
-                for start in range(0, heads.size, ROW_BLOCK):
-                    chunk = heads[start : start + ROW_BLOCK]
-                    block = np.zeros((length, 3 + ROW_BLOCK), np.int64)
+                share = -(-heads.size // max(1, threads // max(1, length)))
+                size = min(HEAD_BLOCK, max(8, -(-share // 8) * 8))
+                for start in range(0, heads.size, size):
+                    chunk = heads[start : start + size]
+                    block = np.zeros((length, 3 + HEAD_BLOCK), np.int64)
                     block[:, 0] = b
                     block[:, 1] = rows
                     block[:, 2] = chunk.size
                     block[:, 3 : 3 + chunk.size] = chunk
                     blocks.append(block)
-        return np.concatenate(blocks) if blocks else np.zeros((0, 3 + ROW_BLOCK), np.int64)
+        return np.concatenate(blocks) if blocks else np.zeros((0, 3 + HEAD_BLOCK), np.int64)
 
 
 def gather_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_weights=False):
@@ -281,9 +290,10 @@ def gather_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_w
         results = (out, lse, weights, status)
         per_row = int(x.counts.max(initial=0)) * (spec.q.shape[-1] + vdim)  # work of a row
         if fmt.p <= 24:
-            items = x.items(length)
+            work = int(x.ok.sum()) * length * per_row
+            items = x.items(length, 1 if work < SERIAL_WORK else numba.get_num_threads())
             if items.size:
-                with _serial_below(int(x.ok.sum()) * length * per_row):
+                with _serial_below(work):
                     gather_d(items, inputs, lists, rule, target, results)
             step_rows["double"] = int(x.ok.sum()) * length
             redo = x.ok[:, :, None] & (status == UNDECIDED)

@@ -8,14 +8,19 @@ them; a decode step lists T), and each row's list holds positions in that gather
 
 * :func:`compact_lists`: each row's distinct valid positions, ascending.
 * :func:`gather_d`: the double-precision step (targets of at most 24 bits) for a query row
-  and up to :data:`ROW_BLOCK` query heads of one kv head at once (they read the same list).
+  and up to :data:`HEAD_BLOCK` query heads of one kv head at once (they read the same list and
+  share each load of its keys and values: a decode step's heads stream the gathered table
+  once per work item, not once per eight heads).
   The dot products are blocked fma chains (:data:`DOT_BLOCK` features per block, then the
   block sums) whose error is bounded by ``u`` times the float sum of the magnitudes of every
   rounded partial result (each rounding errs by at most ``u |result|``, Higham 2002, eq.
   (4.3); :func:`dot_error`), far tighter than ``gamma_D ||q_i|| ||k_j||``; and
   ``A_e = sum_j e_j |v_je|`` is summed beside ``N_e`` (the same blocked sums), which bounds
   N's error more tightly than ``max_j |v_je| Z``. Both run lane-wise on register tiles
-  (:mod:`refattn.exact.fast.gather_lanes`: the scalar loops' bits, lane by lane).
+  (:mod:`refattn.exact.fast.gather_lanes`: the scalar loops' bits, lane by lane). For a
+  float32 target (no lse, no weights, no keep scale) the outputs are decided from one-word
+  quotients (:func:`float32_outputs`), first with ``max_j |v_je| Z``, and A_e is summed
+  only for the features that bound leaves undecided.
 * :func:`gather_dd`: the double-double step, one query row per work item, with the per-key
   and per-row steps of :mod:`refattn.exact.fast.forward_kernels`.
 
@@ -24,6 +29,8 @@ count or on which rows share a work item.
 """
 
 from __future__ import annotations
+
+import math
 
 import numba
 import numpy as np
@@ -34,6 +41,9 @@ from ._params import (
     P_GAMMA_DIM,
     P_GAMMA_SUM,
     P_HAS_SINK,
+    P_KEEP_ERR,
+    P_KEEP_HI,
+    P_KEEP_LO,
     P_SINK,
     P_SUM_REL,
     R_HAS_BIAS,
@@ -49,7 +59,6 @@ from .forward_kernels import (
     EMPTY,
     OK,
     RHO_MAX,
-    ROW_BLOCK,
     SUM_BLOCK,
     TINY,
     UNDECIDED,
@@ -61,18 +70,24 @@ from .forward_kernels import (
     score_d,
     score_dd,
 )
-from .gather_lanes import W, dot_tiles, weighted_rows
+from .gather_lanes import W, dot_tiles, magnitude_sum, sums_rows, weighted_block
 
 __all__ = [
     "compact_lists",
     "dot_error",
+    "exp_rel",
+    "float32_outputs",
     "gather_d",
     "gather_dd",
     "DOT_BLOCK",
+    "HEAD_BLOCK",
 ]
 
 #: Features per block of the double-precision step's dot products.
 DOT_BLOCK = 32
+
+#: Query heads one work item of the double-precision step takes at most.
+HEAD_BLOCK = 64
 
 _JIT = dict(nopython=True, cache=True, fastmath=False, error_model="numpy")
 _PAR = dict(_JIT, parallel=True)
@@ -142,8 +157,8 @@ def _blocked_dots(qp, heads, nh, i, kcols, c0, j0, s, sab):
     lane-wise on the first ones)."""
     n = s.shape[1]
     dim = qp.shape[2]
-    part = np.zeros((ROW_BLOCK, n))
-    pab = np.zeros((ROW_BLOCK, n))
+    part = np.zeros((s.shape[0], n))
+    pab = np.zeros((s.shape[0], n))
     for d0 in range(0, dim, DOT_BLOCK):
         for d in range(d0, min(d0 + DOT_BLOCK, dim)):
             row = kcols[d, c0 : c0 + n]
@@ -219,25 +234,41 @@ def _d_scores(b, i, heads, cols, inputs, rule, work):
 
 
 @numba.jit(**_JIT)
+def exp_rel(rel, xe):
+    """A bound on the relative error ``|e^/e^x - 1|`` of ``e^ = exp(x^) (1 + eta)``, ``|eta|
+    <= rel`` (the exponential's own error), when ``|x - x^| <= xe <= 1``: ``e^{+-d} - 1``
+    is at most ``d (1 + d)`` in magnitude for 0 <= d <= 1 (the exponential series), so the
+    error is at most ``rel + xe (1 + xe) (1 + rel)``; the factor ``1 + RHO_MAX`` covers the
+    roundings of this expression (+inf past xe = 1: the row is then undecided).
+
+    >>> exp_rel(0.0, 0.5)
+    0.7500007152557373
+    """
+    if not xe <= 1.0:
+        return np.inf
+    return (rel + xe * (1.0 + xe) * (1.0 + rel)) * (1.0 + RHO_MAX)
+
+
+@numba.jit(**_JIT)
 def _d_sums(vp, cols, nh, want_w, work, sums):
-    """Z, N_e and A_e = sum_j e_j |v_je| of each row over the listed keys in blocked sums
-    (SUM_BLOCK listed keys per block: each block's sums are fma chains from +0 over its keys in
-    order, then added to the totals), with the tiny terms' counts and rho: ``sums`` = (z, zb,
-    nsum, nb, asum, ab, tiny, tiny_v, rho) (nb, ab unused); ``vp`` the plane's gathered (U, E)
-    values."""
+    """Z and N_e of each row over the listed keys in blocked sums (SUM_BLOCK listed keys per
+    block: each block's sums are fma chains from +0 over its keys in order, then added to the
+    totals), with the tiny terms' counts and rho, each key's e^_j and whether it enters N kept
+    for the magnitude sums A_e = sum_j e^_j |v_je| (:func:`_d_finish` sums them where they are
+    needed): ``sums`` = (z, zb, nsum, ex, asum, use, tiny, tiny_v, rho); ``vp`` the plane's
+    gathered (U, E) values."""
     s, err, state, _, top = work
-    z, zb, nsum, _, asum, _, tiny, tiny_v, rho = sums
+    z, zb, nsum, ex, _, use, tiny, tiny_v, rho = sums
     u = 1.01 * D.U
     vdim = vp.shape[1]
-    ex = np.zeros((ROW_BLOCK, SUM_BLOCK))
-    use = np.zeros((ROW_BLOCK, SUM_BLOCK), dtype=np.bool_)
     for j0 in range(0, cols.shape[0], SUM_BLOCK):  # blocked sums: gamma_{B + n/B}, not gamma_n
         j1 = min(j0 + SUM_BLOCK, cols.shape[0])
         for rr in range(nh):
             zb[rr] = 0.0
         for jj in range(j0, j1):
             for rr in range(nh):
-                use[rr, jj - j0] = False
+                use[rr, jj] = False
+                ex[rr, jj] = 0.0
                 if state[rr, jj] == 0:
                     continue
                 x = s[rr, jj] - top[rr]
@@ -251,21 +282,42 @@ def _d_sums(vp, cols, nh, want_w, work, sums):
                         for e in range(vdim):
                             tiny_v[rr, e] += abs(vrow[e])
                     continue
-                rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * xe) * (1.0 + RHO_MAX))
-                ex[rr, jj - j0] = D.exp_d(x)
-                zb[rr] += ex[rr, jj - j0]
-                use[rr, jj - j0] = state[rr, jj] == 2
+                rho[rr] = max(rho[rr], exp_rel(D.EXP_D_REL, xe))
+                ex[rr, jj] = D.exp_d(x)
+                zb[rr] += ex[rr, jj]
+                use[rr, jj] = state[rr, jj] == 2
         for rr in range(nh):
             z[rr] += zb[rr]
-        weighted_rows(vp, cols[j0:j1], j1 - j0, nh, ex, use, nsum, asum)
+        sums_rows(vp, cols, j0, j1, nh, ex, use, nsum)
 
 
 @numba.jit(**_JIT)
-def _d_finish(b, h, i, rr, cols, korig, work, sums, prm, target, results):
+def _magnitudes(vp, cols, wrow, use, arow):
+    """``arow[e]`` = A_e of one row for every feature (the blocked sums of
+    :func:`refattn.exact.fast.gather_lanes.weighted_block`, lane-wise; its N sums are
+    discarded)."""
+    n = cols.shape[0]
+    scratch = np.zeros(vp.shape[1])
+    for j0 in range(0, n, SUM_BLOCK):
+        weighted_block(vp, cols, j0, min(j0 + SUM_BLOCK, n), wrow, use, scratch, arow)
+
+
+@numba.jit(**_JIT)
+def _d_finish(index, rr, cols, plane, work, sums, prm, target, results):
     """Status of row i of plane (b, h) (row rr of the work item) from its sums: out and lse
-    rounded, and the weights scattered to the listed keys (the rest of the row stays +0)."""
+    rounded, and the weights scattered to the listed keys (the rest of the row stays +0);
+    ``plane`` = (key positions (U,), values (U, E), their maxima (E,)) of its kv-head plane.
+
+    The error of N_e is bounded by ``(gsum + rho) X_e`` with ``X_e = sum_j e_j |v_je|``:
+    ``X_e <= (1 + rho)(1 + gsum) A_e`` (A_e the float blocked sum of e^_j |v_je|) or, without
+    summing, ``X_e <= vmax_e sum_j e_j <= vmax_e Z^ / ((1 - rho)(1 - gsum))`` (Z^ the float
+    sum of the keys' e^_j, vmax_e the plane's largest |v_je|). For a float32 target the
+    outputs are first decided with the second; A_e is summed only for the features it leaves
+    undecided (the decided values are the exact results rounded either way)."""
+    b, h, i = index
+    korig, vp, vmax = plane
     s, err, state, bad, top = work
-    z, _, nsum, _, asum, _, tiny, tiny_v, rho = sums
+    z, _, nsum, ex, asum, use, tiny, tiny_v, rho = sums
     if bad[rr]:
         return UNDECIDED
     if top[rr] == -np.inf:
@@ -281,25 +333,97 @@ def _d_finish(b, h, i, rr, cols, korig, work, sums, prm, target, results):
         if x < CUT:
             tiny_r += TINY
         else:
-            rho_r = max(rho_r, (D.EXP_D_REL + 2.0 * u * abs(x) * D.BOUND_SAFETY) * (1.0 + RHO_MAX))
+            rho_r = max(rho_r, exp_rel(D.EXP_D_REL, u * abs(x) * D.BOUND_SAFETY))
             zr_ += D.exp_d(x)
     if not rho_r <= RHO_MAX:
         return UNDECIDED
     gg = gsum + rho_r
     zrad = (gg * zr_ * (1.0 + gsum) + tiny_r) * D.BOUND_SAFETY
+    keep_one = pr[P_KEEP_HI] == 1.0 and pr[P_KEEP_LO] == 0.0 and pr[P_KEEP_ERR] == 0.0
+    if _float32_out(target) and keep_one:
+        loose = gg * (1.0 + 2.0 * gsum) * (1.0 + 2.0 * rho_r) * z[rr] * D.BOUND_SAFETY
+        nr = loose * vmax * D.BOUND_SAFETY + TINY * tiny_v[rr]
+        flags = np.zeros(nsum.shape[1], np.bool_)
+        count = float32_outputs(index, (zr_, zrad), (nsum[rr], nr), results[0], flags)
+        if count <= 0:
+            return OK if count == 0 else UNDECIDED
+        tight = gg * (1.0 + gsum) * (1.0 + rho_r) * D.BOUND_SAFETY
+        for e in range(flags.shape[0]):
+            if flags[e]:
+                a = magnitude_sum(vp, cols, cols.shape[0], SUM_BLOCK, ex[rr], use[rr], e)
+                nr[e] = tight * a * D.BOUND_SAFETY + TINY * tiny_v[rr, e]
+        count = float32_outputs(index, (zr_, zrad), (nsum[rr], nr), results[0], flags)
+        return OK if count == 0 else UNDECIDED
+    _magnitudes(vp, cols, ex[rr], use[rr], asum[rr])
     # sum_j e_j |v_je| <= (1 + rho)(1 + gsum) A_e (A_e: the float blocked sum of e^_j |v_je|)
     nr = (gg * asum[rr] * (1.0 + gsum) * (1.0 + rho_r)) * D.BOUND_SAFETY + TINY * tiny_v[rr]
     zeros = np.zeros(nsum.shape[1])
     ok, lz_h, lz_l, lz_r = finish_row(
-        (b, h, i), top[rr], (zr_, 0.0, zrad), (nsum[rr], zeros, nr), pr, target, results
+        index, top[rr], (zr_, 0.0, zrad), (nsum[rr], zeros, nr), pr, target, results
     )
     if ok and target[1]:
         n = cols.shape[0]
         shifted = (s[rr, :n], np.zeros(n), err[rr, :n])
         ok = _scatter_weights(
-            (b, h, i), cols, korig, state[rr, :n], shifted, (lz_h, lz_l, lz_r), target, results[2]
+            index, cols, korig, state[rr, :n], shifted, (lz_h, lz_l, lz_r), target, results[2]
         )
     return OK if ok else UNDECIDED
+
+
+@numba.jit(**_JIT)
+def _float32_out(target):
+    """Whether a target asks for the outputs alone, rounded to float32 (24 bits, emin -126)."""
+    want_lse, want_w, p, emin, _ = target
+    return not want_lse and not want_w and p == 24 and emin == -126
+
+
+@numba.jit(**_JIT)
+def _float32_one(n, zh, zr, zlow, nr):
+    """(value, decided) of one output N / Z rounded to float32 (:func:`float32_outputs`)."""
+    o = n / zh
+    a = abs(o)
+    rad = ((nr + a * 1.0000001 * zr) / zlow + 2.0**-52 * a) * D.BOUND_SAFETY
+    wide = rad * (1.0 + 2.0**-50) + 2.0**-50 * a + 2.0**-1070
+    lo = np.float32(o - wide)
+    hi = np.float32(o + wide)
+    same = (lo == hi) & (math.copysign(1.0, lo) == math.copysign(1.0, hi))
+    return np.float64(lo), same & (abs(lo) < np.inf)
+
+
+@numba.jit(**_JIT)
+def float32_outputs(index, z, sums, out, flags):
+    """The outputs ``out[b, h, i, e] = N_e / Z`` of a row rounded to float32 from double
+    enclosures (``z`` = (Z^, radius), ``sums`` = (N^ (E,), radii (E,))), no keep scale, for
+    the features e with ``flags[e]`` (all when none is set); sets ``flags[e]`` where the
+    enclosure leaves it undecided and returns their count (-1, all flagged, when the radius
+    of Z is not below Z^ / 2).
+
+    ``o = fl(N^ / Z^)``: ``|N/Z - o| <= (r_N + |N^/Z^| r_Z) / (Z^ - r_Z) + u |o|`` (the
+    bound of :func:`refattn.exact.fast.forward_kernels.finish_row` on a one-word quotient),
+    the whole widened by BOUND_SAFETY for the roundings of its own evaluation. The ends
+    ``o -+ w`` (w widened by ``2**-50 (|o| + w)`` more, which covers the rounding of each
+    end, and 2**-1070 for the subnormal range) enclose the exact value; each end is rounded
+    to float32 by the IEEE conversion (round to nearest, ties to even: a monotone map), so
+    when both ends round to the same finite float32, signs of zero included, so does every
+    value between them: that float32 is the exact result rounded once. No libm call."""
+    b, h, i = index
+    zh, zr = z
+    ns, nr = sums
+    if not zr < 0.5 * zh:
+        flags[:] = True
+        return -1
+    zlow = zh - zr
+    every = True
+    for e in range(flags.shape[0]):
+        every = every and not flags[e]
+    count = 0
+    for e in range(ns.shape[0]):
+        if every or flags[e]:
+            value, same = _float32_one(ns[e], zh, zr, zlow, nr[e])
+            out[b, h, i, e] = value
+            flags[e] = not same
+            count += not same
+    return count
 
 
 @numba.jit(**_JIT)
@@ -322,13 +446,13 @@ def _d_item(item, inputs, lists, rule, target, results):
     the listed keys and values)."""
     b, i, nh = item[0], item[1], item[2]
     heads = item[3 : 3 + nh]
-    q, kTu, vu, _, _, _, _, _, keys_of, prm, kvh = inputs
+    q, kTu, vu, _, _, _, _, vmaxu, keys_of, prm, kvh = inputs
     g = kvh[heads[0]]
     cols = _row_columns(b, g, i, lists, keys_of, rule)
     n = cols.shape[0]
     vdim = vu.shape[3]
-    s = np.zeros((ROW_BLOCK, n))
-    sab = np.zeros((ROW_BLOCK, n))
+    s = np.zeros((nh, n))
+    sab = np.zeros((nh, n))
     if n > 0:
         c0 = 0
         kcols = kTu[b, g]
@@ -344,9 +468,9 @@ def _d_item(item, inputs, lists, rule, target, results):
     work = (
         s,
         sab,
-        np.zeros((ROW_BLOCK, n), np.int8),
-        np.zeros(ROW_BLOCK, np.bool_),
-        np.full(ROW_BLOCK, -np.inf),
+        np.zeros((nh, n), np.int8),
+        np.zeros(nh, np.bool_),
+        np.full(nh, -np.inf),
     )
     _d_scores(b, i, heads, cols, inputs, rule, work)
     top = work[4]
@@ -355,28 +479,27 @@ def _d_item(item, inputs, lists, rule, target, results):
         if pr[P_HAS_SINK] != 0.0:  # the sink: one more logit in the max and in Z, no value
             top[rr] = max(top[rr], pr[P_SINK])
     sums = (
-        np.zeros(ROW_BLOCK),
-        np.zeros(ROW_BLOCK),
-        np.zeros((ROW_BLOCK, vdim)),
-        np.zeros((ROW_BLOCK, vdim)),
-        np.zeros((ROW_BLOCK, vdim)),
-        np.zeros((ROW_BLOCK, vdim)),
-        np.zeros(ROW_BLOCK),
-        np.zeros((ROW_BLOCK, vdim)),
-        np.zeros(ROW_BLOCK),
+        np.zeros(nh),
+        np.zeros(nh),
+        np.zeros((nh, vdim)),
+        np.zeros((nh, n)),
+        np.zeros((nh, vdim)),
+        np.zeros((nh, n), np.bool_),
+        np.zeros(nh),
+        np.zeros((nh, vdim)),
+        np.zeros(nh),
     )
     _d_sums(vu[b, g], cols, nh, target[1], work, sums)
     status = results[3]
     for rr in range(nh):
         h = heads[rr]
-        status[b, h, i] = _d_finish(
-            b, h, i, rr, cols, keys_of[b, g], work, sums, prm, target, results
-        )
+        plane = (keys_of[b, g], vu[b, g], vmaxu[b, g])
+        status[b, h, i] = _d_finish((b, h, i), rr, cols, plane, work, sums, prm, target, results)
 
 
 @numba.jit(**_PAR)
 def gather_d(items, inputs, lists, rule, target, results):
-    """Double-precision step (targets of at most 24 bits) over ``items`` ((n, 3 + ROW_BLOCK):
+    """Double-precision step (targets of at most 24 bits) over ``items`` ((n, 3 + HEAD_BLOCK):
     b, i, head count, heads of one kv head), in parallel.
 
     ``inputs`` = (q (B, H, L, D), kTu (B, K, D, U), vu (B, K, U, E) (the gathered keys and
@@ -399,7 +522,9 @@ def _dd_scores(b, h, i, cols, inputs, rule, work):
     s, c, err, state = work
     g = kvh[h]
     n = cols.shape[0]
-    if n > 0:
+    if n > 0 and _contiguous(cols):  # a decode row lists the whole gathered table: no copy
+        row_dots(q[b, h, i], kTu[b, g], cols[0], cols[0] + n, s, c)
+    elif n > 0:
         row_dots(q[b, h, i], _key_columns(kTu[b, g], cols), 0, n, s, c)
     korig = keys_of[b, g]
     pr = prm[b, h]
@@ -458,7 +583,7 @@ def _dd_row(b, h, i, inputs, lists, rule, target, results):
                 for e in range(vdim):
                     tiny_v[e] += abs(vrow[e])
             continue
-        rho = max(rho, (EXP_FAST_REL + 2.0 * xe) * (1.0 + RHO_MAX))
+        rho = max(rho, exp_rel(EXP_FAST_REL, xe))
         eh, el = exp_dd_fast(xh, xl)
         zs, es = D.two_sum(zs, eh)
         zc += es + el
@@ -472,7 +597,7 @@ def _dd_row(b, h, i, inputs, lists, rule, target, results):
         if xh < CUT:
             tiny += TINY
         else:
-            rel = (EXP_FAST_REL + 2.0 * D.DD_REL * abs(xh) * D.BOUND_SAFETY) * (1.0 + RHO_MAX)
+            rel = exp_rel(EXP_FAST_REL, D.DD_REL * abs(xh) * D.BOUND_SAFETY)
             rho = max(rho, rel)
             eh, el = exp_dd_fast(xh, xl)
             zs, es = D.two_sum(zs, eh)

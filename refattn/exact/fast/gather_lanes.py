@@ -9,7 +9,9 @@ the scalar loops and depend on the shapes alone.
 
 * :func:`dot_tiles`: the blocked fma dot products and their magnitude sums (Higham 2002,
   eq. (4.3): each rounding errs by at most u times its result's magnitude).
-* :func:`weighted_block`: one key block's ``sum_j e_j v_je`` and ``sum_j e_j |v_je|``.
+* :func:`weighted_block`: one key block's ``sum_j e_j v_je`` and ``sum_j e_j |v_je|``;
+  :func:`sums_rows` the first alone (its bits) and :func:`magnitude_sum` the second for one
+  feature (its bits), for the features whose outputs a looser bound leaves undecided.
 * :func:`key_facts`, :func:`value_rows`: the listed keys gathered into the transposed float64
   table with their norms, exactness scales and range check in one pass; the listed values
   with their maxima and range check.
@@ -26,7 +28,17 @@ from numba import prange
 from ...kernels._simd import JIT, vadd, vload, vmul, vstore, vzero
 from . import doubledouble as D
 
-__all__ = ["W", "vabs", "dot_tiles", "weighted_block", "weighted_rows", "key_facts", "value_rows"]
+__all__ = [
+    "W",
+    "vabs",
+    "dot_tiles",
+    "weighted_block",
+    "weighted_rows",
+    "sums_rows",
+    "magnitude_sum",
+    "key_facts",
+    "value_rows",
+]
 
 #: Lanes of a 64-byte float64 vector.
 W = 8
@@ -150,16 +162,28 @@ def dot_tiles(qh, kcols, n, block, s, sab):
     """``s[r, c] = qh[r] . kcols[:, c]`` and the magnitude sums ``sab[r, c]`` for the rows of
     ``qh`` (R, D) and the first ``n - n % W`` columns of ``kcols`` (D, >= n), W keys per lane
     vector, four query rows at a time (their chains interleaved); the caller does the rest of
-    the columns. ``s`` and ``sab`` (>= R, >= n) are overwritten there."""
+    the columns. ``s`` and ``sab`` (>= R, >= n) are overwritten there. Each tile of W keys is
+    first copied into a contiguous (D, W) panel that every row then reads (one strided pass
+    over ``kcols`` per tile, however many rows: the copy changes no bit)."""
     rows = qh.shape[0]
     dim = qh.shape[1]
+    panel = np.empty((dim, W))
+    tile = np.zeros((4, W))
+    tile_ab = np.zeros((4, W))
     for c in range(0, n - n % W, W):
+        for d in range(dim):
+            vstore(panel[d], 0, vload(kcols[d], c))
         r = 0
         while r + 4 <= rows:
-            _dots4(qh[r : r + 4], kcols, c, dim, block, s[r : r + 4], sab[r : r + 4])
+            _dots4(qh[r : r + 4], panel, 0, dim, block, tile, tile_ab)
+            for rr in range(4):
+                vstore(s[r + rr], c, vload(tile[rr], 0))
+                vstore(sab[r + rr], c, vload(tile_ab[rr], 0))
             r += 4
         while r < rows:
-            _dots1(qh[r], kcols, c, dim, block, s[r], sab[r])
+            _dots1(qh[r], panel, 0, dim, block, tile[0], tile_ab[0])
+            vstore(s[r], c, vload(tile[0], 0))
+            vstore(sab[r], c, vload(tile_ab[0], 0))
             r += 1
 
 
@@ -289,6 +313,83 @@ def weighted_rows(vp, cols, nb, nh, wts, use, nsum, asum):
     while r < nh:
         weighted_block(vp, cols, 0, nb, wts[r], use[r], nsum[r], asum[r])
         r += 1
+
+
+@numba.jit(**_JIT)
+def _sums8(vp, cols, j0, j1, wts, use, e, nsum):
+    """The ``nsum`` lanes of :func:`_weighted8` alone (the same bits) over the keys
+    j0 <= j < j1 of the full rows ``wts``, ``use`` (8, >= j1)."""
+    n0 = n1 = n2 = n3 = n4 = n5 = n6 = n7 = vzero(nsum[0])
+    for j in range(j0, j1):
+        v = vload(vp[cols[j]], e)
+        if use[0, j]:
+            n0 = vfma(wts[0, j], v, n0)
+        if use[1, j]:
+            n1 = vfma(wts[1, j], v, n1)
+        if use[2, j]:
+            n2 = vfma(wts[2, j], v, n2)
+        if use[3, j]:
+            n3 = vfma(wts[3, j], v, n3)
+        if use[4, j]:
+            n4 = vfma(wts[4, j], v, n4)
+        if use[5, j]:
+            n5 = vfma(wts[5, j], v, n5)
+        if use[6, j]:
+            n6 = vfma(wts[6, j], v, n6)
+        if use[7, j]:
+            n7 = vfma(wts[7, j], v, n7)
+    _add_lanes(nsum, e, (n0, n1, n2, n3, n4, n5, n6, n7))
+
+
+@numba.jit(**_JIT)
+def _sums1(vp, cols, j0, j1, wrow, use, e, nrow):
+    """:func:`_sums8` for one row (``wrow``, ``use`` (>= j1,))."""
+    n0 = vzero(nrow)
+    for j in range(j0, j1):
+        if use[j]:
+            n0 = vfma(wrow[j], vload(vp[cols[j]], e), n0)
+    vstore(nrow, e, vadd(vload(nrow, e), n0))
+
+
+@numba.jit(**_JIT)
+def sums_rows(vp, cols, j0, j1, nh, wts, use, nsum):
+    """``nsum[r, e] += sum_j wts[r, j] vp[cols[j], e]`` over the keys j0 <= j < j1 with
+    ``use[r, j]`` for the rows r < nh: the N sums of :func:`weighted_rows` without the
+    magnitude sums (the same bits: each block sum an fma chain over j in order from +0, then
+    added to the total), eight rows sharing each value vector."""
+    vdim = vp.shape[1]
+    whole = vdim - vdim % W
+    r = 0
+    while r + 8 <= nh:
+        for e in range(0, whole, W):
+            _sums8(vp, cols, j0, j1, wts[r : r + 8], use[r : r + 8], e, nsum[r : r + 8])
+        r += 8
+    while r < nh:
+        for e in range(0, whole, W):
+            _sums1(vp, cols, j0, j1, wts[r], use[r], e, nsum[r])
+        r += 1
+    for rr in range(nh):
+        for e in range(whole, vdim):
+            n = 0.0
+            for j in range(j0, j1):
+                if use[rr, j]:
+                    n = D.fma(wts[rr, j], vp[cols[j], e], n)
+            nsum[rr, e] += n
+
+
+@numba.jit(**_JIT)
+def magnitude_sum(vp, cols, n, block, wrow, use, e):
+    """``sum_j wrow[j] |vp[cols[j], e]|`` over the keys j < n with ``use[j]`` in the blocked
+    sums of :func:`weighted_block` (``block`` keys per block, each an fma chain from +0, the
+    block sums added in order from +0): the magnitude sum of one feature, its bits."""
+    total = 0.0
+    for j0 in range(0, n, block):
+        a = 0.0
+        for j in range(j0, min(j0 + block, n)):
+            if use[j]:
+                a = D.fma(wrow[j], abs(vp[cols[j], e]), a)
+        total += a
+    return total
 
 
 @numba.jit(**_JIT)
