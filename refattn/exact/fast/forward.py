@@ -99,6 +99,7 @@ from .forward_kernels import (
     forward_d,
     forward_dd,
 )
+from .forward_refine import forward_refine
 
 __all__ = [
     "fast_exact_forward",
@@ -241,6 +242,7 @@ def finish_forward(results, dtype, rows, step_rows, referee_rows):
         referee_elements=referee_rows * per_row,
         double_rows=step_rows["double"],
         double_double_rows=step_rows["double-double"],
+        refine_rows=step_rows.get("refine", 0),
     )
     out, lse, weights = results
     return (
@@ -408,6 +410,11 @@ def fast_exact_forward(
         if items.size:
             forward_dd(items, inputs, rule, target, results)
         step_rows["double-double"] = items.shape[0]
+        # the rows still undecided: the refined double-double step (linear sum bounds)
+        again = np.ascontiguousarray(np.argwhere(x.ok[:, :, None] & (status == UNDECIDED)))
+        if again.size:
+            forward_refine(again, inputs, rule, target, results)
+        step_rows["refine"] = again.shape[0]
     referee_rows = 0
     if kv and (status != OK).any():  # the referee reads the values themselves
         spec = with_values(spec, kv)
@@ -422,13 +429,14 @@ def fast_exact_forward(
 def fallback_stats() -> dict:
     """Statistics of the last :func:`fast_exact_forward` call: ``rows`` and ``elements`` in
     total, ``double_rows`` and ``double_double_rows`` (rows evaluated by each first step),
-    ``referee_rows`` and ``referee_elements`` (those of the rows recomputed by the referee
-    engine).
+    ``refine_rows`` (rows the double-double step left to the refined step,
+    :mod:`refattn.exact.fast.forward_refine`), ``referee_rows`` and ``referee_elements``
+    (those of the rows recomputed by the referee engine).
 
     Examples
     --------
     >>> set(fallback_stats()) <= {'rows', 'elements', 'referee_rows', 'referee_elements',
-    ...                           'double_rows', 'double_double_rows'}
+    ...                           'double_rows', 'double_double_rows', 'refine_rows'}
     True
     """
     return dict(_LAST_STATS)
