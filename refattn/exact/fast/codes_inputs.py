@@ -111,11 +111,12 @@ def _values(codes, factors, table, v, facts):
             top[b, g, x] = best[x]
 
 
-def codes_inputs(k_rows, v_rows, batch):
+def codes_inputs(k_rows, v_rows, batch, pad=0):
     """``(kT, v, k_facts, v_facts)`` of quantised k and v (flat batch ``batch``): K^T
-    (B, K, D, S) and V (B, K, S, E) float64, ``k_facts`` = (ok, norms, scales) (B, K, S) of
-    the key rows and ``v_facts`` = (ok, norms, max |v|) (B, K, E) of the value columns, as
-    :class:`refattn.exact.fast.forward` computes them from the dequantised inputs.
+    (B, K, D, S + pad) (``pad`` zero keys past S: the dense step's layout, written in place
+    rather than copied) and V (B, K, S, E) float64, ``k_facts`` = (ok, norms, scales)
+    (B, K, S) of the key rows and ``v_facts`` = (ok, norms, max |v|) (B, K, E) of the value
+    columns, as :class:`refattn.exact.fast.forward` computes them from the dequantised inputs.
 
     Examples
     --------
@@ -132,7 +133,8 @@ def codes_inputs(k_rows, v_rows, batch):
     vc = v_rows.codes.reshape((batch,) + v_rows.codes.shape[-3:])
     vf = v_rows.factors.reshape((batch,) + v_rows.factors.shape[-3:])
     _, kv_heads, keys, dim = kc.shape
-    k_t = np.empty((batch, kv_heads, dim, keys))
+    k_t = np.empty((batch, kv_heads, dim, keys + pad))
+    k_t[..., keys:] = 0.0
     k_facts = (
         np.empty(kc.shape[:3], np.bool_),
         np.empty(kc.shape[:3]),

@@ -99,7 +99,7 @@ from .forward_kernels import (
     forward_d,
     forward_dd,
 )
-from .forward_refine import forward_refine
+from .forward_refine import REFINE_KEYS, forward_refine
 
 __all__ = [
     "fast_exact_forward",
@@ -319,11 +319,9 @@ class _Inputs:
         vdim = spec.v.shape[3]
         epad = max(KEY_TILE, -(-vdim // KEY_TILE) * KEY_TILE)
         if kv:  # k, v as codes (refattn._kv_codes): one compiled pass each, the same facts
-            k_t, v, k_facts, v_facts = codes_inputs(*kv, batch)
-            (k_ok, self.kn, self.ks), (v_ok, self.vnorm, self.vmax) = k_facts, v_facts
             # the dense step's layout: KEY_TILE zero keys past S, E zero-padded to whole tiles
-            self.kT = np.zeros(k_t.shape[:3] + (k_t.shape[3] + KEY_TILE,))
-            self.kT[..., : k_t.shape[3]] = k_t
+            self.kT, v, k_facts, v_facts = codes_inputs(*kv, batch, KEY_TILE)
+            (k_ok, self.kn, self.ks), (v_ok, self.vnorm, self.vmax) = k_facts, v_facts
             self.v = v if epad == vdim else np.zeros(v.shape[:3] + (epad,))
             self.v[..., :vdim] = v
         else:
@@ -407,14 +405,13 @@ def fast_exact_forward(
         else:
             redo = np.broadcast_to(x.ok[:, :, None], status.shape)
         items = np.ascontiguousarray(np.argwhere(redo))  # argwhere's rows: one kernel layout
-        if items.size:
+        if items.size and keys < REFINE_KEYS:  # long rows: the refined step at once
             forward_dd(items, inputs, rule, target, results)
-        step_rows["double-double"] = items.shape[0]
-        # the rows still undecided: the refined double-double step (linear sum bounds)
-        again = np.ascontiguousarray(np.argwhere(x.ok[:, :, None] & (status == UNDECIDED)))
-        if again.size:
-            forward_refine(again, inputs, rule, target, results)
-        step_rows["refine"] = again.shape[0]
+            step_rows["double-double"] = items.shape[0]
+            items = np.ascontiguousarray(np.argwhere(x.ok[:, :, None] & (status == UNDECIDED)))
+        if items.size:  # the refined double-double step (sum bounds linear in S)
+            forward_refine(items, inputs, rule, target, results)
+        step_rows["refine"] = items.shape[0]
     referee_rows = 0
     if kv and (status != OK).any():  # the referee reads the values themselves
         spec = with_values(spec, kv)

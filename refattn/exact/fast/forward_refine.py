@@ -67,10 +67,14 @@ from .forward_kernels import (
     _score,
 )
 
-__all__ = ["forward_refine", "REFINE_BLOCK", "refine_bounds"]
+__all__ = ["forward_refine", "REFINE_BLOCK", "REFINE_KEYS", "refine_bounds"]
 
 #: Keys per block of the refined sums (a Dot2 sum within a block, double-double across).
 REFINE_BLOCK = 64
+#: Rows of at least this many keys skip the double-double step: its sum bound
+#: (``dot_bound(2 S)``, above 2**-79 here) leaves a sizeable share of them undecided, and the
+#: refined step costs about as much per row.
+REFINE_KEYS = 4096
 #: The largest relative exponential error the step takes (as the double-double step).
 _RHO_MAX = 2.0**-20
 #: Exactness threshold of the dot products: ``qs_i ks_j < 2**52`` (exactness_scales).
@@ -108,6 +112,25 @@ def _fold_block(acc, blk, err):
 
 
 @numba.jit(**_JIT)
+def _exact_dots(qrow, kT, lo, s, c):
+    """``q_i . k_j`` of the keys ``lo <= j < lo + n`` (entry j - lo of ``s``; ``c`` zeroed) by
+    plain multiply-adds, for a row where every key has ``qs_i ks_j < 2**52``: each product
+    and partial sum is then a multiple of ``2**(g_i + g_j)`` below ``2**53`` times it
+    (:func:`refattn.exact.fast.forward.exactness_scales`), so no operation rounds."""
+    n = s.shape[0]
+    for jj in range(n):
+        s[jj] = 0.0
+        c[jj] = 0.0
+    for d in range(kT.shape[0]):
+        a = qrow[d]
+        if a == 0.0:
+            continue
+        row = kT[d, lo : lo + n]
+        for jj in range(n):
+            s[jj] += a * row[jj]
+
+
+@numba.jit(**_JIT)
 def _scores(b, h, i, inputs, rule, sce, state):
     """Scores of row i of plane (b, h) into ``sce`` = (hi, lo, err) over its key interval, the
     keys' states into ``state``; returns (top, ok): the row maximum of the scores' high words
@@ -127,7 +150,13 @@ def _scores(b, h, i, inputs, rule, sce, state):
     knp, ksp = kn[b, g], ks[b, g]
     qn_i, qs_i = qn[b, h, i], qs[b, h, i]
     rule_arrays = has_mask or has_bias or has_drop
-    _row_dots(q[b, h, i], kT[b, g], lo, lo + n, s, c)
+    exact = True
+    for jj in range(n):
+        exact = exact and qs_i * ksp[lo + jj] < _EXACT_DOT
+    if exact:  # every product and partial sum representable: a plain chain is the dot product
+        _exact_dots(q[b, h, i], kT[b, g], lo, s, c)
+    else:
+        _row_dots(q[b, h, i], kT[b, g], lo, lo + n, s, c)
     top = -np.inf
     for jj in range(n):
         j = lo + jj
@@ -151,13 +180,14 @@ def _scores(b, h, i, inputs, rule, sce, state):
 @numba.jit(**_JIT)
 def _refine_row(b, h, i, inputs, rule, target, results):
     """The refined row i of plane (b, h) (module docstring, 1-3); returns its status."""
-    _, _, v, _, _, _, _, _, _, prm, kvh = inputs
+    _, _, v, _, _, _, _, vmax, _, prm, kvh = inputs
     want_w = target[1]
     lo, hi = rule[R_ROWS_LO][b, i], rule[R_ROWS_HI][b, i]
     n = hi - lo
     vdim = results[0].shape[3]
     pr = prm[b, h]
-    vp = v[b, kvh[h]]
+    g = kvh[h]
+    vp = v[b, g]
     s, c, err = np.empty(n), np.empty(n), np.empty(n)
     state = np.zeros(n, np.int8)
     top, ok = _scores(b, h, i, inputs, rule, (s, c, err), state)
@@ -171,7 +201,7 @@ def _refine_row(b, h, i, inputs, rule, target, results):
     # accumulators: entries 0..vdim-1 for N, entry vdim for Z
     acc_h, acc_l, acc_err = np.zeros(vdim + 1), np.zeros(vdim + 1), np.zeros(vdim + 1)
     blk_s, blk_c = np.zeros(vdim + 1), np.zeros(vdim + 1)
-    mass = np.zeros(vdim + 1)  # float sums of hi(e_j) |v_je| (and of hi(e_j) for Z)
+    mass = np.zeros(2)  # float sums of hi(e_j): all keys (Z), the valued keys
     tiny_v = np.zeros(vdim)
     tiny = 0.0
     rho = 0.0
@@ -194,8 +224,9 @@ def _refine_row(b, h, i, inputs, rule, target, results):
         eh, el = exp_dd_fast(xh, xl)
         blk_s[vdim], es = D.two_sum(blk_s[vdim], eh)
         blk_c[vdim] += es + el
-        mass[vdim] += eh
+        mass[0] += eh
         if state[jj] == 2:
+            mass[1] += eh
             for e in range(vdim):
                 b_ = vp[j, e]
                 p = eh * b_
@@ -203,7 +234,6 @@ def _refine_row(b, h, i, inputs, rule, target, results):
                 t, et = D.two_sum(blk_s[e], p)
                 blk_s[e] = t
                 blk_c[e] += (ep + et) + el * b_
-                mass[e] += abs(p)
         in_block += 1
         if in_block == REFINE_BLOCK:
             _fold_block((acc_h, acc_l), (blk_s, blk_c), acc_err)
@@ -220,11 +250,17 @@ def _refine_row(b, h, i, inputs, rule, target, results):
             eh, el = exp_dd_fast(xh, xl)
             acc_h[vdim], acc_l[vdim] = D.dd_add(acc_h[vdim], acc_l[vdim], eh, el)
             acc_err[vdim] += D.DD_REL * abs(acc_h[vdim])
-            mass[vdim] += eh
+            mass[0] += eh
     if not rho <= _RHO_MAX:
         return UNDECIDED
     ok, lz_h, lz_l, lz_r = _finish(
-        (b, h, i), top, (acc_h, acc_l, acc_err, mass), (tiny, tiny_v, rho), pr, target, results
+        (b, h, i),
+        top,
+        (acc_h, acc_l, acc_err, mass),
+        (tiny, tiny_v, rho),
+        (pr, vmax[b, g]),
+        target,
+        results,
     )
     if ok and want_w:
         ok = _row_weights((b, h, i), lo, state, (s, c, err), (lz_h, lz_l, lz_r), target, results[2])
@@ -232,20 +268,21 @@ def _refine_row(b, h, i, inputs, rule, target, results):
 
 
 @numba.jit(**_JIT)
-def _finish(index, top, sums, small, pr, target, results):
+def _finish(index, top, sums, small, plane, target, results):
     """The radii of Z and N (module docstring, 2-3) and the results by the double-double
-    step's :func:`~refattn.exact.fast.forward_kernels._finish_row` (``pr`` the plane's
-    parameters); returns (decided, log Z hi, lo, radius)."""
+    step's :func:`~refattn.exact.fast.forward_kernels._finish_row` (``plane`` = (the plane's
+    parameters, max |v_e| over its keys)); returns (decided, log Z hi, lo, radius)."""
+    pr, vmax_p = plane
     acc_h, acc_l, acc_err, mass = sums
     tiny, tiny_v, rho = small
     vdim = tiny_v.shape[0]
     zh, zl = D.two_sum(acc_h[vdim], acc_l[vdim])
-    z_sum = _BLOCK_REL * mass[vdim] * (1.0 + 2.0**-18) + acc_err[vdim]
+    z_sum = _BLOCK_REL * mass[0] * (1.0 + 2.0**-18) + acc_err[vdim]
     z_top = zh + z_sum + tiny  # >= the exact sum of the exponentials' enclosures
     zr = (z_sum + rho * z_top / (1.0 - rho) + tiny) * D.BOUND_SAFETY
     nr = np.empty(vdim)
     for e in range(vdim):
-        a_e = mass[e] * (1.0 + 2.0**-18)  # >= sum_j e_j |v_je| (and >= P_e)
+        a_e = vmax_p[e] * mass[1] * (1.0 + 2.0**-18)  # >= sum_j e_j |v_je| (and >= P_e)
         nr[e] = (_BLOCK_REL * a_e + acc_err[e] + rho * a_e + TINY * tiny_v[e]) * D.BOUND_SAFETY
     return _finish_row(
         index, top, (zh, zl, zr), (acc_h[:vdim], acc_l[:vdim], nr), pr, target, results
