@@ -169,3 +169,30 @@ def test_block_bound_is_linear():
 
     assert FR.refine_bounds() == D.dot_bound(2 * FR.REFINE_BLOCK)
     assert FR.refine_bounds() * 2**16 < D.dot_bound(2 * 32768)
+
+
+@pytest.mark.parametrize("q_kind", ["nvfp4", "float64"])
+def test_long_rows_of_codes_read_the_codes_directly(monkeypatch, q_kind):
+    """Rows of at least REFINE_KEYS keys with k, v as codes and a float64 target: the refined
+    step alone, reading the codes (no float64 K^T or V is formed); exact dot products for
+    NVFP4 q, Dot2 ones for a float64 q; the referee's bits (weights too)."""
+    monkeypatch.setattr(FA, "REFINE_KEYS", 64)
+    stored = []
+    real = FA.codes_inputs
+
+    def spy(*args):
+        stored.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(FA, "codes_inputs", spy)
+    rng = np.random.default_rng(8)
+    args = _nvfp4(rng)
+    if q_kind == "float64":
+        args["q"] = rng.standard_normal(args["q"].shape)
+        del args["q_block_scale"]
+    opts = dict(causal=True, align="bottom_right", return_weights=True)
+    fast = _run("fast", args, **opts)
+    stats = FA.fallback_stats()
+    assert stored == [False] and stats["refine_rows"] == stats["rows"] == 8, (stored, stats)
+    assert stats["double_double_rows"] == 0
+    _same(fast, _run("referee", args, **opts))

@@ -99,7 +99,7 @@ from .forward_kernels import (
     forward_d,
     forward_dd,
 )
-from .forward_refine import REFINE_KEYS, forward_refine
+from .forward_refine import REFINE_KEYS, code_planes, forward_refine
 
 __all__ = [
     "fast_exact_forward",
@@ -310,7 +310,7 @@ class _Inputs:
     """Float64 inputs of every plane, their norms and scales, and the planes the first steps
     take (the others go to the referee whole)."""
 
-    def __init__(self, spec: AttentionSpec, kv=None):
+    def __init__(self, spec: AttentionSpec, kv=None, store=True):
         batch, heads, _, length, keys, _, _ = spec.dims
         f64 = np.float64
         self.q = np.ascontiguousarray(spec.q, dtype=f64)
@@ -320,10 +320,13 @@ class _Inputs:
         epad = max(KEY_TILE, -(-vdim // KEY_TILE) * KEY_TILE)
         if kv:  # k, v as codes (refattn._kv_codes): one compiled pass each, the same facts
             # the dense step's layout: KEY_TILE zero keys past S, E zero-padded to whole tiles
-            self.kT, v, k_facts, v_facts = codes_inputs(*kv, batch, KEY_TILE)
+            # (store False: the facts alone, the refined step reading the codes themselves)
+            self.kT, v, k_facts, v_facts = codes_inputs(*kv, batch, KEY_TILE, store)
             (k_ok, self.kn, self.ks), (v_ok, self.vnorm, self.vmax) = k_facts, v_facts
-            self.v = v if epad == vdim else np.zeros(v.shape[:3] + (epad,))
-            self.v[..., :vdim] = v
+            self.v = v
+            if epad != vdim:
+                self.v = np.zeros(v.shape[:3] + (epad,))
+                self.v[..., :vdim] = v
         else:
             k = frozen(spec.k, f64)
             if epad == vdim:
@@ -384,7 +387,9 @@ def fast_exact_forward(
     status = np.full((batch, heads, length), UNDECIDED, dtype=np.int8)
     step_rows = {"double": 0, "double-double": 0}
     if out.size or lse.size:
-        x = _Inputs(spec, kv)
+        # long rows of codes to a float64 target: the refined step alone, reading the codes
+        direct = bool(kv) and keys >= REFINE_KEYS and fmt.p > 24
+        x = _Inputs(spec, kv, store=not direct)
         inputs = tuple(
             frozen(a)
             for a in (x.q, x.kT, x.v, x.qn, x.kn, x.qs, x.ks, x.vmax, x.vnorm, x.prm, x.kvh)
@@ -410,7 +415,8 @@ def fast_exact_forward(
             step_rows["double-double"] = items.shape[0]
             items = np.ascontiguousarray(np.argwhere(x.ok[:, :, None] & (status == UNDECIDED)))
         if items.size:  # the refined double-double step (sum bounds linear in S)
-            forward_refine(items, inputs, rule, target, results)
+            codes = code_planes(kv if direct else None, batch)
+            forward_refine(items, inputs, rule, target, results, codes)
         step_rows["refine"] = items.shape[0]
     referee_rows = 0
     if kv and (status != OK).any():  # the referee reads the values themselves

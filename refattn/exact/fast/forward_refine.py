@@ -51,6 +51,7 @@ from ._params import (
     R_HAS_MASK,
     R_ROWS_HI,
     R_ROWS_LO,
+    frozen,
 )
 from .allowed_set import key_state
 from .doubledouble import EXP_FAST_REL, exp_dd_fast
@@ -67,7 +68,7 @@ from .forward_kernels import (
     _score,
 )
 
-__all__ = ["forward_refine", "REFINE_BLOCK", "REFINE_KEYS", "refine_bounds"]
+__all__ = ["forward_refine", "code_planes", "REFINE_BLOCK", "REFINE_KEYS", "refine_bounds"]
 
 #: Keys per block of the refined sums (a Dot2 sum within a block, double-double across).
 REFINE_BLOCK = 64
@@ -131,10 +132,50 @@ def _exact_dots(qrow, kT, lo, s, c):
 
 
 @numba.jit(**_JIT)
-def _scores(b, h, i, inputs, rule, sce, state):
+def _code_dots(qrow, k_codes, lo, s, c, exact):
+    """``q_i . k_j`` of the keys ``lo <= j < lo + n`` read from their codes ``k_codes`` =
+    (codes (S, D), factors (S, D / n), table): tiles of :data:`REFINE_BLOCK` keys' values
+    ``table[code] * factor`` (exact) stored transposed, then the products in increasing d,
+    skipping ``q_id = 0`` -- the terms and order of
+    :func:`~refattn.exact.fast.forward_kernels._row_dots` (which it calls on the tile) or,
+    where ``exact``, of :func:`_exact_dots` (no operation rounds)."""
+    codes, factors, table = k_codes
+    dim = codes.shape[1]
+    size = dim // factors.shape[1]
+    n = s.shape[0]
+    tile = np.empty((dim, REFINE_BLOCK))
+    for t0 in range(0, n, REFINE_BLOCK):
+        m = min(REFINE_BLOCK, n - t0)
+        for cc in range(m):
+            crow, frow = codes[lo + t0 + cc], factors[lo + t0 + cc]
+            for blk in range(factors.shape[1]):
+                f = frow[blk]
+                for d in range(blk * size, (blk + 1) * size):
+                    tile[d, cc] = table[crow[d]] * f
+        if exact:
+            _exact_dots(qrow, tile, 0, s[t0 : t0 + m], c[t0 : t0 + m])
+        else:
+            _row_dots(qrow, tile, 0, m, s[t0 : t0 + m], c[t0 : t0 + m])
+
+
+@numba.jit(**_JIT)
+def _value_row(v_codes, j, row):
+    """Value row j from its codes ``v_codes`` = (codes (S, E), factors (S, E / n), table) into
+    ``row`` (exact products)."""
+    codes, factors, table = v_codes
+    size = codes.shape[1] // factors.shape[1]
+    for blk in range(factors.shape[1]):
+        f = factors[j, blk]
+        for x in range(blk * size, (blk + 1) * size):
+            row[x] = table[codes[j, x]] * f
+
+
+@numba.jit(**_JIT)
+def _scores(b, h, i, inputs, rule, sce, state, codes):
     """Scores of row i of plane (b, h) into ``sce`` = (hi, lo, err) over its key interval, the
     keys' states into ``state``; returns (top, ok): the row maximum of the scores' high words
-    (-inf: no allowed key), ok False where a bias is out of range."""
+    (-inf: no allowed key), ok False where a bias is out of range. ``codes``: see
+    :func:`forward_refine`."""
     q, kT, _, qn, kn, qs, ks, _, _, prm, kvh = inputs
     rows_lo, has_mask, has_bias, has_drop = (
         rule[R_ROWS_LO],
@@ -153,7 +194,9 @@ def _scores(b, h, i, inputs, rule, sce, state):
     exact = True
     for jj in range(n):
         exact = exact and qs_i * ksp[lo + jj] < _EXACT_DOT
-    if exact:  # every product and partial sum representable: a plain chain is the dot product
+    if codes[0]:
+        _code_dots(q[b, h, i], (codes[1][b, g], codes[2][b, g], codes[5]), lo, s, c, exact)
+    elif exact:  # every product and partial sum representable: a plain chain is the dot
         _exact_dots(q[b, h, i], kT[b, g], lo, s, c)
     else:
         _row_dots(q[b, h, i], kT[b, g], lo, lo + n, s, c)
@@ -178,7 +221,28 @@ def _scores(b, h, i, inputs, rule, sce, state):
 
 
 @numba.jit(**_JIT)
-def _refine_row(b, h, i, inputs, rule, target, results):
+def _add_key(blk, eh, el, row):
+    """One valued key's terms ``e^_j v_je`` (``e^_j = eh + el``) into the block's Dot2 sums
+    ``blk`` = (s, c) (entries 0..E-1)."""
+    blk_s, blk_c = blk
+    for e in range(row.shape[0]):
+        b_ = row[e]
+        p = eh * b_
+        ep = D.fma(eh, b_, -p)
+        t, et = D.two_sum(blk_s[e], p)
+        blk_s[e] = t
+        blk_c[e] += (ep + et) + el * b_
+
+
+@numba.jit(**_JIT)
+def _add_abs(acc, row):
+    """``acc += |row|`` (the values of a key below CUT)."""
+    for e in range(acc.shape[0]):
+        acc[e] += abs(row[e])
+
+
+@numba.jit(**_JIT)
+def _refine_row(b, h, i, inputs, rule, target, results, codes):
     """The refined row i of plane (b, h) (module docstring, 1-3); returns its status."""
     _, _, v, _, _, _, _, vmax, _, prm, kvh = inputs
     want_w = target[1]
@@ -190,7 +254,9 @@ def _refine_row(b, h, i, inputs, rule, target, results):
     vp = v[b, g]
     s, c, err = np.empty(n), np.empty(n), np.empty(n)
     state = np.zeros(n, np.int8)
-    top, ok = _scores(b, h, i, inputs, rule, (s, c, err), state)
+    top, ok = _scores(b, h, i, inputs, rule, (s, c, err), state, codes)
+    v_codes = (codes[3][b, g], codes[4][b, g], codes[6])
+    vrow = np.empty(vdim)
     if not ok:
         return UNDECIDED
     has_sink, sink = pr[P_HAS_SINK] != 0.0, pr[P_SINK]
@@ -216,9 +282,11 @@ def _refine_row(b, h, i, inputs, rule, target, results):
             s[jj], c[jj], err[jj] = xh, xl, xe  # the shifted scores, kept for the weights
         if xh < CUT:
             tiny += TINY
-            if state[jj] == 2:
-                for e in range(vdim):
-                    tiny_v[e] += abs(vp[j, e])
+            if state[jj] == 2 and codes[0]:
+                _value_row(v_codes, j, vrow)
+                _add_abs(tiny_v, vrow)
+            elif state[jj] == 2:
+                _add_abs(tiny_v, vp[j, :vdim])
             continue
         rho = max(rho, (EXP_FAST_REL + 2.0 * xe) * (1.0 + _RHO_MAX))
         eh, el = exp_dd_fast(xh, xl)
@@ -227,13 +295,11 @@ def _refine_row(b, h, i, inputs, rule, target, results):
         mass[0] += eh
         if state[jj] == 2:
             mass[1] += eh
-            for e in range(vdim):
-                b_ = vp[j, e]
-                p = eh * b_
-                ep = D.fma(eh, b_, -p)
-                t, et = D.two_sum(blk_s[e], p)
-                blk_s[e] = t
-                blk_c[e] += (ep + et) + el * b_
+            if codes[0]:
+                _value_row(v_codes, j, vrow)
+                _add_key((blk_s, blk_c), eh, el, vrow)
+            else:
+                _add_key((blk_s, blk_c), eh, el, vp[j, :vdim])
         in_block += 1
         if in_block == REFINE_BLOCK:
             _fold_block((acc_h, acc_l), (blk_s, blk_c), acc_err)
@@ -290,12 +356,32 @@ def _finish(index, top, sums, small, plane, target, results):
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
-def forward_refine(items, inputs, rule, target, results):
+def forward_refine(items, inputs, rule, target, results, codes):
     """The refined step for the query rows ``items`` ((n, 3): b, h, i), in parallel over the
     rows; the argument records are those of
     :func:`refattn.exact.fast.forward_kernels.forward_dd`, whose status it overwrites for
-    these rows (OK: decided, written; UNDECIDED: to the referee)."""
+    these rows (OK: decided, written; UNDECIDED: to the referee). ``codes`` =
+    :func:`code_planes`: when its flag is set, k and v are read from their codes (K^T and V
+    in ``inputs`` may then be empty), else from ``inputs``."""
     status = results[3]
     for r in prange(items.shape[0]):
         b, h, i = items[r, 0], items[r, 1], items[r, 2]
-        status[b, h, i] = _refine_row(b, h, i, inputs, rule, target, results)
+        status[b, h, i] = _refine_row(b, h, i, inputs, rule, target, results, codes)
+
+
+def code_planes(kv, batch):
+    """The ``codes`` record of :func:`forward_refine`: ``(True, k codes (B, K, S, D), k factors
+    (B, K, S, D / n), v codes (B, K, S, E), v factors, k table, v table)`` of the streamed
+    rows ``kv`` (:class:`refattn.quantized.QuantisedRows`, flat batch ``batch``), or, for
+    ``kv`` None, the flag False with empty placeholders."""
+    if not kv:
+        codes = frozen(np.zeros((1, 1, 1, 1), np.uint8))
+        factors, table = frozen(np.ones((1, 1, 1, 1))), frozen(np.zeros(256))
+        return (False, codes, factors, codes, factors, table, table)
+    out = [True]
+    for rows in kv:
+        out += [
+            frozen(rows.codes.reshape((batch,) + rows.codes.shape[-3:])),
+            frozen(rows.factors.reshape((batch,) + rows.factors.shape[-3:])),
+        ]
+    return tuple(out) + (frozen(kv[0].table), frozen(kv[1].table))
