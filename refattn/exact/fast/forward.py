@@ -56,6 +56,13 @@ each row's arithmetic is fixed by the shapes alone, so no bit depends on the thr
    (:func:`row_spec`: a spec of the row run, with the offset shifted so causal/window/ALiBi
    use the original row indices).
 
+7. Refined step. The rows still undecided run again in
+   :mod:`refattn.exact.fast.forward_refine` (the same arithmetic, sums over keys bounded by
+   64-key blocks: about 2**-90 of ``A_e`` instead of ``dot_bound(2S)``, which grows like
+   ``S**2``; exact dot products where :func:`exactness_scales` proves them) before the
+   referee; rows of :data:`~refattn.exact.fast.forward_refine.REFINE_KEYS` keys or more go to
+   it at once, reading quantised k and v from their codes for a float64 target.
+
 For targets of at most 24 bits (float32, float16, bfloat16) a cheaper double-precision first
 step runs before the double-double one
 (:func:`refattn.exact.fast.forward_kernels.forward_d`): the dot products are fma chains

@@ -25,10 +25,17 @@ are linear in S (rows are few, so it may cost more per row than the first steps)
    ``|N^_e - sum_j e^_j v_je| <= dot_bound(2 B) P_e + DD_REL sum_b |acc_b|``, about
    ``2**-90 P_e`` instead of ``2**-73``. The same for Z (v = 1).
 3. Exponentials. ``|e_j - e^_j| <= rho e_j`` as in the double-double step, so the
-   exponentials add ``rho A_e`` with ``A_e = sum_j e_j |v_je| <= a_e (1 + 2**-18)``, ``a_e``
-   the float sum of ``hi(e_j) |v_je|`` (a sum of nonnegative terms: ``gamma_n < 2**-22`` for
-   ``n < 2**30``; ``e <= e^ / (1 - rho)``, ``e^ <= hi(e) (1 + u)``, ``rho <= 2**-20``), and
-   ``rho Z / (1 - rho)`` to Z; keys below ``CUT`` add ``TINY |v_je|`` (``TINY`` to Z).
+   exponentials add ``rho A_e`` to N and ``rho Z / (1 - rho)`` to Z, with
+   ``P_e <= A_e = sum_j e_j |v_je| <= max_j |v_je| zv (1 + 2**-18)``, ``zv`` the float sum of
+   the valued keys' ``hi(e_j)`` (nonnegative terms: ``gamma_n < 2**-22`` for ``n < 2**30``;
+   ``e <= e^ / (1 - rho)``, ``e^ <= hi(e) (1 + u)``, ``rho <= 2**-20``); keys below ``CUT``
+   add ``TINY |v_je|`` (``TINY`` to Z).
+4. Inputs. Rows of at least :data:`REFINE_KEYS` keys skip the double-double step (its bound
+   leaves many of them undecided; this step costs about as much per row). With k and v as
+   quantised codes (:class:`refattn.quantized.QuantisedRows`) and a float64 target, the step
+   reads the codes (:func:`code_planes`): each tile of keys and each value row is
+   dequantised as it is read, exactly (``table[code] * factor``), and no float64 K^T or V is
+   formed; the terms and their order are those of the float64 inputs.
 
 The results (out = N / Z * keep_scale, lse = m + log Z, the weights) and their rounding
 decisions are those of the double-double step, from the tighter radii; a row still undecided
@@ -61,11 +68,11 @@ from .forward_kernels import (
     OK,
     TINY,
     UNDECIDED,
-    _bias_in_range,
-    _finish_row,
-    _row_dots,
-    _row_weights,
-    _score,
+    bias_in_range,
+    finish_row,
+    row_dots,
+    row_weights,
+    score,
 )
 
 __all__ = ["forward_refine", "code_planes", "REFINE_BLOCK", "REFINE_KEYS", "refine_bounds"]
@@ -137,7 +144,7 @@ def _code_dots(qrow, k_codes, lo, s, c, exact):
     (codes (S, D), factors (S, D / n), table): tiles of :data:`REFINE_BLOCK` keys' values
     ``table[code] * factor`` (exact) stored transposed, then the products in increasing d,
     skipping ``q_id = 0`` -- the terms and order of
-    :func:`~refattn.exact.fast.forward_kernels._row_dots` (which it calls on the tile) or,
+    :func:`~refattn.exact.fast.forward_kernels.row_dots` (which it calls on the tile) or,
     where ``exact``, of :func:`_exact_dots` (no operation rounds)."""
     codes, factors, table = k_codes
     dim = codes.shape[1]
@@ -155,7 +162,7 @@ def _code_dots(qrow, k_codes, lo, s, c, exact):
         if exact:
             _exact_dots(qrow, tile, 0, s[t0 : t0 + m], c[t0 : t0 + m])
         else:
-            _row_dots(qrow, tile, 0, m, s[t0 : t0 + m], c[t0 : t0 + m])
+            row_dots(qrow, tile, 0, m, s[t0 : t0 + m], c[t0 : t0 + m])
 
 
 @numba.jit(**_JIT)
@@ -199,7 +206,7 @@ def _scores(b, h, i, inputs, rule, sce, state, codes):
     elif exact:  # every product and partial sum representable: a plain chain is the dot
         _exact_dots(q[b, h, i], kT[b, g], lo, s, c)
     else:
-        _row_dots(q[b, h, i], kT[b, g], lo, lo + n, s, c)
+        row_dots(q[b, h, i], kT[b, g], lo, lo + n, s, c)
     top = -np.inf
     for jj in range(n):
         j = lo + jj
@@ -209,11 +216,11 @@ def _scores(b, h, i, inputs, rule, sce, state, codes):
         state[jj] = st
         if st == 0:
             continue
-        if has_bias and not _bias_in_range(bv):
+        if has_bias and not bias_in_range(bv):
             return top, False
         # an exact dot product (s = q.k, c = 0) has no error: a zero norm makes it so
         qn_eff = 0.0 if qs_i * ksp[j] < _EXACT_DOT else qn_i
-        th, tl, e = _score(i, j, s[jj], c[jj], qn_eff, knp[j], pr, bv, has_bias)
+        th, tl, e = score(i, j, s[jj], c[jj], qn_eff, knp[j], pr, bv, has_bias)
         s[jj], c[jj], err[jj] = th, tl, e
         if th > top:
             top = th
@@ -329,14 +336,14 @@ def _refine_row(b, h, i, inputs, rule, target, results, codes):
         results,
     )
     if ok and want_w:
-        ok = _row_weights((b, h, i), lo, state, (s, c, err), (lz_h, lz_l, lz_r), target, results[2])
+        ok = row_weights((b, h, i), lo, state, (s, c, err), (lz_h, lz_l, lz_r), target, results[2])
     return OK if ok else UNDECIDED
 
 
 @numba.jit(**_JIT)
 def _finish(index, top, sums, small, plane, target, results):
     """The radii of Z and N (module docstring, 2-3) and the results by the double-double
-    step's :func:`~refattn.exact.fast.forward_kernels._finish_row` (``plane`` = (the plane's
+    step's :func:`~refattn.exact.fast.forward_kernels.finish_row` (``plane`` = (the plane's
     parameters, max |v_e| over its keys)); returns (decided, log Z hi, lo, radius)."""
     pr, vmax_p = plane
     acc_h, acc_l, acc_err, mass = sums
@@ -350,7 +357,7 @@ def _finish(index, top, sums, small, plane, target, results):
     for e in range(vdim):
         a_e = vmax_p[e] * mass[1] * (1.0 + 2.0**-18)  # >= sum_j e_j |v_je| (and >= P_e)
         nr[e] = (_BLOCK_REL * a_e + acc_err[e] + rho * a_e + TINY * tiny_v[e]) * D.BOUND_SAFETY
-    return _finish_row(
+    return finish_row(
         index, top, (zh, zl, zr), (acc_h[:vdim], acc_l[:vdim], nr), pr, target, results
     )
 
