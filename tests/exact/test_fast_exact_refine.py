@@ -196,3 +196,20 @@ def test_long_rows_of_codes_read_the_codes_directly(monkeypatch, q_kind):
     assert stored == [False] and stats["refine_rows"] == stats["rows"] == 8, (stored, stats)
     assert stats["double_double_rows"] == 0
     _same(fast, _run("referee", args, **opts))
+
+
+def test_codes_facts_alone_are_those_of_the_stored_inputs():
+    """codes_inputs(store=False): the same key and value facts, no K^T or V formed."""
+    from refattn.exact.fast.codes_inputs import codes_inputs
+    from refattn.quantized import quantised_rows
+
+    args = _nvfp4(np.random.default_rng(9))
+    rows = [
+        quantised_rows(args[n], args[f"{n}_descale"], args[f"{n}_block_scale"], n) for n in "kv"
+    ]
+    k_t, v, k_facts, v_facts = codes_inputs(*rows, 1, 4)
+    k_t0, v0, k_facts0, v_facts0 = codes_inputs(*rows, 1, 4, False)
+    assert k_t.shape == (1, 2, 32, 100) and not k_t[..., 96:].any()
+    assert k_t0.shape == (1, 2, 32, 0) and v0.shape == (1, 2, 0, 32)
+    for mine, theirs in zip(k_facts + v_facts, k_facts0 + v_facts0, strict=True):
+        assert np.array_equal(mine, theirs)
