@@ -40,11 +40,12 @@ def _low_exponent(f):
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
-def _keys(codes, factors, tables, k_t, facts):
+def _keys(codes, factors, tables, k_t, facts, store):
     """K^T blocks of ``_KEYS`` keys per (b, g, block) unit; ``tables`` = (value, low exponent)
     of every code; ``facts`` = (ok, norms, scales) (B, K, S) of each key row as
     :func:`~refattn.exact.fast.facts.row_fact` computes them on the values: the
-    same sum of squares in the same order; every quantised value lies in [SAFE_MIN, SAFE_MAX]
+    same sum of squares in the same order (K^T written only when ``store``); every quantised
+    value lies in [SAFE_MIN, SAFE_MAX]
     (:mod:`refattn.blockscale`), so a row is ok when that sum is finite; the lowest set bit
     of ``table[code] * factor`` is that of the code's value times that of the factor."""
     table, lows = tables
@@ -77,17 +78,18 @@ def _keys(codes, factors, tables, k_t, facts):
             ok[b, g, c0 + c] = math.isfinite(acc)
             norms[b, g, c0 + c] = norm
             scales[b, g, c0 + c] = np.ldexp(norm, -(0 if low == _NO_BIT else low))
-        for x in range(dim):
-            for c in range(n):
-                k_t[b, g, x, c0 + c] = buf[c, x]
+        if store:
+            for x in range(dim):
+                for c in range(n):
+                    k_t[b, g, x, c0 + c] = buf[c, x]
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
-def _values(codes, factors, table, v, facts):
+def _values(codes, factors, table, v, facts, store):
     """V per (b, g) unit; ``facts`` = (ok, norms, top) (B, K, E) of each value column: ok
     when its sum of squares is finite (see :func:`_keys`), the 2-norm bound of
     :func:`~refattn.exact.fast.facts.row_fact` over the keys in increasing order,
-    and max |v|."""
+    and max |v| (V written only when ``store``)."""
     ok, norms, top = facts
     batch, kv_heads, keys, vdim = codes.shape
     size = vdim // factors.shape[3]
@@ -97,12 +99,13 @@ def _values(codes, factors, table, v, facts):
         acc = np.zeros(vdim)
         best = np.zeros(vdim)
         for s in range(keys):
-            crow, frow, out = codes[b, g, s], factors[b, g, s], v[b, g, s]
+            crow, frow = codes[b, g, s], factors[b, g, s]
             for j in range(factors.shape[3]):
                 f = frow[j]
                 for x in range(j * size, (j + 1) * size):
                     a = table[crow[x]] * f  # exact
-                    out[x] = a
+                    if store:
+                        v[b, g, s, x] = a
                     acc[x] += a * a
                     best[x] = max(best[x], abs(a))
         for x in range(vdim):
@@ -111,11 +114,14 @@ def _values(codes, factors, table, v, facts):
             top[b, g, x] = best[x]
 
 
-def codes_inputs(k_rows, v_rows, batch):
+def codes_inputs(k_rows, v_rows, batch, pad=0, store=True):
     """``(kT, v, k_facts, v_facts)`` of quantised k and v (flat batch ``batch``): K^T
-    (B, K, D, S) and V (B, K, S, E) float64, ``k_facts`` = (ok, norms, scales) (B, K, S) of
-    the key rows and ``v_facts`` = (ok, norms, max |v|) (B, K, E) of the value columns, as
-    :class:`refattn.exact.fast.forward` computes them from the dequantised inputs.
+    (B, K, D, S + pad) (``pad`` zero keys past S: the dense step's layout, written in place
+    rather than copied) and V (B, K, S, E) float64, ``k_facts`` = (ok, norms, scales)
+    (B, K, S) of the key rows and ``v_facts`` = (ok, norms, max |v|) (B, K, E) of the value
+    columns, as :class:`refattn.exact.fast.forward` computes them from the dequantised inputs.
+    ``store=False``: the facts alone (kT (B, K, D, 0) and v (B, K, 0, E) empty), for a step
+    that reads the codes themselves (:func:`refattn.exact.fast.forward_refine.code_planes`).
 
     Examples
     --------
@@ -132,18 +138,19 @@ def codes_inputs(k_rows, v_rows, batch):
     vc = v_rows.codes.reshape((batch,) + v_rows.codes.shape[-3:])
     vf = v_rows.factors.reshape((batch,) + v_rows.factors.shape[-3:])
     _, kv_heads, keys, dim = kc.shape
-    k_t = np.empty((batch, kv_heads, dim, keys))
+    k_t = np.empty((batch, kv_heads, dim, keys + pad if store else 0))
+    k_t[..., keys:] = 0.0
     k_facts = (
         np.empty(kc.shape[:3], np.bool_),
         np.empty(kc.shape[:3]),
         np.empty(kc.shape[:3]),
     )
-    v = np.empty(vc.shape)
+    v = np.empty(vc.shape if store else vc.shape[:2] + (0,) + vc.shape[3:])
     v_facts = tuple(np.empty(vc.shape[:2] + vc.shape[3:], t) for t in (np.bool_, float, float))
-    if k_t.size:
-        _keys(kc, kf, (k_rows.table, _low_exponents(k_rows.table)), k_t, k_facts)
-    if v.size:
-        _values(vc, vf, v_rows.table, v, v_facts)
+    if kc.size:
+        _keys(kc, kf, (k_rows.table, _low_exponents(k_rows.table)), k_t, k_facts, store)
+    if vc.size:
+        _values(vc, vf, v_rows.table, v, v_facts, store)
     return k_t, v, k_facts, v_facts
 
 

@@ -56,6 +56,13 @@ each row's arithmetic is fixed by the shapes alone, so no bit depends on the thr
    (:func:`row_spec`: a spec of the row run, with the offset shifted so causal/window/ALiBi
    use the original row indices).
 
+7. Refined step. The rows still undecided run again in
+   :mod:`refattn.exact.fast.forward_refine` (the same arithmetic, sums over keys bounded by
+   64-key blocks: about 2**-90 of ``A_e`` instead of ``dot_bound(2S)``, which grows like
+   ``S**2``; exact dot products where :func:`exactness_scales` proves them) before the
+   referee; rows of :data:`~refattn.exact.fast.forward_refine.REFINE_KEYS` keys or more go to
+   it at once, reading quantised k and v from their codes for a float64 target.
+
 For targets of at most 24 bits (float32, float16, bfloat16) a cheaper double-precision first
 step runs before the double-double one
 (:func:`refattn.exact.fast.forward_kernels.forward_d`): the dot products are fma chains
@@ -99,6 +106,7 @@ from .forward_kernels import (
     forward_d,
     forward_dd,
 )
+from .forward_refine import REFINE_KEYS, code_planes, forward_refine
 
 __all__ = [
     "fast_exact_forward",
@@ -241,6 +249,7 @@ def finish_forward(results, dtype, rows, step_rows, referee_rows):
         referee_elements=referee_rows * per_row,
         double_rows=step_rows["double"],
         double_double_rows=step_rows["double-double"],
+        refine_rows=step_rows.get("refine", 0),
     )
     out, lse, weights = results
     return (
@@ -308,7 +317,7 @@ class _Inputs:
     """Float64 inputs of every plane, their norms and scales, and the planes the first steps
     take (the others go to the referee whole)."""
 
-    def __init__(self, spec: AttentionSpec, kv=None):
+    def __init__(self, spec: AttentionSpec, kv=None, store=True):
         batch, heads, _, length, keys, _, _ = spec.dims
         f64 = np.float64
         self.q = np.ascontiguousarray(spec.q, dtype=f64)
@@ -317,13 +326,14 @@ class _Inputs:
         vdim = spec.v.shape[3]
         epad = max(KEY_TILE, -(-vdim // KEY_TILE) * KEY_TILE)
         if kv:  # k, v as codes (refattn._kv_codes): one compiled pass each, the same facts
-            k_t, v, k_facts, v_facts = codes_inputs(*kv, batch)
-            (k_ok, self.kn, self.ks), (v_ok, self.vnorm, self.vmax) = k_facts, v_facts
             # the dense step's layout: KEY_TILE zero keys past S, E zero-padded to whole tiles
-            self.kT = np.zeros(k_t.shape[:3] + (k_t.shape[3] + KEY_TILE,))
-            self.kT[..., : k_t.shape[3]] = k_t
-            self.v = v if epad == vdim else np.zeros(v.shape[:3] + (epad,))
-            self.v[..., :vdim] = v
+            # (store False: the facts alone, the refined step reading the codes themselves)
+            self.kT, v, k_facts, v_facts = codes_inputs(*kv, batch, KEY_TILE, store)
+            (k_ok, self.kn, self.ks), (v_ok, self.vnorm, self.vmax) = k_facts, v_facts
+            self.v = v
+            if epad != vdim:
+                self.v = np.zeros(v.shape[:3] + (epad,))
+                self.v[..., :vdim] = v
         else:
             k = frozen(spec.k, f64)
             if epad == vdim:
@@ -384,7 +394,9 @@ def fast_exact_forward(
     status = np.full((batch, heads, length), UNDECIDED, dtype=np.int8)
     step_rows = {"double": 0, "double-double": 0}
     if out.size or lse.size:
-        x = _Inputs(spec, kv)
+        # long rows of codes to a float64 target: the refined step alone, reading the codes
+        direct = bool(kv) and keys >= REFINE_KEYS and fmt.p > 24
+        x = _Inputs(spec, kv, store=not direct)
         inputs = tuple(
             frozen(a)
             for a in (x.q, x.kT, x.v, x.qn, x.kn, x.qs, x.ks, x.vmax, x.vnorm, x.prm, x.kvh)
@@ -405,9 +417,14 @@ def fast_exact_forward(
         else:
             redo = np.broadcast_to(x.ok[:, :, None], status.shape)
         items = np.ascontiguousarray(np.argwhere(redo))  # argwhere's rows: one kernel layout
-        if items.size:
+        if items.size and keys < REFINE_KEYS:  # long rows: the refined step at once
             forward_dd(items, inputs, rule, target, results)
-        step_rows["double-double"] = items.shape[0]
+            step_rows["double-double"] = items.shape[0]
+            items = np.ascontiguousarray(np.argwhere(x.ok[:, :, None] & (status == UNDECIDED)))
+        if items.size:  # the refined double-double step (sum bounds linear in S)
+            codes = code_planes(kv if direct else None, batch)
+            forward_refine(items, inputs, rule, target, results, codes)
+        step_rows["refine"] = items.shape[0]
     referee_rows = 0
     if kv and (status != OK).any():  # the referee reads the values themselves
         spec = with_values(spec, kv)
@@ -422,13 +439,14 @@ def fast_exact_forward(
 def fallback_stats() -> dict:
     """Statistics of the last :func:`fast_exact_forward` call: ``rows`` and ``elements`` in
     total, ``double_rows`` and ``double_double_rows`` (rows evaluated by each first step),
-    ``referee_rows`` and ``referee_elements`` (those of the rows recomputed by the referee
-    engine).
+    ``refine_rows`` (rows the double-double step left to the refined step,
+    :mod:`refattn.exact.fast.forward_refine`), ``referee_rows`` and ``referee_elements``
+    (those of the rows recomputed by the referee engine).
 
     Examples
     --------
     >>> set(fallback_stats()) <= {'rows', 'elements', 'referee_rows', 'referee_elements',
-    ...                           'double_rows', 'double_double_rows'}
+    ...                           'double_rows', 'double_double_rows', 'refine_rows'}
     True
     """
     return dict(_LAST_STATS)
