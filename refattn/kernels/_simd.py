@@ -47,6 +47,7 @@ __all__ = [
     "vkeep",
     "vsum",
     "vbest",
+    "vtop",
     "exp_float64",
     "exp_float32",
     "vsigmoid",
@@ -450,6 +451,35 @@ if JIT:
         return x.dtype(x), codegen
 
     @intrinsic
+    def vtop(typingctx, x):
+        """Largest lane skipping NaN (NaN only when every lane is NaN), as :func:`vbest`, by
+        a halving tree of ``maxnum`` (the maximum of a set needs no order: a few shuffles
+        instead of a chain of W compare-and-selects). Only the sign of a zero maximum may
+        differ from :func:`vbest` (``maxnum`` may return either zero)."""
+
+        def codegen(context, builder, sig, args):
+            lt = context.get_value_type(sig.args[0])
+            fnty = ir.FunctionType(lt, [lt, lt])
+            fn = cgutils.get_or_insert_function(
+                builder.module, fnty, f"llvm.maxnum.{_llvm_name(lt)}"
+            )
+            undef = ir.Constant(lt, ir.Undefined)
+            x = args[0]
+            half = lt.count // 2
+            while half >= 1:
+                # lane w takes lane w + half (the upper lanes repeat: never read)
+                picks = [(w + half) % lt.count for w in range(lt.count)]
+                mask = ir.Constant(
+                    ir.VectorType(ir.IntType(32), lt.count),
+                    [ir.Constant(ir.IntType(32), w) for w in picks],
+                )
+                x = builder.call(fn, [x, builder.shuffle_vector(x, undef, mask)])
+                half //= 2
+            return builder.extract_element(x, ir.Constant(ir.IntType(32), 0))
+
+        return x.dtype(x), codegen
+
+    @intrinsic
     def vsigmoid(typingctx, x):
         """sigma of every lane: ``e = exp(-|x|)`` (the operations of :func:`vexp`), then
         ``1 / (1 + e)`` where ``x >= 0`` and ``e / (1 + e)`` elsewhere (NaN stays NaN)."""
@@ -481,6 +511,9 @@ else:  # pragma: no cover
         for lane in x[1:]:
             best = lane if lane > best or best != best else best
         return best
+
+    def vtop(x):
+        return vbest(x)
 
     def vmul(x, y):
         return (x * y).astype(x.dtype)
