@@ -34,6 +34,8 @@ __all__ = [
     "vstore",
     "vzero",
     "vfma",
+    "vfmav",
+    "vload_wide",
     "vadd",
     "vmax",
     "vlane",
@@ -138,6 +140,45 @@ if JIT:
         return x(a, x, y), codegen
 
     @intrinsic
+    def vfmav(typingctx, x, y, z):
+        """x * y + z lane-wise, rounded once (three vectors)."""
+
+        def codegen(context, builder, sig, args):
+            lt = context.get_value_type(sig.args[0])
+            fnty = ir.FunctionType(lt, [lt] * 3)
+            fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.fma.{_llvm_name(lt)}")
+            return builder.call(fn, list(args))
+
+        return x(x, y, z), codegen
+
+    @intrinsic
+    def vload_wide(typingctx, arr, start):
+        """:func:`vload` of a float array; of a uint16 array (bfloat16 bits) the 16 values
+        from ``start`` widened exactly to float32 (the bits shifted into the high half)."""
+        if isinstance(arr.dtype, types.Float):
+            vt = Vec(arr.dtype)
+
+            def codegen_float(context, builder, sig, args):
+                ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1])
+                lt = context.get_value_type(vt)
+                return builder.load(builder.bitcast(ptr, lt.as_pointer()), align=1)
+
+            return vt(arr, start), codegen_float
+        if arr.dtype != types.uint16:
+            return None
+        vt = Vec(types.float32)
+
+        def codegen(context, builder, sig, args):
+            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1])
+            half = ir.VectorType(ir.IntType(16), 16)
+            bits = builder.load(builder.bitcast(ptr, half.as_pointer()), align=1)
+            word = ir.VectorType(ir.IntType(32), 16)
+            wide = builder.shl(builder.zext(bits, word), ir.Constant(word, [16] * 16))
+            return builder.bitcast(wide, context.get_value_type(vt))
+
+        return vt(arr, start), codegen
+
+    @intrinsic
     def vadd(typingctx, x, y):
         def codegen(context, builder, sig, args):
             return builder.fadd(args[0], args[1])
@@ -203,6 +244,15 @@ else:  # pragma: no cover - exercised by the NUMBA_DISABLE_JIT=1 test tier
     def vfma(a, x, y):
         # Not fused here: this twin exists to cover the kernel bodies, not to be bit-exact.
         return (a * x + y).astype(x.dtype)
+
+    def vfmav(x, y, z):
+        return (x * y + z).astype(x.dtype)
+
+    def vload_wide(arr, start):
+        if arr.dtype == np.uint16:
+            bits = arr[start : start + 16].astype(np.uint32) << np.uint32(16)
+            return bits.view(np.float32)
+        return vload(arr, start)
 
     def vadd(x, y):
         return x + y

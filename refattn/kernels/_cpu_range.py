@@ -1,0 +1,65 @@
+"""max |x| over the finite values of an array, read as its bits (the range check of the Numba
+kernels, :func:`refattn._numba_path.check_numba_range`).
+
+The magnitude of a finite IEEE value orders like its bits with the sign bit cleared, and those
+bits are below the exponent-all-ones pattern exactly when the value is finite: integer maxima
+over the raw bits (vectorised, as a float maximum with NaN rules is not) give the largest
+finite magnitude, with no float32 copy of a bfloat16 or float16 k and no second pass unless a
+NaN or an infinity is present.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["abs_max"]
+
+#: bits dtype, magnitude mask, first non-finite magnitude (the exponent all ones) per width
+_LAYOUTS = {
+    2: (np.uint16, 0x7FFF, 0x7F80),  # bfloat16 (float16 takes its own, below)
+    4: (np.uint32, 0x7FFF_FFFF, 0x7F80_0000),
+    8: (np.uint64, 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000),
+}
+_FLOAT16 = (np.uint16, 0x7FFF, 0x7C00)
+
+
+#: elements per pass (bounds the temporary of the masked bits)
+_CHUNK = 1 << 20
+
+
+def _top_bits(bits, mask, limit):
+    """max over ``bits`` of ``b & mask`` where that is below ``limit`` (0 when none is);
+    NumPy's integer maxima (vectorised), a chunk at a time."""
+    best = 0
+    for start in range(0, bits.size, _CHUNK):
+        part = np.bitwise_and(bits[start : start + _CHUNK], mask)
+        top = part.max()
+        if top >= limit:  # a NaN or an infinity in this chunk: the finite ones only
+            top = part.max(where=part < limit, initial=0)
+        best = max(best, int(top))
+    return best
+
+
+def abs_max(x) -> float:
+    """max |x| over the finite values of ``x`` (0.0 when there are none), read from its bits
+    for float64, float32, float16 and bfloat16 (other dtypes are widened to float32 first).
+
+    Examples
+    --------
+    >>> import ml_dtypes
+    >>> abs_max(np.array([1.5, -3.0, np.inf, np.nan], np.float32))
+    3.0
+    >>> abs_max(np.array([-2.5, 1.0], ml_dtypes.bfloat16)), abs_max(np.zeros(0))
+    (2.5, 0.0)
+    """
+    x = np.asarray(x)
+    name = x.dtype.name
+    if name not in ("float64", "float32", "float16", "bfloat16"):
+        x = x.astype(np.float32)
+    layout = _FLOAT16 if x.dtype == np.float16 else _LAYOUTS[x.dtype.itemsize]
+    kind, mask, limit = layout
+    if x.size == 0:
+        return 0.0
+    bits = np.ascontiguousarray(x).reshape(-1).view(kind)
+    top = np.array([_top_bits(bits, kind(mask), kind(limit))], kind)  # back to x's dtype
+    return float(top.view(x.dtype)[0])
