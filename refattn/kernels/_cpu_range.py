@@ -60,6 +60,8 @@ def abs_max(x) -> float:
     kind, mask, limit = layout
     if x.size == 0:
         return 0.0
+    # a broadcast axis (stride 0) holds one distinct slice: read that one only
+    x = x[tuple(slice(0, 1) if st == 0 else slice(None) for st in x.strides)]
     bits = np.ascontiguousarray(x).reshape(-1).view(kind)
     top = np.array([_top_bits(bits, kind(mask), kind(limit))], kind)  # back to x's dtype
     return float(top.view(x.dtype)[0])

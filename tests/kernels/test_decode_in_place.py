@@ -60,6 +60,8 @@ def test_abs_max_is_the_largest_finite_magnitude(dtype):
     expected = float(np.max(np.abs(wide[np.isfinite(wide)])))
     assert abs_max(x) == expected, f"{np.dtype(dtype).name}: {abs_max(x)} != {expected}"
     assert abs_max(x[[5, 7, 9]]) == 0.0, "no finite value: 0"
+    wide_view = np.broadcast_to(x[None, ::2], (1000, 1501))  # read without materialising
+    assert abs_max(wide_view) == float(np.max(np.abs(wide[::2][np.isfinite(wide[::2])])))
 
 
 def test_range_check_reads_bfloat16_bits():
