@@ -34,6 +34,7 @@ from ._args import (
     TERM_DROP_STRIDES,
 )
 from ._cpu_codes import load_keys_t, load_values
+from ._cpu_forward import softmax_row, softmax_rows4
 from ._cpu_scores import dropout_weights, finish_scores, first_key_block, row_interval
 from ._cpu_tiles import (
     BLOCK_K,
@@ -42,22 +43,17 @@ from ._cpu_tiles import (
     matmul_n,
     matmul_t,
     pad,
-    row_max,
 )
 from ._simd import (
     JIT,
     KERNEL_OPTIONS,
     fma,
     lanes,
-    vadd,
-    vexp,
     vfma,
     vfmav,
     vload,
     vload_wide,
-    vmuls,
     vstore,
-    vsubs,
     vsum,
     vzero,
 )
@@ -207,6 +203,8 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, terms, pa
     acc = np.zeros((BLOCK_Q, epad), dt)
     m = np.full(BLOCK_Q, -np.inf, dt)
     total = np.zeros(BLOCK_Q, dt)
+    one = np.ones(1, dt)[0]
+    state = (m, total, acc)
     for t in range(group):
         src = q[b, group_heads[g, t]]
         for i in range(length):
@@ -247,28 +245,11 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, terms, pa
                 terms,
                 deriv[r0 : r0 + length],
             )
-        for r in range(rows):
-            row = s[r]
-            prow = p[r]
-            m_old = m[r]
-            m_new = max(m_old, row_max(row, BLOCK_K))
-            if m_new == -np.inf:
-                prow[:] = 0
-                continue
-            part = vzero(prow)
-            for c in range(0, BLOCK_K, width):
-                e = vexp(vsubs(vload(row, c), m_new))
-                vstore(prow, c, e)
-                part = vadd(part, e)
-            row_total = vsum(part)
-            if m_new != m_old:
-                alpha = exp_compute(m_old - m_new)
-                total[r] = total[r] * alpha
-                arow = acc[r]
-                for e0 in range(0, epad, width):
-                    vstore(arow, e0, vmuls(vload(arow, e0), alpha))
-                m[r] = m_new
-            total[r] = total[r] + row_total
+        full4 = rows - rows % 4  # the forward's row softmax, the scores final (factor 1)
+        for r in range(0, full4, 4):
+            softmax_rows4(s, p, r, one, state)
+        for r in range(full4, rows):
+            softmax_row(s, p, r, one, state)
         weights = p
         if has_drop:
             for t in range(group):

@@ -60,7 +60,7 @@ from ._simd import (
     vzero,
 )
 
-__all__ = ["forward_blocks"]
+__all__ = ["forward_blocks", "softmax_row", "softmax_rows4"]
 
 _OPTS = KERNEL_OPTIONS
 
@@ -131,7 +131,7 @@ def _scaled_top(row, factor):
 
 
 @njit(**_OPTS)
-def _softmax_row(s, p, r, factor, state):
+def softmax_row(s, p, r, factor, state):
     """p[r] = exp(s[r] * factor - m_new) for one tile row, m_new the row's running maximum;
     the exp sum in the documented lane order (lane w sums the keys w mod W, then the lanes
     in order) goes into the state (:func:`_rescale`)."""
@@ -151,8 +151,8 @@ def _softmax_row(s, p, r, factor, state):
 
 
 @njit(**_OPTS)
-def _softmax_rows4(s, p, r, factor, state):
-    """:func:`_softmax_row` of rows r..r+3 interleaved: four independent chains of maxima,
+def softmax_rows4(s, p, r, factor, state):
+    """:func:`softmax_row` of rows r..r+3 interleaved: four independent chains of maxima,
     exps and lane sums keep the vector units busy where one row's chain would stall on
     latency. The same operations per row, so the same bits."""
     m = state[0]
@@ -169,7 +169,7 @@ def _softmax_rows4(s, p, r, factor, state):
     n2, n3 = max(m[r + 2], vtop(x2)), max(m[r + 3], vtop(x3))
     if n0 == -np.inf or n1 == -np.inf or n2 == -np.inf or n3 == -np.inf:
         for i in range(4):  # a row with no allowed key so far: one at a time
-            _softmax_row(s, p, r + i, factor, state)
+            softmax_row(s, p, r + i, factor, state)
         return
     p0, p1, p2, p3 = p[r], p[r + 1], p[r + 2], p[r + 3]
     a0, a1, a2, a3 = vzero(p0), vzero(p0), vzero(p0), vzero(p0)
@@ -235,9 +235,9 @@ def _forward_unit(q, packed, kv_head, unit, nqb, dims, opts, fopts, terms, out, 
             clean = finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, terms, deriv)
         full4 = nr - nr % 4
         for r in range(0, full4, 4):
-            _softmax_rows4(s, p, r, factor, state)
+            softmax_rows4(s, p, r, factor, state)
         for r in range(full4, nr):
-            _softmax_row(s, p, r, factor, state)
+            softmax_row(s, p, r, factor, state)
         weights = p
         if has_drop:
             dropout_weights(p, pd, nr, nc, r0, c0, b, h, drop, dstr)
