@@ -281,11 +281,11 @@ def _forward_unit(q, packed, kv_head, unit, nqb, dims, opts, fopts, terms, out, 
 def _forward_units(q, packed, kv_head, dims, opts, fopts, terms, out, lse):
     batch, heads, length = dims[DIM_BATCH], dims[DIM_HEADS], dims[DIM_LENGTH]
     nqb = -(-length // BLOCK_Q)
-    pairs = batch * heads
-    for u in prange(pairs * nqb):
-        # the last query blocks first: under a causal mask they read the most key blocks, so
-        # the threads that pick up units one at a time end their shares together
-        unit = (np.int64(u) % pairs) * nqb + (nqb - 1 - np.int64(u) // pairs)
+    for u in prange(batch * heads * nqb):
+        # each (batch, head)'s query blocks last to first: under a causal mask the last read
+        # the most key blocks, so the units handed out last (one at a time) are the shortest;
+        # consecutive units share the head's packed key blocks (kept in L2)
+        unit = np.int64(u) + nqb - 1 - 2 * (np.int64(u) % nqb)
         _forward_unit(q, packed, kv_head, unit, nqb, dims, opts, fopts, terms, out, lse)
 
 
