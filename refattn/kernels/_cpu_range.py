@@ -24,15 +24,20 @@ _CHUNK = 1 << 20
 
 
 def _top_bits(bits, mask, limit):
-    """max over ``bits`` of ``b & mask`` where that is below ``limit`` (0 when none is);
-    NumPy's integer maxima (vectorised), a chunk at a time."""
+    """max over ``bits`` (uint16) of ``b & mask`` where that is below ``limit`` (0 when none
+    is). Read as int16 the non-negative values are the positive ones, whose largest
+    magnitude is the int16 maximum; every negative value's bits lie above the positive ones'
+    as uint16, so the uint16 maximum is the negative value of largest magnitude: two SIMD
+    reductions and no temporary, unless a NaN or an infinity needs the masked pass."""
+    signed = int(bits.view(np.int16).max())
+    unsigned = int(bits.max())
+    best = max(signed, unsigned - 0x8000, 0)
+    if best < limit:
+        return best
     best = 0
-    for start in range(0, bits.size, _CHUNK):
+    for start in range(0, bits.size, _CHUNK):  # a NaN or an infinity: the finite ones only
         part = np.bitwise_and(bits[start : start + _CHUNK], mask)
-        top = part.max()
-        if top >= limit:  # a NaN or an infinity in this chunk: the finite ones only
-            top = part.max(where=part < limit, initial=0)
-        best = max(best, int(top))
+        best = max(best, int(part.max(where=part < limit, initial=0)))
     return best
 
 
