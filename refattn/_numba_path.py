@@ -61,18 +61,7 @@ def check_numba_range(spec: AttentionSpec, compute_dtype, k_rows=None) -> None:
     """The Numba kernels form ``s q.k`` directly in their compute dtype: refuse inputs whose
     scores may exceed its range (they would turn into NaN) and say what handles them."""
 
-    def top(x):
-        # max |x| over the finite entries, in x's own dtype (float16, bfloat16, float8 widen
-        # exactly to float32): no float64 copy and no |x| array of a large k
-        x = np.asarray(x)
-        if x.dtype not in (np.float32, np.float64):
-            x = x.astype(np.float32)
-        high, low = (np.max(x), np.min(x)) if x.size else (0.0, 0.0)
-        if not (np.isfinite(high) and np.isfinite(low)):  # a second pass skips NaN and Inf
-            finite = np.isfinite(x)
-            high = np.max(x, where=finite, initial=0.0)
-            low = np.min(x, where=finite, initial=0.0)
-        return float(max(high, -low, 0.0))
+    from .kernels import abs_max as top  # max |x| over the finite entries, from x's bits
 
     dim = spec.q.shape[-1]
     from .kernels import GATHER

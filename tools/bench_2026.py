@@ -29,7 +29,8 @@ the machine may be shared, so compare within a run):
   (``tracemalloc``, one call; the (S, D + E) dk, dv it returns included); with ``--full`` the
   ``dsa-full`` shape (not in ``all``);
 * ``softmax``: float32 causal B1 H8 L=S=1024 D=E=64, the Numba kernel against
-  ``torch.nn.functional.scaled_dot_product_attention``;
+  ``torch.nn.functional.scaled_dot_product_attention`` (alternating, each after three
+  untimed calls of its own, as ``dsa``);
 * ``nvfp4``: an NVFP4 GQA decode step B1 H8 K2 L1 S=8192 D=E=128 (float4_e2m1fn codes with
   float8_e4m3fn scales per block of 16 features and float32 global scales per kv head): the
   Numba kernel (float64 compute, q being fp4; it dequantises each key block as it loads it)
@@ -212,19 +213,25 @@ def bench_dsa_prefill(repeat, skip_exact, full=False):
 
 
 def bench_softmax(repeat):
-    """float32 causal B1 H8 L=S=1024 D64: Numba vs torch SDPA."""
+    """float32 causal B1 H8 L=S=1024 D64: Numba vs torch SDPA, alternating within each round
+    (each after three untimed calls of its own: the other library's idle OpenMP threads
+    spin for a while after its calls and would be timed on a 2-core machine)."""
     rng = np.random.default_rng(1)
     q, k, v = (rng.standard_normal((1, 8, 1024, 64)).astype(np.float32) for _ in range(3))
     result = {"shape": "B1 H8 L=S=1024 D=E=64 float32 causal"}
-    result["numba_s"] = _best(
-        lambda: refattn.attention(q, k, v, causal=True, backend="numba"), repeat
-    )
+    paths = {"numba_s": lambda: refattn.attention(q, k, v, causal=True, backend="numba")}
     torch = _torch()
     if torch is not None:
         tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
         sdpa = torch.nn.functional.scaled_dot_product_attention
-        with torch.inference_mode():
-            result["torch_s"] = _best(lambda: sdpa(tq, tk, tv, is_causal=True), repeat)
+
+        def run_torch():
+            with torch.inference_mode():
+                return sdpa(tq, tk, tv, is_causal=True)
+
+        paths["torch_s"] = run_torch
+    result.update(_alternating(paths, repeat, settle=3))
+    if torch is not None:
         result["numba_over_torch"] = result["numba_s"] / result["torch_s"]
     return result
 

@@ -16,9 +16,10 @@ Rows (``--rows``, default all but the 8192 ones; ``prefill-*`` are causal, botto
 
 Each figure is the best of ``--repeat`` calls after one warm-up call (which compiles); the
 implementations are called alternately in one process, so a ratio compares the same machine
-state. The load average (``os.getloadavg``) is printed before and after every row: the machine
-may be shared, so compare ratios, not absolute times. Every figure is a measurement of that
-row; nothing is extrapolated.
+state, the Numba and torch calls each after two untimed calls of their own (so that the other
+library's idle threads have stopped spinning). The load average (``os.getloadavg``) is
+printed before and after every row: the machine may be shared, so compare ratios, not
+absolute times. Every figure is a measurement of that row; nothing is extrapolated.
 """
 
 from __future__ import annotations
@@ -56,13 +57,22 @@ def _torch():
     return torch
 
 
+#: Untimed calls before each timed one of a path in a round (0 for the slow exact path):
+#: torch's and Numba's OpenMP worker threads spin for a while after a parallel call, and on
+#: a 2-core machine a call timed right after the other library's would time that spinning.
+SETTLE = {"numba": 2, "torch": 2}
+
+
 def _alternate(fns: dict, repeat: int) -> dict:
-    """Best time of each callable over ``repeat`` rounds, called alternately after a warm-up."""
+    """Best time of each callable over ``repeat`` rounds, called alternately after a warm-up
+    (each after :data:`SETTLE` untimed calls of its own)."""
     for fn in fns.values():
         fn()
     best = dict.fromkeys(fns, float("inf"))
     for _ in range(repeat):
         for name, fn in fns.items():
+            for _ in range(SETTLE.get(name, 0)):
+                fn()
             start = time.perf_counter()
             fn()
             best[name] = min(best[name], time.perf_counter() - start)

@@ -8,6 +8,7 @@ user-facing entry point.
 
 from ._codes_forward import attention_codes
 from ._cpu_codes import codes_abs_max
+from ._cpu_range import abs_max
 from ._dispatch import (
     COMPILE_MESSAGE,
     FAMILIES,
@@ -32,6 +33,7 @@ __all__ = [
     "attention_vjp",
     "attention_codes",
     "codes_abs_max",
+    "abs_max",
     "compute_dtype",
     "COMPILE_MESSAGE",
     "announce_compile",

@@ -102,8 +102,13 @@ def plane(view):
     return read_only(data.reshape(-1)), strides
 
 
-def kernel_arguments(spec, dtype):
+def kernel_arguments(spec, dtype, bf16_bits=False):
     """The kernels' positional arguments for ``spec`` in compute ``dtype``.
+
+    With ``bf16_bits`` (compute dtype float32), a bfloat16 k or v passes as its uint16 bits
+    (a view, no copy) for the loads that widen them as they read
+    (:mod:`refattn.kernels._cpu_codes`): a decode step reads 2 bytes per element once
+    instead of converting all of k and v first.
 
     Returns ``(q, k, v, kv_head, dims, opts, fopts, terms)``: q, k, v C-contiguous in
     ``dtype``; ``kv_head`` (H,) int64; ``dims`` =
@@ -160,7 +165,18 @@ def kernel_arguments(spec, dtype):
         else np.require(spec.alibi_slopes, np.float64, ["C"])
     )
     # read-only views: no copy of a read-only (e.g. broadcast-view) input, one array type
-    q, k, v = (read_only(np.require(a, dtype, ["C"])) for a in (spec.q, spec.k, spec.v))
+    q, k, v = (read_only(_operand(a, dtype, bf16_bits)) for a in (spec.q, spec.k, spec.v))
+    if bf16_bits:
+        q = read_only(np.require(spec.q, dtype, ["C"]))
     kv_head = read_only(np.require(spec.kv_head, np.int64, ["C"]))
     terms = (bias, bstr, mask, mstr, drop, dstr, slopes)
     return q, k, v, kv_head, dims, opts, fopts, terms
+
+
+def _operand(a, dtype, bf16_bits):
+    """``a`` C-contiguous in ``dtype``; with ``bf16_bits`` a bfloat16 array (compute dtype
+    float32) as its C-contiguous uint16 bits instead."""
+    a = np.asarray(a)
+    if bf16_bits and a.dtype.name == "bfloat16" and np.dtype(dtype) == np.float32:
+        return np.require(a, requirements=["C"]).view(np.uint16)
+    return np.require(a, dtype, ["C"])

@@ -29,7 +29,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._cpu_tiles import load_rows, load_rows_t
-from ._simd import JIT, KERNEL_OPTIONS
+from ._simd import JIT, KERNEL_OPTIONS, as_float
 
 __all__ = ["load_keys_t", "load_values", "codes_abs_max", "dequantised_rows"]
 
@@ -52,6 +52,8 @@ if JIT:
 
     @overload(load_keys_t, jit_options=_OPTS)
     def _load_keys_t(k, b, g, start, count, out):
+        if isinstance(k, types.Array) and k.dtype == types.uint16:
+            return _keys_from_bf16
         if isinstance(k, types.Array):
             return lambda k, b, g, start, count, out: load_rows_t(k[b, g], start, count, out)
         if isinstance(k, types.BaseTuple):
@@ -60,6 +62,8 @@ if JIT:
 
     @overload(load_values, jit_options=_OPTS)
     def _load_values(v, b, g, start, count, out):
+        if isinstance(v, types.Array) and v.dtype == types.uint16:
+            return _values_from_bf16
         if isinstance(v, types.Array):
             return lambda v, b, g, start, count, out: load_rows(v[b, g], start, count, out)
         if isinstance(v, types.BaseTuple):
@@ -72,13 +76,56 @@ else:  # pragma: no cover  (NUMBA_DISABLE_JIT: the same loads in Python)
         """out[:, :count] = k[b, g, start:start+count].T (zero-padded columns)."""
         if isinstance(k, tuple):
             return _keys_from_codes(k, b, g, start, count, out)
+        if k.dtype == np.uint16:
+            return _keys_from_bf16(k, b, g, start, count, out)
         return load_rows_t(k[b, g], start, count, out)
 
     def load_values(v, b, g, start, count, out):
         """out[:count, :E] = v[b, g, start:start+count]; whether every value is finite."""
         if isinstance(v, tuple):
             return _values_from_codes(v, b, g, start, count, out)
+        if v.dtype == np.uint16:
+            return _values_from_bf16(v, b, g, start, count, out)
         return load_rows(v[b, g], start, count, out)
+
+
+@njit(**_OPTS)
+def _bf16(bits):
+    """The float32 value of bfloat16 ``bits`` (a uint16): exact (the bits shifted into the
+    high half of a float32)."""
+    return as_float(np.int32(np.int32(bits) << np.int32(16)))
+
+
+def _keys_from_bf16(k, b, g, start, count, out):
+    """:func:`load_keys_t` of bfloat16 k passed as its uint16 bits (widened exactly)."""
+    src = k[b, g]
+    feats = src.shape[1]
+    for c in range(count):
+        srow = src[start + c]
+        for x in range(feats):
+            out[x, c] = _bf16(srow[x])
+    for x in range(out.shape[0]):
+        for c in range(count, out.shape[1]):
+            out[x, c] = 0
+
+
+def _values_from_bf16(v, b, g, start, count, out):
+    """:func:`load_values` of bfloat16 v passed as its uint16 bits (widened exactly)."""
+    src = v[b, g]
+    feats = src.shape[1]
+    finite = True
+    for c in range(count):
+        srow = src[start + c]
+        orow = out[c]
+        for x in range(feats):
+            value = _bf16(srow[x])
+            orow[x] = value
+            finite &= math.isfinite(value)
+        for x in range(feats, out.shape[1]):
+            orow[x] = 0
+    for c in range(count, out.shape[0]):
+        out[c, :] = 0
+    return finite
 
 
 def _keys_from_codes(k, b, g, start, count, out):

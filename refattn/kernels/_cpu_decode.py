@@ -5,6 +5,11 @@ more than one split of :data:`SPLIT_KEYS` keys, work units are (batch, kv head, 
 rows of all query heads of a group share each loaded key block, and each split leaves a partial
 (max, sum, accumulator) per row, combined in increasing split order (the split size is fixed,
 so the order depends on the shapes only).
+
+With one query row per kv head (an MHA decode step) a transposed copy of each key block would
+cost more than the products: k and v are then read in place (:func:`_dot_row`,
+:func:`_values_row`; a bfloat16 k or v as its uint16 bits, widened exactly as it loads). Steps
+of up to :data:`SERIAL_SPLITS` elements of k and v run on one thread.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from ._args import (
     TERM_DROP_STRIDES,
 )
 from ._cpu_codes import load_keys_t, load_values
+from ._cpu_forward import softmax_row, softmax_rows4
 from ._cpu_scores import dropout_weights, finish_scores, first_key_block, row_interval
 from ._cpu_tiles import (
     BLOCK_K,
@@ -37,9 +43,20 @@ from ._cpu_tiles import (
     matmul_n,
     matmul_t,
     pad,
-    row_max,
 )
-from ._simd import KERNEL_OPTIONS, fma, lanes, vadd, vexp, vload, vmuls, vstore, vsubs, vsum, vzero
+from ._simd import (
+    JIT,
+    KERNEL_OPTIONS,
+    fma,
+    lanes,
+    vfma,
+    vfmav,
+    vload,
+    vload_wide,
+    vstore,
+    vsum,
+    vzero,
+)
 
 __all__ = ["SPLIT_KEYS", "split_keys", "forward_splits"]
 
@@ -64,6 +81,99 @@ def split_keys(heads: int, kv_heads: int, length: int, keys: int) -> int:
     if (heads // kv_heads) * length > BLOCK_Q or keys <= SPLIT_KEYS:
         return 0
     return -(-keys // SPLIT_KEYS)
+
+
+def _dot_row(qrow, k, b, g, c0, nc, srow):
+    """srow[c] = q . k[b, g, c0 + c] for c < nc, 0 after (a one-row tile); q one row (D,)
+    in the compute dtype, k in natural layout (float, or uint16 bfloat16 bits widened as they
+    load). Lane w sums the features x = w mod W in increasing order (fused multiply-adds),
+    then the lanes in increasing order: no transposed copy of the key block, which on a
+    one-row tile costs more than the products. Four keys at a time (independent chains)."""
+    src = k[b, g]
+    width = lanes(qrow)
+    dim = qrow.shape[0]
+    full = nc - nc % 4
+    for c in range(0, full, 4):
+        k0, k1, k2, k3 = src[c0 + c], src[c0 + c + 1], src[c0 + c + 2], src[c0 + c + 3]
+        a0, a1, a2, a3 = vzero(qrow), vzero(qrow), vzero(qrow), vzero(qrow)
+        for x in range(0, dim, width):
+            qx = vload(qrow, x)
+            a0 = vfmav(qx, vload_wide(k0, x), a0)
+            a1 = vfmav(qx, vload_wide(k1, x), a1)
+            a2 = vfmav(qx, vload_wide(k2, x), a2)
+            a3 = vfmav(qx, vload_wide(k3, x), a3)
+        srow[c], srow[c + 1], srow[c + 2], srow[c + 3] = vsum(a0), vsum(a1), vsum(a2), vsum(a3)
+    for c in range(full, nc):
+        krow = src[c0 + c]
+        acc = vzero(qrow)
+        for x in range(0, dim, width):
+            acc = vfmav(vload(qrow, x), vload_wide(krow, x), acc)
+        srow[c] = vsum(acc)
+    for c in range(nc, srow.shape[0]):
+        srow[c] = 0
+    return True
+
+
+def _values_row(prow, srow, v, b, g, c0, nc, arow):
+    """arow[:E] += sum_c prow[c] v[b, g, c0 + c] over the keys c < nc whose score is not
+    -inf, sequential over c (one fused multiply-add per key and feature, lanes over
+    features: the chain of :func:`~._cpu_tiles.matmul_n`), v read in place (float, or
+    uint16 bfloat16 bits widened as they load); an excluded key's value row is not read,
+    so a non-finite one reaches no row that excludes it."""
+    src = v[b, g]
+    width = lanes(arow)
+    vdim = src.shape[1]
+    for c in range(nc):
+        if srow[c] == -np.inf:
+            continue
+        w = prow[c]
+        vrow = src[c0 + c]
+        for e in range(0, vdim, width):
+            vstore(arow, e, vfma(w, vload_wide(vrow, e), vload(arow, e)))
+    return True
+
+
+if JIT:
+    from numba import types
+    from numba.core.extending import overload
+
+    def in_place(x):
+        """Whether k or v is an array (read in place by :func:`_dot_row`, :func:`_values_row`)
+        rather than quantised rows (a compile-time constant)."""
+        raise NotImplementedError("compiled code only (numba overload)")
+
+    def row_scores(qrow, k, b, g, c0, nc, srow):
+        """:func:`_dot_row` (k an array)."""
+        raise NotImplementedError("compiled code only (numba overload)")
+
+    def row_values(prow, srow, v, b, g, c0, nc, arow):
+        """:func:`_values_row` (v an array)."""
+        raise NotImplementedError("compiled code only (numba overload)")
+
+    @overload(in_place, jit_options=_OPTS)
+    def _in_place(x):
+        value = isinstance(x, types.Array)
+        return lambda x: value
+
+    @overload(row_scores, jit_options=_OPTS)
+    def _row_scores(qrow, k, b, g, c0, nc, srow):
+        if isinstance(k, types.Array):
+            return _dot_row
+        return lambda qrow, k, b, g, c0, nc, srow: False  # never called (in_place)
+
+    @overload(row_values, jit_options=_OPTS)
+    def _row_values(prow, srow, v, b, g, c0, nc, arow):
+        if isinstance(v, types.Array):
+            return _values_row
+        return lambda prow, srow, v, b, g, c0, nc, arow: False  # never called (in_place)
+
+else:  # pragma: no cover  (NUMBA_DISABLE_JIT)
+
+    def in_place(x):
+        return not isinstance(x, tuple)
+
+    row_scores = _dot_row
+    row_values = _values_row
 
 
 @njit(**_OPTS)
@@ -93,21 +203,31 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, terms, pa
     acc = np.zeros((BLOCK_Q, epad), dt)
     m = np.full(BLOCK_Q, -np.inf, dt)
     total = np.zeros(BLOCK_Q, dt)
+    one = np.ones(1, dt)[0]
+    state = (m, total, acc)
     for t in range(group):
         src = q[b, group_heads[g, t]]
         for i in range(length):
             for x in range(dim):
                 q_t[x, t * length + i] = src[i, x]
     has_drop = opts[OPT_HAS_DROPOUT] != 0
+    # one query row (MHA decode): its scores as dot products of k's rows in place
+    qrow = q[b, group_heads[g, 0], 0]
+    direct = rows == 1 and dim % width == 0 and in_place(k)
+    # and its weights times v's rows in place (no copy of the value block)
+    direct_v = rows == 1 and vdim % width == 0 and not has_drop and in_place(v)
     first_row = np.int64(0)  # not a literal: one compiled row_interval, finish_scores, ...
     _, hi_last = row_interval(length - 1, dims, opts)
     start = max(split * SPLIT_KEYS, first_key_block(first_row, dims, opts, BLOCK_K))
     stop = min((split + 1) * SPLIT_KEYS, hi_last)
     for c0 in range(start, stop, BLOCK_K):
         nc = min(BLOCK_K, keys - c0)
-        load_keys_t(k, b, g, c0, nc, k_t)  # k, v: arrays or quantised rows (_cpu_codes)
-        v_finite = load_values(v, b, g, c0, nc, v_blk)
-        matmul_t(q_t, k_t, dim, rows, BLOCK_K, s, True)
+        if direct:
+            row_scores(qrow, k, b, g, c0, nc, s[0])
+        else:
+            load_keys_t(k, b, g, c0, nc, k_t)  # k, v: arrays or quantised rows (_cpu_codes)
+            matmul_t(q_t, k_t, dim, rows, BLOCK_K, s, True)
+        v_finite = direct_v or load_values(v, b, g, c0, nc, v_blk)
         clean = True
         for t in range(group):
             r0 = t * length
@@ -125,28 +245,11 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, terms, pa
                 terms,
                 deriv[r0 : r0 + length],
             )
-        for r in range(rows):
-            row = s[r]
-            prow = p[r]
-            m_old = m[r]
-            m_new = max(m_old, row_max(row, BLOCK_K))
-            if m_new == -np.inf:
-                prow[:] = 0
-                continue
-            part = vzero(prow)
-            for c in range(0, BLOCK_K, width):
-                e = vexp(vsubs(vload(row, c), m_new))
-                vstore(prow, c, e)
-                part = vadd(part, e)
-            row_total = vsum(part)
-            if m_new != m_old:
-                alpha = exp_compute(m_old - m_new)
-                total[r] = total[r] * alpha
-                arow = acc[r]
-                for e0 in range(0, epad, width):
-                    vstore(arow, e0, vmuls(vload(arow, e0), alpha))
-                m[r] = m_new
-            total[r] = total[r] + row_total
+        full4 = rows - rows % 4  # the forward's row softmax, the scores final (factor 1)
+        for r in range(0, full4, 4):
+            softmax_rows4(s, p, r, one, state)
+        for r in range(full4, rows):
+            softmax_row(s, p, r, one, state)
         weights = p
         if has_drop:
             for t in range(group):
@@ -164,7 +267,9 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, terms, pa
                     dstr,
                 )
             weights = pd
-        if v_finite or (clean and not has_drop):
+        if direct_v:
+            row_values(p[0], s[0], v, b, g, c0, nc, acc[0])
+        elif v_finite or (clean and not has_drop):
             matmul_n(weights, v_blk, nc, rows, epad, acc)
         else:
             for r in range(rows):
@@ -188,54 +293,83 @@ def _split_unit(q, k, v, group_heads, unit, nsplit, dims, opts, fopts, terms, pa
             part_acc[b, h, i, split, e] = acc[r, e]
 
 
+@njit(**_OPTS)
+def _combine_row(row, nsplit, parts, dims, opts, fopts, out, lse):
+    """Row ``row`` of (B H L): the splits' partial (max, sum, accumulator) rescaled to the
+    overall maximum and added with one fused multiply-add each, in increasing split order."""
+    part_m, part_total, part_acc = parts
+    heads, length, vdim = dims[DIM_HEADS], dims[DIM_LENGTH], dims[DIM_VDIM]
+    b = row // (heads * length)
+    h = (row // length) % heads
+    i = row % length
+    best = part_m[b, h, i, 0]  # never NaN (row maxima skip NaN)
+    for t in range(1, nsplit):
+        best = max(best, part_m[b, h, i, t])
+    orow = out[b, h, i]
+    if best == -np.inf:
+        nan_rows = opts[OPT_EMPTY_ROWS_NAN] != 0
+        fill = np.nan if nan_rows else 0.0
+        for e in range(vdim):
+            orow[e] = fill
+        lse[b, h, i] = np.nan if nan_rows else -np.inf
+        return
+    total = np.zeros(1, part_m.dtype)[0]
+    for e in range(vdim):
+        orow[e] = 0
+    for t in range(nsplit):
+        m_t = part_m[b, h, i, t]
+        if m_t == -np.inf:
+            continue
+        alpha = exp_compute(m_t - best)
+        total = fma(alpha, part_total[b, h, i, t], total)
+        for e in range(vdim):
+            orow[e] = fma(alpha, part_acc[b, h, i, t, e], orow[e])
+    inv = fopts[FOPT_KEEP_SCALE] / total
+    for e in range(vdim):
+        orow[e] = orow[e] * inv
+    lse[b, h, i] = best + math.log(total)
+
+
+def _split_parts(q, dims, nsplit):
+    """Fresh (max, sum, accumulator) partials of every (b, h, row, split)."""
+    batch, heads, length = (int(x) for x in dims[[DIM_BATCH, DIM_HEADS, DIM_LENGTH]])
+    dt = q.dtype
+    epad = int(pad(int(dims[DIM_VDIM]), 64 // dt.itemsize))
+    return (
+        np.empty((batch, heads, length, nsplit), dt),
+        np.empty((batch, heads, length, nsplit), dt),
+        np.empty((batch, heads, length, nsplit, epad), dt),
+    )
+
+
 @njit(parallel=True, **_OPTS)
-def _split_forward(q, k, v, group_heads, nsplit, dims, opts, fopts, terms, out, lse):
+def _split_forward(q, k, v, group_heads, nsplit, dims, opts, fopts, terms, parts, results):
     """Short-query forward: key splits of SPLIT_KEYS keys per (batch, kv head) run as
     independent units; their partial (max, sum, accumulator) are then combined per row in
     increasing split order (the split size is fixed, so the order depends on the shapes
-    only)."""
+    only). ``results`` = (out, lse)."""
     batch, heads, length = dims[DIM_BATCH], dims[DIM_HEADS], dims[DIM_LENGTH]
-    kv_heads, vdim = dims[DIM_KV_HEADS], dims[DIM_VDIM]
-    dt = q.dtype
-    epad = pad(vdim, lanes(q))
-    part_m = np.empty((batch, heads, length, nsplit), dt)
-    part_total = np.empty((batch, heads, length, nsplit), dt)
-    part_acc = np.empty((batch, heads, length, nsplit, epad), dt)
-    parts = (part_m, part_total, part_acc)
-    zero = np.zeros(1, dt)
-    for unit in prange(batch * kv_heads * nsplit):
+    for unit in prange(batch * dims[DIM_KV_HEADS] * nsplit):
         _split_unit(q, k, v, group_heads, np.int64(unit), nsplit, dims, opts, fopts, terms, parts)
-    keep_scale = fopts[FOPT_KEEP_SCALE]
-    nan_rows = opts[OPT_EMPTY_ROWS_NAN] != 0
     for row in prange(batch * heads * length):
-        b = row // (heads * length)
-        h = (row // length) % heads
-        i = row % length
-        best = part_m[b, h, i, 0]  # never NaN (row maxima skip NaN)
-        for t in range(1, nsplit):
-            best = max(best, part_m[b, h, i, t])
-        orow = out[b, h, i]
-        if best == -np.inf:
-            fill = np.nan if nan_rows else 0.0
-            for e in range(vdim):
-                orow[e] = fill
-            lse[b, h, i] = np.nan if nan_rows else -np.inf
-            continue
-        total = zero[0]
-        for e in range(vdim):
-            orow[e] = 0
-        for t in range(nsplit):
-            m_t = part_m[b, h, i, t]
-            if m_t == -np.inf:
-                continue
-            alpha = exp_compute(m_t - best)
-            total = fma(alpha, part_total[b, h, i, t], total)
-            for e in range(vdim):
-                orow[e] = fma(alpha, part_acc[b, h, i, t, e], orow[e])
-        inv = keep_scale / total
-        for e in range(vdim):
-            orow[e] = orow[e] * inv
-        lse[b, h, i] = best + math.log(total)
+        _combine_row(np.int64(row), nsplit, parts, dims, opts, fopts, results[0], results[1])
+
+
+@njit(**_OPTS)
+def _split_forward_serial(q, k, v, group_heads, nsplit, dims, opts, fopts, terms, parts, results):
+    """:func:`_split_forward` on one thread (the same units, the same bits): for small
+    steps, where a parallel region's start (and, on a busy machine, waiting for a second
+    thread) costs more than the work."""
+    batch, heads, length = dims[DIM_BATCH], dims[DIM_HEADS], dims[DIM_LENGTH]
+    for unit in range(batch * dims[DIM_KV_HEADS] * nsplit):
+        _split_unit(q, k, v, group_heads, np.int64(unit), nsplit, dims, opts, fopts, terms, parts)
+    for row in range(batch * heads * length):
+        _combine_row(np.int64(row), nsplit, parts, dims, opts, fopts, results[0], results[1])
+
+
+#: Up to this many elements of K and V together (B K S (D + E)), a key-split step runs on
+#: one thread.
+SERIAL_SPLITS = 1 << 23
 
 
 def forward_splits(nsplit, q, k, v, kv_head, dims, opts, fopts, terms, out, lse):
@@ -246,5 +380,12 @@ def forward_splits(nsplit, q, k, v, kv_head, dims, opts, fopts, terms, out, lse)
     group_heads = np.array(
         [[h for h in range(heads) if kv_head[h] == g] for g in range(kv_heads)], np.int64
     )
+    parts = _split_parts(q, dims, nsplit)
+    batch, keys, dim, vdim = (int(dims[x]) for x in (DIM_BATCH, DIM_KEYS, DIM_DIM, DIM_VDIM))
+    if batch * kv_heads * keys * (dim + vdim) <= SERIAL_SPLITS:  # k, v may be quantised rows
+        _split_forward_serial(
+            q, k, v, group_heads, nsplit, dims, opts, fopts, terms, parts, (out, lse)
+        )
+        return
     with parallel_chunksize(1):
-        _split_forward(q, k, v, group_heads, nsplit, dims, opts, fopts, terms, out, lse)
+        _split_forward(q, k, v, group_heads, nsplit, dims, opts, fopts, terms, parts, (out, lse))

@@ -43,11 +43,24 @@ from ._cpu_tiles import (
     matmul_n,
     matmul_t,
     padded,
-    row_max_scaled,
 )
-from ._simd import KERNEL_OPTIONS, fma, lanes, vadd, vexp, vload, vmuls, vstore, vsubs, vsum, vzero
+from ._simd import (
+    KERNEL_OPTIONS,
+    fma,
+    lanes,
+    vadd,
+    vexp,
+    vload,
+    vmax,
+    vmuls,
+    vstore,
+    vsubs,
+    vsum,
+    vtop,
+    vzero,
+)
 
-__all__ = ["forward_blocks"]
+__all__ = ["forward_blocks", "softmax_row", "softmax_rows4"]
 
 _OPTS = KERNEL_OPTIONS
 
@@ -90,6 +103,93 @@ SERIAL_PACK = 1 << 21
 
 
 @njit(**_OPTS)
+def _rescale(r, m_new, row_total, state):
+    """Row ``r`` of the online softmax state ``(m, total, acc)`` takes a key block with
+    maximum ``m_new`` and exp sum ``row_total``: rescale by exp(m_old - m_new) when the
+    maximum moved, then add."""
+    m, total, acc = state
+    m_old = m[r]
+    if m_new != m_old:
+        alpha = exp_compute(m_old - m_new)
+        total[r] = total[r] * alpha
+        arow = acc[r]
+        width = lanes(arow)
+        for e0 in range(0, arow.shape[0], width):
+            vstore(arow, e0, vmuls(vload(arow, e0), alpha))
+        m[r] = m_new
+    total[r] = total[r] + row_total
+
+
+@njit(**_OPTS)
+def _scaled_top(row, factor):
+    """max(row[:BLOCK_K] * factor) ignoring NaN (the lane-wise maxima, then :func:`vtop`)."""
+    width = lanes(row)
+    x = vmuls(vload(row, 0), factor)
+    for c in range(width, BLOCK_K, width):
+        x = vmax(x, vmuls(vload(row, c), factor))
+    return vtop(x)
+
+
+@njit(**_OPTS)
+def softmax_row(s, p, r, factor, state):
+    """p[r] = exp(s[r] * factor - m_new) for one tile row, m_new the row's running maximum;
+    the exp sum in the documented lane order (lane w sums the keys w mod W, then the lanes
+    in order) goes into the state (:func:`_rescale`)."""
+    row = s[r]
+    prow = p[r]
+    m_new = max(state[0][r], _scaled_top(row, factor))
+    if m_new == -np.inf:
+        prow[:] = 0
+        return
+    width = lanes(row)
+    part = vzero(prow)
+    for c in range(0, BLOCK_K, width):
+        e = vexp(vsubs(vmuls(vload(row, c), factor), m_new))
+        vstore(prow, c, e)
+        part = vadd(part, e)
+    _rescale(r, m_new, vsum(part), state)
+
+
+@njit(**_OPTS)
+def softmax_rows4(s, p, r, factor, state):
+    """:func:`softmax_row` of rows r..r+3 interleaved: four independent chains of maxima,
+    exps and lane sums keep the vector units busy where one row's chain would stall on
+    latency. The same operations per row, so the same bits."""
+    m = state[0]
+    width = lanes(s)
+    s0, s1, s2, s3 = s[r], s[r + 1], s[r + 2], s[r + 3]
+    x0, x1 = vmuls(vload(s0, 0), factor), vmuls(vload(s1, 0), factor)
+    x2, x3 = vmuls(vload(s2, 0), factor), vmuls(vload(s3, 0), factor)
+    for c in range(width, BLOCK_K, width):
+        x0 = vmax(x0, vmuls(vload(s0, c), factor))
+        x1 = vmax(x1, vmuls(vload(s1, c), factor))
+        x2 = vmax(x2, vmuls(vload(s2, c), factor))
+        x3 = vmax(x3, vmuls(vload(s3, c), factor))
+    n0, n1 = max(m[r], vtop(x0)), max(m[r + 1], vtop(x1))
+    n2, n3 = max(m[r + 2], vtop(x2)), max(m[r + 3], vtop(x3))
+    if n0 == -np.inf or n1 == -np.inf or n2 == -np.inf or n3 == -np.inf:
+        for i in range(4):  # a row with no allowed key so far: one at a time
+            softmax_row(s, p, r + i, factor, state)
+        return
+    p0, p1, p2, p3 = p[r], p[r + 1], p[r + 2], p[r + 3]
+    a0, a1, a2, a3 = vzero(p0), vzero(p0), vzero(p0), vzero(p0)
+    for c in range(0, BLOCK_K, width):
+        e0 = vexp(vsubs(vmuls(vload(s0, c), factor), n0))
+        e1 = vexp(vsubs(vmuls(vload(s1, c), factor), n1))
+        e2 = vexp(vsubs(vmuls(vload(s2, c), factor), n2))
+        e3 = vexp(vsubs(vmuls(vload(s3, c), factor), n3))
+        vstore(p0, c, e0)
+        vstore(p1, c, e1)
+        vstore(p2, c, e2)
+        vstore(p3, c, e3)
+        a0, a1, a2, a3 = vadd(a0, e0), vadd(a1, e1), vadd(a2, e2), vadd(a3, e3)
+    _rescale(r, n0, vsum(a0), state)
+    _rescale(r + 1, n1, vsum(a1), state)
+    _rescale(r + 2, n2, vsum(a2), state)
+    _rescale(r + 3, n3, vsum(a3), state)
+
+
+@njit(**_OPTS)
 def _forward_unit(q, packed, kv_head, unit, nqb, dims, opts, fopts, terms, out, lse):
     """One (batch, head, query block): ``packed`` = (K^T blocks, V blocks, V block finite)
     from :func:`_packed_keys`; ``terms`` as in :func:`~._cpu_scores.finish_scores`."""
@@ -104,7 +204,6 @@ def _forward_unit(q, packed, kv_head, unit, nqb, dims, opts, fopts, terms, out, 
     rows = nr  # short blocks (decode: L = 1) compute their live rows only
     g = kv_head[h]
     dt = q.dtype
-    width = lanes(q)
     epad = v_pack.shape[4]
     q_t = np.empty((dim, BLOCK_Q), dt)
     s = np.empty((BLOCK_Q, BLOCK_K), dt)
@@ -115,6 +214,7 @@ def _forward_unit(q, packed, kv_head, unit, nqb, dims, opts, fopts, terms, out, 
     m = np.full(BLOCK_Q, -np.inf, dt)
     total = np.zeros(BLOCK_Q, dt)
     one = np.ones(1, dt)[0]
+    state = (m, total, acc)
     load_rows_t(q[b, h], r0, nr, q_t)
     has_drop = opts[OPT_HAS_DROPOUT] != 0
     # the key blocks that the [lo, hi) intervals of the block's rows reach (lo and hi grow
@@ -133,29 +233,11 @@ def _forward_unit(q, packed, kv_head, unit, nqb, dims, opts, fopts, terms, out, 
             clean, factor = True, fopts[FOPT_SCALE]
         else:
             clean = finish_scores(s, nr, nc, r0, c0, b, h, dims, opts, fopts, terms, deriv)
-        for r in range(nr):
-            row = s[r]
-            prow = p[r]
-            m_old = m[r]
-            m_new = max(m_old, row_max_scaled(row, BLOCK_K, factor))
-            if m_new == -np.inf:
-                prow[:] = 0
-                continue
-            # exp of the tile row, lane-parallel; the lane sums in the row_sum order
-            part = vzero(prow)
-            for c in range(0, BLOCK_K, width):
-                e = vexp(vsubs(vmuls(vload(row, c), factor), m_new))
-                vstore(prow, c, e)
-                part = vadd(part, e)
-            row_total = vsum(part)
-            if m_new != m_old:
-                alpha = exp_compute(m_old - m_new)
-                total[r] = total[r] * alpha
-                arow = acc[r]
-                for e0 in range(0, epad, width):
-                    vstore(arow, e0, vmuls(vload(arow, e0), alpha))
-                m[r] = m_new
-            total[r] = total[r] + row_total
+        full4 = nr - nr % 4
+        for r in range(0, full4, 4):
+            softmax_rows4(s, p, r, factor, state)
+        for r in range(full4, nr):
+            softmax_row(s, p, r, factor, state)
         weights = p
         if has_drop:
             dropout_weights(p, pd, nr, nc, r0, c0, b, h, drop, dstr)
@@ -199,8 +281,12 @@ def _forward_unit(q, packed, kv_head, unit, nqb, dims, opts, fopts, terms, out, 
 def _forward_units(q, packed, kv_head, dims, opts, fopts, terms, out, lse):
     batch, heads, length = dims[DIM_BATCH], dims[DIM_HEADS], dims[DIM_LENGTH]
     nqb = -(-length // BLOCK_Q)
-    for unit in prange(batch * heads * nqb):
-        _forward_unit(q, packed, kv_head, np.int64(unit), nqb, dims, opts, fopts, terms, out, lse)
+    for u in prange(batch * heads * nqb):
+        # each (batch, head)'s query blocks last to first: under a causal mask the last read
+        # the most key blocks, so the units handed out last (one at a time) are the shortest;
+        # consecutive units share the head's packed key blocks (kept in L2)
+        unit = np.int64(u) + nqb - 1 - 2 * (np.int64(u) % nqb)
+        _forward_unit(q, packed, kv_head, unit, nqb, dims, opts, fopts, terms, out, lse)
 
 
 def _packed_keys(k, v):

@@ -34,6 +34,8 @@ __all__ = [
     "vstore",
     "vzero",
     "vfma",
+    "vfmav",
+    "vload_wide",
     "vadd",
     "vmax",
     "vlane",
@@ -47,6 +49,7 @@ __all__ = [
     "vkeep",
     "vsum",
     "vbest",
+    "vtop",
     "exp_float64",
     "exp_float32",
     "vsigmoid",
@@ -137,6 +140,45 @@ if JIT:
         return x(a, x, y), codegen
 
     @intrinsic
+    def vfmav(typingctx, x, y, z):
+        """x * y + z lane-wise, rounded once (three vectors)."""
+
+        def codegen(context, builder, sig, args):
+            lt = context.get_value_type(sig.args[0])
+            fnty = ir.FunctionType(lt, [lt] * 3)
+            fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.fma.{_llvm_name(lt)}")
+            return builder.call(fn, list(args))
+
+        return x(x, y, z), codegen
+
+    @intrinsic
+    def vload_wide(typingctx, arr, start):
+        """:func:`vload` of a float array; of a uint16 array (bfloat16 bits) the 16 values
+        from ``start`` widened exactly to float32 (the bits shifted into the high half)."""
+        if isinstance(arr.dtype, types.Float):
+            vt = Vec(arr.dtype)
+
+            def codegen_float(context, builder, sig, args):
+                ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1])
+                lt = context.get_value_type(vt)
+                return builder.load(builder.bitcast(ptr, lt.as_pointer()), align=1)
+
+            return vt(arr, start), codegen_float
+        if arr.dtype != types.uint16:
+            return None
+        vt = Vec(types.float32)
+
+        def codegen(context, builder, sig, args):
+            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1])
+            half = ir.VectorType(ir.IntType(16), 16)
+            bits = builder.load(builder.bitcast(ptr, half.as_pointer()), align=1)
+            word = ir.VectorType(ir.IntType(32), 16)
+            wide = builder.shl(builder.zext(bits, word), ir.Constant(word, [16] * 16))
+            return builder.bitcast(wide, context.get_value_type(vt))
+
+        return vt(arr, start), codegen
+
+    @intrinsic
     def vadd(typingctx, x, y):
         def codegen(context, builder, sig, args):
             return builder.fadd(args[0], args[1])
@@ -202,6 +244,15 @@ else:  # pragma: no cover - exercised by the NUMBA_DISABLE_JIT=1 test tier
     def vfma(a, x, y):
         # Not fused here: this twin exists to cover the kernel bodies, not to be bit-exact.
         return (a * x + y).astype(x.dtype)
+
+    def vfmav(x, y, z):
+        return (x * y + z).astype(x.dtype)
+
+    def vload_wide(arr, start):
+        if arr.dtype == np.uint16:
+            bits = arr[start : start + 16].astype(np.uint32) << np.uint32(16)
+            return bits.view(np.float32)
+        return vload(arr, start)
 
     def vadd(x, y):
         return x + y
@@ -450,6 +501,35 @@ if JIT:
         return x.dtype(x), codegen
 
     @intrinsic
+    def vtop(typingctx, x):
+        """Largest lane skipping NaN (NaN only when every lane is NaN), as :func:`vbest`, by
+        a halving tree of ``maxnum`` (the maximum of a set needs no order: a few shuffles
+        instead of a chain of W compare-and-selects). Only the sign of a zero maximum may
+        differ from :func:`vbest` (``maxnum`` may return either zero)."""
+
+        def codegen(context, builder, sig, args):
+            lt = context.get_value_type(sig.args[0])
+            fnty = ir.FunctionType(lt, [lt, lt])
+            fn = cgutils.get_or_insert_function(
+                builder.module, fnty, f"llvm.maxnum.{_llvm_name(lt)}"
+            )
+            undef = ir.Constant(lt, ir.Undefined)
+            x = args[0]
+            half = lt.count // 2
+            while half >= 1:
+                # lane w takes lane w + half (the upper lanes repeat: never read)
+                picks = [(w + half) % lt.count for w in range(lt.count)]
+                mask = ir.Constant(
+                    ir.VectorType(ir.IntType(32), lt.count),
+                    [ir.Constant(ir.IntType(32), w) for w in picks],
+                )
+                x = builder.call(fn, [x, builder.shuffle_vector(x, undef, mask)])
+                half //= 2
+            return builder.extract_element(x, ir.Constant(ir.IntType(32), 0))
+
+        return x.dtype(x), codegen
+
+    @intrinsic
     def vsigmoid(typingctx, x):
         """sigma of every lane: ``e = exp(-|x|)`` (the operations of :func:`vexp`), then
         ``1 / (1 + e)`` where ``x >= 0`` and ``e / (1 + e)`` elsewhere (NaN stays NaN)."""
@@ -481,6 +561,9 @@ else:  # pragma: no cover
         for lane in x[1:]:
             best = lane if lane > best or best != best else best
         return best
+
+    def vtop(x):
+        return vbest(x)
 
     def vmul(x, y):
         return (x * y).astype(x.dtype)

@@ -40,7 +40,12 @@ that are accumulated use ``llvm.fma`` explicitly (one rounding, the same on ever
 
 The reduction orders are:
 
-* scores ``q_i . k_j``: sequential over the D axis (one fused multiply-add per term);
+* scores ``q_i . k_j``: sequential over the D axis (one fused multiply-add per term); on the
+  short-query path with one query row per kv head (an MHA decode step, D a multiple of the
+  lanes) the keys are read in place instead of transposed: lane ``w`` sums the features
+  ``x = w mod W`` in increasing order, then the lanes in increasing order, and the weighted
+  values are added key by key in increasing order (the chain of the tiles), skipping keys
+  whose score is -inf;
 * ``sum_j p_ij v_j``, ``dq``, ``dk``, ``dv``: sequential over keys (queries) within a block,
   blocks in increasing order;
 * the softmax normaliser of a block: ``W`` lane-wise partial sums (lane ``w`` sums the keys
@@ -198,7 +203,9 @@ def forward(spec, dtype=None):
     dtype = compute_dtype(spec.q.dtype) if dtype is None else np.dtype(dtype)
     if spec.index_reading == "gather" and _leading_features(spec.v, spec.k):
         return _run_forward(spec, _values_in_keys(spec, dtype), dtype)
-    return _run_forward(spec, kernel_arguments(spec, dtype), dtype)
+    # the key splits (decode) read bfloat16 k, v as their bits, widening each once
+    splits = spec.index_reading != "gather" and split_keys(*spec.dims[1:5])
+    return _run_forward(spec, kernel_arguments(spec, dtype, bf16_bits=bool(splits)), dtype)
 
 
 def _leading_features(v, k) -> bool:

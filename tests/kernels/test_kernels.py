@@ -99,10 +99,34 @@ CASES = {
         {"L": 3, "S": 2600, "H": 4, "K": 2},
         lambda rng, L, S: {"gqa": "tile", "window": (1500, 0), "align": "bottom_right"},
     ),
+    # one query row per kv head: k and v read in place (D, E multiples of the lanes)
+    "decode_split_mha": (
+        {"L": 1, "S": 2100, "D": 32, "E": 16},
+        lambda rng, L, S: {
+            "mask": _mask(rng, L, S, 0.1),
+            "bias": _bias(rng, L, S),
+            "softcap": 2.0,
+            "alibi_slopes": np.array([0.25, 0.5]),
+            "causal": True,
+            "align": "bottom_right",
+        },
+    ),
+    "decode_split_mha_dropout": (
+        {"L": 1, "S": 2100, "D": 32, "E": 16},
+        lambda rng, L, S: {"dropout_mask": _mask(rng, L, S, 0.1), "dropout_p": 0.1},
+    ),
     "odd_dims": ({"L": 130, "S": 5, "D": 3, "E": 70}, lambda rng, L, S: {"window": (2, 2)}),
     "tiny": ({"L": 3, "S": 5, "D": 4, "E": 2}, lambda rng, L, S: {"causal": True}),
 }
-F32_CASES = ["plain", "causal", "everything", "gqa_tile", "odd_dims", "decode_split_gqa"]
+F32_CASES = [
+    "plain",
+    "causal",
+    "everything",
+    "gqa_tile",
+    "odd_dims",
+    "decode_split_gqa",
+    "decode_split_mha",
+]
 
 
 def _build(name, dtype, seed=0):
@@ -257,7 +281,9 @@ o32 = refattn.attention(q, k, v, backend="numba", **opts)
 g32 = refattn.attention_vjp(q, k, v, go, backend="numba", **opts)
 q, k, v, opts, go, gl = _build("decode_split_gqa", np.float64, seed=13)
 split = refattn.attention(q, k, v, return_lse=True, backend="numba", **opts)
-print(_digest([out, lse, *g, o32, *g32, *split]))
+q, k, v, opts, go, gl = _build("decode_split_mha", np.float32, seed=14)
+mha = refattn.attention(q, k, v, return_lse=True, backend="numba", **opts)
+print(_digest([out, lse, *g, o32, *g32, *split, *mha]))
 """
 
 
