@@ -129,3 +129,21 @@ def test_prefetched_fixtures_come_in_order_and_errors_where_they_were():
             seen.append(item)
     assert seen == ["a", "b"]
     assert not Prefetched(iter(()), 0)
+
+
+def test_loaded_key_comes_from_the_checked_file(tmp_path):
+    """A fixture read from a checked file is keyed by the file's sha256 (its arrays are not
+    hashed again); the key follows the file, and an unchecked read falls back to the content."""
+    from oracle.reading.case import fixture_key, loaded_key
+
+    golden.generate("default", tmp_path, cases=[catalogue.get(SMALL)], progress=False)
+    (first,) = golden.load(tmp_path)
+    (again,) = golden.load(tmp_path)
+    assert first.verified_sha256 and loaded_key(first) == loaded_key(again)
+    assert loaded_key(first) != fixture_key(first)
+    (unchecked,) = golden.load(tmp_path, check=False)
+    assert loaded_key(unchecked) == fixture_key(unchecked) == fixture_key(first)
+    other = tmp_path / "other"
+    golden.generate("default", other, cases=[catalogue.get(COMPACT)], progress=False)
+    (compact,) = golden.load(other)
+    assert loaded_key(compact) not in (loaded_key(first), fixture_key(compact))
