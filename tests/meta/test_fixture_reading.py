@@ -147,3 +147,24 @@ def test_loaded_key_comes_from_the_checked_file(tmp_path):
     golden.generate("default", other, cases=[catalogue.get(COMPACT)], progress=False)
     (compact,) = golden.load(other)
     assert loaded_key(compact) not in (loaded_key(first), fixture_key(compact))
+
+
+def test_npy_sha256_is_that_of_the_written_bytes():
+    """The in-place hash a compact fixture's inputs are checked with is the sha256 of the npy
+    bytes the fixtures are written with, for every dtype and layout they hold."""
+    import hashlib
+
+    from oracle.fixtures.npz import npy_sha256
+
+    rng = np.random.default_rng(0)
+    arrays = [
+        np.array("meta"),
+        np.array(3.5),
+        np.arange(12.0).reshape(3, 4).T,
+        rng.standard_normal((2, 3, 4)).astype(np.float32),
+        np.zeros((0, 3), np.float16),
+        np.arange(6, dtype=np.uint16).reshape(2, 3),
+        np.arange(5, dtype=">i4"),
+    ]
+    for array in arrays:
+        assert npy_sha256(array) == hashlib.sha256(golden._npy_bytes(array)).hexdigest()
