@@ -168,3 +168,34 @@ def test_npy_sha256_is_that_of_the_written_bytes():
     ]
     for array in arrays:
         assert npy_sha256(array) == hashlib.sha256(golden._npy_bytes(array)).hexdigest()
+
+
+def test_kept_inputs_are_hashed_again_only_when_their_file_changed(tmp_path, monkeypatch):
+    """A kept compact input file is checked once (or written from checked inputs); a later
+    load hashes it again only when its status changed, even with its times set back."""
+    import os
+
+    from oracle.fixtures import compact
+
+    monkeypatch.delenv("REFATTN_CACHE", raising=False)
+    golden.generate("default", tmp_path, cases=[catalogue.get(COMPACT)], progress=False)
+    for kept in (tmp_path / ".judge-cache").glob("inputs-*"):
+        kept.unlink()  # generate's own cache: start from a load that rebuilds them
+    rebuilt = catalogue.make_inputs(catalogue.get(COMPACT))
+    hashed = []
+    real = compact.npy_sha256
+    monkeypatch.setattr(compact, "npy_sha256", lambda a: hashed.append(1) or real(a))
+    (first,) = golden.load(tmp_path)  # rebuilt, checked, kept, remembered
+    checks = len(hashed)
+    (second,) = golden.load(tmp_path)
+    assert checks > 0 and len(hashed) == checks  # read back without hashing again
+    (kept,) = (tmp_path / ".judge-cache").glob("inputs-*.npz")
+    before = kept.stat()
+    data = bytearray(kept.read_bytes())
+    data[len(data) // 2] ^= 1
+    kept.write_bytes(bytes(data))
+    os.utime(kept, ns=(before.st_atime_ns, before.st_mtime_ns))  # times set back
+    (third,) = golden.load(tmp_path)
+    assert len(hashed) > checks  # its change time moved: checked, refused, rebuilt
+    for fixture in (first, second, third):
+        _assert_same(fixture.inputs, rebuilt)
