@@ -208,12 +208,22 @@ def position_allowed(has_mask, mask_value, has_bias, bias_value):
 position_allowed_jit = numba.njit(cache=True, fastmath=False)(position_allowed)
 
 
-@numba.njit(cache=True, fastmath=False)
 def _intervals(rows, offset, keys, causal, left, right):
-    lo = np.empty(rows.shape[0], np.int64)
-    hi = np.empty(rows.shape[0], np.int64)
-    for n in range(rows.shape[0]):
-        lo[n], hi[n] = key_interval_jit(rows[n], offset, keys, causal, left, right)
+    """:func:`key_interval` of every row of the int64 array ``rows``, its steps done on whole
+    arrays (int64, as the compiled rule; checked against it row by row in the tests). NumPy
+    rather than :data:`key_interval_jit`: the NumPy paths then never dispatch a compiled
+    function, whose first call in a process costs Numba's start-up (0.5 s and more)."""
+    diag = rows + offset
+    lo = np.zeros(rows.shape, np.int64)
+    hi = np.full(rows.shape, keys, np.int64)
+    if causal:
+        hi = np.minimum(hi, diag + 1)
+    if left >= 0:
+        lo = np.maximum(lo, diag - left)
+    if right >= 0:
+        hi = np.minimum(hi, diag + right + 1)
+    lo = np.minimum(lo, keys)
+    hi = np.maximum(hi, lo)
     return lo, hi
 
 

@@ -11,7 +11,10 @@ time is reported separately: it is the fixture generation, not the validation).
 own time is measured too: the forward calls the judge makes (``return_lse=True``), timed in
 this process over the same fixtures, best of two passes. The ratio wall / own time is the
 figure to keep within 2x (the own time is measured again in each of the ``--repeat`` rounds,
-between the CLI runs, and the ratio is the best wall over the best own time). ``--tree DIR``
+between the CLI runs, and the ratio is the best wall over the best own time). The CPU seconds
+of both sides are reported too (``cpu_ratio``: the CLI process and its worker, user + system,
+over this process's CPU time in the same forward calls, BLAS threads included): on a machine
+shared with other work the wall times swing with its load, the CPU times much less. ``--tree DIR``
 (repeatable) runs the CLI from other source trees as well (e.g. an export of the previous
 commit), alternating with this one, so before and after are measured under the same machine
 load; the verdict tables are compared. The CLI
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -39,27 +43,35 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _own_seconds(spec, fixtures) -> float:
-    """The implementation's forward calls as the judge makes them, best of two passes."""
+def _own_seconds(spec, fixtures) -> tuple[float, float]:
+    """The implementation's forward calls as the judge makes them, best of two passes: (wall
+    seconds, CPU seconds of this process over the same calls, its BLAS threads included)."""
     from oracle.judging.judge import call_forward
     from oracle.run.impls import resolve_impl
 
     fn, _ = resolve_impl(spec)
-    best = float("inf")
+    best, best_cpu = float("inf"), float("inf")
     for _ in range(2):
-        spent = 0.0
+        spent = cpu = 0.0
         for fixture in fixtures:
             if fixture.case.function != "attention" or fixture.case.category == "refusal":
                 continue
             inputs = fixture.inputs
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             try:
                 call_forward(fn, inputs["q"], inputs["k"], inputs["v"], fixture.options)
             except Exception:  # noqa: BLE001 - an unsupported case costs what it cost
                 pass
             spent += time.perf_counter() - start
-        best = min(best, spent)
-    return best
+            cpu += time.process_time() - start_cpu
+        best, best_cpu = min(best, spent), min(best_cpu, cpu)
+    return best, best_cpu
+
+
+def _children_cpu() -> float:
+    """User + system CPU seconds of this process's waited-for children so far."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
 def _cli_run(tree: Path, flag: str, spec: str, directory: Path, dtype, pycache="") -> dict:
@@ -73,13 +85,14 @@ def _cli_run(tree: Path, flag: str, spec: str, directory: Path, dtype, pycache="
     if pycache:
         env.pop("PYTHONDONTWRITEBYTECODE", None)
         env["PYTHONPYCACHEPREFIX"] = str(Path(pycache).resolve())
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), _children_cpu()
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
+    cpu = _children_cpu() - start_cpu  # the CLI process and its worker (reaped by it)
     found = json.loads(report.read_text()) if report.stat().st_size else {"results": []}
     report.unlink()
     verdicts = {r["name"]: r["verdict"] for r in found["results"]}
-    return {"wall": wall, "rc": done.returncode, "verdicts": verdicts}
+    return {"wall": wall, "cpu": cpu, "rc": done.returncode, "verdicts": verdicts}
 
 
 def _bench_cli(args, directory: Path, figures: dict) -> None:
@@ -92,20 +105,32 @@ def _bench_cli(args, directory: Path, figures: dict) -> None:
     figures["load"] = os.getloadavg()
     figures["pycache"] = args.pycache or None
     for flag, spec in runs:
-        entry = figures["implementations"].setdefault(spec, {"own_seconds": []})
+        entry = figures["implementations"].setdefault(
+            spec, {"own_seconds": [], "own_cpu_seconds": []}
+        )
         for _ in range(args.repeat):
             # the own time is measured again in each round, between the CLI runs: a busy
             # machine's bursts then weigh on both sides alike (the best of each is kept)
-            entry["own_seconds"].append(round(_own_seconds(spec, fixtures), 2))
-            own = min(entry["own_seconds"])
+            wall, cpu = _own_seconds(spec, fixtures)
+            entry["own_seconds"].append(round(wall, 2))
+            entry["own_cpu_seconds"].append(round(cpu, 2))
+            own, own_cpu = min(entry["own_seconds"]), min(entry["own_cpu_seconds"])
             for label, tree in trees:
                 run = _cli_run(tree, flag, spec, directory, args.dtype, args.pycache)
-                walls = entry.setdefault(label, {"wall_seconds": [], "rc": run["rc"]})
+                walls = entry.setdefault(
+                    label, {"wall_seconds": [], "cpu_seconds": [], "rc": run["rc"]}
+                )
                 walls["wall_seconds"].append(round(run["wall"], 2))
+                walls["cpu_seconds"].append(round(run["cpu"], 2))
                 walls["ratio"] = round(min(walls["wall_seconds"]) / own, 2)
+                walls["cpu_ratio"] = round(min(walls["cpu_seconds"]) / own_cpu, 2)
                 tables = entry.setdefault("_verdicts", {})
                 tables.setdefault(label, run["verdicts"])
-                print(f"{spec} [{label}] {run['wall']:6.2f} s  own {own:5.2f} s", flush=True)
+                print(
+                    f"{spec} [{label}] {run['wall']:6.2f} s (cpu {run['cpu']:5.2f} s)  own "
+                    f"{own:5.2f} s (cpu {own_cpu:5.2f} s)  load {os.getloadavg()[0]:.1f}",
+                    flush=True,
+                )
         tables = entry.pop("_verdicts")
         entry["verdicts_identical"] = all(t == tables["this"] for t in tables.values())
         entry["verdict_counts"] = _counts(tables["this"])

@@ -14,7 +14,8 @@ under test -- is a *judging part* of the case (:class:`oracle.reading.case.CaseV
 Parts are kept at two levels (:func:`judging_part`): in memory for the rest of the process
 (every implementation, tier and kernel of a run, power's planted kernels included) and, when a
 cache folder is known (:func:`cache_dir`), on disk across runs, one file per fixture and part
-named by the fixture's content key (:func:`oracle.reading.case.fixture_key`), the part and
+named by the fixture's content key (:func:`oracle.reading.case.fixture_key`; for a fixture the
+worker has just read from a checked file, :func:`oracle.reading.case.loaded_key`), the part and
 :data:`JUDGING_VERSION`. Files are written atomically (:func:`oracle.fixtures.atomic.
 write_atomic`); a file that is missing, unreadable, of another key or version, or whose
 arrays do not fit the fixture is recomputed and rewritten, never trusted.

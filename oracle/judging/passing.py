@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
+import weakref
 
 import numpy as np
 
@@ -14,6 +16,7 @@ from refattn.attention import attention
 __all__ = ["passed_options", "vjp_of"]
 
 
+@functools.cache
 def _refattn_defaults() -> dict:
     parameters = inspect.signature(attention).parameters.items()
     return {
@@ -30,7 +33,7 @@ def passed_options(options, impl=None) -> dict:
     is still judged on every case that uses that keyword's default. A keyword ``impl``'s
     signature declares with another default (``align="bottom_right"``) is compared with that
     default instead (:func:`oracle.conventions.signatures.function_defaults`)."""
-    defaults = {**_refattn_defaults(), **function_defaults(impl)}
+    defaults = {**_refattn_defaults(), **_declared_defaults(impl)}
     return {
         name: np.copy(x) if isinstance(x, np.ndarray) else x
         for name, x in options.items()
@@ -39,6 +42,24 @@ def passed_options(options, impl=None) -> dict:
         or type(x) is not type(defaults[name])
         or x != defaults[name]
     }
+
+
+#: :func:`function_defaults` of the implementations seen (their signatures are read once, not
+#: on every case: 0.3-0.8 ms a case)
+_DECLARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _declared_defaults(impl) -> dict:
+    try:
+        return _DECLARED[impl]
+    except (KeyError, TypeError):  # not seen, or not weakly referenceable (read each time)
+        pass
+    found = function_defaults(impl)
+    try:
+        _DECLARED[impl] = found
+    except TypeError:
+        pass
+    return found
 
 
 def vjp_of(impl):

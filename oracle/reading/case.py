@@ -37,6 +37,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from types import MappingProxyType
 
 import numpy as np
@@ -46,7 +47,7 @@ from oracle.reading.baseline import Textbook, dequantised_inputs, textbook_atten
 from oracle.reading.heads import with_heads
 from refattn.broadcast import expand_kv
 
-__all__ = ["CaseView", "read_case", "fixture_key"]
+__all__ = ["CaseView", "read_case", "fixture_key", "loaded_key"]
 
 
 def _frozen(x):
@@ -190,15 +191,67 @@ def fixture_key(fixture) -> str:
         ("truth", fixture.truth),
     ):
         for name in sorted(values):
-            value = values[name]
             digest.update(f"{group}/{name}".encode())
-            array = np.ascontiguousarray(value) if isinstance(value, np.ndarray) else None
-            if array is not None and array.dtype.kind != "O":
-                digest.update(f"{array.dtype.str}{array.shape}".encode())
-                digest.update(array.view(np.uint8).reshape(-1).data)
-            else:  # scalars, strings, tuples such as window=(8, None)
-                digest.update(repr(value).encode())
+            _update(digest, values[name])
     return digest.hexdigest()
+
+
+#: the modules that turn a fixture file's bytes into its arrays (a change to any: new keys)
+_LOADER_MODULES = (
+    "oracle/fixtures/golden.py",
+    "oracle/fixtures/npz.py",
+    "oracle/fixtures/compact.py",
+)
+
+
+def _loader_version() -> str:
+    root = Path(__file__).resolve().parents[2]
+    digest = hashlib.sha256()
+    for name in _LOADER_MODULES:
+        path = root / name
+        digest.update(name.encode() + (path.read_bytes() if path.is_file() else b"absent"))
+    return digest.hexdigest()[:16]
+
+
+_LOADER_VERSION = _loader_version()
+
+
+def loaded_key(fixture) -> str:
+    """The content key of a fixture just read by :func:`oracle.fixtures.golden.load` from a
+    file whose sha256 it checked against the manifest (``verified_sha256``), without hashing
+    its arrays again: its inputs and truth are that file's bytes as the loader reads them
+    (a compact fixture's regenerated inputs are checked bit for bit against the hashes the
+    file records, :mod:`oracle.fixtures.compact`), so the key hashes the file's sha256, the
+    loader's source and the case spec, plus the options (derived from the case by the
+    catalogue; an array option that is one of the inputs is named, not hashed again).
+
+    Only for a fixture nobody has changed since it was read (the worker keys each fixture it
+    reads at once, :mod:`oracle.run.stored`); any other fixture: :func:`fixture_key`.
+    """
+    sha = getattr(fixture, "verified_sha256", None)
+    if not sha:
+        return fixture_key(fixture)
+    digest = hashlib.sha256(f"file/{sha}/{_LOADER_VERSION}/".encode())
+    digest.update(json.dumps(fixture.case.spec(), sort_keys=True).encode())
+    inputs = {id(x): name for name, x in fixture.inputs.items()}
+    for name in sorted(fixture.options):
+        value = fixture.options[name]
+        digest.update(f"options/{name}".encode())
+        if isinstance(value, np.ndarray) and id(value) in inputs:
+            digest.update(f"=inputs/{inputs[id(value)]}".encode())
+        else:
+            _update(digest, value)
+    return "f" + digest.hexdigest()[1:]
+
+
+def _update(digest, value) -> None:
+    """Hash ``value`` as :func:`fixture_key` does (an array's dtype, shape and bytes)."""
+    array = np.ascontiguousarray(value) if isinstance(value, np.ndarray) else None
+    if array is not None and array.dtype.kind != "O":
+        digest.update(f"{array.dtype.str}{array.shape}".encode())
+        digest.update(array.view(np.uint8).reshape(-1).data)
+    else:  # scalars, strings, tuples such as window=(8, None)
+        digest.update(repr(value).encode())
 
 
 def read_case(fixture, key: str | None = None) -> CaseView:

@@ -115,15 +115,16 @@ def _part_names(batch) -> tuple:
 
 
 def _keyed(fixtures, names):  # pragma: no cover - worker side
-    """The fixtures, each with its content key (:func:`oracle.reading.case.fixture_key`) as
-    ``content_key`` (computed once, before any implementation is given copies of its inputs)
-    and its judging parts ``names`` read ahead from the disk cache."""
+    """The fixtures, each with its content key as ``content_key`` (computed once, as soon as
+    it is read: :func:`oracle.reading.case.loaded_key`, from the sha256 of its file that
+    :func:`oracle.fixtures.golden.load` checked, not by hashing its arrays again) and its
+    judging parts ``names`` read ahead from the disk cache."""
     # worker side, as in serve_batch
     from oracle.judging import parts
-    from oracle.reading.case import fixture_key
+    from oracle.reading.case import loaded_key
 
     for fixture in fixtures:
-        fixture.content_key = fixture_key(fixture)
+        fixture.content_key = loaded_key(fixture)
         parts.read_ahead(fixture, fixture.content_key, names)
         yield fixture
 

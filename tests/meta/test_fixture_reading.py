@@ -129,3 +129,73 @@ def test_prefetched_fixtures_come_in_order_and_errors_where_they_were():
             seen.append(item)
     assert seen == ["a", "b"]
     assert not Prefetched(iter(()), 0)
+
+
+def test_loaded_key_comes_from_the_checked_file(tmp_path):
+    """A fixture read from a checked file is keyed by the file's sha256 (its arrays are not
+    hashed again); the key follows the file, and an unchecked read falls back to the content."""
+    from oracle.reading.case import fixture_key, loaded_key
+
+    golden.generate("default", tmp_path, cases=[catalogue.get(SMALL)], progress=False)
+    (first,) = golden.load(tmp_path)
+    (again,) = golden.load(tmp_path)
+    assert first.verified_sha256 and loaded_key(first) == loaded_key(again)
+    assert loaded_key(first) != fixture_key(first)
+    (unchecked,) = golden.load(tmp_path, check=False)
+    assert loaded_key(unchecked) == fixture_key(unchecked) == fixture_key(first)
+    other = tmp_path / "other"
+    golden.generate("default", other, cases=[catalogue.get(COMPACT)], progress=False)
+    (compact,) = golden.load(other)
+    assert loaded_key(compact) not in (loaded_key(first), fixture_key(compact))
+
+
+def test_npy_sha256_is_that_of_the_written_bytes():
+    """The in-place hash a compact fixture's inputs are checked with is the sha256 of the npy
+    bytes the fixtures are written with, for every dtype and layout they hold."""
+    import hashlib
+
+    from oracle.fixtures.npz import npy_sha256
+
+    rng = np.random.default_rng(0)
+    arrays = [
+        np.array("meta"),
+        np.array(3.5),
+        np.arange(12.0).reshape(3, 4).T,
+        rng.standard_normal((2, 3, 4)).astype(np.float32),
+        np.zeros((0, 3), np.float16),
+        np.arange(6, dtype=np.uint16).reshape(2, 3),
+        np.arange(5, dtype=">i4"),
+    ]
+    for array in arrays:
+        assert npy_sha256(array) == hashlib.sha256(golden._npy_bytes(array)).hexdigest()
+
+
+def test_kept_inputs_are_hashed_again_only_when_their_file_changed(tmp_path, monkeypatch):
+    """A kept compact input file is checked once (or written from checked inputs); a later
+    load hashes it again only when its status changed, even with its times set back."""
+    import os
+
+    from oracle.fixtures import compact
+
+    monkeypatch.delenv("REFATTN_CACHE", raising=False)
+    golden.generate("default", tmp_path, cases=[catalogue.get(COMPACT)], progress=False)
+    for kept in (tmp_path / ".judge-cache").glob("inputs-*"):
+        kept.unlink()  # generate's own cache: start from a load that rebuilds them
+    rebuilt = catalogue.make_inputs(catalogue.get(COMPACT))
+    hashed = []
+    real = compact.npy_sha256
+    monkeypatch.setattr(compact, "npy_sha256", lambda a: hashed.append(1) or real(a))
+    (first,) = golden.load(tmp_path)  # rebuilt, checked, kept, remembered
+    checks = len(hashed)
+    (second,) = golden.load(tmp_path)
+    assert checks > 0 and len(hashed) == checks  # read back without hashing again
+    (kept,) = (tmp_path / ".judge-cache").glob("inputs-*.npz")
+    before = kept.stat()
+    data = bytearray(kept.read_bytes())
+    data[len(data) // 2] ^= 1
+    kept.write_bytes(bytes(data))
+    os.utime(kept, ns=(before.st_atime_ns, before.st_mtime_ns))  # times set back
+    (third,) = golden.load(tmp_path)
+    assert len(hashed) > checks  # its change time moved: checked, refused, rebuilt
+    for fixture in (first, second, third):
+        _assert_same(fixture.inputs, rebuilt)
