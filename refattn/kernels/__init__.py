@@ -20,6 +20,7 @@ from ._dispatch import (
     gather_spec,
     gathers,
     listed_keys,
+    plain_gather_attention,
     precompile,
 )
 
@@ -30,6 +31,7 @@ __all__ = [
     "listed_keys",
     "attention",
     "attention_vjp",
+    "plain_gather_attention",
     "attention_codes",
     "codes_abs_max",
     "compute_dtype",
