@@ -155,6 +155,68 @@ def _dots2x4(q0, q1, k0, k1, k2, k3, dim):
     return tree
 
 
+@njit(**_OPTS)
+def _dots3x4(q0, q1, q2, k0, k1, k2, k3, dim):
+    """:func:`_dots2x4` for three query rows: (the 2 x 4 tree of rows 0 and 1, a vector whose
+    lane c is row 2's dot with key c), each sum by the same lane tree. 12 accumulators and 7
+    loads per 12 fused multiply-adds (the 2 x 4 tile: 6 per 8), for a group of many heads
+    whose queries stream past the same key rows."""
+    width = lanes_const(q0)
+    whole = dim - dim % width
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = a20 = a21 = a22 = a23 = vzero(q0)
+    for x in range(0, whole, width):
+        y0, y1, y2, y3 = vload(k0, x), vload(k1, x), vload(k2, x), vload(k3, x)
+        z = vload(q0, x)
+        a00, a01 = vfmav(z, y0, a00), vfmav(z, y1, a01)
+        a02, a03 = vfmav(z, y2, a02), vfmav(z, y3, a03)
+        z = vload(q1, x)
+        a10, a11 = vfmav(z, y0, a10), vfmav(z, y1, a11)
+        a12, a13 = vfmav(z, y2, a12), vfmav(z, y3, a13)
+        z = vload(q2, x)
+        a20, a21 = vfmav(z, y0, a20), vfmav(z, y1, a21)
+        a22, a23 = vfmav(z, y2, a22), vfmav(z, y3, a23)
+    low = vpairs(vpairs(a00, a01), vpairs(a02, a03))
+    tree = vpairs(low, vpairs(vpairs(a10, a11), vpairs(a12, a13)))
+    third = vpairs(vpairs(a20, a21), vpairs(a22, a23))
+    third = vpairs(third, third)
+    if width == 16:
+        tree = vpairs(tree, tree)
+        third = vpairs(third, third)
+    return tree, third
+
+
+@njit(**_OPTS)
+def _score_tile3(qt, row, k0, k1, k2, k3, c, s):
+    """s[row:row+3, c:c+4] by :func:`_dots3x4` plus the tail features."""
+    dim = qt.shape[1]
+    whole = dim - dim % lanes(qt)
+    tree, third = _dots3x4(qt[row], qt[row + 1], qt[row + 2], k0, k1, k2, k3, dim)
+    s0, s1, s2 = s[row], s[row + 1], s[row + 2]
+    s0[c], s0[c + 1], s0[c + 2], s0[c + 3] = (
+        vlane(tree, 0),
+        vlane(tree, 1),
+        vlane(tree, 2),
+        vlane(tree, 3),
+    )
+    s1[c], s1[c + 1], s1[c + 2], s1[c + 3] = (
+        vlane(tree, 4),
+        vlane(tree, 5),
+        vlane(tree, 6),
+        vlane(tree, 7),
+    )
+    s2[c], s2[c + 1], s2[c + 2], s2[c + 3] = (
+        vlane(third, 0),
+        vlane(third, 1),
+        vlane(third, 2),
+        vlane(third, 3),
+    )
+    if whole < dim:
+        krows = (k0, k1, k2, k3)
+        for a in range(3):
+            for t in range(4):
+                s[row + a, c + t] = _tail(qt[row + a], krows[t], whole, dim, s[row + a, c + t])
+
+
 #: Listed keys per chunk of :func:`raw_scores`: 64 key rows (147 KiB at D 576 float32) stay
 #: in L2 while each 4-row block of queries (in L1) passes over them.
 KEY_CHUNK = 64
@@ -163,27 +225,9 @@ KEY_CHUNK = 64
 @njit(**_OPTS)
 def raw_scores(qt, kp, cols, count, rows, s):
     """s[r, c] = qt[r] . kp[cols[c]] for r < rows, c < count: chunks of :data:`KEY_CHUNK`
-    keys, 2-query x 4-key tiles within a chunk, the leftover rows and keys one at a time."""
-    full_rows, full_cols = rows - rows % 2, count - count % 4
-    for c0 in range(0, full_cols, KEY_CHUNK):
-        c1 = min(full_cols, c0 + KEY_CHUNK)
-        for row in range(0, full_rows, 2):
-            _score_tiles(qt, row, kp, cols, c0, c1, s)
-        for row in range(full_rows, rows):
-            for c in range(c0, c1):
-                s[row, c] = dot_row(qt[row], kp[cols[c]], qt.shape[1])
-    for c in range(full_cols, count):
-        krow = kp[cols[c]]
-        for row in range(rows):
-            s[row, c] = dot_row(qt[row], krow, qt.shape[1])
-
-
-@njit(**_OPTS)
-def _score_tiles(qt, row, kp, cols, c0, c1, s):
-    """s[row:row+2, c0:c1] by 2 x 4 tiles (c1 - c0 a multiple of 4)."""
-    for c in range(c0, c1, 4):
-        k0, k1, k2, k3 = kp[cols[c]], kp[cols[c + 1]], kp[cols[c + 2]], kp[cols[c + 3]]
-        _score_tile(qt, row, k0, k1, k2, k3, c, s)
+    keys, each by :func:`score_span`."""
+    for c0 in range(0, count, KEY_CHUNK):
+        score_span(qt, kp, cols, c0, min(count, c0 + KEY_CHUNK), rows, s)
 
 
 @njit(**_OPTS)
@@ -217,14 +261,18 @@ def _score_tile(qt, row, k0, k1, k2, k3, c, s):
 def score_span(qt, kp, cols, c0, c1, rows, s):
     """s[r, c] = qt[r] . kp[cols[c]] for r < rows and c in [c0, c1), each score the bits of
     :func:`raw_scores`: every group of 4 keys is loaded once and dotted with all the rows by
-    2 x 4 tiles (the key rows stay in L1 while the query rows stream past: many heads
-    sharing one key list), the leftover row and keys one at a time."""
-    full_rows = rows - rows % 2
+    3 x 4 tiles (the key rows stay in L1 while the query rows stream past: many heads
+    sharing one key list), a 2 x 4 tile and a single row for the leftover rows, the leftover
+    keys one at a time."""
+    triples = rows - rows % 3
+    full_rows = triples + (rows - triples) // 2 * 2
     full_end = c1 - (c1 - c0) % 4
     dim = qt.shape[1]
     for c in range(c0, full_end, 4):
         k0, k1, k2, k3 = kp[cols[c]], kp[cols[c + 1]], kp[cols[c + 2]], kp[cols[c + 3]]
-        for row in range(0, full_rows, 2):
+        for row in range(0, triples, 3):
+            _score_tile3(qt, row, k0, k1, k2, k3, c, s)
+        for row in range(triples, full_rows, 2):
             _score_tile(qt, row, k0, k1, k2, k3, c, s)
         for row in range(full_rows, rows):
             for t in range(4):
