@@ -102,8 +102,7 @@ def _check_scores_range(q, k, listed, scale: float, compute_dtype) -> None:
         from .kernels import listed_keys
 
         k = listed_keys(k, listed)
-    with np.errstate(over="ignore"):
-        largest = abs(scale) * dim * _top(q) * _top(k)
+    largest = abs(scale) * dim * _top(q) * _top(k)  # Python floats: inf past the range
     wide = np.dtype(compute_dtype) == np.float64
     if largest > 2.0 ** (MAX_EXPONENT if wide else MAX_EXPONENT_FLOAT32):
         reach = f"{largest:.3g}" if np.isfinite(largest) else "beyond 1.8e308"
@@ -160,10 +159,11 @@ def plain_gather(call: dict):
     Plain: q, k, v and ``key_indices`` as :func:`_plain_arrays` reads them, a float scale
     (or None) and every other keyword at its default (:data:`PLAIN_DEFAULTS`). Such a call
     needs none of canonicalize's rewrites: the indices (entries outside [0, S) set to -1, then
-    sorted), the range check of :func:`check_numba_range` and the gather kernel's arguments
-    (:func:`refattn.kernels.plain_gather_attention`) are formed directly, with the same
-    results and errors as the general path (a decode step spends a third of its time on
-    the general path's Python otherwise).
+    sorted) and the gather kernel's arguments (:func:`refattn.kernels.plain_gather_attention`)
+    are formed directly, and the range check of :func:`check_numba_range` runs after the
+    kernel on the largest |x| of the listed key rows that the kernel took while it read them
+    (no second pass over the rows); same results and errors as the general path (a decode
+    step spent a third of its time on the general path's Python and the separate pass).
     """
     q, k, v, indices, scale = (call[n] for n in ("q", "k", "v", "key_indices", "scale"))
     if not _plain_arrays(q, k, v, indices):
@@ -172,13 +172,20 @@ def plain_gather(call: dict):
         return None
     if not all(_is_default(call[name], value) for name, value in PLAIN_DEFAULTS.items()):
         return None
-    from .kernels import plain_gather_attention
+    from .kernels import listed_keys, plain_gather_attention
 
     keys = k.shape[-2]
     listed = np.where((indices >= 0) & (indices < keys), indices, -1).astype(np.int64)
     listed.sort(axis=-1)  # refattn.kernels._cpu_gather.sorted_indices
     scale = None if scale is None else float(scale)
+    out, lse, top = plain_gather_attention(q, k, v, listed, scale)
+    # the range check after the kernel (its result is only returned if the check passes):
+    # the kernel read the listed rows, all of [0, S) being every row's interval here, and
+    # took their largest |x| while they were in cache (listed_keys's value; with Inf among
+    # them its NumPy reading skips the Inf)
+    k_rows = k
+    if listed.size < keys:
+        k_rows = np.array([top], q.dtype) if math.isfinite(top) else listed_keys(k, listed)
     scale_float = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    _check_scores_range(q, k, listed, scale_float, q.dtype)
-    out, lse = plain_gather_attention(q, k, v, listed, scale)
+    _check_scores_range(q, k_rows, None, scale_float, q.dtype)
     return (out, lse) if call["return_lse"] else out

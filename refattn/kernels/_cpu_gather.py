@@ -78,6 +78,8 @@ from ._cpu_gather_tiles import (
     KEY_CHUNK,
     lanes_const,
     raw_scores,
+    row_top,
+    rows_top4,
     score_span,
     weighted_rows,
     weighted_span,
@@ -90,10 +92,8 @@ from ._simd import (
     fma,
     lanes,
     vadd,
-    vbest,
     vexp,
     vload,
-    vmax,
     vmuls,
     vstore,
     vsubs,
@@ -270,7 +270,8 @@ def _write_rows(b, i, heads, state, opts, fopts, vdim, out, lse):
 def _gather_unit(q, kp, vp, heads, listed, b, i, dims, opts, fopts, terms, results):
     """One (batch, kv head, query row, block of the group's query heads ``heads``): the row's
     listed keys ``listed`` (sorted, :func:`sorted_indices`) read in place from ``kp``, ``vp``
-    (the kv head's (S, D) and (S, >= E) rows); ``results`` = (out, lse)."""
+    (the kv head's (S, D) and (S, >= E) rows); ``results`` = (out, lse). Returns max |x| over
+    the key rows it read (:func:`listed_top`'s reading; ``minus_one`` -1 in their dtype)."""
     out, lse = results
     dim, vdim = dims[DIM_DIM], dims[DIM_VDIM]
     rows = heads.shape[0]
@@ -283,7 +284,7 @@ def _gather_unit(q, kp, vp, heads, listed, b, i, dims, opts, fopts, terms, resul
     for r in range(rows):
         qt[r] = q[b, heads[r], i]
     s = np.empty((rows, cpad), q.dtype)
-    raw_scores(qt, kp, cols, count, rows, s)
+    top = raw_scores(qt, kp, cols, count, rows, s, np.full(1, -1, q.dtype)[0])
     clean = _gathered_scores(s, heads, count, i, b, cols, 0, opts, fopts, terms)
     p = np.empty((rows, cpad), q.dtype)
     state = (np.empty(rows, q.dtype), np.empty(rows, q.dtype), np.empty((rows, vdim), q.dtype))
@@ -295,12 +296,16 @@ def _gather_unit(q, kp, vp, heads, listed, b, i, dims, opts, fopts, terms, resul
         where = (b, i, heads, cols, count, has_drop)
         _accumulate_kept(s, p, vp, where, terms, vdim, state[2])
     _write_rows(b, i, heads, state, opts, fopts, vdim, out, lse)
+    return top
 
 
 @njit(parallel=True, **_OPTS)
-def _gather_units(q, k, v, group_heads, listed, dims, opts, fopts, terms, out, lse, block):
+def _gather_units(q, k, v, group_heads, listed, dims, opts, fopts, terms, results, tops, block):
     """Every (batch, kv head, query row, block of ``block`` query heads) unit, in parallel
-    (one unit per task)."""
+    (one unit per task); ``results`` = (out, lse); tops[unit] the largest |x| of the key rows
+    that the unit read (an argument of its own: written in the loop body, an array unpacked
+    from a tuple kept its zeros)."""
+    out, lse = results
     batch, kv_heads, length = dims[DIM_BATCH], dims[DIM_KV_HEADS], dims[DIM_LENGTH]
     group = group_heads.shape[1]
     nhb = -(-group // block)
@@ -310,7 +315,7 @@ def _gather_units(q, k, v, group_heads, listed, dims, opts, fopts, terms, out, l
         i = (unit // nhb) % length
         t0 = (unit % nhb) * block
         heads = group_heads[g, t0 : min(group, t0 + block)]
-        _gather_unit(
+        tops[unit] = _gather_unit(
             q, k[b, g], v[b, g], heads, listed[b, g, i], b, i, dims, opts, fopts, terms, (out, lse)
         )
 
@@ -329,14 +334,18 @@ def _wide_rows(s, p, heads, r0, r1, where, opts, fopts, terms, state):
 
 
 @njit(parallel=True, **_OPTS)
-def _gather_wide(q, k, v, group_heads, listed, dims, opts, fopts, terms, out, lse):
+def _gather_wide(q, k, v, group_heads, listed, dims, opts, fopts, terms, results, tops):
     """Every (batch, kv head, query row) unit in turn, each with all the query heads of its
     group at once and the work split inside it (the few-unit decode step): the scores by
     spans of :data:`~._cpu_gather_tiles.KEY_CHUNK` listed keys (each key row read once for
     all the heads), the softmax by blocks of :data:`SMALL_HEAD_BLOCK` heads, the weighted
     value sums by 4-vector column tiles (each value slice read once per span of keys for all
     the heads). Every element gets the operations of :func:`_gather_unit` (the same bits):
-    the split decides only which thread computes it."""
+    the split decides only which thread computes it. ``results`` = (out, lse); tops[span]
+    the largest |x| of the key rows read by the span (over all the units)."""
+    out, lse = results
+    tops[:] = 0
+    minus_one = np.full(1, -1, q.dtype)[0]
     batch, kv_heads, length = dims[DIM_BATCH], dims[DIM_KV_HEADS], dims[DIM_LENGTH]
     dim, vdim = dims[DIM_DIM], dims[DIM_VDIM]
     group = group_heads.shape[1]
@@ -359,7 +368,9 @@ def _gather_wide(q, k, v, group_heads, listed, dims, opts, fopts, terms, out, ls
         s = np.empty((group, cpad), q.dtype)
         for span in prange(-(-count // KEY_CHUNK)):
             c0 = span * KEY_CHUNK
-            score_span(qt, kp, cols, c0, min(count, c0 + KEY_CHUNK), group, s)
+            c1 = min(count, c0 + KEY_CHUNK)
+            top = score_span(qt, kp, cols, c0, c1, group, s, minus_one, 0.0)
+            tops[span] = max(tops[span], top)
         p = np.empty((group, cpad), q.dtype)
         state = (np.empty(group, q.dtype), np.empty(group, q.dtype))
         clean = np.empty(nblocks, np.bool_)
@@ -386,34 +397,24 @@ def _gather_wide(q, k, v, group_heads, listed, dims, opts, fopts, terms, out, ls
 def gather_forward(listed, q, k, v, kv_head, dims, opts, fopts, terms, out, lse):
     """Run the gather forward into ``out`` (B, H, L, E) and ``lse`` (B, H, L): ``listed`` the
     (B, K, L, T) lists from :func:`sorted_indices`, the rest
-    :func:`~refattn.kernels._args.kernel_arguments`."""
+    :func:`~refattn.kernels._args.kernel_arguments`. Returns max |x| over the key rows read
+    (NaN skipped, Inf kept: :func:`listed_top`'s reading of the rows inside each query row's
+    interval), what the range check of a plain call needs."""
     heads, kv_heads = int(dims[DIM_HEADS]), int(dims[DIM_KV_HEADS])
     # row g: the query heads of kv head g in increasing order (every group has H / K heads)
     group_heads = np.argsort(kv_head, kind="stable").reshape(kv_heads, heads // kv_heads)
     units = int(dims[DIM_BATCH]) * kv_heads * int(dims[DIM_LENGTH])
     with parallel_chunksize(1):
         if wide_units(units, heads // kv_heads):
-            _gather_wide(q, k, v, group_heads, listed, dims, opts, fopts, terms, out, lse)
-            return
-        block = head_block(units, heads // kv_heads)
-        _gather_units(q, k, v, group_heads, listed, dims, opts, fopts, terms, out, lse, block)
-
-
-@njit(**_OPTS)
-def _row_top(row, minus_one, best):
-    """max(best, |x|) over the entries x of a contiguous row (NaN skipped; Inf kept);
-    ``minus_one`` is -1 in the row's dtype."""
-    width = lanes_const(row)
-    whole = row.shape[0] - row.shape[0] % width
-    acc = vzero(row)
-    for x in range(0, whole, width):
-        value = vload(row, x)
-        acc = vmax(acc, vmax(value, vmuls(value, minus_one)))
-    best = max(best, vbest(acc))
-    for x in range(whole, row.shape[0]):
-        if abs(row[x]) > best:
-            best = abs(row[x])
-    return best
+            tops = np.empty(max(1, -(-listed.shape[3] // KEY_CHUNK)), q.dtype)
+            results = (out, lse)
+            _gather_wide(q, k, v, group_heads, listed, dims, opts, fopts, terms, results, tops)
+        else:
+            block = head_block(units, heads // kv_heads)
+            tops = np.zeros(units * -(-(heads // kv_heads) // block), q.dtype)
+            args = (group_heads, listed, dims, opts, fopts, terms, (out, lse), tops, block)
+            _gather_units(q, k, v, *args)
+    return float(tops.max())
 
 
 @njit(**_OPTS)
@@ -438,27 +439,9 @@ def listed_top(k, listed, minus_one):
                 full = count - count % 4
                 for t in range(0, full, 4):  # four rows at once: four misses in flight
                     r0, r1, r2, r3 = kb[rows[t]], kb[rows[t + 1]], kb[rows[t + 2]], kb[rows[t + 3]]
-                    best = _rows_top4(r0, r1, r2, r3, minus_one, best)
+                    best = rows_top4(r0, r1, r2, r3, minus_one, best)
                 for t in range(full, count):
-                    best = _row_top(kb[rows[t]], minus_one, best)
-    return best
-
-
-@njit(**_OPTS)
-def _rows_top4(r0, r1, r2, r3, minus_one, best):
-    """:func:`_row_top` of four rows read side by side (the maximum is order-free)."""
-    width = lanes_const(r0)
-    whole = r0.shape[0] - r0.shape[0] % width
-    a0 = a1 = vzero(r0)
-    for x in range(0, whole, width):
-        v0, v1, v2, v3 = vload(r0, x), vload(r1, x), vload(r2, x), vload(r3, x)
-        a0 = vmax(a0, vmax(vmax(v0, vmuls(v0, minus_one)), vmax(v1, vmuls(v1, minus_one))))
-        a1 = vmax(a1, vmax(vmax(v2, vmuls(v2, minus_one)), vmax(v3, vmuls(v3, minus_one))))
-    best = max(best, vbest(vmax(a0, a1)))
-    for row in (r0, r1, r2, r3):
-        for x in range(whole, row.shape[0]):
-            if abs(row[x]) > best:
-                best = abs(row[x])
+                    best = row_top(kb[rows[t]], minus_one, best)
     return best
 
 

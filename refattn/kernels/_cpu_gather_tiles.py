@@ -22,7 +22,20 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._simd import JIT, KERNEL_OPTIONS, fma, lanes, vfma, vlane, vload, vstore, vzero
+from ._simd import (
+    JIT,
+    KERNEL_OPTIONS,
+    fma,
+    lanes,
+    vbest,
+    vfma,
+    vlane,
+    vload,
+    vmax,
+    vmuls,
+    vstore,
+    vzero,
+)
 
 __all__ = [
     "lanes_const",
@@ -30,6 +43,8 @@ __all__ = [
     "vpairs",
     "dot_row",
     "raw_scores",
+    "row_top",
+    "rows_top4",
     "score_span",
     "weighted_rows",
     "weighted_span",
@@ -223,11 +238,13 @@ KEY_CHUNK = 64
 
 
 @njit(**_OPTS)
-def raw_scores(qt, kp, cols, count, rows, s):
+def raw_scores(qt, kp, cols, count, rows, s, minus_one):
     """s[r, c] = qt[r] . kp[cols[c]] for r < rows, c < count: chunks of :data:`KEY_CHUNK`
-    keys, each by :func:`score_span`."""
+    keys, each by :func:`score_span`; returns max |x| over the key rows read."""
+    top = 0.0
     for c0 in range(0, count, KEY_CHUNK):
-        score_span(qt, kp, cols, c0, min(count, c0 + KEY_CHUNK), rows, s)
+        top = score_span(qt, kp, cols, c0, min(count, c0 + KEY_CHUNK), rows, s, minus_one, top)
+    return top
 
 
 @njit(**_OPTS)
@@ -258,18 +275,21 @@ def _score_tile(qt, row, k0, k1, k2, k3, c, s):
 
 
 @njit(**_OPTS)
-def score_span(qt, kp, cols, c0, c1, rows, s):
+def score_span(qt, kp, cols, c0, c1, rows, s, minus_one, top):
     """s[r, c] = qt[r] . kp[cols[c]] for r < rows and c in [c0, c1), each score the bits of
     :func:`raw_scores`: every group of 4 keys is loaded once and dotted with all the rows by
     3 x 4 tiles (the key rows stay in L1 while the query rows stream past: many heads
     sharing one key list), a 2 x 4 tile and a single row for the leftover rows, the leftover
-    keys one at a time."""
+    keys one at a time. Returns max(top, max |x| over the key rows read) (:func:`row_top`,
+    while they are in L1; ``minus_one`` -1 in their dtype): what the range check of the
+    scores reads of k."""
     triples = rows - rows % 3
     full_rows = triples + (rows - triples) // 2 * 2
     full_end = c1 - (c1 - c0) % 4
     dim = qt.shape[1]
     for c in range(c0, full_end, 4):
         k0, k1, k2, k3 = kp[cols[c]], kp[cols[c + 1]], kp[cols[c + 2]], kp[cols[c + 3]]
+        top = rows_top4(k0, k1, k2, k3, minus_one, top)
         for row in range(0, triples, 3):
             _score_tile3(qt, row, k0, k1, k2, k3, c, s)
         for row in range(triples, full_rows, 2):
@@ -279,8 +299,10 @@ def score_span(qt, kp, cols, c0, c1, rows, s):
                 s[row, c + t] = dot_row(qt[row], kp[cols[c + t]], dim)
     for c in range(full_end, c1):
         krow = kp[cols[c]]
+        top = row_top(krow, minus_one, top)
         for row in range(rows):
             s[row, c] = dot_row(qt[row], krow, dim)
+    return top
 
 
 @njit(**_OPTS)
@@ -405,3 +427,38 @@ def weighted_tail(p, vp, cols, count, rows, vdim, acc):
             for c in range(count):
                 total = fma(prow[c], vp[cols[c], e], total)
             acc[row, e] = total
+
+
+@njit(**_OPTS)
+def row_top(row, minus_one, best):
+    """max(best, |x|) over the entries x of a contiguous row (NaN skipped; Inf kept);
+    ``minus_one`` is -1 in the row's dtype."""
+    width = lanes_const(row)
+    whole = row.shape[0] - row.shape[0] % width
+    acc = vzero(row)
+    for x in range(0, whole, width):
+        value = vload(row, x)
+        acc = vmax(acc, vmax(value, vmuls(value, minus_one)))
+    best = max(best, vbest(acc))
+    for x in range(whole, row.shape[0]):
+        if abs(row[x]) > best:
+            best = abs(row[x])
+    return best
+
+
+@njit(**_OPTS)
+def rows_top4(r0, r1, r2, r3, minus_one, best):
+    """:func:`row_top` of four rows read side by side (the maximum is order-free)."""
+    width = lanes_const(r0)
+    whole = r0.shape[0] - r0.shape[0] % width
+    a0 = a1 = vzero(r0)
+    for x in range(0, whole, width):
+        v0, v1, v2, v3 = vload(r0, x), vload(r1, x), vload(r2, x), vload(r3, x)
+        a0 = vmax(a0, vmax(vmax(v0, vmuls(v0, minus_one)), vmax(v1, vmuls(v1, minus_one))))
+        a1 = vmax(a1, vmax(vmax(v2, vmuls(v2, minus_one)), vmax(v3, vmuls(v3, minus_one))))
+    best = max(best, vbest(vmax(a0, a1)))
+    for row in (r0, r1, r2, r3):
+        for x in range(whole, row.shape[0]):
+            if abs(row[x]) > best:
+                best = abs(row[x])
+    return best

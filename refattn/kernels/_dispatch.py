@@ -224,10 +224,11 @@ def attention(spec, *, return_lse: bool = False, dtype=None):
 
 
 def plain_gather_attention(q, k, v, listed, scale):
-    """(out, lse) of :func:`attention` for a plain sparse-key call (no option but ``scale``)
-    without its spec: :func:`refattn.kernels.numba_cpu.plain_gather_forward` (the arguments
-    and the bits of the spec's gather forward). q (B, H, L, D), k (B, K, S, D),
-    v (B, K, S, E) of one dtype, float32 or float64; ``listed`` (B, K, L, T) sorted int64.
+    """(out, lse, top) of :func:`attention` for a plain sparse-key call (no option but
+    ``scale``) without its spec: :func:`refattn.kernels.numba_cpu.plain_gather_forward` (the
+    arguments and the bits of the spec's gather forward; ``top`` max |x| over the key rows
+    read, NaN skipped, Inf kept). q (B, H, L, D), k (B, K, S, D), v (B, K, S, E) of one
+    dtype, float32 or float64; ``listed`` (B, K, L, T) sorted int64.
 
     Examples
     --------

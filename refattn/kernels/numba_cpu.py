@@ -212,15 +212,17 @@ def plain_gather_forward(q, k, v, listed, scale):
     kernel, so the same bits. q (B, H, L, D), k (B, K, S, D), v (B, K, S, E) of one dtype,
     float32 or float64 (the compute dtype); ``listed`` (B, K, L, T) the sorted int64 lists of
     :func:`~refattn.kernels._cpu_gather.sorted_indices`; ``scale`` a float (1/sqrt(D) when
-    None). Returns (out (B, H, L, E), lse (B, H, L)).
+    None). Returns (out (B, H, L, E), lse (B, H, L), top): ``top`` the largest |x| of the key
+    rows the kernel read (NaN skipped, Inf kept), the listed rows in [0, S) (no interval
+    option): :func:`refattn.kernels.listed_keys`'s reading for a plain call's range check.
 
     Examples
     --------
     >>> q = np.zeros((1, 2, 1, 4)); k = np.zeros((1, 1, 3, 4))
     >>> v = np.arange(3.0).reshape(1, 1, 3, 1)
-    >>> out, lse = plain_gather_forward(q, k, v, np.array([[[[-1, 0, 2]]]]), None)
-    >>> out.ravel().tolist()
-    [1.0, 1.0]
+    >>> out, lse, top = plain_gather_forward(q, k, v, np.array([[[[-1, 0, 2]]]]), None)
+    >>> out.ravel().tolist(), top
+    ([1.0, 1.0], 0.0)
     """
     dtype = q.dtype
     batch, heads, length, dim = q.shape
@@ -238,8 +240,8 @@ def plain_gather_forward(q, k, v, listed, scale):
     kv_head = np.arange(heads) // (heads // kv_heads)
     out = np.empty((batch, heads, length, vdim), dtype)
     lse = np.empty((batch, heads, length), dtype)
-    gather_forward(listed, q, k, values, kv_head, dims, opts, fopts, terms, out, lse)
-    return out, lse
+    top = gather_forward(listed, q, k, values, kv_head, dims, opts, fopts, terms, out, lse)
+    return out, lse, top
 
 
 #: kernel_arguments of a spec with every option at its default, per compute dtype

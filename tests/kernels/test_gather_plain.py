@@ -141,3 +141,32 @@ def test_other_arrays_take_the_general_path(change):
     else:
         idx = idx[..., :0]
     assert _numba_path.plain_gather(_call(q, k, v, key_indices=idx)) is None
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("heads", [6, 70])
+def test_kernel_reads_the_largest_listed_magnitude(dtype, heads):
+    """The gather kernel's own max |x| over the key rows it reads (taken while they are in
+    cache) is listed_keys's value: the range check of a plain call reads it instead of
+    reading the listed rows a second time. NaN skipped; D 37 leaves tail features."""
+    from refattn.kernels import listed_keys, numba_cpu
+
+    kv_heads = 2 if heads == 6 else 1
+    q, k, v, idx = _decode(dtype, heads=heads, kv_heads=kv_heads, length=2, keys=300, seed=5)
+    listed = np.where((idx >= 0) & (idx < 300), idx, -1).astype(np.int64)
+    listed.sort(axis=-1)
+    k[1, 0, listed[1, 0, 1, -1], 3] = np.nan
+    k[0, kv_heads - 1, listed[0, kv_heads - 1, 0, -2], -1] = -40.0
+    top = numba_cpu.plain_gather_forward(q, k, v, listed, None)[2]
+    assert top == listed_keys(k, listed)[0] == 40.0
+
+
+@pytest.mark.parametrize("value", [np.inf, np.nan])
+def test_non_finite_listed_keys_read_as_the_general_path(value, monkeypatch):
+    """An Inf (or NaN) in a listed key row: the light path's range check reads the finite
+    entries as the general one does (the same output, or the same error)."""
+    q, k, v, idx = _decode(np.float32, seed=6)
+    k[0, 1, idx[0, 1][(idx[0, 1] >= 0) & (idx[0, 1] < k.shape[-2])][0], 2] = value
+    got = refattn.attention(q, k, v, key_indices=idx, backend="numba")
+    want = _general(monkeypatch, q, k, v, key_indices=idx, backend="numba")
+    assert_same_bits(got, want, what="out", case=f"{value} in a listed key")
