@@ -19,6 +19,7 @@ from ._numba_path import (
     check_numba_range,
     numba_gather_spec,
     numba_gathers,
+    plain_gather,
     without_listed,
 )
 from .broadcast import reduce_to
@@ -442,6 +443,10 @@ def attention(
     >>> refattn.attention(q, k, v, causal=True).tolist()
     [[1.0]]
     """
+    if backend == "numba" and key_indices is not None:  # a decode step: the light path
+        plain = plain_gather(locals())
+        if plain is not None:
+            return plain
     _check_path(precision, backend, out_dtype)
     if normalizer == "sigmoid" and return_lse:
         raise ValueError(

@@ -21,6 +21,7 @@ from ._dispatch import (
     gather_spec,
     gathers,
     listed_keys,
+    plain_gather_attention,
     precompile,
 )
 
@@ -31,6 +32,7 @@ __all__ = [
     "listed_keys",
     "attention",
     "attention_vjp",
+    "plain_gather_attention",
     "attention_codes",
     "codes_abs_max",
     "abs_max",

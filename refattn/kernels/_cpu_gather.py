@@ -24,9 +24,18 @@ Algorithm 2, the safe softmax):
 (kappa = 1/(1-p) under dropout). Memory: the sorted (B, K, L, T) lists and per unit the
 scores and weights of its heads, O(H T) for a decode step; work O(H L T (D + E)).
 
+A call with few units and many query heads per kv head (:func:`wide_units`: a DeepSeek Sparse
+Attention decode step, H 128, K 1, L 1) runs its units one at a time with all the heads of
+the group together and the work split inside the unit (:func:`_gather_wide`): the scores by
+spans of listed keys (each key row loaded once and dotted with every head's query), the
+softmax by blocks of heads, the weighted value sums by column tiles (each value slice read
+once per span of keys for every head). Per-task head blocks would read every listed row once
+per block instead.
+
 Determinism: every reduction runs in an order fixed by the listed keys (increasing key
-index) and the shapes (:mod:`._cpu_gather_tiles`): bit-identical for any number of threads
-and any head blocking. The order differs from the dense kernels' (which add the keys of
+index) and the shapes (:mod:`._cpu_gather_tiles`): bit-identical for any number of threads,
+any head blocking and either way of splitting the work (the split only decides which thread
+computes an element). The order differs from the dense kernels' (which add the keys of
 64-key blocks of all S keys), so the two paths agree within
 :func:`refattn.bounds.kernels.online_forward_bound` (no rescaling here: n_b = 0 suffices),
 not bit for bit.
@@ -65,7 +74,17 @@ from ._args import (
     TERM_MASK_STRIDES,
     TERM_SLOPES,
 )
-from ._cpu_gather_tiles import lanes_const, raw_scores, weighted_rows
+from ._cpu_gather_tiles import (
+    KEY_CHUNK,
+    lanes_const,
+    raw_scores,
+    row_top,
+    rows_top4,
+    score_span,
+    weighted_rows,
+    weighted_span,
+    weighted_tail,
+)
 from ._cpu_scores import row_interval
 from ._cpu_tiles import BLOCK_Q, row_max
 from ._simd import (
@@ -73,10 +92,8 @@ from ._simd import (
     fma,
     lanes,
     vadd,
-    vbest,
     vexp,
     vload,
-    vmax,
     vmuls,
     vstore,
     vsubs,
@@ -129,6 +146,9 @@ def _gathered_scores(s, heads, nc, i, b, cols, c0, opts, fopts, terms):
     has_mask, has_alibi = opts[OPT_HAS_MASK] != 0, opts[OPT_HAS_ALIBI] != 0
     scale, cap, neg_inf = fopts[FOPT_SCALE], fopts[FOPT_SOFTCAP], fopts[FOPT_NEG_INF]
     offset = opts[OPT_OFFSET]
+    if not (has_softcap or has_bias or has_mask or has_alibi):
+        _scaled_rows(s, heads.shape[0], nc, scale, neg_inf)
+        return True
     clean = True
     for r in range(heads.shape[0]):
         h = heads[r]
@@ -159,6 +179,22 @@ def _gathered_scores(s, heads, nc, i, b, cols, c0, opts, fopts, terms):
             clean &= allowed
             row[c] = t
     return clean
+
+
+@njit(**_OPTS)
+def _scaled_rows(s, rows, nc, scale, neg_inf):
+    """s[r, c] = s[r, c] * scale for c < nc and -inf past it (rows < ``rows``): the scores of
+    :func:`_gathered_scores` without optional terms, a vector at a time (the same products)."""
+    width = lanes_const(s)
+    whole = nc - nc % width
+    for r in range(rows):
+        row = s[r]
+        for c in range(0, whole, width):
+            vstore(row, c, vmuls(vload(row, c), scale))
+        for c in range(whole, nc):
+            row[c] = row[c] * scale
+        for c in range(nc, row.shape[0]):
+            row[c] = neg_inf
 
 
 @njit(**_OPTS)
@@ -234,7 +270,8 @@ def _write_rows(b, i, heads, state, opts, fopts, vdim, out, lse):
 def _gather_unit(q, kp, vp, heads, listed, b, i, dims, opts, fopts, terms, results):
     """One (batch, kv head, query row, block of the group's query heads ``heads``): the row's
     listed keys ``listed`` (sorted, :func:`sorted_indices`) read in place from ``kp``, ``vp``
-    (the kv head's (S, D) and (S, >= E) rows); ``results`` = (out, lse)."""
+    (the kv head's (S, D) and (S, >= E) rows); ``results`` = (out, lse). Returns max |x| over
+    the key rows it read (:func:`listed_top`'s reading; ``minus_one`` -1 in their dtype)."""
     out, lse = results
     dim, vdim = dims[DIM_DIM], dims[DIM_VDIM]
     rows = heads.shape[0]
@@ -247,7 +284,7 @@ def _gather_unit(q, kp, vp, heads, listed, b, i, dims, opts, fopts, terms, resul
     for r in range(rows):
         qt[r] = q[b, heads[r], i]
     s = np.empty((rows, cpad), q.dtype)
-    raw_scores(qt, kp, cols, count, rows, s)
+    top = raw_scores(qt, kp, cols, count, rows, s, np.full(1, -1, q.dtype)[0])
     clean = _gathered_scores(s, heads, count, i, b, cols, 0, opts, fopts, terms)
     p = np.empty((rows, cpad), q.dtype)
     state = (np.empty(rows, q.dtype), np.empty(rows, q.dtype), np.empty((rows, vdim), q.dtype))
@@ -259,12 +296,16 @@ def _gather_unit(q, kp, vp, heads, listed, b, i, dims, opts, fopts, terms, resul
         where = (b, i, heads, cols, count, has_drop)
         _accumulate_kept(s, p, vp, where, terms, vdim, state[2])
     _write_rows(b, i, heads, state, opts, fopts, vdim, out, lse)
+    return top
 
 
 @njit(parallel=True, **_OPTS)
-def _gather_units(q, k, v, group_heads, listed, dims, opts, fopts, terms, out, lse, block):
+def _gather_units(q, k, v, group_heads, listed, dims, opts, fopts, terms, results, tops, block):
     """Every (batch, kv head, query row, block of ``block`` query heads) unit, in parallel
-    (one unit per task)."""
+    (one unit per task); ``results`` = (out, lse); tops[unit] the largest |x| of the key rows
+    that the unit read (an argument of its own: written in the loop body, an array unpacked
+    from a tuple kept its zeros)."""
+    out, lse = results
     batch, kv_heads, length = dims[DIM_BATCH], dims[DIM_KV_HEADS], dims[DIM_LENGTH]
     group = group_heads.shape[1]
     nhb = -(-group // block)
@@ -274,38 +315,106 @@ def _gather_units(q, k, v, group_heads, listed, dims, opts, fopts, terms, out, l
         i = (unit // nhb) % length
         t0 = (unit % nhb) * block
         heads = group_heads[g, t0 : min(group, t0 + block)]
-        _gather_unit(
+        tops[unit] = _gather_unit(
             q, k[b, g], v[b, g], heads, listed[b, g, i], b, i, dims, opts, fopts, terms, (out, lse)
         )
+
+
+@njit(**_OPTS)
+def _wide_rows(s, p, heads, r0, r1, where, opts, fopts, terms, state):
+    """Heads [r0, r1) of a wide unit: final scores (:func:`_gathered_scores`) and the
+    softmax weights (:func:`_softmax_rows`); returns whether none of their positions is
+    excluded. ``where`` = (b, i, cols, count)."""
+    b, i, cols, count = where
+    m, total = state
+    part = s[r0:r1]
+    clean = _gathered_scores(part, heads[r0:r1], count, i, b, cols, 0, opts, fopts, terms)
+    _softmax_rows(part, p[r0:r1], r1 - r0, m[r0:r1], total[r0:r1])
+    return clean
+
+
+@njit(parallel=True, **_OPTS)
+def _gather_wide(q, k, v, group_heads, listed, dims, opts, fopts, terms, results, tops):
+    """Every (batch, kv head, query row) unit in turn, each with all the query heads of its
+    group at once and the work split inside it (the few-unit decode step): the scores by
+    spans of :data:`~._cpu_gather_tiles.KEY_CHUNK` listed keys (each key row read once for
+    all the heads), the softmax by blocks of :data:`SMALL_HEAD_BLOCK` heads, the weighted
+    value sums by 4-vector column tiles (each value slice read once per span of keys for all
+    the heads). Every element gets the operations of :func:`_gather_unit` (the same bits):
+    the split decides only which thread computes it. ``results`` = (out, lse); tops[span]
+    the largest |x| of the key rows read by the span (over all the units)."""
+    out, lse = results
+    tops[:] = 0
+    minus_one = np.full(1, -1, q.dtype)[0]
+    batch, kv_heads, length = dims[DIM_BATCH], dims[DIM_KV_HEADS], dims[DIM_LENGTH]
+    dim, vdim = dims[DIM_DIM], dims[DIM_VDIM]
+    group = group_heads.shape[1]
+    width = lanes(q)
+    tile = 4 * width
+    has_drop = opts[OPT_HAS_DROPOUT] != 0
+    nblocks = -(-group // SMALL_HEAD_BLOCK)
+    for unit in range(batch * kv_heads * length):
+        b = unit // (kv_heads * length)
+        g = (unit // length) % kv_heads
+        i = unit % length
+        heads, kp, vp = group_heads[g], k[b, g], v[b, g]
+        lo, hi = row_interval(i, dims, opts)
+        cols = np.empty(listed.shape[3], np.int64)
+        count = row_keys(listed[b, g, i], lo, hi, cols)
+        cpad = max(width, -(-count // width) * width)
+        qt = np.empty((group, dim), q.dtype)
+        for r in range(group):
+            qt[r] = q[b, heads[r], i]
+        s = np.empty((group, cpad), q.dtype)
+        for span in prange(-(-count // KEY_CHUNK)):
+            c0 = span * KEY_CHUNK
+            c1 = min(count, c0 + KEY_CHUNK)
+            top = score_span(qt, kp, cols, c0, c1, group, s, minus_one, 0.0)
+            tops[span] = max(tops[span], top)
+        p = np.empty((group, cpad), q.dtype)
+        state = (np.empty(group, q.dtype), np.empty(group, q.dtype))
+        clean = np.empty(nblocks, np.bool_)
+        for blk in prange(nblocks):
+            r0 = blk * SMALL_HEAD_BLOCK
+            r1 = min(group, r0 + SMALL_HEAD_BLOCK)
+            clean[blk] = _wide_rows(
+                s, p, heads, r0, r1, (b, i, cols, count), opts, fopts, terms, state
+            )
+        acc = np.empty((group, vdim), q.dtype)
+        if clean.all() and not has_drop:
+            for e in prange(vdim // tile):
+                weighted_span(p, vp, cols, count, group, e * tile, acc)
+            weighted_tail(p, vp, cols, count, group, vdim, acc)
+        else:
+            for blk in prange(nblocks):
+                r0 = blk * SMALL_HEAD_BLOCK
+                r1 = min(group, r0 + SMALL_HEAD_BLOCK)
+                where = (b, i, heads[r0:r1], cols, count, has_drop)
+                _accumulate_kept(s[r0:r1], p[r0:r1], vp, where, terms, vdim, acc[r0:r1])
+        _write_rows(b, i, heads, (state[0], state[1], acc), opts, fopts, vdim, out, lse)
 
 
 def gather_forward(listed, q, k, v, kv_head, dims, opts, fopts, terms, out, lse):
     """Run the gather forward into ``out`` (B, H, L, E) and ``lse`` (B, H, L): ``listed`` the
     (B, K, L, T) lists from :func:`sorted_indices`, the rest
-    :func:`~refattn.kernels._args.kernel_arguments`."""
+    :func:`~refattn.kernels._args.kernel_arguments`. Returns max |x| over the key rows read
+    (NaN skipped, Inf kept: :func:`listed_top`'s reading of the rows inside each query row's
+    interval), what the range check of a plain call needs."""
     heads, kv_heads = int(dims[DIM_HEADS]), int(dims[DIM_KV_HEADS])
     # row g: the query heads of kv head g in increasing order (every group has H / K heads)
     group_heads = np.argsort(kv_head, kind="stable").reshape(kv_heads, heads // kv_heads)
-    block = head_block(int(dims[DIM_BATCH]) * kv_heads * int(dims[DIM_LENGTH]), heads // kv_heads)
+    units = int(dims[DIM_BATCH]) * kv_heads * int(dims[DIM_LENGTH])
     with parallel_chunksize(1):
-        _gather_units(q, k, v, group_heads, listed, dims, opts, fopts, terms, out, lse, block)
-
-
-@njit(**_OPTS)
-def _row_top(row, minus_one, best):
-    """max(best, |x|) over the entries x of a contiguous row (NaN skipped; Inf kept);
-    ``minus_one`` is -1 in the row's dtype."""
-    width = lanes_const(row)
-    whole = row.shape[0] - row.shape[0] % width
-    acc = vzero(row)
-    for x in range(0, whole, width):
-        value = vload(row, x)
-        acc = vmax(acc, vmax(value, vmuls(value, minus_one)))
-    best = max(best, vbest(acc))
-    for x in range(whole, row.shape[0]):
-        if abs(row[x]) > best:
-            best = abs(row[x])
-    return best
+        if wide_units(units, heads // kv_heads):
+            tops = np.empty(max(1, -(-listed.shape[3] // KEY_CHUNK)), q.dtype)
+            results = (out, lse)
+            _gather_wide(q, k, v, group_heads, listed, dims, opts, fopts, terms, results, tops)
+        else:
+            block = head_block(units, heads // kv_heads)
+            tops = np.zeros(units * -(-(heads // kv_heads) // block), q.dtype)
+            args = (group_heads, listed, dims, opts, fopts, terms, (out, lse), tops, block)
+            _gather_units(q, k, v, *args)
+    return float(tops.max())
 
 
 @njit(**_OPTS)
@@ -330,27 +439,9 @@ def listed_top(k, listed, minus_one):
                 full = count - count % 4
                 for t in range(0, full, 4):  # four rows at once: four misses in flight
                     r0, r1, r2, r3 = kb[rows[t]], kb[rows[t + 1]], kb[rows[t + 2]], kb[rows[t + 3]]
-                    best = _rows_top4(r0, r1, r2, r3, minus_one, best)
+                    best = rows_top4(r0, r1, r2, r3, minus_one, best)
                 for t in range(full, count):
-                    best = _row_top(kb[rows[t]], minus_one, best)
-    return best
-
-
-@njit(**_OPTS)
-def _rows_top4(r0, r1, r2, r3, minus_one, best):
-    """:func:`_row_top` of four rows read side by side (the maximum is order-free)."""
-    width = lanes_const(r0)
-    whole = r0.shape[0] - r0.shape[0] % width
-    a0 = a1 = vzero(r0)
-    for x in range(0, whole, width):
-        v0, v1, v2, v3 = vload(r0, x), vload(r1, x), vload(r2, x), vload(r3, x)
-        a0 = vmax(a0, vmax(vmax(v0, vmuls(v0, minus_one)), vmax(v1, vmuls(v1, minus_one))))
-        a1 = vmax(a1, vmax(vmax(v2, vmuls(v2, minus_one)), vmax(v3, vmuls(v3, minus_one))))
-    best = max(best, vbest(vmax(a0, a1)))
-    for row in (r0, r1, r2, r3):
-        for x in range(whole, row.shape[0]):
-            if abs(row[x]) > best:
-                best = abs(row[x])
+                    best = row_top(kb[rows[t]], minus_one, best)
     return best
 
 
@@ -361,6 +452,24 @@ def _rows_top4(r0, r1, r2, r3, minus_one, best):
 FEW_UNITS = 16
 SMALL_HEAD_BLOCK = 8
 FEW_TASKS = 8
+#: From this many query heads per kv head on, a few-unit call runs :func:`_gather_wide`.
+WIDE_GROUP = 64
+
+
+def wide_units(units: int, group: int) -> bool:
+    """Whether the gather forward runs its units one at a time with all the heads of a group
+    together and the work split inside each unit (:func:`_gather_wide`): few units, many
+    heads sharing each key list (a decode step: with head blocks of 16 heads, H 128 would read
+    every listed key and value row 8 times). Below :data:`WIDE_GROUP` heads the head blocks
+    of :func:`head_block` are kept (one parallel region per call instead of three). Fixed by
+    the shapes alone.
+
+    Examples
+    --------
+    >>> wide_units(units=1, group=128), wide_units(units=1, group=16)
+    (True, False)
+    """
+    return units < FEW_UNITS and group >= WIDE_GROUP
 
 
 def head_block(units: int, group: int) -> int:

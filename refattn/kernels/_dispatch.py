@@ -20,6 +20,7 @@ __all__ = [
     "gather_spec",
     "listed_keys",
     "attention",
+    "plain_gather_attention",
     "attention_vjp",
     "compute_dtype",
     "COMPILE_MESSAGE",
@@ -220,6 +221,25 @@ def attention(spec, *, return_lse: bool = False, dtype=None):
     announce_compile((_cpu_forward, _cpu_decode), names="forward")
     out, lse = numba_cpu.forward(spec, _dtype(spec, dtype))
     return (out, lse) if return_lse else out
+
+
+def plain_gather_attention(q, k, v, listed, scale):
+    """(out, lse, top) of :func:`attention` for a plain sparse-key call (no option but
+    ``scale``) without its spec: :func:`refattn.kernels.numba_cpu.plain_gather_forward` (the
+    arguments and the bits of the spec's gather forward; ``top`` max |x| over the key rows
+    read, NaN skipped, Inf kept). q (B, H, L, D), k (B, K, S, D), v (B, K, S, E) of one
+    dtype, float32 or float64; ``listed`` (B, K, L, T) sorted int64.
+
+    Examples
+    --------
+    >>> q = k = v = np.ones((1, 1, 1, 4))
+    >>> plain_gather_attention(q, k, v, np.array([[[[0]]]]), None)[0].ravel().tolist()
+    [1.0, 1.0, 1.0, 1.0]
+    """
+    from . import _cpu_decode, _cpu_forward, numba_cpu
+
+    announce_compile((_cpu_forward, _cpu_decode), names="forward")
+    return numba_cpu.plain_gather_forward(q, k, v, listed, scale)
 
 
 def attention_vjp(spec, grad_out, grad_lse=None, *, dtype=None):

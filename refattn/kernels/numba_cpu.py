@@ -141,10 +141,13 @@ Conventions pinned here
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..bounds.kernels import online_backward_bound, online_forward_bound
-from ._args import DIM_KEYS, DIM_VDIM, OPT_EMPTY_ROWS_NAN, kernel_arguments, read_only
+from ..spec import canonicalize
+from ._args import DIM_KEYS, DIM_VDIM, FOPT_SCALE, OPT_EMPTY_ROWS_NAN, kernel_arguments, read_only
 from ._cpu_backward import backward_chunks, backward_units, delta_rows, sum_parts
 from ._cpu_decode import SPLIT_KEYS, forward_splits, split_keys
 from ._cpu_forward import forward_blocks
@@ -161,6 +164,7 @@ __all__ = [
     "backward_chunks",
     "compute_dtype",
     "forward",
+    "plain_gather_forward",
     "saved_forward",
     "backward",
     "forward_error_bound",
@@ -206,6 +210,50 @@ def forward(spec, dtype=None):
     # the key splits (decode) read bfloat16 k, v as their bits, widening each once
     splits = spec.index_reading != "gather" and split_keys(*spec.dims[1:5])
     return _run_forward(spec, kernel_arguments(spec, dtype, bf16_bits=bool(splits)), dtype)
+
+
+def plain_gather_forward(q, k, v, listed, scale):
+    """:func:`forward` of a plain sparse-key call without building its spec: the arguments
+    :func:`~refattn.kernels._args.kernel_arguments` gives a spec with no option but ``scale``
+    (the set-read key indices gathered, ``gqa="interleave"``), passed to the same gather
+    kernel, so the same bits. q (B, H, L, D), k (B, K, S, D), v (B, K, S, E) of one dtype,
+    float32 or float64 (the compute dtype); ``listed`` (B, K, L, T) the sorted int64 lists of
+    :func:`~refattn.kernels._cpu_gather.sorted_indices`; ``scale`` a float (1/sqrt(D) when
+    None). Returns (out (B, H, L, E), lse (B, H, L), top): ``top`` the largest |x| of the key
+    rows the kernel read (NaN skipped, Inf kept), the listed rows in [0, S) (no interval
+    option): :func:`refattn.kernels.listed_keys`'s reading for a plain call's range check.
+
+    Examples
+    --------
+    >>> q = np.zeros((1, 2, 1, 4)); k = np.zeros((1, 1, 3, 4))
+    >>> v = np.arange(3.0).reshape(1, 1, 3, 1)
+    >>> out, lse, top = plain_gather_forward(q, k, v, np.array([[[[-1, 0, 2]]]]), None)
+    >>> out.ravel().tolist(), top
+    ([1.0, 1.0], 0.0)
+    """
+    dtype = q.dtype
+    batch, heads, length, dim = q.shape
+    _, kv_heads, keys, vdim = v.shape
+    template = _PLAIN_ARGUMENTS.get(dtype)
+    if template is None:  # the option slots of a spec with every option at its default
+        tiny = np.zeros((1, 1, 1, 1), dtype)
+        template = _PLAIN_ARGUMENTS[dtype] = kernel_arguments(canonicalize(tiny, tiny, tiny), dtype)
+    _, _, _, _, _, opts, fopts, terms = template
+    fopts = fopts.copy()
+    fopts[FOPT_SCALE] = 1.0 / math.sqrt(dim) if scale is None else scale
+    values = k if _leading_features(v, k) else np.require(v, dtype, ["C"])
+    q, k, values = (read_only(np.require(a, dtype, ["C"])) for a in (q, k, values))
+    dims = np.array([batch, heads, kv_heads, length, keys, dim, vdim], np.int64)
+    kv_head = np.arange(heads) // (heads // kv_heads)
+    out = np.empty((batch, heads, length, vdim), dtype)
+    lse = np.empty((batch, heads, length), dtype)
+    top = gather_forward(listed, q, k, values, kv_head, dims, opts, fopts, terms, out, lse)
+    return out, lse, top
+
+
+#: kernel_arguments of a spec with every option at its default, per compute dtype
+#: (:func:`plain_gather_forward` reads its option slots)
+_PLAIN_ARGUMENTS: dict = {}
 
 
 def _leading_features(v, k) -> bool:

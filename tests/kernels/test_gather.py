@@ -163,6 +163,40 @@ def test_large_group_splits_into_head_blocks():
     assert_within(lse, ref_lse, 2 * lse_bound, what="lse", case="H130 K1")
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("name", list(CASES))
+def test_wide_decode_gives_the_bits_of_head_blocks(name, dtype, monkeypatch):
+    """A decode step with many heads per kv head (B2 H66 K1 L1: few units) runs all the heads
+    of a unit together with the work split inside it (refattn.kernels._cpu_gather's
+    _gather_wide); every option gives the bits of the head-block path and agrees with the
+    float64 path within the bound. D 77 and E 70 leave tail features and columns, H 66
+    leftover rows of every tile."""
+    from refattn.kernels import _cpu_gather
+
+    heads = 66
+    q, k, v, idx, rng = _inputs(
+        len(name) + 20, heads=heads, kv_heads=1, length=1, keys=300, dim=77, vdim=70, width=90
+    )
+    assert _cpu_gather.wide_units(2, heads)
+    opts = _options(name, rng, heads=heads, length=1, keys=300)
+    if "alibi_slopes" in opts:
+        opts = dict(opts, alibi_slopes=np.linspace(0.5, 0.01, heads))
+    q, k, v = (a.astype(dtype) for a in (q, k, v))
+    wide = refattn.attention(q, k, v, key_indices=idx, return_lse=True, backend="numba", **opts)
+    monkeypatch.setattr(_cpu_gather, "wide_units", lambda units, group: False)
+    blocks = refattn.attention(q, k, v, key_indices=idx, return_lse=True, backend="numba", **opts)
+    assert_same_bits(wide[0], blocks[0], what="out", case=name)
+    assert_same_bits(wide[1], blocks[1], what="lse", case=name)
+    ref_out, ref_lse, weights = refattn.attention(
+        q, k, v, key_indices=idx, return_lse=True, return_weights=True, **opts
+    )
+    spec = canonicalize(q, k, v, key_indices=idx, **opts)
+    kernel = numba_cpu.forward_error_bound(spec, weights, refattn.kernels.compute_dtype(dtype))
+    own = numba_cpu.forward_error_bound(spec, weights, np.float64)
+    assert_within(wide[0], ref_out, kernel[0] + own[0], what="out", case=name)
+    assert_within(wide[1], ref_lse, kernel[1] + own[1], what="lse", case=name)
+
+
 _THREADS_SCRIPT = """
 import numpy as np, refattn
 rng = np.random.default_rng(5)
@@ -175,6 +209,9 @@ for dtype in (np.float32, np.float64):  # a decode step, MLA's v = k[..., :E] re
     q = rng.standard_normal((1, 40, 1, 70)).astype(dtype)
     k = rng.standard_normal((1, 1, 900, 70)).astype(dtype)
     idx = rng.permutation(900)[None, None, None, :301]
+    out = refattn.attention(q, k, k[..., :45], key_indices=idx, backend="numba")
+    print(out.tobytes().hex())
+    q = rng.standard_normal((1, 70, 1, 70)).astype(dtype)  # many heads: the split inside a unit
     out = refattn.attention(q, k, k[..., :45], key_indices=idx, backend="numba")
     print(out.tobytes().hex())
 """
