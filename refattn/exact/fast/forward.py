@@ -193,6 +193,22 @@ def row_spec(spec: AttentionSpec, b: int, h: int, start: int, stop: int) -> Atte
     )
 
 
+def redo_blocks(redo: np.ndarray) -> np.ndarray:
+    """The work items (n, 4) = (b, h, first row, row count <= D_ROW_BLOCK) of
+    :func:`~refattn.exact.fast.forward_kernels.forward_d` covering the rows where ``redo``
+    (B, H, L) holds: each plane's runs of consecutive rows, cut into blocks.
+
+    >>> redo_blocks(np.array([[[True, True, False, True]]])).tolist()
+    [[0, 0, 0, 2], [0, 0, 3, 1]]
+    """
+    items = []
+    for b, h in np.argwhere(redo.any(axis=2)):
+        for start, stop in _runs(np.flatnonzero(redo[b, h])):
+            for i0 in range(start, stop, D_ROW_BLOCK):
+                items.append((b, h, i0, min(D_ROW_BLOCK, stop - i0)))
+    return np.array(items, dtype=np.int64).reshape(-1, 4)
+
+
 def _runs(rows: np.ndarray):
     """Maximal runs (start, stop) of consecutive sorted row indices."""
     if rows.size == 0:
@@ -240,6 +256,7 @@ def finish_forward(results, dtype, rows, step_rows, referee_rows):
         elements=total * per_row,
         referee_elements=referee_rows * per_row,
         double_rows=step_rows["double"],
+        double_magnitude_rows=step_rows.get("double-magnitude", 0),
         double_double_rows=step_rows["double-double"],
     )
     out, lse, weights = results
@@ -382,7 +399,7 @@ def fast_exact_forward(
     lse = np.zeros((batch, heads, length))
     weights = np.zeros((batch, heads, length, keys) if return_weights else (1, 1, 1, 1))
     status = np.full((batch, heads, length), UNDECIDED, dtype=np.int8)
-    step_rows = {"double": 0, "double-double": 0}
+    step_rows = {"double": 0, "double-magnitude": 0, "double-double": 0}
     if out.size or lse.size:
         x = _Inputs(spec, kv)
         inputs = tuple(
@@ -399,9 +416,16 @@ def fast_exact_forward(
             blocks[:, :2] = np.repeat(planes, starts.size, axis=0)
             blocks[:, 2] = np.tile(starts, planes.shape[0])
             blocks[:, 3] = np.minimum(D_ROW_BLOCK, length - blocks[:, 2])
-            forward_d(blocks, inputs, rule, target, results)
+            forward_d(
+                blocks, inputs, rule, target, results, (False, frozen(np.zeros((1, 1, 1, 1))))
+            )
             step_rows["double"] = planes.shape[0] * length
             redo = x.ok[:, :, None] & (status == UNDECIDED)
+            blocks = redo_blocks(redo)
+            if blocks.size:  # the rows left, again with magnitude-sum bounds
+                forward_d(blocks, inputs, rule, target, results, (True, frozen(np.abs(x.v))))
+                step_rows["double-magnitude"] = int(redo.sum())
+                redo = x.ok[:, :, None] & (status == UNDECIDED)
         else:
             redo = np.broadcast_to(x.ok[:, :, None], status.shape)
         items = np.ascontiguousarray(np.argwhere(redo))  # argwhere's rows: one kernel layout
@@ -421,14 +445,16 @@ def fast_exact_forward(
 
 def fallback_stats() -> dict:
     """Statistics of the last :func:`fast_exact_forward` call: ``rows`` and ``elements`` in
-    total, ``double_rows`` and ``double_double_rows`` (rows evaluated by each first step),
+    total, ``double_rows``, ``double_magnitude_rows`` and ``double_double_rows`` (rows
+    evaluated by each first step: the double-precision step, its second pass with
+    magnitude-sum bounds, the double-double step),
     ``referee_rows`` and ``referee_elements`` (those of the rows recomputed by the referee
     engine).
 
     Examples
     --------
     >>> set(fallback_stats()) <= {'rows', 'elements', 'referee_rows', 'referee_elements',
-    ...                           'double_rows', 'double_double_rows'}
+    ...                           'double_rows', 'double_magnitude_rows', 'double_double_rows'}
     True
     """
     return dict(_LAST_STATS)

@@ -17,7 +17,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from ...kernels._cpu_tiles import matmul_n, matmul_t
+from ...kernels._cpu_tiles import matmul_n
 from . import doubledouble as D
 from ._params import (
     P_ALIBI_KEYS,
@@ -43,6 +43,17 @@ from ._params import (
     R_ROWS_LO,
 )
 from .allowed_set import key_state
+from .dense_dots import (
+    EXACT_SCALE,
+    KEY_TILE,
+    block_dots,
+    block_dots_mag,
+    block_dots_unpadded,
+    block_exact,
+    block_interval,
+    mag_error,
+    plain_scores,
+)
 from .doubledouble import EXP_FAST_REL, exp_dd_fast
 from .rounding_decision import decide_one
 
@@ -83,12 +94,6 @@ D_ROW_BLOCK = 32
 #: Work lanes of the double-precision step: lane w takes blocks w, w + WORKERS, ... with one
 #: scratch (which rows a lane takes changes no bit: each row's arithmetic is its own).
 WORKERS = 64
-#: Keys per register tile of the double-precision step's dot products (four 64-byte vectors
-#: of float64): its key count is padded to a multiple of this, and K^T carries this many zero
-#: keys past S (and V zero features up to a multiple of it), so every tile load is in bounds.
-KEY_TILE = 32
-#: Keys per chunk of the double-precision step's dot products (a multiple of KEY_TILE).
-DOT_CHUNK = 256
 
 #: Row status of the first steps: decided, empty (no allowed key), undecided (to the referee).
 OK, EMPTY, UNDECIDED = 0, 1, 2
@@ -404,92 +409,23 @@ def _score_d(i, j, sj, qn_i, kn_j, prm, bv, has_bias, gdim):
 
 
 @numba.jit(**_JIT)
-def _block_interval(rows_lo, rows_hi, b, i0, nb_rows):
-    """The union [lo, hi) of the key intervals of rows i0 .. i0 + nb_rows - 1 of batch row b."""
-    lo = rows_lo[b, i0]
-    hi = rows_hi[b, i0]
-    for rr in range(1, nb_rows):
-        lo = min(lo, rows_lo[b, i0 + rr])
-        hi = max(hi, rows_hi[b, i0 + rr])
-    return lo, hi
-
-
-@numba.jit(**_JIT)
-def _block_dots(qp, kTp, i0, nb_rows, lo, npad, s, qa):
-    """s[rr, j - lo] = q_{i0 + rr} . k_j for lo <= j < lo + npad by one fma chain over D each,
-    d = 0 .. D-1 in order from +0 (``qp`` the plane's (L, D) queries, ``kTp`` its (D, S + pad)
-    keys, zero past S; ``npad`` a multiple of :data:`KEY_TILE`; ``qa`` (D, D_ROW_BLOCK) scratch
-    for the rows' transpose): the register tiles of
-    :func:`refattn.kernels._cpu_tiles.matmul_t` (lanes over keys, D sequential)."""
-    dim = qp.shape[1]
-    for rr in range(nb_rows):
-        for d in range(dim):
-            qa[d, rr] = qp[i0 + rr, d]
-    for c in range(0, npad, DOT_CHUNK):  # a chunk of K^T stays in cache for all the rows
-        cols = min(DOT_CHUNK, npad - c)
-        matmul_t(qa, kTp[:, lo + c : lo + c + cols], dim, nb_rows, cols, s[:, c:], True)
-
-
-@numba.jit(**_JIT)
-def _block_dots_unpadded(qp, kTp, i0, nb_rows, lo, hi, s):
-    """s[rr, j - lo] = q_{i0 + rr} . k_j for lo <= j < hi by one fma chain over D each, d = 0
-    .. D-1 in order from +0 (``qp`` the plane's (L, D) queries, ``kTp`` its (D, S) keys, no
-    padding): :func:`_block_dots`'s chains, key by key."""
-    n = max(hi - lo, 0)
-    for d in range(qp.shape[1]):
-        row = kTp[d, lo:hi]  # a slice: the loop below then vectorizes
-        for rr in range(nb_rows):
-            a = qp[i0 + rr, d]
-            srow = s[rr]
-            for jj in range(n):
-                srow[jj] = D.fma(a, row[jj], srow[jj])
-
-
-@numba.jit(**_JIT)
-def _plain_scores(i0, nb_rows, lo, rows, pr, keys, work):
-    """:func:`_block_scores` without mask, bias, dropout, softcap or ALiBi (every key of a row's
-    interval kept): the same score and radius as :func:`_score_d` in one tight loop per row.
-    ``rows`` = (rows_lo, rows_hi, qn, qs of the batch row / plane), ``keys`` = (kn, ks)."""
-    rows_lo, rows_hi, qn, qs = rows
-    knp, ksp = keys
-    s, err, state, _, top, _ = work
-    scale_hi, scale_lo, scale_err, gdim = (
-        pr[P_SCALE_HI],
-        pr[P_SCALE_LO],
-        pr[P_SCALE_ERR],
-        pr[P_GAMMA_DIM],
-    )
-    u = 1.01 * D.U
-    c1 = abs(scale_hi)
-    c2 = abs(scale_lo) + scale_err
-    for rr in range(nb_rows):
-        i = i0 + rr
-        qn_i, qs_i = qn[i], qs[i]
-        srow, erow, strow = s[rr], err[rr], state[rr]
-        m = top[rr]
-        for jj in range(rows_lo[i] - lo, rows_hi[i] - lo):
-            j = lo + jj
-            # an fma chain proven exact (exactness_scales) carries no error
-            gd = 0.0 if qs_i * ksp[j] < 2.0**52 else gdim
-            sj = srow[jj]
-            derr = gd * qn_i * knp[j]
-            t = sj * scale_hi
-            erow[jj] = c1 * derr + (abs(sj) + derr) * c2 + u * abs(t)
-            srow[jj] = t
-            strow[jj] = 2
-            m = max(m, t)
-        top[rr] = m
-
-
-@numba.jit(**_JIT)
 def _block_scores(b, h, i0, nb_rows, lo, hi, inputs, rule, work):
+    """:func:`_block_scores_d` with the a-priori dot-product bounds (``mag`` False)."""
+    _block_scores_d(b, h, i0, nb_rows, (lo, hi), inputs, rule, work, False)
+
+
+@numba.jit(**_JIT)
+def _block_scores_d(b, h, i0, nb_rows, keys, inputs, rule, work, mag):
     """The scores (t, err) of rows i0 .. i0 + nb_rows - 1 of plane (b, h) over the keys
     [lo, hi) in place of their dot products, with each key's state (0 excluded, 1 dropped,
     2 kept), each row's maximum score and whether a bias value is out of the first steps'
-    range: ``work`` = (s, err, state, bad, top, qa) (:func:`_d_block`). With ``qa`` of zero
+    range: ``work`` = (s, err, state, bad, top, qa) (:func:`_d_block`), ``keys`` = (lo, hi).
+    With ``mag`` the dot products' error bounds come from their magnitude sums
+    (:func:`refattn.exact.fast.dense_dots.block_dots_mag`) unless every chain of the block is
+    proven exact; else from ``gamma_D ||q_i|| ||k_j||``. With ``qa`` of zero
     columns (a caller whose K^T has no KEY_TILE padding and whose ``s`` has hi - lo columns:
-    the sigmoid step) the dot products are the same fma chains key by key, and every kept key's
-    state is written (no all-kept shortcut)."""
+    the sigmoid step) the dot products are single fma chains key by key with the bound
+    ``gamma_D ||q_i|| ||k_j||``, and every kept key's state is written (no all-kept shortcut)."""
     q, kT, _, qn, kn, qs, ks, _, _, prm, kvh = inputs
     rows_lo, rows_hi, has_mask, has_bias, has_drop = (
         rule[R_ROWS_LO],
@@ -504,15 +440,21 @@ def _block_scores(b, h, i0, nb_rows, lo, hi, inputs, rule, work):
     gdim = pr[P_GAMMA_DIM]
     knp = kn[b, g]
     ksp = ks[b, g]
+    dim = q.shape[3]
+    lo, hi = keys
     rule_arrays = has_mask or has_bias or has_drop
     if qa.shape[1] == 0:  # K^T without KEY_TILE padding (the sigmoid step): the keys one by one
-        _block_dots_unpadded(q[b, h], kT[b, g], i0, nb_rows, lo, hi, s)
+        block_dots_unpadded(q[b, h], kT[b, g], i0, nb_rows, lo, hi, s)
     else:
         npad = max(KEY_TILE, -(-(hi - lo) // KEY_TILE) * KEY_TILE)
-        _block_dots(q[b, h], kT[b, g], i0, nb_rows, lo, npad, s, qa)
+        mag = mag and not block_exact(qs[b, h], ksp, i0, nb_rows, lo, hi)
+        if mag:  # err holds the magnitude sums until the scores replace them
+            block_dots_mag(q[b, h], kT[b, g], i0, nb_rows, lo, npad, s, err)
+        else:
+            block_dots(q[b, h], kT[b, g], i0, nb_rows, lo, npad, s, qa)
         if not rule_arrays and pr[P_SOFTCAP] == 0.0 and pr[P_SLOPE] == 0.0:
             rows = (rows_lo[b], rows_hi[b], qn[b, h], qs[b, h])
-            _plain_scores(i0, nb_rows, lo, rows, pr, (knp, ksp), work)
+            plain_scores(i0, nb_rows, lo, rows, pr, (knp, ksp, mag, dim), work)
             return
     for rr in range(nb_rows):
         i = i0 + rr
@@ -527,8 +469,10 @@ def _block_scores(b, h, i0, nb_rows, lo, hi, inputs, rule, work):
             if has_bias and not _bias_in_range(bv):
                 bad[rr] = True
             # an fma chain proven exact (exactness_scales) carries no error
-            gd = 0.0 if qs[b, h, i] * ksp[j] < 2.0**52 else gdim
-            t, e = _score_d(i, j, s[rr, jj], qn[b, h, i], knp[j], pr, bv, has_bias, gd)
+            derr = 0.0
+            if not qs[b, h, i] * ksp[j] < EXACT_SCALE:
+                derr = mag_error(err[rr, jj], dim) if mag else gdim * qn[b, h, i] * knp[j]
+            t, e = _score_d(i, j, s[rr, jj], derr, 1.0, pr, bv, has_bias, 1.0)
             s[rr, jj], err[rr, jj] = t, e
             if t > top[rr]:
                 top[rr] = t
@@ -684,15 +628,17 @@ def _d_scratch(inputs):
 
 
 @numba.jit(**_JIT)
-def _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch):
+def _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch, redo):
     """Double-precision first step of rows i0 .. i0 + nb_rows - 1 of plane (b, h), which share
     each load of K^T and V (each row's arithmetic is the same sequence as alone: no bit depends
     on the blocking). The keys run over the union of the rows' intervals; the blocked sums
     restart at multiples of SUM_BLOCK of the key index j itself. The argument records are
     those of :func:`forward_dd` (``v`` padded with zero features to a multiple of
     :data:`KEY_TILE`, ``kT`` with KEY_TILE zero keys past S); ``scratch``: :func:`_d_scratch`,
-    reused from block to block (read only where written for this block)."""
+    reused from block to block (read only where written for this block); ``redo``: the
+    arguments of :func:`forward_d`'s second pass."""
     _, _, v, _, _, _, _, vmax, vnorm, prm, kvh = inputs
+    mag, vabs = redo
     rows_lo, rows_hi = rule[R_ROWS_LO], rule[R_ROWS_HI]
     want_w = target[1]
     status = results[3]
@@ -702,12 +648,13 @@ def _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch):
     gsum = pr[P_GAMMA_SUM]
     u = 1.01 * D.U
     vp = v[b, g]  # the plane's (S, E padded) values
-    lo, hi = _block_interval(rows_lo, rows_hi, b, i0, nb_rows)
+    lo, hi = block_interval(rows_lo, rows_hi, b, i0, nb_rows)
     hi = max(hi, lo)
     s, err, state, p, xs, ex, use, qa, nsum, nb = scratch
     bad = np.zeros(D_ROW_BLOCK, np.bool_)
     top = np.full(D_ROW_BLOCK, -np.inf)
-    _block_scores(b, h, i0, nb_rows, lo, hi, inputs, rule, (s, err, state, bad, top, qa))
+    work = (s, err, state, bad, top, qa)
+    _block_scores_d(b, h, i0, nb_rows, (lo, hi), inputs, rule, work, mag)
     all_kept = not (rule[R_HAS_MASK] or rule[R_HAS_BIAS] or rule[R_HAS_KEEP])
     has_sink, sink = pr[P_HAS_SINK] != 0.0, pr[P_SINK]
     if has_sink:  # the sink: one more logit in the max and in Z, no value
@@ -729,6 +676,10 @@ def _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch):
         (z, e2, tiny, tiny_v, rho),
     )
     _d_values(lo, hi, nb_rows, p, vp, (nsum, nb))
+    asum = np.empty((0, 0))
+    if mag:  # A_e = sum_j e_j |v_je| by the same blocked sums, in its own scratch
+        asum = np.zeros_like(nsum)
+        _d_values(lo, hi, nb_rows, p, vabs[b, g], (asum, np.zeros_like(nb)))
     zeros = np.zeros(vdim)
     for rr in range(nb_rows):
         i = i0 + rr
@@ -756,6 +707,9 @@ def _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch):
         # sum_j e_j |v_je| <= min(vmax_e sum_j e_j, sqrt(sum_j e_j^2) ||v_e||) (the second
         # by Cauchy-Schwarz; the float sums are within gamma_S < 2**-27 of their values)
         acc = np.minimum(vmax[b, g] * (zr_ + zrad), math.sqrt(e2[rr]) * vnorm[b, g])
+        if mag:  # its blocked float sum of nonnegative terms is within gamma of A_e: the
+            # value is at most the sum / (1 - gsum) <= the sum (1 + 4 gsum)
+            acc = np.minimum(acc, asum[rr, :vdim] * (1.0 + 4.0 * gsum))
         nr = (gg * acc * (1.0 + gsum) * (1.0 + rho[rr])) * D.BOUND_SAFETY + TINY * tiny_v[rr]
         ok, lz_h, lz_l, lz_r = _finish_row(
             (b, h, i), top[rr], (zr_, 0.0, zrad), (nsum[rr, :vdim], zeros, nr), pr, target, results
@@ -777,19 +731,22 @@ def _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch):
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
-def forward_d(blocks, inputs, rule, target, results):
+def forward_d(blocks, inputs, rule, target, results, redo):
     """Double-precision first step (for targets of <= 24 bits) over ``blocks`` ((n, 4): b, h,
     first row, row count <= D_ROW_BLOCK), in parallel over the blocks of every plane: fma chains
     with gamma_n bounds (Higham 2002, eq. (3.5)) and
     :func:`refattn.exact.fast.doubledouble.exp_d`; the argument records are those of
-    :func:`forward_dd`."""
+    :func:`forward_dd`. ``redo`` = (mag, |V|): with ``mag`` (the second pass, over the rows the
+    first left undecided) the dot products' bounds come from their magnitude sums
+    (:mod:`refattn.exact.fast.dense_dots`) and ``A_e = sum_j e_j |v_je|`` is summed from |V|
+    ((B, K, S, E padded), else unread) by the same blocked sums as N."""
     count = blocks.shape[0]
     workers = min(count, WORKERS)
     for w in prange(workers):  # worker w takes blocks w, w + workers, ...: one scratch each
         scratch = _d_scratch(inputs)
         for r in range(w, count, workers):
             b, h, i0, nb_rows = blocks[r, 0], blocks[r, 1], blocks[r, 2], blocks[r, 3]
-            _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch)
+            _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch, redo)
 
 
 # The per-key and per-row steps above, shared with the gathered-keys kernels
@@ -804,5 +761,4 @@ score_d = _score_d
 finish_row = _finish_row
 row_weights = _row_weights
 # the sigmoid first steps (:mod:`refattn.exact.fast.sigmoid_kernels`) score keys the same way
-block_interval = _block_interval
 block_scores = _block_scores
