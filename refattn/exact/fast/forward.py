@@ -66,9 +66,17 @@ error ``EXP_D_REL`` (2**-48.5), and the sums over keys are blocked (:data:`SUM_B
 block, ``gamma_{B + S/B}``, Higham 2002, sec. 4.2) with ``|N - N^| <= (gamma + rho) A_e``,
 ``A_e <= min(max_j |v_je| Z, (sum_j e_j^2)^(1/2) ||v_e||)`` (Cauchy-Schwarz; no second pass
 over V). Its radii are about 2**-40 relative to ``sum_j w_j |v_je|``, ample for 24-bit
-targets; the rows it leaves undecided (a few percent for float32 at S = 4096) run again in
-double-double, and only then go to the referee. Float64 targets use the double-double step
-alone.
+targets. The rows it leaves undecided (a few percent for float32: 451 of 8192 at causal
+L = S = 1024, D = 64) run a second pass of the same step with tighter bounds: the dot products
+as fma chains over blocks of 32 features with the float sum ``sab`` of the magnitudes of every
+rounded partial result, ``|error| <= u sab`` (each rounding errs by at most u times its
+result's magnitude, Higham 2002, eq. (2.5), summed as in the running error bound of sec. 3.1;
+:mod:`refattn.exact.fast.dense_dots`), some 4 bits tighter than ``gamma_D ||q_i|| ||k_j||`` at
+D = 64, and ``A_e = sum_j e_j |v_je|`` summed beside N from |V| by the same blocked sums (410
+of those 451 rows are decided there). Only what is left then runs in double-double, and then
+goes to the referee. Float64 targets use the double-double step alone. The rounding decisions
+of both steps first try :func:`~refattn.exact.fast.rounding_decision.decide_quick` (one
+Veltkamp split), then :func:`~refattn.exact.fast.rounding_decision.decide_one`.
 
 Planes with NaN/Inf in q, k or v, magnitudes outside [SAFE_MIN, SAFE_MAX], or a softcap or ALiBi
 slope outside it go to the referee whole; rows with an allowed bias outside that range, and

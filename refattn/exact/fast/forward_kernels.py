@@ -55,7 +55,7 @@ from .dense_dots import (
     plain_scores,
 )
 from .doubledouble import EXP_FAST_REL, exp_dd_fast
-from .rounding_decision import decide_one
+from .rounding_decision import decide_quick
 
 __all__ = [
     "forward_dd",
@@ -188,7 +188,9 @@ def _finish_row(index, top, z, sums, prm, target, results):
     ok = True
     if want_lse:
         gh, gl = D.dd_add_d(lh, ll, top)
-        value, dec = decide_one(gh, gl, (lerr + D.DD_REL * abs(gh)) * D.BOUND_SAFETY, p, emin, maxf)
+        value, dec = decide_quick(
+            gh, gl, (lerr + D.DD_REL * abs(gh)) * D.BOUND_SAFETY, p, emin, maxf
+        )
         lse[b, h, i] = value
         ok = ok and dec
     zlow = zh - zr
@@ -198,7 +200,7 @@ def _finish_row(index, top, z, sums, prm, target, results):
         orad = (nr[e] + abs(oh) * 1.0000001 * zr) / zlow + D.DD_REL * abs(oh)
         ph, pl = D.dd_mul(oh, ol, keep_hi, keep_lo)
         orad = orad * (abs(keep_hi) + keep_err) + abs(oh) * keep_err + D.DD_REL * abs(ph)
-        value, dec = decide_one(ph, pl, orad * D.BOUND_SAFETY, p, emin, maxf)
+        value, dec = decide_quick(ph, pl, orad * D.BOUND_SAFETY, p, emin, maxf)
         out[b, h, i, e] = value
         ok = ok and dec
     return ok, lh, ll, lerr * D.BOUND_SAFETY
@@ -231,7 +233,7 @@ def _row_weights(index, lo, state, shifted, log_z, target, w):
             ok = False
             continue
         eh, el = exp_dd_fast(ah, al)
-        value, dec = decide_one(
+        value, dec = decide_quick(
             eh,
             el,
             (EXP_FAST_REL + 2.0 * ae) * (1.0 + _RHO_MAX) * eh * D.BOUND_SAFETY,
@@ -479,18 +481,20 @@ def _block_scores_d(b, h, i0, nb_rows, keys, inputs, rule, work, mag):
 
 
 @numba.jit(**_JIT)
-def _plain_shift(rr, r0, r1, row, work, sums):
-    """The shifted scores of row rr's keys r0 <= jj < r1 when all are kept (:func:`_d_exps`'s
-    first loop without states): x = t - top and its radius (kept in s, err for the weights),
-    the exponent argument (0, unused, below CUT), ``use`` 2 or 0, the count of keys below CUT
-    as TINY each (an exact sum of powers of two), and rho from the largest radius above CUT
-    (rho is monotone in it, so the same as the key-by-key maximum). ``row`` = (top, want_w),
-    ``work`` = (s, err, xs, use), ``sums`` = (tiny, rho)."""
+def _plain_exps(rr, r0, r1, lo, row, work, sums):
+    """:func:`_d_exps` for row rr when all of its keys r0 <= jj < r1 are kept: the shifted
+    scores x = t - top and their radii (kept in s, err for the weights), the count of keys below
+    CUT as TINY each (an exact sum of powers of two) and rho from the largest radius above CUT
+    (rho is monotone in it: the key-by-key maximum's value); then ``p = exp_d_core(x)`` in one
+    branch-free loop (a key below CUT gets the argument CUT - 1 and then e = 0), then Z and
+    sum e^2 in key order, blocked (each block of SUM_BLOCK key indices summed from +0, then
+    added to Z). The same operations on the same values as the general loop: the same bits.
+    ``row`` = (top, want_w), ``work`` = (s, err, p), ``sums`` = (z, e2, tiny, rho)."""
     top, want_w = row
-    s, err, xs, use = work
-    tiny, rho = sums
+    s, err, p = work
+    z, e2, tiny, rho = sums
     u = 1.01 * D.U
-    srow, erow = s[rr], err[rr]
+    srow, erow, prow = s[rr], err[rr], p[rr]
     cut = 0
     worst = -1.0
     for jj in range(r0, r1):
@@ -499,13 +503,31 @@ def _plain_shift(rr, r0, r1, row, work, sums):
         if want_w:
             srow[jj], erow[jj] = x, xe  # the shifted scores, kept for the weights
         above = x >= CUT
-        xs[jj] = x if above else 0.0
-        use[jj] = 2 if above else 0
+        prow[jj] = x if above else CUT - 1.0
         cut += 0 if above else 1
         worst = max(worst, xe) if above else worst
     tiny[rr] += cut * TINY
     if worst >= 0.0:
         rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * worst) * (1.0 + _RHO_MAX))
+    for jj in range(r0, r1):
+        x = prow[jj]
+        e = D.exp_d_core(x)  # CUT - 1 <= x <= 0: in exp_d's domain
+        prow[jj] = e if x >= CUT else 0.0
+    zr = z[rr]
+    zb = 0.0
+    sq = e2[rr]
+    jj = r0
+    while jj < r1:  # blocked sums: gamma_{B + S/B}, not gamma_S
+        stop = min(r1, ((lo + jj) // SUM_BLOCK + 1) * SUM_BLOCK - lo)
+        zr += zb  # + 0 at the first block (zr >= 0): exact
+        zb = 0.0
+        for k in range(jj, stop):
+            e = prow[k]
+            zb += e
+            sq += e * e
+        jj = stop
+    z[rr] = zr + zb
+    e2[rr] = sq
 
 
 @numba.jit(**_JIT)
@@ -526,7 +548,7 @@ def _d_exps(i0, nb_rows, lo, hi, top, block_rows, work, sums):
     row's Z (blocked: a partial sum per SUM_BLOCK keys, restarting at multiples of SUM_BLOCK
     of the key index j), sum of e^2, tiny count and |v| sum, and rho. ``block_rows`` = (rows_lo,
     rows_hi of the batch row, want_w, plane values (S, E), whether every key of the rows'
-    intervals is kept: then :func:`_plain_shift`); ``work`` = (s, err, state, p, and the
+    intervals is kept: then :func:`_plain_exps`); ``work`` = (s, err, state, p, and the
     scratch rows xs, ex, use); p is zero outside each row's interval up to hi - lo;
     ``sums`` = (z, e2, tiny, tiny_v, rho). Per row: the shifted scores and their radii (keys
     below CUT or excluded get a dummy argument 0 and use 0), then the exponentials in one
@@ -541,10 +563,13 @@ def _d_exps(i0, nb_rows, lo, hi, top, block_rows, work, sums):
         i = i0 + rr
         r0, r1 = rows_lo[i] - lo, rows_hi[i] - lo
         if all_kept:
-            _plain_shift(rr, r0, r1, (top[rr], want_w), (s, err, xs, use), (tiny, rho))
+            p[rr, :r0] = 0.0
+            p[rr, r1 : hi - lo] = 0.0
+            _plain_exps(rr, r0, r1, lo, (top[rr], want_w), (s, err, p), (z, e2, tiny, rho))
             if tiny[rr] > 0.0:
                 _cut_values(rr, r0, r1, lo, (s, top[rr], want_w), vp, tiny_v)
-        for jj in range(r0 if not all_kept else r1, r1):
+            continue
+        for jj in range(r0, r1):
             use[jj] = 0
             xs[jj] = 0.0
             st = state[rr, jj]
@@ -681,6 +706,7 @@ def _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch, redo):
         asum = np.zeros_like(nsum)
         _d_values(lo, hi, nb_rows, p, vabs[b, g], (asum, np.zeros_like(nb)))
     zeros = np.zeros(vdim)
+    nr = np.empty(vdim)
     for rr in range(nb_rows):
         i = i0 + rr
         if bad[rr]:
@@ -706,11 +732,13 @@ def _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch, redo):
         zrad = (gg * zr_ * (1.0 + gsum) + tiny[rr]) * D.BOUND_SAFETY
         # sum_j e_j |v_je| <= min(vmax_e sum_j e_j, sqrt(sum_j e_j^2) ||v_e||) (the second
         # by Cauchy-Schwarz; the float sums are within gamma_S < 2**-27 of their values)
-        acc = np.minimum(vmax[b, g] * (zr_ + zrad), math.sqrt(e2[rr]) * vnorm[b, g])
-        if mag:  # its blocked float sum of nonnegative terms is within gamma of A_e: the
-            # value is at most the sum / (1 - gsum) <= the sum (1 + 4 gsum)
-            acc = np.minimum(acc, asum[rr, :vdim] * (1.0 + 4.0 * gsum))
-        nr = (gg * acc * (1.0 + gsum) * (1.0 + rho[rr])) * D.BOUND_SAFETY + TINY * tiny_v[rr]
+        zsum, root, grow = zr_ + zrad, math.sqrt(e2[rr]), (1.0 + gsum) * (1.0 + rho[rr])
+        for e in range(vdim):
+            acc = min(vmax[b, g, e] * zsum, root * vnorm[b, g, e])
+            if mag:  # its blocked float sum of nonnegative terms is within gamma of A_e:
+                # the value is at most the sum / (1 - gsum) <= the sum (1 + 4 gsum)
+                acc = min(acc, asum[rr, e] * (1.0 + 4.0 * gsum))
+            nr[e] = (gg * acc * grow) * D.BOUND_SAFETY + TINY * tiny_v[rr, e]
         ok, lz_h, lz_l, lz_r = _finish_row(
             (b, h, i), top[rr], (zr_, 0.0, zrad), (nsum[rr, :vdim], zeros, nr), pr, target, results
         )
