@@ -104,6 +104,7 @@ from .forward_kernels import (
     OK,
     SUM_BLOCK,
     UNDECIDED,
+    WORKERS,
     forward_d,
     forward_dd,
 )
@@ -214,7 +215,15 @@ def redo_blocks(redo: np.ndarray) -> np.ndarray:
         for start, stop in _runs(np.flatnonzero(redo[b, h])):
             for i0 in range(start, stop, D_ROW_BLOCK):
                 items.append((b, h, i0, min(D_ROW_BLOCK, stop - i0)))
-    return np.array(items, dtype=np.int64).reshape(-1, 4)
+    items = np.array(items, dtype=np.int64).reshape(-1, 4)
+    # forward_d's lane w takes items w, w + lanes, ...: ordered so that each lane's items are
+    # consecutive ones of one plane where possible (K^T and V stay in cache between them)
+    lanes = min(len(items), WORKERS)
+    if lanes:
+        chunk = -(-len(items) // lanes)
+        order = np.arange(chunk * lanes).reshape(lanes, chunk).T.reshape(-1)
+        items = items[order[order < len(items)]]
+    return items
 
 
 def _runs(rows: np.ndarray):

@@ -55,7 +55,7 @@ from .dense_dots import (
     plain_scores,
 )
 from .doubledouble import EXP_FAST_REL, exp_dd_fast
-from .rounding_decision import decide_quick
+from .rounding_decision import decide_one, decide_quick
 
 __all__ = [
     "forward_dd",
@@ -204,6 +204,51 @@ def _finish_row(index, top, z, sums, prm, target, results):
         out[b, h, i, e] = value
         ok = ok and dec
     return ok, lh, ll, lerr * D.BOUND_SAFETY
+
+
+@numba.jit(**_JIT)
+def _finish_out_d(index, z, sums, prm, target, out):
+    """out = N / Z * keep_scale of the double-precision step from double N and Z: the quotient
+    and the product by keep_hi each rounded once (``u`` times the result's magnitude added to
+    the radius: Higham 2002, eq. (2.5)), ``|N/Z - n/z| <= (nr + |n/z| zr) / (z - zr)`` and
+    ``|keep - keep_hi| <= |keep_lo| + keep_err``; decided first by decide_quick's test in a
+    branch-free loop, then element by element by decide_one where that test fails. ``z`` = (Z,
+    radius), ``sums`` = (N, N radius, and (E,) scratch for the products, their radii and the
+    test's flags). Returns whether every element is decided."""
+    b, h, i = index
+    zh, zr = z
+    ns, nr, xs, rads, flags = sums
+    _, _, p, emin, maxf = target
+    keep_hi, keep_lo, keep_err = prm[P_KEEP_HI], prm[P_KEEP_LO], prm[P_KEEP_ERR]
+    kabs = abs(keep_hi) + abs(keep_lo) + keep_err
+    klo = abs(keep_lo) + keep_err
+    zlow = zh - zr
+    split = float(1 << (53 - p)) + 1.0  # Veltkamp's constant (decide_quick)
+    below = 1.0 / float(1 << (p + 1))
+    low, high, quick = math.ldexp(1.0, emin + 1), 0.5 * maxf, p <= 51
+    failed = 0
+    for e in range(ns.shape[0]):
+        oh = ns[e] / zh
+        orad = (nr[e] + abs(oh) * 1.0000001 * zr) / zlow + D.U * abs(oh)
+        x = oh * keep_hi
+        r = (orad * kabs + abs(oh) * klo + D.U * abs(x)) * D.BOUND_SAFETY
+        t = split * x
+        y = t - (t - x)
+        a = abs(x)
+        test = (abs(x - y) + r) * (1.0 + 2.0**-50) < abs(y) * below
+        good = quick and a >= low and a <= high and test
+        out[b, h, i, e] = y
+        xs[e], rads[e] = x, r
+        flags[e] = 1 if good else 0
+        failed += 0 if good else 1
+    ok = True
+    if failed:
+        for e in range(ns.shape[0]):
+            if flags[e] == 0:
+                value, dec = decide_one(xs[e], 0.0, rads[e], p, emin, maxf)
+                out[b, h, i, e] = value
+                ok = ok and dec
+    return ok
 
 
 @numba.jit(**_JIT)
@@ -705,8 +750,7 @@ def _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch, redo):
     if mag:  # A_e = sum_j e_j |v_je| by the same blocked sums, in its own scratch
         asum = np.zeros_like(nsum)
         _d_values(lo, hi, nb_rows, p, vabs[b, g], (asum, np.zeros_like(nb)))
-    zeros = np.zeros(vdim)
-    nr = np.empty(vdim)
+    nr, xs_, rads, flags = np.empty(vdim), np.empty(vdim), np.empty(vdim), np.empty(vdim, np.int8)
     for rr in range(nb_rows):
         i = i0 + rr
         if bad[rr]:
@@ -739,9 +783,13 @@ def _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch, redo):
                 # the value is at most the sum / (1 - gsum) <= the sum (1 + 4 gsum)
                 acc = min(acc, asum[rr, e] * (1.0 + 4.0 * gsum))
             nr[e] = (gg * acc * grow) * D.BOUND_SAFETY + TINY * tiny_v[rr, e]
+        # lse (and log Z for the weights) by _finish_row, given no features; then out
         ok, lz_h, lz_l, lz_r = _finish_row(
-            (b, h, i), top[rr], (zr_, 0.0, zrad), (nsum[rr, :vdim], zeros, nr), pr, target, results
+            (b, h, i), top[rr], (zr_, 0.0, zrad), (nr[:0], nr[:0], nr[:0]), pr, target, results
         )
+        if ok:
+            sums = (nsum[rr, :vdim], nr, xs_, rads, flags)
+            ok = _finish_out_d((b, h, i), (zr_, zrad), sums, pr, target, results[0])
         if ok and want_w:
             r0 = rows_lo[b, i] - lo
             r1 = rows_hi[b, i] - lo
