@@ -56,7 +56,7 @@ def test_magnitude_bound_encloses_the_exact_dot_product(rows, keys, dim, spread,
     kT, npad = _padded_keys(k)
     s = np.zeros((rows, npad + DD.KEY_TILE))
     sab = np.zeros_like(s)
-    DD.block_dots_mag(q, kT, 0, rows, 0, npad, s, sab)
+    DD.block_dots_mag(q, kT, np.arange(rows), rows, 0, npad, s, sab)
     with mpmath.workprec(8 * (spread + 64) + 2 * dim):
         for r in range(rows):
             for j in range(keys):
@@ -77,7 +77,7 @@ def test_magnitude_bound_is_tighter_than_the_a_priori_one():
     kT, npad = _padded_keys(k)
     s = np.zeros((8, npad + DD.KEY_TILE))
     sab = np.zeros_like(s)
-    DD.block_dots_mag(q, kT, 0, 8, 0, npad, s, sab)
+    DD.block_dots_mag(q, kT, np.arange(8), 8, 0, npad, s, sab)
     prior = D.gamma_up(dim) * np.outer(np.linalg.norm(q, axis=1), np.linalg.norm(k, axis=1))
     mag = np.vectorize(lambda x: DD.mag_error(x, dim))(sab[:, : k.shape[0]])
     assert (mag < prior).all()

@@ -26,6 +26,7 @@ between two bounds of which the kept one is rigorous either way).
 from __future__ import annotations
 
 import numba
+import numpy as np
 
 from ...kernels._cpu_tiles import matmul_t
 from . import doubledouble as D
@@ -37,6 +38,7 @@ __all__ = [
     "DOT_CHUNK",
     "MAG_BLOCK",
     "block_interval",
+    "rows_interval",
     "block_exact",
     "block_dots",
     "block_dots_mag",
@@ -72,8 +74,19 @@ def block_interval(rows_lo, rows_hi, b, i0, nb_rows):
 
 
 @numba.jit(**_JIT)
-def block_dots(qp, kTp, i0, nb_rows, lo, npad, s, qa):
-    """s[rr, j - lo] = q_{i0 + rr} . k_j for lo <= j < lo + npad by one fma chain over D each,
+def rows_interval(rows_lo, rows_hi, b, ids):
+    """The union [lo, hi) of the key intervals of the rows ``ids`` (nonempty) of batch row b."""
+    lo = rows_lo[b, ids[0]]
+    hi = rows_hi[b, ids[0]]
+    for rr in range(1, ids.shape[0]):
+        lo = min(lo, rows_lo[b, ids[rr]])
+        hi = max(hi, rows_hi[b, ids[rr]])
+    return lo, hi
+
+
+@numba.jit(**_JIT)
+def block_dots(qp, kTp, ids, nb_rows, lo, npad, s, qa):
+    """s[rr, j - lo] = q_{ids[rr]} . k_j for lo <= j < lo + npad by one fma chain over D each,
     d = 0 .. D-1 in order from +0 (``qp`` the plane's (L, D) queries, ``kTp`` its (D, S + pad)
     keys, zero past S; ``npad`` a multiple of :data:`KEY_TILE`; ``qa`` (D, D_ROW_BLOCK) scratch
     for the rows' transpose): the register tiles of
@@ -81,35 +94,35 @@ def block_dots(qp, kTp, i0, nb_rows, lo, npad, s, qa):
     dim = qp.shape[1]
     for rr in range(nb_rows):
         for d in range(dim):
-            qa[d, rr] = qp[i0 + rr, d]
+            qa[d, rr] = qp[ids[rr], d]
     for c in range(0, npad, DOT_CHUNK):  # a chunk of K^T stays in cache for all the rows
         cols = min(DOT_CHUNK, npad - c)
         matmul_t(qa, kTp[:, lo + c : lo + c + cols], dim, nb_rows, cols, s[:, c:], True)
 
 
 @numba.jit(**_JIT)
-def block_dots_unpadded(qp, kTp, i0, nb_rows, lo, hi, s):
-    """s[rr, j - lo] = q_{i0 + rr} . k_j for lo <= j < hi by one fma chain over D each, d = 0
+def block_dots_unpadded(qp, kTp, ids, nb_rows, lo, hi, s):
+    """s[rr, j - lo] = q_{ids[rr]} . k_j for lo <= j < hi by one fma chain over D each, d = 0
     .. D-1 in order from +0 (``qp`` the plane's (L, D) queries, ``kTp`` its (D, S) keys, no
     padding): :func:`block_dots`'s chains, key by key."""
     n = max(hi - lo, 0)
     for d in range(qp.shape[1]):
         row = kTp[d, lo:hi]  # a slice: the loop below then vectorizes
         for rr in range(nb_rows):
-            a = qp[i0 + rr, d]
+            a = qp[ids[rr], d]
             srow = s[rr]
             for jj in range(n):
                 srow[jj] = D.fma(a, row[jj], srow[jj])
 
 
 @numba.jit(**_JIT)
-def block_exact(qs_rows, ks, i0, nb_rows, lo, hi):
-    """Whether ``qs_i ks_j < 2**52`` for every row i0 <= i < i0 + nb_rows and key lo <= j < hi
+def block_exact(qs_rows, ks, ids, nb_rows, lo, hi):
+    """Whether ``qs_i ks_j < 2**52`` for every row i of ``ids[:nb_rows]`` and key lo <= j < hi
     (every fma chain of the block exact): the largest scales' rounded product is below it
     (rounding is monotone, so each pair's rounded product is too)."""
     qmax = 0.0
     for rr in range(nb_rows):
-        qmax = max(qmax, qs_rows[i0 + rr])
+        qmax = max(qmax, qs_rows[ids[rr]])
     kmax = 0.0
     for j in range(lo, hi):
         kmax = max(kmax, ks[j])
@@ -117,13 +130,16 @@ def block_exact(qs_rows, ks, i0, nb_rows, lo, hi):
 
 
 @numba.jit(**_JIT)
-def block_dots_mag(qp, kTp, i0, nb_rows, lo, npad, s, sab):
-    """s[rr, j - lo] = q_{i0 + rr} . k_j for lo <= j < lo + npad and sab[rr, j - lo] the sum of
+def block_dots_mag(qp, kTp, ids, nb_rows, lo, npad, s, sab):
+    """s[rr, j - lo] = q_{ids[rr]} . k_j for lo <= j < lo + npad and sab[rr, j - lo] the sum of
     the magnitudes of its rounded partial results: fma chains over blocks of MAG_BLOCK features
     (a zero q feature skipped: fma(0, k, p) = p, no rounding), the block sums added in order
     (``qp`` the plane's (L, D) queries, ``kTp`` its (D, S + pad) keys, zero past S; ``npad`` a
     multiple of :data:`KEY_TILE`)."""
-    dot_tiles(qp[i0 : i0 + nb_rows], kTp[:, lo:], npad, MAG_BLOCK, s, sab)
+    qh = np.empty((nb_rows, qp.shape[1]))  # the rows, contiguous
+    for rr in range(nb_rows):
+        qh[rr] = qp[ids[rr]]
+    dot_tiles(qh, kTp[:, lo:], npad, MAG_BLOCK, s, sab)
 
 
 @numba.jit(**_JIT)
@@ -140,7 +156,7 @@ def mag_error(sab, dim):
 
 
 @numba.jit(**_JIT)
-def plain_scores(i0, nb_rows, lo, rows, pr, keys, work):
+def plain_scores(ids, nb_rows, lo, rows, pr, keys, work):
     """The scores of :func:`refattn.exact.fast.forward_kernels.block_scores` without mask,
     bias, dropout, softcap or ALiBi (every key of a row's interval kept): the same score and
     radius as :func:`refattn.exact.fast.forward_kernels.score_d` in one tight loop per row.
@@ -161,7 +177,7 @@ def plain_scores(i0, nb_rows, lo, rows, pr, keys, work):
     c1 = abs(scale_hi)
     c2 = abs(scale_lo) + scale_err
     for rr in range(nb_rows):
-        i = i0 + rr
+        i = ids[rr]
         qn_i, qs_i = qn[i], qs[i]
         srow, erow, strow = s[rr], err[rr], state[rr]
         m = top[rr]

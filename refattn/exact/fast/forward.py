@@ -73,7 +73,8 @@ rounded partial result, ``|error| <= u sab`` (each rounding errs by at most u ti
 result's magnitude, Higham 2002, eq. (2.5), summed as in the running error bound of sec. 3.1;
 :mod:`refattn.exact.fast.dense_dots`), some 4 bits tighter than ``gamma_D ||q_i|| ||k_j||`` at
 D = 64, and ``A_e = sum_j e_j |v_je|`` summed beside N from |V| by the same blocked sums (410
-of those 451 rows are decided there). Only what is left then runs in double-double, and then
+of those 451 rows are decided there); it takes each plane's rows D_ROW_BLOCK at a time,
+consecutive or not (:func:`redo_blocks`). Only what is left then runs in double-double, and then
 goes to the referee. Float64 targets use the double-double step alone. The rounding decisions
 of both steps first try :func:`~refattn.exact.fast.rounding_decision.decide_quick` (one
 Veltkamp split), then :func:`~refattn.exact.fast.rounding_decision.decide_one`.
@@ -202,20 +203,27 @@ def row_spec(spec: AttentionSpec, b: int, h: int, start: int, stop: int) -> Atte
     )
 
 
-def redo_blocks(redo: np.ndarray) -> np.ndarray:
-    """The work items (n, 4) = (b, h, first row, row count <= D_ROW_BLOCK) of
-    :func:`~refattn.exact.fast.forward_kernels.forward_d` covering the rows where ``redo``
-    (B, H, L) holds: each plane's runs of consecutive rows, cut into blocks.
+def redo_blocks(redo: np.ndarray):
+    """The work items (n, 4) = (b, h, offset, row count <= D_ROW_BLOCK) and the row list of
+    :func:`~refattn.exact.fast.forward_kernels.forward_d`'s second pass covering the rows where
+    ``redo`` (B, H, L) holds: each plane's rows in ascending order, D_ROW_BLOCK at a time
+    (consecutive or not), a block's rows being entries offset .. offset + count - 1 of the list.
 
-    >>> redo_blocks(np.array([[[True, True, False, True]]])).tolist()
-    [[0, 0, 0, 2], [0, 0, 3, 1]]
+    >>> items, rows = redo_blocks(np.array([[[True, True, False, True]]]))
+    >>> items.tolist(), rows.tolist()
+    ([[0, 0, 0, 3]], [0, 1, 3])
     """
     items = []
+    lists = []
+    offset = 0
     for b, h in np.argwhere(redo.any(axis=2)):
-        for start, stop in _runs(np.flatnonzero(redo[b, h])):
-            for i0 in range(start, stop, D_ROW_BLOCK):
-                items.append((b, h, i0, min(D_ROW_BLOCK, stop - i0)))
+        rows = np.flatnonzero(redo[b, h])
+        lists.append(rows)
+        for first in range(0, rows.size, D_ROW_BLOCK):
+            items.append((b, h, offset + first, min(D_ROW_BLOCK, rows.size - first)))
+        offset += rows.size
     items = np.array(items, dtype=np.int64).reshape(-1, 4)
+    row_list = np.concatenate(lists).astype(np.int64) if lists else np.zeros(0, np.int64)
     # forward_d's lane w takes items w, w + lanes, ...: ordered so that each lane's items are
     # consecutive ones of one plane where possible (K^T and V stay in cache between them)
     lanes = min(len(items), WORKERS)
@@ -223,7 +231,7 @@ def redo_blocks(redo: np.ndarray) -> np.ndarray:
         chunk = -(-len(items) // lanes)
         order = np.arange(chunk * lanes).reshape(lanes, chunk).T.reshape(-1)
         items = items[order[order < len(items)]]
-    return items
+    return items, row_list
 
 
 def _runs(rows: np.ndarray):
@@ -433,14 +441,15 @@ def fast_exact_forward(
             blocks[:, :2] = np.repeat(planes, starts.size, axis=0)
             blocks[:, 2] = np.tile(starts, planes.shape[0])
             blocks[:, 3] = np.minimum(D_ROW_BLOCK, length - blocks[:, 2])
-            forward_d(
-                blocks, inputs, rule, target, results, (False, frozen(np.zeros((1, 1, 1, 1))))
-            )
+            # the first pass: consecutive rows, |V| and the row list unread
+            first = (False, frozen(np.zeros((1, 1, 1, 1))), np.zeros(0, np.int64))
+            forward_d(blocks, inputs, rule, target, results, first)
             step_rows["double"] = planes.shape[0] * length
             redo = x.ok[:, :, None] & (status == UNDECIDED)
-            blocks = redo_blocks(redo)
+            blocks, row_list = redo_blocks(redo)
             if blocks.size:  # the rows left, again with magnitude-sum bounds
-                forward_d(blocks, inputs, rule, target, results, (True, frozen(np.abs(x.v))))
+                second = (True, frozen(np.abs(x.v)), row_list)
+                forward_d(blocks, inputs, rule, target, results, second)
                 step_rows["double-magnitude"] = int(redo.sum())
                 redo = x.ok[:, :, None] & (status == UNDECIDED)
         else:

@@ -53,11 +53,13 @@ from .dense_dots import (
     block_interval,
     mag_error,
     plain_scores,
+    rows_interval,
 )
 from .doubledouble import EXP_FAST_REL, exp_dd_fast
 from .rounding_decision import decide_one, decide_quick
 
 __all__ = [
+    "block_interval",
     "forward_dd",
     "forward_d",
     "CUT",
@@ -457,13 +459,15 @@ def _score_d(i, j, sj, qn_i, kn_j, prm, bv, has_bias, gdim):
 
 @numba.jit(**_JIT)
 def _block_scores(b, h, i0, nb_rows, lo, hi, inputs, rule, work):
-    """:func:`_block_scores_d` with the a-priori dot-product bounds (``mag`` False)."""
-    _block_scores_d(b, h, i0, nb_rows, (lo, hi), inputs, rule, work, False)
+    """:func:`_block_scores_d` of the rows i0 .. i0 + nb_rows - 1 with the a-priori
+    dot-product bounds (``mag`` False)."""
+    ids = np.arange(i0, i0 + nb_rows)
+    _block_scores_d(b, h, ids, nb_rows, (lo, hi), inputs, rule, work, False)
 
 
 @numba.jit(**_JIT)
-def _block_scores_d(b, h, i0, nb_rows, keys, inputs, rule, work, mag):
-    """The scores (t, err) of rows i0 .. i0 + nb_rows - 1 of plane (b, h) over the keys
+def _block_scores_d(b, h, ids, nb_rows, keys, inputs, rule, work, mag):
+    """The scores (t, err) of the rows ``ids[:nb_rows]`` of plane (b, h) over the keys
     [lo, hi) in place of their dot products, with each key's state (0 excluded, 1 dropped,
     2 kept), each row's maximum score and whether a bias value is out of the first steps'
     range: ``work`` = (s, err, state, bad, top, qa) (:func:`_d_block`), ``keys`` = (lo, hi).
@@ -491,20 +495,20 @@ def _block_scores_d(b, h, i0, nb_rows, keys, inputs, rule, work, mag):
     lo, hi = keys
     rule_arrays = has_mask or has_bias or has_drop
     if qa.shape[1] == 0:  # K^T without KEY_TILE padding (the sigmoid step): the keys one by one
-        block_dots_unpadded(q[b, h], kT[b, g], i0, nb_rows, lo, hi, s)
+        block_dots_unpadded(q[b, h], kT[b, g], ids, nb_rows, lo, hi, s)
     else:
         npad = max(KEY_TILE, -(-(hi - lo) // KEY_TILE) * KEY_TILE)
-        mag = mag and not block_exact(qs[b, h], ksp, i0, nb_rows, lo, hi)
+        mag = mag and not block_exact(qs[b, h], ksp, ids, nb_rows, lo, hi)
         if mag:  # err holds the magnitude sums until the scores replace them
-            block_dots_mag(q[b, h], kT[b, g], i0, nb_rows, lo, npad, s, err)
+            block_dots_mag(q[b, h], kT[b, g], ids, nb_rows, lo, npad, s, err)
         else:
-            block_dots(q[b, h], kT[b, g], i0, nb_rows, lo, npad, s, qa)
+            block_dots(q[b, h], kT[b, g], ids, nb_rows, lo, npad, s, qa)
         if not rule_arrays and pr[P_SOFTCAP] == 0.0 and pr[P_SLOPE] == 0.0:
             rows = (rows_lo[b], rows_hi[b], qn[b, h], qs[b, h])
-            plain_scores(i0, nb_rows, lo, rows, pr, (knp, ksp, mag, dim), work)
+            plain_scores(ids, nb_rows, lo, rows, pr, (knp, ksp, mag, dim), work)
             return
     for rr in range(nb_rows):
-        i = i0 + rr
+        i = ids[rr]
         for jj in range(rows_lo[b, i] - lo, rows_hi[b, i] - lo):
             j = lo + jj
             st, bv = 2, 0.0
@@ -588,7 +592,7 @@ def _cut_values(rr, r0, r1, lo, row, vp, tiny_v):
 
 
 @numba.jit(**_JIT)
-def _d_exps(i0, nb_rows, lo, hi, top, block_rows, work, sums):
+def _d_exps(ids, nb_rows, lo, hi, top, block_rows, work, sums):
     """Exponentials of the block's rows into ``p`` (0 for keys that carry no value) and each
     row's Z (blocked: a partial sum per SUM_BLOCK keys, restarting at multiples of SUM_BLOCK
     of the key index j), sum of e^2, tiny count and |v| sum, and rho. ``block_rows`` = (rows_lo,
@@ -605,7 +609,7 @@ def _d_exps(i0, nb_rows, lo, hi, top, block_rows, work, sums):
     u = 1.01 * D.U
     vdim = tiny_v.shape[1]
     for rr in range(nb_rows):
-        i = i0 + rr
+        i = ids[rr]
         r0, r1 = rows_lo[i] - lo, rows_hi[i] - lo
         if all_kept:
             p[rr, :r0] = 0.0
@@ -660,14 +664,14 @@ def _d_values(lo, hi, nb_rows, p, vp, sums):
     block of the key index j is one fma chain from +0 in key order (the register tiles of
     :func:`refattn.kernels._cpu_tiles.matmul_n`, lanes over features), added to nsum at the
     block's end; a zero weight adds exactly nothing. ``sums`` = (nsum, nb scratch), both
-    (D_ROW_BLOCK, E padded)."""
+    (D_ROW_BLOCK, E padded), of which the rows < nb_rows are written."""
     nsum, nb = sums
     epad = nsum.shape[1]
-    nsum[:] = 0.0
+    nsum[:nb_rows] = 0.0  # matmul_n reads and writes the rows < nb_rows alone
     c0 = lo
     while c0 < hi:
         c1 = min(hi, (c0 // SUM_BLOCK + 1) * SUM_BLOCK)
-        nb[:] = 0.0
+        nb[:nb_rows] = 0.0
         matmul_n(p[:, c0 - lo :], vp[c0:c1], c1 - c0, nb_rows, epad, nb)
         for rr in range(nb_rows):
             for e in range(epad):
@@ -698,17 +702,17 @@ def _d_scratch(inputs):
 
 
 @numba.jit(**_JIT)
-def _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch, redo):
-    """Double-precision first step of rows i0 .. i0 + nb_rows - 1 of plane (b, h), which share
-    each load of K^T and V (each row's arithmetic is the same sequence as alone: no bit depends
-    on the blocking). The keys run over the union of the rows' intervals; the blocked sums
-    restart at multiples of SUM_BLOCK of the key index j itself. The argument records are
-    those of :func:`forward_dd` (``v`` padded with zero features to a multiple of
+def _d_block(b, h, ids, nb_rows, inputs, rule, target, results, scratch, redo):
+    """Double-precision first step of the rows ``ids`` (nb_rows, ascending) of plane (b, h),
+    which share each load of K^T and V (each row's arithmetic is the same sequence as alone:
+    no bit depends on the blocking). The keys run over the union of the rows' intervals; the
+    blocked sums restart at multiples of SUM_BLOCK of the key index j itself. The argument
+    records are those of :func:`forward_dd` (``v`` padded with zero features to a multiple of
     :data:`KEY_TILE`, ``kT`` with KEY_TILE zero keys past S); ``scratch``: :func:`_d_scratch`,
     reused from block to block (read only where written for this block); ``redo``: the
     arguments of :func:`forward_d`'s second pass."""
     _, _, v, _, _, _, _, vmax, vnorm, prm, kvh = inputs
-    mag, vabs = redo
+    mag, vabs, _ = redo
     rows_lo, rows_hi = rule[R_ROWS_LO], rule[R_ROWS_HI]
     want_w = target[1]
     status = results[3]
@@ -718,13 +722,13 @@ def _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch, redo):
     gsum = pr[P_GAMMA_SUM]
     u = 1.01 * D.U
     vp = v[b, g]  # the plane's (S, E padded) values
-    lo, hi = block_interval(rows_lo, rows_hi, b, i0, nb_rows)
+    lo, hi = rows_interval(rows_lo, rows_hi, b, ids)
     hi = max(hi, lo)
     s, err, state, p, xs, ex, use, qa, nsum, nb = scratch
     bad = np.zeros(D_ROW_BLOCK, np.bool_)
     top = np.full(D_ROW_BLOCK, -np.inf)
     work = (s, err, state, bad, top, qa)
-    _block_scores_d(b, h, i0, nb_rows, (lo, hi), inputs, rule, work, mag)
+    _block_scores_d(b, h, ids, nb_rows, (lo, hi), inputs, rule, work, mag)
     all_kept = not (rule[R_HAS_MASK] or rule[R_HAS_BIAS] or rule[R_HAS_KEEP])
     has_sink, sink = pr[P_HAS_SINK] != 0.0, pr[P_SINK]
     if has_sink:  # the sink: one more logit in the max and in Z, no value
@@ -736,7 +740,7 @@ def _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch, redo):
     tiny_v = np.zeros((D_ROW_BLOCK, vdim))
     rho = np.zeros(D_ROW_BLOCK)
     _d_exps(
-        i0,
+        ids,
         nb_rows,
         lo,
         hi,
@@ -752,7 +756,7 @@ def _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch, redo):
         _d_values(lo, hi, nb_rows, p, vabs[b, g], (asum, np.zeros_like(nb)))
     nr, xs_, rads, flags = np.empty(vdim), np.empty(vdim), np.empty(vdim), np.empty(vdim, np.int8)
     for rr in range(nb_rows):
-        i = i0 + rr
+        i = ids[rr]
         if bad[rr]:
             status[b, h, i] = UNDECIDED
             continue
@@ -812,17 +816,25 @@ def forward_d(blocks, inputs, rule, target, results, redo):
     first row, row count <= D_ROW_BLOCK), in parallel over the blocks of every plane: fma chains
     with gamma_n bounds (Higham 2002, eq. (3.5)) and
     :func:`refattn.exact.fast.doubledouble.exp_d`; the argument records are those of
-    :func:`forward_dd`. ``redo`` = (mag, |V|): with ``mag`` (the second pass, over the rows the
-    first left undecided) the dot products' bounds come from their magnitude sums
+    :func:`forward_dd`. ``redo`` = (mag, |V|, row list): with ``mag`` (the second pass, over
+    the rows the first left undecided) the dot products' bounds come from their magnitude sums
     (:mod:`refattn.exact.fast.dense_dots`) and ``A_e = sum_j e_j |v_je|`` is summed from |V|
-    ((B, K, S, E padded), else unread) by the same blocked sums as N."""
+    ((B, K, S, E padded), else unread) by the same blocked sums as N; with a nonempty row list
+    (int64) a block's third column is the offset of its rows in that list (ascending rows of
+    its plane, not necessarily consecutive), else its first row."""
     count = blocks.shape[0]
+    row_list = redo[2]
+    listed = row_list.shape[0] > 0
     workers = min(count, WORKERS)
     for w in prange(workers):  # worker w takes blocks w, w + workers, ...: one scratch each
         scratch = _d_scratch(inputs)
         for r in range(w, count, workers):
             b, h, i0, nb_rows = blocks[r, 0], blocks[r, 1], blocks[r, 2], blocks[r, 3]
-            _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch, redo)
+            if listed:  # the block's rows: entries i0 .. i0 + nb_rows - 1 of the list
+                ids = row_list[i0 : i0 + nb_rows]
+            else:
+                ids = np.arange(i0, i0 + nb_rows)
+            _d_block(b, h, ids, nb_rows, inputs, rule, target, results, scratch, redo)
 
 
 # The per-key and per-row steps above, shared with the gathered-keys kernels
