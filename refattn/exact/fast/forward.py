@@ -73,9 +73,18 @@ error ``EXP_D_REL`` (2**-48.5), and the sums over keys are blocked (:data:`SUM_B
 block, ``gamma_{B + S/B}``, Higham 2002, sec. 4.2) with ``|N - N^| <= (gamma + rho) A_e``,
 ``A_e <= min(max_j |v_je| Z, (sum_j e_j^2)^(1/2) ||v_e||)`` (Cauchy-Schwarz; no second pass
 over V). Its radii are about 2**-40 relative to ``sum_j w_j |v_je|``, ample for 24-bit
-targets; the rows it leaves undecided (a few percent for float32 at S = 4096) run again in
-double-double, and only then go to the referee. Float64 targets use the double-double step
-alone.
+targets. The rows it leaves undecided (a few percent for float32: 451 of 8192 at causal
+L = S = 1024, D = 64) run a second pass of the same step with tighter bounds: the dot products
+as fma chains over blocks of 32 features with the float sum ``sab`` of the magnitudes of every
+rounded partial result, ``|error| <= u sab`` (each rounding errs by at most u times its
+result's magnitude, Higham 2002, eq. (2.5), summed as in the running error bound of sec. 3.1;
+:mod:`refattn.exact.fast.dense_dots`), some 4 bits tighter than ``gamma_D ||q_i|| ||k_j||`` at
+D = 64, and ``A_e = sum_j e_j |v_je|`` summed beside N from |V| by the same blocked sums (410
+of those 451 rows are decided there); it takes each plane's rows D_ROW_BLOCK at a time,
+consecutive or not (:func:`redo_blocks`). Only what is left then runs in double-double, and then
+goes to the referee. Float64 targets use the double-double step alone. The rounding decisions
+of both steps first try :func:`~refattn.exact.fast.rounding_decision.decide_quick` (one
+Veltkamp split), then :func:`~refattn.exact.fast.rounding_decision.decide_one`.
 
 Planes with NaN/Inf in q, k or v, magnitudes outside [SAFE_MIN, SAFE_MAX], or a softcap or ALiBi
 slope outside it go to the referee whole; rows with an allowed bias outside that range, and
@@ -103,6 +112,7 @@ from .forward_kernels import (
     OK,
     SUM_BLOCK,
     UNDECIDED,
+    WORKERS,
     forward_d,
     forward_dd,
 )
@@ -201,6 +211,37 @@ def row_spec(spec: AttentionSpec, b: int, h: int, start: int, stop: int) -> Atte
     )
 
 
+def redo_blocks(redo: np.ndarray):
+    """The work items (n, 4) = (b, h, offset, row count <= D_ROW_BLOCK) and the row list of
+    :func:`~refattn.exact.fast.forward_kernels.forward_d`'s second pass covering the rows where
+    ``redo`` (B, H, L) holds: each plane's rows in ascending order, D_ROW_BLOCK at a time
+    (consecutive or not), a block's rows being entries offset .. offset + count - 1 of the list.
+
+    >>> items, rows = redo_blocks(np.array([[[True, True, False, True]]]))
+    >>> items.tolist(), rows.tolist()
+    ([[0, 0, 0, 3]], [0, 1, 3])
+    """
+    items = []
+    lists = []
+    offset = 0
+    for b, h in np.argwhere(redo.any(axis=2)):
+        rows = np.flatnonzero(redo[b, h])
+        lists.append(rows)
+        for first in range(0, rows.size, D_ROW_BLOCK):
+            items.append((b, h, offset + first, min(D_ROW_BLOCK, rows.size - first)))
+        offset += rows.size
+    items = np.array(items, dtype=np.int64).reshape(-1, 4)
+    row_list = np.concatenate(lists).astype(np.int64) if lists else np.zeros(0, np.int64)
+    # forward_d's lane w takes items w, w + lanes, ...: ordered so that each lane's items are
+    # consecutive ones of one plane where possible (K^T and V stay in cache between them)
+    lanes = min(len(items), WORKERS)
+    if lanes:
+        chunk = -(-len(items) // lanes)
+        order = np.arange(chunk * lanes).reshape(lanes, chunk).T.reshape(-1)
+        items = items[order[order < len(items)]]
+    return items, row_list
+
+
 def _runs(rows: np.ndarray):
     """Maximal runs (start, stop) of consecutive sorted row indices."""
     if rows.size == 0:
@@ -248,6 +289,7 @@ def finish_forward(results, dtype, rows, step_rows, referee_rows):
         elements=total * per_row,
         referee_elements=referee_rows * per_row,
         double_rows=step_rows["double"],
+        double_magnitude_rows=step_rows.get("double-magnitude", 0),
         double_double_rows=step_rows["double-double"],
         refine_rows=step_rows.get("refine", 0),
     )
@@ -392,7 +434,7 @@ def fast_exact_forward(
     lse = np.zeros((batch, heads, length))
     weights = np.zeros((batch, heads, length, keys) if return_weights else (1, 1, 1, 1))
     status = np.full((batch, heads, length), UNDECIDED, dtype=np.int8)
-    step_rows = {"double": 0, "double-double": 0}
+    step_rows = {"double": 0, "double-magnitude": 0, "double-double": 0}
     if out.size or lse.size:
         # long rows of codes to a float64 target: the refined step alone, reading the codes
         direct = bool(kv) and keys >= REFINE_KEYS and fmt.p > 24
@@ -411,9 +453,17 @@ def fast_exact_forward(
             blocks[:, :2] = np.repeat(planes, starts.size, axis=0)
             blocks[:, 2] = np.tile(starts, planes.shape[0])
             blocks[:, 3] = np.minimum(D_ROW_BLOCK, length - blocks[:, 2])
-            forward_d(blocks, inputs, rule, target, results)
+            # the first pass: consecutive rows, |V| and the row list unread
+            first = (False, frozen(np.zeros((1, 1, 1, 1))), np.zeros(0, np.int64))
+            forward_d(blocks, inputs, rule, target, results, first)
             step_rows["double"] = planes.shape[0] * length
             redo = x.ok[:, :, None] & (status == UNDECIDED)
+            blocks, row_list = redo_blocks(redo)
+            if blocks.size:  # the rows left, again with magnitude-sum bounds
+                second = (True, frozen(np.abs(x.v)), row_list)
+                forward_d(blocks, inputs, rule, target, results, second)
+                step_rows["double-magnitude"] = int(redo.sum())
+                redo = x.ok[:, :, None] & (status == UNDECIDED)
         else:
             redo = np.broadcast_to(x.ok[:, :, None], status.shape)
         items = np.ascontiguousarray(np.argwhere(redo))  # argwhere's rows: one kernel layout
@@ -438,15 +488,17 @@ def fast_exact_forward(
 
 def fallback_stats() -> dict:
     """Statistics of the last :func:`fast_exact_forward` call: ``rows`` and ``elements`` in
-    total, ``double_rows`` and ``double_double_rows`` (rows evaluated by each first step),
-    ``refine_rows`` (rows the double-double step left to the refined step,
-    :mod:`refattn.exact.fast.forward_refine`), ``referee_rows`` and ``referee_elements``
-    (those of the rows recomputed by the referee engine).
+    total, ``double_rows``, ``double_magnitude_rows`` and ``double_double_rows`` (rows
+    evaluated by each first step: the double-precision step, its second pass with
+    magnitude-sum bounds, the double-double step), ``refine_rows`` (rows the double-double
+    step left to the refined step, :mod:`refattn.exact.fast.forward_refine`), ``referee_rows``
+    and ``referee_elements`` (those of the rows recomputed by the referee engine).
 
     Examples
     --------
     >>> set(fallback_stats()) <= {'rows', 'elements', 'referee_rows', 'referee_elements',
-    ...                           'double_rows', 'double_double_rows', 'refine_rows'}
+    ...                           'double_rows', 'double_magnitude_rows', 'double_double_rows',
+    ...                           'refine_rows'}
     True
     """
     return dict(_LAST_STATS)

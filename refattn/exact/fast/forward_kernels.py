@@ -17,7 +17,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from ...kernels._cpu_tiles import matmul_n, matmul_t
+from ...kernels._cpu_tiles import matmul_n
 from . import doubledouble as D
 from ._params import (
     P_ALIBI_KEYS,
@@ -43,10 +43,23 @@ from ._params import (
     R_ROWS_LO,
 )
 from .allowed_set import key_state
+from .dense_dots import (
+    EXACT_SCALE,
+    KEY_TILE,
+    block_dots,
+    block_dots_mag,
+    block_dots_unpadded,
+    block_exact,
+    block_interval,
+    mag_error,
+    plain_scores,
+    rows_interval,
+)
 from .doubledouble import EXP_FAST_REL, exp_dd_fast
-from .rounding_decision import decide_one
+from .rounding_decision import decide_one, decide_quick
 
 __all__ = [
+    "block_interval",
     "forward_dd",
     "forward_d",
     "CUT",
@@ -83,12 +96,6 @@ D_ROW_BLOCK = 32
 #: Work lanes of the double-precision step: lane w takes blocks w, w + WORKERS, ... with one
 #: scratch (which rows a lane takes changes no bit: each row's arithmetic is its own).
 WORKERS = 64
-#: Keys per register tile of the double-precision step's dot products (four 64-byte vectors
-#: of float64): its key count is padded to a multiple of this, and K^T carries this many zero
-#: keys past S (and V zero features up to a multiple of it), so every tile load is in bounds.
-KEY_TILE = 32
-#: Keys per chunk of the double-precision step's dot products (a multiple of KEY_TILE).
-DOT_CHUNK = 256
 
 #: Row status of the first steps: decided, empty (no allowed key), undecided (to the referee).
 OK, EMPTY, UNDECIDED = 0, 1, 2
@@ -183,7 +190,9 @@ def _finish_row(index, top, z, sums, prm, target, results):
     ok = True
     if want_lse:
         gh, gl = D.dd_add_d(lh, ll, top)
-        value, dec = decide_one(gh, gl, (lerr + D.DD_REL * abs(gh)) * D.BOUND_SAFETY, p, emin, maxf)
+        value, dec = decide_quick(
+            gh, gl, (lerr + D.DD_REL * abs(gh)) * D.BOUND_SAFETY, p, emin, maxf
+        )
         lse[b, h, i] = value
         ok = ok and dec
     zlow = zh - zr
@@ -193,10 +202,55 @@ def _finish_row(index, top, z, sums, prm, target, results):
         orad = (nr[e] + abs(oh) * 1.0000001 * zr) / zlow + D.DD_REL * abs(oh)
         ph, pl = D.dd_mul(oh, ol, keep_hi, keep_lo)
         orad = orad * (abs(keep_hi) + keep_err) + abs(oh) * keep_err + D.DD_REL * abs(ph)
-        value, dec = decide_one(ph, pl, orad * D.BOUND_SAFETY, p, emin, maxf)
+        value, dec = decide_quick(ph, pl, orad * D.BOUND_SAFETY, p, emin, maxf)
         out[b, h, i, e] = value
         ok = ok and dec
     return ok, lh, ll, lerr * D.BOUND_SAFETY
+
+
+@numba.jit(**_JIT)
+def _finish_out_d(index, z, sums, prm, target, out):
+    """out = N / Z * keep_scale of the double-precision step from double N and Z: the quotient
+    and the product by keep_hi each rounded once (``u`` times the result's magnitude added to
+    the radius: Higham 2002, eq. (2.5)), ``|N/Z - n/z| <= (nr + |n/z| zr) / (z - zr)`` and
+    ``|keep - keep_hi| <= |keep_lo| + keep_err``; decided first by decide_quick's test in a
+    branch-free loop, then element by element by decide_one where that test fails. ``z`` = (Z,
+    radius), ``sums`` = (N, N radius, and (E,) scratch for the products, their radii and the
+    test's flags). Returns whether every element is decided."""
+    b, h, i = index
+    zh, zr = z
+    ns, nr, xs, rads, flags = sums
+    _, _, p, emin, maxf = target
+    keep_hi, keep_lo, keep_err = prm[P_KEEP_HI], prm[P_KEEP_LO], prm[P_KEEP_ERR]
+    kabs = abs(keep_hi) + abs(keep_lo) + keep_err
+    klo = abs(keep_lo) + keep_err
+    zlow = zh - zr
+    split = float(1 << (53 - p)) + 1.0  # Veltkamp's constant (decide_quick)
+    below = 1.0 / float(1 << (p + 1))
+    low, high, quick = math.ldexp(1.0, emin + 1), 0.5 * maxf, p <= 51
+    failed = 0
+    for e in range(ns.shape[0]):
+        oh = ns[e] / zh
+        orad = (nr[e] + abs(oh) * 1.0000001 * zr) / zlow + D.U * abs(oh)
+        x = oh * keep_hi
+        r = (orad * kabs + abs(oh) * klo + D.U * abs(x)) * D.BOUND_SAFETY
+        t = split * x
+        y = t - (t - x)
+        a = abs(x)
+        test = (abs(x - y) + r) * (1.0 + 2.0**-50) < abs(y) * below
+        good = quick and a >= low and a <= high and test
+        out[b, h, i, e] = y
+        xs[e], rads[e] = x, r
+        flags[e] = 1 if good else 0
+        failed += 0 if good else 1
+    ok = True
+    if failed:
+        for e in range(ns.shape[0]):
+            if flags[e] == 0:
+                value, dec = decide_one(xs[e], 0.0, rads[e], p, emin, maxf)
+                out[b, h, i, e] = value
+                ok = ok and dec
+    return ok
 
 
 @numba.jit(**_JIT)
@@ -226,7 +280,7 @@ def _row_weights(index, lo, state, shifted, log_z, target, w):
             ok = False
             continue
         eh, el = exp_dd_fast(ah, al)
-        value, dec = decide_one(
+        value, dec = decide_quick(
             eh,
             el,
             (EXP_FAST_REL + 2.0 * ae) * (1.0 + _RHO_MAX) * eh * D.BOUND_SAFETY,
@@ -404,92 +458,25 @@ def _score_d(i, j, sj, qn_i, kn_j, prm, bv, has_bias, gdim):
 
 
 @numba.jit(**_JIT)
-def _block_interval(rows_lo, rows_hi, b, i0, nb_rows):
-    """The union [lo, hi) of the key intervals of rows i0 .. i0 + nb_rows - 1 of batch row b."""
-    lo = rows_lo[b, i0]
-    hi = rows_hi[b, i0]
-    for rr in range(1, nb_rows):
-        lo = min(lo, rows_lo[b, i0 + rr])
-        hi = max(hi, rows_hi[b, i0 + rr])
-    return lo, hi
-
-
-@numba.jit(**_JIT)
-def _block_dots(qp, kTp, i0, nb_rows, lo, npad, s, qa):
-    """s[rr, j - lo] = q_{i0 + rr} . k_j for lo <= j < lo + npad by one fma chain over D each,
-    d = 0 .. D-1 in order from +0 (``qp`` the plane's (L, D) queries, ``kTp`` its (D, S + pad)
-    keys, zero past S; ``npad`` a multiple of :data:`KEY_TILE`; ``qa`` (D, D_ROW_BLOCK) scratch
-    for the rows' transpose): the register tiles of
-    :func:`refattn.kernels._cpu_tiles.matmul_t` (lanes over keys, D sequential)."""
-    dim = qp.shape[1]
-    for rr in range(nb_rows):
-        for d in range(dim):
-            qa[d, rr] = qp[i0 + rr, d]
-    for c in range(0, npad, DOT_CHUNK):  # a chunk of K^T stays in cache for all the rows
-        cols = min(DOT_CHUNK, npad - c)
-        matmul_t(qa, kTp[:, lo + c : lo + c + cols], dim, nb_rows, cols, s[:, c:], True)
-
-
-@numba.jit(**_JIT)
-def _block_dots_unpadded(qp, kTp, i0, nb_rows, lo, hi, s):
-    """s[rr, j - lo] = q_{i0 + rr} . k_j for lo <= j < hi by one fma chain over D each, d = 0
-    .. D-1 in order from +0 (``qp`` the plane's (L, D) queries, ``kTp`` its (D, S) keys, no
-    padding): :func:`_block_dots`'s chains, key by key."""
-    n = max(hi - lo, 0)
-    for d in range(qp.shape[1]):
-        row = kTp[d, lo:hi]  # a slice: the loop below then vectorizes
-        for rr in range(nb_rows):
-            a = qp[i0 + rr, d]
-            srow = s[rr]
-            for jj in range(n):
-                srow[jj] = D.fma(a, row[jj], srow[jj])
-
-
-@numba.jit(**_JIT)
-def _plain_scores(i0, nb_rows, lo, rows, pr, keys, work):
-    """:func:`_block_scores` without mask, bias, dropout, softcap or ALiBi (every key of a row's
-    interval kept): the same score and radius as :func:`_score_d` in one tight loop per row.
-    ``rows`` = (rows_lo, rows_hi, qn, qs of the batch row / plane), ``keys`` = (kn, ks)."""
-    rows_lo, rows_hi, qn, qs = rows
-    knp, ksp = keys
-    s, err, state, _, top, _ = work
-    scale_hi, scale_lo, scale_err, gdim = (
-        pr[P_SCALE_HI],
-        pr[P_SCALE_LO],
-        pr[P_SCALE_ERR],
-        pr[P_GAMMA_DIM],
-    )
-    u = 1.01 * D.U
-    c1 = abs(scale_hi)
-    c2 = abs(scale_lo) + scale_err
-    for rr in range(nb_rows):
-        i = i0 + rr
-        qn_i, qs_i = qn[i], qs[i]
-        srow, erow, strow = s[rr], err[rr], state[rr]
-        m = top[rr]
-        for jj in range(rows_lo[i] - lo, rows_hi[i] - lo):
-            j = lo + jj
-            # an fma chain proven exact (exactness_scales) carries no error
-            gd = 0.0 if qs_i * ksp[j] < 2.0**52 else gdim
-            sj = srow[jj]
-            derr = gd * qn_i * knp[j]
-            t = sj * scale_hi
-            erow[jj] = c1 * derr + (abs(sj) + derr) * c2 + u * abs(t)
-            srow[jj] = t
-            strow[jj] = 2
-            m = max(m, t)
-        top[rr] = m
-
-
-@numba.jit(**_JIT)
 def _block_scores(b, h, i0, nb_rows, lo, hi, inputs, rule, work):
-    """The scores (t, err) of rows i0 .. i0 + nb_rows - 1 of plane (b, h) over the keys
+    """:func:`_block_scores_d` of the rows i0 .. i0 + nb_rows - 1 with the a-priori
+    dot-product bounds (``mag`` False)."""
+    ids = np.arange(i0, i0 + nb_rows)
+    _block_scores_d(b, h, ids, nb_rows, (lo, hi), inputs, rule, work, False)
+
+
+@numba.jit(**_JIT)
+def _block_scores_d(b, h, ids, nb_rows, keys, inputs, rule, work, mag):
+    """The scores (t, err) of the rows ``ids[:nb_rows]`` of plane (b, h) over the keys
     [lo, hi) in place of their dot products, with each key's state (0 excluded, 1 dropped,
     2 kept), each row's maximum score and whether a bias value is out of the first steps'
-    range: ``work`` = (s, err, state, bad, top, qa) (:func:`_d_block`). With ``qa`` of zero
+    range: ``work`` = (s, err, state, bad, top, qa) (:func:`_d_block`), ``keys`` = (lo, hi).
+    With ``mag`` the dot products' error bounds come from their magnitude sums
+    (:func:`refattn.exact.fast.dense_dots.block_dots_mag`) unless every chain of the block is
+    proven exact; else from ``gamma_D ||q_i|| ||k_j||``. With ``qa`` of zero
     columns (a caller whose K^T has no KEY_TILE padding and whose ``s`` has hi - lo columns:
-    the sigmoid step) the dot products are the same fma chains key by key, and every kept key's
-    state is written (no all-kept shortcut)."""
+    the sigmoid step) the dot products are single fma chains key by key with the bound
+    ``gamma_D ||q_i|| ||k_j||``, and every kept key's state is written (no all-kept shortcut)."""
     q, kT, _, qn, kn, qs, ks, _, _, prm, kvh = inputs
     rows_lo, rows_hi, has_mask, has_bias, has_drop = (
         rule[R_ROWS_LO],
@@ -504,18 +491,24 @@ def _block_scores(b, h, i0, nb_rows, lo, hi, inputs, rule, work):
     gdim = pr[P_GAMMA_DIM]
     knp = kn[b, g]
     ksp = ks[b, g]
+    dim = q.shape[3]
+    lo, hi = keys
     rule_arrays = has_mask or has_bias or has_drop
     if qa.shape[1] == 0:  # K^T without KEY_TILE padding (the sigmoid step): the keys one by one
-        _block_dots_unpadded(q[b, h], kT[b, g], i0, nb_rows, lo, hi, s)
+        block_dots_unpadded(q[b, h], kT[b, g], ids, nb_rows, lo, hi, s)
     else:
         npad = max(KEY_TILE, -(-(hi - lo) // KEY_TILE) * KEY_TILE)
-        _block_dots(q[b, h], kT[b, g], i0, nb_rows, lo, npad, s, qa)
+        mag = mag and not block_exact(qs[b, h], ksp, ids, nb_rows, lo, hi)
+        if mag:  # err holds the magnitude sums until the scores replace them
+            block_dots_mag(q[b, h], kT[b, g], ids, nb_rows, lo, npad, s, err)
+        else:
+            block_dots(q[b, h], kT[b, g], ids, nb_rows, lo, npad, s, qa)
         if not rule_arrays and pr[P_SOFTCAP] == 0.0 and pr[P_SLOPE] == 0.0:
             rows = (rows_lo[b], rows_hi[b], qn[b, h], qs[b, h])
-            _plain_scores(i0, nb_rows, lo, rows, pr, (knp, ksp), work)
+            plain_scores(ids, nb_rows, lo, rows, pr, (knp, ksp, mag, dim), work)
             return
     for rr in range(nb_rows):
-        i = i0 + rr
+        i = ids[rr]
         for jj in range(rows_lo[b, i] - lo, rows_hi[b, i] - lo):
             j = lo + jj
             st, bv = 2, 0.0
@@ -527,26 +520,30 @@ def _block_scores(b, h, i0, nb_rows, lo, hi, inputs, rule, work):
             if has_bias and not _bias_in_range(bv):
                 bad[rr] = True
             # an fma chain proven exact (exactness_scales) carries no error
-            gd = 0.0 if qs[b, h, i] * ksp[j] < 2.0**52 else gdim
-            t, e = _score_d(i, j, s[rr, jj], qn[b, h, i], knp[j], pr, bv, has_bias, gd)
+            derr = 0.0
+            if not qs[b, h, i] * ksp[j] < EXACT_SCALE:
+                derr = mag_error(err[rr, jj], dim) if mag else gdim * qn[b, h, i] * knp[j]
+            t, e = _score_d(i, j, s[rr, jj], derr, 1.0, pr, bv, has_bias, 1.0)
             s[rr, jj], err[rr, jj] = t, e
             if t > top[rr]:
                 top[rr] = t
 
 
 @numba.jit(**_JIT)
-def _plain_shift(rr, r0, r1, row, work, sums):
-    """The shifted scores of row rr's keys r0 <= jj < r1 when all are kept (:func:`_d_exps`'s
-    first loop without states): x = t - top and its radius (kept in s, err for the weights),
-    the exponent argument (0, unused, below CUT), ``use`` 2 or 0, the count of keys below CUT
-    as TINY each (an exact sum of powers of two), and rho from the largest radius above CUT
-    (rho is monotone in it, so the same as the key-by-key maximum). ``row`` = (top, want_w),
-    ``work`` = (s, err, xs, use), ``sums`` = (tiny, rho)."""
+def _plain_exps(rr, r0, r1, lo, row, work, sums):
+    """:func:`_d_exps` for row rr when all of its keys r0 <= jj < r1 are kept: the shifted
+    scores x = t - top and their radii (kept in s, err for the weights), the count of keys below
+    CUT as TINY each (an exact sum of powers of two) and rho from the largest radius above CUT
+    (rho is monotone in it: the key-by-key maximum's value); then ``p = exp_d_core(x)`` in one
+    branch-free loop (a key below CUT gets the argument CUT - 1 and then e = 0), then Z and
+    sum e^2 in key order, blocked (each block of SUM_BLOCK key indices summed from +0, then
+    added to Z). The same operations on the same values as the general loop: the same bits.
+    ``row`` = (top, want_w), ``work`` = (s, err, p), ``sums`` = (z, e2, tiny, rho)."""
     top, want_w = row
-    s, err, xs, use = work
-    tiny, rho = sums
+    s, err, p = work
+    z, e2, tiny, rho = sums
     u = 1.01 * D.U
-    srow, erow = s[rr], err[rr]
+    srow, erow, prow = s[rr], err[rr], p[rr]
     cut = 0
     worst = -1.0
     for jj in range(r0, r1):
@@ -555,13 +552,31 @@ def _plain_shift(rr, r0, r1, row, work, sums):
         if want_w:
             srow[jj], erow[jj] = x, xe  # the shifted scores, kept for the weights
         above = x >= CUT
-        xs[jj] = x if above else 0.0
-        use[jj] = 2 if above else 0
+        prow[jj] = x if above else CUT - 1.0
         cut += 0 if above else 1
         worst = max(worst, xe) if above else worst
     tiny[rr] += cut * TINY
     if worst >= 0.0:
         rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * worst) * (1.0 + _RHO_MAX))
+    for jj in range(r0, r1):
+        x = prow[jj]
+        e = D.exp_d_core(x)  # CUT - 1 <= x <= 0: in exp_d's domain
+        prow[jj] = e if x >= CUT else 0.0
+    zr = z[rr]
+    zb = 0.0
+    sq = e2[rr]
+    jj = r0
+    while jj < r1:  # blocked sums: gamma_{B + S/B}, not gamma_S
+        stop = min(r1, ((lo + jj) // SUM_BLOCK + 1) * SUM_BLOCK - lo)
+        zr += zb  # + 0 at the first block (zr >= 0): exact
+        zb = 0.0
+        for k in range(jj, stop):
+            e = prow[k]
+            zb += e
+            sq += e * e
+        jj = stop
+    z[rr] = zr + zb
+    e2[rr] = sq
 
 
 @numba.jit(**_JIT)
@@ -577,12 +592,12 @@ def _cut_values(rr, r0, r1, lo, row, vp, tiny_v):
 
 
 @numba.jit(**_JIT)
-def _d_exps(i0, nb_rows, lo, hi, top, block_rows, work, sums):
+def _d_exps(ids, nb_rows, lo, hi, top, block_rows, work, sums):
     """Exponentials of the block's rows into ``p`` (0 for keys that carry no value) and each
     row's Z (blocked: a partial sum per SUM_BLOCK keys, restarting at multiples of SUM_BLOCK
     of the key index j), sum of e^2, tiny count and |v| sum, and rho. ``block_rows`` = (rows_lo,
     rows_hi of the batch row, want_w, plane values (S, E), whether every key of the rows'
-    intervals is kept: then :func:`_plain_shift`); ``work`` = (s, err, state, p, and the
+    intervals is kept: then :func:`_plain_exps`); ``work`` = (s, err, state, p, and the
     scratch rows xs, ex, use); p is zero outside each row's interval up to hi - lo;
     ``sums`` = (z, e2, tiny, tiny_v, rho). Per row: the shifted scores and their radii (keys
     below CUT or excluded get a dummy argument 0 and use 0), then the exponentials in one
@@ -594,13 +609,16 @@ def _d_exps(i0, nb_rows, lo, hi, top, block_rows, work, sums):
     u = 1.01 * D.U
     vdim = tiny_v.shape[1]
     for rr in range(nb_rows):
-        i = i0 + rr
+        i = ids[rr]
         r0, r1 = rows_lo[i] - lo, rows_hi[i] - lo
         if all_kept:
-            _plain_shift(rr, r0, r1, (top[rr], want_w), (s, err, xs, use), (tiny, rho))
+            p[rr, :r0] = 0.0
+            p[rr, r1 : hi - lo] = 0.0
+            _plain_exps(rr, r0, r1, lo, (top[rr], want_w), (s, err, p), (z, e2, tiny, rho))
             if tiny[rr] > 0.0:
                 _cut_values(rr, r0, r1, lo, (s, top[rr], want_w), vp, tiny_v)
-        for jj in range(r0 if not all_kept else r1, r1):
+            continue
+        for jj in range(r0, r1):
             use[jj] = 0
             xs[jj] = 0.0
             st = state[rr, jj]
@@ -646,14 +664,14 @@ def _d_values(lo, hi, nb_rows, p, vp, sums):
     block of the key index j is one fma chain from +0 in key order (the register tiles of
     :func:`refattn.kernels._cpu_tiles.matmul_n`, lanes over features), added to nsum at the
     block's end; a zero weight adds exactly nothing. ``sums`` = (nsum, nb scratch), both
-    (D_ROW_BLOCK, E padded)."""
+    (D_ROW_BLOCK, E padded), of which the rows < nb_rows are written."""
     nsum, nb = sums
     epad = nsum.shape[1]
-    nsum[:] = 0.0
+    nsum[:nb_rows] = 0.0  # matmul_n reads and writes the rows < nb_rows alone
     c0 = lo
     while c0 < hi:
         c1 = min(hi, (c0 // SUM_BLOCK + 1) * SUM_BLOCK)
-        nb[:] = 0.0
+        nb[:nb_rows] = 0.0
         matmul_n(p[:, c0 - lo :], vp[c0:c1], c1 - c0, nb_rows, epad, nb)
         for rr in range(nb_rows):
             for e in range(epad):
@@ -684,15 +702,17 @@ def _d_scratch(inputs):
 
 
 @numba.jit(**_JIT)
-def _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch):
-    """Double-precision first step of rows i0 .. i0 + nb_rows - 1 of plane (b, h), which share
-    each load of K^T and V (each row's arithmetic is the same sequence as alone: no bit depends
-    on the blocking). The keys run over the union of the rows' intervals; the blocked sums
-    restart at multiples of SUM_BLOCK of the key index j itself. The argument records are
-    those of :func:`forward_dd` (``v`` padded with zero features to a multiple of
+def _d_block(b, h, ids, nb_rows, inputs, rule, target, results, scratch, redo):
+    """Double-precision first step of the rows ``ids`` (nb_rows, ascending) of plane (b, h),
+    which share each load of K^T and V (each row's arithmetic is the same sequence as alone:
+    no bit depends on the blocking). The keys run over the union of the rows' intervals; the
+    blocked sums restart at multiples of SUM_BLOCK of the key index j itself. The argument
+    records are those of :func:`forward_dd` (``v`` padded with zero features to a multiple of
     :data:`KEY_TILE`, ``kT`` with KEY_TILE zero keys past S); ``scratch``: :func:`_d_scratch`,
-    reused from block to block (read only where written for this block)."""
+    reused from block to block (read only where written for this block); ``redo``: the
+    arguments of :func:`forward_d`'s second pass."""
     _, _, v, _, _, _, _, vmax, vnorm, prm, kvh = inputs
+    mag, vabs, _ = redo
     rows_lo, rows_hi = rule[R_ROWS_LO], rule[R_ROWS_HI]
     want_w = target[1]
     status = results[3]
@@ -702,12 +722,13 @@ def _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch):
     gsum = pr[P_GAMMA_SUM]
     u = 1.01 * D.U
     vp = v[b, g]  # the plane's (S, E padded) values
-    lo, hi = _block_interval(rows_lo, rows_hi, b, i0, nb_rows)
+    lo, hi = rows_interval(rows_lo, rows_hi, b, ids)
     hi = max(hi, lo)
     s, err, state, p, xs, ex, use, qa, nsum, nb = scratch
     bad = np.zeros(D_ROW_BLOCK, np.bool_)
     top = np.full(D_ROW_BLOCK, -np.inf)
-    _block_scores(b, h, i0, nb_rows, lo, hi, inputs, rule, (s, err, state, bad, top, qa))
+    work = (s, err, state, bad, top, qa)
+    _block_scores_d(b, h, ids, nb_rows, (lo, hi), inputs, rule, work, mag)
     all_kept = not (rule[R_HAS_MASK] or rule[R_HAS_BIAS] or rule[R_HAS_KEEP])
     has_sink, sink = pr[P_HAS_SINK] != 0.0, pr[P_SINK]
     if has_sink:  # the sink: one more logit in the max and in Z, no value
@@ -719,7 +740,7 @@ def _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch):
     tiny_v = np.zeros((D_ROW_BLOCK, vdim))
     rho = np.zeros(D_ROW_BLOCK)
     _d_exps(
-        i0,
+        ids,
         nb_rows,
         lo,
         hi,
@@ -729,9 +750,13 @@ def _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch):
         (z, e2, tiny, tiny_v, rho),
     )
     _d_values(lo, hi, nb_rows, p, vp, (nsum, nb))
-    zeros = np.zeros(vdim)
+    asum = np.empty((0, 0))
+    if mag:  # A_e = sum_j e_j |v_je| by the same blocked sums, in its own scratch
+        asum = np.zeros_like(nsum)
+        _d_values(lo, hi, nb_rows, p, vabs[b, g], (asum, np.zeros_like(nb)))
+    nr, xs_, rads, flags = np.empty(vdim), np.empty(vdim), np.empty(vdim), np.empty(vdim, np.int8)
     for rr in range(nb_rows):
-        i = i0 + rr
+        i = ids[rr]
         if bad[rr]:
             status[b, h, i] = UNDECIDED
             continue
@@ -755,11 +780,20 @@ def _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch):
         zrad = (gg * zr_ * (1.0 + gsum) + tiny[rr]) * D.BOUND_SAFETY
         # sum_j e_j |v_je| <= min(vmax_e sum_j e_j, sqrt(sum_j e_j^2) ||v_e||) (the second
         # by Cauchy-Schwarz; the float sums are within gamma_S < 2**-27 of their values)
-        acc = np.minimum(vmax[b, g] * (zr_ + zrad), math.sqrt(e2[rr]) * vnorm[b, g])
-        nr = (gg * acc * (1.0 + gsum) * (1.0 + rho[rr])) * D.BOUND_SAFETY + TINY * tiny_v[rr]
+        zsum, root, grow = zr_ + zrad, math.sqrt(e2[rr]), (1.0 + gsum) * (1.0 + rho[rr])
+        for e in range(vdim):
+            acc = min(vmax[b, g, e] * zsum, root * vnorm[b, g, e])
+            if mag:  # its blocked float sum of nonnegative terms is within gamma of A_e:
+                # the value is at most the sum / (1 - gsum) <= the sum (1 + 4 gsum)
+                acc = min(acc, asum[rr, e] * (1.0 + 4.0 * gsum))
+            nr[e] = (gg * acc * grow) * D.BOUND_SAFETY + TINY * tiny_v[rr, e]
+        # lse (and log Z for the weights) by _finish_row, given no features; then out
         ok, lz_h, lz_l, lz_r = _finish_row(
-            (b, h, i), top[rr], (zr_, 0.0, zrad), (nsum[rr, :vdim], zeros, nr), pr, target, results
+            (b, h, i), top[rr], (zr_, 0.0, zrad), (nr[:0], nr[:0], nr[:0]), pr, target, results
         )
+        if ok:
+            sums = (nsum[rr, :vdim], nr, xs_, rads, flags)
+            ok = _finish_out_d((b, h, i), (zr_, zrad), sums, pr, target, results[0])
         if ok and want_w:
             r0 = rows_lo[b, i] - lo
             r1 = rows_hi[b, i] - lo
@@ -777,19 +811,30 @@ def _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch):
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
-def forward_d(blocks, inputs, rule, target, results):
+def forward_d(blocks, inputs, rule, target, results, redo):
     """Double-precision first step (for targets of <= 24 bits) over ``blocks`` ((n, 4): b, h,
     first row, row count <= D_ROW_BLOCK), in parallel over the blocks of every plane: fma chains
     with gamma_n bounds (Higham 2002, eq. (3.5)) and
     :func:`refattn.exact.fast.doubledouble.exp_d`; the argument records are those of
-    :func:`forward_dd`."""
+    :func:`forward_dd`. ``redo`` = (mag, |V|, row list): with ``mag`` (the second pass, over
+    the rows the first left undecided) the dot products' bounds come from their magnitude sums
+    (:mod:`refattn.exact.fast.dense_dots`) and ``A_e = sum_j e_j |v_je|`` is summed from |V|
+    ((B, K, S, E padded), else unread) by the same blocked sums as N; with a nonempty row list
+    (int64) a block's third column is the offset of its rows in that list (ascending rows of
+    its plane, not necessarily consecutive), else its first row."""
     count = blocks.shape[0]
+    row_list = redo[2]
+    listed = row_list.shape[0] > 0
     workers = min(count, WORKERS)
     for w in prange(workers):  # worker w takes blocks w, w + workers, ...: one scratch each
         scratch = _d_scratch(inputs)
         for r in range(w, count, workers):
             b, h, i0, nb_rows = blocks[r, 0], blocks[r, 1], blocks[r, 2], blocks[r, 3]
-            _d_block(b, h, i0, nb_rows, inputs, rule, target, results, scratch)
+            if listed:  # the block's rows: entries i0 .. i0 + nb_rows - 1 of the list
+                ids = row_list[i0 : i0 + nb_rows]
+            else:
+                ids = np.arange(i0, i0 + nb_rows)
+            _d_block(b, h, ids, nb_rows, inputs, rule, target, results, scratch, redo)
 
 
 # The per-key and per-row steps above, shared with the gathered-keys kernels
@@ -804,7 +849,6 @@ score_d = _score_d
 finish_row = _finish_row
 row_weights = _row_weights
 # the sigmoid first steps (:mod:`refattn.exact.fast.sigmoid_kernels`) score keys the same way
-block_interval = _block_interval
 block_scores = _block_scores
 
 

@@ -6,7 +6,11 @@
 * :func:`decide_one` -- one element of :func:`refattn.exact.rounding.decide_dd` (both ends of
   the widened enclosure rounded, decided where they agree): what the forward kernels call per
   element; :func:`decide_dd_compiled` / :func:`decide_dd_fast` -- the same over arrays (the
-  same results as ``decide_dd``, bit for bit, 10-20x faster).
+  same results as ``decide_dd``, bit for bit, 10-20x faster);
+* :func:`decide_quick` -- :func:`decide_one` with a cheap first test (Veltkamp's splitting
+  rounds to the target's precision; the enclosure inside the half-spacing around that value
+  decides it), falling back to :func:`decide_one` where the test does not decide: the same
+  decided values (each the one rounding of every point of the enclosure).
 
 They use the operations of :mod:`refattn.exact.fast.doubledouble`; no libm function is called.
 """
@@ -26,6 +30,7 @@ __all__ = [
     "decide_dd_compiled",
     "decide_dd_fast",
     "decide_one",
+    "decide_quick",
 ]
 
 _JIT = dict(fastmath=False, boundscheck=False, cache=True, nogil=True)
@@ -163,3 +168,32 @@ def decide_dd_fast(mid_hi, mid_lo, rad, fmt):
     decided = np.empty(flat[0].size, dtype=np.bool_)
     decide_dd_compiled(*flat, fmt.p, fmt.emin, float(fmt.max_finite), values, decided)
     return values.reshape(shape), decided.reshape(shape)
+
+
+@njit(**_JIT)
+def decide_quick(mh, ml, r, p, emin, max_finite):
+    """``(value, decided)`` of the enclosure ``mh + ml +- r`` as :func:`decide_one`, first by a
+    cheap test. With ``s + e = mh + ml`` (TwoSum, exact) and ``y = s`` rounded to nearest on
+    ``p`` bits by Veltkamp's splitting (``t = (2**(53 - p) + 1) s``, ``y = t - (t - s)``:
+    Dekker 1971; Boldo 2006 proves y a nearest p-bit float of s, ties either way), the
+    distance ``d = (s - y) + e`` (``s - y`` exact by Sterbenz's lemma) and the spacing of the
+    format on either side of a normal ``y`` at least ``|y| 2**-p``: every point within
+    ``|d| + r < |y| 2**-(p + 1)`` of ``y`` rounds to ``y`` (ties included, strictly inside),
+    the slack ``2**-50`` covering the roundings of ``d`` and of the sum. Used where
+    ``2**(emin + 1) <= |s| <= max_finite / 2`` (y normal and finite in the format) and
+    ``p <= 51`` (Boldo's condition: a split of at least 2 bits); elsewhere, and where the
+    test fails, :func:`decide_one` decides.
+
+    >>> decide_quick(1.0 + 2.0**-30, 0.0, 2.0**-40, 24, -126, 3.4e38)
+    (1.0, True)
+    """
+    s, e = two_sum(mh, ml)
+    a = abs(s)
+    if p <= 51 and a >= math.ldexp(1.0, emin + 1) and a <= 0.5 * max_finite and 0.0 <= r < a:
+        c = float(1 << (53 - p)) + 1.0
+        t = c * s
+        y = t - (t - s)
+        d = (s - y) + e
+        if (abs(d) + r) * (1.0 + 2.0**-50) < abs(y) / float(1 << (p + 1)):
+            return y, True
+    return decide_one(mh, ml, r, p, emin, max_finite)
