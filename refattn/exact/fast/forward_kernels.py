@@ -849,16 +849,5 @@ score_d = _score_d
 finish_row = _finish_row
 row_weights = _row_weights
 # the sigmoid first steps (:mod:`refattn.exact.fast.sigmoid_kernels`) score keys the same way
+# and the refined step (:mod:`refattn.exact.fast.forward_refine`) runs the per-row pieces
 block_scores = _block_scores
-
-
-#: The per-row pieces of the double-double step that the refined step
-#: (:mod:`refattn.exact.fast.forward_refine`) runs too: Dot2 dot products, one score with its
-#: bound, the bias range test, the results with their rounding decisions, the weights.
-row_dots, score, bias_in_range, finish_row, row_weights = (
-    _row_dots,
-    _score,
-    _bias_in_range,
-    _finish_row,
-    _row_weights,
-)

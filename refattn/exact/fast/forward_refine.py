@@ -72,8 +72,8 @@ from .forward_kernels import (
     finish_row,
     row_dots,
     row_weights,
-    score,
 )
+from .forward_kernels import score_dd as score
 
 __all__ = ["forward_refine", "code_planes", "REFINE_BLOCK", "REFINE_KEYS", "refine_bounds"]
 
