@@ -41,7 +41,9 @@ from ._cpu_tiles import (
     load_rows,
     load_rows_t,
     matmul_n,
+    matmul_n_rows4,
     matmul_t,
+    matmul_t_rows4,
     padded,
 )
 from ._simd import (
@@ -190,6 +192,52 @@ def softmax_rows4(s, p, r, factor, state):
 
 
 @njit(**_OPTS)
+def _reach(row, r0, c0, nc, dims, opts):
+    """How many leading columns of a key block the four rows ``row``.. of a query block may
+    read: the last one's structural hi (hi grows with the row), clamped to [0, nc]."""
+    _, hi = row_interval(r0 + row + 3, dims, opts)
+    return max(0, min(nc, hi - c0))
+
+
+@njit(**_OPTS)
+def _trimmed(r0, nr, c0, nc, dims, opts):
+    """Whether a tile's four-row groups skip the trailing keys no row of the group may read
+    (a causal diagonal): whole groups only, and only when the first group stops short."""
+    return nr % 4 == 0 and _reach(0, r0, c0, nc, dims, opts) < nc
+
+
+@njit(**_OPTS)
+def _scores_trimmed(q_t, k_t, dim, nr, r0, c0, nc, dims, opts, s):
+    """:func:`matmul_t` of a :func:`_trimmed` tile: each four-row group computes the tiles
+    holding the columns it may read (the same chain per element); the others are left
+    stale, as score finishing sets every excluded position to -inf without reading it."""
+    for row in range(0, nr, 4):
+        matmul_t_rows4(q_t, k_t, dim, row, _reach(row, r0, c0, nc, dims, opts), s)
+
+
+@njit(**_OPTS)
+def _values_trimmed(weights, v_blk, nr, r0, c0, nc, dims, opts, acc):
+    """:func:`matmul_n` of a :func:`_trimmed` tile with finite values: each four-row group
+    stops its fma chains after the keys it may read. The skipped terms have weight +0, and
+    fma(+0, v, a) is a for every a but -0 (then +0 when v's sign bit is clear), so the
+    skipped chain is replayed for the elements that are zero: the same bits."""
+    epad = acc.shape[1]
+    for row in range(0, nr, 4):
+        need = _reach(row, r0, c0, nc, dims, opts)
+        matmul_n_rows4(weights, v_blk, need, row, epad, acc)
+        if need == nc:
+            continue
+        for r in range(row, row + 4):
+            arow, wrow = acc[r], weights[r]
+            for e in range(epad):
+                if arow[e] == 0:
+                    a = arow[e]
+                    for x in range(need, nc):
+                        a = fma(wrow[x], v_blk[x, e], a)
+                    arow[e] = a
+
+
+@njit(**_OPTS)
 def _forward_unit(q, packed, kv_head, unit, nqb, dims, opts, fopts, terms, out, lse):
     """One (batch, head, query block): ``packed`` = (K^T blocks, V blocks, V block finite)
     from :func:`_packed_keys`; ``terms`` as in :func:`~._cpu_scores.finish_scores`."""
@@ -227,7 +275,11 @@ def _forward_unit(q, packed, kv_head, unit, nqb, dims, opts, fopts, terms, out, 
         k_t = k_pack[b, g, kb]
         v_blk = v_pack[b, g, kb]
         v_finite = v_fin[b, g, kb]
-        matmul_t(q_t, k_t, dim, rows, BLOCK_K, s, True)
+        trimmed = _trimmed(r0, nr, c0, nc, dims, opts)
+        if trimmed:
+            _scores_trimmed(q_t, k_t, dim, nr, r0, c0, nc, dims, opts, s)
+        else:
+            matmul_t(q_t, k_t, dim, rows, BLOCK_K, s, True)
         factor = one  # x * 1 is x: the scores in s are final
         if raw_scores_suffice(nr, nc, r0, c0, dims, opts, fopts, BLOCK_K):
             clean, factor = True, fopts[FOPT_SCALE]
@@ -242,7 +294,9 @@ def _forward_unit(q, packed, kv_head, unit, nqb, dims, opts, fopts, terms, out, 
         if has_drop:
             dropout_weights(p, pd, nr, nc, r0, c0, b, h, drop, dstr)
             weights = pd
-        if v_finite or (clean and not has_drop):
+        if trimmed and v_finite:
+            _values_trimmed(weights, v_blk, nr, r0, c0, nc, dims, opts, acc)
+        elif v_finite or (clean and not has_drop):
             matmul_n(weights, v_blk, nc, rows, epad, acc)
         else:
             # a non-finite value row may only reach the rows that keep it

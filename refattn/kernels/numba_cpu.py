@@ -59,7 +59,12 @@ The reduction orders are:
 Vectorisation is across independent outputs only (SIMD lanes over keys or value columns in
 4-row x 4-vector register tiles, the columns padded to a multiple of four vectors); no
 reduction is re-associated by the compiler. The tile shape changes no bit: each output element
-is the same sequential chain of fused multiply-adds.
+is the same sequential chain of fused multiply-adds. On a key block that ends past what the
+first rows of a query block may read (the causal diagonal), each 4-row group computes the
+scores and weighted values of the keys up to its last row's reach only: the skipped scores are
+excluded positions (set to -inf without being read), the skipped terms of ``sum_j p_ij v_j``
+are ``fma(+0, v, a)``, which is ``a`` except for ``a = -0``, whose chain is replayed: the same
+bits.
 
 Where the time goes
 -------------------
