@@ -229,6 +229,11 @@ def _values_trimmed(weights, v_blk, nr, r0, c0, nc, dims, opts, acc):
             continue
         for r in range(row, row + 4):
             arow, wrow = acc[r], weights[r]
+            zeros = 0
+            for e in range(epad):  # a branch-free count first (zeros are rare)
+                zeros += arow[e] == 0
+            if zeros == 0:
+                continue
             for e in range(epad):
                 if arow[e] == 0:
                     a = arow[e]
