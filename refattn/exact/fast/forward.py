@@ -252,11 +252,13 @@ def _runs(rows: np.ndarray):
     return [(int(rows[a]), int(rows[z - 1]) + 1) for a, z in zip(starts, stops, strict=True)]
 
 
-def referee_runs(spec, status, out_dtype, results, asked, sub_spec) -> int:
+def referee_runs(spec, status, out_dtype, results, asked, sub_spec, referee=None) -> int:
     """The rows the first steps left (``status`` not OK) by the referee, run by run of rows of
     each plane (``sub_spec(spec, b, h, start, stop)`` the run's spec), written into
     ``results`` = (out, lse, weights) (``asked`` = (return_lse, return_weights)); returns
-    their count."""
+    their count. ``referee``: the exact forward to call (default
+    :func:`refattn.exact.attention.exact_forward`; the sigmoid step passes its own)."""
+    referee = exact_forward if referee is None else referee
     out, lse, weights = results
     return_lse, return_weights = asked
     count = 0
@@ -265,9 +267,7 @@ def referee_runs(spec, status, out_dtype, results, asked, sub_spec) -> int:
         count += rows.size
         for start, stop in _runs(rows):
             sub = sub_spec(spec, int(b), int(h), start, stop)
-            o, g, w = exact_forward(
-                sub, out_dtype, return_lse=return_lse, return_weights=return_weights
-            )
+            o, g, w = referee(sub, out_dtype, return_lse=return_lse, return_weights=return_weights)
             out[b, h, start:stop] = o[0, 0]
             if return_lse:
                 lse[b, h, start:stop] = g[0, 0]

@@ -28,9 +28,9 @@ from ..rounding import format_of
 from ._params import frozen
 from .allowed_set import allowed_rule
 from .facts import row_facts
-from .forward import kernel_params, row_spec
+from .forward import kernel_params, referee_runs, row_spec
 from .forward_kernels import ROW_BLOCK
-from .sigmoid_kernels import OK, UNDECIDED, sigmoid_d, sigmoid_dd
+from .sigmoid_kernels import UNDECIDED, sigmoid_d, sigmoid_dd
 
 __all__ = ["fast_sigmoid_forward", "sigmoid_enclosures", "sigmoid_fallback_stats"]
 
@@ -88,16 +88,6 @@ def _blocks(planes: np.ndarray, length: int) -> np.ndarray:
     blocks[:, 2] = np.tile(starts, taken.shape[0])
     blocks[:, 3] = np.minimum(ROW_BLOCK, length - blocks[:, 2])
     return blocks
-
-
-def _runs(rows: np.ndarray):
-    """Maximal runs (start, stop) of consecutive sorted row indices."""
-    if rows.size == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
-    starts = np.concatenate([[0], breaks])
-    stops = np.concatenate([breaks, [rows.size]])
-    return [(int(rows[a]), int(rows[z - 1]) + 1) for a, z in zip(starts, stops, strict=True)]
 
 
 def sigmoid_enclosures(spec: AttentionSpec, step: str = "double-double"):
@@ -170,16 +160,10 @@ def fast_sigmoid_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, re
     fmt = format_of(out_dtype)
     batch, heads, _, length, _, _, _ = spec.dims
     out, weights, status = _first_step(spec, fmt, return_weights)
-    referee_rows = 0
-    for b, h in np.argwhere((status != OK).any(axis=2)):
-        rows = np.flatnonzero(status[b, h] != OK)
-        referee_rows += rows.size
-        for start, stop in _runs(rows):
-            sub = row_spec(spec, int(b), int(h), start, stop)
-            o, _, w = exact_sigmoid_forward(sub, out_dtype, return_weights=return_weights)
-            out[b, h, start:stop] = o[0, 0]
-            if return_weights:
-                weights[b, h, start:stop] = w[0, 0]
+    results, asked = (out, None, weights), (False, return_weights)
+    referee_rows = referee_runs(
+        spec, status, out_dtype, results, asked, row_spec, exact_sigmoid_forward
+    )
     _LAST_STATS.clear()
     _LAST_STATS.update(rows=batch * heads * length, referee_rows=referee_rows)
     dtype = fmt.dtype
