@@ -23,6 +23,7 @@ from . import (
     spec,
     transformer,
 )
+from ._lazy import exports as _exports
 from ._version import __version__
 from .attention import (
     AttentionGrads,
@@ -44,6 +45,10 @@ from .transformer import (
     multihead_attention,
     sinusoidal_positions,
 )
+
+# the submodules not imported above (refattn.kernels, refattn.exact, ...) on first access: the
+# Numba kernels are imported by the first call that runs one, not by ``import refattn``
+__getattr__, __dir__ = _exports(__name__, {})
 
 __all__ = [
     "__version__",

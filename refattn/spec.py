@@ -47,7 +47,6 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-import numba
 import numpy as np
 
 from . import _checks, _option_checks, sparse_indices
@@ -188,10 +187,6 @@ def key_interval(i, offset, keys, causal, left, right):
     return lo, hi
 
 
-#: :func:`key_interval` compiled for the Numba CPU paths (integer arithmetic only).
-key_interval_jit = numba.njit(cache=True, fastmath=False)(key_interval)
-
-
 def position_allowed(has_mask, mask_value, has_bias, bias_value):
     """The per-position half of the allowed set: the explicit mask allows it and the bias is
     not -inf (plain Python, compiled by the kernels like :func:`key_interval`).
@@ -204,8 +199,23 @@ def position_allowed(has_mask, mask_value, has_bias, bias_value):
     return (not has_mask or bool(mask_value)) and (not has_bias or bias_value != -math.inf)
 
 
-#: :func:`position_allowed` compiled for the Numba CPU paths.
-position_allowed_jit = numba.njit(cache=True, fastmath=False)(position_allowed)
+#: The rules compiled for the Numba CPU paths, made on first access (module ``__getattr__``):
+#: ``key_interval_jit`` is :func:`key_interval` (integer arithmetic only), ``position_allowed_jit``
+#: is :func:`position_allowed`. Made lazily so that importing refattn does not import Numba (0.4 s
+#: of start-up) for the NumPy paths, which never dispatch a compiled function.
+_COMPILED = {"key_interval_jit": "key_interval", "position_allowed_jit": "position_allowed"}
+key_interval_jit: object  # declared here, made by __getattr__
+position_allowed_jit: object
+
+
+def __getattr__(name):
+    rule = _COMPILED.get(name)
+    if rule is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import numba  # measured start-up cost (0.4 s): only the Numba paths import it
+
+    compiled = numba.njit(cache=True, fastmath=False)(globals()[rule])
+    return globals().setdefault(name, compiled)
 
 
 def _intervals(rows, offset, keys, causal, left, right):

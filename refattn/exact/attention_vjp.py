@@ -46,7 +46,6 @@ from ..spec import AttentionSpec, fold, split_sink_grads
 from . import _fixed as F
 from . import fast as _fast
 from .attention import ExactForward, scale_bounds
-from .fast import row_spec
 from .rounding import correctly_round, format_of
 
 __all__ = ["exact_vjp"]
@@ -754,7 +753,7 @@ def _referee_units(spec, grad_out, grad_lse, out_dtype, values, todo):
     for b, h, i in sorted((int(b), int(h), int(i)) for b, h, i in rows):
         if (b, int(spec.kv_head[h])) in units:
             continue
-        sub = row_spec(spec, b, h, i, i + 1)
+        sub = _fast.row_spec(spec, b, h, i, i + 1)
         ref = _referee_vjp(
             sub,
             grad_out[b : b + 1, h : h + 1, i : i + 1],

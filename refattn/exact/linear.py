@@ -34,9 +34,9 @@ import numpy as np
 from mpmath import mp
 
 from .. import config
+from . import fast as _fast
 from . import intervals as I
 from .autodiff import AutodiffOps, lift, vjp
-from .fast.linear import fast_linear_forward
 from .numbers import INTERVAL, RATIONAL, NotRational
 from .rounding import correctly_round, format_of
 
@@ -276,7 +276,7 @@ def exact_linear_attention(call, dtype):
     sequences, heads = call.state_shape[:2]
     engine = config.LINEAR_EXACT_ENGINE
     if engine == "fast":
-        o, final, tasks, undecided = fast_linear_forward(call, fmt)
+        o, final, tasks, undecided = _fast.linear.fast_linear_forward(call, fmt)
     else:
         o, final = np.zeros(call.v.shape), np.zeros(call.state_shape)
         tasks = [(n, j, call.segments[n][2], True) for n in range(sequences) for j in range(heads)]

@@ -37,7 +37,7 @@ from mpmath.libmp import (
 
 from .. import config
 from . import _fixed as F
-from .fast import fast_logsumexp, fast_softmax
+from . import fast as _fast
 from .rounding import correctly_round, format_of
 
 __all__ = ["logsumexp", "softmax"]
@@ -195,7 +195,7 @@ def logsumexp(x: np.ndarray, allowed: np.ndarray, dtype) -> np.ndarray:
     >>> logsumexp(np.array([[1e10, 0.0]]), np.array([[True, True]]), np.float64).tolist()
     [10000000000.0]
     """
-    return _fast_then_referee(x, allowed, dtype, fast_logsumexp, "lse").reshape(x.shape[:-1])
+    return _fast_then_referee(x, allowed, dtype, _fast.fast_logsumexp, "lse").reshape(x.shape[:-1])
 
 
 def softmax(x: np.ndarray, allowed: np.ndarray, dtype, *, log: bool = False) -> np.ndarray:
@@ -209,6 +209,6 @@ def softmax(x: np.ndarray, allowed: np.ndarray, dtype, *, log: bool = False) -> 
     kind = "log_softmax" if log else "softmax"
 
     def fast(rows, masks, dt):
-        return fast_softmax(rows, masks, dt, log=log)
+        return _fast.fast_softmax(rows, masks, dt, log=log)
 
     return _fast_then_referee(x, allowed, dtype, fast, kind).reshape(x.shape)

@@ -23,8 +23,8 @@ from mpmath.libmp import from_man_exp, mpf_div, mpf_ln2, round_ceiling, round_fl
 
 from .. import config
 from ..spec import AttentionSpec, fold
+from . import fast as _fast
 from .attention import ExactForward
-from .fast.forward import row_spec
 from .rounding import correctly_round, format_of, round_exact
 
 __all__ = ["exact_lse_base2"]
@@ -65,7 +65,7 @@ def _first_step(x: float, fmt):
 
 
 def _referee(spec: AttentionSpec, b: int, h: int, i: int, fmt) -> float:
-    sub = row_spec(spec, b, h, i, i + 1)
+    sub = _fast.row_spec(spec, b, h, i, i + 1)
     engine = ExactForward(fold(sub, alibi_into_bias=False) if sub.sinks is not None else sub)
 
     def evaluate(prec):

@@ -16,9 +16,27 @@ Modules, each with one job:
 ``vjp_gather``         the exact vjp on set-read sparse keys: the listed keys compacted
 """
 
-from .forward import fallback_stats, fast_exact_forward, row_spec
-from .logspace import fast_logsumexp, fast_softmax
-from .vjp import INPUT_LIMIT, decide, fast_inputs_ok, gradient_enclosures, reduce_enclosure
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ... import _lazy
+
+if TYPE_CHECKING:  # the same names, eagerly, for readers and type checkers
+    from .forward import fallback_stats, fast_exact_forward, row_spec
+    from .logspace import fast_logsumexp, fast_softmax
+    from .vjp import INPUT_LIMIT, decide, fast_inputs_ok, gradient_enclosures, reduce_enclosure
+
+#: the module of each public name: imported on first access (module ``__getattr__``, PEP 562),
+#: since every module here imports Numba, whose start-up (0.4 s) ``import refattn`` leaves out
+_HOMES = {
+    **dict.fromkeys(("fallback_stats", "fast_exact_forward", "row_spec"), ".forward"),
+    **dict.fromkeys(("fast_logsumexp", "fast_softmax"), ".logspace"),
+    **dict.fromkeys(
+        ("INPUT_LIMIT", "decide", "fast_inputs_ok", "gradient_enclosures", "reduce_enclosure"),
+        ".vjp",
+    ),
+}
 
 __all__ = [
     "fast_exact_forward",
@@ -32,3 +50,5 @@ __all__ = [
     "gradient_enclosures",
     "reduce_enclosure",
 ]
+
+__getattr__, __dir__ = _lazy.exports(__name__, _HOMES)
