@@ -445,6 +445,8 @@ def _validate(args) -> int:
         options["workers"] = args.workers
     if args.refusals_are_errors:
         options["refusals_are_errors"] = True
+    if not (args.html and args.plots == "all"):  # no plot of a passing check is drawn
+        options["keep_arrays"] = False
     if (
         args.merge_convention
         or (args.suite or "").startswith("merge")

@@ -75,6 +75,7 @@ from oracle.judging.empty_rows import read_case
 from oracle.judging.linear import check_linear, is_linear
 from oracle.judging.must_refuse import check_refusal, is_refusal
 from oracle.judging.passing import passed_options, vjp_of
+from oracle.judging.quiet import implementation_call
 from oracle.judging.refused import refusing
 from oracle.judging.results import CaseResult, Check, Worst, grade_of
 from oracle.judging.variant_scales import condition, grad_floor_terms, grad_scale, natural_scale
@@ -95,7 +96,7 @@ def call_forward(impl, q, k, v, options):
     A TypeError refusing one of the options is a NotImplementedError ("unsupported"), and so
     is an exception that reads as the implementation's refusal of the case
     (:func:`oracle.judging.refused.as_refusal`)."""
-    with refusing():
+    with refusing(), implementation_call():
         return _call_forward(impl, q, k, v, options)
 
 
@@ -310,14 +311,15 @@ def _call_vjp(impl, fixture):
     options = passed_options(
         {n: x for n, x in fixture.options.items() if n != "return_lse"}, impl.vjp
     )
-    result = impl.vjp(
-        np.copy(inputs["q"]),
-        np.copy(inputs["k"]),
-        np.copy(inputs["v"]),
-        np.copy(inputs["grad_out"]),
-        **extra,
-        **options,
-    )
+    with implementation_call():
+        result = impl.vjp(
+            np.copy(inputs["q"]),
+            np.copy(inputs["k"]),
+            np.copy(inputs["v"]),
+            np.copy(inputs["grad_out"]),
+            **extra,
+            **options,
+        )
     return tuple(result)
 
 

@@ -10,6 +10,7 @@ Examples
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -183,22 +184,39 @@ class Check:
         return self.max_error / base
 
     def figures(self) -> tuple:
-        """(largest threshold, largest floor, grade summary or None) of the report, computed
-        once: a check's arrays do not change once judged, and a run computes them while its
-        worker judges the next case (:mod:`oracle.run.stored`)."""
+        """(largest threshold, largest floor, grade summary or None, elements judged by the
+        one-ulp rule) of the report, computed once: a check's arrays do not change once judged,
+        and a run computes them while its worker judges the next case
+        (:mod:`oracle.run.stored`)."""
         found = getattr(self, "_figures", None)
         if found is None:
             found = self._figures = (
                 json_float(float(np.max(self.threshold.value))),
                 json_float(float(np.max(self.threshold.floor))),
                 None if self.grade is None else self.grade.summary(),
+                self.threshold.n_fallback,
             )
         return found
 
+    def lighten(self) -> None:
+        """Drop what the report does not read of a passing check: its per-element normalised
+        errors and the per-element floor and one-ulp limits of its threshold (a floor is kept
+        as its largest value), its figures (:meth:`figures`) computed first. A failing check
+        keeps everything (its explanation and plots read them); the grade is kept (a report
+        pools the elements' ulp distances). A worker judging a run whose report plots no
+        passing check lightens the results it sends back (the per-element arrays were most of
+        their bytes)."""
+        if not self.passed:
+            return
+        self.figures()
+        self.errors = None
+        if np.ndim(self.threshold.floor) or self.threshold.fallback is not None:
+            largest = float(np.max(self.threshold.floor))
+            self.threshold = dataclasses.replace(self.threshold, floor=largest, fallback=None)
+
     def to_dict(self) -> dict:
-        limit, floor, summary = self.figures()
+        limit, floor, summary, fallback = self.figures()
         grade = {} if summary is None else {"grade": dict(summary)}
-        fallback = self.threshold.n_fallback
         one_ulp = {"one_ulp_rule_elements": fallback} if fallback else {}
         return {
             **grade,

@@ -28,11 +28,14 @@ class Prefetched:
     """The items of ``source`` (``count`` of them), read by a thread from construction on.
 
     Iterating (any number of times) yields them in order, waiting for each as needed; an
-    exception of ``source`` is raised where its item would have come.
+    exception of ``source`` is raised where its item would have come. ``pause``: called by
+    the thread before it reads each item (a worker waits there while the implementation runs:
+    :func:`oracle.judging.quiet.wait_quiet`).
     """
 
-    def __init__(self, source: Iterator, count: int):
+    def __init__(self, source: Iterator, count: int, pause=None):
         self._count = int(count)
+        self._pause = pause
         self._items: list = []
         self._error: BaseException | None = None
         self._done = False
@@ -42,7 +45,7 @@ class Prefetched:
 
     def _read(self, source) -> None:
         try:
-            for item in source:
+            for item in self._paced(source):
                 with self._ready:
                     self._items.append(item)
                     self._ready.notify_all()
@@ -53,6 +56,17 @@ class Prefetched:
             with self._ready:
                 self._done = True
                 self._ready.notify_all()
+
+    def _paced(self, source):
+        """The items of ``source``, each read after ``pause()`` returned (when given)."""
+        items = iter(source)
+        while True:
+            if self._pause is not None:
+                self._pause()
+            try:
+                yield next(items)
+            except StopIteration:
+                return
 
     def __len__(self) -> int:
         return self._count

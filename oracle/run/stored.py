@@ -63,7 +63,8 @@ class StoredCases:
 @dataclass(frozen=True)
 class Batch:
     """One request for the cases ``names`` of ``directory``: judge each (with its
-    ``reproduce`` command) and answer case by case."""
+    ``reproduce`` command) and answer case by case; without ``keep_arrays`` the passing
+    checks travel without their per-element arrays."""
 
     directory: str
     names: tuple
@@ -71,6 +72,7 @@ class Batch:
     grads: bool
     diagnose: object
     tolerance: str
+    keep_arrays: bool = True
 
 
 def serve_batch(impl, batch, receive, send, judge, one_line) -> bool:  # pragma: no cover
@@ -79,13 +81,16 @@ def serve_batch(impl, batch, receive, send, judge, one_line) -> bool:  # pragma:
     # worker side: loaded after the memory limit and only by a worker given a batch
     from oracle.fixtures import golden
     from oracle.judging import parts
+    from oracle.judging.quiet import wait_quiet
     from oracle.reading.features import case_features
 
     # read (and hashed, their judging parts too) in a thread while the cases before are
-    # judged: the file reads and the hashing release the GIL
+    # judged
     names = _part_names(batch)
     read = golden.load(batch.directory, names=batch.names)
-    fixtures = iter(Prefetched(_keyed(read, names), 1))
+    # the reading waits while the implementation runs (oracle.judging.quiet): it is the
+    # judge's work, and must not take the implementation's core and interpreter lock
+    fixtures = iter(Prefetched(_keyed(read, names), 1, pause=wait_quiet))
     for reproduce in batch.reproduce:
         if receive.poll():
             request = receive.recv()
@@ -103,9 +108,17 @@ def serve_batch(impl, batch, receive, send, judge, one_line) -> bool:  # pragma:
         except BaseException as exc:  # noqa: BLE001 - the case's verdict is "error"
             send(("error", f"the implementation raised {one_line(exc)}"))
         else:
-            send(("result", result))
+            send(("result", result if batch.keep_arrays else _lightened(result)))
         parts.forget_ahead(fixture.content_key, names)
     return True
+
+
+def _lightened(result):  # pragma: no cover - worker side
+    """``result`` (and its tight twin) with its passing checks lightened."""
+    for found in (result, getattr(result, "tight", None)):
+        for check in getattr(found, "checks", {}).values():
+            check.lighten()
+    return result
 
 
 def _part_names(batch) -> tuple:

@@ -359,12 +359,22 @@ class Supervisor:
                 problem = payload
         return _error_result(fixture.case, problem, reproduce, start, check)
 
-    def run_stored(self, stored, reproduce, *, grads=False, diagnose=True, tolerance="default"):
+    def run_stored(
+        self,
+        stored,
+        reproduce,
+        *,
+        grads=False,
+        diagnose=True,
+        tolerance="default",
+        keep_arrays=True,
+    ):
         """Judge the cases of ``stored`` (:class:`oracle.run.stored.StoredCases`; ``reproduce``:
         their reproduce commands) in the worker, which reads their fixtures: yields each
-        case's result in order, its features set. Any way the worker fails is that case's
-        "error" and a new worker goes on from the next case; a fixture that cannot be read
-        raises its error when its case is reached."""
+        case's result in order, its features set (``keep_arrays=False``: passing checks
+        without their per-element arrays, :meth:`oracle.judging.results.Check.lighten`). Any
+        way the worker fails is that case's "error" and a new worker goes on from the next
+        case; a fixture that cannot be read raises its error when its case is reached."""
         index, total = 0, len(stored)
         while index < total:
             start = time.perf_counter()
@@ -377,6 +387,7 @@ class Supervisor:
                     grads,
                     diagnose,
                     tolerance,
+                    keep_arrays,
                 )
                 try:
                     self._send_connection.send(batch)

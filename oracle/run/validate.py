@@ -267,6 +267,7 @@ def validate(
     workers=1,
     refusals_are_errors=False,
     keep_worker=False,
+    keep_arrays=True,
 ) -> Report:
     """Validate ``impl`` on a suite or a fixture directory in one dtype.
 
@@ -368,6 +369,12 @@ def validate(
         Keep the supervised worker process running after the run, for the next run of the
         same implementation in this process (:mod:`oracle.run.worker_cache`; the Dask executor
         sets it: each Dask worker keeps one child across its tasks).
+    keep_arrays : bool
+        Keep every check's per-element arrays (normalised errors, threshold floors) in the
+        report, for :meth:`Report.to_html` with ``plots="all"`` (default). False keeps them
+        for failing checks only (:meth:`oracle.judging.results.Check.lighten`; the report's
+        figures are the same): a worker reading a fixture directory then sends a fraction of
+        the bytes back. ``refattn-oracle validate`` sets it unless ``--plots all``.
 
     Options equal to :func:`refattn.attention`'s defaults are not passed to the
     implementation (:func:`passed_options`): its own defaults then apply.
@@ -423,6 +430,7 @@ def validate(
         convention,
         checks,
         extra_flags=getattr(unwrapped, "reproduce_flags", ""),  # an adapted merge function's
+        keep_arrays=keep_arrays,
     )
     start = time.perf_counter()
     results = _run_items(run, items, supervisor, unwrapped, workers, progress, keep_worker, started)
@@ -527,6 +535,7 @@ class _Run:
     convention: dict
     checks: tuple
     extra_flags: str = ""
+    keep_arrays: bool = True
 
     def reproduce(self, case) -> str:
         """The command that re-runs ``case``."""
@@ -551,6 +560,7 @@ class _Run:
             grads=self.grads,
             diagnose=self.diagnose,
             tolerance=self.tolerance,
+            keep_arrays=self.keep_arrays,
         )
 
     def item(self, item, worker) -> list:
