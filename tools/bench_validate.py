@@ -17,7 +17,10 @@ over this process's CPU time in the same forward calls, BLAS threads included): 
 shared with other work the wall times swing with its load, the CPU times much less. ``--tree DIR``
 (repeatable) runs the CLI from other source trees as well (e.g. an export of the previous
 commit), alternating with this one, so before and after are measured under the same machine
-load; the verdict tables are compared. The CLI
+load; the verdict tables are compared. Each CLI run's figures also hold ``cases`` (the
+seconds of its cases as its JSON report states them: the implementation's calls and the
+judging, in the worker) and, once per tree and round, ``import`` (the wall time of a fresh
+``python -c "import oracle.cli"``, the start-up before any case). The CLI
 processes keep their bytecode in ``--pycache DIR`` (``PYTHONPYCACHEPREFIX``; an installed
 refattn has its ``.pyc`` files, and a shell with ``PYTHONDONTWRITEBYTECODE=1`` would otherwise
 compile every module of the source tree on every run, 0.4-0.8 s); ``--pycache ''`` keeps the
@@ -92,7 +95,19 @@ def _cli_run(tree: Path, flag: str, spec: str, directory: Path, dtype, pycache="
     found = json.loads(report.read_text()) if report.stat().st_size else {"results": []}
     report.unlink()
     verdicts = {r["name"]: r["verdict"] for r in found["results"]}
-    return {"wall": wall, "cpu": cpu, "rc": done.returncode, "verdicts": verdicts}
+    cases = sum(r.get("seconds", 0.0) for r in found["results"])
+    return {"wall": wall, "cpu": cpu, "rc": done.returncode, "verdicts": verdicts, "cases": cases}
+
+
+def _import_seconds(tree: Path, pycache="") -> float:
+    """Wall time of a fresh interpreter importing the oracle's command line from ``tree``."""
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}
+    if pycache:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(Path(pycache).resolve())
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import oracle.cli"], cwd=tree, env=env, check=True)
+    return time.perf_counter() - start
 
 
 def _bench_cli(args, directory: Path, figures: dict) -> None:
@@ -118,16 +133,26 @@ def _bench_cli(args, directory: Path, figures: dict) -> None:
             for label, tree in trees:
                 run = _cli_run(tree, flag, spec, directory, args.dtype, args.pycache)
                 walls = entry.setdefault(
-                    label, {"wall_seconds": [], "cpu_seconds": [], "rc": run["rc"]}
+                    label,
+                    {
+                        "wall_seconds": [],
+                        "cpu_seconds": [],
+                        "cases_seconds": [],
+                        "import_seconds": [],
+                        "rc": run["rc"],
+                    },
                 )
                 walls["wall_seconds"].append(round(run["wall"], 2))
                 walls["cpu_seconds"].append(round(run["cpu"], 2))
+                walls["cases_seconds"].append(round(run["cases"], 2))
+                walls["import_seconds"].append(round(_import_seconds(tree, args.pycache), 3))
                 walls["ratio"] = round(min(walls["wall_seconds"]) / own, 2)
                 walls["cpu_ratio"] = round(min(walls["cpu_seconds"]) / own_cpu, 2)
                 tables = entry.setdefault("_verdicts", {})
                 tables.setdefault(label, run["verdicts"])
                 print(
-                    f"{spec} [{label}] {run['wall']:6.2f} s (cpu {run['cpu']:5.2f} s)  own "
+                    f"{spec} [{label}] {run['wall']:6.2f} s (cpu {run['cpu']:5.2f} s, cases "
+                    f"{run['cases']:5.2f} s, import {walls['import_seconds'][-1]:5.2f} s)  own "
                     f"{own:5.2f} s (cpu {own_cpu:5.2f} s)  load {os.getloadavg()[0]:.1f}",
                     flush=True,
                 )

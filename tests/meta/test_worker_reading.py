@@ -140,3 +140,13 @@ def test_without_arrays_the_report_is_the_same(directory, tolerance):
                 # a failing check keeps its arrays: its explanation and plots read them
                 assert (check.errors is None) == check.passed, (result.name, check.quantity)
         assert [r.explain() for r in lean.results] == [r.explain() for r in full.results]
+
+
+def test_read_bytes_gives_the_file_in_one_writable_buffer(tmp_path):
+    from oracle.fixtures.npz import read_bytes
+
+    path = tmp_path / "data.bin"
+    for content in (b"", b"x", bytes(range(256)) * 4099):
+        path.write_bytes(content)
+        found = read_bytes(path)
+        assert isinstance(found, bytearray) and found == content
