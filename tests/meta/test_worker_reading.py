@@ -5,7 +5,9 @@ per-element arrays, with the same report."""
 from __future__ import annotations
 
 import copy
+import gc
 import json
+import os
 import threading
 import time
 
@@ -150,3 +152,26 @@ def test_read_bytes_gives_the_file_in_one_writable_buffer(tmp_path):
         path.write_bytes(content)
         found = read_bytes(path)
         assert isinstance(found, bytearray) and found == content
+
+
+def _report_freeze_count(read_fd, write_fd):
+    os.write(write_fd, str(gc.get_freeze_count()).encode())
+
+
+def test_a_forked_worker_leaves_the_parents_objects_to_the_parent():
+    from oracle.run.forked import fork_worker
+
+    to_parent_r, to_parent_w = os.pipe()
+    to_child_r, to_child_w = os.pipe()
+    before = gc.get_freeze_count()
+    child = fork_worker(_report_freeze_count, to_child_r, to_parent_w, (to_child_w, to_parent_r))
+    os.close(to_parent_w)
+    os.close(to_child_r)
+    try:
+        frozen = int(os.read(to_parent_r, 64) or b"0")
+        assert child.wait(60) == 0
+    finally:
+        os.close(to_parent_r)
+        os.close(to_child_w)
+    assert frozen > 0  # the child's collections skip the objects it shares with the parent
+    assert gc.get_freeze_count() == before  # the parent's collect them as before
