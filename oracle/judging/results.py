@@ -190,25 +190,31 @@ class Check:
         (:mod:`oracle.run.stored`)."""
         found = getattr(self, "_figures", None)
         if found is None:
-            found = self._figures = (
-                json_float(float(np.max(self.threshold.value))),
-                json_float(float(np.max(self.threshold.floor))),
-                None if self.grade is None else self.grade.summary(),
-                self.threshold.n_fallback,
-            )
+            limit, floor, fallback = getattr(self, "_limits", None) or self._threshold_figures()
+            summary = None if self.grade is None else self.grade.summary()
+            found = self._figures = (limit, floor, summary, fallback)
         return found
+
+    def _threshold_figures(self) -> tuple:
+        """(largest threshold, largest floor, elements judged by the one-ulp rule)."""
+        return (
+            json_float(float(np.max(self.threshold.value))),
+            json_float(float(np.max(self.threshold.floor))),
+            self.threshold.n_fallback,
+        )
 
     def lighten(self) -> None:
         """Drop what the report does not read of a passing check: its per-element normalised
         errors and the per-element floor and one-ulp limits of its threshold (a floor is kept
-        as its largest value), its figures (:meth:`figures`) computed first. A failing check
-        keeps everything (its explanation and plots read them); the grade is kept (a report
-        pools the elements' ulp distances). A worker judging a run whose report plots no
-        passing check lightens the results it sends back (the per-element arrays were most of
-        their bytes)."""
+        as its largest value), the threshold's figures (:meth:`figures`) computed first. A
+        failing check keeps everything (its explanation and plots read them); the grade is
+        kept (a report pools the elements' ulp distances; its summary is computed where the
+        report is made). A worker judging a run whose report plots no passing check lightens
+        the results it sends back (the per-element arrays were most of their bytes)."""
         if not self.passed:
             return
-        self.figures()
+        if getattr(self, "_limits", None) is None:
+            self._limits = self._threshold_figures()
         self.errors = None
         if np.ndim(self.threshold.floor) or self.threshold.fallback is not None:
             largest = float(np.max(self.threshold.floor))
