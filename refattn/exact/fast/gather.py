@@ -46,11 +46,12 @@ import threading
 import numba
 import numpy as np
 
+from ..._arrays import read_only
 from ...sparse_indices import index_mask
 from ...spec import AttentionSpec
 from ..rounding import format_of
 from . import doubledouble as D
-from ._params import P_GAMMA_DIM, P_GAMMA_SUM, P_SUM_REL, frozen
+from ._params import P_GAMMA_DIM, P_GAMMA_SUM, P_SUM_REL, R_ROWS_HI, R_ROWS_LO, frozen
 from .allowed_set import allowed_rule
 from .facts import row_facts
 from .forward import finish_forward, kernel_params, referee_runs, row_spec
@@ -62,6 +63,32 @@ __all__ = ["gather_forward", "gather_row_spec", "SERIAL_WORK"]
 
 #: Setup passes over fewer elements than this run on the calling thread alone.
 SERIAL_WORK = 1 << 22
+
+
+def _rows_cover(rule, used) -> bool:
+    """Whether the structural interval of each batch row's query row 0 holds every key its
+    kv-head planes list (``used``: per (b, g) the listed positions, ascending)."""
+    lo, hi = rule.kernel_args()[R_ROWS_LO], rule.kernel_args()[R_ROWS_HI]
+    return all(
+        u.size == 0 or (lo[b, 0] <= u[0] and u[-1] < hi[b, 0])
+        for b, row in enumerate(used)
+        for u, _ in row
+    )
+
+
+def _key_source(k: np.ndarray, keys_of: np.ndarray, used) -> tuple:
+    """(rows, row index of each gathered column) the double-precision step reads the listed
+    keys from: ``k`` (B, K, S, D) itself when float32 or float64 (widened exactly in the
+    step) with ``keys_of``; else (float16, bfloat16, float8) the listed rows converted to
+    float32 (exact) into (B, K, U, D), column c at row c."""
+    if k.dtype in (np.float32, np.float64):
+        return read_only(k), frozen(keys_of)
+    out = np.zeros(keys_of.shape + k.shape[-1:], np.float32)
+    for b, row in enumerate(used):
+        for g, (u, _) in enumerate(row):
+            out[b, g, : u.size] = k[b, g][u]
+    columns = np.broadcast_to(np.arange(keys_of.shape[-1], dtype=np.int64), keys_of.shape)
+    return read_only(out), frozen(columns)
 
 
 def gather_row_spec(spec: AttentionSpec, b: int, h: int, start: int, stop: int) -> AttentionSpec:
@@ -157,7 +184,7 @@ class _Gathered:
     """Each row's listed columns, the gathered float64 keys and values of every kv-head plane
     with their facts, the kernel parameters and the planes the first steps take."""
 
-    def __init__(self, spec: AttentionSpec):
+    def __init__(self, spec: AttentionSpec, fused: bool = False):
         batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
         idx = np.ascontiguousarray(spec.key_indices, dtype=np.int64)
         count = idx.shape[-1]
@@ -172,6 +199,10 @@ class _Gathered:
         used = [
             [_union(lists[b, g], counts[b, g], keys) for g in range(kv_heads)] for b in range(batch)
         ]
+        rule = allowed_rule(spec)  # the caller's mask: the listed set is not in it
+        # the keys' facts formed by the double-precision step itself: each decode row's
+        # interval holds all of its plane's listed keys (so its items check every one)
+        self.fused = fused and length == 1 and _rows_cover(rule, used)
         width = max([1] + [u.size for row in used for u, _ in row])
         self.keys_of = np.zeros((batch, kv_heads, width), np.int64)
         self.local = np.zeros_like(lists)
@@ -187,9 +218,15 @@ class _Gathered:
                 for g in range(kv_heads):
                     u, self.local[b, g] = used[b][g]
                     self.keys_of[b, g, : u.size] = u
-                    k_ok[b, g] = self._keys(spec.k[b, g], u, (b, g))
+                    if not self.fused:
+                        k_ok[b, g] = self._keys(spec.k[b, g], u, (b, g))
                     src, rows = _source(spec.v[b, g], u)
                     v_ok[b, g] = value_rows(src, rows, self.v[b, g], self.vmax[b, g])
+        self.source = _key_source(spec.k, self.keys_of, used) + (
+            np.zeros((batch, kv_heads), bool),
+            self.fused,
+        )
+        self._spec, self._used = spec, used
         self.counts = counts
         self.q = np.ascontiguousarray(spec.q, dtype=np.float64)
         self.kvh = np.ascontiguousarray(spec.kv_head, dtype=np.int64)
@@ -203,7 +240,25 @@ class _Gathered:
         self.prm[:, :, P_SUM_REL] = D.dot_bound(2 * (listed + sink))
         kv_ok = k_ok & v_ok
         self.ok = ok & q_ok.all(axis=2) & kv_ok[:, self.kvh] & (length > 0) & (keys > 0)
-        self.rule = allowed_rule(spec)  # the caller's mask: the listed set is not in it
+        self.rule = rule
+
+    def key_flags(self) -> None:
+        """After the double-precision step: the kv-head planes whose items found a listed key
+        out of range (``fused``: the step formed the keys' facts) leave the first steps (the
+        referee takes their rows, as when the setup's check fails)."""
+        if self.fused:
+            self.ok &= ~self.source[2][:, self.kvh]
+
+    def gathered_keys(self) -> None:
+        """The gathered keys' transposed table, norms and exactness scales of every kv-head
+        plane (:meth:`_keys`) for the double-double step, when the setup left them to the
+        double-precision step (``fused``); their range checks passed there."""
+        if not self.fused:
+            return
+        self.fused = False
+        for b, row in enumerate(self._used):
+            for g, (u, _) in enumerate(row):
+                self._keys(self._spec.k[b, g], u, (b, g))
 
     def _keys(self, plane: np.ndarray, used: np.ndarray, bg) -> bool:
         """The keys ``used`` of a kv-head plane (S, D) into the transposed table ``kT[bg]``
@@ -282,7 +337,7 @@ def gather_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_w
     status = np.full((batch, heads, length), UNDECIDED, dtype=np.int8)
     step_rows = {"double": 0, "double-double": 0}
     if out.size or lse.size:
-        x = _Gathered(spec)
+        x = _Gathered(spec, fused=fmt.p <= 24)
         inputs = x.inputs()
         lists = (frozen(x.local), frozen(x.counts))
         rule = x.rule.kernel_args()
@@ -294,13 +349,15 @@ def gather_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_w
             items = x.items(length, 1 if work < SERIAL_WORK else numba.get_num_threads())
             if items.size:
                 with _serial_below(work):
-                    gather_d(items, inputs, lists, rule, target, results)
+                    gather_d(items, inputs, lists, rule, target, results, x.source)
+            x.key_flags()
             step_rows["double"] = int(x.ok.sum()) * length
             redo = x.ok[:, :, None] & (status == UNDECIDED)
         else:
             redo = np.broadcast_to(x.ok[:, :, None], status.shape)
         rows = np.ascontiguousarray(np.argwhere(redo))
         if rows.size:
+            x.gathered_keys()
             with _serial_below(rows.shape[0] * per_row * 4):  # Dot2: ~4 fma chains' work
                 gather_dd(rows, inputs, lists, rule, target, results)
         step_rows["double-double"] = rows.shape[0]

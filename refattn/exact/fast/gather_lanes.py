@@ -38,6 +38,7 @@ __all__ = [
     "magnitude_sum",
     "key_facts",
     "value_rows",
+    "source_dots",
 ]
 
 #: Lanes of a 64-byte float64 vector.
@@ -510,3 +511,85 @@ def value_rows(src, used, out, vmax):
         if bad:
             good = False
     return good
+
+
+@numba.jit(**_JIT)
+def _source_panel(src, rows, cols, c, m, buf, panel, facts):
+    """The m <= W keys ``src[rows[cols[c + l]]]`` (l < m) widened exactly to float64 into the
+    lanes of the (D, W) ``panel`` (the other lanes +0); with ``facts`` = (ok, scales) not
+    empty, each key's range check and exactness scale into ``ok[c + l]``, ``scales[c + l]``
+    (the bits of :func:`key_facts`: the widened row's :func:`_row_scale`, its sum of squares a
+    lane chain over d in order, then the norm and the scale as :func:`_key_block` forms
+    them). ``buf`` (W, D) float64 holds the widened rows."""
+    dim = panel.shape[0]
+    want = facts[0].shape[0] > 0
+    bits = buf.view(np.int64)
+    low = np.empty(W, np.int64)
+    good = np.ones(W, np.bool_)
+    for cc in range(W):
+        dst = buf[cc]
+        if cc < m:
+            row = src[rows[cols[c + cc]]]
+            for d in range(dim):
+                dst[d] = row[d]
+            if want:
+                good[cc], low[cc] = _row_scale(dst, bits[cc])
+        else:
+            for d in range(dim):
+                dst[d] = 0.0
+    for d in range(dim):
+        pd = panel[d]
+        for cc in range(W):
+            pd[cc] = buf[cc, d]
+    if not want:
+        return
+    ok, scales = facts
+    acc = vzero(panel[0])
+    for d in range(dim):
+        t = vload(panel[d], 0)
+        acc = vadd(acc, vmul(t, t))
+    sums = np.empty(W)
+    vstore(sums, 0, acc)
+    for cc in range(m):
+        norm = math.sqrt(sums[cc]) * (1.0 + 2.0**-30) + 2.0**-1000
+        g = 0 if low[cc] == 1 << 40 else low[cc]  # a zero row: its products are all 0
+        ok[c + cc] = good[cc]
+        scales[c + cc] = np.ldexp(norm, -g)
+
+
+@numba.jit(**_JIT)
+def source_dots(qh, src, rows, cols, block, s, sab, facts):
+    """:func:`dot_tiles` (the same bits) for every listed key: ``s[r, jj] = qh[r] .
+    src[rows[cols[jj]]]`` and the magnitude sums ``sab[r, jj]`` for jj < n (``s``, ``sab``
+    (>= R, n)), read from the kv-head plane's own rows ``src`` (S', D) (float32 or float64,
+    widened exactly) W keys at a time into a (D, W) panel that every query row then reads:
+    no float64 copy or transposed table of the gathered keys is formed. The last panel's
+    missing keys are +0 lanes whose results are dropped (each lane's arithmetic is its own).
+    With ``facts`` = (ok (n,), scales (n,)) (empty: not asked) each key's range check and exactness
+    scale are formed from the widened row in the same pass (:func:`_source_panel`)."""
+    nq = qh.shape[0]
+    dim = qh.shape[1]
+    n = cols.shape[0]
+    buf = np.empty((W, dim))
+    panel = np.empty((dim, W))
+    tile = np.zeros((4, W))
+    tile_ab = np.zeros((4, W))
+    for c in range(0, n, W):
+        m = min(W, n - c)
+        _source_panel(src, rows, cols, c, m, buf, panel, facts)
+        r = 0
+        while r < nq:
+            k = 4 if r + 4 <= nq else 1
+            if k == 4:
+                _dots4(qh[r : r + 4], panel, 0, dim, block, tile, tile_ab)
+            else:
+                _dots1(qh[r], panel, 0, dim, block, tile[0], tile_ab[0])
+            for rr in range(k):
+                if m == W:
+                    vstore(s[r + rr], c, vload(tile[rr], 0))
+                    vstore(sab[r + rr], c, vload(tile_ab[rr], 0))
+                else:
+                    for cc in range(m):
+                        s[r + rr, c + cc] = tile[rr, cc]
+                        sab[r + rr, c + cc] = tile_ab[rr, cc]
+            r += k
