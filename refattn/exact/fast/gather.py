@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 
 import numba
@@ -115,6 +116,11 @@ def gather_row_spec(spec: AttentionSpec, b: int, h: int, start: int, stop: int) 
 def _union(lists: np.ndarray, counts: np.ndarray, keys: int):
     """(U,) the positions listed by some row of one kv-head plane (``lists`` (L, T), ``counts``
     (L,)) and each list entry's column among them (L, T) (0 past a row's count)."""
+    if lists.shape[0] == 1:  # a decode row: its list is already its distinct keys, ascending
+        count = int(counts[0])
+        return lists[0, :count].copy(), np.arange(lists.shape[1])[None, :] * (
+            np.arange(lists.shape[1]) < count
+        )
     valid = np.arange(lists.shape[1]) < counts[:, None]
     entries = lists[valid]
     if entries.size > keys:  # a prefill: a presence vector, O(S + L T), no sort of L T entries
@@ -127,6 +133,35 @@ def _union(lists: np.ndarray, counts: np.ndarray, keys: int):
         used = np.unique(entries)
         local = np.where(valid, np.searchsorted(used, lists), 0)
     return used, local
+
+
+#: :func:`refattn.exact.fast.doubledouble.gamma_up` and ``dot_bound`` of a count (exact
+#: rational arithmetic, then rounded up: pure functions of the count, kept per count).
+_gamma_up = functools.lru_cache(maxsize=256)(D.gamma_up)
+_dot_bound = functools.lru_cache(maxsize=256)(D.dot_bound)
+
+_PARAMS: dict = {}
+
+
+def _kernel_params(spec: AttentionSpec):
+    """:func:`refattn.exact.fast.forward.kernel_params` of ``spec`` (a copy), kept per value of
+    the fields it reads when the spec has no ALiBi slopes and no sinks (its rational scale
+    and keep scale then cost more than a decode step's setup): the dims, the exact scale,
+    softcap, keep scale, ALiBi key count and each batch row's offset."""
+    if spec.alibi_slopes is not None or spec.sinks is not None:
+        return kernel_params(spec)
+    batch = spec.dims[0]
+    fields = (spec.scale_exact, spec.softcap, spec.keep_scale, spec.alibi_keys)
+    key = (spec.dims, fields, tuple(spec.alibi_offset(b) for b in range(batch)))
+    try:
+        found = _PARAMS.get(key)
+    except TypeError:  # a field that is not hashable: no memo
+        return kernel_params(spec)
+    if found is None:
+        if len(_PARAMS) >= 64:
+            _PARAMS.clear()
+        found = _PARAMS[key] = kernel_params(spec)
+    return found[0].copy(), np.array(found[1])
 
 
 _SCRATCH = threading.local()
@@ -152,12 +187,14 @@ def _serial_below(work: int):
     (elements) is below :data:`SERIAL_WORK`: waking the worker threads costs more than such
     a pass (and, on a loaded machine, waits for a free core). The bits never depend on it."""
     threads = numba.get_num_threads()
-    if work < SERIAL_WORK and threads > 1:
+    serial = work < SERIAL_WORK and threads > 1
+    if serial:
         numba.set_num_threads(1)
     try:
         yield
     finally:
-        numba.set_num_threads(threads)
+        if serial:
+            numba.set_num_threads(threads)
 
 
 def _source(plane: np.ndarray, used: np.ndarray):
@@ -231,13 +268,13 @@ class _Gathered:
         self.q = np.ascontiguousarray(spec.q, dtype=np.float64)
         self.kvh = np.ascontiguousarray(spec.kv_head, dtype=np.int64)
         q_ok, self.qn, self.qs = _facts(self.q)
-        self.prm, ok = kernel_params(spec)
+        self.prm, ok = _kernel_params(spec)
         listed = min(count, keys)  # the keys a row sums over: at most min(T, S)
         sink = spec.sinks is not None
         # the relative error of the dot products' magnitude sums (gather_kernels.dot_error)
-        self.prm[:, :, P_GAMMA_DIM] = D.gamma_up(DOT_BLOCK + dim // DOT_BLOCK + 4)
-        self.prm[:, :, P_GAMMA_SUM] = D.gamma_up(SUM_BLOCK + listed // SUM_BLOCK + 2 + sink)
-        self.prm[:, :, P_SUM_REL] = D.dot_bound(2 * (listed + sink))
+        self.prm[:, :, P_GAMMA_DIM] = _gamma_up(DOT_BLOCK + dim // DOT_BLOCK + 4)
+        self.prm[:, :, P_GAMMA_SUM] = _gamma_up(SUM_BLOCK + listed // SUM_BLOCK + 2 + sink)
+        self.prm[:, :, P_SUM_REL] = _dot_bound(2 * (listed + sink))
         kv_ok = k_ok & v_ok
         self.ok = ok & q_ok.all(axis=2) & kv_ok[:, self.kvh] & (length > 0) & (keys > 0)
         self.rule = rule
