@@ -142,6 +142,41 @@ def _dots4(q4, kcols, c, dim, block, s4, sab4):
 
 
 @numba.jit(**_JIT)
+def _dots4_full(q4, kcols, c, dim, block, s4, sab4):
+    """:func:`_dots4` for four query rows without a zero feature (no feature is skipped: the
+    same operations, without the tests)."""
+    s0 = s1 = s2 = s3 = b0 = b1 = b2 = b3 = vzero(kcols[0])
+    for d0 in range(0, dim, block):
+        p0 = p1 = p2 = p3 = a0 = a1 = a2 = a3 = vzero(kcols[0])
+        for d in range(d0, min(d0 + block, dim)):
+            k = vload(kcols[d], c)
+            p0 = vfma(q4[0, d], k, p0)
+            p1 = vfma(q4[1, d], k, p1)
+            p2 = vfma(q4[2, d], k, p2)
+            p3 = vfma(q4[3, d], k, p3)
+            a0 = vadd(a0, vabs(p0))
+            a1 = vadd(a1, vabs(p1))
+            a2 = vadd(a2, vabs(p2))
+            a3 = vadd(a3, vabs(p3))
+        s0 = vadd(s0, p0)
+        b0 = vadd(b0, vadd(a0, vabs(s0)))
+        s1 = vadd(s1, p1)
+        b1 = vadd(b1, vadd(a1, vabs(s1)))
+        s2 = vadd(s2, p2)
+        b2 = vadd(b2, vadd(a2, vabs(s2)))
+        s3 = vadd(s3, p3)
+        b3 = vadd(b3, vadd(a3, vabs(s3)))
+    vstore(s4[0], c, s0)
+    vstore(s4[1], c, s1)
+    vstore(s4[2], c, s2)
+    vstore(s4[3], c, s3)
+    vstore(sab4[0], c, b0)
+    vstore(sab4[1], c, b1)
+    vstore(sab4[2], c, b2)
+    vstore(sab4[3], c, b3)
+
+
+@numba.jit(**_JIT)
 def _dots1(qrow, kcols, c, dim, block, srow, sabrow):
     """:func:`_dots4` for one query row."""
     s0 = b0 = vzero(kcols[0])
@@ -605,6 +640,11 @@ def source_dots(qh, src, rows, cols, block, s, sab, facts):
     nq = qh.shape[0]
     dim = qh.shape[1]
     n = cols.shape[0]
+    full = np.ones(nq // 4, np.bool_)  # four rows without a zero feature: no test per feature
+    for r in range(nq - nq % 4):
+        for d in range(dim):
+            if qh[r, d] == 0.0:
+                full[r // 4] = False
     buf = np.empty((W, dim))
     panel = np.empty((dim, W))
     tile = np.zeros((4, W))
@@ -615,7 +655,9 @@ def source_dots(qh, src, rows, cols, block, s, sab, facts):
         r = 0
         while r < nq:
             k = 4 if r + 4 <= nq else 1
-            if k == 4:
+            if k == 4 and full[r // 4]:
+                _dots4_full(qh[r : r + 4], panel, 0, dim, block, tile, tile_ab)
+            elif k == 4:
                 _dots4(qh[r : r + 4], panel, 0, dim, block, tile, tile_ab)
             else:
                 _dots1(qh[r], panel, 0, dim, block, tile[0], tile_ab[0])
