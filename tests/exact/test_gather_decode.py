@@ -173,3 +173,22 @@ def test_kept_kernel_parameters_are_fresh_copies():
     first[...] = np.nan
     again, _ = G._kernel_params(spec)
     assert _bits_equal(again, want)
+
+
+def test_serial_twins_of_the_small_passes_keep_the_bits():
+    """The thread-free compiles of compact_lists and row_facts (the small passes of a decode
+    step) give the parallel ones' results."""
+    rng = np.random.default_rng(11)
+    idx = rng.integers(-1, 50, (6, 33))
+    got = (np.zeros_like(idx), np.zeros(6, np.int64))
+    want = (np.zeros_like(idx), np.zeros(6, np.int64))
+    GK.compact_lists_serial(idx, *got)
+    GK.compact_lists(idx, *want)
+    assert all(_bits_equal(g, w) for g, w in zip(got, want, strict=True))
+    x = rng.standard_normal((7, 29)) * 2.0 ** rng.integers(-40, 40, (7, 29))
+    x[2, 3] = np.inf
+    got = (np.empty(7), np.empty(7), np.empty(7, bool))
+    want = (np.empty(7), np.empty(7), np.empty(7, bool))
+    G._row_facts_serial(x, x.view(np.int64), *got)
+    row_facts(x, x.view(np.int64), *want)
+    assert all(_bits_equal(g, w) for g, w in zip(got, want, strict=True))

@@ -57,7 +57,14 @@ from .allowed_set import allowed_rule
 from .facts import row_facts
 from .forward import finish_forward, kernel_params, referee_runs, row_spec
 from .forward_kernels import SUM_BLOCK, UNDECIDED
-from .gather_kernels import DOT_BLOCK, HEAD_BLOCK, compact_lists, gather_d, gather_dd
+from .gather_kernels import (
+    DOT_BLOCK,
+    HEAD_BLOCK,
+    compact_lists,
+    compact_lists_serial,
+    gather_d,
+    gather_dd,
+)
 from .gather_lanes import key_facts, value_rows
 
 __all__ = ["gather_forward", "gather_row_spec", "SERIAL_WORK"]
@@ -206,14 +213,22 @@ def _source(plane: np.ndarray, used: np.ndarray):
     return np.asarray(plane[used], dtype=np.float32), np.arange(used.size)
 
 
+#: :func:`refattn.exact.fast.facts.row_facts` compiled without threads (the same loop body
+#: and bits) for the small passes: no change of the thread count around them, which on a
+#: busy machine delays the next parallel region.
+_row_facts_serial = numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy")(
+    row_facts.py_func
+)
+
+
 def _facts(a: np.ndarray):
     """(ok, norms, scales) of the rows of a (..., N, X) float64 array
     (:func:`refattn.exact.fast.facts.row_facts`)."""
     flat = frozen(a.reshape(-1, a.shape[-1]))
     out = [np.empty(flat.shape[0], dtype) for dtype in (np.bool_, np.float64, np.float64)]
     if flat.shape[0]:
-        with _serial_below(flat.size):
-            row_facts(flat, flat.view(np.int64), out[1], out[2], out[0])
+        facts = row_facts if flat.size >= SERIAL_WORK else _row_facts_serial
+        facts(flat, flat.view(np.int64), out[1], out[2], out[0])
     return [o.reshape(a.shape[:-1]) for o in out]
 
 
@@ -229,8 +244,8 @@ class _Gathered:
         lists = np.zeros_like(flat)
         counts = np.zeros(flat.shape[0], np.int64)
         if flat.size:
-            with _serial_below(flat.size):
-                compact_lists(flat, lists, counts)
+            compact = compact_lists if flat.size >= SERIAL_WORK else compact_lists_serial
+            compact(flat, lists, counts)
         lists = lists.reshape(idx.shape)
         counts = counts.reshape(idx.shape[:3])
         used = [
@@ -250,15 +265,14 @@ class _Gathered:
         self.vmax = np.zeros((batch, kv_heads, vdim))
         k_ok = np.ones((batch, kv_heads), bool)
         v_ok = np.ones((batch, kv_heads), bool)
-        with _serial_below(sum(u.size for row in used for u, _ in row) * (dim + vdim)):
-            for b in range(batch):
-                for g in range(kv_heads):
-                    u, self.local[b, g] = used[b][g]
-                    self.keys_of[b, g, : u.size] = u
-                    if not self.fused:
-                        k_ok[b, g] = self._keys(spec.k[b, g], u, (b, g))
-                    src, rows = _source(spec.v[b, g], u)
-                    v_ok[b, g] = value_rows(src, rows, self.v[b, g], self.vmax[b, g])
+        for b in range(batch):  # the keys' pass sets its own threads; value_rows is serial
+            for g in range(kv_heads):
+                u, self.local[b, g] = used[b][g]
+                self.keys_of[b, g, : u.size] = u
+                if not self.fused:
+                    k_ok[b, g] = self._keys(spec.k[b, g], u, (b, g))
+                src, rows = _source(spec.v[b, g], u)
+                v_ok[b, g] = value_rows(src, rows, self.v[b, g], self.vmax[b, g])
         self.source = _key_source(spec.k, self.keys_of, used) + (
             np.zeros((batch, kv_heads), bool),
             self.fused,

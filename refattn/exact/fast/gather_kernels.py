@@ -74,6 +74,7 @@ from .gather_lanes import magnitude_sum, source_dots, sums_rows, weighted_block
 
 __all__ = [
     "compact_lists",
+    "compact_lists_serial",
     "dot_error",
     "exp_rel",
     "float32_outputs",
@@ -108,6 +109,11 @@ def compact_lists(idx, lists, counts):
                 n += 1
                 last = x
         counts[r] = n
+
+
+#: :func:`compact_lists` compiled without threads (the same loop body and bits), for the
+#: small lists of a decode step.
+compact_lists_serial = numba.jit(**_JIT)(compact_lists.py_func)
 
 
 @numba.jit(**_JIT)
