@@ -41,27 +41,62 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 
 import numba
 import numpy as np
 
+from ..._arrays import read_only
 from ...sparse_indices import index_mask
 from ...spec import AttentionSpec
 from ..rounding import format_of
 from . import doubledouble as D
-from ._params import P_GAMMA_DIM, P_GAMMA_SUM, P_SUM_REL, frozen
+from ._params import P_GAMMA_DIM, P_GAMMA_SUM, P_SUM_REL, R_ROWS_HI, R_ROWS_LO, frozen
 from .allowed_set import allowed_rule
 from .facts import row_facts
 from .forward import finish_forward, kernel_params, referee_runs, row_spec
 from .forward_kernels import SUM_BLOCK, UNDECIDED
-from .gather_kernels import DOT_BLOCK, HEAD_BLOCK, compact_lists, gather_d, gather_dd
+from .gather_kernels import (
+    DOT_BLOCK,
+    HEAD_BLOCK,
+    compact_lists,
+    compact_lists_serial,
+    gather_d,
+    gather_dd,
+)
 from .gather_lanes import key_facts, value_rows
 
 __all__ = ["gather_forward", "gather_row_spec", "SERIAL_WORK"]
 
 #: Setup passes over fewer elements than this run on the calling thread alone.
 SERIAL_WORK = 1 << 22
+
+
+def _rows_cover(rule, used) -> bool:
+    """Whether the structural interval of each batch row's query row 0 holds every key its
+    kv-head planes list (``used``: per (b, g) the listed positions, ascending)."""
+    lo, hi = rule.kernel_args()[R_ROWS_LO], rule.kernel_args()[R_ROWS_HI]
+    return all(
+        u.size == 0 or (lo[b, 0] <= u[0] and u[-1] < hi[b, 0])
+        for b, row in enumerate(used)
+        for u, _ in row
+    )
+
+
+def _key_source(k: np.ndarray, keys_of: np.ndarray, used) -> tuple:
+    """(rows, row index of each gathered column) the double-precision step reads the listed
+    keys from: ``k`` (B, K, S, D) itself when float32 or float64 (widened exactly in the
+    step) with ``keys_of``; else (float16, bfloat16, float8) the listed rows converted to
+    float32 (exact) into (B, K, U, D), column c at row c."""
+    if k.dtype in (np.float32, np.float64):
+        return read_only(k), frozen(keys_of)
+    out = np.zeros(keys_of.shape + k.shape[-1:], np.float32)
+    for b, row in enumerate(used):
+        for g, (u, _) in enumerate(row):
+            out[b, g, : u.size] = k[b, g][u]
+    columns = np.broadcast_to(np.arange(keys_of.shape[-1], dtype=np.int64), keys_of.shape)
+    return read_only(out), frozen(columns)
 
 
 def gather_row_spec(spec: AttentionSpec, b: int, h: int, start: int, stop: int) -> AttentionSpec:
@@ -88,6 +123,11 @@ def gather_row_spec(spec: AttentionSpec, b: int, h: int, start: int, stop: int) 
 def _union(lists: np.ndarray, counts: np.ndarray, keys: int):
     """(U,) the positions listed by some row of one kv-head plane (``lists`` (L, T), ``counts``
     (L,)) and each list entry's column among them (L, T) (0 past a row's count)."""
+    if lists.shape[0] == 1:  # a decode row: its list is already its distinct keys, ascending
+        count = int(counts[0])
+        return lists[0, :count].copy(), np.arange(lists.shape[1])[None, :] * (
+            np.arange(lists.shape[1]) < count
+        )
     valid = np.arange(lists.shape[1]) < counts[:, None]
     entries = lists[valid]
     if entries.size > keys:  # a prefill: a presence vector, O(S + L T), no sort of L T entries
@@ -100,6 +140,35 @@ def _union(lists: np.ndarray, counts: np.ndarray, keys: int):
         used = np.unique(entries)
         local = np.where(valid, np.searchsorted(used, lists), 0)
     return used, local
+
+
+#: :func:`refattn.exact.fast.doubledouble.gamma_up` and ``dot_bound`` of a count (exact
+#: rational arithmetic, then rounded up: pure functions of the count, kept per count).
+_gamma_up = functools.lru_cache(maxsize=256)(D.gamma_up)
+_dot_bound = functools.lru_cache(maxsize=256)(D.dot_bound)
+
+_PARAMS: dict = {}
+
+
+def _kernel_params(spec: AttentionSpec):
+    """:func:`refattn.exact.fast.forward.kernel_params` of ``spec`` (a copy), kept per value of
+    the fields it reads when the spec has no ALiBi slopes and no sinks (its rational scale
+    and keep scale then cost more than a decode step's setup): the dims, the exact scale,
+    softcap, keep scale, ALiBi key count and each batch row's offset."""
+    if spec.alibi_slopes is not None or spec.sinks is not None:
+        return kernel_params(spec)
+    batch = spec.dims[0]
+    fields = (spec.scale_exact, spec.softcap, spec.keep_scale, spec.alibi_keys)
+    key = (spec.dims, fields, tuple(spec.alibi_offset(b) for b in range(batch)))
+    try:
+        found = _PARAMS.get(key)
+    except TypeError:  # a field that is not hashable: no memo
+        return kernel_params(spec)
+    if found is None:
+        if len(_PARAMS) >= 64:
+            _PARAMS.clear()
+        found = _PARAMS[key] = kernel_params(spec)
+    return found[0].copy(), np.array(found[1])
 
 
 _SCRATCH = threading.local()
@@ -125,12 +194,14 @@ def _serial_below(work: int):
     (elements) is below :data:`SERIAL_WORK`: waking the worker threads costs more than such
     a pass (and, on a loaded machine, waits for a free core). The bits never depend on it."""
     threads = numba.get_num_threads()
-    if work < SERIAL_WORK and threads > 1:
+    serial = work < SERIAL_WORK and threads > 1
+    if serial:
         numba.set_num_threads(1)
     try:
         yield
     finally:
-        numba.set_num_threads(threads)
+        if serial:
+            numba.set_num_threads(threads)
 
 
 def _source(plane: np.ndarray, used: np.ndarray):
@@ -142,14 +213,22 @@ def _source(plane: np.ndarray, used: np.ndarray):
     return np.asarray(plane[used], dtype=np.float32), np.arange(used.size)
 
 
+#: :func:`refattn.exact.fast.facts.row_facts` compiled without threads (the same loop body
+#: and bits) for the small passes: no change of the thread count around them, which on a
+#: busy machine delays the next parallel region.
+_row_facts_serial = numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy")(
+    row_facts.py_func
+)
+
+
 def _facts(a: np.ndarray):
     """(ok, norms, scales) of the rows of a (..., N, X) float64 array
     (:func:`refattn.exact.fast.facts.row_facts`)."""
     flat = frozen(a.reshape(-1, a.shape[-1]))
     out = [np.empty(flat.shape[0], dtype) for dtype in (np.bool_, np.float64, np.float64)]
     if flat.shape[0]:
-        with _serial_below(flat.size):
-            row_facts(flat, flat.view(np.int64), out[1], out[2], out[0])
+        facts = row_facts if flat.size >= SERIAL_WORK else _row_facts_serial
+        facts(flat, flat.view(np.int64), out[1], out[2], out[0])
     return [o.reshape(a.shape[:-1]) for o in out]
 
 
@@ -157,7 +236,7 @@ class _Gathered:
     """Each row's listed columns, the gathered float64 keys and values of every kv-head plane
     with their facts, the kernel parameters and the planes the first steps take."""
 
-    def __init__(self, spec: AttentionSpec):
+    def __init__(self, spec: AttentionSpec, fused: bool = False):
         batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
         idx = np.ascontiguousarray(spec.key_indices, dtype=np.int64)
         count = idx.shape[-1]
@@ -165,13 +244,17 @@ class _Gathered:
         lists = np.zeros_like(flat)
         counts = np.zeros(flat.shape[0], np.int64)
         if flat.size:
-            with _serial_below(flat.size):
-                compact_lists(flat, lists, counts)
+            compact = compact_lists if flat.size >= SERIAL_WORK else compact_lists_serial
+            compact(flat, lists, counts)
         lists = lists.reshape(idx.shape)
         counts = counts.reshape(idx.shape[:3])
         used = [
             [_union(lists[b, g], counts[b, g], keys) for g in range(kv_heads)] for b in range(batch)
         ]
+        rule = allowed_rule(spec)  # the caller's mask: the listed set is not in it
+        # the keys' facts formed by the double-precision step itself: each decode row's
+        # interval holds all of its plane's listed keys (so its items check every one)
+        self.fused = fused and length == 1 and _rows_cover(rule, used)
         width = max([1] + [u.size for row in used for u, _ in row])
         self.keys_of = np.zeros((batch, kv_heads, width), np.int64)
         self.local = np.zeros_like(lists)
@@ -182,28 +265,51 @@ class _Gathered:
         self.vmax = np.zeros((batch, kv_heads, vdim))
         k_ok = np.ones((batch, kv_heads), bool)
         v_ok = np.ones((batch, kv_heads), bool)
-        with _serial_below(sum(u.size for row in used for u, _ in row) * (dim + vdim)):
-            for b in range(batch):
-                for g in range(kv_heads):
-                    u, self.local[b, g] = used[b][g]
-                    self.keys_of[b, g, : u.size] = u
+        for b in range(batch):  # the keys' pass sets its own threads; value_rows is serial
+            for g in range(kv_heads):
+                u, self.local[b, g] = used[b][g]
+                self.keys_of[b, g, : u.size] = u
+                if not self.fused:
                     k_ok[b, g] = self._keys(spec.k[b, g], u, (b, g))
-                    src, rows = _source(spec.v[b, g], u)
-                    v_ok[b, g] = value_rows(src, rows, self.v[b, g], self.vmax[b, g])
+                src, rows = _source(spec.v[b, g], u)
+                v_ok[b, g] = value_rows(src, rows, self.v[b, g], self.vmax[b, g])
+        self.source = _key_source(spec.k, self.keys_of, used) + (
+            np.zeros((batch, kv_heads), bool),
+            self.fused,
+        )
+        self._spec, self._used = spec, used
         self.counts = counts
         self.q = np.ascontiguousarray(spec.q, dtype=np.float64)
         self.kvh = np.ascontiguousarray(spec.kv_head, dtype=np.int64)
         q_ok, self.qn, self.qs = _facts(self.q)
-        self.prm, ok = kernel_params(spec)
+        self.prm, ok = _kernel_params(spec)
         listed = min(count, keys)  # the keys a row sums over: at most min(T, S)
         sink = spec.sinks is not None
         # the relative error of the dot products' magnitude sums (gather_kernels.dot_error)
-        self.prm[:, :, P_GAMMA_DIM] = D.gamma_up(DOT_BLOCK + dim // DOT_BLOCK + 4)
-        self.prm[:, :, P_GAMMA_SUM] = D.gamma_up(SUM_BLOCK + listed // SUM_BLOCK + 2 + sink)
-        self.prm[:, :, P_SUM_REL] = D.dot_bound(2 * (listed + sink))
+        self.prm[:, :, P_GAMMA_DIM] = _gamma_up(DOT_BLOCK + dim // DOT_BLOCK + 4)
+        self.prm[:, :, P_GAMMA_SUM] = _gamma_up(SUM_BLOCK + listed // SUM_BLOCK + 2 + sink)
+        self.prm[:, :, P_SUM_REL] = _dot_bound(2 * (listed + sink))
         kv_ok = k_ok & v_ok
         self.ok = ok & q_ok.all(axis=2) & kv_ok[:, self.kvh] & (length > 0) & (keys > 0)
-        self.rule = allowed_rule(spec)  # the caller's mask: the listed set is not in it
+        self.rule = rule
+
+    def key_flags(self) -> None:
+        """After the double-precision step: the kv-head planes whose items found a listed key
+        out of range (``fused``: the step formed the keys' facts) leave the first steps (the
+        referee takes their rows, as when the setup's check fails)."""
+        if self.fused:
+            self.ok &= ~self.source[2][:, self.kvh]
+
+    def gathered_keys(self) -> None:
+        """The gathered keys' transposed table, norms and exactness scales of every kv-head
+        plane (:meth:`_keys`) for the double-double step, when the setup left them to the
+        double-precision step (``fused``); their range checks passed there."""
+        if not self.fused:
+            return
+        self.fused = False
+        for b, row in enumerate(self._used):
+            for g, (u, _) in enumerate(row):
+                self._keys(self._spec.k[b, g], u, (b, g))
 
     def _keys(self, plane: np.ndarray, used: np.ndarray, bg) -> bool:
         """The keys ``used`` of a kv-head plane (S, D) into the transposed table ``kT[bg]``
@@ -282,7 +388,7 @@ def gather_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_w
     status = np.full((batch, heads, length), UNDECIDED, dtype=np.int8)
     step_rows = {"double": 0, "double-double": 0}
     if out.size or lse.size:
-        x = _Gathered(spec)
+        x = _Gathered(spec, fused=fmt.p <= 24)
         inputs = x.inputs()
         lists = (frozen(x.local), frozen(x.counts))
         rule = x.rule.kernel_args()
@@ -294,13 +400,15 @@ def gather_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_w
             items = x.items(length, 1 if work < SERIAL_WORK else numba.get_num_threads())
             if items.size:
                 with _serial_below(work):
-                    gather_d(items, inputs, lists, rule, target, results)
+                    gather_d(items, inputs, lists, rule, target, results, x.source)
+            x.key_flags()
             step_rows["double"] = int(x.ok.sum()) * length
             redo = x.ok[:, :, None] & (status == UNDECIDED)
         else:
             redo = np.broadcast_to(x.ok[:, :, None], status.shape)
         rows = np.ascontiguousarray(np.argwhere(redo))
         if rows.size:
+            x.gathered_keys()
             with _serial_below(rows.shape[0] * per_row * 4):  # Dot2: ~4 fma chains' work
                 gather_dd(rows, inputs, lists, rule, target, results)
         step_rows["double-double"] = rows.shape[0]

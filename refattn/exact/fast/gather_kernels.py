@@ -70,10 +70,11 @@ from .forward_kernels import (
     score_d,
     score_dd,
 )
-from .gather_lanes import W, dot_tiles, magnitude_sum, sums_rows, weighted_block
+from .gather_lanes import magnitude_sum, source_dots, sums_rows, weighted_block
 
 __all__ = [
     "compact_lists",
+    "compact_lists_serial",
     "dot_error",
     "exp_rel",
     "float32_outputs",
@@ -108,6 +109,11 @@ def compact_lists(idx, lists, counts):
                 n += 1
                 last = x
         counts[r] = n
+
+
+#: :func:`compact_lists` compiled without threads (the same loop body and bits), for the
+#: small lists of a decode step.
+compact_lists_serial = numba.jit(**_JIT)(compact_lists.py_func)
 
 
 @numba.jit(**_JIT)
@@ -195,12 +201,12 @@ def dot_error(sab, gdim, dim):
 
 
 @numba.jit(**_JIT)
-def _d_scores(b, i, heads, cols, inputs, rule, work):
+def _d_scores(b, i, heads, cols, ks, inputs, rule, work):
     """The scores (t, err) of row i of the planes (b, heads[rr]) over the listed keys ``cols``
-    in place of their dot products, each key's state (0 excluded, 1 dropped, 2 kept), each
-    row's maximum and whether a bias value is out of range: ``work`` = (s, err, state, bad,
-    top)."""
-    q, _, _, _, _, qs, ksu, _, keys_of, prm, kvh = inputs
+    (``ks`` their exactness scales) in place of their dot products, each key's state (0
+    excluded, 1 dropped, 2 kept), each row's maximum and whether a bias value is out of
+    range: ``work`` = (s, err, state, bad, top)."""
+    q, _, _, _, _, qs, _, _, keys_of, prm, kvh = inputs
     has_mask, has_bias, has_keep = rule[R_HAS_MASK], rule[R_HAS_BIAS], rule[R_HAS_KEEP]
     s, err, state, bad, top = work  # err holds the dot products' magnitude sums
     dim = q.shape[3]
@@ -225,7 +231,7 @@ def _d_scores(b, i, heads, cols, inputs, rule, work):
             # an fma chain proven exact (exactness_scales) carries no error; else the dot
             # product's error bound from its magnitude sum (score_d's gamma |q| |k| <- 1 x 1)
             derr = 0.0
-            if qs[b, h, i] * ksu[b, g, c] >= 2.0**52:
+            if qs[b, h, i] * ks[jj] >= 2.0**52:
                 derr = dot_error(err[rr, jj], gdim, dim)
             t, e = score_d(i, j, s[rr, jj], derr, 1.0, pr, bv, has_bias, 1.0)
             s[rr, jj], err[rr, jj] = t, e
@@ -440,31 +446,56 @@ def _scatter_weights(index, cols, korig, state, shifted, log_z, target, w):
 
 
 @numba.jit(**_JIT)
-def _d_item(item, inputs, lists, rule, target, results):
+def _d_dots(b, i, heads, cols, inputs, source, work):
+    """The dot products and magnitude sums ``work`` = (s, sab) of row i of the planes (b,
+    heads[rr]) with the listed keys ``cols``, read from the kv-head plane's own rows
+    (:func:`refattn.exact.fast.gather_lanes.source_dots`); returns the keys' exactness scales,
+    or an empty array when some key is out of the first steps' range (only looked at when
+    ``source`` asks for the keys' facts: else they are the gathered ``ksu``)."""
+    q, _, _, _, _, _, ksu, _, _, _, kvh = inputs
+    src, rows, _, fused = source
+    g = kvh[heads[0]]
+    n = cols.shape[0]
+    ks = np.empty(n)
+    ok = np.ones(n if fused else 0, np.bool_)
+    if not fused:
+        for jj in range(n):
+            ks[jj] = ksu[b, g, cols[jj]]
+    if n > 0:
+        qh = np.empty((heads.shape[0], q.shape[3]))
+        for rr in range(heads.shape[0]):
+            qh[rr] = q[b, heads[rr], i]
+        facts = (ok, ks if fused else ks[:0])
+        source_dots(qh, src[b, g], rows[b, g], cols, DOT_BLOCK, work[0], work[1], facts)
+    for jj in range(ok.shape[0]):
+        if not ok[jj]:
+            return ks[:0]
+    return ks
+
+
+@numba.jit(**_JIT)
+def _d_item(item, inputs, lists, rule, target, results, source):
     """Double-precision step of query row ``item[1]`` of batch row ``item[0]`` for the
     ``item[2]`` query heads ``item[3:]`` of one kv head (which share its list and each load of
-    the listed keys and values)."""
+    the listed keys and values). When ``source`` asks for the keys' facts and some listed key
+    is out of range, the kv-head plane is flagged (``source[2][b, g]``) and the rows are left
+    undecided (the referee takes them, as a plane whose gathered keys failed the check)."""
     b, i, nh = item[0], item[1], item[2]
     heads = item[3 : 3 + nh]
-    q, kTu, vu, _, _, _, _, vmaxu, keys_of, prm, kvh = inputs
+    _, _, vu, _, _, _, _, vmaxu, keys_of, prm, kvh = inputs
     g = kvh[heads[0]]
     cols = _row_columns(b, g, i, lists, keys_of, rule)
     n = cols.shape[0]
     vdim = vu.shape[3]
     s = np.zeros((nh, n))
     sab = np.zeros((nh, n))
-    if n > 0:
-        c0 = 0
-        kcols = kTu[b, g]
-        if _contiguous(cols):  # a decode row lists the whole gathered table: no copy
-            c0 = cols[0]
-        else:
-            kcols = _key_columns(kTu[b, g], cols)
-        qh = np.empty((nh, q.shape[3]))
+    ks = _d_dots(b, i, heads, cols, inputs, source, (s, sab))
+    status = results[3]
+    if ks.shape[0] != n:
+        source[2][b, g] = True
         for rr in range(nh):
-            qh[rr] = q[b, heads[rr], i]
-        dot_tiles(qh, kcols[:, c0:], n, DOT_BLOCK, s, sab)  # the full W-key tiles, lane-wise
-        _blocked_dots(q[b], heads, nh, i, kcols, c0, n - n % W, s, sab)  # the other keys
+            status[b, heads[rr], i] = UNDECIDED
+        return
     work = (
         s,
         sab,
@@ -472,7 +503,7 @@ def _d_item(item, inputs, lists, rule, target, results):
         np.zeros(nh, np.bool_),
         np.full(nh, -np.inf),
     )
-    _d_scores(b, i, heads, cols, inputs, rule, work)
+    _d_scores(b, i, heads, cols, ks, inputs, rule, work)
     top = work[4]
     for rr in range(nh):
         pr = prm[b, heads[rr]]
@@ -490,7 +521,6 @@ def _d_item(item, inputs, lists, rule, target, results):
         np.zeros(nh),
     )
     _d_sums(vu[b, g], cols, nh, target[1], work, sums)
-    status = results[3]
     for rr in range(nh):
         h = heads[rr]
         plane = (keys_of[b, g], vu[b, g], vmaxu[b, g])
@@ -498,7 +528,7 @@ def _d_item(item, inputs, lists, rule, target, results):
 
 
 @numba.jit(**_PAR)
-def gather_d(items, inputs, lists, rule, target, results):
+def gather_d(items, inputs, lists, rule, target, results, source):
     """Double-precision step (targets of at most 24 bits) over ``items`` ((n, 3 + HEAD_BLOCK):
     b, i, head count, heads of one kv head), in parallel.
 
@@ -507,9 +537,14 @@ def gather_d(items, inputs, lists, rule, target, results):
     (B, K, U) (the key position of each gathered column), prm (B, H, 16), kv_head (H,));
     ``lists`` = (local (B, K, L, T) columns of each row's distinct listed keys, ascending,
     counts (B, K, L)); ``rule``, ``target``, ``results``: as
-    :func:`refattn.exact.fast.forward_kernels.forward_dd`."""
+    :func:`refattn.exact.fast.forward_kernels.forward_dd`; ``source`` = (key rows (B, K, S',
+    D) float32 or float64, the row of each gathered column (B, K, U), flags (B, K) bool,
+    facts): the dot products read the keys from those rows (no gathered float64 copy), and
+    with ``facts`` each item forms its keys' range checks and exactness scales in the same
+    pass and flags the kv-head planes with a key out of range (the gathered ``kTu``, ``knu``,
+    ``ksu`` are then not read: the host fills them for the double-double step alone)."""
     for r in prange(items.shape[0]):
-        _d_item(items[r], inputs, lists, rule, target, results)
+        _d_item(items[r], inputs, lists, rule, target, results, source)
 
 
 @numba.jit(**_JIT)

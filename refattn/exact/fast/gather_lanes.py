@@ -38,6 +38,7 @@ __all__ = [
     "magnitude_sum",
     "key_facts",
     "value_rows",
+    "source_dots",
 ]
 
 #: Lanes of a 64-byte float64 vector.
@@ -122,6 +123,41 @@ def _dots4(q4, kcols, c, dim, block, s4, sab4):
             if x != 0.0:
                 p3 = vfma(x, k, p3)
                 a3 = vadd(a3, vabs(p3))
+        s0 = vadd(s0, p0)
+        b0 = vadd(b0, vadd(a0, vabs(s0)))
+        s1 = vadd(s1, p1)
+        b1 = vadd(b1, vadd(a1, vabs(s1)))
+        s2 = vadd(s2, p2)
+        b2 = vadd(b2, vadd(a2, vabs(s2)))
+        s3 = vadd(s3, p3)
+        b3 = vadd(b3, vadd(a3, vabs(s3)))
+    vstore(s4[0], c, s0)
+    vstore(s4[1], c, s1)
+    vstore(s4[2], c, s2)
+    vstore(s4[3], c, s3)
+    vstore(sab4[0], c, b0)
+    vstore(sab4[1], c, b1)
+    vstore(sab4[2], c, b2)
+    vstore(sab4[3], c, b3)
+
+
+@numba.jit(**_JIT)
+def _dots4_full(q4, kcols, c, dim, block, s4, sab4):
+    """:func:`_dots4` for four query rows without a zero feature (no feature is skipped: the
+    same operations, without the tests)."""
+    s0 = s1 = s2 = s3 = b0 = b1 = b2 = b3 = vzero(kcols[0])
+    for d0 in range(0, dim, block):
+        p0 = p1 = p2 = p3 = a0 = a1 = a2 = a3 = vzero(kcols[0])
+        for d in range(d0, min(d0 + block, dim)):
+            k = vload(kcols[d], c)
+            p0 = vfma(q4[0, d], k, p0)
+            p1 = vfma(q4[1, d], k, p1)
+            p2 = vfma(q4[2, d], k, p2)
+            p3 = vfma(q4[3, d], k, p3)
+            a0 = vadd(a0, vabs(p0))
+            a1 = vadd(a1, vabs(p1))
+            a2 = vadd(a2, vabs(p2))
+            a3 = vadd(a3, vabs(p3))
         s0 = vadd(s0, p0)
         b0 = vadd(b0, vadd(a0, vabs(s0)))
         s1 = vadd(s1, p1)
@@ -316,34 +352,9 @@ def weighted_rows(vp, cols, nb, nh, wts, use, nsum, asum):
 
 
 @numba.jit(**_JIT)
-def _sums8(vp, cols, j0, j1, wts, use, e, nsum):
-    """The ``nsum`` lanes of :func:`_weighted8` alone (the same bits) over the keys
-    j0 <= j < j1 of the full rows ``wts``, ``use`` (8, >= j1)."""
-    n0 = n1 = n2 = n3 = n4 = n5 = n6 = n7 = vzero(nsum[0])
-    for j in range(j0, j1):
-        v = vload(vp[cols[j]], e)
-        if use[0, j]:
-            n0 = vfma(wts[0, j], v, n0)
-        if use[1, j]:
-            n1 = vfma(wts[1, j], v, n1)
-        if use[2, j]:
-            n2 = vfma(wts[2, j], v, n2)
-        if use[3, j]:
-            n3 = vfma(wts[3, j], v, n3)
-        if use[4, j]:
-            n4 = vfma(wts[4, j], v, n4)
-        if use[5, j]:
-            n5 = vfma(wts[5, j], v, n5)
-        if use[6, j]:
-            n6 = vfma(wts[6, j], v, n6)
-        if use[7, j]:
-            n7 = vfma(wts[7, j], v, n7)
-    _add_lanes(nsum, e, (n0, n1, n2, n3, n4, n5, n6, n7))
-
-
-@numba.jit(**_JIT)
 def _sums1(vp, cols, j0, j1, wrow, use, e, nrow):
-    """:func:`_sums8` for one row (``wrow``, ``use`` (>= j1,))."""
+    """The N sums of :func:`sums_rows` for one row (``wrow``, ``use`` (>= j1,)) on the W
+    features from e."""
     n0 = vzero(nrow)
     for j in range(j0, j1):
         if use[j]:
@@ -352,17 +363,76 @@ def _sums1(vp, cols, j0, j1, wrow, use, e, nrow):
 
 
 @numba.jit(**_JIT)
+def _msums16(vp, cols, wm, e, nsum):
+    """``nsum[r, e:e + 2 W] +=`` the fma chains from +0 over the keys j < n of ``wm[r, j]
+    vp[cols[j], e:e + 2 W]`` for the eight rows of ``wm`` (8, n) (each value vector loaded
+    once for the eight rows, each weight once for the two vectors)."""
+    n0 = n1 = n2 = n3 = n4 = n5 = n6 = n7 = vzero(nsum[0])
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = vzero(nsum[0])
+    for j in range(cols.shape[0]):
+        vrow = vp[cols[j]]
+        v, u = vload(vrow, e), vload(vrow, e + W)
+        w = wm[0, j]
+        n0, m0 = vfma(w, v, n0), vfma(w, u, m0)
+        w = wm[1, j]
+        n1, m1 = vfma(w, v, n1), vfma(w, u, m1)
+        w = wm[2, j]
+        n2, m2 = vfma(w, v, n2), vfma(w, u, m2)
+        w = wm[3, j]
+        n3, m3 = vfma(w, v, n3), vfma(w, u, m3)
+        w = wm[4, j]
+        n4, m4 = vfma(w, v, n4), vfma(w, u, m4)
+        w = wm[5, j]
+        n5, m5 = vfma(w, v, n5), vfma(w, u, m5)
+        w = wm[6, j]
+        n6, m6 = vfma(w, v, n6), vfma(w, u, m6)
+        w = wm[7, j]
+        n7, m7 = vfma(w, v, n7), vfma(w, u, m7)
+    _add_lanes(nsum, e, (n0, n1, n2, n3, n4, n5, n6, n7))
+    _add_lanes(nsum, e + W, (m0, m1, m2, m3, m4, m5, m6, m7))
+
+
+@numba.jit(**_JIT)
+def _msums8(vp, cols, wm, e, nsum):
+    """:func:`_msums16` on the W features from e alone."""
+    n0 = n1 = n2 = n3 = n4 = n5 = n6 = n7 = vzero(nsum[0])
+    for j in range(cols.shape[0]):
+        v = vload(vp[cols[j]], e)
+        n0, n1 = vfma(wm[0, j], v, n0), vfma(wm[1, j], v, n1)
+        n2, n3 = vfma(wm[2, j], v, n2), vfma(wm[3, j], v, n3)
+        n4, n5 = vfma(wm[4, j], v, n4), vfma(wm[5, j], v, n5)
+        n6, n7 = vfma(wm[6, j], v, n6), vfma(wm[7, j], v, n7)
+    _add_lanes(nsum, e, (n0, n1, n2, n3, n4, n5, n6, n7))
+
+
+@numba.jit(**_JIT)
 def sums_rows(vp, cols, j0, j1, nh, wts, use, nsum):
     """``nsum[r, e] += sum_j wts[r, j] vp[cols[j], e]`` over the keys j0 <= j < j1 with
     ``use[r, j]`` for the rows r < nh: the N sums of :func:`weighted_rows` without the
     magnitude sums (the same bits: each block sum an fma chain over j in order from +0, then
-    added to the total), eight rows sharing each value vector."""
+    added to the total), eight rows sharing each value vector.
+
+    Eight rows at a time run branch-free on their weights with the unused ones set to +0,
+    the same bits: for finite v (the values' range check) ``fma(+0, v, n) = n + (+-0)``
+    equals n when n is nonzero, so a chain differs from the one that skips the key at most
+    in the sign of a zero while it is zero (an fma with a nonzero product then gives the
+    same value from either zero); the chain enters the total by one addition, and the total
+    (from +0) is never -0 in round to nearest (x + y is -0 only when both are), so
+    ``total + (+-0)`` is the same for either sign."""
     vdim = vp.shape[1]
     whole = vdim - vdim % W
+    pairs = vdim - vdim % (2 * W)
+    block = cols[j0:j1]
+    wm = np.empty((8, j1 - j0))
     r = 0
     while r + 8 <= nh:
-        for e in range(0, whole, W):
-            _sums8(vp, cols, j0, j1, wts[r : r + 8], use[r : r + 8], e, nsum[r : r + 8])
+        for rr in range(8):
+            for j in range(j0, j1):
+                wm[rr, j - j0] = wts[r + rr, j] if use[r + rr, j] else 0.0
+        for e in range(0, pairs, 2 * W):
+            _msums16(vp, block, wm, e, nsum[r : r + 8])
+        for e in range(pairs, whole, W):
+            _msums8(vp, block, wm, e, nsum[r : r + 8])
         r += 8
     while r < nh:
         for e in range(0, whole, W):
@@ -510,3 +580,93 @@ def value_rows(src, used, out, vmax):
         if bad:
             good = False
     return good
+
+
+@numba.jit(**_JIT)
+def _source_panel(src, rows, cols, c, m, buf, panel, facts):
+    """The m <= W keys ``src[rows[cols[c + l]]]`` (l < m) widened exactly to float64 into the
+    lanes of the (D, W) ``panel`` (the other lanes +0); with ``facts`` = (ok, scales) not
+    empty, each key's range check and exactness scale into ``ok[c + l]``, ``scales[c + l]``
+    (the bits of :func:`key_facts`: the widened row's
+    :func:`_row_scale`, its sum of squares a lane chain over d in order, then the norm and the
+    scale as :func:`_key_block` forms them). ``buf`` (W, D) float64 holds the widened rows."""
+    dim = panel.shape[0]
+    want = facts[0].shape[0] > 0
+    bits = buf.view(np.int64)
+    low = np.empty(W, np.int64)
+    good = np.ones(W, np.bool_)
+    for cc in range(W):
+        dst = buf[cc]
+        if cc < m:
+            row = src[rows[cols[c + cc]]]
+            for d in range(dim):
+                dst[d] = row[d]
+            if want:
+                good[cc], low[cc] = _row_scale(dst, bits[cc])
+        else:
+            for d in range(dim):
+                dst[d] = 0.0
+    for d in range(dim):
+        pd = panel[d]
+        for cc in range(W):
+            pd[cc] = buf[cc, d]
+    if not want:
+        return
+    ok, scales = facts
+    acc = vzero(panel[0])
+    for d in range(dim):
+        t = vload(panel[d], 0)
+        acc = vadd(acc, vmul(t, t))
+    sums = np.empty(W)
+    vstore(sums, 0, acc)
+    for cc in range(m):
+        norm = math.sqrt(sums[cc]) * (1.0 + 2.0**-30) + 2.0**-1000
+        g = 0 if low[cc] == 1 << 40 else low[cc]  # a zero row: its products are all 0
+        ok[c + cc] = good[cc]
+        scales[c + cc] = np.ldexp(norm, -g)
+
+
+@numba.jit(**_JIT)
+def source_dots(qh, src, rows, cols, block, s, sab, facts):
+    """:func:`dot_tiles` (the same bits) for every listed key: ``s[r, jj] = qh[r] .
+    src[rows[cols[jj]]]`` and the magnitude sums ``sab[r, jj]`` for jj < n (``s``, ``sab``
+    (>= R, n)), read from the kv-head plane's own rows ``src`` (S', D) (float32 or float64,
+    widened exactly) W keys at a time into a (D, W) panel that every query row then reads:
+    no float64 copy or transposed table of the gathered keys is formed. The last panel's
+    missing keys are +0 lanes whose results are dropped (each lane's arithmetic is its own).
+    With ``facts`` = (ok (n,), scales (n,)) (empty: not asked) each key's range check and
+    exactness scale are formed from the widened row in the same pass
+    (:func:`_source_panel`)."""
+    nq = qh.shape[0]
+    dim = qh.shape[1]
+    n = cols.shape[0]
+    full = np.ones(nq // 4, np.bool_)  # four rows without a zero feature: no test per feature
+    for r in range(nq - nq % 4):
+        for d in range(dim):
+            if qh[r, d] == 0.0:
+                full[r // 4] = False
+    buf = np.empty((W, dim))
+    panel = np.empty((dim, W))
+    tile = np.zeros((4, W))
+    tile_ab = np.zeros((4, W))
+    for c in range(0, n, W):
+        m = min(W, n - c)
+        _source_panel(src, rows, cols, c, m, buf, panel, facts)
+        r = 0
+        while r < nq:
+            k = 4 if r + 4 <= nq else 1
+            if k == 4 and full[r // 4]:
+                _dots4_full(qh[r : r + 4], panel, 0, dim, block, tile, tile_ab)
+            elif k == 4:
+                _dots4(qh[r : r + 4], panel, 0, dim, block, tile, tile_ab)
+            else:
+                _dots1(qh[r], panel, 0, dim, block, tile[0], tile_ab[0])
+            for rr in range(k):
+                if m == W:
+                    vstore(s[r + rr], c, vload(tile[rr], 0))
+                    vstore(sab[r + rr], c, vload(tile_ab[rr], 0))
+                else:
+                    for cc in range(m):
+                        s[r + rr, c + cc] = tile[rr, cc]
+                        sab[r + rr, c + cc] = tile_ab[rr, cc]
+            r += k
