@@ -1,0 +1,492 @@
+"""The compiled decode step of the fast exact forward (:mod:`refattn.exact.fast.decode` states
+the algorithm and its bounds): a few query rows against long keys, with k and v read in place.
+
+One work item is one (batch row, kv head) plane: the query rows of every query head of its
+group (``G L`` rows, columns of ``qa``) share each load of a key tile and of a value block. The
+keys and values are read from their storage dtype as integer bits (bfloat16 and float16 as
+int16, float32 as int32, float64 as int64) and widened exactly to float64 as they load
+(:func:`widen`); their facts (range, 2-norm bound, exactness scale of each key; range, maximum
+and 2-norm bound of each value feature) are computed in the same pass
+(:func:`refattn.exact.fast.facts.row_fact` on each widened key row). No float64 copy of k or v
+and no transposed K^T is built: each KEY_TILE keys are transposed into a (D, KEY_TILE) tile,
+each SUM_BLOCK values into a (SUM_BLOCK, E) tile.
+
+Each row's arithmetic is fixed by the shapes alone (the tiles are aligned on the key index,
+the fma chains run from +0 in a fixed order), so no bit depends on the thread count or on
+which rows share an item.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import prange
+
+from ...kernels._cpu_tiles import matmul_n, matmul_t
+from ...kernels._simd import as_float
+from . import doubledouble as D
+from ._params import (
+    P_GAMMA_DIM,
+    P_GAMMA_SUM,
+    P_HAS_SINK,
+    P_KEEP_ERR,
+    P_KEEP_HI,
+    P_KEEP_LO,
+    P_SCALE_ERR,
+    P_SCALE_HI,
+    P_SCALE_LO,
+    P_SINK,
+    P_SLOPE,
+    P_SOFTCAP,
+    R_HAS_BIAS,
+    R_HAS_KEEP,
+    R_HAS_MASK,
+    R_ROWS_HI,
+    R_ROWS_LO,
+)
+from .allowed_set import key_state
+from .dense_dots import EXACT_SCALE, KEY_TILE
+from .facts import row_fact
+from .forward_kernels import (
+    CUT,
+    EMPTY,
+    OK,
+    RHO_MAX,
+    SUM_BLOCK,
+    TINY,
+    UNDECIDED,
+    bias_in_range,
+    finish_row,
+    row_weights,
+    score_d,
+)
+from .rounding_decision import decide_one
+
+__all__ = [
+    "BF16",
+    "F16",
+    "F32",
+    "F64",
+    "HALF_SCALES",
+    "widen",
+    "decode_serial",
+    "decode_parallel",
+]
+
+#: Storage kinds of k and v (how :func:`widen` reads their bits).
+BF16, F16, F32, F64 = 0, 1, 2, 3
+#: ``2**(max(e, 1) - 25)`` per float16 exponent field e, NaN for e = 31 (Inf and NaN: out of
+#: range, so the plane goes to the referee): a float16 of field e and significand m is
+#: ``(m + 1024 [e > 0]) * HALF_SCALES[e]``, an exact product.
+HALF_SCALES = np.array([2.0 ** (max(e, 1) - 25) for e in range(31)] + [np.nan])
+
+_JIT = dict(nopython=True, cache=True, fastmath=False, error_model="numpy")
+
+
+@numba.jit(**_JIT)
+def widen(w, kind, half):
+    """The float64 value of one stored element of bits ``w`` (an int16, int32 or int64) of
+    storage ``kind`` (exact: every bfloat16, float16 and float32 is a float64; Inf and NaN
+    stay out of range)."""
+    if kind == BF16:  # the bits shifted into the high half of a float32
+        return np.float64(as_float(np.int32(np.int32(w) << np.int32(16))))
+    if kind == F16:
+        x = np.int64(w)
+        field = (x >> 10) & 31
+        mant = (x & 1023) + (1024 if field != 0 else 0)
+        mag = float(mant) * half[field]
+        return -mag if (x >> 15) & 1 else mag
+    if kind == F32:
+        return np.float64(as_float(np.int32(w)))
+    return as_float(np.int64(w))
+
+
+@numba.jit(**_JIT)
+def _inside(x):
+    """Zero, or a magnitude in [SAFE_MIN, SAFE_MAX] (False for Inf and NaN)."""
+    m = abs(x)
+    return m == 0.0 or (m >= D.SAFE_MIN and m <= D.SAFE_MAX)
+
+
+@numba.jit(**_JIT)
+def _range_ok(plane, kind, half, j0, j1):
+    """Whether every element of rows j0 .. j1 - 1 of ``plane`` (S, D or E) bits is in range:
+    the keys outside every row's interval, read only for the same plane test as the dense
+    step's (a NaN anywhere in k or v sends the plane to the referee)."""
+    good = True
+    for j in range(j0, j1):
+        src = plane[j]
+        for d in range(src.shape[0]):
+            good = good and _inside(widen(src[d], kind, half))
+    return good
+
+
+@numba.jit(**_JIT)
+def _key_pass(kp, kind, half, keys, queries, kfacts, s):
+    """The dot products ``s[r, j - lo] = q_r . k_j`` of every row with the keys lo <= j < hi
+    (``keys`` = (lo, hi)): one fma chain over d = 0 .. D-1 from +0 each (the register tiles of
+    :func:`refattn.kernels._cpu_tiles.matmul_t`, as :func:`refattn.exact.fast.dense_dots.
+    block_dots`), each KEY_TILE keys widened from ``kp`` (S, D) bits into a zero-padded
+    (D, KEY_TILE) tile; with each key's :func:`~refattn.exact.fast.facts.row_fact` (norm
+    bound, exactness scale) into ``kfacts`` = (kn, ks) at j - lo. ``queries`` = (qa (D, R),
+    R). Returns whether every key is in range."""
+    lo, hi = keys
+    qa, nrows = queries
+    kn, ks = kfacts
+    dim = kp.shape[1]
+    tile = np.zeros((dim, KEY_TILE))
+    krow = np.empty(dim)
+    bits = krow.view(np.int64)
+    good = True
+    for j0 in range(lo, hi, KEY_TILE):
+        n = min(KEY_TILE, hi - j0)
+        for t in range(n):
+            src = kp[j0 + t]
+            for d in range(dim):
+                krow[d] = widen(src[d], kind, half)
+            ok, kn[j0 + t - lo], ks[j0 + t - lo] = row_fact(krow, bits)
+            good = good and ok
+            for d in range(dim):
+                tile[d, t] = krow[d]
+        if n < KEY_TILE:
+            tile[:, n:] = 0.0
+        matmul_t(qa, tile, dim, nrows, KEY_TILE, s[:, j0 - lo :], True)
+    return good
+
+
+@numba.jit(**_JIT)
+def _value_pass(vp, kind, half, keys, weights, vfacts, sums):
+    """``nsum[r, e] = sum_j p[r, j - lo] v_je`` over lo <= j < hi, blocked as the dense step's
+    values (each SUM_BLOCK block of the key index one fma chain from +0 in key order, the
+    register tiles of :func:`refattn.kernels._cpu_tiles.matmul_n`, added to nsum at the block's
+    end), each block widened from ``vp`` (S, E) bits into a (SUM_BLOCK, E padded) tile; with
+    the values' facts ``vfacts`` = (vmax, vsq): max |v_je| and the sum of squares in key order
+    per feature. ``weights`` = (p (R, .), R); ``sums`` = (nsum, nb) (R, E padded). Returns
+    whether every value is in range."""
+    lo, hi = keys
+    p, nrows = weights
+    vmax, vsq = vfacts
+    nsum, nb = sums
+    vdim = vp.shape[1]
+    epad = nsum.shape[1]
+    tile = np.zeros((SUM_BLOCK, epad))
+    nsum[:] = 0.0
+    good = True
+    c0 = lo
+    while c0 < hi:
+        c1 = min(hi, (c0 // SUM_BLOCK + 1) * SUM_BLOCK)
+        for t in range(c1 - c0):
+            src = vp[c0 + t]
+            row = tile[t]
+            bad = 0
+            for e in range(vdim):
+                x = widen(src[e], kind, half)
+                row[e] = x
+                m = abs(x)
+                bad += 0 if (m == 0.0 or (m >= D.SAFE_MIN and m <= D.SAFE_MAX)) else 1
+                vsq[e] += x * x
+                vmax[e] = max(vmax[e], m)
+            good = good and bad == 0
+        nb[:] = 0.0
+        matmul_n(p[:, c0 - lo :], tile, c1 - c0, nrows, epad, nb)
+        for r in range(nrows):
+            for e in range(epad):
+                nsum[r, e] += nb[r, e]
+        c0 = c1
+    return good
+
+
+@numba.jit(**_JIT)
+def _row_scores(index, r, lo, facts, pr, rule, work):
+    """The scores (t, err) of row r (query row i of head h, batch row b: ``index`` = (b, h,
+    i)) over its key interval in place of its dot products in ``s``, each key's state (0
+    excluded, 1 dropped, 2 kept) in ``state``; returns (max score, bias out of range). The
+    same score and radius as the dense step's (:func:`refattn.exact.fast.dense_dots.
+    plain_scores`, :func:`refattn.exact.fast.forward_kernels.score_d`): the dot product's
+    error ``gamma_D ||q_i|| ||k_j||``, zero where ``qs_i ks_j < 2**52`` proves the chain
+    exact. ``facts`` = (qn_r, qs_r, kn, ks), ``work`` = (s, err, state)."""
+    b, h, i = index
+    qn_r, qs_r, kn, ks = facts
+    s, err, state = work
+    r0, r1 = rule[R_ROWS_LO][b, i] - lo, rule[R_ROWS_HI][b, i] - lo
+    gdim = pr[P_GAMMA_DIM]
+    rule_arrays = rule[R_HAS_MASK] or rule[R_HAS_BIAS] or rule[R_HAS_KEEP]
+    has_bias = rule[R_HAS_BIAS]
+    srow, erow, strow = s[r], err[r], state[r]
+    top = -np.inf
+    if not rule_arrays and pr[P_SOFTCAP] == 0.0 and pr[P_SLOPE] == 0.0:
+        u = 1.01 * D.U
+        scale_hi = pr[P_SCALE_HI]
+        c1 = abs(scale_hi)
+        c2 = abs(pr[P_SCALE_LO]) + pr[P_SCALE_ERR]
+        for jj in range(r0, r1):
+            gd = 0.0 if qs_r * ks[jj] < EXACT_SCALE else gdim
+            sj = srow[jj]
+            derr = gd * qn_r * kn[jj]
+            t = sj * scale_hi
+            erow[jj] = c1 * derr + (abs(sj) + derr) * c2 + u * abs(t)
+            srow[jj] = t
+            strow[jj] = 2
+            top = max(top, t)
+        return top, False
+    bad = False
+    for jj in range(r0, r1):
+        j = lo + jj
+        st, bv = key_state(rule, b, h, i, j)
+        strow[jj] = st
+        if st == 0:
+            continue
+        if has_bias and not bias_in_range(bv):
+            bad = True
+        derr = 0.0 if qs_r * ks[jj] < EXACT_SCALE else gdim * qn_r * kn[jj]
+        t, e = score_d(i, j, srow[jj], derr, 1.0, pr, bv, has_bias, 1.0)
+        srow[jj], erow[jj] = t, e
+        top = max(top, t)
+    return top, bad
+
+
+@numba.jit(**_JIT)
+def _row_exps(r, span, top, want_w, work, sums, values):
+    """The exponentials of row r's keys (``span`` = (r0, r1) its interval relative to lo)
+    into ``p`` (0 where a key carries no value or lies outside the interval, up to the
+    plane's key count), with the row's Z (blocked: restarting at multiples of SUM_BLOCK of the
+    key index), sum of e^2, tiny count, |v| sums of the keys below CUT and rho, as the dense
+    step's: the shifted scores ``x = t - top`` with radius ``(err + 1.01 u |x|) BOUND_SAFETY``
+    (kept in s, err for the weights), keys below CUT as TINY each, ``e = exp_d(x)`` with
+    relative error EXP_D_REL. ``work`` = (s, err, state, p), ``sums`` = (z, e2, tiny, tiny_v,
+    rho) per row, ``values`` = (vp bits, kind, half, lo)."""
+    r0, r1 = span
+    s, err, state, p = work
+    z, e2, tiny, tiny_v, rho = sums
+    vp, kind, half, lo = values
+    u = 1.01 * D.U
+    srow, erow, strow, prow = s[r], err[r], state[r], p[r]
+    prow[:] = 0.0
+    zr = 0.0
+    zb = 0.0
+    sq = 0.0
+    for jj in range(r0, r1):
+        if ((lo + jj) % SUM_BLOCK) == 0:  # blocked sums: gamma_{B + S/B}, not gamma_S
+            zr += zb
+            zb = 0.0
+        st = strow[jj]
+        if st == 0:
+            continue  # adds an exact 0 to the sums
+        x = srow[jj] - top
+        xe = (erow[jj] + u * abs(x)) * D.BOUND_SAFETY
+        if want_w:
+            srow[jj], erow[jj] = x, xe  # the shifted scores, kept for the weights
+        if x < CUT:
+            tiny[r] += TINY
+            if st == 2:
+                src = vp[lo + jj]
+                for e in range(tiny_v.shape[1]):
+                    tiny_v[r, e] += abs(widen(src[e], kind, half))
+            continue
+        rho[r] = max(rho[r], (D.EXP_D_REL + 2.0 * xe) * (1.0 + RHO_MAX))
+        ex = D.exp_d_core(x)  # CUT <= x <= 0: in exp_d's domain
+        zb += ex
+        sq += ex * ex
+        prow[jj] = ex if st == 2 else 0.0
+    z[r] = zr + zb
+    e2[r] = sq
+
+
+@numba.jit(**_JIT)
+def _finish_out(index, z, sums, prm, target, out):
+    """out = N / Z * keep_scale from double N and Z, rounded to the target: the quotient and
+    the product by keep_hi each rounded once (``u`` times the result's magnitude added to the
+    radius: Higham 2002, eq. (2.5)), ``|N/Z - n/z| <= (nr + |n/z| zr) / (z - zr)`` (the
+    quotient of enclosures), ``|keep - keep_hi| <= |keep_lo| + keep_err``; each element
+    decided by :func:`~refattn.exact.fast.rounding_decision.decide_one`. ``z`` = (Z, radius),
+    ``sums`` = (N (E,), N radius (E,)). Returns whether every element is decided."""
+    b, h, i = index
+    zh, zr = z
+    ns, nr = sums
+    _, _, p, emin, maxf = target
+    keep_hi, keep_lo, keep_err = prm[P_KEEP_HI], prm[P_KEEP_LO], prm[P_KEEP_ERR]
+    kabs = abs(keep_hi) + abs(keep_lo) + keep_err
+    klo = abs(keep_lo) + keep_err
+    zlow = zh - zr
+    ok = True
+    for e in range(ns.shape[0]):
+        oh = ns[e] / zh
+        orad = (nr[e] + abs(oh) * 1.0000001 * zr) / zlow + D.U * abs(oh)
+        x = oh * keep_hi
+        rad = (orad * kabs + abs(oh) * klo + D.U * abs(x)) * D.BOUND_SAFETY
+        value, dec = decide_one(x, 0.0, rad, p, emin, maxf)
+        out[b, h, i, e] = value
+        ok = ok and dec
+    return ok
+
+
+@numba.jit(**_JIT)
+def _finish(index, r, row, facts, pr, target, results):
+    """Status of row r (``index`` = (b, h, i)) from its sums: Z with the sink's term and its
+    radius ``(gamma + rho) Z (1 + gamma) + tiny``, N's radius ``(gamma + rho) A_e (1 + gamma)
+    (1 + rho) + TINY |v|`` with ``A_e <= min(vmax_e (Z + zr), (sum_j e_j^2)^(1/2) ||v_e||)``
+    (Cauchy-Schwarz), then lse (:func:`~refattn.exact.fast.forward_kernels.finish_row`), out
+    (:func:`_finish_out`) and the weights. ``row`` = (top, span, lo, s, err, state, nsum
+    row); ``facts`` = (z, e2, tiny, tiny_v, rho, vmax, vnorm)."""
+    top, span, lo, s, err, state, nrow = row
+    z, e2, tiny, tiny_v, rho, vmax, vnorm = facts
+    want_w = target[1]
+    vdim = vmax.shape[0]
+    u = 1.01 * D.U
+    gsum = pr[P_GAMMA_SUM]
+    zr_ = z[r]
+    if pr[P_HAS_SINK] != 0.0:  # the sink's term enters Z after the keys' blocks
+        x = pr[P_SINK] - top
+        if x < CUT:
+            tiny[r] += TINY
+        else:
+            rho[r] = max(
+                rho[r], (D.EXP_D_REL + 2.0 * u * abs(x) * D.BOUND_SAFETY) * (1.0 + RHO_MAX)
+            )
+            zr_ += D.exp_d(x)
+    if not rho[r] <= RHO_MAX:
+        return UNDECIDED
+    gg = gsum + rho[r]
+    zrad = (gg * zr_ * (1.0 + gsum) + tiny[r]) * D.BOUND_SAFETY
+    zsum, root, grow = zr_ + zrad, math.sqrt(e2[r]), (1.0 + gsum) * (1.0 + rho[r])
+    nr = np.empty(vdim)
+    for e in range(vdim):
+        acc = min(vmax[e] * zsum, root * vnorm[e])
+        nr[e] = (gg * acc * grow) * D.BOUND_SAFETY + TINY * tiny_v[r, e]
+    ok, lz_h, lz_l, lz_r = finish_row(
+        index, top, (zr_, 0.0, zrad), (nr[:0], nr[:0], nr[:0]), pr, target, results
+    )
+    if ok:
+        ok = _finish_out(index, (zr_, zrad), (nrow[:vdim], nr), pr, target, results[0])
+    if ok and want_w:
+        r0, r1 = span
+        shifted = (s[r, r0:r1], np.zeros(r1 - r0), err[r, r0:r1])
+        ok = row_weights(
+            index, lo + r0, state[r, r0:r1], shifted, (lz_h, lz_l, lz_r), target, results[2]
+        )
+    return OK if ok else UNDECIDED
+
+
+@numba.jit(**_JIT)
+def _queries(b, heads, q, qa, qfacts):
+    """The float64 query rows of the heads ``heads`` of batch row b as the columns of ``qa``
+    (D, R) (row r = head index * L + i) with their :func:`~refattn.exact.fast.facts.row_fact`
+    into ``qfacts`` = (ok, qn, qs) (R,)."""
+    qok, qn, qs = qfacts
+    length, dim = q.shape[2], q.shape[3]
+    qrow = np.empty(dim)
+    bits = qrow.view(np.int64)
+    for hh in range(heads.shape[0]):
+        for i in range(length):
+            r = hh * length + i
+            qrow[:] = q[b, heads[hh], i]
+            qok[r], qn[r], qs[r] = row_fact(qrow, bits)
+            qa[:, r] = qrow
+
+
+@numba.jit(**_JIT)
+def _interval(rule, b, length):
+    """The union [lo, hi) of the key intervals of batch row b's rows (hi >= lo)."""
+    lo = rule[R_ROWS_LO][b, 0]
+    hi = rule[R_ROWS_HI][b, 0]
+    for i in range(1, length):
+        lo = min(lo, rule[R_ROWS_LO][b, i])
+        hi = max(hi, rule[R_ROWS_HI][b, i])
+    return lo, max(hi, lo)
+
+
+@numba.jit(**_JIT)
+def _plane_ok(kp, vp, kind, half, keys):
+    """Whether the keys and values outside [lo, hi) (``keys`` = (lo, hi)) are in range."""
+    lo, hi = keys
+    count = kp.shape[0]
+    good = _range_ok(kp, kind, half, 0, lo) and _range_ok(kp, kind, half, hi, count)
+    return good and _range_ok(vp, kind, half, 0, lo) and _range_ok(vp, kind, half, hi, count)
+
+
+@numba.jit(**_JIT)
+def _decode_item(b, g, inputs, rule, target, results):
+    """The decode step of every query row of kv plane (b, g) (the rows of each query head h
+    with kv_head[h] = g); writes their status. ``inputs`` = (q float64 (B, H, L, D), k bits
+    (B, K, S, D), v bits (B, K, S, E), kind, half, prm (B, H, 16), plane_ok (B, H), kv_head
+    (H,))."""
+    q, k, v, kind, half, prm, plane_ok, kvh = inputs
+    status = results[3]
+    length, dim = q.shape[2], q.shape[3]
+    vdim = v.shape[3]
+    heads = np.flatnonzero(kvh == g)
+    nrows = heads.shape[0] * length
+    lo, hi = _interval(rule, b, length)
+    n = hi - lo
+    width = -(-n // KEY_TILE) * KEY_TILE + KEY_TILE
+    epad = max(KEY_TILE, -(-vdim // KEY_TILE) * KEY_TILE)
+    qa = np.zeros((dim, max(nrows, 4)))
+    qok, qn, qs = np.empty(nrows, np.bool_), np.empty(nrows), np.empty(nrows)
+    _queries(b, heads, q, qa, (qok, qn, qs))
+    kp, vp = k[b, g], v[b, g]
+    kn, ks = np.empty(max(n, 1)), np.empty(max(n, 1))
+    s, err = np.zeros((nrows, width)), np.zeros((nrows, width))
+    state = np.zeros((nrows, width), np.int8)
+    good = _key_pass(kp, kind, half, (lo, hi), (qa, nrows), (kn, ks), s)
+    good = good and _plane_ok(kp, vp, kind, half, (lo, hi))
+    # a row runs on when its plane is in range (NaN, Inf or huge inputs: the referee's)
+    runs = np.zeros(nrows, np.bool_)
+    for r in range(nrows):
+        hh = r // length
+        runs[r] = good and plane_ok[b, heads[hh]] and qok[hh * length : (hh + 1) * length].all()
+    tops = np.full(nrows, -np.inf)
+    p = np.zeros((nrows, width))
+    z, e2, tiny, rho = np.zeros(nrows), np.zeros(nrows), np.zeros(nrows), np.zeros(nrows)
+    tiny_v = np.zeros((nrows, vdim))
+    for r in range(nrows):
+        h, i = heads[r // length], r % length
+        if not runs[r]:
+            continue
+        pr = prm[b, h]
+        facts = (qn[r], qs[r], kn, ks)
+        top, bad = _row_scores((b, h, i), r, lo, facts, pr, rule, (s, err, state))
+        if pr[P_HAS_SINK] != 0.0:  # the sink: one more logit in the max and in Z, no value
+            top = max(top, pr[P_SINK])
+        tops[r] = top
+        runs[r] = not bad  # a bias out of range: the row is the referee's
+        if bad or top == -np.inf:
+            continue
+        span = (rule[R_ROWS_LO][b, i] - lo, rule[R_ROWS_HI][b, i] - lo)
+        work = (s, err, state, p)
+        sums = (z, e2, tiny, tiny_v, rho)
+        _row_exps(r, span, top, target[1], work, sums, (vp, kind, half, lo))
+    vmax, vsq = np.zeros(vdim), np.zeros(vdim)
+    nsum, nb = np.zeros((nrows, epad)), np.zeros((nrows, epad))
+    good = _value_pass(vp, kind, half, (lo, hi), (p, nrows), (vmax, vsq), (nsum, nb))
+    vnorm = np.sqrt(vsq) * (1.0 + 2.0**-30) + 2.0**-1000  # as refattn.exact.fast.facts
+    facts = (z, e2, tiny, tiny_v, rho, vmax, vnorm)
+    for r in range(nrows):
+        h, i = heads[r // length], r % length
+        if not (good and runs[r]):
+            status[b, h, i] = UNDECIDED
+        elif tops[r] == -np.inf:
+            status[b, h, i] = EMPTY
+        else:
+            span = (rule[R_ROWS_LO][b, i] - lo, rule[R_ROWS_HI][b, i] - lo)
+            row = (tops[r], span, lo, s, err, state, nsum[r])
+            status[b, h, i] = _finish((b, h, i), r, row, facts, prm[b, h], target, results)
+
+
+@numba.jit(**_JIT)
+def decode_serial(items, inputs, rule, target, results):
+    """:func:`decode_parallel` on one thread (small steps: a parallel region would cost more
+    than it saves)."""
+    for t in range(items.shape[0]):
+        _decode_item(items[t, 0], items[t, 1], inputs, rule, target, results)
+
+
+@numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
+def decode_parallel(items, inputs, rule, target, results):
+    """The decode step of the kv planes ``items`` ((n, 2): b, g), in parallel over them; the
+    argument records are those of :func:`_decode_item`, ``rule`` =
+    :meth:`refattn.exact.fast.allowed_set.AllowedRule.kernel_args`, ``target`` = (want_lse,
+    want_weights, p, emin, max_finite), ``results`` = (out, lse, weights, status)."""
+    for t in prange(items.shape[0]):
+        _decode_item(items[t, 0], items[t, 1], inputs, rule, target, results)
