@@ -22,10 +22,11 @@ import math
 
 import numba
 import numpy as np
-from numba import prange
+from numba import prange, types
+from numba.extending import intrinsic
 
-from ...kernels._cpu_tiles import matmul_n, matmul_t
-from ...kernels._simd import as_float
+from ...kernels._cpu_tiles import matmul_n
+from ...kernels._simd import JIT, as_float, vfmav, vload, vsum, vzero
 from . import doubledouble as D
 from ._params import (
     P_GAMMA_DIM,
@@ -48,7 +49,6 @@ from ._params import (
 )
 from .allowed_set import key_state
 from .dense_dots import EXACT_SCALE, KEY_TILE
-from .facts import row_fact
 from .forward_kernels import (
     CUT,
     EMPTY,
@@ -83,9 +83,14 @@ BF16, F16, F32, F64 = 0, 1, 2, 3
 HALF_SCALES = np.array([2.0 ** (max(e, 1) - 25) for e in range(31)] + [np.nan])
 
 _JIT = dict(nopython=True, cache=True, fastmath=False, error_model="numpy")
+#: The per-row helpers, inlined into their loops (a call per key row would cost more than the
+#: row's arithmetic: the row views' reference counts).
+_INLINE = dict(_JIT, inline="always")
+#: float64 lanes of a 64-byte vector (:func:`refattn.kernels._simd.lanes`).
+_LANES = 8
 
 
-@numba.jit(**_JIT)
+@numba.jit(**_INLINE)
 def widen(w, kind, half):
     """The float64 value of one stored element of bits ``w`` (an int16, int32 or int64) of
     storage ``kind`` (exact: every bfloat16, float16 and float32 is a float64; Inf and NaN
@@ -103,11 +108,184 @@ def widen(w, kind, half):
     return as_float(np.int64(w))
 
 
-@numba.jit(**_JIT)
+@numba.jit(**_INLINE)
 def _inside(x):
     """Zero, or a magnitude in [SAFE_MIN, SAFE_MAX] (False for Inf and NaN)."""
     m = abs(x)
     return m == 0.0 or (m >= D.SAFE_MIN and m <= D.SAFE_MAX)
+
+
+@numba.jit(**_INLINE)
+def _widen_row(src, kind, half, dst):
+    """dst[:n] = the float64 values of the n stored elements ``src`` (:func:`widen`, one loop
+    per storage kind, so that each vectorises)."""
+    n = src.shape[0]
+    if kind == BF16:
+        for d in range(n):
+            dst[d] = np.float64(as_float(np.int32(np.int32(src[d]) << np.int32(16))))
+    elif kind == F16:
+        for d in range(n):
+            dst[d] = widen(src[d], kind, half)
+    elif kind == F32:
+        for d in range(n):
+            dst[d] = np.float64(as_float(np.int32(src[d])))
+    else:
+        for d in range(n):
+            dst[d] = as_float(np.int64(src[d]))
+
+
+if JIT:
+
+    @intrinsic
+    def _as_int(typingctx, x):
+        """The bits of a float32 (int32) or float64 (int64)."""
+        it = types.int64 if x.bitwidth == 64 else types.int32
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], context.get_value_type(it))
+
+        return it(x), codegen
+
+else:  # pragma: no cover - the NUMBA_DISABLE_JIT=1 tier
+
+    def _as_int(x):
+        return np.array(x).view(np.int64 if np.array(x).itemsize == 8 else np.int32)[()]
+
+
+#: (significand bits, exponent mask, bias) of the kinds read as int16 / int32 bits.
+_FORMATS = ((7, 0xFF, 127), (10, 0x1F, 15), (23, 0xFF, 127))
+
+
+@numba.jit(**_INLINE)
+def _norm(row):
+    """An upper bound of the 2-norm of ``row`` (D padded with zeros to whole vectors):
+    ``fl(sum_d x_d^2)^(1/2) (1 + 2**-30) + 2**-1000`` with the squares summed by fma in 8
+    lanes (lane l over d = l mod 8, in order), then the lanes in order. Every square passes
+    through at most D roundings (adding an exact zero rounds nothing), so the float sum errs
+    by at most gamma_D < 2**-30 relative for D < 2**22 (Higham 2002, eq. (3.5), any order of
+    the sum); 2**-1000 covers underflow."""
+    acc = vzero(row)
+    for c in range(0, row.shape[0], _LANES):
+        x8 = vload(row, c)
+        acc = vfmav(x8, x8, acc)
+    return math.sqrt(vsum(acc)) * (1.0 + 2.0**-30) + 2.0**-1000
+
+
+@numba.jit(**_JIT)
+def _bits_facts(src, kind):
+    """``(ok, g)`` of one stored row of bfloat16, float16 or float32 bits (int16 / int32):
+    ``ok`` no Inf or NaN (every finite value of these formats is zero or of magnitude in
+    [2**-149, 2**128], inside [SAFE_MIN, SAFE_MAX]); ``g`` the exponent of the lowest set bit
+    of the row's elements (0 for a zero row): ``max(e, 1) - bias - p + log2(lsb)`` per nonzero
+    element of exponent field e and significand m (with its implicit bit), ``lsb = m & -m``
+    (its exponent read from the float32 ``lsb``, exact), as
+    :func:`refattn.exact.fast.facts.row_fact` reads it from the float64 bits. Integer
+    operations only (the loop vectorises)."""
+    mbits, emask, bias = _FORMATS[kind]
+    frac = np.int32((1 << mbits) - 1)
+    absmask = np.int32((1 << (mbits + 8 if kind != F16 else mbits + 5)) - 1)
+    none = np.int32(1 << 20)
+    bad = np.int32(0)
+    low = none
+    for d in range(src.shape[0]):
+        w = np.int32(src[d])
+        field = (w >> np.int32(mbits)) & np.int32(emask)
+        mant = (w & frac) | (np.int32(field != 0) << np.int32(mbits))
+        lsb = mant & -mant
+        lz = (_as_int(np.float32(lsb)) >> np.int32(23)) - np.int32(127)
+        value = max(field, np.int32(1)) + lz
+        value = none if (w & absmask) == 0 else value
+        low = min(low, value)
+        bad |= np.int32(field == emask)
+    g = 0 if low == none else np.int64(low) - bias - mbits
+    return bad == 0, g
+
+
+@numba.jit(**_INLINE)
+def _bits_ulp(src, kind):
+    """``(ok, g)`` of :func:`_bits_facts` with ``g`` a lower bound: the exponent of the least
+    ulp of the row's nonzero elements (``max(e, 1) - bias - p``; every element is a multiple of
+    its ulp), so that ``norm / 2**g`` bounds the exactness scale from above. Cheaper (no
+    lowest set bit); where it proves the dot products exact, so does the exact scale."""
+    mbits, emask, bias = _FORMATS[kind]
+    absmask = np.int32((1 << (mbits + 8 if kind != F16 else mbits + 5)) - 1)
+    none = np.int32(1 << 20)
+    bad = np.int32(0)
+    low = none
+    for d in range(src.shape[0]):
+        w = np.int32(src[d])
+        field = (w >> np.int32(mbits)) & np.int32(emask)
+        value = field if field > 0 else np.int32(1)
+        value = none if (w & absmask) == 0 else value
+        low = value if value < low else low
+        bad |= np.int32(field == emask)
+    g = 0 if low == none else np.int64(low) - bias - mbits
+    return bad == 0, g
+
+
+@numba.jit(**_INLINE)
+def _pow2(n):
+    """2**n for -1022 <= n <= 1023 (from its bits: exact, no libm call)."""
+    return as_float(np.int64(n + 1023) << np.int64(52))
+
+
+@numba.jit(**_INLINE)
+def _widen_checked(src, kind, half, row):
+    """:func:`_widen_row` with :func:`_bits_ulp`'s ``(ok, g)`` (bfloat16: one fused loop;
+    float64: ``(True, 0)``, its range checked on the values by the caller)."""
+    if kind == F64:  # its range is checked on the float64 values
+        _widen_row(src, kind, half, row)
+        return True, 0
+    if kind != BF16:
+        _widen_row(src, kind, half, row)
+        return _bits_ulp(src, kind)
+    none = np.int32(1 << 20)
+    bad = np.int32(0)
+    low = none
+    for d in range(src.shape[0]):
+        w = np.int32(src[d])
+        row[d] = np.float64(as_float(np.int32(w << np.int32(16))))
+        field = (w >> np.int32(7)) & np.int32(0xFF)
+        value = field if field > 0 else np.int32(1)
+        value = none if (w & np.int32(0x7FFF)) == 0 else value
+        low = value if value < low else low
+        bad |= np.int32(field == 0xFF)
+    g = 0 if low == none else np.int64(low) - 134
+    return bad == 0, g
+
+
+@numba.jit(**_JIT)
+def _row_facts(row, bits, scratch):
+    """``(ok, norm, scale)`` of one widened float64 row (``row`` (D padded with zeros to whole
+    vectors), ``bits`` its int64 view), as :func:`refattn.exact.fast.facts.row_fact` states
+    them: ``ok`` every element zero or of magnitude in [SAFE_MIN, SAFE_MAX]; ``norm``
+    (:func:`_norm`); ``scale`` = ``norm / 2**g`` with ``g`` the exponent of the lowest set bit
+    of the row's elements (``norm`` for a zero row): the value of each element's lowest set
+    bit is the element itself where its stored significand is zero, else ``|x| - |x'|`` with
+    ``x'`` its bits less the lowest set one (an exact difference within one binade).
+    ``scratch`` = (low, bad) (8,) lanes."""
+    low, bad = scratch
+    frac = (np.int64(1) << 52) - 1
+    absmask = (np.int64(1) << 63) - 1
+    low[:] = np.inf
+    bad[:] = 0
+    for c in range(0, row.shape[0], _LANES):
+        for lane in range(_LANES):
+            m = abs(row[c + lane])
+            inside = (m == 0.0) | ((m >= D.SAFE_MIN) & (m <= D.SAFE_MAX))
+            bad[lane] |= np.int64(not inside)
+            w = bits[c + lane] & absmask
+            cleared = as_float(w & (w - 1))
+            lb = m if (w & frac) == 0 else m - cleared
+            lb = np.inf if m == 0.0 else lb
+            low[lane] = lb if lb < low[lane] else low[lane]
+    norm = _norm(row)
+    least = np.inf
+    worst = 0
+    for lane in range(_LANES):
+        least = min(least, low[lane])
+        worst |= bad[lane]
+    return worst == 0, norm, norm if least == np.inf else norm / least
 
 
 @numba.jit(**_JIT)
@@ -126,33 +304,43 @@ def _range_ok(plane, kind, half, j0, j1):
 @numba.jit(**_JIT)
 def _key_pass(kp, kind, half, keys, queries, kfacts, s):
     """The dot products ``s[r, j - lo] = q_r . k_j`` of every row with the keys lo <= j < hi
-    (``keys`` = (lo, hi)): one fma chain over d = 0 .. D-1 from +0 each (the register tiles of
-    :func:`refattn.kernels._cpu_tiles.matmul_t`, as :func:`refattn.exact.fast.dense_dots.
-    block_dots`), each KEY_TILE keys widened from ``kp`` (S, D) bits into a zero-padded
-    (D, KEY_TILE) tile; with each key's :func:`~refattn.exact.fast.facts.row_fact` (norm
-    bound, exactness scale) into ``kfacts`` = (kn, ks) at j - lo. ``queries`` = (qa (D, R),
-    R). Returns whether every key is in range."""
+    (``keys`` = (lo, hi)), each key row widened from ``kp`` (S, D) bits as it loads, with its
+    :func:`_row_facts` (norm bound, exactness scale) into ``kfacts`` = (kn, ks) at j - lo. Each
+    dot product is 8 lane fma chains (lane l over d = l mod 8, from +0, in order) whose lanes
+    are then added in order: every product passes through at most D roundings (adding an exact
+    zero of the padding rounds nothing), so ``|error| <= gamma_D |q_r|.|k_j|`` (Higham 2002,
+    eq. (3.5), which holds for any order of the sum), and the sum is exact where the exactness
+    scales prove every partial sum representable (any order: each partial sum is a multiple of
+    the scales' unit below ``||q|| ||k||``). ``queries`` = (qa (R, D padded to whole vectors,
+    zeros past D), R, the rows' largest exactness scale: a key's exact scale is computed only
+    where :func:`_bits_ulp`'s bound does not prove every row's chain exact). Returns whether
+    every key is in range."""
     lo, hi = keys
-    qa, nrows = queries
+    qa, nrows, qs_max = queries
     kn, ks = kfacts
-    dim = kp.shape[1]
-    tile = np.zeros((dim, KEY_TILE))
-    krow = np.empty(dim)
+    krow = np.zeros(qa.shape[1])
     bits = krow.view(np.int64)
+    scratch = (np.empty(_LANES), np.empty(_LANES, np.int64))
     good = True
-    for j0 in range(lo, hi, KEY_TILE):
-        n = min(KEY_TILE, hi - j0)
-        for t in range(n):
-            src = kp[j0 + t]
-            for d in range(dim):
-                krow[d] = widen(src[d], kind, half)
-            ok, kn[j0 + t - lo], ks[j0 + t - lo] = row_fact(krow, bits)
-            good = good and ok
-            for d in range(dim):
-                tile[d, t] = krow[d]
-        if n < KEY_TILE:
-            tile[:, n:] = 0.0
-        matmul_t(qa, tile, dim, nrows, KEY_TILE, s[:, j0 - lo :], True)
+    for j in range(lo, hi):
+        src = kp[j]
+        ok, g = _widen_checked(src, kind, half, krow)
+        if kind == F64:
+            ok, kn[j - lo], ks[j - lo] = _row_facts(krow, bits, scratch)
+        else:  # the facts from the stored bits; the exact scale only where it matters
+            norm = _norm(krow)
+            scale = norm * _pow2(-g)
+            if not qs_max * scale < EXACT_SCALE:
+                ok, g = _bits_facts(src, kind)
+                scale = norm * _pow2(-g)
+            kn[j - lo], ks[j - lo] = norm, scale
+        good = good and ok
+        for r in range(nrows):
+            qrow = qa[r]
+            acc = vzero(krow)
+            for c in range(0, krow.shape[0], _LANES):
+                acc = vfmav(vload(qrow, c), vload(krow, c), acc)
+            s[r, j - lo] = vsum(acc)
     return good
 
 
@@ -178,17 +366,17 @@ def _value_pass(vp, kind, half, keys, weights, vfacts, sums):
     while c0 < hi:
         c1 = min(hi, (c0 // SUM_BLOCK + 1) * SUM_BLOCK)
         for t in range(c1 - c0):
-            src = vp[c0 + t]
             row = tile[t]
-            bad = 0
-            for e in range(vdim):
-                x = widen(src[e], kind, half)
-                row[e] = x
+            src = vp[c0 + t]
+            ok, _ = _widen_checked(src, kind, half, row)
+            if kind == F64:
+                ok = _range_ok(vp, kind, half, c0 + t, c0 + t + 1)
+            good = good and ok
+            for e in range(vdim):  # per feature: fma of the squares, max |v|
+                x = row[e]
                 m = abs(x)
-                bad += 0 if (m == 0.0 or (m >= D.SAFE_MIN and m <= D.SAFE_MAX)) else 1
-                vsq[e] += x * x
-                vmax[e] = max(vmax[e], m)
-            good = good and bad == 0
+                vsq[e] = D.fma(x, x, vsq[e])
+                vmax[e] = m if m > vmax[e] else vmax[e]
         nb[:] = 0.0
         matmul_n(p[:, c0 - lo :], tile, c1 - c0, nrows, epad, nb)
         for r in range(nrows):
@@ -371,19 +559,20 @@ def _finish(index, r, row, facts, pr, target, results):
 
 @numba.jit(**_JIT)
 def _queries(b, heads, q, qa, qfacts):
-    """The float64 query rows of the heads ``heads`` of batch row b as the columns of ``qa``
-    (D, R) (row r = head index * L + i) with their :func:`~refattn.exact.fast.facts.row_fact`
-    into ``qfacts`` = (ok, qn, qs) (R,)."""
+    """The float64 query rows of the heads ``heads`` of batch row b as the rows of ``qa``
+    (R, D padded with zeros to whole vectors; row r = head index * L + i) with their
+    :func:`_row_facts` into ``qfacts`` = (ok, qn, qs) (R,)."""
     qok, qn, qs = qfacts
     length, dim = q.shape[2], q.shape[3]
-    qrow = np.empty(dim)
+    qrow = np.zeros(qa.shape[1])
     bits = qrow.view(np.int64)
+    scratch = (np.empty(_LANES), np.empty(_LANES, np.int64))
     for hh in range(heads.shape[0]):
         for i in range(length):
             r = hh * length + i
-            qrow[:] = q[b, heads[hh], i]
-            qok[r], qn[r], qs[r] = row_fact(qrow, bits)
-            qa[:, r] = qrow
+            qrow[:dim] = q[b, heads[hh], i]
+            qok[r], qn[r], qs[r] = _row_facts(qrow, bits, scratch)
+            qa[r] = qrow
 
 
 @numba.jit(**_JIT)
@@ -420,16 +609,17 @@ def _decode_item(b, g, inputs, rule, target, results):
     nrows = heads.shape[0] * length
     lo, hi = _interval(rule, b, length)
     n = hi - lo
-    width = -(-n // KEY_TILE) * KEY_TILE + KEY_TILE
+    width = max(n, 1)
     epad = max(KEY_TILE, -(-vdim // KEY_TILE) * KEY_TILE)
-    qa = np.zeros((dim, max(nrows, 4)))
+    qa = np.zeros((nrows, -(-dim // _LANES) * _LANES))
     qok, qn, qs = np.empty(nrows, np.bool_), np.empty(nrows), np.empty(nrows)
     _queries(b, heads, q, qa, (qok, qn, qs))
     kp, vp = k[b, g], v[b, g]
     kn, ks = np.empty(max(n, 1)), np.empty(max(n, 1))
     s, err = np.zeros((nrows, width)), np.zeros((nrows, width))
     state = np.zeros((nrows, width), np.int8)
-    good = _key_pass(kp, kind, half, (lo, hi), (qa, nrows), (kn, ks), s)
+    qs_max = qs.max() if nrows else 0.0
+    good = _key_pass(kp, kind, half, (lo, hi), (qa, nrows, qs_max), (kn, ks), s)
     good = good and _plane_ok(kp, vp, kind, half, (lo, hi))
     # a row runs on when its plane is in range (NaN, Inf or huge inputs: the referee's)
     runs = np.zeros(nrows, np.bool_)
@@ -457,11 +647,11 @@ def _decode_item(b, g, inputs, rule, target, results):
         work = (s, err, state, p)
         sums = (z, e2, tiny, tiny_v, rho)
         _row_exps(r, span, top, target[1], work, sums, (vp, kind, half, lo))
-    vmax, vsq = np.zeros(vdim), np.zeros(vdim)
+    vmax, vsq = np.zeros(epad), np.zeros(epad)
     nsum, nb = np.zeros((nrows, epad)), np.zeros((nrows, epad))
     good = _value_pass(vp, kind, half, (lo, hi), (p, nrows), (vmax, vsq), (nsum, nb))
-    vnorm = np.sqrt(vsq) * (1.0 + 2.0**-30) + 2.0**-1000  # as refattn.exact.fast.facts
-    facts = (z, e2, tiny, tiny_v, rho, vmax, vnorm)
+    vnorm = np.sqrt(vsq[:vdim]) * (1.0 + 2.0**-30) + 2.0**-1000  # as _norm
+    facts = (z, e2, tiny, tiny_v, rho, vmax[:vdim], vnorm)
     for r in range(nrows):
         h, i = heads[r // length], r % length
         if not (good and runs[r]):
