@@ -11,21 +11,28 @@ codes) of bfloat16, float16, float32 or float64. Per (batch row, kv head) plane,
 over its keys and one over its values:
 
 * each key row is read as integer bits and widened to float64 as it loads (exact: every
-  bfloat16, float16 and float32 value is a float64); its facts are those of
-  :func:`refattn.exact.fast.facts.row_fact` on the widened row (in range: zero or a magnitude
-  in [SAFE_MIN, SAFE_MAX]; the 2-norm bound ``fl(sum_d k_d^2)^(1/2) (1 + 2**-30) + 2**-1000``,
-  the float sum erring by at most gamma_D < 2**-30 relative, Higham 2002, eq. (3.5); the
-  exactness scale from the lowest set bit); each KEY_TILE keys are transposed into a small
-  tile, and every query row of the plane's heads (G L rows) takes its dot products from it;
+  bfloat16, float16 and float32 value is a float64). Its facts are those of
+  :func:`refattn.exact.fast.facts.row_fact`: in range (zero or a magnitude in [SAFE_MIN,
+  SAFE_MAX]: for bfloat16, float16 and float32, no Inf or NaN in the stored bits); a 2-norm
+  bound ``fl(sum_d k_d^2)^(1/2) (1 + 2**-30) + 2**-1000`` (the squares summed in 8 lanes, each
+  square through at most D roundings: gamma_D < 2**-30 relative, Higham 2002, eq. (3.5), for
+  any order of the sum); the exactness scale ``||k|| / 2**g`` with g the exponent of the least
+  ulp of its elements read from the bits (a lower bound of the lowest set bit, so an upper
+  bound of the scale), and the lowest set bit itself only for the keys where that bound does
+  not prove every row's dot product exact. Every query row of the plane's heads (G L rows)
+  takes its dot product with the widened row at once;
 * each value row likewise, SUM_BLOCK keys per tile, with max |v_je| and the sum of squares per
   feature (the 2-norm bound as for the keys).
 
 The arithmetic per row is that of the dense double step's first pass
 (:func:`refattn.exact.fast.forward_kernels.forward_d`, whose bounds the module docstring of
-:mod:`refattn.exact.fast.forward` states): the dot product ``q_i . k_j`` is one fma chain over
-d = 0 .. D-1 from +0 with ``|error| <= gamma_D |q_i|.|k_j| <= gamma_D ||q_i|| ||k_j||``
-(Higham 2002, eq. (3.5), and Cauchy-Schwarz), zero where the exactness scales prove every
-partial sum representable (``qs_i ks_j < 2**52``); each later rounding is bounded by
+:mod:`refattn.exact.fast.forward` states) but for the order of the dot products: ``q_i . k_j``
+is 8 lane fma chains (lane l over d = l mod 8, from +0) whose lanes are then added in order.
+Each product passes through at most D roundings, so ``|error| <= gamma_D |q_i|.|k_j| <=
+gamma_D ||q_i|| ||k_j||`` (Higham 2002, eq. (3.5), which holds for any order of the sum, and
+Cauchy-Schwarz), zero where the exactness scales prove every partial sum representable
+(``qs_i ks_j < 2**52``: every partial sum, in any order, is a multiple of ``2**(g_q + g_k)``
+of magnitude below ``||q|| ||k||``); each later rounding is bounded by
 ``1.01 u |result|`` (Higham 2002, eq. (2.5)); ``e = exp_d(x)`` with relative error EXP_D_REL;
 Z and ``N_e = sum_j e_j v_je`` are blocked sums (SUM_BLOCK keys per block, aligned on the key
 index; ``gamma_{B + S/B}``, Higham 2002, sec. 4.2) with ``|N - N^| <= (gamma + rho) A_e`` and
@@ -36,8 +43,10 @@ step tries a cheaper sufficient test first). The maximum and the 2-norm of the v
 taken over the keys the plane's rows read (``[lo, hi)``, the union of their intervals), which
 bounds the same sums; the keys outside it are read only for the range test, so a NaN anywhere
 in a plane's k or v sends the plane to the referee as in the dense step. The enclosures are
-therefore the dense first pass's (the same bits where the value features' maximum and norm are
-those of the whole plane), and so are the decisions.
+therefore of the dense first pass's width; the dot products and norms are summed in another
+order, so their last bits may differ, and a row within a few ulps of a decision may be decided
+by one step and left by the other: either way its result is the referee's (the exact result
+rounded once).
 
 The rows it leaves undecided go on through the dense steps exactly as before: the second
 double pass with magnitude-sum bounds, the double-double step, the refined step, the referee

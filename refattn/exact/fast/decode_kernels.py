@@ -2,18 +2,19 @@
 the algorithm and its bounds): a few query rows against long keys, with k and v read in place.
 
 One work item is one (batch row, kv head) plane: the query rows of every query head of its
-group (``G L`` rows, columns of ``qa``) share each load of a key tile and of a value block. The
-keys and values are read from their storage dtype as integer bits (bfloat16 and float16 as
-int16, float32 as int32, float64 as int64) and widened exactly to float64 as they load
-(:func:`widen`); their facts (range, 2-norm bound, exactness scale of each key; range, maximum
-and 2-norm bound of each value feature) are computed in the same pass
-(:func:`refattn.exact.fast.facts.row_fact` on each widened key row). No float64 copy of k or v
-and no transposed K^T is built: each KEY_TILE keys are transposed into a (D, KEY_TILE) tile,
-each SUM_BLOCK values into a (SUM_BLOCK, E) tile.
+group (``G L`` rows of ``qa``) share each load of a key row and of a value block. The keys and
+values are read from their storage dtype as integer bits (bfloat16 and float16 as int16,
+float32 as int32, float64 as int64) and widened exactly to float64 as they load
+(:func:`widen`). Each key row's facts come in the same pass: its range and the exponent of its
+least ulp from the stored bits (:func:`_bits_ulp`; the lowest set bit, :func:`_bits_facts`,
+only where the ulp does not prove the dot products exact), its 2-norm bound from the widened
+row (:func:`_norm`); float64 keys by :func:`_row_facts` on the values. Each value block
+(SUM_BLOCK keys) is widened into a (SUM_BLOCK, E padded) tile with the range, max |v_je| and
+sum of squares per feature. No float64 copy of k or v and no transposed K^T is built.
 
-Each row's arithmetic is fixed by the shapes alone (the tiles are aligned on the key index,
-the fma chains run from +0 in a fixed order), so no bit depends on the thread count or on
-which rows share an item.
+Each row's arithmetic is fixed by the shapes alone (8 lanes per dot product and norm, value
+blocks aligned on the key index, every chain from +0 in a fixed order), so no bit depends on
+the thread count or on which rows share an item.
 """
 
 from __future__ import annotations
