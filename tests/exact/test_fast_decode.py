@@ -124,6 +124,13 @@ def test_decode_options_match_referee(in_dtype, opts):
     assert stats["decode_rows"] == stats["rows"]
 
 
+def test_large_groups_take_the_dense_steps():
+    """More than GROUP_ROWS query rows per kv head: the dense first pass, not the decode step."""
+    q, k, v = _decode_problem(6, np.float32, batch=1, heads=DEC.GROUP_ROWS + 1, kv_heads=1, keys=9)
+    stats = _assert_identical(q, k, v, "float32")
+    assert stats["decode_rows"] == 0 and stats["double_rows"] == stats["rows"]
+
+
 @pytest.mark.parametrize(
     "where",
     ["nan k outside the interval", "inf v", "huge q", "nan q one head", "subnormal k"],

@@ -69,10 +69,13 @@ from ...spec import AttentionSpec
 from .allowed_set import allowed_rule
 from .decode_kernels import BF16, F16, F32, F64, HALF_SCALES, decode_parallel, decode_serial
 
-__all__ = ["DECODE_ROWS", "SERIAL_ELEMENTS", "decode_applies", "decode_first_step"]
+__all__ = ["DECODE_ROWS", "GROUP_ROWS", "SERIAL_ELEMENTS", "decode_applies", "decode_first_step"]
 
 #: Query rows per plane (L) up to which the decode step replaces the dense first pass.
 DECODE_ROWS = 8
+#: Query rows per kv plane (G L, the rows of a work item) up to which it does: its working
+#: memory is a few (G L, S) float64 arrays, as the dense step's (D_ROW_BLOCK, S) per worker.
+GROUP_ROWS = 32
 #: Elements of k and v up to which the decode step runs on one thread.
 SERIAL_ELEMENTS = 2**23
 
@@ -88,7 +91,8 @@ _KINDS = {
 def decode_applies(spec: AttentionSpec, kv, fmt) -> bool:
     """Whether :func:`decode_first_step` takes the call: a target of at most 24 bits, k and v
     plain arrays (``kv`` None) of one of bfloat16, float16, float32, float64 (the same for
-    both), q of a floating dtype, and 1 <= L <= :data:`DECODE_ROWS` with S >= 1.
+    both), q of one of them, 1 <= L <= :data:`DECODE_ROWS`, at most :data:`GROUP_ROWS` query
+    rows per kv head (G L) and S >= 1.
 
     Examples
     --------
@@ -100,10 +104,12 @@ def decode_applies(spec: AttentionSpec, kv, fmt) -> bool:
     """
     _, _, _, length, keys, _, _ = spec.dims
     names = {np.dtype(a.dtype).name for a in (spec.k, spec.v)}
+    group = int(np.bincount(np.asarray(spec.kv_head)).max()) if spec.kv_head.size else 0
     return (
         kv is None
         and fmt.p <= 24
         and 1 <= length <= DECODE_ROWS
+        and group * length <= GROUP_ROWS
         and keys >= 1
         and len(names) == 1
         and names <= set(_KINDS)

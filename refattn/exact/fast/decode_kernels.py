@@ -266,8 +266,8 @@ def _row_facts(row, bits, scratch):
     ``x'`` its bits less the lowest set one (an exact difference within one binade).
     ``scratch`` = (low, bad) (8,) lanes."""
     low, bad = scratch
-    frac = (np.int64(1) << 52) - 1
-    absmask = (np.int64(1) << 63) - 1
+    frac = np.int64(0xFFFFFFFFFFFFF)
+    absmask = np.int64(0x7FFFFFFFFFFFFFFF)
     low[:] = np.inf
     bad[:] = 0
     for c in range(0, row.shape[0], _LANES):
