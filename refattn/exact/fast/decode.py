@@ -56,8 +56,8 @@ bias out of range and empty rows are left undecided (the referee's, as in the de
 
 The work items are the (batch row, kv head) planes; each row's arithmetic is fixed by the
 shapes alone, so no bit depends on the thread count. Steps of at most
-:data:`SERIAL_ELEMENTS` elements of k and v run on one thread (as the Numba decode kernels:
-on a small step a parallel region costs more than it saves).
+:data:`SERIAL_ELEMENTS` elements of k and v, and steps of one plane, run on one thread (on a
+small step a parallel region costs more than it saves).
 """
 
 from __future__ import annotations
@@ -76,8 +76,11 @@ DECODE_ROWS = 8
 #: Query rows per kv plane (G L, the rows of a work item) up to which it does: its working
 #: memory is a few (G L, S) float64 arrays, as the dense step's (D_ROW_BLOCK, S) per worker.
 GROUP_ROWS = 32
-#: Elements of k and v up to which the decode step runs on one thread.
-SERIAL_ELEMENTS = 2**23
+#: Elements of k and v up to which the decode step runs on one thread (and with one plane it
+#: always does). Measured on a shared 2-core machine (load about 3, B1 H8 L1 D128 bfloat16):
+#: two threads already win at S = 256 (0.49 against 0.62 ms) and at S = 2048 (2.1 against
+#: 3.1 ms), so only steps much smaller than that stay on one thread.
+SERIAL_ELEMENTS = 2**18
 
 #: Storage dtype name -> (kind of :mod:`refattn.exact.fast.decode_kernels`, bits dtype).
 _KINDS = {
@@ -160,6 +163,7 @@ def decode_first_step(spec: AttentionSpec, kv, fmt, asked, results, params) -> i
     items = np.array([(b, g) for b in range(batch) for g in range(kv_heads)], np.int64)
     items = items.reshape(-1, 2)
     target = (bool(asked[0]), bool(asked[1]), fmt.p, fmt.emin, float(fmt.max_finite))
-    step = decode_serial if spec.k.size + spec.v.size <= SERIAL_ELEMENTS else decode_parallel
+    small = spec.k.size + spec.v.size <= SERIAL_ELEMENTS or items.shape[0] < 2
+    step = decode_serial if small else decode_parallel
     step(items, inputs, allowed_rule(spec).kernel_args(), target, results)
     return batch * heads * length
