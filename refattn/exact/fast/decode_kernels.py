@@ -352,16 +352,20 @@ def _value_pass(vp, kind, half, keys, weights, vfacts, sums):
     register tiles of :func:`refattn.kernels._cpu_tiles.matmul_n`, added to nsum at the block's
     end), each block widened from ``vp`` (S, E) bits into a (SUM_BLOCK, E padded) tile; with
     the values' facts ``vfacts`` = (vmax, vsq): max |v_je| and the sum of squares in key order
-    per feature. ``weights`` = (p (R, .), R); ``sums`` = (nsum, nb) (R, E padded). Returns
+    per feature. ``weights`` = (p (R, .), R); ``sums`` = (nsum, nb, asum, mag): (R, E padded)
+    each, with ``mag`` also ``asum[r, e] = sum_j p[r, j - lo] |v_je|`` by the same blocked sums
+    (the dense second pass's A_e, read from the same tiles). Returns
     whether every value is in range."""
     lo, hi = keys
     p, nrows = weights
     vmax, vsq = vfacts
-    nsum, nb = sums
+    nsum, nb, asum, mag = sums
     vdim = vp.shape[1]
     epad = nsum.shape[1]
     tile = np.zeros((SUM_BLOCK, epad))
+    atile = np.zeros((SUM_BLOCK, epad if mag else 0))
     nsum[:] = 0.0
+    asum[:] = 0.0
     good = True
     c0 = lo
     while c0 < hi:
@@ -378,11 +382,20 @@ def _value_pass(vp, kind, half, keys, weights, vfacts, sums):
                 m = abs(x)
                 vsq[e] = D.fma(x, x, vsq[e])
                 vmax[e] = m if m > vmax[e] else vmax[e]
+            if mag:
+                for e in range(vdim):
+                    atile[t, e] = abs(row[e])
         nb[:] = 0.0
         matmul_n(p[:, c0 - lo :], tile, c1 - c0, nrows, epad, nb)
         for r in range(nrows):
             for e in range(epad):
                 nsum[r, e] += nb[r, e]
+        if mag:  # A_e = sum_j e_j |v_je| by the same blocked sums
+            nb[:] = 0.0
+            matmul_n(p[:, c0 - lo :], atile, c1 - c0, nrows, epad, nb)
+            for r in range(nrows):
+                for e in range(epad):
+                    asum[r, e] += nb[r, e]
         c0 = c1
     return good
 
@@ -516,10 +529,12 @@ def _finish(index, r, row, facts, pr, target, results):
     """Status of row r (``index`` = (b, h, i)) from its sums: Z with the sink's term and its
     radius ``(gamma + rho) Z (1 + gamma) + tiny``, N's radius ``(gamma + rho) A_e (1 + gamma)
     (1 + rho) + TINY |v|`` with ``A_e <= min(vmax_e (Z + zr), (sum_j e_j^2)^(1/2) ||v_e||)``
-    (Cauchy-Schwarz), then lse (:func:`~refattn.exact.fast.forward_kernels.finish_row`), out
-    (:func:`_finish_out`) and the weights. ``row`` = (top, span, lo, s, err, state, nsum
-    row); ``facts`` = (z, e2, tiny, tiny_v, rho, vmax, vnorm)."""
-    top, span, lo, s, err, state, nrow = row
+    (Cauchy-Schwarz) and, with ``mag``, ``A_e <= fl(sum_j e_j |v_je|) (1 + 4 gamma)`` (the
+    blocked float sum of nonnegative terms, as the dense second pass), then lse
+    (:func:`~refattn.exact.fast.forward_kernels.finish_row`), out (:func:`_finish_out`) and
+    the weights. ``row`` = (top, span, lo, s, err, state, nsum row, asum row, mag);
+    ``facts`` = (z, e2, tiny, tiny_v, rho, vmax, vnorm)."""
+    top, span, lo, s, err, state, nrow, arow, mag = row
     z, e2, tiny, tiny_v, rho, vmax, vnorm = facts
     want_w = target[1]
     vdim = vmax.shape[0]
@@ -543,6 +558,9 @@ def _finish(index, r, row, facts, pr, target, results):
     nr = np.empty(vdim)
     for e in range(vdim):
         acc = min(vmax[e] * zsum, root * vnorm[e])
+        if mag:  # its blocked float sum of nonnegative terms is within gamma of A_e:
+            # the value is at most the sum / (1 - gsum) <= the sum (1 + 4 gsum)
+            acc = min(acc, arow[e] * (1.0 + 4.0 * gsum))
         nr[e] = (gg * acc * grow) * D.BOUND_SAFETY + TINY * tiny_v[r, e]
     ok, lz_h, lz_l, lz_r = finish_row(
         index, top, (zr_, 0.0, zrad), (nr[:0], nr[:0], nr[:0]), pr, target, results
@@ -650,7 +668,10 @@ def _decode_item(b, g, inputs, rule, target, results):
         _row_exps(r, span, top, target[1], work, sums, (vp, kind, half, lo))
     vmax, vsq = np.zeros(epad), np.zeros(epad)
     nsum, nb = np.zeros((nrows, epad)), np.zeros((nrows, epad))
-    good = _value_pass(vp, kind, half, (lo, hi), (p, nrows), (vmax, vsq), (nsum, nb))
+    mag = kind == F32 or kind == F64  # dot products rarely exact: the tighter A_e too
+    asum = np.zeros((nrows, epad) if mag else (nrows, 0))
+    sums = (nsum, nb, asum, mag)
+    good = _value_pass(vp, kind, half, (lo, hi), (p, nrows), (vmax, vsq), sums)
     vnorm = np.sqrt(vsq[:vdim]) * (1.0 + 2.0**-30) + 2.0**-1000  # as _norm
     facts = (z, e2, tiny, tiny_v, rho, vmax[:vdim], vnorm)
     for r in range(nrows):
@@ -661,7 +682,7 @@ def _decode_item(b, g, inputs, rule, target, results):
             status[b, h, i] = EMPTY
         else:
             span = (rule[R_ROWS_LO][b, i] - lo, rule[R_ROWS_HI][b, i] - lo)
-            row = (tops[r], span, lo, s, err, state, nsum[r])
+            row = (tops[r], span, lo, s, err, state, nsum[r], asum[r], mag)
             status[b, h, i] = _finish((b, h, i), r, row, facts, prm[b, h], target, results)
 
 
