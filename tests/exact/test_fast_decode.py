@@ -17,6 +17,7 @@ from refattn.exact.fast import decode as DEC
 from refattn.exact.fast import decode_kernels as DK
 from refattn.exact.fast import facts
 from refattn.exact.fast import forward as FA
+from refattn.exact.fast.doubledouble import gamma_up
 from refattn.exact.fast.forward_kernels import OK, UNDECIDED
 from refattn.exact.rounding import FORMATS
 from refattn.spec import canonicalize
@@ -251,3 +252,37 @@ def test_exactness_scales_from_the_bits_are_the_dense_steps(name):
 def test_decode_sweep_matches_referee(case):
     q, k, v, opts = case
     _assert_identical(q, k, v, "float32", **opts)
+
+
+@numba.njit
+def _dots(q, k):
+    out = np.empty((k.shape[0], 3))
+    for j in range(k.shape[0]):
+        s, sab = DK._dot_mag(q, k[j])
+        out[j, 0], out[j, 1], out[j, 2] = s, sab, DK._dot_error(sab, q.shape[0])
+    return out
+
+
+@pytest.mark.parametrize("dim", [3, 16, 37])
+def test_running_dot_bound_holds(dim):
+    """The lane dot products of the decode step are within their running error bound of the
+    exact sum, and the gamma_D a-priori bound holds too."""
+    from fractions import Fraction
+
+    rng = np.random.default_rng(dim)
+    width = -(-dim // 8) * 8
+    q = np.zeros(width)
+    k = np.zeros((40, width))
+    q[:dim] = rng.standard_normal(dim).astype(np.float32)
+    k[:, :dim] = (rng.standard_normal((40, dim)) * np.exp2(rng.integers(-8, 8, (40, 1)))).astype(
+        np.float32
+    )
+    k[5, :dim] = -k[4, :dim] * (1 + 2.0**-20)  # a cancelling row
+    gamma = gamma_up(dim)
+    for row, (s, _, bound) in zip(k, _dots(q, k), strict=True):
+        exact = sum(Fraction(a) * Fraction(b) for a, b in zip(q, row, strict=True))
+        error = abs(Fraction(s) - exact)
+        assert error <= Fraction(bound)
+        assert error <= Fraction(gamma) * sum(
+            abs(Fraction(a) * Fraction(b)) for a, b in zip(q, row, strict=True)
+        )

@@ -27,7 +27,18 @@ from numba import prange, types
 from numba.extending import intrinsic
 
 from ...kernels._cpu_tiles import matmul_n
-from ...kernels._simd import JIT, as_float, vfmav, vload, vsum, vzero
+from ...kernels._simd import (
+    JIT,
+    as_float,
+    vadd,
+    vfmav,
+    vlane,
+    vload,
+    vmax,
+    vmuls,
+    vsum,
+    vzero,
+)
 from . import doubledouble as D
 from ._params import (
     P_GAMMA_DIM,
@@ -302,8 +313,22 @@ def _range_ok(plane, kind, half, j0, j1):
     return good
 
 
+@numba.jit(**_INLINE)
+def _dot_error(sab, dim):
+    """A rigorous bound of the error of a :func:`_key_pass` dot product from ``sab``, the float
+    sum of the magnitudes of its rounded results (the D lane fma results and the 7 partial sums
+    of the lanes): each rounding errs by at most ``u`` times its result's magnitude (Higham
+    2002, eq. (2.5); the running error bound of sec. 3.1), so ``|error| <= u sab_exact`` with
+    ``sab_exact <= sab (1 + 4 n u)`` (a float sum of n <= D + 16 nonnegative terms errs by at
+    most gamma_n, Higham 2002, eq. (3.5), and 1 / (1 - gamma_n) <= 1 + 4 n u), the rounding
+    of ``u sab`` covered by BOUND_SAFETY, plus 2**-1074 per rounding for results in the
+    subnormal range."""
+    n = dim + 16
+    return (D.U * sab) * (1.0 + 4.0 * n * D.U) * D.BOUND_SAFETY + (n + 1) * 2.0**-1074
+
+
 @numba.jit(**_JIT)
-def _key_pass(kp, kind, half, keys, queries, kfacts, s):
+def _key_pass(kp, kind, half, keys, queries, kfacts, s, err):
     """The dot products ``s[r, j - lo] = q_r . k_j`` of every row with the keys lo <= j < hi
     (``keys`` = (lo, hi)), each key row widened from ``kp`` (S, D) bits as it loads, with its
     :func:`_row_facts` (norm bound, exactness scale) into ``kfacts`` = (kn, ks) at j - lo. Each
@@ -336,6 +361,10 @@ def _key_pass(kp, kind, half, keys, queries, kfacts, s):
                 scale = norm * _pow2(-g)
             kn[j - lo], ks[j - lo] = norm, scale
         good = good and ok
+        if kind == F32 or kind == F64:  # with the magnitudes of every rounded result
+            for r in range(nrows):
+                s[r, j - lo], err[r, j - lo] = _dot_mag(qa[r], krow)
+            continue
         for r in range(nrows):
             qrow = qa[r]
             acc = vzero(krow)
@@ -343,6 +372,24 @@ def _key_pass(kp, kind, half, keys, queries, kfacts, s):
                 acc = vfmav(vload(qrow, c), vload(krow, c), acc)
             s[r, j - lo] = vsum(acc)
     return good
+
+
+@numba.jit(**_INLINE)
+def _dot_mag(qrow, krow):
+    """``(s, sab)``: :func:`_key_pass`'s dot product of two padded rows and the float sum of
+    the magnitudes of its rounded results (each lane's fma results, then the partial sums of
+    the lanes in order): :func:`_dot_error` bounds its error."""
+    acc = vzero(krow)
+    mags = vzero(krow)
+    for c in range(0, krow.shape[0], _LANES):
+        acc = vfmav(vload(qrow, c), vload(krow, c), acc)
+        mags = vadd(mags, vmax(acc, vmuls(acc, -1.0)))
+    total = vlane(acc, 0)
+    sab = 0.0
+    for lane in range(1, _LANES):
+        total += vlane(acc, lane)
+        sab += abs(total)
+    return total, vsum(mags) + sab
 
 
 @numba.jit(**_JIT)
@@ -408,9 +455,11 @@ def _row_scores(index, r, lo, facts, pr, rule, work):
     same score and radius as the dense step's (:func:`refattn.exact.fast.dense_dots.
     plain_scores`, :func:`refattn.exact.fast.forward_kernels.score_d`): the dot product's
     error ``gamma_D ||q_i|| ||k_j||``, zero where ``qs_i ks_j < 2**52`` proves the chain
-    exact. ``facts`` = (qn_r, qs_r, kn, ks), ``work`` = (s, err, state)."""
+    exact; with ``mag`` (float32 and float64 keys) the smaller of that and :func:`_dot_error`
+    of the magnitude sum ``err`` holds on entry. ``facts`` = (qn_r, qs_r, kn, ks, mag, D),
+    ``work`` = (s, err, state)."""
     b, h, i = index
-    qn_r, qs_r, kn, ks = facts
+    qn_r, qs_r, kn, ks, mag, dim = facts
     s, err, state = work
     r0, r1 = rule[R_ROWS_LO][b, i] - lo, rule[R_ROWS_HI][b, i] - lo
     gdim = pr[P_GAMMA_DIM]
@@ -427,6 +476,8 @@ def _row_scores(index, r, lo, facts, pr, rule, work):
             gd = 0.0 if qs_r * ks[jj] < EXACT_SCALE else gdim
             sj = srow[jj]
             derr = gd * qn_r * kn[jj]
+            if mag and gd != 0.0:  # the running bound where it is tighter
+                derr = min(derr, _dot_error(erow[jj], dim))
             t = sj * scale_hi
             erow[jj] = c1 * derr + (abs(sj) + derr) * c2 + u * abs(t)
             srow[jj] = t
@@ -443,6 +494,8 @@ def _row_scores(index, r, lo, facts, pr, rule, work):
         if has_bias and not bias_in_range(bv):
             bad = True
         derr = 0.0 if qs_r * ks[jj] < EXACT_SCALE else gdim * qn_r * kn[jj]
+        if mag and derr != 0.0:  # the running bound where it is tighter
+            derr = min(derr, _dot_error(erow[jj], dim))
         t, e = score_d(i, j, srow[jj], derr, 1.0, pr, bv, has_bias, 1.0)
         srow[jj], erow[jj] = t, e
         top = max(top, t)
@@ -638,7 +691,7 @@ def _decode_item(b, g, inputs, rule, target, results):
     s, err = np.zeros((nrows, width)), np.zeros((nrows, width))
     state = np.zeros((nrows, width), np.int8)
     qs_max = qs.max() if nrows else 0.0
-    good = _key_pass(kp, kind, half, (lo, hi), (qa, nrows, qs_max), (kn, ks), s)
+    good = _key_pass(kp, kind, half, (lo, hi), (qa, nrows, qs_max), (kn, ks), s, err)
     good = good and _plane_ok(kp, vp, kind, half, (lo, hi))
     # a row runs on when its plane is in range (NaN, Inf or huge inputs: the referee's)
     runs = np.zeros(nrows, np.bool_)
@@ -654,7 +707,7 @@ def _decode_item(b, g, inputs, rule, target, results):
         if not runs[r]:
             continue
         pr = prm[b, h]
-        facts = (qn[r], qs[r], kn, ks)
+        facts = (qn[r], qs[r], kn, ks, kind == F32 or kind == F64, dim)
         top, bad = _row_scores((b, h, i), r, lo, facts, pr, rule, (s, err, state))
         if pr[P_HAS_SINK] != 0.0:  # the sink: one more logit in the max and in Z, no value
             top = max(top, pr[P_SINK])
