@@ -39,7 +39,13 @@ index; ``gamma_{B + S/B}``, Higham 2002, sec. 4.2) with ``|N - N^| <= (gamma + r
 ``A_e <= min(max_j |v_je| Z, (sum_j e_j^2)^(1/2) ||v_e||)`` (Cauchy-Schwarz); ``out = N / Z``
 (the quotient of enclosures, ``(rN + |N/Z| rZ) / (Z - rZ)``) and ``lse = m + log Z`` are
 decided by :func:`~refattn.exact.fast.rounding_decision.decide_one` (every element; the dense
-step tries a cheaper sufficient test first). The maximum and the 2-norm of the values are
+step tries a cheaper sufficient test first). For float32 and
+float64 k and v (whose dot products are rarely proven exact) two bounds of the dense second
+pass are taken in the same passes: the dot product's error is also bounded by its running error
+bound ``u sab`` (``sab`` the float sum of the magnitudes of its rounded results: each rounding
+errs by at most u times its result, Higham 2002, eq. (2.5) and sec. 3.1), the smaller bound
+kept, and ``A_e <= fl(sum_j e_j |v_je|) (1 + 4 gamma)`` (the same blocked sums over |v|). The
+maximum and the 2-norm of the values are
 taken over the keys the plane's rows read (``[lo, hi)``, the union of their intervals), which
 bounds the same sums; the keys outside it are read only for the range test, so a NaN anywhere
 in a plane's k or v sends the plane to the referee as in the dense step. The enclosures are
