@@ -392,6 +392,22 @@ def _dot_mag(qrow, krow):
     return total, vsum(mags) + sab
 
 
+@numba.jit(**_INLINE)
+def _bf16_values(src, row, vsq, vmax):
+    """One bfloat16 value row: ``row`` its float64 values, ``vsq[e] = fma(v_e, v_e, vsq[e])``,
+    ``vmax[e] = max(vmax[e], |v_e|)``; whether it holds no Inf or NaN (one loop)."""
+    bad = np.int32(0)
+    for e in range(src.shape[0]):
+        w = np.int32(src[e])
+        x = np.float64(as_float(np.int32(w << np.int32(16))))
+        row[e] = x
+        m = abs(x)
+        vsq[e] = D.fma(x, x, vsq[e])
+        vmax[e] = m if m > vmax[e] else vmax[e]
+        bad |= np.int32(((w >> np.int32(7)) & np.int32(0xFF)) == 0xFF)
+    return bad == 0
+
+
 @numba.jit(**_JIT)
 def _value_pass(vp, kind, half, keys, weights, vfacts, sums):
     """``nsum[r, e] = sum_j p[r, j - lo] v_je`` over lo <= j < hi, blocked as the dense step's
@@ -420,15 +436,18 @@ def _value_pass(vp, kind, half, keys, weights, vfacts, sums):
         for t in range(c1 - c0):
             row = tile[t]
             src = vp[c0 + t]
-            ok, _ = _widen_checked(src, kind, half, row)
-            if kind == F64:
-                ok = _range_ok(vp, kind, half, c0 + t, c0 + t + 1)
-            good = good and ok
-            for e in range(vdim):  # per feature: fma of the squares, max |v|
-                x = row[e]
-                m = abs(x)
-                vsq[e] = D.fma(x, x, vsq[e])
-                vmax[e] = m if m > vmax[e] else vmax[e]
+            if kind == BF16:  # one fused loop
+                good = _bf16_values(src, row, vsq, vmax) and good
+            else:
+                ok, _ = _widen_checked(src, kind, half, row)
+                if kind == F64:
+                    ok = _range_ok(vp, kind, half, c0 + t, c0 + t + 1)
+                good = good and ok
+                for e in range(vdim):  # per feature: fma of the squares, max |v|
+                    x = row[e]
+                    m = abs(x)
+                    vsq[e] = D.fma(x, x, vsq[e])
+                    vmax[e] = m if m > vmax[e] else vmax[e]
             if mag:
                 for e in range(vdim):
                     atile[t, e] = abs(row[e])
