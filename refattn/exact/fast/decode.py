@@ -83,10 +83,10 @@ DECODE_ROWS = 8
 #: memory is a few (G L, S) float64 arrays, as the dense step's (D_ROW_BLOCK, S) per worker.
 GROUP_ROWS = 32
 #: Elements of k and v up to which the decode step runs on one thread (and with one plane it
-#: always does). Measured on a shared 2-core machine (load about 3, B1 H8 L1 D128 bfloat16):
-#: two threads already win at S = 256 (0.49 against 0.62 ms) and at S = 2048 (2.1 against
-#: 3.1 ms), so only steps much smaller than that stay on one thread.
-SERIAL_ELEMENTS = 2**18
+#: always does), as the Numba decode kernels. Measured on a shared 2-core machine (B1 H8 L1
+#: D128 bfloat16, S = 2048): two threads took 2.1 ms against 3.1 ms on one at load 3.1, but
+#: 14 ms against 2.9 ms at load 3.4 (a parallel region waits for its slowest thread).
+SERIAL_ELEMENTS = 2**23
 
 #: Storage dtype name -> (kind of :mod:`refattn.exact.fast.decode_kernels`, bits dtype).
 _KINDS = {
