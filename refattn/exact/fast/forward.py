@@ -105,6 +105,7 @@ from . import doubledouble as D
 from ._params import P_ALIBI_OFFSET, P_SINK, P_SLOPE, PRM, frozen
 from .allowed_set import allowed_rule
 from .codes_inputs import codes_inputs
+from .decode import decode_first_step
 from .facts import plane_key_facts, plane_value_facts, row_facts
 from .forward_kernels import (
     D_ROW_BLOCK,
@@ -291,6 +292,7 @@ def finish_forward(results, dtype, rows, step_rows, referee_rows):
         double_rows=step_rows["double"],
         double_magnitude_rows=step_rows.get("double-magnitude", 0),
         double_double_rows=step_rows["double-double"],
+        decode_rows=step_rows.get("decode", 0),
         refine_rows=step_rows.get("refine", 0),
     )
     out, lse, weights = results
@@ -435,7 +437,13 @@ def fast_exact_forward(
     weights = np.zeros((batch, heads, length, keys) if return_weights else (1, 1, 1, 1))
     status = np.full((batch, heads, length), UNDECIDED, dtype=np.int8)
     step_rows = {"double": 0, "double-magnitude": 0, "double-double": 0}
-    if out.size or lse.size:
+    results = (out, lse, weights, status)
+    asked = (return_lse, return_weights)
+    # a few query rows against long keys: the decode step reads k, v in place (the dense
+    # steps below take only the rows it leaves undecided)
+    decoded = decode_first_step(spec, kv, fmt, asked, results, kernel_params) if lse.size else 0
+    step_rows["decode"] = decoded
+    if (out.size or lse.size) and not (decoded and (status != UNDECIDED).all()):
         # long rows of codes to a float64 target: the refined step alone, reading the codes
         direct = bool(kv) and keys >= REFINE_KEYS and fmt.p > 24
         x = _Inputs(spec, kv, store=not direct)
@@ -447,7 +455,9 @@ def fast_exact_forward(
         target = (return_lse, return_weights, fmt.p, fmt.emin, float(fmt.max_finite))
         results = (out, lse, weights, status)
         planes = np.argwhere(x.ok)
-        if fmt.p <= 24 and planes.size:
+        if fmt.p <= 24 and planes.size and decoded:
+            redo = x.ok[:, :, None] & (status == UNDECIDED)
+        if fmt.p <= 24 and planes.size and not decoded:
             starts = np.arange(0, length, D_ROW_BLOCK)
             blocks = np.empty((planes.shape[0] * starts.size, 4), dtype=np.int64)
             blocks[:, :2] = np.repeat(planes, starts.size, axis=0)
@@ -458,6 +468,7 @@ def fast_exact_forward(
             forward_d(blocks, inputs, rule, target, results, first)
             step_rows["double"] = planes.shape[0] * length
             redo = x.ok[:, :, None] & (status == UNDECIDED)
+        if fmt.p <= 24 and planes.size:
             blocks, row_list = redo_blocks(redo)
             if blocks.size:  # the rows left, again with magnitude-sum bounds
                 second = (True, frozen(np.abs(x.v)), row_list)
@@ -490,15 +501,18 @@ def fallback_stats() -> dict:
     """Statistics of the last :func:`fast_exact_forward` call: ``rows`` and ``elements`` in
     total, ``double_rows``, ``double_magnitude_rows`` and ``double_double_rows`` (rows
     evaluated by each first step: the double-precision step, its second pass with
-    magnitude-sum bounds, the double-double step), ``refine_rows`` (rows the double-double
-    step left to the refined step, :mod:`refattn.exact.fast.forward_refine`), ``referee_rows``
-    and ``referee_elements`` (those of the rows recomputed by the referee engine).
+    magnitude-sum bounds, the double-double step), ``decode_rows`` (rows the decode step of
+    :mod:`refattn.exact.fast.decode` evaluated in place of the double step's first pass: a few
+    query rows, k and v read in place; the rows it leaves go on to the second pass),
+    ``refine_rows`` (rows the double-double step left to the refined step,
+    :mod:`refattn.exact.fast.forward_refine`), ``referee_rows`` and ``referee_elements`` (those
+    of the rows recomputed by the referee engine).
 
     Examples
     --------
     >>> set(fallback_stats()) <= {'rows', 'elements', 'referee_rows', 'referee_elements',
     ...                           'double_rows', 'double_magnitude_rows', 'double_double_rows',
-    ...                           'refine_rows'}
+    ...                           'decode_rows', 'refine_rows'}
     True
     """
     return dict(_LAST_STATS)
