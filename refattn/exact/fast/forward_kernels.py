@@ -18,6 +18,7 @@ import numpy as np
 from numba import prange
 
 from ...kernels._cpu_tiles import matmul_n
+from ...kernels._simd import lanes, vadd, vfmav, vload, vmax, vsum, vtop, vzero
 from . import doubledouble as D
 from ._params import (
     P_ALIBI_KEYS,
@@ -56,7 +57,7 @@ from .dense_dots import (
     rows_interval,
 )
 from .doubledouble import EXP_FAST_REL, exp_dd_fast
-from .rounding_decision import decide_one, decide_quick
+from .rounding_decision import decide_one, decide_quick, half_gap
 
 __all__ = [
     "block_interval",
@@ -180,13 +181,15 @@ def _finish_row(index, top, z, sums, prm, target, results):
     b, h, i = index
     zh, zl, zr = z
     ns, nc, nr = sums
-    want_lse, _, p, emin, maxf = target
+    want_lse, want_w, p, emin, maxf = target
     out, lse = results[0], results[1]
     keep_hi, keep_lo, keep_err = prm[P_KEEP_HI], prm[P_KEEP_LO], prm[P_KEEP_ERR]
     if not zr < 0.5 * zh:
         return False, 0.0, 0.0, 0.0
-    lh, ll, lerr = D.log_dd(zh, zl)
-    lerr = lerr + (zr / zh) / (1.0 - zr / zh)
+    lh, ll, lerr = 0.0, 0.0, 0.0
+    if want_lse or want_w:  # log Z serves lse and the weights alone
+        lh, ll, lerr = D.log_dd(zh, zl)
+        lerr = lerr + (zr / zh) / (1.0 - zr / zh)
     ok = True
     if want_lse:
         gh, gl = D.dd_add_d(lh, ll, top)
@@ -216,7 +219,9 @@ def _finish_out_d(index, z, sums, prm, target, out):
     ``|keep - keep_hi| <= |keep_lo| + keep_err``; decided first by decide_quick's test in a
     branch-free loop, then element by element by decide_one where that test fails. ``z`` = (Z,
     radius), ``sums`` = (N, N radius, and (E,) scratch for the products, their radii and the
-    test's flags). Returns whether every element is decided."""
+    test's flags). Returns whether every element is decided. (When the quick test cannot apply,
+    ``a`` below ``low`` -- y zero or subnormal -- :func:`half_gap` reads a meaningless value
+    whose test result is discarded.)"""
     b, h, i = index
     zh, zr = z
     ns, nr, xs, rads, flags = sums
@@ -226,10 +231,11 @@ def _finish_out_d(index, z, sums, prm, target, out):
     klo = abs(keep_lo) + keep_err
     zlow = zh - zr
     split = float(1 << (53 - p)) + 1.0  # Veltkamp's constant (decide_quick)
-    below = 1.0 / float(1 << (p + 1))
+    low_gap, high_gap = math.ldexp(1.0, -p), math.ldexp(1.0, -p - 1)  # half_gap's factors
     low, high, quick = math.ldexp(1.0, emin + 1), 0.5 * maxf, p <= 51
     failed = 0
-    for e in range(ns.shape[0]):
+    orow = out[b, h, i]
+    for e in range(ns.shape[0]):  # branch-free (& of the tests, not ``and``): it vectorises
         oh = ns[e] / zh
         orad = (nr[e] + abs(oh) * 1.0000001 * zr) / zlow + D.U * abs(oh)
         x = oh * keep_hi
@@ -237,12 +243,13 @@ def _finish_out_d(index, z, sums, prm, target, out):
         t = split * x
         y = t - (t - x)
         a = abs(x)
-        test = (abs(x - y) + r) * (1.0 + 2.0**-50) < abs(y) * below
-        good = quick and a >= low and a <= high and test
-        out[b, h, i, e] = y
+        test = (abs(x - y) + r) * (1.0 + 2.0**-50) < half_gap(y, low_gap, high_gap)
+        good = quick & (a >= low) & (a <= high) & test
+        orow[e] = y
         xs[e], rads[e] = x, r
-        flags[e] = 1 if good else 0
-        failed += 0 if good else 1
+        flag = np.int8(1) if good else np.int8(0)
+        flags[e] = flag
+        failed += 1 - np.int64(flag)
     ok = True
     if failed:
         for e in range(ns.shape[0]):
@@ -531,62 +538,85 @@ def _block_scores_d(b, h, ids, nb_rows, keys, inputs, rule, work, mag):
 
 @numba.jit(**_JIT)
 def _plain_exps(rr, r0, r1, lo, row, work, sums):
-    """:func:`_d_exps` for row rr when all of its keys r0 <= jj < r1 are kept: the shifted
-    scores x = t - top and their radii (kept in s, err for the weights), the count of keys below
-    CUT as TINY each (an exact sum of powers of two) and rho from the largest radius above CUT
-    (rho is monotone in it: the key-by-key maximum's value); then ``p = exp_d_core(x)`` in one
-    branch-free loop (a key below CUT gets the argument CUT - 1 and then e = 0), then Z and
-    sum e^2 in key order, blocked (each block of SUM_BLOCK key indices summed from +0, then
-    added to Z). The same operations on the same values as the general loop: the same bits.
-    ``row`` = (top, want_w), ``work`` = (s, err, p), ``sums`` = (z, e2, tiny, rho)."""
-    top, want_w = row
-    s, err, p = work
+    """:func:`_d_exps` for row rr when all of its keys r0 <= jj < r1 are kept. One
+    element-wise loop (it vectorises: no reduction but an integer count): the shifted scores
+    x = t - top and their radii xe (kept in s and err), ``p = exp_d_core(x)`` (a key below
+    CUT gets the argument CUT - 1, then e = 0, and is counted: TINY each, an exact sum of
+    powers of two), and xe of the keys above CUT (-1 below it) in the scratch ``xs``. Then
+    one pass of 64-byte vectors (:func:`_exp_sums`) for the reductions: rho from the largest
+    such xe (rho is monotone in it), Z blocked and ``sum e^2``. ``row`` = (top, want_w) (the
+    shifted scores are written either way), ``work`` = (s, err, p, xs), ``sums`` = (z, e2,
+    tiny, rho)."""
+    top = row[0]
+    s, err, p, xs = work
     z, e2, tiny, rho = sums
     u = 1.01 * D.U
     srow, erow, prow = s[rr], err[rr], p[rr]
     cut = 0
-    worst = -1.0
     for jj in range(r0, r1):
         x = srow[jj] - top
         xe = (erow[jj] + u * abs(x)) * D.BOUND_SAFETY
-        if want_w:
-            srow[jj], erow[jj] = x, xe  # the shifted scores, kept for the weights
+        srow[jj], erow[jj] = x, xe  # the shifted scores, kept for the weights
         above = x >= CUT
-        prow[jj] = x if above else CUT - 1.0
+        e = D.exp_d_core(x if above else CUT - 1.0)  # CUT - 1 <= x <= 0: exp_d's domain
+        prow[jj] = e if above else 0.0
+        xs[jj] = xe if above else -1.0
         cut += 0 if above else 1
-        worst = max(worst, xe) if above else worst
     tiny[rr] += cut * TINY
+    worst, zr, sq = _exp_sums(r0, r1, lo, prow, xs, z[rr])
     if worst >= 0.0:
         rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * worst) * (1.0 + _RHO_MAX))
-    for jj in range(r0, r1):
-        x = prow[jj]
-        e = D.exp_d_core(x)  # CUT - 1 <= x <= 0: in exp_d's domain
-        prow[jj] = e if x >= CUT else 0.0
-    zr = z[rr]
-    zb = 0.0
-    sq = e2[rr]
-    jj = r0
-    while jj < r1:  # blocked sums: gamma_{B + S/B}, not gamma_S
-        stop = min(r1, ((lo + jj) // SUM_BLOCK + 1) * SUM_BLOCK - lo)
-        zr += zb  # + 0 at the first block (zr >= 0): exact
-        zb = 0.0
-        for k in range(jj, stop):
-            e = prow[k]
-            zb += e
-            sq += e * e
-        jj = stop
-    z[rr] = zr + zb
-    e2[rr] = sq
+    z[rr] = zr
+    e2[rr] += sq
 
 
 @numba.jit(**_JIT)
-def _cut_values(rr, r0, r1, lo, row, vp, tiny_v):
-    """tiny_v[rr, e] += |v_je| for row rr's keys below CUT (all kept; ``row`` = (s, top,
-    want_w): s holds x itself when want_w, else the score t)."""
-    s, top, want_w = row
+def _exp_sums(r0, r1, lo, prow, xs, z0):
+    """(an upper bound of max xs, z0 + the blocked sum of prow, sum of prow^2) over the
+    entries r0 <= jj < r1 (key j = lo + jj) by 64-byte vectors of W lanes
+    (:mod:`refattn.kernels._simd`): the maximum over lanes needs no order (it is at least 0,
+    the lanes' starting value: only an upper bound is used); each SUM_BLOCK block of the key
+    index j is summed from +0 -- the lanes over the block's whole vectors, the lanes then
+    added in order (``vsum``), then the block's last keys in order -- and added to Z: each
+    term meets at most SUM_BLOCK additions inside its block, so the bound ``gamma_{B + S/B}``
+    of the blocked sums holds (Higham 2002, sec. 4.2: eq. (4.4) holds for every order of
+    summation); ``sum e^2`` lane-wise by fma, then the lanes and the leftover keys: its bound
+    ``gamma_S`` holds for every order as well. The order is fixed by r0, r1 and lo: by the
+    shapes and the row's block alone, never by the thread count."""
+    width = lanes(prow)
+    top = vzero(prow)
+    sqv = vzero(prow)
+    worst = 0.0
+    sq = 0.0
+    zr = z0
+    jj = r0
+    while jj < r1:
+        stop = min(r1, ((lo + jj) // SUM_BLOCK + 1) * SUM_BLOCK - lo)
+        acc = vzero(prow)
+        k = jj
+        while k + width <= stop:
+            e = vload(prow, k)
+            acc = vadd(acc, e)
+            sqv = vfmav(e, e, sqv)
+            top = vmax(top, vload(xs, k))
+            k += width
+        zb = vsum(acc)
+        while k < stop:
+            e = prow[k]
+            zb += e
+            sq = D.fma(e, e, sq)
+            worst = max(worst, xs[k])
+            k += 1
+        zr += zb  # the block's sum added to Z (+0 + zb exact at the first block when z0 = 0)
+        jj = stop
+    return max(worst, vtop(top)), zr, sq + vsum(sqv)
+
+
+@numba.jit(**_JIT)
+def _cut_values(rr, r0, r1, lo, s, vp, tiny_v):
+    """tiny_v[rr, e] += |v_je| for row rr's keys below CUT (all kept; s holds x itself)."""
     for jj in range(r0, r1):
-        x = s[rr, jj] if want_w else s[rr, jj] - top
-        if x < CUT:
+        if s[rr, jj] < CUT:
             for e in range(tiny_v.shape[1]):
                 tiny_v[rr, e] += abs(vp[lo + jj, e])
 
@@ -614,9 +644,9 @@ def _d_exps(ids, nb_rows, lo, hi, top, block_rows, work, sums):
         if all_kept:
             p[rr, :r0] = 0.0
             p[rr, r1 : hi - lo] = 0.0
-            _plain_exps(rr, r0, r1, lo, (top[rr], want_w), (s, err, p), (z, e2, tiny, rho))
+            _plain_exps(rr, r0, r1, lo, (top[rr], want_w), (s, err, p, xs), (z, e2, tiny, rho))
             if tiny[rr] > 0.0:
-                _cut_values(rr, r0, r1, lo, (s, top[rr], want_w), vp, tiny_v)
+                _cut_values(rr, r0, r1, lo, s, vp, tiny_v)
             continue
         for jj in range(r0, r1):
             use[jj] = 0
