@@ -18,7 +18,6 @@ import numpy as np
 from numba import prange
 
 from ...kernels._cpu_tiles import matmul_n
-from ...kernels._simd import lanes, vadd, vfmav, vload, vmax, vsum, vtop, vzero
 from . import doubledouble as D
 from ._params import (
     P_ALIBI_KEYS,
@@ -57,6 +56,7 @@ from .dense_dots import (
     rows_interval,
 )
 from .doubledouble import EXP_FAST_REL, exp_dd_fast
+from .forward_exps import _RHO_MAX, CUT, SUM_BLOCK, TINY, cut_values, plain_exps, plain_row
 from .rounding_decision import decide_one, decide_quick, half_gap
 
 __all__ = [
@@ -77,18 +77,11 @@ __all__ = [
 ]
 
 
-#: Exponent arguments below CUT contribute ``0 <= e < TINY`` (an absolute radius).
-CUT = -400.0
-TINY = 2.0**-575  # > exp(-400 + 1): covers an argument error up to 1
-assert math.log(TINY) > CUT + 1
 #: Weights with ``x - log Z + err < WEIGHT_TINY_ARG`` are positive and below 2**-288: they
 #: round to +0 in float32, float16 and bfloat16; below WEIGHT_ZERO_ARG (< 2**-1154) they round
 #: to +0 in float64 too.
 WEIGHT_TINY_ARG = -200.0
 WEIGHT_ZERO_ARG = -800.0
-_RHO_MAX = 2.0**-20
-#: Key block of the double-precision sums (blocked summation, Higham 2002, sec. 4.2).
-SUM_BLOCK = 64
 #: Query rows (query heads in the gathered-keys kernels) one work item processes together.
 ROW_BLOCK = 8
 #: Query rows the dense double-precision step processes together (cache reuse only: every dot
@@ -537,102 +530,17 @@ def _block_scores_d(b, h, ids, nb_rows, keys, inputs, rule, work, mag):
 
 
 @numba.jit(**_JIT)
-def _plain_exps(rr, r0, r1, lo, row, work, sums):
-    """:func:`_d_exps` for row rr when all of its keys r0 <= jj < r1 are kept. One
-    element-wise loop (it vectorises: no reduction but an integer count): the shifted scores
-    x = t - top and their radii xe (kept in s and err), ``p = exp_d_core(x)`` (a key below
-    CUT gets the argument CUT - 1, then e = 0, and is counted: TINY each, an exact sum of
-    powers of two), and xe of the keys above CUT (-1 below it) in the scratch ``xs``. Then
-    one pass of 64-byte vectors (:func:`_exp_sums`) for the reductions: rho from the largest
-    such xe (rho is monotone in it), Z blocked and ``sum e^2``. ``row`` = (top, want_w) (the
-    shifted scores are written either way), ``work`` = (s, err, p, xs), ``sums`` = (z, e2,
-    tiny, rho)."""
-    top = row[0]
-    s, err, p, xs = work
-    z, e2, tiny, rho = sums
-    u = 1.01 * D.U
-    srow, erow, prow = s[rr], err[rr], p[rr]
-    cut = 0
-    for jj in range(r0, r1):
-        x = srow[jj] - top
-        xe = (erow[jj] + u * abs(x)) * D.BOUND_SAFETY
-        srow[jj], erow[jj] = x, xe  # the shifted scores, kept for the weights
-        above = x >= CUT
-        e = D.exp_d_core(x if above else CUT - 1.0)  # CUT - 1 <= x <= 0: exp_d's domain
-        prow[jj] = e if above else 0.0
-        xs[jj] = xe if above else -1.0
-        cut += 0 if above else 1
-    tiny[rr] += cut * TINY
-    worst, zr, sq = _exp_sums(r0, r1, lo, prow, xs, z[rr])
-    if worst >= 0.0:
-        rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * worst) * (1.0 + _RHO_MAX))
-    z[rr] = zr
-    e2[rr] += sq
-
-
-@numba.jit(**_JIT)
-def _exp_sums(r0, r1, lo, prow, xs, z0):
-    """(an upper bound of max xs, z0 + the blocked sum of prow, sum of prow^2) over the
-    entries r0 <= jj < r1 (key j = lo + jj) by 64-byte vectors of W lanes
-    (:mod:`refattn.kernels._simd`): the maximum over lanes needs no order (it is at least 0,
-    the lanes' starting value: only an upper bound is used); each SUM_BLOCK block of the key
-    index j is summed from +0 -- the lanes over the block's whole vectors, the lanes then
-    added in order (``vsum``), then the block's last keys in order -- and added to Z: each
-    term meets at most SUM_BLOCK additions inside its block, so the bound ``gamma_{B + S/B}``
-    of the blocked sums holds (Higham 2002, sec. 4.2: eq. (4.4) holds for every order of
-    summation); ``sum e^2`` lane-wise by fma, then the lanes and the leftover keys: its bound
-    ``gamma_S`` holds for every order as well. The order is fixed by r0, r1 and lo: by the
-    shapes and the row's block alone, never by the thread count."""
-    width = lanes(prow)
-    top = vzero(prow)
-    sqv = vzero(prow)
-    worst = 0.0
-    sq = 0.0
-    zr = z0
-    jj = r0
-    while jj < r1:
-        stop = min(r1, ((lo + jj) // SUM_BLOCK + 1) * SUM_BLOCK - lo)
-        acc = vzero(prow)
-        k = jj
-        while k + width <= stop:
-            e = vload(prow, k)
-            acc = vadd(acc, e)
-            sqv = vfmav(e, e, sqv)
-            top = vmax(top, vload(xs, k))
-            k += width
-        zb = vsum(acc)
-        while k < stop:
-            e = prow[k]
-            zb += e
-            sq = D.fma(e, e, sq)
-            worst = max(worst, xs[k])
-            k += 1
-        zr += zb  # the block's sum added to Z (+0 + zb exact at the first block when z0 = 0)
-        jj = stop
-    return max(worst, vtop(top)), zr, sq + vsum(sqv)
-
-
-@numba.jit(**_JIT)
-def _cut_values(rr, r0, r1, lo, s, vp, tiny_v):
-    """tiny_v[rr, e] += |v_je| for row rr's keys below CUT (all kept; s holds x itself)."""
-    for jj in range(r0, r1):
-        if s[rr, jj] < CUT:
-            for e in range(tiny_v.shape[1]):
-                tiny_v[rr, e] += abs(vp[lo + jj, e])
-
-
-@numba.jit(**_JIT)
 def _d_exps(ids, nb_rows, lo, hi, top, block_rows, work, sums):
-    """Exponentials of the block's rows into ``p`` (0 for keys that carry no value) and each
-    row's Z (blocked: a partial sum per SUM_BLOCK keys, restarting at multiples of SUM_BLOCK
-    of the key index j), sum of e^2, tiny count and |v| sum, and rho. ``block_rows`` = (rows_lo,
+    """Exponentials of the block's rows into ``p`` (0 for keys that carry no value) and each row's
+    Z (blocked: a partial sum per SUM_BLOCK keys, restarting at multiples of SUM_BLOCK of the
+    key index j), sum of e^2, tiny count and |v| sum, and rho. ``block_rows`` = (rows_lo,
     rows_hi of the batch row, want_w, plane values (S, E), whether every key of the rows'
-    intervals is kept: then :func:`_plain_exps`); ``work`` = (s, err, state, p, and the
-    scratch rows xs, ex, use); p is zero outside each row's interval up to hi - lo;
-    ``sums`` = (z, e2, tiny, tiny_v, rho). Per row: the shifted scores and their radii (keys
-    below CUT or excluded get a dummy argument 0 and use 0), then the exponentials in one
-    branch-free loop (:func:`refattn.exact.fast.doubledouble.exp_d_core`), then the sums in key
-    order, where an unused key adds an exact 0."""
+    intervals is kept: then :func:`~refattn.exact.fast.forward_exps.plain_exps`); ``work`` = (s,
+    err, state, p, and the scratch rows xs, ex, use); p is zero outside each row's interval up
+    to hi - lo; ``sums`` = (z, e2, tiny, tiny_v, rho). Per row: the shifted scores and their
+    radii (keys below CUT or excluded get a dummy argument 0 and use 0), then the exponentials
+    in one branch-free loop (:func:`refattn.exact.fast.doubledouble.exp_d_core`), then the sums
+    in key order, where an unused key adds an exact 0."""
     rows_lo, rows_hi, want_w, vp, all_kept = block_rows
     s, err, state, p, xs, ex, use = work
     z, e2, tiny, tiny_v, rho = sums
@@ -644,9 +552,9 @@ def _d_exps(ids, nb_rows, lo, hi, top, block_rows, work, sums):
         if all_kept:
             p[rr, :r0] = 0.0
             p[rr, r1 : hi - lo] = 0.0
-            _plain_exps(rr, r0, r1, lo, (top[rr], want_w), (s, err, p, xs), (z, e2, tiny, rho))
+            plain_exps(rr, r0, r1, lo, (top[rr], want_w), (s, err, p, xs), (z, e2, tiny, rho))
             if tiny[rr] > 0.0:
-                _cut_values(rr, r0, r1, lo, s, vp, tiny_v)
+                cut_values(rr, r0, r1, lo, s, vp, tiny_v)
             continue
         for jj in range(r0, r1):
             use[jj] = 0
@@ -732,6 +640,54 @@ def _d_scratch(inputs):
 
 
 @numba.jit(**_JIT)
+def _fused(rule, pr, want_w, qa):
+    """Whether a block takes :func:`_fused_rows`: every key of the rows' intervals kept, no
+    softcap or ALiBi, the weights not asked for, K^T padded (``qa`` has columns)."""
+    arrays = rule[R_HAS_MASK] or rule[R_HAS_BIAS] or rule[R_HAS_KEEP]
+    plain = pr[P_SOFTCAP] == 0.0 and pr[P_SLOPE] == 0.0
+    return not arrays and plain and not want_w and qa.shape[1] > 0
+
+
+@numba.jit(**_JIT)
+def _fused_rows(b, h, ids, nb_rows, keys, inputs, rule, work, sums, mag):
+    """The dot products of the block (:func:`refattn.exact.fast.dense_dots.block_dots`, or
+    with ``mag`` and some chain not proven exact :func:`~refattn.exact.fast.dense_dots.
+    block_dots_mag`), then each row's scores, maximum, exponentials and sums by
+    :func:`~refattn.exact.fast.forward_exps.plain_row` while the row is in cache (the same
+    bits as :func:`_block_scores_d` followed by :func:`_d_exps`), and |v| of the keys below
+    CUT. ``work`` = (s, err, p, xs, qa, top): ``top`` gets each row's maximum score, the sink
+    included; ``sums`` = (z, e2, tiny, tiny_v, rho)."""
+    q, kT, v, qn, kn, qs, ks, _, _, prm, kvh = inputs
+    rows_lo, rows_hi = rule[R_ROWS_LO], rule[R_ROWS_HI]
+    s, err, p, xs, qa, top = work
+    z, e2, tiny, tiny_v, rho = sums
+    g = kvh[h]
+    pr = prm[b, h]
+    lo, hi = keys
+    npad = max(KEY_TILE, -(-(hi - lo) // KEY_TILE) * KEY_TILE)
+    mag = mag and not block_exact(qs[b, h], ks[b, g], ids, nb_rows, lo, hi)
+    if mag:  # err holds the magnitude sums
+        block_dots_mag(q[b, h], kT[b, g], ids, nb_rows, lo, npad, s, err)
+    else:
+        block_dots(q[b, h], kT[b, g], ids, nb_rows, lo, npad, s, qa)
+    sink = pr[P_SINK] if pr[P_HAS_SINK] != 0.0 else -np.inf
+    key_facts = (kn[b, g], ks[b, g], mag, q.shape[3])
+    for rr in range(nb_rows):
+        i = ids[rr]
+        r0, r1 = rows_lo[b, i] - lo, rows_hi[b, i] - lo
+        p[rr, :r0] = 0.0
+        p[rr, r1 : hi - lo] = 0.0
+        row = (qn[b, h, i], qs[b, h, i], sink)
+        m = plain_row(rr, r0, r1, lo, row, key_facts, pr, (s, err, p, xs), (z, e2, tiny, rho))
+        top[rr] = m
+        if tiny[rr] > 0.0:  # |v| of the keys below CUT (x = t - m, recomputed)
+            for jj in range(r0, r1):
+                if s[rr, jj] * pr[P_SCALE_HI] - m < CUT:
+                    for e in range(tiny_v.shape[1]):
+                        tiny_v[rr, e] += abs(v[b, g, lo + jj, e])
+
+
+@numba.jit(**_JIT)
 def _d_block(b, h, ids, nb_rows, inputs, rule, target, results, scratch, redo):
     """Double-precision first step of the rows ``ids`` (nb_rows, ascending) of plane (b, h),
     which share each load of K^T and V (each row's arithmetic is the same sequence as alone:
@@ -757,28 +713,33 @@ def _d_block(b, h, ids, nb_rows, inputs, rule, target, results, scratch, redo):
     s, err, state, p, xs, ex, use, qa, nsum, nb = scratch
     bad = np.zeros(D_ROW_BLOCK, np.bool_)
     top = np.full(D_ROW_BLOCK, -np.inf)
-    work = (s, err, state, bad, top, qa)
-    _block_scores_d(b, h, ids, nb_rows, (lo, hi), inputs, rule, work, mag)
-    all_kept = not (rule[R_HAS_MASK] or rule[R_HAS_BIAS] or rule[R_HAS_KEEP])
     has_sink, sink = pr[P_HAS_SINK] != 0.0, pr[P_SINK]
-    if has_sink:  # the sink: one more logit in the max and in Z, no value
-        for rr in range(nb_rows):
-            top[rr] = max(top[rr], sink)
     z = np.zeros(D_ROW_BLOCK)
     e2 = np.zeros(D_ROW_BLOCK)
     tiny = np.zeros(D_ROW_BLOCK)
     tiny_v = np.zeros((D_ROW_BLOCK, vdim))
     rho = np.zeros(D_ROW_BLOCK)
-    _d_exps(
-        ids,
-        nb_rows,
-        lo,
-        hi,
-        top,
-        (rows_lo[b], rows_hi[b], want_w, vp, all_kept),
-        (s, err, state, p, xs, ex, use),
-        (z, e2, tiny, tiny_v, rho),
-    )
+    sums = (z, e2, tiny, tiny_v, rho)
+    if _fused(rule, pr, want_w, qa):  # scores and exponentials row by row from the dots
+        work = (s, err, p, xs, qa, top)
+        _fused_rows(b, h, ids, nb_rows, (lo, hi), inputs, rule, work, sums, mag)
+    else:
+        work = (s, err, state, bad, top, qa)
+        _block_scores_d(b, h, ids, nb_rows, (lo, hi), inputs, rule, work, mag)
+        all_kept = not (rule[R_HAS_MASK] or rule[R_HAS_BIAS] or rule[R_HAS_KEEP])
+        if has_sink:  # the sink: one more logit in the max and in Z, no value
+            for rr in range(nb_rows):
+                top[rr] = max(top[rr], sink)
+        _d_exps(
+            ids,
+            nb_rows,
+            lo,
+            hi,
+            top,
+            (rows_lo[b], rows_hi[b], want_w, vp, all_kept),
+            (s, err, state, p, xs, ex, use),
+            sums,
+        )
     _d_values(lo, hi, nb_rows, p, vp, (nsum, nb))
     asum = np.empty((0, 0))
     if mag:  # A_e = sum_j e_j |v_je| by the same blocked sums, in its own scratch
