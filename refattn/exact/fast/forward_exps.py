@@ -22,10 +22,11 @@ import math
 import numba
 import numpy as np
 
-from ...kernels._simd import lanes, vadd, vfmav, vload, vmax, vmuls, vsum, vtop, vzero
+from ...kernels._simd import as_float, lanes, vadd, vfmav, vload, vmax, vmuls, vsum, vtop, vzero
 from . import doubledouble as D
 from ._params import P_GAMMA_DIM, P_SCALE_ERR, P_SCALE_HI, P_SCALE_LO
 from .dense_dots import EXACT_SCALE, mag_error
+from .rounding_decision import float_bits
 
 __all__ = ["CUT", "TINY", "SUM_BLOCK", "plain_exps", "plain_row", "exp_sums", "cut_values"]
 
@@ -42,21 +43,23 @@ _JIT = dict(nopython=True, cache=True, fastmath=False, error_model="numpy")
 
 @numba.jit(**_JIT)
 def plain_exps(rr, r0, r1, lo, row, work, sums):
-    """The exponentials of :func:`refattn.exact.fast.forward_kernels.forward_d` for row rr when all
-    of its keys r0 <= jj < r1 are kept. One element-wise loop (it vectorises: no reduction but
-    an integer count): the shifted scores x = t - top and their radii xe (kept in s and err),
-    ``p = exp_d_core(x)`` (a key below CUT gets the argument CUT - 1, then e = 0, and is
-    counted: TINY each, an exact sum of powers of two), and xe of the keys above CUT (-1 below
-    it) in the scratch ``xs``. Then one pass of 64-byte vectors (:func:`exp_sums`) for the
-    reductions: rho from the largest such xe (rho is monotone in it), Z blocked and ``sum e^2``.
-    ``row`` = (top, want_w) (the shifted scores are written either way), ``work`` = (s, err, p,
-    xs), ``sums`` = (z, e2, tiny, rho)."""
+    """The exponentials of :func:`refattn.exact.fast.forward_kernels.forward_d` for row rr
+    when all of its keys r0 <= jj < r1 are kept. One element-wise loop (it vectorises: its
+    only reductions are on integers): the shifted scores x = t - top and their radii xe (kept
+    in s and err), ``p = exp_d_core(x)`` (a key below CUT gets the argument CUT - 1, then
+    e = 0, and is counted: TINY each, an exact sum of powers of two) and the largest xe of the
+    keys above CUT, as the maximum of their bit patterns (nonnegative floats order as their
+    bits; the start 0 is +0.0, so the result is at least 0: only an upper bound is used, and
+    rho is monotone in it). Then one pass of 64-byte vectors (:func:`exp_sums`) for Z blocked
+    and ``sum e^2``. ``row`` = (top, want_w) (the shifted scores are written either way),
+    ``work`` = (s, err, p), ``sums`` = (z, e2, tiny, rho)."""
     top = row[0]
-    s, err, p, xs = work
+    s, err, p = work
     z, e2, tiny, rho = sums
     u = 1.01 * D.U
     srow, erow, prow = s[rr], err[rr], p[rr]
     cut = 0
+    worst = 0  # the bits of the largest xe above CUT (0: +0.0)
     for jj in range(r0, r1):
         x = srow[jj] - top
         xe = (erow[jj] + u * abs(x)) * D.BOUND_SAFETY
@@ -64,33 +67,28 @@ def plain_exps(rr, r0, r1, lo, row, work, sums):
         above = x >= CUT
         e = D.exp_d_core(x if above else CUT - 1.0)  # CUT - 1 <= x <= 0: exp_d's domain
         prow[jj] = e if above else 0.0
-        xs[jj] = xe if above else -1.0
+        worst = max(worst, float_bits(xe) if above else 0)  # xe >= 0: its bits order it
         cut += 0 if above else 1
     tiny[rr] += cut * TINY
-    worst, zr, sq = exp_sums(r0, r1, lo, prow, xs, z[rr])
-    if worst >= 0.0:
-        rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * worst) * (1.0 + _RHO_MAX))
+    zr, sq = exp_sums(r0, r1, lo, prow, z[rr])
+    rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * as_float(worst)) * (1.0 + _RHO_MAX))
     z[rr] = zr
     e2[rr] += sq
 
 
 @numba.jit(**_JIT)
-def exp_sums(r0, r1, lo, prow, xs, z0):
-    """(an upper bound of max xs, z0 + the blocked sum of prow, sum of prow^2) over the
-    entries r0 <= jj < r1 (key j = lo + jj) by 64-byte vectors of W lanes
-    (:mod:`refattn.kernels._simd`): the maximum over lanes needs no order (it is at least 0,
-    the lanes' starting value: only an upper bound is used); each SUM_BLOCK block of the key
-    index j is summed from +0 -- the lanes over the block's whole vectors, the lanes then
-    added in order (``vsum``), then the block's last keys in order -- and added to Z: each
-    term meets at most SUM_BLOCK additions inside its block, so the bound ``gamma_{B + S/B}``
-    of the blocked sums holds (Higham 2002, sec. 4.2: eq. (4.4) holds for every order of
-    summation); ``sum e^2`` lane-wise by fma, then the lanes and the leftover keys: its bound
-    ``gamma_S`` holds for every order as well. The order is fixed by r0, r1 and lo: by the
-    shapes and the row's block alone, never by the thread count."""
+def exp_sums(r0, r1, lo, prow, z0):
+    """(z0 + the blocked sum of prow, sum of prow^2) over the entries r0 <= jj < r1 (key j =
+    lo + jj) by 64-byte vectors of W lanes (:mod:`refattn.kernels._simd`): each SUM_BLOCK
+    block of the key index j is summed from +0 -- the lanes over the block's whole vectors,
+    the lanes then added in order (``vsum``), then the block's last keys in order -- and added
+    to Z: each term meets at most SUM_BLOCK additions inside its block, so the bound
+    ``gamma_{B + S/B}`` of the blocked sums holds (Higham 2002, sec. 4.2: eq. (4.4) holds for
+    every order of summation); ``sum e^2`` lane-wise by fma, then the lanes and the leftover
+    keys: its bound ``gamma_S`` holds for every order as well. The order is fixed by r0, r1
+    and lo: by the shapes and the row's block alone, never by the thread count."""
     width = lanes(prow)
-    top = vzero(prow)
     sqv = vzero(prow)
-    worst = 0.0
     sq = 0.0
     zr = z0
     jj = r0
@@ -102,18 +100,16 @@ def exp_sums(r0, r1, lo, prow, xs, z0):
             e = vload(prow, k)
             acc = vadd(acc, e)
             sqv = vfmav(e, e, sqv)
-            top = vmax(top, vload(xs, k))
             k += width
         zb = vsum(acc)
         while k < stop:
             e = prow[k]
             zb += e
             sq = D.fma(e, e, sq)
-            worst = max(worst, xs[k])
             k += 1
         zr += zb  # the block's sum added to Z (+0 + zb exact at the first block when z0 = 0)
         jj = stop
-    return max(worst, vtop(top)), zr, sq + vsum(sqv)
+    return zr, sq + vsum(sqv)
 
 
 @numba.jit(**_JIT)
@@ -130,7 +126,8 @@ def plain_row(rr, r0, r1, lo, row, keys, pr, work, sums):
     """:func:`plain_exps` of row rr straight from its dot products ``s[rr, r0:r1]`` (left in
     place; the entries of the keys lo + r0 .. lo + r1 - 1), every key kept, no softcap or
     ALiBi, the weights not asked for. ``row`` = (qn_i, qs_i, sink or -inf), ``keys`` = (kn,
-    ks of the plane, mag, D), ``work`` = (s, sab, p, xs) (``sab`` the magnitude sums when
+    ks of the plane, mag, D, whether every chain of the block is exact: then one loop without
+    the keys' facts, the same values), ``work`` = (s, sab, p) (``sab`` the magnitude sums when
     ``mag``, else unread), ``sums`` = (z, e2, tiny, rho). Per key, the score and its radius of
     :func:`refattn.exact.fast.dense_dots.plain_scores` (``t = s scale_hi``; the dot product's
     bound zero where the chain is exact, else ``u sab`` by :func:`mag_error` or ``gamma_D
@@ -139,8 +136,8 @@ def plain_row(rr, r0, r1, lo, row, keys, pr, work, sums):
     the same operations on the same values, so the same bits. Returns top (-inf for an empty
     row without a sink)."""
     qn_i, qs_i, sink = row
-    knp, ksp, mag, dim = keys
-    s, sab, p, xs = work
+    knp, ksp, mag, dim, exact = keys
+    s, sab, p = work
     z, e2, tiny, rho = sums
     scale_hi = pr[P_SCALE_HI]
     c1, c2 = abs(scale_hi), abs(pr[P_SCALE_LO]) + pr[P_SCALE_ERR]
@@ -164,7 +161,19 @@ def plain_row(rr, r0, r1, lo, row, keys, pr, work, sums):
     if top == -np.inf:
         return top
     cut = 0
-    for jj in range(r0, r1):
+    worst = 0  # the bits of the largest xe above CUT (0: +0.0)
+    if exact:  # every chain of the block exact (block_exact): derr = 0, no key facts read
+        for jj in range(r0, r1):
+            sj = srow[jj]
+            t = sj * scale_hi
+            x = t - top
+            xe = ((c1 * 0.0 + (abs(sj) + 0.0) * c2 + u * abs(t)) + u * abs(x)) * D.BOUND_SAFETY
+            above = x >= CUT
+            e = D.exp_d_core(x if above else CUT - 1.0)  # CUT - 1 <= x <= 0: exp_d's domain
+            prow[jj] = e if above else 0.0
+            worst = max(worst, float_bits(xe) if above else 0)  # xe >= 0: its bits order it
+            cut += 0 if above else 1
+    for jj in range(r0, r1 if not exact else r0):
         j = lo + jj
         sj = srow[jj]
         derr = 0.0  # an fma chain proven exact (exactness_scales) carries no error
@@ -176,12 +185,11 @@ def plain_row(rr, r0, r1, lo, row, keys, pr, work, sums):
         above = x >= CUT
         e = D.exp_d_core(x if above else CUT - 1.0)  # CUT - 1 <= x <= 0: exp_d's domain
         prow[jj] = e if above else 0.0
-        xs[jj] = xe if above else -1.0
+        worst = max(worst, float_bits(xe) if above else 0)  # xe >= 0: its bits order it
         cut += 0 if above else 1
     tiny[rr] += cut * TINY
-    worst, zr, sq = exp_sums(r0, r1, lo, prow, xs, z[rr])
-    if worst >= 0.0:
-        rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * worst) * (1.0 + _RHO_MAX))
+    zr, sq = exp_sums(r0, r1, lo, prow, z[rr])
+    rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * as_float(worst)) * (1.0 + _RHO_MAX))
     z[rr] = zr
     e2[rr] += sq
     return top

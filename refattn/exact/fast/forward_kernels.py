@@ -552,7 +552,7 @@ def _d_exps(ids, nb_rows, lo, hi, top, block_rows, work, sums):
         if all_kept:
             p[rr, :r0] = 0.0
             p[rr, r1 : hi - lo] = 0.0
-            plain_exps(rr, r0, r1, lo, (top[rr], want_w), (s, err, p, xs), (z, e2, tiny, rho))
+            plain_exps(rr, r0, r1, lo, (top[rr], want_w), (s, err, p), (z, e2, tiny, rho))
             if tiny[rr] > 0.0:
                 cut_values(rr, r0, r1, lo, s, vp, tiny_v)
             continue
@@ -655,30 +655,31 @@ def _fused_rows(b, h, ids, nb_rows, keys, inputs, rule, work, sums, mag):
     block_dots_mag`), then each row's scores, maximum, exponentials and sums by
     :func:`~refattn.exact.fast.forward_exps.plain_row` while the row is in cache (the same
     bits as :func:`_block_scores_d` followed by :func:`_d_exps`), and |v| of the keys below
-    CUT. ``work`` = (s, err, p, xs, qa, top): ``top`` gets each row's maximum score, the sink
+    CUT. ``work`` = (s, err, p, qa, top): ``top`` gets each row's maximum score, the sink
     included; ``sums`` = (z, e2, tiny, tiny_v, rho)."""
     q, kT, v, qn, kn, qs, ks, _, _, prm, kvh = inputs
     rows_lo, rows_hi = rule[R_ROWS_LO], rule[R_ROWS_HI]
-    s, err, p, xs, qa, top = work
+    s, err, p, qa, top = work
     z, e2, tiny, tiny_v, rho = sums
     g = kvh[h]
     pr = prm[b, h]
     lo, hi = keys
     npad = max(KEY_TILE, -(-(hi - lo) // KEY_TILE) * KEY_TILE)
-    mag = mag and not block_exact(qs[b, h], ks[b, g], ids, nb_rows, lo, hi)
+    exact = block_exact(qs[b, h], ks[b, g], ids, nb_rows, lo, hi)
+    mag = mag and not exact
     if mag:  # err holds the magnitude sums
         block_dots_mag(q[b, h], kT[b, g], ids, nb_rows, lo, npad, s, err)
     else:
         block_dots(q[b, h], kT[b, g], ids, nb_rows, lo, npad, s, qa)
     sink = pr[P_SINK] if pr[P_HAS_SINK] != 0.0 else -np.inf
-    key_facts = (kn[b, g], ks[b, g], mag, q.shape[3])
+    key_facts = (kn[b, g], ks[b, g], mag, q.shape[3], exact)
     for rr in range(nb_rows):
         i = ids[rr]
         r0, r1 = rows_lo[b, i] - lo, rows_hi[b, i] - lo
         p[rr, :r0] = 0.0
         p[rr, r1 : hi - lo] = 0.0
         row = (qn[b, h, i], qs[b, h, i], sink)
-        m = plain_row(rr, r0, r1, lo, row, key_facts, pr, (s, err, p, xs), (z, e2, tiny, rho))
+        m = plain_row(rr, r0, r1, lo, row, key_facts, pr, (s, err, p), (z, e2, tiny, rho))
         top[rr] = m
         if tiny[rr] > 0.0:  # |v| of the keys below CUT (x = t - m, recomputed)
             for jj in range(r0, r1):
@@ -721,7 +722,7 @@ def _d_block(b, h, ids, nb_rows, inputs, rule, target, results, scratch, redo):
     rho = np.zeros(D_ROW_BLOCK)
     sums = (z, e2, tiny, tiny_v, rho)
     if _fused(rule, pr, want_w, qa):  # scores and exponentials row by row from the dots
-        work = (s, err, p, xs, qa, top)
+        work = (s, err, p, qa, top)
         _fused_rows(b, h, ids, nb_rows, (lo, hi), inputs, rule, work, sums, mag)
     else:
         work = (s, err, state, bad, top, qa)
