@@ -73,7 +73,13 @@ error ``EXP_D_REL`` (2**-48.5), and the sums over keys are blocked (:data:`SUM_B
 block, ``gamma_{B + S/B}``, Higham 2002, sec. 4.2) with ``|N - N^| <= (gamma + rho) A_e``,
 ``A_e <= min(max_j |v_je| Z, (sum_j e_j^2)^(1/2) ||v_e||)`` (Cauchy-Schwarz; no second pass
 over V). Its radii are about 2**-40 relative to ``sum_j w_j |v_je|``, ample for 24-bit
-targets. The rows it leaves undecided (a few percent for float32: 451 of 8192 at causal
+targets. Where every key of a row is kept and neither softcap, ALiBi nor the weights apply
+(prefill, causal or not), a row's scores, maximum, exponentials and sums are computed from its
+dot products in one pass while the row is in cache
+(:func:`refattn.exact.fast.forward_exps.plain_row`; the same values as the general path); the
+set-up is one compiled parallel pass over q, K and V (:func:`refattn.exact.fast.facts.
+input_facts`: float64 copies, K^T, the facts; bfloat16 read as its bits).
+The rows the double step leaves undecided (a few percent for float32: 451 of 8192 at causal
 L = S = 1024, D = 64) run a second pass of the same step with tighter bounds: the dot products
 as fma chains over blocks of 32 features with the float sum ``sab`` of the magnitudes of every
 rounded partial result, ``|error| <= u sab`` (each rounding errs by at most u times its

@@ -28,13 +28,23 @@ from ._params import P_GAMMA_DIM, P_SCALE_ERR, P_SCALE_HI, P_SCALE_LO
 from .dense_dots import EXACT_SCALE, mag_error
 from .rounding_decision import float_bits
 
-__all__ = ["CUT", "TINY", "SUM_BLOCK", "plain_exps", "plain_row", "exp_sums", "cut_values"]
+__all__ = [
+    "CUT",
+    "TINY",
+    "SUM_BLOCK",
+    "RHO_MAX",
+    "plain_exps",
+    "plain_row",
+    "exp_sums",
+    "cut_values",
+]
 
 #: Exponent arguments below CUT contribute ``0 <= e < TINY`` (an absolute radius).
 CUT = -400.0
 TINY = 2.0**-575  # > exp(-400 + 1): covers an argument error up to 1
 assert math.log(TINY) > CUT + 1
-_RHO_MAX = 2.0**-20
+#: Largest relative error of an exponential the first steps accept (rows above it go on).
+RHO_MAX = 2.0**-20
 #: Key block of the double-precision sums (blocked summation, Higham 2002, sec. 4.2).
 SUM_BLOCK = 64
 
@@ -59,7 +69,7 @@ def plain_exps(rr, r0, r1, lo, row, work, sums):
     u = 1.01 * D.U
     srow, erow, prow = s[rr], err[rr], p[rr]
     cut = 0
-    worst = 0  # the bits of the largest xe above CUT (0: +0.0)
+    worst = np.int64(0)  # the bits of the largest xe above CUT (0: +0.0)
     for jj in range(r0, r1):
         x = srow[jj] - top
         xe = (erow[jj] + u * abs(x)) * D.BOUND_SAFETY
@@ -67,11 +77,11 @@ def plain_exps(rr, r0, r1, lo, row, work, sums):
         above = x >= CUT
         e = D.exp_d_core(x if above else CUT - 1.0)  # CUT - 1 <= x <= 0: exp_d's domain
         prow[jj] = e if above else 0.0
-        worst = max(worst, float_bits(xe) if above else 0)  # xe >= 0: its bits order it
+        worst = max(worst, float_bits(xe) if above else np.int64(0))  # xe >= 0: its bits order it
         cut += 0 if above else 1
     tiny[rr] += cut * TINY
     zr, sq = exp_sums(r0, r1, lo, prow, z[rr])
-    rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * as_float(worst)) * (1.0 + _RHO_MAX))
+    rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * as_float(worst)) * (1.0 + RHO_MAX))
     z[rr] = zr
     e2[rr] += sq
 
@@ -161,7 +171,7 @@ def plain_row(rr, r0, r1, lo, row, keys, pr, work, sums):
     if top == -np.inf:
         return top
     cut = 0
-    worst = 0  # the bits of the largest xe above CUT (0: +0.0)
+    worst = np.int64(0)  # the bits of the largest xe above CUT (0: +0.0)
     if exact:  # every chain of the block exact (block_exact): derr = 0, no key facts read
         for jj in range(r0, r1):
             sj = srow[jj]
@@ -171,7 +181,9 @@ def plain_row(rr, r0, r1, lo, row, keys, pr, work, sums):
             above = x >= CUT
             e = D.exp_d_core(x if above else CUT - 1.0)  # CUT - 1 <= x <= 0: exp_d's domain
             prow[jj] = e if above else 0.0
-            worst = max(worst, float_bits(xe) if above else 0)  # xe >= 0: its bits order it
+            worst = max(
+                worst, float_bits(xe) if above else np.int64(0)
+            )  # xe >= 0: its bits order it
             cut += 0 if above else 1
     for jj in range(r0, r1 if not exact else r0):
         j = lo + jj
@@ -185,11 +197,11 @@ def plain_row(rr, r0, r1, lo, row, keys, pr, work, sums):
         above = x >= CUT
         e = D.exp_d_core(x if above else CUT - 1.0)  # CUT - 1 <= x <= 0: exp_d's domain
         prow[jj] = e if above else 0.0
-        worst = max(worst, float_bits(xe) if above else 0)  # xe >= 0: its bits order it
+        worst = max(worst, float_bits(xe) if above else np.int64(0))  # xe >= 0: its bits order it
         cut += 0 if above else 1
     tiny[rr] += cut * TINY
     zr, sq = exp_sums(r0, r1, lo, prow, z[rr])
-    rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * as_float(worst)) * (1.0 + _RHO_MAX))
+    rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * as_float(worst)) * (1.0 + RHO_MAX))
     z[rr] = zr
     e2[rr] += sq
     return top

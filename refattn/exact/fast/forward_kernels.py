@@ -56,7 +56,7 @@ from .dense_dots import (
     rows_interval,
 )
 from .doubledouble import EXP_FAST_REL, exp_dd_fast
-from .forward_exps import _RHO_MAX, CUT, SUM_BLOCK, TINY, cut_values, plain_exps, plain_row
+from .forward_exps import CUT, RHO_MAX, SUM_BLOCK, TINY, cut_values, plain_exps, plain_row
 from .rounding_decision import decide_one, decide_quick, half_gap
 
 __all__ = [
@@ -276,14 +276,14 @@ def _row_weights(index, lo, state, shifted, log_z, target, w):
         if ah + ae < WEIGHT_TINY_ARG:
             ok = ok and (ah + ae < WEIGHT_ZERO_ARG or p < 53)
             continue
-        if ah < D.EXP_MIN_ARG + 1.0 or ae > _RHO_MAX:
+        if ah < D.EXP_MIN_ARG + 1.0 or ae > RHO_MAX:
             ok = False
             continue
         eh, el = exp_dd_fast(ah, al)
         value, dec = decide_quick(
             eh,
             el,
-            (EXP_FAST_REL + 2.0 * ae) * (1.0 + _RHO_MAX) * eh * D.BOUND_SAFETY,
+            (EXP_FAST_REL + 2.0 * ae) * (1.0 + RHO_MAX) * eh * D.BOUND_SAFETY,
             p,
             emin,
             maxf,
@@ -366,7 +366,7 @@ def _dd_row(b, h, i, inputs, rule, target, results):
                 for e in range(vdim):
                     tiny_v[e] += abs(vp[j, e])
             continue
-        rho = max(rho, (EXP_FAST_REL + 2.0 * xe) * (1.0 + _RHO_MAX))
+        rho = max(rho, (EXP_FAST_REL + 2.0 * xe) * (1.0 + RHO_MAX))
         eh, el = exp_dd_fast(xh, xl)
         zs, es = D.two_sum(zs, eh)
         zc += es + el
@@ -382,12 +382,12 @@ def _dd_row(b, h, i, inputs, rule, target, results):
             tiny += TINY
         else:
             rho = max(
-                rho, (EXP_FAST_REL + 2.0 * D.DD_REL * abs(xh) * D.BOUND_SAFETY) * (1.0 + _RHO_MAX)
+                rho, (EXP_FAST_REL + 2.0 * D.DD_REL * abs(xh) * D.BOUND_SAFETY) * (1.0 + RHO_MAX)
             )
             eh, el = exp_dd_fast(xh, xl)
             zs, es = D.two_sum(zs, eh)
             zc += es + el
-    if not rho <= _RHO_MAX:
+    if not rho <= RHO_MAX:
         return UNDECIDED
     zh, zl = D.two_sum(zs, zc)
     zr = ((sum_rel + rho) * zh + tiny) * D.BOUND_SAFETY
@@ -572,7 +572,7 @@ def _d_exps(ids, nb_rows, lo, hi, top, block_rows, work, sums):
                     for e in range(vdim):
                         tiny_v[rr, e] += abs(vp[lo + jj, e])
                 continue
-            rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * xe) * (1.0 + _RHO_MAX))
+            rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * xe) * (1.0 + RHO_MAX))
             xs[jj] = x
             use[jj] = st
         for jj in range(r0, r1):
@@ -762,10 +762,10 @@ def _d_block(b, h, ids, nb_rows, inputs, rule, target, results, scratch, redo):
                 tiny[rr] += TINY
             else:
                 rho[rr] = max(
-                    rho[rr], (D.EXP_D_REL + 2.0 * u * abs(x) * D.BOUND_SAFETY) * (1.0 + _RHO_MAX)
+                    rho[rr], (D.EXP_D_REL + 2.0 * u * abs(x) * D.BOUND_SAFETY) * (1.0 + RHO_MAX)
                 )
                 zr_ += D.exp_d(x)
-        if not rho[rr] <= _RHO_MAX:
+        if not rho[rr] <= RHO_MAX:
             status[b, h, i] = UNDECIDED
             continue
         gg = gsum + rho[rr]
@@ -832,7 +832,7 @@ def forward_d(blocks, inputs, rule, target, results, redo):
 # The per-key and per-row steps above, shared with the gathered-keys kernels
 # (:mod:`refattn.exact.fast.gather_kernels`), which walk each row's listed keys instead of an
 # interval: the same arithmetic and the same bounds.
-RHO_MAX = _RHO_MAX
+
 dot2_step = _dot2_step
 row_dots = _row_dots
 bias_in_range = _bias_in_range
