@@ -47,9 +47,10 @@ def _inputs(seed, dtype, heads=2, length=45, keys=45, dim=24, scale=1.0):
         dict(causal=True, align="bottom_right"),
         dict(causal=True, align="bottom_right", return_lse=True),
         dict(causal=True, sinks=np.array([0.5, 3.0])),
+        dict(window=(13, 0), align="bottom_right", return_lse=True),
         dict(),
     ],
-    ids=["causal", "causal-lse", "sinks", "full"],
+    ids=["causal", "causal-lse", "sinks", "window", "full"],
 )
 def test_fused_rows_match_the_referee(dtype, opts):
     """Without weights (the rows fused from their dot products) the fast engine returns the

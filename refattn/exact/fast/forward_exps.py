@@ -90,13 +90,15 @@ def plain_exps(rr, r0, r1, lo, row, work, sums):
 def exp_sums(r0, r1, lo, prow, z0):
     """(z0 + the blocked sum of prow, sum of prow^2) over the entries r0 <= jj < r1 (key j =
     lo + jj) by 64-byte vectors of W lanes (:mod:`refattn.kernels._simd`): each SUM_BLOCK
-    block of the key index j is summed from +0 -- the lanes over the block's whole vectors,
-    the lanes then added in order (``vsum``), then the block's last keys in order -- and added
+    block of the key index j is summed from +0 -- its keys before the first j = 0 mod W in
+    order, then the lanes (lane l: the keys j = l mod W) over the whole vectors, the lanes
+    added in order (``vsum``) and added on, then the block's last keys in order -- and added
     to Z: each term meets at most SUM_BLOCK additions inside its block, so the bound
     ``gamma_{B + S/B}`` of the blocked sums holds (Higham 2002, sec. 4.2: eq. (4.4) holds for
     every order of summation); ``sum e^2`` lane-wise by fma, then the lanes and the leftover
-    keys: its bound ``gamma_S`` holds for every order as well. The order is fixed by r0, r1
-    and lo: by the shapes and the row's block alone, never by the thread count."""
+    keys: its bound ``gamma_S`` holds for every order as well. The order is fixed by the
+    row's key interval alone (each key's lane is j mod W): neither by the rows it is blocked
+    with nor by the thread count."""
     width = lanes(prow)
     sqv = vzero(prow)
     sq = 0.0
@@ -106,12 +108,18 @@ def exp_sums(r0, r1, lo, prow, z0):
         stop = min(r1, ((lo + jj) // SUM_BLOCK + 1) * SUM_BLOCK - lo)
         acc = vzero(prow)
         k = jj
+        zb = 0.0
+        while k < stop and (lo + k) % width != 0:  # up to the first key j = 0 mod W
+            e = prow[k]
+            zb += e
+            sq = D.fma(e, e, sq)
+            k += 1
         while k + width <= stop:
             e = vload(prow, k)
             acc = vadd(acc, e)
             sqv = vfmav(e, e, sqv)
             k += width
-        zb = vsum(acc)
+        zb += vsum(acc)
         while k < stop:
             e = prow[k]
             zb += e
