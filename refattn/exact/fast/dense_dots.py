@@ -29,6 +29,7 @@ import numba
 import numpy as np
 
 from ...kernels._cpu_tiles import matmul_t
+from ...kernels._simd import lanes, vload, vmax, vtop
 from . import doubledouble as D
 from ._params import P_GAMMA_DIM, P_SCALE_ERR, P_SCALE_HI, P_SCALE_LO
 from .gather_lanes import dot_tiles
@@ -45,6 +46,7 @@ __all__ = [
     "block_dots_unpadded",
     "mag_error",
     "plain_scores",
+    "row_max",
 ]
 
 #: Keys per register tile of the double-precision step's dot products (four 64-byte vectors
@@ -156,6 +158,26 @@ def mag_error(sab, dim):
 
 
 @numba.jit(**_JIT)
+def row_max(row, r0, r1):
+    """max(row[r0:r1]) (-inf when empty; no NaN in row) by 64-byte vectors of W lanes, then
+    the last entries: a maximum is exact and needs no order."""
+    width = lanes(row)
+    m = -np.inf
+    k = r0
+    if r1 - r0 >= width:
+        best = vload(row, k)
+        k += width
+        while k + width <= r1:
+            best = vmax(best, vload(row, k))
+            k += width
+        m = vtop(best)
+    while k < r1:
+        m = max(m, row[k])
+        k += 1
+    return m
+
+
+@numba.jit(**_JIT)
 def plain_scores(ids, nb_rows, lo, rows, pr, keys, work):
     """The scores of :func:`refattn.exact.fast.forward_kernels.block_scores` without mask,
     bias, dropout, softcap or ALiBi (every key of a row's interval kept): the same score and
@@ -163,7 +185,9 @@ def plain_scores(ids, nb_rows, lo, rows, pr, keys, work):
     ``rows`` = (rows_lo, rows_hi, qn, qs of the batch row / plane), ``keys`` = (kn, ks, mag,
     D): with ``mag`` the dot products' error bounds come from their magnitude sums, held in
     ``err`` on entry (:func:`block_dots_mag`, :func:`mag_error`), else from ``gamma_D ||q_i||
-    ||k_j||``; zero where the chain is proven exact (``qs_i ks_j < 2**52``)."""
+    ||k_j||``; zero where the chain is proven exact (``qs_i ks_j < 2**52``). The loops over
+    the keys hold no reduction (they vectorise); each row's maximum follows by
+    :func:`row_max`."""
     rows_lo, rows_hi, qn, qs = rows
     knp, ksp, mag, dim = keys
     s, err, state, _, top, _ = work
@@ -192,7 +216,6 @@ def plain_scores(ids, nb_rows, lo, rows, pr, keys, work):
                 erow[jj] = c1 * derr + (abs(sj) + derr) * c2 + u * abs(t)
                 srow[jj] = t
                 strow[jj] = 2
-                m = max(m, t)
         else:
             for jj in range(r0, r1):
                 j = lo + jj
@@ -204,5 +227,4 @@ def plain_scores(ids, nb_rows, lo, rows, pr, keys, work):
                 erow[jj] = c1 * derr + (abs(sj) + derr) * c2 + u * abs(t)
                 srow[jj] = t
                 strow[jj] = 2
-                m = max(m, t)
-        top[rr] = m
+        top[rr] = max(m, row_max(srow, r0, r1))

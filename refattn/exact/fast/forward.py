@@ -73,7 +73,13 @@ error ``EXP_D_REL`` (2**-48.5), and the sums over keys are blocked (:data:`SUM_B
 block, ``gamma_{B + S/B}``, Higham 2002, sec. 4.2) with ``|N - N^| <= (gamma + rho) A_e``,
 ``A_e <= min(max_j |v_je| Z, (sum_j e_j^2)^(1/2) ||v_e||)`` (Cauchy-Schwarz; no second pass
 over V). Its radii are about 2**-40 relative to ``sum_j w_j |v_je|``, ample for 24-bit
-targets. The rows it leaves undecided (a few percent for float32: 451 of 8192 at causal
+targets. Where every key of a row is kept and neither softcap, ALiBi nor the weights apply
+(prefill, causal or not), a row's scores, maximum, exponentials and sums are computed from its
+dot products in one pass while the row is in cache
+(:func:`refattn.exact.fast.forward_exps.plain_row`; the same values as the general path); the
+set-up is one compiled parallel pass over q, K and V (:func:`refattn.exact.fast.facts.
+input_facts`: float64 copies, K^T, the facts; bfloat16 read as its bits).
+The rows the double step leaves undecided (a few percent for float32: 451 of 8192 at causal
 L = S = 1024, D = 64) run a second pass of the same step with tighter bounds: the dot products
 as fma chains over blocks of 32 features with the float sum ``sab`` of the magnitudes of every
 rounded partial result, ``|error| <= u sab`` (each rounding errs by at most u times its
@@ -106,7 +112,7 @@ from ._params import P_ALIBI_OFFSET, P_SINK, P_SLOPE, PRM, frozen
 from .allowed_set import allowed_rule
 from .codes_inputs import codes_inputs
 from .decode import decode_first_step
-from .facts import plane_key_facts, plane_value_facts, row_facts
+from .facts import input_facts, row_facts
 from .forward_kernels import (
     D_ROW_BLOCK,
     KEY_TILE,
@@ -357,18 +363,29 @@ def kernel_params(spec: AttentionSpec):
     return prm, ok
 
 
+def _kernel_source(a: np.ndarray) -> np.ndarray:
+    """``a`` as :func:`~refattn.exact.fast.facts.input_facts` reads it: C-contiguous float32 or
+    float64 as it is, bfloat16 as its uint16 bits, any other dtype widened to float64 (exact
+    for every float format of at most 53 bits)."""
+    if a.dtype == np.float32 or a.dtype == np.float64:
+        return frozen(a)
+    if a.dtype.name == "bfloat16" and a.dtype.itemsize == 2:
+        return frozen(a).view(np.uint16)
+    return frozen(a, np.float64)
+
+
 class _Inputs:
     """Float64 inputs of every plane, their norms and scales, and the planes the first steps
     take (the others go to the referee whole)."""
 
     def __init__(self, spec: AttentionSpec, kv=None, store=True):
         batch, heads, _, length, keys, _, _ = spec.dims
-        f64 = np.float64
-        self.q = np.ascontiguousarray(spec.q, dtype=f64)
         self.kvh = np.ascontiguousarray(spec.kv_head, dtype=np.int64)
         self.prm, ok = kernel_params(spec)
         vdim = spec.v.shape[3]
         epad = max(KEY_TILE, -(-vdim // KEY_TILE) * KEY_TILE)
+        lead = spec.q.shape[:3]
+        q_ok, self.qn, self.qs = (np.empty(lead, dtype) for dtype in (np.bool_, float, float))
         if kv:  # k, v as codes (refattn._kv_codes): one compiled pass each, the same facts
             # the dense step's layout: KEY_TILE zero keys past S, E zero-padded to whole tiles
             # (store False: the facts alone, the refined step reading the codes themselves)
@@ -378,31 +395,28 @@ class _Inputs:
             if epad != vdim:
                 self.v = np.zeros(v.shape[:3] + (epad,))
                 self.v[..., :vdim] = v
-        else:
-            k = frozen(spec.k, f64)
-            if epad == vdim:
-                self.v = np.ascontiguousarray(spec.v, dtype=f64)
-            else:  # V with zero features up to a multiple of KEY_TILE (whole register tiles)
-                self.v = np.zeros(spec.v.shape[:3] + (epad,))
-                self.v[..., :vdim] = spec.v
-            v = self.v[..., :vdim]
-            # K^T with KEY_TILE zero keys past S (whole register tiles), with the keys' facts
-            self.kT = np.empty(k.shape[:2] + (k.shape[3], k.shape[2] + KEY_TILE))
-            self.kT[..., k.shape[2] :] = 0.0
-            k_ok = np.empty(k.shape[:3], np.bool_)
-            self.kn, self.ks = np.empty(k.shape[:3]), np.empty(k.shape[:3])
-            if k.size:
-                plane_key_facts(k, self.kT, self.kn, self.ks, k_ok)
-            v_ok = np.ones(v.shape[:2] + (vdim,), np.bool_)
-            self.vnorm = np.full(v.shape[:2] + (vdim,), 2.0**-1000)
-            self.vmax = np.zeros(v.shape[:2] + (vdim,))
-            if v.size:
-                plane_value_facts(frozen(self.v), self.vnorm, self.vmax, v_ok)
-        flat = frozen(self.q.reshape(int(np.prod(self.q.shape[:3])), self.q.shape[3]))
-        facts = [np.empty(flat.shape[0], dtype) for dtype in (np.bool_, np.float64, np.float64)]
-        if flat.shape[0]:
-            row_facts(flat, flat.view(np.int64), facts[1], facts[2], facts[0])
-        q_ok, self.qn, self.qs = (a.reshape(self.q.shape[:3]) for a in facts)
+            self.q = np.ascontiguousarray(spec.q, dtype=np.float64)
+            flat = frozen(self.q.reshape(int(np.prod(lead)), self.q.shape[3]))
+            if flat.shape[0]:
+                facts = (q_ok.reshape(-1), self.qn.reshape(-1), self.qs.reshape(-1))
+                row_facts(flat, flat.view(np.int64), facts[1], facts[2], facts[0])
+        else:  # one compiled pass over q, K and V: float64 copies, K^T, the facts
+            kshape = spec.k.shape
+            self.q = np.empty(spec.q.shape)
+            # K^T with KEY_TILE zero keys past S, V with zero features up to a multiple of
+            # KEY_TILE (whole register tiles)
+            self.kT = np.empty(kshape[:2] + (kshape[3], kshape[2] + KEY_TILE))
+            self.kT[..., kshape[2] :] = 0.0
+            self.v = np.empty(spec.v.shape[:3] + (epad,))
+            k_ok = np.empty(kshape[:3], np.bool_)
+            self.kn, self.ks = np.empty(kshape[:3]), np.empty(kshape[:3])
+            v_ok = np.empty(spec.v.shape[:2] + (vdim,), np.bool_)
+            self.vnorm, self.vmax = np.empty(v_ok.shape), np.empty(v_ok.shape)
+            input_facts(
+                tuple(_kernel_source(a) for a in (spec.q, spec.k, spec.v)),
+                (self.q, self.kT, self.v),
+                ((q_ok, self.qn, self.qs), (k_ok, self.kn, self.ks), (v_ok, self.vnorm, self.vmax)),
+            )
         kv_ok = k_ok.all(axis=2) & v_ok.all(axis=2)
         self.ok = ok & q_ok.all(axis=2) & kv_ok[:, self.kvh] & (length > 0) & (keys > 0)
         self.rule = allowed_rule(spec)

@@ -56,7 +56,8 @@ from .dense_dots import (
     rows_interval,
 )
 from .doubledouble import EXP_FAST_REL, exp_dd_fast
-from .rounding_decision import decide_one, decide_quick
+from .forward_exps import CUT, RHO_MAX, SUM_BLOCK, TINY, cut_values, plain_exps, plain_row
+from .rounding_decision import decide_one, decide_quick, half_gap
 
 __all__ = [
     "block_interval",
@@ -76,18 +77,11 @@ __all__ = [
 ]
 
 
-#: Exponent arguments below CUT contribute ``0 <= e < TINY`` (an absolute radius).
-CUT = -400.0
-TINY = 2.0**-575  # > exp(-400 + 1): covers an argument error up to 1
-assert math.log(TINY) > CUT + 1
 #: Weights with ``x - log Z + err < WEIGHT_TINY_ARG`` are positive and below 2**-288: they
 #: round to +0 in float32, float16 and bfloat16; below WEIGHT_ZERO_ARG (< 2**-1154) they round
 #: to +0 in float64 too.
 WEIGHT_TINY_ARG = -200.0
 WEIGHT_ZERO_ARG = -800.0
-_RHO_MAX = 2.0**-20
-#: Key block of the double-precision sums (blocked summation, Higham 2002, sec. 4.2).
-SUM_BLOCK = 64
 #: Query rows (query heads in the gathered-keys kernels) one work item processes together.
 ROW_BLOCK = 8
 #: Query rows the dense double-precision step processes together (cache reuse only: every dot
@@ -180,13 +174,15 @@ def _finish_row(index, top, z, sums, prm, target, results):
     b, h, i = index
     zh, zl, zr = z
     ns, nc, nr = sums
-    want_lse, _, p, emin, maxf = target
+    want_lse, want_w, p, emin, maxf = target
     out, lse = results[0], results[1]
     keep_hi, keep_lo, keep_err = prm[P_KEEP_HI], prm[P_KEEP_LO], prm[P_KEEP_ERR]
     if not zr < 0.5 * zh:
         return False, 0.0, 0.0, 0.0
-    lh, ll, lerr = D.log_dd(zh, zl)
-    lerr = lerr + (zr / zh) / (1.0 - zr / zh)
+    lh, ll, lerr = 0.0, 0.0, 0.0
+    if want_lse or want_w:  # log Z serves lse and the weights alone
+        lh, ll, lerr = D.log_dd(zh, zl)
+        lerr = lerr + (zr / zh) / (1.0 - zr / zh)
     ok = True
     if want_lse:
         gh, gl = D.dd_add_d(lh, ll, top)
@@ -216,7 +212,9 @@ def _finish_out_d(index, z, sums, prm, target, out):
     ``|keep - keep_hi| <= |keep_lo| + keep_err``; decided first by decide_quick's test in a
     branch-free loop, then element by element by decide_one where that test fails. ``z`` = (Z,
     radius), ``sums`` = (N, N radius, and (E,) scratch for the products, their radii and the
-    test's flags). Returns whether every element is decided."""
+    test's flags). Returns whether every element is decided. (When the quick test cannot apply,
+    ``a`` below ``low`` -- y zero or subnormal -- :func:`half_gap` reads a meaningless value
+    whose test result is discarded.)"""
     b, h, i = index
     zh, zr = z
     ns, nr, xs, rads, flags = sums
@@ -226,10 +224,11 @@ def _finish_out_d(index, z, sums, prm, target, out):
     klo = abs(keep_lo) + keep_err
     zlow = zh - zr
     split = float(1 << (53 - p)) + 1.0  # Veltkamp's constant (decide_quick)
-    below = 1.0 / float(1 << (p + 1))
+    low_gap, high_gap = math.ldexp(1.0, -p), math.ldexp(1.0, -p - 1)  # half_gap's factors
     low, high, quick = math.ldexp(1.0, emin + 1), 0.5 * maxf, p <= 51
     failed = 0
-    for e in range(ns.shape[0]):
+    orow = out[b, h, i]
+    for e in range(ns.shape[0]):  # branch-free (& of the tests, not ``and``): it vectorises
         oh = ns[e] / zh
         orad = (nr[e] + abs(oh) * 1.0000001 * zr) / zlow + D.U * abs(oh)
         x = oh * keep_hi
@@ -237,12 +236,13 @@ def _finish_out_d(index, z, sums, prm, target, out):
         t = split * x
         y = t - (t - x)
         a = abs(x)
-        test = (abs(x - y) + r) * (1.0 + 2.0**-50) < abs(y) * below
-        good = quick and a >= low and a <= high and test
-        out[b, h, i, e] = y
+        test = (abs(x - y) + r) * (1.0 + 2.0**-50) < half_gap(y, low_gap, high_gap)
+        good = quick & (a >= low) & (a <= high) & test
+        orow[e] = y
         xs[e], rads[e] = x, r
-        flags[e] = 1 if good else 0
-        failed += 0 if good else 1
+        flag = np.int8(1) if good else np.int8(0)
+        flags[e] = flag
+        failed += 1 - np.int64(flag)
     ok = True
     if failed:
         for e in range(ns.shape[0]):
@@ -276,14 +276,14 @@ def _row_weights(index, lo, state, shifted, log_z, target, w):
         if ah + ae < WEIGHT_TINY_ARG:
             ok = ok and (ah + ae < WEIGHT_ZERO_ARG or p < 53)
             continue
-        if ah < D.EXP_MIN_ARG + 1.0 or ae > _RHO_MAX:
+        if ah < D.EXP_MIN_ARG + 1.0 or ae > RHO_MAX:
             ok = False
             continue
         eh, el = exp_dd_fast(ah, al)
         value, dec = decide_quick(
             eh,
             el,
-            (EXP_FAST_REL + 2.0 * ae) * (1.0 + _RHO_MAX) * eh * D.BOUND_SAFETY,
+            (EXP_FAST_REL + 2.0 * ae) * (1.0 + RHO_MAX) * eh * D.BOUND_SAFETY,
             p,
             emin,
             maxf,
@@ -366,7 +366,7 @@ def _dd_row(b, h, i, inputs, rule, target, results):
                 for e in range(vdim):
                     tiny_v[e] += abs(vp[j, e])
             continue
-        rho = max(rho, (EXP_FAST_REL + 2.0 * xe) * (1.0 + _RHO_MAX))
+        rho = max(rho, (EXP_FAST_REL + 2.0 * xe) * (1.0 + RHO_MAX))
         eh, el = exp_dd_fast(xh, xl)
         zs, es = D.two_sum(zs, eh)
         zc += es + el
@@ -382,12 +382,12 @@ def _dd_row(b, h, i, inputs, rule, target, results):
             tiny += TINY
         else:
             rho = max(
-                rho, (EXP_FAST_REL + 2.0 * D.DD_REL * abs(xh) * D.BOUND_SAFETY) * (1.0 + _RHO_MAX)
+                rho, (EXP_FAST_REL + 2.0 * D.DD_REL * abs(xh) * D.BOUND_SAFETY) * (1.0 + RHO_MAX)
             )
             eh, el = exp_dd_fast(xh, xl)
             zs, es = D.two_sum(zs, eh)
             zc += es + el
-    if not rho <= _RHO_MAX:
+    if not rho <= RHO_MAX:
         return UNDECIDED
     zh, zl = D.two_sum(zs, zc)
     zr = ((sum_rel + rho) * zh + tiny) * D.BOUND_SAFETY
@@ -530,79 +530,17 @@ def _block_scores_d(b, h, ids, nb_rows, keys, inputs, rule, work, mag):
 
 
 @numba.jit(**_JIT)
-def _plain_exps(rr, r0, r1, lo, row, work, sums):
-    """:func:`_d_exps` for row rr when all of its keys r0 <= jj < r1 are kept: the shifted
-    scores x = t - top and their radii (kept in s, err for the weights), the count of keys below
-    CUT as TINY each (an exact sum of powers of two) and rho from the largest radius above CUT
-    (rho is monotone in it: the key-by-key maximum's value); then ``p = exp_d_core(x)`` in one
-    branch-free loop (a key below CUT gets the argument CUT - 1 and then e = 0), then Z and
-    sum e^2 in key order, blocked (each block of SUM_BLOCK key indices summed from +0, then
-    added to Z). The same operations on the same values as the general loop: the same bits.
-    ``row`` = (top, want_w), ``work`` = (s, err, p), ``sums`` = (z, e2, tiny, rho)."""
-    top, want_w = row
-    s, err, p = work
-    z, e2, tiny, rho = sums
-    u = 1.01 * D.U
-    srow, erow, prow = s[rr], err[rr], p[rr]
-    cut = 0
-    worst = -1.0
-    for jj in range(r0, r1):
-        x = srow[jj] - top
-        xe = (erow[jj] + u * abs(x)) * D.BOUND_SAFETY
-        if want_w:
-            srow[jj], erow[jj] = x, xe  # the shifted scores, kept for the weights
-        above = x >= CUT
-        prow[jj] = x if above else CUT - 1.0
-        cut += 0 if above else 1
-        worst = max(worst, xe) if above else worst
-    tiny[rr] += cut * TINY
-    if worst >= 0.0:
-        rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * worst) * (1.0 + _RHO_MAX))
-    for jj in range(r0, r1):
-        x = prow[jj]
-        e = D.exp_d_core(x)  # CUT - 1 <= x <= 0: in exp_d's domain
-        prow[jj] = e if x >= CUT else 0.0
-    zr = z[rr]
-    zb = 0.0
-    sq = e2[rr]
-    jj = r0
-    while jj < r1:  # blocked sums: gamma_{B + S/B}, not gamma_S
-        stop = min(r1, ((lo + jj) // SUM_BLOCK + 1) * SUM_BLOCK - lo)
-        zr += zb  # + 0 at the first block (zr >= 0): exact
-        zb = 0.0
-        for k in range(jj, stop):
-            e = prow[k]
-            zb += e
-            sq += e * e
-        jj = stop
-    z[rr] = zr + zb
-    e2[rr] = sq
-
-
-@numba.jit(**_JIT)
-def _cut_values(rr, r0, r1, lo, row, vp, tiny_v):
-    """tiny_v[rr, e] += |v_je| for row rr's keys below CUT (all kept; ``row`` = (s, top,
-    want_w): s holds x itself when want_w, else the score t)."""
-    s, top, want_w = row
-    for jj in range(r0, r1):
-        x = s[rr, jj] if want_w else s[rr, jj] - top
-        if x < CUT:
-            for e in range(tiny_v.shape[1]):
-                tiny_v[rr, e] += abs(vp[lo + jj, e])
-
-
-@numba.jit(**_JIT)
 def _d_exps(ids, nb_rows, lo, hi, top, block_rows, work, sums):
-    """Exponentials of the block's rows into ``p`` (0 for keys that carry no value) and each
-    row's Z (blocked: a partial sum per SUM_BLOCK keys, restarting at multiples of SUM_BLOCK
-    of the key index j), sum of e^2, tiny count and |v| sum, and rho. ``block_rows`` = (rows_lo,
+    """Exponentials of the block's rows into ``p`` (0 for keys that carry no value) and each row's
+    Z (blocked: a partial sum per SUM_BLOCK keys, restarting at multiples of SUM_BLOCK of the
+    key index j), sum of e^2, tiny count and |v| sum, and rho. ``block_rows`` = (rows_lo,
     rows_hi of the batch row, want_w, plane values (S, E), whether every key of the rows'
-    intervals is kept: then :func:`_plain_exps`); ``work`` = (s, err, state, p, and the
-    scratch rows xs, ex, use); p is zero outside each row's interval up to hi - lo;
-    ``sums`` = (z, e2, tiny, tiny_v, rho). Per row: the shifted scores and their radii (keys
-    below CUT or excluded get a dummy argument 0 and use 0), then the exponentials in one
-    branch-free loop (:func:`refattn.exact.fast.doubledouble.exp_d_core`), then the sums in key
-    order, where an unused key adds an exact 0."""
+    intervals is kept: then :func:`~refattn.exact.fast.forward_exps.plain_exps`); ``work`` = (s,
+    err, state, p, and the scratch rows xs, ex, use); p is zero outside each row's interval up
+    to hi - lo; ``sums`` = (z, e2, tiny, tiny_v, rho). Per row: the shifted scores and their
+    radii (keys below CUT or excluded get a dummy argument 0 and use 0), then the exponentials
+    in one branch-free loop (:func:`refattn.exact.fast.doubledouble.exp_d_core`), then the sums
+    in key order, where an unused key adds an exact 0."""
     rows_lo, rows_hi, want_w, vp, all_kept = block_rows
     s, err, state, p, xs, ex, use = work
     z, e2, tiny, tiny_v, rho = sums
@@ -614,9 +552,9 @@ def _d_exps(ids, nb_rows, lo, hi, top, block_rows, work, sums):
         if all_kept:
             p[rr, :r0] = 0.0
             p[rr, r1 : hi - lo] = 0.0
-            _plain_exps(rr, r0, r1, lo, (top[rr], want_w), (s, err, p), (z, e2, tiny, rho))
+            plain_exps(rr, r0, r1, lo, (top[rr], want_w), (s, err, p), (z, e2, tiny, rho))
             if tiny[rr] > 0.0:
-                _cut_values(rr, r0, r1, lo, (s, top[rr], want_w), vp, tiny_v)
+                cut_values(rr, r0, r1, lo, s, vp, tiny_v)
             continue
         for jj in range(r0, r1):
             use[jj] = 0
@@ -634,7 +572,7 @@ def _d_exps(ids, nb_rows, lo, hi, top, block_rows, work, sums):
                     for e in range(vdim):
                         tiny_v[rr, e] += abs(vp[lo + jj, e])
                 continue
-            rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * xe) * (1.0 + _RHO_MAX))
+            rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * xe) * (1.0 + RHO_MAX))
             xs[jj] = x
             use[jj] = st
         for jj in range(r0, r1):
@@ -702,6 +640,55 @@ def _d_scratch(inputs):
 
 
 @numba.jit(**_JIT)
+def _fused(rule, pr, want_w, qa):
+    """Whether a block takes :func:`_fused_rows`: every key of the rows' intervals kept, no
+    softcap or ALiBi, the weights not asked for, K^T padded (``qa`` has columns)."""
+    arrays = rule[R_HAS_MASK] or rule[R_HAS_BIAS] or rule[R_HAS_KEEP]
+    plain = pr[P_SOFTCAP] == 0.0 and pr[P_SLOPE] == 0.0
+    return not arrays and plain and not want_w and qa.shape[1] > 0
+
+
+@numba.jit(**_JIT)
+def _fused_rows(b, h, ids, nb_rows, keys, inputs, rule, work, sums, mag):
+    """The dot products of the block (:func:`refattn.exact.fast.dense_dots.block_dots`, or
+    with ``mag`` and some chain not proven exact :func:`~refattn.exact.fast.dense_dots.
+    block_dots_mag`), then each row's scores, maximum, exponentials and sums by
+    :func:`~refattn.exact.fast.forward_exps.plain_row` while the row is in cache (the same
+    bits as :func:`_block_scores_d` followed by :func:`_d_exps`), and |v| of the keys below
+    CUT. ``work`` = (s, err, p, qa, top): ``top`` gets each row's maximum score, the sink
+    included; ``sums`` = (z, e2, tiny, tiny_v, rho)."""
+    q, kT, v, qn, kn, qs, ks, _, _, prm, kvh = inputs
+    rows_lo, rows_hi = rule[R_ROWS_LO], rule[R_ROWS_HI]
+    s, err, p, qa, top = work
+    z, e2, tiny, tiny_v, rho = sums
+    g = kvh[h]
+    pr = prm[b, h]
+    lo, hi = keys
+    npad = max(KEY_TILE, -(-(hi - lo) // KEY_TILE) * KEY_TILE)
+    exact = block_exact(qs[b, h], ks[b, g], ids, nb_rows, lo, hi)
+    mag = mag and not exact
+    if mag:  # err holds the magnitude sums
+        block_dots_mag(q[b, h], kT[b, g], ids, nb_rows, lo, npad, s, err)
+    else:
+        block_dots(q[b, h], kT[b, g], ids, nb_rows, lo, npad, s, qa)
+    sink = pr[P_SINK] if pr[P_HAS_SINK] != 0.0 else -np.inf
+    key_facts = (kn[b, g], ks[b, g], mag, q.shape[3], exact)
+    for rr in range(nb_rows):
+        i = ids[rr]
+        r0, r1 = rows_lo[b, i] - lo, rows_hi[b, i] - lo
+        p[rr, :r0] = 0.0
+        p[rr, r1 : hi - lo] = 0.0
+        row = (qn[b, h, i], qs[b, h, i], sink)
+        m = plain_row(rr, r0, r1, lo, row, key_facts, pr, (s, err, p), (z, e2, tiny, rho))
+        top[rr] = m
+        if tiny[rr] > 0.0:  # |v| of the keys below CUT (x = t - m, recomputed)
+            for jj in range(r0, r1):
+                if s[rr, jj] * pr[P_SCALE_HI] - m < CUT:
+                    for e in range(tiny_v.shape[1]):
+                        tiny_v[rr, e] += abs(v[b, g, lo + jj, e])
+
+
+@numba.jit(**_JIT)
 def _d_block(b, h, ids, nb_rows, inputs, rule, target, results, scratch, redo):
     """Double-precision first step of the rows ``ids`` (nb_rows, ascending) of plane (b, h),
     which share each load of K^T and V (each row's arithmetic is the same sequence as alone:
@@ -727,28 +714,33 @@ def _d_block(b, h, ids, nb_rows, inputs, rule, target, results, scratch, redo):
     s, err, state, p, xs, ex, use, qa, nsum, nb = scratch
     bad = np.zeros(D_ROW_BLOCK, np.bool_)
     top = np.full(D_ROW_BLOCK, -np.inf)
-    work = (s, err, state, bad, top, qa)
-    _block_scores_d(b, h, ids, nb_rows, (lo, hi), inputs, rule, work, mag)
-    all_kept = not (rule[R_HAS_MASK] or rule[R_HAS_BIAS] or rule[R_HAS_KEEP])
     has_sink, sink = pr[P_HAS_SINK] != 0.0, pr[P_SINK]
-    if has_sink:  # the sink: one more logit in the max and in Z, no value
-        for rr in range(nb_rows):
-            top[rr] = max(top[rr], sink)
     z = np.zeros(D_ROW_BLOCK)
     e2 = np.zeros(D_ROW_BLOCK)
     tiny = np.zeros(D_ROW_BLOCK)
     tiny_v = np.zeros((D_ROW_BLOCK, vdim))
     rho = np.zeros(D_ROW_BLOCK)
-    _d_exps(
-        ids,
-        nb_rows,
-        lo,
-        hi,
-        top,
-        (rows_lo[b], rows_hi[b], want_w, vp, all_kept),
-        (s, err, state, p, xs, ex, use),
-        (z, e2, tiny, tiny_v, rho),
-    )
+    sums = (z, e2, tiny, tiny_v, rho)
+    if _fused(rule, pr, want_w, qa):  # scores and exponentials row by row from the dots
+        work = (s, err, p, qa, top)
+        _fused_rows(b, h, ids, nb_rows, (lo, hi), inputs, rule, work, sums, mag)
+    else:
+        work = (s, err, state, bad, top, qa)
+        _block_scores_d(b, h, ids, nb_rows, (lo, hi), inputs, rule, work, mag)
+        all_kept = not (rule[R_HAS_MASK] or rule[R_HAS_BIAS] or rule[R_HAS_KEEP])
+        if has_sink:  # the sink: one more logit in the max and in Z, no value
+            for rr in range(nb_rows):
+                top[rr] = max(top[rr], sink)
+        _d_exps(
+            ids,
+            nb_rows,
+            lo,
+            hi,
+            top,
+            (rows_lo[b], rows_hi[b], want_w, vp, all_kept),
+            (s, err, state, p, xs, ex, use),
+            sums,
+        )
     _d_values(lo, hi, nb_rows, p, vp, (nsum, nb))
     asum = np.empty((0, 0))
     if mag:  # A_e = sum_j e_j |v_je| by the same blocked sums, in its own scratch
@@ -770,10 +762,10 @@ def _d_block(b, h, ids, nb_rows, inputs, rule, target, results, scratch, redo):
                 tiny[rr] += TINY
             else:
                 rho[rr] = max(
-                    rho[rr], (D.EXP_D_REL + 2.0 * u * abs(x) * D.BOUND_SAFETY) * (1.0 + _RHO_MAX)
+                    rho[rr], (D.EXP_D_REL + 2.0 * u * abs(x) * D.BOUND_SAFETY) * (1.0 + RHO_MAX)
                 )
                 zr_ += D.exp_d(x)
-        if not rho[rr] <= _RHO_MAX:
+        if not rho[rr] <= RHO_MAX:
             status[b, h, i] = UNDECIDED
             continue
         gg = gsum + rho[rr]
@@ -840,7 +832,7 @@ def forward_d(blocks, inputs, rule, target, results, redo):
 # The per-key and per-row steps above, shared with the gathered-keys kernels
 # (:mod:`refattn.exact.fast.gather_kernels`), which walk each row's listed keys instead of an
 # interval: the same arithmetic and the same bounds.
-RHO_MAX = _RHO_MAX
+
 dot2_step = _dot2_step
 row_dots = _row_dots
 bias_in_range = _bias_in_range

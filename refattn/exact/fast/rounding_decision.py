@@ -22,6 +22,7 @@ import math
 import numpy as np
 from numba import njit
 
+from ...kernels._simd import JIT, as_float
 from ._params import frozen
 from .doubledouble import two_sum
 
@@ -31,9 +32,52 @@ __all__ = [
     "decide_dd_fast",
     "decide_one",
     "decide_quick",
+    "float_bits",
+    "half_gap",
 ]
 
 _JIT = dict(fastmath=False, boundscheck=False, cache=True, nogil=True)
+
+if JIT:
+    from numba import types
+    from numba.core.extending import intrinsic
+
+    @intrinsic
+    def float_bits(typingctx, x):
+        """The bits of a float64 as an int64 (a bitcast; the inverse of
+        :func:`refattn.kernels._simd.as_float`)."""
+        if x != types.float64:
+            return None
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], context.get_value_type(types.int64))
+
+        return types.int64(x), codegen
+
+else:  # pragma: no cover - exercised by the NUMBA_DISABLE_JIT=1 test tier
+
+    def float_bits(x):
+        return np.array(x, np.float64).view(np.int64)[()]
+
+
+_EXPONENT_BITS = 0x7FF0000000000000
+
+
+@njit(**_JIT)
+def half_gap(y, low, high):
+    """Half the smaller distance from a ``p``-bit float ``y`` (nonzero, normal in its format
+    and in float64) to its two neighbours, given ``low = 2**-p`` and ``high = 2**-(p + 1)``.
+    With ``2**e <= |y| < 2**(e + 1)`` (``2**e`` read from y's exponent bits, exact) the
+    spacing of p-bit floats is ``2**(e - p + 1)`` on both sides of y, except toward zero when
+    ``|y| = 2**e``, where it is ``2**(e - p)`` (Higham 2002, sec. 2.1, the spacing of a binary
+    format); half of the smaller one is ``2**e low``, or ``2**e high`` at a power of two (both
+    products exact). Branch-free (a loop over it vectorises).
+
+    >>> half_gap(1.5, 2.0**-24, 2.0**-25) == 2.0**-24, half_gap(-1.0, 2.0**-24, 2.0**-25)
+    (True, 2.9802322387695312e-08)
+    """
+    pow2 = as_float(float_bits(y) & _EXPONENT_BITS)
+    return pow2 * (low if abs(y) != pow2 else high)
 
 
 @njit(**_JIT)
@@ -176,10 +220,12 @@ def decide_quick(mh, ml, r, p, emin, max_finite):
     cheap test. With ``s + e = mh + ml`` (TwoSum, exact) and ``y = s`` rounded to nearest on
     ``p`` bits by Veltkamp's splitting (``t = (2**(53 - p) + 1) s``, ``y = t - (t - s)``:
     Dekker 1971; Boldo 2006 proves y a nearest p-bit float of s, ties either way), the
-    distance ``d = (s - y) + e`` (``s - y`` exact by Sterbenz's lemma) and the spacing of the
-    format on either side of a normal ``y`` at least ``|y| 2**-p``: every point within
-    ``|d| + r < |y| 2**-(p + 1)`` of ``y`` rounds to ``y`` (ties included, strictly inside),
-    the slack ``2**-50`` covering the roundings of ``d`` and of the sum. Used where
+    distance ``d = (s - y) + e`` (``s - y`` exact by Sterbenz's lemma) and the half-spacing
+    ``g`` of the format around a normal ``y`` (:func:`half_gap`, the smaller side): every point
+    within ``|d| + r < g`` of ``y`` rounds to ``y`` (ties excluded, strictly inside), the slack
+    ``2**-50`` covering the roundings of ``d`` and of the sum. (``g >= |y| 2**-(p + 1)``,
+    up to twice it: the exact half-spacing rather than that lower bound leaves about half as
+    many elements to ``decide_one``.) Used where
     ``2**(emin + 1) <= |s| <= max_finite / 2`` (y normal and finite in the format) and
     ``p <= 51`` (Boldo's condition: a split of at least 2 bits); elsewhere, and where the
     test fails, :func:`decide_one` decides.
@@ -194,6 +240,7 @@ def decide_quick(mh, ml, r, p, emin, max_finite):
         t = c * s
         y = t - (t - s)
         d = (s - y) + e
-        if (abs(d) + r) * (1.0 + 2.0**-50) < abs(y) / float(1 << (p + 1)):
+        gap = half_gap(y, math.ldexp(1.0, -p), math.ldexp(1.0, -p - 1))
+        if (abs(d) + r) * (1.0 + 2.0**-50) < gap:
             return y, True
     return decide_one(mh, ml, r, p, emin, max_finite)
