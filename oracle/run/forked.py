@@ -37,6 +37,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -104,13 +105,18 @@ class ForkedProcess:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
+        """The exit code, once the child has exited (within ``timeout`` seconds, else
+        :class:`subprocess.TimeoutExpired`). The wait ends as the child exits (a Linux
+        process descriptor); elsewhere it polls, at most 0.05 s apart."""
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.0005
         while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+            if _exit_within(self.pid, left) is None:  # no process descriptor: poll
+                time.sleep(delay if left is None else min(delay, left))
+                delay = min(delay * 2, 0.05)
         return self.returncode
 
     def kill(self) -> None:
@@ -119,6 +125,22 @@ class ForkedProcess:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _exit_within(pid: int, timeout: float | None) -> bool | None:
+    """Whether the child ``pid`` exits within ``timeout`` seconds (None: no limit), told by
+    the kernel as it happens (``os.pidfd_open``, Linux >= 5.3); None where there is no
+    process descriptor (another OS, an old kernel, a child already reaped)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(None if timeout is None else max(timeout, 0.0) * 1000.0))
+    finally:
+        os.close(fd)
 
 
 def fork_worker(serve, read_fd: int, write_fd: int, parent_fds, *arguments) -> ForkedProcess:
