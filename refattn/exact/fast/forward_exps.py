@@ -65,7 +65,6 @@ def plain_exps(rr, r0, r1, lo, row, work, sums):
     ``work`` = (s, err, p), ``sums`` = (z, e2, tiny, rho)."""
     top = row[0]
     s, err, p = work
-    z, e2, tiny, rho = sums
     u = 1.01 * D.U
     srow, erow, prow = s[rr], err[rr], p[rr]
     cut = 0
@@ -79,6 +78,16 @@ def plain_exps(rr, r0, r1, lo, row, work, sums):
         prow[jj] = e if above else 0.0
         worst = max(worst, float_bits(xe) if above else np.int64(0))  # xe >= 0: its bits order it
         cut += 0 if above else 1
+    close_row(rr, (r0, r1, lo), prow, cut, worst, sums)
+
+
+@numba.jit(**_JIT)
+def close_row(rr, span, prow, cut, worst, sums):
+    """The end of row rr of :func:`plain_exps` and :func:`plain_row`: ``cut`` keys below CUT
+    add TINY each, Z and ``sum e^2`` of the row's exponentials ``prow`` (``span`` = (r0, r1,
+    lo)) by :func:`exp_sums`, and rho from ``worst``, the bits of the largest radius."""
+    r0, r1, lo = span
+    z, e2, tiny, rho = sums
     tiny[rr] += cut * TINY
     zr, sq = exp_sums(r0, r1, lo, prow, z[rr])
     rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * as_float(worst)) * (1.0 + RHO_MAX))
@@ -156,7 +165,6 @@ def plain_row(rr, r0, r1, lo, row, keys, pr, work, sums):
     qn_i, qs_i, sink = row
     knp, ksp, mag, dim, exact = keys
     s, sab, p = work
-    z, e2, tiny, rho = sums
     scale_hi = pr[P_SCALE_HI]
     c1, c2 = abs(scale_hi), abs(pr[P_SCALE_LO]) + pr[P_SCALE_ERR]
     gdim = pr[P_GAMMA_DIM]
@@ -207,9 +215,5 @@ def plain_row(rr, r0, r1, lo, row, keys, pr, work, sums):
         prow[jj] = e if above else 0.0
         worst = max(worst, float_bits(xe) if above else np.int64(0))  # xe >= 0: its bits order it
         cut += 0 if above else 1
-    tiny[rr] += cut * TINY
-    zr, sq = exp_sums(r0, r1, lo, prow, z[rr])
-    rho[rr] = max(rho[rr], (D.EXP_D_REL + 2.0 * as_float(worst)) * (1.0 + RHO_MAX))
-    z[rr] = zr
-    e2[rr] += sq
+    close_row(rr, (r0, r1, lo), prow, cut, worst, sums)
     return top
