@@ -69,27 +69,29 @@ from .gather_kernels import (
 )
 from .gather_lanes import key_facts, value_rows
 
-__all__ = ["gather_forward", "gather_row_spec", "SERIAL_STEP", "SERIAL_WORK"]
+__all__ = ["gather_forward", "gather_row_spec", "SERIAL_ITEMS", "SERIAL_WORK"]
 
-#: Setup passes over fewer elements than this run on the calling thread alone.
+#: Setup passes over fewer elements than this, and double-precision steps over fewer
+#: multiply-adds (query rows x listed keys x (D + E)), run on the calling thread alone (the
+#: step in a thread-free compile, as one item per kv head). The bits never depend on it.
 SERIAL_WORK = 1 << 22
-
-#: A double-precision step (with a decode step's first pass) over fewer multiply-adds than
-#: this (query rows x listed keys x (D + E)) runs on the calling thread alone, in compiles
-#: without threads: a DeepSeek decode step of 16 heads (about 2^23) then forms each key's
-#: panel once and never waits for a second core (on a loaded machine a parallel region of
-#: a millisecond's work often waits longer than it saves). The bits never depend on it.
-SERIAL_STEP = 1 << 24
 
 #: Gathered columns per task of a decode step's first pass (:func:`_Gathered._decode`).
 DECODE_SPAN = 128
 
 #: Whether a decode step whose keys' facts the double-precision step forms, and which runs
-#: in parallel (at least SERIAL_STEP multiply-adds), runs a first pass by spans of keys
-#: (:func:`_Gathered._decode`: each key's panel formed once, the values gathered in
-#: parallel) before its items; else each item forms its own keys' panels and facts (once
-#: per item) and the host gathers the values. The same bits either way.
+#: in parallel (at least SERIAL_WORK multiply-adds, e.g. a DeepSeek Sparse Attention step
+#: of 16 heads), runs a first pass by spans of keys (:func:`_Gathered._decode`: each key's
+#: panel formed once whatever the items, the values gathered in parallel) before its items;
+#: else each item forms its own keys' panels and facts (once per item: twice for two items
+#: of one plane) and the host gathers the values. The same bits either way.
 DECODE_PASS = True
+
+#: After a decode step's first pass, the items (scores, sums, outputs: about a third of the
+#: step's work) of a step under this many multiply-adds run on the calling thread alone: a
+#: 16-head step then has one parallel region, not two (on a loaded machine each may wait
+#: for the second core). The bits never depend on it.
+SERIAL_ITEMS = 1 << 24
 
 #: The ``formed`` arrays that end :func:`~refattn.exact.fast.gather_kernels.gather_d`'s
 #: ``source`` when the dot products are its own (no decode pass formed them).
@@ -285,7 +287,7 @@ class _Gathered:
         self.fused = fused and length == 1 and _rows_cover(rule, used)
         width = max([1] + [u.size for row in used for u, _ in row])
         # a parallel decode step: its first pass by spans (each key's panel formed once)
-        self.decode = self.fused and DECODE_PASS and heads * width * (dim + vdim) >= SERIAL_STEP
+        self.decode = self.fused and DECODE_PASS and heads * width * (dim + vdim) >= SERIAL_WORK
         self.keys_of = np.zeros((batch, kv_heads, width), np.int64)
         self.local = np.zeros_like(lists)
         self.kT = _scratch("kT", (batch, kv_heads, dim, width))
@@ -471,7 +473,7 @@ def gather_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_w
         per_row = int(x.counts.max(initial=0)) * (spec.q.shape[-1] + vdim)  # work of a row
         if fmt.p <= 24:
             work = int(x.ok.sum()) * length * per_row
-            serial = work < SERIAL_STEP
+            serial = work < (SERIAL_ITEMS if x.decode else SERIAL_WORK)
             items = x.items(length, 1 if serial else numba.get_num_threads())
             if items.size:
                 step = gather_d_serial if serial else gather_d
