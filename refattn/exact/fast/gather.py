@@ -34,7 +34,9 @@ gamma))`` first and A_e summed only for the features that leaves undecided
 (:func:`~refattn.exact.fast.gather_kernels.float32_outputs`); the exponentials' error is
 ``rho = rel + d (1 + d)`` for a score error d (:func:`~refattn.exact.fast.gather_kernels.exp_rel`).
 A work item takes up to HEAD_BLOCK query heads of one kv head, so that a decode step reads
-its gathered keys and values once per item.
+its gathered keys and values once per item. A decode step of at least SERIAL_WORK
+multiply-adds first forms every head's dot products, the keys' facts and the gathered values
+in one parallel pass by spans of keys (:meth:`_Gathered._decode`), which its items then read.
 """
 
 from __future__ import annotations
