@@ -34,7 +34,7 @@ gamma))`` first and A_e summed only for the features that leaves undecided
 (:func:`~refattn.exact.fast.gather_kernels.float32_outputs`); the exponentials' error is
 ``rho = rel + d (1 + d)`` for a score error d (:func:`~refattn.exact.fast.gather_kernels.exp_rel`).
 A work item takes up to HEAD_BLOCK query heads of one kv head, so that a decode step reads
-its gathered keys and values once per item. A decode step of at least SERIAL_WORK
+its gathered keys and values once per item. A decode step of SERIAL_WORK to SERIAL_ITEMS
 multiply-adds first forms every head's dot products, the keys' facts and the gathered values
 in one parallel pass by spans of keys (:meth:`_Gathered._decode`), which its items then read.
 """
@@ -81,18 +81,20 @@ SERIAL_WORK = 1 << 22
 #: Gathered columns per task of a decode step's first pass (:func:`_Gathered._decode`).
 DECODE_SPAN = 128
 
-#: Whether a decode step whose keys' facts the double-precision step forms, and which runs
-#: in parallel (at least SERIAL_WORK multiply-adds, e.g. a DeepSeek Sparse Attention step
-#: of 16 heads), runs a first pass by spans of keys (:func:`_Gathered._decode`: each key's
-#: panel formed once whatever the items, the values gathered in parallel) before its items;
-#: else each item forms its own keys' panels and facts (once per item: twice for two items
-#: of one plane) and the host gathers the values. The same bits either way.
+#: Whether a decode step whose keys' facts the double-precision step forms, of at least
+#: SERIAL_WORK and under SERIAL_ITEMS multiply-adds (e.g. a DeepSeek Sparse Attention step
+#: of 16 heads), runs a first pass by spans of keys in parallel (:func:`_Gathered._decode`:
+#: each key's panel formed once whatever the items, the values gathered in parallel) and
+#: then its items on the calling thread; else each item forms its own keys' panels and
+#: facts (once per item: twice for two items of one plane) and the host gathers the values
+#: (at 128 heads, two items of 64 heads, that measured faster than the pass by spans). The
+#: same bits either way.
 DECODE_PASS = True
 
-#: After a decode step's first pass, the items (scores, sums, outputs: about a third of the
-#: step's work) of a step under this many multiply-adds run on the calling thread alone: a
-#: 16-head step then has one parallel region, not two (on a loaded machine each may wait
-#: for the second core). The bits never depend on it.
+#: A decode step under this many multiply-adds that runs the first pass by spans
+#: (DECODE_PASS) runs its items (scores, sums, outputs: about a third of the step's work) on
+#: the calling thread alone: a 16-head step then has one parallel region, not two (on a
+#: loaded machine each may wait for the second core). The bits never depend on it.
 SERIAL_ITEMS = 1 << 24
 
 #: The ``formed`` arrays that end :func:`~refattn.exact.fast.gather_kernels.gather_d`'s
@@ -288,8 +290,9 @@ class _Gathered:
         # interval holds all of its plane's listed keys (so its items check every one)
         self.fused = fused and length == 1 and _rows_cover(rule, used)
         width = max([1] + [u.size for row in used for u, _ in row])
-        # a parallel decode step: its first pass by spans (each key's panel formed once)
-        self.decode = self.fused and DECODE_PASS and heads * width * (dim + vdim) >= SERIAL_WORK
+        # a mid-sized parallel decode step: its first pass by spans (each key's panel once)
+        work = heads * width * (dim + vdim)
+        self.decode = self.fused and DECODE_PASS and SERIAL_WORK <= work < SERIAL_ITEMS
         self.keys_of = np.zeros((batch, kv_heads, width), np.int64)
         self.local = np.zeros_like(lists)
         self.kT = _scratch("kT", (batch, kv_heads, dim, width))
@@ -475,7 +478,7 @@ def gather_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_w
         per_row = int(x.counts.max(initial=0)) * (spec.q.shape[-1] + vdim)  # work of a row
         if fmt.p <= 24:
             work = int(x.ok.sum()) * length * per_row
-            serial = work < (SERIAL_ITEMS if x.decode else SERIAL_WORK)
+            serial = x.decode or work < SERIAL_WORK  # after the pass: the items serial
             items = x.items(length, 1 if serial else numba.get_num_threads())
             if items.size:
                 step = gather_d_serial if serial else gather_d
