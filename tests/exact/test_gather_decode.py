@@ -192,3 +192,63 @@ def test_serial_twins_of_the_small_passes_keep_the_bits():
     G._row_facts_serial(x, x.view(np.int64), *got)
     row_facts(x, x.view(np.int64), *want)
     assert all(_bits_equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_decode_spans_form_the_one_pass_bits(monkeypatch):
+    """The decode pass by spans of DECODE_SPAN columns (three spans, the last a part one),
+    that a parallel decode step runs: each query head's dot products and magnitude sums, the
+    keys' checks and scales, and the gathered values with their maxima are those of one pass
+    over all the keys; a NaN value in the last span flags its plane (its maxima skip it, as
+    value_rows does)."""
+    from refattn.kernels import gather_spec
+    from refattn.spec import canonicalize
+
+    monkeypatch.setattr(G, "SERIAL_WORK", 0)  # the step of a large decode: in parallel
+
+    count = 2 * G.DECODE_SPAN + 34
+    q, k, v, idx = _decode(4, heads=9, kv_heads=1, keys=count + 20, top=count, vdim=20)
+    u = np.sort(idx[0, 0, 0])
+    for bad in (False, True):
+        if bad:
+            v[0, 0, u[-3], 7] = np.nan
+        x = G._Gathered(gather_spec(canonicalize(q, k, v), idx), fused=True)
+        assert x.fused and x.decode and x.source[4].shape == (1, 1, 9, count)
+        fs, fab, fks = (a[0, 0] for a in x.source[4:7])
+        s, ab = np.zeros((9, count)), np.zeros((9, count))
+        ok, scales = np.zeros(count, bool), np.zeros(count)
+        qh = np.ascontiguousarray(q[0, :, 0], dtype=np.float64)
+        GL.source_dots(qh, k[0, 0], u, np.arange(count), GK.DOT_BLOCK, s, ab, (ok, scales))
+        assert _bits_equal(fs, s) and _bits_equal(fab, ab) and _bits_equal(fks, scales)
+        vals, vmax = np.zeros((count, v.shape[-1])), np.zeros(v.shape[-1])
+        assert GL.value_rows(v[0, 0], u, vals, vmax) != bad
+        assert _bits_equal(x.v[0, 0, :count], vals) and _bits_equal(x.vmax[0, 0], vmax)
+        assert bool(x.ok.all()) != bad
+
+
+def test_decode_steps_serial_and_by_spans_give_the_mask_engines_bits(monkeypatch):
+    """A float32 decode step with more listed keys than DECODE_SPAN on two kv heads of three
+    query heads each (part spans, a head row outside the four-row tiles) gives the bits of
+    the dense-mask engine on the calling thread alone (a small step: the thread-free
+    compile), by spans in parallel (SERIAL_WORK 0) with the items after the pass serial, and
+    by parallel items that form their own panels (SERIAL_ITEMS 0: a large step), at one and
+    at two threads."""
+    q, k, v, idx = _decode(9, heads=6, kv_heads=2, keys=400, top=G.DECODE_SPAN + 77)
+    idx[0, 1, 0, -40:] = -1  # the second plane lists fewer keys
+    saved, threads = config.EXACT_SPARSE_KEYS, numba.get_num_threads()
+    try:
+        config.EXACT_SPARSE_KEYS = "mask"
+        want, _ = _exact(q, k, v, idx, out_dtype="float32", return_lse=True)
+        config.EXACT_SPARSE_KEYS = "gather"
+        got, stats = _exact(q, k, v, idx, out_dtype="float32", return_lse=True)
+        assert all(_bits_equal(g, w) for g, w in zip(got, want, strict=True))
+        assert stats["double_rows"] == 6
+        monkeypatch.setattr(G, "SERIAL_WORK", 0)
+        for items in (G.SERIAL_ITEMS, 0):  # the pass and serial items; parallel items alone
+            monkeypatch.setattr(G, "SERIAL_ITEMS", items)
+            for count in sorted({1, threads}):
+                numba.set_num_threads(count)
+                got, _ = _exact(q, k, v, idx, out_dtype="float32", return_lse=True)
+                assert all(_bits_equal(g, w) for g, w in zip(got, want, strict=True))
+    finally:
+        config.EXACT_SPARSE_KEYS = saved
+        numba.set_num_threads(threads)

@@ -34,7 +34,9 @@ gamma))`` first and A_e summed only for the features that leaves undecided
 (:func:`~refattn.exact.fast.gather_kernels.float32_outputs`); the exponentials' error is
 ``rho = rel + d (1 + d)`` for a score error d (:func:`~refattn.exact.fast.gather_kernels.exp_rel`).
 A work item takes up to HEAD_BLOCK query heads of one kv head, so that a decode step reads
-its gathered keys and values once per item.
+its gathered keys and values once per item. A decode step of SERIAL_WORK to SERIAL_ITEMS
+multiply-adds first forms every head's dot products, the keys' facts and the gathered values
+in one parallel pass by spans of keys (:meth:`_Gathered._decode`), which its items then read.
 """
 
 from __future__ import annotations
@@ -62,15 +64,47 @@ from .gather_kernels import (
     HEAD_BLOCK,
     compact_lists,
     compact_lists_serial,
+    decode_dots,
     gather_d,
+    gather_d_serial,
     gather_dd,
 )
 from .gather_lanes import key_facts, value_rows
 
-__all__ = ["gather_forward", "gather_row_spec", "SERIAL_WORK"]
+__all__ = ["gather_forward", "gather_row_spec", "SERIAL_ITEMS", "SERIAL_WORK"]
 
-#: Setup passes over fewer elements than this run on the calling thread alone.
+#: Setup passes over fewer elements than this, and double-precision steps over fewer
+#: multiply-adds (query rows x listed keys x (D + E)), run on the calling thread alone (the
+#: step in a thread-free compile, as one item per kv head). The bits never depend on it.
 SERIAL_WORK = 1 << 22
+
+#: Gathered columns per task of a decode step's first pass (:func:`_Gathered._decode`).
+DECODE_SPAN = 128
+
+#: Whether a decode step whose keys' facts the double-precision step forms, of at least
+#: SERIAL_WORK and under SERIAL_ITEMS multiply-adds (e.g. a DeepSeek Sparse Attention step
+#: of 16 heads), runs a first pass by spans of keys in parallel (:func:`_Gathered._decode`:
+#: each key's panel formed once whatever the items, the values gathered in parallel) and
+#: then its items on the calling thread; else each item forms its own keys' panels and
+#: facts (once per item: twice for two items of one plane) and the host gathers the values
+#: (at 128 heads, two items of 64 heads, that measured faster than the pass by spans). The
+#: same bits either way.
+DECODE_PASS = True
+
+#: A decode step under this many multiply-adds that runs the first pass by spans
+#: (DECODE_PASS) runs its items (scores, sums, outputs: about a third of the step's work) on
+#: the calling thread alone: a 16-head step then has one parallel region, not two (on a
+#: loaded machine each may wait for the second core). The bits never depend on it.
+SERIAL_ITEMS = 1 << 24
+
+#: The ``formed`` arrays that end :func:`~refattn.exact.fast.gather_kernels.gather_d`'s
+#: ``source`` when the dot products are its own (no decode pass formed them).
+_NOT_FORMED = (
+    frozen(np.zeros((0, 0, 0, 0))),
+    frozen(np.zeros((0, 0, 0, 0))),
+    frozen(np.zeros((0, 0, 0))),
+    frozen(np.zeros(0, np.int64)),
+)
 
 
 def _rows_cover(rule, used) -> bool:
@@ -256,6 +290,9 @@ class _Gathered:
         # interval holds all of its plane's listed keys (so its items check every one)
         self.fused = fused and length == 1 and _rows_cover(rule, used)
         width = max([1] + [u.size for row in used for u, _ in row])
+        # a mid-sized parallel decode step: its first pass by spans (each key's panel once)
+        work = heads * width * (dim + vdim)
+        self.decode = self.fused and DECODE_PASS and SERIAL_WORK <= work < SERIAL_ITEMS
         self.keys_of = np.zeros((batch, kv_heads, width), np.int64)
         self.local = np.zeros_like(lists)
         self.kT = _scratch("kT", (batch, kv_heads, dim, width))
@@ -271,17 +308,24 @@ class _Gathered:
                 self.keys_of[b, g, : u.size] = u
                 if not self.fused:
                     k_ok[b, g] = self._keys(spec.k[b, g], u, (b, g))
-                src, rows = _source(spec.v[b, g], u)
-                v_ok[b, g] = value_rows(src, rows, self.v[b, g], self.vmax[b, g])
-        self.source = _key_source(spec.k, self.keys_of, used) + (
-            np.zeros((batch, kv_heads), bool),
-            self.fused,
+                if not self.decode:
+                    src, rows = _source(spec.v[b, g], u)
+                    v_ok[b, g] = value_rows(src, rows, self.v[b, g], self.vmax[b, g])
+        self.source = (
+            _key_source(spec.k, self.keys_of, used)
+            + (
+                np.zeros((batch, kv_heads), bool),
+                self.fused,
+            )
+            + _NOT_FORMED
         )
         self._spec, self._used = spec, used
         self.counts = counts
         self.q = np.ascontiguousarray(spec.q, dtype=np.float64)
         self.kvh = np.ascontiguousarray(spec.kv_head, dtype=np.int64)
         q_ok, self.qn, self.qs = _facts(self.q)
+        if self.decode:
+            self._decode(k_ok, v_ok)
         self.prm, ok = _kernel_params(spec)
         listed = min(count, keys)  # the keys a row sums over: at most min(T, S)
         sink = spec.sinks is not None
@@ -292,6 +336,43 @@ class _Gathered:
         kv_ok = k_ok & v_ok
         self.ok = ok & q_ok.all(axis=2) & kv_ok[:, self.kvh] & (length > 0) & (keys > 0)
         self.rule = rule
+
+    def _decode(self, k_ok: np.ndarray, v_ok: np.ndarray) -> None:
+        """A decode step's first pass (:func:`~refattn.exact.fast.gather_kernels.decode_dots`)
+        by spans of DECODE_SPAN gathered columns of each kv-head plane: the dot products of
+        every query head with each listed key (each key's panel built once, whatever the
+        head blocks of the items that read them), the keys' range checks and exactness
+        scales, and the gathered values with their check and maxima, into ``k_ok``, ``v_ok``
+        (B, K) and the ``formed`` record of the double-precision step's ``source``."""
+        batch, kv_heads, width = self.keys_of.shape
+        heads = [np.flatnonzero(self.kvh == g) for g in range(kv_heads)]
+        group = np.full((kv_heads, max([1] + [h.size for h in heads])), -1, np.int64)
+        place = np.zeros(self.kvh.shape[0], np.int64)
+        for g, h in enumerate(heads):
+            group[g, : h.size] = h
+            place[h] = np.arange(h.size)
+        spans = [
+            (b, g, c0, min(u.size, c0 + DECODE_SPAN))
+            for b, row in enumerate(self._used)
+            for g, (u, _) in enumerate(row)
+            for c0 in range(0, u.size, DECODE_SPAN)
+        ]
+        tasks = np.array([span + (t,) for t, span in enumerate(spans)], np.int64).reshape(-1, 5)
+        fs = _scratch("fs", (batch, kv_heads, group.shape[1], width))
+        fab = _scratch("fab", fs.shape)
+        fks = np.zeros((batch, kv_heads, width))
+        fok = np.ones((batch, kv_heads, width), bool)
+        vmax = np.zeros((len(spans), self.v.shape[-1]))
+        vok = np.ones(len(spans), bool)
+        vsrc, vrows = _key_source(self._spec.v, self.keys_of, self._used)
+        if len(spans):
+            values = (vsrc, vrows, self.v, vmax, vok)
+            decode_dots(tasks, frozen(self.q), group, self.source, values, (fs, fab, fks, fok))
+        for t, (b, g, c0, c1) in enumerate(spans):
+            np.fmax(self.vmax[b, g], vmax[t], out=self.vmax[b, g])  # value_rows: NaN skipped
+            v_ok[b, g] &= vok[t]
+            k_ok[b, g] &= bool(fok[b, g, c0:c1].all())
+        self.source = self.source[:4] + tuple(frozen(a) for a in (fs, fab, fks, place))
 
     def key_flags(self) -> None:
         """After the double-precision step: the kv-head planes whose items found a listed key
@@ -397,10 +478,11 @@ def gather_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_w
         per_row = int(x.counts.max(initial=0)) * (spec.q.shape[-1] + vdim)  # work of a row
         if fmt.p <= 24:
             work = int(x.ok.sum()) * length * per_row
-            items = x.items(length, 1 if work < SERIAL_WORK else numba.get_num_threads())
+            serial = x.decode or work < SERIAL_WORK  # after the pass: the items serial
+            items = x.items(length, 1 if serial else numba.get_num_threads())
             if items.size:
-                with _serial_below(work):
-                    gather_d(items, inputs, lists, rule, target, results, x.source)
+                step = gather_d_serial if serial else gather_d
+                step(items, inputs, lists, rule, target, results, x.source)
             x.key_flags()
             step_rows["double"] = int(x.ok.sum()) * length
             redo = x.ok[:, :, None] & (status == UNDECIDED)

@@ -70,15 +70,24 @@ from .forward_kernels import (
     score_d,
     score_dd,
 )
-from .gather_lanes import magnitude_sum, source_dots, sums_rows, weighted_block
+from .gather_lanes import (
+    magnitude_sum,
+    source_dots,
+    source_span,
+    sums_rows,
+    value_rows,
+    weighted_block,
+)
 
 __all__ = [
     "compact_lists",
     "compact_lists_serial",
+    "decode_dots",
     "dot_error",
     "exp_rel",
     "float32_outputs",
     "gather_d",
+    "gather_d_serial",
     "gather_dd",
     "DOT_BLOCK",
     "HEAD_BLOCK",
@@ -453,10 +462,19 @@ def _d_dots(b, i, heads, cols, inputs, source, work):
     or an empty array when some key is out of the first steps' range (only looked at when
     ``source`` asks for the keys' facts: else they are the gathered ``ksu``)."""
     q, _, _, _, _, _, ksu, _, _, _, kvh = inputs
-    src, rows, _, fused = source
+    src, rows, _, fused, fs, fab, fks, place = source
     g = kvh[heads[0]]
     n = cols.shape[0]
     ks = np.empty(n)
+    if fs.shape[3] > 0:  # formed by decode_dots: read per head, per column
+        for jj in range(n):
+            ks[jj] = fks[b, g, cols[jj]]
+        for rr in range(heads.shape[0]):
+            p = place[heads[rr]]
+            for jj in range(n):
+                work[0][rr, jj] = fs[b, g, p, cols[jj]]
+                work[1][rr, jj] = fab[b, g, p, cols[jj]]
+        return ks
     ok = np.ones(n if fused else 0, np.bool_)
     if not fused:
         for jj in range(n):
@@ -542,9 +560,60 @@ def gather_d(items, inputs, lists, rule, target, results, source):
     facts): the dot products read the keys from those rows (no gathered float64 copy), and
     with ``facts`` each item forms its keys' range checks and exactness scales in the same
     pass and flags the kv-head planes with a key out of range (the gathered ``kTu``, ``knu``,
-    ``ksu`` are then not read: the host fills them for the double-double step alone)."""
+    ``ksu`` are then not read: the host fills them for the double-double step alone),
+    then the ``formed`` arrays s, sab (B, K, G, U), scales (B, K, U), place (H,) (each
+    head's row in its group)): when they are not empty, the items read the dot products,
+    magnitude sums and keys' scales that :func:`decode_dots` formed (the same bits) instead
+    of forming them."""
     for r in prange(items.shape[0]):
         _d_item(items[r], inputs, lists, rule, target, results, source)
+
+
+@numba.jit(**_JIT)
+def _decode_task(task, q, group, source, values, formed):
+    """:func:`decode_dots` of one task: columns ``task[2]:task[3]`` of kv-head plane
+    (``task[0]``, ``task[1]``)."""
+    b, g, c0, c1 = task[0], task[1], task[2], task[3]
+    src, rows = source[0], source[1]
+    vsrc, vrows, vu, vmax, vok = values
+    fs, fab, fks, fok = formed
+    heads = group[g]
+    nh = 0
+    while nh < heads.shape[0] and heads[nh] >= 0:
+        nh += 1
+    qh = np.empty((nh, q.shape[3]))
+    for rr in range(nh):
+        qh[rr] = q[b, heads[rr], 0]
+    cols = np.arange(c0, c1)
+    facts = (fok[b, g], fks[b, g])
+    source_span(qh, src[b, g], rows[b, g], cols, c0, DOT_BLOCK, fs[b, g], fab[b, g], facts)
+    vok[task[4]] = value_rows(vsrc[b, g], vrows[b, g, c0:c1], vu[b, g, c0:c1], vmax[task[4]])
+
+
+@numba.jit(**_PAR)
+def decode_dots(tasks, q, group, source, values, formed):
+    """The first part of a decode step (query row 0) by spans of each kv-head plane's
+    gathered columns, in parallel: ``tasks`` (n, 5) = (b, g, first column, end column, task
+    number); each task forms, for its columns, the dot products and magnitude sums of every
+    query head of the plane (``group`` (K, G): the heads of each kv head, -1 after them),
+    the keys' range checks and exactness scales
+    (:func:`refattn.exact.fast.gather_lanes.source_span`: each key's panel built once for
+    all the heads) and the gathered values with their range
+    check and their maxima (:func:`refattn.exact.fast.gather_lanes.value_rows`).
+
+    ``source`` as :func:`gather_d`; ``values`` = (value rows (B, K, S', E), the row of each
+    gathered column (B, K, U), vu (B, K, U, E), per task maxima (n, E) and range checks
+    (n,)); ``formed`` = (s, sab (B, K, G, U), scales (B, K, U), ok (B, K, U)). Each element
+    is the same operations as in :func:`gather_d`'s own pass (a key's lanes, a value's
+    widening): the same bits for any split and thread count; the maxima of the tasks are
+    combined by the host (a maximum: any order)."""
+    for t in prange(tasks.shape[0]):
+        _decode_task(tasks[t], q, group, source, values, formed)
+
+
+#: :func:`gather_d` compiled without threads (the same loop body and bits), for the small
+#: steps that run on the calling thread alone.
+gather_d_serial = numba.jit(**_JIT)(gather_d.py_func)
 
 
 @numba.jit(**_JIT)

@@ -39,6 +39,7 @@ __all__ = [
     "key_facts",
     "value_rows",
     "source_dots",
+    "source_span",
 ]
 
 #: Lanes of a 64-byte float64 vector.
@@ -583,13 +584,15 @@ def value_rows(src, used, out, vmax):
 
 
 @numba.jit(**_JIT)
-def _source_panel(src, rows, cols, c, m, buf, panel, facts):
-    """The m <= W keys ``src[rows[cols[c + l]]]`` (l < m) widened exactly to float64 into the
-    lanes of the (D, W) ``panel`` (the other lanes +0); with ``facts`` = (ok, scales) not
-    empty, each key's range check and exactness scale into ``ok[c + l]``, ``scales[c + l]``
+def _source_panel(src, rows, cols, at, m, buf, panel, facts):
+    """The m <= W keys ``src[rows[cols[c + l]]]`` (l < m; ``at`` = (c, o)) widened exactly to
+    float64 into the lanes of the (D, W) ``panel`` (the other lanes +0); with ``facts`` =
+    (ok, scales) not empty, each key's range check and exactness scale into ``ok[o + l]``,
+    ``scales[o + l]``
     (the bits of :func:`key_facts`: the widened row's
     :func:`_row_scale`, its sum of squares a lane chain over d in order, then the norm and the
     scale as :func:`_key_block` forms them). ``buf`` (W, D) float64 holds the widened rows."""
+    c, o = at
     dim = panel.shape[0]
     want = facts[0].shape[0] > 0
     bits = buf.view(np.int64)
@@ -622,21 +625,30 @@ def _source_panel(src, rows, cols, c, m, buf, panel, facts):
     for cc in range(m):
         norm = math.sqrt(sums[cc]) * (1.0 + 2.0**-30) + 2.0**-1000
         g = 0 if low[cc] == 1 << 40 else low[cc]  # a zero row: its products are all 0
-        ok[c + cc] = good[cc]
-        scales[c + cc] = np.ldexp(norm, -g)
+        ok[o + cc] = good[cc]
+        scales[o + cc] = np.ldexp(norm, -g)
 
 
 @numba.jit(**_JIT)
 def source_dots(qh, src, rows, cols, block, s, sab, facts):
+    """:func:`source_span` of all the listed keys ``cols`` (from column 0 of ``s``, ``sab``
+    and ``facts``)."""
+    source_span(qh, src, rows, cols, 0, block, s, sab, facts)
+
+
+@numba.jit(**_JIT)
+def source_span(qh, src, rows, cols, at, block, s, sab, facts):
     """:func:`dot_tiles` (the same bits) for every listed key: ``s[r, jj] = qh[r] .
     src[rows[cols[jj]]]`` and the magnitude sums ``sab[r, jj]`` for jj < n (``s``, ``sab``
     (>= R, n)), read from the kv-head plane's own rows ``src`` (S', D) (float32 or float64,
     widened exactly) W keys at a time into a (D, W) panel that every query row then reads:
     no float64 copy or transposed table of the gathered keys is formed. The last panel's
     missing keys are +0 lanes whose results are dropped (each lane's arithmetic is its own).
-    With ``facts`` = (ok (n,), scales (n,)) (empty: not asked) each key's range check and
-    exactness scale are formed from the widened row in the same pass
-    (:func:`_source_panel`)."""
+    With ``facts`` = (ok, scales) (empty: not asked) each key's range check and exactness
+    scale are formed from the widened row in the same pass (:func:`_source_panel`). Key jj
+    of ``cols`` goes to column ``at + jj`` of ``s``, ``sab``, ``ok`` and ``scales`` (a span
+    of a plane's keys: each key's lane arithmetic is its own, so the spans' bits are those of
+    one call over all the keys)."""
     nq = qh.shape[0]
     dim = qh.shape[1]
     n = cols.shape[0]
@@ -651,7 +663,7 @@ def source_dots(qh, src, rows, cols, block, s, sab, facts):
     tile_ab = np.zeros((4, W))
     for c in range(0, n, W):
         m = min(W, n - c)
-        _source_panel(src, rows, cols, c, m, buf, panel, facts)
+        _source_panel(src, rows, cols, (c, at + c), m, buf, panel, facts)
         r = 0
         while r < nq:
             k = 4 if r + 4 <= nq else 1
@@ -663,10 +675,10 @@ def source_dots(qh, src, rows, cols, block, s, sab, facts):
                 _dots1(qh[r], panel, 0, dim, block, tile[0], tile_ab[0])
             for rr in range(k):
                 if m == W:
-                    vstore(s[r + rr], c, vload(tile[rr], 0))
-                    vstore(sab[r + rr], c, vload(tile_ab[rr], 0))
+                    vstore(s[r + rr], at + c, vload(tile[rr], 0))
+                    vstore(sab[r + rr], at + c, vload(tile_ab[rr], 0))
                 else:
                     for cc in range(m):
-                        s[r + rr, c + cc] = tile[rr, cc]
-                        sab[r + rr, c + cc] = tile_ab[rr, cc]
+                        s[r + rr, at + c + cc] = tile[rr, cc]
+                        sab[r + rr, at + c + cc] = tile_ab[rr, cc]
             r += k
