@@ -283,6 +283,22 @@ def test_nan_or_posinf_bias_at_allowed_position_is_an_error(value):
         refattn.attention(np.zeros((2, 4)), np.zeros((3, 4)), np.zeros((3, 1)), bias=bias)
 
 
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_broadcast_bias_is_checked_where_it_is_allowed(value):
+    """A bias broadcast along rows (zero strides): a NaN/+inf key is an error where a row sees
+    it (causal: the last key, from the last row on) and none where every row masks it."""
+    q, k, v = np.zeros((3, 4)), np.zeros((3, 4)), np.zeros((3, 1))
+    keys = np.zeros(3)
+    keys[2] = value
+    with pytest.raises(ValueError, match=r"bias: .* allowed position .*row 2, key 2"):
+        refattn.attention(q, k, v, bias=keys, causal=True)
+    mask = np.array([True, True, False])
+    out = refattn.attention(q, k, v, bias=keys, mask=mask)
+    assert np.isfinite(out).all()
+    with pytest.raises(ValueError, match=r"bias: .* allowed position .*row 0, key 0"):
+        refattn.attention(q, k, v, bias=np.float64(value))
+
+
 @pytest.mark.parametrize("precision", ["float64", "exact"])
 def test_empty_rows(precision):
     mask = np.array([[True, True], [False, False]])
