@@ -40,6 +40,7 @@ __all__ = [
     "vmax",
     "vlane",
     "fma",
+    "as_bits",
     "as_float",
     "lanes",
     "vexp",
@@ -229,6 +230,19 @@ if JIT:
 
         return ft(n), codegen
 
+    @intrinsic
+    def as_bits(typingctx, x):
+        """The bits of a float32 (as int32) or float64 (as int64): a bitcast, the inverse of
+        :func:`as_float`."""
+        if not isinstance(x, types.Float):
+            return None
+        it = types.int64 if x.bitwidth == 64 else types.int32
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], context.get_value_type(it))
+
+        return it(x), codegen
+
 else:  # pragma: no cover - exercised by the NUMBA_DISABLE_JIT=1 test tier
 
     def vload(arr, start):
@@ -268,6 +282,10 @@ else:  # pragma: no cover - exercised by the NUMBA_DISABLE_JIT=1 test tier
 
     def as_float(n):
         return n.view(np.float64 if n.dtype == np.int64 else np.float32)
+
+    def as_bits(x):
+        x = np.asarray(x)
+        return x.view(np.int64 if x.itemsize == 8 else np.int32)[()]
 
 
 @njit(**_OPTS)

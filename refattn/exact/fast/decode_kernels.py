@@ -23,12 +23,11 @@ import math
 
 import numba
 import numpy as np
-from numba import prange, types
-from numba.extending import intrinsic
+from numba import prange
 
 from ...kernels._cpu_tiles import matmul_n
 from ...kernels._simd import (
-    JIT,
+    as_bits,
     as_float,
     vadd,
     vfmav,
@@ -146,24 +145,6 @@ def _widen_row(src, kind, half, dst):
             dst[d] = as_float(np.int64(src[d]))
 
 
-if JIT:
-
-    @intrinsic
-    def _as_int(typingctx, x):
-        """The bits of a float32 (int32) or float64 (int64)."""
-        it = types.int64 if x.bitwidth == 64 else types.int32
-
-        def codegen(context, builder, sig, args):
-            return builder.bitcast(args[0], context.get_value_type(it))
-
-        return it(x), codegen
-
-else:  # pragma: no cover - the NUMBA_DISABLE_JIT=1 tier
-
-    def _as_int(x):
-        return np.array(x).view(np.int64 if np.array(x).itemsize == 8 else np.int32)[()]
-
-
 #: (significand bits, exponent mask, bias) of the kinds read as int16 / int32 bits.
 _FORMATS = ((7, 0xFF, 127), (10, 0x1F, 15), (23, 0xFF, 127))
 
@@ -204,7 +185,7 @@ def _bits_facts(src, kind):
         field = (w >> np.int32(mbits)) & np.int32(emask)
         mant = (w & frac) | (np.int32(field != 0) << np.int32(mbits))
         lsb = mant & -mant
-        lz = (_as_int(np.float32(lsb)) >> np.int32(23)) - np.int32(127)
+        lz = (as_bits(np.float32(lsb)) >> np.int32(23)) - np.int32(127)
         value = max(field, np.int32(1)) + lz
         value = none if (w & absmask) == 0 else value
         low = min(low, value)

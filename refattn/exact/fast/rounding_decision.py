@@ -22,7 +22,7 @@ import math
 import numpy as np
 from numba import njit
 
-from ...kernels._simd import JIT, as_float
+from ...kernels._simd import as_bits, as_float
 from ._params import frozen
 from .doubledouble import two_sum
 
@@ -38,26 +38,9 @@ __all__ = [
 
 _JIT = dict(fastmath=False, boundscheck=False, cache=True, nogil=True)
 
-if JIT:
-    from numba import types
-    from numba.core.extending import intrinsic
-
-    @intrinsic
-    def float_bits(typingctx, x):
-        """The bits of a float64 as an int64 (a bitcast; the inverse of
-        :func:`refattn.kernels._simd.as_float`)."""
-        if x != types.float64:
-            return None
-
-        def codegen(context, builder, sig, args):
-            return builder.bitcast(args[0], context.get_value_type(types.int64))
-
-        return types.int64(x), codegen
-
-else:  # pragma: no cover - exercised by the NUMBA_DISABLE_JIT=1 test tier
-
-    def float_bits(x):
-        return np.array(x, np.float64).view(np.int64)[()]
+#: The bits of a float64 as an int64 (a bitcast; the inverse of
+#: :func:`refattn.kernels._simd.as_float`).
+float_bits = as_bits
 
 
 _EXPONENT_BITS = 0x7FF0000000000000
