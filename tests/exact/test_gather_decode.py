@@ -17,6 +17,7 @@ from refattn.exact.fast import gather_kernels as GK
 from refattn.exact.fast import gather_lanes as GL
 from refattn.exact.fast.facts import row_facts
 from refattn.exact.fast.forward import kernel_params
+from tests.helpers import digest_with_threads
 
 # The lanes' pure-Python twins (NUMBA_DISABLE_JIT=1) do not fuse the fma: bits are compiled-only.
 pytestmark = pytest.mark.skipif(
@@ -128,12 +129,6 @@ def test_decode_step_is_the_referee_and_bad_rows_go_to_it(case):
 def test_decode_bits_do_not_depend_on_thread_count():
     """A decode step whose heads split into two work items at two threads: the same bytes
     with NUMBA_NUM_THREADS=1 and 2."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
     code = (
         "import numpy as np, refattn, hashlib\n"
         "rng = np.random.default_rng(5)\n"
@@ -144,20 +139,7 @@ def test_decode_bits_do_not_depend_on_thread_count():
         "                        out_dtype='float32')\n"
         "print(hashlib.sha256(np.ascontiguousarray(out).tobytes()).hexdigest())\n"
     )
-    digests = []
-    for threads in ("1", "2"):
-        env = dict(os.environ, NUMBA_NUM_THREADS=threads, PYTHONPATH=str(root))
-        done = subprocess.run(
-            [sys.executable, "-c", code],
-            env=env,
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert done.returncode == 0, done.stderr[-2000:]
-        digests.append(done.stdout.split()[-1])
-    assert digests[0] == digests[1]
+    assert digest_with_threads(code, 1) == digest_with_threads(code, 2)
 
 
 def test_kept_kernel_parameters_are_fresh_copies():
