@@ -467,10 +467,7 @@ def fast_exact_forward(
         )
         rule = x.rule.kernel_args()
         target = (return_lse, return_weights, fmt.p, fmt.emin, float(fmt.max_finite))
-        results = (out, lse, weights, status)
         planes = np.argwhere(x.ok)
-        if fmt.p <= 24 and planes.size and decoded:
-            redo = x.ok[:, :, None] & (status == UNDECIDED)
         if fmt.p <= 24 and planes.size and not decoded:
             starts = np.arange(0, length, D_ROW_BLOCK)
             blocks = np.empty((planes.shape[0] * starts.size, 4), dtype=np.int64)
@@ -481,8 +478,8 @@ def fast_exact_forward(
             first = (False, frozen(np.zeros((1, 1, 1, 1))), np.zeros(0, np.int64))
             forward_d(blocks, inputs, rule, target, results, first)
             step_rows["double"] = planes.shape[0] * length
+        if fmt.p <= 24 and planes.size:  # after the first pass or the decode step
             redo = x.ok[:, :, None] & (status == UNDECIDED)
-        if fmt.p <= 24 and planes.size:
             blocks, row_list = redo_blocks(redo)
             if blocks.size:  # the rows left, again with magnitude-sum bounds
                 second = (True, frozen(np.abs(x.v)), row_list)
