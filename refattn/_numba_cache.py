@@ -220,6 +220,45 @@ def purge_stale(root: Path | str | None = None, package: str | None = None) -> i
     return removed
 
 
+def serial_twin(dispatcher, options: dict):
+    """``dispatcher``'s Python function compiled again with the Numba ``options`` (those of a
+    thread-free compile), cached under a name of its own, ``<name>_serial``.
+
+    Numba names a function's cache files by its module, qualified name and first line, and
+    keys their index by the argument types alone (not by ``parallel``): a serial compile of
+    the threaded function object itself shares one cache entry per signature with it, and each
+    then loads whichever machine code was saved first (the threaded pass running serially, or
+    the reverse). A copy of the function under another qualified name has its own entry.
+
+    Examples
+    --------
+    >>> import numba, numpy as np
+    >>> @numba.njit(cache=False, parallel=True)
+    ... def total(x):
+    ...     s = 0.0
+    ...     for i in numba.prange(x.shape[0]):
+    ...         s += x[i]
+    ...     return s
+    >>> twin = serial_twin(total, dict(nopython=True, cache=False))
+    >>> twin.py_func.__qualname__, float(twin(np.ones(3)))
+    ('total_serial', 3.0)
+    """
+    import types
+
+    import numba
+
+    func = getattr(dispatcher, "py_func", dispatcher)
+    name = func.__name__ + "_serial"
+    twin = types.FunctionType(
+        func.__code__, func.__globals__, name, func.__defaults__, func.__closure__
+    )
+    twin.__qualname__ = func.__qualname__ + "_serial"
+    twin.__module__ = func.__module__
+    twin.__doc__ = func.__doc__
+    twin.__kwdefaults__ = func.__kwdefaults__
+    return numba.jit(**options)(twin)
+
+
 def guard() -> None:
     """:func:`purge_stale` on refattn, unless ``REFATTN_NUMBA_CACHE_GUARD=0``."""
     if os.environ.get("REFATTN_NUMBA_CACHE_GUARD", "1") != "0":

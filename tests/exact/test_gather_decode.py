@@ -15,7 +15,7 @@ from refattn.exact.fast import fallback_stats
 from refattn.exact.fast import gather as G
 from refattn.exact.fast import gather_kernels as GK
 from refattn.exact.fast import gather_lanes as GL
-from refattn.exact.fast.facts import row_facts
+from refattn.exact.fast.facts import row_facts, row_facts_serial
 from refattn.exact.fast.forward import kernel_params
 from tests.helpers import digest_with_threads
 
@@ -159,7 +159,18 @@ def test_kept_kernel_parameters_are_fresh_copies():
 
 def test_serial_twins_of_the_small_passes_keep_the_bits():
     """The thread-free compiles of compact_lists and row_facts (the small passes of a decode
-    step) give the parallel ones' results."""
+    step) give the parallel ones' results; every thread-free twin has a cache name of its own
+    (the cache keys a function by its name and argument types: sharing the threaded one's,
+    each would load whichever machine code was saved first)."""
+    twins = [
+        (GK.compact_lists, GK.compact_lists_serial),
+        (GK.gather_d, GK.gather_d_serial),
+        (GK.decode_dots, GK.decode_dots_serial),
+        (row_facts, row_facts_serial),
+    ]
+    for threaded, twin in twins:
+        assert twin.py_func.__qualname__ == threaded.py_func.__qualname__ + "_serial"
+        assert twin.py_func.__code__ is threaded.py_func.__code__
     rng = np.random.default_rng(11)
     idx = rng.integers(-1, 50, (6, 33))
     got = (np.zeros_like(idx), np.zeros(6, np.int64))
@@ -171,7 +182,7 @@ def test_serial_twins_of_the_small_passes_keep_the_bits():
     x[2, 3] = np.inf
     got = (np.empty(7), np.empty(7), np.empty(7, bool))
     want = (np.empty(7), np.empty(7), np.empty(7, bool))
-    G._row_facts_serial(x, x.view(np.int64), *got)
+    row_facts_serial(x, x.view(np.int64), *got)
     row_facts(x, x.view(np.int64), *want)
     assert all(_bits_equal(g, w) for g, w in zip(got, want, strict=True))
 

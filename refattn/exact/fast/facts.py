@@ -21,6 +21,7 @@ import numba
 import numpy as np
 from numba import prange
 
+from ..._numba_cache import serial_twin
 from ...kernels._simd import JIT, as_float
 from . import doubledouble as D
 from .forward_kernels import KEY_TILE
@@ -30,6 +31,7 @@ __all__ = [
     "plane_value_facts",
     "row_fact",
     "row_facts",
+    "row_facts_serial",
     "input_facts",
     "widen",
     "Q_CHUNK",
@@ -125,6 +127,15 @@ def row_facts(x, bits, norms, scales, ok):
     (:func:`exactness_scales`: the exponent of the lowest set bit from the bit pattern)."""
     for n in prange(x.shape[0]):
         ok[n], norms[n], scales[n] = row_fact(x[n], bits[n])
+
+
+#: :func:`row_facts` compiled without threads (the same loop body and bits) for the small
+#: passes: no parallel region and no change of the thread count around them (on a busy
+#: machine either delays the call); a cache entry of its own
+#: (:func:`refattn._numba_cache.serial_twin`).
+row_facts_serial = serial_twin(
+    row_facts, dict(nopython=True, cache=True, fastmath=False, error_model="numpy")
+)
 
 
 @numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy")

@@ -56,7 +56,7 @@ from ..rounding import format_of
 from . import doubledouble as D
 from ._params import P_GAMMA_DIM, P_GAMMA_SUM, P_SUM_REL, R_ROWS_HI, R_ROWS_LO, frozen
 from .allowed_set import allowed_rule
-from .facts import row_facts
+from .facts import row_facts, row_facts_serial
 from .forward import finish_forward, kernel_params, referee_runs, row_spec
 from .forward_kernels import SUM_BLOCK, UNDECIDED
 from .gather_kernels import (
@@ -247,21 +247,13 @@ def _source(plane: np.ndarray, used: np.ndarray):
     return np.asarray(plane[used], dtype=np.float32), np.arange(used.size)
 
 
-#: :func:`refattn.exact.fast.facts.row_facts` compiled without threads (the same loop body
-#: and bits) for the small passes: no change of the thread count around them, which on a
-#: busy machine delays the next parallel region.
-_row_facts_serial = numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy")(
-    row_facts.py_func
-)
-
-
 def _facts(a: np.ndarray):
     """(ok, norms, scales) of the rows of a (..., N, X) float64 array
     (:func:`refattn.exact.fast.facts.row_facts`)."""
     flat = frozen(a.reshape(-1, a.shape[-1]))
     out = [np.empty(flat.shape[0], dtype) for dtype in (np.bool_, np.float64, np.float64)]
     if flat.shape[0]:
-        facts = row_facts if flat.size >= SERIAL_WORK else _row_facts_serial
+        facts = row_facts if flat.size >= SERIAL_WORK else row_facts_serial
         facts(flat, flat.view(np.int64), out[1], out[2], out[0])
     return [o.reshape(a.shape[:-1]) for o in out]
 

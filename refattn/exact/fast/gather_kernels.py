@@ -36,6 +36,7 @@ import numba
 import numpy as np
 from numba import prange
 
+from ..._numba_cache import serial_twin
 from . import doubledouble as D
 from ._params import (
     P_GAMMA_DIM,
@@ -121,8 +122,9 @@ def compact_lists(idx, lists, counts):
 
 
 #: :func:`compact_lists` compiled without threads (the same loop body and bits), for the
-#: small lists of a decode step.
-compact_lists_serial = numba.jit(**_JIT)(compact_lists.py_func)
+#: small lists of a decode step (a cache entry of its own:
+#: :func:`refattn._numba_cache.serial_twin`).
+compact_lists_serial = serial_twin(compact_lists, _JIT)
 
 
 @numba.jit(**_JIT)
@@ -612,8 +614,13 @@ def decode_dots(tasks, q, group, source, values, formed):
 
 
 #: :func:`gather_d` compiled without threads (the same loop body and bits), for the small
-#: steps that run on the calling thread alone.
-gather_d_serial = numba.jit(**_JIT)(gather_d.py_func)
+#: steps that run on the calling thread alone (a cache entry of its own:
+#: :func:`refattn._numba_cache.serial_twin`).
+gather_d_serial = serial_twin(gather_d, _JIT)
+
+#: :func:`decode_dots` compiled without threads (the same loop body and bits), for the decode
+#: steps whose first pass runs on the calling thread alone.
+decode_dots_serial = serial_twin(decode_dots, _JIT)
 
 
 @numba.jit(**_JIT)
