@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from . import config
 
-__all__ = ["GATHER_READING", "exact_gathers", "exact_vjp_gathers", "exact_gather_vjp"]
+__all__ = [
+    "GATHER_READING",
+    "exact_gathers",
+    "exact_vjp_gathers",
+    "exact_gather_vjp",
+    "plain_exact_gather",
+]
 
 #: The ``index_reading`` of a spec whose set-read key indices are kept as (B, K, L, T) lists,
 #: not ANDed into its mask (:data:`refattn.kernels.GATHER`, :func:`refattn.kernels.gather_spec`).
@@ -42,6 +48,63 @@ def exact_gathers(precision, backend, index_reading, listed, normalizer, bias, l
         and bias is None
         and lse_base in ("e", None)
     )
+
+
+def plain_exact_gather(call: dict):
+    """refattn.attention's result for a plain exact sparse-key call, or None for any other
+    call. ``call``: the keywords by name (refattn.attention's ``locals()``).
+
+    Plain: ``precision="exact"`` on ``backend="numpy"``, q, k, v and ``key_indices`` as
+    :func:`refattn._numba_path.plain_arrays` reads them (float32 or float64, one dtype,
+    (B, H, L, D), (B, K, S, D), (B, K, S, E), integer (B, K, L, T)), a float scale (or None),
+    any ``out_dtype`` and a bool ``return_lse``, every other keyword at its default, and
+    :func:`exact_gathers` true. Such a call needs none of the general path's option handling:
+    the spec is ``canonicalize(q, k, v, scale=scale)`` with its key indices
+    (:func:`refattn.kernels.gather_spec`), the engine
+    :func:`refattn.exact.fast.gather.gather_forward`; the same spec, bits and errors as the
+    general path (a decode step spent about a tenth of its time in the general path's
+    Python).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> q = np.ones((1, 1, 1, 2)); k = np.ones((1, 1, 3, 2)); v = np.arange(3.0).reshape(1, 1, 3, 1)
+    >>> call = dict(q=q, k=k, v=v, key_indices=np.array([[[[0, 2]]]]), scale=None,
+    ...             precision="exact", backend="numpy", out_dtype=None, return_lse=False,
+    ...             lse_base="e")
+    >>> from refattn._numba_path import PLAIN_DEFAULTS
+    >>> call.update({n: d for n, d in PLAIN_DEFAULTS.items() if n not in call})
+    >>> plain_exact_gather(call).ravel().tolist()
+    [1.0]
+    """
+    from ._numba_path import PLAIN_DEFAULTS, is_default, plain_arrays, plain_scale
+
+    q, k, v, indices, scale = (call[n] for n in ("q", "k", "v", "key_indices", "scale"))
+    return_lse = call["return_lse"]
+    if not (
+        type(return_lse) is bool
+        and plain_arrays(q, k, v, indices)
+        and plain_scale(scale)
+        and is_default(call["backend"], "numpy")
+        and is_default(call["lse_base"], "e")
+        and all(
+            is_default(call[name], value)
+            for name, value in PLAIN_DEFAULTS.items()
+            if name not in ("precision", "out_dtype")
+        )
+        and exact_gathers("exact", "numpy", "set", (indices, None, None), "softmax", None, "e")
+    ):
+        return None
+    from . import _checks
+    from .exact.fast.gather import gather_forward
+    from .kernels import gather_spec
+    from .spec import canonicalize
+
+    out_dtype = _checks.out_dtype(call["out_dtype"])  # the general path's check and error
+    spec = gather_spec(canonicalize(q, k, v, scale=scale), indices)
+    out, lse, _ = gather_forward(spec, out_dtype, return_lse=return_lse)
+    out = spec.unflatten(out)
+    return (out, spec.unflatten(lse)) if return_lse else out
 
 
 def exact_vjp_gathers(precision, backend, index_reading, listed, bias, alibi_slopes) -> bool:

@@ -19,7 +19,10 @@ __all__ = [
     "check_numba_range",
     "numba_gather_spec",
     "numba_gathers",
+    "plain_arrays",
     "plain_gather",
+    "plain_scale",
+    "is_default",
     "without_listed",
 ]
 
@@ -119,14 +122,20 @@ PLAIN_DEFAULTS = {
 }
 
 
-def _is_default(value, default) -> bool:
+def is_default(value, default) -> bool:
     """``value`` is ``default`` itself or an equal str/float (never an array comparison)."""
     if value is default:
         return True
     return type(value) is type(default) and isinstance(default, str | float) and value == default
 
 
-def _plain_arrays(q, k, v, indices) -> bool:
+def plain_scale(scale) -> bool:
+    """``scale`` is None or a finite float (Python or NumPy float64): what a light path takes
+    as it is."""
+    return scale is None or (type(scale) in (float, np.float64) and math.isfinite(scale))
+
+
+def plain_arrays(q, k, v, indices) -> bool:
     """q (B, H, L, D), k (B, K, S, D), v (B, K, S, E) plain float32 or float64 ndarrays of one
     dtype (no broadcasting, no empty axis, K dividing H) and (B, K, L, T) signed integer
     ``indices``: what canonicalize accepts unchanged."""
@@ -150,7 +159,7 @@ def plain_gather(call: dict):
     """refattn.attention's result for a plain sparse-key call on ``backend="numba"``, or None
     for any other call. ``call``: the keywords by name (refattn.attention's ``locals()``).
 
-    Plain: q, k, v and ``key_indices`` as :func:`_plain_arrays` reads them, a float scale
+    Plain: q, k, v and ``key_indices`` as :func:`plain_arrays` reads them, a float scale
     (or None) and every other keyword at its default (:data:`PLAIN_DEFAULTS`). Such a call
     needs none of canonicalize's rewrites: the indices (entries outside [0, S) set to -1, then
     sorted) and the gather kernel's arguments (:func:`refattn.kernels.plain_gather_attention`)
@@ -160,11 +169,11 @@ def plain_gather(call: dict):
     step spent a third of its time on the general path's Python and the separate pass).
     """
     q, k, v, indices, scale = (call[n] for n in ("q", "k", "v", "key_indices", "scale"))
-    if not _plain_arrays(q, k, v, indices):
+    if not plain_arrays(q, k, v, indices):
         return None
-    if scale is not None and not (type(scale) in (float, np.float64) and math.isfinite(scale)):
+    if not plain_scale(scale):
         return None
-    if not all(_is_default(call[name], value) for name, value in PLAIN_DEFAULTS.items()):
+    if not all(is_default(call[name], value) for name, value in PLAIN_DEFAULTS.items()):
         return None
     from .kernels import listed_keys, plain_gather_attention
 

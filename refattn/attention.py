@@ -12,7 +12,13 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _checks
-from ._exact_sparse import GATHER_READING, exact_gather_vjp, exact_gathers, exact_vjp_gathers
+from ._exact_sparse import (
+    GATHER_READING,
+    exact_gather_vjp,
+    exact_gathers,
+    exact_vjp_gathers,
+    plain_exact_gather,
+)
 from ._kv_codes import k_extremes, kernel_forward, streamed_spec, with_codes
 from ._numba_path import (
     MAX_EXPONENT,
@@ -445,6 +451,10 @@ def attention(
     """
     if backend == "numba" and key_indices is not None:  # a decode step: the light path
         plain = plain_gather(locals())
+        if plain is not None:
+            return plain
+    if precision == "exact" and key_indices is not None:  # an exact decode step: light too
+        plain = plain_exact_gather(locals())
         if plain is not None:
             return plain
     _check_path(precision, backend, out_dtype)

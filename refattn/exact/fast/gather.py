@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import threading
 
 import numba
@@ -54,17 +55,18 @@ from ...sparse_indices import index_mask
 from ...spec import AttentionSpec
 from ..rounding import format_of
 from . import doubledouble as D
-from ._params import P_GAMMA_DIM, P_GAMMA_SUM, P_SUM_REL, R_ROWS_HI, R_ROWS_LO, frozen
+from ._params import P_GAMMA_DIM, P_GAMMA_SUM, P_SUM_REL, frozen
 from .allowed_set import allowed_rule
 from .facts import row_facts, row_facts_serial
 from .forward import finish_forward, kernel_params, referee_runs, row_spec
-from .forward_kernels import SUM_BLOCK, UNDECIDED
+from .forward_kernels import OK, SUM_BLOCK, UNDECIDED
 from .gather_kernels import (
     DOT_BLOCK,
     HEAD_BLOCK,
     compact_lists,
     compact_lists_serial,
     decode_dots,
+    decode_dots_serial,
     gather_d,
     gather_d_serial,
     gather_dd,
@@ -110,7 +112,7 @@ _NOT_FORMED = (
 def _rows_cover(rule, used) -> bool:
     """Whether the structural interval of each batch row's query row 0 holds every key its
     kv-head planes list (``used``: per (b, g) the listed positions, ascending)."""
-    lo, hi = rule.kernel_args()[R_ROWS_LO], rule.kernel_args()[R_ROWS_HI]
+    lo, hi = rule.rows_lo, rule.rows_hi
     return all(
         u.size == 0 or (lo[b, 0] <= u[0] and u[-1] < hi[b, 0])
         for b, row in enumerate(used)
@@ -159,9 +161,9 @@ def _union(lists: np.ndarray, counts: np.ndarray, keys: int):
     (L,)) and each list entry's column among them (L, T) (0 past a row's count)."""
     if lists.shape[0] == 1:  # a decode row: its list is already its distinct keys, ascending
         count = int(counts[0])
-        return lists[0, :count].copy(), np.arange(lists.shape[1])[None, :] * (
-            np.arange(lists.shape[1]) < count
-        )
+        local = np.arange(lists.shape[1])
+        local[count:] = 0
+        return lists[0, :count].copy(), local[None, :]
     valid = np.arange(lists.shape[1]) < counts[:, None]
     entries = lists[valid]
     if entries.size > keys:  # a prefill: a presence vector, O(S + L T), no sort of L T entries
@@ -183,6 +185,40 @@ _dot_bound = functools.lru_cache(maxsize=256)(D.dot_bound)
 
 _PARAMS: dict = {}
 
+#: No rows left for the double-double step.
+_NO_ROWS = frozen(np.zeros((0, 3), np.int64))
+
+
+@functools.lru_cache(maxsize=8)
+def _max_finite(fmt) -> float:
+    """The largest finite number of the target format ``fmt`` as a float64 (exact)."""
+    return float(fmt.max_finite)
+
+
+_RULES: dict = {}
+
+
+def _memo(table: dict, key, make):
+    """``table[key]``, made by ``make()`` on first use (at most 64 kept)."""
+    found = table.get(key)
+    if found is None:
+        if len(table) >= 64:
+            table.clear()
+        found = table[key] = make()
+    return found
+
+
+def _allowed_rule(spec: AttentionSpec):
+    """:func:`refattn.exact.fast.allowed_set.allowed_rule` of ``spec``, kept per shape and
+    structure when no array enters it (no mask, bias, dropout keep-mask or key lengths: the
+    rule is then a pure function of B, L, S, causal, window and the offset; the kernels only
+    read it)."""
+    if any(a is not None for a in (spec.mask, spec.bias, spec.dropout_mask, spec.kv_lengths)):
+        return allowed_rule(spec)
+    batch, _, _, length, keys, _, _ = spec.dims
+    key = (batch, length, keys, spec.causal, spec.window, spec.offset)
+    return _memo(_RULES, key, lambda: allowed_rule(spec))
+
 
 def _kernel_params(spec: AttentionSpec):
     """:func:`refattn.exact.fast.forward.kernel_params` of ``spec`` (a copy), kept per value of
@@ -192,16 +228,14 @@ def _kernel_params(spec: AttentionSpec):
     if spec.alibi_slopes is not None or spec.sinks is not None:
         return kernel_params(spec)
     batch = spec.dims[0]
-    fields = (spec.scale_exact, spec.softcap, spec.keep_scale, spec.alibi_keys)
-    key = (spec.dims, fields, tuple(spec.alibi_offset(b) for b in range(batch)))
+    # the exact scale and keep scale are pure functions of the scale (and D) and dropout_p
+    fields = (spec.scale, spec.softcap, spec.dropout_p, spec.alibi_keys)
+    offsets = (spec.offset,) if spec.kv_lengths is None and spec.alibi_offsets is None else ()
+    key = (spec.dims, fields, offsets or tuple(spec.alibi_offset(b) for b in range(batch)))
     try:
-        found = _PARAMS.get(key)
+        found = _memo(_PARAMS, key, lambda: kernel_params(spec))
     except TypeError:  # a field that is not hashable: no memo
         return kernel_params(spec)
-    if found is None:
-        if len(_PARAMS) >= 64:
-            _PARAMS.clear()
-        found = _PARAMS[key] = kernel_params(spec)
     return found[0].copy(), np.array(found[1])
 
 
@@ -258,6 +292,37 @@ def _facts(a: np.ndarray):
     return [o.reshape(a.shape[:-1]) for o in out]
 
 
+_LAYOUTS: dict = {}
+
+
+def _decode_layout(kv_head: np.ndarray, kv_heads: int, sizes: tuple) -> tuple:
+    """(group, place, tasks, starts) of a decode pass (:meth:`_Gathered._decode`), kept per
+    head map and plane sizes: ``group`` (K, G) the query heads of each kv head (-1 after
+    them), ``place`` (H,) each head's row in its group, ``tasks`` (n, 5) the spans of
+    DECODE_SPAN gathered columns (b, g, first column, end column, task number) of the planes
+    ``sizes`` (per (b, g), in order, their listed-key counts) and ``starts`` the first task of
+    each plane that has any."""
+
+    def make():
+        heads = [np.flatnonzero(kv_head == g) for g in range(kv_heads)]
+        group = np.full((kv_heads, max([1] + [h.size for h in heads])), -1, np.int64)
+        place = np.zeros(kv_head.shape[0], np.int64)
+        for g, h in enumerate(heads):
+            group[g, : h.size] = h
+            place[h] = np.arange(h.size)
+        spans = [
+            (n // kv_heads, n % kv_heads, c0, min(size, c0 + DECODE_SPAN))
+            for n, size in enumerate(sizes)
+            for c0 in range(0, size, DECODE_SPAN)
+        ]
+        tasks = np.array([span + (t,) for t, span in enumerate(spans)], np.int64).reshape(-1, 5)
+        plane = tasks[:, 0] * kv_heads + tasks[:, 1]
+        starts = np.flatnonzero(np.diff(plane, prepend=-1))
+        return group, frozen(place), tasks, starts  # (the kernels only read them)
+
+    return _memo(_LAYOUTS, (kv_head.tobytes(), kv_heads, sizes), make)
+
+
 class _Gathered:
     """Each row's listed columns, the gathered float64 keys and values of every kv-head plane
     with their facts, the kernel parameters and the planes the first steps take."""
@@ -266,7 +331,7 @@ class _Gathered:
         batch, heads, kv_heads, length, keys, dim, vdim = spec.dims
         idx = np.ascontiguousarray(spec.key_indices, dtype=np.int64)
         count = idx.shape[-1]
-        flat = idx.reshape(int(np.prod(idx.shape[:3])), count)
+        flat = idx.reshape(math.prod(idx.shape[:3]), count)
         lists = np.zeros_like(flat)
         counts = np.zeros(flat.shape[0], np.int64)
         if flat.size:
@@ -277,7 +342,7 @@ class _Gathered:
         used = [
             [_union(lists[b, g], counts[b, g], keys) for g in range(kv_heads)] for b in range(batch)
         ]
-        rule = allowed_rule(spec)  # the caller's mask: the listed set is not in it
+        rule = _allowed_rule(spec)  # the caller's mask: the listed set is not in it
         # the keys' facts formed by the double-precision step itself: each decode row's
         # interval holds all of its plane's listed keys (so its items check every one)
         self.fused = fused and length == 1 and _rows_cover(rule, used)
@@ -285,6 +350,7 @@ class _Gathered:
         # a mid-sized parallel decode step: its first pass by spans (each key's panel once)
         work = heads * width * (dim + vdim)
         self.decode = self.fused and DECODE_PASS and SERIAL_WORK <= work < SERIAL_ITEMS
+        self.serial = numba.get_num_threads() == 1  # the pass's thread-free compile
         self.keys_of = np.zeros((batch, kv_heads, width), np.int64)
         self.local = np.zeros_like(lists)
         self.kT = _scratch("kT", (batch, kv_heads, dim, width))
@@ -337,33 +403,27 @@ class _Gathered:
         scales, and the gathered values with their check and maxima, into ``k_ok``, ``v_ok``
         (B, K) and the ``formed`` record of the double-precision step's ``source``."""
         batch, kv_heads, width = self.keys_of.shape
-        heads = [np.flatnonzero(self.kvh == g) for g in range(kv_heads)]
-        group = np.full((kv_heads, max([1] + [h.size for h in heads])), -1, np.int64)
-        place = np.zeros(self.kvh.shape[0], np.int64)
-        for g, h in enumerate(heads):
-            group[g, : h.size] = h
-            place[h] = np.arange(h.size)
-        spans = [
-            (b, g, c0, min(u.size, c0 + DECODE_SPAN))
-            for b, row in enumerate(self._used)
-            for g, (u, _) in enumerate(row)
-            for c0 in range(0, u.size, DECODE_SPAN)
-        ]
-        tasks = np.array([span + (t,) for t, span in enumerate(spans)], np.int64).reshape(-1, 5)
+        sizes = tuple(u.size for row in self._used for u, _ in row)
+        group, place, tasks, starts = _decode_layout(self.kvh, kv_heads, sizes)
         fs = _scratch("fs", (batch, kv_heads, group.shape[1], width))
         fab = _scratch("fab", fs.shape)
         fks = np.zeros((batch, kv_heads, width))
-        fok = np.ones((batch, kv_heads, width), bool)
-        vmax = np.zeros((len(spans), self.v.shape[-1]))
-        vok = np.ones(len(spans), bool)
+        fok = np.ones((batch, kv_heads, width), bool)  # the columns past a plane's keys: True
+        vmax = np.zeros((tasks.shape[0], self.v.shape[-1]))
+        vok = np.ones(tasks.shape[0], bool)
         vsrc, vrows = _key_source(self._spec.v, self.keys_of, self._used)
-        if len(spans):
+        if tasks.shape[0]:
             values = (vsrc, vrows, self.v, vmax, vok)
-            decode_dots(tasks, frozen(self.q), group, self.source, values, (fs, fab, fks, fok))
-        for t, (b, g, c0, c1) in enumerate(spans):
-            np.fmax(self.vmax[b, g], vmax[t], out=self.vmax[b, g])  # value_rows: NaN skipped
-            v_ok[b, g] &= vok[t]
-            k_ok[b, g] &= bool(fok[b, g, c0:c1].all())
+            decode = decode_dots_serial if self.serial else decode_dots
+            decode(tasks, frozen(self.q), group, self.source, values, (fs, fab, fks, fok))
+            # each plane's tasks are consecutive: its maxima (of magnitudes, NaN skipped as
+            # value_rows does: a maximum in any order) and checks over them
+            ends = starts[1:].tolist() + [tasks.shape[0]]
+            for t0, t1 in zip(starts.tolist(), ends, strict=True):
+                b, g = int(tasks[t0, 0]), int(tasks[t0, 1])
+                np.maximum(self.vmax[b, g], vmax[t0:t1].max(axis=0), out=self.vmax[b, g])
+                v_ok[b, g] &= bool(vok[t0:t1].all())
+            k_ok &= fok.all(axis=2)
         self.source = self.source[:4] + tuple(frozen(a) for a in (fs, fab, fks, place))
 
     def key_flags(self) -> None:
@@ -465,7 +525,7 @@ def gather_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_w
         inputs = x.inputs()
         lists = (frozen(x.local), frozen(x.counts))
         rule = x.rule.kernel_args()
-        target = (return_lse, return_weights, fmt.p, fmt.emin, float(fmt.max_finite))
+        target = (return_lse, return_weights, fmt.p, fmt.emin, _max_finite(fmt))
         results = (out, lse, weights, status)
         per_row = int(x.counts.max(initial=0)) * (spec.q.shape[-1] + vdim)  # work of a row
         if fmt.p <= 24:
@@ -480,7 +540,7 @@ def gather_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_w
             redo = x.ok[:, :, None] & (status == UNDECIDED)
         else:
             redo = np.broadcast_to(x.ok[:, :, None], status.shape)
-        rows = np.ascontiguousarray(np.argwhere(redo))
+        rows = np.ascontiguousarray(np.argwhere(redo)) if redo.any() else _NO_ROWS
         if rows.size:
             x.gathered_keys()
             with _serial_below(rows.shape[0] * per_row * 4):  # Dot2: ~4 fma chains' work
@@ -497,6 +557,8 @@ def gather_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_w
 def _referee(spec, status, out_dtype, results, return_lse, return_weights) -> int:
     """The rows the first steps left (status not OK) by the referee, run by run of rows of
     each plane with their listed set as a mask; returns their count."""
+    if (status == OK).all():  # every row decided
+        return 0
     return referee_runs(
         spec, status, out_dtype, results, (return_lse, return_weights), gather_row_spec
     )
