@@ -222,9 +222,9 @@ def test_decode_steps_serial_and_by_spans_give_the_mask_engines_bits(monkeypatch
     """A float32 decode step with more listed keys than DECODE_SPAN on two kv heads of three
     query heads each (part spans, a head row outside the four-row tiles) gives the bits of
     the dense-mask engine on the calling thread alone (a small step: the thread-free
-    compile), by spans in parallel (SERIAL_WORK 0) with the items after the pass serial, and
-    by parallel items that form their own panels (SERIAL_ITEMS 0: a large step), at one and
-    at two threads."""
+    compile), by spans (SERIAL_WORK 0) with the items after the pass, and by parallel items
+    that form their own panels (SERIAL_ITEMS 0: a large step), at one thread (the pass's
+    thread-free compile, serial items) and at two threads (both in parallel)."""
     q, k, v, idx = _decode(9, heads=6, kv_heads=2, keys=400, top=G.DECODE_SPAN + 77)
     idx[0, 1, 0, -40:] = -1  # the second plane lists fewer keys
     saved, threads = config.EXACT_SPARSE_KEYS, numba.get_num_threads()
@@ -236,7 +236,7 @@ def test_decode_steps_serial_and_by_spans_give_the_mask_engines_bits(monkeypatch
         assert all(_bits_equal(g, w) for g, w in zip(got, want, strict=True))
         assert stats["double_rows"] == 6
         monkeypatch.setattr(G, "SERIAL_WORK", 0)
-        for items in (G.SERIAL_ITEMS, 0):  # the pass and serial items; parallel items alone
+        for items in (G.SERIAL_ITEMS, 0):  # the pass, then items; parallel items alone
             monkeypatch.setattr(G, "SERIAL_ITEMS", items)
             for count in sorted({1, threads}):
                 numba.set_num_threads(count)
