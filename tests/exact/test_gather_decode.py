@@ -245,3 +245,37 @@ def test_decode_steps_serial_and_by_spans_give_the_mask_engines_bits(monkeypatch
     finally:
         config.EXACT_SPARSE_KEYS = saved
         numba.set_num_threads(threads)
+
+
+def test_kept_setup_is_the_setups_own():
+    """The allowed-set rule, kernel parameters and decode-pass layout kept per shape are what
+    the setup forms afresh for every spec they are kept for (a changed scale, causal flag,
+    window or alignment is another entry, never a stale one)."""
+    from refattn.exact.fast.allowed_set import allowed_rule
+    from refattn.spec import canonicalize
+
+    rng = np.random.default_rng(5)
+    q, k = rng.standard_normal((2, 4, 3, 6)), rng.standard_normal((2, 2, 9, 6))
+    v = rng.standard_normal((2, 2, 9, 5))
+    calls = [
+        dict(scale=0.5),
+        dict(scale=0.25),
+        dict(),
+        dict(causal=True),
+        dict(causal=True, align="bottom_right"),
+        dict(window=(2, 1)),
+        dict(softcap=3.0),
+    ]
+    for _ in range(2):  # the second round reads what the first kept
+        for opts in calls:
+            spec = canonicalize(q, k, v, **opts)
+            got, want = G._allowed_rule(spec), allowed_rule(spec)
+            assert all(_bits_equal(g, w) for g, w in zip(got, want, strict=True)), opts
+            got, want = G._kernel_params(spec), kernel_params(spec)
+            assert all(_bits_equal(g, w) for g, w in zip(got, want, strict=True)), opts
+    kv_head = np.array([0, 0, 1, 1, 1])
+    group, place, tasks, starts = G._decode_layout(kv_head, 2, (0, G.DECODE_SPAN + 3, 5, 0))
+    assert group.tolist() == [[0, 1, -1], [2, 3, 4]] and place.tolist() == [0, 1, 0, 1, 2]
+    span = G.DECODE_SPAN
+    assert tasks.tolist() == [[0, 1, 0, span, 0], [0, 1, span, span + 3, 1], [1, 0, 0, 5, 2]]
+    assert starts.tolist() == [0, 2]

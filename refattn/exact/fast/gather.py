@@ -221,7 +221,10 @@ def _allowed_rule(spec: AttentionSpec):
         return allowed_rule(spec)
     batch, _, _, length, keys, _, _ = spec.dims
     key = (batch, length, keys, spec.causal, spec.window, spec.offset)
-    return _memo(_RULES, key, lambda: allowed_rule(spec))
+    try:
+        return _memo(_RULES, key, lambda: allowed_rule(spec))
+    except TypeError:  # a field that is not hashable: no memo
+        return allowed_rule(spec)
 
 
 def _kernel_params(spec: AttentionSpec):
