@@ -227,6 +227,8 @@ def test_decode_steps_serial_and_by_spans_give_the_mask_engines_bits(monkeypatch
     thread-free compile, serial items) and at two threads (both in parallel)."""
     q, k, v, idx = _decode(9, heads=6, kv_heads=2, keys=400, top=G.DECODE_SPAN + 77)
     idx[0, 1, 0, -40:] = -1  # the second plane lists fewer keys
+    # the pass in parallel whenever Numba has two threads, however the machine's load
+    monkeypatch.setattr(G._PACE, "serial", lambda: numba.get_num_threads() == 1)
     saved, threads = config.EXACT_SPARSE_KEYS, numba.get_num_threads()
     try:
         config.EXACT_SPARSE_KEYS = "mask"
@@ -279,3 +281,28 @@ def test_kept_setup_is_the_setups_own():
     span = G.DECODE_SPAN
     assert tasks.tolist() == [[0, 1, 0, span, 0], [0, 1, span, span + 3, 1], [1, 0, 0, 5, 2]]
     assert starts.tolist() == [0, 2]
+
+
+def test_decode_pass_keeps_to_the_calling_thread_while_parallel_passes_are_slower(
+    monkeypatch,
+):
+    """The decode pass's route (gather._Pace): thread-free first (to time it), then in
+    parallel while a parallel pass is no slower per multiply-add than the fastest thread-free
+    one; after a slower one, thread-free for CONTENDED_HOLD seconds."""
+    clock = [100.0]
+    monkeypatch.setattr(G.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(G.numba, "get_num_threads", lambda: 2)
+    pace = G._Pace()
+    assert pace.serial()  # nothing timed yet
+    pace.record(True, 2e-9)
+    assert not pace.serial()
+    pace.record(False, 1e-9)  # twice as fast in parallel: stays parallel
+    assert not pace.serial()
+    pace.record(False, 3e-9)  # slower than the thread-free pass: a busy core
+    assert pace.serial()
+    clock[0] += G.CONTENDED_HOLD / 2
+    assert pace.serial()
+    clock[0] += G.CONTENDED_HOLD
+    assert not pace.serial()
+    monkeypatch.setattr(G.numba, "get_num_threads", lambda: 1)
+    assert pace.serial()

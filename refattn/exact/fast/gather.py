@@ -47,6 +47,7 @@ import dataclasses
 import functools
 import math
 import threading
+import time
 
 import numba
 import numpy as np
@@ -100,8 +101,44 @@ DECODE_PASS = True
 #: threads): on a 2-core machine under load 3.7 a 16-head step measured 1.22 ms so against
 #: 1.47 ms with the items on the calling thread after the pass (one parallel region, not two)
 #: and 1.90 ms with no parallel region (Numba's float32 kernel: 0.25 ms). With one Numba
-#: thread the pass is its thread-free compile. The bits never depend on it.
+#: thread, or while the other core is busy (:class:`_Pace`), the pass is its thread-free
+#: compile and the items run on the calling thread. The bits never depend on it.
 SERIAL_ITEMS = 1 << 24
+
+#: Seconds a decode step runs its pass and items on the calling thread alone (the pass's
+#: thread-free compile) after a parallel pass took longer than the thread-free pass does
+#: (:class:`_Pace`): the other core was busy, and a parallel region waits for it.
+CONTENDED_HOLD = 1.0
+
+
+class _Pace:
+    """The route of the decode steps' pass by spans (:meth:`_Gathered._decode`) on this
+    machine now: in parallel, unless Numba runs one thread or a parallel pass lately took
+    longer per multiply-add than the fastest thread-free pass seen (a loaded machine: on 2
+    cores under load 4.3 a 16-head step measured 1.75 ms on the calling thread alone against
+    2.5 ms with its parallel regions; under load 1.5-3.7, 1.1-1.2 ms in parallel against
+    1.6-1.9 ms). The first pass of a process runs thread-free, to time it. The bits never
+    depend on the route."""
+
+    def __init__(self):
+        self.best = math.inf  # seconds per multiply-add of the fastest thread-free pass
+        self.until = 0.0  # time.monotonic() before which the passes run thread-free
+
+    def serial(self) -> bool:
+        """Whether the next pass runs on the calling thread alone."""
+        if numba.get_num_threads() == 1 or self.best == math.inf:
+            return True
+        return time.monotonic() < self.until
+
+    def record(self, serial: bool, rate: float) -> None:
+        """A pass's seconds per multiply-add ``rate``, thread-free or in parallel."""
+        if serial:
+            self.best = min(self.best, rate)
+        elif rate > self.best:
+            self.until = time.monotonic() + CONTENDED_HOLD
+
+
+_PACE = _Pace()
 
 #: The ``formed`` arrays that end :func:`~refattn.exact.fast.gather_kernels.gather_d`'s
 #: ``source`` when the dot products are its own (no decode pass formed them).
@@ -357,7 +394,8 @@ class _Gathered:
         # a mid-sized parallel decode step: its first pass by spans (each key's panel once)
         work = heads * width * (dim + vdim)
         self.decode = self.fused and DECODE_PASS and SERIAL_WORK <= work < SERIAL_ITEMS
-        self.serial = numba.get_num_threads() == 1  # the pass's thread-free compile
+        self.serial = self.decode and _PACE.serial()  # the pass's thread-free compile
+        self.work = work
         self.keys_of = np.zeros((batch, kv_heads, width), np.int64)
         self.local = np.zeros_like(lists)
         self.kT = _scratch("kT", (batch, kv_heads, dim, width))
@@ -422,7 +460,9 @@ class _Gathered:
         if tasks.shape[0]:
             values = (vsrc, vrows, self.v, vmax, vok)
             decode = decode_dots_serial if self.serial else decode_dots
+            start = time.perf_counter()
             decode(tasks, frozen(self.q), group, self.source, values, (fs, fab, fks, fok))
+            _PACE.record(self.serial, (time.perf_counter() - start) / self.work)
             # each plane's tasks are consecutive: its maxima (of magnitudes, NaN skipped as
             # value_rows does: >= +0, a maximum in any order; the setup left vmax +0 here)
             # and checks over them
@@ -538,7 +578,7 @@ def gather_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_w
         per_row = int(x.counts.max(initial=0)) * (spec.q.shape[-1] + vdim)  # work of a row
         if fmt.p <= 24:
             work = int(x.ok.sum()) * length * per_row
-            serial = work < SERIAL_WORK  # after a decode pass too: its items by head blocks
+            serial = work < SERIAL_WORK or x.serial  # after a parallel pass, items by head blocks
             items = x.items(length, 1 if serial else numba.get_num_threads())
             if items.size:
                 step = gather_d_serial if serial else gather_d
