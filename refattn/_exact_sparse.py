@@ -3,7 +3,11 @@ exact engine itself, :mod:`refattn.exact.fast.gather`, is imported only when it 
 
 from __future__ import annotations
 
-from . import config
+import sys
+
+from . import _checks, config
+from ._numba_path import PLAIN_DEFAULTS, is_default, plain_arrays, plain_scale
+from .spec import canonicalize
 
 __all__ = [
     "GATHER_READING",
@@ -77,8 +81,6 @@ def plain_exact_gather(call: dict):
     >>> plain_exact_gather(call).ravel().tolist()
     [1.0]
     """
-    from ._numba_path import PLAIN_DEFAULTS, is_default, plain_arrays, plain_scale
-
     q, k, v, indices, scale = (call[n] for n in ("q", "k", "v", "key_indices", "scale"))
     return_lse = call["return_lse"]
     if not (
@@ -95,16 +97,24 @@ def plain_exact_gather(call: dict):
         and exact_gathers("exact", "numpy", "set", (indices, None, None), "softmax", None, "e")
     ):
         return None
-    from . import _checks
-    from .exact.fast.gather import gather_forward
-    from .kernels import gather_spec
-    from .spec import canonicalize
-
+    engine, kernels = _gather_modules()
     out_dtype = _checks.out_dtype(call["out_dtype"])  # the general path's check and error
-    spec = gather_spec(canonicalize(q, k, v, scale=scale), indices)
-    out, lse, _ = gather_forward(spec, out_dtype, return_lse=return_lse)
+    spec = kernels.gather_spec(canonicalize(q, k, v, scale=scale), indices)
+    out, lse, _ = engine.gather_forward(spec, out_dtype, return_lse=return_lse)
     out = spec.unflatten(out)
     return (out, spec.unflatten(lse)) if return_lse else out
+
+
+def _gather_modules():
+    """(:mod:`refattn.exact.fast.gather`, :mod:`refattn.kernels`), imported on first use: a
+    function-level import statement costs a decode step more than this lookup (the import
+    system's lookup of each name, its ``__path__`` probe of :mod:`refattn.spec` included)."""
+    engine = sys.modules.get("refattn.exact.fast.gather")
+    kernels = sys.modules.get("refattn.kernels")
+    if engine is None or kernels is None:
+        from . import kernels
+        from .exact.fast import gather as engine
+    return engine, kernels
 
 
 def exact_vjp_gathers(precision, backend, index_reading, listed, bias, alibi_slopes) -> bool:
