@@ -5,6 +5,7 @@ dense-mask engine (``config.EXACT_SPARSE_KEYS = "mask"``) on every option and ou
 from __future__ import annotations
 
 import ml_dtypes
+import numba
 import numpy as np
 import pytest
 
@@ -322,3 +323,19 @@ def test_reused_work_arrays_hold_no_stale_keys():
     q2, k2, v2, _ = _sparse_case(13, keys=40, top=48)
     _assert_identical(q2, k2, v2, key_indices=fewer, out_dtype="float32", return_weights=True)
     assert G._SCRATCH.arrays["kT"] is table
+
+
+@pytest.mark.skipif(numba.config.DISABLE_JIT, reason="no dispatchers without the JIT")
+def test_serial_twins_have_their_own_cache_entries():
+    """Numba's on-disk cache keys a function by its qualified name, first line and bytecode,
+    not by ``parallel``: each thread-free twin of a parallel kernel is its own function, so
+    neither is ever loaded from the other's cache entry (a parallel step on one thread)."""
+    twins = [
+        (GK.gather_d, GK.gather_d_serial),
+        (GK.compact_lists, GK.compact_lists_serial),
+        (G.row_facts, G._row_facts_serial),
+    ]
+    for kernel, twin in twins:
+        assert kernel.targetoptions.get("parallel") and not twin.targetoptions.get("parallel")
+        assert twin.py_func.__qualname__ == kernel.py_func.__qualname__ + "_serial"
+        assert twin.py_func.__code__ is kernel.py_func.__code__  # the same loop body: same bits

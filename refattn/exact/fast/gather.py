@@ -68,6 +68,7 @@ from .gather_kernels import (
     gather_d,
     gather_d_serial,
     gather_dd,
+    serial_twin,
 )
 from .gather_lanes import key_facts, value_rows
 
@@ -250,9 +251,7 @@ def _source(plane: np.ndarray, used: np.ndarray):
 #: :func:`refattn.exact.fast.facts.row_facts` compiled without threads (the same loop body
 #: and bits) for the small passes: no change of the thread count around them, which on a
 #: busy machine delays the next parallel region.
-_row_facts_serial = numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy")(
-    row_facts.py_func
-)
+_row_facts_serial = serial_twin(row_facts)
 
 
 def _facts(a: np.ndarray):

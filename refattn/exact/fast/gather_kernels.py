@@ -31,6 +31,7 @@ count or on which rows share a work item.
 from __future__ import annotations
 
 import math
+import types
 
 import numba
 import numpy as np
@@ -95,6 +96,7 @@ __all__ = [
     "gather_d",
     "gather_d_serial",
     "gather_dd",
+    "serial_twin",
     "DOT_BLOCK",
     "HEAD_BLOCK",
 ]
@@ -126,9 +128,24 @@ def compact_lists(idx, lists, counts):
         counts[r] = n
 
 
+def serial_twin(kernel):
+    """``kernel`` (a Numba dispatcher compiled with ``parallel=True``) compiled again without
+    threads: the same loop body (``prange`` runs as ``range``), so the same bits, under a name
+    of its own (``<name>_serial``). Numba's on-disk cache keys a function by its qualified
+    name, first line and bytecode, not by its compile options: a twin made of the very same
+    function object would share the parallel kernel's cache entry, so that whichever compiled
+    first would be loaded for both (a parallel step run on one thread, or the reverse)."""
+    f = getattr(kernel, "py_func", kernel)  # the function itself under NUMBA_DISABLE_JIT
+    twin = types.FunctionType(f.__code__, f.__globals__, f.__name__ + "_serial", f.__defaults__)
+    twin.__qualname__ = f.__qualname__ + "_serial"
+    twin.__module__ = f.__module__
+    twin.__doc__ = f.__doc__
+    return numba.jit(**_JIT)(twin)
+
+
 #: :func:`compact_lists` compiled without threads (the same loop body and bits), for the
 #: small lists of a decode step.
-compact_lists_serial = numba.jit(**_JIT)(compact_lists.py_func)
+compact_lists_serial = serial_twin(compact_lists)
 
 
 @numba.jit(**_JIT)
@@ -311,12 +328,13 @@ def _d_sums(vp, cols, nh, want_w, work, sums):
     gathered (U, E) values. Each row's terms are its own (:func:`_d_block_row`), so the rows
     of a block are taken one after the other."""
     z, zb, nsum, ex, _, use, _, _, _ = sums
-    for j0 in range(0, cols.shape[0], SUM_BLOCK):  # blocked sums: gamma_{B + n/B}, not gamma_n
-        j1 = min(j0 + SUM_BLOCK, cols.shape[0])
-        for rr in range(nh):
-            zb[rr] = _d_block_row(vp, cols, (j0, j1, rr), want_w, work, sums)
+    n = cols.shape[0]
+    for rr in range(nh):  # blocked sums: gamma_{B + n/B}, not gamma_n
+        for j0 in range(0, n, SUM_BLOCK):
+            zb[rr] = _d_block_row(vp, cols, (j0, min(j0 + SUM_BLOCK, n), rr), want_w, work, sums)
             z[rr] += zb[rr]
-        sums_rows(vp, cols, j0, j1, nh, ex, use, nsum)
+    for j0 in range(0, n, SUM_BLOCK):
+        sums_rows(vp, cols, j0, min(j0 + SUM_BLOCK, n), nh, ex, use, nsum)
 
 
 @numba.jit(**_JIT)
@@ -688,7 +706,7 @@ def decode_dots(tasks, q, group, source, values, formed):
 
 #: :func:`gather_d` compiled without threads (the same loop body and bits), for the small
 #: steps that run on the calling thread alone.
-gather_d_serial = numba.jit(**_JIT)(gather_d.py_func)
+gather_d_serial = serial_twin(gather_d)
 
 
 @numba.jit(**_JIT)
