@@ -356,11 +356,11 @@ def _d_block_row(vp, cols, at, want_w, work, sums):
     u = 1.01 * D.U
     t = top[rr]
     zb = 0.0
-    plain = not want_w
-    for jj in range(j0, j1):
+    plain = True
+    for jj in range(j0, j1):  # branch-free (a conjunction: it vectorises)
         x = srow[jj] - t
-        plain = plain and strow[jj] == 2 and x >= CUT and x <= 0.0
-    if plain:  # x in [CUT, 0]: inside exp_d's domain, so exp_d_core's bits
+        plain = plain & (strow[jj] == 2) & (x >= CUT) & (x <= 0.0)
+    if plain and not want_w:  # x in [CUT, 0]: inside exp_d's domain, so exp_d_core's bits
         top_bits = 0  # the largest xe in [0, 1] by its bits (ordered as the values there)
         big = False
         for jj in range(j0, j1):
