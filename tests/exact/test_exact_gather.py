@@ -322,3 +322,17 @@ def test_reused_work_arrays_hold_no_stale_keys():
     q2, k2, v2, _ = _sparse_case(13, keys=40, top=48)
     _assert_identical(q2, k2, v2, key_indices=fewer, out_dtype="float32", return_weights=True)
     assert G._SCRATCH.arrays["kT"] is table
+
+
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
+def test_sum_blocks_with_keys_below_the_cut_match(out_dtype):
+    """Scores spread over more than -CUT (some keys' terms below the cut, others not, in the
+    same sum block) take the key-by-key loop of their blocks, the rest the branch-free one:
+    the same bytes as the dense mask."""
+    rng = np.random.default_rng(11)
+    q = (300.0 * rng.standard_normal((1, 4, 1, 16))).astype(np.float32)
+    k = rng.standard_normal((1, 2, 300, 16)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 300, 8)).astype(np.float32)
+    idx = np.stack([rng.permutation(300)[:200] for _ in range(2)])[None, :, None, :]
+    _assert_identical(q, k, v, key_indices=idx, out_dtype=out_dtype, return_lse=True)
+    _assert_identical(q, k, v, key_indices=idx, out_dtype=out_dtype)

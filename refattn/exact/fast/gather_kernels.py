@@ -37,6 +37,7 @@ import numpy as np
 from numba import prange
 
 from ..._numba_cache import serial_twin
+from ...kernels._simd import as_bits, as_float
 from . import doubledouble as D
 from ._params import (
     P_GAMMA_DIM,
@@ -45,7 +46,12 @@ from ._params import (
     P_KEEP_ERR,
     P_KEEP_HI,
     P_KEEP_LO,
+    P_SCALE_ERR,
+    P_SCALE_HI,
+    P_SCALE_LO,
     P_SINK,
+    P_SLOPE,
+    P_SOFTCAP,
     P_SUM_REL,
     R_HAS_BIAS,
     R_HAS_KEEP,
@@ -228,6 +234,13 @@ def _d_scores(b, i, heads, cols, ks, inputs, rule, work):
         h = heads[rr]
         pr = prm[b, h]
         gdim = pr[P_GAMMA_DIM]
+        if not rule_arrays and pr[P_SOFTCAP] <= 0.0 and pr[P_SLOPE] == 0.0:
+            _plain_scores(qs[b, h, i], ks, pr, dim, (s[rr], err[rr], state[rr]))
+            for jj in range(cols.shape[0]):  # the maximum in key order (its bits, as below)
+                t = s[rr, jj]
+                if t > top[rr]:
+                    top[rr] = t
+            continue
         for jj in range(cols.shape[0]):
             c = cols[jj]
             j = korig[c]
@@ -248,6 +261,30 @@ def _d_scores(b, i, heads, cols, ks, inputs, rule, work):
             s[rr, jj], err[rr, jj] = t, e
             if t > top[rr]:
                 top[rr] = t
+
+
+@numba.jit(**_JIT)
+def _plain_scores(qs_i, ks, pr, dim, row):
+    """:func:`_d_scores` of one row without mask, bias, dropout, softcap or ALiBi (every
+    listed key kept): the score and radius of
+    :func:`refattn.exact.fast.forward_kernels.score_d` (with ``qn_i = derr``, ``kn_j = gdim
+    = 1``: the same operations in the same order, so the same bits) in a loop without a
+    reduction or a call (it vectorises); ``row`` = (s, err, state) of the row, s and err
+    holding its dot products and magnitude sums on entry."""
+    srow, erow, strow = row
+    scale_hi = pr[P_SCALE_HI]
+    c1 = abs(scale_hi)
+    c2 = abs(pr[P_SCALE_LO]) + pr[P_SCALE_ERR]
+    gdim = pr[P_GAMMA_DIM]
+    u = 1.01 * D.U
+    for jj in range(ks.shape[0]):
+        exact = not qs_i * ks[jj] >= 2.0**52
+        derr = 0.0 if exact else dot_error(erow[jj], gdim, dim)
+        sj = srow[jj]
+        t = sj * scale_hi
+        erow[jj] = c1 * derr + (abs(sj) + derr) * c2 + u * abs(t)
+        srow[jj] = t
+        strow[jj] = 2
 
 
 @numba.jit(**_JIT)
@@ -273,39 +310,78 @@ def _d_sums(vp, cols, nh, want_w, work, sums):
     totals), with the tiny terms' counts and rho, each key's e^_j and whether it enters N kept
     for the magnitude sums A_e = sum_j e^_j |v_je| (:func:`_d_finish` sums them where they are
     needed): ``sums`` = (z, zb, nsum, ex, asum, use, tiny, tiny_v, rho); ``vp`` the plane's
-    gathered (U, E) values."""
-    s, err, state, _, top = work
-    z, zb, nsum, ex, _, use, tiny, tiny_v, rho = sums
-    u = 1.01 * D.U
-    vdim = vp.shape[1]
-    for j0 in range(0, cols.shape[0], SUM_BLOCK):  # blocked sums: gamma_{B + n/B}, not gamma_n
-        j1 = min(j0 + SUM_BLOCK, cols.shape[0])
-        for rr in range(nh):
-            zb[rr] = 0.0
-        for jj in range(j0, j1):
-            for rr in range(nh):
-                use[rr, jj] = False
-                ex[rr, jj] = 0.0
-                if state[rr, jj] == 0:
-                    continue
-                x = s[rr, jj] - top[rr]
-                xe = (err[rr, jj] + u * abs(x)) * D.BOUND_SAFETY
-                if want_w:
-                    s[rr, jj], err[rr, jj] = x, xe  # the shifted scores, kept for the weights
-                if x < CUT:
-                    tiny[rr] += TINY
-                    if state[rr, jj] == 2:
-                        vrow = vp[cols[jj]]
-                        for e in range(vdim):
-                            tiny_v[rr, e] += abs(vrow[e])
-                    continue
-                rho[rr] = max(rho[rr], exp_rel(D.EXP_D_REL, xe))
-                ex[rr, jj] = D.exp_d(x)
-                zb[rr] += ex[rr, jj]
-                use[rr, jj] = state[rr, jj] == 2
-        for rr in range(nh):
+    gathered (U, E) values. Each row's terms are its own (:func:`_d_block_row`), so the rows
+    of a block are taken one after the other."""
+    z, zb, nsum, ex, _, use, _, _, _ = sums
+    n = cols.shape[0]
+    for rr in range(nh):  # blocked sums: gamma_{B + n/B}, not gamma_n
+        for j0 in range(0, n, SUM_BLOCK):
+            zb[rr] = _d_block_row(vp, cols, (j0, min(j0 + SUM_BLOCK, n), rr), want_w, work, sums)
             z[rr] += zb[rr]
-        sums_rows(vp, cols, j0, j1, nh, ex, use, nsum)
+    for j0 in range(0, n, SUM_BLOCK):
+        sums_rows(vp, cols, j0, min(j0 + SUM_BLOCK, n), nh, ex, use, nsum)
+
+
+@numba.jit(**_JIT)
+def _d_block_row(vp, cols, at, want_w, work, sums):
+    """Row rr's terms of the keys j0 <= jj < j1 (``at`` = (j0, j1, rr)) for :func:`_d_sums`:
+    each key's e^_j = exp(s_j - top) and whether it enters N, the tiny terms and rho; returns
+    the block's Z sum (from +0, in key order).
+
+    A block whose keys are all kept and at or above CUT (and no weights asked) takes a loop
+    without branches or calls (it vectorises), then sums its e^_j in order; rho is the
+    largest :func:`exp_rel` of the keys' xe, and exp_rel(rel, .) is nondecreasing for xe >= 0
+    (each of its roundings is a monotone map; +inf past 1), so ``exp_rel(rel, max xe)`` is
+    that largest value, bit for bit. The same bits as the key-by-key loop, which the other
+    blocks take."""
+    j0, j1, rr = at
+    s, err, state, _, top = work
+    _, _, _, ex, _, use, tiny, tiny_v, rho = sums
+    srow, erow, strow, exrow, urow = s[rr], err[rr], state[rr], ex[rr], use[rr]
+    u = 1.01 * D.U
+    t = top[rr]
+    zb = 0.0
+    plain = True
+    for jj in range(j0, j1):  # branch-free (a conjunction: it vectorises)
+        x = srow[jj] - t
+        plain = plain & (strow[jj] == 2) & (x >= CUT) & (x <= 0.0)
+    if plain and not want_w:  # x in [CUT, 0]: inside exp_d's domain, so exp_d_core's bits
+        top_bits = 0  # the largest xe in [0, 1] by its bits (ordered as the values there)
+        big = False
+        for jj in range(j0, j1):
+            x = srow[jj] - t
+            xe = (erow[jj] + u * abs(x)) * D.BOUND_SAFETY  # >= +0 (or NaN)
+            top_bits = max(top_bits, as_bits(xe))
+            big = big | (not xe <= 1.0)  # NaN too: exp_rel is then +inf, as below
+            exrow[jj] = D.exp_d_core(x)
+            urow[jj] = True
+        xm = np.inf if big else as_float(top_bits)
+        rho[rr] = max(rho[rr], exp_rel(D.EXP_D_REL, xm))
+        for jj in range(j0, j1):
+            zb += exrow[jj]
+        return zb
+    vdim = vp.shape[1]
+    for jj in range(j0, j1):
+        urow[jj] = False
+        exrow[jj] = 0.0
+        if strow[jj] == 0:
+            continue
+        x = srow[jj] - t
+        xe = (erow[jj] + u * abs(x)) * D.BOUND_SAFETY
+        if want_w:
+            srow[jj], erow[jj] = x, xe  # the shifted scores, kept for the weights
+        if x < CUT:
+            tiny[rr] += TINY
+            if strow[jj] == 2:
+                vrow = vp[cols[jj]]
+                for e in range(vdim):
+                    tiny_v[rr, e] += abs(vrow[e])
+            continue
+        rho[rr] = max(rho[rr], exp_rel(D.EXP_D_REL, xe))
+        exrow[jj] = D.exp_d(x)
+        zb += exrow[jj]
+        urow[jj] = strow[jj] == 2
+    return zb
 
 
 @numba.jit(**_JIT)
