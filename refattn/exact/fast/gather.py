@@ -59,6 +59,7 @@ from .allowed_set import allowed_rule
 from .facts import row_facts
 from .forward import finish_forward, kernel_params, referee_runs, row_spec
 from .forward_kernels import SUM_BLOCK, UNDECIDED
+from .gather_dd import dd_step
 from .gather_kernels import (
     DOT_BLOCK,
     HEAD_BLOCK,
@@ -67,7 +68,6 @@ from .gather_kernels import (
     decode_dots,
     gather_d,
     gather_d_serial,
-    gather_dd,
 )
 from .gather_lanes import key_facts, value_rows
 
@@ -490,9 +490,8 @@ def gather_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_w
             redo = np.broadcast_to(x.ok[:, :, None], status.shape)
         rows = np.ascontiguousarray(np.argwhere(redo))
         if rows.size:
-            x.gathered_keys()
             with _serial_below(rows.shape[0] * per_row * 4):  # Dot2: ~4 fma chains' work
-                gather_dd(rows, inputs, lists, rule, target, results)
+                dd_step(rows, inputs, lists, rule, target, results, x.source)
         step_rows["double-double"] = rows.shape[0]
     referee_rows = _referee(
         spec, status, out_dtype, (out, lse, weights), return_lse, return_weights
