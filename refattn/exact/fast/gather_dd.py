@@ -5,7 +5,7 @@ for a target of more than 24 bits), in two compiled passes.
 1. :func:`grid_dots`, in parallel over spans of :data:`SPAN` listed keys of each group of rows
    that read one list (the query heads of one kv head at one query row): each key's row is
    read from the kv-head plane's own rows W at a time into a (D, W) panel
-   (:func:`refattn.exact.fast.gather_lanes._source_panel`: no transposed float64 table of the
+   (:func:`refattn.exact.fast.gather_lanes.source_panel`: no transposed float64 table of the
    gathered keys is formed) that every row of the group then reads; each (row, key) dot
    product is accumulated on a fixed grid in the lanes of a vector (:func:`grid_dot_bound`
    states the algorithm and its bound: two fma and two additions per term, against ten
@@ -55,7 +55,7 @@ from ._params import (
     R_HAS_MASK,
 )
 from .allowed_set import key_state
-from .doubledouble import EXP_FAST_REL, exp_dd_fast
+from .doubledouble import EXP_FAST_REL
 from .forward_kernels import (
     CUT,
     EMPTY,
@@ -69,20 +69,29 @@ from .forward_kernels import (
     finish_row,
     score_dd,
 )
-from .gather_kernels import (
-    _float32_out,
-    _row_columns,
-    _scatter_weights,
-    exp_rel,
-    float32_outputs,
-)
-from .gather_lanes import W, _source_panel
+from .gather_kernels import exp_rel, float32_out, float32_outputs, row_columns, scatter_weights
+from .gather_lanes import W, source_panel
 from .rounding_decision import decide_quick
 
-__all__ = ["SPAN", "dd_step", "dd_rows", "grid_dots", "grid_dot_bound", "value_sums"]
+__all__ = [
+    "FEATURES",
+    "PENDING",
+    "SPAN",
+    "dd_rows",
+    "dd_step",
+    "dd_values",
+    "grid_dot_bound",
+    "grid_dots",
+]
 
 #: Listed keys per task of :func:`grid_dots` (whole panels of W keys).
 SPAN = 8 * W
+
+#: Output features per task of :func:`dd_values` (eight lane vectors).
+FEATURES = 8 * W
+
+#: The status :func:`dd_rows` gives a row whose outputs :func:`dd_values` decides.
+PENDING = -1
 
 #: Least grid of :func:`grid_dots` (its unit 2**-953 stays a normal float64).
 GRID_MIN = 2.0**-900
@@ -90,8 +99,6 @@ GRID_MIN = 2.0**-900
 _JIT = dict(nopython=True, cache=True, fastmath=False, error_model="numpy")
 
 if JIT:
-    from llvmlite import ir
-    from numba.core import cgutils
     from numba.core.extending import intrinsic
 
     @intrinsic
@@ -103,33 +110,10 @@ if JIT:
 
         return x(x, y), codegen
 
-    @intrinsic
-    def vfms(typingctx, a, x, y):
-        """a * x - y lane-wise, rounded once (a is a scalar, broadcast; -y exact)."""
-
-        def codegen(context, builder, sig, args):
-            lt = context.get_value_type(sig.args[1])
-            bits = 64 if isinstance(lt.element, ir.DoubleType) else 32
-            fnty = ir.FunctionType(lt, [lt] * 3)
-            fn = cgutils.get_or_insert_function(
-                builder.module, fnty, f"llvm.fma.v{lt.count}f{bits}"
-            )
-            undef = ir.Constant(lt, ir.Undefined)
-            one = builder.insert_element(undef, args[0], ir.Constant(ir.IntType(32), 0))
-            zeros = ir.Constant(ir.VectorType(ir.IntType(32), lt.count), [0] * lt.count)
-            splat = builder.shuffle_vector(one, undef, zeros)
-            neg = builder.fsub(ir.Constant(lt, [ir.Constant(lt.element, -0.0)] * lt.count), args[2])
-            return builder.call(fn, [splat, args[1], neg])
-
-        return x(a, x, y), codegen
-
 else:  # pragma: no cover - exercised by the NUMBA_DISABLE_JIT=1 test tier
 
     def vsub(x, y):
         return x - y
-
-    def vfms(a, x, y):
-        return (a * x - y).astype(x.dtype)
 
 
 def grid_dot_bound(dim: int, sigma: float) -> float:
@@ -139,17 +123,20 @@ def grid_dot_bound(dim: int, sigma: float) -> float:
     are added on a grid: with ``sigma = 2**k >= 8 ||q|| ||k||`` (a power of two, at least
     :data:`GRID_MIN`), ``T_0 = sigma`` and for d = 1..D
 
-        t = fl(T + q_d k_d)  (one fma),  c_d = t - T,  r_d = fl(q_d k_d - c_d)  (one fma),
-        lo = fl(lo + r_d),  T = t.
+        t = fl(T + q_d k_d)  (one fma),  r_d = fl(q_d k_d + (T - t))  (one fma),
+        lo = fl(lo + r_d),  T = t,
+
+    (``c_d = t - T``, formed negated).
 
     By induction ``T_d = sigma + sum_{d' <= d} c_d'`` with ``|T_d - sigma| <= P + D u sigma <
     sigma / 4``, so every T and t lies in [3 sigma / 4, 5 sigma / 4]: ``c_d = t - T`` is exact
     (Sterbenz's lemma, Higham 2002, Theorem 2.5), ``q_d k_d - c_d = (T + p_d) - t`` is the
     rounding error of t, of magnitude at most ``ulp(t) / 2 <= u sigma`` (u = 2**-53), and so
     is ``hi = T_D - sigma`` exact. Then ``q . k = hi + sum_d (q_d k_d - c_d)``; each r_d errs by
-    at most ``u |r_d|`` (Higham 2002, eq. (2.4); no rounding at all for float32 q and k, whose
-    products fit in 48 bits) and the recursive sum of the D terms r_d by at most
-    ``gamma_{D-1} sum_d |r_d|`` (Higham 2002, eq. (4.4)), so with Lemma 3.3 there
+    at most ``u |r_d|`` (the standard model, Higham 2002, eq. (2.4); no rounding at all for
+    float32 q and k, whose products fit in 48 bits) and the recursive sum of the D terms r_d
+    by at most ``gamma_{D-1} sum_d |r_d|`` (each term through at most D - 1 roundings,
+    Higham 2002, Lemma 3.1), so with Lemma 3.3 (``u + (1 + u) gamma_{D-1} <= gamma_D``)
 
         |hi + lo - q . k| <= D u sigma (u + (1 + u) gamma_{D-1}) <= D gamma_D u sigma
                           <= 2 D^2 u^2 sigma     (D u <= 1/2),
@@ -191,19 +178,19 @@ def _grid4(q4, panel, dim, sig, hi, lo):
         k = vload(panel[d], 0)
         a = q4[0, d]
         x = vfma(a, k, t0)
-        l0 = vadd(l0, vfms(a, k, vsub(x, t0)))
+        l0 = vadd(l0, vfma(a, k, vsub(t0, x)))
         t0 = x
         a = q4[1, d]
         x = vfma(a, k, t1)
-        l1 = vadd(l1, vfms(a, k, vsub(x, t1)))
+        l1 = vadd(l1, vfma(a, k, vsub(t1, x)))
         t1 = x
         a = q4[2, d]
         x = vfma(a, k, t2)
-        l2 = vadd(l2, vfms(a, k, vsub(x, t2)))
+        l2 = vadd(l2, vfma(a, k, vsub(t2, x)))
         t2 = x
         a = q4[3, d]
         x = vfma(a, k, t3)
-        l3 = vadd(l3, vfms(a, k, vsub(x, t3)))
+        l3 = vadd(l3, vfma(a, k, vsub(t3, x)))
         t3 = x
     vstore(hi[0], 0, vsub(t0, vload(sig[0], 0)))
     vstore(hi[1], 0, vsub(t1, vload(sig[1], 0)))
@@ -224,7 +211,7 @@ def _grid1(qrow, panel, dim, sig, hi, lo):
         k = vload(panel[d], 0)
         a = qrow[d]
         x = vfma(a, k, t0)
-        l0 = vadd(l0, vfms(a, k, vsub(x, t0)))
+        l0 = vadd(l0, vfma(a, k, vsub(t0, x)))
         t0 = x
     vstore(hi, 0, vsub(t0, vload(sig, 0)))
     vstore(lo, 0, l0)
@@ -255,7 +242,7 @@ def _dots_task(task, sorted_rows, inputs, lists, rule, source, dots):
     m0, m1, c0 = task[2], task[3], task[4]
     b, i = sorted_rows[m0, 0], sorted_rows[m0, 2]
     g = kvh[sorted_rows[m0, 1]]
-    cols = _row_columns(b, g, i, lists, keys_of, rule)
+    cols = row_columns(b, g, i, lists, keys_of, rule)
     c1 = min(cols.shape[0], c0 + SPAN)
     dim = q.shape[3]
     nh = m1 - m0
@@ -274,7 +261,7 @@ def _dots_task(task, sorted_rows, inputs, lists, rule, source, dots):
     none = (np.empty(0, np.bool_), np.empty(0))
     for c in range(c0, c1, W):
         m = min(W, c1 - c)
-        _source_panel(src[b, g], rows[b, g], cols, (c, c), m, buf, panel, none)
+        source_panel(src[b, g], rows[b, g], cols, (c, c), m, buf, panel, none)
         _panel_norms(panel, m, kn)
         r = 0
         while r < nh:
@@ -305,37 +292,6 @@ def grid_dots(tasks, sorted_rows, inputs, lists, rule, source, dots):
     :func:`refattn.exact.fast.gather_kernels.gather_d`."""
     for t in prange(tasks.shape[0]):
         _dots_task(tasks[t], sorted_rows, inputs, lists, rule, source, dots)
-
-
-@numba.jit(**_JIT)
-def value_sums(vp, cols, wts, use, nsum):
-    """``nsum[e] = sum_j wts[j] vp[cols[j], e]`` over the keys with ``use[j]``, in blocked fma
-    chains (SUM_BLOCK keys per block from +0, each block then added to the total: every term
-    goes through at most ``SUM_BLOCK + n / SUM_BLOCK + 1`` roundings, so the error is at most
-    ``gamma`` of that count times ``sum_j wts[j] |v_je|``, Higham 2002, Lemma 3.1), lane-wise
-    over the features (the tail feature by feature, the same operations)."""
-    vdim = vp.shape[1]
-    whole = vdim - vdim % W
-    block = np.zeros(vdim)
-    for e in range(vdim):
-        nsum[e] = 0.0
-    n = cols.shape[0]
-    for j0 in range(0, n, SUM_BLOCK):
-        for e in range(vdim):
-            block[e] = 0.0
-        for jj in range(j0, min(j0 + SUM_BLOCK, n)):
-            if not use[jj]:
-                continue
-            w = wts[jj]
-            vrow = vp[cols[jj]]
-            for e in range(0, whole, W):
-                vstore(block, e, vfma(w, vload(vrow, e), vload(block, e)))
-            for e in range(whole, vdim):
-                block[e] = D.fma(w, vrow[e], block[e])
-        for e in range(0, whole, W):
-            vstore(nsum, e, vadd(vload(nsum, e), vload(block, e)))
-        for e in range(whole, vdim):
-            nsum[e] += block[e]
 
 
 @numba.jit(**_JIT)
@@ -371,115 +327,55 @@ def _row_scores(r, row, cols, dots, inputs, rule, work):
 
 @numba.jit(**_JIT)
 def _exps(cols, vp, top, want_w, work, exps):
-    """The exponentials of the shifted scores (hi, lo into ``exps`` = (eh, el, use)) and the
-    compensated sum of Z; returns (zs, zc, tiny, rho, zv, tiny_v (E,))."""
+    """The exponentials (hi, lo into ``exps`` = (eh, el, use); ``use``: the key enters N)
+    of the shifted scores, by :func:`refattn.exact.fast.doubledouble.exp_dd_fast_lanes`
+    (the bits of ``exp_dd_fast``), and the compensated sum of Z over the keys in order;
+    returns (zs, zc, tiny, rho, zv, tiny_v (E,))."""
     s, c, err, state = work
     eh_, el_, use = exps
-    vdim = vp.shape[1]
-    tiny_v = np.zeros(vdim)
-    zs = zc = tiny = rho = zv = 0.0
-    for jj in range(cols.shape[0]):
+    n = cols.shape[0]
+    xh, xl = np.zeros(n), np.zeros(n)
+    tiny_v = np.zeros(vp.shape[1])
+    tiny = rho = 0.0
+    for jj in range(n):
         use[jj] = False
-        eh_[jj] = el_[jj] = 0.0
         if state[jj] == 0:
             continue
-        xh, xl = D.dd_add_d(s[jj], c[jj], -top)
-        xe = (err[jj] + D.DD_REL * abs(xh)) * D.BOUND_SAFETY
+        h, lo = D.dd_add_d(s[jj], c[jj], -top)
+        xe = (err[jj] + D.DD_REL * abs(h)) * D.BOUND_SAFETY
         if want_w:
-            s[jj], c[jj], err[jj] = xh, xl, xe  # the shifted scores, kept for the weights
-        if xh < CUT:
+            s[jj], c[jj], err[jj] = h, lo, xe  # the shifted scores, kept for the weights
+        if h < CUT:
             tiny += TINY
             if state[jj] == 2:
                 vrow = vp[cols[jj]]
-                for e in range(vdim):
+                for e in range(vrow.shape[0]):
                     tiny_v[e] += abs(vrow[e])
             continue
         rho = max(rho, exp_rel(EXP_FAST_REL, xe))
-        eh, el = exp_dd_fast(xh, xl)
-        eh_[jj], el_[jj] = eh, el
-        zs, es = D.two_sum(zs, eh)
-        zc += es + el
-        if state[jj] == 2:
-            use[jj] = True
-            zv += eh
+        xh[jj], xl[jj] = h, lo
+        use[jj] = True
+    D.exp_dd_fast_lanes(xh, xl, eh_, el_)
+    zs = zc = zv = 0.0
+    for jj in range(n):
+        if not use[jj]:
+            eh_[jj] = el_[jj] = 0.0
+            continue
+        zs, es = D.two_sum(zs, eh_[jj])
+        zc += es + el_[jj]
+        use[jj] = state[jj] == 2  # a dropped key's term is in Z, not in N
+        if use[jj]:
+            zv += eh_[jj]
     return zs, zc, tiny, rho, zv, tiny_v
 
 
 @numba.jit(**_JIT)
-def _dot2_feature(vp, cols, exps, e):
-    """(s, c) of ``sum_j e_j v_je`` over the used keys by Dot2 (the operations of
-    :func:`refattn.exact.fast.forward_kernels.forward_dd`'s value sums, for one feature)."""
-    eh_, el_, use = exps
-    ns = nc = 0.0
-    for jj in range(cols.shape[0]):
-        if use[jj]:
-            x = vp[cols[jj], e]
-            ns, er = dot2_step(ns, eh_[jj], x)
-            nc += er + el_[jj] * x
-    return ns, nc
-
-
-@numba.jit(**_JIT)
-def _dd_features(index, cols, vp, exps, z, nr, target, out, flags):
-    """The flagged features of a float32 target by Dot2 (:func:`_dot2_feature`), each decided
-    from its double-double quotient as
-    :func:`refattn.exact.fast.forward_kernels.finish_row` decides it (keep scale 1); returns
-    whether all are decided."""
-    b, h, i = index
-    zh, zl, zr = z
-    _, _, p, emin, maxf = target
-    zlow = zh - zr
-    ok = True
-    for e in range(flags.shape[0]):
-        if not flags[e]:
-            continue
-        ns, nc = _dot2_feature(vp, cols, exps, e)
-        nh, nl = D.two_sum(ns, nc)
-        oh, ol = D.dd_div(nh, nl, zh, zl)
-        orad = (nr[e] + abs(oh) * 1.0000001 * zr) / zlow + D.DD_REL * abs(oh)
-        value, dec = decide_quick(
-            oh, ol, (orad + D.DD_REL * abs(oh)) * D.BOUND_SAFETY, p, emin, maxf
-        )
-        out[b, h, i, e] = value
-        ok = ok and dec
-    return ok
-
-
-@numba.jit(**_JIT)
-def _float32_row(index, cols, vp, exps, sums, pr, vmax, target, results):
-    """The outputs of a float32 target (no lse, no weights, keep scale 1) from Z = (zh, zl,
-    zr) and the row's ``rho``, ``tiny_v``, ``zv`` (``sums``): first from one-word sums
-    (:func:`value_sums`), whose error against ``N_e = sum_j e_j v_je`` is at most
-    ``(gamma + rho + 2u)(1 + 2 rho) X_e`` (gamma: the blocked sums, ``P_GAMMA_SUM``; rho: the
-    exponentials' relative error, 2u: the low words dropped, ``|el| <= u eh``) with ``X_e =
-    sum_j e_j |v_je| <= vmax_e Zv``, Zv the valued keys' mass; the features left undecided
-    by Dot2 (:func:`_dd_features`). Returns whether every output is decided."""
-    zh, zl, zr, rho, tiny_v, zv = sums
-    eh_, _, use = exps
-    mass = min(zh + abs(zl) + zr, zv * (1.0 + rho) * (1.0 + 2.0**-20))
-    gam = pr[P_GAMMA_SUM]
-    loose = (gam + rho + 2.0 * D.U) * (1.0 + 2.0 * rho) * mass * D.BOUND_SAFETY
-    nsum = np.empty(vp.shape[1])
-    value_sums(vp, cols, eh_, use, nsum)
-    nr = loose * vmax * D.BOUND_SAFETY + TINY * tiny_v
-    flags = np.zeros(vp.shape[1], np.bool_)
-    count = float32_outputs(
-        index, (zh, (abs(zl) + zr) * D.BOUND_SAFETY), (nsum, nr), results[0], flags
-    )
-    if count == 0:
-        return True
-    if count < 0:
-        return False
-    nr = ((pr[P_SUM_REL] + rho) * vmax * mass) * D.BOUND_SAFETY + TINY * tiny_v
-    return _dd_features(index, cols, vp, exps, (zh, zl, zr), nr, target, results[0], flags)
-
-
-@numba.jit(**_JIT)
 def _full_row(index, top, cols, vp, exps, sums, pr, vmax, target, results):
-    """Every output feature by Dot2 and the row finished by
-    :func:`refattn.exact.fast.forward_kernels.finish_row` (the value sums and bounds of
-    :func:`refattn.exact.fast.forward_kernels.forward_dd`); returns (decided, log Z hi, lo,
-    radius)."""
+    """Every output feature by Dot2 (Ogita, Rump and Oishi 2005, Algorithm 5.3; the bound
+    ``dot_bound(2 (S + sink))`` of :func:`refattn.exact.fast.doubledouble.dot_bound`) and the
+    row finished by :func:`refattn.exact.fast.forward_kernels.finish_row` (the value sums and
+    bounds of :func:`refattn.exact.fast.forward_kernels.forward_dd`); returns (decided,
+    log Z hi, lo, radius)."""
     zh, zl, zr, rho, tiny_v, zv = sums
     eh_, el_, use = exps
     vdim = vp.shape[1]
@@ -500,14 +396,17 @@ def _full_row(index, top, cols, vp, exps, sums, pr, vmax, target, results):
 
 
 @numba.jit(**_JIT)
-def _dd_row(r, row, dots, inputs, lists, rule, target, results):
-    """Double-double step of row ``row`` = (b, h, i) (row r of :func:`grid_dots`' sums);
-    returns its status."""
+def _dd_row(r, row, dots, inputs, lists, rule, target, results, kept):
+    """Double-double step of row ``row`` = (b, h, i) (row r of :func:`grid_dots`' sums) up to
+    its value sums; returns its status, or PENDING when its outputs are left to
+    :func:`dd_values` (a float32 target of the outputs alone, keep scale 1), its
+    exponentials and Z kept in ``kept`` = (eh, el, use (n, >= listed), z (n, 5): zh, zl, zr,
+    rho, zv, tiny_v (n, E))."""
     _, _, vu, _, _, _, _, vmaxu, keys_of, prm, kvh = inputs
     b, h, i = row[0], row[1], row[2]
     g = kvh[h]
     want_w = target[1]
-    cols = _row_columns(b, g, i, lists, keys_of, rule)
+    cols = row_columns(b, g, i, lists, keys_of, rule)
     n = cols.shape[0]
     pr = prm[b, h]
     vp = vu[b, g]
@@ -520,7 +419,7 @@ def _dd_row(r, row, dots, inputs, lists, rule, target, results):
         top = sink
     if top == -np.inf:
         return EMPTY
-    exps = (np.zeros(n), np.zeros(n), np.zeros(n, np.bool_))
+    exps = (kept[0][r, :n], kept[1][r, :n], kept[2][r, :n])
     zs, zc, tiny, rho, zv, tiny_v = _exps(cols, vp, top, want_w, work, exps)
     if has_sink:  # sink - top is exact (TwoSum); the term enters Z after the keys
         xh, xl = D.two_sum(sink, -top)
@@ -528,23 +427,25 @@ def _dd_row(r, row, dots, inputs, lists, rule, target, results):
             tiny += TINY
         else:
             rho = max(rho, exp_rel(EXP_FAST_REL, D.DD_REL * abs(xh) * D.BOUND_SAFETY))
-            eh, el = exp_dd_fast(xh, xl)
+            eh, el = D.exp_dd_fast(xh, xl)
             zs, es = D.two_sum(zs, eh)
             zc += es + el
     if not rho <= RHO_MAX:
         return UNDECIDED
     zh, zl = D.two_sum(zs, zc)
     zr = ((pr[P_SUM_REL] + rho) * zh + tiny) * D.BOUND_SAFETY
-    sums = (zh, zl, zr, rho, tiny_v, zv)
     keep_one = pr[P_KEEP_HI] == 1.0 and pr[P_KEEP_LO] == 0.0 and pr[P_KEEP_ERR] == 0.0
-    if _float32_out(target) and keep_one:
-        ok = _float32_row((b, h, i), cols, vp, exps, sums, pr, vmaxu[b, g], target, results)
-        return OK if ok else UNDECIDED
+    if float32_out(target) and keep_one:
+        z = kept[3][r]
+        z[0], z[1], z[2], z[3], z[4] = zh, zl, zr, rho, zv
+        kept[4][r] = tiny_v
+        return PENDING
+    sums = (zh, zl, zr, rho, tiny_v, zv)
     ok, lz_h, lz_l, lz_r = _full_row(
         (b, h, i), top, cols, vp, exps, sums, pr, vmaxu[b, g], target, results
     )
     if ok and want_w:
-        ok = _scatter_weights(
+        ok = scatter_weights(
             (b, h, i),
             cols,
             keys_of[b, g],
@@ -558,27 +459,190 @@ def _dd_row(r, row, dots, inputs, lists, rule, target, results):
 
 
 @numba.jit(**_JIT, parallel=True)
-def dd_rows(sorted_rows, dots, inputs, lists, rule, target, results):
+def dd_rows(sorted_rows, dots, inputs, lists, rule, target, results, kept, pending):
     """Double-double step of the rows ``sorted_rows`` ((n, 3): b, h, i) from their grid sums
-    ``dots`` (:func:`grid_dots`), in parallel over the rows; the records are those of
+    ``dots`` (:func:`grid_dots`), in parallel over the rows: their statuses, or
+    ``pending[r]`` set for the rows whose outputs :func:`dd_values` decides (``kept``: see
+    :func:`_dd_row`); the records are those of
     :func:`refattn.exact.fast.gather_kernels.gather_d`."""
     status = results[3]
     for r in prange(sorted_rows.shape[0]):
         row = sorted_rows[r]
-        status[row[0], row[1], row[2]] = _dd_row(r, row, dots, inputs, lists, rule, target, results)
+        got = _dd_row(r, row, dots, inputs, lists, rule, target, results, kept)
+        pending[r] = got == PENDING
+        if got != PENDING:
+            status[row[0], row[1], row[2]] = got
 
 
-#: Rows x listed keys of one call of the two passes (their (hi, lo, bound) arrays: 24 bytes
-#: each); more rows are taken in several calls.
-CHUNK = 1 << 21
+#: :func:`dd_rows` compiled without threads (the same loop body and bits), for a step of a
+#: few rows (each row's keys: a fraction of the other passes' work): on a loaded machine a
+#: parallel region may wait a scheduler slice for the second core.
+dd_rows_serial = numba.jit(**_JIT)(dd_rows.py_func)
+
+#: Rows x listed keys below which :func:`dd_step` runs :func:`dd_rows_serial`.
+SERIAL_ROWS = 1 << 16
+
+
+@numba.jit(**_JIT)
+def _span_block(vp, cols, j0, j1, e0, wts, use, brow):
+    """``brow[e] += sum_{j0 <= jj < j1, use[jj]} wts[jj] v_{cols[jj], e0 + e}`` for the
+    FEATURES features of a span: one block's fma chain from +0 in eight lane vectors (in
+    registers), then added to ``brow``."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero(brow)
+    for jj in range(j0, j1):
+        if not use[jj]:
+            continue
+        w = wts[jj]
+        vrow = vp[cols[jj]]
+        a0 = vfma(w, vload(vrow, e0), a0)
+        a1 = vfma(w, vload(vrow, e0 + W), a1)
+        a2 = vfma(w, vload(vrow, e0 + 2 * W), a2)
+        a3 = vfma(w, vload(vrow, e0 + 3 * W), a3)
+        a4 = vfma(w, vload(vrow, e0 + 4 * W), a4)
+        a5 = vfma(w, vload(vrow, e0 + 5 * W), a5)
+        a6 = vfma(w, vload(vrow, e0 + 6 * W), a6)
+        a7 = vfma(w, vload(vrow, e0 + 7 * W), a7)
+    vstore(brow, 0, vadd(vload(brow, 0), a0))
+    vstore(brow, W, vadd(vload(brow, W), a1))
+    vstore(brow, 2 * W, vadd(vload(brow, 2 * W), a2))
+    vstore(brow, 3 * W, vadd(vload(brow, 3 * W), a3))
+    vstore(brow, 4 * W, vadd(vload(brow, 4 * W), a4))
+    vstore(brow, 5 * W, vadd(vload(brow, 5 * W), a5))
+    vstore(brow, 6 * W, vadd(vload(brow, 6 * W), a6))
+    vstore(brow, 7 * W, vadd(vload(brow, 7 * W), a7))
+
+
+@numba.jit(**_JIT)
+def _chunk_sums(vp, cols, e0, rows, kept, pending, total):
+    """``total[rr, e] = sum_j eh_j v_{j, e0 + e}`` for the pending rows ``rows`` = (first,
+    count) over the keys each uses, in blocked fma chains (SUM_BLOCK keys per block from +0,
+    each block then added to the total), lane-wise over FEATURES features: every term goes
+    through at most ``SUM_BLOCK + n / SUM_BLOCK + 1`` roundings, so the error is at most
+    gamma of that count (``P_GAMMA_SUM``) times ``sum_j eh_j |v_je|`` (Higham 2002, Lemma
+    3.1). A block's value spans (SUM_BLOCK x FEATURES) stay in cache for all the rows."""
+    m0, nh = rows
+    eh, use = kept[0], kept[2]
+    ne = min(FEATURES, vp.shape[1] - e0)
+    block = np.zeros(FEATURES)
+    n = cols.shape[0]
+    for j0 in range(0, n, SUM_BLOCK):
+        j1 = min(j0 + SUM_BLOCK, n)
+        for rr in range(nh):
+            r = m0 + rr
+            if not pending[r]:
+                continue
+            if ne == FEATURES:
+                _span_block(vp, cols, j0, j1, e0, eh[r], use[r], total[rr])
+                continue
+            block[:ne] = 0.0
+            for jj in range(j0, j1):
+                if use[r, jj]:
+                    w = eh[r, jj]
+                    vrow = vp[cols[jj]]
+                    for e in range(ne):
+                        block[e] = D.fma(w, vrow[e0 + e], block[e])
+            for e in range(ne):
+                total[rr, e] += block[e]
+
+
+@numba.jit(**_JIT)
+def _dd_feature(index, cols, vp, e, exps, z, nr, target, out):
+    """Feature e of a float32 target by Dot2 (:func:`_full_row`'s sum for one feature),
+    decided from its double-double quotient as
+    :func:`refattn.exact.fast.forward_kernels.finish_row` decides it (keep scale 1);
+    returns whether it is decided."""
+    b, h, i = index
+    eh_, el_, use = exps
+    zh, zl, zr = z
+    _, _, p, emin, maxf = target
+    ns = nc = 0.0
+    for jj in range(cols.shape[0]):
+        if use[jj]:
+            x = vp[cols[jj], e]
+            ns, er = dot2_step(ns, eh_[jj], x)
+            nc += er + el_[jj] * x
+    nh, nl = D.two_sum(ns, nc)
+    oh, ol = D.dd_div(nh, nl, zh, zl)
+    orad = (nr + abs(oh) * 1.0000001 * zr) / (zh - zr) + 2.0 * D.DD_REL * abs(oh)
+    value, dec = decide_quick(oh, ol, orad * D.BOUND_SAFETY, p, emin, maxf)
+    out[b, h, i, e] = value
+    return dec
+
+
+@numba.jit(**_JIT)
+def _values_task(task, sorted_rows, kept, inputs, lists, rule, target, results):
+    """:func:`dd_values` of one task: output features ``task[2]:task[2] + FEATURES`` of the
+    pending rows ``task[0]:task[1]`` of one group. The outputs are decided from one-word
+    sums first (:func:`_chunk_sums`), whose error against ``N_e = sum_j e_j v_je`` is at most
+    ``(gamma + rho + 2u)(1 + 2 rho) X_e`` (gamma: the blocked sums; rho: the exponentials'
+    relative error; 2u: the low words dropped, ``|el| <= u eh``), ``X_e = sum_j e_j |v_je|
+    <= vmax_e Zv`` (Zv the valued keys' mass), by
+    :func:`refattn.exact.fast.gather_kernels.float32_outputs`; the features that leaves
+    undecided (heavy cancellation) by Dot2 (:func:`_dd_feature`)."""
+    _, _, vu, _, _, _, _, vmaxu, keys_of, prm, kvh = inputs
+    m0, m1, e0 = task[0], task[1], task[2]
+    pending, done = kept[5], kept[6]
+    b, i = sorted_rows[m0, 0], sorted_rows[m0, 2]
+    g = kvh[sorted_rows[m0, 1]]
+    cols = row_columns(b, g, i, lists, keys_of, rule)
+    vp = vu[b, g]
+    ne = min(FEATURES, vp.shape[1] - e0)
+    total = np.zeros((m1 - m0, FEATURES))
+    _chunk_sums(vp, cols, e0, (m0, m1 - m0), kept, pending, total)
+    out = results[0][:, :, :, e0 : e0 + ne]
+    vmax = vmaxu[b, g, e0 : e0 + ne]
+    n = cols.shape[0]
+    for rr in range(m1 - m0):
+        r = m0 + rr
+        if not pending[r]:
+            continue
+        h = sorted_rows[r, 1]
+        zh, zl, zr, rho, zv = kept[3][r]
+        tiny_v = kept[4][r, e0 : e0 + ne]
+        mass = min(zh + abs(zl) + zr, zv * (1.0 + rho) * (1.0 + 2.0**-20))
+        loose = (prm[b, h, P_GAMMA_SUM] + rho + 2.0 * D.U) * (1.0 + 2.0 * rho) * mass
+        nr = loose * D.BOUND_SAFETY * vmax * D.BOUND_SAFETY + TINY * tiny_v
+        flags = np.zeros(ne, np.bool_)
+        z = (zh, (abs(zl) + zr) * D.BOUND_SAFETY)
+        count = float32_outputs((b, h, i), z, (total[rr, :ne], nr), out, flags)
+        ok = count == 0
+        if count > 0:
+            nr = ((prm[b, h, P_SUM_REL] + rho) * vmax * mass) * D.BOUND_SAFETY + TINY * tiny_v
+            exps = (kept[0][r, :n], kept[1][r, :n], kept[2][r, :n])
+            ok = True
+            for e in range(ne):
+                if flags[e]:
+                    dec = _dd_feature(
+                        (b, h, i), cols, vp, e0 + e, exps, (zh, zl, zr), nr[e], target, results[0]
+                    )
+                    ok = ok and dec
+        done[r, e0 // FEATURES] = ok
+
+
+@numba.jit(**_JIT, parallel=True)
+def dd_values(tasks, sorted_rows, kept, inputs, lists, rule, target, results):
+    """The outputs of the rows :func:`dd_rows` left pending, in parallel over ``tasks`` ((m,
+    3): first and end row of a group, first feature of a span of FEATURES): per task, every
+    listed value row's span read once for all the group's rows (:func:`_values_task`);
+    ``done[r, span]`` (``kept[6]``) records whether all of the span's outputs of row r are
+    decided. Each output's sums run over its row's keys in order: no bit depends on the
+    split or the thread count."""
+    for t in prange(tasks.shape[0]):
+        _values_task(tasks[t], sorted_rows, kept, inputs, lists, rule, target, results)
+
+
+#: Rows x listed keys of one call of the passes (their (hi, lo, bound) arrays and the kept
+#: exponentials: 48 bytes each); more rows are taken in several calls.
+CHUNK = 1 << 20
 
 
 def dd_step(rows, inputs, lists, rule, target, results, source) -> None:
     """The double-double step of the query rows ``rows`` ((n, 3): b, h, i), their statuses and
     results into ``results`` (the records of
     :func:`refattn.exact.fast.gather_kernels.gather_d`): the rows grouped by (b, kv head, i)
-    (one list each), the grid dot products by spans of listed keys (:func:`grid_dots`), then
-    the rows (:func:`dd_rows`), CHUNK elements at a time.
+    (one list each), the grid dot products by spans of listed keys (:func:`grid_dots`), the
+    rows (:func:`dd_rows`), the outputs left pending by spans of features
+    (:func:`dd_values`), CHUNK elements at a time.
 
     Examples
     --------
@@ -614,6 +678,7 @@ def _chunk(groups, rows, inputs, lists, rule, target, results, source) -> None:
     """:func:`dd_step` of the rows of ``groups`` ((first, end row, b, g, listed count))."""
     first, last = groups[0][0], groups[-1][1]
     part = rows[first:last]
+    count = part.shape[0]
     width = max(1, max(n for *_, n in groups))
     tasks = np.array(
         [
@@ -623,7 +688,32 @@ def _chunk(groups, rows, inputs, lists, rule, target, results, source) -> None:
         ],
         np.int64,
     ).reshape(-1, 5)
-    dots = tuple(np.zeros((part.shape[0], width)) for _ in range(3))
+    dots = tuple(np.zeros((count, width)) for _ in range(3))
     if tasks.shape[0]:
         grid_dots(tasks, part, inputs, lists, rule, source, dots)
-    dd_rows(part, dots, inputs, lists, rule, target, results)
+    vdim = inputs[2].shape[3]
+    spans = -(-vdim // FEATURES)
+    pending = np.zeros(count, np.bool_)
+    done = np.zeros((count, spans), np.bool_)
+    kept = (
+        np.zeros((count, width)),
+        np.zeros((count, width)),
+        np.zeros((count, width), np.bool_),
+        np.zeros((count, 5)),
+        np.zeros((count, vdim)),
+        pending,
+        done,
+    )
+    step = dd_rows_serial if count * width < SERIAL_ROWS else dd_rows
+    step(part, dots, inputs, lists, rule, target, results, kept, pending)
+    if not pending.any():
+        return
+    tasks = np.array(
+        [(m0 - first, m1 - first, e0) for m0, m1, *_ in groups for e0 in range(0, vdim, FEATURES)],
+        np.int64,
+    ).reshape(-1, 3)
+    dd_values(tasks, part, kept, inputs, lists, rule, target, results)
+    status = results[3]
+    at = pending.nonzero()[0]
+    decided = done[at].all(axis=1)
+    status[part[at, 0], part[at, 1], part[at, 2]] = np.where(decided, OK, UNDECIDED)
