@@ -631,8 +631,9 @@ def dd_values(tasks, sorted_rows, kept, inputs, lists, rule, target, results):
         _values_task(tasks[t], sorted_rows, kept, inputs, lists, rule, target, results)
 
 
-#: Rows x listed keys of one call of the passes (their (hi, lo, bound) arrays and the kept
-#: exponentials: 48 bytes each); more rows are taken in several calls.
+#: Rows x (listed keys + E) of one call of the passes (per row and listed key: the dot
+#: products' (hi, lo, bound) and the kept exponentials, 48 bytes; per row and feature: the
+#: tiny terms' value sums); more rows are taken in several calls.
 CHUNK = 1 << 20
 
 
@@ -655,6 +656,7 @@ def dd_step(rows, inputs, lists, rule, target, results, source) -> None:
     """
     kvh = inputs[10]
     counts = lists[1]
+    vdim = inputs[2].shape[3]
     order = np.lexsort((rows[:, 1], rows[:, 2], kvh[rows[:, 1]], rows[:, 0]))
     rows = np.ascontiguousarray(rows[order])
     key = np.stack([rows[:, 0], kvh[rows[:, 1]], rows[:, 2]], axis=1)
@@ -666,7 +668,7 @@ def dd_step(rows, inputs, lists, rule, target, results, source) -> None:
         b, g, i = key[m0].tolist()
         n = int(counts[b, g, i])
         chunk.append((m0, m1, b, g, n))
-        size += (m1 - m0) * max(n, 1)
+        size += (m1 - m0) * (max(n, 1) + vdim)
         if size >= CHUNK:
             _chunk(chunk, rows, inputs, lists, rule, target, results, source)
             chunk, size = [], 0
