@@ -183,3 +183,22 @@ def test_dd_step_bits_do_not_depend_on_thread_count():
         "print(hashlib.sha256(np.ascontiguousarray(out).tobytes()).hexdigest())\n"
     )
     assert digest_with_threads(code, 1) == digest_with_threads(code, 2)
+
+
+@pytest.mark.parametrize("dim", [5, 37, 64])
+@pytest.mark.parametrize("m", [3, W])
+def test_panels_are_the_source_panels(dim, m):
+    """The step's panels (eight features transposed at a time, the tail one by one) hold
+    the bits of gather_lanes.source_panel's, +0 in the missing keys' lanes."""
+    from refattn.exact.fast.gather_lanes import source_panel
+
+    rng = np.random.default_rng(dim + m)
+    src = rng.standard_normal((30, dim)).astype(np.float32)
+    rows = rng.permutation(30)
+    cols = rng.permutation(20)
+    got, want = np.full((dim, W), np.nan), np.full((dim, W), np.nan)
+    buf = np.empty((W, dim))
+    GD._panel(src, rows, cols, 4, m, buf, got)
+    none = (np.empty(0, np.bool_), np.empty(0))
+    source_panel(src, rows, cols, (4, 4), m, np.empty((W, dim)), want, none)
+    assert _same_bits(got, want)

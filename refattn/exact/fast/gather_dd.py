@@ -1,29 +1,29 @@
 """The double-double step of the fast exact forward on gathered keys: the query rows the
 double-precision step of :mod:`refattn.exact.fast.gather_kernels` left undecided (or every row,
-for a target of more than 24 bits), in two compiled passes.
+for a target of more than 24 bits), grouped by list (the query heads of one kv head at one
+query row read the same listed keys), in up to three compiled passes (:func:`dd_step`).
 
-1. :func:`grid_dots`, in parallel over spans of :data:`SPAN` listed keys of each group of rows
-   that read one list (the query heads of one kv head at one query row): each key's row is
-   read from the kv-head plane's own rows W at a time into a (D, W) panel
-   (:func:`refattn.exact.fast.gather_lanes.source_panel`: no transposed float64 table of the
-   gathered keys is formed) that every row of the group then reads; each (row, key) dot
-   product is accumulated on a fixed grid in the lanes of a vector (:func:`grid_dot_bound`
-   states the algorithm and its bound: two fma and two additions per term, against ten
-   operations for Dot2, with an error of the same order, ``2 D^2 u^2 sigma``).
-2. :func:`dd_rows`, in parallel over the rows: each row's scores in double-double
+1. :func:`grid_dots`, in parallel over spans of :data:`SPAN` listed keys of each group: the
+   keys are read from the kv-head plane's own rows W at a time into a (D, W) panel
+   (:func:`_panel`: no transposed float64 table of the gathered keys is formed) that every
+   row of the group then reads; each (row, key) dot product is accumulated on a fixed grid
+   in the lanes of a vector (:func:`grid_dot_bound` states the algorithm and its bound: two
+   fma and two additions per term, against ten operations for Dot2, with an error of the
+   same order, ``2 D^2 u^2 sigma``).
+2. :func:`dd_rows`, over the rows: each row's scores in double-double
    (:func:`refattn.exact.fast.forward_kernels.score_dd` on the grid sums and their bound),
-   the exponentials (``exp_dd_fast``) and the compensated sum of Z as in
-   :func:`refattn.exact.fast.forward_kernels.forward_dd`; then
-
-   * a float32 target of the outputs alone (no lse, no weights, keep scale 1): the sums
-     ``N_e`` in blocked fma chains on the high words of the exponentials, lane-wise over the
-     features (:func:`value_sums`), the outputs decided from one-word quotients
-     (:func:`refattn.exact.fast.gather_kernels.float32_outputs`); only the features that
-     leaves undecided (heavy cancellation) are summed by Dot2 and decided from double-double
-     quotients (:func:`_dd_features`);
-   * any other target: every feature by Dot2 (Ogita, Rump and Oishi 2005, Algorithm 5.3;
-     :func:`refattn.exact.fast.doubledouble.dot_bound`), the row finished as
-     :func:`refattn.exact.fast.forward_kernels.forward_dd` finishes it.
+   the exponentials lane-wise (:func:`refattn.exact.fast.doubledouble.exp_dd_fast_lanes`,
+   the bits of ``exp_dd_fast``) and the compensated sum of Z, as
+   :func:`refattn.exact.fast.forward_kernels.forward_dd` forms them; then, for any target
+   but the one below, every feature by Dot2 (Ogita, Rump and Oishi 2005, Algorithm 5.3;
+   :func:`refattn.exact.fast.doubledouble.dot_bound`) and the row finished as there.
+3. :func:`dd_values`, for a float32 target of the outputs alone (no lse, no weights, keep
+   scale 1), in parallel over spans of :data:`FEATURES` output features of each group: the
+   sums ``N_e`` in blocked fma chains on the exponentials' high words, each value row's span
+   read once for all the group's rows, the outputs decided from one-word quotients
+   (:func:`refattn.exact.fast.gather_kernels.float32_outputs`); only the features that
+   leaves undecided (heavy cancellation: one or two of 512 per row on a DeepSeek Sparse
+   Attention decode step) are summed by Dot2 and decided from double-double quotients.
 
 Every key's dot product is its own lane's arithmetic and every row's sums run over its list
 in order: no bit depends on the split into spans, on the thread count or on which rows share
@@ -70,7 +70,7 @@ from .forward_kernels import (
     score_dd,
 )
 from .gather_kernels import exp_rel, float32_out, float32_outputs, row_columns, scatter_weights
-from .gather_lanes import W, source_panel
+from .gather_lanes import W
 from .rounding_decision import decide_quick
 
 __all__ = [
@@ -99,6 +99,8 @@ GRID_MIN = 2.0**-900
 _JIT = dict(nopython=True, cache=True, fastmath=False, error_model="numpy")
 
 if JIT:
+    from llvmlite import ir
+    from numba.core import cgutils, types
     from numba.core.extending import intrinsic
 
     @intrinsic
@@ -110,10 +112,54 @@ if JIT:
 
         return x(x, y), codegen
 
+    def _shuffle(builder, a, b, mask):
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 8), mask))
+
+    @intrinsic
+    def transpose8(typingctx, src, d0, dst):
+        """``dst[d0 + x, r] = src[r, d0 + x]`` for r, x < 8 (``src`` (8, >= d0 + 8), ``dst``
+        (>= d0 + 8, 8) float64, C-contiguous): eight loads, 24 shuffles in three stages
+        (pairs of rows, then pairs of pairs, then halves) and eight stores; data moved, not
+        computed."""
+
+        def codegen(context, builder, sig, args):
+            srcty, _, dstty = sig.args
+            sa = context.make_array(srcty)(context, builder, args[0])
+            da = context.make_array(dstty)(context, builder, args[2])
+            i64 = ir.IntType(64)
+            vt = ir.VectorType(ir.DoubleType(), 8)
+            m = []
+            for r in range(8):
+                at = [ir.Constant(i64, r), args[1]]
+                ptr = cgutils.get_item_pointer(context, builder, srcty, sa, at)
+                m.append(builder.load(builder.bitcast(ptr, vt.as_pointer()), align=1))
+            u = [None] * 8
+            for r in (0, 2, 4, 6):
+                u[r] = _shuffle(builder, m[r], m[r + 1], [0, 8, 2, 10, 4, 12, 6, 14])
+                u[r + 1] = _shuffle(builder, m[r], m[r + 1], [1, 9, 3, 11, 5, 13, 7, 15])
+            v = [None] * 8
+            for r in (0, 1, 4, 5):
+                v[r] = _shuffle(builder, u[r], u[r + 2], [0, 1, 8, 9, 4, 5, 12, 13])
+                v[r + 2] = _shuffle(builder, u[r], u[r + 2], [2, 3, 10, 11, 6, 7, 14, 15])
+            out = [None] * 8
+            for c in (0, 1, 2, 3):
+                out[c] = _shuffle(builder, v[c], v[c + 4], [0, 1, 2, 3, 8, 9, 10, 11])
+                out[c + 4] = _shuffle(builder, v[c], v[c + 4], [4, 5, 6, 7, 12, 13, 14, 15])
+            for x in range(8):
+                at = [builder.add(args[1], ir.Constant(i64, x)), ir.Constant(i64, 0)]
+                ptr = cgutils.get_item_pointer(context, builder, dstty, da, at)
+                builder.store(out[x], builder.bitcast(ptr, vt.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return types.none(src, d0, dst), codegen
+
 else:  # pragma: no cover - exercised by the NUMBA_DISABLE_JIT=1 test tier
 
     def vsub(x, y):
         return x - y
+
+    def transpose8(src, d0, dst):
+        dst[d0 : d0 + 8, :8] = src[:8, d0 : d0 + 8].T
 
 
 def grid_dot_bound(dim: int, sigma: float) -> float:
@@ -218,16 +264,48 @@ def _grid1(qrow, panel, dim, sig, hi, lo):
 
 
 @numba.jit(**_JIT)
+def _panel(src, rows, cols, c, m, buf, panel):
+    """The m <= W keys ``src[rows[cols[c + l]]]`` (l < m) widened exactly to float64 into
+    the lanes of the (D, W) ``panel``, the other lanes +0 (the panel of
+    :func:`refattn.exact.fast.gather_lanes.source_panel`, transposed eight features at a
+    time by :func:`transpose8`); ``buf`` (W, D) float64 holds the widened rows."""
+    dim = panel.shape[0]
+    for cc in range(W):
+        dst = buf[cc]
+        if cc < m:
+            row = src[rows[cols[c + cc]]]
+            for d in range(dim):
+                dst[d] = row[d]
+        else:
+            for d in range(dim):
+                dst[d] = 0.0
+    whole = dim - dim % W
+    for d0 in range(0, whole, W):
+        transpose8(buf, d0, panel)
+    for d in range(whole, dim):
+        for cc in range(W):
+            panel[d, cc] = buf[cc, d]
+
+
+@numba.jit(**_JIT)
 def _panel_norms(panel, m, kn):
     """Upper bounds of the 2-norms of the panel's first m keys (the bound of
     :func:`refattn.exact.fast.gather_lanes.key_facts`: the sum of squares a lane chain, its
-    relative error below gamma_2D < 2**-30, then the square root)."""
+    relative error below gamma_2D < 2**-30 in any order, Higham 2002, eq. (3.5): here two
+    chains, even and odd features, then added; then the square root)."""
     acc = vzero(panel[0])
-    for d in range(panel.shape[0]):
+    odd = vzero(panel[0])
+    dim = panel.shape[0]
+    for d in range(0, dim - 1, 2):
         t = vload(panel[d], 0)
         acc = vadd(acc, vmul(t, t))
+        t = vload(panel[d + 1], 0)
+        odd = vadd(odd, vmul(t, t))
+    if dim % 2:
+        t = vload(panel[dim - 1], 0)
+        acc = vadd(acc, vmul(t, t))
     sums = np.empty(W)
-    vstore(sums, 0, acc)
+    vstore(sums, 0, vadd(acc, odd))
     for cc in range(W):
         kn[cc] = math.sqrt(sums[cc]) * (1.0 + 2.0**-30) + 2.0**-1000 if cc < m else 0.0
 
@@ -258,10 +336,9 @@ def _dots_task(task, sorted_rows, inputs, lists, rule, source, dots):
     sig = np.empty((4, W))
     th = np.empty((4, W))
     tl = np.empty((4, W))
-    none = (np.empty(0, np.bool_), np.empty(0))
     for c in range(c0, c1, W):
         m = min(W, c1 - c)
-        source_panel(src[b, g], rows[b, g], cols, (c, c), m, buf, panel, none)
+        _panel(src[b, g], rows[b, g], cols, c, m, buf, panel)
         _panel_norms(panel, m, kn)
         r = 0
         while r < nh:
@@ -487,21 +564,23 @@ SERIAL_ROWS = 1 << 16
 def _span_block(vp, cols, j0, j1, e0, wts, use, brow):
     """``brow[e] += sum_{j0 <= jj < j1, use[jj]} wts[jj] v_{cols[jj], e0 + e}`` for the
     FEATURES features of a span: one block's fma chain from +0 in eight lane vectors (in
-    registers), then added to ``brow``."""
+    registers), then added to ``brow``. The value rows are read by flat offset into the
+    C-contiguous (U, E) ``vp`` (no row view per key)."""
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero(brow)
+    vdim = vp.shape[1]
     for jj in range(j0, j1):
         if not use[jj]:
             continue
         w = wts[jj]
-        vrow = vp[cols[jj]]
-        a0 = vfma(w, vload(vrow, e0), a0)
-        a1 = vfma(w, vload(vrow, e0 + W), a1)
-        a2 = vfma(w, vload(vrow, e0 + 2 * W), a2)
-        a3 = vfma(w, vload(vrow, e0 + 3 * W), a3)
-        a4 = vfma(w, vload(vrow, e0 + 4 * W), a4)
-        a5 = vfma(w, vload(vrow, e0 + 5 * W), a5)
-        a6 = vfma(w, vload(vrow, e0 + 6 * W), a6)
-        a7 = vfma(w, vload(vrow, e0 + 7 * W), a7)
+        at = cols[jj] * vdim + e0
+        a0 = vfma(w, vload(vp, at), a0)
+        a1 = vfma(w, vload(vp, at + W), a1)
+        a2 = vfma(w, vload(vp, at + 2 * W), a2)
+        a3 = vfma(w, vload(vp, at + 3 * W), a3)
+        a4 = vfma(w, vload(vp, at + 4 * W), a4)
+        a5 = vfma(w, vload(vp, at + 5 * W), a5)
+        a6 = vfma(w, vload(vp, at + 6 * W), a6)
+        a7 = vfma(w, vload(vp, at + 7 * W), a7)
     vstore(brow, 0, vadd(vload(brow, 0), a0))
     vstore(brow, W, vadd(vload(brow, W), a1))
     vstore(brow, 2 * W, vadd(vload(brow, 2 * W), a2))
@@ -546,27 +625,53 @@ def _chunk_sums(vp, cols, e0, rows, kept, pending, total):
 
 
 @numba.jit(**_JIT)
-def _dd_feature(index, cols, vp, e, exps, z, nr, target, out):
-    """Feature e of a float32 target by Dot2 (:func:`_full_row`'s sum for one feature),
-    decided from its double-double quotient as
+def _dot2_features(vp, cols, e0, m0, pairs, kept, sums):
+    """``sums`` = (s, c) of ``sum_j e_j v_je`` by Dot2 (:func:`_full_row`'s sum, feature by
+    feature) for the (row ``m0 + pairs[f, 0]``, feature ``e0 + pairs[f, 1]``) pairs, over
+    each row's used keys in order: one sweep of the keys' value rows for all the pairs."""
+    eh, el, use = kept[0], kept[1], kept[2]
+    s, c = sums
+    for f in range(pairs.shape[0]):
+        s[f] = c[f] = 0.0
+    for jj in range(cols.shape[0]):
+        vrow = vp[cols[jj]]
+        for f in range(pairs.shape[0]):
+            r = m0 + pairs[f, 0]
+            if use[r, jj]:
+                x = vrow[e0 + pairs[f, 1]]
+                s[f], er = dot2_step(s[f], eh[r, jj], x)
+                c[f] += er + el[r, jj] * x
+
+
+@numba.jit(**_JIT)
+def _decide_feature(index, e, n, z, nr, target, out):
+    """Output e of a float32 target from its Dot2 sum ``n`` = (s, c) and Z = (zh, zl, zr),
+    decided from the double-double quotient as
     :func:`refattn.exact.fast.forward_kernels.finish_row` decides it (keep scale 1);
     returns whether it is decided."""
     b, h, i = index
-    eh_, el_, use = exps
     zh, zl, zr = z
     _, _, p, emin, maxf = target
-    ns = nc = 0.0
-    for jj in range(cols.shape[0]):
-        if use[jj]:
-            x = vp[cols[jj], e]
-            ns, er = dot2_step(ns, eh_[jj], x)
-            nc += er + el_[jj] * x
-    nh, nl = D.two_sum(ns, nc)
+    nh, nl = D.two_sum(n[0], n[1])
     oh, ol = D.dd_div(nh, nl, zh, zl)
     orad = (nr + abs(oh) * 1.0000001 * zr) / (zh - zr) + 2.0 * D.DD_REL * abs(oh)
     value, dec = decide_quick(oh, ol, orad * D.BOUND_SAFETY, p, emin, maxf)
     out[b, h, i, e] = value
     return dec
+
+
+@numba.jit(**_JIT)
+def _row_radii(r, h, e0, ne, vmax, kept, prm_b):
+    """(loose, dd) radii (ne,) of row r's sums over features e0:e0 + ne: of the one-word
+    sums, ``(gamma + rho + 2u)(1 + 2 rho) vmax_e Zv``, and of the Dot2 sums, ``(dot_bound +
+    rho) vmax_e Zv`` (:func:`_values_task`), each with the tiny terms' ``TINY sum |v_je|``."""
+    zh, zl, zr, rho, zv = kept[3][r]
+    tiny_v = kept[4][r, e0 : e0 + ne]
+    mass = min(zh + abs(zl) + zr, zv * (1.0 + rho) * (1.0 + 2.0**-20))
+    loose = (prm_b[h, P_GAMMA_SUM] + rho + 2.0 * D.U) * (1.0 + 2.0 * rho) * mass
+    nr = loose * D.BOUND_SAFETY * vmax * D.BOUND_SAFETY + TINY * tiny_v
+    dd = ((prm_b[h, P_SUM_REL] + rho) * vmax * mass) * D.BOUND_SAFETY + TINY * tiny_v
+    return nr, dd
 
 
 @numba.jit(**_JIT)
@@ -578,7 +683,8 @@ def _values_task(task, sorted_rows, kept, inputs, lists, rule, target, results):
     relative error; 2u: the low words dropped, ``|el| <= u eh``), ``X_e = sum_j e_j |v_je|
     <= vmax_e Zv`` (Zv the valued keys' mass), by
     :func:`refattn.exact.fast.gather_kernels.float32_outputs`; the features that leaves
-    undecided (heavy cancellation) by Dot2 (:func:`_dd_feature`)."""
+    undecided (heavy cancellation) by Dot2 (:func:`_dot2_features`, error ``(dot_bound(2
+    (S + sink)) + rho) X_e``), decided from double-double quotients."""
     _, _, vu, _, _, _, _, vmaxu, keys_of, prm, kvh = inputs
     m0, m1, e0 = task[0], task[1], task[2]
     pending, done = kept[5], kept[6]
@@ -591,32 +697,38 @@ def _values_task(task, sorted_rows, kept, inputs, lists, rule, target, results):
     _chunk_sums(vp, cols, e0, (m0, m1 - m0), kept, pending, total)
     out = results[0][:, :, :, e0 : e0 + ne]
     vmax = vmaxu[b, g, e0 : e0 + ne]
-    n = cols.shape[0]
+    pairs = np.empty(((m1 - m0) * ne, 2), np.int64)
+    radii = np.empty((m1 - m0, ne))
+    count = 0
+    span = e0 // FEATURES
     for rr in range(m1 - m0):
         r = m0 + rr
         if not pending[r]:
             continue
         h = sorted_rows[r, 1]
-        zh, zl, zr, rho, zv = kept[3][r]
-        tiny_v = kept[4][r, e0 : e0 + ne]
-        mass = min(zh + abs(zl) + zr, zv * (1.0 + rho) * (1.0 + 2.0**-20))
-        loose = (prm[b, h, P_GAMMA_SUM] + rho + 2.0 * D.U) * (1.0 + 2.0 * rho) * mass
-        nr = loose * D.BOUND_SAFETY * vmax * D.BOUND_SAFETY + TINY * tiny_v
+        nr, radii[rr] = _row_radii(r, h, e0, ne, vmax, kept, prm[b])
+        zh, zl, zr = kept[3][r, 0], kept[3][r, 1], kept[3][r, 2]
         flags = np.zeros(ne, np.bool_)
         z = (zh, (abs(zl) + zr) * D.BOUND_SAFETY)
-        count = float32_outputs((b, h, i), z, (total[rr, :ne], nr), out, flags)
-        ok = count == 0
-        if count > 0:
-            nr = ((prm[b, h, P_SUM_REL] + rho) * vmax * mass) * D.BOUND_SAFETY + TINY * tiny_v
-            exps = (kept[0][r, :n], kept[1][r, :n], kept[2][r, :n])
-            ok = True
-            for e in range(ne):
-                if flags[e]:
-                    dec = _dd_feature(
-                        (b, h, i), cols, vp, e0 + e, exps, (zh, zl, zr), nr[e], target, results[0]
-                    )
-                    ok = ok and dec
-        done[r, e0 // FEATURES] = ok
+        left = float32_outputs((b, h, i), z, (total[rr, :ne], nr), out, flags)
+        done[r, span] = left >= 0  # -1: Z's radius too wide, every output undecided
+        for e in range(ne if left > 0 else 0):
+            if flags[e]:
+                pairs[count, 0], pairs[count, 1] = rr, e
+                count += 1
+    if count == 0:
+        return
+    sums = (np.empty(count), np.empty(count))
+    _dot2_features(vp, cols, e0, m0, pairs[:count], kept, sums)
+    for f in range(count):
+        r = m0 + pairs[f, 0]
+        z = (kept[3][r, 0], kept[3][r, 1], kept[3][r, 2])
+        index = (b, sorted_rows[r, 1], i)
+        n = (sums[0][f], sums[1][f])
+        dec = _decide_feature(
+            index, e0 + pairs[f, 1], n, z, radii[pairs[f, 0], pairs[f, 1]], target, results[0]
+        )
+        done[r, span] = done[r, span] and dec
 
 
 @numba.jit(**_JIT, parallel=True)
