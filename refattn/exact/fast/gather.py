@@ -381,17 +381,6 @@ class _Gathered:
         if self.fused:
             self.ok &= ~self.source[2][:, self.kvh]
 
-    def gathered_keys(self) -> None:
-        """The gathered keys' transposed table, norms and exactness scales of every kv-head
-        plane (:meth:`_keys`) for the double-double step, when the setup left them to the
-        double-precision step (``fused``); their range checks passed there."""
-        if not self.fused:
-            return
-        self.fused = False
-        for b, row in enumerate(self._used):
-            for g, (u, _) in enumerate(row):
-                self._keys(self._spec.k[b, g], u, (b, g))
-
     def _keys(self, plane: np.ndarray, used: np.ndarray, bg) -> bool:
         """The keys ``used`` of a kv-head plane (S, D) into the transposed table ``kT[bg]``
         with their norms, exactness scales and range check in one compiled pass
