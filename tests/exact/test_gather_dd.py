@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+import numba
 import numpy as np
 import pytest
 
@@ -20,6 +21,9 @@ from refattn.exact.fast.gather_lanes import W
 from tests.helpers import digest_with_threads
 
 OUT_DTYPES = ["float32", "bfloat16", "float16", "float64"]
+
+# Compiled kernels only: the pure-Python twins (NUMBA_DISABLE_JIT=1) run too slowly here.
+pytestmark = pytest.mark.skipif(numba.config.DISABLE_JIT, reason="compiled kernels only")
 
 
 def _run(mode, q, k, v, **opts):

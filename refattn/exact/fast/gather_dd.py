@@ -158,6 +158,10 @@ else:  # pragma: no cover - exercised by the NUMBA_DISABLE_JIT=1 test tier
     def vsub(x, y):
         return x - y
 
+    def vfma(a, x, y):
+        # fused, lane by lane (the grid sums of grid_dot_bound need one rounding per fma)
+        return np.array([D.fma(float(a), float(p), float(q)) for p, q in zip(x, y, strict=True)])
+
     def transpose8(src, d0, dst):
         dst[d0 : d0 + 8, :8] = src[:8, d0 : d0 + 8].T
 
@@ -564,23 +568,21 @@ SERIAL_ROWS = 1 << 16
 def _span_block(vp, cols, j0, j1, e0, wts, use, brow):
     """``brow[e] += sum_{j0 <= jj < j1, use[jj]} wts[jj] v_{cols[jj], e0 + e}`` for the
     FEATURES features of a span: one block's fma chain from +0 in eight lane vectors (in
-    registers), then added to ``brow``. The value rows are read by flat offset into the
-    C-contiguous (U, E) ``vp`` (no row view per key)."""
+    registers), then added to ``brow``."""
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero(brow)
-    vdim = vp.shape[1]
     for jj in range(j0, j1):
         if not use[jj]:
             continue
         w = wts[jj]
-        at = cols[jj] * vdim + e0
-        a0 = vfma(w, vload(vp, at), a0)
-        a1 = vfma(w, vload(vp, at + W), a1)
-        a2 = vfma(w, vload(vp, at + 2 * W), a2)
-        a3 = vfma(w, vload(vp, at + 3 * W), a3)
-        a4 = vfma(w, vload(vp, at + 4 * W), a4)
-        a5 = vfma(w, vload(vp, at + 5 * W), a5)
-        a6 = vfma(w, vload(vp, at + 6 * W), a6)
-        a7 = vfma(w, vload(vp, at + 7 * W), a7)
+        vrow = vp[cols[jj]]
+        a0 = vfma(w, vload(vrow, e0), a0)
+        a1 = vfma(w, vload(vrow, e0 + W), a1)
+        a2 = vfma(w, vload(vrow, e0 + 2 * W), a2)
+        a3 = vfma(w, vload(vrow, e0 + 3 * W), a3)
+        a4 = vfma(w, vload(vrow, e0 + 4 * W), a4)
+        a5 = vfma(w, vload(vrow, e0 + 5 * W), a5)
+        a6 = vfma(w, vload(vrow, e0 + 6 * W), a6)
+        a7 = vfma(w, vload(vrow, e0 + 7 * W), a7)
     vstore(brow, 0, vadd(vload(brow, 0), a0))
     vstore(brow, W, vadd(vload(brow, W), a1))
     vstore(brow, 2 * W, vadd(vload(brow, 2 * W), a2))
