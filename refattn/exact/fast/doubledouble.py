@@ -88,6 +88,7 @@ __all__ = [
     "dd_div_d",
     "exp_dd",
     "exp_dd_fast",
+    "exp_dd_fast_lanes",
     "EXP_FAST_REL",
     "EXP_FAST_BUDGET",
     "log_dd",
@@ -563,6 +564,8 @@ def tanh_dd(xh, xl):
 #: integer division is by a nonzero constant)
 _JIT_FAST_EXP = dict(fastmath=False, boundscheck=False, cache=True, nogil=True)
 _FAST_STEPS = 1024  # table 2**(j/1024): |r| <= ln2/2048 < 3.4e-4
+_FAST_SHIFT = 10  # log2(_FAST_STEPS)
+assert _FAST_STEPS == 1 << _FAST_SHIFT
 _FAST_R_MAX = 3.4e-4
 
 
@@ -653,3 +656,37 @@ def exp_dd_fast(xh, xl):
         min(max((ki - j) // _FAST_STEPS - _FAST_POW2_MIN, 0), _FAST_POW2.shape[0] - 1)
     ]
     return ah * scale, al * scale
+
+
+@numba.jit(**_JIT_FAST_EXP)
+def exp_dd_fast_lanes(xh, xl, eh, el):
+    """``eh[j], el[j] = exp_dd_fast(xh[j], xl[j])`` for every j: the same operations in the
+    same order (the same bits, the bound :data:`EXP_FAST_REL` on ``[EXP_MIN_ARG, 1]``), in a
+    loop without branches (the domain test a select, the rounding to an integer ``rint``, the
+    power of two read from the table by a shift), which the compiler runs several keys to a
+    vector. Outside ``[EXP_MIN_ARG - 1, 2]`` (NaN too) the result is NaN, as there."""
+    lo_arg = EXP_MIN_ARG - 1.0
+    for j in range(xh.shape[0]):
+        x = xh[j]
+        inside = (x >= lo_arg) & (x <= 2.0)
+        x = min(max(x, lo_arg), 2.0)
+        k = np.rint(x * _FAST_INV_STEP)
+        rh, rl = two_sum(x, -k * _FAST_PIECES[0])
+        rh, rl = dd_add_d(rh, rl, xl[j])
+        ph, pl = two_prod(k, _FAST_PIECES[1])
+        rh, rl = dd_add(rh, rl, -ph, -pl)
+        rh, rl = dd_add_d(rh, rl, -k * _FAST_PIECES[2])
+        tau = _FAST_TAIL[4]
+        for n in range(3, -1, -1):
+            tau = tau * rh + _FAST_TAIL[n]
+        ah, al = fast_two_sum(_FAST_COEF[3, 0], _FAST_COEF[3, 1] + rh * tau)
+        for n in range(2, -1, -1):
+            ah, al = dd_mul(ah, al, rh, rl)
+            ah, al = dd_add(ah, al, _FAST_COEF[n, 0], _FAST_COEF[n, 1])
+        ki = np.int64(k)
+        t = ki & (_FAST_STEPS - 1)
+        ah, al = dd_mul(ah, al, _FAST_TABLE[t, 0], _FAST_TABLE[t, 1])
+        at = min(max(((ki - t) >> _FAST_SHIFT) - _FAST_POW2_MIN, 0), _FAST_POW2.shape[0] - 1)
+        scale = _FAST_POW2[at]
+        eh[j] = ah * scale if inside else math.nan
+        el[j] = al * scale if inside else math.nan

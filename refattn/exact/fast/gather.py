@@ -62,6 +62,7 @@ from .allowed_set import allowed_rule
 from .facts import row_facts, row_facts_serial
 from .forward import finish_forward, kernel_params, referee_runs, row_spec
 from .forward_kernels import OK, SUM_BLOCK, UNDECIDED
+from .gather_dd import dd_step
 from .gather_kernels import (
     DOT_BLOCK,
     HEAD_BLOCK,
@@ -71,7 +72,6 @@ from .gather_kernels import (
     decode_dots_serial,
     gather_d,
     gather_d_serial,
-    gather_dd,
 )
 from .gather_lanes import key_facts, value_rows
 
@@ -484,17 +484,6 @@ class _Gathered:
         if self.fused:
             self.ok &= ~self.source[2][:, self.kvh]
 
-    def gathered_keys(self) -> None:
-        """The gathered keys' transposed table, norms and exactness scales of every kv-head
-        plane (:meth:`_keys`) for the double-double step, when the setup left them to the
-        double-precision step (``fused``); their range checks passed there."""
-        if not self.fused:
-            return
-        self.fused = False
-        for b, row in enumerate(self._used):
-            for g, (u, _) in enumerate(row):
-                self._keys(self._spec.k[b, g], u, (b, g))
-
     def _keys(self, plane: np.ndarray, used: np.ndarray, bg) -> bool:
         """The keys ``used`` of a kv-head plane (S, D) into the transposed table ``kT[bg]``
         with their norms, exactness scales and range check in one compiled pass
@@ -593,9 +582,8 @@ def gather_forward(spec: AttentionSpec, out_dtype, *, return_lse=False, return_w
             redo = np.broadcast_to(x.ok[:, :, None], status.shape)
         rows = np.ascontiguousarray(np.argwhere(redo)) if redo.any() else _NO_ROWS
         if rows.size:
-            x.gathered_keys()
             with _serial_below(rows.shape[0] * per_row * 4):  # Dot2: ~4 fma chains' work
-                gather_dd(rows, inputs, lists, rule, target, results)
+                dd_step(rows, inputs, lists, rule, target, results, x.source)
         step_rows["double-double"] = rows.shape[0]
     referee_rows = _referee(
         spec, status, out_dtype, (out, lse, weights), return_lse, return_weights

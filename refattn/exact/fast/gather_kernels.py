@@ -21,8 +21,8 @@ them; a decode step lists T), and each row's list holds positions in that gather
   float32 target (no lse, no weights, no keep scale) the outputs are decided from one-word
   quotients (:func:`float32_outputs`), first with ``max_j |v_je| Z``, and A_e is summed
   only for the features that bound leaves undecided.
-* :func:`gather_dd`: the double-double step, one query row per work item, with the per-key
-  and per-row steps of :mod:`refattn.exact.fast.forward_kernels`.
+* :func:`row_columns`, :func:`float32_out`, :func:`scatter_weights`: the pieces the
+  double-double step (:mod:`refattn.exact.fast.gather_dd`) shares with this one.
 
 Each row's arithmetic is fixed by its list and the shapes alone: no bit depends on the thread
 count or on which rows share a work item.
@@ -52,7 +52,6 @@ from ._params import (
     P_SINK,
     P_SLOPE,
     P_SOFTCAP,
-    P_SUM_REL,
     R_HAS_BIAS,
     R_HAS_KEEP,
     R_HAS_MASK,
@@ -60,7 +59,6 @@ from ._params import (
     R_ROWS_LO,
 )
 from .allowed_set import key_state
-from .doubledouble import EXP_FAST_REL, exp_dd_fast
 from .forward_kernels import (
     CUT,
     EMPTY,
@@ -70,12 +68,9 @@ from .forward_kernels import (
     TINY,
     UNDECIDED,
     bias_in_range,
-    dot2_step,
     finish_row,
-    row_dots,
     row_weights,
     score_d,
-    score_dd,
 )
 from .gather_lanes import (
     magnitude_sum,
@@ -92,10 +87,12 @@ __all__ = [
     "decode_dots",
     "dot_error",
     "exp_rel",
+    "float32_out",
     "float32_outputs",
     "gather_d",
     "gather_d_serial",
-    "gather_dd",
+    "row_columns",
+    "scatter_weights",
     "DOT_BLOCK",
     "HEAD_BLOCK",
 ]
@@ -148,23 +145,6 @@ def _row_columns(b, g, i, lists, keys_of, rule):
     while z < sel.shape[0] and korig[sel[z]] < hi:
         z += 1
     return sel[a:z]
-
-
-@numba.jit(**_JIT)
-def _key_columns(kTp, cols):
-    """(D, n) copy of the columns ``cols`` of a plane's gathered keys (D, U)."""
-    out = np.empty((kTp.shape[0], cols.shape[0]))
-    for d in range(kTp.shape[0]):
-        src = kTp[d]
-        dst = out[d]
-        for jj in range(cols.shape[0]):
-            dst[jj] = src[cols[jj]]
-    return out
-
-
-@numba.jit(**_JIT)
-def _contiguous(cols):
-    return cols.shape[0] > 0 and cols[cols.shape[0] - 1] - cols[0] == cols.shape[0] - 1
 
 
 @numba.jit(**_JIT)
@@ -638,7 +618,7 @@ def gather_d(items, inputs, lists, rule, target, results, source):
     facts): the dot products read the keys from those rows (no gathered float64 copy), and
     with ``facts`` each item forms its keys' range checks and exactness scales in the same
     pass and flags the kv-head planes with a key out of range (the gathered ``kTu``, ``knu``,
-    ``ksu`` are then not read: the host fills them for the double-double step alone),
+    ``ksu`` are then not read, nor filled),
     then the ``formed`` arrays s, sab (B, K, G, U), scales (B, K, U), place (H,) (each
     head's row in its group)): when they are not empty, the items read the dot products,
     magnitude sums and keys' scales that :func:`decode_dots` formed (the same bits) instead
@@ -698,128 +678,8 @@ gather_d_serial = serial_twin(gather_d, _JIT)
 #: steps whose first pass runs on the calling thread alone.
 decode_dots_serial = serial_twin(decode_dots, _JIT)
 
-
-@numba.jit(**_JIT)
-def _dd_scores(b, h, i, cols, inputs, rule, work):
-    """Double-double scores of row i of plane (b, h) over the listed keys ``cols`` in place
-    of their Dot2 sums ``work`` = (s, c, err, state); returns (max score, bias out of
-    range)."""
-    q, kTu, _, qn, knu, _, _, _, keys_of, prm, kvh = inputs
-    has_mask, has_bias, has_keep = rule[R_HAS_MASK], rule[R_HAS_BIAS], rule[R_HAS_KEEP]
-    s, c, err, state = work
-    g = kvh[h]
-    n = cols.shape[0]
-    if n > 0 and _contiguous(cols):  # a decode row lists the whole gathered table: no copy
-        row_dots(q[b, h, i], kTu[b, g], cols[0], cols[0] + n, s, c)
-    elif n > 0:
-        row_dots(q[b, h, i], _key_columns(kTu[b, g], cols), 0, n, s, c)
-    korig = keys_of[b, g]
-    pr = prm[b, h]
-    top = -np.inf
-    for jj in range(n):
-        j = korig[cols[jj]]
-        st, bv = 2, 0.0
-        if has_mask or has_bias or has_keep:
-            st, bv = key_state(rule, b, h, i, j)
-        state[jj] = st
-        if st == 0:
-            continue
-        if has_bias and not bias_in_range(bv):
-            return top, True
-        th, tl, e = score_dd(i, j, s[jj], c[jj], qn[b, h, i], knu[b, g, cols[jj]], pr, bv, has_bias)
-        s[jj], c[jj], err[jj] = th, tl, e
-        if th > top:
-            top = th
-    return top, False
-
-
-@numba.jit(**_JIT)
-def _dd_row(b, h, i, inputs, lists, rule, target, results):
-    """Double-double step of query row i of plane (b, h) over its listed keys (the steps and
-    bounds of :func:`refattn.exact.fast.forward_kernels.forward_dd`); returns its status."""
-    _, _, vu, _, _, _, _, vmaxu, keys_of, prm, kvh = inputs
-    want_w = target[1]
-    g = kvh[h]
-    cols = _row_columns(b, g, i, lists, keys_of, rule)
-    n = cols.shape[0]
-    vdim = vu.shape[3]
-    pr = prm[b, h]
-    vp = vu[b, g]
-    s, c, err, state = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n, np.int8)
-    top, bad = _dd_scores(b, h, i, cols, inputs, rule, (s, c, err, state))
-    if bad:
-        return UNDECIDED
-    has_sink, sink = pr[P_HAS_SINK] != 0.0, pr[P_SINK]
-    if has_sink and sink > top:  # the sink: one more logit in the max and in Z, no value
-        top = sink
-    if top == -np.inf:
-        return EMPTY
-    ns, nc, tiny_v = np.zeros(vdim), np.zeros(vdim), np.zeros(vdim)
-    zs = zc = tiny = rho = zv = 0.0
-    for jj in range(n):
-        if state[jj] == 0:
-            continue
-        xh, xl = D.dd_add_d(s[jj], c[jj], -top)
-        xe = (err[jj] + D.DD_REL * abs(xh)) * D.BOUND_SAFETY
-        if want_w:
-            s[jj], c[jj], err[jj] = xh, xl, xe  # the shifted scores, kept for the weights
-        vrow = vp[cols[jj]]
-        if xh < CUT:
-            tiny += TINY
-            if state[jj] == 2:
-                for e in range(vdim):
-                    tiny_v[e] += abs(vrow[e])
-            continue
-        rho = max(rho, exp_rel(EXP_FAST_REL, xe))
-        eh, el = exp_dd_fast(xh, xl)
-        zs, es = D.two_sum(zs, eh)
-        zc += es + el
-        if state[jj] == 2:
-            for e in range(vdim):
-                ns[e], er = dot2_step(ns[e], eh, vrow[e])
-                nc[e] += er + el * vrow[e]
-            zv += eh
-    if has_sink:  # sink - top is exact (TwoSum); the term enters Z after the keys
-        xh, xl = D.two_sum(sink, -top)
-        if xh < CUT:
-            tiny += TINY
-        else:
-            rel = exp_rel(EXP_FAST_REL, D.DD_REL * abs(xh) * D.BOUND_SAFETY)
-            rho = max(rho, rel)
-            eh, el = exp_dd_fast(xh, xl)
-            zs, es = D.two_sum(zs, eh)
-            zc += es + el
-    if not rho <= RHO_MAX:
-        return UNDECIDED
-    sum_rel = pr[P_SUM_REL]
-    zh, zl = D.two_sum(zs, zc)
-    zr = ((sum_rel + rho) * zh + tiny) * D.BOUND_SAFETY
-    nr = TINY * tiny_v
-    if zv > 0.0:  # the valued keys' mass: Z, or less when a sink holds most of it
-        mass = min(zh + zr, zv * (1.0 + rho) * (1.0 + 2.0**-20))
-        nr = nr + ((sum_rel + rho) * vmaxu[b, g] * mass) * D.BOUND_SAFETY
-    ok, lz_h, lz_l, lz_r = finish_row(
-        (b, h, i), top, (zh, zl, zr), (ns, nc, nr), pr, target, results
-    )
-    if ok and want_w:
-        ok = _scatter_weights(
-            (b, h, i),
-            cols,
-            keys_of[b, g],
-            state,
-            (s, c, err),
-            (lz_h, lz_l, lz_r),
-            target,
-            results[2],
-        )
-    return OK if ok else UNDECIDED
-
-
-@numba.jit(**_PAR)
-def gather_dd(rows, inputs, lists, rule, target, results):
-    """Double-double step for the query rows ``rows`` ((n, 3): b, h, i), in parallel; the
-    argument records are those of :func:`gather_d`."""
-    status = results[3]
-    for r in prange(rows.shape[0]):
-        b, h, i = rows[r, 0], rows[r, 1], rows[r, 2]
-        status[b, h, i] = _dd_row(b, h, i, inputs, lists, rule, target, results)
+#: The public names of the pieces the double-double step
+#: (:mod:`refattn.exact.fast.gather_dd`) shares with the double-precision step.
+row_columns = _row_columns
+float32_out = _float32_out
+scatter_weights = _scatter_weights

@@ -40,6 +40,7 @@ __all__ = [
     "value_rows",
     "source_dots",
     "source_span",
+    "source_panel",
 ]
 
 #: Lanes of a 64-byte float64 vector.
@@ -682,3 +683,8 @@ def source_span(qh, src, rows, cols, at, block, s, sab, facts):
                         s[r + rr, at + c + cc] = tile[rr, cc]
                         sab[r + rr, at + c + cc] = tile_ab[rr, cc]
             r += k
+
+
+#: The public name of :func:`_source_panel` (the double-double step,
+#: :mod:`refattn.exact.fast.gather_dd`, builds its panels with it).
+source_panel = _source_panel
