@@ -94,9 +94,9 @@ def serve_batch(impl, batch, receive, send, judge, one_line) -> bool:  # pragma:
 
     # each fixture (hashed, its judging parts too) read here, before its case: the reading
     # is Python work under the interpreter lock, which a reading thread traded with the
-    # judging thousands of times a run (5000-7000 voluntary context switches of the worker
-    # over the float32 cases of default, against about 250 read here; wall 1.8-2.4 s against
-    # 2.0-2.4 s for refattn-float64 at load 1.5); the implementation's calls are left alone
+    # judging thousands of times a run (2600-6400 voluntary context switches of the worker
+    # over the float32 cases of default, against about 250 read here; wall 1.6-1.9 s against
+    # 1.9-2.1 s for refattn-float64 at load 2); the implementation's calls are left alone
     names = _part_names(batch)
     fixtures = _keyed(golden.load(batch.directory, names=batch.names), names)
     for reproduce in batch.reproduce:
