@@ -1,7 +1,5 @@
 """``python -m oracle`` is ``refattn-oracle``."""
 
-import sys
+from oracle.cli import console
 
-from oracle.cli import main
-
-sys.exit(main())
+console()

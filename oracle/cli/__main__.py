@@ -1,7 +1,5 @@
 """``python -m oracle.cli`` is ``refattn-oracle`` (as ``python -m oracle`` is)."""
 
-import sys
+from oracle.cli import console
 
-from oracle.cli import main
-
-sys.exit(main())
+console()

@@ -1,13 +1,14 @@
 """Whether an implementation's call is running in this process, so that the judge's own
 background work waits for it to end.
 
-A validation worker reads the next fixtures in a thread (:mod:`oracle.run.prefetch`) while
-it judges a case. The reading is Python work (ZIP directories, npy headers, judging parts):
-run beside the implementation's call it takes the interpreter lock and a core from it, and a
-fast implementation's forward took twice its own time in the worker. The judge marks each call
-of the implementation (:func:`implementation_call`); the reader waits (:func:`wait_quiet`)
-before each fixture while one runs, and reads during the judging and between the calls. The
-implementation's own threads and settings are left as they are.
+Fixtures read in a thread (:class:`oracle.run.prefetch.Prefetched` with ``pause=wait_quiet``)
+while cases are judged are Python work (ZIP directories, npy headers, judging parts): run
+beside the implementation's call it takes the interpreter lock and a core from it, and a fast
+implementation's forward took twice its own time in the worker. The judge marks each call of
+the implementation (:func:`implementation_call`); such a reader waits (:func:`wait_quiet`)
+before each fixture while one runs. (The worker of :mod:`oracle.run.stored` now reads each
+fixture itself before its case, in no thread.) The implementation's own threads and settings
+are left as they are.
 
 Examples
 --------

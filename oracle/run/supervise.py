@@ -404,12 +404,12 @@ class Supervisor:
                 if kind == "died":
                     problem = payload
                     break
-                if kind == "case":  # its fixture is read: the case's own clock starts
+                if kind == "case":  # its fixture was slow to read: the case's own clock starts
                     start, features = time.perf_counter(), payload
                     continue
-                result = payload
+                features, result = payload
                 if kind == "error":
-                    result = _error_result(stored.cases[index], payload, reproduce[index], start)
+                    result = _error_result(stored.cases[index], result, reproduce[index], start)
                 start = time.perf_counter()  # the worker is on the next case
                 result.features, result.shape_classes = features or _features(stored, index, grads)
                 features, index = None, index + 1

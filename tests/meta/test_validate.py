@@ -306,6 +306,37 @@ def test_python_m_oracle_in_a_fresh_interpreter():
     assert run.returncode == 1 and "matches no scale" in run.stdout, (run.stdout, run.stderr)
 
 
+_EXIT_SCRIPT = """
+import atexit, sys, threading
+from oracle.cli import exit_now
+atexit.register(lambda: sys.stdout.write("handler ran\\n"))
+sys.stdout.write("x" * 100000 + "\\n")  # buffered: written by the flush before the exit
+if sys.argv[1] == "thread":
+    threading.Thread(target=lambda: None).start()
+    threading.Thread(target=threading.Event().wait, args=(0.5,)).start()
+exit_now(3)
+sys.stdout.write("not reached\\n")
+"""
+
+
+@pytest.mark.parametrize("mode", ["alone", "thread"])
+def test_exit_now_runs_the_exit_handlers_and_flushes_first(mode):
+    """The command line ends its process without the interpreter's teardown: with the exit
+    code, the exit handlers run once and the buffered output written; with another thread
+    running, by the usual exit (which waits for it)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, mode],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 3, run.stderr
+    assert run.stdout == "x" * 100000 + "\nhandler ran\n", run.stderr
+
+
 def test_leaked_poison_is_not_diagnosed_as_a_convention():
     """A dense implementation (scores + -inf at excluded positions, then weights @ v) leaks
     NaN from excluded keys; no alternative convention may "explain" that by admitting the

@@ -62,6 +62,27 @@ def test_cases_read_by_the_worker_judge_as_fixtures_read_here(directory):
     assert f"--fixtures {directory} " in stored.results[1].reproduce
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="workers are forked on Linux")
+@pytest.mark.parametrize(
+    ("impl", "reason"), [("hangs_on_causal", "timeout"), ("segfaults_on_causal", "SIGSEGV")]
+)
+def test_a_hang_or_crash_in_a_read_case_is_that_cases_error(directory, impl, reason):
+    """Cases read by the worker answer in one message each: a case that hangs or crashes
+    the worker before its answer is still that case's "error" (with its own features, read
+    here), and a new worker judges the next case."""
+    report = validate(
+        f"tests.planted.plugin_impls:{impl}",
+        fixtures=directory,
+        dtype="float32",
+        progress=False,
+        timeout=5,
+    )
+    assert [r.verdict for r in report.results] == ["pass", "error", "pass"]
+    assert reason in report.results[1].message
+    assert [r.features for r in report.results] == [[], ["causal", "align-bottom-right"], ["gqa"]]
+    assert report.results[1].shape_classes == ["L<S"]
+
+
 def test_an_unreadable_fixture_raises_where_the_run_reaches_it(directory, tmp_path):
     """A fixture the worker cannot read raises its FixtureError, as reading it here would."""
     copy = tmp_path / "copy"
