@@ -191,18 +191,19 @@ def test_dd_step_bits_do_not_depend_on_thread_count():
 
 @pytest.mark.parametrize("dim", [5, 37, 64])
 @pytest.mark.parametrize("m", [3, W])
-def test_panels_are_the_source_panels(dim, m):
-    """The step's panels (eight features transposed at a time, the tail one by one) hold
-    the bits of gather_lanes.source_panel's, +0 in the missing keys' lanes."""
+def test_source_panels_hold_the_listed_keys(dim, m):
+    """gather_lanes.source_panel, which the step reads its keys through (eight features
+    transposed at a time, the tail one by one): the listed rows widened exactly, key l in
+    lane l, +0 in the missing keys' lanes."""
     from refattn.exact.fast.gather_lanes import source_panel
 
     rng = np.random.default_rng(dim + m)
     src = rng.standard_normal((30, dim)).astype(np.float32)
     rows = rng.permutation(30)
     cols = rng.permutation(20)
-    got, want = np.full((dim, W), np.nan), np.full((dim, W), np.nan)
-    buf = np.empty((W, dim))
-    GD._panel(src, rows, cols, 4, m, buf, got)
+    got = np.full((dim, W), np.nan)
     none = (np.empty(0, np.bool_), np.empty(0))
-    source_panel(src, rows, cols, (4, 4), m, np.empty((W, dim)), want, none)
+    source_panel(src, rows, cols, (4, 4), m, np.empty((W, dim)), got, none)
+    want = np.zeros((dim, W))
+    want[:, :m] = src[rows[cols[4 : 4 + m]]].astype(np.float64).T
     assert _same_bits(got, want)

@@ -5,11 +5,12 @@ query row read the same listed keys), in up to three compiled passes (:func:`dd_
 
 1. :func:`grid_dots`, in parallel over spans of :data:`SPAN` listed keys of each group: the
    keys are read from the kv-head plane's own rows W at a time into a (D, W) panel
-   (:func:`_panel`: no transposed float64 table of the gathered keys is formed) that every
-   row of the group then reads; each (row, key) dot product is accumulated on a fixed grid
-   in the lanes of a vector (:func:`grid_dot_bound` states the algorithm and its bound: two
-   fma and two additions per term, against ten operations for Dot2, with an error of the
-   same order, ``2 D^2 u^2 sigma``).
+   (:func:`~refattn.exact.fast.gather_lanes.source_panel`: no transposed float64 table of
+   the gathered keys is formed) that every row of the group then reads; each (row, key)
+   dot product is accumulated on a fixed grid in the lanes of a vector
+   (:func:`grid_dot_bound` states the algorithm and its bound: two fma and two additions
+   per term, against ten operations for Dot2, with an error of the same order,
+   ``2 D^2 u^2 sigma``).
 2. :func:`dd_rows`, over the rows: each row's scores in double-double
    (:func:`refattn.exact.fast.forward_kernels.score_dd` on the grid sums and their bound),
    the exponentials lane-wise (:func:`refattn.exact.fast.doubledouble.exp_dd_fast_lanes`,
@@ -70,7 +71,7 @@ from .forward_kernels import (
     score_dd,
 )
 from .gather_kernels import exp_rel, float32_out, float32_outputs, row_columns, scatter_weights
-from .gather_lanes import W
+from .gather_lanes import W, source_panel
 from .rounding_decision import decide_quick
 
 __all__ = [
@@ -99,8 +100,6 @@ GRID_MIN = 2.0**-900
 _JIT = dict(nopython=True, cache=True, fastmath=False, error_model="numpy")
 
 if JIT:
-    from llvmlite import ir
-    from numba.core import cgutils, types
     from numba.core.extending import intrinsic
 
     @intrinsic
@@ -112,47 +111,6 @@ if JIT:
 
         return x(x, y), codegen
 
-    def _shuffle(builder, a, b, mask):
-        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 8), mask))
-
-    @intrinsic
-    def transpose8(typingctx, src, d0, dst):
-        """``dst[d0 + x, r] = src[r, d0 + x]`` for r, x < 8 (``src`` (8, >= d0 + 8), ``dst``
-        (>= d0 + 8, 8) float64, C-contiguous): eight loads, 24 shuffles in three stages
-        (pairs of rows, then pairs of pairs, then halves) and eight stores; data moved, not
-        computed."""
-
-        def codegen(context, builder, sig, args):
-            srcty, _, dstty = sig.args
-            sa = context.make_array(srcty)(context, builder, args[0])
-            da = context.make_array(dstty)(context, builder, args[2])
-            i64 = ir.IntType(64)
-            vt = ir.VectorType(ir.DoubleType(), 8)
-            m = []
-            for r in range(8):
-                at = [ir.Constant(i64, r), args[1]]
-                ptr = cgutils.get_item_pointer(context, builder, srcty, sa, at)
-                m.append(builder.load(builder.bitcast(ptr, vt.as_pointer()), align=1))
-            u = [None] * 8
-            for r in (0, 2, 4, 6):
-                u[r] = _shuffle(builder, m[r], m[r + 1], [0, 8, 2, 10, 4, 12, 6, 14])
-                u[r + 1] = _shuffle(builder, m[r], m[r + 1], [1, 9, 3, 11, 5, 13, 7, 15])
-            v = [None] * 8
-            for r in (0, 1, 4, 5):
-                v[r] = _shuffle(builder, u[r], u[r + 2], [0, 1, 8, 9, 4, 5, 12, 13])
-                v[r + 2] = _shuffle(builder, u[r], u[r + 2], [2, 3, 10, 11, 6, 7, 14, 15])
-            out = [None] * 8
-            for c in (0, 1, 2, 3):
-                out[c] = _shuffle(builder, v[c], v[c + 4], [0, 1, 2, 3, 8, 9, 10, 11])
-                out[c + 4] = _shuffle(builder, v[c], v[c + 4], [4, 5, 6, 7, 12, 13, 14, 15])
-            for x in range(8):
-                at = [builder.add(args[1], ir.Constant(i64, x)), ir.Constant(i64, 0)]
-                ptr = cgutils.get_item_pointer(context, builder, dstty, da, at)
-                builder.store(out[x], builder.bitcast(ptr, vt.as_pointer()), align=1)
-            return context.get_dummy_value()
-
-        return types.none(src, d0, dst), codegen
-
 else:  # pragma: no cover - exercised by the NUMBA_DISABLE_JIT=1 test tier
 
     def vsub(x, y):
@@ -161,9 +119,6 @@ else:  # pragma: no cover - exercised by the NUMBA_DISABLE_JIT=1 test tier
     def vfma(a, x, y):
         # fused, lane by lane (the grid sums of grid_dot_bound need one rounding per fma)
         return np.array([D.fma(float(a), float(p), float(q)) for p, q in zip(x, y, strict=True)])
-
-    def transpose8(src, d0, dst):
-        dst[d0 : d0 + 8, :8] = src[:8, d0 : d0 + 8].T
 
 
 def grid_dot_bound(dim: int, sigma: float) -> float:
@@ -268,30 +223,6 @@ def _grid1(qrow, panel, dim, sig, hi, lo):
 
 
 @numba.jit(**_JIT)
-def _panel(src, rows, cols, c, m, buf, panel):
-    """The m <= W keys ``src[rows[cols[c + l]]]`` (l < m) widened exactly to float64 into
-    the lanes of the (D, W) ``panel``, the other lanes +0 (the panel of
-    :func:`refattn.exact.fast.gather_lanes.source_panel`, transposed eight features at a
-    time by :func:`transpose8`); ``buf`` (W, D) float64 holds the widened rows."""
-    dim = panel.shape[0]
-    for cc in range(W):
-        dst = buf[cc]
-        if cc < m:
-            row = src[rows[cols[c + cc]]]
-            for d in range(dim):
-                dst[d] = row[d]
-        else:
-            for d in range(dim):
-                dst[d] = 0.0
-    whole = dim - dim % W
-    for d0 in range(0, whole, W):
-        transpose8(buf, d0, panel)
-    for d in range(whole, dim):
-        for cc in range(W):
-            panel[d, cc] = buf[cc, d]
-
-
-@numba.jit(**_JIT)
 def _panel_norms(panel, m, kn):
     """Upper bounds of the 2-norms of the panel's first m keys (the bound of
     :func:`refattn.exact.fast.gather_lanes.key_facts`: the sum of squares a lane chain, its
@@ -337,12 +268,13 @@ def _dots_task(task, sorted_rows, inputs, lists, rule, source, dots):
     buf = np.empty((W, dim))
     panel = np.empty((dim, W))
     kn = np.empty(W)
+    nofacts = (np.zeros(0, np.bool_), np.zeros(0))  # the keys' range checks: not asked
     sig = np.empty((4, W))
     th = np.empty((4, W))
     tl = np.empty((4, W))
     for c in range(c0, c1, W):
         m = min(W, c1 - c)
-        _panel(src[b, g], rows[b, g], cols, c, m, buf, panel)
+        source_panel(src[b, g], rows[b, g], cols, (c, 0), m, buf, panel, nofacts)
         _panel_norms(panel, m, kn)
         r = 0
         while r < nh:

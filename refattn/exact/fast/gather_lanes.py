@@ -74,6 +74,47 @@ if JIT:
 
     from ...kernels._simd import vfma
 
+    def _shuffle(builder, a, b, mask):
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 8), mask))
+
+    @intrinsic
+    def transpose8(typingctx, src, d0, dst):
+        """``dst[d0 + x, r] = src[r, d0 + x]`` for r, x < 8 (``src`` (8, >= d0 + 8), ``dst``
+        (>= d0 + 8, 8) float64, C-contiguous): eight loads, 24 shuffles in three stages
+        (pairs of rows, then pairs of pairs, then halves) and eight stores; data moved, not
+        computed."""
+
+        def codegen(context, builder, sig, args):
+            srcty, _, dstty = sig.args
+            sa = context.make_array(srcty)(context, builder, args[0])
+            da = context.make_array(dstty)(context, builder, args[2])
+            i64 = ir.IntType(64)
+            vt = ir.VectorType(ir.DoubleType(), 8)
+            m = []
+            for r in range(8):
+                at = [ir.Constant(i64, r), args[1]]
+                ptr = cgutils.get_item_pointer(context, builder, srcty, sa, at)
+                m.append(builder.load(builder.bitcast(ptr, vt.as_pointer()), align=1))
+            u = [None] * 8
+            for r in (0, 2, 4, 6):
+                u[r] = _shuffle(builder, m[r], m[r + 1], [0, 8, 2, 10, 4, 12, 6, 14])
+                u[r + 1] = _shuffle(builder, m[r], m[r + 1], [1, 9, 3, 11, 5, 13, 7, 15])
+            v = [None] * 8
+            for r in (0, 1, 4, 5):
+                v[r] = _shuffle(builder, u[r], u[r + 2], [0, 1, 8, 9, 4, 5, 12, 13])
+                v[r + 2] = _shuffle(builder, u[r], u[r + 2], [2, 3, 10, 11, 6, 7, 14, 15])
+            out = [None] * 8
+            for c in (0, 1, 2, 3):
+                out[c] = _shuffle(builder, v[c], v[c + 4], [0, 1, 2, 3, 8, 9, 10, 11])
+                out[c + 4] = _shuffle(builder, v[c], v[c + 4], [4, 5, 6, 7, 12, 13, 14, 15])
+            for x in range(8):
+                at = [builder.add(args[1], ir.Constant(i64, x)), ir.Constant(i64, 0)]
+                ptr = cgutils.get_item_pointer(context, builder, dstty, da, at)
+                builder.store(out[x], builder.bitcast(ptr, vt.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return numba.types.none(src, d0, dst), codegen
+
     @intrinsic
     def _trailing_zeros(typingctx, n):
         """The count of trailing zero bits of an int64 (llvm.cttz; 64 for 0)."""
@@ -95,6 +136,9 @@ else:  # pragma: no cover - exercised by the NUMBA_DISABLE_JIT=1 test tier
     def _trailing_zeros(n):
         n = int(n)
         return 64 if n == 0 else (n & -n).bit_length() - 1
+
+    def transpose8(src, d0, dst):
+        dst[d0 : d0 + 8, :8] = src[:8, d0 : d0 + 8].T
 
 
 @numba.jit(**_JIT)
@@ -592,7 +636,8 @@ def _source_panel(src, rows, cols, at, m, buf, panel, facts):
     ``scales[o + l]``
     (the bits of :func:`key_facts`: the widened row's
     :func:`_row_scale`, its sum of squares a lane chain over d in order, then the norm and the
-    scale as :func:`_key_block` forms them). ``buf`` (W, D) float64 holds the widened rows."""
+    scale as :func:`_key_block` forms them). ``buf`` (W, D) float64 holds the widened rows,
+    transposed into the panel eight features at a time (:func:`transpose8`)."""
     c, o = at
     dim = panel.shape[0]
     want = facts[0].shape[0] > 0
@@ -610,10 +655,12 @@ def _source_panel(src, rows, cols, at, m, buf, panel, facts):
         else:
             for d in range(dim):
                 dst[d] = 0.0
-    for d in range(dim):
-        pd = panel[d]
+    whole = dim - dim % W
+    for d0 in range(0, whole, W):
+        transpose8(buf, d0, panel)
+    for d in range(whole, dim):
         for cc in range(W):
-            pd[cc] = buf[cc, d]
+            panel[d, cc] = buf[cc, d]
     if not want:
         return
     ok, scales = facts
