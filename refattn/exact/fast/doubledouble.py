@@ -620,21 +620,12 @@ EXP_FAST_REL = 2.0**-94
 assert EXP_FAST_BUDGET < EXP_FAST_REL
 
 
-@numba.jit(**_JIT_FAST_EXP)
-def exp_dd_fast(xh, xl):
-    """exp(xh + xl) as a double-double, relative error <= :data:`EXP_FAST_REL` for
-    ``EXP_MIN_ARG <= xh <= 1`` (outside: no claim; callers check).
-
-    ``x = k ln2/1024 + r`` (``ln2/1024`` in three pieces from mpmath, the first of 32 bits so
-    that ``k * piece`` is exact for ``|k| < 2**21``; ``|r| < 3.4e-4``), ``exp(r) = c0 + r(c1 +
-    r(c2 + r(c3 + r tau)))`` with ``c_n = 1/n!`` double-doubles and ``tau = sum_{n=4}^{8}
-    r^(n-4)/n!`` in float64 (``r^4 tau < 2**-46``, so its float64 error is below
-    ``2**-104``), times ``2**(j/1024)`` from the table and ``2**(k >> 10)`` (exact in the
-    domain: ``2**-895 <= 2**(k >> 10) <= 2``, and the low word stays normal).
-    :data:`EXP_FAST_BUDGET` itemises the bound.
-    """
-    if not (xh >= EXP_MIN_ARG - 1.0 and xh <= 2.0):  # NaN too: never an index
-        return math.nan, math.nan
+@numba.jit(inline="always", **_JIT_FAST_EXP)
+def _exp_dd_fast_reduced(xh, xl):
+    """The body of :func:`exp_dd_fast` before its power of two, for an ``xh`` in its domain:
+    (hi, lo) of ``exp(r) 2**(j/1024)`` and the integers k, j (``x = k ln2/1024 + r``,
+    ``j = k mod 1024``). Inlined where it is called (the lane-wise loop of
+    :func:`exp_dd_fast_lanes` then vectorises it as before)."""
     k = np.rint(xh * _FAST_INV_STEP)
     rh, rl = two_sum(xh, -k * _FAST_PIECES[0])
     rh, rl = dd_add_d(rh, rl, xl)
@@ -651,6 +642,25 @@ def exp_dd_fast(xh, xl):
     ki = np.int64(k)
     j = ki & (_FAST_STEPS - 1)
     ah, al = dd_mul(ah, al, _FAST_TABLE[j, 0], _FAST_TABLE[j, 1])
+    return ah, al, ki, j
+
+
+@numba.jit(**_JIT_FAST_EXP)
+def exp_dd_fast(xh, xl):
+    """exp(xh + xl) as a double-double, relative error <= :data:`EXP_FAST_REL` for
+    ``EXP_MIN_ARG <= xh <= 1`` (outside: no claim; callers check).
+
+    ``x = k ln2/1024 + r`` (``ln2/1024`` in three pieces from mpmath, the first of 32 bits so
+    that ``k * piece`` is exact for ``|k| < 2**21``; ``|r| < 3.4e-4``), ``exp(r) = c0 + r(c1 +
+    r(c2 + r(c3 + r tau)))`` with ``c_n = 1/n!`` double-doubles and ``tau = sum_{n=4}^{8}
+    r^(n-4)/n!`` in float64 (``r^4 tau < 2**-46``, so its float64 error is below
+    ``2**-104``), times ``2**(j/1024)`` from the table and ``2**(k >> 10)`` (exact in the
+    domain: ``2**-895 <= 2**(k >> 10) <= 2``, and the low word stays normal).
+    :data:`EXP_FAST_BUDGET` itemises the bound.
+    """
+    if not (xh >= EXP_MIN_ARG - 1.0 and xh <= 2.0):  # NaN too: never an index
+        return math.nan, math.nan
+    ah, al, ki, j = _exp_dd_fast_reduced(xh, xl)
     # clamped: outside the domain the value is meaningless but no read leaves the table
     scale = _FAST_POW2[
         min(max((ki - j) // _FAST_STEPS - _FAST_POW2_MIN, 0), _FAST_POW2.shape[0] - 1)
@@ -670,22 +680,7 @@ def exp_dd_fast_lanes(xh, xl, eh, el):
         x = xh[j]
         inside = (x >= lo_arg) & (x <= 2.0)
         x = min(max(x, lo_arg), 2.0)
-        k = np.rint(x * _FAST_INV_STEP)
-        rh, rl = two_sum(x, -k * _FAST_PIECES[0])
-        rh, rl = dd_add_d(rh, rl, xl[j])
-        ph, pl = two_prod(k, _FAST_PIECES[1])
-        rh, rl = dd_add(rh, rl, -ph, -pl)
-        rh, rl = dd_add_d(rh, rl, -k * _FAST_PIECES[2])
-        tau = _FAST_TAIL[4]
-        for n in range(3, -1, -1):
-            tau = tau * rh + _FAST_TAIL[n]
-        ah, al = fast_two_sum(_FAST_COEF[3, 0], _FAST_COEF[3, 1] + rh * tau)
-        for n in range(2, -1, -1):
-            ah, al = dd_mul(ah, al, rh, rl)
-            ah, al = dd_add(ah, al, _FAST_COEF[n, 0], _FAST_COEF[n, 1])
-        ki = np.int64(k)
-        t = ki & (_FAST_STEPS - 1)
-        ah, al = dd_mul(ah, al, _FAST_TABLE[t, 0], _FAST_TABLE[t, 1])
+        ah, al, ki, t = _exp_dd_fast_reduced(x, xl[j])
         at = min(max(((ki - t) >> _FAST_SHIFT) - _FAST_POW2_MIN, 0), _FAST_POW2.shape[0] - 1)
         scale = _FAST_POW2[at]
         eh[j] = ah * scale if inside else math.nan
