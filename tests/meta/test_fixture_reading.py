@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from oracle import catalogue
-from oracle.fixtures import golden
+from oracle.fixtures import golden, npz
 from oracle.fixtures.npz import read_npz
 from oracle.judging import parts
 from oracle.judging.judge import check_fixture
@@ -54,6 +54,31 @@ def test_read_npz_gives_numpy_loads_arrays(tmp_path):
     np.savez_compressed(tmp_path / "packed.npz", **arrays)  # numpy's reader for these
     for name in ("plain.npz", "packed.npz"):
         _assert_same(read_npz(tmp_path / name), _numpy_load(tmp_path / name))
+
+
+def test_read_npz_reads_the_zip_directory_itself_or_leaves_it_to_zipfile(tmp_path):
+    fixture = golden.build(catalogue.get(SMALL))
+    golden.write_fixture(fixture, tmp_path)
+    (path,) = tmp_path.glob("*.npz")
+    assert npz.is_zip(path.read_bytes())  # a fixture: its directory read from its bytes
+    arrays = {"a": np.arange(6.0).reshape(2, 3), "text": np.array("{}")}
+    np.savez(tmp_path / "plain.npz", **arrays)
+    assert npz.is_zip((tmp_path / "plain.npz").read_bytes())
+    plain = (tmp_path / "plain.npz").read_bytes()
+    with zipfile.ZipFile(tmp_path / "plain.npz") as source:
+        members = [(info.filename, source.read(info)) for info in source.infolist()]
+    with zipfile.ZipFile(tmp_path / "comment.npz", "w") as archive:  # a comment: zipfile's
+        for name, member in members:
+            archive.writestr(name, member)
+        archive.comment = b"kept"
+    (tmp_path / "prefixed.npz").write_bytes(b"#!" + plain)  # bytes before it: zipfile's
+    for name in ("comment.npz", "prefixed.npz"):
+        assert not npz.is_zip((tmp_path / name).read_bytes()), name
+        _assert_same(read_npz(tmp_path / name), arrays)
+    (tmp_path / "cut.npz").write_bytes(plain[:-10])  # a broken directory: zipfile's error
+    assert not npz.is_zip(plain[:-10])
+    with pytest.raises(zipfile.BadZipFile):
+        read_npz(tmp_path / "cut.npz")
 
 
 def test_read_npz_refuses_object_arrays(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 import threading
@@ -110,6 +111,16 @@ def test_fork_problem_names_each_condition(monkeypatch):
     finally:
         stop.set()
         thread.join()
+
+
+def test_a_forked_worker_keeps_the_memory_it_frees():
+    """glibc's mallopt takes the thresholds (in a fresh interpreter: this one keeps its own)."""
+    script = "from oracle.run.forked import keep_freed_memory; print(keep_freed_memory())"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+    assert done.stdout.strip() in (("True",) if glibc else ("True", "False"))
 
 
 _SCRIPT = """
