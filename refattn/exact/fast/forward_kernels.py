@@ -843,3 +843,6 @@ row_weights = _row_weights
 # the sigmoid first steps (:mod:`refattn.exact.fast.sigmoid_kernels`) score keys the same way
 # and the refined step (:mod:`refattn.exact.fast.forward_refine`) runs the per-row pieces
 block_scores = _block_scores
+# and the dense sigmoid step (:mod:`refattn.exact.fast.sigmoid_dense`) the dense pieces
+block_scores_d = _block_scores_d
+d_values = _d_values

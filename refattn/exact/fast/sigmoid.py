@@ -12,9 +12,11 @@ restricted to those rows (:func:`refattn.exact.fast.forward.row_spec`). The resu
 bit-identical to the referee's alone (``config.SIGMOID_EXACT_ENGINE = "referee"``).
 
 For targets of at most 24 bits (float32, float16, bfloat16) without weights, a cheaper
-double-precision step (:func:`refattn.exact.fast.sigmoid_kernels.sigmoid_d`: fma-chain scores
-with ``gamma_D`` bounds, ``exp_d``, an fma-chain sum with ``gamma_S``; radii about 2**-40
-relative) runs first; only the rows it leaves undecided run the double-double step.
+dense double-precision step (:func:`refattn.exact.fast.sigmoid_dense.sigmoid_dense`: the
+softmax engine's tiled fma-chain scores with ``gamma_D`` bounds, the branch-free ``exp_d``,
+blocked tiled sums with ``gamma_{SUM_BLOCK + S / SUM_BLOCK}``; radii about 2**-40 relative;
+its module docstring holds the error analysis) runs first; only the rows it leaves undecided
+run the double-double step.
 """
 
 from __future__ import annotations
@@ -27,43 +29,28 @@ from ..attention_sigmoid import exact_sigmoid_forward
 from ..rounding import format_of
 from ._params import frozen
 from .allowed_set import allowed_rule
-from .facts import row_facts
-from .forward import kernel_params, referee_runs, row_spec
-from .forward_kernels import ROW_BLOCK
-from .sigmoid_kernels import UNDECIDED, sigmoid_d, sigmoid_dd
+from .forward import _Inputs, redo_blocks, referee_runs, row_spec
+from .forward_kernels import D_ROW_BLOCK, ROW_BLOCK
+from .sigmoid_dense import sigmoid_dense
+from .sigmoid_kernels import UNDECIDED, sigmoid_dd
 
 __all__ = ["fast_sigmoid_forward", "sigmoid_enclosures", "sigmoid_fallback_stats"]
 
 _LAST_STATS: dict = {}
 
 
-def _facts(a):
-    """(ok, norms, exactness scales) of the rows of a's last axis (:func:`row_facts`)."""
-    flat = frozen(a.reshape(int(np.prod(a.shape[:3])), a.shape[3]))
-    ok = np.empty(flat.shape[0], np.bool_)
-    norms, scales = np.empty(flat.shape[0]), np.empty(flat.shape[0])
-    if flat.shape[0]:
-        row_facts(flat, flat.view(np.int64), norms, scales, ok)
-    return ok.reshape(a.shape[:3]), norms.reshape(a.shape[:3]), scales.reshape(a.shape[:3])
-
-
 def _inputs(spec: AttentionSpec):
-    """(kernel input record, planes (B, H) the first step takes)."""
-    _, _, _, length, keys, _, _ = spec.dims
-    q = np.ascontiguousarray(spec.q, dtype=np.float64)
-    k = np.ascontiguousarray(spec.k, dtype=np.float64)
-    v = np.ascontiguousarray(spec.v, dtype=np.float64)
-    kvh = np.ascontiguousarray(spec.kv_head, dtype=np.int64)
-    prm, ok = kernel_params(spec)
-    q_ok, qn, qs = _facts(q)
-    k_ok, kn, ks = _facts(k)
-    v_ok, vnorm, _ = _facts(np.ascontiguousarray(np.swapaxes(v, 2, 3)))
-    kv_ok = k_ok.all(axis=2) & v_ok.all(axis=2)
-    ok = ok & q_ok.all(axis=2) & kv_ok[:, kvh] & (length > 0) & (keys > 0)
-    kT = np.ascontiguousarray(np.swapaxes(k, 2, 3))
-    vmax = np.max(np.abs(v), axis=2, initial=0.0)
-    record = tuple(frozen(a) for a in (q, kT, v, qn, kn, qs, ks, vmax, vnorm, prm, kvh))
-    return record, ok
+    """(double-double step's record, dense step's record, planes (B, H) the first steps take),
+    from the softmax engine's one compiled pass over q, K and V (:class:`~refattn.exact.fast.
+    forward._Inputs`: K^T with KEY_TILE zero keys past S, V with zero features up to a multiple
+    of KEY_TILE); the double-double step reads V unpadded, the dense step |V| too."""
+    x = _Inputs(spec)
+    vdim = spec.v.shape[3]
+    facts = (x.qn, x.kn, x.qs, x.ks, x.vmax, x.vnorm, x.prm, x.kvh)
+    v = frozen(np.ascontiguousarray(x.v[..., :vdim]))
+    record = tuple(frozen(a) for a in (x.q, x.kT, v, *facts))
+    dense = (tuple(frozen(a) for a in (x.q, x.kT, x.v, *facts)), frozen(np.abs(x.v)))
+    return record, dense, x.ok
 
 
 def _row_groups(todo: np.ndarray) -> np.ndarray:
@@ -80,13 +67,14 @@ def _row_groups(todo: np.ndarray) -> np.ndarray:
 
 
 def _blocks(planes: np.ndarray, length: int) -> np.ndarray:
-    """(n, 4) int64 (b, h, first row, rows) of the row blocks of the planes taken."""
-    starts = np.arange(0, length, ROW_BLOCK)
+    """(n, 4) int64 (b, h, first row, rows) of the dense step's row blocks (D_ROW_BLOCK rows)
+    of the planes taken."""
+    starts = np.arange(0, length, D_ROW_BLOCK)
     taken = np.argwhere(planes)
     blocks = np.empty((taken.shape[0] * starts.size, 4), dtype=np.int64)
     blocks[:, :2] = np.repeat(taken, starts.size, axis=0)
     blocks[:, 2] = np.tile(starts, taken.shape[0])
-    blocks[:, 3] = np.minimum(ROW_BLOCK, length - blocks[:, 2])
+    blocks[:, 3] = np.minimum(D_ROW_BLOCK, length - blocks[:, 2])
     return blocks
 
 
@@ -122,7 +110,7 @@ def _first_step(spec, fmt, want_weights, enclosure=None):
     weights = np.zeros((batch, heads, length, keys) if want_weights else (1, 1, 1, 1))
     status = np.full((batch, heads, length), UNDECIDED, dtype=np.int8)
     if out.size and spec.sinks is None:
-        inputs, ok = _inputs(spec)
+        inputs, dense, ok = _inputs(spec)
         todo = np.broadcast_to(ok[:, :, None], status.shape)
         want_enclosure = enclosure is not None
         steps = ("double", "double-double") if enclosure is None else (enclosure[1],)
@@ -134,8 +122,14 @@ def _first_step(spec, fmt, want_weights, enclosure=None):
         # thread would leave the costly late rows to one thread
         with parallel_chunksize(1):
             if fmt.p <= 24 and not want_weights and "double" in steps and todo.any():
-                sigmoid_d(_blocks(ok, length), inputs, rule, target, results)
+                first = (False, np.zeros(0, np.int64))
+                sigmoid_dense(_blocks(ok, length), *dense, rule, target, results, first)
                 todo = todo & (status == UNDECIDED)
+                blocks, row_list = redo_blocks(todo)
+                if blocks.size:  # again, with tighter dot-product bounds
+                    second = (True, row_list)
+                    sigmoid_dense(blocks, *dense, rule, target, results, second)
+                    todo = todo & (status == UNDECIDED)
             if todo.any() and "double-double" in steps:
                 sigmoid_dd(_row_groups(todo), inputs, rule, target, results)
     return out, weights, status

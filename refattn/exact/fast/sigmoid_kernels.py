@@ -55,21 +55,18 @@ from ._params import (
     R_ROWS_LO,
 )
 from .allowed_set import key_state
-from .doubledouble import EXP_D_REL, EXP_FAST_REL, exp_d, exp_dd_fast
+from .doubledouble import EXP_FAST_REL, exp_dd_fast
 from .forward_kernels import (
     EMPTY,
     OK,
     ROW_BLOCK,
-    SUM_BLOCK,
     UNDECIDED,
     bias_in_range,
-    block_interval,
-    block_scores,
     score_dd,
 )
 from .rounding_decision import decide_one
 
-__all__ = ["sigmoid_dd", "sigmoid_d", "FAR", "TINY", "OK", "EMPTY", "UNDECIDED"]
+__all__ = ["sigmoid_dd", "FAR", "TINY", "OK", "EMPTY", "UNDECIDED"]
 
 #: Scores with ``|t^| > FAR`` take no exponential: their weight is within TINY of 0 or 1.
 FAR = 400.0
@@ -321,149 +318,3 @@ def sigmoid_dd(blocks, inputs, rule, target, results):
     for r in prange(blocks.shape[0]):
         b, h, count = blocks[r, 0], blocks[r, 1], blocks[r, 2]
         _sigmoid_block(b, h, blocks[r, 3 : 3 + count], inputs, rule, target, results)
-
-
-# --------------------------------------------------------------------------------------
-# the double-precision step (targets of at most 24 bits)
-# --------------------------------------------------------------------------------------
-@numba.jit(**_JIT)
-def _weight_d(t, delta):
-    """(w, relative bound, absolute bound) of sigma(t) in double precision (exp_d; the
-    analysis of :func:`_weight` with EXP_D_REL and u for the two roundings)."""
-    if t < -FAR:
-        return 0.0, 0.0, TINY
-    if t > FAR:
-        return 1.0, 0.0, TINY
-    rho_e = (EXP_D_REL + 2.0 * delta) * (1.0 + _DELTA_MAX)
-    e = exp_d(-abs(t))
-    w = 1.0 / (1.0 + e) if t >= 0.0 else e / (1.0 + e)
-    return w, (2.0 * rho_e + 3.0 * D.U) * (1.0 + 2.0**-18), 0.0
-
-
-@numba.jit(**_JIT)
-def _block_weights(nb_rows, work, rows):
-    """Weights in place of the scores of a block (excluded and dropped keys weigh 0, a far key
-    is flagged in ``state`` as 3); per row the largest relative bound and whether every score
-    bound is small enough (``rows`` = (rho, usable))."""
-    s, err, state = work
-    rho, usable = rows
-    for rr in range(nb_rows):
-        for jj in range(s.shape[1]):
-            if state[rr, jj] != 2:
-                s[rr, jj] = 0.0
-                continue
-            if not err[rr, jj] <= _DELTA_MAX:
-                usable[rr] = False
-            w, rel, absolute = _weight_d(s[rr, jj], err[rr, jj])
-            s[rr, jj] = w
-            rho[rr] = max(rho[rr], rel)
-            if absolute > 0.0:
-                state[rr, jj] = 3
-
-
-@numba.jit(**_JIT)
-def _block_sums(vp, lo, nb_rows, work, sums):
-    """N, a_e and the far keys' |v| sums of a block of rows; each V row is loaded once for the
-    block. N is summed blocked (Higham 2002, sec. 4.2): an fma chain over each run of
-    :data:`~refattn.exact.fast.forward_kernels.SUM_BLOCK` keys (j in increasing order, runs
-    cut at multiples of SUM_BLOCK of j), each run's partial then added to the total, so
-    ``|N^ - sum w^ v| <= gamma_{SUM_BLOCK + n / SUM_BLOCK + 2} sum |w^ v|``."""
-    s, state = work
-    acc, part, av, far = sums
-    vdim = vp.shape[1]
-    for jj in range(s.shape[1]):
-        if (lo + jj) % SUM_BLOCK == 0 and jj > 0:
-            for rr in range(nb_rows):
-                for e in range(vdim):
-                    acc[rr, e] += part[rr, e]
-                    part[rr, e] = 0.0
-        vrow = vp[lo + jj]
-        for rr in range(nb_rows):
-            w = s[rr, jj]
-            if state[rr, jj] == 3:
-                for e in range(vdim):
-                    far[rr, e] += abs(vrow[e])
-            if w == 0.0:
-                continue
-            prow = part[rr]
-            brow = av[rr]
-            for e in range(vdim):
-                x = vrow[e]
-                prow[e] = D.fma(w, x, prow[e])
-                brow[e] += w * abs(x)
-    for rr in range(nb_rows):
-        for e in range(vdim):
-            acc[rr, e] += part[rr, e]
-
-
-@numba.jit(**_JIT)
-def _sigmoid_block_d(b, h, i0, nb_rows, inputs, rule, target, results):
-    """Double-precision first step of rows i0 .. i0 + nb_rows - 1 of plane (b, h), which share
-    each load of K^T and V (scores: :func:`~refattn.exact.fast.forward_kernels.block_scores`,
-    the softmax step's, fma chains with ``gamma_D`` bounds). ``N`` is an fma chain over the
-    kept keys in increasing order: ``|N^ - sum w^ v| <= gamma_n sum |w^ v|`` (Higham 2002,
-    eq. (3.5)). Sets each row's status (OK, EMPTY, or UNDECIDED: the double-double step
-    takes those)."""
-    v, prm, kvh = inputs[2], inputs[9], inputs[10]
-    rows_lo, rows_hi = rule[R_ROWS_LO], rule[R_ROWS_HI]
-    _, want_enclosure, p, emin, maxf = target
-    out, status = results[0], results[2]
-    pr = prm[b, h]
-    lo, hi = block_interval(rows_lo, rows_hi, b, i0, nb_rows)
-    n = max(hi - lo, 0)
-    s = np.zeros((ROW_BLOCK, n))
-    err = np.zeros((ROW_BLOCK, n))
-    state = np.zeros((ROW_BLOCK, n), np.int8)
-    bad = np.zeros(ROW_BLOCK, np.bool_)
-    top = np.full(ROW_BLOCK, -np.inf)
-    unpadded = np.zeros((0, 0))  # K^T has no tile padding here: block_scores' key-by-key dots
-    block_scores(b, h, i0, nb_rows, lo, hi, inputs, rule, (s, err, state, bad, top, unpadded))
-    rho = np.zeros(ROW_BLOCK)
-    usable = np.ones(ROW_BLOCK, np.bool_)
-    _block_weights(nb_rows, (s, err, state), (rho, usable))
-    vdim = v.shape[3]
-    acc = np.zeros((ROW_BLOCK, vdim))
-    part = np.zeros((ROW_BLOCK, vdim))
-    av = np.zeros((ROW_BLOCK, vdim))
-    far = np.zeros((ROW_BLOCK, vdim))
-    _block_sums(v[b, kvh[h]], lo, nb_rows, (s, state), (acc, part, av, far))
-    terms = SUM_BLOCK + n // SUM_BLOCK + 4  # a_e's own float sum: gamma_{n + 2}, below
-    gam = 1.01 * terms * D.U / (1.0 - terms * D.U)
-    gam_a = 1.01 * (n + 2) * D.U / (1.0 - (n + 2) * D.U)
-    keep_hi = pr[P_KEEP_HI]
-    keep_tail = abs(pr[P_KEEP_LO]) + pr[P_KEEP_ERR]
-    for rr in range(nb_rows):
-        i = i0 + rr
-        if bad[rr] or not usable[rr]:
-            status[b, h, i] = UNDECIDED
-            continue
-        if top[rr] == -np.inf:
-            status[b, h, i] = EMPTY
-            continue
-        grow = (1.0 + rho[rr]) * (1.0 + gam_a) * (1.0 + 2.0**-50)
-        ok = True
-        for e in range(vdim):
-            nr = ((gam + rho[rr]) * av[rr, e] * grow + TINY * far[rr, e]) * D.BOUND_SAFETY
-            o = acc[rr, e] * keep_hi
-            rad = nr * abs(keep_hi) + (abs(acc[rr, e]) + nr) * keep_tail + D.U * abs(o)
-            rad = rad * (1.0 + 2.0**-40) * D.BOUND_SAFETY
-            if want_enclosure:
-                enclosure = results[3]
-                enclosure[b, h, i, e, 0] = o
-                enclosure[b, h, i, e, 1] = 0.0
-                enclosure[b, h, i, e, 2] = rad
-            value, dec = decide_one(o, 0.0, rad, p, emin, maxf)
-            out[b, h, i, e] = value
-            ok = ok and dec
-        status[b, h, i] = OK if ok else UNDECIDED
-
-
-@numba.jit(nopython=True, cache=True, fastmath=False, error_model="numpy", parallel=True)
-def sigmoid_d(blocks, inputs, rule, target, results):
-    """The double-precision first step (targets of at most 24 bits, no weights) over
-    ``blocks`` ((n, 4): b, h, first row, rows <= ROW_BLOCK), in parallel over blocks; the other
-    arguments are those of :func:`sigmoid_dd`. Rows it leaves undecided run
-    :func:`sigmoid_dd` next."""
-    for r in prange(blocks.shape[0]):
-        b, h, i0, nb_rows = blocks[r, 0], blocks[r, 1], blocks[r, 2], blocks[r, 3]
-        _sigmoid_block_d(b, h, i0, nb_rows, inputs, rule, target, results)
