@@ -23,7 +23,7 @@ from refattn import config
 from refattn.exact.fast.sigmoid import sigmoid_enclosures, sigmoid_fallback_stats
 from refattn.exact.fast.sigmoid_kernels import OK
 from refattn.spec import canonicalize
-from tests.helpers import assert_same_bits
+from tests.helpers import assert_same_bits, digest_with_threads
 from tests.naive.sigmoid import naive_sigmoid_attention
 
 DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -204,3 +204,55 @@ def test_enclosures_contain_the_twin_over_key_blocks(step):
             hi, lo, rad = (float(x) for x in enclosure[0, h, i, e])
             gap = abs(truth[h][i][e] - (mpmath.mpf(hi) + mpmath.mpf(lo)))
             assert gap <= rad, f"out[{h}, {i}, {e}]: {truth[h][i][e]} outside {hi} + {lo} +- {rad}"
+
+
+def _contains_the_twin(q, k, v, opts, step):
+    """The dense step's enclosures (``step``) of every row contain the 60-digit twin (``opts``
+    with a bias: the spec's bias, broadcast for the twin)."""
+    spec = canonicalize(q[None], k[None], v[None], normalizer="sigmoid", **opts)
+    enclosure, status = sigmoid_enclosures(spec, step)
+    assert (status == OK).all(), status
+    bias = np.broadcast_to(opts["bias"], q.shape[:2] + k.shape[1:2])  # the twin's (H, L, S)
+    with mpmath.workdps(60):
+        truth, _ = naive_sigmoid_attention(q, k, v, **dict(opts, bias=bias))
+        for h, i, e in np.ndindex(enclosure.shape[1:4]):
+            hi, lo, rad = (float(x) for x in enclosure[0, h, i, e])
+            gap = abs(truth[h][i][e] - (mpmath.mpf(hi) + mpmath.mpf(lo)))
+            assert gap <= rad, f"out[{h}, {i}, {e}]: {truth[h][i][e]} outside {hi} + {lo} +- {rad}"
+
+
+@pytest.mark.parametrize("step", ["double", "double-magnitude"])
+def test_dense_enclosures_with_a_scalar_bias_and_far_scores(step):
+    """The dense step's constant-bias scores (a scalar bias taken out of the rule) and far
+    keys (|t| > 400: weights within TINY of 0 or 1), first pass and magnitude-sum pass."""
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((2, 40, 4)) * np.array([1.0, 300.0])[:, None, None]
+    k = rng.standard_normal((2, 40, 4))
+    v = rng.standard_normal((2, 40, 3))
+    opts = {"causal": True, "bias": -np.log(40.0)}
+    scores = np.einsum("hid,hjd->hij", q, k) / 2.0 - np.log(40.0)
+    assert (np.abs(np.tril(scores[1])) > 400).any(), "no far score in the case"
+    _contains_the_twin(q, k, v, opts, step)
+    for out_dtype in ("float32", "float16"):
+        _same(q[None], k[None], v[None], opts, out_dtype, f"{step} far", weights=False)
+
+
+_THREADS_SCRIPT = """
+import hashlib
+import numpy as np
+import refattn
+rng = np.random.default_rng(5)
+digest = hashlib.sha256()
+for dtype, bias in ((np.float32, -np.log(300.0)), (np.float16, None)):
+    q, k, v = (rng.standard_normal((1, 3, 300, 16)).astype(dtype) for _ in range(3))
+    out = refattn.attention(q, k, v, normalizer="sigmoid", causal=True, bias=bias,
+                            precision="exact", out_dtype=dtype)
+    digest.update(np.ascontiguousarray(out).tobytes())
+print(digest.hexdigest())
+"""
+
+
+def test_dense_step_bits_do_not_depend_on_the_thread_count():
+    """Dense blocks of D_ROW_BLOCK rows, the magnitude-sum pass over scattered rows and the
+    double-double step: the same bits on 1 and 2 threads."""
+    assert digest_with_threads(_THREADS_SCRIPT, 1) == digest_with_threads(_THREADS_SCRIPT, 2)

@@ -527,3 +527,7 @@ def fallback_stats() -> dict:
     True
     """
     return dict(_LAST_STATS)
+
+
+#: the sigmoid engine (:mod:`refattn.exact.fast.sigmoid`) reads the same inputs
+DenseInputs = _Inputs

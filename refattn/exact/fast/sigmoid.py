@@ -21,6 +21,8 @@ run the double-double step.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import parallel_chunksize
 
@@ -29,8 +31,8 @@ from ..attention_sigmoid import exact_sigmoid_forward
 from ..rounding import format_of
 from ._params import frozen
 from .allowed_set import allowed_rule
-from .forward import _Inputs, redo_blocks, referee_runs, row_spec
-from .forward_kernels import D_ROW_BLOCK, ROW_BLOCK
+from .forward import DenseInputs, redo_blocks, referee_runs, row_spec
+from .forward_kernels import D_ROW_BLOCK, ROW_BLOCK, bias_in_range
 from .sigmoid_dense import sigmoid_dense
 from .sigmoid_kernels import UNDECIDED, sigmoid_dd
 
@@ -42,9 +44,9 @@ _LAST_STATS: dict = {}
 def _inputs(spec: AttentionSpec):
     """(double-double step's record, dense step's record, planes (B, H) the first steps take),
     from the softmax engine's one compiled pass over q, K and V (:class:`~refattn.exact.fast.
-    forward._Inputs`: K^T with KEY_TILE zero keys past S, V with zero features up to a multiple
+    forward.DenseInputs`: K^T with KEY_TILE zero keys past S, V with zero features up to a multiple
     of KEY_TILE); the double-double step reads V unpadded, the dense step |V| too."""
-    x = _Inputs(spec)
+    x = DenseInputs(spec)
     vdim = spec.v.shape[3]
     facts = (x.qn, x.kn, x.qs, x.ks, x.vmax, x.vnorm, x.prm, x.kvh)
     v = frozen(np.ascontiguousarray(x.v[..., :vdim]))
@@ -80,9 +82,11 @@ def _blocks(planes: np.ndarray, length: int) -> np.ndarray:
 
 def sigmoid_enclosures(spec: AttentionSpec, step: str = "double-double"):
     """(hi, lo, radius) (B, H, L, E, 3) of one first step's enclosures of out (before the
-    rounding decision; ``step`` "double-double" or "double") and the status (B, H, L) of each
-    row (OK where the row was enclosed and decided for float64, or float32 for "double"; rows
-    of other status hold zeros or partial enclosures), for tests.
+    rounding decision; ``step`` "double-double", "double" (the dense step's two passes: the
+    rows the first leaves run the second) or "double-magnitude" (its second pass alone, on
+    every row)) and the status (B, H, L) of each row (OK where the row was enclosed and
+    decided for float64, or float32 for the dense steps; rows of other status hold zeros or
+    partial enclosures), for tests.
 
     Examples
     --------
@@ -100,6 +104,22 @@ def sigmoid_enclosures(spec: AttentionSpec, step: str = "double-double"):
     fmt = format_of(np.float64 if step == "double-double" else np.float32)
     _, _, status = _first_step(spec, fmt, False, (enclosure, step))
     return enclosure, status
+
+
+def _constant_bias(rule: tuple) -> tuple:
+    """(rule, bias) for the dense step: a bias constant over (B, H, L, S) (all strides zero:
+    a scalar), finite and in the first steps' range, and no mask or keep-mask, taken out of
+    the rule (``has_bias`` False) and returned as a float to add to every score; else the rule
+    as it is and 0.0."""
+    rows_lo, rows_hi, mask, mask_st, bias, bias_st, keep, keep_st, has_mask, has_bias, has_keep = (
+        rule
+    )
+    if has_bias and not has_mask and not has_keep and not np.any(bias_st):
+        value = float(bias[0])
+        if value != 0.0 and math.isfinite(value) and bias_in_range(value):
+            plain = (rows_lo, rows_hi, mask, mask_st, bias, bias_st, keep, keep_st)
+            return (*plain, has_mask, False, has_keep), value
+    return rule, 0.0
 
 
 def _first_step(spec, fmt, want_weights, enclosure=None):
@@ -121,14 +141,17 @@ def _first_step(spec, fmt, want_weights, enclosure=None):
         # chunks of one block: causal blocks differ in cost, and equal contiguous chunks per
         # thread would leave the costly late rows to one thread
         with parallel_chunksize(1):
-            if fmt.p <= 24 and not want_weights and "double" in steps and todo.any():
-                first = (False, np.zeros(0, np.int64))
-                sigmoid_dense(_blocks(ok, length), *dense, rule, target, results, first)
+            dense = dense if fmt.p <= 24 and not want_weights and todo.any() else None
+            rule_d, bias = _constant_bias(rule)
+            if dense and "double" in steps:
+                first = (False, np.zeros(0, np.int64), bias)
+                sigmoid_dense(_blocks(ok, length), *dense, rule_d, target, results, first)
                 todo = todo & (status == UNDECIDED)
-                blocks, row_list = redo_blocks(todo)
-                if blocks.size:  # again, with tighter dot-product bounds
-                    second = (True, row_list)
-                    sigmoid_dense(blocks, *dense, rule, target, results, second)
+            if dense and ("double" in steps or "double-magnitude" in steps):
+                blocks, row_list = redo_blocks(todo)  # again, with tighter dot-product bounds
+                if blocks.size:
+                    second = (True, row_list, bias)
+                    sigmoid_dense(blocks, *dense, rule_d, target, results, second)
                     todo = todo & (status == UNDECIDED)
             if todo.any() and "double-double" in steps:
                 sigmoid_dd(_row_groups(todo), inputs, rule, target, results)

@@ -62,6 +62,7 @@ __all__ = ["sigmoid_dense", "FAR", "TINY"]
 FAR = 400.0
 TINY = 2.0**-575  # > exp(-FAR + 1): covers a score error up to 1
 _DELTA_MAX = 2.0**-20
+_U = 1.01 * D.U
 _JIT = dict(nopython=True, cache=True, fastmath=False, error_model="numpy")
 
 
@@ -135,10 +136,10 @@ def _finish_row(index, n, facts, sums, pr, target, out):
 
 
 @numba.jit(**_JIT)
-def _dense_block(b, h, ids, inputs, vabs, rule, target, results, scratch, mag):
+def _dense_block(b, h, ids, inputs, vabs, rule, target, results, scratch, redo):
     """The dense step (module docstring) of the rows ``ids`` (ascending) of plane (b, h), which
     share each load of K^T and V; sets each row's status (OK, EMPTY, or UNDECIDED).
-    ``inputs``, ``vabs``, ``mag``: those of :func:`sigmoid_dense`."""
+    ``inputs``, ``vabs``, ``redo``: those of :func:`sigmoid_dense`."""
     v, prm, kvh = inputs[2], inputs[9], inputs[10]
     rows_lo, rows_hi = rule[R_ROWS_LO], rule[R_ROWS_HI]
     out, status = results[0], results[2]
@@ -150,7 +151,16 @@ def _dense_block(b, h, ids, inputs, vabs, rule, target, results, scratch, mag):
     bad = np.zeros(D_ROW_BLOCK, np.bool_)
     top = np.full(D_ROW_BLOCK, -np.inf)
     work = (s, err, state, bad, top, qa)
+    mag, _, bias = redo
     block_scores_d(b, h, ids, nb_rows, (lo, hi), inputs, rule, work, mag)
+    if bias != 0.0:  # the constant bias the rule leaves out: t = fl(t + b), err + u |t|
+        for rr in range(nb_rows):
+            i = ids[rr]
+            srow, erow = s[rr], err[rr]
+            for jj in range(rows_lo[b, i] - lo, rows_hi[b, i] - lo):
+                t = srow[jj] + bias
+                srow[jj] = t
+                erow[jj] += _U * abs(t)
     vdim = out.shape[3]
     far = np.zeros((D_ROW_BLOCK, vdim))
     rho = np.zeros(D_ROW_BLOCK)
@@ -215,14 +225,17 @@ def sigmoid_dense(blocks, inputs, vabs, rule, target, results, redo):
     vnorm, prm, kv_head); ``vabs`` = |V| (B, K, S, E padded); ``rule``, ``target`` and
     ``results`` are those of
     :func:`refattn.exact.fast.sigmoid_kernels.sigmoid_dd` (out holds E features). ``redo`` =
-    (mag, row list): the first pass (mag False, an empty list) takes consecutive rows and the
+    (mag, row list, bias): the first pass (mag False, an empty list) takes consecutive rows and the
     a-priori dot-product bounds; the second (mag True) takes the rows the first left undecided,
     a block's third column the offset of its rows in the (int64) list (ascending rows of its
     plane), with the dot products' bounds from their magnitude sums
-    (:func:`refattn.exact.fast.dense_dots.block_dots_mag`, some 4 bits tighter). Rows left
+    (:func:`refattn.exact.fast.dense_dots.block_dots_mag`, some 4 bits tighter). ``bias``:
+    0, or a constant finite bias in the first steps' range that ``rule`` then leaves out
+    (``has_bias`` False: the all-kept tight loops of the scores), added to every score of
+    the row intervals with its rounding bounded as the rule's bias is (``u |t|``). Rows left
     undecided run the double-double step next."""
     count = blocks.shape[0]
-    mag, row_list = redo
+    row_list = redo[1]
     listed = row_list.shape[0] > 0
     workers = min(count, WORKERS)
     for w in prange(workers):
@@ -233,4 +246,4 @@ def sigmoid_dense(blocks, inputs, vabs, rule, target, results, redo):
                 ids = row_list[i0 : i0 + nb_rows]
             else:
                 ids = np.arange(i0, i0 + nb_rows)
-            _dense_block(b, h, ids, inputs, vabs, rule, target, results, scratch, mag)
+            _dense_block(b, h, ids, inputs, vabs, rule, target, results, scratch, redo)
