@@ -97,8 +97,7 @@ def _weights_row(rr, r0, r1, work, scratch):
     for jj in range(r0, r1):
         t = srow[jj]
         e = ex[jj]
-        d = 1.0 + e
-        w = 1.0 / d if t >= 0.0 else e / d
+        w = (1.0 if t >= 0.0 else e) / (1.0 + e)  # one division: 1 / d or e / d
         w = 1.0 if t > FAR else w
         w = 0.0 if t < -FAR else w
         srow[jj] = w if strow[jj] >= 2 else 0.0
