@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 from numba import parallel_chunksize
 
@@ -143,14 +144,15 @@ def _first_step(spec, fmt, want_weights, enclosure=None):
         with parallel_chunksize(1):
             dense = dense if fmt.p <= 24 and not want_weights and todo.any() else None
             rule_d, bias = _constant_bias(rule)
+            workers = 4 * numba.get_num_threads()  # the dense step's scratch sets
             if dense and "double" in steps:
-                first = (False, np.zeros(0, np.int64), bias)
+                first = (False, np.zeros(0, np.int64), bias, workers)
                 sigmoid_dense(_blocks(ok, length), *dense, rule_d, target, results, first)
                 todo = todo & (status == UNDECIDED)
             if dense and ("double" in steps or "double-magnitude" in steps):
                 blocks, row_list = redo_blocks(todo)  # again, with tighter dot-product bounds
                 if blocks.size:
-                    second = (True, row_list, bias)
+                    second = (True, row_list, bias, workers)
                     sigmoid_dense(blocks, *dense, rule_d, target, results, second)
                     todo = todo & (status == UNDECIDED)
             if todo.any() and "double-double" in steps:

@@ -53,7 +53,7 @@ from . import doubledouble as D
 from ._params import P_KEEP_ERR, P_KEEP_HI, P_KEEP_LO, R_ROWS_HI, R_ROWS_LO
 from .dense_dots import rows_interval
 from .forward_exps import SUM_BLOCK
-from .forward_kernels import D_ROW_BLOCK, EMPTY, OK, UNDECIDED, WORKERS, block_scores_d, d_values
+from .forward_kernels import D_ROW_BLOCK, EMPTY, OK, UNDECIDED, block_scores_d, d_values
 from .rounding_decision import decide_one
 
 __all__ = ["sigmoid_dense", "FAR", "TINY"]
@@ -150,7 +150,7 @@ def _dense_block(b, h, ids, inputs, vabs, rule, target, results, scratch, redo):
     bad = np.zeros(D_ROW_BLOCK, np.bool_)
     top = np.full(D_ROW_BLOCK, -np.inf)
     work = (s, err, state, bad, top, qa)
-    mag, _, bias = redo
+    mag, _, bias, _ = redo
     block_scores_d(b, h, ids, nb_rows, (lo, hi), inputs, rule, work, mag)
     if bias != 0.0:  # the constant bias the rule leaves out: t = fl(t + b), err + u |t|
         for rr in range(nb_rows):
@@ -224,19 +224,22 @@ def sigmoid_dense(blocks, inputs, vabs, rule, target, results, redo):
     vnorm, prm, kv_head); ``vabs`` = |V| (B, K, S, E padded); ``rule``, ``target`` and
     ``results`` are those of
     :func:`refattn.exact.fast.sigmoid_kernels.sigmoid_dd` (out holds E features). ``redo`` =
-    (mag, row list, bias): the first pass (mag False, an empty list) takes consecutive rows and the
-    a-priori dot-product bounds; the second (mag True) takes the rows the first left undecided,
-    a block's third column the offset of its rows in the (int64) list (ascending rows of its
-    plane), with the dot products' bounds from their magnitude sums
-    (:func:`refattn.exact.fast.dense_dots.block_dots_mag`, some 4 bits tighter). ``bias``:
-    0, or a constant finite bias in the first steps' range that ``rule`` then leaves out
-    (``has_bias`` False: the all-kept tight loops of the scores), added to every score of
-    the row intervals with its rounding bounded as the rule's bias is (``u |t|``). Rows left
+    (mag, row list, bias, workers): the first pass (mag False, an empty list) takes
+    consecutive rows and the a-priori dot-product bounds; the second (mag True) takes the rows
+    the first left undecided, a block's third column the offset of its rows in the (int64)
+    list (ascending rows of its plane), with the dot products' bounds from their magnitude
+    sums (:func:`refattn.exact.fast.dense_dots.block_dots_mag`, some 4 bits tighter).
+    ``bias``: 0, or a constant finite bias in the first steps' range that ``rule`` then leaves
+    out (``has_bias`` False: the all-kept tight loops of the scores), added to every score of
+    the row intervals with its rounding bounded as the rule's bias is (``u |t|``).
+    ``workers``: how many scratch sets (one per worker, 3 D_ROW_BLOCK (S + KEY_TILE) floats
+    each: a few per thread, as fresh large allocations fault their pages in anew on every
+    call); no bit depends on it. Rows left
     undecided run the double-double step next."""
     count = blocks.shape[0]
     row_list = redo[1]
     listed = row_list.shape[0] > 0
-    workers = min(count, WORKERS)
+    workers = max(min(count, redo[3]), 1)
     for w in prange(workers):
         scratch = _scratch(inputs)
         for r in range(w, count, workers):
