@@ -228,6 +228,19 @@ def vjp_problem(seed=0, heads=2, kv_heads=2, length=5, keys=6, dim=4, vdim=3, ba
     return rng, q, k, v, do, gl
 
 
+def sparse_decode_problem(dtype, *, heads, kv_heads, length, keys, dim, vdim, top, seed=0):
+    """(q, k, v, key_indices) of a batch of 2 for the sparse-key light paths: standard normal
+    q (2, H, L, D), k (2, K, S, D), v (2, K, S, E) in ``dtype`` and int32 key indices
+    (2, K, L, T) drawn from -3 .. S + 3 (-1 sentinels, repeats and entries past S, which the
+    set reading ignores or merges)."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((2, heads, length, dim)).astype(dtype)
+    k = rng.standard_normal((2, kv_heads, keys, dim)).astype(dtype)
+    v = rng.standard_normal((2, kv_heads, keys, vdim)).astype(dtype)
+    idx = rng.integers(-3, keys + 4, size=(2, kv_heads, length, top)).astype(np.int32)
+    return q, k, v, idx
+
+
 def digest_with_threads(script: str, threads: int, *, flags=(), timeout=900) -> str:
     """The last line ``script`` prints (a digest of its results) when run from the repository
     root in a fresh interpreter with ``NUMBA_NUM_THREADS=threads``: the thread-count

@@ -15,6 +15,7 @@ import pytest
 import refattn
 from refattn import config
 from refattn.exact.fast import gather as G
+from tests.helpers import sparse_decode_problem
 
 _ATTENTION = sys.modules["refattn.attention"]
 
@@ -27,13 +28,17 @@ def _general(monkeypatch, *args, **kwargs):
 
 
 def _decode(dtype, *, heads=4, kv_heads=2, length=1, keys=40, dim=9, vdim=5, seed=0):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((2, heads, length, dim)).astype(dtype)
-    k = rng.standard_normal((2, kv_heads, keys, dim)).astype(dtype)
-    v = rng.standard_normal((2, kv_heads, keys, vdim)).astype(dtype)
-    # -1 sentinels, repeats and entries past S (the set reading ignores / merges them)
-    idx = rng.integers(-3, keys + 4, size=(2, kv_heads, length, 12)).astype(np.int32)
-    return q, k, v, idx
+    return sparse_decode_problem(
+        dtype,
+        heads=heads,
+        kv_heads=kv_heads,
+        length=length,
+        keys=keys,
+        dim=dim,
+        vdim=vdim,
+        seed=seed,
+        top=12,
+    )
 
 
 def _same_bits(a, b):

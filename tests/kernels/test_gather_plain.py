@@ -15,7 +15,7 @@ import pytest
 import refattn
 from refattn import _numba_path
 from refattn.kernels import _cpu_gather
-from tests.helpers import assert_same_bits
+from tests.helpers import assert_same_bits, sparse_decode_problem
 
 _ATTENTION = sys.modules["refattn.attention"]
 
@@ -28,13 +28,17 @@ def _general(monkeypatch, *args, **kwargs):
 
 
 def _decode(dtype, *, heads=6, kv_heads=2, length=3, keys=120, dim=37, vdim=21, seed=0):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((2, heads, length, dim)).astype(dtype)
-    k = rng.standard_normal((2, kv_heads, keys, dim)).astype(dtype)
-    v = rng.standard_normal((2, kv_heads, keys, vdim)).astype(dtype)
-    # -1 sentinels, repeats and entries past S (the set reading ignores / merges them)
-    idx = rng.integers(-3, keys + 4, size=(2, kv_heads, length, 40)).astype(np.int32)
-    return q, k, v, idx
+    return sparse_decode_problem(
+        dtype,
+        heads=heads,
+        kv_heads=kv_heads,
+        length=length,
+        keys=keys,
+        dim=dim,
+        vdim=vdim,
+        seed=seed,
+        top=40,
+    )
 
 
 VALUES = ["contiguous", "leading features of k", "strided"]
