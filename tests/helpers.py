@@ -24,7 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+import refattn
 from oracle.judging.tolerance import ulp, ulp_distance
+from refattn import config
 
 __all__ = [
     "assert_same_bits",
@@ -226,6 +228,35 @@ def vjp_problem(seed=0, heads=2, kv_heads=2, length=5, keys=6, dim=4, vdim=3, ba
     do = rng.standard_normal((batch, heads, length, vdim))
     gl = rng.standard_normal((batch, heads, length))
     return rng, q, k, v, do, gl
+
+
+def exact_result(engine, q, k, v, out_dtype="float64", **opts):
+    """(out, lse, weights) of ``refattn.attention(..., precision="exact")`` on the exact
+    ``engine`` ("fast" or "referee", ``config.EXACT_ENGINE``), restored after the call."""
+    saved = config.EXACT_ENGINE
+    config.EXACT_ENGINE = engine
+    try:
+        return refattn.attention(
+            q,
+            k,
+            v,
+            precision="exact",
+            out_dtype=out_dtype,
+            return_lse=True,
+            return_weights=True,
+            **opts,
+        )
+    finally:
+        config.EXACT_ENGINE = saved
+
+
+def general_attention(monkeypatch, light: str, *args, **kwargs):
+    """refattn.attention with its light path ``light`` (``"plain_gather"`` or
+    ``"plain_exact_gather"``, a name in :mod:`refattn.attention`) switched off: the general
+    path's result, to compare the light path against."""
+    with monkeypatch.context() as patch:
+        patch.setattr(sys.modules["refattn.attention"], light, lambda call: None)
+        return refattn.attention(*args, **kwargs)
 
 
 def sparse_decode_problem(dtype, *, heads, kv_heads, length, keys, dim, vdim, top, seed=0):

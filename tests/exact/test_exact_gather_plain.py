@@ -7,7 +7,6 @@ call to the general path."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import numpy as np
 import pytest
@@ -15,16 +14,7 @@ import pytest
 import refattn
 from refattn import config
 from refattn.exact.fast import gather as G
-from tests.helpers import sparse_decode_problem
-
-_ATTENTION = sys.modules["refattn.attention"]
-
-
-def _general(monkeypatch, *args, **kwargs):
-    """refattn.attention with the light path switched off."""
-    with monkeypatch.context() as patch:
-        patch.setattr(_ATTENTION, "plain_exact_gather", lambda call: None)
-        return refattn.attention(*args, **kwargs)
+from tests.helpers import general_attention, sparse_decode_problem
 
 
 def _decode(dtype, *, heads=4, kv_heads=2, length=1, keys=40, dim=9, vdim=5, seed=0):
@@ -56,7 +46,7 @@ def test_light_path_gives_the_general_paths_bits(monkeypatch, dtype, out_dtype, 
             return_lse=return_lse,
         )  # fmt: skip
         got = refattn.attention(q, k, v, **opts)
-        want = _general(monkeypatch, q, k, v, **opts)
+        want = general_attention(monkeypatch, "plain_exact_gather", q, k, v, **opts)
         got, want = (got, want) if return_lse else ((got,), (want,))
         assert all(_same_bits(g, w) for g, w in zip(got, want, strict=True))
 
@@ -73,7 +63,7 @@ def test_light_path_hands_the_engine_the_general_paths_spec(monkeypatch):
     monkeypatch.setattr(G, "gather_forward", recording)
     opts = dict(key_indices=idx, scale=0.25, precision="exact", out_dtype="float32")
     refattn.attention(q, k, v, **opts)
-    _general(monkeypatch, q, k, v, **opts)
+    general_attention(monkeypatch, "plain_exact_gather", q, k, v, **opts)
     light, general = specs
     for field in dataclasses.fields(light):
         a, b = getattr(light, field.name), getattr(general, field.name)
@@ -144,5 +134,5 @@ def test_bad_out_dtype_is_the_general_paths_error(monkeypatch):
     with pytest.raises(TypeError) as light:
         refattn.attention(q, k, v, **opts)
     with pytest.raises(TypeError) as general:
-        _general(monkeypatch, q, k, v, **opts)
+        general_attention(monkeypatch, "plain_exact_gather", q, k, v, **opts)
     assert str(light.value) == str(general.value) and "out_dtype" in str(light.value)

@@ -11,8 +11,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-import refattn
-from refattn import config
 from refattn.exact.fast import decode as DEC
 from refattn.exact.fast import decode_kernels as DK
 from refattn.exact.fast import facts
@@ -21,6 +19,7 @@ from refattn.exact.fast.doubledouble import gamma_up
 from refattn.exact.fast.forward_kernels import OK, UNDECIDED
 from refattn.exact.rounding import FORMATS
 from refattn.spec import canonicalize
+from tests.helpers import exact_result
 from tests.strategies import attention_cases
 
 IN_DTYPES = {
@@ -32,24 +31,6 @@ IN_DTYPES = {
 TARGETS = ["float32", "bfloat16", "float64"]
 
 
-def _run(engine, q, k, v, out_dtype, **opts):
-    saved = config.EXACT_ENGINE
-    config.EXACT_ENGINE = engine
-    try:
-        return refattn.attention(
-            q,
-            k,
-            v,
-            precision="exact",
-            out_dtype=out_dtype,
-            return_lse=True,
-            return_weights=True,
-            **opts,
-        )
-    finally:
-        config.EXACT_ENGINE = saved
-
-
 def _same_bits(a, b) -> np.ndarray:
     a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return (a64 == b64) & (np.signbit(a64) == np.signbit(b64)) | (np.isnan(a64) & np.isnan(b64))
@@ -58,9 +39,9 @@ def _same_bits(a, b) -> np.ndarray:
 def _assert_identical(q, k, v, out_dtype, **opts):
     """The fast engine's (out, lse, weights) bit-identical to the referee's; its stats."""
     __tracebackhide__ = True
-    fast = _run("fast", q, k, v, out_dtype, **opts)
+    fast = exact_result("fast", q, k, v, out_dtype, **opts)
     stats = FA.fallback_stats()
-    slow = _run("referee", q, k, v, out_dtype, **opts)
+    slow = exact_result("referee", q, k, v, out_dtype, **opts)
     for name, a, b in zip(("out", "lse", "weights"), fast, slow, strict=True):
         assert a.dtype == b.dtype, name
         same = _same_bits(a, b)

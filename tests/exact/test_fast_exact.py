@@ -19,34 +19,17 @@ from refattn import config
 from refattn.exact.fast import allowed_set, facts
 from refattn.exact.fast import forward as FA
 from refattn.exact.fast._params import frozen
+from tests.helpers import exact_result
 from tests.strategies import attention_cases, logspace_rows
 
 OUT_DTYPES = ["float64", "float32", "float16", "bfloat16"]
 
 
-def _run(engine, q, k, v, out_dtype="float64", **opts):
-    saved = config.EXACT_ENGINE
-    config.EXACT_ENGINE = engine
-    try:
-        return refattn.attention(
-            q,
-            k,
-            v,
-            precision="exact",
-            out_dtype=out_dtype,
-            return_lse=True,
-            return_weights=True,
-            **opts,
-        )
-    finally:
-        config.EXACT_ENGINE = saved
-
-
 def _assert_identical(q, k, v, out_dtype="float64", **opts):
     __tracebackhide__ = True
-    fast = _run("fast", q, k, v, out_dtype, **opts)
+    fast = exact_result("fast", q, k, v, out_dtype, **opts)
     stats = FA.fallback_stats()
-    slow = _run("referee", q, k, v, out_dtype, **opts)
+    slow = exact_result("referee", q, k, v, out_dtype, **opts)
     for name, a, b in zip(("out", "lse", "weights"), fast, slow, strict=True):
         assert a.dtype == b.dtype, name
         a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -464,7 +447,7 @@ def test_native_sinks_never_fold_in_the_first_steps(monkeypatch):
     assert FA.fallback_stats()["referee_rows"] == 0
     assert weights.shape == q.shape[:-1] + (k.shape[-2],)
     monkeypatch.undo()
-    ref = _run("referee", q, k, v, sinks=sinks)
+    ref = exact_result("referee", q, k, v, sinks=sinks)
     for a, b in zip((out, lse, weights), ref, strict=True):
         assert a.tobytes() == b.tobytes()
 

@@ -7,24 +7,13 @@ every other call to the general path.
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 
 import refattn
 from refattn import _numba_path
 from refattn.kernels import _cpu_gather
-from tests.helpers import assert_same_bits, sparse_decode_problem
-
-_ATTENTION = sys.modules["refattn.attention"]
-
-
-def _general(monkeypatch, *args, **kwargs):
-    """refattn.attention with the light path switched off."""
-    with monkeypatch.context() as patch:
-        patch.setattr(_ATTENTION, "plain_gather", lambda call: None)
-        return refattn.attention(*args, **kwargs)
+from tests.helpers import assert_same_bits, general_attention, sparse_decode_problem
 
 
 def _decode(dtype, *, heads=6, kv_heads=2, length=3, keys=120, dim=37, vdim=21, seed=0):
@@ -57,7 +46,7 @@ def test_plain_call_gives_the_bits_of_the_general_path(dtype, values, scale, mon
     opts = dict(key_indices=idx, scale=scale, backend="numba", return_lse=True)
     assert _numba_path.plain_gather(dict(_call(q, k, v), **opts)) is not None
     got = refattn.attention(q, k, v, **opts)
-    want = _general(monkeypatch, q, k, v, **opts)
+    want = general_attention(monkeypatch, "plain_gather", q, k, v, **opts)
     for what, a, b in zip(("out", "lse"), got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape, what
         assert_same_bits(a, b, what=what, case=f"{values}, scale {scale!r}")
@@ -82,13 +71,15 @@ def test_large_groups_take_the_light_path_too(monkeypatch):
     q, k, _, idx = _decode(np.float32, heads=70, kv_heads=1, length=1, keys=300, dim=40)
     assert _cpu_gather.wide_units(2, 70)
     got = refattn.attention(q, k, k[..., :32], key_indices=idx, backend="numba")
-    want = _general(monkeypatch, q, k, k[..., :32], key_indices=idx, backend="numba")
+    want = general_attention(
+        monkeypatch, "plain_gather", q, k, k[..., :32], key_indices=idx, backend="numba"
+    )
     assert_same_bits(got, want, what="out", case="H70 K1")
 
 
 def test_no_other_specialisation_is_compiled(monkeypatch):
     q, k, v, idx = _decode(np.float32, seed=3)
-    _general(monkeypatch, q, k, v, key_indices=idx, backend="numba")
+    general_attention(monkeypatch, "plain_gather", q, k, v, key_indices=idx, backend="numba")
     before = len(_cpu_gather._gather_units.signatures)
     refattn.attention(q, k, v, key_indices=idx, backend="numba")
     assert len(_cpu_gather._gather_units.signatures) == before
@@ -99,7 +90,10 @@ def test_range_error_is_the_general_paths(monkeypatch):
     listed = idx[(idx >= 0) & (idx < k.shape[-2])]
     k[0, 0, listed[0], 0] = np.finfo(np.float32).max / 4
     messages = []
-    for run in (refattn.attention, lambda *a, **kw: _general(monkeypatch, *a, **kw)):
+    for run in (
+        refattn.attention,
+        lambda *a, **kw: general_attention(monkeypatch, "plain_gather", *a, **kw),
+    ):
         with pytest.raises(ValueError, match="q, k, scale: scores") as info:
             run(q, k, v, key_indices=idx, backend="numba")
         messages.append(str(info.value))
@@ -172,5 +166,5 @@ def test_non_finite_listed_keys_read_as_the_general_path(value, monkeypatch):
     q, k, v, idx = _decode(np.float32, seed=6)
     k[0, 1, idx[0, 1][(idx[0, 1] >= 0) & (idx[0, 1] < k.shape[-2])][0], 2] = value
     got = refattn.attention(q, k, v, key_indices=idx, backend="numba")
-    want = _general(monkeypatch, q, k, v, key_indices=idx, backend="numba")
+    want = general_attention(monkeypatch, "plain_gather", q, k, v, key_indices=idx, backend="numba")
     assert_same_bits(got, want, what="out", case=f"{value} in a listed key")
