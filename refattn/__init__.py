@@ -9,19 +9,10 @@ Every function has two paths: ``precision="float64"`` (fast NumPy, log-space) an
 ``precision="exact"`` (every output element the exact result rounded once to ``out_dtype``).
 """
 
-from . import (
-    _numba_cache,  # noqa: F401 (first: importing it removes stale Numba caches)
-    bounds,
-    fixedpoint,
-    gmm,
-    hopfield,
-    linear,
+from . import (  # noqa: F401 - masks and spec: light, the conventions every path reads
+    _numba_cache,  # first: importing it removes stale Numba caches
     masks,
-    meanfield,
-    mgk,
-    mla,
     spec,
-    transformer,
 )
 from ._lazy import exports as _exports
 from ._version import __version__
@@ -32,23 +23,33 @@ from .attention import (
     attention,
     attention_vjp,
 )
-from .exact.rounding import UndecidedRoundingError
-from .linear import LinearAttentionGrads, linear_attention, linear_attention_vjp
-from .logspace import log_softmax, logsumexp, softmax
 from .masks import allowed_mask
-from .merge import MergeGrads, merge_states, merge_states_vjp
-from .transformer import (
-    decoder_block,
-    encoder_block,
-    feed_forward,
-    layer_norm,
-    multihead_attention,
-    sinusoidal_positions,
-)
 
-# the submodules not imported above (refattn.kernels, refattn.exact, ...) on first access: the
-# Numba kernels are imported by the first call that runs one, not by ``import refattn``
-__getattr__, __dir__ = _exports(__name__, {})
+# the rest on first access (PEP 562): the submodules (refattn.gmm, refattn.bounds,
+# refattn.kernels, refattn.exact, ...) and the names below, so that ``import refattn`` and a
+# run of the float64 attention path load neither the variants, the exact engine (mpmath) nor
+# Numba
+__getattr__, __dir__ = _exports(
+    __name__,
+    {
+        "UndecidedRoundingError": ".exact.rounding",
+        "LinearAttentionGrads": ".linear",
+        "linear_attention": ".linear",
+        "linear_attention_vjp": ".linear",
+        "log_softmax": ".logspace",
+        "logsumexp": ".logspace",
+        "softmax": ".logspace",
+        "MergeGrads": ".merge",
+        "merge_states": ".merge",
+        "merge_states_vjp": ".merge",
+        "decoder_block": ".transformer",
+        "encoder_block": ".transformer",
+        "feed_forward": ".transformer",
+        "layer_norm": ".transformer",
+        "multihead_attention": ".transformer",
+        "sinusoidal_positions": ".transformer",
+    },
+)
 
 __all__ = [
     "__version__",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-__all__ = ["exports"]
+__all__ = ["exports", "module"]
 
 
 def exports(package: str, homes: dict[str, str]):
@@ -54,3 +54,28 @@ def exports(package: str, homes: dict[str, str]):
         return sorted(set(namespace) | set(homes))
 
     return __getattr__, __dir__
+
+
+class module:  # noqa: N801 - used as a module
+    """A module imported on its first attribute access: ``exact = module("refattn.exact.logspace")``
+    at the top of a module whose float64 path never needs it, ``exact.softmax(...)`` in its
+    exact path. The exact engine's modules load mpmath (a fifth of ``import refattn``), which
+    no float64 call uses.
+
+    Examples
+    --------
+    >>> fractions = module("fractions")
+    >>> fractions.Fraction(1, 3) + fractions.Fraction(1, 6)
+    Fraction(1, 2)
+    """
+
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attribute):
+        return getattr(importlib.import_module(self._name), attribute)
+
+    def __repr__(self) -> str:
+        return f"<refattn._lazy.module {self._name!r}>"

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _checks
-from .exact import logspace as exact
+from . import _checks, _lazy
+
+exact = _lazy.module("refattn.exact.logspace")  # the exact path's (mpmath) on first use
 
 __all__ = [
     "logsumexp",

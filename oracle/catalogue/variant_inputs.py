@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-import mpmath
 import numpy as np
 
 from oracle.catalogue.case import Case
@@ -79,6 +78,8 @@ def float64_inputs(case: Case) -> dict[str, np.ndarray]:
             # float64 cases only: a rounded log_pi is a distribution only within its own dtype's
             # roundings, which the float64 baseline's check (float64 roundings) rejects
             # (mpmath, not libm: the same bits on every machine)
+            import mpmath  # here: the catalogue's import does not load it
+
             pi = _distribution(st, "pi", (b, H, S, R))
             out["log_pi"] = np.vectorize(
                 lambda p: float(mpmath.log(mpmath.mpf(p))), otypes=[np.float64]

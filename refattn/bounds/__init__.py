@@ -18,27 +18,68 @@ the oracle's judging policy take their a-priori bounds from here.
   the same composition).
 """
 
-from .attention import float64_forward_bound, float64_vjp_bound, grad_scales
-from .fixedpoint import fixed_point_forward_bound, implicit_vjp_bound
-from .kernels import online_backward_bound, online_forward_bound
-from .linear import linear_forward_bound, linear_vjp_bound
-from .merge import merge_bound, merge_vjp_bound
-from .mixtures import (
-    iterated_bound,
-    logit_lse_bound,
-    mgk_vjp_bound,
-    mixture_bound,
-    mlk_vjp_bound,
-    ratio_bound,
-)
-from .sigmoid import sigmoid_forward_bound, sigmoid_vjp_bound
-from .transformer import (
-    feed_forward_vjp_bound,
-    layer_norm_vjp_bound,
-    multihead_attention_vjp_bound,
-    transformer_forward_bound,
-)
+from typing import TYPE_CHECKING
+
+from .._lazy import exports as _exports
 from .unit import ETA, UNIT_ROUNDOFF, gamma, unit_roundoff
+
+if TYPE_CHECKING:  # imported on first access (below): the variants' bounds load their modules
+    from .attention import float64_forward_bound, float64_vjp_bound, grad_scales
+    from .fixedpoint import fixed_point_forward_bound, implicit_vjp_bound
+    from .kernels import online_backward_bound, online_forward_bound
+    from .linear import linear_forward_bound, linear_vjp_bound
+    from .merge import merge_bound, merge_vjp_bound
+    from .mixtures import (
+        iterated_bound,
+        logit_lse_bound,
+        mgk_vjp_bound,
+        mixture_bound,
+        mlk_vjp_bound,
+        ratio_bound,
+    )
+    from .sigmoid import sigmoid_forward_bound, sigmoid_vjp_bound
+    from .transformer import (
+        feed_forward_vjp_bound,
+        layer_norm_vjp_bound,
+        multihead_attention_vjp_bound,
+        transformer_forward_bound,
+    )
+
+# each bound from its module on first access (PEP 562): the transformer's bounds import
+# refattn.transformer and the exact engine, which a run judging attention never needs
+__getattr__, __dir__ = _exports(
+    __name__,
+    {
+        **dict.fromkeys(
+            ("float64_forward_bound", "float64_vjp_bound", "grad_scales"), ".attention"
+        ),
+        **dict.fromkeys(("fixed_point_forward_bound", "implicit_vjp_bound"), ".fixedpoint"),
+        **dict.fromkeys(("online_backward_bound", "online_forward_bound"), ".kernels"),
+        **dict.fromkeys(("linear_forward_bound", "linear_vjp_bound"), ".linear"),
+        **dict.fromkeys(("merge_bound", "merge_vjp_bound"), ".merge"),
+        **dict.fromkeys(
+            (
+                "iterated_bound",
+                "logit_lse_bound",
+                "mgk_vjp_bound",
+                "mixture_bound",
+                "mlk_vjp_bound",
+                "ratio_bound",
+            ),
+            ".mixtures",
+        ),
+        **dict.fromkeys(("sigmoid_forward_bound", "sigmoid_vjp_bound"), ".sigmoid"),
+        **dict.fromkeys(
+            (
+                "feed_forward_vjp_bound",
+                "layer_norm_vjp_bound",
+                "multihead_attention_vjp_bound",
+                "transformer_forward_bound",
+            ),
+            ".transformer",
+        ),
+    },
+)
 
 __all__ = [
     "sigmoid_forward_bound",

@@ -26,14 +26,13 @@ bfloat16     8    -126    127
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 
 import ml_dtypes
 import numpy as np
-from mpmath import mpf
-from mpmath.libmp import finf, fnan, fninf
 
 from .. import config
 
@@ -88,6 +87,8 @@ def format_of(dtype) -> Format:
     """The :class:`Format` of a NumPy / ml_dtypes floating dtype (or its name)."""
     if isinstance(dtype, Format):
         return dtype
+    if isinstance(dtype, str) and dtype in FORMATS:  # a name: no np.dtype (its cost is most
+        return FORMATS[dtype]  # of a judge's per-check bookkeeping)
     try:
         name = np.dtype(dtype).name
     except TypeError as exc:
@@ -97,17 +98,26 @@ def format_of(dtype) -> Format:
     return FORMATS[name]
 
 
+def _raw(x):
+    """``x``'s raw value when it is an ``mpmath.mpf``, else ``x``. mpmath is not imported for
+    this (it is a fifth of ``import refattn``, and the float64 paths never use it): a value
+    can only be an mpf once something imported mpmath."""
+    mpmath = sys.modules.get("mpmath")
+    return x._mpf_ if mpmath is not None and isinstance(x, mpmath.mpf) else x
+
+
 def _as_num_den(x) -> tuple[int, int] | float:
     """An exact value as (numerator, denominator > 0); a NaN/inf is returned as a float."""
     if isinstance(x, int):
         return x, 1
     if isinstance(x, Fraction):
         return x.numerator, x.denominator
-    if isinstance(x, mpf):
-        x = x._mpf_
+    x = _raw(x)
     if isinstance(x, tuple) and len(x) == 2:  # an exact ratio (numerator, denominator > 0)
         return x
     if isinstance(x, tuple):  # a raw mpmath value: (sign, man, exp, bc)
+        from mpmath.libmp import finf, fnan, fninf  # loaded by whoever made the value
+
         if x == fnan:
             return math.nan
         if x == finf:
@@ -169,8 +179,7 @@ def _beyond_range(x, fmt: Format) -> float | None:
     Settled from the binary exponent alone, so a value like ``exp(-1e10)`` (a 35-bit exponent)
     never becomes a gigantic integer: ``2**(exp + bc - 1) <= |x| < 2**(exp + bc)``.
     """
-    if isinstance(x, mpf):
-        x = x._mpf_
+    x = _raw(x)
     if not (isinstance(x, tuple) and len(x) == 4) or not x[1]:
         return None
     sign, _, exp, bc = x
