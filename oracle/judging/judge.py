@@ -191,6 +191,9 @@ def _judge(quantity, value, truth, scale, threshold, dtype, rounded=None, own=No
     threshold = tol.with_ulp_rule(threshold, truth, scale, dtype)  # no element unjudged (T8)
     errors = tol.normalised_error(value, truth, scale, dtype)
     limit = np.broadcast_to(np.asarray(threshold.value, dtype=np.float64), errors.shape)
+    # every element's distance in ulp, once: the worst element's and the grade's
+    graded_in = own or dtype
+    ulps = tol.ulp_distance(value, truth, dtype)
     over = errors > limit
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(errors == 0, 0.0, errors / limit)
@@ -203,12 +206,15 @@ def _judge(quantity, value, truth, scale, threshold, dtype, rounded=None, own=No
         float(value[index]) if value.size else math.nan,
         float(truth[index]) if truth.size else math.nan,
         float(errors[index]) if errors.size else 0.0,
-        float(tol.ulp_distance(value[index], truth[index], dtype)) if value.size else 0.0,
+        float(ulps[index]) if value.size else 0.0,
         float(limit[index]) if limit.size else 0.0,
     )
     passed = not over.any()
     # graded in the quantity's own storage type (a float32 lse of bfloat16 inputs)
-    grade = grade_of(value, truth, own or dtype, rounded if own in (None, dtype) else None)
+    same = graded_in == dtype and ulps.shape == np.shape(truth)
+    grade = grade_of(
+        value, truth, graded_in, rounded if own in (None, dtype) else None, ulps if same else None
+    )
     grade.sq = float(np.sum(np.where(np.isfinite(errors), errors, 0.0) ** 2))
     # errors are kept for every check: the HTML report plots any case on request
     return Check(
@@ -249,28 +255,27 @@ def _check_forward(view, fixture, tier, out, lse, checks, grade=True):
     if problem:
         return problem
     truth_lse = _truth(fixture, "lse")
-    part = _part(
-        fixture,
-        view,
-        tier,
-        lambda: parts.forward_part(view, truth_out, truth_lse, tier),
-        parts.forward_valid(truth_out, truth_lse),
-    )
+    rounded = _truth_rounded(fixture, "out")
+    valid = parts.forward_valid(truth_out, truth_lse)
+    if grade:  # the grading models kept with the tier's part (one file a case on disk)
+        part = _part(
+            fixture,
+            view,
+            parts.with_models(tier),
+            lambda: parts.forward_models_part(view, truth_out, truth_lse, tier, rounded),
+            lambda found: valid(found) and isinstance(found.get("models"), dict),
+        )
+    else:
+        part = _part(
+            fixture, view, tier, lambda: parts.forward_part(view, truth_out, truth_lse, tier), valid
+        )
     scale = part["out/scale"]
     threshold = parts.forward_threshold(tier, view.dtype, part["out/base"], part["out/floor"])
-    rounded = _truth_rounded(fixture, "out")
     checks["out"] = _judge("out", out, truth_out, scale, threshold, view.dtype, rounded=rounded)
     reading = view.options.get("empty_rows") or "zero"
     mark_empty_row(checks["out"], part["empty"], view.options, reading)
     if grade:
-        models = _part(
-            fixture,
-            view,
-            "models",
-            lambda: parts.models_part(view, truth_out, scale, rounded),
-            lambda found: isinstance(found.get("models"), dict),
-        )
-        checks["out"].grade.models = dict(models["models"])
+        checks["out"].grade.models = dict(part["models"])
     if lse is not None and truth_lse is not None:
         lse, problem = _shape_check("lse", lse, truth_lse)
         if problem:

@@ -9,7 +9,8 @@ under test -- is a *judging part* of the case (:class:`oracle.reading.case.CaseV
 * ``"grads"``: the gradients' natural scales, the textbook backward's errors and the floor
   (T5) for the expected number of checked elements;
 * ``"models"``: the squared normalised errors of the grading error models
-  (:func:`oracle.diagnose.models.error_models`).
+  (:func:`oracle.diagnose.models.error_models`), kept with the tier's part when the judge
+  grades the output (``"default+models"``, :func:`with_models`): one file a case to read.
 
 Parts are kept at two levels (:func:`judging_part`): in memory for the rest of the process
 (every implementation, tier and kernel of a run, power's planted kernels included) and, when a
@@ -52,6 +53,8 @@ __all__ = [
     "forward_part",
     "grads_part",
     "models_part",
+    "forward_models_part",
+    "with_models",
     "forward_threshold",
     "expected",
     "floors",
@@ -353,6 +356,18 @@ def grads_part(view, grad_out, grad_lse, truths: dict, count: int) -> dict:
 
 #: the gradients in the order an implementation's vjp returns them
 GRADS = ("dq", "dk", "dv", "dbias", "dsinks", "dqv")
+
+
+def with_models(tier: str) -> str:
+    """The name of ``tier``'s part kept with the grading models (:func:`forward_models_part`)."""
+    return f"{tier}+models"
+
+
+def forward_models_part(view, truth_out, truth_lse, tier, rounded) -> dict:
+    """:func:`forward_part` and :func:`models_part` (its ``"models"``) in one part."""
+    found = forward_part(view, truth_out, truth_lse, tier)
+    found.update(models_part(view, truth_out, found["out/scale"], rounded))
+    return found
 
 
 def models_part(view, truth_out, scale, rounded) -> dict:

@@ -156,9 +156,10 @@ def ulp_summary(n, n_correct, ulps) -> dict:
     }
 
 
-def grade_of(value, truth, dtype, rounded=None) -> Grade:
+def grade_of(value, truth, dtype, rounded=None, ulps=None) -> Grade:
     """The :class:`Grade` of ``value`` against the float64 ``truth`` (and the truth correctly
     rounded to ``dtype``, ``rounded``; when None, elements within half an ulp count).
+    ``ulps``: ``ulp_distance(value, truth, dtype)`` when the caller has it already.
 
     >>> g = grade_of(np.array([1.0, 1.5]), np.array([1.0, 1.5 + 2**-30]), "float32")
     >>> g.n_correct, g.summary()["ulp_max"] < 1
@@ -167,7 +168,7 @@ def grade_of(value, truth, dtype, rounded=None) -> Grade:
     value = np.asarray(value, dtype=np.float64)
     truth = np.asarray(truth, dtype=np.float64)
     finite = np.isfinite(truth)
-    ulps = ulp_distance(value, truth, dtype)
+    ulps = ulp_distance(value, truth, dtype) if ulps is None else ulps
     if rounded is not None and np.shape(rounded) == truth.shape:
         rounded = np.asarray(rounded, dtype=np.float64)
         correct = (value == rounded) | (np.isnan(value) & np.isnan(rounded))

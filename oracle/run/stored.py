@@ -134,8 +134,11 @@ def _lightened(result):  # pragma: no cover - worker side
 
 def _part_names(batch) -> tuple:
     """The judging parts (:mod:`oracle.judging.parts`) the batch's cases may use."""
+    # worker side, as in serve_batch
+    from oracle.judging.parts import with_models
+
     tiers = ("default", "tight") if batch.tolerance == "both" else (batch.tolerance,)
-    return (*tiers, "models", *(("grads",) if batch.grads else ()))
+    return (*(with_models(t) for t in tiers), *(("grads",) if batch.grads else ()))
 
 
 def _keyed(fixtures, names):  # pragma: no cover - worker side

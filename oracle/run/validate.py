@@ -636,7 +636,7 @@ def _run_items(
     finally:
         for worker in pool:
             if worker is not None and not (keep_worker and worker is supervisor):
-                worker.close()
+                worker.close(wait=False)  # it exits while the report is made
     return results
 
 

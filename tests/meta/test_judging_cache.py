@@ -74,7 +74,7 @@ def test_disk_cache_is_written_reused_and_never_trusted_blindly(fixtures, cache)
     fixture = fixtures[1]
     first = check_fixture(textbook, fixture)
     files = sorted(cache.glob("*.npz"))
-    assert {f.name.split("-")[1] for f in files} >= {"default", "models"}
+    assert {f.name.split("-")[1] for f in files} >= {"default+models"}  # one file a case
     parts.clear_memory()
     again = check_fixture(textbook, fixture)  # read back from disk
     _same(first, again)
