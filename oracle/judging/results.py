@@ -137,14 +137,19 @@ def _quantiles(ulps, qs) -> list:
     # no interpolation: an infinite ulp (a NaN output) must not make inf - inf; numpy's
     # index for "higher" is ceil((n - 1) q), and a NaN (sorted last) makes every quantile NaN
     indices = [math.ceil((ulps.size - 1) * q) for q in qs]
-    ordered = np.partition(ulps, [*indices, -1])
+    if ulps.dtype == np.float32 and not np.signbit(ulps).any():
+        # ulp distances (>= +0, NaN last): ordered as their bit patterns, whose integer
+        # partition is a third faster than the float one (a report pools a million of them)
+        ordered = np.partition(ulps.view(np.uint32), [*indices, -1]).view(np.float32)
+    else:
+        ordered = np.partition(ulps, [*indices, -1])
     if np.isnan(ordered[-1]):
         return [json_float(math.nan) for _ in qs]
     return [json_float(ordered[i]) for i in indices]
 
 
 def ulp_summary(n, n_correct, ulps) -> dict:
-    finite = ulps[np.isfinite(ulps)]
+    finite = int(np.count_nonzero(np.isfinite(ulps)))
     median, p99 = _quantiles(ulps, (0.5, 0.99))
     return {
         "elements": int(n),
@@ -152,7 +157,7 @@ def ulp_summary(n, n_correct, ulps) -> dict:
         "ulp_median": median,
         "ulp_p99": p99,
         "ulp_max": json_float(ulps.max()) if ulps.size else None,
-        "nonfinite": int(ulps.size - finite.size),
+        "nonfinite": int(ulps.size - finite),
     }
 
 

@@ -201,7 +201,7 @@ GRADE_FACTOR = 2.0
 def _pool(grades) -> dict:
     n = sum(g.n for g in grades)
     ulps = np.concatenate([g.ulps for g in grades]) if grades else np.zeros(0)
-    summary = ulp_summary(n, sum(g.n_correct for g in grades), ulps.astype(np.float64))
+    summary = ulp_summary(n, sum(g.n_correct for g in grades), ulps)
     rms = math.sqrt(sum(g.sq for g in grades) / n) if n else 0.0
     labels = [m for m in grades[0].models if all(m in g.models for g in grades)] if grades else []
     models = {m: math.sqrt(sum(g.models[m] for g in grades) / n) for m in labels} if n else {}
