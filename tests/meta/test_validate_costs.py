@@ -47,6 +47,7 @@ def directory(tmp_path, monkeypatch):
     )
     for path in tmp_path.glob("*.npz"):
         os.utime(path, ns=(0, 0))  # written long ago: settled (verified.SETTLE)
+    (tmp_path / ".judge-cache").mkdir(exist_ok=True)  # as a validation's first run leaves it
     return tmp_path
 
 
@@ -71,6 +72,15 @@ def test_a_checked_file_is_hashed_again_only_when_it_changed(directory, monkeypa
     assert golden.verify(directory)  # verify hashes every file, whatever the record says
 
 
+def test_a_load_creates_no_cache_folder(directory, monkeypatch):
+    (directory / ".judge-cache").rmdir()
+    counting = _Counting()
+    monkeypatch.setattr(verified, "hashlib", counting)
+    for _ in range(2):
+        list(golden.load(directory))
+    assert counting.calls == 4 and not (directory / ".judge-cache").exists()
+
+
 def test_a_file_written_just_now_is_not_recorded(directory, monkeypatch):
     counting = _Counting()
     monkeypatch.setattr(verified, "hashlib", counting)
@@ -91,7 +101,6 @@ def test_without_a_cache_folder_every_file_is_hashed(directory, monkeypatch):
 
 def test_a_foreign_record_is_an_empty_one(directory):
     record = directory / ".judge-cache" / verified.RECORD
-    record.parent.mkdir(exist_ok=True)
     record.write_text("[1, 2]")
     assert len(list(golden.load(directory))) == 2
     assert json.loads(record.read_text())["version"] == 1  # written again, readable
