@@ -20,14 +20,12 @@ refattn oracle: demo on suite smoke, dtype float32: PASSED
 from __future__ import annotations
 
 import base64
-import html
 import io
 import json
 import math
 import shutil
 import textwrap
 from pathlib import Path
-from xml.etree import ElementTree as ET
 
 import numpy as np
 
@@ -324,6 +322,8 @@ def to_junit(report, path=None) -> str:
     """JUnit XML: one testcase per case; robustness and refusal failures without ``strict`` are
     skipped
     (with the failure text) so that CI dashboards agree with :attr:`Report.passed`."""
+    from xml.etree import ElementTree as ET  # here: a run that writes no JUnit file skips it
+
     suite = ET.Element(
         "testsuite",
         name=f"refattn-oracle {report.impl}",
@@ -413,6 +413,8 @@ def _plots(Figure, result, every=False) -> list[str]:
     :func:`oracle.report.summary.key_alignment` (a key-position bug lights up its column),
     and the histogram of log10 normalised error. Non-finite errors (failures) are drawn in a
     loud colour and counted, never left blank as if they passed."""
+    from html import escape  # here, as in to_html
+
     tags = []
     checks = list(result.checks.values())
     if not every:  # the worst failing check only: one figure per case keeps the page fast
@@ -458,8 +460,7 @@ def _plots(Figure, result, every=False) -> list[str]:
         ax_hist.legend(fontsize=7)
         fig.subplots_adjust(left=0.06, right=0.98, bottom=0.2, top=0.88, wspace=0.35)
         tags.append(
-            f'<img alt="{html.escape(check.quantity)} errors" '
-            f'src="data:image/png;base64,{_png(fig)}">'
+            f'<img alt="{escape(check.quantity)} errors" src="data:image/png;base64,{_png(fig)}">'
         )
     return tags
 
@@ -473,7 +474,8 @@ def matplotlib_colormap(name):
 
 
 def _table(header, rows, classes=None) -> str:
-    esc = html.escape
+    from html import escape as esc  # here, as in to_html
+
     cells = ["<table><tr>" + "".join(f"<th>{esc(h)}</th>" for h in header) + "</tr>"]
     for i, row in enumerate(rows):
         style = f" class='{esc(classes[i])}'" if classes and classes[i] else ""
@@ -491,8 +493,9 @@ def to_html(report, path, *, plots="failures", max_plots=MAX_PLOTS) -> Path:
     """
     if plots not in ("failures", "all", "none"):
         raise ValueError(f"plots: expected 'failures', 'all' or 'none', got {plots!r}")
+    from html import escape as esc  # here: only an HTML report needs it
+
     Figure = _matplotlib() if plots != "none" else None
-    esc = html.escape
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(_headline(report))}"
         "</title><style>body{font-family:sans-serif}td,th{padding:2px 8px;text-align:left}"
