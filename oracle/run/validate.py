@@ -103,7 +103,7 @@ def _manifest_names(fixtures, dtype, cases) -> list[str] | None:
 def _manifest_entries(fixtures, dtype, cases) -> list[dict] | None:
     """The manifest's entries of the cases that ``dtype`` and the patterns select (None: as
     :func:`_manifest_names`)."""
-    manifest, problems = golden.read_manifest(Path(fixtures))
+    manifest, problems = golden.read_manifest(Path(fixtures), kept=True)  # not changed here
     entries = None if problems or not isinstance(manifest, dict) else manifest.get("cases")
     if not isinstance(entries, list) or not all(
         isinstance(e, dict) and isinstance(e.get("name"), str) and "dtype" in e for e in entries
@@ -409,16 +409,22 @@ def validate(
     supervisor = _supervisor(
         impl, unwrapped, spec, convention, isolate, keep_worker, timeout, memory_limit
     )
-    started = _start_early(supervisor)  # the worker loads while the fixtures are read
     # one worker, no checks: it reads the fixtures of a directory itself (oracle.run.stored)
     stored = supervisor is not None and workers == 1 and not checks and memory_limit is None
+    # the worker loads while the fixtures are read here; one that reads them itself starts
+    # after the selection, with the manifest this process has parsed (golden.read_manifest)
+    itself = stored and isinstance(fixtures, (str, Path))
+    started = None if itself else _start_early(supervisor)
     try:
         label, items, source_flag = _selection(suite, fixtures, dtype, cases, stored)
     except BaseException:
-        started()
+        if started is not None:
+            started()
         if supervisor is not None and not keep_worker:
             supervisor.close()
         raise
+    if started is None:
+        started = _start_early(supervisor)
     run = _Run(
         fn,
         spec,
