@@ -106,6 +106,18 @@ def test_a_foreign_record_is_an_empty_one(directory):
     assert json.loads(record.read_text())["version"] == 1  # written again, readable
 
 
+def test_a_kept_manifest_follows_its_file(directory):
+    first, _ = golden.read_manifest(directory, kept=True)
+    again, _ = golden.read_manifest(directory, kept=True)
+    assert again is first  # parsed once
+    manifest = json.loads((directory / golden.MANIFEST).read_text())
+    manifest["suite"] = "changed"
+    (directory / golden.MANIFEST).write_text(json.dumps(manifest))
+    changed, _ = golden.read_manifest(directory, kept=True)
+    assert changed["suite"] == "changed"
+    assert golden.read_manifest(directory)[0] is not changed  # a caller may change its own
+
+
 def test_the_specs_of_unselected_cases_are_not_rebuilt(directory):
     manifest = json.loads((directory / golden.MANIFEST).read_text())
     for entry in manifest["cases"]:
@@ -166,7 +178,34 @@ def test_a_worker_closed_without_waiting_is_reaped():
     with supervise.Supervisor("refattn-float64", timeout=120) as supervisor:
         assert supervisor.start() is None
         process = supervisor._process
-        supervisor.close(wait=False)
-        assert supervisor._process is None and supervise._CLOSING
+        supervisor.close(wait=False)  # asked to stop; waited for now or by reap_closed
+        assert supervisor._process is None
     supervise.reap_closed()
     assert not supervise._CLOSING and process.poll() == 0
+
+
+class _Child:
+    """A closed worker that exits in time, or never (``hangs``)."""
+
+    def __init__(self, hangs):
+        self.hangs, self.killed, self.waits = hangs, False, []
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        if self.hangs and not self.killed:
+            raise subprocess.TimeoutExpired("worker", timeout)
+        return 0
+
+    def kill(self):
+        self.killed = True
+
+
+def test_reaping_waits_for_each_closed_worker_and_kills_a_hung_one():
+    import time
+
+    quiet, hung = _Child(hangs=False), _Child(hangs=True)
+    supervise._CLOSING.extend([(quiet, time.monotonic() + 5.0), (hung, time.monotonic())])
+    supervise.reap_closed()
+    assert not supervise._CLOSING
+    assert quiet.waits and not quiet.killed
+    assert hung.killed and len(hung.waits) == 2  # waited, killed, waited for
