@@ -191,9 +191,7 @@ def _judge(quantity, value, truth, scale, threshold, dtype, rounded=None, own=No
     threshold = tol.with_ulp_rule(threshold, truth, scale, dtype)  # no element unjudged (T8)
     errors = tol.normalised_error(value, truth, scale, dtype)
     limit = np.broadcast_to(np.asarray(threshold.value, dtype=np.float64), errors.shape)
-    # every element's distance in ulp, once: the worst element's and the grade's
-    graded_in = own or dtype
-    ulps = tol.ulp_distance(value, truth, dtype)
+    ulps = tol.ulp_distance(value, truth, dtype)  # the worst element's and the grade's
     over = errors > limit
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(errors == 0, 0.0, errors / limit)
@@ -211,10 +209,8 @@ def _judge(quantity, value, truth, scale, threshold, dtype, rounded=None, own=No
     )
     passed = not over.any()
     # graded in the quantity's own storage type (a float32 lse of bfloat16 inputs)
-    same = graded_in == dtype and ulps.shape == np.shape(truth)
-    grade = grade_of(
-        value, truth, graded_in, rounded if own in (None, dtype) else None, ulps if same else None
-    )
+    mine = own in (None, dtype)
+    grade = grade_of(value, truth, own or dtype, rounded if mine else None, ulps if mine else None)
     grade.sq = float(np.sum(np.where(np.isfinite(errors), errors, 0.0) ** 2))
     # errors are kept for every check: the HTML report plots any case on request
     return Check(

@@ -413,8 +413,8 @@ def validate(
     stored = supervisor is not None and workers == 1 and not checks and memory_limit is None
     # the worker loads while the fixtures are read here; one that reads them itself starts
     # after the selection, with the manifest this process has parsed (golden.read_manifest)
-    itself = stored and isinstance(fixtures, (str, Path))
-    started = None if itself else _start_early(supervisor)
+    reads_itself = stored and isinstance(fixtures, (str, Path))
+    started = None if reads_itself else _start_early(supervisor)
     try:
         label, items, source_flag = _selection(suite, fixtures, dtype, cases, stored)
     except BaseException:

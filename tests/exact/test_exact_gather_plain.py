@@ -7,6 +7,7 @@ call to the general path."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -16,19 +17,10 @@ from refattn import config
 from refattn.exact.fast import gather as G
 from tests.helpers import general_attention, sparse_decode_problem
 
-
-def _decode(dtype, *, heads=4, kv_heads=2, length=1, keys=40, dim=9, vdim=5, seed=0):
-    return sparse_decode_problem(
-        dtype,
-        heads=heads,
-        kv_heads=kv_heads,
-        length=length,
-        keys=keys,
-        dim=dim,
-        vdim=vdim,
-        seed=seed,
-        top=12,
-    )
+# the light path's decode problems (keyword arguments override these)
+_decode = functools.partial(
+    sparse_decode_problem, heads=4, kv_heads=2, length=1, keys=40, dim=9, vdim=5, top=12
+)
 
 
 def _same_bits(a, b):
@@ -88,11 +80,7 @@ def test_other_calls_take_the_general_path(monkeypatch, name):
     from refattn import _exact_sparse
 
     q, k, v, idx = _decode(np.float64)
-    call = dict(
-        q=q, k=k, v=v, key_indices=idx, scale=None, precision="exact", backend="numpy",
-        out_dtype=None, return_lse=False, lse_base="e",
-    )  # fmt: skip
-    call.update(_exact_sparse_defaults())
+    call = _plain_call(q, k, v, idx)
     assert _exact_sparse.plain_exact_gather(call) is not None
     call.update(OTHER_CALLS[name])
     assert _exact_sparse.plain_exact_gather(call) is None
@@ -102,21 +90,23 @@ def test_other_calls_take_the_general_path(monkeypatch, name):
     refattn.attention(q, k, v, key_indices=idx, precision="exact", **opts)
 
 
-def _exact_sparse_defaults():
+def _plain_call(q, k, v, idx) -> dict:
+    """The arguments of a plain exact sparse-key call as the light path is handed them."""
     from refattn._numba_path import PLAIN_DEFAULTS
 
-    return {n: d for n, d in PLAIN_DEFAULTS.items() if n not in ("precision", "out_dtype")}
+    call = dict(
+        q=q, k=k, v=v, key_indices=idx, scale=None, precision="exact", backend="numpy",
+        out_dtype=None, return_lse=False, lse_base="e",
+    )  # fmt: skip
+    call.update((n, d) for n, d in PLAIN_DEFAULTS.items() if n not in ("precision", "out_dtype"))
+    return call
 
 
 def test_other_arrays_and_the_mask_engine_take_the_general_path(monkeypatch):
     from refattn import _exact_sparse
 
     q, k, v, idx = _decode(np.float64)
-    base = dict(
-        q=q, k=k, v=v, key_indices=idx, scale=None, precision="exact", backend="numpy",
-        out_dtype=None, return_lse=False, lse_base="e",
-    )  # fmt: skip
-    base.update(_exact_sparse_defaults())
+    base = _plain_call(q, k, v, idx)
     for change in (
         dict(q=q.astype(np.float16)),
         dict(q=q[0]),  # 3-D: canonicalize adds the batch axis

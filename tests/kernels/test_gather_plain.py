@@ -7,6 +7,8 @@ every other call to the general path.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -15,19 +17,10 @@ from refattn import _numba_path
 from refattn.kernels import _cpu_gather
 from tests.helpers import assert_same_bits, general_attention, sparse_decode_problem
 
-
-def _decode(dtype, *, heads=6, kv_heads=2, length=3, keys=120, dim=37, vdim=21, seed=0):
-    return sparse_decode_problem(
-        dtype,
-        heads=heads,
-        kv_heads=kv_heads,
-        length=length,
-        keys=keys,
-        dim=dim,
-        vdim=vdim,
-        seed=seed,
-        top=40,
-    )
+# the light path's decode problems (keyword arguments override these)
+_decode = functools.partial(
+    sparse_decode_problem, heads=6, kv_heads=2, length=3, keys=120, dim=37, vdim=21, top=40
+)
 
 
 VALUES = ["contiguous", "leading features of k", "strided"]

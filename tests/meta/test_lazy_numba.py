@@ -1,6 +1,8 @@
 """Numba is imported by the first call that runs a kernel, not by ``import refattn`` nor by the
 oracle's command line (its start-up, 0.4 s, is most of a validation's start-up), while every
-public name of :mod:`refattn.kernels` and :mod:`refattn.exact.fast` still resolves."""
+public name of :mod:`refattn.kernels` and :mod:`refattn.exact.fast` still resolves; so are the
+exact engine's mpmath and the variants (gmm, mgk, meanfield, hopfield, transformer) and their
+bounds, whose names resolve on first access."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 import refattn
 from refattn import _numba_cache
@@ -41,6 +45,32 @@ def test_import_refattn_and_the_oracle_cli_leave_numba_out():
         print(sorted(m for m in sys.modules if m.split(".")[0] in ("numba", "llvmlite")))
     """)
     assert found == "[]"
+
+
+def test_import_refattn_and_the_oracle_cli_leave_the_exact_engine_and_the_variants_out():
+    found = _run("""
+        import sys
+        import refattn, oracle.cli
+        heavy = ("mpmath", "refattn.transformer", "refattn.gmm", "refattn.meanfield",
+                 "refattn.mgk", "refattn.hopfield", "refattn.bounds.transformer")
+        print([m for m in heavy if m in sys.modules])
+    """)
+    assert found == "[]"
+
+
+def test_the_lazy_names_are_the_modules_own():
+    import refattn.bounds as bounds
+    from oracle.judging import tolerance
+    from refattn.exact.rounding import UndecidedRoundingError
+    from refattn.transformer import decoder_block
+
+    assert refattn.decoder_block is decoder_block
+    assert refattn.UndecidedRoundingError is UndecidedRoundingError
+    assert {"gmm", "decoder_block", "merge_states"} <= set(dir(refattn)) | set(refattn.__all__)
+    assert tolerance.mixture_bound is bounds.mixture_bound
+    assert "transformer_forward_bound" in dir(bounds)
+    with pytest.raises(AttributeError):
+        tolerance.not_a_bound  # noqa: B018
 
 
 def test_the_float64_forward_and_its_judging_leave_numba_out(tmp_path):

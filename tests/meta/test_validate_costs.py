@@ -1,8 +1,8 @@
 """What a validation run no longer pays for, with its answers unchanged: a fixture file checked
 before is not hashed again until it changes (oracle.fixtures.verified), a run reads the specs
-of the selected cases only, ``import oracle.cli`` loads neither the exact engine's mpmath nor
-the variants, the JSON report puts each result on one line, and a closed worker exits while
-the report is written."""
+of the selected cases only, the JSON report puts each result on one line, and a closed worker
+exits while the report is written. (``import oracle.cli`` loading neither mpmath nor the
+variants: tests/meta/test_lazy_numba.py.)"""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -129,36 +128,6 @@ def test_the_specs_of_unselected_cases_are_not_rebuilt(directory):
     with pytest.raises(golden.FixtureError, match="invalid case spec"):
         list(golden.load(directory))
     assert any("invalid case spec" in p for p in golden.verify(directory))
-
-
-def test_importing_the_command_line_loads_no_exact_engine_nor_variant():
-    script = (
-        "import sys, oracle.cli\n"
-        "heavy = ('mpmath', 'numba', 'refattn.transformer', 'refattn.gmm', 'refattn.meanfield',"
-        " 'refattn.mgk', 'refattn.hopfield', 'refattn.bounds.transformer')\n"
-        "print([m for m in heavy if m in sys.modules])\n"
-    )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    found = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
-    )
-    assert found.stdout.strip() == "[]", found.stdout + found.stderr
-
-
-def test_the_lazy_names_are_the_modules_own():
-    import refattn
-    import refattn.bounds as bounds
-    from oracle.judging import tolerance
-    from refattn.exact.rounding import UndecidedRoundingError
-    from refattn.transformer import decoder_block
-
-    assert refattn.decoder_block is decoder_block
-    assert refattn.UndecidedRoundingError is UndecidedRoundingError
-    assert {"gmm", "decoder_block", "merge_states"} <= set(dir(refattn)) | set(refattn.__all__)
-    assert tolerance.mixture_bound is bounds.mixture_bound
-    assert "transformer_forward_bound" in dir(bounds)
-    with pytest.raises(AttributeError):
-        tolerance.not_a_bound  # noqa: B018
 
 
 def test_the_json_report_holds_one_result_a_line(directory):
