@@ -815,18 +815,23 @@ def forward_d(blocks, inputs, rule, target, results, redo):
     (int64) a block's third column is the offset of its rows in that list (ascending rows of
     its plane, not necessarily consecutive), else its first row."""
     count = blocks.shape[0]
-    row_list = redo[2]
-    listed = row_list.shape[0] > 0
     workers = min(count, WORKERS)
     for w in prange(workers):  # worker w takes blocks w, w + workers, ...: one scratch each
         scratch = _d_scratch(inputs)
         for r in range(w, count, workers):
-            b, h, i0, nb_rows = blocks[r, 0], blocks[r, 1], blocks[r, 2], blocks[r, 3]
-            if listed:  # the block's rows: entries i0 .. i0 + nb_rows - 1 of the list
-                ids = row_list[i0 : i0 + nb_rows]
-            else:
-                ids = np.arange(i0, i0 + nb_rows)
+            b, h, ids, nb_rows = block_rows(blocks, r, redo[2])
             _d_block(b, h, ids, nb_rows, inputs, rule, target, results, scratch, redo)
+
+
+@numba.jit(**_JIT)
+def block_rows(blocks, r, row_list):
+    """(b, h, rows, row count) of block ``r`` of ``blocks`` ((n, 4): b, h, first, count):
+    its rows are consecutive from the first, or with a nonempty ``row_list`` (int64) entries
+    first .. first + count - 1 of that list."""
+    b, h, i0, nb_rows = blocks[r, 0], blocks[r, 1], blocks[r, 2], blocks[r, 3]
+    if row_list.shape[0] > 0:
+        return b, h, row_list[i0 : i0 + nb_rows], nb_rows
+    return b, h, np.arange(i0, i0 + nb_rows), nb_rows
 
 
 # The per-key and per-row steps above, shared with the gathered-keys kernels

@@ -53,7 +53,15 @@ from . import doubledouble as D
 from ._params import P_KEEP_ERR, P_KEEP_HI, P_KEEP_LO, R_ROWS_HI, R_ROWS_LO
 from .dense_dots import rows_interval
 from .forward_exps import SUM_BLOCK
-from .forward_kernels import D_ROW_BLOCK, EMPTY, OK, UNDECIDED, block_scores_d, d_values
+from .forward_kernels import (
+    D_ROW_BLOCK,
+    EMPTY,
+    OK,
+    UNDECIDED,
+    block_rows,
+    block_scores_d,
+    d_values,
+)
 from .rounding_decision import decide_one
 
 __all__ = ["sigmoid_dense", "FAR", "TINY"]
@@ -237,15 +245,9 @@ def sigmoid_dense(blocks, inputs, vabs, rule, target, results, redo):
     call); no bit depends on it. Rows left
     undecided run the double-double step next."""
     count = blocks.shape[0]
-    row_list = redo[1]
-    listed = row_list.shape[0] > 0
     workers = max(min(count, redo[3]), 1)
     for w in prange(workers):
         scratch = _scratch(inputs)
         for r in range(w, count, workers):
-            b, h, i0, nb_rows = blocks[r, 0], blocks[r, 1], blocks[r, 2], blocks[r, 3]
-            if listed:  # the block's rows: entries i0 .. i0 + nb_rows - 1 of the list
-                ids = row_list[i0 : i0 + nb_rows]
-            else:
-                ids = np.arange(i0, i0 + nb_rows)
+            b, h, ids, _ = block_rows(blocks, r, redo[1])
             _dense_block(b, h, ids, inputs, vabs, rule, target, results, scratch, redo)
